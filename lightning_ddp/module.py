@@ -1,0 +1,117 @@
+"""The GPT language model as a LightningModule: loss, optimizer, schedule, logging.
+
+Everything about *how gradients are synchronised* lives in the strategy (``lightning_ddp.strategies``);
+this module is deliberately ignorant of it, so swapping the strategy in YAML changes nothing here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from lightning_ddp.model import GPT, get_config
+
+
+class LitGPT(pl.LightningModule):
+    """Next-token prediction with a GPT-family decoder, trained with AdamW.
+
+    Args:
+        preset: Model size by name: tiny, small, medium, large, xl, 2.7b (see ``lightning_ddp.model.PRESETS``).
+        vocab_size: Vocabulary size. The CLI links it from ``data.vocab_size``, so the data decides it.
+        context_length: Longest sequence the model accepts (rotary cache size); ``data.seq_len`` must not exceed it.
+        tie_embeddings: Share one matrix between the token embedding and the output layer.
+        lr: Peak learning rate of AdamW.
+        betas: AdamW's (beta1, beta2).
+        weight_decay: Decoupled weight decay, applied to matrices only (not to norm weights).
+        warmup_steps: Optimizer steps of linear learning-rate warm-up from 0 to ``lr``.
+        lr_schedule: ``constant`` after warm-up, or ``cosine`` decay to ``min_lr_ratio * lr`` at the last step.
+        min_lr_ratio: Final learning rate of the cosine schedule, as a fraction of ``lr``.
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        vocab_size: int = 10_000,
+        context_length: int = 256,
+        tie_embeddings: bool = False,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.1,
+        warmup_steps: int = 0,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule={lr_schedule!r} is not supported; use 'constant' or 'cosine'.")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        self.save_hyperparameters()
+        self.config = get_config(
+            preset, vocab_size=vocab_size, context_length=context_length, tie_embeddings=tie_embeddings
+        )
+        self.model = GPT(self.config)
+        self._last_batch_end: float | None = None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        logits = self.model(x)  # (B, T, V)
+        # cross-entropy in fp32: under bf16 autocast the logits are bf16 and the log-softmax would lose precision
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # Throughput as seen by the training loop: tokens of the global batch per wall second between the
+        # ends of consecutive batches. The CommTimer callback measures it per optimizer step more carefully.
+        now = time.perf_counter()
+        if self._last_batch_end is not None:
+            tokens = batch[0].numel() * self.trainer.world_size
+            self.log("train/tokens_per_s", tokens / (now - self._last_batch_end))
+        self._last_batch_end = now
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, sync_dist=True, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        # Weight decay on matrices only: decaying norm gains pulls them to 0, which only hurts.
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=tuple(hp.betas))
+        if hp.warmup_steps == 0 and hp.lr_schedule == "constant":
+            return optimizer
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: float, schedule: str, min_ratio: float) -> float:
+    """Learning-rate multiplier at optimizer step ``step``: linear warm-up, then constant or cosine decay.
+
+    Cosine: ``min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * progress))`` with progress running from 0 at the
+    end of warm-up to 1 at ``total_steps``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or not math.isfinite(total_steps) or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,249 @@
+"""Tests for lightning_ddp.data: datasets, windowing, rank sharding and input errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightning_ddp.data import (
+    LMDataModule,
+    SyntheticTokens,
+    TextBytes,
+    TokenFile,
+    _token_id_range,
+    write_token_file,
+)
+
+
+def _batches(loader, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    iterator = iter(loader)
+    return [next(iterator) for _ in range(count)]
+
+
+# ---- synthetic ---------------------------------------------------------------------------------
+
+
+def test_synthetic_same_seed_gives_same_samples_and_batches():
+    kwargs = dict(vocab_size=50, seq_len=8, num_samples=64, batch_size=4)
+    first, second = LMDataModule(seed=3, **kwargs), LMDataModule(seed=3, **kwargs)
+    first.setup("fit")
+    second.setup("fit")
+    for i in (0, 17, 63):
+        assert all(torch.equal(a, b) for a, b in zip(first.train_dataset[i], second.train_dataset[i]))
+    # Shuffled batches too: the loader's generator is seeded from --data.seed.
+    for (x1, y1), (x2, y2) in zip(_batches(first.train_dataloader(), 5), _batches(second.train_dataloader(), 5)):
+        assert x1.shape == (4, 8) and x1.dtype == torch.int64
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_synthetic_different_seed_gives_different_samples():
+    x0, _ = SyntheticTokens(10, seq_len=32, vocab_size=1000, seed=0)[5]
+    x1, _ = SyntheticTokens(10, seq_len=32, vocab_size=1000, seed=1)[5]
+    # 32 uniform draws out of 1000 agreeing by chance: probability 1e-96.
+    assert not torch.equal(x0, x1)
+
+
+def test_synthetic_sample_does_not_depend_on_access_order():
+    dataset = SyntheticTokens(20, seq_len=16, vocab_size=100, seed=7)
+    forward = [dataset[i][0] for i in range(20)]
+    backward = [dataset[i][0] for i in reversed(range(20))][::-1]
+    assert all(torch.equal(a, b) for a, b in zip(forward, backward))
+    # A fresh dataset (another rank, another worker) reproduces sample 13 alone.
+    assert torch.equal(SyntheticTokens(20, 16, 100, seed=7)[13][0], forward[13])
+
+
+def test_synthetic_tokens_are_in_vocab_and_y_is_x_shifted():
+    dataset = SyntheticTokens(50, seq_len=64, vocab_size=7, seed=0)
+    for i in range(len(dataset)):
+        x, y = dataset[i]
+        assert x.shape == y.shape == (64,)
+        assert 0 <= int(x.min()) and int(x.max()) < 7
+        assert torch.equal(x[1:], y[:-1])
+
+
+# ---- rank-disjointness -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_distributed_sampler_gives_ranks_disjoint_samples(shuffle):
+    # Lightning's DDP strategies wrap our train loader's dataset in exactly this sampler (keeping
+    # the loader's shuffle flag); every rank uses the same seed, so all ranks agree on one
+    # permutation and rank r takes positions r, r + 2, r + 4, ... of it.
+    module = LMDataModule(vocab_size=100, seq_len=4, num_samples=64, shuffle=shuffle)
+    module.setup("fit")
+    dataset = module.train_dataset
+    # 64 is a multiple of 2 replicas, so the sampler adds no padding duplicates.
+    shards = [
+        set(DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=shuffle, seed=0))
+        for rank in (0, 1)
+    ]
+    assert len(shards[0]) == len(shards[1]) == 32
+    assert shards[0].isdisjoint(shards[1])
+    assert shards[0] | shards[1] == set(range(len(dataset)))
+
+
+# ---- token and text files ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_token_file_round_trip_windows(tmp_path, dtype):
+    path = tmp_path / "train.bin"
+    write_token_file(path, np.arange(11), dtype=dtype)
+    dataset = TokenFile(path, seq_len=3, dtype=dtype)
+    # 11 tokens hold (11 - 1) // 3 = 3 windows of 4 tokens starting at 0, 3, 6 (token 10 unused).
+    assert len(dataset) == 3
+    x, y = dataset[1]
+    assert x.tolist() == [3, 4, 5] and y.tolist() == [4, 5, 6]
+    x, y = dataset[2]
+    assert x.tolist() == [6, 7, 8] and y.tolist() == [7, 8, 9]
+    assert x.dtype == y.dtype == torch.int64
+    with pytest.raises(IndexError):
+        dataset[3]
+
+
+def test_token_file_reads_ids_above_int16(tmp_path):
+    # GPT-2 ids reach 50,256: uint16 must read them unsigned, int32 beyond 65,535.
+    path = tmp_path / "big.bin"
+    write_token_file(path, [50_256, 65_535, 1], dtype="uint16")
+    assert TokenFile(path, seq_len=2)[0][0].tolist() == [50_256, 65_535]
+    write_token_file(path, [100_000, 7, 1], dtype="int32")
+    assert TokenFile(path, seq_len=2, dtype="int32")[0][0].tolist() == [100_000, 7]
+
+
+def test_text_bytes_gives_byte_values(tmp_path):
+    path = tmp_path / "input.txt"
+    path.write_bytes(b"hello world")
+    dataset = TextBytes(path, seq_len=5)
+    # 11 bytes hold (11 - 1) // 5 = 2 windows: "hello " and " world".
+    assert len(dataset) == 2
+    x, y = dataset[0]
+    assert bytes(x.tolist()) == b"hello" and bytes(y.tolist()) == b"ello "
+    assert bytes(dataset[1][1].tolist()) == b"world"
+    module = LMDataModule(source="text", path=str(path), seq_len=5, batch_size=1)
+    assert module.vocab_size == 256
+
+
+def test_token_source_through_the_data_module(tmp_path):
+    path = tmp_path / "train.bin"
+    write_token_file(path, np.arange(41) % 13)
+    module = LMDataModule(source="tokens", path=str(path), vocab_size=13, seq_len=4, batch_size=2, shuffle=False)
+    module.setup("fit")
+    x, y = next(iter(module.train_dataloader()))
+    assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert y.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert module.val_dataloader() == []  # no validation configured
+
+
+def test_token_id_range_scans_in_chunks():
+    tokens = np.array([5, 3, 9, 0, 4, 2, 8], dtype=np.int32)
+    # Chunks of 3 split the array as [5, 3, 9] [0, 4, 2] [8]: min and max come from different chunks.
+    assert _token_id_range(tokens, chunk_tokens=3) == (0, 9)
+
+
+# ---- validation split --------------------------------------------------------------------------
+
+
+def test_val_fraction_holds_out_the_last_windows(tmp_path):
+    path = tmp_path / "train.bin"
+    write_token_file(path, np.arange(201))  # (201 - 1) // 4 = 50 windows
+    module = LMDataModule(source="tokens", path=str(path), vocab_size=201, seq_len=4, val_fraction=0.1)
+    module.setup("fit")
+    # ceil(50 * 0.1) = 5 windows held out: the last 5, starting at tokens 180, 184, ..., 196.
+    assert len(module.train_dataset) == 45 and len(module.val_dataset) == 5
+    train_starts = {int(module.train_dataset[i][0][0]) for i in range(45)}
+    val_starts = {int(module.val_dataset[i][0][0]) for i in range(5)}
+    assert val_starts == {180, 184, 188, 192, 196}
+    assert train_starts.isdisjoint(val_starts)
+    val_batches = list(module.val_dataloader())
+    assert sum(len(x) for x, _ in val_batches) == 5  # validation keeps the partial last batch
+
+
+def test_val_path_gives_a_separate_validation_set(tmp_path):
+    write_token_file(tmp_path / "train.bin", np.arange(41))
+    write_token_file(tmp_path / "val.bin", np.arange(100, 121))
+    module = LMDataModule(
+        source="tokens", path=str(tmp_path / "train.bin"), val_path=str(tmp_path / "val.bin"),
+        vocab_size=200, seq_len=4,
+    )
+    module.setup("fit")
+    assert len(module.train_dataset) == 10 and len(module.val_dataset) == 5
+    assert module.val_dataset[0][0].tolist() == [100, 101, 102, 103]
+
+
+# ---- input errors: each says the cause and the fix ---------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.bin")
+    with pytest.raises(FileNotFoundError, match=r"nope\.bin.*does not exist.*set --data\.path"):
+        LMDataModule(source="tokens", path=missing)
+    with pytest.raises(ValueError, match="set --data.path"):
+        LMDataModule(source="tokens")
+
+
+def test_token_id_not_below_vocab_size(tmp_path):
+    path = tmp_path / "train.bin"
+    write_token_file(path, [1, 2, 10_000, 3, 4])
+    module = LMDataModule(source="tokens", path=str(path), seq_len=2, batch_size=1)  # vocab 10,000
+    with pytest.raises(ValueError, match=r"token id 10000.*set --data\.vocab_size to at least 10001"):
+        module.setup("fit")
+
+
+def test_file_shorter_than_one_sequence(tmp_path):
+    path = tmp_path / "train.bin"
+    write_token_file(path, np.arange(8))
+    module = LMDataModule(source="tokens", path=str(path), seq_len=8)
+    # One sample needs seq_len + 1 = 9 tokens: 8 inputs and the target after the last.
+    with pytest.raises(ValueError, match=r"has 8 tokens but one sample needs seq_len \+ 1 = 9"):
+        module.setup("fit")
+
+
+def test_seq_len_longer_than_context_length():
+    with pytest.raises(ValueError, match=r"--data\.seq_len 256 exceeds.*--model\.context_length"):
+        LMDataModule(seq_len=256, context_length=128)
+    LMDataModule(seq_len=128, context_length=128)  # equal is fine
+
+
+def test_text_source_with_another_vocab_size(tmp_path):
+    path = tmp_path / "input.txt"
+    path.write_text("some text")
+    with pytest.raises(ValueError, match=r"vocabulary is 256, but --data\.vocab_size is 1000"):
+        LMDataModule(source="text", path=str(path), vocab_size=1000)
+    assert LMDataModule(source="text", path=str(path), vocab_size=256).vocab_size == 256
+
+
+def test_file_size_not_a_multiple_of_the_dtype(tmp_path):
+    path = tmp_path / "train.bin"
+    # 11 uint16 tokens = 22 bytes: a multiple of 2 but not of 4, so int32 cannot be right.
+    write_token_file(path, np.arange(11), dtype="uint16")
+    module = LMDataModule(source="tokens", path=str(path), token_dtype="int32", seq_len=2, batch_size=1)
+    with pytest.raises(ValueError, match=r"22 bytes, not a multiple.*set --data\.token_dtype uint16"):
+        module.setup("fit")
+
+
+def test_too_few_samples_for_one_batch():
+    module = LMDataModule(num_samples=3, batch_size=4)
+    with pytest.raises(ValueError, match=r"fewer than one batch.*--data\.batch_size"):
+        module.setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "phrase"),
+    [
+        (dict(batch_size=0), r"set --data\.batch_size to at least 1"),
+        (dict(seq_len=0), r"set --data\.seq_len to at least 1"),
+        (dict(val_fraction=1.0), r"must be in \[0, 1\)"),
+        (dict(path="train.bin"), r"--data\.source is synthetic"),
+    ],
+)
+def test_bad_arguments(kwargs, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        LMDataModule(**kwargs)
+
+
+def test_write_token_file_refuses_ids_that_do_not_fit(tmp_path):
+    # uint16 holds 0..65,535; writing 70,000 would silently wrap to 4,464 without this check.
+    with pytest.raises(ValueError, match="does not fit uint16.*dtype='int32'"):
+        write_token_file(tmp_path / "x.bin", [70_000])
