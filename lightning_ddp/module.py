@@ -61,6 +61,10 @@ class LitGPT(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward) of the model; the CommTimer uses it for MFU."""
+        return self.model.flops_per_token(seq_len)
+
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
         logits = self.model(x)  # (B, T, V)

@@ -1,0 +1,450 @@
+"""Per-step communication accounting: from a ``SyncRecord`` timeline to metrics, and from steps to a summary.
+
+This module is pure Python (no Lightning, no ``torch.distributed``, no torch import at all) so that every
+number the timing callback logs can be unit-tested with hand-made timelines. The callback is a thin shell:
+once per optimizer step it converts the engine's record with ``StepTiming.from_record``, calls
+``step_metrics`` and hands the result to ``TimingSummary.add``.
+
+What is measured, per optimizer step and per rank (the marks come from ``lightning_ddp/sync/record.py``):
+
+- **Step time**: wall time of the whole optimizer step (every micro-batch's forward and backward, the
+  gradient synchronisation and the optimizer update). The logged ``step/time_ms`` is the **max over ranks**:
+  in synchronous data parallelism the slowest rank sets the pace, so the callback all-reduces the step time
+  with ``MAX``. Reduce it *before* building ``StepTiming`` so that ``comm/share`` and ``step/tokens_per_s``
+  describe the same (slowest-rank) step.
+- **Exposed communication**: time spent inside ``finish_gradient_synchronization``, the part of
+  communication that sits on the critical path, minus the buffer copies made there (reported apart as
+  ``comm/pack_ms``).
+- **Busy communication**: the union of the intervals during which some collective was in flight, whether or
+  not anything waited for it. ``1 - exposed / busy`` is the fraction of communication hidden behind compute.
+
+The honesty rules (the clocks themselves are described in ``lightning_ddp/sync/record.py``):
+
+- CUDA time is read from ``torch.cuda.Event`` marks, converted after the step has been synchronised
+  (``StepClock.start`` synchronises; ``StepClock.to_ms`` reads finished events); host time on CUDA would say
+  when work was queued, not when it ran.
+- An async collective is counted on the critical path where it is *waited for*: ``exposed`` covers the
+  ``wait()`` calls inside ``finish_gradient_synchronization``, not the launch.
+- A collective's completion comes from gloo's future callback on CPU (the host clock when the data arrived)
+  and from NCCL's own kernel timing on CUDA (``Work._get_duration()`` with ``TORCH_NCCL_ENABLE_TIMING=1``);
+  without it, from the mark after ``wait()``, an upper bound (see ``CollectiveTiming.busy_interval``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+if TYPE_CHECKING:  # only for annotations: this module must not import torch
+    from lightning_ddp.sync.record import StepClock, SyncRecord
+
+Interval = tuple[float, float]
+
+__all__ = [
+    "METRIC_KEYS",
+    "CollectiveTiming",
+    "StepTiming",
+    "TimingSummary",
+    "overlap_length",
+    "step_metrics",
+    "union_length",
+]
+
+
+# ---- interval arithmetic -----------------------------------------------------------------------------
+
+
+def _merged(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering exactly the union of ``intervals``."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end < start:
+            raise ValueError(
+                f"interval ({start}, {end}) ends before it starts; marks must come from one clock and be "
+                "converted with the same StepClock"
+            )
+        if merged and start <= merged[-1][1]:  # touches or overlaps the previous one: extend it
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def union_length(intervals: Iterable[Interval]) -> float:
+    """Length of the union of ``intervals`` (each ``(start, end)``): overlapping time is counted once.
+
+    >>> union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)])  # [0, 3] and [5, 6]
+    4.0
+    >>> union_length([])
+    0.0
+    """
+    return float(sum(end - start for start, end in _merged(intervals)))
+
+
+def overlap_length(a_intervals: Iterable[Interval], b_intervals: Iterable[Interval]) -> float:
+    """Length of the intersection of the union of ``a_intervals`` with the union of ``b_intervals``.
+
+    >>> overlap_length([(0.0, 10.0)], [(2.0, 3.0), (9.0, 12.0)])  # [2, 3] and [9, 10]
+    2.0
+    >>> overlap_length([(0.0, 1.0)], [(1.0, 2.0)])  # touching is not overlapping
+    0.0
+    """
+    a, b = _merged(a_intervals), _merged(b_intervals)
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):  # sweep both sorted disjoint lists once
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:  # the interval that ends first cannot meet anything further in the other list
+            i += 1
+        else:
+            j += 1
+    return float(total)
+
+
+# ---- one step, in milliseconds from the step's start ------------------------------------------------
+
+
+@dataclass
+class CollectiveTiming:
+    """One collective, in milliseconds since the step's start (see ``lightning_ddp.sync.record.Collective``)."""
+
+    op: str
+    """Collective kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``."""
+    label: str
+    """What was communicated, e.g. ``bucket 3 (12 tensors)``."""
+    nbytes: int
+    """Bytes of the local input tensor (the message size of nccl-tests)."""
+    launched_ms: float
+    """When the collective was issued."""
+    completed_ms: float
+    """When its result was available (on CUDA without NCCL timing: the end of its wait, an upper bound)."""
+    duration_ms: float | None = None
+    """NCCL's own kernel time (``TORCH_NCCL_ENABLE_TIMING=1``), when available."""
+
+    @property
+    def busy_interval(self) -> Interval:
+        """When the collective was in flight: ``[launched, launched + duration]`` with NCCL's timing, else
+        ``[launched, completed]``.
+
+        NCCL's duration is measured by NCCL itself around its kernel, so it is the collective's real length.
+        The completion mark on CUDA is only an upper bound: it is taken after ``wait()``, so a collective that
+        finished long before anyone waited for it would look busy until the wait. Anchoring the duration at
+        the launch mark places the kernel at the earliest moment it could have started; if the communication
+        stream was still busy with an earlier collective it really ran later, so the union of busy intervals
+        can slightly under-count (never over-count) back-to-back collectives.
+
+        >>> CollectiveTiming("all_reduce", "flat", 8, launched_ms=1.0, completed_ms=9.0, duration_ms=2.5).busy_interval
+        (1.0, 3.5)
+        """
+        if self.duration_ms is not None:
+            return (self.launched_ms, self.launched_ms + self.duration_ms)
+        return (self.launched_ms, self.completed_ms)
+
+
+@dataclass
+class StepTiming:
+    """One optimizer step on one rank, in milliseconds relative to the step's start.
+
+    Built by ``from_record`` from an engine's ``SyncRecord``, or by hand in tests.
+    """
+
+    step_ms: float
+    """Wall time of the whole optimizer step (all micro-batches, synchronisation, optimizer update)."""
+    exposed: list[Interval] = field(default_factory=list)
+    """Intervals inside ``finish_gradient_synchronization`` (the critical path)."""
+    pack: list[Interval] = field(default_factory=list)
+    """Intervals copying gradients into or out of communication buffers (inside ``exposed`` when done there)."""
+    collectives: list[CollectiveTiming] = field(default_factory=list)
+    """Every collective of the step, in launch order."""
+    tokens: int = 0
+    """Tokens this rank processed in the step, summed over its micro-batches."""
+
+    def __post_init__(self) -> None:
+        if not self.step_ms > 0:
+            raise ValueError(f"step_ms must be > 0, got {self.step_ms!r}; measure the step with a clock that advances")
+        if self.tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {self.tokens!r}")
+
+    @classmethod
+    def from_record(cls, record: SyncRecord, clock: StepClock, step_ms: float, tokens: int) -> StepTiming:
+        """Convert ``record``'s marks with ``clock.to_ms`` (any object with that method will do).
+
+        A collective whose ``completed`` mark is missing is taken to have completed at the end of its
+        ``wait()`` (the result was certainly available then), or, if it was never waited for, at its launch
+        (zero length: nothing on this rank observed it in flight). On CUDA call this only once the step's
+        events have completed (after ``torch.cuda.synchronize()``).
+        """
+        to_ms = clock.to_ms
+        collectives = []
+        for c in record.collectives:
+            launched = to_ms(c.launched)
+            if c.completed is not None:
+                completed = to_ms(c.completed)
+            elif c.wait is not None:
+                completed = to_ms(c.wait[1])
+            else:
+                completed = launched
+            collectives.append(CollectiveTiming(c.op, c.label, c.nbytes, launched, completed, c.duration_ms))
+        return cls(
+            step_ms=step_ms,
+            exposed=[(to_ms(start), to_ms(end)) for start, end in record.exposed],
+            pack=[(to_ms(start), to_ms(end)) for start, end in record.pack],
+            collectives=collectives,
+            tokens=tokens,
+        )
+
+
+# ---- step metrics -------------------------------------------------------------------------------------
+
+METRIC_KEYS: tuple[str, ...] = (
+    "step/time_ms",
+    "comm/exposed_ms",
+    "comm/pack_ms",
+    "comm/share",
+    "comm/busy_ms",
+    "comm/overlap",
+    "comm/algbw_GBps",
+    "comm/busbw_GBps",
+    "comm/calls",
+    "comm/bytes",
+    "step/tokens_per_s",
+    "step/mfu",
+    "memory/peak_MiB",
+)
+"""Every key ``step_metrics`` can produce, in order (the last two only when their inputs are given)."""
+
+
+def step_metrics(
+    timing: StepTiming,
+    world_size: int,
+    flops_per_token: float | None = None,
+    peak_flops: float | None = None,
+    peak_memory_mib: float | None = None,
+) -> dict[str, float]:
+    """The metrics of one optimizer step.
+
+    +---------------------+---------------------------------------------------------------------------------+
+    | Key                 | Value                                                                           |
+    +=====================+=================================================================================+
+    | step/time_ms        | ``step_ms`` (the callback passes the max over ranks)                            |
+    | comm/exposed_ms     | union(exposed) - overlap(pack, exposed): copies are reported in comm/pack_ms    |
+    | comm/pack_ms        | union(pack)                                                                     |
+    | comm/share          | exposed_ms / step_ms                                                            |
+    | comm/busy_ms        | union of every collective's ``busy_interval`` ([launched, completed])           |
+    | comm/overlap        | clip(1 - exposed_ms / busy_ms, 0, 1); 0 when busy_ms == 0                       |
+    | comm/algbw_GBps     | bytes / (busy_ms / 1e3) / 1e9; 0 when busy_ms == 0                              |
+    | comm/busbw_GBps     | algbw * 2 (n - 1) / n, n = world_size (nccl-tests' all-reduce bus bandwidth)    |
+    | comm/calls          | number of collectives                                                           |
+    | comm/bytes          | sum of the collectives' ``nbytes``                                              |
+    | step/tokens_per_s   | tokens * world_size / (step_ms / 1e3): global throughput                        |
+    | step/mfu            | tokens_per_s * flops_per_token / (peak_flops * world_size), peak_flops per      |
+    |                     | device; only when ``flops_per_token`` and ``peak_flops`` are both given         |
+    | memory/peak_MiB     | ``peak_memory_mib``; only when given                                            |
+    +---------------------+---------------------------------------------------------------------------------+
+
+    Reading the numbers: the naive engine blocks on each all-reduce inside ``finish_gradient_synchronization``,
+    so its exposed time contains all its communication, busy ≈ exposed and overlap ≈ 0; that is the expected
+    result, not a bug. The hook-based engines communicate during backward and only wait at the end, so their
+    busy time exceeds their exposed time and overlap approaches 1 as the waits shrink.
+
+    ``step/tokens_per_s`` assumes every rank processes ``timing.tokens`` tokens per step (equal batch sizes).
+    """
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
+
+    step_ms = float(timing.step_ms)
+    exposed_ms = union_length(timing.exposed) - overlap_length(timing.pack, timing.exposed)
+    busy_ms = union_length([c.busy_interval for c in timing.collectives])
+    nbytes = sum(c.nbytes for c in timing.collectives)
+    # The fraction of in-flight communication nobody waited for; clipped because exposed time also holds
+    # bookkeeping between waits (and, for naive, may slightly exceed busy).
+    overlap = min(1.0, max(0.0, 1.0 - exposed_ms / busy_ms)) if busy_ms > 0 else 0.0
+    algbw = nbytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0
+    # A ring all-reduce moves 2 (n - 1) / n of the message through each rank's link (nccl-tests PERFORMANCE.md).
+    busbw = algbw * 2 * (world_size - 1) / world_size
+    tokens_per_s = timing.tokens * world_size / (step_ms / 1e3)
+
+    metrics = {
+        "step/time_ms": step_ms,
+        "comm/exposed_ms": exposed_ms,
+        "comm/pack_ms": union_length(timing.pack),
+        "comm/share": exposed_ms / step_ms,
+        "comm/busy_ms": busy_ms,
+        "comm/overlap": overlap,
+        "comm/algbw_GBps": algbw,
+        "comm/busbw_GBps": busbw,
+        "comm/calls": float(len(timing.collectives)),
+        "comm/bytes": float(nbytes),
+        "step/tokens_per_s": tokens_per_s,
+    }
+    if flops_per_token is not None and peak_flops is not None:
+        # Achieved flops over the peak of all devices together (peak_flops is one device's).
+        metrics["step/mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
+    if peak_memory_mib is not None:
+        metrics["memory/peak_MiB"] = float(peak_memory_mib)
+    return metrics
+
+
+# ---- summary over steps -------------------------------------------------------------------------------
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation between closest ranks (numpy's default).
+
+    >>> _percentile([1.0, 2.0, 3.0, 4.0], 50)
+    2.5
+    >>> _percentile([10.0, 20.0, 30.0, 40.0, 50.0], 10)  # rank 0.1 * 4 = 0.4: 10 + 0.4 * (20 - 10)
+    14.0
+    """
+    assert sorted_values, "percentile of no values"
+    rank = (len(sorted_values) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return float(sorted_values[low] + (rank - low) * (sorted_values[high] - sorted_values[low]))
+
+
+def _write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path + '.tmp'`` in the same directory, then rename it over ``path``.
+
+    ``os.replace`` is atomic within one filesystem, so a reader sees the old file or the new one, never half.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# (column title, metric key, scale, format) of format_table
+_TABLE_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
+    ("step ms", "step/time_ms", 1.0, ",.1f"),
+    ("exposed comm ms", "comm/exposed_ms", 1.0, ",.2f"),
+    ("comm share %", "comm/share", 100.0, ".1f"),
+    ("overlap %", "comm/overlap", 100.0, ".1f"),
+    ("busbw GB/s", "comm/busbw_GBps", 1.0, ",.3f"),
+    ("tokens/s", "step/tokens_per_s", 1.0, ",.0f"),
+)
+
+
+class TimingSummary:
+    """Per-step metric dicts collected over a run, and their distribution after warm-up.
+
+    Add **one** dict per optimizer step (when gradient accumulation is over), never one per micro-batch: a
+    step's metrics already cover all its micro-batches. Step numbers must increase strictly, which catches a
+    caller that adds per micro-batch.
+
+    ``summarize(warmup_steps)`` drops the first ``warmup_steps`` steps *added* (whatever their step numbers,
+    so a resumed run also skips its own first steps) and gives, for each key, over the remaining steps:
+
+    +----------+-----------------------------------------------------------------------------+
+    | Stat     | Value                                                                       |
+    +==========+=============================================================================+
+    | median   | 50th percentile                                                             |
+    | p10, p90 | 10th and 90th percentiles                                                   |
+    | n        | number of steps that reported the key                                       |
+    +----------+-----------------------------------------------------------------------------+
+
+    Percentiles interpolate linearly between the closest ranks (numpy's default ``"linear"`` method), so the
+    median of an even count is the mean of the two middle values.
+    """
+
+    stats: tuple[str, ...] = ("median", "p10", "p90", "n")
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.metrics: list[dict[str, float]] = []
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the metrics of optimizer step ``step`` (a copy is kept)."""
+        if self.steps and step <= self.steps[-1]:
+            raise ValueError(
+                f"step {step} was added after step {self.steps[-1]}; add metrics once per optimizer step, when "
+                "gradient accumulation is over, not once per micro-batch"
+            )
+        self.steps.append(int(step))
+        self.metrics.append({key: float(value) for key, value in metrics.items()})
+
+    def summarize(self, warmup_steps: int) -> dict[str, dict[str, float]]:
+        """``{key: {"median", "p10", "p90", "n"}}`` over the steps left after the first ``warmup_steps``."""
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        kept = self.metrics[warmup_steps:]
+        if not kept:
+            raise ValueError(
+                f"ran {len(self.steps)} steps but warmup_steps={warmup_steps}; lower --timer.warmup_steps or run "
+                "more steps"
+            )
+        keys = list(dict.fromkeys(key for metrics in kept for key in metrics))  # first-seen order
+        summary: dict[str, dict[str, float]] = {}
+        for key in keys:
+            values = sorted(metrics[key] for metrics in kept if key in metrics)
+            summary[key] = {
+                "median": _percentile(values, 50),
+                "p10": _percentile(values, 10),
+                "p90": _percentile(values, 90),
+                "n": float(len(values)),
+            }
+        return summary
+
+    def to_rows(self) -> list[dict[str, float]]:
+        """One row per step added (warm-up included): ``{"step": step, **metrics}``."""
+        return [{"step": step, **metrics} for step, metrics in zip(self.steps, self.metrics)]
+
+    def write_json(self, path: str | os.PathLike, warmup_steps: int, extra: dict[str, Any] | None = None) -> None:
+        """Write ``{**extra, "warmup_steps", "summary", "steps"}`` to ``path`` atomically.
+
+        ``extra`` is for what belongs next to the numbers: hardware, versions, the full config.
+        """
+        document = {**(extra or {}), "warmup_steps": warmup_steps, "summary": self.summarize(warmup_steps)}
+        document["steps"] = self.to_rows()
+        # allow_nan=False: a NaN would make the file invalid JSON; fail here instead of in the reader.
+        _write_atomically(path, json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+    def write_csv(self, path: str | os.PathLike) -> None:
+        """Write ``to_rows()`` to ``path`` atomically; a key a step did not report is an empty cell."""
+        rows = self.to_rows()
+        columns = list(dict.fromkeys(key for row in rows for key in row)) or ["step"]
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        _write_atomically(path, buffer.getvalue())
+
+    def format_table(self, warmup_steps: int, title: str | None = None) -> str:
+        """An aligned text table of the headline metrics (median, p10, p90) for printing at the end of fit."""
+        summary = self.summarize(warmup_steps)
+        n_kept = len(self.steps) - warmup_steps
+        heading = f"{n_kept} steps after {warmup_steps} warm-up"
+        lines = [f"{title}: {heading}" if title else heading]
+        header = [""] + [name for name, _, _, _ in _TABLE_COLUMNS]
+        body = []
+        for stat in ("median", "p10", "p90"):
+            row = [stat]
+            for _, key, scale, spec in _TABLE_COLUMNS:
+                row.append(format(summary[key][stat] * scale, spec) if key in summary else "-")
+            body.append(row)
+        widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+        for row in [header, *body]:
+            cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+            lines.append("  ".join(cells).rstrip())
+        return "\n".join(lines)

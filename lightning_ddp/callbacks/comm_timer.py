@@ -1,0 +1,217 @@
+"""``CommTimer``: per optimizer step, how much of the step went to gradient communication, into the logger.
+
+A thin Lightning shell over the pure accounting in ``accounting.py`` (whose ``step_metrics`` docstring is the
+table of every key and its formula). Per optimizer step, once gradient accumulation is over, it:
+
+1. closes the step's clock (on CUDA after ``torch.cuda.synchronize()``, the one synchronisation a correct
+   wall time needs; the step's other marks are CUDA events read only now);
+2. all-reduces the step time with ``MAX`` (the slowest rank sets the pace). This small collective runs after the
+   step's end mark and before the next step's start, so it is outside what is measured;
+3. turns the engine's ``SyncRecord`` into metrics and logs them with ``LightningModule.log_dict``.
+
+With Lightning's built-in ``ddp`` (torch ``DistributedDataParallel``) there is no ``SyncRecord``. The callback
+logs ``step/*`` and ``memory/*`` plus torch DDP's own per-iteration statistics (``_get_ddp_logging_data``,
+sampled every iteration), converted to the same keys:
+
+=============================  ==============================================================================
+``ddp/backward_comm_ms``       torch DDP's ``backward_comm_time``: first bucket launch to last completion
+``ddp/comm_overlap_ms``        torch DDP's ``backward_compute_comm_overlap_time``
+``comm/busy_ms``               ``ddp/backward_comm_ms``
+``comm/exposed_ms``            ``backward_comm_time - backward_compute_comm_overlap_time`` (comm not hidden)
+``comm/share``, ``comm/overlap`` as for our engines, from the two above
+=============================  ==============================================================================
+
+At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the steps after ``warmup_steps``) and
+writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
+from lightning_ddp.sync import DataParallel, StepClock
+
+
+class CommTimer(Callback):
+    """Log step time, exposed and busy communication time, comm share and overlap per optimizer step.
+
+    Args:
+        warmup_steps: Optimizer steps left out of the end-of-fit summary (start-up, allocator warm-up).
+        enabled: Set false to switch the callback off (it is always added by the CLI).
+        summary_name: Stem of the summary files written at the end of fit (``.json`` and ``.csv``).
+    """
+
+    def __init__(self, warmup_steps: int = 5, enabled: bool = True, summary_name: str = "timing_summary") -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; e.g. --timer.warmup_steps 5")
+        self.warmup_steps = warmup_steps
+        self.enabled = enabled
+        self.summary_name = summary_name
+        self.summary = TimingSummary()
+        self._clock: StepClock | None = None
+        self._container: DataParallel | None = None
+        self._ddp: DistributedDataParallel | None = None
+        self._step_start = None
+        self._tokens = 0
+        self._flops_per_token: float | None = None
+        self._peak_flops: float | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.enabled and stage == "fit" and trainer.logger is None:
+            raise ValueError(
+                "CommTimer logs to the Trainer's logger, but `Trainer(logger=False)` leaves it nowhere to write. "
+                "Enable a logger or switch the timer off with `--timer.enabled false`."
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.enabled:
+            return
+        model = trainer.strategy.model
+        self._container = model if isinstance(model, DataParallel) else None
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        if self._ddp is not None:
+            self._ddp._set_ddp_runtime_logging_sample_rate(1)  # torch DDP's stats for every iteration, not every 100th
+        device = trainer.strategy.root_device
+        self._clock = self._container.clock if self._container is not None else StepClock(device)
+        self._peak_flops = _peak_flops(trainer) if device.type == "cuda" else None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self.enabled or self._clock is None:
+            return
+        if self._step_start is None:  # first micro-batch of an optimizer step
+            if self._container is not None:
+                self._container.on_train_batch_start()  # opens the record and starts the shared clock
+            else:
+                self._clock.start()
+            if self._clock.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            self._step_start = self._clock.mark()
+            self._tokens = 0
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if isinstance(x, torch.Tensor):
+            self._tokens += x.numel()
+            if self._flops_per_token is None and hasattr(pl_module, "flops_per_token"):
+                self._flops_per_token = float(pl_module.flops_per_token(x.shape[-1]))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.enabled or self._step_start is None or trainer.fit_loop._should_accumulate():
+            return
+        clock = self._clock
+        end = clock.mark()
+        if clock.cuda:
+            torch.cuda.synchronize()  # the step's events must have completed before they are read
+        local_ms = clock.to_ms(end) - clock.to_ms(self._step_start)
+        step_ms = _max_over_ranks(local_ms, trainer.strategy.root_device)
+        if self._container is not None:
+            timing = StepTiming.from_record(self._container.record, clock, step_ms, self._tokens)
+        else:
+            timing = StepTiming(step_ms=step_ms, tokens=self._tokens)
+        metrics = step_metrics(
+            timing,
+            trainer.world_size,
+            flops_per_token=self._flops_per_token,
+            peak_flops=self._peak_flops,
+            peak_memory_mib=_peak_memory_mib(clock.cuda),
+        )
+        if self._ddp is not None:
+            metrics.update(_torch_ddp_metrics(self._ddp, step_ms))
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self.summary.add(trainer.global_step, metrics)
+        self._step_start = None
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.enabled or not trainer.is_global_zero or len(self.summary) == 0:
+            return
+        if len(self.summary) <= self.warmup_steps:
+            rank_zero_info(
+                f"CommTimer: {len(self.summary)} steps ran, all within warmup_steps={self.warmup_steps}; no summary "
+                "written (lower --timer.warmup_steps or run more steps)."
+            )
+            return
+        out_dir = Path(trainer.logger.log_dir if trainer.logger and trainer.logger.log_dir else trainer.default_root_dir)
+        title = f"CommTimer [{type(trainer.strategy).__name__}, {trainer.world_size} ranks]"
+        print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
+        extra = {"run": _run_description(trainer, pl_module)}
+        self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
+        self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def _peak_memory_mib(cuda: bool) -> float:
+    """CUDA: peak allocated bytes this step (reset at its start). CPU: the process's peak RSS so far (Linux KiB)."""
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # macOS reports bytes, Linux KiB
+
+
+def _peak_flops(trainer: pl.Trainer) -> float | None:
+    """The device's peak FLOP/s at the run's compute dtype (Lightning's table of known GPUs), or None."""
+    from lightning.fabric.utilities.throughput import get_available_flops
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+    flops = get_available_flops(trainer.strategy.root_device, _plugin_to_compute_dtype(trainer.precision_plugin))
+    return float(flops) if flops else None
+
+
+def _torch_ddp_metrics(model: DistributedDataParallel, step_ms: float) -> dict[str, float]:
+    """torch DDP's own statistics of its most recent sampled iteration, in our keys (see the module docstring)."""
+    data = model._get_ddp_logging_data()
+    if "backward_comm_time" not in data:  # not sampled yet (the first iteration)
+        return {}
+    comm_ms = data["backward_comm_time"] / 1e6
+    overlap_ms = data.get("backward_compute_comm_overlap_time", 0) / 1e6
+    exposed_ms = max(0.0, comm_ms - overlap_ms)
+    return {
+        "ddp/backward_comm_ms": comm_ms,
+        "ddp/comm_overlap_ms": overlap_ms,
+        "comm/busy_ms": comm_ms,
+        "comm/exposed_ms": exposed_ms,
+        "comm/share": exposed_ms / step_ms,
+        "comm/overlap": overlap_ms / comm_ms if comm_ms > 0 else 0.0,
+    }
+
+
+def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """What belongs next to the numbers: strategy, devices, precision, versions, hyperparameters."""
+    device = trainer.strategy.root_device
+    return {
+        "strategy": type(trainer.strategy).__name__,
+        "bucket_size_mb": getattr(trainer.strategy, "bucket_size_mb", None),
+        "world_size": trainer.world_size,
+        "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "precision": str(trainer.precision),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "hparams": {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in pl_module.hparams.items()},
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,56 @@
+"""Test-only strategies with a known, injected delay, for checking that the CommTimer measures what it should.
+
+Used through the CLI as ``--trainer.strategy tests.timing_helpers.SlowNaiveDDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import nn
+
+from lightning_ddp.strategies import NaiveDDPStrategy, OverlapDDPStrategy
+from lightning_ddp.sync import NaiveDDP, OverlapDDP
+
+
+class _SlowAllReduceNaive(NaiveDDP):
+    def __init__(self, module: nn.Module, delay_ms: float) -> None:
+        super().__init__(module)
+        self.delay_s = delay_ms / 1e3
+
+    def _all_reduce(self, tensor, label):
+        time.sleep(self.delay_s)  # a slower network: every all-reduce call costs delay_ms more
+        return super()._all_reduce(tensor, label)
+
+
+class SlowNaiveDDPStrategy(NaiveDDPStrategy):
+    """``naive_ddp`` whose every all-reduce call takes ``delay_ms`` longer."""
+
+    def __init__(self, delay_ms: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.delay_ms = delay_ms
+
+    def make_container(self, module: nn.Module) -> NaiveDDP:
+        return _SlowAllReduceNaive(module, self.delay_ms)
+
+
+class _SlowBackwardOverlap(OverlapDDP):
+    def __init__(self, module: nn.Module, delay_ms: float) -> None:
+        super().__init__(module)
+        self.delay_s = delay_ms / 1e3
+
+    def _on_grad_ready(self, index: int) -> None:
+        super()._on_grad_ready(index)  # launches the all-reduce...
+        time.sleep(self.delay_s)  # ...then backward "computes" for delay_ms more before the next gradient
+
+
+class SlowBackwardOverlapDDPStrategy(OverlapDDPStrategy):
+    """``overlap_ddp`` whose backward takes ``delay_ms`` longer after each gradient is ready."""
+
+    def __init__(self, delay_ms: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.delay_ms = delay_ms
+
+    def make_container(self, module: nn.Module) -> OverlapDDP:
+        return _SlowBackwardOverlap(module, self.delay_ms)
