@@ -19,30 +19,29 @@ of window ``i`` is the first input of window ``i + 1``).
 Validation: either a separate file (``--data.val_path``) or the last ``val_fraction`` of the
 windows, which are then removed from the training set.
 
-Rank-disjointness: the dataloaders here are plain ``DataLoader``s with no distributed sampler.
-Lightning's DDP strategies replace the sampler with a ``DistributedSampler`` that keeps the
-loader's ``shuffle`` flag. With ``world`` ranks it orders the indices (a seeded permutation, the
-same on every rank, when shuffling; ``0, 1, 2, ...`` otherwise) and gives rank ``r`` the entries at
-positions ``r, r + world, r + 2 * world, ...``. The ranks therefore see disjoint samples, and
-together one step's ``world * batch_size`` samples form the global batch. Two details:
+Rank-disjointness: the training loader carries its own ``ResumableDistributedSampler`` (a
+``DistributedSampler``, so Lightning keeps it rather than injecting another). With ``world`` ranks it
+orders the indices (a permutation seeded from ``--data.seed`` and the epoch when shuffling; ``0, 1, 2,
+...`` otherwise), identical on every rank, and gives rank ``r`` the entries at positions ``r, r + world,
+r + 2 * world, ...``. The ranks therefore see disjoint samples, and together one step's
+``world * batch_size`` samples form the global batch. If the dataset size is not a multiple of
+``world``, the sampler drops the tail so every rank gets the same number of samples.
 
-- under DDP the shuffle order comes from the injected sampler, seeded from ``PL_GLOBAL_SEED``
-  (``--seed_everything``) and reshuffled each epoch via ``set_epoch``; the loader's own generator
-  (seeded from ``--data.seed``) only orders a single-process run;
-- if the dataset size is not a multiple of ``world``, the sampler pads by repeating a few
-  indices so every rank gets the same number of samples.
+Exact resume: the data module's ``state_dict`` (saved in every Lightning checkpoint) records the epoch
+and how many batches of it were trained; on ``--ckpt_path`` resume the sampler skips exactly those, so
+training continues with the next unseen sample instead of restarting the epoch.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DistributedSampler, DataLoader, Dataset, Subset
 
 __all__ = ["LMDataModule", "SyntheticTokens", "TextBytes", "TokenFile", "write_token_file"]
 
@@ -176,6 +175,47 @@ def write_token_file(
     tokens.astype(dtype).ravel().tofile(path)
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can skip the first samples of one epoch (to resume mid-epoch exactly).
+
+    Always ``drop_last=True``: every rank gets ``len(dataset) // num_replicas`` samples, none repeated.
+
+    ``epoch_source``, when given, is read at the start of every epoch instead of the value passed to
+    ``set_epoch``. The data module passes ``trainer.current_epoch``. Lightning calls ``set_epoch`` with its count of
+    *processed* epochs, and a run stopped by ``max_steps`` mid-epoch counts that epoch as processed. Resuming
+    from its checkpoint would then shuffle the rest of the epoch with the next epoch's permutation.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        epoch_source: Callable[[], int] | None = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.epoch_source = epoch_source
+        self._skip_epoch: int | None = None
+        self._skip_samples = 0
+
+    def skip(self, epoch: int, samples: int) -> None:
+        """In epoch ``epoch``, leave out this rank's first ``samples`` samples (those already trained on)."""
+        self._skip_epoch, self._skip_samples = epoch, samples
+
+    def __iter__(self):
+        if self.epoch_source is not None:
+            self.epoch = self.epoch_source()
+        indices = list(super().__iter__())
+        if self.epoch == self._skip_epoch:
+            indices = indices[self._skip_samples :]
+        return iter(indices)
+
+    # __len__ stays the full epoch: Lightning reads it once as the epoch's length and, on resume, continues
+    # counting batches from where the checkpoint was, so the skipped ones must still count.
+
+
 class LMDataModule(LightningDataModule):
     """Language-modelling batches ``(x, y)`` of shape ``(batch_size, seq_len)`` from one source.
 
@@ -200,7 +240,7 @@ class LMDataModule(LightningDataModule):
         context_length: The model's maximum context (the CLI links it from the model); only
             used to check ``seq_len``.
         num_samples: Number of samples of the ``synthetic`` source.
-        seed: Seeds the synthetic tokens and the single-process shuffle order.
+        seed: Seeds the synthetic tokens and the shuffle order (the same on every rank).
         shuffle: Shuffle the training samples every epoch.
         num_workers: DataLoader worker processes per rank (0 loads in the training process).
     """
@@ -233,6 +273,7 @@ class LMDataModule(LightningDataModule):
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
+        self._resume_position: tuple[int, int] | None = None  # (epoch, batches done), from a checkpoint
         self.num_workers = num_workers
         self._check_arguments(vocab_size)
         # Resolved now, not in setup(): the CLI links data.vocab_size -> model.vocab_size when it
@@ -373,18 +414,42 @@ class LMDataModule(LightningDataModule):
     # ---- dataloaders ----------------------------------------------------------------------------
 
     def train_dataloader(self) -> DataLoader:
-        # No DistributedSampler here: Lightning's DDP strategies inject one (module docstring).
+        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        sampler = ResumableDistributedSampler(
+            self.train_dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch_source=(lambda: self.trainer.current_epoch) if self.trainer else None,
+        )
+        if self._resume_position is not None:
+            epoch, batches_done = self._resume_position
+            sampler.skip(epoch, batches_done * self.batch_size)
+            self._resume_position = None
         return DataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            shuffle=self.shuffle,
+            sampler=sampler,
             # Every step sees full batches, so all ranks do equal work and throughput is comparable.
             drop_last=True,
             num_workers=self.num_workers,
             # Keep workers across epochs instead of restarting them (and reopening the files).
             persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed) if self.shuffle else None,
         )
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training is in the data: the epoch, and the batches of it already trained on (per rank)."""
+        if self.trainer is None:
+            return {}
+        batch_progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        # `processed` counts batches whose training step ran; a checkpoint written in on_train_batch_end
+        # includes the current batch. (`ready` would also count the batch the loader prefetched.)
+        return {"epoch": self.trainer.current_epoch, "batches_done": batch_progress.current.processed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict:
+            self._resume_position = (int(state_dict["epoch"]), int(state_dict["batches_done"]))
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:

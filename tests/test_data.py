@@ -9,6 +9,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_ddp.data import (
     LMDataModule,
+    ResumableDistributedSampler,
     SyntheticTokens,
     TextBytes,
     TokenFile,
@@ -67,21 +68,58 @@ def test_synthetic_tokens_are_in_vocab_and_y_is_x_shifted():
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_distributed_sampler_gives_ranks_disjoint_samples(shuffle):
-    # Lightning's DDP strategies wrap our train loader's dataset in exactly this sampler (keeping
-    # the loader's shuffle flag); every rank uses the same seed, so all ranks agree on one
-    # permutation and rank r takes positions r, r + 2, r + 4, ... of it.
+def test_ranks_get_disjoint_samples(shuffle):
+    # The train loader carries a ResumableDistributedSampler (a DistributedSampler, so Lightning keeps it). Every
+    # rank uses the same seed, so all ranks agree on one permutation and rank r takes positions r, r + 2, ...
     module = LMDataModule(vocab_size=100, seq_len=4, num_samples=64, shuffle=shuffle)
     module.setup("fit")
-    dataset = module.train_dataset
-    # 64 is a multiple of 2 replicas, so the sampler adds no padding duplicates.
+    assert isinstance(module.train_dataloader().sampler, DistributedSampler)
     shards = [
-        set(DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=shuffle, seed=0))
+        set(ResumableDistributedSampler(module.train_dataset, num_replicas=2, rank=rank, shuffle=shuffle, seed=0))
         for rank in (0, 1)
     ]
-    assert len(shards[0]) == len(shards[1]) == 32
+    assert len(shards[0]) == len(shards[1]) == 32  # 64 samples over 2 ranks, none repeated
     assert shards[0].isdisjoint(shards[1])
-    assert shards[0] | shards[1] == set(range(len(dataset)))
+    assert shards[0] | shards[1] == set(range(64))
+
+
+def test_uneven_dataset_drops_the_tail_instead_of_repeating_samples():
+    # 65 samples over 2 ranks: 32 each, one sample left out; a padded sampler would give some rank a duplicate.
+    dataset = SyntheticTokens(num_samples=65, seq_len=4, vocab_size=100)
+    shards = [list(ResumableDistributedSampler(dataset, 2, rank, shuffle=True, seed=0)) for rank in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == 32
+    assert set(shards[0]).isdisjoint(shards[1])
+
+
+def test_skip_resumes_the_same_permutation_and_only_in_its_epoch():
+    dataset = SyntheticTokens(num_samples=40, seq_len=4, vocab_size=100)
+    full = ResumableDistributedSampler(dataset, 2, 1, shuffle=True, seed=3)
+    resumed = ResumableDistributedSampler(dataset, 2, 1, shuffle=True, seed=3)
+    resumed.skip(epoch=0, samples=6)
+    assert list(resumed) == list(full)[6:]  # epoch 0: the 6 samples already trained on are left out
+    assert len(resumed) == len(full) == 20  # the epoch's length does not change (Lightning counts on it)
+    full.set_epoch(1)
+    resumed.set_epoch(1)
+    assert list(resumed) == list(full)  # epoch 1: untouched
+
+
+def test_epoch_source_overrides_set_epoch():
+    # Lightning may call set_epoch(1) while the trainer is still in epoch 0 after a resume; the trainer wins.
+    dataset = SyntheticTokens(num_samples=40, seq_len=4, vocab_size=100)
+    reference = ResumableDistributedSampler(dataset, 2, 0, shuffle=True, seed=0)
+    sampler = ResumableDistributedSampler(dataset, 2, 0, shuffle=True, seed=0, epoch_source=lambda: 0)
+    sampler.set_epoch(1)
+    assert list(sampler) == list(reference)
+
+
+def test_data_module_state_round_trip_skips_trained_batches():
+    module = LMDataModule(vocab_size=100, seq_len=4, num_samples=64, batch_size=4, shuffle=True)
+    module.setup("fit")
+    full = [x for x, _ in module.train_dataloader()]
+    module.load_state_dict({"epoch": 0, "batches_done": 3})  # what a checkpoint after 3 batches records
+    resumed = [x for x, _ in module.train_dataloader()]
+    assert len(resumed) == len(full) - 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed, full[3:]))
 
 
 # ---- token and text files ----------------------------------------------------------------------
