@@ -281,8 +281,9 @@ class LMDataModule(LightningDataModule):
         self.vocab_size: int = self._resolve_vocab_size(vocab_size)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self._build_datasets()
 
-    # ---- construction-time checks: cheap, no file is read -------------------------------------
+    # ---- construction-time checks of the arguments -------------------------------------
 
     def _check_arguments(self, vocab_size: int | None) -> None:
         if self.source not in ("synthetic", "tokens", "text"):
@@ -351,8 +352,11 @@ class LMDataModule(LightningDataModule):
     # ---- setup: build the datasets and check the files -----------------------------------------
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is not None:  # Lightning calls setup once per stage
-            return
+        self._check_enough_for_one_batch()  # needs the world size, known only once the trainer is attached
+
+    def _build_datasets(self) -> None:
+        # Done at construction, before the Trainer starts: a bad file then fails before any process is launched
+        # or any log file is created. Memory-mapped files cost nothing to open; only the id scan reads them.
         if self.source == "synthetic":
             train = SyntheticTokens(self.num_samples, self.seq_len, self.vocab_size, self.seed)
         else:
@@ -363,7 +367,6 @@ class LMDataModule(LightningDataModule):
             self.train_dataset, self.val_dataset = self._split_tail(train)
         else:
             self.train_dataset = train
-        self._check_enough_for_one_batch()
 
     def _open_file(self, path: str) -> TokenFile:
         if self.source == "text":

@@ -224,18 +224,17 @@ def test_missing_file(tmp_path):
 def test_token_id_not_below_vocab_size(tmp_path):
     path = tmp_path / "train.bin"
     write_token_file(path, [1, 2, 10_000, 3, 4])
-    module = LMDataModule(source="tokens", path=str(path), seq_len=2, batch_size=1)  # vocab 10,000
+    # Checked when the module is built, before the Trainer starts: no process launched, no log written.
     with pytest.raises(ValueError, match=r"token id 10000.*set --data\.vocab_size to at least 10001"):
-        module.setup("fit")
+        LMDataModule(source="tokens", path=str(path), seq_len=2, batch_size=1)  # vocab 10,000
 
 
 def test_file_shorter_than_one_sequence(tmp_path):
     path = tmp_path / "train.bin"
     write_token_file(path, np.arange(8))
-    module = LMDataModule(source="tokens", path=str(path), seq_len=8)
     # One sample needs seq_len + 1 = 9 tokens: 8 inputs and the target after the last.
     with pytest.raises(ValueError, match=r"has 8 tokens but one sample needs seq_len \+ 1 = 9"):
-        module.setup("fit")
+        LMDataModule(source="tokens", path=str(path), seq_len=8)
 
 
 def test_seq_len_longer_than_context_length():
@@ -246,7 +245,7 @@ def test_seq_len_longer_than_context_length():
 
 def test_text_source_with_another_vocab_size(tmp_path):
     path = tmp_path / "input.txt"
-    path.write_text("some text")
+    path.write_text("some text " * 100)
     with pytest.raises(ValueError, match=r"vocabulary is 256, but --data\.vocab_size is 1000"):
         LMDataModule(source="text", path=str(path), vocab_size=1000)
     assert LMDataModule(source="text", path=str(path), vocab_size=256).vocab_size == 256
@@ -256,9 +255,8 @@ def test_file_size_not_a_multiple_of_the_dtype(tmp_path):
     path = tmp_path / "train.bin"
     # 11 uint16 tokens = 22 bytes: a multiple of 2 but not of 4, so int32 cannot be right.
     write_token_file(path, np.arange(11), dtype="uint16")
-    module = LMDataModule(source="tokens", path=str(path), token_dtype="int32", seq_len=2, batch_size=1)
     with pytest.raises(ValueError, match=r"22 bytes, not a multiple.*set --data\.token_dtype uint16"):
-        module.setup("fit")
+        LMDataModule(source="tokens", path=str(path), token_dtype="int32", seq_len=2, batch_size=1)
 
 
 def test_too_few_samples_for_one_batch():

@@ -72,6 +72,15 @@ class GradSyncStrategy(DDPStrategy):
             start_method=start_method,
         )
 
+    @override
+    def setup_environment(self) -> None:
+        if self._get_process_group_backend() == "nccl" and self.root_device.type != "cuda":
+            raise ValueError(
+                f"process_group_backend='nccl' needs CUDA GPUs, but this run is on {self.root_device.type}; use gloo "
+                "(the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
+            )
+        super().setup_environment()
+
     def make_container(self, module: nn.Module) -> DataParallel:
         """Wrap the LightningModule in this strategy's gradient-sync engine."""
         raise NotImplementedError
