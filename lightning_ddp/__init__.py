@@ -1,6 +1,6 @@
 """lightning_ddp: data-parallel gradient synchronisation, one swappable Lightning strategy per algorithm.
 
-Importing the package registers ``naive_ddp``, ``flat_ddp``, ``overlap_ddp`` and ``bucketed_ddp`` with
+Importing the package registers ``naive_ddp``, ``flat_ddp``, ``overlap_ddp``, ``bucketed_ddp`` and ``zero1_ddp`` with
 Lightning's ``StrategyRegistry``.
 """
 
@@ -9,8 +9,9 @@ from lightning_ddp.strategies import (
     FlatDDPStrategy,
     NaiveDDPStrategy,
     OverlapDDPStrategy,
+    ZeRO1DDPStrategy,
 )
-from lightning_ddp.sync import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP
+from lightning_ddp.sync import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, ShardedOptimizer
 
 __all__ = [
     "BucketedDDP",
@@ -21,4 +22,6 @@ __all__ = [
     "NaiveDDPStrategy",
     "OverlapDDP",
     "OverlapDDPStrategy",
+    "ShardedOptimizer",
+    "ZeRO1DDPStrategy",
 ]

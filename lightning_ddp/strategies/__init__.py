@@ -7,6 +7,7 @@ name                class                       engine
 ``flat_ddp``        ``FlatDDPStrategy``         ``lightning_ddp.sync.FlatDDP``
 ``overlap_ddp``     ``OverlapDDPStrategy``      ``lightning_ddp.sync.OverlapDDP``
 ``bucketed_ddp``    ``BucketedDDPStrategy``     ``lightning_ddp.sync.BucketedDDP`` (25 MiB)
+``zero1_ddp``       ``ZeRO1DDPStrategy``        ``lightning_ddp.sync.ShardedOptimizer`` (ZeRO-1)
 ==================  ==========================  ==============================================
 
 Lightning's own ``ddp`` is the baseline. To add a strategy: write the engine in ``lightning_ddp/sync``,
@@ -20,12 +21,14 @@ from lightning_ddp.strategies.bucketed import BucketedDDPStrategy
 from lightning_ddp.strategies.flat import FlatDDPStrategy
 from lightning_ddp.strategies.naive import NaiveDDPStrategy
 from lightning_ddp.strategies.overlap import OverlapDDPStrategy
+from lightning_ddp.strategies.zero1 import ZeRO1DDPStrategy
 
 STRATEGIES: tuple[type[GradSyncStrategy], ...] = (
     NaiveDDPStrategy,
     FlatDDPStrategy,
     OverlapDDPStrategy,
     BucketedDDPStrategy,
+    ZeRO1DDPStrategy,
 )
 
 
@@ -45,5 +48,6 @@ __all__ = [
     "NaiveDDPStrategy",
     "OverlapDDPStrategy",
     "STRATEGIES",
+    "ZeRO1DDPStrategy",
     "register_strategies",
 ]

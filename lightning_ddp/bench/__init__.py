@@ -1,0 +1,37 @@
+"""Benchmarks: ``python -m lightning_ddp.bench --config configs/bench/cpu.yaml`` runs the step-time sweep.
+
+==================  =========================================================================================
+module              what it does
+==================  =========================================================================================
+``config``          the sweep's configuration: one dataclass per concern (grid, workload, run, output)
+``grid``            cells from the config, stable cell ids, the command and environment of each process
+``runner``          runs one cell in its own processes; ok / oom / failed / timeout and the reason
+``results``         results.csv: the exact columns, one row per cell, written atomically
+``report``          results.md: the study's tables, predicted vs measured bucket size, the performance goals
+``plots``           PNG figures (matplotlib Agg)
+``sweep``           the orchestration: resume, progress, environment.json, the bucket-size prediction
+``allreduce``       the all-reduce microbenchmark job behind the prediction
+``memory``          per-rank memory with and without ZeRO-1 (``python -m lightning_ddp.bench.memory``)
+==================  =========================================================================================
+
+Importing this package is cheap: the modules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["SweepConfig", "expand_grid", "run_sweep"]
+
+_LAZY = {
+    "SweepConfig": "lightning_ddp.bench.config",
+    "expand_grid": "lightning_ddp.bench.grid",
+    "run_sweep": "lightning_ddp.bench.sweep",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_ddp.bench' has no attribute {name!r}")

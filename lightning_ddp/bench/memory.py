@@ -1,0 +1,526 @@
+"""``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory with and without ZeRO-1.
+
+Recipe:
+
+1. For each mode, spawn ``devices`` fresh ranks (``torch.multiprocessing``; gloo on CPU, NCCL on CUDA). No
+   Lightning: the GPT from ``lightning_ddp.model``, an engine from ``lightning_ddp.sync`` and AdamW.
+2. Each mode starts from the same seed: build and wrap the model, build the optimizer (plain or sharded), train
+   ``steps`` steps on random tokens. Take a snapshot after set-up, and on the last step directly before and
+   directly after ``optimizer.step()`` (the optimizer state exists from the first step on).
+3. A snapshot sums the bytes of the tensors we own: the parameters, their ``.grad`` and every tensor in the
+   optimizer's ``state`` (only the shard's, for ``ShardedOptimizer``). On CUDA, ``rest`` is
+   ``torch.cuda.memory_allocated()`` minus those (activations, communication buffers, the allocator's
+   rounding) and the step's ``max_memory_allocated`` is reported; on CPU, ``rest`` is the process RSS minus
+   those (the interpreter, libraries, allocator caches), a secondary figure only.
+4. Next to every measured category: the analytic expectation (``expected_bytes``), from the model's shape
+   alone. For fp32 AdamW: parameters 4Ψ, gradients 4Ψ, state 8Ψ + 4T unsharded and 8Ψ_r + 4T_r sharded (Ψ
+   parameters, T tensors, Ψ_r and T_r those rank r owns under ``assign_owners``; the 4-byte ``step`` counter
+   per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``).
+5. Rank 0 gathers the ranks' results; the parent writes ``results.json`` and ``results.md`` (one table per
+   mode) into ``out_dir``, each atomically (a temporary file, then ``os.replace``), with versions, hardware
+   and the config.
+
+Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
+``ShardedOptimizer`` that broadcasts updated parameters), ``reduce_scatter`` (``DeferredGradSync`` + a
+``ShardedOptimizer`` that reduce-scatters gradients and all-gathers parameters). See ``lightning_ddp.sync.zero1``
+for the formulas of communication volume; ``results.md`` shows them next to what the ``SyncRecord`` counted.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = [
+    "MODES",
+    "MemoryBenchConfig",
+    "expected_bytes",
+    "format_report",
+    "main",
+    "parse_config",
+    "run",
+    "sent_bytes_per_rank",
+]
+
+MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter")
+"""The measured configurations: plain AdamW, then ZeRO-1 under each schedule."""
+
+POINTS: tuple[str, ...] = ("setup", "before_step", "after_step")
+"""When snapshots are taken: after model and optimizer set-up; on the last step before and after ``step()``."""
+
+MiB = 2**20
+GiB = 2**30
+FP32 = 4
+ADAM_STATE_BYTES_PER_PARAM = 2 * FP32  # exp_avg and exp_avg_sq
+ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter
+
+
+@dataclass
+class MemoryBenchConfig:
+    """Per-rank memory (parameters, gradients, optimizer state, rest) and step time with and without ZeRO-1."""
+
+    preset: str = "small"
+    """Model size by name (``lightning_ddp.model.PRESETS``): tiny, small, medium, large, xl, 2.7b."""
+    vocab_size: int = 10_000
+    """Vocabulary size of the model (and the range of the random tokens)."""
+    batch_size: int = 2
+    """Sequences per rank and step."""
+    seq_len: int = 64
+    """Tokens per sequence (also the model's context length)."""
+    devices: int = 2
+    """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
+    steps: int = 3
+    """Optimizer steps per mode; the first is warm-up (it allocates the optimizer state), at least 2."""
+    accelerator: Literal["cpu", "cuda"] = "cpu"
+    """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
+    backend: Optional[Literal["gloo", "nccl"]] = None
+    """Process-group backend; default gloo on CPU, NCCL on CUDA."""
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    """Which of unsharded, allreduce_broadcast, reduce_scatter to measure, in this order."""
+    grad_sync: Literal["naive", "flat", "overlap", "bucketed"] = "bucketed"
+    """The engine that all-reduces gradients for unsharded and allreduce_broadcast."""
+    bucket_size_mb: Optional[float] = 25.0
+    """Bucket cap of the bucketed engine in MiB (null: one bucket)."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (on every parameter: the measurement does not depend on it)."""
+    seed: int = 0
+    """Seed of the model's initial weights and of the random tokens."""
+    separate_processes: bool = True
+    """Measure each mode in fresh processes (an honest RSS per mode); false measures every mode in one set of
+    processes, faster, but memory freed by an earlier mode may then stay in a later mode's RSS."""
+    out_dir: str = "bench_results/memory"
+    """Directory for results.json and results.md (created if missing; existing files are replaced)."""
+
+    def __post_init__(self) -> None:
+        from lightning_ddp.model import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ValueError(
+                f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} (--preset)"
+            )
+        for name in ("vocab_size", "batch_size", "seq_len", "devices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} (--{name})")
+        if self.steps < 2:
+            raise ValueError(
+                f"steps must be >= 2, got {self.steps}: the first step allocates the optimizer state, the last is "
+                "measured (--steps 3)"
+            )
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
+        if self.backend == "nccl" and self.accelerator != "cuda":
+            raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
+
+
+def resolved_backend(config: MemoryBenchConfig) -> str:
+    """The configured backend, or the default: NCCL on CUDA, gloo on CPU."""
+    return config.backend or ("nccl" if config.accelerator == "cuda" else "gloo")
+
+
+# ---- the analytic expectation -------------------------------------------------------------------------
+
+
+def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and AdamW state one rank holds before (and after) a step, fp32.
+
+    ``shapes`` are the trainable parameters' shapes (tied tensors once). Unsharded: every rank holds the state
+    of every tensor; sharded: only of the tensors ``assign_owners`` gives it.
+
+    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="unsharded", rank=1)
+    {'parameters': 80, 'gradients': 80, 'optimizer_state': 168}
+    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="reduce_scatter", rank=1)  # rank 1 owns the (4,) vector
+    {'parameters': 80, 'gradients': 80, 'optimizer_state': 36}
+    """
+    from lightning_ddp.sync.zero1 import assign_owners
+
+    numels = [math.prod(shape) for shape in shapes]
+    params = FP32 * sum(numels)
+    if mode == "unsharded":
+        owned = numels
+    else:
+        owners = assign_owners([FP32 * n for n in numels], world_size)
+        owned = [n for n, owner in zip(numels, owners) if owner == rank]
+    state = ADAM_STATE_BYTES_PER_PARAM * sum(owned) + ADAM_STEP_BYTES_PER_TENSOR * len(owned)
+    return {"parameters": params, "gradients": params, "optimizer_state": state}
+
+
+def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
+    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; see ``sync.zero1``).
+
+    >>> [sent_bytes_per_rank(1000, 2, mode) for mode in ("unsharded", "allreduce_broadcast", "reduce_scatter")]
+    [1000.0, 1500.0, 1000.0]
+    """
+    n = world_size
+    all_reduce = 2 * (n - 1) / n * param_bytes
+    one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
+    return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way}[mode]
+
+
+# ---- one rank -----------------------------------------------------------------------------------------
+
+
+def _current_rss_bytes() -> int | None:
+    """Resident set size now (Linux ``/proc/self/statm``); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
+    """Bytes of distinct tensors (by data pointer), optionally only those on ``device``'s type."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or t.data_ptr() in seen or (device is not None and t.device.type != device.type):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    state = [v for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v)]
+    snap: dict[str, Any] = {
+        "parameters": _tensor_bytes(params),
+        "gradients": _tensor_bytes(grads),
+        "optimizer_state": _tensor_bytes(state),
+        "optimizer_state_tensors": len(optimizer.state),
+    }
+    owned = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
+    if device.type == "cuda":
+        on_device = _tensor_bytes(params, device) + _tensor_bytes(grads, device) + _tensor_bytes(state, device)
+        snap["allocated"] = torch.cuda.memory_allocated(device)
+        snap["max_allocated"] = torch.cuda.max_memory_allocated(device)
+        snap["rest"] = snap["allocated"] - on_device
+    else:
+        rss = _current_rss_bytes()
+        snap["rss"] = rss
+        snap["rest"] = None if rss is None else rss - owned
+    return snap
+
+
+def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
+    from lightning_ddp.sync import BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP
+
+    if mode == "reduce_scatter":
+        return DeferredGradSync(model)
+    if config.grad_sync == "bucketed":
+        return BucketedDDP(model, bucket_size_mb=config.bucket_size_mb)
+    return {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}[config.grad_sync](model)
+
+
+def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
+    from lightning_ddp.model import GPT, get_config
+    from lightning_ddp.sync import ShardedOptimizer
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(config.seed)
+    gpt_config = get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)
+    model = GPT(gpt_config).to(device)
+    engine = _make_engine(mode, config, model)
+    if mode == "unsharded":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+    else:
+        optimizer = ShardedOptimizer(
+            model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
+        )
+        optimizer.attach_record(engine)  # the optimizer's collectives join the engine's per-step record
+    _sync(device)
+    snapshots = {"setup": _snapshot(model, optimizer, device)}
+    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
+    step_ms: list[float] = []
+    comm_bytes: list[int] = []
+    comm_calls: list[int] = []
+    for step in range(config.steps):
+        last = step == config.steps - 1
+        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
+        tokens = tokens.to(device)  # (B, T + 1): inputs are [:, :-1], targets [:, 1:]
+        _sync(device)
+        start = time.perf_counter()
+        engine.on_train_batch_start()
+        logits = engine(tokens[:, :-1])  # (B, T, V)
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        del logits
+        engine.finish_gradient_synchronization()
+        paused = 0.0
+        if last:  # snapshots are not part of the step's time
+            _sync(device)
+            pause = time.perf_counter()
+            snapshots["before_step"] = _snapshot(model, optimizer, device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
+            paused += time.perf_counter() - pause
+        optimizer.step()
+        if last:
+            _sync(device)
+            pause = time.perf_counter()
+            snapshots["after_step"] = _snapshot(model, optimizer, device)
+            paused += time.perf_counter() - pause
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        step_ms.append((time.perf_counter() - start - paused) * 1e3)
+        comm_bytes.append(engine.record.nbytes)
+        comm_calls.append(len(engine.record.collectives))
+    # The slowest rank sets the pace of synchronous data parallelism.
+    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    result = {
+        "mode": mode,
+        "rank": rank,
+        "snapshots": snapshots,
+        "expected": expected_bytes(shapes, dist.get_world_size(), mode, rank),
+        "step_ms": times.tolist(),
+        "comm_bytes_recorded": comm_bytes[-1],
+        "comm_calls": comm_calls[-1],
+        "num_params": sum(math.prod(s) for s in shapes),
+        "num_tensors": len(shapes),
+        "shard_bytes": optimizer.shard_bytes if mode != "unsharded" else None,
+    }
+    del engine, optimizer, model
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int, result_file: str) -> None:
+    world_size = config.devices
+    if config.accelerator == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the machine's cores; oversubscribing them only adds noise.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: avoid an interface that does not route back
+    dist.init_process_group(
+        resolved_backend(config), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(minutes=10),
+    )
+    try:
+        results = [_measure_mode(mode, config, device, rank) for mode in modes]
+        gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(results, gathered, dst=0)
+        if rank == 0:
+            _write_atomically(Path(result_file), json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+
+
+def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
+    cuda = config.accelerator == "cuda" and torch.cuda.is_available()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu"),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.version.cuda if cuda else None,
+        "backend": resolved_backend(config),
+        "world_size": config.devices,
+    }
+
+
+def _mib(value: int | float | None) -> str:
+    return "" if value is None else f"{value / MiB:,.2f}"
+
+
+def format_report(results: dict[str, Any]) -> str:
+    """``results.md``: a summary table across modes, then one table per mode (a row per rank and point)."""
+    config, env = results["config"], results["environment"]
+    cuda = config["accelerator"] == "cuda"
+    lines = [
+        f"# ZeRO-1 memory benchmark: {config['preset']}, {config['devices']} ranks, {config['accelerator']}",
+        "",
+        f"torch {env['torch']}, {env['device']}, {env['cpu_count']} CPUs, backend {env['backend']}; batch "
+        f"{config['batch_size']} x {config['seq_len']} tokens per rank, {config['steps']} steps per mode, engine "
+        f"{config['grad_sync']}. Bytes are MiB (2^20). `tensors` = parameters + gradients + optimizer state, summed "
+        "over the tensors themselves; `expected` is the analytic figure (see `lightning_ddp.bench.memory`); "
+        + ("`rest` = `torch.cuda.memory_allocated()` minus our tensors on the GPU." if cuda else
+           "`rest` = process RSS minus our tensors (a secondary figure: interpreter, libraries, activations, "
+           "communication buffers, allocator caches"
+           + ("; each mode runs in fresh processes)." if config["separate_processes"] else
+              "; the modes share processes, so memory freed by an earlier mode can stay in a later one's RSS).")),
+        "",
+        "`recorded comm` sums the input sizes of the step's collectives in the `SyncRecord` (a reduce-scatter's "
+        "input is the whole buffer, a broadcast counts on every rank); `sent per rank` is the bandwidth-optimal "
+        "volume each rank sends (ring model, see `lightning_ddp.sync.zero1`).",
+        "",
+        "| mode | rank | optimizer state MiB (expected) | tensors before step MiB | step ms (median, max over ranks) "
+        "| recorded comm MiB/step | sent per rank MiB/step (ring model) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in results["modes"]:
+        for per_rank in mode["ranks"]:
+            before = per_rank["snapshots"]["before_step"]
+            tensors = before["parameters"] + before["gradients"] + before["optimizer_state"]
+            lines.append(
+                f"| {mode['mode']} | {per_rank['rank']} | {_mib(before['optimizer_state'])} "
+                f"({_mib(per_rank['expected']['optimizer_state'])}) | {_mib(tensors)} | {mode['step_ms_median']:,.1f} "
+                f"| {_mib(per_rank['comm_bytes_recorded'])} | {_mib(mode['sent_bytes_per_rank'])} |"
+            )
+    for mode in results["modes"]:
+        lines += [
+            "",
+            f"## {mode['mode']}",
+            "",
+            f"Step time: median {mode['step_ms_median']:,.1f} ms over steps 2..{config['steps']} (max over ranks). "
+            f"Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
+            "",
+            "| rank | point | parameters | gradients | optimizer state | tensors | expected | "
+            + ("allocated | max allocated | rest |" if cuda else "RSS | rest |"),
+            "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if cuda else "---:|---:|"),
+        ]
+        for per_rank in mode["ranks"]:
+            for point in POINTS:
+                snap = per_rank["snapshots"][point]
+                exp = per_rank["expected_at"][point]
+                tensors = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
+                row = (
+                    f"| {per_rank['rank']} | {point} | {_mib(snap['parameters'])} | {_mib(snap['gradients'])} | "
+                    f"{_mib(snap['optimizer_state'])} | {_mib(tensors)} | {_mib(sum(exp.values()))} | "
+                )
+                if cuda:
+                    row += f"{_mib(snap['allocated'])} | {_mib(snap['max_allocated'])} | {_mib(snap['rest'])} |"
+                else:
+                    row += f"{_mib(snap['rss'])} | {_mib(snap['rest'])} |"
+                lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def _summarise(config: MemoryBenchConfig, per_mode: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    modes = []
+    for mode, ranks in zip(config.modes, per_mode):
+        matches = True
+        for entry in ranks:
+            full = entry["expected"]
+            # Before any step: parameters only (AdamW allocates its state lazily, .grad is None).
+            entry["expected_at"] = {
+                "setup": {"parameters": full["parameters"], "gradients": 0, "optimizer_state": 0},
+                "before_step": full,
+                "after_step": full,
+            }
+            for point in POINTS:
+                snap = entry["snapshots"][point]
+                for key, value in entry["expected_at"][point].items():
+                    matches &= snap[key] == value
+        measured = ranks[0]["step_ms"][1:]  # the first step allocates the optimizer state: warm-up
+        modes.append(
+            {
+                "mode": mode,
+                "ranks": ranks,
+                "step_ms_median": statistics.median(measured),
+                "matches_expected": matches,
+                "sent_bytes_per_rank": sent_bytes_per_rank(ranks[0]["expected"]["parameters"], config.devices, mode),
+            }
+        )
+    return {"config": asdict(config), "environment": _environment(config), "modes": modes}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(config: MemoryBenchConfig) -> dict[str, Any]:
+    """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
+    import torch.multiprocessing as mp
+
+    if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
+        raise ValueError(
+            f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
+            "lower --devices or use --accelerator cpu"
+        )
+    out_dir = Path(config.out_dir)
+    # Fresh processes per mode: memory an earlier mode freed may stay with the allocator (glibc keeps freed heap
+    # pages), which would show up in the next mode's RSS.
+    batches = [[mode] for mode in config.modes] if config.separate_processes else [list(config.modes)]
+    per_mode = []
+    with tempfile.TemporaryDirectory(prefix="memory_bench_") as scratch:
+        for number, modes in enumerate(batches):
+            result_file = str(Path(scratch) / f"ranks{number}.json")
+            mp.spawn(_rank_main, args=(config, modes, _free_port(), result_file), nprocs=config.devices, join=True)
+            per_rank = json.loads(Path(result_file).read_text())  # [rank][mode index] -> one rank's result
+            per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
+    results = _summarise(config, per_mode)
+    _write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    report = format_report(results)
+    _write_atomically(out_dir / "results.md", report)
+    print(report, flush=True)
+    return results
+
+
+def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
+    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field)."""
+    from jsonargparse import set_parsing_settings
+
+    try:  # jsonargparse >= 4.32
+        from jsonargparse import auto_cli
+    except ImportError:  # pragma: no cover - older jsonargparse
+        from jsonargparse import CLI as auto_cli
+
+    # Attribute docstrings (a string under a dataclass field) become --help text.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    return auto_cli(MemoryBenchConfig, args=args, prog="python -m lightning_ddp.bench.memory")
+
+
+def main(args: list[str] | None = None) -> int:
+    try:
+        config = parse_config(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    results = run(config)
+    return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
