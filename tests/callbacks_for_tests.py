@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -31,6 +33,7 @@ class FailAt(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            print(f"[FailAt] failing at t={time.time():.3f}", file=sys.stderr, flush=True)
             if self.mode == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")

@@ -14,9 +14,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python -m lightning_ddp ARGS`` in ``cwd`` with the progress bar off; fails with its output on error."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**(env or os.environ), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_ddp", *args, "--trainer.enable_progress_bar", "false"],
         cwd=cwd,

@@ -17,6 +17,9 @@ only the gradient synchronisation:
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Literal
@@ -117,6 +120,22 @@ class GradSyncStrategy(DDPStrategy):
             container.finish_gradient_synchronization()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # When another rank dies, this one only sees a broken connection ("Connection closed by peer"). The
+        # launching process (rank 0 on each node) knows its sibling processes: name the ones that ended and how.
+        procs = getattr(self._launcher, "procs", [])
+        if any(word in str(exception) for word in ("peer", "Connection", "remote")):
+            # The broken connection can be seen before the dead process is reaped: give it a moment.
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and all(proc.poll() is None for proc in procs):
+                time.sleep(0.05)
+        deaths = describe_dead_ranks(procs, self.node_rank * self.num_processes)
+        if deaths:
+            message = f"{exception.args[0] if exception.args else ''}\n[lightning_ddp] {deaths}"
+            exception.args = (message, *exception.args[1:])
+
+    @override
     def teardown(self) -> None:
         if self.container is not None:
             self.model = self.lightning_module
@@ -128,3 +147,17 @@ class GradSyncStrategy(DDPStrategy):
         # Overridden so that the inherited DDPStrategy.register_strategies does not re-register "ddp".
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().splitlines()[0])
+
+
+def describe_dead_ranks(procs: list[subprocess.Popen], first_rank: int) -> str:
+    """Which of the launched sibling processes (ranks ``first_rank + 1``, ...) have ended, and how."""
+    deaths = []
+    for offset, proc in enumerate(procs, start=1):
+        code = proc.poll()
+        if code is None or code == 0:
+            continue
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        deaths.append(f"rank {first_rank + offset} (pid {proc.pid}) {how}")
+    if not deaths:
+        return ""
+    return "; ".join(deaths) + ". Its own error, if it printed one, is in the output above."
