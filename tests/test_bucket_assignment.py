@@ -149,3 +149,17 @@ def test_one_rank_engine_is_exactly_plain_training(one_rank_group, engine):
         flags = [c for c in wrapped.record.collectives if c.label == "gradient presence flags"]
         assert len(flags) == 1 and flags[0].nbytes == 24
         assert all(c.completed is not None and c.launched <= c.completed for c in wrapped.record.collectives)
+
+
+@pytest.mark.parametrize("engine", ["NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP"])
+def test_a_parameter_unfrozen_after_wrapping_is_an_error(one_rank_group, engine):
+    # The engine only synchronises what was trainable when it wrapped the model; training a parameter unfrozen
+    # later would silently use each rank's own gradient, so it must fail loudly instead.
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model[0].weight.requires_grad_(False)
+    ddp = {"NaiveDDP": NaiveDDP, "FlatDDP": FlatDDP, "OverlapDDP": OverlapDDP, "BucketedDDP": BucketedDDP}[engine](model)
+    model[0].weight.requires_grad_(True)
+    ddp.on_train_batch_start()
+    ddp(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"0\.weight had requires_grad=False when .* wrapped the model"):
+        ddp.finish_gradient_synchronization()
