@@ -204,7 +204,8 @@ def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
     device = trainer.strategy.root_device
     return {
         "strategy": type(trainer.strategy).__name__,
-        "bucket_size_mb": getattr(trainer.strategy, "bucket_size_mb", None),
+        # the engine's value: for `auto`, the size it predicted
+        "bucket_size_mb": getattr(trainer.strategy.model, "bucket_size_mb", getattr(trainer.strategy, "bucket_size_mb", None)),
         "world_size": trainer.world_size,
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -23,22 +23,26 @@ many times; one huge bucket pays it once but cannot start before backward ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.base import DataParallel
+from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.record import Collective
 
 MiB = 2**20
 
 
-def check_bucket_size(bucket_size_mb: float | None) -> None:
+def check_bucket_size(bucket_size_mb: float | str | None) -> None:
     """Reject a bucket cap that cannot hold anything (the one check the engine and strategy share)."""
-    if bucket_size_mb is not None and not bucket_size_mb > 0:
+    if bucket_size_mb is None or bucket_size_mb == "auto":
+        return
+    if isinstance(bucket_size_mb, str) or not bucket_size_mb > 0:
         raise ValueError(
-            f"bucket_size_mb must be > 0 (or null for a single bucket), got {bucket_size_mb!r}; "
+            f"bucket_size_mb must be > 0, 'auto' or null (a single bucket), got {bucket_size_mb!r}; "
             "set e.g. `bucket_size_mb: 25`."
         )
 
@@ -79,17 +83,27 @@ class BucketedDDP(DataParallel):
 
     Args:
         module: The model to train; any ``nn.Module``.
-        bucket_size_mb: Bucket cap in MiB (2**20 bytes); ``None`` for a single bucket per dtype.
+        bucket_size_mb: Bucket cap in MiB (2**20 bytes); ``None`` for a single bucket per dtype; ``"auto"`` to
+            predict the best cap from a short all-reduce microbenchmark at construction
+            (``lightning_ddp.sync.bucket_model``; the prediction is kept in ``bucket_prediction``).
         process_group: The group to average over (default: the world).
     """
 
     uses_grad_hooks = True
 
     def __init__(
-        self, module: nn.Module, bucket_size_mb: float | None = 25.0, process_group: dist.ProcessGroup | None = None
+        self,
+        module: nn.Module,
+        bucket_size_mb: float | Literal["auto"] | None = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_bucket_size(bucket_size_mb)
         super().__init__(module, process_group)
+        self.bucket_prediction: BucketPrediction | None = None
+        if bucket_size_mb == "auto":
+            # A collective: every rank measures together and gets the same (MAX-agreed) prediction.
+            self.bucket_prediction = predict_bucket_size(self.params, process_group)
+            bucket_size_mb = self.bucket_prediction.bucket_size_mb
         self.bucket_size_mb = bucket_size_mb
         cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
         nbytes = [p.numel() * p.element_size() for p in self.params]

@@ -1,0 +1,253 @@
+"""Predict the best gradient-bucket size from a short all-reduce microbenchmark (``bucket_size_mb: auto``).
+
+Recipe:
+
+1. **Measure** (``measure_allreduce``): on the current process group, time one all-reduce of each message
+   size in ``sizes`` (4 KiB .. 64 MiB by default), ``repeats`` times after one untimed warm-up call, and keep
+   the median per size. Every rank must call it; the medians are then all-reduced with ``MAX`` so that every
+   rank holds the same numbers (the slowest rank sets the pace) and therefore makes the same prediction.
+2. **Fit** (``fit_latency_bandwidth``): the linear cost model ``t = o + bytes / w`` by least squares, giving
+   the per-call overhead ``o`` (seconds) and the bandwidth ``w`` (bytes per second, the *algorithm* bandwidth
+   of one all-reduce: message bytes over time). The fit minimises *relative* residuals by default (weights
+   ``1 / t**2``): the sizes span four orders of magnitude, and plain least squares would let the
+   milliseconds of noise on a 64 MiB message swamp the sub-millisecond intercept ``o`` it is meant to find.
+   With noiseless data both give the exact ``o`` and ``w``.
+3. **Optimise** (``optimal_bucket_bytes``): with ``s`` gradient bytes split into ``n_b`` equal buckets, and
+   assuming backward produces each bucket's gradients in about the time the previous bucket takes to
+   communicate (compute per bucket = communication per bucket, so only the last bucket is left over), the
+   communication still running when backward ends is
+
+       T(n_b) = s / (n_b * w) + n_b * o        # the last bucket's transfer + one overhead per bucket
+
+   ``dT/dn_b = -s / (n_b**2 * w) + o = 0`` gives ``n_b* = sqrt(s / (w * o))``, i.e. a bucket of
+   ``b* = s / n_b* = sqrt(s * w * o)`` bytes. A bucket never splits a parameter, so ``b*`` is raised to the
+   largest parameter's bytes, and a bucket larger than ``s`` is one bucket, so it is capped at ``s``.
+4. **Combine** (``predict_bucket_size``): ``s`` and the largest parameter from the module's trainable
+   parameters, the measurement on their device, the fit and the optimum; ``predict_bucket_size_mb`` returns
+   just the size in MiB (2**20 bytes, the unit of ``bucket_size_mb``).
+
+Invariants: ``measure_allreduce`` issues the same collectives in the same order on every rank (one warm-up
+and ``repeats`` timed all-reduces per size, then one ``MAX`` all-reduce of the medians), so ranks never
+mismatch; everything else here is pure arithmetic.
+
+Example: ``s = 400 MB``, ``w = 10 GB/s``, ``o = 100 us``: ``n_b* = sqrt(4e8 / (1e10 * 1e-4)) = 20`` buckets
+of ``b* = sqrt(4e8 * 1e10 * 1e-4) = 2e7`` bytes (20 MB), leaving ``2 ms + 2 ms = 4 ms`` after backward.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "BucketPrediction",
+    "fit_latency_bandwidth",
+    "measure_allreduce",
+    "optimal_bucket_bytes",
+    "predict_bucket_size",
+    "predict_bucket_size_mb",
+]
+
+MiB = 2**20
+
+DEFAULT_SIZES: tuple[int, ...] = tuple(4 * 1024 * 4**k for k in range(8))
+"""Message sizes of the microbenchmark in bytes: 4 KiB, 16 KiB, ..., 64 MiB (eight sizes, x4 apart)."""
+
+
+def fit_latency_bandwidth(
+    sizes: Sequence[float], times: Sequence[float], relative: bool = True
+) -> tuple[float, float]:
+    """Fit ``t = o + bytes / w`` to measured all-reduce times; return ``(o, w)``.
+
+    Args:
+        sizes: Message sizes in bytes (at least two distinct values).
+        times: Time of one all-reduce of each size, in seconds (same length as ``sizes``, all > 0).
+        relative: Minimise relative residuals ``(t_i - fit_i) / t_i`` (weights ``1 / t_i**2``) rather than
+            absolute ones; see the module docstring for why.
+
+    Returns:
+        ``o``: per-call overhead in seconds, clipped at 0 (noise can push a tiny intercept below zero);
+        ``w``: bandwidth in bytes per second, ``math.inf`` when time does not grow with size.
+
+    Weighted least squares on ``t = o + k * b`` with ``k = 1 / w`` (weights ``v_i``)::
+
+        k = sum v (b - b_mean)(t - t_mean) / sum v (b - b_mean)**2,   o = t_mean - k * b_mean
+        (b_mean, t_mean: the v-weighted means)
+
+    >>> fit_latency_bandwidth([0, 1e6, 2e6], [1e-3, 2e-3, 3e-3])  # 1 ms + 1 ms per MB: o = 1 ms, w = 1 GB/s
+    (0.001, 1000000000.0)
+    """
+    if len(sizes) != len(times):
+        raise ValueError(f"sizes and times must have the same length, got {len(sizes)} and {len(times)}")
+    if len(set(sizes)) < 2:
+        raise ValueError(f"the fit needs at least two distinct message sizes, got {list(sizes)}")
+    if any(not t > 0 for t in times):
+        raise ValueError(f"every time must be > 0 seconds, got {list(times)}")
+    weights = [1.0 / t**2 if relative else 1.0 for t in times]
+    total = sum(weights)
+    b_mean = sum(v * b for v, b in zip(weights, sizes)) / total
+    t_mean = sum(v * t for v, t in zip(weights, times)) / total
+    sxx = sum(v * (b - b_mean) ** 2 for v, b in zip(weights, sizes))
+    sxy = sum(v * (b - b_mean) * (t - t_mean) for v, b, t in zip(weights, sizes, times))
+    slope = sxy / sxx  # seconds per byte
+    overhead = t_mean - slope * b_mean
+    bandwidth = 1.0 / slope if slope > 0 else math.inf
+    # Round away float dust so that exact data gives exact numbers (e.g. 0.001 rather than 0.0010000000000000002).
+    return max(0.0, _round_sig(overhead)), _round_sig(bandwidth)
+
+
+def optimal_bucket_bytes(s: float, o: float, w: float, largest_param_bytes: float = 0) -> int:
+    """``b* = sqrt(s * w * o)`` bytes, raised to ``largest_param_bytes`` and capped at ``s`` (module docstring).
+
+    Args:
+        s: Gradient bytes communicated per step (all trainable parameters).
+        o: Per-call overhead of one all-reduce, seconds (``fit_latency_bandwidth``).
+        w: All-reduce bandwidth, bytes per second; ``math.inf`` gives the smallest bucket allowed.
+        largest_param_bytes: A bucket never splits a parameter, so it is never smaller than this.
+
+    Edge cases follow the model: with ``o = 0`` (no per-call cost) or ``w = inf`` (free transfer) more buckets
+    are never worse, so the answer is the smallest bucket allowed (``largest_param_bytes``); ``b* > s`` means
+    one bucket of ``s`` bytes.
+
+    >>> optimal_bucket_bytes(4e8, 1e-4, 1e10)  # sqrt(4e8 * 1e10 * 1e-4) = sqrt(4e14) = 2e7
+    20000000
+    """
+    if not s > 0:
+        raise ValueError(f"s (gradient bytes) must be > 0, got {s!r}; a model with no trainable parameters needs no buckets")
+    if o < 0 or not w > 0:
+        raise ValueError(f"need o >= 0 and w > 0, got o={o!r}, w={w!r}; fit them with fit_latency_bandwidth")
+    if largest_param_bytes < 0:
+        raise ValueError(f"largest_param_bytes must be >= 0, got {largest_param_bytes!r}")
+    if math.isinf(w) or o == 0:
+        best = 0.0
+    else:
+        best = math.sqrt(s * w * o)
+    return int(round(min(float(s), max(best, float(largest_param_bytes)))))
+
+
+def measure_allreduce(
+    sizes: Iterable[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> list[float]:
+    """Median seconds of one SUM all-reduce per message size, agreed over ranks (``MAX``); every rank must call it.
+
+    Args:
+        sizes: Message sizes in bytes (float32 messages, so each is rounded down to a multiple of 4, at least 4).
+        repeats: Timed calls per size (after one untimed warm-up call); the median is kept.
+        group: The process group (default: the world).
+        device: Where the messages live; default ``cuda`` (current device) for NCCL, else ``cpu``. Pass the
+            gradients' device: with gloo and CUDA tensors the transfer goes through the host, and that is the
+            cost the buckets will pay.
+
+    Returns:
+        One time in seconds per size, the same list on every rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("measure_allreduce needs a process group: call torch.distributed.init_process_group() first")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sizes = list(sizes)
+    if not sizes:
+        raise ValueError("sizes is empty; pass at least two message sizes, e.g. DEFAULT_SIZES")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    medians = []
+    for nbytes in sizes:
+        tensor = torch.zeros(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)
+        dist.all_reduce(tensor, group=group)  # warm-up: connection set-up, allocator, first-call costs
+        samples = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            if cuda:
+                torch.cuda.synchronize(device)  # NCCL returns once queued; the clock must wait for the kernel
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples))
+    agreed = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return [float(t) for t in agreed.tolist()]
+
+
+@dataclass(frozen=True)
+class BucketPrediction:
+    """The prediction and everything it was computed from (for logging next to the result)."""
+
+    overhead_s: float
+    """Fitted per-call overhead ``o`` of one all-reduce, seconds."""
+    bandwidth_Bps: float
+    """Fitted all-reduce bandwidth ``w``, bytes per second (message bytes over time)."""
+    grad_bytes: int
+    """``s``: bytes of all trainable parameters' gradients."""
+    largest_param_bytes: int
+    """The lower bound on a bucket: the largest trainable parameter, bytes."""
+    bucket_bytes: int
+    """``b*``: the predicted best bucket cap, bytes."""
+    sizes: tuple[int, ...] = ()
+    """Message sizes measured, bytes."""
+    times_s: tuple[float, ...] = ()
+    """Median all-reduce time per size, seconds (agreed over ranks)."""
+
+    @property
+    def bucket_size_mb(self) -> float:
+        """``b*`` in MiB, the unit of ``bucket_size_mb``."""
+        return self.bucket_bytes / MiB
+
+    @property
+    def n_buckets(self) -> float:
+        """``s / b*``: about how many buckets the prediction makes."""
+        return self.grad_bytes / self.bucket_bytes
+
+
+def predict_bucket_size(
+    module_or_params: nn.Module | Iterable[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    sizes: Iterable[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+) -> BucketPrediction:
+    """Measure, fit and optimise (the recipe above) for the trainable parameters of ``module_or_params``.
+
+    A collective: every rank of ``group`` must call it, at the same point. Gradients are assumed to have
+    their parameter's dtype (as in fp32 and bf16-mixed training: AMP keeps fp32 parameters and gradients).
+    """
+    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) else module_or_params
+    unique: dict[int, torch.Tensor] = {}
+    for p in params:
+        if p.requires_grad:
+            unique.setdefault(id(p), p)  # a tied tensor is communicated once
+    if not unique:
+        raise ValueError("no trainable parameters: nothing to put in buckets")
+    nbytes = [p.numel() * p.element_size() for p in unique.values()]
+    device = next(iter(unique.values())).device
+    sizes = tuple(int(s) for s in sizes)
+    times = measure_allreduce(sizes, repeats=repeats, group=group, device=device)
+    o, w = fit_latency_bandwidth(sizes, times)
+    s, largest = sum(nbytes), max(nbytes)
+    return BucketPrediction(o, w, s, largest, optimal_bucket_bytes(s, o, w, largest), sizes, tuple(times))
+
+
+def predict_bucket_size_mb(
+    module_or_params: nn.Module | Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, **kwargs
+) -> float:
+    """The predicted best ``bucket_size_mb`` (MiB) for these parameters on ``group``; see ``predict_bucket_size``."""
+    return predict_bucket_size(module_or_params, group, **kwargs).bucket_size_mb
+
+
+def _round_sig(x: float, digits: int = 12) -> float:
+    """``x`` rounded to ``digits`` significant digits (inf and 0 unchanged)."""
+    if x == 0 or math.isinf(x) or math.isnan(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
