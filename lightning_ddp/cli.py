@@ -2,7 +2,8 @@
 
 The CLI only wires things together; each knob is documented where it is defined (``LitGPT``,
 ``LMDataModule``, the strategies and callbacks), and jsonargparse turns those docstrings into ``--help``.
-The ``CommTimer`` callback is always added (section ``timer:``). Two arguments are linked rather than set twice:
+The ``CommTimer`` callback is always added (section ``timer:``), and so is the ``TraceRecorder`` (section ``trace:``,
+off until ``--trace.enabled true``). Two arguments are linked rather than set twice:
 
 - ``data.vocab_size -> model.vocab_size``: the data decides the vocabulary (raw text bytes are always 256).
 - ``model.context_length -> data.context_length``: the data module rejects ``seq_len`` longer than the model's context.
@@ -26,6 +27,7 @@ from lightning_ddp.callbacks import CommTimer
 from lightning_ddp.data import LMDataModule
 from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import STRATEGIES
+from lightning_ddp.profiling import TraceRecorder
 
 
 # LMDataModule resumes mid-epoch exactly through its own state_dict and sampler (see data.py); Lightning only
@@ -42,6 +44,8 @@ class LightningDDPCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Always on: every run reports its communication share. Configure under `timer:` (enabled, warmup_steps).
         parser.add_lightning_class_args(CommTimer, "timer")
+        # Off by default: `--trace.enabled true` writes a profiler trace per rank to <log_dir>/traces.
+        parser.add_lightning_class_args(TraceRecorder, "trace")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("model.context_length", "data.context_length")
 

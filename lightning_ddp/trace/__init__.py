@@ -1,0 +1,37 @@
+"""Timelines from profiler traces: did communication overlap computation, and by how much?
+
+Record traces with the ``TraceRecorder`` callback (``--trace.enabled true``), then draw one or several runs::
+
+    python -m lightning_ddp.trace logs/naive/version_0 logs/overlap/version_0 -o timeline.png
+
+=====================  ==========================================================================
+``ranges``             names of our ``record_function`` ranges and of the communication track
+``overlap``            interval arithmetic and HTA's communication/computation overlap
+``chrome``             Chrome-trace JSON: add the communication track (recorder), read it back
+``render``             the picture: per rank a compute row and a communication row (matplotlib Agg)
+=====================  ==========================================================================
+
+Where the collectives come from (``--comm-source``): our engines record each collective's launch and
+completion (the SyncRecord track the recorder adds); with Lightning's built-in ``ddp`` there is none, and the
+renderer falls back to what the profiler saw on its own: gloo's ``gloo:*`` ranges on its worker threads (or
+NCCL kernels, HTA's ``^nccl.*Kernel``). Those also include non-gradient collectives (the CommTimer's step-time
+``MAX``, Lightning's own), and torch DDP waits for its buckets inside autograd's backward, so for ``ddp`` the
+overlap is an upper bound. The renderer reads host-side ranges only: on CUDA, where the host runs ahead of the
+GPU, analyse the same files with HTA (GPU kernels) instead of trusting the compute row.
+"""
+
+from lightning_ddp.trace.chrome import RankTrace, RunTraces, find_traces, load_rank_trace, load_run
+from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
+from lightning_ddp.trace.render import Timeline, render_timeline
+
+__all__ = [
+    "Overlap",
+    "RankTrace",
+    "RunTraces",
+    "Timeline",
+    "comm_compute_overlap",
+    "find_traces",
+    "load_rank_trace",
+    "load_run",
+    "render_timeline",
+]

@@ -1,0 +1,43 @@
+"""``python -m lightning_ddp.trace RUN_DIR_OR_TRACES... -o timeline.png``: draw runs as stacked timelines.
+
+Each directory argument is one run (every ``*.pt.trace.json`` below it, one per rank); trace files given one by
+one are grouped into runs by their directory. Prints each run's overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+from pathlib import Path
+
+from lightning_ddp.trace.chrome import load_run
+from lightning_ddp.trace.render import render_timeline
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.trace", description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="run log directories or *.pt.trace.json files (one run per directory)")
+    parser.add_argument("-o", "--output", default="timeline.png", help="picture to write (default: timeline.png)")
+    parser.add_argument("--label", action="append", default=None,
+                        help="name of a run, once per run in order (default: the strategy recorded in the trace)")
+    parser.add_argument("--steps", type=int, default=None, help="draw only each rank's first N recorded steps")
+    parser.add_argument("--comm-source", choices=("auto", "record", "profiler"), default="auto",
+                        help="collectives from the SyncRecord track (record), from gloo threads / NCCL kernels "
+                             "(profiler), or the track where there is one (auto)")
+    parser.add_argument("--title", default=None, help="figure title")
+    args = parser.parse_args(argv)
+
+    groups: OrderedDict[Path, list[Path]] = OrderedDict()
+    for p in map(Path, args.paths):
+        groups.setdefault(p if p.is_dir() else p.parent, []).append(p)
+    if args.label is not None and len(args.label) != len(groups):
+        parser.error(f"got {len(args.label)} --label for {len(groups)} runs; give one per run, in order")
+    labels = args.label or [None] * len(groups)
+    runs = [load_run(paths, label) for paths, label in zip(groups.values(), labels)]
+    timeline = render_timeline(runs, args.output, steps=args.steps, comm_source=args.comm_source, title=args.title)
+    print(timeline.summary())
+    print(f"wrote {timeline.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Draw runs as timelines: per rank a compute row and a communication row, runs stacked on one time axis.
+
+Each run gets its own panel; its title carries the run's overlap (``lightning_ddp.trace.overlap``). The time
+axis is milliseconds from the run's first recorded step start (earliest over its ranks), so panels stacked
+from different runs line up at their first step. Matplotlib's Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_ddp.trace import ranges
+from lightning_ddp.trace.chrome import RunTraces, assign_lanes, clip
+from lightning_ddp.trace.overlap import Overlap, intersect
+
+COLORS = {
+    ranges.FORWARD: "#4C72B0",
+    ranges.BACKWARD: "#DD8452",
+    ranges.OPTIMIZER: "#55A868",
+    ranges.GRAD_SYNC: "#B0B0B0",
+    "calls": "#5A1A1A",
+    "comm": "#C44E52",
+    "hidden": "#2F2F2F",
+}
+LEGEND = {
+    ranges.FORWARD: "forward",
+    ranges.BACKWARD: "backward (incl. gradient hooks)",
+    ranges.OPTIMIZER: "optimizer step",
+    ranges.GRAD_SYNC: "finish_gradient_synchronization (waiting)",
+    "calls": "inside a collective call (launch / wait)",
+    "comm": "collective in flight (launch -> completion)",
+    "hidden": "communication hidden behind compute",
+}
+MAX_COMM_LANES = 4
+"""Concurrent collectives are stacked in up to this many sub-lanes of the communication row."""
+
+
+@dataclass
+class Row:
+    """One drawn row: which run and rank, ``compute`` or ``comm``, and how many bars it holds."""
+
+    run: str
+    rank: int
+    kind: str
+    bars: int
+
+
+@dataclass
+class Timeline:
+    """What ``render_timeline`` drew: the rows and each run's overlap, for tests and for printing."""
+
+    path: Path
+    rows: list[Row]
+    overlaps: dict[str, Overlap]
+
+    def summary(self) -> str:
+        return "\n".join(
+            f"{label}: overlap {o.fraction:.1%} ({o.overlapped / 1e3:.1f} of {o.comm / 1e3:.1f} ms communication hidden)"
+            for label, o in self.overlaps.items()
+        )
+
+
+def render_timeline(
+    runs: list[RunTraces],
+    output: str | Path,
+    steps: int | None = None,
+    comm_source: str = "auto",
+    title: str | None = None,
+    dpi: int = 120,
+) -> Timeline:
+    """Draw ``runs`` (stacked, shared ms axis) into ``output`` (PNG, or any format matplotlib infers).
+
+    Args:
+        runs: One ``RunTraces`` per run (``lightning_ddp.trace.load_run``).
+        output: Picture path.
+        steps: Draw and measure only each rank's first ``steps`` recorded steps (default: all).
+        comm_source: ``record`` (the SyncRecord track), ``profiler`` (gloo threads / NCCL kernels) or ``auto``
+            (the SyncRecord track where there is one).
+        title: Figure title above the panels.
+        dpi: Resolution of the saved picture.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not runs:
+        raise ValueError("render_timeline needs at least one run")
+    heights = [len(run.ranks) for run in runs]
+    fig, axes = plt.subplots(
+        len(runs), 1, sharex=True, squeeze=False, figsize=(14, 1.1 + sum(0.25 + 1.05 * h for h in heights)),
+        gridspec_kw={"height_ratios": heights},
+    )
+    rows: list[Row] = []
+    overlaps: dict[str, Overlap] = {}
+    x_max = 0.0
+    labels = _unique([run.label for run in runs])
+    for ax, run, label in zip(axes[:, 0], runs, labels):
+        windows = {r.rank: r.window(steps) for r in run.ranks}
+        t0 = min(lo for lo, _ in windows.values())
+        total = Overlap(0.0, 0.0)
+        yticks, ylabels = [], []
+        for index, rank in enumerate(run.ranks):
+            lo, hi = windows[rank.rank]
+            x_max = max(x_max, (hi - t0) / 1e3)
+            ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
+            base = 2.4 * (len(run.ranks) - 1 - index)  # rank 0 on top
+            compute_y, comm_y = base + 1.2, base
+            # compute row: the training thread's ranges, coloured by kind
+            bars = 0
+            for name in (ranges.FORWARD, ranges.BACKWARD, ranges.OPTIMIZER, ranges.GRAD_SYNC):
+                spans = clip(rank.ranges.get(name, []), lo, hi)
+                ax.broken_barh(ms(spans), (compute_y, 1.0), facecolors=COLORS[name], edgecolor="none")
+                bars += len(spans)
+            # the thread's time inside collective calls (not compute): a strip along the row's bottom
+            calls = clip([i for name in (ranges.COMM_LAUNCH, ranges.COMM_WAIT) for i in rank.ranges.get(name, [])], lo, hi)
+            ax.broken_barh(ms(calls), (compute_y, 0.2), facecolors=COLORS["calls"], edgecolor="none")
+            rows.append(Row(label, rank.rank, "compute", bars))
+            # communication row: each collective from launch to completion, concurrent ones in sub-lanes
+            comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(comm_source) if c.end > lo and c.start < hi]
+            lanes = assign_lanes(comm)
+            n_lanes = min(MAX_COMM_LANES, max(lanes, default=0) + 1)
+            lane_h = 0.78 / n_lanes
+            for lane in range(n_lanes):
+                spans = [iv for iv, l in zip(comm, lanes) if l % n_lanes == lane]
+                ax.broken_barh(ms(spans), (comm_y + 0.22 + lane * lane_h, lane_h), facecolors=COLORS["comm"],
+                               edgecolor="white", linewidth=0.3)
+            hidden = intersect(comm, clip(rank.compute(), lo, hi))
+            ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=COLORS["hidden"], edgecolor="none")
+            rows.append(Row(label, rank.rank, "comm", len(comm)))
+            overlap = rank.overlap(comm_source, (lo, hi))
+            total = total + overlap
+            yticks += [compute_y + 0.5, comm_y + 0.5]
+            ylabels += [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
+            if index == 0:  # step boundaries, from the top rank
+                for step, (start, _) in rank.steps[:steps]:
+                    ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
+                    ax.text((start - t0) / 1e3, 2.4 * len(run.ranks) - 0.15, f" step {step}", fontsize=7, va="bottom")
+        overlaps[label] = total
+        ax.set_yticks(yticks, ylabels, fontsize=8)
+        ax.set_ylim(-0.2, 2.4 * len(run.ranks) + 0.25)
+        ax.grid(axis="x", linewidth=0.4, alpha=0.5)
+        ax.set_title(
+            f"{label}: overlap {total.fraction:.1%}  ({total.overlapped / 1e3:.1f} of {total.comm / 1e3:.1f} ms "
+            f"communication hidden behind compute, {len(run.ranks)} ranks)",
+            fontsize=10, loc="left",
+        )
+    axes[-1, 0].set_xlim(0, x_max * 1.01)
+    axes[-1, 0].set_xlabel("time since the run's first recorded step (ms)")
+    handles = [Patch(facecolor=COLORS[key], label=LEGEND[key]) for key in LEGEND]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(title or "Compute vs gradient communication (overlap = time computing while communicating / "
+                          "communication time, as in HTA)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))  # keep ~0.5 inch at the bottom for the legend
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=dpi)
+    plt.close(fig)
+    return Timeline(output, rows, overlaps)
+
+
+def _unique(labels: list[str]) -> list[str]:
+    """Two runs of one strategy get ``name``, ``name (2)``: each panel and overlap keeps its own key."""
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    return out
