@@ -19,7 +19,7 @@ from tests.cli_utils import REPO, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-CUSTOM_STRATEGIES = ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp"]
+CUSTOM_STRATEGIES = ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp", "zero1_ddp"]
 SMALL = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--model.context_length", "32", "--data.seq_len", "32",
          "--data.batch_size", "2", "--data.num_samples", "24", "--timer.enabled", "false")
 
@@ -66,12 +66,19 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-@pytest.mark.parametrize("strategy", [*CUSTOM_STRATEGIES, "ddp"])
-def test_resume_from_a_mid_epoch_checkpoint_is_exact(tmp_path: Path, strategy: str) -> None:
+RESUME_CASES = {
+    **{name: ["--trainer.strategy", name] for name in [*CUSTOM_STRATEGIES, "ddp"]},
+    "bucketed_auto": ["--trainer.strategy", "lightning_ddp.strategies.BucketedDDPStrategy",
+                      "--trainer.strategy.init_args.bucket_size_mb", "auto"],
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_from_a_mid_epoch_checkpoint_is_exact(tmp_path: Path, case: str) -> None:
     # One uninterrupted run of 10 steps that also writes a checkpoint after step 4 (mid-epoch: 24 samples over 2
     # ranks with batch 2 is 6 steps per epoch), then a run resumed from that checkpoint. A cosine schedule with
     # warm-up makes the learning rate depend on the step, so a resume at the wrong step or sample shows up.
-    common = (*SMALL, "--trainer.strategy", strategy, "--trainer.max_steps", "10", "--model.warmup_steps", "2",
+    common = (*SMALL, *RESUME_CASES[case], "--trainer.max_steps", "10", "--model.warmup_steps", "2",
               "--model.lr_schedule", "cosine", "--trainer.callbacks+=tests.callbacks_for_tests.SaveWeights")
     run_cli("fit", *common, "--trainer.callbacks.path", str(tmp_path / "full.pt"),
             "--trainer.enable_checkpointing", "true", "--trainer.callbacks+=ModelCheckpoint",

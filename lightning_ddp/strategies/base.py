@@ -26,7 +26,6 @@ from typing import Any, Generator, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -46,7 +45,9 @@ class GradSyncStrategy(DDPStrategy):
         checkpoint_io: Set by the Trainer.
         precision_plugin: Set by the Trainer from ``trainer.precision``.
         process_group_backend: ``gloo`` or ``nccl``; default: ``nccl`` on CUDA, ``gloo`` on CPU.
-        timeout: How long a collective may wait for the other ranks before the job fails.
+        timeout: How long a collective may wait for the other ranks before the job fails (a stuck rank then ends
+            the job). 10 minutes: long enough for rank 0 to write an xl checkpoint while the others wait at a
+            barrier, short enough that a hang does not hold machines for Lightning's default 30 minutes.
         start_method: How the launcher starts the other ranks (``popen`` re-runs the command).
     """
 
@@ -61,7 +62,7 @@ class GradSyncStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = timedelta(minutes=10),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
