@@ -12,6 +12,7 @@ module              what it does
 ``sweep``           the orchestration: resume, progress, environment.json, the bucket-size prediction
 ``allreduce``       the all-reduce microbenchmark job behind the prediction
 ``memory``          per-rank memory with and without ZeRO-1 (``python -m lightning_ddp.bench.memory``)
+``timer_overhead``  what the CommTimer costs (``python -m lightning_ddp.bench.timer_overhead``)
 ==================  =========================================================================================
 
 Importing this package is cheap: the modules load on first use.

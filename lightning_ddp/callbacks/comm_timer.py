@@ -68,6 +68,7 @@ class CommTimer(Callback):
         self._tokens = 0
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
+        self._bucket_size_mb: float | str | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -84,6 +85,8 @@ class CommTimer(Callback):
         model = trainer.strategy.model
         self._container = model if isinstance(model, DataParallel) else None
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        # Read now: at on_fit_end the strategy has already unwrapped the engine. For `auto`, the predicted size.
+        self._bucket_size_mb = getattr(model, "bucket_size_mb", getattr(trainer.strategy, "bucket_size_mb", None))
         if self._ddp is not None:
             self._ddp._set_ddp_runtime_logging_sample_rate(1)  # torch DDP's stats for every iteration, not every 100th
         device = trainer.strategy.root_device
@@ -151,7 +154,7 @@ class CommTimer(Callback):
         out_dir = Path(trainer.logger.log_dir if trainer.logger and trainer.logger.log_dir else trainer.default_root_dir)
         title = f"CommTimer [{type(trainer.strategy).__name__}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
-        extra = {"run": _run_description(trainer, pl_module)}
+        extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb}}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
 
@@ -204,8 +207,6 @@ def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
     device = trainer.strategy.root_device
     return {
         "strategy": type(trainer.strategy).__name__,
-        # the engine's value: for `auto`, the size it predicted
-        "bucket_size_mb": getattr(trainer.strategy.model, "bucket_size_mb", getattr(trainer.strategy, "bucket_size_mb", None)),
         "world_size": trainer.world_size,
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -1,0 +1,55 @@
+"""``python -m lightning_ddp.bench --config configs/bench/cpu.yaml``: run (or resume) a benchmark sweep.
+
+Every field of the config is a flag too (``--grid.batch_sizes [2,4]``, ``--run.steps 20``,
+``--output.out_dir /tmp/sweep``); ``--help`` documents them and ``--print_config`` shows the merged result.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from jsonargparse import set_parsing_settings
+
+from lightning_ddp.bench.config import SweepConfig
+
+try:  # jsonargparse >= 4.32
+    from jsonargparse import auto_cli
+except ImportError:  # pragma: no cover - older jsonargparse
+    from jsonargparse import CLI as auto_cli
+
+# Attribute docstrings (a string under a dataclass field) become --help text.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def parse_config(args: list[str] | None = None) -> SweepConfig:
+    """The ``SweepConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
+    try:
+        return auto_cli(SweepConfig, args=args, description=SweepConfig.__doc__, prog="python -m lightning_ddp.bench")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through the runner, which kills the running cell's processes
+
+
+def main(args: list[str] | None = None) -> int:
+    config = parse_config(args)
+    from lightning_ddp.bench.sweep import run_sweep  # after parsing: --help stays fast
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        result = run_sweep(config)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished cells are in results.csv; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0 if result.ok or not result.cells else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""What a sweep is: one dataclass per concern, every field documented (jsonargparse turns the docstrings into ``--help``).
+
+=================  ==============================================================================
+section            what it holds
+=================  ==============================================================================
+``grid:``          the axes: strategies, per-rank batch sizes, context lengths, bucket sizes, precisions
+``workload:``      the CLI config every cell starts from, the model preset, extra CLI arguments
+``run:``           how each cell runs: accelerator, ranks, backend, launcher, warm-up and measured steps
+``output:``        where results go, resume behaviour, report-only mode
+=================  ==============================================================================
+
+Validation happens in ``__post_init__`` (so at parse time, before anything is launched), and every error says
+which field to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+__all__ = [
+    "BASELINE",
+    "PRECISIONS",
+    "REFERENCE",
+    "STRATEGIES",
+    "GridConfig",
+    "OutputConfig",
+    "RunConfig",
+    "SweepConfig",
+    "WorkloadConfig",
+    "format_bucket",
+]
+
+STRATEGIES: dict[str, str] = {
+    "naive": "lightning_ddp.strategies.NaiveDDPStrategy",
+    "flat": "lightning_ddp.strategies.FlatDDPStrategy",
+    "overlap": "lightning_ddp.strategies.OverlapDDPStrategy",
+    "bucketed": "lightning_ddp.strategies.BucketedDDPStrategy",
+    "ddp": "lightning.pytorch.strategies.DDPStrategy",
+}
+"""Sweep name -> the Lightning strategy class each cell runs (to benchmark a new strategy, add it here)."""
+
+BASELINE = "ddp"
+"""Lightning's built-in torch DDP: always in the grid, the yardstick of the first performance goal."""
+
+REFERENCE = "reference"
+"""The compute-only cell: one process (``--trainer.devices 1``, strategy ``auto``), same per-rank batch, no
+communication. Its step time is the floor that perfect overlap would reach. Always in the grid."""
+
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+"""Values of ``grid.precisions`` (Lightning's ``trainer.precision``; ``32-true`` is fp32)."""
+
+BucketSize = Union[float, Literal["auto"]]
+
+SWEEP_OWNED_ARGS: dict[str, str] = {
+    "--trainer.strategy": "`grid.strategies` (and `grid.bucket_sizes_mb`)",
+    "--trainer.devices": "`run.devices`",
+    "--trainer.num_nodes": "`run.devices`",
+    "--trainer.accelerator": "`run.accelerator`",
+    "--trainer.precision": "`grid.precisions`",
+    "--trainer.max_steps": "`run.warmup_steps` and `run.steps`",
+    "--trainer.logger": "`output.out_dir` (each cell logs to runs/<cell id>)",
+    "--data.batch_size": "`grid.batch_sizes`",
+    "--data.seq_len": "`grid.context_lengths`",
+    "--model.context_length": "`grid.context_lengths`",
+    "--model.preset": "`workload.preset`",
+    "--timer.warmup_steps": "`run.warmup_steps`",
+}
+"""CLI arguments the sweep sets for every cell, and the sweep field that controls each."""
+
+
+def format_bucket(size: float | str | None) -> str:
+    """``4.0 -> "4"``, ``0.25 -> "0.25"``, ``"auto" -> "auto"``, ``None -> ""`` (for ids, CSV and tables)."""
+    if size is None or size == "":
+        return ""
+    if isinstance(size, str):
+        return size
+    return f"{float(size):g}"
+
+
+@dataclass
+class GridConfig:
+    """The axes of the sweep; every combination is one cell (``bucket_sizes_mb`` multiplies ``bucketed`` only)."""
+
+    strategies: list[str] = field(default_factory=lambda: ["naive", "flat", "overlap", "bucketed", "ddp"])
+    """Gradient-sync strategies to compare: naive, flat, overlap, bucketed, ddp. Lightning's ``ddp`` (the
+    baseline) and the single-process compute-only ``reference`` are added to every group of cells anyway."""
+    batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
+    """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""
+    context_lengths: list[int] = field(default_factory=lambda: [64, 128])
+    """Sequence lengths (``--model.context_length`` and ``--data.seq_len``)."""
+    bucket_sizes_mb: list[BucketSize] = field(default_factory=lambda: [0.25, 1.0, 4.0, 16.0, "auto"])
+    """Bucket caps in MiB for ``bucketed``; ``auto`` lets the strategy pick one with the all-reduce model
+    (``lightning_ddp.sync.bucket_model``), so the prediction itself is measured."""
+    precisions: list[str] = field(default_factory=lambda: ["32-true"])
+    """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
+
+    def __post_init__(self) -> None:
+        choices = ", ".join(STRATEGIES)
+        if not self.strategies:
+            raise ValueError(
+                f"the sweep has no cells: `strategies` is empty; list at least one of {choices} "
+                "(e.g. `--grid.strategies [naive,bucketed]`)"
+            )
+        # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
+        unknown = [s for s in self.strategies if s not in STRATEGIES and s != REFERENCE]
+        if unknown:
+            raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
+        self.strategies = list(dict.fromkeys(self.strategies))  # de-duplicate, keep the order
+        for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
+            if not values:
+                raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. `--grid.{name} [2]`")
+            bad = [v for v in values if not (isinstance(v, int) and v >= 1)]
+            if bad:
+                raise ValueError(f"`grid.{name}` must hold integers >= 1, got {bad[0]!r}")
+        if not self.precisions:
+            raise ValueError(f"the sweep has no cells: `precisions` is empty; list at least one of {', '.join(PRECISIONS)}")
+        bad_precision = [p for p in self.precisions if p not in PRECISIONS]
+        if bad_precision:
+            raise ValueError(
+                f"unknown precision {bad_precision[0]!r} in `grid.precisions`; choose from {', '.join(PRECISIONS)}"
+            )
+        for size in self.bucket_sizes_mb:
+            if isinstance(size, str) and size != "auto" or not isinstance(size, str) and not size > 0:
+                raise ValueError(f"`grid.bucket_sizes_mb` takes sizes > 0 (MiB) or `auto`, got {size!r}")
+        if "bucketed" in self.strategies and not self.bucket_sizes_mb:
+            raise ValueError(
+                "`bucketed` is in `grid.strategies` but `grid.bucket_sizes_mb` is empty; list at least one size, "
+                "e.g. `--grid.bucket_sizes_mb [1,auto]`, or remove `bucketed`"
+            )
+        self.batch_sizes = list(dict.fromkeys(self.batch_sizes))
+        self.context_lengths = list(dict.fromkeys(self.context_lengths))
+        self.precisions = list(dict.fromkeys(self.precisions))
+        self.bucket_sizes_mb = list(dict.fromkeys(self.bucket_sizes_mb))
+
+
+@dataclass
+class WorkloadConfig:
+    """What each cell trains: a CLI config plus a few overrides (the grid's axes always win)."""
+
+    base_config: str = "configs/quickstart.yaml"
+    """The ``python -m lightning_ddp fit`` config every cell starts from (model, data, optimizer). Relative
+    paths resolve against the current directory. The sweep sets devices, strategy, precision, batch size,
+    context length, steps and logger on top of it."""
+    preset: Optional[str] = "tiny"
+    """Model preset (``--model.preset``: tiny, small, medium, large, xl, 2.7b); null keeps the base config's."""
+    cli_args: list[str] = field(default_factory=list)
+    """Extra CLI arguments for every cell, placed before the sweep's own, e.g. ``["--data.vocab_size", "32000"]``."""
+
+    def __post_init__(self) -> None:
+        if not self.base_config:
+            raise ValueError("`workload.base_config` is empty; point it at a CLI config, e.g. configs/quickstart.yaml")
+        for arg in self.cli_args:
+            key = arg.split("=", 1)[0]
+            for owned, field_name in SWEEP_OWNED_ARGS.items():
+                if key == owned or key.startswith(owned + "."):
+                    raise ValueError(
+                        f"`{key}` in `workload.cli_args` is set by the sweep for every cell; use {field_name} instead"
+                    )
+
+
+@dataclass
+class RunConfig:
+    """How each cell runs: where, on how many ranks, for how many steps, for how long at most."""
+
+    accelerator: Literal["cpu", "cuda"] = "cpu"
+    """``cpu`` or ``cuda`` (``--trainer.accelerator``)."""
+    devices: int = 2
+    """Ranks (processes) of the data-parallel cells; the reference always runs on one."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend. ``auto``: gloo on CPU; on CUDA, nccl when there is a GPU per rank, otherwise
+    gloo with CUDA tensors, the ranks sharing the GPUs (NCCL refuses two ranks on one GPU; gloo moves the
+    gradients through the host, which is slow but still compares the strategies fairly)."""
+    launcher: Literal["ranks", "lightning"] = "ranks"
+    """``ranks``: the sweep starts every rank at once with the usual launcher variables (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``, ``LOCAL_RANK``, ``RANK``), like torchrun; start-up costs one
+    import instead of one per rank, a dead rank ends its cell at once, and ranks can share a GPU.
+    ``lightning``: one process, Lightning's launcher starts the others (exactly what a user's command does;
+    needs a GPU per rank on CUDA)."""
+    warmup_steps: int = 3
+    """Optimizer steps run first and left out of the statistics (``--timer.warmup_steps``)."""
+    steps: int = 10
+    """Measured optimizer steps per cell; each cell runs ``warmup_steps + steps`` (``--trainer.max_steps``)."""
+    timeout_s: float = 600.0
+    """Wall-clock limit per cell, start-up included; a cell past it is killed and gets status ``timeout``."""
+    threads_per_rank: Optional[int] = None
+    """CPU threads per process (``OMP_NUM_THREADS``), the same for every cell including the reference so its
+    compute is comparable. Default on CPU: cores // devices (Lightning's own choice for DDP); unset on CUDA."""
+    predict_bucket_size: bool = True
+    """Before the cells, run the all-reduce microbenchmark once on the same ranks and fit o and w, so the
+    report can put the predicted best bucket size next to the measured one."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every cell, e.g. ``{TORCH_NCCL_ENABLE_TIMING: "1"}``."""
+
+    def __post_init__(self) -> None:
+        if self.devices < 2:
+            raise ValueError(
+                f"`run.devices` must be >= 2 for data-parallel cells, got {self.devices}; the 1-process compute-only "
+                "reference is added to the grid automatically"
+            )
+        if self.accelerator == "cpu" and self.backend == "nccl":
+            raise ValueError("`run.backend: nccl` needs CUDA; use `run.backend: gloo` (or `auto`) with `run.accelerator: cpu`")
+        if self.warmup_steps < 0:
+            raise ValueError(f"`run.warmup_steps` must be >= 0, got {self.warmup_steps}")
+        if self.steps < 1:
+            raise ValueError(f"`run.steps` must be >= 1 (the measured steps), got {self.steps}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"`run.timeout_s` must be > 0 seconds, got {self.timeout_s}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"`run.threads_per_rank` must be >= 1 or null (automatic), got {self.threads_per_rank}")
+
+
+@dataclass
+class OutputConfig:
+    """Where results go and what a rerun does."""
+
+    out_dir: str = "logs/bench"
+    """Directory of results.csv, results.md, the PNGs, environment.json and runs/<cell id>/ (each cell's logs).
+    Results meant for the repository go under benchmarks/results/ (e.g. configs/bench/cpu.yaml)."""
+    retry_failed: bool = False
+    """Rerun cells whose row has status oom, failed or timeout (by default every finished cell is skipped)."""
+    report_only: bool = False
+    """Run nothing: rebuild results.md and the plots from results.csv."""
+    plots: bool = True
+    """Write the PNG plots (matplotlib, Agg)."""
+
+
+@dataclass
+class SweepConfig:
+    """A benchmark sweep: the study's tables and plots, one subprocess per cell, resumable.
+
+    ``python -m lightning_ddp.bench --config configs/bench/cpu.yaml``
+    """
+
+    name: str = "sweep"
+    """Title of results.md."""
+    grid: GridConfig = field(default_factory=GridConfig)
+    """The axes of the sweep."""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """What every cell trains."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """How every cell runs."""
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Where results go."""
