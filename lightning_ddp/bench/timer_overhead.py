@@ -1,0 +1,99 @@
+"""What the CommTimer costs: steps/s of the same fit with the timer off and on, alternated in one command.
+
+    python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml --out benchmarks/results/cpu
+
+Each repeat runs the fit twice, timer off then on, so slow drifts of a shared machine hit both alike. Every
+step's wall time is taken by ``StepWallTimes``, a callback that only reads ``time.perf_counter()`` at the end of
+each training batch (on CUDA after ``torch.cuda.synchronize()``) and is present in both runs. The overhead is
+``median(step | on) / median(step | off) - 1`` over the steps after ``warmup``; the goal is under 2 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class StepWallTimes(Callback):
+    """Rank 0 appends the wall time between consecutive training-batch ends to ``path`` (JSON list, in ms)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.times_ms: list[float] = []
+        self._last: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times_ms.append((now - self._last) * 1e3)
+        self._last = now
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.times_ms))
+
+
+def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]) -> dict:
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for mode in ("off", "on"):
+                out = Path(tmp) / f"{mode}{repeat}.json"
+                command = [
+                    sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
+                    "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+                    "--timer.enabled", "true" if mode == "on" else "false",
+                    "--trainer.logger.init_args.save_dir", str(Path(tmp) / "logs"),
+                    "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
+                    "--trainer.callbacks.path", str(out),
+                ]
+                print(f"repeat {repeat + 1}/{repeats}, timer {mode}", flush=True)
+                subprocess.run(command, check=True, capture_output=True, text=True)
+                runs[mode].extend(json.loads(out.read_text())[warmup:])
+    off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+    return {
+        "config": config, "extra_args": extra, "steps": steps, "warmup": warmup, "repeats": repeats,
+        "median_step_ms_timer_off": off, "median_step_ms_timer_on": on, "overhead": on / off - 1,
+        "steps_measured": {k: len(v) for k, v in runs.items()},
+        "torch": torch.__version__, "cpu_count": os.cpu_count(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/quickstart.yaml", help="the fit config to time")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="steps per run left out of the median")
+    parser.add_argument("--repeats", type=int, default=2, help="off/on pairs")
+    parser.add_argument("--out", default=None, help="directory for timer_overhead.json and .md")
+    args, extra = parser.parse_known_args(argv)
+    result = measure(args.config, args.steps, args.warmup, args.repeats, extra)
+    line = (f"CommTimer overhead: {result['overhead'] * 100:+.2f} % (median step {result['median_step_ms_timer_off']:.1f} ms "
+            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < 2 %)")
+    print(line)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        command = "python -m lightning_ddp.bench.timer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+        for name, text in (("timer_overhead.json", json.dumps({**result, "command": command}, indent=2) + "\n"),
+                           ("timer_overhead.md", f"{line}\n\nCommand: `{command}`\n")):
+            tmp = out / (name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
+    return result
+
+
+if __name__ == "__main__":
+    main()
