@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -466,3 +467,48 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(REPO)  # the same relative base_config as the command: the same cell ids
     config = parse_config(["--config", "configs/bench/tiny_test.yaml", "--output.out_dir", str(out)])
     assert run_fake(config, lambda cell, run_dir: pytest.fail(f"{cell.id} ran again")).ran == []
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended while we looked
+            continue
+        if marker in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_sweep_killed_by_sigkill_keeps_finished_rows_leaves_no_process_and_resumes(tmp_path) -> None:
+    # Three cells (reference, naive, ddp). Kill the sweep with SIGKILL once the first row is written: that row
+    # must survive intact, the cell that was running must die with the sweep (PR_SET_PDEATHSIG), and the same
+    # command must then finish the other cells without rerunning the first.
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "lightning_ddp.bench", "--config", "configs/bench/tiny_test.yaml",
+               "--grid.strategies", "[naive, ddp]", "--output.out_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    sweep = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and not (out / "results.csv").exists():
+            time.sleep(0.5)
+        assert (out / "results.csv").exists(), "no cell finished in time"
+        time.sleep(2)  # the next cell is running now
+    finally:
+        sweep.kill()
+        sweep.wait()
+    first = read_results(out / "results.csv")
+    assert len(first) >= 1 and all(row["status"] == "ok" for row in first.values())
+    time.sleep(2)
+    assert _processes_mentioning(str(out)) == [], "a cell outlived the killed sweep"
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_results(out / "results.csv")
+    assert len(rows) == 3 and all(row["status"] == "ok" for row in rows.values())
+    for cell_id, row in first.items():
+        assert rows[cell_id] == row  # the rows finished before the kill were kept, not rerun
+    assert f"{len(first)} already done" in proc.stdout + proc.stderr

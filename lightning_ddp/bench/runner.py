@@ -25,7 +25,9 @@ import os
 import re
 import shlex
 import shutil
+import ctypes
 import signal
+import sys
 import socket
 import subprocess
 import time
@@ -165,6 +167,18 @@ class ProcessResult:
     wall_s: float = 0.0
 
 
+# Loaded here, in the parent: the child only calls prctl between fork and exec, where loading a library could
+# deadlock on a lock held by another thread of the parent.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_the_sweep() -> None:
+    """In a cell process: ask the kernel to SIGKILL it when the sweep dies, even by SIGKILL (no orphans)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # the process's own session: it and whatever it started (Lightning's ranks)
@@ -202,7 +216,7 @@ def run_processes(
             files.append(log)
             procs.append(subprocess.Popen(
                 command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_the_sweep,
             ))
         failed_at: float | None = None
         while True:
