@@ -35,7 +35,7 @@ wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``d
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -154,31 +154,15 @@ class DataParallel(nn.Module):
 
     def _all_reduce(self, tensor: torch.Tensor, label: str) -> tuple[dist.Work, Collective]:
         """Launch an async SUM all-reduce of ``tensor`` in place and record it."""
-        collective = Collective("all_reduce", label, tensor.numel() * tensor.element_size(), self.clock.mark())
-        with profiler_range(COMM_LAUNCH):
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
-        if not self.clock.cuda:
-            # gloo completes the future on its own thread once the data has arrived: that is completion.
-            def on_done(_fut: torch.futures.Future, c: Collective = collective) -> None:
-                if c.completed is None:
-                    c.completed = self.clock.mark()
-
-            work.get_future().then(on_done)
-        self.record.collectives.append(collective)
-        return work, collective
+        nbytes = tensor.numel() * tensor.element_size()
+        return launch_recorded(
+            self.record, self.clock, "all_reduce", label, nbytes,
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True),
+        )
 
     def _wait(self, work: dist.Work, collective: Collective) -> None:
         """Wait for ``work`` and record the wait (and, on CUDA, the completion estimate)."""
-        start = self.clock.mark()
-        with profiler_range(COMM_WAIT):
-            work.wait()
-        end = self.clock.mark()
-        collective.wait = (start, end)
-        if self.clock.cuda:
-            collective.completed = end  # upper bound; exact whenever the wait actually blocked
-            collective.duration_ms = nccl_duration_ms(work)
-        elif collective.completed is None:  # the callback thread may not have run yet; the wait returned
-            collective.completed = end
+        wait_recorded(self.clock, work, collective)
 
     def _agree_on_gradients(self, has_grad: list[bool]) -> list[int]:
         """Sum over ranks of "this parameter has a gradient here" (one tiny all-reduce, recorded)."""
@@ -203,6 +187,41 @@ def profiler_range(name: str) -> AbstractContextManager:
     ~0.1 us, so per-collective ranges are free when nobody profiles.
     """
     return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
+
+
+def launch_recorded(
+    record: SyncRecord, clock: StepClock, op: str, label: str, nbytes: int, start: Callable[[], dist.Work]
+) -> tuple[dist.Work, Collective]:
+    """Issue an async collective with ``start()`` and append it to ``record`` (every engine records this way)."""
+    collective = Collective(op, label, nbytes, clock.mark())
+    with profiler_range(COMM_LAUNCH):
+        work = start()
+    if not clock.cuda:
+        # gloo completes the future on its own thread once the data has arrived: that is completion.
+        def on_done(_fut: torch.futures.Future, c: Collective = collective) -> None:
+            if c.completed is None:
+                c.completed = clock.mark()
+
+        try:
+            work.get_future().then(on_done)
+        except RuntimeError:  # some gloo collectives (reduce_scatter_tensor) have no future: completion = wait end
+            pass
+    record.collectives.append(collective)
+    return work, collective
+
+
+def wait_recorded(clock: StepClock, work: dist.Work, collective: Collective) -> None:
+    """Wait for ``work`` and record the wait (and, on CUDA, the completion estimate)."""
+    start = clock.mark()
+    with profiler_range(COMM_WAIT):
+        work.wait()
+    end = clock.mark()
+    collective.wait = (start, end)
+    if clock.cuda:
+        collective.completed = end  # upper bound; exact whenever the wait actually blocked
+        collective.duration_ms = nccl_duration_ms(work)
+    elif collective.completed is None:  # the callback thread may not have run yet; the wait returned
+        collective.completed = end
 
 
 def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:

@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_ddp.sync.base import DataParallel, nccl_duration_ms
+from lightning_ddp.sync.base import DataParallel, launch_recorded, wait_recorded
 from lightning_ddp.sync.record import Collective, StepClock, SyncRecord
 
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
@@ -323,34 +323,11 @@ class ShardedOptimizer(Optimizer):
         return self._own_clock
 
     def _launch(self, op: str, label: str, nbytes: int, start: Callable[[], dist.Work]) -> _Pending:
-        """Issue an async collective and record it (as ``DataParallel._all_reduce`` does for all-reduces)."""
-        clock = self.clock
-        collective = Collective(op, label, nbytes, clock.mark())
-        work = start()
-        if not clock.cuda:
-            # gloo completes the future on its own thread once the data has arrived: that is completion.
-            def on_done(_fut: torch.futures.Future, c: Collective = collective) -> None:
-                if c.completed is None:
-                    c.completed = clock.mark()
-
-            try:
-                work.get_future().then(on_done)
-            except RuntimeError:  # gloo's reduce_scatter_tensor has no future: completion = the end of its wait
-                pass
-        self.record.collectives.append(collective)
-        return _Pending(work, collective)
+        """Issue an async collective and record it (the engines' ``launch_recorded``)."""
+        return _Pending(*launch_recorded(self.record, self.clock, op, label, nbytes, start))
 
     def _wait(self, pending: _Pending) -> None:
-        clock = self.clock
-        start = clock.mark()
-        pending.work.wait()
-        end = clock.mark()
-        pending.collective.wait = (start, end)
-        if clock.cuda:
-            pending.collective.completed = end  # upper bound; exact whenever the wait actually blocked
-            pending.collective.duration_ms = nccl_duration_ms(pending.work)
-        elif pending.collective.completed is None:
-            pending.collective.completed = end
+        wait_recorded(self.clock, pending.work, pending.collective)
 
     # -- the step ---------------------------------------------------------------------------------------
 
