@@ -22,12 +22,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lightning_ddp  # noqa: F401  (registers our strategies with Lightning's StrategyRegistry)
-from lightning_ddp.callbacks import CommTimer
+from lightning_ddp.callbacks.comm_timer import CommTimer
+from lightning_ddp.callbacks.trace_recorder import TraceRecorder
 from lightning_ddp.data import LMDataModule
 from lightning_ddp.module import LitGPT
-from lightning_ddp.strategies import STRATEGIES
-from lightning_ddp.profiling import TraceRecorder
+from lightning_ddp.strategies import register_strategies, strategy_names
 
 
 # LMDataModule resumes mid-epoch exactly through its own state_dict and sampler (see data.py); Lightning only
@@ -65,7 +64,7 @@ def check_strategy_name(strategy: object) -> None:
     """An unknown strategy name lists every registered one, ours first."""
     if not isinstance(strategy, str) or strategy in StrategyRegistry or strategy == "auto":
         return
-    ours = [s.strategy_name for s in STRATEGIES]
+    ours = strategy_names()
     others = sorted(name for name in StrategyRegistry if name not in ours and name != "ddp")
     raise ValueError(
         f"Unknown strategy {strategy!r}. Ours: {', '.join(ours)}; Lightning's baseline: ddp; also registered: "
@@ -101,6 +100,7 @@ def check_checkpoint_file(path: str) -> None:
 
 
 def main(args: list[str] | None = None) -> LightningDDPCLI:
+    register_strategies()  # `trainer.strategy: <name>_ddp` for every registered algorithm
     return LightningDDPCLI(
         LitGPT,
         LMDataModule,

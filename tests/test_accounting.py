@@ -10,22 +10,15 @@ import math
 import pytest
 
 from lightning_ddp.callbacks import accounting
-from lightning_ddp.callbacks.accounting import (
-    METRIC_KEYS,
-    CollectiveTiming,
-    StepTiming,
-    TimingSummary,
-    overlap_length,
-    step_metrics,
-    union_length,
-)
-from lightning_ddp.sync.record import Collective, SyncRecord
+from lightning_ddp.callbacks.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
+from lightning_ddp.intervals import overlap_length, total
+from lightning_ddp.sync.record import Collective, Recorder, SyncRecord
 
 approx = pytest.approx
 
 
-def _c(launched: float, completed: float, nbytes: int = 0, duration_ms: float | None = None) -> CollectiveTiming:
-    return CollectiveTiming("all_reduce", "test", nbytes, launched, completed, duration_ms)
+def _c(launched: float, completed: float, nbytes: int = 0) -> Collective:
+    return Collective("all_reduce", "test", nbytes, launched, completed)
 
 
 def test_doctests():
@@ -35,11 +28,11 @@ def test_doctests():
 # ---- intervals ---------------------------------------------------------------------------------------
 
 
-def test_union_length_counts_overlap_once():
+def test_total_counts_overlap_once():
     # [0, 4] ∪ [2, 6] = [0, 6] (6); [6, 7] touches it (7 in all); [10, 10.5] apart: 7.5. Order must not matter.
-    assert union_length([(10.0, 10.5), (2.0, 6.0), (0.0, 4.0), (6.0, 7.0)]) == approx(7.5)
+    assert total([(10.0, 10.5), (2.0, 6.0), (0.0, 4.0), (6.0, 7.0)]) == approx(7.5)
     # A nested interval adds nothing.
-    assert union_length([(0.0, 10.0), (3.0, 4.0)]) == approx(10.0)
+    assert total([(0.0, 10.0), (3.0, 4.0)]) == approx(10.0)
 
 
 def test_overlap_length_intersects_the_two_unions():
@@ -54,7 +47,9 @@ def test_overlap_length_intersects_the_two_unions():
 
 def test_backwards_interval_is_an_error():
     with pytest.raises(ValueError, match="ends before it starts"):
-        union_length([(2.0, 1.0)])
+        StepTiming(step_ms=10.0, exposed=[(2.0, 1.0)])
+    with pytest.raises(ValueError, match="ends before it starts"):
+        StepTiming(step_ms=10.0, collectives=[_c(5.0, 4.0)])
 
 
 # ---- step metrics ------------------------------------------------------------------------------------
@@ -171,22 +166,6 @@ def test_concurrent_collectives_are_counted_once_in_busy_time():
     assert m["comm/overlap"] == approx(9 / 16)
 
 
-def test_nccl_duration_replaces_the_completion_upper_bound():
-    # Launched at 10 ms, but only waited for until 50 ms: the completion mark says 40 ms in flight. NCCL timed
-    # the kernel at 4 ms, so busy is [10, 14]. The second collective has no NCCL timing: [60, 62].
-    timing = StepTiming(
-        step_ms=100.0,
-        exposed=[(45.0, 62.0)],
-        collectives=[_c(10.0, 50.0, 4_000_000, duration_ms=4.0), _c(60.0, 62.0, 0)],
-    )
-    assert timing.collectives[0].busy_interval == (10.0, 14.0)
-    m = step_metrics(timing, world_size=2)
-    assert m["comm/busy_ms"] == approx(6.0)  # 4 + 2
-    assert m["comm/algbw_GBps"] == approx(4e6 / 0.006 / 1e9)
-    # exposed (17) > busy (6): clipped to 0 rather than negative
-    assert m["comm/overlap"] == 0.0
-
-
 def test_no_collectives_means_zero_busy_overlap_and_bandwidth():
     m = step_metrics(StepTiming(step_ms=10.0, tokens=10), world_size=2)
     assert m["comm/busy_ms"] == 0.0
@@ -227,19 +206,11 @@ def test_input_errors_say_what_is_wrong():
         step_metrics(StepTiming(step_ms=1.0), world_size=1, flops_per_token=1.0, peak_flops=0.0)
 
 
-# ---- from_record -------------------------------------------------------------------------------------
+# ---- from a record ------------------------------------------------------------------------------------
 
 
-class _FakeClock:
-    """Host-clock marks in seconds, like StepClock on CPU, with the step starting at t0 = 1000 s."""
-
-    t0 = 1000.0
-
-    def to_ms(self, mark: float) -> float:
-        return (mark - self.t0) * 1e3
-
-
-def test_from_record_converts_marks_to_ms_since_the_step_start():
+def test_a_record_converts_to_ms_and_fills_in_missing_completions():
+    # Host-clock marks in seconds with the anchor at 1000 s, as on CPU.
     record = SyncRecord(
         collectives=[
             # completed via the gloo future: 1000.010 s -> 10 ms, 1000.015 s -> 15 ms
@@ -248,42 +219,51 @@ def test_from_record_converts_marks_to_ms_since_the_step_start():
             Collective("all_reduce", "bucket 1", 800, launched=1000.020, wait=(1000.025, 1000.030)),
             # neither completed nor waited for: completed at launch (40 ms)
             Collective("broadcast", "lonely", 8, launched=1000.040),
-            # NCCL timing kept: busy [50, 52.5] although the wait ended at 60
-            Collective("all_reduce", "nccl", 16, launched=1000.050, completed=1000.060, duration_ms=2.5),
         ],
         exposed=[(1000.025, 1000.035)],
         pack=[(1000.031, 1000.033)],
+        started=1000.0,
+        ended=1000.070,
     )
-    timing = StepTiming.from_record(record, _FakeClock(), step_ms=70.0, tokens=64)
+    finished = record.converted(lambda mark: (mark - 1000.0) * 1e3, origin_s=1000.0)
+    assert finished.step_ms == approx(70.0) and finished.origin_s == 1000.0
+    assert [c.label for c in finished.collectives] == ["bucket 0", "bucket 1", "lonely"]
+    assert [c.launched for c in finished.collectives] == approx([10.0, 20.0, 40.0])
+    assert [c.completed for c in finished.collectives] == approx([15.0, 30.0, 40.0])
+    assert finished.collectives[1].wait == (approx(25.0), approx(30.0))
+    # Back on the host clock (what the trace recorder uses): the same instants in seconds.
+    assert [c.launched for c in finished.in_host_seconds().collectives] == approx([1000.010, 1000.020, 1000.040])
+
+    timing = StepTiming.from_record(finished, step_ms=70.0, tokens=64)
     assert timing.step_ms == 70.0 and timing.tokens == 64
-    assert [c.label for c in timing.collectives] == ["bucket 0", "bucket 1", "lonely", "nccl"]
-    assert [c.op for c in timing.collectives] == ["all_reduce", "all_reduce", "broadcast", "all_reduce"]
-    assert [c.nbytes for c in timing.collectives] == [400, 800, 8, 16]
-    assert [c.launched_ms for c in timing.collectives] == approx([10.0, 20.0, 40.0, 50.0])
-    assert [c.completed_ms for c in timing.collectives] == approx([15.0, 30.0, 40.0, 60.0])
-    assert timing.collectives[3].duration_ms == 2.5
     assert timing.exposed == [(approx(25.0), approx(35.0))]
     assert timing.pack == [(approx(31.0), approx(33.0))]
-
     m = step_metrics(timing, world_size=2)
-    # busy = [10, 15] + [20, 30] + [40, 40] + [50, 52.5] = 5 + 10 + 0 + 2.5 = 17.5 ms
-    assert m["comm/busy_ms"] == approx(17.5)
+    # busy = [10, 15] + [20, 30] + [40, 40] = 5 + 10 + 0 = 15 ms
+    assert m["comm/busy_ms"] == approx(15.0)
     # exposed = 10 - 2 (pack inside) = 8 ms
     assert m["comm/exposed_ms"] == approx(8.0)
-    assert m["comm/bytes"] == 1224.0
+    assert m["comm/bytes"] == 1208.0
 
 
-def test_from_record_works_with_the_real_cpu_step_clock():
-    import torch
-
-    from lightning_ddp.sync.record import StepClock
-
-    clock = StepClock(torch.device("cpu"))
-    clock.t0 = 5.0  # pin the step start so the marks below are exact
-    record = SyncRecord(collectives=[Collective("all_reduce", "flat", 4, 5.001, 5.003)], exposed=[(5.001, 5.004)])
-    timing = StepTiming.from_record(record, clock, step_ms=10.0, tokens=1)
-    assert timing.collectives[0].busy_interval == (approx(1.0), approx(3.0))
-    assert union_length(timing.exposed) == approx(3.0)
+def test_the_cpu_recorder_finishes_a_step_in_ms_since_its_start():
+    recorder = Recorder()
+    recorder.open_step(7)
+    recorder.open_step(7)  # idempotent for the open step: a second observer opening it changes nothing
+    started = recorder.record.started
+    collective = Collective("all_reduce", "flat", 4, recorder.mark())
+    recorder.record.collectives.append(collective)
+    collective.completed = recorder.mark()
+    recorder.span("exposed", recorder.mark())
+    finished = recorder.finish_step()
+    assert recorder.record.started is started
+    assert recorder.finish_step() is finished  # idempotent once finished
+    assert finished.started == approx(0.0, abs=1.0)  # the anchor is taken when the step opens
+    (c,) = finished.collectives
+    assert 0.0 <= finished.started <= c.launched <= c.completed <= finished.ended
+    assert finished.exposed[0][0] <= finished.exposed[0][1] <= finished.ended
+    with pytest.raises(RuntimeError, match="open_step"):
+        Recorder().finish_step()
 
 
 # ---- summary -----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Every bad input gives one clear error naming the fix, exits non-zero, and writes nothing.
 
 One row per input: the extra CLI arguments (on top of the quickstart config) and a phrase the error must
-contain. Most fail while parsing, in one process; the NCCL and token-file rows fail after the 2 ranks start.
+contain. Most fail while parsing, in one process; the NCCL and token-file rows fail after the 2 ranks start, so
+the whole table is a multi-process test (each row is a real CLI run).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from lightning_ddp.data import write_token_file
 from tests.cli_utils import REPO, run_cli
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _token_file_with_large_ids(tmp_path: Path) -> list[str]:

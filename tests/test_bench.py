@@ -178,8 +178,8 @@ def test_cell_command_sets_the_axes_and_the_strategy(tmp_path) -> None:
     assert args["--trainer.max_steps"] == str(config.run.warmup_steps + config.run.steps)
     assert args["--timer.warmup_steps"] == str(config.run.warmup_steps)
     assert json.loads(args["--trainer.strategy"]) == {
-        "class_path": "lightning_ddp.strategies.BucketedDDPStrategy",
-        "init_args": {"process_group_backend": "gloo", "bucket_size_mb": 1.0},
+        "class_path": "lightning_ddp.strategies.GradSyncStrategy",
+        "init_args": {"algorithm": "bucketed", "process_group_backend": "gloo", "bucket_size_mb": 1.0},
     }
     assert json.loads(args["--trainer.logger"])["init_args"]["save_dir"] == str(tmp_path / "run")
     reference_command = cell_command(cells[("reference", None, 64)], config, CPU_LAYOUT, tmp_path)

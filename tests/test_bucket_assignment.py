@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.sync import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, assign_buckets
+from lightning_ddp.sync import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, Recorder, assign_buckets
 from tests.dist_utils import find_free_port
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -128,6 +128,8 @@ def test_one_rank_engine_is_exactly_plain_training(one_rank_group, engine):
     torch.manual_seed(0)
     plain = _Small()
     wrapped = ONE_RANK_ENGINES[engine](copy.deepcopy(plain))
+    recorder = Recorder()
+    wrapped.recorder = recorder
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
     opt_wrapped = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
     data = torch.Generator().manual_seed(1)
@@ -135,6 +137,7 @@ def test_one_rank_engine_is_exactly_plain_training(one_rank_group, engine):
         x, y = torch.randn(6, 5, generator=data), torch.randn(6, 3, generator=data)
         for model, opt in ((plain, opt_plain), (wrapped, opt_wrapped)):
             if model is wrapped:
+                recorder.open_step()
                 wrapped.on_train_batch_start()
             nn.functional.mse_loss(model(x), y).backward()
             if model is wrapped:
@@ -146,9 +149,10 @@ def test_one_rank_engine_is_exactly_plain_training(one_rank_group, engine):
             assert torch.equal(p, q), name
         assert wrapped.module.unused.weight.grad is None and wrapped.module.unused.bias.grad is None
         # 6 trainable tensors -> the flags call carries 6 int32 = 24 bytes, once per step.
-        flags = [c for c in wrapped.record.collectives if c.label == "gradient presence flags"]
+        record = recorder.finish_step()
+        flags = [c for c in record.collectives if c.label == "gradient presence flags"]
         assert len(flags) == 1 and flags[0].nbytes == 24
-        assert all(c.completed is not None and c.launched <= c.completed for c in wrapped.record.collectives)
+        assert all(c.completed is not None and c.launched <= c.completed for c in record.collectives)
 
 
 @pytest.mark.parametrize("engine", ["NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP"])

@@ -145,17 +145,6 @@ def test_predict_bucket_size_on_one_rank(one_rank_group):
     assert predict_bucket_size_mb(model.parameters(), sizes=[4096, 65536], repeats=1) <= prediction.grad_bytes / 2**20
 
 
-def _auto_is_wired() -> bool:
-    from lightning_ddp.sync.bucketed import check_bucket_size
-
-    try:
-        check_bucket_size("auto")
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _auto_is_wired(), reason="`bucket_size_mb: auto` is not wired into BucketedDDP yet")
 def test_bucketed_engine_resolves_auto_with_the_prediction(one_rank_group):
     from lightning_ddp.sync import BucketedDDP
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightning_ddp.callbacks import METRIC_KEYS
+from lightning_ddp.sync.registry import ALGORITHMS
 from tests.cli_utils import REPO, read_scalars, run_cli
 
 pytestmark = pytest.mark.multiprocess
@@ -27,18 +28,23 @@ def fit(tmp_path: Path, *args: str) -> tuple[dict, dict]:
     return read_scalars(tmp_path / "logs"), json.loads(summary_file.read_text())
 
 
-@pytest.mark.parametrize("strategy", ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp"])
+# Calls per step of the built-in engines on the tiny model: 39 parameter tensors (2 + 4 layers x 9 + final norm),
+# +1 for the gradient-presence flags; flat and bucketed (25 MiB > its 14 MB) need one buffer.
+BUILT_IN_CALLS = {"naive_ddp": 40, "flat_ddp": 2, "overlap_ddp": 40, "bucketed_ddp": 2}
+
+
+@pytest.mark.parametrize("strategy", [algorithm.strategy_name for algorithm in ALGORITHMS.values()])
 def test_every_strategy_logs_every_key(tmp_path: Path, strategy: str) -> None:
     scalars, summary = fit(tmp_path, "--trainer.strategy", strategy)
     for key in [*COMM_KEYS, "memory/peak_MiB"]:
         assert [step for step, _ in scalars[key]] == list(range(8)), key  # one value per optimizer step
         assert key in summary["summary"], key
     calls = [value for _, value in scalars["comm/calls"]]
-    # the tiny model has 39 parameter tensors (2 + 4 layers x 9 + final norm); +1 is the gradient-presence flags
-    expected_calls = {"naive_ddp": 40, "flat_ddp": 2, "overlap_ddp": 40, "bucketed_ddp": 2}[strategy]
-    assert calls == [expected_calls] * 8
+    assert len(set(calls)) == 1 and calls[0] >= 1  # the same collectives every step
+    if strategy in BUILT_IN_CALLS:
+        assert calls[0] == BUILT_IN_CALLS[strategy]
     assert summary["summary"]["comm/exposed_ms"]["median"] > 0
-    assert summary["run"]["strategy"].lower().startswith(strategy.split("_")[0])
+    assert summary["run"]["strategy"] == strategy
 
 
 def test_builtin_ddp_reports_step_time_and_torch_ddp_stats(tmp_path: Path) -> None:
@@ -50,6 +56,7 @@ def test_builtin_ddp_reports_step_time_and_torch_ddp_stats(tmp_path: Path) -> No
         assert len(scalars[key]) >= 6, key
 
 
+@pytest.mark.slow  # a timing threshold: noisy on a shared machine, so out of the quick loop (CI runs it)
 def test_slower_all_reduce_shows_up_as_exposed_time_for_naive(tmp_path: Path) -> None:
     slow = "tests.timing_helpers.SlowNaiveDDPStrategy"
     _, base = fit(tmp_path / "base", "--trainer.strategy", slow, "--trainer.strategy.init_args.delay_ms", "0")
@@ -61,6 +68,7 @@ def test_slower_all_reduce_shows_up_as_exposed_time_for_naive(tmp_path: Path) ->
     assert delayed["summary"]["comm/overlap"]["median"] < 0.1  # naive never overlaps
 
 
+@pytest.mark.slow  # a timing threshold, as above
 def test_overlap_hides_communication_behind_a_slow_backward(tmp_path: Path) -> None:
     slow = "tests.timing_helpers.SlowBackwardOverlapDDPStrategy"
     _, summary = fit(tmp_path, "--trainer.strategy", slow, "--trainer.strategy.init_args.delay_ms", "5")

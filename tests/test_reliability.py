@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ddp.sync.registry import ALGORITHMS
 from tests.cli_utils import REPO, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-CUSTOM_STRATEGIES = ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp", "zero1_ddp"]
+CUSTOM_STRATEGIES = [algorithm.strategy_name for algorithm in ALGORITHMS.values()] + ["zero1_ddp"]
 SMALL = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--model.context_length", "32", "--data.seq_len", "32",
          "--data.batch_size", "2", "--data.num_samples", "24", "--timer.enabled", "false")
 

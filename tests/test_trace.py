@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.trace import ranges
+from lightning_ddp.intervals import intersect, merge, subtract, total
+from lightning_ddp.sync import ranges
+from lightning_ddp.sync.record import Collective
 from lightning_ddp.trace.__main__ import main as trace_main
 from lightning_ddp.trace.chrome import (
     COMM_TID_BASE,
-    CommInterval,
     RecordedStep,
     add_communication_track,
     assign_lanes,
     load_rank_trace,
     load_run,
 )
-from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap, intersect, merge, subtract, total
+from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
 from lightning_ddp.trace.render import render_timeline
 
 # -- interval arithmetic and HTA's overlap -------------------------------------------------------------------
@@ -84,10 +85,10 @@ def test_communication_track_is_aligned_by_the_step_anchor(tmp_path: Path) -> No
     trace = {"traceEvents": [_x(ranges.step_range_name(7), ts=1_000_000.0, dur=300_000.0)]}
     # perf_counter read 10.0 s before and 10.00002 s after opening ddp/step#7: anchor at 10.00001 s, +-10 us
     step = RecordedStep(7, (10.0, 10.00002), [
-        CommInterval("all_reduce", "lm_head.weight", 4096, launched=10.1, completed=10.105, wait=(10.103, 10.105)),
-        CommInterval("all_reduce", "flags", 16, launched=10.102, completed=10.104),  # concurrent: a second lane
+        Collective("all_reduce", "lm_head.weight", 4096, launched=10.1, completed=10.105, wait=(10.103, 10.105)),
+        Collective("all_reduce", "flags", 16, launched=10.102, completed=10.104),  # concurrent: a second lane
     ])
-    skipped = RecordedStep(6, (9.0, 9.00001), [CommInterval("all_reduce", "x", 4, 9.1, 9.2)])  # no anchor in trace
+    skipped = RecordedStep(6, (9.0, 9.00001), [Collective("all_reduce", "x", 4, 9.1, 9.2)])  # no anchor in trace
     add_communication_track(trace, [skipped, step], PID, TID, metadata={"rank": 3, "strategy": "overlap_ddp"})
 
     comm = [e for e in trace["traceEvents"] if e.get("cat") == ranges.COMM_CATEGORY]
@@ -117,7 +118,7 @@ def test_a_step_whose_anchor_reads_were_far_apart_borrows_its_neighbours() -> No
     steps = [
         RecordedStep(7, (10.0, 10.00002)),  # tight: offset = 1_000_000 - 10_000_010 = -9_000_010 us, +-10 us
         # the thread was descheduled for 8 ms between the two reads: +-4000 us, and its midpoint 11.004 s is off
-        RecordedStep(8, (11.0, 11.008), [CommInterval("all_reduce", "w", 4, launched=11.5, completed=11.501)]),
+        RecordedStep(8, (11.0, 11.008), [Collective("all_reduce", "w", 4, launched=11.5, completed=11.501)]),
     ]
     add_communication_track(trace, steps, PID, TID, metadata={})
     meta = {m["step"]: m for m in trace[ranges.METADATA_KEY]["steps"]}
@@ -233,7 +234,7 @@ def test_engines_record_their_collective_ranges(gloo_world_of_one, tmp_path: Pat
     import lightning_ddp.sync as sync
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))  # 4 parameter tensors
-    ddp = getattr(sync, engine)(model)
+    ddp = getattr(sync, engine)(model)  # no recorder attached: the ranges do not depend on measuring
     x = torch.randn(4, 8)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ddp.on_train_batch_start()
@@ -256,7 +257,7 @@ def test_engines_record_their_collective_ranges(gloo_world_of_one, tmp_path: Pat
 def test_collective_ranges_cost_nothing_without_a_profiler() -> None:
     from contextlib import nullcontext
 
-    from lightning_ddp.sync.base import profiler_range
+    from lightning_ddp.sync.comm import profiler_range
 
     assert isinstance(profiler_range(ranges.COMM_LAUNCH), nullcontext)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_ddp.compat import repoint_scheduler
 from lightning_ddp.strategies import ZeRO1DDPStrategy
-from lightning_ddp.strategies.zero1 import _repoint_scheduler
-from lightning_ddp.sync import BucketedDDP, DeferredGradSync, ShardedOptimizer, assign_owners
-from lightning_ddp.sync import zero1
+from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer, assign_owners
+from lightning_ddp.sync.zero1 import partition
 from tests.cli_utils import REPO, read_scalars, run_cli
 from tests.dist_utils import run_on_ranks
 
@@ -135,9 +135,11 @@ def _build(case: Case) -> tuple[TinyLM, list[dict]]:
     return model, [{"params": params}]
 
 
-def _train(case: Case, optimizer, model: TinyLM, steps: range, rows: slice, average=None) -> None:
+def _train(case: Case, optimizer, model: TinyLM, steps: range, rows: slice, average=None, recorder=None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s) if case.groups else None
     for step in steps:
+        if recorder is not None:
+            recorder.open_step(step)
         if step == case.unfreeze_at:
             model.extra.requires_grad_(True)
             optimizer.add_param_group({"params": list(model.extra.parameters()), "lr": 5e-3})
@@ -176,12 +178,14 @@ def _sharded_run(rank: int, world_size: int, config: tuple) -> dict:
     elif schedule == "allreduce_broadcast":
         average = lambda: _average_by_hand(model, world_size)  # noqa: E731
     optimizer = ShardedOptimizer(groups, torch.optim.AdamW, schedule=schedule, collectives=collectives, **HP)
+    recorder = Recorder()  # the engine's and the optimizer's collectives land in one record per step
+    optimizer.recorder = recorder
     if container is not None:
-        optimizer.attach_record(container)  # the step's collectives land in the engine's record
+        container.recorder = recorder
         average = container.finish_gradient_synchronization
-    _train(case, optimizer, model, range(STEPS), rows, average)
+    _train(case, optimizer, model, range(STEPS), rows, average, recorder)
     names = {id(p): n for n, p in model.named_parameters()}
-    record = container.record if container is not None else optimizer.record
+    record = recorder.finish_step()  # the last step's
     return {
         "weights": _weights(model),
         "state": {names[id(p)]: {k: tuple(v.shape) for k, v in s.items()} for p, s in optimizer.state.items()},
@@ -369,7 +373,7 @@ def test_collectives_are_recorded_per_schedule(job) -> None:
     ops = job[0]["runs"]["plain-reduce_scatter-per_owner-engine"]["ops"]
     assert [op for op, _ in ops] == ["all_reduce", "reduce", "reduce", "broadcast", "broadcast"]
     assert sum(n for op, n in ops if op == "reduce") == psi_bytes
-    # native: one reduce-scatter and one all-gather of padded flat buffers (standalone: the optimizer's own record).
+    # native: one reduce-scatter and one all-gather of padded flat buffers (no engine: the optimizer's collectives).
     ops = job[0]["runs"]["plain-reduce_scatter-native-manual"]["ops"]
     assert [op for op, _ in ops] == ["all_reduce", "reduce_scatter", "all_gather"]
     assert ops[1][1] >= psi_bytes and ops[2][1] >= trainable_bytes / WORLD_SIZE
@@ -422,7 +426,7 @@ def world_of_one():
 
 
 def test_assign_owners_doctest_and_rules() -> None:
-    assert doctest.testmod(zero1).failed == 0
+    assert doctest.testmod(partition).failed == 0
     # Deterministic and pure: the same input gives the same owners (every rank computes it on its own).
     sizes = [400, 4, 1600, 1600, 36, 400, 4]
     assert assign_owners(sizes, 3) == assign_owners(list(sizes), 3)
@@ -461,7 +465,7 @@ def test_world_of_one_equals_adamw_and_scheduler_is_repointed(world_of_one) -> N
     schedule = torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 1.0 / (s + 1))
     sharded = ShardedOptimizer.from_optimizer(plain)
     assert sharded.param_groups[0] is plain.param_groups[0]  # shared dicts: the scheduler's writes land here
-    _repoint_scheduler(schedule, sharded)
+    repoint_scheduler(schedule, sharded)
     ref_opt = torch.optim.AdamW(reference.parameters(), **HP)
     ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (s + 1))
     x = torch.randn(16, 4)
@@ -551,7 +555,7 @@ def test_zero1_ddp_trains_like_lightning_ddp(lightning_runs) -> None:
     summaries = list((run_dir / "logs").rglob("timing_summary.json"))
     assert summaries, "the CommTimer wrote no summary"
     summary = json.loads(summaries[0].read_text())
-    assert summary["run"]["strategy"] == "ZeRO1DDPStrategy"
+    assert summary["run"]["strategy"] == "zero1_ddp" and summary["run"]["strategy_class"] == "ZeRO1DDPStrategy"
     losses = [v for _, v in sorted(read_scalars(run_dir / "logs")["train/loss"])]
     assert len(losses) == CLI_STEPS and all(math.isfinite(v) for v in losses)
     # Same seed, so the same initial weights and the same DistributedSampler order; both average the same two

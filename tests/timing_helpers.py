@@ -8,20 +8,29 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_ddp.strategies import NaiveDDPStrategy, OverlapDDPStrategy
-from lightning_ddp.sync import NaiveDDP, OverlapDDP
+from lightning_ddp.sync import Communicator, NaiveDDP, OverlapDDP, Pending
+
+
+class _DelayedCommunicator(Communicator):
+    """Every all-reduce call costs ``delay_s`` more: a slower network."""
+
+    def __init__(self, group: Any, delay_s: float) -> None:
+        super().__init__(group)
+        self.delay_s = delay_s
+
+    def all_reduce(self, tensor: torch.Tensor, label: str) -> Pending:
+        time.sleep(self.delay_s)
+        return super().all_reduce(tensor, label)
 
 
 class _SlowAllReduceNaive(NaiveDDP):
     def __init__(self, module: nn.Module, delay_ms: float) -> None:
         super().__init__(module)
-        self.delay_s = delay_ms / 1e3
-
-    def _all_reduce(self, tensor, label):
-        time.sleep(self.delay_s)  # a slower network: every all-reduce call costs delay_ms more
-        return super()._all_reduce(tensor, label)
+        self.comm = _DelayedCommunicator(self.process_group, delay_ms / 1e3)
 
 
 class SlowNaiveDDPStrategy(NaiveDDPStrategy):

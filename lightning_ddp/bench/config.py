@@ -22,7 +22,8 @@ __all__ = [
     "BASELINE",
     "PRECISIONS",
     "REFERENCE",
-    "STRATEGIES",
+    "has_bucket_axis",
+    "sweep_strategies",
     "GridConfig",
     "OutputConfig",
     "RunConfig",
@@ -31,14 +32,23 @@ __all__ = [
     "format_bucket",
 ]
 
-STRATEGIES: dict[str, str] = {
-    "naive": "lightning_ddp.strategies.NaiveDDPStrategy",
-    "flat": "lightning_ddp.strategies.FlatDDPStrategy",
-    "overlap": "lightning_ddp.strategies.OverlapDDPStrategy",
-    "bucketed": "lightning_ddp.strategies.BucketedDDPStrategy",
-    "ddp": "lightning.pytorch.strategies.DDPStrategy",
-}
-"""Sweep name -> the Lightning strategy class each cell runs (to benchmark a new strategy, add it here)."""
+def sweep_strategies() -> list[str]:
+    """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), then ``ddp``.
+
+    An algorithm registered before the sweep's configuration is read joins the sweep with no other change.
+    """
+    from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only: no torch import
+
+    return [*ALGORITHMS, BASELINE]
+
+
+def has_bucket_axis(strategy: str) -> bool:
+    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb`` (algorithms with a bucket size)."""
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    algorithm = ALGORITHMS.get(strategy)
+    return algorithm is not None and algorithm.has_bucket_size
+
 
 BASELINE = "ddp"
 """Lightning's built-in torch DDP: always in the grid, the yardstick of the first performance goal."""
@@ -80,30 +90,32 @@ def format_bucket(size: float | str | None) -> str:
 
 @dataclass
 class GridConfig:
-    """The axes of the sweep; every combination is one cell (``bucket_sizes_mb`` multiplies ``bucketed`` only)."""
+    """The axes of the sweep; every combination is one cell (``bucket_sizes_mb`` multiplies only the algorithms
+    that have a bucket size, e.g. ``bucketed``)."""
 
     strategies: list[str] = field(default_factory=lambda: ["naive", "flat", "overlap", "bucketed", "ddp"])
-    """Gradient-sync strategies to compare: naive, flat, overlap, bucketed, ddp. Lightning's ``ddp`` (the
-    baseline) and the single-process compute-only ``reference`` are added to every group of cells anyway."""
+    """Gradient-sync strategies to compare: any registered algorithm (naive, flat, overlap, bucketed, ...) and
+    ddp. Lightning's ``ddp`` (the baseline) and the single-process compute-only ``reference`` are added to every
+    group of cells anyway."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""
     context_lengths: list[int] = field(default_factory=lambda: [64, 128])
     """Sequence lengths (``--model.context_length`` and ``--data.seq_len``)."""
     bucket_sizes_mb: list[BucketSize] = field(default_factory=lambda: [0.25, 1.0, 4.0, 16.0, "auto"])
-    """Bucket caps in MiB for ``bucketed``; ``auto`` lets the strategy pick one with the all-reduce model
+    """Bucket caps in MiB for the algorithms with buckets; ``auto`` lets the strategy pick one with the all-reduce model
     (``lightning_ddp.sync.bucket_model``), so the prediction itself is measured."""
     precisions: list[str] = field(default_factory=lambda: ["32-true"])
     """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
 
     def __post_init__(self) -> None:
-        choices = ", ".join(STRATEGIES)
+        choices = ", ".join(sweep_strategies())
         if not self.strategies:
             raise ValueError(
                 f"the sweep has no cells: `strategies` is empty; list at least one of {choices} "
                 "(e.g. `--grid.strategies [naive,bucketed]`)"
             )
         # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
-        unknown = [s for s in self.strategies if s not in STRATEGIES and s != REFERENCE]
+        unknown = [s for s in self.strategies if s not in sweep_strategies() and s != REFERENCE]
         if unknown:
             raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
         self.strategies = list(dict.fromkeys(self.strategies))  # de-duplicate, keep the order
@@ -123,10 +135,11 @@ class GridConfig:
         for size in self.bucket_sizes_mb:
             if isinstance(size, str) and size != "auto" or not isinstance(size, str) and not size > 0:
                 raise ValueError(f"`grid.bucket_sizes_mb` takes sizes > 0 (MiB) or `auto`, got {size!r}")
-        if "bucketed" in self.strategies and not self.bucket_sizes_mb:
+        bucketed = [s for s in self.strategies if has_bucket_axis(s)]
+        if bucketed and not self.bucket_sizes_mb:
             raise ValueError(
-                "`bucketed` is in `grid.strategies` but `grid.bucket_sizes_mb` is empty; list at least one size, "
-                "e.g. `--grid.bucket_sizes_mb [1,auto]`, or remove `bucketed`"
+                f"`{bucketed[0]}` is in `grid.strategies` but `grid.bucket_sizes_mb` is empty; list at least one size, "
+                f"e.g. `--grid.bucket_sizes_mb [1,auto]`, or remove `{bucketed[0]}`"
             )
         self.batch_sizes = list(dict.fromkeys(self.batch_sizes))
         self.context_lengths = list(dict.fromkeys(self.context_lengths))

@@ -3,7 +3,8 @@
 Recipe:
 
 1. ``expand_grid``: for each precision, batch size and context length (a *group*, the unit the report
-   compares within), one cell per strategy, one per bucket size for ``bucketed``, plus Lightning's ``ddp``
+   compares within), one cell per strategy, one per bucket size for an algorithm with buckets (``bucketed``
+   ...), plus Lightning's ``ddp``
    and the 1-process ``reference`` whether listed or not. The reference comes first in each group (its step
    time is the floor the others are compared to), ``ddp`` last unless listed elsewhere.
 2. ``cell_id``: a readable slug plus a hash of everything that changes what the cell measures (its grid
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import BASELINE, REFERENCE, STRATEGIES, SweepConfig, format_bucket
+from lightning_ddp.bench.config import BASELINE, REFERENCE, SweepConfig, format_bucket, has_bucket_axis
 
 __all__ = [
     "Cell",
@@ -52,7 +53,7 @@ class Cell:
     id: str
     """Stable identifier (readable slug + config hash); names the row and the run directory."""
     strategy: str
-    """A key of ``STRATEGIES``, or ``reference``."""
+    """A registered algorithm's name, ``ddp`` or ``reference``."""
     batch_size: int
     """Per-rank batch size."""
     context_length: int
@@ -60,7 +61,7 @@ class Cell:
     precision: str
     """Lightning precision."""
     bucket_size_mb: float | str | None
-    """Bucket cap in MiB or ``"auto"``; ``None`` unless ``strategy == "bucketed"``."""
+    """Bucket cap in MiB or ``"auto"``; ``None`` unless the strategy has a bucket size."""
     world_size: int
     """Ranks: ``run.devices``, or 1 for the reference."""
 
@@ -112,8 +113,8 @@ def _fingerprint(config: SweepConfig) -> dict[str, Any]:
 def expand_grid(config: SweepConfig) -> list[Cell]:
     """Every cell of the sweep, grouped by (precision, batch size, context length); see the module docstring.
 
-    Per group: ``1`` reference + one cell per listed non-bucketed strategy (``ddp`` added if missing) +
-    ``len(bucket_sizes_mb)`` bucketed cells if ``bucketed`` is listed.
+    Per group: ``1`` reference + one cell per listed strategy without buckets (``ddp`` added if missing) +
+    ``len(bucket_sizes_mb)`` cells per listed algorithm with buckets.
     """
     grid = config.grid
     listed = [s for s in grid.strategies if s != REFERENCE]
@@ -126,8 +127,8 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
             for context_length in grid.context_lengths:
                 variants: list[tuple[str, float | str | None]] = [(REFERENCE, None)]
                 for strategy in listed:
-                    if strategy == "bucketed":
-                        variants.extend(("bucketed", size) for size in grid.bucket_sizes_mb)
+                    if has_bucket_axis(strategy):
+                        variants.extend((strategy, size) for size in grid.bucket_sizes_mb)
                     else:
                         variants.append((strategy, None))
                 for strategy, bucket in variants:
@@ -206,10 +207,14 @@ def strategy_argument(cell: Cell, backend: str) -> str:
     """The value of ``--trainer.strategy``: ``auto`` for the reference, else a class path with its arguments."""
     if cell.strategy == REFERENCE:
         return "auto"
-    init_args: dict[str, Any] = {"process_group_backend": backend}
-    if cell.strategy == "bucketed":
-        init_args["bucket_size_mb"] = cell.bucket_size_mb
-    return json.dumps({"class_path": STRATEGIES[cell.strategy], "init_args": init_args})
+    if cell.strategy == BASELINE:
+        return json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
+                           "init_args": {"process_group_backend": backend}})
+    # bucket_size_mb always, "default" where the algorithm has none: a bucket size in the base config's strategy
+    # (the quickstart's bucketed one) would otherwise be carried over to this class.
+    init_args: dict[str, Any] = {"algorithm": cell.strategy, "process_group_backend": backend,
+                                 "bucket_size_mb": "default" if cell.bucket_size_mb is None else cell.bucket_size_mb}
+    return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": init_args})
 
 
 def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:

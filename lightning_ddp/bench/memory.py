@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ddp.provenance import git_state
+
 __all__ = [
     "MODES",
     "MemoryBenchConfig",
@@ -93,10 +95,11 @@ class MemoryBenchConfig:
     """Process-group backend; default gloo on CPU, NCCL on CUDA."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Which of unsharded, allreduce_broadcast, reduce_scatter to measure, in this order."""
-    grad_sync: Literal["naive", "flat", "overlap", "bucketed"] = "bucketed"
-    """The engine that all-reduces gradients for unsharded and allreduce_broadcast."""
+    grad_sync: str = "bucketed"
+    """The algorithm that all-reduces gradients for unsharded and allreduce_broadcast: any registered one
+    (naive, flat, overlap, bucketed, ...; ``lightning_ddp.sync.registry``)."""
     bucket_size_mb: Optional[float] = 25.0
-    """Bucket cap of the bucketed engine in MiB (null: one bucket)."""
+    """Bucket cap in MiB of a ``grad_sync`` algorithm with buckets (null: one bucket); ignored by the others."""
     lr: float = 3e-4
     """AdamW learning rate."""
     weight_decay: float = 0.1
@@ -129,6 +132,12 @@ class MemoryBenchConfig:
             raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
+        from lightning_ddp.sync.registry import get_algorithm
+
+        try:
+            get_algorithm(self.grad_sync)
+        except ValueError as error:
+            raise ValueError(f"{error} (--grad_sync)") from None
 
 
 def resolved_backend(config: MemoryBenchConfig) -> str:
@@ -223,18 +232,17 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
 
 
 def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
-    from lightning_ddp.sync import BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP
+    from lightning_ddp.sync import DeferredGradSync, get_algorithm
 
     if mode == "reduce_scatter":
         return DeferredGradSync(model)
-    if config.grad_sync == "bucketed":
-        return BucketedDDP(model, bucket_size_mb=config.bucket_size_mb)
-    return {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}[config.grad_sync](model)
+    algorithm = get_algorithm(config.grad_sync)
+    return algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size else "default")
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
     from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.sync import ShardedOptimizer
+    from lightning_ddp.sync import Recorder, ShardedOptimizer
 
     gc.collect()
     if device.type == "cuda":
@@ -244,6 +252,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     gpt_config = get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)
     model = GPT(gpt_config).to(device)
     engine = _make_engine(mode, config, model)
+    recorder = Recorder(device)  # counts the bytes and calls of every step's collectives
+    engine.recorder = recorder
     if mode == "unsharded":
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
@@ -252,7 +262,7 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         optimizer = ShardedOptimizer(
             model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
         )
-        optimizer.attach_record(engine)  # the optimizer's collectives join the engine's per-step record
+        optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
     _sync(device)
     snapshots = {"setup": _snapshot(model, optimizer, device)}
     generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
@@ -265,6 +275,7 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         tokens = tokens.to(device)  # (B, T + 1): inputs are [:, :-1], targets [:, 1:]
         _sync(device)
         start = time.perf_counter()
+        recorder.open_step(step)
         engine.on_train_batch_start()
         logits = engine(tokens[:, :-1])  # (B, T, V)
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -287,8 +298,9 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         step_ms.append((time.perf_counter() - start - paused) * 1e3)
-        comm_bytes.append(engine.record.nbytes)
-        comm_calls.append(len(engine.record.collectives))
+        record = recorder.finish_step()
+        comm_bytes.append(record.nbytes)
+        comm_calls.append(len(record.collectives))
     # The slowest rank sets the pace of synchronous data parallelism.
     times = torch.tensor(step_ms, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -353,6 +365,7 @@ def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
         "cuda": torch.version.cuda if cuda else None,
         "backend": resolved_backend(config),
         "world_size": config.devices,
+        **git_state(),
     }
 
 

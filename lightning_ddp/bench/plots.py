@@ -2,11 +2,12 @@
 
 One figure per precision and batch size, each with a step-time panel and a comm-share panel:
 
-- ``strategies_<precision>_bs<batch>.png``: bars per context length, one per strategy (bucketed at its best
-  bucket size), the compute-only reference as a bar of its own;
-- ``bucketed_<precision>_bs<batch>.png``: step time and comm share against the bucket size (log x), one line
-  per context length, like the study's bucket figures; the predicted best size is a dotted vertical line and
-  ``auto`` cells are stars at the size they resolved to.
+- ``strategies_<precision>_bs<batch>.png``: bars per context length, one per strategy (an algorithm with buckets
+  at its best bucket size), the compute-only reference as a bar of its own; every strategy in the rows is drawn,
+  in ``report.strategy_order``;
+- ``<algorithm>_<precision>_bs<batch>.png`` for each algorithm with buckets (``bucketed`` ...): step time and comm
+  share against the bucket size (log x), one line per context length, like the study's bucket figures; the
+  predicted best size is a dotted vertical line and ``auto`` cells are stars at the size they resolved to.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import BASELINE, REFERENCE
-from lightning_ddp.bench.report import best_bucketed, group_rows
+from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
+from lightning_ddp.bench.report import best_variant, group_rows, strategy_order
 
 __all__ = ["write_plots"]
 
 Row = dict[str, Any]
-_BAR_ORDER = [REFERENCE, "naive", "flat", "overlap", "bucketed", BASELINE]
 
 
 def _ok(row: Row | None) -> bool:
@@ -35,7 +35,7 @@ def _figure():
 
 
 def _strategy_figure(path: Path, precision: str, batch: int, groups: dict, contexts: list[int]) -> bool:
-    names = [s for s in _BAR_ORDER if any(r["strategy"] == s for c in contexts for r in groups[(precision, batch, c)])]
+    names = strategy_order(r["strategy"] for c in contexts for r in groups[(precision, batch, c)])
     if not names:
         return False
     fig, (ax_step, ax_share) = _figure()
@@ -44,12 +44,12 @@ def _strategy_figure(path: Path, precision: str, batch: int, groups: dict, conte
         steps, shares = [], []
         for context in contexts:
             rows = groups[(precision, batch, context)]
-            row = best_bucketed(rows) if name == "bucketed" else next((r for r in rows if r["strategy"] == name), None)
+            row = best_variant(rows, name) if has_bucket_axis(name) else next((r for r in rows if r["strategy"] == name), None)
             ok = _ok(row)
             steps.append(row["step_ms_median"] if ok else 0.0)
             shares.append(100 * (row.get("comm_share") or 0.0) if ok else 0.0)
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
-        label = {"bucketed": "bucketed (best size)", REFERENCE: "reference (compute only)"}.get(name, name)
+        label = f"{name} (best size)" if has_bucket_axis(name) else {REFERENCE: "reference (compute only)"}.get(name, name)
         ax_step.bar(xs, steps, width, label=label)
         if name != REFERENCE:
             ax_share.bar(xs, shares, width, label=label)
@@ -65,11 +65,13 @@ def _strategy_figure(path: Path, precision: str, batch: int, groups: dict, conte
     return True
 
 
-def _bucket_figure(path: Path, precision: str, batch: int, groups: dict, contexts: list[int], predicted_mb: float | None) -> bool:
+def _bucket_figure(
+    path: Path, strategy: str, precision: str, batch: int, groups: dict, contexts: list[int], predicted_mb: float | None
+) -> bool:
     fig, (ax_step, ax_share) = _figure()
     drew = False
     for context in contexts:
-        rows = [r for r in groups[(precision, batch, context)] if r["strategy"] == "bucketed" and _ok(r)]
+        rows = [r for r in groups[(precision, batch, context)] if r["strategy"] == strategy and _ok(r)]
         fixed = sorted((r for r in rows if r["bucket_size_mb"] != "auto"), key=lambda r: r["bucket_size_mb"])
         if fixed:
             drew = True
@@ -96,7 +98,7 @@ def _bucket_figure(path: Path, precision: str, batch: int, groups: dict, context
         if predicted_mb:
             ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
     fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
-    fig.suptitle(f"Bucketed: step time and comm share vs bucket size: {precision}, batch {batch} per rank (stars: auto)")
+    fig.suptitle(f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} per rank (stars: auto)")
     fig.savefig(path, dpi=110)
     return True
 
@@ -113,7 +115,9 @@ def write_plots(out_dir: str | Path, rows: list[Row], predicted_mb: float | None
             path = out_dir / f"strategies_{precision}_bs{batch}.png"
             if _strategy_figure(path, precision, batch, groups, contexts):
                 written.append(path)
-            path = out_dir / f"bucketed_{precision}_bs{batch}.png"
-            if _bucket_figure(path, precision, batch, groups, contexts, predicted_mb):
-                written.append(path)
+            bucketed = strategy_order(r["strategy"] for c in contexts for r in groups[(precision, batch, c)])
+            for strategy in filter(has_bucket_axis, bucketed):
+                path = out_dir / f"{strategy}_{precision}_bs{batch}.png"
+                if _bucket_figure(path, strategy, precision, batch, groups, contexts, predicted_mb):
+                    written.append(path)
     return written

@@ -24,22 +24,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from lightning_ddp.bench.config import BASELINE, REFERENCE, STRATEGIES, format_bucket
+from lightning_ddp.bench.config import BASELINE, REFERENCE, format_bucket, has_bucket_axis, sweep_strategies
 
-__all__ = ["GoalCheck", "best_bucketed", "build_report", "goal_checks", "group_rows"]
+__all__ = ["GoalCheck", "best_bucketed", "best_variant", "build_report", "goal_checks", "group_rows", "strategy_order"]
 
 Row = dict[str, Any]
 Group = tuple[str, int, int]
 
-_STRATEGY_ORDER = [REFERENCE, *[s for s in STRATEGIES if s != BASELINE], BASELINE]
 _STRATEGY_TITLES = {
     REFERENCE: "reference (1 process, no communication)",
-    "naive": "naive",
-    "flat": "flat",
-    "overlap": "overlap",
-    "bucketed": "bucketed",
     BASELINE: "ddp (Lightning / torch DDP)",
 }
+
+
+def strategy_order(names: Iterable[str]) -> list[str]:
+    """``names`` (deduplicated) in report order: the reference, the registered algorithms, ``ddp``, then any
+    other name in first-seen order (a strategy the registry does not know is shown last, never dropped)."""
+    known = [REFERENCE, *[s for s in sweep_strategies() if s != BASELINE], BASELINE]
+    present = list(dict.fromkeys(names))
+    return [s for s in known if s in present] + [s for s in present if s not in known]
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,15 @@ def _find(rows: list[Row], strategy: str) -> Row | None:
     return next((r for r in rows if r["strategy"] == strategy), None)
 
 
-def best_bucketed(rows: list[Row]) -> Row | None:
-    """The ok bucketed row with the lowest median step time (``auto`` included), or ``None``."""
-    candidates = [r for r in rows if r["strategy"] == "bucketed" and _ok(r)]
+def best_variant(rows: list[Row], strategy: str) -> Row | None:
+    """The ok row of ``strategy`` with the lowest median step time (over its bucket sizes, ``auto`` included)."""
+    candidates = [r for r in rows if r["strategy"] == strategy and _ok(r)]
     return min(candidates, key=lambda r: r["step_ms_median"], default=None)
+
+
+def best_bucketed(rows: list[Row]) -> Row | None:
+    """The ok ``bucketed`` row with the lowest median step time (``auto`` included), or ``None``."""
+    return best_variant(rows, "bucketed")
 
 
 def _bucket_text(row: Row) -> str:
@@ -139,11 +147,10 @@ def _cell_text(row: Row | None, bold: bool = False) -> str:
     return f"**{text}**" if bold else text
 
 
-def _row_key(row: Row) -> tuple:
+def _row_key(row: Row, order: list[str]) -> tuple:
     size = row["bucket_size_mb"]
-    order = _STRATEGY_ORDER.index(row["strategy"]) if row["strategy"] in _STRATEGY_ORDER else len(_STRATEGY_ORDER)
-    # numeric bucket sizes ascending, then auto
-    return (order, 1 if size == "auto" else 0, size if isinstance(size, float) else 0.0)
+    # strategies in report order; numeric bucket sizes ascending, then auto
+    return (order.index(row["strategy"]), 1 if size == "auto" else 0, size if isinstance(size, float) else 0.0)
 
 
 def _strategy_tables(rows: list[Row]) -> list[str]:
@@ -161,22 +168,22 @@ def _strategy_tables(rows: list[Row]) -> list[str]:
             for context in contexts:
                 for row in groups[(precision, batch, context)]:
                     variants.setdefault((row["strategy"], row["bucket_size_mb"]), row)
-            bests = {c: best_bucketed(groups[(precision, batch, c)]) for c in contexts}
-            for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k])):
+            order = strategy_order(strategy for strategy, _ in variants)
+            for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k], order)):
                 title = _STRATEGY_TITLES.get(strategy, strategy)
-                if strategy == "bucketed":
+                if has_bucket_axis(strategy):
                     title += f" {'auto' if size == 'auto' else format_bucket(size) + ' MiB'}"
                 cells = []
                 for context in contexts:
                     row = next((r for r in groups[(precision, batch, context)]
                                 if r["strategy"] == strategy and r["bucket_size_mb"] == size), None)
-                    best = bests[context]
+                    best = best_variant(groups[(precision, batch, context)], strategy) if has_bucket_axis(strategy) else None
                     cells.append(_cell_text(row, bold=best is not None and row is best))
                 lines.append(f"| {title} | " + " | ".join(cells) + " |")
             lines.append("")
     lines.append(
         "Each cell: median step time over the measured steps (exposed communication share of the step). "
-        "**Bold**: the best bucket size of that column. p10/p90, overlap, bus bandwidth, tokens/s and memory are in "
+        "**Bold**: the best bucket size of that column (per algorithm with buckets). p10/p90, overlap, bus bandwidth, tokens/s and memory are in "
         "results.csv."
     )
     return lines
@@ -293,7 +300,8 @@ def build_report(
             f"{' '.join(workload.get('cli_args') or [])}".rstrip(),
             f"- {run.get('warmup_steps', '?')} warm-up + {run.get('steps', '?')} measured steps per cell; "
             f"torch {environment.get('torch')}, lightning {environment.get('lightning')}, "
-            f"commit {str(environment.get('git_commit') or 'unknown')[:12]}",
+            f"commit {str(environment.get('git_commit') or 'unknown')[:12]}"
+            + (" **with uncommitted changes** (environment.json lists them)" if environment.get("git_dirty") else ""),
             "- full configuration, versions and hardware: environment.json; per-cell logs: runs/<cell_id>/",
         ]
         loads = [r["load_avg_1m"] for r in rows if isinstance(r.get("load_avg_1m"), float)]

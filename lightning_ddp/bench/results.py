@@ -6,8 +6,8 @@ Columns (``RESULT_COLUMNS``, in order):
 column                   value
 =======================  ===========================================================================
 cell_id                  stable id of the cell (``grid.cell_id``); ``runs/<cell_id>/`` holds its logs
-strategy                 naive, flat, overlap, bucketed, ddp or reference
-bucket_size_mb           bucketed only: the configured cap in MiB, or ``auto``
+strategy                 a registered algorithm (naive, flat, overlap, bucketed, ...), ddp or reference
+bucket_size_mb           algorithms with buckets only: the configured cap in MiB, or ``auto``
 batch_size               per-rank batch size
 context_length           sequence length
 precision                Lightning precision
@@ -41,7 +41,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from lightning_ddp.bench.config import REFERENCE, format_bucket
+from lightning_ddp.bench.config import REFERENCE, format_bucket, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout
 from lightning_ddp.bench.runner import CellOutcome
 
@@ -117,7 +117,7 @@ def make_row(
     if memory:
         row["peak_memory_MiB"] = max(memory)
     resolved = (doc.get("run") or {}).get("bucket_size_mb")
-    if cell.strategy == "bucketed" and isinstance(resolved, (int, float)):  # "auto" if the size was not recorded
+    if has_bucket_axis(cell.strategy) and isinstance(resolved, (int, float)):  # "auto" if the size was not recorded
         row["resolved_bucket_size_mb"] = resolved
     return row
 

@@ -7,7 +7,7 @@ Recipe (``run_sweep``):
 2. Read ``results.csv`` if it exists: a cell whose id has a row is done and is skipped (with
    ``output.retry_failed``, only ``ok`` rows count as done). The id hashes the cell's whole configuration, so
    a changed setting reruns the cells it affects.
-3. If ``bucketed`` is in the grid and ``run.predict_bucket_size`` is on, run the all-reduce microbenchmark
+3. If an algorithm with buckets is in the grid and ``run.predict_bucket_size`` is on, run the all-reduce microbenchmark
    once on the same ranks (``bench.allreduce``) unless ``bucket_prediction.json`` exists: it fits the
    per-call overhead ``o`` and bandwidth ``w``. Once a cell has finished, its model shape gives the gradient
    bytes ``s`` and the largest parameter, and the predicted best bucket ``b* = sqrt(s * w * o)`` is added.
@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -32,11 +31,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from lightning_ddp.bench.config import SweepConfig
+from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout, every_rank_environment, expand_grid, rank_layout, threads_per_rank
 from lightning_ddp.bench.report import build_report
 from lightning_ddp.bench.results import make_row, parse_row, read_results, write_results, write_text_atomically
 from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, find_free_port, run_processes
+from lightning_ddp.provenance import git_state
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "run_sweep"]
 
@@ -111,7 +111,7 @@ def run_sweep(
         f"{layout.world_size} ranks over {layout.backend}; results in {out_dir}")
 
     prediction_path = out_dir / PREDICTION_JSON
-    wants_prediction = config.run.predict_bucket_size and "bucketed" in config.grid.strategies
+    wants_prediction = config.run.predict_bucket_size and any(has_bucket_axis(s) for s in config.grid.strategies)
     if wants_prediction and not prediction_path.exists() and todo:
         say("measuring all-reduce time vs message size for the bucket-size model ...")
         fit = (predictor or _run_allreduce_job)(config, layout, out_dir)
@@ -310,19 +310,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_commit() -> str | None:
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode != 0:  # not a git checkout (e.g. an installed package)
-        return None
-    return proc.stdout.strip() or None
-
-
 def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, Any]:
-    """What belongs next to the numbers: versions, hardware, backend and placement, commit, the full config."""
+    """What belongs next to the numbers: versions, hardware, backend and placement, commit (and whether the tree
+    was dirty), the full config."""
     gpus: list[str] = []
     cuda_version = None
     if config.run.accelerator == "cuda":
@@ -346,6 +336,6 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
         "backend": layout.backend,
         "layout": dataclasses.asdict(layout),
         "threads_per_rank": threads_per_rank(config),
-        "git_commit": _git_commit(),
+        **git_state(),
         "config": dataclasses.asdict(config),
     }

@@ -1,8 +1,27 @@
-"""Callbacks: ``CommTimer`` (per-step communication accounting) over the pure ``accounting`` module, and
-``TraceRecorder`` (profiler traces, defined in ``lightning_ddp.profiling``), re-exported here."""
+"""Callbacks: ``CommTimer`` (per-step communication accounting, over the pure ``accounting`` module) and
+``TraceRecorder`` (profiler traces with our ranges and a communication track).
 
-from lightning_ddp.callbacks.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
-from lightning_ddp.callbacks.comm_timer import CommTimer
-from lightning_ddp.profiling import TraceRecorder
+The names load on first use: ``import lightning_ddp.callbacks.accounting`` needs neither Lightning nor torch.
 
-__all__ = ["CommTimer", "METRIC_KEYS", "StepTiming", "TimingSummary", "TraceRecorder", "step_metrics"]
+=====================  ==========================================================================
+``accounting``         pure: metrics of one step from its record, and the summary over steps
+``comm_timer``         ``CommTimer``, the thin Lightning shell that logs them every step
+``trace_recorder``     ``TraceRecorder``: torch profiler traces of a few steps on every rank
+``recording``          the one ``Recorder`` per run that both callbacks share
+=====================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from lightning_ddp._lazy import lazy_exports
+
+_HOMES = {
+    "CommTimer": "lightning_ddp.callbacks.comm_timer",
+    "TraceRecorder": "lightning_ddp.callbacks.trace_recorder",
+    "METRIC_KEYS": "lightning_ddp.callbacks.accounting",
+    "StepTiming": "lightning_ddp.callbacks.accounting",
+    "TimingSummary": "lightning_ddp.callbacks.accounting",
+    "step_metrics": "lightning_ddp.callbacks.accounting",
+}
+__all__ = sorted(_HOMES)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

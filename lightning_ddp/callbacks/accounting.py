@@ -1,11 +1,12 @@
-"""Per-step communication accounting: from a ``SyncRecord`` timeline to metrics, and from steps to a summary.
+"""Per-step communication accounting: from a finished ``SyncRecord`` to metrics, and from steps to a summary.
 
 This module is pure Python (no Lightning, no ``torch.distributed``, no torch import at all) so that every
 number the timing callback logs can be unit-tested with hand-made timelines. The callback is a thin shell:
-once per optimizer step it converts the engine's record with ``StepTiming.from_record``, calls
-``step_metrics`` and hands the result to ``TimingSummary.add``.
+once per optimizer step it takes the recorder's finished record (``lightning_ddp.sync.record``: every mark
+already in milliseconds), builds ``StepTiming.from_record``, calls ``step_metrics`` and hands the result to
+``TimingSummary.add``.
 
-What is measured, per optimizer step and per rank (the marks come from ``lightning_ddp/sync/record.py``):
+What is measured, per optimizer step and per rank:
 
 - **Step time**: wall time of the whole optimizer step (every micro-batch's forward and backward, the
   gradient synchronisation and the optimizer update). The logged ``step/time_ms`` is the **max over ranks**:
@@ -20,14 +21,13 @@ What is measured, per optimizer step and per rank (the marks come from ``lightni
 
 The honesty rules (the clocks themselves are described in ``lightning_ddp/sync/record.py``):
 
-- CUDA time is read from ``torch.cuda.Event`` marks, converted after the step has been synchronised
-  (``StepClock.start`` synchronises; ``StepClock.to_ms`` reads finished events); host time on CUDA would say
-  when work was queued, not when it ran.
+- CUDA time is read from ``torch.cuda.Event`` marks, converted after the step's synchronize; host time on CUDA
+  would say when work was queued, not when it ran.
 - An async collective is counted on the critical path where it is *waited for*: ``exposed`` covers the
   ``wait()`` calls inside ``finish_gradient_synchronization``, not the launch.
-- A collective's completion comes from gloo's future callback on CPU (the host clock when the data arrived)
-  and from NCCL's own kernel timing on CUDA (``Work._get_duration()`` with ``TORCH_NCCL_ENABLE_TIMING=1``);
-  without it, from the mark after ``wait()``, an upper bound (see ``CollectiveTiming.busy_interval``).
+- A collective's completion is recorded when it happens (gloo: the host clock in its future's callback; NCCL: an
+  event on the callback's stream, which waits for the kernel); the end of its ``wait()`` stands in only when no
+  completion was recorded (an upper bound).
 """
 
 from __future__ import annotations
@@ -38,118 +38,38 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+from lightning_ddp.intervals import Interval, overlap_length, total
 
 if TYPE_CHECKING:  # only for annotations: this module must not import torch
-    from lightning_ddp.sync.record import StepClock, SyncRecord
-
-Interval = tuple[float, float]
+    from lightning_ddp.sync.record import Collective, SyncRecord
 
 __all__ = [
     "METRIC_KEYS",
-    "CollectiveTiming",
     "StepTiming",
     "TimingSummary",
-    "overlap_length",
     "step_metrics",
-    "union_length",
 ]
 
 
-# ---- interval arithmetic -----------------------------------------------------------------------------
-
-
-def _merged(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering exactly the union of ``intervals``."""
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
+def _check_intervals(name: str, intervals: Sequence[Interval]) -> None:
+    for start, end in intervals:
         if end < start:
             raise ValueError(
-                f"interval ({start}, {end}) ends before it starts; marks must come from one clock and be "
-                "converted with the same StepClock"
+                f"{name} interval ({start}, {end}) ends before it starts; marks must come from one clock and be "
+                "converted with the same anchor"
             )
-        if merged and start <= merged[-1][1]:  # touches or overlaps the previous one: extend it
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
 
 
-def union_length(intervals: Iterable[Interval]) -> float:
-    """Length of the union of ``intervals`` (each ``(start, end)``): overlapping time is counted once.
-
-    >>> union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)])  # [0, 3] and [5, 6]
-    4.0
-    >>> union_length([])
-    0.0
-    """
-    return float(sum(end - start for start, end in _merged(intervals)))
-
-
-def overlap_length(a_intervals: Iterable[Interval], b_intervals: Iterable[Interval]) -> float:
-    """Length of the intersection of the union of ``a_intervals`` with the union of ``b_intervals``.
-
-    >>> overlap_length([(0.0, 10.0)], [(2.0, 3.0), (9.0, 12.0)])  # [2, 3] and [9, 10]
-    2.0
-    >>> overlap_length([(0.0, 1.0)], [(1.0, 2.0)])  # touching is not overlapping
-    0.0
-    """
-    a, b = _merged(a_intervals), _merged(b_intervals)
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):  # sweep both sorted disjoint lists once
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:  # the interval that ends first cannot meet anything further in the other list
-            i += 1
-        else:
-            j += 1
-    return float(total)
-
-
-# ---- one step, in milliseconds from the step's start ------------------------------------------------
-
-
-@dataclass
-class CollectiveTiming:
-    """One collective, in milliseconds since the step's start (see ``lightning_ddp.sync.record.Collective``)."""
-
-    op: str
-    """Collective kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``."""
-    label: str
-    """What was communicated, e.g. ``bucket 3 (12 tensors)``."""
-    nbytes: int
-    """Bytes of the local input tensor (the message size of nccl-tests)."""
-    launched_ms: float
-    """When the collective was issued."""
-    completed_ms: float
-    """When its result was available (on CUDA without NCCL timing: the end of its wait, an upper bound)."""
-    duration_ms: float | None = None
-    """NCCL's own kernel time (``TORCH_NCCL_ENABLE_TIMING=1``), when available."""
-
-    @property
-    def busy_interval(self) -> Interval:
-        """When the collective was in flight: ``[launched, launched + duration]`` with NCCL's timing, else
-        ``[launched, completed]``.
-
-        NCCL's duration is measured by NCCL itself around its kernel, so it is the collective's real length.
-        The completion mark on CUDA is only an upper bound: it is taken after ``wait()``, so a collective that
-        finished long before anyone waited for it would look busy until the wait. Anchoring the duration at
-        the launch mark places the kernel at the earliest moment it could have started; if the communication
-        stream was still busy with an earlier collective it really ran later, so the union of busy intervals
-        can slightly under-count (never over-count) back-to-back collectives.
-
-        >>> CollectiveTiming("all_reduce", "flat", 8, launched_ms=1.0, completed_ms=9.0, duration_ms=2.5).busy_interval
-        (1.0, 3.5)
-        """
-        if self.duration_ms is not None:
-            return (self.launched_ms, self.launched_ms + self.duration_ms)
-        return (self.launched_ms, self.completed_ms)
+# ---- one step, in milliseconds from the step's clock anchor ------------------------------------------
 
 
 @dataclass
 class StepTiming:
-    """One optimizer step on one rank, in milliseconds relative to the step's start.
+    """One optimizer step on one rank, in milliseconds on one axis (a finished record's: since its anchor).
 
-    Built by ``from_record`` from an engine's ``SyncRecord``, or by hand in tests.
+    Built by ``from_record`` from a finished ``SyncRecord``, or by hand in tests.
     """
 
     step_ms: float
@@ -158,8 +78,8 @@ class StepTiming:
     """Intervals inside ``finish_gradient_synchronization`` (the critical path)."""
     pack: list[Interval] = field(default_factory=list)
     """Intervals copying gradients into or out of communication buffers (inside ``exposed`` when done there)."""
-    collectives: list[CollectiveTiming] = field(default_factory=list)
-    """Every collective of the step, in launch order."""
+    collectives: list[Collective] = field(default_factory=list)
+    """Every collective of the step, in launch order, with ``launched`` and ``completed`` in ms."""
     tokens: int = 0
     """Tokens this rank processed in the step, summed over its micro-batches."""
 
@@ -168,32 +88,18 @@ class StepTiming:
             raise ValueError(f"step_ms must be > 0, got {self.step_ms!r}; measure the step with a clock that advances")
         if self.tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {self.tokens!r}")
+        _check_intervals("exposed", self.exposed)
+        _check_intervals("pack", self.pack)
+        _check_intervals("collective", [(c.launched, c.completed) for c in self.collectives])
 
     @classmethod
-    def from_record(cls, record: SyncRecord, clock: StepClock, step_ms: float, tokens: int) -> StepTiming:
-        """Convert ``record``'s marks with ``clock.to_ms`` (any object with that method will do).
-
-        A collective whose ``completed`` mark is missing is taken to have completed at the end of its
-        ``wait()`` (the result was certainly available then), or, if it was never waited for, at its launch
-        (zero length: nothing on this rank observed it in flight). On CUDA call this only once the step's
-        events have completed (after ``torch.cuda.synchronize()``).
-        """
-        to_ms = clock.to_ms
-        collectives = []
-        for c in record.collectives:
-            launched = to_ms(c.launched)
-            if c.completed is not None:
-                completed = to_ms(c.completed)
-            elif c.wait is not None:
-                completed = to_ms(c.wait[1])
-            else:
-                completed = launched
-            collectives.append(CollectiveTiming(c.op, c.label, c.nbytes, launched, completed, c.duration_ms))
+    def from_record(cls, record: SyncRecord, step_ms: float, tokens: int) -> StepTiming:
+        """From a finished record (``Recorder.finish_step``: marks in ms, completions filled in)."""
         return cls(
             step_ms=step_ms,
-            exposed=[(to_ms(start), to_ms(end)) for start, end in record.exposed],
-            pack=[(to_ms(start), to_ms(end)) for start, end in record.pack],
-            collectives=collectives,
+            exposed=list(record.exposed),
+            pack=list(record.pack),
+            collectives=list(record.collectives),
             tokens=tokens,
         )
 
@@ -234,7 +140,7 @@ def step_metrics(
     | comm/exposed_ms     | union(exposed) - overlap(pack, exposed): copies are reported in comm/pack_ms    |
     | comm/pack_ms        | union(pack)                                                                     |
     | comm/share          | exposed_ms / step_ms                                                            |
-    | comm/busy_ms        | union of every collective's ``busy_interval`` ([launched, completed])           |
+    | comm/busy_ms        | union of every collective's [launched, completed]                               |
     | comm/overlap        | clip(1 - exposed_ms / busy_ms, 0, 1); 0 when busy_ms == 0                       |
     | comm/algbw_GBps     | bytes / (busy_ms / 1e3) / 1e9; 0 when busy_ms == 0                              |
     | comm/busbw_GBps     | algbw * 2 (n - 1) / n, n = world_size (nccl-tests' all-reduce bus bandwidth)    |
@@ -260,8 +166,8 @@ def step_metrics(
             raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
 
     step_ms = float(timing.step_ms)
-    exposed_ms = union_length(timing.exposed) - overlap_length(timing.pack, timing.exposed)
-    busy_ms = union_length([c.busy_interval for c in timing.collectives])
+    exposed_ms = total(timing.exposed) - overlap_length(timing.pack, timing.exposed)
+    busy_ms = total([(c.launched, c.completed) for c in timing.collectives])
     nbytes = sum(c.nbytes for c in timing.collectives)
     # The fraction of in-flight communication nobody waited for; clipped because exposed time also holds
     # bookkeeping between waits (and, for naive, may slightly exceed busy).
@@ -274,7 +180,7 @@ def step_metrics(
     metrics = {
         "step/time_ms": step_ms,
         "comm/exposed_ms": exposed_ms,
-        "comm/pack_ms": union_length(timing.pack),
+        "comm/pack_ms": total(timing.pack),
         "comm/share": exposed_ms / step_ms,
         "comm/busy_ms": busy_ms,
         "comm/overlap": overlap,

@@ -3,8 +3,10 @@
 A thin Lightning shell over the pure accounting in ``accounting.py`` (whose ``step_metrics`` docstring is the
 table of every key and its formula). Per optimizer step, once gradient accumulation is over, it:
 
-1. closes the step's clock (on CUDA after ``torch.cuda.synchronize()``, the one synchronisation a correct
-   wall time needs; the step's other marks are CUDA events read only now);
+1. finishes the step's record (``lightning_ddp.sync.record``: on CUDA the step's one ``torch.cuda.synchronize()``,
+   after which its CUDA events are read; every mark becomes milliseconds). The record comes from the run's
+   ``Recorder``, which the strategy attaches to its engine when asked (``callbacks.recording``): the timer only
+   observes, it never drives the training step;
 2. all-reduces the step time with ``MAX`` (the slowest rank sets the pace). This small collective runs after the
    step's end mark and before the next step's start, so it is outside what is measured;
 3. turns the engine's ``SyncRecord`` into metrics and logs them with ``LightningModule.log_dict``.
@@ -41,8 +43,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_ddp import compat
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
-from lightning_ddp.sync import DataParallel, StepClock
+from lightning_ddp.callbacks.recording import recorder_for, release_recorder
+from lightning_ddp.sync.record import Recorder
 
 
 class CommTimer(Callback):
@@ -61,14 +65,13 @@ class CommTimer(Callback):
         self.enabled = enabled
         self.summary_name = summary_name
         self.summary = TimingSummary()
-        self._clock: StepClock | None = None
-        self._container: DataParallel | None = None
+        self._recorder: Recorder | None = None
         self._ddp: DistributedDataParallel | None = None
-        self._step_start = None
+        self._in_step = False
         self._tokens = 0
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
-        self._bucket_size_mb: float | str | None = None
+        self._bucket_size_mb: float | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -83,28 +86,24 @@ class CommTimer(Callback):
         if not self.enabled:
             return
         model = trainer.strategy.model
-        self._container = model if isinstance(model, DataParallel) else None
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
-        # Read now: at on_fit_end the strategy has already unwrapped the engine. For `auto`, the predicted size.
-        self._bucket_size_mb = getattr(model, "bucket_size_mb", getattr(trainer.strategy, "bucket_size_mb", None))
         if self._ddp is not None:
-            self._ddp._set_ddp_runtime_logging_sample_rate(1)  # torch DDP's stats for every iteration, not every 100th
+            compat.sample_ddp_logging_every_step(self._ddp)  # torch DDP's stats for every iteration, not every 100th
+        self._recorder = recorder_for(trainer)
+        # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
+        self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
         device = trainer.strategy.root_device
-        self._clock = self._container.clock if self._container is not None else StepClock(device)
         self._peak_flops = _peak_flops(trainer) if device.type == "cuda" else None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self.enabled or self._clock is None:
+        if not self.enabled or self._recorder is None:
             return
-        if self._step_start is None:  # first micro-batch of an optimizer step
-            if self._container is not None:
-                self._container.on_train_batch_start()  # opens the record and starts the shared clock
-            else:
-                self._clock.start()
-            if self._clock.cuda:
+        if not self._in_step:  # first micro-batch of an optimizer step
+            self._in_step = True
+            self._recorder.open_step(trainer.global_step)
+            if self._recorder.clock.cuda:
                 torch.cuda.reset_peak_memory_stats()
-            self._step_start = self._clock.mark()
             self._tokens = 0
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         if isinstance(x, torch.Tensor):
@@ -116,30 +115,29 @@ class CommTimer(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.enabled or self._step_start is None or trainer.fit_loop._should_accumulate():
+        if not self.enabled or not self._in_step or compat.should_accumulate(trainer):
             return
-        clock = self._clock
-        end = clock.mark()
-        if clock.cuda:
-            torch.cuda.synchronize()  # the step's events must have completed before they are read
-        local_ms = clock.to_ms(end) - clock.to_ms(self._step_start)
-        step_ms = _max_over_ranks(local_ms, trainer.strategy.root_device)
-        if self._container is not None:
-            timing = StepTiming.from_record(self._container.record, clock, step_ms, self._tokens)
-        else:
-            timing = StepTiming(step_ms=step_ms, tokens=self._tokens)
+        self._in_step = False
+        assert self._recorder is not None
+        record = self._recorder.finish_step()
+        step_ms = _max_over_ranks(record.step_ms, trainer.strategy.root_device)
+        timing = StepTiming.from_record(record, step_ms, self._tokens)
         metrics = step_metrics(
             timing,
             trainer.world_size,
             flops_per_token=self._flops_per_token,
             peak_flops=self._peak_flops,
-            peak_memory_mib=_peak_memory_mib(clock.cuda),
+            peak_memory_mib=_peak_memory_mib(self._recorder.clock.cuda),
         )
         if self._ddp is not None:
             metrics.update(_torch_ddp_metrics(self._ddp, step_ms))
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         self.summary.add(trainer.global_step, metrics)
-        self._step_start = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled:
+            release_recorder(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -152,7 +150,8 @@ class CommTimer(Callback):
             )
             return
         out_dir = Path(trainer.logger.log_dir if trainer.logger and trainer.logger.log_dir else trainer.default_root_dir)
-        title = f"CommTimer [{type(trainer.strategy).__name__}, {trainer.world_size} ranks]"
+        name = getattr(trainer.strategy, "strategy_name", "") or type(trainer.strategy).__name__
+        title = f"CommTimer [{name}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
         extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb}}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
@@ -178,15 +177,14 @@ def _peak_memory_mib(cuda: bool) -> float:
 def _peak_flops(trainer: pl.Trainer) -> float | None:
     """The device's peak FLOP/s at the run's compute dtype (Lightning's table of known GPUs), or None."""
     from lightning.fabric.utilities.throughput import get_available_flops
-    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 
-    flops = get_available_flops(trainer.strategy.root_device, _plugin_to_compute_dtype(trainer.precision_plugin))
+    flops = get_available_flops(trainer.strategy.root_device, compat.compute_dtype(trainer))
     return float(flops) if flops else None
 
 
 def _torch_ddp_metrics(model: DistributedDataParallel, step_ms: float) -> dict[str, float]:
     """torch DDP's own statistics of its most recent sampled iteration, in our keys (see the module docstring)."""
-    data = model._get_ddp_logging_data()
+    data = compat.ddp_logging_data(model)
     if "backward_comm_time" not in data:  # not sampled yet (the first iteration)
         return {}
     comm_ms = data["backward_comm_time"] / 1e6
@@ -205,8 +203,10 @@ def _torch_ddp_metrics(model: DistributedDataParallel, step_ms: float) -> dict[s
 def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
     """What belongs next to the numbers: strategy, devices, precision, versions, hyperparameters."""
     device = trainer.strategy.root_device
+    strategy = trainer.strategy
     return {
-        "strategy": type(trainer.strategy).__name__,
+        "strategy": getattr(strategy, "strategy_name", "") or type(strategy).__name__,
+        "strategy_class": type(strategy).__name__,
         "world_size": trainer.world_size,
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -1,42 +1,40 @@
 """Thin Lightning strategies over ``lightning_ddp.sync``, registered in Lightning's ``StrategyRegistry``.
 
+Importing this package registers ``<name>_ddp`` for every algorithm of ``lightning_ddp.sync.registry`` and
+``zero1_ddp``; ``register_strategies()`` registers algorithms added since (it is idempotent).
+
 ==================  ==========================  ==============================================
-name                class                       engine
+name                class path (for YAML)       engine
 ==================  ==========================  ==============================================
 ``naive_ddp``       ``NaiveDDPStrategy``        ``lightning_ddp.sync.NaiveDDP``
 ``flat_ddp``        ``FlatDDPStrategy``         ``lightning_ddp.sync.FlatDDP``
 ``overlap_ddp``     ``OverlapDDPStrategy``      ``lightning_ddp.sync.OverlapDDP``
 ``bucketed_ddp``    ``BucketedDDPStrategy``     ``lightning_ddp.sync.BucketedDDP`` (25 MiB)
+``<name>_ddp``      ``GradSyncStrategy``        any registered algorithm (``init_args: {algorithm: <name>}``)
 ``zero1_ddp``       ``ZeRO1DDPStrategy``        ``lightning_ddp.sync.ShardedOptimizer`` (ZeRO-1)
 ==================  ==========================  ==============================================
 
-Lightning's own ``ddp`` is the baseline. To add a strategy: write the engine in ``lightning_ddp/sync``,
-subclass ``GradSyncStrategy`` here with ``strategy_name`` and ``make_container``, and add it to ``STRATEGIES``.
+Lightning's own ``ddp`` is the baseline. To add an algorithm, see ``lightning_ddp.sync.registry``: no strategy
+class is needed.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ddp.strategies.base import GradSyncStrategy
-from lightning_ddp.strategies.bucketed import BucketedDDPStrategy
-from lightning_ddp.strategies.flat import FlatDDPStrategy
-from lightning_ddp.strategies.naive import NaiveDDPStrategy
-from lightning_ddp.strategies.overlap import OverlapDDPStrategy
+from lightning_ddp.strategies.named import BucketedDDPStrategy, FlatDDPStrategy, NaiveDDPStrategy, OverlapDDPStrategy
 from lightning_ddp.strategies.zero1 import ZeRO1DDPStrategy
-
-STRATEGIES: tuple[type[GradSyncStrategy], ...] = (
-    NaiveDDPStrategy,
-    FlatDDPStrategy,
-    OverlapDDPStrategy,
-    BucketedDDPStrategy,
-    ZeRO1DDPStrategy,
-)
+from lightning_ddp.sync.registry import ALGORITHMS
 
 
 def register_strategies() -> None:
-    """Make ``trainer.strategy: naive_ddp`` (etc.) resolvable; idempotent."""
-    for strategy in STRATEGIES:
-        if strategy.strategy_name not in StrategyRegistry:
-            strategy.register_strategies(StrategyRegistry)
+    """Make ``trainer.strategy: <name>_ddp`` resolvable for every registered algorithm, and ``zero1_ddp``."""
+    GradSyncStrategy.register_strategies(StrategyRegistry)
+    ZeRO1DDPStrategy.register_strategies(StrategyRegistry)
+
+
+def strategy_names() -> list[str]:
+    """Our strategy names: one per registered algorithm, then ``zero1_ddp``."""
+    return [algorithm.strategy_name for algorithm in ALGORITHMS.values()] + ["zero1_ddp"]
 
 
 register_strategies()
@@ -47,7 +45,7 @@ __all__ = [
     "GradSyncStrategy",
     "NaiveDDPStrategy",
     "OverlapDDPStrategy",
-    "STRATEGIES",
     "ZeRO1DDPStrategy",
     "register_strategies",
+    "strategy_names",
 ]

@@ -1,4 +1,8 @@
-"""The shared shell of our strategies: Lightning's ``DDPStrategy`` with our container instead of torch DDP.
+"""``GradSyncStrategy``: Lightning's ``DDPStrategy`` with one of our engines instead of torch DDP.
+
+One class serves every algorithm of ``lightning_ddp.sync.registry``: ``GradSyncStrategy(algorithm="bucketed",
+bucket_size_mb=25)`` is ``bucketed_ddp``. The named classes (``NaiveDDPStrategy`` ...) only fix the algorithm,
+for the class paths users' YAML names; a new algorithm needs none.
 
 Subclassing ``DDPStrategy`` keeps what Lightning gets right (launchers, process-group set-up, the
 ``DistributedSampler`` it injects, ``reduce``/``barrier``/``broadcast`` for ``sync_dist`` logging). We replace
@@ -10,7 +14,10 @@ only the gradient synchronisation:
   (Lightning only does this for torch DDP models).
 - ``post_backward`` calls ``finish_gradient_synchronization()``. It runs inside the optimizer closure, right
   after ``backward`` and before ``on_before_optimizer_step``, gradient clipping and ``optimizer.step``.
-- ``on_train_batch_start`` opens the container's per-step ``SyncRecord`` (idempotent within a step).
+- ``on_train_batch_start`` tells the container a micro-batch begins (the strategy owns the training step).
+- ``attach_recorder`` is how an observer (the ``CommTimer``, the ``TraceRecorder``) asks for the step's
+  collectives to be recorded: the strategy hands the recorder to its container (and, for ZeRO-1, to the
+  sharded optimizers). Nothing is recorded until someone asks.
 - ``teardown`` unwraps the container. Checkpoints are unaffected: Lightning saves the LightningModule's own
   ``state_dict``, so keys carry no ``module.`` prefix.
 """
@@ -22,23 +29,39 @@ import subprocess
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Literal
+from typing import Any, Generator, Literal, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_ddp.sync import DataParallel
+from lightning_ddp import compat
+from lightning_ddp.sync import DataParallel, Recorder
+from lightning_ddp.sync.bucketed import check_bucket_size
+from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
+
+BucketSizeOption = Union[float, Literal["auto", "default"], None]
 
 
 class GradSyncStrategy(DDPStrategy):
-    """Base of our gradient-sync strategies; subclasses implement ``make_container``.
+    """Data-parallel training with one of our gradient-sync algorithms (``lightning_ddp.sync.registry``).
+
+    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it::
+
+        strategy:
+          class_path: lightning_ddp.strategies.GradSyncStrategy
+          init_args: {algorithm: bucketed, bucket_size_mb: 4}
 
     Args:
+        algorithm: A registered algorithm: ``naive``, ``flat``, ``overlap``, ``bucketed`` or one you registered.
+        bucket_size_mb: For algorithms with buckets: the cap in MiB, ``null`` for one bucket, ``auto`` to predict it
+            from an all-reduce microbenchmark, ``default`` for the algorithm's own default (25 MiB). Algorithms
+            without buckets take only ``default``.
         accelerator: Set by the Trainer from ``trainer.accelerator``.
         parallel_devices: Set by the Trainer from ``trainer.devices``.
         cluster_environment: Set by the Trainer (local, torchrun, SLURM, ...).
@@ -51,11 +74,10 @@ class GradSyncStrategy(DDPStrategy):
         start_method: How the launcher starts the other ranks (``popen`` re-runs the command).
     """
 
-    strategy_name: str = ""
-    """The name this strategy is registered under in Lightning's ``StrategyRegistry``."""
-
     def __init__(
         self,
+        algorithm: str = "bucketed",
+        bucket_size_mb: BucketSizeOption = "default",
         accelerator: Accelerator | None = None,
         parallel_devices: list | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -75,6 +97,22 @@ class GradSyncStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        # Checked when the config is read, not after the processes have started.
+        self.algorithm = get_algorithm(algorithm)
+        if bucket_size_mb != "default":
+            if not self.algorithm.has_bucket_size:
+                raise ValueError(
+                    f"the {algorithm!r} algorithm has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop "
+                    "`bucket_size_mb` or choose an algorithm with buckets, e.g. `algorithm: bucketed`."
+                )
+            check_bucket_size(bucket_size_mb)
+        self.bucket_size_mb = bucket_size_mb
+        self._recorder: Recorder | None = None
+
+    @property
+    def strategy_name(self) -> str:
+        """The name this run's strategy goes by (``<algorithm>_ddp``), as in Lightning's ``StrategyRegistry``."""
+        return self.algorithm.strategy_name
 
     @override
     def setup_environment(self) -> None:
@@ -87,17 +125,45 @@ class GradSyncStrategy(DDPStrategy):
 
     def make_container(self, module: nn.Module) -> DataParallel:
         """Wrap the LightningModule in this strategy's gradient-sync engine."""
-        raise NotImplementedError
+        container = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb)
+        prediction = getattr(container, "bucket_prediction", None)
+        if prediction is not None:
+            rank_zero_info(
+                f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(container.buckets)} buckets) from an "
+                f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
+                f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
+            )
+        return container
 
     @property
     def container(self) -> DataParallel | None:
         """The engine wrapping the model while fitting, else ``None``."""
         return self.model if isinstance(self.model, DataParallel) else None
 
+    @property
+    def resolved_bucket_size_mb(self) -> float | None:
+        """The bucket cap the engine uses (``auto`` and ``default`` resolved), while fitting; else ``None``."""
+        return getattr(self.container, "bucket_size_mb", None)
+
     @override
     def configure_ddp(self) -> None:
         assert isinstance(self.model, pl.LightningModule)
         self.model = self.make_container(self.model)
+        if self._recorder is not None:
+            self.attach_recorder(self._recorder)
+
+    def attach_recorder(self, recorder: Recorder | None) -> None:
+        """Record this run's gradient collectives into ``recorder`` (``None`` stops recording).
+
+        Called by observers; may be called before the model is wrapped (it is attached when it is).
+        """
+        self._recorder = recorder
+        for target in self._recorded():
+            target.recorder = recorder
+
+    def _recorded(self) -> list[Any]:
+        """What issues this run's gradient collectives: the container (ZeRO-1 adds its optimizers)."""
+        return [self.container] if self.container is not None else []
 
     @override
     @contextmanager
@@ -125,7 +191,7 @@ class GradSyncStrategy(DDPStrategy):
         super().on_exception(exception)
         # When another rank dies, this one only sees a broken connection ("Connection closed by peer"). The
         # launching process (rank 0 on each node) knows its sibling processes: name the ones that ended and how.
-        procs = getattr(self._launcher, "procs", [])
+        procs = compat.launched_processes(self)
         if any(word in str(exception) for word in ("peer", "Connection", "remote")):
             # The broken connection can be seen before the dead process is reaped: give it a moment.
             deadline = time.monotonic() + 3.0
@@ -139,15 +205,19 @@ class GradSyncStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self.container is not None:
+            self.container.recorder = None
             self.model = self.lightning_module
         super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        # Overridden so that the inherited DDPStrategy.register_strategies does not re-register "ddp".
-        if cls.strategy_name:
-            strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").strip().splitlines()[0])
+        """Register ``<name>_ddp`` for every algorithm of ``lightning_ddp.sync.registry`` (idempotent)."""
+        for algorithm in ALGORITHMS.values():
+            if algorithm.strategy_name not in strategy_registry:
+                strategy_registry.register(
+                    algorithm.strategy_name, GradSyncStrategy, description=algorithm.summary, algorithm=algorithm.name
+                )
 
 
 def describe_dead_ranks(procs: list[subprocess.Popen], first_rank: int) -> str:

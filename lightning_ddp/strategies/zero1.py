@@ -2,13 +2,13 @@
 
 What it adds to ``GradSyncStrategy``:
 
-- ``make_container``: with ``schedule: allreduce_broadcast`` the engine named by ``grad_sync`` all-reduces the
-  gradients as usual; with ``schedule: reduce_scatter`` a ``DeferredGradSync`` leaves them local, because the
-  optimizer reduce-scatters them in ``step()``.
+- ``make_container``: with ``schedule: allreduce_broadcast`` the algorithm named by ``grad_sync`` (any entry of
+  ``lightning_ddp.sync.registry``) all-reduces the gradients as usual; with ``schedule: reduce_scatter`` a
+  ``DeferredGradSync`` leaves them local, because the optimizer reduce-scatters them in ``step()``.
 - ``setup_optimizers``: after ``configure_optimizers`` (unchanged), each optimizer is replaced by a
   ``ShardedOptimizer.from_optimizer`` of it, which shares its parameter-group dicts, and every LR scheduler is
-  re-pointed at the sharded optimizer. The optimizer records its collectives in the engine's per-step
-  ``SyncRecord``, so the ``CommTimer`` accounts them.
+  re-pointed at the sharded optimizer. A recorder attached by an observer goes to the container and to the
+  sharded optimizers, so the ``CommTimer`` accounts the optimizer's collectives with the engine's.
 - Checkpoints: ``ShardedOptimizer.state_dict()`` is a collective returning the consolidated state on every rank;
   Lightning calls it on every rank in ``dump_checkpoint`` and writes rank 0's, and loads the file on every rank
   on resume, where each rank keeps its shard. The file equals an unsharded run's (resumable under ``ddp`` too).
@@ -16,19 +16,18 @@ What it adds to ``GradSyncStrategy``:
 
 from __future__ import annotations
 
-import functools
-import weakref
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddp import compat
 from lightning_ddp.strategies.base import GradSyncStrategy
-from lightning_ddp.sync import BucketedDDP, DataParallel, FlatDDP, NaiveDDP, OverlapDDP
+from lightning_ddp.sync import DataParallel
 from lightning_ddp.sync.bucketed import check_bucket_size
+from lightning_ddp.sync.registry import get_algorithm
 from lightning_ddp.sync.zero1 import (
     CollectiveImpl,
     DeferredGradSync,
@@ -37,9 +36,6 @@ from lightning_ddp.sync.zero1 import (
     check_collective_impl,
     check_schedule,
 )
-
-GradSync = Literal["naive", "flat", "overlap", "bucketed"]
-GRAD_SYNCS: tuple[str, ...] = ("naive", "flat", "overlap", "bucketed")
 
 
 class ZeRO1DDPStrategy(GradSyncStrategy):
@@ -56,20 +52,18 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
             the parameters; DDP's communication volume) or ``allreduce_broadcast`` (the ``grad_sync`` engine
             all-reduces in backward, owners broadcast their parameters; 1.5x the volume, but the all-reduce
             overlaps backward and gradient clipping works).
-        grad_sync: The engine that all-reduces gradients under ``allreduce_broadcast``: ``naive``, ``flat``,
-            ``overlap`` or ``bucketed``. Ignored by ``reduce_scatter``.
-        bucket_size_mb: Bucket cap of the ``bucketed`` engine in MiB; ``null`` for one bucket.
+        grad_sync: The algorithm that all-reduces gradients under ``allreduce_broadcast``: any registered one
+            (``naive``, ``flat``, ``overlap``, ``bucketed``, ...). Ignored by ``reduce_scatter``.
+        bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` algorithm with buckets; ``null`` for one bucket.
         collectives: ``auto`` (per-owner reduce/broadcast on gloo, native reduce-scatter/all-gather otherwise),
             ``native`` or ``per_owner``; see ``lightning_ddp.sync.zero1``.
         **kwargs: The arguments of ``GradSyncStrategy`` (backend, timeout, start method).
     """
 
-    strategy_name = "zero1_ddp"
-
     def __init__(
         self,
         schedule: Schedule = "reduce_scatter",
-        grad_sync: GradSync = "bucketed",
+        grad_sync: str = "bucketed",
         bucket_size_mb: float | None = 25.0,
         collectives: CollectiveImpl = "auto",
         **kwargs: Any,
@@ -78,25 +72,35 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
         check_schedule(schedule)
         check_collective_impl(collectives)
         check_bucket_size(bucket_size_mb)
-        if grad_sync not in GRAD_SYNCS:
-            raise ValueError(f"grad_sync={grad_sync!r} is not supported; choose one of: {', '.join(GRAD_SYNCS)}.")
-        super().__init__(**kwargs)
+        try:
+            has_buckets = get_algorithm(grad_sync).has_bucket_size
+        except ValueError as error:
+            raise ValueError(f"grad_sync: {error}") from None
+        super().__init__(algorithm=grad_sync, bucket_size_mb=bucket_size_mb if has_buckets else "default", **kwargs)
         self.schedule = schedule
         self.grad_sync = grad_sync
-        self.bucket_size_mb = bucket_size_mb
         self.collectives = collectives
+
+    @property
+    @override
+    def strategy_name(self) -> str:
+        return "zero1_ddp"
 
     @override
     def make_container(self, module: nn.Module) -> DataParallel:
         if self.schedule == "reduce_scatter":
             return DeferredGradSync(module)
-        if self.grad_sync == "naive":
-            return NaiveDDP(module)
-        if self.grad_sync == "flat":
-            return FlatDDP(module)
-        if self.grad_sync == "overlap":
-            return OverlapDDP(module)
-        return BucketedDDP(module, bucket_size_mb=self.bucket_size_mb)
+        return super().make_container(module)
+
+    @override
+    def _recorded(self) -> list[Any]:
+        return [*super()._recorded(), *(o for o in self.optimizers if isinstance(o, ShardedOptimizer))]
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "zero1_ddp" not in strategy_registry:
+            strategy_registry.register("zero1_ddp", cls, description=(cls.__doc__ or "").strip().splitlines()[0])
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -115,11 +119,13 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
         for config in self.lr_scheduler_configs:
             for original, replacement in zip(self.optimizers, sharded):
                 if config.scheduler.optimizer is original and replacement is not original:
-                    _repoint_scheduler(config.scheduler, replacement)
+                    compat.repoint_scheduler(config.scheduler, replacement)
         self.optimizers = sharded
+        if self._recorder is not None:
+            self.attach_recorder(self._recorder)
 
     def _shard(self, optimizer: Optimizer) -> Optimizer:
-        if isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None: nothing to shard
+        if compat.is_mock_optimizer(optimizer):  # configure_optimizers returned None: nothing to shard
             return optimizer
         if not isinstance(optimizer, ShardedOptimizer):
             optimizer = ShardedOptimizer.from_optimizer(optimizer, schedule=self.schedule, collectives=self.collectives)
@@ -129,28 +135,5 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
                 f"strategy runs schedule={self.schedule!r}; return a plain optimizer (the strategy shards it) or set "
                 f"`--trainer.strategy.init_args.schedule {optimizer.schedule}`."
             )
-        if self.container is not None:
-            optimizer.attach_record(self.container)
         return optimizer
 
-
-def _repoint_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
-    """Make ``scheduler`` drive ``optimizer`` (whose param-group dicts it already shares, see ``from_optimizer``).
-
-    torch's ``LRScheduler`` also wraps its optimizer's ``step`` to warn when the schedule steps before the
-    optimizer; wrap the new one the same way, or its first ``scheduler.step()`` warns that ``step`` was replaced.
-    """
-    scheduler.optimizer = optimizer
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = optimizer.step.__func__  # type: ignore[attr-defined]
-    opt_ref = weakref.ref(optimizer)
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]

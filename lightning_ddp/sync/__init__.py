@@ -1,4 +1,4 @@
-"""Pure-PyTorch gradient synchronisation: one algorithm per file over a small shared base.
+"""Pure-PyTorch gradient synchronisation: one algorithm per file over a small shared base. No Lightning here.
 
 =================  =========================================================================
 ``NaiveDDP``       after backward, one blocking all-reduce per gradient tensor
@@ -10,32 +10,52 @@
 ``ShardedOptimizer`` (``zero1``) shards the optimizer state over the ranks (ZeRO stage 1) on top of an engine,
 or, with ``schedule="reduce_scatter"``, of ``DeferredGradSync``, a container that leaves gradients local.
 
-Each is an ``nn.Module`` container with the conventional interface (see ``base``) and records its
-communication per step in a ``SyncRecord`` (see ``record``). To add an engine: subclass ``DataParallel``,
-implement ``_synchronize`` (and ``_on_grad_ready`` with ``uses_grad_hooks = True`` to act during backward),
-then add a thin strategy in ``lightning_ddp.strategies``.
+The parts every engine shares:
+
+=================  =========================================================================
+``base``           ``DataParallel``: wrapping, the rank-0 broadcast, ``no_sync``, the hook plumbing
+``comm``           ``Communicator``: every collective, async, recorded and profiled in one place
+``buffers``        flat buffers (pack, unpack) and the gradient-presence agreement
+``reduce``         how a bucket is averaged (the bucketed engine's swappable step, torch DDP's comm hook)
+``record``         ``Recorder``: what a step communicated, only when someone measures
+``registry``       the list of algorithms (name -> engine, capabilities) everything else reads
+``ranges``         the names of the profiler ranges the engines open
+``bucket_model``   predicting the best bucket size from an all-reduce microbenchmark (``auto``)
+=================  =========================================================================
+
+To add an algorithm: see ``lightning_ddp.sync.registry``. The names below load on first use, so reading the
+registry or the range names costs no torch import.
 """
 
-from lightning_ddp.sync.base import DataParallel, broadcast_module_states
-from lightning_ddp.sync.bucketed import BucketedDDP, assign_buckets
-from lightning_ddp.sync.flat import FlatDDP
-from lightning_ddp.sync.naive import NaiveDDP
-from lightning_ddp.sync.overlap import OverlapDDP
-from lightning_ddp.sync.record import Collective, StepClock, SyncRecord
-from lightning_ddp.sync.zero1 import DeferredGradSync, ShardedOptimizer, assign_owners
+from __future__ import annotations
 
-__all__ = [
-    "BucketedDDP",
-    "Collective",
-    "DataParallel",
-    "DeferredGradSync",
-    "FlatDDP",
-    "NaiveDDP",
-    "OverlapDDP",
-    "ShardedOptimizer",
-    "StepClock",
-    "SyncRecord",
-    "assign_buckets",
-    "assign_owners",
-    "broadcast_module_states",
-]
+
+from lightning_ddp._lazy import lazy_exports
+
+_HOMES = {
+    "DataParallel": "lightning_ddp.sync.base",
+    "broadcast_module_states": "lightning_ddp.sync.base",
+    "BucketedDDP": "lightning_ddp.sync.bucketed",
+    "assign_buckets": "lightning_ddp.sync.bucketed",
+    "Communicator": "lightning_ddp.sync.comm",
+    "Pending": "lightning_ddp.sync.comm",
+    "FlatDDP": "lightning_ddp.sync.flat",
+    "NaiveDDP": "lightning_ddp.sync.naive",
+    "OverlapDDP": "lightning_ddp.sync.overlap",
+    "Collective": "lightning_ddp.sync.record",
+    "Recorder": "lightning_ddp.sync.record",
+    "StepClock": "lightning_ddp.sync.record",
+    "SyncRecord": "lightning_ddp.sync.record",
+    "AllReduceMean": "lightning_ddp.sync.reduce",
+    "BucketReduce": "lightning_ddp.sync.reduce",
+    "Reduction": "lightning_ddp.sync.reduce",
+    "ALGORITHMS": "lightning_ddp.sync.registry",
+    "Algorithm": "lightning_ddp.sync.registry",
+    "get_algorithm": "lightning_ddp.sync.registry",
+    "register_algorithm": "lightning_ddp.sync.registry",
+    "DeferredGradSync": "lightning_ddp.sync.zero1",
+    "ShardedOptimizer": "lightning_ddp.sync.zero1",
+    "assign_owners": "lightning_ddp.sync.zero1",
+}
+__all__ = sorted(_HOMES)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -1,16 +1,20 @@
-"""The small base every gradient-sync engine shares: wrapping, broadcasting, ``no_sync``, recording.
+"""The small base every gradient-sync engine shares: wrapping, broadcasting, ``no_sync``, the hook plumbing.
 
 The conventional data-parallel interface, usable without Lightning::
 
     ddp = BucketedDDP(model, bucket_size_mb=25)     # broadcasts parameters and buffers from rank 0
     for batch in loader:
-        ddp.on_train_batch_start()                  # opens the step's SyncRecord
+        ddp.on_train_batch_start()                  # a new optimizer step begins
         loss = loss_fn(ddp(batch))
         loss.backward()                             # hook-based engines start communicating here
         ddp.finish_gradient_synchronization()       # .grad now holds the average over ranks
         optimizer.step(); optimizer.zero_grad()
 
 Gradient accumulation: run every micro-batch but the last under ``with ddp.no_sync():``.
+
+Measuring is separate from training: attach a ``Recorder`` (``ddp.recorder = Recorder(device)``, see
+``lightning_ddp.sync.record``) to have every collective and the time inside ``finish_gradient_synchronization``
+recorded per step; with none attached (the default) the engine records nothing and costs nothing extra.
 
 Invariants every engine keeps:
 
@@ -19,34 +23,41 @@ Invariants every engine keeps:
   order and launch at ``finish_gradient_synchronization`` whatever was not ready; therefore a parameter that
   received no gradient on some rank never hangs the others.
 - **Unused parameters match single-process training.** Once per step, after the gradient collectives, the
-  ranks sum one small vector "which parameters have a ``.grad`` here" (one extra tiny all-reduce, recorded
-  like the others). A parameter with no gradient on *any* rank keeps ``.grad = None``, exactly as in a
-  single process, so the optimizer skips it. A parameter with a gradient on *some* ranks is averaged with
-  zeros from the others, which is the full-batch gradient: a rank that did not use it contributed 0.
-- **Averages, not sums:** every engine sums and then divides by the world size (gloo has no ``AVG``).
+  ranks sum one small vector "which parameters have a ``.grad`` here" (``buffers.agree_on_gradients``). A
+  parameter with no gradient on *any* rank keeps ``.grad = None``, exactly as in a single process, so the
+  optimizer skips it. A parameter with a gradient on *some* ranks is averaged with zeros from the others, which
+  is the full-batch gradient: a rank that did not use it contributed 0.
+- **Averages, not sums:** every engine sums and divides by the world size (gloo has no ``AVG``).
 - Tied weights appear once in ``module.parameters()`` and are communicated once; ``requires_grad=False``
   parameters are never communicated.
 
+To write an engine: subclass ``DataParallel``, implement ``_synchronize`` (called by
+``finish_gradient_synchronization``) and, to act during backward, set ``uses_grad_hooks = True`` and implement
+``_on_grad_ready(index)``. Issue every collective through ``self.comm`` (``lightning_ddp.sync.comm``), so it is
+recorded and profiled like the others. Then give it one entry in ``lightning_ddp.sync.registry``.
+
 Profiling: while a torch profiler records, ``finish_gradient_synchronization``, each collective launch and each
 wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``ddp/comm_wait``; see
-``lightning_ddp.trace.ranges``). With no profiler active they cost one flag check.
+``lightning_ddp.sync.ranges``). With no profiler active they cost one flag check.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
-from lightning_ddp.sync.record import Collective, StepClock, SyncRecord
-from lightning_ddp.trace.ranges import COMM_LAUNCH, COMM_WAIT, GRAD_SYNC
+from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_range
+from lightning_ddp.sync.ranges import GRAD_SYNC
+from lightning_ddp.sync.record import SyncRecord
+
+__all__ = ["DataParallel", "broadcast_module_states"]
 
 
-class DataParallel(nn.Module):
+class DataParallel(RecordsThroughComm, nn.Module):
     """Base of the gradient-sync engines: the wrapped model at ``.module`` plus the shared machinery.
 
     Subclasses implement ``_synchronize()`` (called by ``finish_gradient_synchronization``) and, if they
@@ -65,22 +76,31 @@ class DataParallel(nn.Module):
             )
         self.module = module
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
+        self.comm = Communicator(process_group)
+        self.world_size = self.comm.world_size
         self.require_backward_grad_sync = True
         # module.parameters() yields a tied tensor once; frozen parameters are never communicated.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.clock = StepClock(device)
-        self.record = SyncRecord()
-        self._step_open = False
         broadcast_module_states(module, process_group)
         self._hook_handles = []
         if self.uses_grad_hooks:
             for index, param in enumerate(self.params):
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    # -- measuring (observers only: ``recorder`` comes from RecordsThroughComm) ---------------------------
+
+    @property
+    def record(self) -> SyncRecord:
+        """The attached recorder's record of the current step (raw marks)."""
+        if self.comm.recorder is None:
+            raise RuntimeError(
+                f"{type(self).__name__} records nothing until a recorder is attached: "
+                "`engine.recorder = lightning_ddp.sync.Recorder(device)`."
+            )
+        return self.comm.recorder.record
 
     # -- the conventional interface -------------------------------------------------------------------
 
@@ -98,15 +118,13 @@ class DataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     def on_train_batch_start(self) -> None:
-        """Open a new optimizer step: a fresh ``SyncRecord`` and clock origin.
+        """A micro-batch begins: forget launch state a step left behind without finishing (e.g. after an error).
 
-        Idempotent within a step, so calling it for every micro-batch of an accumulation window is fine.
+        Called for every micro-batch (the Lightning strategy calls it from its own ``on_train_batch_start``); it
+        must therefore not disturb an accumulation window, and it does not: nothing is launched under
+        ``no_sync()``.
         """
-        if self._step_open:
-            return
-        self._step_open = True
-        self.clock.start()
-        self.record = SyncRecord()
+        self._reset_step()
 
     def finish_gradient_synchronization(self) -> None:
         """Leave the average over ranks of every gradient in ``.grad``; call after the last backward."""
@@ -116,13 +134,8 @@ class DataParallel(nn.Module):
                 "after the backward of the last micro-batch, outside no_sync()."
             )
         self._check_no_parameter_was_unfrozen()
-        if not self._step_open:  # a caller that never calls on_train_batch_start still gets a record
-            self.on_train_batch_start()
-        start = self.clock.mark()
-        with profiler_range(GRAD_SYNC):
+        with self.comm.span("exposed"), profiler_range(GRAD_SYNC):
             self._synchronize()
-        self.record.exposed.append((start, self.clock.mark()))
-        self._step_open = False
 
     def _check_no_parameter_was_unfrozen(self) -> None:
         # The engine synchronises the parameters that were trainable when it wrapped the model. One unfrozen
@@ -138,90 +151,25 @@ class DataParallel(nn.Module):
     # -- for subclasses -------------------------------------------------------------------------------
 
     def _synchronize(self) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _synchronize()")
 
     def _on_grad_ready(self, index: int) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} sets uses_grad_hooks but does not implement _on_grad_ready()")
+
+    def _reset_step(self) -> None:
+        """Drop per-step launch state (engines that launch during backward keep some)."""
 
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             if self.require_backward_grad_sync:
-                if not self._step_open:
-                    self.on_train_batch_start()
                 self._on_grad_ready(index)
 
         return hook
 
-    def _all_reduce(self, tensor: torch.Tensor, label: str) -> tuple[dist.Work, Collective]:
-        """Launch an async SUM all-reduce of ``tensor`` in place and record it."""
-        nbytes = tensor.numel() * tensor.element_size()
-        return launch_recorded(
-            self.record, self.clock, "all_reduce", label, nbytes,
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True),
-        )
-
-    def _wait(self, work: dist.Work, collective: Collective) -> None:
-        """Wait for ``work`` and record the wait (and, on CUDA, the completion estimate)."""
-        wait_recorded(self.clock, work, collective)
-
-    def _agree_on_gradients(self, has_grad: list[bool]) -> list[int]:
-        """Sum over ranks of "this parameter has a gradient here" (one tiny all-reduce, recorded)."""
-        flags = torch.tensor(has_grad, dtype=torch.int32, device=self.clock_device)
-        work, collective = self._all_reduce(flags, "gradient presence flags")
-        self._wait(work, collective)
-        return flags.tolist()
-
     @property
-    def clock_device(self) -> torch.device:
+    def device(self) -> torch.device:
+        """Where the parameters (and so the gradients and communication buffers) live."""
         return self.params[0].device if self.params else torch.device("cpu")
-
-    def _pack_interval(self, start) -> None:
-        self.record.pack.append((start, self.clock.mark()))
-
-
-def profiler_range(name: str) -> AbstractContextManager:
-    """``record_function(name)`` while a torch profiler is recording, else a no-op context.
-
-    Why the check: entering a ``record_function`` dispatches an op that allocates a ``RecordFunction`` even when
-    no profiler listens (20-40 us per range on our CPU machines); ``torch.autograd._profiler_enabled()`` costs
-    ~0.1 us, so per-collective ranges are free when nobody profiles.
-    """
-    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
-
-
-def launch_recorded(
-    record: SyncRecord, clock: StepClock, op: str, label: str, nbytes: int, start: Callable[[], dist.Work]
-) -> tuple[dist.Work, Collective]:
-    """Issue an async collective with ``start()`` and append it to ``record`` (every engine records this way)."""
-    collective = Collective(op, label, nbytes, clock.mark())
-    with profiler_range(COMM_LAUNCH):
-        work = start()
-    if not clock.cuda:
-        # gloo completes the future on its own thread once the data has arrived: that is completion.
-        def on_done(_fut: torch.futures.Future, c: Collective = collective) -> None:
-            if c.completed is None:
-                c.completed = clock.mark()
-
-        try:
-            work.get_future().then(on_done)
-        except RuntimeError:  # some gloo collectives (reduce_scatter_tensor) have no future: completion = wait end
-            pass
-    record.collectives.append(collective)
-    return work, collective
-
-
-def wait_recorded(clock: StepClock, work: dist.Work, collective: Collective) -> None:
-    """Wait for ``work`` and record the wait (and, on CUDA, the completion estimate)."""
-    start = clock.mark()
-    with profiler_range(COMM_WAIT):
-        work.wait()
-    end = clock.mark()
-    collective.wait = (start, end)
-    if clock.cuda:
-        collective.completed = end  # upper bound; exact whenever the wait actually blocked
-        collective.duration_ms = nccl_duration_ms(work)
-    elif collective.completed is None:  # the callback thread may not have run yet; the wait returned
-        collective.completed = end
 
 
 def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
@@ -233,11 +181,3 @@ def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup 
             continue
         seen.add(id(tensor))
         dist.broadcast(tensor.data, src=src, group=process_group)
-
-
-def nccl_duration_ms(work: dist.Work) -> float | None:
-    """NCCL's own timing of a finished collective, if ``TORCH_NCCL_ENABLE_TIMING=1`` made it available."""
-    try:
-        return float(work._get_duration())
-    except (RuntimeError, AttributeError):
-        return None

@@ -11,7 +11,11 @@ Recipe:
    complete. A multi-parameter bucket is packed into one buffer; a one-parameter bucket is reduced in place.
 3. ``finish_gradient_synchronization``: launch, in order, the buckets backward did not complete (they hold
    a parameter with no gradient this step; zeros stand in for it), agree on which parameters have gradients
-   (see ``base``), then wait for each bucket, divide by the world size and unpack into ``.grad``.
+   (see ``base``), then wait for each bucket's average and unpack it into ``.grad``.
+
+How a bucket is averaged is the engine's ``reduce`` step (``lightning_ddp.sync.reduce``, torch DDP's comm hook in
+our terms): by default a SUM all-reduce in place divided by the world size; another reduce step (e.g. one that
+communicates in bf16) plugs in without touching the bucketing.
 
 Why in order: collectives are matched by sequence position across ranks. Launching strictly in bucket order
 makes the sequence identical on every rank even when some rank's gradient for a parameter is missing or late.
@@ -31,7 +35,8 @@ from torch import nn
 
 from lightning_ddp.sync.base import DataParallel
 from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
-from lightning_ddp.sync.record import Collective
+from lightning_ddp.sync.buffers import agree_on_gradients, packed, unpack_gradients
+from lightning_ddp.sync.reduce import AllReduceMean, BucketReduce, Reduction
 
 MiB = 2**20
 
@@ -71,13 +76,6 @@ def assign_buckets(nbytes: list[int], dtypes: list[torch.dtype], cap_bytes: int 
     return buckets
 
 
-@dataclass
-class _Launched:
-    tensor: torch.Tensor  # what was all-reduced: the bucket buffer, or the parameter's gradient itself
-    work: dist.Work
-    collective: Collective
-
-
 class BucketedDDP(DataParallel):
     """All-reduce gradient buckets of at most ``bucket_size_mb`` MiB as they fill during backward.
 
@@ -87,6 +85,7 @@ class BucketedDDP(DataParallel):
             predict the best cap from a short all-reduce microbenchmark at construction
             (``lightning_ddp.sync.bucket_model``; the prediction is kept in ``bucket_prediction``).
         process_group: The group to average over (default: the world).
+        reduce: How a bucket is averaged (``lightning_ddp.sync.reduce``); default ``AllReduceMean()``.
     """
 
     uses_grad_hooks = True
@@ -96,9 +95,11 @@ class BucketedDDP(DataParallel):
         module: nn.Module,
         bucket_size_mb: float | Literal["auto"] | None = 25.0,
         process_group: dist.ProcessGroup | None = None,
+        reduce: BucketReduce | None = None,
     ) -> None:
         check_bucket_size(bucket_size_mb)
         super().__init__(module, process_group)
+        self.reduce = reduce if reduce is not None else AllReduceMean()
         self.bucket_prediction: BucketPrediction | None = None
         if bucket_size_mb == "auto":
             # A collective: every rank measures together and gets the same (MAX-agreed) prediction.
@@ -109,13 +110,13 @@ class BucketedDDP(DataParallel):
         nbytes = [p.numel() * p.element_size() for p in self.params]
         self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
-        self._reset_launch_state()
+        self._reset_step()
 
-    def _reset_launch_state(self) -> None:
+    def _reset_step(self) -> None:
         self._ready = [False] * len(self.params)
         self._pending = [len(bucket) for bucket in self.buckets]
         self._next_bucket = 0
-        self._launched: list[_Launched] = []
+        self._launched: list[Reduction] = []
 
     def _bucket_label(self, b: int) -> str:
         bucket = self.buckets[b]
@@ -135,36 +136,29 @@ class BucketedDDP(DataParallel):
     def _launch(self, b: int) -> None:
         assert b == self._next_bucket == len(self._launched), "buckets must launch in order"
         params = [self.params[i] for i in self.buckets[b]]
-        if len(params) == 1:
+        if len(params) == 1:  # reduced in its own shape, in place (slicing a 0-d tensor would fail)
             (param,) = params
-            tensor = param.grad if param.grad is not None else torch.zeros_like(param)
+            bucket = param.grad if param.grad is not None else torch.zeros_like(param)
         else:
-            start = self.clock.mark()
-            tensor = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            self._pack_interval(start)
-        work, collective = self._all_reduce(tensor, self._bucket_label(b))
-        self._launched.append(_Launched(tensor, work, collective))
+            with self.comm.span("pack"):
+                bucket = packed(params)
+        self._launched.append(self.reduce.launch(self.comm, bucket, self._bucket_label(b)))
         self._next_bucket += 1
 
     def _synchronize(self) -> None:
         while self._next_bucket < len(self.buckets):
             self._launch(self._next_bucket)
-        counts = self._agree_on_gradients([p.grad is not None for p in self.params])
-        for bucket, launched in zip(self.buckets, self._launched):
-            self._wait(launched.work, launched.collective)
-            start = self.clock.mark()
-            launched.tensor.div_(self.world_size)
-            offset = 0
-            for i in bucket:
-                param, n = self.params[i], self.params[i].numel()
-                if counts[i] > 0:  # no rank has a gradient: leave .grad None, as single-process training would
-                    # A one-tensor bucket was reduced in its own shape (slicing a 0-d tensor would fail).
-                    value = launched.tensor if len(bucket) == 1 else launched.tensor[offset : offset + n].view_as(param)
-                    if param.grad is None:
-                        param.grad = value.clone() if len(bucket) > 1 else value
-                    elif value.data_ptr() != param.grad.data_ptr():
-                        param.grad.copy_(value)
-                offset += n
-            if len(bucket) > 1:
-                self._pack_interval(start)
-        self._reset_launch_state()
+        counts = agree_on_gradients(self.comm, self.params, self.device)
+        for bucket, reduction in zip(self.buckets, self._launched):
+            average = reduction.wait()
+            present = [counts[i] > 0 for i in bucket]  # no rank has a gradient: .grad stays None, as in one process
+            if len(bucket) == 1:
+                param = self.params[bucket[0]]
+                if present[0] and param.grad is None:
+                    param.grad = average
+                elif present[0] and average.data_ptr() != param.grad.data_ptr():
+                    param.grad.copy_(average)
+            else:
+                with self.comm.span("pack"):
+                    unpack_gradients(average, [self.params[i] for i in bucket], keep=present)
+        self._reset_step()

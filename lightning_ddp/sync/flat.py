@@ -16,33 +16,22 @@ from __future__ import annotations
 import torch
 
 from lightning_ddp.sync.base import DataParallel
+from lightning_ddp.sync.buffers import agree_on_gradients, packed, unpack_gradients
 
 
 class FlatDDP(DataParallel):
     """Flatten all gradients into one buffer (per dtype) and all-reduce it once after backward."""
 
     def _synchronize(self) -> None:
-        counts = self._agree_on_gradients([p.grad is not None for p in self.params])
-        synced = [p for p, count in zip(self.params, counts) if count > 0]
+        counts = agree_on_gradients(self.comm, self.params, self.device)
         groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for param in synced:
-            groups.setdefault(param.dtype, []).append(param)
+        for param, count in zip(self.params, counts):
+            if count > 0:
+                groups.setdefault(param.dtype, []).append(param)
         for dtype, params in groups.items():
-            start = self.clock.mark()
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._pack_interval(start)
-            work, collective = self._all_reduce(flat, f"flat {dtype} ({len(params)} tensors)")
-            self._wait(work, collective)
-            start = self.clock.mark()
-            flat.div_(self.world_size)
-            offset = 0
-            for param in params:
-                n = param.numel()
-                value = flat[offset : offset + n].view_as(param)
-                if param.grad is None:
-                    param.grad = value.clone()
-                else:
-                    param.grad.copy_(value)
-                offset += n
-            self._pack_interval(start)
+            with self.comm.span("pack"):
+                flat = packed(params)
+            self.comm.wait(self.comm.all_reduce(flat, f"flat {dtype} ({len(params)} tensors)"))
+            with self.comm.span("pack"):
+                flat.div_(self.world_size)
+                unpack_gradients(flat, params)

@@ -16,18 +16,18 @@ from __future__ import annotations
 import torch
 
 from lightning_ddp.sync.base import DataParallel
+from lightning_ddp.sync.buffers import agree_on_gradients
 
 
 class NaiveDDP(DataParallel):
     """All-reduce each parameter's gradient individually after backward."""
 
     def _synchronize(self) -> None:
-        counts = self._agree_on_gradients([p.grad is not None for p in self.params])
+        counts = agree_on_gradients(self.comm, self.params, self.device)
         for name, param, count in zip(self.param_names, self.params, counts):
             if count == 0:
                 continue  # no rank has a gradient: leave .grad None, as single-process training would
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            work, collective = self._all_reduce(param.grad, name)
-            self._wait(work, collective)
+            self.comm.wait(self.comm.all_reduce(param.grad, name))
             param.grad.div_(self.world_size)

@@ -1,47 +1,66 @@
-"""What every gradient-sync engine records about its communication, once per optimizer step.
+"""What a step communicated, recorded only when someone measures: ``Recorder``, ``SyncRecord``, ``Collective``.
 
-The engines (``NaiveDDP``, ``FlatDDP``, ``OverlapDDP``, ``BucketedDDP``) only *record*; the timing callback
-(``lightning_ddp.callbacks``) turns a record into metrics. Keeping the two apart lets the accounting be
-unit-tested with hand-made timelines.
+The engines never measure on their own. A ``Recorder`` is attached by whoever wants the numbers (the
+``CommTimer``, the ``TraceRecorder``, a benchmark, a test; through the strategy's ``attach_recorder`` under
+Lightning, or ``engine.recorder = Recorder(device)`` without it). With no recorder attached an engine pays one
+``is None`` check per collective: no clock reads, no CUDA events, no synchronisation.
+
+The life of one optimizer step's record::
+
+    recorder.open_step(step)            # anchors the clocks, marks the start
+    ... forward, backward, gradient sync, optimizer: the engines append collectives and spans ...
+    record = recorder.finish_step()      # marks the end; on CUDA the step's one synchronize; every mark -> ms
+
+``finish_step`` returns the record with every mark converted to **milliseconds since the step's clock anchor**
+(plain floats), so everything downstream (``lightning_ddp.callbacks.accounting``, the trace recorder) is pure
+arithmetic.
 
 Clocks (the honesty rules):
 
 - On CPU a mark is ``time.perf_counter()``: collectives run on the host, so the host clock is the truth.
-- On CUDA a mark is a ``torch.cuda.Event`` recorded on the current stream. The host runs ahead of the GPU,
-  so host time says when work was *queued*, not when it ran; an event says when the stream reached it. Marks
-  are converted to milliseconds only after the step, when ``StepClock.to_ms`` can read finished events.
-- ``StepClock.start()`` synchronises the device once per optimizer step (CUDA only) and anchors the two
-  clocks: host time ``t0`` and event ``e0`` describe the same instant, so a host time measured by a
-  communication thread (gloo's completion callbacks) and an event time land on one axis.
-- When an async collective *completed*: gloo completes its ``Work`` future on its own thread when the data
-  has arrived, so a ``then`` callback reads the host clock at completion. NCCL completes the future when the
-  work is queued, so for NCCL we use ``Work._get_duration()`` (set ``TORCH_NCCL_ENABLE_TIMING=1``) added to
-  the launch mark, and otherwise the mark after ``wait()`` (an upper bound, exact when the wait blocked).
+- On CUDA a mark is a ``torch.cuda.Event`` recorded on the current stream: it says when the *device* reached
+  that point, not when the host queued the work. Events are only read in ``finish_step``, after its
+  ``torch.cuda.synchronize()``.
+- The anchor: host time ``t0`` and event ``e0`` naming the same instant, so that host times (gloo's completion
+  callbacks) and events land on one axis. ``e0`` is recorded right after a synchronize, on an idle device, so it
+  completes at once (within a few microseconds of ``t0``). The synchronize at the end of one step anchors the
+  next: one synchronize per measured step, none when nobody measures.
+- When an async collective *completed* (``Collective.completed``): gloo completes its ``Work`` future on its own
+  thread when the data has arrived, so a ``then`` callback reads the host clock. NCCL completes the future
+  when the work is queued, but runs ``then`` callbacks with a current stream that waits for the collective's
+  kernel, so an event recorded there fires when the collective has finished on the device. No environment
+  variable is needed for either. The mark after ``wait()`` is used only when no completion was recorded (it is an
+  upper bound: the wait may start long after the collective finished), and never overwrites one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Callable, Union
 
 import torch
 
 Mark = Union[float, "torch.cuda.Event"]
+Span = tuple[Mark, Mark]
+
+__all__ = ["Collective", "Mark", "Recorder", "StepClock", "SyncRecord"]
 
 
 class StepClock:
-    """Time marks on one axis per optimizer step: host seconds on CPU, CUDA events on GPU."""
+    """Marks on one axis: host seconds on CPU, CUDA events on GPU, both read relative to an anchor."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.t0 = time.perf_counter()
         self.e0: torch.cuda.Event | None = None
 
-    def start(self) -> None:
-        """Open a step: on CUDA wait for queued work so that ``t0`` and ``e0`` name the same instant."""
+    def anchor(self) -> None:
+        """Name one instant on both clocks. On CUDA: synchronize, then record ``e0`` and read ``t0`` together."""
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             self.e0 = torch.cuda.Event(enable_timing=True)
             self.e0.record()
         self.t0 = time.perf_counter()
@@ -55,44 +74,183 @@ class StepClock:
         return time.perf_counter()
 
     def to_ms(self, mark: Mark) -> float:
-        """Milliseconds from the step's start to ``mark``. On CUDA, call after the events have completed."""
+        """Milliseconds from the anchor to ``mark``. On CUDA, call only after the events have completed."""
         if isinstance(mark, float):
             return (mark - self.t0) * 1e3
-        assert self.e0 is not None, "StepClock.start() was not called before CUDA events were recorded"
+        assert self.e0 is not None, "StepClock.anchor() was not called before CUDA events were recorded"
         return self.e0.elapsed_time(mark)
 
 
 @dataclass
 class Collective:
-    """One gradient collective (e.g. the all-reduce of one bucket)."""
+    """One collective: what it moved and when it was launched, completed and waited for.
+
+    Marks are raw (host seconds or CUDA events) while the step runs and milliseconds since the step's anchor
+    in a finished record (``Recorder.finish_step``).
+    """
 
     op: str
-    """Collective kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``."""
+    """Collective kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``reduce``, ``broadcast``."""
     label: str
     """What was communicated: a parameter name, ``bucket 3 (12 tensors)``, ``flat (435 tensors)``."""
     nbytes: int
-    """Bytes of the local input tensor (the message size of nccl-tests)."""
+    """nccl-tests' message size: the buffer being all-reduced, reduced or broadcast; for ``reduce_scatter`` the
+    whole input and for ``all_gather`` the whole output (every rank's part)."""
     launched: Mark
-    """When the collective was issued."""
+    """When the collective was issued (on CUDA: when the issuing stream reached that point)."""
     completed: Mark | None = None
-    """When its result was available (see the module docstring for how, per backend)."""
-    duration_ms: float | None = None
-    """NCCL's own measurement of the collective's kernel time, when ``TORCH_NCCL_ENABLE_TIMING=1``."""
-    wait: tuple[Mark, Mark] | None = None
-    """The interval the caller spent in ``Work.wait()`` for it."""
+    """When its result was ready (see the module docstring for how, per backend)."""
+    wait: Span | None = None
+    """The interval the caller spent in ``Work.wait()`` for it, if anyone waited."""
+
+    def converted(self, convert: Callable[[Mark], float]) -> Collective:
+        """This collective with every mark converted (e.g. to ms). Without a recorded completion, completion is the
+        end of the wait (the result was certainly there then), or, never waited for, the launch (nothing observed
+        it in flight)."""
+        launched = convert(self.launched)
+        wait = (convert(self.wait[0]), convert(self.wait[1])) if self.wait is not None else None
+        if self.completed is not None:
+            completed = convert(self.completed)
+        else:
+            completed = wait[1] if wait is not None else launched
+        return dataclasses.replace(self, launched=launched, completed=completed, wait=wait)
 
 
 @dataclass
 class SyncRecord:
-    """Everything one optimizer step communicated, and how long the critical path waited for it."""
+    """Everything one optimizer step communicated, and where the critical path spent time on it."""
 
     collectives: list[Collective] = field(default_factory=list)
-    exposed: list[tuple[Mark, Mark]] = field(default_factory=list)
-    """Intervals on the critical path spent synchronising gradients (``finish_gradient_synchronization``)."""
-    pack: list[tuple[Mark, Mark]] = field(default_factory=list)
-    """Intervals spent copying gradients into and out of communication buffers (flat, bucketed). On the critical
-    path and inside ``exposed`` when they happen there; the accounting subtracts them from it."""
+    """Every collective of the step, in launch order."""
+    exposed: list[Span] = field(default_factory=list)
+    """Intervals on the critical path spent synchronising (``finish_gradient_synchronization``; ZeRO-1's phases
+    inside ``optimizer.step()``)."""
+    pack: list[Span] = field(default_factory=list)
+    """Intervals spent copying gradients into and out of communication buffers (flat, bucketed, ZeRO-1)."""
+    started: Mark | None = None
+    """The step's start (``Recorder.open_step``)."""
+    ended: Mark | None = None
+    """The step's end (``Recorder.finish_step``)."""
+    origin_s: float | None = None
+    """In a finished record: the host time (``time.perf_counter()`` seconds) of its 0 ms."""
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.collectives)
+
+    @property
+    def step_ms(self) -> float:
+        """``ended - started`` of a finished record."""
+        assert isinstance(self.started, float) and isinstance(self.ended, float), "only a finished record has ms"
+        return self.ended - self.started
+
+    def converted(self, convert: Callable[[Mark], float], origin_s: float | None = None) -> SyncRecord:
+        """A copy with every mark converted by ``convert`` (e.g. to ms) and ``origin_s`` set."""
+        return SyncRecord(
+            collectives=[c.converted(convert) for c in self.collectives],
+            exposed=[(convert(a), convert(b)) for a, b in self.exposed],
+            pack=[(convert(a), convert(b)) for a, b in self.pack],
+            started=convert(self.started) if self.started is not None else None,
+            ended=convert(self.ended) if self.ended is not None else None,
+            origin_s=origin_s,
+        )
+
+    def in_host_seconds(self) -> SyncRecord:
+        """A finished record on the host clock: every mark as ``time.perf_counter()`` seconds."""
+        assert self.origin_s is not None, "only a finished record (Recorder.finish_step) has an origin"
+        origin = self.origin_s
+        return self.converted(lambda ms: origin + ms / 1e3, origin)
+
+
+class Recorder:
+    """Collects one ``SyncRecord`` per optimizer step from whichever engines (and optimizers) it is attached to.
+
+    Args:
+        device: Where the model computes: CUDA events on a GPU, host time otherwise.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.clock = StepClock(device)
+        self.record = SyncRecord()
+        """The step being recorded (raw marks); appended to by the engines."""
+        self.step: int | None = None
+        """The number of the open (or last finished) step, as given to ``open_step``."""
+        self.finished: SyncRecord | None = None
+        """The last finished step, in milliseconds (``finish_step``'s return value)."""
+        self._open = False
+        self._anchored = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def open_step(self, step: int | None = None) -> None:
+        """Start recording optimizer step ``step``: a fresh record, marked started now.
+
+        Idempotent for the same ``step`` number while it is open, so several observers (the timer, the trace
+        recorder) may each open the step they see. On CUDA the first step synchronizes once to anchor the clocks;
+        later steps reuse the anchor their predecessor's ``finish_step`` took.
+        """
+        if self._open and step is not None and step == self.step:
+            return
+        if not self._anchored:
+            self.clock.anchor()
+        self._anchored = False
+        self._open = True
+        self.step = step
+        self.finished = None
+        self.record = SyncRecord(started=self.clock.mark())
+
+    def ensure_open(self) -> None:
+        """Open an (unnumbered) step if none is open: a caller that never opens steps still gets records."""
+        if not self._open:
+            self.open_step()
+
+    def finish_step(self) -> SyncRecord:
+        """Mark the end, convert every mark to ms (after the step's one ``torch.cuda.synchronize()`` on CUDA).
+
+        Idempotent: a second call for the same step returns the same finished record.
+        """
+        if not self._open:
+            if self.finished is None:
+                raise RuntimeError("Recorder.finish_step() without an open step: call open_step() first")
+            return self.finished
+        self.record.ended = self.clock.mark()
+        clock = self.clock
+        if clock.cuda:
+            torch.cuda.synchronize(clock.device)  # every event of the step has completed and can be read
+        self.finished = self.record.converted(clock.to_ms, clock.t0)
+        if clock.cuda:
+            clock.anchor()  # the device is idle right after the synchronize: anchor the next step here, for free
+            self._anchored = True
+        self._open = False
+        return self.finished
+
+    # -- what the engines call (through ``Communicator``) ------------------------------------------------
+
+    def mark(self) -> Mark:
+        return self.clock.mark()
+
+    def add(self, collective: Collective, work: Any, device_completion: bool) -> None:
+        """Append ``collective`` (launched just now) and record its completion when ``work`` completes."""
+        self.ensure_open()
+        clock = self.clock
+
+        def on_done(_future: Any, c: Collective = collective) -> None:
+            if c.completed is None:  # never overwrite a real completion
+                if device_completion:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record()  # on the callback's current stream, which waits for the collective's kernel
+                    c.completed = event
+                else:
+                    c.completed = time.perf_counter()
+
+        try:
+            work.get_future().then(on_done)
+        except RuntimeError:  # a collective without a future (gloo's reduce_scatter): completion = end of wait
+            pass
+        self.record.collectives.append(collective)
+
+    def span(self, kind: str, start: Mark) -> None:
+        """Close a span of ``kind`` (``exposed`` or ``pack``) that began at ``start``."""
+        getattr(self.record, kind).append((start, self.clock.mark()))

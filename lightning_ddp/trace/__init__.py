@@ -1,12 +1,12 @@
 """Timelines from profiler traces: did communication overlap computation, and by how much?
 
-Record traces with the ``TraceRecorder`` callback (``--trace.enabled true``), then draw one or several runs::
+The names of our ranges and of the communication track are in ``lightning_ddp.sync.ranges`` (the engines open
+some of them). Record traces with the ``TraceRecorder`` callback (``--trace.enabled true``), then draw one or several runs::
 
     python -m lightning_ddp.trace logs/naive/version_0 logs/overlap/version_0 -o timeline.png
 
 =====================  ==========================================================================
-``ranges``             names of our ``record_function`` ranges and of the communication track
-``overlap``            interval arithmetic and HTA's communication/computation overlap
+``overlap``            HTA's communication/computation overlap (interval arithmetic: ``lightning_ddp.intervals``)
 ``chrome``             Chrome-trace JSON: add the communication track (recorder), read it back
 ``render``             the picture: per rank a compute row and a communication row (matplotlib Agg)
 =====================  ==========================================================================

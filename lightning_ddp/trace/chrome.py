@@ -24,10 +24,14 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from lightning_ddp.trace import ranges
-from lightning_ddp.trace.overlap import Interval, Overlap, comm_compute_overlap, merge, subtract
+from lightning_ddp.intervals import Interval, merge, subtract
+from lightning_ddp.sync import ranges
+from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
+
+if TYPE_CHECKING:
+    from lightning_ddp.sync.record import Collective
 
 MAX_DRIFT_US_PER_S = 500.0
 """Bound on how fast the wall clock (kineto's ``ts``) may drift from ``perf_counter``: NTP's maximum slew, 500 ppm."""
@@ -40,25 +44,14 @@ PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")
 
 
 @dataclass
-class CommInterval:
-    """One collective as the engine recorded it, in host seconds (``time.perf_counter()``)."""
-
-    op: str
-    label: str
-    nbytes: int
-    launched: float
-    completed: float
-    wait: tuple[float, float] | None = None
-
-
-@dataclass
 class RecordedStep:
     """What the recorder keeps per traced optimizer step: its number, clock anchor and collectives."""
 
     step: int
     anchor: tuple[float, float]
     """``perf_counter()`` right before and right after opening the ``ddp/step#N`` range."""
-    collectives: list[CommInterval] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    """The step's collectives with every mark in host seconds (``SyncRecord.in_host_seconds``)."""
 
 
 def assign_lanes(intervals: list[Interval]) -> list[int]:
@@ -103,7 +96,7 @@ def add_communication_track(
             before, after = record.anchor
             mid = (before + after) / 2
             measured.append((record.step, mid, (after - before) / 2 * 1e6, ts - mid * 1e6))
-    placed: list[tuple[CommInterval, int, float]] = []  # (collective, step, offset_us)
+    placed: list[tuple[Collective, int, float]] = []  # (collective, step, offset_us)
     step_meta = []
     for step, mid, _, _ in measured:
         record = next(r for r in steps if r.step == step)
@@ -159,7 +152,7 @@ class RankTrace:
     steps: list[tuple[int, Interval]]
     """``(step number, (start, end))`` of each ``ddp/step#N`` range, in time order."""
     ranges: dict[str, list[Interval]]
-    """Our ranges on the training thread (``lightning_ddp.trace.ranges``), by name."""
+    """Our ranges on the training thread (``lightning_ddp.sync.ranges``), by name."""
     record_comm: list[CommEvent]
     """The communication track (SyncRecord: launch -> completion); empty for strategies without a SyncRecord."""
     profiler_comm: list[CommEvent]

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_ddp.trace import ranges
+from lightning_ddp.intervals import intersect
+from lightning_ddp.sync import ranges
 from lightning_ddp.trace.chrome import RunTraces, assign_lanes, clip
-from lightning_ddp.trace.overlap import Overlap, intersect
+from lightning_ddp.trace.overlap import Overlap
 
 COLORS = {
     ranges.FORWARD: "#4C72B0",

@@ -1,0 +1,285 @@
+"""``TraceRecorder``: a ``torch.profiler`` trace of a few optimizer steps on every rank, with our ranges and a
+communication track, one Chrome-trace JSON per rank.
+
+Recipe, per rank:
+
+1. ``on_train_start``: start ``torch.profiler.profile`` with ``schedule(wait=wait_steps, warmup=warmup_steps,
+   active=active_steps, repeat=1)``; the profiler advances once per optimizer step (``on_train_batch_end`` after
+   the last micro-batch). Hook the wrapped model's forward and the optimizers' step.
+2. While the profiler records, open ``record_function`` ranges (names in ``lightning_ddp.sync.ranges``):
+   ``ddp/step#N`` around the whole optimizer step, with ``time.perf_counter()`` read right before and after
+   opening it (the clock anchor); ``ddp/forward`` (forward pre-hook .. forward hook of the model the strategy
+   calls); ``ddp/backward`` (``on_before_backward`` .. ``on_after_backward``); ``ddp/optimizer``
+   (``on_before_optimizer_step`` .. the optimizer's step post-hook). The engines add ``ddp/grad_sync``,
+   ``ddp/comm_launch`` and ``ddp/comm_wait`` themselves (``lightning_ddp.sync.comm``). All ranges nest properly
+   on the training thread: torch's own ``Optimizer.step#AdamW.step`` range encloses the closure (forward and
+   backward) and our optimizer range, which is why forward and backward are hooked rather than bracketed by
+   ``on_train_batch_start``.
+3. Every step is recorded by the run's shared ``Recorder`` (``lightning_ddp.callbacks.recording``; the strategy
+   hands it to its engine); at the end of each traced step, keep the finished record's collectives (launch and
+   completion of each, in ``perf_counter`` seconds).
+4. When the last active step ends the profiler hands over the trace: export the Chrome trace, add the
+   communication track (``lightning_ddp.trace.chrome.add_communication_track``: each collective's
+   launch -> completion as an event on the profiler's clock, aligned by the step anchors) and write
+   ``rank{R}.pt.trace.json`` into ``dirpath`` (default ``<log_dir>/traces``). That is the layout of
+   ``torch.profiler.tensorboard_trace_handler`` (``<worker>[.<span>].pt.trace.json``), so the same files open in
+   Perfetto (ui.perfetto.dev), ``chrome://tracing``, HTA and TensorBoard's profiler plugin.
+
+What the profiler records on its own for gloo on CPU (torch 2.13): on the training thread ``c10d::allreduce_``
+(the enqueue, microseconds); on gloo's worker threads (``pt_gloo_runloop``) one ``gloo:all_reduce`` range per
+collective, from when a worker picks it up to when it completes. Our track adds what those lack: the
+parameter/bucket label, the bytes, and the time queued behind other collectives (launch -> completion).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import PyTorchProfiler
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.profiler import ProfilerAction, ProfilerActivity, record_function
+from typing_extensions import override
+
+from lightning_ddp import compat
+from lightning_ddp.callbacks.recording import recorder_for, release_recorder
+from lightning_ddp.sync import ranges
+from lightning_ddp.sync.record import Recorder
+from lightning_ddp.trace.chrome import TRACE_SUFFIX, RecordedStep, add_communication_track
+
+_RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+
+
+class TraceRecorder(Callback):
+    """Record a profiler trace of ``active_steps`` optimizer steps after ``wait_steps + warmup_steps`` on every rank.
+
+    Args:
+        enabled: Off by default (profiling slows the traced steps); ``--trace.enabled true`` switches it on.
+        wait_steps: Optimizer steps left alone first (start-up, allocator and gloo connection warm-up).
+        warmup_steps: Steps the profiler runs but discards (its own start-up cost would skew the first one).
+        active_steps: Steps recorded into the trace.
+        dirpath: Where the ``rank{R}.pt.trace.json`` files go; default ``<trainer.log_dir>/traces``.
+        record_shapes: Record operator input shapes (bigger traces).
+        with_stack: Record Python stacks of operators (much bigger traces, more overhead).
+    """
+
+    def __init__(
+        self,
+        enabled: bool = False,
+        wait_steps: int = 5,
+        warmup_steps: int = 1,
+        active_steps: int = 3,
+        dirpath: str | None = None,
+        record_shapes: bool = False,
+        with_stack: bool = False,
+    ) -> None:
+        if wait_steps < 0 or warmup_steps < 0:
+            raise ValueError(
+                f"wait_steps and warmup_steps must be >= 0, got {wait_steps} and {warmup_steps}; "
+                "e.g. --trace.wait_steps 5 --trace.warmup_steps 1"
+            )
+        if active_steps < 1:
+            raise ValueError(f"active_steps must be >= 1 to record anything, got {active_steps}; e.g. --trace.active_steps 3")
+        self.enabled = enabled
+        self.wait_steps = wait_steps
+        self.warmup_steps = warmup_steps
+        self.active_steps = active_steps
+        self.dirpath = dirpath
+        self.record_shapes = record_shapes
+        self.with_stack = with_stack
+        self.trace_path: Path | None = None
+        """The trace this rank wrote, once written."""
+        self._dir: Path | None = None
+        self._prof: torch.profiler.profile | None = None
+        self._open: list[tuple[str, record_function]] = []
+        self._steps: list[RecordedStep] = []
+        self._current: RecordedStep | None = None
+        self._recorder: Recorder | None = None
+        self._in_step = False
+        self._handles: list[Any] = []
+        self._tid = 0
+        self._description: dict[str, Any] = {}
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the run needs for the trace to be written."""
+        return self.wait_steps + self.warmup_steps + self.active_steps
+
+    # -- set-up and tear-down -------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not self.enabled or stage != "fit":
+            return
+        if isinstance(trainer.profiler, PyTorchProfiler):
+            raise ValueError(
+                "TraceRecorder starts its own torch profiler and only one can run at a time, but the Trainer already "
+                "has a PyTorchProfiler. Remove `--trainer.profiler` or switch tracing off with `--trace.enabled false`."
+            )
+        # trainer.log_dir broadcasts rank 0's directory, so every rank writes next to the same logs
+        log_dir = trainer.log_dir or trainer.default_root_dir
+        self._dir = Path(self.dirpath) if self.dirpath else Path(log_dir) / "traces"
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.enabled:
+            return
+        if trainer.max_steps != -1 and trainer.max_steps < self.total_steps:
+            rank_zero_warn(
+                f"TraceRecorder needs {self.total_steps} optimizer steps (wait {self.wait_steps} + warmup "
+                f"{self.warmup_steps} + active {self.active_steps}) but max_steps={trainer.max_steps}: the trace will "
+                "cover fewer steps. Lower --trace.wait_steps or raise --trainer.max_steps."
+            )
+        model = trainer.strategy.model
+        self._recorder = recorder_for(trainer)
+        records_collectives = hasattr(trainer.strategy, "attach_recorder")
+        self._tid = threading.get_native_id()
+        self._description = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "strategy": getattr(trainer.strategy, "strategy_name", "") or type(trainer.strategy).__name__,
+            "strategy_class": type(trainer.strategy).__name__,
+            "comm_track": "SyncRecord" if records_collectives else None,
+            "torch": torch.__version__,
+            "clock": "ts_us = perf_counter_s * 1e6 + offset_us; offset from the ddp/step#N anchor of each step",
+        }
+        # The strategy calls its wrapped model (our container, torch DDP) to run training_step: its forward hooks
+        # bracket the forward pass. Without a wrapper (single device) there is no forward range.
+        if isinstance(model, torch.nn.Module) and model is not pl_module:
+            self._handles.append(model.register_forward_pre_hook(lambda *_: self._enter(ranges.FORWARD)))
+            self._handles.append(model.register_forward_hook(lambda *_: self._exit(ranges.FORWARD)))
+        for optimizer in trainer.optimizers:
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._exit(ranges.OPTIMIZER)))
+        activities = [ProfilerActivity.CPU]
+        if trainer.strategy.root_device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(
+                wait=self.wait_steps, warmup=self.warmup_steps, active=self.active_steps, repeat=1
+            ),
+            on_trace_ready=self._write_trace,
+            record_shapes=self.record_shapes,
+            with_stack=self.with_stack,
+        )
+        self._prof.start()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish()
+        if self.enabled:
+            release_recorder(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._finish()  # also after an exception, so that the profiler and hooks never outlive the fit
+
+    def _finish(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._close_all()
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.stop()  # if the run ended inside the active window, this still writes what was recorded
+            if self.trace_path is None:
+                rank_zero_warn(
+                    f"TraceRecorder wrote no trace: it needs {self.total_steps} optimizer steps (wait {self.wait_steps} "
+                    f"+ warmup {self.warmup_steps} + active {self.active_steps}). Lower --trace.wait_steps or run more "
+                    "steps."
+                )
+
+    # -- per step -------------------------------------------------------------------------------------------
+
+    @property
+    def _recording(self) -> bool:
+        return self._prof is not None and self._prof.current_action in _RECORDING
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
+            return
+        self._in_step = True
+        self._recorder.open_step(trainer.global_step)  # idempotent: the CommTimer may have opened it already
+        if not self._recording:
+            return
+        before = time.perf_counter()
+        self._enter(ranges.step_range_name(trainer.global_step))
+        after = time.perf_counter()
+        self._current = RecordedStep(trainer.global_step, (before, after))
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._enter(ranges.BACKWARD)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit(ranges.BACKWARD)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._enter(ranges.OPTIMIZER)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._prof is None or not self._in_step or compat.should_accumulate(trainer):
+            return
+        self._in_step = False
+        assert self._recorder is not None
+        record = self._recorder.finish_step()  # idempotent: the CommTimer may have finished it already
+        if self._current is not None:
+            self._current.collectives = record.in_host_seconds().collectives
+            self._steps.append(self._current)
+            self._current = None
+        self._close_all()
+        self._prof.step()  # after the last active step this calls _write_trace
+
+    # -- ranges ---------------------------------------------------------------------------------------------
+
+    def _enter(self, name: str) -> None:
+        if not self._recording:
+            return
+        rf = record_function(name)
+        rf.__enter__()
+        self._open.append((name, rf))
+
+    def _exit(self, name: str) -> None:
+        """Close ``name`` and anything opened inside it that is still open (ranges must nest)."""
+        if not any(open_name == name for open_name, _ in self._open):
+            return
+        while self._open:
+            open_name, rf = self._open.pop()
+            rf.__exit__(None, None, None)
+            if open_name == name:
+                return
+
+    def _close_all(self) -> None:
+        while self._open:
+            self._open.pop()[1].__exit__(None, None, None)
+
+    # -- output ---------------------------------------------------------------------------------------------
+
+    def _write_trace(self, prof: torch.profiler.profile) -> None:
+        assert self._dir is not None, "setup() resolves the trace directory before training starts"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        rank = self._description.get("rank", 0)
+        path = self._dir / f"rank{rank}{TRACE_SUFFIX}"
+        prof.export_chrome_trace(str(path))
+        with open(path) as f:
+            trace = json.load(f)
+        add_communication_track(trace, self._steps, pid=os.getpid(), tid=self._tid, metadata=self._description)
+        with open(path, "w") as f:
+            json.dump(trace, f)
+        self.trace_path = path
+        rank_zero_info(f"TraceRecorder: wrote rank*{TRACE_SUFFIX} to {self._dir} (open in ui.perfetto.dev, or draw "
+                       f"with `python -m lightning_ddp.trace {self._dir} -o timeline.png`)")
+

@@ -1,0 +1,117 @@
+"""Every private or version-dependent torch and Lightning API this package uses, behind one small module.
+
+When a torch or Lightning release renames or removes one of these, this file is the only place to change. The
+module imports only torch at the top; each Lightning helper imports Lightning inside the function, so the
+pure-PyTorch core (``lightning_ddp.sync``) can import this module where Lightning is not installed.
+
+======================================  =====================================================================
+helper                                  what it hides
+======================================  =====================================================================
+``profiler_enabled``                    ``torch.autograd._profiler_enabled()``
+``reduce_scatter_tensor``               ``dist.reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor``
+``all_gather_tensor``                   ``dist.all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``
+``should_accumulate``                   ``trainer.fit_loop._should_accumulate()``
+``is_mock_optimizer``                   ``lightning.pytorch.core.optimizer._MockOptimizer``
+``compute_dtype``                       ``lightning.pytorch.callbacks.throughput_monitor._plugin_to_compute_dtype``
+``launched_processes``                  ``strategy._launcher.procs`` (the sibling ranks Lightning's launcher started)
+``repoint_scheduler``                   ``LRScheduler``'s private ``_opt_called`` / ``_wrapped_by_lr_sched`` protocol
+``ddp_logging_data``                    ``DistributedDataParallel._get_ddp_logging_data()`` (torch DDP's own stats)
+``sample_ddp_logging_every_step``       ``DistributedDataParallel._set_ddp_runtime_logging_sample_rate(1)``
+======================================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_tensor",
+    "compute_dtype",
+    "ddp_logging_data",
+    "is_mock_optimizer",
+    "launched_processes",
+    "profiler_enabled",
+    "reduce_scatter_tensor",
+    "repoint_scheduler",
+    "sample_ddp_logging_every_step",
+    "should_accumulate",
+]
+
+
+# ---- torch ---------------------------------------------------------------------------------------------
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording right now (a flag read, ~0.1 us)."""
+    return torch.autograd._profiler_enabled()
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older versions lack the new ones.
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def ddp_logging_data(model: torch.nn.parallel.DistributedDataParallel) -> dict[str, Any]:
+    """torch DDP's statistics of its most recently sampled iteration (``backward_comm_time`` etc., in ns)."""
+    return dict(model._get_ddp_logging_data())
+
+
+def sample_ddp_logging_every_step(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Make torch DDP sample its runtime statistics every iteration (its default is every 100th)."""
+    model._set_ddp_runtime_logging_sample_rate(1)
+
+
+# ---- Lightning (imported inside each helper) --------------------------------------------------------------
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """True while gradient accumulation is still collecting micro-batches of the current optimizer step."""
+    return bool(trainer.fit_loop._should_accumulate())
+
+
+def is_mock_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is the stand-in Lightning uses when ``configure_optimizers`` returned ``None``."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    return isinstance(optimizer, _MockOptimizer)
+
+
+def compute_dtype(trainer: Any) -> torch.dtype:
+    """The dtype the matrix multiplications of this run use (bf16 under ``bf16-mixed``, fp32 under ``32-true``)."""
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+    return _plugin_to_compute_dtype(trainer.precision_plugin)
+
+
+def launched_processes(strategy: Any) -> list[subprocess.Popen]:
+    """The sibling rank processes this process's Lightning launcher started (empty where it started none)."""
+    return list(getattr(getattr(strategy, "_launcher", None), "procs", None) or [])
+
+
+def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``scheduler`` drive ``optimizer`` instead of the optimizer it was built on.
+
+    torch's ``LRScheduler`` wraps its optimizer's ``step`` to notice a schedule that steps before the optimizer
+    (``_opt_called``); wrap the new optimizer the same way, or its first ``scheduler.step()`` warns that ``step``
+    was replaced.
+    """
+    scheduler.optimizer = optimizer
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step.__func__  # type: ignore[attr-defined]
+    opt_ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]

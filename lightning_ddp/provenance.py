@@ -1,0 +1,36 @@
+"""Where a result came from: the git commit of the code that produced it, and whether the tree was dirty.
+
+Every benchmark's ``environment.json`` carries ``git_state()``, so a number can be traced to committed code (and
+one measured from uncommitted changes says so).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+__all__ = ["git_state"]
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None  # not a git checkout (e.g. an installed package)
+
+
+def git_state() -> dict[str, Any]:
+    """``{"git_commit", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files differ from it, and
+    which (at most 20); all ``None`` outside a git checkout."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=normal")
+    changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None
+    return {
+        "git_commit": commit.strip() if commit else None,
+        "git_dirty": bool(changed) if changed is not None else None,
+        "git_changed": changed[:20] if changed is not None else None,
+    }

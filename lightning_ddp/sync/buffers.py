@@ -1,0 +1,70 @@
+"""Flat communication buffers and gradient presence: the pieces ``flat``, ``bucketed`` and ZeRO-1 share.
+
+- ``pack``: copy tensors (zeros for a missing one) back to back into a flat buffer.
+- ``unpack_gradients``: copy a flat buffer's slices into the parameters' ``.grad`` (creating the ones that are
+  ``None``), and ``unpack_into``: copy them into any tensors (ZeRO-1's parameters).
+- ``agree_on_gradients``: one tiny SUM all-reduce of "this parameter has a ``.grad`` here", so that a
+  parameter no rank has a gradient for keeps ``.grad = None`` everywhere, exactly as in one process.
+
+Slices are taken in the order given, each ``param.numel()`` long, viewed with the parameter's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lightning_ddp.sync.comm import Communicator
+
+__all__ = ["agree_on_gradients", "pack", "packed", "unpack_gradients", "unpack_into"]
+
+
+def pack(tensors: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``tensors`` (one per parameter in ``params``; zeros for ``None``) flat into ``out``, in order."""
+    offset = 0
+    for tensor, param in zip(tensors, params):
+        chunk = out[offset : offset + param.numel()]
+        if tensor is None:
+            chunk.zero_()
+        else:
+            chunk.copy_(tensor.reshape(-1))
+        offset += param.numel()
+
+
+def packed(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new flat buffer holding the parameters' gradients (zeros where ``.grad`` is ``None``)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors`` (``tensor.copy_``, in order)."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor], keep: Sequence[bool] | None = None) -> None:
+    """Copy consecutive slices of ``flat`` into each parameter's ``.grad``.
+
+    A parameter whose ``.grad`` is ``None`` gets a clone of its slice (a view would keep the whole buffer alive).
+    ``keep[i] == False`` skips parameter ``i`` (its slice is still consumed), leaving its ``.grad`` as it is.
+    """
+    offset = 0
+    for i, param in enumerate(params):
+        n = param.numel()
+        if keep is None or keep[i]:
+            value = flat[offset : offset + n].view_as(param)
+            if param.grad is None:
+                param.grad = value.clone()
+            elif value.data_ptr() != param.grad.data_ptr():
+                param.grad.copy_(value)
+        offset += n
+
+
+def agree_on_gradients(comm: Communicator, params: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    """For each parameter, on how many ranks it has a ``.grad`` (one small all-reduce, waited for)."""
+    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    comm.wait(comm.all_reduce(flags, "gradient presence flags"))
+    return flags.tolist()

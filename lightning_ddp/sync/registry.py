@@ -1,0 +1,138 @@
+"""The one list of gradient-sync algorithms: name -> engine and capabilities. Everything else reads it.
+
+Readers: the Lightning strategies (``lightning_ddp.strategies`` registers ``<name>_ddp`` for every entry),
+ZeRO-1's ``grad_sync`` choice, the benchmark sweep (its grid, report and plots), the memory benchmark, and the
+tests (the equivalence matrix runs every entry against single-process training).
+
+Adding an algorithm takes one engine file, one ``register_algorithm`` entry and one YAML:
+
+1. ``lightning_ddp/sync/<name>.py``: the engine, a ``DataParallel`` subclass (see ``lightning_ddp.sync.base``).
+2. An entry below (or, from your own code, a ``register_algorithm(Algorithm(...))`` call before the strategy is
+   built): ``Algorithm("<name>", "lightning_ddp.sync.<name>:<Engine>", "what it does", ...)``.
+3. ``configs/strategy/<name>.yaml``: ``trainer: {strategy: <name>_ddp}``.
+
+The strategy ``<name>_ddp`` then exists (``lightning_ddp.strategies.GradSyncStrategy(algorithm="<name>")``), the
+sweep accepts ``<name>`` in ``grid.strategies`` (with a bucket-size axis if ``has_bucket_size``), and the
+equivalence tests cover it (at bf16 tolerances if it is not ``exact``).
+
+This module imports nothing but the standard library: engines are named by import path and imported on first use,
+so an entry costs nothing until its engine is built, and an engine file never has to import the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal, Union
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lightning_ddp.sync.base import DataParallel
+
+BucketSize = Union[float, Literal["auto"], None]
+
+__all__ = ["ALGORITHMS", "Algorithm", "BucketSize", "algorithm_names", "get_algorithm", "register_algorithm"]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One gradient-sync algorithm: how to build its engine, and what it can do."""
+
+    name: str
+    """Short name: the sweep's strategy name; the Lightning strategy is ``<name>_ddp``."""
+    engine: str | Callable[..., DataParallel]
+    """The engine: ``"package.module:Class"`` (imported on first use) or a callable
+    ``(module, *, process_group=None[, bucket_size_mb=...]) -> DataParallel``."""
+    summary: str
+    """What it does, in one line (strategy registry description, docs)."""
+    has_bucket_size: bool = False
+    """Takes ``bucket_size_mb`` (the sweep gives it a bucket-size axis)."""
+    default_bucket_size_mb: BucketSize = 25.0
+    """The cap used when none is given (only with ``has_bucket_size``)."""
+    overlaps_backward: bool = False
+    """Communicates during backward (from gradient hooks) rather than after it."""
+    exact: bool = True
+    """Reproduces single-process training up to float rounding; ``False`` for lossy ones (e.g. compression),
+    which the equivalence tests compare at bf16 tolerances."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.isidentifier():
+            raise ValueError(f"an algorithm name must be a Python identifier (it names a strategy), got {self.name!r}")
+
+    @property
+    def strategy_name(self) -> str:
+        """Its Lightning strategy name, e.g. ``bucketed_ddp``."""
+        return f"{self.name}_ddp"
+
+    def engine_factory(self) -> Callable[..., DataParallel]:
+        """The engine class (or callable), imported if given by path."""
+        if callable(self.engine):
+            return self.engine
+        module, _, attribute = self.engine.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    def make_engine(
+        self, module: nn.Module, *, bucket_size_mb: Any = "default", process_group: Any = None
+    ) -> DataParallel:
+        """Wrap ``module`` in this algorithm's engine (a collective: it broadcasts rank 0's weights).
+
+        ``bucket_size_mb``: ``"default"`` for ``default_bucket_size_mb``; anything else only with
+        ``has_bucket_size``.
+        """
+        factory = self.engine_factory()
+        if not self.has_bucket_size:
+            if bucket_size_mb != "default":
+                raise ValueError(
+                    f"the {self.name!r} algorithm has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop "
+                    f"it, or choose an algorithm with buckets ({', '.join(a.name for a in ALGORITHMS.values() if a.has_bucket_size)})."
+                )
+            return factory(module, process_group=process_group)
+        size = self.default_bucket_size_mb if bucket_size_mb == "default" else bucket_size_mb
+        return factory(module, bucket_size_mb=size, process_group=process_group)
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+"""Every registered algorithm by name, in registration order (the order tables and plots use)."""
+
+
+def register_algorithm(algorithm: Algorithm, replace: bool = False) -> Algorithm:
+    """Add ``algorithm`` to ``ALGORITHMS`` (``replace=True`` to redefine a name); returns it."""
+    if algorithm.name in ALGORITHMS and not replace and ALGORITHMS[algorithm.name] != algorithm:
+        raise ValueError(f"an algorithm named {algorithm.name!r} is already registered; pass replace=True to redefine it")
+    ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The registered algorithm ``name``; an unknown name lists the valid ones."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {', '.join(ALGORITHMS)}") from None
+
+
+def algorithm_names() -> list[str]:
+    return list(ALGORITHMS)
+
+
+# ---- the built-in algorithms ------------------------------------------------------------------------------
+
+register_algorithm(Algorithm(
+    "naive", "lightning_ddp.sync.naive:NaiveDDP",
+    "After backward, all-reduce every gradient tensor, one blocking call each.",
+))
+register_algorithm(Algorithm(
+    "flat", "lightning_ddp.sync.flat:FlatDDP",
+    "After backward, all-reduce all gradients flattened into one buffer.",
+))
+register_algorithm(Algorithm(
+    "overlap", "lightning_ddp.sync.overlap:OverlapDDP",
+    "During backward, an async all-reduce of each gradient as soon as it is ready.",
+    overlaps_backward=True,
+))
+register_algorithm(Algorithm(
+    "bucketed", "lightning_ddp.sync.bucketed:BucketedDDP",
+    "During backward, an async all-reduce per size-capped bucket of gradients as it fills.",
+    has_bucket_size=True, overlaps_backward=True,
+))

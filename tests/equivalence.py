@@ -1,0 +1,395 @@
+"""The equivalence matrix's machinery: every engine on 2 gloo ranks against one process on the full batch.
+
+The argument: with the global batch of 8 split 4/4 and ``loss = mean over the local batch``, the average of
+the two local gradients, ``(sum_0 / 4 + sum_1 / 4) / 2 = (sum_0 + sum_1) / 8``, is the full-batch gradient.
+So after the same AdamW steps from the same initial weights, the weights must equal single-process training
+on all 8 samples, up to float rounding (the sums are associated differently).
+
+``run_jobs`` (spawned on 2 ranks with ``tests.dist_utils.run_on_ranks``) trains every (engine, case) pair on
+both ranks and, on rank 0, the single-process reference of every case. Engines are named as in
+``lightning_ddp.sync.registry`` (plus two bucket-count variants of ``bucketed``), so an algorithm registered
+anywhere the spawned ranks import (a test module registering a toy one, say) runs through the same matrix.
+
+Each rank seeds its model differently (``MODEL_SEED + rank``) before wrapping, so the ranks only agree, and
+only match the reference (built from ``MODEL_SEED``), because the constructor broadcasts rank 0's
+parameters and buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_ddp.sync import BucketedDDP, Recorder
+from lightning_ddp.sync.registry import get_algorithm
+
+WORLD_SIZE = 2
+GLOBAL_BATCH = 8  # 4 samples per rank
+PER_RANK = GLOBAL_BATCH // WORLD_SIZE
+MODEL_SEED = 1000  # rank r builds its model from MODEL_SEED + r; the reference from MODEL_SEED (rank 0's)
+LR, WEIGHT_DECAY = 1e-2, 0.1
+MiB = 2**20
+FLAGS = "gradient presence flags"
+
+# Tolerances. fp32: the only difference from the reference is the association of the batch sums (local means
+# averaged after the reduction vs one mean over 8), ~1e-7 relative per gradient element (measured: gradients
+# within 1e-6 absolute of the reference at |g| up to 10). Adam divides the first moment by the root of the
+# second, so a relative gradient error becomes the same relative error of a ~LR-sized update: ~1e-9 per step,
+# measured <= 2.4e-7 on the weights after 3 steps (the worst where a tiny embedding-row gradient nearly
+# cancels). A wrong gradient (a missing rank's contribution, a stale value) moves a weight by ~LR = 1e-2.
+# But Adam is invariant to the gradient's scale, so "sum instead of average" barely changes the weights
+# (only through eps): the gradients after synchronisation are therefore compared with the reference's too.
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)  # weights
+FP32_GRAD_TOL = dict(rtol=1e-4, atol=1e-5)  # gradients: x2 is caught wherever |g| > ~1e-5
+# bf16 autocast: matmul outputs, and the weight gradients computed from them, are rounded to 8 mantissa bits
+# (~4e-3 relative), and a batch of 4 is rounded differently from a batch of 8. Measured: gradients within
+# 2e-3 of the reference (|g| <= 0.7), weights within 2e-4 after 3 steps; bf16 training itself moves the weights
+# 2e-2 away from fp32 training, so these bounds still see a bf16-sized error (test_bf16_case_is_really_bf16).
+BF16_TOL = dict(rtol=1e-3, atol=2e-3)
+BF16_GRAD_TOL = dict(rtol=2e-2, atol=1e-2)
+
+# ~20-30 s on 2 cores, nearly all of it two interpreters importing Lightning at once; the margin is for a busy
+# machine, and a hang (mismatched collectives) still fails within minutes.
+JOB_TIMEOUT_S = 180.0
+
+SEVERAL_BUCKETS_CAP = 1088  # bytes; chosen so TinyLM's norm+fc1 bucket fills it exactly (see EXPECTED_BUCKETS)
+
+# Two bucket-count variants of `bucketed`, only run on the "plain" case, for the bucket-count checks.
+VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "bucketed_one_bucket": lambda m: BucketedDDP(m, bucket_size_mb=None),
+    "bucketed_per_param": lambda m: BucketedDDP(m, bucket_size_mb=1 / MiB),  # 1-byte cap
+}
+
+
+def make_engine(name: str, module: nn.Module) -> nn.Module:
+    """A registered algorithm's engine (with buckets: the several-buckets cap), or one of ``VARIANTS``."""
+    if name in VARIANTS:
+        return VARIANTS[name](module)
+    algorithm = get_algorithm(name)
+    size = SEVERAL_BUCKETS_CAP / MiB if algorithm.has_bucket_size else "default"
+    return algorithm.make_engine(module, bucket_size_mb=size)
+
+
+def tolerances(name: str, case: Case) -> tuple[dict, dict]:
+    """(weights, gradients) tolerances: bf16 ones for the bf16 case and for lossy (not ``exact``) algorithms."""
+    lossy = name not in VARIANTS and not get_algorithm(name).exact
+    return (BF16_TOL, BF16_GRAD_TOL) if case.bf16 or lossy else (FP32_TOL, FP32_GRAD_TOL)
+
+
+# ---- models (module level: the spawned ranks import this module by name) ------------------------
+
+VOCAB, SEQ, DIM = 16, 4, 8
+
+
+class TinyLM(nn.Module):
+    """Transformer-ish: token embedding + positional buffer, a pre-norm MLP block with residual, LM head.
+
+    Trainable tensors in ``parameters()`` order (float32, bytes = 4 * numel); a module lists its own
+    parameters before its children's, so the 0-d ``logit_scale`` (a learnable temperature) comes first::
+
+        0 logit_scale   ()      4 B     5 fc1.bias     32     128 B
+        1 embed.weight  16x8  512 B     6 fc2.weight   8x32  1024 B
+        2 norm.weight   8      32 B     7 fc2.bias     8       32 B
+        3 norm.bias     8      32 B     8 head.weight  16x8   512 B   (absent when tied to embed.weight)
+        4 fc1.weight    32x8 1024 B                                   total 3300 B (2788 B tied)
+
+    ``unused_layer`` inserts ``unused`` (8x8 weight 256 B, bias 32 B) between fc1 and fc2; it is never called.
+    """
+
+    def __init__(self, tie: bool = False, unused_layer: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.register_buffer("pos", torch.randn(SEQ, DIM))  # random, so a missing buffer broadcast shows
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        if unused_layer:
+            self.unused = nn.Linear(DIM, DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight  # one Parameter used by two modules
+        self.logit_scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos  # (B, T, D)
+        h = h + self.fc2(F.gelu(self.fc1(self.norm(h))))  # (B, T, D)
+        return self.head(h) * self.logit_scale  # (B, T, V)
+
+
+class GatedMLP(nn.Module):
+    """A sample goes through ``branch`` only if its first feature is positive (a data-dependent branch).
+
+    When no sample of a batch is positive the branch is not in the autograd graph at all, so its parameters
+    get no gradient (``.grad`` stays None), not a zero gradient. Per sample, so the full batch computes each
+    sample exactly as the rank that holds it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 16)
+        self.branch = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))  # (B, 16)
+        use = x[:, 0] > 0  # (B,)
+        if use.any():
+            delta = torch.zeros_like(h)
+            delta[use] = self.branch(h[use])
+            h = h + delta
+        return self.out(h)  # (B, 1)
+
+
+class MixedDtypeMLP(nn.Module):
+    """float32 - float64 - float32 layers: flat packs one buffer per dtype; buckets split at dtype changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.fc2 = nn.Linear(16, 16, dtype=torch.float64)
+        self.fc3 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h.double())).float()
+        return self.fc3(h)
+
+
+def _frozen_lm() -> TinyLM:
+    model = TinyLM()
+    model.embed.requires_grad_(False)
+    model.norm.requires_grad_(False)
+    return model
+
+
+# ---- data and cases ------------------------------------------------------------------------------
+
+
+def _token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)  # the same global batch on every rank and in the reference
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    return tokens, torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+# Which samples take GatedMLP's branch in each step (samples 0-3 live on rank 0, 4-7 on rank 1).
+BRANCH_SAMPLES = [
+    [0, 1],  # step 0: rank 0 only -> rank 1 has no gradient for the branch, averaged in as zeros
+    [5, 6],  # step 1: rank 1 only
+    [2, 7],  # step 2: both ranks
+    [],  # step 3: no rank -> .grad stays None everywhere and AdamW skips the branch (no weight decay either)
+]
+
+
+def _feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=g)
+    positive = torch.zeros(GLOBAL_BATCH, dtype=torch.bool)
+    positive[BRANCH_SAMPLES[step]] = True
+    x[:, 0] = torch.where(positive, x[:, 0].abs() + 0.1, -x[:, 0].abs() - 0.1)
+    return x, torch.randn(GLOBAL_BATCH, 1, generator=g)
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # Mean over the local tokens; every rank holds the same number of tokens, so mean of means = global mean.
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _mse_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out.float(), targets)
+
+
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[], nn.Module]
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    steps: int = 3
+    micro_batches: int = 1  # > 1: all but the last micro-batch run under no_sync()
+    bf16: bool = False  # forward under torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+CASES = {
+    "plain": Case(TinyLM, _token_batch, _lm_loss),
+    "tied": Case(lambda: TinyLM(tie=True), _token_batch, _lm_loss),
+    "frozen": Case(_frozen_lm, _token_batch, _lm_loss),
+    "unused": Case(lambda: TinyLM(unused_layer=True), _token_batch, _lm_loss),
+    "data_dependent": Case(GatedMLP, _feature_batch, _mse_loss, steps=len(BRANCH_SAMPLES)),
+    "accumulation": Case(TinyLM, _token_batch, _lm_loss, micro_batches=2),
+    "bf16": Case(TinyLM, _token_batch, _lm_loss, bf16=True),
+    "mixed_dtype": Case(MixedDtypeMLP, _feature_batch, _mse_loss),
+}
+
+
+def jobs_for(engines: list[str]) -> list[tuple[str, str]]:
+    """Every case for each of ``engines``."""
+    return [(engine, case) for engine in engines for case in CASES]
+
+
+# ---- what runs on each rank ----------------------------------------------------------------------
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # tied: listed once
+
+
+def _grad_none(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.grad is None]
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _forward_context(case: Case):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if case.bf16 else contextlib.nullcontext()
+
+
+def _train_ddp(rank: int, engine: str, case: Case) -> dict:
+    torch.manual_seed(MODEL_SEED + rank)  # different weights on each rank until the broadcast
+    model = case.build()
+    before_wrap = _state(model)
+    ddp = make_engine(engine, model)
+    after_wrap = _state(model)
+    recorder = Recorder()  # what each step communicated
+    ddp.recorder = recorder
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    steps = []
+    for step in range(case.steps):
+        inputs, targets = case.batch(step)
+        local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        micro_inputs = inputs[local].chunk(case.micro_batches)
+        micro_targets = targets[local].chunk(case.micro_batches)
+        collectives_in_no_sync = 0
+        recorder.open_step(step)
+        for i, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
+            ddp.on_train_batch_start()  # as the strategy calls it: every micro-batch
+            last = i == case.micro_batches - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                with _forward_context(case):
+                    # Each micro-batch is a mean over its samples; / micro_batches makes the sum the local mean.
+                    loss = case.loss(ddp(x), y) / case.micro_batches
+                loss.backward()
+            if not last:
+                collectives_in_no_sync += len(recorder.record.collectives)
+        grad_none_before_sync = _grad_none(model)
+        ddp.finish_gradient_synchronization()
+        record = recorder.finish_step()
+        steps.append(
+            dict(
+                collectives=list(record.collectives),
+                exposed=len(record.exposed),
+                collectives_in_no_sync=collectives_in_no_sync,
+                grad_none_before_sync=grad_none_before_sync,
+                grad_none=_grad_none(model),
+                grads=_grads(model),
+            )
+        )
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(
+        before_wrap=before_wrap,
+        after_wrap=after_wrap,
+        final=_state(model),
+        steps=steps,
+        trainable=[(n, p.numel() * p.element_size(), p.dtype) for n, p in _trainable(model)],
+        buckets=[list(b) for b in ddp.buckets] if isinstance(ddp, BucketedDDP) else None,
+        still_tied=(model.head.weight is model.embed.weight) if isinstance(model, TinyLM) else None,
+    )
+
+
+def _train_reference(case: Case) -> dict:
+    """Single process, full batch of 8, no micro-batching: what every engine must reproduce."""
+    torch.manual_seed(MODEL_SEED)
+    model = case.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    grad_none, grads = [], []
+    for step in range(case.steps):
+        inputs, targets = case.batch(step)
+        with _forward_context(case):
+            loss = case.loss(model(inputs), targets)
+        loss.backward()
+        grad_none.append(_grad_none(model))
+        grads.append(_grads(model))
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(final=_state(model), grad_none=grad_none, grads=grads)
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
+    """Spawned on each rank: ``{"runs": {(engine, case): ...}, "references": {case: ...} on rank 0}``."""
+    assert world_size == WORLD_SIZE
+    runs = {}
+    for engine, case in jobs:
+        try:
+            runs[engine, case] = _train_ddp(rank, engine, CASES[case])
+        except Exception as error:
+            raise RuntimeError(f"engine={engine!r} case={case!r} failed on rank {rank}") from error
+    cases = dict.fromkeys(case for _, case in jobs)
+    references = {case: _train_reference(CASES[case]) for case in cases} if rank == 0 else None
+    return dict(runs=runs, references=references)
+
+
+# ---- checks every algorithm must pass (used by test_sync_equivalence and by the toy-algorithm test) -----
+
+
+def runs_of(ranks: list[dict], engine: str, case: str) -> list[dict]:
+    return [r["runs"][engine, case] for r in ranks]
+
+
+def data_collectives(collectives) -> list:
+    return [c for c in collectives if c.label != FLAGS]
+
+
+def assert_states_close(actual: dict, expected: dict, tol: dict, what: str) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        a, e = actual[key], expected[key]
+        assert torch.allclose(a, e, **tol), f"{what}: {key} differs by up to {(a - e).abs().max().item():.3g}"
+
+
+def check_matches_single_process(ranks: list[dict], engine: str, case: str) -> None:
+    """Weights after the steps, and the synchronised gradients of every step, equal the full-batch reference."""
+    references = ranks[0]["references"][case]
+    tol, grad_tol = tolerances(engine, CASES[case])
+    for rank, run in enumerate(runs_of(ranks, engine, case)):
+        assert_states_close(run["final"], references["final"], tol, f"rank {rank} vs single process")
+        for step, (ours, reference) in enumerate(zip([s["grads"] for s in run["steps"]], references["grads"])):
+            assert_states_close(ours, reference, grad_tol, f"rank {rank} step {step} .grad vs full-batch gradient")
+
+
+def check_ranks_agree_and_start_from_rank0(ranks: list[dict], engine: str, case: str) -> None:
+    """Both ranks end bitwise identical, and wrapping gave every rank rank 0's parameters and buffers."""
+    first, second = runs_of(ranks, engine, case)
+    for key, value in first["final"].items():
+        # Both ranks receive the same reduced sums (a + b == b + a exactly) and step identical optimizers.
+        assert torch.equal(value, second["final"][key]), key
+    rank0_init = first["before_wrap"]
+    # Different seeds really gave different weights (otherwise this check proves nothing) ...
+    assert any(not torch.equal(rank0_init[k], second["before_wrap"][k]) for k in rank0_init)
+    # ... and after wrapping every rank holds rank 0's, parameters and buffers (TinyLM's `pos`) alike.
+    for run in (first, second):
+        for key, value in rank0_init.items():
+            assert torch.equal(run["after_wrap"][key], value), key
+
+
+def check_grad_none_and_record(ranks: list[dict], engine: str, case: str) -> None:
+    """``.grad`` is None exactly where one process has none; every step's record is complete and ordered."""
+    references = ranks[0]["references"][case]
+    for run in runs_of(ranks, engine, case):
+        assert [s["grad_none"] for s in run["steps"]] == references["grad_none"]
+        for step in run["steps"]:
+            assert step["exposed"] == 1  # one finish_gradient_synchronization per step
+            assert step["collectives_in_no_sync"] == 0  # a no_sync micro-batch communicates nothing
+            for c in step["collectives"]:
+                assert c.wait is not None and c.wait[0] <= c.wait[1], c.label
+                # Finished records are in ms on one axis: completion cannot precede launch.
+                assert isinstance(c.launched, float) and c.launched <= c.completed, c.label

@@ -1,0 +1,210 @@
+"""Adding an algorithm touches no other file: a toy algorithm registered here runs through the Lightning strategy,
+the benchmark sweep's grid, report and plots, and the equivalence matrix.
+
+The toy, ``toy_halves``, is bucketed DDP with its own reduce step: each bucket is all-reduced as two halves (two
+collectives) instead of one. It is exact, so it must match single-process training like every engine. It is
+registered only for the tests that use it (the ``toy`` fixture, and first thing in each spawned rank), so the
+other test modules, which parametrise over the registry, see only the package's own algorithms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ddp.sync import BucketedDDP, Communicator, Reduction
+from lightning_ddp.sync.reduce import BucketReduce
+from lightning_ddp.sync.registry import ALGORITHMS, Algorithm, get_algorithm, register_algorithm
+from tests.dist_utils import run_on_ranks
+from tests.equivalence import (
+    CASES,
+    JOB_TIMEOUT_S,
+    TinyLM,
+    check_grad_none_and_record,
+    check_matches_single_process,
+    check_ranks_agree_and_start_from_rank0,
+    data_collectives,
+    jobs_for,
+    run_jobs,
+)
+
+
+class HalvesAllReduce(BucketReduce):
+    """SUM all-reduce of each half of the bucket (two collectives), then divide by the world size."""
+
+    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str) -> Reduction:
+        flat = bucket.view(-1)
+        half = flat.numel() // 2
+        pending = [comm.all_reduce(flat[:half], f"{label} [first half]"), comm.all_reduce(flat[half:], f"{label} [second half]")]
+        return Reduction(comm, pending, bucket, finish=lambda: bucket.div_(comm.world_size))
+
+
+def halves_engine(module: nn.Module, *, bucket_size_mb=25.0, process_group=None) -> BucketedDDP:
+    return BucketedDDP(module, bucket_size_mb=bucket_size_mb, process_group=process_group, reduce=HalvesAllReduce())
+
+
+TOY = Algorithm(
+    "toy_halves", halves_engine, "Bucketed, each bucket all-reduced as two halves (a test's toy).",
+    has_bucket_size=True, overlaps_backward=True,
+)
+
+
+@pytest.fixture
+def toy():
+    """The toy, registered for one test (and its Lightning strategy, once someone registers strategies)."""
+    register_algorithm(TOY)
+    yield TOY
+    ALGORITHMS.pop(TOY.name, None)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if TOY.strategy_name in StrategyRegistry:
+        StrategyRegistry.remove(TOY.strategy_name)
+
+
+def test_the_toy_is_registered_with_its_capabilities(toy) -> None:
+    assert get_algorithm("toy_halves") is TOY and TOY.strategy_name == "toy_halves_ddp"
+    assert TOY.has_bucket_size and TOY.exact
+    with pytest.raises(ValueError, match="already registered"):
+        register_algorithm(Algorithm("toy_halves", halves_engine, "another toy"))
+    with pytest.raises(ValueError, match="toy_halves"):
+        get_algorithm("nonexistent")
+
+
+def test_the_strategy_accepts_the_toy_by_name_and_checks_its_options(toy) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_ddp.strategies import GradSyncStrategy, register_strategies, strategy_names
+
+    register_strategies()  # registered after lightning_ddp.strategies was imported: register again (idempotent)
+    assert "toy_halves_ddp" in StrategyRegistry and "toy_halves_ddp" in strategy_names()
+    strategy = StrategyRegistry.get("toy_halves_ddp")
+    assert isinstance(strategy, GradSyncStrategy) and strategy.strategy_name == "toy_halves_ddp"
+    assert GradSyncStrategy(algorithm="toy_halves", bucket_size_mb=1).bucket_size_mb == 1
+    with pytest.raises(ValueError, match="bucket_size_mb must be > 0"):
+        GradSyncStrategy(algorithm="toy_halves", bucket_size_mb=-1)
+    with pytest.raises(ValueError, match="has no bucket size"):
+        GradSyncStrategy(algorithm="naive", bucket_size_mb=1)
+
+
+def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy, tmp_path) -> None:
+    from lightning_ddp.bench.config import GridConfig, SweepConfig
+    from lightning_ddp.bench.grid import expand_grid, strategy_argument
+    from lightning_ddp.bench.plots import write_plots
+    from lightning_ddp.bench.report import build_report
+
+    config = SweepConfig(grid=GridConfig(strategies=["naive", "toy_halves"], batch_sizes=[2], context_lengths=[32],
+                                         bucket_sizes_mb=[1.0, 4.0]))
+    cells = expand_grid(config)
+    # reference, naive, toy at 1 and 4 MiB, ddp (always added)
+    assert [(c.strategy, c.bucket_size_mb) for c in cells] == [
+        ("reference", None), ("naive", None), ("toy_halves", 1.0), ("toy_halves", 4.0), ("ddp", None)]
+    argument = json.loads(strategy_argument(cells[2], "gloo"))
+    assert argument["init_args"]["algorithm"] == "toy_halves" and argument["init_args"]["bucket_size_mb"] == 1.0
+
+    rows = []
+    for k, cell in enumerate(cells):  # made-up ok rows: 100, 110, ... ms
+        rows.append({"cell_id": cell.id, "strategy": cell.strategy, "bucket_size_mb": cell.bucket_size_mb or "",
+                     "batch_size": 2, "context_length": 32, "precision": "32-true", "status": "ok",
+                     "step_ms_median": 100.0 + 10 * k, "comm_share": 0.1, "busy_comm_ms": 5.0})
+    report = build_report(rows)
+    assert "| toy_halves 1 MiB |" in report and "| toy_halves 4 MiB |" in report
+    names = {path.name for path in write_plots(tmp_path, rows)}
+    assert names == {"strategies_32-true_bs2.png", "toy_halves_32-true_bs2.png"}
+
+
+# ---- through the equivalence matrix, on 2 ranks ---------------------------------------------------------
+
+TOY_JOBS = jobs_for(["toy_halves"])
+
+
+def _run_toy_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
+    register_algorithm(TOY)  # in this spawned rank: the toy, then the same matrix as every algorithm
+    return run_jobs(rank, world_size, jobs)
+
+
+@pytest.fixture(scope="module")
+def toy_ranks() -> list[dict]:
+    return run_on_ranks(_run_toy_jobs, 2, TOY_JOBS, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_toy_passes_the_equivalence_matrix(toy, toy_ranks, case) -> None:
+    check_matches_single_process(toy_ranks, "toy_halves", case)
+    check_ranks_agree_and_start_from_rank0(toy_ranks, "toy_halves", case)
+    check_grad_none_and_record(toy_ranks, "toy_halves", case)
+    # Its own reduce step really ran: every multi-tensor bucket went out as two halves.
+    step = toy_ranks[0]["runs"]["toy_halves", case]["steps"][0]
+    assert any(c.label.endswith("[second half]") for c in data_collectives(step["collectives"]))
+
+
+# ---- through Lightning, on 2 ranks --------------------------------------------------------------------
+
+
+def _fit_with_the_toy_strategy(rank: int, world_size: int) -> dict:
+    """A 2-rank Lightning fit with ``trainer.strategy="toy_halves_ddp"`` on the process group run_on_ranks made."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ddp.strategies import register_strategies
+
+    register_algorithm(TOY)  # in this spawned rank: the toy, then `toy_halves_ddp`
+    register_strategies()
+    # The launcher variables Lightning reads; the process group already exists, so Lightning keeps it.
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(rank)  # different on each rank: the strategy's broadcast must equalise them
+            self.model = TinyLM()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 16, (32, 4), generator=g), torch.randint(0, 16, (32, 4), generator=g))
+    module = Module()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="toy_halves_ddp", max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    engines = []
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            engines.append(trainer.strategy.model)
+
+    trainer.callbacks.append(Spy())
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    (engine,) = engines
+    return {
+        "reduce": type(engine.reduce).__name__,
+        "strategy": trainer.strategy.strategy_name,
+        "losses": module.losses,
+        "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+    }
+
+
+@pytest.mark.multiprocess
+def test_the_toy_trains_through_the_lightning_strategy() -> None:
+    first, second = run_on_ranks(_fit_with_the_toy_strategy, 2, timeout=JOB_TIMEOUT_S)
+    assert first["strategy"] == "toy_halves_ddp" and first["reduce"] == "HalvesAllReduce"
+    assert len(first["losses"]) == 4 and all(torch.isfinite(torch.tensor(first["losses"])))
+    for name, value in first["weights"].items():  # the same averaged gradients on both ranks: identical weights
+        assert torch.equal(value, second["weights"][name]), name
+
+
+def test_the_registry_lists_the_built_ins_in_order() -> None:
+    assert list(ALGORITHMS)[:4] == ["naive", "flat", "overlap", "bucketed"]
+    assert "toy_halves" not in ALGORITHMS  # registered only while a test uses it
