@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import pickle
+from collections import Counter, defaultdict
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +13,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_ddp.data import (
     LMDataModule,
+    MarkovTokens,
     ResumableDistributedSampler,
     SyntheticTokens,
     TextBytes,
@@ -62,6 +67,112 @@ def test_synthetic_tokens_are_in_vocab_and_y_is_x_shifted():
         assert x.shape == y.shape == (64,)
         assert 0 <= int(x.min()) and int(x.max()) < 7
         assert torch.equal(x[1:], y[:-1])
+
+
+# ---- markov ------------------------------------------------------------------------------------
+
+
+def _transitions(dataset: MarkovTokens, samples: range) -> list[tuple[int, int]]:
+    """Every (token, next token) pair of the given samples."""
+    return [pair for i in samples for pair in zip(*(t.tolist() for t in dataset[i]))]
+
+
+def test_markov_sample_depends_only_on_seed_and_index():
+    dataset = MarkovTokens(50, seq_len=32, vocab_size=1000, seed=4)
+    forward = [dataset[i][0] for i in range(50)]
+    backward = [dataset[i][0] for i in reversed(range(50))][::-1]
+    assert all(torch.equal(a, b) for a, b in zip(forward, backward))
+    # A fresh dataset (another rank) and a pickled one (a spawned DataLoader worker) rebuild sample 13 alone.
+    assert torch.equal(MarkovTokens(50, 32, 1000, seed=4)[13][0], forward[13])
+    assert torch.equal(pickle.loads(pickle.dumps(dataset))[13][0], forward[13])
+    with pytest.raises(IndexError):
+        dataset[50]
+
+
+def test_markov_tokens_are_in_vocab_and_y_is_x_shifted():
+    dataset = MarkovTokens(50, seq_len=64, vocab_size=7, seed=0, successors=3)
+    for i in range(len(dataset)):
+        x, y = dataset[i]
+        assert x.shape == y.shape == (64,) and x.dtype == y.dtype == torch.int64
+        assert 0 <= int(x.min()) and int(x.max()) < 7 and int(y.max()) < 7
+        assert torch.equal(x[1:], y[:-1])
+
+
+def test_markov_different_seeds_give_different_chains_and_samples():
+    first, second = MarkovTokens(10, 32, 1000, seed=0), MarkovTokens(10, 32, 1000, seed=1)
+    # Two random tables of 1000 x 4 successors agreeing everywhere by chance: impossible in practice.
+    assert not np.array_equal(first.next_tokens, second.next_tokens)
+    assert not torch.equal(first[5][0], second[5][0])
+    # Negative seeds work too (mapped to 2**64 + seed) and differ from their absolute value.
+    assert not torch.equal(MarkovTokens(10, 32, 1000, seed=-1)[5][0], MarkovTokens(10, 32, 1000, seed=1)[5][0])
+
+
+def test_markov_walks_only_take_the_chains_k_distinct_successors():
+    dataset = MarkovTokens(300, seq_len=128, vocab_size=10_000, seed=0, successors=4)
+    assert dataset.next_tokens.shape == (10_000, 4)
+    assert all(len(set(row)) == 4 for row in dataset.next_tokens.tolist())  # distinct: the floor is ln 4 exactly
+    seen = defaultdict(set)
+    for token, following in _transitions(dataset, range(300)):
+        seen[token].add(following)
+    # Every observed successor is in the table, so no token has more than 4. Uniform tokens would give the
+    # frequent tokens hundreds of different successors: here the structure a model can learn is plain.
+    assert all(following <= set(dataset.next_tokens[token].tolist()) for token, following in seen.items())
+    assert max(len(following) for following in seen.values()) == 4
+
+
+def test_markov_successors_are_equally_likely_so_the_floor_is_ln_k():
+    dataset = MarkovTokens(300, seq_len=128, vocab_size=10_000, seed=0, successors=4)
+    transitions = _transitions(dataset, range(300))  # 38,400 transitions
+    by_token = defaultdict(Counter)
+    for token, following in transitions:
+        by_token[token][following] += 1
+    # The most frequent token is followed ~1,000+ times; each of its 4 successors should take 1/4 of those
+    # (a binomial spread of sqrt(n/4 * 3/4) ~ 3 % of n/4 at n = 1,000, so +-20 % is a > 6-sigma band).
+    counts = max(by_token.values(), key=lambda c: sum(c.values()))
+    total = sum(counts.values())
+    assert total > 500 and len(counts) == 4
+    assert all(0.8 * total / 4 < n < 1.2 * total / 4 for n in counts.values()), counts
+    # Empirical conditional entropy H(next | token), weighted by how often each token occurs: close to ln 4 = 1.386
+    # (slightly below: tokens seen only a few times show fewer than 4 successors).
+    entropy = -sum(
+        n / len(transitions) * math.log(n / sum(c.values())) for c in by_token.values() for n in c.values()
+    )
+    assert 1.2 < entropy <= math.log(4) + 1e-9, entropy
+
+
+def test_markov_frequencies_are_skewed_so_a_few_tokens_carry_most_of_the_text():
+    dataset = MarkovTokens(300, seq_len=128, vocab_size=10_000, seed=0)
+    counts = Counter(token for i in range(300) for token in dataset[i][1].tolist())
+    # Zipf weights: the stationary walk puts ~3/4 of its tokens on 100 of the 10,000 (measured 73-76 % for seeds
+    # 0 and 1). Uniform data would put 1 % there. That skew is what makes the loss fall within tens of steps.
+    top_100 = sum(n for _, n in counts.most_common(100)) / sum(counts.values())
+    assert top_100 > 0.6, top_100
+
+
+def test_markov_through_the_data_module():
+    kwargs = dict(source="markov", vocab_size=500, seq_len=16, num_samples=64, batch_size=4, markov_successors=2)
+    first, second = LMDataModule(seed=3, **kwargs), LMDataModule(seed=3, **kwargs)
+    assert isinstance(first.train_dataset, MarkovTokens) and first.train_dataset.successors == 2
+    first.setup("fit")
+    second.setup("fit")
+    for (x1, y1), (x2, y2) in zip(_batches(first.train_dataloader(), 5), _batches(second.train_dataloader(), 5)):
+        assert x1.shape == (4, 16)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert first.vocab_size == 500
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "phrase"),
+    [
+        (dict(markov_successors=0), r"--data\.markov_successors is 0; set it between 1 and 64"),
+        (dict(markov_successors=65), r"--data\.markov_successors is 65; set it between 1 and 64"),
+        (dict(markov_successors=8, vocab_size=5), r"--data\.markov_successors is 8; set it between 1 and 5"),
+        (dict(path="train.bin"), r"--data\.source is markov, which reads no file"),
+    ],
+)
+def test_markov_bad_arguments(kwargs, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        LMDataModule(source="markov", **kwargs)
 
 
 # ---- rank-disjointness -------------------------------------------------------------------------
