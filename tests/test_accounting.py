@@ -67,7 +67,8 @@ def _naive_like() -> StepTiming:
 
 
 def test_step_metrics_keys_match_the_documented_table():
-    metrics = step_metrics(_naive_like(), world_size=2, flops_per_token=1.0, peak_flops=1.0, peak_memory_mib=1.0)
+    metrics = step_metrics(_naive_like(), world_size=2, flops_per_token=1.0, peak_flops=1.0, peak_memory_mib=1.0,
+                           peak_reserved_mib=2.0)
     assert tuple(metrics) == METRIC_KEYS
     for key in METRIC_KEYS:
         assert f"| {key} " in step_metrics.__doc__
@@ -80,7 +81,7 @@ def test_naive_like_step_exposed_equals_busy_and_overlap_is_zero():
     assert m["step/time_ms"] == approx(100.0)
     assert m["comm/exposed_ms"] == approx(15.0)
     assert m["comm/busy_ms"] == approx(15.0)
-    assert m["comm/overlap"] == 0.0  # 1 - 15/15
+    assert m["comm/overlap"] == 0.0  # all 15 ms of busy lie inside the exposed [80, 95]
     assert m["comm/share"] == approx(0.15)  # 15 / 100
     assert m["comm/pack_ms"] == 0.0
     assert m["comm/calls"] == 3.0
@@ -95,17 +96,31 @@ def test_naive_like_step_exposed_equals_busy_and_overlap_is_zero():
         (4, 0.3),  # 0.2 * 2 * 3 / 4 = 0.3
     ],
 )
-def test_algbw_and_busbw(world_size, busbw):
+def test_algbw_and_busbw_of_all_reduces(world_size, busbw):
     m = step_metrics(_naive_like(), world_size=world_size)
-    # 3,000,000 bytes over a 15 ms busy union: 3e6 / 0.015 s = 2e8 B/s = 0.2 GB/s, whatever the world size.
+    # 3,000,000 bytes over 15 ms busy: 3e6 / 0.015 s = 2e8 B/s = 0.2 GB/s, whatever the world size.
     assert m["comm/algbw_GBps"] == approx(0.2)
     assert m["comm/busbw_GBps"] == approx(busbw)
 
 
+def test_bus_bandwidth_uses_each_collectives_own_factor():
+    # ZeRO-1 on 4 ranks: a reduce-scatter of a 4 MB buffer [0, 10], an all-gather into a 4 MB buffer [10, 20],
+    # then 2 broadcasts of 1 MB [20, 25], [25, 30]. nccl-tests: rs and ag move (n-1)/n = 3/4 of the buffer per
+    # rank, a broadcast 1x: bus bytes = 0.75 * 4e6 * 2 + 1e6 * 2 = 8e6 over 30 ms busy = 0.2667 GB/s. With the
+    # all-reduce factor 2(n-1)/n = 1.5 for all, it would have been 1.5 * 10e6 / 0.03 s = 0.5 GB/s.
+    timing = StepTiming(step_ms=40.0, exposed=[(0.0, 30.0)], collectives=[
+        Collective("reduce_scatter", "g", 4_000_000, 0.0, 10.0), Collective("all_gather", "p", 4_000_000, 10.0, 20.0),
+        Collective("broadcast", "a", 1_000_000, 20.0, 25.0), Collective("broadcast", "b", 1_000_000, 25.0, 30.0)])
+    m = step_metrics(timing, world_size=4)
+    assert m["comm/busbw_GBps"] == approx(8e6 / 0.030 / 1e9)
+    assert m["comm/algbw_GBps"] == approx(10e6 / 0.030 / 1e9)
+    with pytest.raises(ValueError, match="bus-bandwidth factor"):
+        accounting.bus_factor("all_to_all", 4)
+
+
 def test_bucketed_like_step_overlaps_communication_with_backward():
-    # Backward runs 20..80 ms and launches three buckets, each packed just before its launch (2 ms copies
-    # *outside* finish, so they are not subtracted from exposed):
-    #   b0 [30, 45], b1 [50, 65], b2 [70, 84] (still in flight when backward ends).
+    # Backward runs 20..80 ms and launches three buckets, each packed and pre-scaled just before its launch (2 ms
+    # *outside* finish): b0 [30, 45], b1 [50, 65], b2 [70, 84] (still in flight when backward ends).
     # finish runs 80..86: waits for b2 until 84, the flags all-reduce [84, 85], then unpacks [85, 86].
     timing = StepTiming(
         step_ms=100.0,
@@ -115,20 +130,21 @@ def test_bucketed_like_step_overlaps_communication_with_backward():
         tokens=1000,
     )
     m = step_metrics(timing, world_size=2)
-    # exposed = 6 ms in finish - 1 ms of unpack inside it = 5 ms
-    assert m["comm/exposed_ms"] == approx(5.0)
-    # pack = 2 + 2 + 2 + 1 = 7 ms
+    # exposed = all 6 ms of finish (its 1 ms unpack included: the critical path paid for it)
+    assert m["comm/exposed_ms"] == approx(6.0)
+    # pack = 2 + 2 + 2 + 1 = 7 ms, wherever it ran
     assert m["comm/pack_ms"] == approx(7.0)
-    # busy = [30, 45] + [50, 65] + ([70, 84] ∪ [84, 85] = [70, 85]) = 15 + 15 + 15 = 45 ms
+    # busy = [30, 45] + [50, 65] + [70, 84] + [84, 85] = 15 + 15 + 14 + 1 = 45 ms
     assert m["comm/busy_ms"] == approx(45.0)
-    # overlap = 1 - 5 / 45 = 8/9: only 5 of the 45 ms of communication held up the step
-    assert m["comm/overlap"] == approx(8 / 9)
-    assert m["comm/share"] == approx(0.05)  # 5 / 100
+    # of which inside exposed [80, 86]: [80, 84] + [84, 85] = 5 ms; hidden = 40 of 45
+    assert m["comm/overlap"] == approx(40 / 45)
+    assert m["comm/share"] == approx(0.06)  # 6 / 100
     assert m["comm/calls"] == 4.0
 
 
-def test_flat_like_step_subtracts_pack_copies_from_exposed():
-    # finish runs 70..90: flags all-reduce [70, 71], pack [71, 74], flat all-reduce [74, 86], unpack [86, 90].
+def test_flat_like_step_counts_its_copies_as_exposed_and_reports_them():
+    # finish runs 70..90: flags all-reduce [70, 71], pack + pre-scale [71, 74], flat all-reduce [74, 86],
+    # unpack [86, 90]. The copies are on the critical path, so they are exposed: the study timed the same.
     timing = StepTiming(
         step_ms=200.0,
         exposed=[(70.0, 90.0)],
@@ -137,33 +153,30 @@ def test_flat_like_step_subtracts_pack_copies_from_exposed():
     )
     m = step_metrics(timing, world_size=2)
     assert m["comm/pack_ms"] == approx(7.0)  # 3 + 4
-    assert m["comm/exposed_ms"] == approx(13.0)  # 20 in finish - 7 of copies
-    assert m["comm/busy_ms"] == approx(13.0)  # 1 + 12: blocking, so busy == exposed
-    assert m["comm/overlap"] == 0.0
-    assert m["comm/share"] == approx(13.0 / 200.0)
+    assert m["comm/exposed_ms"] == approx(20.0)
+    assert m["comm/busy_ms"] == approx(13.0)  # 1 + 12
+    assert m["comm/overlap"] == 0.0  # blocking: every busy moment lies inside exposed
+    assert m["comm/share"] == approx(20.0 / 200.0)
 
 
-def test_only_the_part_of_a_pack_interval_inside_exposed_is_subtracted():
-    # pack [65, 72] straddles the start of finish [70, 80]: only [70, 72] (2 ms) comes off exposed.
-    timing = StepTiming(step_ms=100.0, exposed=[(70.0, 80.0)], pack=[(65.0, 72.0)], collectives=[_c(72.0, 80.0)])
+def test_collectives_that_back_up_are_counted_from_when_the_previous_one_ends():
+    # Three collectives issued at 10, 11 and 12 ms on one group; they complete at 20, 30 and 40 ms. The group
+    # runs them one after another, so they are in flight [10, 20], [20, 30], [30, 40]: busy 30 ms. The union of
+    # [launched, completed] would say the same here, but their sum (10 + 19 + 28 = 57) would not; and a
+    # collective completing before its predecessor adds nothing beyond it.
+    timing = StepTiming(step_ms=50.0, exposed=[(35.0, 40.0)],
+                        collectives=[_c(10.0, 20.0, 1), _c(11.0, 30.0, 1), _c(12.0, 40.0, 1), _c(13.0, 39.0, 1)])
+    assert accounting.busy_intervals(timing.collectives) == [(10.0, 20.0), (20.0, 30.0), (30.0, 40.0)]
     m = step_metrics(timing, world_size=2)
-    assert m["comm/exposed_ms"] == approx(8.0)  # 10 - 2
-    assert m["comm/pack_ms"] == approx(7.0)  # the whole copy is still reported
+    assert m["comm/busy_ms"] == approx(30.0)
+    # 25 of the 30 ms in flight ran before the exposed [35, 40]
+    assert m["comm/overlap"] == approx(25 / 30)
 
 
-def test_concurrent_collectives_are_counted_once_in_busy_time():
-    # [10, 20] and [15, 25] overlap (union [10, 25] = 15 ms), plus [30, 31]: busy = 16 ms, not 21.
-    timing = StepTiming(
-        step_ms=50.0,
-        exposed=[(24.0, 31.0)],
-        collectives=[_c(10.0, 20.0, 800_000), _c(15.0, 25.0, 700_000), _c(30.0, 31.0, 100_000)],
-    )
-    m = step_metrics(timing, world_size=2)
-    assert m["comm/busy_ms"] == approx(16.0)
-    # 1.6e6 bytes / 0.016 s = 1e8 B/s = 0.1 GB/s
-    assert m["comm/algbw_GBps"] == approx(0.1)
-    # 1 - 7/16
-    assert m["comm/overlap"] == approx(9 / 16)
+def test_a_late_launch_starts_at_its_launch_not_at_the_previous_end():
+    # [10, 20] then a collective launched at 50 (the stream idle since 20): in flight [50, 55], not [20, 55].
+    timing = StepTiming(step_ms=60.0, collectives=[_c(10.0, 20.0), _c(50.0, 55.0)])
+    assert step_metrics(timing, world_size=2)["comm/busy_ms"] == approx(15.0)
 
 
 def test_no_collectives_means_zero_busy_overlap_and_bandwidth():
@@ -186,15 +199,18 @@ def test_mfu_only_with_flops_per_token_and_peak_flops():
     assert "step/mfu" not in step_metrics(timing, world_size=4)
     assert "step/mfu" not in step_metrics(timing, world_size=4, flops_per_token=6e9)
     assert "step/mfu" not in step_metrics(timing, world_size=4, peak_flops=1e15)
-    m = step_metrics(timing, world_size=4, flops_per_token=6e9, peak_flops=1e15)
-    # 32768 tokens/s * 6e9 flops/token = 1.96608e14 flop/s, over 4 devices * 1e15 = 4.9152 %
+    # peak_flops is the whole job's: 4 GPUs of 1e15 each
+    m = step_metrics(timing, world_size=4, flops_per_token=6e9, peak_flops=4e15)
+    # 32768 tokens/s * 6e9 flops/token = 1.96608e14 flop/s, over 4e15 = 4.9152 %
     assert m["step/mfu"] == approx(0.049152)
 
 
 def test_peak_memory_only_when_given():
     timing = StepTiming(step_ms=1.0)
     assert "memory/peak_MiB" not in step_metrics(timing, world_size=1)
-    assert step_metrics(timing, world_size=1, peak_memory_mib=123.5)["memory/peak_MiB"] == 123.5
+    assert "memory/peak_reserved_MiB" not in step_metrics(timing, world_size=1, peak_memory_mib=1.0)
+    m = step_metrics(timing, world_size=1, peak_memory_mib=123.5, peak_reserved_mib=256.0)
+    assert m["memory/peak_MiB"] == 123.5 and m["memory/peak_reserved_MiB"] == 256.0
 
 
 def test_input_errors_say_what_is_wrong():
@@ -241,8 +257,8 @@ def test_a_record_converts_to_ms_and_fills_in_missing_completions():
     m = step_metrics(timing, world_size=2)
     # busy = [10, 15] + [20, 30] + [40, 40] = 5 + 10 + 0 = 15 ms
     assert m["comm/busy_ms"] == approx(15.0)
-    # exposed = 10 - 2 (pack inside) = 8 ms
-    assert m["comm/exposed_ms"] == approx(8.0)
+    # exposed = [25, 35], its 2 ms of pack included
+    assert m["comm/exposed_ms"] == approx(10.0)
     assert m["comm/bytes"] == 1208.0
 
 
@@ -385,5 +401,6 @@ def test_format_table_is_aligned_and_shows_the_headline_metrics():
         assert name in header
     assert [row.split()[0] for row in rows] == ["median", "p10", "p90"]
     assert len({len(line) for line in lines[1:]}) == 1  # every row as wide as the header
-    # share 6 % and overlap 1 - 6/54 = 88.9 %; tokens/s = 1024 / 0.1 = 10,240
-    assert rows[0].split()[1:] == ["100.0", "6.00", "6.0", "88.9", "0.019", "10,240"]
+    # share 6 %; busy [30, 84] is 54 ms, of which [80, 84] inside exposed: overlap 50/54 = 92.6 %;
+    # tokens/s = 1024 / 0.1 = 10,240
+    assert rows[0].split()[1:] == ["100.0", "6.00", "6.0", "92.6", "0.019", "10,240"]

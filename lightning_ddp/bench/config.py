@@ -203,7 +203,7 @@ class RunConfig:
     """Before the cells, run the all-reduce microbenchmark once on the same ranks and fit o and w, so the
     report can put the predicted best bucket size next to the measured one."""
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for every cell, e.g. ``{TORCH_NCCL_ENABLE_TIMING: "1"}``."""
+    """Extra environment variables for every cell, e.g. ``{PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}``."""
 
     def __post_init__(self) -> None:
         if self.devices < 2:

@@ -10,7 +10,8 @@ Recipe:
 3. A snapshot sums the bytes of the tensors we own: the parameters, their ``.grad`` and every tensor in the
    optimizer's ``state`` (only the shard's, for ``ShardedOptimizer``). On CUDA, ``rest`` is
    ``torch.cuda.memory_allocated()`` minus those (activations, communication buffers, the allocator's
-   rounding) and the step's ``max_memory_allocated`` is reported; on CPU, ``rest`` is the process RSS minus
+   rounding) and the step's ``max_memory_allocated`` is reported, with ``memory_reserved`` and
+   ``max_memory_reserved`` beside it (the caching allocator's cache and NCCL's buffers live there); on CPU, ``rest`` is the process RSS minus
    those (the interpreter, libraries, allocator caches), a secondary figure only.
 4. Next to every measured category: the analytic expectation (``expected_bytes``), from the model's shape
    alone. For fp32 AdamW: parameters 4Ψ, gradients 4Ψ, state 8Ψ + 4T unsharded and 8Ψ_r + 4T_r sharded (Ψ
@@ -223,6 +224,9 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
         on_device = _tensor_bytes(params, device) + _tensor_bytes(grads, device) + _tensor_bytes(state, device)
         snap["allocated"] = torch.cuda.memory_allocated(device)
         snap["max_allocated"] = torch.cuda.max_memory_allocated(device)
+        # The caching allocator's reservation (blocks cached for reuse, fragmentation): what the GPU really lends.
+        snap["reserved"] = torch.cuda.memory_reserved(device)
+        snap["max_reserved"] = torch.cuda.max_memory_reserved(device)
         snap["rest"] = snap["allocated"] - on_device
     else:
         rss = _current_rss_bytes()
@@ -416,8 +420,8 @@ def format_report(results: dict[str, Any]) -> str:
             f"Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
             "",
             "| rank | point | parameters | gradients | optimizer state | tensors | expected | "
-            + ("allocated | max allocated | rest |" if cuda else "RSS | rest |"),
-            "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if cuda else "---:|---:|"),
+            + ("allocated | max allocated | reserved | max reserved | rest |" if cuda else "RSS | rest |"),
+            "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|---:|" if cuda else "---:|---:|"),
         ]
         for per_rank in mode["ranks"]:
             for point in POINTS:
@@ -429,7 +433,8 @@ def format_report(results: dict[str, Any]) -> str:
                     f"{_mib(snap['optimizer_state'])} | {_mib(tensors)} | {_mib(sum(exp.values()))} | "
                 )
                 if cuda:
-                    row += f"{_mib(snap['allocated'])} | {_mib(snap['max_allocated'])} | {_mib(snap['rest'])} |"
+                    row += (f"{_mib(snap['allocated'])} | {_mib(snap['max_allocated'])} | {_mib(snap['reserved'])} | "
+                            f"{_mib(snap['max_reserved'])} | {_mib(snap['rest'])} |")
                 else:
                     row += f"{_mib(snap['rss'])} | {_mib(snap['rest'])} |"
                 lines.append(row)

@@ -13,11 +13,12 @@ What is measured, per optimizer step and per rank:
   in synchronous data parallelism the slowest rank sets the pace, so the callback all-reduces the step time
   with ``MAX``. Reduce it *before* building ``StepTiming`` so that ``comm/share`` and ``step/tokens_per_s``
   describe the same (slowest-rank) step.
-- **Exposed communication**: time spent inside ``finish_gradient_synchronization``, the part of
-  communication that sits on the critical path, minus the buffer copies made there (reported apart as
-  ``comm/pack_ms``).
-- **Busy communication**: the union of the intervals during which some collective was in flight, whether or
-  not anything waited for it. ``1 - exposed / busy`` is the fraction of communication hidden behind compute.
+- **Exposed communication**: the critical path's time in gradient synchronisation (the ``exposed`` spans:
+  ``finish_gradient_synchronization``, ZeRO-1's phases inside ``optimizer.step()``), with everything done there:
+  waits, buffer copies, scaling. ``comm/pack_ms`` reports the copies and scaling on their own, wherever they ran.
+- **Busy communication**: the time some collective was in flight, each collective counted from when the
+  previous one of its group finished (``busy_intervals``). The part of it outside the exposed spans was hidden
+  behind compute: ``comm/overlap``.
 
 The honesty rules (the clocks themselves are described in ``lightning_ddp/sync/record.py``):
 
@@ -106,6 +107,61 @@ class StepTiming:
 
 # ---- step metrics -------------------------------------------------------------------------------------
 
+BUS_FACTORS: dict[str, str] = {
+    "all_reduce": "2(n-1)/n",
+    "reduce_scatter": "(n-1)/n",
+    "all_gather": "(n-1)/n",
+    "broadcast": "1",
+    "reduce": "1",
+}
+"""nccl-tests' bus-bandwidth factor per collective (``doc/PERFORMANCE.md``), with ``nbytes`` the whole buffer
+(for reduce-scatter the input, for all-gather the output): how many times the message crosses each rank's
+link in a bandwidth-optimal algorithm."""
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """``BUS_FACTORS[op]`` for ``world_size`` ranks.
+
+    >>> [bus_factor(op, 4) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")]
+    [1.5, 0.75, 0.75, 1.0]
+    """
+    n = world_size
+    factors = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+               "broadcast": 1.0, "reduce": 1.0}
+    if op not in factors:
+        raise ValueError(f"no bus-bandwidth factor for collective {op!r}; known: {', '.join(factors)}")
+    return factors[op]
+
+
+def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
+    """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]``, in launch order.
+
+    The collectives of one process group run one after another (NCCL: on one stream; gloo: in issue order), so a
+    collective launched while the previous one is still running only starts when that one ends. Taking
+    ``[launched, completed]`` instead would count the queueing as communication twice over and, in the union,
+    under-count when calls back up (e.g. 435 per-parameter calls on a slow link).
+
+    >>> busy_intervals([_Timed(0.0, 4.0), _Timed(1.0, 6.0), _Timed(8.0, 9.0)])  # the second starts at 4
+    [(0.0, 4.0), (4.0, 6.0), (8.0, 9.0)]
+    """
+    out: list[Interval] = []
+    previous_end = -math.inf
+    for c in collectives:
+        start, end = max(c.launched, previous_end), c.completed
+        if end > start:
+            out.append((start, end))
+        previous_end = max(previous_end, end)
+    return out
+
+
+@dataclass
+class _Timed:
+    """A collective reduced to its launch and completion (for the doctest above)."""
+
+    launched: float
+    completed: float
+
+
 METRIC_KEYS: tuple[str, ...] = (
     "step/time_ms",
     "comm/exposed_ms",
@@ -120,8 +176,9 @@ METRIC_KEYS: tuple[str, ...] = (
     "step/tokens_per_s",
     "step/mfu",
     "memory/peak_MiB",
+    "memory/peak_reserved_MiB",
 )
-"""Every key ``step_metrics`` can produce, in order (the last two only when their inputs are given)."""
+"""Every key ``step_metrics`` can produce, in order (the last three only when their inputs are given)."""
 
 
 def step_metrics(
@@ -130,32 +187,42 @@ def step_metrics(
     flops_per_token: float | None = None,
     peak_flops: float | None = None,
     peak_memory_mib: float | None = None,
+    peak_reserved_mib: float | None = None,
 ) -> dict[str, float]:
     """The metrics of one optimizer step.
 
-    +---------------------+---------------------------------------------------------------------------------+
-    | Key                 | Value                                                                           |
-    +=====================+=================================================================================+
-    | step/time_ms        | ``step_ms`` (the callback passes the max over ranks)                            |
-    | comm/exposed_ms     | union(exposed) - overlap(pack, exposed): copies are reported in comm/pack_ms    |
-    | comm/pack_ms        | union(pack)                                                                     |
-    | comm/share          | exposed_ms / step_ms                                                            |
-    | comm/busy_ms        | union of every collective's [launched, completed]                               |
-    | comm/overlap        | clip(1 - exposed_ms / busy_ms, 0, 1); 0 when busy_ms == 0                       |
-    | comm/algbw_GBps     | bytes / (busy_ms / 1e3) / 1e9; 0 when busy_ms == 0                              |
-    | comm/busbw_GBps     | algbw * 2 (n - 1) / n, n = world_size (nccl-tests' all-reduce bus bandwidth)    |
-    | comm/calls          | number of collectives                                                           |
-    | comm/bytes          | sum of the collectives' ``nbytes``                                              |
-    | step/tokens_per_s   | tokens * world_size / (step_ms / 1e3): global throughput                        |
-    | step/mfu            | tokens_per_s * flops_per_token / (peak_flops * world_size), peak_flops per      |
-    |                     | device; only when ``flops_per_token`` and ``peak_flops`` are both given         |
-    | memory/peak_MiB     | ``peak_memory_mib``; only when given                                            |
-    +---------------------+---------------------------------------------------------------------------------+
+    +--------------------------+----------------------------------------------------------------------------+
+    | Key                      | Value                                                                      |
+    +==========================+============================================================================+
+    | step/time_ms             | ``step_ms`` (the callback passes the max over ranks)                       |
+    | comm/exposed_ms          | union(exposed): the critical path's time in gradient synchronisation, with |
+    |                          | everything done there (waits, copies, scaling, bookkeeping)                |
+    | comm/pack_ms             | union(pack): copying and scaling gradients for communication, wherever it  |
+    |                          | ran (inside exposed for naive and flat; in backward's hooks for overlap   |
+    |                          | and bucketed, except their unpack)                                         |
+    | comm/share               | exposed_ms / step_ms                                                       |
+    | comm/busy_ms             | union of ``busy_intervals``: collective i in flight from                   |
+    |                          | max(launched_i, completed_{i-1}) to completed_i (one stream per group)     |
+    | comm/overlap             | (busy_ms - overlap(busy, exposed)) / busy_ms: the share of in-flight       |
+    |                          | communication outside the critical path, hidden behind compute; 0 when     |
+    |                          | busy_ms == 0                                                               |
+    | comm/algbw_GBps          | bytes / (busy_ms / 1e3) / 1e9; 0 when busy_ms == 0                         |
+    | comm/busbw_GBps          | sum(bus_factor(op_i, n) * nbytes_i) / (busy_ms / 1e3) / 1e9: nccl-tests'   |
+    |                          | factor per op (``BUS_FACTORS``), n = world_size                            |
+    | comm/calls               | number of collectives                                                      |
+    | comm/bytes               | sum of the collectives' ``nbytes`` (nccl-tests' message sizes)             |
+    | step/tokens_per_s        | tokens * world_size / (step_ms / 1e3): global throughput                   |
+    | step/mfu                 | tokens_per_s * flops_per_token / peak_flops, with ``peak_flops`` the dense |
+    |                          | peak of all the job's devices together (distinct GPUs: two ranks sharing   |
+    |                          | one GPU count it once); only when both are given                           |
+    | memory/peak_MiB          | ``peak_memory_mib`` (CUDA: max allocated this step; CPU: peak RSS)         |
+    | memory/peak_reserved_MiB | ``peak_reserved_mib`` (CUDA: max reserved by the caching allocator)        |
+    +--------------------------+----------------------------------------------------------------------------+
 
     Reading the numbers: the naive engine blocks on each all-reduce inside ``finish_gradient_synchronization``,
-    so its exposed time contains all its communication, busy ≈ exposed and overlap ≈ 0; that is the expected
-    result, not a bug. The hook-based engines communicate during backward and only wait at the end, so their
-    busy time exceeds their exposed time and overlap approaches 1 as the waits shrink.
+    so all its communication lies inside the exposed interval and overlap is 0; that is the expected result,
+    not a bug. The hook-based engines communicate during backward and only wait at the end, so the part of
+    their busy time before the sync begins is hidden and overlap approaches 1 as the waits shrink.
 
     ``step/tokens_per_s`` assumes every rank processes ``timing.tokens`` tokens per step (equal batch sizes).
     """
@@ -166,15 +233,12 @@ def step_metrics(
             raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
 
     step_ms = float(timing.step_ms)
-    exposed_ms = total(timing.exposed) - overlap_length(timing.pack, timing.exposed)
-    busy_ms = total([(c.launched, c.completed) for c in timing.collectives])
+    exposed_ms = total(timing.exposed)
+    busy = busy_intervals(timing.collectives)
+    busy_ms = total(busy)
     nbytes = sum(c.nbytes for c in timing.collectives)
-    # The fraction of in-flight communication nobody waited for; clipped because exposed time also holds
-    # bookkeeping between waits (and, for naive, may slightly exceed busy).
-    overlap = min(1.0, max(0.0, 1.0 - exposed_ms / busy_ms)) if busy_ms > 0 else 0.0
-    algbw = nbytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0
-    # A ring all-reduce moves 2 (n - 1) / n of the message through each rank's link (nccl-tests PERFORMANCE.md).
-    busbw = algbw * 2 * (world_size - 1) / world_size
+    bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
+    hidden_ms = busy_ms - overlap_length(busy, timing.exposed)
     tokens_per_s = timing.tokens * world_size / (step_ms / 1e3)
 
     metrics = {
@@ -183,18 +247,19 @@ def step_metrics(
         "comm/pack_ms": total(timing.pack),
         "comm/share": exposed_ms / step_ms,
         "comm/busy_ms": busy_ms,
-        "comm/overlap": overlap,
-        "comm/algbw_GBps": algbw,
-        "comm/busbw_GBps": busbw,
+        "comm/overlap": hidden_ms / busy_ms if busy_ms > 0 else 0.0,
+        "comm/algbw_GBps": nbytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
+        "comm/busbw_GBps": bus_bytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
         "comm/calls": float(len(timing.collectives)),
         "comm/bytes": float(nbytes),
         "step/tokens_per_s": tokens_per_s,
     }
     if flops_per_token is not None and peak_flops is not None:
-        # Achieved flops over the peak of all devices together (peak_flops is one device's).
-        metrics["step/mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
+        metrics["step/mfu"] = tokens_per_s * flops_per_token / peak_flops
     if peak_memory_mib is not None:
         metrics["memory/peak_MiB"] = float(peak_memory_mib)
+    if peak_reserved_mib is not None:
+        metrics["memory/peak_reserved_MiB"] = float(peak_reserved_mib)
     return metrics
 
 

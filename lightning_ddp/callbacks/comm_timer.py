@@ -29,8 +29,10 @@ writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's 
 
 from __future__ import annotations
 
+import os
 import platform
 import resource
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from typing_extensions import override
 
 from lightning_ddp import compat
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
+from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.recording import recorder_for, release_recorder
 from lightning_ddp.sync.record import Recorder
 
@@ -56,11 +59,22 @@ class CommTimer(Callback):
         warmup_steps: Optimizer steps left out of the end-of-fit summary (start-up, allocator warm-up).
         enabled: Set false to switch the callback off (it is always added by the CLI).
         summary_name: Stem of the summary files written at the end of fit (``.json`` and ``.csv``).
+        peak_tflops: Dense peak TFLOP/s of one device at the run's compute dtype, for ``step/mfu``; default: the
+            table in ``lightning_ddp.callbacks.peak_flops`` (H100, H200, A100, L4, CPU estimate).
     """
 
-    def __init__(self, warmup_steps: int = 5, enabled: bool = True, summary_name: str = "timing_summary") -> None:
+    def __init__(
+        self,
+        warmup_steps: int = 5,
+        enabled: bool = True,
+        summary_name: str = "timing_summary",
+        peak_tflops: float | None = None,
+    ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; e.g. --timer.warmup_steps 5")
+        if peak_tflops is not None and not peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; e.g. --timer.peak_tflops 989.4")
+        self.peak_tflops = peak_tflops
         self.warmup_steps = warmup_steps
         self.enabled = enabled
         self.summary_name = summary_name
@@ -92,8 +106,7 @@ class CommTimer(Callback):
         self._recorder = recorder_for(trainer)
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
-        device = trainer.strategy.root_device
-        self._peak_flops = _peak_flops(trainer) if device.type == "cuda" else None
+        self._peak_flops = _job_peak_flops(trainer, self.peak_tflops)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -128,6 +141,7 @@ class CommTimer(Callback):
             flops_per_token=self._flops_per_token,
             peak_flops=self._peak_flops,
             peak_memory_mib=_peak_memory_mib(self._recorder.clock.cuda),
+            peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if self._recorder.clock.cuda else None,
         )
         if self._ddp is not None:
             metrics.update(_torch_ddp_metrics(self._ddp, step_ms))
@@ -174,12 +188,30 @@ def _peak_memory_mib(cuda: bool) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # macOS reports bytes, Linux KiB
 
 
-def _peak_flops(trainer: pl.Trainer) -> float | None:
-    """The device's peak FLOP/s at the run's compute dtype (Lightning's table of known GPUs), or None."""
-    from lightning.fabric.utilities.throughput import get_available_flops
+def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | None:
+    """The job's dense peak FLOP/s: every distinct device's peak (``peak_flops``), summed once per device.
 
-    flops = get_available_flops(trainer.strategy.root_device, compat.compute_dtype(trainer))
-    return float(flops) if flops else None
+    A collective (one ``all_gather_object``): ranks that share a GPU (the one-GPU gloo layout) name the same device
+    and count it once.
+    """
+    device = trainer.strategy.root_device
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compat.compute_dtype(trainer), "fp32")
+    if device.type == "cuda":
+        if dtype == "fp32" and torch.get_float32_matmul_precision() != "highest":
+            dtype = "tf32"
+        properties = torch.cuda.get_device_properties(device)
+        identity: tuple = (socket.gethostname(), str(getattr(properties, "uuid", device.index)))
+        peak = dense_peak_flops(properties.name, dtype)
+    else:
+        identity = (socket.gethostname(), os.getpid())  # a CPU rank computes on its own threads
+        peak = dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
+    if peak_tflops is not None:
+        peak = peak_tflops * 1e12
+    per_rank: list = [(identity, peak)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (identity, peak))
+    return job_peak_flops(per_rank)
 
 
 def _torch_ddp_metrics(model: DistributedDataParallel, step_ms: float) -> dict[str, float]:

@@ -104,12 +104,7 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.schedule == "reduce_scatter" and trainer.gradient_clip_val:
-            raise ValueError(
-                "Gradient clipping needs gradients averaged over the ranks, but `schedule: reduce_scatter` averages "
-                "them inside optimizer.step(), after Lightning clips. Use "
-                "`--trainer.strategy.init_args.schedule allreduce_broadcast` or drop `gradient_clip_val`."
-            )
+        check_supported(self.schedule, str(trainer.precision), trainer.gradient_clip_val)
         super().setup(trainer)
 
     @override
@@ -137,3 +132,23 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
             )
         return optimizer
 
+
+def check_supported(schedule: str, precision: str, gradient_clip_val: float | None) -> None:
+    """Refuse what ``schedule: reduce_scatter`` cannot do: anything that reads gradients before ``optimizer.step()``
+    averages them (they are still local there)."""
+    if schedule != "reduce_scatter":
+        return
+    if gradient_clip_val:
+        raise ValueError(
+            "Gradient clipping needs gradients averaged over the ranks, but `schedule: reduce_scatter` averages "
+            "them inside optimizer.step(), after Lightning clips. Use "
+            "`--trainer.strategy.init_args.schedule allreduce_broadcast` or drop `gradient_clip_val`."
+        )
+    if precision.startswith("16"):
+        raise ValueError(
+            f"precision={precision!r} with `schedule: reduce_scatter` could hang: fp16's GradScaler checks each "
+            "rank's *local* gradients for inf before optimizer.step(), so one rank may skip the step (and its "
+            "reduce-scatter and all-gather) while the others wait in them until the timeout. Use "
+            "`--trainer.precision bf16-mixed` (no scaler), or `--trainer.strategy.init_args.schedule "
+            "allreduce_broadcast` (gradients are averaged in backward, so every rank sees the same inf)."
+        )

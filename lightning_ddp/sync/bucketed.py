@@ -10,8 +10,11 @@ Recipe:
    in bucket order: bucket ``i`` is all-reduced (async, SUM) as soon as it and every bucket before it are
    complete. A multi-parameter bucket is packed into one buffer; a one-parameter bucket is reduced in place.
 3. ``finish_gradient_synchronization``: launch, in order, the buckets backward did not complete (they hold
-   a parameter with no gradient this step; zeros stand in for it), agree on which parameters have gradients
-   (see ``base``), then wait for each bucket's average and unpack it into ``.grad``.
+   a parameter with no gradient this step; zeros stand in for it), then the small all-reduce of which
+   parameters have gradients (see ``base``); wait for each bucket's average and unpack it into ``.grad``,
+   every parameter of it; only then read the presence flags (``.tolist()`` blocks the host) and set
+   ``.grad = None`` where no rank had a gradient. The flags are issued last and read last, so they never hold
+   up the unpacking of a bucket that has already arrived.
 
 How a bucket is averaged is the engine's ``reduce`` step (``lightning_ddp.sync.reduce``, torch DDP's comm hook in
 our terms): by default a SUM all-reduce in place divided by the world size; another reduce step (e.g. one that
@@ -35,7 +38,7 @@ from torch import nn
 
 from lightning_ddp.sync.base import DataParallel
 from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
-from lightning_ddp.sync.buffers import agree_on_gradients, packed, unpack_gradients
+from lightning_ddp.sync.buffers import launch_presence, packed, read_presence, unpack_gradients
 from lightning_ddp.sync.reduce import AllReduceMean, BucketReduce, Reduction
 
 MiB = 2**20
@@ -148,17 +151,19 @@ class BucketedDDP(DataParallel):
     def _synchronize(self) -> None:
         while self._next_bucket < len(self.buckets):
             self._launch(self._next_bucket)
-        counts = agree_on_gradients(self.comm, self.params, self.device)
+        presence = launch_presence(self.comm, self.params, self.device)  # queued behind every bucket
         for bucket, reduction in zip(self.buckets, self._launched):
             average = reduction.wait()
-            present = [counts[i] > 0 for i in bucket]  # no rank has a gradient: .grad stays None, as in one process
-            if len(bucket) == 1:
+            if len(bucket) == 1:  # reduced in place: .grad already holds it, unless the rank had none
                 param = self.params[bucket[0]]
-                if present[0] and param.grad is None:
+                if param.grad is None:
                     param.grad = average
-                elif present[0] and average.data_ptr() != param.grad.data_ptr():
+                elif average.data_ptr() != param.grad.data_ptr():
                     param.grad.copy_(average)
             else:
                 with self.comm.span("pack"):
-                    unpack_gradients(average, [self.params[i] for i in bucket], keep=present)
+                    unpack_gradients(average, [self.params[i] for i in bucket])
+        for param, count in zip(self.params, read_presence(self.comm, presence)):
+            if count == 0:  # no rank had a gradient: .grad = None, as in one process (the optimizer skips it)
+                param.grad = None
         self._reset_step()

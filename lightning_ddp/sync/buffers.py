@@ -3,8 +3,9 @@
 - ``pack``: copy tensors (zeros for a missing one) back to back into a flat buffer.
 - ``unpack_gradients``: copy a flat buffer's slices into the parameters' ``.grad`` (creating the ones that are
   ``None``), and ``unpack_into``: copy them into any tensors (ZeRO-1's parameters).
-- ``agree_on_gradients``: one tiny SUM all-reduce of "this parameter has a ``.grad`` here", so that a
-  parameter no rank has a gradient for keeps ``.grad = None`` everywhere, exactly as in one process.
+- ``agree_on_gradients`` (or ``launch_presence`` then ``read_presence``, to issue it early and read it late): one
+  tiny SUM all-reduce of "this parameter has a ``.grad`` here", so that a parameter no rank has a gradient for
+  keeps ``.grad = None`` everywhere, exactly as in one process.
 
 Slices are taken in the order given, each ``param.numel()`` long, viewed with the parameter's shape.
 """
@@ -15,9 +16,9 @@ from typing import Sequence
 
 import torch
 
-from lightning_ddp.sync.comm import Communicator
+from lightning_ddp.sync.comm import Communicator, Pending
 
-__all__ = ["agree_on_gradients", "pack", "packed", "unpack_gradients", "unpack_into"]
+__all__ = ["agree_on_gradients", "launch_presence", "pack", "packed", "read_presence", "unpack_gradients", "unpack_into"]
 
 
 def pack(tensors: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -45,26 +46,38 @@ def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += tensor.numel()
 
 
-def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor], keep: Sequence[bool] | None = None) -> None:
+def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     """Copy consecutive slices of ``flat`` into each parameter's ``.grad``.
 
     A parameter whose ``.grad`` is ``None`` gets a clone of its slice (a view would keep the whole buffer alive).
-    ``keep[i] == False`` skips parameter ``i`` (its slice is still consumed), leaving its ``.grad`` as it is.
     """
     offset = 0
-    for i, param in enumerate(params):
+    for param in params:
         n = param.numel()
-        if keep is None or keep[i]:
-            value = flat[offset : offset + n].view_as(param)
-            if param.grad is None:
-                param.grad = value.clone()
-            elif value.data_ptr() != param.grad.data_ptr():
-                param.grad.copy_(value)
+        value = flat[offset : offset + n].view_as(param)
+        if param.grad is None:
+            param.grad = value.clone()
+        elif value.data_ptr() != param.grad.data_ptr():
+            param.grad.copy_(value)
         offset += n
 
 
-def agree_on_gradients(comm: Communicator, params: Sequence[torch.Tensor], device: torch.device) -> list[int]:
-    """For each parameter, on how many ranks it has a ``.grad`` (one small all-reduce, waited for)."""
+PRESENCE_LABEL = "gradient presence flags"
+
+
+def launch_presence(comm: Communicator, params: Sequence[torch.Tensor], device: torch.device) -> tuple[Pending, torch.Tensor]:
+    """Start summing over ranks "this parameter has a ``.grad`` here" (one small async all-reduce)."""
     flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    comm.wait(comm.all_reduce(flags, "gradient presence flags"))
+    return comm.all_reduce(flags, PRESENCE_LABEL), flags
+
+
+def read_presence(comm: Communicator, launched: tuple[Pending, torch.Tensor]) -> list[int]:
+    """For each parameter, on how many ranks it has a ``.grad`` (waits; ``.tolist()`` blocks the host)."""
+    pending, flags = launched
+    comm.wait(pending)
     return flags.tolist()
+
+
+def agree_on_gradients(comm: Communicator, params: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    """For each parameter, on how many ranks it has a ``.grad`` (one small all-reduce, waited for now)."""
+    return read_presence(comm, launch_presence(comm, params, device))

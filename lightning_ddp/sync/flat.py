@@ -3,9 +3,10 @@
 Recipe (``finish_gradient_synchronization``, after the last backward):
 
 1. Agree across ranks which parameters have a gradient at all (one tiny all-reduce of presence flags).
-2. Pack: concatenate those gradients (zeros where a rank has none) into one flat buffer per dtype.
+2. Pack: concatenate those gradients (zeros where a rank has none) into one flat buffer per dtype, and divide
+   it by the world size.
 3. One all-reduce (SUM) per buffer; wait for it.
-4. Unpack: copy each slice back into its ``.grad``, divided by the world size.
+4. Unpack: copy each slice back into its ``.grad``.
 
 One call pays the per-call latency once, at the price of the pack/unpack copies (recorded separately as
 ``pack``) and a buffer the size of all gradients. Still nothing overlaps with backward.
@@ -30,8 +31,7 @@ class FlatDDP(DataParallel):
                 groups.setdefault(param.dtype, []).append(param)
         for dtype, params in groups.items():
             with self.comm.span("pack"):
-                flat = packed(params)
+                flat = packed(params).div_(self.world_size)  # pre-scaled: the sum is then the average
             self.comm.wait(self.comm.all_reduce(flat, f"flat {dtype} ({len(params)} tensors)"))
             with self.comm.span("pack"):
-                flat.div_(self.world_size)
                 unpack_gradients(flat, params)

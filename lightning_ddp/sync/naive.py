@@ -3,9 +3,8 @@
 Recipe (``finish_gradient_synchronization``, after the last backward):
 
 1. Agree across ranks which parameters have a gradient at all (one tiny all-reduce of presence flags).
-2. For each parameter with a gradient somewhere, in ``module.parameters()`` order: all-reduce (SUM) its
-   gradient (zeros on a rank that has none) and wait for it.
-3. Divide by the world size.
+2. For each parameter with a gradient somewhere, in ``module.parameters()`` order: divide its gradient
+   (zeros on a rank that has none) by the world size, all-reduce (SUM) it and wait for it.
 
 Nothing overlaps: communication starts only after the whole backward, and one call per tensor pays the
 per-call latency ~435 times for the xl model. It is the baseline the other engines improve on.
@@ -29,5 +28,6 @@ class NaiveDDP(DataParallel):
                 continue  # no rank has a gradient: leave .grad None, as single-process training would
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            with self.comm.span("pack"):
+                param.grad.div_(self.world_size)  # pre-scaled: the sum of the scaled gradients is the average
             self.comm.wait(self.comm.all_reduce(param.grad, name))
-            param.grad.div_(self.world_size)

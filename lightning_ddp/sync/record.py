@@ -57,13 +57,25 @@ class StepClock:
         self.t0 = time.perf_counter()
         self.e0: torch.cuda.Event | None = None
 
-    def anchor(self) -> None:
-        """Name one instant on both clocks. On CUDA: synchronize, then record ``e0`` and read ``t0`` together."""
+    def synchronize(self) -> None:
+        """Wait until the device has run everything queued (CUDA); nothing to wait for on CPU."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+    def anchor(self, synchronize: bool = True) -> None:
+        """Name one instant on both clocks. On CUDA: synchronize (unless the caller just did), then record ``e0``
+        on the idle device and read ``t0`` together."""
+        if self.cuda:
+            if synchronize:
+                self.synchronize()
             self.e0 = torch.cuda.Event(enable_timing=True)
             self.e0.record()
         self.t0 = time.perf_counter()
+
+    @staticmethod
+    def host_time() -> float:
+        """Now on the host clock (``time.perf_counter()`` seconds), whatever the device."""
+        return time.perf_counter()
 
     def mark(self) -> Mark:
         """Now, as the device sees it (an event on the current stream on CUDA, host time on CPU)."""
@@ -167,10 +179,11 @@ class Recorder:
 
     Args:
         device: Where the model computes: CUDA events on a GPU, host time otherwise.
+        clock: The clock to use instead of ``StepClock(device)`` (tests give a fake one).
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.clock = StepClock(device)
+    def __init__(self, device: torch.device | str = "cpu", clock: StepClock | None = None) -> None:
+        self.clock = clock if clock is not None else StepClock(device)
         self.record = SyncRecord()
         """The step being recorded (raw marks); appended to by the engines."""
         self.step: int | None = None
@@ -217,11 +230,10 @@ class Recorder:
             return self.finished
         self.record.ended = self.clock.mark()
         clock = self.clock
-        if clock.cuda:
-            torch.cuda.synchronize(clock.device)  # every event of the step has completed and can be read
+        clock.synchronize()  # the step's one synchronize (CUDA): every event of the step can now be read
         self.finished = self.record.converted(clock.to_ms, clock.t0)
         if clock.cuda:
-            clock.anchor()  # the device is idle right after the synchronize: anchor the next step here, for free
+            clock.anchor(synchronize=False)  # the device is idle just now: the next step's anchor, for free
             self._anchored = True
         self._open = False
         return self.finished
@@ -238,12 +250,9 @@ class Recorder:
 
         def on_done(_future: Any, c: Collective = collective) -> None:
             if c.completed is None:  # never overwrite a real completion
-                if device_completion:
-                    event = torch.cuda.Event(enable_timing=True)
-                    event.record()  # on the callback's current stream, which waits for the collective's kernel
-                    c.completed = event
-                else:
-                    c.completed = time.perf_counter()
+                # NCCL: an event on the callback's current stream, which waits for the collective's kernel.
+                # gloo (CPU or CUDA tensors): the host clock, now that the data has arrived.
+                c.completed = clock.mark() if device_completion else clock.host_time()
 
         try:
             work.get_future().then(on_done)

@@ -41,6 +41,9 @@ TRACE_SUFFIX = ".pt.trace.json"
 PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")
 """Profiler events that are communication: gloo's per-collective ranges on its worker threads, NCCL kernels
 (HTA's ``^nccl.*Kernel``)."""
+GPU_KERNEL_CATEGORY = "kernel"
+"""``cat`` of the GPU kernels kineto records (CUDA activity); memory copies and sets are ``gpu_memcpy`` and
+``gpu_memset``, which HTA counts as neither computation nor communication."""
 
 
 @dataclass
@@ -157,6 +160,8 @@ class RankTrace:
     """The communication track (SyncRecord: launch -> completion); empty for strategies without a SyncRecord."""
     profiler_comm: list[CommEvent]
     """What the profiler itself recorded as communication: gloo's ranges on its threads, NCCL kernels."""
+    gpu_compute: list[Interval] = field(default_factory=list)
+    """GPU kernels that are not communication (CUDA traces only; HTA's computation kernels), merged."""
 
     def comm(self, source: str = "auto") -> list[CommEvent]:
         """Collectives from ``record`` (SyncRecord), ``profiler`` (gloo threads / NCCL kernels), or ``auto``."""
@@ -167,7 +172,15 @@ class RankTrace:
         return self.profiler_comm
 
     def compute(self) -> list[Interval]:
-        """Forward, backward and optimizer time, minus the time the thread spent inside collective calls."""
+        """When the rank computed.
+
+        On CUDA (the trace has GPU kernels): the non-communication kernels, as HTA does. The host ranges only say
+        when the kernels were *queued* (the host runs ahead of the GPU), while communication is in GPU time.
+        On CPU: forward, backward and optimizer time on the training thread, minus its time inside collective
+        calls.
+        """
+        if self.gpu_compute:
+            return self.gpu_compute
         busy = [i for name in ranges.COMPUTE_RANGES for i in self.ranges.get(name, [])]
         calls = [i for name in ranges.COMM_CALL_RANGES for i in self.ranges.get(name, [])]
         return subtract(busy, calls)
@@ -213,14 +226,17 @@ def load_rank_trace(path: str | Path) -> RankTrace:
         elif name.startswith(ranges.STEP + "#"):
             steps.append((int(name.rsplit("#", 1)[1]), interval))
     steps.sort(key=lambda s: s[1][0])
-    record_comm, profiler_comm = [], []
+    record_comm, profiler_comm, gpu_compute = [], [], []
     for e in events:
         start = float(e["ts"])
         end = start + float(e.get("dur", 0.0))
+        communication = PROFILER_COMM_RE.match(str(e.get("name", "")))
         if e.get("cat") == ranges.COMM_CATEGORY:
             record_comm.append(CommEvent(start, end, e["name"], e.get("args", {}).get("label", "")))
-        elif PROFILER_COMM_RE.match(str(e.get("name", ""))) and not (e.get("pid") == pid and e.get("tid") == tid):
+        elif communication and not (e.get("pid") == pid and e.get("tid") == tid):
             profiler_comm.append(CommEvent(start, end, e["name"]))
+        elif e.get("cat") == GPU_KERNEL_CATEGORY:
+            gpu_compute.append((start, end))
     rank = meta.get("rank", trace.get("distributedInfo", {}).get("rank", 0))
     return RankTrace(
         path=path,
@@ -230,6 +246,7 @@ def load_rank_trace(path: str | Path) -> RankTrace:
         ranges={name: sorted(v) for name, v in own.items()},
         record_comm=sorted(record_comm, key=lambda c: c.start),
         profiler_comm=sorted(profiler_comm, key=lambda c: c.start),
+        gpu_compute=merge(gpu_compute),
     )
 
 

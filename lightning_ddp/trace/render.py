@@ -1,4 +1,6 @@
-"""Draw runs as timelines: per rank a compute row and a communication row, runs stacked on one time axis.
+"""Draw runs as timelines: per rank a compute row (the training thread's ranges), on CUDA a GPU row (the
+non-communication kernels, what the overlap counts as compute there), and a communication row; runs stacked on
+one time axis.
 
 Each run gets its own panel; its title carries the run's overlap (``lightning_ddp.trace.overlap``). The time
 axis is milliseconds from the run's first recorded step start (earliest over its ranks), so panels stacked
@@ -23,6 +25,7 @@ COLORS = {
     "calls": "#5A1A1A",
     "comm": "#C44E52",
     "hidden": "#2F2F2F",
+    "gpu": "#8172B3",
 }
 LEGEND = {
     ranges.FORWARD: "forward",
@@ -32,6 +35,7 @@ LEGEND = {
     "calls": "inside a collective call (launch / wait)",
     "comm": "collective in flight (launch -> completion)",
     "hidden": "communication hidden behind compute",
+    "gpu": "GPU kernels (not communication)",
 }
 MAX_COMM_LANES = 4
 """Concurrent collectives are stacked in up to this many sub-lanes of the communication row."""
@@ -39,7 +43,7 @@ MAX_COMM_LANES = 4
 
 @dataclass
 class Row:
-    """One drawn row: which run and rank, ``compute`` or ``comm``, and how many bars it holds."""
+    """One drawn row: which run and rank, ``compute``, ``gpu`` or ``comm``, and how many bars it holds."""
 
     run: str
     rank: int
@@ -89,9 +93,12 @@ def render_timeline(
 
     if not runs:
         raise ValueError("render_timeline needs at least one run")
+    gpu_rows = any(rank.gpu_compute for run in runs for rank in run.ranks)
+    per_rank = 3.6 if gpu_rows else 2.4  # row units per rank: compute (+ gpu) + comm
     heights = [len(run.ranks) for run in runs]
     fig, axes = plt.subplots(
-        len(runs), 1, sharex=True, squeeze=False, figsize=(14, 1.1 + sum(0.25 + 1.05 * h for h in heights)),
+        len(runs), 1, sharex=True, squeeze=False,
+        figsize=(14, 1.1 + sum(0.25 + 1.05 * per_rank / 2.4 * h for h in heights)),
         gridspec_kw={"height_ratios": heights},
     )
     rows: list[Row] = []
@@ -107,8 +114,8 @@ def render_timeline(
             lo, hi = windows[rank.rank]
             x_max = max(x_max, (hi - t0) / 1e3)
             ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
-            base = 2.4 * (len(run.ranks) - 1 - index)  # rank 0 on top
-            compute_y, comm_y = base + 1.2, base
+            base = per_rank * (len(run.ranks) - 1 - index)  # rank 0 on top
+            compute_y, gpu_y, comm_y = base + per_rank - 1.2, base + 1.2, base
             # compute row: the training thread's ranges, coloured by kind
             bars = 0
             for name in (ranges.FORWARD, ranges.BACKWARD, ranges.OPTIMIZER, ranges.GRAD_SYNC):
@@ -119,6 +126,10 @@ def render_timeline(
             calls = clip([i for name in (ranges.COMM_LAUNCH, ranges.COMM_WAIT) for i in rank.ranges.get(name, [])], lo, hi)
             ax.broken_barh(ms(calls), (compute_y, 0.2), facecolors=COLORS["calls"], edgecolor="none")
             rows.append(Row(label, rank.rank, "compute", bars))
+            if gpu_rows:  # the GPU's own view: what overlap counts as compute on CUDA
+                kernels = clip(rank.gpu_compute, lo, hi)
+                ax.broken_barh(ms(kernels), (gpu_y, 1.0), facecolors=COLORS["gpu"], edgecolor="none")
+                rows.append(Row(label, rank.rank, "gpu", len(kernels)))
             # communication row: each collective from launch to completion, concurrent ones in sub-lanes
             comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(comm_source) if c.end > lo and c.start < hi]
             lanes = assign_lanes(comm)
@@ -133,15 +144,17 @@ def render_timeline(
             rows.append(Row(label, rank.rank, "comm", len(comm)))
             overlap = rank.overlap(comm_source, (lo, hi))
             total = total + overlap
-            yticks += [compute_y + 0.5, comm_y + 0.5]
+            yticks += [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if gpu_rows else [])
             ylabels += [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
+            ylabels += [f"rank {rank.rank} GPU"] if gpu_rows else []
             if index == 0:  # step boundaries, from the top rank
                 for step, (start, _) in rank.steps[:steps]:
                     ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
-                    ax.text((start - t0) / 1e3, 2.4 * len(run.ranks) - 0.15, f" step {step}", fontsize=7, va="bottom")
+                    ax.text((start - t0) / 1e3, per_rank * len(run.ranks) - 0.15, f" step {step}", fontsize=7,
+                            va="bottom")
         overlaps[label] = total
         ax.set_yticks(yticks, ylabels, fontsize=8)
-        ax.set_ylim(-0.2, 2.4 * len(run.ranks) + 0.25)
+        ax.set_ylim(-0.2, per_rank * len(run.ranks) + 0.25)
         ax.grid(axis="x", linewidth=0.4, alpha=0.5)
         ax.set_title(
             f"{label}: overlap {total.fraction:.1%}  ({total.overlapped / 1e3:.1f} of {total.comm / 1e3:.1f} ms "
@@ -150,7 +163,7 @@ def render_timeline(
         )
     axes[-1, 0].set_xlim(0, x_max * 1.01)
     axes[-1, 0].set_xlabel("time since the run's first recorded step (ms)")
-    handles = [Patch(facecolor=COLORS[key], label=LEGEND[key]) for key in LEGEND]
+    handles = [Patch(facecolor=COLORS[key], label=LEGEND[key]) for key in LEGEND if key != "gpu" or gpu_rows]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle(title or "Compute vs gradient communication (overlap = time computing while communicating / "
                           "communication time, as in HTA)", fontsize=11)

@@ -1,0 +1,328 @@
+"""The CUDA/NCCL accounting paths, checked on CPU: fake clocks and events stand in for the GPU, a fake ``Work``
+for NCCL's future, a fake all-reduce for the other rank. The GPU itself runs these paths in the ``cuda`` tests.
+
+- a collective's completion: NCCL's future callback records an event (on the callback's stream, which waits for
+  the kernel); gloo's reads the host clock; a recorded completion is never replaced by the end of a wait;
+- one synchronize per measured step, and the next step anchored on it for free;
+- the division by the world size happens before launch (pre-scaling), in every engine;
+- the bucketed engine reads the gradient-presence flags last;
+- every copy and scaling of gradients is a ``pack`` span, wherever it runs;
+- ZeRO-1's reduce-scatter schedule refuses fp16's GradScaler (it would hang), the RoPE angles stay fp32 under a
+  bf16 cast, and GPU traces take compute from kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ddp.sync import ALGORITHMS, Collective, Recorder, get_algorithm
+from lightning_ddp.sync import comm as comm_module
+from lightning_ddp.sync.record import StepClock
+
+# ---- fakes --------------------------------------------------------------------------------------------------
+
+
+class FakeEvent:
+    """A CUDA event: the fake device time at which it was recorded."""
+
+    def __init__(self, t_ms: float) -> None:
+        self.t_ms = t_ms
+
+
+class FakeCudaClock(StepClock):
+    """A StepClock on a pretend GPU: ``mark()`` is an event at the fake device time, host time runs alongside."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.cuda = True
+        self.now_ms = 0.0  # the fake device clock, moved by the test
+        self.synchronizes = 0
+
+    def synchronize(self) -> None:
+        self.synchronizes += 1
+
+    def anchor(self, synchronize: bool = True) -> None:
+        if synchronize:
+            self.synchronize()
+        self.e0 = FakeEvent(self.now_ms)
+        self.t0 = 1000.0 + self.now_ms / 1e3  # the host clock reads 1000 s at device time 0
+
+    def mark(self) -> FakeEvent:
+        return FakeEvent(self.now_ms)
+
+    def host_time(self) -> float:
+        return 1000.0 + self.now_ms / 1e3
+
+    def to_ms(self, mark) -> float:
+        if isinstance(mark, float):
+            return (mark - self.t0) * 1e3
+        return mark.t_ms - self.e0.t_ms
+
+
+class FakeFuture:
+    def __init__(self) -> None:
+        self.callbacks = []
+
+    def then(self, callback):
+        self.callbacks.append(callback)
+
+    def complete(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+class FakeWork:
+    def __init__(self) -> None:
+        self.future = FakeFuture()
+
+    def get_future(self) -> FakeFuture:
+        return self.future
+
+    def wait(self) -> bool:
+        return True
+
+
+# ---- completion and the step's synchronize ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device_completion", [True, False], ids=["nccl", "gloo"])
+def test_completion_comes_from_the_future_callback_and_is_never_replaced(device_completion: bool) -> None:
+    clock = FakeCudaClock()
+    recorder = Recorder(clock=clock)
+    recorder.open_step(0)
+    clock.now_ms = 10.0
+    collective = Collective("all_reduce", "bucket 0", 4096, recorder.mark())
+    work = FakeWork()
+    recorder.add(collective, work, device_completion=device_completion)
+    assert collective.completed is None  # NCCL: the kernel has not finished; gloo: the data has not arrived
+    clock.now_ms = 14.0
+    work.future.complete()  # NCCL runs it on a stream that waits for the kernel; gloo when the data is there
+    if device_completion:
+        assert isinstance(collective.completed, FakeEvent) and collective.completed.t_ms == 14.0
+    else:
+        assert collective.completed == pytest.approx(1000.014)  # host time: gloo with CUDA tensors keeps it
+    clock.now_ms = 30.0
+    work.future.complete()  # a late second callback does not move it
+    collective.wait = (FakeEvent(25.0), FakeEvent(30.0))  # waited for much later ...
+    finished = recorder.finish_step()
+    (c,) = finished.collectives
+    # ... but busy ends at the real completion (14 ms), not at the end of the wait (30 ms)
+    assert (c.launched, c.completed) == (pytest.approx(10.0), pytest.approx(14.0))
+    assert c.wait == (pytest.approx(25.0), pytest.approx(30.0))
+
+
+def test_a_collective_without_a_completion_falls_back_to_the_end_of_its_wait() -> None:
+    clock = FakeCudaClock()
+    recorder = Recorder(clock=clock)
+    recorder.open_step(0)
+    collective = Collective("all_reduce", "x", 4, FakeEvent(5.0), wait=(FakeEvent(6.0), FakeEvent(9.0)))
+    recorder.record.collectives.append(collective)
+    assert recorder.finish_step().collectives[0].completed == pytest.approx(9.0)
+
+
+def test_the_communicator_asks_for_device_completion_on_nccl_only(monkeypatch) -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = comm_module.Communicator()
+        comm.recorder = recorder = Recorder(clock=FakeCudaClock())
+        works = []
+        monkeypatch.setattr(comm_module.dist, "all_reduce", lambda *a, **k: works.append(FakeWork()) or works[-1])
+        recorder.open_step(0)
+        for backend in ("nccl", "gloo"):
+            comm.backend = backend
+            pending = comm.all_reduce(torch.zeros(4), backend)
+            works[-1].future.complete()
+            expected = FakeEvent if backend == "nccl" else float
+            assert isinstance(pending.collective.completed, expected), backend
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_synchronize_per_measured_step_and_the_next_anchor_for_free() -> None:
+    clock = FakeCudaClock()
+    recorder = Recorder(clock=clock)
+    recorder.open_step(0)  # the first step has no anchor yet: one synchronize to take it
+    assert clock.synchronizes == 1
+    for step in range(1, 4):
+        clock.now_ms += 50.0
+        recorder.finish_step()  # the step's synchronize ...
+        recorder.open_step(step)  # ... anchors the next step: no second drain
+        assert clock.synchronizes == 1 + step
+    finished = recorder.finish_step()
+    assert clock.synchronizes == 5  # 4 steps, 1 initial anchor + 1 per finished step
+    assert finished.step_ms == pytest.approx(0.0)
+
+
+# ---- the engines: pre-scaling, presence flags last, pack spans ---------------------------------------------
+
+
+class _Small(nn.Module):
+    def __init__(self, unused: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 7)
+        self.fc2 = nn.Linear(7, 3)
+        if unused:
+            self.unused = nn.Linear(3, 3)  # never called: its .grad must stay None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, algorithm: str) -> None:
+    # Pretend to be 2 ranks whose other rank holds the same gradients: the fake all-reduce records what it was
+    # given and doubles it in place (the SUM over 2 equal contributions). Pre-scaled, every tensor sent holds
+    # g / 2 and the result is g; divided after the wait it would send g, and get 2g divided to g only later.
+    sent: list[torch.Tensor] = []
+
+    def fake_all_reduce(tensor, op=None, group=None, async_op=False):
+        sent.append(tensor.detach().clone())
+        tensor.mul_(2)
+        return FakeWork()
+
+    torch.manual_seed(0)
+    model = _Small()
+    reference = copy.deepcopy(model)
+    engine = get_algorithm(algorithm).make_engine(model)
+    engine.world_size = engine.comm.world_size = 2
+    monkeypatch.setattr(comm_module.dist, "all_reduce", fake_all_reduce)
+    x = torch.randn(4, 5)
+    engine.on_train_batch_start()
+    engine(x).sum().backward()
+    engine.finish_gradient_synchronization()
+    reference(x).sum().backward()
+    local = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    for name, param in model.named_parameters():
+        if name.startswith("unused"):
+            assert param.grad is None, name  # no rank had one: presence flags (also pretend-summed) say so
+        else:
+            torch.testing.assert_close(param.grad, local[name], msg=lambda m: f"{name}: {m}")
+    sent_gradients = torch.cat([t.reshape(-1).float() for t in sent if t.dtype != torch.int32])
+    expected_halves = torch.cat([g.reshape(-1) / 2 for g in local.values()])
+    # every non-zero value sent is half of a local gradient value (zeros stand in for the unused layer)
+    assert set(sent_gradients[sent_gradients != 0].tolist()) <= set(expected_halves.tolist())
+
+
+def test_bucketed_reads_the_presence_flags_after_every_bucket(world_of_one) -> None:
+    model = _Small()
+    engine = get_algorithm("bucketed").make_engine(model, bucket_size_mb=100 / 2**20)  # several buckets
+    engine.recorder = recorder = Recorder()
+    recorder.open_step(0)
+    engine.on_train_batch_start()
+    engine(torch.randn(4, 5)).sum().backward()
+    engine.finish_gradient_synchronization()
+    record = recorder.finish_step()
+    *buckets, flags = record.collectives
+    assert flags.label == "gradient presence flags" and len(buckets) == len(engine.buckets) > 2
+    # issued after every bucket, waited for after every bucket's wait ended: it never holds up an unpack
+    assert all(flags.launched >= c.launched and flags.wait[0] >= c.wait[1] for c in buckets)
+    assert model.unused.weight.grad is None  # unpacked (as zeros) first, then reset from the flags
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_every_copy_and_scaling_of_gradients_is_a_pack_span(world_of_one, algorithm: str) -> None:
+    # No unused layer here: it would sit in the first bucket of the reverse walk and, never ready, hold every
+    # bucket back until the synchronisation (buckets launch strictly in order).
+    model = _Small(unused=False)
+    engine = get_algorithm(algorithm).make_engine(model, bucket_size_mb=100 / 2**20
+                                                  if get_algorithm(algorithm).has_bucket_size else "default")
+    engine.recorder = recorder = Recorder()
+    recorder.open_step(0)
+    engine.on_train_batch_start()
+    engine(torch.randn(4, 5)).sum().backward()
+    engine.finish_gradient_synchronization()
+    record = recorder.finish_step()
+    ((sync_start, sync_end),) = record.exposed
+    inside = [span for span in record.pack if sync_start <= span[0] and span[1] <= sync_end]
+    before = [span for span in record.pack if span[1] <= sync_start]
+    assert record.pack, algorithm
+    if get_algorithm(algorithm).overlaps_backward:
+        assert before, "the pre-scaling of buckets launched from the hooks is a pack span during backward"
+    else:
+        assert inside and not before, "naive and flat copy and scale inside the synchronisation"
+
+
+# ---- ZeRO-1 and fp16, RoPE under bf16-true ---------------------------------------------------------------------
+
+
+def test_zero1_reduce_scatter_refuses_fp16_and_clipping_with_the_fix() -> None:
+    from lightning_ddp.strategies.zero1 import check_supported
+
+    with pytest.raises(ValueError, match="bf16-mixed.*allreduce_broadcast"):
+        check_supported("reduce_scatter", "16-mixed", None)
+    with pytest.raises(ValueError, match="clipping"):
+        check_supported("reduce_scatter", "32-true", 1.0)
+    check_supported("allreduce_broadcast", "16-mixed", 1.0)  # gradients averaged in backward: same inf everywhere
+    check_supported("reduce_scatter", "bf16-mixed", None)
+
+
+def test_a_bf16_cast_keeps_the_rope_angles_in_fp32() -> None:
+    from lightning_ddp.model import GPT, get_config
+
+    model = GPT(get_config("tiny", context_length=256))
+    exact = model.rope_cos.clone(), model.rope_sin.clone()
+    model.to(torch.bfloat16)  # what bf16-true does to the whole module
+    assert model.tok_emb.weight.dtype == torch.bfloat16
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert torch.equal(model.rope_cos, exact[0]) and torch.equal(model.rope_sin, exact[1])
+    # the rounding it avoids: bf16 keeps 8 mantissa bits, ~0.4 % of a cos/sin value near 1
+    rounded = exact[1].to(torch.bfloat16).float()
+    assert (rounded - exact[1]).abs().max() > 1e-3
+
+
+# ---- GPU traces: compute from kernels ---------------------------------------------------------------------------
+
+
+def test_on_cuda_traces_the_compute_is_the_non_communication_kernels(tmp_path: Path) -> None:
+    from lightning_ddp.sync import ranges
+    from lightning_ddp.trace.chrome import RunTraces, load_rank_trace
+    from lightning_ddp.trace.render import render_timeline
+
+    pid, tid = 100, 7
+    host = lambda name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    kernel = lambda name, ts, dur: {"ph": "X", "pid": 0, "tid": 20, "cat": "kernel", "name": name, "ts": ts,  # noqa: E731
+                                    "dur": dur}
+    events = [
+        host(ranges.step_range_name(3), 0, 1000),
+        host(ranges.BACKWARD, 0, 200),  # the host queued the whole backward in 200 us ...
+        kernel("sm90_gemm_bf16", 100, 300), kernel("elementwise_kernel", 400, 300),  # ... the GPU ran it 100-700
+        kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 500, 400),  # communication, not compute
+        {"ph": "X", "pid": 0, "tid": 21, "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 800, "dur": 50},
+        {"ph": "X", "pid": pid, "tid": 2**30, "cat": ranges.COMM_CATEGORY, "name": "all_reduce", "ts": 500,
+         "dur": 400, "args": {"label": "bucket 0"}},
+    ]
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events, ranges.METADATA_KEY: {"rank": 0, "pid": pid, "tid": tid}}))
+    trace = load_rank_trace(path)
+    assert trace.gpu_compute == [(100.0, 700.0)]  # the two kernels, merged; NCCL and memcpy left out
+    assert trace.compute() == [(100.0, 700.0)]
+    # comm [500, 900] overlaps GPU compute [100, 700] for 200 of 400 us. With the host ranges (0-200) it would
+    # have been 0 %: the host had long finished queueing when the kernels ran.
+    assert trace.overlap("record").fraction == pytest.approx(0.5)
+    timeline = render_timeline([RunTraces("gpu", [trace])], tmp_path / "t.png")
+    assert [(row.kind, row.bars) for row in timeline.rows] == [("compute", 1), ("gpu", 1), ("comm", 1)]
+
+
+def test_chained_fakes_are_consistent() -> None:
+    # The fake clock converts host times and events onto one axis, as StepClock does on a GPU.
+    clock = FakeCudaClock()
+    clock.now_ms = 3.0
+    clock.anchor()
+    clock.now_ms = 7.5
+    assert clock.to_ms(clock.mark()) == pytest.approx(4.5)
+    assert clock.to_ms(clock.host_time()) == pytest.approx(4.5)
+    assert clock.synchronizes == 1
