@@ -15,8 +15,6 @@ helper                                  what it hides
 ``compute_dtype``                       ``lightning.pytorch.callbacks.throughput_monitor._plugin_to_compute_dtype``
 ``launched_processes``                  ``strategy._launcher.procs`` (the sibling ranks Lightning's launcher started)
 ``repoint_scheduler``                   ``LRScheduler``'s private ``_opt_called`` / ``_wrapped_by_lr_sched`` protocol
-``ddp_logging_data``                    ``DistributedDataParallel._get_ddp_logging_data()`` (torch DDP's own stats)
-``sample_ddp_logging_every_step``       ``DistributedDataParallel._set_ddp_runtime_logging_sample_rate(1)``
 ======================================  =====================================================================
 """
 
@@ -33,13 +31,11 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_tensor",
     "compute_dtype",
-    "ddp_logging_data",
     "is_mock_optimizer",
     "launched_processes",
     "profiler_enabled",
     "reduce_scatter_tensor",
     "repoint_scheduler",
-    "sample_ddp_logging_every_step",
     "should_accumulate",
 ]
 
@@ -55,16 +51,6 @@ def profiler_enabled() -> bool:
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older versions lack the new ones.
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def ddp_logging_data(model: torch.nn.parallel.DistributedDataParallel) -> dict[str, Any]:
-    """torch DDP's statistics of its most recently sampled iteration (``backward_comm_time`` etc., in ns)."""
-    return dict(model._get_ddp_logging_data())
-
-
-def sample_ddp_logging_every_step(model: torch.nn.parallel.DistributedDataParallel) -> None:
-    """Make torch DDP sample its runtime statistics every iteration (its default is every 100th)."""
-    model._set_ddp_runtime_logging_sample_rate(1)
 
 
 # ---- Lightning (imported inside each helper) --------------------------------------------------------------

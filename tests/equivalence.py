@@ -211,6 +211,7 @@ class Case:
     steps: int = 3
     micro_batches: int = 1  # > 1: all but the last micro-batch run under no_sync()
     bf16: bool = False  # forward under torch.autocast("cpu", dtype=torch.bfloat16)
+    set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...): False keeps .grad (an engine's view) alive
 
 
 CASES = {
@@ -222,6 +223,8 @@ CASES = {
     "accumulation": Case(TinyLM, _token_batch, _lm_loss, micro_batches=2),
     "bf16": Case(TinyLM, _token_batch, _lm_loss, bf16=True),
     "mixed_dtype": Case(MixedDtypeMLP, _feature_batch, _mse_loss),
+    # gradients zeroed in place: backward accumulates straight into the engine's bucket views (nothing to copy)
+    "grads_kept": Case(TinyLM, _token_batch, _lm_loss, set_to_none=False),
 }
 
 
@@ -294,7 +297,7 @@ def _train_ddp(rank: int, engine: str, case: Case) -> dict:
             )
         )
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=case.set_to_none)
     return dict(
         before_wrap=before_wrap,
         after_wrap=after_wrap,
@@ -320,7 +323,7 @@ def _train_reference(case: Case) -> dict:
         grad_none.append(_grad_none(model))
         grads.append(_grads(model))
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=case.set_to_none)
     return dict(final=_state(model), grad_none=grad_none, grads=grads)
 
 

@@ -206,11 +206,16 @@ def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, a
     engine.finish_gradient_synchronization()
     reference(x).sum().backward()
     local = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    if not get_algorithm(algorithm).exact:  # compressed: what went over the wire is the bf16-rounded gradient
+        local = {n: g.to(torch.bfloat16).float() for n, g in local.items()}
     for name, param in model.named_parameters():
         if name.startswith("unused"):
             assert param.grad is None, name  # no rank had one: presence flags (also pretend-summed) say so
         else:
             torch.testing.assert_close(param.grad, local[name], msg=lambda m: f"{name}: {m}")
+    if hasattr(engine, "buckets"):  # the last bucket's sentinel, 1 (this rank misses the unused layer) pre-scaled
+        assert sent[-2][-1].item() == 0.5 and sent[-1].dtype == torch.int32  # ... so the presence flags follow it
+        sent[-2] = sent[-2][:-1]
     sent_gradients = torch.cat([t.reshape(-1).float() for t in sent if t.dtype != torch.int32])
     expected_halves = torch.cat([g.reshape(-1) / 2 for g in local.values()])
     # every non-zero value sent is half of a local gradient value (zeros stand in for the unused layer)
@@ -326,3 +331,20 @@ def test_chained_fakes_are_consistent() -> None:
     assert clock.to_ms(clock.mark()) == pytest.approx(4.5)
     assert clock.to_ms(clock.host_time()) == pytest.approx(4.5)
     assert clock.synchronizes == 1
+
+
+def test_gradients_are_views_into_the_buckets_and_accumulate_there(world_of_one) -> None:
+    model = _Small(unused=False)
+    engine = get_algorithm("bucketed").make_engine(model, bucket_size_mb=None)  # one bucket holding everything
+    (bucket,) = engine._buckets
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        engine.on_train_batch_start()
+        engine(torch.randn(4, 5)).sum().backward()
+        if step > 0:  # zeroed in place last step: backward accumulated straight into the bucket
+            assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(bucket.params, bucket.views))
+        engine.finish_gradient_synchronization()
+        # after the sync every .grad is its slice of the bucket: nothing was copied back
+        assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(bucket.params, bucket.views))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)

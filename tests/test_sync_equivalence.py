@@ -92,14 +92,20 @@ def _expected_data_traffic(engine: str, run: dict, step: dict) -> tuple[int, int
     naive:  one call per tensor that has a gradient on some rank; bytes = those tensors' bytes.
     flat:   one call per dtype among those tensors; same bytes.
     overlap, bucketed: every bucket is launched every step (zeros stand in for a missing gradient, since the
-            launch order is fixed before anyone knows who has what); bytes = all trainable tensors.
+            launch order is fixed before anyone knows who has what); bytes = all trainable tensors, plus the
+            last bucket's one-element missing-gradient sentinel (4 B: every TinyLM's last bucket is float32).
     """
     synced = [(n, b, d) for n, b, d in run["trainable"] if n not in step["grad_none"]]
     if engine == "naive":
         return len(synced), sum(b for _, b, _ in synced)
     if engine == "flat":
         return len({d for _, _, d in synced}), sum(b for _, b, _ in synced)
-    return len(run["buckets"]), sum(b for _, b, _ in run["trainable"])
+    return len(run["buckets"]), sum(b for _, b, _ in run["trainable"]) + 4
+
+
+def _missing_on_some_rank(runs: list[dict], step: int) -> bool:
+    """Whether some rank had no gradient for some trainable parameter before synchronising ``step``."""
+    return any(set(r["steps"][step]["grad_none_before_sync"]) & {n for n, _, _ in r["trainable"]} for r in runs)
 
 
 BUILT_IN_JOBS = [(engine, case) for engine, case in JOBS if engine in BUILT_IN]
@@ -107,12 +113,18 @@ BUILT_IN_JOBS = [(engine, case) for engine, case in JOBS if engine in BUILT_IN]
 
 @pytest.mark.parametrize("engine, case", BUILT_IN_JOBS, ids=[f"{e}-{c}" for e, c in BUILT_IN_JOBS])
 def test_built_in_engines_move_the_expected_calls_and_bytes(ranks, engine, case):
-    for run in _runs(ranks, engine, case):
-        for step in run["steps"]:
+    runs = _runs(ranks, engine, case)
+    for run in runs:
+        for number, step in enumerate(run["steps"]):
             collectives = step["collectives"]
             flags = [c for c in collectives if c.label == FLAGS]
-            # One presence-flag all-reduce per step: one int32 per trainable tensor.
-            assert len(flags) == 1 and flags[0].nbytes == 4 * len(run["trainable"])
+            # The presence flags (one int32 per trainable tensor): naive and flat every step; the bucketed engines
+            # only in a step where some rank had a missing gradient (their sentinel said so), then last.
+            expected = engine in ("naive", "flat") or _missing_on_some_rank(runs, number)
+            assert len(flags) == int(expected), (number, [c.label for c in collectives])
+            assert all(c.nbytes == 4 * len(run["trainable"]) for c in flags)
+            if flags and engine not in ("naive", "flat"):
+                assert collectives[-1] is flags[0]
             calls, nbytes = _expected_data_traffic(engine, run, step)
             assert len(_data(collectives)) == calls
             assert sum(c.nbytes for c in _data(collectives)) == nbytes
@@ -125,17 +137,18 @@ def test_built_in_engines_move_the_expected_calls_and_bytes(ranks, engine, case)
 # ---- case-specific checks ------------------------------------------------------------------------
 
 # Tied TinyLM: head.weight *is* embed.weight, so parameters() lists 8 tensors (2788 B) and the flags
-# all-reduce carries 8 int32 = 32 B. Every step, every engine moves 2788 + 32 = 2820 B:
+# all-reduce carries 8 int32 = 32 B. Every step naive and flat move 2788 + 32 = 2820 B; overlap and bucketed
+# 2788 + the 4 B sentinel = 2792 B, and no flags (nothing is missing):
 #   naive:    8 tensors + 1 flags                                                   = 9 calls
 #   flat:     1 float32 buffer + 1 flags                                            = 2 calls
-#   overlap:  8 one-tensor buckets + 1 flags                                        = 9 calls
+#   overlap:  8 one-tensor buckets                                                  = 8 calls
 #   bucketed (1088 B cap), reverse walk over [scale, embed, norm.w, norm.b, fc1.w, fc1.b, fc2.w, fc2.b]:
 #             [fc2.b 32, fc2.w 1024] = 1056 B (+fc1.b would be 1184) | [fc1.b 128] (+fc1.w 1152) |
 #             [fc1.w 1024, norm.b 32, norm.w 32] = 1088 B (exactly the cap) | [embed 512, scale 4]
-#             : 4 buckets + 1 flags                                                 = 5 calls
+#             : 4 buckets                                                           = 4 calls
 # Were the tied tensor sent twice, each count would grow by one (flat: bytes by 512).
-TIED_CALLS = {"naive": 9, "flat": 2, "overlap": 9, "bucketed": 5}
-TIED_BYTES = 2820
+TIED_CALLS = {"naive": 9, "flat": 2, "overlap": 8, "bucketed": 4}
+TIED_BYTES = {"naive": 2820, "flat": 2820, "overlap": 2792, "bucketed": 2792}
 
 
 @pytest.mark.parametrize("engine", BUILT_IN)
@@ -146,7 +159,7 @@ def test_tied_weight_communicated_once(ranks, engine):
         for step in run["steps"]:
             collectives = step["collectives"]
             assert len(collectives) == TIED_CALLS[engine]
-            assert sum(c.nbytes for c in collectives) == TIED_BYTES
+            assert sum(c.nbytes for c in collectives) == TIED_BYTES[engine]
             labels = [c.label for c in collectives]
             assert "head.weight" not in labels
             if engine in ("naive", "overlap"):  # labelled per tensor: the tied one appears exactly once
@@ -163,7 +176,8 @@ def test_frozen_parameters_never_communicated_and_unchanged(ranks, engine):
     for run in _runs(ranks, engine, "frozen"):
         assert not any(n in FROZEN for n, _, _ in run["trainable"])
         for step in run["steps"]:
-            assert sum(c.nbytes for c in _data(step["collectives"])) == 2724
+            sentinel = 0 if engine in ("naive", "flat") else 4  # the bucketed engines' last bucket has one more float
+            assert sum(c.nbytes for c in _data(step["collectives"])) == 2724 + sentinel
             assert not any(name in c.label for c in step["collectives"] for name in FROZEN)
             assert all(name in step["grad_none"] for name in FROZEN)
         for name in FROZEN:  # not even weight decay: AdamW skips a parameter whose .grad is None
@@ -172,12 +186,12 @@ def test_frozen_parameters_never_communicated_and_unchanged(ranks, engine):
 
 # TinyLM with `unused` (never called): 11 trainable tensors, 3300 B used + 288 B unused; 44 B of flags.
 #   naive, flat: only the 9 used tensors (3300 B): naive 9 calls, flat 1.
-#   overlap: all 11 one-tensor buckets (3588 B), zeros standing in for `unused`.
+#   overlap: all 11 one-tensor buckets (3588 B + the 4 B sentinel), zeros standing in for `unused`.
 #   bucketed (1088 B cap), reverse: [head, fc2.b] 544 B | [fc2.w, unused.b] 1056 B | [unused.w, fc1.b] 384 B |
 #     [fc1.w, norm.b, norm.w] 1088 B | [embed, scale] 516 B -> 5 buckets (3588 B), so the unused tensors sit in
 #     buckets whose other members did get gradients.
 UNUSED_CALLS = {"naive": 9, "flat": 1, "overlap": 11, "bucketed": 5}
-UNUSED_BYTES = {"naive": 3300, "flat": 3300, "overlap": 3588, "bucketed": 3588}
+UNUSED_BYTES = {"naive": 3300, "flat": 3300, "overlap": 3592, "bucketed": 3592}
 
 
 @pytest.mark.parametrize("engine", BUILT_IN)
@@ -215,11 +229,12 @@ def test_accumulation_communicates_once_per_optimizer_step(ranks, engine):
     for run in _runs(ranks, engine, "accumulation"):
         for step, plain_step in zip(run["steps"], plain["steps"]):
             assert step["collectives_in_no_sync"] == 0  # the no_sync micro-batch communicated nothing
-            # The synced micro-batch moves exactly what one plain step moves (TinyLM: naive 9 + flags = 10).
+            # The synced micro-batch moves exactly what one plain step moves (TinyLM: naive 9 + flags = 10; the
+            # bucketed engines need no flags: nothing is missing).
             assert [(c.label, c.nbytes) for c in step["collectives"]] == [
                 (c.label, c.nbytes) for c in plain_step["collectives"]
             ]
-    assert len(plain["steps"][0]["collectives"]) == {"naive": 10, "flat": 2, "overlap": 10, "bucketed": 6}[engine]
+    assert len(plain["steps"][0]["collectives"]) == {"naive": 10, "flat": 2, "overlap": 9, "bucketed": 5}[engine]
 
 
 # TinyLM bucket assignment (reverse walk over 9 float32 tensors; bytes in the TinyLM docstring):

@@ -13,9 +13,13 @@ What is measured, per optimizer step and per rank:
   in synchronous data parallelism the slowest rank sets the pace, so the callback all-reduces the step time
   with ``MAX``. Reduce it *before* building ``StepTiming`` so that ``comm/share`` and ``step/tokens_per_s``
   describe the same (slowest-rank) step.
-- **Exposed communication**: the critical path's time in gradient synchronisation (the ``exposed`` spans:
-  ``finish_gradient_synchronization``, ZeRO-1's phases inside ``optimizer.step()``), with everything done there:
-  waits, buffer copies, scaling. ``comm/pack_ms`` reports the copies and scaling on their own, wherever they ran.
+- **Exposed communication**, one definition for every strategy, torch DDP included: from the moment the step's
+  last gradient has been computed to the moment the gradients are usable by the optimizer
+  (``on_before_optimizer_step``), plus any communication the optimizer step itself waits on (ZeRO-1's
+  reduce-scatter and all-gather, recorded as ``exposed`` spans). Everything in between counts: waits, buffer
+  copies, scaling, bookkeeping. For our engines that is ``finish_gradient_synchronization`` and what surrounds
+  it; for torch DDP, the reducer's wait for its last buckets and its copy-back at the end of backward.
+  ``comm/pack_ms`` reports the copies and scaling of our engines on their own, wherever they ran.
 - **Busy communication**: the time some collective was in flight, each collective counted from when the
   previous one of its group finished (``busy_intervals``). The part of it outside the exposed spans was hidden
   behind compute: ``comm/overlap``.
@@ -76,7 +80,7 @@ class StepTiming:
     step_ms: float
     """Wall time of the whole optimizer step (all micro-batches, synchronisation, optimizer update)."""
     exposed: list[Interval] = field(default_factory=list)
-    """Intervals inside ``finish_gradient_synchronization`` (the critical path)."""
+    """Critical-path intervals of gradient synchronisation (see the module docstring)."""
     pack: list[Interval] = field(default_factory=list)
     """Intervals copying gradients into or out of communication buffers (inside ``exposed`` when done there)."""
     collectives: list[Collective] = field(default_factory=list)
@@ -95,10 +99,17 @@ class StepTiming:
 
     @classmethod
     def from_record(cls, record: SyncRecord, step_ms: float, tokens: int) -> StepTiming:
-        """From a finished record (``Recorder.finish_step``: marks in ms, completions filled in)."""
+        """From a finished record (``Recorder.finish_step``: marks in ms, completions filled in).
+
+        Exposed: the record's ``exposed`` spans together with ``[last_ready, usable]``, from the last gradient
+        computed to the gradients usable, when both were marked.
+        """
+        exposed = list(record.exposed)
+        if record.last_ready is not None and record.usable is not None and record.usable >= record.last_ready:
+            exposed.append((record.last_ready, record.usable))
         return cls(
             step_ms=step_ms,
-            exposed=list(record.exposed),
+            exposed=exposed,
             pack=list(record.pack),
             collectives=list(record.collectives),
             tokens=tokens,
@@ -195,8 +206,8 @@ def step_metrics(
     | Key                      | Value                                                                      |
     +==========================+============================================================================+
     | step/time_ms             | ``step_ms`` (the callback passes the max over ranks)                       |
-    | comm/exposed_ms          | union(exposed): the critical path's time in gradient synchronisation, with |
-    |                          | everything done there (waits, copies, scaling, bookkeeping)                |
+    | comm/exposed_ms          | union(exposed): from the last gradient computed to the gradients usable,   |
+    |                          | with ZeRO-1's optimizer-step phases; everything done there included        |
     | comm/pack_ms             | union(pack): copying and scaling gradients for communication, wherever it  |
     |                          | ran (inside exposed for naive and flat; in backward's hooks for overlap   |
     |                          | and bucketed, except their unpack)                                         |

@@ -11,20 +11,18 @@ table of every key and its formula). Per optimizer step, once gradient accumulat
    step's end mark and before the next step's start, so it is outside what is measured;
 3. turns the engine's ``SyncRecord`` into metrics and logs them with ``LightningModule.log_dict``.
 
-With Lightning's built-in ``ddp`` (torch ``DistributedDataParallel``) there is no ``SyncRecord``. The callback
-logs ``step/*`` and ``memory/*`` plus torch DDP's own per-iteration statistics (``_get_ddp_logging_data``,
-sampled every iteration), converted to the same keys:
-
-=============================  ==============================================================================
-``ddp/backward_comm_ms``       torch DDP's ``backward_comm_time``: first bucket launch to last completion
-``ddp/comm_overlap_ms``        torch DDP's ``backward_compute_comm_overlap_time``
-``comm/busy_ms``               ``ddp/backward_comm_ms``
-``comm/exposed_ms``            ``backward_comm_time - backward_compute_comm_overlap_time`` (comm not hidden)
-``comm/share``, ``comm/overlap`` as for our engines, from the two above
-=============================  ==============================================================================
+Every strategy is measured the same way, Lightning's built-in ``ddp`` (torch ``DistributedDataParallel``)
+included: its bucket all-reduces are recorded through a DDP communication hook equivalent to torch's default
+(``callbacks.recording``), and ``comm/exposed_ms`` runs from the step's last gradient computed (a tensor hook on
+every trainable parameter) to the gradients usable (``on_before_optimizer_step``) for every strategy; see
+``accounting.py``.
 
 At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the steps after ``warmup_steps``) and
-writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory.
+writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory, with
+``compute_profile.json`` beside them: the median forward, backward and optimizer times and when each
+parameter's gradient became ready (``lightning_ddp.project.profile``; what ``python -m lightning_ddp.project``
+predicts other world sizes from). Forward is the step's start to backward's start, backward runs to the last
+gradient computed, the optimizer from the gradients usable to the step's end.
 """
 
 from __future__ import annotations
@@ -42,14 +40,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ddp import compat
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.recording import recorder_for, release_recorder
-from lightning_ddp.sync.record import Recorder
+from lightning_ddp.project.profile import ComputeProfile, ParamTiming, write_profile
+from lightning_ddp.sync.record import Recorder, SyncRecord
 
 
 class CommTimer(Callback):
@@ -80,7 +78,9 @@ class CommTimer(Callback):
         self.summary_name = summary_name
         self.summary = TimingSummary()
         self._recorder: Recorder | None = None
-        self._ddp: DistributedDataParallel | None = None
+        self._watched: list[tuple[str, torch.Tensor]] = []
+        self._compute: list[dict[str, Any]] = []  # per measured step: forward/backward/optimizer ms, ready ms
+        self._batch_shape: tuple[int, ...] = ()  # (batch, seq_len) of a micro-batch
         self._in_step = False
         self._tokens = 0
         self._flops_per_token: float | None = None
@@ -99,11 +99,12 @@ class CommTimer(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled:
             return
-        model = trainer.strategy.model
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
-        if self._ddp is not None:
-            compat.sample_ddp_logging_every_step(self._ddp)  # torch DDP's stats for every iteration, not every 100th
         self._recorder = recorder_for(trainer)
+        # When each gradient is computed: the landmark that starts exposed communication, for every strategy.
+        seen: set[int] = set()
+        self._watched = [(n, p) for n, p in pl_module.named_parameters()
+                         if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        self._recorder.watch_gradients([p for _, p in self._watched])
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
         self._peak_flops = _job_peak_flops(trainer, self.peak_tflops)
@@ -121,8 +122,19 @@ class CommTimer(Callback):
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         if isinstance(x, torch.Tensor):
             self._tokens += x.numel()
+            self._batch_shape = tuple(x.shape)
             if self._flops_per_token is None and hasattr(pl_module, "flops_per_token"):
                 self._flops_per_token = float(pl_module.flops_per_token(x.shape[-1]))
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.enabled and self._recorder is not None:
+            self._recorder.mark_backward_started()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.enabled and self._recorder is not None:
+            self._recorder.mark_gradients_usable()
 
     @override
     def on_train_batch_end(
@@ -143,10 +155,9 @@ class CommTimer(Callback):
             peak_memory_mib=_peak_memory_mib(self._recorder.clock.cuda),
             peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if self._recorder.clock.cuda else None,
         )
-        if self._ddp is not None:
-            metrics.update(_torch_ddp_metrics(self._ddp, step_ms))
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         self.summary.add(trainer.global_step, metrics)
+        self._compute.append(_compute_landmarks(record))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -170,6 +181,9 @@ class CommTimer(Callback):
         extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb}}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
+        profile = _median_profile(self._compute[self.warmup_steps:], self._watched, trainer, pl_module, self._batch_shape)
+        if profile is not None:
+            write_profile(profile, out_dir / "compute_profile.json")
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:
@@ -214,22 +228,46 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | N
     return job_peak_flops(per_rank)
 
 
-def _torch_ddp_metrics(model: DistributedDataParallel, step_ms: float) -> dict[str, float]:
-    """torch DDP's own statistics of its most recent sampled iteration, in our keys (see the module docstring)."""
-    data = compat.ddp_logging_data(model)
-    if "backward_comm_time" not in data:  # not sampled yet (the first iteration)
-        return {}
-    comm_ms = data["backward_comm_time"] / 1e6
-    overlap_ms = data.get("backward_compute_comm_overlap_time", 0) / 1e6
-    exposed_ms = max(0.0, comm_ms - overlap_ms)
+def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:
+    """One step's compute timeline in ms, from the recorder's marks (``None`` where a mark is missing)."""
+    start, backward, last, usable, end = (record.started, record.backward_started, record.last_ready,
+                                          record.usable, record.ended)
     return {
-        "ddp/backward_comm_ms": comm_ms,
-        "ddp/comm_overlap_ms": overlap_ms,
-        "comm/busy_ms": comm_ms,
-        "comm/exposed_ms": exposed_ms,
-        "comm/share": exposed_ms / step_ms,
-        "comm/overlap": overlap_ms / comm_ms if comm_ms > 0 else 0.0,
+        "forward_ms": backward - start if None not in (backward, start) else None,
+        "backward_ms": last - backward if None not in (last, backward) else None,
+        "optimizer_ms": end - usable if None not in (end, usable) else None,
+        "ready_ms": [r - backward if r is not None and backward is not None else None for r in record.ready],
     }
+
+
+def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.Tensor]], trainer: pl.Trainer,
+                    pl_module: pl.LightningModule, batch_shape: tuple[int, ...]) -> ComputeProfile | None:
+    """The median over ``steps`` of each landmark, as a compute profile (``None`` if a landmark never showed)."""
+    import statistics
+
+    def median(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    times = {key: median([s[key] for s in steps]) for key in ("forward_ms", "backward_ms", "optimizer_ms")}
+    if not steps or None in times.values():
+        return None
+    params = tuple(
+        ParamTiming(name, p.numel(), p.numel() * p.element_size(),
+                    median([s["ready_ms"][i] for s in steps if i < len(s["ready_ms"])]))
+        for i, (name, p) in enumerate(watched)
+    )
+    hparams = pl_module.hparams
+    device = trainer.strategy.root_device
+    return ComputeProfile(
+        forward_ms=max(0.0, times["forward_ms"]), backward_ms=max(0.0, times["backward_ms"]),
+        optimizer_ms=max(0.0, times["optimizer_ms"]), params=params,
+        source=f"CommTimer: median of {len(steps)} steps of {getattr(trainer.strategy, 'strategy_name', '') or type(trainer.strategy).__name__}",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        preset=hparams.get("preset"), batch_size=batch_shape[0] if len(batch_shape) == 2 else None,
+        seq_len=batch_shape[-1] if len(batch_shape) == 2 else None,
+        precision=str(trainer.precision), world_size=trainer.world_size,
+    )
 
 
 def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

@@ -5,31 +5,47 @@ Recipe:
 1. At construction, assign parameters to buckets of at most ``bucket_size_mb`` MiB (2**20 bytes), walking
    ``module.parameters()`` in *reverse*, the order in which backward produces gradients (output layer
    first, embedding last). A parameter larger than the cap gets a bucket of its own; a dtype change starts a
-   new bucket. ``bucket_size_mb=None`` means one unbounded bucket per dtype.
+   new bucket. ``bucket_size_mb=None`` means one unbounded bucket per dtype. Every bucket of several tensors,
+   and the last bucket whatever its size, owns a persistent flat buffer; the last one has one element more,
+   the *missing-gradient sentinel* (step 4).
 2. During backward, a post-accumulate-grad hook marks each parameter ready. Buckets are launched strictly
-   in bucket order: bucket ``i`` is all-reduced (async, SUM) as soon as it and every bucket before it are
-   complete. A multi-parameter bucket is packed into one buffer; a one-parameter bucket is reduced in place.
+   in bucket order: bucket ``i`` is reduced (async) as soon as it and every bucket before it are complete.
+   Launching copies each gradient into its slice of the bucket's buffer, unless ``.grad`` already *is* that
+   slice (step 3); a one-tensor bucket without a buffer is reduced in place in ``.grad``.
 3. ``finish_gradient_synchronization``: launch, in order, the buckets backward did not complete (they hold
-   a parameter with no gradient this step; zeros stand in for it), then the small all-reduce of which
-   parameters have gradients (see ``base``); wait for each bucket's average and unpack it into ``.grad``,
-   every parameter of it; only then read the presence flags (``.tolist()`` blocks the host) and set
-   ``.grad = None`` where no rank had a gradient. The flags are issued last and read last, so they never hold
-   up the unpacking of a bucket that has already arrived.
+   a parameter with no gradient this step; zeros stand in for it), wait for each bucket's average and point
+   every ``.grad`` at its slice of the buffer (gradients as views into the buckets, torch DDP's
+   ``gradient_as_bucket_view``): nothing is copied back. Next step, a gradient accumulated into that view
+   (``zero_grad(set_to_none=False)``) needs no copy at all; one freshly allocated (``set_to_none=True``, torch's
+   default) is copied in once.
+4. Missing gradients cost nothing until they happen: each rank writes 1 into the sentinel if one of its
+   parameters had no gradient this step, else 0. The last bucket only launches after every other bucket (strict
+   order), and a bucket holding a missing gradient only launches in step 3, so the rank knows by then. After the
+   reduction, the sentinel is > 0 exactly when some rank had a missing gradient; only then do the ranks sum "which
+   parameters have a ``.grad`` here" (one small all-reduce, see ``base``) and set ``.grad = None`` where no rank
+   had one. Every rank reads the same sentinel, so they all take the same branch: no hang.
 
 How a bucket is averaged is the engine's ``reduce`` step (``lightning_ddp.sync.reduce``, torch DDP's comm hook in
-our terms): by default a SUM all-reduce in place divided by the world size; another reduce step (e.g. one that
-communicates in bf16) plugs in without touching the bucketing.
+our terms): by default it divides the buffer by the world size and SUM all-reduces it in place; another reduce
+step (e.g. one that communicates in bf16) plugs in without touching the bucketing. The sentinel survives any
+reduce step that keeps 0 at 0 and positive numbers positive.
 
 Why in order: collectives are matched by sequence position across ranks. Launching strictly in bucket order
 makes the sequence identical on every rank even when some rank's gradient for a parameter is missing or late.
 
 Trade-off (the seeds' bucket sweep): small buckets start communicating earlier but pay the per-call latency
 many times; one huge bucket pays it once but cannot start before backward ends.
+
+Measured choices (``python -m lightning_ddp.bench.engine_step``; the numbers are in
+``benchmarks/results/cpu/engine_step.md``): views instead of packing and unpacking every step, and the sentinel
+instead of a presence all-reduce every step. Not done: a smaller first bucket and rebuilding the buckets in the
+order gradients become ready after the first step (torch DDP does both): for this GPT the ready order *is* the
+reverse parameter order except that each block's ``w2`` and ``w3`` swap places, which moves no bucket boundary
+that matters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -38,7 +54,7 @@ from torch import nn
 
 from lightning_ddp.sync.base import DataParallel
 from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
-from lightning_ddp.sync.buffers import launch_presence, packed, read_presence, unpack_gradients
+from lightning_ddp.sync.buffers import agree_on_gradients
 from lightning_ddp.sync.reduce import AllReduceMean, BucketReduce, Reduction
 
 MiB = 2**20
@@ -79,6 +95,26 @@ def assign_buckets(nbytes: list[int], dtypes: list[torch.dtype], cap_bytes: int 
     return buckets
 
 
+class _Bucket:
+    """One bucket: its parameters and, if it has one, its persistent flat buffer and their views into it."""
+
+    __slots__ = ("indices", "params", "label", "buffer", "views")
+
+    def __init__(self, indices: list[int], params: list[torch.Tensor], label: str, buffered: bool, sentinel: bool):
+        self.indices = indices
+        self.params = params
+        self.label = label
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        if buffered:
+            numel = sum(p.numel() for p in params)
+            self.buffer = torch.zeros(numel + int(sentinel), dtype=params[0].dtype, device=params[0].device)
+            offset = 0
+            for param in params:
+                self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
+                offset += param.numel()
+
+
 class BucketedDDP(DataParallel):
     """All-reduce gradient buckets of at most ``bucket_size_mb`` MiB as they fill during backward.
 
@@ -112,18 +148,28 @@ class BucketedDDP(DataParallel):
         cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
         nbytes = [p.numel() * p.element_size() for p in self.params]
         self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
-        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        last = len(self.buckets) - 1
+        self._buckets = [
+            _Bucket(indices, [self.params[i] for i in indices], self._bucket_label(indices, b),
+                    buffered=len(indices) > 1 or b == last, sentinel=b == last)
+            for b, indices in enumerate(self.buckets)
+        ]
+        self._bucket_of = [0] * len(self.params)
+        for b, indices in enumerate(self.buckets):
+            for i in indices:
+                self._bucket_of[i] = b
         self._reset_step()
 
     def _reset_step(self) -> None:
         self._ready = [False] * len(self.params)
-        self._pending = [len(bucket) for bucket in self.buckets]
+        self._pending = [len(indices) for indices in self.buckets]
         self._next_bucket = 0
         self._launched: list[Reduction] = []
+        self._has_grad = [True] * len(self.params)  # locally, at its bucket's launch
+        self._missing = False  # some local parameter had no gradient this step
 
-    def _bucket_label(self, b: int) -> str:
-        bucket = self.buckets[b]
-        return self.param_names[bucket[0]] if len(bucket) == 1 else f"bucket {b} ({len(bucket)} tensors)"
+    def _bucket_label(self, indices: list[int], b: int) -> str:
+        return self.param_names[indices[0]] if len(indices) == 1 else f"bucket {b} ({len(indices)} tensors)"
 
     def _on_grad_ready(self, index: int) -> None:
         if self._ready[index]:
@@ -132,38 +178,60 @@ class BucketedDDP(DataParallel):
                 "accumulation, run every micro-batch but the last under `with ddp.no_sync():`."
             )
         self._ready[index] = True
-        self._pending[self._bucket_of[index]] -= 1
-        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
-            self._launch(self._next_bucket)
+        b = self._bucket_of[index]
+        self._pending[b] -= 1
+        if b == self._next_bucket and not self._pending[b]:  # only then can anything launch
+            pending, count = self._pending, len(self._buckets)
+            while self._next_bucket < count and not pending[self._next_bucket]:
+                self._launch(self._next_bucket)
 
     def _launch(self, b: int) -> None:
         assert b == self._next_bucket == len(self._launched), "buckets must launch in order"
-        params = [self.params[i] for i in self.buckets[b]]
-        if len(params) == 1:  # reduced in its own shape, in place (slicing a 0-d tensor would fail)
-            (param,) = params
-            bucket = param.grad if param.grad is not None else torch.zeros_like(param)
+        bucket = self._buckets[b]
+        buffer = bucket.buffer
+        if buffer is None:  # one tensor, reduced in place in its .grad
+            (param,) = bucket.params
+            grad = param.grad
+            if grad is None:
+                self._has_grad[bucket.indices[0]] = False
+                self._missing = True
+                grad = torch.zeros_like(param)
+            tensor = grad
         else:
             with self.comm.span("pack"):
-                bucket = packed(params)
-        self._launched.append(self.reduce.launch(self.comm, bucket, self._bucket_label(b)))
+                for i, param, view in zip(bucket.indices, bucket.params, bucket.views):
+                    grad = param.grad
+                    if grad is None:
+                        self._has_grad[i] = False
+                        self._missing = True
+                        view.zero_()
+                    elif grad.data_ptr() != view.data_ptr():  # not accumulated in place into the view
+                        view.copy_(grad)
+                if b == len(self._buckets) - 1:  # the sentinel: every earlier bucket launched, so this is known
+                    buffer[-1] = 1.0 if self._missing else 0.0
+            tensor = buffer
+        self._launched.append(self.reduce.launch(self.comm, tensor, bucket.label))
         self._next_bucket += 1
 
     def _synchronize(self) -> None:
-        while self._next_bucket < len(self.buckets):
+        while self._next_bucket < len(self._buckets):
             self._launch(self._next_bucket)
-        presence = launch_presence(self.comm, self.params, self.device)  # queued behind every bucket
-        for bucket, reduction in zip(self.buckets, self._launched):
+        average = None
+        for bucket, reduction in zip(self._buckets, self._launched):
             average = reduction.wait()
-            if len(bucket) == 1:  # reduced in place: .grad already holds it, unless the rank had none
-                param = self.params[bucket[0]]
+            if bucket.buffer is None:  # reduced in place: .grad already holds it, unless the rank had none
+                (param,) = bucket.params
                 if param.grad is None:
                     param.grad = average
                 elif average.data_ptr() != param.grad.data_ptr():
                     param.grad.copy_(average)
-            else:
-                with self.comm.span("pack"):
-                    unpack_gradients(average, [self.params[i] for i in bucket])
-        for param, count in zip(self.params, read_presence(self.comm, presence)):
-            if count == 0:  # no rank had a gradient: .grad = None, as in one process (the optimizer skips it)
-                param.grad = None
+            else:  # gradients as views into the bucket: nothing to copy back
+                for param, view in zip(bucket.params, bucket.views):
+                    if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                        param.grad = view
+        if average is not None and average[-1].item() > 0:  # some rank had a missing gradient this step
+            counts = agree_on_gradients(self.comm, self._has_grad, self.device)
+            for param, count in zip(self.params, counts):
+                if count == 0:  # no rank had a gradient: .grad = None, as in one process (the optimizer skips it)
+                    param.grad = None
         self._reset_step()

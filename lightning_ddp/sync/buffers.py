@@ -65,9 +65,9 @@ def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None
 PRESENCE_LABEL = "gradient presence flags"
 
 
-def launch_presence(comm: Communicator, params: Sequence[torch.Tensor], device: torch.device) -> tuple[Pending, torch.Tensor]:
+def launch_presence(comm: Communicator, has_grad: Sequence[bool], device: torch.device) -> tuple[Pending, torch.Tensor]:
     """Start summing over ranks "this parameter has a ``.grad`` here" (one small async all-reduce)."""
-    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    flags = torch.tensor(list(has_grad), dtype=torch.int32, device=device)
     return comm.all_reduce(flags, PRESENCE_LABEL), flags
 
 
@@ -78,6 +78,7 @@ def read_presence(comm: Communicator, launched: tuple[Pending, torch.Tensor]) ->
     return flags.tolist()
 
 
-def agree_on_gradients(comm: Communicator, params: Sequence[torch.Tensor], device: torch.device) -> list[int]:
-    """For each parameter, on how many ranks it has a ``.grad`` (one small all-reduce, waited for now)."""
-    return read_presence(comm, launch_presence(comm, params, device))
+def agree_on_gradients(comm: Communicator, has_grad: Sequence[bool], device: torch.device) -> list[int]:
+    """For each parameter, on how many ranks it has a gradient (``has_grad`` here; one small all-reduce, waited
+    for now)."""
+    return read_presence(comm, launch_presence(comm, has_grad, device))

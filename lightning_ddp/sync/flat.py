@@ -24,7 +24,7 @@ class FlatDDP(DataParallel):
     """Flatten all gradients into one buffer (per dtype) and all-reduce it once after backward."""
 
     def _synchronize(self) -> None:
-        counts = agree_on_gradients(self.comm, self.params, self.device)
+        counts = agree_on_gradients(self.comm, [p.grad is not None for p in self.params], self.device)
         groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param, count in zip(self.params, counts):
             if count > 0:

@@ -22,7 +22,7 @@ class NaiveDDP(DataParallel):
     """All-reduce each parameter's gradient individually after backward."""
 
     def _synchronize(self) -> None:
-        counts = agree_on_gradients(self.comm, self.params, self.device)
+        counts = agree_on_gradients(self.comm, [p.grad is not None for p in self.params], self.device)
         for name, param, count in zip(self.param_names, self.params, counts):
             if count == 0:
                 continue  # no rank has a gradient: leave .grad None, as single-process training would

@@ -143,6 +143,14 @@ class SyncRecord:
     """The step's start (``Recorder.open_step``)."""
     ended: Mark | None = None
     """The step's end (``Recorder.finish_step``)."""
+    backward_started: Mark | None = None
+    """When the (last micro-batch's) backward began (``Recorder.mark_backward_started``)."""
+    ready: list[Mark | None] = field(default_factory=list)
+    """Per watched parameter, when its gradient was last computed in the step (``Recorder.watch_gradients``)."""
+    last_ready: Mark | None = None
+    """When the last gradient of the step was computed: the end of backward's gradient work."""
+    usable: Mark | None = None
+    """When the gradients were ready for the optimizer (``Recorder.mark_gradients_usable``)."""
     origin_s: float | None = None
     """In a finished record: the host time (``time.perf_counter()`` seconds) of its 0 ms."""
 
@@ -158,12 +166,19 @@ class SyncRecord:
 
     def converted(self, convert: Callable[[Mark], float], origin_s: float | None = None) -> SyncRecord:
         """A copy with every mark converted by ``convert`` (e.g. to ms) and ``origin_s`` set."""
+        def maybe(mark: Mark | None) -> float | None:
+            return convert(mark) if mark is not None else None
+
         return SyncRecord(
             collectives=[c.converted(convert) for c in self.collectives],
             exposed=[(convert(a), convert(b)) for a, b in self.exposed],
             pack=[(convert(a), convert(b)) for a, b in self.pack],
-            started=convert(self.started) if self.started is not None else None,
-            ended=convert(self.ended) if self.ended is not None else None,
+            started=maybe(self.started),
+            ended=maybe(self.ended),
+            backward_started=maybe(self.backward_started),
+            ready=[maybe(mark) for mark in self.ready],
+            last_ready=maybe(self.last_ready),
+            usable=maybe(self.usable),
             origin_s=origin_s,
         )
 
@@ -192,6 +207,8 @@ class Recorder:
         """The last finished step, in milliseconds (``finish_step``'s return value)."""
         self._open = False
         self._anchored = False
+        self._watched = 0
+        self._hooks: list[Any] = []
 
     @property
     def is_open(self) -> bool:
@@ -212,7 +229,7 @@ class Recorder:
         self._open = True
         self.step = step
         self.finished = None
-        self.record = SyncRecord(started=self.clock.mark())
+        self.record = SyncRecord(started=self.clock.mark(), ready=[None] * self._watched)
 
     def ensure_open(self) -> None:
         """Open an (unnumbered) step if none is open: a caller that never opens steps still gets records."""
@@ -237,6 +254,47 @@ class Recorder:
             self._anchored = True
         self._open = False
         return self.finished
+
+    # -- the step's compute landmarks (the timer marks them) ---------------------------------------------
+
+    def watch_gradients(self, params: list[torch.Tensor]) -> None:
+        """Mark, every step, when each of ``params``'s gradients is computed (``ready``, ``last_ready``).
+
+        A tensor hook (``Tensor.register_hook``) on each parameter: it fires when autograd has computed that
+        gradient, before it is accumulated into ``.grad`` and before any engine's post-accumulate hook launches
+        communication for it, so the mark is the end of the compute. Only while a step is open. One mark per
+        gradient per backward: the cost of measuring, paid only when someone measures (``unwatch_gradients``).
+        """
+        self.unwatch_gradients()
+        self._watched = len(params)
+        self.record.ready = [None] * self._watched
+        for index, param in enumerate(params):
+            self._hooks.append(param.register_hook(self._ready_hook(index)))
+
+    def unwatch_gradients(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._watched = 0
+
+    def _ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self._open:
+                mark = self.clock.mark()
+                self.record.ready[index] = mark
+                self.record.last_ready = mark
+
+        return hook
+
+    def mark_backward_started(self) -> None:
+        """Backward begins (every micro-batch: the last one's mark stays)."""
+        if self._open:
+            self.record.backward_started = self.clock.mark()
+
+    def mark_gradients_usable(self) -> None:
+        """The gradients are ready for the optimizer (averaged, unless the optimizer averages them itself)."""
+        if self._open:
+            self.record.usable = self.clock.mark()
 
     # -- what the engines call (through ``Communicator``) ------------------------------------------------
 

@@ -136,3 +136,8 @@ register_algorithm(Algorithm(
     "During backward, an async all-reduce per size-capped bucket of gradients as it fills.",
     has_bucket_size=True, overlaps_backward=True,
 ))
+register_algorithm(Algorithm(
+    "bucketed_bf16", "lightning_ddp.sync.bucketed_bf16:BucketedBF16DDP",
+    "Bucketed, with the gradients communicated in bf16: half the bytes, lossy.",
+    has_bucket_size=True, overlaps_backward=True, exact=False,
+))

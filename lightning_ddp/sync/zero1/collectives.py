@@ -37,7 +37,7 @@ def reduce_scatter_gradients(
     """
     if not trainable:
         return
-    counts = agree_on_gradients(comm, [params[i] for i in trainable], device)
+    counts = agree_on_gradients(comm, [params[i].grad is not None for i in trainable], device)
     present = [i for i, count in zip(trainable, counts) if count > 0]
     world, rank = comm.world_size, comm.rank
     for dtype, segments in layout(present, params, owners, world):
