@@ -1,0 +1,49 @@
+"""``python -m lightning_ddp.project --config configs/project/xl_h100.yaml``: project step time and comm share.
+
+Every field of the config is a flag too (``--study.world_sizes [2,8,64]``, ``--network.preset pcie_gen4``,
+``--output.out_dir /tmp/projection``); ``--help`` documents them and ``--print_config`` shows the merged result.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jsonargparse import set_parsing_settings
+
+from lightning_ddp.project.config import ProjectionConfig
+
+try:  # jsonargparse >= 4.32
+    from jsonargparse import auto_cli
+except ImportError:  # pragma: no cover - older jsonargparse
+    from jsonargparse import CLI as auto_cli
+
+# Attribute docstrings (a string under a dataclass field) become --help text.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def parse_config(args: list[str] | None = None) -> ProjectionConfig:
+    """The ``ProjectionConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
+    try:
+        return auto_cli(ProjectionConfig, args=args, description=ProjectionConfig.__doc__, prog="python -m lightning_ddp.project")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(args: list[str] | None = None) -> int:
+    config = parse_config(args)
+    from lightning_ddp.project.run import run_projection  # after parsing: --help stays fast
+
+    try:
+        outcome = run_projection(config)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    out = config.output.out_dir
+    print(f"{len(outcome.rows)} cells -> {out}/results.csv, {out}/results.md"
+          + (f", {len(outcome.files) - 4} plots" if config.output.plots else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

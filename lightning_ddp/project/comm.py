@@ -1,0 +1,375 @@
+"""What one collective costs: latency-bandwidth formulas per algorithm, fabric presets, and the measured fit.
+
+Formulas
+--------
+
+``n`` ranks, ``S`` bytes in the buffer (the whole tensor an all-reduce reduces; the whole *output* of an
+all-gather, the whole *input* of a reduce-scatter), ``B`` the per-rank **bus bandwidth** (bytes/s; what
+nccl-tests reports as ``busbw`` on large messages), ``alpha`` the latency of one algorithm step, and ``c`` a fixed
+cost per call (kernel launch, NCCL's base latency, ``torch.distributed`` dispatch):
+
+=================  ====================  ======================================  =========================
+collective         algorithm             latency                                 bandwidth term
+=================  ====================  ======================================  =========================
+all-reduce         ring                  c + 2(n-1)·alpha                        2(n-1)/n · S / B
+all-reduce         tree (double binary)  c + 2·ceil(log2 n)·alpha                2 · S / B
+reduce-scatter     ring                  c + (n-1)·alpha                         (n-1)/n · S / B
+all-gather         ring                  c + (n-1)·alpha                         (n-1)/n · S / B
+broadcast          ring (pipelined)      c + (n-1)·alpha                         S / B
+=================  ====================  ======================================  =========================
+
+Sources. The bandwidth factors are nccl-tests' bus-bandwidth corrections (``doc/PERFORMANCE.md`` in
+github.com/NVIDIA/nccl-tests: all-reduce ``2(n-1)/n``, reduce-scatter and all-gather ``(n-1)/n``, broadcast 1):
+a ring moves ``2(n-1)/n · S`` per rank for an all-reduce. The step counts (``2(n-1)`` for a ring all-reduce,
+``n-1`` for reduce-scatter and all-gather) and the tree's ``2 · log2`` latency and ``algbw = busbw / 2`` (so
+``2 S / B``) are NCCL's own cost model, ``ncclTopoTuneModel`` in ``src/graph/tuning.cc`` of
+github.com/NVIDIA/nccl (``nsteps``, ``nInterSteps``, ``ratio = .5`` for trees). ``algorithm="auto"`` takes the
+cheaper of ring and tree for each message, as NCCL's tuner does with its own tables (``ncclTopoGetAlgoTime``).
+
+Two levels (``Fabric`` with ``inter``): beyond ``gpus_per_node`` ranks, ``m = n / gpus_per_node`` nodes. We
+approximate NCCL's behaviour on NVLink+InfiniBand clusters (DGX/HGX H100: 8 GPUs on NVSwitch, 8 NICs):
+
+- **ring**: one ring through all ``n`` ranks; of its ``2(n-1)`` all-reduce steps, ``2(m-1)`` cross the network
+  (``nInterSteps`` in tuning.cc): latency ``c + 2(n-m)·alpha_intra + 2(m-1)·alpha_inter``. Its bandwidth is
+  ``min(B_intra, nics_per_node · B_nic)``: each channel's ring leaves a node once, and NCCL spreads channels
+  over the NICs, so a node's network traffic equals one rank's and its NICs share it (NVIDIA measures 192 GB/s
+  all-reduce busbw on DGX A100 with 8 x 200 Gb/s NICs, github.com/NVIDIA/nccl/issues/812).
+- **tree**: NCCL chains the GPUs inside a node and builds a double binary tree over nodes: latency
+  ``c + 2((g-1)·alpha_intra + ceil(log2 m)·alpha_inter)`` (tuning.cc), bandwidth term ``2 S / B`` with the same
+  ``B``. At large ``m`` it beats the ring's ``2(n-1)`` steps by orders of magnitude in latency.
+- reduce-scatter, all-gather and broadcast: rings, with ``(n-m)·alpha_intra + (m-1)·alpha_inter``.
+
+Within one node (``n <= gpus_per_node``) only the intra level is used, with NCCL's chain for the tree (latency
+``2(n-1)·alpha``, so the ring always wins there, as in NCCL on one node). A one-level fabric (no ``inter``)
+uses the textbook formulas above for every ``n``, i.e. as if all ranks sat on one such link or switch.
+
+The measured fit (``MeasuredFit``): ``lightning_ddp.sync.bucket_model`` fits ``t = o + S / w`` to all-reduces
+on ``n0`` ranks (2 in the sweep). Read as a ring at ``n0`` ranks, ``t = 2(n0-1)·alpha + 2(n0-1)/n0 · S / B``, so
+``B = w · 2(n0-1)/n0`` (the bus bandwidth; equal to ``w`` at ``n0 = 2``) and, with ``overhead_scaling="per_hop"``
+(the default), ``alpha = o / (2(n0-1))``: the whole overhead is per-step latency, so at ``n`` ranks
+``t(n) = (n-1)/(n0-1) · o + 2(n-1)/n · S / B``. That is the pessimistic reading; ``"per_call"`` treats ``o`` as a
+fixed launch cost that does not grow with ``n`` (``c = o``, ``alpha = 0``). Either way each rank is assumed to
+keep its own link at the measured bandwidth as ranks are added, which a 2-rank gloo fit on one host (ranks
+sharing cores and memory bandwidth) cannot promise.
+
+Everything here is pure arithmetic on floats (seconds, bytes, bytes per second).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal, Optional, Protocol
+
+__all__ = [
+    "ALGORITHMS",
+    "FABRICS",
+    "CommCost",
+    "Fabric",
+    "Link",
+    "MeasuredFit",
+    "all_gather_time",
+    "broadcast_time",
+    "get_fabric",
+    "read_fit",
+    "reduce_scatter_time",
+    "ring_allreduce_time",
+    "tree_allreduce_time",
+]
+
+Algorithm = Literal["ring", "tree", "auto"]
+ALGORITHMS: tuple[str, ...] = ("ring", "tree", "auto")
+"""All-reduce algorithms: ``ring``, ``tree``, or ``auto`` (the cheaper of the two per message, as NCCL's tuner)."""
+
+
+# ---- the formulas --------------------------------------------------------------------------------------------
+
+
+def ring_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """``2(n-1)·alpha + 2(n-1)/n · S / B`` seconds; 0 on one rank.
+
+    >>> round(ring_allreduce_time(1e9, 2, 1e-5, 1e10), 9)  # 2 steps of 10 us + 1 GB / 10 GB/s
+    0.10002
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def tree_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """``2·ceil(log2 n)·alpha + 2 · S / B`` seconds (reduce up, broadcast down a double binary tree); 0 on one rank."""
+    if n <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bandwidth
+
+
+def reduce_scatter_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """Ring reduce-scatter of an ``S``-byte input: ``(n-1)·alpha + (n-1)/n · S / B``; 0 on one rank."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
+
+
+def all_gather_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """Ring all-gather into an ``S``-byte output: ``(n-1)·alpha + (n-1)/n · S / B``; 0 on one rank."""
+    return reduce_scatter_time(nbytes, n, alpha, bandwidth)
+
+
+def broadcast_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
+    """Pipelined ring broadcast: ``(n-1)·alpha + S / B`` (nccl-tests busbw factor 1); 0 on one rank."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * alpha + nbytes / bandwidth
+
+
+# ---- links and fabrics ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the interconnect, as NCCL sees it from one rank."""
+
+    name: str
+    bandwidth_Bps: float
+    """Bus bandwidth per rank (per NIC for a network level), bytes/s: the large-message nccl-tests ``busbw``."""
+    latency_s: float
+    """``alpha``: latency of one algorithm step over this link, seconds."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_Bps > 0 or self.latency_s < 0:
+            raise ValueError(f"link {self.name!r}: bandwidth must be > 0 and latency >= 0, got "
+                             f"{self.bandwidth_Bps!r} B/s and {self.latency_s!r} s")
+
+
+class CommCost(Protocol):
+    """What the timeline needs from a communication model: seconds per collective of ``nbytes`` on ``n`` ranks."""
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float: ...
+    def reduce_scatter_s(self, nbytes: float, n: int) -> float: ...
+    def all_gather_s(self, nbytes: float, n: int) -> float: ...
+    def broadcast_s(self, nbytes: float, n: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """An interconnect: one level (``inter=None``) or NVLink-style nodes joined by a network (module docstring)."""
+
+    name: str
+    intra: Link
+    """The link between ranks of one node (or between all ranks, for a one-level fabric)."""
+    inter: Optional[Link] = None
+    """The network between nodes, per NIC; ``None``: one level for every world size."""
+    gpus_per_node: int = 8
+    """Ranks per node; world sizes above it must be multiples of it (two-level fabrics only)."""
+    nics_per_node: int = 8
+    """Network interfaces per node, each at ``inter.bandwidth_Bps``."""
+    call_overhead_s: float = 15e-6
+    """``c``: fixed cost of every collective, seconds."""
+    algorithm: Algorithm = "auto"
+    """All-reduce algorithm: ``ring``, ``tree`` or ``auto``."""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"fabric {self.name!r}: unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if self.gpus_per_node < 1 or self.nics_per_node < 1:
+            raise ValueError(f"fabric {self.name!r}: gpus_per_node and nics_per_node must be >= 1")
+        if self.call_overhead_s < 0:
+            raise ValueError(f"fabric {self.name!r}: call_overhead_s must be >= 0, got {self.call_overhead_s}")
+
+    # -- layout
+
+    def nodes(self, n: int) -> int:
+        """Nodes holding ``n`` ranks (1 for a one-level fabric or a single node)."""
+        if self.inter is None or n <= self.gpus_per_node:
+            return 1
+        if n % self.gpus_per_node:
+            raise ValueError(
+                f"world size {n} does not fill whole nodes of {self.gpus_per_node} GPUs on fabric {self.name!r}; "
+                f"use a multiple of {self.gpus_per_node} (or set `network.gpus_per_node`)"
+            )
+        return n // self.gpus_per_node
+
+    def check_world_size(self, n: int) -> None:
+        """Raise the ``nodes`` error early (config validation)."""
+        if n < 1:
+            raise ValueError(f"world size must be >= 1, got {n}")
+        self.nodes(n)
+
+    def bus_bandwidth(self, n: int) -> float:
+        """Bytes/s the ring (and tree) moves per rank at ``n`` ranks: the slower of NVLink and the node's NICs."""
+        if self.nodes(n) == 1:
+            return self.intra.bandwidth_Bps
+        assert self.inter is not None
+        return min(self.intra.bandwidth_Bps, self.nics_per_node * self.inter.bandwidth_Bps)
+
+    def _step_latency(self, n: int, steps_per_rank: int) -> float:
+        """Latency of a ring with ``steps_per_rank`` passes (2 for all-reduce, 1 for the others) over ``n`` ranks."""
+        m = self.nodes(n)
+        if m == 1:
+            return steps_per_rank * (n - 1) * self.intra.latency_s
+        assert self.inter is not None
+        return steps_per_rank * ((n - m) * self.intra.latency_s + (m - 1) * self.inter.latency_s)
+
+    # -- collectives
+
+    def ring_all_reduce_s(self, nbytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        return self.call_overhead_s + self._step_latency(n, 2) + 2 * (n - 1) / n * nbytes / self.bus_bandwidth(n)
+
+    def tree_all_reduce_s(self, nbytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        m = self.nodes(n)
+        bandwidth = self.bus_bandwidth(n)
+        if self.inter is None:  # one level: the textbook double binary tree over all ranks
+            return self.call_overhead_s + tree_allreduce_time(nbytes, n, self.intra.latency_s, bandwidth)
+        # NCCL: a chain inside each node, a double binary tree over nodes (tuning.cc)
+        ranks_per_node = n // m
+        latency = 2 * ((ranks_per_node - 1) * self.intra.latency_s + math.ceil(math.log2(m)) * self.inter.latency_s)
+        return self.call_overhead_s + latency + 2 * nbytes / bandwidth
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        """Seconds for one all-reduce of ``nbytes`` on ``n`` ranks with this fabric's algorithm."""
+        if self.algorithm == "ring":
+            return self.ring_all_reduce_s(nbytes, n)
+        if self.algorithm == "tree":
+            return self.tree_all_reduce_s(nbytes, n)
+        return min(self.ring_all_reduce_s(nbytes, n), self.tree_all_reduce_s(nbytes, n))
+
+    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
+        """Seconds for a ring reduce-scatter of an ``nbytes`` input over ``n`` ranks."""
+        if n <= 1:
+            return 0.0
+        return self.call_overhead_s + self._step_latency(n, 1) + (n - 1) / n * nbytes / self.bus_bandwidth(n)
+
+    def all_gather_s(self, nbytes: float, n: int) -> float:
+        """Seconds for a ring all-gather into an ``nbytes`` output over ``n`` ranks."""
+        return self.reduce_scatter_s(nbytes, n)
+
+    def broadcast_s(self, nbytes: float, n: int) -> float:
+        """Seconds for a pipelined ring broadcast of ``nbytes`` to ``n`` ranks."""
+        if n <= 1:
+            return 0.0
+        return self.call_overhead_s + self._step_latency(n, 1) + nbytes / self.bus_bandwidth(n)
+
+    def with_changes(self, **changes) -> Fabric:
+        """A copy with fields replaced (e.g. ``algorithm="ring"``)."""
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line for reports."""
+        text = (f"{self.intra.name} {self.intra.bandwidth_Bps / 1e9:g} GB/s busbw, alpha {self.intra.latency_s * 1e6:g} us")
+        if self.inter is not None:
+            text += (f"; {self.gpus_per_node} GPUs/node; {self.nics_per_node} x {self.inter.name} "
+                     f"{self.inter.bandwidth_Bps / 1e9:g} GB/s, alpha {self.inter.latency_s * 1e6:g} us")
+        return text + f"; {self.call_overhead_s * 1e6:.3g} us per call; all-reduce: {self.algorithm}"
+
+
+# Link presets. Bandwidths are large-message bus bandwidths per rank as NCCL reaches them, not line rates;
+# latencies per algorithm step sit between NCCL's LL and LL128 per-hop figures (tuning.cc `hwLat`: NVLink
+# .47 / 1.9 us, PCI 1.0 / 2.5 us, network 2.7 / 4.0 us), since we model one protocol for every message size.
+NVLINK4 = Link(
+    "NVLink 4 (H100 SXM, NVSwitch)", 370e9, 1.0e-6,
+    "450 GB/s per direction line rate (18 links x 25 GB/s, NVIDIA H100 datasheet); NCCL reaches ~370 GB/s with "
+    "its ~20% protocol overhead (S. Jeaugey, github.com/NVIDIA/nccl-tests/issues/212)",
+)
+PCIE_GEN4 = Link(
+    "PCIe Gen4 x16", 22e9, 2.0e-6,
+    "31.5 GB/s per direction line rate (16 GT/s x 16 lanes, 128b/130b); ~70% of it as NCCL busbw between two "
+    "GPUs through the host bridge (P2P copies reach ~89% of line rate on Gen5, voipmonitor/rtx6kpro "
+    "hardware/pcie-bandwidth.md, and NCCL's protocol takes ~20% more)",
+)
+PCIE_GEN5 = Link(
+    "PCIe Gen5 x16", 44e9, 2.0e-6,
+    "63 GB/s per direction line rate (32 GT/s x 16 lanes); measured P2P ~54-56 GB/s (voipmonitor/rtx6kpro "
+    "hardware/pcie-bandwidth.md); ~70% of line rate as NCCL busbw",
+)
+IB_NDR = Link(
+    "InfiniBand NDR 400 Gb/s", 48e9, 4.0e-6,
+    "50 GB/s per NIC per direction; NCCL reaches ~96% of NIC line rate (192 of 200 GB/s on DGX A100, "
+    "github.com/NVIDIA/nccl/issues/812); per-step latency NCCL's network LL128 figure (tuning.cc)",
+)
+
+FABRICS: dict[str, Fabric] = {
+    "h100_nvlink_ib": Fabric(
+        "h100_nvlink_ib", NVLINK4, IB_NDR, gpus_per_node=8, nics_per_node=8,
+        description="DGX/HGX H100: 8 GPUs per node on NVLink 4 / NVSwitch, 8 x 400 Gb/s InfiniBand NDR per node",
+    ),
+    "nvlink4": Fabric("nvlink4", NVLINK4, description="NVLink 4 between every pair of ranks (one NVSwitch domain)"),
+    "pcie_gen4": Fabric("pcie_gen4", PCIE_GEN4, description="GPUs talking over PCIe Gen4 x16 (no NVLink)"),
+    "pcie_gen5": Fabric("pcie_gen5", PCIE_GEN5, description="GPUs talking over PCIe Gen5 x16 (no NVLink)"),
+    "ib_ndr": Fabric("ib_ndr", IB_NDR, description="one GPU per node, each with its own 400 Gb/s InfiniBand NDR NIC"),
+}
+"""Interconnect presets by name (``network.preset``); ``measured`` comes from a fit file instead."""
+
+
+def get_fabric(name: str) -> Fabric:
+    """The preset ``name``; an unknown name lists the valid ones."""
+    try:
+        return FABRICS[name]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a network preset; choose one of: {', '.join(FABRICS)}, or `measured` with "
+                         "`network.fit_path`") from None
+
+
+# ---- the measured fit ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeasuredFit:
+    """``t = o + S / w`` fitted to all-reduces on ``world_size`` ranks (``bucket_prediction.json`` of the sweep)."""
+
+    overhead_s: float
+    """``o``: per-call overhead, seconds."""
+    bandwidth_Bps: float
+    """``w``: algorithm bandwidth of one all-reduce (message bytes over time), bytes/s."""
+    world_size: int = 2
+    """Ranks the fit was measured on."""
+    backend: str = ""
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        if self.overhead_s < 0 or not self.bandwidth_Bps > 0:
+            raise ValueError(f"measured fit: need overhead_s >= 0 and bandwidth_Bps > 0, got {self.overhead_s!r} and "
+                             f"{self.bandwidth_Bps!r}; refit with lightning_ddp.sync.bucket_model.fit_latency_bandwidth")
+        if self.world_size < 2:
+            raise ValueError(f"measured fit: world_size must be >= 2 (a fit on one rank measures no link), got {self.world_size}")
+
+    def fabric(self, overhead_scaling: Literal["per_hop", "per_call"] = "per_hop",
+               algorithm: Algorithm = "ring") -> Fabric:
+        """The fit as a one-level fabric, extrapolated to any ``n`` as the module docstring states."""
+        n0 = self.world_size
+        bus = self.bandwidth_Bps * 2 * (n0 - 1) / n0  # nccl-tests busbw of the measured all-reduce
+        if overhead_scaling == "per_hop":
+            link, call = Link("measured", bus, self.overhead_s / (2 * (n0 - 1)), "all-reduce microbenchmark fit"), 0.0
+        elif overhead_scaling == "per_call":
+            link, call = Link("measured", bus, 0.0, "all-reduce microbenchmark fit"), self.overhead_s
+        else:
+            raise ValueError(f"overhead_scaling must be 'per_hop' or 'per_call', got {overhead_scaling!r}")
+        where = " ".join(x for x in (self.backend, self.device) if x)
+        return Fabric("measured", link, call_overhead_s=call, algorithm=algorithm,
+                      description=f"fitted on {n0} ranks{' (' + where + ')' if where else ''}: "
+                                  f"o = {self.overhead_s * 1e6:.4g} us, w = {self.bandwidth_Bps / 1e9:.4g} GB/s; "
+                                  f"overhead {overhead_scaling.replace('_', ' ')}")
+
+
+def read_fit(path: str | os.PathLike) -> MeasuredFit:
+    """Read ``overhead_s``, ``bandwidth_Bps`` (and ``world_size``, ``backend``, ``device``) from a fit JSON file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"all-reduce fit {str(path)!r} does not exist; run the sweep with `run.predict_bucket_size: true` "
+                         "(it writes bucket_prediction.json) or point `network.fit_path` at such a file")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    missing = [k for k in ("overhead_s", "bandwidth_Bps") if data.get(k) is None]
+    if missing:
+        raise ValueError(f"all-reduce fit {str(path)!r} lacks {missing}; it must hold overhead_s and bandwidth_Bps "
+                         "(see benchmarks/results/cpu/bucket_prediction.json)")
+    return MeasuredFit(float(data["overhead_s"]), float(data["bandwidth_Bps"]), int(data.get("world_size") or 2),
+                       str(data.get("backend") or ""), str(data.get("device") or ""))

@@ -1,0 +1,190 @@
+"""What a projection is: one dataclass per concern, every field documented (jsonargparse turns them into ``--help``).
+
+=================  ==============================================================================
+section            what it holds
+=================  ==============================================================================
+``compute:``       where compute times come from: FLOPs of a preset on a GPU at an MFU, or a profile file
+``network:``       what a collective costs: a fabric preset or the measured all-reduce fit
+``study:``         the axes: strategies, world sizes, bucket sizes
+``output:``        where the CSV, markdown, plots and environment record go
+=================  ==============================================================================
+
+Validation happens in ``__post_init__`` (at parse time, before anything is written), and every error says which
+field to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lightning_ddp.project.comm import ALGORITHMS, FABRICS
+from lightning_ddp.project.flops import ADAMW_BYTES_PER_PARAM, GPUS
+from lightning_ddp.project.strategies import STRATEGIES
+
+__all__ = ["ComputeConfig", "NetworkConfig", "OutputConfig", "ProjectionConfig", "StudyConfig"]
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+@dataclass
+class ComputeConfig:
+    """Per-rank compute of one step: modelled from FLOPs, or read from a measured compute profile."""
+
+    source: Literal["flops", "profile"] = "flops"
+    """``flops``: model the preset on ``gpu`` at ``mfu``; ``profile``: read ``profile_path`` (a CommTimer file)."""
+    profile_path: Optional[str] = None
+    """Compute profile JSON (schema ``lightning_ddp.compute_profile/1``), for ``source: profile``."""
+    preset: str = "xl"
+    """Model preset (``lightning_ddp.model.PRESETS``: tiny, small, medium, large, xl, 2.7b), for ``source: flops``."""
+    batch_size: int = 4
+    """Per-rank batch size (sequences); the global batch grows with the world size (weak scaling)."""
+    seq_len: int = 512
+    """Sequence length (tokens per sequence)."""
+    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "bf16-mixed"
+    """Training precision: sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
+    gpu: str = "h100-sxm"
+    """GPU (h100-sxm, h100-pcie, h200-sxm, a100-sxm-80gb, a100-pcie-40gb): peak FLOP/s and memory bandwidth.
+    With ``source: profile`` only its memory bandwidth is used (for buffer copies)."""
+    mfu: float = 0.4
+    """Model FLOPs utilisation of forward + backward, relative to the GPU's dense peak (0.4 = 40 %)."""
+    peak_tflops: Optional[float] = None
+    """Overrides the GPU's dense bf16 peak, TFLOP/s."""
+    memory_bandwidth_GBps: Optional[float] = None
+    """Overrides the GPU's memory bandwidth, GB/s (set it for a CPU profile: the copies' bandwidth)."""
+    memory_efficiency: float = 0.8
+    """Fraction of the memory bandwidth that copies and the optimizer reach."""
+    optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM
+    """Memory traffic of one optimizer step per parameter, bytes (80: torch's foreach AdamW in fp32; 28: fused)."""
+    calibrate_step_ms: Optional[float] = None
+    """If set (``source: flops``): scale forward and backward so that forward + backward + optimizer equals this
+    measured compute-only step time, in ms."""
+
+    def __post_init__(self) -> None:
+        if self.source == "profile" and not self.profile_path:
+            raise ValueError("`compute.source: profile` needs `compute.profile_path` (a compute profile JSON file), "
+                             "or use `compute.source: flops`")
+        if self.source == "flops":
+            for name in ("batch_size", "seq_len"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"`compute.{name}` must be >= 1, got {getattr(self, name)}")
+        if self.gpu not in GPUS:
+            raise ValueError(f"unknown `compute.gpu` {self.gpu!r}; choose one of {', '.join(GPUS)} "
+                             "(and override with `compute.peak_tflops` / `compute.memory_bandwidth_GBps`)")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"`compute.mfu` must be in (0, 1], got {self.mfu}; e.g. `compute.mfu: 0.4` for 40 %")
+        if not 0 < self.memory_efficiency <= 1:
+            raise ValueError(f"`compute.memory_efficiency` must be in (0, 1], got {self.memory_efficiency}")
+        for name in ("peak_tflops", "memory_bandwidth_GBps", "calibrate_step_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"`compute.{name}` must be > 0 or null, got {value}")
+        if self.optimizer_bytes_per_param < 0:
+            raise ValueError(f"`compute.optimizer_bytes_per_param` must be >= 0, got {self.optimizer_bytes_per_param}")
+
+
+@dataclass
+class NetworkConfig:
+    """What one collective costs (the formulas are in ``lightning_ddp.project.comm``)."""
+
+    preset: str = "h100_nvlink_ib"
+    """Fabric: h100_nvlink_ib (NVLink 4 in 8-GPU nodes + 8 x InfiniBand NDR per node), nvlink4, pcie_gen4,
+    pcie_gen5, ib_ndr; or ``measured`` to extrapolate this project's all-reduce fit (``fit_path``)."""
+    fit_path: Optional[str] = None
+    """For ``preset: measured``: a JSON file with ``overhead_s`` and ``bandwidth_Bps`` (e.g. the sweep's
+    benchmarks/results/cpu/bucket_prediction.json)."""
+    overhead_scaling: Literal["per_hop", "per_call"] = "per_hop"
+    """For ``measured``: the fitted per-call overhead is per ring step (grows with ranks) or per call (does not)."""
+    algorithm: Optional[Literal["ring", "tree", "auto"]] = None
+    """All-reduce algorithm; default: the preset's (``auto``: the cheaper of ring and tree per message; ``ring``
+    for ``measured``, as gloo)."""
+    gpus_per_node: Optional[int] = None
+    """Overrides the preset's GPUs per node (two-level fabrics)."""
+    call_overhead_us: Optional[float] = None
+    """Overrides the fixed cost per collective, microseconds."""
+
+    def __post_init__(self) -> None:
+        if self.preset != "measured" and self.preset not in FABRICS:
+            raise ValueError(f"unknown `network.preset` {self.preset!r}; choose one of {', '.join(FABRICS)}, or "
+                             "`measured` with `network.fit_path`")
+        if self.preset == "measured" and not self.fit_path:
+            raise ValueError("`network.preset: measured` needs `network.fit_path` (e.g. "
+                             "benchmarks/results/cpu/bucket_prediction.json)")
+        if self.algorithm is not None and self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown `network.algorithm` {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"`network.gpus_per_node` must be >= 1, got {self.gpus_per_node}")
+        if self.call_overhead_us is not None and self.call_overhead_us < 0:
+            raise ValueError(f"`network.call_overhead_us` must be >= 0, got {self.call_overhead_us}")
+
+
+@dataclass
+class StudyConfig:
+    """The axes of the projection: every strategy at every world size (and bucket size, for those with one)."""
+
+    strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
+    """Strategies to simulate: naive, flat, overlap, bucketed, bucketed_bf16, zero1, ddp."""
+    world_sizes: list[int] = field(default_factory=lambda: [2, 8, 64, 512, 1024])
+    """Numbers of data-parallel ranks (one GPU each); on two-level fabrics, those above a node must fill whole nodes."""
+    bucket_sizes_mb: list[float] = field(default_factory=lambda: [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000])
+    """Bucket caps in MiB for bucketed and bucketed_bf16; the report picks the best per world size."""
+
+    def __post_init__(self) -> None:
+        choices = ", ".join(STRATEGIES)
+        if not self.strategies:
+            raise ValueError(f"`study.strategies` is empty; list at least one of {choices}")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"unknown strategy {unknown[0]!r} in `study.strategies`; choose from {choices}")
+        self.strategies = list(dict.fromkeys(self.strategies))
+        if not self.world_sizes:
+            raise ValueError("`study.world_sizes` is empty; list at least one, e.g. `--study.world_sizes [2,8]`")
+        bad = [n for n in self.world_sizes if not (isinstance(n, int) and n >= 2)]
+        if bad:
+            raise ValueError(f"`study.world_sizes` must hold integers >= 2 (data parallelism needs two ranks), got {bad[0]!r}")
+        self.world_sizes = sorted(set(self.world_sizes))
+        if any(STRATEGIES[s].has_bucket_size for s in self.strategies) and not self.bucket_sizes_mb:
+            raise ValueError("`study.bucket_sizes_mb` is empty but a bucketed strategy is listed; give sizes in MiB, "
+                             "e.g. `--study.bucket_sizes_mb [1,25,100]`")
+        bad_sizes = [b for b in self.bucket_sizes_mb if not b > 0]
+        if bad_sizes:
+            raise ValueError(f"`study.bucket_sizes_mb` takes sizes > 0 MiB, got {bad_sizes[0]!r}")
+        self.bucket_sizes_mb = sorted(set(float(b) for b in self.bucket_sizes_mb))
+
+
+@dataclass
+class OutputConfig:
+    """Where results go."""
+
+    out_dir: str = "logs/projection"
+    """Directory of results.csv, results.md, the PNG plots, compute_profile.json and environment.json."""
+    plots: bool = True
+    """Write the PNG plots (matplotlib, Agg)."""
+
+
+@dataclass
+class ProjectionConfig:
+    """A projection of step time and communication share to larger world sizes, one simulated timeline per cell.
+
+    ``python -m lightning_ddp.project --config configs/project/xl_h100.yaml``
+    """
+
+    name: str = "projection"
+    """Title of results.md."""
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    """Per-rank compute of one step."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """What collectives cost."""
+    study: StudyConfig = field(default_factory=StudyConfig)
+    """The axes."""
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Where results go."""
+
+    def __post_init__(self) -> None:
+        # world sizes must fit the fabric's nodes; checked here so a bad grid fails before anything is written
+        if self.network.preset != "measured":
+            from lightning_ddp.project.run import build_fabric
+
+            fabric = build_fabric(self.network)
+            for n in self.study.world_sizes:
+                fabric.check_world_size(n)

@@ -1,0 +1,201 @@
+"""A compute profile modelled from FLOPs: a model preset on a named GPU at a stated MFU.
+
+Recipe (``modelled_profile``):
+
+1. **Parameters** (``ModelShape.parameters``): the GPT of ``lightning_ddp.model`` in ``module.parameters()``
+   order, computed from the config's shape alone: ``tok_emb.weight``; per block ``attn_norm``, ``q/k/v/out_proj``,
+   ``ffn_norm``, ``w1``, ``w2``, ``w3``; ``norm.weight``; ``lm_head.weight`` (absent when tied). For xl:
+   1,998,235,200 parameters in 435 tensors (checked against the real module in the tests).
+2. **Forward + backward time**: ``tokens · flops_per_token / (peak · mfu)``, with ``tokens`` = per-rank batch x
+   sequence length and ``flops_per_token = 6 · N_matmul + 12 · n_layers · d_model · seq_len`` (PaLM, appendix B;
+   the same formula as ``GPT.flops_per_token``). Forward is a third, backward two thirds (2 vs 4 FLOPs per weight
+   and token; 4 vs 8 for the attention scores), so backward = 2 x forward.
+3. **Ready times**: backward walks the parameters in reverse order; each matmul's weight gradient is ready once
+   its backward FLOPs (4 per weight and token) are done, the attention-score backward (8 · seq_len · d_model per
+   token and layer) sits between ``out_proj`` and ``v_proj``, norm scales cost nothing, and the embedding's
+   gradient (a scatter-add) is ready when backward ends. So ready times follow reverse ``parameters()`` order.
+4. **Optimizer**: memory-bound. torch's default AdamW (``foreach``, ``_multi_tensor_adam`` in
+   ``torch/optim/adam.py``) makes 8 passes over fp32 tensors: ``mul_`` (weight decay, 8 B/param read+write),
+   ``lerp_`` (12), ``mul_`` (8), ``addcmul_`` (12), ``sqrt`` (8), ``div_`` (8), ``add_`` (8), ``addcdiv_`` (16):
+   80 bytes per parameter, at the GPU's memory bandwidth times ``memory_efficiency``. A fused AdamW would be 28.
+5. **Calibration** (optional, ``calibrate_step_ms``): keep the optimizer, scale forward and backward so that
+   forward + backward + optimizer equals a measured compute-only step.
+
+GPU figures (``GPUS``): dense bf16 peak and HBM bandwidth from NVIDIA's datasheets, the same peaks Lightning's
+``lightning/fabric/utilities/throughput.py`` uses for MFU. ``32-true`` runs use the TF32 peak (half of bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_ddp.project.profile import ComputeProfile, ParamTiming
+
+__all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
+
+ADAMW_BYTES_PER_PARAM = 80.0
+"""Bytes read + written per parameter by one step of torch's foreach AdamW on fp32 state (module docstring)."""
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """The two numbers the model needs from a GPU."""
+
+    name: str
+    bf16_flops: float
+    """Dense bf16 tensor-core peak, FLOP/s."""
+    memory_Bps: float
+    """HBM bandwidth, bytes/s."""
+    source: str = ""
+
+
+GPUS: dict[str, GPUSpec] = {
+    "h100-sxm": GPUSpec("NVIDIA H100 SXM 80GB", 989.4e12, 3.35e12, "NVIDIA H100 datasheet: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3"),
+    "h100-pcie": GPUSpec("NVIDIA H100 PCIe 80GB", 756e12, 2.0e12, "NVIDIA H100 datasheet: 756 TFLOPS bf16 dense, 2.0 TB/s HBM2e"),
+    "h200-sxm": GPUSpec("NVIDIA H200 SXM 141GB", 989.4e12, 4.8e12, "NVIDIA H200 datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e"),
+    "a100-sxm-80gb": GPUSpec("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, "NVIDIA A100 datasheet: 312 TFLOPS bf16, 2,039 GB/s"),
+    "a100-pcie-40gb": GPUSpec("NVIDIA A100 PCIe 40GB", 312e12, 1.555e12, "NVIDIA A100 datasheet: 312 TFLOPS bf16, 1,555 GB/s"),
+}
+"""GPUs by name (``compute.gpu``)."""
+
+
+def get_gpu(name: str) -> GPUSpec:
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a known GPU; choose one of: {', '.join(GPUS)} (or set "
+                         "`compute.peak_tflops` and `compute.memory_bandwidth_GBps`)") from None
+
+
+def grad_element_bytes(precision: str) -> int:
+    """Bytes per gradient element: mixed precision keeps fp32 parameters and gradients; ``bf16-true`` has bf16."""
+    return 2 if precision in ("bf16-true", "16-true") else 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The fields of ``lightning_ddp.model.GPTConfig`` that fix parameter shapes and FLOPs."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    vocab_size: int = 10_000
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> ModelShape:
+        """The shape of ``lightning_ddp.model.PRESETS[name]`` (imports the model module, hence torch)."""
+        from lightning_ddp.model import get_config  # the presets' one source of truth
+
+        config = get_config(name, **overrides)
+        return cls(config.d_model, config.n_layers, config.n_heads, config.d_ff, config.vocab_size, config.tie_embeddings)
+
+    def parameters(self) -> list[tuple[str, int]]:
+        """``(name, numel)`` of every trainable parameter in ``module.parameters()`` order."""
+        d, f = self.d_model, self.d_ff
+        params = [("tok_emb.weight", self.vocab_size * d)]
+        for i in range(self.n_layers):
+            b = f"blocks.{i}"
+            params += [(f"{b}.attn_norm.weight", d), (f"{b}.attn.q_proj.weight", d * d), (f"{b}.attn.k_proj.weight", d * d),
+                       (f"{b}.attn.v_proj.weight", d * d), (f"{b}.attn.out_proj.weight", d * d),
+                       (f"{b}.ffn_norm.weight", d), (f"{b}.ffn.w1.weight", d * f), (f"{b}.ffn.w2.weight", f * d),
+                       (f"{b}.ffn.w3.weight", d * f)]
+        params.append(("norm.weight", d))
+        if not self.tie_embeddings:
+            params.append(("lm_head.weight", self.vocab_size * d))
+        return params
+
+    @property
+    def num_params(self) -> int:
+        return sum(n for _, n in self.parameters())
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights of every Linear, lm_head included even when tied (as ``GPT.flops_per_token`` counts them)."""
+        per_block = 4 * self.d_model**2 + 3 * self.d_model * self.d_ff
+        return self.n_layers * per_block + self.vocab_size * self.d_model
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, forward + backward: ``6 N_matmul + 12 n_layers d_model seq_len`` (PaLM)."""
+        return float(6 * self.matmul_params + 12 * self.n_layers * self.d_model * seq_len)
+
+    def backward_ready_flops(self, seq_len: int) -> list[Optional[float]]:
+        """Per parameter (``parameters()`` order), backward FLOPs per token done when its gradient is ready.
+
+        ``None`` marks the embedding: its gradient is ready when backward ends (step 3 of the module docstring).
+        """
+        names = [name for name, _ in self.parameters()]
+        numel = dict(self.parameters())
+        attention = 8 * seq_len * self.d_model  # backward of Q K^T and A V for one layer, per token
+        done = 4.0 * self.vocab_size * self.d_model  # lm_head's backward comes first, tied or not
+        ready: dict[str, Optional[float]] = {"lm_head.weight": done, "norm.weight": done, "tok_emb.weight": None}
+        for i in reversed(range(self.n_layers)):
+            b = f"blocks.{i}"
+            for short in ("ffn.w3", "ffn.w2", "ffn.w1"):
+                done += 4 * numel[f"{b}.{short}.weight"]
+                ready[f"{b}.{short}.weight"] = done
+            ready[f"{b}.ffn_norm.weight"] = done
+            done += 4 * numel[f"{b}.attn.out_proj.weight"]
+            ready[f"{b}.attn.out_proj.weight"] = done
+            done += attention
+            for short in ("v_proj", "k_proj", "q_proj"):
+                done += 4 * numel[f"{b}.attn.{short}.weight"]
+                ready[f"{b}.attn.{short}.weight"] = done
+            ready[f"{b}.attn_norm.weight"] = done
+        # every backward FLOP is accounted for: 2/3 of flops_per_token
+        assert abs(done - 2 * self.flops_per_token(seq_len) / 3) <= 1e-9 * done, "backward FLOPs do not add up"
+        return [ready[name] for name in names]
+
+
+def modelled_profile(
+    shape: ModelShape,
+    batch_size: int,
+    seq_len: int,
+    *,
+    gpu: str | GPUSpec = "h100-sxm",
+    mfu: float = 0.4,
+    precision: str = "bf16-mixed",
+    optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM,
+    memory_efficiency: float = 0.8,
+    calibrate_step_ms: Optional[float] = None,
+    preset: Optional[str] = None,
+    world_size: Optional[int] = None,
+) -> ComputeProfile:
+    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank (module docstring).
+
+    Args:
+        gpu: A ``GPUS`` name or a ``GPUSpec``.
+        mfu: Model FLOPs utilisation of forward + backward, relative to the bf16 dense peak (TF32 for ``32-true``).
+        optimizer_bytes_per_param: Memory traffic of one optimizer step per parameter (80: foreach AdamW).
+        memory_efficiency: Fraction of the HBM bandwidth that streaming kernels reach.
+        calibrate_step_ms: If given, forward and backward are scaled so that forward + backward + optimizer equals it.
+    """
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}; e.g. 0.4 for 40 % of the peak")
+    if not 0 < memory_efficiency <= 1:
+        raise ValueError(f"memory_efficiency must be in (0, 1], got {memory_efficiency}")
+    tokens = batch_size * seq_len
+    peak = spec.bf16_flops / 2 if precision == "32-true" else spec.bf16_flops
+    fwd_bwd_ms = 1e3 * tokens * shape.flops_per_token(seq_len) / (peak * mfu)
+    optimizer_ms = 1e3 * shape.num_params * optimizer_bytes_per_param / (spec.memory_Bps * memory_efficiency)
+    source = f"modelled: {spec.name}, MFU {mfu:g}, AdamW {optimizer_bytes_per_param:g} B/param at {memory_efficiency:g} x HBM"
+    if calibrate_step_ms is not None:
+        if not calibrate_step_ms > optimizer_ms:
+            raise ValueError(f"calibrate_step_ms={calibrate_step_ms:g} ms leaves no time for forward and backward after the "
+                             f"modelled optimizer ({optimizer_ms:.4g} ms); give a larger step or a faster GPU")
+        fwd_bwd_ms = calibrate_step_ms - optimizer_ms
+        source += f"; forward + backward calibrated to a {calibrate_step_ms:g} ms compute-only step"
+    forward_ms, backward_ms = fwd_bwd_ms / 3, 2 * fwd_bwd_ms / 3
+    total_bwd = 2 * shape.flops_per_token(seq_len) / 3
+    element = grad_element_bytes(precision)
+    params = tuple(
+        ParamTiming(name, numel, numel * element, backward_ms if done is None else backward_ms * done / total_bwd)
+        for (name, numel), done in zip(shape.parameters(), shape.backward_ready_flops(seq_len))
+    )
+    return ComputeProfile(forward_ms, backward_ms, optimizer_ms, params, source=source, device=spec.name, preset=preset,
+                          batch_size=batch_size, seq_len=seq_len, precision=precision, world_size=world_size,
+                          extra={"mfu": mfu, "gpu": dataclasses.asdict(spec)})

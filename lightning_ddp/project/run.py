@@ -1,0 +1,139 @@
+"""From a ``ProjectionConfig`` to files: build the compute profile and the fabric, simulate the grid, write outputs.
+
+Outputs in ``output.out_dir`` (each written to a temporary name and renamed, so never half a file):
+
+=======================  ======================================================================================
+file                     contents
+=======================  ======================================================================================
+``results.csv``          one row per strategy x world size (x bucket size), columns ``sweep.COLUMNS``
+``results.md``           inputs, step time and share per strategy and world size, best bucket sizes, caveats
+``share_vs_world.png``   exposed-communication share and step time against world size, one line per strategy
+``step_vs_bucket.png``   step time against bucket size, one line per world size (bucketed strategies)
+``compute_profile.json`` the compute profile the simulation used (schema ``lightning_ddp.compute_profile/1``)
+``environment.json``     versions, platform, git commit, the full config, the resolved fabric and profile summary
+=======================  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from lightning_ddp.project.comm import Fabric, get_fabric, read_fit
+from lightning_ddp.project.flops import GPUS, GPUSpec, ModelShape, modelled_profile
+from lightning_ddp.project.profile import ComputeProfile, read_profile, write_atomically, write_profile
+from lightning_ddp.project.sweep import best_by_world_size, project, result_row
+from lightning_ddp.provenance import git_state
+
+__all__ = ["ProjectionOutcome", "build_fabric", "build_profile", "copy_bandwidth", "run_projection"]
+
+
+def build_fabric(network) -> Fabric:
+    """The ``Fabric`` a ``NetworkConfig`` describes (preset or measured fit, with its overrides)."""
+    if network.preset == "measured":
+        fabric = read_fit(network.fit_path).fabric(network.overhead_scaling, network.algorithm or "ring")
+    else:
+        fabric = get_fabric(network.preset)
+        if network.algorithm is not None:
+            fabric = fabric.with_changes(algorithm=network.algorithm)
+    if network.gpus_per_node is not None:
+        fabric = fabric.with_changes(gpus_per_node=network.gpus_per_node)
+    if network.call_overhead_us is not None:
+        fabric = fabric.with_changes(call_overhead_s=network.call_overhead_us * 1e-6)
+    return fabric
+
+
+def _gpu_spec(compute) -> GPUSpec:
+    spec = GPUS[compute.gpu]
+    changes = {}
+    if compute.peak_tflops is not None:
+        changes["bf16_flops"] = compute.peak_tflops * 1e12
+    if compute.memory_bandwidth_GBps is not None:
+        changes["memory_Bps"] = compute.memory_bandwidth_GBps * 1e9
+    return dataclasses.replace(spec, **changes) if changes else spec
+
+
+def build_profile(compute) -> ComputeProfile:
+    """The compute profile a ``ComputeConfig`` describes."""
+    if compute.source == "profile":
+        return read_profile(compute.profile_path)
+    shape = ModelShape.from_preset(compute.preset)
+    return modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=_gpu_spec(compute), mfu=compute.mfu,
+                            precision=compute.precision, optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
+                            memory_efficiency=compute.memory_efficiency, calibrate_step_ms=compute.calibrate_step_ms,
+                            preset=compute.preset)
+
+
+def copy_bandwidth(compute) -> float:
+    """Bytes per second that buffer copies move (read + write): memory bandwidth x efficiency."""
+    return _gpu_spec(compute).memory_Bps * compute.memory_efficiency
+
+
+@dataclasses.dataclass
+class ProjectionOutcome:
+    """What ``run_projection`` computed and wrote."""
+
+    results: list
+    rows: list[dict[str, Any]]
+    profile: ComputeProfile
+    fabric: Fabric
+    files: list[Path]
+
+
+def run_projection(config) -> ProjectionOutcome:
+    """Simulate the grid of ``config`` and write every output file (module docstring)."""
+    from lightning_ddp.project.report import build_markdown, write_csv, write_plots  # matplotlib only when writing
+
+    profile = build_profile(config.compute)
+    fabric = build_fabric(config.network)
+    for n in config.study.world_sizes:
+        fabric.check_world_size(n)
+    results = project(profile, fabric, config.study.strategies, config.study.world_sizes, config.study.bucket_sizes_mb,
+                      copy_bandwidth(config.compute))
+    best = best_by_world_size(results)
+    rows = [result_row(r, fabric.nodes(r.world_size), best[(r.strategy, r.world_size)] is r) for r in results]
+    out_dir = Path(config.output.out_dir)
+    files = [
+        write_csv(out_dir / "results.csv", rows),
+        write_atomically(out_dir / "results.md", build_markdown(config, profile, fabric, results)),
+        write_profile(profile, out_dir / "compute_profile.json"),
+        write_atomically(out_dir / "environment.json", json.dumps(describe_environment(config, profile, fabric), indent=2,
+                                                                  default=str) + "\n"),
+    ]
+    if config.output.plots:
+        files += write_plots(out_dir, results, profile)
+    return ProjectionOutcome(results, rows, profile, fabric, files)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dict[str, Any]:
+    """What belongs next to the numbers: versions, platform, commit, the full config, the resolved inputs."""
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {p: _version(p) for p in ("lightning_ddp", "numpy", "matplotlib", "jsonargparse")},
+        **git_state(),
+        "config": dataclasses.asdict(config),
+        "fabric": dataclasses.asdict(fabric),
+        "compute_profile": {
+            "source": profile.source, "device": profile.device, "forward_ms": profile.forward_ms,
+            "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms, "params": len(profile.params),
+            "grad_bytes": profile.grad_bytes, "compute_only_ms": profile.compute_ms,
+        },
+    }

@@ -1,0 +1,113 @@
+"""The projection grid: every strategy x world size (x bucket size), the best bucket sizes, and ``predict_cells``.
+
+``project`` simulates one compute profile on one fabric; ``best_by_world_size`` picks, per bucketed strategy and
+world size, the bucket size with the shortest step; ``result_row`` flattens a result into the CSV columns
+(``COLUMNS``); ``predict_cells`` is the entry point for checking the model against this project's own sweep
+(measured compute profiles plus the measured all-reduce fit).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Literal, Optional, Sequence
+
+from lightning_ddp.project.comm import CommCost, Fabric, MeasuredFit, read_fit
+from lightning_ddp.project.profile import ComputeProfile, read_profile
+from lightning_ddp.project.strategies import STRATEGIES, StepModel, StepResult, simulate
+
+__all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
+
+COLUMNS: tuple[str, ...] = (
+    "strategy", "bucket_size_mb", "world_size", "nodes", "step_ms", "compute_only_ms", "exposed_comm_ms", "comm_share",
+    "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket",
+)
+"""results.csv columns: per strategy, world size and bucket size (empty for strategies without one); ``best_bucket``
+is ``true`` on the bucket size with the shortest step for its strategy and world size."""
+
+
+def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], world_sizes: Sequence[int],
+            bucket_sizes_mb: Sequence[float], copy_bandwidth_Bps: float) -> list[StepResult]:
+    """Simulate every strategy at every world size (and every bucket size for those that take one)."""
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    results = []
+    for n in world_sizes:
+        model = StepModel(profile, comm, n, copy_bandwidth_Bps)
+        for name in strategies:
+            sizes: Iterable[Optional[float]] = bucket_sizes_mb if STRATEGIES[name].has_bucket_size else [None]
+            results.extend(simulate(name, model, size) for size in sizes)
+    return results
+
+
+def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], StepResult]:
+    """``(strategy, world size) -> result`` with the shortest step (over bucket sizes; the only one otherwise)."""
+    best: dict[tuple[str, int], StepResult] = {}
+    for r in results:
+        key = (r.strategy, r.world_size)
+        if key not in best or r.step_ms < best[key].step_ms:
+            best[key] = r
+    return best
+
+
+def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[str, Any]:
+    """One CSV row (``COLUMNS``)."""
+    return {
+        "strategy": result.strategy,
+        "bucket_size_mb": "" if result.bucket_size_mb is None else f"{result.bucket_size_mb:g}",
+        "world_size": result.world_size,
+        "nodes": nodes,
+        "step_ms": round(result.step_ms, 4),
+        "compute_only_ms": round(result.compute_only_ms, 4),
+        "exposed_comm_ms": round(result.exposed_comm_ms, 4),
+        "comm_share": round(result.comm_share, 5),
+        "busy_comm_ms": round(result.busy_comm_ms, 4),
+        "overlap": round(result.overlap, 5),
+        "copy_ms": round(result.copy_ms, 4),
+        "calls": result.calls,
+        "comm_bytes": result.comm_bytes,
+        "best_bucket": "true" if best and result.bucket_size_mb is not None else "",
+    }
+
+
+def predict_cells(
+    profiles: Iterable[ComputeProfile | str | os.PathLike],
+    fit: MeasuredFit | Fabric | str | os.PathLike,
+    strategies: Sequence[str] = ("naive", "flat", "overlap", "bucketed", "ddp"),
+    bucket_sizes_mb: Sequence[float] = (0.25, 1.0, 4.0, 16.0),
+    world_size: Optional[int] = None,
+    copy_bandwidth_Bps: float = 10e9,
+    overhead_scaling: Literal["per_hop", "per_call"] = "per_hop",
+) -> list[dict[str, Any]]:
+    """Predicted step time and communication share per strategy for measured compute profiles.
+
+    The lead's check of the model against this project's CPU sweep: give it the compute profiles the CommTimer
+    wrote for the sweep's cells and the sweep's all-reduce fit (``bucket_prediction.json``), and compare the rows
+    with ``results.csv``.
+
+    Args:
+        profiles: ``ComputeProfile`` objects or paths to profile JSON files.
+        fit: The all-reduce fit (a ``MeasuredFit``, or a path to its JSON), or any ``Fabric``.
+        strategies: Names from ``STRATEGIES``.
+        bucket_sizes_mb: Caps for the strategies that take one.
+        world_size: Ranks to predict for; default: each profile's ``world_size`` (2 if it has none).
+        copy_bandwidth_Bps: Memory bandwidth of buffer copies (bytes read + written per second). 10 GB/s is a
+            guess for one process of a 2-core CPU machine; measure a large ``torch.cat`` for a better one.
+        overhead_scaling: How the fit's per-call overhead grows with ranks (``lightning_ddp.project.comm``).
+
+    Returns:
+        One dict per profile x strategy (x bucket size): the profile's descriptive fields (``preset``,
+        ``batch_size``, ``seq_len``, ``precision``, ``device``, ``profile``) plus ``result_row``'s columns.
+    """
+    if isinstance(fit, (str, os.PathLike)):
+        fit = read_fit(fit)
+    comm = fit.fabric(overhead_scaling) if isinstance(fit, MeasuredFit) else fit
+    rows = []
+    for item in profiles:
+        profile = item if isinstance(item, ComputeProfile) else read_profile(item)
+        n = world_size or profile.world_size or 2
+        for result in project(profile, comm, strategies, [n], bucket_sizes_mb, copy_bandwidth_Bps):
+            rows.append({"profile": profile.label, "preset": profile.preset, "batch_size": profile.batch_size,
+                         "seq_len": profile.seq_len, "precision": profile.precision, "device": profile.device,
+                         **result_row(result)})
+    return rows
