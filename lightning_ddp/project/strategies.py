@@ -16,13 +16,15 @@ strategy           schedule
                    optimizer
 ``overlap``        during backward: each gradient's async all-reduce, launched when it is ready, strictly in
                    reverse ``parameters()`` order (a gradient ready early waits for its predecessors); at the
-                   end: flags (queued behind every launched all-reduce), optimizer. No copies (in place)
+                   end: wait, optimizer. In place, except the last bucket, which is copied into its buffer (it
+                   carries the missing-gradient sentinel); presence flags only if some gradient never comes
 ``bucketed``       as overlap with buckets of at most ``bucket_size_mb`` MiB (``buckets.assign_buckets``): a
                    bucket launches once all its gradients are ready and every earlier bucket has launched; a
-                   multi-tensor bucket is packed on the compute stream first (delaying the rest of backward) and
-                   unpacked after the flags; one-tensor buckets are reduced in place
+                   multi-tensor bucket (and the last one) is copied into its persistent buffer on the compute
+                   stream first (delaying the rest of backward); nothing is unpacked (the gradients are views of
+                   the buffers); one-tensor buckets are reduced in place
 ``bucketed_bf16``  bucketed with the same buckets (capped on the fp32 gradient bytes), communicated in bf16:
-                   half the bytes on the wire, and every bucket pays a cast on the way in and out
+                   half the bytes on the wire, and every bucket pays a cast to bf16 and one back
 ``zero1``          ZeRO-1 ``reduce_scatter`` schedule: after backward, flags; pack the gradients into a buffer of
                    ``n`` equal segments (padded to the largest owner's bytes, ``buckets.assign_owners``);
                    reduce-scatter; copy the own segment out; optimizer on the owned parameters only (the most
@@ -257,14 +259,24 @@ def _cap_bytes(bucket_size_mb: Optional[float]) -> Optional[int]:
     return int(bucket_size_mb * MiB)
 
 
+def _buffered(buckets: list[list[int]]) -> list[bool]:
+    """Which buckets the engine copies into a buffer: every multi-tensor bucket, and the last (the sentinel's)."""
+    return [len(bucket) > 1 or k == len(buckets) - 1 for k, bucket in enumerate(buckets)]
+
+
+def _missing(model: StepModel) -> bool:
+    """Whether some gradient never comes (the bucketed engines then all-reduce the presence flags)."""
+    return any(q.ready_ms is None for q in model.profile.params)
+
+
 def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
     params = model.profile.params
     buckets = assign_buckets([q.bytes for q in params], _cap_bytes(bucket_size_mb))
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
-    # multi-tensor buckets are packed (read + write) and unpacked; a single tensor is reduced in place
-    copies = [model.copy_ms(2 * s) if len(bucket) > 1 else 0.0 for bucket, s in zip(buckets, sizes)]
+    # copied into the buffer (read + write) once; the gradients are views of it afterwards: no unpack
+    copies = [model.copy_ms(2 * s) if buffered else 0.0 for s, buffered in zip(sizes, _buffered(buckets))]
     return _bucket_schedule(model, "bucketed", bucket_size_mb, buckets, wire_bytes=sizes, pack_ms=copies,
-                            unpack_ms=copies, presence_flags=True)
+                            unpack_ms=[0.0] * len(buckets), presence_flags=_missing(model))
 
 
 def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
@@ -279,11 +291,14 @@ def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 2
     numels = [sum(params[i].numel for i in bucket) for bucket in buckets]
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     wire = [2 * n for n in numels]  # bf16 on the wire
-    # read the gradient, write bf16 (and back); gradients already in bf16 need no cast, only bucketed's packing
-    casts = [model.copy_ms(s + w) if s != w else (model.copy_ms(2 * s) if len(bucket) > 1 else 0.0)
-             for bucket, s, w in zip(buckets, sizes, wire)]
-    return _bucket_schedule(model, "bucketed_bf16", bucket_size_mb, buckets, wire_bytes=wire, pack_ms=casts,
-                            unpack_ms=casts, presence_flags=True)
+    buffered = _buffered(buckets)
+    # the copy into the buffer (as bucketed), then the cast to bf16 (read s, write w); on the way back the cast into
+    # the buffer (read w, write s). Gradients already in bf16 are not cast.
+    packs = [(model.copy_ms(2 * s) if b else 0.0) + (model.copy_ms(s + w) if s != w else 0.0)
+             for s, w, b in zip(sizes, wire, buffered)]
+    unpacks = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
+    return _bucket_schedule(model, "bucketed_bf16", bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
+                            unpack_ms=unpacks, presence_flags=_missing(model))
 
 
 def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
