@@ -5,11 +5,13 @@ module              what it does
 ==================  =========================================================================================
 ``config``          the sweep's configuration: one dataclass per concern (grid, workload, run, output)
 ``grid``            cells from the config, stable cell ids, the command and environment of each process
-``runner``          runs one cell in its own processes; ok / oom / failed / timeout and the reason
-``results``         results.csv: the exact columns, one row per cell, written atomically
-``report``          results.md: the study's tables, predicted vs measured bucket size, the performance goals
-``plots``           PNG figures (matplotlib Agg)
-``sweep``           the orchestration: resume, progress, environment.json, the bucket-size prediction
+``runner``          runs one cell repeat in its own processes; ok / oom / failed / timeout and the reason
+``load``            the load guard: waits for idle CPUs (/proc/stat) before each repeat, records how busy they were
+``stats``           pooled medians, hierarchical-bootstrap intervals, ratios, verdicts (pure, numpy)
+``results``         the files: repeats.csv and steps.csv (raw), results.csv (one row per cell), profiles.json
+``report``          results.md: tables with intervals, the best bucket size out of sample, goals with verdicts
+``plots``           PNG figures with error bars (matplotlib Agg)
+``sweep``           the orchestration: interleaved repeats, resume, progress, environment.json, the prediction
 ``allreduce``       the all-reduce microbenchmark job behind the prediction
 ``memory``          per-rank memory with and without ZeRO-1 (``python -m lightning_ddp.bench.memory``)
 ``timer_overhead``  what the CommTimer costs (``python -m lightning_ddp.bench.timer_overhead``)

@@ -46,7 +46,8 @@ def main(args: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: finished cells are in results.csv; rerun the same command to resume", file=sys.stderr)
+        print("interrupted: finished cell repeats are in repeats.csv and steps.csv; rerun the same command to resume",
+              file=sys.stderr)
         return 130
     return 0 if result.ok or not result.cells else 1
 

@@ -5,8 +5,9 @@ section            what it holds
 =================  ==============================================================================
 ``grid:``          the axes: strategies, per-rank batch sizes, context lengths, bucket sizes, precisions
 ``workload:``      the CLI config every cell starts from, the model preset, extra CLI arguments
-``run:``           how each cell runs: accelerator, ranks, backend, launcher, warm-up and measured steps
-``output:``        where results go, resume behaviour, report-only mode
+``run:``           how each cell runs: accelerator, ranks, backend, launcher, warm-up and measured steps, how
+                   many times (repeats), and the load guard that waits for an idle machine before each repeat
+``output:``        where results go, resume behaviour, report-only mode, the bootstrap's samples and seed
 =================  ==============================================================================
 
 Validation happens in ``__post_init__`` (so at parse time, before anything is launched), and every error says
@@ -69,7 +70,7 @@ SWEEP_OWNED_ARGS: dict[str, str] = {
     "--trainer.accelerator": "`run.accelerator`",
     "--trainer.precision": "`grid.precisions`",
     "--trainer.max_steps": "`run.warmup_steps` and `run.steps`",
-    "--trainer.logger": "`output.out_dir` (each cell logs to runs/<cell id>)",
+    "--trainer.logger": "`output.out_dir` (each cell repeat logs to runs/<cell id>/r<k>)",
     "--data.batch_size": "`grid.batch_sizes`",
     "--data.seq_len": "`grid.context_lengths`",
     "--model.context_length": "`grid.context_lengths`",
@@ -204,6 +205,22 @@ class RunConfig:
     report can put the predicted best bucket size next to the measured one."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every cell, e.g. ``{PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}``."""
+    repeats: int = 5
+    """Times each cell is measured, each time in a fresh set of processes (``runs/<cell id>/r<k>/``), interleaved
+    round-robin: repeat 0 of every cell in grid order, then repeat 1 of every cell, ... so that a slow drift of the
+    machine hits every strategy alike. Intervals come from the variation between repeats, and the best bucket size
+    is chosen on the even repeats and measured on the odd ones: with fewer than 2 that choice is in-sample and
+    its goals are inconclusive. Raising it later runs only the missing repeats (the cell ids do not change)."""
+    busy_threshold: float = 0.2
+    """Load guard: before each repeat, a busy fraction of all CPUs (from /proc/stat) above this counts as a busy
+    machine and the sweep waits (nothing of the sweep runs between repeats, so that is someone else's work).
+    ``1.0`` never waits but still records."""
+    max_wait_s: float = 300.0
+    """Load guard: longest wait for an idle machine before a repeat; past it the repeat starts anyway and is
+    counted as started on a busy machine (repeats.csv ``busy``)."""
+    load_sample_s: float = 1.0
+    """Load guard: length of one CPU-usage sample in seconds (the guard polls with samples of this length);
+    ``0`` turns the guard off (nothing recorded, no waiting). Without /proc/stat it is off anyway."""
 
     def __post_init__(self) -> None:
         if self.devices < 2:
@@ -221,6 +238,20 @@ class RunConfig:
             raise ValueError(f"`run.timeout_s` must be > 0 seconds, got {self.timeout_s}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"`run.threads_per_rank` must be >= 1 or null (automatic), got {self.threads_per_rank}")
+        if not (isinstance(self.repeats, int) and self.repeats >= 1):
+            raise ValueError(
+                f"`run.repeats` must be an integer >= 1, got {self.repeats!r}; use at least 2 (e.g. `--run.repeats 6`) "
+                "so that the best bucket size can be chosen and measured on different repeats"
+            )
+        if not 0.0 <= self.busy_threshold <= 1.0:
+            raise ValueError(
+                f"`run.busy_threshold` is a fraction of all CPUs between 0 and 1, got {self.busy_threshold}; "
+                "e.g. `--run.busy_threshold 0.2` (1.0 never waits)"
+            )
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"`run.max_wait_s` must be >= 0 seconds, got {self.max_wait_s}; 0 records the load without waiting")
+        if not self.load_sample_s >= 0:
+            raise ValueError(f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the load guard off")
 
 
 @dataclass
@@ -228,14 +259,28 @@ class OutputConfig:
     """Where results go and what a rerun does."""
 
     out_dir: str = "logs/bench"
-    """Directory of results.csv, results.md, the PNGs, environment.json and runs/<cell id>/ (each cell's logs).
+    """Directory of results.csv, repeats.csv, steps.csv, results.md, the PNGs, environment.json, profiles.json and
+    runs/<cell id>/r<k>/ (each cell repeat's logs).
     Results meant for the repository go under benchmarks/results/ (e.g. configs/bench/cpu.yaml)."""
     retry_failed: bool = False
-    """Rerun cells whose row has status oom, failed or timeout (by default every finished cell is skipped)."""
+    """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default every finished repeat
+    is skipped)."""
     report_only: bool = False
-    """Run nothing: rebuild results.md and the plots from results.csv."""
+    """Run nothing: rebuild results.csv, results.md and the plots from the raw data, steps.csv and repeats.csv."""
     plots: bool = True
     """Write the PNG plots (matplotlib, Agg)."""
+    bootstrap_samples: int = 2000
+    """Draws of the hierarchical bootstrap behind every 95 % interval (repeats, then steps within each repeat,
+    resampled with replacement; ``lightning_ddp.bench.stats``)."""
+    seed: int = 0
+    """Seed of the bootstrap: the same raw data and seed give the same intervals and verdicts."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bootstrap_samples, int) and self.bootstrap_samples >= 100):
+            raise ValueError(
+                f"`output.bootstrap_samples` must be an integer >= 100 (the 2.5th and 97.5th percentiles of fewer "
+                f"draws are mostly noise), got {self.bootstrap_samples!r}; the default is 2000"
+            )
 
 
 @dataclass

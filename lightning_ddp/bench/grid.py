@@ -9,7 +9,8 @@ Recipe:
    time is the floor the others are compared to), ``ddp`` last unless listed elsewhere.
 2. ``cell_id``: a readable slug plus a hash of everything that changes what the cell measures (its grid
    coordinates, the workload, devices, backend, steps, threads, extra environment). The same config gives the
-   same ids, so a rerun can skip finished cells; changing e.g. ``run.steps`` gives new ids and reruns them.
+   same ids, so a rerun can skip finished cell repeats; changing e.g. ``run.steps`` gives new ids and reruns
+   them. ``run.repeats`` and the load guard are not in the hash: raising the repeats runs only the new ones.
 3. ``rank_layout``: how the ranks map onto the machine (backend, devices per node, nodes, GPU per rank).
 4. ``cell_command`` and ``rank_environments``: the ``python -m lightning_ddp fit`` command line of a cell and
    the environment of each of its processes.
@@ -51,7 +52,7 @@ class Cell:
     """One point of the grid: one training run in its own process(es)."""
 
     id: str
-    """Stable identifier (readable slug + config hash); names the row and the run directory."""
+    """Stable identifier (readable slug + config hash); names the rows and the run directories (``runs/<id>/r<k>/``)."""
     strategy: str
     """A registered algorithm's name, ``ddp`` or ``reference``."""
     batch_size: int
@@ -96,7 +97,8 @@ def cell_id(coordinates: dict[str, Any], fingerprint: dict[str, Any]) -> str:
 
 
 def _fingerprint(config: SweepConfig) -> dict[str, Any]:
-    """The sweep settings that change what a cell measures (not: out_dir, timeout, launcher, report options)."""
+    """The sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
+    report options)."""
     run = config.run
     return {
         "workload": dataclasses.asdict(config.workload),
@@ -223,7 +225,7 @@ def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: P
     reference = cell.strategy == REFERENCE
     logger = {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        # name "" and version "": the log dir is save_dir itself, so timing_summary.json lands in runs/<cell id>/
+        # name "" and version "": the log dir is save_dir itself, so timing_summary.json lands in runs/<cell id>/r<k>/
         "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
     }
     args = [sys.executable, "-m", "lightning_ddp", "fit", "--config", workload.base_config, *workload.cli_args]

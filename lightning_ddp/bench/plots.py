@@ -1,22 +1,27 @@
-"""The sweep's PNG plots, from results.csv rows (matplotlib's Agg canvas: no display, no pyplot global state).
+"""The sweep's PNG plots, from results.csv rows and the report's analysis (matplotlib's Agg canvas: no display, no
+pyplot global state). Every bar and point carries its 95 % interval as an error bar.
 
 One figure per precision and batch size, each with a step-time panel and a comm-share panel:
 
-- ``strategies_<precision>_bs<batch>.png``: bars per context length, one per strategy (an algorithm with buckets
-  at its best bucket size), the compute-only reference as a bar of its own; every strategy in the rows is drawn,
-  in ``report.strategy_order``;
+- ``strategies_<precision>_bs<batch>.png``: bars per context length, one per strategy, the compute-only reference
+  as a bar of its own; an algorithm with buckets at the bucket size selected on the selection repeats, with the
+  numbers of its evaluation repeats (``report.Selection``); every strategy in the rows is drawn, in
+  ``report.strategy_order``;
 - ``<algorithm>_<precision>_bs<batch>.png`` for each algorithm with buckets (``bucketed`` ...): step time and comm
-  share against the bucket size (log x), one line per context length, like the study's bucket figures; the
-  predicted best size is a dotted vertical line and ``auto`` cells are stars at the size they resolved to.
+  share against the bucket size (log x), one line per context length, each point a cell over all its repeats, like
+  the study's bucket figures; the selected size is circled, the predicted best size is a dotted vertical line and
+  ``auto`` cells are stars at the size they resolved to.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
-from lightning_ddp.bench.report import best_variant, group_rows, strategy_order
+from lightning_ddp.bench.report import Analysis, analyze, strategy_order
+from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["write_plots"]
 
@@ -34,25 +39,60 @@ def _figure():
     return fig, fig.subplots(1, 2)
 
 
-def _strategy_figure(path: Path, precision: str, batch: int, groups: dict, contexts: list[int]) -> bool:
+def _row_estimate(row: Row, column: str, lo: str, hi: str) -> Estimate | None:
+    value = row.get(column)
+    if not isinstance(value, (int, float)):
+        return None
+    low, high = row.get(lo), row.get(hi)
+    if not (isinstance(low, (int, float)) and isinstance(high, (int, float))):
+        low = high = value  # no interval recorded: a bar without error bar
+    return Estimate(float(value), float(low), float(high))
+
+
+def _error(estimates: list[Estimate | None], scale: float = 1.0) -> tuple[list[float], list[list[float]]]:
+    """Bar heights and matplotlib's ``yerr`` (distances below and above) for the estimates (missing: 0)."""
+    heights, below, above = [], [], []
+    for e in estimates:
+        if e is None or not math.isfinite(e.point):
+            heights.append(0.0), below.append(0.0), above.append(0.0)
+            continue
+        lo = e.lo if math.isfinite(e.lo) else e.point
+        hi = e.hi if math.isfinite(e.hi) else e.point
+        heights.append(e.point * scale)
+        below.append(max(0.0, (e.point - lo) * scale))
+        above.append(max(0.0, (hi - e.point) * scale))
+    return heights, [below, above]
+
+
+def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
+    groups = analysis.groups
     names = strategy_order(r["strategy"] for c in contexts for r in groups[(precision, batch, c)])
     if not names:
         return False
     fig, (ax_step, ax_share) = _figure()
     width = 0.8 / len(names)
     for k, name in enumerate(names):
-        steps, shares = [], []
+        steps: list[Estimate | None] = []
+        shares: list[Estimate | None] = []
         for context in contexts:
-            rows = groups[(precision, batch, context)]
-            row = best_variant(rows, name) if has_bucket_axis(name) else next((r for r in rows if r["strategy"] == name), None)
+            group = (precision, batch, context)
+            if has_bucket_axis(name):
+                selection = analysis.selections.get((group, name))
+                steps.append(selection.evaluated.step if selection else None)
+                shares.append(selection.evaluated.share if selection else None)
+                continue
+            row = next((r for r in groups[group] if r["strategy"] == name), None)
             ok = _ok(row)
-            steps.append(row["step_ms_median"] if ok else 0.0)
-            shares.append(100 * (row.get("comm_share") or 0.0) if ok else 0.0)
+            steps.append(_row_estimate(row, "step_ms_median", "step_ms_lo", "step_ms_hi") if ok else None)
+            shares.append(_row_estimate(row, "comm_share", "comm_share_lo", "comm_share_hi") if ok else None)
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
-        label = f"{name} (best size)" if has_bucket_axis(name) else {REFERENCE: "reference (compute only)"}.get(name, name)
-        ax_step.bar(xs, steps, width, label=label)
+        label = (f"{name} (selected size, evaluation repeats)" if has_bucket_axis(name)
+                 else {REFERENCE: "reference (compute only)"}.get(name, name))
+        heights, yerr = _error(steps)
+        ax_step.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
         if name != REFERENCE:
-            ax_share.bar(xs, shares, width, label=label)
+            heights, yerr = _error(shares, 100.0)
+            ax_share.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
         else:
             ax_share.bar(xs, [0.0] * len(xs), width)  # keep the colours of both panels aligned
     for ax, ylabel in ((ax_step, "median step time (ms)"), (ax_share, "exposed comm share of step (%)")):
@@ -60,36 +100,56 @@ def _strategy_figure(path: Path, precision: str, batch: int, groups: dict, conte
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
-    fig.suptitle(f"Step time and communication share by strategy: {precision}, batch {batch} per rank")
+    fig.suptitle(f"Step time and communication share by strategy: {precision}, batch {batch} per rank "
+                 "(error bars: 95 % intervals)")
     fig.savefig(path, dpi=110)
     return True
 
 
 def _bucket_figure(
-    path: Path, strategy: str, precision: str, batch: int, groups: dict, contexts: list[int], predicted_mb: float | None
+    path: Path, strategy: str, precision: str, batch: int, analysis: Analysis, contexts: list[int],
+    predicted_mb: float | None,
 ) -> bool:
     fig, (ax_step, ax_share) = _figure()
-    drew = False
+    drew = selected = False
     for context in contexts:
-        rows = [r for r in groups[(precision, batch, context)] if r["strategy"] == strategy and _ok(r)]
-        fixed = sorted((r for r in rows if r["bucket_size_mb"] != "auto"), key=lambda r: r["bucket_size_mb"])
-        if fixed:
-            drew = True
-            sizes = [r["bucket_size_mb"] for r in fixed]
-            line, = ax_step.plot(sizes, [r["step_ms_median"] for r in fixed], marker="o", label=f"context {context}")
-            ax_share.plot(sizes, [100 * (r.get("comm_share") or 0.0) for r in fixed], marker="o", color=line.get_color(),
-                          label=f"context {context}")
-            color = line.get_color()
-        else:
-            color = None
+        group = (precision, batch, context)
+        rows = [r for r in analysis.groups[group] if r["strategy"] == strategy and _ok(r)]
+        points = []  # (x, row, marker)
         for r in rows:
             resolved = r.get("resolved_bucket_size_mb")
-            if r["bucket_size_mb"] == "auto" and isinstance(resolved, float):
-                drew = True
-                ax_step.plot([resolved], [r["step_ms_median"]], marker="*", markersize=12, linestyle="", color=color)
-                ax_share.plot([resolved], [100 * (r.get("comm_share") or 0.0)], marker="*", markersize=12, linestyle="", color=color)
+            if r["bucket_size_mb"] != "auto":
+                points.append((r["bucket_size_mb"], r, "o"))
+            elif isinstance(resolved, float):
+                points.append((resolved, r, "*"))
+        if not points:
+            continue
+        drew = True
+        fixed = sorted((p for p in points if p[2] == "o"), key=lambda p: p[0])
+        color = None
+        for ax, column, lo, hi, scale in ((ax_step, "step_ms_median", "step_ms_lo", "step_ms_hi", 1.0),
+                                          (ax_share, "comm_share", "comm_share_lo", "comm_share_hi", 100.0)):
+            if fixed:
+                heights, yerr = _error([_row_estimate(p[1], column, lo, hi) for p in fixed], scale)
+                container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
+                                        color=color, label=f"context {context}")
+                color = container.lines[0].get_color()
+            for x, r, marker in points:
+                if marker == "*":
+                    heights, yerr = _error([_row_estimate(r, column, lo, hi)], scale)
+                    ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3,
+                                color=color)
+            selection = analysis.selections.get((group, strategy))
+            chosen = next((p for p in points if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
+            if chosen is not None and isinstance(chosen[1].get(column), (int, float)):
+                selected = True
+                ax.plot([chosen[0]], [chosen[1][column] * scale], marker="o", markersize=16, markerfacecolor="none",
+                        markeredgewidth=1.5, linestyle="", color=color)
     if not drew:
         return False
+    if selected:  # one neutral legend entry for the circles of every context
+        ax_step.plot([], [], marker="o", markersize=12, markerfacecolor="none", linestyle="", color="gray",
+                     label="selected size (on the selection repeats)")
     for ax, ylabel in ((ax_step, "median step time (ms)"), (ax_share, "exposed comm share of step (%)")):
         ax.set_xscale("log")
         ax.set_xlabel("bucket size (MiB)")
@@ -98,26 +158,34 @@ def _bucket_figure(
         if predicted_mb:
             ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
     fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
-    fig.suptitle(f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} per rank (stars: auto)")
+    fig.suptitle(f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} per rank "
+                 "(all repeats, 95 % intervals; stars: auto; circled: selected)")
     fig.savefig(path, dpi=110)
     return True
 
 
-def write_plots(out_dir: str | Path, rows: list[Row], predicted_mb: float | None = None) -> list[Path]:
-    """Write the figures of the module docstring for ``rows`` (parsed results.csv rows); return their paths."""
+def write_plots(
+    out_dir: str | Path, rows: list[Row], predicted_mb: float | None = None, analysis: Analysis | None = None
+) -> list[Path]:
+    """Write the figures of the module docstring for ``rows`` (parsed results.csv rows); return their paths.
+
+    ``analysis`` (``report.analyze`` with the raw steps) gives the selected bucket sizes and their evaluation
+    numbers; without it, the rows alone (every selection in-sample).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    groups = group_rows(r for r in rows if r["status"])
+    analysis = analysis or analyze(rows)
+    groups = analysis.groups
     written = []
     for precision in dict.fromkeys(g[0] for g in groups):
         for batch in dict.fromkeys(g[1] for g in groups if g[0] == precision):
             contexts = sorted({g[2] for g in groups if g[0] == precision and g[1] == batch})
             path = out_dir / f"strategies_{precision}_bs{batch}.png"
-            if _strategy_figure(path, precision, batch, groups, contexts):
+            if _strategy_figure(path, precision, batch, analysis, contexts):
                 written.append(path)
             bucketed = strategy_order(r["strategy"] for c in contexts for r in groups[(precision, batch, c)])
             for strategy in filter(has_bucket_axis, bucketed):
                 path = out_dir / f"{strategy}_{precision}_bs{batch}.png"
-                if _bucket_figure(path, strategy, precision, batch, groups, contexts, predicted_mb):
+                if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
                     written.append(path)
     return written

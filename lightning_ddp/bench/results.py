@@ -1,11 +1,39 @@
-"""``results.csv``: one row per cell, written whole and atomically after every cell.
+"""The sweep's files: the raw data (``repeats.csv``, ``steps.csv``), the per-cell aggregates (``results.csv``) and
+``profiles.json``; every file written whole and atomically (tmp file + ``os.replace``).
 
-Columns (``RESULT_COLUMNS``, in order):
+Each cell is measured ``run.repeats`` times (its *repeats*, each in fresh processes). The raw files hold everything
+measured; results.csv and results.md are computed from them, so ``--output.report_only true`` rebuilds both from
+steps.csv and repeats.csv alone.
+
+``repeats.csv``: one row per (cell, repeat) that ran (``REPEAT_COLUMNS``):
+
+========================  ===========================================================================
+column                    value
+========================  ===========================================================================
+cell_id, repeat           the cell (``grid.cell_id``) and the repeat index ``k``; ``runs/<cell_id>/r<k>/`` holds its logs
+strategy ... backend      the cell's coordinates, as in results.csv (so the file describes itself)
+status, reason            ok, oom, failed, timeout; why a repeat is not ok (its last meaningful error line)
+wall_s                    wall time of the repeat, start-up included
+measured_steps            steps after warm-up in its ``timing_summary.json``
+resolved_bucket_size_mb   the bucket cap the strategy reported using (``auto`` resolved)
+busy_before               load guard (``bench.load``): the machine's busy CPU fraction sampled last before it started
+waited_s                  load guard: seconds waited for an idle machine before it started
+busy                      load guard: ``true`` if it started while the machine was still busy (the wait ran out)
+load_avg_1m               the 1-minute load average right after it (its own ranks count too)
+started_at                when it started (UTC, ISO 8601)
+========================  ===========================================================================
+
+``steps.csv``: one row per (cell, repeat, measured step) of the ok repeats: ``cell_id``, ``repeat``, ``step`` and
+every metric key of the CommTimer's step rows (``step/time_ms``, ``comm/share``, ...; see
+``lightning_ddp/callbacks/accounting.py``), warm-up steps left out; a key a step did not report is empty.
+
+``results.csv``: one row per cell (``RESULT_COLUMNS``); the statistics are over the *ok* repeats, every median
+pooled over all their measured steps, every interval a hierarchical bootstrap (``bench.stats``):
 
 =======================  ===========================================================================
 column                   value
 =======================  ===========================================================================
-cell_id                  stable id of the cell (``grid.cell_id``); ``runs/<cell_id>/`` holds its logs
+cell_id                  stable id of the cell (``grid.cell_id``)
 strategy                 a registered algorithm (naive, flat, overlap, bucketed, ...), ddp or reference
 bucket_size_mb           algorithms with buckets only: the configured cap in MiB, or ``auto``
 batch_size               per-rank batch size
@@ -14,58 +42,109 @@ precision                Lightning precision
 model                    model preset
 world_size               ranks (1 for the reference)
 accelerator, backend     cpu/cuda, gloo/nccl (empty for the reference: no process group)
-status                   ok, oom, failed, timeout
-reason                   why a cell is not ok (its last meaningful error line)
-step_ms_median/p10/p90   step time over the measured steps (CommTimer ``step/time_ms``, max over ranks)
-exposed_comm_ms          median ``comm/exposed_ms``: communication on the critical path
-busy_comm_ms             median ``comm/busy_ms``: time some collective was in flight
-comm_share               median ``comm/share`` = exposed / step
-overlap                  median ``comm/overlap`` = 1 - exposed / busy
-busbw_GBps               median ``comm/busbw_GBps``
-tokens_per_s             median ``step/tokens_per_s`` (global)
-mfu                      median ``step/mfu`` (CUDA with a known peak only)
+status                   ok if at least one repeat is ok; else the last repeat's status (oom, failed, timeout)
+reason                   why repeats are not ok: ``r<k>: <error line>`` of the first, and how many
+repeats_ok, repeats_run  ok repeats, repeats run
+step_ms_median           pooled median of ``step/time_ms`` (max over ranks) over the ok repeats' measured steps
+step_ms_lo, step_ms_hi   its 95 % interval (hierarchical bootstrap: repeats, then steps within each)
+step_ms_p10/p90          10th and 90th percentiles of the pooled steps (the spread of single steps)
+exposed_comm_ms          pooled median ``comm/exposed_ms``: communication on the critical path
+busy_comm_ms             pooled median ``comm/busy_ms``: time some collective was in flight
+comm_share               pooled median ``comm/share`` = exposed / step
+comm_share_lo/hi         its 95 % interval
+overlap                  pooled median ``comm/overlap`` = 1 - exposed / busy
+busbw_GBps               pooled median ``comm/busbw_GBps``
+tokens_per_s             pooled median ``step/tokens_per_s`` (global)
+mfu                      pooled median ``step/mfu`` (CUDA with a known peak only)
 peak_memory_MiB          max ``memory/peak_MiB`` over all steps (CUDA: allocated; CPU: process RSS)
-resolved_bucket_size_mb  the bucket cap the strategy reported using (``run.bucket_size_mb``; ``auto`` resolved)
-measured_steps           steps in the statistics
-wall_s                   wall time of the cell, start-up included
-load_avg_1m              the machine's 1-minute load average when the cell ended (its own ranks count
-                         too): a busy shared machine inflates step times, this says how busy it was
+resolved_bucket_size_mb  median over the ok repeats of the bucket cap the strategy reported (``auto`` resolved)
+measured_steps           steps in the statistics (all ok repeats together)
+wall_s                   wall time of all the cell's repeats together, start-up included
+load_avg_1m              the highest 1-minute load average after any of its repeats
+busy_repeats             repeats that started on a busy machine (load guard; empty without /proc/stat)
+waited_s                 seconds the load guard waited before its repeats, together
 =======================  ===========================================================================
+
+``profiles.json``: ``{cell_id: compute_profile.json}`` of the first ok repeat that wrote one (forward, backward,
+optimizer times and gradient-ready times); absent when no cell wrote one.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
+import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from lightning_ddp.bench.config import REFERENCE, format_bucket, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout
+from lightning_ddp.bench.load import LoadCheck
 from lightning_ddp.bench.runner import CellOutcome
+from lightning_ddp.bench.stats import Bootstrapper, percentile_interval, pooled_median, pooled_percentile
 
-__all__ = ["NUMERIC_COLUMNS", "RESULT_COLUMNS", "make_row", "parse_row", "read_results", "write_results",
-           "write_text_atomically"]
+__all__ = [
+    "ESTIMATED_KEYS",
+    "NUMERIC_COLUMNS",
+    "REPEAT_COLUMNS",
+    "RESULT_COLUMNS",
+    "CellData",
+    "cell_data",
+    "bootstrap_key",
+    "cell_row",
+    "measured_step_rows",
+    "parse_row",
+    "read_repeats",
+    "read_results",
+    "read_steps",
+    "repeat_row",
+    "write_repeats",
+    "write_results",
+    "write_steps",
+    "write_text_atomically",
+]
+
+Row = dict[str, Any]
+RepeatKey = tuple[str, int]
+
+_COORDINATES = ("strategy", "bucket_size_mb", "batch_size", "context_length", "precision", "model", "world_size",
+                "accelerator", "backend")
+
+REPEAT_COLUMNS: tuple[str, ...] = (
+    "cell_id", "repeat", *_COORDINATES, "status", "reason", "wall_s", "measured_steps", "resolved_bucket_size_mb",
+    "busy_before", "waited_s", "busy", "load_avg_1m", "started_at",
+)
+"""The exact columns of repeats.csv, in order (see the module docstring)."""
+
+STEP_ID_COLUMNS: tuple[str, ...] = ("cell_id", "repeat", "step")
+"""The first columns of steps.csv; the metric keys follow, in first-seen order."""
 
 RESULT_COLUMNS: tuple[str, ...] = (
-    "cell_id", "strategy", "bucket_size_mb", "batch_size", "context_length", "precision", "model",
-    "world_size", "accelerator", "backend", "status", "reason",
-    "step_ms_median", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms", "comm_share", "overlap",
-    "busbw_GBps", "tokens_per_s", "mfu", "peak_memory_MiB", "resolved_bucket_size_mb", "measured_steps", "wall_s",
-    "load_avg_1m",
+    "cell_id", *_COORDINATES, "status", "reason", "repeats_ok", "repeats_run",
+    "step_ms_median", "step_ms_lo", "step_ms_hi", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms",
+    "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu", "peak_memory_MiB",
+    "resolved_bucket_size_mb", "measured_steps", "wall_s", "load_avg_1m", "busy_repeats", "waited_s",
 )
 """The exact columns of results.csv, in order (see the module docstring)."""
 
-NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("step_ms_median"):]) | {
-    "batch_size", "context_length", "world_size"}
+_INTEGER_COLUMNS = frozenset({"batch_size", "context_length", "world_size", "repeat", "repeats_ok", "repeats_run",
+                              "busy_repeats"})
+NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | frozenset(
+    REPEAT_COLUMNS[REPEAT_COLUMNS.index("wall_s"):REPEAT_COLUMNS.index("busy")]) | {"load_avg_1m"} | _INTEGER_COLUMNS
 """Columns ``parse_row`` turns into numbers (empty cells become ``None``)."""
 
-# (column, CommTimer summary key) of the median-valued columns
+ESTIMATED_KEYS: tuple[str, ...] = ("step/time_ms", "comm/share", "comm/busy_ms")
+"""The metrics bootstrapped together (the same resampled steps): what the report's intervals and goals need."""
+
+# (column, CommTimer key) of the pooled-median columns without an interval
 _MEDIANS = (
     ("exposed_comm_ms", "comm/exposed_ms"),
     ("busy_comm_ms", "comm/busy_ms"),
-    ("comm_share", "comm/share"),
     ("overlap", "comm/overlap"),
     ("busbw_GBps", "comm/busbw_GBps"),
     ("tokens_per_s", "step/tokens_per_s"),
@@ -73,18 +152,26 @@ _MEDIANS = (
 )
 
 
-def make_row(
+# ---- one repeat -------------------------------------------------------------------------------------------
+
+
+def repeat_row(
     cell: Cell,
+    repeat: int,
     outcome: CellOutcome,
     model: str | None,
     accelerator: str,
     layout: RankLayout,
+    load: LoadCheck | None = None,
     load_avg: float | None = None,
-) -> dict[str, Any]:
-    """The results.csv row of ``cell`` after it ran (metrics from its ``timing_summary.json`` when ok)."""
-    row: dict[str, Any] = {column: "" for column in RESULT_COLUMNS}
+    started_at: str = "",
+) -> Row:
+    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran."""
+    load = load or LoadCheck()
+    row: Row = {column: "" for column in REPEAT_COLUMNS}
     row.update(
         cell_id=cell.id,
+        repeat=repeat,
         strategy=cell.strategy,
         bucket_size_mb=format_bucket(cell.bucket_size_mb),
         batch_size=cell.batch_size,
@@ -97,71 +184,250 @@ def make_row(
         status=outcome.status,
         reason=outcome.reason,
         wall_s=round(outcome.wall_s, 1),
+        busy_before="" if load.busy_before is None else round(load.busy_before, 3),
+        waited_s=round(load.waited_s, 1) if load.busy_before is not None else "",
+        busy="" if load.busy is None else str(load.busy).lower(),
         load_avg_1m="" if load_avg is None else round(load_avg, 2),
+        started_at=started_at,
     )
-    doc = outcome.summary
-    if outcome.status != "ok" or not doc:
-        return row
-    summary = doc.get("summary", {})
-    step = summary.get("step/time_ms", {})
+    if outcome.status == "ok" and outcome.summary:
+        row["measured_steps"] = len(measured_step_rows(cell.id, repeat, outcome.summary))
+        resolved = (outcome.summary.get("run") or {}).get("bucket_size_mb")
+        if has_bucket_axis(cell.strategy) and isinstance(resolved, (int, float)):  # "auto" if the size was not recorded
+            row["resolved_bucket_size_mb"] = resolved
+    return row
+
+
+def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) -> list[Row]:
+    """The steps.csv rows of one ok repeat: its ``timing_summary.json`` step rows after the first ``warmup_steps``."""
+    warmup = int(summary.get("warmup_steps", 0))
+    rows = []
+    for step in list(summary.get("steps", []))[warmup:]:
+        metrics = {k: v for k, v in step.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        rows.append({"cell_id": cell_id, "repeat": repeat, "step": int(step.get("step", len(rows))), **metrics})
+    return rows
+
+
+# ---- one cell, from its repeats ---------------------------------------------------------------------------
+
+
+@dataclass
+class CellData:
+    """One cell's repeats.csv rows and the measured steps of its ok repeats: what its statistics are computed from."""
+
+    cell_id: str
+    meta: Row
+    """The cell's coordinates (strategy, bucket size, batch, context, precision, ...)."""
+    repeats: list[Row] = field(default_factory=list)
+    """Its repeats.csv rows, every status, by repeat index."""
+    steps: dict[int, list[Row]] = field(default_factory=dict)
+    """Measured steps of each ok repeat that has any, by repeat index."""
+
+    @property
+    def ok_repeats(self) -> list[int]:
+        """Indices of the ok repeats that have measured steps, ascending."""
+        return sorted(k for k, rows in self.steps.items() if rows)
+
+    def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
+        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a key."""
+        chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
+        return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
+                for k in chosen]
+
+    @classmethod
+    def from_result_row(cls, row: Row) -> CellData:
+        """A results.csv row without its raw data, as one repeat of one step holding the row's medians.
+
+        Lets the report work on rows alone (an interval of zero width, and the best bucket size chosen in-sample).
+        """
+        step = {"step/time_ms": row.get("step_ms_median"), "comm/share": row.get("comm_share"),
+                "comm/busy_ms": row.get("busy_comm_ms")}
+        ok = row.get("status") == "ok" and row.get("step_ms_median") is not None
+        return cls(str(row.get("cell_id", "")), dict(row), [], {0: [step]} if ok else {})
+
+
+def _number(value: Any) -> float:
+    if value is None or value == "":
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str, CellData]:
+    """Every cell of ``repeat_rows`` with its steps (steps of a repeat that is not an ok row are ignored)."""
+    cells: dict[str, CellData] = {}
+    ok: set[RepeatKey] = set()
+    for row in sorted(repeat_rows, key=lambda r: (r["repeat"])):
+        data = cells.setdefault(row["cell_id"], CellData(row["cell_id"], {c: row.get(c) for c in _COORDINATES}))
+        data.repeats.append(row)
+        if row["status"] == "ok":
+            ok.add((row["cell_id"], row["repeat"]))
+    for step in step_rows:
+        key = (step["cell_id"], step["repeat"])
+        if key in ok:
+            cells[key[0]].steps.setdefault(key[1], []).append(step)
+    return cells
+
+
+def bootstrap_key(cell_id: str, repeats: Sequence[int]) -> str:
+    """The name a cell's draws over ``repeats`` are drawn under (``stats.rng_for``), e.g. ``"<id>|r0,1,2"``: the
+    report's ratios reuse the draws behind results.csv's intervals.
+
+    >>> bootstrap_key("naive-b2", [1, 3])
+    'naive-b2|r1,3'
+    """
+    return f"{cell_id}|r" + ",".join(map(str, repeats))
+
+
+def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
+    """The results.csv row of one cell (see the module docstring), intervals from ``bootstrap`` over its ok repeats."""
+    row: Row = {column: "" for column in RESULT_COLUMNS}
+    row.update(data.meta, cell_id=data.cell_id)
+    run = data.repeats
+    ok = data.ok_repeats
+    failed = [r for r in run if r["status"] != "ok"]
+    row["status"] = "ok" if ok else (run[-1]["status"] if run else "")
+    if failed:
+        first = failed[0]
+        more = f" ({len(failed)} of {len(run)} repeats not ok)" if len(run) > 1 else ""
+        row["reason"] = f"r{first['repeat']}: {first['status']}: {first['reason']}{more}".rstrip()
     row.update(
-        step_ms_median=step.get("median", ""),
-        step_ms_p10=step.get("p10", ""),
-        step_ms_p90=step.get("p90", ""),
-        measured_steps=int(step.get("n", 0)),
+        repeats_ok=len(ok),
+        repeats_run=len(run),
+        wall_s=round(sum(r.get("wall_s") or 0.0 for r in run), 1),
     )
-    for column, key in _MEDIANS:
-        if key in summary:
-            row[column] = summary[key]["median"]
-    memory = [s["memory/peak_MiB"] for s in doc.get("steps", []) if "memory/peak_MiB" in s]
-    if memory:
-        row["peak_memory_MiB"] = max(memory)
-    resolved = (doc.get("run") or {}).get("bucket_size_mb")
-    if has_bucket_axis(cell.strategy) and isinstance(resolved, (int, float)):  # "auto" if the size was not recorded
-        row["resolved_bucket_size_mb"] = resolved
-    return row
+    loads = [r["load_avg_1m"] for r in run if isinstance(r.get("load_avg_1m"), (int, float))]
+    row["load_avg_1m"] = max(loads) if loads else ""
+    guarded = [r for r in run if r.get("busy") is not None and r.get("busy") != ""]
+    if guarded:
+        row["busy_repeats"] = sum(1 for r in guarded if r["busy"] is True)
+        row["waited_s"] = round(sum(r.get("waited_s") or 0.0 for r in guarded), 1)
+    resolved = [r["resolved_bucket_size_mb"] for r in run
+                if r["status"] == "ok" and isinstance(r.get("resolved_bucket_size_mb"), (int, float))]
+    if resolved:
+        row["resolved_bucket_size_mb"] = float(np.median(resolved))
+    if not ok:
+        return row
+
+    keys = list(dict.fromkeys(key for k in ok for step in data.steps[k] for key in step if key not in STEP_ID_COLUMNS))
+    values = data.values(keys)
+    medians = dict(zip(keys, np.atleast_1d(pooled_median(values))))
+    column = {key: i for i, key in enumerate(keys)}
+    step_values = [v[:, column["step/time_ms"]] for v in values] if "step/time_ms" in column else []
+    if step_values:
+        row.update(step_ms_median=float(medians["step/time_ms"]),
+                   step_ms_p10=float(pooled_percentile(step_values, 10)),
+                   step_ms_p90=float(pooled_percentile(step_values, 90)),
+                   measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
+        lo, hi = percentile_interval(bootstrap.draws(bootstrap_key(data.cell_id, ok), data.values(ESTIMATED_KEYS)))
+        row.update(step_ms_lo=lo[0], step_ms_hi=hi[0])
+        if "comm/share" in column:
+            row.update(comm_share=float(medians["comm/share"]), comm_share_lo=lo[1], comm_share_hi=hi[1])
+    for name, key in _MEDIANS:
+        if key in medians and math.isfinite(medians[key]):
+            row[name] = float(medians[key])
+    if "memory/peak_MiB" in column:
+        peak = np.nanmax(np.concatenate([v[:, column["memory/peak_MiB"]] for v in values]))
+        row["peak_memory_MiB"] = float(peak) if math.isfinite(peak) else ""
+    return {k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
-def parse_row(raw: dict[str, str]) -> dict[str, Any]:
-    """A row read back from CSV: numeric columns as floats (ints for the three integer ones), empty as ``None``."""
-    row: dict[str, Any] = {}
-    for column in RESULT_COLUMNS:
-        value = raw.get(column, "")
-        if column in NUMERIC_COLUMNS:
-            if value in ("", None):
-                row[column] = None
-            else:
-                try:
-                    number = float(value)
-                except ValueError:  # e.g. resolved_bucket_size_mb "auto" from an unwired strategy
-                    row[column] = value
-                    continue
-                row[column] = int(number) if column in ("batch_size", "context_length", "world_size") else number
-        else:
-            row[column] = value or ""
-    if row["bucket_size_mb"] not in ("", "auto"):
-        row["bucket_size_mb"] = float(row["bucket_size_mb"])
-    return row
+# ---- reading and writing ----------------------------------------------------------------------------------
 
 
-def read_results(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """``{cell_id: parsed row}`` of an existing results.csv (empty if there is none)."""
+def _parse_value(column: str, value: Any) -> Any:
+    if column in NUMERIC_COLUMNS:
+        if value in ("", None):
+            return None
+        try:
+            number = float(value)
+        except ValueError:  # e.g. resolved_bucket_size_mb "auto" from an unwired strategy
+            return value
+        return int(number) if column in _INTEGER_COLUMNS else number
+    if column == "busy":
+        return {"true": True, "false": False}.get(str(value).lower())
+    if column == "bucket_size_mb":
+        return float(value) if value not in ("", "auto", None) else (value or "")
+    return value or ""
+
+
+def parse_row(raw: Mapping[str, Any], columns: Sequence[str] = RESULT_COLUMNS) -> Row:
+    """A row read back from CSV: numeric columns as floats (ints for the integer ones), empty as ``None``, ``busy``
+    as a bool, numeric bucket sizes as floats."""
+    return {column: _parse_value(column, raw.get(column, "")) for column in columns}
+
+
+def _read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
     path = Path(path)
     if not path.exists():
-        return {}
+        return []
     with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        return {raw["cell_id"]: parse_row(raw) for raw in reader if raw.get("cell_id")}
+        return [raw for raw in csv.DictReader(f) if raw.get("cell_id")]
 
 
-def write_results(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> None:
-    """Write every row to ``path`` (tmp file + ``os.replace``: a reader or a kill never sees half a file)."""
+def read_results(path: str | os.PathLike) -> dict[str, Row]:
+    """``{cell_id: parsed row}`` of an existing results.csv (empty if there is none)."""
+    return {raw["cell_id"]: parse_row(raw) for raw in _read_csv(path)}
+
+
+def read_repeats(path: str | os.PathLike) -> dict[RepeatKey, Row]:
+    """``{(cell_id, repeat): parsed row}`` of an existing repeats.csv (empty if there is none)."""
+    rows = (parse_row(raw, REPEAT_COLUMNS) for raw in _read_csv(path))
+    return {(row["cell_id"], row["repeat"]): row for row in rows}
+
+
+def read_steps(path: str | os.PathLike) -> dict[RepeatKey, list[Row]]:
+    """``{(cell_id, repeat): [step rows]}`` of an existing steps.csv; metrics as floats, empty cells left out."""
+    steps: dict[RepeatKey, list[Row]] = {}
+    for raw in _read_csv(path):
+        row: Row = {"cell_id": raw["cell_id"], "repeat": int(raw["repeat"]), "step": int(float(raw["step"]))}
+        row.update({k: float(v) for k, v in raw.items() if k not in STEP_ID_COLUMNS and v not in ("", None)})
+        steps.setdefault((row["cell_id"], row["repeat"]), []).append(row)
+    return steps
+
+
+def _csv_text(columns: Sequence[str], rows: Iterable[Row]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(RESULT_COLUMNS), extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in RESULT_COLUMNS})
-    write_text_atomically(path, buffer.getvalue())
+        writer.writerow({k: format_bucket(row.get(k)) if k == "bucket_size_mb" else _cell_text(row.get(k))
+                         for k in columns})
+    return buffer.getvalue()
+
+
+def _cell_text(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and not math.isfinite(value):
+        return ""
+    return value
+
+
+def write_results(path: str | os.PathLike, rows: Iterable[Row]) -> None:
+    """Write the results.csv rows to ``path`` atomically (a reader or a kill never sees half a file)."""
+    write_text_atomically(path, _csv_text(RESULT_COLUMNS, rows))
+
+
+def write_repeats(path: str | os.PathLike, rows: Iterable[Row]) -> None:
+    """Write the repeats.csv rows to ``path`` atomically."""
+    write_text_atomically(path, _csv_text(REPEAT_COLUMNS, rows))
+
+
+def write_steps(path: str | os.PathLike, rows: Iterable[Row]) -> None:
+    """Write the steps.csv rows to ``path`` atomically; columns: ``STEP_ID_COLUMNS``, then every metric key seen."""
+    rows = list(rows)
+    keys = dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)
+    write_text_atomically(path, _csv_text([*STEP_ID_COLUMNS, *keys], rows))
+
+
+def write_json_atomically(path: str | os.PathLike, document: Any) -> None:
+    """``json.dumps(document, indent=2)`` written atomically."""
+    write_text_atomically(path, json.dumps(document, indent=2, default=str) + "\n")
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:

@@ -16,6 +16,9 @@ Recipe (``SubprocessCellRunner.__call__``):
 4. Classify (``classify``): timeout; else out of memory if any failed rank's log says so or a rank died by
    SIGKILL that we did not send (the kernel's OOM killer); else failed; else ok if ``timing_summary.json``
    exists. The reason is the last meaningful error line of the first rank that failed (``error_line``).
+   An ok cell hands back its ``timing_summary.json`` and, when the CommTimer wrote one, ``compute_profile.json``.
+
+The sweep calls the runner once per cell *repeat*, each with its own ``run_dir`` (``runs/<cell id>/r<k>/``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class CellOutcome:
     """The cell's ``timing_summary.json`` (CommTimer), when it wrote one."""
     wall_s: float = 0.0
     """Wall time of the cell, start-up and teardown included."""
+    profile: dict[str, Any] | None = None
+    """The cell's ``compute_profile.json`` (forward/backward/optimizer times, gradient-ready times), when it wrote one."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -282,7 +287,14 @@ class SubprocessCellRunner:
             summary_path is not None, self.config.run.timeout_s,
         )
         summary = json.loads(summary_path.read_text()) if status == "ok" and summary_path is not None else None
-        return CellOutcome(status, reason, summary, result.wall_s)
+        profile_path = next(iter(sorted(run_dir.rglob("compute_profile.json"))), None)
+        profile = None
+        if status == "ok" and profile_path is not None:
+            try:
+                profile = json.loads(profile_path.read_text())
+            except (OSError, json.JSONDecodeError):  # an extra, not the measurement: a bad file is left out
+                profile = None
+        return CellOutcome(status, reason, summary, result.wall_s, profile)
 
 
 def _write_command(path: Path, command: list[str], envs: list[dict[str, str]]) -> None:

@@ -1,21 +1,28 @@
-"""Run a sweep: every cell in its own processes, one results.csv row per cell, resumable, then the report.
+"""Run a sweep: every cell repeat in its own processes, interleaved, resumable, then the statistics and the report.
 
 Recipe (``run_sweep``):
 
 1. Expand the grid (``grid.expand_grid``); decide the backend and rank placement (``grid.rank_layout``);
    write ``environment.json`` (versions, hardware, git commit, the full config).
-2. Read ``results.csv`` if it exists: a cell whose id has a row is done and is skipped (with
-   ``output.retry_failed``, only ``ok`` rows count as done). The id hashes the cell's whole configuration, so
-   a changed setting reruns the cells it affects.
-3. If an algorithm with buckets is in the grid and ``run.predict_bucket_size`` is on, run the all-reduce microbenchmark
-   once on the same ranks (``bench.allreduce``) unless ``bucket_prediction.json`` exists: it fits the
-   per-call overhead ``o`` and bandwidth ``w``. Once a cell has finished, its model shape gives the gradient
+2. Read ``repeats.csv`` and ``steps.csv`` if they exist: a (cell, repeat) with a row is done and is skipped (with
+   ``output.retry_failed``, only ``ok`` rows count as done). The cell id hashes the cell's whole configuration,
+   so a changed setting reruns the cells it affects; ``run.repeats`` is not in it, so raising it runs only the
+   new repeats.
+3. If an algorithm with buckets is in the grid and ``run.predict_bucket_size`` is on, run the all-reduce
+   microbenchmark once on the same ranks (``bench.allreduce``) unless ``bucket_prediction.json`` exists: it fits
+   the per-call overhead ``o`` and bandwidth ``w``. Once a cell has finished, its model shape gives the gradient
    bytes ``s`` and the largest parameter, and the predicted best bucket ``b* = sqrt(s * w * o)`` is added.
-4. Run the remaining cells in grid order. After each one, rewrite ``results.csv`` whole and atomically
-   (tmp + ``os.replace``) and ``results.md``, so a killed sweep keeps every finished row.
-5. Write ``results.md`` and the PNG plots.
+4. Run the missing repeats round-robin: repeat 0 of every cell in grid order, then repeat 1 of every cell, ...
+   (a slow drift of the machine then hits every strategy alike). Before each, the load guard (``bench.load``)
+   waits for an idle machine; each repeat is a separate runner call with its own ``runs/<cell_id>/r<k>/``.
+   After each, rewrite ``steps.csv``, then ``repeats.csv`` (the row that marks the repeat done, written last),
+   ``profiles.json``, ``results.csv`` and ``results.md``, each whole and atomically (tmp + ``os.replace``), so a
+   killed sweep keeps every finished repeat and a half-written one is simply run again.
+5. Write ``results.csv`` (``results.cell_row``: pooled medians, bootstrap intervals), ``results.md``
+   (``report.build_report``) and the PNG plots; ``output.report_only`` does only this, from the raw files.
 
-The cell runner is injected (any ``(cell, run_dir) -> CellOutcome``), which is how tests fake cells.
+The cell runner is injected (any ``(cell, run_dir) -> CellOutcome``), and so is the load guard, which is how
+tests fake both.
 """
 
 from __future__ import annotations
@@ -33,18 +40,39 @@ from typing import Any, Callable
 
 from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout, every_rank_environment, expand_grid, rank_layout, threads_per_rank
-from lightning_ddp.bench.report import build_report
-from lightning_ddp.bench.results import make_row, parse_row, read_results, write_results, write_text_atomically
+from lightning_ddp.bench.load import LoadCheck, wait_until_idle
+from lightning_ddp.bench.report import analyze, build_report
+from lightning_ddp.bench.results import (
+    REPEAT_COLUMNS,
+    cell_data,
+    cell_row,
+    measured_step_rows,
+    parse_row,
+    read_repeats,
+    read_steps,
+    repeat_row,
+    write_json_atomically,
+    write_repeats,
+    write_results,
+    write_steps,
+    write_text_atomically,
+)
 from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, find_free_port, run_processes
+from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.provenance import git_state
 
-__all__ = ["SweepResult", "describe_environment", "gradient_bytes", "run_sweep"]
+__all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
 
 RESULTS_CSV = "results.csv"
+REPEATS_CSV = "repeats.csv"
+STEPS_CSV = "steps.csv"
+PROFILES_JSON = "profiles.json"
 RESULTS_MD = "results.md"
 ENVIRONMENT_JSON = "environment.json"
 PREDICTION_JSON = "bucket_prediction.json"
 ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbenchmark (the median is kept)
+
+RepeatKey = tuple[str, int]
 
 
 @dataclass
@@ -55,13 +83,23 @@ class SweepResult:
     cells: list[Cell]
     rows: list[dict[str, Any]]
     """Parsed results.csv rows of this grid's cells that have run, in grid order."""
-    ran: list[str] = field(default_factory=list)
-    """Ids of the cells run by this call (the others were skipped as done)."""
+    ran: list[RepeatKey] = field(default_factory=list)
+    """``(cell_id, repeat)`` of the repeats run by this call, in order (the others were skipped as done)."""
     plots: list[Path] = field(default_factory=list)
 
     @property
     def ok(self) -> int:
         return sum(1 for r in self.rows if r["status"] == "ok")
+
+
+def repeat_order(cells: list[Cell], repeats: int) -> list[tuple[Cell, int]]:
+    """Every (cell, repeat) in the order the sweep runs them: repeat 0 of every cell in grid order, then repeat 1, ...
+
+    >>> from types import SimpleNamespace as C
+    >>> [(c.id, k) for c, k in repeat_order([C(id="a"), C(id="b")], 2)]
+    [('a', 0), ('b', 0), ('a', 1), ('b', 1)]
+    """
+    return [(cell, k) for k in range(repeats) for cell in cells]
 
 
 def run_sweep(
@@ -71,28 +109,39 @@ def run_sweep(
     predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    load_guard: Callable[[], LoadCheck] | None = None,
 ) -> SweepResult:
     """Run (or resume) the sweep of ``config``; see the module recipe.
 
     Args:
         config: The sweep.
-        runner: Runs one cell; default ``SubprocessCellRunner`` (real ``python -m lightning_ddp fit`` processes).
+        runner: Runs one cell repeat; default ``SubprocessCellRunner`` (real ``python -m lightning_ddp fit`` processes).
         layout: Rank placement; default from ``grid.rank_layout`` and the GPUs visible here.
         predictor: Runs the all-reduce microbenchmark, returns the fit; default: a job on the sweep's ranks.
-        progress: Show a progress bar over the cells.
-        log: Where the one-line-per-cell results go (default: print above the progress bar).
+        progress: Show a progress bar over the cell repeats.
+        log: Where the one-line-per-repeat results go (default: print above the progress bar).
+        load_guard: Called before each repeat, waits for an idle machine and says what it saw; default:
+            ``load.wait_until_idle`` with ``run.busy_threshold``, ``run.max_wait_s`` and ``run.load_sample_s``.
     """
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = expand_grid(config)
-    csv_path, md_path = out_dir / RESULTS_CSV, out_dir / RESULTS_MD
-    existing = read_results(csv_path)
+    repeats_path = out_dir / REPEATS_CSV
+    repeats = read_repeats(repeats_path)
+    # Steps of a repeat without an ok row come from a repeat killed between the two writes: it runs again.
+    steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
+             if key in repeats and repeats[key]["status"] == "ok"}
+    bootstrap = Bootstrapper(config.output.bootstrap_samples, config.output.seed)
+    say = log or _tqdm_write
 
     if config.output.report_only:
-        if not existing:
-            raise ValueError(f"`output.report_only` but {csv_path} has no rows; run the sweep first (without report_only)")
-        rows = _grid_rows(cells, existing)
-        return SweepResult(out_dir, cells, rows, plots=_write_outputs(config, out_dir, cells, existing, final=True))
+        if not repeats:
+            raise ValueError(
+                f"`output.report_only` but {repeats_path} has no rows (results.csv and results.md are rebuilt from "
+                "repeats.csv and steps.csv); run the sweep first (without report_only)"
+            )
+        rows, plots = _write_outputs(config, out_dir, cells, repeats, steps, bootstrap, final=True)
+        return SweepResult(out_dir, cells, rows, plots=plots)
 
     if not Path(config.workload.base_config).is_file():
         raise ValueError(
@@ -103,12 +152,20 @@ def run_sweep(
         layout = _default_layout(config)
     environment = describe_environment(config, layout)
     write_text_atomically(out_dir / ENVIRONMENT_JSON, json.dumps(environment, indent=2, default=str) + "\n")
+    if not repeats and (out_dir / RESULTS_CSV).exists():
+        say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
+            "sweep's repeats")
 
-    done = {cid for cid, row in existing.items() if row["status"] == "ok" or (row["status"] and not config.output.retry_failed)}
-    todo = [c for c in cells if c.id not in done]
-    say = log or _tqdm_write
-    say(f"sweep {config.name!r}: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run; "
-        f"{layout.world_size} ranks over {layout.backend}; results in {out_dir}")
+    def done(key: RepeatKey) -> bool:
+        row = repeats.get(key)
+        return row is not None and (row["status"] == "ok" or (bool(row["status"]) and not config.output.retry_failed))
+
+    order = repeat_order(cells, config.run.repeats)
+    todo = [(cell, k) for cell, k in order if not done((cell.id, k))]
+    total = len(order)
+    say(f"sweep {config.name!r}: {len(cells)} cells x {config.run.repeats} repeats = {total} cell repeats, "
+        f"{total - len(todo)} already done, {len(todo)} to run; {layout.world_size} ranks over {layout.backend}; "
+        f"results in {out_dir}")
 
     prediction_path = out_dir / PREDICTION_JSON
     wants_prediction = config.run.predict_bucket_size and any(has_bucket_axis(s) for s in config.grid.strategies)
@@ -123,30 +180,45 @@ def run_sweep(
             say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
 
     runner = runner or SubprocessCellRunner(config, layout)
-    ran = []
-    bar = _progress_bar(len(cells), len(cells) - len(todo), progress)
+    guard = load_guard or (lambda: wait_until_idle(config.run.busy_threshold, config.run.max_wait_s,
+                                                   config.run.load_sample_s))
+    profiles_path = out_dir / PROFILES_JSON
+    profiles: dict[str, Any] = _read_json(profiles_path) or {}
+    ran: list[RepeatKey] = []
+    bar = _progress_bar(total, total - len(todo), progress)
     try:
-        for cell in todo:
+        for cell, k in todo:
             if bar is not None:
-                bar.set_postfix_str(cell.label)
-            outcome = runner(cell, out_dir / "runs" / cell.id)
-            row = make_row(cell, outcome, config.workload.preset, config.run.accelerator, layout, _load_average())
-            existing[cell.id] = _reparse(row)
-            write_results(csv_path, _ordered(cells, existing))
-            ran.append(cell.id)
+                bar.set_postfix_str(f"{cell.label}, repeat {k + 1}/{config.run.repeats}")
+            load = guard()
+            started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
+            key = (cell.id, k)
+            steps.pop(key, None)
+            if outcome.status == "ok" and outcome.summary:
+                steps[key] = measured_step_rows(cell.id, k, outcome.summary)
+            row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, layout, load,
+                             _load_average(), started_at)
+            repeats[key] = parse_row({c: _text(v) for c, v in row.items()}, REPEAT_COLUMNS)
+            # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
+            write_steps(out_dir / STEPS_CSV, (step for key_ in repeats if key_ in steps for step in steps[key_]))
+            write_repeats(repeats_path, repeats.values())
+            if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
+                profiles[cell.id] = outcome.profile
+                write_json_atomically(profiles_path, profiles)
+            ran.append(key)
             if outcome.status == "ok" and wants_prediction:
                 _complete_prediction(prediction_path, outcome)
-            _write_outputs(config, out_dir, cells, existing, final=False)
-            say(_result_line(len(cells) - len(todo) + len(ran), len(cells), cell, existing[cell.id]))
+            _write_outputs(config, out_dir, cells, repeats, steps, bootstrap, final=False)
+            say(_result_line(total - len(todo) + len(ran), total, cell, k, config.run.repeats, outcome, load))
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    plots = _write_outputs(config, out_dir, cells, existing, final=True)
-    rows = _grid_rows(cells, existing)
+    rows, plots = _write_outputs(config, out_dir, cells, repeats, steps, bootstrap, final=True)
     ok = sum(1 for r in rows if r["status"] == "ok")
-    say(f"done: {ok} of {len(cells)} cells ok; {md_path}")
+    say(f"done: {ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
     return SweepResult(out_dir, cells, rows, ran, plots)
 
 
@@ -165,39 +237,54 @@ def _default_layout(config: SweepConfig) -> RankLayout:
 def _load_average() -> float | None:
     try:
         return os.getloadavg()[0]
-    except OSError:  # not available on this platform
+    except (OSError, AttributeError):  # not available on this platform
         return None
 
 
-def _grid_rows(cells: list[Cell], rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    return [rows[c.id] for c in cells if c.id in rows]
+def _text(value: Any) -> str:
+    """A value as the CSV will hold it (so a row in memory equals the row read back)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
-def _ordered(cells: list[Cell], rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """This grid's rows in grid order, then rows of other configurations (kept: the CSV never loses data)."""
-    ids = {c.id for c in cells}
-    return _grid_rows(cells, rows) + [row for cid, row in rows.items() if cid not in ids]
+def _write_outputs(
+    config: SweepConfig,
+    out_dir: Path,
+    cells: list[Cell],
+    repeats: dict[RepeatKey, dict[str, Any]],
+    steps: dict[RepeatKey, list[dict[str, Any]]],
+    bootstrap: Bootstrapper,
+    final: bool,
+) -> tuple[list[dict[str, Any]], list[Path]]:
+    """results.csv and results.md from the raw data (always) and, when ``final``, the plots.
 
+    results.csv holds every cell of repeats.csv (this grid's first, in grid order, then other configurations'
+    cells: the files never lose data); the report and the plots only this grid's cells.
+    """
+    data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
+    rows = {cid: parse_row({c: _text(v) for c, v in cell_row(d, bootstrap).items()}) for cid, d in data.items()}
+    ids = [c.id for c in cells]
+    grid_rows = [rows[cid] for cid in ids if cid in rows]
+    write_results(out_dir / RESULTS_CSV, grid_rows + [row for cid, row in rows.items() if cid not in set(ids)])
 
-def _reparse(row: dict[str, Any]) -> dict[str, Any]:
-    """The row as it will read back from the CSV (numbers as floats, empty as None)."""
-    return parse_row({k: "" if v is None else str(v) for k, v in row.items()})
-
-
-def _write_outputs(config: SweepConfig, out_dir: Path, cells: list[Cell], rows: dict[str, dict[str, Any]], final: bool) -> list[Path]:
-    """results.md (always) and, when ``final``, the plots."""
-    grid_rows = _grid_rows(cells, rows)
+    analysis = analyze(grid_rows, {cid: data[cid] for cid in ids if cid in data}, bootstrap)
+    grid_ids = set(ids)
+    grid_repeats = [r for r in repeats.values() if r["cell_id"] in grid_ids]
+    expected = {(c.id, k) for c, k in repeat_order(cells, config.run.repeats)}
+    pending = len(expected - {(r["cell_id"], r["repeat"]) for r in grid_repeats})
     prediction = _read_json(out_dir / PREDICTION_JSON)
     environment = _read_json(out_dir / ENVIRONMENT_JSON)
-    pending = len(cells) - len(grid_rows)
-    report = build_report(grid_rows, config.name, prediction, environment, pending)
+    report = build_report(grid_rows, config.name, prediction, environment, pending, analysis, grid_repeats)
     write_text_atomically(out_dir / RESULTS_MD, report)
     if not (final and config.output.plots and grid_rows):
-        return []
+        return grid_rows, []
     from lightning_ddp.bench.plots import write_plots
 
     predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
-    return write_plots(out_dir, grid_rows, predicted_mb)
+    return grid_rows, write_plots(out_dir, grid_rows, predicted_mb, analysis)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -207,13 +294,23 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _result_line(index: int, total: int, cell: Cell, row: dict[str, Any]) -> str:
-    head = f"[{index}/{total}] {cell.label}: {row['status']}"
-    if row["status"] != "ok":
-        return f"{head} - {row['reason']}"
-    share = row.get("comm_share")
-    comm = f", comm share {100 * share:.1f} %" if share is not None and cell.strategy != "reference" else ""
-    return f"{head}, step {row['step_ms_median']:,.1f} ms{comm} ({row['wall_s']:.0f} s)"
+def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, outcome: CellOutcome,
+                 load: LoadCheck) -> str:
+    head = f"[{index}/{total}] {cell.label}, repeat {repeat + 1}/{repeats}: {outcome.status}"
+    guard = ""
+    if load.busy:
+        guard = f"; started on a busy machine ({100 * (load.busy_before or 0):.0f} % CPU busy after {load.waited_s:.0f} s)"
+    elif load.waited_s >= 1:
+        guard = f"; waited {load.waited_s:.0f} s for an idle machine"
+    if outcome.status != "ok":
+        return f"{head} - {outcome.reason}{guard}"
+    summary = (outcome.summary or {}).get("summary", {})
+    step = summary.get("step/time_ms", {}).get("median")
+    share = summary.get("comm/share", {}).get("median")
+    text = f", step {step:,.1f} ms" if isinstance(step, (int, float)) else ""
+    if isinstance(share, (int, float)) and cell.strategy != "reference":
+        text += f", comm share {100 * share:.1f} %"
+    return f"{head}{text} ({outcome.wall_s:.0f} s){guard}"
 
 
 def _tqdm_write(line: str) -> None:
@@ -229,7 +326,7 @@ def _progress_bar(total: int, initial: int, enabled: bool):
     from tqdm import tqdm
 
     # disable=None: a bar on a terminal; in a log file (not a TTY) only the one-line results
-    return tqdm(total=total, initial=initial, unit="cell", desc="sweep", dynamic_ncols=True, disable=None)
+    return tqdm(total=total, initial=initial, unit="repeat", desc="sweep", dynamic_ncols=True, disable=None)
 
 
 # ---- the bucket-size prediction ------------------------------------------------------------------------

@@ -1,0 +1,199 @@
+"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without Lightning.
+
+What it isolates: the gradient synchronisation. Every variant trains the same GPT on the same random tokens with
+AdamW on 2 ranks (gloo on CPU), forward + backward + sync + ``optimizer.step()`` + ``zero_grad()`` (to ``None``,
+torch's default), and nothing else: no Lightning, no logging, no callbacks, no measuring inside the step. Torch
+DDP runs with the settings Lightning's ``ddp`` uses (25 MiB buckets, ``gradient_as_bucket_view=False``, no
+unused-parameter search).
+
+Recipe:
+
+1. Spawn the ranks once; each builds every variant's model (same seed) and engine.
+2. ``rounds`` rounds; in each, every variant runs ``warmup + steps`` steps in turn (round-robin, so a slow
+   drift of a shared machine hits every variant alike). Per step: its wall time (the host clock around it, max
+   over ranks), and its CPU time: the process's CPU seconds over the step (``time.process_time()``, every thread:
+   the training thread and gloo's), summed over ranks. On a CPU machine with one core per rank the CPU time is
+   what the step costs the machine, and it is far less noisy than the wall time, which also counts waiting for
+   the other rank and for the cores.
+3. Per variant: the median over all measured steps of all rounds, and its 95 % interval from a two-level
+   bootstrap over rounds and steps (``lightning_ddp.bench.stats``); per variant against ``ddp``: the ratio of
+   medians and its interval, for both times.
+
+Variants are ``ddp`` or ``<algorithm>[@<bucket MiB>]`` from the algorithm registry, e.g. ``bucketed@4``.
+
+    python -m lightning_ddp.bench.engine_step --variants ddp bucketed@1 bucketed@4 --rounds 6 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["main", "parse_variant"]
+
+
+def parse_variant(text: str) -> tuple[str, float | str | None]:
+    """``"bucketed@4"`` -> ``("bucketed", 4.0)``; ``"ddp"`` -> ``("ddp", None)``; ``"bucketed@none"`` -> one bucket.
+
+    >>> parse_variant("bucketed@0.25"), parse_variant("naive"), parse_variant("bucketed@auto")
+    (('bucketed', 0.25), ('naive', None), ('bucketed', 'auto'))
+    """
+    name, _, size = text.partition("@")
+    if not size:
+        return name, None
+    if size in ("auto", "none"):
+        return name, "auto" if size == "auto" else "none"
+    return name, float(size)
+
+
+def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
+    name, size = parse_variant(variant)
+    if name == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
+    from lightning_ddp.sync.registry import get_algorithm
+
+    algorithm = get_algorithm(name)
+    if size is None:
+        return algorithm.make_engine(model)
+    return algorithm.make_engine(model, bucket_size_mb=None if size == "none" else size)
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result_file: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(minutes=10))
+    from lightning_ddp.model import GPT, get_config
+
+    try:
+        config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
+        runs = {}
+        for variant in args.variants:
+            torch.manual_seed(0)
+            model = GPT(config)
+            engine = _build(variant, model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            runs[variant] = (engine, optimizer)
+        generator = torch.Generator().manual_seed(1000 + rank)
+        times: dict[str, list[list[float]]] = {v: [] for v in args.variants}
+        cpu_times: dict[str, list[list[float]]] = {v: [] for v in args.variants}
+        for _ in range(args.rounds):
+            for variant in args.variants:
+                engine, optimizer = runs[variant]
+                step_ms, cpu_ms = [], []
+                for step in range(args.warmup + args.steps):
+                    tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+                    cpu_start = time.process_time()
+                    start = time.perf_counter()
+                    if hasattr(engine, "on_train_batch_start"):
+                        engine.on_train_batch_start()
+                    logits = engine(tokens[:, :-1])
+                    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+                    if hasattr(engine, "finish_gradient_synchronization"):
+                        engine.finish_gradient_synchronization()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    elapsed = (time.perf_counter() - start) * 1e3
+                    cpu = (time.process_time() - cpu_start) * 1e3
+                    if step >= args.warmup:
+                        step_ms.append(elapsed)
+                        cpu_ms.append(cpu)
+                agreed = torch.tensor(step_ms, dtype=torch.float64)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                times[variant].append(agreed.tolist())
+                spent = torch.tensor(cpu_ms, dtype=torch.float64)
+                dist.all_reduce(spent)  # what the step cost both ranks together
+                cpu_times[variant].append(spent.tolist())
+        if rank == 0:
+            Path(result_file).write_text(json.dumps({"wall": times, "cpu": cpu_times}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["ddp", "bucketed@1", "bucketed@4"],
+                        help="ddp or <algorithm>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--vocab_size", type=int, default=10_000)
+    parser.add_argument("--batch_size", type=int, default=4, help="per rank")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=3, help="steps per variant and round left out")
+    parser.add_argument("--out", default=None, help="directory for engine_step.json and .md")
+    args = parser.parse_args(argv)
+    if "ddp" not in args.variants:
+        args.variants = ["ddp", *args.variants]
+    for variant in args.variants:
+        name, _ = parse_variant(variant)
+        if name != "ddp":
+            from lightning_ddp.sync.registry import get_algorithm
+
+            get_algorithm(name)  # an unknown name fails here, listing the valid ones
+
+    import torch.multiprocessing as mp
+
+    from lightning_ddp.bench.stats import estimate, ratio_estimate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = str(Path(tmp) / "times.json")
+        mp.spawn(_rank_main, args=(2, _free_port(), args, result_file), nprocs=2, join=True)
+        measured = json.loads(Path(result_file).read_text())
+    times = measured["wall"]
+    rows = []
+    for variant in args.variants:
+        row: dict[str, Any] = {"variant": variant}
+        for kind in ("wall", "cpu"):
+            step = estimate(measured[kind][variant], 2000, seed=0, key=f"{kind} {variant}")
+            ratio = ratio_estimate(measured[kind][variant], measured[kind]["ddp"], 2000, seed=0,
+                                   keys=(f"{kind} {variant}", f"{kind} ddp"))
+            row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
+                         "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
+        rows.append(row)
+    command = "python -m lightning_ddp.bench.engine_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [f"{'':16s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
+             f"{'variant':16s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} {'95 % interval':>14s}   " * 2]
+    for r in rows:
+        cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
+                 f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]
+        lines.append(f"{r['variant']:16s} " + "   ".join(cells))
+    print("\n".join(lines))
+    result = {"command": command, "config": vars(args), "rows": rows, "times_ms": measured,
+              "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(
+                  t for v in times.values() for r in v for t in r)}
+    if args.out:
+        from lightning_ddp.provenance import git_state
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result.update(git_state())
+        for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
+                           ("engine_step.md", f"Command: `{command}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
+            tmp_path = out / (name + ".tmp")
+            tmp_path.write_text(text)
+            os.replace(tmp_path, out / name)
+    return result
+
+
+if __name__ == "__main__":
+    main()

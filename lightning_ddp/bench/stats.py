@@ -1,0 +1,259 @@
+"""The sweep's statistics: point estimates, hierarchical-bootstrap intervals and verdicts (pure, numpy only).
+
+A cell is measured ``R`` times (*repeats*, each a fresh set of processes), each repeat for ``n`` measured steps.
+Steps of one repeat share that repeat's conditions (process placement, allocator state, what else the machine
+was doing), so they are not independent draws: the repeats are the units, the steps are measurements within them.
+
+Definitions (``x[r]`` the values of one metric in repeat ``r``; every function here takes them as a list of
+per-repeat arrays, a missing value being ``NaN``):
+
+=====================  =========================================================================================
+term                   definition
+=====================  =========================================================================================
+pooled median          the median of all the cell's measured steps, pooled over its repeats (``pooled_median``):
+                       the point estimate of every median in results.csv and results.md
+hierarchical           one draw (``hierarchical_bootstrap``): pick ``R`` repeats out of the ``R`` with replacement,
+bootstrap              then, within each picked repeat, as many steps as it has, with replacement; the statistic
+                       (the median) of the pooled picked steps is one draw. ``B`` draws (``output.bootstrap_samples``,
+                       default 2000), from a generator seeded by ``output.seed`` and the name of what is drawn
+                       (``rng_for``), so the same data and seed give the same interval in any order of computation
+95 % interval          ``[lo, hi]``: the 2.5th and 97.5th percentiles of the ``B`` draws (``percentile_interval``).
+                       Resampling repeats first makes a slow drift between repeats widen the interval, as it should;
+                       resampling only steps would pretend a repeat's shared conditions were independent luck
+ratio of two cells     point: the ratio of the two pooled medians. Interval: each cell bootstrapped on its own
+                       (independently: they ran in different processes) and the ratio taken per draw
+                       (``ratio_estimate``; ``Bootstrapper`` does the same for any function of several cells)
+geometric mean         over groups of per-group ratios: ``exp(mean(log ratio))``, per draw for the interval (every
+                       group's cells are bootstrapped within each draw: ``geometric_mean_draws``)
+verdict for a goal     ``met`` if ``hi <= target``, ``missed`` if ``lo > target``, else ``inconclusive``: the
+"ratio <= target"      interval straddles the target and these measurements cannot tell (``verdict``)
+=====================  =========================================================================================
+
+With one repeat the bootstrap can only resample steps: the interval then says nothing about the variation
+between process sets, which is why the sweep defaults to 5 repeats.
+
+>>> pooled_median([[1.0, 2.0, 3.0], [10.0]])  # the median of 1, 2, 3, 10
+2.5
+>>> verdict((0.90, 0.98), 1.0), verdict((1.02, 1.10), 1.0), verdict((0.95, 1.05), 1.0)
+('met', 'missed', 'inconclusive')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "VERDICTS",
+    "Bootstrapper",
+    "Estimate",
+    "estimate",
+    "geometric_mean_draws",
+    "hierarchical_bootstrap",
+    "percentile_interval",
+    "pooled_median",
+    "pooled_percentile",
+    "ratio_estimate",
+    "rng_for",
+    "verdict",
+]
+
+VERDICTS: tuple[str, ...] = ("met", "missed", "inconclusive")
+"""What ``verdict`` can say (a goal whose cells are missing is "not measurable", decided by the caller)."""
+
+LEVEL = 0.95
+"""Coverage of every interval: the 2.5th to the 97.5th percentile of the draws."""
+
+_TOLERANCE = 1e-12  # a ratio computed as exactly the target (1/3 from 0.1 / 0.3) counts as on the target
+
+Repeats = Sequence[Any]
+"""One array per repeat: shape ``(n_r,)`` for one metric, ``(n_r, k)`` for ``k`` metrics of the same steps."""
+
+
+def _as_arrays(repeats: Repeats) -> list[np.ndarray]:
+    arrays = [np.asarray(r, dtype=float) for r in repeats]
+    arrays = [a for a in arrays if a.shape[0] > 0]
+    if not arrays:
+        raise ValueError("no measurements: every repeat is empty; pass at least one repeat with one step")
+    if len({a.ndim for a in arrays}) != 1 or arrays[0].ndim not in (1, 2) or (
+            arrays[0].ndim == 2 and len({a.shape[1] for a in arrays}) != 1):
+        raise ValueError("every repeat must be an array of shape (steps,) or (steps, metrics) with the same metrics")
+    return arrays
+
+
+def _median(values: np.ndarray, axis: int) -> np.ndarray:
+    """``np.median``, or ``np.nanmedian`` when a value is missing (an all-NaN slice gives NaN, silently)."""
+    if not np.isnan(values).any():
+        return np.median(values, axis=axis)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "All-NaN slice encountered": NaN is the right answer
+        return np.nanmedian(values, axis=axis)
+
+
+def _scalar(value: np.ndarray) -> float | np.ndarray:
+    return float(value) if np.ndim(value) == 0 else value
+
+
+def pooled_median(repeats: Repeats) -> float | np.ndarray:
+    """The median of every step of every repeat, pooled (per metric for 2-D repeats); NaNs are left out."""
+    return _scalar(_median(np.concatenate(_as_arrays(repeats)), axis=0))
+
+
+def pooled_percentile(repeats: Repeats, q: float) -> float | np.ndarray:
+    """The ``q``-th percentile (0..100, linear interpolation, numpy's default) of the pooled steps.
+
+    >>> pooled_percentile([[10.0, 20.0], [30.0, 40.0, 50.0]], 10)  # rank 0.4: 10 + 0.4 * 10
+    14.0
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _scalar(np.nanpercentile(np.concatenate(_as_arrays(repeats)), q, axis=0))
+
+
+def rng_for(seed: int, *keys: str) -> np.random.Generator:
+    """A generator determined by ``seed`` and the names of what is drawn (not by what was drawn before it).
+
+    >>> float(rng_for(0, "a").random()) == float(rng_for(0, "a").random()) != float(rng_for(0, "b").random())
+    True
+    """
+    digest = hashlib.sha256("\0".join(keys).encode()).digest()
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, *np.frombuffer(digest[:16], dtype=np.uint32).tolist()])
+
+
+def hierarchical_bootstrap(
+    repeats: Repeats,
+    samples: int,
+    rng: np.random.Generator,
+    statistic: Callable[[np.ndarray, int], np.ndarray] = _median,
+) -> np.ndarray:
+    """``samples`` draws of ``statistic`` (default: the median) under the two-level resampling of the module docstring.
+
+    Args:
+        repeats: One array per repeat, ``(n_r,)`` or ``(n_r, k)``; the ``k`` metrics of a step are resampled together.
+        samples: ``B``, the number of draws.
+        rng: The generator (``rng_for``).
+        statistic: ``f(values, axis)`` reducing the pooled steps of a draw; NaNs (missing values) may be present.
+
+    Returns:
+        ``(B,)`` draws, or ``(B, k)`` for 2-D repeats.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    arrays = _as_arrays(repeats)
+    one_metric = arrays[0].ndim == 1
+    arrays = [a[:, None] if one_metric else a for a in arrays]
+    n_repeats, width = len(arrays), arrays[0].shape[1]
+    lengths = np.array([a.shape[0] for a in arrays])
+    longest = int(lengths.max())
+    padded = np.full((n_repeats, longest, width), np.nan)  # (R, n_max, k)
+    for r, a in enumerate(arrays):
+        padded[r, : a.shape[0]] = a
+    picked = rng.integers(0, n_repeats, size=(samples, n_repeats))  # (B, R): level 1, repeats
+    sizes = lengths[picked]  # (B, R): steps of each picked repeat
+    steps = np.floor(rng.random((samples, n_repeats, longest)) * sizes[..., None]).astype(np.int64)  # level 2
+    values = padded[picked[..., None], steps]  # (B, R, n_max, k)
+    if (lengths != longest).any():
+        # a picked repeat with fewer steps than the longest contributes only its own count of draws
+        values[np.arange(longest)[None, None, :] >= sizes[..., None]] = np.nan
+    draws = statistic(values.reshape(samples, n_repeats * longest, width), 1)  # (B, k)
+    return draws[:, 0] if one_metric else draws
+
+
+def percentile_interval(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the draws (per column)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)], axis=0)
+    if np.ndim(lo) == 0:
+        return float(lo), float(hi)
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A point estimate and its 95 % interval."""
+
+    point: float
+    lo: float
+    hi: float
+
+    @property
+    def finite(self) -> bool:
+        """Whether all three numbers are finite (a missing metric gives NaN)."""
+        return all(math.isfinite(v) for v in (self.point, self.lo, self.hi))
+
+
+def verdict(interval: tuple[float, float] | Estimate, target: float) -> str:
+    """``met`` if the interval's upper end is <= ``target``, ``missed`` if its lower end is > ``target``, else
+    ``inconclusive`` (also when an end is NaN: nothing can be said)."""
+    lo, hi = (interval.lo, interval.hi) if isinstance(interval, Estimate) else interval
+    if hi <= target + _TOLERANCE:
+        return "met"
+    if lo > target + _TOLERANCE:
+        return "missed"
+    return "inconclusive"
+
+
+def estimate(repeats: Repeats, samples: int, seed: int, key: str = "") -> Estimate:
+    """The pooled median of one metric and its hierarchical-bootstrap interval.
+
+    >>> estimate([[5.0, 5.0], [5.0, 5.0, 5.0]], 200, seed=0)  # nothing varies: a zero-width interval
+    Estimate(point=5.0, lo=5.0, hi=5.0)
+    """
+    draws = hierarchical_bootstrap(repeats, samples, rng_for(seed, key))
+    lo, hi = percentile_interval(draws)
+    return Estimate(float(pooled_median(repeats)), lo, hi)
+
+
+def ratio_estimate(numerator: Repeats, denominator: Repeats, samples: int, seed: int,
+                   keys: tuple[str, str] = ("numerator", "denominator")) -> Estimate:
+    """``median(numerator) / median(denominator)``; interval from independent bootstraps of both, ratio per draw."""
+    top = hierarchical_bootstrap(numerator, samples, rng_for(seed, keys[0]))
+    bottom = hierarchical_bootstrap(denominator, samples, rng_for(seed, keys[1]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lo, hi = percentile_interval(top / bottom)
+    return Estimate(float(pooled_median(numerator) / pooled_median(denominator)), lo, hi)
+
+
+def geometric_mean_draws(ratio_draws: Sequence[np.ndarray]) -> np.ndarray:
+    """Per draw, ``exp(mean over groups of log(ratio))``: draws ``(B,)`` of each group's ratio in, ``(B,)`` out.
+
+    >>> geometric_mean_draws([np.array([2.0]), np.array([0.5])]).tolist()  # sqrt(2 * 0.5)
+    [1.0]
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.exp(np.mean(np.log(np.stack(ratio_draws)), axis=0))
+
+
+class Bootstrapper:
+    """Draws per named sample, cached: the same cell drawn for its own interval and inside a ratio is the same draw.
+
+    ``draws(key, repeats)`` is ``hierarchical_bootstrap(repeats, samples, rng_for(seed, key))``. The generator
+    depends on the name alone (name a key after the cell and the repeats used, ``"<cell_id>|r0,1,2"``); the cache
+    on the name and the values, so a sweep that keeps one ``Bootstrapper`` while cells gain repeats never reuses
+    stale draws.
+
+    Args:
+        samples: ``B`` (``output.bootstrap_samples``).
+        seed: ``output.seed``.
+    """
+
+    def __init__(self, samples: int, seed: int) -> None:
+        if samples < 1:
+            raise ValueError(f"bootstrap samples must be >= 1, got {samples}")
+        self.samples = samples
+        self.seed = seed
+        self._cache: dict[tuple[str, bytes], np.ndarray] = {}
+
+    def draws(self, key: str, repeats: Repeats) -> np.ndarray:
+        arrays = _as_arrays(repeats)
+        digest = hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() + repr(a.shape).encode() for a in arrays))
+        cache_key = (key, digest.digest())
+        if cache_key not in self._cache:
+            self._cache[cache_key] = hierarchical_bootstrap(arrays, self.samples, rng_for(self.seed, key))
+        return self._cache[cache_key]
