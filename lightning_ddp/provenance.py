@@ -6,7 +6,9 @@ one measured from uncommitted changes says so).
 
 from __future__ import annotations
 
+import os
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +25,32 @@ def _git(*args: str) -> str | None:
     return proc.stdout if proc.returncode == 0 else None  # not a git checkout (e.g. an installed package)
 
 
-def git_state() -> dict[str, Any]:
+def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     """``{"git_commit", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files differ from it, and
-    which (at most 20); all ``None`` outside a git checkout."""
+    which (at most 20); all ``None`` outside a git checkout.
+
+    Args:
+        ignore: Directories whose changes do not count, e.g. the run's own output directory: a resumed sweep's
+            half-written results are not a change to the code that measures.
+    """
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=normal")
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None
+    prefixes = [_relative_to_repo(path) for path in ignore]
+    prefixes = [p for p in prefixes if p]
+    if changed is not None and prefixes:
+        changed = [c for c in changed if not any(c == p or c.startswith(p + "/") or p.startswith(c.rstrip("/") + "/")
+                                                 or c.rstrip("/") == p for p in prefixes)]
     return {
         "git_commit": commit.strip() if commit else None,
         "git_dirty": bool(changed) if changed is not None else None,
         "git_changed": changed[:20] if changed is not None else None,
     }
+
+
+def _relative_to_repo(path: str | os.PathLike) -> str | None:
+    """``path`` as git prints it (relative to the checkout, ``/``-separated), or None outside the checkout."""
+    try:
+        return Path(path).resolve().relative_to(_REPO).as_posix()
+    except ValueError:
+        return None

@@ -400,6 +400,10 @@ def test_resume_runs_only_the_missing_repeats(tmp_path) -> None:
     assert [s["step/time_ms"] for s in read_steps(out / "steps.csv")[order[12]]] == [100.0] * 4  # not the 999
 
     assert run_fake(config, FakeRunner()).ran == []  # nothing left
+    # every session that ran is kept in environment.json, with the repeats already done when it started
+    sessions = json.loads((out / "environment.json").read_text())["sessions"]
+    assert [s["repeats_done_before"] for s in sessions[1:]] == [12, 2 * len(cells)]
+    assert len(sessions) == 3 and all("git_commit" in s for s in sessions)
     config.run.repeats = 3  # more repeats: the same cell ids, only repeat 2 of every cell runs
     more = FakeRunner()
     run_fake(config, more)

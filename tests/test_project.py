@@ -114,7 +114,7 @@ def test_two_level_fabric_follows_nccl_ring_and_tree():
         fabric.all_reduce_s(S, 12)
 
 
-def test_measured_fit_is_exact_at_its_world_size_and_extrapolates_as_stated():
+def test_measured_fit_is_exact_at_its_world_size_and_extrapolates_as_stated(tmp_path):
     fit = MeasuredFit(overhead_s=1e-3, bandwidth_Bps=1e9, world_size=2)
     per_hop, per_call = fit.fabric("per_hop"), fit.fabric("per_call")
     S = 1e6  # 1 ms at 1 GB/s
@@ -122,8 +122,14 @@ def test_measured_fit_is_exact_at_its_world_size_and_extrapolates_as_stated():
     assert per_call.all_reduce_s(S, 2) == pytest.approx(2e-3)
     assert per_hop.all_reduce_s(S, 8) == pytest.approx(7e-3 + 1.75e-3)  # (n-1) o + 2(n-1)/n S / w
     assert per_call.all_reduce_s(S, 8) == pytest.approx(1e-3 + 1.75e-3)  # o + 2(n-1)/n S / w
-    cpu = read_fit(REPO / "benchmarks" / "results" / "cpu" / "bucket_prediction.json")
-    assert cpu.world_size == 2 and cpu.overhead_s == pytest.approx(2.86e-4, rel=1e-2) and cpu.bandwidth_Bps > 1e9
+    # the sweep's bucket_prediction.json (its fit, the measured points and the chosen bucket) is read as such
+    path = tmp_path / "bucket_prediction.json"
+    path.write_text(json.dumps({"overhead_s": 8.4e-4, "bandwidth_Bps": 1.5e9, "sizes": [4096], "times_s": [8.4e-4],
+                                "world_size": 2, "backend": "gloo", "device": "cpu", "bucket_bytes": 5120000}))
+    cpu = read_fit(path)
+    assert (cpu.world_size, cpu.overhead_s, cpu.bandwidth_Bps, cpu.backend) == (2, 8.4e-4, 1.5e9, "gloo")
+    with pytest.raises(ValueError, match="predict_bucket_size"):
+        read_fit(tmp_path / "missing.json")
 
 
 # ---- timelines of a hand-made 3-parameter profile ----------------------------------------------------------
@@ -420,3 +426,29 @@ def test_every_registered_algorithm_is_simulated_with_its_bucket_axis():
     for name, algorithm in ALGORITHMS.items():
         assert name in STRATEGIES, f"{name} is registered but not simulated"
         assert STRATEGIES[name].has_bucket_size == algorithm.has_bucket_size, name
+
+
+# ---- the validation against a sweep ---------------------------------------------------------------------------
+
+
+def _cell(strategy: str, measured: float, lo: float, hi: float, predicted: float, batch: int = 2) -> dict:
+    return {"cell_id": strategy, "strategy": strategy, "bucket_size_mb": "", "batch_size": batch, "context_length": 32,
+            "precision": "32-true", "measured_step_ms": measured, "measured_step_lo": lo, "measured_step_hi": hi,
+            "measured_share": 0.1, "predicted_step_ms": predicted, "predicted_share": 0.1,
+            "step_error": predicted / measured - 1}
+
+
+def test_ranking_is_checked_only_where_the_measured_intervals_separate_the_cells():
+    from lightning_ddp.project.validate import ranking_agreement
+
+    cells = [
+        _cell("naive", 130, 125, 135, 140),  # clearly slower than flat and ddp: 2 separated pairs
+        _cell("flat", 100, 95, 105, 90),
+        _cell("ddp", 102, 99, 110, 95),  # overlaps flat: not a pair; the prediction's order of them is not checked
+        _cell("overlap", 60, 55, 65, 120, batch=4),  # another group: never compared with the ones above
+    ]
+    agree, pairs, disagreements = ranking_agreement(cells)
+    assert (agree, pairs, disagreements) == (2, 2, [])
+    cells[0]["predicted_step_ms"] = 92  # naive now predicted faster than ddp (95) but slower than flat (90)
+    agree, pairs, disagreements = ranking_agreement(cells)
+    assert (agree, pairs) == (1, 2) and disagreements == ["ddp < naive (b2 t32)"]

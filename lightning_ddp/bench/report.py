@@ -609,6 +609,16 @@ def _how_to_read(repeats: Any, samples: int) -> list[str]:
     ]
 
 
+def _resumed_across(environment: dict[str, Any]) -> str:
+    """A note when a resumed sweep's sessions ran different code (commits, or a dirty tree)."""
+    sessions = environment.get("sessions") or []
+    code = {(str(x.get("git_commit") or "unknown")[:12], bool(x.get("git_dirty"))) for x in sessions}
+    if len(code) <= 1:
+        return ""
+    described = ", ".join(sorted(c + (" (dirty)" if dirty else "") for c, dirty in code))
+    return f"; **resumed across {len(sessions)} sessions running different code**: {described}"
+
+
 def build_report(
     rows: list[Row],
     title: str = "sweep",
@@ -646,7 +656,8 @@ def build_report(
             f"- {repeats} repeats per cell, interleaved; each {run.get('warmup_steps', '?')} warm-up + "
             f"{run.get('steps', '?')} measured steps in fresh processes; torch {environment.get('torch')}, "
             f"lightning {environment.get('lightning')}, commit {str(environment.get('git_commit') or 'unknown')[:12]}"
-            + (" **with uncommitted changes** (environment.json lists them)" if environment.get("git_dirty") else ""),
+            + (" **with uncommitted changes** (environment.json lists them)" if environment.get("git_dirty") else "")
+            + _resumed_across(environment),
             "- full configuration, versions and hardware: environment.json; raw data: steps.csv and repeats.csv; "
             "per-repeat logs: runs/<cell_id>/r<k>/",
         ]

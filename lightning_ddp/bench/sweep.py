@@ -151,6 +151,8 @@ def run_sweep(
     if layout is None:
         layout = _default_layout(config)
     environment = describe_environment(config, layout)
+    environment["sessions"] = _sessions(_read_json(out_dir / ENVIRONMENT_JSON) if repeats else None, environment,
+                                        sum(1 for row in repeats.values() if row["status"] == "ok"))
     write_text_atomically(out_dir / ENVIRONMENT_JSON, json.dumps(environment, indent=2, default=str) + "\n")
     if not repeats and (out_dir / RESULTS_CSV).exists():
         say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
@@ -285,6 +287,15 @@ def _write_outputs(
 
     predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
     return grid_rows, write_plots(out_dir, grid_rows, predicted_mb, analysis)
+
+
+def _sessions(previous: dict[str, Any] | None, current: dict[str, Any], repeats_done: int) -> list[dict[str, Any]]:
+    """Every session that ran repeats of this sweep, oldest first: when it started, the code it ran (commit, dirty)
+    and how many repeats were already done. A resumed sweep keeps the earlier sessions, so results measured
+    across two commits say so."""
+    keys = ("created", "git_commit", "git_dirty", "git_changed", "hostname")
+    earlier = list((previous or {}).get("sessions") or ([{k: previous.get(k) for k in keys}] if previous else []))
+    return [*earlier, {**{k: current.get(k) for k in keys}, "repeats_done_before": repeats_done}]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -433,6 +444,6 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
         "backend": layout.backend,
         "layout": dataclasses.asdict(layout),
         "threads_per_rank": threads_per_rank(config),
-        **git_state(),
+        **git_state(ignore=[config.output.out_dir]),  # the sweep's own results are not a code change
         "config": dataclasses.asdict(config),
     }

@@ -1,0 +1,267 @@
+"""``python -m lightning_ddp.project.validate``: the projection against this project's own CPU sweep.
+
+    python -m lightning_ddp.project.validate --sweep benchmarks/results/cpu --out benchmarks/results/projection
+
+For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning_ddp.project.strategies``) from
+
+- its own measured compute timeline: the ``compute_profile.json`` the CommTimer wrote in that cell, which the
+  sweep keeps in ``profiles.json`` (forward, backward, optimizer and when each gradient became ready, medians over
+  the cell's measured steps);
+- the sweep's measured all-reduce fit ``t = o + S / w`` (``bucket_prediction.json``), on the cell's world size;
+- copies at ``--copy_GBps`` (measured here with a large ``torch.Tensor.copy_`` unless given),
+
+and compare the predicted step time and communication share with the measured ones (``results.csv``: pooled
+medians and 95 % intervals over the repeats). A second prediction uses the group's *reference* profile instead
+(one process, no communication, the whole machine to itself): the gap between the two shows how much of a cell's
+time on 2 shared cores is compute slowed down by the other rank and by gloo's threads, which the model leaves out.
+
+Outputs (``--out``): ``cpu_sweep_validation.csv`` (one row per cell), ``cpu_sweep_validation.md`` (the error per
+cell, the median absolute error against the 15 % goal, and the ranking check: for every pair of cells of a group
+whose measured intervals do not overlap, does the prediction order them the same way?), and the comparison of
+``bucket_size_mb: auto``'s square-root rule with the bucket size the projection would choose, each against the
+step time the sweep measured there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from lightning_ddp.project.comm import read_fit
+from lightning_ddp.project.profile import ComputeProfile, write_atomically
+from lightning_ddp.project.strategies import STRATEGIES, StepModel, simulate
+
+__all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells"]
+
+GOAL_MEDIAN_ABS_ERROR = 0.15
+"""The goal: median |predicted - measured| / measured step time within 15 %."""
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Bytes read + written per second of a large contiguous ``copy_`` on this machine (median of ``repeats``)."""
+    import time
+
+    import torch
+
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)  # warm-up: page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
+                   copy_Bps: float) -> list[dict[str, Any]]:
+    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and share."""
+    comm = read_fit(fit_path).fabric()
+    reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
+                 for r in rows if r["strategy"] == "reference"}
+    out = []
+    for r in rows:
+        if r["status"] != "ok" or r["strategy"] not in STRATEGIES or r["cell_id"] not in profiles:
+            continue
+        size = _float(r.get("resolved_bucket_size_mb")) or _float(r.get("bucket_size_mb"))
+        world = int(r["world_size"])
+        own = ComputeProfile.from_dict(profiles[r["cell_id"]], origin=f"profile of {r['cell_id']}")
+        predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps),
+                             size if STRATEGIES[r["strategy"]].has_bucket_size else None)
+        row: dict[str, Any] = {
+            "cell_id": r["cell_id"], "strategy": r["strategy"], "bucket_size_mb": size or "",
+            "batch_size": int(r["batch_size"]), "context_length": int(r["context_length"]), "precision": r["precision"],
+            "measured_step_ms": float(r["step_ms_median"]), "measured_step_lo": _float(r.get("step_ms_lo")),
+            "measured_step_hi": _float(r.get("step_ms_hi")), "measured_share": _float(r.get("comm_share")),
+            "predicted_step_ms": predicted.step_ms, "predicted_share": predicted.comm_share,
+        }
+        row["step_error"] = row["predicted_step_ms"] / row["measured_step_ms"] - 1
+        ref = reference.get((r["precision"], r["batch_size"], r["context_length"]))
+        if ref is not None:
+            ref_profile = ComputeProfile.from_dict(ref, origin="reference profile")
+            from_reference = simulate(r["strategy"], StepModel(ref_profile, comm, world, copy_Bps),
+                                      size if STRATEGIES[r["strategy"]].has_bucket_size else None)
+            row["predicted_step_ms_from_reference"] = from_reference.step_ms
+            row["step_error_from_reference"] = from_reference.step_ms / row["measured_step_ms"] - 1
+        out.append(row)
+    return out
+
+
+def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
+    """``(agree, pairs, disagreements)`` over the pairs of cells of one group whose measured intervals do not
+    overlap: the prediction must put the measurably faster cell first."""
+    agree = pairs = 0
+    disagreements = []
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["precision"], c["batch_size"], c["context_length"]), []).append(c)
+    for group in groups.values():
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                if None in (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"]):
+                    continue
+                if a["measured_step_hi"] < b["measured_step_lo"]:
+                    faster, slower = a, b
+                elif b["measured_step_hi"] < a["measured_step_lo"]:
+                    faster, slower = b, a
+                else:
+                    continue  # the measurement cannot order them
+                pairs += 1
+                if faster["predicted_step_ms"] < slower["predicted_step_ms"]:
+                    agree += 1
+                else:
+                    disagreements.append(f"{_name(faster)} < {_name(slower)} (b{faster['batch_size']} "
+                                         f"t{faster['context_length']})")
+    return agree, pairs, disagreements
+
+
+def _name(cell: dict[str, Any]) -> str:
+    size = cell["bucket_size_mb"]
+    return cell["strategy"] + (f"@{size:g}" if isinstance(size, float) else "")
+
+
+def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
+                 sqrt_rule_mb: float | None, candidates: Iterable[float]) -> list[dict[str, Any]]:
+    """Per group: the square-root rule's size and the projection's best size (simulated on the group's best
+    ``bucketed`` cell's own profile over ``candidates``), each with the step time measured at the nearest size the
+    sweep measured."""
+    comm = read_fit(fit_path).fabric()
+    out = []
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for c in cells:
+        if c["strategy"] == "bucketed" and isinstance(c["bucket_size_mb"], float):
+            groups.setdefault((c["precision"], c["batch_size"], c["context_length"]), []).append(c)
+    for key, group in groups.items():
+        best_measured = min(group, key=lambda c: c["measured_step_ms"])
+        profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
+        predicted = {s: simulate("bucketed", StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
+        projection_mb = min(predicted, key=predicted.get)
+
+        def measured_at(size: float | None) -> dict[str, Any] | None:
+            if size is None:
+                return None
+            return min(group, key=lambda c: abs(_log(c["bucket_size_mb"]) - _log(size)))
+
+        sqrt_cell, projection_cell = measured_at(sqrt_rule_mb), measured_at(projection_mb)
+        out.append({"group": key, "sqrt_rule_mb": sqrt_rule_mb, "projection_mb": projection_mb,
+                    "measured_at_sqrt": sqrt_cell, "measured_at_projection": projection_cell,
+                    "measured_best": best_measured})
+    return out
+
+
+def _log(x: float) -> float:
+    import math
+
+    return math.log(x)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[str]], auto: list[dict[str, Any]],
+                   copy_Bps: float, command: str, fit: dict[str, Any]) -> str:
+    errors = [abs(c["step_error"]) for c in cells]
+    ref_errors = [abs(c["step_error_from_reference"]) for c in cells if "step_error_from_reference" in c]
+    median_error = statistics.median(errors) if errors else float("nan")
+    verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
+    agree, pairs, disagreements = agreement
+    lines = [
+        "# The projection against the CPU sweep", "",
+        f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
+        f"w = {fit['bandwidth_Bps'] / 1e9:.3f} GB/s; copies at {copy_Bps / 1e9:.2f} GB/s (read + written, measured "
+        "here). Each cell is simulated from its own measured compute timeline (its `compute_profile.json`).", "",
+        f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over {len(errors)} cells "
+        f"(goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest {100 * max(errors):.1f} %."
+        if errors else "No cell could be predicted (no profiles).",
+        "",
+        f"From the group's reference profile instead (compute measured alone, without the other rank and gloo's "
+        f"threads on the 2 cores): median error {100 * statistics.median(ref_errors):.1f} %." if ref_errors else "",
+        "",
+        f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
+        f"orders {agree} the same way" + (f"; not: {'; '.join(disagreements)}." if disagreements else "."), "",
+        "| cell | measured step ms [95 %] | predicted | error | from reference | measured share | predicted share |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        lines.append(
+            f"| {_name(c)} b{c['batch_size']} t{c['context_length']} | {c['measured_step_ms']:.1f} "
+            f"[{_fmt(c['measured_step_lo'], '.1f')}, {_fmt(c['measured_step_hi'], '.1f')}] | "
+            f"{c['predicted_step_ms']:.1f} | {100 * c['step_error']:+.1f} % | "
+            f"{_fmt(100 * c['step_error_from_reference'] if 'step_error_from_reference' in c else None, '+.1f')} % | "
+            f"{_fmt(100 * c['measured_share'] if c['measured_share'] is not None else None, '.1f')} % | "
+            f"{100 * c['predicted_share']:.1f} % |")
+    lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", "",
+              "Per group, each rule's size and the step time the sweep measured at the nearest measured size "
+              "(pooled median [95 %]).", "",
+              "| group | sqrt rule | measured there | projection | measured there | best measured |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for a in auto:
+        p, b, t = a["group"]
+
+        def at(cell: dict[str, Any] | None) -> str:
+            if cell is None:
+                return "-"
+            return (f"{cell['measured_step_ms']:.1f} [{_fmt(cell['measured_step_lo'], '.1f')}, "
+                    f"{_fmt(cell['measured_step_hi'], '.1f')}] ({_name(cell)})")
+
+        lines.append(f"| {p} b{b} t{t} | {_fmt(a['sqrt_rule_mb'], '.3g')} MiB | {at(a['measured_at_sqrt'])} | "
+                     f"{a['projection_mb']:g} MiB | {at(a['measured_at_projection'])} | {at(a['measured_best'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.project.validate", description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", default="benchmarks/results/cpu", help="a sweep's output directory")
+    parser.add_argument("--out", default="benchmarks/results/projection", help="where the validation goes")
+    parser.add_argument("--copy_GBps", type=float, default=None, help="copy bandwidth (read + written); default: measured")
+    args = parser.parse_args(argv)
+    sweep = Path(args.sweep)
+    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
+        if not (sweep / name).is_file():
+            print(f"error: {sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
+                  "configs/bench/cpu.yaml)", file=sys.stderr)
+            return 2
+    rows = _read_csv(sweep / "results.csv")
+    profiles = json.loads((sweep / "profiles.json").read_text())
+    fit = json.loads((sweep / "bucket_prediction.json").read_text())
+    copy_Bps = args.copy_GBps * 1e9 if args.copy_GBps else measure_copy_bandwidth()
+    cells = validate_cells(rows, profiles, sweep / "bucket_prediction.json", copy_Bps)
+    agreement = ranking_agreement(cells)
+    sqrt_mb = fit["bucket_bytes"] / 2**20 if fit.get("bucket_bytes") else None
+    auto = compare_auto(cells, profiles, sweep / "bucket_prediction.json", copy_Bps, sqrt_mb,
+                        [0.25, 0.5, 1, 2, 4, 8, 16, 32])
+    command = "python -m lightning_ddp.project.validate " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    buffer = io.StringIO()
+    columns = list(dict.fromkeys(k for c in cells for k in c))
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(cells)
+    write_atomically(out / "cpu_sweep_validation.csv", buffer.getvalue())
+    markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
+    write_atomically(out / "cpu_sweep_validation.md", markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

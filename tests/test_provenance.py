@@ -1,0 +1,49 @@
+"""git_state: the commit and the changed files, minus the directories a run writes its own results into."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lightning_ddp import provenance
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch) -> Path:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for args in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *args], cwd=repo, check=True)
+    (repo / "code.py").write_text("x = 1\n")
+    subprocess.run(["git", "add", "code.py"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True)
+    monkeypatch.setattr(provenance, "_REPO", repo.resolve())
+    return repo
+
+
+def test_clean_tree_then_results_dir_ignored_then_code_change_counted(checkout: Path) -> None:
+    state = provenance.git_state()
+    assert state["git_dirty"] is False and len(state["git_commit"]) == 40 and state["git_changed"] == []
+
+    results = checkout / "benchmarks" / "results" / "cpu"
+    results.mkdir(parents=True)
+    (results / "repeats.csv").write_text("a\n")
+    assert provenance.git_state()["git_dirty"] is True  # untracked files count
+    assert provenance.git_state(ignore=[results])["git_dirty"] is False  # unless they are the run's own output
+
+    (checkout / "code.py").write_text("x = 2\n")
+    state = provenance.git_state(ignore=[results])
+    assert state["git_dirty"] is True and state["git_changed"] == ["code.py"]
+    assert provenance.git_state(ignore=["/somewhere/else"])["git_changed"] == ["code.py", "benchmarks/"]
+
+
+def test_outside_a_checkout_everything_is_unknown(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(provenance, "_REPO", tmp_path)
+    if subprocess.run(["git", "rev-parse"], cwd=tmp_path, capture_output=True).returncode == 0:
+        pytest.skip("the temporary directory is inside a git checkout")
+    assert provenance.git_state() == {"git_commit": None, "git_dirty": None, "git_changed": None}
