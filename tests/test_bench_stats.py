@@ -132,3 +132,26 @@ def test_missing_values_and_empty_input() -> None:
     assert estimate([[np.nan, 5.0, 5.0], [5.0]], 200, seed=0) == Estimate(5.0, 5.0, 5.0)
     with pytest.raises(ValueError, match="no measurements"):
         hierarchical_bootstrap([[], []], 10, rng_for(0))
+
+
+# ---- the bf16 compression benchmark's summary ------------------------------------------------------------------
+
+
+def test_compression_summary_pairs_runs_by_seed_and_reports_the_fp32_spread() -> None:
+    from lightning_ddp.bench.compression import summarize
+
+    def run(losses, step_ms=100.0, nbytes=4.0):
+        return {"loss": losses, "step_ms_median": step_ms, "exposed_ms_median": 5.0, "bytes_per_step": nbytes}
+
+    runs = {
+        0: {"bucketed": run([5.0, 2.0, 1.0]), "bucketed_bf16": run([5.0, 2.5, 1.5], 90.0, 2.0)},
+        1: {"bucketed": run([5.0, 2.0, 1.4]), "bucketed_bf16": run([5.0, 2.0, 1.2], 94.0, 2.0)},
+    }
+    s = summarize(runs, errors=[(0.002, 1e-3), (0.004, 2e-3), (0.003, 5e-4)], last=2)
+    assert s["seeds"] == [0, 1] and s["loss_first"] == [5.0, 5.0]
+    assert s["loss_last_mean"] == {"0": [1.5, 2.0], "1": [1.7, 1.6]}
+    assert s["bf16_minus_fp32"] == {"0": pytest.approx(0.5), "1": pytest.approx(-0.1)}
+    assert s["fp32_seed_spread"] == pytest.approx(0.2)
+    assert s["loss_max_abs_difference"] == pytest.approx(0.5)
+    assert s["relative_gradient_error_median"] == 0.003 and s["absolute_gradient_error_max"] == 2e-3
+    assert s["step_ms_median"] == [100.0, 92.0] and s["bytes_per_step"] == [4.0, 2.0]
