@@ -155,3 +155,17 @@ def test_compression_summary_pairs_runs_by_seed_and_reports_the_fp32_spread() ->
     assert s["loss_max_abs_difference"] == pytest.approx(0.5)
     assert s["relative_gradient_error_median"] == 0.003 and s["absolute_gradient_error_max"] == 2e-3
     assert s["step_ms_median"] == [100.0, 92.0] and s["bytes_per_step"] == [4.0, 2.0]
+
+
+def test_timer_overhead_is_a_ratio_of_pooled_medians_with_an_interval_and_a_verdict() -> None:
+    from lightning_ddp.bench.timer_overhead import summarize
+
+    windows = {"off": [100.0, 100.0], "on": [101.0, 101.0]}
+    same = summarize({"off": [[100.0] * 5, [100.0] * 5], "on": [[101.0] * 5, [101.0] * 5]}, windows, 200)
+    assert same["overhead"] == pytest.approx(0.01) and same["overhead_lo"] == pytest.approx(0.01)
+    assert same["verdict"] == "met" and same["window_overhead"] == pytest.approx(0.01)
+    # one repeat of the "on" arm much slower (a drift of the machine): the point moves, the interval says so
+    drift = summarize({"off": [[100.0] * 5, [100.0] * 5], "on": [[101.0] * 5, [125.0] * 5]}, windows, 200)
+    assert drift["overhead_lo"] == pytest.approx(0.01) and drift["overhead_hi"] == pytest.approx(0.25)
+    assert drift["verdict"] == "inconclusive"
+    assert summarize({"off": [[100.0] * 3] * 2, "on": [[110.0] * 3] * 2}, windows, 200)["verdict"] == "missed"
