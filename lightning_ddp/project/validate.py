@@ -177,6 +177,19 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _bias_line(cells: list[dict[str, Any]]) -> str:
+    """Whether the errors lean one way: a median |error| within the goal can hide a model that is always fast."""
+    if not cells:
+        return ""
+    signed = [c["step_error"] for c in cells]
+    faster = sum(1 for e in signed if e < 0)
+    return (f"Bias: {faster} of {len(signed)} cells are predicted faster than measured (median signed error "
+            f"{100 * statistics.median(signed):+.1f} %). The model treats communication as free for compute, and "
+            "here it is not: on 2 cores gloo's reduction threads take CPU time from the backward they overlap, "
+            "and the all-reduce fit was measured with nothing else running. Read the goal's verdict together "
+            "with this line.")
+
+
 def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[str]], auto: list[dict[str, Any]],
                    copy_Bps: float, command: str, fit: dict[str, Any]) -> str:
     errors = [abs(c["step_error"]) for c in cells]
@@ -192,6 +205,8 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
         f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over {len(errors)} cells "
         f"(goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest {100 * max(errors):.1f} %."
         if errors else "No cell could be predicted (no profiles).",
+        "",
+        _bias_line(cells),
         "",
         f"From the group's reference profile instead (compute measured alone, without the other rank and gloo's "
         f"threads on the 2 cores): median error {100 * statistics.median(ref_errors):.1f} %." if ref_errors else "",
