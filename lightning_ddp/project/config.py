@@ -135,6 +135,13 @@ class StudyConfig:
             raise ValueError(f"`study.strategies` is empty; list at least one of {choices}")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
+            from lightning_ddp.sync.registry import ALGORITHMS
+
+            if unknown[0] in ALGORITHMS:  # registered for training, but nobody wrote its timeline model yet
+                raise ValueError(
+                    f"strategy {unknown[0]!r} is registered in lightning_ddp/sync/registry.py but has no model in the "
+                    "projection: add a simulate function and a `STRATEGIES` entry in lightning_ddp/project/strategies.py "
+                    f"(see simulate_bucketed), or leave it out of `study.strategies` (projected: {choices})")
             raise ValueError(f"unknown strategy {unknown[0]!r} in `study.strategies`; choose from {choices}")
         self.strategies = list(dict.fromkeys(self.strategies))
         if not self.world_sizes:

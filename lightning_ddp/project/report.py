@@ -107,6 +107,12 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
             cells.append("" if r is None else f"{_ms(r.busy_comm_ms)}, {r.calls} calls, {100 * r.overlap:.0f} % hidden")
         lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
     lines += ["", "## Caveats", ""]
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    unmodelled = [name for name in ALGORITHMS if name not in STRATEGIES]
+    if unmodelled:
+        lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, registered for training but with no "
+                     "timeline model in `lightning_ddp/project/strategies.py` yet.")
     zero1 = sorted((r for r in best.values() if r.strategy == "zero1"), key=lambda r: r.world_size)
     if zero1 and profile.grad_bytes:
         flags = 4 * len(profile.params)
