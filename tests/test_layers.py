@@ -72,7 +72,7 @@ def test_pure_modules_import_without_torch() -> None:
     # The accounting, the interval arithmetic, the registry and the range names are plain Python: the sweep and
     # the analysis read them without paying for torch.
     _run_without({"torch", "lightning", "lightning_fabric"}, """
-        import lightning_ddp, lightning_ddp.intervals, lightning_ddp.callbacks.accounting
+        import lightning_ddp, lightning_ddp.intervals, lightning_ddp.callbacks.accounting, lightning_ddp.sync.assignment
         from lightning_ddp.sync import ranges, registry
         assert "bucketed" in registry.ALGORITHMS and ranges.GRAD_SYNC
         assert "torch" not in sys.modules

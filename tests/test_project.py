@@ -290,7 +290,7 @@ def test_modelled_xl_profile_matches_the_real_model():
 # ---- agreement with the engines' own rules (these import torch) ------------------------------------------------
 
 
-def test_bucket_and_owner_rules_agree_with_the_engines():
+def test_bucket_and_owner_rules_are_the_engines_and_ddp_buckets_agree_with_torch():
     pytest.importorskip("torch")
     import torch
     import torch.distributed as dist
@@ -298,13 +298,11 @@ def test_bucket_and_owner_rules_agree_with_the_engines():
     from lightning_ddp.sync import assign_buckets as engine_buckets
     from lightning_ddp.sync import assign_owners as engine_owners
 
+    # the projection simulates with the engines' own functions, not a restatement of them
+    assert (assign_buckets, assign_owners) == (engine_buckets, engine_owners)
     rng = random.Random(0)
     for _ in range(50):
         sizes = [rng.choice([4, 40, 400, 4000, 40000]) * rng.randint(1, 9) for _ in range(rng.randint(1, 30))]
-        cap = rng.choice([None, 1, 100, 5000, 100000])
-        assert assign_buckets(sizes, cap) == engine_buckets(sizes, [torch.float32] * len(sizes), cap)
-        n = rng.randint(1, 12)
-        assert assign_owners(sizes, n) == engine_owners(sizes, n)
         order = list(reversed(range(len(sizes))))
         tensors = [torch.empty(s // 4) for s in sizes]
         expected, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], [400, 4000], [False] * len(sizes))

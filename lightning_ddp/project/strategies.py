@@ -50,11 +50,11 @@ To simulate a new strategy, write ``simulate_<name>(model, bucket_size_mb) -> St
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from lightning_ddp.project.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.project.comm import CommCost
-from lightning_ddp.project.profile import ComputeProfile
+from lightning_ddp.project.profile import ComputeProfile, ParamTiming
 
 __all__ = ["STRATEGIES", "Interval", "StepModel", "StepResult", "StrategySpec", "Timeline", "simulate"]
 
@@ -269,9 +269,15 @@ def _missing(model: StepModel) -> bool:
     return any(q.ready_ms is None for q in model.profile.params)
 
 
+def _engine_buckets(params: Sequence[ParamTiming], bucket_size_mb: Optional[float]) -> list[list[int]]:
+    """The bucketed engines' own assignment (``lightning_ddp.sync.assignment``); a profile's gradients share one
+    dtype, so only the cap closes a bucket."""
+    return assign_buckets([q.bytes for q in params], [None] * len(params), _cap_bytes(bucket_size_mb))
+
+
 def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
     params = model.profile.params
-    buckets = assign_buckets([q.bytes for q in params], _cap_bytes(bucket_size_mb))
+    buckets = _engine_buckets(params, bucket_size_mb)
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     # copied into the buffer (read + write) once; the gradients are views of it afterwards: no unpack
     copies = [model.copy_ms(2 * s) if buffered else 0.0 for s, buffered in zip(sizes, _buffered(buckets))]
@@ -287,7 +293,7 @@ def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -
 
 def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
     params = model.profile.params
-    buckets = assign_buckets([q.bytes for q in params], _cap_bytes(bucket_size_mb))
+    buckets = _engine_buckets(params, bucket_size_mb)
     numels = [sum(params[i].numel for i in bucket) for bucket in buckets]
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     wire = [2 * n for n in numels]  # bf16 on the wire

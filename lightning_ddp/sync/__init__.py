@@ -36,7 +36,7 @@ _HOMES = {
     "DataParallel": "lightning_ddp.sync.base",
     "broadcast_module_states": "lightning_ddp.sync.base",
     "BucketedDDP": "lightning_ddp.sync.bucketed",
-    "assign_buckets": "lightning_ddp.sync.bucketed",
+    "assign_buckets": "lightning_ddp.sync.assignment",
     "Communicator": "lightning_ddp.sync.comm",
     "Pending": "lightning_ddp.sync.comm",
     "FlatDDP": "lightning_ddp.sync.flat",

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ddp.sync.assignment import assign_buckets
 from lightning_ddp.sync.base import DataParallel
 from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.buffers import agree_on_gradients
@@ -69,30 +70,6 @@ def check_bucket_size(bucket_size_mb: float | str | None) -> None:
             f"bucket_size_mb must be > 0, 'auto' or null (a single bucket), got {bucket_size_mb!r}; "
             "set e.g. `bucket_size_mb: 25`."
         )
-
-
-def assign_buckets(nbytes: list[int], dtypes: list[torch.dtype], cap_bytes: int | None) -> list[list[int]]:
-    """Group parameter indices into buckets, walking them in reverse order.
-
-    A bucket closes when adding the next parameter would exceed ``cap_bytes`` (``None``: never) or when the
-    dtype changes. A parameter larger than the cap therefore sits alone in its bucket.
-
-    >>> assign_buckets([4, 4, 4, 12], [torch.float32] * 4, cap_bytes=8)
-    [[3], [2, 1], [0]]
-    """
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    current_bytes = 0
-    for index in reversed(range(len(nbytes))):
-        too_big = cap_bytes is not None and current_bytes + nbytes[index] > cap_bytes
-        if current and (too_big or dtypes[index] != dtypes[current[-1]]):
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(index)
-        current_bytes += nbytes[index]
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class _Bucket:

@@ -6,41 +6,13 @@ from typing import Sequence
 
 import torch
 
+from lightning_ddp.sync.assignment import assign_owners
+
 __all__ = ["assign_owners", "layout", "nbytes"]
 
 
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def assign_owners(nbytes: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> list[int]:
-    """The owner rank of each parameter: greedy, largest first, onto the least-loaded rank.
-
-    Parameters are visited by decreasing size, ties by index; each goes to the rank with the fewest bytes so
-    far, ties to the lower rank. Pure and deterministic, so every rank computes the same assignment. ``loads``
-    are bytes the ranks already own (for parameters added later with ``add_param_group``).
-
-    Sizes 12, 8, 4, 4 go to r0; r1; r1 (loads 12 : 8); r0 (12 : 12, a tie: the lower rank):
-
-    >>> assign_owners([4, 12, 8, 4], world_size=2)
-    [1, 0, 1, 0]
-
-    Continuing from loads 16 : 12, the first 4 goes to r1, the second to r0 (16 : 16, a tie):
-
-    >>> assign_owners([4, 4], world_size=2, loads=[16, 12])
-    [1, 0]
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    current = list(loads) if loads is not None else [0] * world_size
-    if len(current) != world_size:
-        raise ValueError(f"loads has {len(current)} entries, expected one per rank ({world_size})")
-    owners = [0] * len(nbytes)
-    for index in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
-        rank = min(range(world_size), key=lambda r: (current[r], r))
-        owners[index] = rank
-        current[rank] += nbytes[index]
-    return owners
 
 
 def layout(
