@@ -25,18 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 
 __all__ = ["gradient_error", "main", "summarize"]
 
@@ -89,10 +89,7 @@ def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, resu
     from lightning_ddp.sync import Communicator
     from lightning_ddp.sync.bucketed_bf16 import BF16CompressedAllReduce
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10))
+    init_cpu_process_group(rank, world, port)
     try:
         data = TextBytes(args.text, seq_len=args.seq_len)
         torch.manual_seed(0)
@@ -122,12 +119,6 @@ def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, resu
             Path(result_file).write_text(json.dumps(errors))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: list[tuple[float, float]]) -> None:
@@ -224,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import torch.multiprocessing as mp
 
         result_file = str(Path(tmp) / "errors.json")
-        mp.spawn(_error_rank, args=(2, _free_port(), args, result_file), nprocs=2, join=True)
+        mp.spawn(_error_rank, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
         errors = [tuple(e) for e in json.loads(Path(result_file).read_text())]
     s = summary = summarize(runs, errors)
     from lightning_ddp.provenance import git_state

@@ -29,18 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 
 __all__ = ["main", "parse_variant"]
 
@@ -72,10 +72,7 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result_file: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10))
+    init_cpu_process_group(rank, world, port)
     from lightning_ddp.model import GPT, get_config
 
     try:
@@ -123,12 +120,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, resul
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=["ddp", "bucketed@1", "bucketed@4"],
@@ -157,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "times.json")
-        mp.spawn(_rank_main, args=(2, _free_port(), args, result_file), nprocs=2, join=True)
+        mp.spawn(_rank_main, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
         measured = json.loads(Path(result_file).read_text())
     times = measured["wall"]
     rows = []

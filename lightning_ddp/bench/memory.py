@@ -34,7 +34,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -48,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ddp.bench.runner import find_free_port
 from lightning_ddp.provenance import git_state
 
 __all__ = [
@@ -482,12 +482,6 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
     import torch.multiprocessing as mp
@@ -505,7 +499,7 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="memory_bench_") as scratch:
         for number, modes in enumerate(batches):
             result_file = str(Path(scratch) / f"ranks{number}.json")
-            mp.spawn(_rank_main, args=(config, modes, _free_port(), result_file), nprocs=config.devices, join=True)
+            mp.spawn(_rank_main, args=(config, modes, find_free_port(), result_file), nprocs=config.devices, join=True)
             per_rank = json.loads(Path(result_file).read_text())  # [rank][mode index] -> one rank's result
             per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     results = _summarise(config, per_mode)

@@ -48,6 +48,7 @@ __all__ = [
     "classify",
     "error_line",
     "find_free_port",
+    "init_cpu_process_group",
     "is_oom",
     "run_processes",
 ]
@@ -91,6 +92,20 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
+    """Join a gloo group of ``world_size`` processes on this host (the benchmarks' ``mp.spawn`` ranks): each rank
+    gets its share of the cores, and gloo talks over loopback."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=10))
 
 
 def is_oom(text: str) -> bool:
