@@ -3,6 +3,9 @@ for NCCL's future, a fake all-reduce for the other rank. The GPU itself runs the
 
 - a collective's completion: NCCL's future callback records an event (on the callback's stream, which waits for
   the kernel); gloo's reads the host clock; a recorded completion is never replaced by the end of a wait;
+- the backend is decided per tensor device from the group's spec (``cpu:gloo,cuda:nccl``), never by comparing the
+  spec with "nccl": the communicator's completions, ZeRO-1's ``collectives: auto``, the bucket model's default
+  device and the strategy's check all ask ``backend_for`` / ``backend_from_spec``;
 - one synchronize per measured step, and the next step anchored on it for free;
 - the division by the world size happens before launch (pre-scaling), in every engine;
 - the bucketed engine reads the gradient-presence flags last;
@@ -127,22 +130,131 @@ def test_a_collective_without_a_completion_falls_back_to_the_end_of_its_wait() -
     assert recorder.finish_step().collectives[0].completed == pytest.approx(9.0)
 
 
-def test_the_communicator_asks_for_device_completion_on_nccl_only(monkeypatch) -> None:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+class FakeCudaTensor:
+    """What the communicator reads of a tensor on a GPU: its device and size (the collective itself is faked)."""
+
+    device = torch.device("cuda", 0)
+
+    def numel(self) -> int:
+        return 4
+
+    def element_size(self) -> int:
+        return 4
+
+
+def _pretend_spec(monkeypatch, spec: str) -> None:
+    """Make the process group look initialised with backend ``spec``, as torch describes such a group:
+    ``get_backend`` returns the spec as given, ``get_backend_config`` torch's device map of it."""
+    config = str(dist.distributed_c10d.BackendConfig(spec))  # e.g. "nccl" -> "cuda:nccl"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: spec)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    # the mixed spec: a CUDA tensor goes over NCCL, a CPU tensor over gloo. Comparing the spec with "nccl"
+    # said "not NCCL" for both, and NCCL completions became host times read at launch.
+    ("cpu:gloo,cuda:nccl", {"cuda": FakeEvent, "cpu": float}),
+    ("gloo", {"cuda": float, "cpu": float}),  # gloo with CUDA tensors (2 ranks on one GPU): the host clock
+    ("nccl", {"cuda": FakeEvent}),  # NCCL moves CUDA tensors only
+])
+def test_the_communicator_asks_for_device_completion_where_nccl_moves_the_tensor(
+    world_of_one, monkeypatch, spec: str, expected: dict
+) -> None:
+    _pretend_spec(monkeypatch, spec)
+    comm = comm_module.Communicator()
+    comm.recorder = recorder = Recorder(clock=FakeCudaClock())
+    works = []
+    monkeypatch.setattr(comm_module.dist, "all_reduce", lambda *a, **k: works.append(FakeWork()) or works[-1])
+    recorder.open_step(0)
+    for device_type, completion in expected.items():
+        tensor = FakeCudaTensor() if device_type == "cuda" else torch.zeros(4)
+        pending = comm.all_reduce(tensor, device_type)
+        works[-1].future.complete()
+        assert isinstance(pending.collective.completed, completion), (spec, device_type)
+
+
+@pytest.mark.parametrize("spec, device, expected", [
+    ("nccl", "cuda", "nccl"),  # a plain name applies to every device ...
+    ("nccl", "cpu", "nccl"),  # ... even one it cannot serve: the strategy turns that into an error with the fix
+    ("gloo", "cuda:1", "gloo"),
+    ("cpu:gloo,cuda:nccl", "cpu", "gloo"),  # device-qualified: the entry for the device's type
+    ("cpu:gloo,cuda:nccl", torch.device("cuda", 1), "nccl"),
+    ("CUDA:NCCL, cpu:gloo", "cuda:0", "nccl"),  # torch lower-cases the spec; spaces after commas are tolerated
+    ("cpu:gloo", "cuda", None),  # nothing serves CUDA tensors in this group
+])
+def test_backend_from_spec_reads_plain_and_device_qualified_specs(spec: str, device, expected) -> None:
+    from lightning_ddp.sync.comm import backend_from_spec
+
+    assert backend_from_spec(spec, device) == expected
+
+
+def test_parse_backend_spec_and_its_errors() -> None:
+    from lightning_ddp.sync.comm import parse_backend_spec
+
+    assert parse_backend_spec("gloo") == {"*": "gloo"}  # "*": every device
+    assert parse_backend_spec("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    with pytest.raises(ValueError, match="cpu:gloo,cuda:nccl"):  # the message shows the expected form
+        parse_backend_spec("cpu:gloo,cuda")
+    with pytest.raises(ValueError, match="twice"):
+        parse_backend_spec("cuda:nccl,cuda:gloo")
+
+
+def test_backend_for_reads_the_live_group(monkeypatch) -> None:
+    from lightning_ddp.sync.comm import backend_for
+
+    dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)  # torch takes it on CPU
     try:
-        comm = comm_module.Communicator()
-        comm.recorder = recorder = Recorder(clock=FakeCudaClock())
-        works = []
-        monkeypatch.setattr(comm_module.dist, "all_reduce", lambda *a, **k: works.append(FakeWork()) or works[-1])
-        recorder.open_step(0)
-        for backend in ("nccl", "gloo"):
-            comm.backend = backend
-            pending = comm.all_reduce(torch.zeros(4), backend)
-            works[-1].future.complete()
-            expected = FakeEvent if backend == "nccl" else float
-            assert isinstance(pending.collective.completed, expected), backend
+        assert dist.get_backend() == "cpu:gloo"  # the spec as given: comparing it with "gloo" fails
+        assert backend_for("cpu") == backend_for(torch.device("cpu")) == "gloo"
+        with pytest.raises(ValueError, match="no backend for cuda tensors.*cuda:nccl"):
+            backend_for("cuda:0")
+        _pretend_spec(monkeypatch, "cpu:gloo,cuda:nccl")
+        assert (backend_for("cpu"), backend_for("cuda:1")) == ("gloo", "nccl")
     finally:
         dist.destroy_process_group()
+
+
+def test_zero1_auto_collectives_follow_the_parameters_device(monkeypatch) -> None:
+    from lightning_ddp.sync.zero1 import ShardedOptimizer
+    from lightning_ddp.sync.zero1.optimizer import resolve_collectives
+
+    dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        optimizer = ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+        assert optimizer.collectives == "per_owner"  # gloo moves the CPU parameters ("cpu:gloo" != "gloo")
+        _pretend_spec(monkeypatch, "cpu:gloo,cuda:nccl")
+        assert resolve_collectives("auto", "cpu") == "per_owner"  # gloo: reduce / broadcast per owner
+        assert resolve_collectives("auto", "cuda:0") == "native"  # NCCL: reduce-scatter / all-gather
+        assert resolve_collectives("per_owner", "cuda:0") == "per_owner"  # a choice made is kept
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bucket_measurement_defaults_to_the_device_nccl_serves(world_of_one, monkeypatch) -> None:
+    from lightning_ddp.sync.bucket_model import default_measure_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert default_measure_device() == torch.device("cpu")  # a plain gloo group
+    _pretend_spec(monkeypatch, "cpu:gloo,cuda:nccl")  # the gradients of such a run are on the GPU, over NCCL
+    assert default_measure_device() == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("spec, device, error", [
+    ("nccl", "cpu", "needs CUDA GPUs"),
+    ("cpu:nccl", "cpu", "needs CUDA GPUs"),
+    ("cuda:nccl", "cpu", "no backend for cpu"),  # nothing would move this run's CPU tensors
+    ("cpu:gloo,cuda:nccl", "cpu", None),  # gloo serves the CPU run: no error ...
+    ("gloo", "cpu", None),
+])
+def test_the_strategy_checks_the_backend_of_its_own_device(spec: str, device: str, error: str | None) -> None:
+    from lightning_ddp.strategies import GradSyncStrategy
+
+    strategy = GradSyncStrategy(parallel_devices=[torch.device(device)], process_group_backend=spec)
+    if error is None:
+        strategy.check_process_group_backend()
+    else:
+        with pytest.raises(ValueError, match=error):
+            strategy.check_process_group_backend()
 
 
 def test_one_synchronize_per_measured_step_and_the_next_anchor_for_free() -> None:
@@ -348,3 +460,44 @@ def test_gradients_are_views_into_the_buckets_and_accumulate_there(world_of_one)
         assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(bucket.params, bucket.views))
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+
+
+# ---- a device-qualified spec on two real ranks ----------------------------------------------------------------
+
+
+def _zero1_step_on_a_device_qualified_group(rank: int, world_size: int) -> dict:
+    from lightning_ddp.sync import DeferredGradSync, ShardedOptimizer
+
+    group = dist.new_group(backend="cpu:gloo")  # torch's device-qualified form, on CPU
+    torch.manual_seed(0)
+    model = _Small(unused=False)
+    engine = DeferredGradSync(model, process_group=group)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, schedule="reduce_scatter", process_group=group,
+                                 lr=0.1)
+    engine.recorder = optimizer.recorder = recorder = Recorder()
+    recorder.open_step(0)
+    engine.on_train_batch_start()
+    engine(torch.randn(4, 5) + rank).sum().backward()
+    engine.finish_gradient_synchronization()
+    optimizer.step()
+    record = recorder.finish_step()
+    return {
+        "backend": dist.get_backend(group),
+        "collectives": optimizer.collectives,
+        "ops": sorted({c.op for c in record.collectives}),
+        "intervals": [(c.launched, c.completed) for c in record.collectives],
+        "weights": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_one_zero1_step_on_two_ranks_of_a_cpu_gloo_group() -> None:
+    from tests.dist_utils import run_on_ranks
+
+    ranks = run_on_ranks(_zero1_step_on_a_device_qualified_group, 2)
+    for result in ranks:
+        assert result["backend"] == "cpu:gloo"  # the spec as given: the old `== "gloo"` test said "not gloo"
+        assert result["collectives"] == "per_owner"  # auto, resolved for the CPU parameters: gloo moves them
+        assert {"reduce", "broadcast"} <= set(result["ops"])  # what per_owner issues (native: reduce_scatter)
+        assert all(end >= start for start, end in result["intervals"])  # host times on one clock
+    for mine, theirs in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        torch.testing.assert_close(mine, theirs)  # the owners shared their updated shards
