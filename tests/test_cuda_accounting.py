@@ -7,6 +7,8 @@ for NCCL's future, a fake all-reduce for the other rank. The GPU itself runs the
   spec with "nccl": the communicator's completions, ZeRO-1's ``collectives: auto``, the bucket model's default
   device and the strategy's check all ask ``backend_for`` / ``backend_from_spec``;
 - one synchronize per measured step, and the next step anchored on it for free;
+- a measurement never ends a run: marks that contradict each other (two clocks) are clamped, counted in
+  ``comm/clock_anomalies`` and the summary, and warned about once per run;
 - the division by the world size happens before launch (pre-scaling), in every engine;
 - the bucketed engine reads the gradient-presence flags last;
 - every copy and scaling of gradients is a ``pack`` span, wherever it runs;
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,9 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ddp.callbacks.accounting import (
+    METRIC_KEYS,
+    ClockAnomalyWarning,
+    StepTiming,
+    TimingSummary,
+    step_metrics,
+)
 from lightning_ddp.sync import ALGORITHMS, Collective, Recorder, get_algorithm
 from lightning_ddp.sync import comm as comm_module
-from lightning_ddp.sync.record import StepClock
+from lightning_ddp.sync.record import StepClock, SyncRecord
 
 # ---- fakes --------------------------------------------------------------------------------------------------
 
@@ -460,6 +470,111 @@ def test_gradients_are_views_into_the_buckets_and_accumulate_there(world_of_one)
         assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(bucket.params, bucket.views))
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+
+
+# ---- a measurement never ends a run: inconsistent marks are clamped and counted ------------------------------
+
+
+def _c(launched: float, completed: float, nbytes: int = 0) -> Collective:
+    return Collective("all_reduce", "test", nbytes, launched, completed)
+
+
+def _clean_summary() -> TimingSummary:
+    summary = TimingSummary()
+    summary.add(0, step_metrics(StepTiming(step_ms=5.0, exposed=[(1.0, 2.0)]), world_size=2))
+    return summary
+
+
+def _backwards_timing() -> StepTiming:
+    # A 10 ms step whose marks came from two clocks: the second exposed span ends 2 ms before it starts, the pack
+    # span 0.5 ms before, the second collective completes 0.1 ms before its launch.
+    return StepTiming(
+        step_ms=10.0,
+        exposed=[(2.0, 4.0), (5.0, 3.0)],
+        pack=[(1.0, 0.5)],
+        collectives=[Collective("all_reduce", "bucket 0", 100, 1.0, 2.0),
+                     Collective("all_reduce", "bucket 1", 100, 8.0, 7.9)],
+        tokens=10,
+    )
+
+
+def test_a_backwards_interval_is_clamped_to_zero_length_and_counted() -> None:
+    timing = _backwards_timing()  # used to raise "ends before it starts": the run died at step 0
+    assert timing.exposed == [(2.0, 4.0), (5.0, 5.0)] and timing.pack == [(1.0, 1.0)]  # end = start
+    assert (timing.collectives[1].launched, timing.collectives[1].completed) == (8.0, 8.0)
+    m = step_metrics(timing, world_size=2)
+    assert m["comm/clock_anomalies"] == 3.0  # three clamped intervals
+    assert m["comm/exposed_ms"] == pytest.approx(2.0)  # [2, 4]; the clamped span adds nothing
+    assert m["comm/pack_ms"] == 0.0
+    assert m["comm/busy_ms"] == pytest.approx(1.0)  # [1, 2]; the clamped collective adds nothing
+    assert m["comm/calls"] == 2.0 and m["comm/bytes"] == 200.0  # it was still launched: it still counts
+    assert all(math.isfinite(value) for value in m.values())
+
+
+def test_the_exposed_span_from_last_gradient_to_usable_is_clamped_not_dropped() -> None:
+    record = SyncRecord(started=0.0, ended=10.0, last_ready=6.0, usable=5.5)  # usable 0.5 ms before the last grad
+    timing = StepTiming.from_record(record, step_ms=10.0, tokens=1)
+    assert timing.exposed == [(6.0, 6.0)]
+    assert step_metrics(timing, world_size=1)["comm/clock_anomalies"] == 1.0  # it used to vanish silently
+
+
+@pytest.mark.parametrize("step_ms", [0.0, -3.0, math.nan, math.inf])
+def test_a_step_time_that_is_not_positive_and_finite_gives_finite_metrics(step_ms: float) -> None:
+    timing = StepTiming(step_ms=step_ms, exposed=[(0.0, 1.0)], collectives=[_c(0.0, 1.0)], tokens=8)
+    m = step_metrics(timing, world_size=2, flops_per_token=1.0, peak_flops=1.0)
+    assert m["comm/clock_anomalies"] == 1.0
+    # no step to divide by: the step time is 0 and every share of it 0 (as overlap is 0 when nothing was busy)
+    assert (m["step/time_ms"], m["comm/share"], m["step/tokens_per_s"], m["step/mfu"]) == (0.0, 0.0, 0.0, 0.0)
+    assert m["comm/exposed_ms"] == 1.0 and all(math.isfinite(value) for value in m.values())
+
+
+def test_communication_longer_than_the_step_is_clamped_to_the_step() -> None:
+    # exposed 12 ms and busy 15 ms in a 10 ms step: impossible on one clock (the step is the max over ranks)
+    timing = StepTiming(step_ms=10.0, exposed=[(0.0, 12.0)], collectives=[_c(0.0, 15.0, 1_000_000)], tokens=1)
+    m = step_metrics(timing, world_size=2)
+    assert m["comm/clock_anomalies"] == 2.0  # exposed > step, busy > step
+    assert m["comm/exposed_ms"] == 10.0 and m["comm/share"] == 1.0
+    assert m["comm/busy_ms"] == 10.0 and 0.0 <= m["comm/overlap"] <= 1.0
+    assert m["comm/algbw_GBps"] == pytest.approx(1e6 / 0.010 / 1e9)  # over the clamped 10 ms
+
+
+def test_the_summary_counts_anomalies_and_warns_once_per_run(tmp_path: Path) -> None:
+    summary = TimingSummary()
+    with pytest.warns(ClockAnomalyWarning) as caught:
+        for step in range(3):
+            timing = _backwards_timing()
+            summary.add(step, step_metrics(timing, world_size=2), anomalies=timing.anomalies)
+    assert len(caught) == 1  # once per run, not once per step
+    message = str(caught[0].message)
+    assert "exposed interval (5.0, 3.0) ends 2 ms before it starts" in message  # which interval, by how much
+    assert "two clocks" in message  # the likely cause
+    assert summary.clock_anomalies == 9  # 3 per step
+    summary.write_json(tmp_path / "timing_summary.json", warmup_steps=1)
+    document = json.loads((tmp_path / "timing_summary.json").read_text())
+    assert document["clock_anomalies"] == 9  # every step, warm-up included
+    assert document["summary"]["comm/clock_anomalies"]["median"] == 3.0
+    assert "clock anomalies: 9" in summary.format_table(warmup_steps=1)
+    assert "clock anomalies" not in _clean_summary().format_table(warmup_steps=0)  # shown only when there are some
+
+
+def test_every_metric_key_of_the_summary_includes_the_anomaly_count() -> None:
+    assert "comm/clock_anomalies" in METRIC_KEYS
+    assert "| comm/clock_anomalies " in step_metrics.__doc__
+    assert step_metrics(StepTiming(step_ms=5.0), world_size=1)["comm/clock_anomalies"] == 0.0
+
+
+def test_a_gradient_ready_before_backward_started_does_not_stop_the_profile() -> None:
+    from types import SimpleNamespace
+
+    from lightning_ddp.callbacks.comm_timer import _median_profile
+
+    # Two steps whose first gradient was marked 0.2 ms before backward's start (two clocks): median -0.2 ms.
+    steps = [{"forward_ms": 5.0, "backward_ms": 9.0, "optimizer_ms": 1.0, "ready_ms": [-0.2, 4.0]}] * 2
+    weight, bias = nn.Parameter(torch.zeros(3, 2)), nn.Parameter(torch.zeros(3))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), strategy_name="bucketed_ddp"),
+                              precision="32-true", world_size=2)
+    profile = _median_profile(steps, [("w", weight), ("b", bias)], trainer, SimpleNamespace(hparams={}), (2, 8))
+    assert [p.ready_ms for p in profile.params] == [0.0, 4.0]  # clamped to backward's start, not a ValueError
 
 
 # ---- a device-qualified spec on two real ranks ----------------------------------------------------------------
