@@ -36,7 +36,7 @@ from tests.equivalence import (
 class HalvesAllReduce(BucketReduce):
     """SUM all-reduce of each half of the bucket (two collectives), then divide by the world size."""
 
-    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str) -> Reduction:
+    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str, layout=None) -> Reduction:
         flat = bucket.view(-1)
         half = flat.numel() // 2
         pending = [comm.all_reduce(flat[:half], f"{label} [first half]"), comm.all_reduce(flat[half:], f"{label} [second half]")]

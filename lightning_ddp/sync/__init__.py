@@ -47,6 +47,7 @@ _HOMES = {
     "StepClock": "lightning_ddp.sync.record",
     "SyncRecord": "lightning_ddp.sync.record",
     "AllReduceMean": "lightning_ddp.sync.reduce",
+    "BucketLayout": "lightning_ddp.sync.reduce",
     "BucketReduce": "lightning_ddp.sync.reduce",
     "Reduction": "lightning_ddp.sync.reduce",
     "ALGORITHMS": "lightning_ddp.sync.registry",

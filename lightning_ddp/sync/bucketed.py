@@ -27,8 +27,10 @@ Recipe:
 
 How a bucket is averaged is the engine's ``reduce`` step (``lightning_ddp.sync.reduce``, torch DDP's comm hook in
 our terms): by default it divides the buffer by the world size and SUM all-reduces it in place; another reduce
-step (e.g. one that communicates in bf16) plugs in without touching the bucketing. The sentinel survives any
-reduce step that keeps 0 at 0 and positive numbers positive.
+step (e.g. one that communicates in bf16, or compresses each matrix to low rank) plugs in without touching the
+bucketing. With the buffer it is given the bucket's ``BucketLayout``: where each gradient lies in it, which bucket of
+the step it is. The sentinel lies in no gradient of the layout, and survives any reduce step that keeps 0 at 0 and
+positive numbers positive.
 
 Why in order: collectives are matched by sequence position across ranks. Launching strictly in bucket order
 makes the sequence identical on every rank even when some rank's gradient for a parameter is missing or late.
@@ -56,7 +58,7 @@ from lightning_ddp.sync.assignment import assign_buckets
 from lightning_ddp.sync.base import DataParallel
 from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.buffers import agree_on_gradients
-from lightning_ddp.sync.reduce import AllReduceMean, BucketReduce, Reduction
+from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
 
 MiB = 2**20
 
@@ -73,23 +75,23 @@ def check_bucket_size(bucket_size_mb: float | str | None) -> None:
 
 
 class _Bucket:
-    """One bucket: its parameters and, if it has one, its persistent flat buffer and their views into it."""
+    """One bucket: its parameters, its layout and, if it has one, its persistent flat buffer and their views into it."""
 
-    __slots__ = ("indices", "params", "label", "buffer", "views")
+    __slots__ = ("indices", "params", "label", "layout", "buffer", "views")
 
-    def __init__(self, indices: list[int], params: list[torch.Tensor], label: str, buffered: bool, sentinel: bool):
+    def __init__(self, indices: list[int], params: list[torch.Tensor], label: str, layout: BucketLayout,
+                 buffered: bool, sentinel: bool):
         self.indices = indices
         self.params = params
         self.label = label
+        self.layout = layout  # what the reduce step is told about the bucket (the sentinel is in no tensor)
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         if buffered:
             numel = sum(p.numel() for p in params)
             self.buffer = torch.zeros(numel + int(sentinel), dtype=params[0].dtype, device=params[0].device)
-            offset = 0
-            for param in params:
+            for param, offset in zip(params, layout.offsets):
                 self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
-                offset += param.numel()
 
 
 class BucketedDDP(DataParallel):
@@ -128,7 +130,7 @@ class BucketedDDP(DataParallel):
         last = len(self.buckets) - 1
         self._buckets = [
             _Bucket(indices, [self.params[i] for i in indices], self._bucket_label(indices, b),
-                    buffered=len(indices) > 1 or b == last, sentinel=b == last)
+                    self._bucket_layout(indices, b), buffered=len(indices) > 1 or b == last, sentinel=b == last)
             for b, indices in enumerate(self.buckets)
         ]
         self._bucket_of = [0] * len(self.params)
@@ -147,6 +149,13 @@ class BucketedDDP(DataParallel):
 
     def _bucket_label(self, indices: list[int], b: int) -> str:
         return self.param_names[indices[0]] if len(indices) == 1 else f"bucket {b} ({len(indices)} tensors)"
+
+    def _bucket_layout(self, indices: list[int], b: int) -> BucketLayout:
+        offsets = [0]
+        for i in indices[:-1]:
+            offsets.append(offsets[-1] + self.params[i].numel())
+        return BucketLayout(b, len(self.buckets), tuple(self.param_names[i] for i in indices),
+                            tuple(self.params[i].shape for i in indices), tuple(offsets))
 
     def _on_grad_ready(self, index: int) -> None:
         if self._ready[index]:
@@ -187,7 +196,7 @@ class BucketedDDP(DataParallel):
                 if b == len(self._buckets) - 1:  # the sentinel: every earlier bucket launched, so this is known
                     buffer[-1] = 1.0 if self._missing else 0.0
             tensor = buffer
-        self._launched.append(self.reduce.launch(self.comm, tensor, bucket.label))
+        self._launched.append(self.reduce.launch(self.comm, tensor, bucket.label, bucket.layout))
         self._next_bucket += 1
 
     def _synchronize(self) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_ddp.sync.bucketed import BucketedDDP
 from lightning_ddp.sync.comm import Communicator
-from lightning_ddp.sync.reduce import AllReduceMean, BucketReduce, Reduction
+from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
 
 __all__ = ["BF16CompressedAllReduce", "BucketedBF16DDP"]
 
@@ -35,7 +35,9 @@ __all__ = ["BF16CompressedAllReduce", "BucketedBF16DDP"]
 class BF16CompressedAllReduce(BucketReduce):
     """Average a bucket over the ranks in bf16: cast, divide by n, SUM all-reduce, cast back into the bucket."""
 
-    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str) -> Reduction:
+    def launch(
+        self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
+    ) -> Reduction:
         if bucket.dtype == torch.bfloat16:
             return AllReduceMean().launch(comm, bucket, label)
         with comm.span("pack"):

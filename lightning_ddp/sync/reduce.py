@@ -1,17 +1,26 @@
 """How one gradient bucket is averaged over the ranks: the bucketed engine's swappable reduce step.
 
 This is torch DDP's communication hook (``DistributedDataParallel.register_comm_hook``) in our terms. The
-bucketed engine calls ``reduce.launch(comm, bucket, label)`` as soon as a bucket is complete (during backward)
-and ``reduction.wait()`` in ``finish_gradient_synchronization``; what ``wait()`` returns is the bucket's average
-over the ranks, with the bucket's dtype and shape, and is unpacked into the gradients. Between the two, a
+bucketed engine calls ``reduce.launch(comm, bucket, label, layout)`` as soon as a bucket is complete (during
+backward) and ``reduction.wait()`` in ``finish_gradient_synchronization``; what ``wait()`` returns is the bucket's
+average over the ranks, with the bucket's dtype and shape, and is unpacked into the gradients. Between the two, a
 reduce step may communicate anything it likes (another dtype, fewer bytes, several collectives): the engine
 never looks at what went over the wire.
 
-================================  ===============================================================  ==========
-reduce step                       recipe                                                           torch DDP
-================================  ===============================================================  ==========
-``AllReduceMean`` (the default)   divide the bucket by n, then SUM all-reduce it in place          ``allreduce_hook``
-================================  ===============================================================  ==========
+``layout`` (a ``BucketLayout``, torch's ``GradBucket`` in our terms) says where each gradient lies in the flat
+bucket, which bucket of the step it is and whose gradients it holds: what a reduce step that treats tensors
+differently (low-rank compression of the matrices, say) or keeps state per bucket needs. A reduce step that sees
+the bucket as one flat buffer ignores it; the engine always passes it, other callers may pass ``None``.
+
+===============================  =============================================================  ======================
+reduce step (module)             recipe                                                         torch DDP
+===============================  =============================================================  ======================
+``AllReduceMean`` (the default)  divide the bucket by n, then SUM all-reduce it in place        ``allreduce_hook``
+``BF16CompressedAllReduce``      cast to bf16, divide by n, SUM all-reduce, cast back           ``bf16_compress_hook``
+  (``bucketed_bf16``)
+``PowerSGDReduce``               matrices as low-rank factors P, Q (two all-reduces), the rest  ``powerSGD_hook``
+  (``bucketed_powersgd``)        as is (one all-reduce); error feedback
+===============================  =============================================================  ======================
 
 Another reduce step (compression, for instance) is a subclass of ``BucketReduce`` in its own engine file; see
 ``lightning_ddp.sync.registry`` for how an engine becomes an algorithm.
@@ -27,7 +36,33 @@ import torch
 
 from lightning_ddp.sync.comm import Communicator, Pending
 
-__all__ = ["AllReduceMean", "BucketReduce", "Reduction"]
+__all__ = ["AllReduceMean", "BucketLayout", "BucketReduce", "Reduction"]
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each gradient lies in one flat bucket; the same on every rank and every step.
+
+    The tensors do not have to fill the bucket: elements no tensor covers (the bucketed engine's
+    missing-gradient sentinel, the last element of the last bucket) must be averaged like any other and keep
+    0 at 0 and positive numbers positive.
+    """
+
+    index: int
+    """The bucket's position in the launch order (0 is launched first)."""
+    count: int
+    """How many buckets a step launches (``index == count - 1``: the step's last)."""
+    names: tuple[str, ...]
+    """The parameters whose gradients the bucket holds, in bucket order."""
+    shapes: tuple[torch.Size, ...]
+    """Each gradient's shape."""
+    offsets: tuple[int, ...]
+    """Each gradient's first element in the flattened bucket (``bucket.view(-1)``)."""
+
+    @classmethod
+    def single(cls, name: str, shape: torch.Size) -> BucketLayout:
+        """A bucket that is one tensor, for callers outside an engine (a bench, a test)."""
+        return cls(0, 1, (name,), (torch.Size(shape),), (0,))
 
 
 @dataclass
@@ -53,8 +88,14 @@ class BucketReduce(ABC):
     """Average one flat bucket over the ranks of ``comm``; subclasses implement ``launch``."""
 
     @abstractmethod
-    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str) -> Reduction:
-        """Start averaging ``bucket`` (it may be modified in place); return what ``wait()`` finishes."""
+    def launch(
+        self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
+    ) -> Reduction:
+        """Start averaging ``bucket`` (it may be modified in place); return what ``wait()`` finishes.
+
+        ``layout``: where each gradient lies in ``bucket`` (the engine always passes it; ``None`` from callers
+        that have none, and then the bucket is one tensor of its own shape).
+        """
 
 
 class AllReduceMean(BucketReduce):
@@ -65,7 +106,9 @@ class AllReduceMean(BucketReduce):
     world size it is exact: ``a / 2 + b / 2 == (a + b) / 2`` in floating point (barring underflow).
     """
 
-    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str) -> Reduction:
+    def launch(
+        self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
+    ) -> Reduction:
         with comm.span("pack"):
             bucket.div_(comm.world_size)
         return Reduction(comm, [comm.all_reduce(bucket, label)], bucket)

@@ -141,3 +141,9 @@ register_algorithm(Algorithm(
     "Bucketed, with the gradients communicated in bf16: half the bytes, lossy.",
     has_bucket_size=True, overlaps_backward=True, exact=False,
 ))
+register_algorithm(Algorithm(
+    "bucketed_powersgd", "lightning_ddp.sync.bucketed_powersgd:BucketedPowerSGDDDP",
+    "Bucketed, each large gradient matrix sent as low-rank PowerSGD factors with error feedback: far fewer "
+    "bytes, lossy.",
+    has_bucket_size=True, overlaps_backward=True, exact=False,
+))
