@@ -52,17 +52,21 @@ BucketSizeOption = Union[float, Literal["auto", "default"], None]
 class GradSyncStrategy(DDPStrategy):
     """Data-parallel training with one of our gradient-sync algorithms (``lightning_ddp.sync.registry``).
 
-    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it::
+    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it, its engine's own settings
+    included (as Lightning's ``DDPStrategy`` passes its ``**kwargs`` to torch DDP)::
 
         strategy:
           class_path: lightning_ddp.strategies.GradSyncStrategy
-          init_args: {algorithm: bucketed, bucket_size_mb: 4}
+          init_args: {algorithm: bucketed_powersgd, bucket_size_mb: 4, engine_settings: {rank: 4, start_iter: 10}}
 
     Args:
         algorithm: A registered algorithm: ``naive``, ``flat``, ``overlap``, ``bucketed`` or one you registered.
         bucket_size_mb: For algorithms with buckets: the cap in MiB, ``null`` for one bucket, ``auto`` to predict it
             from an all-reduce microbenchmark, ``default`` for the algorithm's own default (25 MiB). Algorithms
             without buckets take only ``default``.
+        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}`` for ``bucketed_powersgd``;
+            the names and defaults are ``Algorithm.settings()`` of the algorithm (``null``: every default). Checked
+            here, when the config is read: an unknown name is refused with the valid ones listed.
         accelerator: Set by the Trainer from ``trainer.accelerator``.
         parallel_devices: Set by the Trainer from ``trainer.devices``.
         cluster_environment: Set by the Trainer (local, torchrun, SLURM, ...).
@@ -80,6 +84,7 @@ class GradSyncStrategy(DDPStrategy):
         self,
         algorithm: str = "bucketed",
         bucket_size_mb: BucketSizeOption = "default",
+        engine_settings: dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -109,6 +114,12 @@ class GradSyncStrategy(DDPStrategy):
                 )
             check_bucket_size(bucket_size_mb)
         self.bucket_size_mb = bucket_size_mb
+        try:
+            self.algorithm.check_settings(engine_settings)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"engine_settings: {error}") from None
+        self.engine_settings: dict[str, Any] = dict(engine_settings or {})
+        """The engine's own settings as given (the engine's defaults fill in the rest)."""
         self._recorder: Recorder | None = None
 
     @property
@@ -143,7 +154,7 @@ class GradSyncStrategy(DDPStrategy):
 
     def make_container(self, module: nn.Module) -> DataParallel:
         """Wrap the LightningModule in this strategy's gradient-sync engine."""
-        container = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb)
+        container = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
         prediction = getattr(container, "bucket_prediction", None)
         if prediction is not None:
             rank_zero_info(

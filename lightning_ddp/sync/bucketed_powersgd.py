@@ -431,6 +431,10 @@ class BucketedPowerSGDDDP(BucketedDDP):
 
     reduce: PowerSGDReduce
 
+    check_settings = staticmethod(check_powersgd_options)
+    """The registry's check of the settings (``rank``, ``start_iter``, ``min_compression_rate``, ``seed``), run when
+    a strategy's ``engine_settings`` are read: before any process starts."""
+
     def __init__(
         self,
         module: nn.Module,
