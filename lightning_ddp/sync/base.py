@@ -41,6 +41,10 @@ To write an engine: subclass ``DataParallel``, implement ``_synchronize`` (calle
 ``_on_grad_ready(index)``. Issue every collective through ``self.comm`` (``lightning_ddp.sync.comm``), so it is
 recorded and profiled like the others. Then give it one entry in ``lightning_ddp.sync.registry``.
 
+An engine's own state (``engine_state_dict``): what its ``state_dict()`` holds besides the wrapped model's, e.g.
+PowerSGD's error buffers under ``_extra_state`` (from ``get_extra_state``). It may differ per rank: the Lightning
+strategy saves every rank's into the checkpoint and gives each rank its own back on resume.
+
 Profiling: while a torch profiler records, ``finish_gradient_synchronization``, each collective launch and each
 wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``ddp/comm_wait``; see
 ``lightning_ddp.sync.ranges``). With no profiler active they cost one flag check.
@@ -50,7 +54,7 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -72,6 +76,10 @@ class DataParallel(RecordsThroughComm, nn.Module):
 
     uses_grad_hooks: bool = False
     """Whether the engine registers post-accumulate-grad hooks (overlap, bucketed)."""
+
+    state_summary: str = ""
+    """What the engine's own state (``engine_state_dict``) holds, in words; a resumed run that has to start it
+    afresh says so in its warning. Empty for an engine without state."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -154,6 +162,30 @@ class DataParallel(RecordsThroughComm, nn.Module):
                 f"{type(self).__name__} wrapped the model but now have gradients, which it would not synchronise. "
                 "Unfreeze parameters before wrapping (before trainer.fit), or wrap the model again."
             )
+
+    # -- the engine's own state (checkpoints) -----------------------------------------------------------
+
+    def engine_state_dict(self) -> dict[str, Any]:
+        """What ``state_dict()`` holds besides the wrapped model's (keys without the ``module.`` prefix), e.g.
+        ``{"_extra_state": ...}`` for PowerSGD; ``{}`` for an engine without state. May differ per rank."""
+        return {key: value for key, value in self.state_dict().items() if not key.startswith("module.")}
+
+    def load_engine_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``engine_state_dict()`` of the same rank of a run with the same engine and settings.
+
+        Raises:
+            ValueError: ``state`` holds keys this engine does not have, lacks some it has, or does not fit (e.g.
+                PowerSGD's state saved with another ``rank``); the state this engine had is then kept, as far as
+                the engine's own ``set_extra_state`` checks before it changes anything.
+        """
+        expected = set(self.engine_state_dict())
+        if set(state) != expected:
+            raise ValueError(
+                f"the engine state has {sorted(state)} but {type(self).__name__} has {sorted(expected)}; load the "
+                "state of a run of the same algorithm, or none."
+            )
+        if state:
+            self.load_state_dict(dict(state), strict=False)
 
     # -- for subclasses -------------------------------------------------------------------------------
 
