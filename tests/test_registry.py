@@ -175,7 +175,8 @@ def test_a_required_setting_must_be_given_and_var_keywords_accept_any() -> None:
 
     algorithm = Algorithm("toy_required", needs_width, "needs a width (a test's)")
     assert algorithm.settings() == {"width": REQUIRED}  # **extra is not a named setting
-    with pytest.raises(ValueError, match=r"needs width in its engine settings; 'toy_required' takes: width \(required\)"):
+    with pytest.raises(ValueError, match=r"needs width in its engine settings; 'toy_required' takes: "
+                                         r"width \(required\)"):
         algorithm.check_settings({})
     # A factory with **kwargs takes names we cannot list: they pass through to it.
     assert algorithm.check_settings({"width": 3, "anything": 1}) == {"width": 3, "anything": 1}

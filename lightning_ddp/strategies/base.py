@@ -234,7 +234,8 @@ class GradSyncStrategy(DDPStrategy):
     def _restore_engine_state(self) -> None:
         container = self.container
         assert container is not None
-        saved, self._engine_states_to_restore, self._restoring_engine_state = self._engine_states_to_restore, None, False
+        saved = self._engine_states_to_restore
+        self._engine_states_to_restore, self._restoring_engine_state = None, False
         state, dropped = engine_state_to_restore(
             saved, self.algorithm.name, container.world_size, container.comm.rank, bool(container.engine_state_dict())
         )
