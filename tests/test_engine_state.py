@@ -191,7 +191,9 @@ def _resume_runs(rank: int, world_size: int, tmp: str) -> dict:
     control = _fit(rank, world_size, "bucketed_powersgd", SETTINGS, 2, str(control_path), None)
     # Another algorithm resumes the model and optimizer, and drops PowerSGD's state with a warning.
     bucketed = _fit(rank, world_size, "bucketed", {}, 2, str(checkpoint), None)
-    return {"full": full, "resumed": resumed, "control": control, "bucketed": bucketed,
+    # Another PowerSGD rank: the saved factors do not fit, so the engine starts fresh, with a warning saying why.
+    other_rank = _fit(rank, world_size, "bucketed_powersgd", {**SETTINGS, "rank": 2}, 2, str(checkpoint), None)
+    return {"full": full, "resumed": resumed, "control": control, "bucketed": bucketed, "other_rank": other_rank,
             "checkpoint": torch.load(checkpoint, weights_only=True)[ENGINE_STATES_KEY]}
 
 
@@ -236,3 +238,12 @@ def test_resuming_under_another_algorithm_drops_the_state_with_a_warning(resume_
     assert message.startswith("Resuming with a fresh BucketedDDP state: the checkpoint's engine state was saved by "
                               "the 'bucketed_powersgd' algorithm, this run uses 'bucketed'; dropped"), message
     assert resume_runs[0]["bucketed"]["step"] == 2 * STEPS_PER_EPOCH
+
+
+@pytest.mark.multiprocess
+def test_resuming_with_another_powersgd_rank_drops_the_state_with_a_warning(resume_runs) -> None:
+    (message,) = resume_runs[0]["other_rank"]["warnings"]
+    assert message.startswith("Resuming with a fresh BucketedPowerSGDDDP state: the checkpoint's engine state does "
+                              "not fit this engine (the PowerSGD state was saved with rank=1, min_compression_rate=0.0, "
+                              "but this engine has rank=2"), message
+    assert resume_runs[0]["other_rank"]["step"] == 2 * STEPS_PER_EPOCH
