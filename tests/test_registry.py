@@ -5,12 +5,17 @@ The toy, ``toy_halves``, is bucketed DDP with its own reduce step: each bucket i
 collectives) instead of one. It is exact, so it must match single-process training like every engine. It is
 registered only for the tests that use it (the ``toy`` fixture, and first thing in each spawned rank), so the
 other test modules, which parametrise over the registry, see only the package's own algorithms.
+
+A second toy, ``toy_pieces``, has a setting of its own (``pieces``: into how many all-reduces a bucket is split)
+and a ``check_settings``: the engine settings are read from its signature, checked when the strategy is built,
+and reach the engine from YAML (``engine_settings``) on every rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 
 import pytest
 import torch
@@ -18,7 +23,7 @@ from torch import nn
 
 from lightning_ddp.sync import BucketedDDP, Communicator, Reduction
 from lightning_ddp.sync.reduce import BucketReduce
-from lightning_ddp.sync.registry import ALGORITHMS, Algorithm, get_algorithm, register_algorithm
+from lightning_ddp.sync.registry import REQUIRED, ALGORITHMS, Algorithm, get_algorithm, register_algorithm
 from tests.dist_utils import run_on_ranks
 from tests.equivalence import (
     CASES,
@@ -65,6 +70,46 @@ def toy():
         StrategyRegistry.remove(TOY.strategy_name)
 
 
+class PiecesAllReduce(BucketReduce):
+    """SUM all-reduce of the bucket in ``pieces`` consecutive parts (one collective each), then divide."""
+
+    def __init__(self, pieces: int) -> None:
+        self.pieces = pieces
+
+    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str, layout=None) -> Reduction:
+        parts = bucket.view(-1).tensor_split(min(self.pieces, bucket.numel()))
+        pending = [comm.all_reduce(part, f"{label} [piece {k + 1}]") for k, part in enumerate(parts)]
+        return Reduction(comm, pending, bucket, finish=lambda: bucket.div_(comm.world_size))
+
+
+class PiecesDDP(BucketedDDP):
+    """Bucketed DDP whose buckets are all-reduced in ``pieces`` parts: an engine with a setting of its own."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb=25.0, process_group=None, pieces: int = 2) -> None:
+        self.check_settings(pieces)
+        super().__init__(module, bucket_size_mb, process_group, reduce=PiecesAllReduce(pieces))
+
+    @staticmethod
+    def check_settings(pieces: int) -> None:
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+            raise ValueError(f"pieces must be an int >= 1, got {pieces!r}; set e.g. pieces: 2")
+
+
+PIECES = Algorithm("toy_pieces", PiecesDDP, "Bucketed, each bucket all-reduced in `pieces` parts (a test's toy).",
+                   has_bucket_size=True, overlaps_backward=True)
+
+
+@pytest.fixture
+def toy_pieces():
+    register_algorithm(PIECES)
+    yield PIECES
+    ALGORITHMS.pop(PIECES.name, None)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if PIECES.strategy_name in StrategyRegistry:
+        StrategyRegistry.remove(PIECES.strategy_name)
+
+
 def test_the_toy_is_registered_with_its_capabilities(toy) -> None:
     assert get_algorithm("toy_halves") is TOY and TOY.strategy_name == "toy_halves_ddp"
     assert TOY.has_bucket_size and TOY.exact
@@ -88,6 +133,73 @@ def test_the_strategy_accepts_the_toy_by_name_and_checks_its_options(toy) -> Non
         GradSyncStrategy(algorithm="toy_halves", bucket_size_mb=-1)
     with pytest.raises(ValueError, match="has no bucket size"):
         GradSyncStrategy(algorithm="naive", bucket_size_mb=1)
+
+
+# ---- an engine's own settings ------------------------------------------------------------------------------
+
+
+def test_settings_are_read_from_the_engine_signature() -> None:
+    # Everything beyond module, process_group, bucket_size_mb and reduce, with its default, in signature order.
+    assert PIECES.settings() == {"pieces": 2}
+    assert get_algorithm("bucketed_powersgd").settings() == {
+        "rank": 4, "start_iter": 10, "min_compression_rate": 2.0, "seed": 0}
+    # BucketedDDP's `reduce` is an object the algorithm fixes, not a setting; the others have none.
+    assert {name: get_algorithm(name).settings() for name in ("naive", "flat", "overlap", "bucketed")} == {
+        "naive": {}, "flat": {}, "overlap": {}, "bucketed": {}}
+    # TOY's factory is keyword-only past `module`: still no settings of its own.
+    assert TOY.settings() == {}
+
+
+def test_check_settings_fills_defaults_and_names_the_valid_ones() -> None:
+    assert PIECES.check_settings(None) == {"pieces": 2} and PIECES.check_settings({"pieces": 3}) == {"pieces": 3}
+    with pytest.raises(ValueError, match=r"'piece' is not a setting of the 'toy_pieces' algorithm; 'toy_pieces' "
+                                         r"takes: pieces=2\."):
+        PIECES.check_settings({"piece": 3})
+    with pytest.raises(ValueError, match=r"'reduce' is not a setting .*reduce is not an engine setting"):
+        PIECES.check_settings({"reduce": None})
+    with pytest.raises(ValueError, match=r"'rank' is not a setting of the 'bucketed' algorithm; 'bucketed' has no "
+                                         r"engine settings: drop them"):
+        get_algorithm("bucketed").check_settings({"rank": 4})
+    with pytest.raises(TypeError, match="must be a mapping of setting names to values.*pieces: 2"):
+        PIECES.check_settings([("pieces", 3)])
+    # The engine's own check_settings runs with every setting: a bad value fails before any engine exists.
+    with pytest.raises(ValueError, match="pieces must be an int >= 1, got 0"):
+        PIECES.check_settings({"pieces": 0})
+    with pytest.raises(ValueError, match=r"rank \(the PowerSGD approximation rank\) must be >= 1, got 0"):
+        get_algorithm("bucketed_powersgd").check_settings({"rank": 0})
+
+
+def test_a_required_setting_must_be_given_and_var_keywords_accept_any() -> None:
+    def needs_width(module, *, process_group=None, width: int, **extra):
+        raise AssertionError("not built in this test")
+
+    algorithm = Algorithm("toy_required", needs_width, "needs a width (a test's)")
+    assert algorithm.settings() == {"width": REQUIRED}  # **extra is not a named setting
+    with pytest.raises(ValueError, match=r"needs width in its engine settings; 'toy_required' takes: "
+                                         r"width \(required\)"):
+        algorithm.check_settings({})
+    # A factory with **kwargs takes names we cannot list: they pass through to it.
+    assert algorithm.check_settings({"width": 3, "anything": 1}) == {"width": 3, "anything": 1}
+
+
+def test_the_strategy_checks_engine_settings_when_built(toy_pieces) -> None:
+    from lightning_ddp.strategies import GradSyncStrategy, ZeRO1DDPStrategy
+
+    strategy = GradSyncStrategy(algorithm="toy_pieces", engine_settings={"pieces": 3})
+    assert strategy.engine_settings == {"pieces": 3}
+    assert GradSyncStrategy(algorithm="toy_pieces").engine_settings == {}  # the engine's defaults apply
+    with pytest.raises(ValueError, match=r"engine_settings: 'piece' is not a setting of the 'toy_pieces' algorithm; "
+                                         r"'toy_pieces' takes: pieces=2"):
+        GradSyncStrategy(algorithm="toy_pieces", engine_settings={"piece": 3})
+    with pytest.raises(ValueError, match="engine_settings: pieces must be an int >= 1, got -1"):
+        GradSyncStrategy(algorithm="toy_pieces", engine_settings={"pieces": -1})
+    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of the 'naive' algorithm"):
+        GradSyncStrategy(algorithm="naive", engine_settings={"rank": 4})
+    # ZeRO-1 passes them to its grad_sync algorithm, checked against that one.
+    assert ZeRO1DDPStrategy(schedule="allreduce_broadcast", grad_sync="toy_pieces",
+                            engine_settings={"pieces": 5}).engine_settings == {"pieces": 5}
+    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of the 'bucketed' algorithm"):
+        ZeRO1DDPStrategy(grad_sync="bucketed", engine_settings={"rank": 4})
 
 
 def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy, tmp_path) -> None:
@@ -203,6 +315,63 @@ def test_the_toy_trains_through_the_lightning_strategy() -> None:
     assert len(first["losses"]) == 4 and all(torch.isfinite(torch.tensor(first["losses"])))
     for name, value in first["weights"].items():  # the same averaged gradients on both ranks: identical weights
         assert torch.equal(value, second["weights"][name]), name
+
+
+TOY_PIECES_YAML = textwrap.dedent("""\
+    strategy:
+      class_path: lightning_ddp.strategies.GradSyncStrategy
+      init_args: {algorithm: toy_pieces, bucket_size_mb: null, engine_settings: {pieces: 3}}
+""")
+
+
+def _fit_with_engine_settings_from_yaml(rank: int, world_size: int) -> dict:
+    """A 2-rank fit whose strategy jsonargparse builds from ``TOY_PIECES_YAML``, as LightningCLI builds
+    ``trainer.strategy`` (its type there is ``str | Strategy``)."""
+    import lightning.pytorch as pl
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    register_algorithm(PIECES)  # in this spawned rank
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=str | Strategy)
+    strategy = parser.instantiate_classes(parser.parse_string(TOY_PIECES_YAML)).strategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TinyLM()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 16, (16, 4), generator=g), torch.randint(0, 16, (16, 4), generator=g))
+    engines = []
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            engines.append(trainer.strategy.model)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Spy()])
+    trainer.fit(Module(), DataLoader(data, batch_size=4))
+    (engine,) = engines
+    return {"engine": type(engine).__name__, "pieces": engine.reduce.pieces, "buckets": len(engine.buckets)}
+
+
+@pytest.mark.multiprocess
+def test_a_toy_setting_reaches_the_engine_on_every_rank_from_yaml() -> None:
+    ranks = run_on_ranks(_fit_with_engine_settings_from_yaml, 2, timeout=JOB_TIMEOUT_S)
+    # pieces=3 from the YAML, not the engine's default 2, on both ranks; one bucket (bucket_size_mb: null).
+    assert ranks == [{"engine": "PiecesDDP", "pieces": 3, "buckets": 1}] * 2
 
 
 def test_the_registry_lists_the_built_ins_in_order() -> None:

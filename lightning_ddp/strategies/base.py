@@ -18,8 +18,15 @@ only the gradient synchronisation:
 - ``attach_recorder`` is how an observer (the ``CommTimer``, the ``TraceRecorder``) asks for the step's
   collectives to be recorded: the strategy hands the recorder to its container (and, for ZeRO-1, to the
   sharded optimizers). Nothing is recorded until someone asks.
-- ``teardown`` unwraps the container. Checkpoints are unaffected: Lightning saves the LightningModule's own
-  ``state_dict``, so keys carry no ``module.`` prefix.
+- ``teardown`` unwraps the container. The model's checkpoint is unaffected: Lightning saves the LightningModule's
+  own ``state_dict``, so keys carry no ``module.`` prefix.
+- Checkpoints also carry the engine's own state (``DataParallel.engine_state_dict``, e.g. PowerSGD's error feedback,
+  which differs per rank), as ZeRO-1 carries its sharded optimizer state, by the same mechanism
+  (``lightning_ddp.sync.gather``): ``save_checkpoint`` runs on every rank, gathers every rank's state to rank 0,
+  which writes them under ``ENGINE_STATES_KEY``; on resume Lightning loads the file on every rank and each rank
+  takes its own entry back once its engine is built. Saved with another world size, by another algorithm or by a
+  strategy that saves none, the engine starts fresh, with a warning saying what was dropped
+  (``engine_state_to_restore``). Weights-only checkpoints carry no engine state (nor optimizer state).
 """
 
 from __future__ import annotations
@@ -27,16 +34,18 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Literal, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -44,25 +53,34 @@ from lightning_ddp import compat
 from lightning_ddp.sync import DataParallel, Recorder
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.comm import backend_from_spec
+from lightning_ddp.sync.gather import gather_rank_states
 from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
+
+ENGINE_STATES_KEY = "grad_sync_engine_states"
+"""Where a checkpoint holds the engines' own states: ``{"algorithm": name, "world_size": n, "states": [rank 0's,
+rank 1's, ...]}`` (each an ``engine_state_dict()``, tensors on CPU); absent when the engine has no state."""
 
 
 class GradSyncStrategy(DDPStrategy):
     """Data-parallel training with one of our gradient-sync algorithms (``lightning_ddp.sync.registry``).
 
-    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it::
+    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it, its engine's own settings
+    included (as Lightning's ``DDPStrategy`` passes its ``**kwargs`` to torch DDP)::
 
         strategy:
           class_path: lightning_ddp.strategies.GradSyncStrategy
-          init_args: {algorithm: bucketed, bucket_size_mb: 4}
+          init_args: {algorithm: bucketed_powersgd, bucket_size_mb: 4, engine_settings: {rank: 4, start_iter: 10}}
 
     Args:
         algorithm: A registered algorithm: ``naive``, ``flat``, ``overlap``, ``bucketed`` or one you registered.
         bucket_size_mb: For algorithms with buckets: the cap in MiB, ``null`` for one bucket, ``auto`` to predict it
             from an all-reduce microbenchmark, ``default`` for the algorithm's own default (25 MiB). Algorithms
             without buckets take only ``default``.
+        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}`` for ``bucketed_powersgd``;
+            the names and defaults are ``Algorithm.settings()`` of the algorithm (``null``: every default). Checked
+            here, when the config is read: an unknown name is refused with the valid ones listed.
         accelerator: Set by the Trainer from ``trainer.accelerator``.
         parallel_devices: Set by the Trainer from ``trainer.devices``.
         cluster_environment: Set by the Trainer (local, torchrun, SLURM, ...).
@@ -80,6 +98,7 @@ class GradSyncStrategy(DDPStrategy):
         self,
         algorithm: str = "bucketed",
         bucket_size_mb: BucketSizeOption = "default",
+        engine_settings: dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -109,7 +128,15 @@ class GradSyncStrategy(DDPStrategy):
                 )
             check_bucket_size(bucket_size_mb)
         self.bucket_size_mb = bucket_size_mb
+        try:
+            self.algorithm.check_settings(engine_settings)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"engine_settings: {error}") from None
+        self.engine_settings: dict[str, Any] = dict(engine_settings or {})
+        """The engine's own settings as given (the engine's defaults fill in the rest)."""
         self._recorder: Recorder | None = None
+        self._engine_states_to_restore: Mapping[str, Any] | None = None
+        self._restoring_engine_state = False
 
     @property
     def strategy_name(self) -> str:
@@ -143,7 +170,7 @@ class GradSyncStrategy(DDPStrategy):
 
     def make_container(self, module: nn.Module) -> DataParallel:
         """Wrap the LightningModule in this strategy's gradient-sync engine."""
-        container = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb)
+        container = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
         prediction = getattr(container, "bucket_prediction", None)
         if prediction is not None:
             rank_zero_info(
@@ -167,8 +194,61 @@ class GradSyncStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         assert isinstance(self.model, pl.LightningModule)
         self.model = self.make_container(self.model)
+        if self._restoring_engine_state:  # the checkpoint was loaded before the engine existed
+            self._restore_engine_state()
         if self._recorder is not None:
             self.attach_recorder(self._recorder)
+
+    # -- the engine's own state in checkpoints ---------------------------------------------------------------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Called on every rank (Trainer.save_checkpoint), so the gather can be a collective; rank 0 writes.
+        self._add_engine_states(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _add_engine_states(self, checkpoint: dict[str, Any]) -> None:
+        container = self.container
+        # Only a full checkpoint (Lightning's weights-only one has no optimizer state) of a run being fitted.
+        if container is None or "optimizer_states" not in checkpoint:
+            return
+        local = container.engine_state_dict()
+        if not local:  # its keys are the engine's structure, the same on every rank: all ranks return here
+            return
+        states = gather_rank_states(local, container.comm, container.device, dst=0)
+        if states is not None:
+            checkpoint[ENGINE_STATES_KEY] = {
+                "algorithm": self.algorithm.name, "world_size": container.world_size, "states": states,
+            }
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Lightning loads the file on every rank; for fitting, before the engine is built (configure_ddp restores).
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._engine_states_to_restore = checkpoint.get(ENGINE_STATES_KEY)
+        self._restoring_engine_state = True
+        if self.container is not None:
+            self._restore_engine_state()
+        return checkpoint
+
+    def _restore_engine_state(self) -> None:
+        container = self.container
+        assert container is not None
+        saved = self._engine_states_to_restore
+        self._engine_states_to_restore, self._restoring_engine_state = None, False
+        state, dropped = engine_state_to_restore(
+            saved, self.algorithm.name, container.world_size, container.comm.rank, bool(container.engine_state_dict())
+        )
+        if state is not None:
+            try:
+                container.load_engine_state_dict(move_data_to_device(state, container.device))
+            except ValueError as error:
+                dropped = f"the checkpoint's engine state does not fit this engine ({error})"
+        if dropped:
+            rank_zero_warn(
+                f"Resuming with a fresh {type(container).__name__} state: {dropped}. "
+                f"{_fresh_state_note(container)}"
+            )
 
     def attach_recorder(self, recorder: Recorder | None) -> None:
         """Record this run's gradient collectives into ``recorder`` (``None`` stops recording).
@@ -222,6 +302,7 @@ class GradSyncStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._engine_states_to_restore, self._restoring_engine_state = None, False
         if self.container is not None:
             self.container.recorder = None
             self.model = self.lightning_module
@@ -236,6 +317,43 @@ class GradSyncStrategy(DDPStrategy):
                 strategy_registry.register(
                     algorithm.strategy_name, GradSyncStrategy, description=algorithm.summary, algorithm=algorithm.name
                 )
+
+
+def engine_state_to_restore(
+    saved: Mapping[str, Any] | None, algorithm: str, world_size: int, rank: int, engine_has_state: bool
+) -> tuple[dict[str, Any] | None, str]:
+    """Which engine state a resumed rank takes from a checkpoint's ``ENGINE_STATES_KEY`` entry, and what is dropped.
+
+    Args:
+        saved: The entry, or ``None`` when the checkpoint has none.
+        algorithm: This run's algorithm.
+        world_size: This run's world size.
+        rank: This rank (in the engine's group).
+        engine_has_state: Whether this run's engine keeps state of its own.
+
+    Returns:
+        ``(this rank's saved state or None, why something is dropped or "")``: the state only when the checkpoint was
+        saved by the same algorithm at the same world size (rank ``r`` takes entry ``r``; with another world size the
+        per-rank states, e.g. PowerSGD's error feedback, have no owner). ``(None, "")`` when neither side has state.
+    """
+    if saved is None:
+        if not engine_has_state:
+            return None, ""
+        return None, (f"the checkpoint holds no {algorithm!r} engine state (it was saved by another strategy, or "
+                      "without one)")
+    saved_algorithm, saved_world_size = saved.get("algorithm"), saved.get("world_size")
+    if saved_algorithm != algorithm:
+        return None, (f"the checkpoint's engine state was saved by the {saved_algorithm!r} algorithm, this run uses "
+                      f"{algorithm!r}; dropped")
+    if saved_world_size != world_size:
+        return None, (f"the checkpoint's engine state was saved by {saved_world_size} ranks, each its own, and this "
+                      f"run has {world_size}; dropped")
+    return saved["states"][rank], ""
+
+
+def _fresh_state_note(container: DataParallel) -> str:
+    summary = getattr(container, "state_summary", "")
+    return f"It starts as at construction: {summary}." if summary else "It starts as at construction."
 
 
 def describe_dead_ranks(procs: list[subprocess.Popen], first_rank: int) -> str:

@@ -57,7 +57,9 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
         bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` algorithm with buckets; ``null`` for one bucket.
         collectives: ``auto`` (per-owner reduce/broadcast on gloo, native reduce-scatter/all-gather otherwise),
             ``native`` or ``per_owner``; see ``lightning_ddp.sync.zero1``.
-        **kwargs: The arguments of ``GradSyncStrategy`` (backend, timeout, start method).
+        **kwargs: The arguments of ``GradSyncStrategy`` (backend, timeout, start method), ``engine_settings``
+            included: the ``grad_sync`` engine's own settings (e.g. ``{rank: 4}`` for ``bucketed_powersgd``), checked
+            against that algorithm; ignored by ``reduce_scatter``, like ``grad_sync``.
     """
 
     def __init__(

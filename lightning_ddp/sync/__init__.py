@@ -21,6 +21,7 @@ The parts every engine shares:
 ``registry``       the list of algorithms (name -> engine, capabilities) everything else reads
 ``ranges``         the names of the profiler ranges the engines open
 ``bucket_model``   predicting the best bucket size from an all-reduce microbenchmark (``auto``)
+``gather``         every rank's state for a checkpoint (ZeRO-1's optimizer shards, an engine's own state)
 =================  =========================================================================
 
 To add an algorithm: see ``lightning_ddp.sync.registry``. The names below load on first use, so reading the

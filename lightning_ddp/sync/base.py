@@ -30,11 +30,20 @@ Invariants every engine keeps:
 - **Averages, not sums:** every engine sums and divides by the world size (gloo has no ``AVG``).
 - Tied weights appear once in ``module.parameters()`` and are communicated once; ``requires_grad=False``
   parameters are never communicated.
+- **The ranks wrap the same model.** Before the broadcast, the constructor checks that every rank has the same
+  parameters (names, shapes, dtypes, ``requires_grad``, in order), as torch DDP's ``_verify_model_across_ranks``:
+  one all-gather of a per-rank digest and, only if they differ, of the descriptions, so that every rank raises the
+  same error naming the first parameter that differs, how, and on which rank, instead of one rank hanging or
+  averaging mismatched buffers.
 
 To write an engine: subclass ``DataParallel``, implement ``_synchronize`` (called by
 ``finish_gradient_synchronization``) and, to act during backward, set ``uses_grad_hooks = True`` and implement
 ``_on_grad_ready(index)``. Issue every collective through ``self.comm`` (``lightning_ddp.sync.comm``), so it is
 recorded and profiled like the others. Then give it one entry in ``lightning_ddp.sync.registry``.
+
+An engine's own state (``engine_state_dict``): what its ``state_dict()`` holds besides the wrapped model's, e.g.
+PowerSGD's error buffers under ``_extra_state`` (from ``get_extra_state``). It may differ per rank: the Lightning
+strategy saves every rank's into the checkpoint and gives each rank its own back on resume.
 
 Profiling: while a torch profiler records, ``finish_gradient_synchronization``, each collective launch and each
 wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``ddp/comm_wait``; see
@@ -43,8 +52,9 @@ wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``d
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -54,7 +64,7 @@ from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_r
 from lightning_ddp.sync.ranges import GRAD_SYNC
 from lightning_ddp.sync.record import SyncRecord
 
-__all__ = ["DataParallel", "broadcast_module_states"]
+__all__ = ["DataParallel", "broadcast_module_states", "describe_parameters", "verify_same_parameters"]
 
 
 class DataParallel(RecordsThroughComm, nn.Module):
@@ -66,6 +76,10 @@ class DataParallel(RecordsThroughComm, nn.Module):
 
     uses_grad_hooks: bool = False
     """Whether the engine registers post-accumulate-grad hooks (overlap, bucketed)."""
+
+    state_summary: str = ""
+    """What the engine's own state (``engine_state_dict``) holds, in words; a resumed run that has to start it
+    afresh says so in its warning. Empty for an engine without state."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -84,6 +98,7 @@ class DataParallel(RecordsThroughComm, nn.Module):
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        verify_same_parameters(module, self.comm, self.device)
         broadcast_module_states(module, process_group)
         self._hook_handles = []
         if self.uses_grad_hooks:
@@ -148,6 +163,30 @@ class DataParallel(RecordsThroughComm, nn.Module):
                 "Unfreeze parameters before wrapping (before trainer.fit), or wrap the model again."
             )
 
+    # -- the engine's own state (checkpoints) -----------------------------------------------------------
+
+    def engine_state_dict(self) -> dict[str, Any]:
+        """What ``state_dict()`` holds besides the wrapped model's (keys without the ``module.`` prefix), e.g.
+        ``{"_extra_state": ...}`` for PowerSGD; ``{}`` for an engine without state. May differ per rank."""
+        return {key: value for key, value in self.state_dict().items() if not key.startswith("module.")}
+
+    def load_engine_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``engine_state_dict()`` of the same rank of a run with the same engine and settings.
+
+        Raises:
+            ValueError: ``state`` holds keys this engine does not have, lacks some it has, or does not fit (e.g.
+                PowerSGD's state saved with another ``rank``); the state this engine had is then kept, as far as
+                the engine's own ``set_extra_state`` checks before it changes anything.
+        """
+        expected = set(self.engine_state_dict())
+        if set(state) != expected:
+            raise ValueError(
+                f"the engine state has {sorted(state)} but {type(self).__name__} has {sorted(expected)}; load the "
+                "state of a run of the same algorithm, or none."
+            )
+        if state:
+            self.load_state_dict(dict(state), strict=False)
+
     # -- for subclasses -------------------------------------------------------------------------------
 
     def _synchronize(self) -> None:
@@ -181,3 +220,59 @@ def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup 
             continue
         seen.add(id(tensor))
         dist.broadcast(tensor.data, src=src, group=process_group)
+
+
+def describe_parameters(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    """``(name, shape, dtype, requires_grad)`` of each of ``module.named_parameters()``, in order."""
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+            for name, p in module.named_parameters()]
+
+
+def _first_difference(reference: list[tuple], other: list[tuple], first: int, rank: int) -> str | None:
+    """How ``other`` (rank ``rank``'s ``describe_parameters``) first differs from ``reference`` (rank ``first``'s)."""
+    fields = ("shape", "dtype", "requires_grad")
+    for position, (mine, theirs) in enumerate(zip(reference, other)):
+        if mine[0] != theirs[0]:
+            return (f"parameter #{position} is {mine[0]!r} on rank {first} but {theirs[0]!r} on rank {rank} (the "
+                    "parameters differ in name or order)")
+        for field, a, b in zip(fields, mine[1:], theirs[1:]):
+            if a != b:
+                return f"parameter {mine[0]!r} has {field} {a} on rank {first} but {b} on rank {rank}"
+    if len(other) > len(reference):
+        return (f"rank {rank} has a parameter {other[len(reference)][0]!r} that rank {first} lacks ({len(other)} "
+                f"parameters against {len(reference)})")
+    if len(other) < len(reference):
+        return (f"rank {rank} lacks the parameter {reference[len(other)][0]!r} that rank {first} has ({len(other)} "
+                f"parameters against {len(reference)})")
+    return None
+
+
+def verify_same_parameters(module: nn.Module, comm: Communicator, device: torch.device) -> None:
+    """Raise the same ``ValueError`` on every rank unless every rank's ``module`` has the same parameters.
+
+    Same names, shapes, dtypes and ``requires_grad``, in the same order (``describe_parameters``). One all-gather
+    of an 8-byte digest of the description; only when the digests differ, an ``all_gather_object`` of the
+    descriptions themselves, to name the first difference. Every rank reaches the same verdict, so none is left
+    waiting in a collective the others skipped. Ranks in the message are global ranks.
+    """
+    if comm.world_size == 1:
+        return
+    description = describe_parameters(module)
+    digest = int.from_bytes(hashlib.sha256(repr(description).encode()).digest()[:8], "little", signed=True)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    digests = [torch.empty_like(mine) for _ in range(comm.world_size)]
+    dist.all_gather(digests, mine, group=comm.group)
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return
+    descriptions: list[Any] = [None] * comm.world_size
+    dist.all_gather_object(descriptions, description, group=comm.group)
+    difference = next(
+        (found for r in range(1, comm.world_size)
+         if (found := _first_difference(descriptions[0], descriptions[r], comm.global_rank(0), comm.global_rank(r)))),
+        "the parameter descriptions are equal but hash differently",  # cannot happen: repr is deterministic
+    )
+    raise ValueError(
+        f"The ranks wrap different models: {difference}. Every rank must build the same model (same architecture, "
+        "dtypes and frozen parameters) before it is wrapped: look for rank-dependent code in the model's "
+        "construction (or configure_model)."
+    )

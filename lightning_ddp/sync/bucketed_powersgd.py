@@ -67,7 +67,8 @@ Differences from torch's hook: ``E`` covers only the compressed matrices (torch 
 error, whose uncompressed part averages to zero over the ranks); ``start_iter`` may be 0 or 1 (our buckets never
 change after construction, torch's are rebuilt after the first step); and the state resumes exactly: the engine's
 ``state_dict()`` carries ``E``, ``Q`` and the step counter (torch leaves saving them to the user,
-pytorch/pytorch#75666). ``E`` differs between ranks: save every rank's. Like torch, a gradient no rank had this step
+pytorch/pytorch#75666). ``E`` differs between ranks: save every rank's (``GradSyncStrategy`` puts every rank's
+into Lightning checkpoints and gives each rank its own back on resume). Like torch, a gradient no rank had this step
 (``.grad = None`` after it) still goes through the rounds, ``M = E``, and its approximation is not applied: ``E``
 keeps only what that approximation left out. A rank without a gradient that others had contributes zeros.
 """
@@ -430,6 +431,14 @@ class BucketedPowerSGDDDP(BucketedDDP):
     """
 
     reduce: PowerSGDReduce
+
+    state_summary = (
+        "the PowerSGD step counter at 0 (so the start_iter exact steps run again), no error feedback, Q drawn anew"
+    )
+
+    check_settings = staticmethod(check_powersgd_options)
+    """The registry's check of the settings (``rank``, ``start_iter``, ``min_compression_rate``, ``seed``), run when
+    a strategy's ``engine_settings`` are read: before any process starts."""
 
     def __init__(
         self,

@@ -15,6 +15,13 @@ The strategy ``<name>_ddp`` then exists (``lightning_ddp.strategies.GradSyncStra
 sweep accepts ``<name>`` in ``grid.strategies`` (with a bucket-size axis if ``has_bucket_size``), and the
 equivalence tests cover it (at bf16 tolerances if it is not ``exact``).
 
+An engine's own settings are the keyword arguments of its factory beyond ``module``, ``process_group``,
+``bucket_size_mb`` and ``reduce`` (``Algorithm.settings()``: name -> default), e.g. PowerSGD's ``rank``. They reach
+it through ``make_engine(module, **settings)`` and, from YAML, the strategy's ``engine_settings``. An unknown name is
+refused with the valid ones listed; if the factory has a ``check_settings(**settings)`` static or class method, it
+is called with every setting (defaults filled in) when the settings are checked, so a bad value fails when the
+config is read, before any process starts.
+
 This module imports nothing but the standard library: engines are named by import path and imported on first use,
 so an entry costs nothing until its engine is built, and an engine file never has to import the registry.
 """
@@ -22,8 +29,9 @@ so an entry costs nothing until its engine is built, and an engine file never ha
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Union
 
 if TYPE_CHECKING:
     from torch import nn
@@ -32,7 +40,23 @@ if TYPE_CHECKING:
 
 BucketSize = Union[float, Literal["auto"], None]
 
-__all__ = ["ALGORITHMS", "Algorithm", "BucketSize", "algorithm_names", "get_algorithm", "register_algorithm"]
+NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")
+"""Factory arguments that are not an engine's own settings: the model, the group, the bucket cap (``bucket_size_mb``
+has its own option) and a bucketed engine's reduce step (an object; an algorithm fixes it)."""
+
+REQUIRED = inspect.Parameter.empty
+"""The default ``Algorithm.settings()`` gives a setting that has none: it must be given."""
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "BucketSize",
+    "NOT_SETTINGS",
+    "REQUIRED",
+    "algorithm_names",
+    "get_algorithm",
+    "register_algorithm",
+]
 
 
 @dataclass(frozen=True)
@@ -43,7 +67,7 @@ class Algorithm:
     """Short name: the sweep's strategy name; the Lightning strategy is ``<name>_ddp``."""
     engine: str | Callable[..., DataParallel]
     """The engine: ``"package.module:Class"`` (imported on first use) or a callable
-    ``(module, *, process_group=None[, bucket_size_mb=...]) -> DataParallel``."""
+    ``(module, *, process_group=None[, bucket_size_mb=...][, <its own settings>=...]) -> DataParallel``."""
     summary: str
     """What it does, in one line (strategy registry description, docs)."""
     has_bucket_size: bool = False
@@ -72,13 +96,84 @@ class Algorithm:
         module, _, attribute = self.engine.partition(":")
         return getattr(importlib.import_module(module), attribute)
 
+    def settings(self) -> dict[str, Any]:
+        """The engine's own settings, name -> default (``REQUIRED`` if it has none), in signature order.
+
+        Read from the factory's signature: its keyword arguments beyond ``module``, ``process_group``,
+        ``bucket_size_mb`` and ``reduce`` (``NOT_SETTINGS``); e.g. ``{"rank": 4, "start_iter": 10, ...}`` for
+        ``bucketed_powersgd``, ``{}`` for ``bucketed``.
+        """
+        return {
+            name: parameter.default
+            for name, parameter in _factory_parameters(self.engine_factory()).items()
+            if name not in NOT_SETTINGS
+            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        }
+
+    def check_settings(self, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Check ``settings`` against the engine's own (``settings()``); returns them with the defaults filled in.
+
+        Not a collective and builds nothing: the strategy calls it when the config is read.
+
+        Raises:
+            TypeError: ``settings`` is not a mapping of names, or the engine's ``check_settings`` refuses a value's
+                type.
+            ValueError: A name the engine does not take (the valid ones are listed with their defaults), a required
+                one missing, or a value the engine's ``check_settings`` refuses.
+        """
+        if settings is None:
+            settings = {}
+        if not isinstance(settings, Mapping) or not all(isinstance(name, str) for name in settings):
+            raise TypeError(
+                f"the engine settings of {self.name!r} must be a mapping of setting names to values, got {settings!r}; "
+                f"e.g. {{{', '.join(f'{k}: {_show(v)}' for k, v in self.settings().items()) or 'name: value'}}}."
+            )
+        factory = self.engine_factory()
+        known = self.settings()
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in _factory_parameters(factory).values())
+        unknown = [name for name in settings if name not in known]
+        if unknown and not takes_any:
+            reserved = [name for name in unknown if name in NOT_SETTINGS]
+            hint = (
+                f" ({', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} not an engine setting: "
+                "bucket_size_mb has an option of its own; the model, process group and reduce step are the engine's)"
+                if reserved else ""
+            )
+            raise ValueError(
+                f"{', '.join(map(repr, unknown))} {'is not a setting' if len(unknown) == 1 else 'are not settings'} of "
+                f"the {self.name!r} algorithm{hint}; {self.describe_settings()}."
+            )
+        complete = {**known, **settings}
+        missing = [name for name, value in complete.items() if value is REQUIRED]
+        if missing:
+            raise ValueError(
+                f"the {self.name!r} algorithm needs {', '.join(missing)} in its engine settings; "
+                f"{self.describe_settings()}."
+            )
+        check = getattr(factory, "check_settings", None)
+        if callable(check):
+            check(**complete)
+        return complete
+
+    def describe_settings(self) -> str:
+        """The engine's settings with their defaults, for error messages and docs."""
+        known = self.settings()
+        if not known:
+            return f"{self.name!r} has no engine settings: drop them"
+        return f"{self.name!r} takes: " + ", ".join(
+            f"{name} (required)" if default is REQUIRED else f"{name}={default!r}" for name, default in known.items()
+        )
+
     def make_engine(
-        self, module: nn.Module, *, bucket_size_mb: Any = "default", process_group: Any = None
+        self, module: nn.Module, *, bucket_size_mb: Any = "default", process_group: Any = None, **settings: Any
     ) -> DataParallel:
         """Wrap ``module`` in this algorithm's engine (a collective: it broadcasts rank 0's weights).
 
-        ``bucket_size_mb``: ``"default"`` for ``default_bucket_size_mb``; anything else only with
-        ``has_bucket_size``.
+        Args:
+            module: The model to wrap.
+            bucket_size_mb: ``"default"`` for ``default_bucket_size_mb``; anything else only with ``has_bucket_size``.
+            process_group: The group to average over (default: the world).
+            **settings: The engine's own settings (``settings()``), checked by ``check_settings`` first.
         """
         factory = self.engine_factory()
         if not self.has_bucket_size:
@@ -87,9 +182,22 @@ class Algorithm:
                     f"the {self.name!r} algorithm has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop "
                     f"it, or choose an algorithm with buckets ({', '.join(a.name for a in ALGORITHMS.values() if a.has_bucket_size)})."
                 )
-            return factory(module, process_group=process_group)
+            self.check_settings(settings)
+            return factory(module, process_group=process_group, **settings)
+        self.check_settings(settings)
         size = self.default_bucket_size_mb if bucket_size_mb == "default" else bucket_size_mb
-        return factory(module, bucket_size_mb=size, process_group=process_group)
+        return factory(module, bucket_size_mb=size, process_group=process_group, **settings)
+
+
+def _factory_parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    try:
+        return inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: no settings we can know
+        return {}
+
+
+def _show(value: Any) -> str:
+    return "<required>" if value is REQUIRED else repr(value)
 
 
 ALGORITHMS: dict[str, Algorithm] = {}

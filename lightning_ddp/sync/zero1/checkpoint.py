@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+from lightning_ddp.sync.gather import gather_rank_states
 
 if TYPE_CHECKING:
     from lightning_ddp.sync.zero1.optimizer import ShardedOptimizer
@@ -24,36 +23,19 @@ GROUP_KEYS_NOT_HYPERPARAMETERS = ("params", "param_names")
 def consolidated_state_dict(optimizer: ShardedOptimizer) -> dict[str, Any]:
     """The full state on every rank. A collective: every rank must call it.
 
-    One ``all_gather_object`` of the owned entries' shapes, then one ``broadcast`` per state tensor from its owner.
+    Each rank's owned entries travel by ``gather_rank_states`` (one ``all_gather_object`` of their shapes, then one
+    ``broadcast`` per state tensor from its owner), and their union, in parameter order per owner, is the state.
     """
     inner = optimizer.optim
     assert inner is not None
-    comm = optimizer.comm
-    local: dict[int, dict[str, tuple]] = {}
-    for param, entry in inner.state.items():
-        local[optimizer._index[id(param)]] = {
-            key: ("tensor", tuple(value.shape), value.dtype) if torch.is_tensor(value) else ("value", value)
-            for key, value in entry.items()
-        }
-    described: list[dict[int, dict[str, tuple]]] = [{} for _ in range(comm.world_size)]
-    dist.all_gather_object(described, local, group=comm.group)
-    device = optimizer.device  # NCCL needs CUDA tensors, even for Adam's CPU `step` counters
+    local = {optimizer._index[id(param)]: dict(entry) for param, entry in inner.state.items()}
+    # NCCL needs CUDA tensors, even for Adam's CPU `step` counters: broadcast on the parameters' device.
+    owned = gather_rank_states(local, optimizer.comm, optimizer.device)
+    assert owned is not None
     state: dict[int, dict[str, Any]] = {}
-    for r in range(comm.world_size):
-        for index in sorted(described[r]):
-            entry: dict[str, Any] = {}
-            for key, (kind, *rest) in described[r][index].items():
-                if kind == "value":
-                    entry[key] = rest[0]
-                    continue
-                shape, dtype = rest
-                if r == comm.rank:
-                    buffer = inner.state[optimizer._params[index]][key].detach().to(device, copy=True)
-                else:
-                    buffer = torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(buffer, src=comm.global_rank(r), group=comm.group)
-                entry[key] = buffer.cpu()
-            state[index] = entry
+    for entries in owned:
+        for index in sorted(entries):
+            state[index] = entries[index]
     param_groups = []
     for group in optimizer.param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}

@@ -1,0 +1,107 @@
+"""Gather every rank's state (nested dicts and lists of tensors and plain values) for a checkpoint.
+
+Two users: ``ShardedOptimizer.state_dict()`` (each rank owns part of the optimizer state; ZeRO-1's checkpoint is
+their union, on every rank) and the Lightning strategy's checkpoint of an engine's own state (PowerSGD's error
+buffers differ per rank; rank 0 writes every rank's). One mechanism for both, ``gather_rank_states``:
+
+1. Each rank replaces every tensor of its state by a ``TensorSpec`` (shape, dtype) and the ranks exchange these
+   skeletons with one ``all_gather_object``: plain values travel there, tensors do not (pickling a CUDA tensor would
+   move it through the host twice and needs the receiver's device).
+2. For each rank in turn, and each of its tensors in the skeleton's order (the same order on every rank, since every
+   rank reads the same skeletons), one ``broadcast`` from that rank, on ``device`` (NCCL moves only CUDA tensors).
+3. The receivers rebuild each rank's state from its skeleton with the tensors on CPU. With ``dst`` set only that
+   rank keeps them: the others take part in each broadcast with a buffer they drop at once, so they never hold more
+   than one received tensor.
+
+Not recorded by a ``Recorder`` (checkpoints are not training steps) and not a hot path: one call per checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddp.sync.comm import Communicator
+
+__all__ = ["TensorSpec", "gather_rank_states"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where a tensor stood in a state's skeleton: its shape and dtype (its values follow by broadcast)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _skeleton(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """``state`` with each tensor replaced by its ``TensorSpec``, the tensors appended to ``tensors`` in order."""
+    if torch.is_tensor(state):
+        tensors.append(state)
+        return TensorSpec(tuple(state.shape), state.dtype)
+    if isinstance(state, dict):
+        return {key: _skeleton(value, tensors) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_skeleton(value, tensors) for value in state)
+    return state
+
+
+def _specs(skeleton: Any) -> list[TensorSpec]:
+    if isinstance(skeleton, TensorSpec):
+        return [skeleton]
+    if isinstance(skeleton, dict):
+        return [spec for value in skeleton.values() for spec in _specs(value)]
+    if isinstance(skeleton, (list, tuple)):
+        return [spec for value in skeleton for spec in _specs(value)]
+    return []
+
+
+def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """The inverse of ``_skeleton``: each ``TensorSpec`` replaced by the next of ``tensors``, in order."""
+    if isinstance(skeleton, TensorSpec):
+        return next(tensors)
+    if isinstance(skeleton, dict):
+        return {key: _fill(value, tensors) for key, value in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_fill(value, tensors) for value in skeleton)
+    return skeleton
+
+
+def gather_rank_states(
+    state: Any, comm: Communicator, device: torch.device | str, dst: int | None = None
+) -> list[Any] | None:
+    """Every rank's ``state``, by group rank, with the tensors on CPU. A collective: every rank must call it.
+
+    Args:
+        state: This rank's state: dicts, lists and tuples whose leaves are tensors or picklable values. The ranks'
+            states may differ in structure and in their tensors' shapes.
+        comm: The group to gather over.
+        device: Where the tensors are moved for the broadcasts: the group's device (a CUDA device under NCCL).
+        dst: ``None``: every rank gets the list. A group rank: only that one does; the others get ``None``.
+
+    Returns:
+        ``[state of rank 0, state of rank 1, ...]`` (copies, on CPU), or ``None`` on a rank other than ``dst``.
+    """
+    local_tensors: list[torch.Tensor] = []
+    skeleton = _skeleton(state, local_tensors)
+    skeletons: list[Any] = [None] * comm.world_size
+    dist.all_gather_object(skeletons, skeleton, group=comm.group)
+    keep = dst is None or dst == comm.rank
+    device = torch.device(device)
+    states = []
+    for r, rank_skeleton in enumerate(skeletons):
+        received = []
+        for position, spec in enumerate(_specs(rank_skeleton)):
+            if r == comm.rank:
+                buffer = local_tensors[position].detach().to(device, copy=True)
+            else:
+                buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            dist.broadcast(buffer, src=comm.global_rank(r), group=comm.group)
+            if keep:
+                received.append(buffer.cpu())
+        if keep:
+            states.append(_fill(rank_skeleton, iter(received)))
+    return states if keep else None
