@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, Union
@@ -30,6 +31,8 @@ __all__ = [
     "engine_setting_defaults",
     "format_settings",
     "has_bucket_axis",
+    "parse_settings",
+    "setting_combinations",
     "settings_slug",
     "sweep_strategies",
     "variant_label",
@@ -105,6 +108,23 @@ def format_settings(settings: Mapping[str, Any]) -> str:
     return " ".join(f"{name}={_setting_text(value)}" for name, value in settings.items())
 
 
+def parse_settings(text: str) -> dict[str, Any]:
+    """The settings ``format_settings`` wrote (results.csv's ``engine_settings``), values read as JSON where they
+    parse (numbers, ``true``/``false``), else kept as text.
+
+    >>> parse_settings("rank=4 min_compression_rate=0.5 mode=fast")
+    {'rank': 4, 'min_compression_rate': 0.5, 'mode': 'fast'}
+    """
+    settings: dict[str, Any] = {}
+    for item in (text or "").split():
+        name, _, value = item.partition("=")
+        try:
+            settings[name] = json.loads(value)
+        except ValueError:
+            settings[name] = value
+    return settings
+
+
 def settings_slug(settings: Mapping[str, Any]) -> str:
     """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"`` (cell ids, plot names); ``{}`` -> ``""``.
 
@@ -112,6 +132,16 @@ def settings_slug(settings: Mapping[str, Any]) -> str:
     '-rank4-min_compression_rate0.5'
     """
     return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{_setting_text(value)}") for name, value in settings.items())
+
+
+def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none.
+
+    >>> setting_combinations({"rank": [1, 4], "start_iter": [0]})
+    [{'rank': 1, 'start_iter': 0}, {'rank': 4, 'start_iter': 0}]
+    """
+    axes = axes or {}
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
@@ -193,7 +223,7 @@ class GridConfig:
     ``{bucketed_powersgd: {rank: [1, 4]}}``. Every combination of the values multiplies that algorithm's cells (times
     its bucket sizes); the cell passes them to the strategy as ``engine_settings``. A setting is any keyword argument
     of the algorithm's engine besides the module, the bucket size and the process group (checked here); one not
-    listed keeps the engine's default."""
+    listed keeps the engine's default. Settings of an algorithm not in ``strategies`` make no cells."""
 
     def __post_init__(self) -> None:
         choices = ", ".join(sweep_strategies())
@@ -233,18 +263,19 @@ class GridConfig:
         self.context_lengths = list(dict.fromkeys(self.context_lengths))
         self.precisions = list(dict.fromkeys(self.precisions))
         self.bucket_sizes_mb = list(dict.fromkeys(self.bucket_sizes_mb))
-        self.engine_settings = {algorithm: _check_settings(algorithm, settings, self.strategies)
+        self.engine_settings = {algorithm: _check_settings(algorithm, settings)
                                 for algorithm, settings in self.engine_settings.items()}
 
     def setting_combinations(self, strategy: str) -> list[dict[str, Any]]:
         """Every combination of ``strategy``'s ``engine_settings`` values, in the order they are listed (the first
         setting varies slowest); ``[{}]`` for a strategy without any."""
-        axes = self.engine_settings.get(strategy) or {}
-        return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+        return setting_combinations(self.engine_settings.get(strategy))
 
 
-def _check_settings(algorithm: str, settings: Any, strategies: list[str]) -> dict[str, list[Any]]:
-    """One algorithm's entry of ``grid.engine_settings``, checked against its engine's signature (values de-duplicated)."""
+def _check_settings(algorithm: str, settings: Any) -> dict[str, list[Any]]:
+    """One algorithm's entry of ``grid.engine_settings``, checked against its engine's signature (values
+    de-duplicated), whether or not the algorithm is in ``grid.strategies`` (so a config's settings stay valid when
+    the strategies are narrowed on the command line)."""
     from lightning_ddp.sync.registry import ALGORITHMS
 
     where = f"`grid.engine_settings.{algorithm}`"
@@ -253,9 +284,6 @@ def _check_settings(algorithm: str, settings: Any, strategies: list[str]) -> dic
             f"{where}: {algorithm!r} is not a registered algorithm (ddp and the reference have no engine settings); "
             f"choose from {', '.join(ALGORITHMS)}"
         )
-    if algorithm not in strategies:
-        raise ValueError(f"{where} sets engine settings of {algorithm!r}, which is not in `grid.strategies`; add it "
-                         f"there, or remove its settings")
     if not isinstance(settings, dict) or not settings:
         raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got {settings!r}")
     valid = engine_setting_defaults(algorithm)
