@@ -608,6 +608,28 @@ def _cell(strategy: str, measured: float, lo: float, hi: float, predicted: float
             "step_error": predicted / measured - 1}
 
 
+def test_validation_simulates_each_cell_with_its_engine_settings(tmp_path, capsys):
+    from lightning_ddp.project.validate import validate_cells
+
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"overhead_s": 1e-3, "bandwidth_Bps": 1e9, "world_size": 2}))
+    row = {"cell_id": "p", "strategy": "bucketed_powersgd", "bucket_size_mb": "4", "engine_settings": "rank=1 start_iter=10",
+           "status": "ok", "world_size": "2", "batch_size": "2", "context_length": "32", "precision": "32-true",
+           "step_ms_median": "100", "comm_share": "0.1"}
+    copy_Bps = 6 * MiB * 1e3
+    (cell,) = validate_cells([row], {"p": three_params().to_dict()}, fit, copy_Bps)
+    # rank 1 from the cell's settings (start_iter changes no steady-state step: not modelled, not passed)
+    at = {rank: simulate("bucketed_powersgd", StepModel(three_params(), read_fit(fit).fabric(), 2, copy_Bps), 4.0,
+                         rank=rank).step_ms for rank in (1, 4)}
+    assert cell["predicted_step_ms"] == pytest.approx(at[1]) and at[1] < at[4] - 0.01
+    assert cell["engine_settings"] == "rank=1 start_iter=10"
+    older = three_params().to_dict()  # a profile recorded before the CommTimer wrote shapes: left out, and said so
+    for q in older["params"]:
+        q.pop("shape")
+    assert validate_cells([row], {"p": older}, fit, copy_Bps) == []
+    assert "not simulated: p: bucketed_powersgd needs every parameter's shape" in capsys.readouterr().err
+
+
 def test_ranking_is_checked_only_where_the_measured_intervals_separate_the_cells():
     from lightning_ddp.project.validate import ranking_agreement
 
