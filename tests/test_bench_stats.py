@@ -159,8 +159,8 @@ def test_compression_summary_pairs_each_variant_with_fp32_by_seed_with_an_interv
     assert bf16["loss_last_mean"] == {"0": 2.0, "1": 1.6}
     assert bf16["minus_fp32"] == {"0": pytest.approx(0.5), "1": pytest.approx(-0.1)}
     # pooled: the last 2 steps' differences are 0.5, 0.5 (seed 0) and 0, -0.2 (seed 1): mean 0.2. Its interval
-    # resamples seeds first: a draw of seed 0 twice gives 0.5, of seed 1 twice at most 0; so it straddles 0.2
-    # within [-0.2, 0.5], and includes 0: two seeds cannot tell this gap from seed-to-seed luck.
+    # resamples the seed values first: a draw of seed 0 twice gives 0.5, of seed 1 twice at most 0; so it straddles
+    # 0.2 within [-0.2, 0.5], and includes 0: two seed values cannot tell this gap from seed-to-seed luck.
     assert bf16["minus_fp32_mean"] == pytest.approx(0.2)
     assert -0.2 <= bf16["minus_fp32_lo"] <= 0.0 < 0.2 < bf16["minus_fp32_hi"] <= 0.5
     assert bf16["loss_max_abs_difference"] == pytest.approx(0.5)

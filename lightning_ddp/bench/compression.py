@@ -12,8 +12,8 @@ at the same bucket size. Two measurements, both on 2 ranks:
    (same config, seed and data); each a real ``python -m lightning_ddp fit`` run (a variant's settings go to the
    strategy as ``engine_settings``). From their logs: the ``train/loss`` curves; per variant the paired difference
    of the loss over the last ``--last`` steps, per seed and pooled, with a 95 % interval (hierarchical bootstrap:
-   seeds, then steps within each seed; ``lightning_ddp.bench.stats``) next to the fp32 runs' own spread over the
-   seeds (one pair of runs cannot tell a systematic effect from the trajectories drifting apart); and from the
+   seed values, then steps within each seed; ``lightning_ddp.bench.stats``) next to the fp32 runs' own spread from
+   seed to seed (one pair of runs cannot tell a systematic effect from the trajectories drifting apart); and from the
    CommTimer's summary the median bytes per step, step time and exposed communication.
 2. **Gradient error, step by step**: one fp32 training run without Lightning on the same data and model; every
    step, each variant's engine (built directly from the registry with its settings, on a copy of the model loaded
@@ -222,12 +222,13 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
 
     Per variant: ``loss_last_mean[seed]``, each run's mean ``train/loss`` over its last ``last`` steps;
     ``minus_fp32[seed]`` the paired difference per seed (same seed: same initial weights and data order);
-    ``minus_fp32_mean`` the mean of the per-step differences over those steps and all seeds, with its 95 % interval
-    ``minus_fp32_lo``/``_hi`` (hierarchical bootstrap: seeds, then steps within each; ``samples`` draws, ``seed``);
-    bytes, step and exposed time per step (median over the seeds of each run's median) and their ratios to fp32;
+    ``minus_fp32_mean`` the mean of the per-step differences over those steps and every seed, with its 95 % interval
+    ``minus_fp32_lo``/``_hi`` (hierarchical bootstrap: seed values, then steps within each; ``samples`` draws,
+    ``seed``); bytes, step and exposed time per step (median over the seed values of each run's median) and their
+    ratios to fp32;
     ``exact_steps``, the steps before its first nonzero gradient error (a warm-up that averages exactly), and the
     error's median and largest values over the steps after them.
-    ``fp32.seed_spread``: the largest minus the smallest fp32 ``loss_last_mean`` over the seeds, the run-to-run
+    ``fp32.seed_spread``: the largest minus the smallest fp32 ``loss_last_mean`` over the seed values, the run-to-run
     variation a difference must exceed to mean anything.
     """
     seeds = sorted(runs)
@@ -292,7 +293,7 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
             label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
             ax_loss.plot(range(len(run["loss"])), run["loss"], color=colors[name], alpha=0.75, lw=1, label=label)
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel(f"train/loss (rank 0), seeds {', '.join(map(str, runs))}")
+    ax_loss.set_ylabel(f"train/loss (rank 0), seed {', '.join(map(str, runs))}")
     ax_loss.legend(fontsize=8)
     ax_loss.grid(alpha=0.3)
     for name in names:
@@ -320,7 +321,7 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespa
     title = ", ".join(f"`{n}`" for n in names)
     lines = [
         f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
-        f"{args.bucket_size_mb:g} MiB, {len(seeds)} seed{'s' if len(seeds) > 1 else ''}", "",
+        f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, seeds))}", "",
         f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
         + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {torch.__version__}).", "",
         "| variant | engine settings (defaults filled in) |", "|---|---|",
@@ -334,9 +335,9 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespa
                  for n in names]
         lines.append(f"| {seed} | {fp32['loss_last_mean'][seed]:.3f} | " + " | ".join(cells) + " |")
     lines += [
-        "", f"The gap to fp32 pooled over the seeds: the mean of the per-step differences over the last {last} steps, "
-        "with its 95 % interval (hierarchical bootstrap: seeds, then steps within each seed"
-        + ("; with one seed only the steps vary, so the interval says nothing about seed-to-seed variation" if
+        "", f"The gap to fp32 pooled over every seed: the mean of the per-step differences over the last {last} steps, "
+        "with its 95 % interval (hierarchical bootstrap: seed values, then steps within each seed"
+        + ("; with one seed value only the steps vary, so the interval says nothing about seed-to-seed variation" if
            len(seeds) == 1 else "") + f"). The fp32 runs alone spread over {fp32['seed_spread']:.3f} nats from seed "
         f"to seed. All runs of a seed start from the same weights and data order (first fp32 loss "
         f"{fp32['loss_first']:.3f}).", "",
@@ -358,7 +359,7 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespa
         if "relative_gradient_error_median" in v:
             lines.append(f"| `{n}` | {v['exact_steps']} | {100 * v['relative_gradient_error_median']:.3f} % | "
                          f"{100 * v['relative_gradient_error_max']:.3f} % | {v['absolute_gradient_error_max']:.3g} |")
-    lines += ["", "| median over the seeds of each run's median | fp32 | " + " | ".join(f"`{n}`" for n in names) + " |",
+    lines += ["", "| median over the seed values of each run's median | fp32 | " + " | ".join(f"`{n}`" for n in names) + " |",
               "|---|---:|" + "---:|" * len(names)]
     rows = [("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
             ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
