@@ -272,12 +272,13 @@ def test_rank_environments(tmp_path) -> None:
 
 def test_csv_schemas_are_exactly_these_columns() -> None:
     assert REPEAT_COLUMNS == (
-        "cell_id", "repeat", "strategy", "bucket_size_mb", "batch_size", "context_length", "precision", "model",
+        "cell_id", "repeat", "strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length",
+        "precision", "model",
         "world_size", "accelerator", "backend", "status", "reason", "wall_s", "measured_steps",
         "resolved_bucket_size_mb", "busy_before", "waited_s", "busy", "load_avg_1m", "started_at",
     )
     assert RESULT_COLUMNS == (
-        "cell_id", "strategy", "bucket_size_mb", "batch_size", "context_length", "precision", "model",
+        "cell_id", "strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model",
         "world_size", "accelerator", "backend", "status", "reason", "repeats_ok", "repeats_run",
         "step_ms_median", "step_ms_lo", "step_ms_hi", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms",
         "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu",
@@ -574,13 +575,15 @@ def test_with_one_repeat_the_choice_is_in_sample_and_its_goals_inconclusive(tmp_
 
 def _study(cells: list[tuple], context: int = 64) -> tuple[list, list, list]:
     """repeats.csv and steps.csv rows for hand-made cells ``(strategy, bucket, [steps of repeat 0, of repeat 1, ...],
-    share, busy)``, in one group."""
+    share, busy[, engine settings text])``, in one group."""
     repeat_rows, step_rows = [], []
-    for strategy, bucket, repeats, share, busy in cells:
-        cell_id = f"{strategy}{bucket}-{context}"
+    for strategy, bucket, repeats, share, busy, *settings in cells:
+        engine_settings = settings[0] if settings else ""
+        cell_id = f"{strategy}{bucket}{engine_settings}-{context}"
         for k, steps in enumerate(repeats):
             repeat_rows.append(parse_row({"cell_id": cell_id, "repeat": str(k), "strategy": strategy,
-                                          "bucket_size_mb": str(bucket), "batch_size": "2", "context_length": str(context),
+                                          "bucket_size_mb": str(bucket), "engine_settings": engine_settings,
+                                          "batch_size": "2", "context_length": str(context),
                                           "precision": "32-true", "status": "ok"}, REPEAT_COLUMNS))
             step_rows += [{"cell_id": cell_id, "repeat": k, "step": i, "step/time_ms": t, "comm/share": share,
                            "comm/busy_ms": busy} for i, t in enumerate(steps)]
@@ -640,6 +643,31 @@ def test_every_algorithm_with_buckets_gets_goal_1_and_an_across_groups_row(secon
     assert "| bucketed_alt | 1 | 1.020 [1.020, 1.020] | 0.95 | **missed** | 0 / 1 / 0 / 0 |" in report
     assert "| bucketed | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
     assert "| 32-true | 2 | 64 | bucketed_alt | 1 MiB, best of 2 on 0 | 98.0 ms | repeats 1: 102.0 ms [102.0, 102.0] |" in report
+
+
+def test_each_engine_settings_variant_has_its_own_best_bucket_size_goal_and_rows() -> None:
+    # bucketed_powersgd at rank 1 and rank 4 (grid.engine_settings), two bucket sizes each, chosen per variant:
+    # rank=1: 1 MiB 70 / 72 ms on repeats 0 / 1, 4 MiB 75: chosen 1 MiB (70 < 75), measured 72 -> 72 / 100 = 0.72.
+    # rank=4: 1 MiB 85, 4 MiB 80 / 90: chosen 4 MiB (80 < 85), measured 90 -> 0.9. Mixing the variants would
+    # have chosen rank=1 at 1 MiB for both.
+    repeat_rows, step_rows = _study([("bucketed", 1.0, [[95.0] * 4] * 2, 0.1, 50.0),
+                                     ("bucketed_powersgd", 1.0, [[70.0] * 4, [72.0] * 4], 0.1, 20.0, "rank=1"),
+                                     ("bucketed_powersgd", 4.0, [[75.0] * 4] * 2, 0.1, 20.0, "rank=1"),
+                                     ("bucketed_powersgd", 1.0, [[85.0] * 4] * 2, 0.1, 30.0, "rank=4"),
+                                     ("bucketed_powersgd", 4.0, [[80.0] * 4, [90.0] * 4], 0.1, 30.0, "rank=4"),
+                                     ("ddp", "", [[100.0] * 4] * 2, 0.1, 50.0)])
+    report = _report(repeat_rows, step_rows)
+    lines = report.splitlines()
+    assert "| 32-true | 2 | 64 | bucketed_powersgd rank=1 | 1 MiB, best of 2 on 0 | 70.0 ms | repeats 1: 72.0 ms" in report
+    assert "| 32-true | 2 | 64 | bucketed_powersgd rank=4 | 4 MiB, best of 2 on 0 | 80.0 ms | repeats 1: 90.0 ms" in report
+    assert "| 1. bucketed_powersgd rank=1 (best) step time / ddp step time | 0.720 [0.720, 0.720] | 1 | met |" in report
+    assert "| 1. bucketed_powersgd rank=4 (best) step time / ddp step time | 0.900 [0.900, 0.900] | 1 | met |" in report
+    assert "| bucketed_powersgd rank=4 | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
+    # table rows: bucketed, then the variants in first-seen order, sizes ascending; the selected size in bold
+    titles = [line.split(" | ")[0][2:] for line in lines if line.startswith("| bucketed")][:5]
+    assert titles == ["bucketed 1 MiB", "bucketed_powersgd 1 MiB rank=1", "bucketed_powersgd 4 MiB rank=1",
+                      "bucketed_powersgd 1 MiB rank=4", "bucketed_powersgd 4 MiB rank=4"]
+    assert "| bucketed_powersgd 4 MiB rank=4 | **85.0 ms [80.0, 90.0]" in report  # 4 x 80 and 4 x 90 pool to 85
 
 
 def test_report_from_rows_alone_still_renders() -> None:

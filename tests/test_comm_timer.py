@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,9 @@ def test_every_strategy_logs_every_key(tmp_path: Path, strategy: str) -> None:
     # 39 tensors of the tiny model, every one's gradient ready after backward started, within backward
     assert len(profile["params"]) == 39 and all(0 <= p["ready_ms"] <= profile["backward_ms"] for p in profile["params"])
     assert profile["forward_ms"] > 0 and profile["optimizer_ms"] > 0 and profile["batch_size"] == 2
+    # with each parameter's shape (the projection's PowerSGD model needs to know which gradients are matrices)
+    assert all(math.prod(p["shape"]) == p["numel"] for p in profile["params"])
+    assert [len(p["shape"]) for p in profile["params"]][:3] == [2, 1, 2]  # tok_emb, attn_norm, q_proj
     for key in [*COMM_KEYS, "memory/peak_MiB", "step/mfu"]:
         assert [step for step, _ in scalars[key]] == list(range(8)), key  # one value per optimizer step
         assert key in summary["summary"], key

@@ -60,12 +60,13 @@ class LinearComm:
 
 
 def three_params(ready=(30.0, 20.0, 10.0)) -> ComputeProfile:
-    """parameters() order a (1 MiB), b (2 MiB), c (3 MiB); backward makes c, then b, then a (at its end).
+    """parameters() order a (1 MiB), b (2 MiB), c (3 MiB) of fp32 matrices 512 x 512, 512 x 1024, 768 x 1024;
+    backward makes c, then b, then a (at its end).
 
     forward 10 ms, backward 30 ms, optimizer 5 ms: the compute-only step is 45 ms.
     """
-    sizes = (1, 2, 3)
-    params = [ParamTiming(name, s * MiB // 4, s * MiB, r) for name, s, r in zip("abc", sizes, ready)]
+    sizes, shapes = (1, 2, 3), ((512, 512), (512, 1024), (768, 1024))
+    params = [ParamTiming(name, s * MiB // 4, s * MiB, r, shape) for name, s, r, shape in zip("abc", sizes, ready, shapes)]
     return ComputeProfile(10.0, 30.0, 5.0, tuple(params), source="hand-made", world_size=2)
 
 
@@ -226,9 +227,163 @@ def test_a_parameter_without_gradient_is_skipped_by_naive_and_launched_at_the_fi
     assert [i.label for i in r.intervals if i.stream == "comm"][-1] == "gradient presence flags"
 
 
+def test_powersgd_overlaps_its_first_round_with_backward_and_runs_the_second_after_it():
+    r = simulate("bucketed_powersgd", model(), 4.0, rank=4)
+    # Buckets as bucketed at 4 MiB: [c], then [b, a] (+ the sentinel). Every matrix compresses at rank 4, e.g. c:
+    # (768 + 1024) x 4 x 2 = 14,336 < 786,432 elements. Wire bytes (fp32): P = rows x 4, Q = cols x 4 elements.
+    comm = [(i.label, i.nbytes) for i in r.intervals if i.stream == "comm"]
+    assert comm == [
+        ("c [PowerSGD P]", 768 * 4 * 4),
+        ("bucket 1 (2 tensors) [uncompressed]", 4),  # a and b are compressed: only the sentinel is left
+        ("bucket 1 (2 tensors) [PowerSGD P]", (512 + 512) * 4 * 4),
+        ("c [PowerSGD Q]", 1024 * 4 * 4),  # the Q rounds only once the engine waits, after backward
+        ("bucket 1 (2 tensors) [PowerSGD Q]", (1024 + 512) * 4 * 4),
+    ]
+    spans = {i.label: (i.start_ms, i.end_ms) for i in r.intervals}
+    # [c] is ready at 20 ms. Its P round costs, per element of c (786,432 of them, 3 MiB at 4 B), 24 bytes moved:
+    # M = G (read 4, write 4), M += E (read 8, write 4), P = M Q (read 4); plus the small ones: QR of Q (2 x 1024 x 4
+    # x 4 B), Q and P read and P written by the product ((1024 + 768) x 4 x 4 B), P /= n (2 x 768 x 4 x 4 B):
+    # 18 MiB + 86,016 B at 6 MiB per ms.
+    assert spans["PowerSGD P 0"] == pytest.approx((20, 20 + 3 + 86_016 / (6 * MiB)))
+    # ... and it delays the rest of backward: [b, a] completes at 40 + 3.0137 ms, then its buffer copy (1 ms).
+    assert spans["pack bucket 1"][0] == pytest.approx(spans["PowerSGD P 0"][1] + 20)
+    backward_end = spans["pack bucket 1"][0]
+    assert spans["c [PowerSGD Q]"][0] > backward_end and spans["PowerSGD Q 0"][0] > backward_end
+    # Finish, per bucket in order: Q round (blocking), then P Q^T into the bucket and E = M - P Q^T: 24 bytes per
+    # element again (P Q^T written 4, copied in 8, E read 8 written 4) plus P and Q read by the product.
+    assert spans["PowerSGD decompress 0"] == pytest.approx(
+        (spans["c [PowerSGD Q]"][1], spans["c [PowerSGD Q]"][1] + 3 + 4 * (768 + 1024) * 4 / (6 * MiB)))
+    assert r.step_ms == pytest.approx(spans["PowerSGD decompress 1"][1] + 5)  # then the optimizer
+    assert r.settings == {"rank": 4} and r.variant == "bucketed_powersgd rank=4"
+
+
+def test_powersgd_at_full_rank_never_sends_fewer_bytes_than_bucketed():
+    # At rank >= min(rows, cols) a "compressed" matrix sends (rows + cols) x min(rows, cols) >= rows x cols
+    # elements, so it is compressed only if min_compression_rate < 1 (and then sends more): never fewer bytes.
+    for profile in (three_params(), _small_gpt_profile()):
+        for size in (0.25, 1.0, 4.0, 100.0):
+            bucketed = simulate("bucketed", model(profile), size).comm_bytes
+            for rate in (2.0, 0.0):
+                full = simulate("bucketed_powersgd", model(profile), size, rank=10**6, min_compression_rate=rate)
+                assert full.comm_bytes >= bucketed, (size, rate)
+                assert (full.comm_bytes > bucketed + 4) == (rate == 0.0)  # + 4: the sentinel the model counts
+            assert simulate("bucketed_powersgd", model(profile), size, rank=4).comm_bytes < bucketed / 10
+
+
+def test_arithmetic_is_a_roofline_of_flops_and_bytes():
+    m = StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, flops_per_s=1e12)
+    assert m.kernel_ms(2e9, 6 * MiB) == pytest.approx(2.0)  # compute-bound: 2e9 / 1e12 s = 2 ms > 1 ms of bytes
+    assert m.kernel_ms(1e9, 12 * MiB) == pytest.approx(2.0)  # memory-bound: 12 MiB at 6 MiB per ms
+    assert StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3).kernel_ms(1e15, 6 * MiB) == pytest.approx(1.0)
+    # at rank 512 PowerSGD's products (2 x rows x cols x 512 FLOPs each: 0.27 GFLOP for a, 27 ms at 10 GFLOP/s)
+    # outweigh their bytes (about 1 MiB: 1/6 ms); counted as bytes only, they are far cheaper
+    slow_arithmetic = StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, flops_per_s=1e10)
+    slow = simulate("bucketed_powersgd", slow_arithmetic, 4.0, rank=512, min_compression_rate=0.0).step_ms
+    fast = simulate("bucketed_powersgd", model(), 4.0, rank=512, min_compression_rate=0.0).step_ms
+    assert slow > fast + 10
+
+
+def test_profile_shapes_round_trip_and_older_files_without_them_still_read(tmp_path):
+    path = write_profile(three_params(), tmp_path / "profile.json")
+    data = json.loads(path.read_text())
+    assert data["params"][2]["shape"] == [768, 1024]
+    assert read_profile(path) == three_params() and read_profile(path).has_shapes
+    for q in data["params"]:  # a file written before shapes were recorded
+        del q["shape"]
+    path.write_text(json.dumps(data))
+    older = read_profile(path)
+    assert not older.has_shapes and simulate("bucketed", model(older), 4.0).step_ms == simulate("bucketed", model(), 4.0).step_ms
+    with pytest.raises(ValueError, match="bucketed_powersgd needs every parameter's shape.*'a'"):
+        simulate("bucketed_powersgd", model(older), 4.0)
+    with pytest.raises(ValueError, match=r"shape \[2, 3\] has 6 elements, but numel is 5"):
+        ParamTiming("w", 5, 20, 1.0, (2, 3))
+
+
+def test_engine_settings_are_projected_as_strategies_of_their_own(tmp_path, capsys):
+    write_profile(three_params(), tmp_path / "profile.json")
+    (tmp_path / "fit.json").write_text(json.dumps({"overhead_s": 1e-3, "bandwidth_Bps": 1e9, "world_size": 2}))
+    base = ["--compute.source", "profile", "--compute.profile_path", str(tmp_path / "profile.json"),
+            "--compute.memory_bandwidth_GBps", "10", "--network.preset", "measured",
+            "--network.fit_path", str(tmp_path / "fit.json"), "--study.world_sizes", "[2, 8]",
+            "--study.bucket_sizes_mb", "[1, 4]", "--study.strategies", "[bucketed, bucketed_powersgd, ddp]",
+            "--output.out_dir", str(tmp_path / "out"), "--output.plots", "false"]
+    assert main([*base, "--study.engine_settings", "{bucketed_powersgd: {rank: [1, 4]}}"]) == 0
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["strategy"] == "bucketed_powersgd"]
+    # 2 world sizes x 2 bucket sizes x 2 ranks, one best size per (rank, world size)
+    assert sorted({r["engine_settings"] for r in rows}) == ["rank=1", "rank=4"] and len(rows) == 8
+    assert sum(r["best_bucket"] == "true" for r in rows) == 4
+    bytes_at = {(r["engine_settings"], r["world_size"], r["bucket_size_mb"]): int(r["comm_bytes"]) for r in rows}
+    assert bytes_at[("rank=1", "2", "4")] < bytes_at[("rank=4", "2", "4")]  # rank 1 sends a quarter of P and Q
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "| bucketed_powersgd rank=1 (best size) |" in markdown and "| bucketed_powersgd rank=4 (best size) |" in markdown
+    assert "## Fastest per world size" in markdown
+    with pytest.raises(SystemExit):
+        parse_config([*base, "--study.engine_settings", "{bucketed_powersgd: {seed: [1]}}"])
+    assert "models no setting 'seed'; its settings are: rank, min_compression_rate" in capsys.readouterr().err
+
+
+def _small_gpt_profile():
+    """The `tiny` preset's shapes with a 64-token vocabulary, fp32 gradients ready in reverse parameter order."""
+    from lightning_ddp.project.run import gpt_parameter_shapes
+
+    shape = ModelShape(d_model=128, n_layers=2, n_heads=4, d_ff=512, vocab_size=64)
+    shapes = gpt_parameter_shapes(shape)
+    names = [name for name, _ in shape.parameters()]
+    params = [ParamTiming(name, numel, 4 * numel, float(len(names) - k), shapes[name])
+              for k, (name, numel) in enumerate(shape.parameters())]
+    return ComputeProfile(5.0, 30.0, 1.0, tuple(params), world_size=2)
+
+
+@pytest.fixture
+def world_of_one():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield torch
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bucket_size_mb", [0.1, 1.0])
+def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb):
+    # The real engine on one rank, compressing from the first step, records every collective (label, bytes); the
+    # model of the same GPT must issue the same ones in the same order, and each bucket's bytes must be its
+    # plan_bucket's sent_numel x 4 (fp32).
+    torch = world_of_one
+    from lightning_ddp.model import GPT, get_config
+    from lightning_ddp.sync import Recorder
+    from lightning_ddp.sync.bucketed_powersgd import BucketedPowerSGDDDP, plan_bucket
+
+    torch.manual_seed(0)
+    gpt = GPT(get_config("tiny", n_layers=2, vocab_size=64, context_length=16))
+    profile = _small_gpt_profile()
+    assert [(q.name, q.shape) for q in profile.params] == [(n, tuple(t.shape)) for n, t in gpt.named_parameters()]
+    engine = BucketedPowerSGDDDP(gpt, bucket_size_mb, rank=4, start_iter=0)
+    engine.recorder = recorder = Recorder()
+    recorder.open_step(0)
+    engine.on_train_batch_start()
+    tokens = torch.randint(0, 64, (2, 16))
+    torch.nn.functional.cross_entropy(engine(tokens).flatten(0, 1), tokens.flatten()).backward()
+    engine.finish_gradient_synchronization()
+    sent = [(c.label, c.nbytes) for c in recorder.finish_step().collectives]
+
+    r = simulate("bucketed_powersgd", model(profile), bucket_size_mb, rank=4)
+    assert [(i.label, i.nbytes) for i in r.intervals if i.stream == "comm"] == sent
+    per_bucket: dict[str, int] = {}
+    for label, nbytes in sent:
+        per_bucket[label.split(" [")[0]] = per_bucket.get(label.split(" [")[0], 0) + nbytes
+    plans = [plan_bucket(b.layout, b.buffer.numel() if b.buffer is not None else b.params[0].numel(), 4, 2.0)
+             for b in engine._buckets]
+    assert list(per_bucket.values()) == [4 * plan.sent_numel for plan in plans]
+    assert sum(len(plan.matrices) for plan in plans) == 2 * 7 + 2  # 7 matrices per block, embedding and lm_head
+
+
 def test_more_bandwidth_or_less_latency_is_never_slower():
+    from lightning_ddp.project.run import gpt_parameter_shapes, with_shapes
+
     tiny = ModelShape(d_model=128, n_layers=4, n_heads=4, d_ff=512)  # the `tiny` preset's shape, no torch needed
-    profile = modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4)
+    profile = with_shapes(modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4), gpt_parameter_shapes(tiny))
     base = FABRICS["h100_nvlink_ib"]
     faster = base.with_changes(intra=Link("nvl", 2 * base.intra.bandwidth_Bps, base.intra.latency_s),
                                inter=Link("ib", 2 * base.inter.bandwidth_Bps, base.inter.latency_s))
@@ -285,6 +440,11 @@ def test_modelled_xl_profile_matches_the_real_model():
     assert ready[-1] == pytest.approx(1e3 * 2048 * 4 * 10_000 * 1600 / (0.4 * 989.4e12))  # lm_head's backward first
     assert ready[0] == pytest.approx(profile.backward_ms)  # the embedding's gradient at the end
     assert ready[1:] == sorted(ready[1:], reverse=True)  # reverse parameters() order
+    # the shapes the projection gives a modelled profile are the module's own
+    from lightning_ddp.project.run import gpt_parameter_shapes
+
+    shapes = gpt_parameter_shapes(shape)
+    assert [(name, shapes[name]) for name, _ in shape.parameters()] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
 
 
 # ---- agreement with the engines' own rules (these import torch) ------------------------------------------------
@@ -325,6 +485,10 @@ def test_the_package_imports_neither_torch_nor_lightning_at_module_level():
     (lambda: StudyConfig(strategies=[]), "at least one"),
     (lambda: StudyConfig(world_sizes=[1]), r">= 2"),
     (lambda: StudyConfig(bucket_sizes_mb=[0]), "> 0 MiB"),
+    (lambda: StudyConfig(strategies=["bucketed"], engine_settings={"bucketed_powersgd": {"seed": [4]}}),
+     "models no setting 'seed'"),  # checked even when not listed
+    (lambda: StudyConfig(engine_settings={"powersgd": {"rank": [4]}}), "unknown strategy 'powersgd'"),
+    (lambda: StudyConfig(engine_settings={"bucketed_powersgd": {"rank": []}}), "rank must be a non-empty list"),
     (lambda: ComputeConfig(source="profile"), "profile_path"),
     (lambda: ComputeConfig(mfu=1.5), r"compute.mfu: 0.4"),
     (lambda: ComputeConfig(gpu="tpu"), "choose one of h100-sxm"),
@@ -360,11 +524,12 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == COLUMNS
-    assert len(rows) == 3 * (5 + 2 * 3)  # world sizes x (5 strategies without buckets + 2 with 3 sizes each)
+    # world sizes x (5 strategies without buckets + 3 with 3 sizes each: bucketed, bucketed_bf16, bucketed_powersgd)
+    assert len(rows) == 3 * (5 + 3 * 3)
     naive2 = next(r for r in rows if r["strategy"] == "naive" and r["world_size"] == "2")
     # measured fit at 2 ranks: 1 ms + bytes / (1 GB/s) per call: flags (12 B) + 1, 2, 3 MiB; compute 45 ms
     assert float(naive2["step_ms"]) == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3)
-    assert sum(r["best_bucket"] == "true" for r in rows) == 3 * 2  # one best size per bucketed strategy and world size
+    assert sum(r["best_bucket"] == "true" for r in rows) == 3 * 3  # one best size per bucketed strategy and world size
     markdown = (out / "results.md").read_text()
     assert "# tiny test" in markdown and "## Best bucket size per world size" in markdown
     for png in ("share_vs_world.png", "step_vs_bucket.png"):
@@ -373,7 +538,7 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     assert environment["config"]["network"]["preset"] == "measured" and environment["fabric"]["name"] == "measured"
     assert read_profile(out / "compute_profile.json") == three_params()
     assert not list(out.glob("*.tmp"))  # written atomically
-    assert "33 cells" in capsys.readouterr().out
+    assert "42 cells" in capsys.readouterr().out
 
 
 def test_predict_cells_for_the_lead(tmp_path):
@@ -417,15 +582,20 @@ def test_seeds_config_reproduces_the_seed_comparison(tmp_path):
     assert math.isclose(outcome.profile.compute_ms, 365.1, rel_tol=1e-9)
 
 
-def test_the_built_in_algorithms_are_simulated_with_their_bucket_axis():
+def test_the_projection_reads_its_models_from_the_registry():
     # Modelling a new algorithm for the projection is optional (adding one stays one engine file, one registry
-    # entry, one YAML); the ones this project ships are all modelled, with the same bucket-size axis.
+    # entry, one YAML); the ones this project ships all name a model in their entry, and the projection's table is
+    # those entries (in registry order) plus its own baselines, zero1 and ddp.
     from lightning_ddp.sync.registry import ALGORITHMS
 
-    built_in = {"naive", "flat", "overlap", "bucketed", "bucketed_bf16"}
-    assert built_in <= set(ALGORITHMS) and built_in <= set(STRATEGIES)
-    for name in set(ALGORITHMS) & set(STRATEGIES):
-        assert STRATEGIES[name].has_bucket_size == ALGORITHMS[name].has_bucket_size, name
+    built_in = ["naive", "flat", "overlap", "bucketed", "bucketed_bf16", "bucketed_powersgd"]
+    assert all(ALGORITHMS[name].projection for name in built_in)
+    assert list(STRATEGIES) == [*[a for a in ALGORITHMS if ALGORITHMS[a].projection], "zero1", "ddp"]
+    for name in built_in:  # each model loads, runs, and its result carries the algorithm's name
+        size = 4.0 if ALGORITHMS[name].has_bucket_size else None
+        assert simulate(name, model(), size).strategy == name
+    with pytest.raises(ValueError, match="models no setting 'seed'; its settings are: rank, min_compression_rate"):
+        simulate("bucketed_powersgd", model(), 4.0, seed=1)  # an engine setting that changes no step time
 
 
 # ---- the validation against a sweep ---------------------------------------------------------------------------
@@ -436,6 +606,28 @@ def _cell(strategy: str, measured: float, lo: float, hi: float, predicted: float
             "precision": "32-true", "measured_step_ms": measured, "measured_step_lo": lo, "measured_step_hi": hi,
             "measured_share": 0.1, "predicted_step_ms": predicted, "predicted_share": 0.1,
             "step_error": predicted / measured - 1}
+
+
+def test_validation_simulates_each_cell_with_its_engine_settings(tmp_path, capsys):
+    from lightning_ddp.project.validate import validate_cells
+
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"overhead_s": 1e-3, "bandwidth_Bps": 1e9, "world_size": 2}))
+    row = {"cell_id": "p", "strategy": "bucketed_powersgd", "bucket_size_mb": "4", "engine_settings": "rank=1 start_iter=10",
+           "status": "ok", "world_size": "2", "batch_size": "2", "context_length": "32", "precision": "32-true",
+           "step_ms_median": "100", "comm_share": "0.1"}
+    copy_Bps = 6 * MiB * 1e3
+    (cell,) = validate_cells([row], {"p": three_params().to_dict()}, fit, copy_Bps)
+    # rank 1 from the cell's settings (start_iter changes no steady-state step: not modelled, not passed)
+    at = {rank: simulate("bucketed_powersgd", StepModel(three_params(), read_fit(fit).fabric(), 2, copy_Bps), 4.0,
+                         rank=rank).step_ms for rank in (1, 4)}
+    assert cell["predicted_step_ms"] == pytest.approx(at[1]) and at[1] < at[4] - 0.01
+    assert cell["engine_settings"] == "rank=1 start_iter=10"
+    older = three_params().to_dict()  # a profile recorded before the CommTimer wrote shapes: left out, and said so
+    for q in older["params"]:
+        q.pop("shape")
+    assert validate_cells([row], {"p": older}, fit, copy_Bps) == []
+    assert "not simulated: p: bucketed_powersgd needs every parameter's shape" in capsys.readouterr().err
 
 
 def test_ranking_is_checked_only_where_the_measured_intervals_separate_the_cells():
@@ -455,9 +647,17 @@ def test_ranking_is_checked_only_where_the_measured_intervals_separate_the_cells
 
 
 def test_a_registered_algorithm_without_a_model_is_named_in_the_error_and_the_report(tmp_path, monkeypatch, capsys):
+    import dataclasses
+
     from lightning_ddp.sync import registry
 
-    monkeypatch.setitem(registry.ALGORITHMS, "toy_unmodelled", registry.ALGORITHMS["bucketed"])
+    bucketed = registry.ALGORITHMS["bucketed"]
+    monkeypatch.setitem(registry.ALGORITHMS, "toy_unmodelled",
+                        dataclasses.replace(bucketed, name="toy_unmodelled", projection=None))
+    # one that names an existing model is projected with no other change, under its own name
+    monkeypatch.setitem(registry.ALGORITHMS, "toy_modelled", dataclasses.replace(bucketed, name="toy_modelled"))
+    assert "toy_modelled" in STRATEGIES and "toy_unmodelled" not in STRATEGIES
+    assert simulate("toy_modelled", model(), 4.0).step_ms == simulate("bucketed", model(), 4.0).step_ms
     base = ["--config", str(REPO / "configs" / "project" / "xl_h100.yaml"), "--study.world_sizes", "[2]",
             "--output.out_dir", str(tmp_path), "--output.plots", "false"]
     with pytest.raises(SystemExit):

@@ -8,7 +8,7 @@ other test modules, which parametrise over the registry, see only the package's 
 
 A second toy, ``toy_pieces``, has a setting of its own (``pieces``: into how many all-reduces a bucket is split)
 and a ``check_settings``: the engine settings are read from its signature, checked when the strategy is built,
-and reach the engine from YAML (``engine_settings``) on every rank.
+reach the engine from YAML (``engine_settings``) on every rank, and become a sweep axis (``grid.engine_settings``).
 """
 
 from __future__ import annotations
@@ -226,6 +226,75 @@ def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy,
     assert "| toy_halves 1 MiB |" in report and "| toy_halves 4 MiB |" in report
     names = {path.name for path in write_plots(tmp_path, rows)}
     assert names == {"strategies_32-true_bs2.png", "toy_halves_32-true_bs2.png"}
+
+
+
+def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_and_plots(toy_pieces, tmp_path) -> None:
+    from lightning_ddp.bench.config import GridConfig, SweepConfig
+    from lightning_ddp.bench.grid import RankLayout, cell_command, expand_grid
+    from lightning_ddp.bench.plots import write_plots
+    from lightning_ddp.bench.report import build_report
+    from lightning_ddp.bench.results import repeat_row
+    from lightning_ddp.bench.runner import CellOutcome
+
+    def config(**settings) -> SweepConfig:
+        return SweepConfig(grid=GridConfig(strategies=["toy_pieces"], batch_sizes=[2], context_lengths=[32],
+                                           bucket_sizes_mb=[1.0, 4.0], **settings))
+
+    swept = config(engine_settings={"toy_pieces": {"pieces": [2, 3, 3]}})
+    cells = expand_grid(swept)
+    # reference, the toy at 1 and 4 MiB times pieces 2 and 3 (the repeated 3 counts once), ddp
+    assert [(c.strategy, c.bucket_size_mb, c.settings) for c in cells] == [
+        ("reference", None, {}), ("toy_pieces", 1.0, {"pieces": 2}), ("toy_pieces", 1.0, {"pieces": 3}),
+        ("toy_pieces", 4.0, {"pieces": 2}), ("toy_pieces", 4.0, {"pieces": 3}), ("ddp", None, {})]
+    assert len({c.id for c in cells}) == len(cells)
+    assert cells[2].id.startswith("toy_pieces-1mb-pieces3-b2-t32-32-true-")
+    assert cells[2].label == "toy_pieces 1 MiB pieces=3 | batch 2 | ctx 32 | 32-true"
+    # Without the axis: the toy's cells are new ids (a changed setting reruns), the others keep theirs.
+    plain = expand_grid(config())
+    assert {c.id for c in plain if c.strategy == "toy_pieces"}.isdisjoint(c.id for c in cells)
+    assert [c.id for c in plain if c.strategy != "toy_pieces"] == [c.id for c in cells if c.strategy != "toy_pieces"]
+
+    layout = RankLayout("gloo", 2, 1)
+
+    def strategy_of(cell) -> dict:
+        command = cell_command(cell, swept, layout, tmp_path / cell.id)
+        return json.loads(command[command.index("--trainer.strategy") + 1])
+
+    assert strategy_of(cells[2])["init_args"] == {"algorithm": "toy_pieces", "process_group_backend": "gloo",
+                                                  "bucket_size_mb": 1.0, "engine_settings": {"pieces": 3}}
+    assert "engine_settings" not in strategy_of(cells[-1])["init_args"]  # ddp: none to set
+    assert "engine_settings" not in strategy_of(plain[1])["init_args"]  # the toy with its defaults: as before
+
+    rows = []
+    for k, cell in enumerate(cells):  # made-up ok rows: 100, 110, ... ms
+        row = repeat_row(cell, 0, CellOutcome("ok"), "tiny", "cpu", layout)
+        rows.append({**row, "status": "ok", "step_ms_median": 100.0 + 10 * k, "comm_share": 0.1, "busy_comm_ms": 5.0})
+    assert [r["engine_settings"] for r in rows] == ["", "pieces=2", "pieces=3", "pieces=2", "pieces=3", ""]
+    report = build_report(rows)
+    for title in ("toy_pieces 1 MiB pieces=2", "toy_pieces 1 MiB pieces=3", "toy_pieces 4 MiB pieces=3"):
+        assert f"| {title} |" in report
+    # each variant has its own best bucket size (1 MiB: 110 < 130 ms and 120 < 140 ms) and its own goal 1
+    assert "| 1. toy_pieces pieces=2 (best) step time / ddp step time | 0.733 [0.733, 0.733] |" in report  # 110 / 150
+    assert "| 1. toy_pieces pieces=3 (best) step time / ddp step time | 0.800 [0.800, 0.800] |" in report  # 120 / 150
+    names = {path.name for path in write_plots(tmp_path, rows)}
+    assert names == {"strategies_32-true_bs2.png", "toy_pieces-pieces2_32-true_bs2.png",
+                     "toy_pieces-pieces3_32-true_bs2.png"}
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"toy_pieces": {"piece": [2]}}, r"the 'toy_pieces' engine has no setting 'piece'; its settings are: pieces"),
+    ({"toy_pieces": {"bucket_size_mb": [2]}}, r"not an engine setting: `grid.bucket_sizes_mb` sets it"),
+    ({"toy_pieces": {"pieces": []}}, r"`grid.engine_settings.toy_pieces`.pieces must be a non-empty list"),
+    ({"naive": {"pieces": [2]}}, r"'naive' engine has no setting 'pieces'; its settings are: none"),
+    ({"bucketed": {"pieces": [2]}}, r"the 'bucketed' engine has no setting 'pieces'"),  # listed or not
+    ({"ddp": {"pieces": [2]}}, r"'ddp' is not a registered algorithm"),
+])
+def test_an_unknown_engine_setting_is_refused_naming_the_valid_ones(toy_pieces, settings, match) -> None:
+    from lightning_ddp.bench.config import GridConfig
+
+    with pytest.raises(ValueError, match=match):
+        GridConfig(strategies=["naive", "toy_pieces"], engine_settings=settings)
 
 
 # ---- through the equivalence matrix, on 2 ranks ---------------------------------------------------------

@@ -1,20 +1,26 @@
-"""``python -m lightning_ddp.bench.compression``: what communicating gradients in bf16 costs and saves.
+"""``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
 
     python -m lightning_ddp.bench.compression --config configs/text_bytes.yaml --steps 300 \
-        --out benchmarks/results/compression_cpu
+        --variants bucketed_bf16 bucketed_powersgd:rank=4,start_iter=10 --out benchmarks/results/compression_cpu
 
-Two measurements, both on 2 ranks:
+Every *variant* is a registered lossy algorithm with buckets (``exact=False`` in ``lightning_ddp.sync.registry``),
+with engine settings if given (``NAME:setting=value,...``); by default every such algorithm at its engine's
+defaults (``bucketed_bf16``, ``bucketed_powersgd`` ...). Each is compared with ``bucketed`` (exact fp32 averaging)
+at the same bucket size. Two measurements, both on 2 ranks:
 
-1. **Training**: per seed (``--seeds``, default 0 1 2), the same fit twice (same config, seed and data), once with
-   ``bucketed`` (fp32 on the wire) and once with ``bucketed_bf16``, at the same bucket size; each a real
-   ``python -m lightning_ddp fit`` run. From their logs: the ``train/loss`` curves, the paired difference of the
-   final loss per seed next to the fp32 runs' own spread over the seeds (one pair of runs cannot tell a systematic
-   effect from the trajectories drifting apart), and from the CommTimer's summary the median bytes per step, step
-   time and exposed communication.
-2. **Gradient error, step by step**: one fp32 training run without Lightning on the same data and model, in which
-   every step's local gradients are also averaged the bf16 way (``BF16CompressedAllReduce``, on a copy): the
-   relative error ``||avg_bf16 - avg_fp32|| / ||avg_fp32||`` of the whole flattened gradient, and the largest
-   absolute error, per step.
+1. **Training**: per seed (``--seeds``, default 0 1 2), the same fit once with ``bucketed`` and once per variant
+   (same config, seed and data); each a real ``python -m lightning_ddp fit`` run (a variant's settings go to the
+   strategy as ``engine_settings``). From their logs: the ``train/loss`` curves; per variant the paired difference
+   of the loss over the last ``--last`` steps, per seed and pooled, with a 95 % interval (hierarchical bootstrap:
+   seed values, then steps within each seed; ``lightning_ddp.bench.stats``) next to the fp32 runs' own spread from
+   seed to seed (one pair of runs cannot tell a systematic effect from the trajectories drifting apart); and from the
+   CommTimer's summary the median bytes per step, step time and exposed communication.
+2. **Gradient error, step by step**: one fp32 training run without Lightning on the same data and model; every
+   step, each variant's engine (built directly from the registry with its settings, on a copy of the model loaded
+   with the same weights) averages the same local gradients its own way: the relative error
+   ``||avg_variant - avg_fp32|| / ||avg_fp32||`` of the whole flattened gradient, and the largest absolute error,
+   per step. Stateful engines keep their state across these steps (PowerSGD's warm-up and error feedback), so the
+   error is that of the algorithm's steady state along fp32 training's trajectory.
 
 Writes ``results.json``, ``results.md`` and ``loss_curves.png`` into ``--out`` (atomically), with the commands,
 versions and git state.
@@ -29,27 +35,94 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ddp.bench.config import engine_setting_defaults, format_settings, parse_settings, settings_slug
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
+from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 
-__all__ = ["gradient_error", "main", "summarize"]
+__all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
+
+BASELINE = "bucketed"
+"""The exact reference every variant is compared with: bucketed averaging in fp32."""
 
 
-def _fit(config: str, algorithm: str, bucket_size_mb: float, steps: int, out: Path, name: str,
-         extra: list[str]) -> list[str]:
-    strategy = json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy",
-                           "init_args": {"algorithm": algorithm, "bucket_size_mb": bucket_size_mb}})
+@dataclass(frozen=True)
+class Variant:
+    """A lossy algorithm with its engine settings (empty: its engine's defaults)."""
+
+    algorithm: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """``bucketed_powersgd rank=4 start_iter=10`` (tables, legends, results.json keys)."""
+        return f"{self.algorithm} {format_settings(self.settings)}" if self.settings else self.algorithm
+
+    @property
+    def key(self) -> str:
+        """``bucketed_powersgd-rank4-start_iter10`` (directory names)."""
+        return self.algorithm + settings_slug(self.settings)
+
+    def effective_settings(self) -> dict[str, Any]:
+        """Every setting of its engine, the defaults filled in (what the report states)."""
+        return {**(engine_setting_defaults(self.algorithm) or {}), **self.settings}
+
+
+def parse_variant(text: str) -> Variant:
+    """``"bucketed_powersgd:rank=4,start_iter=10"`` -> that ``Variant``; the algorithm must be a registered lossy one
+    with buckets and the settings its engine's.
+
+    >>> parse_variant("bucketed_powersgd:rank=4,start_iter=10").name
+    'bucketed_powersgd rank=4 start_iter=10'
+    """
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    name, _, rest = text.partition(":")
+    lossy = [a.name for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
+    if name not in lossy:
+        raise ValueError(f"variant {text!r}: {name!r} is not a registered lossy algorithm with buckets; choose from "
+                         f"{', '.join(lossy)} (as NAME or NAME:setting=value,...)")
+    settings = parse_settings(rest.replace(",", " "))
+    valid = engine_setting_defaults(name)
+    unknown = [s for s in settings if valid is not None and s not in valid]
+    if unknown:
+        raise ValueError(f"variant {text!r}: the {name!r} engine has no setting {unknown[0]!r}; its settings are: "
+                         f"{', '.join(valid or {}) or 'none'}")
+    return Variant(name, settings)
+
+
+def default_variants() -> list[Variant]:
+    """Every registered lossy algorithm with buckets, at its engine's defaults (registry order)."""
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    return [Variant(a.name) for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
+
+
+# ---- training runs ----------------------------------------------------------------------------------------
+
+
+def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int, out: Path,
+         name: str, extra: list[str]) -> list[str]:
+    init_args: dict[str, Any] = {"algorithm": algorithm, "bucket_size_mb": bucket_size_mb}
+    if settings:  # only then: the default engines build without the strategy's engine_settings
+        init_args["engine_settings"] = settings
+    strategy = json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": init_args})
     command = [sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
                "--trainer.strategy", strategy, "--trainer.max_steps", str(steps),
                "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
                "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"the {name} fit failed (exit {proc.returncode}):\n{tail}\ncommand: {' '.join(command)}")
     return command
 
 
@@ -72,43 +145,57 @@ def _read_run(log_dir: Path) -> dict[str, Any]:
     }
 
 
-def gradient_error(average_fp32: torch.Tensor, average_bf16: torch.Tensor) -> tuple[float, float]:
-    """``(||bf16 - fp32|| / ||fp32||, max |bf16 - fp32|)`` of two averages of the same gradients.
+# ---- the gradient error ------------------------------------------------------------------------------------
+
+
+def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> tuple[float, float]:
+    """``(||lossy - fp32|| / ||fp32||, max |lossy - fp32|)`` of two averages of the same gradients.
 
     >>> gradient_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5]))  # 0.5 / 5
     (0.1, 0.5)
     """
-    difference = (average_bf16 - average_fp32).float()
+    difference = (average_lossy - average_fp32).float()
     norm = average_fp32.float().norm().item()
     return (difference.norm().item() / norm if norm > 0 else 0.0), difference.abs().max().item()
 
 
-def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, result_file: str) -> None:
+def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, variants: list[Variant],
+                result_file: str) -> None:
     from lightning_ddp.data import TextBytes
     from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.sync import Communicator
-    from lightning_ddp.sync.bucketed_bf16 import BF16CompressedAllReduce
+    from lightning_ddp.sync.registry import get_algorithm
 
     init_cpu_process_group(rank, world, port)
     try:
         data = TextBytes(args.text, seq_len=args.seq_len)
+        config = get_config("tiny", vocab_size=256, context_length=args.seq_len)
         torch.manual_seed(0)
-        model = GPT(get_config("tiny", vocab_size=256, context_length=args.seq_len))
+        model = GPT(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        comm = Communicator()
-        compress = BF16CompressedAllReduce()
         params = [p for p in model.parameters() if p.requires_grad]
-        errors = []
+        # Each variant's engine on a copy of the model (bench code builds engines directly, settings and all); the
+        # copy is loaded with the trained weights before every step, so it sees the same local gradients.
+        engines = {}
+        for variant in variants:
+            shadow = GPT(config)
+            factory = get_algorithm(variant.algorithm).engine_factory()
+            engines[variant.name] = (shadow, factory(shadow, bucket_size_mb=args.bucket_size_mb, **variant.settings))
+        errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
         for step in range(args.steps):
             start = (step * world + rank) * args.batch_size
             batch = [data[(start + k) % len(data)] for k in range(args.batch_size)]
             x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
             F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            exact = flat.clone().div_(world)
+            exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
             dist.all_reduce(exact)
-            compressed = compress.launch(comm, flat.clone(), "error probe").wait()
-            errors.append(gradient_error(exact, compressed))
+            for name, (shadow, engine) in engines.items():
+                shadow.load_state_dict(model.state_dict())
+                shadow.zero_grad(set_to_none=True)
+                engine.on_train_batch_start()
+                F.cross_entropy(engine(x).flatten(0, 1), y.flatten()).backward()
+                engine.finish_gradient_synchronization()
+                averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
+                errors[name].append(gradient_error(exact, averaged))
             offset = 0
             for p in params:  # train on the exact average: the trajectory is fp32 training's
                 p.grad.copy_(exact[offset : offset + p.numel()].view_as(p))
@@ -121,25 +208,103 @@ def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, resu
         dist.destroy_process_group()
 
 
-def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: list[tuple[float, float]]) -> None:
+# ---- the numbers ---------------------------------------------------------------------------------------------
+
+
+def _mean(values: np.ndarray, axis: int) -> np.ndarray:
+    return np.nanmean(values, axis=axis)
+
+
+def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
+              variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """The numbers of results.md from ``runs[seed][name]`` (``_read_run``; ``BASELINE`` and every variant) and each
+    variant's per-step gradient errors.
+
+    Per variant: ``loss_last_mean[seed]``, each run's mean ``train/loss`` over its last ``last`` steps;
+    ``minus_fp32[seed]`` the paired difference per seed (same seed: same initial weights and data order);
+    ``minus_fp32_mean`` the mean of the per-step differences over those steps and every seed, with its 95 % interval
+    ``minus_fp32_lo``/``_hi`` (hierarchical bootstrap: seed values, then steps within each; ``samples`` draws,
+    ``seed``); bytes, step and exposed time per step (median over the seed values of each run's median) and their
+    ratios to fp32;
+    ``exact_steps``, the steps before its first nonzero gradient error (a warm-up that averages exactly), and the
+    error's median and largest values over the steps after them.
+    ``fp32.seed_spread``: the largest minus the smallest fp32 ``loss_last_mean`` over the seed values, the run-to-run
+    variation a difference must exceed to mean anything.
+    """
+    seeds = sorted(runs)
+
+    def last_mean(seed: int, name: str) -> float:
+        return statistics.mean(runs[seed][name]["loss"][-last:])
+
+    def median_over_seeds(name: str, key: str) -> float:
+        return statistics.median(runs[seed][name][key] for seed in seeds)
+
+    fp32_last = {seed: last_mean(seed, BASELINE) for seed in seeds}
+    fp32 = {
+        "loss_first": runs[seeds[0]][BASELINE]["loss"][0],
+        "loss_last_mean": {str(seed): fp32_last[seed] for seed in seeds},
+        "seed_spread": max(fp32_last.values()) - min(fp32_last.values()),
+        **{key: median_over_seeds(BASELINE, key) for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")},
+    }
+    out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": BASELINE, "fp32": fp32, "variants": {}}
+    for name in variants:
+        differences = [np.array(runs[seed][name]["loss"][-last:]) - np.array(runs[seed][BASELINE]["loss"][-last:])
+                       for seed in seeds]
+        draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=_mean)
+        lo, hi = percentile_interval(draws)
+        step_errors = errors.get(name) or []
+        relative = [e for e, _ in step_errors]
+        v: dict[str, Any] = {
+            "loss_first": runs[seeds[0]][name]["loss"][0],
+            "loss_last_mean": {str(seed): last_mean(seed, name) for seed in seeds},
+            "minus_fp32": {str(seed): last_mean(seed, name) - fp32_last[seed] for seed in seeds},
+            "minus_fp32_mean": float(np.mean(np.concatenate(differences))),
+            "minus_fp32_lo": lo,
+            "minus_fp32_hi": hi,
+            "loss_max_abs_difference": max(float(np.max(np.abs(np.array(runs[seed][name]["loss"])
+                                                              - np.array(runs[seed][BASELINE]["loss"]))))
+                                           for seed in seeds),
+            **{key: median_over_seeds(name, key) for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")},
+        }
+        v["bytes_ratio"] = v["bytes_per_step"] / fp32["bytes_per_step"] if fp32["bytes_per_step"] else None
+        if relative:
+            exact_steps = next((k for k, e in enumerate(relative) if e > 0), len(relative))
+            lossy = relative[exact_steps:] or relative  # the steps it averaged its own way (all of them for bf16)
+            v.update(exact_steps=exact_steps,
+                     relative_gradient_error_median=statistics.median(lossy),
+                     relative_gradient_error_max=max(lossy),
+                     absolute_gradient_error_max=max(m for _, m in step_errors))
+        out["variants"][name] = v
+    return out
+
+
+# ---- the files -------------------------------------------------------------------------------------------------
+
+
+def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
+          names: list[str]) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(12, 4.2), layout="constrained")
     ax_loss, ax_err = fig.subplots(1, 2)
-    colors = {"bucketed": "tab:blue", "bucketed_bf16": "tab:orange"}
-    for seed, by_algorithm in runs.items():
-        for name, run in by_algorithm.items():
-            label = f"{name} ({run['bytes_per_step'] / 2**20:.2f} MiB/step)" if seed == min(runs) else None
+    colors = {name: f"C{k}" for k, name in enumerate([BASELINE, *names])}
+    for seed, by_name in runs.items():
+        for name, run in by_name.items():
+            label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
             ax_loss.plot(range(len(run["loss"])), run["loss"], color=colors[name], alpha=0.75, lw=1, label=label)
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel(f"train/loss (rank 0), seeds {', '.join(map(str, runs))}")
-    ax_loss.legend()
+    ax_loss.set_ylabel(f"train/loss (rank 0), seed {', '.join(map(str, runs))}")
+    ax_loss.legend(fontsize=8)
     ax_loss.grid(alpha=0.3)
-    ax_err.plot(range(len(errors)), [100 * e for e, _ in errors])
+    for name in names:
+        ax_err.plot(range(len(errors.get(name, []))), [100 * e for e, _ in errors.get(name, [])], color=colors[name],
+                    label=name)
     ax_err.set_xlabel("step")
-    ax_err.set_ylabel("relative error of the bf16 average (%)")
+    ax_err.set_ylabel("relative error of the average vs fp32 (%)")
+    ax_err.set_yscale("symlog", linthresh=0.1)
+    ax_err.legend(fontsize=8)
     ax_err.grid(alpha=0.3)
-    fig.suptitle("bf16 gradient communication against fp32: loss curves and per-step gradient error")
+    fig.suptitle("Lossy gradient communication against fp32: loss curves and per-step gradient error")
     fig.savefig(path, dpi=110)
 
 
@@ -149,47 +314,82 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-ALGORITHMS = ("bucketed", "bucketed_bf16")
-
-
-def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: list[tuple[float, float]],
-              last: int = 20) -> dict[str, Any]:
-    """The numbers of results.md from ``runs[seed][algorithm]`` (``_read_run``) and the per-step gradient errors.
-
-    The loss effect is read per seed: ``loss_last_mean`` is each run's mean ``train/loss`` over its last ``last``
-    steps; ``bf16_minus_fp32`` the paired difference per seed (same seed: same initial weights and data order);
-    ``fp32_seed_spread`` the largest minus the smallest fp32 value over the seeds, the run-to-run variation a
-    difference must exceed to mean anything.
-    """
-    seeds = sorted(runs)
-    last_mean = {seed: {a: statistics.mean(runs[seed][a]["loss"][-last:]) for a in ALGORITHMS} for seed in seeds}
-    fp32_last = [last_mean[seed]["bucketed"] for seed in seeds]
-    first = runs[seeds[0]]
-    return {
-        "seeds": seeds,
-        "last_steps": last,
-        "loss_first": [first[a]["loss"][0] for a in ALGORITHMS],
-        "loss_last_mean": {str(seed): [last_mean[seed][a] for a in ALGORITHMS] for seed in seeds},
-        "bf16_minus_fp32": {str(seed): last_mean[seed]["bucketed_bf16"] - last_mean[seed]["bucketed"] for seed in seeds},
-        "fp32_seed_spread": max(fp32_last) - min(fp32_last),
-        "loss_max_abs_difference": max(max(abs(a - b) for a, b in zip(runs[seed]["bucketed"]["loss"],
-                                                                        runs[seed]["bucketed_bf16"]["loss"]))
-                                       for seed in seeds),
-        "relative_gradient_error_median": statistics.median(e for e, _ in errors),
-        "relative_gradient_error_max": max(e for e, _ in errors),
-        "absolute_gradient_error_max": max(m for _, m in errors),
-        **{key: [statistics.median(runs[seed][a][key] for seed in seeds) for a in ALGORITHMS]
-           for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")},
-    }
+def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespace, command: str,
+              result: dict[str, Any]) -> str:
+    fp32, last, seeds = s["fp32"], s["last_steps"], s["seeds"]
+    names = [v.name for v in variants]
+    title = ", ".join(f"`{n}`" for n in names)
+    lines = [
+        f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
+        f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, seeds))}", "",
+        f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
+        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {torch.__version__}).", "",
+        "| variant | engine settings (defaults filled in) |", "|---|---|",
+        *[f"| `{v.name}` | {format_settings(v.effective_settings()) or '-'} |" for v in variants], "",
+        f"## Loss: mean train/loss over the last {last} steps, per seed", "",
+        f"| seed | fp32 (`{BASELINE}`) | " + " | ".join(f"`{n}` (- fp32)" for n in names) + " |",
+        "|---:|---:|" + "---:|" * len(names),
+    ]
+    for seed in map(str, seeds):
+        cells = [f"{s['variants'][n]['loss_last_mean'][seed]:.3f} ({s['variants'][n]['minus_fp32'][seed]:+.3f})"
+                 for n in names]
+        lines.append(f"| {seed} | {fp32['loss_last_mean'][seed]:.3f} | " + " | ".join(cells) + " |")
+    lines += [
+        "", f"The gap to fp32 pooled over every seed: the mean of the per-step differences over the last {last} steps, "
+        "with its 95 % interval (hierarchical bootstrap: seed values, then steps within each seed"
+        + ("; with one seed value only the steps vary, so the interval says nothing about seed-to-seed variation" if
+           len(seeds) == 1 else "") + f"). The fp32 runs alone spread over {fp32['seed_spread']:.3f} nats from seed "
+        f"to seed. All runs of a seed start from the same weights and data order (first fp32 loss "
+        f"{fp32['loss_first']:.3f}).", "",
+        "| variant | loss - fp32 [95 %] | fp32 seed spread | largest gap at any step |", "|---|---:|---:|---:|",
+    ]
+    for n in names:
+        v = s["variants"][n]
+        lines.append(f"| `{n}` | {v['minus_fp32_mean']:+.3f} [{v['minus_fp32_lo']:+.3f}, {v['minus_fp32_hi']:+.3f}] | "
+                     f"{fp32['seed_spread']:.3f} | {v['loss_max_abs_difference']:.3f} |")
+    lines += ["", "## Gradients, bytes and time", "",
+              "Per-step error of each variant's average against the fp32 one (the same local gradients, along fp32 "
+              "training's trajectory; the engine's state carried from step to step). *Exact steps*: those before "
+              "its first nonzero error (a warm-up that averages exactly); the other columns are over the steps after "
+              "them.", "",
+              "| variant | exact steps | relative error: median | largest | largest absolute error |",
+              "|---|---:|---:|---:|---:|"]
+    for n in names:
+        v = s["variants"][n]
+        if "relative_gradient_error_median" in v:
+            lines.append(f"| `{n}` | {v['exact_steps']} | {100 * v['relative_gradient_error_median']:.3f} % | "
+                         f"{100 * v['relative_gradient_error_max']:.3f} % | {v['absolute_gradient_error_max']:.3g} |")
+    lines += ["", "| median over the seed values of each run's median | fp32 | " + " | ".join(f"`{n}`" for n in names) + " |",
+              "|---|---:|" + "---:|" * len(names)]
+    rows = [("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
+            ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
+            ("exposed communication", "exposed_ms_median", lambda x: f"{x:.1f} ms")]
+    for title_, key, fmt in rows:
+        cells = []
+        for n in names:
+            ratio = s["variants"][n][key] / fp32[key] if fp32[key] else None
+            cells.append(fmt(s["variants"][n][key]) + (f" ({ratio:.3g}x)" if ratio is not None else ""))
+        lines.append(f"| {title_} | {fmt(fp32[key])} | " + " | ".join(cells) + " |")
+    lines += ["", "Bytes are the CommTimer's median per measured step (after its 5 warm-up steps), so an algorithm "
+              "that averages exactly for its first steps (PowerSGD's `start_iter`) is counted at its compressed "
+              "steps once those are the majority. Step times come from single runs on a small CPU machine (about "
+              "+-20 % noise): read them as indicative only; the benchmark sweep measures speed with repeats and "
+              "intervals.", "", "![loss curves and gradient error](loss_curves.png)", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g. "
+                             "bucketed_powersgd:rank=4,start_iter=10); default: every registered lossy algorithm "
+                             "with buckets at its engine's defaults")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="one fp32 and one bf16 training run per seed (seed_everything)")
+                        help="one fp32 run and one run per variant per seed (seed_everything)")
     parser.add_argument("--text", default="README.md", help="the text file (raw bytes) of the gradient-error run")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--last", type=int, default=20, help="the loss is compared over each run's last N steps")
     parser.add_argument("--bucket_size_mb", type=float, default=1.0)
     parser.add_argument("--batch_size", type=int, default=8, help="per rank, in the gradient-error run")
     parser.add_argument("--seq_len", type=int, default=128)
@@ -198,6 +398,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, extra = parser.parse_known_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds} repeats a seed; give distinct seeds, e.g. --seeds 0 1 2")
+    try:
+        variants = [parse_variant(v) for v in args.variants] if args.variants else default_variants()
+    except ValueError as error:
+        parser.error(str(error))
+    if not variants:
+        parser.error("no lossy algorithm with buckets is registered; pass --variants")
+    if len({v.name for v in variants}) != len(variants):
+        parser.error("--variants lists a variant twice")
+    if not 1 <= args.last <= args.steps:
+        parser.error(f"--last must be between 1 and --steps ({args.steps}), got {args.last}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[int, dict[str, dict[str, Any]]] = {}
@@ -205,54 +415,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             runs[seed] = {}
-            for algorithm in ALGORITHMS:
-                print(f"training with {algorithm}, seed {seed} ...", flush=True)
-                name = f"{algorithm}_seed{seed}"
-                commands[name] = _fit(args.config, algorithm, args.bucket_size_mb, args.steps, Path(tmp), name,
-                                      [*extra, "--seed_everything", str(seed)])
-                runs[seed][algorithm] = _read_run(Path(tmp) / name)
+            for name, algorithm, settings, key in [(BASELINE, BASELINE, {}, BASELINE),
+                                                   *((v.name, v.algorithm, v.settings, v.key) for v in variants)]:
+                print(f"training with {name}, seed {seed} ...", flush=True)
+                run_name = f"{key}_seed{seed}"
+                commands[f"{name}, seed {seed}"] = _fit(args.config, algorithm, settings, args.bucket_size_mb,
+                                                        args.steps, Path(tmp), run_name,
+                                                        [*extra, "--seed_everything", str(seed)])
+                runs[seed][name] = _read_run(Path(tmp) / run_name)
         print("measuring the per-step gradient error ...", flush=True)
         import torch.multiprocessing as mp
 
         result_file = str(Path(tmp) / "errors.json")
-        mp.spawn(_error_rank, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
-        errors = [tuple(e) for e in json.loads(Path(result_file).read_text())]
-    s = summary = summarize(runs, errors)
+        mp.spawn(_error_rank, args=(2, find_free_port(), args, variants, result_file), nprocs=2, join=True)
+        errors = {name: [tuple(e) for e in values] for name, values in json.loads(Path(result_file).read_text()).items()}
+    names = [v.name for v in variants]
+    summary = summarize(runs, errors, names, last=args.last)
     from lightning_ddp.provenance import git_state
 
     command = "python -m lightning_ddp.bench.compression " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command, "fit_commands": commands, "config": vars(args), "extra_args": extra,
+              "variants": {v.name: {"algorithm": v.algorithm, "settings": v.settings,
+                                    "effective_settings": v.effective_settings()} for v in variants},
               "summary": summary, "runs": {str(seed): r for seed, r in runs.items()}, "gradient_errors": errors,
               "torch": torch.__version__, "cpu_count": os.cpu_count(), **git_state(ignore=[out])}
-    last = s["last_steps"]
-    per_seed = [f"| {seed} | {fp:.3f} | {bf:.3f} | {bf - fp:+.3f} |" for seed, (fp, bf) in s["loss_last_mean"].items()]
-    diffs = list(s["bf16_minus_fp32"].values())
-    md = "\n".join([
-        f"# bf16 gradient communication vs fp32: {args.steps} steps, 2 ranks, bucket {args.bucket_size_mb:g} MiB, "
-        f"{len(args.seeds)} seeds", "",
-        f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
-        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {torch.__version__}).", "",
-        f"## Loss: mean train/loss over the last {last} steps, per seed", "",
-        "| seed | fp32 (`bucketed`) | bf16 (`bucketed_bf16`) | bf16 - fp32 |", "|---:|---:|---:|---:|", *per_seed, "",
-        f"bf16 - fp32 ranges from {min(diffs):+.3f} to {max(diffs):+.3f} nats over the seeds; the fp32 runs alone spread "
-        f"over {s['fp32_seed_spread']:.3f} nats from seed to seed. Both runs of a seed start from the same weights and "
-        f"data order (first loss {s['loss_first'][0]:.3f} and {s['loss_first'][1]:.3f}); the largest difference between "
-        f"the curves of one seed at any step: {s['loss_max_abs_difference']:.3f} nats.", "",
-        "## Gradients, bytes and time", "",
-        f"Per-step relative error of the bf16 average against the fp32 one (same local gradients, fp32 training): "
-        f"median {100 * s['relative_gradient_error_median']:.3f} %, largest {100 * s['relative_gradient_error_max']:.3f} %; "
-        f"largest absolute error of one element {s['absolute_gradient_error_max']:.3g}.", "",
-        "| median over the seeds of each run's median | fp32 | bf16 |", "|---|---:|---:|",
-        f"| bytes communicated per step | {s['bytes_per_step'][0] / 2**20:.2f} MiB | {s['bytes_per_step'][1] / 2**20:.2f} MiB |",
-        f"| step time | {s['step_ms_median'][0]:.1f} ms | {s['step_ms_median'][1]:.1f} ms |",
-        f"| exposed communication | {s['exposed_ms_median'][0]:.1f} ms | {s['exposed_ms_median'][1]:.1f} ms |",
-        "", "Step times come from single runs on a 2-core machine (about +-20 % noise): read them as indicative only; "
-        "the benchmark sweep measures speed with repeats and intervals.", "",
-        "![loss curves and gradient error](loss_curves.png)", "",
-    ])
-    _write(out / "results.json", json.dumps(result, indent=2) + "\n")
+    md = _markdown(summary, variants, args, command, result)
+    _write(out / "results.json", json.dumps(result, indent=2, default=str) + "\n")
     _write(out / "results.md", md)
-    _plot(out / "loss_curves.png", runs, errors)
+    _plot(out / "loss_curves.png", runs, errors, names)
     print(md)
     return result
 

@@ -3,7 +3,8 @@
 =================  ==============================================================================
 section            what it holds
 =================  ==============================================================================
-``grid:``          the axes: strategies, per-rank batch sizes, context lengths, bucket sizes, precisions
+``grid:``          the axes: strategies, per-rank batch sizes, context lengths, bucket sizes, precisions, and
+                   any algorithm's own engine settings (e.g. PowerSGD's ``rank``)
 ``workload:``      the CLI config every cell starts from, the model preset, extra CLI arguments
 ``run:``           how each cell runs: accelerator, ranks, backend, launcher, warm-up and measured steps, how
                    many times (repeats), and the load guard that waits for an idle machine before each repeat
@@ -16,15 +17,28 @@ which field to change.
 
 from __future__ import annotations
 
+import inspect
+import itertools
+import json
+import re
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
+
+from lightning_ddp.sync.registry import NOT_SETTINGS
 
 __all__ = [
     "BASELINE",
     "PRECISIONS",
     "REFERENCE",
+    "engine_setting_defaults",
+    "format_settings",
     "has_bucket_axis",
+    "parse_settings",
+    "setting_combinations",
+    "settings_slug",
     "sweep_strategies",
+    "variant_label",
+    "variant_strategy",
     "GridConfig",
     "OutputConfig",
     "RunConfig",
@@ -51,6 +65,98 @@ def has_bucket_axis(strategy: str) -> bool:
     return algorithm is not None and algorithm.has_bucket_size
 
 
+ENGINE_ARGUMENTS: tuple[str, ...] = NOT_SETTINGS
+"""What every engine takes and the sweep sets itself (the registry's ``NOT_SETTINGS``); an engine's other keyword
+arguments are its *settings*."""
+
+
+def engine_setting_defaults(strategy: str) -> dict[str, Any] | None:
+    """The settings of ``strategy``'s engine with their defaults (``Algorithm.settings()``: ``REQUIRED``, i.e.
+    ``inspect.Parameter.empty``, where there is none); ``{}`` for ``ddp``, the reference and an engine without any;
+    ``None`` when the engine takes ``**kwargs`` (any name may be a setting). Imports the engine (hence torch).
+    """
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    algorithm = ALGORITHMS.get(strategy)
+    if algorithm is None:
+        return {}
+    parameters = inspect.signature(algorithm.engine_factory()).parameters.values()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    return algorithm.settings()
+
+
+def _setting_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def format_settings(settings: Mapping[str, Any]) -> str:
+    """``{"rank": 4, "start_iter": 10}`` -> ``"rank=4 start_iter=10"`` (labels, CSV and tables); ``{}`` -> ``""``.
+
+    >>> format_settings({"rank": 4, "min_compression_rate": 2.0})
+    'rank=4 min_compression_rate=2'
+    """
+    return " ".join(f"{name}={_setting_text(value)}" for name, value in settings.items())
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """The settings ``format_settings`` wrote (results.csv's ``engine_settings``), values read as JSON where they
+    parse (numbers, ``true``/``false``), else kept as text.
+
+    >>> parse_settings("rank=4 min_compression_rate=0.5 mode=fast")
+    {'rank': 4, 'min_compression_rate': 0.5, 'mode': 'fast'}
+    """
+    settings: dict[str, Any] = {}
+    for item in (text or "").split():
+        name, _, value = item.partition("=")
+        try:
+            settings[name] = json.loads(value)
+        except ValueError:
+            settings[name] = value
+    return settings
+
+
+def settings_slug(settings: Mapping[str, Any]) -> str:
+    """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"`` (cell ids, plot names); ``{}`` -> ``""``.
+
+    >>> settings_slug({"rank": 4, "min_compression_rate": 0.5})
+    '-rank4-min_compression_rate0.5'
+    """
+    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{_setting_text(value)}") for name, value in settings.items())
+
+
+def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none.
+
+    >>> setting_combinations({"rank": [1, 4], "start_iter": [0]})
+    [{'rank': 1, 'start_iter': 0}, {'rank': 4, 'start_iter': 0}]
+    """
+    axes = axes or {}
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
+    """How tables, plots and progress lines name a cell's strategy: ``bucketed_powersgd 4 MiB rank=4``.
+
+    >>> variant_label("bucketed", "auto"), variant_label("bucketed_powersgd", 4.0, "rank=4"), variant_label("naive")
+    ('bucketed auto', 'bucketed_powersgd 4 MiB rank=4', 'naive')
+    """
+    name = strategy
+    if bucket_size_mb not in (None, ""):
+        name += f" {format_bucket(bucket_size_mb)}" + (" MiB" if bucket_size_mb != "auto" else "")
+    return f"{name} {settings}" if settings else name
+
+
+def variant_strategy(variant: str) -> str:
+    """The strategy of a variant name (``"bucketed_powersgd rank=4"`` -> ``"bucketed_powersgd"``): a strategy name is
+    an identifier, so it ends at the first space."""
+    return variant.split(" ", 1)[0]
+
+
 BASELINE = "ddp"
 """Lightning's built-in torch DDP: always in the grid, the yardstick of the first performance goal."""
 
@@ -64,7 +170,7 @@ PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 BucketSize = Union[float, Literal["auto"]]
 
 SWEEP_OWNED_ARGS: dict[str, str] = {
-    "--trainer.strategy": "`grid.strategies` (and `grid.bucket_sizes_mb`)",
+    "--trainer.strategy": "`grid.strategies` (and `grid.bucket_sizes_mb`, `grid.engine_settings`)",
     "--trainer.devices": "`run.devices`",
     "--trainer.num_nodes": "`run.devices`",
     "--trainer.accelerator": "`run.accelerator`",
@@ -107,6 +213,12 @@ class GridConfig:
     (``lightning_ddp.sync.bucket_model``), so the prediction itself is measured."""
     precisions: list[str] = field(default_factory=lambda: ["32-true"])
     """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
+    engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    """Axes of an algorithm's own engine settings: per algorithm, setting -> values, e.g.
+    ``{bucketed_powersgd: {rank: [1, 4]}}``. Every combination of the values multiplies that algorithm's cells (times
+    its bucket sizes); the cell passes them to the strategy as ``engine_settings``. A setting is any keyword argument
+    of the algorithm's engine besides the module, the bucket size and the process group (checked here); one not
+    listed keeps the engine's default. Settings of an algorithm not in ``strategies`` make no cells."""
 
     def __post_init__(self) -> None:
         choices = ", ".join(sweep_strategies())
@@ -146,6 +258,48 @@ class GridConfig:
         self.context_lengths = list(dict.fromkeys(self.context_lengths))
         self.precisions = list(dict.fromkeys(self.precisions))
         self.bucket_sizes_mb = list(dict.fromkeys(self.bucket_sizes_mb))
+        self.engine_settings = {algorithm: _check_settings(algorithm, settings)
+                                for algorithm, settings in self.engine_settings.items()}
+
+    def setting_combinations(self, strategy: str) -> list[dict[str, Any]]:
+        """Every combination of ``strategy``'s ``engine_settings`` values, in the order they are listed (the first
+        setting varies slowest); ``[{}]`` for a strategy without any."""
+        return setting_combinations(self.engine_settings.get(strategy))
+
+
+def _check_settings(algorithm: str, settings: Any) -> dict[str, list[Any]]:
+    """One algorithm's entry of ``grid.engine_settings``, checked against its engine's signature (values
+    de-duplicated), whether or not the algorithm is in ``grid.strategies`` (so a config's settings stay valid when
+    the strategies are narrowed on the command line)."""
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    where = f"`grid.engine_settings.{algorithm}`"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"{where}: {algorithm!r} is not a registered algorithm (ddp and the reference have no engine settings); "
+            f"choose from {', '.join(ALGORITHMS)}"
+        )
+    if not isinstance(settings, dict) or not settings:
+        raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got {settings!r}")
+    valid = engine_setting_defaults(algorithm)
+    for name, values in settings.items():
+        if name in ENGINE_ARGUMENTS:
+            axis = "`grid.bucket_sizes_mb`" if name == "bucket_size_mb" else "the sweep"
+            raise ValueError(f"{where}: {name!r} is not an engine setting: {axis} sets it for every cell")
+        if valid is not None and name not in valid:
+            choices = ", ".join(valid) if valid else "none (its engine takes only the module, the bucket size and the process group)"
+            raise ValueError(f"{where}: the {algorithm!r} engine has no setting {name!r}; its settings are: {choices}")
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{where}.{name} must be a non-empty list of values, e.g. `{name}: [1, 4]`; got {values!r}")
+    return {name: _unique(values) for name, values in settings.items()}
+
+
+def _unique(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for value in values:  # not dict.fromkeys: 1 and 1.0 and True are equal keys, but distinct settings
+        if not any(type(value) is type(seen) and value == seen for seen in out):
+            out.append(value)
+    return out
 
 
 @dataclass

@@ -4,8 +4,8 @@ Recipe:
 
 1. ``expand_grid``: for each precision, batch size and context length (a *group*, the unit the report
    compares within), one cell per strategy, one per bucket size for an algorithm with buckets (``bucketed``
-   ...), plus Lightning's ``ddp``
-   and the 1-process ``reference`` whether listed or not. The reference comes first in each group (its step
+   ...), times one per combination of the algorithm's ``grid.engine_settings`` (e.g. PowerSGD's ``rank``), plus
+   Lightning's ``ddp`` and the 1-process ``reference`` whether listed or not. The reference comes first in each group (its step
    time is the floor the others are compared to), ``ddp`` last unless listed elsewhere.
 2. ``cell_id``: a readable slug plus a hash of everything that changes what the cell measures (its grid
    coordinates, the workload, devices, backend, steps, threads, extra environment). The same config gives the
@@ -27,7 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import BASELINE, REFERENCE, SweepConfig, format_bucket, has_bucket_axis
+from lightning_ddp.bench.config import (
+    BASELINE,
+    REFERENCE,
+    SweepConfig,
+    format_bucket,
+    format_settings,
+    has_bucket_axis,
+    settings_slug,
+    variant_label,
+)
 
 __all__ = [
     "Cell",
@@ -69,6 +78,14 @@ class Cell:
     """Bucket cap in MiB or ``"auto"``; ``None`` unless the strategy has a bucket size."""
     world_size: int
     """Ranks: ``run.devices``, or 1 for the reference."""
+    engine_settings: tuple[tuple[str, Any], ...] = ()
+    """The algorithm's engine settings this cell sets (``grid.engine_settings``), as ``(name, value)`` pairs in the
+    config's order; empty: the engine's defaults."""
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """``engine_settings`` as a dict, e.g. ``{"rank": 4}``."""
+        return dict(self.engine_settings)
 
     @property
     def group(self) -> tuple[str, int, int]:
@@ -77,25 +94,28 @@ class Cell:
 
     @property
     def label(self) -> str:
-        """Short human description, e.g. ``bucketed 4 MiB | batch 2 | ctx 64 | 32-true``."""
-        name = self.strategy
-        if self.bucket_size_mb is not None:
-            name += f" {format_bucket(self.bucket_size_mb)}" + (" MiB" if self.bucket_size_mb != "auto" else "")
+        """Short human description, e.g. ``bucketed_powersgd 4 MiB rank=4 | batch 2 | ctx 64 | 32-true``."""
+        name = variant_label(self.strategy, self.bucket_size_mb, format_settings(self.settings))
         return f"{name} | batch {self.batch_size} | ctx {self.context_length} | {self.precision}"
 
 
 def cell_id(coordinates: dict[str, Any], fingerprint: dict[str, Any]) -> str:
-    """``<strategy>[-<bucket>mb]-b<batch>-t<ctx>-<precision>-<8 hex>``; the hash covers both dicts.
+    """``<strategy>[-<bucket>mb][-<setting><value>...]-b<batch>-t<ctx>-<precision>-<8 hex>``; the hash covers both
+    dicts (``coordinates["engine_settings"]``, if present, included: a changed setting is a new cell).
 
     >>> cell_id({"strategy": "bucketed", "bucket_size_mb": 4.0, "batch_size": 2, "context_length": 64,
     ...          "precision": "32-true", "world_size": 2}, {})[:-9]
     'bucketed-4mb-b2-t64-32-true'
+    >>> cell_id({"strategy": "bucketed_powersgd", "bucket_size_mb": 4.0, "engine_settings": {"rank": 4},
+    ...          "batch_size": 2, "context_length": 64, "precision": "32-true", "world_size": 2}, {})[:-9]
+    'bucketed_powersgd-4mb-rank4-b2-t64-32-true'
     """
     canonical = json.dumps({"cell": coordinates, "sweep": fingerprint}, sort_keys=True, default=str)
     digest = hashlib.sha1(canonical.encode()).hexdigest()[:8]
     bucket = coordinates.get("bucket_size_mb")
     slug = coordinates["strategy"] + (f"-{format_bucket(bucket)}mb" if bucket not in (None, "auto") else "")
     slug += "-auto" if bucket == "auto" else ""
+    slug += settings_slug(coordinates.get("engine_settings") or {})
     slug += f"-b{coordinates['batch_size']}-t{coordinates['context_length']}-{coordinates['precision']}"
     return f"{slug}-{digest}"
 
@@ -120,7 +140,11 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     """Every cell of the sweep, grouped by (precision, batch size, context length); see the module docstring.
 
     Per group: ``1`` reference + one cell per listed strategy without buckets (``ddp`` added if missing) +
-    ``len(bucket_sizes_mb)`` cells per listed algorithm with buckets.
+    ``len(bucket_sizes_mb)`` cells per listed algorithm with buckets; each algorithm's cells times the combinations
+    of its ``grid.engine_settings`` (bucket size varying slowest).
+
+    A cell without engine settings hashes exactly as before they existed, so adding the axis to the config of a
+    finished sweep reruns only the new cells.
     """
     grid = config.grid
     listed = [s for s in grid.strategies if s != REFERENCE]
@@ -131,14 +155,13 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     for precision in grid.precisions:
         for batch_size in grid.batch_sizes:
             for context_length in grid.context_lengths:
-                variants: list[tuple[str, float | str | None]] = [(REFERENCE, None)]
+                variants: list[tuple[str, float | str | None, dict[str, Any]]] = [(REFERENCE, None, {})]
                 for strategy in listed:
-                    if has_bucket_axis(strategy):
-                        variants.extend((strategy, size) for size in grid.bucket_sizes_mb)
-                    else:
-                        variants.append((strategy, None))
-                for strategy, bucket in variants:
-                    coordinates = {
+                    sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
+                    variants.extend((strategy, size, settings) for size in sizes
+                                    for settings in grid.setting_combinations(strategy))
+                for strategy, bucket, settings in variants:
+                    coordinates: dict[str, Any] = {
                         "strategy": strategy,
                         "bucket_size_mb": bucket,
                         "batch_size": batch_size,
@@ -146,7 +169,11 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
                         "precision": precision,
                         "world_size": 1 if strategy == REFERENCE else config.run.devices,
                     }
-                    cells.append(Cell(id=cell_id(coordinates, fingerprint), **coordinates))
+                    if settings:  # only then: the ids of cells without settings stay what they were
+                        coordinates["engine_settings"] = settings
+                    identity = cell_id(coordinates, fingerprint)
+                    coordinates["engine_settings"] = tuple(settings.items())
+                    cells.append(Cell(id=identity, **coordinates))
     assert len({c.id for c in cells}) == len(cells), "cell ids must be unique"
     return cells
 
@@ -220,6 +247,11 @@ def strategy_argument(cell: Cell, backend: str) -> str:
     # (the quickstart's bucketed one) would otherwise be carried over to this class.
     init_args: dict[str, Any] = {"algorithm": cell.strategy, "process_group_backend": backend,
                                  "bucket_size_mb": "default" if cell.bucket_size_mb is None else cell.bucket_size_mb}
+    # The engine settings only where the cell sets some (`grid.engine_settings`), so a cell of an algorithm
+    # without settings runs the same command as before they existed. (A base config whose strategy sets
+    # engine_settings itself would carry them over to a cell that sets none: keep them out of the base config.)
+    if cell.engine_settings:
+        init_args["engine_settings"] = cell.settings
     return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": init_args})
 
 

@@ -7,7 +7,8 @@ One figure per precision and batch size, each with a step-time panel and a comm-
   as a bar of its own; an algorithm with buckets at the bucket size selected on the selection repeats, with the
   numbers of its evaluation repeats (``report.Selection``); every strategy in the rows is drawn, in
   ``report.strategy_order``;
-- ``<algorithm>_<precision>_bs<batch>.png`` for each algorithm with buckets (``bucketed`` ...): step time and comm
+- ``<algorithm>_<precision>_bs<batch>.png`` for each algorithm with buckets (``bucketed`` ...; a variant with
+  engine settings, ``bucketed_powersgd rank=4``, is ``bucketed_powersgd-rank4_...``): step time and comm
   share against the bucket size (log x), one line per context length, each point a cell over all its repeats, like
   the study's bucket figures; the selected size is circled, the predicted best size is a dotted vertical line and
   ``auto`` cells are stars at the size they resolved to.
@@ -16,16 +17,26 @@ One figure per precision and batch size, each with a step-time panel and a comm-
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
-from lightning_ddp.bench.report import Analysis, analyze, strategy_order
+from lightning_ddp.bench.config import REFERENCE, has_bucket_axis, variant_strategy
+from lightning_ddp.bench.report import Analysis, analyze, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["write_plots"]
 
 Row = dict[str, Any]
+
+
+def _bucketed(variant: str) -> bool:
+    return has_bucket_axis(variant_strategy(variant))
+
+
+def _file_stem(variant: str) -> str:
+    """``"bucketed_powersgd rank=4"`` -> ``"bucketed_powersgd-rank4"`` (as the cell ids spell settings)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "", variant.replace(" ", "-"))
 
 
 def _ok(row: Row | None) -> bool:
@@ -66,7 +77,7 @@ def _error(estimates: list[Estimate | None], scale: float = 1.0) -> tuple[list[f
 
 def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
     groups = analysis.groups
-    names = strategy_order(r["strategy"] for c in contexts for r in groups[(precision, batch, c)])
+    names = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
     if not names:
         return False
     fig, (ax_step, ax_share) = _figure()
@@ -76,17 +87,17 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         shares: list[Estimate | None] = []
         for context in contexts:
             group = (precision, batch, context)
-            if has_bucket_axis(name):
+            if _bucketed(name):
                 selection = analysis.selections.get((group, name))
                 steps.append(selection.evaluated.step if selection else None)
                 shares.append(selection.evaluated.share if selection else None)
                 continue
-            row = next((r for r in groups[group] if r["strategy"] == name), None)
+            row = next((r for r in groups[group] if variant_of(r) == name), None)
             ok = _ok(row)
             steps.append(_row_estimate(row, "step_ms_median", "step_ms_lo", "step_ms_hi") if ok else None)
             shares.append(_row_estimate(row, "comm_share", "comm_share_lo", "comm_share_hi") if ok else None)
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
-        label = (f"{name} (selected size, evaluation repeats)" if has_bucket_axis(name)
+        label = (f"{name} (selected size, evaluation repeats)" if _bucketed(name)
                  else {REFERENCE: "reference (compute only)"}.get(name, name))
         heights, yerr = _error(steps)
         ax_step.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
@@ -114,7 +125,7 @@ def _bucket_figure(
     drew = selected = False
     for context in contexts:
         group = (precision, batch, context)
-        rows = [r for r in analysis.groups[group] if r["strategy"] == strategy and _ok(r)]
+        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and _ok(r)]
         points = []  # (x, row, marker)
         for r in rows:
             resolved = r.get("resolved_bucket_size_mb")
@@ -183,9 +194,9 @@ def write_plots(
             path = out_dir / f"strategies_{precision}_bs{batch}.png"
             if _strategy_figure(path, precision, batch, analysis, contexts):
                 written.append(path)
-            bucketed = strategy_order(r["strategy"] for c in contexts for r in groups[(precision, batch, c)])
-            for strategy in filter(has_bucket_axis, bucketed):
-                path = out_dir / f"{strategy}_{precision}_bs{batch}.png"
+            bucketed = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
+            for strategy in filter(_bucketed, bucketed):
+                path = out_dir / f"{_file_stem(strategy)}_{precision}_bs{batch}.png"
                 if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
                     written.append(path)
     return written

@@ -7,6 +7,10 @@ rebuilt from the raw files alone (``--output.report_only true``). Given rows onl
 repeat of one step (zero-width intervals, and every best bucket size in-sample). Cells are compared within a
 *group*: same precision, per-rank batch size and context length. The statistics are ``bench.stats``'s.
 
+A strategy with engine settings (``grid.engine_settings``) is a *variant* per combination of them
+(``variant_of``: ``bucketed_powersgd rank=4``): each variant is reported as a strategy of its own, with its own
+line, best bucket size and goal 1.
+
 **Best bucket size without selection bias** (``select_best``). The minimum of several noisy step times is biased
 low: the winner is partly the luckiest draw. So for each algorithm with a bucket size, per group, the size with
 the lowest pooled median step time on the *selection* repeats (even indices 0, 2, 4, ...) is chosen, and its step
@@ -44,7 +48,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lightning_ddp.bench.config import BASELINE, REFERENCE, format_bucket, has_bucket_axis, sweep_strategies
+from lightning_ddp.bench.config import (
+    BASELINE,
+    REFERENCE,
+    format_bucket,
+    has_bucket_axis,
+    sweep_strategies,
+    variant_label,
+    variant_strategy,
+)
 from lightning_ddp.bench.results import ESTIMATED_KEYS, CellData, bootstrap_key
 from lightning_ddp.bench.stats import Bootstrapper, Estimate, geometric_mean_draws, percentile_interval, pooled_median
 from lightning_ddp.bench.stats import verdict as interval_verdict
@@ -60,6 +72,7 @@ __all__ = [
     "build_report",
     "group_rows",
     "strategy_order",
+    "variant_of",
 ]
 
 Row = dict[str, Any]
@@ -78,12 +91,25 @@ _STRATEGY_TITLES = {
 }
 
 
+def variant_of(row: Row) -> str:
+    """The row's strategy with its engine settings, what the report compares: ``"bucketed_powersgd rank=4"``, or
+    the strategy alone (``"bucketed"``) for a cell that sets none."""
+    settings = row.get("engine_settings") or ""
+    return f"{row['strategy']} {settings}" if settings else row["strategy"]
+
+
+def _bucketed(variant: str) -> bool:
+    return has_bucket_axis(variant_strategy(variant))
+
+
 def strategy_order(names: Iterable[str]) -> list[str]:
-    """``names`` (deduplicated) in report order: the reference, the registered algorithms, ``ddp``, then any
-    other name in first-seen order (a strategy the registry does not know is shown last, never dropped)."""
+    """``names`` (strategies or variants, deduplicated) in report order: the reference, the registered algorithms,
+    ``ddp``, then any other name; the variants of one strategy, and unknown names, in first-seen order (a strategy
+    the registry does not know is shown last, never dropped)."""
     known = [REFERENCE, *[s for s in sweep_strategies() if s != BASELINE], BASELINE]
+    position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
-    return [s for s in known if s in present] + [s for s in present if s not in known]
+    return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
 
 
 def group_rows(rows: Iterable[Row]) -> dict[Group, list[Row]]:
@@ -99,7 +125,7 @@ def _ok(row: Row | None) -> bool:
 
 
 def _find(rows: list[Row], strategy: str) -> Row | None:
-    return next((r for r in rows if r["strategy"] == strategy), None)
+    return next((r for r in rows if variant_of(r) == strategy), None)
 
 
 # ---- measurements of a cell -------------------------------------------------------------------------------
@@ -224,13 +250,13 @@ class Analysis:
         self.groups = group_rows(self.rows)
         self.selections: dict[tuple[Group, str], Selection] = {}
         for group, members in self.groups.items():
-            for strategy in strategy_order(r["strategy"] for r in members):
-                if has_bucket_axis(strategy):
-                    selection = self._select(group, [r for r in members if r["strategy"] == strategy])
+            for strategy in strategy_order(variant_of(r) for r in members):
+                if _bucketed(strategy):
+                    selection = self._select(group, [r for r in members if variant_of(r) == strategy])
                     if selection is not None:
                         self.selections[(group, strategy)] = selection
         self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
-        algorithms = strategy_order(r["strategy"] for r in self.rows if has_bucket_axis(r["strategy"]))
+        algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
         self.across = [self._across(a) for a in algorithms]
 
     # -- measurements
@@ -273,7 +299,7 @@ class Analysis:
         in_sample = not evaluation
         evaluated = self.measured(row, None if in_sample else evaluation)
         assert evaluated is not None  # the row has ok repeats
-        return Selection(group, row["strategy"], row, tuple(chosen_on), median_on(row, chosen_on), evaluated,
+        return Selection(group, variant_of(row), row, tuple(chosen_on), median_on(row, chosen_on), evaluated,
                          in_sample, len(candidates))
 
     # -- goals
@@ -292,8 +318,8 @@ class Analysis:
         m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if _ok(r) else None
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
-        algorithms = ["bucketed", *[s for s in strategy_order(r["strategy"] for r in rows)
-                                    if has_bucket_axis(s) and s != "bucketed"]]
+        algorithms = ["bucketed", *[s for s in strategy_order(variant_of(r) for r in rows)
+                                    if _bucketed(s) and s != "bucketed"]]
         for algorithm in algorithms:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
@@ -413,7 +439,15 @@ def _cell_text(row: Row | None, bold: bool = False) -> str:
 def _row_key(row: Row, order: list[str]) -> tuple:
     size = row["bucket_size_mb"]
     # strategies in report order; numeric bucket sizes ascending, then auto
-    return (order.index(row["strategy"]), 1 if size == "auto" else 0, size if isinstance(size, float) else 0.0)
+    return (order.index(variant_of(row)), 1 if size == "auto" else 0, size if isinstance(size, float) else 0.0)
+
+
+def _title(variant: str, size: Any) -> str:
+    """A table row's name: ``reference (1 process, ...)``, ``naive``, ``bucketed_powersgd 4 MiB rank=4``."""
+    if variant in _STRATEGY_TITLES:
+        return _STRATEGY_TITLES[variant]
+    strategy, _, settings = variant.partition(" ")
+    return variant_label(strategy, size if has_bucket_axis(strategy) else None, settings)
 
 
 def _strategy_tables(analysis: Analysis) -> list[str]:
@@ -431,16 +465,14 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
             variants: dict[tuple, Row] = {}
             for context in contexts:
                 for row in groups[(precision, batch, context)]:
-                    variants.setdefault((row["strategy"], row["bucket_size_mb"]), row)
+                    variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
             order = strategy_order(strategy for strategy, _ in variants)
             for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k], order)):
-                title = _STRATEGY_TITLES.get(strategy, strategy)
-                if has_bucket_axis(strategy):
-                    title += f" {'auto' if size == 'auto' else format_bucket(size) + ' MiB'}"
+                title = _title(strategy, size)
                 cells = []
                 for context in contexts:
                     row = next((r for r in groups[(precision, batch, context)]
-                                if r["strategy"] == strategy and r["bucket_size_mb"] == size), None)
+                                if variant_of(r) == strategy and r["bucket_size_mb"] == size), None)
                     cells.append(_cell_text(row, bold=row is not None and row["cell_id"] in selected))
                 lines.append(f"| {title} | " + " | ".join(cells) + " |")
             lines.append("")
@@ -496,11 +528,11 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
     ]
     predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
     for group, members in analysis.groups.items():
-        for strategy in strategy_order(r["strategy"] for r in members):
-            if not has_bucket_axis(strategy):
+        for strategy in strategy_order(variant_of(r) for r in members):
+            if not _bucketed(strategy):
                 continue
             head = f"| {group[0]} | {group[1]} | {group[2]} | {strategy} |"
-            auto = next((r for r in members if r["strategy"] == strategy and r["bucket_size_mb"] == "auto"), None)
+            auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
             auto_text = "not in grid" if auto is None else (
                 f"{auto['step_ms_median']:,.1f} ms, {_bucket_text(auto)}" if _ok(auto) else auto["status"] or "not run")
             selection = analysis.selections.get((group, strategy))

@@ -36,6 +36,7 @@ column                   value
 cell_id                  stable id of the cell (``grid.cell_id``)
 strategy                 a registered algorithm (naive, flat, overlap, bucketed, ...), ddp or reference
 bucket_size_mb           algorithms with buckets only: the configured cap in MiB, or ``auto``
+engine_settings          the engine settings the cell sets (``grid.engine_settings``), e.g. ``rank=4``; empty: defaults
 batch_size               per-rank batch size
 context_length           sequence length
 precision                Lightning precision
@@ -82,7 +83,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lightning_ddp.bench.config import REFERENCE, format_bucket, has_bucket_axis
+from lightning_ddp.bench.config import REFERENCE, format_bucket, format_settings, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout
 from lightning_ddp.bench.load import LoadCheck
 from lightning_ddp.bench.runner import CellOutcome
@@ -112,7 +113,7 @@ __all__ = [
 Row = dict[str, Any]
 RepeatKey = tuple[str, int]
 
-_COORDINATES = ("strategy", "bucket_size_mb", "batch_size", "context_length", "precision", "model", "world_size",
+_COORDINATES = ("strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model", "world_size",
                 "accelerator", "backend")
 
 REPEAT_COLUMNS: tuple[str, ...] = (
@@ -174,6 +175,7 @@ def repeat_row(
         repeat=repeat,
         strategy=cell.strategy,
         bucket_size_mb=format_bucket(cell.bucket_size_mb),
+        engine_settings=format_settings(cell.settings),
         batch_size=cell.batch_size,
         context_length=cell.context_length,
         precision=cell.precision,

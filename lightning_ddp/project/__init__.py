@@ -10,10 +10,11 @@ happens on 8, 64 or 1024?" for every strategy of this project, from two inputs:
    nccl-tests bus-bandwidth factors, on a fabric preset (NVLink 4, InfiniBand NDR in 8-GPU nodes, PCIe Gen4/5)
    or this project's measured 2-rank all-reduce fit, extrapolated to ``n`` ranks.
 
-Each strategy (``strategies.STRATEGIES``: naive, flat, overlap, bucketed, bucketed_bf16, zero1, ddp) issues
+Each strategy (``strategies.STRATEGIES``: every registered algorithm whose registry entry names a ``projection``
+model, naive, flat, overlap, bucketed, bucketed_bf16, bucketed_powersgd, then zero1 and ddp) issues
 its collectives as its engine does; they run in order on one communication stream while the compute stream
 runs forward, backward (gradients becoming ready), copies and the optimizer. Per strategy, world size and
-bucket size the output is the step time, the exposed communication (step minus the compute-only step) and
+bucket size (and engine setting, e.g. PowerSGD's ``rank``) the output is the step time, the exposed communication (step minus the compute-only step) and
 its share of the step, and the busy communication time.
 
 =================  ==========================================================================================
@@ -23,7 +24,7 @@ module             what it holds
 ``flops``          a modelled profile: parameters of a preset, FLOPs, per-parameter ready times, GPU table
 ``comm``           the cost formulas, link and fabric presets (with sources), the measured fit
 ``buckets``        our engines' bucket rule, torch DDP's, ZeRO-1's owners (pure restatements, tested to agree)
-``strategies``     the timeline and one simulation per strategy; ``STRATEGIES``, the one table of them
+``strategies``     the timeline and one simulation per strategy; ``STRATEGIES``, read from the registry
 ``sweep``          the grid, best bucket sizes, ``predict_cells`` (model vs this project's measured sweep)
 ``config``         the CLI's dataclasses (compute, network, study, output)
 ``run``            config -> profile, fabric, results and files; ``report``: CSV, markdown, PNGs

@@ -5,7 +5,7 @@ section            what it holds
 =================  ==============================================================================
 ``compute:``       where compute times come from: FLOPs of a preset on a GPU at an MFU, or a profile file
 ``network:``       what a collective costs: a fabric preset or the measured all-reduce fit
-``study:``         the axes: strategies, world sizes, bucket sizes
+``study:``         the axes: strategies, world sizes, bucket sizes, engine settings (e.g. PowerSGD's ``rank``)
 ``output:``        where the CSV, markdown, plots and environment record go
 =================  ==============================================================================
 
@@ -16,11 +16,11 @@ field to change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from lightning_ddp.project.comm import ALGORITHMS, FABRICS
 from lightning_ddp.project.flops import ADAMW_BYTES_PER_PARAM, GPUS
-from lightning_ddp.project.strategies import STRATEGIES
+from lightning_ddp.project.strategies import STRATEGIES, check_settings, strategy_spec
 
 __all__ = ["ComputeConfig", "NetworkConfig", "OutputConfig", "ProjectionConfig", "StudyConfig"]
 
@@ -124,27 +124,45 @@ class StudyConfig:
     """The axes of the projection: every strategy at every world size (and bucket size, for those with one)."""
 
     strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
-    """Strategies to simulate: naive, flat, overlap, bucketed, bucketed_bf16, zero1, ddp."""
+    """Strategies to simulate: every registered algorithm with a projection model (naive, flat, overlap, bucketed,
+    bucketed_bf16, bucketed_powersgd, ...), zero1 and ddp."""
     world_sizes: list[int] = field(default_factory=lambda: [2, 8, 64, 512, 1024])
     """Numbers of data-parallel ranks (one GPU each); on two-level fabrics, those above a node must fill whole nodes."""
     bucket_sizes_mb: list[float] = field(default_factory=lambda: [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000])
-    """Bucket caps in MiB for bucketed and bucketed_bf16; the report picks the best per world size."""
+    """Bucket caps in MiB for the strategies with buckets (bucketed, bucketed_bf16, ...); the report picks the best
+    per world size."""
+    engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    """Engine settings to project, per strategy: setting -> values, e.g. ``{bucketed_powersgd: {rank: [1, 4]}}``;
+    every combination is simulated (as a strategy of its own in the tables). A strategy without an entry uses its
+    model's defaults; an entry of a strategy not in ``strategies`` simulates nothing. Only settings its model takes
+    (those that change the step time) are accepted."""
 
     def __post_init__(self) -> None:
         choices = ", ".join(STRATEGIES)
         if not self.strategies:
             raise ValueError(f"`study.strategies` is empty; list at least one of {choices}")
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
-        if unknown:
-            from lightning_ddp.sync.registry import ALGORITHMS
-
-            if unknown[0] in ALGORITHMS:  # registered for training, but nobody wrote its timeline model yet
-                raise ValueError(
-                    f"strategy {unknown[0]!r} is registered in lightning_ddp/sync/registry.py but has no model in the "
-                    "projection: add a simulate function and a `STRATEGIES` entry in lightning_ddp/project/strategies.py "
-                    f"(see simulate_bucketed), or leave it out of `study.strategies` (projected: {choices})")
-            raise ValueError(f"unknown strategy {unknown[0]!r} in `study.strategies`; choose from {choices}")
+        for name in self.strategies:
+            try:
+                strategy_spec(name)
+            except ValueError as error:
+                raise ValueError(f"{error} (in `study.strategies`)") from None
         self.strategies = list(dict.fromkeys(self.strategies))
+        for name, settings in self.engine_settings.items():  # checked whether listed or not (a narrowed list)
+            where = f"`study.engine_settings.{name}`"
+            if name not in STRATEGIES:
+                try:
+                    strategy_spec(name)
+                except ValueError as error:
+                    raise ValueError(f"{where}: {error}") from None
+            if not isinstance(settings, dict) or not settings:
+                raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`")
+            try:
+                check_settings(name, settings)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
+            empty = [setting for setting, values in settings.items() if not isinstance(values, list) or not values]
+            if empty:
+                raise ValueError(f"{where}.{empty[0]} must be a non-empty list of values, e.g. `{empty[0]}: [4]`")
         if not self.world_sizes:
             raise ValueError("`study.world_sizes` is empty; list at least one, e.g. `--study.world_sizes [2,8]`")
         bad = [n for n in self.world_sizes if not (isinstance(n, int) and n >= 2)]

@@ -8,7 +8,8 @@ real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.
      "device": "cpu | NVIDIA H100 80GB HBM3 | ...",
      "preset": "tiny", "batch_size": 4, "seq_len": 64, "precision": "32-true", "world_size": 2,
      "forward_ms": 10.0, "backward_ms": 25.0, "optimizer_ms": 3.0,
-     "params": [{"name": "lm_head.weight", "numel": 1280000, "bytes": 5120000, "ready_ms": 0.8}, ...]}
+     "params": [{"name": "lm_head.weight", "numel": 1280000, "bytes": 5120000, "ready_ms": 0.8,
+                 "shape": [10000, 128]}, ...]}
 
 =================  ===========================================================================================
 field              meaning
@@ -16,6 +17,8 @@ field              meaning
 ``params``         trainable parameters in ``module.parameters()`` order (a tied tensor once)
 ``bytes``          bytes of that parameter's gradient (what an engine communicates for it)
 ``ready_ms``       when its gradient became ready, ms after the start of backward; ``null``: it got none
+``shape``          optional: the parameter's shape (what a compressing strategy's model, e.g. PowerSGD's, needs
+                   to know which gradients are matrices); absent in older files
 ``forward_ms``     the forward pass (loss included), per rank
 ``backward_ms``    the backward pass; the simulation lets backward last until the last ``ready_ms`` if later
 ``optimizer_ms``   ``optimizer.step()`` (unsharded), per rank
@@ -52,10 +55,17 @@ class ParamTiming:
     """Bytes of its gradient (numel times the gradient's element size)."""
     ready_ms: Optional[float]
     """Milliseconds after the start of backward when its gradient was ready; ``None``: no gradient this step."""
+    shape: Optional[tuple[int, ...]] = None
+    """Its shape, if recorded (``numel`` is their product)."""
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.bytes < 0:
             raise ValueError(f"parameter {self.name!r}: numel and bytes must be >= 0, got {self.numel} and {self.bytes}")
+        if self.shape is not None:
+            object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+            if math.prod(self.shape) != self.numel:
+                raise ValueError(f"parameter {self.name!r}: shape {list(self.shape)} has {math.prod(self.shape)} elements, "
+                                 f"but numel is {self.numel}; record the parameter's own shape, or none")
         if self.ready_ms is not None and not (self.ready_ms >= 0 and math.isfinite(self.ready_ms)):
             raise ValueError(
                 f"parameter {self.name!r}: ready_ms must be a finite time >= 0 ms after the start of backward, or "
@@ -102,6 +112,11 @@ class ComputeProfile:
         return self.forward_ms + self.backward_span_ms + self.optimizer_ms
 
     @property
+    def has_shapes(self) -> bool:
+        """Whether every parameter's shape is recorded."""
+        return all(p.shape is not None for p in self.params)
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes of every gradient that exists this step (what naive and flat communicate)."""
         return sum(p.bytes for p in self.params if p.ready_ms is not None)
@@ -119,7 +134,8 @@ class ComputeProfile:
         for key in ("source", "device", "preset", "batch_size", "seq_len", "precision", "world_size",
                     "forward_ms", "backward_ms", "optimizer_ms"):
             data[key] = getattr(self, key)
-        data["params"] = [asdict(p) for p in self.params]
+        data["params"] = [{k: (list(v) if k == "shape" else v) for k, v in asdict(p).items()
+                           if not (k == "shape" and v is None)} for p in self.params]
         for key, value in self.extra.items():
             data.setdefault(key, value)
         return data
@@ -144,12 +160,13 @@ class ComputeProfile:
         params = []
         for i, raw in enumerate(data["params"]):
             try:
-                ready = raw.get("ready_ms")
+                ready, shape = raw.get("ready_ms"), raw.get("shape")
                 params.append(ParamTiming(str(raw["name"]), int(raw["numel"]), int(raw["bytes"]),
-                                          None if ready is None else float(ready)))
+                                          None if ready is None else float(ready),
+                                          None if shape is None else tuple(int(d) for d in shape)))
             except (KeyError, TypeError, AttributeError) as error:
                 raise ValueError(f"{origin}: params[{i}] must be an object with name, numel, bytes and ready_ms "
-                                 f"(null if no gradient); got {raw!r}") from error
+                                 f"(null if no gradient), and optionally shape; got {raw!r}") from error
         known = {"schema", "source", "device", "preset", "batch_size", "seq_len", "precision", "world_size",
                  "forward_ms", "backward_ms", "optimizer_ms", "params"}
         return cls(

@@ -3,7 +3,8 @@
 Plots:
 
 - ``share_vs_world.png``: exposed-communication share (left) and step time (right) against world size (log 2 x),
-  one line per strategy; bucketed strategies at their best bucket size for each world size.
+  one line per strategy (and per engine-settings variant, e.g. ``bucketed_powersgd rank=4``); bucketed strategies
+  at their best bucket size for each world size.
 - ``step_vs_bucket.png``: one panel per bucketed strategy: step time against bucket size (log x), one line per world
   size, the best size marked; the dashed line is the compute-only step.
 """
@@ -15,9 +16,10 @@ import io
 from pathlib import Path
 from typing import Any, Sequence
 
+from lightning_ddp.bench.config import variant_strategy
 from lightning_ddp.project.comm import Fabric
 from lightning_ddp.project.profile import ComputeProfile, write_atomically
-from lightning_ddp.project.strategies import STRATEGIES, StepResult
+from lightning_ddp.project.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
 from lightning_ddp.project.sweep import COLUMNS, best_by_world_size
 
 __all__ = ["build_markdown", "write_csv", "write_plots"]
@@ -35,15 +37,26 @@ def _ms(value: float) -> str:
     return f"{value:,.1f} ms" if value >= 10 else f"{value:.2f} ms"
 
 
-def _title(name: str) -> str:
-    return f"{name} (best size)" if STRATEGIES[name].has_bucket_size else name
+def _has_buckets(variant: str) -> bool:
+    return STRATEGIES[variant_strategy(variant)].has_bucket_size
+
+
+def _title(variant: str) -> str:
+    return f"{variant} (best size)" if _has_buckets(variant) else variant
+
+
+def _variants(results: Sequence[StepResult]) -> list[str]:
+    """The strategies (with their settings) in ``results``, in ``STRATEGIES`` order, settings in first-seen order."""
+    order = {name: i for i, name in enumerate(STRATEGIES)}
+    seen = list(dict.fromkeys(r.variant for r in results))
+    return sorted(seen, key=lambda v: order.get(variant_strategy(v), len(order)))  # stable
 
 
 def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Sequence[StepResult]) -> str:
     """results.md: inputs, the step/share table, the best bucket sizes, communication time, caveats."""
     best = best_by_world_size(results)
     sizes = sorted({r.world_size for r in results})
-    names = [s for s in STRATEGIES if any(r.strategy == s for r in results)]
+    names = _variants(results)
     gb = profile.grad_bytes / 1e9
     lines = [
         f"# {config.name}",
@@ -81,7 +94,8 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
                 text += f" @ {r.bucket_size_mb:g} MiB"
             cells.append(text)
         lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
-    bucketed = [s for s in names if STRATEGIES[s].has_bucket_size]
+    lines += _fastest(best, names, sizes)
+    bucketed = [s for s in names if _has_buckets(s)]
     if bucketed:
         lines += ["", "## Best bucket size per world size", "",
                   "The cap (MiB) with the shortest step among `study.bucket_sizes_mb`, and how much worse the "
@@ -91,7 +105,7 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
         for n in sizes:
             cells = []
             for s in bucketed:
-                candidates = [r for r in results if r.strategy == s and r.world_size == n]
+                candidates = [r for r in results if r.variant == s and r.world_size == n]
                 b, w = best[(s, n)], max(candidates, key=lambda r: r.step_ms)
                 cells.append(f"{b.bucket_size_mb:g} MiB | {_ms(b.step_ms)} | {w.bucket_size_mb:g} MiB, {_ms(w.step_ms)}")
             lines.append(f"| {n} | {fabric.nodes(n)} | " + " | ".join(cells) + " |")
@@ -107,12 +121,10 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
             cells.append("" if r is None else f"{_ms(r.busy_comm_ms)}, {r.calls} calls, {100 * r.overlap:.0f} % hidden")
         lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
     lines += ["", "## Caveats", ""]
-    from lightning_ddp.sync.registry import ALGORITHMS
-
-    unmodelled = [name for name in ALGORITHMS if name not in STRATEGIES]
+    unmodelled = unmodelled_algorithms()
     if unmodelled:
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, registered for training but with no "
-                     "timeline model in `lightning_ddp/project/strategies.py` yet.")
+                     "timeline model (`projection` in its registry entry) yet.")
     zero1 = sorted((r for r in best.values() if r.strategy == "zero1"), key=lambda r: r.world_size)
     if zero1 and profile.grad_bytes:
         flags = 4 * len(profile.params)
@@ -123,6 +135,18 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
             f"{padding} the gradient bytes (with more ranks than tensors, some own nothing). Its exposed time is net of "
             "the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 % where the saving exceeds "
             "the communication: paid for, not overlapped.")
+    powersgd = [r for r in results if r.strategy == "bucketed_powersgd"]
+    if powersgd and profile.has_shapes:
+        settings = {**STRATEGIES["bucketed_powersgd"].settings(), **powersgd[0].settings}
+        plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
+        matrices = sum(1 for m in plan if m)
+        lines.append(
+            "- `bucketed_powersgd` is its steady state: every step compressed (the exact warm-up steps, `start_iter`, are "
+            "left out). Its arithmetic is counted kernel by kernel as the engine runs it, each at the larger of its FLOPs "
+            "at the profile's throughput and its bytes at the copy bandwidth (52 bytes moved per element of an fp32 "
+            "gradient per step: memory-bound at small ranks); the launch latency of its small kernels (about ten, and two QR "
+            f"factorisations, for each of the {matrices} compressed matrices here, issued from Python) is not, so it is "
+            "optimistic where those matrices are small. It is lossy: a step of it is not worth a step of the exact ones.")
     lines += [
         "- Compute and communication never slow each other down here; on real GPUs NCCL kernels take SMs and memory "
         "bandwidth from backward, so overlapped strategies are optimistic (in the seeds' 2-GPU runs over PCIe, overlap "
@@ -138,6 +162,26 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
         "",
     ]
     return "\n".join(lines)
+
+
+def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
+    """The fastest strategy per world size, against torch DDP and bucketed (each at its best bucket size)."""
+    lines = ["", "## Fastest per world size", "",
+             "The shortest projected step at each world size (strategies with buckets at their best size), and how it "
+             "compares with `ddp` and `bucketed`.", "",
+             "| world size | fastest | step | / ddp | / bucketed (best) |", "|---:|---|---:|---:|---:|"]
+    for n in sizes:
+        candidates = [best[(name, n)] for name in names if (name, n) in best]
+        if not candidates:
+            continue
+        winner = min(candidates, key=lambda r: r.step_ms)
+        ratios = []
+        for baseline in ("ddp", "bucketed"):
+            other = best.get((baseline, n))
+            ratios.append(f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-")
+        size = f" @ {winner.bucket_size_mb:g} MiB" if winner.bucket_size_mb is not None else ""
+        lines.append(f"| {n} | {winner.variant}{size} | {_ms(winner.step_ms)} | {ratios[0]} | {ratios[1]} |")
+    return lines
 
 
 def _copy_text(config) -> str:
@@ -158,7 +202,7 @@ def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputePr
 
     best = best_by_world_size(results)
     sizes = sorted({r.world_size for r in results})
-    names = [s for s in STRATEGIES if any(r.strategy == s for r in results)]
+    names = _variants(results)
     files = []
 
     fig = Figure(figsize=(12, 4.5), layout="constrained")
@@ -180,13 +224,13 @@ def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputePr
     fig.suptitle(f"Projected step and communication share: {profile.label}")
     files.append(_save(fig, out_dir / "share_vs_world.png"))
 
-    bucketed = [s for s in names if STRATEGIES[s].has_bucket_size]
+    bucketed = [s for s in names if _has_buckets(s)]
     if bucketed:
         fig = Figure(figsize=(6 * len(bucketed), 4.5), layout="constrained")
         axes = fig.subplots(1, len(bucketed), squeeze=False)[0]
         for ax, name in zip(axes, bucketed):
             for n in sizes:
-                points = sorted((r for r in results if r.strategy == name and r.world_size == n), key=lambda r: r.bucket_size_mb)
+                points = sorted((r for r in results if r.variant == name and r.world_size == n), key=lambda r: r.bucket_size_mb)
                 line = ax.plot([r.bucket_size_mb for r in points], [r.step_ms for r in points], marker=".", label=f"{n} ranks")
                 b = best[(name, n)]
                 ax.plot([b.bucket_size_mb], [b.step_ms], marker="*", markersize=12, color=line[0].get_color())

@@ -5,7 +5,7 @@ Outputs in ``output.out_dir`` (each written to a temporary name and renamed, so 
 =======================  ======================================================================================
 file                     contents
 =======================  ======================================================================================
-``results.csv``          one row per strategy x world size (x bucket size), columns ``sweep.COLUMNS``
+``results.csv``          one row per strategy x world size (x bucket size, x engine settings), columns ``sweep.COLUMNS``
 ``results.md``           inputs, step time and share per strategy and world size, best bucket sizes, caveats
 ``share_vs_world.png``   exposed-communication share and step time against world size, one line per strategy
 ``step_vs_bucket.png``   step time against bucket size, one line per world size (bucketed strategies)
@@ -24,7 +24,7 @@ import sys
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_ddp.project.comm import Fabric, get_fabric, read_fit
 from lightning_ddp.project.flops import GPUS, GPUSpec, ModelShape, modelled_profile
@@ -32,7 +32,16 @@ from lightning_ddp.project.profile import ComputeProfile, read_profile, write_at
 from lightning_ddp.project.sweep import best_by_world_size, project, result_row
 from lightning_ddp.provenance import git_state
 
-__all__ = ["ProjectionOutcome", "build_fabric", "build_profile", "copy_bandwidth", "run_projection"]
+__all__ = [
+    "ProjectionOutcome",
+    "build_fabric",
+    "build_profile",
+    "copy_bandwidth",
+    "gpt_parameter_shapes",
+    "profile_flops_per_s",
+    "run_projection",
+    "with_shapes",
+]
 
 
 def build_fabric(network) -> Fabric:
@@ -60,15 +69,60 @@ def _gpu_spec(compute) -> GPUSpec:
     return dataclasses.replace(spec, **changes) if changes else spec
 
 
+def gpt_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in ``lightning_ddp.model.GPT`` (an ``nn.Linear(a, b)`` weight is ``(b, a)``), by the
+    names of ``ModelShape.parameters`` (the tests hold both to the real module).
+
+    >>> gpt_parameter_shapes(ModelShape(d_model=8, n_layers=1, n_heads=2, d_ff=32, vocab_size=50))["blocks.0.ffn.w1.weight"]
+    (32, 8)
+    """
+    d, f, v = shape.d_model, shape.d_ff, shape.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (v, d)}
+    for i in range(shape.n_layers):
+        b = f"blocks.{i}"
+        shapes.update({f"{b}.attn_norm.weight": (d,), f"{b}.ffn_norm.weight": (d,), f"{b}.ffn.w1.weight": (f, d),
+                       f"{b}.ffn.w2.weight": (d, f), f"{b}.ffn.w3.weight": (f, d)})
+        shapes.update({f"{b}.attn.{name}.weight": (d, d) for name in ("q_proj", "k_proj", "v_proj", "out_proj")})
+    shapes["norm.weight"] = (d,)
+    if not shape.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
+    """``profile`` with each parameter's ``shape`` from ``shapes`` (by name; every parameter must be there)."""
+    missing = [p.name for p in profile.params if p.name not in shapes]
+    if missing:
+        raise ValueError(f"no shape for parameter {missing[0]!r} of the compute profile")
+    return dataclasses.replace(profile, params=tuple(dataclasses.replace(p, shape=shapes[p.name]) for p in profile.params))
+
+
 def build_profile(compute) -> ComputeProfile:
-    """The compute profile a ``ComputeConfig`` describes."""
+    """The compute profile a ``ComputeConfig`` describes (a modelled one with every parameter's shape)."""
     if compute.source == "profile":
         return read_profile(compute.profile_path)
     shape = ModelShape.from_preset(compute.preset)
-    return modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=_gpu_spec(compute), mfu=compute.mfu,
-                            precision=compute.precision, optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
-                            memory_efficiency=compute.memory_efficiency, calibrate_step_ms=compute.calibrate_step_ms,
-                            preset=compute.preset)
+    profile = modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=_gpu_spec(compute), mfu=compute.mfu,
+                               precision=compute.precision, optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
+                               memory_efficiency=compute.memory_efficiency, calibrate_step_ms=compute.calibrate_step_ms,
+                               preset=compute.preset)
+    return with_shapes(profile, gpt_parameter_shapes(shape))
+
+
+def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
+    """The profile's own arithmetic throughput: the model's forward + backward FLOPs over their modelled time (the
+    GPU's peak x MFU, or what calibration made of it), for the compute a strategy adds (PowerSGD's products and
+    QR factorisations). ``None`` for a measured profile (``source: profile``): its FLOPs are not recorded, so only
+    the bytes of that compute count.
+
+    The arithmetic it is used for runs in fp32 (``M``, ``E``, ``P``, ``Q``), slower than bf16 matmuls unless TF32
+    is allowed; at small ranks it is bound by memory bandwidth anyway (``StepModel.kernel_ms``).
+    """
+    if compute.source != "flops":
+        return None
+    shape = ModelShape.from_preset(compute.preset)
+    flops = compute.batch_size * compute.seq_len * shape.flops_per_token(compute.seq_len)
+    return flops / ((profile.forward_ms + profile.backward_ms) / 1e3)
 
 
 def copy_bandwidth(compute) -> float:
@@ -96,9 +150,10 @@ def run_projection(config) -> ProjectionOutcome:
     for n in config.study.world_sizes:
         fabric.check_world_size(n)
     results = project(profile, fabric, config.study.strategies, config.study.world_sizes, config.study.bucket_sizes_mb,
-                      copy_bandwidth(config.compute))
+                      copy_bandwidth(config.compute), config.study.engine_settings,
+                      profile_flops_per_s(config.compute, profile))
     best = best_by_world_size(results)
-    rows = [result_row(r, fabric.nodes(r.world_size), best[(r.strategy, r.world_size)] is r) for r in results]
+    rows = [result_row(r, fabric.nodes(r.world_size), best[(r.variant, r.world_size)] is r) for r in results]
     out_dir = Path(config.output.out_dir)
     files = [
         write_csv(out_dir / "results.csv", rows),
@@ -135,5 +190,6 @@ def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dic
             "source": profile.source, "device": profile.device, "forward_ms": profile.forward_ms,
             "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms, "params": len(profile.params),
             "grad_bytes": profile.grad_bytes, "compute_only_ms": profile.compute_ms,
+            "flops_per_s": profile_flops_per_s(config.compute, profile),
         },
     }

@@ -1,4 +1,4 @@
-"""One training step as a timeline, per strategy; ``STRATEGIES`` is the one table of what can be simulated.
+"""One training step as a timeline, per strategy; ``STRATEGIES``: what can be simulated, read from the registry.
 
 The machine (``Timeline``): one **compute stream** (forward, backward, buffer copies, optimizer, in program order)
 and one **communication stream** on which collectives run in the order they are issued: a collective starts at
@@ -25,6 +25,15 @@ strategy           schedule
                    the buffers); one-tensor buckets are reduced in place
 ``bucketed_bf16``  bucketed with the same buckets (capped on the fp32 gradient bytes), communicated in bf16:
                    half the bytes on the wire, and every bucket pays a cast to bf16 and one back
+``bucketed_        bucketed with the same buckets; a bucket with a matrix worth compressing (``powersgd_plan``,
+powersgd``         the engine's rule) launches: the buffer copy, the gather of its uncompressed elements and
+                   their all-reduce, then on the compute stream ``M = G + E`` and ``P = M Q`` per matrix (and the
+                   QR of the warm-start ``Q``), then the all-reduce of the ``P``s. When backward is over the engine
+                   waits for each bucket in order and *then* runs its second round (not overlapped with
+                   backward): write back the uncompressed part, QR of ``P``, ``Q = M^T P``, the all-reduce of the
+                   ``Q``s (blocking), ``P Q^T`` into the bucket and the error update ``E = M - P Q^T``. Settings:
+                   ``rank``, ``min_compression_rate``. Steady state: the exact warm-up steps (``start_iter``)
+                   are not modelled
 ``zero1``          ZeRO-1 ``reduce_scatter`` schedule: after backward, flags; pack the gradients into a buffer of
                    ``n`` equal segments (padded to the largest owner's bytes, ``buckets.assign_owners``);
                    reduce-scatter; copy the own segment out; optimizer on the owned parameters only (the most
@@ -34,7 +43,12 @@ strategy           schedule
 =================  ==========================================================================================
 
 Copies run on the compute stream at ``copy_bandwidth_Bps`` (bytes read + bytes written). The division by the
-world size is left out (one elementwise pass per gradient, fused into the copies or the kernel in practice).
+world size is left out (one elementwise pass per gradient, fused into the copies or the kernel in practice), except
+in PowerSGD's arithmetic, where every kernel the engine runs is counted as a roofline: ``max(FLOPs /
+flops_per_s, bytes moved / copy_bandwidth_Bps)`` (``StepModel.kernel_ms``; at rank 4 every one of them is
+memory-bound: a rank-``r`` product reads the fp32 matrix once for ``2 r`` FLOPs per element). Per-kernel launch
+latency is not modelled: the engine runs about ten small kernels and two QR factorisations per compressed matrix
+from Python.
 
 Outputs (``StepResult``): ``step_ms``; ``compute_only_ms`` (forward + backward + unsharded optimizer: the 1-GPU
 step); ``exposed_comm_ms = step_ms - compute_only_ms``, the communication (and copies) not hidden behind compute
@@ -43,20 +57,41 @@ step); ``exposed_comm_ms = step_ms - compute_only_ms``, the communication (and c
 their sum); ``overlap``, the fraction of it hidden behind compute; ``copy_ms``; ``calls``; ``comm_bytes`` (the sizes
 of all messages).
 
-To simulate a new strategy, write ``simulate_<name>(model, bucket_size_mb) -> StepResult`` and add it to
-``STRATEGIES``.
+To simulate a new algorithm, write ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult`` (its
+settings, keyword arguments with defaults after ``bucket_size_mb``, are the engine settings the model depends on)
+and name it in the algorithm's registry entry: ``Algorithm(..., projection="package.module:simulate_<name>")``
+(``lightning_ddp.sync.registry``). ``STRATEGIES`` reads the registry each time it is used; ``zero1`` and ``ddp``,
+which are not registry algorithms, are the projection's own ``BASELINES``.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
+from lightning_ddp.bench.config import format_settings
 from lightning_ddp.project.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.project.comm import CommCost
 from lightning_ddp.project.profile import ComputeProfile, ParamTiming
 
-__all__ = ["STRATEGIES", "Interval", "StepModel", "StepResult", "StrategySpec", "Timeline", "simulate"]
+__all__ = [
+    "BASELINES",
+    "STRATEGIES",
+    "Interval",
+    "Op",
+    "StepModel",
+    "StepResult",
+    "StrategySpec",
+    "Timeline",
+    "powersgd_plan",
+    "projected_strategies",
+    "simulate",
+    "unmodelled_algorithms",
+]
 
 PRESENCE_FLAG_BYTES = 4
 """Bytes per parameter of the gradient-presence all-reduce (one int32 flag each)."""
@@ -114,12 +149,17 @@ class StepModel:
     world_size: int
     copy_bandwidth_Bps: float
     """Memory bandwidth of buffer copies (bytes read + written per second)."""
+    flops_per_s: Optional[float] = None
+    """FLOP/s of arithmetic on the compute stream (PowerSGD's products and QR factorisations): the profile's
+    forward + backward throughput (``run.profile_flops_per_s``); ``None``: only the bytes they move count."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not self.copy_bandwidth_Bps > 0:
             raise ValueError(f"copy_bandwidth_Bps must be > 0, got {self.copy_bandwidth_Bps}")
+        if self.flops_per_s is not None and not self.flops_per_s > 0:
+            raise ValueError(f"flops_per_s must be > 0 or None, got {self.flops_per_s}")
 
     def all_reduce_ms(self, nbytes: float) -> float:
         return 1e3 * self.comm.all_reduce_s(nbytes, self.world_size)
@@ -133,6 +173,11 @@ class StepModel:
     def copy_ms(self, bytes_moved: float) -> float:
         """A copy that reads and writes ``bytes_moved`` bytes in total."""
         return 1e3 * bytes_moved / self.copy_bandwidth_Bps
+
+    def kernel_ms(self, flops: float, bytes_moved: float) -> float:
+        """One kernel as a roofline: ``max(flops / flops_per_s, bytes_moved / copy_bandwidth_Bps)``."""
+        compute = 1e3 * flops / self.flops_per_s if self.flops_per_s else 0.0
+        return max(compute, self.copy_ms(bytes_moved))
 
 
 @dataclass
@@ -149,6 +194,13 @@ class StepResult:
     calls: int
     comm_bytes: int
     intervals: list[Interval] = field(default_factory=list, repr=False)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The engine settings it was simulated with (``simulate(..., **settings)``), e.g. ``{"rank": 4}``."""
+
+    @property
+    def variant(self) -> str:
+        """The strategy with its settings, e.g. ``bucketed_powersgd rank=4`` (tables, best sizes, plots)."""
+        return f"{self.strategy} {format_settings(self.settings)}" if self.settings else self.strategy
 
     @property
     def exposed_comm_ms(self) -> float:
@@ -216,38 +268,85 @@ def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> S
     return _result("flat", None, model, t, _optimizer(model, t, cursor))
 
 
+@dataclass(frozen=True)
+class Op:
+    """One step of a bucket's reduction: ``ms`` of work on the compute stream (``compute``: a buffer copy, a cast,
+    compression arithmetic; counted in ``copy_ms``, as the CommTimer counts them as pack/unpack time), or an
+    all-reduce of ``nbytes`` (``collective``)."""
+
+    kind: Literal["compute", "collective"]
+    label: str
+    ms: float = 0.0
+    nbytes: int = 0
+
+
 def _bucket_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float], presence_flags: bool) -> StepResult:
-    """Buckets launched from gradient hooks, strictly in bucket order; see the module docstring."""
+    """Buckets launched from gradient hooks, strictly in bucket order: each packed, then all-reduced in one call;
+    unpacked once waited for (see the module docstring)."""
+    labels = [_bucket_label(model, bucket, k) for k, bucket in enumerate(buckets)]
+    launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]), Op("collective", labels[k], nbytes=wire_bytes[k])]
+              for k in range(len(buckets))]
+    finish = [[Op("compute", f"unpack bucket {k}", unpack_ms[k])] for k in range(len(buckets))]
+    return _staged_schedule(model, name, bucket_size_mb, buckets, launch=launch, finish=finish,
+                            presence_flags=presence_flags)
+
+
+def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
+    """As the engines label their collectives: the parameter's name, or the bucket's size."""
+    return model.profile.params[bucket[0]].name if len(bucket) == 1 else f"bucket {k} ({len(bucket)} tensors)"
+
+
+def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
+                     launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool) -> StepResult:
+    """Buckets launched from gradient hooks, strictly in bucket order; see the module docstring.
+
+    ``launch[k]``: what launching bucket ``k`` does, in order (its compute delays the rest of backward; its
+    collectives are issued, not waited for). ``finish[k]``: what waiting for it does once backward is over, in
+    bucket order, after every collective of its launch has ended (a collective here is waited for at once).
+    """
     p, t = model.profile, Timeline()
 
-    def label(k: int) -> str:  # as the engines label their collectives: the parameter's name, or the bucket's size
-        return p.params[buckets[k][0]].name if len(buckets[k]) == 1 else f"bucket {k} ({len(buckets[k])} tensors)"
-
     backward_start = t.compute("forward", 0.0, p.forward_ms)
-    shift = 0.0  # compute time inserted into backward by packing (it delays every later gradient)
+    shift = 0.0  # compute time inserted into backward by launching (it delays every later gradient)
     previous_launch_done = backward_start
     comm_ends: list[float] = []
+
+    def run_launch(k: int, cursor: float) -> tuple[float, float]:
+        """Bucket ``k``'s launch from ``cursor``: (when the compute stream is free again, when its last collective ends)."""
+        end = cursor
+        for op in launch[k]:
+            if op.kind == "compute":
+                cursor = t.compute(op.label, cursor, op.ms, copy=True)
+            else:  # the stream runs collectives in issue order: the last one issued ends last
+                end = t.collective(op.label, cursor, model.all_reduce_ms(op.nbytes), op.nbytes)
+        return cursor, end
+
     b = 0
     for b, bucket in enumerate(buckets):
         ready = [p.params[i].ready_ms for i in bucket]
         if any(r is None for r in ready):
             break  # a gradient that never comes: this bucket (and, in order, every later one) waits for the finish
-        launch = max(backward_start + max(ready) + shift, previous_launch_done)
-        previous_launch_done = t.compute(f"pack bucket {b}", launch, pack_ms[b], copy=True)
-        shift += pack_ms[b]
-        comm_ends.append(t.collective(label(b), previous_launch_done, model.all_reduce_ms(wire_bytes[b]), wire_bytes[b]))
+        start = max(backward_start + max(ready) + shift, previous_launch_done)
+        previous_launch_done, end = run_launch(b, start)
+        shift += sum(op.ms for op in launch[b] if op.kind == "compute")
+        comm_ends.append(end)
     else:
         b = len(buckets)
-    t.compute("backward", backward_start, p.backward_span_ms)  # drawn as one interval; the packs sit inside it
+    t.compute("backward", backward_start, p.backward_span_ms)  # drawn as one interval; the launches sit inside it
     cursor = max(backward_start + p.backward_span_ms + shift, previous_launch_done)
     for late in range(b, len(buckets)):  # finish_gradient_synchronization: launch what backward did not
-        cursor = t.compute(f"pack bucket {late}", cursor, pack_ms[late], copy=True)
-        comm_ends.append(t.collective(label(late), cursor, model.all_reduce_ms(wire_bytes[late]), wire_bytes[late]))
+        cursor, end = run_launch(late, cursor)
+        comm_ends.append(end)
     if presence_flags:
         cursor = _presence_flags(model, t, cursor)
-    for k, end in enumerate(comm_ends):  # wait for each bucket in order, then unpack it
-        cursor = t.compute(f"unpack bucket {k}", max(cursor, end), unpack_ms[k], copy=True)
+    for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
+        cursor = max(cursor, end)
+        for op in finish[k]:
+            if op.kind == "compute":
+                cursor = t.compute(op.label, cursor, op.ms, copy=True)
+            else:
+                cursor = t.collective(op.label, cursor, model.all_reduce_ms(op.nbytes), op.nbytes)
     return _result(name, bucket_size_mb, model, t, _optimizer(model, t, cursor))
 
 
@@ -341,38 +440,215 @@ def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     return _result("zero1", None, model, t, cursor)
 
 
-# ---- the table -------------------------------------------------------------------------------------------------
+def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
+                  min_compression_rate: float) -> list[Optional[tuple[int, int, int]]]:
+    """Per gradient of a bucket, ``(rows, cols, k)`` if the PowerSGD engine compresses it, else ``None``.
+
+    The engine's rule (``lightning_ddp.sync.bucketed_powersgd.plan_bucket``, restated without torch and tested to
+    agree): a gradient of ``ndim >= 2`` is the matrix ``(shape[0], prod(shape[1:]))``; with ``k = min(rows, cols,
+    rank)`` it is compressed when ``rows * cols > min_compression_rate * (rows + cols) * k``.
+
+    >>> powersgd_plan([(1600, 6400), (1600,), (8, 8)], rank=4, min_compression_rate=2.0)
+    [(1600, 6400, 4), None, None]
+    """
+    plan: list[Optional[tuple[int, int, int]]] = []
+    for shape in shapes:
+        if shape is None or len(shape) < 2:
+            plan.append(None)
+            continue
+        rows, cols = shape[0], math.prod(shape[1:])
+        k = min(rows, cols, rank)
+        plan.append((rows, cols, k) if (rows + cols) * k * min_compression_rate < rows * cols else None)
+    return plan
+
+
+def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float] = 25.0, rank: int = 4,
+                               min_compression_rate: float = 2.0) -> StepResult:
+    """PowerSGD on the bucketed engine's buckets (the module docstring's schedule; the engine's recipe is in
+    ``lightning_ddp/sync/bucketed_powersgd.py``), in its steady state: every step compressed, ``E`` and ``Q`` kept.
+
+    Per compressed ``rows x cols`` matrix (``k`` its rank) the kernels the engine runs, each as
+    ``StepModel.kernel_ms(FLOPs, bytes read + written)``, with ``g`` the gradient's element size and ``f`` that of
+    ``M``, ``E``, ``P``, ``Q`` (fp32, or the gradient's if wider) and ``rc = rows * cols``:
+
+    - launch: ``M = G`` copied (``rc (g + f)`` bytes), ``M += E`` (``3 rc f``), QR of ``Q`` (``2 cols k^2`` FLOPs),
+      ``P = M Q`` (``2 rc k`` FLOPs, ``(rc + cols k + rows k) f`` bytes), ``P /= n``;
+    - finish: QR of ``P`` (``2 rows k^2``), ``Q = M^T P`` (as ``M Q``), ``Q /= n``; after the ``Q`` round, ``P Q^T``
+      (``2 rc k`` FLOPs, writes ``rc f``), copied into the bucket (``rc (f + g)``), ``E = M - P Q^T`` (``rc (2 f + g)``).
+
+    The uncompressed elements (vectors, small matrices, the last bucket's missing-gradient sentinel) are gathered
+    (``torch.cat`` and ``/ n``: ``4 g`` bytes each) and written back (``2 g``). Wire bytes per bucket: ``g`` per
+    uncompressed element plus ``f (rows + cols) k`` per matrix: ``BucketPlan.sent_numel`` elements.
+    """
+    p = model.profile
+    if not p.has_shapes:
+        missing = next(q.name for q in p.params if q.shape is None)
+        raise ValueError(
+            f"bucketed_powersgd needs every parameter's shape (which gradients are matrices), but the compute profile "
+            f"has none for {missing!r}: use a modelled profile (`compute.source: flops`) or one the CommTimer recorded "
+            "with shapes, or leave bucketed_powersgd out of `study.strategies`"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank (the PowerSGD approximation rank) must be an int >= 1, got {rank!r}; e.g. rank=4")
+    if not min_compression_rate >= 0:
+        raise ValueError(f"min_compression_rate must be >= 0, got {min_compression_rate!r}; e.g. 2.0")
+    params = p.params
+    buckets = _engine_buckets(params, bucket_size_mb)
+    buffered = _buffered(buckets)
+    launch: list[list[Op]] = []
+    finish: list[list[Op]] = []
+    for b, bucket in enumerate(buckets):
+        label = _bucket_label(model, bucket, b)
+        nbytes = sum(params[i].bytes for i in bucket)
+        tensors_numel = sum(params[i].numel for i in bucket)
+        numel = tensors_numel + (1 if b == len(buckets) - 1 else 0)  # the last bucket's missing-gradient sentinel
+        g = nbytes / tensors_numel if tensors_numel else 4.0  # a bucket holds one dtype
+        f = max(g, 4.0)  # M, E, P and Q: fp32 at least
+        pack = Op("compute", f"pack bucket {b}", model.copy_ms(2 * nbytes) if buffered[b] else 0.0)
+        matrices = [m for m in powersgd_plan([params[i].shape for i in bucket], rank, min_compression_rate) if m]
+        if not matrices:  # nothing worth compressing: averaged exactly, as bucketed
+            launch.append([pack, Op("collective", label, nbytes=round(numel * g))])
+            finish.append([])
+            continue
+        uncompressed = numel - sum(rows * cols for rows, cols, _ in matrices)
+        p_numel = sum(rows * k for rows, _, k in matrices)
+        q_numel = sum(cols * k for _, cols, k in matrices)
+        kernel = model.kernel_ms
+        steps = [pack]
+        if uncompressed:
+            steps += [Op("compute", f"gather uncompressed {b}", model.copy_ms(4 * uncompressed * g)),
+                      Op("collective", f"{label} [uncompressed]", nbytes=round(uncompressed * g))]
+        p_ms = sum(kernel(0, rows * cols * (g + f)) + kernel(0, 3 * rows * cols * f)  # M = G (copy); M += E
+                   + kernel(2 * cols * k * k, 2 * cols * k * f)  # orthogonalise Q
+                   + kernel(2 * rows * cols * k, (rows * cols + cols * k + rows * k) * f)  # P = M Q
+                   for rows, cols, k in matrices) + kernel(0, 2 * p_numel * f)  # P /= n
+        steps += [Op("compute", f"PowerSGD P {b}", p_ms), Op("collective", f"{label} [PowerSGD P]", nbytes=round(p_numel * f))]
+        launch.append(steps)
+        q_ms = model.copy_ms(2 * uncompressed * g) + sum(  # write back the uncompressed elements
+            kernel(2 * rows * k * k, 2 * rows * k * f)  # orthogonalise P
+            + kernel(2 * rows * cols * k, (rows * cols + rows * k + cols * k) * f)  # Q = M^T P
+            for rows, cols, k in matrices) + kernel(0, 2 * q_numel * f)  # Q /= n
+        decompress_ms = sum(kernel(2 * rows * cols * k, (rows * k + cols * k + rows * cols) * f)  # P Q^T
+                            + kernel(0, rows * cols * (f + g))  # into the bucket
+                            + kernel(0, rows * cols * (2 * f + g))  # E = M - P Q^T
+                            for rows, cols, k in matrices)
+        finish.append([Op("compute", f"PowerSGD Q {b}", q_ms), Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
+                       Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
+    return _staged_schedule(model, "bucketed_powersgd", bucket_size_mb, buckets, launch=launch, finish=finish,
+                            presence_flags=_missing(model))
+
+
+# ---- the table: the registry's algorithms with a model, and the projection's own baselines --------------------
 
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """A simulated strategy: how to simulate one step, and whether it takes a bucket size."""
+    """A simulated strategy: how to simulate one step, whether it takes a bucket size, what it does."""
 
-    simulate: Callable[[StepModel, Optional[float]], StepResult]
+    simulate: Callable[..., StepResult]
+    """``simulate(model, bucket_size_mb, **settings) -> StepResult``."""
     has_bucket_size: bool
     summary: str
 
+    def settings(self) -> dict[str, Any]:
+        """The engine settings the model takes (its keyword arguments after ``bucket_size_mb``) and their defaults."""
+        parameters = list(inspect.signature(self.simulate).parameters.values())[2:]
+        return {q.name: q.default for q in parameters
+                if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
-STRATEGIES: dict[str, StrategySpec] = {
-    "naive": StrategySpec(simulate_naive, False, "after backward, one blocking all-reduce per gradient"),
-    "flat": StrategySpec(simulate_flat, False, "after backward, one all-reduce of all gradients packed together"),
-    "overlap": StrategySpec(simulate_overlap, False, "during backward, an all-reduce per gradient, in reverse order"),
-    "bucketed": StrategySpec(simulate_bucketed, True, "during backward, an all-reduce per size-capped bucket"),
-    "bucketed_bf16": StrategySpec(simulate_bucketed_bf16, True, "bucketed, communicated in bf16"),
+
+BASELINES: dict[str, StrategySpec] = {
     "zero1": StrategySpec(simulate_zero1, False, "ZeRO-1: reduce-scatter, sharded optimizer, all-gather"),
     "ddp": StrategySpec(simulate_ddp, False, "torch DDP: 1 MiB then 25 MiB buckets in gradient-ready order"),
 }
-"""Every simulated strategy by name, in the order tables and plots use. The names are the project's algorithms'."""
+"""The strategies the projection simulates that are not registry algorithms: ZeRO-1 (``zero1_ddp``, an optimizer
+on top of an engine) and torch DDP, the baseline."""
 
 
-def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    """Simulate one step of strategy ``name`` (``bucket_size_mb`` for those that take one)."""
+def _load(path: str, name: str) -> Callable[..., StepResult]:
+    module, _, attribute = path.partition(":")
     try:
-        spec = STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"{name!r} is not a simulated strategy; choose from {', '.join(STRATEGIES)}") from None
+        function = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"the projection model of {name!r}, {path!r}, cannot be loaded ({error}); fix `projection` in "
+                         "its registry entry (lightning_ddp/sync/registry.py): \"package.module:function\"") from None
+    if not callable(function):
+        raise ValueError(f"the projection model of {name!r}, {path!r}, is not a function")
+    return function
+
+
+def projected_strategies() -> dict[str, StrategySpec]:
+    """Every strategy the projection can simulate, in table order: the registered algorithms with a ``projection``
+    (registry order), then ``BASELINES``. Read afresh each call: an algorithm registered later is in it."""
+    from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only
+
+    table = {a.name: StrategySpec(_load(a.projection, a.name), a.has_bucket_size, a.summary)
+             for a in ALGORITHMS.values() if a.projection is not None}
+    return {**table, **BASELINES}
+
+
+def unmodelled_algorithms() -> list[str]:
+    """Registered algorithms without a projection model (the report names them "not projected")."""
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    return [a.name for a in ALGORITHMS.values() if a.projection is None]
+
+
+class _Strategies(Mapping):
+    """A live view of ``projected_strategies()``: ``STRATEGIES[name]``, ``name in STRATEGIES``, iteration."""
+
+    def __getitem__(self, name: str) -> StrategySpec:
+        return projected_strategies()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(projected_strategies())
+
+    def __len__(self) -> int:
+        return len(projected_strategies())
+
+    def __repr__(self) -> str:
+        return f"STRATEGIES({', '.join(self)})"
+
+
+STRATEGIES: Mapping[str, StrategySpec] = _Strategies()
+"""Every simulated strategy by name, in the order tables and plots use: the registry's algorithms with a
+``projection`` model, then ``zero1`` and ``ddp`` (``projected_strategies``)."""
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """``STRATEGIES[name]``; an unknown name lists the simulated ones, and says how to model a registered one."""
+    table = projected_strategies()
+    if name in table:
+        return table[name]
+    choices = ", ".join(table)
+    if name in unmodelled_algorithms():  # registered for training, but nobody wrote its timeline model yet
+        raise ValueError(
+            f"strategy {name!r} is registered in lightning_ddp/sync/registry.py but has no model in the projection: "
+            "add a simulate function (see simulate_bucketed in lightning_ddp/project/strategies.py) and name it in "
+            f"its registry entry's `projection`, or leave it out (projected: {choices})")
+    raise ValueError(f"unknown strategy {name!r}; choose from {choices}")
+
+
+def check_settings(name: str, settings: Mapping[str, Any]) -> None:
+    """Refuse settings the model of ``name`` does not take, naming the ones it does."""
+    valid = strategy_spec(name).settings()
+    for setting in settings:
+        if setting not in valid:
+            raise ValueError(f"the projection of {name!r} models no setting {setting!r}; its settings are: "
+                             f"{', '.join(valid) or 'none'} (an engine setting that does not change the step time is "
+                             "not modelled)")
+
+
+def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None, **settings: Any) -> StepResult:
+    """Simulate one step of strategy ``name`` (``bucket_size_mb`` for those that take one, ``settings`` for those
+    whose model has them, e.g. ``rank=4``)."""
+    spec = strategy_spec(name)
+    check_settings(name, settings)
     if spec.has_bucket_size:
-        return spec.simulate(model, 25.0 if bucket_size_mb is None else bucket_size_mb)
-    if bucket_size_mb is not None:
+        result = spec.simulate(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
+    elif bucket_size_mb is not None:
         raise ValueError(f"strategy {name!r} takes no bucket size, got bucket_size_mb={bucket_size_mb!r}")
-    return spec.simulate(model, None)
+    else:
+        result = spec.simulate(model, None, **settings)
+    result.strategy, result.settings = name, dict(settings)  # an algorithm may reuse another's model
+    return result

@@ -1,7 +1,8 @@
 """The projection grid: every strategy x world size (x bucket size), the best bucket sizes, and ``predict_cells``.
 
-``project`` simulates one compute profile on one fabric; ``best_by_world_size`` picks, per bucketed strategy and
-world size, the bucket size with the shortest step; ``result_row`` flattens a result into the CSV columns
+``project`` simulates one compute profile on one fabric (each strategy once per combination of its engine
+settings, e.g. PowerSGD's ``rank``); ``best_by_world_size`` picks, per bucketed strategy (and settings) and world
+size, the bucket size with the shortest step; ``result_row`` flattens a result into the CSV columns
 (``COLUMNS``); ``predict_cells`` is the entry point for checking the model against this project's own sweep
 (measured compute profiles plus the measured all-reduce fit).
 """
@@ -9,42 +10,53 @@ world size, the bucket size with the shortest step; ``result_row`` flattens a re
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Literal, Optional, Sequence
+from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
+from lightning_ddp.bench.config import format_settings, setting_combinations
 from lightning_ddp.project.comm import CommCost, Fabric, MeasuredFit, read_fit
 from lightning_ddp.project.profile import ComputeProfile, read_profile
-from lightning_ddp.project.strategies import STRATEGIES, StepModel, StepResult, simulate
+from lightning_ddp.project.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
 
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
 
 COLUMNS: tuple[str, ...] = (
-    "strategy", "bucket_size_mb", "world_size", "nodes", "step_ms", "compute_only_ms", "exposed_comm_ms", "comm_share",
+    "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms", "exposed_comm_ms", "comm_share",
     "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket",
 )
-"""results.csv columns: per strategy, world size and bucket size (empty for strategies without one); ``best_bucket``
-is ``true`` on the bucket size with the shortest step for its strategy and world size."""
+"""results.csv columns: per strategy, engine settings (e.g. ``rank=4``; empty: the defaults), world size and bucket
+size (empty for strategies without one); ``best_bucket`` is ``true`` on the bucket size with the shortest step for
+its strategy, settings and world size."""
 
 
 def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], world_sizes: Sequence[int],
-            bucket_sizes_mb: Sequence[float], copy_bandwidth_Bps: float) -> list[StepResult]:
-    """Simulate every strategy at every world size (and every bucket size for those that take one)."""
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+            bucket_sizes_mb: Sequence[float], copy_bandwidth_Bps: float,
+            engine_settings: Mapping[str, Mapping[str, Sequence[Any]]] | None = None,
+            flops_per_s: Optional[float] = None) -> list[StepResult]:
+    """Simulate every strategy at every world size (and every bucket size for those that take one, and every
+    combination of ``engine_settings[strategy]``, ``{setting: [values]}``, for those given some).
+
+    ``flops_per_s``: the compute stream's arithmetic throughput (``StepModel.flops_per_s``)."""
+    engine_settings = engine_settings or {}
+    for name in strategies:
+        strategy_spec(name)  # an unknown or unmodelled name fails before anything is simulated
+        for settings in setting_combinations(engine_settings.get(name)):
+            check_settings(name, settings)
     results = []
     for n in world_sizes:
-        model = StepModel(profile, comm, n, copy_bandwidth_Bps)
+        model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s)
         for name in strategies:
-            sizes: Iterable[Optional[float]] = bucket_sizes_mb if STRATEGIES[name].has_bucket_size else [None]
-            results.extend(simulate(name, model, size) for size in sizes)
+            sizes: Iterable[Optional[float]] = bucket_sizes_mb if strategy_spec(name).has_bucket_size else [None]
+            results.extend(simulate(name, model, size, **settings) for size in sizes
+                           for settings in setting_combinations(engine_settings.get(name)))
     return results
 
 
 def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], StepResult]:
-    """``(strategy, world size) -> result`` with the shortest step (over bucket sizes; the only one otherwise)."""
+    """``(variant, world size) -> result`` with the shortest step (over bucket sizes; the only one otherwise); the
+    variant is the strategy with its settings (``StepResult.variant``: ``bucketed_powersgd rank=4``)."""
     best: dict[tuple[str, int], StepResult] = {}
     for r in results:
-        key = (r.strategy, r.world_size)
+        key = (r.variant, r.world_size)
         if key not in best or r.step_ms < best[key].step_ms:
             best[key] = r
     return best
@@ -55,6 +67,7 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
     return {
         "strategy": result.strategy,
         "bucket_size_mb": "" if result.bucket_size_mb is None else f"{result.bucket_size_mb:g}",
+        "engine_settings": format_settings(result.settings),
         "world_size": result.world_size,
         "nodes": nodes,
         "step_ms": round(result.step_ms, 4),
@@ -88,7 +101,7 @@ def predict_cells(
     Args:
         profiles: ``ComputeProfile`` objects or paths to profile JSON files.
         fit: The all-reduce fit (a ``MeasuredFit``, or a path to its JSON), or any ``Fabric``.
-        strategies: Names from ``STRATEGIES``.
+        strategies: Names from ``strategies.STRATEGIES``.
         bucket_sizes_mb: Caps for the strategies that take one.
         world_size: Ranks to predict for; default: each profile's ``world_size`` (2 if it has none).
         copy_bandwidth_Bps: Memory bandwidth of buffer copies (bytes read + written per second). 10 GB/s is a

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from lightning_ddp.bench.config import parse_settings
 from lightning_ddp.project.comm import read_fit
 from lightning_ddp.project.profile import ComputeProfile, write_atomically
 from lightning_ddp.project.strategies import STRATEGIES, StepModel, simulate
@@ -73,7 +74,11 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
                    copy_Bps: float) -> list[dict[str, Any]]:
-    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and share."""
+    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and share.
+
+    A cell's engine settings (``engine_settings``) go to the model where it models them (e.g. PowerSGD's ``rank``;
+    ``start_iter`` changes no steady-state step). A cell whose model needs parameter shapes its profile lacks
+    (recorded before the CommTimer wrote them) is left out, with a line on stderr."""
     comm = read_fit(fit_path).fabric()
     reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
                  for r in rows if r["strategy"] == "reference"}
@@ -84,10 +89,19 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         size = _float(r.get("resolved_bucket_size_mb")) or _float(r.get("bucket_size_mb"))
         world = int(r["world_size"])
         own = ComputeProfile.from_dict(profiles[r["cell_id"]], origin=f"profile of {r['cell_id']}")
-        predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps),
-                             size if STRATEGIES[r["strategy"]].has_bucket_size else None)
+        spec = STRATEGIES[r["strategy"]]
+        settings = {k: v for k, v in parse_settings(r.get("engine_settings") or "").items() if k in spec.settings()}
+        size_arg = size if spec.has_bucket_size else None
+        try:
+            predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps), size_arg, **settings)
+        except ValueError as error:
+            if own.has_shapes:
+                raise
+            print(f"not simulated: {r['cell_id']}: {error}", file=sys.stderr)
+            continue
         row: dict[str, Any] = {
             "cell_id": r["cell_id"], "strategy": r["strategy"], "bucket_size_mb": size or "",
+            "engine_settings": r.get("engine_settings") or "",
             "batch_size": int(r["batch_size"]), "context_length": int(r["context_length"]), "precision": r["precision"],
             "measured_step_ms": float(r["step_ms_median"]), "measured_step_lo": _float(r.get("step_ms_lo")),
             "measured_step_hi": _float(r.get("step_ms_hi")), "measured_share": _float(r.get("comm_share")),
@@ -97,10 +111,15 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         ref = reference.get((r["precision"], r["batch_size"], r["context_length"]))
         if ref is not None:
             ref_profile = ComputeProfile.from_dict(ref, origin="reference profile")
-            from_reference = simulate(r["strategy"], StepModel(ref_profile, comm, world, copy_Bps),
-                                      size if STRATEGIES[r["strategy"]].has_bucket_size else None)
-            row["predicted_step_ms_from_reference"] = from_reference.step_ms
-            row["step_error_from_reference"] = from_reference.step_ms / row["measured_step_ms"] - 1
+            try:
+                from_reference = simulate(r["strategy"], StepModel(ref_profile, comm, world, copy_Bps), size_arg,
+                                          **settings)
+            except ValueError:
+                if ref_profile.has_shapes:
+                    raise
+            else:  # (a reference profile recorded without shapes cannot stand in for a model that needs them)
+                row["predicted_step_ms_from_reference"] = from_reference.step_ms
+                row["step_error_from_reference"] = from_reference.step_ms / row["measured_step_ms"] - 1
         out.append(row)
     return out
 
@@ -135,7 +154,8 @@ def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]
 
 def _name(cell: dict[str, Any]) -> str:
     size = cell["bucket_size_mb"]
-    return cell["strategy"] + (f"@{size:g}" if isinstance(size, float) else "")
+    settings = cell.get("engine_settings") or ""
+    return cell["strategy"] + (f"@{size:g}" if isinstance(size, float) else "") + (f" {settings}" if settings else "")
 
 
 def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
