@@ -74,3 +74,42 @@ def check_job(ranks: list[dict], engine: str, case: str) -> None:
     check_grad_none_and_record(ranks, engine, case)
     if len(ranks) > 1:
         check_ranks_agree_and_start_from_rank0(ranks, engine, case)
+
+
+def completion_clocks(rank: int, world_size: int, device: str = "cuda") -> dict:
+    """Spawned: one recorded step of ``bucketed`` on TinyLM; which clock timed each collective's completion.
+
+    ``"device"``: a CUDA event recorded on the completion callback's stream (NCCL: it fires when the kernel has
+    finished); ``"host"``: the host clock in the callback (gloo, which completes on its own thread); ``None``:
+    no completion was recorded (the end of the wait stands in). Read after one synchronize, before
+    ``finish_step`` turns every mark into milliseconds.
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_ddp.sync import BucketedDDP, Recorder
+    from lightning_ddp.sync.comm import backend_for
+    from tests.equivalence import MiB, SEVERAL_BUCKETS_CAP, TinyLM, VOCAB
+
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    ddp = BucketedDDP(TinyLM().to(where), SEVERAL_BUCKETS_CAP / MiB)
+    recorder = Recorder(where)
+    ddp.recorder = recorder
+    recorder.open_step(0)
+    tokens = torch.randint(0, VOCAB, (4, 4), device=where)
+    F.cross_entropy(ddp(tokens).flatten(0, 1), tokens.flatten()).backward()
+    ddp.finish_gradient_synchronization()
+    recorder.clock.synchronize()
+    cuda_event = torch.cuda.Event if where.type == "cuda" else ()
+    clocks = [None if c.completed is None else "device" if isinstance(c.completed, cuda_event) else "host"
+              for c in recorder.record.collectives]
+    record = recorder.finish_step()
+    return {
+        "group_backend": str(dist.get_backend()),
+        "backend_for_device": backend_for(where),
+        "clocks": clocks,
+        "ordered": all(c.launched <= c.completed for c in record.collectives),
+    }
