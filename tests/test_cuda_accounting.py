@@ -3,7 +3,12 @@ for NCCL's future, a fake all-reduce for the other rank. The GPU itself runs the
 
 - a collective's completion: NCCL's future callback records an event (on the callback's stream, which waits for
   the kernel); gloo's reads the host clock; a recorded completion is never replaced by the end of a wait;
+- the backend is decided per tensor device from the group's spec (``cpu:gloo,cuda:nccl``), never by comparing the
+  spec with "nccl": the communicator's completions, ZeRO-1's ``collectives: auto``, the bucket model's default
+  device and the strategy's check all ask ``backend_for`` / ``backend_from_spec``;
 - one synchronize per measured step, and the next step anchored on it for free;
+- a measurement never ends a run: marks that contradict each other (two clocks) are clamped, counted in
+  ``comm/clock_anomalies`` and the summary, and warned about once per run;
 - the division by the world size happens before launch (pre-scaling), in every engine;
 - the bucketed engine reads the gradient-presence flags last;
 - every copy and scaling of gradients is a ``pack`` span, wherever it runs;
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -22,9 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ddp.callbacks.accounting import (
+    METRIC_KEYS,
+    ClockAnomalyWarning,
+    StepTiming,
+    TimingSummary,
+    step_metrics,
+)
 from lightning_ddp.sync import ALGORITHMS, Collective, Recorder, get_algorithm
 from lightning_ddp.sync import comm as comm_module
-from lightning_ddp.sync.record import StepClock
+from lightning_ddp.sync.record import StepClock, SyncRecord
 
 # ---- fakes --------------------------------------------------------------------------------------------------
 
@@ -127,22 +140,131 @@ def test_a_collective_without_a_completion_falls_back_to_the_end_of_its_wait() -
     assert recorder.finish_step().collectives[0].completed == pytest.approx(9.0)
 
 
-def test_the_communicator_asks_for_device_completion_on_nccl_only(monkeypatch) -> None:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+class FakeCudaTensor:
+    """What the communicator reads of a tensor on a GPU: its device and size (the collective itself is faked)."""
+
+    device = torch.device("cuda", 0)
+
+    def numel(self) -> int:
+        return 4
+
+    def element_size(self) -> int:
+        return 4
+
+
+def _pretend_spec(monkeypatch, spec: str) -> None:
+    """Make the process group look initialised with backend ``spec``, as torch describes such a group:
+    ``get_backend`` returns the spec as given, ``get_backend_config`` torch's device map of it."""
+    config = str(dist.distributed_c10d.BackendConfig(spec))  # e.g. "nccl" -> "cuda:nccl"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: spec)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    # the mixed spec: a CUDA tensor goes over NCCL, a CPU tensor over gloo. Comparing the spec with "nccl"
+    # said "not NCCL" for both, and NCCL completions became host times read at launch.
+    ("cpu:gloo,cuda:nccl", {"cuda": FakeEvent, "cpu": float}),
+    ("gloo", {"cuda": float, "cpu": float}),  # gloo with CUDA tensors (2 ranks on one GPU): the host clock
+    ("nccl", {"cuda": FakeEvent}),  # NCCL moves CUDA tensors only
+])
+def test_the_communicator_asks_for_device_completion_where_nccl_moves_the_tensor(
+    world_of_one, monkeypatch, spec: str, expected: dict
+) -> None:
+    _pretend_spec(monkeypatch, spec)
+    comm = comm_module.Communicator()
+    comm.recorder = recorder = Recorder(clock=FakeCudaClock())
+    works = []
+    monkeypatch.setattr(comm_module.dist, "all_reduce", lambda *a, **k: works.append(FakeWork()) or works[-1])
+    recorder.open_step(0)
+    for device_type, completion in expected.items():
+        tensor = FakeCudaTensor() if device_type == "cuda" else torch.zeros(4)
+        pending = comm.all_reduce(tensor, device_type)
+        works[-1].future.complete()
+        assert isinstance(pending.collective.completed, completion), (spec, device_type)
+
+
+@pytest.mark.parametrize("spec, device, expected", [
+    ("nccl", "cuda", "nccl"),  # a plain name applies to every device ...
+    ("nccl", "cpu", "nccl"),  # ... even one it cannot serve: the strategy turns that into an error with the fix
+    ("gloo", "cuda:1", "gloo"),
+    ("cpu:gloo,cuda:nccl", "cpu", "gloo"),  # device-qualified: the entry for the device's type
+    ("cpu:gloo,cuda:nccl", torch.device("cuda", 1), "nccl"),
+    ("CUDA:NCCL, cpu:gloo", "cuda:0", "nccl"),  # torch lower-cases the spec; spaces after commas are tolerated
+    ("cpu:gloo", "cuda", None),  # nothing serves CUDA tensors in this group
+])
+def test_backend_from_spec_reads_plain_and_device_qualified_specs(spec: str, device, expected) -> None:
+    from lightning_ddp.sync.comm import backend_from_spec
+
+    assert backend_from_spec(spec, device) == expected
+
+
+def test_parse_backend_spec_and_its_errors() -> None:
+    from lightning_ddp.sync.comm import parse_backend_spec
+
+    assert parse_backend_spec("gloo") == {"*": "gloo"}  # "*": every device
+    assert parse_backend_spec("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    with pytest.raises(ValueError, match="cpu:gloo,cuda:nccl"):  # the message shows the expected form
+        parse_backend_spec("cpu:gloo,cuda")
+    with pytest.raises(ValueError, match="twice"):
+        parse_backend_spec("cuda:nccl,cuda:gloo")
+
+
+def test_backend_for_reads_the_live_group(monkeypatch) -> None:
+    from lightning_ddp.sync.comm import backend_for
+
+    dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)  # torch takes it on CPU
     try:
-        comm = comm_module.Communicator()
-        comm.recorder = recorder = Recorder(clock=FakeCudaClock())
-        works = []
-        monkeypatch.setattr(comm_module.dist, "all_reduce", lambda *a, **k: works.append(FakeWork()) or works[-1])
-        recorder.open_step(0)
-        for backend in ("nccl", "gloo"):
-            comm.backend = backend
-            pending = comm.all_reduce(torch.zeros(4), backend)
-            works[-1].future.complete()
-            expected = FakeEvent if backend == "nccl" else float
-            assert isinstance(pending.collective.completed, expected), backend
+        assert dist.get_backend() == "cpu:gloo"  # the spec as given: comparing it with "gloo" fails
+        assert backend_for("cpu") == backend_for(torch.device("cpu")) == "gloo"
+        with pytest.raises(ValueError, match="no backend for cuda tensors.*cuda:nccl"):
+            backend_for("cuda:0")
+        _pretend_spec(monkeypatch, "cpu:gloo,cuda:nccl")
+        assert (backend_for("cpu"), backend_for("cuda:1")) == ("gloo", "nccl")
     finally:
         dist.destroy_process_group()
+
+
+def test_zero1_auto_collectives_follow_the_parameters_device(monkeypatch) -> None:
+    from lightning_ddp.sync.zero1 import ShardedOptimizer
+    from lightning_ddp.sync.zero1.optimizer import resolve_collectives
+
+    dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        optimizer = ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+        assert optimizer.collectives == "per_owner"  # gloo moves the CPU parameters ("cpu:gloo" != "gloo")
+        _pretend_spec(monkeypatch, "cpu:gloo,cuda:nccl")
+        assert resolve_collectives("auto", "cpu") == "per_owner"  # gloo: reduce / broadcast per owner
+        assert resolve_collectives("auto", "cuda:0") == "native"  # NCCL: reduce-scatter / all-gather
+        assert resolve_collectives("per_owner", "cuda:0") == "per_owner"  # a choice made is kept
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bucket_measurement_defaults_to_the_device_nccl_serves(world_of_one, monkeypatch) -> None:
+    from lightning_ddp.sync.bucket_model import default_measure_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert default_measure_device() == torch.device("cpu")  # a plain gloo group
+    _pretend_spec(monkeypatch, "cpu:gloo,cuda:nccl")  # the gradients of such a run are on the GPU, over NCCL
+    assert default_measure_device() == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("spec, device, error", [
+    ("nccl", "cpu", "needs CUDA GPUs"),
+    ("cpu:nccl", "cpu", "needs CUDA GPUs"),
+    ("cuda:nccl", "cpu", "no backend for cpu"),  # nothing would move this run's CPU tensors
+    ("cpu:gloo,cuda:nccl", "cpu", None),  # gloo serves the CPU run: no error ...
+    ("gloo", "cpu", None),
+])
+def test_the_strategy_checks_the_backend_of_its_own_device(spec: str, device: str, error: str | None) -> None:
+    from lightning_ddp.strategies import GradSyncStrategy
+
+    strategy = GradSyncStrategy(parallel_devices=[torch.device(device)], process_group_backend=spec)
+    if error is None:
+        strategy.check_process_group_backend()
+    else:
+        with pytest.raises(ValueError, match=error):
+            strategy.check_process_group_backend()
 
 
 def test_one_synchronize_per_measured_step_and_the_next_anchor_for_free() -> None:
@@ -348,3 +470,149 @@ def test_gradients_are_views_into_the_buckets_and_accumulate_there(world_of_one)
         assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(bucket.params, bucket.views))
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+
+
+# ---- a measurement never ends a run: inconsistent marks are clamped and counted ------------------------------
+
+
+def _c(launched: float, completed: float, nbytes: int = 0) -> Collective:
+    return Collective("all_reduce", "test", nbytes, launched, completed)
+
+
+def _clean_summary() -> TimingSummary:
+    summary = TimingSummary()
+    summary.add(0, step_metrics(StepTiming(step_ms=5.0, exposed=[(1.0, 2.0)]), world_size=2))
+    return summary
+
+
+def _backwards_timing() -> StepTiming:
+    # A 10 ms step whose marks came from two clocks: the second exposed span ends 2 ms before it starts, the pack
+    # span 0.5 ms before, the second collective completes 0.1 ms before its launch.
+    return StepTiming(
+        step_ms=10.0,
+        exposed=[(2.0, 4.0), (5.0, 3.0)],
+        pack=[(1.0, 0.5)],
+        collectives=[Collective("all_reduce", "bucket 0", 100, 1.0, 2.0),
+                     Collective("all_reduce", "bucket 1", 100, 8.0, 7.9)],
+        tokens=10,
+    )
+
+
+def test_a_backwards_interval_is_clamped_to_zero_length_and_counted() -> None:
+    timing = _backwards_timing()  # used to raise "ends before it starts": the run died at step 0
+    assert timing.exposed == [(2.0, 4.0), (5.0, 5.0)] and timing.pack == [(1.0, 1.0)]  # end = start
+    assert (timing.collectives[1].launched, timing.collectives[1].completed) == (8.0, 8.0)
+    m = step_metrics(timing, world_size=2)
+    assert m["comm/clock_anomalies"] == 3.0  # three clamped intervals
+    assert m["comm/exposed_ms"] == pytest.approx(2.0)  # [2, 4]; the clamped span adds nothing
+    assert m["comm/pack_ms"] == 0.0
+    assert m["comm/busy_ms"] == pytest.approx(1.0)  # [1, 2]; the clamped collective adds nothing
+    assert m["comm/calls"] == 2.0 and m["comm/bytes"] == 200.0  # it was still launched: it still counts
+    assert all(math.isfinite(value) for value in m.values())
+
+
+def test_the_exposed_span_from_last_gradient_to_usable_is_clamped_not_dropped() -> None:
+    record = SyncRecord(started=0.0, ended=10.0, last_ready=6.0, usable=5.5)  # usable 0.5 ms before the last grad
+    timing = StepTiming.from_record(record, step_ms=10.0, tokens=1)
+    assert timing.exposed == [(6.0, 6.0)]
+    assert step_metrics(timing, world_size=1)["comm/clock_anomalies"] == 1.0  # it used to vanish silently
+
+
+@pytest.mark.parametrize("step_ms", [0.0, -3.0, math.nan, math.inf])
+def test_a_step_time_that_is_not_positive_and_finite_gives_finite_metrics(step_ms: float) -> None:
+    timing = StepTiming(step_ms=step_ms, exposed=[(0.0, 1.0)], collectives=[_c(0.0, 1.0)], tokens=8)
+    m = step_metrics(timing, world_size=2, flops_per_token=1.0, peak_flops=1.0)
+    assert m["comm/clock_anomalies"] == 1.0
+    # no step to divide by: the step time is 0 and every share of it 0 (as overlap is 0 when nothing was busy)
+    assert (m["step/time_ms"], m["comm/share"], m["step/tokens_per_s"], m["step/mfu"]) == (0.0, 0.0, 0.0, 0.0)
+    assert m["comm/exposed_ms"] == 1.0 and all(math.isfinite(value) for value in m.values())
+
+
+def test_communication_longer_than_the_step_is_clamped_to_the_step() -> None:
+    # exposed 12 ms and busy 15 ms in a 10 ms step: impossible on one clock (the step is the max over ranks)
+    timing = StepTiming(step_ms=10.0, exposed=[(0.0, 12.0)], collectives=[_c(0.0, 15.0, 1_000_000)], tokens=1)
+    m = step_metrics(timing, world_size=2)
+    assert m["comm/clock_anomalies"] == 2.0  # exposed > step, busy > step
+    assert m["comm/exposed_ms"] == 10.0 and m["comm/share"] == 1.0
+    assert m["comm/busy_ms"] == 10.0 and 0.0 <= m["comm/overlap"] <= 1.0
+    assert m["comm/algbw_GBps"] == pytest.approx(1e6 / 0.010 / 1e9)  # over the clamped 10 ms
+
+
+def test_the_summary_counts_anomalies_and_warns_once_per_run(tmp_path: Path) -> None:
+    summary = TimingSummary()
+    with pytest.warns(ClockAnomalyWarning) as caught:
+        for step in range(3):
+            timing = _backwards_timing()
+            summary.add(step, step_metrics(timing, world_size=2), anomalies=timing.anomalies)
+    assert len(caught) == 1  # once per run, not once per step
+    message = str(caught[0].message)
+    assert "exposed interval (5.0, 3.0) ends 2 ms before it starts" in message  # which interval, by how much
+    assert "two clocks" in message  # the likely cause
+    assert summary.clock_anomalies == 9  # 3 per step
+    summary.write_json(tmp_path / "timing_summary.json", warmup_steps=1)
+    document = json.loads((tmp_path / "timing_summary.json").read_text())
+    assert document["clock_anomalies"] == 9  # every step, warm-up included
+    assert document["summary"]["comm/clock_anomalies"]["median"] == 3.0
+    assert "clock anomalies: 9" in summary.format_table(warmup_steps=1)
+    assert "clock anomalies" not in _clean_summary().format_table(warmup_steps=0)  # shown only when there are some
+
+
+def test_every_metric_key_of_the_summary_includes_the_anomaly_count() -> None:
+    assert "comm/clock_anomalies" in METRIC_KEYS
+    assert "| comm/clock_anomalies " in step_metrics.__doc__
+    assert step_metrics(StepTiming(step_ms=5.0), world_size=1)["comm/clock_anomalies"] == 0.0
+
+
+def test_a_gradient_ready_before_backward_started_does_not_stop_the_profile() -> None:
+    from types import SimpleNamespace
+
+    from lightning_ddp.callbacks.comm_timer import _median_profile
+
+    # Two steps whose first gradient was marked 0.2 ms before backward's start (two clocks): median -0.2 ms.
+    steps = [{"forward_ms": 5.0, "backward_ms": 9.0, "optimizer_ms": 1.0, "ready_ms": [-0.2, 4.0]}] * 2
+    weight, bias = nn.Parameter(torch.zeros(3, 2)), nn.Parameter(torch.zeros(3))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), strategy_name="bucketed_ddp"),
+                              precision="32-true", world_size=2)
+    profile = _median_profile(steps, [("w", weight), ("b", bias)], trainer, SimpleNamespace(hparams={}), (2, 8))
+    assert [p.ready_ms for p in profile.params] == [0.0, 4.0]  # clamped to backward's start, not a ValueError
+
+
+# ---- a device-qualified spec on two real ranks ----------------------------------------------------------------
+
+
+def _zero1_step_on_a_device_qualified_group(rank: int, world_size: int) -> dict:
+    from lightning_ddp.sync import DeferredGradSync, ShardedOptimizer
+
+    group = dist.new_group(backend="cpu:gloo")  # torch's device-qualified form, on CPU
+    torch.manual_seed(0)
+    model = _Small(unused=False)
+    engine = DeferredGradSync(model, process_group=group)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, schedule="reduce_scatter", process_group=group,
+                                 lr=0.1)
+    engine.recorder = optimizer.recorder = recorder = Recorder()
+    recorder.open_step(0)
+    engine.on_train_batch_start()
+    engine(torch.randn(4, 5) + rank).sum().backward()
+    engine.finish_gradient_synchronization()
+    optimizer.step()
+    record = recorder.finish_step()
+    return {
+        "backend": dist.get_backend(group),
+        "collectives": optimizer.collectives,
+        "ops": sorted({c.op for c in record.collectives}),
+        "intervals": [(c.launched, c.completed) for c in record.collectives],
+        "weights": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_one_zero1_step_on_two_ranks_of_a_cpu_gloo_group() -> None:
+    from tests.dist_utils import run_on_ranks
+
+    ranks = run_on_ranks(_zero1_step_on_a_device_qualified_group, 2)
+    for result in ranks:
+        assert result["backend"] == "cpu:gloo"  # the spec as given: the old `== "gloo"` test said "not gloo"
+        assert result["collectives"] == "per_owner"  # auto, resolved for the CPU parameters: gloo moves them
+        assert {"reduce", "broadcast"} <= set(result["ops"])  # what per_owner issues (native: reduce_scatter)
+        assert all(end >= start for start, end in result["intervals"])  # host times on one clock
+    for mine, theirs in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        torch.testing.assert_close(mine, theirs)  # the owners shared their updated shards

@@ -33,15 +33,22 @@ The honesty rules (the clocks themselves are described in ``lightning_ddp/sync/r
 - A collective's completion is recorded when it happens (gloo: the host clock in its future's callback; NCCL: an
   event on the callback's stream, which waits for the kernel); the end of its ``wait()`` stands in only when no
   completion was recorded (an upper bound).
+- Measuring never ends a run. A mark that contradicts another (an interval that ends before it starts, a step time
+  that is not positive, more communication than the step) is clamped (``StepTiming``), counted in the step's
+  ``comm/clock_anomalies`` and, the first time in a run, reported as a ``ClockAnomalyWarning`` naming the interval,
+  by how much it was off and the likely cause: marks from two clocks (host times and CUDA events) joined by one
+  anchor. Only arguments a user chose (``world_size``, ``peak_flops``, ``warmup_steps`` ...) raise.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -52,19 +59,32 @@ if TYPE_CHECKING:  # only for annotations: this module must not import torch
 
 __all__ = [
     "METRIC_KEYS",
+    "ClockAnomalyWarning",
     "StepTiming",
     "TimingSummary",
     "step_metrics",
 ]
 
 
-def _check_intervals(name: str, intervals: Sequence[Interval]) -> None:
+class ClockAnomalyWarning(RuntimeWarning):
+    """Marks of a measured step contradicted each other and were clamped (``StepTiming``); training goes on."""
+
+
+def _clamped(name: str, intervals: Sequence[Interval], anomalies: list[str]) -> list[Interval]:
+    """``intervals`` with every one that ends before it starts clamped to ``end = start``, each noted in
+    ``anomalies``."""
+    out: list[Interval] = []
     for start, end in intervals:
         if end < start:
-            raise ValueError(
-                f"{name} interval ({start}, {end}) ends before it starts; marks must come from one clock and be "
-                "converted with the same anchor"
-            )
+            anomalies.append(f"{name} interval ({start}, {end}) ends {_ms(start - end)} before it starts")
+            end = start
+        out.append((start, end))
+    return out
+
+
+def _ms(value: float) -> str:
+    """``value`` milliseconds, to 3 significant digits: ``2 ms``, ``0.1 ms``, ``1.23e+03 ms``."""
+    return f"{value:.3g} ms"
 
 
 # ---- one step, in milliseconds from the step's clock anchor ------------------------------------------
@@ -75,6 +95,19 @@ class StepTiming:
     """One optimizer step on one rank, in milliseconds on one axis (a finished record's: since its anchor).
 
     Built by ``from_record`` from a finished ``SyncRecord``, or by hand in tests.
+
+    Construction makes the marks consistent instead of refusing them, so that a measurement can never end a
+    training run. Each fix is one line of ``anomalies`` (``comm/clock_anomalies`` counts them):
+
+    - an interval (``exposed``, ``pack``, a collective's ``[launched, completed]``) that ends before it starts is
+      clamped to ``end = start``. Zero length is the conservative choice: such an interval has no trustworthy
+      length, and zero is the only one that claims no time the clocks did not show (swapping the marks would
+      invent the very duration the disagreement measures, and dropping the interval would lose its start, which
+      orders the collectives in ``busy_intervals``). It adds nothing to any union; a clamped collective still
+      counts in ``comm/calls`` and ``comm/bytes``, so that step's bandwidths are upper bounds;
+    - a step time that is not a positive, finite number is set to 0; every ratio over it is then 0;
+    - exposed or busy time longer than the step (impossible on one clock: the step is the slowest rank's) is
+      clamped to the step in ``step_metrics``.
     """
 
     step_ms: float
@@ -87,25 +120,48 @@ class StepTiming:
     """Every collective of the step, in launch order, with ``launched`` and ``completed`` in ms."""
     tokens: int = 0
     """Tokens this rank processed in the step, summed over its micro-batches."""
+    anomalies: list[str] = field(default_factory=list, init=False, repr=False)
+    """What construction clamped, one line per clamped mark (see the class docstring); empty on one clock."""
 
     def __post_init__(self) -> None:
-        if not self.step_ms > 0:
-            raise ValueError(f"step_ms must be > 0, got {self.step_ms!r}; measure the step with a clock that advances")
         if self.tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {self.tokens!r}")
-        _check_intervals("exposed", self.exposed)
-        _check_intervals("pack", self.pack)
-        _check_intervals("collective", [(c.launched, c.completed) for c in self.collectives])
+            raise ValueError(f"tokens must be >= 0, got {self.tokens!r}; count the tokens of the step's micro-batches")
+        anomalies = self.anomalies = []
+        self.exposed = _clamped("exposed", self.exposed, anomalies)
+        self.pack = _clamped("pack", self.pack, anomalies)
+        collectives = []
+        for c in self.collectives:
+            if c.completed < c.launched:
+                anomalies.append(f"collective {c.op} {c.label!r} ({c.launched}, {c.completed}) completed "
+                                 f"{_ms(c.launched - c.completed)} before its launch")
+                c = dataclasses.replace(c, completed=c.launched)  # a copy: the record stays as it was measured
+            collectives.append(c)
+        self.collectives = collectives
+        if not (self.step_ms > 0 and math.isfinite(self.step_ms)):
+            anomalies.append(f"step_ms is {self.step_ms!r}, not a positive time; the step's ratios are set to 0")
+            self.step_ms = 0.0
+            return
+        exposed_ms, busy_ms = total(self.exposed), total(busy_intervals(self.collectives))
+        if exposed_ms > self.step_ms:
+            anomalies.append(f"exposed time {exposed_ms:.6g} ms exceeds the step's {self.step_ms:.6g} ms")
+        if busy_ms > self.step_ms:
+            anomalies.append(f"busy time {busy_ms:.6g} ms exceeds the step's {self.step_ms:.6g} ms")
+
+    @property
+    def clock_anomalies(self) -> int:
+        """How many marks construction clamped (``len(anomalies)``): ``comm/clock_anomalies``."""
+        return len(self.anomalies)
 
     @classmethod
     def from_record(cls, record: SyncRecord, step_ms: float, tokens: int) -> StepTiming:
         """From a finished record (``Recorder.finish_step``: marks in ms, completions filled in).
 
         Exposed: the record's ``exposed`` spans together with ``[last_ready, usable]``, from the last gradient
-        computed to the gradients usable, when both were marked.
+        computed to the gradients usable, when both were marked (clamped and counted, like any interval, when the
+        gradients were usable before the last one was computed).
         """
         exposed = list(record.exposed)
-        if record.last_ready is not None and record.usable is not None and record.usable >= record.last_ready:
+        if record.last_ready is not None and record.usable is not None:
             exposed.append((record.last_ready, record.usable))
         return cls(
             step_ms=step_ms,
@@ -184,6 +240,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "comm/busbw_GBps",
     "comm/calls",
     "comm/bytes",
+    "comm/clock_anomalies",
     "step/tokens_per_s",
     "step/mfu",
     "memory/peak_MiB",
@@ -211,7 +268,7 @@ def step_metrics(
     | comm/pack_ms             | union(pack): copying and scaling gradients for communication, wherever it  |
     |                          | ran (inside exposed for naive and flat; in backward's hooks for overlap   |
     |                          | and bucketed, except their unpack)                                         |
-    | comm/share               | exposed_ms / step_ms                                                       |
+    | comm/share               | exposed_ms / step_ms (0 when step_ms is 0)                                 |
     | comm/busy_ms             | union of ``busy_intervals``: collective i in flight from                   |
     |                          | max(launched_i, completed_{i-1}) to completed_i (one stream per group)     |
     | comm/overlap             | (busy_ms - overlap(busy, exposed)) / busy_ms: the share of in-flight       |
@@ -222,7 +279,11 @@ def step_metrics(
     |                          | factor per op (``BUS_FACTORS``), n = world_size                            |
     | comm/calls               | number of collectives                                                      |
     | comm/bytes               | sum of the collectives' ``nbytes`` (nccl-tests' message sizes)             |
-    | step/tokens_per_s        | tokens * world_size / (step_ms / 1e3): global throughput                   |
+    | comm/clock_anomalies     | marks ``StepTiming`` clamped in this step (``timing.anomalies``): intervals|
+    |                          | that end before they start, a step time not > 0, exposed or busy time      |
+    |                          | longer than the step (then clamped to it); 0 when all came from one clock  |
+    | step/tokens_per_s        | tokens * world_size / (step_ms / 1e3): global throughput (0 when step_ms   |
+    |                          | is 0)                                                                      |
     | step/mfu                 | tokens_per_s * flops_per_token / peak_flops, with ``peak_flops`` the dense |
     |                          | peak of all the job's devices together (distinct GPUs: two ranks sharing   |
     |                          | one GPU count it once); only when both are given                           |
@@ -243,26 +304,29 @@ def step_metrics(
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
 
-    step_ms = float(timing.step_ms)
+    step_ms = float(timing.step_ms)  # > 0, or 0 where StepTiming clamped a step time that was not
     exposed_ms = total(timing.exposed)
     busy = busy_intervals(timing.collectives)
     busy_ms = total(busy)
+    if step_ms > 0:  # more communication than the step is two clocks disagreeing (counted by StepTiming)
+        exposed_ms, busy_ms = min(exposed_ms, step_ms), min(busy_ms, step_ms)
     nbytes = sum(c.nbytes for c in timing.collectives)
     bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
-    hidden_ms = busy_ms - overlap_length(busy, timing.exposed)
-    tokens_per_s = timing.tokens * world_size / (step_ms / 1e3)
+    hidden_ms = min(busy_ms, max(0.0, busy_ms - overlap_length(busy, timing.exposed)))
+    tokens_per_s = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
 
     metrics = {
         "step/time_ms": step_ms,
         "comm/exposed_ms": exposed_ms,
         "comm/pack_ms": total(timing.pack),
-        "comm/share": exposed_ms / step_ms,
+        "comm/share": exposed_ms / step_ms if step_ms > 0 else 0.0,
         "comm/busy_ms": busy_ms,
         "comm/overlap": hidden_ms / busy_ms if busy_ms > 0 else 0.0,
         "comm/algbw_GBps": nbytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
         "comm/busbw_GBps": bus_bytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
         "comm/calls": float(len(timing.collectives)),
         "comm/bytes": float(nbytes),
+        "comm/clock_anomalies": float(timing.clock_anomalies),
         "step/tokens_per_s": tokens_per_s,
     }
     if flops_per_token is not None and peak_flops is not None:
@@ -345,6 +409,11 @@ class TimingSummary:
 
     Percentiles interpolate linearly between the closest ranks (numpy's default ``"linear"`` method), so the
     median of an even count is the mean of the two middle values.
+
+    Clock anomalies (``comm/clock_anomalies``, see ``StepTiming``): ``clock_anomalies`` is their total over every
+    step added, warm-up included; ``write_json`` writes it beside the summary and ``format_table`` prints it when
+    there were any. The first step that brings anomalies (``add(..., anomalies=timing.anomalies)``) warns once
+    (``ClockAnomalyWarning``): one summary per run, one warning per run.
     """
 
     stats: tuple[str, ...] = ("median", "p10", "p90", "n")
@@ -352,12 +421,19 @@ class TimingSummary:
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.metrics: list[dict[str, float]] = []
+        self._warned = False
 
     def __len__(self) -> int:
         return len(self.steps)
 
-    def add(self, step: int, metrics: dict[str, float]) -> None:
-        """Record the metrics of optimizer step ``step`` (a copy is kept)."""
+    @property
+    def clock_anomalies(self) -> int:
+        """Marks clamped over every step added (the sum of ``comm/clock_anomalies``), warm-up included."""
+        return int(sum(metrics.get("comm/clock_anomalies", 0.0) for metrics in self.metrics))
+
+    def add(self, step: int, metrics: dict[str, float], anomalies: Sequence[str] = ()) -> None:
+        """Record the metrics of optimizer step ``step`` (a copy is kept); ``anomalies``: what ``StepTiming`` clamped
+        in it, reported the first time there are any (``ClockAnomalyWarning``)."""
         if self.steps and step <= self.steps[-1]:
             raise ValueError(
                 f"step {step} was added after step {self.steps[-1]}; add metrics once per optimizer step, when "
@@ -365,6 +441,9 @@ class TimingSummary:
             )
         self.steps.append(int(step))
         self.metrics.append({key: float(value) for key, value in metrics.items()})
+        if anomalies and not self._warned:
+            self._warned = True
+            warnings.warn(_anomaly_message(step, anomalies), ClockAnomalyWarning, stacklevel=2)
 
     def summarize(self, warmup_steps: int) -> dict[str, dict[str, float]]:
         """``{key: {"median", "p10", "p90", "n"}}`` over the steps left after the first ``warmup_steps``."""
@@ -393,11 +472,12 @@ class TimingSummary:
         return [{"step": step, **metrics} for step, metrics in zip(self.steps, self.metrics)]
 
     def write_json(self, path: str | os.PathLike, warmup_steps: int, extra: dict[str, Any] | None = None) -> None:
-        """Write ``{**extra, "warmup_steps", "summary", "steps"}`` to ``path`` atomically.
+        """Write ``{**extra, "warmup_steps", "summary", "clock_anomalies", "steps"}`` to ``path`` atomically.
 
         ``extra`` is for what belongs next to the numbers: hardware, versions, the full config.
         """
-        document = {**(extra or {}), "warmup_steps": warmup_steps, "summary": self.summarize(warmup_steps)}
+        document = {**(extra or {}), "warmup_steps": warmup_steps, "summary": self.summarize(warmup_steps),
+                    "clock_anomalies": self.clock_anomalies}
         document["steps"] = self.to_rows()
         # allow_nan=False: a NaN would make the file invalid JSON; fail here instead of in the reader.
         _write_atomically(path, json.dumps(document, indent=2, allow_nan=False) + "\n")
@@ -429,4 +509,19 @@ class TimingSummary:
         for row in [header, *body]:
             cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
             lines.append("  ".join(cells).rstrip())
+        if self.clock_anomalies:
+            steps = sum(1 for metrics in self.metrics if metrics.get("comm/clock_anomalies", 0.0) > 0)
+            lines.append(f"clock anomalies: {self.clock_anomalies} marks clamped in {steps} of {len(self.steps)} steps "
+                         "(comm/clock_anomalies; the first is described in the run's ClockAnomalyWarning)")
         return "\n".join(lines)
+
+
+def _anomaly_message(step: int, anomalies: Sequence[str]) -> str:
+    """The once-per-run warning: what was clamped in ``step``, and why that usually happens."""
+    shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
+    return (
+        f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is marks from "
+        "two clocks (host times, e.g. gloo's completions, and CUDA events) joined by one anchor, or converted with "
+        "different anchors. Training goes on; each step counts its clamped marks in comm/clock_anomalies (also in "
+        "the timing summary); this warning is given once per run."
+    )

@@ -156,7 +156,8 @@ class CommTimer(Callback):
             peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if self._recorder.clock.cuda else None,
         )
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
-        self.summary.add(trainer.global_step, metrics)
+        # Inconsistent marks were clamped and counted, never raised: the first ones of the run are warned about here.
+        self.summary.add(trainer.global_step, metrics, anomalies=timing.anomalies)
         self._compute.append(_compute_landmarks(record))
 
     @override
@@ -252,10 +253,14 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
     times = {key: median([s[key] for s in steps]) for key in ("forward_ms", "backward_ms", "optimizer_ms")}
     if not steps or None in times.values():
         return None
+    def ready(i: int) -> float | None:
+        # A gradient ready before backward started can only be two clocks disagreeing: clamped to 0, as the three
+        # times below are, since ParamTiming refuses a negative time and the profile would not be written.
+        value = median([s["ready_ms"][i] for s in steps if i < len(s["ready_ms"])])
+        return max(0.0, value) if value is not None else None
+
     params = tuple(
-        ParamTiming(name, p.numel(), p.numel() * p.element_size(),
-                    median([s["ready_ms"][i] for s in steps if i < len(s["ready_ms"])]))
-        for i, (name, p) in enumerate(watched)
+        ParamTiming(name, p.numel(), p.numel() * p.element_size(), ready(i)) for i, (name, p) in enumerate(watched)
     )
     hparams = pl_module.hparams
     device = trainer.strategy.root_device

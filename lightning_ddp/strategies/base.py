@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_ddp import compat
 from lightning_ddp.sync import DataParallel, Recorder
 from lightning_ddp.sync.bucketed import check_bucket_size
+from lightning_ddp.sync.comm import backend_from_spec
 from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
@@ -67,7 +68,8 @@ class GradSyncStrategy(DDPStrategy):
         cluster_environment: Set by the Trainer (local, torchrun, SLURM, ...).
         checkpoint_io: Set by the Trainer.
         precision_plugin: Set by the Trainer from ``trainer.precision``.
-        process_group_backend: ``gloo`` or ``nccl``; default: ``nccl`` on CUDA, ``gloo`` on CPU.
+        process_group_backend: ``gloo``, ``nccl`` or one per device type, e.g. ``cpu:gloo,cuda:nccl``; default:
+            ``nccl`` on CUDA, ``gloo`` on CPU.
         timeout: How long a collective may wait for the other ranks before the job fails (a stuck rank then ends
             the job). 10 minutes: long enough for rank 0 to write an xl checkpoint while the others wait at a
             barrier, short enough that a hang does not hold machines for Lightning's default 30 minutes.
@@ -116,12 +118,28 @@ class GradSyncStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._get_process_group_backend() == "nccl" and self.root_device.type != "cuda":
-            raise ValueError(
-                f"process_group_backend='nccl' needs CUDA GPUs, but this run is on {self.root_device.type}; use gloo "
-                "(the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
-            )
+        self.check_process_group_backend()
         super().setup_environment()
+
+    def check_process_group_backend(self) -> None:
+        """Refuse a backend spec that cannot move this run's tensors (on ``root_device``), before any process starts.
+
+        Per device, not by the spec's name: ``cpu:gloo,cuda:nccl`` on CPU moves the tensors with gloo and is fine,
+        while ``nccl`` (or ``cpu:nccl``) on CPU would fail at the first collective.
+        """
+        spec = self._get_process_group_backend()
+        device = self.root_device.type
+        backend = backend_from_spec(spec, device)
+        if backend is None:
+            raise ValueError(
+                f"process_group_backend={spec!r} has no backend for {device} tensors, which this run trains on; add "
+                f"one (e.g. '{device}:gloo,{spec}') or drop `process_group_backend` for the default."
+            )
+        if backend == "nccl" and device != "cuda":
+            raise ValueError(
+                f"process_group_backend={spec!r} needs CUDA GPUs (it moves this run's {device} tensors with nccl); "
+                "use gloo (the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
+            )
 
     def make_container(self, module: nn.Module) -> DataParallel:
         """Wrap the LightningModule in this strategy's gradient-sync engine."""

@@ -46,9 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ddp.sync.comm import backend_from_spec
+
 __all__ = [
     "DEFAULT_SIZES",
     "BucketPrediction",
+    "default_measure_device",
     "fit_latency_bandwidth",
     "measure_allreduce",
     "optimal_bucket_bytes",
@@ -145,7 +148,7 @@ def measure_allreduce(
         sizes: Message sizes in bytes (float32 messages, so each is rounded down to a multiple of 4, at least 4).
         repeats: Timed calls per size (after one untimed warm-up call); the median is kept.
         group: The process group (default: the world).
-        device: Where the messages live; default ``cuda`` (current device) for NCCL, else ``cpu``. Pass the
+        device: Where the messages live; default ``default_measure_device(group)``. Pass the
             gradients' device: with gloo and CUDA tensors the transfer goes through the host, and that is the
             cost the buckets will pay.
 
@@ -159,9 +162,7 @@ def measure_allreduce(
     sizes = list(sizes)
     if not sizes:
         raise ValueError("sizes is empty; pass at least two message sizes, e.g. DEFAULT_SIZES")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    device = torch.device(device)
+    device = torch.device(device) if device is not None else default_measure_device(group)
     cuda = device.type == "cuda"
     medians = []
     for nbytes in sizes:
@@ -180,6 +181,15 @@ def measure_allreduce(
     agreed = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return [float(t) for t in agreed.tolist()]
+
+
+def default_measure_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``measure_allreduce`` puts its messages when not told: the current CUDA device when ``group`` moves CUDA
+    tensors over NCCL (``nccl``, ``cpu:gloo,cuda:nccl``), else the CPU. Asked per device (``sync.comm``): the spec
+    as given is never ``"nccl"`` for a mixed group."""
+    if backend_from_spec(dist.get_backend_config(group), "cuda") == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)

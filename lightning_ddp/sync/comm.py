@@ -12,6 +12,21 @@ Every collective the engines and ZeRO-1 issue goes through here, so that three c
 Message sizes follow nccl-tests (what ``Collective.nbytes`` holds, and what bus bandwidth is computed from): the
 buffer for ``all_reduce``, ``reduce`` and ``broadcast``; the whole input of ``reduce_scatter`` and the whole
 output of ``all_gather`` (every rank's part).
+
+Which backend moves a tensor (``backend_for``): a process group's backend is a spec, and the same group may
+move tensors of different devices with different backends. ``dist.get_backend`` returns the spec *as given*
+(``"cpu:gloo,cuda:nccl"`` is a common one), so it must never be compared with ``"nccl"`` or ``"gloo"``:
+
+1. ``parse_backend_spec`` (pure): a plain name (``"nccl"``) applies to every device, ``"cpu:gloo,cuda:nccl"`` maps
+   each device type to its backend;
+2. ``backend_from_spec`` (pure): the backend of one device under a spec, ``None`` when the spec names none;
+3. ``backend_for(device, group)``: the backend that moves ``device``'s tensors in a live group, read from
+   torch's public ``dist.get_backend_config`` (its device map of the spec: ``"nccl"`` is ``"cuda:nccl"``,
+   ``"gloo"`` is ``"cpu:gloo,cuda:gloo"``, an unset backend the one torch picked).
+
+The communicator asks it per launched tensor's device (NCCL completions are device events, gloo's host times),
+ZeRO-1 per its parameters' device (``collectives: auto``), the bucket-size model for its default device and the
+strategy for its own device (NCCL cannot move CPU tensors).
 """
 
 from __future__ import annotations
@@ -28,7 +43,15 @@ from lightning_ddp import compat
 from lightning_ddp.sync.ranges import COMM_LAUNCH, COMM_WAIT
 from lightning_ddp.sync.record import Collective, Recorder
 
-__all__ = ["Communicator", "Pending", "RecordsThroughComm", "profiler_range"]
+__all__ = [
+    "Communicator",
+    "Pending",
+    "RecordsThroughComm",
+    "backend_for",
+    "backend_from_spec",
+    "parse_backend_spec",
+    "profiler_range",
+]
 
 _NOTHING = nullcontext()
 
@@ -51,6 +74,65 @@ def profiler_range(name: str) -> AbstractContextManager:
     return record_function(name) if compat.profiler_enabled() else _NOTHING
 
 
+_EVERY_DEVICE = "*"
+_SPEC_FORM = "'<backend>' or '<device>:<backend>,<device>:<backend>', e.g. 'nccl' or 'cpu:gloo,cuda:nccl'"
+
+
+def parse_backend_spec(spec: str) -> dict[str, str]:
+    """``{device type: backend}`` of a process-group backend spec; a plain name is ``{"*": name}`` (every device).
+
+    Lower-cased, as torch does; spaces around the parts are dropped.
+
+    >>> parse_backend_spec("cpu:gloo,cuda:nccl")
+    {'cpu': 'gloo', 'cuda': 'nccl'}
+    >>> parse_backend_spec("NCCL")
+    {'*': 'nccl'}
+    """
+    spec = str(spec).strip().lower()
+    if ":" not in spec:
+        if not spec or "," in spec:
+            raise ValueError(f"backend spec {spec!r} is not of the form {_SPEC_FORM}")
+        return {_EVERY_DEVICE: spec}
+    backends: dict[str, str] = {}
+    for pair in spec.split(","):
+        device, sep, backend = (part.strip() for part in pair.partition(":"))
+        if not (sep and device and backend) or ":" in backend:
+            raise ValueError(f"backend spec {spec!r}: {pair.strip()!r} is not '<device>:<backend>'; use {_SPEC_FORM}")
+        if device in backends:
+            raise ValueError(f"backend spec {spec!r} names device {device!r} twice; give each device type one backend")
+        backends[device] = backend
+    return backends
+
+
+def backend_from_spec(spec: str, device: torch.device | str) -> str | None:
+    """The backend that moves ``device``'s tensors under ``spec``; ``None`` when the spec names none for it.
+
+    >>> backend_from_spec("cpu:gloo,cuda:nccl", "cuda:1"), backend_from_spec("gloo", "cuda")
+    ('nccl', 'gloo')
+    >>> backend_from_spec("cuda:nccl", "cpu") is None  # nothing moves CPU tensors in such a group
+    True
+    """
+    backends = parse_backend_spec(spec)
+    return backends.get(torch.device(device).type, backends.get(_EVERY_DEVICE))
+
+
+def backend_for(device: torch.device | str, group: dist.ProcessGroup | None = None) -> str:
+    """The backend of ``group`` (default: the world) that moves tensors on ``device``, e.g. ``"nccl"``.
+
+    Raises:
+        ValueError: The group has no backend for ``device``'s type (a collective on such a tensor would fail).
+    """
+    config = dist.get_backend_config(group)
+    backend = backend_from_spec(config, device)
+    if backend is None:
+        device_type = torch.device(device).type
+        raise ValueError(
+            f"the process group (backend {config!r}) has no backend for {device_type} tensors; move the tensors to a "
+            f"device it serves, or initialise it with one for {device_type}, e.g. backend 'cpu:gloo,cuda:nccl'"
+        )
+    return backend
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -67,8 +149,11 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
+        """The group's backend spec as given (e.g. ``"cpu:gloo,cuda:nccl"``); ``backend_for`` says which one moves a
+        tensor."""
         self.recorder: Recorder | None = None
         """Set by whoever measures (see ``lightning_ddp.sync.record``); ``None``: record nothing."""
+        self._nccl_moves: dict[str, bool] = {}  # device type -> whether NCCL moves its tensors (asked once)
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
@@ -77,29 +162,29 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, label: str) -> Pending:
         """SUM all-reduce of ``tensor`` in place."""
-        return self._launch("all_reduce", label, _nbytes(tensor),
+        return self._launch("all_reduce", label, _nbytes(tensor), tensor.device,
                             lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def reduce(self, tensor: torch.Tensor, owner: int, label: str) -> Pending:
         """SUM reduce of ``tensor`` to group rank ``owner`` (only the owner's copy holds the sum)."""
         dst = self.global_rank(owner)
-        return self._launch("reduce", label, _nbytes(tensor),
+        return self._launch("reduce", label, _nbytes(tensor), tensor.device,
                             lambda: dist.reduce(tensor, dst=dst, group=self.group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, owner: int, label: str) -> Pending:
         """Broadcast of ``tensor`` from group rank ``owner``."""
         src = self.global_rank(owner)
-        return self._launch("broadcast", label, _nbytes(tensor),
+        return self._launch("broadcast", label, _nbytes(tensor), tensor.device,
                             lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str) -> Pending:
         """SUM reduce-scatter: rank r's ``output`` is the sum of every rank's r-th chunk of ``input``."""
-        return self._launch("reduce_scatter", label, _nbytes(input),
+        return self._launch("reduce_scatter", label, _nbytes(input), input.device,
                             lambda: compat.reduce_scatter_tensor(output, input, group=self.group, async_op=True))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str) -> Pending:
         """All-gather: ``output`` holds every rank's ``input``, in rank order."""
-        return self._launch("all_gather", label, _nbytes(output),
+        return self._launch("all_gather", label, _nbytes(output), output.device,
                             lambda: compat.all_gather_tensor(output, input, group=self.group, async_op=True))
 
     def wait(self, pending: Pending) -> None:
@@ -130,7 +215,9 @@ class Communicator:
 
     # -- internals ---------------------------------------------------------------------------------------
 
-    def _launch(self, op: str, label: str, nbytes: int, start: Callable[[], dist.Work]) -> Pending:
+    def _launch(
+        self, op: str, label: str, nbytes: int, device: torch.device, start: Callable[[], dist.Work]
+    ) -> Pending:
         recorder = self.recorder
         if recorder is None:
             with profiler_range(COMM_LAUNCH):
@@ -139,8 +226,16 @@ class Communicator:
         collective = Collective(op, label, nbytes, recorder.mark())
         with profiler_range(COMM_LAUNCH):
             work = start()
-        recorder.add(collective, work, device_completion=recorder.clock.cuda and self.backend == "nccl")
+        recorder.add(collective, work, device_completion=recorder.clock.cuda and self._moved_by_nccl(device))
         return Pending(work, collective)
+
+    def _moved_by_nccl(self, device: torch.device) -> bool:
+        """Whether NCCL moves ``device``'s tensors in this group: its completion is then a device event (the
+        future's callback stream waits for the kernel), otherwise a host time (``Recorder.add``)."""
+        moved = self._nccl_moves.get(device.type)
+        if moved is None:
+            moved = self._nccl_moves[device.type] = backend_for(device, self.group) == "nccl"
+        return moved
 
 
 class RecordsThroughComm:

@@ -25,11 +25,12 @@ Clocks (the honesty rules):
   callbacks) and events land on one axis. ``e0`` is recorded right after a synchronize, on an idle device, so it
   completes at once (within a few microseconds of ``t0``). The synchronize at the end of one step anchors the
   next: one synchronize per measured step, none when nobody measures.
-- When an async collective *completed* (``Collective.completed``): gloo completes its ``Work`` future on its own
-  thread when the data has arrived, so a ``then`` callback reads the host clock. NCCL completes the future
-  when the work is queued, but runs ``then`` callbacks with a current stream that waits for the collective's
-  kernel, so an event recorded there fires when the collective has finished on the device. No environment
-  variable is needed for either. The mark after ``wait()`` is used only when no completion was recorded (it is an
+- When an async collective *completed* (``Collective.completed``), by the backend that moves its tensor (asked per
+  device, ``lightning_ddp.sync.comm.backend_for``: a ``cpu:gloo,cuda:nccl`` group moves CUDA tensors with NCCL):
+  gloo completes its ``Work`` future on its own thread when the data has arrived, so a ``then`` callback reads
+  the host clock. NCCL completes the future when the work is queued, but runs ``then`` callbacks with a current
+  stream that waits for the collective's kernel, so an event recorded there fires when the collective has
+  finished on the device. No environment variable is needed for either. The mark after ``wait()`` is used only when no completion was recorded (it is an
   upper bound: the wait may start long after the collective finished), and never overwrites one.
 """
 

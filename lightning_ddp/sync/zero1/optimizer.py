@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_ddp.sync.comm import Communicator, RecordsThroughComm
+from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_for
 from lightning_ddp.sync.zero1 import checkpoint
 from lightning_ddp.sync.zero1.checkpoint import GROUP_KEYS_NOT_HYPERPARAMETERS
 from lightning_ddp.sync.zero1.collectives import reduce_scatter_gradients, share_parameters
@@ -25,7 +25,7 @@ SCHEDULES: tuple[str, ...] = ("allreduce_broadcast", "reduce_scatter")
 COLLECTIVE_IMPLS: tuple[str, ...] = ("auto", "native", "per_owner")
 
 __all__ = ["COLLECTIVE_IMPLS", "SCHEDULES", "CollectiveImpl", "Schedule", "ShardedOptimizer", "check_collective_impl",
-           "check_schedule"]
+           "check_schedule", "resolve_collectives"]
 
 
 def check_schedule(schedule: str) -> None:
@@ -43,6 +43,17 @@ def check_collective_impl(collectives: str) -> None:
             f"collectives={collectives!r} is not supported; choose 'auto' (per_owner on gloo, native otherwise), "
             "'native' (reduce_scatter_tensor / all_gather_into_tensor) or 'per_owner' (reduce / broadcast per owner)."
         )
+
+
+def resolve_collectives(
+    collectives: str, device: torch.device | str, group: dist.ProcessGroup | None = None
+) -> str:
+    """``collectives`` with ``auto`` resolved for tensors on ``device``: ``per_owner`` where gloo moves them,
+    ``native`` otherwise. Per device, not per spec: ``cpu:gloo,cuda:nccl`` moves CUDA parameters over NCCL."""
+    check_collective_impl(collectives)
+    if collectives != "auto":
+        return collectives
+    return "per_owner" if backend_for(device, group) == "gloo" else "native"
 
 
 class ShardedOptimizer(RecordsThroughComm, Optimizer):
@@ -95,9 +106,6 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         self.comm = Communicator(process_group)
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
-        if collectives == "auto":
-            collectives = "per_owner" if self.comm.backend == "gloo" else "native"
-        self.collectives = collectives
         # Filled by add_param_group, which Optimizer.__init__ calls once per group.
         self._params: list[torch.Tensor] = []
         self._index: dict[int, int] = {}  # id(param) -> position in self._params (the state_dict index)
@@ -106,6 +114,8 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         self.optim: Optimizer | None = None
         super().__init__(params, dict(kwargs))
         self._check_one_device()
+        self.collectives = resolve_collectives(collectives, self.device, process_group)
+        """``native`` or ``per_owner`` (``auto`` resolved for the parameters' device, known only now)."""
         # Assign everything at once (better balanced than group by group), then build the inner optimizer.
         self._owners = assign_owners([nbytes(p) for p in self._params], self.world_size)
         for param, owner in zip(self._params, self._owners):
