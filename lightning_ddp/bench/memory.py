@@ -48,6 +48,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ddp.bench.runner import find_free_port
+# The analytic expectation lives with the CLI's memory pre-flight (the same formulas); re-exported here, names kept.
+from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes  # noqa: F401
 from lightning_ddp.provenance import git_state
 
 __all__ = [
@@ -69,9 +71,6 @@ POINTS: tuple[str, ...] = ("setup", "before_step", "after_step")
 
 MiB = 2**20
 GiB = 2**30
-FP32 = 4
-ADAM_STATE_BYTES_PER_PARAM = 2 * FP32  # exp_avg and exp_avg_sq
-ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter
 
 
 @dataclass
@@ -147,30 +146,6 @@ def resolved_backend(config: MemoryBenchConfig) -> str:
 
 
 # ---- the analytic expectation -------------------------------------------------------------------------
-
-
-def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int) -> dict[str, int]:
-    """Bytes of parameters, gradients and AdamW state one rank holds before (and after) a step, fp32.
-
-    ``shapes`` are the trainable parameters' shapes (tied tensors once). Unsharded: every rank holds the state
-    of every tensor; sharded: only of the tensors ``assign_owners`` gives it.
-
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="unsharded", rank=1)
-    {'parameters': 80, 'gradients': 80, 'optimizer_state': 168}
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="reduce_scatter", rank=1)  # rank 1 owns the (4,) vector
-    {'parameters': 80, 'gradients': 80, 'optimizer_state': 36}
-    """
-    from lightning_ddp.sync.zero1 import assign_owners
-
-    numels = [math.prod(shape) for shape in shapes]
-    params = FP32 * sum(numels)
-    if mode == "unsharded":
-        owned = numels
-    else:
-        owners = assign_owners([FP32 * n for n in numels], world_size)
-        owned = [n for n, owner in zip(numels, owners) if owner == rank]
-    state = ADAM_STATE_BYTES_PER_PARAM * sum(owned) + ADAM_STEP_BYTES_PER_TENSOR * len(owned)
-    return {"parameters": params, "gradients": params, "optimizer_state": state}
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:

@@ -1,0 +1,552 @@
+"""Memory pre-flight: how many bytes one rank needs for a training step, from the config alone, and does it fit.
+
+The CLI runs it right after parsing (``--preflight false`` skips it), so a model that cannot fit is refused in a
+second, with the breakdown and the fixes, instead of an OOM kill minutes later. Recipe of ``estimate_rank_memory``:
+
+1. Parameter shapes in closed form from the ``GPTConfig`` (``parameter_shapes``; no model is built): Ψ scalars in
+   T tensors, in ``model.parameters()`` order.
+2. Per category, bytes on one rank (Ψ_r, T_r: what rank r owns under ``assign_owners``; ``p`` the parameter
+   dtype's bytes: 4 in ``32-true`` and ``*-mixed``, 2 in ``*-true`` half precision):
+
+   ========================  ====================================================================================
+   parameters                pΨ
+   gradients                 p·(Ψ minus the parameters whose ``.grad`` is a view into a bucket buffer)
+   optimizer_state           AdamW: 2pΨ + 4T (``exp_avg``, ``exp_avg_sq``, a 0-d fp32 ``step`` per tensor);
+                             ``zero1_ddp``: 2pΨ_r + 4T_r of the most loaded rank
+   bucket_buffers            the engine's flat buffers besides ``.grad`` (table below)
+   regrown_gradients         bucketed engines point ``.grad`` at views into their buffers after the sync;
+                             ``zero_grad(set_to_none=True)`` (Lightning's default) drops the views, so backward
+                             allocates those gradients afresh next to the buffers: p·(their Ψ)
+   low_precision_weights     under ``bf16-mixed``/``16-mixed`` autocast: a 2-byte copy of every matmul weight,
+                             cached for the forward and saved for the backward
+   activations               tensors saved for backward (per-block formula below) + the logits
+   overhead                  fixed: CUDA context, NCCL buffers, allocator slack (CUDA); interpreter and
+                             libraries (CPU). ``CUDA_OVERHEAD_BYTES``, ``CPU_OVERHEAD_BYTES``
+   ========================  ====================================================================================
+
+   Bucket buffers per strategy (``strategy`` as the CLI names it):
+
+   =========================================  =========================================================  ==========
+   ``ddp`` (torch DDP, Lightning's baseline)  the reducer's flat buckets (``gradient_as_bucket_view``       persistent
+                                              off, Lightning's default): pΨ
+   ``bucketed_ddp``, ``bucketed_bf16_ddp``    every bucket of several tensors and the last one own a      persistent
+                                              flat buffer (``sync/bucketed.py``); ``.grad`` are views
+   ``overlap_ddp``                            one tensor per bucket, only the last (the embedding) has    persistent
+                                              a buffer
+   ``flat_ddp``                               the packed gradients of the sync (``sync/buffers.packed``)  transient
+   ``zero1_ddp``                              the packed gradients of ``step()``'s reduce-scatter         transient
+   ``naive_ddp``                              none                                                        n/a
+   =========================================  =========================================================  ==========
+
+3. The peak, ``total_bytes``: not every category lives at once. Under ``set_to_none`` the gradients do not exist
+   during the forward; backward allocates them layer by layer as it frees that layer's saved activations and
+   weight copies. So the peak is the persistent parts (parameters, optimizer state, persistent buffers,
+   overhead) plus the larger of the forward's end (activations + low-precision weights) and the step's
+   (gradients + regrown gradients + transient buffers). ``MemoryEstimate.phases`` names the parts of each phase;
+   ``sum(parts)`` is the bound if they did coincide.
+
+Activations (``activation_bytes_per_token``): bytes saved for backward by one ``Block`` per token, MEASURED on CPU
+with ``torch.autograd.graph.saved_tensors_hooks`` (``saved_tensor_bytes``; distinct storages, parameters and the
+autocast weight copies left out) at several (B, T, d_model, d_ff, n_heads), and fitted: ``a·d_model + b·d_ff +
+c`` bytes per token, linear in B·T (``tests/test_memory.py::test_block_activation_formula_matches_measurement``
+re-measures it). No T² term: ``scaled_dot_product_attention`` with ``is_causal`` runs a flash kernel on CPU
+(``_scaled_dot_product_flash_attention_for_cpu``) and flash (bf16/fp16) or memory-efficient (fp32) attention on
+CUDA; all of them save the output and a per-head logsumexp, O(T), not the T×T scores. Only the math fallback (an
+unsupported head size or dtype) would save 4·n_heads·T bytes per token more; the estimate does not assume it.
+Outside the blocks: the final norm (as one norm of a block, 8·d_model) and the logits, 12·V bytes per token in fp32
+(the logits, the log-softmax the loss saves, and the logits' gradient at the start of backward) plus 2·V for the
+half-precision logits under autocast or ``*-true`` half precision.
+
+Checked against measurement: ``tests/test_memory.py`` compares every tensor category with the tensors of a real
+model, engine and AdamW step on CPU (within 15 %), and ``python -m lightning_ddp.bench.memory`` measures the same
+categories per rank (``configs/memory/cpu.yaml``).
+
+Print an estimate: ``python -m lightning_ddp.memory --preset xl --batch_size 4 --seq_len 512 --precision
+bf16-mixed --strategy bucketed_ddp --world_size 2 --bucket_size_mb 100``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from lightning_ddp.model import GPTConfig
+
+__all__ = [
+    "ADAM_STATE_BYTES_PER_PARAM",
+    "ADAM_STEP_BYTES_PER_TENSOR",
+    "CPU_OVERHEAD_BYTES",
+    "CUDA_OVERHEAD_BYTES",
+    "MemoryEstimate",
+    "MemoryPreflightError",
+    "PARTS",
+    "activation_bytes_per_token",
+    "check_fits",
+    "estimate_rank_memory",
+    "expected_bytes",
+    "largest_batch",
+    "memory_budget_bytes",
+    "parameter_shapes",
+    "saved_tensor_bytes",
+]
+
+MiB = 2**20
+GiB = 2**30
+FP32 = 4
+ADAM_STATE_BYTES_PER_PARAM = 2 * FP32  # exp_avg and exp_avg_sq, in the parameter's dtype (fp32 here)
+ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter (fp32 on the CPU unless capturable/fused)
+
+PARTS: tuple[str, ...] = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "bucket_buffers",
+    "regrown_gradients",
+    "low_precision_weights",
+    "activations",
+    "overhead",
+)
+"""The categories of ``MemoryEstimate.parts``, in table order."""
+
+CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
+"""Fixed per-rank cost on CUDA that no tensor accounts for: the CUDA context and loaded kernels (~0.5 GiB with
+torch 2.x on Hopper), NCCL's communicator buffers (~0.3-0.5 GiB for one node), cuBLAS workspaces, and the caching
+allocator's rounding and fragmentation."""
+CPU_OVERHEAD_BYTES = int(0.5 * GiB)
+"""Fixed per-process cost on CPU: the interpreter with torch and Lightning imported is ~0.4 GiB RSS (measured on
+this project's CPU machine with torch 2.x), plus the data loader and allocator caches."""
+
+# Bytes saved for backward per token by one Block: (a, b, c) in a·d_model + b·d_ff + c. Measured on CPU with
+# `saved_tensor_bytes` and fitted (module docstring); re-measured by
+# tests/test_memory.py::test_block_activation_formula_matches_measurement. Keyed by the activation dtype regime.
+_BLOCK_SAVED_BYTES: dict[str, tuple[int, int, int]] = {
+    "fp32": (44, 16, 100),  # 11 fp32 (B,T,d) tensors (norm in/out x2, q, k, v, rotated q, k, attention out, its
+    # (B,T,C) copy, the residual) and 4 fp32 (B,T,d_ff) in the SwiGLU (w1 x, w3 x, silu, product)
+    "autocast": (36, 8, 100),  # the matmul outputs in 2 bytes, norms, RoPE and the residual stream still fp32
+    "half": (26, 8, 100),  # *-true half precision: everything in 2 bytes except the fp32 norm and RoPE internals
+}
+
+
+@dataclass(frozen=True)
+class _Precision:
+    param_bytes: int
+    """Bytes per parameter, gradient and AdamW state element."""
+    autocast: bool
+    """Matmuls run in 2 bytes on 2-byte weight copies (``*-mixed``)."""
+    activations: str
+    """Key of ``_BLOCK_SAVED_BYTES``."""
+    activation_scale: int = 1
+    """Multiplier of the measured fp32 formula (2 for fp64)."""
+
+
+_PRECISIONS: dict[str, _Precision] = {
+    "32-true": _Precision(4, False, "fp32"),
+    "bf16-mixed": _Precision(4, True, "autocast"),
+    "16-mixed": _Precision(4, True, "autocast"),
+    "bf16-true": _Precision(2, False, "half"),
+    "16-true": _Precision(2, False, "half"),
+    "64-true": _Precision(8, False, "fp32", 2),
+}
+# Lightning's short names for the same settings.
+_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true", "None": "32-true"}
+
+
+def normalize_precision(precision: object) -> str:
+    """Lightning's precision setting as one of ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
+    ``16-true``, ``64-true``.
+
+    >>> normalize_precision(32), normalize_precision("bf16"), normalize_precision(None)
+    ('32-true', 'bf16-mixed', '32-true')
+    """
+    name = str(precision)
+    name = _PRECISION_ALIASES.get(name, name)
+    if name not in _PRECISIONS:
+        raise ValueError(
+            f"precision {precision!r} has no memory model; use one of {', '.join(_PRECISIONS)} "
+            "(--trainer.precision), or skip the check with --preflight false."
+        )
+    return name
+
+
+# ---- shapes and the analytic expectation -------------------------------------------------------------------
+
+
+def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
+    """Shapes of ``GPT(config).parameters()``, in order, without building the model (tied tables once).
+
+    >>> from lightning_ddp.model import get_config
+    >>> shapes = parameter_shapes(get_config("xl"))
+    >>> len(shapes), sum(math.prod(s) for s in shapes)  # T tensors, Ψ scalars (see lightning_ddp.sync.zero1)
+    (435, 1998235200)
+    """
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    block = [(d,), (d, d), (d, d), (d, d), (d, d), (d,), (f, d), (d, f), (f, d)]  # norm, q k v out, norm, w1 w2 w3
+    shapes: list[tuple[int, ...]] = [(v, d)]
+    for _ in range(config.n_layers):
+        shapes.extend(block)
+    shapes.append((d,))
+    if not config.tie_embeddings:
+        shapes.append((v, d))
+    return shapes
+
+
+def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and AdamW state one rank holds before (and after) a step, fp32.
+
+    ``shapes`` are the trainable parameters' shapes (tied tensors once). Unsharded: every rank holds the state
+    of every tensor; sharded (any ``mode`` but ``unsharded``): only of the tensors ``assign_owners`` gives it.
+    ``python -m lightning_ddp.bench.memory`` measures the same three categories next to these.
+
+    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="unsharded", rank=1)
+    {'parameters': 80, 'gradients': 80, 'optimizer_state': 168}
+    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="reduce_scatter", rank=1)  # rank 1 owns the (4,) vector
+    {'parameters': 80, 'gradients': 80, 'optimizer_state': 36}
+    """
+    numels = [math.prod(shape) for shape in shapes]
+    params = FP32 * sum(numels)
+    state = _adam_state_bytes(numels, FP32, world_size if mode != "unsharded" else 1, rank)
+    return {"parameters": params, "gradients": params, "optimizer_state": state}
+
+
+def _adam_state_bytes(numels: Sequence[int], param_bytes: int, world_size: int, rank: int | None) -> int:
+    """AdamW state of rank ``rank`` (None: the most loaded rank) when ``world_size`` ranks shard it."""
+    if world_size == 1:
+        owned_sets = [list(numels)]
+    else:
+        from lightning_ddp.sync.assignment import assign_owners
+
+        owners = assign_owners([param_bytes * n for n in numels], world_size)
+        owned_sets = [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
+    per_rank = [
+        2 * param_bytes * sum(owned) + ADAM_STEP_BYTES_PER_TENSOR * len(owned) for owned in owned_sets
+    ]
+    return max(per_rank) if rank is None else per_rank[rank if world_size > 1 else 0]
+
+
+# ---- strategies ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    kind: str
+    """``none``, ``full`` (one buffer the size of all gradients) or ``bucketed`` (``assign_buckets``)."""
+    persistent: bool
+    """Kept across steps (``True``) or only during the sync/step (``False``)."""
+    cap_bytes: int | None = None
+    """The bucket cap for ``bucketed`` (None: one bucket)."""
+    sharded_state: bool = False
+    """ZeRO-1: the optimizer state is split over the ranks."""
+
+
+_TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
+
+
+def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | None, bucket_given: bool) -> _Buffers:
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    name = strategy
+    if name == "auto":
+        name = "ddp" if world_size > 1 else "single"
+    if name == "single" or name.startswith("single_device"):
+        return _Buffers("none", False)
+    if name in _TORCH_DDP_NAMES or name.startswith("ddp_find_unused_parameters"):
+        return _Buffers("full", True)
+    if name == "zero1_ddp":
+        # The default schedule, reduce_scatter: DeferredGradSync keeps no buffer; step() packs the gradients.
+        return _Buffers("full", False, sharded_state=True)
+    algorithms = {a.strategy_name: a for a in ALGORITHMS.values()}
+    if name not in algorithms:
+        raise ValueError(
+            f"strategy {strategy!r} has no memory model; choose one of auto, ddp, zero1_ddp, "
+            f"{', '.join(algorithms)} (--trainer.strategy), or skip the check with --preflight false."
+        )
+    algorithm = algorithms[name]
+    if algorithm.name == "naive":
+        return _Buffers("none", False)
+    if algorithm.name == "overlap":
+        return _Buffers("bucketed", True, cap_bytes=1)  # one tensor per bucket (sync/overlap.py)
+    if algorithm.has_bucket_size:
+        size = bucket_size_mb if bucket_given else algorithm.default_bucket_size_mb
+        if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
+            size = 25.0
+        return _Buffers("bucketed", True, cap_bytes=None if size is None else int(float(size) * MiB))
+    # flat, and any other registered engine without buckets: one packed buffer during the sync (conservative).
+    return _Buffers("full", False)
+
+
+# ---- activations ---------------------------------------------------------------------------------------------
+
+
+def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-true") -> int:
+    """Bytes one ``Block`` saves for backward per token (the measured, fitted formula; module docstring).
+
+    The xl block (d_model 1600, d_ff 6400) under bf16-mixed: 36·1600 + 8·6400 + 100 bytes:
+
+    >>> activation_bytes_per_token(1600, 6400, "bf16-mixed")
+    108900
+    """
+    spec = _PRECISIONS[normalize_precision(precision)]
+    a, b, c = _BLOCK_SAVED_BYTES[spec.activations]
+    return spec.activation_scale * (a * d_model + b * d_ff + c)
+
+
+def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs.
+
+    ``exclude``: tensors whose storages are not to be counted (the parameters). This is how the per-block
+    formula was measured; ``tests/test_memory.py`` re-measures it with this function.
+    """
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(seen.values())
+
+
+# ---- the estimate --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for a training step, by category (``PARTS``), and its peak."""
+
+    parts: dict[str, int]
+    """Bytes per category: parameters, gradients, optimizer_state, bucket_buffers, regrown_gradients,
+    low_precision_weights, activations, overhead."""
+    phases: tuple[tuple[str, ...], ...] = ()
+    """Groups of parts that do not live at the same time (the forward's end, the step's); the peak holds the
+    largest group plus every part in no group. Empty: every part at once."""
+    description: str = ""
+    """What was estimated, for messages: preset, batch, context, precision, strategy, ranks."""
+
+    @property
+    def total_bytes(self) -> int:
+        """The peak: the parts outside ``phases`` plus the largest phase."""
+        grouped = {name for phase in self.phases for name in phase}
+        persistent = sum(v for k, v in self.parts.items() if k not in grouped)
+        largest = max((sum(self.parts.get(k, 0) for k in phase) for phase in self.phases), default=0)
+        return persistent + largest
+
+    @property
+    def sum_bytes(self) -> int:
+        """Every part at once: the bound if the phases did coincide."""
+        return sum(self.parts.values())
+
+    def table(self) -> str:
+        """A small breakdown in GiB: one line per part, then the peak.
+
+        >>> print(MemoryEstimate({"parameters": 2 * GiB, "activations": GiB // 2}).table())
+        parameters             2.00 GiB
+        activations            0.50 GiB
+        peak per rank          2.50 GiB
+        """
+        lines = [f"{name:<22}{value / GiB:>5.2f} GiB" for name, value in self.parts.items()]
+        if self.phases:
+            phase_text = " | ".join(" + ".join(phase) for phase in self.phases)
+            lines.append(f"{'sum of parts':<22}{self.sum_bytes / GiB:>5.2f} GiB (not at once: {phase_text})")
+        lines.append(f"{'peak per rank':<22}{self.total_bytes / GiB:>5.2f} GiB")
+        return "\n".join(lines)
+
+
+def estimate_rank_memory(
+    config: GPTConfig,
+    *,
+    batch_size: int,
+    seq_len: int,
+    precision: str,
+    strategy: str,
+    world_size: int,
+    bucket_size_mb: float | None = None,
+    device_type: str = "cuda",
+) -> MemoryEstimate:
+    """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: module docstring).
+
+    ``strategy`` is the CLI's name (``ddp``, ``naive_ddp``, ``bucketed_ddp``, ``zero1_ddp``, ...);
+    ``bucket_size_mb`` the cap of a bucketed strategy (None: the algorithm's default, 25 MiB). The xl preset in
+    the published 2-GPU xl runs' configuration (``configs/xl_2gpu.yaml``):
+
+    >>> from lightning_ddp.model import get_config
+    >>> xl = estimate_rank_memory(get_config("xl", context_length=512), batch_size=4, seq_len=512,
+    ...     precision="bf16-mixed", strategy="bucketed_ddp", world_size=2, bucket_size_mb=100)
+    >>> round(xl.parts["optimizer_state"] / GiB, 2), round(xl.parts["activations"] / GiB, 1)
+    (14.89, 10.3)
+    >>> round(xl.total_bytes / GiB, 1)  # 7.44 x 2 + 14.89 + 1.5 overhead + max(10.26 + 3.69, 7.44 x 2)
+    45.2
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    spec = _PRECISIONS[normalize_precision(precision)]
+    p = spec.param_bytes
+    shapes = parameter_shapes(config)
+    numels = [math.prod(s) for s in shapes]
+    n_params = sum(numels)
+    buffers = _strategy_buffers(strategy, world_size, bucket_size_mb, bucket_size_mb is not None)
+
+    # Which parameters' .grad end up as views into persistent bucket buffers, and the buffers' bytes.
+    viewed = 0  # scalars whose gradient lives in a bucket buffer after the sync
+    buffer_bytes = 0
+    if buffers.kind == "full":
+        buffer_bytes = p * n_params
+    elif buffers.kind == "bucketed":
+        from lightning_ddp.sync.assignment import assign_buckets
+
+        buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
+        for b, indices in enumerate(buckets):
+            if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
+                scalars = sum(numels[i] for i in indices)
+                viewed += scalars
+                buffer_bytes += p * (scalars + int(b == len(buckets) - 1))  # + the missing-gradient sentinel
+    state = _adam_state_bytes(numels, p, world_size if buffers.sharded_state else 1, None)
+
+    tokens = batch_size * seq_len
+    per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)
+    half_logits = 2 if (spec.autocast or p == 2) else 0
+    outside = 8 * config.d_model + (12 + half_logits) * config.vocab_size  # final norm, logits (module docstring)
+    activations = tokens * (config.n_layers * per_block + outside)
+    matmul_weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2) - config.vocab_size * config.d_model
+    if config.tie_embeddings:  # the one table serves as lm_head: its copy is still made for the matmul
+        matmul_weights += config.vocab_size * config.d_model
+    parts = {
+        "parameters": p * n_params,
+        "gradients": p * (n_params - viewed),
+        "optimizer_state": state,
+        "bucket_buffers": buffer_bytes,
+        "regrown_gradients": p * viewed,
+        "low_precision_weights": 2 * matmul_weights if spec.autocast else 0,
+        "activations": activations,
+        "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
+    }
+    step_phase = ("gradients", "regrown_gradients") + (() if buffers.persistent else ("bucket_buffers",))
+    phases = (("activations", "low_precision_weights"), step_phase)
+    description = (
+        f"d_model {config.d_model} x {config.n_layers} layers ({n_params / 1e6:,.0f}M parameters), batch "
+        f"{batch_size} x {seq_len} tokens, {normalize_precision(precision)}, {strategy} on {world_size} "
+        f"{device_type} rank{'s' if world_size > 1 else ''}"
+    )
+    return MemoryEstimate(parts=parts, phases=phases, description=description)
+
+
+def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024, **estimate_kwargs: Any) -> int:
+    """The largest ``batch_size`` <= ``max_batch`` whose estimate fits ``budget_bytes``; 0 if not even 1 does.
+
+    ``estimate_kwargs`` are ``estimate_rank_memory``'s other keywords (``seq_len``, ``precision``, ...).
+
+    >>> from lightning_ddp.model import get_config
+    >>> kw = dict(seq_len=128, precision="32-true", strategy="ddp", world_size=2, device_type="cpu")
+    >>> largest_batch(get_config("tiny", context_length=128), budget_bytes=2 * GiB, **kw)  # ~21 MiB a sequence
+    68
+    >>> largest_batch(get_config("xl"), budget_bytes=12 * GiB, **kw)  # the fp32 weights alone need 7.4 GiB x 5
+    0
+    """
+    estimate_kwargs.pop("batch_size", None)
+
+    def fits(batch: int) -> bool:
+        return estimate_rank_memory(config, batch_size=batch, **estimate_kwargs).total_bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, max_batch  # fits(low) holds; the estimate grows with the batch, so bisect
+    if fits(high):
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
+    """Bytes one rank may use: the current GPU's total memory, or the host's available RAM (``MemAvailable``),
+    divided by the ranks that share it."""
+    if not isinstance(ranks_per_device, int) or ranks_per_device < 1:
+        raise ValueError(f"ranks_per_device must be a positive integer, got {ranks_per_device!r}")
+    if device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("device_type 'cuda' but no CUDA device is visible; use device_type='cpu'")
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    elif device_type == "cpu":
+        total = _available_ram_bytes()
+    else:
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    return total // ranks_per_device
+
+
+def _available_ram_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (free plus reclaimable cache); elsewhere the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemoryPreflightError(ValueError):
+    """The estimated peak of one rank exceeds its memory budget (raised before anything starts)."""
+
+
+def check_fits(estimate: MemoryEstimate, budget_bytes: int, *, what: str, fixes: Sequence[str] = ()) -> None:
+    """Raise ``MemoryPreflightError`` if ``estimate`` exceeds ``budget_bytes``: one message with the breakdown,
+    the budget and ``fixes`` (one line each, e.g. a smaller batch with the peak it would give)."""
+    if estimate.total_bytes <= budget_bytes:
+        return
+    lines = [
+        f"{what} needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a rank has "
+        f"{budget_bytes / GiB:.1f} GiB.",
+    ]
+    if estimate.description:
+        lines.append(f"Estimated for {estimate.description}:")
+    lines.extend("  " + line for line in estimate.table().splitlines())
+    if fixes:
+        lines.append("Fixes:")
+        lines.extend(f"  - {fix}" for fix in fixes)
+    raise MemoryPreflightError("\n".join(lines))
+
+
+def main(args: list[str] | None = None) -> int:
+    """``python -m lightning_ddp.memory --preset xl ...``: print one estimate's breakdown."""
+    import argparse
+
+    from lightning_ddp.model import get_config
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.memory", description=main.__doc__)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--vocab_size", type=int, default=10_000)
+    parser.add_argument("--batch_size", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--strategy", default="bucketed_ddp")
+    parser.add_argument("--world_size", type=int, default=2)
+    parser.add_argument("--bucket_size_mb", type=float, default=None)
+    parser.add_argument("--device_type", default="cuda", choices=("cuda", "cpu"))
+    ns = parser.parse_args(args)
+    config = get_config(ns.preset, vocab_size=ns.vocab_size, context_length=ns.seq_len)
+    estimate = estimate_rank_memory(
+        config, batch_size=ns.batch_size, seq_len=ns.seq_len, precision=ns.precision, strategy=ns.strategy,
+        world_size=ns.world_size, bucket_size_mb=ns.bucket_size_mb, device_type=ns.device_type,
+    )
+    print(estimate.description)
+    print(estimate.table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
