@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from lightning_ddp.sync.registry import ALGORITHMS
 from tests.dist_utils import run_on_ranks
