@@ -7,11 +7,16 @@ off until ``--trace.enabled true``). Two arguments are linked rather than set tw
 
 - ``data.vocab_size -> model.vocab_size``: the data decides the vocabulary (raw text bytes are always 256).
 - ``model.context_length -> data.context_length``: the data module rejects ``seq_len`` longer than the model's context.
+
+Before ``fit`` starts anything, a memory pre-flight (``lightning_ddp.memory``) estimates one rank's peak from the
+config and refuses a run that cannot fit its GPU (or its share of the host's RAM on CPU), with the breakdown and
+the fixes; ``--preflight false`` skips it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 import zipfile
 
@@ -24,7 +29,18 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
-from lightning_ddp.data import LMDataModule
+from lightning_ddp.data import BYTE_VOCAB_SIZE, DEFAULT_VOCAB_SIZE, LMDataModule
+from lightning_ddp.memory import (
+    GiB,
+    MemoryEstimate,
+    MemoryPreflightError,
+    check_fits,
+    estimate_rank_memory,
+    largest_batch,
+    memory_budget_bytes,
+    normalize_precision,
+)
+from lightning_ddp.model import PRESETS, get_config
 from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import register_strategies, strategy_names
 
@@ -47,6 +63,11 @@ class LightningDDPCLI(LightningCLI):
         parser.add_lightning_class_args(TraceRecorder, "trace")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("model.context_length", "data.context_length")
+        parser.add_argument(
+            "--preflight", type=bool, default=True,
+            help="Before fit starts, estimate one rank's peak memory (lightning_ddp.memory) and refuse a run that "
+            "cannot fit, naming the fixes. false skips the check.",
+        )
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -58,6 +79,9 @@ class LightningDDPCLI(LightningCLI):
         check_cpu_devices(config.trainer.accelerator, config.trainer.devices)
         if config.get("ckpt_path"):
             check_checkpoint_file(config.ckpt_path)
+        # `fit`, or no subcommand (`run=False`: the caller is about to call `trainer.fit` itself).
+        if subcommand in ("fit", None) and config.get("preflight", True):
+            check_memory(config)
 
 
 def check_strategy_name(strategy: object) -> None:
@@ -99,13 +123,163 @@ def check_checkpoint_file(path: str) -> None:
         )
 
 
+# ---- the memory pre-flight ---------------------------------------------------------------------------------
+
+# Strategy classes by import path -> the strategy name ``estimate_rank_memory`` models.
+_STRATEGY_CLASSES = {
+    "lightning_ddp.strategies.NaiveDDPStrategy": "naive_ddp",
+    "lightning_ddp.strategies.named.NaiveDDPStrategy": "naive_ddp",
+    "lightning_ddp.strategies.FlatDDPStrategy": "flat_ddp",
+    "lightning_ddp.strategies.named.FlatDDPStrategy": "flat_ddp",
+    "lightning_ddp.strategies.OverlapDDPStrategy": "overlap_ddp",
+    "lightning_ddp.strategies.named.OverlapDDPStrategy": "overlap_ddp",
+    "lightning_ddp.strategies.BucketedDDPStrategy": "bucketed_ddp",
+    "lightning_ddp.strategies.named.BucketedDDPStrategy": "bucketed_ddp",
+    "lightning.pytorch.strategies.DDPStrategy": "ddp",
+    "lightning.pytorch.strategies.ddp.DDPStrategy": "ddp",
+}
+
+
+def _field(namespace: object, name: str, default: object = None) -> object:
+    """``namespace.name`` for a jsonargparse Namespace or a dict, ``default`` when absent."""
+    if namespace is None:
+        return default
+    if isinstance(namespace, dict):
+        return namespace.get(name, default)
+    return getattr(namespace, name, default)
+
+
+def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] | None:
+    """(name, bucket_size_mb, state sharded over an all-reducing engine) of the configured strategy, or None
+    for one the estimate does not model (FSDP, DeepSpeed, a user's class)."""
+    if isinstance(strategy, str):
+        return strategy, None, False
+    class_path = _field(strategy, "class_path")
+    init_args = _field(strategy, "init_args")
+    bucket = _field(init_args, "bucket_size_mb")
+    if class_path in _STRATEGY_CLASSES:
+        return _STRATEGY_CLASSES[class_path], bucket, False
+    if class_path in ("lightning_ddp.strategies.GradSyncStrategy", "lightning_ddp.strategies.base.GradSyncStrategy"):
+        return f"{_field(init_args, 'algorithm', 'bucketed')}_ddp", bucket, False
+    if class_path in ("lightning_ddp.strategies.ZeRO1DDPStrategy", "lightning_ddp.strategies.zero1.ZeRO1DDPStrategy"):
+        if _field(init_args, "schedule", "reduce_scatter") == "allreduce_broadcast":
+            # The grad_sync engine all-reduces (its buffers) and the optimizer state is sharded.
+            return f"{_field(init_args, 'grad_sync', 'bucketed')}_ddp", bucket, True
+        return "zero1_ddp", bucket, False
+    return None
+
+
+def _device_count(accelerator: object, devices: object, on_cuda: bool) -> int | None:
+    """Ranks on this host: Lightning's ``devices`` as a count (``auto``: 1 CPU process, or every visible GPU)."""
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if devices in ("auto", -1, None):
+        return torch.cuda.device_count() if on_cuda else 1
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    return None
+
+
+def check_memory(config) -> None:
+    """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes.
+
+    Runs on the parsed config, before any process starts or file is written. Skipped (silently) where the
+    estimate has no model or no budget to compare with: an accelerator other than CPU/CUDA, CUDA requested but
+    not visible (Lightning reports that itself), a strategy or precision ``lightning_ddp.memory`` does not
+    model, or a value the classes themselves will reject with their own message (a batch of 0, an unknown
+    preset).
+    """
+    trainer, model, data = config.trainer, config.model, config.data
+    accelerator = trainer.accelerator
+    if accelerator in ("cuda", "gpu"):
+        device_type = "cuda"
+    elif accelerator == "cpu":
+        device_type = "cpu"
+    elif accelerator == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        return
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return
+    local = _device_count(accelerator, trainer.devices, device_type == "cuda")
+    resolved = _strategy_for_estimate(trainer.strategy)
+    if local is None or resolved is None:
+        return
+    strategy, bucket_size_mb, shard_state = resolved
+    world_size = local * int(_field(trainer, "num_nodes", 1) or 1)
+    vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
+    kwargs = dict(
+        seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
+        bucket_size_mb=bucket_size_mb, device_type=device_type,
+    )
+
+    def estimate(preset: str = model.preset, batch_size: int = data.batch_size, **overrides) -> MemoryEstimate:
+        gpt = get_config(preset, vocab_size=vocab, context_length=model.context_length,
+                         tie_embeddings=model.tie_embeddings)
+        args = {**kwargs, **overrides}
+        result = estimate_rank_memory(gpt, batch_size=batch_size, **args)
+        if shard_state and args["strategy"] == kwargs["strategy"]:  # ZeRO-1 allreduce_broadcast: sharded state
+            sharded = estimate_rank_memory(gpt, batch_size=batch_size, **{**args, "strategy": "zero1_ddp"})
+            parts = {**result.parts, "optimizer_state": sharded.parts["optimizer_state"]}
+            result = MemoryEstimate(parts=parts, phases=result.phases, description=result.description)
+        return result
+
+    try:
+        current = estimate()
+    except ValueError:
+        return  # a value the model, data or strategy will reject with its own message, or one we do not model
+    budget = memory_budget_bytes(device_type, local if device_type == "cpu" else 1)
+    if current.total_bytes <= budget:
+        return
+
+    def outcome(e: MemoryEstimate) -> str:
+        verdict = "fits" if e.total_bytes <= budget else "not enough alone"
+        return f"peak {e.total_bytes / GiB:.1f} GiB, {verdict}"
+
+    # Each fix with the peak it would give; a fix that would not lower the peak is left out.
+    fixes = []
+    gpt = get_config(model.preset, vocab_size=vocab, context_length=model.context_length,
+                     tie_embeddings=model.tie_embeddings)
+    best = largest_batch(gpt, budget_bytes=budget, max_batch=max(data.batch_size - 1, 1), **kwargs)
+    if best and best < data.batch_size:
+        fixes.append(f"--data.batch_size {best} ({outcome(estimate(batch_size=best))}; the largest that fits)")
+    elif data.batch_size > 1:
+        fixes.append(f"--data.batch_size 1 ({outcome(estimate(batch_size=1))})")
+    candidates = []
+    if normalize_precision(trainer.precision) == "32-true":
+        candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
+    if strategy != "zero1_ddp" and not shard_state and world_size > 1:
+        candidates.append(("--trainer.strategy zero1_ddp", estimate(strategy="zero1_ddp")))
+    smaller = list(PRESETS)[: list(PRESETS).index(model.preset)] if model.preset in PRESETS else []
+    fitting = [name for name in smaller if estimate(preset=name).total_bytes <= budget]
+    if fitting:
+        candidates.append((f"--model.preset {fitting[-1]}", estimate(preset=fitting[-1])))
+    fixes.extend(f"{flag} ({outcome(e)})" for flag, e in candidates if e.total_bytes < current.total_bytes)
+    if device_type == "cpu" and local > 1:
+        one = estimate(world_size=1)
+        if one.total_bytes <= budget * local:
+            fixes.append(f"--trainer.devices 1 (one process with all {budget * local / GiB:.1f} GiB: peak "
+                         f"{one.total_bytes / GiB:.1f} GiB, fits)")
+    fixes.append("--preflight false skips this check (the estimate and its sources: lightning_ddp/memory.py)")
+    source = (f"the GPU's {budget / GiB:.1f} GiB" if device_type == "cuda"
+              else f"available RAM {budget * local / GiB:.1f} GiB / {local} processes")
+    check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
+
+
 def main(args: list[str] | None = None) -> LightningDDPCLI:
     register_strategies()  # `trainer.strategy: <name>_ddp` for every registered algorithm
-    return LightningDDPCLI(
-        LitGPT,
-        LMDataModule,
-        trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs", name="lightning_ddp")},
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    try:
+        return LightningDDPCLI(
+            LitGPT,
+            LMDataModule,
+            trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs", name="lightning_ddp")},
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+        )
+    except MemoryPreflightError as error:
+        # One message, no traceback: the run was refused by design, nothing went wrong in the code.
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -89,6 +89,7 @@ __all__ = [
     "expected_bytes",
     "largest_batch",
     "memory_budget_bytes",
+    "normalize_precision",
     "parameter_shapes",
     "saved_tensor_bytes",
 ]
@@ -503,14 +504,18 @@ class MemoryPreflightError(ValueError):
     """The estimated peak of one rank exceeds its memory budget (raised before anything starts)."""
 
 
-def check_fits(estimate: MemoryEstimate, budget_bytes: int, *, what: str, fixes: Sequence[str] = ()) -> None:
+def check_fits(
+    estimate: MemoryEstimate, budget_bytes: int, *, what: str, fixes: Sequence[str] = (), budget_source: str = ""
+) -> None:
     """Raise ``MemoryPreflightError`` if ``estimate`` exceeds ``budget_bytes``: one message with the breakdown,
-    the budget and ``fixes`` (one line each, e.g. a smaller batch with the peak it would give)."""
+    the budget (``budget_source`` says where it comes from) and ``fixes`` (one line each, e.g. a smaller batch
+    with the peak it would give)."""
     if estimate.total_bytes <= budget_bytes:
         return
+    source = f" ({budget_source})" if budget_source else ""
     lines = [
         f"{what} needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a rank has "
-        f"{budget_bytes / GiB:.1f} GiB.",
+        f"{budget_bytes / GiB:.1f} GiB{source}.",
     ]
     if estimate.description:
         lines.append(f"Estimated for {estimate.description}:")

@@ -282,6 +282,60 @@ def test_one_synchronize_per_measured_step_and_the_next_anchor_for_free() -> Non
     assert finished.step_ms == pytest.approx(0.0)
 
 
+# ---- the StepClock on a GPU: the anchor's midpoint, every event on the device's current stream -----------------
+
+
+class FakeStream:
+    """``torch.cuda.current_stream(device)``: which device's current stream it is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+class RecordingEvent:
+    """A ``torch.cuda.Event`` that remembers the stream it was recorded on."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.stream: object = "never recorded"
+
+    def record(self, stream=None) -> None:
+        self.stream = stream  # None: torch would take the *current device's* current stream
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Events that remember their stream, a per-device current stream, a synchronize that does nothing."""
+    monkeypatch.setattr(torch.cuda, "Event", RecordingEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(torch.device(device)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_the_anchor_takes_t0_midway_between_two_host_reads_around_e0(fake_cuda, monkeypatch) -> None:
+    from lightning_ddp.sync import record as record_module
+
+    clock = StepClock("cuda:1")
+    reads = [100.0, 100.004]  # before and after e0.record(): the record call took 4 ms (an extreme case)
+
+    def perf_counter() -> float:
+        return reads.pop(0)
+
+    with monkeypatch.context() as patch:  # only around the anchor: pytest reads the clock too
+        patch.setattr(record_module.time, "perf_counter", perf_counter)
+        clock.anchor()
+    # e0 fired somewhere between the two reads: the midpoint is off by at most half the call (2 ms), a read before
+    # or after the call by up to all of it (4 ms)
+    assert clock.t0 == pytest.approx(100.002) and reads == []
+    assert clock.e0.stream.device == torch.device("cuda", 1)  # recorded on the engine's device's current stream
+
+
+def test_every_mark_is_recorded_on_the_current_stream_of_the_engines_device(fake_cuda) -> None:
+    clock = StepClock(torch.device("cuda", 1))
+    # Marks are taken on other threads too (NCCL's future callbacks, autograd's gradient hooks), whose current
+    # device may be another GPU; event.record() with no stream would then mark that GPU's stream.
+    event = clock.mark()
+    assert isinstance(event.stream, FakeStream) and event.stream.device == torch.device("cuda", 1)
+
+
 # ---- the engines: pre-scaling, presence flags last, pack spans ---------------------------------------------
 
 

@@ -101,7 +101,7 @@ def _storage(t: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_estimate_matches_a_real_bucketed_step_on_the_small_preset(world_of_one, precision: str) -> None:
-    # The small preset (~101M parameters with vocab 10,000) at batch 1 x 64 tokens, one rank, BucketedDDP with
+    # The small preset (129M parameters with vocab 10,000) at batch 1 x 64 tokens, one rank, BucketedDDP with
     # the default 25 MiB cap and AdamW: every tensor category of the estimate within 15 % of what the real
     # tensors hold (the task's tolerance; the parameter, gradient and state categories are exact).
     batch, seq = 1, 64

@@ -58,7 +58,8 @@ class CommTimer(Callback):
         enabled: Set false to switch the callback off (it is always added by the CLI).
         summary_name: Stem of the summary files written at the end of fit (``.json`` and ``.csv``).
         peak_tflops: Dense peak TFLOP/s of one device at the run's compute dtype, for ``step/mfu``; default: the
-            table in ``lightning_ddp.callbacks.peak_flops`` (H100, H200, A100, L4, CPU estimate).
+            table in ``lightning_ddp.hardware`` (H100, GH200, H200, B200, A100, L4, a MIG slice's share of its GPU,
+            CPU estimate).
     """
 
     def __init__(
@@ -216,7 +217,8 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | N
             dtype = "tf32"
         properties = torch.cuda.get_device_properties(device)
         identity: tuple = (socket.gethostname(), str(getattr(properties, "uuid", device.index)))
-        peak = dense_peak_flops(properties.name, dtype)
+        # The SM count makes a MIG slice's peak its share of the GPU, not the whole GPU's (~7x too high for 1g).
+        peak = dense_peak_flops(properties.name, dtype, sm_count=getattr(properties, "multi_processor_count", None))
     else:
         identity = (socket.gethostname(), os.getpid())  # a CPU rank computes on its own threads
         peak = dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())

@@ -44,7 +44,8 @@ class ComputeConfig:
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "bf16-mixed"
     """Training precision: sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
     gpu: str = "h100-sxm"
-    """GPU (h100-sxm, h100-pcie, h200-sxm, a100-sxm-80gb, a100-pcie-40gb): peak FLOP/s and memory bandwidth.
+    """GPU, a key of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, h100-pcie, h200-sxm, gh200, b200, a100-sxm-80gb,
+    a100-pcie-40gb, ...): peak FLOP/s and memory bandwidth.
     With ``source: profile`` only its memory bandwidth is used (for buffer copies)."""
     mfu: float = 0.4
     """Model FLOPs utilisation of forward + backward, relative to the GPU's dense peak (0.4 = 40 %)."""

@@ -21,8 +21,9 @@ Recipe (``modelled_profile``):
 5. **Calibration** (optional, ``calibrate_step_ms``): keep the optimizer, scale forward and backward so that
    forward + backward + optimizer equals a measured compute-only step.
 
-GPU figures (``GPUS``): dense bf16 peak and HBM bandwidth from NVIDIA's datasheets, the same peaks Lightning's
-``lightning/fabric/utilities/throughput.py`` uses for MFU. ``32-true`` runs use the TF32 peak (half of bf16).
+GPU figures (``GPUS``): dense bf16 peak and HBM bandwidth of every row of ``lightning_ddp.hardware.DEVICES`` (NVIDIA's
+datasheets, cited there; the same table the ``CommTimer``'s MFU reads). ``32-true`` runs use half the bf16 peak
+(the TF32 peak on Ampere and Hopper).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_ddp.hardware import DEVICES, DeviceSpec
 from lightning_ddp.project.profile import ComputeProfile, ParamTiming
 
 __all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
@@ -41,7 +43,7 @@ ADAMW_BYTES_PER_PARAM = 80.0
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """The two numbers the model needs from a GPU."""
+    """The two numbers the model needs from a GPU (built from ``lightning_ddp.hardware``, or given by hand)."""
 
     name: str
     bf16_flops: float
@@ -51,14 +53,17 @@ class GPUSpec:
     source: str = ""
 
 
+def _from_hardware(spec: DeviceSpec) -> GPUSpec:
+    return GPUSpec(spec.name, spec.dense_tflops["bf16"] * 1e12, spec.memory_GBps * 1e9, spec.source)
+
+
+# The projection's first five GPUs lead, so that its listings and messages keep their order; then the rest.
+_FIRST = ("h100-sxm", "h100-pcie", "h200-sxm", "a100-sxm-80gb", "a100-pcie-40gb")
 GPUS: dict[str, GPUSpec] = {
-    "h100-sxm": GPUSpec("NVIDIA H100 SXM 80GB", 989.4e12, 3.35e12, "NVIDIA H100 datasheet: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3"),
-    "h100-pcie": GPUSpec("NVIDIA H100 PCIe 80GB", 756e12, 2.0e12, "NVIDIA H100 datasheet: 756 TFLOPS bf16 dense, 2.0 TB/s HBM2e"),
-    "h200-sxm": GPUSpec("NVIDIA H200 SXM 141GB", 989.4e12, 4.8e12, "NVIDIA H200 datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e"),
-    "a100-sxm-80gb": GPUSpec("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, "NVIDIA A100 datasheet: 312 TFLOPS bf16, 2,039 GB/s"),
-    "a100-pcie-40gb": GPUSpec("NVIDIA A100 PCIe 40GB", 312e12, 1.555e12, "NVIDIA A100 datasheet: 312 TFLOPS bf16, 1,555 GB/s"),
+    key: _from_hardware(DEVICES[key]) for key in (*_FIRST, *(k for k in DEVICES if k not in _FIRST))
 }
-"""GPUs by name (``compute.gpu``)."""
+"""GPUs by name (``compute.gpu``): every row of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, h100-pcie, h200-sxm,
+a100-sxm-80gb, a100-pcie-40gb, gh200, b200, ...), the one table of hardware figures."""
 
 
 def get_gpu(name: str) -> GPUSpec:

@@ -18,20 +18,32 @@ arithmetic.
 Clocks (the honesty rules):
 
 - On CPU a mark is ``time.perf_counter()``: collectives run on the host, so the host clock is the truth.
-- On CUDA a mark is a ``torch.cuda.Event`` recorded on the current stream: it says when the *device* reached
-  that point, not when the host queued the work. Events are only read in ``finish_step``, after its
-  ``torch.cuda.synchronize()``.
+- On CUDA a mark is a ``torch.cuda.Event`` recorded on the current stream *of the engine's device*
+  (``event.record(torch.cuda.current_stream(device))``): it says when the device reached that point, not when
+  the host queued the work. The stream is named explicitly because marks are also taken on other threads (NCCL's
+  future callbacks, autograd's gradient hooks) whose current device may be another GPU; ``event.record()`` alone
+  would mark that GPU's stream. Events are only read in ``finish_step``, after its ``torch.cuda.synchronize()``.
 - The anchor: host time ``t0`` and event ``e0`` naming the same instant, so that host times (gloo's completion
   callbacks) and events land on one axis. ``e0`` is recorded right after a synchronize, on an idle device, so it
-  completes at once (within a few microseconds of ``t0``). The synchronize at the end of one step anchors the
-  next: one synchronize per measured step, none when nobody measures.
+  completes as soon as it is recorded; ``t0`` is the midpoint of two host reads taken just before and just after
+  ``e0.record()``, so it is off by at most half that call (a single read on either side could be off by all of it).
+  The synchronize at the end of one step anchors the next: one synchronize per measured step, none when nobody
+  measures.
 - When an async collective *completed* (``Collective.completed``), by the backend that moves its tensor (asked per
   device, ``lightning_ddp.sync.comm.backend_for``: a ``cpu:gloo,cuda:nccl`` group moves CUDA tensors with NCCL):
   gloo completes its ``Work`` future on its own thread when the data has arrived, so a ``then`` callback reads
   the host clock. NCCL completes the future when the work is queued, but runs ``then`` callbacks with a current
   stream that waits for the collective's kernel, so an event recorded there fires when the collective has
-  finished on the device. No environment variable is needed for either. The mark after ``wait()`` is used only when no completion was recorded (it is an
-  upper bound: the wait may start long after the collective finished), and never overwrites one.
+  finished on the device. No environment variable is needed for either. The mark after ``wait()`` is used only
+  when no completion was recorded (it is an upper bound: the wait may start long after the collective finished),
+  and never overwrites one.
+- gloo with CUDA tensors (two ranks on one GPU) joins two clocks: launches are events, completions host times,
+  through the one ``(e0, t0)`` pair. Gloo works on host copies of the tensors, and its future completes once the
+  host result is there, *before* the copy back to the GPU (queued on a side stream) has finished. A completion can therefore precede the
+  device copy-back: ``comm/busy_ms`` is slightly under-counted (by the copy-back), while ``comm/exposed_ms``
+  still covers the copy, because ``wait()`` makes the current stream wait for it and the exposed span ends with
+  an event on that stream after the wait. Two clocks can also disagree outright; the accounting then clamps
+  the marks and counts them (``comm/clock_anomalies``).
 """
 
 from __future__ import annotations
@@ -65,13 +77,19 @@ class StepClock:
 
     def anchor(self, synchronize: bool = True) -> None:
         """Name one instant on both clocks. On CUDA: synchronize (unless the caller just did), then record ``e0``
-        on the idle device and read ``t0`` together."""
-        if self.cuda:
-            if synchronize:
-                self.synchronize()
-            self.e0 = torch.cuda.Event(enable_timing=True)
-            self.e0.record()
-        self.t0 = time.perf_counter()
+        on the idle device's current stream, with ``t0`` the midpoint of two host reads around the record call."""
+        if not self.cuda:
+            self.t0 = time.perf_counter()
+            return
+        if synchronize:
+            self.synchronize()
+        stream = torch.cuda.current_stream(self.device)
+        self.e0 = torch.cuda.Event(enable_timing=True)
+        before = time.perf_counter()
+        self.e0.record(stream)
+        after = time.perf_counter()
+        # e0 fires on the idle device somewhere between the two reads: the midpoint is off by at most half the call
+        self.t0 = (before + after) / 2
 
     @staticmethod
     def host_time() -> float:
@@ -79,10 +97,11 @@ class StepClock:
         return time.perf_counter()
 
     def mark(self) -> Mark:
-        """Now, as the device sees it (an event on the current stream on CUDA, host time on CPU)."""
+        """Now, as the device sees it (on CUDA an event on the current stream of this clock's device, whatever the
+        calling thread's current device; host time on CPU)."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
 

@@ -1,0 +1,234 @@
+"""One hardware table: dense peak FLOP/s per dtype, memory bandwidth and size, and SM count per device. Pure Python.
+
+Readers: the ``CommTimer``'s MFU (``lightning_ddp.callbacks.peak_flops``), the projection's GPUs
+(``lightning_ddp.project.flops.GPUS``). Each figure lives here once.
+
+How a device name (``torch.cuda.get_device_name()``, ``torch.cuda.get_device_properties().name``) is matched:
+
+1. Lower-case it and cut off a MIG suffix (`` MIG 1g.10gb``; kept for step 4).
+2. Split the rest into words at every character that is not a letter or a digit ("NVIDIA A100-SXM4-40GB" ->
+   nvidia, a100, sxm4, 40gb), so "L40S" is not "L4" and "GB200" is not "B200".
+3. Walk ``DEVICES`` in order; the first row with a pattern whose words all occur in the name wins.
+4. A MIG slice gets the compute share of its slice: ``sm_count / DeviceSpec.sm_count`` when the caller passes
+   the slice's SM count (``torch.cuda.get_device_properties(i).multi_processor_count``), else the ``Ng`` of the
+   profile as N/7 of the GPU (7 compute slices on A100, H100, H200, B200). The SM share is the truer one: an H100
+   ``1g.10gb`` has 16 of 132 SMs (0.121), not 1/7 (0.143), because 7 slices of 16 leave 20 SMs unused.
+
+Figures are datasheet figures *without* structured sparsity (NVIDIA quotes the 2:4-sparse ones, twice as large,
+first). Per GPU:
+
+===============  ====  ==========  ======  ======  ======  ====  ======  ===  =============================================
+key              row   fp32        tf32    bf16    fp16    GB    TB/s    SMs  source
+===============  ====  ==========  ======  ======  ======  ====  ======  ===  =============================================
+h100-nvl         TF/s  60          417.5   835.5   835.5   94    3.9     132  H100 NVL product brief (sparse / 2)
+h100-pcie              51          378     756     756     80    2.0     114  H100 datasheet, PCIe column
+h100-sxm               67          494.7   989.4   989.4   80    3.35    132  H100 datasheet, SXM column
+gh200-144gb            67          494.7   989.4   989.4   144   4.9     132  GH200 datasheet: H100 SXM compute, HBM3e
+gh200                  67          494.7   989.4   989.4   96    4.0     132  GH200 datasheet: H100 SXM compute, HBM3
+h200-nvl               60          417.5   835.5   835.5   141   4.8     132  H200 datasheet, NVL column
+h200-sxm               67          494.7   989.4   989.4   141   4.8     132  H200 datasheet, SXM column
+b200                   75          1100    2250    2250    180   7.7     148  HGX B200 spec table (per GPU, sparse / 2)
+a100-sxm-80gb          19.5        156     312     312     80    2.039   108  A100 datasheet, SXM 80GB
+a100-pcie-80gb         19.5        156     312     312     80    1.935   108  A100 datasheet, PCIe 80GB
+a100-pcie-40gb         19.5        156     312     312     40    1.555   108  A100 datasheet, PCIe 40GB
+a100-sxm-40gb          19.5        156     312     312     40    1.555   108  A100 datasheet, SXM 40GB
+l4                     30.3        60      121     121     24    0.3     58   L4 datasheet (sparse / 2)
+cpu (per core)         0.078       -       -       -       -     -       -    measured: one core of this project's CI
+                                                                                machine, fp32 matmul (an estimate)
+===============  ====  ==========  ======  ======  ======  ====  ======  ===  =============================================
+
+``fp32`` is what a ``32-true`` run gets unless TF32 is allowed for matmuls
+(``torch.set_float32_matmul_precision("high")``); then ``tf32``. GH200's "480GB" in its device name is the Grace
+CPU's LPDDR5X, not GPU memory. B200 as sold in HGX/DGX B200 systems: 180 GB of its 192 GB HBM3e usable,
+1,000 W; the GB200 (1,200 W) is faster and is not matched.
+
+>>> find_device("NVIDIA H100 80GB HBM3").key
+'h100-sxm'
+>>> find_device("NVIDIA GH200 480GB").key, find_device("NVIDIA GH200 144G HBM3e").key
+('gh200', 'gh200-144gb')
+>>> find_device("NVIDIA B200").key, find_device("NVIDIA GB200") is None
+('b200', True)
+>>> find_device("NVIDIA L40S") is None  # not an L4: names are matched word by word
+True
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CPU_FP32_TFLOPS_PER_CORE",
+    "DEVICES",
+    "DTYPES",
+    "DeviceSpec",
+    "MIG_COMPUTE_SLICES",
+    "compute_share",
+    "dense_peak_flops",
+    "find_device",
+    "get_device",
+    "mig_profile",
+]
+
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+"""The compute dtypes with a peak in the table."""
+
+MIG_COMPUTE_SLICES = 7
+"""Compute slices of a MIG-capable GPU (A100, H100, H200, B200): a ``Ng`` profile holds N of them."""
+
+CPU_FP32_TFLOPS_PER_CORE = 0.078
+"""fp32 matmul throughput of one core of our 2-core CI machine (~78 GFLOP/s, measured): an estimate for CPUs."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device kind: its peaks, its memory and how its name is recognised."""
+
+    key: str
+    """Short name, e.g. ``h100-sxm`` (the projection's ``compute.gpu``)."""
+    name: str
+    """Display name."""
+    patterns: tuple[tuple[str, ...], ...]
+    """Word sets, any of which identifies the device (every word must be a word of the lower-cased name)."""
+    dense_tflops: dict[str, float] = field(compare=False)
+    """Dense (no sparsity) peak TFLOP/s by dtype: fp32, tf32, bf16, fp16."""
+    memory_GBps: float
+    """Memory bandwidth, GB/s (10**9 bytes)."""
+    memory_GB: float
+    """Memory size, GB (10**9 bytes), as the datasheet states it."""
+    sm_count: int
+    """SMs of the full (non-MIG) product, ``multi_processor_count`` of an unpartitioned device."""
+    source: str
+    """Where the figures come from."""
+
+    def peak_flops(self, dtype: str) -> float | None:
+        """Dense peak FLOP/s for ``dtype``, or None if the table has none."""
+        tflops = self.dense_tflops.get(dtype)
+        return None if tflops is None else tflops * 1e12
+
+
+def _peaks(fp32: float, tf32: float, bf16: float, fp16: float | None = None) -> dict[str, float]:
+    return {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16 if fp16 is None else fp16}
+
+
+_HOPPER_SXM = _peaks(67.0, 494.7, 989.4)
+_HOPPER_NVL = _peaks(60.0, 417.5, 835.5)
+_AMPERE = _peaks(19.5, 156.0, 312.0)
+
+DEVICES: dict[str, DeviceSpec] = {
+    spec.key: spec
+    for spec in (
+        DeviceSpec("h100-nvl", "NVIDIA H100 NVL 94GB", (("h100", "nvl"),), _HOPPER_NVL, 3900, 94, 132,
+                   "NVIDIA H100 NVL product brief: 1,671 TFLOPS bf16 with sparsity, 3.9 TB/s HBM3"),
+        DeviceSpec("h100-pcie", "NVIDIA H100 PCIe 80GB", (("h100", "pcie"),), _peaks(51.0, 378.0, 756.0), 2000, 80,
+                   114, "NVIDIA H100 datasheet: 756 TFLOPS bf16 dense, 2.0 TB/s HBM2e"),
+        DeviceSpec("gh200-144gb", "NVIDIA GH200 144GB HBM3e", (("gh200", "hbm3e"), ("gh200", "144g"), ("gh200", "144gb")),
+                   _HOPPER_SXM, 4900, 144, 132,
+                   "NVIDIA GH200 datasheet: H100 SXM compute, 144 GB HBM3e at 4.9 TB/s"),
+        DeviceSpec("gh200", "NVIDIA GH200 96GB HBM3", (("gh200",),), _HOPPER_SXM, 4000, 96, 132,
+                   "NVIDIA GH200 datasheet: H100 SXM compute, 96 GB HBM3 at 4 TB/s"),
+        DeviceSpec("h100-sxm", "NVIDIA H100 SXM 80GB", (("h100",),), _HOPPER_SXM, 3350, 80, 132,
+                   "NVIDIA H100 datasheet: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3"),
+        DeviceSpec("h200-nvl", "NVIDIA H200 NVL 141GB", (("h200", "nvl"),), _HOPPER_NVL, 4800, 141, 132,
+                   "NVIDIA H200 datasheet, NVL column: 1,671 TFLOPS bf16 with sparsity, 4.8 TB/s HBM3e"),
+        DeviceSpec("h200-sxm", "NVIDIA H200 SXM 141GB", (("h200",),), _HOPPER_SXM, 4800, 141, 132,
+                   "NVIDIA H200 datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e"),
+        DeviceSpec("b200", "NVIDIA B200 180GB", (("b200",),), _peaks(75.0, 1100.0, 2250.0), 7700, 180, 148,
+                   "NVIDIA HGX B200 specifications, per GPU: 4.5 PFLOPS bf16 and 2.2 PFLOPS tf32 with sparsity, "
+                   "75 TFLOPS fp32, 180 GB HBM3e at 7.7 TB/s"),
+        DeviceSpec("a100-sxm-80gb", "NVIDIA A100 SXM 80GB", (("a100", "sxm4", "80gb"), ("a100", "sxm", "80gb")), _AMPERE,
+                   2039, 80, 108, "NVIDIA A100 datasheet: 312 TFLOPS bf16, 2,039 GB/s"),
+        DeviceSpec("a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", (("a100", "pcie", "80gb"),), _AMPERE, 1935, 80, 108,
+                   "NVIDIA A100 datasheet: 312 TFLOPS bf16, 1,935 GB/s"),
+        DeviceSpec("a100-pcie-40gb", "NVIDIA A100 PCIe 40GB", (("a100", "pcie"),), _AMPERE, 1555, 40, 108,
+                   "NVIDIA A100 datasheet: 312 TFLOPS bf16, 1,555 GB/s"),
+        # Last of the A100s: any other A100 name gets its (shared) compute figures from here.
+        DeviceSpec("a100-sxm-40gb", "NVIDIA A100 SXM 40GB", (("a100",),), _AMPERE, 1555, 40, 108,
+                   "NVIDIA A100 datasheet: 312 TFLOPS bf16, 1,555 GB/s"),
+        DeviceSpec("l4", "NVIDIA L4 24GB", (("l4",),), _peaks(30.3, 60.0, 121.0), 300, 24, 58,
+                   "NVIDIA L4 datasheet: 242 TFLOPS bf16 with sparsity, 300 GB/s GDDR6"),
+    )
+}
+"""Every GPU by key, in matching order (more specific rows first; first match wins)."""
+
+_MIG = re.compile(r"\bmig\b\s*(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
+
+
+def _words(name: str) -> set[str]:
+    return set(re.split(r"[^a-z0-9]+", name.lower()))
+
+
+def mig_profile(device_name: str) -> tuple[int, int] | None:
+    """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` profile, or None for a whole device.
+
+    A compute instance inside a GPU instance (``Cc.Ng.Mgb``) has C of the slices.
+
+    >>> mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), mig_profile("NVIDIA H100 80GB HBM3")
+    ((1, 10), None)
+    >>> mig_profile("NVIDIA A100-SXM4-40GB MIG 3g.20gb"), mig_profile("NVIDIA H100 80GB HBM3 MIG 1c.3g.40gb")
+    ((3, 20), (1, 40))
+    """
+    match = _MIG.search(device_name.lower())
+    if match is None:
+        return None
+    slices = int(match.group(1) or match.group(2))
+    return slices, int(match.group(3))
+
+
+def find_device(device_name: str) -> DeviceSpec | None:
+    """The table's row for ``device_name`` (a MIG slice: its whole GPU's row), or None if not in the table."""
+    name = device_name.lower()
+    match = _MIG.search(name)
+    if match is not None:
+        name = name[: match.start()]  # the profile's "10gb" must not match a memory size of the GPU itself
+    words = _words(name)
+    for spec in DEVICES.values():
+        if any(all(word in words for word in pattern) for pattern in spec.patterns):
+            return spec
+    return None
+
+
+def get_device(key: str) -> DeviceSpec:
+    """The row ``key`` (``h100-sxm``, ...); an unknown key lists the valid ones."""
+    try:
+        return DEVICES[key]
+    except KeyError:
+        raise ValueError(f"{key!r} is not a known device; choose one of: {', '.join(DEVICES)}") from None
+
+
+def compute_share(device_name: str, sm_count: int | None = None) -> float:
+    """The fraction of its GPU's compute a device has: 1 for a whole GPU; for a MIG slice, its SMs over the full
+    GPU's when ``sm_count`` is given and the GPU is in the table, else N/7 for an ``Ng`` profile.
+
+    >>> round(compute_share("NVIDIA H100 80GB HBM3 MIG 1g.10gb", sm_count=16), 3)  # 16 of 132 SMs
+    0.121
+    >>> round(compute_share("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), 3)  # no SM count: 1/7
+    0.143
+    """
+    profile = mig_profile(device_name)
+    if profile is None:
+        return 1.0
+    spec = find_device(device_name)
+    if sm_count is not None and sm_count > 0 and spec is not None:
+        return min(1.0, sm_count / spec.sm_count)
+    return min(1.0, profile[0] / MIG_COMPUTE_SLICES)
+
+
+def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: int | None = None) -> float | None:
+    """Dense peak FLOP/s of one device (or MIG slice) for ``dtype``, or None if unknown.
+
+    ``device_name``: a GPU's name, or ``"cpu"`` (then ``threads`` cores at ``CPU_FP32_TFLOPS_PER_CORE``, fp32 only).
+    ``sm_count``: the device's ``multi_processor_count``, for a MIG slice's share (module docstring, step 4).
+
+    >>> dense_peak_flops("NVIDIA H100 80GB HBM3", "bf16") / 1e12
+    989.4
+    >>> round(dense_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16") / 1e12, 1)  # 1/7 of 989.4
+    141.3
+    >>> dense_peak_flops("cpu", "fp32", threads=2) / 1e9
+    156.0
+    """
+    if device_name.lower() == "cpu":
+        return CPU_FP32_TFLOPS_PER_CORE * 1e12 * threads if dtype == "fp32" else None
+    spec = find_device(device_name)
+    peak = None if spec is None else spec.peak_flops(dtype)
+    return None if peak is None else peak * compute_share(device_name, sm_count)
