@@ -12,7 +12,7 @@ Recipe (``measure``, run in its own process: ``python -m lightning_ddp.bench.gpu
    out-of-memory error, free everything the attempt held and try the next smaller batch of
    ``batch_candidates`` (about 20 % smaller each time), so the batch that really fits is found in a few tries.
 3. Report the median step, tokens/s, MFU (the step's training FLOPs, ``GPT.flops_per_token``, over the device's
-   dense peak for the compute dtype) and the peak allocated and reserved memory next to the estimate's peak.
+   dense peak for the compute dtype in ``lightning_ddp.hardware``) and the peak allocated and reserved memory next to the estimate's peak.
 """
 
 from __future__ import annotations
@@ -91,12 +91,14 @@ def _compute_dtype(precision: str) -> str:
 
 
 def _peak_flops(device, dtype: str) -> float | None:
+    """The device's dense peak for ``dtype`` from ``lightning_ddp.hardware`` (a MIG slice: its share of the SMs)."""
     import torch
 
-    from lightning_ddp.callbacks.peak_flops import dense_peak_flops
+    from lightning_ddp.hardware import dense_peak_flops
 
     if device.type == "cuda":
-        return dense_peak_flops(torch.cuda.get_device_name(device), dtype)
+        properties = torch.cuda.get_device_properties(device)
+        return dense_peak_flops(properties.name, dtype, sm_count=properties.multi_processor_count)
     return dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
 
 

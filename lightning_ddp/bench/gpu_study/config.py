@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "Scale", "STAGE_NAMES"]
+__all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "STAGE_NAMES", "Scale", "scale_of"]
 
 STAGE_NAMES: tuple[str, ...] = (
     "environment", "cuda_tests", "compute", "strategies", "one_gpu_pair", "traces", "ready_times", "timer_overhead",
@@ -106,8 +106,9 @@ class GPUStudyConfig:
     ``python -m lightning_ddp.bench.gpu_study --out DIR --budget_min 20``
     """
 
-    out: str
-    """Directory of every output: stages.json (rewritten after every stage), results.md, each stage's files."""
+    out: Optional[str] = None
+    """Directory of every output (required): stages.json (rewritten after every stage), results.md, each stage's
+    files."""
     budget_min: float = 20.0
     """Minutes the study may take. Before each stage its estimate is compared with what is left: a stage that
     cannot finish in time is skipped (``skipped: budget``), and no stage's processes run past the budget."""
@@ -125,7 +126,7 @@ class GPUStudyConfig:
 
     def __post_init__(self) -> None:
         if not self.out:
-            raise ValueError("`--out` is empty; give the directory for the study's files, e.g. `--out gpu_study`")
+            raise ValueError("`--out` is missing; give the directory for the study's files, e.g. `--out gpu_study`")
         if not self.budget_min > 0:
             raise ValueError(f"`--budget_min` must be > 0 minutes, got {self.budget_min}; e.g. `--budget_min 20`")
         if self.stages is not None:
@@ -135,6 +136,10 @@ class GPUStudyConfig:
             if not self.stages:
                 raise ValueError(f"`--stages` is empty; list at least one of {', '.join(STAGE_NAMES)}, or leave it out")
 
-    @property
-    def scale(self) -> Scale:
-        return DRY_RUN_SCALE if self.cpu_dry_run else GPU_SCALE
+
+def scale_of(config: GPUStudyConfig) -> Scale:
+    """The sizes of ``config``'s work: ``DRY_RUN_SCALE`` for a CPU dry run, else ``GPU_SCALE``.
+
+    A function, not a method: jsonargparse would offer a method of the config class as a subcommand.
+    """
+    return DRY_RUN_SCALE if config.cpu_dry_run else GPU_SCALE
