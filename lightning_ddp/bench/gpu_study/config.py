@@ -24,6 +24,8 @@ class Scale:
 
     device: str
     """``cuda`` or ``cpu`` (the dry run)."""
+    precision: str
+    """The training precision of the stages' fits (stage compute measures both bf16-mixed and 32-true)."""
     compute_preset: str
     """Stage compute: the preset whose step time, MFU and memory are measured (the study's xl)."""
     compute_seq_len: int
@@ -73,7 +75,7 @@ class Scale:
 
 
 GPU_SCALE = Scale(
-    device="cuda",
+    device="cuda", precision="bf16-mixed",
     compute_preset="xl", compute_seq_len=512, compute_max_batch=256, compute_steps=8, compute_warmup=3,
     strategies_preset="medium", strategies_batch=8, strategies_seq_len=512, strategies_steps=20, strategies_warmup=5,
     equivalence_preset="tiny", equivalence_steps=6,
@@ -86,8 +88,8 @@ GPU_SCALE = Scale(
 """One H100 (80 GB) or H200 (141 GB): about 13 minutes of stages, inside the default 20-minute budget."""
 
 DRY_RUN_SCALE = Scale(
-    device="cpu",
-    compute_preset="tiny", compute_seq_len=64, compute_max_batch=4, compute_steps=3, compute_warmup=1,
+    device="cpu", precision="32-true",  # bf16 autocast on CPU is several times slower than fp32
+    compute_preset="tiny", compute_seq_len=32, compute_max_batch=2, compute_steps=2, compute_warmup=1,
     strategies_preset="tiny", strategies_batch=2, strategies_seq_len=32, strategies_steps=4, strategies_warmup=1,
     equivalence_preset="tiny", equivalence_steps=3,
     sweep_config="configs/bench/gpu_study.yaml",
