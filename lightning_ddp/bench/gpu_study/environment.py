@@ -87,7 +87,8 @@ def describe(device: str = "cuda") -> dict[str, Any]:
     nccl = None
     if cuda:
         try:
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+            version = torch.cuda.nccl.version()  # (2, 21, 5) in torch 2.x; one int (22105) in some older builds
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         except (AttributeError, RuntimeError):  # a build without NCCL
             nccl = None
     try:
