@@ -12,13 +12,14 @@ Recipe (``run_fits``):
    the launcher variables of a "node" of one device each (``RANK``, ``NODE_RANK``, ``LOCAL_RANK=0``,
    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``): 2 ranks then share one GPU over gloo, as in the benchmark
    sweep (NCCL refuses two ranks on one GPU). The fits' own arguments say ``--trainer.num_nodes``.
-2. Each rank: for each fit, ``cli.main(["fit", *args, <logger in out_dir/name>])``; rank 0 writes
-   ``fit_result.json`` (ok, or the error line and whether it was out of memory); then frees what the fit held. The
-   process group outlives the fits (Lightning keeps an existing one), so the ranks meet once. At world size 1 a
-   failing fit is recorded and the next one runs; with more ranks the failing rank exits, since its peer may be
-   waiting for it in a collective.
-3. The parent waits (at most ``timeout_s``); a fit without a result (the processes crashed, were killed, or ran
-   out of time) is recorded from the logs, and the remaining fits run in a fresh set of processes.
+2. Each rank: for each fit, rank 0 marks it started (``fit_started``), then ``cli.main(["fit", *args, <logger in
+   out_dir/name>])``; rank 0 writes ``fit_result.json`` (ok, or the error line and whether it was out of memory);
+   then every rank frees what the fit held. The process group outlives the fits (Lightning keeps an existing
+   one), so the ranks meet once. At world size 1 a failing fit is recorded and the next one runs; with more ranks
+   the failing rank exits, since its peer may be waiting for it in a collective.
+3. The parent waits (at most ``timeout_s``). Fits after a recorded failure that never started run in a fresh set
+   of processes; a fit that started but has no result (the processes crashed, were killed, or ran out of time)
+   gets the error line of the logs, and the fits after it run in a fresh set of processes.
 """
 
 from __future__ import annotations
