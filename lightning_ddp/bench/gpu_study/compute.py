@@ -162,8 +162,11 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
         if cuda:
             torch.cuda.empty_cache()
 
+    # torch.OutOfMemoryError is torch >= 2.5's name; older versions raise torch.cuda.OutOfMemoryError (the same class).
+    oom_types = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
+
     def is_oom(error: BaseException) -> bool:
-        return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower()
+        return isinstance(error, oom_types) or "out of memory" in str(error).lower()
 
     results = None
     attempts: list[dict[str, Any]] = []
