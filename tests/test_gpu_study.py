@@ -27,6 +27,7 @@ from lightning_ddp.bench.gpu_study.stages import (
     StageResult,
     StudyContext,
     cuda_tests,
+    outcomes_from_log,
     read_junit,
     weight_differences,
 )
@@ -187,6 +188,16 @@ def test_read_junit_counts_and_names_the_failures(tmp_path: Path) -> None:
         tests=4, passed=1, failed=1, errors=1, skipped=1)
     messages = {f["test"].split("::")[-1]: f["message"] for f in data["failures"]}
     assert "one is not two" in messages["test_fails"] and "fixture broke" in messages["test_errors"]
+
+
+def test_a_tier_cut_off_before_its_report_is_counted_from_the_verbose_log() -> None:
+    log = ("tests/gpu/test_a.py::test_one[nccl_1rank] PASSED                [ 33%]\n"
+           "tests/gpu/test_a.py::test_two FAILED                            [ 66%]\n"
+           "tests/gpu/test_b.py::test_three SKIPPED (needs a CUDA GPU)      [100%]\n")
+    data = outcomes_from_log(log)
+    assert {k: data[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == dict(
+        tests=3, passed=1, failed=1, errors=0, skipped=1)
+    assert data["failures"] == [{"test": "tests/gpu/test_a.py::test_two", "message": "failed"}]
 
 
 @pytest.mark.multiprocess  # one pytest subprocess collecting the tier (~10 s)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -254,6 +255,26 @@ def read_junit(path: Path) -> dict[str, Any]:
     return {"tests": len(cases), "passed": passed, **counts, "failures": failures}
 
 
+_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+
+
+def outcomes_from_log(text: str) -> dict[str, Any]:
+    """Counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report.
+
+    >>> outcomes_from_log("tests/a.py::test_x PASSED [ 50%]\\ntests/a.py::test_y FAILED [100%]\\n")["failed"]
+    1
+    """
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures = []
+    key = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+           "XFAIL": "skipped"}
+    for test, outcome in _OUTCOME.findall(text):
+        counts[key[outcome]] += 1
+        if outcome in ("FAILED", "ERROR"):
+            failures.append({"test": test, "message": outcome.lower()})
+    return {"tests": sum(counts.values()), **counts, "failures": failures}
+
+
 def cuda_tests(ctx: StudyContext) -> StageResult:
     tier = ctx.root / "tests" / "gpu"
     if not tier.is_dir():
@@ -262,13 +283,18 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
     report = ctx.out / "cuda_tests.xml"
     log = ctx.out / "cuda_tests.log"
     code, timed_out, line = ctx.run_python(
-        ["-m", "pytest", "tests/gpu", "-m", "cuda", "-q", "-rfE", "-p", "no:cacheprovider", f"--junitxml={report.resolve()}"],
+        ["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider", f"--junitxml={report.resolve()}"],
         log)
     summary_line = next((l for l in reversed(log.read_text(errors="replace").splitlines()) if " in " in l and
                          any(w in l for w in ("passed", "failed", "error", "skipped"))), "") if log.exists() else ""
-    if not report.exists():
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if report.exists():
+        data = read_junit(report)
+    elif _OUTCOME.search(text):  # cut off before the junit report: what the -v lines say so far
+        data = outcomes_from_log(text)
+    else:
         return StageResult(files=["cuda_tests.log"], problems=[line or ("timed out" if timed_out else f"pytest exited {code}")])
-    data = {**read_junit(report), "summary_line": summary_line.strip("= "), "exit_code": code, "timed_out": timed_out}
+    data = {**data, "summary_line": summary_line.strip("= "), "exit_code": code, "timed_out": timed_out}
     problems = [f"{f['test']}: {f['message']}" for f in data["failures"]]
     if timed_out:
         problems.insert(0, f"the tier ran out of time ({summary_line.strip('= ') or 'no summary'})")
@@ -276,7 +302,7 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
         problems.append("every test of the tier was skipped: pytest saw no CUDA device")
     if problems and data["failures"]:
         problems[0] = f"{len(data['failures'])} of {data['tests']} failed, first: {problems[0]}"
-    return StageResult(data=data, files=["cuda_tests.xml", "cuda_tests.log"], problems=problems)
+    return StageResult(data=data, files=[p.name for p in (report, log) if p.exists()], problems=problems)
 
 
 # ---- (c) compute ---------------------------------------------------------------------------------------------------
