@@ -39,11 +39,11 @@ Clocks (the honesty rules):
   and never overwrites one.
 - gloo with CUDA tensors (two ranks on one GPU) joins two clocks: launches are events, completions host times,
   through the one ``(e0, t0)`` pair. Gloo works on host copies of the tensors, and its future completes once the
-  host result is there, *before* the copy back to the GPU (queued on a side stream) has finished. A completion can therefore precede the
-  device copy-back: ``comm/busy_ms`` is slightly under-counted (by the copy-back), while ``comm/exposed_ms``
-  still covers the copy, because ``wait()`` makes the current stream wait for it and the exposed span ends with
-  an event on that stream after the wait. Two clocks can also disagree outright; the accounting then clamps
-  the marks and counts them (``comm/clock_anomalies``).
+  host result is there, *before* the copy back to the GPU (queued on a side stream) has finished. A completion
+  can therefore precede the device copy-back: ``comm/busy_ms`` is slightly under-counted (by the copy-back), while
+  ``comm/exposed_ms`` still covers the copy, because ``wait()`` makes the current stream wait for it and the
+  exposed span ends with an event on that stream after the wait. Two clocks can also disagree outright; the
+  accounting then clamps the marks and counts them (``comm/clock_anomalies``).
 """
 
 from __future__ import annotations
