@@ -182,6 +182,19 @@ def _device_count(accelerator: object, devices: object, on_cuda: bool) -> int | 
     return None
 
 
+def _ranks_per_gpu(world_size: int, num_nodes: int) -> int:
+    """How many ranks share this rank's GPU.
+
+    One node: one rank per device (Lightning refuses a device listed twice). Several "nodes" all on this host
+    (``MASTER_ADDR`` is the loopback: the benchmark sweep's layout for more ranks than GPUs, one device per rank):
+    the world over the GPUs this process sees, rounded up (over-counts when ranks are spread over GPUs that each
+    see only their own: the budget errs small, never large).
+    """
+    if num_nodes == 1 or os.environ.get("MASTER_ADDR") not in ("127.0.0.1", "localhost"):
+        return 1
+    return max(1, -(-world_size // max(torch.cuda.device_count(), 1)))
+
+
 def check_memory(config) -> None:
     """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes.
 
@@ -230,7 +243,8 @@ def check_memory(config) -> None:
         current = estimate()
     except ValueError:
         return  # a value the model, data or strategy will reject with its own message, or one we do not model
-    budget = memory_budget_bytes(device_type, local if device_type == "cpu" else 1)
+    sharing = local if device_type == "cpu" else _ranks_per_gpu(world_size, int(_field(trainer, "num_nodes", 1) or 1))
+    budget = memory_budget_bytes(device_type, sharing)
     if current.total_bytes <= budget:
         return
 
@@ -263,8 +277,8 @@ def check_memory(config) -> None:
             fixes.append(f"--trainer.devices 1 (one process with all {budget * local / GiB:.1f} GiB: peak "
                          f"{one.total_bytes / GiB:.1f} GiB, fits)")
     fixes.append("--preflight false skips this check (the estimate and its sources: lightning_ddp/memory.py)")
-    source = (f"the GPU's {budget / GiB:.1f} GiB" if device_type == "cuda"
-              else f"available RAM {budget * local / GiB:.1f} GiB / {local} processes")
+    source = (f"the GPU's {budget * sharing / GiB:.1f} GiB" + (f" / {sharing} ranks on it" if sharing > 1 else "")
+              if device_type == "cuda" else f"available RAM {budget * local / GiB:.1f} GiB / {local} processes")
     check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
 
 

@@ -514,8 +514,9 @@ def check_fits(
         return
     source = f" ({budget_source})" if budget_source else ""
     lines = [
-        f"{what} needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a rank has "
-        f"{budget_bytes / GiB:.1f} GiB{source}.",
+        # "out of memory" also lets the benchmark sweep's runner record a refused cell as `oom`.
+        f"{what} would run out of memory: it needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a "
+        f"rank has {budget_bytes / GiB:.1f} GiB{source}.",
     ]
     if estimate.description:
         lines.append(f"Estimated for {estimate.description}:")

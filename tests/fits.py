@@ -55,11 +55,12 @@ def fit_one_device(tmp_path: Path, *args: str, accelerator: str = "cuda", ranks:
 
 
 def _run_ranks_sharing_one_device(tmp_path: Path, ranks: int, args: tuple[str, ...], timeout: float) -> None:
+    from lightning_ddp.bench.grid import LOOPBACK_INTERFACE
     from lightning_ddp.bench.runner import find_free_port, run_processes
 
     port = str(find_free_port())
     command = [sys.executable, "-m", "lightning_ddp", *args, "--trainer.enable_progress_bar", "false"]
-    base = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     envs = [{**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks),
              "NODE_RANK": str(rank), "LOCAL_RANK": "0", "RANK": str(rank)} for rank in range(ranks)]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(ranks)]

@@ -44,7 +44,7 @@ def test_xl_on_the_quickstart_is_refused_fast_with_one_message_and_writes_nothin
     elapsed = time.perf_counter() - start
     assert proc.returncode != 0
     message = proc.stderr
-    assert "Memory pre-flight: this run needs about" in message, message[-3000:]
+    assert "Memory pre-flight: this run would run out of memory: it needs about" in message, message[-3000:]
     for needle in ("optimizer_state", "peak per rank", "available RAM", "--model.preset medium", "--preflight false"):
         assert needle in message, (needle, message[-3000:])
     assert "Traceback" not in message  # one message, not a stack
@@ -78,6 +78,27 @@ def test_fixes_are_the_ones_that_help(monkeypatch) -> None:
     assert "--model.preset tiny" in message
     assert "--trainer.precision bf16-mixed" in message
     assert "--trainer.strategy zero1_ddp" in message
+
+
+def test_a_refused_sweep_cell_is_recorded_as_oom(monkeypatch) -> None:
+    # The benchmark sweep classifies a cell by its ranks' logs: the refusal must read as out of memory, with the
+    # refusal's first line as the reason.
+    from lightning_ddp.bench.runner import is_oom
+
+    monkeypatch.setattr(cli, "memory_budget_bytes", lambda device_type, ranks: 2**20)
+    with pytest.raises(MemoryPreflightError) as info:
+        _parse()
+    assert is_oom(str(info.value).splitlines()[0])
+
+
+def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch) -> None:
+    # The sweep's one-GPU layout: 2 ranks as 2 "nodes" of one device each, on this host, each seeing one GPU.
+    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert cli._ranks_per_gpu(world_size=2, num_nodes=2) == 2
+    assert cli._ranks_per_gpu(world_size=2, num_nodes=1) == 1  # one node: Lightning puts a rank on each GPU
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")  # a real multi-node job: a GPU per rank
+    assert cli._ranks_per_gpu(world_size=16, num_nodes=2) == 1
 
 
 def test_strategy_configs_map_to_the_estimates_names() -> None:

@@ -31,6 +31,7 @@ from lightning_ddp.bench.config import BASELINE, REFERENCE, SweepConfig, format_
 
 __all__ = [
     "Cell",
+    "LOOPBACK_INTERFACE",
     "RankLayout",
     "cell_command",
     "cell_id",
@@ -46,6 +47,9 @@ __all__ = [
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK",
                        "MASTER_ADDR", "MASTER_PORT")
 _LAUNCHER_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "LSB_", "JSM_")
+
+LOOPBACK_INTERFACE = "lo0" if sys.platform == "darwin" else "lo"
+"""The loopback network interface's name, which the cells' gloo uses (``GLOO_SOCKET_IFNAME``) unless told otherwise."""
 
 
 @dataclass(frozen=True)
@@ -271,12 +275,17 @@ def without_launcher_variables(parent: dict[str, str] | None = None) -> dict[str
 
 
 def base_environment(config: SweepConfig, parent: dict[str, str] | None = None) -> dict[str, str]:
-    """The sweep's environment without launcher variables, plus ``run.env``, unbuffered output and the threads."""
+    """The sweep's environment without launcher variables, plus ``run.env``, unbuffered output, the threads and
+    ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set)."""
     env = without_launcher_variables(parent)
     env["PYTHONUNBUFFERED"] = "1"  # logs stream to the rank files as they happen (the reason of a crash survives)
     threads = threads_per_rank(config)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)  # Lightning keeps an OMP_NUM_THREADS that is already set
+    # Every rank of a cell runs on this host (MASTER_ADDR 127.0.0.1): left to itself, gloo binds to the interface
+    # of the host name, which on an isolated host or in a container may not route back to it. A value the user
+    # set (in the sweep's environment or in run.env) is kept.
+    env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     env.update(config.run.env)
     return env
 

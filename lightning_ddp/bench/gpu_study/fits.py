@@ -94,7 +94,7 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         env: Extra environment variables.
         threads: ``OMP_NUM_THREADS`` per process (CPU runs); ``None`` leaves it unset.
     """
-    from lightning_ddp.bench.grid import without_launcher_variables
+    from lightning_ddp.bench.grid import LOOPBACK_INTERFACE, without_launcher_variables
     from lightning_ddp.bench.runner import error_line, find_free_port, is_oom, run_processes
 
     names = [s.name for s in specs]
@@ -116,7 +116,9 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         plan = work / "plan.json"
         plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
                                     "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
-        base = {**without_launcher_variables(), "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Every rank is on this host: gloo on the loopback (the host name's interface may not route back to itself).
+        base = {**without_launcher_variables(), "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE,
+                **(env or {})}
         if threads is not None:
             base["OMP_NUM_THREADS"] = str(threads)
         port = str(find_free_port())
