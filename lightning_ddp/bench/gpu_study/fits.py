@@ -116,8 +116,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         plan = work / "plan.json"
         plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
                                     "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
-        # Every rank is on this host: gloo on the loopback (the host name's interface may not route back to itself).
-        base = {**without_launcher_variables(), "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE,
+        # Every rank is on this host: gloo on the loopback unless set (the host name's interface may not route back).
+        base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **without_launcher_variables(), "PYTHONUNBUFFERED": "1",
                 **(env or {})}
         if threads is not None:
             base["OMP_NUM_THREADS"] = str(threads)
