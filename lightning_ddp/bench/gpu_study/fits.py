@@ -104,7 +104,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
     deadline = time.monotonic() + timeout_s
     results: dict[str, FitResult] = {}
     pending = list(specs)
-    launch = 0
+    launches = out_dir / "_processes"
+    launch = len(list(launches.glob("launch*"))) if launches.exists() else 0  # a later batch into the same directory
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 1:
