@@ -6,17 +6,17 @@ from one runs in ordered stages, each writing its files into ``DIR`` as soon as 
 =================  =====================================================================  ======  =======
 stage              what it shows                                                           GPU s   dry s
 =================  =====================================================================  ======  =======
-``environment``    GPU, memory, SMs, driver, torch / CUDA / NCCL, the hardware table row   20      10
+``environment``    GPU, memory, SMs, driver, torch / CUDA / NCCL, the hardware table row   20      5
 ``cuda_tests``     the ``cuda`` test tier (``tests/gpu``, pytest in a subprocess)          240     -
-``compute``        xl at world size 1, bf16-mixed and 32-true, context 512, the largest    90      45
+``compute``        xl at world size 1, bf16-mixed and 32-true, context 512, the largest    90      20
                    batch the pre-flight allows and that fits: step, tokens/s, MFU, memory
-``strategies``     every strategy at NCCL world size 1 (medium): it runs; its hooks' cost  60      45
-``one_gpu_pair``   2 gloo ranks on the GPU: every strategy equals one process; a short     240     110
+``strategies``     every strategy at NCCL world size 1 (medium): it runs; its hooks' cost  60      55
+``one_gpu_pair``   2 gloo ranks on the GPU: every strategy equals one process; a short     240     100
                    sweep of the strategies (``configs/bench/gpu_study.yaml``)
-``traces``         naive vs overlap profiler traces with GPU kernel rows, drawn            60      35
-``ready_times``    when each xl gradient is ready in backward; the projection from it      90      25
+``traces``         naive vs overlap profiler traces with GPU kernel rows, drawn            60      30
+``ready_times``    when each xl gradient is ready in backward; the projection from it      90      20
                    for 2 x H100/H200 over NVLink and PCIe
-``timer_overhead`` the CommTimer on/off, alternated, with its interval                    120     30
+``timer_overhead`` the CommTimer on/off, alternated, with its interval                    120     40
 =================  =====================================================================  ======  =======
 
 Recipe (``study.run_study``): check for CUDA in a child process (the study's own process never holds a GPU

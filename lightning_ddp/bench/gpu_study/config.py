@@ -93,7 +93,7 @@ DRY_RUN_SCALE = Scale(
     strategies_preset="tiny", strategies_batch=2, strategies_seq_len=32, strategies_steps=4, strategies_warmup=1,
     equivalence_preset="tiny", equivalence_steps=3,
     sweep_config="configs/bench/gpu_study.yaml",
-    sweep_strategies=("bucketed",),
+    sweep_strategies=("ddp",),  # the sweep adds the reference: 2 cells, the sweep's code paths at the least cost
     trace_preset="tiny",
     profile_preset="tiny", profile_batch=2, profile_seq_len=32, profile_steps=5,
     overhead_preset="tiny", overhead_steps=6, overhead_warmup=2, overhead_repeats=1,

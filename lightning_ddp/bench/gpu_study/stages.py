@@ -602,26 +602,26 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("environment", "Environment", 20, 10, False, environment,
+    Stage("environment", "Environment", 20, 5, False, environment,
           "GPU name, memory, SM count, driver, torch / CUDA / NCCL versions, the hardware table's row, git commit."),
     Stage("cuda_tests", "The cuda test tier", 240, 0, True, cuda_tests,
           "Every engine and ZeRO-1 variant on CUDA tensors equal to one process (NCCL at world size 1, 2 gloo ranks "
           "on the GPU), the CommTimer's CUDA path for every strategy, the per-device backend spec, auto buckets."),
-    Stage("compute", "Compute: xl on one GPU", 90, 45, False, compute,
+    Stage("compute", "Compute: xl on one GPU", 90, 20, False, compute,
           "Step time, tokens/s, MFU and peak memory of the xl preset at the largest batch that fits, bf16-mixed and "
           "32-true, beside the memory pre-flight's estimate."),
-    Stage("strategies", "Every strategy at world size 1", 60, 45, False, strategies,
+    Stage("strategies", "Every strategy at world size 1", 60, 55, False, strategies,
           "Every strategy runs on CUDA (NCCL at world size 1: no data crosses a wire), and what its hooks cost over "
           "ddp's step."),
-    Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 110, False, one_gpu_pair,
+    Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair,
           "Every strategy on 2 ranks equal to one process on the whole batch, and a short sweep of the strategies "
           "(time-sliced: not 2-GPU step times)."),
-    Stage("traces", "Traces: naive vs overlap", 60, 35, False, traces,
+    Stage("traces", "Traces: naive vs overlap", 60, 30, False, traces,
           "Profiler timelines with GPU kernel rows: when gradients are communicated against when the GPU computes."),
-    Stage("ready_times", "Gradient-ready times in xl backward, projected to 2 GPUs", 90, 25, False, ready_times,
+    Stage("ready_times", "Gradient-ready times in xl backward, projected to 2 GPUs", 90, 20, False, ready_times,
           "When each of xl's 435 gradients is ready in backward, and the projection re-run from it for 2 GPUs over "
           "NVLink and over PCIe, beside the published 2-GPU xl runs."),
-    Stage("timer_overhead", "The CommTimer's overhead", 120, 30, False, timer_overhead,
+    Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead,
           "Step time with the timer on and off, alternated, with a 95 % interval: what measuring costs on a GPU."),
 )
 """Every stage, in the order the study runs them (the ``GPU_SCALE`` estimates total ~15 minutes)."""
