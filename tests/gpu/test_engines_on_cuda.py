@@ -22,13 +22,23 @@ PARAMS = [(layout, engine, case) for layout in CUDA_LAYOUTS for engine, case in 
 
 @pytest.fixture(scope="module")
 def results():
-    """``results(layout)``: that layout's ranks, spawned once for the module (every job in one run)."""
-    cache: dict[str, list[dict]] = {}
+    """``results(layout)``: that layout's ranks, spawned once for the module (every job in one run).
+
+    A run that fails (a hang past its time limit, a crashed rank) fails every test of its layout with the same
+    error, without spawning again: 55 more time-outs would eat the GPU session.
+    """
+    cache: dict[str, list[dict] | BaseException] = {}
 
     def get(layout: Layout) -> list[dict]:
         if layout.name not in cache:
-            cache[layout.name] = run_layout(layout, JOBS)
-        return cache[layout.name]
+            try:
+                cache[layout.name] = run_layout(layout, JOBS)
+            except Exception as error:  # noqa: BLE001 - kept, and raised for each test of the layout
+                cache[layout.name] = error
+        value = cache[layout.name]
+        if isinstance(value, BaseException):
+            raise value
+        return value
 
     return get
 
