@@ -15,7 +15,8 @@ Recipe (``run_on_ranks``):
 1. Find a free localhost port (bind a socket to port 0 and read what the OS gave).
 2. Start ``world_size`` processes with the ``spawn`` start method (a fresh interpreter each: no forked
    copies of the parent's threads, locks or process group; never Lightning's launchers).
-3. Each child pins itself to one intra-op thread (ranks share the machine's cores), joins a gloo group
+3. Each child pins itself to one intra-op thread (ranks share the machine's cores), joins a group of the
+   given backend (gloo by default; with NCCL in it the child first selects GPU ``rank % device_count``)
    through a TCP store on that port, calls ``fn(rank, world_size, *args)``, destroys the group, and writes
    ``("ok", value)`` or ``("error", traceback)`` to ``<tmp>/rank<r>.pkl`` with plain pickle (tensors by value:
    nothing refers to the child's shared memory once it has exited).
@@ -70,15 +71,19 @@ def find_free_port() -> int:
 
 
 def run_on_ranks(
-    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return the values by rank.
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the values by rank.
 
     Args:
         fn: A module-level function of an importable module (spawn re-imports it by name in each child).
-        world_size: Number of processes, each one rank of the default gloo process group.
+        world_size: Number of processes, each one rank of the default process group.
         *args: Extra picklable arguments passed to every rank.
         timeout: Seconds for the whole run (start-up included); children still running are killed after it.
+        backend: The process group's backend, as ``init_process_group`` takes it: ``gloo`` (CPU tensors, or CUDA
+            tensors through the host), ``nccl``, or a per-device spec such as ``cpu:gloo,cuda:nccl``. NCCL refuses
+            two ranks on one GPU, so with one GPU it runs at world size 1. Return values must not hold CUDA
+            tensors (the parent may have no GPU context): move them to the CPU first.
 
     Raises:
         RankFailure: A rank raised (message: its traceback), exited without a result, or the run timed out.
@@ -94,7 +99,7 @@ def run_on_ranks(
     target = _FunctionRef(fn.__module__, qualname, getattr(sys.modules.get(fn.__module__), "__file__", None))
     for attempt in range(_PORT_RETRIES):
         try:
-            return _run_once(target, world_size, args, timeout)
+            return _run_once(target, world_size, args, timeout, backend)
         except _PortTaken:
             if attempt == _PORT_RETRIES - 1:
                 raise RankFailure(f"could not bind a free port for the gloo store in {_PORT_RETRIES} tries") from None
@@ -138,14 +143,14 @@ class _FunctionRef:
         return f"{self.module}.{self.qualname}"
 
 
-def _run_once(target: _FunctionRef, world_size: int, args: tuple, timeout: float) -> list[Any]:
+def _run_once(target: _FunctionRef, world_size: int, args: tuple, timeout: float, backend: str) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = find_free_port()
     with tempfile.TemporaryDirectory(prefix="run_on_ranks_") as result_dir:
         procs = [
             ctx.Process(
                 target=_child,
-                args=(rank, world_size, port, target, args, result_dir, timeout),
+                args=(rank, world_size, port, target, args, result_dir, timeout, backend),
                 name=f"rank{rank}",
                 # Not daemonic, so a rank may start processes of its own (DataLoader workers); the `finally`
                 # below kills any rank still running however this call ends.
@@ -209,7 +214,8 @@ def _read_result(path: Path) -> tuple[str, Any]:
 
 
 def _child(
-    rank: int, world_size: int, port: int, target: _FunctionRef, args: tuple, result_dir: str, timeout: float
+    rank: int, world_size: int, port: int, target: _FunctionRef, args: tuple, result_dir: str, timeout: float,
+    backend: str = "gloo",
 ) -> None:
     # Ranks share the machine's cores: one intra-op thread each avoids oversubscription and keeps timing sane.
     torch.set_num_threads(1)
@@ -218,8 +224,11 @@ def _child(
         # container may not route to itself.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
+        if "nccl" in backend:
+            # NCCL binds a communicator to the current device: pick it before the group exists.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,

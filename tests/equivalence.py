@@ -1,4 +1,4 @@
-"""The equivalence matrix's machinery: every engine on 2 gloo ranks against one process on the full batch.
+"""The equivalence matrix's machinery: every engine on N ranks against one process on the full batch.
 
 The argument: with the global batch of 8 split 4/4 and ``loss = mean over the local batch``, the average of
 the two local gradients, ``(sum_0 / 4 + sum_1 / 4) / 2 = (sum_0 + sum_1) / 8``, is the full-batch gradient.
@@ -13,11 +13,19 @@ anywhere the spawned ranks import (a test module registering a toy one, say) run
 Each rank seeds its model differently (``MODEL_SEED + rank``) before wrapping, so the ranks only agree, and
 only match the reference (built from ``MODEL_SEED``), because the constructor broadcasts rank 0's
 parameters and buffers.
+
+Devices and layouts: ``run_jobs(..., device=)`` trains on any device; models are built on the CPU from the seed and
+then moved, and batches are drawn on the CPU and moved, so every device starts from the same numbers. What comes
+back is on the CPU (the parent needs no GPU). The CPU suite runs 2 gloo ranks; the GPU tier (``tests/gpu``) runs
+the same jobs on CUDA tensors at NCCL world size 1 and as 2 gloo ranks sharing one GPU (``tests.device_matrix``).
+The global batch of 8 divides over 1, 2, 4 or 8 ranks. ZeRO-1 joins the matrix as ``ZERO1_VARIANTS`` (a
+container plus a ``ShardedOptimizer``), checked by ``check_zero1_matches_single_process``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ddp.sync import BucketedDDP, Recorder
+from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer
 from lightning_ddp.sync.registry import get_algorithm
 
-WORLD_SIZE = 2
-GLOBAL_BATCH = 8  # 4 samples per rank
+WORLD_SIZE = 2  # the CPU suite's layout; run_jobs takes any world size that divides GLOBAL_BATCH
+GLOBAL_BATCH = 8  # 4 samples per rank on 2 ranks
 PER_RANK = GLOBAL_BATCH // WORLD_SIZE
 MODEL_SEED = 1000  # rank r builds its model from MODEL_SEED + r; the reference from MODEL_SEED (rank 0's)
 LR, WEIGHT_DECAY = 1e-2, 0.1
@@ -66,18 +74,44 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
 }
 
 
+# ZeRO-1 as engines of the matrix: name -> (schedule, collectives). The container is the one the zero1_ddp strategy
+# builds (DeferredGradSync for reduce_scatter; a bucketed engine for allreduce_broadcast), the optimizer a
+# ShardedOptimizer over AdamW with the reference's hyperparameters. Both implementations of the collectives on
+# every backend: `per_owner` (reduce / broadcast per owner) and `native` (reduce-scatter / all-gather).
+ZERO1_VARIANTS: dict[str, tuple[str, str]] = {
+    "zero1_allreduce_broadcast_per_owner": ("allreduce_broadcast", "per_owner"),
+    "zero1_allreduce_broadcast_native": ("allreduce_broadcast", "native"),
+    "zero1_reduce_scatter_per_owner": ("reduce_scatter", "per_owner"),
+    "zero1_reduce_scatter_native": ("reduce_scatter", "native"),
+}
+ZERO1_CASES = ("plain", "bf16")  # ZeRO-1's own corner cases (tied, frozen, groups, unfreezing) are test_zero1's
+
+
 def make_engine(name: str, module: nn.Module) -> nn.Module:
-    """A registered algorithm's engine (with buckets: the several-buckets cap), or one of ``VARIANTS``."""
+    """A registered algorithm's engine (with buckets: the several-buckets cap), one of ``VARIANTS``, or the
+    container of one of ``ZERO1_VARIANTS``."""
     if name in VARIANTS:
         return VARIANTS[name](module)
+    if name in ZERO1_VARIANTS:
+        schedule, _ = ZERO1_VARIANTS[name]
+        return DeferredGradSync(module) if schedule == "reduce_scatter" else BucketedDDP(module, SEVERAL_BUCKETS_CAP / MiB)
     algorithm = get_algorithm(name)
     size = SEVERAL_BUCKETS_CAP / MiB if algorithm.has_bucket_size else "default"
     return algorithm.make_engine(module, bucket_size_mb=size)
 
 
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """AdamW with the reference's hyperparameters; sharded (ZeRO-1) for the ``ZERO1_VARIANTS``."""
+    if name in ZERO1_VARIANTS:
+        schedule, collectives = ZERO1_VARIANTS[name]
+        return ShardedOptimizer(params, torch.optim.AdamW, schedule=schedule, collectives=collectives, lr=LR,
+                                weight_decay=WEIGHT_DECAY)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
 def tolerances(name: str, case: Case) -> tuple[dict, dict]:
     """(weights, gradients) tolerances: bf16 ones for the bf16 case and for lossy (not ``exact``) algorithms."""
-    lossy = name not in VARIANTS and not get_algorithm(name).exact
+    lossy = name not in VARIANTS and name not in ZERO1_VARIANTS and not get_algorithm(name).exact
     return (BF16_TOL, BF16_GRAD_TOL) if case.bf16 or lossy else (FP32_TOL, FP32_GRAD_TOL)
 
 
@@ -210,7 +244,7 @@ class Case:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     steps: int = 3
     micro_batches: int = 1  # > 1: all but the last micro-batch run under no_sync()
-    bf16: bool = False  # forward under torch.autocast("cpu", dtype=torch.bfloat16)
+    bf16: bool = False  # forward under torch.autocast(<device type>, dtype=torch.bfloat16)
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...): False keeps .grad (an engine's view) alive
 
 
@@ -229,15 +263,15 @@ CASES = {
 
 
 def jobs_for(engines: list[str]) -> list[tuple[str, str]]:
-    """Every case for each of ``engines``."""
-    return [(engine, case) for engine in engines for case in CASES]
+    """Every case for each of ``engines`` (the ZeRO-1 variants: ``ZERO1_CASES``)."""
+    return [(engine, case) for engine in engines for case in (ZERO1_CASES if engine in ZERO1_VARIANTS else CASES)]
 
 
 # ---- what runs on each rank ----------------------------------------------------------------------
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # CPU: the parent may have no GPU
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -248,27 +282,42 @@ def _grad_none(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.grad is None]
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+def _grads(model: nn.Module, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()
+            if p.grad is not None and (only is None or n in only)}
 
 
-def _forward_context(case: Case):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if case.bf16 else contextlib.nullcontext()
+def _forward_context(case: Case, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if case.bf16 else contextlib.nullcontext()
 
 
-def _train_ddp(rank: int, engine: str, case: Case) -> dict:
-    torch.manual_seed(MODEL_SEED + rank)  # different weights on each rank until the broadcast
-    model = case.build()
+def _build(case: Case, seed: int, device: torch.device) -> nn.Module:
+    """``case``'s model from ``seed``, built on the CPU (the same numbers whatever the device) and moved."""
+    torch.manual_seed(seed)
+    return case.build().to(device)
+
+
+def _batch(case: Case, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = case.batch(step)  # drawn on the CPU: the same global batch on every rank and device
+    return inputs.to(device), targets.to(device)
+
+
+def _train_ddp(rank: int, world_size: int, engine: str, case: Case, device: torch.device) -> dict:
+    model = _build(case, MODEL_SEED + rank, device)  # different weights on each rank until the broadcast
     before_wrap = _state(model)
     ddp = make_engine(engine, model)
     after_wrap = _state(model)
-    recorder = Recorder()  # what each step communicated
+    recorder = Recorder(device)  # what each step communicated (CUDA events on a GPU)
     ddp.recorder = recorder
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = make_optimizer(engine, ddp.parameters())
+    zero1 = ZERO1_VARIANTS.get(engine)
+    if zero1 is not None:
+        optimizer.recorder = recorder  # ZeRO-1's own collectives run inside optimizer.step()
+    per_rank = GLOBAL_BATCH // world_size
     steps = []
     for step in range(case.steps):
-        inputs, targets = case.batch(step)
-        local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        inputs, targets = _batch(case, step, device)
+        local = slice(rank * per_rank, (rank + 1) * per_rank)
         micro_inputs = inputs[local].chunk(case.micro_batches)
         micro_targets = targets[local].chunk(case.micro_batches)
         collectives_in_no_sync = 0
@@ -277,7 +326,7 @@ def _train_ddp(rank: int, engine: str, case: Case) -> dict:
             ddp.on_train_batch_start()  # as the strategy calls it: every micro-batch
             last = i == case.micro_batches - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
-                with _forward_context(case):
+                with _forward_context(case, device):
                     # Each micro-batch is a mean over its samples; / micro_batches makes the sum the local mean.
                     loss = case.loss(ddp(x), y) / case.micro_batches
                 loss.backward()
@@ -285,18 +334,28 @@ def _train_ddp(rank: int, engine: str, case: Case) -> dict:
                 collectives_in_no_sync += len(recorder.record.collectives)
         grad_none_before_sync = _grad_none(model)
         ddp.finish_gradient_synchronization()
-        record = recorder.finish_step()
+        grad_none, grads = _grad_none(model), _grads(model)
+        if zero1 is None:
+            record = recorder.finish_step()
+            optimizer.step()
+        else:
+            optimizer.step()  # ZeRO-1 communicates in here too: part of the step's record
+            if zero1[0] == "reduce_scatter":
+                # The gradients stayed local until step() reduce-scattered them: now each owner holds the average of
+                # its own parameters' gradients (the others keep their local ones), so compare those.
+                owned = {n for n, p in model.named_parameters() if p.requires_grad and optimizer.owner(p) == rank}
+                grads = _grads(model, owned)
+            record = recorder.finish_step()
         steps.append(
             dict(
                 collectives=list(record.collectives),
                 exposed=len(record.exposed),
                 collectives_in_no_sync=collectives_in_no_sync,
                 grad_none_before_sync=grad_none_before_sync,
-                grad_none=_grad_none(model),
-                grads=_grads(model),
+                grad_none=grad_none,
+                grads=grads,
             )
         )
-        optimizer.step()
         optimizer.zero_grad(set_to_none=case.set_to_none)
     return dict(
         before_wrap=before_wrap,
@@ -309,15 +368,14 @@ def _train_ddp(rank: int, engine: str, case: Case) -> dict:
     )
 
 
-def _train_reference(case: Case) -> dict:
+def _train_reference(case: Case, device: torch.device) -> dict:
     """Single process, full batch of 8, no micro-batching: what every engine must reproduce."""
-    torch.manual_seed(MODEL_SEED)
-    model = case.build()
+    model = _build(case, MODEL_SEED, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     grad_none, grads = [], []
     for step in range(case.steps):
-        inputs, targets = case.batch(step)
-        with _forward_context(case):
+        inputs, targets = _batch(case, step, device)
+        with _forward_context(case, device):
             loss = case.loss(model(inputs), targets)
         loss.backward()
         grad_none.append(_grad_none(model))
@@ -327,18 +385,31 @@ def _train_reference(case: Case) -> dict:
     return dict(final=_state(model), grad_none=grad_none, grads=grads)
 
 
-def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
-    """Spawned on each rank: ``{"runs": {(engine, case): ...}, "references": {case: ...} on rank 0}``."""
-    assert world_size == WORLD_SIZE
+def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]], device: str = "cpu", keep_going: bool = False) -> dict:
+    """Spawned on each rank: ``{"runs": {(engine, case): ...}, "references": {case: ...} on rank 0}``.
+
+    ``device``: where every rank (and the reference) trains, e.g. ``cuda`` (each rank's current GPU).
+    ``keep_going``: a job that raises becomes ``{"error": traceback}`` and the next job runs, so one broken engine
+    fails its own tests only (at world size 1; with more ranks a peer may be left waiting in a collective, and the
+    run then fails at its time limit).
+    """
+    if GLOBAL_BATCH % world_size:
+        raise ValueError(f"the global batch of {GLOBAL_BATCH} does not split over {world_size} ranks; use 1, 2, 4 or 8")
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
     runs = {}
     for engine, case in jobs:
         try:
-            runs[engine, case] = _train_ddp(rank, engine, CASES[case])
+            runs[engine, case] = _train_ddp(rank, world_size, engine, CASES[case], where)
         except Exception as error:
-            raise RuntimeError(f"engine={engine!r} case={case!r} failed on rank {rank}") from error
+            if keep_going:
+                runs[engine, case] = {"error": f"rank {rank} ({where}):\n{traceback.format_exc()}"}
+                continue
+            raise RuntimeError(f"engine={engine!r} case={case!r} failed on rank {rank} ({where})") from error
     cases = dict.fromkeys(case for _, case in jobs)
-    references = {case: _train_reference(CASES[case]) for case in cases} if rank == 0 else None
-    return dict(runs=runs, references=references)
+    references = {case: _train_reference(CASES[case], where) for case in cases} if rank == 0 else None
+    return dict(runs=runs, references=references, device=str(where), world_size=world_size)
 
 
 # ---- checks every algorithm must pass (used by test_sync_equivalence and by the toy-algorithm test) -----
@@ -396,3 +467,37 @@ def check_grad_none_and_record(ranks: list[dict], engine: str, case: str) -> Non
                 assert c.wait is not None and c.wait[0] <= c.wait[1], c.label
                 # Finished records are in ms on one axis: completion cannot precede launch.
                 assert isinstance(c.launched, float) and c.launched <= c.completed, c.label
+
+
+# What ZeRO-1 sends, per (schedule, collectives): the gradient phase, then the parameter phase. The all-reduces
+# are the container's buckets (allreduce_broadcast) or the gradient-presence flags (reduce_scatter, every step).
+ZERO1_OPS: dict[tuple[str, str], set[str]] = {
+    ("allreduce_broadcast", "per_owner"): {"all_reduce", "broadcast"},
+    ("allreduce_broadcast", "native"): {"all_reduce", "all_gather"},
+    ("reduce_scatter", "per_owner"): {"all_reduce", "reduce", "broadcast"},
+    ("reduce_scatter", "native"): {"all_reduce", "reduce_scatter", "all_gather"},
+}
+
+
+def check_zero1_matches_single_process(ranks: list[dict], engine: str, case: str) -> None:
+    """A ZeRO-1 variant: the weights equal one process's (the ranks' bitwise equal), the averaged gradients each
+    rank holds equal the full-batch ones, and it sent through the collectives its ``collectives`` choice names."""
+    schedule, collectives = ZERO1_VARIANTS[engine]
+    references = ranks[0]["references"][case]
+    tol, grad_tol = tolerances(engine, CASES[case])
+    runs = runs_of(ranks, engine, case)
+    compared: set[str] = set()
+    for rank, run in enumerate(runs):
+        assert_states_close(run["final"], references["final"], tol, f"rank {rank} vs single process")
+        # Every rank ends with the owners' updates bit for bit: parameters travel, they are not recomputed.
+        assert all(torch.equal(value, runs[0]["final"][key]) for key, value in run["final"].items()), rank
+        for step, (ours, reference) in enumerate(zip([s["grads"] for s in run["steps"]], references["grads"])):
+            assert ours and set(ours) <= set(reference), (rank, step, sorted(ours))
+            assert_states_close(ours, {k: reference[k] for k in ours}, grad_tol, f"rank {rank} step {step} .grad")
+            compared |= set(ours)
+        for step in run["steps"]:
+            assert {c.op for c in step["collectives"]} == ZERO1_OPS[schedule, collectives], step["collectives"]
+            for c in step["collectives"]:
+                assert isinstance(c.launched, float) and c.launched <= c.completed, c.label
+    # Over the ranks every parameter's averaged gradient was seen (reduce_scatter: each by its owner).
+    assert compared == set(references["grads"][0]), sorted(set(references["grads"][0]) - compared)

@@ -15,6 +15,8 @@ module              what it does
 ``allreduce``       the all-reduce microbenchmark job behind the prediction
 ``memory``          per-rank memory with and without ZeRO-1 (``python -m lightning_ddp.bench.memory``)
 ``timer_overhead``  what the CommTimer costs (``python -m lightning_ddp.bench.timer_overhead``)
+``gpu_study``       the whole GPU study in one command, in stages under a time budget
+                    (``python -m lightning_ddp.bench.gpu_study --out DIR``; ``--cpu_dry_run true`` rehearses it)
 ==================  =========================================================================================
 
 Importing this package is cheap: the modules load on first use.

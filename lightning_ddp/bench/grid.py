@@ -48,6 +48,7 @@ __all__ = [
     "expand_grid",
     "rank_environments",
     "rank_layout",
+    "without_launcher_variables",
 ]
 
 # Variables by which launchers (torchrun, SLURM, MPI, LSF) tell a process its rank. A cell is its own
@@ -298,14 +299,17 @@ def threads_per_rank(config: SweepConfig, cpu_count: int | None = None) -> int |
     return max(1, (cpu_count or os.cpu_count() or 1) // config.run.devices)
 
 
+def without_launcher_variables(parent: dict[str, str] | None = None) -> dict[str, str]:
+    """``parent`` (default: this process's environment) without the variables launchers tell ranks by, so that a
+    job started from inside another (a sweep under SLURM, a study under torchrun) is its own single-machine job."""
+    parent = dict(os.environ if parent is None else parent)
+    return {k: v for k, v in parent.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
+
+
 def base_environment(config: SweepConfig, parent: dict[str, str] | None = None) -> dict[str, str]:
     """The sweep's environment without launcher variables, plus ``run.env``, unbuffered output, the threads and
     ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set)."""
-    parent = dict(os.environ if parent is None else parent)
-    env = {
-        k: v for k, v in parent.items()
-        if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)
-    }
+    env = without_launcher_variables(parent)
     env["PYTHONUNBUFFERED"] = "1"  # logs stream to the rank files as they happen (the reason of a crash survives)
     threads = threads_per_rank(config)
     if threads is not None:

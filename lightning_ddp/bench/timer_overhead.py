@@ -72,7 +72,14 @@ def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]
                     "--trainer.callbacks.path", str(out),
                 ]
                 print(f"repeat {repeat + 1}/{repeats}, timer {mode}", flush=True)
-                subprocess.run(command, check=True, capture_output=True, text=True)
+                proc = subprocess.run(command, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    from lightning_ddp.bench.runner import error_line
+
+                    # The fit's own error, not the (long) command line CalledProcessError would show.
+                    print(proc.stderr[-8000:], file=sys.stderr, flush=True)
+                    raise RuntimeError(f"the fit with the timer {mode} exited {proc.returncode}: "
+                                       f"{error_line(proc.stdout + proc.stderr) or 'no error line'}")
                 measured = json.loads(out.read_text())
                 runs[mode].append(measured["steps_ms"][warmup:])
                 windows[mode].append(measured["window_ms"] / len(measured["steps_ms"]))

@@ -1,0 +1,57 @@
+"""``python -m lightning_ddp.bench.gpu_study --out DIR [--budget_min 20] [--cpu_dry_run true]``: the GPU study.
+
+Every field of ``GPUStudyConfig`` is a flag (``--stages [environment,compute]``, ``--root CHECKOUT``); ``--help``
+documents them. Exit status: 0 when every stage that ran is ok, 1 when one failed, 2 for a bad command line or no
+CUDA without ``--cpu_dry_run``, 130 when interrupted (what finished is in DIR).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from jsonargparse import set_parsing_settings
+
+from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
+
+try:  # jsonargparse >= 4.32
+    from jsonargparse import auto_cli
+except ImportError:  # pragma: no cover - older jsonargparse
+    from jsonargparse import CLI as auto_cli
+
+# Attribute docstrings (a string under a dataclass field) become --help text.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def parse_config(args: list[str] | None = None) -> GPUStudyConfig:
+    """The ``GPUStudyConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
+    try:
+        return auto_cli(GPUStudyConfig, args=args, description=GPUStudyConfig.__doc__,
+                        prog="python -m lightning_ddp.bench.gpu_study")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through the stage, whose process runner kills what it started
+
+
+def main(args: list[str] | None = None) -> int:
+    config = parse_config(args)
+    from lightning_ddp.bench.gpu_study.study import run_study  # after parsing: --help stays fast
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        document = run_study(config)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the finished stages are in {config.out} (stages.json, results.md)", file=sys.stderr)
+        return 130
+    return 1 if any(stage["status"] == "failed" for stage in document["stages"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""A callback of the study's fits: ``SaveFinalWeights``, for comparing what two runs trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+__all__ = ["SaveFinalWeights"]
+
+
+class SaveFinalWeights(Callback):
+    """At the end of fit, rank 0 saves the LightningModule's ``state_dict`` (on the CPU) to ``path``.
+
+    ``--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights --trainer.callbacks.path FILE``
+
+    Args:
+        path: The file to write (``torch.save`` of a dict of tensors; read it with ``torch.load(weights_only=True)``).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({k: v.detach().cpu() for k, v in pl_module.state_dict().items()}, self.path)

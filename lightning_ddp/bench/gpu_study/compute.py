@@ -1,0 +1,211 @@
+"""The compute figures of one device: step time, tokens/s, MFU and peak memory of a preset at the largest batch.
+
+No Lightning and no communication: the model (``lightning_ddp.model.GPT``, built directly on the device), AdamW
+with the LightningModule's parameter groups and the same loss, timed step by step. What it answers is how fast
+one GPU computes the study's model, the floor every data-parallel strategy adds its communication to.
+
+Recipe (``measure``, run in its own process: ``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``):
+
+1. The pre-flight proposes a batch: ``largest_batch`` of ``lightning_ddp.memory`` under ``memory_budget_bytes``
+   (the device's memory, one rank), capped at ``max_batch``.
+2. Try it: ``warmup`` steps, then ``steps`` timed ones (CUDA events on a GPU, the host clock on CPU). On an
+   out-of-memory error, free everything the attempt held and try the next smaller batch of
+   ``batch_candidates`` (about 20 % smaller each time), so the batch that really fits is found in a few tries.
+3. Report the median step, tokens/s, MFU (the step's training FLOPs, ``GPT.flops_per_token``, over the device's
+   dense peak for the compute dtype in ``lightning_ddp.hardware``) and the peak allocated and reserved memory next to the estimate's peak.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["batch_candidates", "first_that_fits", "measure"]
+
+
+def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
+    """``first`` and the batches to fall back to on out-of-memory errors, each about 20 % smaller, down to 1.
+
+    >>> batch_candidates(10)
+    [10, 8, 6, 4, 3, 2, 1]
+    >>> batch_candidates(1)
+    [1]
+    """
+    if first < 1:
+        return []
+    out = [first]
+    while out[-1] > 1:
+        out.append(min(out[-1] - 1, int(out[-1] * shrink)))
+    return out
+
+
+def first_that_fits(candidates: list[int], attempt: Callable[[int], dict[str, Any]],
+                    is_oom: Callable[[BaseException], bool], after_oom: Callable[[], None] | None = None,
+                    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """Try ``attempt(batch)`` for each candidate in order until one does not run out of memory.
+
+    Returns the first result (or ``None``) and every attempt as ``{"batch", "status"}`` (``ok`` or ``oom``). Any
+    other error propagates: it is not a matter of size. ``after_oom`` runs once the failed attempt's exception,
+    and with it every tensor its frames held, is gone (inside the ``except`` they would still be alive).
+
+    >>> def attempt(b):
+    ...     if b > 6:
+    ...         raise MemoryError("out of memory")
+    ...     return {"batch": b}
+    >>> first_that_fits([10, 8, 6, 4], attempt, lambda e: isinstance(e, MemoryError))
+    ({'batch': 6}, [{'batch': 10, 'status': 'oom'}, {'batch': 8, 'status': 'oom'}, {'batch': 6, 'status': 'ok'}])
+    """
+    attempts: list[dict[str, Any]] = []
+    for batch in candidates:
+        out_of_memory = False
+        try:
+            result = attempt(batch)
+        except BaseException as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_oom(error):
+                raise
+            out_of_memory = True
+        if out_of_memory:
+            attempts.append({"batch": batch, "status": "oom"})
+            if after_oom is not None:
+                after_oom()
+            continue
+        attempts.append({"batch": batch, "status": "ok"})
+        return result, attempts
+    return None, attempts
+
+
+def _compute_dtype(precision: str) -> str:
+    import torch
+
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _peak_flops(device, dtype: str) -> float | None:
+    """The device's dense peak for ``dtype`` from ``lightning_ddp.hardware`` (a MIG slice: its share of the SMs)."""
+    import torch
+
+    from lightning_ddp.hardware import dense_peak_flops
+
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return dense_peak_flops(properties.name, dtype, sm_count=properties.multi_processor_count)
+    return dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
+
+
+def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
+            device: str = "cuda") -> dict[str, Any]:
+    """Steps of ``preset`` at the largest batch that fits (module recipe); everything measured, as a dict."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_ddp.memory import estimate_rank_memory, largest_batch, memory_budget_bytes
+    from lightning_ddp.model import GPT, get_config
+
+    where = torch.device(device)
+    config = get_config(preset, context_length=seq_len)
+    estimate_kwargs = dict(seq_len=seq_len, precision=precision, strategy="single", world_size=1,
+                           device_type=where.type)
+    budget = memory_budget_bytes(where.type, 1)
+    proposed = largest_batch(config, budget_bytes=budget, max_batch=max_batch, **estimate_kwargs)
+    torch.manual_seed(0)
+    with torch.device(where):  # built on the device: initialising 2 B parameters on the host takes a minute
+        model = GPT(config)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=3e-4, betas=(0.9, 0.95))
+    autocast = precision.startswith(("bf16", "16")) and precision.endswith("mixed")
+    amp_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    cuda = where.type == "cuda"
+
+    def attempt(batch: int) -> dict[str, Any]:
+        tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1), device=where)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(where)
+        times = []
+        for step in range(warmup + steps):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                t0 = time.perf_counter()
+            with torch.autocast(where.type, dtype=amp_dtype, enabled=autocast):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = (time.perf_counter() - t0) * 1e3
+            if step >= warmup:
+                times.append(ms)
+        return {"batch": batch, "step_ms": times}
+
+    def free() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    # torch.OutOfMemoryError is torch >= 2.5's name; older versions raise torch.cuda.OutOfMemoryError (the same class).
+    oom_types = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
+
+    def is_oom(error: BaseException) -> bool:
+        return isinstance(error, oom_types) or "out of memory" in str(error).lower()
+
+    results = None
+    attempts: list[dict[str, Any]] = []
+    if proposed >= 1:
+        results, attempts = first_that_fits(batch_candidates(proposed), attempt, is_oom, after_oom=free)
+    out: dict[str, Any] = {
+        "preset": preset, "precision": precision, "seq_len": seq_len, "device": str(where),
+        "device_name": torch.cuda.get_device_name(where) if cuda else "cpu",
+        "parameters": sum(p.numel() for p in model.parameters()), "budget_bytes": budget,
+        "preflight_batch": proposed, "max_batch": max_batch, "attempts": attempts,
+        "compute_dtype": _compute_dtype(precision), "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    if results is None:
+        return out
+    batch = results["batch"]
+    step_ms = statistics.median(results["step_ms"])
+    tokens_per_s = batch * seq_len / (step_ms / 1e3)
+    peak = _peak_flops(where, out["compute_dtype"])
+    estimate = estimate_rank_memory(config, batch_size=batch, **estimate_kwargs)
+    out.update(
+        batch=batch, step_ms=results["step_ms"], step_ms_median=step_ms, tokens_per_s=tokens_per_s,
+        flops_per_token=model.flops_per_token(seq_len), peak_flops=peak,
+        mfu=tokens_per_s * model.flops_per_token(seq_len) / peak if peak else None,
+        peak_allocated_bytes=torch.cuda.max_memory_allocated(where) if cuda else None,
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(where) if cuda else None,
+        estimate_bytes=estimate.total_bytes, estimate_parts=estimate.parts, estimate_table=estimate.table(),
+    )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``REQUEST OUT``: measure with the keyword arguments in the JSON file ``REQUEST``, write the result to ``OUT``."""
+    request_path, out_path = argv
+    result = measure(**json.loads(Path(request_path).read_text()))
+    tmp = Path(out_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

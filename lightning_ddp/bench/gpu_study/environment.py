@@ -1,0 +1,131 @@
+"""What the study ran on: ``python -m lightning_ddp.bench.gpu_study.environment OUT [cuda|cpu]``.
+
+Run in its own process, so that the study's own process never creates a CUDA context (it would hold ~0.5 GiB of
+the GPU that the stages' processes need). Records the device (name, memory, SM count, compute capability, UUID,
+MIG slice), the driver (NVIDIA driver version from ``nvidia-smi``, the CUDA driver API version), the software
+(torch and its CUDA, cuDNN and NCCL, Lightning, Python), the host, the hardware table's row for the device
+(``lightning_ddp.hardware``: the peaks MFU is computed against) and the git state of the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["describe"]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _nvidia_smi(query: str) -> str | None:
+    """One ``nvidia-smi --query-gpu`` field of the first GPU, or None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu(index: int) -> dict[str, Any]:
+    import torch
+
+    from lightning_ddp.hardware import compute_share, find_device, mig_profile
+
+    p = torch.cuda.get_device_properties(index)
+    spec = find_device(p.name)
+    return {
+        "name": p.name,
+        "total_memory_bytes": p.total_memory,
+        "sm_count": p.multi_processor_count,
+        "compute_capability": f"{p.major}.{p.minor}",
+        "uuid": str(getattr(p, "uuid", "")) or None,
+        "mig_profile": mig_profile(p.name),
+        "compute_share": compute_share(p.name, p.multi_processor_count),
+        "hardware_table": None if spec is None else {
+            "key": spec.key, "dense_tflops": spec.dense_tflops, "memory_GBps": spec.memory_GBps,
+            "memory_GB": spec.memory_GB, "sm_count": spec.sm_count, "source": spec.source,
+        },
+    }
+
+
+def describe(device: str = "cuda") -> dict[str, Any]:
+    """Everything in the module docstring, for ``device`` (``cuda``: every visible GPU; ``cpu``: the host only)."""
+    import torch
+
+    from lightning_ddp.memory import memory_budget_bytes
+    from lightning_ddp.provenance import git_state
+
+    cuda = device == "cuda" and torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        try:
+            version = torch.cuda.nccl.version()  # (2, 21, 5) in torch 2.x; one int (22105) in some older builds
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except (AttributeError, RuntimeError):  # a build without NCCL
+            nccl = None
+    try:
+        driver_api = torch._C._cuda_getDriverVersion() if cuda else None  # e.g. 12040 for CUDA 12.4
+    except (AttributeError, RuntimeError):
+        driver_api = None
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": "cuda" if cuda else "cpu",
+        "gpus": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "nvidia_driver": _nvidia_smi("driver_version") if cuda else None,
+        "cuda_driver_api": driver_api,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nccl": nccl,
+        "lightning": _version("lightning"),
+        "jsonargparse": _version("jsonargparse"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "cpu": {"model": _cpu_model(), "count": os.cpu_count()},
+        "memory_budget_bytes": memory_budget_bytes("cuda" if cuda else "cpu", 1),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        **git_state(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    device = argv[1] if len(argv) > 1 else "cuda"
+    data = describe(device)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

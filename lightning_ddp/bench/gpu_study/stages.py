@@ -1,0 +1,627 @@
+"""The stages of the GPU study: one small function each, and ``STAGES``, the one table of them.
+
+A stage function takes the ``StudyContext`` (where to write, how long it may take, the scale of its work) and
+returns a ``StageResult``: the data ``report.py`` renders (written as ``<out>/<name>.json``), the files it wrote
+(relative to ``<out>``), and the problems it found. A problem (a strategy that crashed, a weight that differs, a
+failing test) makes the stage ``failed`` with the first problem as its error line, after its files are written;
+an exception does the same with the exception's line. Either way the study goes on with the next stage.
+
+Every process a stage starts is bounded by ``ctx.stage_deadline()``: the smaller of what is left of the budget
+and 1.5 times the stage's estimate (at least a minute more than it), so one stage running long cannot eat the
+ones after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, Scale
+from lightning_ddp.bench.gpu_study.fits import FitResult, FitSpec, run_fits
+
+__all__ = ["STAGES", "Stage", "StageResult", "StudyContext", "step_problems"]
+
+
+# ---- the context and the result ---------------------------------------------------------------------------
+
+
+@dataclass
+class StudyContext:
+    """What every stage gets: the config, where to write, the clock, and how to start processes."""
+
+    config: GPUStudyConfig
+    scale: Scale
+    out: Path
+    """The study's output directory."""
+    root: Path
+    """The repository checkout (configs/, tests/)."""
+    cuda: bool
+    """Whether a CUDA device is visible (read in a child process: the study's own process holds no CUDA context)."""
+    deadline: float
+    """``time.monotonic()`` at which the budget ends."""
+    log: Callable[[str], None] = print
+    stage_estimate_s: float = 0.0
+    """The running stage's estimate (set by the study before each stage)."""
+    stage_started: float = 0.0
+
+    def remaining(self) -> float:
+        """Seconds left of the budget."""
+        return self.deadline - time.monotonic()
+
+    def stage_deadline(self) -> float:
+        """Seconds this stage's processes may still run (module docstring)."""
+        allowed = max(1.5 * self.stage_estimate_s, self.stage_estimate_s + 60.0)
+        return max(0.0, min(self.remaining(), self.stage_started + allowed - time.monotonic()))
+
+    def stage_dir(self, name: str) -> Path:
+        path = self.out / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def device(self) -> str:
+        return self.scale.device
+
+    @property
+    def backend(self) -> str:
+        """The backend of one rank per device: NCCL on a GPU, gloo on CPU."""
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    def threads(self, ranks: int) -> int | None:
+        """``OMP_NUM_THREADS`` of each of ``ranks`` CPU processes (the cores shared out); unset on a GPU."""
+        return max(1, (os.cpu_count() or 1) // ranks) if self.device == "cpu" else None
+
+    def env(self) -> dict[str, str]:
+        """Extra environment of every process: PYTHONPATH at the checkout (its code, whatever is installed)."""
+        path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)
+        return {"PYTHONPATH": path, **self.config.extra_env}
+
+    def run_python(self, args: list[str], log: Path, timeout_s: float | None = None) -> tuple[int | None, bool, str]:
+        """``python ARGS`` in the checkout, output to ``log``; (exit code, timed out, error line)."""
+        from lightning_ddp.bench.grid import without_launcher_variables
+        from lightning_ddp.bench.runner import error_line, run_processes
+
+        env = {**without_launcher_variables(), "PYTHONUNBUFFERED": "1", **self.env()}
+        threads = self.threads(1)
+        if threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+        limit = self.stage_deadline() if timeout_s is None else min(timeout_s, self.stage_deadline())
+        log.parent.mkdir(parents=True, exist_ok=True)
+        result = run_processes([sys.executable, *args], [env], [log], max(limit, 1.0), cwd=str(self.root))
+        text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+        return result.returncodes[0], result.timed_out, error_line(text)
+
+    def fits(self, name: str, specs: list[FitSpec], ranks: int = 1) -> list[FitResult]:
+        """``run_fits`` into ``<out>/<name>/``, bounded by the stage's deadline."""
+        return run_fits(specs, self.stage_dir(name), ranks=ranks, timeout_s=self.stage_deadline(),
+                        cwd=str(self.root), env=self.env(), threads=self.threads(ranks))
+
+
+@dataclass
+class StageResult:
+    """What a stage produced."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    """What ``report.py`` renders; written to ``<out>/<name>.json``."""
+    files: list[str] = field(default_factory=list)
+    """Files the stage wrote, relative to the output directory."""
+    problems: list[str] = field(default_factory=list)
+    """What went wrong; the first is the stage's error line, and any makes it ``failed``."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of ``STAGES``."""
+
+    name: str
+    title: str
+    estimate_s: float
+    """Seconds on one H100 or H200 (``GPU_SCALE``), start-up included."""
+    dry_run_estimate_s: float
+    """Seconds of the CPU dry run (``DRY_RUN_SCALE``) on 2 cores."""
+    needs_cuda: bool
+    """Cannot run at all without a GPU (``skipped: no CUDA`` in a dry run); the others run on CPU in a dry run."""
+    run: Callable[[StudyContext], StageResult]
+    shows: str
+    """What the stage shows, one sentence (results.md, the README)."""
+
+    def estimate(self, dry_run: bool) -> float:
+        return self.dry_run_estimate_s if dry_run else self.estimate_s
+
+
+# ---- shared pieces ---------------------------------------------------------------------------------------------
+
+
+def strategy_names() -> list[str]:
+    """Every strategy a user can pick: one per registered algorithm, ``zero1_ddp``, and Lightning's ``ddp``."""
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    return [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "ddp"]
+
+
+def strategy_argument(strategy: str, backend: str) -> str:
+    """``--trainer.strategy`` for ``strategy`` on ``backend`` (a class path with its arguments, as JSON)."""
+    if strategy in ("ddp", "auto"):
+        if strategy == "auto":
+            return "auto"
+        return json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
+                           "init_args": {"process_group_backend": backend}})
+    if strategy == "zero1_ddp":
+        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
+                           "init_args": {"process_group_backend": backend}})
+    return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy",
+                       "init_args": {"algorithm": strategy.removesuffix("_ddp"), "process_group_backend": backend}})
+
+
+def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
+             strategy: str, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The CLI arguments (after ``fit``) of one fit on the study's device: ``ranks`` ranks share it over gloo."""
+    backend = ctx.backend if ranks == 1 else "gloo"
+    return (
+        "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
+        "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
+        "--trainer.accelerator", ctx.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
+        "--trainer.strategy", strategy_argument(strategy, backend), "--trainer.precision", precision,
+        "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
+        "--timer.warmup_steps", str(warmup), *extra,
+    )
+
+
+def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
+    """What the CommTimer's accounting guarantees and a step of ``summary`` breaks: a number that is not finite,
+    exposed or busy communication longer than the step, a clock anomaly (``tests/fits.py`` asserts the same)."""
+    import math
+
+    if not summary:
+        return [f"{what}: no timing summary"]
+    problems = []
+    for row in summary.get("steps", []):
+        step, step_ms = row.get("step"), row.get("step/time_ms", 0.0)
+        bad = [k for k, v in row.items() if not (isinstance(v, (int, float)) and math.isfinite(v))]
+        if bad:
+            problems.append(f"{what}: step {step}: {bad[0]} = {row[bad[0]]!r}")
+        for key in ("comm/exposed_ms", "comm/busy_ms"):
+            if row.get(key, 0.0) > step_ms + 1e-3:
+                problems.append(f"{what}: step {step}: {key} {row[key]:.3f} > step {step_ms:.3f} ms")
+        if row.get("comm/clock_anomalies", 0):
+            problems.append(f"{what}: step {step}: {row['comm/clock_anomalies']:.0f} clock anomalies")
+    return problems
+
+
+def _median(summary: dict[str, Any] | None, key: str) -> float | None:
+    value = ((summary or {}).get("summary") or {}).get(key, {}).get("median")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _rel(ctx: StudyContext, path: Path) -> str:
+    return path.resolve().relative_to(ctx.out.resolve()).as_posix()
+
+
+def _fit_row(result: FitResult) -> dict[str, Any]:
+    """The numbers of one fit that the report shows."""
+    keys = ("step/time_ms", "comm/exposed_ms", "comm/busy_ms", "comm/share", "comm/overlap", "comm/calls",
+            "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB", "memory/peak_reserved_MiB")
+    return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1),
+            **{key: _median(result.summary, key) for key in keys}}
+
+
+# ---- (a) environment --------------------------------------------------------------------------------------------
+
+
+def environment(ctx: StudyContext) -> StageResult:
+    path = ctx.out / "environment.json"
+    code, timed_out, line = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.environment", str(path.resolve()),
+                                            ctx.device], ctx.out / "logs" / "environment.log")
+    if code != 0 or not path.exists():
+        return StageResult(problems=[line or ("timed out" if timed_out else f"exited {code}")])
+    return StageResult(data=json.loads(path.read_text()), files=["environment.json"])
+
+
+# ---- (b) the cuda test tier ---------------------------------------------------------------------------------------
+
+
+def read_junit(path: Path) -> dict[str, Any]:
+    """Counts and failures of a pytest ``--junitxml`` report: ``{"tests", "passed", "failed", "errors",
+    "skipped", "failures": [{"test", "message"}]}``."""
+    root = ET.parse(path).getroot()
+    cases = list(root.iter("testcase"))
+    failures, counts = [], {"failed": 0, "errors": 0, "skipped": 0}
+    for case in cases:
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+            element = case.find(tag)
+            if element is not None:
+                counts[key] += 1
+                if key != "skipped":
+                    message = (element.get("message") or element.text or "").strip().splitlines()
+                    failures.append({"test": test, "message": message[0][:300] if message else ""})
+                break
+    passed = len(cases) - sum(counts.values())
+    return {"tests": len(cases), "passed": passed, **counts, "failures": failures}
+
+
+_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+
+
+def outcomes_from_log(text: str) -> dict[str, Any]:
+    """Counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report.
+
+    >>> outcomes_from_log("tests/a.py::test_x PASSED [ 50%]\\ntests/a.py::test_y FAILED [100%]\\n")["failed"]
+    1
+    """
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures = []
+    key = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+           "XFAIL": "skipped"}
+    for test, outcome in _OUTCOME.findall(text):
+        counts[key[outcome]] += 1
+        if outcome in ("FAILED", "ERROR"):
+            failures.append({"test": test, "message": outcome.lower()})
+    return {"tests": sum(counts.values()), **counts, "failures": failures}
+
+
+def cuda_tests(ctx: StudyContext) -> StageResult:
+    tier = ctx.root / "tests" / "gpu"
+    if not tier.is_dir():
+        return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
+                                     "checkout of the repository, or pass --root CHECKOUT"])
+    report = ctx.out / "cuda_tests.xml"
+    log = ctx.out / "cuda_tests.log"
+    code, timed_out, line = ctx.run_python(
+        ["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider", f"--junitxml={report.resolve()}"],
+        log)
+    summary_line = next((l for l in reversed(log.read_text(errors="replace").splitlines()) if " in " in l and
+                         any(w in l for w in ("passed", "failed", "error", "skipped"))), "") if log.exists() else ""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if report.exists():
+        data = read_junit(report)
+    elif _OUTCOME.search(text):  # cut off before the junit report: what the -v lines say so far
+        data = outcomes_from_log(text)
+    else:
+        return StageResult(files=["cuda_tests.log"], problems=[line or ("timed out" if timed_out else f"pytest exited {code}")])
+    data = {**data, "summary_line": summary_line.strip("= "), "exit_code": code, "timed_out": timed_out}
+    problems = [f"{f['test']}: {f['message']}" for f in data["failures"]]
+    if timed_out:
+        problems.insert(0, f"the tier ran out of time ({summary_line.strip('= ') or 'no summary'})")
+    elif data["tests"] and data["skipped"] == data["tests"]:
+        problems.append("every test of the tier was skipped: pytest saw no CUDA device")
+    if problems and data["failures"]:
+        problems[0] = f"{len(data['failures'])} of {data['tests']} failed, first: {problems[0]}"
+    return StageResult(data=data, files=[p.name for p in (report, log) if p.exists()], problems=problems)
+
+
+# ---- (c) compute ---------------------------------------------------------------------------------------------------
+
+
+COMPUTE_PRECISIONS = ("bf16-mixed", "32-true")
+
+
+def compute(ctx: StudyContext) -> StageResult:
+    s = ctx.scale
+    stage = ctx.stage_dir("compute")
+    data: dict[str, Any] = {"preset": s.compute_preset, "seq_len": s.compute_seq_len, "runs": {}}
+    result = StageResult(data=data)
+    for precision in COMPUTE_PRECISIONS:
+        request = stage / f"request_{precision}.json"
+        out = stage / f"compute_{precision}.json"
+        _write_json(request, {"preset": s.compute_preset, "precision": precision, "seq_len": s.compute_seq_len,
+                              "max_batch": s.compute_max_batch, "steps": s.compute_steps, "warmup": s.compute_warmup,
+                              "device": ctx.device})
+        code, timed_out, line = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", str(request.resolve()),
+                                                str(out.resolve())], stage / f"compute_{precision}.log")
+        if code != 0 or not out.exists():
+            result.problems.append(f"{precision}: {line or ('timed out' if timed_out else f'exited {code}')}")
+            data["runs"][precision] = {"status": "failed", "error": result.problems[-1]}
+            continue
+        run = json.loads(out.read_text())
+        run.pop("estimate_table", None)
+        run["status"] = "ok" if run.get("batch") else "failed"
+        if not run.get("batch"):
+            why = ("the pre-flight allows no batch" if not run.get("preflight_batch")
+                   else f"every batch from {run['preflight_batch']} down ran out of memory")
+            result.problems.append(f"{precision}: {why}")
+        data["runs"][precision] = run
+        result.files.append(_rel(ctx, out))
+    return result
+
+
+# ---- (d) every strategy at world size 1 ----------------------------------------------------------------------------
+
+
+def strategies(ctx: StudyContext) -> StageResult:
+    s = ctx.scale
+    names = strategy_names()
+    specs = [FitSpec(name, fit_args(ctx, preset=s.strategies_preset, batch=s.strategies_batch,
+                                    seq_len=s.strategies_seq_len, steps=s.strategies_steps, warmup=s.strategies_warmup,
+                                    precision=s.precision, strategy=name)) for name in names]
+    results = ctx.fits("strategies", specs)
+    rows = {r.name: _fit_row(r) for r in results}
+    baseline = rows.get("ddp", {}).get("step/time_ms")
+    for row in rows.values():
+        step = row.get("step/time_ms")
+        row["overhead_vs_ddp"] = step / baseline - 1 if step and baseline else None
+    problems = [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
+    for r in results:
+        if r.ok:
+            problems += step_problems(r.summary, r.name)
+    data = {"preset": s.strategies_preset, "batch": s.strategies_batch, "seq_len": s.strategies_seq_len,
+            "steps": s.strategies_steps, "warmup": s.strategies_warmup, "backend": ctx.backend,
+            "precision": s.precision, "rows": rows}
+    files = [_rel(ctx, f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
+    return StageResult(data=data, files=files, problems=problems)
+
+
+# ---- (e) 2 ranks over gloo on the one device -----------------------------------------------------------------------
+
+
+EQUIVALENCE_LR = 1e-3
+"""The equivalence fits' learning rate: the scale of what a wrong synchronisation moves a weight by per step."""
+OFF_BY = 0.1
+"""A weight is *off* when it differs from one process's by more than this many updates (``lr x steps``)."""
+EXACT_TOLERANCE = 1e-4
+"""Largest fraction of weights off that an exact algorithm may have. Measured on the tiny preset (3 steps, lr
+1e-3): float rounding of the batch sums leaves none off (99th percentile 2.5e-6 updates, largest 4e-3, where a
+near-zero gradient meets Adam's normalisation); a rank's gradient missing from the average leaves 52 % off."""
+LOSSY_TOLERANCE = 1e-2
+"""The same for a lossy algorithm (``bucketed_bf16``): bf16 gradients left 0.08 % off (99th percentile 8e-3)."""
+
+
+def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update: float) -> dict[str, Any]:
+    """How far ``actual``'s weights are from ``expected``'s, in updates (``update`` = lr x steps): the fraction off
+    by more than ``OFF_BY``, the median, the 99th percentile and the largest, and where the largest is.
+
+    >>> import torch
+    >>> d = weight_differences({"w": torch.tensor([1.0, 1.0, 1.5])}, {"w": torch.tensor([1.0, 1.0, 1.0])}, 1.0)
+    >>> round(d["off_fraction"], 3), d["median_updates"], d["max_updates"], d["worst_tensor"]
+    (0.333, 0.0, 0.5, 'w')
+    """
+    import torch
+
+    if actual.keys() != expected.keys():
+        missing = sorted(set(expected) ^ set(actual))
+        raise ValueError(f"the two runs saved different tensors, e.g. {missing[:3]}: compare runs of the same model")
+    per_tensor = {k: (actual[k].double() - expected[k].double()).abs().flatten() / update for k in expected}
+    every = torch.cat(list(per_tensor.values()))
+    worst = max(per_tensor, key=lambda k: float(per_tensor[k].max()))
+
+    def quantile(q: float) -> float:
+        return float(every.kthvalue(max(1, round(q * every.numel()))).values)
+
+    return {"off_fraction": float((every > OFF_BY).double().mean()), "median_updates": quantile(0.5),
+            "p99_updates": quantile(0.99), "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
+
+
+def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
+    """Every strategy on 2 ranks sharing the device vs one process on the same global batch (fp32)."""
+    import torch
+
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    s = ctx.scale
+    batch, steps, seq_len = 2, s.equivalence_steps, 64
+    stage = ctx.stage_dir("one_gpu_pair/equivalence")
+
+    def spec(name: str, strategy: str, ranks: int, per_rank: int) -> FitSpec:
+        weights = stage / name / "weights.pt"
+        return FitSpec(name, fit_args(ctx, preset=s.equivalence_preset, batch=per_rank, seq_len=seq_len, steps=steps,
+                                      warmup=0, precision="32-true", strategy=strategy, ranks=ranks, extra=(
+            "--model.lr", str(EQUIVALENCE_LR), "--timer.enabled", "false",
+            "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights",
+            "--trainer.callbacks.path", str(weights.resolve()))))
+
+    reference = ctx.fits("one_gpu_pair/equivalence", [spec("one_process", "auto", 1, 2 * batch)])[0]
+    pairs = ctx.fits("one_gpu_pair/equivalence", [spec(n, n, 2, batch) for n in strategy_names()], ranks=2)
+    problems: list[str] = [] if reference.ok else [f"the one-process reference: {reference.status}: {reference.error}"]
+    rows: dict[str, Any] = {}
+    expected = torch.load(stage / "one_process" / "weights.pt", weights_only=True) if reference.ok else None
+    lossy = {a.strategy_name for a in ALGORITHMS.values() if not a.exact}
+    for result in pairs:
+        row: dict[str, Any] = {"status": result.status, "error": result.error}
+        path = stage / result.name / "weights.pt"
+        if result.ok and expected is not None and path.exists():
+            row.update(weight_differences(torch.load(path, weights_only=True), expected, EQUIVALENCE_LR * steps))
+            tolerance = LOSSY_TOLERANCE if result.name in lossy else EXACT_TOLERANCE
+            row["tolerance"] = tolerance
+            row["equal"] = row["off_fraction"] <= tolerance
+            if not row["equal"]:
+                problems.append(f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the "
+                                f"weights off by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst "
+                                f"{row['max_updates']:.3g} updates at {row['worst_tensor']})")
+        elif not result.ok:
+            problems.append(f"{result.name} on 2 ranks: {result.status}: {result.error}")
+        rows[result.name] = row
+    data = {"preset": s.equivalence_preset, "per_rank_batch": batch, "seq_len": seq_len, "steps": steps,
+            "lr": EQUIVALENCE_LR, "precision": "32-true", "rows": rows}
+    return data, problems
+
+
+def _sweep_arguments(ctx: StudyContext, out_dir: Path, timeout_s: float) -> list[str]:
+    s = ctx.scale
+    args = ["-m", "lightning_ddp.bench", "--config", s.sweep_config, "--output.out_dir", str(out_dir.resolve()),
+            "--grid.strategies", json.dumps(list(s.sweep_strategies)), "--run.timeout_s", str(max(60, int(timeout_s)))]
+    if ctx.device == "cpu":  # the dry run: the same sweep, shrunk to the tiny preset on CPU
+        args += ["--run.accelerator", "cpu", "--workload.base_config", "configs/quickstart.yaml",
+                 "--workload.preset", "tiny", "--workload.cli_args", json.dumps(["--data.source", "synthetic"]),
+                 "--grid.batch_sizes", "[2]", "--grid.context_lengths", "[32]", "--grid.bucket_sizes_mb", "[1]",
+                 "--grid.precisions", "[32-true]", "--run.warmup_steps", "1", "--run.steps", "2",
+                 "--run.predict_bucket_size", "false", "--run.env", "{}"]
+    return args
+
+
+def one_gpu_pair(ctx: StudyContext) -> StageResult:
+    equivalence, problems = _equivalence(ctx)
+    sweep_dir = ctx.stage_dir("one_gpu_pair/sweep")
+    code, timed_out, line = ctx.run_python(_sweep_arguments(ctx, sweep_dir, ctx.stage_deadline()),
+                                           ctx.out / "one_gpu_pair" / "sweep.log")
+    rows = []
+    results_csv = sweep_dir / "results.csv"
+    if results_csv.exists():
+        from lightning_ddp.bench.results import read_results
+
+        rows = list(read_results(results_csv).values())
+    if code != 0:
+        problems.append(f"sweep: {line or ('timed out' if timed_out else f'exited {code}')}")
+    files = [_rel(ctx, p) for p in sorted(sweep_dir.glob("*")) if p.is_file()]
+    return StageResult(data={"equivalence": equivalence, "sweep": {"rows": rows, "exit_code": code}},
+                       files=files, problems=problems)
+
+
+# ---- (f) traces ----------------------------------------------------------------------------------------------------
+
+
+def traces(ctx: StudyContext) -> StageResult:
+    from lightning_ddp.trace import load_run, render_timeline
+
+    s = ctx.scale
+    record = str((ctx.root / "configs" / "trace" / "record.yaml").resolve())
+    specs = [FitSpec(name, fit_args(ctx, preset=s.trace_preset, batch=4, seq_len=256 if ctx.device == "cuda" else 32,
+                                    steps=9, warmup=6, precision=s.precision, strategy=name, ranks=2,
+                                    extra=("--config", record)))
+             for name in ("naive_ddp", "overlap_ddp")]
+    results = ctx.fits("traces", specs, ranks=2)
+    problems = [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
+    runs = [load_run([r.log_dir / "traces"], r.name) for r in results if r.ok and (r.log_dir / "traces").exists()]
+    data: dict[str, Any] = {"preset": s.trace_preset, "ranks": 2, "precision": s.precision, "runs": {}}
+    files = []
+    if runs:
+        picture = ctx.out / "traces" / "timeline.png"
+        timeline = render_timeline(runs, picture, title="naive vs overlap, 2 gloo ranks time-slicing one device")
+        files.append(_rel(ctx, picture))
+        for label, overlap in timeline.overlaps.items():
+            gpu_rows = [row.bars for row in timeline.rows if row.run == label and row.kind == "gpu"]
+            data["runs"][label] = {"overlap": overlap.fraction, "comm_ms": overlap.comm / 1e3,
+                                   "hidden_ms": overlap.overlapped / 1e3, "gpu_kernel_bars": sum(gpu_rows),
+                                   "gpu_rows": len(gpu_rows)}
+            if ctx.device == "cuda" and not sum(gpu_rows):
+                problems.append(f"{label}: the trace has no GPU kernel rows")
+        files += [_rel(ctx, p) for run in runs for p in (rank.path for rank in run.ranks)]
+    return StageResult(data=data, files=files, problems=problems)
+
+
+# ---- (g) gradient-ready times in backward, and the projection from them ------------------------------------------------
+
+
+def ready_times(ctx: StudyContext) -> StageResult:
+    from lightning_ddp.project.profile import read_profile
+
+    s = ctx.scale
+    spec = FitSpec("profile", fit_args(ctx, preset=s.profile_preset, batch=s.profile_batch, seq_len=s.profile_seq_len,
+                                       steps=s.profile_steps, warmup=3, precision=s.precision, strategy="naive_ddp"))
+    (result,) = ctx.fits("ready_times", [spec])
+    profile_path = result.file("compute_profile.json")
+    if not result.ok or profile_path is None:
+        return StageResult(problems=[f"the {s.profile_preset} fit: {result.status}: {result.error or 'no compute_profile.json'}"])
+    profile = read_profile(profile_path)
+    ready = sorted(p.ready_ms for p in profile.params if p.ready_ms is not None)
+    data: dict[str, Any] = {
+        "preset": s.profile_preset, "batch": s.profile_batch, "seq_len": s.profile_seq_len, "device": profile.device,
+        "precision": s.precision,
+        "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms,
+        "tensors": len(profile.params), "first_ready_ms": ready[0] if ready else None,
+        "last_ready_ms": ready[-1] if ready else None, "profile": _rel(ctx, profile_path), "projections": {},
+    }
+    files = [_rel(ctx, profile_path)]
+    problems = [] if len(ready) == len(profile.params) else [f"{len(profile.params) - len(ready)} tensors never became ready"]
+    gpu = _projection_gpu(profile.device)
+    for network in ("nvlink4", "pcie_gen4"):
+        rows, written = _project(ctx, profile_path, gpu, network)
+        data["projections"][network] = {"gpu": gpu, "rows": rows}
+        files += written
+    return StageResult(data=data, files=files, problems=problems)
+
+
+def _projection_gpu(device_name: str) -> str:
+    """The projection's GPU for the profiled device (its memory bandwidth prices the copies); H100 otherwise."""
+    from lightning_ddp.hardware import find_device
+    from lightning_ddp.project.flops import GPUS
+
+    spec = find_device(device_name) if device_name != "cpu" else None
+    return spec.key if spec is not None and spec.key in GPUS else "h100-sxm"
+
+
+def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The projection from the measured profile to 2 ranks on ``network`` (best bucket size per strategy)."""
+    from lightning_ddp.project.config import ComputeConfig, NetworkConfig, OutputConfig, ProjectionConfig, StudyConfig
+    from lightning_ddp.project.run import run_projection
+
+    out_dir = ctx.out / "ready_times" / f"projection_{network}"
+    config = ProjectionConfig(
+        name=f"2 x {gpu} over {network}, from the measured profile",
+        compute=ComputeConfig(source="profile", profile_path=str(profile_path), gpu=gpu),
+        network=NetworkConfig(preset=network), study=StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
+        output=OutputConfig(out_dir=str(out_dir), plots=False),
+    )
+    outcome = run_projection(config)
+    # One row per strategy: those without buckets, and each bucketed one at its best bucket size.
+    rows = [row for row in outcome.rows if row.get("best_bucket") == "true" or row.get("bucket_size_mb") in (None, "")]
+    return rows, [_rel(ctx, Path(f)) for f in outcome.files]
+
+
+# ---- (h) the timer's overhead ---------------------------------------------------------------------------------------
+
+
+def timer_overhead(ctx: StudyContext) -> StageResult:
+    s = ctx.scale
+    stage = ctx.stage_dir("timer_overhead")
+    seq_len = s.strategies_seq_len
+    extra = [a for a in fit_args(ctx, preset=s.overhead_preset, batch=s.strategies_batch, seq_len=seq_len,
+                                 steps=s.overhead_steps, warmup=s.overhead_warmup, precision=s.precision,
+                                 strategy="bucketed_ddp")]
+    # timer_overhead sets the steps, the timer and the logger's directory itself; the rest is this study's fit.
+    owned = {"--trainer.max_steps", "--timer.warmup_steps"}
+    extra = [a for i, a in enumerate(extra) if a not in owned and (i == 0 or extra[i - 1] not in owned)]
+    code, timed_out, line = ctx.run_python(
+        ["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",
+         "--steps", str(s.overhead_steps), "--warmup", str(s.overhead_warmup), "--repeats", str(s.overhead_repeats),
+         "--out", str(stage.resolve()), *extra], stage / "timer_overhead.log")
+    path = stage / "timer_overhead.json"
+    if code != 0 or not path.exists():
+        return StageResult(files=[_rel(ctx, stage / "timer_overhead.log")],
+                           problems=[line or ("timed out" if timed_out else f"exited {code}")])
+    data = json.loads(path.read_text())
+    data["preset"] = s.overhead_preset
+    return StageResult(data=data, files=[_rel(ctx, path), _rel(ctx, stage / "timer_overhead.md")])
+
+
+# ---- the table -------------------------------------------------------------------------------------------------------
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("environment", "Environment", 20, 5, False, environment,
+          "GPU name, memory, SM count, driver, torch / CUDA / NCCL versions, the hardware table's row, git commit."),
+    Stage("cuda_tests", "The cuda test tier", 240, 0, True, cuda_tests,
+          "Every engine and ZeRO-1 variant on CUDA tensors equal to one process (NCCL at world size 1, 2 gloo ranks "
+          "on the GPU), the CommTimer's CUDA path for every strategy, the per-device backend spec, auto buckets."),
+    Stage("compute", "Compute: xl on one GPU", 90, 20, False, compute,
+          "Step time, tokens/s, MFU and peak memory of the xl preset at the largest batch that fits, bf16-mixed and "
+          "32-true, beside the memory pre-flight's estimate."),
+    Stage("strategies", "Every strategy at world size 1", 60, 55, False, strategies,
+          "Every strategy runs on CUDA (NCCL at world size 1: no data crosses a wire), and what its hooks cost over "
+          "ddp's step."),
+    Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair,
+          "Every strategy on 2 ranks equal to one process on the whole batch, and a short sweep of the strategies "
+          "(time-sliced: not 2-GPU step times)."),
+    Stage("traces", "Traces: naive vs overlap", 60, 30, False, traces,
+          "Profiler timelines with GPU kernel rows: when gradients are communicated against when the GPU computes."),
+    Stage("ready_times", "Gradient-ready times in xl backward, projected to 2 GPUs", 90, 20, False, ready_times,
+          "When each of xl's 435 gradients is ready in backward, and the projection re-run from it for 2 GPUs over "
+          "NVLink and over PCIe, beside the published 2-GPU xl runs."),
+    Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead,
+          "Step time with the timer on and off, alternated, with a 95 % interval: what measuring costs on a GPU."),
+)
+"""Every stage, in the order the study runs them (the ``GPU_SCALE`` estimates total ~15 minutes)."""
