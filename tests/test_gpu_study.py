@@ -32,6 +32,7 @@ from lightning_ddp.bench.gpu_study.stages import (
     weight_differences,
 )
 from lightning_ddp.bench.gpu_study.study import run_study
+from lightning_ddp.project.strategies import projected_strategies
 from tests.cli_utils import REPO
 
 # ---- the stage table ---------------------------------------------------------------------------------------------
@@ -308,8 +309,11 @@ def test_dry_run_of_three_stages(tmp_path: Path) -> None:
         assert run["attempts"] == [{"batch": run["batch"], "status": "ok"}] and run["tokens_per_s"] > 0
     ready = json.loads((out / "ready_times.json").read_text())
     assert ready["tensors"] == 39 and 0 <= ready["first_ready_ms"] <= ready["last_ready_ms"] <= ready["backward_ms"]
-    # One projected row per strategy of the projection (7), over NVLink and over PCIe.
-    assert {network: len(p["rows"]) for network, p in ready["projections"].items()} == {"nvlink4": 7, "pcie_gen4": 7}
+    # One projected row per strategy the projection models (every registered algorithm with a model, plus its
+    # zero1 and ddp baselines), over NVLink and over PCIe.
+    projected = len(projected_strategies())
+    assert {network: len(p["rows"]) for network, p in ready["projections"].items()} == {"nvlink4": projected,
+                                                                                       "pcie_gen4": projected}
     report = (out / "results.md").read_text()
     assert "# GPU study (CPU dry run" in report and "## ready_times" in report
 
