@@ -72,6 +72,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from lightning_ddp.sync.assignment import assign_buckets, assign_owners
+from lightning_ddp.sync.registry import ALGORITHMS
+
 if TYPE_CHECKING:
     from lightning_ddp.model import GPTConfig
 
@@ -217,8 +220,6 @@ def _adam_state_bytes(numels: Sequence[int], param_bytes: int, world_size: int, 
     if world_size == 1:
         owned_sets = [list(numels)]
     else:
-        from lightning_ddp.sync.assignment import assign_owners
-
         owners = assign_owners([param_bytes * n for n in numels], world_size)
         owned_sets = [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
     per_rank = [
@@ -246,8 +247,6 @@ _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
 
 
 def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | None, bucket_given: bool) -> _Buffers:
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     name = strategy
     if name == "auto":
         name = "ddp" if world_size > 1 else "single"
@@ -404,8 +403,6 @@ def estimate_rank_memory(
     if buffers.kind == "full":
         buffer_bytes = p * n_params
     elif buffers.kind == "bucketed":
-        from lightning_ddp.sync.assignment import assign_buckets
-
         buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
         for b, indices in enumerate(buckets):
             if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)

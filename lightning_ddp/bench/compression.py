@@ -42,11 +42,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_ddp.bench.config import engine_setting_defaults, format_settings, parse_settings, settings_slug
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
+from lightning_ddp.data import TextBytes
+from lightning_ddp.model import GPT, get_config
+from lightning_ddp.provenance import git_state
+from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
@@ -83,8 +88,6 @@ def parse_variant(text: str) -> Variant:
     >>> parse_variant("bucketed_powersgd:rank=4,start_iter=10").name
     'bucketed_powersgd rank=4 start_iter=10'
     """
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     name, _, rest = text.partition(":")
     lossy = [a.name for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
     if name not in lossy:
@@ -101,8 +104,6 @@ def parse_variant(text: str) -> Variant:
 
 def default_variants() -> list[Variant]:
     """Every registered lossy algorithm with buckets, at its engine's defaults (registry order)."""
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     return [Variant(a.name) for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
 
 
@@ -161,10 +162,6 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
 
 def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, variants: list[Variant],
                 result_file: str) -> None:
-    from lightning_ddp.data import TextBytes
-    from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.sync.registry import get_algorithm
-
     init_cpu_process_group(rank, world, port)
     try:
         data = TextBytes(args.text, seq_len=args.seq_len)
@@ -424,15 +421,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                         [*extra, "--seed_everything", str(seed)])
                 runs[seed][name] = _read_run(Path(tmp) / run_name)
         print("measuring the per-step gradient error ...", flush=True)
-        import torch.multiprocessing as mp
-
         result_file = str(Path(tmp) / "errors.json")
         mp.spawn(_error_rank, args=(2, find_free_port(), args, variants, result_file), nprocs=2, join=True)
         errors = {name: [tuple(e) for e in values] for name, values in json.loads(Path(result_file).read_text()).items()}
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
-    from lightning_ddp.provenance import git_state
-
     command = "python -m lightning_ddp.bench.compression " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command, "fit_commands": commands, "config": vars(args), "extra_args": extra,
               "variants": {v.name: {"algorithm": v.algorithm, "settings": v.settings,

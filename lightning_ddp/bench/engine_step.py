@@ -38,9 +38,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
+from lightning_ddp.bench.stats import estimate, ratio_estimate
+from lightning_ddp.model import GPT, get_config
+from lightning_ddp.provenance import git_state
+from lightning_ddp.sync.registry import get_algorithm
 
 __all__ = ["main", "parse_variant"]
 
@@ -63,8 +68,6 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     name, size = parse_variant(variant)
     if name == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
-    from lightning_ddp.sync.registry import get_algorithm
-
     algorithm = get_algorithm(name)
     if size is None:
         return algorithm.make_engine(model)
@@ -73,8 +76,6 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result_file: str) -> None:
     init_cpu_process_group(rank, world, port)
-    from lightning_ddp.model import GPT, get_config
-
     try:
         config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
         runs = {}
@@ -138,13 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for variant in args.variants:
         name, _ = parse_variant(variant)
         if name != "ddp":
-            from lightning_ddp.sync.registry import get_algorithm
-
             get_algorithm(name)  # an unknown name fails here, listing the valid ones
-
-    import torch.multiprocessing as mp
-
-    from lightning_ddp.bench.stats import estimate, ratio_estimate
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "times.json")
@@ -173,8 +168,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(
                   t for v in times.values() for r in v for t in r)}
     if args.out:
-        from lightning_ddp.provenance import git_state
-
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result.update(git_state())

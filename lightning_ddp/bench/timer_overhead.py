@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
+
 
 class StepWallTimes(Callback):
     """Rank 0 writes the host time between consecutive training-batch ends to ``path`` (JSON list, in ms), and
@@ -88,8 +90,6 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
     """The overhead from each arm's steps, per repeat: ``median(on) / median(off) - 1`` (pooled medians) with a
     95 % interval from the two-level bootstrap of ``lightning_ddp.bench.stats`` (repeats, then steps), its verdict
     against the 2 % goal, and the same ratio of the whole runs' mean steps (``windows``, no interval)."""
-    from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
-
     ratio = ratio_estimate(runs["on"], runs["off"], samples, seed=0, keys=("timer on", "timer off"))
     off, on = pooled_median(runs["off"]), pooled_median(runs["on"])
     mean_off, mean_on = statistics.mean(windows["off"]), statistics.mean(windows["on"])

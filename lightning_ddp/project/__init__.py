@@ -68,7 +68,7 @@ FLOPs imports ``lightning_ddp.model`` (hence torch), to read the preset's shape 
 
 from lightning_ddp.project.comm import FABRICS, Fabric, Link, MeasuredFit, get_fabric, read_fit
 from lightning_ddp.project.flops import GPUS, ModelShape, modelled_profile
-from lightning_ddp.project.profile import SCHEMA, ComputeProfile, ParamTiming, read_profile, write_profile
+from lightning_ddp.profile import SCHEMA, ComputeProfile, ParamTiming, read_profile, write_profile
 from lightning_ddp.project.strategies import STRATEGIES, StepModel, StepResult, simulate
 from lightning_ddp.project.sweep import best_by_world_size, predict_cells, project
 

@@ -11,6 +11,7 @@ import sys
 from jsonargparse import set_parsing_settings
 
 from lightning_ddp.project.config import ProjectionConfig
+from lightning_ddp.project.run import run_projection
 
 try:  # jsonargparse >= 4.32
     from jsonargparse import auto_cli
@@ -32,8 +33,6 @@ def parse_config(args: list[str] | None = None) -> ProjectionConfig:
 
 def main(args: list[str] | None = None) -> int:
     config = parse_config(args)
-    from lightning_ddp.project.run import run_projection  # after parsing: --help stays fast
-
     try:
         outcome = run_projection(config)
     except ValueError as error:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_ddp.bench.config import variant_strategy
+from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.project.comm import Fabric
-from lightning_ddp.project.profile import ComputeProfile, write_atomically
+from lightning_ddp.project.config import copy_bandwidth
 from lightning_ddp.project.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
 from lightning_ddp.project.sweep import COLUMNS, best_by_world_size
 
@@ -185,8 +186,6 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
 
 
 def _copy_text(config) -> str:
-    from lightning_ddp.project.run import copy_bandwidth
-
     return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {config.compute.memory_efficiency:g})"
 
 

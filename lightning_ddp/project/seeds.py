@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 from lightning_ddp.project.comm import Fabric, get_fabric
 from lightning_ddp.project.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
-from lightning_ddp.project.profile import ComputeProfile, write_atomically
+from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.project.strategies import StepModel, simulate
 
 __all__ = ["SEED_RUNS", "SeedAssumptions", "SeedComparison", "SeedRun", "compare_with_seeds", "main", "seeds_markdown"]

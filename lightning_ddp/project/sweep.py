@@ -14,7 +14,7 @@ from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
 from lightning_ddp.bench.config import format_settings, setting_combinations
 from lightning_ddp.project.comm import CommCost, Fabric, MeasuredFit, read_fit
-from lightning_ddp.project.profile import ComputeProfile, read_profile
+from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.project.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
 
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]

@@ -35,7 +35,7 @@ from typing import Any, Iterable
 
 from lightning_ddp.bench.config import parse_settings
 from lightning_ddp.project.comm import read_fit
-from lightning_ddp.project.profile import ComputeProfile, write_atomically
+from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.project.strategies import STRATEGIES, StepModel, simulate
 
 __all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells"]

@@ -1,0 +1,215 @@
+"""The compute profile: how long forward, backward and the optimizer take, and when each gradient is ready.
+
+One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` on a
+real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.project.flops`` use it too), and
+read by the projection (``lightning_ddp.project``, which re-exports these names). It lives at the package's root,
+below both: the callback that writes it is on in every run and must not import the study code::
+
+    {"schema": "lightning_ddp.compute_profile/1",
+     "source": "free text: how it was measured",
+     "device": "cpu | NVIDIA H100 80GB HBM3 | ...",
+     "preset": "tiny", "batch_size": 4, "seq_len": 64, "precision": "32-true", "world_size": 2,
+     "forward_ms": 10.0, "backward_ms": 25.0, "optimizer_ms": 3.0,
+     "params": [{"name": "lm_head.weight", "numel": 1280000, "bytes": 5120000, "ready_ms": 0.8,
+                 "shape": [10000, 128]}, ...]}
+
+=================  ===========================================================================================
+field              meaning
+=================  ===========================================================================================
+``params``         trainable parameters in ``module.parameters()`` order (a tied tensor once)
+``bytes``          bytes of that parameter's gradient (what an engine communicates for it)
+``ready_ms``       when its gradient became ready, ms after the start of backward; ``null``: it got none
+``shape``          optional: the parameter's shape (what a compressing strategy's model, e.g. PowerSGD's, needs
+                   to know which gradients are matrices); absent in older files
+``forward_ms``     the forward pass (loss included), per rank
+``backward_ms``    the backward pass; the simulation lets backward last until the last ``ready_ms`` if later
+``optimizer_ms``   ``optimizer.step()`` (unsharded), per rank
+=================  ===========================================================================================
+
+Only ``schema``, the three times and ``params`` are required; the descriptive fields may be absent or null.
+Everything here is the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_atomically", "write_profile"]
+
+SCHEMA = "lightning_ddp.compute_profile/1"
+"""The ``schema`` value of version 1; a reader refuses any other."""
+
+
+@dataclass(frozen=True)
+class ParamTiming:
+    """One trainable parameter: its size and when backward produced its gradient."""
+
+    name: str
+    """Qualified name, as ``module.named_parameters()`` gives it."""
+    numel: int
+    """Number of elements."""
+    bytes: int
+    """Bytes of its gradient (numel times the gradient's element size)."""
+    ready_ms: Optional[float]
+    """Milliseconds after the start of backward when its gradient was ready; ``None``: no gradient this step."""
+    shape: Optional[tuple[int, ...]] = None
+    """Its shape, if recorded (``numel`` is their product)."""
+
+    def __post_init__(self) -> None:
+        if self.numel < 0 or self.bytes < 0:
+            raise ValueError(f"parameter {self.name!r}: numel and bytes must be >= 0, got {self.numel} and {self.bytes}")
+        if self.shape is not None:
+            object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+            if math.prod(self.shape) != self.numel:
+                raise ValueError(f"parameter {self.name!r}: shape {list(self.shape)} has {math.prod(self.shape)} elements, "
+                                 f"but numel is {self.numel}; record the parameter's own shape, or none")
+        if self.ready_ms is not None and not (self.ready_ms >= 0 and math.isfinite(self.ready_ms)):
+            raise ValueError(
+                f"parameter {self.name!r}: ready_ms must be a finite time >= 0 ms after the start of backward, or "
+                f"null if it got no gradient; got {self.ready_ms!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Per-rank compute of one training step (see the module docstring for the JSON form)."""
+
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    params: tuple[ParamTiming, ...]
+    source: str = ""
+    device: str = ""
+    preset: Optional[str] = None
+    batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    precision: Optional[str] = None
+    world_size: Optional[int] = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Fields of the file this reader does not know, kept for the record (never interpreted)."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward_ms", "backward_ms", "optimizer_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"compute profile: {name} must be a finite time >= 0 ms, got {value!r}")
+        if not self.params:
+            raise ValueError("compute profile: `params` is empty; list every trainable parameter in parameters() order")
+        object.__setattr__(self, "params", tuple(self.params))
+
+    @property
+    def backward_span_ms(self) -> float:
+        """How long backward lasts in the simulation: ``backward_ms``, or the last gradient's ``ready_ms`` if later."""
+        ready = [p.ready_ms for p in self.params if p.ready_ms is not None]
+        return max([self.backward_ms, *ready])
+
+    @property
+    def compute_ms(self) -> float:
+        """The compute-only step: forward + backward + optimizer (the 1-GPU reference, no communication)."""
+        return self.forward_ms + self.backward_span_ms + self.optimizer_ms
+
+    @property
+    def has_shapes(self) -> bool:
+        """Whether every parameter's shape is recorded."""
+        return all(p.shape is not None for p in self.params)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of every gradient that exists this step (what naive and flat communicate)."""
+        return sum(p.bytes for p in self.params if p.ready_ms is not None)
+
+    @property
+    def label(self) -> str:
+        """A short description for tables: preset, batch, sequence length, precision, device."""
+        parts = [self.preset or "model", f"b{self.batch_size}" if self.batch_size else "", f"t{self.seq_len}" if self.seq_len else "",
+                 self.precision or "", self.device or ""]
+        return " ".join(p for p in parts if p)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (schema version 1)."""
+        data: dict[str, Any] = {"schema": SCHEMA}
+        for key in ("source", "device", "preset", "batch_size", "seq_len", "precision", "world_size",
+                    "forward_ms", "backward_ms", "optimizer_ms"):
+            data[key] = getattr(self, key)
+        data["params"] = [{k: (list(v) if k == "shape" else v) for k, v in asdict(p).items()
+                           if not (k == "shape" and v is None)} for p in self.params]
+        for key, value in self.extra.items():
+            data.setdefault(key, value)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "compute profile") -> ComputeProfile:
+        """Parse the JSON form; every error names the field and says what a valid file holds."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{origin}: expected a JSON object, got {type(data).__name__}")
+        schema = data.get("schema")
+        if schema != SCHEMA:
+            raise ValueError(
+                f"{origin}: schema is {schema!r}, this reader understands {SCHEMA!r}; write the file with "
+                "lightning_ddp.profile.write_profile (or the CommTimer), or convert it to that schema"
+            )
+        missing = [k for k in ("forward_ms", "backward_ms", "optimizer_ms", "params") if k not in data]
+        if missing:
+            raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, backward_ms, "
+                             "optimizer_ms and params")
+        if not isinstance(data["params"], list):
+            raise ValueError(f"{origin}: `params` must be a list of {{name, numel, bytes, ready_ms}} objects")
+        params = []
+        for i, raw in enumerate(data["params"]):
+            try:
+                ready, shape = raw.get("ready_ms"), raw.get("shape")
+                params.append(ParamTiming(str(raw["name"]), int(raw["numel"]), int(raw["bytes"]),
+                                          None if ready is None else float(ready),
+                                          None if shape is None else tuple(int(d) for d in shape)))
+            except (KeyError, TypeError, AttributeError) as error:
+                raise ValueError(f"{origin}: params[{i}] must be an object with name, numel, bytes and ready_ms "
+                                 f"(null if no gradient), and optionally shape; got {raw!r}") from error
+        known = {"schema", "source", "device", "preset", "batch_size", "seq_len", "precision", "world_size",
+                 "forward_ms", "backward_ms", "optimizer_ms", "params"}
+        return cls(
+            forward_ms=float(data["forward_ms"]), backward_ms=float(data["backward_ms"]),
+            optimizer_ms=float(data["optimizer_ms"]), params=tuple(params),
+            source=data.get("source") or "", device=data.get("device") or "", preset=data.get("preset"),
+            batch_size=data.get("batch_size"), seq_len=data.get("seq_len"), precision=data.get("precision"),
+            world_size=data.get("world_size"), extra={k: v for k, v in data.items() if k not in known},
+        )
+
+
+def read_profile(path: str | os.PathLike) -> ComputeProfile:
+    """Read and validate a compute profile JSON file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"compute profile {str(path)!r} does not exist; record one with the CommTimer or point "
+                         "`compute.profile_path` at an existing file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"compute profile {str(path)!r} is not valid JSON ({error}); was it written completely?") from None
+    return ComputeProfile.from_dict(data, origin=f"compute profile {str(path)!r}")
+
+
+def write_profile(profile: ComputeProfile, path: str | os.PathLike) -> Path:
+    """Write ``profile`` as JSON (schema version 1), atomically; returns the path."""
+    return write_atomically(path, json.dumps(profile.to_dict(), indent=1) + "\n")
+
+
+def write_atomically(path: str | os.PathLike, content: str | bytes) -> Path:
+    """Write to ``<path>.tmp`` in the same directory, fsync, then rename over ``path`` (never half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic within one filesystem
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
