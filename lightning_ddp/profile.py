@@ -1,8 +1,8 @@
 """The compute profile: how long forward, backward and the optimizer take, and when each gradient is ready.
 
 One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` on a
-real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.project.flops`` use it too), and
-read by the projection (``lightning_ddp.project``, which re-exports these names). It lives at the package's root,
+real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.projection.flops`` use it too), and
+read by the projection (``lightning_ddp.projection``, which re-exports these names). It lives at the package's root,
 below both: the callback that writes it is on in every run and must not import the study code::
 
     {"schema": "lightning_ddp.compute_profile/1",

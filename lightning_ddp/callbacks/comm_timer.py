@@ -20,7 +20,7 @@ every trainable parameter) to the gradients usable (``on_before_optimizer_step``
 At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the steps after ``warmup_steps``) and
 writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory, with
 ``compute_profile.json`` beside them: the median forward, backward and optimizer times and when each
-parameter's gradient became ready (``lightning_ddp.profile``; what ``python -m lightning_ddp.project``
+parameter's gradient became ready (``lightning_ddp.profile``; what ``python -m lightning_ddp.projection``
 predicts other world sizes from). Forward is the step's start to backward's start, backward runs to the last
 gradient computed, the optimizer from the gradients usable to the step's end.
 """

@@ -2,7 +2,7 @@
 
 Readers: the Lightning strategies (``lightning_ddp.strategies`` registers ``<name>_ddp`` for every entry),
 ZeRO-1's ``grad_sync`` choice, the benchmark sweep (its grid, report and plots), the memory benchmark, the
-projection (``python -m lightning_ddp.project`` simulates every entry with a ``projection`` model), and the tests
+projection (``python -m lightning_ddp.projection`` simulates every entry with a ``projection`` model), and the tests
 (the equivalence matrix runs every entry against single-process training).
 
 Adding an algorithm takes one engine file, one ``register_algorithm`` entry and one YAML:
@@ -81,8 +81,8 @@ class Algorithm:
     """Reproduces single-process training up to float rounding; ``False`` for lossy ones (e.g. compression),
     which the equivalence tests compare at bf16 tolerances."""
     projection: str | None = None
-    """Its step-time model for ``python -m lightning_ddp.project``: the import path ``"package.module:function"`` of
-    a ``simulate(model, bucket_size_mb, **settings) -> StepResult`` (``lightning_ddp.project.strategies`` has the
+    """Its step-time model for ``python -m lightning_ddp.projection``: the import path ``"package.module:function"`` of
+    a ``simulate(model, bucket_size_mb, **settings) -> StepResult`` (``lightning_ddp.projection.strategies`` has the
     contract and the built-ins' models). A string, so the product never imports the study code; ``None``: the
     projection lists the algorithm as not projected."""
 
@@ -235,33 +235,33 @@ def algorithm_names() -> list[str]:
 register_algorithm(Algorithm(
     "naive", "lightning_ddp.sync.naive:NaiveDDP",
     "After backward, all-reduce every gradient tensor, one blocking call each.",
-    projection="lightning_ddp.project.strategies:simulate_naive",
+    projection="lightning_ddp.projection.strategies:simulate_naive",
 ))
 register_algorithm(Algorithm(
     "flat", "lightning_ddp.sync.flat:FlatDDP",
     "After backward, all-reduce all gradients flattened into one buffer.",
-    projection="lightning_ddp.project.strategies:simulate_flat",
+    projection="lightning_ddp.projection.strategies:simulate_flat",
 ))
 register_algorithm(Algorithm(
     "overlap", "lightning_ddp.sync.overlap:OverlapDDP",
     "During backward, an async all-reduce of each gradient as soon as it is ready.",
-    overlaps_backward=True, projection="lightning_ddp.project.strategies:simulate_overlap",
+    overlaps_backward=True, projection="lightning_ddp.projection.strategies:simulate_overlap",
 ))
 register_algorithm(Algorithm(
     "bucketed", "lightning_ddp.sync.bucketed:BucketedDDP",
     "During backward, an async all-reduce per size-capped bucket of gradients as it fills.",
-    has_bucket_size=True, overlaps_backward=True, projection="lightning_ddp.project.strategies:simulate_bucketed",
+    has_bucket_size=True, overlaps_backward=True, projection="lightning_ddp.projection.strategies:simulate_bucketed",
 ))
 register_algorithm(Algorithm(
     "bucketed_bf16", "lightning_ddp.sync.bucketed_bf16:BucketedBF16DDP",
     "Bucketed, with the gradients communicated in bf16: half the bytes, lossy.",
     has_bucket_size=True, overlaps_backward=True, exact=False,
-    projection="lightning_ddp.project.strategies:simulate_bucketed_bf16",
+    projection="lightning_ddp.projection.strategies:simulate_bucketed_bf16",
 ))
 register_algorithm(Algorithm(
     "bucketed_powersgd", "lightning_ddp.sync.bucketed_powersgd:BucketedPowerSGDDDP",
     "Bucketed, each large gradient matrix sent as low-rank PowerSGD factors with error feedback: far fewer "
     "bytes, lossy.",
     has_bucket_size=True, overlaps_backward=True, exact=False,
-    projection="lightning_ddp.project.strategies:simulate_bucketed_powersgd",
+    projection="lightning_ddp.projection.strategies:simulate_bucketed_powersgd",
 ))

@@ -20,9 +20,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from lightning_ddp.project.comm import ALGORITHMS, FABRICS, Fabric, get_fabric, read_fit
-from lightning_ddp.project.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
-from lightning_ddp.project.strategies import STRATEGIES, check_settings, strategy_spec
+from lightning_ddp.projection.comm import ALGORITHMS, FABRICS, Fabric, get_fabric, read_fit
+from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
+from lightning_ddp.projection.strategies import STRATEGIES, check_settings, strategy_spec
 
 __all__ = [
     "ComputeConfig",
@@ -97,7 +97,7 @@ class ComputeConfig:
 
 @dataclass
 class NetworkConfig:
-    """What one collective costs (the formulas are in ``lightning_ddp.project.comm``)."""
+    """What one collective costs (the formulas are in ``lightning_ddp.projection.comm``)."""
 
     preset: str = "h100_nvlink_ib"
     """Fabric: h100_nvlink_ib (NVLink 4 in 8-GPU nodes + 8 x InfiniBand NDR per node), nvlink4, pcie_gen4,
@@ -203,7 +203,7 @@ class OutputConfig:
 class ProjectionConfig:
     """A projection of step time and communication share to larger world sizes, one simulated timeline per cell.
 
-    ``python -m lightning_ddp.project --config configs/project/xl_h100.yaml``
+    ``python -m lightning_ddp.projection --config configs/projection/xl_h100.yaml``
     """
 
     name: str = "projection"

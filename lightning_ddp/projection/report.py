@@ -18,10 +18,10 @@ from typing import Any, Sequence
 
 from lightning_ddp.bench.config import variant_strategy
 from lightning_ddp.profile import ComputeProfile, write_atomically
-from lightning_ddp.project.comm import Fabric
-from lightning_ddp.project.config import copy_bandwidth
-from lightning_ddp.project.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
-from lightning_ddp.project.sweep import COLUMNS, best_by_world_size
+from lightning_ddp.projection.comm import Fabric
+from lightning_ddp.projection.config import copy_bandwidth
+from lightning_ddp.projection.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
+from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
 
 __all__ = ["build_markdown", "write_csv", "write_plots"]
 
@@ -62,9 +62,9 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
     lines = [
         f"# {config.name}",
         "",
-        "Projected by `python -m lightning_ddp.project`: each cell is a simulated timeline of one training step "
+        "Projected by `python -m lightning_ddp.projection`: each cell is a simulated timeline of one training step "
         "(one compute stream, one communication stream), not a measurement. The model, its sources and where it is "
-        "known to be wrong: the docstring of `lightning_ddp/project/__init__.py`.",
+        "known to be wrong: the docstring of `lightning_ddp/projection/__init__.py`.",
         "",
         "## Inputs",
         "",
@@ -152,7 +152,7 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
         "- Compute and communication never slow each other down here; on real GPUs NCCL kernels take SMs and memory "
         "bandwidth from backward, so overlapped strategies are optimistic (in the seeds' 2-GPU runs over PCIe, overlap "
         "and bucketed steps were 0.1-0.25 s longer than compute plus their exposed communication; "
-        "`python -m lightning_ddp.project.seeds`).",
+        "`python -m lightning_ddp.projection.seeds`).",
         "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches protocol "
         "(LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small messages are "
         "priced roughly and in-network reduction is left out.",

@@ -74,8 +74,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 from lightning_ddp.bench.config import format_settings
-from lightning_ddp.project.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
-from lightning_ddp.project.comm import CommCost
+from lightning_ddp.projection.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
+from lightning_ddp.projection.comm import CommCost
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only
 
@@ -621,7 +621,7 @@ def strategy_spec(name: str) -> StrategySpec:
     if name in unmodelled_algorithms():  # registered for training, but nobody wrote its timeline model yet
         raise ValueError(
             f"strategy {name!r} is registered in lightning_ddp/sync/registry.py but has no model in the projection: "
-            "add a simulate function (see simulate_bucketed in lightning_ddp/project/strategies.py) and name it in "
+            "add a simulate function (see simulate_bucketed in lightning_ddp/projection/strategies.py) and name it in "
             f"its registry entry's `projection`, or leave it out (projected: {choices})")
     raise ValueError(f"unknown strategy {name!r}; choose from {choices}")
 

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_ddp.profile import ComputeProfile, read_profile, write_atomically, write_profile
-from lightning_ddp.project.comm import Fabric
-from lightning_ddp.project.config import build_fabric, copy_bandwidth, gpu_spec
-from lightning_ddp.project.flops import ModelShape, modelled_profile
-from lightning_ddp.project.report import build_markdown, write_csv, write_plots
-from lightning_ddp.project.sweep import best_by_world_size, project, result_row
+from lightning_ddp.projection.comm import Fabric
+from lightning_ddp.projection.config import build_fabric, copy_bandwidth, gpu_spec
+from lightning_ddp.projection.flops import ModelShape, modelled_profile
+from lightning_ddp.projection.report import build_markdown, write_csv, write_plots
+from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
 from lightning_ddp.provenance import git_state
 
 __all__ = [

@@ -1,8 +1,8 @@
-"""``python -m lightning_ddp.project.validate``: the projection against this project's own CPU sweep.
+"""``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep.
 
-    python -m lightning_ddp.project.validate --sweep benchmarks/results/cpu --out benchmarks/results/projection
+    python -m lightning_ddp.projection.validate --sweep benchmarks/results/cpu --out benchmarks/results/projection
 
-For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning_ddp.project.strategies``) from
+For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning_ddp.projection.strategies``) from
 
 - its own measured compute timeline: the ``compute_profile.json`` the CommTimer wrote in that cell, which the
   sweep keeps in ``profiles.json`` (forward, backward, optimizer and when each gradient became ready, medians over
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from lightning_ddp.bench.config import parse_settings
-from lightning_ddp.project.comm import read_fit
+from lightning_ddp.projection.comm import read_fit
 from lightning_ddp.profile import ComputeProfile, write_atomically
-from lightning_ddp.project.strategies import STRATEGIES, StepModel, simulate
+from lightning_ddp.projection.strategies import STRATEGIES, StepModel, simulate
 
 __all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells"]
 
@@ -264,7 +264,7 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.project.validate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.projection.validate", description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", default="benchmarks/results/cpu", help="a sweep's output directory")
     parser.add_argument("--out", default="benchmarks/results/projection", help="where the validation goes")
     parser.add_argument("--copy_GBps", type=float, default=None, help="copy bandwidth (read + written); default: measured")
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     sqrt_mb = fit["bucket_bytes"] / 2**20 if fit.get("bucket_bytes") else None
     auto = compare_auto(cells, profiles, sweep / "bucket_prediction.json", copy_Bps, sqrt_mb,
                         [0.25, 0.5, 1, 2, 4, 8, 16, 32])
-    command = "python -m lightning_ddp.project.validate " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m lightning_ddp.projection.validate " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
     buffer = io.StringIO()
     columns = list(dict.fromkeys(k for c in cells for k in c))
