@@ -506,7 +506,7 @@ def test_config_errors_say_the_fix(make, match):
 
 def test_every_project_config_parses():
     configs = sorted((REPO / "configs" / "projection").glob("*.yaml"))
-    assert {p.name for p in configs} >= {"xl_h100.yaml", "seeds_xl_2gpu.yaml"}
+    assert {p.name for p in configs} >= {"xl_h100.yaml", "published_xl_2gpu.yaml"}
     for path in configs:
         config = parse_config(["--config", str(path)])
         assert config.study.strategies and config.study.world_sizes
@@ -514,7 +514,8 @@ def test_every_project_config_parses():
 
 def test_the_old_package_name_still_imports_and_runs():
     # lightning_ddp.project is the old name of lightning_ddp.projection: its modules are the new modules themselves
-    # (one class, not two copies), moved ones included, it warns once, and `python -m` runs the new entry points.
+    # (one class, not two copies), moved and renamed ones included (profile, seeds), it warns once, and `python -m`
+    # runs the new entry points.
     code = textwrap.dedent("""
         import warnings
         with warnings.catch_warnings(record=True) as caught:
@@ -529,11 +530,15 @@ def test_the_old_package_name_still_imports_and_runs():
         assert ComputeProfile is lightning_ddp.profile.ComputeProfile is old.ComputeProfile
         assert run.__name__ == run.__spec__.name == "lightning_ddp.projection.run"
         assert old.STRATEGIES is new.STRATEGIES
+        from lightning_ddp.project.seeds import SEED_RUNS, compare_with_seeds  # the old module, by its old names
+        import lightning_ddp.projection.published as published
+        assert SEED_RUNS is published.PUBLISHED_RUNS and compare_with_seeds is published.compare_with_published
         print("ok")
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-    for old, new in (("lightning_ddp.project", "lightning_ddp.projection"),):
+    for old, new in (("lightning_ddp.project", "lightning_ddp.projection"),
+                     ("lightning_ddp.project.seeds", "lightning_ddp.projection.published")):
         proc = subprocess.run([sys.executable, "-m", old, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith(f"usage: python -m {new} "), proc.stdout[:200]
@@ -578,35 +583,37 @@ def test_predict_cells_for_the_lead(tmp_path):
     assert rows[0]["step_ms"] == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3) and rows[0]["world_size"] == 2
 
 
-# ---- the seeds -------------------------------------------------------------------------------------------------
+# ---- the published 2-GPU xl runs ------------------------------------------------------------------------------
 
 
-def test_seed_transcription_is_consistent_and_the_model_tracks_naive_and_flat(tmp_path):
-    from lightning_ddp.projection.seeds import SEED_RUNS, XL_SHAPE, compare_with_seeds, write_comparison
+def test_published_transcription_is_consistent_and_the_model_tracks_naive_and_flat(tmp_path):
+    from lightning_ddp.projection.published import PUBLISHED_RUNS, SOURCES, XL_SHAPE, compare_with_published, write_comparison
 
-    for run in SEED_RUNS:  # a typo in a transcribed number breaks ratio = comm / total (printed to 4 digits)
+    for run in PUBLISHED_RUNS:  # a typo in a transcribed number breaks ratio = comm / total (printed to 4 digits)
         assert run.comm_s / run.total_s == pytest.approx(run.ratio, abs=6e-4), run
-    assert len(SEED_RUNS) == 5 + 6 + 6 + 24  # naive (one OOM), overlap, flat, bucketed x 4 sizes
+    assert len(PUBLISHED_RUNS) == 5 + 6 + 6 + 24  # naive (one OOM), overlap, flat, bucketed x 4 sizes
+    # each run cites the write-up of its strategy, by topic
+    assert all(run.source in SOURCES and run.source.startswith(run.strategy) for run in PUBLISHED_RUNS)
     assert XL_SHAPE.num_params == 1_998_235_200
-    comparisons = compare_with_seeds()
+    comparisons = compare_with_published()
     for c in comparisons:
         if c.run.strategy in ("naive", "flat") and not c.extrapolated:
             assert abs(c.predicted["pcie_gen4"][2] - c.run.ratio) < 0.08, c  # bandwidth-bound: the link decides
         assert c.predicted["nvlink4"][2] < c.predicted["pcie_gen4"][2]
     md, csv_path = write_comparison(tmp_path)
-    assert "| naive |" in md.read_text() and len(csv_path.read_text().splitlines()) == len(SEED_RUNS) + 1
+    assert "| naive |" in md.read_text() and len(csv_path.read_text().splitlines()) == len(PUBLISHED_RUNS) + 1
 
 
-def test_seeds_config_reproduces_the_seed_comparison(tmp_path):
+def test_published_config_reproduces_the_published_comparison(tmp_path):
     pytest.importorskip("torch")  # the xl preset's shape comes from lightning_ddp.model
     from lightning_ddp.projection.run import run_projection
-    from lightning_ddp.projection.seeds import compare_with_seeds
+    from lightning_ddp.projection.published import compare_with_published
 
-    config = parse_config(["--config", str(REPO / "configs" / "projection" / "seeds_xl_2gpu.yaml"),
+    config = parse_config(["--config", str(REPO / "configs" / "projection" / "published_xl_2gpu.yaml"),
                            "--study.world_sizes", "[2]", "--output.out_dir", str(tmp_path), "--output.plots", "false"])
     outcome = run_projection(config)
     cli = {(r.strategy, r.bucket_size_mb): r.step_ms for r in outcome.results}
-    for c in compare_with_seeds():
+    for c in compare_with_published():
         if (c.run.batch_size, c.run.seq_len) == (2, 128):
             assert cli[(c.run.strategy, c.run.bucket_size_mb)] == pytest.approx(c.predicted["pcie_gen4"][0], rel=1e-3)
     assert math.isclose(outcome.profile.compute_ms, 365.1, rel_tol=1e-9)

@@ -24,6 +24,7 @@ NEW_NAME = "lightning_ddp.projection"
 
 RENAMED = {
     "profile": "lightning_ddp.profile",
+    "seeds": "lightning_ddp.projection.published",
 }
 """Old submodule -> the module it is now, where that is not ``lightning_ddp.projection.<same name>``."""
 

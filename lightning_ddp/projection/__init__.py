@@ -29,7 +29,9 @@ module             what it holds
 ``sweep``          the grid, best bucket sizes, ``predict_cells`` (model vs this project's measured sweep)
 ``config``         the CLI's dataclasses (compute, network, study, output)
 ``run``            config -> profile, fabric, results and files; ``report``: CSV, markdown, PNGs
-``seeds``          the validation against the seed study (xl on 2 GPUs): ``python -m lightning_ddp.projection.seeds``
+``published``      the model against the published 2-GPU xl runs (naive, overlap, flat, bucketed):
+                   ``python -m lightning_ddp.projection.published``
+``validate``       the model against this project's own CPU sweep: ``python -m lightning_ddp.projection.validate``
 =================  ==========================================================================================
 
 Assumptions, and where the model is known to be wrong
@@ -38,9 +40,9 @@ Assumptions, and where the model is known to be wrong
 - **One communication stream, FIFO.** Collectives never overlap each other, and run in issue order (NCCL on one
   communicator does this). Strategies that use several streams or communicators are not modelled.
 - **No contention between compute and communication.** Overlapped collectives cost backward nothing. On GPUs,
-  NCCL kernels occupy SMs (up to ~32 channels) and HBM bandwidth, so backward slows while they run; on the
-  seeds' 2-GPU runs overlap and bucketed steps were ~0.1 s longer than compute + exposed communication
-  (``seeds``). On CPU (gloo) compute and communication share cores, which is worse. Overlapped strategies are
+  NCCL kernels occupy SMs (up to ~32 channels) and HBM bandwidth, so backward slows while they run; in the
+  published 2-GPU xl runs overlap and bucketed steps were ~0.1 s longer than compute + exposed communication
+  (``published``). On CPU (gloo) compute and communication share cores, which is worse. Overlapped strategies are
   therefore optimistic, naive and flat are not.
 - **One protocol per message.** NCCL switches protocol (LL, LL128, Simple) and algorithm by message size, has a
   latency plateau for large multi-node rings, NVLink SHARP (NVLS) and CollNet/SHARP in-network reduction; we use

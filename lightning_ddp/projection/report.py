@@ -150,9 +150,9 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
             "optimistic where those matrices are small. It is lossy: a step of it is not worth a step of the exact ones.")
     lines += [
         "- Compute and communication never slow each other down here; on real GPUs NCCL kernels take SMs and memory "
-        "bandwidth from backward, so overlapped strategies are optimistic (in the seeds' 2-GPU runs over PCIe, overlap "
-        "and bucketed steps were 0.1-0.25 s longer than compute plus their exposed communication; "
-        "`python -m lightning_ddp.projection.seeds`).",
+        "bandwidth from backward, so overlapped strategies are optimistic (in the published 2-GPU xl runs over PCIe, "
+        "overlap and bucketed steps were 0.1-0.25 s longer than compute plus their exposed communication; "
+        "`python -m lightning_ddp.projection.published`).",
         "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches protocol "
         "(LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small messages are "
         "priced roughly and in-network reduction is left out.",
