@@ -13,13 +13,13 @@ directly. Instead, each recorded step opens a ``ddp/step#N`` range between two `
     offset_us  = ts(ddp/step#N) - (before + after) / 2 * 1e6
     ts(mark)   = mark * 1e6 + offset_us                           # error <= (after - before) / 2 * 1e6
 
-The half-width ``(after - before) / 2`` is typically 15-100 us on our loaded 2-core CPU machine, far below a
-collective's duration; but a thread descheduled between the two reads widens it to milliseconds (observed:
-4.4 ms). So each step uses the anchor, among all steps', with the smallest error bound
+The half-width ``(after - before) / 2`` is typically tens of microseconds, far below a collective's duration; but
+a thread descheduled between the two reads widens it to milliseconds. So each step uses the anchor, among all
+steps', with the smallest error bound
 ``half-width + MAX_DRIFT_US_PER_S * |time between the two anchors|``: its own anchor when that is tight, a
 neighbour's when not. Kineto's clock is the wall clock, which NTP may slew by at most 500 ppm against
-``perf_counter``'s monotonic clock (observed: offsets of different steps agree within a few microseconds).
-The chosen anchor and its bound are stored per step in the metadata.
+``perf_counter``'s monotonic clock. The chosen anchor and its bound are stored per step in the metadata
+(``uncertainty_us``, and ``own_anchor_uncertainty_us`` for the step's own anchor): every trace states its error.
 """
 
 from __future__ import annotations

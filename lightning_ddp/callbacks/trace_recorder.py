@@ -150,7 +150,7 @@ class TraceRecorder(Callback):
             "torch": torch.__version__,
             "clock": "ts_us = perf_counter_s * 1e6 + offset_us; offset from the ddp/step#N anchor of each step",
         }
-        # The strategy calls its wrapped model (our container, torch DDP) to run training_step: its forward hooks
+        # The strategy calls its wrapped model (our engine, torch DDP) to run training_step: its forward hooks
         # bracket the forward pass. Without a wrapper (single device) there is no forward range.
         if isinstance(model, torch.nn.Module) and model is not pl_module:
             self._handles.append(model.register_forward_pre_hook(lambda *_: self._enter(ranges.FORWARD)))

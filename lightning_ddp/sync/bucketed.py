@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets
-from lightning_ddp.sync.base import DataParallel
+from lightning_ddp.sync.base import GradSyncEngine
 from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.buffers import agree_on_gradients
 from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
@@ -95,7 +95,7 @@ class _Bucket:
                 self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
 
 
-class BucketedDDP(DataParallel):
+class BucketedDDP(GradSyncEngine):
     """All-reduce gradient buckets of at most ``bucket_size_mb`` MiB as they fill during backward.
 
     Args:

@@ -7,7 +7,7 @@ projection (``python -m lightning_ddp.projection`` simulates every entry with a 
 
 Adding an algorithm takes one engine file, one ``register_algorithm`` entry and one YAML:
 
-1. ``lightning_ddp/sync/<name>.py``: the engine, a ``DataParallel`` subclass (see ``lightning_ddp.sync.base``).
+1. ``lightning_ddp/sync/<name>.py``: the engine, a ``GradSyncEngine`` subclass (see ``lightning_ddp.sync.base``).
 2. An entry below (or, from your own code, a ``register_algorithm(Algorithm(...))`` call before the strategy is
    built): ``Algorithm("<name>", "lightning_ddp.sync.<name>:<Engine>", "what it does", ...)``.
 3. ``configs/strategy/<name>.yaml``: ``trainer: {strategy: <name>_ddp}``.
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Union
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_ddp.sync.base import DataParallel
+    from lightning_ddp.sync.base import GradSyncEngine
 
 BucketSize = Union[float, Literal["auto"], None]
 
@@ -66,9 +66,9 @@ class Algorithm:
 
     name: str
     """Short name: the sweep's strategy name; the Lightning strategy is ``<name>_ddp``."""
-    engine: str | Callable[..., DataParallel]
+    engine: str | Callable[..., GradSyncEngine]
     """The engine: ``"package.module:Class"`` (imported on first use) or a callable
-    ``(module, *, process_group=None[, bucket_size_mb=...][, <its own settings>=...]) -> DataParallel``."""
+    ``(module, *, process_group=None[, bucket_size_mb=...][, <its own settings>=...]) -> GradSyncEngine``."""
     summary: str
     """What it does, in one line (strategy registry description, docs)."""
     has_bucket_size: bool = False
@@ -95,7 +95,7 @@ class Algorithm:
         """Its Lightning strategy name, e.g. ``bucketed_ddp``."""
         return f"{self.name}_ddp"
 
-    def engine_factory(self) -> Callable[..., DataParallel]:
+    def engine_factory(self) -> Callable[..., GradSyncEngine]:
         """The engine class (or callable), imported if given by path."""
         if callable(self.engine):
             return self.engine
@@ -172,7 +172,7 @@ class Algorithm:
 
     def make_engine(
         self, module: nn.Module, *, bucket_size_mb: Any = "default", process_group: Any = None, **settings: Any
-    ) -> DataParallel:
+    ) -> GradSyncEngine:
         """Wrap ``module`` in this algorithm's engine (a collective: it broadcasts rank 0's weights).
 
         Args:
