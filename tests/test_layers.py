@@ -225,3 +225,27 @@ def test_no_import_cycles_among_the_package_modules() -> None:
     described = ["; ".join(f"{a} -> {b} (line {graph[a][b][0]})" for a in cycle for b in graph[a] if b in cycle)
                  for cycle in cycles]
     assert not cycles, "import cycles:\n" + "\n".join(described)
+
+
+# ---- entry points: every `python -m lightning_ddp...` parses its command line with jsonargparse ------------------
+
+
+def _entry_points() -> dict[str, Path]:
+    """``python -m`` name -> file, for every module of the package that runs as a script."""
+    return {_module_name(path).removesuffix(".__main__"): path for path in sorted(PACKAGE.rglob("*.py"))
+            if 'if __name__ == "__main__":' in path.read_text(encoding="utf-8")}
+
+
+def test_every_entry_point_parses_its_command_line_with_jsonargparse() -> None:
+    entry_points = _entry_points()
+    assert {"lightning_ddp", "lightning_ddp.bench", "lightning_ddp.projection", "lightning_ddp.trace",
+            "lightning_ddp.memory"} <= set(entry_points)
+    for name, path in entry_points.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        plain_argparse = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                          and isinstance(node.value, ast.Name) and node.value.id == "argparse" and node.attr == "ArgumentParser"]
+        assert not plain_argparse, f"{name} builds an argparse.ArgumentParser (line {plain_argparse[0]}); use jsonargparse"
+        # the module parses with jsonargparse itself, or runs the `main` of one that does (``lightning_ddp`` -> cli)
+        mains = [imported.rpartition(".")[0] for imported, _, _ in _imports(path) if imported.endswith(".main")]
+        sources = [path.read_text(encoding="utf-8")] + [_path_of(module).read_text(encoding="utf-8") for module in mains]
+        assert any("jsonargparse" in source for source in sources), f"{name} does not parse with jsonargparse"

@@ -3,6 +3,8 @@
     python -m lightning_ddp.bench.compression --config configs/text_bytes.yaml --steps 300 \
         --variants bucketed_bf16 bucketed_powersgd:rank=4,start_iter=10 --out benchmarks/results/compression_cpu
 
+Arguments after ``--`` go to every training run (``-- --trainer.accelerator cuda``).
+
 Every *variant* is a registered lossy algorithm with buckets (``exact=False`` in ``lightning_ddp.sync.registry``),
 with engine settings if given (``NAME:setting=value,...``); by default every such algorithm at its engine's
 defaults (``bucketed_bf16``, ``bucketed_powersgd`` ...). Each is compared with ``bucketed`` (exact fp32 averaging)
@@ -44,8 +46,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from jsonargparse import ArgumentParser, Namespace
 
-from lightning_ddp.bench.config import engine_setting_defaults, format_settings, parse_settings, settings_slug
+from lightning_ddp.bench.config import (
+    engine_setting_defaults,
+    fit_arguments,
+    format_settings,
+    parse_settings,
+    settings_slug,
+)
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.data import TextBytes
@@ -160,7 +169,7 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
     return (difference.norm().item() / norm if norm > 0 else 0.0), difference.abs().max().item()
 
 
-def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, variants: list[Variant],
+def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: list[Variant],
                 result_file: str) -> None:
     init_cpu_process_group(rank, world, port)
     try:
@@ -311,7 +320,7 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespace, command: str,
+def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, command: str,
               result: dict[str, Any]) -> str:
     fp32, last, seeds = s["fp32"], s["last_steps"], s["seeds"]
     names = [v.name for v in variants]
@@ -376,7 +385,7 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g. "
@@ -392,7 +401,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", required=True, help="directory for results.json, results.md and loss_curves.png")
-    args, extra = parser.parse_known_args(argv)
+    parser.add_argument("fit_args", nargs=argparse.REMAINDER,
+                        help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
+                             "`-- --trainer.accelerator cuda`")
+    args = parser.parse_args(argv)
+    extra = fit_arguments(args.fit_args)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds} repeats a seed; give distinct seeds, e.g. --seeds 0 1 2")
     try:

@@ -31,6 +31,7 @@ __all__ = [
     "PRECISIONS",
     "REFERENCE",
     "engine_setting_defaults",
+    "fit_arguments",
     "format_settings",
     "has_bucket_axis",
     "parse_settings",
@@ -46,6 +47,17 @@ __all__ = [
     "WorkloadConfig",
     "format_bucket",
 ]
+
+
+def fit_arguments(remainder: list[str]) -> list[str]:
+    """The arguments a benchmark passes on to each ``python -m lightning_ddp fit`` run: what follows ``--`` on its
+    command line (its ``fit_args``, an ``argparse.REMAINDER``), without the ``--``.
+
+    >>> fit_arguments(["--", "--trainer.accelerator", "cuda"])
+    ['--trainer.accelerator', 'cuda']
+    """
+    return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
+
 
 def sweep_strategies() -> list[str]:
     """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), then ``ddp``.

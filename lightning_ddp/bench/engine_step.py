@@ -26,7 +26,6 @@ Variants are ``ddp`` or ``<algorithm>[@<bucket MiB>]`` from the algorithm regist
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.bench.stats import estimate, ratio_estimate
@@ -74,7 +74,7 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     return algorithm.make_engine(model, bucket_size_mb=None if size == "none" else size)
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result_file: str) -> None:
+def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: str) -> None:
     init_cpu_process_group(rank, world, port)
     try:
         config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
@@ -122,7 +122,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, resul
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=["ddp", "bucketed@1", "bucketed@4"],
                         help="ddp or <algorithm>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
     parser.add_argument("--preset", default="tiny")
@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for variant in args.variants:
         name, _ = parse_variant(variant)
         if name != "ddp":
-            get_algorithm(name)  # an unknown name fails here, listing the valid ones
+            try:
+                get_algorithm(name)  # an unknown name fails here, listing the valid ones
+            except ValueError as error:
+                parser.error(f"--variants: {error}")
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "times.json")
