@@ -606,8 +606,8 @@ def test_published_transcription_is_consistent_and_the_model_tracks_naive_and_fl
 
 def test_published_config_reproduces_the_published_comparison(tmp_path):
     pytest.importorskip("torch")  # the xl preset's shape comes from lightning_ddp.model
-    from lightning_ddp.projection.run import run_projection
     from lightning_ddp.projection.published import compare_with_published
+    from lightning_ddp.projection.run import run_projection
 
     config = parse_config(["--config", str(REPO / "configs" / "projection" / "published_xl_2gpu.yaml"),
                            "--study.world_sizes", "[2]", "--output.out_dir", str(tmp_path), "--output.plots", "false"])

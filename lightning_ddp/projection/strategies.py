@@ -74,9 +74,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 from lightning_ddp.bench.config import format_settings
+from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.comm import CommCost
-from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only
 
 __all__ = [

@@ -13,8 +13,8 @@ import os
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
 from lightning_ddp.bench.config import format_settings, setting_combinations
-from lightning_ddp.projection.comm import CommCost, Fabric, MeasuredFit, read_fit
 from lightning_ddp.profile import ComputeProfile, read_profile
+from lightning_ddp.projection.comm import CommCost, Fabric, MeasuredFit, read_fit
 from lightning_ddp.projection.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
 
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
