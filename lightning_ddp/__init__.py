@@ -1,16 +1,29 @@
 """lightning_ddp: data-parallel gradient synchronisation, one swappable Lightning strategy per algorithm.
 
-Importing the package is cheap and needs no Lightning: the names below load on first use. The layers:
+Importing the package is cheap and needs no Lightning: the names below load on first use. Two layers, and the
+first never imports the second (``tests/test_layers.py`` checks every import, inside functions too):
 
-==========================  ==================================================================================
-``lightning_ddp.sync``      the pure-PyTorch core: engines, ZeRO-1, the algorithm registry (no Lightning)
-``lightning_ddp.strategies``  thin Lightning strategies over the engines; importing it registers ``<name>_ddp``
-                            for every algorithm (and ``zero1_ddp``) with Lightning's ``StrategyRegistry``
-``lightning_ddp.callbacks`` the ``CommTimer`` and ``TraceRecorder`` callbacks over pure accounting
-``lightning_ddp.trace``     reading and drawing profiler traces
-``lightning_ddp.bench``     the benchmarks (sweep, memory, timer overhead)
-``lightning_ddp.cli``       ``python -m lightning_ddp fit ...`` (registers the strategies)
-==========================  ==================================================================================
+The product: what a training run uses.
+
+=============================  ===============================================================================
+``lightning_ddp.sync``         the pure-PyTorch core: engines, ZeRO-1, the algorithm registry (no Lightning)
+``lightning_ddp.strategies``   thin Lightning strategies over the engines; importing it registers ``<name>_ddp``
+                               for every algorithm (and ``zero1_ddp``) with Lightning's ``StrategyRegistry``
+``lightning_ddp.callbacks``    the ``CommTimer`` and ``TraceRecorder`` callbacks over pure accounting
+``lightning_ddp.cli``          ``python -m lightning_ddp fit ...`` (registers the strategies)
+``model``, ``module``,         the GPT, its LightningModule, the data modules, the memory pre-flight, GPU specs,
+``data``, ``memory``,          and ``profile``: the compute-profile file the ``CommTimer`` writes and the
+``hardware``, ``profile``      projection reads
+=============================  ===============================================================================
+
+The study: what the write-ups are made from.
+
+=============================  ===============================================================================
+``lightning_ddp.bench``        the benchmarks (sweep, memory, timer overhead, compression)
+``lightning_ddp.projection``   step time projected to world sizes nobody ran (its old name,
+                               ``lightning_ddp.project``, still works)
+``lightning_ddp.trace``        reading and drawing profiler traces
+=============================  ===============================================================================
 """
 
 from __future__ import annotations

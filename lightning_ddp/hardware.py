@@ -1,7 +1,7 @@
 """One hardware table: dense peak FLOP/s per dtype, memory bandwidth and size, and SM count per device. Pure Python.
 
 Readers: the ``CommTimer``'s MFU (``lightning_ddp.callbacks.peak_flops``), the projection's GPUs
-(``lightning_ddp.project.flops.GPUS``). Each figure lives here once.
+(``lightning_ddp.projection.flops.GPUS``). Each figure lives here once.
 
 How a device name (``torch.cuda.get_device_name()``, ``torch.cuda.get_device_properties().name``) is matched:
 

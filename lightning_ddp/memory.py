@@ -70,7 +70,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
+
+from lightning_ddp.sync.assignment import assign_buckets, assign_owners
+from lightning_ddp.sync.registry import ALGORITHMS
 
 if TYPE_CHECKING:
     from lightning_ddp.model import GPTConfig
@@ -91,6 +94,7 @@ __all__ = [
     "memory_budget_bytes",
     "normalize_precision",
     "parameter_shapes",
+    "print_estimate",
     "saved_tensor_bytes",
 ]
 
@@ -217,8 +221,6 @@ def _adam_state_bytes(numels: Sequence[int], param_bytes: int, world_size: int, 
     if world_size == 1:
         owned_sets = [list(numels)]
     else:
-        from lightning_ddp.sync.assignment import assign_owners
-
         owners = assign_owners([param_bytes * n for n in numels], world_size)
         owned_sets = [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
     per_rank = [
@@ -246,8 +248,6 @@ _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
 
 
 def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | None, bucket_given: bool) -> _Buffers:
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     name = strategy
     if name == "auto":
         name = "ddp" if world_size > 1 else "single"
@@ -404,8 +404,6 @@ def estimate_rank_memory(
     if buffers.kind == "full":
         buffer_bytes = p * n_params
     elif buffers.kind == "bucketed":
-        from lightning_ddp.sync.assignment import assign_buckets
-
         buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
         for b, indices in enumerate(buckets):
             if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
@@ -527,30 +525,49 @@ def check_fits(
     raise MemoryPreflightError("\n".join(lines))
 
 
-def main(args: list[str] | None = None) -> int:
-    """``python -m lightning_ddp.memory --preset xl ...``: print one estimate's breakdown."""
-    import argparse
+def print_estimate(
+    preset: str = "tiny",
+    vocab_size: int = 10_000,
+    batch_size: int = 4,
+    seq_len: int = 128,
+    precision: str = "32-true",
+    strategy: str = "bucketed_ddp",
+    world_size: int = 2,
+    bucket_size_mb: Optional[float] = None,
+    device_type: Literal["cuda", "cpu"] = "cuda",
+) -> None:
+    """Print the estimated peak memory of one rank, category by category.
 
-    from lightning_ddp.model import get_config
+    Args:
+        preset: Model preset (``lightning_ddp.model.PRESETS``: tiny, small, medium, large, xl, 2.7b).
+        vocab_size: Vocabulary size.
+        batch_size: Sequences per rank.
+        seq_len: Tokens per sequence (the model's context length).
+        precision: Lightning precision (32-true, bf16-mixed, 16-mixed, bf16-true).
+        strategy: Strategy name (``bucketed_ddp``, ``zero1_ddp``, ``ddp``, ...).
+        world_size: Data-parallel ranks.
+        bucket_size_mb: Bucket cap in MiB for strategies with buckets; default: the strategy's own.
+        device_type: Where the rank trains: ``cuda`` or ``cpu`` (fixed per-process costs differ).
+    """
+    from lightning_ddp.model import get_config  # torch: this module imports it only where a function needs it
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.memory", description=main.__doc__)
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--vocab_size", type=int, default=10_000)
-    parser.add_argument("--batch_size", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--strategy", default="bucketed_ddp")
-    parser.add_argument("--world_size", type=int, default=2)
-    parser.add_argument("--bucket_size_mb", type=float, default=None)
-    parser.add_argument("--device_type", default="cuda", choices=("cuda", "cpu"))
-    ns = parser.parse_args(args)
-    config = get_config(ns.preset, vocab_size=ns.vocab_size, context_length=ns.seq_len)
+    config = get_config(preset, vocab_size=vocab_size, context_length=seq_len)
     estimate = estimate_rank_memory(
-        config, batch_size=ns.batch_size, seq_len=ns.seq_len, precision=ns.precision, strategy=ns.strategy,
-        world_size=ns.world_size, bucket_size_mb=ns.bucket_size_mb, device_type=ns.device_type,
+        config, batch_size=batch_size, seq_len=seq_len, precision=precision, strategy=strategy,
+        world_size=world_size, bucket_size_mb=bucket_size_mb, device_type=device_type,
     )
     print(estimate.description)
     print(estimate.table())
+
+
+def main(args: list[str] | None = None) -> int:
+    """``python -m lightning_ddp.memory --preset xl ...``: ``print_estimate`` from the command line (``--help``)."""
+    try:  # jsonargparse >= 4.32
+        from jsonargparse import auto_cli
+    except ImportError:  # pragma: no cover - older jsonargparse
+        from jsonargparse import CLI as auto_cli
+
+    auto_cli(print_estimate, args=args, prog="python -m lightning_ddp.memory")
     return 0
 
 

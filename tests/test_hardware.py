@@ -85,7 +85,7 @@ def test_peak_flops_names_read_the_one_table() -> None:
 
 
 def test_projection_gpus_are_built_from_the_table() -> None:
-    from lightning_ddp.project.flops import GPUS, get_gpu
+    from lightning_ddp.projection.flops import GPUS, get_gpu
 
     for key in ("h100-sxm", "h100-pcie", "h200-sxm", "a100-sxm-80gb", "a100-pcie-40gb", "gh200", "b200"):
         spec = DEVICES[key]

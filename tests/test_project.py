@@ -1,4 +1,4 @@
-"""The projection (lightning_ddp.project): cost formulas, hand-worked timelines of every strategy, monotonicity, the
+"""The projection (lightning_ddp.projection): cost formulas, hand-worked timelines of every strategy, monotonicity, the
 profile file, config validation, the CLI end to end, the seed comparison, and agreement with the real engines' rules.
 
 One process, no GPU; the timelines use a linear cost model (1 ms per collective + 1 ms per MiB) and a hand-made
@@ -12,11 +12,14 @@ import csv
 import json
 import math
 import random
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from lightning_ddp.project import (
+from lightning_ddp.projection import (
     FABRICS,
     STRATEGIES,
     ComputeProfile,
@@ -33,17 +36,17 @@ from lightning_ddp.project import (
     simulate,
     write_profile,
 )
-from lightning_ddp.project.__main__ import main, parse_config
-from lightning_ddp.project.buckets import assign_buckets, assign_owners, ddp_buckets
-from lightning_ddp.project.comm import (
+from lightning_ddp.projection.__main__ import main, parse_config
+from lightning_ddp.projection.buckets import assign_buckets, assign_owners, ddp_buckets
+from lightning_ddp.projection.comm import (
     all_gather_time,
     broadcast_time,
     reduce_scatter_time,
     ring_allreduce_time,
     tree_allreduce_time,
 )
-from lightning_ddp.project.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
-from lightning_ddp.project.sweep import COLUMNS, best_by_world_size, project
+from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
+from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -325,7 +328,7 @@ def test_engine_settings_are_projected_as_strategies_of_their_own(tmp_path, caps
 
 def _small_gpt_profile():
     """The `tiny` preset's shapes with a 64-token vocabulary, fp32 gradients ready in reverse parameter order."""
-    from lightning_ddp.project.run import gpt_parameter_shapes
+    from lightning_ddp.projection.run import gpt_parameter_shapes
 
     shape = ModelShape(d_model=128, n_layers=2, n_heads=4, d_ff=512, vocab_size=64)
     shapes = gpt_parameter_shapes(shape)
@@ -380,7 +383,7 @@ def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb
 
 
 def test_more_bandwidth_or_less_latency_is_never_slower():
-    from lightning_ddp.project.run import gpt_parameter_shapes, with_shapes
+    from lightning_ddp.projection.run import gpt_parameter_shapes, with_shapes
 
     tiny = ModelShape(d_model=128, n_layers=4, n_heads=4, d_ff=512)  # the `tiny` preset's shape, no torch needed
     profile = with_shapes(modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4), gpt_parameter_shapes(tiny))
@@ -441,7 +444,7 @@ def test_modelled_xl_profile_matches_the_real_model():
     assert ready[0] == pytest.approx(profile.backward_ms)  # the embedding's gradient at the end
     assert ready[1:] == sorted(ready[1:], reverse=True)  # reverse parameters() order
     # the shapes the projection gives a modelled profile are the module's own
-    from lightning_ddp.project.run import gpt_parameter_shapes
+    from lightning_ddp.projection.run import gpt_parameter_shapes
 
     shapes = gpt_parameter_shapes(shape)
     assert [(name, shapes[name]) for name, _ in shape.parameters()] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
@@ -470,7 +473,7 @@ def test_bucket_and_owner_rules_are_the_engines_and_ddp_buckets_agree_with_torch
 
 
 def test_the_package_imports_neither_torch_nor_lightning_at_module_level():
-    for path in (REPO / "lightning_ddp" / "project").glob("*.py"):
+    for path in (REPO / "lightning_ddp" / "projection").glob("*.py"):
         for node in ast.parse(path.read_text()).body:  # top-level statements only; function bodies may import lazily
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
@@ -502,11 +505,43 @@ def test_config_errors_say_the_fix(make, match):
 
 
 def test_every_project_config_parses():
-    configs = sorted((REPO / "configs" / "project").glob("*.yaml"))
-    assert {p.name for p in configs} >= {"xl_h100.yaml", "seeds_xl_2gpu.yaml"}
+    configs = sorted((REPO / "configs" / "projection").glob("*.yaml"))
+    assert {p.name for p in configs} >= {"xl_h100.yaml", "published_xl_2gpu.yaml"}
     for path in configs:
         config = parse_config(["--config", str(path)])
         assert config.study.strategies and config.study.world_sizes
+
+
+def test_the_old_package_name_still_imports_and_runs():
+    # lightning_ddp.project is the old name of lightning_ddp.projection: its modules are the new modules themselves
+    # (one class, not two copies), moved and renamed ones included (profile, seeds), it warns once, and `python -m`
+    # runs the new entry points.
+    code = textwrap.dedent("""
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import lightning_ddp.project as old
+        assert [w.category for w in caught] == [DeprecationWarning], caught
+        import lightning_ddp.profile, lightning_ddp.projection as new, lightning_ddp.projection.strategies
+        from lightning_ddp.project.strategies import StepModel
+        from lightning_ddp.project.profile import ComputeProfile
+        import lightning_ddp.project.run as run
+        assert StepModel is lightning_ddp.projection.strategies.StepModel
+        assert ComputeProfile is lightning_ddp.profile.ComputeProfile is old.ComputeProfile
+        assert run.__name__ == run.__spec__.name == "lightning_ddp.projection.run"
+        assert old.STRATEGIES is new.STRATEGIES
+        from lightning_ddp.project.seeds import SEED_RUNS, compare_with_seeds  # the old module, by its old names
+        import lightning_ddp.projection.published as published
+        assert SEED_RUNS is published.PUBLISHED_RUNS and compare_with_seeds is published.compare_with_published
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    for old, new in (("lightning_ddp.project", "lightning_ddp.projection"),
+                     ("lightning_ddp.project.seeds", "lightning_ddp.projection.published")):
+        proc = subprocess.run([sys.executable, "-m", old, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"usage: python -m {new} "), proc.stdout[:200]
 
 
 def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
@@ -548,35 +583,37 @@ def test_predict_cells_for_the_lead(tmp_path):
     assert rows[0]["step_ms"] == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3) and rows[0]["world_size"] == 2
 
 
-# ---- the seeds -------------------------------------------------------------------------------------------------
+# ---- the published 2-GPU xl runs ------------------------------------------------------------------------------
 
 
-def test_seed_transcription_is_consistent_and_the_model_tracks_naive_and_flat(tmp_path):
-    from lightning_ddp.project.seeds import SEED_RUNS, XL_SHAPE, compare_with_seeds, write_comparison
+def test_published_transcription_is_consistent_and_the_model_tracks_naive_and_flat(tmp_path):
+    from lightning_ddp.projection.published import PUBLISHED_RUNS, SOURCES, XL_SHAPE, compare_with_published, write_comparison
 
-    for run in SEED_RUNS:  # a typo in a transcribed number breaks ratio = comm / total (printed to 4 digits)
+    for run in PUBLISHED_RUNS:  # a typo in a transcribed number breaks ratio = comm / total (printed to 4 digits)
         assert run.comm_s / run.total_s == pytest.approx(run.ratio, abs=6e-4), run
-    assert len(SEED_RUNS) == 5 + 6 + 6 + 24  # naive (one OOM), overlap, flat, bucketed x 4 sizes
+    assert len(PUBLISHED_RUNS) == 5 + 6 + 6 + 24  # naive (one OOM), overlap, flat, bucketed x 4 sizes
+    # each run cites the write-up of its strategy, by topic
+    assert all(run.source in SOURCES and run.source.startswith(run.strategy) for run in PUBLISHED_RUNS)
     assert XL_SHAPE.num_params == 1_998_235_200
-    comparisons = compare_with_seeds()
+    comparisons = compare_with_published()
     for c in comparisons:
         if c.run.strategy in ("naive", "flat") and not c.extrapolated:
             assert abs(c.predicted["pcie_gen4"][2] - c.run.ratio) < 0.08, c  # bandwidth-bound: the link decides
         assert c.predicted["nvlink4"][2] < c.predicted["pcie_gen4"][2]
     md, csv_path = write_comparison(tmp_path)
-    assert "| naive |" in md.read_text() and len(csv_path.read_text().splitlines()) == len(SEED_RUNS) + 1
+    assert "| naive |" in md.read_text() and len(csv_path.read_text().splitlines()) == len(PUBLISHED_RUNS) + 1
 
 
-def test_seeds_config_reproduces_the_seed_comparison(tmp_path):
+def test_published_config_reproduces_the_published_comparison(tmp_path):
     pytest.importorskip("torch")  # the xl preset's shape comes from lightning_ddp.model
-    from lightning_ddp.project.run import run_projection
-    from lightning_ddp.project.seeds import compare_with_seeds
+    from lightning_ddp.projection.published import compare_with_published
+    from lightning_ddp.projection.run import run_projection
 
-    config = parse_config(["--config", str(REPO / "configs" / "project" / "seeds_xl_2gpu.yaml"),
+    config = parse_config(["--config", str(REPO / "configs" / "projection" / "published_xl_2gpu.yaml"),
                            "--study.world_sizes", "[2]", "--output.out_dir", str(tmp_path), "--output.plots", "false"])
     outcome = run_projection(config)
     cli = {(r.strategy, r.bucket_size_mb): r.step_ms for r in outcome.results}
-    for c in compare_with_seeds():
+    for c in compare_with_published():
         if (c.run.batch_size, c.run.seq_len) == (2, 128):
             assert cli[(c.run.strategy, c.run.bucket_size_mb)] == pytest.approx(c.predicted["pcie_gen4"][0], rel=1e-3)
     assert math.isclose(outcome.profile.compute_ms, 365.1, rel_tol=1e-9)
@@ -609,7 +646,7 @@ def _cell(strategy: str, measured: float, lo: float, hi: float, predicted: float
 
 
 def test_validation_simulates_each_cell_with_its_engine_settings(tmp_path, capsys):
-    from lightning_ddp.project.validate import validate_cells
+    from lightning_ddp.projection.validate import validate_cells
 
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"overhead_s": 1e-3, "bandwidth_Bps": 1e9, "world_size": 2}))
@@ -631,7 +668,7 @@ def test_validation_simulates_each_cell_with_its_engine_settings(tmp_path, capsy
 
 
 def test_ranking_is_checked_only_where_the_measured_intervals_separate_the_cells():
-    from lightning_ddp.project.validate import ranking_agreement
+    from lightning_ddp.projection.validate import ranking_agreement
 
     cells = [
         _cell("naive", 130, 125, 135, 140),  # clearly slower than flat and ddp: 2 separated pairs
@@ -658,7 +695,7 @@ def test_a_registered_algorithm_without_a_model_is_named_in_the_error_and_the_re
     monkeypatch.setitem(registry.ALGORITHMS, "toy_modelled", dataclasses.replace(bucketed, name="toy_modelled"))
     assert "toy_modelled" in STRATEGIES and "toy_unmodelled" not in STRATEGIES
     assert simulate("toy_modelled", model(), 4.0).step_ms == simulate("bucketed", model(), 4.0).step_ms
-    base = ["--config", str(REPO / "configs" / "project" / "xl_h100.yaml"), "--study.world_sizes", "[2]",
+    base = ["--config", str(REPO / "configs" / "projection" / "xl_h100.yaml"), "--study.world_sizes", "[2]",
             "--output.out_dir", str(tmp_path), "--output.plots", "false"]
     with pytest.raises(SystemExit):
         parse_config([*base, "--study.strategies", "[naive, toy_unmodelled]"])

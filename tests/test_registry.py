@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import textwrap
 
 import pytest
@@ -446,3 +447,82 @@ def test_a_toy_setting_reaches_the_engine_on_every_rank_from_yaml() -> None:
 def test_the_registry_lists_the_built_ins_in_order() -> None:
     assert list(ALGORITHMS)[:4] == ["naive", "flat", "overlap", "bucketed"]
     assert "toy_halves" not in ALGORITHMS  # registered only while a test uses it
+
+
+# ---- the tables that list the algorithms, against the registry ------------------------------------------------
+
+
+def _table_rows(doc: str) -> list[list[str]]:
+    """The ````literals```` of each row of the reST simple tables in ``doc`` whose first two cells are literals."""
+    return [re.findall(r"``([^`]+)``", line) for line in doc.splitlines() if re.match(r"``[^`]+``\s{2,}``", line)]
+
+
+def _built_ins() -> list:
+    # the package's own entries (a test's toy, registered while it runs, is not in the docs)
+    return [a for a in ALGORITHMS.values() if isinstance(a.engine, str) and a.engine.startswith("lightning_ddp.sync.")]
+
+
+def test_the_sync_table_lists_every_registered_algorithm_with_its_engine() -> None:
+    import lightning_ddp.sync
+
+    rows = [row[:2] for row in _table_rows(lightning_ddp.sync.__doc__) if row[0] in ALGORITHMS]
+    expected = [[a.name, a.engine.rpartition(":")[2]] for a in _built_ins()]
+    assert rows == expected  # every algorithm, in registry order, with its engine class
+    assert len(expected) >= 6  # naive, flat, overlap, bucketed, bucketed_bf16, bucketed_powersgd
+    for name, engine in rows:  # and the engine the table names is exported by lightning_ddp.sync
+        assert getattr(lightning_ddp.sync, engine) is get_algorithm(name).engine_factory()
+
+
+def test_the_strategies_table_lists_every_registered_algorithm_then_zero1() -> None:
+    import lightning_ddp.strategies as strategies
+    import lightning_ddp.sync
+
+    rows = [row for row in _table_rows(strategies.__doc__) if row[0].endswith("_ddp") and not row[0].startswith("<")]
+    # one per algorithm in registry order, then zero1
+    assert [row[0] for row in rows] == [a.strategy_name for a in _built_ins()] + ["zero1_ddp"]
+    for (strategy_name, class_name, engine_path, *_), algorithm in zip(rows, _built_ins()):
+        strategy = getattr(strategies, class_name)(algorithm=algorithm.name) if class_name == "GradSyncStrategy" \
+            else getattr(strategies, class_name)()
+        assert strategy.algorithm is algorithm and strategy.strategy_name == strategy_name
+        assert getattr(lightning_ddp.sync, engine_path.rpartition(".")[2]) is algorithm.engine_factory()
+    # the default bucket size a row states is the algorithm's
+    for line in strategies.__doc__.splitlines():
+        name = next((a for a in _built_ins() if line.startswith(f"``{a.strategy_name}``")), None)
+        if name is not None and name.has_bucket_size:
+            assert f"({name.default_bucket_size_mb:g} MiB)" in line, line
+
+
+# ---- the engine's old names --------------------------------------------------------------------------------------
+
+
+def test_the_old_engine_names_still_work_with_a_warning() -> None:
+    from lightning_ddp.strategies import NaiveDDPStrategy
+    from lightning_ddp.sync import GradSyncEngine
+
+    with pytest.warns(DeprecationWarning, match="GradSyncEngine"):
+        from lightning_ddp.sync import DataParallel
+    assert DataParallel is GradSyncEngine
+    with pytest.warns(DeprecationWarning, match="GradSyncEngine"):
+        from lightning_ddp.sync.base import DataParallel as from_base
+    assert from_base is GradSyncEngine
+
+    built = object()  # what make_engine returns (no process group needed: nothing is wrapped)
+
+    class NewStyle(NaiveDDPStrategy):
+        def make_engine(self, module):
+            return built
+
+    strategy = NewStyle()
+    assert strategy.engine is None  # not fitting: nothing wrapped
+    with pytest.warns(DeprecationWarning, match="engine"):
+        assert strategy.container is None
+    with pytest.warns(DeprecationWarning, match="make_engine"):
+        assert strategy.make_container(nn.Linear(1, 1)) is built  # the old name calls the new one
+
+    class OldStyle(NaiveDDPStrategy):  # a subclass written for the old name: its override is still used
+        def make_container(self, module):
+            return built
+
+    with pytest.warns(DeprecationWarning, match="OldStyle overrides make_container"):
+        assert OldStyle()._build_engine(nn.Linear(1, 1)) is built
+    assert NewStyle()._build_engine(nn.Linear(1, 1)) is built

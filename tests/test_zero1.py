@@ -99,7 +99,7 @@ CASES = {
 CONFIGS = [
     ("plain", "allreduce_broadcast", "per_owner", "engine"),
     ("plain", "allreduce_broadcast", "native", "manual"),
-    ("plain", "reduce_scatter", "per_owner", "engine"),  # "engine" here: a DeferredGradSync container
+    ("plain", "reduce_scatter", "per_owner", "engine"),  # "engine" here: DeferredGradSync
     ("plain", "reduce_scatter", "native", "manual"),
     *[(case, schedule, "auto", "manual") for case in ("tied", "frozen", "groups", "unfreeze")
       for schedule in ("allreduce_broadcast", "reduce_scatter")],
@@ -170,19 +170,19 @@ def _sharded_run(rank: int, world_size: int, config: tuple) -> dict:
     case = CASES[case_name]
     model, groups = _build(case)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    container = None
+    engine = None
     average = None
     if averaging == "engine":
-        # A real container: BucketedDDP all-reduces in backward; DeferredGradSync leaves gradients local.
-        container = DeferredGradSync(model) if schedule == "reduce_scatter" else BucketedDDP(model, bucket_size_mb=None)
+        # A real engine: BucketedDDP all-reduces in backward; DeferredGradSync leaves gradients local.
+        engine = DeferredGradSync(model) if schedule == "reduce_scatter" else BucketedDDP(model, bucket_size_mb=None)
     elif schedule == "allreduce_broadcast":
         average = lambda: _average_by_hand(model, world_size)  # noqa: E731
     optimizer = ShardedOptimizer(groups, torch.optim.AdamW, schedule=schedule, collectives=collectives, **HP)
     recorder = Recorder()  # the engine's and the optimizer's collectives land in one record per step
     optimizer.recorder = recorder
-    if container is not None:
-        container.recorder = recorder
-        average = container.finish_gradient_synchronization
+    if engine is not None:
+        engine.recorder = recorder
+        average = engine.finish_gradient_synchronization
     _train(case, optimizer, model, range(STEPS), rows, average, recorder)
     names = {id(p): n for n, p in model.named_parameters()}
     record = recorder.finish_step()  # the last step's

@@ -40,7 +40,7 @@ class SlowNaiveDDPStrategy(NaiveDDPStrategy):
         super().__init__(**kwargs)
         self.delay_ms = delay_ms
 
-    def make_container(self, module: nn.Module) -> NaiveDDP:
+    def make_engine(self, module: nn.Module) -> NaiveDDP:
         return _SlowAllReduceNaive(module, self.delay_ms)
 
 
@@ -61,5 +61,5 @@ class SlowBackwardOverlapDDPStrategy(OverlapDDPStrategy):
         super().__init__(**kwargs)
         self.delay_ms = delay_ms
 
-    def make_container(self, module: nn.Module) -> OverlapDDP:
+    def make_engine(self, module: nn.Module) -> OverlapDDP:
         return _SlowBackwardOverlap(module, self.delay_ms)

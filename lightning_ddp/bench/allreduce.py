@@ -12,51 +12,63 @@ model's shape (``sweep.gradient_bytes``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+try:  # jsonargparse >= 4.32
+    from jsonargparse import auto_cli
+except ImportError:  # pragma: no cover - older jsonargparse
+    from jsonargparse import CLI as auto_cli
+
 from lightning_ddp.sync.bucket_model import DEFAULT_SIZES, fit_latency_bandwidth, measure_allreduce
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.allreduce", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file rank 0 writes")
-    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the messages live")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per size (median kept)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="message sizes in bytes")
-    args = parser.parse_args(argv)
+def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal["cpu", "cuda"] = "cpu",
+            repeats: int = 5, sizes: list[int] = list(DEFAULT_SIZES)) -> None:
+    """Time all-reduces of each size on every rank of the launched job; rank 0 writes the fit to ``out``.
 
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    Args:
+        out: JSON file rank 0 writes.
+        backend: The process group's backend.
+        device: Where the messages live (``cuda``: the GPU of ``LOCAL_RANK``).
+        repeats: Timed calls per size (the median is kept).
+        sizes: Message sizes in bytes, e.g. ``[4096,65536,1048576]``.
+    """
+    if device == "cuda":
+        torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(torch_device)
     else:
-        device = torch.device("cpu")
-    dist.init_process_group(args.backend, init_method="env://", timeout=timedelta(minutes=5))
+        torch_device = torch.device("cpu")
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=5))
     try:
-        times = measure_allreduce(args.sizes, repeats=args.repeats, device=device)
-        o, w = fit_latency_bandwidth(args.sizes, times)
+        times = measure_allreduce(sizes, repeats=repeats, device=torch_device)
+        o, w = fit_latency_bandwidth(sizes, times)
         if dist.get_rank() == 0:
             result = {
                 "overhead_s": o,
                 "bandwidth_Bps": w if w != float("inf") else None,
-                "sizes": args.sizes,
+                "sizes": sizes,
                 "times_s": times,
-                "repeats": args.repeats,
+                "repeats": repeats,
                 "world_size": dist.get_world_size(),
-                "backend": args.backend,
-                "device": str(device),
+                "backend": backend,
+                "device": str(torch_device),
             }
-            with open(args.out, "w", encoding="utf-8") as f:
+            with open(out, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
             print(f"all-reduce fit: o = {o * 1e3:.3f} ms, w = {w / 1e9:.3f} GB/s", flush=True)
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_ddp.bench.allreduce --out FILE``: ``measure`` from the command line (``--help``)."""
+    auto_cli(measure, args=argv, prog="python -m lightning_ddp.bench.allreduce", as_positional=False)
 
 
 if __name__ == "__main__":

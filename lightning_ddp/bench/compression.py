@@ -3,6 +3,8 @@
     python -m lightning_ddp.bench.compression --config configs/text_bytes.yaml --steps 300 \
         --variants bucketed_bf16 bucketed_powersgd:rank=4,start_iter=10 --out benchmarks/results/compression_cpu
 
+Arguments after ``--`` go to every training run (``-- --trainer.accelerator cuda``).
+
 Every *variant* is a registered lossy algorithm with buckets (``exact=False`` in ``lightning_ddp.sync.registry``),
 with engine settings if given (``NAME:setting=value,...``); by default every such algorithm at its engine's
 defaults (``bucketed_bf16``, ``bucketed_powersgd`` ...). Each is compared with ``bucketed`` (exact fp32 averaging)
@@ -42,11 +44,23 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from jsonargparse import ArgumentParser, Namespace
 
-from lightning_ddp.bench.config import engine_setting_defaults, format_settings, parse_settings, settings_slug
+from lightning_ddp.bench.config import (
+    engine_setting_defaults,
+    fit_arguments,
+    format_settings,
+    parse_settings,
+    settings_slug,
+)
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
+from lightning_ddp.data import TextBytes
+from lightning_ddp.model import GPT, get_config
+from lightning_ddp.provenance import git_state
+from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
@@ -83,8 +97,6 @@ def parse_variant(text: str) -> Variant:
     >>> parse_variant("bucketed_powersgd:rank=4,start_iter=10").name
     'bucketed_powersgd rank=4 start_iter=10'
     """
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     name, _, rest = text.partition(":")
     lossy = [a.name for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
     if name not in lossy:
@@ -101,8 +113,6 @@ def parse_variant(text: str) -> Variant:
 
 def default_variants() -> list[Variant]:
     """Every registered lossy algorithm with buckets, at its engine's defaults (registry order)."""
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     return [Variant(a.name) for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
 
 
@@ -159,12 +169,8 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
     return (difference.norm().item() / norm if norm > 0 else 0.0), difference.abs().max().item()
 
 
-def _error_rank(rank: int, world: int, port: int, args: argparse.Namespace, variants: list[Variant],
+def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: list[Variant],
                 result_file: str) -> None:
-    from lightning_ddp.data import TextBytes
-    from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.sync.registry import get_algorithm
-
     init_cpu_process_group(rank, world, port)
     try:
         data = TextBytes(args.text, seq_len=args.seq_len)
@@ -314,7 +320,7 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespace, command: str,
+def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, command: str,
               result: dict[str, Any]) -> str:
     fp32, last, seeds = s["fp32"], s["last_steps"], s["seeds"]
     names = [v.name for v in variants]
@@ -379,7 +385,7 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g. "
@@ -395,7 +401,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", required=True, help="directory for results.json, results.md and loss_curves.png")
-    args, extra = parser.parse_known_args(argv)
+    parser.add_argument("fit_args", nargs=argparse.REMAINDER,
+                        help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
+                             "`-- --trainer.accelerator cuda`")
+    args = parser.parse_args(argv)
+    extra = fit_arguments(args.fit_args)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds} repeats a seed; give distinct seeds, e.g. --seeds 0 1 2")
     try:
@@ -424,15 +434,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                         [*extra, "--seed_everything", str(seed)])
                 runs[seed][name] = _read_run(Path(tmp) / run_name)
         print("measuring the per-step gradient error ...", flush=True)
-        import torch.multiprocessing as mp
-
         result_file = str(Path(tmp) / "errors.json")
         mp.spawn(_error_rank, args=(2, find_free_port(), args, variants, result_file), nprocs=2, join=True)
         errors = {name: [tuple(e) for e in values] for name, values in json.loads(Path(result_file).read_text()).items()}
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
-    from lightning_ddp.provenance import git_state
-
     command = "python -m lightning_ddp.bench.compression " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command, "fit_commands": commands, "config": vars(args), "extra_args": extra,
               "variants": {v.name: {"algorithm": v.algorithm, "settings": v.settings,

@@ -24,13 +24,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, Union
 
-from lightning_ddp.sync.registry import NOT_SETTINGS
+from lightning_ddp.sync.registry import ALGORITHMS, NOT_SETTINGS  # the standard library only: no torch import
 
 __all__ = [
     "BASELINE",
     "PRECISIONS",
     "REFERENCE",
     "engine_setting_defaults",
+    "fit_arguments",
     "format_settings",
     "has_bucket_axis",
     "parse_settings",
@@ -47,20 +48,27 @@ __all__ = [
     "format_bucket",
 ]
 
+
+def fit_arguments(remainder: list[str]) -> list[str]:
+    """The arguments a benchmark passes on to each ``python -m lightning_ddp fit`` run: what follows ``--`` on its
+    command line (its ``fit_args``, an ``argparse.REMAINDER``), without the ``--``.
+
+    >>> fit_arguments(["--", "--trainer.accelerator", "cuda"])
+    ['--trainer.accelerator', 'cuda']
+    """
+    return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
+
+
 def sweep_strategies() -> list[str]:
     """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), then ``ddp``.
 
     An algorithm registered before the sweep's configuration is read joins the sweep with no other change.
     """
-    from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only: no torch import
-
     return [*ALGORITHMS, BASELINE]
 
 
 def has_bucket_axis(strategy: str) -> bool:
     """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb`` (algorithms with a bucket size)."""
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     algorithm = ALGORITHMS.get(strategy)
     return algorithm is not None and algorithm.has_bucket_size
 
@@ -75,8 +83,6 @@ def engine_setting_defaults(strategy: str) -> dict[str, Any] | None:
     ``inspect.Parameter.empty``, where there is none); ``{}`` for ``ddp``, the reference and an engine without any;
     ``None`` when the engine takes ``**kwargs`` (any name may be a setting). Imports the engine (hence torch).
     """
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     algorithm = ALGORITHMS.get(strategy)
     if algorithm is None:
         return {}
@@ -271,8 +277,6 @@ def _check_settings(algorithm: str, settings: Any) -> dict[str, list[Any]]:
     """One algorithm's entry of ``grid.engine_settings``, checked against its engine's signature (values
     de-duplicated), whether or not the algorithm is in ``grid.strategies`` (so a config's settings stay valid when
     the strategies are narrowed on the command line)."""
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     where = f"`grid.engine_settings.{algorithm}`"
     if algorithm not in ALGORITHMS:
         raise ValueError(

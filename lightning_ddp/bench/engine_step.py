@@ -26,7 +26,6 @@ Variants are ``ddp`` or ``<algorithm>[@<bucket MiB>]`` from the algorithm regist
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -38,9 +37,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
+from lightning_ddp.bench.stats import estimate, ratio_estimate
+from lightning_ddp.model import GPT, get_config
+from lightning_ddp.provenance import git_state
+from lightning_ddp.sync.registry import get_algorithm
 
 __all__ = ["main", "parse_variant"]
 
@@ -63,18 +68,14 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     name, size = parse_variant(variant)
     if name == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
-    from lightning_ddp.sync.registry import get_algorithm
-
     algorithm = get_algorithm(name)
     if size is None:
         return algorithm.make_engine(model)
     return algorithm.make_engine(model, bucket_size_mb=None if size == "none" else size)
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result_file: str) -> None:
+def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: str) -> None:
     init_cpu_process_group(rank, world, port)
-    from lightning_ddp.model import GPT, get_config
-
     try:
         config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
         runs = {}
@@ -121,7 +122,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, resul
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=["ddp", "bucketed@1", "bucketed@4"],
                         help="ddp or <algorithm>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
     parser.add_argument("--preset", default="tiny")
@@ -138,13 +139,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for variant in args.variants:
         name, _ = parse_variant(variant)
         if name != "ddp":
-            from lightning_ddp.sync.registry import get_algorithm
-
-            get_algorithm(name)  # an unknown name fails here, listing the valid ones
-
-    import torch.multiprocessing as mp
-
-    from lightning_ddp.bench.stats import estimate, ratio_estimate
+            try:
+                get_algorithm(name)  # an unknown name fails here, listing the valid ones
+            except ValueError as error:
+                parser.error(f"--variants: {error}")
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "times.json")
@@ -173,8 +171,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(
                   t for v in times.values() for r in v for t in r)}
     if args.out:
-        from lightning_ddp.provenance import git_state
-
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result.update(git_state())

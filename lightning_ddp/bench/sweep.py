@@ -22,7 +22,9 @@ Recipe (``run_sweep``):
    (``report.build_report``) and the PNG plots; ``output.report_only`` does only this, from the raw files.
 
 The cell runner is injected (any ``(cell, run_dir) -> CellOutcome``), and so is the load guard, which is how
-tests fake both.
+tests fake both. The driver itself imports no torch (the cells run in their own processes): the few functions
+that need it (the GPU count, the model's gradient bytes, the bucket-size formula) import torch, the model or
+``sync.bucket_model`` when called.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Callable
 from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout, every_rank_environment, expand_grid, rank_layout, threads_per_rank
 from lightning_ddp.bench.load import LoadCheck, wait_until_idle
+from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import analyze, build_report
 from lightning_ddp.bench.results import (
     REPEAT_COLUMNS,
@@ -283,8 +286,6 @@ def _write_outputs(
     write_text_atomically(out_dir / RESULTS_MD, report)
     if not (final and config.output.plots and grid_rows):
         return grid_rows, []
-    from lightning_ddp.bench.plots import write_plots
-
     predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
     return grid_rows, write_plots(out_dir, grid_rows, predicted_mb, analysis)
 

@@ -2,6 +2,8 @@
 
     python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml --out benchmarks/results/cpu
 
+Arguments after ``--`` go to every fit (``-- --trainer.accelerator cuda``).
+
 Each repeat runs the fit twice, timer off then on, so slow drifts of a shared machine hit both alike. Every
 step's wall time is taken by ``StepWallTimes``, a callback present in both runs that only reads
 ``time.perf_counter()`` at the end of each training batch, with no synchronisation of its own: on CUDA a
@@ -27,7 +29,11 @@ import time
 from pathlib import Path
 
 import torch
+from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
+
+from lightning_ddp.bench.config import fit_arguments
+from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
 
 
 class StepWallTimes(Callback):
@@ -95,8 +101,6 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
     """The overhead from each arm's steps, per repeat: ``median(on) / median(off) - 1`` (pooled medians) with a
     95 % interval from the two-level bootstrap of ``lightning_ddp.bench.stats`` (repeats, then steps), its verdict
     against the 2 % goal, and the same ratio of the whole runs' mean steps (``windows``, no interval)."""
-    from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
-
     ratio = ratio_estimate(runs["on"], runs["off"], samples, seed=0, keys=("timer on", "timer off"))
     off, on = pooled_median(runs["off"]), pooled_median(runs["on"])
     mean_off, mean_on = statistics.mean(windows["off"]), statistics.mean(windows["on"])
@@ -110,13 +114,17 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m lightning_ddp.bench.timer_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/quickstart.yaml", help="the fit config to time")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="steps per run left out of the median")
     parser.add_argument("--repeats", type=int, default=4, help="off/on pairs (the interval needs several)")
     parser.add_argument("--out", default=None, help="directory for timer_overhead.json and .md")
-    args, extra = parser.parse_known_args(argv)
+    parser.add_argument("fit_args", nargs=argparse.REMAINDER,
+                        help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
+                             "`-- --trainer.accelerator cuda`")
+    args = parser.parse_args(argv)
+    extra = fit_arguments(args.fit_args)
     result = measure(args.config, args.steps, args.warmup, args.repeats, extra)
     line = (f"CommTimer overhead: {result['overhead'] * 100:+.2f} % [95 %: {result['overhead_lo'] * 100:+.2f}, "
             f"{result['overhead_hi'] * 100:+.2f}] (median step {result['median_step_ms_timer_off']:.1f} ms "

@@ -20,7 +20,7 @@ every trainable parameter) to the gradients usable (``on_before_optimizer_step``
 At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the steps after ``warmup_steps``) and
 writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory, with
 ``compute_profile.json`` beside them: the median forward, backward and optimizer times and when each
-parameter's gradient became ready (``lightning_ddp.project.profile``; what ``python -m lightning_ddp.project``
+parameter's gradient became ready (``lightning_ddp.profile``; what ``python -m lightning_ddp.projection``
 predicts other world sizes from). Forward is the step's start to backward's start, backward runs to the last
 gradient computed, the optimizer from the gradients usable to the step's end.
 """
@@ -46,7 +46,7 @@ from lightning_ddp import compat
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.recording import recorder_for, release_recorder
-from lightning_ddp.project.profile import ComputeProfile, ParamTiming, write_profile
+from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
 

@@ -27,7 +27,8 @@ DENSE_PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = tuple(
 Derived from ``lightning_ddp.hardware.DEVICES``."""
 
 CPU_TFLOPS_PER_THREAD = hardware.CPU_FP32_TFLOPS_PER_CORE
-"""fp32 matmul throughput of one core of our 2-core CI machine (~78 GFLOP/s, measured): an estimate for CPUs."""
+"""fp32 matmul throughput of one CPU core, an estimate (``lightning_ddp.hardware.CPU_FP32_TFLOPS_PER_CORE``, which
+says where the figure comes from)."""
 
 
 def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: int | None = None) -> float | None:

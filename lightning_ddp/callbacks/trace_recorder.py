@@ -19,7 +19,7 @@ Recipe, per rank:
    hands it to its engine); at the end of each traced step, keep the finished record's collectives (launch and
    completion of each, in ``perf_counter`` seconds).
 4. When the last active step ends the profiler hands over the trace: export the Chrome trace, add the
-   communication track (``lightning_ddp.trace.chrome.add_communication_track``: each collective's
+   communication track (``lightning_ddp.callbacks.comm_track.add_communication_track``: each collective's
    launch -> completion as an event on the profiler's clock, aligned by the step anchors) and write
    ``rank{R}.pt.trace.json`` into ``dirpath`` (default ``<log_dir>/traces``). That is the layout of
    ``torch.profiler.tensorboard_trace_handler`` (``<worker>[.<span>].pt.trace.json``), so the same files open in
@@ -49,10 +49,10 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
 from lightning_ddp import compat
+from lightning_ddp.callbacks.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
 from lightning_ddp.callbacks.recording import recorder_for, release_recorder
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Recorder
-from lightning_ddp.trace.chrome import TRACE_SUFFIX, RecordedStep, add_communication_track
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
@@ -150,7 +150,7 @@ class TraceRecorder(Callback):
             "torch": torch.__version__,
             "clock": "ts_us = perf_counter_s * 1e6 + offset_us; offset from the ddp/step#N anchor of each step",
         }
-        # The strategy calls its wrapped model (our container, torch DDP) to run training_step: its forward hooks
+        # The strategy calls its wrapped model (our engine, torch DDP) to run training_step: its forward hooks
         # bracket the forward pass. Without a wrapper (single device) there is no forward range.
         if isinstance(model, torch.nn.Module) and model is not pl_module:
             self._handles.append(model.register_forward_pre_hook(lambda *_: self._enter(ranges.FORWARD)))

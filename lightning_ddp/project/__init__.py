@@ -1,97 +1,73 @@
-"""Project step time and communication share to world sizes nobody has run: one simulated timeline per cell.
+"""The old name of ``lightning_ddp.projection``, kept so that code and commands written for it still work.
 
-``python -m lightning_ddp.project --config configs/project/xl_h100.yaml`` answers "we measured 2 GPUs; what
-happens on 8, 64 or 1024?" for every strategy of this project, from two inputs:
-
-1. **Compute** (``profile``, ``flops``): forward, backward and optimizer times per rank, and when each gradient
-   becomes ready during backward. Measured (a compute profile JSON the ``CommTimer`` writes) or modelled from
-   FLOPs for a model preset on a named GPU at a stated MFU.
-2. **Communication** (``comm``): ``alpha + bytes / bandwidth`` per collective and algorithm (ring, tree) with the
-   nccl-tests bus-bandwidth factors, on a fabric preset (NVLink 4, InfiniBand NDR in 8-GPU nodes, PCIe Gen4/5)
-   or this project's measured 2-rank all-reduce fit, extrapolated to ``n`` ranks.
-
-Each strategy (``strategies.STRATEGIES``: every registered algorithm whose registry entry names a ``projection``
-model, naive, flat, overlap, bucketed, bucketed_bf16, bucketed_powersgd, then zero1 and ddp) issues
-its collectives as its engine does; they run in order on one communication stream while the compute stream
-runs forward, backward (gradients becoming ready), copies and the optimizer. Per strategy, world size and
-bucket size (and engine setting, e.g. PowerSGD's ``rank``) the output is the step time, the exposed communication (step minus the compute-only step) and
-its share of the step, and the busy communication time.
-
-=================  ==========================================================================================
-module             what it holds
-=================  ==========================================================================================
-``profile``        the compute-profile JSON (schema ``lightning_ddp.compute_profile/1``): reader and writer
-``flops``          a modelled profile: parameters of a preset, FLOPs, per-parameter ready times, GPU table
-``comm``           the cost formulas, link and fabric presets (with sources), the measured fit
-``buckets``        our engines' bucket rule, torch DDP's, ZeRO-1's owners (pure restatements, tested to agree)
-``strategies``     the timeline and one simulation per strategy; ``STRATEGIES``, read from the registry
-``sweep``          the grid, best bucket sizes, ``predict_cells`` (model vs this project's measured sweep)
-``config``         the CLI's dataclasses (compute, network, study, output)
-``run``            config -> profile, fabric, results and files; ``report``: CSV, markdown, PNGs
-``seeds``          the validation against the seed study (xl on 2 GPUs): ``python -m lightning_ddp.project.seeds``
-=================  ==========================================================================================
-
-Assumptions, and where the model is known to be wrong
------------------------------------------------------
-
-- **One communication stream, FIFO.** Collectives never overlap each other, and run in issue order (NCCL on one
-  communicator does this). Strategies that use several streams or communicators are not modelled.
-- **No contention between compute and communication.** Overlapped collectives cost backward nothing. On GPUs,
-  NCCL kernels occupy SMs (up to ~32 channels) and HBM bandwidth, so backward slows while they run; on the
-  seeds' 2-GPU runs overlap and bucketed steps were ~0.1 s longer than compute + exposed communication
-  (``seeds``). On CPU (gloo) compute and communication share cores, which is worse. Overlapped strategies are
-  therefore optimistic, naive and flat are not.
-- **One protocol per message.** NCCL switches protocol (LL, LL128, Simple) and algorithm by message size, has a
-  latency plateau for large multi-node rings, NVLink SHARP (NVLS) and CollNet/SHARP in-network reduction; we use
-  one per-step latency and one bandwidth per link, and ``auto`` picks ring or tree per message. Small messages
-  (norm scales, presence flags) are priced roughly; large ones follow the bus bandwidth.
-- **Idealised topology.** Every rank has its own full-bandwidth path: an NVSwitch inside a node, a non-blocking
-  rail-optimised fat tree between nodes, 8 NICs per node. PCIe root-complex sharing, NUMA hops, oversubscribed
-  switches and congestion from other jobs are not modelled; a real PCIe box with 8 GPUs behind one switch will do
-  worse than ``pcie_gen4`` at 8 ranks.
-- **No stragglers.** All ranks compute the same time; in practice the slowest rank sets every collective's start,
-  and jitter grows with the world size.
-- **Weak scaling, memory-blind.** The per-rank batch is fixed, so compute per rank does not change with ``n``.
-  Nothing checks that a strategy fits in memory (flat needs a gradient-sized buffer; zero1 saves optimizer state).
-- **The project's engines, not ideal algorithms.** Each strategy issues what its engine issues: the presence-flag
-  all-reduce, one-tensor buckets in place, packing on the compute stream; ``zero1`` owns whole tensors and pads
-  every rank's segment to the most loaded owner's, so beyond a few hundred ranks (more ranks than large tensors)
-  its buffers grow to several times the gradients, where an element-wise ZeRO would not.
-- **Copies at memory bandwidth**, on the compute stream; the division by the world size and framework overheads
-  (Python hooks, ``torch.distributed`` dispatch beyond the per-call constant) are not modelled.
-- **Measured fits extrapolate** from 2 ranks by the ring formulas (``comm``); a fit on one host says nothing
-  about a network.
-
-Everything here is pure Python (the standard library; matplotlib for the plots). Only modelling a preset from
-FLOPs imports ``lightning_ddp.model`` (hence torch), to read the preset's shape from its one source of truth.
+Nothing lives here. ``import lightning_ddp.project.X`` gives the module ``lightning_ddp.projection.X`` itself (the
+same object, so its classes are the same classes), ``python -m lightning_ddp.project[.X]`` runs
+``python -m lightning_ddp.projection[.X]``, and ``lightning_ddp.projection``'s names are attributes here. Modules
+that moved under another name are in ``RENAMED``. Importing it warns (``DeprecationWarning``); new code uses
+``lightning_ddp.projection``.
 """
 
-from lightning_ddp.project.comm import FABRICS, Fabric, Link, MeasuredFit, get_fabric, read_fit
-from lightning_ddp.project.flops import GPUS, ModelShape, modelled_profile
-from lightning_ddp.project.profile import SCHEMA, ComputeProfile, ParamTiming, read_profile, write_profile
-from lightning_ddp.project.strategies import STRATEGIES, StepModel, StepResult, simulate
-from lightning_ddp.project.sweep import best_by_world_size, predict_cells, project
+from __future__ import annotations
 
-__all__ = [
-    "FABRICS",
-    "GPUS",
-    "SCHEMA",
-    "STRATEGIES",
-    "ComputeProfile",
-    "Fabric",
-    "Link",
-    "MeasuredFit",
-    "ModelShape",
-    "ParamTiming",
-    "StepModel",
-    "StepResult",
-    "best_by_world_size",
-    "get_fabric",
-    "modelled_profile",
-    "predict_cells",
-    "project",
-    "read_fit",
-    "read_profile",
-    "simulate",
-    "write_profile",
-]
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from types import CodeType, ModuleType
+
+from lightning_ddp.projection import *  # noqa: F403 - the old package's names
+from lightning_ddp.projection import __all__  # noqa: F401
+
+NEW_NAME = "lightning_ddp.projection"
+
+RENAMED = {
+    "profile": "lightning_ddp.profile",
+    "seeds": "lightning_ddp.projection.published",
+}
+"""Old submodule -> the module it is now, where that is not ``lightning_ddp.projection.<same name>``."""
+
+
+def new_name(old: str) -> str:
+    """The module an old name ``lightning_ddp.project.X`` stands for."""
+    submodule = old.removeprefix(__name__ + ".")
+    return RENAMED.get(submodule, f"{NEW_NAME}.{submodule}")
+
+
+class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``lightning_ddp.project.X`` and loads it as the already imported (or now imported) new module."""
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if not fullname.startswith(__name__ + "."):
+            return None
+        spec = importlib.util.find_spec(new_name(fullname))
+        return None if spec is None else importlib.util.spec_from_loader(fullname, self, origin=spec.origin)
+
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec] = {}
+
+    def create_module(self, spec) -> ModuleType:
+        module = importlib.import_module(new_name(spec.name))
+        self._specs[spec.name] = module.__spec__  # the import system now overwrites it with the old name's spec
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Nothing to run (the module is the new one); it gets its own spec back.
+        module.__spec__ = self._specs.pop(module.__spec__.name)
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """For ``python -m lightning_ddp.project.X``: the code of the new module, run as ``__main__``."""
+        name = new_name(fullname)
+        return importlib.util.find_spec(name).loader.get_code(name)
+
+
+if not any(isinstance(finder, _OldNames) for finder in sys.meta_path):
+    sys.meta_path.append(_OldNames())
+
+warnings.warn(
+    "lightning_ddp.project is the old name of lightning_ddp.projection; import lightning_ddp.projection instead "
+    "(and run `python -m lightning_ddp.projection`)",
+    DeprecationWarning,
+    stacklevel=2,
+)

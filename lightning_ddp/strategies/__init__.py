@@ -3,16 +3,21 @@
 Importing this package registers ``<name>_ddp`` for every algorithm of ``lightning_ddp.sync.registry`` and
 ``zero1_ddp``; ``register_strategies()`` registers algorithms added since (it is idempotent).
 
-==================  ==========================  ==============================================
-name                class path (for YAML)       engine
-==================  ==========================  ==============================================
-``naive_ddp``       ``NaiveDDPStrategy``        ``lightning_ddp.sync.NaiveDDP``
-``flat_ddp``        ``FlatDDPStrategy``         ``lightning_ddp.sync.FlatDDP``
-``overlap_ddp``     ``OverlapDDPStrategy``      ``lightning_ddp.sync.OverlapDDP``
-``bucketed_ddp``    ``BucketedDDPStrategy``     ``lightning_ddp.sync.BucketedDDP`` (25 MiB)
-``<name>_ddp``      ``GradSyncStrategy``        any registered algorithm (``init_args: {algorithm: <name>}``)
-``zero1_ddp``       ``ZeRO1DDPStrategy``        ``lightning_ddp.sync.ShardedOptimizer`` (ZeRO-1)
-==================  ==========================  ==============================================
+=========================  ==========================  ================================================================
+name                       class path (for YAML)       engine
+=========================  ==========================  ================================================================
+``naive_ddp``              ``NaiveDDPStrategy``        ``lightning_ddp.sync.NaiveDDP``
+``flat_ddp``               ``FlatDDPStrategy``         ``lightning_ddp.sync.FlatDDP``
+``overlap_ddp``            ``OverlapDDPStrategy``      ``lightning_ddp.sync.OverlapDDP``
+``bucketed_ddp``           ``BucketedDDPStrategy``     ``lightning_ddp.sync.BucketedDDP`` (25 MiB)
+``bucketed_bf16_ddp``      ``GradSyncStrategy``        ``lightning_ddp.sync.BucketedBF16DDP`` (25 MiB)
+``bucketed_powersgd_ddp``  ``GradSyncStrategy``        ``lightning_ddp.sync.BucketedPowerSGDDDP`` (25 MiB)
+``<name>_ddp``             ``GradSyncStrategy``        any registered algorithm (``init_args: {algorithm: <name>}``)
+``zero1_ddp``              ``ZeRO1DDPStrategy``        ``lightning_ddp.sync.ShardedOptimizer`` (ZeRO-1) over an engine
+=========================  ==========================  ================================================================
+
+One row per registered algorithm, in registry order (``tests/test_registry.py`` checks the table against the
+registry). ``GradSyncStrategy`` rows take ``init_args: {algorithm: <name>}``.
 
 Lightning's own ``ddp`` is the baseline. To add an algorithm, see ``lightning_ddp.sync.registry``: no strategy
 class is needed.

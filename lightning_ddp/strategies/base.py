@@ -8,19 +8,19 @@ Subclassing ``DDPStrategy`` keeps what Lightning gets right (launchers, process-
 ``DistributedSampler`` it injects, ``reduce``/``barrier``/``broadcast`` for ``sync_dist`` logging). We replace
 only the gradient synchronisation:
 
-- ``configure_ddp`` wraps the LightningModule in our container (``lightning_ddp.sync``), which broadcasts
-  rank 0's weights. Not ``super()``: that builds a torch ``DistributedDataParallel``.
-- ``block_backward_sync`` enters the container's ``no_sync()`` for gradient-accumulation micro-batches
+- ``configure_ddp`` wraps the LightningModule in our engine (``make_engine``; a ``lightning_ddp.sync.GradSyncEngine``),
+  which broadcasts rank 0's weights. Not ``super()``: that builds a torch ``DistributedDataParallel``.
+- ``block_backward_sync`` enters the engine's ``no_sync()`` for gradient-accumulation micro-batches
   (Lightning only does this for torch DDP models).
 - ``post_backward`` calls ``finish_gradient_synchronization()``. It runs inside the optimizer closure, right
   after ``backward`` and before ``on_before_optimizer_step``, gradient clipping and ``optimizer.step``.
-- ``on_train_batch_start`` tells the container a micro-batch begins (the strategy owns the training step).
+- ``on_train_batch_start`` tells the engine a micro-batch begins (the strategy owns the training step).
 - ``attach_recorder`` is how an observer (the ``CommTimer``, the ``TraceRecorder``) asks for the step's
-  collectives to be recorded: the strategy hands the recorder to its container (and, for ZeRO-1, to the
+  collectives to be recorded: the strategy hands the recorder to its engine (and, for ZeRO-1, to the
   sharded optimizers). Nothing is recorded until someone asks.
-- ``teardown`` unwraps the container. The model's checkpoint is unaffected: Lightning saves the LightningModule's
+- ``teardown`` unwraps the engine. The model's checkpoint is unaffected: Lightning saves the LightningModule's
   own ``state_dict``, so keys carry no ``module.`` prefix.
-- Checkpoints also carry the engine's own state (``DataParallel.engine_state_dict``, e.g. PowerSGD's error feedback,
+- Checkpoints also carry the engine's own state (``GradSyncEngine.engine_state_dict``, e.g. PowerSGD's error feedback,
   which differs per rank), as ZeRO-1 carries its sharded optimizer state, by the same mechanism
   (``lightning_ddp.sync.gather``): ``save_checkpoint`` runs on every rank, gathers every rank's state to rank 0,
   which writes them under ``ENGINE_STATES_KEY``; on resume Lightning loads the file on every rank and each rank
@@ -34,6 +34,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -50,13 +51,15 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.sync import DataParallel, Recorder
+from lightning_ddp.sync import GradSyncEngine, Recorder
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.comm import backend_from_spec
 from lightning_ddp.sync.gather import gather_rank_states
 from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
+
+_MAKE_CONTAINER_IS_OLD = "make_container is the old name of make_engine: override and call make_engine instead"
 
 ENGINE_STATES_KEY = "grad_sync_engine_states"
 """Where a checkpoint holds the engines' own states: ``{"algorithm": name, "world_size": n, "states": [rank 0's,
@@ -168,32 +171,52 @@ class GradSyncStrategy(DDPStrategy):
                 "use gloo (the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
             )
 
-    def make_container(self, module: nn.Module) -> DataParallel:
-        """Wrap the LightningModule in this strategy's gradient-sync engine."""
-        container = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
-        prediction = getattr(container, "bucket_prediction", None)
+    def make_engine(self, module: nn.Module) -> GradSyncEngine:
+        """Wrap the LightningModule in this strategy's gradient-sync engine (a collective: it broadcasts rank 0's
+        weights). Override it to build another engine; ``configure_ddp`` calls it."""
+        engine = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
+        prediction = getattr(engine, "bucket_prediction", None)
         if prediction is not None:
             rank_zero_info(
-                f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(container.buckets)} buckets) from an "
+                f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(engine.buckets)} buckets) from an "
                 f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
                 f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
             )
-        return container
+        return engine
+
+    def make_container(self, module: nn.Module) -> GradSyncEngine:
+        """Deprecated: the old name of ``make_engine``. Calling it builds the engine, with a warning; a subclass that
+        overrides it instead of ``make_engine`` still has its override used by ``configure_ddp``, with a warning."""
+        warnings.warn(_MAKE_CONTAINER_IS_OLD, DeprecationWarning, stacklevel=2)
+        return self.make_engine(module)
 
     @property
-    def container(self) -> DataParallel | None:
+    def engine(self) -> GradSyncEngine | None:
         """The engine wrapping the model while fitting, else ``None``."""
-        return self.model if isinstance(self.model, DataParallel) else None
+        return self.model if isinstance(self.model, GradSyncEngine) else None
+
+    @property
+    def container(self) -> GradSyncEngine | None:
+        """Deprecated: the old name of ``engine``."""
+        warnings.warn("GradSyncStrategy.container is now GradSyncStrategy.engine", DeprecationWarning, stacklevel=2)
+        return self.engine
 
     @property
     def resolved_bucket_size_mb(self) -> float | None:
         """The bucket cap the engine uses (``auto`` and ``default`` resolved), while fitting; else ``None``."""
-        return getattr(self.container, "bucket_size_mb", None)
+        return getattr(self.engine, "bucket_size_mb", None)
+
+    def _build_engine(self, module: nn.Module) -> GradSyncEngine:
+        if type(self).make_container is not GradSyncStrategy.make_container:  # a subclass written for the old name
+            warnings.warn(f"{type(self).__name__} overrides make_container; {_MAKE_CONTAINER_IS_OLD}",
+                          DeprecationWarning, stacklevel=2)
+            return self.make_container(module)
+        return self.make_engine(module)
 
     @override
     def configure_ddp(self) -> None:
         assert isinstance(self.model, pl.LightningModule)
-        self.model = self.make_container(self.model)
+        self.model = self._build_engine(self.model)
         if self._restoring_engine_state:  # the checkpoint was loaded before the engine existed
             self._restore_engine_state()
         if self._recorder is not None:
@@ -208,17 +231,17 @@ class GradSyncStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _add_engine_states(self, checkpoint: dict[str, Any]) -> None:
-        container = self.container
+        engine = self.engine
         # Only a full checkpoint (Lightning's weights-only one has no optimizer state) of a run being fitted.
-        if container is None or "optimizer_states" not in checkpoint:
+        if engine is None or "optimizer_states" not in checkpoint:
             return
-        local = container.engine_state_dict()
+        local = engine.engine_state_dict()
         if not local:  # its keys are the engine's structure, the same on every rank: all ranks return here
             return
-        states = gather_rank_states(local, container.comm, container.device, dst=0)
+        states = gather_rank_states(local, engine.comm, engine.device, dst=0)
         if states is not None:
             checkpoint[ENGINE_STATES_KEY] = {
-                "algorithm": self.algorithm.name, "world_size": container.world_size, "states": states,
+                "algorithm": self.algorithm.name, "world_size": engine.world_size, "states": states,
             }
 
     @override
@@ -227,27 +250,27 @@ class GradSyncStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._engine_states_to_restore = checkpoint.get(ENGINE_STATES_KEY)
         self._restoring_engine_state = True
-        if self.container is not None:
+        if self.engine is not None:
             self._restore_engine_state()
         return checkpoint
 
     def _restore_engine_state(self) -> None:
-        container = self.container
-        assert container is not None
+        engine = self.engine
+        assert engine is not None
         saved = self._engine_states_to_restore
         self._engine_states_to_restore, self._restoring_engine_state = None, False
         state, dropped = engine_state_to_restore(
-            saved, self.algorithm.name, container.world_size, container.comm.rank, bool(container.engine_state_dict())
+            saved, self.algorithm.name, engine.world_size, engine.comm.rank, bool(engine.engine_state_dict())
         )
         if state is not None:
             try:
-                container.load_engine_state_dict(move_data_to_device(state, container.device))
+                engine.load_engine_state_dict(move_data_to_device(state, engine.device))
             except ValueError as error:
                 dropped = f"the checkpoint's engine state does not fit this engine ({error})"
         if dropped:
             rank_zero_warn(
-                f"Resuming with a fresh {type(container).__name__} state: {dropped}. "
-                f"{_fresh_state_note(container)}"
+                f"Resuming with a fresh {type(engine).__name__} state: {dropped}. "
+                f"{_fresh_state_note(engine)}"
             )
 
     def attach_recorder(self, recorder: Recorder | None) -> None:
@@ -260,29 +283,29 @@ class GradSyncStrategy(DDPStrategy):
             target.recorder = recorder
 
     def _recorded(self) -> list[Any]:
-        """What issues this run's gradient collectives: the container (ZeRO-1 adds its optimizers)."""
-        return [self.container] if self.container is not None else []
+        """What issues this run's gradient collectives: the engine (ZeRO-1 adds its optimizers)."""
+        return [self.engine] if self.engine is not None else []
 
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.container is None:
+        if self.engine is None:
             yield None
             return
-        with self.container.no_sync():
+        with self.engine.no_sync():
             yield None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.container is not None:
-            self.container.on_train_batch_start()
+        if self.engine is not None:
+            self.engine.on_train_batch_start()
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        container = self.container
-        if container is not None and container.require_backward_grad_sync:
-            container.finish_gradient_synchronization()
+        engine = self.engine
+        if engine is not None and engine.require_backward_grad_sync:
+            engine.finish_gradient_synchronization()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -303,8 +326,8 @@ class GradSyncStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._engine_states_to_restore, self._restoring_engine_state = None, False
-        if self.container is not None:
-            self.container.recorder = None
+        if self.engine is not None:
+            self.engine.recorder = None
             self.model = self.lightning_module
         super().teardown()
 
@@ -351,8 +374,8 @@ def engine_state_to_restore(
     return saved["states"][rank], ""
 
 
-def _fresh_state_note(container: DataParallel) -> str:
-    summary = getattr(container, "state_summary", "")
+def _fresh_state_note(engine: GradSyncEngine) -> str:
+    summary = getattr(engine, "state_summary", "")
     return f"It starts as at construction: {summary}." if summary else "It starts as at construction."
 
 

@@ -2,12 +2,12 @@
 
 What it adds to ``GradSyncStrategy``:
 
-- ``make_container``: with ``schedule: allreduce_broadcast`` the algorithm named by ``grad_sync`` (any entry of
+- ``make_engine``: with ``schedule: allreduce_broadcast`` the algorithm named by ``grad_sync`` (any entry of
   ``lightning_ddp.sync.registry``) all-reduces the gradients as usual; with ``schedule: reduce_scatter`` a
   ``DeferredGradSync`` leaves them local, because the optimizer reduce-scatters them in ``step()``.
 - ``setup_optimizers``: after ``configure_optimizers`` (unchanged), each optimizer is replaced by a
   ``ShardedOptimizer.from_optimizer`` of it, which shares its parameter-group dicts, and every LR scheduler is
-  re-pointed at the sharded optimizer. A recorder attached by an observer goes to the container and to the
+  re-pointed at the sharded optimizer. A recorder attached by an observer goes to the engine and to the
   sharded optimizers, so the ``CommTimer`` accounts the optimizer's collectives with the engine's.
 - Checkpoints: ``ShardedOptimizer.state_dict()`` is a collective returning the consolidated state on every rank;
   Lightning calls it on every rank in ``dump_checkpoint`` and writes rank 0's, and loads the file on every rank
@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_ddp import compat
 from lightning_ddp.strategies.base import GradSyncStrategy
-from lightning_ddp.sync import DataParallel
+from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.registry import get_algorithm
 from lightning_ddp.sync.zero1 import (
@@ -89,10 +89,10 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
         return "zero1_ddp"
 
     @override
-    def make_container(self, module: nn.Module) -> DataParallel:
+    def make_engine(self, module: nn.Module) -> GradSyncEngine:
         if self.schedule == "reduce_scatter":
             return DeferredGradSync(module)
-        return super().make_container(module)
+        return super().make_engine(module)
 
     @override
     def _recorded(self) -> list[Any]:
@@ -126,7 +126,7 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
             return optimizer
         if not isinstance(optimizer, ShardedOptimizer):
             optimizer = ShardedOptimizer.from_optimizer(optimizer, schedule=self.schedule, collectives=self.collectives)
-        elif optimizer.schedule != self.schedule:  # sharded by the user: its schedule must match our container
+        elif optimizer.schedule != self.schedule:  # sharded by the user: its schedule must match our engine
             raise ValueError(
                 f"configure_optimizers returned a ShardedOptimizer with schedule={optimizer.schedule!r}, but the "
                 f"strategy runs schedule={self.schedule!r}; return a plain optimizer (the strategy shards it) or set "

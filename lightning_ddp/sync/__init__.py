@@ -1,19 +1,27 @@
 """Pure-PyTorch gradient synchronisation: one algorithm per file over a small shared base. No Lightning here.
 
-=================  =========================================================================
-``NaiveDDP``       after backward, one blocking all-reduce per gradient tensor
-``FlatDDP``        after backward, one all-reduce of all gradients flattened into one buffer
-``OverlapDDP``     during backward, an async all-reduce per gradient as soon as it is ready
-``BucketedDDP``    during backward, an async all-reduce per size-capped bucket as it fills
-=================  =========================================================================
+Each algorithm is an *engine*: the model wrapped for data-parallel training, a ``GradSyncEngine``. The registry
+(``registry.ALGORITHMS``) lists them; this table is checked against it (``tests/test_registry.py``):
+
+=====================  ========================  ======================================================================
+algorithm              engine                    what it does
+=====================  ========================  ======================================================================
+``naive``              ``NaiveDDP``              after backward, one blocking all-reduce per gradient tensor
+``flat``               ``FlatDDP``               after backward, one all-reduce of all gradients flattened into one buffer
+``overlap``            ``OverlapDDP``            during backward, an async all-reduce per gradient as soon as it is ready
+``bucketed``           ``BucketedDDP``           during backward, an async all-reduce per size-capped bucket as it fills
+``bucketed_bf16``      ``BucketedBF16DDP``       bucketed, the buckets communicated in bf16: half the bytes, lossy
+``bucketed_powersgd``  ``BucketedPowerSGDDDP``   bucketed, each large gradient matrix sent as low-rank PowerSGD factors
+                                                 with error feedback: far fewer bytes, lossy
+=====================  ========================  ======================================================================
 
 ``ShardedOptimizer`` (``zero1``) shards the optimizer state over the ranks (ZeRO stage 1) on top of an engine,
-or, with ``schedule="reduce_scatter"``, of ``DeferredGradSync``, a container that leaves gradients local.
+or, with ``schedule="reduce_scatter"``, of ``DeferredGradSync``, an engine that leaves gradients local.
 
 The parts every engine shares:
 
 =================  =========================================================================
-``base``           ``DataParallel``: wrapping, the rank-0 broadcast, ``no_sync``, the hook plumbing
+``base``           ``GradSyncEngine``: wrapping, the rank-0 broadcast, ``no_sync``, the hook plumbing
 ``comm``           ``Communicator``: every collective, async, recorded and profiled in one place
 ``buffers``        flat buffers (pack, unpack) and the gradient-presence agreement
 ``reduce``         how a bucket is averaged (the bucketed engine's swappable step, torch DDP's comm hook)
@@ -34,9 +42,12 @@ from __future__ import annotations
 from lightning_ddp._lazy import lazy_exports
 
 _HOMES = {
-    "DataParallel": "lightning_ddp.sync.base",
+    "GradSyncEngine": "lightning_ddp.sync.base",
+    "DataParallel": "lightning_ddp.sync.base",  # GradSyncEngine's old name (deprecated, warns)
     "broadcast_module_states": "lightning_ddp.sync.base",
     "BucketedDDP": "lightning_ddp.sync.bucketed",
+    "BucketedBF16DDP": "lightning_ddp.sync.bucketed_bf16",
+    "BucketedPowerSGDDDP": "lightning_ddp.sync.bucketed_powersgd",
     "assign_buckets": "lightning_ddp.sync.assignment",
     "Communicator": "lightning_ddp.sync.comm",
     "Pending": "lightning_ddp.sync.comm",
@@ -59,5 +70,5 @@ _HOMES = {
     "ShardedOptimizer": "lightning_ddp.sync.zero1",
     "assign_owners": "lightning_ddp.sync.zero1",
 }
-__all__ = sorted(_HOMES)
+__all__ = sorted(set(_HOMES) - {"DataParallel"})
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

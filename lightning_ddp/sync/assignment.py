@@ -1,6 +1,6 @@
 """Which parameters travel together: the bucketed engines' buckets and ZeRO-1's owners. Pure Python, no torch.
 
-The engines call these at wrap time, and the projection (``lightning_ddp.project``, which never imports torch)
+The engines call these at wrap time, and the projection (``lightning_ddp.projection``, which never imports torch)
 simulates the same buckets and owners by calling the same functions.
 """
 

@@ -27,7 +27,8 @@ Invariants every engine keeps:
   parameter with no gradient on *any* rank keeps ``.grad = None``, exactly as in a single process, so the
   optimizer skips it. A parameter with a gradient on *some* ranks is averaged with zeros from the others, which
   is the full-batch gradient: a rank that did not use it contributed 0.
-- **Averages, not sums:** every engine sums and divides by the world size (gloo has no ``AVG``).
+- **Averages, not sums:** every engine divides what it sends by the world size *before* the SUM all-reduce
+  (pre-scaling, as torch DDP's default hook does; gloo has no ``AVG``), so the sum it gets back is the average.
 - Tied weights appear once in ``module.parameters()`` and are communicated once; ``requires_grad=False``
   parameters are never communicated.
 - **The ranks wrap the same model.** Before the broadcast, the constructor checks that every rank has the same
@@ -36,7 +37,7 @@ Invariants every engine keeps:
   same error naming the first parameter that differs, how, and on which rank, instead of one rank hanging or
   averaging mismatched buffers.
 
-To write an engine: subclass ``DataParallel``, implement ``_synchronize`` (called by
+To write an engine: subclass ``GradSyncEngine``, implement ``_synchronize`` (called by
 ``finish_gradient_synchronization``) and, to act during backward, set ``uses_grad_hooks = True`` and implement
 ``_on_grad_ready(index)``. Issue every collective through ``self.comm`` (``lightning_ddp.sync.comm``), so it is
 recorded and profiled like the others. Then give it one entry in ``lightning_ddp.sync.registry``.
@@ -53,6 +54,7 @@ wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``d
 from __future__ import annotations
 
 import hashlib
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
@@ -64,11 +66,14 @@ from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_r
 from lightning_ddp.sync.ranges import GRAD_SYNC
 from lightning_ddp.sync.record import SyncRecord
 
-__all__ = ["DataParallel", "broadcast_module_states", "describe_parameters", "verify_same_parameters"]
+__all__ = ["GradSyncEngine", "broadcast_module_states", "describe_parameters", "verify_same_parameters"]
 
 
-class DataParallel(RecordsThroughComm, nn.Module):
+class GradSyncEngine(RecordsThroughComm, nn.Module):
     """Base of the gradient-sync engines: the wrapped model at ``.module`` plus the shared machinery.
+
+    An *engine* is the model wrapped for data-parallel training (torch's ``DistributedDataParallel`` in our terms):
+    what a strategy builds (``GradSyncStrategy.engine``), what ``Algorithm.make_engine`` returns.
 
     Subclasses implement ``_synchronize()`` (called by ``finish_gradient_synchronization``) and, if they
     communicate during backward, ``_on_grad_ready(index)`` for hook-driven launches.
@@ -276,3 +281,11 @@ def verify_same_parameters(module: nn.Module, comm: Communicator, device: torch.
         "dtypes and frozen parameters) before it is wrapped: look for rank-dependent code in the model's "
         "construction (or configure_model)."
     )
+
+
+def __getattr__(name: str) -> Any:
+    # ``DataParallel`` was this class's first name; it still works, with a warning.
+    if name == "DataParallel":
+        warnings.warn("lightning_ddp.sync.base.DataParallel is now GradSyncEngine", DeprecationWarning, stacklevel=2)
+        return GradSyncEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

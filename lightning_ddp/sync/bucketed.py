@@ -35,8 +35,9 @@ positive numbers positive.
 Why in order: collectives are matched by sequence position across ranks. Launching strictly in bucket order
 makes the sequence identical on every rank even when some rank's gradient for a parameter is missing or late.
 
-Trade-off (the seeds' bucket sweep): small buckets start communicating earlier but pay the per-call latency
-many times; one huge bucket pays it once but cannot start before backward ends.
+Trade-off (the bucket sweep of the published 2-GPU xl runs, ``lightning_ddp.projection.published``): small buckets
+start communicating earlier but pay the per-call latency many times; one huge bucket pays it once but cannot start
+before backward ends.
 
 Measured choices (``python -m lightning_ddp.bench.engine_step``; the numbers are in
 ``benchmarks/results/cpu/engine_step.md``): views instead of packing and unpacking every step, and the sentinel
@@ -55,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets
-from lightning_ddp.sync.base import DataParallel
+from lightning_ddp.sync.base import GradSyncEngine
 from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.buffers import agree_on_gradients
 from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
@@ -94,7 +95,7 @@ class _Bucket:
                 self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
 
 
-class BucketedDDP(DataParallel):
+class BucketedDDP(GradSyncEngine):
     """All-reduce gradient buckets of at most ``bucket_size_mb`` MiB as they fill during backward.
 
     Args:

@@ -12,7 +12,8 @@ What it costs: bf16 keeps 8 mantissa bits, so each rank's scaled gradient is rou
 the sum, and the sum of n such numbers is rounded again in bf16 by the reduction. The optimizer sees the average
 to that precision, not the fp32 one: training is no longer equal to single-process training (``exact=False`` in
 the registry: the equivalence tests hold it to bf16 tolerances). What it saves: half the bytes; the two casts cost
-a read and a write of the bucket each. ``python -m lightning_ddp.bench.compression`` measures both.
+a read and a write of the bucket each. ``python -m lightning_ddp.bench.compression`` measures both (the numbers:
+``benchmarks/results/compression_cpu/results.md``).
 
 Only buckets of a floating dtype wider than bf16 are compressed; a bf16 bucket is reduced as it is.
 """

@@ -68,8 +68,9 @@ def profiler_range(name: str) -> AbstractContextManager:
     """``record_function(name)`` while a torch profiler is recording, else a no-op context.
 
     Why the check: entering a ``record_function`` dispatches an op that allocates a ``RecordFunction`` even when
-    no profiler listens (20-40 us per range on our CPU machines); the flag read costs ~0.1 us, so
-    per-collective ranges are free when nobody profiles.
+    no profiler listens (tens of microseconds per range on a CPU), while the flag read is an attribute lookup, so
+    per-collective ranges are free when nobody profiles. What the measuring as a whole costs a step is in
+    ``benchmarks/results/cpu/timer_overhead.md``.
     """
     return record_function(name) if compat.profiler_enabled() else _NOTHING
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ddp.sync.base import DataParallel
+from lightning_ddp.sync.base import GradSyncEngine
 from lightning_ddp.sync.buffers import agree_on_gradients, packed, unpack_gradients
 
 
-class FlatDDP(DataParallel):
+class FlatDDP(GradSyncEngine):
     """Flatten all gradients into one buffer (per dtype) and all-reduce it once after backward."""
 
     def _synchronize(self) -> None:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ddp.sync.base import DataParallel
+from lightning_ddp.sync.base import GradSyncEngine
 from lightning_ddp.sync.buffers import agree_on_gradients
 
 
-class NaiveDDP(DataParallel):
+class NaiveDDP(GradSyncEngine):
     """All-reduce each parameter's gradient individually after backward."""
 
     def _synchronize(self) -> None:

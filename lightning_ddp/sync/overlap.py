@@ -3,9 +3,11 @@
 Recipe:
 
 1. Register ``Tensor.register_post_accumulate_grad_hook`` on every trainable parameter.
-2. During backward, when a parameter's gradient has been accumulated, launch an async all-reduce (SUM) of
-   its ``.grad`` in place, while autograd goes on computing the gradients of earlier layers.
-3. ``finish_gradient_synchronization``: wait for every all-reduce, then divide by the world size.
+2. During backward, when a parameter's gradient has been accumulated, divide its ``.grad`` by the world size and
+   launch an async all-reduce (SUM) of it in place (pre-scaled, so the sum is the average), while autograd goes on
+   computing the gradients of earlier layers.
+3. ``finish_gradient_synchronization``: launch those not launched yet (a parameter without a gradient this step;
+   zeros stand in for it), then wait for every all-reduce: ``.grad`` holds the average, nothing is left to divide.
 
 Launch order is fixed to reverse ``module.parameters()`` order (the order backward produces gradients); a
 gradient that arrives early waits for its predecessors, so every rank issues the same sequence of

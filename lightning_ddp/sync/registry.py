@@ -2,19 +2,22 @@
 
 Readers: the Lightning strategies (``lightning_ddp.strategies`` registers ``<name>_ddp`` for every entry),
 ZeRO-1's ``grad_sync`` choice, the benchmark sweep (its grid, report and plots), the memory benchmark, the
-projection (``python -m lightning_ddp.project`` simulates every entry with a ``projection`` model), and the tests
+projection (``python -m lightning_ddp.projection`` simulates every entry with a ``projection`` model), and the tests
 (the equivalence matrix runs every entry against single-process training).
 
 Adding an algorithm takes one engine file, one ``register_algorithm`` entry and one YAML:
 
-1. ``lightning_ddp/sync/<name>.py``: the engine, a ``DataParallel`` subclass (see ``lightning_ddp.sync.base``).
+1. ``lightning_ddp/sync/<name>.py``: the engine, a ``GradSyncEngine`` subclass (see ``lightning_ddp.sync.base``).
 2. An entry below (or, from your own code, a ``register_algorithm(Algorithm(...))`` call before the strategy is
    built): ``Algorithm("<name>", "lightning_ddp.sync.<name>:<Engine>", "what it does", ...)``.
 3. ``configs/strategy/<name>.yaml``: ``trainer: {strategy: <name>_ddp}``.
 
 The strategy ``<name>_ddp`` then exists (``lightning_ddp.strategies.GradSyncStrategy(algorithm="<name>")``), the
 sweep accepts ``<name>`` in ``grid.strategies`` (with a bucket-size axis if ``has_bucket_size``), and the
-equivalence tests cover it (at bf16 tolerances if it is not ``exact``).
+equivalence tests cover it (at bf16 tolerances if it is not ``exact``). An algorithm of the package itself also
+gets a row in the algorithm tables of ``lightning_ddp.sync`` and ``lightning_ddp.strategies`` (their docstrings;
+``tests/test_registry.py`` fails until it has them), and the projection a timeline model (the entry's
+``projection``, in ``lightning_ddp/projection/strategies.py``).
 
 An engine's own settings are the keyword arguments of its factory beyond ``module``, ``process_group``,
 ``bucket_size_mb`` and ``reduce`` (``Algorithm.settings()``: name -> default), e.g. PowerSGD's ``rank``. They reach
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Union
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_ddp.sync.base import DataParallel
+    from lightning_ddp.sync.base import GradSyncEngine
 
 BucketSize = Union[float, Literal["auto"], None]
 
@@ -66,9 +69,9 @@ class Algorithm:
 
     name: str
     """Short name: the sweep's strategy name; the Lightning strategy is ``<name>_ddp``."""
-    engine: str | Callable[..., DataParallel]
+    engine: str | Callable[..., GradSyncEngine]
     """The engine: ``"package.module:Class"`` (imported on first use) or a callable
-    ``(module, *, process_group=None[, bucket_size_mb=...][, <its own settings>=...]) -> DataParallel``."""
+    ``(module, *, process_group=None[, bucket_size_mb=...][, <its own settings>=...]) -> GradSyncEngine``."""
     summary: str
     """What it does, in one line (strategy registry description, docs)."""
     has_bucket_size: bool = False
@@ -81,8 +84,8 @@ class Algorithm:
     """Reproduces single-process training up to float rounding; ``False`` for lossy ones (e.g. compression),
     which the equivalence tests compare at bf16 tolerances."""
     projection: str | None = None
-    """Its step-time model for ``python -m lightning_ddp.project``: the import path ``"package.module:function"`` of
-    a ``simulate(model, bucket_size_mb, **settings) -> StepResult`` (``lightning_ddp.project.strategies`` has the
+    """Its step-time model for ``python -m lightning_ddp.projection``: the import path ``"package.module:function"`` of
+    a ``simulate(model, bucket_size_mb, **settings) -> StepResult`` (``lightning_ddp.projection.strategies`` has the
     contract and the built-ins' models). A string, so the product never imports the study code; ``None``: the
     projection lists the algorithm as not projected."""
 
@@ -95,7 +98,7 @@ class Algorithm:
         """Its Lightning strategy name, e.g. ``bucketed_ddp``."""
         return f"{self.name}_ddp"
 
-    def engine_factory(self) -> Callable[..., DataParallel]:
+    def engine_factory(self) -> Callable[..., GradSyncEngine]:
         """The engine class (or callable), imported if given by path."""
         if callable(self.engine):
             return self.engine
@@ -172,7 +175,7 @@ class Algorithm:
 
     def make_engine(
         self, module: nn.Module, *, bucket_size_mb: Any = "default", process_group: Any = None, **settings: Any
-    ) -> DataParallel:
+    ) -> GradSyncEngine:
         """Wrap ``module`` in this algorithm's engine (a collective: it broadcasts rank 0's weights).
 
         Args:
@@ -235,33 +238,33 @@ def algorithm_names() -> list[str]:
 register_algorithm(Algorithm(
     "naive", "lightning_ddp.sync.naive:NaiveDDP",
     "After backward, all-reduce every gradient tensor, one blocking call each.",
-    projection="lightning_ddp.project.strategies:simulate_naive",
+    projection="lightning_ddp.projection.strategies:simulate_naive",
 ))
 register_algorithm(Algorithm(
     "flat", "lightning_ddp.sync.flat:FlatDDP",
     "After backward, all-reduce all gradients flattened into one buffer.",
-    projection="lightning_ddp.project.strategies:simulate_flat",
+    projection="lightning_ddp.projection.strategies:simulate_flat",
 ))
 register_algorithm(Algorithm(
     "overlap", "lightning_ddp.sync.overlap:OverlapDDP",
     "During backward, an async all-reduce of each gradient as soon as it is ready.",
-    overlaps_backward=True, projection="lightning_ddp.project.strategies:simulate_overlap",
+    overlaps_backward=True, projection="lightning_ddp.projection.strategies:simulate_overlap",
 ))
 register_algorithm(Algorithm(
     "bucketed", "lightning_ddp.sync.bucketed:BucketedDDP",
     "During backward, an async all-reduce per size-capped bucket of gradients as it fills.",
-    has_bucket_size=True, overlaps_backward=True, projection="lightning_ddp.project.strategies:simulate_bucketed",
+    has_bucket_size=True, overlaps_backward=True, projection="lightning_ddp.projection.strategies:simulate_bucketed",
 ))
 register_algorithm(Algorithm(
     "bucketed_bf16", "lightning_ddp.sync.bucketed_bf16:BucketedBF16DDP",
     "Bucketed, with the gradients communicated in bf16: half the bytes, lossy.",
     has_bucket_size=True, overlaps_backward=True, exact=False,
-    projection="lightning_ddp.project.strategies:simulate_bucketed_bf16",
+    projection="lightning_ddp.projection.strategies:simulate_bucketed_bf16",
 ))
 register_algorithm(Algorithm(
     "bucketed_powersgd", "lightning_ddp.sync.bucketed_powersgd:BucketedPowerSGDDDP",
     "Bucketed, each large gradient matrix sent as low-rank PowerSGD factors with error feedback: far fewer "
     "bytes, lossy.",
     has_bucket_size=True, overlaps_backward=True, exact=False,
-    projection="lightning_ddp.project.strategies:simulate_bucketed_powersgd",
+    projection="lightning_ddp.projection.strategies:simulate_bucketed_powersgd",
 ))

@@ -6,16 +6,17 @@ one are grouped into runs by their directory. Prints each run's overlap.
 
 from __future__ import annotations
 
-import argparse
 from collections import OrderedDict
 from pathlib import Path
+
+from jsonargparse import ArgumentParser
 
 from lightning_ddp.trace.chrome import load_run
 from lightning_ddp.trace.render import render_timeline
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.trace", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m lightning_ddp.trace", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="run log directories or *.pt.trace.json files (one run per directory)")
     parser.add_argument("-o", "--output", default="timeline.png", help="picture to write (default: timeline.png)")
     parser.add_argument("--label", action="append", default=None,

@@ -1,21 +1,8 @@
-"""Chrome-trace JSON in and out: our communication track in, per-rank intervals out.
+"""Chrome-trace JSON read back: per-rank intervals of our ranges, our communication track and the profiler's own
+collectives.
 
-The profiler (kineto) writes ``ts`` in microseconds on its own clock (Unix time minus the file's
-``baseTimeNanoseconds``); the engines' ``SyncRecord`` marks are ``time.perf_counter()`` seconds (CPU) or CUDA
-events converted to host seconds. To put our intervals on the trace's axis we never compare the two clocks
-directly. Instead, each recorded step opens a ``ddp/step#N`` range between two ``perf_counter()`` reads
-``before`` and ``after``; the profiler stamps the range's ``ts`` in between, so::
-
-    offset_us  = ts(ddp/step#N) - (before + after) / 2 * 1e6
-    ts(mark)   = mark * 1e6 + offset_us                           # error <= (after - before) / 2 * 1e6
-
-The half-width ``(after - before) / 2`` is typically 15-100 us on our loaded 2-core CPU machine, far below a
-collective's duration; but a thread descheduled between the two reads widens it to milliseconds (observed:
-4.4 ms). So each step uses the anchor, among all steps', with the smallest error bound
-``half-width + MAX_DRIFT_US_PER_S * |time between the two anchors|``: its own anchor when that is tight, a
-neighbour's when not. Kineto's clock is the wall clock, which NTP may slew by at most 500 ppm against
-``perf_counter``'s monotonic clock (observed: offsets of different steps agree within a few microseconds).
-The chosen anchor and its bound are stored per step in the metadata.
+The track itself, and how its events are put on the trace's clock, is written by
+``lightning_ddp.callbacks.comm_track`` (the ``TraceRecorder``'s half); its names are re-exported here.
 """
 
 from __future__ import annotations
@@ -24,112 +11,32 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Iterable
 
+from lightning_ddp.callbacks.comm_track import (
+    COMM_TID_BASE,
+    MAX_DRIFT_US_PER_S,
+    TRACE_SUFFIX,
+    RecordedStep,
+    add_communication_track,
+    assign_lanes,
+)
 from lightning_ddp.intervals import Interval, merge, subtract
 from lightning_ddp.sync import ranges
 from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
 
-if TYPE_CHECKING:
-    from lightning_ddp.sync.record import Collective
+__all__ = [
+    "COMM_TID_BASE", "GPU_KERNEL_CATEGORY", "MAX_DRIFT_US_PER_S", "PROFILER_COMM_RE", "TRACE_SUFFIX", "CommEvent",
+    "RankTrace", "RecordedStep", "RunTraces", "add_communication_track", "assign_lanes", "clip", "find_traces",
+    "load_rank_trace", "load_run",
+]
 
-MAX_DRIFT_US_PER_S = 500.0
-"""Bound on how fast the wall clock (kineto's ``ts``) may drift from ``perf_counter``: NTP's maximum slew, 500 ppm."""
-COMM_TID_BASE = 2**30
-"""Thread ids of the communication track's lanes: far above any real Linux tid (``pid_max`` <= 2**22)."""
-TRACE_SUFFIX = ".pt.trace.json"
 PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")
 """Profiler events that are communication: gloo's per-collective ranges on its worker threads, NCCL kernels
 (HTA's ``^nccl.*Kernel``)."""
 GPU_KERNEL_CATEGORY = "kernel"
 """``cat`` of the GPU kernels kineto records (CUDA activity); memory copies and sets are ``gpu_memcpy`` and
 ``gpu_memset``, which HTA counts as neither computation nor communication."""
-
-
-@dataclass
-class RecordedStep:
-    """What the recorder keeps per traced optimizer step: its number, clock anchor and collectives."""
-
-    step: int
-    anchor: tuple[float, float]
-    """``perf_counter()`` right before and right after opening the ``ddp/step#N`` range."""
-    collectives: list[Collective] = field(default_factory=list)
-    """The step's collectives with every mark in host seconds (``SyncRecord.in_host_seconds``)."""
-
-
-def assign_lanes(intervals: list[Interval]) -> list[int]:
-    """Greedy lanes so that intervals in one lane never overlap (Chrome ``X`` events on one thread must nest).
-
-    >>> assign_lanes([(0, 4), (1, 2), (3, 5), (4, 6)])
-    [0, 1, 1, 0]
-    """
-    lane_end: list[float] = []
-    lanes = []
-    for start, end in intervals:
-        for lane, busy_until in enumerate(lane_end):
-            if busy_until <= start:
-                break
-        else:
-            lane = len(lane_end)
-            lane_end.append(start)
-        lane_end[lane] = end
-        lanes.append(lane)
-    return lanes
-
-
-def add_communication_track(
-    trace: dict[str, Any], steps: list[RecordedStep], pid: int, tid: int, metadata: dict[str, Any]
-) -> dict[str, Any]:
-    """Add each step's collectives as ``X`` events on lanes named ``COMM_THREAD_NAME`` in process ``pid``.
-
-    ``tid`` is the training thread, where the ``ddp/step#N`` anchors are. Steps whose anchor is not in the trace
-    (e.g. the profiler's warm-up) are skipped. Writes ``metadata`` plus the per-step anchors under
-    ``trace[METADATA_KEY]`` and returns ``trace``.
-    """
-    anchors = {
-        e["name"]: float(e["ts"])
-        for e in trace["traceEvents"]
-        if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") == tid and str(e.get("name", "")).startswith(ranges.STEP)
-    }
-    # (step, anchor midpoint in perf_counter seconds, half-width in us, offset in us) of every anchored step
-    measured = []
-    for record in steps:
-        ts = anchors.get(ranges.step_range_name(record.step))
-        if ts is not None:
-            before, after = record.anchor
-            mid = (before + after) / 2
-            measured.append((record.step, mid, (after - before) / 2 * 1e6, ts - mid * 1e6))
-    placed: list[tuple[Collective, int, float]] = []  # (collective, step, offset_us)
-    step_meta = []
-    for step, mid, _, _ in measured:
-        record = next(r for r in steps if r.step == step)
-        # the tightest anchor for this step: its own, or a neighbour's if this one's reads were far apart
-        bound = lambda a: a[2] + MAX_DRIFT_US_PER_S * abs(a[1] - mid)  # noqa: E731
-        anchor = min(measured, key=bound)
-        step_meta.append({"step": step, "anchor_step": anchor[0], "offset_us": anchor[3], "uncertainty_us": bound(anchor),
-                          "own_anchor_uncertainty_us": next(m[2] for m in measured if m[0] == step),
-                          "collectives": len(record.collectives)})
-        placed.extend((c, step, anchor[3]) for c in record.collectives)
-    placed.sort(key=lambda item: item[0].launched)
-    lanes = assign_lanes([(c.launched, c.completed) for c, _, _ in placed])
-    events = trace["traceEvents"]
-    for (c, step, offset_us), lane in zip(placed, lanes):
-        args = {"label": c.label, "bytes": c.nbytes, "step": step}
-        if c.wait is not None:
-            args["wait_us"] = round((c.wait[1] - c.wait[0]) * 1e6, 3)
-        events.append({
-            "ph": "X", "cat": ranges.COMM_CATEGORY, "name": c.op, "pid": pid, "tid": COMM_TID_BASE + lane,
-            "ts": round(c.launched * 1e6 + offset_us, 3), "dur": round(max(0.0, c.completed - c.launched) * 1e6, 3),
-            "args": args,
-        })
-    for lane in sorted(set(lanes)):
-        name = ranges.COMM_THREAD_NAME + (f" #{lane}" if lane else "")
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": COMM_TID_BASE + lane, "args": {"name": name}})
-        # sort right below the training thread (kineto sorts threads by tid)
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": COMM_TID_BASE + lane,
-                       "args": {"sort_index": tid + 1 + lane}})
-    trace[ranges.METADATA_KEY] = {**metadata, "pid": pid, "tid": tid, "steps": step_meta}
-    return trace
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

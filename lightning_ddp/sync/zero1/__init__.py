@@ -19,7 +19,7 @@ Two schedules (``schedule=``):
     A DDP engine (``NaiveDDP`` ... ``BucketedDDP``) has already all-reduced every gradient in backward; each
     owner steps its shard and broadcasts its updated parameters.
 ``reduce_scatter``
-    The ZeRO-1 schedule proper. The model's container must *not* all-reduce (``DeferredGradSync``): in
+    The ZeRO-1 schedule proper. The model's engine must *not* all-reduce (``DeferredGradSync``): in
     ``step()``, a reduce-scatter leaves each owner the average of its shard's gradients, the owner steps, and
     an all-gather of the parameters makes the ranks identical. Reduce-scatter plus all-gather is exactly the
     decomposition of a ring all-reduce, so this moves the volume of plain DDP.
@@ -51,10 +51,9 @@ What runs on which backend (``collectives=``):
   greedy balance keeps the padding small).
 - ``per_owner`` (the default on gloo): for each owner r in turn, ``reduce`` of r's gradient segment to r, and
   ``broadcast`` of r's parameter segment from r: 2N calls, no padding, the same bytes in aggregate. Gloo
-  implements ``reduce_scatter_tensor`` as an all-reduce followed by taking a chunk (pytorch#118911), and its
-  ``all_gather_into_tensor`` was 3-4x slower than N broadcasts in our measurement (2 ranks on one host, 64 MiB:
-  reduce-scatter 125 ms vs per-owner reduce 80 ms vs all-reduce 80 ms; all-gather 110 ms vs broadcasts 30 ms);
-  older torch versions' gloo has no reduce-scatter at all.
+  implements ``reduce_scatter_tensor`` as an all-reduce followed by taking a chunk (pytorch#118911), so it costs
+  more than the per-owner reduces, and its ``all_gather_into_tensor`` was several times slower than N broadcasts
+  when we timed both (2 ranks on one host, 64 MiB); older torch versions' gloo has no reduce-scatter at all.
 
 Invariants: every rank issues the same collectives in the same order. The layout of a step depends only on
 the ownership, on ``requires_grad`` and, for ``reduce_scatter``, on one tiny all-reduce of "which parameters

@@ -67,7 +67,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         params: Parameters or parameter groups, as for any optimizer.
         optimizer_cls: The optimizer class to shard, e.g. ``torch.optim.AdamW``.
         schedule: ``allreduce_broadcast`` (gradients already all-reduced by a DDP engine) or ``reduce_scatter``
-            (ZeRO-1: gradients are local; use ``DeferredGradSync`` as the container). See the package docstring.
+            (ZeRO-1: gradients are local; use ``DeferredGradSync`` as the engine). See the package docstring.
         collectives: ``auto``, ``native`` or ``per_owner``: how reduce-scatter and all-gather run (package docstring).
 
     Measuring: set ``recorder`` (the strategy gives it the engine's) to record its collectives per step.

@@ -1,7 +1,9 @@
 """The compute profile: how long forward, backward and the optimizer take, and when each gradient is ready.
 
 One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` on a
-real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.project.flops`` use it too)::
+real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.projection.flops`` use it too), and
+read by the projection (``lightning_ddp.projection``, which re-exports these names). It lives at the package's root,
+below both: the callback that writes it is on in every run and must not import the study code::
 
     {"schema": "lightning_ddp.compute_profile/1",
      "source": "free text: how it was measured",
@@ -149,7 +151,7 @@ class ComputeProfile:
         if schema != SCHEMA:
             raise ValueError(
                 f"{origin}: schema is {schema!r}, this reader understands {SCHEMA!r}; write the file with "
-                "lightning_ddp.project.write_profile (or the CommTimer), or convert it to that schema"
+                "lightning_ddp.profile.write_profile (or the CommTimer), or convert it to that schema"
             )
         missing = [k for k in ("forward_ms", "backward_ms", "optimizer_ms", "params") if k not in data]
         if missing:

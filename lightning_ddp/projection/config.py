@@ -10,19 +10,30 @@ section            what it holds
 =================  ==============================================================================
 
 Validation happens in ``__post_init__`` (at parse time, before anything is written), and every error says which
-field to change.
+field to change. ``build_fabric``, ``gpu_spec`` and ``copy_bandwidth`` resolve a section into what it describes (the
+run and the report both read them from here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from lightning_ddp.project.comm import ALGORITHMS, FABRICS
-from lightning_ddp.project.flops import ADAMW_BYTES_PER_PARAM, GPUS
-from lightning_ddp.project.strategies import STRATEGIES, check_settings, strategy_spec
+from lightning_ddp.projection.comm import ALGORITHMS, FABRICS, Fabric, get_fabric, read_fit
+from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
+from lightning_ddp.projection.strategies import STRATEGIES, check_settings, strategy_spec
 
-__all__ = ["ComputeConfig", "NetworkConfig", "OutputConfig", "ProjectionConfig", "StudyConfig"]
+__all__ = [
+    "ComputeConfig",
+    "NetworkConfig",
+    "OutputConfig",
+    "ProjectionConfig",
+    "StudyConfig",
+    "build_fabric",
+    "copy_bandwidth",
+    "gpu_spec",
+]
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
@@ -86,7 +97,7 @@ class ComputeConfig:
 
 @dataclass
 class NetworkConfig:
-    """What one collective costs (the formulas are in ``lightning_ddp.project.comm``)."""
+    """What one collective costs (the formulas are in ``lightning_ddp.projection.comm``)."""
 
     preset: str = "h100_nvlink_ib"
     """Fabric: h100_nvlink_ib (NVLink 4 in 8-GPU nodes + 8 x InfiniBand NDR per node), nvlink4, pcie_gen4,
@@ -192,7 +203,7 @@ class OutputConfig:
 class ProjectionConfig:
     """A projection of step time and communication share to larger world sizes, one simulated timeline per cell.
 
-    ``python -m lightning_ddp.project --config configs/project/xl_h100.yaml``
+    ``python -m lightning_ddp.projection --config configs/projection/xl_h100.yaml``
     """
 
     name: str = "projection"
@@ -209,8 +220,40 @@ class ProjectionConfig:
     def __post_init__(self) -> None:
         # world sizes must fit the fabric's nodes; checked here so a bad grid fails before anything is written
         if self.network.preset != "measured":
-            from lightning_ddp.project.run import build_fabric
-
             fabric = build_fabric(self.network)
             for n in self.study.world_sizes:
                 fabric.check_world_size(n)
+
+
+# ---- what a section describes, resolved ------------------------------------------------------------------------
+
+
+def build_fabric(network: NetworkConfig) -> Fabric:
+    """The ``Fabric`` a ``NetworkConfig`` describes (preset or measured fit, with its overrides)."""
+    if network.preset == "measured":
+        fabric = read_fit(network.fit_path).fabric(network.overhead_scaling, network.algorithm or "ring")
+    else:
+        fabric = get_fabric(network.preset)
+        if network.algorithm is not None:
+            fabric = fabric.with_changes(algorithm=network.algorithm)
+    if network.gpus_per_node is not None:
+        fabric = fabric.with_changes(gpus_per_node=network.gpus_per_node)
+    if network.call_overhead_us is not None:
+        fabric = fabric.with_changes(call_overhead_s=network.call_overhead_us * 1e-6)
+    return fabric
+
+
+def gpu_spec(compute: ComputeConfig) -> GPUSpec:
+    """The GPU a ``ComputeConfig`` names, with its overrides (peak FLOP/s, memory bandwidth)."""
+    spec = GPUS[compute.gpu]
+    changes = {}
+    if compute.peak_tflops is not None:
+        changes["bf16_flops"] = compute.peak_tflops * 1e12
+    if compute.memory_bandwidth_GBps is not None:
+        changes["memory_Bps"] = compute.memory_bandwidth_GBps * 1e9
+    return dataclasses.replace(spec, **changes) if changes else spec
+
+
+def copy_bandwidth(compute: ComputeConfig) -> float:
+    """Bytes per second that buffer copies move (read + write): memory bandwidth x efficiency."""
+    return gpu_spec(compute).memory_Bps * compute.memory_efficiency

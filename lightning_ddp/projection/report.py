@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_ddp.bench.config import variant_strategy
-from lightning_ddp.project.comm import Fabric
-from lightning_ddp.project.profile import ComputeProfile, write_atomically
-from lightning_ddp.project.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
-from lightning_ddp.project.sweep import COLUMNS, best_by_world_size
+from lightning_ddp.profile import ComputeProfile, write_atomically
+from lightning_ddp.projection.comm import Fabric
+from lightning_ddp.projection.config import copy_bandwidth
+from lightning_ddp.projection.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
+from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
 
 __all__ = ["build_markdown", "write_csv", "write_plots"]
 
@@ -61,9 +62,9 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
     lines = [
         f"# {config.name}",
         "",
-        "Projected by `python -m lightning_ddp.project`: each cell is a simulated timeline of one training step "
+        "Projected by `python -m lightning_ddp.projection`: each cell is a simulated timeline of one training step "
         "(one compute stream, one communication stream), not a measurement. The model, its sources and where it is "
-        "known to be wrong: the docstring of `lightning_ddp/project/__init__.py`.",
+        "known to be wrong: the docstring of `lightning_ddp/projection/__init__.py`.",
         "",
         "## Inputs",
         "",
@@ -149,9 +150,9 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
             "optimistic where those matrices are small. It is lossy: a step of it is not worth a step of the exact ones.")
     lines += [
         "- Compute and communication never slow each other down here; on real GPUs NCCL kernels take SMs and memory "
-        "bandwidth from backward, so overlapped strategies are optimistic (in the seeds' 2-GPU runs over PCIe, overlap "
-        "and bucketed steps were 0.1-0.25 s longer than compute plus their exposed communication; "
-        "`python -m lightning_ddp.project.seeds`).",
+        "bandwidth from backward, so overlapped strategies are optimistic (in the published 2-GPU xl runs over PCIe, "
+        "overlap and bucketed steps were 0.1-0.25 s longer than compute plus their exposed communication; "
+        "`python -m lightning_ddp.projection.published`).",
         "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches protocol "
         "(LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small messages are "
         "priced roughly and in-network reduction is left out.",
@@ -185,8 +186,6 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
 
 
 def _copy_text(config) -> str:
-    from lightning_ddp.project.run import copy_bandwidth
-
     return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {config.compute.memory_efficiency:g})"
 
 

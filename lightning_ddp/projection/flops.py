@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_ddp.hardware import DEVICES, DeviceSpec
-from lightning_ddp.project.profile import ComputeProfile, ParamTiming
+from lightning_ddp.profile import ComputeProfile, ParamTiming
 
 __all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
 

@@ -13,9 +13,9 @@ import os
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
 from lightning_ddp.bench.config import format_settings, setting_combinations
-from lightning_ddp.project.comm import CommCost, Fabric, MeasuredFit, read_fit
-from lightning_ddp.project.profile import ComputeProfile, read_profile
-from lightning_ddp.project.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
+from lightning_ddp.profile import ComputeProfile, read_profile
+from lightning_ddp.projection.comm import CommCost, Fabric, MeasuredFit, read_fit
+from lightning_ddp.projection.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
 
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
 
@@ -106,7 +106,7 @@ def predict_cells(
         world_size: Ranks to predict for; default: each profile's ``world_size`` (2 if it has none).
         copy_bandwidth_Bps: Memory bandwidth of buffer copies (bytes read + written per second). 10 GB/s is a
             guess for one process of a 2-core CPU machine; measure a large ``torch.cat`` for a better one.
-        overhead_scaling: How the fit's per-call overhead grows with ranks (``lightning_ddp.project.comm``).
+        overhead_scaling: How the fit's per-call overhead grows with ranks (``lightning_ddp.projection.comm``).
 
     Returns:
         One dict per profile x strategy (x bucket size): the profile's descriptive fields (``preset``,

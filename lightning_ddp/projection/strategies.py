@@ -74,9 +74,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 from lightning_ddp.bench.config import format_settings
-from lightning_ddp.project.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
-from lightning_ddp.project.comm import CommCost
-from lightning_ddp.project.profile import ComputeProfile, ParamTiming
+from lightning_ddp.profile import ComputeProfile, ParamTiming
+from lightning_ddp.projection.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
+from lightning_ddp.projection.comm import CommCost
+from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only
 
 __all__ = [
     "BASELINES",
@@ -580,8 +581,6 @@ def _load(path: str, name: str) -> Callable[..., StepResult]:
 def projected_strategies() -> dict[str, StrategySpec]:
     """Every strategy the projection can simulate, in table order: the registered algorithms with a ``projection``
     (registry order), then ``BASELINES``. Read afresh each call: an algorithm registered later is in it."""
-    from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only
-
     table = {a.name: StrategySpec(_load(a.projection, a.name), a.has_bucket_size, a.summary)
              for a in ALGORITHMS.values() if a.projection is not None}
     return {**table, **BASELINES}
@@ -589,8 +588,6 @@ def projected_strategies() -> dict[str, StrategySpec]:
 
 def unmodelled_algorithms() -> list[str]:
     """Registered algorithms without a projection model (the report names them "not projected")."""
-    from lightning_ddp.sync.registry import ALGORITHMS
-
     return [a.name for a in ALGORITHMS.values() if a.projection is None]
 
 
@@ -624,7 +621,7 @@ def strategy_spec(name: str) -> StrategySpec:
     if name in unmodelled_algorithms():  # registered for training, but nobody wrote its timeline model yet
         raise ValueError(
             f"strategy {name!r} is registered in lightning_ddp/sync/registry.py but has no model in the projection: "
-            "add a simulate function (see simulate_bucketed in lightning_ddp/project/strategies.py) and name it in "
+            "add a simulate function (see simulate_bucketed in lightning_ddp/projection/strategies.py) and name it in "
             f"its registry entry's `projection`, or leave it out (projected: {choices})")
     raise ValueError(f"unknown strategy {name!r}; choose from {choices}")
 

@@ -1,8 +1,8 @@
-"""``python -m lightning_ddp.project.validate``: the projection against this project's own CPU sweep.
+"""``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep.
 
-    python -m lightning_ddp.project.validate --sweep benchmarks/results/cpu --out benchmarks/results/projection
+    python -m lightning_ddp.projection.validate --sweep benchmarks/results/cpu --out benchmarks/results/projection
 
-For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning_ddp.project.strategies``) from
+For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning_ddp.projection.strategies``) from
 
 - its own measured compute timeline: the ``compute_profile.json`` the CommTimer wrote in that cell, which the
   sweep keeps in ``profiles.json`` (forward, backward, optimizer and when each gradient became ready, medians over
@@ -24,21 +24,25 @@ step time the sweep measured there.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
+
+try:  # jsonargparse >= 4.32
+    from jsonargparse import auto_cli
+except ImportError:  # pragma: no cover - older jsonargparse
+    from jsonargparse import CLI as auto_cli
 
 from lightning_ddp.bench.config import parse_settings
-from lightning_ddp.project.comm import read_fit
-from lightning_ddp.project.profile import ComputeProfile, write_atomically
-from lightning_ddp.project.strategies import STRATEGIES, StepModel, simulate
+from lightning_ddp.profile import ComputeProfile, write_atomically
+from lightning_ddp.projection.comm import read_fit
+from lightning_ddp.projection.strategies import STRATEGIES, StepModel, simulate
 
-__all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells"]
+__all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells", "validate_sweep"]
 
 GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
@@ -263,39 +267,48 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ddp.project.validate", description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", default="benchmarks/results/cpu", help="a sweep's output directory")
-    parser.add_argument("--out", default="benchmarks/results/projection", help="where the validation goes")
-    parser.add_argument("--copy_GBps", type=float, default=None, help="copy bandwidth (read + written); default: measured")
-    args = parser.parse_args(argv)
-    sweep = Path(args.sweep)
+def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
+                   copy_GBps: Optional[float] = None) -> int:
+    """Simulate every ok cell of a sweep and compare with what it measured; write cpu_sweep_validation.{csv,md}.
+
+    Args:
+        sweep: A sweep's output directory (``results.csv``, ``profiles.json``, ``bucket_prediction.json``).
+        out: Where the validation goes.
+        copy_GBps: Copy bandwidth, GB/s (read + written); default: measured here.
+    """
+    command = (f"python -m lightning_ddp.projection.validate --sweep {sweep} --out {out}"
+               + (f" --copy_GBps {copy_GBps:g}" if copy_GBps else ""))
+    sweep_dir = Path(sweep)
     for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
-        if not (sweep / name).is_file():
-            print(f"error: {sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
+        if not (sweep_dir / name).is_file():
+            print(f"error: {sweep_dir / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
                   "configs/bench/cpu.yaml)", file=sys.stderr)
             return 2
-    rows = _read_csv(sweep / "results.csv")
-    profiles = json.loads((sweep / "profiles.json").read_text())
-    fit = json.loads((sweep / "bucket_prediction.json").read_text())
-    copy_Bps = args.copy_GBps * 1e9 if args.copy_GBps else measure_copy_bandwidth()
-    cells = validate_cells(rows, profiles, sweep / "bucket_prediction.json", copy_Bps)
+    rows = _read_csv(sweep_dir / "results.csv")
+    profiles = json.loads((sweep_dir / "profiles.json").read_text())
+    fit = json.loads((sweep_dir / "bucket_prediction.json").read_text())
+    copy_Bps = copy_GBps * 1e9 if copy_GBps else measure_copy_bandwidth()
+    cells = validate_cells(rows, profiles, sweep_dir / "bucket_prediction.json", copy_Bps)
     agreement = ranking_agreement(cells)
     sqrt_mb = fit["bucket_bytes"] / 2**20 if fit.get("bucket_bytes") else None
-    auto = compare_auto(cells, profiles, sweep / "bucket_prediction.json", copy_Bps, sqrt_mb,
+    auto = compare_auto(cells, profiles, sweep_dir / "bucket_prediction.json", copy_Bps, sqrt_mb,
                         [0.25, 0.5, 1, 2, 4, 8, 16, 32])
-    command = "python -m lightning_ddp.project.validate " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = Path(args.out)
+    out_dir = Path(out)
     buffer = io.StringIO()
     columns = list(dict.fromkeys(k for c in cells for k in c))
     writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
     writer.writeheader()
     writer.writerows(cells)
-    write_atomically(out / "cpu_sweep_validation.csv", buffer.getvalue())
+    write_atomically(out_dir / "cpu_sweep_validation.csv", buffer.getvalue())
     markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
-    write_atomically(out / "cpu_sweep_validation.md", markdown)
+    write_atomically(out_dir / "cpu_sweep_validation.md", markdown)
     print(markdown)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_ddp.projection.validate``: ``validate_sweep`` from the command line (``--help``)."""
+    return auto_cli(validate_sweep, args=argv, prog="python -m lightning_ddp.projection.validate")
 
 
 if __name__ == "__main__":

@@ -26,10 +26,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_ddp.project.comm import Fabric, get_fabric, read_fit
-from lightning_ddp.project.flops import GPUS, GPUSpec, ModelShape, modelled_profile
-from lightning_ddp.project.profile import ComputeProfile, read_profile, write_atomically, write_profile
-from lightning_ddp.project.sweep import best_by_world_size, project, result_row
+from lightning_ddp.profile import ComputeProfile, read_profile, write_atomically, write_profile
+from lightning_ddp.projection.comm import Fabric
+from lightning_ddp.projection.config import build_fabric, copy_bandwidth, gpu_spec
+from lightning_ddp.projection.flops import ModelShape, modelled_profile
+from lightning_ddp.projection.report import build_markdown, write_csv, write_plots
+from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
 from lightning_ddp.provenance import git_state
 
 __all__ = [
@@ -42,31 +44,6 @@ __all__ = [
     "run_projection",
     "with_shapes",
 ]
-
-
-def build_fabric(network) -> Fabric:
-    """The ``Fabric`` a ``NetworkConfig`` describes (preset or measured fit, with its overrides)."""
-    if network.preset == "measured":
-        fabric = read_fit(network.fit_path).fabric(network.overhead_scaling, network.algorithm or "ring")
-    else:
-        fabric = get_fabric(network.preset)
-        if network.algorithm is not None:
-            fabric = fabric.with_changes(algorithm=network.algorithm)
-    if network.gpus_per_node is not None:
-        fabric = fabric.with_changes(gpus_per_node=network.gpus_per_node)
-    if network.call_overhead_us is not None:
-        fabric = fabric.with_changes(call_overhead_s=network.call_overhead_us * 1e-6)
-    return fabric
-
-
-def _gpu_spec(compute) -> GPUSpec:
-    spec = GPUS[compute.gpu]
-    changes = {}
-    if compute.peak_tflops is not None:
-        changes["bf16_flops"] = compute.peak_tflops * 1e12
-    if compute.memory_bandwidth_GBps is not None:
-        changes["memory_Bps"] = compute.memory_bandwidth_GBps * 1e9
-    return dataclasses.replace(spec, **changes) if changes else spec
 
 
 def gpt_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
@@ -102,7 +79,7 @@ def build_profile(compute) -> ComputeProfile:
     if compute.source == "profile":
         return read_profile(compute.profile_path)
     shape = ModelShape.from_preset(compute.preset)
-    profile = modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=_gpu_spec(compute), mfu=compute.mfu,
+    profile = modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=gpu_spec(compute), mfu=compute.mfu,
                                precision=compute.precision, optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
                                memory_efficiency=compute.memory_efficiency, calibrate_step_ms=compute.calibrate_step_ms,
                                preset=compute.preset)
@@ -125,11 +102,6 @@ def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
     return flops / ((profile.forward_ms + profile.backward_ms) / 1e3)
 
 
-def copy_bandwidth(compute) -> float:
-    """Bytes per second that buffer copies move (read + write): memory bandwidth x efficiency."""
-    return _gpu_spec(compute).memory_Bps * compute.memory_efficiency
-
-
 @dataclasses.dataclass
 class ProjectionOutcome:
     """What ``run_projection`` computed and wrote."""
@@ -143,8 +115,6 @@ class ProjectionOutcome:
 
 def run_projection(config) -> ProjectionOutcome:
     """Simulate the grid of ``config`` and write every output file (module docstring)."""
-    from lightning_ddp.project.report import build_markdown, write_csv, write_plots  # matplotlib only when writing
-
     profile = build_profile(config.compute)
     fabric = build_fabric(config.network)
     for n in config.study.world_sizes:

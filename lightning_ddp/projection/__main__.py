@@ -1,4 +1,4 @@
-"""``python -m lightning_ddp.project --config configs/project/xl_h100.yaml``: project step time and comm share.
+"""``python -m lightning_ddp.projection --config configs/projection/xl_h100.yaml``: project step time and comm share.
 
 Every field of the config is a flag too (``--study.world_sizes [2,8,64]``, ``--network.preset pcie_gen4``,
 ``--output.out_dir /tmp/projection``); ``--help`` documents them and ``--print_config`` shows the merged result.
@@ -10,7 +10,8 @@ import sys
 
 from jsonargparse import set_parsing_settings
 
-from lightning_ddp.project.config import ProjectionConfig
+from lightning_ddp.projection.config import ProjectionConfig
+from lightning_ddp.projection.run import run_projection
 
 try:  # jsonargparse >= 4.32
     from jsonargparse import auto_cli
@@ -24,7 +25,7 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 def parse_config(args: list[str] | None = None) -> ProjectionConfig:
     """The ``ProjectionConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
     try:
-        return auto_cli(ProjectionConfig, args=args, description=ProjectionConfig.__doc__, prog="python -m lightning_ddp.project")
+        return auto_cli(ProjectionConfig, args=args, description=ProjectionConfig.__doc__, prog="python -m lightning_ddp.projection")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -32,8 +33,6 @@ def parse_config(args: list[str] | None = None) -> ProjectionConfig:
 
 def main(args: list[str] | None = None) -> int:
     config = parse_config(args)
-    from lightning_ddp.project.run import run_projection  # after parsing: --help stays fast
-
     try:
         outcome = run_projection(config)
     except ValueError as error:
