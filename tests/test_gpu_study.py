@@ -32,7 +32,7 @@ from lightning_ddp.bench.gpu_study.stages import (
     weight_differences,
 )
 from lightning_ddp.bench.gpu_study.study import run_study
-from lightning_ddp.project.strategies import projected_strategies
+from lightning_ddp.projection.strategies import projected_strategies
 from tests.cli_utils import REPO
 
 # ---- the stage table ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Rendering is separate from running: ``build_report(document, out_dir)`` only rea
 study cut off halfway renders what it has (the study rewrites results.md after every stage), and so does one
 copied off the GPU machine.
 
-One section per stage, each a table, with the published 2-GPU xl runs (``lightning_ddp.project.seeds.SEED_RUNS``:
+One section per stage, each a table, with the published 2-GPU xl runs (``lightning_ddp.projection.published.PUBLISHED_RUNS``:
 xl on 2 GPUs, batch 2 and 4 per GPU, context 128 to 512) beside our numbers where they answer the same question.
 """
 
@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
+
+from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 
 __all__ = ["build_report", "published_runs", "table"]
 
@@ -57,9 +59,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
 def published_runs(strategy: str, batch: int | None = None, seq_len: int | None = None) -> list[Any]:
     """The published 2-GPU xl runs of ``strategy`` (``naive``, ``overlap``, ``flat``, ``bucketed``), optionally at one
     per-GPU batch and context."""
-    from lightning_ddp.project.seeds import SEED_RUNS
-
-    return [r for r in SEED_RUNS if r.strategy == strategy and (batch is None or r.batch_size == batch)
+    return [r for r in PUBLISHED_RUNS if r.strategy == strategy and (batch is None or r.batch_size == batch)
             and (seq_len is None or r.seq_len == seq_len)]
 
 
@@ -113,8 +113,6 @@ def _cuda_tests(data: dict[str, Any]) -> list[str]:
 
 
 def _compute(data: dict[str, Any]) -> list[str]:
-    from lightning_ddp.project.seeds import calibrated_compute_ms
-
     rows = []
     for precision, run in (data.get("runs") or {}).items():
         if run.get("status") != "ok":

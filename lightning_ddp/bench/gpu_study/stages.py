@@ -517,7 +517,7 @@ def traces(ctx: StudyContext) -> StageResult:
 
 
 def ready_times(ctx: StudyContext) -> StageResult:
-    from lightning_ddp.project.profile import read_profile
+    from lightning_ddp.profile import read_profile
 
     s = ctx.scale
     spec = FitSpec("profile", fit_args(ctx, preset=s.profile_preset, batch=s.profile_batch, seq_len=s.profile_seq_len,
@@ -548,7 +548,7 @@ def ready_times(ctx: StudyContext) -> StageResult:
 def _projection_gpu(device_name: str) -> str:
     """The projection's GPU for the profiled device (its memory bandwidth prices the copies); H100 otherwise."""
     from lightning_ddp.hardware import find_device
-    from lightning_ddp.project.flops import GPUS
+    from lightning_ddp.projection.flops import GPUS
 
     spec = find_device(device_name) if device_name != "cpu" else None
     return spec.key if spec is not None and spec.key in GPUS else "h100-sxm"
@@ -556,8 +556,8 @@ def _projection_gpu(device_name: str) -> str:
 
 def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> tuple[list[dict[str, Any]], list[str]]:
     """The projection from the measured profile to 2 ranks on ``network`` (best bucket size per strategy)."""
-    from lightning_ddp.project.config import ComputeConfig, NetworkConfig, OutputConfig, ProjectionConfig, StudyConfig
-    from lightning_ddp.project.run import run_projection
+    from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, OutputConfig, ProjectionConfig, StudyConfig
+    from lightning_ddp.projection.run import run_projection
 
     out_dir = ctx.out / "ready_times" / f"projection_{network}"
     config = ProjectionConfig(
