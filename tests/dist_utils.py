@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_ddp.files import write_atomically
+
 DEFAULT_TIMEOUT_S = 120.0
 _PORT_RETRIES = 3  # another process can take the free port between our probe and rank 0's bind
 
@@ -243,8 +245,5 @@ def _child(
 
 
 def _write_result(result_dir: str, rank: int, result: tuple[str, Any]) -> None:
-    path = Path(result_dir) / f"rank{rank}.pkl"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(result, f)  # plain pickle: tensors are written by value
-    os.replace(tmp, path)  # atomic: the parent never reads half a file
+    # Plain pickle: tensors are written by value. Atomic: the parent never reads half a file.
+    write_atomically(Path(result_dir) / f"rank{rank}.pkl", pickle.dumps(result))

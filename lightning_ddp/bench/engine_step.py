@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
+from lightning_ddp.files import write_atomically
 
 __all__ = ["main", "parse_variant"]
 
@@ -176,13 +177,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from lightning_ddp.provenance import git_state
 
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         result.update(git_state())
         for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
                            ("engine_step.md", f"Command: `{command}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
-            tmp_path = out / (name + ".tmp")
-            tmp_path.write_text(text)
-            os.replace(tmp_path, out / name)
+            write_atomically(out / name, text)
     return result
 
 

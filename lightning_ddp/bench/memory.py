@@ -18,7 +18,7 @@ Recipe:
    parameters, T tensors, Ψ_r and T_r those rank r owns under ``assign_owners``; the 4-byte ``step`` counter
    per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``).
 5. Rank 0 gathers the ranks' results; the parent writes ``results.json`` and ``results.md`` (one table per
-   mode) into ``out_dir``, each atomically (a temporary file, then ``os.replace``), with versions, hardware
+   mode) into ``out_dir``, each atomically (``lightning_ddp.files``), with versions, hardware
    and the config.
 
 Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from lightning_ddp.bench.runner import find_free_port
 # The analytic expectation lives with the CLI's memory pre-flight (the same formulas); re-exported here, names kept.
+from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes  # noqa: F401
 from lightning_ddp.provenance import git_state
 
@@ -325,7 +326,7 @@ def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int
         gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:
-            _write_atomically(Path(result_file), json.dumps(gathered))
+            write_atomically(Path(result_file), json.dumps(gathered))
     finally:
         dist.destroy_process_group()
 
@@ -445,18 +446,6 @@ def _summarise(config: MemoryBenchConfig, per_mode: list[list[dict[str, Any]]]) 
     return {"config": asdict(config), "environment": _environment(config), "modes": modes}
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
     import torch.multiprocessing as mp
@@ -478,9 +467,9 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
             per_rank = json.loads(Path(result_file).read_text())  # [rank][mode index] -> one rank's result
             per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     results = _summarise(config, per_mode)
-    _write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
     report = format_report(results)
-    _write_atomically(out_dir / "results.md", report)
+    write_atomically(out_dir / "results.md", report)
     print(report, flush=True)
     return results
 

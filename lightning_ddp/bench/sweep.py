@@ -16,7 +16,7 @@ Recipe (``run_sweep``):
    (a slow drift of the machine then hits every strategy alike). Before each, the load guard (``bench.load``)
    waits for an idle machine; each repeat is a separate runner call with its own ``runs/<cell_id>/r<k>/``.
    After each, rewrite ``steps.csv``, then ``repeats.csv`` (the row that marks the repeat done, written last),
-   ``profiles.json``, ``results.csv`` and ``results.md``, each whole and atomically (tmp + ``os.replace``), so a
+   ``profiles.json``, ``results.csv`` and ``results.md``, each whole and atomically (``lightning_ddp.files``), so a
    killed sweep keeps every finished repeat and a half-written one is simply run again.
 5. Write ``results.csv`` (``results.cell_row``: pooled medians, bootstrap intervals), ``results.md``
    (``report.build_report``) and the PNG plots; ``output.report_only`` does only this, from the raw files.

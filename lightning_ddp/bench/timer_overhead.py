@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_ddp.files import write_atomically
+
 
 class StepWallTimes(Callback):
     """Rank 0 writes the host time between consecutive training-batch ends to ``path`` (JSON list, in ms), and
@@ -119,13 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(line)
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         command = "python -m lightning_ddp.bench.timer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
         for name, text in (("timer_overhead.json", json.dumps({**result, "command": command}, indent=2) + "\n"),
                            ("timer_overhead.md", f"{line}\n\nCommand: `{command}`\n")):
-            tmp = out / (name + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, out / name)
+            write_atomically(out / name, text)
     return result
 
 
