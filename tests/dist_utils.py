@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
@@ -47,11 +45,11 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import find_free_port, init_local_process_group
 
 DEFAULT_TIMEOUT_S = 120.0
 _PORT_RETRIES = 3  # another process can take the free port between our probe and rank 0's bind
@@ -62,13 +60,6 @@ class RankFailure(AssertionError):
 
     An ``AssertionError`` so that pytest reports it as a test failure with the message in full.
     """
-
-
-def find_free_port() -> int:
-    """A localhost TCP port that was free a moment ago (the OS picks it when binding port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_on_ranks(
@@ -213,20 +204,10 @@ def _read_result(path: Path) -> tuple[str, Any]:
 def _child(
     rank: int, world_size: int, port: int, target: _FunctionRef, args: tuple, result_dir: str, timeout: float
 ) -> None:
-    # Ranks share the machine's cores: one intra-op thread each avoids oversubscription and keeps timing sane.
-    torch.set_num_threads(1)
-    if sys.platform.startswith("linux"):
-        # Everything is on this host; without this gloo picks the interface of the hostname, which in a
-        # container may not route to itself.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),  # a collective never outwaits the parent's limit
-        )
+        # Ranks share the machine's cores: one intra-op thread each avoids oversubscription and keeps timing
+        # sane. A collective never outwaits the parent's limit.
+        init_local_process_group(rank, world_size, port, threads=1, timeout=timedelta(seconds=timeout))
     except Exception as error:  # noqa: BLE001 - reported to the parent, which decides
         in_use = "address already in use" in str(error).lower() or "eaddrinuse" in str(error).lower()
         _write_result(result_dir, rank, ("port_taken" if in_use else "error", traceback.format_exc()))

@@ -45,9 +45,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ddp.bench.config import engine_setting_defaults, format_settings, parse_settings, settings_slug
-from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 

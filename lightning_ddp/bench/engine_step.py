@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 
 __all__ = ["main", "parse_variant"]
 

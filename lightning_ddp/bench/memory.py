@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -47,9 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_ddp.bench.runner import find_free_port
 # The analytic expectation lives with the CLI's memory pre-flight (the same formulas); re-exported here, names kept.
 from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
 from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes  # noqa: F401
 from lightning_ddp.provenance import git_state
 
@@ -181,7 +180,7 @@ def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
         if t is None or t.data_ptr() in seen or (device is not None and t.device.type != device.type):
             continue
         seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        total += t.nbytes
     return total
 
 
@@ -308,19 +307,13 @@ def _sync(device: torch.device) -> None:
 
 def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int, result_file: str) -> None:
     world_size = config.devices
-    if config.accelerator == "cuda":
+    cuda = config.accelerator == "cuda"
+    if cuda:
         torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-        # Ranks share the machine's cores; oversubscribing them only adds noise.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: avoid an interface that does not route back
-    dist.init_process_group(
-        resolved_backend(config), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(minutes=10),
-    )
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
+    init_local_process_group(rank, world_size, port, resolved_backend(config),
+                             threads=None if cuda else cores_per_rank(world_size))
     try:
         results = [_measure_mode(mode, config, device, rank) for mode in modes]
         gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]

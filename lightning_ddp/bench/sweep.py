@@ -57,8 +57,9 @@ from lightning_ddp.bench.results import (
     write_steps,
     write_text_atomically,
 )
-from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, find_free_port, run_processes
+from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, run_processes
 from lightning_ddp.bench.stats import Bootstrapper
+from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import git_state
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
@@ -376,7 +377,7 @@ def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
     )
     with torch.device("meta"):
         model = GPT(config)
-    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    sizes = [p.nbytes for p in model.parameters() if p.requires_grad]
     return sum(sizes), max(sizes)
 
 

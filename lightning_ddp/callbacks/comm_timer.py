@@ -262,7 +262,7 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
         return max(0.0, value) if value is not None else None
 
     params = tuple(
-        ParamTiming(name, p.numel(), p.numel() * p.element_size(), ready(i), tuple(p.shape))
+        ParamTiming(name, p.numel(), p.nbytes, ready(i), tuple(p.shape))
         for i, (name, p) in enumerate(watched)
     )
     hparams = pl_module.hparams
