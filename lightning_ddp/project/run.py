@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_ddp.model_shapes import gpt_parameter_shapes  # re-exported: one source of the GPT's shapes
 from lightning_ddp.project.comm import Fabric, get_fabric, read_fit
 from lightning_ddp.project.flops import GPUS, GPUSpec, ModelShape, modelled_profile
 from lightning_ddp.project.profile import ComputeProfile, read_profile, write_atomically, write_profile
@@ -67,26 +68,6 @@ def _gpu_spec(compute) -> GPUSpec:
     if compute.memory_bandwidth_GBps is not None:
         changes["memory_Bps"] = compute.memory_bandwidth_GBps * 1e9
     return dataclasses.replace(spec, **changes) if changes else spec
-
-
-def gpt_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape in ``lightning_ddp.model.GPT`` (an ``nn.Linear(a, b)`` weight is ``(b, a)``), by the
-    names of ``ModelShape.parameters`` (the tests hold both to the real module).
-
-    >>> gpt_parameter_shapes(ModelShape(d_model=8, n_layers=1, n_heads=2, d_ff=32, vocab_size=50))["blocks.0.ffn.w1.weight"]
-    (32, 8)
-    """
-    d, f, v = shape.d_model, shape.d_ff, shape.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (v, d)}
-    for i in range(shape.n_layers):
-        b = f"blocks.{i}"
-        shapes.update({f"{b}.attn_norm.weight": (d,), f"{b}.ffn_norm.weight": (d,), f"{b}.ffn.w1.weight": (f, d),
-                       f"{b}.ffn.w2.weight": (d, f), f"{b}.ffn.w3.weight": (f, d)})
-        shapes.update({f"{b}.attn.{name}.weight": (d, d) for name in ("q_proj", "k_proj", "v_proj", "out_proj")})
-    shapes["norm.weight"] = (d,)
-    if not shape.tie_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    return shapes
 
 
 def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
