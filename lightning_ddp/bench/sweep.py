@@ -38,10 +38,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_ddp.bench.analysis import analyze
 from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout, every_rank_environment, expand_grid, rank_layout, threads_per_rank
 from lightning_ddp.bench.load import LoadCheck, wait_until_idle
-from lightning_ddp.bench.report import analyze, build_report
+from lightning_ddp.bench.report import build_report
 from lightning_ddp.bench.results import (
     REPEAT_COLUMNS,
     cell_data,
