@@ -15,6 +15,7 @@ module              what it does
 ``sweep``           the orchestration: interleaved repeats, resume, progress, environment.json, the prediction
 ``allreduce``       the all-reduce microbenchmark job behind the prediction
 ``memory``          per-rank memory with and without ZeRO-1 (``python -m lightning_ddp.bench.memory``)
+``memory_report``   the memory benchmark's summary per mode and its results.md
 ``timer_overhead``  what the CommTimer costs (``python -m lightning_ddp.bench.timer_overhead``)
 ==================  =========================================================================================
 
