@@ -129,6 +129,15 @@ def _find(rows: list[Row], strategy: str) -> Row | None:
     return next((r for r in rows if variant_of(r) == strategy), None)
 
 
+def _verdict(estimate: Estimate | None, target: float, in_sample: bool) -> str:
+    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else ``stats.verdict``."""
+    if estimate is None:
+        return NOT_MEASURABLE
+    if in_sample:
+        return "inconclusive"
+    return interval_verdict(estimate, target)
+
+
 # ---- measurements of a cell -------------------------------------------------------------------------------
 
 
@@ -202,11 +211,7 @@ class GoalCheck:
     @property
     def verdict(self) -> str:
         """``met``, ``missed``, ``inconclusive`` (``stats.verdict``; always when in-sample) or ``not measurable``."""
-        if self.estimate is None:
-            return NOT_MEASURABLE
-        if self.in_sample:
-            return "inconclusive"
-        return interval_verdict(self.estimate, self.target)
+        return _verdict(self.estimate, self.target, self.in_sample)
 
 
 @dataclass(frozen=True)
@@ -226,11 +231,8 @@ class AcrossGroups:
 
     @property
     def verdict(self) -> str:
-        if self.estimate is None:
-            return NOT_MEASURABLE
-        if self.in_sample:
-            return "inconclusive"
-        return interval_verdict(self.estimate, self.target)
+        """As ``GoalCheck.verdict``, for the geometric mean against ``target``."""
+        return _verdict(self.estimate, self.target, self.in_sample)
 
 
 class Analysis:
