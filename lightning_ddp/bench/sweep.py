@@ -34,7 +34,6 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,7 +60,7 @@ from lightning_ddp.bench.results import (
 from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, run_processes
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.provenance import git_state
+from lightning_ddp.provenance import git_state, invocation, package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
 
@@ -402,13 +401,6 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
 # ---- environment.json ---------------------------------------------------------------------------------
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -431,15 +423,11 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         cuda_version = torch.version.cuda
     return {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "cwd": os.getcwd(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
+        **invocation(),
         "hostname": platform.node(),
-        "torch": _version("torch"),
-        "lightning": _version("lightning"),
-        "jsonargparse": _version("jsonargparse"),
+        "torch": package_version("torch"),
+        "lightning": package_version("lightning"),
+        "jsonargparse": package_version("jsonargparse"),
         "cuda": cuda_version,
         "cpu": {"model": _cpu_model(), "count": os.cpu_count()},
         "gpus": gpus,

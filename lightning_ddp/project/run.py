@@ -18,11 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
-import sys
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +26,7 @@ from lightning_ddp.project.comm import Fabric, get_fabric, read_fit
 from lightning_ddp.project.flops import GPUS, GPUSpec, ModelShape, modelled_profile
 from lightning_ddp.project.profile import ComputeProfile, read_profile, write_atomically, write_profile
 from lightning_ddp.project.sweep import best_by_world_size, project, result_row
-from lightning_ddp.provenance import git_state
+from lightning_ddp.provenance import git_state, invocation, package_version
 
 __all__ = [
     "ProjectionOutcome",
@@ -148,22 +143,11 @@ def run_projection(config) -> ProjectionOutcome:
     return ProjectionOutcome(results, rows, profile, fabric, files)
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dict[str, Any]:
     """What belongs next to the numbers: versions, platform, commit, the full config, the resolved inputs."""
     return {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "cwd": os.getcwd(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "versions": {p: _version(p) for p in ("lightning_ddp", "numpy", "matplotlib", "jsonargparse")},
+        **invocation(),
+        "versions": {p: package_version(p) for p in ("lightning_ddp", "numpy", "matplotlib", "jsonargparse")},
         **git_state(),
         "config": dataclasses.asdict(config),
         "fabric": dataclasses.asdict(fabric),
