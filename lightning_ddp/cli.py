@@ -45,7 +45,7 @@ from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import register_strategies, strategy_names
 
 
-# LMDataModule resumes mid-epoch exactly through its own state_dict and sampler (see data.py); Lightning only
+# LMDataModule resumes mid-epoch exactly through its own state_dict and sampler (see lightning_ddp.data); Lightning only
 # recognises resumable *dataloaders* and would warn on every resume that ours is not.
 warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
 # An empty val_dataloader() is how LMDataModule says "no validation"; Lightning warns that its length is zero.

@@ -222,10 +222,21 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
 
     >>> dense_peak_flops("NVIDIA H100 80GB HBM3", "bf16") / 1e12
     989.4
-    >>> round(dense_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16") / 1e12, 1)  # 1/7 of 989.4
-    141.3
+    >>> dense_peak_flops("NVIDIA H100 NVL", "bf16") / 1e12, dense_peak_flops("NVIDIA H200", "tf32") / 1e12
+    (835.5, 494.7)
+    >>> dense_peak_flops("NVIDIA GH200 480GB", "bf16") / 1e12, dense_peak_flops("NVIDIA B200", "bf16") / 1e12
+    (989.4, 2250.0)
     >>> dense_peak_flops("cpu", "fp32", threads=2) / 1e9
     156.0
+
+    A MIG slice is a share of its GPU, not the whole GPU: 16 of an H100's 132 SMs, or 1/7 without the SM count.
+
+    >>> round(dense_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", sm_count=16) / 1e12, 1)
+    119.9
+    >>> round(dense_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16") / 1e12, 1)  # 1/7 of 989.4
+    141.3
+    >>> round(dense_peak_flops("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16") / 1e12, 1)  # 3/7 of 312
+    133.7
     """
     if device_name.lower() == "cpu":
         return CPU_FP32_TFLOPS_PER_CORE * 1e12 * threads if dtype == "fp32" else None

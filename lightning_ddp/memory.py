@@ -75,6 +75,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 from lightning_ddp.sync.registry import ALGORITHMS
 
+from lightning_ddp.model_shapes import gpt_parameter_shapes
+
 if TYPE_CHECKING:
     from lightning_ddp.model import GPTConfig
 
@@ -180,22 +182,15 @@ def normalize_precision(precision: object) -> str:
 
 
 def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
-    """Shapes of ``GPT(config).parameters()``, in order, without building the model (tied tables once).
+    """Shapes of ``GPT(config).parameters()``, in order, without building the model (tied tables once): the
+    values of ``lightning_ddp.model_shapes.gpt_parameter_shapes``.
 
     >>> from lightning_ddp.model import get_config
     >>> shapes = parameter_shapes(get_config("xl"))
     >>> len(shapes), sum(math.prod(s) for s in shapes)  # T tensors, Ψ scalars (see lightning_ddp.sync.zero1)
     (435, 1998235200)
     """
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
-    block = [(d,), (d, d), (d, d), (d, d), (d, d), (d,), (f, d), (d, f), (f, d)]  # norm, q k v out, norm, w1 w2 w3
-    shapes: list[tuple[int, ...]] = [(v, d)]
-    for _ in range(config.n_layers):
-        shapes.extend(block)
-    shapes.append((d,))
-    if not config.tie_embeddings:
-        shapes.append((v, d))
-    return shapes
+    return list(gpt_parameter_shapes(config).values())
 
 
 def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int) -> dict[str, int]:

@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_ddp.files import write_atomically  # re-exported: the projection's writers import it from here
+
 __all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_atomically", "write_profile"]
 
 SCHEMA = "lightning_ddp.compute_profile/1"
@@ -196,20 +198,3 @@ def read_profile(path: str | os.PathLike) -> ComputeProfile:
 def write_profile(profile: ComputeProfile, path: str | os.PathLike) -> Path:
     """Write ``profile`` as JSON (schema version 1), atomically; returns the path."""
     return write_atomically(path, json.dumps(profile.to_dict(), indent=1) + "\n")
-
-
-def write_atomically(path: str | os.PathLike, content: str | bytes) -> Path:
-    """Write to ``<path>.tmp`` in the same directory, fsync, then rename over ``path`` (never half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(content.encode("utf-8") if isinstance(content, str) else content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic within one filesystem
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path

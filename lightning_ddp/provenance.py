@@ -1,4 +1,5 @@
-"""Where a result came from: the git commit of the code that produced it, and whether the tree was dirty.
+"""Where a result came from: the git commit of the code that produced it, and whether the tree was dirty; the
+command that ran it, where and when (``invocation``); the versions of the packages it ran on (``package_version``).
 
 Every benchmark's ``environment.json`` carries ``git_state()``, so a number can be traced to committed code (and
 one measured from uncommitted changes says so).
@@ -7,12 +8,16 @@ one measured from uncommitted changes says so).
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
+import sys
 from collections.abc import Iterable
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_state"]
+__all__ = ["git_state", "invocation", "package_version"]
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -23,6 +28,26 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout if proc.returncode == 0 else None  # not a git checkout (e.g. an installed package)
+
+
+def invocation() -> dict[str, Any]:
+    """``{"created", "command", "cwd", "python", "platform"}``: when (UTC) and how this process was started, and on
+    what Python and operating system."""
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of the distribution ``name``, or ``None`` if it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:

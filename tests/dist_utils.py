@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
@@ -48,9 +46,11 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import find_free_port, init_local_process_group
 
 DEFAULT_TIMEOUT_S = 120.0
 _PORT_RETRIES = 3  # another process can take the free port between our probe and rank 0's bind
@@ -61,13 +61,6 @@ class RankFailure(AssertionError):
 
     An ``AssertionError`` so that pytest reports it as a test failure with the message in full.
     """
-
-
-def find_free_port() -> int:
-    """A localhost TCP port that was free a moment ago (the OS picks it when binding port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_on_ranks(
@@ -217,23 +210,13 @@ def _child(
     rank: int, world_size: int, port: int, target: _FunctionRef, args: tuple, result_dir: str, timeout: float,
     backend: str = "gloo",
 ) -> None:
-    # Ranks share the machine's cores: one intra-op thread each avoids oversubscription and keeps timing sane.
-    torch.set_num_threads(1)
-    if sys.platform.startswith("linux"):
-        # Everything is on this host; without this gloo picks the interface of the hostname, which in a
-        # container may not route to itself.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         if "nccl" in backend:
             # NCCL binds a communicator to the current device: pick it before the group exists.
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),  # a collective never outwaits the parent's limit
-        )
+        # Ranks share the machine's cores: one intra-op thread each avoids oversubscription and keeps timing
+        # sane. A collective never outwaits the parent's limit.
+        init_local_process_group(rank, world_size, port, backend, threads=1, timeout=timedelta(seconds=timeout))
     except Exception as error:  # noqa: BLE001 - reported to the parent, which decides
         in_use = "address already in use" in str(error).lower() or "eaddrinuse" in str(error).lower()
         _write_result(result_dir, rank, ("port_taken" if in_use else "error", traceback.format_exc()))
@@ -252,8 +235,5 @@ def _child(
 
 
 def _write_result(result_dir: str, rank: int, result: tuple[str, Any]) -> None:
-    path = Path(result_dir) / f"rank{rank}.pkl"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(result, f)  # plain pickle: tensors are written by value
-    os.replace(tmp, path)  # atomic: the parent never reads half a file
+    # Plain pickle: tensors are written by value. Atomic: the parent never reads half a file.
+    write_atomically(Path(result_dir) / f"rank{rank}.pkl", pickle.dumps(result))

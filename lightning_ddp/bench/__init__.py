@@ -9,11 +9,13 @@ module              what it does
 ``load``            the load guard: waits for idle CPUs (/proc/stat) before each repeat, records how busy they were
 ``stats``           pooled medians, hierarchical-bootstrap intervals, ratios, verdicts (pure, numpy)
 ``results``         the files: repeats.csv and steps.csv (raw), results.csv (one row per cell), profiles.json
-``report``          results.md: tables with intervals, the best bucket size out of sample, goals with verdicts
+``analysis``        per group: the best bucket size chosen out of sample, the goals with intervals and verdicts
+``report``          results.md: the tables with intervals and the analysis, rendered
 ``plots``           PNG figures with error bars (matplotlib Agg)
 ``sweep``           the orchestration: interleaved repeats, resume, progress, environment.json, the prediction
 ``allreduce``       the all-reduce microbenchmark job behind the prediction
 ``memory``          per-rank memory with and without ZeRO-1 (``python -m lightning_ddp.bench.memory``)
+``memory_report``   the memory benchmark's summary per mode and its results.md
 ``timer_overhead``  what the CommTimer costs (``python -m lightning_ddp.bench.timer_overhead``)
 ``gpu_study``       the whole GPU study in one command, in stages under a time budget
                     (``python -m lightning_ddp.bench.gpu_study --out DIR``; ``--cpu_dry_run true`` rehearses it)

@@ -55,9 +55,10 @@ from lightning_ddp.bench.config import (
     parse_settings,
     settings_slug,
 )
-from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.data import TextBytes
+from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
 from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
@@ -314,12 +315,6 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
     fig.savefig(path, dpi=110)
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, command: str,
               result: dict[str, Any]) -> str:
     fp32, last, seeds = s["fp32"], s["last_steps"], s["seeds"]
@@ -446,8 +441,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "summary": summary, "runs": {str(seed): r for seed, r in runs.items()}, "gradient_errors": errors,
               "torch": torch.__version__, "cpu_count": os.cpu_count(), **git_state(ignore=[out])}
     md = _markdown(summary, variants, args, command, result)
-    _write(out / "results.json", json.dumps(result, indent=2, default=str) + "\n")
-    _write(out / "results.md", md)
+    write_json_atomically(out / "results.json", result, default=str)
+    write_atomically(out / "results.md", md)
     _plot(out / "loss_curves.png", runs, errors, names)
     print(md)
     return result

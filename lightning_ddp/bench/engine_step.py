@@ -41,8 +41,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
-from lightning_ddp.bench.runner import find_free_port, init_cpu_process_group
 from lightning_ddp.bench.stats import estimate, ratio_estimate
+from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
 from lightning_ddp.sync.registry import get_algorithm
@@ -172,13 +173,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   t for v in times.values() for r in v for t in r)}
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         result.update(git_state())
         for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
                            ("engine_step.md", f"Command: `{command}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
-            tmp_path = out / (name + ".tmp")
-            tmp_path.write_text(text)
-            os.replace(tmp_path, out / name)
+            write_atomically(out / name, text)
     return result
 
 

@@ -17,14 +17,17 @@ Recipe:
    alone. For fp32 AdamW: parameters 4Ψ, gradients 4Ψ, state 8Ψ + 4T unsharded and 8Ψ_r + 4T_r sharded (Ψ
    parameters, T tensors, Ψ_r and T_r those rank r owns under ``assign_owners``; the 4-byte ``step`` counter
    per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``).
-5. Rank 0 gathers the ranks' results; the parent writes ``results.json`` and ``results.md`` (one table per
-   mode) into ``out_dir``, each atomically (a temporary file, then ``os.replace``), with versions, hardware
-   and the config.
+5. Rank 0 gathers the ranks' results; the parent summarises them per mode and writes ``results.json`` and
+   ``results.md`` (one table per mode; both from ``lightning_ddp.bench.memory_report``) into ``out_dir``, each
+   atomically (``lightning_ddp.files``), with versions, hardware and the config.
 
 Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
 ``ShardedOptimizer`` that broadcasts updated parameters), ``reduce_scatter`` (``DeferredGradSync`` + a
 ``ShardedOptimizer`` that reduce-scatters gradients and all-gathers parameters). See ``lightning_ddp.sync.zero1``
 for the formulas of communication volume; ``results.md`` shows them next to what the ``SyncRecord`` counted.
+
+This module holds the configuration and the measurement (steps 1 to 4, and ``run``); ``bench.memory_report`` the
+summary and the report (step 5).
 """
 
 from __future__ import annotations
@@ -34,12 +37,10 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -47,7 +48,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_ddp.bench.runner import find_free_port
+# The results' summary and results.md live in memory_report; its names stay importable from here.
+from lightning_ddp.bench.memory_report import (  # noqa: F401
+    POINTS,
+    MiB,
+    format_report,
+    sent_bytes_per_rank,
+    summarise_modes,
+)
+from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
 # The analytic expectation lives with the CLI's memory pre-flight (the same formulas); re-exported here, names kept.
 from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes  # noqa: F401
 from lightning_ddp.provenance import git_state
@@ -65,13 +75,6 @@ __all__ = [
 
 MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter")
 """The measured configurations: plain AdamW, then ZeRO-1 under each schedule."""
-
-POINTS: tuple[str, ...] = ("setup", "before_step", "after_step")
-"""When snapshots are taken: after model and optimizer set-up; on the last step before and after ``step()``."""
-
-MiB = 2**20
-GiB = 2**30
-
 
 @dataclass
 class MemoryBenchConfig:
@@ -145,21 +148,6 @@ def resolved_backend(config: MemoryBenchConfig) -> str:
     return config.backend or ("nccl" if config.accelerator == "cuda" else "gloo")
 
 
-# ---- the analytic expectation -------------------------------------------------------------------------
-
-
-def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; see ``sync.zero1``).
-
-    >>> [sent_bytes_per_rank(1000, 2, mode) for mode in ("unsharded", "allreduce_broadcast", "reduce_scatter")]
-    [1000.0, 1500.0, 1000.0]
-    """
-    n = world_size
-    all_reduce = 2 * (n - 1) / n * param_bytes
-    one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
-    return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way}[mode]
-
-
 # ---- one rank -----------------------------------------------------------------------------------------
 
 
@@ -180,7 +168,7 @@ def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
         if t is None or t.data_ptr() in seen or (device is not None and t.device.type != device.type):
             continue
         seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        total += t.nbytes
     return total
 
 
@@ -307,30 +295,24 @@ def _sync(device: torch.device) -> None:
 
 def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int, result_file: str) -> None:
     world_size = config.devices
-    if config.accelerator == "cuda":
+    cuda = config.accelerator == "cuda"
+    if cuda:
         torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-        # Ranks share the machine's cores; oversubscribing them only adds noise.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: avoid an interface that does not route back
-    dist.init_process_group(
-        resolved_backend(config), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(minutes=10),
-    )
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
+    init_local_process_group(rank, world_size, port, resolved_backend(config),
+                             threads=None if cuda else cores_per_rank(world_size))
     try:
         results = [_measure_mode(mode, config, device, rank) for mode in modes]
         gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:
-            _write_atomically(Path(result_file), json.dumps(gathered))
+            write_atomically(Path(result_file), json.dumps(gathered))
     finally:
         dist.destroy_process_group()
 
 
-# ---- the report ---------------------------------------------------------------------------------------
+# ---- the results ----------------------------------------------------------------------------------------
 
 
 def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
@@ -346,115 +328,6 @@ def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
         "world_size": config.devices,
         **git_state(),
     }
-
-
-def _mib(value: int | float | None) -> str:
-    return "" if value is None else f"{value / MiB:,.2f}"
-
-
-def format_report(results: dict[str, Any]) -> str:
-    """``results.md``: a summary table across modes, then one table per mode (a row per rank and point)."""
-    config, env = results["config"], results["environment"]
-    cuda = config["accelerator"] == "cuda"
-    lines = [
-        f"# ZeRO-1 memory benchmark: {config['preset']}, {config['devices']} ranks, {config['accelerator']}",
-        "",
-        f"torch {env['torch']}, {env['device']}, {env['cpu_count']} CPUs, backend {env['backend']}; batch "
-        f"{config['batch_size']} x {config['seq_len']} tokens per rank, {config['steps']} steps per mode, engine "
-        f"{config['grad_sync']}. Bytes are MiB (2^20). `tensors` = parameters + gradients + optimizer state, summed "
-        "over the tensors themselves; `expected` is the analytic figure (see `lightning_ddp.bench.memory`); "
-        + ("`rest` = `torch.cuda.memory_allocated()` minus our tensors on the GPU." if cuda else
-           "`rest` = process RSS minus our tensors (a secondary figure: interpreter, libraries, activations, "
-           "communication buffers, allocator caches"
-           + ("; each mode runs in fresh processes)." if config["separate_processes"] else
-              "; the modes share processes, so memory freed by an earlier mode can stay in a later one's RSS).")),
-        "",
-        "`recorded comm` sums the input sizes of the step's collectives in the `SyncRecord` (a reduce-scatter's "
-        "input is the whole buffer, a broadcast counts on every rank); `sent per rank` is the bandwidth-optimal "
-        "volume each rank sends (ring model, see `lightning_ddp.sync.zero1`).",
-        "",
-        "| mode | rank | optimizer state MiB (expected) | tensors before step MiB | step ms (median, max over ranks) "
-        "| recorded comm MiB/step | sent per rank MiB/step (ring model) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for mode in results["modes"]:
-        for per_rank in mode["ranks"]:
-            before = per_rank["snapshots"]["before_step"]
-            tensors = before["parameters"] + before["gradients"] + before["optimizer_state"]
-            lines.append(
-                f"| {mode['mode']} | {per_rank['rank']} | {_mib(before['optimizer_state'])} "
-                f"({_mib(per_rank['expected']['optimizer_state'])}) | {_mib(tensors)} | {mode['step_ms_median']:,.1f} "
-                f"| {_mib(per_rank['comm_bytes_recorded'])} | {_mib(mode['sent_bytes_per_rank'])} |"
-            )
-    for mode in results["modes"]:
-        lines += [
-            "",
-            f"## {mode['mode']}",
-            "",
-            f"Step time: median {mode['step_ms_median']:,.1f} ms over steps 2..{config['steps']} (max over ranks). "
-            f"Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
-            "",
-            "| rank | point | parameters | gradients | optimizer state | tensors | expected | "
-            + ("allocated | max allocated | reserved | max reserved | rest |" if cuda else "RSS | rest |"),
-            "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|---:|" if cuda else "---:|---:|"),
-        ]
-        for per_rank in mode["ranks"]:
-            for point in POINTS:
-                snap = per_rank["snapshots"][point]
-                exp = per_rank["expected_at"][point]
-                tensors = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
-                row = (
-                    f"| {per_rank['rank']} | {point} | {_mib(snap['parameters'])} | {_mib(snap['gradients'])} | "
-                    f"{_mib(snap['optimizer_state'])} | {_mib(tensors)} | {_mib(sum(exp.values()))} | "
-                )
-                if cuda:
-                    row += (f"{_mib(snap['allocated'])} | {_mib(snap['max_allocated'])} | {_mib(snap['reserved'])} | "
-                            f"{_mib(snap['max_reserved'])} | {_mib(snap['rest'])} |")
-                else:
-                    row += f"{_mib(snap['rss'])} | {_mib(snap['rest'])} |"
-                lines.append(row)
-    return "\n".join(lines) + "\n"
-
-
-def _summarise(config: MemoryBenchConfig, per_mode: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    modes = []
-    for mode, ranks in zip(config.modes, per_mode):
-        matches = True
-        for entry in ranks:
-            full = entry["expected"]
-            # Before any step: parameters only (AdamW allocates its state lazily, .grad is None).
-            entry["expected_at"] = {
-                "setup": {"parameters": full["parameters"], "gradients": 0, "optimizer_state": 0},
-                "before_step": full,
-                "after_step": full,
-            }
-            for point in POINTS:
-                snap = entry["snapshots"][point]
-                for key, value in entry["expected_at"][point].items():
-                    matches &= snap[key] == value
-        measured = ranks[0]["step_ms"][1:]  # the first step allocates the optimizer state: warm-up
-        modes.append(
-            {
-                "mode": mode,
-                "ranks": ranks,
-                "step_ms_median": statistics.median(measured),
-                "matches_expected": matches,
-                "sent_bytes_per_rank": sent_bytes_per_rank(ranks[0]["expected"]["parameters"], config.devices, mode),
-            }
-        )
-    return {"config": asdict(config), "environment": _environment(config), "modes": modes}
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
@@ -477,10 +350,11 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
             mp.spawn(_rank_main, args=(config, modes, find_free_port(), result_file), nprocs=config.devices, join=True)
             per_rank = json.loads(Path(result_file).read_text())  # [rank][mode index] -> one rank's result
             per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
-    results = _summarise(config, per_mode)
-    _write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    results = {"config": asdict(config), "environment": _environment(config),
+               "modes": summarise_modes(config.modes, config.devices, per_mode)}
+    write_json_atomically(out_dir / "results.json", results)
     report = format_report(results)
-    _write_atomically(out_dir / "results.md", report)
+    write_atomically(out_dir / "results.md", report)
     print(report, flush=True)
     return results
 

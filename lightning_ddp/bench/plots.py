@@ -1,12 +1,12 @@
-"""The sweep's PNG plots, from results.csv rows and the report's analysis (matplotlib's Agg canvas: no display, no
-pyplot global state). Every bar and point carries its 95 % interval as an error bar.
+"""The sweep's PNG plots, from results.csv rows and their analysis (``bench.analysis``), on matplotlib's Agg canvas
+(no display, no pyplot global state). Every bar and point carries its 95 % interval as an error bar.
 
 One figure per precision and batch size, each with a step-time panel and a comm-share panel:
 
 - ``strategies_<precision>_bs<batch>.png``: bars per context length, one per strategy, the compute-only reference
   as a bar of its own; an algorithm with buckets at the bucket size selected on the selection repeats, with the
-  numbers of its evaluation repeats (``report.Selection``); every strategy in the rows is drawn, in
-  ``report.strategy_order``;
+  numbers of its evaluation repeats (``analysis.Selection``); every strategy in the rows is drawn, in
+  ``analysis.strategy_order``;
 - ``<algorithm>_<precision>_bs<batch>.png`` for each algorithm with buckets (``bucketed`` ...; a variant with
   engine settings, ``bucketed_powersgd rank=4``, is ``bucketed_powersgd-rank4_...``): step time and comm
   share against the bucket size (log x), one line per context length, each point a cell over all its repeats, like
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.config import REFERENCE, has_bucket_axis, variant_strategy
-from lightning_ddp.bench.report import Analysis, analyze, strategy_order, variant_of
+from lightning_ddp.bench.analysis import Analysis, analyze, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["write_plots"]
@@ -180,7 +180,7 @@ def write_plots(
 ) -> list[Path]:
     """Write the figures of the module docstring for ``rows`` (parsed results.csv rows); return their paths.
 
-    ``analysis`` (``report.analyze`` with the raw steps) gives the selected bucket sizes and their evaluation
+    ``analysis`` (``analysis.analyze`` with the raw steps) gives the selected bucket sizes and their evaluation
     numbers; without it, the rows alone (every selection in-sample).
     """
     out_dir = Path(out_dir)

@@ -1,5 +1,5 @@
 """The sweep's files: the raw data (``repeats.csv``, ``steps.csv``), the per-cell aggregates (``results.csv``) and
-``profiles.json``; every file written whole and atomically (tmp file + ``os.replace``).
+``profiles.json``; every file written whole and atomically (``lightning_ddp.files``).
 
 Each cell is measured ``run.repeats`` times (its *repeats*, each in fresh processes). The raw files hold everything
 measured; results.csv and results.md are computed from them, so ``--output.report_only true`` rebuilds both from
@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -83,6 +82,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from lightning_ddp import files
 from lightning_ddp.bench.config import REFERENCE, format_bucket, format_settings, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout
 from lightning_ddp.bench.load import LoadCheck
@@ -410,6 +410,10 @@ def _cell_text(value: Any) -> Any:
     return value
 
 
+write_text_atomically = files.write_atomically
+"""``text`` written to ``path`` whole or not at all (``lightning_ddp.files.write_atomically``)."""
+
+
 def write_results(path: str | os.PathLike, rows: Iterable[Row]) -> None:
     """Write the results.csv rows to ``path`` atomically (a reader or a kill never sees half a file)."""
     write_text_atomically(path, _csv_text(RESULT_COLUMNS, rows))
@@ -428,21 +432,6 @@ def write_steps(path: str | os.PathLike, rows: Iterable[Row]) -> None:
 
 
 def write_json_atomically(path: str | os.PathLike, document: Any) -> None:
-    """``json.dumps(document, indent=2)`` written atomically."""
-    write_text_atomically(path, json.dumps(document, indent=2, default=str) + "\n")
+    """``json.dumps(document, indent=2, default=str)`` written atomically (``default=str``: a config may hold paths)."""
+    files.write_json_atomically(path, document, default=str)
 
-
-def write_text_atomically(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``<path>.tmp`` in the same directory, fsync, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic within one filesystem
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

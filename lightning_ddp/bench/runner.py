@@ -31,7 +31,6 @@ import shutil
 import ctypes
 import signal
 import sys
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,8 @@ from typing import Any, Callable
 
 from lightning_ddp.bench.config import SweepConfig
 from lightning_ddp.bench.grid import Cell, RankLayout, cell_command, rank_environments
+# Re-exported: the benchmarks and the sweep import them from here.
+from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 
 __all__ = [
     "CellOutcome",
@@ -85,27 +86,6 @@ class CellOutcome:
 
 CellRunner = Callable[[Cell, Path], CellOutcome]
 """Runs one cell whose outputs go to the given directory."""
-
-
-def find_free_port() -> int:
-    """A localhost TCP port that was free a moment ago (the OS picks it when binding port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
-    """Join a gloo group of ``world_size`` processes on this host (the benchmarks' ``mp.spawn`` ranks): each rank
-    gets its share of the cores, and gloo talks over loopback."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(minutes=10))
 
 
 def is_oom(text: str) -> bool:

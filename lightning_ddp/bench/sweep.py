@@ -16,7 +16,7 @@ Recipe (``run_sweep``):
    (a slow drift of the machine then hits every strategy alike). Before each, the load guard (``bench.load``)
    waits for an idle machine; each repeat is a separate runner call with its own ``runs/<cell_id>/r<k>/``.
    After each, rewrite ``steps.csv``, then ``repeats.csv`` (the row that marks the repeat done, written last),
-   ``profiles.json``, ``results.csv`` and ``results.md``, each whole and atomically (tmp + ``os.replace``), so a
+   ``profiles.json``, ``results.csv`` and ``results.md``, each whole and atomically (``lightning_ddp.files``), so a
    killed sweep keeps every finished repeat and a half-written one is simply run again.
 5. Write ``results.csv`` (``results.cell_row``: pooled medians, bootstrap intervals), ``results.md``
    (``report.build_report``) and the PNG plots; ``output.report_only`` does only this, from the raw files.
@@ -36,15 +36,15 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_ddp.bench.analysis import analyze
 from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout, every_rank_environment, expand_grid, rank_layout, threads_per_rank
 from lightning_ddp.bench.load import LoadCheck, wait_until_idle
 from lightning_ddp.bench.plots import write_plots
-from lightning_ddp.bench.report import analyze, build_report
+from lightning_ddp.bench.report import build_report
 from lightning_ddp.bench.results import (
     REPEAT_COLUMNS,
     cell_data,
@@ -60,9 +60,10 @@ from lightning_ddp.bench.results import (
     write_steps,
     write_text_atomically,
 )
-from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, find_free_port, run_processes
+from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, run_processes
 from lightning_ddp.bench.stats import Bootstrapper
-from lightning_ddp.provenance import git_state
+from lightning_ddp.local_group import find_free_port
+from lightning_ddp.provenance import git_state, invocation, package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
 
@@ -377,7 +378,7 @@ def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
     )
     with torch.device("meta"):
         model = GPT(config)
-    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    sizes = [p.nbytes for p in model.parameters() if p.requires_grad]
     return sum(sizes), max(sizes)
 
 
@@ -399,13 +400,6 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
 
 
 # ---- environment.json ---------------------------------------------------------------------------------
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _cpu_model() -> str:
@@ -430,15 +424,11 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         cuda_version = torch.version.cuda
     return {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "cwd": os.getcwd(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
+        **invocation(),
         "hostname": platform.node(),
-        "torch": _version("torch"),
-        "lightning": _version("lightning"),
-        "jsonargparse": _version("jsonargparse"),
+        "torch": package_version("torch"),
+        "lightning": package_version("lightning"),
+        "jsonargparse": package_version("jsonargparse"),
         "cuda": cuda_version,
         "cpu": {"model": _cpu_model(), "count": os.cpu_count()},
         "gpus": gpus,

@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
+from lightning_ddp.files import write_atomically
 
 
 class StepWallTimes(Callback):
@@ -134,13 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(line)
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         command = "python -m lightning_ddp.bench.timer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
         for name, text in (("timer_overhead.json", json.dumps({**result, "command": command}, indent=2) + "\n"),
                            ("timer_overhead.md", f"{line}\n\nCommand: `{command}`\n")):
-            tmp = out / (name + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, out / name)
+            write_atomically(out / name, text)
     return result
 
 

@@ -45,13 +45,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import json
 import math
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.intervals import Interval, overlap_length, total
 
 if TYPE_CHECKING:  # only for annotations: this module must not import torch
@@ -356,28 +356,6 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[low] + (rank - low) * (sorted_values[high] - sorted_values[low]))
 
 
-def _write_atomically(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path + '.tmp'`` in the same directory, then rename it over ``path``.
-
-    ``os.replace`` is atomic within one filesystem, so a reader sees the old file or the new one, never half.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 # (column title, metric key, scale, format) of format_table
 _TABLE_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("step ms", "step/time_ms", 1.0, ",.1f"),
@@ -480,7 +458,7 @@ class TimingSummary:
                     "clock_anomalies": self.clock_anomalies}
         document["steps"] = self.to_rows()
         # allow_nan=False: a NaN would make the file invalid JSON; fail here instead of in the reader.
-        _write_atomically(path, json.dumps(document, indent=2, allow_nan=False) + "\n")
+        write_json_atomically(path, document, allow_nan=False)
 
     def write_csv(self, path: str | os.PathLike) -> None:
         """Write ``to_rows()`` to ``path`` atomically; a key a step did not report is an empty cell."""
@@ -490,7 +468,7 @@ class TimingSummary:
         writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        _write_atomically(path, buffer.getvalue())
+        write_atomically(path, buffer.getvalue())
 
     def format_table(self, warmup_steps: int, title: str | None = None) -> str:
         """An aligned text table of the headline metrics (median, p10, p90) for printing at the end of fit."""

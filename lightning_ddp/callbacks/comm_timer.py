@@ -42,7 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_ddp import compat
+from lightning_ddp import compat, hardware
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.recording import recorder_for, release_recorder
@@ -72,7 +72,9 @@ class CommTimer(Callback):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; e.g. --timer.warmup_steps 5")
         if peak_tflops is not None and not peak_tflops > 0:
-            raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; e.g. --timer.peak_tflops 989.4")
+            h100 = hardware.get_device("h100-sxm").dense_tflops["bf16"]
+            raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; e.g. --timer.peak_tflops "
+                             f"{h100:g} for an H100 SXM in bf16")
         self.peak_tflops = peak_tflops
         self.warmup_steps = warmup_steps
         self.enabled = enabled
@@ -262,7 +264,7 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
         return max(0.0, value) if value is not None else None
 
     params = tuple(
-        ParamTiming(name, p.numel(), p.numel() * p.element_size(), ready(i), tuple(p.shape))
+        ParamTiming(name, p.numel(), p.nbytes, ready(i), tuple(p.shape))
         for i, (name, p) in enumerate(watched)
     )
     hparams = pl_module.hparams

@@ -35,27 +35,8 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
     """Dense peak FLOP/s of one device for ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``), or ``None``.
 
     ``device_name`` is ``torch.cuda.get_device_name()`` for a GPU, or ``"cpu"`` (then ``threads`` cores);
-    ``sm_count`` its ``multi_processor_count``, which makes a MIG slice's share exact.
-
-    >>> dense_peak_flops("NVIDIA H100 80GB HBM3", "bf16") / 1e12
-    989.4
-    >>> dense_peak_flops("NVIDIA H100 NVL", "bf16") / 1e12
-    835.5
-    >>> dense_peak_flops("NVIDIA H200", "tf32") / 1e12
-    494.7
-    >>> dense_peak_flops("cpu", "fp32", threads=2) / 1e9
-    156.0
-    >>> dense_peak_flops("NVIDIA L40S", "bf16") is None  # not an L4: names are matched word by word
-    True
-
-    A MIG slice is a share of its GPU, not the whole GPU: 16 of an H100's 132 SMs, or 1/7 without the SM count.
-
-    >>> round(dense_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", sm_count=16) / 1e12, 1)
-    119.9
-    >>> round(dense_peak_flops("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16") / 1e12, 1)  # 3/7 of 312
-    133.7
-    >>> dense_peak_flops("NVIDIA GH200 480GB", "bf16") / 1e12, dense_peak_flops("NVIDIA B200", "bf16") / 1e12
-    (989.4, 2250.0)
+    ``sm_count`` its ``multi_processor_count``, which makes a MIG slice's share exact. The figures and the
+    examples are ``lightning_ddp.hardware.dense_peak_flops``'s.
     """
     return hardware.dense_peak_flops(device_name, dtype, threads=threads, sm_count=sm_count)
 

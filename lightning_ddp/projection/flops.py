@@ -3,9 +3,10 @@
 Recipe (``modelled_profile``):
 
 1. **Parameters** (``ModelShape.parameters``): the GPT of ``lightning_ddp.model`` in ``module.parameters()``
-   order, computed from the config's shape alone: ``tok_emb.weight``; per block ``attn_norm``, ``q/k/v/out_proj``,
-   ``ffn_norm``, ``w1``, ``w2``, ``w3``; ``norm.weight``; ``lm_head.weight`` (absent when tied). For xl:
-   1,998,235,200 parameters in 435 tensors (checked against the real module in the tests).
+   order, computed from the config's shape alone (``lightning_ddp.model_shapes.gpt_parameter_shapes``):
+   ``tok_emb.weight``; per block ``attn_norm``, ``q/k/v/out_proj``, ``ffn_norm``, ``w1``, ``w2``, ``w3``;
+   ``norm.weight``; ``lm_head.weight`` (absent when tied). For xl: 1,998,235,200 parameters in 435 tensors
+   (checked against the real module in the tests).
 2. **Forward + backward time**: ``tokens · flops_per_token / (peak · mfu)``, with ``tokens`` = per-rank batch x
    sequence length and ``flops_per_token = 6 · N_matmul + 12 · n_layers · d_model · seq_len`` (PaLM, appendix B;
    the same formula as ``GPT.flops_per_token``). Forward is a third, backward two thirds (2 vs 4 FLOPs per weight
@@ -29,10 +30,12 @@ datasheets, cited there; the same table the ``CommTimer``'s MFU reads). ``32-tru
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from lightning_ddp.hardware import DEVICES, DeviceSpec
+from lightning_ddp.model_shapes import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 
 __all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
@@ -100,18 +103,7 @@ class ModelShape:
 
     def parameters(self) -> list[tuple[str, int]]:
         """``(name, numel)`` of every trainable parameter in ``module.parameters()`` order."""
-        d, f = self.d_model, self.d_ff
-        params = [("tok_emb.weight", self.vocab_size * d)]
-        for i in range(self.n_layers):
-            b = f"blocks.{i}"
-            params += [(f"{b}.attn_norm.weight", d), (f"{b}.attn.q_proj.weight", d * d), (f"{b}.attn.k_proj.weight", d * d),
-                       (f"{b}.attn.v_proj.weight", d * d), (f"{b}.attn.out_proj.weight", d * d),
-                       (f"{b}.ffn_norm.weight", d), (f"{b}.ffn.w1.weight", d * f), (f"{b}.ffn.w2.weight", f * d),
-                       (f"{b}.ffn.w3.weight", d * f)]
-        params.append(("norm.weight", d))
-        if not self.tie_embeddings:
-            params.append(("lm_head.weight", self.vocab_size * d))
-        return params
+        return [(name, math.prod(shape)) for name, shape in gpt_parameter_shapes(self).items()]
 
     @property
     def num_params(self) -> int:

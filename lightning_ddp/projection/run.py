@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
-import sys
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_ddp.model_shapes import gpt_parameter_shapes  # re-exported: one source of the GPT's shapes
 from lightning_ddp.profile import ComputeProfile, read_profile, write_atomically, write_profile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import build_fabric, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
 from lightning_ddp.projection.report import build_markdown, write_csv, write_plots
 from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
-from lightning_ddp.provenance import git_state
+from lightning_ddp.provenance import git_state, invocation, package_version
 
 __all__ = [
     "ProjectionOutcome",
@@ -44,26 +40,6 @@ __all__ = [
     "run_projection",
     "with_shapes",
 ]
-
-
-def gpt_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape in ``lightning_ddp.model.GPT`` (an ``nn.Linear(a, b)`` weight is ``(b, a)``), by the
-    names of ``ModelShape.parameters`` (the tests hold both to the real module).
-
-    >>> gpt_parameter_shapes(ModelShape(d_model=8, n_layers=1, n_heads=2, d_ff=32, vocab_size=50))["blocks.0.ffn.w1.weight"]
-    (32, 8)
-    """
-    d, f, v = shape.d_model, shape.d_ff, shape.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (v, d)}
-    for i in range(shape.n_layers):
-        b = f"blocks.{i}"
-        shapes.update({f"{b}.attn_norm.weight": (d,), f"{b}.ffn_norm.weight": (d,), f"{b}.ffn.w1.weight": (f, d),
-                       f"{b}.ffn.w2.weight": (d, f), f"{b}.ffn.w3.weight": (f, d)})
-        shapes.update({f"{b}.attn.{name}.weight": (d, d) for name in ("q_proj", "k_proj", "v_proj", "out_proj")})
-    shapes["norm.weight"] = (d,)
-    if not shape.tie_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    return shapes
 
 
 def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
@@ -137,22 +113,11 @@ def run_projection(config) -> ProjectionOutcome:
     return ProjectionOutcome(results, rows, profile, fabric, files)
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dict[str, Any]:
     """What belongs next to the numbers: versions, platform, commit, the full config, the resolved inputs."""
     return {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "cwd": os.getcwd(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "versions": {p: _version(p) for p in ("lightning_ddp", "numpy", "matplotlib", "jsonargparse")},
+        **invocation(),
+        "versions": {p: package_version(p) for p in ("lightning_ddp", "numpy", "matplotlib", "jsonargparse")},
         **git_state(),
         "config": dataclasses.asdict(config),
         "fabric": dataclasses.asdict(fabric),

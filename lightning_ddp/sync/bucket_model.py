@@ -240,7 +240,7 @@ def predict_bucket_size(
             unique.setdefault(id(p), p)  # a tied tensor is communicated once
     if not unique:
         raise ValueError("no trainable parameters: nothing to put in buckets")
-    nbytes = [p.numel() * p.element_size() for p in unique.values()]
+    nbytes = [p.nbytes for p in unique.values()]
     device = next(iter(unique.values())).device
     sizes = tuple(int(s) for s in sizes)
     times = measure_allreduce(sizes, repeats=repeats, group=group, device=device)

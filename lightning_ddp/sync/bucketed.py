@@ -126,7 +126,7 @@ class BucketedDDP(GradSyncEngine):
             bucket_size_mb = self.bucket_prediction.bucket_size_mb
         self.bucket_size_mb = bucket_size_mb
         cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
-        nbytes = [p.numel() * p.element_size() for p in self.params]
+        nbytes = [p.nbytes for p in self.params]
         self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
         last = len(self.buckets) - 1
         self._buckets = [

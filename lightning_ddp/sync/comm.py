@@ -134,10 +134,6 @@ def backend_for(device: torch.device | str, group: dist.ProcessGroup | None = No
     return backend
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class Communicator:
     """Async collectives on ``group`` (default: the world), recorded when ``recorder`` is set.
 
@@ -163,29 +159,29 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, label: str) -> Pending:
         """SUM all-reduce of ``tensor`` in place."""
-        return self._launch("all_reduce", label, _nbytes(tensor), tensor.device,
+        return self._launch("all_reduce", label, tensor.nbytes, tensor.device,
                             lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def reduce(self, tensor: torch.Tensor, owner: int, label: str) -> Pending:
         """SUM reduce of ``tensor`` to group rank ``owner`` (only the owner's copy holds the sum)."""
         dst = self.global_rank(owner)
-        return self._launch("reduce", label, _nbytes(tensor), tensor.device,
+        return self._launch("reduce", label, tensor.nbytes, tensor.device,
                             lambda: dist.reduce(tensor, dst=dst, group=self.group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, owner: int, label: str) -> Pending:
         """Broadcast of ``tensor`` from group rank ``owner``."""
         src = self.global_rank(owner)
-        return self._launch("broadcast", label, _nbytes(tensor), tensor.device,
+        return self._launch("broadcast", label, tensor.nbytes, tensor.device,
                             lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str) -> Pending:
         """SUM reduce-scatter: rank r's ``output`` is the sum of every rank's r-th chunk of ``input``."""
-        return self._launch("reduce_scatter", label, _nbytes(input), input.device,
+        return self._launch("reduce_scatter", label, input.nbytes, input.device,
                             lambda: compat.reduce_scatter_tensor(output, input, group=self.group, async_op=True))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str) -> Pending:
         """All-gather: ``output`` holds every rank's ``input``, in rank order."""
-        return self._launch("all_gather", label, _nbytes(output), output.device,
+        return self._launch("all_gather", label, output.nbytes, output.device,
                             lambda: compat.all_gather_tensor(output, input, group=self.group, async_op=True))
 
     def wait(self, pending: Pending) -> None:

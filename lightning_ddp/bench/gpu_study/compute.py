@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from lightning_ddp.files import write_json_atomically
 
 __all__ = ["batch_candidates", "first_that_fits", "measure"]
 
@@ -201,9 +202,7 @@ def main(argv: list[str]) -> int:
     """``REQUEST OUT``: measure with the keyword arguments in the JSON file ``REQUEST``, write the result to ``OUT``."""
     request_path, out_path = argv
     result = measure(**json.loads(Path(request_path).read_text()))
-    tmp = Path(out_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out_path)
+    write_json_atomically(out_path, result)
     return 0
 
 

@@ -9,7 +9,6 @@ MIG slice), the driver (NVIDIA driver version from ``nvidia-smi``, the CUDA driv
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -19,6 +18,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from lightning_ddp.files import write_json_atomically
 
 __all__ = ["describe"]
 
@@ -121,9 +122,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     device = argv[1] if len(argv) > 1 else "cuda"
     data = describe(device)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, out)
+    write_json_atomically(out, data, default=str)
     return 0
 
 

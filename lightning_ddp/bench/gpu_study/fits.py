@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_ddp.files import write_json_atomically
+
 __all__ = ["FitResult", "FitSpec", "logger_argument", "run_fits"]
 
 RESULT_FILE = "fit_result.json"
@@ -95,7 +97,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         threads: ``OMP_NUM_THREADS`` per process (CPU runs); ``None`` leaves it unset.
     """
     from lightning_ddp.bench.grid import LOOPBACK_INTERFACE, without_launcher_variables
-    from lightning_ddp.bench.runner import error_line, find_free_port, is_oom, run_processes
+    from lightning_ddp.bench.runner import error_line, is_oom, run_processes
+    from lightning_ddp.local_group import find_free_port
 
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -180,13 +183,6 @@ def _free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def main(plan_path: str) -> int:
     from lightning_ddp.bench.runner import error_line, is_oom
     from lightning_ddp.cli import main as cli_main
@@ -216,7 +212,7 @@ def main(plan_path: str) -> int:
         seconds = time.perf_counter() - start
         _free_memory()
         if rank == 0:
-            _write_json_atomically(log_dir / RESULT_FILE, {"status": status, "error": error, "seconds": seconds})
+            write_json_atomically(log_dir / RESULT_FILE, {"status": status, "error": error, "seconds": seconds})
         if status != "ok" and plan["stop_on_failure"]:
             return 1
     return 0

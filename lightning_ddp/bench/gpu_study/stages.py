@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, Scale
 from lightning_ddp.bench.gpu_study.fits import FitResult, FitSpec, run_fits
+from lightning_ddp.files import write_json_atomically
 
 __all__ = ["STAGES", "Stage", "StageResult", "StudyContext", "step_problems"]
 
@@ -202,10 +203,7 @@ def _median(summary: dict[str, Any] | None, key: str) -> float | None:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomically(path, data, default=str)
 
 
 def _rel(ctx: StudyContext, path: Path) -> str:

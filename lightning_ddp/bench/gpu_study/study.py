@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, scale_of
 from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext
+from lightning_ddp.files import write_atomically
 
 __all__ = ["RESULTS_MD", "STAGES_JSON", "STATUSES", "cuda_available", "repository_root", "run_study"]
 
@@ -55,12 +56,6 @@ def cuda_available(env: dict[str, str] | None = None) -> bool:
     except subprocess.TimeoutExpired:  # a driver that hangs on the device query: no usable GPU
         return False
     return proc.returncode == 0
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _error_line(error: BaseException) -> str:
@@ -103,8 +98,8 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
 
     def save() -> None:
         document["elapsed_s"] = round(time.monotonic() - started, 1)
-        _write_atomically(out / STAGES_JSON, json.dumps(document, indent=2) + "\n")
-        _write_atomically(out / RESULTS_MD, build_report(document, out))
+        write_atomically(out / STAGES_JSON, json.dumps(document, indent=2) + "\n")
+        write_atomically(out / RESULTS_MD, build_report(document, out))
 
     save()
     say(f"GPU study{' (CPU dry run)' if dry_run else ''}: {len(stages)} stages, budget {config.budget_min:g} min, "
@@ -134,7 +129,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
                 result = StageResult(problems=[_error_line(error)])
             entry["seconds"] = round(time.monotonic() - ctx.stage_started, 1)
             if result.data:
-                _write_atomically(out / f"{stage.name}.json", json.dumps(result.data, indent=2, default=str) + "\n")
+                write_atomically(out / f"{stage.name}.json", json.dumps(result.data, indent=2, default=str) + "\n")
                 result.files.insert(0, f"{stage.name}.json")
             entry["files"] = result.files
             entry["status"] = "failed" if result.problems else "ok"

@@ -17,7 +17,7 @@ from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_fo
 from lightning_ddp.sync.zero1 import checkpoint
 from lightning_ddp.sync.zero1.checkpoint import GROUP_KEYS_NOT_HYPERPARAMETERS
 from lightning_ddp.sync.zero1.collectives import reduce_scatter_gradients, share_parameters
-from lightning_ddp.sync.zero1.partition import assign_owners, nbytes
+from lightning_ddp.sync.zero1.partition import assign_owners
 
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
 CollectiveImpl = Literal["auto", "native", "per_owner"]
@@ -117,9 +117,9 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         self.collectives = resolve_collectives(collectives, self.device, process_group)
         """``native`` or ``per_owner`` (``auto`` resolved for the parameters' device, known only now)."""
         # Assign everything at once (better balanced than group by group), then build the inner optimizer.
-        self._owners = assign_owners([nbytes(p) for p in self._params], self.world_size)
+        self._owners = assign_owners([p.nbytes for p in self._params], self.world_size)
         for param, owner in zip(self._params, self._owners):
-            self._loads[owner] += nbytes(param)
+            self._loads[owner] += param.nbytes
         self.optim = optimizer_cls([self._inner_group(group) for group in self.param_groups], **kwargs)
         # The outer groups show every hyperparameter the wrapped class defines, so that state_dict() is exactly
         # what optimizer_cls would produce and schedulers find e.g. `betas`; defaults too, for add_param_group.
@@ -193,10 +193,10 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
             return  # inside __init__: everything is assigned at once after the last group
         self._check_one_device()
         new = group["params"]
-        owners = assign_owners([nbytes(p) for p in new], self.world_size, loads=self._loads)
+        owners = assign_owners([p.nbytes for p in new], self.world_size, loads=self._loads)
         for param, owner in zip(new, owners):
             self._owners.append(owner)
-            self._loads[owner] += nbytes(param)
+            self._loads[owner] += param.nbytes
         self.optim.add_param_group(self._inner_group(group))
 
     @property

@@ -1,0 +1,293 @@
+"""``LMDataModule``: the ``--data.*`` arguments, checked when it is built; the datasets of one source; the loaders
+with a ``ResumableDistributedSampler``; and the position in the data that a checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from lightning_ddp.data.sampler import ResumableDistributedSampler
+from lightning_ddp.data.sources import (
+    BYTE_VOCAB_SIZE,
+    TOKEN_DTYPES,
+    MarkovTokens,
+    SyntheticTokens,
+    TextBytes,
+    TokenFile,
+    _token_id_range,
+)
+
+__all__ = ["DEFAULT_VOCAB_SIZE", "GENERATED_SOURCES", "LMDataModule"]
+
+#: Sources that generate their tokens and read no file.
+GENERATED_SOURCES = ("synthetic", "markov")
+#: Vocabulary of ``synthetic``, ``markov`` and ``tokens`` when ``--data.vocab_size`` is not given.
+DEFAULT_VOCAB_SIZE = 10_000
+
+
+class LMDataModule(LightningDataModule):
+    """Language-modelling batches ``(x, y)`` of shape ``(batch_size, seq_len)`` from one source.
+
+    See the module docstring for the sources, the windowing, and how DDP shards the samples.
+
+    Args:
+        source: Where tokens come from: ``synthetic`` (uniform random, no file, nothing to learn),
+            ``markov`` (walks on a random sparse Markov chain, no file, learnable down to a loss of
+            ``ln(markov_successors)``), ``tokens`` (flat binary token file, nanoGPT ``train.bin``) or
+            ``text`` (a text file as bytes, vocabulary 256).
+        path: Training file; required for ``tokens`` and ``text``.
+        val_path: Separate validation file, same format as ``path``. Leave unset to hold out
+            ``val_fraction`` of the training windows instead.
+        val_fraction: Fraction of the training windows, taken from the end of the data, held out
+            for validation. 0 means no validation.
+        token_dtype: Element type of a ``tokens`` file: ``uint16`` (vocabularies up to 65,536) or
+            ``int32``.
+        vocab_size: Vocabulary size; every token id must be below it. Defaults to 10,000 for
+            ``synthetic``, ``markov`` and ``tokens``; ``text`` is always 256. The CLI passes the resolved
+            value on to ``--model.vocab_size``.
+        batch_size: Samples per batch on EACH rank (process); the global batch is
+            ``batch_size * world_size``.
+        seq_len: Tokens per sample; must not exceed ``context_length``.
+        context_length: The model's maximum context (the CLI links it from the model); only
+            used to check ``seq_len``.
+        num_samples: Number of samples of the ``synthetic`` and ``markov`` sources.
+        markov_successors: Possible next tokens of every token in the ``markov`` chain (1 to 64); the
+            loss cannot fall below ``ln(markov_successors)`` nats (1.39 for 4).
+        seed: Seeds the generated tokens (and the ``markov`` chain) and the shuffle order (the same
+            on every rank).
+        shuffle: Shuffle the training samples every epoch.
+        num_workers: DataLoader worker processes per rank (0 loads in the training process).
+    """
+
+    def __init__(
+        self,
+        source: Literal["synthetic", "markov", "tokens", "text"] = "synthetic",
+        path: str | None = None,
+        val_path: str | None = None,
+        val_fraction: float = 0.0,
+        token_dtype: Literal["uint16", "int32"] = "uint16",
+        vocab_size: int | None = None,
+        batch_size: int = 4,
+        seq_len: int = 128,
+        context_length: int | None = None,
+        num_samples: int = 100_000,
+        markov_successors: int = 4,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.path = path
+        self.val_path = val_path
+        self.val_fraction = val_fraction
+        self.token_dtype = token_dtype
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.context_length = context_length
+        self.num_samples = num_samples
+        self.markov_successors = markov_successors
+        self.seed = seed
+        self.shuffle = shuffle
+        self._resume_position: tuple[int, int] | None = None  # (epoch, batches done), from a checkpoint
+        self.num_workers = num_workers
+        self._check_arguments(vocab_size)
+        # Resolved now, not in setup(): the CLI links data.vocab_size -> model.vocab_size when it
+        # instantiates the classes, before any file is read.
+        self.vocab_size: int = self._resolve_vocab_size(vocab_size)
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self._build_datasets()
+
+    # ---- construction-time checks of the arguments -------------------------------------
+
+    def _check_arguments(self, vocab_size: int | None) -> None:
+        if self.source not in ("synthetic", "markov", "tokens", "text"):
+            raise ValueError(
+                f"--data.source {self.source!r} is not supported; choose synthetic, markov, tokens or text."
+            )
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(
+                f"--data.token_dtype {self.token_dtype!r} is not supported; choose one of "
+                f"{', '.join(TOKEN_DTYPES)}."
+            )
+        for flag, value, minimum in (
+            ("batch_size", self.batch_size, 1),
+            ("seq_len", self.seq_len, 1),
+            ("num_samples", self.num_samples, 1),
+            ("num_workers", self.num_workers, 0),
+        ):
+            if value < minimum:
+                raise ValueError(f"--data.{flag} is {value}; set --data.{flag} to at least {minimum}.")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"--data.vocab_size is {vocab_size}; set it to at least 1.")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(
+                f"--data.val_fraction is {self.val_fraction}; it must be in [0, 1) (0 = no validation)."
+            )
+        if self.context_length is not None and self.seq_len > self.context_length:
+            raise ValueError(
+                f"--data.seq_len {self.seq_len} exceeds the model's context length "
+                f"{self.context_length}; lower --data.seq_len or raise --model.context_length."
+            )
+        if self.val_path is not None and self.val_fraction > 0:
+            raise ValueError(
+                "both --data.val_path and --data.val_fraction are set; use a separate validation "
+                "file or a held-out fraction, not both."
+            )
+        if self.source in GENERATED_SOURCES:
+            for flag, value in (("path", self.path), ("val_path", self.val_path)):
+                if value is not None:
+                    raise ValueError(
+                        f"--data.{flag} is set but --data.source is {self.source}, which reads no file; "
+                        f"set --data.source tokens or text, or drop --data.{flag}."
+                    )
+            return
+        if self.path is None:
+            raise ValueError(
+                f"--data.source {self.source} reads a file; set --data.path to the training file."
+            )
+        for flag, value in (("path", self.path), ("val_path", self.val_path)):
+            if value is not None and not os.path.isfile(value):
+                raise FileNotFoundError(
+                    f"--data.{flag} {value!r} does not exist (or is not a file); set --data.{flag} "
+                    "to an existing file."
+                )
+
+    def _resolve_vocab_size(self, vocab_size: int | None) -> int:
+        if self.source != "text":
+            return DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
+        if vocab_size not in (None, BYTE_VOCAB_SIZE):
+            raise ValueError(
+                f"--data.source text uses one token per byte, so its vocabulary is "
+                f"{BYTE_VOCAB_SIZE}, but --data.vocab_size is {vocab_size}; drop --data.vocab_size "
+                f"or set it to {BYTE_VOCAB_SIZE}."
+            )
+        return BYTE_VOCAB_SIZE
+
+    # ---- setup: build the datasets and check the files -----------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        self._check_enough_for_one_batch()  # needs the world size, known only once the trainer is attached
+
+    def _build_datasets(self) -> None:
+        # Done at construction, before the Trainer starts: a bad file then fails before any process is launched
+        # or any log file is created. Memory-mapped files cost nothing to open; only the id scan reads them.
+        if self.source == "synthetic":
+            train = SyntheticTokens(self.num_samples, self.seq_len, self.vocab_size, self.seed)
+        elif self.source == "markov":
+            train = MarkovTokens(
+                self.num_samples, self.seq_len, self.vocab_size, self.seed, successors=self.markov_successors
+            )
+        else:
+            train = self._open_file(self.path)
+        if self.val_path is not None:
+            self.train_dataset, self.val_dataset = train, self._open_file(self.val_path)
+        elif self.val_fraction > 0:
+            self.train_dataset, self.val_dataset = self._split_tail(train)
+        else:
+            self.train_dataset = train
+
+    def _open_file(self, path: str) -> TokenFile:
+        if self.source == "text":
+            return TextBytes(path, self.seq_len)  # bytes are always < 256: nothing to scan
+        dataset = TokenFile(path, self.seq_len, self.token_dtype)
+        low, high = _token_id_range(dataset.tokens)
+        if high >= self.vocab_size:
+            raise ValueError(
+                f"{path} holds token id {high} but --data.vocab_size is {self.vocab_size} "
+                f"(ids must be below it); set --data.vocab_size to at least {high + 1} (the "
+                "tokenizer's vocabulary size)."
+            )
+        if low < 0:  # only possible for int32 files
+            raise ValueError(
+                f"{path} holds a negative token id ({low}); was it written with another dtype? "
+                "Check --data.token_dtype."
+            )
+        return dataset
+
+    def _split_tail(self, dataset: Dataset) -> tuple[Subset, Subset]:
+        """Hold out the last ``val_fraction`` of the windows (at least one) for validation."""
+        num_windows = len(dataset)
+        num_val = math.ceil(num_windows * self.val_fraction)
+        num_train = num_windows - num_val
+        if num_train < 1:
+            raise ValueError(
+                f"--data.val_fraction {self.val_fraction} of {num_windows} samples leaves none for "
+                "training; lower --data.val_fraction or use more data."
+            )
+        # A contiguous tail (not a random subset) keeps validation text unseen in training, apart
+        # from the single token at the boundary that ends the last training window.
+        return (
+            Subset(dataset, range(num_train)),
+            Subset(dataset, range(num_train, num_windows)),
+        )
+
+    def _check_enough_for_one_batch(self) -> None:
+        # drop_last=True would silently yield zero training steps; say so instead.
+        world_size = self.trainer.world_size if self.trainer is not None else 1
+        per_rank = len(self.train_dataset) // world_size
+        if per_rank < self.batch_size:
+            raise ValueError(
+                f"the training set has {len(self.train_dataset)} samples, {per_rank} per rank over "
+                f"{world_size} rank(s): fewer than one batch of --data.batch_size "
+                f"{self.batch_size}; lower --data.batch_size or --data.seq_len, or use more data."
+            )
+
+    # ---- dataloaders ----------------------------------------------------------------------------
+
+    def train_dataloader(self) -> DataLoader:
+        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        sampler = ResumableDistributedSampler(
+            self.train_dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch_source=(lambda: self.trainer.current_epoch) if self.trainer else None,
+        )
+        if self._resume_position is not None:
+            epoch, batches_done = self._resume_position
+            sampler.skip(epoch, batches_done * self.batch_size)
+            self._resume_position = None
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            # Every step sees full batches, so all ranks do equal work and throughput is comparable.
+            drop_last=True,
+            num_workers=self.num_workers,
+            # Keep workers across epochs instead of restarting them (and reopening the files).
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training is in the data: the epoch, and the batches of it already trained on (per rank)."""
+        if self.trainer is None:
+            return {}
+        batch_progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        # `processed` counts batches whose training step ran; a checkpoint written in on_train_batch_end
+        # includes the current batch. (`ready` would also count the batch the loader prefetched.)
+        return {"epoch": self.trainer.current_epoch, "batches_done": batch_progress.current.processed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict:
+            self._resume_position = (int(state_dict["epoch"]), int(state_dict["batches_done"]))
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            # Lightning 2.x reads an empty list as "no validation" and skips the loop (it warns
+            # once that the total length is zero; that is expected here).
+            return []
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )

@@ -1,0 +1,73 @@
+"""Ranks on one host: a free port to meet at, and joining their process group over loopback.
+
+For whoever spawns its own ranks on this machine: the benchmarks (``bench.compression``, ``bench.engine_step``,
+``bench.memory``, the sweep's cells) and the multi-process tests (``tests/dist_utils.py``). Importing it costs no
+torch import; ``init_local_process_group`` loads torch when called.
+
+Three things every such rank needs, each done once here:
+
+1. A rendezvous: ``tcp://127.0.0.1:<port>``, the port one that was free a moment ago (``find_free_port``; another
+   process may take it before rank 0 binds it, so callers that must not fail retry with a new one).
+2. Gloo on loopback: on Linux ``GLOO_SOCKET_IFNAME=lo`` unless already set, because gloo otherwise picks the
+   interface of the host name, which in a container may not route back to itself.
+3. Its share of the cores: ranks on one machine that each start ``os.cpu_count()`` intra-op threads oversubscribe
+   it, which only adds noise to every timing (``cores_per_rank``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+
+__all__ = ["cores_per_rank", "find_free_port", "init_cpu_process_group", "init_local_process_group"]
+
+
+def find_free_port() -> int:
+    """A localhost TCP port that was free a moment ago (the OS picks it when binding port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cores_per_rank(world_size: int) -> int:
+    """This machine's cores shared out over ``world_size`` ranks, at least one each.
+
+    >>> cores_per_rank(10**6)
+    1
+    """
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def init_local_process_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str = "gloo",
+    *,
+    threads: int | None = None,
+    timeout: timedelta = timedelta(minutes=10),
+) -> None:
+    """Join the process group of ``world_size`` ranks on this host that meet at ``tcp://127.0.0.1:port``.
+
+    Args:
+        backend: ``gloo``, ``nccl``, or a per-device spec such as ``cpu:gloo,cuda:nccl``.
+        threads: Intra-op threads of this rank (``torch.set_num_threads``); ``None`` leaves them as they are.
+        timeout: How long a collective (and the rendezvous) may wait for the other ranks.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: avoid an interface that does not route back
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
+    """Join a gloo group of ``world_size`` processes on this host (the benchmarks' ``mp.spawn`` ranks): each rank
+    gets its share of the cores, and gloo talks over loopback."""
+    init_local_process_group(rank, world_size, port, "gloo", threads=cores_per_rank(world_size))

@@ -1,0 +1,64 @@
+"""The GPT's parameters, name and shape, from its config alone: ``gpt_parameter_shapes``. Pure Python.
+
+``lightning_ddp.model.GPT`` builds these tensors; this module states their names and shapes without building it
+(and without importing torch), for those that only need the shapes: the memory pre-flight
+(``lightning_ddp.memory``), the projection (``ModelShape.parameters``, the shapes of a modelled compute profile).
+``tests/test_model.py`` holds it to the real module for every preset, tied and untied.
+
+In ``GPT.parameters()`` order (an ``nn.Linear(a, b)`` weight is ``(b, a)``):
+
+====================================  =========  ============================================
+name                                  shape      what
+====================================  =========  ============================================
+``tok_emb.weight``                    (V, d)     token embedding
+per block ``i``: ``blocks.{i}.`` +
+``attn_norm.weight``                  (d,)       RMSNorm scale before attention
+``attn.{q,k,v,out}_proj.weight``      (d, d)     the four attention projections
+``ffn_norm.weight``                   (d,)       RMSNorm scale before the feed-forward
+``ffn.w1.weight``                     (d_ff, d)  SwiGLU gate projection
+``ffn.w2.weight``                     (d, d_ff)  SwiGLU down projection
+``ffn.w3.weight``                     (d_ff, d)  SwiGLU up projection
+``norm.weight``                       (d,)       final RMSNorm scale
+``lm_head.weight``                    (V, d)     absent when tied: it *is* ``tok_emb.weight``
+====================================  =========  ============================================
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+__all__ = ["GPTShape", "gpt_parameter_shapes"]
+
+
+class GPTShape(Protocol):
+    """What fixes the parameter shapes: ``lightning_ddp.model.GPTConfig`` or the projection's ``ModelShape``."""
+
+    d_model: int
+    d_ff: int
+    n_layers: int
+    vocab_size: int
+    tie_embeddings: bool
+
+
+def gpt_parameter_shapes(config: GPTShape) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of every parameter of ``GPT(config)``, in ``parameters()`` order (a tied table once).
+
+    >>> from types import SimpleNamespace
+    >>> shapes = gpt_parameter_shapes(SimpleNamespace(d_model=8, d_ff=32, n_layers=1, vocab_size=50,
+    ...                                                tie_embeddings=False))
+    >>> shapes["blocks.0.ffn.w1.weight"], len(shapes)  # 1 + 9 per block + 2
+    ((32, 8), 12)
+    """
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (v, d)}
+    for i in range(config.n_layers):
+        b = f"blocks.{i}"
+        shapes[f"{b}.attn_norm.weight"] = (d,)
+        for projection in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{b}.attn.{projection}.weight"] = (d, d)
+        shapes[f"{b}.ffn_norm.weight"] = (d,)
+        shapes.update({f"{b}.ffn.w1.weight": (f, d), f"{b}.ffn.w2.weight": (d, f), f"{b}.ffn.w3.weight": (f, d)})
+    shapes["norm.weight"] = (d,)
+    if not config.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
