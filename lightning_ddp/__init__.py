@@ -1,7 +1,7 @@
 """lightning_ddp: data-parallel gradient synchronisation, one swappable Lightning strategy per algorithm.
 
 Importing the package is cheap and needs no Lightning: the names below load on first use. Two layers, and the
-first never imports the second (``tests/test_layers.py`` checks every import, inside functions too):
+first never imports the second (``tests/unit/test_layers.py`` checks every import, inside functions too):
 
 The product: what a training run uses.
 

@@ -1,7 +1,7 @@
 """Ranks on one host: a free port to meet at, and joining their process group over loopback.
 
 For whoever spawns its own ranks on this machine: the benchmarks (``bench.compression``, ``bench.engine_step``,
-``bench.memory``, the sweep's cells) and the multi-process tests (``tests/dist_utils.py``). Importing it costs no
+``bench.memory``, the sweep's cells) and the multi-process tests (``tests/support/dist_utils.py``). Importing it costs no
 torch import; ``init_local_process_group`` loads torch when called.
 
 Three things every such rank needs, each done once here:

@@ -48,7 +48,7 @@ second, with the breakdown and the fixes, instead of an OOM kill minutes later. 
 Activations (``activation_bytes_per_token``): bytes saved for backward by one ``Block`` per token, MEASURED on CPU
 with ``torch.autograd.graph.saved_tensors_hooks`` (``saved_tensor_bytes``; distinct storages, parameters and the
 autocast weight copies left out) at several (B, T, d_model, d_ff, n_heads), and fitted: ``a·d_model + b·d_ff +
-c`` bytes per token, linear in B·T (``tests/test_memory.py::test_block_activation_formula_matches_measurement``
+c`` bytes per token, linear in B·T (``tests/unit/test_memory.py::test_block_activation_formula_matches_measurement``
 re-measures it). No T² term: ``scaled_dot_product_attention`` with ``is_causal`` runs a flash kernel on CPU
 (``_scaled_dot_product_flash_attention_for_cpu``) and flash (bf16/fp16) or memory-efficient (fp32) attention on
 CUDA; all of them save the output and a per-head logsumexp, O(T), not the T×T scores. Only the math fallback (an
@@ -57,7 +57,7 @@ Outside the blocks: the final norm (as one norm of a block, 8·d_model) and the 
 (the logits, the log-softmax the loss saves, and the logits' gradient at the start of backward) plus 2·V for the
 half-precision logits under autocast or ``*-true`` half precision.
 
-Checked against measurement: ``tests/test_memory.py`` compares every tensor category with the tensors of a real
+Checked against measurement: ``tests/unit/test_memory.py`` compares every tensor category with the tensors of a real
 model, engine and AdamW step on CPU (within 15 %), and ``python -m lightning_ddp.bench.memory`` measures the same
 categories per rank (``configs/memory/cpu.yaml``).
 
@@ -128,7 +128,7 @@ this project's CPU machine with torch 2.x), plus the data loader and allocator c
 
 # Bytes saved for backward per token by one Block: (a, b, c) in a·d_model + b·d_ff + c. Measured on CPU with
 # `saved_tensor_bytes` and fitted (module docstring); re-measured by
-# tests/test_memory.py::test_block_activation_formula_matches_measurement. Keyed by the activation dtype regime.
+# tests/unit/test_memory.py::test_block_activation_formula_matches_measurement. Keyed by the activation dtype regime.
 _BLOCK_SAVED_BYTES: dict[str, tuple[int, int, int]] = {
     "fp32": (44, 16, 100),  # 11 fp32 (B,T,d) tensors (norm in/out x2, q, k, v, rotated q, k, attention out, its
     # (B,T,C) copy, the residual) and 4 fp32 (B,T,d_ff) in the SwiGLU (w1 x, w3 x, silu, product)
@@ -293,7 +293,7 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> in
     """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs.
 
     ``exclude``: tensors whose storages are not to be counted (the parameters). This is how the per-block
-    formula was measured; ``tests/test_memory.py`` re-measures it with this function.
+    formula was measured; ``tests/unit/test_memory.py`` re-measures it with this function.
     """
     import torch
 

@@ -15,7 +15,7 @@ Differences from GPT-2, all standard in recent LMs (LLaMA and friends):
 * No biases and no dropout anywhere; the token embedding and ``lm_head`` are untied by default.
 
 Every parameter is a weight matrix or a norm scale, so the parameter count has a closed form
-(see ``tests/test_model.py``), and ``GPT.flops_per_token`` gives the training FLOPs used for MFU.
+(see ``tests/unit/test_model.py``), and ``GPT.flops_per_token`` gives the training FLOPs used for MFU.
 """
 
 from __future__ import annotations

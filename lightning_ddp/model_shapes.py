@@ -3,7 +3,7 @@
 ``lightning_ddp.model.GPT`` builds these tensors; this module states their names and shapes without building it
 (and without importing torch), for those that only need the shapes: the memory pre-flight
 (``lightning_ddp.memory``), the projection (``ModelShape.parameters``, the shapes of a modelled compute profile).
-``tests/test_model.py`` holds it to the real module for every preset, tied and untied.
+``tests/unit/test_model.py`` holds it to the real module for every preset, tied and untied.
 
 In ``GPT.parameters()`` order (an ``nn.Linear(a, b)`` weight is ``(b, a)``):
 

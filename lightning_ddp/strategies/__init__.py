@@ -16,7 +16,7 @@ name                       class path (for YAML)       engine
 ``zero1_ddp``              ``ZeRO1DDPStrategy``        ``lightning_ddp.sync.ShardedOptimizer`` (ZeRO-1) over an engine
 =========================  ==========================  ================================================================
 
-One row per registered algorithm, in registry order (``tests/test_registry.py`` checks the table against the
+One row per registered algorithm, in registry order (``tests/dist/test_registry.py`` checks the table against the
 registry). ``GradSyncStrategy`` rows take ``init_args: {algorithm: <name>}``.
 
 Lightning's own ``ddp`` is the baseline. To add an algorithm, see ``lightning_ddp.sync.registry``: no strategy

@@ -1,7 +1,7 @@
 """Pure-PyTorch gradient synchronisation: one algorithm per file over a small shared base. No Lightning here.
 
 Each algorithm is an *engine*: the model wrapped for data-parallel training, a ``GradSyncEngine``. The registry
-(``registry.ALGORITHMS``) lists them; this table is checked against it (``tests/test_registry.py``):
+(``registry.ALGORITHMS``) lists them; this table is checked against it (``tests/dist/test_registry.py``):
 
 =====================  ========================  ======================================================================
 algorithm              engine                    what it does

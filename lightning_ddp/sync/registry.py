@@ -16,7 +16,7 @@ The strategy ``<name>_ddp`` then exists (``lightning_ddp.strategies.GradSyncStra
 sweep accepts ``<name>`` in ``grid.strategies`` (with a bucket-size axis if ``has_bucket_size``), and the
 equivalence tests cover it (at bf16 tolerances if it is not ``exact``). An algorithm of the package itself also
 gets a row in the algorithm tables of ``lightning_ddp.sync`` and ``lightning_ddp.strategies`` (their docstrings;
-``tests/test_registry.py`` fails until it has them), and the projection a timeline model (the entry's
+``tests/dist/test_registry.py`` fails until it has them), and the projection a timeline model (the entry's
 ``projection``, in ``lightning_ddp/projection/strategies.py``).
 
 An engine's own settings are the keyword arguments of its factory beyond ``module``, ``process_group``,

@@ -1,18 +1,18 @@
 """Every gradient-sync engine on CUDA tensors trains exactly like one process on the full batch.
 
-Two layouts of one GPU (``tests.device_matrix``): NCCL at world size 1 (NCCL refuses two ranks on one GPU) and
+Two layouts of one GPU (``tests.support.device_matrix``): NCCL at world size 1 (NCCL refuses two ranks on one GPU) and
 2 ranks over gloo with CUDA tensors. Each runs every registered algorithm on every case of the matrix (fp32,
 then ``bf16`` under CUDA autocast at bf16 tolerances, tied, frozen, unused, data-dependent, accumulation, mixed
 dtypes, gradients kept), the two bucket-count variants of ``bucketed``, and ZeRO-1 under both schedules with
-both implementations of its collectives (``per_owner`` and ``native``). Checks: ``tests.equivalence``. The same
-functions run on CPU layouts in ``tests/test_device_matrix.py``.
+both implementations of its collectives (``per_owner`` and ``native``). Checks: ``tests.support.equivalence``. The same
+functions run on CPU layouts in ``tests/dist/test_device_matrix.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.device_matrix import CUDA_LAYOUTS, Layout, all_jobs, check_job, run_layout
+from tests.support.device_matrix import CUDA_LAYOUTS, Layout, all_jobs, check_job, run_layout
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]
 

@@ -1,6 +1,6 @@
 """Lightning fits on CUDA: the CommTimer's CUDA path for every strategy, a per-device backend spec, ``auto`` buckets.
 
-Each fit is the quickstart's tiny GPT for 8 steps in ``bf16-mixed`` (``tests.fits``); every logged step must have
+Each fit is the quickstart's tiny GPT for 8 steps in ``bf16-mixed`` (``tests.support.fits``); every logged step must have
 finite numbers with exposed and busy communication inside the step and no clock anomaly (``check_step_rows``).
 At NCCL world size 1 nothing crosses a wire, but every CUDA line of the accounting runs: events on the current
 stream, NCCL completions from the future's callback stream, the one synchronize per step, peak memory.
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from lightning_ddp.sync.registry import ALGORITHMS
-from tests.device_matrix import completion_clocks
-from tests.dist_utils import run_on_ranks
-from tests.fits import check_step_rows, fit_one_device, strategy_json
+from tests.support.device_matrix import completion_clocks
+from tests.support.dist_utils import run_on_ranks
+from tests.support.fits import check_step_rows, fit_one_device, strategy_json
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]
 

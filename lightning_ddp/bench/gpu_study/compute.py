@@ -198,13 +198,19 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
     return out
 
 
-def main(argv: list[str]) -> int:
-    """``REQUEST OUT``: measure with the keyword arguments in the JSON file ``REQUEST``, write the result to ``OUT``."""
-    request_path, out_path = argv
-    result = measure(**json.loads(Path(request_path).read_text()))
-    write_json_atomically(out_path, result)
+def main(request: str, out: str) -> int:
+    """Measure with the keyword arguments in the JSON file ``request``; write the result to ``out``.
+
+    Args:
+        request: The JSON file of ``measure``'s keyword arguments (the study writes it).
+        out: Where the result goes (JSON).
+    """
+    result = measure(**json.loads(Path(request).read_text()))
+    write_json_atomically(out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from jsonargparse import auto_cli
+
+    sys.exit(auto_cli(main, prog="python -m lightning_ddp.bench.gpu_study.compute"))

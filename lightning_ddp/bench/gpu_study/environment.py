@@ -1,4 +1,4 @@
-"""What the study ran on: ``python -m lightning_ddp.bench.gpu_study.environment OUT [cuda|cpu]``.
+"""What the study ran on: ``python -m lightning_ddp.bench.gpu_study.environment OUT [--device cuda|cpu]``.
 
 Run in its own process, so that the study's own process never creates a CUDA context (it would hold ~0.5 GiB of
 the GPU that the stages' processes need). Records the device (name, memory, SM count, compute capability, UUID,
@@ -118,13 +118,18 @@ def describe(device: str = "cuda") -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[0])
-    device = argv[1] if len(argv) > 1 else "cuda"
-    data = describe(device)
-    write_json_atomically(out, data, default=str)
+def main(out: str, device: str = "cuda") -> int:
+    """Describe the machine and write it to ``out``.
+
+    Args:
+        out: Where the description goes (JSON).
+        device: ``cuda`` (the GPU, its driver and libraries) or ``cpu`` (a dry run's machine).
+    """
+    write_json_atomically(Path(out), describe(device), default=str)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from jsonargparse import auto_cli
+
+    sys.exit(auto_cli(main, prog="python -m lightning_ddp.bench.gpu_study.environment"))

@@ -184,6 +184,11 @@ def _free_memory() -> None:
 
 
 def main(plan_path: str) -> int:
+    """Run the fits of the plan file ``plan_path`` (JSON, written by ``run_fits``) in this process, one after another.
+
+    Args:
+        plan_path: The plan: the output folder and each fit's command line.
+    """
     from lightning_ddp.bench.runner import error_line, is_oom
     from lightning_ddp.cli import main as cli_main
 
@@ -219,4 +224,6 @@ def main(plan_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    from jsonargparse import auto_cli
+
+    sys.exit(auto_cli(main, prog="python -m lightning_ddp.bench.gpu_study.fits"))

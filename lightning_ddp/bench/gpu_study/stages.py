@@ -178,7 +178,7 @@ def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps:
 
 def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
     """What the CommTimer's accounting guarantees and a step of ``summary`` breaks: a number that is not finite,
-    exposed or busy communication longer than the step, a clock anomaly (``tests/fits.py`` asserts the same)."""
+    exposed or busy communication longer than the step, a clock anomaly (``tests/support/fits.py`` asserts the same)."""
     import math
 
     if not summary:
@@ -224,7 +224,7 @@ def _fit_row(result: FitResult) -> dict[str, Any]:
 def environment(ctx: StudyContext) -> StageResult:
     path = ctx.out / "environment.json"
     code, timed_out, line = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.environment", str(path.resolve()),
-                                            ctx.device], ctx.out / "logs" / "environment.log")
+                                            "--device", ctx.device], ctx.out / "logs" / "environment.log")
     if code != 0 or not path.exists():
         return StageResult(problems=[line or ("timed out" if timed_out else f"exited {code}")])
     return StageResult(data=json.loads(path.read_text()), files=["environment.json"])

@@ -1,0 +1,74 @@
+"""The GPU tier's equivalence logic on CPU: the same jobs and checks as ``tests/gpu``, on gloo CPU layouts.
+
+``tests/gpu`` cannot run here; these runs make sure what it runs is right: world size 1 (the NCCL layout's shape),
+the ZeRO-1 variants of the matrix on 1 and 2 ranks, and the device plumbing (models and batches moved, results
+brought back to the CPU). The engines at 2 ranks are ``test_sync_equivalence``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ddp.sync.registry import ALGORITHMS
+from tests.support.device_matrix import CPU_LAYOUTS, CUDA_LAYOUTS, all_jobs, check_job, run_layout
+from tests.support.equivalence import CASES, VARIANTS, ZERO1_CASES, ZERO1_VARIANTS, jobs_for
+
+pytestmark = pytest.mark.multiprocess
+
+ONE_RANK, TWO_RANKS = CPU_LAYOUTS
+# At world size 1: every engine on fp32 and bf16 (the two precisions the GPU tier checks) and ZeRO-1; at 2: ZeRO-1.
+ONE_RANK_JOBS = [(e, c) for e in ALGORITHMS for c in ("plain", "bf16")] + jobs_for(list(ZERO1_VARIANTS))
+TWO_RANK_JOBS = jobs_for(list(ZERO1_VARIANTS))
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> list[dict]:
+    return run_layout(ONE_RANK, ONE_RANK_JOBS)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_layout(TWO_RANKS, TWO_RANK_JOBS)
+
+
+@pytest.mark.parametrize("engine, case", ONE_RANK_JOBS, ids=[f"{e}-{c}" for e, c in ONE_RANK_JOBS])
+def test_one_rank_matches_single_process(one_rank, engine, case) -> None:
+    check_job(one_rank, engine, case)
+
+
+@pytest.mark.parametrize("engine, case", TWO_RANK_JOBS, ids=[f"{e}-{c}" for e, c in TWO_RANK_JOBS])
+def test_zero1_variants_on_two_ranks_match_single_process(two_ranks, engine, case) -> None:
+    check_job(two_ranks, engine, case)
+
+
+def test_results_come_back_on_the_cpu_from_the_layout_asked_for(one_rank, two_ranks) -> None:
+    assert [r["world_size"] for r in one_rank] == [1] and [r["world_size"] for r in two_ranks] == [2, 2]
+    run = one_rank[0]["runs"]["bucketed", "plain"]
+    assert all(t.device.type == "cpu" for t in run["final"].values())  # the parent needs no GPU to read them
+
+
+def test_zero1_reduce_scatter_compares_only_the_gradients_each_rank_owns(two_ranks) -> None:
+    # Each owner holds the average of its own parameters' gradients after step(); together the two ranks cover
+    # TinyLM's 9 tensors once: the owners split them, so neither rank alone holds all 9.
+    owned = [set(r["runs"]["zero1_reduce_scatter_native", "plain"]["steps"][0]["grads"]) for r in two_ranks]
+    assert owned[0].isdisjoint(owned[1]) and len(owned[0] | owned[1]) == 9 and all(owned)
+
+
+def test_a_wrong_gradient_fails_the_check(one_rank) -> None:
+    # The check must see a bug: halve one synchronised gradient (a missing rank's contribution) and it fails.
+    ranks = [{**one_rank[0], "runs": dict(one_rank[0]["runs"])}]
+    run = ranks[0]["runs"]["naive", "plain"] = {**one_rank[0]["runs"]["naive", "plain"]}
+    run["steps"] = [{**step, "grads": {k: v / 2 for k, v in step["grads"].items()}} for step in run["steps"]]
+    with pytest.raises(AssertionError, match="full-batch gradient"):
+        check_job(ranks, "naive", "plain")
+
+
+def test_the_gpu_tier_runs_every_engine_case_and_zero1_variant() -> None:
+    jobs = all_jobs()
+    assert {(e, c) for e in ALGORITHMS for c in CASES} <= set(jobs)
+    assert {(e, "plain") for e in VARIANTS} <= set(jobs)
+    assert {(e, c) for e in ZERO1_VARIANTS for c in ZERO1_CASES} <= set(jobs)
+    assert [(layout.world_size, layout.backend, layout.device) for layout in CUDA_LAYOUTS] == [
+        (1, "nccl", "cuda"), (2, "gloo", "cuda")]
+    assert torch.device(CUDA_LAYOUTS[0].device).type == "cuda"

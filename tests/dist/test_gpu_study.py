@@ -1,0 +1,342 @@
+"""The GPU study (``python -m lightning_ddp.bench.gpu_study``): its orchestration with fake stages, its parts, and its
+CPU dry run (a few stages quickly, and every stage in the ``slow`` tier).
+
+The orchestration is checked with fake stages (instant): order, budget skips, failures that do not stop the study,
+stages.json rewritten after every stage, interruption. The real stages run in the dry run on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ddp.bench.gpu_study.__main__ import main
+from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, STAGE_NAMES, GPUStudyConfig
+from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
+from lightning_ddp.bench.gpu_study.report import build_report
+from lightning_ddp.bench.gpu_study.stages import (
+    EXACT_TOLERANCE,
+    STAGES,
+    Stage,
+    StageResult,
+    StudyContext,
+    cuda_tests,
+    outcomes_from_log,
+    read_junit,
+    weight_differences,
+)
+from lightning_ddp.bench.gpu_study.study import run_study
+from lightning_ddp.projection.strategies import projected_strategies
+from tests.support.cli_utils import REPO
+
+# ---- the stage table ---------------------------------------------------------------------------------------------
+
+
+def test_the_stage_table_is_the_configs_list_in_order() -> None:
+    assert [s.name for s in STAGES] == list(STAGE_NAMES)
+
+
+def test_the_estimates_fit_the_default_budget_with_room_to_spare() -> None:
+    # 20 minutes on the GPU: the stages' estimates must leave a quarter for start-up jitter and slow machines
+    # (each stage may run to 1.5 times its estimate before its processes are stopped).
+    assert sum(s.estimate_s for s in STAGES) <= 0.8 * 20 * 60
+    # The CPU dry run: under 5 minutes on 2 cores.
+    assert sum(s.dry_run_estimate_s for s in STAGES if not s.needs_cuda) <= 5 * 60
+
+
+def test_only_the_test_tier_cannot_rehearse_on_cpu() -> None:
+    # Every other stage runs its own code in the dry run; only the cuda tier is nothing but CUDA.
+    assert [s.name for s in STAGES if s.needs_cuda] == ["cuda_tests"]
+
+
+def test_the_scales_differ_in_size_not_in_shape() -> None:
+    assert (GPU_SCALE.device, GPU_SCALE.compute_preset, GPU_SCALE.compute_seq_len) == ("cuda", "xl", 512)
+    assert (GPU_SCALE.profile_preset, GPU_SCALE.profile_batch, GPU_SCALE.profile_seq_len) == ("xl", 4, 512)
+    assert DRY_RUN_SCALE.device == "cpu" and {DRY_RUN_SCALE.compute_preset, DRY_RUN_SCALE.strategies_preset} == {"tiny"}
+
+
+# ---- the orchestration, with fake stages ---------------------------------------------------------------------------
+
+
+def _stage(name: str, run, estimate: float = 1.0, needs_cuda: bool = False) -> Stage:
+    return Stage(name, name.title(), estimate, estimate, needs_cuda, run, f"what {name} shows")
+
+
+def _config(tmp_path: Path, **kwargs) -> GPUStudyConfig:
+    return GPUStudyConfig(out=str(tmp_path / "study"), cpu_dry_run=True, root=str(REPO), **kwargs)
+
+
+def test_a_failing_stage_is_recorded_and_the_study_goes_on(tmp_path: Path) -> None:
+    seen: dict[str, list] = {}
+
+    def writes(ctx: StudyContext) -> StageResult:
+        (ctx.out / "a.txt").write_text("a")
+        return StageResult(data={"value": 1}, files=["a.txt"])
+
+    def raises(ctx: StudyContext) -> StageResult:
+        raise RuntimeError("injected failure\nwith a second line")
+
+    def reports(ctx: StudyContext) -> StageResult:
+        return StageResult(data={"value": 2}, problems=["first problem", "second problem"])
+
+    def reads_the_record(ctx: StudyContext) -> StageResult:
+        # stages.json is rewritten after every stage: the three before this one are already final.
+        document = json.loads((ctx.out / "stages.json").read_text())
+        seen["statuses"] = [s["status"] for s in document["stages"]]
+        return StageResult()
+
+    stages = [_stage("one", writes), _stage("two", raises), _stage("three", reports), _stage("four", reads_the_record)]
+    document = run_study(_config(tmp_path), stages=stages, cuda=False, log=lambda line: None)
+    out = tmp_path / "study"
+    entries = {s["name"]: s for s in document["stages"]}
+    assert [s["status"] for s in document["stages"]] == ["ok", "failed", "failed", "ok"]
+    assert seen["statuses"] == ["ok", "failed", "failed", "running"]
+    assert entries["one"]["files"] == ["one.json", "a.txt"] and json.loads((out / "one.json").read_text()) == {"value": 1}
+    assert entries["two"]["error"] == "RuntimeError: injected failure"  # one line, named by its type
+    assert entries["three"]["error"] == "first problem" and entries["three"]["problems"] == ["first problem", "second problem"]
+    assert all(isinstance(s["seconds"], float) and s["estimate_s"] == 1.0 for s in document["stages"])
+    assert json.loads((out / "stages.json").read_text()) == document
+    assert not list(out.glob("*.tmp"))  # written to a temporary name and renamed over the file
+    report = (out / "results.md").read_text()
+    assert "RuntimeError: injected failure" in report and "- second problem" in report
+
+
+def test_stages_that_cannot_finish_in_the_budget_are_skipped(tmp_path: Path) -> None:
+    ran = []
+
+    def runs(ctx: StudyContext) -> StageResult:
+        left, deadline = ctx.remaining(), ctx.stage_deadline()
+        ran.append((ctx.stage_estimate_s, left, deadline))
+        return StageResult()
+
+    # A 1-minute budget: a 2-minute stage is skipped, the 5-second stages before and after it run.
+    stages = [_stage("short", runs, 5), _stage("long", runs, 120), _stage("after", runs, 5)]
+    document = run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None)
+    statuses = {s["name"]: s["status"] for s in document["stages"]}
+    assert statuses == {"short": "ok", "long": "skipped: budget", "after": "ok"}
+    assert [estimate for estimate, _, _ in ran] == [5, 5]
+    # A stage's processes may run to the smaller of the budget left and 1.5 x its estimate, at least its estimate
+    # + 60 s: here, with 5-second stages in a 60-second budget, the budget left (read first, hence the slack).
+    for estimate, left, deadline in ran:
+        assert deadline <= min(left, max(1.5 * estimate, estimate + 60)) + 1e-3 and deadline > left - 1
+    skipped = document["stages"][1]
+    assert skipped["seconds"] is None and skipped["error"].startswith("needs ~120 s, ")
+
+
+def test_cuda_only_stages_are_skipped_without_cuda_and_selection_is_honoured(tmp_path: Path) -> None:
+    stages = [_stage("environment", lambda ctx: StageResult()), _stage("cuda_tests", lambda ctx: StageResult(), needs_cuda=True),
+              _stage("compute", lambda ctx: StageResult())]
+    document = run_study(_config(tmp_path, stages=["environment", "cuda_tests"]), stages=stages, cuda=False,
+                         log=lambda line: None)
+    assert [s["status"] for s in document["stages"]] == ["ok", "skipped: no CUDA", "skipped: not selected"]
+    # With a GPU visible, the same stage runs.
+    document = run_study(_config(tmp_path), stages=stages[1:2], cuda=True, log=lambda line: None)
+    assert document["stages"][0]["status"] == "ok"
+
+
+def test_an_interrupted_stage_is_recorded_before_the_study_stops(tmp_path: Path) -> None:
+    def interrupted(ctx: StudyContext) -> StageResult:
+        raise KeyboardInterrupt
+
+    stages = [_stage("first", lambda ctx: StageResult()), _stage("second", interrupted), _stage("third", lambda ctx: StageResult())]
+    with pytest.raises(KeyboardInterrupt):
+        run_study(_config(tmp_path), stages=stages, cuda=False, log=lambda line: None)
+    document = json.loads((tmp_path / "study" / "stages.json").read_text())
+    assert [s["status"] for s in document["stages"]] == ["ok", "interrupted", "pending"]
+
+
+def test_without_cuda_only_a_dry_run_may_start(tmp_path: Path) -> None:
+    config = GPUStudyConfig(out=str(tmp_path / "study"), root=str(REPO))
+    with pytest.raises(ValueError, match="--cpu_dry_run true"):
+        run_study(config, stages=[], cuda=False, log=lambda line: None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget_min", "20"], "`--out` is missing"),
+    (["--out", "x", "--budget_min", "0"], "`--budget_min` must be > 0"),
+    (["--out", "x", "--stages", "[compute,nonsense]"], "unknown stage 'nonsense'"),
+])
+def test_bad_command_lines_exit_2_naming_the_fix(capsys, args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---- the parts ----------------------------------------------------------------------------------------------------
+
+
+def test_read_junit_counts_and_names_the_failures(tmp_path: Path) -> None:
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_passes(): pass\n"
+        "def test_fails(): assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='no GPU')\n"
+        "def test_skipped(): pass\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('fixture broke')\n"
+        "def test_errors(broken): pass\n")
+    report = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "test_sample.py"), "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={report}"], cwd=tmp_path, capture_output=True)
+    data = read_junit(report)
+    assert {k: data[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == dict(
+        tests=4, passed=1, failed=1, errors=1, skipped=1)
+    messages = {f["test"].split("::")[-1]: f["message"] for f in data["failures"]}
+    assert "one is not two" in messages["test_fails"] and "fixture broke" in messages["test_errors"]
+
+
+def test_a_tier_cut_off_before_its_report_is_counted_from_the_verbose_log() -> None:
+    log = ("tests/gpu/test_a.py::test_one[nccl_1rank] PASSED                [ 33%]\n"
+           "tests/gpu/test_a.py::test_two FAILED                            [ 66%]\n"
+           "tests/gpu/test_b.py::test_three SKIPPED (needs a CUDA GPU)      [100%]\n")
+    data = outcomes_from_log(log)
+    assert {k: data[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == dict(
+        tests=3, passed=1, failed=1, errors=0, skipped=1)
+    assert data["failures"] == [{"test": "tests/gpu/test_a.py::test_two", "message": "failed"}]
+
+
+@pytest.mark.multiprocess  # one pytest subprocess collecting the tier (~10 s)
+def test_the_cuda_tests_stage_runs_the_tier_and_says_when_nothing_ran(tmp_path: Path) -> None:
+    # Here every test of the tier is skipped (no CUDA): the stage runs it anyway and reports that nothing ran.
+    config = _config(tmp_path)
+    ctx = StudyContext(config=config, scale=DRY_RUN_SCALE, out=tmp_path, root=REPO, cuda=False,
+                       deadline=time.monotonic() + 600, stage_estimate_s=300, stage_started=time.monotonic())
+    result = cuda_tests(ctx)
+    assert result.data["tests"] >= 12 and result.data["skipped"] == result.data["tests"]
+    assert result.problems == ["every test of the tier was skipped: pytest saw no CUDA device"]
+    assert set(result.files) == {"cuda_tests.xml", "cuda_tests.log"}
+
+
+def test_weight_differences_tell_rounding_from_a_missing_rank() -> None:
+    torch.manual_seed(0)
+    reference = {"w": torch.randn(10_000), "b": torch.randn(100)}
+    update = 1e-3 * 3  # lr x steps
+    # Rounding: every weight within 1e-6 updates; a missing rank: half the weights a whole update away.
+    rounded = {k: v + 1e-6 * update * torch.randn_like(v) for k, v in reference.items()}
+    broken = {k: v + update * (torch.rand_like(v) < 0.5) for k, v in reference.items()}
+    assert weight_differences(rounded, reference, update)["off_fraction"] <= EXACT_TOLERANCE
+    assert weight_differences(broken, reference, update)["off_fraction"] == pytest.approx(0.5, abs=0.02)
+    with pytest.raises(ValueError, match="different tensors"):
+        weight_differences({"w": reference["w"]}, reference, update)
+
+
+@pytest.mark.multiprocess
+def test_fits_in_one_process_record_a_failure_and_go_on(tmp_path: Path) -> None:
+    common = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",
+              "--model.context_length", "32", "--data.seq_len", "32", "--data.batch_size", "2", "--trainer.max_steps",
+              "3", "--timer.warmup_steps", "1", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+              "--trainer.limit_val_batches", "0")
+    specs = [FitSpec("naive", (*common, "--trainer.strategy", "naive_ddp")),
+             FitSpec("broken", (*common, "--trainer.strategy", "no_such_ddp")),
+             FitSpec("ddp", (*common, "--trainer.strategy", "ddp"))]
+    results = run_fits(specs, tmp_path, timeout_s=300, cwd=str(tmp_path), threads=1)
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    assert "Unknown strategy 'no_such_ddp'" in results[1].error
+    # One launch for the three: a failing fit at world size 1 does not end the process.
+    assert [p.name for p in (tmp_path / "_processes").iterdir()] == ["launch0"]
+    assert results[0].summary["run"]["strategy"] == "naive_ddp" and results[2].summary["run"]["strategy_class"] == "DDPStrategy"
+    assert results[0].file("timing_summary.json") is not None
+    # No time left: nothing starts, and every fit says so.
+    assert {r.status for r in run_fits(specs[:1], tmp_path / "late", timeout_s=0.5)} == {"not run"}
+
+
+@pytest.mark.slow  # 2 ranks, three fits, one relaunch (~1 min)
+def test_fits_on_two_ranks_start_again_after_a_failing_fit(tmp_path: Path) -> None:
+    common = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",
+              "--model.context_length", "32", "--data.seq_len", "32", "--data.batch_size", "2", "--trainer.max_steps",
+              "3", "--timer.warmup_steps", "1", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+              "--trainer.num_nodes", "2", "--trainer.limit_val_batches", "0")
+    specs = [FitSpec("naive", (*common, "--trainer.strategy", "naive_ddp")),
+             FitSpec("broken", (*common, "--trainer.strategy", "no_such_ddp")),
+             FitSpec("ddp", (*common, "--trainer.strategy", "ddp"))]
+    results = run_fits(specs, tmp_path, ranks=2, timeout_s=400, cwd=str(tmp_path), threads=1)
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    # The ranks stop after a failing fit (a peer may be waiting in a collective); the rest run in a new launch.
+    assert sorted(p.name for p in (tmp_path / "_processes").iterdir()) == ["launch0", "launch1"]
+    assert results[2].summary["run"]["world_size"] == 2
+
+
+def test_the_report_puts_the_published_runs_beside_ours(tmp_path: Path) -> None:
+    (tmp_path / "strategies.json").write_text(json.dumps({
+        "preset": "medium", "batch": 8, "seq_len": 512, "steps": 20, "warmup": 5, "backend": "nccl",
+        "precision": "bf16-mixed", "rows": {
+            "overlap_ddp": {"status": "ok", "error": "", "step/time_ms": 110.0, "overhead_vs_ddp": 0.1},
+            "zero1_ddp": {"status": "failed", "error": "RuntimeError: boom"},
+            "ddp": {"status": "ok", "error": "", "step/time_ms": 100.0, "overhead_vs_ddp": 0.0}}}))
+    document = {"budget_min": 20, "elapsed_s": 60, "cpu_dry_run": False, "device": "cuda", "stages": [
+        {"name": "strategies", "title": "Every strategy", "status": "failed", "seconds": 50.0, "estimate_s": 60,
+         "error": "zero1_ddp: failed: RuntimeError: boom", "shows": "it runs", "problems": ["zero1_ddp: boom"]},
+        {"name": "traces", "title": "Traces", "status": "skipped: budget", "seconds": None, "estimate_s": 60,
+         "error": "needs ~60 s, 10 s of the budget left", "shows": "timelines"}]}
+    report = build_report(document, tmp_path)
+    assert "**Two ranks on one GPU time-slice it.**" in report
+    # overlap_ddp beside the published 2-GPU xl overlap run at batch 4, context 512: 946.8 ms, 13.59 % comm
+    assert "| overlap_ddp | ok | 110.0 | +10.0% |" in report and "947 ms, 14% comm" in report
+    assert "failed: RuntimeError: boom" in report
+    assert "| [traces](#traces) | skipped: budget | – | 60 | needs ~60 s, 10 s of the budget left |" in report
+
+
+# ---- the dry run ----------------------------------------------------------------------------------------------------
+
+
+def _check_files(out: Path, document: dict) -> None:
+    for stage in document["stages"]:
+        for name in stage["files"]:
+            assert (out / name).is_file(), (stage["name"], name)
+
+
+@pytest.mark.multiprocess  # three real stages on CPU (~40 s)
+def test_dry_run_of_three_stages(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    assert main(["--out", str(out), "--cpu_dry_run", "true", "--stages", "[environment,compute,ready_times]"]) == 0
+    document = json.loads((out / "stages.json").read_text())
+    statuses = {s["name"]: s["status"] for s in document["stages"]}
+    assert statuses == {"environment": "ok", "cuda_tests": "skipped: not selected", "compute": "ok",
+                        "strategies": "skipped: not selected", "one_gpu_pair": "skipped: not selected",
+                        "traces": "skipped: not selected", "ready_times": "ok", "timer_overhead": "skipped: not selected"}
+    _check_files(out, document)
+    compute = json.loads((out / "compute.json").read_text())
+    for precision in ("bf16-mixed", "32-true"):
+        run = compute["runs"][precision]
+        # The pre-flight allows the scale's whole cap on a CPU with gigabytes free, and it fits at once.
+        assert run["batch"] == run["preflight_batch"] == DRY_RUN_SCALE.compute_max_batch
+        assert run["attempts"] == [{"batch": run["batch"], "status": "ok"}] and run["tokens_per_s"] > 0
+    ready = json.loads((out / "ready_times.json").read_text())
+    assert ready["tensors"] == 39 and 0 <= ready["first_ready_ms"] <= ready["last_ready_ms"] <= ready["backward_ms"]
+    # One projected row per strategy the projection models (every registered algorithm with a model, plus its
+    # zero1 and ddp baselines), over NVLink and over PCIe.
+    projected = len(projected_strategies())
+    assert {network: len(p["rows"]) for network, p in ready["projections"].items()} == {"nvlink4": projected,
+                                                                                       "pcie_gen4": projected}
+    report = (out / "results.md").read_text()
+    assert "# GPU study (CPU dry run" in report and "## ready_times" in report
+
+
+@pytest.mark.slow  # every stage on CPU: ~4 minutes on 2 cores
+def test_dry_run_of_every_stage(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    started = time.monotonic()
+    assert main(["--out", str(out), "--cpu_dry_run", "true"]) == 0
+    assert time.monotonic() - started < 8 * 60  # 5 minutes idle; room for a loaded CI machine
+    document = json.loads((out / "stages.json").read_text())
+    assert [(s["name"], s["status"]) for s in document["stages"]] == [
+        (name, "skipped: no CUDA" if name == "cuda_tests" else "ok") for name in STAGE_NAMES]
+    _check_files(out, document)
+    strategies = json.loads((out / "strategies.json").read_text())["rows"]
+    assert set(strategies) == {*(s for s in strategies if s.endswith("_ddp")), "ddp"} and len(strategies) == 7
+    assert all(row["status"] == "ok" and row["step/time_ms"] > 0 for row in strategies.values())
+    pair = json.loads((out / "one_gpu_pair.json").read_text())
+    assert all(row["equal"] for row in pair["equivalence"]["rows"].values())
+    assert {row["strategy"] for row in pair["sweep"]["rows"]} == {"reference", "ddp"}  # DRY_RUN_SCALE: ddp (+ reference)
+    traces = json.loads((out / "traces.json").read_text())
+    assert set(traces["runs"]) == {"naive_ddp", "overlap_ddp"} and traces["runs"]["naive_ddp"]["overlap"] < 0.05
+    assert (out / "traces" / "timeline.png").stat().st_size > 10_000
+    report = (out / "results.md").read_text()
+    for name in STAGE_NAMES:
+        assert f"## {name}" in report

@@ -1,0 +1,528 @@
+"""Adding an algorithm touches no other file: a toy algorithm registered here runs through the Lightning strategy,
+the benchmark sweep's grid, report and plots, and the equivalence matrix.
+
+The toy, ``toy_halves``, is bucketed DDP with its own reduce step: each bucket is all-reduced as two halves (two
+collectives) instead of one. It is exact, so it must match single-process training like every engine. It is
+registered only for the tests that use it (the ``toy`` fixture, and first thing in each spawned rank), so the
+other test modules, which parametrise over the registry, see only the package's own algorithms.
+
+A second toy, ``toy_pieces``, has a setting of its own (``pieces``: into how many all-reduces a bucket is split)
+and a ``check_settings``: the engine settings are read from its signature, checked when the strategy is built,
+reach the engine from YAML (``engine_settings``) on every rank, and become a sweep axis (``grid.engine_settings``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ddp.sync import BucketedDDP, Communicator, Reduction
+from lightning_ddp.sync.reduce import BucketReduce
+from lightning_ddp.sync.registry import REQUIRED, ALGORITHMS, Algorithm, get_algorithm, register_algorithm
+from tests.support.dist_utils import run_on_ranks
+from tests.support.equivalence import (
+    CASES,
+    JOB_TIMEOUT_S,
+    TinyLM,
+    check_grad_none_and_record,
+    check_matches_single_process,
+    check_ranks_agree_and_start_from_rank0,
+    data_collectives,
+    jobs_for,
+    run_jobs,
+)
+
+
+class HalvesAllReduce(BucketReduce):
+    """SUM all-reduce of each half of the bucket (two collectives), then divide by the world size."""
+
+    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str, layout=None) -> Reduction:
+        flat = bucket.view(-1)
+        half = flat.numel() // 2
+        pending = [comm.all_reduce(flat[:half], f"{label} [first half]"), comm.all_reduce(flat[half:], f"{label} [second half]")]
+        return Reduction(comm, pending, bucket, finish=lambda: bucket.div_(comm.world_size))
+
+
+def halves_engine(module: nn.Module, *, bucket_size_mb=25.0, process_group=None) -> BucketedDDP:
+    return BucketedDDP(module, bucket_size_mb=bucket_size_mb, process_group=process_group, reduce=HalvesAllReduce())
+
+
+TOY = Algorithm(
+    "toy_halves", halves_engine, "Bucketed, each bucket all-reduced as two halves (a test's toy).",
+    has_bucket_size=True, overlaps_backward=True,
+)
+
+
+@pytest.fixture
+def toy():
+    """The toy, registered for one test (and its Lightning strategy, once someone registers strategies)."""
+    register_algorithm(TOY)
+    yield TOY
+    ALGORITHMS.pop(TOY.name, None)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if TOY.strategy_name in StrategyRegistry:
+        StrategyRegistry.remove(TOY.strategy_name)
+
+
+class PiecesAllReduce(BucketReduce):
+    """SUM all-reduce of the bucket in ``pieces`` consecutive parts (one collective each), then divide."""
+
+    def __init__(self, pieces: int) -> None:
+        self.pieces = pieces
+
+    def launch(self, comm: Communicator, bucket: torch.Tensor, label: str, layout=None) -> Reduction:
+        parts = bucket.view(-1).tensor_split(min(self.pieces, bucket.numel()))
+        pending = [comm.all_reduce(part, f"{label} [piece {k + 1}]") for k, part in enumerate(parts)]
+        return Reduction(comm, pending, bucket, finish=lambda: bucket.div_(comm.world_size))
+
+
+class PiecesDDP(BucketedDDP):
+    """Bucketed DDP whose buckets are all-reduced in ``pieces`` parts: an engine with a setting of its own."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb=25.0, process_group=None, pieces: int = 2) -> None:
+        self.check_settings(pieces)
+        super().__init__(module, bucket_size_mb, process_group, reduce=PiecesAllReduce(pieces))
+
+    @staticmethod
+    def check_settings(pieces: int) -> None:
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+            raise ValueError(f"pieces must be an int >= 1, got {pieces!r}; set e.g. pieces: 2")
+
+
+PIECES = Algorithm("toy_pieces", PiecesDDP, "Bucketed, each bucket all-reduced in `pieces` parts (a test's toy).",
+                   has_bucket_size=True, overlaps_backward=True)
+
+
+@pytest.fixture
+def toy_pieces():
+    register_algorithm(PIECES)
+    yield PIECES
+    ALGORITHMS.pop(PIECES.name, None)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if PIECES.strategy_name in StrategyRegistry:
+        StrategyRegistry.remove(PIECES.strategy_name)
+
+
+def test_the_toy_is_registered_with_its_capabilities(toy) -> None:
+    assert get_algorithm("toy_halves") is TOY and TOY.strategy_name == "toy_halves_ddp"
+    assert TOY.has_bucket_size and TOY.exact
+    with pytest.raises(ValueError, match="already registered"):
+        register_algorithm(Algorithm("toy_halves", halves_engine, "another toy"))
+    with pytest.raises(ValueError, match="toy_halves"):
+        get_algorithm("nonexistent")
+
+
+def test_the_strategy_accepts_the_toy_by_name_and_checks_its_options(toy) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_ddp.strategies import GradSyncStrategy, register_strategies, strategy_names
+
+    register_strategies()  # registered after lightning_ddp.strategies was imported: register again (idempotent)
+    assert "toy_halves_ddp" in StrategyRegistry and "toy_halves_ddp" in strategy_names()
+    strategy = StrategyRegistry.get("toy_halves_ddp")
+    assert isinstance(strategy, GradSyncStrategy) and strategy.strategy_name == "toy_halves_ddp"
+    assert GradSyncStrategy(algorithm="toy_halves", bucket_size_mb=1).bucket_size_mb == 1
+    with pytest.raises(ValueError, match="bucket_size_mb must be > 0"):
+        GradSyncStrategy(algorithm="toy_halves", bucket_size_mb=-1)
+    with pytest.raises(ValueError, match="has no bucket size"):
+        GradSyncStrategy(algorithm="naive", bucket_size_mb=1)
+
+
+# ---- an engine's own settings ------------------------------------------------------------------------------
+
+
+def test_settings_are_read_from_the_engine_signature() -> None:
+    # Everything beyond module, process_group, bucket_size_mb and reduce, with its default, in signature order.
+    assert PIECES.settings() == {"pieces": 2}
+    assert get_algorithm("bucketed_powersgd").settings() == {
+        "rank": 4, "start_iter": 10, "min_compression_rate": 2.0, "seed": 0}
+    # BucketedDDP's `reduce` is an object the algorithm fixes, not a setting; the others have none.
+    assert {name: get_algorithm(name).settings() for name in ("naive", "flat", "overlap", "bucketed")} == {
+        "naive": {}, "flat": {}, "overlap": {}, "bucketed": {}}
+    # TOY's factory is keyword-only past `module`: still no settings of its own.
+    assert TOY.settings() == {}
+
+
+def test_check_settings_fills_defaults_and_names_the_valid_ones() -> None:
+    assert PIECES.check_settings(None) == {"pieces": 2} and PIECES.check_settings({"pieces": 3}) == {"pieces": 3}
+    with pytest.raises(ValueError, match=r"'piece' is not a setting of the 'toy_pieces' algorithm; 'toy_pieces' "
+                                         r"takes: pieces=2\."):
+        PIECES.check_settings({"piece": 3})
+    with pytest.raises(ValueError, match=r"'reduce' is not a setting .*reduce is not an engine setting"):
+        PIECES.check_settings({"reduce": None})
+    with pytest.raises(ValueError, match=r"'rank' is not a setting of the 'bucketed' algorithm; 'bucketed' has no "
+                                         r"engine settings: drop them"):
+        get_algorithm("bucketed").check_settings({"rank": 4})
+    with pytest.raises(TypeError, match="must be a mapping of setting names to values.*pieces: 2"):
+        PIECES.check_settings([("pieces", 3)])
+    # The engine's own check_settings runs with every setting: a bad value fails before any engine exists.
+    with pytest.raises(ValueError, match="pieces must be an int >= 1, got 0"):
+        PIECES.check_settings({"pieces": 0})
+    with pytest.raises(ValueError, match=r"rank \(the PowerSGD approximation rank\) must be >= 1, got 0"):
+        get_algorithm("bucketed_powersgd").check_settings({"rank": 0})
+
+
+def test_a_required_setting_must_be_given_and_var_keywords_accept_any() -> None:
+    def needs_width(module, *, process_group=None, width: int, **extra):
+        raise AssertionError("not built in this test")
+
+    algorithm = Algorithm("toy_required", needs_width, "needs a width (a test's)")
+    assert algorithm.settings() == {"width": REQUIRED}  # **extra is not a named setting
+    with pytest.raises(ValueError, match=r"needs width in its engine settings; 'toy_required' takes: "
+                                         r"width \(required\)"):
+        algorithm.check_settings({})
+    # A factory with **kwargs takes names we cannot list: they pass through to it.
+    assert algorithm.check_settings({"width": 3, "anything": 1}) == {"width": 3, "anything": 1}
+
+
+def test_the_strategy_checks_engine_settings_when_built(toy_pieces) -> None:
+    from lightning_ddp.strategies import GradSyncStrategy, ZeRO1DDPStrategy
+
+    strategy = GradSyncStrategy(algorithm="toy_pieces", engine_settings={"pieces": 3})
+    assert strategy.engine_settings == {"pieces": 3}
+    assert GradSyncStrategy(algorithm="toy_pieces").engine_settings == {}  # the engine's defaults apply
+    with pytest.raises(ValueError, match=r"engine_settings: 'piece' is not a setting of the 'toy_pieces' algorithm; "
+                                         r"'toy_pieces' takes: pieces=2"):
+        GradSyncStrategy(algorithm="toy_pieces", engine_settings={"piece": 3})
+    with pytest.raises(ValueError, match="engine_settings: pieces must be an int >= 1, got -1"):
+        GradSyncStrategy(algorithm="toy_pieces", engine_settings={"pieces": -1})
+    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of the 'naive' algorithm"):
+        GradSyncStrategy(algorithm="naive", engine_settings={"rank": 4})
+    # ZeRO-1 passes them to its grad_sync algorithm, checked against that one.
+    assert ZeRO1DDPStrategy(schedule="allreduce_broadcast", grad_sync="toy_pieces",
+                            engine_settings={"pieces": 5}).engine_settings == {"pieces": 5}
+    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of the 'bucketed' algorithm"):
+        ZeRO1DDPStrategy(grad_sync="bucketed", engine_settings={"rank": 4})
+
+
+def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy, tmp_path) -> None:
+    from lightning_ddp.bench.config import GridConfig, SweepConfig
+    from lightning_ddp.bench.grid import expand_grid, strategy_argument
+    from lightning_ddp.bench.plots import write_plots
+    from lightning_ddp.bench.report import build_report
+
+    config = SweepConfig(grid=GridConfig(strategies=["naive", "toy_halves"], batch_sizes=[2], context_lengths=[32],
+                                         bucket_sizes_mb=[1.0, 4.0]))
+    cells = expand_grid(config)
+    # reference, naive, toy at 1 and 4 MiB, ddp (always added)
+    assert [(c.strategy, c.bucket_size_mb) for c in cells] == [
+        ("reference", None), ("naive", None), ("toy_halves", 1.0), ("toy_halves", 4.0), ("ddp", None)]
+    argument = json.loads(strategy_argument(cells[2], "gloo"))
+    assert argument["init_args"]["algorithm"] == "toy_halves" and argument["init_args"]["bucket_size_mb"] == 1.0
+
+    rows = []
+    for k, cell in enumerate(cells):  # made-up ok rows: 100, 110, ... ms
+        rows.append({"cell_id": cell.id, "strategy": cell.strategy, "bucket_size_mb": cell.bucket_size_mb or "",
+                     "batch_size": 2, "context_length": 32, "precision": "32-true", "status": "ok",
+                     "step_ms_median": 100.0 + 10 * k, "comm_share": 0.1, "busy_comm_ms": 5.0})
+    report = build_report(rows)
+    assert "| toy_halves 1 MiB |" in report and "| toy_halves 4 MiB |" in report
+    names = {path.name for path in write_plots(tmp_path, rows)}
+    assert names == {"strategies_32-true_bs2.png", "toy_halves_32-true_bs2.png"}
+
+
+
+def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_and_plots(toy_pieces, tmp_path) -> None:
+    from lightning_ddp.bench.config import GridConfig, SweepConfig
+    from lightning_ddp.bench.grid import RankLayout, cell_command, expand_grid
+    from lightning_ddp.bench.plots import write_plots
+    from lightning_ddp.bench.report import build_report
+    from lightning_ddp.bench.results import repeat_row
+    from lightning_ddp.bench.runner import CellOutcome
+
+    def config(**settings) -> SweepConfig:
+        return SweepConfig(grid=GridConfig(strategies=["toy_pieces"], batch_sizes=[2], context_lengths=[32],
+                                           bucket_sizes_mb=[1.0, 4.0], **settings))
+
+    swept = config(engine_settings={"toy_pieces": {"pieces": [2, 3, 3]}})
+    cells = expand_grid(swept)
+    # reference, the toy at 1 and 4 MiB times pieces 2 and 3 (the repeated 3 counts once), ddp
+    assert [(c.strategy, c.bucket_size_mb, c.settings) for c in cells] == [
+        ("reference", None, {}), ("toy_pieces", 1.0, {"pieces": 2}), ("toy_pieces", 1.0, {"pieces": 3}),
+        ("toy_pieces", 4.0, {"pieces": 2}), ("toy_pieces", 4.0, {"pieces": 3}), ("ddp", None, {})]
+    assert len({c.id for c in cells}) == len(cells)
+    assert cells[2].id.startswith("toy_pieces-1mb-pieces3-b2-t32-32-true-")
+    assert cells[2].label == "toy_pieces 1 MiB pieces=3 | batch 2 | ctx 32 | 32-true"
+    # Without the axis: the toy's cells are new ids (a changed setting reruns), the others keep theirs.
+    plain = expand_grid(config())
+    assert {c.id for c in plain if c.strategy == "toy_pieces"}.isdisjoint(c.id for c in cells)
+    assert [c.id for c in plain if c.strategy != "toy_pieces"] == [c.id for c in cells if c.strategy != "toy_pieces"]
+
+    layout = RankLayout("gloo", 2, 1)
+
+    def strategy_of(cell) -> dict:
+        command = cell_command(cell, swept, layout, tmp_path / cell.id)
+        return json.loads(command[command.index("--trainer.strategy") + 1])
+
+    assert strategy_of(cells[2])["init_args"] == {"algorithm": "toy_pieces", "process_group_backend": "gloo",
+                                                  "bucket_size_mb": 1.0, "engine_settings": {"pieces": 3}}
+    assert "engine_settings" not in strategy_of(cells[-1])["init_args"]  # ddp: none to set
+    assert "engine_settings" not in strategy_of(plain[1])["init_args"]  # the toy with its defaults: as before
+
+    rows = []
+    for k, cell in enumerate(cells):  # made-up ok rows: 100, 110, ... ms
+        row = repeat_row(cell, 0, CellOutcome("ok"), "tiny", "cpu", layout)
+        rows.append({**row, "status": "ok", "step_ms_median": 100.0 + 10 * k, "comm_share": 0.1, "busy_comm_ms": 5.0})
+    assert [r["engine_settings"] for r in rows] == ["", "pieces=2", "pieces=3", "pieces=2", "pieces=3", ""]
+    report = build_report(rows)
+    for title in ("toy_pieces 1 MiB pieces=2", "toy_pieces 1 MiB pieces=3", "toy_pieces 4 MiB pieces=3"):
+        assert f"| {title} |" in report
+    # each variant has its own best bucket size (1 MiB: 110 < 130 ms and 120 < 140 ms) and its own goal 1
+    assert "| 1. toy_pieces pieces=2 (best) step time / ddp step time | 0.733 [0.733, 0.733] |" in report  # 110 / 150
+    assert "| 1. toy_pieces pieces=3 (best) step time / ddp step time | 0.800 [0.800, 0.800] |" in report  # 120 / 150
+    names = {path.name for path in write_plots(tmp_path, rows)}
+    assert names == {"strategies_32-true_bs2.png", "toy_pieces-pieces2_32-true_bs2.png",
+                     "toy_pieces-pieces3_32-true_bs2.png"}
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"toy_pieces": {"piece": [2]}}, r"the 'toy_pieces' engine has no setting 'piece'; its settings are: pieces"),
+    ({"toy_pieces": {"bucket_size_mb": [2]}}, r"not an engine setting: `grid.bucket_sizes_mb` sets it"),
+    ({"toy_pieces": {"pieces": []}}, r"`grid.engine_settings.toy_pieces`.pieces must be a non-empty list"),
+    ({"naive": {"pieces": [2]}}, r"'naive' engine has no setting 'pieces'; its settings are: none"),
+    ({"bucketed": {"pieces": [2]}}, r"the 'bucketed' engine has no setting 'pieces'"),  # listed or not
+    ({"ddp": {"pieces": [2]}}, r"'ddp' is not a registered algorithm"),
+])
+def test_an_unknown_engine_setting_is_refused_naming_the_valid_ones(toy_pieces, settings, match) -> None:
+    from lightning_ddp.bench.config import GridConfig
+
+    with pytest.raises(ValueError, match=match):
+        GridConfig(strategies=["naive", "toy_pieces"], engine_settings=settings)
+
+
+# ---- through the equivalence matrix, on 2 ranks ---------------------------------------------------------
+
+TOY_JOBS = jobs_for(["toy_halves"])
+
+
+def _run_toy_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
+    register_algorithm(TOY)  # in this spawned rank: the toy, then the same matrix as every algorithm
+    return run_jobs(rank, world_size, jobs)
+
+
+@pytest.fixture(scope="module")
+def toy_ranks() -> list[dict]:
+    return run_on_ranks(_run_toy_jobs, 2, TOY_JOBS, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_toy_passes_the_equivalence_matrix(toy, toy_ranks, case) -> None:
+    check_matches_single_process(toy_ranks, "toy_halves", case)
+    check_ranks_agree_and_start_from_rank0(toy_ranks, "toy_halves", case)
+    check_grad_none_and_record(toy_ranks, "toy_halves", case)
+    # Its own reduce step really ran: every multi-tensor bucket went out as two halves.
+    step = toy_ranks[0]["runs"]["toy_halves", case]["steps"][0]
+    assert any(c.label.endswith("[second half]") for c in data_collectives(step["collectives"]))
+
+
+# ---- through Lightning, on 2 ranks --------------------------------------------------------------------
+
+
+def _fit_with_the_toy_strategy(rank: int, world_size: int) -> dict:
+    """A 2-rank Lightning fit with ``trainer.strategy="toy_halves_ddp"`` on the process group run_on_ranks made."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ddp.strategies import register_strategies
+
+    register_algorithm(TOY)  # in this spawned rank: the toy, then `toy_halves_ddp`
+    register_strategies()
+    # The launcher variables Lightning reads; the process group already exists, so Lightning keeps it.
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(rank)  # different on each rank: the strategy's broadcast must equalise them
+            self.model = TinyLM()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 16, (32, 4), generator=g), torch.randint(0, 16, (32, 4), generator=g))
+    module = Module()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="toy_halves_ddp", max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    engines = []
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            engines.append(trainer.strategy.model)
+
+    trainer.callbacks.append(Spy())
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    (engine,) = engines
+    return {
+        "reduce": type(engine.reduce).__name__,
+        "strategy": trainer.strategy.strategy_name,
+        "losses": module.losses,
+        "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+    }
+
+
+@pytest.mark.multiprocess
+def test_the_toy_trains_through_the_lightning_strategy() -> None:
+    first, second = run_on_ranks(_fit_with_the_toy_strategy, 2, timeout=JOB_TIMEOUT_S)
+    assert first["strategy"] == "toy_halves_ddp" and first["reduce"] == "HalvesAllReduce"
+    assert len(first["losses"]) == 4 and all(torch.isfinite(torch.tensor(first["losses"])))
+    for name, value in first["weights"].items():  # the same averaged gradients on both ranks: identical weights
+        assert torch.equal(value, second["weights"][name]), name
+
+
+TOY_PIECES_YAML = textwrap.dedent("""\
+    strategy:
+      class_path: lightning_ddp.strategies.GradSyncStrategy
+      init_args: {algorithm: toy_pieces, bucket_size_mb: null, engine_settings: {pieces: 3}}
+""")
+
+
+def _fit_with_engine_settings_from_yaml(rank: int, world_size: int) -> dict:
+    """A 2-rank fit whose strategy jsonargparse builds from ``TOY_PIECES_YAML``, as LightningCLI builds
+    ``trainer.strategy`` (its type there is ``str | Strategy``)."""
+    import lightning.pytorch as pl
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    register_algorithm(PIECES)  # in this spawned rank
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=str | Strategy)
+    strategy = parser.instantiate_classes(parser.parse_string(TOY_PIECES_YAML)).strategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TinyLM()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 16, (16, 4), generator=g), torch.randint(0, 16, (16, 4), generator=g))
+    engines = []
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            engines.append(trainer.strategy.model)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Spy()])
+    trainer.fit(Module(), DataLoader(data, batch_size=4))
+    (engine,) = engines
+    return {"engine": type(engine).__name__, "pieces": engine.reduce.pieces, "buckets": len(engine.buckets)}
+
+
+@pytest.mark.multiprocess
+def test_a_toy_setting_reaches_the_engine_on_every_rank_from_yaml() -> None:
+    ranks = run_on_ranks(_fit_with_engine_settings_from_yaml, 2, timeout=JOB_TIMEOUT_S)
+    # pieces=3 from the YAML, not the engine's default 2, on both ranks; one bucket (bucket_size_mb: null).
+    assert ranks == [{"engine": "PiecesDDP", "pieces": 3, "buckets": 1}] * 2
+
+
+def test_the_registry_lists_the_built_ins_in_order() -> None:
+    assert list(ALGORITHMS)[:4] == ["naive", "flat", "overlap", "bucketed"]
+    assert "toy_halves" not in ALGORITHMS  # registered only while a test uses it
+
+
+# ---- the tables that list the algorithms, against the registry ------------------------------------------------
+
+
+def _table_rows(doc: str) -> list[list[str]]:
+    """The ````literals```` of each row of the reST simple tables in ``doc`` whose first two cells are literals."""
+    return [re.findall(r"``([^`]+)``", line) for line in doc.splitlines() if re.match(r"``[^`]+``\s{2,}``", line)]
+
+
+def _built_ins() -> list:
+    # the package's own entries (a test's toy, registered while it runs, is not in the docs)
+    return [a for a in ALGORITHMS.values() if isinstance(a.engine, str) and a.engine.startswith("lightning_ddp.sync.")]
+
+
+def test_the_sync_table_lists_every_registered_algorithm_with_its_engine() -> None:
+    import lightning_ddp.sync
+
+    rows = [row[:2] for row in _table_rows(lightning_ddp.sync.__doc__) if row[0] in ALGORITHMS]
+    expected = [[a.name, a.engine.rpartition(":")[2]] for a in _built_ins()]
+    assert rows == expected  # every algorithm, in registry order, with its engine class
+    assert len(expected) >= 6  # naive, flat, overlap, bucketed, bucketed_bf16, bucketed_powersgd
+    for name, engine in rows:  # and the engine the table names is exported by lightning_ddp.sync
+        assert getattr(lightning_ddp.sync, engine) is get_algorithm(name).engine_factory()
+
+
+def test_the_strategies_table_lists_every_registered_algorithm_then_zero1() -> None:
+    import lightning_ddp.strategies as strategies
+    import lightning_ddp.sync
+
+    rows = [row for row in _table_rows(strategies.__doc__) if row[0].endswith("_ddp") and not row[0].startswith("<")]
+    # one per algorithm in registry order, then zero1
+    assert [row[0] for row in rows] == [a.strategy_name for a in _built_ins()] + ["zero1_ddp"]
+    for (strategy_name, class_name, engine_path, *_), algorithm in zip(rows, _built_ins()):
+        strategy = getattr(strategies, class_name)(algorithm=algorithm.name) if class_name == "GradSyncStrategy" \
+            else getattr(strategies, class_name)()
+        assert strategy.algorithm is algorithm and strategy.strategy_name == strategy_name
+        assert getattr(lightning_ddp.sync, engine_path.rpartition(".")[2]) is algorithm.engine_factory()
+    # the default bucket size a row states is the algorithm's
+    for line in strategies.__doc__.splitlines():
+        name = next((a for a in _built_ins() if line.startswith(f"``{a.strategy_name}``")), None)
+        if name is not None and name.has_bucket_size:
+            assert f"({name.default_bucket_size_mb:g} MiB)" in line, line
+
+
+# ---- the engine's old names --------------------------------------------------------------------------------------
+
+
+def test_the_old_engine_names_still_work_with_a_warning() -> None:
+    from lightning_ddp.strategies import NaiveDDPStrategy
+    from lightning_ddp.sync import GradSyncEngine
+
+    with pytest.warns(DeprecationWarning, match="GradSyncEngine"):
+        from lightning_ddp.sync import DataParallel
+    assert DataParallel is GradSyncEngine
+    with pytest.warns(DeprecationWarning, match="GradSyncEngine"):
+        from lightning_ddp.sync.base import DataParallel as from_base
+    assert from_base is GradSyncEngine
+
+    built = object()  # what make_engine returns (no process group needed: nothing is wrapped)
+
+    class NewStyle(NaiveDDPStrategy):
+        def make_engine(self, module):
+            return built
+
+    strategy = NewStyle()
+    assert strategy.engine is None  # not fitting: nothing wrapped
+    with pytest.warns(DeprecationWarning, match="engine"):
+        assert strategy.container is None
+    with pytest.warns(DeprecationWarning, match="make_engine"):
+        assert strategy.make_container(nn.Linear(1, 1)) is built  # the old name calls the new one
+
+    class OldStyle(NaiveDDPStrategy):  # a subclass written for the old name: its override is still used
+        def make_container(self, module):
+            return built
+
+    with pytest.warns(DeprecationWarning, match="OldStyle overrides make_container"):
+        assert OldStyle()._build_engine(nn.Linear(1, 1)) is built
+    assert NewStyle()._build_engine(nn.Linear(1, 1)) is built

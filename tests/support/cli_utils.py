@@ -1,0 +1,47 @@
+"""Run the CLI as a subprocess and read back what it logged.
+
+Lightning's default launcher re-executes the current command for rank 1, so a multi-process Trainer must never
+be started inside the pytest process itself: every multi-process run goes through ``run_cli``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m lightning_ddp ARGS`` in ``cwd`` with the progress bar off; fails with its output on error."""
+    env = {**(env or os.environ), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_ddp", *args, "--trainer.enable_progress_bar", "false"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"CLI exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under ``log_dir``: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(log_dir.rglob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard event file under {log_dir}"
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in events:
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return scalars

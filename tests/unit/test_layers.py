@@ -1,0 +1,253 @@
+"""The layers hold: the pure-PyTorch core imports and trains where Lightning is not installed, the pure modules
+import no torch at all, the product never imports the study code, and no modules import each other in a circle.
+
+The import checks run in a fresh interpreter whose import system refuses Lightning (a meta-path finder that raises
+``ModuleNotFoundError`` for ``lightning``, ``lightning_fabric`` and ``pytorch_lightning``, exactly what a
+machine without them gives), so nothing this test process already imported can hide a violation. The graph checks
+read every module's source (``ast``), so an import inside a function counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.support.cli_utils import REPO
+
+_BLOCK = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        BLOCKED = {BLOCKED}
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in self.BLOCKED:
+                raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by test_layers)", name=name)
+            return None
+
+    sys.meta_path.insert(0, NotInstalled())
+    """
+)
+
+
+def _run_without(blocked: set[str], body: str) -> subprocess.CompletedProcess:
+    code = _BLOCK.format(BLOCKED=repr(blocked)) + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def test_the_core_imports_and_trains_without_lightning() -> None:
+    proc = _run_without({"lightning", "lightning_fabric", "pytorch_lightning"}, """
+        import lightning_ddp, lightning_ddp.compat, lightning_ddp.model, lightning_ddp.intervals
+        import lightning_ddp.callbacks.accounting, lightning_ddp.trace
+        from lightning_ddp.sync import (ALGORITHMS, BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP,
+                                        Recorder, ShardedOptimizer, get_algorithm)
+        from lightning_ddp.sync.zero1 import checkpoint, collectives, partition
+
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        for name in ALGORITHMS:  # every registered engine takes a step, recorded
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+            engine = get_algorithm(name).make_engine(model)
+            engine.recorder = recorder = Recorder()
+            optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+            optimizer.recorder = recorder
+            recorder.open_step(0)
+            engine.on_train_batch_start()
+            engine(torch.randn(3, 4)).sum().backward()
+            engine.finish_gradient_synchronization()
+            optimizer.step()
+            record = recorder.finish_step()
+            assert record.collectives and all(c.launched <= c.completed for c in record.collectives), name
+        dist.destroy_process_group()
+        assert not any(m.split(".")[0] in ("lightning", "lightning_fabric") for m in sys.modules)
+        print("trained", len(ALGORITHMS), "algorithms")
+    """)
+    assert "trained" in proc.stdout
+
+
+def test_pure_modules_import_without_torch() -> None:
+    # The accounting, the interval arithmetic, the registry and the range names are plain Python: the sweep and
+    # the analysis read them without paying for torch. So are the shared helpers: the atomic file write, the
+    # GPT's shapes (the projection and the memory pre-flight) and the free port (the sweep's parent process).
+    _run_without({"torch", "lightning", "lightning_fabric"}, """
+        import lightning_ddp, lightning_ddp.intervals, lightning_ddp.callbacks.accounting, lightning_ddp.sync.assignment
+        import lightning_ddp.files, lightning_ddp.local_group, lightning_ddp.memory, lightning_ddp.model_shapes
+        from lightning_ddp.sync import ranges, registry
+        assert "bucketed" in registry.ALGORITHMS and ranges.GRAD_SYNC
+        assert "torch" not in sys.modules
+    """)
+
+
+def test_the_lightning_layer_registers_every_algorithm() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_ddp.strategies import strategy_names
+    from lightning_ddp.sync.registry import ALGORITHMS
+
+    names = strategy_names()
+    assert names[: len(ALGORITHMS)] == [f"{name}_ddp" for name in ALGORITHMS] and names[-1] == "zero1_ddp"
+    assert all(name in StrategyRegistry for name in names)
+
+
+# ---- the import graph: the product never imports the study, and no module imports itself round a circle -------
+
+PACKAGE = REPO / "lightning_ddp"
+STUDY = ("bench", "project", "projection", "trace")
+"""The study: sweeps and benchmarks, the projection (and its old name), trace rendering. It may import the product;
+the product (everything else: ``sync``, ``strategies``, ``callbacks``, ``model``, ``module``, ``data``, ``cli``,
+``memory``, ``hardware``, ``profile``, ...) never imports it, at module level or inside a function (torchtitan's
+"experiments depend on core, never back")."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_study(module: str) -> bool:
+    return module.split(".")[1:2] != [] and module.split(".")[1] in STUDY
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """``(imported name, line, type-checking only)`` of every ``import`` in the file, at any depth (functions, methods,
+    ``try`` blocks); ``from a.b import c`` gives ``a.b.c``. Relative imports are resolved against the file's package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                 for node in ast.walk(block)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, id(node) in type_only) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parent, *([node.module] if node.module else [])])
+            found += [(f"{base}.{alias.name}", node.lineno, id(node) in type_only) for alias in node.names]
+    return found
+
+
+def _package_graph() -> dict[str, dict[str, list[int]]]:
+    """Module -> the package's modules it imports (the longest module prefix of each imported name) -> lines;
+    ``if TYPE_CHECKING:`` imports left out (they never run)."""
+    files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, dict[str, list[int]]] = {}
+    for module, path in files.items():
+        edges = graph.setdefault(module, {})
+        for name, line, type_only in _imports(path):
+            target = name
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != module and not type_only:
+                edges.setdefault(target, []).append(line)
+    return graph
+
+
+def test_the_import_scan_sees_imports_inside_functions() -> None:
+    # A guard against a scan that finds nothing: projection.flops imports the model inside ModelShape.from_preset
+    # (documented: only that needs torch), and comm_timer imports the profile schema at module level.
+    graph = _package_graph()
+    assert len(graph) > 80
+    assert "lightning_ddp.model" in graph["lightning_ddp.projection.flops"]
+    assert "lightning_ddp.profile" in graph["lightning_ddp.callbacks.comm_timer"]
+
+
+def test_the_product_never_imports_the_study() -> None:
+    graph = _package_graph()
+    product = [module for module in graph if not _is_study(module)]
+    for expected in ("lightning_ddp.sync.registry", "lightning_ddp.strategies.base", "lightning_ddp.callbacks.comm_timer",
+                     "lightning_ddp.model", "lightning_ddp.module", "lightning_ddp.cli", "lightning_ddp.memory",
+                     "lightning_ddp.hardware", "lightning_ddp.profile"):
+        assert expected in product
+    violations = [f"{module} imports {target} (line {', '.join(map(str, lines))})"
+                  for module in product for target, lines in graph[module].items() if _is_study(target)]
+    # type-only imports count too: a product module must not need the study even to name a type
+    violations += [f"{module} imports {name} under TYPE_CHECKING (line {line})"
+                   for module in product for name, line, type_only in _imports(_path_of(module))
+                   if type_only and name.startswith("lightning_ddp.") and _is_study(name)]
+    assert not violations, "the product imports the study:\n" + "\n".join(violations)
+
+
+def _path_of(module: str) -> Path:
+    path = REPO.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _cycles(graph: dict[str, dict[str, list[int]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    # a -> b -> c -> a is one component; d hangs off it and is in none.
+    assert _cycles({"a": {"b": [1]}, "b": {"c": [1]}, "c": {"a": [1]}, "d": {"a": [1]}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_among_the_package_modules() -> None:
+    # Module- and function-level imports alike: an import inside a function only hides a circle until it runs.
+    graph = _package_graph()
+    cycles = _cycles(graph)
+    described = ["; ".join(f"{a} -> {b} (line {graph[a][b][0]})" for a in cycle for b in graph[a] if b in cycle)
+                 for cycle in cycles]
+    assert not cycles, "import cycles:\n" + "\n".join(described)
+
+
+# ---- entry points: every `python -m lightning_ddp...` parses its command line with jsonargparse ------------------
+
+
+def _entry_points() -> dict[str, Path]:
+    """``python -m`` name -> file, for every module of the package that runs as a script."""
+    return {_module_name(path).removesuffix(".__main__"): path for path in sorted(PACKAGE.rglob("*.py"))
+            if 'if __name__ == "__main__":' in path.read_text(encoding="utf-8")}
+
+
+def test_every_entry_point_parses_its_command_line_with_jsonargparse() -> None:
+    entry_points = _entry_points()
+    assert {"lightning_ddp", "lightning_ddp.bench", "lightning_ddp.projection", "lightning_ddp.trace",
+            "lightning_ddp.memory"} <= set(entry_points)
+    for name, path in entry_points.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        plain_argparse = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                          and isinstance(node.value, ast.Name) and node.value.id == "argparse" and node.attr == "ArgumentParser"]
+        assert not plain_argparse, f"{name} builds an argparse.ArgumentParser (line {plain_argparse[0]}); use jsonargparse"
+        # the module parses with jsonargparse itself, or runs the `main` of one that does (``lightning_ddp`` -> cli)
+        mains = [imported.rpartition(".")[0] for imported, _, _ in _imports(path) if imported.endswith(".main")]
+        sources = [path.read_text(encoding="utf-8")] + [_path_of(module).read_text(encoding="utf-8") for module in mains]
+        assert any("jsonargparse" in source for source in sources), f"{name} does not parse with jsonargparse"
