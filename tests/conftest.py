@@ -1,11 +1,26 @@
-"""Shared pytest setup for the test suite."""
+"""Shared pytest setup for the test suite: the repository root on ``sys.path``, and the fixtures every tier uses."""
 
 import sys
 from pathlib import Path
 
-# Tests import helpers as `tests.<module>`, and multi-process tests spawn children that re-import test modules
+import pytest
+
+# Tests import helpers as `tests.support.<module>`, and multi-process tests spawn children that re-import test modules
 # by name with the parent's sys.path; putting the repository root on sys.path makes both work whether pytest
 # runs as `pytest` or `python -m pytest`, from any directory, under any --import-mode.
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank (this process) for the test, torn down after it: engines and optimizers
+    built without spawning anything."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

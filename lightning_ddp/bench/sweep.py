@@ -63,7 +63,7 @@ from lightning_ddp.bench.results import (
 from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, run_processes
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.provenance import git_state, invocation, package_version
+from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
 
@@ -402,17 +402,6 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
 # ---- environment.json ---------------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, Any]:
     """What belongs next to the numbers: versions, hardware, backend and placement, commit (and whether the tree
     was dirty), the full config."""
@@ -430,7 +419,7 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
         "lightning": package_version("lightning"),
         "jsonargparse": package_version("jsonargparse"),
         "cuda": cuda_version,
-        "cpu": {"model": _cpu_model(), "count": os.cpu_count()},
+        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
         "gpus": gpus,
         "backend": layout.backend,
         "layout": dataclasses.asdict(layout),

@@ -166,13 +166,6 @@ def test_bad_options_name_the_fix_before_any_collective(kwargs, error, fix) -> N
 # ---- the reduce step and the engine on one rank -------------------------------------------------------------
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 class _RecordingMean(AllReduceMean):
     def __init__(self) -> None:
         self.layouts: list[BucketLayout] = []

@@ -416,15 +416,6 @@ def test_state_dict_is_consolidated_in_the_unsharded_format(job, schedule) -> No
 # ---- one process, a world of one -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_assign_owners_doctest_and_rules() -> None:
     assert doctest.testmod(partition).failed == 0
     # Deterministic and pure: the same input gives the same owners (every rank computes it on its own).

@@ -347,13 +347,6 @@ class _Small(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, algorithm: str) -> None:
     # Pretend to be 2 ranks whose other rank holds the same gradients: the fake all-reduce records what it was

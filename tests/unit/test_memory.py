@@ -28,15 +28,6 @@ from lightning_ddp.model import GPT, Block, GPTConfig, get_config, rope_cache
 from lightning_ddp.sync.registry import get_algorithm
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _estimate(config: GPTConfig, **overrides) -> MemoryEstimate:
     kwargs = dict(batch_size=2, seq_len=64, precision="32-true", strategy="bucketed_ddp", world_size=1,
                   device_type="cpu")

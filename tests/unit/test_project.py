@@ -338,22 +338,13 @@ def _small_gpt_profile():
     return ComputeProfile(5.0, 30.0, 1.0, tuple(params), world_size=2)
 
 
-@pytest.fixture
-def world_of_one():
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield torch
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("bucket_size_mb", [0.1, 1.0])
 def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb):
     # The real engine on one rank, compressing from the first step, records every collective (label, bytes); the
     # model of the same GPT must issue the same ones in the same order, and each bucket's bytes must be its
     # plan_bucket's sent_numel x 4 (fp32).
-    torch = world_of_one
+    import torch
+
     from lightning_ddp.model import GPT, get_config
     from lightning_ddp.sync import Recorder
     from lightning_ddp.sync.bucketed_powersgd import BucketedPowerSGDDDP, plan_bucket

@@ -15,20 +15,13 @@ import shutil
 import subprocess
 import sys
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from lightning_ddp.files import write_json_atomically
+from lightning_ddp.provenance import cpu_model, package_version
 
 __all__ = ["describe"]
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _nvidia_smi(query: str) -> str | None:
@@ -42,17 +35,6 @@ def _nvidia_smi(query: str) -> str | None:
         return None
     lines = proc.stdout.strip().splitlines()
     return lines[0].strip() if proc.returncode == 0 and lines else None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _gpu(index: int) -> dict[str, Any]:
@@ -106,12 +88,12 @@ def describe(device: str = "cuda") -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "nccl": nccl,
-        "lightning": _version("lightning"),
-        "jsonargparse": _version("jsonargparse"),
+        "lightning": package_version("lightning"),
+        "jsonargparse": package_version("jsonargparse"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "hostname": platform.node(),
-        "cpu": {"model": _cpu_model(), "count": os.cpu_count()},
+        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
         "memory_budget_bytes": memory_budget_bytes("cuda" if cuda else "cpu", 1),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         **git_state(),
