@@ -586,7 +586,7 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
     code, timed_out, line = ctx.run_python(
         ["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",
          "--steps", str(s.overhead_steps), "--warmup", str(s.overhead_warmup), "--repeats", str(s.overhead_repeats),
-         "--out", str(stage.resolve()), *extra], stage / "timer_overhead.log")
+         "--out", str(stage.resolve()), "--", *extra], stage / "timer_overhead.log")  # the fits' arguments after --
     path = stage / "timer_overhead.json"
     if code != 0 or not path.exists():
         return StageResult(files=[_rel(ctx, stage / "timer_overhead.log")],
