@@ -1,0 +1,47 @@
+"""The ZeRO-1 memory benchmark end to end: ``run()`` in this process spawns two gloo ranks itself (plain PyTorch,
+no Lightning Trainer), once for all modes; on 2 cores it takes ~15-20 s, nearly all of it the ranks importing the
+package. Its analytic figures and configs are checked in ``tests/unit/test_memory_bench.py``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ddp.bench.memory import MODES, parse_config, run
+from tests.support.cli_utils import REPO
+
+
+@pytest.mark.multiprocess
+def test_small_run_measures_exactly_the_analytic_bytes(tmp_path: Path) -> None:
+    config = parse_config(
+        ["--config", str(REPO / "configs" / "memory" / "cpu.yaml"), "--preset", "tiny", "--batch_size", "1",
+         "--seq_len", "16", "--steps", "2", "--out_dir", str(tmp_path),
+         "--separate_processes", "false"]  # one start-up instead of three; the RSS is not checked here
+    )
+    run(config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md"]  # no temporary files left
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["environment"]["torch"] == torch.__version__ and results["config"]["preset"] == "tiny"
+    modes = {m["mode"]: m for m in results["modes"]}
+    assert list(modes) == list(MODES)
+    for mode in modes.values():
+        assert mode["matches_expected"], mode["mode"]
+        assert math.isfinite(mode["step_ms_median"]) and mode["step_ms_median"] > 0
+    # tiny, vocab 10 000: 3,609,728 parameters in 39 tensors (tests/unit/test_model.py's closed form).
+    full = modes["unsharded"]["ranks"][0]["snapshots"]["before_step"]
+    assert full["parameters"] == full["gradients"] == 4 * 3_609_728
+    assert full["optimizer_state"] == 8 * 3_609_728 + 4 * 39
+    for schedule in ("allreduce_broadcast", "reduce_scatter"):
+        shards = [r["snapshots"]["before_step"]["optimizer_state"] for r in modes[schedule]["ranks"]]
+        # Sharding splits the state: the shards add up to the unsharded state, each close to half.
+        assert sum(shards) == full["optimizer_state"]
+        assert all(abs(s - full["optimizer_state"] / 2) <= 0.01 * full["optimizer_state"] for s in shards), shards
+        params = [r["snapshots"]["before_step"]["parameters"] for r in modes[schedule]["ranks"]]
+        assert params == [full["parameters"]] * 2  # parameters are not sharded
+    report = (tmp_path / "results.md").read_text()
+    assert all(f"## {mode}" in report for mode in MODES)
+
