@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_model", "git_state", "invocation", "package_version"]
+__all__ = ["cpu_model", "git_state", "invocation", "package_version", "repo_relative"]
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -30,13 +30,29 @@ def _git(*args: str) -> str | None:
     return proc.stdout if proc.returncode == 0 else None  # not a git checkout (e.g. an installed package)
 
 
+def repo_relative(value: str) -> str:
+    """``value`` with the repository's own location removed: a path inside the repository (or an argument that
+    names one, as ``--out=/abs/repo/dir``) becomes relative to its root, so a committed result names no machine.
+
+    >>> repo_relative(str(_REPO / "benchmarks" / "results"))
+    'benchmarks/results'
+    >>> repo_relative(str(_REPO)), repo_relative("--lr=0.1")
+    ('.', '--lr=0.1')
+    """
+    root = str(_REPO)
+    if value == root:
+        return "."
+    return value.replace(root + os.sep, "")
+
+
 def invocation() -> dict[str, Any]:
     """``{"created", "command", "cwd", "python", "platform"}``: when (UTC) and how this process was started, and on
-    what Python and operating system."""
+    what Python and operating system. Paths inside the repository are written relative to its root
+    (``repo_relative``): results are committed, and the machine they ran on is not theirs to name."""
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "cwd": os.getcwd(),
+        "command": [repo_relative(arg) for arg in sys.argv],
+        "cwd": repo_relative(os.getcwd()),
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
