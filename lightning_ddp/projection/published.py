@@ -218,8 +218,13 @@ def _profile(batch_size: int, seq_len: int, compute_ms: float, assumptions: Publ
 
 
 def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumptions(),
-                           runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> list[PublishedComparison]:
-    """Every published run with the model's step, exposed communication and share on each of ``assumptions.fabrics``."""
+                           runs: Sequence[PublishedRun] = PUBLISHED_RUNS,
+                           contention: float = 0.0) -> list[PublishedComparison]:
+    """Every published run with the model's step, waited communication and share on each of ``assumptions.fabrics``.
+
+    ``contention``: compute slowed by ``1 + contention`` while a collective runs (``StepModel.contention``). The
+    exposed time and share compared are the waits (``StepResult.waited_comm_ms``, ``wait_share``), as the published
+    "total time grad all reduce" timed the wait; without contention they are step minus compute-only."""
     copy_Bps = _copy_Bps(assumptions)
     compute = calibrated_compute_ms(runs)
     fabrics = prediction_fabrics(assumptions)
@@ -229,8 +234,8 @@ def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumpti
         profile = _profile(run.batch_size, run.seq_len, compute_ms, assumptions)
         comparison = PublishedComparison(run, compute_ms, extrapolated)
         for name, fabric in fabrics.items():
-            r = simulate(run.strategy, StepModel(profile, fabric, 2, copy_Bps), run.bucket_size_mb)
-            comparison.predicted[name] = (r.step_ms, r.exposed_comm_ms, r.comm_share)
+            r = simulate(run.strategy, StepModel(profile, fabric, 2, copy_Bps, contention=contention), run.bucket_size_mb)
+            comparison.predicted[name] = (r.step_ms, r.waited_comm_ms, r.wait_share)
         comparisons.append(comparison)
     return comparisons
 

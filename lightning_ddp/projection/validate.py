@@ -77,12 +77,14 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
-                   copy_Bps: float) -> list[dict[str, Any]]:
+                   copy_Bps: float, contention: float = 0.0) -> list[dict[str, Any]]:
     """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and share.
 
     A cell's engine settings (``engine_settings``) go to the model where it models them (e.g. PowerSGD's ``rank``;
     ``start_iter`` changes no steady-state step). A cell whose model needs parameter shapes its profile lacks
-    (recorded before the CommTimer wrote them) is left out, with a line on stderr."""
+    (recorded before the CommTimer wrote them) is left out, with a line on stderr. ``contention``: compute slowed by
+    ``1 + contention`` while a collective runs (``StepModel.contention``); the predicted share is the wait share
+    (``StepResult.wait_share``), what the CommTimer measures."""
     comm = read_fit(fit_path).fabric()
     reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
                  for r in rows if r["strategy"] == "reference"}
@@ -97,7 +99,8 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         settings = {k: v for k, v in parse_settings(r.get("engine_settings") or "").items() if k in spec.settings()}
         size_arg = size if spec.has_bucket_size else None
         try:
-            predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps), size_arg, **settings)
+            predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps, contention=contention), size_arg,
+                                 **settings)
         except ValueError as error:
             if own.has_shapes:
                 raise
@@ -109,15 +112,15 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
             "batch_size": int(r["batch_size"]), "context_length": int(r["context_length"]), "precision": r["precision"],
             "measured_step_ms": float(r["step_ms_median"]), "measured_step_lo": _float(r.get("step_ms_lo")),
             "measured_step_hi": _float(r.get("step_ms_hi")), "measured_share": _float(r.get("comm_share")),
-            "predicted_step_ms": predicted.step_ms, "predicted_share": predicted.comm_share,
+            "predicted_step_ms": predicted.step_ms, "predicted_share": predicted.wait_share,
         }
         row["step_error"] = row["predicted_step_ms"] / row["measured_step_ms"] - 1
         ref = reference.get((r["precision"], r["batch_size"], r["context_length"]))
         if ref is not None:
             ref_profile = ComputeProfile.from_dict(ref, origin="reference profile")
             try:
-                from_reference = simulate(r["strategy"], StepModel(ref_profile, comm, world, copy_Bps), size_arg,
-                                          **settings)
+                from_reference = simulate(r["strategy"], StepModel(ref_profile, comm, world, copy_Bps,
+                                                                   contention=contention), size_arg, **settings)
             except ValueError:
                 if ref_profile.has_shapes:
                     raise

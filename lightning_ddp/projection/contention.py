@@ -1,0 +1,163 @@
+"""Compute slowed while collectives run: the contention factor ``s`` per backend, and the fit that gives it.
+
+    python -m lightning_ddp.projection.contention
+
+The timeline (``strategies.Timeline``) runs compute at ``1 / (1 + s)`` of its speed while a collective is in flight:
+``d`` ms of compute entirely beside communication lasts ``d (1 + s)``. Without it (``s = 0``) overlapped
+communication costs compute nothing, and the projection was biased fast: gloo's reduction threads take CPU cores
+from backward, NCCL's kernels take SMs and memory bandwidth from it. ``s`` is one constant per backend, fitted on the
+data this project has:
+
+- ``gloo`` (CPU): the CPU sweep (``benchmarks/results/cpu``), every ok cell simulated from its own compute profile
+  as ``validate`` does, at the copy bandwidth that validation used (``CPU_COPY_GBPS``);
+- ``nccl`` (GPU): the published 2-GPU xl runs (``published``), simulated on ``pcie_gen4`` as that comparison does.
+
+The fit: ``s`` on a grid (``GRID``: 0 to ``S_MAX`` in steps of 0.05, then steps of 0.01 around the best) minimising
+an error over the **fitting subset**, the batch-2 cells (``FIT_BATCH``); the batch-4 cells are held out (published:
+batch 4 x context 512 is left out altogether, its compute extrapolated). Cells without overlapped communication
+(naive, flat, zero1) do not move with ``s``; they stay in the objective. The error is the one each data set's bias
+is stated in, and the one ``s`` can move there:
+
+- ``gloo``: the mean squared ``log(predicted / measured)`` **step time** (the CPU cells were predicted too fast);
+- ``nccl``: the mean squared error of the **wait share** (``StepResult.wait_share`` against the published "total
+  time grad all reduce" / "total time train"). On that PCIe link the model's overlapped steps are
+  communication-bound (~0.37 s of all-reduce against ~0.2 s of backward), so a slower backward hides more
+  communication but does not lengthen the step until backward outgrows the communication, and the step-time error
+  keeps falling up to absurd ``s`` (compute 9 times slower at ``s = 8``): the published overlapped steps are longer
+  for reasons besides compute contention (per-call cost, communication itself slowed), which ``s`` must not absorb.
+
+``S_MAX = 1`` (compute at half speed) bounds both: on 2 cores gloo's threads can take at most one of compute's two,
+and on a GPU NCCL's kernels take a minority of the SMs. Both step-time objectives keep improving up to and past it:
+the CPU sweep's step bias is mostly communication slower under load than the all-reduce fit measured alone, not
+compute contention (``validate`` reports the errors before and after, on the full set and the held-out cells).
+
+``CONTENTION`` holds the fitted values, rounded to 0.01; ``tests/unit/test_project.py`` refits them from the
+committed data and checks they agree. Refit after a new sweep and paste the printed values here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = [
+    "CONTENTION",
+    "CPU_COPY_GBPS",
+    "FIT_BATCH",
+    "S_MAX",
+    "backend_contention",
+    "fit_contention",
+    "fit_gloo",
+    "fit_nccl",
+    "main",
+]
+
+CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
+"""Fitted ``s`` per backend (``python -m lightning_ddp.projection.contention``)."""
+
+CPU_COPY_GBPS = 24.03
+"""Copy bandwidth of the CPU validation (GB/s read + written, measured once on the sweep's machine and recorded in
+``benchmarks/results/projection/cpu_sweep_validation.md``); fixed so that the fit is reproducible anywhere."""
+
+FIT_BATCH = 2
+"""The fitting subset: cells with this per-rank batch size; the others are held out."""
+
+S_MAX = 1.0
+"""The largest ``s`` the fit considers: compute at half speed beside a collective (module docstring)."""
+
+GRID = (0.0, S_MAX, 0.05)
+"""Coarse grid of ``s``: start, stop, step; refined to 0.01 around the best point (within ``[0, S_MAX]``)."""
+
+
+def backend_contention(backend: str) -> float:
+    """The fitted ``s`` of ``backend`` (``gloo``, ``nccl``); an unknown one names the known ones."""
+    try:
+        return CONTENTION[backend]
+    except KeyError:
+        raise ValueError(f"no fitted contention for backend {backend!r}; known: {', '.join(CONTENTION)} (or give "
+                         "`network.contention` as a number)") from None
+
+
+def fit_contention(loss: Callable[[float], float]) -> float:
+    """The ``s`` of the grid (``GRID``, then 0.01 steps around the best) with the smallest ``loss(s)``, rounded to 0.01.
+
+    >>> fit_contention(lambda s: (s - 0.37) ** 2)
+    0.37
+    """
+    start, stop, step = GRID
+    coarse = [start + k * step for k in range(int(round((stop - start) / step)) + 1)]
+    best = min(coarse, key=loss)
+    fine = [round(best + k * 0.01, 2) for k in range(-5, 6) if 0 <= best + k * 0.01 <= stop + 1e-9]
+    return round(min(fine, key=loss), 2)
+
+
+def _mean_squared_log(pairs: Sequence[tuple[float, float]]) -> float:
+    return statistics.fmean(math.log(p / m) ** 2 for p, m in pairs) if pairs else 0.0
+
+
+def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
+    """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
+    from lightning_ddp.projection.validate import _read_csv, validate_cells
+
+    sweep = Path(sweep)
+    rows = _read_csv(sweep / "results.csv")
+    profiles = json.loads((sweep / "profiles.json").read_text(encoding="utf-8"))
+    return validate_cells(rows, profiles, sweep / "bucket_prediction.json", copy_GBps * 1e9, contention)
+
+
+def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
+    """``s`` for gloo, fitted on the step time of the CPU sweep's batch-``FIT_BATCH`` cells."""
+    sweep = Path(sweep)
+    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
+        if not (sweep / name).is_file():
+            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json and "
+                             "bucket_prediction.json (e.g. benchmarks/results/cpu)")
+
+    def loss(s: float) -> float:
+        return _mean_squared_log([(c["predicted_step_ms"], c["measured_step_ms"])
+                                  for c in gloo_cells(sweep, s, copy_GBps) if c["batch_size"] == FIT_BATCH])
+
+    return fit_contention(loss)
+
+
+def published_pairs(contention: float, held_out: Optional[bool] = None) -> list[tuple[Any, float, float]]:
+    """``(run, predicted step ms, published step ms)`` for every published run on ``pcie_gen4`` whose compute was not
+    extrapolated; ``held_out``: only those outside (``True``) or inside (``False``) the fitting subset."""
+    from lightning_ddp.projection.published import PublishedAssumptions, compare_with_published
+
+    assumptions = PublishedAssumptions(fabrics=("pcie_gen4",), published_call_overhead=False)
+    out = []
+    for c in compare_with_published(assumptions, contention=contention):
+        if c.extrapolated or (held_out is not None and (c.run.batch_size != FIT_BATCH) != held_out):
+            continue
+        out.append((c, c.predicted["pcie_gen4"][0], 1e3 * c.run.total_s))
+    return out
+
+
+def fit_nccl() -> float:
+    """``s`` for NCCL, fitted on the wait share of the published 2-GPU xl runs of batch ``FIT_BATCH`` (``pcie_gen4``)."""
+    return fit_contention(lambda s: statistics.fmean((c.predicted["pcie_gen4"][2] - c.run.ratio) ** 2
+                                                     for c, _, _ in published_pairs(s, held_out=False)))
+
+
+def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:
+    """Fit ``s`` per backend from the committed data and print it (paste it into ``CONTENTION``).
+
+    Args:
+        sweep: The CPU sweep directory (gloo's fit).
+    """
+    fitted = {"gloo": fit_gloo(sweep), "nccl": fit_nccl()}
+    print(f"CONTENTION = {fitted!r}")
+    if fitted != CONTENTION:
+        print(f"(lightning_ddp/projection/contention.py holds {CONTENTION!r}: update it)", file=sys.stderr)
+    return fitted
+
+
+if __name__ == "__main__":
+    from jsonargparse import auto_cli
+
+    auto_cli(main, prog="python -m lightning_ddp.projection.contention")
