@@ -485,7 +485,11 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
             name = label.replace("+", "_")
             row.update({f"{name}_step_ms": round(step, 2), f"{name}_exposed_ms": round(exposed, 2), f"{name}_share": round(share, 4)})
         writer.writerow(row)
-    return [write_atomically(out / "published_xl_2gpu.md", published_markdown(comparisons, assumptions)),
+    from lightning_ddp.projection.contention import CONTENTION, published_contention_lines
+
+    markdown = published_markdown(comparisons, assumptions) + "\n" + "\n".join(
+        published_contention_lines(CONTENTION["nccl"]))
+    return [write_atomically(out / "published_xl_2gpu.md", markdown),
             write_atomically(out / "published_xl_2gpu.csv", buffer.getvalue())]
 
 
