@@ -1,12 +1,14 @@
 """Compute slowed while collectives run: the contention factor ``s`` per backend, and the fit that gives it.
 
-    python -m lightning_ddp.projection.contention
+    python -m lightning_ddp.projection.contention_fit
 
 The timeline (``strategies.Timeline``) runs compute at ``1 / (1 + s)`` of its speed while a collective is in flight:
 ``d`` ms of compute entirely beside communication lasts ``d (1 + s)``. Without it (``s = 0``) overlapped
 communication costs compute nothing, and the projection was biased fast: gloo's reduction threads take CPU cores
 from backward, NCCL's kernels take SMs and memory bandwidth from it. ``s`` is one constant per backend, fitted on the
 data this project has:
+
+The fit lives in ``contention_fit`` (it reads the validations, which read these constants):
 
 - ``gloo`` (CPU): the CPU sweep (``benchmarks/results/cpu``), every ok cell simulated from its own compute profile
   as ``validate`` does, at the copy bandwidth that validation used (``CPU_COPY_GBPS``);
@@ -37,11 +39,8 @@ committed data and checks they agree. Refit after a new sweep and paste the prin
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import sys
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = [
@@ -50,14 +49,12 @@ __all__ = [
     "FIT_BATCH",
     "S_MAX",
     "backend_contention",
+    "cpu_contention_lines",
     "fit_contention",
-    "fit_gloo",
-    "fit_nccl",
-    "main",
 ]
 
 CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
-"""Fitted ``s`` per backend (``python -m lightning_ddp.projection.contention``)."""
+"""Fitted ``s`` per backend (``python -m lightning_ddp.projection.contention_fit`` prints them)."""
 
 CPU_COPY_GBPS = 24.03
 """Copy bandwidth of the CPU validation (GB/s read + written, measured once on the sweep's machine and recorded in
@@ -99,70 +96,6 @@ def _mean_squared_log(pairs: Sequence[tuple[float, float]]) -> float:
     return statistics.fmean(math.log(p / m) ** 2 for p, m in pairs) if pairs else 0.0
 
 
-def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
-    """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
-    from lightning_ddp.projection.validate import _read_csv, validate_cells
-
-    sweep = Path(sweep)
-    rows = _read_csv(sweep / "results.csv")
-    profiles = json.loads((sweep / "profiles.json").read_text(encoding="utf-8"))
-    return validate_cells(rows, profiles, sweep / "bucket_prediction.json", copy_GBps * 1e9, contention)
-
-
-def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
-    """``s`` for gloo, fitted on the step time of the CPU sweep's batch-``FIT_BATCH`` cells."""
-    sweep = Path(sweep)
-    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
-        if not (sweep / name).is_file():
-            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json and "
-                             "bucket_prediction.json (e.g. benchmarks/results/cpu)")
-
-    def loss(s: float) -> float:
-        return _mean_squared_log([(c["predicted_step_ms"], c["measured_step_ms"])
-                                  for c in gloo_cells(sweep, s, copy_GBps) if c["batch_size"] == FIT_BATCH])
-
-    return fit_contention(loss)
-
-
-def published_pairs(contention: float, held_out: Optional[bool] = None) -> list[tuple[Any, float, float]]:
-    """``(run, predicted step ms, published step ms)`` for every published run on ``pcie_gen4`` whose compute was not
-    extrapolated; ``held_out``: only those outside (``True``) or inside (``False``) the fitting subset."""
-    from lightning_ddp.projection.published import PublishedAssumptions, compare_with_published
-
-    assumptions = PublishedAssumptions(fabrics=("pcie_gen4",), published_call_overhead=False)
-    out = []
-    for c in compare_with_published(assumptions, contention=contention):
-        if c.extrapolated or (held_out is not None and (c.run.batch_size != FIT_BATCH) != held_out):
-            continue
-        out.append((c, c.predicted["pcie_gen4"][0], 1e3 * c.run.total_s))
-    return out
-
-
-def fit_nccl() -> float:
-    """``s`` for NCCL, fitted on the wait share of the published 2-GPU xl runs of batch ``FIT_BATCH`` (``pcie_gen4``)."""
-    return fit_contention(lambda s: statistics.fmean((c.predicted["pcie_gen4"][2] - c.run.ratio) ** 2
-                                                     for c, _, _ in published_pairs(s, held_out=False)))
-
-
-def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:
-    """Fit ``s`` per backend from the committed data and print it (paste it into ``CONTENTION``).
-
-    Args:
-        sweep: The CPU sweep directory (gloo's fit).
-    """
-    fitted = {"gloo": fit_gloo(sweep), "nccl": fit_nccl()}
-    print(f"CONTENTION = {fitted!r}")
-    if fitted != CONTENTION:
-        print(f"(lightning_ddp/projection/contention.py holds {CONTENTION!r}: update it)", file=sys.stderr)
-    return fitted
-
-
-if __name__ == "__main__":
-    from jsonargparse import auto_cli
-
-    auto_cli(main, prog="python -m lightning_ddp.projection.contention")
-
-
 # ---- before and after, for the validation reports ----------------------------------------------------------------
 
 
@@ -189,7 +122,7 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
     return [
         "## Contention: compute slowed while collectives run", "",
         f"gloo's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
-        f"lightning_ddp.projection.contention` on the batch-{FIT_BATCH} cells' step times, bounded by `S_MAX` = {S_MAX:g}); "
+        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} cells' step times, bounded by `S_MAX` = {S_MAX:g}); "
         "the table above is with it. Step time, before (s = 0) -> after:", "",
         f"- all {len(after)} cells: {_errors(pairs(before, None))} -> {_errors(pairs(after, None))}",
         f"- fitting subset (batch {FIT_BATCH}): {_errors(pairs(before, False))} -> {_errors(pairs(after, False))}",
@@ -201,32 +134,4 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
         "and by gloo's threads); and the all-reduce fit was measured with nothing else running, so communication under "
         "load is slower than the model's (measured shares exceed predicted ones, and contention, which makes the wait "
         "shorter, widens that gap).", "",
-    ]
-
-
-def published_contention_lines(contention: float) -> list[str]:
-    """Markdown lines: the published overlapped runs' share and step errors on ``pcie_gen4`` without and with
-    contention, on all non-extrapolated runs and on the held-out ones."""
-    rows = []
-    for held_out, subset in ((None, "all (batch 4 x 512 left out)"), (False, f"fitting subset (batch {FIT_BATCH})"),
-                             (True, "held out (batch 4)")):
-        for strategy in ("naive", "flat", "overlap", "bucketed"):
-            cells = {s: [x for x in published_pairs(s, held_out) if x[0].run.strategy == strategy]
-                     for s in (0.0, contention)}
-            share = {s: statistics.fmean(abs(c.predicted["pcie_gen4"][2] - c.run.ratio) for c, _, _ in v)
-                     for s, v in cells.items()}
-            step = {s: statistics.fmean(p / m - 1 for _, p, m in v) for s, v in cells.items()}
-            rows.append(f"| {subset} | {strategy} | {len(cells[0.0])} | {100 * share[0.0]:.1f} -> "
-                        f"{100 * share[contention]:.1f} pts | {100 * step[0.0]:+.1f} -> {100 * step[contention]:+.1f} % |")
-    return [
-        "## Contention: compute slowed while collectives run", "",
-        f"NCCL's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
-        f"lightning_ddp.projection.contention` on the batch-{FIT_BATCH} runs' wait shares on `pcie_gen4`). The tables "
-        "above are without it (s = 0); here each strategy's mean |share error| (the model's wait share against the "
-        "published ratio) and mean step error on `pcie_gen4`, before (s = 0) -> after:", "",
-        "| runs | strategy | runs | share error | step error |", "|---|---|---:|---:|---:|", *rows, "",
-        "Contention lengthens the overlapped backward, which then hides more of the all-reduces: the wait shares come "
-        "down to the published ones. It barely moves the step: on this link the overlapped steps are bound by ~0.37 s "
-        "of communication, not by the ~0.2 s backward, so the published steps' extra ~0.15 s is something else "
-        "(communication itself slower beside compute, per-call costs of the hooks), which the model still leaves out.", "",
     ]

@@ -40,7 +40,18 @@ powersgd``         the engine's rule) launches: the buffer copy, the gather of i
                    loaded rank sets the pace); pack the own parameters; all-gather; unpack every parameter
 ``ddp``            torch DDP: buckets in gradient-ready order, 1 MiB first then 25 MiB (``buckets.ddp_buckets``),
                    launched in bucket order; every bucket is copied in and out; no flags
+``zero2``          ZeRO-2 (NCCL's schedule): the bucketed engine's buckets, each packed into a buffer padded to
+                   ``n`` equal shards and reduce-scattered as soon as it fills (overlapped with backward); after
+                   backward the optimizer on the own ``1/n``, then per bucket the updated shard all-gathered
+                   (exposed) and copied out (``simulate_zero2``)
+``fsdp2``          torch ``fully_shard`` per transformer block and on the root (``transformer_blocks``): the
+                   root's and then each block's all-gather before its forward and again before its backward,
+                   issued one block ahead; each block's reduce-scatter after its backward (overlapped); the
+                   optimizer on the shard; nothing after (``simulate_fsdp2``)
 =================  ==========================================================================================
+
+Contention (``StepModel.contention``, ``s``; fitted per backend in ``contention``): compute placed while a collective
+is in flight runs ``1 + s`` times slower (``Timeline.advance``); the time it adds is ``StepResult.contention_ms``.
 
 Copies run on the compute stream at ``copy_bandwidth_Bps`` (bytes read + bytes written). The division by the
 world size is left out (one elementwise pass per gradient, fused into the copies or the kernel in practice), except
@@ -53,7 +64,9 @@ from Python.
 Outputs (``StepResult``): ``step_ms``; ``compute_only_ms`` (forward + backward + unsharded optimizer: the 1-GPU
 step); ``exposed_comm_ms = step_ms - compute_only_ms``, the communication (and copies) not hidden behind compute
 (for ``zero1`` it is net of the optimizer time sharding saves); ``comm_share = exposed / step``;
-``busy_comm_ms``, the time the communication stream is busy (collectives never overlap each other, so this is
+``contention_ms``, the compute time contention added (part of the exposed time); ``waited_comm_ms`` and
+``wait_share``, the exposed time without it (what a timer around the waits measures); ``busy_comm_ms``, the time
+the communication stream is busy (collectives never overlap each other, so this is
 their sum); ``overlap``, the fraction of it hidden behind compute; ``copy_ms``; ``calls``; ``comm_bytes`` (the sizes
 of all messages).
 

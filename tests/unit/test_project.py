@@ -788,12 +788,12 @@ def test_memory_per_rank_shrinks_with_sharding():
 
 
 def test_the_fitted_contention_reproduces_from_the_committed_data():
-    from lightning_ddp.projection import contention
+    from lightning_ddp.projection import contention, contention_fit
 
-    # python -m lightning_ddp.projection.contention: gloo on the CPU sweep's step times, NCCL on the published runs'
+    # python -m lightning_ddp.projection.contention_fit: gloo on the CPU sweep's step times, NCCL on the published runs'
     # wait shares; CONTENTION must hold what the committed data give
-    assert contention.fit_gloo(REPO / "benchmarks/results/cpu") == contention.CONTENTION["gloo"]
-    assert contention.fit_nccl() == contention.CONTENTION["nccl"]
+    assert contention_fit.fit_gloo(REPO / "benchmarks/results/cpu") == contention.CONTENTION["gloo"]
+    assert contention_fit.fit_nccl() == contention.CONTENTION["nccl"]
     # and it is a fit, not a constant: a loss with its minimum elsewhere moves it
     assert contention.fit_contention(lambda s: (s - 0.5) ** 2) == 0.5
     with pytest.raises(ValueError, match="no fitted contention"):
