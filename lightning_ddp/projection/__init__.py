@@ -11,7 +11,7 @@ happens on 8, 64 or 1024?" for every strategy of this project, from two inputs:
    or this project's measured 2-rank all-reduce fit, extrapolated to ``n`` ranks.
 
 Each strategy (``strategies.STRATEGIES``: every registered algorithm whose registry entry names a ``projection``
-model, naive, flat, overlap, bucketed, bucketed_bf16, bucketed_powersgd, then zero1 and ddp) issues
+model, naive, flat, overlap, bucketed, bucketed_bf16, bucketed_powersgd, then zero1, ddp, zero2 and fsdp2) issues
 its collectives as its engine does; they run in order on one communication stream while the compute stream
 runs forward, backward (gradients becoming ready), copies and the optimizer. Per strategy, world size and
 bucket size (and engine setting, e.g. PowerSGD's ``rank``) the output is the step time, the exposed communication (step minus the compute-only step) and
@@ -26,6 +26,9 @@ module             what it holds
 ``comm``           the cost formulas, link and fabric presets (with sources), the measured fit
 ``buckets``        our engines' bucket rule, torch DDP's, ZeRO-1's owners (pure restatements, tested to agree)
 ``strategies``     the timeline and one simulation per strategy; ``STRATEGIES``, read from the registry
+``memory``         model-state bytes per rank of each strategy (the report's memory column and verdict)
+``contention``     compute slowed beside collectives: ``s`` per backend, fitted on the CPU sweep (gloo) and
+                   the published runs (NCCL); ``contention_fit`` fits it: ``python -m lightning_ddp.projection.contention_fit``
 ``sweep``          the grid, best bucket sizes, ``predict_cells`` (model vs this project's measured sweep)
 ``config``         the CLI's dataclasses (compute, network, study, output)
 ``run``            config -> profile, fabric, results and files; ``report``: CSV, markdown, PNGs
@@ -39,11 +42,12 @@ Assumptions, and where the model is known to be wrong
 
 - **One communication stream, FIFO.** Collectives never overlap each other, and run in issue order (NCCL on one
   communicator does this). Strategies that use several streams or communicators are not modelled.
-- **No contention between compute and communication.** Overlapped collectives cost backward nothing. On GPUs,
-  NCCL kernels occupy SMs (up to ~32 channels) and HBM bandwidth, so backward slows while they run; in the
-  published 2-GPU xl runs overlap and bucketed steps were ~0.1 s longer than compute + exposed communication
-  (``published``). On CPU (gloo) compute and communication share cores, which is worse. Overlapped strategies are
-  therefore optimistic, naive and flat are not.
+- **Contention: compute slowed beside communication, one constant per backend.** Compute placed while a collective
+  is in flight runs ``1 + s`` times slower (``contention``): gloo's threads take CPU cores, NCCL's kernels take SMs
+  and memory bandwidth. ``s`` is fitted (gloo: 1.0, the bound, on the CPU sweep's step times; NCCL: 0.36, on the
+  published 2-GPU PCIe runs' wait shares), not derived, and communication itself is never slowed by compute, so
+  overlapped strategies stay optimistic where the link is the bottleneck (the published overlapped steps are still
+  ~20 % longer than the model's; ``validate`` and ``published`` report the errors before and after).
 - **One protocol per message.** NCCL switches protocol (LL, LL128, Simple) and algorithm by message size, has a
   latency plateau for large multi-node rings, NVLink SHARP (NVLS) and CollNet/SHARP in-network reduction; we use
   one per-step latency and one bandwidth per link, and ``auto`` picks ring or tree per message. Small messages
@@ -54,8 +58,12 @@ Assumptions, and where the model is known to be wrong
   worse than ``pcie_gen4`` at 8 ranks.
 - **No stragglers.** All ranks compute the same time; in practice the slowest rank sets every collective's start,
   and jitter grows with the world size.
-- **Weak scaling, memory-blind.** The per-rank batch is fixed, so compute per rank does not change with ``n``.
-  Nothing checks that a strategy fits in memory (flat needs a gradient-sized buffer; zero1 saves optimizer state).
+- **Weak scaling; model-state memory only.** The per-rank batch is fixed, so compute per rank does not change with
+  ``n``. ``memory`` counts parameters, gradients, optimizer state and engine buffers per rank (not activations, the
+  same for every strategy), and the report calls a sharded strategy's saving free where its step is within 5 % of
+  ``ddp``'s (``report.NO_COST_TOLERANCE``); nothing checks that a strategy fits in a device.
+- **FSDP2 on one stream.** Its all-gathers and reduce-scatters run FIFO on the one communication stream (torch
+  uses two, sharing the link), at the parameters' training width (no ``MixedPrecisionPolicy``).
 - **The project's engines, not ideal algorithms.** Each strategy issues what its engine issues: the presence-flag
   all-reduce, one-tensor buckets in place, packing on the compute stream; ``zero1`` owns whole tensors and pads
   every rank's segment to the most loaded owner's, so beyond a few hundred ranks (more ranks than large tensors)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from lightning_ddp.projection.comm import ALGORITHMS, FABRICS, Fabric, get_fabric, read_fit
+from lightning_ddp.projection.contention import backend_contention
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
 from lightning_ddp.projection.strategies import STRATEGIES, check_settings, strategy_spec
 
@@ -31,6 +32,7 @@ __all__ = [
     "ProjectionConfig",
     "StudyConfig",
     "build_fabric",
+    "contention_of",
     "copy_bandwidth",
     "gpu_spec",
 ]
@@ -114,6 +116,10 @@ class NetworkConfig:
     """Overrides the preset's GPUs per node (two-level fabrics)."""
     call_overhead_us: Optional[float] = None
     """Overrides the fixed cost per collective, microseconds."""
+    contention: Optional[float] = None
+    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (0: communication costs compute
+    nothing). Default: the value fitted for the backend (``lightning_ddp/projection/contention.py``): gloo's for a
+    ``measured`` fit recorded on gloo, NCCL's (fitted on the published 2-GPU PCIe runs) for every preset."""
 
     def __post_init__(self) -> None:
         if self.preset != "measured" and self.preset not in FABRICS:
@@ -128,6 +134,9 @@ class NetworkConfig:
             raise ValueError(f"`network.gpus_per_node` must be >= 1, got {self.gpus_per_node}")
         if self.call_overhead_us is not None and self.call_overhead_us < 0:
             raise ValueError(f"`network.call_overhead_us` must be >= 0, got {self.call_overhead_us}")
+        if self.contention is not None and not self.contention >= 0:
+            raise ValueError(f"`network.contention` must be >= 0 or null (the fitted value), got {self.contention}; "
+                             "e.g. 0.3 for compute 30 % slower while a collective runs")
 
 
 @dataclass
@@ -241,6 +250,17 @@ def build_fabric(network: NetworkConfig) -> Fabric:
     if network.call_overhead_us is not None:
         fabric = fabric.with_changes(call_overhead_s=network.call_overhead_us * 1e-6)
     return fabric
+
+
+def contention_of(network: NetworkConfig) -> tuple[float, str]:
+    """``(s, where it comes from)`` for a ``NetworkConfig``: ``network.contention``, or the fitted value of its
+    backend (``contention.CONTENTION``: gloo for a ``measured`` fit recorded on gloo, NCCL otherwise)."""
+    if network.contention is not None:
+        return network.contention, "`network.contention`"
+    backend = "nccl"
+    if network.preset == "measured" and read_fit(network.fit_path).backend == "gloo":
+        backend = "gloo"
+    return backend_contention(backend), f"fitted for {backend} (`python -m lightning_ddp.projection.contention_fit`)"
 
 
 def gpu_spec(compute: ComputeConfig) -> GPUSpec:

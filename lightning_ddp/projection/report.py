@@ -19,11 +19,21 @@ from typing import Any, Sequence
 from lightning_ddp.bench.config import variant_strategy
 from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.projection.comm import Fabric
-from lightning_ddp.projection.config import copy_bandwidth
+from lightning_ddp.projection.config import contention_of, copy_bandwidth
 from lightning_ddp.projection.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
 from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
 
-__all__ = ["build_markdown", "write_csv", "write_plots"]
+__all__ = ["NO_COST_TOLERANCE", "SHARDED", "build_markdown", "memory_verdicts", "write_csv", "write_plots"]
+
+NO_COST_TOLERANCE = 0.05
+"""A sharded strategy's memory saving comes "at no step-time cost" at a world size when its projected step is at
+most ``1 + NO_COST_TOLERANCE`` times the baseline's (``ddp``, else the fastest unsharded strategy): within 5 %. Both
+sides come from the same model, so its shared errors (compute, link) largely cancel; 5 % is about the spread of
+the published 2-GPU runs between bucket sizes of one strategy (0.3-3 %) plus the contention model's residual
+error on overlapped strategies, well below the 15 % the model's absolute step times are held to."""
+
+SHARDED = ("zero1", "zero2", "fsdp2")
+"""Strategies that shard model state (the memory verdict's rows); the others replicate it."""
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
@@ -74,6 +84,8 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
         f"- **Gradients**: {len(profile.params)} tensors, {gb:.3f} GB per step.",
         f"- **Network** `{fabric.name}`: {fabric.description}. {fabric.describe()}.",
         f"- **Copies** (pack, unpack, casts): {_copy_text(config)}.",
+        "- **Contention**: compute runs {0:g} x slower while a collective is in flight (s = {1:g}, {2}).".format(
+            1 + contention_of(config.network)[0], *contention_of(config.network)),
         "",
         "## Step time (exposed communication share) per world size",
         "",
@@ -96,6 +108,7 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
             cells.append(text)
         lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
     lines += _fastest(best, names, sizes)
+    lines += _memory_section(best, names, sizes)
     bucketed = [s for s in names if _has_buckets(s)]
     if bucketed:
         lines += ["", "## Best bucket size per world size", "",
@@ -148,11 +161,16 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
             "gradient per step: memory-bound at small ranks); the launch latency of its small kernels (about ten, and two QR "
             f"factorisations, for each of the {matrices} compressed matrices here, issued from Python) is not, so it is "
             "optimistic where those matrices are small. It is lossy: a step of it is not worth a step of the exact ones.")
+    if any(r.strategy == "fsdp2" for r in results):
+        lines.append("- `fsdp2` runs its all-gathers and reduce-scatters on the one communication stream, in issue order; "
+                     "torch runs them on two streams that share the link, so where both are busy the model serialises "
+                     "what torch interleaves. Its all-gathers move the parameters at their training width (no "
+                     "`MixedPrecisionPolicy`).")
     lines += [
-        "- Compute and communication never slow each other down here; on real GPUs NCCL kernels take SMs and memory "
-        "bandwidth from backward, so overlapped strategies are optimistic (in the published 2-GPU xl runs over PCIe, "
-        "overlap and bucketed steps were 0.1-0.25 s longer than compute plus their exposed communication; "
-        "`python -m lightning_ddp.projection.published`).",
+        "- Compute beside a collective runs `1 + s` times slower (Inputs; `lightning_ddp/projection/contention.py` fits "
+        "`s` per backend). Communication itself is never slowed by compute, and NCCL's `s` was fitted on 2 GPUs over "
+        "PCIe: the published overlapped steps there were still 0.1-0.25 s longer than the model's "
+        "(`python -m lightning_ddp.projection.published`).",
         "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches protocol "
         "(LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small messages are "
         "priced roughly and in-network reduction is left out.",
@@ -182,6 +200,59 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
             ratios.append(f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-")
         size = f" @ {winner.bucket_size_mb:g} MiB" if winner.bucket_size_mb is not None else ""
         lines.append(f"| {n} | {winner.variant}{size} | {_ms(winner.step_ms)} | {ratios[0]} | {ratios[1]} |")
+    return lines
+
+
+def memory_verdicts(best: dict[tuple[str, int], StepResult], names: Sequence[str],
+                    sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """Per sharded strategy (``SHARDED``) and world size: its memory and step against the baseline's, and whether
+    the saving comes at no step-time cost (``NO_COST_TOLERANCE``)."""
+    out = []
+    for n in sizes:
+        unsharded = [best[(v, n)] for v in names if (v, n) in best and variant_strategy(v) not in SHARDED]
+        baseline = best.get(("ddp", n)) or min(unsharded, key=lambda r: r.step_ms, default=None)
+        if baseline is None or baseline.memory_bytes is None:
+            continue
+        for v in names:
+            r = best.get((v, n))
+            if r is None or variant_strategy(v) not in SHARDED or r.memory_bytes is None:
+                continue
+            slower = r.step_ms / baseline.step_ms - 1
+            saved = baseline.memory_bytes - r.memory_bytes
+            out.append({"variant": v, "world_size": n, "result": r, "baseline": baseline, "slower": slower,
+                        "saved_bytes": saved, "no_cost": saved > 0 and slower <= NO_COST_TOLERANCE})
+    return out
+
+
+def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
+    """Model-state memory per rank of every strategy, and the sharded strategies' verdicts."""
+    if not any(r.memory_bytes is not None for r in best.values()):
+        return []
+    lines = ["", "## Memory per rank against step time", "",
+             "Model-state memory per rank (parameters, gradients, AdamW state and the engine's buffers; activations "
+             "are the same for every strategy and left out: `lightning_ddp/projection/memory.py`), in GB, with each "
+             "strategy's step (bucketed ones at their best size).", "",
+             "| strategy | " + " | ".join(f"{n} ranks" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for name in names:
+        cells = []
+        for n in sizes:
+            r = best.get((name, n))
+            cells.append("" if r is None or r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}")
+        lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
+    verdicts = memory_verdicts(best, names, sizes)
+    if verdicts:
+        lines += ["", f"**Memory saving at no step-time cost**: a sharded strategy's step within "
+                  f"{100 * NO_COST_TOLERANCE:.0f} % of the baseline's (`ddp`, else the fastest unsharded strategy; "
+                  "`NO_COST_TOLERANCE` in `lightning_ddp/projection/report.py`).", "",
+                  "| world size | strategy | memory | saved vs baseline | step | vs baseline | verdict |",
+                  "|---:|---|---:|---:|---:|---:|---|"]
+        for v in verdicts:
+            r, b = v["result"], v["baseline"]
+            verdict = ("**saving at no step-time cost**" if v["no_cost"] else
+                       "no saving" if v["saved_bytes"] <= 0 else f"saving costs {100 * v['slower']:+.1f} % step time")
+            lines.append(f"| {v['world_size']} | {_title(v['variant'])} | {r.memory_bytes / 1e9:.2f} GB | "
+                         f"{v['saved_bytes'] / 1e9:.2f} GB ({100 * v['saved_bytes'] / b.memory_bytes:.0f} % of "
+                         f"{b.variant}'s) | {_ms(r.step_ms)} | {100 * v['slower']:+.1f} % | {verdict} |")
     return lines
 
 

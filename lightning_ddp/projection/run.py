@@ -24,7 +24,7 @@ from typing import Any, Optional
 from lightning_ddp.model_shapes import gpt_parameter_shapes  # re-exported: one source of the GPT's shapes
 from lightning_ddp.profile import ComputeProfile, read_profile, write_atomically, write_profile
 from lightning_ddp.projection.comm import Fabric
-from lightning_ddp.projection.config import build_fabric, copy_bandwidth, gpu_spec
+from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
 from lightning_ddp.projection.report import build_markdown, write_csv, write_plots
 from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
@@ -97,7 +97,7 @@ def run_projection(config) -> ProjectionOutcome:
         fabric.check_world_size(n)
     results = project(profile, fabric, config.study.strategies, config.study.world_sizes, config.study.bucket_sizes_mb,
                       copy_bandwidth(config.compute), config.study.engine_settings,
-                      profile_flops_per_s(config.compute, profile))
+                      profile_flops_per_s(config.compute, profile), contention_of(config.network)[0])
     best = best_by_world_size(results)
     rows = [result_row(r, fabric.nodes(r.world_size), best[(r.variant, r.world_size)] is r) for r in results]
     out_dir = Path(config.output.out_dir)
@@ -121,6 +121,7 @@ def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dic
         **git_state(),
         "config": dataclasses.asdict(config),
         "fabric": dataclasses.asdict(fabric),
+        "contention": dict(zip(("s", "source"), contention_of(config.network))),
         "compute_profile": {
             "source": profile.source, "device": profile.device, "forward_ms": profile.forward_ms,
             "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms, "params": len(profile.params),

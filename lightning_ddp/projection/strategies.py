@@ -40,7 +40,18 @@ powersgd``         the engine's rule) launches: the buffer copy, the gather of i
                    loaded rank sets the pace); pack the own parameters; all-gather; unpack every parameter
 ``ddp``            torch DDP: buckets in gradient-ready order, 1 MiB first then 25 MiB (``buckets.ddp_buckets``),
                    launched in bucket order; every bucket is copied in and out; no flags
+``zero2``          ZeRO-2 (NCCL's schedule): the bucketed engine's buckets, each packed into a buffer padded to
+                   ``n`` equal shards and reduce-scattered as soon as it fills (overlapped with backward); after
+                   backward the optimizer on the own ``1/n``, then per bucket the updated shard all-gathered
+                   (exposed) and copied out (``simulate_zero2``)
+``fsdp2``          torch ``fully_shard`` per transformer block and on the root (``transformer_blocks``): the
+                   root's and then each block's all-gather before its forward and again before its backward,
+                   issued one block ahead; each block's reduce-scatter after its backward (overlapped); the
+                   optimizer on the shard; nothing after (``simulate_fsdp2``)
 =================  ==========================================================================================
+
+Contention (``StepModel.contention``, ``s``; fitted per backend in ``contention``): compute placed while a collective
+is in flight runs ``1 + s`` times slower (``Timeline.advance``); the time it adds is ``StepResult.contention_ms``.
 
 Copies run on the compute stream at ``copy_bandwidth_Bps`` (bytes read + bytes written). The division by the
 world size is left out (one elementwise pass per gradient, fused into the copies or the kernel in practice), except
@@ -53,7 +64,9 @@ from Python.
 Outputs (``StepResult``): ``step_ms``; ``compute_only_ms`` (forward + backward + unsharded optimizer: the 1-GPU
 step); ``exposed_comm_ms = step_ms - compute_only_ms``, the communication (and copies) not hidden behind compute
 (for ``zero1`` it is net of the optimizer time sharding saves); ``comm_share = exposed / step``;
-``busy_comm_ms``, the time the communication stream is busy (collectives never overlap each other, so this is
+``contention_ms``, the compute time contention added (part of the exposed time); ``waited_comm_ms`` and
+``wait_share``, the exposed time without it (what a timer around the waits measures); ``busy_comm_ms``, the time
+the communication stream is busy (collectives never overlap each other, so this is
 their sum); ``overlap``, the fraction of it hidden behind compute; ``copy_ms``; ``calls``; ``comm_bytes`` (the sizes
 of all messages).
 
@@ -66,9 +79,11 @@ which are not registry algorithms, are the projection's own ``BASELINES``.
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import inspect
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence
@@ -94,6 +109,9 @@ __all__ = [
     "unmodelled_algorithms",
 ]
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+"""The collectives a schedule can issue (``StepModel.collective_ms``)."""
+
 PRESENCE_FLAG_BYTES = 4
 """Bytes per parameter of the gradient-presence all-reduce (one int32 flag each)."""
 
@@ -110,23 +128,56 @@ class Interval:
 
 
 class Timeline:
-    """The two streams of one step. Times in milliseconds."""
+    """The two streams of one step. Times in milliseconds.
 
-    def __init__(self) -> None:
+    ``contention`` (``s``, ``contention.py``): compute that runs while a collective is in flight advances at ``1 /
+    (1 + s)`` of its speed, so a compute interval of ``d`` ms entirely under communication lasts ``d (1 + s)``.
+    Collectives are issued by the compute stream in program order, so every collective that can overlap a compute
+    interval is already on the timeline when that interval is placed (the simulators place work in program order).
+    """
+
+    def __init__(self, contention: float = 0.0) -> None:
+        if not contention >= 0:
+            raise ValueError(f"contention must be >= 0 (compute slowed by 1 + s while a collective runs), got {contention!r}")
+        self.contention = contention
         self.intervals: list[Interval] = []
         self.comm_free_ms = 0.0
         self.busy_comm_ms = 0.0
         self.copy_ms = 0.0
+        self.contention_ms = 0.0
         self.calls = 0
         self.comm_bytes = 0
+        self._comm_spans: list[tuple[float, float]] = []  # busy spans of the comm stream, in time order
+        self._comm_ends: list[float] = []
+
+    def advance(self, start_ms: float, work_ms: float) -> float:
+        """When ``work_ms`` of compute started at ``start_ms`` ends, slowed by ``1 + contention`` while a collective
+        already on the timeline is in flight."""
+        if self.contention == 0 or work_ms <= 0:
+            return start_ms + max(work_ms, 0.0)
+        slow = 1.0 + self.contention
+        now, left = start_ms, work_ms
+        for a, b in self._comm_spans[bisect.bisect_right(self._comm_ends, start_ms):]:
+            if a > now:  # a gap with no collective: full speed
+                if left <= a - now:
+                    return now + left
+                left -= a - now
+                now = a
+            if left * slow <= b - now:
+                return now + left * slow
+            left -= (b - now) / slow
+            now = b
+        return now + left
 
     def compute(self, label: str, start_ms: float, duration_ms: float, copy: bool = False) -> float:
-        """Occupy the compute stream from ``start_ms`` for ``duration_ms``; returns the end."""
-        end = start_ms + duration_ms
-        if duration_ms > 0:
+        """Occupy the compute stream from ``start_ms`` for ``duration_ms`` of work (longer under contention);
+        returns the end."""
+        end = self.advance(start_ms, duration_ms)
+        if end > start_ms:
             self.intervals.append(Interval("compute", label, start_ms, end))
+        self.contention_ms += (end - start_ms) - max(duration_ms, 0.0)
         if copy:
-            self.copy_ms += duration_ms
+            self.copy_ms += max(duration_ms, 0.0)  # the work; its slowdown is in contention_ms
         return end
 
     def collective(self, label: str, issue_ms: float, duration_ms: float, nbytes: int) -> float:
@@ -134,6 +185,9 @@ class Timeline:
         start = max(issue_ms, self.comm_free_ms)
         end = start + duration_ms
         self.intervals.append(Interval("comm", label, start, end, int(nbytes)))
+        if end > start:
+            self._comm_spans.append((start, end))
+            self._comm_ends.append(end)
         self.comm_free_ms = end
         self.busy_comm_ms += duration_ms
         self.calls += 1
@@ -153,6 +207,9 @@ class StepModel:
     flops_per_s: Optional[float] = None
     """FLOP/s of arithmetic on the compute stream (PowerSGD's products and QR factorisations): the profile's
     forward + backward throughput (``run.profile_flops_per_s``); ``None``: only the bytes they move count."""
+    contention: float = 0.0
+    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``contention.py``: the fitted
+    values per backend and the command that fits them); 0: communication costs compute nothing."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -161,9 +218,22 @@ class StepModel:
             raise ValueError(f"copy_bandwidth_Bps must be > 0, got {self.copy_bandwidth_Bps}")
         if self.flops_per_s is not None and not self.flops_per_s > 0:
             raise ValueError(f"flops_per_s must be > 0 or None, got {self.flops_per_s}")
+        if not self.contention >= 0:
+            raise ValueError(f"contention must be >= 0, got {self.contention!r}; e.g. 0.3 for compute 30 % slower "
+                             "while a collective runs")
+
+    def timeline(self) -> Timeline:
+        """An empty timeline with this model's contention."""
+        return Timeline(self.contention)
 
     def all_reduce_ms(self, nbytes: float) -> float:
         return 1e3 * self.comm.all_reduce_s(nbytes, self.world_size)
+
+    def collective_ms(self, kind: str, nbytes: float) -> float:
+        """``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}; choose one of {', '.join(COLLECTIVES)}")
+        return getattr(self, f"{kind}_ms")(nbytes)
 
     def reduce_scatter_ms(self, nbytes: float) -> float:
         return 1e3 * self.comm.reduce_scatter_s(nbytes, self.world_size)
@@ -197,6 +267,10 @@ class StepResult:
     intervals: list[Interval] = field(default_factory=list, repr=False)
     settings: dict[str, Any] = field(default_factory=dict)
     """The engine settings it was simulated with (``simulate(..., **settings)``), e.g. ``{"rank": 4}``."""
+    contention_ms: float = 0.0
+    """Compute time added by the contention model (compute slowed while collectives run); part of ``exposed_comm_ms``."""
+    memory_bytes: Optional[int] = None
+    """Model-state bytes per rank (``projection.memory``); set by ``sweep.project``."""
 
     @property
     def variant(self) -> str:
@@ -212,6 +286,17 @@ class StepResult:
         return self.exposed_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
+    def waited_comm_ms(self) -> float:
+        """The time the compute stream waited for communication (and spent on copies): exposed minus contention.
+        What a timer around the waits measures (the CommTimer, the published runs' "grad all reduce")."""
+        return self.exposed_comm_ms - self.contention_ms
+
+    @property
+    def wait_share(self) -> float:
+        """``waited_comm_ms / step_ms``: the share a timer around the waits reports; ``comm_share`` without contention."""
+        return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
+
+    @property
     def overlap(self) -> float:
         """The fraction of communication hidden behind compute, ``1 - (exposed - copies) / busy`` clipped to [0, 1].
 
@@ -220,12 +305,12 @@ class StepResult:
         """
         if self.busy_comm_ms <= 0:
             return 0.0
-        return min(1.0, max(0.0, 1.0 - (self.exposed_comm_ms - self.copy_ms) / self.busy_comm_ms))
+        return min(1.0, max(0.0, 1.0 - (self.waited_comm_ms - self.copy_ms) / self.busy_comm_ms))
 
 
 def _result(name: str, bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
     return StepResult(name, bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
-                      t.copy_ms, t.calls, t.comm_bytes, t.intervals)
+                      t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
 
 
 def _forward_backward(model: StepModel, t: Timeline) -> tuple[float, float]:
@@ -249,7 +334,7 @@ def _optimizer(model: StepModel, t: Timeline, start_ms: float, fraction: float =
 
 
 def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t = Timeline()
+    t = model.timeline()
     _, cursor = _forward_backward(model, t)
     cursor = _presence_flags(model, t, cursor)
     for param in model.profile.params:  # parameters() order, one blocking call each
@@ -259,7 +344,7 @@ def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
 
 
 def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t = Timeline()
+    t = model.timeline()
     _, cursor = _forward_backward(model, t)
     cursor = _presence_flags(model, t, cursor)
     nbytes = model.profile.grad_bytes
@@ -272,13 +357,15 @@ def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> S
 @dataclass(frozen=True)
 class Op:
     """One step of a bucket's reduction: ``ms`` of work on the compute stream (``compute``: a buffer copy, a cast,
-    compression arithmetic; counted in ``copy_ms``, as the CommTimer counts them as pack/unpack time), or an
-    all-reduce of ``nbytes`` (``collective``)."""
+    compression arithmetic; counted in ``copy_ms``, as the CommTimer counts them as pack/unpack time), or a
+    collective (``op``: all-reduce unless said) of ``nbytes`` (``collective``)."""
 
     kind: Literal["compute", "collective"]
     label: str
     ms: float = 0.0
     nbytes: int = 0
+    op: str = "all_reduce"
+    """For a collective: ``all_reduce``, ``reduce_scatter`` or ``all_gather`` (``COLLECTIVES``)."""
 
 
 def _bucket_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
@@ -299,28 +386,35 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
 
 
 def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
-                     launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool) -> StepResult:
+                     launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool,
+                     optimizer_fraction: float = 1.0, after: Sequence[Op] = ()) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order; see the module docstring.
 
     ``launch[k]``: what launching bucket ``k`` does, in order (its compute delays the rest of backward; its
     collectives are issued, not waited for). ``finish[k]``: what waiting for it does once backward is over, in
-    bucket order, after every collective of its launch has ended (a collective here is waited for at once).
+    bucket order, after every collective of its launch has ended (a collective here is waited for at once). Then
+    the optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
+
+    Backward is placed piece by piece in program order (up to each launch), so that contention can slow the pieces
+    that run beside a collective.
     """
-    p, t = model.profile, Timeline()
+    p, t = model.profile, model.timeline()
 
     backward_start = t.compute("forward", 0.0, p.forward_ms)
-    shift = 0.0  # compute time inserted into backward by launching (it delays every later gradient)
-    previous_launch_done = backward_start
+    cursor = backward_start  # the compute stream
+    done = 0.0  # backward work done (ms of the profile's backward)
     comm_ends: list[float] = []
 
-    def run_launch(k: int, cursor: float) -> tuple[float, float]:
-        """Bucket ``k``'s launch from ``cursor``: (when the compute stream is free again, when its last collective ends)."""
+    def run(ops: Sequence[Op], cursor: float, wait: bool) -> tuple[float, float]:
+        """``ops`` from ``cursor``: (when the compute stream is free again, when the last collective ends)."""
         end = cursor
-        for op in launch[k]:
+        for op in ops:
             if op.kind == "compute":
                 cursor = t.compute(op.label, cursor, op.ms, copy=True)
             else:  # the stream runs collectives in issue order: the last one issued ends last
-                end = t.collective(op.label, cursor, model.all_reduce_ms(op.nbytes), op.nbytes)
+                end = t.collective(op.label, cursor, model.collective_ms(op.op, op.nbytes), op.nbytes)
+                if wait:
+                    cursor = end
         return cursor, end
 
     b = 0
@@ -328,27 +422,23 @@ def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float
         ready = [p.params[i].ready_ms for i in bucket]
         if any(r is None for r in ready):
             break  # a gradient that never comes: this bucket (and, in order, every later one) waits for the finish
-        start = max(backward_start + max(ready) + shift, previous_launch_done)
-        previous_launch_done, end = run_launch(b, start)
-        shift += sum(op.ms for op in launch[b] if op.kind == "compute")
+        if max(ready) > done:
+            cursor = t.compute("backward", cursor, max(ready) - done)
+            done = max(ready)
+        cursor, end = run(launch[b], cursor, wait=False)
         comm_ends.append(end)
     else:
         b = len(buckets)
-    t.compute("backward", backward_start, p.backward_span_ms)  # drawn as one interval; the launches sit inside it
-    cursor = max(backward_start + p.backward_span_ms + shift, previous_launch_done)
+    cursor = t.compute("backward", cursor, p.backward_span_ms - done)
     for late in range(b, len(buckets)):  # finish_gradient_synchronization: launch what backward did not
-        cursor, end = run_launch(late, cursor)
+        cursor, end = run(launch[late], cursor, wait=False)
         comm_ends.append(end)
     if presence_flags:
         cursor = _presence_flags(model, t, cursor)
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
-        cursor = max(cursor, end)
-        for op in finish[k]:
-            if op.kind == "compute":
-                cursor = t.compute(op.label, cursor, op.ms, copy=True)
-            else:
-                cursor = t.collective(op.label, cursor, model.all_reduce_ms(op.nbytes), op.nbytes)
-    return _result(name, bucket_size_mb, model, t, _optimizer(model, t, cursor))
+        cursor, _ = run(finish[k], max(cursor, end), wait=True)
+    cursor, _ = run(after, _optimizer(model, t, cursor, optimizer_fraction), wait=True)
+    return _result(name, bucket_size_mb, model, t, cursor)
 
 
 def _cap_bytes(bucket_size_mb: Optional[float]) -> Optional[int]:
@@ -420,7 +510,7 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
 
 
 def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    p, n, t = model.profile, model.world_size, Timeline()
+    p, n, t = model.profile, model.world_size, model.timeline()
     _, cursor = _forward_backward(model, t)
     cursor = _presence_flags(model, t, cursor)
     synced = [q for q in p.params if q.ready_ms is not None]
@@ -439,6 +529,163 @@ def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     cursor = t.collective("all-gather parameters", cursor, model.all_gather_ms(buffer), buffer)
     cursor = t.compute("unpack parameters", cursor, model.copy_ms(buffer + nbytes), copy=True)
     return _result("zero1", None, model, t, cursor)
+
+
+def _padded(numel: int, n: int) -> int:
+    """``numel`` rounded up to a multiple of ``n``: an element-wise shard of equal size on every rank."""
+    return -(-numel // n) * n
+
+
+def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
+    """ZeRO-2 (the module docstring's schedule): the bucketed engine's buckets, each packed into a flat buffer
+    padded to a multiple of ``n`` elements and reduce-scattered as soon as it fills (overlapped with the rest of
+    backward; each rank keeps ``1/n`` of the averaged gradients, so nothing is unpacked); after backward the
+    optimizer on the rank's ``1/n`` shard, then per bucket: the updated shard copied in, all-gathered into the
+    padded buffer (exposed: nothing is left to overlap), and copied out into the parameters."""
+    p, n = model.profile, model.world_size
+    params = p.params
+    buckets = _engine_buckets(params, bucket_size_mb)
+    launch, finish, after = [], [], []
+    padded_total = 0
+    for k, bucket in enumerate(buckets):
+        label = _bucket_label(model, bucket, k)
+        nbytes = sum(params[i].bytes for i in bucket)
+        numel = sum(params[i].numel for i in bucket)
+        element = nbytes / numel if numel else 4.0
+        padded = round(_padded(numel, n) * element)
+        padded_total += padded
+        launch.append([Op("compute", f"pack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0),
+                       Op("collective", f"{label} [reduce-scatter]", nbytes=padded, op="reduce_scatter")])
+        finish.append([])
+        after += [Op("compute", f"pack own shard {k}", model.copy_ms(2 * padded / n) if n > 1 else 0.0),
+                  Op("collective", f"{label} [all-gather]", nbytes=padded, op="all_gather"),
+                  Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
+    grad_bytes = sum(q.bytes for q in params)
+    fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
+    return _staged_schedule(model, "zero2", bucket_size_mb, buckets, launch=launch, finish=finish,
+                            presence_flags=_missing(model), optimizer_fraction=fraction, after=after)
+
+
+_BLOCK = re.compile(r"^(.*?\b[A-Za-z_]\w*\.\d+)\.")
+
+
+def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], list[list[int]]]:
+    """``(root, blocks)``: the indices of the parameters outside any block, and of each block's, in forward order.
+
+    A block is what a ``ModuleList`` holds: every parameter whose name starts with ``<name>.<index>.`` (e.g.
+    ``blocks.3.attn.qkv.weight``, ``model.blocks.3...``) belongs to block ``<name>.<index>``; ``fully_shard`` is
+    applied to each, and once more to the root for everything else (embeddings, final norm, ``lm_head``).
+
+    >>> transformer_blocks([ParamTiming("tok_emb.weight", 4, 16, None), ParamTiming("blocks.0.w", 4, 16, 2.0),
+    ...                     ParamTiming("blocks.1.w", 4, 16, 1.0), ParamTiming("lm_head.weight", 4, 16, 0.5)])
+    ([0, 3], [[1], [2]])
+    """
+    root: list[int] = []
+    blocks: dict[str, list[int]] = {}
+    for i, q in enumerate(params):
+        match = _BLOCK.match(q.name)
+        if match is None:
+            root.append(i)
+        else:
+            blocks.setdefault(match.group(1), []).append(i)
+    return root, list(blocks.values())
+
+
+def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) -> int:
+    """Bytes of the unsharded, padded buffer of ``indices``: each parameter split on dim 0 across ``n`` ranks as
+    ``fully_shard`` does (dim 0 padded to a multiple of ``n``; without a shape, its elements)."""
+    total = 0
+    for i in indices:
+        q = params[i]
+        element = q.bytes / q.numel if q.numel else 4.0
+        if q.shape:
+            rows = q.shape[0]
+            total += round(_padded(rows, n) * (q.numel // rows if rows else 0) * element)
+        else:
+            total += round(_padded(q.numel, n) * element)
+    return total
+
+
+def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
+    """FSDP2: torch's ``fully_shard`` on each transformer block and on the root (``transformer_blocks``).
+
+    Forward: the root's all-gather, then per block its all-gather, issued one block ahead (block ``i + 1``'s when
+    block ``i`` starts) and copied out of the gather buffer before the block runs; the root keeps its parameters
+    (the root is not resharded after forward), blocks reshard theirs. Backward: each block's all-gather again,
+    one block ahead (the last block's at the start of backward), its backward, its gradients copied into a
+    padded buffer and reduce-scattered (overlapped with the next block's backward); the root's reduce-scatter
+    after the whole backward. Then the optimizer on the shard (``1/n`` of the padded elements). Nothing after:
+    the next forward's all-gathers fetch the updated shards.
+
+    Block times come from the profile: a block's backward is the backward work between the previous block's
+    last gradient and its own (``ready_ms``), its forward the same share of ``forward_ms``; the root's split
+    around them (lm_head and final norm before the first block's backward, the embedding after the last).
+    """
+    p, n, t = model.profile, model.world_size, model.timeline()
+    params = p.params
+    root, blocks = transformer_blocks(params)
+    span = p.backward_span_ms
+    # the backward work done when each block's last gradient is ready; blocks backward in reverse forward order
+    ends = [max((params[i].ready_ms for i in b if params[i].ready_ms is not None), default=span) for b in blocks]
+    order = sorted(range(len(blocks)), key=lambda k: ends[k])  # backward order
+    head_end = max((params[i].ready_ms for i in root if params[i].ready_ms is not None
+                    and (not ends or params[i].ready_ms <= min(ends))), default=0.0)
+    backward_ms: dict[int, float] = {}
+    previous = head_end
+    for k in order:
+        backward_ms[k] = max(0.0, ends[k] - previous)
+        previous = max(previous, ends[k])
+    tail_ms = max(0.0, span - previous)  # the embedding's backward
+    scale = p.forward_ms / span if span > 0 else 0.0
+    gather = [_shard_bytes(params, b, n) for b in blocks]
+    root_bytes = _shard_bytes(params, root, n)
+    moved = [sum(params[i].bytes for i in b) for b in blocks]
+    root_moved = sum(params[i].bytes for i in root)
+
+    def copy(nbytes: float) -> float:
+        return model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
+
+    def all_gather(label: str, issue_ms: float, nbytes: int) -> float:
+        return t.collective(f"{label} [all-gather]", issue_ms, model.all_gather_ms(nbytes), nbytes)
+
+    # forward
+    cursor = 0.0
+    root_ready = all_gather("root", cursor, root_bytes) if root else 0.0
+    gathered = {0: all_gather(_group_label(params, blocks[0]), cursor, gather[0])} if blocks else {}
+    cursor = t.compute("copy out root", max(cursor, root_ready), copy(root_moved), copy=True)
+    cursor = t.compute("forward (embedding)", cursor, scale * tail_ms)
+    for k in range(len(blocks)):
+        if k + 1 < len(blocks):  # prefetch the next block's parameters
+            gathered[k + 1] = all_gather(_group_label(params, blocks[k + 1]), cursor, gather[k + 1])
+        cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
+        cursor = t.compute(f"forward block {k}", cursor, scale * backward_ms[k])
+    cursor = t.compute("forward (head)", cursor, scale * head_end)
+    # backward
+    gathered = {order[0]: all_gather(_group_label(params, blocks[order[0]]), cursor, gather[order[0]])} if blocks else {}
+    cursor = t.compute("backward (head)", cursor, head_end)
+    last_comm = cursor
+    for j, k in enumerate(order):
+        if j + 1 < len(order):
+            nxt = order[j + 1]
+            gathered[nxt] = all_gather(_group_label(params, blocks[nxt]), cursor, gather[nxt])
+        cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
+        cursor = t.compute(f"backward block {k}", cursor, backward_ms[k])
+        cursor = t.compute(f"copy in gradients {k}", cursor, copy(moved[k]), copy=True)
+        last_comm = t.collective(f"{_group_label(params, blocks[k])} [reduce-scatter]", cursor,
+                                 model.reduce_scatter_ms(gather[k]), gather[k])
+    cursor = t.compute("backward (embedding)", cursor, tail_ms)
+    if root:
+        cursor = t.compute("copy in root gradients", cursor, copy(root_moved), copy=True)
+        last_comm = t.collective("root [reduce-scatter]", cursor, model.reduce_scatter_ms(root_bytes), root_bytes)
+    cursor = max(cursor, last_comm)
+    total = sum(q.bytes for q in params)
+    fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
+    return _result("fsdp2", None, model, t, _optimizer(model, t, cursor, fraction))
+
+
+def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
+    match = _BLOCK.match(params[indices[0]].name)
+    return match.group(1) if match else params[indices[0]].name
 
 
 def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
@@ -561,9 +808,14 @@ class StrategySpec:
 BASELINES: dict[str, StrategySpec] = {
     "zero1": StrategySpec(simulate_zero1, False, "ZeRO-1: reduce-scatter, sharded optimizer, all-gather"),
     "ddp": StrategySpec(simulate_ddp, False, "torch DDP: 1 MiB then 25 MiB buckets in gradient-ready order"),
+    "zero2": StrategySpec(simulate_zero2, True, "ZeRO-2: each bucket reduce-scattered during backward, sharded "
+                          "optimizer, updated parameters all-gathered after it"),
+    "fsdp2": StrategySpec(simulate_fsdp2, False, "torch FSDP2 (fully_shard per block): parameters all-gathered "
+                          "per block before forward and backward, gradients reduce-scattered per block"),
 }
-"""The strategies the projection simulates that are not registry algorithms: ZeRO-1 (``zero1_ddp``, an optimizer
-on top of an engine) and torch DDP, the baseline."""
+"""The strategies the projection simulates that are not registry algorithms (or not yet): ZeRO-1 (``zero1_ddp``, an
+optimizer on top of an engine), torch DDP (the baseline), ZeRO-2 and torch FSDP2. A registry algorithm of the same
+name that names no ``projection`` model is projected with the one here."""
 
 
 def _load(path: str, name: str) -> Callable[..., StepResult]:
@@ -588,7 +840,7 @@ def projected_strategies() -> dict[str, StrategySpec]:
 
 def unmodelled_algorithms() -> list[str]:
     """Registered algorithms without a projection model (the report names them "not projected")."""
-    return [a.name for a in ALGORITHMS.values() if a.projection is None]
+    return [a.name for a in ALGORITHMS.values() if a.projection is None and a.name not in BASELINES]
 
 
 class _Strategies(Mapping):

@@ -15,27 +15,30 @@ from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 from lightning_ddp.bench.config import format_settings, setting_combinations
 from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import CommCost, Fabric, MeasuredFit, read_fit
+from lightning_ddp.projection.memory import state_bytes
 from lightning_ddp.projection.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
 
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
 
 COLUMNS: tuple[str, ...] = (
     "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms", "exposed_comm_ms", "comm_share",
-    "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket",
+    "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket", "contention_ms", "memory_gb",
 )
 """results.csv columns: per strategy, engine settings (e.g. ``rank=4``; empty: the defaults), world size and bucket
 size (empty for strategies without one); ``best_bucket`` is ``true`` on the bucket size with the shortest step for
-its strategy, settings and world size."""
+its strategy, settings and world size; ``contention_ms``: compute time added by the contention model
+(``contention``); ``memory_gb``: model-state GB per rank (``memory.state_bytes``)."""
 
 
 def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], world_sizes: Sequence[int],
             bucket_sizes_mb: Sequence[float], copy_bandwidth_Bps: float,
             engine_settings: Mapping[str, Mapping[str, Sequence[Any]]] | None = None,
-            flops_per_s: Optional[float] = None) -> list[StepResult]:
+            flops_per_s: Optional[float] = None, contention: float = 0.0) -> list[StepResult]:
     """Simulate every strategy at every world size (and every bucket size for those that take one, and every
     combination of ``engine_settings[strategy]``, ``{setting: [values]}``, for those given some).
 
-    ``flops_per_s``: the compute stream's arithmetic throughput (``StepModel.flops_per_s``)."""
+    ``flops_per_s``: the compute stream's arithmetic throughput (``StepModel.flops_per_s``); ``contention``:
+    compute slowed by ``1 + contention`` while a collective runs (``StepModel.contention``)."""
     engine_settings = engine_settings or {}
     for name in strategies:
         strategy_spec(name)  # an unknown or unmodelled name fails before anything is simulated
@@ -43,11 +46,14 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
             check_settings(name, settings)
     results = []
     for n in world_sizes:
-        model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s)
+        model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
         for name in strategies:
             sizes: Iterable[Optional[float]] = bucket_sizes_mb if strategy_spec(name).has_bucket_size else [None]
-            results.extend(simulate(name, model, size, **settings) for size in sizes
-                           for settings in setting_combinations(engine_settings.get(name)))
+            for size in sizes:
+                for settings in setting_combinations(engine_settings.get(name)):
+                    result = simulate(name, model, size, **settings)
+                    result.memory_bytes = state_bytes(name, model, size, settings)
+                    results.append(result)
     return results
 
 
@@ -80,6 +86,8 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
         "calls": result.calls,
         "comm_bytes": result.comm_bytes,
         "best_bucket": "true" if best and result.bucket_size_mb is not None else "",
+        "contention_ms": round(result.contention_ms, 4),
+        "memory_gb": "" if result.memory_bytes is None else round(result.memory_bytes / 1e9, 4),
     }
 
 

@@ -550,12 +550,13 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == COLUMNS
-    # world sizes x (5 strategies without buckets + 3 with 3 sizes each: bucketed, bucketed_bf16, bucketed_powersgd)
-    assert len(rows) == 3 * (5 + 3 * 3)
+    # world sizes x (6 strategies without buckets: naive, flat, overlap, zero1, ddp, fsdp2 + 4 with 3 sizes each:
+    # bucketed, bucketed_bf16, bucketed_powersgd, zero2)
+    assert len(rows) == 3 * (6 + 4 * 3)
     naive2 = next(r for r in rows if r["strategy"] == "naive" and r["world_size"] == "2")
     # measured fit at 2 ranks: 1 ms + bytes / (1 GB/s) per call: flags (12 B) + 1, 2, 3 MiB; compute 45 ms
     assert float(naive2["step_ms"]) == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3)
-    assert sum(r["best_bucket"] == "true" for r in rows) == 3 * 3  # one best size per bucketed strategy and world size
+    assert sum(r["best_bucket"] == "true" for r in rows) == 3 * 4  # one best size per bucketed strategy and world size
     markdown = (out / "results.md").read_text()
     assert "# tiny test" in markdown and "## Best bucket size per world size" in markdown
     for png in ("share_vs_world.png", "step_vs_bucket.png"):
@@ -564,7 +565,7 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     assert environment["config"]["network"]["preset"] == "measured" and environment["fabric"]["name"] == "measured"
     assert read_profile(out / "compute_profile.json") == three_params()
     assert not list(out.glob("*.tmp"))  # written atomically
-    assert "42 cells" in capsys.readouterr().out
+    assert "54 cells" in capsys.readouterr().out
 
 
 def test_predict_cells_for_the_lead(tmp_path):
@@ -618,7 +619,7 @@ def test_the_projection_reads_its_models_from_the_registry():
 
     built_in = ["naive", "flat", "overlap", "bucketed", "bucketed_bf16", "bucketed_powersgd"]
     assert all(ALGORITHMS[name].projection for name in built_in)
-    assert list(STRATEGIES) == [*[a for a in ALGORITHMS if ALGORITHMS[a].projection], "zero1", "ddp"]
+    assert list(STRATEGIES) == [*[a for a in ALGORITHMS if ALGORITHMS[a].projection], "zero1", "ddp", "zero2", "fsdp2"]
     for name in built_in:  # each model loads, runs, and its result carries the algorithm's name
         size = 4.0 if ALGORITHMS[name].has_bucket_size else None
         assert simulate(name, model(), size).strategy == name
@@ -694,3 +695,106 @@ def test_a_registered_algorithm_without_a_model_is_named_in_the_error_and_the_re
     assert main([*base, "--study.strategies", "[naive]"]) == 0
     (line,) = [line for line in (tmp_path / "results.md").read_text().splitlines() if "Not projected:" in line]
     assert "`toy_unmodelled`" in line  # with any other unmodelled algorithm registered
+
+
+# ---- ZeRO-2, FSDP2, memory, contention --------------------------------------------------------------------------
+
+
+class InfiniteComm:
+    """Every collective is free (infinite bandwidth, no latency)."""
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        return 0.0
+
+    reduce_scatter_s = all_gather_s = broadcast_s = all_reduce_s
+
+
+def blocks_profile() -> ComputeProfile:
+    """A root (embedding first, lm_head last in parameters() order) and two blocks of 1 MiB each, fp32 vectors.
+
+    Backward (30 ms): lm_head ready at 5 ms, block 1 at 15, block 0 at 25, the embedding at 30; forward 10 ms,
+    optimizer 8 ms: a compute-only step of 48 ms.
+    """
+    names = ("tok_emb.weight", "blocks.0.w", "blocks.1.w", "lm_head.weight")
+    ready = (30.0, 25.0, 15.0, 5.0)
+    params = [ParamTiming(name, MiB // 4, MiB, r, (MiB // 4,)) for name, r in zip(names, ready)]
+    return ComputeProfile(10.0, 30.0, 8.0, tuple(params), source="hand-made", world_size=2)
+
+
+@pytest.mark.parametrize("name,size", [("zero2", 1.0), ("fsdp2", None)])
+def test_sharded_strategies_on_one_rank_communicate_nothing(name, size):
+    # one rank: every collective of a fabric lasts 0 and there is nothing to copy: the compute-only step
+    r = simulate(name, StepModel(blocks_profile(), MeasuredFit(1e-3, 1e9).fabric(), 1, 6 * MiB * 1e3), size)
+    assert r.busy_comm_ms == 0 and r.step_ms == pytest.approx(48.0)
+
+
+@pytest.mark.parametrize("name,size", [("zero2", 1.0), ("fsdp2", None)])
+def test_sharded_strategies_with_free_communication_cost_compute_plus_optimizer_over_n(name, size):
+    # infinite bandwidth and copies: forward 10 + backward 30 + optimizer 8 / 4 ranks (4 MiB divide evenly)
+    r = simulate(name, StepModel(blocks_profile(), InfiniteComm(), 4, 1e30), size)
+    assert r.step_ms == pytest.approx(10 + 30 + 8 / 4)
+
+
+def test_zero2_reduce_scatters_each_bucket_during_backward_and_all_gathers_after_the_optimizer():
+    r = simulate("zero2", model(), 4.0)
+    comm = [(i.label, i.start_ms, i.end_ms) for i in r.intervals if i.stream == "comm"]
+    # buckets as bucketed at 4 MiB: [c] (3 MiB), [b, a] (3 MiB); each packed (1 ms), then reduce-scattered (4 ms)
+    assert comm[0] == ("c [reduce-scatter]", pytest.approx(21), pytest.approx(25))  # c ready at 20, packed
+    assert comm[1] == ("bucket 1 (2 tensors) [reduce-scatter]", pytest.approx(42), pytest.approx(46))  # 40 + 1 + 1
+    # optimizer on half (2.5 ms) from 46; per bucket: own 1.5 MiB in (0.5 ms), all-gather 4 ms, unpack 1 ms
+    assert comm[2][0] == "c [all-gather]" and comm[2][1] == pytest.approx(46 + 2.5 + 0.5)
+    assert r.step_ms == pytest.approx(46 + 2.5 + 2 * (0.5 + 4 + 1))
+
+
+def test_fsdp2_exposes_at_least_the_first_all_gather_and_gathers_every_block_twice():
+    m = StepModel(blocks_profile(), LinearComm(), 2, 6 * MiB * 1e3)
+    r = simulate("fsdp2", m)
+    gathers = [i for i in r.intervals if i.stream == "comm" and i.label.endswith("[all-gather]")]
+    scatters = [i.label for i in r.intervals if i.stream == "comm" and i.label.endswith("[reduce-scatter]")]
+    # the root's all-gather (2 MiB: 3 ms) opens the step; each block is gathered for forward and again for backward
+    assert [g.label for g in gathers] == ["root [all-gather]", "blocks.0 [all-gather]", "blocks.1 [all-gather]",
+                                          "blocks.1 [all-gather]", "blocks.0 [all-gather]"]
+    assert scatters == ["blocks.1 [reduce-scatter]", "blocks.0 [reduce-scatter]", "root [reduce-scatter]"]
+    assert r.exposed_comm_ms >= gathers[0].end_ms - gathers[0].start_ms == pytest.approx(3.0)
+
+
+def test_contention_slows_only_the_compute_beside_a_collective():
+    t = __import__("lightning_ddp.projection.strategies", fromlist=["Timeline"]).Timeline(contention=1.0)
+    t.collective("x", 10.0, 4.0, 0)  # in flight over [10, 14]
+    # 10 ms of work from 5: 5 ms alone to 10, then 4 ms of wall at half speed (2 ms of work), then 3 ms alone
+    assert t.compute("backward", 5.0, 10.0) == pytest.approx(17.0) and t.contention_ms == pytest.approx(2.0)
+    # with s = 0.36 fitted for NCCL, an overlapped strategy's step grows and its wait shrinks by the same or less
+    plain = simulate("overlap", model())
+    slowed = simulate("overlap", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=0.36))
+    assert slowed.step_ms >= plain.step_ms and slowed.contention_ms > 0
+    assert slowed.waited_comm_ms <= plain.waited_comm_ms + 1e-9
+    # naive overlaps nothing: contention changes nothing
+    assert simulate("naive", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=1.0)).step_ms == \
+        pytest.approx(simulate("naive", model()).step_ms)
+
+
+def test_memory_per_rank_shrinks_with_sharding():
+    from lightning_ddp.projection.memory import state_bytes
+
+    p = blocks_profile()  # 4 MiB of fp32 parameters
+    at = {n: StepModel(p, LinearComm(), n, 1e12) for n in (2, 4)}
+    # ddp: parameters, gradients, 2 AdamW states and the reducer's buckets: 5 x 4 MiB
+    assert state_bytes("ddp", at[4]) == 5 * 4 * MiB
+    # zero2 at 4 ranks, one 4 MiB bucket: parameters 4 MiB + gradient shard 1 + the bucket twice 8 + state 2 + shard 1
+    assert state_bytes("zero2", at[4], 4.0) == (4 + 1 + 8 + 2 + 1) * MiB
+    # fsdp2 at 4 ranks: shard 1 + root (2) and both blocks (2) unsharded + gradient shard 1 + one block 1 + state 2
+    assert state_bytes("fsdp2", at[4]) == (1 + 4 + 1 + 1 + 2) * MiB
+    assert state_bytes("fsdp2", at[4]) < state_bytes("fsdp2", at[2]) < state_bytes("ddp", at[2])
+
+
+def test_the_fitted_contention_reproduces_from_the_committed_data():
+    from lightning_ddp.projection import contention, contention_fit
+
+    # python -m lightning_ddp.projection.contention_fit: gloo on the CPU sweep's step times, NCCL on the published runs'
+    # wait shares; CONTENTION must hold what the committed data give
+    assert contention_fit.fit_gloo(REPO / "benchmarks/results/cpu") == contention.CONTENTION["gloo"]
+    assert contention_fit.fit_nccl() == contention.CONTENTION["nccl"]
+    # and it is a fit, not a constant: a loss with its minimum elsewhere moves it
+    assert contention.fit_contention(lambda s: (s - 0.5) ** 2) == 0.5
+    with pytest.raises(ValueError, match="no fitted contention"):
+        contention.backend_contention("mpi")

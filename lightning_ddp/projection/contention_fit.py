@@ -1,0 +1,68 @@
+"""``python -m lightning_ddp.projection.contention_fit``: fit the contention ``s`` per backend from the committed data.
+
+The recipe and the fitted values are in ``contention`` (``CONTENTION``); this module runs the fits: gloo on the CPU
+sweep's step times (``validate.validate_cells``), NCCL on the published 2-GPU runs' wait shares
+(``published.published_pairs``). Paste what it prints into ``contention.CONTENTION``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_BATCH, _mean_squared_log, fit_contention
+from lightning_ddp.projection.published import published_pairs
+from lightning_ddp.projection.validate import _read_csv, validate_cells
+
+__all__ = ["fit_gloo", "fit_nccl", "gloo_cells", "main"]
+
+
+def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
+    """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
+    sweep = Path(sweep)
+    rows = _read_csv(sweep / "results.csv")
+    profiles = json.loads((sweep / "profiles.json").read_text(encoding="utf-8"))
+    return validate_cells(rows, profiles, sweep / "bucket_prediction.json", copy_GBps * 1e9, contention)
+
+
+def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
+    """``s`` for gloo, fitted on the step time of the CPU sweep's batch-``FIT_BATCH`` cells."""
+    sweep = Path(sweep)
+    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
+        if not (sweep / name).is_file():
+            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json and "
+                             "bucket_prediction.json (e.g. benchmarks/results/cpu)")
+
+    def loss(s: float) -> float:
+        return _mean_squared_log([(c["predicted_step_ms"], c["measured_step_ms"])
+                                  for c in gloo_cells(sweep, s, copy_GBps) if c["batch_size"] == FIT_BATCH])
+
+    return fit_contention(loss)
+
+
+def fit_nccl() -> float:
+    """``s`` for NCCL, fitted on the wait share of the published 2-GPU xl runs of batch ``FIT_BATCH`` (``pcie_gen4``)."""
+    return fit_contention(lambda s: statistics.fmean((c.predicted["pcie_gen4"][2] - c.run.ratio) ** 2
+                                                     for c, _, _ in published_pairs(s, held_out=False)))
+
+
+def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:
+    """Fit ``s`` per backend from the committed data and print it (paste it into ``CONTENTION``).
+
+    Args:
+        sweep: The CPU sweep directory (gloo's fit).
+    """
+    fitted = {"gloo": fit_gloo(sweep), "nccl": fit_nccl()}
+    print(f"CONTENTION = {fitted!r}")
+    if fitted != CONTENTION:
+        print(f"(lightning_ddp/projection/contention.py holds {CONTENTION!r}: update it)", file=sys.stderr)
+    return fitted
+
+
+if __name__ == "__main__":
+    from jsonargparse import auto_cli
+
+    auto_cli(main, prog="python -m lightning_ddp.projection.contention_fit")
