@@ -34,6 +34,7 @@ from jsonargparse import lazy_instance, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
@@ -68,6 +69,7 @@ SUBCOMMANDS = ("fit", "validate", "test")
 
 class LightningDDPCLI(LightningCLI):
     @staticmethod
+    @override
     def subcommands() -> dict[str, set[str]]:
         """LightningCLI's subcommands and the ``Trainer`` method arguments each skips, ``SUBCOMMANDS`` only."""
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
@@ -84,6 +86,22 @@ class LightningDDPCLI(LightningCLI):
             help="Before fit starts, estimate one rank's peak memory (lightning_ddp.memory) and refuse a run that "
             "cannot fit, naming the fixes. false skips the check. validate and test never run it (forward only).",
         )
+
+    @override
+    def before_validate(self) -> None:
+        self._require_split("validate")
+
+    @override
+    def before_test(self) -> None:
+        self._require_split("test")
+
+    def _require_split(self, stage: str) -> None:
+        # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
+        try:
+            self.datamodule.check_has_split(stage)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)

@@ -24,6 +24,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 from lightning_ddp.model import GPT, get_config
 
@@ -99,25 +100,32 @@ class LitGPT(pl.LightningModule):
             self.log("train/tokens_per_s", tokens / (now - self._last_batch_end))
         self._last_batch_end = now
 
+    @override
     def on_validation_start(self) -> None:
         # The next training batch's throughput would count the validation's time: leave it out.
         self._last_batch_end = None
 
+    @override
     def on_validation_epoch_start(self) -> None:
         self._start_eval_epoch()
 
+    @override
     def on_test_epoch_start(self) -> None:
         self._start_eval_epoch()
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch)
 
+    @override
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch)
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self._log_eval_epoch("val")
 
+    @override
     def on_test_epoch_end(self) -> None:
         self._log_eval_epoch("test")
 

@@ -208,11 +208,12 @@ class LMDataModule(LightningDataModule):
     # ---- setup: build the datasets and check the files -----------------------------------------
 
     def setup(self, stage: str | None = None) -> None:
+        stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn, a str enum
         # The checks need the world size, known only once the trainer is attached.
         if stage in ("fit", None):
             self._check_enough_for_one_batch()
-        if stage in ("validate", "test"):  # evaluating with no held-out data would silently do nothing
-            self._check_has_split(_STAGE_SPLITS[stage][0], stage)
+        if stage in ("validate", "test"):
+            self.check_has_split(stage)
         for split in _STAGE_SPLITS.get(stage, ()):
             self._check_every_rank_gets_a_sample(split)
 
@@ -277,7 +278,10 @@ class LMDataModule(LightningDataModule):
         train = dataset if num_train == num_windows else Subset(dataset, range(num_train))
         return train, (val if len(val) else None), (test if len(test) else None)
 
-    def _check_has_split(self, split: str, stage: str) -> None:
+    def check_has_split(self, stage: str) -> None:
+        """Refuse ``validate`` or ``test`` (``stage``) when its split is missing: it would evaluate nothing and exit
+        as if it had. Raises ``ValueError`` naming the flags that add one."""
+        split = _STAGE_SPLITS[stage][0]
         if getattr(self, f"{split}_dataset") is not None:
             return
         samples, fraction, path = _SPLIT_FLAGS[split]
