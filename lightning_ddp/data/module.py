@@ -296,11 +296,16 @@ class LMDataModule(LightningDataModule):
         dataset = getattr(self, f"{split}_dataset")
         world_size = self.trainer.world_size if self.trainer is not None else 1
         if dataset is not None and len(dataset) < world_size:
-            samples, fraction, _ = _SPLIT_FLAGS[split]
-            flag = samples if self.source in GENERATED_SOURCES else fraction
+            samples, fraction, path = _SPLIT_FLAGS[split]
+            if self.source in GENERATED_SOURCES:
+                fix = f"raise {samples} to at least {world_size}"
+            elif getattr(self, f"{split}_path") is not None:
+                fix = f"use a {path} file of at least {world_size} windows of --data.seq_len + 1 tokens"
+            else:
+                fix = f"raise {fraction}"
             raise ValueError(
                 f"the {split} split has {len(dataset)} samples, fewer than the {world_size} ranks: some rank would "
-                f"get none; raise {flag} (at least {world_size} samples)."
+                f"get none; {fix}."
             )
 
     def _check_enough_for_one_batch(self) -> None:

@@ -511,7 +511,7 @@ def test_a_split_smaller_than_the_world_is_refused():
     module = LMDataModule(val_samples=1)
     module.trainer = _FakeTrainer(world_size=2)
     # One sample over 2 ranks leaves rank 1 none: it would not join the epoch-end all-reduce of the loss.
-    with pytest.raises(ValueError, match=r"val split has 1 samples, fewer than the 2 ranks.*--data\.val_samples"):
+    with pytest.raises(ValueError, match=r"val split has 1 samples, fewer than the 2 ranks.*raise --data\.val_samples to at least 2"):
         module.setup("validate")
 
 
