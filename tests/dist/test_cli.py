@@ -220,3 +220,18 @@ def test_fit_validates_through_every_kind_of_strategy(tmp_path: Path) -> None:
         assert losses[name] < scalars["train/loss"][0][1], (name, scalars["train/loss"])
     assert losses["zero1_ddp"] == pytest.approx(losses["bucketed_ddp"], abs=1e-4), losses
     assert losses["ddp"] == pytest.approx(losses["bucketed_ddp"], abs=1e-4), losses
+
+
+@pytest.mark.multiprocess
+def test_validate_a_checkpoint_reproduces_the_fits_last_validation(tmp_path: Path) -> None:
+    # fit 2 steps, validating after the last one and checkpointing; `validate --ckpt_path` of that checkpoint
+    # evaluates the same weights on the same 8 walks, so it must log the same val/loss (measured equal to all
+    # printed digits: 8.974589 both). The model trained 2 steps is no longer uniform, so this is not 9.21 twice.
+    fit = _eval_metrics(tmp_path, "fit", "fit", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+                        "--data.val_samples", "8", "--trainer.enable_checkpointing", "true")
+    (checkpoint,) = sorted((tmp_path / "fit").rglob("*.ckpt"))
+    validated = _eval_metrics(tmp_path, "validate", "validate", "--data.val_samples", "8",
+                              "--ckpt_path", str(checkpoint))
+    ((_, after_fit),), ((_, from_checkpoint),) = fit["val/loss"], validated["val/loss"]
+    assert from_checkpoint == pytest.approx(after_fit, abs=1e-5)
+    assert after_fit < math.log(10_000) - 0.1
