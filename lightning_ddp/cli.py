@@ -1,5 +1,11 @@
 """``python -m lightning_ddp fit --config configs/quickstart.yaml``: a thin LightningCLI.
 
+Subcommands: ``fit`` (train; validates where the trainer's ``val_check_interval`` says), ``validate`` (``val/loss``
+and ``val/ppl`` on the held-out validation split) and ``test`` (``test/loss``, ``test/ppl`` on the test split);
+``--ckpt_path`` evaluates a checkpoint's weights. The splits are described in ``lightning_ddp.data``. There is no
+``predict``: a language model's predictions need a sampling loop this toolkit does not have; asking for it (or any
+other subcommand) prints the supported ones and exits 2.
+
 The CLI only wires things together; each knob is documented where it is defined (``LitGPT``,
 ``LMDataModule``, the strategies and callbacks), and jsonargparse turns those docstrings into ``--help``.
 The ``CommTimer`` callback is always added (section ``timer:``), and so is the ``TraceRecorder`` (section ``trace:``,
@@ -10,7 +16,9 @@ off until ``--trace.enabled true``). Two arguments are linked rather than set tw
 
 Before ``fit`` starts anything, a memory pre-flight (``lightning_ddp.memory``) estimates one rank's peak from the
 config and refuses a run that cannot fit its GPU (or its share of the host's RAM on CPU), with the breakdown and
-the fixes; ``--preflight false`` skips it.
+the fixes; ``--preflight false`` skips it. ``validate`` and ``test`` skip it: the estimate models training
+(gradients, optimizer state, activations kept for backward), several times what a forward pass without gradients
+holds, so it would refuse evaluations that fit.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from jsonargparse import lazy_instance, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
@@ -54,8 +63,17 @@ warnings.filterwarnings("ignore", message="Total length of `list` across ranks i
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
+#: The subcommands this CLI runs; LightningCLI's ``predict`` is left out (see the module docstring).
+SUBCOMMANDS = ("fit", "validate", "test")
+
 
 class LightningDDPCLI(LightningCLI):
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """LightningCLI's subcommands and the ``Trainer`` method arguments each skips, ``SUBCOMMANDS`` only."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Always on: every run reports its communication share. Configure under `timer:` (enabled, warmup_steps).
         parser.add_lightning_class_args(CommTimer, "timer")
@@ -66,8 +84,24 @@ class LightningDDPCLI(LightningCLI):
         parser.add_argument(
             "--preflight", type=bool, default=True,
             help="Before fit starts, estimate one rank's peak memory (lightning_ddp.memory) and refuse a run that "
-            "cannot fit, naming the fixes. false skips the check.",
+            "cannot fit, naming the fixes. false skips the check. validate and test never run it (forward only).",
         )
+
+    @override
+    def before_validate(self) -> None:
+        self._require_split("validate")
+
+    @override
+    def before_test(self) -> None:
+        self._require_split("test")
+
+    def _require_split(self, stage: str) -> None:
+        # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
+        try:
+            self.datamodule.check_has_split(stage)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -282,7 +316,26 @@ def check_memory(config) -> None:
     check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
 
 
+def check_subcommand(args: list[str] | None) -> None:
+    """An unsupported subcommand (``predict``, a typo) gets one line naming the supported ones and exit code 2.
+
+    jsonargparse would answer ``predict`` with the whole usage text and an "invalid choice"; this says what to run.
+    Only the first argument is looked at, where the subcommand goes; options such as ``--help`` pass through.
+    """
+    first = (sys.argv[1:] if args is None else args)[:1]
+    if not first or first[0].startswith("-") or first[0] in SUBCOMMANDS:
+        return
+    why = ""
+    if first[0] == "predict":
+        why = " (a language model's predictions need a sampling loop this toolkit does not have)"
+    print(f"error: `{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: "
+          f"{', '.join(SUBCOMMANDS)}; e.g. python -m lightning_ddp validate --config configs/quickstart.yaml",
+          file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(args: list[str] | None = None) -> LightningDDPCLI:
+    check_subcommand(args)
     register_strategies()  # `trainer.strategy: <name>_ddp` for every registered algorithm
     try:
         return LightningDDPCLI(

@@ -2,6 +2,17 @@
 
 Everything about *how gradients are synchronised* lives in the strategy (``lightning_ddp.strategies``);
 this module is deliberately ignorant of it, so swapping the strategy in YAML changes nothing here.
+
+Evaluation (``validate``, ``test``, and validation during ``fit``) logs, once per epoch of the held-out split:
+
+==============  ==============================================================================================
+key             what it is
+==============  ==============================================================================================
+``val/loss``    mean next-token cross-entropy (nats) over every token of the validation split, all ranks'
+                shards together (``test/loss`` for ``test``)
+``val/ppl``     perplexity, ``exp(val/loss)``: of the mean loss, not a mean of per-batch perplexities
+                (``test/ppl``)
+==============  ==============================================================================================
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 from lightning_ddp.model import GPT, get_config
 
@@ -57,6 +69,9 @@ class LitGPT(pl.LightningModule):
         )
         self.model = GPT(self.config)
         self._last_batch_end: float | None = None
+        # (sum of token losses, token count) of this rank's shard in the current evaluation epoch, float64 so the
+        # sum of many batches loses nothing.
+        self._eval_totals: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -85,10 +100,54 @@ class LitGPT(pl.LightningModule):
             self.log("train/tokens_per_s", tokens / (now - self._last_batch_end))
         self._last_batch_end = now
 
+    @override
+    def on_validation_start(self) -> None:
+        # The next training batch's throughput would count the validation's time: leave it out.
+        self._last_batch_end = None
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._start_eval_epoch()
+
+    @override
+    def on_test_epoch_start(self) -> None:
+        self._start_eval_epoch()
+
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val/loss", loss, sync_dist=True, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        self._eval_step(batch)
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval_epoch("val")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_eval_epoch("test")
+
+    def _start_eval_epoch(self) -> None:
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        assert self._eval_totals is not None, "the epoch-start hook runs first"
+        tokens = batch[1].numel()
+        loss = self._loss(batch)  # mean over the batch's tokens
+        self._eval_totals += torch.stack([loss.detach().double() * tokens, loss.new_tensor(tokens, dtype=torch.float64)])
+
+    def _log_eval_epoch(self, stage: str) -> None:
+        # One all-reduce of (loss sum, tokens) over the ranks' shards: the mean over every held-out token, exactly
+        # (Lightning's per-step sync_dist would give the same mean, but not the perplexity of it).
+        totals = self.trainer.strategy.reduce(self._eval_totals, reduce_op="sum")
+        loss = (totals[0] / totals[1]).float()
+        # The value is already the same on every rank; sync_dist=True only says so to Lightning, which otherwise
+        # warns that an epoch-level metric was not synchronised (averaging equal values changes nothing).
+        self.log(f"{stage}/loss", loss, sync_dist=True, prog_bar=True)
+        self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
+        self._eval_totals = None
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -73,6 +73,8 @@ def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]
                 command = [
                     sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
                     "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+                    # No validation inside the measured window (the quickstart validates at step 40).
+                    "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
                     "--timer.enabled", "true" if mode == "on" else "false",
                     "--trainer.logger.init_args.save_dir", str(Path(tmp) / "logs"),
                     "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",

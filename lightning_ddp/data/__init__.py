@@ -21,8 +21,18 @@ cut into non-overlapping windows: window ``i`` starts at token ``i * seq_len``, 
 tokens holds ``(n - 1) // seq_len`` samples (neighbouring windows share one token: the last target
 of window ``i`` is the first input of window ``i + 1``).
 
-Validation: either a separate file (``--data.val_path``) or the last ``val_fraction`` of the
-windows, which are then removed from the training set.
+Held-out splits, for validation (``validate``, and during ``fit``) and ``test``:
+
+- generated sources: ``--data.val_samples`` and ``--data.test_samples`` samples (256 each by default), each
+  split a stream of its own drawn from the same seed (``synthetic``: generator seeds hashed from
+  ``(seed, split, i)``; ``markov``: other walks on the same chain). They never repeat a training sample and do
+  not change with ``--data.num_samples``.
+- files: a separate file (``--data.val_path``, ``--data.test_path``), or held-out tails of ``--data.path``: its
+  windows are cut ``[train | val | test]`` by ``--data.val_fraction`` and ``--data.test_fraction`` (0 by default:
+  no split), and the held-out windows are removed from the training set.
+
+Each rank evaluates its own shard of a split (samples ``r, r + world, ...``, in order); the loss is averaged
+over all of them (``LitGPT``).
 
 Rank-disjointness: the training loader carries its own ``ResumableDistributedSampler`` (a
 ``DistributedSampler``, so Lightning keeps it rather than injecting another). With ``world`` ranks it
@@ -53,6 +63,7 @@ from lightning_ddp.data.sampler import ResumableDistributedSampler
 from lightning_ddp.data.sources import (
     BYTE_VOCAB_SIZE,
     MAX_MARKOV_SUCCESSORS,
+    SPLITS,
     TOKEN_DTYPES,
     MarkovTokens,
     SyntheticTokens,
@@ -70,6 +81,7 @@ __all__ = [
     "MAX_MARKOV_SUCCESSORS",
     "MarkovTokens",
     "ResumableDistributedSampler",
+    "SPLITS",
     "SyntheticTokens",
     "TOKEN_DTYPES",
     "TextBytes",

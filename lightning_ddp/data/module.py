@@ -1,5 +1,6 @@
-"""``LMDataModule``: the ``--data.*`` arguments, checked when it is built; the datasets of one source; the loaders
-with a ``ResumableDistributedSampler``; and the position in the data that a checkpoint saves.
+"""``LMDataModule``: the ``--data.*`` arguments, checked when it is built; the datasets of one source (training and
+the held-out validation and test splits); the loaders with a ``ResumableDistributedSampler`` (training) or a plain
+rank-sharding ``DistributedSampler`` (evaluation); and the position in the data that a checkpoint saves.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import os
 from typing import Literal
 
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from lightning_ddp.data.sampler import ResumableDistributedSampler
 from lightning_ddp.data.sources import (
@@ -28,6 +29,13 @@ __all__ = ["DEFAULT_VOCAB_SIZE", "GENERATED_SOURCES", "LMDataModule"]
 GENERATED_SOURCES = ("synthetic", "markov")
 #: Vocabulary of ``synthetic``, ``markov`` and ``tokens`` when ``--data.vocab_size`` is not given.
 DEFAULT_VOCAB_SIZE = 10_000
+#: What each evaluation split is called on the command line (``validate`` reads ``val``, ``test`` reads ``test``).
+_SPLIT_FLAGS = {
+    "val": ("--data.val_samples", "--data.val_fraction", "--data.val_path"),
+    "test": ("--data.test_samples", "--data.test_fraction", "--data.test_path"),
+}
+#: The held-out splits each Lightning stage reads (``None``: the caller may run any of them).
+_STAGE_SPLITS = {"fit": ("val",), "validate": ("val",), "test": ("test",), None: ("val", "test")}
 
 
 class LMDataModule(LightningDataModule):
@@ -43,8 +51,15 @@ class LMDataModule(LightningDataModule):
         path: Training file; required for ``tokens`` and ``text``.
         val_path: Separate validation file, same format as ``path``. Leave unset to hold out
             ``val_fraction`` of the training windows instead.
-        val_fraction: Fraction of the training windows, taken from the end of the data, held out
-            for validation. 0 means no validation.
+        val_fraction: Files only: fraction of the windows of ``path``, taken from its end (before the test
+            windows), held out for validation and never trained on. 0 means no validation.
+        test_path: Separate test file (for ``test``), same format as ``path``; or hold out ``test_fraction``.
+        test_fraction: Files only: fraction of the windows of ``path``, taken from its very end, held out for
+            ``test``. 0 means no test split.
+        val_samples: Generated sources only: samples held out for validation, drawn from a seed stream of their
+            own (same seed, same Markov chain, never a training sample). 0 means no validation.
+        test_samples: Generated sources only: samples held out for ``test``, from yet another stream. 0 means
+            no test split.
         token_dtype: Element type of a ``tokens`` file: ``uint16`` (vocabularies up to 65,536) or
             ``int32``.
         vocab_size: Vocabulary size; every token id must be below it. Defaults to 10,000 for
@@ -70,6 +85,10 @@ class LMDataModule(LightningDataModule):
         path: str | None = None,
         val_path: str | None = None,
         val_fraction: float = 0.0,
+        test_path: str | None = None,
+        test_fraction: float = 0.0,
+        val_samples: int = 256,
+        test_samples: int = 256,
         token_dtype: Literal["uint16", "int32"] = "uint16",
         vocab_size: int | None = None,
         batch_size: int = 4,
@@ -86,6 +105,10 @@ class LMDataModule(LightningDataModule):
         self.path = path
         self.val_path = val_path
         self.val_fraction = val_fraction
+        self.test_path = test_path
+        self.test_fraction = test_fraction
+        self.val_samples = val_samples
+        self.test_samples = test_samples
         self.token_dtype = token_dtype
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -102,6 +125,7 @@ class LMDataModule(LightningDataModule):
         self.vocab_size: int = self._resolve_vocab_size(vocab_size)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
         self._build_datasets()
 
     # ---- construction-time checks of the arguments -------------------------------------
@@ -120,39 +144,50 @@ class LMDataModule(LightningDataModule):
             ("batch_size", self.batch_size, 1),
             ("seq_len", self.seq_len, 1),
             ("num_samples", self.num_samples, 1),
+            ("val_samples", self.val_samples, 0),
+            ("test_samples", self.test_samples, 0),
             ("num_workers", self.num_workers, 0),
         ):
             if value < minimum:
                 raise ValueError(f"--data.{flag} is {value}; set --data.{flag} to at least {minimum}.")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"--data.vocab_size is {vocab_size}; set it to at least 1.")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(
-                f"--data.val_fraction is {self.val_fraction}; it must be in [0, 1) (0 = no validation)."
-            )
+        for split in ("val", "test"):
+            fraction = getattr(self, f"{split}_fraction")
+            if not 0.0 <= fraction < 1.0:
+                raise ValueError(
+                    f"--data.{split}_fraction is {fraction}; it must be in [0, 1) (0 = no {split} split)."
+                )
         if self.context_length is not None and self.seq_len > self.context_length:
             raise ValueError(
                 f"--data.seq_len {self.seq_len} exceeds the model's context length "
                 f"{self.context_length}; lower --data.seq_len or raise --model.context_length."
             )
-        if self.val_path is not None and self.val_fraction > 0:
-            raise ValueError(
-                "both --data.val_path and --data.val_fraction are set; use a separate validation "
-                "file or a held-out fraction, not both."
-            )
+        for split in ("val", "test"):
+            if getattr(self, f"{split}_path") is not None and getattr(self, f"{split}_fraction") > 0:
+                raise ValueError(
+                    f"both --data.{split}_path and --data.{split}_fraction are set; use a separate {split} "
+                    "file or a held-out fraction, not both."
+                )
         if self.source in GENERATED_SOURCES:
-            for flag, value in (("path", self.path), ("val_path", self.val_path)):
+            for flag, value in (("path", self.path), ("val_path", self.val_path), ("test_path", self.test_path)):
                 if value is not None:
                     raise ValueError(
                         f"--data.{flag} is set but --data.source is {self.source}, which reads no file; "
                         f"set --data.source tokens or text, or drop --data.{flag}."
+                    )
+            for split in ("val", "test"):
+                if getattr(self, f"{split}_fraction") > 0:
+                    raise ValueError(
+                        f"--data.{split}_fraction is for files; --data.source {self.source} generates its held-out "
+                        f"samples from a stream of their own: set --data.{split}_samples instead."
                     )
             return
         if self.path is None:
             raise ValueError(
                 f"--data.source {self.source} reads a file; set --data.path to the training file."
             )
-        for flag, value in (("path", self.path), ("val_path", self.val_path)):
+        for flag, value in (("path", self.path), ("val_path", self.val_path), ("test_path", self.test_path)):
             if value is not None and not os.path.isfile(value):
                 raise FileNotFoundError(
                     f"--data.{flag} {value!r} does not exist (or is not a file); set --data.{flag} "
@@ -173,7 +208,14 @@ class LMDataModule(LightningDataModule):
     # ---- setup: build the datasets and check the files -----------------------------------------
 
     def setup(self, stage: str | None = None) -> None:
-        self._check_enough_for_one_batch()  # needs the world size, known only once the trainer is attached
+        stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn, a str enum
+        # The checks need the world size, known only once the trainer is attached.
+        if stage in ("fit", None):
+            self._check_enough_for_one_batch()
+        if stage in ("validate", "test"):
+            self.check_has_split(stage)
+        for split in _STAGE_SPLITS.get(stage, ()):
+            self._check_every_rank_gets_a_sample(split)
 
     def _build_datasets(self) -> None:
         # Done at construction, before the Trainer starts: a bad file then fails before any process is launched
@@ -185,13 +227,15 @@ class LMDataModule(LightningDataModule):
                 self.num_samples, self.seq_len, self.vocab_size, self.seed, successors=self.markov_successors
             )
         else:
-            train = self._open_file(self.path)
-        if self.val_path is not None:
-            self.train_dataset, self.val_dataset = train, self._open_file(self.val_path)
-        elif self.val_fraction > 0:
-            self.train_dataset, self.val_dataset = self._split_tail(train)
-        else:
-            self.train_dataset = train
+            self.train_dataset, self.val_dataset, self.test_dataset = self._file_splits(self._open_file(self.path))
+            return
+        # Generated: each held-out split is its own stream of the same seed (the same Markov chain), so it does not
+        # change with --data.num_samples and never repeats a training sample.
+        self.train_dataset = train
+        if self.val_samples > 0:
+            self.val_dataset = train.held_out("val", self.val_samples)
+        if self.test_samples > 0:
+            self.test_dataset = train.held_out("test", self.test_samples)
 
     def _open_file(self, path: str) -> TokenFile:
         if self.source == "text":
@@ -211,22 +255,58 @@ class LMDataModule(LightningDataModule):
             )
         return dataset
 
-    def _split_tail(self, dataset: Dataset) -> tuple[Subset, Subset]:
-        """Hold out the last ``val_fraction`` of the windows (at least one) for validation."""
+    def _file_splits(self, dataset: TokenFile) -> tuple[Dataset, Dataset | None, Dataset | None]:
+        """(train, val, test) of a file source: separate files, or held-out tails of the windows of ``path``.
+
+        The windows are cut ``[train | val | test]``: the last ``test_fraction`` of them (at least one) for test,
+        the ``val_fraction`` before those for validation, the rest for training.
+        """
         num_windows = len(dataset)
-        num_val = math.ceil(num_windows * self.val_fraction)
-        num_train = num_windows - num_val
+        num_val = math.ceil(num_windows * self.val_fraction) if self.val_path is None else 0
+        num_test = math.ceil(num_windows * self.test_fraction) if self.test_path is None else 0
+        num_train = num_windows - num_val - num_test
         if num_train < 1:
             raise ValueError(
-                f"--data.val_fraction {self.val_fraction} of {num_windows} samples leaves none for "
-                "training; lower --data.val_fraction or use more data."
+                f"--data.val_fraction {self.val_fraction} and --data.test_fraction {self.test_fraction} of "
+                f"{num_windows} samples leave none for training; lower them or use more data."
             )
-        # A contiguous tail (not a random subset) keeps validation text unseen in training, apart
-        # from the single token at the boundary that ends the last training window.
-        return (
-            Subset(dataset, range(num_train)),
-            Subset(dataset, range(num_train, num_windows)),
-        )
+        # Contiguous tails (not random subsets) keep held-out text unseen in training, apart from the single
+        # token at each boundary that ends the last window before it.
+        val_end = num_train + num_val
+        val = self._open_file(self.val_path) if self.val_path else Subset(dataset, range(num_train, val_end))
+        test = self._open_file(self.test_path) if self.test_path else Subset(dataset, range(val_end, num_windows))
+        train = dataset if num_train == num_windows else Subset(dataset, range(num_train))
+        return train, (val if len(val) else None), (test if len(test) else None)
+
+    def check_has_split(self, stage: str) -> None:
+        """Refuse ``validate`` or ``test`` (``stage``) when its split is missing: it would evaluate nothing and exit
+        as if it had. Raises ``ValueError`` naming the flags that add one."""
+        split = _STAGE_SPLITS[stage][0]
+        if getattr(self, f"{split}_dataset") is not None:
+            return
+        samples, fraction, path = _SPLIT_FLAGS[split]
+        if self.source in GENERATED_SOURCES:
+            fix = f"set {samples} above 0"
+        else:
+            fix = f"set {fraction} (a held-out tail of --data.path) or {path} (a separate file)"
+        raise ValueError(f"`{stage}` needs a {split} split, but this data has none: {fix}.")
+
+    def _check_every_rank_gets_a_sample(self, split: str) -> None:
+        # Each rank evaluates its own shard; a rank with none would not join the epoch-end all-reduce of the loss.
+        dataset = getattr(self, f"{split}_dataset")
+        world_size = self.trainer.world_size if self.trainer is not None else 1
+        if dataset is not None and len(dataset) < world_size:
+            samples, fraction, path = _SPLIT_FLAGS[split]
+            if self.source in GENERATED_SOURCES:
+                fix = f"raise {samples} to at least {world_size}"
+            elif getattr(self, f"{split}_path") is not None:
+                fix = f"use a {path} file of at least {world_size} windows of --data.seq_len + 1 tokens"
+            else:
+                fix = f"raise {fraction}"
+            raise ValueError(
+                f"the {split} split has {len(dataset)} samples, fewer than the {world_size} ranks: some rank would "
+                f"get none; {fix}."
+            )
 
     def _check_enough_for_one_batch(self) -> None:
         # drop_last=True would silently yield zero training steps; say so instead.
@@ -280,14 +360,25 @@ class LMDataModule(LightningDataModule):
             self._resume_position = (int(state_dict["epoch"]), int(state_dict["batches_done"]))
 
     def val_dataloader(self) -> DataLoader | list:
-        if self.val_dataset is None:
-            # Lightning 2.x reads an empty list as "no validation" and skips the loop (it warns
-            # once that the total length is zero; that is expected here).
+        # Lightning 2.x reads an empty list as "no validation" and skips the loop during fit (it warns once that
+        # the total length is zero; that is expected here). `validate` without a split stops in setup().
+        return self._eval_dataloader(self.val_dataset)
+
+    def test_dataloader(self) -> DataLoader | list:
+        return self._eval_dataloader(self.test_dataset)
+
+    def _eval_dataloader(self, dataset: Dataset | None) -> DataLoader | list:
+        if dataset is None:
             return []
+        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        # Rank r evaluates samples r, r + world, r + 2 * world, ... in order; the last len % world samples are left
+        # out, so every rank runs the same number of batches and none is counted twice (Lightning's own sampler
+        # would pad the shards by repeating samples). A DistributedSampler, so Lightning keeps it.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
         return DataLoader(
-            self.val_dataset,
+            dataset,
             batch_size=self.batch_size,
-            shuffle=False,
+            sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

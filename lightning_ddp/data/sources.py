@@ -8,6 +8,7 @@ Generated, no file (sample ``i`` depends only on ``(seed, i)``): ``SyntheticToke
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset
 __all__ = [
     "BYTE_VOCAB_SIZE",
     "MAX_MARKOV_SUCCESSORS",
+    "SPLITS",
     "TOKEN_DTYPES",
     "MarkovTokens",
     "SyntheticTokens",
@@ -36,26 +38,52 @@ MAX_MARKOV_SUCCESSORS = 64
 # Tokens read per step when scanning a file for out-of-range ids: 4M tokens (8-16 MB) keeps the
 # scan's memory small however large the memory-mapped file is.
 _SCAN_CHUNK_TOKENS = 1 << 22
+#: The splits of a generated source, each its own stream of samples drawn from the same seed.
+SPLITS = ("train", "val", "test")
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}.")
+
+
+def _held_out_seed(seed: int, split: str, index: int) -> int:
+    """The generator seed of sample ``index`` of a held-out split: a 64-bit hash of ``(seed, split, index)``.
+
+    ``SeedSequence`` mixes its entropy words, so these seeds are unrelated to the training stream's small integers
+    ``seed * 1_000_003 + index``: that one of ``V`` held-out seeds lands among ``N`` training seeds has probability
+    ``V * N / 2**64``, about 1e-12 for 256 and 100,000.
+    """
+    words = [seed % 2**64, SPLITS.index(split), index]
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0])
 
 
 class SyntheticTokens(Dataset):
     """Uniform random token windows, reproducible per sample.
 
-    Sample ``i`` comes from a ``torch.Generator`` seeded with ``seed * 1_000_003 + i``, so it
-    depends only on ``(seed, i)``: not on access order, worker, or rank.
+    Sample ``i`` of the training split comes from a ``torch.Generator`` seeded with ``seed * 1_000_003 + i``, so
+    it depends only on ``(seed, i)``: not on access order, worker, or rank. The held-out splits (``val``,
+    ``test``) seed sample ``i`` with a hash of ``(seed, split, i)`` instead: other samples, as reproducible.
 
     Args:
         num_samples: Number of samples (the dataset's length).
         seq_len: Tokens per sample input ``x`` (and target ``y``).
         vocab_size: Tokens are drawn uniformly from ``[0, vocab_size)``.
         seed: Seed of the whole dataset; a different seed gives different samples.
+        split: Which stream of samples: ``train``, ``val`` or ``test``.
     """
 
-    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0, split: str = "train") -> None:
+        _check_split(split)
         self.num_samples = num_samples
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.seed = seed
+        self.split = split
+
+    def held_out(self, split: str, num_samples: int) -> SyntheticTokens:
+        """The ``split`` (``val`` or ``test``) of this dataset: ``num_samples`` samples of its own stream."""
+        return _other_split(self, split, num_samples)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -63,8 +91,11 @@ class SyntheticTokens(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
-        # A prime multiplier keeps (seed, i) -> generator seed one-to-one for any realistic size.
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        if self.split == "train":
+            # A prime multiplier keeps (seed, i) -> generator seed one-to-one for any realistic size.
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        else:
+            generator = torch.Generator().manual_seed(_held_out_seed(self.seed, self.split, index))
         window = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=generator)
         return window[:-1], window[1:]
 
@@ -80,8 +111,9 @@ class MarkovTokens(Dataset):
     3. a walk starts at a token drawn with the same weights and moves to one of the current token's
        successors, each with probability ``1 / successors``.
 
-    Sample ``i`` is the walk drawn from a generator seeded with ``(seed, i)``, so, as for
-    ``SyntheticTokens``, it depends only on ``(seed, i)``: not on access order, worker or rank.
+    Sample ``i`` is the walk drawn from a generator seeded with ``(seed, split, i)``, so, as for
+    ``SyntheticTokens``, it depends only on ``(seed, i)``: not on access order, worker or rank. Every split walks
+    the same chain (built from ``seed`` alone); ``val`` and ``test`` draw their walks from streams of their own.
 
     What loss to expect: given the current token, the next one is uniform over ``successors`` tokens,
     so no model can beat ``ln(successors)`` nats per token (1.39 for the default 4): that is the
@@ -102,6 +134,7 @@ class MarkovTokens(Dataset):
         zipf_exponent: How skewed the token frequencies are. 0 makes all tokens equally likely, which
             is far slower to learn, every row of the chain being as rare as the others: in the
             quickstart's 40 steps the loss then only gets from 9.2 to 8.1.
+        split: Which walks: ``train``, ``val`` or ``test`` (the same chain, other walks).
     """
 
     def __init__(
@@ -112,7 +145,9 @@ class MarkovTokens(Dataset):
         seed: int = 0,
         successors: int = 4,
         zipf_exponent: float = 1.0,
+        split: str = "train",
     ) -> None:
+        _check_split(split)
         if not 1 <= successors <= min(vocab_size, MAX_MARKOV_SUCCESSORS):
             raise ValueError(
                 f"--data.markov_successors is {successors}; set it between 1 and "
@@ -124,9 +159,12 @@ class MarkovTokens(Dataset):
         self.vocab_size = vocab_size
         self.seed = seed
         self.successors = successors
+        self.split = split
         # SeedSequence takes non-negative integers only; seed mod 2**64 is one-to-one for any 64-bit seed.
         self._entropy = seed % 2**64
-        # Stream 0 builds the chain, stream 1 draws the walks: [entropy, stream, index] never repeats.
+        # Stream 0 builds the chain, streams 1, 2, 3 draw the train, val and test walks: [entropy, stream, index]
+        # never repeats.
+        self._walk_stream = 1 + SPLITS.index(split)
         rng = np.random.default_rng([self._entropy, 0, 0])
         ranking = rng.permutation(vocab_size)  # ranking[r] is the token of Zipf rank r + 1
         weights = 1.0 / np.arange(1, vocab_size + 1, dtype=np.float64) ** zipf_exponent
@@ -140,13 +178,20 @@ class MarkovTokens(Dataset):
         rank = min(int(np.searchsorted(self._cdf, uniform, side="right")), self.vocab_size - 1)
         return int(self._ranking[rank])
 
+    def held_out(self, split: str, num_samples: int) -> MarkovTokens:
+        """The ``split`` (``val`` or ``test``) of this dataset: ``num_samples`` other walks on the same chain (shared,
+        not rebuilt)."""
+        other = _other_split(self, split, num_samples)
+        other._walk_stream = 1 + SPLITS.index(split)
+        return other
+
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
-        rng = np.random.default_rng([self._entropy, 1, index])
+        rng = np.random.default_rng([self._entropy, self._walk_stream, index])
         start = self._draw_by_weight(rng.random())
         choices = rng.integers(0, self.successors, size=self.seq_len).tolist()
         # A walk is sequential: one table lookup per token, ~0.5 us each (~70 us for 128 tokens).
@@ -156,6 +201,15 @@ class MarkovTokens(Dataset):
             window.append(int(table[window[-1], choice]))
         window = torch.tensor(window, dtype=torch.int64)
         return window[:-1], window[1:]
+
+
+def _other_split(dataset: SyntheticTokens | MarkovTokens, split: str, num_samples: int):
+    _check_split(split)
+    if split == "train":
+        raise ValueError("held_out() gives a held-out split: 'val' or 'test', not 'train'.")
+    other = copy.copy(dataset)  # shallow: a Markov chain's tables are shared, never written
+    other.split, other.num_samples = split, num_samples
+    return other
 
 
 def _distinct_weighted_draws(rng: np.random.Generator, cdf: np.ndarray, rows: int, per_row: int) -> np.ndarray:

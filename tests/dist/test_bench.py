@@ -221,6 +221,8 @@ def test_cell_command_sets_the_axes_and_the_strategy(tmp_path) -> None:
     assert args["--data.batch_size"] == "2" and args["--data.seq_len"] == "64" and args["--model.context_length"] == "64"
     assert args["--trainer.max_steps"] == str(config.run.warmup_steps + config.run.steps)
     assert args["--timer.warmup_steps"] == str(config.run.warmup_steps)
+    # The quickstart (the base config) validates every 40 steps; a cell never does, nor runs a sanity check.
+    assert args["--trainer.limit_val_batches"] == "0" and args["--trainer.num_sanity_val_steps"] == "0"
     assert json.loads(args["--trainer.strategy"]) == {
         "class_path": "lightning_ddp.strategies.GradSyncStrategy",
         "init_args": {"algorithm": "bucketed", "process_group_backend": "gloo", "bucket_size_mb": 1.0},

@@ -394,3 +394,138 @@ def test_write_token_file_refuses_ids_that_do_not_fit(tmp_path):
     # uint16 holds 0..65,535; writing 70,000 would silently wrap to 4,464 without this check.
     with pytest.raises(ValueError, match="does not fit uint16.*dtype='int32'"):
         write_token_file(tmp_path / "x.bin", [70_000])
+
+
+# ---- held-out splits of the generated sources ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["synthetic", "markov"])
+def test_generated_held_out_splits_are_disjoint_sized_and_deterministic(source):
+    kwargs = dict(source=source, vocab_size=1000, seq_len=16, num_samples=64, val_samples=24, test_samples=16)
+    module = LMDataModule(seed=5, **kwargs)
+    assert (len(module.train_dataset), len(module.val_dataset), len(module.test_dataset)) == (64, 24, 16)
+
+    def windows(dataset) -> set[tuple[int, ...]]:
+        return {tuple(dataset[i][0].tolist()) for i in range(len(dataset))}
+
+    train, val, test = windows(module.train_dataset), windows(module.val_dataset), windows(module.test_dataset)
+    # Every sample is distinct (16 tokens out of 1000 agreeing by chance: never), so 104 distinct windows in all:
+    # no held-out sample repeats a training sample or one of the other split.
+    assert len(train) == 64 and len(val) == 24 and len(test) == 16
+    assert train.isdisjoint(val) and train.isdisjoint(test) and val.isdisjoint(test)
+    # The same seed rebuilds the same splits; another seed gives other ones.
+    again = LMDataModule(seed=5, **kwargs)
+    assert windows(again.val_dataset) == val and windows(again.test_dataset) == test
+    assert windows(LMDataModule(seed=6, **kwargs).val_dataset).isdisjoint(val)
+    # A split is its own stream: it does not move when the training set grows.
+    bigger = LMDataModule(seed=5, **{**kwargs, "num_samples": 1000})
+    assert windows(bigger.val_dataset) == val
+
+
+def test_markov_held_out_splits_walk_the_training_chain():
+    module = LMDataModule(source="markov", vocab_size=500, seq_len=64, num_samples=8, val_samples=8, seed=2)
+    train, val = module.train_dataset, module.val_dataset
+    assert val.next_tokens is train.next_tokens  # shared, not rebuilt: the same distribution to evaluate on
+    # Every transition of a validation walk is one of the chain's 4 successors of its token.
+    for token, following in _transitions(val, range(8)):
+        assert following in train.next_tokens[token]
+
+
+def test_held_out_split_of_a_dataset_refuses_train():
+    with pytest.raises(ValueError, match="'val' or 'test', not 'train'"):
+        SyntheticTokens(8, 4, 10).held_out("train", 4)
+    with pytest.raises(ValueError, match="split 'dev' is not one of train, val, test"):
+        SyntheticTokens(8, 4, 10, split="dev")
+
+
+def test_generated_sources_take_sample_counts_not_fractions():
+    with pytest.raises(ValueError, match=r"--data\.val_fraction is for files.*set --data\.val_samples instead"):
+        LMDataModule(source="markov", val_fraction=0.1)
+    with pytest.raises(ValueError, match=r"set --data\.test_samples to at least 0"):
+        LMDataModule(test_samples=-1)
+
+
+# ---- held-out splits of files ----------------------------------------------------------------------------------
+
+
+def test_val_and_test_fractions_cut_train_val_test_tails(tmp_path):
+    path = tmp_path / "train.bin"
+    write_token_file(path, np.arange(201))  # (201 - 1) // 4 = 50 windows, window i starts at token 4 i
+    module = LMDataModule(source="tokens", path=str(path), vocab_size=201, seq_len=4, val_fraction=0.1,
+                          test_fraction=0.2)
+    # ceil(50 * 0.2) = 10 test windows at the very end (40..49), ceil(50 * 0.1) = 5 val windows before them
+    # (35..39), 35 for training (0..34).
+    starts = {name: [int(getattr(module, f"{name}_dataset")[i][0][0]) for i in range(n)]
+              for name, n in (("train", 35), ("val", 5), ("test", 10))}
+    assert (len(module.train_dataset), len(module.val_dataset), len(module.test_dataset)) == (35, 5, 10)
+    assert starts["train"] == [4 * i for i in range(35)]
+    assert starts["val"] == [4 * i for i in range(35, 40)]
+    assert starts["test"] == [4 * i for i in range(40, 50)]
+
+
+def test_test_path_gives_a_separate_test_set(tmp_path):
+    write_token_file(tmp_path / "train.bin", np.arange(41))
+    write_token_file(tmp_path / "test.bin", np.arange(100, 113))
+    module = LMDataModule(source="tokens", path=str(tmp_path / "train.bin"), test_path=str(tmp_path / "test.bin"),
+                          vocab_size=200, seq_len=4)
+    # The whole training file trains; (13 - 1) // 4 = 3 test windows from the other file, no validation split.
+    assert len(module.train_dataset) == 10 and len(module.test_dataset) == 3 and module.val_dataset is None
+    assert module.test_dataset[0][0].tolist() == [100, 101, 102, 103]
+
+
+def test_fractions_that_leave_no_training_window(tmp_path):
+    path = tmp_path / "train.bin"
+    write_token_file(path, np.arange(21))  # 5 windows: ceil(5 * 0.5) + ceil(5 * 0.5) = 6 held out
+    with pytest.raises(ValueError, match=r"of 5 samples leave none for training"):
+        LMDataModule(source="tokens", path=str(path), vocab_size=21, seq_len=4, val_fraction=0.5, test_fraction=0.5)
+
+
+# ---- evaluating: the split must exist, and every rank gets its own shard -----------------------------------------
+
+
+class _FakeTrainer:
+    """What the data module reads of a Trainer: the world size and this rank."""
+
+    def __init__(self, world_size: int, global_rank: int = 0) -> None:
+        self.world_size, self.global_rank = world_size, global_rank
+
+
+@pytest.mark.parametrize(("stage", "kwargs", "phrase"), [
+    ("validate", dict(val_samples=0), r"`validate` needs a val split.*set --data\.val_samples above 0"),
+    ("test", dict(test_samples=0), r"`test` needs a test split.*set --data\.test_samples above 0"),
+])
+def test_evaluating_without_a_split_says_which_flag_adds_one(stage, kwargs, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        LMDataModule(**kwargs).setup(stage)
+    LMDataModule(**kwargs).setup("fit")  # fit only skips validation
+
+
+def test_validating_a_file_without_a_split_names_both_ways(tmp_path):
+    path = tmp_path / "input.txt"
+    path.write_text("some text " * 100)
+    with pytest.raises(ValueError, match=r"set --data\.val_fraction .* or --data\.val_path"):
+        LMDataModule(source="text", path=str(path)).setup("validate")
+
+
+def test_a_split_smaller_than_the_world_is_refused():
+    module = LMDataModule(val_samples=1)
+    module.trainer = _FakeTrainer(world_size=2)
+    # One sample over 2 ranks leaves rank 1 none: it would not join the epoch-end all-reduce of the loss.
+    with pytest.raises(ValueError, match=r"val split has 1 samples, fewer than the 2 ranks.*raise --data\.val_samples to at least 2"):
+        module.setup("validate")
+
+
+def test_eval_loaders_shard_the_split_over_ranks_in_order_without_repeats():
+    # 11 validation samples over 2 ranks, batches of 2: rank 0 evaluates 0, 2, 4, 6, 8 and rank 1 1, 3, 5, 7, 9;
+    # sample 10 is left out so both run 3 batches (Lightning's own sampler would repeat sample 0 on rank 1).
+    module = LMDataModule(vocab_size=100, seq_len=4, num_samples=8, val_samples=11, batch_size=2)
+    shards = []
+    for rank in (0, 1):
+        module.trainer = _FakeTrainer(world_size=2, global_rank=rank)
+        loader = module.val_dataloader()
+        assert isinstance(loader.sampler, DistributedSampler)  # Lightning keeps it, injects none
+        assert len(loader) == 3
+        shards.append(list(loader.sampler))
+    assert shards == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    module.trainer = None
+    assert [len(x) for x, _ in module.test_dataloader()] == [2] * 128  # one process: all 256 test samples
