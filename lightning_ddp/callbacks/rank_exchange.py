@@ -142,7 +142,7 @@ class StragglerExchange:
         self.offsets: list[ClockOffset] | None = None
         """Every rank's offset to rank 0 from the last estimate; ``None`` when none was taken."""
         self.estimated_at: list[int | None] = []
-        """The steps at which the offsets were estimated (``None``: at train start)."""
+        """The steps at which the offsets were estimated (the one at train start counts as the first measured)."""
         self.max_uncertainty_ms: float | None = None
         """The largest uncertainty over every estimate of the run."""
         self._last_sync: int | None = None
@@ -169,7 +169,7 @@ class StragglerExchange:
         """Every rank's vector for this finished step, gathered in one collective, as this rank's ``StragglerStats``."""
         if self.syncing:
             if self._last_sync is None:  # estimated at train start: counts as this, the first measured step
-                self._last_sync = step
+                self._last_sync = self.estimated_at[-1] = step
             elif step - self._last_sync >= self.every_n_steps:
                 self._sync(step)
                 self._last_sync = step
