@@ -45,13 +45,17 @@ def _measured(summary: dict, key: str) -> list[float]:
 def test_an_injected_straggler_is_blamed_for_the_wait(tmp_path: Path, strategy: str) -> None:
     summary, _ = _fit(tmp_path, "--trainer.strategy", strategy, *SLOW_RANK, "--trainer.callbacks.delay_ms", "50")
     wait = statistics.median(_measured(summary, "comm/wait_ms"))
+    spread = statistics.median(_measured(summary, "step/rank_spread_ms"))
     # Rank 1 sleeps 50 ms before backward: rank 0 launches each bucket ~50 ms before rank 1 and waits that long
-    # inside its exposed interval. +-25 ms: two shared cores oversleep and contend (the benchmark's goal is +-3 ms).
-    assert 25 < wait < 75, wait
+    # inside its exposed interval. Loose bounds, wider above: on two shared cores a sleep overshoots and the
+    # sleeper's backward contends with the other rank, so rank 1 arrives later than 50 ms, never earlier (the
+    # benchmark's goal on an idle machine is +-3 ms). The compute spread (from each rank's own step marks, not from
+    # launch times) says how late rank 1 really was: the wait must agree with it.
+    assert 30 < wait < 110, wait
+    assert abs(wait - spread) < 20, (wait, spread)
     ranks = _measured(summary, "straggler/rank")
     assert sum(r == 1 for r in ranks) >= 0.8 * len(ranks), ranks
-    assert 25 < statistics.median(_measured(summary, "straggler/lag_ms")) < 75
-    assert 25 < statistics.median(_measured(summary, "step/rank_spread_ms")) < 75
+    assert 30 < statistics.median(_measured(summary, "straggler/lag_ms")) < 110
     for row in summary["steps"]:  # the split adds up, and waiting is part of exposed communication
         assert row["comm/wait_ms"] + row["comm/transfer_ms"] == pytest.approx(row["comm/exposed_ms"])
         assert 0 <= row["comm/wait_ms"] <= row["comm/exposed_ms"]
