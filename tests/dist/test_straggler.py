@@ -23,9 +23,9 @@ from tests.support.dist_utils import run_on_ranks
 pytestmark = pytest.mark.multiprocess
 
 FAST = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--model.context_length", "32", "--data.seq_len", "32",
-        "--data.batch_size", "2", "--trainer.max_steps", "12", "--timer.warmup_steps", "3",
+        "--data.batch_size", "2", "--trainer.max_steps", "10", "--timer.warmup_steps", "2",
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0")
-"""The quickstart's tiny GPT, short sequences, 12 steps of which 3 are warm-up."""
+"""The quickstart's tiny GPT, short sequences, 10 steps of which 2 are warm-up."""
 
 SLOW_RANK = ("--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank", "1")
 
