@@ -220,7 +220,7 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
     """results.md: the table with intervals and the goals' verdicts."""
     lines = [
         "# Who made the step wait: an injected straggler", "",
-        f"`SlowRank(rank={config.slow_rank}, delay_ms=D)` on {config.fit_config} (2 ranks), {config.repeats} repeats "
+        f"`SlowRank(rank={config.slow_rank}, delay_ms=D)` on {config.fit_config} (2 ranks), {config.repeats} repeat(s) "
         f"x {config.steps - config.warmup_steps} measured steps per row (after {config.warmup_steps} warm-up). "
         "Pooled medians of rank 0's per-step metrics [95 % interval, hierarchical bootstrap over repeats then steps].",
         "",

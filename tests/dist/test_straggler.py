@@ -150,3 +150,26 @@ def test_two_torchrun_nodes_estimate_their_clock_offsets(tmp_path: Path) -> None
     assert zero == 0.0 and abs(offset) <= bound + 1e-3 and bound < 50, clock  # one host: the true offset is 0
     # at train start (counted as the first measured step, 1), then every 4 steps: 5, 9
     assert clock["estimated_at_steps"] == [1, 5, 9], clock
+
+
+# ---- the benchmark, end to end on its smoke config ---------------------------------------------------------
+
+@pytest.mark.slow  # two real fits (~40 s on 2 shared cores); its statistics and goals are unit-tested apart
+def test_the_straggler_benchmark_writes_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_ddp.bench.straggler import COLUMNS, main
+
+    monkeypatch.chdir(REPO)  # the config names the fit config relative to the checkout
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    rows = main(["--config", str(REPO / "configs" / "straggler" / "smoke.yaml"), "--out_dir", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["environment.json", "results.csv", "results.md", "steps.csv"]
+    # one strategy x (the control, one delay), 4 measured steps each (6 steps, 2 warm-up)
+    assert [(r["strategy"], r["delay_ms"], r["measured_steps"]) for r in rows] == [("bucketed_ddp", 0, 4),
+                                                                                  ("bucketed_ddp", 30, 4)]
+    assert (tmp_path / "results.csv").read_text().splitlines()[0] == ",".join(COLUMNS)
+    assert len((tmp_path / "steps.csv").read_text().splitlines()) == 1 + 8
+    environment = json.loads((tmp_path / "environment.json").read_text())
+    assert environment["config"]["delays_ms"] == [0, 30] and "git_commit" in environment
+    # the goals are decided from the intervals (noisy here): each one a verdict, never left empty where it applies
+    assert rows[0]["wait_goal"] in ("met", "missed", "inconclusive")
+    assert {rows[1][g] for g in ("wait_goal", "straggler_goal", "transfer_goal")} <= {"met", "missed", "inconclusive"}
+    assert "| bucketed_ddp | 30 |" in (tmp_path / "results.md").read_text()
