@@ -26,7 +26,6 @@ idle for the delay (a host that runs ahead of its GPU would otherwise hide the s
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -78,7 +77,3 @@ class SlowRank(Callback):
             torch.cuda.synchronize(device)
         time.sleep(self.delay_ms / 1e3)
         self.delayed_steps.append(trainer.global_step)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "delay_ms": self.delay_ms, "every_n_steps": self.every_n_steps}
