@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.clock_offset import ClockOffset, RoundTrip, estimate_offset
@@ -165,6 +166,34 @@ def test_one_process_needs_no_offset_and_compares_with_itself():
     stats = exchange.exchange(_record([40.0, 55.0], 58.0, 80.0), step=3)
     assert stats.straggler_rank == 0 and stats.lag_ms == 0.0 and stats.wait == [(40.0, 40.0), (55.0, 55.0)]
     assert exchange.describe()["estimated_at_steps"] == [3]  # the train-start estimate, counted as step 3's
+
+
+def test_offsets_are_re_estimated_every_n_measured_steps_on_every_rank_alike():
+    # Decided from the step number alone, which every rank shares: at train start (counted as the first measured
+    # step, 1), then once 3 steps have passed since the last estimate: 4 and 7. Steps 5 and 6 were not measured
+    # (a sampled timer): the count is by step number, not by exchanges.
+    exchange = StragglerExchange(max_collectives=4, clock_sync="always", clock_sync_every_n_steps=3)
+    exchange.start("cpu")
+    for step in (1, 2, 3, 4, 7, 8):
+        exchange.exchange(_record([40.0], 58.0, 80.0), step=step)
+    assert exchange.estimated_at == [1, 4, 7]
+    never = StragglerExchange(max_collectives=4, clock_sync="auto")  # one host: nothing to estimate
+    never.start("cpu")
+    never.exchange(_record([40.0], 58.0, 80.0), step=1)
+    assert never.estimated_at == [] and never.describe()["max_uncertainty_ms"] == 0.0
+
+
+def test_small_messages_travel_on_the_cpu_unless_the_group_has_no_cpu_backend(monkeypatch: pytest.MonkeyPatch):
+    from lightning_ddp.callbacks import rank_exchange
+
+    monkeypatch.setattr("lightning_ddp.sync.comm.backend_for", lambda device, group=None: "gloo")
+    assert rank_exchange._message_device(torch.device("cuda", 0)) == torch.device("cpu")
+
+    def nccl_only(device, group=None):  # noqa: ANN001, ANN202
+        raise ValueError("the process group (backend 'nccl') has no backend for cpu tensors")
+
+    monkeypatch.setattr("lightning_ddp.sync.comm.backend_for", nccl_only)
+    assert rank_exchange._message_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
