@@ -14,6 +14,20 @@ From the repository root, on a machine with Debian's Chromium (``apt-get install
 ``DIR`` keeps TensorBoard's names, relative to it: ``/tmp/shots`` alone gives the same two runs, named
 ``naive_ddp/version_0`` and ``bucketed_ddp/version_0``. ``--help`` lists the options (size, smoothing, ...).
 
+The straggler cards (``comm/wait_ms``, ``comm/transfer_ms``, ``straggler/rank``, ``straggler/lag_ms``,
+``step/rank_spread_ms``, with ``comm/exposed_ms`` for scale): the quickstart without and with an injected straggler
+(``lightning_ddp.callbacks.SlowRank``), and a tag filter that picks those six::
+
+    python -m lightning_ddp fit --config configs/quickstart.yaml \\
+        --trainer.logger.init_args.save_dir /tmp/shots --trainer.logger.init_args.name no_delay
+    python -m lightning_ddp fit --config configs/quickstart.yaml \\
+        --trainer.callbacks+=lightning_ddp.callbacks.SlowRank --trainer.callbacks.delay_ms 20 \\
+        --trainer.logger.init_args.save_dir /tmp/shots --trainer.logger.init_args.name slow_rank_20ms
+    python docs/tensorboard_screenshot.py no_delay=/tmp/shots/no_delay/version_0 \\
+        slow_rank_20ms=/tmp/shots/slow_rank_20ms/version_0 \\
+        --tag-filter 'comm/(exposed|wait|transfer)_ms|straggler/|rank_spread' --size 1800x1000 \\
+        -o docs/tensorboard_straggler.png
+
 The recipe:
 
 1. link every event file under each ``DIR`` into a temporary log directory, below ``NAME/`` when given; start
@@ -137,7 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-o", "--output", required=True, help="the PNG to write")
     parser.add_argument("--tag-filter", default="comm", help="regex of the tags to show (default: comm)")
     parser.add_argument("--size", default="1800x1450",
-                        help="window size WIDTHxHEIGHT in pixels (default: 1800x1450: nine comm/ cards, 4 a row)")
+                        help="window size WIDTHxHEIGHT in pixels (default: 1800x1450: the eleven comm/ cards, 4 a "
+                             "row)")
     parser.add_argument("--smoothing", type=float, help="TensorBoard's smoothing, 0 to 0.999 (default: its own, 0.6)")
     parser.add_argument("--ignore-outliers", action="store_true",
                         help="keep TensorBoard's default of cropping outliers out of the y-axis range")

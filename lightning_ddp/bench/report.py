@@ -57,7 +57,10 @@ def _cell_text(row: Row | None, bold: bool = False) -> str:
     text = f"{row['step_ms_median']:,.1f} ms{_interval(row.get('step_ms_lo'), row.get('step_ms_hi'), ',.1f')}"
     if row["strategy"] != REFERENCE and row.get("comm_share") is not None:
         share = _interval(row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100)
-        text += f" ({100 * row['comm_share']:.1f} %{share})"
+        wait = row.get("wait_comm_ms")
+        # Of the exposed communication, the part spent waiting for the last rank (the CommTimer's comm/wait_ms).
+        wait_text = f"; wait {wait:,.2f} ms" if isinstance(wait, (int, float)) and math.isfinite(wait) else ""
+        text += f" ({100 * row['comm_share']:.1f} %{share}{wait_text})"
     return f"**{text}**" if bold else text
 
 
@@ -103,8 +106,8 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
             lines.append("")
     lines.append(
         "Each cell: pooled median step time [95 % interval] over all its ok repeats (exposed communication share of "
-        "the step [95 % interval]). **Bold**: the bucket size selected on the selection repeats, per algorithm with "
-        "buckets; its out-of-sample numbers are in the next section. p10/p90, overlap, bus bandwidth, tokens/s, "
+        "the step [95 % interval]; of it, the median time spent waiting for the last rank to launch). **Bold**: the bucket size selected on the selection repeats, per algorithm with "
+        "buckets; its out-of-sample numbers are in the next section. p10/p90, overlap, transfer, bus bandwidth, tokens/s, "
         "memory and the load guard's counts are in results.csv; every step in steps.csv."
     )
     return lines

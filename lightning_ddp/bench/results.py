@@ -51,6 +51,8 @@ step_ms_lo, step_ms_hi   its 95 % interval (hierarchical bootstrap: repeats, the
 step_ms_p10/p90          10th and 90th percentiles of the pooled steps (the spread of single steps)
 exposed_comm_ms          pooled median ``comm/exposed_ms``: communication on the critical path
 busy_comm_ms             pooled median ``comm/busy_ms``: time some collective was in flight
+wait_comm_ms             pooled median ``comm/wait_ms``: exposed time rank 0 spent waiting for the last rank to launch
+transfer_comm_ms         pooled median ``comm/transfer_ms``: the rest of exposed communication (moving bytes)
 comm_share               pooled median ``comm/share`` = exposed / step
 comm_share_lo/hi         its 95 % interval
 overlap                  pooled median ``comm/overlap`` = 1 - exposed / busy
@@ -128,7 +130,7 @@ STEP_ID_COLUMNS: tuple[str, ...] = ("cell_id", "repeat", "step")
 RESULT_COLUMNS: tuple[str, ...] = (
     "cell_id", *_COORDINATES, "status", "reason", "repeats_ok", "repeats_run",
     "step_ms_median", "step_ms_lo", "step_ms_hi", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms",
-    "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu", "peak_memory_MiB",
+    "wait_comm_ms", "transfer_comm_ms", "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu", "peak_memory_MiB",
     "resolved_bucket_size_mb", "measured_steps", "wall_s", "load_avg_1m", "busy_repeats", "waited_s",
 )
 """The exact columns of results.csv, in order (see the module docstring)."""
@@ -146,6 +148,8 @@ ESTIMATED_KEYS: tuple[str, ...] = ("step/time_ms", "comm/share", "comm/busy_ms")
 _MEDIANS = (
     ("exposed_comm_ms", "comm/exposed_ms"),
     ("busy_comm_ms", "comm/busy_ms"),
+    ("wait_comm_ms", "comm/wait_ms"),
+    ("transfer_comm_ms", "comm/transfer_ms"),
     ("overlap", "comm/overlap"),
     ("busbw_GBps", "comm/busbw_GBps"),
     ("tokens_per_s", "step/tokens_per_s"),

@@ -9,6 +9,10 @@ The names load on first use: ``import lightning_ddp.callbacks.accounting`` needs
 ``trace_recorder``     ``TraceRecorder``: torch profiler traces of a few steps on every rank
 ``comm_track``         the communication track it adds to each trace (``lightning_ddp.trace`` reads it back)
 ``recording``          the one ``Recorder`` per run that both callbacks share
+``straggler``          pure: each rank's launch-time vector, and waiting versus transfer from all of them
+``clock_offset``       pure: a rank's clock offset to rank 0 from NTP-style round trips
+``rank_exchange``      the timer's one all-gather per step, and the clock-offset ping-pongs
+``slow_rank``          ``SlowRank``: an injected straggler (sleeps on one rank before backward)
 =====================  ==========================================================================
 """
 
@@ -19,6 +23,7 @@ from lightning_ddp._lazy import lazy_exports
 _HOMES = {
     "CommTimer": "lightning_ddp.callbacks.comm_timer",
     "TraceRecorder": "lightning_ddp.callbacks.trace_recorder",
+    "SlowRank": "lightning_ddp.callbacks.slow_rank",
     "METRIC_KEYS": "lightning_ddp.callbacks.accounting",
     "StepTiming": "lightning_ddp.callbacks.accounting",
     "TimingSummary": "lightning_ddp.callbacks.accounting",

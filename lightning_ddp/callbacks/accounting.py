@@ -11,8 +11,9 @@ What is measured, per optimizer step and per rank:
 - **Step time**: wall time of the whole optimizer step (every micro-batch's forward and backward, the
   gradient synchronisation and the optimizer update). The logged ``step/time_ms`` is the **max over ranks**:
   in synchronous data parallelism the slowest rank sets the pace, so the callback all-reduces the step time
-  with ``MAX``. Reduce it *before* building ``StepTiming`` so that ``comm/share`` and ``step/tokens_per_s``
-  describe the same (slowest-rank) step.
+  with ``MAX`` (since the straggler split, the max of the per-rank vectors it all-gathers anyway:
+  ``StragglerStats.step_ms``). Reduce it *before* building ``StepTiming`` so that ``comm/share`` and
+  ``step/tokens_per_s`` describe the same (slowest-rank) step.
 - **Exposed communication**, one definition for every strategy, torch DDP included: from the moment the step's
   last gradient has been computed to the moment the gradients are usable by the optimizer
   (``on_before_optimizer_step``), plus any communication the optimizer step itself waits on (ZeRO-1's
@@ -20,6 +21,9 @@ What is measured, per optimizer step and per rank:
   copies, scaling, bookkeeping. For our engines that is ``finish_gradient_synchronization`` and what surrounds
   it; for torch DDP, the reducer's wait for its last buckets and its copy-back at the end of backward.
   ``comm/pack_ms`` reports the copies and scaling of our engines on their own, wherever they ran.
+- **Waiting versus transfer** (``lightning_ddp.callbacks.straggler``): a collective cannot finish before the last
+  rank has launched it, so the part of exposed time between this rank's launch and the last rank's launch of the
+  same collective is waiting for a straggler (``comm/wait_ms``), the rest moving bytes (``comm/transfer_ms``).
 - **Busy communication**: the time some collective was in flight, each collective counted from when the
   previous one of its group finished (``busy_intervals``). The part of it outside the exposed spans was hidden
   behind compute: ``comm/overlap``.
@@ -55,6 +59,7 @@ from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.intervals import Interval, overlap_length, total
 
 if TYPE_CHECKING:  # only for annotations: this module must not import torch
+    from lightning_ddp.callbacks.straggler import StragglerStats
     from lightning_ddp.sync.record import Collective, SyncRecord
 
 __all__ = [
@@ -232,6 +237,8 @@ class _Timed:
 METRIC_KEYS: tuple[str, ...] = (
     "step/time_ms",
     "comm/exposed_ms",
+    "comm/wait_ms",
+    "comm/transfer_ms",
     "comm/pack_ms",
     "comm/share",
     "comm/busy_ms",
@@ -242,11 +249,15 @@ METRIC_KEYS: tuple[str, ...] = (
     "comm/bytes",
     "comm/clock_anomalies",
     "step/tokens_per_s",
+    "straggler/rank",
+    "straggler/lag_ms",
+    "step/rank_spread_ms",
     "step/mfu",
     "memory/peak_MiB",
     "memory/peak_reserved_MiB",
 )
-"""Every key ``step_metrics`` can produce, in order (the last three only when their inputs are given)."""
+"""Every key ``step_metrics`` can produce, in order (``comm/wait_ms``, ``comm/transfer_ms`` and the straggler keys
+only with the ranks' exchanged launch times, ``straggler=``; the last three only when their inputs are given)."""
 
 
 def step_metrics(
@@ -256,8 +267,9 @@ def step_metrics(
     peak_flops: float | None = None,
     peak_memory_mib: float | None = None,
     peak_reserved_mib: float | None = None,
+    straggler: StragglerStats | None = None,
 ) -> dict[str, float]:
-    """The metrics of one optimizer step.
+    """The metrics of one optimizer step (``straggler``: what every rank's exchanged launch times say about it).
 
     +--------------------------+----------------------------------------------------------------------------+
     | Key                      | Value                                                                      |
@@ -265,6 +277,11 @@ def step_metrics(
     | step/time_ms             | ``step_ms`` (the callback passes the max over ranks)                       |
     | comm/exposed_ms          | union(exposed): from the last gradient computed to the gradients usable,   |
     |                          | with ZeRO-1's optimizer-step phases; everything done there included        |
+    | comm/wait_ms             | overlap(union(wait), exposed): for each collective every rank launched,    |
+    |                          | [this rank's launch, the last rank's launch], clipped to the exposed       |
+    |                          | interval: exposed time spent waiting for a slower rank to arrive           |
+    | comm/transfer_ms         | exposed_ms - wait_ms: the rest of exposed communication (moving bytes,     |
+    |                          | copies, bookkeeping)                                                       |
     | comm/pack_ms             | union(pack): copying and scaling gradients for communication, wherever it  |
     |                          | ran (inside exposed for naive and flat; in backward's hooks for overlap   |
     |                          | and bucketed, except their unpack)                                         |
@@ -284,6 +301,12 @@ def step_metrics(
     |                          | longer than the step (then clamped to it); 0 when all came from one clock  |
     | step/tokens_per_s        | tokens * world_size / (step_ms / 1e3): global throughput (0 when step_ms   |
     |                          | is 0)                                                                      |
+    | straggler/rank           | the rank that launched the step's collectives last most often (the lowest  |
+    |                          | on a tie); only when at least one collective was compared                  |
+    | straggler/lag_ms         | median over the compared collectives of that rank's launch minus the       |
+    |                          | earliest rank's launch                                                     |
+    | step/rank_spread_ms      | slowest minus fastest rank's compute (forward + backward: step start to    |
+    |                          | last gradient computed)                                                    |
     | step/mfu                 | tokens_per_s * flops_per_token / peak_flops, with ``peak_flops`` the dense |
     |                          | peak of all the job's devices together (distinct GPUs: two ranks sharing   |
     |                          | one GPU count it once); only when both are given                           |
@@ -297,6 +320,8 @@ def step_metrics(
     their busy time before the sync begins is hidden and overlap approaches 1 as the waits shrink.
 
     ``step/tokens_per_s`` assumes every rank processes ``timing.tokens`` tokens per step (equal batch sizes).
+    The rank-dependent keys (``comm/wait_ms``, ``comm/transfer_ms``) are this rank's: the logger shows rank 0's,
+    so when rank 0 is itself the straggler its wait is about 0 and ``straggler/rank`` says why.
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -329,6 +354,15 @@ def step_metrics(
         "comm/clock_anomalies": float(timing.clock_anomalies),
         "step/tokens_per_s": tokens_per_s,
     }
+    if straggler is not None:
+        wait_ms = min(overlap_length(straggler.wait, timing.exposed), exposed_ms)
+        metrics = _insert_after(metrics, "comm/exposed_ms",
+                                {"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
+        if straggler.straggler_rank is not None and straggler.lag_ms is not None:
+            metrics["straggler/rank"] = float(straggler.straggler_rank)
+            metrics["straggler/lag_ms"] = float(straggler.lag_ms)
+        if straggler.rank_spread_ms is not None:
+            metrics["step/rank_spread_ms"] = float(straggler.rank_spread_ms)
     if flops_per_token is not None and peak_flops is not None:
         metrics["step/mfu"] = tokens_per_s * flops_per_token / peak_flops
     if peak_memory_mib is not None:
@@ -336,6 +370,16 @@ def step_metrics(
     if peak_reserved_mib is not None:
         metrics["memory/peak_reserved_MiB"] = float(peak_reserved_mib)
     return metrics
+
+
+def _insert_after(metrics: dict[str, float], key: str, new: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with ``new`` placed right after ``key`` (the order of ``METRIC_KEYS``)."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        out[name] = value
+        if name == key:
+            out.update(new)
+    return out
 
 
 # ---- summary over steps -------------------------------------------------------------------------------
@@ -360,11 +404,15 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 _TABLE_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("step ms", "step/time_ms", 1.0, ",.1f"),
     ("exposed comm ms", "comm/exposed_ms", 1.0, ",.2f"),
+    ("wait ms", "comm/wait_ms", 1.0, ",.2f"),
+    ("transfer ms", "comm/transfer_ms", 1.0, ",.2f"),
     ("comm share %", "comm/share", 100.0, ".1f"),
     ("overlap %", "comm/overlap", 100.0, ".1f"),
     ("busbw GB/s", "comm/busbw_GBps", 1.0, ",.3f"),
     ("tokens/s", "step/tokens_per_s", 1.0, ",.0f"),
 )
+
+_OPTIONAL_COLUMNS = frozenset({"comm/wait_ms", "comm/transfer_ms"})
 
 
 class TimingSummary:
@@ -473,14 +521,16 @@ class TimingSummary:
     def format_table(self, warmup_steps: int, title: str | None = None) -> str:
         """An aligned text table of the headline metrics (median, p10, p90) for printing at the end of fit."""
         summary = self.summarize(warmup_steps)
+        # The straggler split is there only when the ranks exchanged launch times: its columns only then.
+        columns = [c for c in _TABLE_COLUMNS if c[1] in summary or c[1] not in _OPTIONAL_COLUMNS]
         n_kept = len(self.steps) - warmup_steps
         heading = f"{n_kept} steps after {warmup_steps} warm-up"
         lines = [f"{title}: {heading}" if title else heading]
-        header = [""] + [name for name, _, _, _ in _TABLE_COLUMNS]
+        header = [""] + [name for name, _, _, _ in columns]
         body = []
         for stat in ("median", "p10", "p90"):
             row = [stat]
-            for _, key, scale, spec in _TABLE_COLUMNS:
+            for _, key, scale, spec in columns:
                 row.append(format(summary[key][stat] * scale, spec) if key in summary else "-")
             body.append(row)
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]

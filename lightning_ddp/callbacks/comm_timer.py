@@ -7,8 +7,12 @@ table of every key and its formula). Per optimizer step, once gradient accumulat
    after which its CUDA events are read; every mark becomes milliseconds). The record comes from the run's
    ``Recorder``, which the strategy attaches to its engine when asked (``callbacks.recording``): the timer only
    observes, it never drives the training step;
-2. all-reduces the step time with ``MAX`` (the slowest rank sets the pace). This small collective runs after the
-   step's end mark and before the next step's start, so it is outside what is measured;
+2. all-gathers one small vector per rank (``rank_exchange``: step time, compute time, the launch times of the
+   step's collectives on rank 0's clock), from which the step time is the max over ranks (the slowest rank sets
+   the pace) and exposed communication splits into waiting for the last rank and transfer (``straggler``). This
+   one collective runs after the step's end mark and before the next step's start, so it is outside what is
+   measured. Ranks on several hosts first estimate their clock offsets to rank 0 (``clock_offset``) at train start
+   and every ``clock_sync_every_n_steps``;
 3. turns the engine's ``SyncRecord`` into metrics and logs them with ``LightningModule.log_dict``.
 
 Every strategy is measured the same way, Lightning's built-in ``ddp`` (torch ``DistributedDataParallel``)
@@ -45,7 +49,9 @@ from typing_extensions import override
 from lightning_ddp import compat, hardware
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
+from lightning_ddp.callbacks.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.recording import recorder_for, release_recorder
+from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -60,6 +66,12 @@ class CommTimer(Callback):
         peak_tflops: Dense peak TFLOP/s of one device at the run's compute dtype, for ``step/mfu``; default: the
             table in ``lightning_ddp.hardware`` (H100, GH200, H200, B200, A100, L4, a MIG slice's share of its GPU,
             CPU estimate).
+        straggler_collectives: Launch times compared across ranks per step (the step's last ones) for
+            ``comm/wait_ms`` and ``straggler/*``; 8 bytes each per rank and step.
+        clock_sync: ``auto``: estimate every rank's clock offset to rank 0 when the ranks run on several hosts
+            (ranks on one host share their clock); ``always``: on one host too; ``off``: never.
+        clock_sync_every_n_steps: Re-estimate the clock offsets after this many steps.
+        clock_sync_rounds: Ping-pongs per rank and estimate; the one with the shortest round trip is kept.
     """
 
     def __init__(
@@ -68,6 +80,10 @@ class CommTimer(Callback):
         enabled: bool = True,
         summary_name: str = "timing_summary",
         peak_tflops: float | None = None,
+        straggler_collectives: int = DEFAULT_MAX_COLLECTIVES,
+        clock_sync: str = "auto",
+        clock_sync_every_n_steps: int = 1000,
+        clock_sync_rounds: int = 8,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; e.g. --timer.warmup_steps 5")
@@ -89,6 +105,7 @@ class CommTimer(Callback):
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
         self._bucket_size_mb: float | None = None
+        self.exchange = StragglerExchange(straggler_collectives, clock_sync, clock_sync_every_n_steps, clock_sync_rounds)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -111,6 +128,7 @@ class CommTimer(Callback):
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
         self._peak_flops = _job_peak_flops(trainer, self.peak_tflops)
+        self.exchange.start(trainer.strategy.root_device)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -148,8 +166,8 @@ class CommTimer(Callback):
         self._in_step = False
         assert self._recorder is not None
         record = self._recorder.finish_step()
-        step_ms = _max_over_ranks(record.step_ms, trainer.strategy.root_device)
-        timing = StepTiming.from_record(record, step_ms, self._tokens)
+        straggler = self.exchange.exchange(record, trainer.global_step)  # the step's one collective, on every rank
+        timing = StepTiming.from_record(record, straggler.step_ms, self._tokens)
         metrics = step_metrics(
             timing,
             trainer.world_size,
@@ -157,6 +175,7 @@ class CommTimer(Callback):
             peak_flops=self._peak_flops,
             peak_memory_mib=_peak_memory_mib(self._recorder.clock.cuda),
             peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if self._recorder.clock.cuda else None,
+            straggler=straggler,
         )
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         # Inconsistent marks were clamped and counted, never raised: the first ones of the run are warned about here.
@@ -182,20 +201,17 @@ class CommTimer(Callback):
         name = getattr(trainer.strategy, "strategy_name", "") or type(trainer.strategy).__name__
         title = f"CommTimer [{name}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
-        extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb}}
+        lag = self.summary.summarize(self.warmup_steps).get("straggler/lag_ms", {}).get("median")
+        note = clock_note(self.exchange.describe()["max_uncertainty_ms"], lag)
+        if note is not None:
+            print(f"note: {note}", flush=True)
+        extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb},
+                 "clock": {**self.exchange.describe(), **({"note": note} if note else {})}}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
         profile = _median_profile(self._compute[self.warmup_steps:], self._watched, trainer, pl_module, self._batch_shape)
         if profile is not None:
             write_profile(profile, out_dir / "compute_profile.json")
-
-
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
 
 
 def _peak_memory_mib(cuda: bool) -> float:

@@ -11,7 +11,9 @@ For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning
 - copies at ``--copy_GBps`` (measured here with a large ``torch.Tensor.copy_`` unless given),
 
 and compare the predicted step time and communication share with the measured ones (``results.csv``: pooled
-medians and 95 % intervals over the repeats). A second prediction uses the group's *reference* profile instead
+medians and 95 % intervals over the repeats; of results.csv it reads the step time and the communication share,
+not ``wait_comm_ms``/``transfer_comm_ms``: the simulation assumes equally fast ranks, so it has no straggler to
+wait for). A second prediction uses the group's *reference* profile instead
 (one process, no communication, the whole machine to itself): the gap between the two shows how much of a cell's
 time on 2 shared cores is compute slowed down by the other rank and by gloo's threads, which the model leaves out.
 

@@ -283,7 +283,7 @@ def test_csv_schemas_are_exactly_these_columns() -> None:
         "cell_id", "strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model",
         "world_size", "accelerator", "backend", "status", "reason", "repeats_ok", "repeats_run",
         "step_ms_median", "step_ms_lo", "step_ms_hi", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms",
-        "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu",
+        "wait_comm_ms", "transfer_comm_ms", "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu",
         "peak_memory_MiB", "resolved_bucket_size_mb", "measured_steps", "wall_s", "load_avg_1m", "busy_repeats",
         "waited_s",
     )

@@ -46,6 +46,7 @@ def test_two_ranks_started_as_nodes_of_one_device_pass_the_step_checks(two_rank_
     ("comm/busy_ms", lambda row: row["step/time_ms"] + 1, "comm/busy_ms"),
     ("step/tokens_per_s", lambda row: math.nan, "step/tokens_per_s"),
     ("comm/share", lambda row: -0.5, "share"),
+    ("comm/wait_ms", lambda row: row["comm/exposed_ms"] + 1, "do not split comm/exposed_ms"),
 ])
 def test_check_step_rows_refuses_a_wrong_row(two_rank_summary: dict, key: str, value, message: str) -> None:
     bad = copy.deepcopy(two_rank_summary)

@@ -78,7 +78,8 @@ def check_step_rows(summary: dict) -> None:
     gradient computed to the gradients usable; busy from each collective's launch, after the step began, to its
     completion, before the optimizer used the result), so neither can exceed ``step/time_ms``; the time-slicing of
     one GPU or a slow host copy changes how long they are, never that. ``comm/clock_anomalies`` counts intervals
-    the accounting had to clamp (marks from two clocks out of order): a healthy run has none.
+    the accounting had to clamp (marks from two clocks out of order): a healthy run has none. ``comm/wait_ms`` and
+    ``comm/transfer_ms`` split ``comm/exposed_ms``: both >= 0, summing to it.
     """
     rows = summary["steps"]
     assert rows, "no step was logged"
@@ -93,5 +94,9 @@ def check_step_rows(summary: dict) -> None:
             assert row[key] <= step_ms + 1e-3, f"step {step}: {key} = {row[key]} > step/time_ms = {step_ms}"
         for key in ("comm/share", "comm/overlap"):
             assert 0 <= row[key] <= 1 + 1e-6, f"step {step}: {key} = {row[key]} is not a fraction"
+        # exposed communication splits into waiting for the last rank and the rest, both parts of it
+        wait, transfer, exposed = row["comm/wait_ms"], row["comm/transfer_ms"], row["comm/exposed_ms"]
+        assert 0 <= wait <= exposed + 1e-6 and abs(wait + transfer - exposed) <= 1e-6, (
+            f"step {step}: comm/wait_ms = {wait} and comm/transfer_ms = {transfer} do not split comm/exposed_ms = {exposed}")
         if "comm/clock_anomalies" in METRIC_KEYS:
             assert row["comm/clock_anomalies"] == 0, f"step {step}: comm/clock_anomalies = {row['comm/clock_anomalies']}"

@@ -11,6 +11,7 @@ import pytest
 
 from lightning_ddp.callbacks import accounting
 from lightning_ddp.callbacks.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
+from lightning_ddp.callbacks.straggler import attribute_wait
 from lightning_ddp.intervals import overlap_length, total
 from lightning_ddp.sync.record import Collective, Recorder, SyncRecord
 
@@ -68,8 +69,10 @@ def _naive_like() -> StepTiming:
 
 
 def test_step_metrics_keys_match_the_documented_table():
+    # Every input given, the straggler split too (two ranks that launched the step's 3 collectives together).
+    vector = [100.0, 80.0, 0.0, 3.0, 80.0, 85.0, 90.0]
     metrics = step_metrics(_naive_like(), world_size=2, flops_per_token=1.0, peak_flops=1.0, peak_memory_mib=1.0,
-                           peak_reserved_mib=2.0)
+                           peak_reserved_mib=2.0, straggler=attribute_wait([vector, vector], rank=0))
     assert tuple(metrics) == METRIC_KEYS
     for key in METRIC_KEYS:
         assert f"| {key} " in step_metrics.__doc__

@@ -212,8 +212,9 @@ def _rel(ctx: StudyContext, path: Path) -> str:
 
 def _fit_row(result: FitResult) -> dict[str, Any]:
     """The numbers of one fit that the report shows."""
-    keys = ("step/time_ms", "comm/exposed_ms", "comm/busy_ms", "comm/share", "comm/overlap", "comm/calls",
-            "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB", "memory/peak_reserved_MiB")
+    keys = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
+            "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
+            "memory/peak_reserved_MiB")
     return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1),
             **{key: _median(result.summary, key) for key in keys}}
 

@@ -1,0 +1,306 @@
+"""``python -m lightning_ddp.bench.straggler``: does the CommTimer blame an injected straggler for the right time?
+
+    python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml
+
+For every strategy (default ``bucketed_ddp`` and Lightning's ``ddp``) and every delay (default 0, 5, 20, 50 ms),
+``repeats`` real quickstart fits on 2 CPU ranks (``python -m lightning_ddp fit``, fresh processes each), with
+``lightning_ddp.callbacks.SlowRank(rank=slow_rank, delay_ms=delay)`` (none at delay 0). From each run's
+``timing_summary.json`` (rank 0's view), the steps after warm-up: ``comm/wait_ms``, ``comm/transfer_ms``,
+``straggler/rank``, ``straggler/lag_ms``, ``step/rank_spread_ms``, ``step/time_ms``.
+
+Per (strategy, delay), pooled medians with 95 % intervals (``lightning_ddp.bench.stats``: hierarchical bootstrap,
+repeats then steps), and the goals of issue 23, each ``met``/``missed``/``inconclusive`` from the interval:
+
+=====================  ==========================================================================================
+goal                   rule
+=====================  ==========================================================================================
+wait = delay           delay > 0: the interval of the median ``comm/wait_ms`` lies within delay +- ``tolerance_ms``
+                       (3 ms) -> met; entirely outside -> missed; else inconclusive
+straggler named        delay > 0: ``straggler/rank`` = ``slow_rank`` in >= ``straggler_share`` (90 %) of the pooled
+                       steps (a fraction, no interval: met or missed)
+transfer unchanged     delay > 0: the median ``comm/transfer_ms`` lies within the delay-0 interval of the same
+                       strategy (met or missed)
+no wait without one    delay 0: the interval of the median ``comm/wait_ms`` lies below ``idle_wait_ms`` (2 ms)
+=====================  ==========================================================================================
+
+Writes ``results.csv`` (one row per strategy and delay), ``steps.csv`` (every measured step) and ``results.md``
+(the table and the verdicts), with ``environment.json`` (versions, CPU, git state, the command and the config),
+atomically into ``out_dir``. Timing is meaningful only on an otherwise idle machine; each row records the load
+average after its runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from lightning_ddp.bench.stats import Estimate, estimate, verdict
+from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
+
+__all__ = ["StragglerBenchConfig", "main", "summarize_cell"]
+
+KEYS: tuple[str, ...] = ("comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms", "step/rank_spread_ms",
+                         "step/time_ms", "comm/exposed_ms")
+"""The per-step metrics estimated for every (strategy, delay), besides ``straggler/rank``."""
+
+COLUMNS: tuple[str, ...] = (
+    "strategy", "delay_ms", "repeats_ok", "measured_steps",
+    "wait_ms", "wait_ms_lo", "wait_ms_hi", "transfer_ms", "transfer_ms_lo", "transfer_ms_hi",
+    "lag_ms", "lag_ms_lo", "lag_ms_hi", "rank_spread_ms", "step_ms", "exposed_ms", "straggler_share",
+    "wait_goal", "straggler_goal", "transfer_goal", "load_avg_1m",
+)
+"""The columns of results.csv, in order."""
+
+
+@dataclass
+class StragglerBenchConfig:
+    """What ``python -m lightning_ddp.bench.straggler`` runs (``configs/straggler/bench.yaml``)."""
+
+    fit_config: str = "configs/quickstart.yaml"
+    """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
+    strategies: list[str] = field(default_factory=lambda: ["bucketed_ddp", "ddp"])
+    """Values for ``--trainer.strategy``: registered names (``bucketed_ddp``, ``ddp`` ...)."""
+    delays_ms: list[float] = field(default_factory=lambda: [0.0, 5.0, 20.0, 50.0])
+    """SlowRank delays; 0 runs without SlowRank (the control)."""
+    slow_rank: int = 1
+    """The rank that sleeps."""
+    repeats: int = 3
+    """Runs per (strategy, delay), each in fresh processes."""
+    steps: int = 40
+    """Optimizer steps per run."""
+    warmup_steps: int = 5
+    """Steps per run left out (``--timer.warmup_steps``)."""
+    fit_args: list[str] = field(default_factory=list)
+    """More arguments for every fit, e.g. ``["--data.source", "synthetic"]``."""
+    tolerance_ms: float = 3.0
+    """Goal: the median wait within delay +- this."""
+    straggler_share: float = 0.9
+    """Goal: the slow rank named in at least this share of the steps."""
+    idle_wait_ms: float = 2.0
+    """Goal: without a delay, the median wait below this."""
+    timeout_s: float = 600.0
+    """Seconds per run before it is killed and the benchmark fails."""
+    bootstrap_samples: int = 2000
+    """Draws of every interval."""
+    seed: int = 0
+    """Seed of the bootstrap."""
+    out_dir: str = "benchmarks/results/straggler"
+    """Where results.csv, steps.csv, results.md and environment.json go."""
+
+    def __post_init__(self) -> None:
+        if not self.strategies:
+            raise ValueError("strategies is empty; e.g. --strategies '[bucketed_ddp, ddp]'")
+        if not self.delays_ms or any(not (d >= 0) for d in self.delays_ms):
+            raise ValueError(f"delays_ms must be delays >= 0, got {self.delays_ms}; e.g. --delays_ms '[0, 5, 20, 50]'")
+        if 0 not in self.delays_ms:
+            raise ValueError(f"delays_ms {self.delays_ms} has no 0: the transfer goal compares with the no-delay runs; "
+                             "add 0")
+        for name in ("repeats", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+        if self.slow_rank < 0:
+            raise ValueError(f"slow_rank must be a rank >= 0, got {self.slow_rank}; e.g. --slow_rank 1")
+
+
+# ---- one run ---------------------------------------------------------------------------------------------
+
+
+def _fit_command(config: StragglerBenchConfig, strategy: str, delay_ms: float, save_dir: Path) -> list[str]:
+    command = [sys.executable, "-m", "lightning_ddp", "fit", "--config", config.fit_config, *config.fit_args,
+               "--trainer.strategy", strategy, "--trainer.max_steps", str(config.steps),
+               "--timer.warmup_steps", str(config.warmup_steps), "--trainer.enable_progress_bar", "false",
+               "--trainer.logger.init_args.save_dir", str(save_dir)]
+    if delay_ms > 0:
+        command += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
+                    str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
+    return command
+
+
+def _run(config: StragglerBenchConfig, strategy: str, delay_ms: float, tmp: Path) -> list[dict[str, float]]:
+    """One fit; its measured steps (rank 0's rows of timing_summary.json after warm-up)."""
+    save_dir = tmp / f"{strategy}_{delay_ms:g}_{time.monotonic_ns()}"
+    command = _fit_command(config, strategy, delay_ms, save_dir)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=config.timeout_s)
+    if proc.returncode != 0:
+        from lightning_ddp.bench.runner import error_line
+
+        print(proc.stderr[-8000:], file=sys.stderr, flush=True)
+        raise RuntimeError(f"the fit ({strategy}, delay {delay_ms:g} ms) exited {proc.returncode}: "
+                           f"{error_line(proc.stdout + proc.stderr) or 'no error line'}")
+    (summary_file,) = save_dir.rglob("timing_summary.json")
+    summary = json.loads(summary_file.read_text())
+    return summary["steps"][summary["warmup_steps"]:]
+
+
+# ---- statistics ------------------------------------------------------------------------------------------
+
+
+def _per_repeat(runs: list[list[dict[str, float]]], key: str) -> list[np.ndarray]:
+    return [np.array([row.get(key, math.nan) for row in run], dtype=float) for run in runs]
+
+
+def _goal_within(value: Estimate, lo: float, hi: float) -> str:
+    """met: the interval inside ``[lo, hi]``; missed: entirely outside; else inconclusive."""
+    if not value.finite:
+        return "inconclusive"
+    if lo <= value.lo and value.hi <= hi:
+        return "met"
+    if value.hi < lo or value.lo > hi:
+        return "missed"
+    return "inconclusive"
+
+
+def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float, runs: list[list[dict[str, float]]],
+                   control: dict[str, Any] | None) -> dict[str, Any]:
+    """The results.csv row of one (strategy, delay) from its runs' measured steps; ``control``: the same strategy's
+    delay-0 row (for the transfer goal), ``None`` for the delay-0 row itself."""
+    estimates = {key: estimate(_per_repeat(runs, key), config.bootstrap_samples, config.seed,
+                               key=f"{strategy}|{delay_ms:g}|{key}") for key in KEYS}
+    ranks = np.concatenate(_per_repeat(runs, "straggler/rank")) if runs else np.array([])
+    share = float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan
+    wait, transfer, lag = estimates["comm/wait_ms"], estimates["comm/transfer_ms"], estimates["straggler/lag_ms"]
+    row: dict[str, Any] = {
+        "strategy": strategy, "delay_ms": delay_ms, "repeats_ok": len(runs), "measured_steps": sum(map(len, runs)),
+        "wait_ms": wait.point, "wait_ms_lo": wait.lo, "wait_ms_hi": wait.hi,
+        "transfer_ms": transfer.point, "transfer_ms_lo": transfer.lo, "transfer_ms_hi": transfer.hi,
+        "lag_ms": lag.point, "lag_ms_lo": lag.lo, "lag_ms_hi": lag.hi,
+        "rank_spread_ms": estimates["step/rank_spread_ms"].point, "step_ms": estimates["step/time_ms"].point,
+        "exposed_ms": estimates["comm/exposed_ms"].point, "straggler_share": share,
+        "wait_goal": "", "straggler_goal": "", "transfer_goal": "",
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else "",
+    }
+    if delay_ms == 0:
+        row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
+        return row
+    row["wait_goal"] = _goal_within(wait, delay_ms - config.tolerance_ms, delay_ms + config.tolerance_ms)
+    row["straggler_goal"] = "met" if share >= config.straggler_share else "missed"
+    if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
+                                   for k in ("transfer_ms_lo", "transfer_ms_hi")):
+        inside = control["transfer_ms_lo"] <= transfer.point <= control["transfer_ms_hi"]
+        row["transfer_goal"] = "met" if inside else "missed"
+    return row
+
+
+# ---- files -----------------------------------------------------------------------------------------------
+
+
+def _csv(rows: list[dict[str, Any]], columns: list[str] | tuple[str, ...]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows([{k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else
+                           "" if isinstance(v, float) else v) for k, v in row.items()} for row in rows])
+    return buffer.getvalue()
+
+
+def _interval_text(point: float, lo: float, hi: float, spec: str = ".2f") -> str:
+    if not math.isfinite(point):
+        return "-"
+    bounds = f" [{lo:{spec}}, {hi:{spec}}]" if math.isfinite(lo) and math.isfinite(hi) else ""
+    return f"{point:{spec}}{bounds}"
+
+
+def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
+    """results.md: the table with intervals and the goals' verdicts."""
+    lines = [
+        "# Who made the step wait: an injected straggler", "",
+        f"`SlowRank(rank={config.slow_rank}, delay_ms=D)` on {config.fit_config} (2 ranks), {config.repeats} repeat(s) "
+        f"x {config.steps - config.warmup_steps} measured steps per row (after {config.warmup_steps} warm-up). "
+        "Pooled medians of rank 0's per-step metrics [95 % interval, hierarchical bootstrap over repeats then steps].",
+        "",
+        "| strategy | delay ms | comm/wait_ms | comm/transfer_ms | straggler/lag_ms | step/rank_spread_ms | "
+        f"straggler = rank {config.slow_rank} | step ms | wait goal | straggler goal | transfer goal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['strategy']} | {row['delay_ms']:g} | "
+            f"{_interval_text(row['wait_ms'], row['wait_ms_lo'], row['wait_ms_hi'])} | "
+            f"{_interval_text(row['transfer_ms'], row['transfer_ms_lo'], row['transfer_ms_hi'])} | "
+            f"{_interval_text(row['lag_ms'], row['lag_ms_lo'], row['lag_ms_hi'])} | "
+            f"{_interval_text(row['rank_spread_ms'], math.nan, math.nan)} | "
+            f"{'-' if not math.isfinite(row['straggler_share']) else format(row['straggler_share'], '.0%')} | "
+            f"{_interval_text(row['step_ms'], math.nan, math.nan, '.1f')} | {row['wait_goal'] or '-'} | "
+            f"{row['straggler_goal'] or '-'} | {row['transfer_goal'] or '-'} |")
+    lines += [
+        "",
+        f"Goals: with a delay, the median `comm/wait_ms` within +-{config.tolerance_ms:g} ms of it (met when its whole "
+        f"interval is), `straggler/rank` = {config.slow_rank} in >= {config.straggler_share:.0%} of the steps, and the "
+        "median `comm/transfer_ms` inside the same strategy's no-delay interval; without one, the median "
+        f"`comm/wait_ms` below {config.idle_wait_ms:g} ms (met when its whole interval is). The straggler share at "
+        "delay 0 is whichever rank happened to be last: nothing to meet.",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
+    """Every (strategy, delay) ``repeats`` times; the files in ``config.out_dir``; the results.csv rows."""
+    out = Path(config.out_dir)
+    rows: list[dict[str, Any]] = []
+    step_rows: list[dict[str, Any]] = []
+    delays = sorted(set(config.delays_ms))  # 0 first: the control every other delay is compared with
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in config.strategies:
+            control = None
+            for delay in delays:
+                runs = []
+                for repeat in range(config.repeats):
+                    print(f"{strategy}, delay {delay:g} ms, repeat {repeat + 1}/{config.repeats}", flush=True)
+                    runs.append(_run(config, strategy, delay, Path(tmp)))
+                    step_rows += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row}
+                                  for row in runs[-1]]
+                row = summarize_cell(config, strategy, delay, runs, control)
+                control = row if delay == 0 else control
+                rows.append(row)
+    step_columns = list(dict.fromkeys(key for row in step_rows for key in row))
+    environment = {
+        **invocation(), "command_line": command, "config": asdict(config),
+        "torch": package_version("torch"), "lightning": package_version("lightning"),
+        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
+        **git_state(ignore=[out]),
+    }
+    write_atomically(out / "results.csv", _csv(rows, COLUMNS))
+    write_atomically(out / "steps.csv", _csv(step_rows, step_columns))
+    write_atomically(out / "results.md", render_markdown(config, rows, command))
+    write_json_atomically(out / "environment.json", environment)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = ArgumentParser(prog="python -m lightning_ddp.bench.straggler", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML of the settings below")
+    parser.add_class_arguments(StragglerBenchConfig, as_group=False)
+    settings = parser.parse_args(argv).as_dict()
+    for key in ("config", "__path__"):
+        settings.pop(key, None)
+    try:
+        config = StragglerBenchConfig(**settings)
+    except ValueError as error:
+        parser.error(str(error))
+    command = "python -m lightning_ddp.bench.straggler " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = run_benchmark(config, command)
+    print(render_markdown(config, rows, command))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""``SlowRank``: an injected straggler, to check that the ``CommTimer`` blames the right rank for the right time.
+
+One rank sleeps ``delay_ms`` before its backward, every ``every_n_steps`` optimizer steps (the steps whose
+``trainer.global_step`` is a multiple of it). Its gradients, and so its collectives, arrive that much later; the
+other ranks wait for them inside their exposed communication. With it, ``comm/wait_ms`` on rank 0 should be
+about ``delay_ms``, ``straggler/rank`` the slow rank and ``step/rank_spread_ms`` about ``delay_ms``, while
+``comm/transfer_ms`` stays what it was without the delay (``python -m lightning_ddp.bench.straggler`` measures
+exactly that).
+
+::
+
+    python -m lightning_ddp fit --config configs/quickstart.yaml \\
+        --trainer.callbacks+=lightning_ddp.callbacks.SlowRank --trainer.callbacks.rank 1 \\
+        --trainer.callbacks.delay_ms 20
+
+or in YAML, under ``trainer.callbacks``::
+
+    - class_path: lightning_ddp.callbacks.SlowRank
+      init_args: {rank: 1, delay_ms: 20, every_n_steps: 1}
+
+With gradient accumulation it sleeps once per optimizer step, before the last micro-batch's backward (the one
+whose gradients are communicated). On CUDA it synchronizes first, so that the device, not only the host, is
+idle for the delay (a host that runs ahead of its GPU would otherwise hide the sleep).
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_ddp import compat
+
+__all__ = ["SlowRank"]
+
+
+class SlowRank(Callback):
+    """Make one rank a straggler: sleep ``delay_ms`` before its backward every ``every_n_steps`` optimizer steps.
+
+    Args:
+        rank: The global rank that sleeps.
+        delay_ms: How long it sleeps, in milliseconds (0 turns it into a no-op, the benchmark's control).
+        every_n_steps: Sleep on the optimizer steps whose ``global_step`` is a multiple of this.
+    """
+
+    def __init__(self, rank: int = 1, delay_ms: float = 20.0, every_n_steps: int = 1) -> None:
+        if not (isinstance(rank, int) and rank >= 0):
+            raise ValueError(f"rank must be an int >= 0 (a global rank), got {rank!r}; e.g. --trainer.callbacks.rank 1")
+        if not delay_ms >= 0:
+            raise ValueError(f"delay_ms must be >= 0, got {delay_ms!r}; e.g. --trainer.callbacks.delay_ms 20")
+        if not (isinstance(every_n_steps, int) and every_n_steps >= 1):
+            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}; e.g. "
+                             "--trainer.callbacks.every_n_steps 1")
+        self.rank = rank
+        self.delay_ms = float(delay_ms)
+        self.every_n_steps = every_n_steps
+        self.delayed_steps: list[int] = []
+        """The optimizer steps this rank slept on (empty on the other ranks)."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.rank >= trainer.world_size:
+            raise ValueError(f"SlowRank(rank={self.rank}) names no rank of this {trainer.world_size}-rank run; choose "
+                             f"a rank below {trainer.world_size}")
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_rank != self.rank or self.delay_ms == 0 or compat.should_accumulate(trainer):
+            return
+        if trainer.global_step % self.every_n_steps != 0:
+            return
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        time.sleep(self.delay_ms / 1e3)
+        self.delayed_steps.append(trainer.global_step)
