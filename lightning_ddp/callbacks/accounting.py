@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # only for annotations: this module must not import torch
     from lightning_ddp.sync.record import Collective, SyncRecord
 
 __all__ = [
+    "LANDMARK_KEYS",
     "METRIC_KEYS",
     "ClockAnomalyWarning",
     "StepTiming",
@@ -118,13 +119,14 @@ class StepTiming:
     """Intervals copying gradients into or out of communication buffers (inside ``exposed`` when done there)."""
     collectives: list[Collective] = field(default_factory=list)
     """Every collective of the step, in launch order, with ``launched`` and ``completed`` in ms."""
-    tokens: int = 0
-    """Tokens this rank processed in the step, summed over its micro-batches."""
+    tokens: int | None = None
+    """Tokens this rank processed in the step, summed over its micro-batches; ``None`` when the module does not say
+    how to count them (then ``step/tokens_per_s`` is left out, not 0)."""
     anomalies: list[str] = field(default_factory=list, init=False, repr=False)
     """What construction clamped, one line per clamped mark (see the class docstring); empty on one clock."""
 
     def __post_init__(self) -> None:
-        if self.tokens < 0:
+        if self.tokens is not None and self.tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {self.tokens!r}; count the tokens of the step's micro-batches")
         anomalies = self.anomalies = []
         self.exposed = _clamped("exposed", self.exposed, anomalies)
@@ -153,7 +155,7 @@ class StepTiming:
         return len(self.anomalies)
 
     @classmethod
-    def from_record(cls, record: SyncRecord, step_ms: float, tokens: int) -> StepTiming:
+    def from_record(cls, record: SyncRecord, step_ms: float, tokens: int | None) -> StepTiming:
         """From a finished record (``Recorder.finish_step``: marks in ms, completions filled in).
 
         Exposed: the record's ``exposed`` spans together with ``[last_ready, usable]``, from the last gradient
@@ -246,18 +248,28 @@ METRIC_KEYS: tuple[str, ...] = (
     "memory/peak_MiB",
     "memory/peak_reserved_MiB",
 )
-"""Every key ``step_metrics`` can produce, in order (the last three only when their inputs are given)."""
+"""Every key ``step_metrics`` can produce, in order (``step/tokens_per_s``, ``step/mfu`` and the memory keys only
+when their inputs are given; the ``comm/`` keys as ``comm`` allows)."""
+
+LANDMARK_KEYS: tuple[str, ...] = ("comm/exposed_ms", "comm/share", "comm/clock_anomalies")
+"""The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``: no collective recorded)."""
 
 
 def step_metrics(
     timing: StepTiming,
     world_size: int,
-    flops_per_token: float | None = None,
+    flops_per_step: float | None = None,
     peak_flops: float | None = None,
     peak_memory_mib: float | None = None,
     peak_reserved_mib: float | None = None,
+    comm: str | None = "full",
 ) -> dict[str, float]:
     """The metrics of one optimizer step.
+
+    ``comm`` is what was recorded of the step's communication (``lightning_ddp.callbacks.recording.comm_recording``):
+    ``"full"`` gives every ``comm/`` key; ``"landmarks"`` only ``LANDMARK_KEYS`` (no collective was recorded, so
+    busy time, overlap, bandwidths, calls and bytes are unknown); ``None`` none of them (nothing was seen, or there
+    is no communication: one device). Unknown values are absent, never 0.
 
     +--------------------------+----------------------------------------------------------------------------+
     | Key                      | Value                                                                      |
@@ -283,10 +295,14 @@ def step_metrics(
     |                          | that end before they start, a step time not > 0, exposed or busy time      |
     |                          | longer than the step (then clamped to it); 0 when all came from one clock  |
     | step/tokens_per_s        | tokens * world_size / (step_ms / 1e3): global throughput (0 when step_ms   |
-    |                          | is 0)                                                                      |
-    | step/mfu                 | tokens_per_s * flops_per_token / peak_flops, with ``peak_flops`` the dense |
-    |                          | peak of all the job's devices together (distinct GPUs: two ranks sharing   |
-    |                          | one GPU count it once); only when both are given                           |
+    |                          | is 0); only when ``timing.tokens`` is counted: the CommTimer's             |
+    |                          | ``tokens_fn(batch)`` or the module's ``tokens_per_batch(batch)``           |
+    | step/mfu                 | flops_per_step * world_size / (step_ms / 1e3) / peak_flops, with          |
+    |                          | ``flops_per_step`` one rank's training FLOPs in the step (the module's     |
+    |                          | ``flops_per_batch``, as Lightning's ThroughputMonitor reads it, or its     |
+    |                          | ``flops_per_token(seq_len)`` times the tokens) and ``peak_flops`` the     |
+    |                          | dense peak of all the job's devices together (distinct GPUs: two ranks     |
+    |                          | sharing one GPU count it once); only when both are given                   |
     | memory/peak_MiB          | ``peak_memory_mib`` (CUDA: max allocated this step; CPU: peak RSS)         |
     | memory/peak_reserved_MiB | ``peak_reserved_mib`` (CUDA: max reserved by the caching allocator)        |
     +--------------------------+----------------------------------------------------------------------------+
@@ -296,11 +312,13 @@ def step_metrics(
     not a bug. The hook-based engines communicate during backward and only wait at the end, so the part of
     their busy time before the sync begins is hidden and overlap approaches 1 as the waits shrink.
 
-    ``step/tokens_per_s`` assumes every rank processes ``timing.tokens`` tokens per step (equal batch sizes).
+    ``step/tokens_per_s`` and ``step/mfu`` assume every rank processes as much as this one (equal batch sizes).
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
+    if comm not in ("full", "landmarks", None):
+        raise ValueError(f"comm must be 'full', 'landmarks' or None, got {comm!r}")
+    for name, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
 
@@ -313,7 +331,6 @@ def step_metrics(
     nbytes = sum(c.nbytes for c in timing.collectives)
     bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
     hidden_ms = min(busy_ms, max(0.0, busy_ms - overlap_length(busy, timing.exposed)))
-    tokens_per_s = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
 
     metrics = {
         "step/time_ms": step_ms,
@@ -327,10 +344,14 @@ def step_metrics(
         "comm/calls": float(len(timing.collectives)),
         "comm/bytes": float(nbytes),
         "comm/clock_anomalies": float(timing.clock_anomalies),
-        "step/tokens_per_s": tokens_per_s,
     }
-    if flops_per_token is not None and peak_flops is not None:
-        metrics["step/mfu"] = tokens_per_s * flops_per_token / peak_flops
+    if comm != "full":
+        kept = LANDMARK_KEYS if comm == "landmarks" else ()
+        metrics = {key: value for key, value in metrics.items() if not key.startswith("comm/") or key in kept}
+    if timing.tokens is not None:
+        metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
+    if flops_per_step is not None and peak_flops is not None:
+        metrics["step/mfu"] = flops_per_step * world_size / (step_ms / 1e3) / peak_flops if step_ms > 0 else 0.0
     if peak_memory_mib is not None:
         metrics["memory/peak_MiB"] = float(peak_memory_mib)
     if peak_reserved_mib is not None:
