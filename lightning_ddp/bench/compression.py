@@ -129,6 +129,7 @@ def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: 
     command = [sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
                "--trainer.strategy", strategy, "--trainer.max_steps", str(steps),
                "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
+               "--timer.every_n_steps", "1",
                "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
