@@ -1,7 +1,7 @@
 """A 2-rank CPU fit with ``CommTimer(every_n_steps=3)`` and counters on everything measuring costs, for
 ``tests/dist/test_sampling.py``. Run as a script (Lightning's launcher re-runs it for rank 1)::
 
-    python tests/support/sampling_probe.py OUT_DIR
+    python tests/support/sampling_probe.py OUT_DIR [ACCELERATOR DEVICES]    # default: cpu 2
 
 Each rank writes ``OUT_DIR/rank{r}.json``: per optimizer step, how many times each counted function ran in it
 (from the first callback's ``on_train_batch_start`` to the last callback's ``on_train_batch_end``, so the
@@ -115,8 +115,9 @@ class Tiny(pl.LightningModule):
 if __name__ == "__main__":
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,))), batch_size=4)
+    accelerator, devices = (sys.argv[2], int(sys.argv[3])) if len(sys.argv) > 3 else ("cpu", 2)
     trainer = pl.Trainer(
-        strategy="bucketed_ddp", devices=2, accelerator="cpu", max_steps=7, logger=MemoryLogger(),
+        strategy="bucketed_ddp", devices=devices, accelerator=accelerator, max_steps=7, logger=MemoryLogger(),
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Start(), CommTimer(every_n_steps=3, warmup_steps=1), Probe(sys.argv[1])],
     )
