@@ -30,6 +30,9 @@ _TARGET = "lightning.pytorch"
 
 
 def _register() -> None:
+    ours = sys.modules.get("lightning_ddp.strategies")
+    if ours is not None and getattr(getattr(ours, "__spec__", None), "_initializing", False):
+        return  # its own import brought Lightning in: it registers the names itself when it finishes
     try:
         from lightning_ddp.strategies import register_strategies
 

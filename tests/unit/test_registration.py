@@ -20,7 +20,8 @@ _CHECK = """
 
 def _run(body: str) -> str:
     code = textwrap.dedent(body) + textwrap.dedent(_CHECK)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    # -W error: a registration that fails only warns (never breaking `import lightning`), so make that fail here
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 
@@ -39,5 +40,14 @@ def test_import_registers_at_once_when_lightning_was_imported_first() -> None:
     out = _run("""
         import lightning.pytorch
         import lightning_ddp
+    """)
+    assert "registered" in out
+
+
+def test_importing_our_strategies_first_registers_them_once_without_a_warning() -> None:
+    # lightning_ddp.strategies imports Lightning itself: the hook fires while it is half-imported and leaves the
+    # registration to it (importing it from the hook would be a circular import)
+    out = _run("""
+        import lightning_ddp.strategies
     """)
     assert "registered" in out
