@@ -80,6 +80,10 @@ class LitGPT(pl.LightningModule):
         """Training FLOPs per token (forward + backward) of the model; the CommTimer uses it for MFU."""
         return self.model.flops_per_token(seq_len)
 
+    def tokens_per_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """Tokens of one micro-batch (B * T of its input): how the CommTimer counts ``step/tokens_per_s``."""
+        return batch[0].numel()
+
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
         logits = self.model(x)  # (B, T, V)

@@ -131,6 +131,7 @@ def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: 
                "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
                # Training loss and step time only: no validation between the timed steps.
                "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+               "--timer.every_n_steps", "1",
                "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -188,6 +188,7 @@ SWEEP_OWNED_ARGS: dict[str, str] = {
     "--model.context_length": "`grid.context_lengths`",
     "--model.preset": "`workload.preset`",
     "--timer.warmup_steps": "`run.warmup_steps`",
+    "--timer.every_n_steps": "`run.steps` (the sweep measures every step)",
 }
 """CLI arguments the sweep sets for every cell, and the sweep field that controls each."""
 

@@ -285,6 +285,7 @@ def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: P
         "--trainer.enable_progress_bar", "false",
         "--trainer.logger", json.dumps(logger),
         "--timer.enabled", "true",
+        "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
         "--timer.warmup_steps", str(run.warmup_steps),
     ]
     return args

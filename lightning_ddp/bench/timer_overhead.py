@@ -1,19 +1,24 @@
-"""What the CommTimer costs: steps/s of the same fit with the timer off and on, alternated in one command.
+"""What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every 50th step,
+alternated in one command.
 
     python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml --out benchmarks/results/cpu
 
 Arguments after ``--`` go to every fit (``-- --trainer.accelerator cuda``).
 
-Each repeat runs the fit twice, timer off then on, so slow drifts of a shared machine hit both alike. Every
-step's wall time is taken by ``StepWallTimes``, a callback present in both runs that only reads
-``time.perf_counter()`` at the end of each training batch, with no synchronisation of its own: on CUDA a
-per-step ``torch.cuda.synchronize()`` in the *measuring* callback would drain the GPU in both arms and hide
-exactly the cost of the timer's own synchronize. Over many steps the host cannot run further ahead than the
-queue allows, so the host deltas average to the device's step time; the window's total (end of the warm-up to
-the end of training, after one final synchronize) is reported too. The overhead is
-``median(step | on) / median(step | off) - 1`` over the steps after ``warmup``, pooled over the repeats, with a
-95 % interval (bootstrap over repeats, then steps) and a verdict against the goal of under 2 %: on 2 shared
-cores two repeats once gave +12 % and four the next minute -0.1 %, so read the interval, not the point.
+The arms (``ARMS``): ``off`` (``--timer.enabled false``), ``every step`` (``--timer.every_n_steps 1``, what the
+benchmarks use) and ``every N steps`` (``--timer.every_n_steps N``, default 50, the CLI's default cadence: a step
+that is not sampled should cost nothing). Each repeat runs every arm once, in that order, so slow drifts of a shared
+machine hit them alike. Every step's wall time is taken by ``StepWallTimes``, a callback present in every run that
+only reads ``time.perf_counter()`` at the end of each training batch, with no synchronisation of its own: on CUDA a
+per-step ``torch.cuda.synchronize()`` in the *measuring* callback would drain the GPU in every arm and hide exactly
+the cost of the timer's own synchronize. Over many steps the host cannot run further ahead than the queue allows, so
+the host deltas average to the device's step time; the window's total (end of the warm-up to the end of training,
+after one final synchronize) is reported too. Per arm, the overhead is ``median(step | arm) / median(step | off) -
+1`` over the steps after ``warmup``, pooled over the repeats, with a 95 % interval (bootstrap over repeats, then
+steps) and a verdict against the goal of under 2 %: on 2 shared cores two repeats once gave +12 % and four the next
+minute -0.1 %, so read the interval, not the point. The median of a sampled arm is the cost of the steps it does not
+measure (the measured ones are 1 in N); the whole-run mean spreads the measured steps' cost over all steps, so run
+at least ``2 N`` steps (``--steps``) for it to include some.
 """
 
 from __future__ import annotations
@@ -63,37 +68,55 @@ class StepWallTimes(Callback):
             Path(self.path).write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
 
 
-def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]) -> dict:
-    runs: dict[str, list[list[float]]] = {"off": [], "on": []}  # per repeat, the measured steps
-    windows: dict[str, list[float]] = {"off": [], "on": []}  # mean step over each whole run
+SAMPLED_EVERY = 50
+"""The sampled arm's ``every_n_steps`` by default (Lightning's default ``log_every_n_steps``)."""
+
+EVERY_STEP = "every step"
+"""The arm the top-level keys of the result describe (the timer as the benchmarks run it)."""
+
+
+def arms(sampled_every: int) -> dict[str, list[str]]:
+    """Arm name -> the timer's CLI arguments, ``off`` first (the denominator of every ratio)."""
+    return {
+        "off": ["--timer.enabled", "false"],
+        EVERY_STEP: ["--timer.enabled", "true", "--timer.every_n_steps", "1"],
+        f"every {sampled_every} steps": ["--timer.enabled", "true", "--timer.every_n_steps", str(sampled_every)],
+    }
+
+
+def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str],
+            sampled_every: int = SAMPLED_EVERY) -> dict:
+    arm_args = arms(sampled_every)
+    runs: dict[str, list[list[float]]] = {arm: [] for arm in arm_args}  # per repeat, the measured steps
+    windows: dict[str, list[float]] = {arm: [] for arm in arm_args}  # mean step over each whole run
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
-            for mode in ("off", "on"):
-                out = Path(tmp) / f"{mode}{repeat}.json"
+            for index, (arm, timer_args) in enumerate(arm_args.items()):
+                out = Path(tmp) / f"arm{index}_{repeat}.json"
                 command = [
                     sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
-                    "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+                    "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false", *timer_args,
                     # No validation inside the measured window (the quickstart validates at step 40).
                     "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-                    "--timer.enabled", "true" if mode == "on" else "false",
                     "--trainer.logger.init_args.save_dir", str(Path(tmp) / "logs"),
                     "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
                     "--trainer.callbacks.path", str(out),
                 ]
-                print(f"repeat {repeat + 1}/{repeats}, timer {mode}", flush=True)
+                print(f"repeat {repeat + 1}/{repeats}, timer {arm}", flush=True)
                 proc = subprocess.run(command, capture_output=True, text=True)
                 if proc.returncode != 0:
                     from lightning_ddp.bench.runner import error_line
 
                     # The fit's own error, not the (long) command line CalledProcessError would show.
                     print(proc.stderr[-8000:], file=sys.stderr, flush=True)
-                    raise RuntimeError(f"the fit with the timer {mode} exited {proc.returncode}: "
+                    raise RuntimeError(f"the fit with the timer {arm} exited {proc.returncode}: "
                                        f"{error_line(proc.stdout + proc.stderr) or 'no error line'}")
                 measured = json.loads(out.read_text())
-                runs[mode].append(measured["steps_ms"][warmup:])
-                windows[mode].append(measured["window_ms"] / len(measured["steps_ms"]))
+                runs[arm].append(measured["steps_ms"][warmup:])
+                windows[arm].append(measured["window_ms"] / len(measured["steps_ms"]))
     return summarize(runs, windows) | {"config": config, "extra_args": extra, "steps": steps, "warmup": warmup,
-                                       "repeats": repeats, "torch": torch.__version__, "cpu_count": os.cpu_count()}
+                                       "repeats": repeats, "sampled_every": sampled_every,
+                                       "torch": torch.__version__, "cpu_count": os.cpu_count()}
 
 
 GOAL = 0.02
@@ -101,45 +124,80 @@ GOAL = 0.02
 
 
 def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]], samples: int = 2000) -> dict:
-    """The overhead from each arm's steps, per repeat: ``median(on) / median(off) - 1`` (pooled medians) with a
-    95 % interval from the two-level bootstrap of ``lightning_ddp.bench.stats`` (repeats, then steps), its verdict
-    against the 2 % goal, and the same ratio of the whole runs' mean steps (``windows``, no interval)."""
-    ratio = ratio_estimate(runs["on"], runs["off"], samples, seed=0, keys=("timer on", "timer off"))
-    off, on = pooled_median(runs["off"]), pooled_median(runs["on"])
-    mean_off, mean_on = statistics.mean(windows["off"]), statistics.mean(windows["on"])
+    """Per arm other than ``off``, from each arm's steps per repeat: ``median(arm) / median(off) - 1`` (pooled
+    medians) with a 95 % interval from the two-level bootstrap of ``lightning_ddp.bench.stats`` (repeats, then
+    steps), its verdict against the 2 % goal, and the same ratio of the whole runs' mean steps (``windows``, no
+    interval), under ``arms``; the ``every step`` arm's also at the top level (``overhead``, ...)."""
+    off = pooled_median(runs["off"])
+    mean_off = statistics.mean(windows["off"])
+    per_arm: dict[str, dict] = {"off": {"median_step_ms": off, "window_mean_step_ms": mean_off,
+                                        "steps_measured": sum(map(len, runs["off"]))}}
+    for arm in runs:
+        if arm == "off":
+            continue
+        ratio = ratio_estimate(runs[arm], runs["off"], samples, seed=0, keys=(f"timer {arm}", "timer off"))
+        mean_on = statistics.mean(windows[arm])
+        per_arm[arm] = {
+            "median_step_ms": pooled_median(runs[arm]), "overhead": ratio.point - 1, "overhead_lo": ratio.lo - 1,
+            "overhead_hi": ratio.hi - 1, "verdict": verdict(ratio, 1 + GOAL), "window_mean_step_ms": mean_on,
+            "window_overhead": mean_on / mean_off - 1, "steps_measured": sum(map(len, runs[arm])),
+        }
+    every = per_arm.get(EVERY_STEP) or next(v for k, v in per_arm.items() if k != "off")
     return {
-        "median_step_ms_timer_off": off, "median_step_ms_timer_on": on, "overhead": ratio.point - 1,
-        "overhead_lo": ratio.lo - 1, "overhead_hi": ratio.hi - 1, "verdict": verdict(ratio, 1 + GOAL),
-        "window_mean_step_ms_timer_off": mean_off, "window_mean_step_ms_timer_on": mean_on,
-        "window_overhead": mean_on / mean_off - 1,
-        "steps_measured": {k: sum(map(len, v)) for k, v in runs.items()},
+        "median_step_ms_timer_off": off, "median_step_ms_timer_on": every["median_step_ms"],
+        "overhead": every["overhead"], "overhead_lo": every["overhead_lo"], "overhead_hi": every["overhead_hi"],
+        "verdict": every["verdict"], "window_mean_step_ms_timer_off": mean_off,
+        "window_mean_step_ms_timer_on": every["window_mean_step_ms"], "window_overhead": every["window_overhead"],
+        "steps_measured": {arm: data["steps_measured"] for arm, data in per_arm.items()},
+        "arms": per_arm,
     }
+
+
+def format_table(result: dict) -> str:
+    """A markdown table: per arm its median step and, against ``off``, the ratio with its interval and verdict."""
+    lines = ["| timer | median step ms | vs off [95 %] | goal < 2 % | whole-run mean step ms | vs off |",
+             "|---|---:|---|---|---:|---:|"]
+    for arm, data in result["arms"].items():
+        if arm == "off":
+            lines.append(f"| off | {data['median_step_ms']:.2f} | | | {data['window_mean_step_ms']:.2f} | |")
+            continue
+        lines.append(f"| {arm} | {data['median_step_ms']:.2f} | {data['overhead'] * 100:+.2f} % "
+                     f"[{data['overhead_lo'] * 100:+.2f}, {data['overhead_hi'] * 100:+.2f}] | {data['verdict']} | "
+                     f"{data['window_mean_step_ms']:.2f} | {data['window_overhead'] * 100:+.2f} % |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="python -m lightning_ddp.bench.timer_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/quickstart.yaml", help="the fit config to time")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=110,
+                        help="optimizer steps per run (110: the every-50 arm measures steps 0, 50 and 100)")
     parser.add_argument("--warmup", type=int, default=5, help="steps per run left out of the median")
-    parser.add_argument("--repeats", type=int, default=4, help="off/on pairs (the interval needs several)")
+    parser.add_argument("--repeats", type=int, default=4, help="rounds of the arms (the interval needs several)")
+    parser.add_argument("--sampled_every", type=int, default=SAMPLED_EVERY,
+                        help="the sampled arm's --timer.every_n_steps (run at least twice as many --steps)")
     parser.add_argument("--out", default=None, help="directory for timer_overhead.json and .md")
     parser.add_argument("fit_args", nargs=argparse.REMAINDER,
                         help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
                              "`-- --trainer.accelerator cuda`")
     args = parser.parse_args(argv)
+    if args.sampled_every < 2:
+        raise ValueError(f"--sampled_every must be >= 2 (1 is the every-step arm already), got {args.sampled_every}")
     extra = fit_arguments(args.fit_args)
-    result = measure(args.config, args.steps, args.warmup, args.repeats, extra)
-    line = (f"CommTimer overhead: {result['overhead'] * 100:+.2f} % [95 %: {result['overhead_lo'] * 100:+.2f}, "
+    result = measure(args.config, args.steps, args.warmup, args.repeats, extra, args.sampled_every)
+    line = (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: {result['overhead_lo'] * 100:+.2f}, "
             f"{result['overhead_hi'] * 100:+.2f}] (median step {result['median_step_ms_timer_off']:.1f} ms "
             f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over whole runs "
             f"{result['window_overhead'] * 100:+.2f} % ({result['window_mean_step_ms_timer_off']:.1f} vs "
             f"{result['window_mean_step_ms_timer_on']:.1f} ms mean step)")
+    table = format_table(result)
     print(line)
+    print(table)
     if args.out:
         out = Path(args.out)
         command = "python -m lightning_ddp.bench.timer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
         for name, text in (("timer_overhead.json", json.dumps({**result, "command": command}, indent=2) + "\n"),
-                           ("timer_overhead.md", f"{line}\n\nCommand: `{command}`\n")):
+                           ("timer_overhead.md", f"{line}\n\n{table}\n\nCommand: `{command}`\n")):
             write_atomically(out / name, text)
     return result
 

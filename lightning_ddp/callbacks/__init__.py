@@ -5,10 +5,10 @@ The names load on first use: ``import lightning_ddp.callbacks.accounting`` needs
 
 =====================  ==========================================================================
 ``accounting``         pure: metrics of one step from its record, and the summary over steps
-``comm_timer``         ``CommTimer``, the thin Lightning shell that logs them every step
+``comm_timer``         ``CommTimer``, the thin Lightning shell that logs them every n-th step
 ``trace_recorder``     ``TraceRecorder``: torch profiler traces of a few steps on every rank
 ``comm_track``         the communication track it adds to each trace (``lightning_ddp.trace`` reads it back)
-``recording``          the one ``Recorder`` per run that both callbacks share
+``recording``          the run's one shared ``Recorder``; what each strategy lets us measure
 ``straggler``          pure: each rank's launch-time vector, and waiting versus transfer from all of them
 ``clock_offset``       pure: a rank's clock offset to rank 0 from NTP-style round trips
 ``rank_exchange``      the timer's one all-gather per step, and the clock-offset ping-pongs

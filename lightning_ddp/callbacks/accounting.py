@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # only for annotations: this module must not import torch
     from lightning_ddp.sync.record import Collective, SyncRecord
 
 __all__ = [
+    "LANDMARK_KEYS",
     "METRIC_KEYS",
     "ClockAnomalyWarning",
     "StepTiming",
@@ -123,13 +124,14 @@ class StepTiming:
     """Intervals copying gradients into or out of communication buffers (inside ``exposed`` when done there)."""
     collectives: list[Collective] = field(default_factory=list)
     """Every collective of the step, in launch order, with ``launched`` and ``completed`` in ms."""
-    tokens: int = 0
-    """Tokens this rank processed in the step, summed over its micro-batches."""
+    tokens: int | None = None
+    """Tokens this rank processed in the step, summed over its micro-batches; ``None`` when the module does not say
+    how to count them (then ``step/tokens_per_s`` is left out, not 0)."""
     anomalies: list[str] = field(default_factory=list, init=False, repr=False)
     """What construction clamped, one line per clamped mark (see the class docstring); empty on one clock."""
 
     def __post_init__(self) -> None:
-        if self.tokens < 0:
+        if self.tokens is not None and self.tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {self.tokens!r}; count the tokens of the step's micro-batches")
         anomalies = self.anomalies = []
         self.exposed = _clamped("exposed", self.exposed, anomalies)
@@ -158,7 +160,7 @@ class StepTiming:
         return len(self.anomalies)
 
     @classmethod
-    def from_record(cls, record: SyncRecord, step_ms: float, tokens: int) -> StepTiming:
+    def from_record(cls, record: SyncRecord, step_ms: float, tokens: int | None) -> StepTiming:
         """From a finished record (``Recorder.finish_step``: marks in ms, completions filled in).
 
         Exposed: the record's ``exposed`` spans together with ``[last_ready, usable]``, from the last gradient
@@ -257,19 +259,29 @@ METRIC_KEYS: tuple[str, ...] = (
     "memory/peak_reserved_MiB",
 )
 """Every key ``step_metrics`` can produce, in order (``comm/wait_ms``, ``comm/transfer_ms`` and the straggler keys
-only with the ranks' exchanged launch times, ``straggler=``; the last three only when their inputs are given)."""
+only with the ranks' exchanged launch times, ``straggler=``; ``step/tokens_per_s``, ``step/mfu`` and the memory keys
+only when their inputs are given; the ``comm/`` keys as ``comm`` allows)."""
+
+LANDMARK_KEYS: tuple[str, ...] = ("comm/exposed_ms", "comm/share", "comm/clock_anomalies")
+"""The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``: no collective recorded)."""
 
 
 def step_metrics(
     timing: StepTiming,
     world_size: int,
-    flops_per_token: float | None = None,
+    flops_per_step: float | None = None,
     peak_flops: float | None = None,
     peak_memory_mib: float | None = None,
     peak_reserved_mib: float | None = None,
     straggler: StragglerStats | None = None,
+    comm: str | None = "full",
 ) -> dict[str, float]:
     """The metrics of one optimizer step (``straggler``: what every rank's exchanged launch times say about it).
+
+    ``comm`` is what was recorded of the step's communication (``lightning_ddp.callbacks.recording.comm_recording``):
+    ``"full"`` gives every ``comm/`` key; ``"landmarks"`` only ``LANDMARK_KEYS`` (no collective was recorded, so
+    busy time, overlap, bandwidths, calls and bytes are unknown); ``None`` none of them (nothing was seen, or there
+    is no communication: one device). Unknown values are absent, never 0.
 
     +--------------------------+----------------------------------------------------------------------------+
     | Key                      | Value                                                                      |
@@ -283,7 +295,7 @@ def step_metrics(
     | comm/transfer_ms         | exposed_ms - wait_ms: the rest of exposed communication (moving bytes,     |
     |                          | copies, bookkeeping)                                                       |
     | comm/pack_ms             | union(pack): copying and scaling gradients for communication, wherever it  |
-    |                          | ran (inside exposed for naive and flat; in backward's hooks for overlap   |
+    |                          | ran (inside exposed for naive and flat; in backward's hooks for overlap    |
     |                          | and bucketed, except their unpack)                                         |
     | comm/share               | exposed_ms / step_ms (0 when step_ms is 0)                                 |
     | comm/busy_ms             | union of ``busy_intervals``: collective i in flight from                   |
@@ -300,16 +312,20 @@ def step_metrics(
     |                          | that end before they start, a step time not > 0, exposed or busy time      |
     |                          | longer than the step (then clamped to it); 0 when all came from one clock  |
     | step/tokens_per_s        | tokens * world_size / (step_ms / 1e3): global throughput (0 when step_ms   |
-    |                          | is 0)                                                                      |
+    |                          | is 0); only when ``timing.tokens`` is counted: the CommTimer's             |
+    |                          | ``tokens_fn(batch)`` or the module's ``tokens_per_batch(batch)``           |
     | straggler/rank           | the rank that launched the step's collectives last most often (the lowest  |
     |                          | on a tie); only when at least one collective was compared                  |
     | straggler/lag_ms         | median over the compared collectives of that rank's launch minus the       |
     |                          | earliest rank's launch                                                     |
     | step/rank_spread_ms      | slowest minus fastest rank's compute (forward + backward: step start to    |
     |                          | last gradient computed)                                                    |
-    | step/mfu                 | tokens_per_s * flops_per_token / peak_flops, with ``peak_flops`` the dense |
-    |                          | peak of all the job's devices together (distinct GPUs: two ranks sharing   |
-    |                          | one GPU count it once); only when both are given                           |
+    | step/mfu                 | flops_per_step * world_size / (step_ms / 1e3) / peak_flops, with           |
+    |                          | ``flops_per_step`` one rank's training FLOPs in the step (the module's     |
+    |                          | ``flops_per_batch``, as Lightning's ThroughputMonitor reads it, or its     |
+    |                          | ``flops_per_token(seq_len)`` times the tokens) and ``peak_flops`` the      |
+    |                          | dense peak of all the job's devices together (distinct GPUs: two ranks     |
+    |                          | sharing one GPU count it once); only when both are given                   |
     | memory/peak_MiB          | ``peak_memory_mib`` (CUDA: max allocated this step; CPU: peak RSS)         |
     | memory/peak_reserved_MiB | ``peak_reserved_mib`` (CUDA: max reserved by the caching allocator)        |
     +--------------------------+----------------------------------------------------------------------------+
@@ -319,13 +335,15 @@ def step_metrics(
     not a bug. The hook-based engines communicate during backward and only wait at the end, so the part of
     their busy time before the sync begins is hidden and overlap approaches 1 as the waits shrink.
 
-    ``step/tokens_per_s`` assumes every rank processes ``timing.tokens`` tokens per step (equal batch sizes).
+    ``step/tokens_per_s`` and ``step/mfu`` assume every rank processes as much as this one (equal batch sizes).
     The rank-dependent keys (``comm/wait_ms``, ``comm/transfer_ms``) are this rank's: the logger shows rank 0's,
     so when rank 0 is itself the straggler its wait is about 0 and ``straggler/rank`` says why.
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
+    if comm not in ("full", "landmarks", None):
+        raise ValueError(f"comm must be 'full', 'landmarks' or None, got {comm!r}")
+    for name, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
 
@@ -338,7 +356,6 @@ def step_metrics(
     nbytes = sum(c.nbytes for c in timing.collectives)
     bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
     hidden_ms = min(busy_ms, max(0.0, busy_ms - overlap_length(busy, timing.exposed)))
-    tokens_per_s = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
 
     metrics = {
         "step/time_ms": step_ms,
@@ -352,19 +369,24 @@ def step_metrics(
         "comm/calls": float(len(timing.collectives)),
         "comm/bytes": float(nbytes),
         "comm/clock_anomalies": float(timing.clock_anomalies),
-        "step/tokens_per_s": tokens_per_s,
     }
     if straggler is not None:
         wait_ms = min(overlap_length(straggler.wait, timing.exposed), exposed_ms)
         metrics = _insert_after(metrics, "comm/exposed_ms",
                                 {"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
+    if comm != "full":
+        kept = LANDMARK_KEYS if comm == "landmarks" else ()
+        metrics = {key: value for key, value in metrics.items() if not key.startswith("comm/") or key in kept}
+    if timing.tokens is not None:
+        metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
+    if straggler is not None:
         if straggler.straggler_rank is not None and straggler.lag_ms is not None:
             metrics["straggler/rank"] = float(straggler.straggler_rank)
             metrics["straggler/lag_ms"] = float(straggler.lag_ms)
         if straggler.rank_spread_ms is not None:
             metrics["step/rank_spread_ms"] = float(straggler.rank_spread_ms)
-    if flops_per_token is not None and peak_flops is not None:
-        metrics["step/mfu"] = tokens_per_s * flops_per_token / peak_flops
+    if flops_per_step is not None and peak_flops is not None:
+        metrics["step/mfu"] = flops_per_step * world_size / (step_ms / 1e3) / peak_flops if step_ms > 0 else 0.0
     if peak_memory_mib is not None:
         metrics["memory/peak_MiB"] = float(peak_memory_mib)
     if peak_reserved_mib is not None:
@@ -426,11 +448,11 @@ class TimingSummary:
     so a resumed run also skips its own first steps) and gives, for each key, over the remaining steps:
 
     +----------+-----------------------------------------------------------------------------+
-    | Stat     | Value                                                                       |
+    | Stat     | Value                                                                                      |
     +==========+=============================================================================+
-    | median   | 50th percentile                                                             |
-    | p10, p90 | 10th and 90th percentiles                                                   |
-    | n        | number of steps that reported the key                                       |
+    | median   | 50th percentile                                                                            |
+    | p10, p90 | 10th and 90th percentiles                                                                  |
+    | n        | number of steps that reported the key                                                      |
     +----------+-----------------------------------------------------------------------------+
 
     Percentiles interpolate linearly between the closest ranks (numpy's default ``"linear"`` method), so the

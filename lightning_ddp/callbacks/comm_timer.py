@@ -1,7 +1,16 @@
 """``CommTimer``: per optimizer step, how much of the step went to gradient communication, into the logger.
 
 A thin Lightning shell over the pure accounting in ``accounting.py`` (whose ``step_metrics`` docstring is the
-table of every key and its formula). Per optimizer step, once gradient accumulation is over, it:
+table of every key and its formula).
+
+Sampling: only every ``every_n_steps``-th optimizer step is measured (default: the trainer's
+``log_every_n_steps``), step ``s`` iff ``s % every_n_steps == 0``. Every rank decides from its own
+``trainer.global_step``, which is the same on all ranks, so deciding needs no communication. A step that is not
+measured costs (almost) nothing: the run's ``Recorder`` is not armed (``lightning_ddp.sync.record``), so the
+engines' collectives and the DDP comm hook record nothing (one flag read each; the hook, which DDP keeps for the
+whole run, does what torch's default all-reduce does), the per-parameter gradient hooks are removed before such a
+step and put back before the next measured one, and there is no ``torch.cuda.synchronize()``, no collective and
+nothing logged. Per measured optimizer step, once gradient accumulation is over, it:
 
 1. finishes the step's record (``lightning_ddp.sync.record``: on CUDA the step's one ``torch.cuda.synchronize()``,
    after which its CUDA events are read; every mark becomes milliseconds). The record comes from the run's
@@ -13,7 +22,9 @@ table of every key and its formula). Per optimizer step, once gradient accumulat
    one collective runs after the step's end mark and before the next step's start, so it is outside what is
    measured. Ranks on several hosts first estimate their clock offsets to rank 0 (``clock_offset``) at train start
    and every ``clock_sync_every_n_steps``;
-3. turns the engine's ``SyncRecord`` into metrics and logs them with ``LightningModule.log_dict``.
+3. turns the engine's ``SyncRecord`` into metrics and, on rank 0, hands them to the trainer's loggers at the
+   measured step's number (as Lightning's ``ThroughputMonitor`` does: ``log_dict`` would follow Lightning's own
+   logging cadence and lose a sampled step between its logging steps).
 
 Every strategy is measured the same way, Lightning's built-in ``ddp`` (torch ``DistributedDataParallel``)
 included: its bucket all-reduces are recorded through a DDP communication hook equivalent to torch's default
@@ -21,8 +32,14 @@ included: its bucket all-reduces are recorded through a DDP communication hook e
 every trainable parameter) to the gradients usable (``on_before_optimizer_step``) for every strategy; see
 ``accounting.py``.
 
-At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the steps after ``warmup_steps``) and
-writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory, with
+What is measured depends on the strategy (``callbacks.recording.comm_recording``, the one place that decides):
+everything for Lightning's ``ddp`` and ours; for any other strategy (one device, ``fsdp``, ``deepspeed``) step
+time, throughput, memory and the compute profile, with one line at the start of fit saying what is not measured,
+and the ``comm/`` keys left out rather than logged as zeros. ``step/tokens_per_s`` and ``step/mfu`` appear only when
+the module says how to count (``tokens_fn``, ``tokens_per_batch``, ``flops_per_batch``: see ``CommTimer``).
+
+At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the measured steps after the first
+``warmup_steps`` measured ones) and writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory, with
 ``compute_profile.json`` beside them: the median forward, backward and optimizer times and when each
 parameter's gradient became ready (``lightning_ddp.profile``; what ``python -m lightning_ddp.projection``
 predicts other world sizes from). Forward is the step's start to backward's start, backward runs to the last
@@ -37,20 +54,20 @@ import resource
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ddp import compat, hardware
 from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.rank_exchange import StragglerExchange
-from lightning_ddp.callbacks.recording import recorder_for, release_recorder
+from lightning_ddp.callbacks.recording import comm_recording, measurement_note, recorder_for, release_recorder
 from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
@@ -59,13 +76,28 @@ from lightning_ddp.sync.record import Recorder, SyncRecord
 class CommTimer(Callback):
     """Log step time, exposed and busy communication time, comm share and overlap per optimizer step.
 
+    Drops into any Lightning project: ``Trainer(strategy="ddp", callbacks=[CommTimer()])``. Throughput is only
+    reported when the module says how to count, as for Lightning's ``ThroughputMonitor``:
+
+    - tokens (``step/tokens_per_s``): ``tokens_fn(batch)`` if given, else the module's ``tokens_per_batch(batch)``
+      method, summed over the step's micro-batches (``LitGPT`` counts its input's tokens);
+    - FLOPs (``step/mfu``): the module's ``flops_per_batch``, one rank's training FLOPs of one micro-batch (a
+      number, as ``ThroughputMonitor`` reads it, e.g. from ``lightning.fabric.utilities.throughput.measure_flops``,
+      or a method of the batch), else its ``flops_per_token(seq_len)`` times the counted tokens (``LitGPT``).
+
     Args:
-        warmup_steps: Optimizer steps left out of the end-of-fit summary (start-up, allocator warm-up).
+        warmup_steps: Measured optimizer steps left out of the end-of-fit summary (start-up, allocator warm-up).
+            Counted in measured steps: with ``every_n_steps=10`` and 5, steps 0, 10, ..., 40 are left out.
         enabled: Set false to switch the callback off (it is always added by the CLI).
         summary_name: Stem of the summary files written at the end of fit (``.json`` and ``.csv``).
         peak_tflops: Dense peak TFLOP/s of one device at the run's compute dtype, for ``step/mfu``; default: the
             table in ``lightning_ddp.hardware`` (H100, GH200, H200, B200, A100, L4, a MIG slice's share of its GPU,
             CPU estimate).
+        every_n_steps: Measure optimizer step ``s`` iff ``s % every_n_steps == 0``; the steps between cost nothing
+            (see the module docstring). Default: the trainer's ``log_every_n_steps``. 1 measures every step (the
+            benchmarks do).
+        tokens_fn: Tokens of one micro-batch on this rank, for ``step/tokens_per_s``; default: the module's
+            ``tokens_per_batch(batch)`` if it has one, else no throughput in tokens.
         straggler_collectives: Launch times compared across ranks per step (the step's last ones) for
             ``comm/wait_ms`` and ``straggler/*``; 8 bytes each per rank and step.
         clock_sync: ``auto``: estimate every rank's clock offset to rank 0 when the ranks run on several hosts
@@ -80,11 +112,19 @@ class CommTimer(Callback):
         enabled: bool = True,
         summary_name: str = "timing_summary",
         peak_tflops: float | None = None,
+        every_n_steps: int | None = None,
+        tokens_fn: Callable[[Any], int] | None = None,
         straggler_collectives: int = DEFAULT_MAX_COLLECTIVES,
         clock_sync: str = "auto",
         clock_sync_every_n_steps: int = 1000,
         clock_sync_rounds: int = 8,
     ) -> None:
+        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+                                          or every_n_steps < 1):
+            raise ValueError(
+                f"every_n_steps must be a positive int (measure every n-th optimizer step) or None (the trainer's "
+                f"log_every_n_steps), got {every_n_steps!r}; e.g. --timer.every_n_steps 1 to measure every step"
+            )
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; e.g. --timer.warmup_steps 5")
         if peak_tflops is not None and not peak_tflops > 0:
@@ -95,14 +135,21 @@ class CommTimer(Callback):
         self.warmup_steps = warmup_steps
         self.enabled = enabled
         self.summary_name = summary_name
+        self.every_n_steps = every_n_steps
+        self.tokens_fn = tokens_fn
         self.summary = TimingSummary()
         self._recorder: Recorder | None = None
         self._watched: list[tuple[str, torch.Tensor]] = []
         self._compute: list[dict[str, Any]] = []  # per measured step: forward/backward/optimizer ms, ready ms
-        self._batch_shape: tuple[int, ...] = ()  # (batch, seq_len) of a micro-batch
+        self._batch_shape: tuple[int, ...] = ()  # (batch, seq_len) of a micro-batch, when the module counts tokens
+        self._every = 1  # every_n_steps resolved at the start of training
+        self._comm: str | None = "full"  # what this strategy's communication can be seen of (comm_recording)
+        self._watch = False  # whether gradient-ready hooks are wanted (the compute profile)
         self._in_step = False
-        self._tokens = 0
-        self._flops_per_token: float | None = None
+        self._measuring = False  # the current optimizer step is a sampled one
+        self._step = 0
+        self._tokens: int | None = None
+        self._flops: float | None = None
         self._peak_flops: float | None = None
         self._bucket_size_mb: float | None = None
         self.exchange = StragglerExchange(straggler_collectives, clock_sync, clock_sync_every_n_steps, clock_sync_rounds)
@@ -119,16 +166,27 @@ class CommTimer(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled:
             return
+        self._every = self.every_n_steps if self.every_n_steps is not None else max(1, trainer.log_every_n_steps)
+        self._comm = comm_recording(trainer.strategy)
+        note = measurement_note(trainer.strategy, self._comm, trainer.world_size)
+        if note is not None:
+            rank_zero_warn(note)
         self._recorder = recorder_for(trainer)
-        # When each gradient is computed: the landmark that starts exposed communication, for every strategy.
+        # When each gradient is computed: the landmark that starts exposed communication, for every strategy whose
+        # parameters are the module's own (not a sharded strategy's flattened ones, where nothing is recorded).
         seen: set[int] = set()
         self._watched = [(n, p) for n, p in pl_module.named_parameters()
                          if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
-        self._recorder.watch_gradients([p for _, p in self._watched])
+        self._watch = self._comm is not None or trainer.world_size == 1
+        self._hook_gradients(self.is_sampled(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
         self._peak_flops = _job_peak_flops(trainer, self.peak_tflops)
         self.exchange.start(trainer.strategy.root_device)
+
+    def is_sampled(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is measured: the same answer on every rank, with no communication."""
+        return step % self._every == 0
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -136,25 +194,51 @@ class CommTimer(Callback):
             return
         if not self._in_step:  # first micro-batch of an optimizer step
             self._in_step = True
-            self._recorder.open_step(trainer.global_step)
+            self._step = trainer.global_step
+            self._measuring = self.is_sampled(self._step)
+            if not self._measuring:
+                return
+            self._recorder.open_step(self._step)
             if self._recorder.clock.cuda:
                 torch.cuda.reset_peak_memory_stats()
-            self._tokens = 0
-        x = batch[0] if isinstance(batch, (list, tuple)) else batch
-        if isinstance(x, torch.Tensor):
-            self._tokens += x.numel()
-            self._batch_shape = tuple(x.shape)
-            if self._flops_per_token is None and hasattr(pl_module, "flops_per_token"):
-                self._flops_per_token = float(pl_module.flops_per_token(x.shape[-1]))
+            self._tokens = self._flops = None
+        if self._measuring:
+            self._count(pl_module, batch)
+
+    def _count(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Add one micro-batch's tokens and FLOPs, where the module (or ``tokens_fn``) says how to count them."""
+        counter = self.tokens_fn or getattr(pl_module, "tokens_per_batch", None)
+        tokens = int(counter(batch)) if counter is not None else None
+        if tokens is not None:
+            self._tokens = (self._tokens or 0) + tokens
+            x = batch[0] if isinstance(batch, (list, tuple)) else batch
+            if isinstance(x, torch.Tensor):
+                self._batch_shape = tuple(x.shape)
+        flops = getattr(pl_module, "flops_per_batch", None)
+        if callable(flops):
+            flops = flops(batch)
+        if flops is None and tokens is not None and hasattr(pl_module, "flops_per_token") and len(self._batch_shape) > 1:
+            flops = tokens * float(pl_module.flops_per_token(self._batch_shape[-1]))
+        if flops is not None:
+            self._flops = (self._flops or 0.0) + float(flops)
+
+    def _hook_gradients(self, wanted: bool) -> None:
+        """Put the gradient-ready hooks on before a measured step, take them off before one that is not."""
+        assert self._recorder is not None
+        wanted = wanted and self._watch
+        if wanted and not self._recorder.watching:
+            self._recorder.watch_gradients([p for _, p in self._watched])
+        elif not wanted and self._recorder.watching:
+            self._recorder.unwatch_gradients()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self.enabled and self._recorder is not None:
+        if self._measuring:
             self._recorder.mark_backward_started()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.enabled and self._recorder is not None:
+        if self._measuring:
             self._recorder.mark_gradients_usable()
 
     @override
@@ -164,6 +248,14 @@ class CommTimer(Callback):
         if not self.enabled or not self._in_step or compat.should_accumulate(trainer):
             return
         self._in_step = False
+        if self._measuring:
+            self._measuring = False
+            self._measure(trainer)
+        # trainer.global_step is now the next step's number: hooks on (or off) for it, outside any measured window
+        self._hook_gradients(self.is_sampled(trainer.global_step))
+
+    def _measure(self, trainer: pl.Trainer) -> None:
+        """Finish the measured step's record, reduce its time over the ranks, log and keep its metrics."""
         assert self._recorder is not None
         record = self._recorder.finish_step()
         straggler = self.exchange.exchange(record, trainer.global_step)  # the step's one collective, on every rank
@@ -171,15 +263,20 @@ class CommTimer(Callback):
         metrics = step_metrics(
             timing,
             trainer.world_size,
-            flops_per_token=self._flops_per_token,
+            flops_per_step=self._flops,
             peak_flops=self._peak_flops,
             peak_memory_mib=_peak_memory_mib(self._recorder.clock.cuda),
             peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if self._recorder.clock.cuda else None,
             straggler=straggler,
+            comm=self._comm,
         )
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        # To the loggers at the measured step's number, whatever the trainer's log_every_n_steps (which Lightning's
+        # own logging follows: a sampled step between its logging steps would be lost), as ThroughputMonitor does.
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=self._step)
         # Inconsistent marks were clamped and counted, never raised: the first ones of the run are warned about here.
-        self.summary.add(trainer.global_step, metrics, anomalies=timing.anomalies)
+        self.summary.add(self._step, metrics, anomalies=timing.anomalies)
         self._compute.append(_compute_landmarks(record))
 
     @override
@@ -205,7 +302,8 @@ class CommTimer(Callback):
         note = clock_note(self.exchange.describe()["max_uncertainty_ms"], lag)
         if note is not None:
             print(f"note: {note}", flush=True)
-        extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb},
+        extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
+                         "every_n_steps": self._every, "comm_recording": self._comm},
                  "clock": {**self.exchange.describe(), **({"note": note} if note else {})}}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")

@@ -13,19 +13,42 @@ recorded into it:
 
 Observers open and finish the recorder's steps themselves (``Recorder.open_step(global_step)`` is idempotent for
 the same step, ``finish_step`` for a finished one), so the strategy's training step is never driven by measuring.
+The run's recorder does not open steps on demand (``Recorder(open_on_demand=False)``): it is armed only in the steps
+an observer opened, so a step nobody measures records nothing, marks nothing and synchronises nothing.
+
+What can be measured depends on the strategy, and ``comm_recording(strategy)`` is the one place that decides:
+
+=================  ==============================================================================================
+``"full"``         every gradient collective is recorded (launch, completion, bytes) and the exposed time is taken
+                   from the step's landmarks: our strategies (``attach_recorder``) and Lightning's ``ddp`` family
+``"landmarks"``    only the landmarks: exposed time (last gradient computed -> gradients usable) and the step;
+                   busy time, overlap and bandwidth are not recorded. A strategy declares it with a
+                   ``comm_recording = "landmarks"`` attribute
+``None``           no communication is seen: step time, throughput, memory and the compute profile only
+                   (a single device, which has none; Lightning's ``fsdp``, ``deepspeed`` and any other strategy)
+=================  ==============================================================================================
+
+A strategy may declare its level itself with a ``comm_recording`` attribute (one of the above); otherwise it is
+inferred as in the table. ``measurement_note`` is the one-line message the ``CommTimer`` gives for every level
+but ``"full"``.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Literal, Optional
 
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp.sync.comm import Communicator
 from lightning_ddp.sync.record import Recorder
 
-__all__ = ["record_torch_ddp", "recorder_for", "release_recorder"]
+__all__ = ["COMM_RECORDING_LEVELS", "CommRecording", "comm_recording", "measurement_note", "record_torch_ddp",
+           "recorder_for", "release_recorder"]
+
+CommRecording = Optional[Literal["full", "landmarks"]]
+COMM_RECORDING_LEVELS: tuple[CommRecording, ...] = ("full", "landmarks", None)
+"""What the ``CommTimer`` can see of a strategy's communication (the module docstring's table)."""
 
 _RECORDERS: "weakref.WeakKeyDictionary[Any, Recorder]" = weakref.WeakKeyDictionary()
 
@@ -35,7 +58,7 @@ def recorder_for(trainer: Any) -> Recorder:
     strategy = trainer.strategy
     recorder = _RECORDERS.get(strategy)
     if recorder is None:
-        recorder = Recorder(strategy.root_device)
+        recorder = Recorder(strategy.root_device, open_on_demand=False)  # armed only in the steps observers open
         _RECORDERS[strategy] = recorder
         attach = getattr(strategy, "attach_recorder", None)
         if attach is not None:
@@ -85,3 +108,42 @@ def record_torch_ddp(model: DistributedDataParallel, recorder: Recorder) -> bool
         )
         return False
     return True
+
+
+def comm_recording(strategy: Any) -> CommRecording:
+    """How much of ``strategy``'s gradient communication the run's recorder sees (the module docstring's table).
+
+    Raises:
+        ValueError: The strategy declares a ``comm_recording`` that is not one of ``COMM_RECORDING_LEVELS``.
+    """
+    if hasattr(strategy, "comm_recording"):
+        declared = strategy.comm_recording
+        if declared not in COMM_RECORDING_LEVELS:
+            raise ValueError(f"{type(strategy).__name__}.comm_recording is {declared!r}; declare one of "
+                             f"{', '.join(map(repr, COMM_RECORDING_LEVELS))}")
+        return declared
+    if hasattr(strategy, "attach_recorder"):  # ours: the engine records every collective
+        return "full"
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if isinstance(strategy, DDPStrategy):  # torch DDP: its buckets are recorded through a comm hook
+        return "full"
+    return None
+
+
+def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> str | None:
+    """The one line the ``CommTimer`` says once when it cannot measure everything (``None`` for ``"full"``)."""
+    name = getattr(strategy, "strategy_name", "") or type(strategy).__name__
+    measured = "step time, throughput (when the module counts tokens or FLOPs), memory and the compute profile"
+    if level == "full":
+        return None
+    if level == "landmarks":
+        return (f"CommTimer on {name}: measures {measured} and the exposed communication (comm/exposed_ms, "
+                "comm/share: last gradient computed -> gradients usable); its collectives are not recorded, so "
+                "comm/busy_ms, comm/overlap and the bandwidths are not logged.")
+    if world_size == 1 and not hasattr(strategy, "comm_recording"):
+        return (f"CommTimer on {name} (one device): measures {measured}; there is no gradient communication, so no "
+                "comm/* metrics are logged.")
+    return (f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics "
+            "(exposed, busy, overlap, bandwidth). Communication is measured for Lightning's ddp and our strategies "
+            "(lightning_ddp.strategies.strategy_names()).")

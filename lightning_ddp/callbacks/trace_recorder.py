@@ -15,9 +15,10 @@ Recipe, per rank:
    on the training thread: torch's own ``Optimizer.step#AdamW.step`` range encloses the closure (forward and
    backward) and our optimizer range, which is why forward and backward are hooked rather than bracketed by
    ``on_train_batch_start``.
-3. Every step is recorded by the run's shared ``Recorder`` (``lightning_ddp.callbacks.recording``; the strategy
-   hands it to its engine); at the end of each traced step, keep the finished record's collectives (launch and
-   completion of each, in ``perf_counter`` seconds).
+3. Every traced step is recorded by the run's shared ``Recorder`` (``lightning_ddp.callbacks.recording``; the
+   strategy hands it to its engine), which this callback opens for it; at the end of each traced step, keep the
+   finished record's collectives (launch and completion of each, in ``perf_counter`` seconds). Steps outside the
+   profiler's recording window are not opened, so they record nothing.
 4. When the last active step ends the profiler hands over the trace: export the Chrome trace, add the
    communication track (``lightning_ddp.callbacks.comm_track.add_communication_track``: each collective's
    launch -> completion as an event on the profiler's clock, aligned by the step anchors) and write
@@ -207,9 +208,9 @@ class TraceRecorder(Callback):
         if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
             return
         self._in_step = True
-        self._recorder.open_step(trainer.global_step)  # idempotent: the CommTimer may have opened it already
-        if not self._recording:
+        if not self._recording:  # only traced steps are recorded (the recorder stays unarmed in the others)
             return
+        self._recorder.open_step(trainer.global_step)  # idempotent: the CommTimer may have opened it already
         before = time.perf_counter()
         self._enter(ranges.step_range_name(trainer.global_step))
         after = time.perf_counter()
@@ -235,8 +236,8 @@ class TraceRecorder(Callback):
             return
         self._in_step = False
         assert self._recorder is not None
-        record = self._recorder.finish_step()  # idempotent: the CommTimer may have finished it already
-        if self._current is not None:
+        if self._current is not None:  # a traced step, which this callback opened
+            record = self._recorder.finish_step()  # idempotent: the CommTimer may have finished it already
             self._current.collectives = record.in_host_seconds().collectives
             self._steps.append(self._current)
             self._current = None

@@ -4,8 +4,9 @@ Every collective the engines and ZeRO-1 issue goes through here, so that three c
 
 - **async launch and wait**: each method launches ``async_op=True`` and returns a ``Pending``; ``wait(pending)``
   blocks for it;
-- **recording**, only when a ``Recorder`` is attached (``communicator.recorder``); with none attached a
-  collective costs one ``is None`` check more than calling ``torch.distributed`` directly;
+- **recording**, only when a ``Recorder`` is attached (``communicator.recorder``) and armed (a step is being
+  measured); otherwise a collective costs one ``is None`` check (and one flag read) more than calling
+  ``torch.distributed`` directly;
 - **profiler ranges** (``ddp/comm_launch``, ``ddp/comm_wait``; names in ``lightning_ddp.sync.ranges``), only
   while a torch profiler records.
 
@@ -197,7 +198,8 @@ class Communicator:
 
     def span(self, kind: str) -> AbstractContextManager:
         """Record the time inside as ``kind`` (``"exposed"`` or ``"pack"``); a no-op with no recorder attached."""
-        return self._span(kind) if self.recorder is not None else _NOTHING
+        recorder = self.recorder
+        return self._span(kind) if recorder is not None and recorder.armed else _NOTHING
 
     @contextmanager
     def _span(self, kind: str) -> Iterator[None]:
@@ -216,7 +218,7 @@ class Communicator:
         self, op: str, label: str, nbytes: int, device: torch.device, start: Callable[[], dist.Work]
     ) -> Pending:
         recorder = self.recorder
-        if recorder is None:
+        if recorder is None or not recorder.armed:  # nobody measures, or not this step
             with profiler_range(COMM_LAUNCH):
                 return Pending(start())
         recorder.ensure_open()

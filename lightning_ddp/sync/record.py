@@ -28,7 +28,7 @@ Clocks (the honesty rules):
   completes as soon as it is recorded; ``t0`` is the midpoint of two host reads taken just before and just after
   ``e0.record()``, so it is off by at most half that call (a single read on either side could be off by all of it).
   The synchronize at the end of one step anchors the next: one synchronize per measured step, none when nobody
-  measures.
+  measures, and none in a step nobody opened (the ``CommTimer``'s unsampled steps: ``Recorder.armed``).
 - When an async collective *completed* (``Collective.completed``), by the backend that moves its tensor (asked per
   device, ``lightning_ddp.sync.comm.backend_for``: a ``cpu:gloo,cuda:nccl`` group moves CUDA tensors with NCCL):
   gloo completes its ``Work`` future on its own thread when the data has arrived, so a ``then`` callback reads
@@ -212,13 +212,26 @@ class SyncRecord:
 class Recorder:
     """Collects one ``SyncRecord`` per optimizer step from whichever engines (and optimizers) it is attached to.
 
+    Armed or not: every recording path (``Communicator``'s collectives and spans, the gradient hooks, the compute
+    landmarks) checks ``armed`` first and returns at once when it is false, so a step nobody measures costs one
+    attribute read per collective and per gradient. A step is armed from ``open_step`` to ``finish_step``; between
+    steps the recorder stays armed only with ``open_on_demand`` (the default: a caller that never opens steps, e.g.
+    an engine measured on its own, still gets records, the first collective opening an unnumbered step). The
+    observers under Lightning (``lightning_ddp.callbacks.recording``) use ``open_on_demand=False`` and open only the
+    steps they measure: the ``CommTimer``'s sampled steps (``every_n_steps``) and the ``TraceRecorder``'s traced ones.
+
     Args:
         device: Where the model computes: CUDA events on a GPU, host time otherwise.
         clock: The clock to use instead of ``StepClock(device)`` (tests give a fake one).
+        open_on_demand: Whether a collective recorded while no step is open opens one (see above).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", clock: StepClock | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", clock: StepClock | None = None,
+                 open_on_demand: bool = True) -> None:
         self.clock = clock if clock is not None else StepClock(device)
+        self.open_on_demand = open_on_demand
+        self.armed = open_on_demand
+        """Whether anything is recorded now: a step is open, or ``open_on_demand``. Checked first on every path."""
         self.record = SyncRecord()
         """The step being recorded (raw marks); appended to by the engines."""
         self.step: int | None = None
@@ -247,6 +260,7 @@ class Recorder:
             self.clock.anchor()
         self._anchored = False
         self._open = True
+        self.armed = True
         self.step = step
         self.finished = None
         self.record = SyncRecord(started=self.clock.mark(), ready=[None] * self._watched)
@@ -273,6 +287,7 @@ class Recorder:
             clock.anchor(synchronize=False)  # the device is idle just now: the next step's anchor, for free
             self._anchored = True
         self._open = False
+        self.armed = self.open_on_demand
         return self.finished
 
     # -- the step's compute landmarks (the timer marks them) ---------------------------------------------
@@ -291,6 +306,11 @@ class Recorder:
         for index, param in enumerate(params):
             self._hooks.append(param.register_hook(self._ready_hook(index)))
 
+    @property
+    def watching(self) -> bool:
+        """Whether gradient-ready hooks are registered (``watch_gradients`` until ``unwatch_gradients``)."""
+        return bool(self._hooks)
+
     def unwatch_gradients(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -299,7 +319,7 @@ class Recorder:
 
     def _ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if self._open:
+            if self._open:  # unarmed (a step nobody measures): nothing but this check
                 mark = self.clock.mark()
                 self.record.ready[index] = mark
                 self.record.last_ready = mark

@@ -71,7 +71,7 @@ def _naive_like() -> StepTiming:
 def test_step_metrics_keys_match_the_documented_table():
     # Every input given, the straggler split too (two ranks that launched the step's 3 collectives together).
     vector = [100.0, 80.0, 0.0, 3.0, 80.0, 85.0, 90.0]
-    metrics = step_metrics(_naive_like(), world_size=2, flops_per_token=1.0, peak_flops=1.0, peak_memory_mib=1.0,
+    metrics = step_metrics(_naive_like(), world_size=2, flops_per_step=1.0, peak_flops=1.0, peak_memory_mib=1.0,
                            peak_reserved_mib=2.0, straggler=attribute_wait([vector, vector], rank=0))
     assert tuple(metrics) == METRIC_KEYS
     for key in METRIC_KEYS:
@@ -198,15 +198,38 @@ def test_tokens_per_s_is_global_throughput():
     assert m["step/tokens_per_s"] == approx(32768.0)
 
 
-def test_mfu_only_with_flops_per_token_and_peak_flops():
+def test_mfu_only_with_flops_per_step_and_peak_flops():
     timing = StepTiming(step_ms=250.0, tokens=2048)
     assert "step/mfu" not in step_metrics(timing, world_size=4)
-    assert "step/mfu" not in step_metrics(timing, world_size=4, flops_per_token=6e9)
+    assert "step/mfu" not in step_metrics(timing, world_size=4, flops_per_step=2048 * 6e9)
     assert "step/mfu" not in step_metrics(timing, world_size=4, peak_flops=1e15)
     # peak_flops is the whole job's: 4 GPUs of 1e15 each
-    m = step_metrics(timing, world_size=4, flops_per_token=6e9, peak_flops=4e15)
-    # 32768 tokens/s * 6e9 flops/token = 1.96608e14 flop/s, over 4e15 = 4.9152 %
+    m = step_metrics(timing, world_size=4, flops_per_step=2048 * 6e9, peak_flops=4e15)
+    # 2048 tokens * 6e9 flops/token per rank, 4 ranks, in 0.25 s = 1.96608e14 flop/s, over 4e15 = 4.9152 %
     assert m["step/mfu"] == approx(0.049152)
+    # FLOPs without tokens (a module with flops_per_batch but no token count): MFU, no tokens_per_s
+    m = step_metrics(StepTiming(step_ms=250.0), world_size=4, flops_per_step=2048 * 6e9, peak_flops=4e15)
+    assert m["step/mfu"] == approx(0.049152) and "step/tokens_per_s" not in m
+
+
+def test_tokens_per_s_only_when_the_tokens_were_counted():
+    # A module that does not say how to count tokens (an MLP classifier): the key is absent, not 0.
+    assert "step/tokens_per_s" not in step_metrics(StepTiming(step_ms=250.0), world_size=4)
+    assert step_metrics(StepTiming(step_ms=250.0, tokens=0), world_size=4)["step/tokens_per_s"] == 0.0
+
+
+def test_what_was_recorded_of_the_communication_decides_the_comm_keys():
+    full = step_metrics(_naive_like(), world_size=2)
+    landmarks = step_metrics(_naive_like(), world_size=2, comm="landmarks")
+    unseen = step_metrics(_naive_like(), world_size=2, comm=None)
+    # landmarks: exposed and share (from the last gradient to usable), no busy/overlap/bandwidth/calls/bytes
+    assert [k for k in landmarks if k.startswith("comm/")] == ["comm/exposed_ms", "comm/share", "comm/clock_anomalies"]
+    assert landmarks["comm/exposed_ms"] == full["comm/exposed_ms"] == 15.0
+    assert not any(k.startswith("comm/") for k in unseen)
+    # what is not about communication stays: step time and tokens (512 * 2 ranks / 0.1 s)
+    assert unseen["step/time_ms"] == 100.0 and unseen["step/tokens_per_s"] == approx(10240.0)
+    with pytest.raises(ValueError, match="comm must be"):
+        step_metrics(_naive_like(), world_size=2, comm="some")
 
 
 def test_peak_memory_only_when_given():
@@ -224,7 +247,7 @@ def test_input_errors_say_what_is_wrong():
     with pytest.raises(ValueError, match="world_size"):
         step_metrics(StepTiming(step_ms=1.0), world_size=0)
     with pytest.raises(ValueError, match="peak_flops"):
-        step_metrics(StepTiming(step_ms=1.0), world_size=1, flops_per_token=1.0, peak_flops=0.0)
+        step_metrics(StepTiming(step_ms=1.0), world_size=1, flops_per_step=1.0, peak_flops=0.0)
 
 
 # ---- from a record ------------------------------------------------------------------------------------

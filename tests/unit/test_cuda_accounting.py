@@ -565,7 +565,7 @@ def test_the_exposed_span_from_last_gradient_to_usable_is_clamped_not_dropped() 
 @pytest.mark.parametrize("step_ms", [0.0, -3.0, math.nan, math.inf])
 def test_a_step_time_that_is_not_positive_and_finite_gives_finite_metrics(step_ms: float) -> None:
     timing = StepTiming(step_ms=step_ms, exposed=[(0.0, 1.0)], collectives=[_c(0.0, 1.0)], tokens=8)
-    m = step_metrics(timing, world_size=2, flops_per_token=1.0, peak_flops=1.0)
+    m = step_metrics(timing, world_size=2, flops_per_step=8.0, peak_flops=1.0)
     assert m["comm/clock_anomalies"] == 1.0
     # no step to divide by: the step time is 0 and every share of it 0 (as overlap is 0 when nothing was busy)
     assert (m["step/time_ms"], m["comm/share"], m["step/tokens_per_s"], m["step/mfu"]) == (0.0, 0.0, 0.0, 0.0)

@@ -172,7 +172,7 @@ def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps:
         "--trainer.strategy", strategy_argument(strategy, backend), "--trainer.precision", precision,
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
-        "--timer.warmup_steps", str(warmup), *extra,
+        "--timer.warmup_steps", str(warmup), "--timer.every_n_steps", "1", *extra,  # every step measured
     )
 
 
@@ -581,8 +581,8 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
     extra = [a for a in fit_args(ctx, preset=s.overhead_preset, batch=s.strategies_batch, seq_len=seq_len,
                                  steps=s.overhead_steps, warmup=s.overhead_warmup, precision=s.precision,
                                  strategy="bucketed_ddp")]
-    # timer_overhead sets the steps, the timer and the logger's directory itself; the rest is this study's fit.
-    owned = {"--trainer.max_steps", "--timer.warmup_steps"}
+    # timer_overhead sets the steps, the timer (its arms) and the logger's directory itself; the rest is this study's fit.
+    owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
     extra = [a for i, a in enumerate(extra) if a not in owned and (i == 0 or extra[i - 1] not in owned)]
     code, timed_out, line = ctx.run_python(
         ["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",

@@ -1,0 +1,101 @@
+"""Our strategy names in Lightning's ``StrategyRegistry`` from ``import lightning_ddp``, without importing Lightning.
+
+``Trainer(strategy="bucketed_ddp")`` resolves the name in ``lightning.pytorch.strategies.StrategyRegistry``, so the
+names must be registered before the Trainer is built, whichever of ``import lightning_ddp`` and ``import lightning``
+a user's script runs first. Importing ``lightning.pytorch`` costs seconds, and ``import lightning_ddp.sync`` (the
+pure-PyTorch core, which must work where Lightning is not installed) runs the package's ``__init__`` too, so the
+package does not import Lightning itself. Instead, ``register_with_lightning()``:
+
+1. if ``lightning.pytorch`` is already imported, registers now (``lightning_ddp.strategies.register_strategies``);
+2. otherwise puts a finder at the front of ``sys.meta_path`` that waits for ``lightning.pytorch`` to be imported
+   (by anyone, later) and registers right after that package has run, then takes itself out: a post-import hook,
+   as ``wrapt.register_post_import_hook`` does. It finds nothing itself (every other import goes on as before) and
+   costs nothing until Lightning is imported; where Lightning is not installed it never fires.
+
+A failure to register (a Lightning too old for our strategies) is a warning naming the import that shows the
+error, never an error in the user's ``import lightning``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
+from typing import Any, Sequence
+
+_TARGET = "lightning.pytorch"
+"""The package whose import triggers the registration (``StrategyRegistry`` is complete once it has run)."""
+
+
+def _register() -> None:
+    ours = sys.modules.get("lightning_ddp.strategies")
+    if ours is not None and getattr(getattr(ours, "__spec__", None), "_initializing", False):
+        return  # its own import brought Lightning in: it registers the names itself when it finishes
+    try:
+        from lightning_ddp.strategies import register_strategies
+
+        register_strategies()
+    except Exception as error:  # never break the user's `import lightning` because of ours
+        warnings.warn(
+            f"lightning_ddp could not register its strategies with Lightning ({type(error).__name__}: {error}); "
+            "`import lightning_ddp.strategies` shows the full error.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds ``lightning.pytorch`` with the other finders and registers our strategies once its module has run."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None) -> Any:
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)  # one shot; the other finders below find the real module
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if find is not None:
+                spec = find(name, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            _register()
+
+        spec.loader = _Delegating(loader, exec_then_register)
+        return spec
+
+
+class _Delegating(importlib.abc.Loader):
+    """``loader`` with its ``exec_module`` replaced; everything else (``get_resource_reader``, ...) is the loader's."""
+
+    def __init__(self, loader: Any, exec_module: Any) -> None:
+        self._loader = loader
+        self._exec_module = exec_module
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self._loader  # the module sees its real loader, as if we were never there
+        self._exec_module(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def register_with_lightning() -> None:
+    """Register our strategy names with Lightning now if it is imported, else as soon as it is (idempotent)."""
+    module = sys.modules.get(_TARGET)
+    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        _register()
+        return
+    if not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
