@@ -430,15 +430,17 @@ def test_every_copy_and_scaling_of_gradients_is_a_pack_span(world_of_one, algori
 # ---- ZeRO-1 and fp16, RoPE under bf16-true ---------------------------------------------------------------------
 
 
-def test_zero1_reduce_scatter_refuses_fp16_and_clipping_with_the_fix() -> None:
-    from lightning_ddp.strategies.zero1 import check_supported
+def test_sharded_strategies_refuse_fp16_where_gradients_differ_across_ranks_and_name_the_fix() -> None:
+    from lightning_ddp.strategies import ZeRO1DDPStrategy, ZeRO2DDPStrategy
 
     with pytest.raises(ValueError, match="bf16-mixed.*allreduce_broadcast"):
-        check_supported("reduce_scatter", "16-mixed", None)
-    with pytest.raises(ValueError, match="clipping"):
-        check_supported("reduce_scatter", "32-true", 1.0)
-    check_supported("allreduce_broadcast", "16-mixed", 1.0)  # gradients averaged in backward: same inf everywhere
-    check_supported("reduce_scatter", "bf16-mixed", None)
+        ZeRO1DDPStrategy(schedule="reduce_scatter").check_supported("16-mixed")
+    with pytest.raises(ValueError, match="bf16-mixed.*zero1_ddp"):
+        ZeRO2DDPStrategy().check_supported("16-mixed")
+    # Gradients averaged in backward: every rank sees the same inf.
+    ZeRO1DDPStrategy(schedule="allreduce_broadcast").check_supported("16-mixed")
+    ZeRO1DDPStrategy(schedule="reduce_scatter").check_supported("bf16-mixed")
+    ZeRO2DDPStrategy().check_supported("bf16-mixed")
 
 
 def test_a_bf16_cast_keeps_the_rope_angles_in_fp32() -> None:
