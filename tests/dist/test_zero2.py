@@ -348,3 +348,67 @@ def test_checkpoint_of_two_ranks_resumes_under_three_and_under_plain_adamw(jobs)
     optimizer.load_state_dict(checkpoint["optimizer"])
     resumed = _reference(config, range(2, 4), model, optimizer)
     _assert_close(resumed["weights"], uninterrupted["weights"], "plain AdamW resumed")
+
+
+# ---- through Lightning ---------------------------------------------------------------------------------
+
+CLI_STEPS = 4
+CLIP = 0.1  # below the tiny GPT's gradient norm in these steps (~1): the clip is active at every step
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)  # the batch sums associated differently (see test_zero1)
+
+
+def _fit(run_dir, *args: str):
+    """The quickstart for CLI_STEPS steps with gradient clipping, a checkpoint every 2 steps; returns the weights."""
+    from tests.support.cli_utils import REPO, run_cli
+
+    weights = run_dir / "weights.pt"
+    run_cli(
+        "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), *args,
+        "--trainer.max_steps", str(CLI_STEPS), "--trainer.gradient_clip_val", str(CLIP),
+        "--timer.warmup_steps", "1", "--trainer.logger.init_args.save_dir", str(run_dir / "logs"),
+        "--trainer.enable_checkpointing", "true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=2",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks+=tests.support.callbacks_for_tests.SaveWeights", f"--trainer.callbacks.path={weights}",
+        cwd=run_dir,
+    )
+    return weights
+
+
+def _same_weights(ours, theirs) -> None:
+    a, b = torch.load(ours), torch.load(theirs)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **FP32_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory) -> dict:
+    """zero2_ddp from its YAML, zero1_ddp (reduce_scatter) and Lightning's ddp, all clipping by norm."""
+    from tests.support.cli_utils import REPO
+
+    runs = {}
+    for name, args in {
+        "zero2": ("--config", str(REPO / "configs" / "strategy" / "zero2.yaml")),
+        "zero1": ("--trainer.strategy", "zero1_ddp"),
+        "ddp": ("--trainer.strategy", "ddp"),
+    }.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        runs[name] = (run_dir, _fit(run_dir, *args))
+    return runs
+
+
+def test_zero2_ddp_and_zero1_ddp_clip_like_lightning_ddp(lightning_runs) -> None:
+    # Lightning clips ddp's all-reduced gradients with torch's clip_grad_norm_; the sharded strategies hand the
+    # clipping to their optimizers, which clip the owned averages by the global norm: the same weights.
+    for name in ("zero2", "zero1"):
+        _same_weights(lightning_runs[name][1], lightning_runs["ddp"][1])
+
+
+@pytest.mark.slow
+def test_zero2_ddp_checkpoint_resumes_under_ddp(lightning_runs, tmp_path) -> None:
+    # The zero2 checkpoint holds the consolidated (unsharded) optimizer state: Lightning's ddp resumes it exactly.
+    run_dir, weights = lightning_runs["zero2"]
+    (checkpoint,) = (run_dir / "logs").rglob("*step=2.ckpt")
+    resumed = _fit(tmp_path, "--trainer.strategy", "ddp", "--ckpt_path", str(checkpoint))
+    _same_weights(resumed, weights)
