@@ -621,3 +621,32 @@ def test_a_gradient_ready_before_backward_started_does_not_stop_the_profile() ->
                               precision="32-true", world_size=2)
     profile = _median_profile(steps, [("w", weight), ("b", bias)], trainer, SimpleNamespace(hparams={}), (2, 8))
     assert [p.ready_ms for p in profile.params] == [0.0, 4.0]  # clamped to backward's start, not a ValueError
+
+
+def test_route_clipping_hands_sharded_optimizers_to_their_own_clipping_and_leaves_others_alone(world_of_one) -> None:
+    import torch
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_ddp.strategies.sharded import route_clipping
+    from lightning_ddp.sync import ShardedOptimizer
+
+    plugin = Precision()
+    route_clipping(plugin)
+    route_clipping(plugin)  # idempotent: a second strategy set-up must not wrap the wrapper
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])  # norm 5
+    sharded = ShardedOptimizer([weight], torch.optim.SGD, lr=1.0)
+    plugin.clip_gradients(sharded, 1.0, "norm")
+    # Not clipped yet: the sharded optimizer clips in step(), once the gradients are averaged on their owners.
+    assert weight.grad.tolist() == [3.0, 4.0]
+    sharded.step()
+    assert sharded.last_grad_norm.item() == 5.0
+    torch.testing.assert_close(weight.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0.0)  # 1 / (5 + 1e-6)
+    plugin.clip_gradients(sharded, 0.5, "value")
+    sharded.step()
+    assert weight.grad.tolist() == [0.5, 0.5] and sharded.last_grad_norm is None
+    # A plain optimizer is clipped by Lightning's own code, at once.
+    other = torch.nn.Parameter(torch.zeros(2))
+    other.grad = torch.tensor([3.0, 4.0])
+    plugin.clip_gradients(torch.optim.SGD([other], lr=1.0), 1.0, "norm")
+    torch.testing.assert_close(other.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0.0)
