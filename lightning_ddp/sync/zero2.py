@@ -18,7 +18,9 @@ Recipe (``ZeRO2DDP``, with ``ShardedOptimizer(schedule="reduce_in_backward", pla
      ``reduce_scatter_tensor``, rank ``r`` receiving segment ``r``;
    - otherwise (``per_owner``, the default on gloo, whose reduce-scatter is an all-reduce in disguise, and any
      bucket whose segments are too unequal) one ``reduce`` per owner that has a segment, to that owner.
-3. At most ``buckets_in_flight`` buckets are in flight: launching one more first completes the oldest. Completing
+3. At most ``buckets_in_flight`` buckets are in flight: launching one more first completes the oldest (that wait
+   holds up backward, so the ``Recorder`` counts it as an ``exposed`` span, like the waits of
+   ``finish_gradient_synchronization``). Completing
    waits for its collectives, divides the owner's segment by the world size straight into its place in the shard
    (sum -> average; gloo has no AVG), points each owned ``.grad`` at its view of the shard, and drops the send
    buffer. ``finish_gradient_synchronization`` launches, in order, the buckets backward did not complete (they hold
@@ -297,7 +299,10 @@ class ZeRO2DDP(GradSyncEngine):
         self._in_flight.append(flight)
         self._next_bucket += 1
         while len(self._in_flight) > self.buckets_in_flight:  # bound the send buffers held at once
-            self._complete(self._in_flight.popleft())
+            # Waiting here holds up backward (the host on gloo, the compute stream on NCCL): exposed communication,
+            # as the waits in finish_gradient_synchronization are (spans are merged, so nesting there is harmless).
+            with self.comm.span("exposed"):
+                self._complete(self._in_flight.popleft())
 
     def _complete(self, flight: _InFlight) -> None:
         for pending in flight.pending:

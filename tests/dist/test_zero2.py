@@ -185,10 +185,14 @@ def _memory_run(rank: int, world_size: int) -> dict:
 
     for p in engine.params:
         p.register_post_accumulate_grad_hook(watch)
+    recorder = Recorder()
+    engine.recorder = recorder
+    recorder.open_step(0)
     x, y = _batch(0)
     per_rank = GLOBAL_BATCH // world_size
     _loss(engine, x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank], False).backward()
     engine.finish_gradient_synchronization()
+    record = recorder.finish_step()
     names = {id(p): n for n, p in model.named_parameters()}
     return {
         "holding": sorted(names[id(p)] for p in engine.params if p.grad is not None),
@@ -198,6 +202,8 @@ def _memory_run(rank: int, world_size: int) -> dict:
         "param_bytes": sum(p.nbytes for p in engine.params),
         "largest_param": max(p.nbytes for p in engine.params),
         "peak": peak,
+        "buckets": len(engine.buckets),
+        "exposed_spans": len(record.exposed),
     }
 
 
@@ -331,6 +337,9 @@ def test_after_backward_a_rank_holds_only_its_owned_gradients(jobs, world_size: 
         assert memory["peak"]["in_flight"] == 1
         # fc2.bias's gradient waits (64 B) for fc2.weight's; none lingers once its bucket launched.
         assert 0 < memory["peak"]["local_bytes"] <= MEMORY_BUCKET_BYTES
+        # Every bucket launches during backward here; with one allowed in flight, launching buckets 2..n each waits
+        # for the one before (an exposed span each), and finish_gradient_synchronization is one more.
+        assert memory["exposed_spans"] == memory["buckets"] >= 3
     owned = [name for memory in memories for name in memory["owned"]]
     assert len(owned) == len(set(owned))  # each gradient on exactly one rank
 

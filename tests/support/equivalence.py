@@ -546,8 +546,9 @@ def check_zero2_matches_single_process(ranks: list[dict], engine: str, case: str
             reference = references["grads"][number]
             assert set(ours) == set(reference) & set(run["owned"]), (rank, number, sorted(ours))
             assert_states_close(ours, {k: reference[k] for k in ours}, grad_tol, f"rank {rank} step {number} .grad")
-            # Two exposed spans: finish_gradient_synchronization and the parameter phase of step().
-            assert step["exposed"] == 2 and step["collectives_in_no_sync"] == 0
+            # At least two exposed spans: finish_gradient_synchronization and the parameter phase of step(), plus one
+            # per bucket completed early during backward (more than buckets_in_flight launched there).
+            assert step["exposed"] >= 2 and step["collectives_in_no_sync"] == 0
             ops = {c.op for c in step["collectives"]}
             if collectives == "per_owner":
                 assert ops == {"reduce", "broadcast"}, (rank, number, ops)
