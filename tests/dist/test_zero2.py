@@ -421,3 +421,11 @@ def test_zero2_ddp_checkpoint_resumes_under_ddp(lightning_runs, tmp_path) -> Non
     (checkpoint,) = (run_dir / "logs").rglob("*step=2.ckpt")
     resumed = _fit(tmp_path, "--trainer.strategy", "ddp", "--ckpt_path", str(checkpoint))
     _same_weights(resumed, weights)
+
+
+def test_reduce_in_backward_needs_the_engines_placement(world_of_one) -> None:
+    # Without the engine's owners the optimizer would step parameters whose averaged gradients another rank holds.
+    with pytest.raises(ValueError, match="placement=engine.owner_of"):
+        ShardedOptimizer([nn.Parameter(torch.zeros(2))], torch.optim.AdamW, schedule="reduce_in_backward")
+    with pytest.raises(ValueError, match="buckets_in_flight"):
+        ZeRO2DDP.check_settings(buckets_in_flight=0)

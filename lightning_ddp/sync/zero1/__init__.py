@@ -41,7 +41,7 @@ ZeRO-1 reduce_scatter      4Ψ           4Ψ           8Ψ_r + 4T_r         (N-1
 
 The xl preset (Ψ = 1,998,235,200, T = 435) on N = 2: parameters 7.44 GiB, gradients 7.44 GiB, AdamW state
 14.89 GiB unsharded and 7.44 GiB sharded; per rank 29.8 GiB -> 22.3 GiB. Only the optimizer state shrinks
-(ZeRO-2 would also shard gradients, ZeRO-3 parameters). Transient buffers during ``step()``: the packed
+(ZeRO-2, ``lightning_ddp.sync.zero2``, also shards the gradients; ZeRO-3 would shard the parameters). Transient buffers during ``step()``: the packed
 gradients (4Ψ, ``reduce_scatter``) and the packed parameters (4Ψ), the size of ``FlatDDP``'s buffer.
 
 What runs on which backend (``collectives=``):

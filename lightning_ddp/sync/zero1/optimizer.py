@@ -101,6 +101,11 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         **kwargs: Any,
     ) -> None:
         check_schedule(schedule, OPTIMIZER_SCHEDULES)
+        if schedule == "reduce_in_backward" and placement is None:
+            raise ValueError(
+                "schedule='reduce_in_backward' steps the gradients ZeRO2DDP reduced to their owners, so the owners "
+                "must be the engine's: pass placement=engine.owner_of."
+            )
         check_collective_impl(collectives)
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
             raise TypeError(
