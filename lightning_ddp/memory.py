@@ -11,7 +11,7 @@ second, with the breakdown and the fixes, instead of an OOM kill minutes later. 
    ========================  ====================================================================================
    parameters                pΨ
    gradients                 p·(Ψ minus the parameters whose ``.grad`` is a view into a bucket buffer);
-                             ``zero2_ddp``: p·Ψ_r of the most loaded rank, its persistent shard
+                             ``zero2_ddp``: p·Ψ_r of the most loaded rank, its shard (from backward to zero_grad)
    optimizer_state           AdamW: 2pΨ + 4T (``exp_avg``, ``exp_avg_sq``, a 0-d fp32 ``step`` per tensor);
                              ``zero1_ddp``: 2pΨ_r + 4T_r of the most loaded rank
    bucket_buffers            the engine's flat buffers besides ``.grad`` (table below)
@@ -265,8 +265,6 @@ class _Buffers:
     """The bucket cap for ``bucketed`` (None: one bucket)."""
     sharded_state: bool = False
     """ZeRO-1: the optimizer state is split over the ranks."""
-    sharded_gradients: bool = False
-    """ZeRO-2: each rank keeps a persistent shard of the gradients; ``cap_bytes`` is its bucket cap."""
 
 
 _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
@@ -285,8 +283,7 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | No
         return _Buffers("full", False, sharded_state=True)
     if name == "zero2_ddp":
         size = bucket_size_mb if bucket_given and bucket_size_mb != "auto" else 25.0  # the strategy's default cap
-        return _Buffers("zero2", False, cap_bytes=None if size is None else int(float(size) * MiB),
-                        sharded_state=True, sharded_gradients=True)
+        return _Buffers("zero2", False, cap_bytes=None if size is None else int(float(size) * MiB), sharded_state=True)
     algorithms = {a.strategy_name: a for a in ALGORITHMS.values()}
     if name not in algorithms:
         raise ValueError(
@@ -465,8 +462,6 @@ def estimate_rank_memory(
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
     step_phase = ("gradients", "regrown_gradients") + (() if buffers.persistent else ("bucket_buffers",))
-    if buffers.sharded_gradients:  # the shard persists across steps; only the buckets come and go
-        step_phase = ("regrown_gradients", "bucket_buffers")
     phases = (("activations", "low_precision_weights"), step_phase)
     description = (
         f"d_model {config.d_model} x {config.n_layers} layers ({n_params / 1e6:,.0f}M parameters), batch "

@@ -5,8 +5,9 @@ Recipe (``ZeRO2DDP``, with ``ShardedOptimizer(schedule="reduce_in_backward", pla
 1. At construction, give every trainable parameter one owner (``assign_owners``, ZeRO-1's greedy balance by bytes)
    and put the parameters into buckets of at most ``bucket_size_mb`` MiB, in reverse order (``assign_buckets``,
    the bucketed engine's). Within a bucket, the parameters are laid out *by owner*: segment ``r`` holds rank
-   ``r``'s gradients, then one presence flag per gradient (step 4). Each rank allocates one persistent flat
-   *shard* per dtype holding exactly the gradients it owns, laid out bucket by bucket (Ψ_r elements).
+   ``r``'s gradients, then one presence flag per gradient (step 4). Each rank's owned gradients go into one flat
+   *shard* per dtype, laid out bucket by bucket (Ψ_r elements), allocated at the step's first completed bucket and
+   not kept by the engine: the owned ``.grad`` views hold it until ``zero_grad`` drops them.
 2. During backward, a post-accumulate-grad hook marks each parameter ready; buckets launch strictly in bucket order
    (as in ``bucketed``: collectives are matched by position, so the order never depends on local data). Launching
    allocates the bucket's send buffer, copies each gradient into its segment (zeros and flag 0 for a gradient
@@ -36,7 +37,8 @@ Buffers and memory per rank, Ψ parameters of b bytes each, Ψ_r ≈ Ψ/N owned,
 ``buckets_in_flight``:
 
 =======================  ==============================================================================
-the shard                b·Ψ_r, persistent: the owned gradients (``.grad`` of owned parameters are views)
+the shard                b·Ψ_r, from backward until ``zero_grad(set_to_none=True)``: the owned gradients
+                         (``.grad`` of owned parameters are views into it)
 send buffers             one per bucket in flight, each ≤ B plus 4 bytes of flags per gradient (``native``:
                          padded, ≤ (1 + ``MAX_PADDING``)·B): at most K·B at once
 local gradients          of the buckets not launched yet: with backward producing gradients in bucket order (the
@@ -44,7 +46,8 @@ local gradients          of the buckets not launched yet: with backward producin
 =======================  ==============================================================================
 
 So gradients take b·Ψ_r + (K + 1)·B instead of DDP's b·Ψ (plus DDP's buckets, b·Ψ again in torch DDP's
-buffers): ``gradients <= Ψ/N + buckets in flight``. Non-owned ``.grad`` are ``None`` after backward. The cost: a
+buffers): ``gradients <= Ψ/N + buckets in flight``; like DDP's gradients (not its buffers) they exist from backward
+to ``zero_grad``, not during the forward. Non-owned ``.grad`` are ``None`` after backward. The cost: a
 gradient that arrives out of bucket order holds back every later bucket (strict order), whose gradients then wait in
 full, as in ``bucketed``; and completing the oldest bucket early blocks the host on gloo (on NCCL ``wait`` only
 orders the streams).
@@ -204,21 +207,12 @@ class ZeRO2DDP(GradSyncEngine):
         self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
         numels = [p.numel() for p in self.params]
         self._plans = [plan_bucket(b, numels, self.owners, world, self.collectives == "native") for b in self.buckets]
-        # The shard: per dtype, this rank's owned gradients, bucket by bucket (each bucket's segment contiguous).
-        shard_numel: dict[torch.dtype, int] = {}
+        # The shard's layout: per dtype, this rank's owned gradients, bucket by bucket (each segment contiguous).
+        self._shard_numel: dict[torch.dtype, int] = {}
         for plan in self._plans:
             dtype = self.params[plan.indices[0]].dtype
-            plan.shard_offset = shard_numel.get(dtype, 0)
-            shard_numel[dtype] = plan.shard_offset + plan.numels[rank]
-        self.shards = {dtype: torch.zeros(n, dtype=dtype, device=self.device) for dtype, n in shard_numel.items()}
-        """This rank's owned gradients, one flat buffer per dtype (owned ``.grad`` are views into it)."""
-        self._views: dict[int, torch.Tensor] = {}
-        for plan in self._plans:
-            shard = self.shards[self.params[plan.indices[0]].dtype]
-            offset = plan.shard_offset
-            for i in plan.segments[rank]:
-                self._views[i] = shard[offset : offset + numels[i]].view_as(self.params[i])
-                offset += numels[i]
+            plan.shard_offset = self._shard_numel.get(dtype, 0)
+            self._shard_numel[dtype] = plan.shard_offset + plan.numels[rank]
         self._bucket_of = [0] * len(self.params)
         for b, indices in enumerate(self.buckets):
             for i in indices:
@@ -238,9 +232,14 @@ class ZeRO2DDP(GradSyncEngine):
         return self._owner_by_id.get(id(param))
 
     @property
-    def shard_numel(self) -> int:
-        """Elements of gradients this rank keeps after backward (Ψ_r)."""
-        return sum(shard.numel() for shard in self.shards.values())
+    def shard_bytes(self) -> int:
+        """Bytes of gradients this rank keeps after backward (b·Ψ_r): its owned gradients, all dtypes."""
+        return sum(n * dtype.itemsize for dtype, n in self._shard_numel.items())
+
+    @property
+    def shards(self) -> dict[torch.dtype, torch.Tensor]:
+        """This step's shards (dtype -> flat owned gradients), as far as allocated; empty between steps."""
+        return dict(self._shards)
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -250,6 +249,8 @@ class ZeRO2DDP(GradSyncEngine):
         self._next_bucket = 0
         self._in_flight: deque[_InFlight] = deque()
         self._flags: list[tuple[list[int], torch.Tensor]] = []  # (owned indices, their summed presence flags)
+        # Dropped here: the owned .grad views keep this step's shards alive until zero_grad drops them.
+        self._shards: dict[torch.dtype, torch.Tensor] = {}
 
     def _on_grad_ready(self, index: int) -> None:
         if self._ready[index]:
@@ -313,12 +314,18 @@ class ZeRO2DDP(GradSyncEngine):
             return  # the buffer goes with `flight`
         mine = flight.received if flight.received is not None else flight.buffer[plan.offsets[rank]:]
         numel = plan.numels[rank]
-        shard = self.shards[self.params[segment[0]].dtype]
+        dtype = self.params[segment[0]].dtype
         with self.comm.span("pack"):
+            shard = self._shards.get(dtype)
+            if shard is None:  # every element is written by the step's buckets before anyone reads it
+                shard = self._shards[dtype] = torch.empty(self._shard_numel[dtype], dtype=dtype, device=self.device)
             torch.div(mine[:numel], self.world_size, out=shard[plan.shard_offset : plan.shard_offset + numel])
             self._flags.append((segment, mine[numel : numel + len(segment)].clone()))
+            offset = plan.shard_offset
             for i in segment:
-                self.params[i].grad = self._views[i]
+                param = self.params[i]
+                param.grad = shard[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
 
     def _synchronize(self) -> None:
         while self._next_bucket < len(self._plans):

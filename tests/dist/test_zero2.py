@@ -174,12 +174,12 @@ def _memory_run(rank: int, world_size: int) -> dict:
     # buckets launch as backward fills them, which is the bound this run checks.
     model.unused.requires_grad_(False)
     engine = ZeRO2DDP(model, bucket_size_mb=MEMORY_BUCKET_BYTES / 2**20, buckets_in_flight=1)
-    shard_ptrs = {t.data_ptr() for t in engine.shards.values()}
     peak = {"local_bytes": 0, "in_flight": 0}
 
     def watch(param: torch.Tensor) -> None:  # registered after the engine's hooks: sees the state right after them
-        local = sum(p.grad.nbytes for p in engine.params if p.grad is not None
-                    and not any(p.grad.untyped_storage().data_ptr() == s for s in shard_ptrs))
+        shards = {t.untyped_storage().data_ptr() for t in engine.shards.values()}  # this step's, so far
+        local = sum(p.grad.nbytes for p in engine.params
+                    if p.grad is not None and p.grad.untyped_storage().data_ptr() not in shards)
         peak["local_bytes"] = max(peak["local_bytes"], local)
         peak["in_flight"] = max(peak["in_flight"], len(engine._in_flight))
 
@@ -198,7 +198,8 @@ def _memory_run(rank: int, world_size: int) -> dict:
         "holding": sorted(names[id(p)] for p in engine.params if p.grad is not None),
         "owned": sorted(names[id(p)] for p in engine.params if engine.owner_of(p) == rank),
         "grad_bytes": sum(p.grad.nbytes for p in engine.params if p.grad is not None),
-        "shard_bytes": sum(t.nbytes for t in engine.shards.values()),
+        "shard_bytes": engine.shard_bytes,
+        "shards_kept_by_engine": len(engine.shards),  # none: the owned .grad views hold this step's shard
         "param_bytes": sum(p.nbytes for p in engine.params),
         "largest_param": max(p.nbytes for p in engine.params),
         "peak": peak,
@@ -329,7 +330,7 @@ def test_after_backward_a_rank_holds_only_its_owned_gradients(jobs, world_size: 
         assert memory["holding"] == memory["owned"]  # every non-owned .grad is None
         # Owned gradient bytes are the shard, which greedy balance keeps within one tensor of Ψ/N, so within Ψ/N plus
         # one bucket (every tensor here fits the cap).
-        assert memory["grad_bytes"] == memory["shard_bytes"]
+        assert memory["grad_bytes"] == memory["shard_bytes"] and memory["shards_kept_by_engine"] == 0
         bound = memory["param_bytes"] / world_size + MEMORY_BUCKET_BYTES
         assert memory["grad_bytes"] <= bound, (memory["grad_bytes"], bound)
         # During backward: at most buckets_in_flight (1) send buffers, and local gradients outside the shard of at
