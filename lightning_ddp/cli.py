@@ -200,6 +200,8 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] |
             # The grad_sync engine all-reduces (its buffers) and the optimizer state is sharded.
             return f"{_field(init_args, 'grad_sync', 'bucketed')}_ddp", bucket, True
         return "zero1_ddp", bucket, False
+    if class_path in ("lightning_ddp.strategies.ZeRO2DDPStrategy", "lightning_ddp.strategies.zero2.ZeRO2DDPStrategy"):
+        return "zero2_ddp", bucket, False
     return None
 
 

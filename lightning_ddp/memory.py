@@ -10,7 +10,8 @@ second, with the breakdown and the fixes, instead of an OOM kill minutes later. 
 
    ========================  ====================================================================================
    parameters                pΨ
-   gradients                 p·(Ψ minus the parameters whose ``.grad`` is a view into a bucket buffer)
+   gradients                 p·(Ψ minus the parameters whose ``.grad`` is a view into a bucket buffer);
+                             ``zero2_ddp``: p·Ψ_r of the most loaded rank, its shard (from backward to zero_grad)
    optimizer_state           AdamW: 2pΨ + 4T (``exp_avg``, ``exp_avg_sq``, a 0-d fp32 ``step`` per tensor);
                              ``zero1_ddp``: 2pΨ_r + 4T_r of the most loaded rank
    bucket_buffers            the engine's flat buffers besides ``.grad`` (table below)
@@ -35,6 +36,8 @@ second, with the breakdown and the fixes, instead of an OOM kill minutes later. 
                                               a buffer
    ``flat_ddp``                               the packed gradients of the sync (``sync/buffers.packed``)  transient
    ``zero1_ddp``                              the packed gradients of ``step()``'s reduce-scatter         transient
+   ``zero2_ddp``                              the send buffers of the buckets in flight (2) and the       transient
+                                              local gradients of the bucket filling: 3 caps (≤ pΨ)
    ``naive_ddp``                              none                                                        n/a
    =========================================  =========================================================  ==========
 
@@ -197,27 +200,52 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
     """Bytes of parameters, gradients and AdamW state one rank holds before (and after) a step, fp32.
 
     ``shapes`` are the trainable parameters' shapes (tied tensors once). Unsharded: every rank holds the state
-    of every tensor; sharded (any ``mode`` but ``unsharded``): only of the tensors ``assign_owners`` gives it.
-    ``python -m lightning_ddp.bench.memory`` measures the same three categories next to these.
+    of every tensor; sharded (any ``mode`` but ``unsharded``): only of the tensors ``assign_owners`` gives it;
+    ``zero2`` also holds only those tensors' gradients (its shard, Ψ_r; the buckets in flight during backward are
+    gone by then: ``zero2_gradient_peak_bytes`` bounds them). ``python -m lightning_ddp.bench.memory`` measures the
+    same three categories next to these.
 
     >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="unsharded", rank=1)
     {'parameters': 80, 'gradients': 80, 'optimizer_state': 168}
     >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="reduce_scatter", rank=1)  # rank 1 owns the (4,) vector
     {'parameters': 80, 'gradients': 80, 'optimizer_state': 36}
+    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="zero2", rank=1)  # and only the vector's gradient
+    {'parameters': 80, 'gradients': 16, 'optimizer_state': 36}
     """
     numels = [math.prod(shape) for shape in shapes]
     params = FP32 * sum(numels)
     state = _adam_state_bytes(numels, FP32, world_size if mode != "unsharded" else 1, rank)
-    return {"parameters": params, "gradients": params, "optimizer_state": state}
+    grads = FP32 * sum(_owned_numels(numels, FP32, world_size)[rank]) if mode == "zero2" else params
+    return {"parameters": params, "gradients": grads, "optimizer_state": state}
+
+
+def zero2_gradient_peak_bytes(
+    shapes: list[tuple[int, ...]], world_size: int, rank: int, bucket_cap_bytes: int | None, buckets_in_flight: int = 2
+) -> int:
+    """An upper bound of the gradient bytes a ``zero2`` rank holds during backward, fp32: its shard (Ψ_r) plus
+    ``buckets_in_flight`` send buffers and the local gradients of the bucket filling, each at most one cap (the
+    whole gradient, Ψ, with one bucket), when backward produces gradients in bucket order (``sync/zero2.py``).
+
+    >>> zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64)  # 16 + 3 x 64
+    208
+    """
+    numels = [math.prod(shape) for shape in shapes]
+    shard = FP32 * sum(_owned_numels(numels, FP32, world_size)[rank])
+    bucket = FP32 * sum(numels) if bucket_cap_bytes is None else min(bucket_cap_bytes, FP32 * sum(numels))
+    return shard + (buckets_in_flight + 1) * bucket
+
+
+def _owned_numels(numels: Sequence[int], param_bytes: int, world_size: int) -> list[list[int]]:
+    """Per rank, the sizes of the tensors ``assign_owners`` gives it (ZeRO-1's and ZeRO-2's owners)."""
+    if world_size == 1:
+        return [list(numels)]
+    owners = assign_owners([param_bytes * n for n in numels], world_size)
+    return [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
 
 
 def _adam_state_bytes(numels: Sequence[int], param_bytes: int, world_size: int, rank: int | None) -> int:
     """AdamW state of rank ``rank`` (None: the most loaded rank) when ``world_size`` ranks shard it."""
-    if world_size == 1:
-        owned_sets = [list(numels)]
-    else:
-        owners = assign_owners([param_bytes * n for n in numels], world_size)
-        owned_sets = [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
+    owned_sets = _owned_numels(numels, param_bytes, world_size)
     per_rank = [
         2 * param_bytes * sum(owned) + ADAM_STEP_BYTES_PER_TENSOR * len(owned) for owned in owned_sets
     ]
@@ -253,10 +281,13 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | No
     if name == "zero1_ddp":
         # The default schedule, reduce_scatter: DeferredGradSync keeps no buffer; step() packs the gradients.
         return _Buffers("full", False, sharded_state=True)
+    if name == "zero2_ddp":
+        size = bucket_size_mb if bucket_given and bucket_size_mb != "auto" else 25.0  # the strategy's default cap
+        return _Buffers("zero2", False, cap_bytes=None if size is None else int(float(size) * MiB), sharded_state=True)
     algorithms = {a.strategy_name: a for a in ALGORITHMS.values()}
     if name not in algorithms:
         raise ValueError(
-            f"strategy {strategy!r} has no memory model; choose one of auto, ddp, zero1_ddp, "
+            f"strategy {strategy!r} has no memory model; choose one of auto, ddp, zero1_ddp, zero2_ddp, "
             f"{', '.join(algorithms)} (--trainer.strategy), or skip the check with --preflight false."
         )
     algorithm = algorithms[name]
@@ -396,8 +427,13 @@ def estimate_rank_memory(
     # Which parameters' .grad end up as views into persistent bucket buffers, and the buffers' bytes.
     viewed = 0  # scalars whose gradient lives in a bucket buffer after the sync
     buffer_bytes = 0
+    gradient_bytes = p * n_params
     if buffers.kind == "full":
         buffer_bytes = p * n_params
+    elif buffers.kind == "zero2":  # sync/zero2.py: the shard, and 2 send buffers + the bucket filling, each <= a cap
+        gradient_bytes = p * max(sum(owned) for owned in _owned_numels(numels, p, world_size))
+        cap = p * n_params if buffers.cap_bytes is None else min(buffers.cap_bytes, p * n_params)
+        buffer_bytes = 3 * cap
     elif buffers.kind == "bucketed":
         buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
         for b, indices in enumerate(buckets):
@@ -417,7 +453,7 @@ def estimate_rank_memory(
         matmul_weights += config.vocab_size * config.d_model
     parts = {
         "parameters": p * n_params,
-        "gradients": p * (n_params - viewed),
+        "gradients": gradient_bytes - p * viewed,
         "optimizer_state": state,
         "bucket_buffers": buffer_bytes,
         "regrown_gradients": p * viewed,

@@ -30,6 +30,7 @@ __all__ = [
     "BASELINE",
     "PRECISIONS",
     "REFERENCE",
+    "SHARDED",
     "engine_setting_defaults",
     "fit_arguments",
     "format_settings",
@@ -59,18 +60,26 @@ def fit_arguments(remainder: list[str]) -> list[str]:
     return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
 
 
+SHARDED: dict[str, bool] = {"zero1": False, "zero2": True}
+"""The sharded strategies the sweep runs besides the registered algorithms (each its own strategy class, not a
+registry entry: its optimizer is sharded too), name -> whether it has a bucket axis: ``zero1`` (``zero1_ddp``, the
+``reduce_scatter`` schedule, which has no buckets) and ``zero2`` (``zero2_ddp``, buckets reduced to their owners)."""
+
+
 def sweep_strategies() -> list[str]:
-    """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), then ``ddp``.
+    """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), the sharded
+    strategies (``SHARDED``), then ``ddp``.
 
     An algorithm registered before the sweep's configuration is read joins the sweep with no other change.
     """
-    return [*ALGORITHMS, BASELINE]
+    return [*ALGORITHMS, *SHARDED, BASELINE]
 
 
 def has_bucket_axis(strategy: str) -> bool:
-    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb`` (algorithms with a bucket size)."""
+    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb`` (algorithms with a bucket size, and
+    ``zero2``)."""
     algorithm = ALGORITHMS.get(strategy)
-    return algorithm is not None and algorithm.has_bucket_size
+    return SHARDED.get(strategy, False) or (algorithm is not None and algorithm.has_bucket_size)
 
 
 ENGINE_ARGUMENTS: tuple[str, ...] = NOT_SETTINGS
@@ -208,7 +217,8 @@ class GridConfig:
     that have a bucket size, e.g. ``bucketed``)."""
 
     strategies: list[str] = field(default_factory=lambda: ["naive", "flat", "overlap", "bucketed", "ddp"])
-    """Gradient-sync strategies to compare: any registered algorithm (naive, flat, overlap, bucketed, ...) and
+    """Gradient-sync strategies to compare: any registered algorithm (naive, flat, overlap, bucketed, ...), the
+    sharded ``zero1`` and ``zero2`` (with a bucket axis), and
     ddp. Lightning's ``ddp`` (the baseline) and the single-process compute-only ``reference`` are added to every
     group of cells anyway."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])

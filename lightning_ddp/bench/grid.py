@@ -30,6 +30,7 @@ from typing import Any
 from lightning_ddp.bench.config import (
     BASELINE,
     REFERENCE,
+    SHARDED,
     SweepConfig,
     format_bucket,
     format_settings,
@@ -244,6 +245,8 @@ def strategy_argument(cell: Cell, backend: str) -> str:
     if cell.strategy == BASELINE:
         return json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
                            "init_args": {"process_group_backend": backend}})
+    if cell.strategy in SHARDED:
+        return _sharded_strategy_argument(cell, backend)
     # bucket_size_mb always, "default" where the algorithm has none: a bucket size in the base config's strategy
     # (the quickstart's bucketed one) would otherwise be carried over to this class.
     init_args: dict[str, Any] = {"algorithm": cell.strategy, "process_group_backend": backend,
@@ -254,6 +257,16 @@ def strategy_argument(cell: Cell, backend: str) -> str:
     if cell.engine_settings:
         init_args["engine_settings"] = cell.settings
     return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": init_args})
+
+
+def _sharded_strategy_argument(cell: Cell, backend: str) -> str:
+    """``zero1`` (``zero1_ddp``, its default ``reduce_scatter`` schedule) or ``zero2`` (``zero2_ddp``, with the cell's
+    bucket size), as class paths, like the algorithms' cells."""
+    if cell.strategy == "zero1":
+        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
+                           "init_args": {"schedule": "reduce_scatter", "process_group_backend": backend}})
+    return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
+                       "init_args": {"bucket_size_mb": cell.bucket_size_mb, "process_group_backend": backend}})
 
 
 def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:

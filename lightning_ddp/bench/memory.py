@@ -23,8 +23,11 @@ Recipe:
 
 Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
 ``ShardedOptimizer`` that broadcasts updated parameters), ``reduce_scatter`` (``DeferredGradSync`` + a
-``ShardedOptimizer`` that reduce-scatters gradients and all-gathers parameters). See ``lightning_ddp.sync.zero1``
-for the formulas of communication volume; ``results.md`` shows them next to what the ``SyncRecord`` counted.
+``ShardedOptimizer`` that reduce-scatters gradients and all-gathers parameters), ``zero2`` (``ZeRO2DDP``, which
+reduces gradient buckets to their owners during backward and keeps only the owned gradients, + a ``ShardedOptimizer``
+placed by it: gradients 4Ψ_r after backward, plus at most ``zero2_gradient_peak_bytes`` during it, reported as
+``expected_gradient_peak``). See ``lightning_ddp.sync.zero1`` and ``lightning_ddp.sync.zero2`` for the formulas of
+communication volume; ``results.md`` shows them next to what the ``SyncRecord`` counted.
 
 This module holds the configuration and the measurement (steps 1 to 4, and ``run``); ``bench.memory_report`` the
 summary and the report (step 5).
@@ -73,8 +76,8 @@ __all__ = [
     "sent_bytes_per_rank",
 ]
 
-MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter")
-"""The measured configurations: plain AdamW, then ZeRO-1 under each schedule."""
+MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter", "zero2")
+"""The measured configurations: plain AdamW, ZeRO-1 under each schedule, then ZeRO-2."""
 
 @dataclass
 class MemoryBenchConfig:
@@ -97,7 +100,7 @@ class MemoryBenchConfig:
     backend: Optional[Literal["gloo", "nccl"]] = None
     """Process-group backend; default gloo on CPU, NCCL on CUDA."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
-    """Which of unsharded, allreduce_broadcast, reduce_scatter to measure, in this order."""
+    """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2 to measure, in this order."""
     grad_sync: str = "bucketed"
     """The algorithm that all-reduces gradients for unsharded and allreduce_broadcast: any registered one
     (naive, flat, overlap, bucketed, ...; ``lightning_ddp.sync.registry``)."""
@@ -203,8 +206,33 @@ def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
 
     if mode == "reduce_scatter":
         return DeferredGradSync(model)
+    if mode == "zero2":
+        return _make_zero2_engine(config, model)
     algorithm = get_algorithm(config.grad_sync)
     return algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size else "default")
+
+
+# ---- zero2 (its own functions: the other modes' code is untouched) --------------------------------------------
+
+
+def _make_zero2_engine(config: MemoryBenchConfig, model: torch.nn.Module):
+    from lightning_ddp.sync.zero2 import ZeRO2DDP
+
+    return ZeRO2DDP(model, bucket_size_mb=config.bucket_size_mb)
+
+
+def _make_zero2_optimizer(config: MemoryBenchConfig, engine, model: torch.nn.Module) -> torch.optim.Optimizer:
+    from lightning_ddp.sync import ShardedOptimizer
+
+    return ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule="reduce_in_backward",
+                            placement=engine.owner_of, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def _zero2_gradient_peak(config: MemoryBenchConfig, shapes: list[tuple[int, ...]], rank: int) -> int:
+    from lightning_ddp.memory import zero2_gradient_peak_bytes
+
+    cap = None if config.bucket_size_mb is None else int(config.bucket_size_mb * MiB)
+    return zero2_gradient_peak_bytes(shapes, dist.get_world_size(), rank, cap)
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
@@ -225,6 +253,9 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
+    elif mode == "zero2":
+        optimizer = _make_zero2_optimizer(config, engine, model)
+        optimizer.recorder = recorder
     else:
         optimizer = ShardedOptimizer(
             model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
@@ -284,6 +315,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         "num_tensors": len(shapes),
         "shard_bytes": optimizer.shard_bytes if mode != "unsharded" else None,
     }
+    if mode == "zero2":
+        result["expected_gradient_peak"] = _zero2_gradient_peak(config, shapes, rank)
     del engine, optimizer, model
     return result
 

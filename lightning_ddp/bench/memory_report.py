@@ -24,11 +24,14 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
 
     >>> [sent_bytes_per_rank(1000, 2, mode) for mode in ("unsharded", "allreduce_broadcast", "reduce_scatter")]
     [1000.0, 1500.0, 1000.0]
+    >>> sent_bytes_per_rank(1000, 2, "zero2")  # ZeRO-2: the reduce-scatter's volume, in backward, + the all-gather
+    1000.0
     """
     n = world_size
     all_reduce = 2 * (n - 1) / n * param_bytes
     one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
-    return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way}[mode]
+    return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
+            "zero2": 2 * one_way}[mode]
 
 
 def summarise_modes(

@@ -1,7 +1,7 @@
 """Thin Lightning strategies over ``lightning_ddp.sync``, registered in Lightning's ``StrategyRegistry``.
 
 Importing this package registers ``<name>_ddp`` for every algorithm of ``lightning_ddp.sync.registry`` and
-``zero1_ddp``; ``register_strategies()`` registers algorithms added since (it is idempotent).
+``zero1_ddp`` and ``zero2_ddp``; ``register_strategies()`` registers algorithms added since (it is idempotent).
 
 =========================  ==========================  ================================================================
 name                       class path (for YAML)       engine
@@ -14,6 +14,7 @@ name                       class path (for YAML)       engine
 ``bucketed_powersgd_ddp``  ``GradSyncStrategy``        ``lightning_ddp.sync.BucketedPowerSGDDDP`` (25 MiB)
 ``<name>_ddp``             ``GradSyncStrategy``        any registered algorithm (``init_args: {algorithm: <name>}``)
 ``zero1_ddp``              ``ZeRO1DDPStrategy``        ``lightning_ddp.sync.ShardedOptimizer`` (ZeRO-1) over an engine
+``zero2_ddp``              ``ZeRO2DDPStrategy``        ``lightning_ddp.sync.zero2.ZeRO2DDP`` and a ``ShardedOptimizer`` (ZeRO-2)
 =========================  ==========================  ================================================================
 
 One row per registered algorithm, in registry order (``tests/dist/test_registry.py`` checks the table against the
@@ -28,18 +29,20 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_ddp.strategies.base import GradSyncStrategy
 from lightning_ddp.strategies.named import BucketedDDPStrategy, FlatDDPStrategy, NaiveDDPStrategy, OverlapDDPStrategy
 from lightning_ddp.strategies.zero1 import ZeRO1DDPStrategy
+from lightning_ddp.strategies.zero2 import ZeRO2DDPStrategy
 from lightning_ddp.sync.registry import ALGORITHMS
 
 
 def register_strategies() -> None:
-    """Make ``trainer.strategy: <name>_ddp`` resolvable for every registered algorithm, and ``zero1_ddp``."""
+    """Make ``trainer.strategy: <name>_ddp`` resolvable for every registered algorithm, ``zero1_ddp`` and ``zero2_ddp``."""
     GradSyncStrategy.register_strategies(StrategyRegistry)
     ZeRO1DDPStrategy.register_strategies(StrategyRegistry)
+    ZeRO2DDPStrategy.register_strategies(StrategyRegistry)
 
 
 def strategy_names() -> list[str]:
-    """Our strategy names: one per registered algorithm, then ``zero1_ddp``."""
-    return [algorithm.strategy_name for algorithm in ALGORITHMS.values()] + ["zero1_ddp"]
+    """Our strategy names: one per registered algorithm, then ``zero1_ddp`` and ``zero2_ddp``."""
+    return [algorithm.strategy_name for algorithm in ALGORITHMS.values()] + ["zero1_ddp", "zero2_ddp"]
 
 
 register_strategies()
@@ -51,6 +54,7 @@ __all__ = [
     "NaiveDDPStrategy",
     "OverlapDDPStrategy",
     "ZeRO1DDPStrategy",
+    "ZeRO2DDPStrategy",
     "register_strategies",
     "strategy_names",
 ]

@@ -174,15 +174,9 @@ class GradSyncStrategy(DDPStrategy):
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
         """Wrap the LightningModule in this strategy's gradient-sync engine (a collective: it broadcasts rank 0's
         weights). Override it to build another engine; ``configure_ddp`` calls it."""
-        engine = self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
-        prediction = getattr(engine, "bucket_prediction", None)
-        if prediction is not None:
-            rank_zero_info(
-                f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(engine.buckets)} buckets) from an "
-                f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
-                f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
-            )
-        return engine
+        return log_bucket_prediction(
+            self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
+        )
 
     def make_container(self, module: nn.Module) -> GradSyncEngine:
         """Deprecated: the old name of ``make_engine``. Calling it builds the engine, with a warning; a subclass that
@@ -340,6 +334,18 @@ class GradSyncStrategy(DDPStrategy):
                 strategy_registry.register(
                     algorithm.strategy_name, GradSyncStrategy, description=algorithm.summary, algorithm=algorithm.name
                 )
+
+
+def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:
+    """Say on rank 0 which cap ``bucket_size_mb=auto`` chose (engines with a ``bucket_prediction``); return ``engine``."""
+    prediction = getattr(engine, "bucket_prediction", None)
+    if prediction is not None:
+        rank_zero_info(
+            f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(engine.buckets)} buckets) from an "
+            f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
+            f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
+        )
+    return engine
 
 
 def engine_state_to_restore(

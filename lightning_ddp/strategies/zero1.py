@@ -1,30 +1,24 @@
 """``zero1_ddp``: optimizer-state sharding (ZeRO stage 1) over our engines (see ``lightning_ddp.sync.zero1``).
 
-What it adds to ``GradSyncStrategy``:
+What it adds to ``ShardedOptimizerStrategy`` (``lightning_ddp.strategies.sharded``: the sharded optimizers, their
+recorder, clipping and checkpoints, shared with ``zero2_ddp``):
 
 - ``make_engine``: with ``schedule: allreduce_broadcast`` the algorithm named by ``grad_sync`` (any entry of
   ``lightning_ddp.sync.registry``) all-reduces the gradients as usual; with ``schedule: reduce_scatter`` a
   ``DeferredGradSync`` leaves them local, because the optimizer reduce-scatters them in ``step()``.
-- ``setup_optimizers``: after ``configure_optimizers`` (unchanged), each optimizer is replaced by a
-  ``ShardedOptimizer.from_optimizer`` of it, which shares its parameter-group dicts, and every LR scheduler is
-  re-pointed at the sharded optimizer. A recorder attached by an observer goes to the engine and to the
-  sharded optimizers, so the ``CommTimer`` accounts the optimizer's collectives with the engine's.
-- Checkpoints: ``ShardedOptimizer.state_dict()`` is a collective returning the consolidated state on every rank;
-  Lightning calls it on every rank in ``dump_checkpoint`` and writes rank 0's, and loads the file on every rank
-  on resume, where each rank keeps its shard. The file equals an unsharded run's (resumable under ``ddp`` too).
+- ``shard``: each optimizer of ``configure_optimizers`` becomes a ``ShardedOptimizer.from_optimizer`` of it with the
+  strategy's schedule.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp import compat
-from lightning_ddp.strategies.base import GradSyncStrategy
+from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_fp16
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.registry import get_algorithm
@@ -38,7 +32,7 @@ from lightning_ddp.sync.zero1 import (
 )
 
 
-class ZeRO1DDPStrategy(GradSyncStrategy):
+class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
     """Shard the optimizer state over the ranks (ZeRO-1); ``configure_optimizers`` stays unchanged.
 
     Select it with ``trainer.strategy: zero1_ddp`` (reduce-scatter schedule), or configure it::
@@ -51,7 +45,8 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
         schedule: ``reduce_scatter`` (ZeRO-1: reduce-scatter the gradients in ``optimizer.step()``, all-gather
             the parameters; DDP's communication volume) or ``allreduce_broadcast`` (the ``grad_sync`` engine
             all-reduces in backward, owners broadcast their parameters; 1.5x the volume, but the all-reduce
-            overlaps backward and gradient clipping works).
+            overlaps backward). Gradient clipping (``norm`` or ``value``) works under both: the optimizer clips
+            the owned, averaged gradients by the global norm in ``step()``.
         grad_sync: The algorithm that all-reduces gradients under ``allreduce_broadcast``: any registered one
             (``naive``, ``flat``, ``overlap``, ``bucketed``, ...). Ignored by ``reduce_scatter``.
         bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` algorithm with buckets; ``null`` for one bucket.
@@ -94,10 +89,6 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
             return DeferredGradSync(module)
         return super().make_engine(module)
 
-    @override
-    def _recorded(self) -> list[Any]:
-        return [*super()._recorded(), *(o for o in self.optimizers if isinstance(o, ShardedOptimizer))]
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -105,25 +96,13 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
             strategy_registry.register("zero1_ddp", cls, description=(cls.__doc__ or "").strip().splitlines()[0])
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        check_supported(self.schedule, str(trainer.precision), trainer.gradient_clip_val)
-        super().setup(trainer)
+    def check_supported(self, precision: str) -> None:
+        if self.schedule == "reduce_scatter":
+            check_no_fp16(precision, "`schedule: reduce_scatter`", "`--trainer.strategy.init_args.schedule "
+                          "allreduce_broadcast` (gradients are averaged in backward, so every rank sees the same inf)")
 
     @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)  # configure_optimizers, as written by the user
-        sharded = [self._shard(optimizer) for optimizer in self.optimizers]
-        for config in self.lr_scheduler_configs:
-            for original, replacement in zip(self.optimizers, sharded):
-                if config.scheduler.optimizer is original and replacement is not original:
-                    compat.repoint_scheduler(config.scheduler, replacement)
-        self.optimizers = sharded
-        if self._recorder is not None:
-            self.attach_recorder(self._recorder)
-
-    def _shard(self, optimizer: Optimizer) -> Optimizer:
-        if compat.is_mock_optimizer(optimizer):  # configure_optimizers returned None: nothing to shard
-            return optimizer
+    def shard(self, optimizer: Optimizer) -> Optimizer:
         if not isinstance(optimizer, ShardedOptimizer):
             optimizer = ShardedOptimizer.from_optimizer(optimizer, schedule=self.schedule, collectives=self.collectives)
         elif optimizer.schedule != self.schedule:  # sharded by the user: its schedule must match our engine
@@ -134,23 +113,3 @@ class ZeRO1DDPStrategy(GradSyncStrategy):
             )
         return optimizer
 
-
-def check_supported(schedule: str, precision: str, gradient_clip_val: float | None) -> None:
-    """Refuse what ``schedule: reduce_scatter`` cannot do: anything that reads gradients before ``optimizer.step()``
-    averages them (they are still local there)."""
-    if schedule != "reduce_scatter":
-        return
-    if gradient_clip_val:
-        raise ValueError(
-            "Gradient clipping needs gradients averaged over the ranks, but `schedule: reduce_scatter` averages "
-            "them inside optimizer.step(), after Lightning clips. Use "
-            "`--trainer.strategy.init_args.schedule allreduce_broadcast` or drop `gradient_clip_val`."
-        )
-    if precision.startswith("16"):
-        raise ValueError(
-            f"precision={precision!r} with `schedule: reduce_scatter` could hang: fp16's GradScaler checks each "
-            "rank's *local* gradients for inf before optimizer.step(), so one rank may skip the step (and its "
-            "reduce-scatter and all-gather) while the others wait in them until the timeout. Use "
-            "`--trainer.precision bf16-mixed` (no scaler), or `--trainer.strategy.init_args.schedule "
-            "allreduce_broadcast` (gradients are averaged in backward, so every rank sees the same inf)."
-        )

@@ -17,6 +17,9 @@ algorithm              engine                    what it does
 
 ``ShardedOptimizer`` (``zero1``) shards the optimizer state over the ranks (ZeRO stage 1) on top of an engine,
 or, with ``schedule="reduce_scatter"``, of ``DeferredGradSync``, an engine that leaves gradients local.
+``ZeRO2DDP`` (``zero2``, ZeRO stage 2) reduces gradient buckets to their owners during backward and keeps only the
+owned gradients; a ``ShardedOptimizer`` with ``schedule="reduce_in_backward"`` steps them. Neither is a registry
+algorithm: each needs its sharded optimizer (the ``zero1_ddp`` and ``zero2_ddp`` strategies build both).
 
 The parts every engine shares:
 
@@ -69,6 +72,7 @@ _HOMES = {
     "DeferredGradSync": "lightning_ddp.sync.zero1",
     "ShardedOptimizer": "lightning_ddp.sync.zero1",
     "assign_owners": "lightning_ddp.sync.zero1",
+    "ZeRO2DDP": "lightning_ddp.sync.zero2",
 }
 __all__ = sorted(set(_HOMES) - {"DataParallel"})
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

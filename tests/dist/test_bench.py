@@ -233,6 +233,24 @@ def test_cell_command_sets_the_axes_and_the_strategy(tmp_path) -> None:
     assert reference["--trainer.devices"] == "1" and reference["--trainer.strategy"] == "auto"
 
 
+def test_sharded_strategies_are_sweep_cells_and_zero2_has_a_bucket_axis(tmp_path) -> None:
+    config = sweep_config(tmp_path, strategies=["zero1", "zero2"])  # bucket sizes 1 MiB and auto
+    group = [c for c in expand_grid(config) if c.context_length == 32]
+    # zero1's reduce_scatter schedule has no buckets; zero2 reduces buckets to their owners: one cell per size.
+    assert [(c.strategy, c.bucket_size_mb) for c in group] == [
+        ("reference", None), ("zero1", None), ("zero2", 1.0), ("zero2", "auto"), ("ddp", None)]
+    strategies = {}
+    for cell in group[1:3]:
+        command = cell_command(cell, config, CPU_LAYOUT, tmp_path / cell.id)
+        strategies[cell.strategy] = json.loads(dict(zip(command[4::2], command[5::2]))["--trainer.strategy"])
+    assert strategies == {
+        "zero1": {"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
+                  "init_args": {"schedule": "reduce_scatter", "process_group_backend": "gloo"}},
+        "zero2": {"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
+                  "init_args": {"bucket_size_mb": 1.0, "process_group_backend": "gloo"}},
+    }
+
+
 def test_rank_layout_picks_the_backend() -> None:
     def layout(accelerator="cuda", backend="auto", launcher="ranks", gpus=0, visible=None):
         config = SweepConfig(run=RunConfig(accelerator=accelerator, backend=backend, launcher=launcher))

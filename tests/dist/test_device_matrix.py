@@ -1,7 +1,7 @@
 """The GPU tier's equivalence logic on CPU: the same jobs and checks as ``tests/gpu``, on gloo CPU layouts.
 
 ``tests/gpu`` cannot run here; these runs make sure what it runs is right: world size 1 (the NCCL layout's shape),
-the ZeRO-1 variants of the matrix on 1 and 2 ranks, and the device plumbing (models and batches moved, results
+the ZeRO-1 and ZeRO-2 variants of the matrix on 1 and 2 ranks, and the device plumbing (models and batches moved, results
 brought back to the CPU). The engines at 2 ranks are ``test_sync_equivalence``'s.
 """
 
@@ -12,14 +12,16 @@ import torch
 
 from lightning_ddp.sync.registry import ALGORITHMS
 from tests.support.device_matrix import CPU_LAYOUTS, CUDA_LAYOUTS, all_jobs, check_job, run_layout
-from tests.support.equivalence import CASES, VARIANTS, ZERO1_CASES, ZERO1_VARIANTS, jobs_for
+from tests.support.equivalence import CASES, VARIANTS, ZERO1_CASES, ZERO1_VARIANTS, ZERO2_VARIANTS, jobs_for
 
 pytestmark = pytest.mark.multiprocess
 
 ONE_RANK, TWO_RANKS = CPU_LAYOUTS
-# At world size 1: every engine on fp32 and bf16 (the two precisions the GPU tier checks) and ZeRO-1; at 2: ZeRO-1.
-ONE_RANK_JOBS = [(e, c) for e in ALGORITHMS for c in ("plain", "bf16")] + jobs_for(list(ZERO1_VARIANTS))
-TWO_RANK_JOBS = jobs_for(list(ZERO1_VARIANTS))
+# At world size 1: every engine on fp32 and bf16 (the two precisions the GPU tier checks), ZeRO-1 and ZeRO-2 on
+# plain; at 2: ZeRO-1 on its cases and ZeRO-2 on every case of the matrix.
+ONE_RANK_JOBS = ([(e, c) for e in ALGORITHMS for c in ("plain", "bf16")] + jobs_for(list(ZERO1_VARIANTS))
+                 + [(e, "plain") for e in ZERO2_VARIANTS])
+TWO_RANK_JOBS = jobs_for(list(ZERO1_VARIANTS)) + jobs_for(list(ZERO2_VARIANTS))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_one_rank_matches_single_process(one_rank, engine, case) -> None:
 
 
 @pytest.mark.parametrize("engine, case", TWO_RANK_JOBS, ids=[f"{e}-{c}" for e, c in TWO_RANK_JOBS])
-def test_zero1_variants_on_two_ranks_match_single_process(two_ranks, engine, case) -> None:
+def test_zero_variants_on_two_ranks_match_single_process(two_ranks, engine, case) -> None:
     check_job(two_ranks, engine, case)
 
 
@@ -64,8 +66,18 @@ def test_a_wrong_gradient_fails_the_check(one_rank) -> None:
         check_job(ranks, "naive", "plain")
 
 
+def test_zero2_keeps_only_owned_gradients_and_native_sends_one_reduce_scatter(two_ranks) -> None:
+    # After backward each rank holds only its own averaged gradients: together the two cover TinyLM's 9 tensors once.
+    runs = [r["runs"]["zero2_native_one_bucket", "plain"] for r in two_ranks]
+    held = [set(run["steps"][0]["grads"]) for run in runs]
+    assert held[0].isdisjoint(held[1]) and len(held[0] | held[1]) == 9 and all(held)
+    # One bucket whose owner segments are nearly equal: one reduce-scatter, then one all-gather of the parameters.
+    assert [c.op for c in runs[0]["steps"][0]["collectives"]] == ["reduce_scatter", "all_gather"]
+
+
 def test_the_gpu_tier_runs_every_engine_case_and_zero1_variant() -> None:
     jobs = all_jobs()
+    assert {(e, c) for e in ZERO2_VARIANTS for c in CASES} <= set(jobs)
     assert {(e, c) for e in ALGORITHMS for c in CASES} <= set(jobs)
     assert {(e, "plain") for e in VARIANTS} <= set(jobs)
     assert {(e, c) for e in ZERO1_VARIANTS for c in ZERO1_CASES} <= set(jobs)

@@ -330,7 +330,7 @@ def test_dry_run_of_every_stage(tmp_path: Path) -> None:
         (name, "skipped: no CUDA" if name == "cuda_tests" else "ok") for name in STAGE_NAMES]
     _check_files(out, document)
     strategies = json.loads((out / "strategies.json").read_text())["rows"]
-    assert set(strategies) == {*strategy_names(), "ddp"}  # every one of ours (algorithms, zero1) and the baseline
+    assert set(strategies) == {*strategy_names(), "ddp"}  # every one of ours (algorithms, zero1, zero2) and the baseline
     assert all(row["status"] == "ok" and row["step/time_ms"] > 0 for row in strategies.values())
     pair = json.loads((out / "one_gpu_pair.json").read_text())
     assert all(row["equal"] for row in pair["equivalence"]["rows"].values())

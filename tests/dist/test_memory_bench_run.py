@@ -42,6 +42,15 @@ def test_small_run_measures_exactly_the_analytic_bytes(tmp_path: Path) -> None:
         assert all(abs(s - full["optimizer_state"] / 2) <= 0.01 * full["optimizer_state"] for s in shards), shards
         params = [r["snapshots"]["before_step"]["parameters"] for r in modes[schedule]["ranks"]]
         assert params == [full["parameters"]] * 2  # parameters are not sharded
+    # ZeRO-2 also shards the gradients: after backward each rank holds only its owned ones (the optimizer state's
+    # owners, so the same split), which add up to the full gradients; the send buffers are gone by then.
+    zero2 = [r["snapshots"]["before_step"] for r in modes["zero2"]["ranks"]]
+    assert sum(s["gradients"] for s in zero2) == full["gradients"]
+    assert all(abs(s["gradients"] - full["gradients"] / 2) <= 0.01 * full["gradients"] for s in zero2)
+    assert [s["optimizer_state"] for s in zero2] == [
+        r["snapshots"]["before_step"]["optimizer_state"] for r in modes["reduce_scatter"]["ranks"]]
+    for rank, snap in zip(modes["zero2"]["ranks"], zero2):  # the bound during backward: shard + 3 buckets
+        assert rank["expected_gradient_peak"] == snap["gradients"] + 3 * min(25 * 2**20, full["gradients"])
     report = (tmp_path / "results.md").read_text()
     assert all(f"## {mode}" in report for mode in MODES)
 

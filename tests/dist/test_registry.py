@@ -473,13 +473,15 @@ def test_the_sync_table_lists_every_registered_algorithm_with_its_engine() -> No
         assert getattr(lightning_ddp.sync, engine) is get_algorithm(name).engine_factory()
 
 
-def test_the_strategies_table_lists_every_registered_algorithm_then_zero1() -> None:
+def test_the_strategies_table_lists_every_registered_algorithm_then_zero1_and_zero2() -> None:
     import lightning_ddp.strategies as strategies
     import lightning_ddp.sync
 
     rows = [row for row in _table_rows(strategies.__doc__) if row[0].endswith("_ddp") and not row[0].startswith("<")]
-    # one per algorithm in registry order, then zero1
-    assert [row[0] for row in rows] == [a.strategy_name for a in _built_ins()] + ["zero1_ddp"]
+    # one per algorithm in registry order, then zero1 and zero2, each a strategy of the package under its own name
+    assert [row[0] for row in rows] == [a.strategy_name for a in _built_ins()] + ["zero1_ddp", "zero2_ddp"]
+    for name, class_name, *_ in rows[-2:]:
+        assert getattr(strategies, class_name)().strategy_name == name
     for (strategy_name, class_name, engine_path, *_), algorithm in zip(rows, _built_ins()):
         strategy = getattr(strategies, class_name)(algorithm=algorithm.name) if class_name == "GradSyncStrategy" \
             else getattr(strategies, class_name)()

@@ -3,8 +3,9 @@
 Two layouts of one GPU (``tests.support.device_matrix``): NCCL at world size 1 (NCCL refuses two ranks on one GPU) and
 2 ranks over gloo with CUDA tensors. Each runs every registered algorithm on every case of the matrix (fp32,
 then ``bf16`` under CUDA autocast at bf16 tolerances, tied, frozen, unused, data-dependent, accumulation, mixed
-dtypes, gradients kept), the two bucket-count variants of ``bucketed``, and ZeRO-1 under both schedules with
-both implementations of its collectives (``per_owner`` and ``native``). Checks: ``tests.support.equivalence``. The same
+dtypes, gradients kept), the two bucket-count variants of ``bucketed``, ZeRO-1 under both schedules with
+both implementations of its collectives (``per_owner`` and ``native``), and ZeRO-2 on every case with both (``native``
+at NCCL world size 1 is one ``reduce_scatter_tensor`` per bucket). Checks: ``tests.support.equivalence``. The same
 functions run on CPU layouts in ``tests/dist/test_device_matrix.py``.
 """
 

@@ -19,7 +19,7 @@ from tests.support.fits import check_step_rows, fit_one_device, strategy_json
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]
 
-STRATEGIES = [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "ddp"]
+STRATEGIES = [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "zero2_ddp", "ddp"]
 BF16 = ("--trainer.precision", "bf16-mixed")
 
 
@@ -35,7 +35,7 @@ def test_comm_timer_on_cuda_at_nccl_world_size_1(tmp_path: Path, strategy: str) 
     assert 0 < summary["summary"]["step/mfu"]["median"] < 1
 
 
-@pytest.mark.parametrize("strategy", ["bucketed_ddp", "zero1_ddp"])
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "zero1_ddp", "zero2_ddp"])
 def test_comm_timer_on_two_ranks_sharing_one_gpu_over_gloo(tmp_path: Path, strategy: str) -> None:
     summary = fit_one_device(tmp_path, "--trainer.strategy", strategy_json(strategy, "gloo"), *BF16, ranks=2)
     check_step_rows(summary)

@@ -29,10 +29,12 @@ from tests.support.equivalence import (
     JOB_TIMEOUT_S,
     VARIANTS,
     ZERO1_VARIANTS,
+    ZERO2_VARIANTS,
     check_grad_none_and_record,
     check_matches_single_process,
     check_ranks_agree_and_start_from_rank0,
     check_zero1_matches_single_process,
+    check_zero2_matches_single_process,
     jobs_for,
     run_jobs,
 )
@@ -53,9 +55,10 @@ CPU_LAYOUTS = (Layout("gloo_1rank_cpu", 1, "gloo", "cpu"), Layout("gloo_2ranks_c
 
 
 def all_jobs() -> list[tuple[str, str]]:
-    """Every registered engine on every case, the bucket-count variants on ``plain``, ZeRO-1 on its cases."""
+    """Every registered engine on every case, the bucket-count variants on ``plain``, ZeRO-1 on its cases, ZeRO-2 on
+    every case."""
     return (jobs_for(list(ALGORITHMS)) + [(name, "plain") for name in VARIANTS]
-            + jobs_for(list(ZERO1_VARIANTS)))
+            + jobs_for(list(ZERO1_VARIANTS)) + jobs_for(list(ZERO2_VARIANTS)))
 
 
 def run_layout(layout: Layout, jobs: list[tuple[str, str]], timeout: float = 2 * JOB_TIMEOUT_S) -> list[dict]:
@@ -70,6 +73,9 @@ def check_job(ranks: list[dict], engine: str, case: str) -> None:
             pytest.fail(f"{engine} on {case} raised:\n{run['error']}")
     if engine in ZERO1_VARIANTS:
         check_zero1_matches_single_process(ranks, engine, case)
+        return
+    if engine in ZERO2_VARIANTS:
+        check_zero2_matches_single_process(ranks, engine, case)
         return
     check_matches_single_process(ranks, engine, case)
     check_grad_none_and_record(ranks, engine, case)

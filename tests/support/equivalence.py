@@ -19,7 +19,9 @@ then moved, and batches are drawn on the CPU and moved, so every device starts f
 back is on the CPU (the parent needs no GPU). The CPU suite runs 2 gloo ranks; the GPU tier (``tests/gpu``) runs
 the same jobs on CUDA tensors at NCCL world size 1 and as 2 gloo ranks sharing one GPU (``tests.support.device_matrix``).
 The global batch of 8 divides over 1, 2, 4 or 8 ranks. ZeRO-1 joins the matrix as ``ZERO1_VARIANTS`` (a
-container plus a ``ShardedOptimizer``), checked by ``check_zero1_matches_single_process``.
+container plus a ``ShardedOptimizer``), checked by ``check_zero1_matches_single_process``; ZeRO-2 as ``ZERO2_VARIANTS``
+(a ``ZeRO2DDP`` plus a ``ShardedOptimizer`` placed by it) on every case, checked by
+``check_zero2_matches_single_process``. Its fp64 runs at 2 and 3 ranks, with clipping, are ``tests/dist/test_zero2.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 
 from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer
 from lightning_ddp.sync.registry import get_algorithm
+from lightning_ddp.sync.zero2 import ZeRO2DDP
 
 WORLD_SIZE = 2  # the CPU suite's layout; run_jobs takes any world size that divides GLOBAL_BATCH
 GLOBAL_BATCH = 8  # 4 samples per rank on 2 ranks
@@ -86,12 +89,23 @@ ZERO1_VARIANTS: dict[str, tuple[str, str]] = {
 }
 ZERO1_CASES = ("plain", "bf16")  # ZeRO-1's own corner cases (tied, frozen, groups, unfreezing) are test_zero1's
 
+# ZeRO-2 as engines of the matrix: name -> (bucket cap in bytes or None for one bucket, collectives). Several buckets
+# reduced per owner; and one bucket whose owner segments are nearly equal (TinyLM's greedy split), so that `native`
+# sends it as one reduce-scatter. Every case runs: ZeRO-2 has its own engine, so all its corner cases are the matrix's.
+ZERO2_VARIANTS: dict[str, tuple[int | None, str]] = {
+    "zero2_per_owner": (SEVERAL_BUCKETS_CAP, "per_owner"),
+    "zero2_native_one_bucket": (None, "native"),
+}
+
 
 def make_engine(name: str, module: nn.Module) -> nn.Module:
     """A registered algorithm's engine (with buckets: the several-buckets cap), one of ``VARIANTS``, or the
     container of one of ``ZERO1_VARIANTS``."""
     if name in VARIANTS:
         return VARIANTS[name](module)
+    if name in ZERO2_VARIANTS:
+        cap, collectives = ZERO2_VARIANTS[name]
+        return ZeRO2DDP(module, bucket_size_mb=None if cap is None else cap / MiB, collectives=collectives)
     if name in ZERO1_VARIANTS:
         schedule, _ = ZERO1_VARIANTS[name]
         return DeferredGradSync(module) if schedule == "reduce_scatter" else BucketedDDP(module, SEVERAL_BUCKETS_CAP / MiB)
@@ -100,8 +114,14 @@ def make_engine(name: str, module: nn.Module) -> nn.Module:
     return algorithm.make_engine(module, bucket_size_mb=size)
 
 
-def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    """AdamW with the reference's hyperparameters; sharded (ZeRO-1) for the ``ZERO1_VARIANTS``."""
+def make_optimizer(name: str, params, engine: nn.Module | None = None) -> torch.optim.Optimizer:
+    """AdamW with the reference's hyperparameters; sharded for the ``ZERO1_VARIANTS`` and (placed by ``engine``, the
+    variant's ``ZeRO2DDP``) the ``ZERO2_VARIANTS``."""
+    if name in ZERO2_VARIANTS:
+        assert isinstance(engine, ZeRO2DDP)
+        return ShardedOptimizer(params, torch.optim.AdamW, schedule="reduce_in_backward",
+                                collectives=ZERO2_VARIANTS[name][1], placement=engine.owner_of, lr=LR,
+                                weight_decay=WEIGHT_DECAY)
     if name in ZERO1_VARIANTS:
         schedule, collectives = ZERO1_VARIANTS[name]
         return ShardedOptimizer(params, torch.optim.AdamW, schedule=schedule, collectives=collectives, lr=LR,
@@ -111,7 +131,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def tolerances(name: str, case: Case) -> tuple[dict, dict]:
     """(weights, gradients) tolerances: bf16 ones for the bf16 case and for lossy (not ``exact``) algorithms."""
-    lossy = name not in VARIANTS and name not in ZERO1_VARIANTS and not get_algorithm(name).exact
+    lossy = name not in {**VARIANTS, **ZERO1_VARIANTS, **ZERO2_VARIANTS} and not get_algorithm(name).exact
     return (BF16_TOL, BF16_GRAD_TOL) if case.bf16 or lossy else (FP32_TOL, FP32_GRAD_TOL)
 
 
@@ -263,7 +283,7 @@ CASES = {
 
 
 def jobs_for(engines: list[str]) -> list[tuple[str, str]]:
-    """Every case for each of ``engines`` (the ZeRO-1 variants: ``ZERO1_CASES``)."""
+    """Every case for each of ``engines`` (the ZeRO-1 variants: ``ZERO1_CASES``; the ZeRO-2 ones: every case)."""
     return [(engine, case) for engine in engines for case in (ZERO1_CASES if engine in ZERO1_VARIANTS else CASES)]
 
 
@@ -309,10 +329,11 @@ def _train_ddp(rank: int, world_size: int, engine: str, case: Case, device: torc
     after_wrap = _state(model)
     recorder = Recorder(device)  # what each step communicated (CUDA events on a GPU)
     ddp.recorder = recorder
-    optimizer = make_optimizer(engine, ddp.parameters())
+    optimizer = make_optimizer(engine, ddp.parameters(), ddp)
     zero1 = ZERO1_VARIANTS.get(engine)
-    if zero1 is not None:
-        optimizer.recorder = recorder  # ZeRO-1's own collectives run inside optimizer.step()
+    zero2 = engine in ZERO2_VARIANTS
+    if zero1 is not None or zero2:
+        optimizer.recorder = recorder  # ZeRO's parameter collectives run inside optimizer.step()
     per_rank = GLOBAL_BATCH // world_size
     steps = []
     for step in range(case.steps):
@@ -335,7 +356,10 @@ def _train_ddp(rank: int, world_size: int, engine: str, case: Case, device: torc
         grad_none_before_sync = _grad_none(model)
         ddp.finish_gradient_synchronization()
         grad_none, grads = _grad_none(model), _grads(model)
-        if zero1 is None:
+        if zero2:
+            optimizer.step()  # ZeRO-2's parameter phase is part of the step's record
+            record = recorder.finish_step()
+        elif zero1 is None:
             record = recorder.finish_step()
             optimizer.step()
         else:
@@ -365,6 +389,7 @@ def _train_ddp(rank: int, world_size: int, engine: str, case: Case, device: torc
         trainable=[(n, p.numel() * p.element_size(), p.dtype) for n, p in _trainable(model)],
         buckets=[list(b) for b in ddp.buckets] if isinstance(ddp, BucketedDDP) else None,
         still_tied=(model.head.weight is model.embed.weight) if isinstance(model, TinyLM) else None,
+        owned=[n for n, p in _trainable(model) if optimizer.owner(p) == rank] if zero2 else None,
     )
 
 
@@ -501,3 +526,36 @@ def check_zero1_matches_single_process(ranks: list[dict], engine: str, case: str
                 assert isinstance(c.launched, float) and c.launched <= c.completed, c.label
     # Over the ranks every parameter's averaged gradient was seen (reduce_scatter: each by its owner).
     assert compared == set(references["grads"][0]), sorted(set(references["grads"][0]) - compared)
+
+
+def check_zero2_matches_single_process(ranks: list[dict], engine: str, case: str) -> None:
+    """A ZeRO-2 variant: the weights equal one process's (the ranks' bitwise equal); after backward each rank holds
+    exactly the averaged gradients it owns (every other ``.grad`` is None) and they equal the full-batch ones;
+    a gradient no rank had stays None; no collective under ``no_sync``; the collectives its ``collectives`` names."""
+    _, collectives = ZERO2_VARIANTS[engine]
+    references = ranks[0]["references"][case]
+    tol, grad_tol = tolerances(engine, CASES[case])
+    runs = runs_of(ranks, engine, case)
+    for rank, run in enumerate(runs):
+        assert_states_close(run["final"], references["final"], tol, f"rank {rank} vs single process")
+        assert all(torch.equal(value, runs[0]["final"][key]) for key, value in run["final"].items()), rank
+        for number, step in enumerate(run["steps"]):
+            ours = step["grads"]
+            # Only owned gradients survive backward: the memory claim, and the owners' averages are the full batch's.
+            assert set(ours) <= set(run["owned"]), (rank, number, sorted(set(ours) - set(run["owned"])))
+            reference = references["grads"][number]
+            assert set(ours) == set(reference) & set(run["owned"]), (rank, number, sorted(ours))
+            assert_states_close(ours, {k: reference[k] for k in ours}, grad_tol, f"rank {rank} step {number} .grad")
+            # At least two exposed spans: finish_gradient_synchronization and the parameter phase of step(), plus one
+            # per bucket completed early during backward (more than buckets_in_flight launched there).
+            assert step["exposed"] >= 2 and step["collectives_in_no_sync"] == 0
+            ops = {c.op for c in step["collectives"]}
+            if collectives == "per_owner":
+                assert ops == {"reduce", "broadcast"}, (rank, number, ops)
+            else:  # a bucket with unequal owner segments goes per owner (MAX_PADDING); the parameters by all-gather
+                assert "all_gather" in ops and ops <= {"reduce_scatter", "reduce", "all_gather"}, (rank, number, ops)
+            for c in step["collectives"]:
+                assert isinstance(c.launched, float) and c.launched <= c.completed, c.label
+    # Over the ranks every parameter is owned exactly once.
+    owned = [name for run in runs for name in run["owned"]]
+    assert sorted(owned) == sorted({n for n, _, _ in runs[0]["trainable"]}), owned

@@ -26,12 +26,15 @@ QUICK = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source",
 
 
 def strategy_json(algorithm: str, backend: str, **init_args: Any) -> str:
-    """``--trainer.strategy`` for a strategy name (``naive_ddp`` ... ``zero1_ddp``, ``ddp``) with its backend."""
+    """``--trainer.strategy`` for a strategy name (``naive_ddp`` ... ``zero1_ddp``, ``zero2_ddp``, ``ddp``) with its backend."""
     if algorithm == "ddp":
         return json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
                            "init_args": {"process_group_backend": backend}})
     if algorithm == "zero1_ddp":
         return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
+                           "init_args": {"process_group_backend": backend, **init_args}})
+    if algorithm == "zero2_ddp":
+        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
                            "init_args": {"process_group_backend": backend, **init_args}})
     # bucket_size_mb always ("default" unless given): the quickstart's own bucket size would otherwise be carried
     # over to this class, and an algorithm without buckets refuses one.

@@ -430,15 +430,17 @@ def test_every_copy_and_scaling_of_gradients_is_a_pack_span(world_of_one, algori
 # ---- ZeRO-1 and fp16, RoPE under bf16-true ---------------------------------------------------------------------
 
 
-def test_zero1_reduce_scatter_refuses_fp16_and_clipping_with_the_fix() -> None:
-    from lightning_ddp.strategies.zero1 import check_supported
+def test_sharded_strategies_refuse_fp16_where_gradients_differ_across_ranks_and_name_the_fix() -> None:
+    from lightning_ddp.strategies import ZeRO1DDPStrategy, ZeRO2DDPStrategy
 
     with pytest.raises(ValueError, match="bf16-mixed.*allreduce_broadcast"):
-        check_supported("reduce_scatter", "16-mixed", None)
-    with pytest.raises(ValueError, match="clipping"):
-        check_supported("reduce_scatter", "32-true", 1.0)
-    check_supported("allreduce_broadcast", "16-mixed", 1.0)  # gradients averaged in backward: same inf everywhere
-    check_supported("reduce_scatter", "bf16-mixed", None)
+        ZeRO1DDPStrategy(schedule="reduce_scatter").check_supported("16-mixed")
+    with pytest.raises(ValueError, match="bf16-mixed.*zero1_ddp"):
+        ZeRO2DDPStrategy().check_supported("16-mixed")
+    # Gradients averaged in backward: every rank sees the same inf.
+    ZeRO1DDPStrategy(schedule="allreduce_broadcast").check_supported("16-mixed")
+    ZeRO1DDPStrategy(schedule="reduce_scatter").check_supported("bf16-mixed")
+    ZeRO2DDPStrategy().check_supported("bf16-mixed")
 
 
 def test_a_bf16_cast_keeps_the_rope_angles_in_fp32() -> None:
@@ -619,3 +621,32 @@ def test_a_gradient_ready_before_backward_started_does_not_stop_the_profile() ->
                               precision="32-true", world_size=2)
     profile = _median_profile(steps, [("w", weight), ("b", bias)], trainer, SimpleNamespace(hparams={}), (2, 8))
     assert [p.ready_ms for p in profile.params] == [0.0, 4.0]  # clamped to backward's start, not a ValueError
+
+
+def test_route_clipping_hands_sharded_optimizers_to_their_own_clipping_and_leaves_others_alone(world_of_one) -> None:
+    import torch
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_ddp.strategies.sharded import route_clipping
+    from lightning_ddp.sync import ShardedOptimizer
+
+    plugin = Precision()
+    route_clipping(plugin)
+    route_clipping(plugin)  # idempotent: a second strategy set-up must not wrap the wrapper
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])  # norm 5
+    sharded = ShardedOptimizer([weight], torch.optim.SGD, lr=1.0)
+    plugin.clip_gradients(sharded, 1.0, "norm")
+    # Not clipped yet: the sharded optimizer clips in step(), once the gradients are averaged on their owners.
+    assert weight.grad.tolist() == [3.0, 4.0]
+    sharded.step()
+    assert sharded.last_grad_norm.item() == 5.0
+    torch.testing.assert_close(weight.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0.0)  # 1 / (5 + 1e-6)
+    plugin.clip_gradients(sharded, 0.5, "value")
+    sharded.step()
+    assert weight.grad.tolist() == [0.5, 0.5] and sharded.last_grad_norm is None
+    # A plain optimizer is clipped by Lightning's own code, at once.
+    other = torch.nn.Parameter(torch.zeros(2))
+    other.grad = torch.tensor([3.0, 4.0])
+    plugin.clip_gradients(torch.optim.SGD([other], lr=1.0), 1.0, "norm")
+    torch.testing.assert_close(other.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0.0)

@@ -141,10 +141,11 @@ class Stage:
 
 
 def strategy_names() -> list[str]:
-    """Every strategy a user can pick: one per registered algorithm, ``zero1_ddp``, and Lightning's ``ddp``."""
+    """Every strategy a user can pick: one per registered algorithm, ``zero1_ddp``, ``zero2_ddp`` and Lightning's
+    ``ddp``."""
     from lightning_ddp.sync.registry import ALGORITHMS
 
-    return [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "ddp"]
+    return [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "zero2_ddp", "ddp"]
 
 
 def strategy_argument(strategy: str, backend: str) -> str:
@@ -156,6 +157,9 @@ def strategy_argument(strategy: str, backend: str) -> str:
                            "init_args": {"process_group_backend": backend}})
     if strategy == "zero1_ddp":
         return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
+                           "init_args": {"process_group_backend": backend}})
+    if strategy == "zero2_ddp":
+        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
                            "init_args": {"process_group_backend": backend}})
     return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy",
                        "init_args": {"algorithm": strategy.removesuffix("_ddp"), "process_group_backend": backend}})

@@ -41,7 +41,7 @@ ZeRO-1 reduce_scatter      4Ψ           4Ψ           8Ψ_r + 4T_r         (N-1
 
 The xl preset (Ψ = 1,998,235,200, T = 435) on N = 2: parameters 7.44 GiB, gradients 7.44 GiB, AdamW state
 14.89 GiB unsharded and 7.44 GiB sharded; per rank 29.8 GiB -> 22.3 GiB. Only the optimizer state shrinks
-(ZeRO-2 would also shard gradients, ZeRO-3 parameters). Transient buffers during ``step()``: the packed
+(ZeRO-2, ``lightning_ddp.sync.zero2``, also shards the gradients; ZeRO-3 would shard the parameters). Transient buffers during ``step()``: the packed
 gradients (4Ψ, ``reduce_scatter``) and the packed parameters (4Ψ), the size of ``FlatDDP``'s buffer.
 
 What runs on which backend (``collectives=``):
@@ -65,6 +65,7 @@ All parameters of the optimizer must live on one device.
 
 Parts (one concern per file): ``partition`` (who owns what, the per-dtype layout), ``collectives`` (the
 reduce-scatter and all-gather of a step, native or per owner), ``optimizer`` (``ShardedOptimizer``),
+``clipping`` (the global norm over owned gradients),
 ``checkpoint`` (consolidating and loading the state), ``deferred`` (``DeferredGradSync``).
 
 Checkpoints: ``state_dict()`` is a collective (every rank must call it; Lightning's ``dump_checkpoint`` does)
@@ -74,16 +75,26 @@ unsharded optimizer. ``load_state_dict`` takes that full state on every rank (Li
 file on every rank) and keeps only the owned entries. Cost: each rank briefly holds the whole state in host
 memory (8Ψ bytes for AdamW) while the checkpoint is written.
 
+Gradient clipping (``lightning_ddp.sync.zero1.clipping``): ``clip_grad_norm_`` / ``clip_grad_value_`` on the
+optimizer request clipping for the next ``step()``, which applies it once each owner holds the average of its
+gradients (after the reduce-scatter, for ``reduce_scatter``): the global norm is the root of the sum over owners of
+their owned gradients' squared norms (one scalar all-reduce), so the update equals one process's with clipping.
+The strategies route Lightning's ``gradient_clip_val`` there. ZeRO-2 (``lightning_ddp.sync.zero2``) uses the same
+optimizer with ``schedule="reduce_in_backward"``: its engine has reduced each gradient to its owner in backward.
+
 Caveats for ``reduce_scatter``: before ``step()`` the gradients are local (not averaged), so anything reading
-them earlier sees one rank's gradient: gradient clipping (the strategy refuses it), gradient-norm logging, fp16
-``GradScaler``'s inf check. ``allreduce_broadcast`` has none of these limits.
+them earlier sees one rank's gradient: gradient-norm logging, torch's own ``clip_grad_norm_`` on the parameters
+(use the optimizer's), fp16 ``GradScaler``'s inf check. ``allreduce_broadcast`` has none of these limits.
 """
 
 from lightning_ddp.sync.zero1.deferred import DeferredGradSync
 from lightning_ddp.sync.zero1.optimizer import (
     COLLECTIVE_IMPLS,
+    OPTIMIZER_SCHEDULES,
     SCHEDULES,
     CollectiveImpl,
+    OptimizerSchedule,
+    Placement,
     Schedule,
     ShardedOptimizer,
     check_collective_impl,
@@ -93,9 +104,12 @@ from lightning_ddp.sync.zero1.partition import assign_owners
 
 __all__ = [
     "COLLECTIVE_IMPLS",
+    "OPTIMIZER_SCHEDULES",
     "SCHEDULES",
     "CollectiveImpl",
     "DeferredGradSync",
+    "OptimizerSchedule",
+    "Placement",
     "Schedule",
     "ShardedOptimizer",
     "assign_owners",

@@ -7,7 +7,7 @@ communication figures.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,24 +16,34 @@ from torch.optim import Optimizer
 from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_for
 from lightning_ddp.sync.zero1 import checkpoint
 from lightning_ddp.sync.zero1.checkpoint import GROUP_KEYS_NOT_HYPERPARAMETERS
+from lightning_ddp.sync.zero1.clipping import ClipRequest, clip_owned_gradients
 from lightning_ddp.sync.zero1.collectives import reduce_scatter_gradients, share_parameters
 from lightning_ddp.sync.zero1.partition import assign_owners
 
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
+OptimizerSchedule = Literal["allreduce_broadcast", "reduce_scatter", "reduce_in_backward"]
 CollectiveImpl = Literal["auto", "native", "per_owner"]
 SCHEDULES: tuple[str, ...] = ("allreduce_broadcast", "reduce_scatter")
+"""ZeRO-1's schedules (what the ``zero1_ddp`` strategy offers)."""
+OPTIMIZER_SCHEDULES: tuple[str, ...] = (*SCHEDULES, "reduce_in_backward")
+"""What ``ShardedOptimizer`` accepts: ZeRO-1's, and ``reduce_in_backward``, where ZeRO-2's engine
+(``lightning_ddp.sync.zero2``) has already left each owner the average of its gradients during backward."""
+Placement = Callable[[torch.Tensor], Optional[int]]
 COLLECTIVE_IMPLS: tuple[str, ...] = ("auto", "native", "per_owner")
 
-__all__ = ["COLLECTIVE_IMPLS", "SCHEDULES", "CollectiveImpl", "Schedule", "ShardedOptimizer", "check_collective_impl",
-           "check_schedule", "resolve_collectives"]
+__all__ = ["COLLECTIVE_IMPLS", "OPTIMIZER_SCHEDULES", "SCHEDULES", "CollectiveImpl", "OptimizerSchedule", "Placement",
+           "Schedule", "ShardedOptimizer", "check_collective_impl", "check_schedule", "resolve_collectives"]
 
 
-def check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
+def check_schedule(schedule: str, accepted: tuple[str, ...] = SCHEDULES) -> None:
+    """Refuse a schedule outside ``accepted`` (ZeRO-1's by default; ``OPTIMIZER_SCHEDULES`` for the optimizer)."""
+    if schedule not in accepted:
+        extra = (" or 'reduce_in_backward' (ZeRO-2: the zero2 engine reduced the gradients to their owners in "
+                 "backward)") if "reduce_in_backward" in accepted else ""
         raise ValueError(
             f"schedule={schedule!r} is not supported; choose 'allreduce_broadcast' (a DDP engine all-reduces the "
             "gradients, owners broadcast their updated parameters) or 'reduce_scatter' (ZeRO-1: reduce-scatter "
-            "gradients, all-gather parameters)."
+            f"gradients, all-gather parameters){extra}."
         )
 
 
@@ -66,9 +76,13 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
     Args:
         params: Parameters or parameter groups, as for any optimizer.
         optimizer_cls: The optimizer class to shard, e.g. ``torch.optim.AdamW``.
-        schedule: ``allreduce_broadcast`` (gradients already all-reduced by a DDP engine) or ``reduce_scatter``
-            (ZeRO-1: gradients are local; use ``DeferredGradSync`` as the engine). See the package docstring.
+        schedule: ``allreduce_broadcast`` (gradients already all-reduced by a DDP engine), ``reduce_scatter``
+            (ZeRO-1: gradients are local; use ``DeferredGradSync`` as the engine) or ``reduce_in_backward`` (ZeRO-2:
+            ``ZeRO2DDP`` left each owner its averaged gradients; pass ``placement=engine.owner_of``). See the
+            package docstring.
         collectives: ``auto``, ``native`` or ``per_owner``: how reduce-scatter and all-gather run (package docstring).
+        placement: The owner a parameter must have, or ``None`` to place it by ``assign_owners`` (the default for
+            every parameter). ZeRO-2 passes its engine's ``owner_of``: the engine reduced each gradient to that rank.
 
     Measuring: set ``recorder`` (the strategy gives it the engine's) to record its collectives per step.
         process_group: The group to shard over (default: the world).
@@ -80,12 +94,18 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optimizer_cls: type[Optimizer],
         *,
-        schedule: Schedule = "allreduce_broadcast",
+        schedule: OptimizerSchedule = "allreduce_broadcast",
         collectives: CollectiveImpl = "auto",
         process_group: dist.ProcessGroup | None = None,
+        placement: Placement | None = None,
         **kwargs: Any,
     ) -> None:
-        check_schedule(schedule)
+        check_schedule(schedule, OPTIMIZER_SCHEDULES)
+        if schedule == "reduce_in_backward" and placement is None:
+            raise ValueError(
+                "schedule='reduce_in_backward' steps the gradients ZeRO2DDP reduced to their owners, so the owners "
+                "must be the engine's: pass placement=engine.owner_of."
+            )
         check_collective_impl(collectives)
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
             raise TypeError(
@@ -111,15 +131,17 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         self._index: dict[int, int] = {}  # id(param) -> position in self._params (the state_dict index)
         self._owners: list[int] = []
         self._loads = [0] * self.world_size
+        self._placement = placement
+        self._clip: ClipRequest | None = None  # requested for the next step() (clip_grad_norm_, clip_grad_value_)
+        self.last_grad_norm: torch.Tensor | None = None
+        """The global gradient norm the last ``step()`` clipped by (``clip_grad_norm_``), else ``None``."""
         self.optim: Optimizer | None = None
         super().__init__(params, dict(kwargs))
         self._check_one_device()
         self.collectives = resolve_collectives(collectives, self.device, process_group)
         """``native`` or ``per_owner`` (``auto`` resolved for the parameters' device, known only now)."""
         # Assign everything at once (better balanced than group by group), then build the inner optimizer.
-        self._owners = assign_owners([p.nbytes for p in self._params], self.world_size)
-        for param, owner in zip(self._params, self._owners):
-            self._loads[owner] += param.nbytes
+        self._owners = self._place(self._params, self._loads)
         self.optim = optimizer_cls([self._inner_group(group) for group in self.param_groups], **kwargs)
         # The outer groups show every hyperparameter the wrapped class defines, so that state_dict() is exactly
         # what optimizer_cls would produce and schedulers find e.g. `betas`; defaults too, for add_param_group.
@@ -135,9 +157,10 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         cls,
         optimizer: Optimizer,
         *,
-        schedule: Schedule = "allreduce_broadcast",
+        schedule: OptimizerSchedule = "allreduce_broadcast",
         collectives: CollectiveImpl = "auto",
         process_group: dist.ProcessGroup | None = None,
+        placement: Placement | None = None,
     ) -> ShardedOptimizer:
         """Shard an optimizer that has not stepped yet: same class, same defaults, *the same* group dicts.
 
@@ -162,6 +185,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
             schedule=schedule,
             collectives=collectives,
             process_group=process_group,
+            placement=placement,
             **kwargs,
         )
 
@@ -192,12 +216,22 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         if self.optim is None:
             return  # inside __init__: everything is assigned at once after the last group
         self._check_one_device()
-        new = group["params"]
-        owners = assign_owners([p.nbytes for p in new], self.world_size, loads=self._loads)
-        for param, owner in zip(new, owners):
-            self._owners.append(owner)
-            self._loads[owner] += param.nbytes
+        self._owners.extend(self._place(group["params"], self._loads))
         self.optim.add_param_group(self._inner_group(group))
+
+    def _place(self, params: list[torch.Tensor], loads: list[int]) -> list[int]:
+        """Owners of ``params``: ``placement``'s where it names one, the rest greedily onto ``loads`` (updated)."""
+        owners: list[int | None] = [self._placement(p) if self._placement is not None else None for p in params]
+        for param, owner in zip(params, owners):
+            if owner is not None:
+                if not 0 <= owner < self.world_size:
+                    raise ValueError(f"placement put a parameter on rank {owner}, outside the group of {self.world_size}")
+                loads[owner] += param.nbytes
+        free = [i for i, owner in enumerate(owners) if owner is None]
+        for i, owner in zip(free, assign_owners([params[i].nbytes for i in free], self.world_size, loads=loads)):
+            owners[i] = owner
+            loads[owner] += params[i].nbytes
+        return [int(owner) for owner in owners]  # type: ignore[arg-type]
 
     @property
     def device(self) -> torch.device:
@@ -217,6 +251,13 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         if self.schedule == "reduce_scatter":
             with self.comm.span("exposed"):
                 reduce_scatter_gradients(self.comm, self._params, self._owners, trainable, self.collectives, self.device)
+        self.last_grad_norm = None
+        if self._clip is not None:  # now every owned gradient is the average over the ranks
+            request, self._clip = self._clip, None
+            owned = [p.grad for i, p in enumerate(self._params)
+                     if p.grad is not None and p.requires_grad and self._owners[i] == self.rank]
+            with self.comm.span("exposed"):
+                self.last_grad_norm = clip_owned_gradients(self.comm, owned, request, self.device)
         # An LR scheduler (or the user) writes the outer groups; the inner optimizer reads its own.
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
             for key, value in outer.items():
@@ -226,6 +267,22 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         with self.comm.span("exposed"):
             share_parameters(self.comm, self._params, self._owners, trainable, self.collectives, self.device)
         return loss
+
+    # -- clipping (lightning_ddp.sync.zero1.clipping) ---------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+        """Clip the gradients by their global 2-norm at the next ``step()``, once they are averaged on their owners.
+
+        What ``torch.nn.utils.clip_grad_norm_`` does in one process; a collective (one scalar all-reduce) inside
+        ``step()``. The norm is in ``last_grad_norm`` after the step.
+        """
+        if norm_type != 2.0:
+            raise ValueError(f"ShardedOptimizer clips by the 2-norm only, got norm_type={norm_type!r}; drop norm_type.")
+        self._clip = ClipRequest("norm", float(max_norm))
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the gradients to ``[-clip_value, clip_value]`` at the next ``step()`` (each owner its own)."""
+        self._clip = ClipRequest("value", float(clip_value))
 
     def _check_one_device(self) -> None:
         devices = {p.device for p in self._params}

@@ -1,0 +1,341 @@
+"""ZeRO stage 2: reduce each gradient bucket to its owners *during backward*; every rank keeps only what it owns.
+
+Recipe (``ZeRO2DDP``, with ``ShardedOptimizer(schedule="reduce_in_backward", placement=engine.owner_of)``):
+
+1. At construction, give every trainable parameter one owner (``assign_owners``, ZeRO-1's greedy balance by bytes)
+   and put the parameters into buckets of at most ``bucket_size_mb`` MiB, in reverse order (``assign_buckets``,
+   the bucketed engine's). Within a bucket, the parameters are laid out *by owner*: segment ``r`` holds rank
+   ``r``'s gradients, then one presence flag per gradient (step 4). Each rank's owned gradients go into one flat
+   *shard* per dtype, laid out bucket by bucket (Ψ_r elements), allocated at the step's first completed bucket and
+   not kept by the engine: the owned ``.grad`` views hold it until ``zero_grad`` drops them.
+2. During backward, a post-accumulate-grad hook marks each parameter ready; buckets launch strictly in bucket order
+   (as in ``bucketed``: collectives are matched by position, so the order never depends on local data). Launching
+   allocates the bucket's send buffer, copies each gradient into its segment (zeros and flag 0 for a gradient
+   this rank does not have, flag 1 otherwise) and *frees every gradient of the bucket* (``.grad = None``): the
+   buffer holds them now. Then the bucket goes to its owners:
+
+   - ``reduce_scatter`` (``collectives: native``, the default on NCCL) when the bucket's owner segments are
+     nearly equal (padding them to the largest adds at most ``MAX_PADDING`` of the bucket): one
+     ``reduce_scatter_tensor``, rank ``r`` receiving segment ``r``;
+   - otherwise (``per_owner``, the default on gloo, whose reduce-scatter is an all-reduce in disguise, and any
+     bucket whose segments are too unequal) one ``reduce`` per owner that has a segment, to that owner.
+3. At most ``buckets_in_flight`` buckets are in flight: launching one more first completes the oldest (that wait
+   holds up backward, so the ``Recorder`` counts it as an ``exposed`` span, like the waits of
+   ``finish_gradient_synchronization``). Completing
+   waits for its collectives, divides the owner's segment by the world size straight into its place in the shard
+   (sum -> average; gloo has no AVG), points each owned ``.grad`` at its view of the shard, and drops the send
+   buffer. ``finish_gradient_synchronization`` launches, in order, the buckets backward did not complete (they hold
+   a parameter with no gradient here) and completes every bucket still in flight.
+4. Missing gradients: each segment carries one presence flag per gradient, summed by the same collective, so an
+   owner learns on how many ranks each of its gradients existed without any extra collective. Where no rank had
+   one, the owner sets ``.grad = None`` (read once per step, after the last bucket: one host sync), exactly as in
+   one process, and its optimizer skips it; a gradient present on some ranks only is averaged with zeros.
+5. ``ShardedOptimizer.step()`` (schedule ``reduce_in_backward``) steps the owned shard and sends every updated
+   parameter from its owner (broadcast per owner on gloo, all-gather on NCCL), as in ZeRO-1.
+
+Buffers and memory per rank, Ψ parameters of b bytes each, Ψ_r ≈ Ψ/N owned, a bucket cap of B bytes, K =
+``buckets_in_flight``:
+
+=======================  ==============================================================================
+the shard                b·Ψ_r, from backward until ``zero_grad(set_to_none=True)``: the owned gradients
+                         (``.grad`` of owned parameters are views into it)
+send buffers             one per bucket in flight, each ≤ B plus 4 bytes of flags per gradient (``native``:
+                         padded, ≤ (1 + ``MAX_PADDING``)·B): at most K·B at once
+local gradients          of the buckets not launched yet: with backward producing gradients in bucket order (the
+                         reverse parameter order, as for our GPT), the one bucket filling, ≤ B
+=======================  ==============================================================================
+
+So gradients take b·Ψ_r + (K + 1)·B instead of DDP's b·Ψ (plus DDP's buckets, b·Ψ again in torch DDP's
+buffers): ``gradients <= Ψ/N + buckets in flight``; like DDP's gradients (not its buffers) they exist from backward
+to ``zero_grad``, not during the forward. Non-owned ``.grad`` are ``None`` after backward. The cost: a
+gradient that arrives out of bucket order holds back every later bucket (strict order), whose gradients then wait in
+full, as in ``bucketed``; and completing the oldest bucket early blocks the host on gloo (on NCCL ``wait`` only
+orders the streams).
+
+Sent per rank and step: (N-1)/N·bΨ for the reduces (a ring reduce-scatter's volume; per-owner reduces move the
+same bytes in aggregate) plus ZeRO-1's (N-1)/N·bΨ for the parameters: DDP's volume, as ZeRO-1's ``reduce_scatter``
+schedule, but the gradient half overlaps backward.
+
+Gradient accumulation: under ``no_sync()`` nothing launches and every rank keeps full local gradients (b·Ψ) until
+the last micro-batch, whose backward reduces and frees them. Clipping: ``ShardedOptimizer.clip_grad_norm_``
+(``lightning_ddp.sync.zero1.clipping``). Checkpoints: the engine keeps no state of its own; the optimizer's is
+ZeRO-1's consolidated state (resumable under any world size or strategy).
+
+Invariants (``base``): every rank issues the same collectives in the same order (the layout depends only on
+ownership, buckets and dtypes); tied weights are reduced once; frozen parameters are never communicated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ddp.sync.assignment import assign_buckets, assign_owners
+from lightning_ddp.sync.base import GradSyncEngine
+from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
+from lightning_ddp.sync.bucketed import MiB, check_bucket_size
+from lightning_ddp.sync.comm import Pending
+from lightning_ddp.sync.zero1.optimizer import CollectiveImpl, check_collective_impl, resolve_collectives
+
+__all__ = ["MAX_PADDING", "ZeRO2DDP", "check_buckets_in_flight", "plan_bucket"]
+
+MAX_PADDING = 0.125
+"""With ``native`` collectives, a bucket goes out as one reduce-scatter only if padding every owner's segment to the
+largest adds at most this fraction of the bucket's elements; otherwise one reduce per owner (no padding)."""
+
+
+def check_buckets_in_flight(buckets_in_flight: int) -> None:
+    if isinstance(buckets_in_flight, bool) or not isinstance(buckets_in_flight, int) or buckets_in_flight < 1:
+        raise ValueError(
+            f"buckets_in_flight must be an integer >= 1, got {buckets_in_flight!r}; set e.g. `buckets_in_flight: 2`."
+        )
+
+
+@dataclass
+class BucketPlan:
+    """How one bucket travels: its parameters grouped by owner, each segment's place in the send buffer."""
+
+    indices: list[int]
+    """The bucket's parameters (indices into the engine's ``params``), in bucket order."""
+    segments: list[list[int]]
+    """``segments[r]``: the parameters rank ``r`` owns, in bucket order."""
+    numels: list[int]
+    """Elements of each segment's gradients (its flags follow them)."""
+    offsets: list[int]
+    """Where segment ``r`` starts in the send buffer."""
+    total: int
+    """Elements of the send buffer."""
+    scatter: bool
+    """One ``reduce_scatter`` (segments padded to equal width) rather than one ``reduce`` per owner."""
+    shard_offset: int = 0
+    """Where this rank's segment lands in its shard of the bucket's dtype."""
+
+    def size(self, r: int) -> int:
+        return self.numels[r] + len(self.segments[r])
+
+
+def plan_bucket(indices: list[int], numels: list[int], owners: list[int], world_size: int, native: bool) -> BucketPlan:
+    """The layout of one bucket (pure: identical on every rank).
+
+    Two ranks, a bucket of parameters 0 (6 elements, rank 1's), 1 (4, rank 0's) and 2 (2, rank 0's): segment 0 is
+    4 + 2 elements and 2 flags (8), segment 1 is 6 and 1 flag (7). Padded to 8 each they waste 1 of 15 (< 1/8), so
+    ``native`` sends one reduce-scatter of 16:
+
+    >>> plan = plan_bucket([0, 1, 2], [6, 4, 2], [1, 0, 0], 2, native=True)
+    >>> plan.segments, plan.offsets, plan.total, plan.scatter
+    ([[1, 2], [0]], [0, 8], 16, True)
+    >>> plan_bucket([0], [6], [1], 2, native=True).scatter  # one owner: padding would double the bytes
+    False
+    """
+    segments: list[list[int]] = [[] for _ in range(world_size)]
+    for i in indices:
+        segments[owners[i]].append(i)
+    sizes_numel = [sum(numels[i] for i in seg) for seg in segments]
+    sizes = [n + len(seg) for n, seg in zip(sizes_numel, segments)]
+    width = max(sizes)
+    scatter = native and world_size * width <= (1 + MAX_PADDING) * sum(sizes)
+    if scatter:
+        offsets = [r * width for r in range(world_size)]
+        total = world_size * width
+    else:
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += size
+    return BucketPlan(list(indices), segments, sizes_numel, offsets, total, scatter)
+
+
+@dataclass
+class _InFlight:
+    plan: BucketPlan
+    buffer: torch.Tensor
+    received: torch.Tensor | None  # reduce_scatter's output (this rank's segment)
+    pending: list[Pending] = field(default_factory=list)
+
+
+class ZeRO2DDP(GradSyncEngine):
+    """Reduce gradient buckets to their owners during backward; keep only the owned gradients (ZeRO-2).
+
+    Train it with ``ShardedOptimizer(..., schedule="reduce_in_backward", placement=engine.owner_of)``: a plain
+    optimizer would skip every parameter this rank does not own (its ``.grad`` is ``None``).
+
+    Args:
+        module: The model to train; any ``nn.Module``.
+        bucket_size_mb: Bucket cap in MiB (2**20 bytes); ``None`` for one bucket per dtype; ``"auto"`` to predict it
+            from an all-reduce microbenchmark (``lightning_ddp.sync.bucket_model``; the reduces cost about what
+            all-reduces of half the size do, so the prediction is a starting point).
+        process_group: The group to shard over (default: the world).
+        collectives: ``auto`` (``per_owner`` on gloo, ``native`` otherwise), ``native`` (a reduce-scatter per bucket
+            whose owner segments are nearly equal, see ``MAX_PADDING``) or ``per_owner`` (one reduce per owner).
+        buckets_in_flight: How many launched buckets may wait at once (each holds a send buffer); launching one
+            more completes the oldest first.
+    """
+
+    uses_grad_hooks = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_size_mb: float | Literal["auto"] | None = 25.0,
+        process_group: dist.ProcessGroup | None = None,
+        collectives: CollectiveImpl = "auto",
+        buckets_in_flight: int = 2,
+    ) -> None:
+        self.check_settings(collectives=collectives, buckets_in_flight=buckets_in_flight)
+        check_bucket_size(bucket_size_mb)
+        super().__init__(module, process_group)
+        self.bucket_prediction: BucketPrediction | None = None
+        if bucket_size_mb == "auto":
+            # A collective: every rank measures together and gets the same (MAX-agreed) prediction.
+            self.bucket_prediction = predict_bucket_size(self.params, process_group)
+            bucket_size_mb = self.bucket_prediction.bucket_size_mb
+        self.bucket_size_mb = bucket_size_mb
+        self.buckets_in_flight = buckets_in_flight
+        self.collectives = resolve_collectives(collectives, self.device, process_group)
+        """``native`` or ``per_owner`` (``auto`` resolved for the parameters' device)."""
+        world, rank = self.world_size, self.comm.rank
+        nbytes = [p.nbytes for p in self.params]
+        self.owners = assign_owners(nbytes, world)
+        """The owner rank of each trainable parameter (``params`` order)."""
+        self._owner_by_id = {id(p): owner for p, owner in zip(self.params, self.owners)}
+        cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
+        self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
+        numels = [p.numel() for p in self.params]
+        self._plans = [plan_bucket(b, numels, self.owners, world, self.collectives == "native") for b in self.buckets]
+        # The shard's layout: per dtype, this rank's owned gradients, bucket by bucket (each segment contiguous).
+        self._shard_numel: dict[torch.dtype, int] = {}
+        for plan in self._plans:
+            dtype = self.params[plan.indices[0]].dtype
+            plan.shard_offset = self._shard_numel.get(dtype, 0)
+            self._shard_numel[dtype] = plan.shard_offset + plan.numels[rank]
+        self._bucket_of = [0] * len(self.params)
+        for b, indices in enumerate(self.buckets):
+            for i in indices:
+                self._bucket_of[i] = b
+        self._reset_step()
+
+    @staticmethod
+    def check_settings(collectives: str = "auto", buckets_in_flight: int = 2) -> None:
+        """Refuse bad settings when the config is read (the strategy calls this)."""
+        check_collective_impl(collectives)
+        check_buckets_in_flight(buckets_in_flight)
+
+    # -- ownership ---------------------------------------------------------------------------------------
+
+    def owner_of(self, param: torch.Tensor) -> int | None:
+        """The rank ``param``'s gradient is reduced to (``None`` for a parameter this engine does not sync)."""
+        return self._owner_by_id.get(id(param))
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of gradients this rank keeps after backward (b·Ψ_r): its owned gradients, all dtypes."""
+        return sum(n * dtype.itemsize for dtype, n in self._shard_numel.items())
+
+    @property
+    def shards(self) -> dict[torch.dtype, torch.Tensor]:
+        """This step's shards (dtype -> flat owned gradients), as far as allocated; empty between steps."""
+        return dict(self._shards)
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def _reset_step(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._pending = [len(indices) for indices in self.buckets]
+        self._next_bucket = 0
+        self._in_flight: deque[_InFlight] = deque()
+        self._flags: list[tuple[list[int], torch.Tensor]] = []  # (owned indices, their summed presence flags)
+        # Dropped here: the owned .grad views keep this step's shards alive until zero_grad drops them.
+        self._shards: dict[torch.dtype, torch.Tensor] = {}
+
+    def _on_grad_ready(self, index: int) -> None:
+        if self._ready[index]:
+            raise RuntimeError(
+                f"The gradient of {self.param_names[index]!r} became ready twice in one step. With gradient "
+                "accumulation, run every micro-batch but the last under `with ddp.no_sync():`."
+            )
+        self._ready[index] = True
+        b = self._bucket_of[index]
+        self._pending[b] -= 1
+        if b == self._next_bucket and not self._pending[b]:  # only then can anything launch (strict order)
+            while self._next_bucket < len(self._plans) and not self._pending[self._next_bucket]:
+                self._launch(self._next_bucket)
+
+    def _launch(self, b: int) -> None:
+        assert b == self._next_bucket, "buckets must launch in order"
+        plan = self._plans[b]
+        dtype = self.params[plan.indices[0]].dtype
+        label = f"bucket {b} ({len(plan.indices)} tensors)"
+        with self.comm.span("pack"):
+            # Padding (reduce_scatter) must be zeros; a per-owner buffer is written in full.
+            buffer = (torch.zeros if plan.scatter else torch.empty)(plan.total, dtype=dtype, device=self.device)
+            for r, segment in enumerate(plan.segments):
+                offset = plan.offsets[r]
+                flags = buffer[offset + plan.numels[r] : offset + plan.size(r)]
+                for k, i in enumerate(segment):
+                    param = self.params[i]
+                    chunk = buffer[offset : offset + param.numel()]
+                    if param.grad is None:
+                        chunk.zero_()
+                        flags[k] = 0
+                    else:
+                        chunk.copy_(param.grad.reshape(-1))
+                        flags[k] = 1
+                        param.grad = None  # the buffer holds it now: free it
+                    offset += param.numel()
+        flight = _InFlight(plan, buffer, None)
+        if plan.scatter:
+            width = plan.total // self.world_size
+            flight.received = torch.empty(width, dtype=dtype, device=self.device)
+            flight.pending.append(self.comm.reduce_scatter(flight.received, buffer, label))
+        else:
+            for r, segment in enumerate(plan.segments):
+                if segment:
+                    part = buffer[plan.offsets[r] : plan.offsets[r] + plan.size(r)]
+                    flight.pending.append(self.comm.reduce(part, r, f"{label} to rank {r}"))
+        self._in_flight.append(flight)
+        self._next_bucket += 1
+        while len(self._in_flight) > self.buckets_in_flight:  # bound the send buffers held at once
+            # Waiting here holds up backward (the host on gloo, the compute stream on NCCL): exposed communication,
+            # as the waits in finish_gradient_synchronization are (spans are merged, so nesting there is harmless).
+            with self.comm.span("exposed"):
+                self._complete(self._in_flight.popleft())
+
+    def _complete(self, flight: _InFlight) -> None:
+        for pending in flight.pending:
+            self.comm.wait(pending)
+        plan, rank = flight.plan, self.comm.rank
+        segment = plan.segments[rank]
+        if not segment:
+            return  # the buffer goes with `flight`
+        mine = flight.received if flight.received is not None else flight.buffer[plan.offsets[rank]:]
+        numel = plan.numels[rank]
+        dtype = self.params[segment[0]].dtype
+        with self.comm.span("pack"):
+            shard = self._shards.get(dtype)
+            if shard is None:  # every element is written by the step's buckets before anyone reads it
+                shard = self._shards[dtype] = torch.empty(self._shard_numel[dtype], dtype=dtype, device=self.device)
+            torch.div(mine[:numel], self.world_size, out=shard[plan.shard_offset : plan.shard_offset + numel])
+            self._flags.append((segment, mine[numel : numel + len(segment)].clone()))
+            offset = plan.shard_offset
+            for i in segment:
+                param = self.params[i]
+                param.grad = shard[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+
+    def _synchronize(self) -> None:
+        while self._next_bucket < len(self._plans):
+            self._launch(self._next_bucket)
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+        if self._flags:
+            counts = torch.cat([flags for _, flags in self._flags]).tolist()  # one host sync per step
+            owned = [i for segment, _ in self._flags for i in segment]
+            for i, count in zip(owned, counts):
+                if count == 0:  # no rank had a gradient: .grad = None, as in one process (the optimizer skips it)
+                    self.params[i].grad = None
+        self._reset_step()
