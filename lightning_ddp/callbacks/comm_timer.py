@@ -15,7 +15,10 @@ Every strategy is measured the same way, Lightning's built-in ``ddp`` (torch ``D
 included: its bucket all-reduces are recorded through a DDP communication hook equivalent to torch's default
 (``callbacks.recording``), and ``comm/exposed_ms`` runs from the step's last gradient computed (a tensor hook on
 every trainable parameter) to the gradients usable (``on_before_optimizer_step``) for every strategy; see
-``accounting.py``.
+``accounting.py``. A strategy whose collectives are not ours to record says so with ``records_collectives = False``
+(``fsdp2``): its busy time, overlap and bandwidths are "not recorded" (``accounting.NOT_RECORDED``), never 0. A
+strategy whose gradients are computed on other tensors than the LightningModule's parameters (FSDP2's unsharded
+ones) names them with ``watched_parameters()``.
 
 At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the steps after ``warmup_steps``) and
 writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory, with
@@ -43,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_ddp import compat, hardware
-from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
+from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.recording import recorder_for, release_recorder
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
@@ -89,6 +92,7 @@ class CommTimer(Callback):
         self._flops_per_token: float | None = None
         self._peak_flops: float | None = None
         self._bucket_size_mb: float | None = None
+        self._collectives_recorded = True
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -103,10 +107,14 @@ class CommTimer(Callback):
         if not self.enabled:
             return
         self._recorder = recorder_for(trainer)
+        self._collectives_recorded = records_collectives(trainer.strategy)
+        if not self._collectives_recorded and len(self.summary) == 0:
+            self.summary = TimingSummary(not_recorded=COLLECTIVE_KEYS)
         # When each gradient is computed: the landmark that starts exposed communication, for every strategy.
+        watched = getattr(trainer.strategy, "watched_parameters", None)
+        named = watched() if watched is not None else pl_module.named_parameters()
         seen: set[int] = set()
-        self._watched = [(n, p) for n, p in pl_module.named_parameters()
-                         if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        self._watched = [(n, p) for n, p in named if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
         self._recorder.watch_gradients([p for _, p in self._watched])
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
@@ -157,6 +165,7 @@ class CommTimer(Callback):
             peak_flops=self._peak_flops,
             peak_memory_mib=_peak_memory_mib(self._recorder.clock.cuda),
             peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if self._recorder.clock.cuda else None,
+            collectives_recorded=self._collectives_recorded,
         )
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         # Inconsistent marks were clamped and counted, never raised: the first ones of the run are warned about here.
@@ -188,6 +197,12 @@ class CommTimer(Callback):
         profile = _median_profile(self._compute[self.warmup_steps:], self._watched, trainer, pl_module, self._batch_shape)
         if profile is not None:
             write_profile(profile, out_dir / "compute_profile.json")
+
+
+def records_collectives(strategy: Any) -> bool:
+    """Whether ``strategy``'s gradient collectives land in the recorder: ours and Lightning's ``ddp`` do; a strategy
+    that issues its own (``fsdp2``) sets ``records_collectives = False``."""
+    return bool(getattr(strategy, "records_collectives", True))
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:
