@@ -68,7 +68,15 @@ from typing_extensions import override
 from lightning_ddp import compat
 from lightning_ddp.strategies.base import check_backend_for_device
 
-__all__ = ["DEFAULT_SHARD_MODULES", "FSDP2Strategy", "modules_to_shard", "mixed_precision_dtypes"]
+__all__ = [
+    "DEFAULT_SHARD_MODULES",
+    "FSDP2Strategy",
+    "fqn_keys_to_ids",
+    "ids_to_fqn_keys",
+    "mixed_precision_dtypes",
+    "modules_to_shard",
+    "shard",
+]
 
 DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
 """Class names sharded one FSDP group each by default: ``lightning_ddp.model.Block``, our GPT's Transformer block."""
@@ -155,23 +163,12 @@ class FSDP2Strategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
         module = self.lightning_module
         assert isinstance(module, pl.LightningModule)
-        _broadcast_from_rank0(module)
-        blocks, message = modules_to_shard(module, self.shard_modules)
+        param_dtype, reduce_dtype = mixed_precision_dtypes(str(self.precision_plugin.precision), self.mixed_precision)
+        message = shard(module, self.shard_modules, self.reshard_after_forward, param_dtype, reduce_dtype)
         if message:
             rank_zero_info(message)
-        param_dtype, reduce_dtype = mixed_precision_dtypes(str(self.precision_plugin.precision), self.mixed_precision)
-        options: dict[str, Any] = {}
-        if param_dtype is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for block in blocks:
-            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
-        fully_shard(module, **options)  # the root: the parameters outside the blocks (tied weights stay one)
         self.model = module
         self._sharded = True
 
@@ -278,7 +275,7 @@ class FSDP2Strategy(DDPStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         # Every rank loaded the file: each takes its own shard of the full state, no broadcast needed.
-        names = _parameter_names(self.lightning_module)
+        names = parameter_names(self.lightning_module)
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             set_optimizer_state_dict(
@@ -303,7 +300,32 @@ class FSDP2Strategy(DDPStrategy):
             )
 
 
-# ---- pure helpers (unit-tested without processes) -------------------------------------------------------------
+# ---- the sharding, and pure helpers (unit-tested without processes) -------------------------------------------
+
+
+def shard(
+    module: nn.Module,
+    class_names: tuple[str, ...] = DEFAULT_SHARD_MODULES,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> str:
+    """Steps 1-3 of the module docstring, in place, on every rank: rank 0's weights broadcast, one FSDP group per
+    module of ``class_names``, ``module`` itself the root. Returns ``modules_to_shard``'s message ("" when blocks
+    were found). ``module`` is then run through its ``__call__`` for the root's parameters to be gathered."""
+    from torch.distributed.fsdp import fully_shard
+
+    _broadcast_from_rank0(module)
+    blocks, message = modules_to_shard(module, class_names)
+    options: dict[str, Any] = {}
+    if param_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(module, **options)  # the root: the parameters outside the blocks (tied weights stay one)
+    return message
 
 
 def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[list[nn.Module], str]:
@@ -385,7 +407,7 @@ def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mappi
     }
 
 
-def _parameter_names(module: nn.Module) -> dict[Tensor, str]:
+def parameter_names(module: nn.Module) -> dict[Tensor, str]:
     """Parameter -> its first name in ``module`` (a tied parameter goes by the name ``named_parameters`` gives)."""
     names: dict[Tensor, str] = {}
     for name, p in module.named_parameters():
