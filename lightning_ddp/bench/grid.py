@@ -29,6 +29,7 @@ from typing import Any
 
 from lightning_ddp.bench.config import (
     BASELINE,
+    FSDP2,
     REFERENCE,
     SweepConfig,
     format_bucket,
@@ -243,6 +244,9 @@ def strategy_argument(cell: Cell, backend: str) -> str:
         return "auto"
     if cell.strategy == BASELINE:
         return json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
+                           "init_args": {"process_group_backend": backend}})
+    if cell.strategy == FSDP2:
+        return json.dumps({"class_path": "lightning_ddp.strategies.FSDP2Strategy",
                            "init_args": {"process_group_backend": backend}})
     # bucket_size_mb always, "default" where the algorithm has none: a bucket size in the base config's strategy
     # (the quickstart's bucketed one) would otherwise be carried over to this class.
