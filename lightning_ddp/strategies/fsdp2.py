@@ -285,7 +285,8 @@ class FSDP2Strategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._sharded = False
+        # The module stays sharded (fully_shard works in place, for good): a callback's on_fit_end, after teardown,
+        # still gets full state dicts from lightning_module_state_dict.
         super().teardown()
 
     @classmethod
