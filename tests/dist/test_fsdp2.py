@@ -137,8 +137,8 @@ def _fsdp2_job(rank: int, world_size: int, resume: dict[str, Any] | None) -> dic
     if resume is None:
         checkpoint = {"model": get_model_state_dict(module, options=full),
                       "optimizer": get_optimizer_state_dict(module, optimizer, options=full)}
-        # a copy: the full state dict shares AdamW's CPU `step` tensors, which the next step would advance
-        checkpoint["optimizer"] = copy.deepcopy(fqn_keys_to_ids(checkpoint["optimizer"])) if checkpoint["optimizer"] else {}
+        # No copy here: fqn_keys_to_ids copies AdamW's `step` tensors, which the next step would otherwise advance.
+        checkpoint["optimizer"] = fqn_keys_to_ids(checkpoint["optimizer"]) if checkpoint["optimizer"] else {}
         norms += _train(module, optimizer, range(CHECKPOINT_AFTER, STEPS), world_size, rank)
     weights = get_model_state_dict(module, options=full)
     local_numel = sum(p.to_local().numel() for p in module.parameters())
