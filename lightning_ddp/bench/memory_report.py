@@ -30,8 +30,9 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
     n = world_size
     all_reduce = 2 * (n - 1) / n * param_bytes
     one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
+    # fsdp2 (reshard after forward): all-gather in forward, again in backward, reduce-scatter of the gradients
     return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
-            "zero2": 2 * one_way}[mode]
+            "zero2": 2 * one_way, "fsdp2": 3 * one_way}[mode]
 
 
 def summarise_modes(
@@ -62,7 +63,8 @@ def summarise_modes(
                 "ranks": ranks,
                 "step_ms_median": statistics.median(measured),
                 "matches_expected": matches,
-                "sent_bytes_per_rank": sent_bytes_per_rank(ranks[0]["expected"]["parameters"], world_size, mode),
+                "sent_bytes_per_rank": sent_bytes_per_rank(
+                    ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"]), world_size, mode),
             }
         )
     return summaries
