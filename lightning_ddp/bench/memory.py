@@ -17,9 +17,11 @@ Recipe:
    alone. For fp32 AdamW: parameters 4Ψ, gradients 4Ψ, state 8Ψ + 4T unsharded and 8Ψ_r + 4T_r sharded (Ψ
    parameters, T tensors, Ψ_r and T_r those rank r owns under ``assign_owners``; the 4-byte ``step`` counter
    per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``).
-5. Rank 0 gathers the ranks' results; the parent summarises them per mode and writes ``results.json`` and
-   ``results.md`` (one table per mode; both from ``lightning_ddp.bench.memory_report``) into ``out_dir``, each
-   atomically (``lightning_ddp.files``), with versions, hardware and the config.
+5. Rank 0 gathers the ranks' results; the parent summarises them per mode and writes ``results.json``,
+   ``results.md`` (the family table first: memory per rank beside step time with its interval, and ZeRO-2's goals;
+   then one table per mode) and ``memory_vs_step.png`` (peak memory per rank against step time), all from
+   ``lightning_ddp.bench.memory_report``, into ``out_dir``, each atomically (``lightning_ddp.files``), with
+   versions, hardware and the config.
 
 Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
 ``ShardedOptimizer`` that broadcasts updated parameters), ``reduce_scatter`` (``DeferredGradSync`` + a
@@ -57,6 +59,7 @@ from lightning_ddp.bench.memory_report import (  # noqa: F401
     MiB,
     format_report,
     sent_bytes_per_rank,
+    write_family_plot,
     summarise_modes,
 )
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -435,6 +438,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _peak_bytes(result: dict[str, Any], device: torch.device) -> int | None:
+    """This rank's peak memory in the mode: on CUDA the largest ``max_memory_allocated`` any snapshot saw (the last
+    step's forward and backward, then its optimizer step); on CPU the process's peak RSS (``ru_maxrss``), which is
+    the mode's own only with ``separate_processes`` (fresh processes per mode)."""
+    if device.type == "cuda":
+        return max(snap["max_allocated"] for snap in result["snapshots"].values())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int, result_file: str) -> None:
     world_size = config.devices
     cuda = config.accelerator == "cuda"
@@ -445,7 +459,11 @@ def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int
     init_local_process_group(rank, world_size, port, resolved_backend(config),
                              threads=None if cuda else cores_per_rank(world_size))
     try:
-        results = [_measure_mode(mode, config, device, rank) for mode in modes]
+        results = []
+        for mode in modes:
+            result = _measure_mode(mode, config, device, rank)
+            result["peak_bytes"] = _peak_bytes(result, device)
+            results.append(result)
         gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:
@@ -497,6 +515,7 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     write_json_atomically(out_dir / "results.json", results)
     report = format_report(results)
     write_atomically(out_dir / "results.md", report)
+    write_family_plot(results, out_dir / "memory_vs_step.png")
     print(report, flush=True)
     return results
 

@@ -64,3 +64,38 @@ def test_every_memory_config_parses(path: Path) -> None:
 def test_config_errors_name_the_flag(args: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_config(args)
+
+
+def _family_results(zero2_steps: list[float]) -> dict:
+    """Hand-made results of 2 ranks: DDP holds 8 MiB of gradients, ZeRO-2 4 MiB (half) with 1 MiB buckets."""
+    MiB = 2**20
+
+    def mode(name: str, grads: float, state: float, steps: list[float], peak: float) -> dict:
+        snap = {"parameters": 8 * MiB, "gradients": int(grads * MiB), "optimizer_state": int(state * MiB)}
+        ranks = [{"rank": r, "snapshots": {"before_step": snap}, "step_ms": [999.0, *steps], "peak_bytes": int(peak * MiB)}
+                 for r in range(2)]
+        return {"mode": name, "ranks": ranks, "matches_expected": True}
+
+    return {
+        "config": {"devices": 2, "bucket_size_mb": 1, "accelerator": "cpu", "preset": "tiny"},
+        "modes": [mode("unsharded", 8, 16, [100.0] * 9, 64), mode("reduce_scatter", 8, 8, [100.0] * 9, 56),
+                  mode("zero2", 4, 8, zero2_steps, 50)],
+    }
+
+
+def test_family_table_reads_each_mode_and_judges_the_zero2_goals(tmp_path: Path) -> None:
+    from lightning_ddp.bench.memory_report import family_goals, family_rows, format_family_table, write_family_plot
+
+    # ZeRO-2 at 105 ms against ZeRO-1's 100 ms every step: ratio 1.05 with a zero-width interval -> met; its 4 MiB
+    # of gradients against 8 / 2 + 1 = 5 MiB -> met. The first step (999 ms) is warm-up and left out.
+    results = _family_results([105.0] * 9)
+    rows = family_rows(results)
+    assert [row["step"].point for row in rows] == [100.0, 100.0, 105.0]
+    goals = family_goals(results, rows)
+    assert "5.00 MiB: **met**" in goals[0] and "1.050 [1.050, 1.050]: **met**" in goals[1]
+    assert "| ZeRO-2 | 8.00 | 4.00 | 8.00 | 50.00 | 105.0 [105.0, 105.0] | yes |" in format_family_table(results)
+    assert write_family_plot(results, tmp_path / "memory_vs_step.png").stat().st_size > 0
+
+    # 130 ms every step: 1.3 > 1.10 on the whole interval -> missed.
+    slow = _family_results([130.0] * 9)
+    assert "**missed**" in family_goals(slow, family_rows(slow))[1]
