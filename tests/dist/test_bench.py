@@ -109,9 +109,9 @@ def test_cpu_config_grid_counts() -> None:
     sweep = parse_config(["--config", str(REPO / "configs" / "bench" / "cpu.yaml")])
     cells = expand_grid(sweep)
     groups = len(sweep.grid.batch_sizes) * len(sweep.grid.context_lengths) * len(sweep.grid.precisions)
-    # per group: reference + naive + flat + overlap + ddp + one cell per bucket size (4 sizes + auto) for each of
+    # per group: reference + naive + flat + overlap + ddp + fsdp2 + one cell per bucket size (4 sizes + auto) for each of
     # bucketed and bucketed_bf16
-    assert len(cells) == groups * (5 + 2 * len(sweep.grid.bucket_sizes_mb)) == 4 * 15
+    assert len(cells) == groups * (6 + 2 * len(sweep.grid.bucket_sizes_mb)) == 4 * 16
     assert "auto" in sweep.grid.bucket_sizes_mb
     # 6 repeats: best bucket size chosen on 0, 2, 4 and measured on 1, 3, 5; uniform random tokens, not the
     # quickstart's learnable Markov chain
