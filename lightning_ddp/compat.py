@@ -10,6 +10,7 @@ helper                                  what it hides
 ``profiler_enabled``                    ``torch.autograd._profiler_enabled()``
 ``reduce_scatter_tensor``               ``dist.reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor``
 ``all_gather_tensor``                   ``dist.all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``
+``fsdp2_unsharded_parameters``          FSDP2's ``FSDPState._fsdp_param_group.fsdp_params`` and ``_unsharded_param``
 ``should_accumulate``                   ``trainer.fit_loop._should_accumulate()``
 ``is_mock_optimizer``                   ``lightning.pytorch.core.optimizer._MockOptimizer``
 ``compute_dtype``                       ``lightning.pytorch.callbacks.throughput_monitor._plugin_to_compute_dtype``
@@ -31,6 +32,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_tensor",
     "compute_dtype",
+    "fsdp2_unsharded_parameters",
     "is_mock_optimizer",
     "launched_processes",
     "profiler_enabled",
@@ -51,6 +53,29 @@ def profiler_enabled() -> bool:
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older versions lack the new ones.
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def fsdp2_unsharded_parameters(root: torch.nn.Module) -> dict[torch.Tensor, torch.nn.Parameter]:
+    """Sharded parameter -> the unsharded parameter FSDP2 swaps into its module for forward and backward, for every
+    ``fully_shard`` group under ``root`` (the root first).
+
+    FSDP2 creates the unsharded parameters at a group's first all-gather and keeps the same objects afterwards
+    (only their storage is freed and re-allocated), so a gradient hook on one fires every backward. This gathers
+    and frees every group once (``unshard``/``reshard``, the root first: the first group gathered becomes the
+    root): a collective, to be called on every rank.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[torch.Tensor, torch.nn.Parameter] = {}
+    for module in root.modules():  # pre-order: the root first
+        if not isinstance(module, FSDPModule):
+            continue
+        module.unshard()
+        module.reshard()
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            out[fsdp_param.sharded_param] = fsdp_param._unsharded_param
+    return out
 
 
 # ---- Lightning (imported inside each helper) --------------------------------------------------------------

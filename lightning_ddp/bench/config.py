@@ -28,6 +28,7 @@ from lightning_ddp.sync.registry import ALGORITHMS, NOT_SETTINGS  # the standard
 
 __all__ = [
     "BASELINE",
+    "FSDP2",
     "PRECISIONS",
     "REFERENCE",
     "SHARDED",
@@ -68,11 +69,11 @@ registry entry: its optimizer is sharded too), name -> whether it has a bucket a
 
 def sweep_strategies() -> list[str]:
     """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), the sharded
-    strategies (``SHARDED``), then ``ddp``.
+    strategies (``SHARDED``), then ``ddp``, then ``fsdp2`` (torch's FSDP2: busy time and overlap not recorded).
 
     An algorithm registered before the sweep's configuration is read joins the sweep with no other change.
     """
-    return [*ALGORITHMS, *SHARDED, BASELINE]
+    return [*ALGORITHMS, *SHARDED, BASELINE, FSDP2]
 
 
 def has_bucket_axis(strategy: str) -> bool:
@@ -174,6 +175,11 @@ def variant_strategy(variant: str) -> str:
 
 BASELINE = "ddp"
 """Lightning's built-in torch DDP: always in the grid, the yardstick of the first performance goal."""
+
+FSDP2 = "fsdp2"
+"""torch's FSDP2 (``lightning_ddp.strategies.FSDP2Strategy``), a baseline with parameters, gradients and optimizer
+state sharded: step time and exposed communication as for every strategy; busy time and overlap not recorded (torch
+issues its collectives), so its results.csv cells say so."""
 
 REFERENCE = "reference"
 """The compute-only cell: one process (``--trainer.devices 1``, strategy ``auto``), same per-rank batch, no

@@ -29,6 +29,7 @@ from typing import Any
 
 from lightning_ddp.bench.config import (
     BASELINE,
+    FSDP2,
     REFERENCE,
     SHARDED,
     SweepConfig,
@@ -247,6 +248,9 @@ def strategy_argument(cell: Cell, backend: str) -> str:
                            "init_args": {"process_group_backend": backend}})
     if cell.strategy in SHARDED:
         return _sharded_strategy_argument(cell, backend)
+    if cell.strategy == FSDP2:
+        return json.dumps({"class_path": "lightning_ddp.strategies.FSDP2Strategy",
+                           "init_args": {"process_group_backend": backend}})
     # bucket_size_mb always, "default" where the algorithm has none: a bucket size in the base config's strategy
     # (the quickstart's bucketed one) would otherwise be carried over to this class.
     init_args: dict[str, Any] = {"algorithm": cell.strategy, "process_group_backend": backend,

@@ -76,8 +76,9 @@ __all__ = [
     "sent_bytes_per_rank",
 ]
 
-MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter", "zero2")
-"""The measured configurations: plain AdamW, ZeRO-1 under each schedule, then ZeRO-2."""
+MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter", "zero2", "fsdp2")
+"""The measured configurations: plain AdamW, ZeRO-1 under each schedule, ZeRO-2, then torch's FSDP2
+(``_measure_fsdp2``)."""
 
 @dataclass
 class MemoryBenchConfig:
@@ -235,9 +236,120 @@ def _zero2_gradient_peak(config: MemoryBenchConfig, shapes: list[tuple[int, ...]
     return zero2_gradient_peak_bytes(shapes, dist.get_world_size(), rank, cap)
 
 
+# ---- fsdp2 (torch's fully_shard: its own measurement) --------------------------------------------------------
+
+
+def fsdp2_expected_bytes(shapes: list[tuple[int, ...]], world_size: int, rank: int) -> dict[str, int]:
+    """Bytes rank ``rank`` holds under FSDP2 (``fully_shard``: every tensor split along dim 0 in chunks of
+    ``ceil(rows / N)``, the last ranks possibly shorter or empty), fp32 AdamW: its rows of every parameter, the same
+    rows of every gradient, twice them in AdamW's moments plus the 4-byte ``step`` of every tensor (each rank keeps
+    one per tensor, even for an empty shard). Between steps nothing else: the unsharded block lives only while its
+    forward or backward runs (the peak adds the largest group's full parameters and gradients).
+
+    >>> fsdp2_expected_bytes([(3, 2), (4,)], world_size=2, rank=1)  # rows 2..2 of the (3, 2), 2..3 of the (4,)
+    {'parameters': 16, 'gradients': 16, 'optimizer_state': 40}
+    """
+    local = 0
+    for shape in shapes:
+        rows = shape[0] if shape else 1
+        chunk = -(-rows // world_size)
+        mine = max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
+        local += mine * math.prod(shape[1:])
+    params = FP32 * local
+    return {"parameters": params, "gradients": params,
+            "optimizer_state": ADAM_STATE_BYTES_PER_PARAM * local + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)}
+
+
+def _local_tensors(tensors) -> list[torch.Tensor | None]:
+    """A DTensor's local shard, any other tensor as it is (FSDP2's parameters, gradients and state are DTensors)."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
+    """The ``fsdp2`` mode: the GPT sharded by ``lightning_ddp.strategies.fsdp2.shard`` (one group per block), AdamW
+    over the shards; snapshots of the local shards. Its collectives are torch's: none recorded."""
+    from lightning_ddp.model import GPT, get_config
+    from lightning_ddp.strategies.fsdp2 import shard
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(config.seed)
+    model = GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def snapshot() -> dict[str, Any]:
+        class _Local(torch.nn.Module):  # _snapshot reads .parameters() and .grad: hand it the local shards
+            def parameters(self, recurse: bool = True):  # noqa: ANN201
+                for p in model.parameters():
+                    local = p.to_local()
+                    local.grad = p.grad.to_local() if p.grad is not None else None
+                    yield local
+
+        class _State:
+            state = {k: {n: v.to_local() if hasattr(v, "to_local") else v for n, v in entry.items()}
+                     for k, entry in optimizer.state.items()}
+
+        return _snapshot(_Local(), _State(), device)  # type: ignore[arg-type]
+
+    _sync(device)
+    snapshots = {"setup": snapshot()}
+    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
+    step_ms: list[float] = []
+    for step in range(config.steps):
+        last = step == config.steps - 1
+        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
+        tokens = tokens.to(device)  # (B, T + 1)
+        _sync(device)
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1])  # (B, T, V)
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        del logits
+        paused = 0.0
+        if last:
+            _sync(device)
+            pause = time.perf_counter()
+            snapshots["before_step"] = snapshot()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            paused += time.perf_counter() - pause
+        optimizer.step()
+        if last:
+            _sync(device)
+            pause = time.perf_counter()
+            snapshots["after_step"] = snapshot()
+            paused += time.perf_counter() - pause
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        step_ms.append((time.perf_counter() - start - paused) * 1e3)
+    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    result = {
+        "mode": "fsdp2",
+        "rank": rank,
+        "snapshots": snapshots,
+        "expected": fsdp2_expected_bytes(shapes, dist.get_world_size(), rank),
+        "full_parameter_bytes": FP32 * sum(math.prod(s) for s in shapes),
+        "step_ms": times.tolist(),
+        "comm_bytes_recorded": None,  # torch's collectives: not recorded
+        "comm_calls": None,
+        "num_params": sum(math.prod(s) for s in shapes),
+        "num_tensors": len(shapes),
+        "shard_bytes": None,
+    }
+    del optimizer, model
+    return result
+
+
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
     from lightning_ddp.model import GPT, get_config
     from lightning_ddp.sync import Recorder, ShardedOptimizer
+
+    if mode == "fsdp2":
+        return _measure_fsdp2(config, device, rank)
 
     gc.collect()
     if device.type == "cuda":

@@ -26,12 +26,16 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
     [1000.0, 1500.0, 1000.0]
     >>> sent_bytes_per_rank(1000, 2, "zero2")  # ZeRO-2: the reduce-scatter's volume, in backward, + the all-gather
     1000.0
+    >>> sent_bytes_per_rank(1000, 2, "fsdp2")  # FSDP2: two all-gathers (forward, backward) + one reduce-scatter
+    1500.0
     """
     n = world_size
     all_reduce = 2 * (n - 1) / n * param_bytes
     one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
+    # zero2: the reduce-scatter (in backward) + the all-gather; fsdp2 (reshard after forward): all-gather in forward,
+    # again in backward, reduce-scatter of the gradients
     return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
-            "zero2": 2 * one_way}[mode]
+            "zero2": 2 * one_way, "fsdp2": 3 * one_way}[mode]
 
 
 def summarise_modes(
@@ -62,7 +66,8 @@ def summarise_modes(
                 "ranks": ranks,
                 "step_ms_median": statistics.median(measured),
                 "matches_expected": matches,
-                "sent_bytes_per_rank": sent_bytes_per_rank(ranks[0]["expected"]["parameters"], world_size, mode),
+                "sent_bytes_per_rank": sent_bytes_per_rank(
+                    ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"]), world_size, mode),
             }
         )
     return summaries

@@ -27,6 +27,11 @@ What is measured, per optimizer step and per rank:
 - **Busy communication**: the time some collective was in flight, each collective counted from when the
   previous one of its group finished (``busy_intervals``). The part of it outside the exposed spans was hidden
   behind compute: ``comm/overlap``.
+- **Not recorded**: a strategy whose collectives are not ours to record (``fsdp2``: torch's FSDP2 issues them;
+  the strategy says so with ``comm_recording = "landmarks"``) gets step time and exposed communication by the same
+  landmarks, and no ``COLLECTIVE_KEYS`` at all (``step_metrics(..., comm="landmarks")``): no logger key,
+  and ``TimingSummary(not_recorded=COLLECTIVE_KEYS)`` writes ``NOT_RECORDED`` where they would be (the table, the
+  CSV's cells, the JSON's ``not_recorded`` list) instead of a 0 that would read as "no communication".
 
 The honesty rules (the clocks themselves are described in ``lightning_ddp/sync/record.py``):
 
@@ -63,8 +68,10 @@ if TYPE_CHECKING:  # only for annotations: this module must not import torch
     from lightning_ddp.sync.record import Collective, SyncRecord
 
 __all__ = [
+    "COLLECTIVE_KEYS",
     "LANDMARK_KEYS",
     "METRIC_KEYS",
+    "NOT_RECORDED",
     "ClockAnomalyWarning",
     "StepTiming",
     "TimingSummary",
@@ -265,6 +272,14 @@ only when their inputs are given; the ``comm/`` keys as ``comm`` allows)."""
 LANDMARK_KEYS: tuple[str, ...] = ("comm/exposed_ms", "comm/share", "comm/clock_anomalies")
 """The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``: no collective recorded)."""
 
+COLLECTIVE_KEYS: tuple[str, ...] = tuple(key for key in METRIC_KEYS if key.startswith("comm/") and key not in LANDMARK_KEYS)
+"""The keys computed from the recorded collectives (launch times, busy intervals, bytes) and our engines' pack spans:
+left out of a step measured by its landmarks alone (``comm="landmarks"``, ``fsdp2``), whose summary lists them as
+``not_recorded``."""
+
+NOT_RECORDED = "not recorded"
+"""What the summary's table and CSV show for a ``COLLECTIVE_KEYS`` metric of a strategy that records none."""
+
 
 def step_metrics(
     timing: StepTiming,
@@ -462,11 +477,17 @@ class TimingSummary:
     step added, warm-up included; ``write_json`` writes it beside the summary and ``format_table`` prints it when
     there were any. The first step that brings anomalies (``add(..., anomalies=timing.anomalies)``) warns once
     (``ClockAnomalyWarning``): one summary per run, one warning per run.
+
+    ``not_recorded``: metric keys the run could not measure (``COLLECTIVE_KEYS`` for a strategy whose collectives
+    are not recorded); ``write_json`` lists them under ``not_recorded``, ``write_csv`` and ``format_table`` show
+    ``NOT_RECORDED`` for them.
     """
 
     stats: tuple[str, ...] = ("median", "p10", "p90", "n")
 
-    def __init__(self) -> None:
+    def __init__(self, not_recorded: Sequence[str] = ()) -> None:
+        self.not_recorded: tuple[str, ...] = tuple(not_recorded)
+        """Keys this run does not measure (shown as ``NOT_RECORDED``)."""
         self.steps: list[int] = []
         self.metrics: list[dict[str, float]] = []
         self._warned = False
@@ -526,13 +547,16 @@ class TimingSummary:
         """
         document = {**(extra or {}), "warmup_steps": warmup_steps, "summary": self.summarize(warmup_steps),
                     "clock_anomalies": self.clock_anomalies}
+        if self.not_recorded:
+            document["not_recorded"] = list(self.not_recorded)
         document["steps"] = self.to_rows()
         # allow_nan=False: a NaN would make the file invalid JSON; fail here instead of in the reader.
         write_json_atomically(path, document, allow_nan=False)
 
     def write_csv(self, path: str | os.PathLike) -> None:
-        """Write ``to_rows()`` to ``path`` atomically; a key a step did not report is an empty cell."""
-        rows = self.to_rows()
+        """Write ``to_rows()`` to ``path`` atomically; a key a step did not report is an empty cell, a key the run
+        does not measure (``not_recorded``) a column of ``NOT_RECORDED``."""
+        rows = [{**row, **dict.fromkeys(self.not_recorded, NOT_RECORDED)} for row in self.to_rows()]
         columns = list(dict.fromkeys(key for row in rows for key in row)) or ["step"]
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
@@ -553,7 +577,10 @@ class TimingSummary:
         for stat in ("median", "p10", "p90"):
             row = [stat]
             for _, key, scale, spec in columns:
-                row.append(format(summary[key][stat] * scale, spec) if key in summary else "-")
+                if key in summary:
+                    row.append(format(summary[key][stat] * scale, spec))
+                else:
+                    row.append(NOT_RECORDED if key in self.not_recorded else "-")
             body.append(row)
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
         for row in [header, *body]:

@@ -30,7 +30,10 @@ Every strategy is measured the same way, Lightning's built-in ``ddp`` (torch ``D
 included: its bucket all-reduces are recorded through a DDP communication hook equivalent to torch's default
 (``callbacks.recording``), and ``comm/exposed_ms`` runs from the step's last gradient computed (a tensor hook on
 every trainable parameter) to the gradients usable (``on_before_optimizer_step``) for every strategy; see
-``accounting.py``.
+``accounting.py``. A strategy whose collectives are not ours to record says so with ``comm_recording = "landmarks"``
+(``fsdp2``): its busy time, overlap, wait and bandwidths are "not recorded" (``accounting.NOT_RECORDED``), never 0. A
+strategy whose gradients are computed on other tensors than the LightningModule's parameters (FSDP2's unsharded
+ones) names them with ``watched_parameters()``.
 
 What is measured depends on the strategy (``callbacks.recording.comm_recording``, the one place that decides):
 everything for Lightning's ``ddp`` and ours; for any other strategy (one device, ``fsdp``, ``deepspeed``) step
@@ -64,7 +67,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ddp import compat, hardware
-from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
+from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.recording import comm_recording, measurement_note, recorder_for, release_recorder
@@ -172,11 +175,15 @@ class CommTimer(Callback):
         if note is not None:
             rank_zero_warn(note)
         self._recorder = recorder_for(trainer)
-        # When each gradient is computed: the landmark that starts exposed communication, for every strategy whose
-        # parameters are the module's own (not a sharded strategy's flattened ones, where nothing is recorded).
+        if self._comm == "landmarks" and len(self.summary) == 0:
+            self.summary = TimingSummary(not_recorded=COLLECTIVE_KEYS)
+        # When each gradient is computed: the landmark that starts exposed communication, for every strategy. A
+        # strategy that computes gradients on other tensors than the module's parameters (FSDP2's unsharded ones)
+        # names them with ``watched_parameters()``.
+        watched = getattr(trainer.strategy, "watched_parameters", None)
+        named = watched() if watched is not None else pl_module.named_parameters()
         seen: set[int] = set()
-        self._watched = [(n, p) for n, p in pl_module.named_parameters()
-                         if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        self._watched = [(n, p) for n, p in named if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
         self._watch = self._comm is not None or trainer.world_size == 1
         self._hook_gradients(self.is_sampled(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.

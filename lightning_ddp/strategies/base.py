@@ -157,19 +157,7 @@ class GradSyncStrategy(DDPStrategy):
         Per device, not by the spec's name: ``cpu:gloo,cuda:nccl`` on CPU moves the tensors with gloo and is fine,
         while ``nccl`` (or ``cpu:nccl``) on CPU would fail at the first collective.
         """
-        spec = self._get_process_group_backend()
-        device = self.root_device.type
-        backend = backend_from_spec(spec, device)
-        if backend is None:
-            raise ValueError(
-                f"process_group_backend={spec!r} has no backend for {device} tensors, which this run trains on; add "
-                f"one (e.g. '{device}:gloo,{spec}') or drop `process_group_backend` for the default."
-            )
-        if backend == "nccl" and device != "cuda":
-            raise ValueError(
-                f"process_group_backend={spec!r} needs CUDA GPUs (it moves this run's {device} tensors with nccl); "
-                "use gloo (the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
-            )
+        check_backend_for_device(self._get_process_group_backend(), self.root_device.type)
 
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
         """Wrap the LightningModule in this strategy's gradient-sync engine (a collective: it broadcasts rank 0's
@@ -346,6 +334,21 @@ def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:
             f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
         )
     return engine
+
+
+def check_backend_for_device(spec: str, device: str) -> None:
+    """Refuse a process-group backend spec that cannot move ``device`` tensors (``GradSyncStrategy`` and ``fsdp2``)."""
+    backend = backend_from_spec(spec, device)
+    if backend is None:
+        raise ValueError(
+            f"process_group_backend={spec!r} has no backend for {device} tensors, which this run trains on; add "
+            f"one (e.g. '{device}:gloo,{spec}') or drop `process_group_backend` for the default."
+        )
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(
+            f"process_group_backend={spec!r} needs CUDA GPUs (it moves this run's {device} tensors with nccl); "
+            "use gloo (the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
+        )
 
 
 def engine_state_to_restore(

@@ -13,14 +13,18 @@ from lightning.pytorch.callbacks import Callback
 
 
 class SaveWeights(Callback):
-    """At the end of fit, rank 0 saves the LightningModule's state_dict (on CPU) to ``path``."""
+    """At the end of fit, rank 0 saves the LightningModule's full state_dict (on CPU) to ``path``.
+
+    Through the strategy, on every rank: a sharded strategy (``fsdp2``) gathers its full state dict collectively.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
-            torch.save({k: v.detach().cpu() for k, v in pl_module.state_dict().items()}, self.path)
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, self.path)
 
 
 class FailAt(Callback):

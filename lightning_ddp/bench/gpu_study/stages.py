@@ -141,11 +141,11 @@ class Stage:
 
 
 def strategy_names() -> list[str]:
-    """Every strategy a user can pick: one per registered algorithm, ``zero1_ddp``, ``zero2_ddp`` and Lightning's
-    ``ddp``."""
+    """Every strategy a user can pick: one per registered algorithm, ``zero1_ddp``, ``zero2_ddp``, ``fsdp2`` (torch's
+    FSDP2) and Lightning's ``ddp``."""
     from lightning_ddp.sync.registry import ALGORITHMS
 
-    return [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "zero2_ddp", "ddp"]
+    return [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "zero2_ddp", "fsdp2", "ddp"]
 
 
 def strategy_argument(strategy: str, backend: str) -> str:
@@ -160,6 +160,9 @@ def strategy_argument(strategy: str, backend: str) -> str:
                            "init_args": {"process_group_backend": backend}})
     if strategy == "zero2_ddp":
         return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
+                           "init_args": {"process_group_backend": backend}})
+    if strategy == "fsdp2":
+        return json.dumps({"class_path": "lightning_ddp.strategies.FSDP2Strategy",
                            "init_args": {"process_group_backend": backend}})
     return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy",
                        "init_args": {"algorithm": strategy.removesuffix("_ddp"), "process_group_backend": backend}})
@@ -215,12 +218,14 @@ def _rel(ctx: StudyContext, path: Path) -> str:
 
 
 def _fit_row(result: FitResult) -> dict[str, Any]:
-    """The numbers of one fit that the report shows."""
+    """The numbers of one fit that the report shows; ``"not recorded"`` where the run's timer could not measure a key
+    (``fsdp2``'s busy time and overlap: the summary's ``not_recorded``)."""
     keys = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
             "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
             "memory/peak_reserved_MiB")
+    not_recorded = set((result.summary or {}).get("not_recorded") or ())
     return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1),
-            **{key: _median(result.summary, key) for key in keys}}
+            **{key: "not recorded" if key in not_recorded else _median(result.summary, key) for key in keys}}
 
 
 # ---- (a) environment --------------------------------------------------------------------------------------------

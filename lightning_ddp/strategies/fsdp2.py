@@ -1,0 +1,428 @@
+"""``fsdp2``: torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) as a baseline strategy, on CPU (gloo) and CUDA.
+
+Lightning's own ``fsdp`` strategy refuses CPU, and its ``ModelParallelStrategy`` (which does run FSDP2 on gloo)
+leaves the sharding to the user's ``configure_model`` hook and saves sharded checkpoints by default. This thin
+strategy shards any LightningModule from the YAML alone, ``trainer.strategy: fsdp2``, and keeps checkpoints
+consolidated, so they move between ``fsdp2`` at any world size and ``ddp`` (or our strategies) both ways.
+
+The recipe, in ``configure_ddp`` (after the model is on its device, before the optimizers exist):
+
+1. Broadcast rank 0's parameters and buffers, as torch DDP and our engines do in their constructors: the ranks
+   then start from the same weights whatever they were seeded with.
+2. ``fully_shard`` each module whose class name is in ``shard_modules`` (default: our GPT's ``Block``), each its
+   own FSDP group: its parameters are all-gathered just before its forward and backward and freed after
+   (``reshard_after_forward``), its gradients reduce-scattered as soon as its backward is done.
+3. ``fully_shard`` the LightningModule itself: the root group holds every parameter not in a block (our GPT's
+   embedding, final norm and ``lm_head``; tied embedding/``lm_head`` weights are one parameter of this one group
+   and stay tied). Lightning calls ``training_step``, not ``forward``, so the strategy runs the step methods
+   through the root's ``__call__`` (as Lightning's DDP strategy does through the DDP wrapper) for the root's
+   hooks to gather and free its parameters.
+
+Then Lightning builds the optimizers over the sharded parameters (DTensors): each rank keeps 1/N of the
+parameters, gradients and optimizer state. Everything else is FSDP2's own:
+
+- Gradient accumulation: ``set_requires_gradient_sync(False)`` on the micro-batches before the last
+  (``block_backward_sync``, where Lightning enters torch DDP's ``no_sync``): the unsharded gradients accumulate
+  locally and are reduce-scattered once, after the last micro-batch's backward.
+- Gradient clipping: Lightning's ``clip_grad_norm_`` over the optimizer's parameters, which ``torch.nn.utils``
+  computes from the DTensor shards (each rank's partial sum of squares, all-reduced): the global norm.
+- Mixed precision: under ``trainer.precision: bf16-mixed`` (with ``mixed_precision: true``) FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: parameters are all-gathered and computed on in
+  bf16, gradients reduce-scattered in fp32 into the fp32 shards the optimizer updates (torchtitan's recipe). The
+  precision plugin's autocast stays on and leaves the bf16 matmuls alone. ``mixed_precision: false`` all-gathers
+  fp32 and lets autocast cast, as DDP's bf16-mixed does. ``16-mixed`` is refused (its gradient scaler is not
+  checked with sharded gradients); the ``*-true`` precisions shard the converted model as it is.
+- Checkpoints: ``torch.distributed.checkpoint.state_dict``'s full state dicts (``full_state_dict=True,
+  cpu_offload=True``): every rank takes part in gathering, rank 0 gets the LightningModule's ordinary state dict
+  (same keys as ``ddp``'s) and an optimizer state dict in torch's usual integer-keyed form (``optimizer_state``),
+  which is what ``ddp`` writes. On resume Lightning loads the model's weights into the module before it is
+  sharded, and the optimizer state after (``load_optimizer_state_dict``: each rank keeps its shard).
+
+Measurement. FSDP2's all-gathers and reduce-scatters are torch's, not ours, so no collective is recorded
+(``comm_recording = "landmarks"``): the ``CommTimer`` reports step time and exposed communication by the same
+landmarks as every strategy (last gradient computed -> gradients usable), and labels busy time and overlap "not
+recorded". The all-gathers of forward and backward sit inside compute there, as FSDP overlaps them. The last
+gradient is computed on the unsharded parameters FSDP2 swaps into the modules, not on the sharded ones the
+LightningModule lists: ``watched_parameters`` hands those to the timer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Generator, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddp import compat
+from lightning_ddp.strategies.base import check_backend_for_device
+
+__all__ = [
+    "DEFAULT_SHARD_MODULES",
+    "FSDP2Strategy",
+    "fqn_keys_to_ids",
+    "ids_to_fqn_keys",
+    "mixed_precision_dtypes",
+    "modules_to_shard",
+    "shard",
+]
+
+DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
+"""Class names sharded one FSDP group each by default: ``lightning_ddp.model.Block``, our GPT's Transformer block."""
+
+
+class FSDP2Strategy(DDPStrategy):
+    """Fully sharded data parallelism with torch's FSDP2: parameters, gradients and optimizer state split over ranks.
+
+    Select it with ``trainer.strategy: fsdp2``, or configure it::
+
+        strategy:
+          class_path: lightning_ddp.strategies.FSDP2Strategy
+          init_args: {shard_modules: [Block], reshard_after_forward: true}
+
+    Args:
+        shard_modules: Class names of the modules to shard one FSDP group each (e.g. a model's Transformer block);
+            default ``[Block]``, our GPT's. Everything else is sharded as one group at the root. A module with none
+            of these classes is sharded at the root only, with a message naming this argument.
+        reshard_after_forward: Free each group's gathered parameters after its forward and gather them again for
+            backward (ZeRO-3's memory); ``false`` keeps them from forward to backward (ZeRO-2's, one all-gather
+            less per step).
+        mixed_precision: Under ``trainer.precision: bf16-mixed``, all-gather and compute in bf16 and reduce
+            gradients in fp32 (FSDP2's ``MixedPrecisionPolicy``); ``false`` gathers fp32 and leaves the casting to
+            autocast. Ignored under other precisions.
+        accelerator: Set by the Trainer from ``trainer.accelerator``.
+        parallel_devices: Set by the Trainer from ``trainer.devices``.
+        cluster_environment: Set by the Trainer (local, torchrun, SLURM, ...).
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer from ``trainer.precision``.
+        process_group_backend: ``gloo``, ``nccl`` or one per device type, e.g. ``cpu:gloo,cuda:nccl``; default:
+            ``nccl`` on CUDA, ``gloo`` on CPU.
+        timeout: How long a collective may wait for the other ranks before the job fails (as ``GradSyncStrategy``).
+        start_method: How the launcher starts the other ranks (``popen`` re-runs the command).
+    """
+
+    strategy_name = "fsdp2"
+    """The name in Lightning's ``StrategyRegistry`` (``trainer.strategy: fsdp2``)."""
+    comm_recording = "landmarks"
+    """FSDP2 issues its collectives itself: the ``CommTimer`` reports busy time and overlap as "not recorded"."""
+
+    def __init__(
+        self,
+        shard_modules: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=10),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if shard_modules is not None and (
+            isinstance(shard_modules, str) or not all(isinstance(name, str) and name for name in shard_modules)
+        ):
+            raise TypeError(
+                f"shard_modules must be a list of class names, got {shard_modules!r}; e.g. `shard_modules: [Block]`."
+            )
+        self.shard_modules: tuple[str, ...] = tuple(shard_modules) if shard_modules is not None else DEFAULT_SHARD_MODULES
+        """Class names sharded one group each (the root takes the rest)."""
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.mixed_precision = bool(mixed_precision)
+        self._sharded = False
+
+    # -- set-up ----------------------------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        check_backend_for_device(self._get_process_group_backend(), self.root_device.type)
+        mixed_precision_dtypes(str(self.precision_plugin.precision), self.mixed_precision)  # refuses 16-mixed
+        super().setup_environment()
+
+    @override
+    def configure_ddp(self) -> None:
+        module = self.lightning_module
+        assert isinstance(module, pl.LightningModule)
+        param_dtype, reduce_dtype = mixed_precision_dtypes(str(self.precision_plugin.precision), self.mixed_precision)
+        message = shard(module, self.shard_modules, self.reshard_after_forward, param_dtype, reduce_dtype)
+        if message:
+            rank_zero_info(message)
+        self.model = module
+        self._sharded = True
+
+    # -- the training step through the root's __call__ -------------------------------------------------------
+
+    def _through_root(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``lightning_module.<method_name>`` inside the root module's ``__call__``, so that FSDP's root hooks
+        (gather the root's parameters before, free them and hook backward after) run around it."""
+        module = self.lightning_module
+        assert module is not None
+
+        def forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
+            del module.forward  # back to the class's forward, for a step that calls `self(x)`
+            return getattr(module, method_name)(*inner_args, **inner_kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        try:
+            return module(*args, **kwargs)
+        finally:
+            module.__dict__.pop("forward", None)
+
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        if not self._sharded:
+            return getattr(self.lightning_module, method_name)(*args, **kwargs)
+        return self._through_root(method_name, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """A micro-batch before the last: accumulate the unsharded gradients locally (FSDP2's ``no_sync``)."""
+        if not self._sharded:
+            yield None
+            return
+        module = self.lightning_module
+        module.set_requires_gradient_sync(False)  # type: ignore[operator]  (recurses into every FSDP group)
+        try:
+            yield None
+        finally:
+            module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    # -- measurement -----------------------------------------------------------------------------------------
+
+    def watched_parameters(self) -> list[tuple[str, Tensor]]:
+        """``(name, tensor)`` whose gradient hooks fire when each parameter's gradient is computed: FSDP2's
+        unsharded parameters (created here by one gather and free of every group, a collective: call it on every
+        rank), in ``named_parameters`` order; the sharded parameters' own hooks never fire."""
+        module = self.lightning_module
+        assert module is not None
+        if not self._sharded:
+            return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        unsharded = compat.fsdp2_unsharded_parameters(module)
+        return [(name, unsharded.get(p, p)) for name, p in module.named_parameters() if p.requires_grad]
+
+    # -- checkpoints: consolidated, as an unsharded run writes them -----------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict on rank 0 (``{}`` elsewhere); a collective, called on every rank."""
+        if not self._sharded:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(
+            self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's full state on rank 0 in torch's integer-keyed form (``{}`` elsewhere); a collective."""
+        if not self._sharded:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        full = get_optimizer_state_dict(
+            self.lightning_module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return fqn_keys_to_ids(full) if full else {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._sharded:
+            return super().load_optimizer_state_dict(checkpoint)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        # Every rank loaded the file: each takes its own shard of the full state, no broadcast needed.
+        names = parameter_names(self.lightning_module)
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            set_optimizer_state_dict(
+                self.lightning_module, optimizer, ids_to_fqn_keys(saved, optimizer, names),
+                options=StateDictOptions(full_state_dict=True),
+            )
+
+    @override
+    def teardown(self) -> None:
+        # The module stays sharded (fully_shard works in place, for good): a callback's on_fit_end, after teardown,
+        # still gets full state dicts from lightning_module_state_dict.
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``fsdp2`` (idempotent)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls,
+                description="torch FSDP2 (fully_shard per Transformer block), CPU (gloo) and CUDA; consolidated "
+                            "checkpoints",
+            )
+
+
+# ---- the sharding, and pure helpers (unit-tested without processes) -------------------------------------------
+
+
+def shard(
+    module: nn.Module,
+    class_names: tuple[str, ...] = DEFAULT_SHARD_MODULES,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> str:
+    """Steps 1-3 of the module docstring, in place, on every rank: rank 0's weights broadcast, one FSDP group per
+    module of ``class_names``, ``module`` itself the root. Returns ``modules_to_shard``'s message ("" when blocks
+    were found). ``module`` is then run through its ``__call__`` for the root's parameters to be gathered."""
+    from torch.distributed.fsdp import fully_shard
+
+    _broadcast_from_rank0(module)
+    blocks, message = modules_to_shard(module, class_names)
+    options: dict[str, Any] = {}
+    if param_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(module, **options)  # the root: the parameters outside the blocks (tied weights stay one)
+    return message
+
+
+def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[list[nn.Module], str]:
+    """The submodules of ``module`` to shard one group each: those whose class name is in ``class_names``, the
+    outermost only (a listed class inside another listed one goes with its parent's group). Second: a message
+    when there are none, naming the fix (the root then holds every parameter: no per-block overlap, and every
+    parameter gathered at once)."""
+    chosen: list[nn.Module] = []
+    inside: set[int] = set()
+    for sub in module.modules():
+        if sub is module or id(sub) in inside:
+            continue
+        if type(sub).__name__ in class_names:
+            chosen.append(sub)
+            inside.update(id(m) for m in sub.modules())
+    if chosen:
+        return chosen, ""
+    classes = sorted({type(m).__name__ for m in module.modules() if m is not module and any(m.parameters(recurse=False))})
+    return [], (
+        f"fsdp2: no module of class {', '.join(class_names)} in {type(module).__name__}; sharding it at the root "
+        f"only (every parameter gathered at once). Name its repeated blocks with `shard_modules`, e.g. one of: "
+        f"{', '.join(classes[:8]) or '(no parameters)'}."
+    )
+
+
+def mixed_precision_dtypes(precision: str, enabled: bool) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """FSDP2's ``(param_dtype, reduce_dtype)`` for a Lightning precision: bf16/fp32 under ``bf16-mixed`` when
+    ``enabled``, else ``(None, None)`` (the parameters' own dtype throughout). ``16-mixed`` is refused.
+
+    >>> mixed_precision_dtypes("bf16-mixed", True)
+    (torch.bfloat16, torch.float32)
+    >>> mixed_precision_dtypes("32-true", True)
+    (None, None)
+    """
+    if precision in ("16-mixed", "16"):
+        raise ValueError(
+            "fsdp2 does not support trainer.precision 16-mixed (fp16 with a gradient scaler over sharded gradients is "
+            "not checked here); use --trainer.precision bf16-mixed."
+        )
+    if precision in ("bf16-mixed", "bf16") and enabled:
+        return torch.bfloat16, torch.float32
+    return None, None
+
+
+def fqn_keys_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A full optimizer state dict keyed by parameter names (``get_optimizer_state_dict``) in torch's own form:
+    parameters numbered 0, 1, ... in param-group order, as ``Optimizer.state_dict()`` numbers them.
+
+    >>> fqn_keys_to_ids({"state": {"b": {"step": 1}}, "param_groups": [{"lr": 1, "params": ["a", "b"]}]})
+    {'state': {1: {'step': 1}}, 'param_groups': [{'lr': 1, 'params': [0, 1]}]}
+    """
+    ids: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        numbered = [ids.setdefault(name, len(ids)) for name in group["params"]]
+        groups.append({**group, "params": numbered})
+    return {"state": {ids[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mapping[Tensor, str]) -> dict[str, Any]:
+    """The inverse of ``fqn_keys_to_ids`` for ``optimizer``: number ``i`` is the ``i``-th parameter of its groups,
+    named by ``names`` (parameter -> name). A checkpoint with other groups is refused, naming the mismatch."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_groups = state["param_groups"]
+    saved_count = sum(len(group["params"]) for group in saved_groups)
+    if len(saved_groups) != len(optimizer.param_groups) or saved_count != len(params):
+        raise ValueError(
+            f"the checkpoint's optimizer state has {len(saved_groups)} parameter groups of {saved_count} parameters, "
+            f"this run's optimizer {len(optimizer.param_groups)} of {len(params)}; resume with the same model and "
+            "configure_optimizers, or load the weights only."
+        )
+    by_id = {}
+    for group in saved_groups:
+        for index in group["params"]:
+            by_id[index] = names[params[len(by_id)]]
+    return {
+        "state": {by_id[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [by_id[i] for i in group["params"]]} for group in saved_groups],
+    }
+
+
+def parameter_names(module: nn.Module) -> dict[Tensor, str]:
+    """Parameter -> its first name in ``module`` (a tied parameter goes by the name ``named_parameters`` gives)."""
+    names: dict[Tensor, str] = {}
+    for name, p in module.named_parameters():
+        names.setdefault(p, name)
+    return names
+
+
+def _broadcast_from_rank0(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (a tied parameter once), before sharding splits them."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    seen: set[int] = set()
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                dist.broadcast(tensor, src=0)
