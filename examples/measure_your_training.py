@@ -12,8 +12,7 @@ class Classifier(L.LightningModule):  # a plain LightningModule: nothing in it k
         self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -373,7 +373,8 @@ def mixed_precision_dtypes(precision: str, enabled: bool) -> tuple[torch.dtype |
 
 def fqn_keys_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
     """A full optimizer state dict keyed by parameter names (``get_optimizer_state_dict``) in torch's own form:
-    parameters numbered 0, 1, ... in param-group order, as ``Optimizer.state_dict()`` numbers them.
+    parameters numbered 0, 1, ... in param-group order, as ``Optimizer.state_dict()`` numbers them. Each ``step``
+    tensor is a copy (``_own_step``): the checkpoint is a snapshot, not the live counter the next step advances.
 
     >>> fqn_keys_to_ids({"state": {"b": {"step": 1}}, "param_groups": [{"lr": 1, "params": ["a", "b"]}]})
     {'state': {1: {'step': 1}}, 'param_groups': [{'lr': 1, 'params': [0, 1]}]}
@@ -383,12 +384,13 @@ def fqn_keys_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
     for group in state["param_groups"]:
         numbered = [ids.setdefault(name, len(ids)) for name in group["params"]]
         groups.append({**group, "params": numbered})
-    return {"state": {ids[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+    return {"state": {ids[name]: _own_step(value) for name, value in state["state"].items()}, "param_groups": groups}
 
 
 def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mapping[Tensor, str]) -> dict[str, Any]:
     """The inverse of ``fqn_keys_to_ids`` for ``optimizer``: number ``i`` is the ``i``-th parameter of its groups,
-    named by ``names`` (parameter -> name). A checkpoint with other groups is refused, naming the mismatch."""
+    named by ``names`` (parameter -> name). A checkpoint with other groups is refused, naming the mismatch. Each
+    ``step`` tensor is a copy (``_own_step``): the optimizer keeps a loaded one and advances it in place."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved_groups = state["param_groups"]
     saved_count = sum(len(group["params"]) for group in saved_groups)
@@ -403,9 +405,29 @@ def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mappi
         for index in group["params"]:
             by_id[index] = names[params[len(by_id)]]
     return {
-        "state": {by_id[index]: value for index, value in state["state"].items()},
+        "state": {by_id[index]: _own_step(value) for index, value in state["state"].items()},
         "param_groups": [{**group, "params": [by_id[i] for i in group["params"]]} for group in saved_groups],
     }
+
+
+def _own_step(entry: Any) -> Any:
+    """One parameter's optimizer state with its ``step`` tensor copied (the moments are left shared).
+
+    Why: AdamW's ``step`` is a CPU scalar tensor that ``optimizer.step()`` increments in place, and neither
+    ``get_optimizer_state_dict`` nor ``set_optimizer_state_dict`` (``Optimizer.load_state_dict``) copies it. Shared,
+    a saved step advances with training after it was taken, and a loaded step advances the caller's checkpoint;
+    when that checkpoint's tensors are in shared memory (handed to spawned ranks by ``torch.multiprocessing``),
+    every rank increments one counter, N times per step, and AdamW's bias correction reads whatever count the
+    other ranks have reached. The moments need no copy: the full state dict gathers them into new tensors, and
+    loading scatters them into each rank's new shard (``distribute_tensor``) but keeps a 0-dim ``step`` as it is.
+
+    >>> step = torch.tensor(2.0)
+    >>> _own_step({"step": step})["step"] is step, _own_step({"step": step})["step"].item()
+    (False, 2.0)
+    """
+    if isinstance(entry, Mapping) and isinstance(entry.get("step"), Tensor):
+        return {**entry, "step": entry["step"].detach().clone()}
+    return entry
 
 
 def parameter_names(module: nn.Module) -> dict[Tensor, str]:

@@ -137,8 +137,8 @@ def _fsdp2_job(rank: int, world_size: int, resume: dict[str, Any] | None) -> dic
     if resume is None:
         checkpoint = {"model": get_model_state_dict(module, options=full),
                       "optimizer": get_optimizer_state_dict(module, optimizer, options=full)}
-        # a copy: the full state dict shares AdamW's CPU `step` tensors, which the next step would advance
-        checkpoint["optimizer"] = copy.deepcopy(fqn_keys_to_ids(checkpoint["optimizer"])) if checkpoint["optimizer"] else {}
+        # No copy here: fqn_keys_to_ids copies AdamW's `step` tensors, which the next step would otherwise advance.
+        checkpoint["optimizer"] = fqn_keys_to_ids(checkpoint["optimizer"]) if checkpoint["optimizer"] else {}
         norms += _train(module, optimizer, range(CHECKPOINT_AFTER, STEPS), world_size, rank)
     weights = get_model_state_dict(module, options=full)
     local_numel = sum(p.to_local().numel() for p in module.parameters())
@@ -269,11 +269,22 @@ def _checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def _assert_same_weights(ours: Path, theirs: Path) -> None:
-    # fp32: the sums are associated differently (reduce-scatter vs all-reduce); measured ~1e-7, LR-sized if wrong
+    """fp32, 6 steps at LR 3e-3: the bulk of the weights within 1e-5 relative (measured <= 3.3e-7 absolute: float
+    rounding of the same gradients), every weight within LR/10.
+
+    The few outliers (measured: 67 of 10000x128 embedding elements, <= 6.4e-5) are gradients that nearly cancel,
+    |g| ~ 1e-9 where the median is 6e-5: their rounding differs by a few percent, and with Adam's sqrt(v) ~ eps =
+    1e-8 the update there is ~lr * g / eps, linear in g rather than scale-free, so a few percent of an update. A
+    wrong or missing gradient moves nearly every weight by ~LR per step.
+    """
     a, b = torch.load(ours), torch.load(theirs)
     assert a.keys() == b.keys()
+    apart = total = 0
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=3e-4, msg=lambda m: f"{name}: {m}")
+        apart += int((~torch.isclose(a[name], b[name], rtol=1e-5, atol=1e-6)).sum())
+        total += a[name].numel()
+    assert apart <= 1e-4 * total, f"{apart} of {total} weights differ by more than 1e-5 relative"
 
 
 @pytest.fixture(scope="module")
