@@ -1,4 +1,5 @@
-"""``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory with and without ZeRO-1.
+"""``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
+data-parallel family: DDP, ZeRO-1 (both schedules), ZeRO-2 and FSDP2.
 
 Recipe:
 
@@ -12,23 +13,28 @@ Recipe:
    ``torch.cuda.memory_allocated()`` minus those (activations, communication buffers, the allocator's
    rounding) and the step's ``max_memory_allocated`` is reported, with ``memory_reserved`` and
    ``max_memory_reserved`` beside it (the caching allocator's cache and NCCL's buffers live there); on CPU, ``rest`` is the process RSS minus
-   those (the interpreter, libraries, allocator caches), a secondary figure only.
+   those (the interpreter, libraries, allocator caches), a secondary figure only. The *peak* per rank is the
+   largest ``max_memory_allocated`` of the snapshots on CUDA (set-up to the last step, activations included) and
+   the process's peak RSS (``getrusage``) on CPU.
 4. Next to every measured category: the analytic expectation (``expected_bytes``), from the model's shape
    alone. For fp32 AdamW: parameters 4Ψ, gradients 4Ψ, state 8Ψ + 4T unsharded and 8Ψ_r + 4T_r sharded (Ψ
    parameters, T tensors, Ψ_r and T_r those rank r owns under ``assign_owners``; the 4-byte ``step`` counter
-   per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``).
-5. Rank 0 gathers the ranks' results; the parent summarises them per mode and writes ``results.json``,
-   ``results.md`` (the family table first: memory per rank beside step time with its interval, and ZeRO-2's goals;
-   then one table per mode) and ``memory_vs_step.png`` (peak memory per rank against step time), all from
-   ``lightning_ddp.bench.memory_report``, into ``out_dir``, each atomically (``lightning_ddp.files``), with
-   versions, hardware and the config.
+   per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``). The expected peak
+   is a lower bound, our tensors at their most: those plus ``expected_transient`` (zero2: the buckets in flight
+   during backward; fsdp2: the largest group's unsharded parameters and gradients), activations not included.
+5. Rank 0 gathers the ranks' results; the parent summarises them per mode and writes ``results.json`` and
+   ``results.md`` (the data-parallel family's table with the goals' verdicts, then one table per mode; both from
+   ``lightning_ddp.bench.memory_report``) and ``memory_vs_step_time.png`` (peak memory per rank against step time)
+   into ``out_dir``, each atomically (``lightning_ddp.files``), with versions, hardware and the config. Step time:
+   the median of the steps after ``warmup_steps`` (max over ranks), with its 95 % bootstrap interval.
 
 Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
 ``ShardedOptimizer`` that broadcasts updated parameters), ``reduce_scatter`` (``DeferredGradSync`` + a
 ``ShardedOptimizer`` that reduce-scatters gradients and all-gathers parameters), ``zero2`` (``ZeRO2DDP``, which
 reduces gradient buckets to their owners during backward and keeps only the owned gradients, + a ``ShardedOptimizer``
 placed by it: gradients 4Ψ_r after backward, plus at most ``zero2_gradient_peak_bytes`` during it, reported as
-``expected_gradient_peak``). See ``lightning_ddp.sync.zero1`` and ``lightning_ddp.sync.zero2`` for the formulas of
+``expected_gradient_peak``), ``fsdp2`` (torch's ``fully_shard`` per block, ``fsdp2_expected_bytes``: parameters,
+gradients and state all sharded by rows; its collectives are torch's, not recorded). See ``lightning_ddp.sync.zero1`` and ``lightning_ddp.sync.zero2`` for the formulas of
 communication volume; ``results.md`` shows them next to what the ``SyncRecord`` counted.
 
 This module holds the configuration and the measurement (steps 1 to 4, and ``run``); ``bench.memory_report`` the
@@ -55,12 +61,14 @@ import torch.nn.functional as F
 
 # The results' summary and results.md live in memory_report; its names stay importable from here.
 from lightning_ddp.bench.memory_report import (  # noqa: F401
+    PLOT_NAME,
     POINTS,
     MiB,
+    family_summary,
     format_report,
     sent_bytes_per_rank,
-    write_family_plot,
     summarise_modes,
+    write_memory_plot,
 )
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
@@ -97,8 +105,11 @@ class MemoryBenchConfig:
     """Tokens per sequence (also the model's context length)."""
     devices: int = 2
     """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
-    steps: int = 3
-    """Optimizer steps per mode; the first is warm-up (it allocates the optimizer state), at least 2."""
+    steps: int = 12
+    """Optimizer steps per mode, warm-up included; the last is the one the snapshots are taken in."""
+    warmup_steps: int = 2
+    """The first steps, left out of the step-time statistics (the first allocates the optimizer state, the next
+    still warms the allocator and caches); at least 1, and at least 2 steps must remain for the interval."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
@@ -132,10 +143,15 @@ class MemoryBenchConfig:
         for name in ("vocab_size", "batch_size", "seq_len", "devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} (--{name})")
-        if self.steps < 2:
+        if self.warmup_steps < 1:
             raise ValueError(
-                f"steps must be >= 2, got {self.steps}: the first step allocates the optimizer state, the last is "
-                "measured (--steps 3)"
+                f"warmup_steps must be >= 1, got {self.warmup_steps}: the first step allocates the optimizer state "
+                "(--warmup_steps 2)"
+            )
+        if self.steps < self.warmup_steps + 2:
+            raise ValueError(
+                f"steps must be >= warmup_steps + 2 = {self.warmup_steps + 2}, got {self.steps}: the step-time "
+                f"interval needs at least 2 measured steps (--steps {self.warmup_steps + 10})"
             )
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
@@ -202,7 +218,18 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
         rss = _current_rss_bytes()
         snap["rss"] = rss
         snap["rest"] = None if rss is None else rss - owned
+        snap["max_rss"] = _peak_rss_bytes()
     return snap
+
+
+def _peak_rss_bytes() -> int | None:
+    """The process's peak resident set size so far (``getrusage``; Linux reports KiB); None where unavailable."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)  # macOS reports bytes
 
 
 def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
@@ -237,6 +264,9 @@ def _zero2_gradient_peak(config: MemoryBenchConfig, shapes: list[tuple[int, ...]
 
     cap = None if config.bucket_size_mb is None else int(config.bucket_size_mb * MiB)
     return zero2_gradient_peak_bytes(shapes, dist.get_world_size(), rank, cap)
+
+
+# ---- fsdp2 (torch's fully_shard: its own measurement) --------------------------------------------------------
 
 
 def fsdp2_expected_bytes(shapes: list[tuple[int, ...]], world_size: int, rank: int) -> dict[str, int]:
@@ -278,6 +308,7 @@ def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -
     torch.manual_seed(config.seed)
     model = GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    transient = _fsdp2_transient_bytes(model)
     shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
@@ -339,9 +370,22 @@ def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -
         "num_params": sum(math.prod(s) for s in shapes),
         "num_tensors": len(shapes),
         "shard_bytes": None,
+        "expected_transient": transient,
     }
     del optimizer, model
     return result
+
+
+def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
+    """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's unsharded parameters and gradients
+    (one group per block, the root the rest; ``shard``), gathered while that group's backward runs."""
+    from lightning_ddp.strategies.fsdp2 import DEFAULT_SHARD_MODULES, modules_to_shard
+
+    blocks, _ = modules_to_shard(model, DEFAULT_SHARD_MODULES)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    groups = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    groups.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
+    return 2 * FP32 * max(groups)
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
@@ -429,6 +473,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     }
     if mode == "zero2":
         result["expected_gradient_peak"] = _zero2_gradient_peak(config, shapes, rank)
+        # beyond the held shard, during backward: the buckets in flight and the one filling
+        result["expected_transient"] = result["expected_gradient_peak"] - result["expected"]["gradients"]
     del engine, optimizer, model
     return result
 
@@ -436,17 +482,6 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _peak_bytes(result: dict[str, Any], device: torch.device) -> int | None:
-    """This rank's peak memory in the mode: on CUDA the largest ``max_memory_allocated`` any snapshot saw (the last
-    step's forward and backward, then its optimizer step); on CPU the process's peak RSS (``ru_maxrss``), which is
-    the mode's own only with ``separate_processes`` (fresh processes per mode)."""
-    if device.type == "cuda":
-        return max(snap["max_allocated"] for snap in result["snapshots"].values())
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int, result_file: str) -> None:
@@ -459,11 +494,7 @@ def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int
     init_local_process_group(rank, world_size, port, resolved_backend(config),
                              threads=None if cuda else cores_per_rank(world_size))
     try:
-        results = []
-        for mode in modes:
-            result = _measure_mode(mode, config, device, rank)
-            result["peak_bytes"] = _peak_bytes(result, device)
-            results.append(result)
+        results = [_measure_mode(mode, config, device, rank) for mode in modes]
         gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:
@@ -511,11 +542,13 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
             per_rank = json.loads(Path(result_file).read_text())  # [rank][mode index] -> one rank's result
             per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     results = {"config": asdict(config), "environment": _environment(config),
-               "modes": summarise_modes(config.modes, config.devices, per_mode)}
+               "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
+                                        seed=config.seed)}
+    results["family"] = family_summary(results)
     write_json_atomically(out_dir / "results.json", results)
     report = format_report(results)
     write_atomically(out_dir / "results.md", report)
-    write_family_plot(results, out_dir / "memory_vs_step.png")
+    write_memory_plot(results, out_dir / PLOT_NAME)
     print(report, flush=True)
     return results
 

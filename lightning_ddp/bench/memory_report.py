@@ -1,24 +1,73 @@
-"""The memory benchmark's results, summarised and written up (``results.md``); pure Python, no torch.
+"""The memory benchmark's results, summarised and written up (``results.md``, the plot); no torch.
 
 ``summarise_modes`` turns what the ranks of ``lightning_ddp.bench.memory`` measured into one entry per mode: the
-median step time, whether every snapshot holds exactly the analytic bytes (``lightning_ddp.memory.expected_bytes``),
-and the bytes each rank sends by the ring model (``sent_bytes_per_rank``); ``format_report`` renders them as a
-summary table and one table per mode.
+median step time after the warm-up with its 95 % interval, whether every snapshot holds exactly the analytic bytes
+(``lightning_ddp.memory.expected_bytes``), each rank's peak beside the tensors' expected peak, and the bytes each
+rank sends by the ring model (``sent_bytes_per_rank``). ``family_summary`` makes the data-parallel family's table
+(one row per mode: DDP, ZeRO-1 under each schedule, ZeRO-2, FSDP2) and the two goals' verdicts; ``format_report``
+renders everything; ``write_memory_plot`` draws peak memory per rank against step time (matplotlib, imported there).
+
+Statistics (``lightning_ddp.bench.stats``): one run per mode is one repeat, so the hierarchical bootstrap resamples
+its measured steps (``BOOTSTRAP_SAMPLES`` draws, seeded by the config's seed and the mode): the interval covers the
+step-to-step noise of that run, not the variation between runs. A ratio of two modes bootstraps both independently
+and divides per draw (``ratio_estimate``). Goals:
+
+- **ZeRO-2's gradients**: its held gradients per rank (after backward, the most loaded rank) <= DDP's / N + one
+  bucket (``bucket_size_mb``). Bytes are exact, so the verdict is ``met`` or ``missed``.
+- **ZeRO-2's step**: step time / ZeRO-1's (reduce_scatter) <= 1.10; ``met`` when the interval's upper end is at or
+  under it, ``missed`` when its lower end is over it, else ``inconclusive`` (``stats.verdict``).
+
+A goal whose modes were not measured is ``not measurable``.
 """
 
 from __future__ import annotations
 
 import io
-import statistics
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["POINTS", "format_report", "sent_bytes_per_rank", "summarise_modes"]
+from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate, verdict
+from lightning_ddp.files import write_atomically
+
+__all__ = [
+    "BOOTSTRAP_SAMPLES",
+    "MODE_LABELS",
+    "PLOT_NAME",
+    "POINTS",
+    "STEP_GOAL",
+    "family_summary",
+    "format_report",
+    "sent_bytes_per_rank",
+    "summarise_modes",
+    "write_memory_plot",
+]
 
 POINTS: tuple[str, ...] = ("setup", "before_step", "after_step")
 """When snapshots are taken: after model and optimizer set-up; on the last step before and after ``step()``."""
 
 MiB = 2**20
+
+MODE_LABELS: dict[str, str] = {
+    "unsharded": "DDP",
+    "allreduce_broadcast": "ZeRO-1 (all-reduce + broadcast)",
+    "reduce_scatter": "ZeRO-1 (reduce-scatter)",
+    "zero2": "ZeRO-2",
+    "fsdp2": "FSDP2",
+}
+"""The family's names of the benchmark's modes, in the table and the plot."""
+
+ZERO1 = "reduce_scatter"
+"""The ZeRO-1 schedule the step-time goal compares ZeRO-2 with (the same communication volume)."""
+
+STEP_GOAL = 1.10
+"""ZeRO-2's step time may be at most 10 % over ZeRO-1's (``ZERO1``)."""
+
+BOOTSTRAP_SAMPLES = 2000
+"""Bootstrap draws of every step-time interval."""
+
+PLOT_NAME = "memory_vs_step_time.png"
+"""The plot's file name, next to results.md."""
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
@@ -28,21 +77,37 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
     [1000.0, 1500.0, 1000.0]
     >>> sent_bytes_per_rank(1000, 2, "zero2")  # ZeRO-2: the reduce-scatter's volume, in backward, + the all-gather
     1000.0
+    >>> sent_bytes_per_rank(1000, 2, "fsdp2")  # FSDP2: two all-gathers (forward, backward) + one reduce-scatter
+    1500.0
     """
     n = world_size
     all_reduce = 2 * (n - 1) / n * param_bytes
     one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
-    # fsdp2 (reshard after forward): all-gather in forward, again in backward, reduce-scatter of the gradients
+    # zero2: the reduce-scatter (in backward) + the all-gather; fsdp2 (reshard after forward): all-gather in forward,
+    # again in backward, reduce-scatter of the gradients
     return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
             "zero2": 2 * one_way, "fsdp2": 3 * one_way}[mode]
 
 
+def _peak(snapshots: dict[str, dict[str, Any]]) -> int | None:
+    """A rank's measured peak: the largest ``max_allocated`` (CUDA) or ``max_rss`` (CPU) of its snapshots."""
+    values = [snap.get("max_allocated", snap.get("max_rss")) for snap in snapshots.values()]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _estimate_dict(value: Estimate) -> dict[str, float]:
+    return {"point": value.point, "lo": value.lo, "hi": value.hi}
+
+
 def summarise_modes(
-    modes: Sequence[str], world_size: int, per_mode: list[list[dict[str, Any]]]
+    modes: Sequence[str], world_size: int, per_mode: list[list[dict[str, Any]]], warmup_steps: int = 1,
+    seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Per mode (``per_mode[m][r]``: rank ``r``'s result in mode ``modes[m]``): its ranks, each with what every
-    snapshot should hold (``expected_at``), the median step time after the warm-up step, whether every snapshot equals
-    the expectation, and the bytes each rank sends (``sent_bytes_per_rank``)."""
+    snapshot should hold (``expected_at``), its measured ``peak`` and the tensors' ``expected_peak``; the step time
+    after ``warmup_steps`` (median and 95 % interval, ``step_ms``), whether every snapshot equals the expectation,
+    and the bytes each rank sends (``sent_bytes_per_rank``)."""
     summaries = []
     for mode, ranks in zip(modes, per_mode):
         matches = True
@@ -58,12 +123,17 @@ def summarise_modes(
                 snap = entry["snapshots"][point]
                 for key, value in entry["expected_at"][point].items():
                     matches &= snap[key] == value
-        measured = ranks[0]["step_ms"][1:]  # the first step allocates the optimizer state: warm-up
+            entry["peak"] = _peak(entry["snapshots"])
+            entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
+        measured = ranks[0]["step_ms"][warmup_steps:]  # max over ranks already; the warm-up left out
+        step = estimate([measured], BOOTSTRAP_SAMPLES, seed, key=mode)
         summaries.append(
             {
                 "mode": mode,
                 "ranks": ranks,
-                "step_ms_median": statistics.median(measured),
+                "warmup_steps": warmup_steps,
+                "step_ms_median": step.point,
+                "step_ms": _estimate_dict(step),
                 "matches_expected": matches,
                 "sent_bytes_per_rank": sent_bytes_per_rank(
                     ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"]), world_size, mode),
@@ -72,8 +142,128 @@ def summarise_modes(
     return summaries
 
 
+def _most_loaded(mode: dict[str, Any], key: str) -> int | None:
+    """The largest of ``key`` over the mode's ranks (a snapshot category at ``before_step``, or a rank's entry)."""
+    values = [r["snapshots"]["before_step"][key] if key in r["snapshots"]["before_step"] else r.get(key)
+              for r in mode["ranks"]]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _measured_steps(mode: dict[str, Any]) -> list[float]:
+    return mode["ranks"][0]["step_ms"][mode.get("warmup_steps", 1):]
+
+
+def family_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The data-parallel family's table (``rows``: one per measured mode, the most loaded rank's bytes, measured and
+    expected) and the goals (``goals``), from ``results`` with ``config`` and summarised ``modes``."""
+    config = results["config"]
+    modes = {m["mode"]: m for m in results["modes"]}
+    seed = config.get("seed", 0)
+    rows = []
+    for name, mode in modes.items():
+        row: dict[str, Any] = {"mode": name, "label": MODE_LABELS.get(name, name), "step_ms": mode["step_ms"]}
+        for key in ("parameters", "gradients", "optimizer_state"):
+            row[key] = _most_loaded(mode, key)
+            row[f"expected_{key}"] = max(r["expected"][key] for r in mode["ranks"])
+        row["peak"] = _most_loaded(mode, "peak")
+        row["expected_peak"] = max(r["expected_peak"] for r in mode["ranks"])
+        if ZERO1 in modes:
+            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], BOOTSTRAP_SAMPLES,
+                                   seed, keys=(name, ZERO1))
+            row["step_ratio_to_zero1"] = _estimate_dict(ratio)
+        rows.append(row)
+    return {"rows": rows, "goals": _goals(config, modes, seed)}
+
+
+def _goals(config: dict[str, Any], modes: dict[str, dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    n = config["devices"]
+    gradients: dict[str, Any] = {"goal": "ZeRO-2 gradients per rank <= DDP's / N + one bucket",
+                                 "verdict": "not measurable"}
+    if "zero2" in modes and "unsharded" in modes:
+        full = _most_loaded(modes["unsharded"], "gradients")
+        cap = config.get("bucket_size_mb")
+        bucket = full if cap is None else min(int(cap * MiB), full)  # null: one bucket of every gradient
+        target = full / n + bucket
+        measured = _most_loaded(modes["zero2"], "gradients")
+        gradients.update(measured_MiB=measured / MiB, target_MiB=target / MiB,
+                         verdict="met" if measured <= target else "missed")
+    step: dict[str, Any] = {"goal": f"ZeRO-2 step time / ZeRO-1's ({ZERO1}) <= {STEP_GOAL:.2f}",
+                            "verdict": "not measurable"}
+    if "zero2" in modes and ZERO1 in modes:
+        ratio = ratio_estimate([_measured_steps(modes["zero2"])], [_measured_steps(modes[ZERO1])],
+                               BOOTSTRAP_SAMPLES, seed, keys=("zero2", ZERO1))
+        step.update(ratio=_estimate_dict(ratio), target=STEP_GOAL, verdict=verdict(ratio, STEP_GOAL))
+    return [gradients, step]
+
+
 def _mib(value: int | float | None) -> str:
     return "" if value is None else f"{value / MiB:,.2f}"
+
+
+def _interval(value: dict[str, float] | None, fmt: str) -> str:
+    if value is None:
+        return ""
+    return f"{value['point']:{fmt}} [{value['lo']:{fmt}}, {value['hi']:{fmt}}]"
+
+
+def _family_lines(results: dict[str, Any]) -> list[str]:
+    config = results["config"]
+    family = results.get("family") or family_summary(results)
+    cuda = config["accelerator"] == "cuda"
+    peak = "max allocated, activations included" if cuda else "peak process RSS, interpreter included"
+    lines = [
+        "## The data-parallel family",
+        "",
+        f"Per rank (the most loaded rank), MiB: measured (expected). Peak: {peak}; its expected figure is our "
+        "tensors at their most (a lower bound: ZeRO-2's buckets in flight, FSDP2's largest unsharded group, no "
+        f"activations). Step: median ms over steps {config.get('warmup_steps', 1) + 1}..{config['steps']} (max over "
+        "ranks) [95 % interval over those steps]; ratio to ZeRO-1 (reduce-scatter) the same way.",
+        "",
+        "| mode | parameters | gradients | optimizer state | peak | step ms | step / ZeRO-1 (reduce-scatter) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in family["rows"]:
+        cells = [f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
+                 for k in ("parameters", "gradients", "optimizer_state", "peak")]
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + f" | {_interval(row['step_ms'], ',.1f')} | "
+                     f"{_interval(row.get('step_ratio_to_zero1'), '.3f')} |")
+    lines += ["", "| goal | measured | target | verdict |", "|---|---:|---:|---|"]
+    for goal in family["goals"]:
+        if "ratio" in goal:
+            measured, target = _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
+        elif "measured_MiB" in goal:
+            measured, target = f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
+        else:
+            measured = target = ""
+        lines.append(f"| {goal['goal']} | {measured} | {target} | **{goal['verdict']}** |")
+    return lines
+
+
+def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
+    """Peak memory per rank (the most loaded rank, MiB) against step time (median, 95 % interval as error bars), one
+    labelled point per mode; a PNG written atomically. Needs matplotlib (the study's plots only)."""
+    from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
+
+    config = results["config"]
+    rows = (results.get("family") or family_summary(results))["rows"]
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for row in rows:
+        step, peak = row["step_ms"], row["peak"]
+        if peak is None or not all(math.isfinite(step[k]) for k in ("point", "lo", "hi")):
+            continue
+        ax.errorbar([step["point"]], [peak / MiB], xerr=[[step["point"] - step["lo"]], [step["hi"] - step["point"]]],
+                    fmt="o", capsize=4, label=row["label"])
+        ax.annotate(row["label"], (step["point"], peak / MiB), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.set_xlabel("step time, ms (median, 95 % interval)")
+    ax.set_ylabel("peak memory per rank, MiB" + (" (max allocated)" if config["accelerator"] == "cuda"
+                                                 else " (peak RSS)"))
+    ax.set_title(f"{config['preset']}, {config['devices']} ranks, {config['accelerator']}")
+    ax.grid(alpha=0.3)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return write_atomically(path, buffer.getvalue())
 
 
 def format_report(results: dict[str, Any]) -> str:
@@ -81,7 +271,8 @@ def format_report(results: dict[str, Any]) -> str:
     config, env = results["config"], results["environment"]
     cuda = config["accelerator"] == "cuda"
     lines = [
-        f"# Memory benchmark: {config['preset']}, {config['devices']} ranks, {config['accelerator']}",
+        f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
+        f"{config['accelerator']}",
         "",
         f"torch {env['torch']}, {env['device']}, {env['cpu_count']} CPUs, backend {env['backend']}; batch "
         f"{config['batch_size']} x {config['seq_len']} tokens per rank, {config['steps']} steps per mode, engine "
@@ -95,10 +286,12 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         "`recorded comm` sums the input sizes of the step's collectives in the `SyncRecord` (a reduce-scatter's "
         "input is the whole buffer, a broadcast counts on every rank); `sent per rank` is the bandwidth-optimal "
-        "volume each rank sends (ring model, see `lightning_ddp.sync.zero1`).",
+        "volume each rank sends (ring model, see `lightning_ddp.sync.zero1`); FSDP2's collectives are torch's, not "
+        "recorded.",
         "",
-        format_family_table(results),
-        "## Every mode and rank",
+        *_family_lines(results),
+        "",
+        "## Every rank",
         "",
         "| mode | rank | optimizer state MiB (expected) | tensors before step MiB | step ms (median, max over ranks) "
         "| recorded comm MiB/step | sent per rank MiB/step (ring model) |",
@@ -118,7 +311,8 @@ def format_report(results: dict[str, Any]) -> str:
             "",
             f"## {mode['mode']}",
             "",
-            f"Step time: median {mode['step_ms_median']:,.1f} ms over steps 2..{config['steps']} (max over ranks). "
+            f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
+            f"{config['steps']} (max over ranks). "
             f"Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
             "",
             "| rank | point | parameters | gradients | optimizer state | tensors | expected | "
@@ -141,132 +335,3 @@ def format_report(results: dict[str, Any]) -> str:
                     row += f"{_mib(snap['rss'])} | {_mib(snap['rest'])} |"
                 lines.append(row)
     return "\n".join(lines) + "\n"
-
-
-# ---- the data-parallel family: memory against time ---------------------------------------------------------------
-
-FAMILY: dict[str, str] = {
-    "unsharded": "DDP (bucketed engine + AdamW)",
-    "allreduce_broadcast": "ZeRO-1, allreduce_broadcast",
-    "reduce_scatter": "ZeRO-1, reduce_scatter",
-    "zero2": "ZeRO-2",
-    "fsdp2": "FSDP2 (torch)",
-}
-"""Each mode's name in the family table and the plot."""
-
-ZERO2_STEP_TARGET = 1.10
-"""Goal: ZeRO-2's step at most 10 % slower than ZeRO-1's (``reduce_scatter``), decided on the ratio's interval."""
-
-BOOTSTRAP_SAMPLES = 2000
-
-
-def family_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per measured mode: bytes per rank (max over ranks) of parameters, gradients and optimizer state
-    before the optimizer step, the peak (``peak_bytes``: CUDA max allocated, CPU peak RSS), and the step time's
-    median with its 95 % interval over the steps after the first (one repeat: the interval resamples steps)."""
-    from lightning_ddp.bench.stats import estimate
-
-    rows = []
-    for mode in results["modes"]:
-        ranks = mode["ranks"]
-        before = [r["snapshots"]["before_step"] for r in ranks]
-        steps = ranks[0]["step_ms"][1:]  # max over ranks already; the first step allocates AdamW's state
-        peaks = [r.get("peak_bytes") for r in ranks]
-        rows.append({
-            "mode": mode["mode"],
-            "label": FAMILY.get(mode["mode"], mode["mode"]),
-            "parameters": max(b["parameters"] for b in before),
-            "gradients": max(b["gradients"] for b in before),
-            "optimizer_state": max(b["optimizer_state"] for b in before),
-            "peak": None if None in peaks else max(peaks),
-            "step": estimate([steps], BOOTSTRAP_SAMPLES, seed=0, key=mode["mode"]),
-            "steps": steps,
-            "matches_expected": mode["matches_expected"],
-        })
-    return rows
-
-
-def family_goals(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's two ZeRO-2 goals, each with its numbers and verdict (lines of markdown).
-
-    - gradient memory: ZeRO-2's gradients per rank after backward <= DDP's / N + one bucket (exact bytes: met or
-      missed);
-    - step time: ZeRO-2's median step / ZeRO-1 ``reduce_scatter``'s <= ``ZERO2_STEP_TARGET``, on the ratio's 95 %
-      interval (met, missed or inconclusive, ``lightning_ddp.bench.stats.verdict``).
-    """
-    from lightning_ddp.bench.stats import ratio_estimate, verdict
-
-    by_mode = {row["mode"]: row for row in rows}
-    lines = []
-    n = results["config"]["devices"]
-    if "zero2" in by_mode and "unsharded" in by_mode:
-        bucket_mb = results["config"].get("bucket_size_mb")
-        bucket = 0 if bucket_mb is None else bucket_mb * MiB
-        bound = by_mode["unsharded"]["gradients"] / n + bucket
-        got = by_mode["zero2"]["gradients"]
-        lines.append(f"- ZeRO-2 gradient memory per rank <= DDP's / {n} + one bucket: {_mib(got)} MiB against "
-                     f"{_mib(by_mode['unsharded']['gradients'])} / {n} + {bucket_mb} MiB = {_mib(bound)} MiB: "
-                     f"**{'met' if got <= bound else 'missed'}**")
-    if "zero2" in by_mode and "reduce_scatter" in by_mode:
-        ratio = ratio_estimate([by_mode["zero2"]["steps"]], [by_mode["reduce_scatter"]["steps"]], BOOTSTRAP_SAMPLES,
-                               seed=0, keys=("zero2", "reduce_scatter"))
-        lines.append(f"- ZeRO-2 step / ZeRO-1 (`reduce_scatter`) step <= {ZERO2_STEP_TARGET:.2f}: {ratio.point:.3f} "
-                     f"[{ratio.lo:.3f}, {ratio.hi:.3f}]: **{verdict(ratio, ZERO2_STEP_TARGET)}**")
-    return lines
-
-
-def format_family_table(results: dict[str, Any]) -> str:
-    """The family table of ``results.md`` (markdown): memory per rank beside step time, then the goals."""
-    rows = family_rows(results)
-    cuda = results["config"]["accelerator"] == "cuda"
-    peak = "peak allocated" if cuda else "peak RSS (process)"
-    lines = [
-        "## The data-parallel family: memory per rank against step time",
-        "",
-        f"Per rank (the larger of the ranks), MiB, before the optimizer step; {peak} over the whole mode; step time "
-        "median over the steps after the first, max over ranks, with its 95 % interval (bootstrap over steps).",
-        "",
-        f"| strategy | parameters | gradients | optimizer state | {peak} | step ms [95 % interval] | "
-        "tensors equal the formulas |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in rows:
-        step = row["step"]
-        lines.append(f"| {row['label']} | {_mib(row['parameters'])} | {_mib(row['gradients'])} | "
-                     f"{_mib(row['optimizer_state'])} | {_mib(row['peak'])} | {step.point:,.1f} "
-                     f"[{step.lo:,.1f}, {step.hi:,.1f}] | {'yes' if row['matches_expected'] else 'NO'} |")
-    goals = family_goals(results, rows)
-    if goals:
-        lines += ["", "Goals:", "", *goals]
-    return "\n".join(lines) + "\n"
-
-
-def write_family_plot(results: dict[str, Any], path: str | Path) -> Path | None:
-    """``memory_vs_step.png``: peak memory per rank (y) against step time (x, with its 95 % interval), one labelled
-    point per mode; ``None`` (nothing written) when no mode has a peak."""
-    from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
-
-    from lightning_ddp.files import write_atomically
-
-    rows = [row for row in family_rows(results) if row["peak"] is not None]
-    if not rows:
-        return None
-    config = results["config"]
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.add_subplot()
-    for row in rows:
-        step = row["step"]
-        ax.errorbar([step.point], [row["peak"] / MiB], xerr=[[step.point - step.lo], [step.hi - step.point]],
-                    fmt="o", capsize=4)
-        ax.annotate(row["label"], (step.point, row["peak"] / MiB), textcoords="offset points", xytext=(6, 6),
-                    fontsize=8)
-    kind = "peak allocated (CUDA)" if config["accelerator"] == "cuda" else "peak RSS of the rank's process"
-    ax.set_xlabel("step time, ms (median, 95 % interval)")
-    ax.set_ylabel(f"{kind}, MiB")
-    ax.set_title(f"{config['preset']}, {config['devices']} {config['accelerator']} ranks: memory per rank against "
-                 "step time", fontsize=10)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    return write_atomically(Path(path), buffer.getvalue())

@@ -57,7 +57,8 @@ comm_share               pooled median ``comm/share`` = exposed / step
 comm_share_lo/hi         its 95 % interval
 overlap                  pooled median ``comm/overlap`` = 1 - exposed / busy
                          (busy_comm_ms, overlap, busbw_GBps: ``not recorded`` for a strategy whose collectives the
-                         timer does not record, ``fsdp2``: its steps carry none of ``COLLECTIVE_KEYS``)
+                         timer does not record, ``fsdp2``: its steps carry ``LANDMARK_KEYS`` but none of
+                         ``COLLECTIVE_KEYS``; empty for the one-device reference, which has no ``comm/`` key at all)
 busbw_GBps               pooled median ``comm/busbw_GBps``
 tokens_per_s             pooled median ``step/tokens_per_s`` (global)
 mfu                      pooled median ``step/mfu`` (CUDA with a known peak only)
@@ -87,7 +88,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from lightning_ddp import files
-from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, NOT_RECORDED
+from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
 from lightning_ddp.bench.config import REFERENCE, format_bucket, format_settings, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout
 from lightning_ddp.bench.load import LoadCheck
@@ -334,8 +335,9 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
         row.update(step_ms_lo=lo[0], step_ms_hi=hi[0])
         if "comm/share" in column:
             row.update(comm_share=float(medians["comm/share"]), comm_share_lo=lo[1], comm_share_hi=hi[1])
-    # No step carries a collective metric: the strategy's collectives were not recorded (not: no communication).
-    unrecorded = not any(key in column for key in COLLECTIVE_KEYS)
+    # Landmarks but no collective metric: the strategy's collectives were not recorded (fsdp2; not: no communication).
+    # A cell with no comm/ key at all (the one-device reference) has no communication: its cells stay empty.
+    unrecorded = any(key in column for key in LANDMARK_KEYS) and not any(key in column for key in COLLECTIVE_KEYS)
     for name, key in _MEDIANS:
         if key in medians and math.isfinite(medians[key]):
             row[name] = float(medians[key])

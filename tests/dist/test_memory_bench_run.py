@@ -1,4 +1,4 @@
-"""The ZeRO-1 memory benchmark end to end: ``run()`` in this process spawns two gloo ranks itself (plain PyTorch,
+"""The memory benchmark of the data-parallel family end to end: ``run()`` in this process spawns two gloo ranks itself (plain PyTorch,
 no Lightning Trainer), once for all modes; on 2 cores it takes ~15-20 s, nearly all of it the ranks importing the
 package. Its analytic figures and configs are checked in ``tests/unit/test_memory_bench.py``."""
 
@@ -19,11 +19,12 @@ from tests.support.cli_utils import REPO
 def test_small_run_measures_exactly_the_analytic_bytes(tmp_path: Path) -> None:
     config = parse_config(
         ["--config", str(REPO / "configs" / "memory" / "cpu.yaml"), "--preset", "tiny", "--batch_size", "1",
-         "--seq_len", "16", "--steps", "2", "--out_dir", str(tmp_path),
+         "--seq_len", "16", "--steps", "3", "--warmup_steps", "1", "--out_dir", str(tmp_path),
          "--separate_processes", "false"]  # one start-up instead of three; the RSS is not checked here
     )
     run(config)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md"]  # no temporary files left
+    # no temporary files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory_vs_step_time.png", "results.json", "results.md"]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["environment"]["torch"] == torch.__version__ and results["config"]["preset"] == "tiny"
     modes = {m["mode"]: m for m in results["modes"]}
@@ -51,6 +52,17 @@ def test_small_run_measures_exactly_the_analytic_bytes(tmp_path: Path) -> None:
         r["snapshots"]["before_step"]["optimizer_state"] for r in modes["reduce_scatter"]["ranks"]]
     for rank, snap in zip(modes["zero2"]["ranks"], zero2):  # the bound during backward: shard + 3 buckets
         assert rank["expected_gradient_peak"] == snap["gradients"] + 3 * min(25 * 2**20, full["gradients"])
+    # FSDP2 shards everything by rows: the ranks' parameters add up to the model's, each about half.
+    fsdp2 = [r["snapshots"]["before_step"] for r in modes["fsdp2"]["ranks"]]
+    assert sum(s["parameters"] for s in fsdp2) == full["parameters"]
+    assert sum(s["gradients"] for s in fsdp2) == full["gradients"]
+    # Every rank has a measured peak (its peak RSS on CPU) at least its tensors at their expected most.
+    for mode in modes.values():
+        assert all(r["peak"] >= r["expected_peak"] > 0 for r in mode["ranks"]), mode["mode"]
+    family = results["family"]
+    assert [row["mode"] for row in family["rows"]] == list(MODES)
+    assert family["goals"][0]["verdict"] == "met"  # ZeRO-2 holds its shard after backward: half, within a tensor
+    assert family["goals"][1]["verdict"] in ("met", "missed", "inconclusive")  # 2 measured steps: timing noise
     report = (tmp_path / "results.md").read_text()
-    assert all(f"## {mode}" in report for mode in MODES)
+    assert all(f"## {mode}" in report for mode in MODES) and "## The data-parallel family" in report
 

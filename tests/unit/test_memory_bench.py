@@ -1,5 +1,6 @@
-"""The ZeRO-1 memory benchmark: its analytic figures and its configs (the end-to-end run on 2 gloo ranks is
-``tests/dist/test_memory_bench_run.py``)."""
+"""The memory benchmark of the data-parallel family: its analytic figures, its configs, and its report (the family's
+table, the goals' verdicts and the plot, from hand-made results); the end-to-end run on 2 gloo ranks is
+``tests/dist/test_memory_bench_run.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ddp.bench import memory
+from lightning_ddp.bench import memory, memory_report
+from lightning_ddp.bench.memory_report import PLOT_NAME, family_summary, format_report, summarise_modes, write_memory_plot
 from lightning_ddp.bench.memory import MODES, MemoryBenchConfig, expected_bytes, parse_config, sent_bytes_per_rank
 from lightning_ddp.model import GPT, get_config
 from tests.support.cli_utils import REPO
@@ -56,7 +58,8 @@ def test_every_memory_config_parses(path: Path) -> None:
     "args, message",
     [
         (["--preset", "huge"], "not a supported preset"),
-        (["--steps", "1"], "steps must be >= 2"),
+        (["--steps", "3"], "steps must be >= warmup_steps \\+ 2 = 4"),  # default warmup_steps 2: 1 measured step
+        (["--warmup_steps", "0"], "warmup_steps must be >= 1"),
         (["--modes", "[zero3]"], "not valid"),
         (["--backend", "nccl"], "needs accelerator cuda"),
     ],
@@ -66,36 +69,141 @@ def test_config_errors_name_the_flag(args: list[str], message: str) -> None:
         parse_config(args)
 
 
-def _family_results(zero2_steps: list[float]) -> dict:
-    """Hand-made results of 2 ranks: DDP holds 8 MiB of gradients, ZeRO-2 4 MiB (half) with 1 MiB buckets."""
-    MiB = 2**20
+def test_fsdp2_and_zero2_send_the_ring_volumes() -> None:
+    # N = 4, 400 bytes: ZeRO-2 reduce-scatters in backward and all-gathers after the step (300 + 300); FSDP2
+    # all-gathers in forward and again in backward, and reduce-scatters the gradients (3 x 300).
+    assert sent_bytes_per_rank(400, 4, "zero2") == 600
+    assert sent_bytes_per_rank(400, 4, "fsdp2") == 900
 
-    def mode(name: str, grads: float, state: float, steps: list[float], peak: float) -> dict:
-        snap = {"parameters": 8 * MiB, "gradients": int(grads * MiB), "optimizer_state": int(state * MiB)}
-        ranks = [{"rank": r, "snapshots": {"before_step": snap}, "step_ms": [999.0, *steps], "peak_bytes": int(peak * MiB)}
-                 for r in range(2)]
-        return {"mode": name, "ranks": ranks, "matches_expected": True}
 
-    return {
-        "config": {"devices": 2, "bucket_size_mb": 1, "accelerator": "cpu", "preset": "tiny"},
-        "modes": [mode("unsharded", 8, 16, [100.0] * 9, 64), mode("reduce_scatter", 8, 8, [100.0] * 9, 56),
-                  mode("zero2", 4, 8, zero2_steps, 50)],
+# ---- the report, from hand-made results: 2 ranks, a model of 1000 fp32 parameters in 10 tensors ---------------
+
+PARAMS = 4000  # bytes of parameters (and of full gradients)
+STATE = 8000 + 4 * 10  # AdamW: two moments + a 4-byte step per tensor
+
+
+def _rank(mode: str, rank: int, step_ms: list[float], *, grads: int = PARAMS, state: int = STATE // 2,
+          params: int = PARAMS, peak: int = 100_000, transient: int = 0) -> dict:
+    expected = {"parameters": params, "gradients": grads, "optimizer_state": state}
+    snap = {**expected, "rss": 200_000, "rest": 0, "max_rss": peak}
+    return {"mode": mode, "rank": rank, "step_ms": step_ms, "expected": expected, "expected_transient": transient,
+            "snapshots": {"setup": {"parameters": params, "gradients": 0, "optimizer_state": 0, "rss": 1,
+                                    "rest": 0, "max_rss": peak // 2},
+                          "before_step": snap, "after_step": snap},
+            "comm_bytes_recorded": None, "full_parameter_bytes": PARAMS}
+
+
+def _results(step_ms: dict[str, list[float]], zero2_grads: int = PARAMS // 2, bucket_size_mb: float | None = 25.0,
+             modes: tuple[str, ...] = MODES) -> dict:
+    """Every mode on 2 ranks; ``step_ms[mode]`` its steps (2 warm-up steps first), peaks 100 000 B less 10 000 per
+    mode, in MODES order."""
+    specs = {
+        "unsharded": dict(state=STATE),
+        "allreduce_broadcast": {},
+        "reduce_scatter": {},
+        "zero2": dict(grads=zero2_grads, transient=3 * 1000),
+        "fsdp2": dict(params=PARAMS // 2, grads=PARAMS // 2, transient=800),
     }
+    per_mode = [[_rank(mode, r, step_ms[mode], peak=100_000 - 10_000 * MODES.index(mode), **specs[mode])
+                 for r in range(2)] for mode in modes]
+    config = {"preset": "tiny", "devices": 2, "accelerator": "cpu", "batch_size": 1, "seq_len": 8,
+              "steps": len(next(iter(step_ms.values()))), "warmup_steps": 2, "grad_sync": "bucketed",
+              "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0}
+    environment = {"torch": "2.x", "device": "cpu", "cpu_count": 2, "backend": "gloo"}
+    return {"config": config, "environment": environment,
+            "modes": summarise_modes(list(modes), 2, per_mode, warmup_steps=2, seed=0)}
 
 
-def test_family_table_reads_each_mode_and_judges_the_zero2_goals(tmp_path: Path) -> None:
-    from lightning_ddp.bench.memory_report import family_goals, family_rows, format_family_table, write_family_plot
+def _steps(level: float) -> list[float]:
+    # 2 warm-up steps far off (left out), then 10 steps around ``level`` +- 1 %
+    return [10 * level, 5 * level] + [level * (1 + 0.01 * ((i % 5) - 2) / 2) for i in range(10)]
 
-    # ZeRO-2 at 105 ms against ZeRO-1's 100 ms every step: ratio 1.05 with a zero-width interval -> met; its 4 MiB
-    # of gradients against 8 / 2 + 1 = 5 MiB -> met. The first step (999 ms) is warm-up and left out.
-    results = _family_results([105.0] * 9)
-    rows = family_rows(results)
-    assert [row["step"].point for row in rows] == [100.0, 100.0, 105.0]
-    goals = family_goals(results, rows)
-    assert "5.00 MiB: **met**" in goals[0] and "1.050 [1.050, 1.050]: **met**" in goals[1]
-    assert "| ZeRO-2 | 8.00 | 4.00 | 8.00 | 50.00 | 105.0 [105.0, 105.0] | yes |" in format_family_table(results)
-    assert write_family_plot(results, tmp_path / "memory_vs_step.png").stat().st_size > 0
 
-    # 130 ms every step: 1.3 > 1.10 on the whole interval -> missed.
-    slow = _family_results([130.0] * 9)
-    assert "**missed**" in family_goals(slow, family_rows(slow))[1]
+def test_family_table_has_a_row_per_mode_with_measured_and_expected_bytes() -> None:
+    results = _results({mode: _steps(100.0) for mode in MODES})
+    family = family_summary(results)
+    rows = {row["mode"]: row for row in family["rows"]}
+    assert [row["label"] for row in family["rows"]] == [
+        "DDP", "ZeRO-1 (all-reduce + broadcast)", "ZeRO-1 (reduce-scatter)", "ZeRO-2", "FSDP2"]
+    assert rows["unsharded"]["optimizer_state"] == rows["unsharded"]["expected_optimizer_state"] == STATE
+    assert rows["zero2"]["gradients"] == PARAMS // 2
+    # The expected peak is our tensors at their most: parameters + gradients + state + the transient
+    # (ZeRO-2: 4000 + 2000 + 4020 + 3000 buckets; FSDP2: 2000 + 2000 + 4020 + 800 of the largest group).
+    assert rows["zero2"]["expected_peak"] == 4000 + 2000 + 4020 + 3000
+    assert rows["fsdp2"]["expected_peak"] == 2000 + 2000 + 4020 + 800
+    assert rows["fsdp2"]["peak"] == 60_000  # the largest max_rss of the snapshots
+    # The warm-up steps (1000 and 500 ms) are left out: the median is the level, and the interval is within +-1 %.
+    step = rows["zero2"]["step_ms"]
+    assert step["point"] == pytest.approx(100.0, rel=0.01) and 99.0 <= step["lo"] <= step["hi"] <= 101.0
+    ratio = rows["reduce_scatter"]["step_ratio_to_zero1"]
+    assert ratio["point"] == 1.0 and ratio["lo"] <= 1.0 <= ratio["hi"]
+
+
+@pytest.mark.parametrize(
+    "zero2_level, expected",
+    [
+        (105.0, "met"),  # ratio 1.05 +- ~2 %: the interval's upper end is under 1.10
+        (120.0, "missed"),  # 1.20 +- ~2 %: its lower end is over 1.10
+        (110.0, "inconclusive"),  # the interval straddles 1.10
+    ],
+)
+def test_the_step_goal_reads_the_ratio_interval(zero2_level: float, expected: str) -> None:
+    step_ms = {mode: _steps(100.0) for mode in MODES} | {"zero2": _steps(zero2_level)}
+    goals = family_summary(_results(step_ms))["goals"]
+    assert goals[1]["verdict"] == expected, goals[1]
+    assert goals[1]["ratio"]["point"] == pytest.approx(zero2_level / 100.0, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "zero2_grads, bucket_size_mb, expected",
+    [
+        (PARAMS // 2, 25.0, "met"),  # half of DDP's 4000 B: under 2000 + one bucket (the whole 4000 B, < 25 MiB)
+        (PARAMS // 2 + PARAMS, 25.0, "met"),  # 6000 B = 2000 + the one 4000-byte bucket: on the bound
+        (PARAMS // 2 + PARAMS + 4, 25.0, "missed"),  # 4 bytes over it
+        (PARAMS // 2 + 2, 2 / 2**20, "met"),  # a 2-byte bucket: the bound is 2000 + 2
+        (PARAMS // 2 + 3, 2 / 2**20, "missed"),
+        (PARAMS // 2 + PARAMS, None, "met"),  # no cap: one bucket of all 4000 B
+    ],
+)
+def test_the_gradient_goal_is_n_times_smaller_plus_one_bucket(zero2_grads: int, bucket_size_mb: float | None,
+                                                              expected: str) -> None:
+    step_ms = {mode: _steps(100.0) for mode in MODES}
+    goals = family_summary(_results(step_ms, zero2_grads=zero2_grads, bucket_size_mb=bucket_size_mb))["goals"]
+    assert goals[0]["verdict"] == expected, goals[0]
+
+
+def test_goals_without_their_modes_are_not_measurable() -> None:
+    modes = ("unsharded", "allreduce_broadcast", "fsdp2")
+    results = _results({mode: _steps(100.0) for mode in modes}, modes=modes)
+    family = family_summary(results)
+    assert [goal["verdict"] for goal in family["goals"]] == ["not measurable", "not measurable"]
+    assert all("step_ratio_to_zero1" not in row for row in family["rows"])  # no ZeRO-1 reduce_scatter to divide by
+    assert "| ZeRO-2 gradients per rank <= DDP's / N + one bucket |  |  | **not measurable** |" in format_report(results)
+
+
+def test_report_shows_the_family_table_and_the_verdicts() -> None:
+    step_ms = {mode: _steps(100.0) for mode in MODES} | {"zero2": _steps(120.0)}
+    results = _results(step_ms)
+    results["family"] = family_summary(results)
+    report = format_report(results)
+    table = report.split("## The data-parallel family", 1)[1].split("## Every rank", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(MODES) + 1 + 2  # header, a row per mode, the goals' header and 2 goals
+    # DDP, MiB measured (expected): parameters and gradients 4000 B, state 8040 B, peak RSS 100 000 B against the
+    # tensors' 16 040 B.
+    assert rows[1].startswith("| DDP | 0.00 (0.00) | 0.00 (0.00) | 0.01 (0.01) | 0.10 (0.02) | 100.0 [")
+    assert "**missed**" in rows[-1] and "ZeRO-2 step time" in rows[-1]
+    assert "**met**" in rows[-2]
+
+
+def test_plot_is_written_atomically_next_to_the_results(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = _results({mode: _steps(100.0) for mode in MODES})
+    path = write_memory_plot(results, tmp_path / PLOT_NAME)
+    assert path == tmp_path / PLOT_NAME
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a PNG, whole
+    assert [p.name for p in tmp_path.iterdir()] == [PLOT_NAME]  # no temporary file left
+
+
+def test_report_doctests() -> None:
+    assert doctest.testmod(memory_report).failed == 0
