@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp.callbacks import comm_timer
+from lightning_ddp.callbacks import rank_exchange
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks.recording import recorder_for
 from lightning_ddp.sync import record
@@ -42,11 +42,11 @@ def _counted(owner: object, name: str, key: str) -> None:
 
 
 _counted(torch.cuda, "synchronize", "torch.cuda.synchronize")
-_counted(dist, "all_reduce", "dist.all_reduce")  # the engine's bucket and the timer's MAX of the step time
+_counted(dist, "all_reduce", "dist.all_reduce")  # the engine's buckets (and flags)
 _counted(record.StepClock, "synchronize", "StepClock.synchronize")  # torch.cuda.synchronize on CUDA
 _counted(record.StepClock, "mark", "StepClock.mark")  # every clock read: hooks, landmarks, collectives
 _counted(record.Recorder, "add", "Recorder.add")  # a recorded collective
-_counted(comm_timer, "_max_over_ranks", "timer collective")
+_counted(rank_exchange.StragglerExchange, "exchange", "timer collective")  # its one all-gather per step
 
 
 class MemoryLogger(Logger):
