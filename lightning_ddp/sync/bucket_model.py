@@ -57,6 +57,7 @@ __all__ = [
     "optimal_bucket_bytes",
     "predict_bucket_size",
     "predict_bucket_size_mb",
+    "resolve_bucket_size",
 ]
 
 MiB = 2**20
@@ -247,6 +248,17 @@ def predict_bucket_size(
     o, w = fit_latency_bandwidth(sizes, times)
     s, largest = sum(nbytes), max(nbytes)
     return BucketPrediction(o, w, s, largest, optimal_bucket_bytes(s, o, w, largest), sizes, tuple(times))
+
+
+def resolve_bucket_size(
+    bucket_size_mb: float | str | None, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> tuple[float | None, BucketPrediction | None]:
+    """An engine's ``bucket_size_mb`` as a number (or ``None``: one bucket), and the prediction ``"auto"`` made (else
+    ``None``). For ``"auto"`` a collective: every rank measures together and gets the same (MAX-agreed) prediction."""
+    if bucket_size_mb != "auto":
+        return bucket_size_mb, None  # type: ignore[return-value]
+    prediction = predict_bucket_size(params, group)
+    return prediction.bucket_size_mb, prediction
 
 
 def predict_bucket_size_mb(

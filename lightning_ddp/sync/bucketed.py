@@ -57,7 +57,8 @@ from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets
 from lightning_ddp.sync.base import GradSyncEngine
-from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
+from lightning_ddp.sync.bucket_model import BucketPrediction, resolve_bucket_size
+from lightning_ddp.sync.bucket_order import BucketOrder
 from lightning_ddp.sync.buffers import agree_on_gradients
 from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
 
@@ -119,13 +120,9 @@ class BucketedDDP(GradSyncEngine):
         check_bucket_size(bucket_size_mb)
         super().__init__(module, process_group)
         self.reduce = reduce if reduce is not None else AllReduceMean()
-        self.bucket_prediction: BucketPrediction | None = None
-        if bucket_size_mb == "auto":
-            # A collective: every rank measures together and gets the same (MAX-agreed) prediction.
-            self.bucket_prediction = predict_bucket_size(self.params, process_group)
-            bucket_size_mb = self.bucket_prediction.bucket_size_mb
-        self.bucket_size_mb = bucket_size_mb
-        cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
+        self.bucket_prediction: BucketPrediction | None
+        self.bucket_size_mb, self.bucket_prediction = resolve_bucket_size(bucket_size_mb, self.params, process_group)
+        cap = None if self.bucket_size_mb is None else int(self.bucket_size_mb * MiB)
         nbytes = [p.nbytes for p in self.params]
         self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
         last = len(self.buckets) - 1
@@ -134,16 +131,11 @@ class BucketedDDP(GradSyncEngine):
                     self._bucket_layout(indices, b), buffered=len(indices) > 1 or b == last, sentinel=b == last)
             for b, indices in enumerate(self.buckets)
         ]
-        self._bucket_of = [0] * len(self.params)
-        for b, indices in enumerate(self.buckets):
-            for i in indices:
-                self._bucket_of[i] = b
+        self._order = BucketOrder(self.buckets, self.param_names)
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self._ready = [False] * len(self.params)
-        self._pending = [len(indices) for indices in self.buckets]
-        self._next_bucket = 0
+        self._order.reset()
         self._launched: list[Reduction] = []
         self._has_grad = [True] * len(self.params)  # locally, at its bucket's launch
         self._missing = False  # some local parameter had no gradient this step
@@ -159,21 +151,11 @@ class BucketedDDP(GradSyncEngine):
                             tuple(self.params[i].shape for i in indices), tuple(offsets))
 
     def _on_grad_ready(self, index: int) -> None:
-        if self._ready[index]:
-            raise RuntimeError(
-                f"The gradient of {self.param_names[index]!r} became ready twice in one step. With gradient "
-                "accumulation, run every micro-batch but the last under `with ddp.no_sync():`."
-            )
-        self._ready[index] = True
-        b = self._bucket_of[index]
-        self._pending[b] -= 1
-        if b == self._next_bucket and not self._pending[b]:  # only then can anything launch
-            pending, count = self._pending, len(self._buckets)
-            while self._next_bucket < count and not pending[self._next_bucket]:
-                self._launch(self._next_bucket)
+        for b in self._order.mark_ready(index):  # strict order: complete buckets whose predecessors launched
+            self._launch(b)
 
     def _launch(self, b: int) -> None:
-        assert b == self._next_bucket == len(self._launched), "buckets must launch in order"
+        assert b == len(self._launched), "buckets must launch in order"
         bucket = self._buckets[b]
         buffer = bucket.buffer
         if buffer is None:  # one tensor, reduced in place in its .grad
@@ -198,11 +180,10 @@ class BucketedDDP(GradSyncEngine):
                     buffer[-1] = 1.0 if self._missing else 0.0
             tensor = buffer
         self._launched.append(self.reduce.launch(self.comm, tensor, bucket.label, bucket.layout))
-        self._next_bucket += 1
 
     def _synchronize(self) -> None:
-        while self._next_bucket < len(self._buckets):
-            self._launch(self._next_bucket)
+        for b in self._order.rest():  # what backward did not make ready (a parameter without a gradient here)
+            self._launch(b)
         average = None
         for bucket, reduction in zip(self._buckets, self._launched):
             average = reduction.wait()

@@ -77,7 +77,8 @@ from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 from lightning_ddp.sync.base import GradSyncEngine
-from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
+from lightning_ddp.sync.bucket_model import BucketPrediction, resolve_bucket_size
+from lightning_ddp.sync.bucket_order import BucketOrder
 from lightning_ddp.sync.bucketed import MiB, check_bucket_size
 from lightning_ddp.sync.comm import Pending
 from lightning_ddp.sync.zero1.optimizer import CollectiveImpl, check_collective_impl, resolve_collectives
@@ -189,12 +190,8 @@ class ZeRO2DDP(GradSyncEngine):
         self.check_settings(collectives=collectives, buckets_in_flight=buckets_in_flight)
         check_bucket_size(bucket_size_mb)
         super().__init__(module, process_group)
-        self.bucket_prediction: BucketPrediction | None = None
-        if bucket_size_mb == "auto":
-            # A collective: every rank measures together and gets the same (MAX-agreed) prediction.
-            self.bucket_prediction = predict_bucket_size(self.params, process_group)
-            bucket_size_mb = self.bucket_prediction.bucket_size_mb
-        self.bucket_size_mb = bucket_size_mb
+        self.bucket_prediction: BucketPrediction | None
+        self.bucket_size_mb, self.bucket_prediction = resolve_bucket_size(bucket_size_mb, self.params, process_group)
         self.buckets_in_flight = buckets_in_flight
         self.collectives = resolve_collectives(collectives, self.device, process_group)
         """``native`` or ``per_owner`` (``auto`` resolved for the parameters' device)."""
@@ -203,7 +200,7 @@ class ZeRO2DDP(GradSyncEngine):
         self.owners = assign_owners(nbytes, world)
         """The owner rank of each trainable parameter (``params`` order)."""
         self._owner_by_id = {id(p): owner for p, owner in zip(self.params, self.owners)}
-        cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
+        cap = None if self.bucket_size_mb is None else int(self.bucket_size_mb * MiB)
         self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
         numels = [p.numel() for p in self.params]
         self._plans = [plan_bucket(b, numels, self.owners, world, self.collectives == "native") for b in self.buckets]
@@ -213,10 +210,7 @@ class ZeRO2DDP(GradSyncEngine):
             dtype = self.params[plan.indices[0]].dtype
             plan.shard_offset = self._shard_numel.get(dtype, 0)
             self._shard_numel[dtype] = plan.shard_offset + plan.numels[rank]
-        self._bucket_of = [0] * len(self.params)
-        for b, indices in enumerate(self.buckets):
-            for i in indices:
-                self._bucket_of[i] = b
+        self._order = BucketOrder(self.buckets, self.param_names)
         self._reset_step()
 
     @staticmethod
@@ -244,29 +238,17 @@ class ZeRO2DDP(GradSyncEngine):
     # -- the step ------------------------------------------------------------------------------------------
 
     def _reset_step(self) -> None:
-        self._ready = [False] * len(self.params)
-        self._pending = [len(indices) for indices in self.buckets]
-        self._next_bucket = 0
+        self._order.reset()
         self._in_flight: deque[_InFlight] = deque()
         self._flags: list[tuple[list[int], torch.Tensor]] = []  # (owned indices, their summed presence flags)
         # Dropped here: the owned .grad views keep this step's shards alive until zero_grad drops them.
         self._shards: dict[torch.dtype, torch.Tensor] = {}
 
     def _on_grad_ready(self, index: int) -> None:
-        if self._ready[index]:
-            raise RuntimeError(
-                f"The gradient of {self.param_names[index]!r} became ready twice in one step. With gradient "
-                "accumulation, run every micro-batch but the last under `with ddp.no_sync():`."
-            )
-        self._ready[index] = True
-        b = self._bucket_of[index]
-        self._pending[b] -= 1
-        if b == self._next_bucket and not self._pending[b]:  # only then can anything launch (strict order)
-            while self._next_bucket < len(self._plans) and not self._pending[self._next_bucket]:
-                self._launch(self._next_bucket)
+        for b in self._order.mark_ready(index):  # strict order: complete buckets whose predecessors launched
+            self._launch(b)
 
     def _launch(self, b: int) -> None:
-        assert b == self._next_bucket, "buckets must launch in order"
         plan = self._plans[b]
         dtype = self.params[plan.indices[0]].dtype
         label = f"bucket {b} ({len(plan.indices)} tensors)"
@@ -298,7 +280,6 @@ class ZeRO2DDP(GradSyncEngine):
                     part = buffer[plan.offsets[r] : plan.offsets[r] + plan.size(r)]
                     flight.pending.append(self.comm.reduce(part, r, f"{label} to rank {r}"))
         self._in_flight.append(flight)
-        self._next_bucket += 1
         while len(self._in_flight) > self.buckets_in_flight:  # bound the send buffers held at once
             # Waiting here holds up backward (the host on gloo, the compute stream on NCCL): exposed communication,
             # as the waits in finish_gradient_synchronization are (spans are merged, so nesting there is harmless).
@@ -328,8 +309,8 @@ class ZeRO2DDP(GradSyncEngine):
                 offset += param.numel()
 
     def _synchronize(self) -> None:
-        while self._next_bucket < len(self._plans):
-            self._launch(self._next_bucket)
+        for b in self._order.rest():  # what backward did not make ready (a parameter without a gradient here)
+            self._launch(b)
         while self._in_flight:
             self._complete(self._in_flight.popleft())
         if self._flags:
