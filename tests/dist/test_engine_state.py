@@ -13,18 +13,17 @@ fresh with a warning.
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_ddp.strategies.base import ENGINE_STATES_KEY, engine_state_to_restore
 from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import JOB_TIMEOUT_S, TinyLM
+from tests.support.lightning_toy import join_existing_group, tiny_lm_data, tiny_lm_module
 
 # ---- which state a resumed rank takes (pure) ------------------------------------------------------------------
 
@@ -138,29 +137,12 @@ def _fit(rank: int, world_size: int, algorithm: str, settings: dict, epochs: int
     """2-rank fit of TinyLM for ``epochs`` epochs on the process group run_on_ranks made; weights and warnings."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from lightning_ddp.strategies import GradSyncStrategy
 
-    # The launcher variables Lightning reads its rank from; the process group already exists, so Lightning keeps it.
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(1000 + rank)  # different per rank: the engine broadcasts rank 0's
-            self.model = TinyLM()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randint(0, 16, (32, 4), generator=g), torch.randint(0, 16, (32, 4), generator=g))
+    join_existing_group(rank, world_size)
+    data = tiny_lm_data(32)
     callbacks = [] if checkpoint_dir is None else [
         ModelCheckpoint(dirpath=checkpoint_dir, every_n_epochs=1, save_top_k=-1)]  # after each epoch
     trainer = pl.Trainer(
@@ -168,7 +150,7 @@ def _fit(rank: int, world_size: int, algorithm: str, settings: dict, epochs: int
         max_epochs=epochs, logger=False, enable_checkpointing=checkpoint_dir is not None, callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False,
     )
-    module = Module()
+    module = tiny_lm_module(seed=1000 + rank)  # different per rank: the engine broadcasts rank 0's
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=ckpt_path)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ddp.model import GPT, get_config
-from tests.support.cli_utils import REPO, read_scalars, run_cli
+from tests.support.cli_utils import REPO, checkpoint_at, checkpointing_args, read_scalars, run_cli
 from tests.support.dist_utils import run_on_ranks
 
 MODEL_SEED, DATA_SEED = 1000, 7
@@ -240,7 +240,6 @@ def test_resume_at_another_world_size_or_unsharded_is_exact(runs, resumed: str) 
 # ---- through Lightning --------------------------------------------------------------------------------------
 
 CLI_STEPS = 6
-CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
 
 
 def _fit(run_dir: Path, *args: str) -> Path:
@@ -253,19 +252,11 @@ def _fit(run_dir: Path, *args: str) -> Path:
         "--trainer.max_steps", str(CLI_STEPS), "--trainer.accumulate_grad_batches", "2",
         "--trainer.gradient_clip_val", "0.5", "--trainer.limit_val_batches", "0",
         "--trainer.num_sanity_val_steps", "0", "--timer.warmup_steps", "1",
-        "--trainer.logger.init_args.save_dir", str(run_dir / "logs"), "--trainer.enable_checkpointing", "true",
-        f"--trainer.callbacks+={CHECKPOINT}", "--trainer.callbacks.every_n_train_steps=3",
-        "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks+=tests.support.callbacks_for_tests.SaveWeights", f"--trainer.callbacks.path={weights}",
+        *checkpointing_args(run_dir, weights),
         *args,
         cwd=run_dir,
     )
     return weights
-
-
-def _checkpoint(run_dir: Path, step: int) -> Path:
-    (path,) = (run_dir / "logs").rglob(f"*step={step}.ckpt")
-    return path
 
 
 def _assert_same_weights(ours: Path, theirs: Path) -> None:
@@ -320,8 +311,8 @@ def test_fsdp2_trains_like_ddp_and_labels_busy_time_not_recorded(lightning_runs)
 
 @pytest.mark.multiprocess
 def test_fsdp2_checkpoint_is_ddps(lightning_runs) -> None:
-    ours = torch.load(_checkpoint(lightning_runs["fsdp2"], CLI_STEPS), weights_only=False)
-    theirs = torch.load(_checkpoint(lightning_runs["ddp"], CLI_STEPS), weights_only=False)
+    ours = torch.load(checkpoint_at(lightning_runs["fsdp2"], CLI_STEPS), weights_only=False)
+    theirs = torch.load(checkpoint_at(lightning_runs["ddp"], CLI_STEPS), weights_only=False)
     assert ours["state_dict"].keys() == theirs["state_dict"].keys()
     (a,), (b,) = ours["optimizer_states"], theirs["optimizer_states"]
     assert a["param_groups"] == b["param_groups"] and set(a["state"]) == set(b["state"])
@@ -335,12 +326,12 @@ def test_fsdp2_checkpoint_is_ddps(lightning_runs) -> None:
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_fsdp2_checkpoint_resumes_exactly(lightning_runs, tmp_path: Path, strategy: str) -> None:
     resumed = _fit(tmp_path, "--trainer.strategy", strategy,
-                   "--ckpt_path", str(_checkpoint(lightning_runs["fsdp2"], 3)))
+                   "--ckpt_path", str(checkpoint_at(lightning_runs["fsdp2"], 3)))
     _assert_same_weights(resumed, lightning_runs["fsdp2"] / "weights.pt")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ddp_checkpoint_resumes_under_fsdp2(lightning_runs, tmp_path: Path) -> None:
-    resumed = _fit(tmp_path, "--trainer.strategy", "fsdp2", "--ckpt_path", str(_checkpoint(lightning_runs["ddp"], 3)))
+    resumed = _fit(tmp_path, "--trainer.strategy", "fsdp2", "--ckpt_path", str(checkpoint_at(lightning_runs["ddp"], 3)))
     _assert_same_weights(resumed, lightning_runs["ddp"] / "weights.pt")

@@ -14,7 +14,6 @@ reach the engine from YAML (``engine_settings``) on every rank, and become a swe
 from __future__ import annotations
 
 import json
-import os
 import re
 import textwrap
 
@@ -29,7 +28,6 @@ from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import (
     CASES,
     JOB_TIMEOUT_S,
-    TinyLM,
     check_grad_none_and_record,
     check_matches_single_process,
     check_ranks_agree_and_start_from_rank0,
@@ -37,6 +35,7 @@ from tests.support.equivalence import (
     jobs_for,
     run_jobs,
 )
+from tests.support.lightning_toy import join_existing_group, tiny_lm_data, tiny_lm_module
 
 
 class HalvesAllReduce(BucketReduce):
@@ -330,35 +329,15 @@ def test_the_toy_passes_the_equivalence_matrix(toy, toy_ranks, case) -> None:
 def _fit_with_the_toy_strategy(rank: int, world_size: int) -> dict:
     """A 2-rank Lightning fit with ``trainer.strategy="toy_halves_ddp"`` on the process group run_on_ranks made."""
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from lightning_ddp.strategies import register_strategies
 
     register_algorithm(TOY)  # in this spawned rank: the toy, then `toy_halves_ddp`
     register_strategies()
-    # The launcher variables Lightning reads; the process group already exists, so Lightning keeps it.
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(rank)  # different on each rank: the strategy's broadcast must equalise them
-            self.model = TinyLM()
-            self.losses: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randint(0, 16, (32, 4), generator=g), torch.randint(0, 16, (32, 4), generator=g))
-    module = Module()
+    join_existing_group(rank, world_size)
+    data = tiny_lm_data(32)
+    module = tiny_lm_module(seed=rank)  # different on each rank: the strategy's broadcast must equalise them
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="toy_halves_ddp", max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     engines = []
@@ -400,29 +379,15 @@ def _fit_with_engine_settings_from_yaml(rank: int, world_size: int) -> dict:
     import lightning.pytorch as pl
     from jsonargparse import ArgumentParser
     from lightning.pytorch.strategies import Strategy
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     register_algorithm(PIECES)  # in this spawned rank
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    join_existing_group(rank, world_size)
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=str | Strategy)
     strategy = parser.instantiate_classes(parser.parse_string(TOY_PIECES_YAML)).strategy
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = TinyLM()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randint(0, 16, (16, 4), generator=g), torch.randint(0, 16, (16, 4), generator=g))
+    data = tiny_lm_data(16)
     engines = []
 
     class Spy(pl.Callback):
@@ -432,7 +397,7 @@ def _fit_with_engine_settings_from_yaml(rank: int, world_size: int) -> dict:
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Spy()])
-    trainer.fit(Module(), DataLoader(data, batch_size=4))
+    trainer.fit(tiny_lm_module(), DataLoader(data, batch_size=4))
     (engine,) = engines
     return {"engine": type(engine).__name__, "pieces": engine.reduce.pieces, "buckets": len(engine.buckets)}
 

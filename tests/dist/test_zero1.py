@@ -31,7 +31,7 @@ from lightning_ddp.compat import repoint_scheduler
 from lightning_ddp.strategies import ZeRO1DDPStrategy
 from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer, assign_owners
 from lightning_ddp.sync.zero1 import partition
-from tests.support.cli_utils import REPO, read_scalars, run_cli
+from tests.support.cli_utils import REPO, checkpoint_at, checkpointing_args, read_scalars, run_cli
 from tests.support.dist_utils import run_on_ranks
 
 WORLD_SIZE = 2
@@ -495,7 +495,6 @@ def test_load_state_dict_rejects_another_model(world_of_one) -> None:
 # ---- through Lightning ---------------------------------------------------------------------------------
 
 CLI_STEPS = 6
-CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
 
 
 def _fit(run_dir: Path, *args: str) -> Path:
@@ -507,20 +506,11 @@ def _fit(run_dir: Path, *args: str) -> Path:
     run_cli(
         "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
         "--trainer.max_steps", str(CLI_STEPS), "--model.lr_schedule", "cosine", "--model.warmup_steps", "2",
-        "--timer.warmup_steps", "1", "--trainer.logger.init_args.save_dir", str(run_dir / "logs"),
-        "--trainer.enable_checkpointing", "true",
-        f"--trainer.callbacks+={CHECKPOINT}", "--trainer.callbacks.every_n_train_steps=3",
-        "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks+=tests.support.callbacks_for_tests.SaveWeights", f"--trainer.callbacks.path={weights}",
+        "--timer.warmup_steps", "1", *checkpointing_args(run_dir, weights),
         *args,
         cwd=run_dir,
     )
     return weights
-
-
-def _checkpoint(run_dir: Path, step: int) -> Path:
-    (path,) = (run_dir / "logs").rglob(f"*step={step}.ckpt")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -559,8 +549,8 @@ def test_zero1_ddp_trains_like_lightning_ddp(lightning_runs) -> None:
 @pytest.mark.multiprocess
 def test_zero1_ddp_checkpoint_is_the_unsharded_checkpoint(lightning_runs) -> None:
     # Lightning saves rank 0's `optimizer.state_dict()`, which for ShardedOptimizer gathers every rank's shard.
-    ours = torch.load(_checkpoint(lightning_runs["zero1_ddp"], CLI_STEPS), weights_only=False)["optimizer_states"]
-    theirs = torch.load(_checkpoint(lightning_runs["ddp"], CLI_STEPS), weights_only=False)["optimizer_states"]
+    ours = torch.load(checkpoint_at(lightning_runs["zero1_ddp"], CLI_STEPS), weights_only=False)["optimizer_states"]
+    theirs = torch.load(checkpoint_at(lightning_runs["ddp"], CLI_STEPS), weights_only=False)["optimizer_states"]
     assert len(ours) == len(theirs) == 1
     assert ours[0]["param_groups"] == theirs[0]["param_groups"]  # lr of the schedule, initial_lr, AdamW's defaults
     assert set(ours[0]["state"]) == set(theirs[0]["state"])  # every parameter, not one rank's shard
@@ -578,6 +568,6 @@ def test_zero1_ddp_resumes_under_the_other_schedule(lightning_runs, tmp_path: Pa
     resumed = _fit(
         tmp_path, "--trainer.strategy", "lightning_ddp.strategies.ZeRO1DDPStrategy",
         "--trainer.strategy.schedule", "allreduce_broadcast", "--trainer.strategy.grad_sync", "overlap",
-        "--ckpt_path", str(_checkpoint(run_dir, 3)),
+        "--ckpt_path", str(checkpoint_at(run_dir, 3)),
     )
     _assert_same_weights(resumed, run_dir / "weights.pt")

@@ -45,3 +45,20 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     return scalars
+
+
+def checkpointing_args(run_dir: Path, weights: Path, every_n_train_steps: int = 3) -> list[str]:
+    """Fit arguments that log under ``run_dir/logs``, keep a checkpoint every ``every_n_train_steps`` optimizer steps
+    (all of them) and save the final weights to ``weights`` (``tests.support.callbacks_for_tests.SaveWeights``)."""
+    return [
+        "--trainer.logger.init_args.save_dir", str(run_dir / "logs"), "--trainer.enable_checkpointing", "true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.every_n_train_steps={every_n_train_steps}", "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks+=tests.support.callbacks_for_tests.SaveWeights", f"--trainer.callbacks.path={weights}",
+    ]
+
+
+def checkpoint_at(run_dir: Path, step: int) -> Path:
+    """The one checkpoint ``checkpointing_args`` kept at optimizer step ``step`` under ``run_dir/logs``."""
+    (path,) = (run_dir / "logs").rglob(f"*step={step}.ckpt")
+    return path
