@@ -73,15 +73,16 @@ def test_builtin_ddp_is_measured_with_the_same_definitions(tmp_path: Path) -> No
     assert not any(key.startswith("ddp/") for key in scalars)  # torch DDP's own, differently defined stats are gone
 
 
-@pytest.mark.slow  # a timing threshold: noisy on a shared machine, so out of the quick loop (CI runs it)
+@pytest.mark.slow  # a timing threshold: noisy on a shared machine, so in the slow tier (`pytest -m slow`)
 def test_slower_all_reduce_shows_up_as_exposed_time_for_naive(tmp_path: Path) -> None:
     slow = "tests.support.timing_helpers.SlowNaiveDDPStrategy"
     _, base = fit(tmp_path / "base", "--trainer.strategy", slow, "--trainer.strategy.init_args.delay_ms", "0")
     _, delayed = fit(tmp_path / "slow", "--trainer.strategy", slow, "--trainer.strategy.init_args.delay_ms", "5")
-    # 40 all-reduce calls per step (39 tensors + the flags), each 5 ms slower: exposed grows by ~200 ms,
-    # and the step by the same amount. Shared CI machines are noisy, hence the +-30 % band.
+    # 40 all-reduce calls per step (39 tensors + the flags), each 5 ms slower: exposed grows by ~200 ms. A sleep
+    # never ends early but overshoots on a busy machine (262 ms measured on 2 shared cores), and medians of
+    # 5 noisy steps differ, hence the band: well below the 400 ms that counting each delay twice would give.
     growth = delayed["summary"]["comm/exposed_ms"]["median"] - base["summary"]["comm/exposed_ms"]["median"]
-    assert 140 < growth < 260, growth
+    assert 140 < growth < 340, growth
     assert delayed["summary"]["comm/overlap"]["median"] < 0.1  # naive never overlaps
 
 

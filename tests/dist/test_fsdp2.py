@@ -244,7 +244,7 @@ CLI_STEPS = 6
 
 def _fit(run_dir: Path, *args: str) -> Path:
     """The quickstart for CLI_STEPS steps, 2 micro-batches each, clipped, checkpointed every 3 steps; returns the
-    weights SaveWeights wrote at the end."""
+    weights SaveFinalWeights wrote at the end."""
     weights = run_dir / "weights.pt"
     run_cli(
         "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",

@@ -90,7 +90,7 @@ def test_one_parseable_trace_per_rank_with_ranges_and_communication(traces: dict
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # a timing threshold: noisy on a shared machine, so out of the quick loop (CI runs it)
+@pytest.mark.slow  # a timing threshold: noisy on a shared machine, so in the slow tier (`pytest -m slow`)
 def test_naive_overlaps_nothing_and_overlap_hides_communication(traces: dict[str, Path], tmp_path: Path) -> None:
     naive, overlap = load_run([traces["naive"]]), load_run([traces["overlap"]], label="overlap (slow backward)")
     # naive: every collective runs inside finish_gradient_synchronization, after backward: nothing to hide behind

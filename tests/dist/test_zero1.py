@@ -500,7 +500,7 @@ CLI_STEPS = 6
 def _fit(run_dir: Path, *args: str) -> Path:
     """Train the quickstart for CLI_STEPS steps (cosine schedule, 2 warm-up steps), checkpointing every 3 steps.
 
-    Returns the weights SaveWeights wrote at the end; checkpoints are under ``run_dir/logs/**/checkpoints``.
+    Returns the weights SaveFinalWeights wrote at the end; checkpoints are under ``run_dir/logs/**/checkpoints``.
     """
     weights = run_dir / "weights.pt"
     run_cli(

@@ -379,7 +379,7 @@ def _fit(run_dir, *args: str):
         "--trainer.enable_checkpointing", "true",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=2",
         "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks+=tests.support.callbacks_for_tests.SaveWeights", f"--trainer.callbacks.path={weights}",
+        "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights", f"--trainer.callbacks.path={weights}",
         cwd=run_dir,
     )
     return weights

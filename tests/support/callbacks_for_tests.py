@@ -1,4 +1,7 @@
-"""Test-only callbacks, used through the CLI: ``--trainer.callbacks+=tests.support.callbacks_for_tests.SaveWeights``."""
+"""Test-only callbacks, used through the CLI: ``--trainer.callbacks+=tests.support.callbacks_for_tests.FailAt``.
+
+The final weights of a fit are saved by the study's ``lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights``.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +11,7 @@ import sys
 import time
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
-
-
-class SaveWeights(Callback):
-    """At the end of fit, rank 0 saves the LightningModule's full state_dict (on CPU) to ``path``.
-
-    Through the strategy, on every rank: a sharded strategy (``fsdp2``) gathers its full state dict collectively.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = trainer.strategy.lightning_module_state_dict()
-        if trainer.is_global_zero:
-            torch.save({k: v.detach().cpu() for k, v in state.items()}, self.path)
 
 
 class FailAt(Callback):

@@ -49,12 +49,12 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def checkpointing_args(run_dir: Path, weights: Path, every_n_train_steps: int = 3) -> list[str]:
     """Fit arguments that log under ``run_dir/logs``, keep a checkpoint every ``every_n_train_steps`` optimizer steps
-    (all of them) and save the final weights to ``weights`` (``tests.support.callbacks_for_tests.SaveWeights``)."""
+    (all of them) and save the final weights to ``weights`` (``lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights``)."""
     return [
         "--trainer.logger.init_args.save_dir", str(run_dir / "logs"), "--trainer.enable_checkpointing", "true",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.every_n_train_steps={every_n_train_steps}", "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks+=tests.support.callbacks_for_tests.SaveWeights", f"--trainer.callbacks.path={weights}",
+        "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights", f"--trainer.callbacks.path={weights}",
     ]
 
 

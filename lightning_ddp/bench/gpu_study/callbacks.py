@@ -13,7 +13,11 @@ __all__ = ["SaveFinalWeights"]
 
 
 class SaveFinalWeights(Callback):
-    """At the end of fit, rank 0 saves the LightningModule's ``state_dict`` (on the CPU) to ``path``.
+    """At the end of fit, rank 0 saves the LightningModule's whole ``state_dict`` (on the CPU) to ``path``.
+
+    The state dict comes from the strategy, as a checkpoint's does: under a sharding strategy (``fsdp2``) the
+    module's own ``state_dict`` holds each rank's shard as a ``DTensor``, and only
+    ``strategy.lightning_module_state_dict()`` (a collective, so every rank calls it) gathers the full tensors.
 
     ``--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights --trainer.callbacks.path FILE``
 
@@ -26,6 +30,7 @@ class SaveFinalWeights(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.lightning_module_state_dict()  # every rank: a collective under fsdp2
         if trainer.is_global_zero:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v.detach().cpu() for k, v in pl_module.state_dict().items()}, self.path)
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, self.path)
