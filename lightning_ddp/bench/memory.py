@@ -554,26 +554,15 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
 
 
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
-    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field)."""
-    from jsonargparse import set_parsing_settings
+    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field); a validation error
+    exits 2 with the message (no traceback)."""
+    from lightning_ddp.bench.command_line import parse_dataclass
 
-    try:  # jsonargparse >= 4.32
-        from jsonargparse import auto_cli
-    except ImportError:  # pragma: no cover - older jsonargparse
-        from jsonargparse import CLI as auto_cli
-
-    # Attribute docstrings (a string under a dataclass field) become --help text.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    return auto_cli(MemoryBenchConfig, args=args, prog="python -m lightning_ddp.bench.memory")
+    return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")
 
 
 def main(args: list[str] | None = None) -> int:
-    try:
-        config = parse_config(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    results = run(config)
+    results = run(parse_config(args))
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 

@@ -8,27 +8,14 @@ from __future__ import annotations
 
 import sys
 
-from jsonargparse import set_parsing_settings
-
+from lightning_ddp.bench.command_line import parse_dataclass
 from lightning_ddp.projection.config import ProjectionConfig
 from lightning_ddp.projection.run import run_projection
-
-try:  # jsonargparse >= 4.32
-    from jsonargparse import auto_cli
-except ImportError:  # pragma: no cover - older jsonargparse
-    from jsonargparse import CLI as auto_cli
-
-# Attribute docstrings (a string under a dataclass field) become --help text.
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 def parse_config(args: list[str] | None = None) -> ProjectionConfig:
     """The ``ProjectionConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
-    try:
-        return auto_cli(ProjectionConfig, args=args, description=ProjectionConfig.__doc__, prog="python -m lightning_ddp.projection")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return parse_dataclass(ProjectionConfig, args, prog="python -m lightning_ddp.projection")
 
 
 def main(args: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_ddp.sync.registry import ALGORITHMS
-from tests.support.cli_utils import REPO, run_cli
+from tests.support.cli_utils import REPO, SAVE_FINAL_WEIGHTS, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -86,7 +86,7 @@ def test_resume_from_a_mid_epoch_checkpoint_is_exact(tmp_path: Path, case: str) 
     # ranks with batch 2 is 6 steps per epoch), then a run resumed from that checkpoint. A cosine schedule with
     # warm-up makes the learning rate depend on the step, so a resume at the wrong step or sample shows up.
     common = (*SMALL, *RESUME_CASES[case], "--trainer.max_steps", "10", "--model.warmup_steps", "2",
-              "--model.lr_schedule", "cosine", "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights")
+              "--model.lr_schedule", "cosine", SAVE_FINAL_WEIGHTS)
     run_cli("fit", *common, "--trainer.callbacks.path", str(tmp_path / "full.pt"),
             "--trainer.enable_checkpointing", "true", "--trainer.callbacks+=ModelCheckpoint",
             "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.callbacks.every_n_train_steps", "4",
@@ -106,7 +106,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path: Path) -> None:
     # torchrun on localhost, twice (node_rank 0 and 1), as on a real 2-node cluster; Lightning reads torchrun's
     # environment. One thread per process in both runs: the thread count changes the order of float sums.
     args = (*SMALL, "--trainer.strategy", "bucketed_ddp", "--trainer.max_steps", "5",
-            "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights", "--trainer.enable_progress_bar", "false")
+            SAVE_FINAL_WEIGHTS, "--trainer.enable_progress_bar", "false")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run_cli("fit", *args, "--trainer.callbacks.path", str(tmp_path / "one_node.pt"),
             "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), cwd=tmp_path, env=env)

@@ -369,17 +369,13 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)  # the batch sums associated differently (
 
 def _fit(run_dir, *args: str):
     """The quickstart for CLI_STEPS steps with gradient clipping, a checkpoint every 2 steps; returns the weights."""
-    from tests.support.cli_utils import REPO, run_cli
+    from tests.support.cli_utils import REPO, checkpointing_args, run_cli
 
     weights = run_dir / "weights.pt"
     run_cli(
         "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), *args,
         "--trainer.max_steps", str(CLI_STEPS), "--trainer.gradient_clip_val", str(CLIP),
-        "--timer.warmup_steps", "1", "--trainer.logger.init_args.save_dir", str(run_dir / "logs"),
-        "--trainer.enable_checkpointing", "true",
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=2",
-        "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights", f"--trainer.callbacks.path={weights}",
+        "--timer.warmup_steps", "1", *checkpointing_args(run_dir, weights, every_n_train_steps=2),
         cwd=run_dir,
     )
     return weights

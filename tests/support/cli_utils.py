@@ -47,14 +47,18 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+SAVE_FINAL_WEIGHTS = "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights"
+"""Add the study's ``SaveFinalWeights`` to a fit; ``--trainer.callbacks.path FILE`` after it says where."""
+
+
 def checkpointing_args(run_dir: Path, weights: Path, every_n_train_steps: int = 3) -> list[str]:
     """Fit arguments that log under ``run_dir/logs``, keep a checkpoint every ``every_n_train_steps`` optimizer steps
-    (all of them) and save the final weights to ``weights`` (``lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights``)."""
+    (all of them) and save the final weights to ``weights`` (``SAVE_FINAL_WEIGHTS``)."""
     return [
         "--trainer.logger.init_args.save_dir", str(run_dir / "logs"), "--trainer.enable_checkpointing", "true",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.every_n_train_steps={every_n_train_steps}", "--trainer.callbacks.save_top_k=-1",
-        "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights", f"--trainer.callbacks.path={weights}",
+        SAVE_FINAL_WEIGHTS, f"--trainer.callbacks.path={weights}",
     ]
 
 

@@ -5,6 +5,7 @@ table, the goals' verdicts and the plot, from hand-made results); the end-to-end
 from __future__ import annotations
 
 import doctest
+import re
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,11 @@ def test_every_memory_config_parses(path: Path) -> None:
         (["--backend", "nccl"], "needs accelerator cuda"),
     ],
 )
-def test_config_errors_name_the_flag(args: list[str], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_config_errors_name_the_flag(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
         parse_config(args)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_fsdp2_and_zero2_send_the_ring_volumes() -> None:

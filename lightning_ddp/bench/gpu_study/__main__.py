@@ -10,27 +10,13 @@ from __future__ import annotations
 import signal
 import sys
 
-from jsonargparse import set_parsing_settings
-
+from lightning_ddp.bench.command_line import parse_dataclass
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
-
-try:  # jsonargparse >= 4.32
-    from jsonargparse import auto_cli
-except ImportError:  # pragma: no cover - older jsonargparse
-    from jsonargparse import CLI as auto_cli
-
-# Attribute docstrings (a string under a dataclass field) become --help text.
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 def parse_config(args: list[str] | None = None) -> GPUStudyConfig:
     """The ``GPUStudyConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
-    try:
-        return auto_cli(GPUStudyConfig, args=args, description=GPUStudyConfig.__doc__,
-                        prog="python -m lightning_ddp.bench.gpu_study")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return parse_dataclass(GPUStudyConfig, args, prog="python -m lightning_ddp.bench.gpu_study")
 
 
 def _terminate(signum: int, frame: object) -> None:
