@@ -500,8 +500,8 @@ def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024
 
 
 def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
-    """Bytes one rank may use: the current GPU's total memory, or the host's available RAM (``MemAvailable``),
-    divided by the ranks that share it."""
+    """Bytes one rank may use: what is free now on the current GPU (``cudaMemGetInfo``: its memory less what this
+    and other processes hold), or the host's available RAM (``MemAvailable``), divided by the ranks that share it."""
     if not isinstance(ranks_per_device, int) or ranks_per_device < 1:
         raise ValueError(f"ranks_per_device must be a positive integer, got {ranks_per_device!r}")
     if device_type == "cuda":
@@ -509,7 +509,7 @@ def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
 
         if not torch.cuda.is_available():
             raise ValueError("device_type 'cuda' but no CUDA device is visible; use device_type='cpu'")
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        total, _ = torch.cuda.mem_get_info(torch.cuda.current_device())  # (free, total)
     elif device_type == "cpu":
         total = _available_ram_bytes()
     else:
@@ -593,10 +593,7 @@ def print_estimate(
 
 def main(args: list[str] | None = None) -> int:
     """``python -m lightning_ddp.memory --preset xl ...``: ``print_estimate`` from the command line (``--help``)."""
-    try:  # jsonargparse >= 4.32
-        from jsonargparse import auto_cli
-    except ImportError:  # pragma: no cover - older jsonargparse
-        from jsonargparse import CLI as auto_cli
+    from jsonargparse import auto_cli
 
     auto_cli(print_estimate, args=args, prog="python -m lightning_ddp.memory")
     return 0

@@ -17,7 +17,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_model", "git_state", "invocation", "package_version", "repo_relative"]
+__all__ = ["COMMIT_VARIABLE", "cpu_model", "git_state", "invocation", "package_version", "repo_relative"]
+
+COMMIT_VARIABLE = "LIGHTNING_DDP_COMMIT"
+"""The environment variable that names the commit where the code is a copy without ``.git`` (a GPU machine's)."""
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -79,8 +82,9 @@ def package_version(name: str) -> str | None:
 
 
 def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
-    """``{"git_commit", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files differ from it, and
-    which (at most 20); all ``None`` outside a git checkout.
+    """``{"git_commit", "git_commit_source", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files
+    differ from it, and which (at most 20). Outside a git checkout the commit is ``$LIGHTNING_DDP_COMMIT`` (source
+    ``"LIGHTNING_DDP_COMMIT"``), else ``None``, and whether the tree is dirty is unknown (``None``).
 
     Args:
         ignore: Directories whose changes do not count, e.g. the run's own output directory: a resumed sweep's
@@ -94,8 +98,12 @@ def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     if changed is not None and prefixes:
         changed = [c for c in changed if not any(c == p or c.startswith(p + "/") or p.startswith(c.rstrip("/") + "/")
                                                  or c.rstrip("/") == p for p in prefixes)]
+    source = "git" if commit else None
+    if not commit and os.environ.get(COMMIT_VARIABLE):
+        commit, source = os.environ[COMMIT_VARIABLE], COMMIT_VARIABLE
     return {
         "git_commit": commit.strip() if commit else None,
+        "git_commit_source": source,
         "git_dirty": bool(changed) if changed is not None else None,
         "git_changed": changed[:20] if changed is not None else None,
     }

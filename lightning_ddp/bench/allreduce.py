@@ -20,10 +20,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-try:  # jsonargparse >= 4.32
-    from jsonargparse import auto_cli
-except ImportError:  # pragma: no cover - older jsonargparse
-    from jsonargparse import CLI as auto_cli
+from jsonargparse import auto_cli
 
 from lightning_ddp.sync.bucket_model import DEFAULT_SIZES, fit_latency_bandwidth, measure_allreduce
 

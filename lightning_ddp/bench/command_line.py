@@ -17,12 +17,7 @@ T = TypeVar("T")
 
 def parse_dataclass(cls: type[T], args: list[str] | None, prog: str) -> T:
     """The ``cls`` instance a command line describes (``args=None``: ``sys.argv[1:]``)."""
-    from jsonargparse import set_parsing_settings
-
-    try:  # jsonargparse >= 4.32
-        from jsonargparse import auto_cli
-    except ImportError:  # pragma: no cover - older jsonargparse
-        from jsonargparse import CLI as auto_cli
+    from jsonargparse import auto_cli, set_parsing_settings
 
     # Attribute docstrings (a string under a dataclass field) become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)

@@ -34,10 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-try:  # jsonargparse >= 4.32
-    from jsonargparse import auto_cli
-except ImportError:  # pragma: no cover - older jsonargparse
-    from jsonargparse import CLI as auto_cli
+from jsonargparse import auto_cli
 
 from lightning_ddp.bench.config import parse_settings
 from lightning_ddp.profile import ComputeProfile, write_atomically

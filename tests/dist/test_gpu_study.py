@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from lightning_ddp.bench.gpu_study.stages import (
     read_junit,
     weight_differences,
 )
-from lightning_ddp.bench.gpu_study.study import run_study
+from lightning_ddp.bench.gpu_study.study import plan_calls, run_study
 from lightning_ddp.projection.strategies import projected_strategies
 from lightning_ddp.strategies import strategy_names
 from tests.support.cli_utils import REPO
@@ -43,12 +44,22 @@ def test_the_stage_table_is_the_configs_list_in_order() -> None:
     assert [s.name for s in STAGES] == list(STAGE_NAMES)
 
 
-def test_the_estimates_fit_the_default_budget_with_room_to_spare() -> None:
-    # 20 minutes on the GPU: the stages' estimates must leave a quarter for start-up jitter and slow machines
-    # (each stage may run to 1.5 times its estimate before its processes are stopped).
-    assert sum(s.estimate_s for s in STAGES) <= 0.8 * 20 * 60
+def test_the_estimates_fit_two_calls_of_the_default_budget() -> None:
+    # A GPU machine gives ~30 minutes in commands of at most 10: README's recipe is two calls of 9 minutes (the
+    # default budget), each with a minute to spare for installing wheels and writing the archive.
+    assert GPUStudyConfig(out="x").budget_min == 9
+    calls = plan_calls(STAGES, 9)
+    assert calls == [["environment", "cuda_tests", "compute", "strategies"],
+                     ["one_gpu_pair", "traces", "ready_times", "timer_overhead"]]
+    estimates = {s.name: s.estimate_s for s in STAGES}
+    assert all(sum(estimates[name] for name in call) <= 0.95 * 9 * 60 for call in calls)
     # The CPU dry run: under 5 minutes on 2 cores.
     assert sum(s.dry_run_estimate_s for s in STAGES if not s.needs_cuda) <= 5 * 60
+
+
+def test_a_plan_refuses_a_budget_that_no_call_could_finish_a_stage_in() -> None:
+    with pytest.raises(ValueError, match="stage cuda_tests alone needs more than --budget_min 3"):
+        plan_calls(STAGES, 3)
 
 
 def test_only_the_test_tier_cannot_rehearse_on_cpu() -> None:
@@ -137,7 +148,7 @@ def test_cuda_only_stages_are_skipped_without_cuda_and_selection_is_honoured(tmp
                          log=lambda line: None)
     assert [s["status"] for s in document["stages"]] == ["ok", "skipped: no CUDA", "skipped: not selected"]
     # With a GPU visible, the same stage runs.
-    document = run_study(_config(tmp_path), stages=stages[1:2], cuda=True, log=lambda line: None)
+    document = run_study(_config(tmp_path / "gpu"), stages=stages[1:2], cuda=True, log=lambda line: None)
     assert document["stages"][0]["status"] == "ok"
 
 
@@ -150,6 +161,102 @@ def test_an_interrupted_stage_is_recorded_before_the_study_stops(tmp_path: Path)
         run_study(_config(tmp_path), stages=stages, cuda=False, log=lambda line: None)
     document = json.loads((tmp_path / "study" / "stages.json").read_text())
     assert [s["status"] for s in document["stages"]] == ["ok", "interrupted", "pending"]
+
+
+def test_resume_keeps_the_ok_stages_and_runs_the_rest(tmp_path: Path) -> None:
+    runs: list[str] = []
+    fail = {"flaky": True}
+
+    def stage_run(name: str):
+        def run(ctx: StudyContext) -> StageResult:
+            runs.append(name)
+            (ctx.out / f"{name}.txt").write_text(name)
+            return StageResult(data={"name": name}, files=[f"{name}.txt"],
+                               problems=["flaky failed"] if fail.get(name) else [])
+        return run
+
+    stages = [_stage("first", stage_run("first"), 5), _stage("flaky", stage_run("flaky"), 5),
+              _stage("long", stage_run("long"), 120), _stage("last", stage_run("last"), 5)]
+    # Call 1, one minute: the 2-minute stage does not fit and is left for later; flaky fails.
+    one = run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None)
+    assert [s["status"] for s in one["stages"]] == ["ok", "failed", "skipped: budget", "ok"]
+    assert not one["complete"]
+    kept = {s["name"]: dict(s) for s in one["stages"] if s["status"] == "ok"}
+    # Call 2 resumes with 3 minutes: first and last are kept as they were (not run again), flaky and long run.
+    fail["flaky"] = False
+    two = run_study(_config(tmp_path, budget_min=3, resume=True), stages=stages, cuda=False, log=lambda line: None)
+    assert runs == ["first", "flaky", "last", "flaky", "long"]
+    assert [s["status"] for s in two["stages"]] == ["ok"] * 4 and two["complete"]
+    assert {s["name"]: s for s in two["stages"] if s["name"] in kept} == kept  # rows unchanged, seconds included
+    assert [call["budget_min"] for call in two["calls"]] == [1, 3] and two["created"] == one["created"]
+    assert (tmp_path / "study" / "first.json").exists() and "flaky failed" not in (tmp_path / "study" / "results.md").read_text()
+
+
+def test_a_folder_that_holds_a_study_needs_resume_and_the_same_kind(tmp_path: Path) -> None:
+    stages = [_stage("only", lambda ctx: StageResult())]
+    run_study(_config(tmp_path), stages=stages, cuda=False, log=lambda line: None)
+    with pytest.raises(ValueError, match="already holds a study .1 stages ok.; add `--resume true`"):
+        run_study(_config(tmp_path), stages=stages, cuda=False, log=lambda line: None)
+    gpu = GPUStudyConfig(out=str(tmp_path / "study"), root=str(REPO), resume=True)
+    with pytest.raises(ValueError, match="holds a CPU dry run, and this call is a GPU study"):
+        run_study(gpu, stages=stages, cuda=True, log=lambda line: None)
+    # Resuming where nothing was run yet starts the study: README's command is the same for every call.
+    document = run_study(_config(tmp_path / "fresh", resume=True), stages=stages, cuda=False, log=lambda line: None)
+    assert document["complete"] and len(document["calls"]) == 1
+
+
+def test_the_archive_holds_what_is_worth_committing_and_is_written_even_when_interrupted(tmp_path: Path) -> None:
+    def writes(ctx: StudyContext) -> StageResult:
+        (ctx.out / "sweep" / "runs" / "cell").mkdir(parents=True)
+        (ctx.out / "sweep" / "results.csv").write_text("strategy,step_ms\nddp,1.0\n")
+        (ctx.out / "sweep" / "runs" / "cell" / "command.txt").write_text("MASTER_PORT=1234 python -m ...")
+        (ctx.out / "weights.pt").write_bytes(b"\0" * 1000)
+        (ctx.out / "trace.json").write_bytes(b"{}" + b" " * (3 * 2**20))  # a raw trace over the 2 MiB a file
+        return StageResult(data={"rows": 1})
+
+    def interrupted(ctx: StudyContext) -> StageResult:
+        raise KeyboardInterrupt
+
+    archive = tmp_path / "out" / "study.tar.gz"
+    stages = [_stage("writes", writes), _stage("stops", interrupted)]
+    with pytest.raises(KeyboardInterrupt):
+        run_study(_config(tmp_path, archive=str(archive)), stages=stages, cuda=False, log=lambda line: None)
+    with tarfile.open(archive) as tar:
+        names = sorted(tar.getnames())
+        contents = json.loads(tar.extractfile("archive_contents.json").read())
+        stages_json = json.loads(tar.extractfile("stages.json").read())
+    assert names == ["archive_contents.json", "results.md", "stages.json", "sweep/results.csv", "writes.json"]
+    assert contents["left_out"] == ["trace.json (3,145,730 B: over 2,097,152 B a file)"]
+    assert [s["status"] for s in stages_json["stages"]] == ["ok", "interrupted"]  # the state at the interruption
+    assert not list(archive.parent.glob("*.tmp"))
+
+
+def test_the_commit_of_a_copy_without_git_comes_from_the_command_line(tmp_path: Path) -> None:
+    seen = {}
+
+    def reads_env(ctx: StudyContext) -> StageResult:
+        seen.update(ctx.env())
+        return StageResult()
+
+    document = run_study(_config(tmp_path, commit="5809175"), stages=[_stage("env", reads_env)], cuda=False,
+                         log=lambda line: None)
+    assert document["commit"] == {"git_commit": "5809175", "source": "--commit"}
+    assert seen["LIGHTNING_DDP_COMMIT"] == "5809175"  # the environment stage's process records it
+    with pytest.raises(ValueError, match="`--commit` must be a git commit hash"):
+        _config(tmp_path, commit="HEAD")
+
+
+def test_a_missing_package_is_one_line_before_anything_imports_it(tmp_path: Path) -> None:
+    # jsonargparse made unimportable (None in sys.modules), as on a GPU machine whose Python lacks it.
+    code = ("import runpy, sys; sys.modules['jsonargparse'] = None; "
+            f"sys.argv = ['gpu_study', '--out', {str(tmp_path / 'study')!r}, '--cpu_dry_run', 'true']; "
+            "runpy.run_module('lightning_ddp.bench.gpu_study', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: missing Python packages: jsonargparse;"), lines
+    assert "--no-index" in lines[0] and "docs/gpu.md" in lines[0]
+    assert not (tmp_path / "study").exists()  # nothing started
 
 
 def test_without_cuda_only_a_dry_run_may_start(tmp_path: Path) -> None:

@@ -237,13 +237,13 @@ def test_memory_budget_cpu_is_available_ram_over_ranks(monkeypatch) -> None:
     assert memory_budget_bytes("cpu", 2) == 12 * GiB
 
 
-def test_memory_budget_cuda_reads_the_current_device(monkeypatch) -> None:
-    # No GPU here: a fake torch.cuda with an 80 GiB device 1 as the current one; 2 ranks share it.
-    props = {1: SimpleNamespace(total_memory=80 * GiB)}
-    fake = SimpleNamespace(is_available=lambda: True, current_device=lambda: 1,
-                           get_device_properties=lambda index: props[index])
+def test_memory_budget_cuda_is_what_is_free_on_the_current_device(monkeypatch) -> None:
+    # No GPU here: a fake torch.cuda whose current device is 1, an 80 GiB card of which another process holds 10:
+    # 70 GiB free, shared by 2 ranks -> 35 GiB each (the card's total would promise 40 and run out of memory).
+    free = {1: (70 * GiB, 80 * GiB)}
+    fake = SimpleNamespace(is_available=lambda: True, current_device=lambda: 1, mem_get_info=lambda index: free[index])
     monkeypatch.setattr(torch, "cuda", fake)
-    assert memory_budget_bytes("cuda", 2) == 40 * GiB
+    assert memory_budget_bytes("cuda", 2) == 35 * GiB
 
 
 def test_bad_inputs_name_the_fix() -> None:

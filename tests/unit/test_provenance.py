@@ -44,6 +44,19 @@ def test_clean_tree_then_results_dir_ignored_then_code_change_counted(checkout: 
 
 def test_outside_a_checkout_everything_is_unknown(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(provenance, "_REPO", tmp_path)
+    monkeypatch.delenv(provenance.COMMIT_VARIABLE, raising=False)
     if subprocess.run(["git", "rev-parse"], cwd=tmp_path, capture_output=True).returncode == 0:
         pytest.skip("the temporary directory is inside a git checkout")
-    assert provenance.git_state() == {"git_commit": None, "git_dirty": None, "git_changed": None}
+    assert provenance.git_state() == {"git_commit": None, "git_commit_source": None, "git_dirty": None,
+                                      "git_changed": None}
+
+
+def test_a_copy_without_git_takes_the_commit_from_the_environment(tmp_path, monkeypatch) -> None:
+    # A GPU machine receives the working tree without .git: the study passes --commit on as LIGHTNING_DDP_COMMIT,
+    # and the result says where the commit came from; whether the tree was dirty stays unknown.
+    monkeypatch.setattr(provenance, "_REPO", tmp_path)
+    monkeypatch.setenv(provenance.COMMIT_VARIABLE, "5809175")
+    if subprocess.run(["git", "rev-parse"], cwd=tmp_path, capture_output=True).returncode == 0:
+        pytest.skip("the temporary directory is inside a git checkout")
+    assert provenance.git_state() == {"git_commit": "5809175", "git_commit_source": "LIGHTNING_DDP_COMMIT",
+                                      "git_dirty": None, "git_changed": None}

@@ -1,17 +1,20 @@
-"""``python -m lightning_ddp.bench.gpu_study --out DIR [--budget_min 20] [--cpu_dry_run true]``: the GPU study.
+"""``python -m lightning_ddp.bench.gpu_study --out DIR [--budget_min 9] [--resume true] [--archive FILE]``.
 
-Every field of ``GPUStudyConfig`` is a flag (``--stages [environment,compute]``, ``--root CHECKOUT``); ``--help``
-documents them. Exit status: 0 when every stage that ran is ok, 1 when one failed, 2 for a bad command line or no
-CUDA without ``--cpu_dry_run``, 130 when interrupted (what finished is in DIR).
+Every field of ``GPUStudyConfig`` is a flag (``--stages [environment,compute]``, ``--cpu_dry_run true``,
+``--commit HASH``); ``--help`` documents them. Exit status: 0 when every stage that ran is ok (stages left for a
+later ``--resume true`` call are listed on the last line), 1 when one failed, 2 for a missing package, a bad
+command line or no CUDA without ``--cpu_dry_run``, 130 when interrupted (what finished is in DIR and the archive).
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
 
 from lightning_ddp.bench.command_line import parse_dataclass
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
+from lightning_ddp.bench.gpu_study.packages import missing_message, missing_packages
 
 
 def parse_config(args: list[str] | None = None) -> GPUStudyConfig:
@@ -24,12 +27,17 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(args: list[str] | None = None) -> int:
+    started = time.monotonic()  # this call's budget counts from here
+    missing = missing_packages()
+    if missing:  # before anything imports them: one line, not a traceback
+        print(f"error: {missing_message(missing)}", file=sys.stderr)
+        return 2
     config = parse_config(args)
     from lightning_ddp.bench.gpu_study.study import run_study  # after parsing: --help stays fast
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        document = run_study(config)
+        document = run_study(config, started=started)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ one GPU computes the study's model, the floor every data-parallel strategy adds 
 Recipe (``measure``, run in its own process: ``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``):
 
 1. The pre-flight proposes a batch: ``largest_batch`` of ``lightning_ddp.memory`` under ``memory_budget_bytes``
-   (the device's memory, one rank), capped at ``max_batch``.
+   (what is free on the device now, one rank), capped at ``max_batch``.
 2. Try it: ``warmup`` steps, then ``steps`` timed ones (CUDA events on a GPU, the host clock on CPU). On an
    out-of-memory error, free everything the attempt held and try the next smaller batch of
    ``batch_candidates`` (about 20 % smaller each time), so the batch that really fits is found in a few tries.

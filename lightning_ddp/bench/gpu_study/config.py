@@ -1,12 +1,13 @@
 """What a GPU study run is: the command line (``GPUStudyConfig``) and the sizes of its work (``Scale``).
 
-The command line is small on purpose (``--out DIR --budget_min 20``): the sizes that make the whole study fit 20
-minutes on one H100 or H200 are fixed here, in ``GPU_SCALE``, and ``DRY_RUN_SCALE`` shrinks every one of them to
+The command line is small on purpose (``--out DIR --resume true``): the sizes that make the whole study fit two
+9-minute calls on one H100 or H200 are fixed here, in ``GPU_SCALE``, and ``DRY_RUN_SCALE`` shrinks every one of them to
 the tiny preset on CPU, so ``--cpu_dry_run true`` runs every stage's code in a few minutes on a 2-core machine.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -83,9 +84,9 @@ GPU_SCALE = Scale(
     sweep_strategies=("naive", "flat", "overlap", "bucketed", "bucketed_bf16", "ddp"),
     trace_preset="small",
     profile_preset="xl", profile_batch=4, profile_seq_len=512, profile_steps=12,
-    overhead_preset="medium", overhead_steps=25, overhead_warmup=5, overhead_repeats=3,
+    overhead_preset="small", overhead_steps=25, overhead_warmup=5, overhead_repeats=2,  # 6 cold fits, ~2 minutes
 )
-"""One H100 (80 GB) or H200 (141 GB): about 13 minutes of stages, inside the default 20-minute budget."""
+"""One H100 (80 GB) or H200 (141 GB): about 17 minutes of stages, two calls of ``--budget_min 9``."""
 
 DRY_RUN_SCALE = Scale(
     device="cpu", precision="32-true",  # bf16 autocast on CPU is several times slower than fp32
@@ -105,15 +106,17 @@ DRY_RUN_SCALE = Scale(
 class GPUStudyConfig:
     """The whole GPU study in one command: ordered stages, each writing its files as soon as it ends.
 
-    ``python -m lightning_ddp.bench.gpu_study --out DIR --budget_min 20``
+    ``python -m lightning_ddp.bench.gpu_study --out DIR --resume true --archive study.tar.gz``
     """
 
     out: Optional[str] = None
     """Directory of every output (required): stages.json (rewritten after every stage), results.md, each stage's
     files."""
-    budget_min: float = 20.0
-    """Minutes the study may take. Before each stage its estimate is compared with what is left: a stage that
-    cannot finish in time is skipped (``skipped: budget``), and no stage's processes run past the budget."""
+    budget_min: float = 9.0
+    """Minutes this call may take, counted from its start (9: one 10-minute command with a minute to spare for
+    installing packages and the archive). Before each stage its estimate is compared with what is left: a stage that
+    cannot finish in time is skipped (``skipped: budget``) for a later ``--resume true`` call, and no stage's
+    processes run past the budget."""
     cpu_dry_run: bool = False
     """Run every stage on CPU with the tiny preset (minutes on a laptop), producing the same files; stages that
     need CUDA are ``skipped: no CUDA``. Rehearse here what a GPU session will run."""
@@ -125,18 +128,32 @@ class GPUStudyConfig:
     else the current directory."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Environment variables for every process a stage starts, e.g. ``{NCCL_DEBUG: WARN}``."""
+    resume: bool = False
+    """Keep every stage of ``--out``'s stages.json that is already ``ok`` (its row and files unchanged) and run the
+    rest: the study in several calls of a few minutes each. Without it, an ``--out`` that holds a study is refused."""
+    archive: Optional[str] = None
+    """Write one ``.tar.gz`` of what is worth committing (stages.json, results.md, the JSON/CSV results and the
+    pictures; no weights, no raw traces, at most 16 MiB) here when the call ends, finished or cut off."""
+    commit: Optional[str] = None
+    """The git commit of the code, for a copy of the repository without ``.git`` (as a GPU machine receives it);
+    default: ``git rev-parse HEAD``, else the environment variable ``LIGHTNING_DDP_COMMIT``."""
 
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("`--out` is missing; give the directory for the study's files, e.g. `--out gpu_study`")
         if not self.budget_min > 0:
-            raise ValueError(f"`--budget_min` must be > 0 minutes, got {self.budget_min}; e.g. `--budget_min 20`")
+            raise ValueError(f"`--budget_min` must be > 0 minutes, got {self.budget_min}; e.g. `--budget_min 9`")
         if self.stages is not None:
             unknown = [s for s in self.stages if s not in STAGE_NAMES]
             if unknown:
                 raise ValueError(f"unknown stage {unknown[0]!r} in `--stages`; choose from {', '.join(STAGE_NAMES)}")
             if not self.stages:
                 raise ValueError(f"`--stages` is empty; list at least one of {', '.join(STAGE_NAMES)}, or leave it out")
+        if self.archive is not None and not self.archive.endswith(".tar.gz"):
+            raise ValueError(f"`--archive` must name a .tar.gz file, got {self.archive!r}; e.g. `--archive study.tar.gz`")
+        if self.commit is not None and not re.fullmatch(r"[0-9a-f]{7,40}", self.commit):
+            raise ValueError(f"`--commit` must be a git commit hash (7-40 hex digits), got {self.commit!r}; e.g. "
+                             "`--commit $(git rev-parse HEAD)` where the checkout has .git")
 
 
 def scale_of(config: GPUStudyConfig) -> Scale:

@@ -166,7 +166,8 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
              f"{2 * (eq.get('per_rank_batch') or 0)}, the same samples. Weight differences in updates (lr x steps); "
              "*off*: more than 0.1 update (a rank's gradient missing from the average leaves about half the weights "
              "off). Adam does not see a gradient's scale, so a sum instead of an average is the cuda tier's to "
-             "catch (it compares the gradients).", ""]
+             "catch (it compares the gradients).", "",
+             f"Tolerances: {eq.get('tolerance_origin', '–')}", ""]
     lines += table(["strategy", "status", "weights off", "tolerance", "median", "99th pct", "largest (tensor)", "equal"],
                    [[name, row["status"] if row["status"] == "ok" else f"{row['status']}: {row['error']}",
                      _fmt(row.get("off_fraction"), ".3%"), _fmt(row.get("tolerance"), ".2%"),

@@ -1,15 +1,18 @@
-"""Run the stages in order against the budget; keep ``stages.json`` and ``results.md`` current after every stage.
+"""Run the stages in order against this call's budget; keep ``stages.json`` and ``results.md`` current after every
+stage, so the study can be finished by several short calls (``--resume true``).
 
 Recipe (``run_study``):
 
 1. Resolve the checkout (configs/, tests/) and whether CUDA is visible (asked in a child process, so the study's own
-   process never holds a CUDA context). Without CUDA only a dry run may go on.
-2. Write ``stages.json`` with every stage ``pending`` and its estimate.
-3. For each stage in order: ``skipped: not selected`` (``--stages``), ``skipped: no CUDA`` (it needs a GPU and
-   none is visible), ``skipped: budget`` (its estimate exceeds what is left), else run it. An exception or a
-   problem it reports makes it ``failed`` with one error line; the study goes on. Its data goes to
-   ``<name>.json``; then ``stages.json`` (atomically: a temporary file renamed over it) and ``results.md`` are
-   rewritten, so a run cut off at any minute leaves everything before it, described.
+   process never holds a CUDA context). Without CUDA only a dry run may go on. With ``--resume true`` read the
+   ``stages.json`` already in ``--out``: its ``ok`` stages are kept, row and files unchanged.
+2. Write ``stages.json``: the kept stages, every other one ``pending`` with its estimate.
+3. For each stage not kept, in order: ``skipped: not selected`` (``--stages``), ``skipped: no CUDA`` (it needs a
+   GPU and none is visible), ``skipped: budget`` (its estimate exceeds what is left of this call's budget, counted
+   from the call's start), else run it. An exception or a problem it reports makes it ``failed`` with one error
+   line; the study goes on. Its data goes to ``<name>.json``; then ``stages.json`` (atomically) and ``results.md``
+   are rewritten, so a call cut off at any minute leaves everything before it, described.
+4. With ``--archive FILE``, whatever happened: one ``.tar.gz`` of what is worth committing (``archive.py``).
 """
 
 from __future__ import annotations
@@ -23,17 +26,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from lightning_ddp.bench.gpu_study.archive import write_archive
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, scale_of
 from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext
 from lightning_ddp.files import write_atomically
+from lightning_ddp.provenance import git_state, repo_relative
 
-__all__ = ["RESULTS_MD", "STAGES_JSON", "STATUSES", "cuda_available", "repository_root", "run_study"]
+__all__ = ["DONE", "RESULTS_MD", "STAGES_JSON", "STATUSES", "cuda_available", "plan_calls", "repository_root",
+           "run_study"]
 
 STAGES_JSON = "stages.json"
 RESULTS_MD = "results.md"
 STATUSES = ("pending", "running", "ok", "failed", "skipped: budget", "skipped: no CUDA", "skipped: not selected",
             "interrupted")
 """What a stage's ``status`` in stages.json can be."""
+DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
+"""The statuses that leave nothing to do (``complete`` in stages.json); a ``--resume true`` call keeps the ``ok``
+stages and runs every other one again."""
 
 
 def repository_root(root: str | None = None) -> Path:
@@ -63,8 +72,114 @@ def _error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
+def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> list[list[str]]:
+    """The stages each call of ``--resume true --budget_min budget_min`` runs, if every stage takes its estimate:
+    the study's own rule (a stage runs when its estimate fits what is left), call after call.
+
+    >>> from lightning_ddp.bench.gpu_study.stages import STAGES
+    >>> plan_calls(STAGES, 9)
+    [['environment', 'cuda_tests', 'compute', 'strategies'], ['one_gpu_pair', 'traces', 'ready_times', 'timer_overhead']]
+    """
+    too_long = [s.name for s in stages if s.estimate(dry_run) > budget_min * 60]
+    if too_long:
+        raise ValueError(f"stage {too_long[0]} alone needs more than --budget_min {budget_min:g}; give more minutes")
+    calls, left = [], list(stages)
+    while left:
+        remaining, call = budget_min * 60, []
+        for stage in list(left):
+            if stage.estimate(dry_run) <= remaining:
+                remaining -= stage.estimate(dry_run)
+                call.append(stage.name)
+                left.remove(stage)
+        calls.append(call)
+    return calls
+
+
+def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any] | None:
+    """The stages.json already in ``out`` that ``--resume`` continues (None: nothing to continue); a folder that
+    holds a study is refused without ``--resume``, and one of the other kind (dry run / GPU) always."""
+    path = out / STAGES_JSON
+    if not path.exists():
+        return None
+    try:
+        previous = json.loads(path.read_text())
+        done = [entry["name"] for entry in previous["stages"] if entry["status"] == "ok"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a GPU study's stages.json ({error}); choose another --out") from None
+    if not config.resume:
+        raise ValueError(f"{out} already holds a study ({len(done)} stages ok); add `--resume true` to keep them and "
+                         "run the rest, or choose another --out")
+    if bool(previous.get("cpu_dry_run")) != config.cpu_dry_run:
+        kinds = {True: "a CPU dry run", False: "a GPU study"}
+        raise ValueError(f"{out} holds {kinds[bool(previous.get('cpu_dry_run'))]}, and this call is "
+                         f"{kinds[config.cpu_dry_run]}; choose another --out")
+    return previous
+
+
+def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyContext,
+                  previous: dict[str, Any] | None) -> dict[str, Any]:
+    """stages.json for this call: every stage pending, except those ``previous`` has ``ok`` (kept unchanged)."""
+    kept = {e["name"]: e for e in (previous or {}).get("stages", []) if e.get("status") == "ok"}
+    call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": [repo_relative(arg) for arg in sys.argv], "budget_min": config.budget_min}
+    return {
+        "created": (previous or {}).get("created", call["started"]),
+        "command": call["command"], "budget_min": config.budget_min, "cpu_dry_run": config.cpu_dry_run,
+        "cuda": ctx.cuda, "device": ctx.device, "root": repo_relative(str(ctx.root)), "elapsed_s": 0.0,
+        "commit": commit_of(config), "calls": [*(previous or {}).get("calls", []), call], "complete": False,
+        "stages": [kept.get(s.name) or {"name": s.name, "title": s.title, "status": "pending", "seconds": None,
+                                        "estimate_s": s.estimate(config.cpu_dry_run), "error": "", "files": [],
+                                        "shows": s.shows} for s in stages],
+    }
+
+
+def commit_of(config: GPUStudyConfig) -> dict[str, Any]:
+    """``{"git_commit", "source"}``: ``--commit``, else the checkout's HEAD, else ``$LIGHTNING_DDP_COMMIT``."""
+    if config.commit:
+        return {"git_commit": config.commit, "source": "--commit"}
+    state = git_state()
+    return {"git_commit": state["git_commit"], "source": state["git_commit_source"]}
+
+
+def _skip_reason(stage: Stage, config: GPUStudyConfig, ctx: StudyContext) -> tuple[str, str] | None:
+    """``(status, error)`` when ``stage`` does not run in this call, else None."""
+    estimate = stage.estimate(config.cpu_dry_run)
+    if config.stages is not None and stage.name not in config.stages:
+        return "skipped: not selected", ""
+    if stage.needs_cuda and not ctx.cuda:
+        return "skipped: no CUDA", ""
+    if estimate > ctx.remaining():
+        return "skipped: budget", f"needs ~{estimate:.0f} s, {max(0.0, ctx.remaining()):.0f} s of the budget left"
+    return None
+
+
+def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Callable[[], None]) -> None:
+    """Run one stage and record it in ``entry`` (status, seconds, files, error line, problems)."""
+    entry.update(status="running", seconds=None, error="", files=[])
+    entry.pop("problems", None)
+    save()
+    estimate = stage.estimate(ctx.config.cpu_dry_run)
+    ctx.log(f"[{stage.name}] {stage.title} (~{estimate:.0f} s) ...")
+    ctx.stage_estimate_s, ctx.stage_started = estimate, time.monotonic()
+    try:
+        result = stage.run(ctx)
+    except KeyboardInterrupt:
+        entry.update(status="interrupted", seconds=round(time.monotonic() - ctx.stage_started, 1),
+                     error="interrupted (SIGINT or SIGTERM)")
+        save()
+        raise
+    except Exception as error:  # noqa: BLE001 - one stage's failure is recorded; the study goes on
+        result = StageResult(problems=[_error_line(error)])
+    entry["seconds"] = round(time.monotonic() - ctx.stage_started, 1)
+    if result.data:
+        write_atomically(ctx.out / f"{stage.name}.json", json.dumps(result.data, indent=2, default=str) + "\n")
+        result.files.insert(0, f"{stage.name}.json")
+    entry.update(files=result.files, status="failed" if result.problems else "ok",
+                 error=result.problems[0] if result.problems else "", problems=result.problems)
+
+
 def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bool | None = None,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+              log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
     """Run the study of ``config`` (module recipe); returns the final ``stages.json`` document.
 
     Args:
@@ -72,73 +187,56 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         stages: The stages to run, in order (tests pass their own).
         cuda: Whether CUDA is visible; default: ask a child process.
         log: Where progress lines go (default: print, flushed).
+        started: ``time.monotonic()`` when the call began (the budget counts from it); default: now.
     """
     from lightning_ddp.bench.gpu_study.report import build_report
 
+    started = time.monotonic() if started is None else started
     say = log or (lambda line: print(line, flush=True))
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     root = repository_root(config.root)
+    previous = _previous_document(out, config)
     if cuda is None:
         cuda = cuda_available(config.extra_env)
     if not cuda and not config.cpu_dry_run:
         raise ValueError("no CUDA device is visible (torch.cuda.is_available() is False in a fresh process); the GPU "
                          "study needs one. To rehearse every stage on CPU, add `--cpu_dry_run true`.")
-    dry_run = config.cpu_dry_run
-    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
     ctx = StudyContext(config=config, scale=scale_of(config), out=out, root=root, cuda=cuda,
                        deadline=started + config.budget_min * 60, log=say)
-    document: dict[str, Any] = {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv, "budget_min": config.budget_min, "cpu_dry_run": dry_run, "cuda": cuda,
-        "device": ctx.device, "root": str(root), "elapsed_s": 0.0,
-        "stages": [{"name": s.name, "title": s.title, "status": "pending", "seconds": None,
-                    "estimate_s": s.estimate(dry_run), "error": "", "files": [], "shows": s.shows} for s in stages],
-    }
+    document = _new_document(config, stages, ctx, previous)
 
     def save() -> None:
         document["elapsed_s"] = round(time.monotonic() - started, 1)
+        document["calls"][-1]["elapsed_s"] = document["elapsed_s"]
+        document["complete"] = all(e["status"] in DONE for e in document["stages"])
         write_atomically(out / STAGES_JSON, json.dumps(document, indent=2) + "\n")
         write_atomically(out / RESULTS_MD, build_report(document, out))
 
-    save()
-    say(f"GPU study{' (CPU dry run)' if dry_run else ''}: {len(stages)} stages, budget {config.budget_min:g} min, "
-        f"results in {out}")
-    for stage, entry in zip(stages, document["stages"]):
-        estimate = stage.estimate(dry_run)
-        if config.stages is not None and stage.name not in config.stages:
-            entry["status"] = "skipped: not selected"
-        elif stage.needs_cuda and not cuda:
-            entry["status"] = "skipped: no CUDA"
-        elif estimate > ctx.remaining():
-            entry["status"] = "skipped: budget"
-            entry["error"] = f"needs ~{estimate:.0f} s, {max(0.0, ctx.remaining()):.0f} s of the budget left"
-        else:
-            entry["status"] = "running"
-            save()
-            say(f"[{stage.name}] {stage.title} (~{estimate:.0f} s) ...")
-            ctx.stage_estimate_s, ctx.stage_started = estimate, time.monotonic()
-            try:
-                result = stage.run(ctx)
-            except KeyboardInterrupt:
-                entry.update(status="interrupted", seconds=round(time.monotonic() - ctx.stage_started, 1),
-                             error="interrupted (SIGINT or SIGTERM)")
-                save()
-                raise
-            except Exception as error:  # noqa: BLE001 - one stage's failure is recorded; the study goes on
-                result = StageResult(problems=[_error_line(error)])
-            entry["seconds"] = round(time.monotonic() - ctx.stage_started, 1)
-            if result.data:
-                write_atomically(out / f"{stage.name}.json", json.dumps(result.data, indent=2, default=str) + "\n")
-                result.files.insert(0, f"{stage.name}.json")
-            entry["files"] = result.files
-            entry["status"] = "failed" if result.problems else "ok"
-            entry["error"] = result.problems[0] if result.problems else ""
-            entry["problems"] = result.problems
+    kept = sum(e["status"] == "ok" for e in document["stages"])
+    say(f"GPU study{' (CPU dry run)' if config.cpu_dry_run else ''}: {len(stages)} stages"
+        f"{f' ({kept} already ok, kept)' if kept else ''}, budget {config.budget_min:g} min, results in {out}")
+    try:
         save()
-        line = f"[{stage.name}] {entry['status']}"
-        if entry["seconds"] is not None:
-            line += f" in {entry['seconds']:.0f} s"
-        say(line + (f": {entry['error']}" if entry["error"] else ""))
-    say(f"done in {time.monotonic() - started:.0f} s: {out / RESULTS_MD}")
+        for stage, entry in zip(stages, document["stages"]):
+            if entry["status"] == "ok":
+                continue
+            skip = _skip_reason(stage, config, ctx)
+            if skip is None:
+                _run_stage(stage, entry, ctx, save)
+            else:
+                entry.update(status=skip[0], error=skip[1], seconds=None)
+            save()
+            line = f"[{stage.name}] {entry['status']}"
+            if entry["seconds"] is not None:
+                line += f" in {entry['seconds']:.0f} s"
+            say(line + (f": {entry['error']}" if entry["error"] else ""))
+    finally:
+        if config.archive:
+            contents = write_archive(out, Path(config.archive))
+            say(f"archive: {config.archive} ({contents.size_bytes / 2**20:.1f} MiB, {len(contents.files)} files"
+                + (f"; left out: {', '.join(contents.left_out[:5])}" if contents.left_out else "") + ")")
+    left = [e["name"] for e in document["stages"] if e["status"] not in DONE]
+    say(f"done in {time.monotonic() - started:.0f} s: {out / RESULTS_MD}"
+        + (f"; not done yet: {', '.join(left)} (run again with --resume true)" if left else "; every stage done"))
     return document
