@@ -14,7 +14,7 @@ The recipe, in ``configure_ddp`` (after the model is on its device, before the o
    (``reshard_after_forward``), its gradients reduce-scattered as soon as its backward is done.
 3. ``fully_shard`` the LightningModule itself: the root group holds every parameter not in a block (our GPT's
    embedding, final norm and ``lm_head``; tied embedding/``lm_head`` weights are one parameter of this one group
-   and stay tied). Lightning calls ``training_step``, not ``forward``, so the strategy runs the step methods
+   and stay tied). Over gloo every group reduce-scatters with SUM and divides itself (``force_sum_reduction``). Lightning calls ``training_step``, not ``forward``, so the strategy runs the step methods
    through the root's ``__call__`` (as Lightning's DDP strategy does through the DDP wrapper) for the root's
    hooks to gather and free its parameters.
 
@@ -326,7 +326,31 @@ def shard(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(module, **options)  # the root: the parameters outside the blocks (tied weights stay one)
+    if _gloo_reduces(module):
+        for group in (*blocks, module):
+            force_sum_reduction(group)
     return message
+
+
+def _gloo_reduces(module: nn.Module) -> bool:
+    """Whether gloo carries the gradients of ``module``'s parameters (their device's backend in the world group)."""
+    from lightning_ddp.sync.comm import backend_for
+
+    parameter = next(module.parameters(), None)
+    return parameter is not None and backend_for(parameter.device) == "gloo"
+
+
+def force_sum_reduction(group: nn.Module) -> None:
+    """Reduce-scatter ``group``'s gradients with ``ReduceOp.SUM`` and divide by the world size in FSDP2 itself.
+
+    FSDP2 averages fp32 gradients with ``ReduceOp.AVG``, which gloo has been reported to carry out as a sum
+    (pytorch/pytorch#162338): every gradient N times too large, which AdamW's scale invariance hides in the weights.
+    SUM then a division is what FSDP2 does for fp16 anyway. A torch without the switch is left as it is: the gradient
+    comparisons of ``tests/dist/test_fsdp2.py`` and ``tests/gpu/test_fsdp2_on_cuda.py`` are the check.
+    """
+    switch = getattr(group, "set_force_sum_reduction_for_comms", None)
+    if switch is not None:
+        switch(True)
 
 
 def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[list[nn.Module], str]:

@@ -35,7 +35,7 @@ from lightning_ddp.bench.results import (
 from lightning_ddp.bench.runner import CellOutcome, SubprocessCellRunner, classify, error_line, run_processes
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.sweep import gradient_bytes, run_sweep
-from tests.support.cli_utils import REPO
+from tests.support.cli_utils import REPO, repo_first_on_path
 
 BENCH_CONFIGS = sorted((REPO / "configs" / "bench").glob("*.yaml"))
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -827,7 +827,7 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_ddp.bench", "--config", "configs/bench/tiny_test.yaml",
          "--output.out_dir", str(out)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=repo_first_on_path(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_results(out / "results.csv")
@@ -882,7 +882,7 @@ def test_a_sweep_killed_by_sigkill_keeps_finished_repeats_leaves_no_process_and_
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "lightning_ddp.bench", "--config", "configs/bench/tiny_test.yaml",
                "--grid.strategies", "[naive, ddp]", "--output.out_dir", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_first_on_path()
     sweep = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 400

@@ -1,7 +1,7 @@
 """The GPU tier's equivalence logic on CPU: the same jobs and checks as ``tests/gpu``, on gloo CPU layouts.
 
 ``tests/gpu`` cannot run here; these runs make sure what it runs is right: world size 1 (the NCCL layout's shape),
-the ZeRO-1 and ZeRO-2 variants of the matrix on 1 and 2 ranks, and the device plumbing (models and batches moved, results
+the ZeRO-1 and ZeRO-2 variants of the matrix on 1 and 2 ranks, fsdp2's gradients and weights, and the device plumbing (models and batches moved, results
 brought back to the CPU). The engines at 2 ranks are ``test_sync_equivalence``'s.
 """
 
@@ -12,6 +12,8 @@ import torch
 
 from lightning_ddp.sync.registry import ALGORITHMS
 from tests.support.device_matrix import CPU_LAYOUTS, CUDA_LAYOUTS, all_jobs, check_job, run_layout
+from tests.support.dist_utils import run_on_ranks
+from tests.support.fsdp2_on_device import check_fsdp2_matches_one_process, fsdp2_job
 from tests.support.equivalence import CASES, VARIANTS, ZERO1_CASES, ZERO1_VARIANTS, ZERO2_VARIANTS, jobs_for
 
 pytestmark = pytest.mark.multiprocess
@@ -84,3 +86,20 @@ def test_the_gpu_tier_runs_every_engine_case_and_zero1_variant() -> None:
     assert [(layout.world_size, layout.backend, layout.device) for layout in CUDA_LAYOUTS] == [
         (1, "nccl", "cuda"), (2, "gloo", "cuda")]
     assert torch.device(CUDA_LAYOUTS[0].device).type == "cuda"
+
+
+@pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda l: l.name)
+def test_fsdp2_gradients_after_the_first_step_and_weights_match_one_process(layout) -> None:
+    # The GPU tier's fsdp2 check (tests/gpu/test_fsdp2_on_cuda.py) on CPU: the same job and comparison.
+    ranks = run_on_ranks(fsdp2_job, layout.world_size, layout.device, backend=layout.backend, timeout=180)
+    assert [r["world_size"] for r in ranks] == [layout.world_size] * layout.world_size
+    check_fsdp2_matches_one_process(ranks)
+
+
+def test_the_fsdp2_check_catches_a_sum_instead_of_an_average() -> None:
+    # What the check is for: gradients N times too large (gloo summing where FSDP2 asked for an average) fail it,
+    # although AdamW's first update, lr x sign(g), would be the same.
+    reference = {"first_grads": {"w": torch.tensor([0.5, -1.0])}, "weights": {"w": torch.tensor([1.0, 2.0])}}
+    summed = {"first_grads": {"w": torch.tensor([1.0, -2.0])}, "weights": {"w": torch.tensor([1.0, 2.0])}}
+    with pytest.raises(AssertionError, match="step 0 gradient of w .norm ratio 2.000."):
+        check_fsdp2_matches_one_process([{**summed, "reference": reference}])

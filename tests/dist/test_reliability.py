@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_ddp.sync.registry import ALGORITHMS
-from tests.support.cli_utils import REPO, SAVE_FINAL_WEIGHTS, run_cli
+from tests.support.cli_utils import REPO, SAVE_FINAL_WEIGHTS, repo_first_on_path, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -107,7 +107,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path: Path) -> None:
     # environment. One thread per process in both runs: the thread count changes the order of float sums.
     args = (*SMALL, "--trainer.strategy", "bucketed_ddp", "--trainer.max_steps", "5",
             SAVE_FINAL_WEIGHTS, "--trainer.enable_progress_bar", "false")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**repo_first_on_path(), "OMP_NUM_THREADS": "1"}
     run_cli("fit", *args, "--trainer.callbacks.path", str(tmp_path / "one_node.pt"),
             "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), cwd=tmp_path, env=env)
     port = str(29_000 + os.getpid() % 1000)

@@ -4,20 +4,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.cli_utils import REPO, read_scalars
+from tests.support.cli_utils import REPO, read_scalars, repo_first_on_path
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _run_script(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**repo_first_on_path(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"

@@ -7,7 +7,6 @@ the straggler named in >= 90 % of steps) are the benchmark's (``python -m lightn
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_ddp.sync.record import Collective, SyncRecord
-from tests.support.cli_utils import REPO, run_cli
+from tests.support.cli_utils import REPO, repo_first_on_path, run_cli
 from tests.support.dist_utils import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -139,7 +138,7 @@ def test_two_torchrun_nodes_estimate_their_clock_offsets(tmp_path: Path) -> None
                "--trainer.strategy", "bucketed_ddp", "--trainer.enable_progress_bar", "false",
                "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), "--timer.clock_sync", "always",
                "--timer.clock_sync_every_n_steps", "4"]
-    base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **repo_first_on_path(), "PYTHONUNBUFFERED": "1"}
     envs = [{**base, "PET_NODE_RANK": str(node)} for node in range(2)]  # torchrun reads --node_rank from PET_*
     logs = [tmp_path / f"node{node}.log" for node in range(2)]
     result = run_processes(command, envs, logs, 240, cwd=str(tmp_path))
@@ -159,7 +158,7 @@ def test_the_straggler_benchmark_writes_its_files(tmp_path: Path, monkeypatch: p
     from lightning_ddp.bench.straggler import COLUMNS, main
 
     monkeypatch.chdir(REPO)  # the config names the fit config relative to the checkout
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", repo_first_on_path()["PYTHONPATH"])
     rows = main(["--config", str(REPO / "configs" / "straggler" / "smoke.yaml"), "--out_dir", str(tmp_path)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["environment.json", "results.csv", "results.md", "steps.csv"]
     # one strategy x (the control, one delay), 4 measured steps each (6 steps, 2 warm-up)

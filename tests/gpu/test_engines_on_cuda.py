@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.device_matrix import CUDA_LAYOUTS, Layout, all_jobs, check_job, run_layout
 
-pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess, pytest.mark.xdist_group("cuda_engines")]
 
 JOBS = all_jobs()
 PARAMS = [(layout, engine, case) for layout in CUDA_LAYOUTS for engine, case in JOBS]

@@ -4,21 +4,20 @@ and no recorded collective; a measured one has its synchronize (``tests/dist/tes
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.cli_utils import REPO
+from tests.support.cli_utils import REPO, repo_first_on_path
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]
 
 
 def test_unsampled_steps_never_synchronize_the_gpu(tmp_path: Path) -> None:
     # bucketed_ddp on one GPU (NCCL, world size 1), CommTimer(every_n_steps=3) over 7 steps
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**repo_first_on_path(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "sampling_probe.py"), str(tmp_path),
                            "cuda", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-8000:]

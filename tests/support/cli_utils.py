@@ -14,11 +14,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def repo_first_on_path(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with the checkout first on ``PYTHONPATH``, the rest kept:
+    a child runs this checkout's code, and packages installed to a folder on ``PYTHONPATH`` (wheels on a GPU
+    machine, ``pip install --target``) stay importable."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def run_cli(
     *args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m lightning_ddp ARGS`` in ``cwd`` with the progress bar off; fails with its output on error."""
-    env = {**(env or os.environ), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**repo_first_on_path(env), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_ddp", *args, "--trainer.enable_progress_bar", "false"],
         cwd=cwd,

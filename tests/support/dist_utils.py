@@ -46,6 +46,7 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -206,14 +207,18 @@ def _read_result(path: Path) -> tuple[str, Any]:
 # -- child side ---------------------------------------------------------------------------------------
 
 
+def select_device(rank: int, backend: str) -> None:
+    """NCCL binds a communicator to the current device: pick it (rank modulo the GPUs) before the group exists."""
+    if "nccl" in backend:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
 def _child(
     rank: int, world_size: int, port: int, target: _FunctionRef, args: tuple, result_dir: str, timeout: float,
     backend: str = "gloo",
 ) -> None:
     try:
-        if "nccl" in backend:
-            # NCCL binds a communicator to the current device: pick it before the group exists.
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        select_device(rank, backend)
         # Ranks share the machine's cores: one intra-op thread each avoids oversubscription and keeps timing
         # sane. A collective never outwaits the parent's limit.
         init_local_process_group(rank, world_size, port, backend, threads=1, timeout=timedelta(seconds=timeout))

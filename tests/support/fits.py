@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from lightning_ddp.callbacks import METRIC_KEYS
-from tests.support.cli_utils import REPO, run_cli
+from tests.support.cli_utils import REPO, repo_first_on_path, run_cli
 
 QUICK = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",
          "--model.context_length", "64", "--data.seq_len", "64", "--data.batch_size", "4",
@@ -64,7 +63,7 @@ def _run_ranks_sharing_one_device(tmp_path: Path, ranks: int, args: tuple[str, .
 
     port = str(find_free_port())
     command = [sys.executable, "-m", "lightning_ddp", *args, "--trainer.enable_progress_bar", "false"]
-    base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **repo_first_on_path(), "PYTHONUNBUFFERED": "1"}
     envs = [{**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks),
              "NODE_RANK": str(rank), "LOCAL_RANK": "0", "RANK": str(rank)} for rank in range(ranks)]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(ranks)]

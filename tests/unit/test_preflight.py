@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from lightning_ddp.cli import LightningDDPCLI, _strategy_for_estimate
 from lightning_ddp.data import LMDataModule
 from lightning_ddp.memory import GiB, MemoryPreflightError
 from lightning_ddp.module import LitGPT
-from tests.support.cli_utils import REPO
+from tests.support.cli_utils import REPO, repo_first_on_path
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
@@ -35,7 +34,7 @@ def test_xl_on_the_quickstart_is_refused_fast_with_one_message_and_writes_nothin
     # gradients and AdamW state of 2.0 B parameters alone are 7.4 + 7.4 + 14.9 GiB) cannot fit in any CPU host
     # this suite runs on (the budget is MemAvailable / 2; the test machine has 24 GiB). It must end in seconds,
     # refused by the pre-flight, not minutes later by the OOM killer.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**repo_first_on_path(), "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_ddp", "fit", "--config", QUICKSTART, "--model.preset", "xl"],
