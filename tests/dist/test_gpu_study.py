@@ -127,9 +127,11 @@ def test_stages_that_cannot_finish_in_the_budget_are_skipped(tmp_path: Path) -> 
         ran.append((ctx.stage_estimate_s, left, deadline))
         return StageResult()
 
-    # A 1-minute budget: a 2-minute stage is skipped, the 5-second stages before and after it run.
-    stages = [_stage("short", runs, 5), _stage("long", runs, 120), _stage("after", runs, 5)]
-    document = run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None)
+    # A 1-minute budget of which 30 s are gone (the call started earlier): the 50-second stage no longer fits what
+    # is left and waits for a later call; the 5-second stages before and after it run.
+    stages = [_stage("short", runs, 5), _stage("long", runs, 50), _stage("after", runs, 5)]
+    document = run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None,
+                         started=time.monotonic() - 30)
     statuses = {s["name"]: s["status"] for s in document["stages"]}
     assert statuses == {"short": "ok", "long": "skipped: budget", "after": "ok"}
     assert [estimate for estimate, _, _ in ran] == [5, 5]
@@ -138,7 +140,7 @@ def test_stages_that_cannot_finish_in_the_budget_are_skipped(tmp_path: Path) -> 
     for estimate, left, deadline in ran:
         assert deadline <= min(left, max(1.5 * estimate, estimate + 60)) + 1e-3 and deadline > left - 1
     skipped = document["stages"][1]
-    assert skipped["seconds"] is None and skipped["error"].startswith("needs ~120 s, ")
+    assert skipped["seconds"] is None and skipped["error"].startswith("needs ~50 s, ")
 
 
 def test_cuda_only_stages_are_skipped_without_cuda_and_selection_is_honoured(tmp_path: Path) -> None:
@@ -176,9 +178,10 @@ def test_resume_keeps_the_ok_stages_and_runs_the_rest(tmp_path: Path) -> None:
         return run
 
     stages = [_stage("first", stage_run("first"), 5), _stage("flaky", stage_run("flaky"), 5),
-              _stage("long", stage_run("long"), 120), _stage("last", stage_run("last"), 5)]
-    # Call 1, one minute: the 2-minute stage does not fit and is left for later; flaky fails.
-    one = run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None)
+              _stage("long", stage_run("long"), 50), _stage("last", stage_run("last"), 5)]
+    # Call 1, one minute of which 30 s are gone: the 50-second stage is left for later; flaky fails.
+    one = run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None,
+                    started=time.monotonic() - 30)
     assert [s["status"] for s in one["stages"]] == ["ok", "failed", "skipped: budget", "ok"]
     assert not one["complete"]
     kept = {s["name"]: dict(s) for s in one["stages"] if s["status"] == "ok"}
@@ -190,6 +193,17 @@ def test_resume_keeps_the_ok_stages_and_runs_the_rest(tmp_path: Path) -> None:
     assert {s["name"]: s for s in two["stages"] if s["name"] in kept} == kept  # rows unchanged, seconds included
     assert [call["budget_min"] for call in two["calls"]] == [1, 3] and two["created"] == one["created"]
     assert (tmp_path / "study" / "first.json").exists() and "flaky failed" not in (tmp_path / "study" / "results.md").read_text()
+
+
+def test_a_budget_too_small_for_a_stage_left_to_run_is_refused(tmp_path: Path) -> None:
+    stages = [_stage("environment", lambda ctx: StageResult(), 5), _stage("compute", lambda ctx: StageResult(), 120)]
+    with pytest.raises(ValueError, match=r"stage compute needs ~120 s, more than `--budget_min 1` .* at least 2.0 min"):
+        run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None)
+    assert not (tmp_path / "study").exists()  # refused before anything was written
+    # Not selected, or needing CUDA where there is none: it would not run, so the budget is enough.
+    document = run_study(_config(tmp_path, budget_min=1, stages=["environment"]), stages=stages, cuda=False,
+                         log=lambda line: None)
+    assert [s["status"] for s in document["stages"]] == ["ok", "skipped: not selected"]
 
 
 def test_a_folder_that_holds_a_study_needs_resume_and_the_same_kind(tmp_path: Path) -> None:
@@ -426,16 +440,31 @@ def test_dry_run_of_three_stages(tmp_path: Path) -> None:
     assert "# GPU study (CPU dry run" in report and "## ready_times" in report
 
 
-@pytest.mark.slow  # every stage on CPU: ~4 minutes on 2 cores
-def test_dry_run_of_every_stage(tmp_path: Path) -> None:
-    out = tmp_path / "study"
+@pytest.mark.slow  # every stage on CPU, in two calls: ~5 minutes on 2 cores
+def test_dry_run_of_every_stage_in_two_calls(tmp_path: Path) -> None:
+    out, archive = tmp_path / "study", tmp_path / "study.tar.gz"
+    # Call 1, two minutes (README's GPU recipe in small): some stages run, those that no longer fit are left.
     started = time.monotonic()
-    assert main(["--out", str(out), "--cpu_dry_run", "true"]) == 0
-    assert time.monotonic() - started < 8 * 60  # 5 minutes idle; room for a loaded CI machine
+    assert main(["--out", str(out), "--cpu_dry_run", "true", "--budget_min", "2", "--resume", "true"]) == 0
+    assert time.monotonic() - started < 150  # 107 s on 2 idle cores
+    first = json.loads((out / "stages.json").read_text())
+    kept = {s["name"]: s for s in first["stages"] if s["status"] == "ok"}
+    assert kept and any(s["status"] == "skipped: budget" for s in first["stages"]) and not first["complete"]
+    # Call 2 resumes: the ok stages are kept as they were, the rest run, and the archive holds the whole study.
+    assert main(["--out", str(out), "--cpu_dry_run", "true", "--budget_min", "10", "--resume", "true",
+                 "--archive", str(archive)]) == 0
     document = json.loads((out / "stages.json").read_text())
     assert [(s["name"], s["status"]) for s in document["stages"]] == [
         (name, "skipped: no CUDA" if name == "cuda_tests" else "ok") for name in STAGE_NAMES]
+    assert {s["name"]: s for s in document["stages"] if s["name"] in kept} == kept and document["complete"]
     _check_files(out, document)
+    assert not list(out.rglob("weights.pt"))  # compared, then removed
+    assert archive.stat().st_size <= 16 * 2**20
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        assert json.loads(tar.extractfile("stages.json").read()) == document
+    assert {"stages.json", "results.md", "strategies.json", "traces/timeline.png"} <= names
+    assert not [n for n in names if n.endswith((".pt", ".ckpt")) or "/runs/" in n]
     strategies = json.loads((out / "strategies.json").read_text())["rows"]
     assert set(strategies) == {*strategy_names(), "ddp"}  # every one of ours (algorithms, zero1, zero2) and the baseline
     assert all(row["status"] == "ok" and row["step/time_ms"] > 0 for row in strategies.values())

@@ -1,8 +1,9 @@
 """One ``.tar.gz`` of what a GPU study is worth committing, small enough to come back from a GPU machine.
 
 What goes in (paths relative to the study's folder, so it unpacks into ``benchmarks/results/gpu-<h100|h200>/``):
-files ending in ``KEPT_SUFFIXES`` (stages.json, results.md, every JSON/CSV result, the plots, the logs) of at most
-``FILE_LIMIT`` bytes each; never weights or checkpoints, TensorBoard event files, or a sweep's per-cell ``runs/``
+files ending in ``KEPT_SUFFIXES`` (stages.json, results.md, every JSON/CSV result, the plots, and the logs, which
+are for diagnosis: ``.gitignore`` keeps them and the process plans out of commits) of at most ``FILE_LIMIT`` bytes
+each; never weights or checkpoints, TensorBoard event files, or a sweep's per-cell ``runs/``
 folders. If the total passes ``ARCHIVE_LIMIT`` (the 16 MiB a file may have to come back), the largest files are
 left out until it fits; ``stages.json`` and ``results.md`` always go in. ``archive_contents.json`` inside lists
 what was left out and why. The archive is written to a temporary file and renamed, so it is whole or absent.
@@ -91,6 +92,7 @@ def write_archive(out: Path, archive: Path) -> ArchiveContents:
             info = tarfile.TarInfo(CONTENTS)
             info.size = len(listing)
             tar.addfile(info, io.BytesIO(listing))
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would keep the archive from whoever unpacks it
         os.replace(temporary, archive)
     finally:
         if os.path.exists(temporary):

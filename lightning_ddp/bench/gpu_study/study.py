@@ -141,6 +141,18 @@ def commit_of(config: GPUStudyConfig) -> dict[str, Any]:
     return {"git_commit": state["git_commit"], "source": state["git_commit_source"]}
 
 
+def _check_budget(stages: Sequence[Stage], document: dict[str, Any], ctx: StudyContext) -> None:
+    """Refuse a budget in which a stage left to run could never start (it would be skipped call after call)."""
+    budget_s = ctx.config.budget_min * 60
+    for stage, entry in zip(stages, document["stages"]):
+        selected = ctx.config.stages is None or stage.name in ctx.config.stages
+        runnable = entry["status"] != "ok" and selected and (ctx.cuda or not stage.needs_cuda)
+        if runnable and stage.estimate(ctx.config.cpu_dry_run) > budget_s:
+            raise ValueError(f"stage {stage.name} needs ~{stage.estimate(ctx.config.cpu_dry_run):.0f} s, more than "
+                             f"`--budget_min {ctx.config.budget_min:g}` gives a call; give it at least "
+                             f"{stage.estimate(ctx.config.cpu_dry_run) / 60:.1f} minutes (default 9)")
+
+
 def _skip_reason(stage: Stage, config: GPUStudyConfig, ctx: StudyContext) -> tuple[str, str] | None:
     """``(status, error)`` when ``stage`` does not run in this call, else None."""
     estimate = stage.estimate(config.cpu_dry_run)
@@ -201,10 +213,11 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     if not cuda and not config.cpu_dry_run:
         raise ValueError("no CUDA device is visible (torch.cuda.is_available() is False in a fresh process); the GPU "
                          "study needs one. To rehearse every stage on CPU, add `--cpu_dry_run true`.")
-    out.mkdir(parents=True, exist_ok=True)
     ctx = StudyContext(config=config, scale=scale_of(config), out=out, root=root, cuda=cuda,
                        deadline=started + config.budget_min * 60, log=say)
     document = _new_document(config, stages, ctx, previous)
+    _check_budget(stages, document, ctx)
+    out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
         document["elapsed_s"] = round(time.monotonic() - started, 1)
