@@ -14,9 +14,10 @@ The recipe, in ``configure_ddp`` (after the model is on its device, before the o
    (``reshard_after_forward``), its gradients reduce-scattered as soon as its backward is done.
 3. ``fully_shard`` the LightningModule itself: the root group holds every parameter not in a block (our GPT's
    embedding, final norm and ``lm_head``; tied embedding/``lm_head`` weights are one parameter of this one group
-   and stay tied). Over gloo every group reduce-scatters with SUM and divides itself (``force_sum_reduction``). Lightning calls ``training_step``, not ``forward``, so the strategy runs the step methods
-   through the root's ``__call__`` (as Lightning's DDP strategy does through the DDP wrapper) for the root's
-   hooks to gather and free its parameters.
+   and stay tied). Over gloo every group reduce-scatters with SUM and divides itself (``force_sum_reduction``).
+   Lightning calls ``training_step``, not ``forward``, so the strategy runs the step methods through the root's
+   ``__call__`` (as Lightning's DDP strategy does through the DDP wrapper) for the root's hooks to gather and free
+   its parameters.
 
 Then Lightning builds the optimizers over the sharded parameters (DTensors): each rank keeps 1/N of the
 parameters, gradients and optimizer state. Everything else is FSDP2's own:

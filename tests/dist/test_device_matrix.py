@@ -1,8 +1,9 @@
 """The GPU tier's equivalence logic on CPU: the same jobs and checks as ``tests/gpu``, on gloo CPU layouts.
 
 ``tests/gpu`` cannot run here; these runs make sure what it runs is right: world size 1 (the NCCL layout's shape),
-the ZeRO-1 and ZeRO-2 variants of the matrix on 1 and 2 ranks, fsdp2's gradients and weights, and the device plumbing (models and batches moved, results
-brought back to the CPU). The engines at 2 ranks are ``test_sync_equivalence``'s.
+the ZeRO-1 and ZeRO-2 variants of the matrix on 1 and 2 ranks, fsdp2's gradients and weights, and the device
+plumbing (models and batches moved, results brought back to the CPU). The engines at 2 ranks are
+``test_sync_equivalence``'s.
 """
 
 from __future__ import annotations

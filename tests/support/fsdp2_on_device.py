@@ -93,8 +93,8 @@ def check_fsdp2_matches_one_process(ranks: list[dict[str, Any]]) -> None:
         assert run["first_grads"].keys() == reference["first_grads"].keys()
         for name, expected in reference["first_grads"].items():
             ratio = float(run["first_grads"][name].norm() / expected.norm())
-            torch.testing.assert_close(run["first_grads"][name], expected, **GRAD_TOL,
-                                       msg=lambda m: f"rank {rank} step 0 gradient of {name} (norm ratio {ratio:.3f}): {m}")
+            what = f"rank {rank} step 0 gradient of {name} (norm ratio {ratio:.3f})"
+            torch.testing.assert_close(run["first_grads"][name], expected, **GRAD_TOL, msg=lambda m: f"{what}: {m}")
         for name, expected in reference["weights"].items():
             torch.testing.assert_close(run["weights"][name], expected, **WEIGHT_TOL,
                                        msg=lambda m: f"rank {rank} weight {name} after {STEPS} steps: {m}")

@@ -150,7 +150,8 @@ class GPUStudyConfig:
             if not self.stages:
                 raise ValueError(f"`--stages` is empty; list at least one of {', '.join(STAGE_NAMES)}, or leave it out")
         if self.archive is not None and not self.archive.endswith(".tar.gz"):
-            raise ValueError(f"`--archive` must name a .tar.gz file, got {self.archive!r}; e.g. `--archive study.tar.gz`")
+            raise ValueError(f"`--archive` must name a .tar.gz file, got {self.archive!r}; "
+                             "e.g. `--archive study.tar.gz`")
         if self.commit is not None and not re.fullmatch(r"[0-9a-f]{7,40}", self.commit):
             raise ValueError(f"`--commit` must be a git commit hash (7-40 hex digits), got {self.commit!r}; e.g. "
                              "`--commit $(git rev-parse HEAD)` where the checkout has .git")

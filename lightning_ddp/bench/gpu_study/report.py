@@ -236,6 +236,18 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 # ---- the page ------------------------------------------------------------------------------------------------------
 
 
+def _calls_line(document: dict[str, Any]) -> str:
+    """When and in how many calls the study ran, e.g. "2 calls (budgets 9 + 9 min, 16.2 min in all); started ..."."""
+    calls = document.get("calls") or [{"budget_min": document.get("budget_min", 0),
+                                       "elapsed_s": document.get("elapsed_s", 0)}]
+    budgets = " + ".join(f"{c.get('budget_min', 0):g}" for c in calls)
+    elapsed = sum(c.get("elapsed_s") or 0 for c in calls) / 60
+    commit = (document.get("commit") or {}).get("git_commit")
+    return (f"{len(calls)} call{'s' if len(calls) != 1 else ''} (budget{'s' if len(calls) != 1 else ''} {budgets} min, "
+            f"{elapsed:.1f} min in all); started {document.get('created')}"
+            + (f", commit {str(commit)[:12]}." if commit else "."))
+
+
 def build_report(document: dict[str, Any], out: Path) -> str:
     """results.md for ``document`` (the stages.json dict), reading each stage's ``<name>.json`` from ``out``."""
     environment = _read(out, "environment") or {}
@@ -243,8 +255,7 @@ def build_report(document: dict[str, Any], out: Path) -> str:
     device = gpus[0]["name"] if gpus else document.get("device", "?")
     title = "GPU study" + (" (CPU dry run: tiny preset, no CUDA)" if document.get("cpu_dry_run") else f" on {device}")
     lines = [f"# {title}", "",
-             f"Budget {document.get('budget_min', 0):g} min, {document.get('elapsed_s', 0) / 60:.1f} min elapsed; "
-             f"started {document.get('created')}. `stages.json` has each stage's status, seconds and error line.", "",
+             f"{_calls_line(document)} `stages.json` has each stage's status, seconds and error line.", "",
              ONE_GPU_CAVEAT, ""]
     if document.get("cpu_dry_run"):
         lines += ["This is a rehearsal on CPU: every stage's code ran with the tiny preset, stages that need CUDA were "

@@ -406,9 +406,9 @@ near-zero gradient meets Adam's normalisation); a rank's gradient missing from t
 LOSSY_TOLERANCE = 1e-2
 """The same for a lossy algorithm (``bucketed_bf16``): bf16 gradients left 0.08 % off (99th percentile 8e-3)."""
 TOLERANCE_ORIGIN = ("calibrated on CPU (gloo, fp32, tiny preset, 3 steps at lr 1e-3): exact algorithms left no "
-                    "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16 0.08 % (99th percentile "
-                    "8e-3), a rank's gradient missing from the average 52 %. cuBLAS sums in another order than the CPU: "
-                    "read the 99th percentile and the largest difference beside the verdict.")
+                    "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16 0.08 % (99th "
+                    "percentile 8e-3), a rank's gradient missing from the average 52 %. cuBLAS sums in another order "
+                    "than the CPU: read the 99th percentile and the largest difference beside the verdict.")
 """Where the tolerances come from, written beside the verdicts (results.md) so a GPU's other rounding can be told
 from a wrong synchronisation: rounding moves the 99th percentile by orders of magnitude less than a missing rank."""
 
@@ -482,8 +482,8 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
             problems.append(f"{result.name} on 2 ranks: {result.status}: {result.error}")
         rows[result.name] = row
     data = {"preset": s.equivalence_preset, "per_rank_batch": batch, "seq_len": seq_len, "steps": steps,
-            "lr": EQUIVALENCE_LR, "precision": "32-true", "off_by_updates": OFF_BY, "tolerance_origin": TOLERANCE_ORIGIN,
-            "rows": rows}
+            "lr": EQUIVALENCE_LR, "precision": "32-true", "off_by_updates": OFF_BY,
+            "tolerance_origin": TOLERANCE_ORIGIN, "rows": rows}
     return data, problems
 
 

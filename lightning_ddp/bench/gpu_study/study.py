@@ -77,8 +77,10 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
     the study's own rule (a stage runs when its estimate fits what is left), call after call.
 
     >>> from lightning_ddp.bench.gpu_study.stages import STAGES
-    >>> plan_calls(STAGES, 9)
-    [['environment', 'cuda_tests', 'compute', 'strategies'], ['one_gpu_pair', 'traces', 'ready_times', 'timer_overhead']]
+    >>> for call in plan_calls(STAGES, 9):
+    ...     print(call)
+    ['environment', 'cuda_tests', 'compute', 'strategies']
+    ['one_gpu_pair', 'traces', 'ready_times', 'timer_overhead']
     """
     too_long = [s.name for s in stages if s.estimate(dry_run) > budget_min * 60]
     if too_long:
