@@ -23,10 +23,12 @@ holds, so it would refuse evaluations that fit.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import warnings
 import zipfile
+from typing import NoReturn
 
 import torch
 
@@ -37,6 +39,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
+from lightning_ddp.callbacks.final_checkpoint import FinalStepCheckpoint
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
 from lightning_ddp.data import BYTE_VOCAB_SIZE, DEFAULT_VOCAB_SIZE, LMDataModule
 from lightning_ddp.memory import (
@@ -67,7 +70,70 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 SUBCOMMANDS = ("fit", "validate", "test")
 
 
+class UsageError(SystemExit):
+    """A refused input: exit code 2, the message already printed as one ``error:`` line. A ``SystemExit``, so that
+    ``python -m lightning_ddp`` prints no traceback; its text is the message, for a caller that catches it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``error: <message>`` on stderr and exit 2 (``UsageError``)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise UsageError(message)
+
+
+# jsonargparse's reasons that only restate a type it tried, beside the one that says what is wrong
+_TYPE_NOISE = ("Expected a ", "Not a valid subclass", "Type <", "Does not validate against", "Problem with given")
+
+
+def user_error_message(message: str) -> str:
+    """The line of a (jsonargparse) error message that says what is wrong, with the fix when it names one.
+
+    A union type's report lists one reason per type tried (``- ...``): the one that is not a type mismatch, the one
+    naming a fix first. Otherwise the first line, with the next when it is only a label (``Parser key "x":``).
+
+    >>> user_error_message("Does not validate against any of the Union subtypes\\nErrors:\\n  - Expected a <class "
+    ...                    "'str'>\\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\\nGiven value: x")
+    'bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.'
+    >>> user_error_message('Parser key "data.batch_size":\\n  Expected a <class \\'int\\'>. Got value: abc')
+    'Parser key "data.batch_size": Expected a <class \\'int\\'>. Got value: abc'
+    """
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return message
+    reasons = [line[2:] for line in lines if line.startswith("- ") and not line[2:].startswith(_TYPE_NOISE)]
+    if reasons:
+        fixes = [line for line in reasons if any(word in line for word in ("; set", "; use", "set --", "use --"))]
+        return (fixes or reasons)[0]
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """jsonargparse's parser, whose refusal is one ``error:`` line and a pointer to ``--help`` instead of the
+    whole usage text (~90 lines for ``fit``) before the error."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)  # a caller parsing on purpose without exiting (jsonargparse's own retries)
+        line = user_error_message(message)
+        if "File does not exist" in line:
+            line += " (check the path; the configs are under configs/, e.g. configs/quickstart.yaml)"
+        refuse(f"{line}\n(--help lists the options)")
+
+
 class LightningDDPCLI(LightningCLI):
+    def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
+        super().__init__(*args, parser_class=parser_class, **kwargs)
+
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
@@ -86,6 +152,23 @@ class LightningDDPCLI(LightningCLI):
             help="Before fit starts, estimate one rank's peak memory (lightning_ddp.memory) and refuse a run that "
             "cannot fit, naming the fixes. false skips the check. validate and test never run it (forward only).",
         )
+
+    @override
+    def instantiate_classes(self) -> None:
+        # The model's, data's and strategy's own checks (a batch of 0, bucket_size_mb -1, an unknown preset) raise
+        # ValueError/TypeError from their constructors; jsonargparse buries a strategy's under its union-type report.
+        # Nothing has started yet: one line, exit 2.
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            refuse(user_error_message(str(error)))
+
+    @override
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        # With checkpointing on, the last step is saved even when the run does not end on a validation.
+        trainer.callbacks.append(FinalStepCheckpoint())
+        return trainer
 
     @override
     def before_validate(self) -> None:
@@ -109,24 +192,29 @@ class LightningDDPCLI(LightningCLI):
         # launched or any file is written.
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
-        check_strategy_name(config.trainer.strategy)
-        check_cpu_devices(config.trainer.accelerator, config.trainer.devices)
-        if config.get("ckpt_path"):
-            check_checkpoint_file(config.ckpt_path)
+        try:
+            check_strategy_name(config.trainer.strategy)
+            check_cpu_devices(config.trainer.accelerator, config.trainer.devices)
+            if config.get("ckpt_path"):
+                check_checkpoint_file(config.ckpt_path)
+        except (ValueError, FileNotFoundError) as error:
+            refuse(str(error))
         # `fit`, or no subcommand (`run=False`: the caller is about to call `trainer.fit` itself).
         if subcommand in ("fit", None) and config.get("preflight", True):
             check_memory(config)
 
 
 def check_strategy_name(strategy: object) -> None:
-    """An unknown strategy name lists every registered one, ours first."""
+    """An unknown strategy name suggests the closest registered one and lists ours (Lightning's variants counted)."""
     if not isinstance(strategy, str) or strategy in StrategyRegistry or strategy == "auto":
         return
     ours = strategy_names()
     others = sorted(name for name in StrategyRegistry if name not in ours and name != "ddp")
+    close = difflib.get_close_matches(strategy, [*ours, "ddp", *others], n=1, cutoff=0.6)
+    fix = f"did you mean {close[0]}? Set --trainer.strategy {close[0]}" if close else "set --trainer.strategy to one"
     raise ValueError(
-        f"Unknown strategy {strategy!r}. Ours: {', '.join(ours)}; Lightning's baseline: ddp; also registered: "
-        f"{', '.join(others)}. Set --trainer.strategy to one of them."
+        f"Unknown strategy {strategy!r}. Ours: {', '.join(ours)}; Lightning's baseline: ddp (and {len(others)} more "
+        f"of Lightning's: {', '.join(n for n in others if 'find_unused' not in n and '_' not in n)}, ...); {fix}."
     )
 
 
