@@ -28,7 +28,8 @@ CASES = {
     # the strategy's own ValueError, which jsonargparse reports under its union-type retries
     "bucket size -1": (lambda tmp: ["--trainer.strategy.init_args.bucket_size_mb", "-1"],
                        "bucket_size_mb must be > 0, 'auto' or null (a single bucket), got -1.0; set e.g."),
-    "batch of 0": (lambda tmp: ["--data.batch_size", "0"], "--data.batch_size is 0; set --data.batch_size to at least 1"),
+    "batch of 0": (lambda tmp: ["--data.batch_size", "0"],
+                   "--data.batch_size is 0; set --data.batch_size to at least 1"),
     "not an int": (lambda tmp: ["--data.batch_size", "abc"], 'Parser key "data.batch_size": Expected a'),
     "unknown preset": (lambda tmp: ["--model.preset", "huge"], "'huge' is not a supported preset; choose one of"),
     "missing checkpoint": (lambda tmp: ["--ckpt_path", str(tmp / "none.ckpt")], "does not exist; point it at a .ckpt"),
