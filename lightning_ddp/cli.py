@@ -34,12 +34,13 @@ import torch
 
 from jsonargparse import lazy_instance, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks.final_checkpoint import FinalStepCheckpoint
+from lightning_ddp.callbacks.recording import strategy_label
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
 from lightning_ddp.data import BYTE_VOCAB_SIZE, DEFAULT_VOCAB_SIZE, LMDataModule
 from lightning_ddp.memory import (
@@ -168,6 +169,7 @@ class LightningDDPCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         # With checkpointing on, the last step is saved even when the run does not end on a validation.
         trainer.callbacks.append(FinalStepCheckpoint())
+        name_run_by_strategy(trainer)
         return trainer
 
     @override
@@ -202,6 +204,20 @@ class LightningDDPCLI(LightningCLI):
         # `fit`, or no subcommand (`run=False`: the caller is about to call `trainer.fit` itself).
         if subcommand in ("fit", None) and config.get("preflight", True):
             check_memory(config)
+
+
+def name_run_by_strategy(trainer) -> None:
+    """A TensorBoard/CSV logger left unnamed logs under the strategy's name (``logs/bucketed_ddp/version_0``, beside
+    ``logs/naive_ddp/version_0`` in TensorBoard); ``{strategy}`` in a name is replaced by it
+    (``name: text_bytes_{strategy}``). A name given otherwise is kept. Runs before anything reads the log folder."""
+    logger = trainer.logger
+    if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
+        return
+    label = strategy_label(trainer.strategy)
+    if logger.name == "lightning_logs":  # the loggers' default: no name was given
+        logger._name = label
+    elif "{strategy}" in logger.name:
+        logger._name = logger.name.replace("{strategy}", label)
 
 
 def check_strategy_name(strategy: object) -> None:
@@ -431,7 +447,7 @@ def main(args: list[str] | None = None) -> LightningDDPCLI:
         return LightningDDPCLI(
             LitGPT,
             LMDataModule,
-            trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs", name="lightning_ddp")},
+            trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs")},  # named by strategy
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
             args=args,
