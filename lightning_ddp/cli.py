@@ -275,6 +275,8 @@ _STRATEGY_CLASSES = {
     "lightning_ddp.strategies.named.BucketedDDPStrategy": "bucketed_ddp",
     "lightning.pytorch.strategies.DDPStrategy": "ddp",
     "lightning.pytorch.strategies.ddp.DDPStrategy": "ddp",
+    "lightning_ddp.strategies.FSDP2Strategy": "fsdp2",
+    "lightning_ddp.strategies.fsdp2.FSDP2Strategy": "fsdp2",
 }
 
 
@@ -289,7 +291,7 @@ def _field(namespace: object, name: str, default: object = None) -> object:
 
 def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] | None:
     """(name, bucket_size_mb, state sharded over an all-reducing engine) of the configured strategy, or None
-    for one the estimate does not model (FSDP, DeepSpeed, a user's class)."""
+    for one the estimate does not model (Lightning's FSDP, DeepSpeed, a user's class)."""
     if isinstance(strategy, str):
         return strategy, None, False
     class_path = _field(strategy, "class_path")
@@ -404,8 +406,11 @@ def check_memory(config) -> None:
     candidates = []
     if normalize_precision(trainer.precision) == "32-true":
         candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
-    if strategy != "zero1_ddp" and not shard_state and world_size > 1:
-        candidates.append(("--trainer.strategy zero1_ddp", estimate(strategy="zero1_ddp")))
+    # Each sharding of the data-parallel family the memory model knows, with what it would make fit.
+    shardings = ("zero1_ddp", "zero2_ddp", "fsdp2") if world_size > 1 else ()
+    for name in shardings:
+        if name != strategy and not (shard_state and name == "zero1_ddp"):
+            candidates.append((f"--trainer.strategy {name}", estimate(strategy=name, bucket_size_mb=None)))
     smaller = list(PRESETS)[: list(PRESETS).index(model.preset)] if model.preset in PRESETS else []
     fitting = [name for name in smaller if estimate(preset=name).total_bytes <= budget]
     if fitting:
