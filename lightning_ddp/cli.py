@@ -24,6 +24,7 @@ holds, so it would refuse evaluations that fit.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import sys
 import warnings
@@ -64,11 +65,29 @@ warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*"
 # An empty val_dataloader() is how LMDataModule says "no validation"; Lightning warns that its length is zero.
 warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero.*")
 
+# Known and harmless, on every run (silenced so that a real warning stands out): Lightning's pytree helper calls a
+# torch API deprecated in torch 2.13 (a FutureWarning, once per rank), and Lightning advertises its cloud services.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+
+
+class _DropLightningTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropLightningTips())
+
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 #: The subcommands this CLI runs; LightningCLI's ``predict`` is left out (see the module docstring).
 SUBCOMMANDS = ("fit", "validate", "test")
+
+
+def _quiet_evaluation() -> None:
+    # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to a
+    # resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
+    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
 
 
 class UsageError(SystemExit):
@@ -175,10 +194,12 @@ class LightningDDPCLI(LightningCLI):
     @override
     def before_validate(self) -> None:
         self._require_split("validate")
+        _quiet_evaluation()
 
     @override
     def before_test(self) -> None:
         self._require_split("test")
+        _quiet_evaluation()
 
     def _require_split(self, stage: str) -> None:
         # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
