@@ -15,6 +15,12 @@ REPO = Path(__file__).parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch) -> None:
+    # LightningCLI warns when it gets both `args` and pytest's own sys.argv.
+    monkeypatch.setattr("sys.argv", ["lightning_ddp"])
+
+
 def _not_a_checkpoint(tmp_path: Path) -> str:
     path = tmp_path / "notes.ckpt"
     path.write_text("not a checkpoint")

@@ -21,6 +21,12 @@ from lightning_ddp.callbacks.final_checkpoint import FinalStepCheckpoint
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch) -> None:
+    # LightningCLI warns when it gets both `args` and pytest's own sys.argv.
+    monkeypatch.setattr("sys.argv", ["lightning_ddp"])
+
+
 class Regression(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()

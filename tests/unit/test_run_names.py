@@ -17,6 +17,12 @@ from lightning_ddp.strategies import NaiveDDPStrategy
 QUICKSTART = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
 
 
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch) -> None:
+    # LightningCLI warns when it gets both `args` and pytest's own sys.argv.
+    monkeypatch.setattr("sys.argv", ["lightning_ddp"])
+
+
 @pytest.mark.parametrize("extra,expected", [
     ([], "bucketed_ddp"),  # the quickstart's logger has no name; its strategy block is BucketedDDPStrategy
     (["--trainer.strategy", "ddp"], "ddp"),
