@@ -115,25 +115,43 @@ _TYPE_NOISE = ("Expected a ", "Not a valid subclass", "Type <", "Does not valida
 def user_error_message(message: str) -> str:
     """The line of a (jsonargparse) error message that says what is wrong, with the fix when it names one.
 
-    A union type's report lists one reason per type tried (``- ...``): the one that is not a type mismatch, the one
-    naming a fix first. Otherwise the first line, with the next when it is only a label (``Parser key "x":``).
+    A union type's report lists one reason per type tried (``- ...``, continued on deeper-indented lines): the one
+    that is not a type mismatch, the one naming a fix first, after the key's label (``Parser key "x":``) when
+    there is one. Otherwise the first line, with the next when it is only a label.
 
     >>> user_error_message("Does not validate against any of the Union subtypes\\nErrors:\\n  - Expected a <class "
     ...                    "'str'>\\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\\nGiven value: x")
     'bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.'
+    >>> user_error_message('Parser key "s":\\n  Errors:\\n    - Expected a <class \\'str\\'>\\n    - Problem with given '
+    ...                    'class_path \\'A\\':\\n        Option \\'x\\' is not accepted\\n  Given value: x')
+    'Parser key "s": Option \\'x\\' is not accepted'
     >>> user_error_message('Parser key "data.batch_size":\\n  Expected a <class \\'int\\'>. Got value: abc')
     'Parser key "data.batch_size": Expected a <class \\'int\\'>. Got value: abc'
     """
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    if not lines:
+    raw = [line.rstrip() for line in message.splitlines() if line.strip()]
+    if not raw:
         return message
-    reasons = [line[2:] for line in lines if line.startswith("- ") and not line[2:].startswith(_TYPE_NOISE)]
+    label = raw[0].strip() + " " if raw[0].strip().endswith(":") else ""
+    reasons = []
+    for i, line in enumerate(raw):
+        if not line.lstrip().startswith("- "):
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = [line.lstrip()[2:]]
+        for follow in raw[i + 1:]:
+            if len(follow) - len(follow.lstrip()) <= indent:
+                break
+            body.append(follow.strip())
+        if not body[0].startswith(_TYPE_NOISE):
+            reasons.append(" ".join(body))
+        elif body[0].endswith(":") and len(body) > 1:  # "Problem with given class_path 'X':" and why, below it
+            reasons.append(" ".join(body[1:]))
     if reasons:
         fixes = [line for line in reasons if any(word in line for word in ("; set", "; use", "set --", "use --"))]
-        return (fixes or reasons)[0]
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[1]}"
-    return lines[0]
+        return label + (fixes or reasons)[0]
+    if label and len(raw) > 1:
+        return label + raw[1].strip()
+    return raw[0].strip()
 
 
 class OneLineErrorParser(LightningArgumentParser):

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp.callbacks.final_checkpoint import FinalStepCheckpoint
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 
 
 @pytest.fixture(autouse=True)
