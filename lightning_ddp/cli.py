@@ -122,8 +122,8 @@ def user_error_message(message: str) -> str:
     >>> user_error_message("Does not validate against any of the Union subtypes\\nErrors:\\n  - Expected a <class "
     ...                    "'str'>\\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\\nGiven value: x")
     'bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.'
-    >>> user_error_message('Parser key "s":\\n  Errors:\\n    - Expected a <class \\'str\\'>\\n    - Problem with given '
-    ...                    'class_path \\'A\\':\\n        Option \\'x\\' is not accepted\\n  Given value: x')
+    >>> user_error_message('Parser key "s":\\n  Errors:\\n    - Expected a <class \\'str\\'>\\n'
+    ...                    '    - Problem with given class_path \\'A\\':\\n        Option \\'x\\' is not accepted')
     'Parser key "s": Option \\'x\\' is not accepted'
     >>> user_error_message('Parser key "data.batch_size":\\n  Expected a <class \\'int\\'>. Got value: abc')
     'Parser key "data.batch_size": Expected a <class \\'int\\'>. Got value: abc'
