@@ -23,20 +23,25 @@ holds, so it would refuse evaluations that fit.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import sys
 import warnings
 import zipfile
+from typing import NoReturn
 
 import torch
 
 from jsonargparse import lazy_instance, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
+from lightning_ddp.callbacks.final_checkpoint import FinalStepCheckpoint
+from lightning_ddp.callbacks.recording import strategy_label
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
 from lightning_ddp.data import BYTE_VOCAB_SIZE, DEFAULT_VOCAB_SIZE, LMDataModule
 from lightning_ddp.memory import (
@@ -60,6 +65,18 @@ warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*"
 # An empty val_dataloader() is how LMDataModule says "no validation"; Lightning warns that its length is zero.
 warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero.*")
 
+# Known and harmless, on every run (silenced so that a real warning stands out): Lightning's pytree helper calls a
+# torch API deprecated in torch 2.13 (a FutureWarning, once per rank), and Lightning advertises its cloud services.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+
+
+class _DropLightningTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropLightningTips())
+
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -67,7 +84,94 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 SUBCOMMANDS = ("fit", "validate", "test")
 
 
+def _quiet_evaluation() -> None:
+    # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to a
+    # resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
+    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
+
+
+class UsageError(SystemExit):
+    """A refused input: exit code 2, the message already printed as one ``error:`` line. A ``SystemExit``, so that
+    ``python -m lightning_ddp`` prints no traceback; its text is the message, for a caller that catches it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``error: <message>`` on stderr and exit 2 (``UsageError``)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise UsageError(message)
+
+
+# jsonargparse's reasons that only restate a type it tried, beside the one that says what is wrong
+_TYPE_NOISE = ("Expected a ", "Not a valid subclass", "Type <", "Does not validate against", "Problem with given")
+
+
+def user_error_message(message: str) -> str:
+    """The line of a (jsonargparse) error message that says what is wrong, with the fix when it names one.
+
+    A union type's report lists one reason per type tried (``- ...``, continued on deeper-indented lines): the one
+    that is not a type mismatch, the one naming a fix first, after the key's label (``Parser key "x":``) when
+    there is one. Otherwise the first line, with the next when it is only a label.
+
+    >>> user_error_message("Does not validate against any of the Union subtypes\\nErrors:\\n  - Expected a <class "
+    ...                    "'str'>\\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\\nGiven value: x")
+    'bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.'
+    >>> user_error_message('Parser key "s":\\n  Errors:\\n    - Expected a <class \\'str\\'>\\n'
+    ...                    '    - Problem with given class_path \\'A\\':\\n        Option \\'x\\' is not accepted')
+    'Parser key "s": Option \\'x\\' is not accepted'
+    >>> user_error_message('Parser key "data.batch_size":\\n  Expected a <class \\'int\\'>. Got value: abc')
+    'Parser key "data.batch_size": Expected a <class \\'int\\'>. Got value: abc'
+    """
+    raw = [line.rstrip() for line in message.splitlines() if line.strip()]
+    if not raw:
+        return message
+    label = raw[0].strip() + " " if raw[0].strip().endswith(":") else ""
+    reasons = []
+    for i, line in enumerate(raw):
+        if not line.lstrip().startswith("- "):
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = [line.lstrip()[2:]]
+        for follow in raw[i + 1:]:
+            if len(follow) - len(follow.lstrip()) <= indent:
+                break
+            body.append(follow.strip())
+        if not body[0].startswith(_TYPE_NOISE):
+            reasons.append(" ".join(body))
+        elif body[0].endswith(":") and len(body) > 1:  # "Problem with given class_path 'X':" and why, below it
+            reasons.append(" ".join(body[1:]))
+    if reasons:
+        fixes = [line for line in reasons if any(word in line for word in ("; set", "; use", "set --", "use --"))]
+        return label + (fixes or reasons)[0]
+    if label and len(raw) > 1:
+        return label + raw[1].strip()
+    return raw[0].strip()
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """jsonargparse's parser, whose refusal is one ``error:`` line and a pointer to ``--help`` instead of the
+    whole usage text (~90 lines for ``fit``) before the error."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)  # a caller parsing on purpose without exiting (jsonargparse's own retries)
+        line = user_error_message(message)
+        if "File does not exist" in line:
+            line += " (check the path; the configs are under configs/, e.g. configs/quickstart.yaml)"
+        refuse(f"{line}\n(--help lists the options)")
+
+
 class LightningDDPCLI(LightningCLI):
+    def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
+        super().__init__(*args, parser_class=parser_class, **kwargs)
+
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
@@ -88,12 +192,32 @@ class LightningDDPCLI(LightningCLI):
         )
 
     @override
+    def instantiate_classes(self) -> None:
+        # The model's, data's and strategy's own checks (a batch of 0, bucket_size_mb -1, an unknown preset) raise
+        # ValueError/TypeError from their constructors; jsonargparse buries a strategy's under its union-type report.
+        # Nothing has started yet: one line, exit 2.
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            refuse(user_error_message(str(error)))
+
+    @override
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        # With checkpointing on, the last step is saved even when the run does not end on a validation.
+        trainer.callbacks.append(FinalStepCheckpoint())
+        name_run_by_strategy(trainer)
+        return trainer
+
+    @override
     def before_validate(self) -> None:
         self._require_split("validate")
+        _quiet_evaluation()
 
     @override
     def before_test(self) -> None:
         self._require_split("test")
+        _quiet_evaluation()
 
     def _require_split(self, stage: str) -> None:
         # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
@@ -109,24 +233,43 @@ class LightningDDPCLI(LightningCLI):
         # launched or any file is written.
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
-        check_strategy_name(config.trainer.strategy)
-        check_cpu_devices(config.trainer.accelerator, config.trainer.devices)
-        if config.get("ckpt_path"):
-            check_checkpoint_file(config.ckpt_path)
+        try:
+            check_strategy_name(config.trainer.strategy)
+            check_cpu_devices(config.trainer.accelerator, config.trainer.devices)
+            if config.get("ckpt_path"):
+                check_checkpoint_file(config.ckpt_path)
+        except (ValueError, FileNotFoundError) as error:
+            refuse(str(error))
         # `fit`, or no subcommand (`run=False`: the caller is about to call `trainer.fit` itself).
         if subcommand in ("fit", None) and config.get("preflight", True):
             check_memory(config)
 
 
+def name_run_by_strategy(trainer) -> None:
+    """A TensorBoard/CSV logger left unnamed logs under the strategy's name (``logs/bucketed_ddp/version_0``, beside
+    ``logs/naive_ddp/version_0`` in TensorBoard); ``{strategy}`` in a name is replaced by it
+    (``name: text_bytes_{strategy}``). A name given otherwise is kept. Runs before anything reads the log folder."""
+    logger = trainer.logger
+    if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
+        return
+    label = strategy_label(trainer.strategy)
+    if logger.name == "lightning_logs":  # the loggers' default: no name was given
+        logger._name = label
+    elif "{strategy}" in logger.name:
+        logger._name = logger.name.replace("{strategy}", label)
+
+
 def check_strategy_name(strategy: object) -> None:
-    """An unknown strategy name lists every registered one, ours first."""
+    """An unknown strategy name suggests the closest registered one and lists ours (Lightning's variants counted)."""
     if not isinstance(strategy, str) or strategy in StrategyRegistry or strategy == "auto":
         return
     ours = strategy_names()
     others = sorted(name for name in StrategyRegistry if name not in ours and name != "ddp")
+    close = difflib.get_close_matches(strategy, [*ours, "ddp", *others], n=1, cutoff=0.6)
+    fix = f"did you mean {close[0]}? Set --trainer.strategy {close[0]}" if close else "set --trainer.strategy to one"
     raise ValueError(
-        f"Unknown strategy {strategy!r}. Ours: {', '.join(ours)}; Lightning's baseline: ddp; also registered: "
-        f"{', '.join(others)}. Set --trainer.strategy to one of them."
+        f"Unknown strategy {strategy!r}. Ours: {', '.join(ours)}; Lightning's baseline: ddp (and {len(others)} more "
+        f"of Lightning's: {', '.join(n for n in others if 'find_unused' not in n and '_' not in n)}, ...); {fix}."
     )
 
 
@@ -171,6 +314,8 @@ _STRATEGY_CLASSES = {
     "lightning_ddp.strategies.named.BucketedDDPStrategy": "bucketed_ddp",
     "lightning.pytorch.strategies.DDPStrategy": "ddp",
     "lightning.pytorch.strategies.ddp.DDPStrategy": "ddp",
+    "lightning_ddp.strategies.FSDP2Strategy": "fsdp2",
+    "lightning_ddp.strategies.fsdp2.FSDP2Strategy": "fsdp2",
 }
 
 
@@ -185,7 +330,7 @@ def _field(namespace: object, name: str, default: object = None) -> object:
 
 def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] | None:
     """(name, bucket_size_mb, state sharded over an all-reducing engine) of the configured strategy, or None
-    for one the estimate does not model (FSDP, DeepSpeed, a user's class)."""
+    for one the estimate does not model (Lightning's FSDP, DeepSpeed, a user's class)."""
     if isinstance(strategy, str):
         return strategy, None, False
     class_path = _field(strategy, "class_path")
@@ -300,8 +445,11 @@ def check_memory(config) -> None:
     candidates = []
     if normalize_precision(trainer.precision) == "32-true":
         candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
-    if strategy != "zero1_ddp" and not shard_state and world_size > 1:
-        candidates.append(("--trainer.strategy zero1_ddp", estimate(strategy="zero1_ddp")))
+    # Each sharding of the data-parallel family the memory model knows, with what it would make fit.
+    shardings = ("zero1_ddp", "zero2_ddp", "fsdp2") if world_size > 1 else ()
+    for name in shardings:
+        if name != strategy and not (shard_state and name == "zero1_ddp"):
+            candidates.append((f"--trainer.strategy {name}", estimate(strategy=name, bucket_size_mb=None)))
     smaller = list(PRESETS)[: list(PRESETS).index(model.preset)] if model.preset in PRESETS else []
     fitting = [name for name in smaller if estimate(preset=name).total_bytes <= budget]
     if fitting:
@@ -343,7 +491,7 @@ def main(args: list[str] | None = None) -> LightningDDPCLI:
         return LightningDDPCLI(
             LitGPT,
             LMDataModule,
-            trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs", name="lightning_ddp")},
+            trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs")},  # named by strategy
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
             args=args,

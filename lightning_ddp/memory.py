@@ -39,6 +39,9 @@ second, with the breakdown and the fixes, instead of an OOM kill minutes later. 
    ``zero2_ddp``                              the send buffers of the buckets in flight (2) and the       transient
                                               local gradients of the bucket filling: 3 caps (≤ pΨ)
    ``naive_ddp``                              none                                                        n/a
+   ``fsdp2``                                  parameters, gradients and state are 1/N shards; the root group  persistent
+                                              and two blocks gathered unsharded (``fsdp2_gathered_bytes``);
+                                              gradients: the shard and one block's unsharded ones
    =========================================  =========================================================  ==========
 
 3. The peak, ``total_bytes``: not every category lives at once. Under ``set_to_none`` the gradients do not exist
@@ -284,10 +287,12 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | No
     if name == "zero2_ddp":
         size = bucket_size_mb if bucket_given and bucket_size_mb != "auto" else 25.0  # the strategy's default cap
         return _Buffers("zero2", False, cap_bytes=None if size is None else int(float(size) * MiB), sharded_state=True)
+    if name == "fsdp2":  # parameters, gradients and state sharded; the gathered groups are fsdp2_gathered_bytes
+        return _Buffers("fsdp2", True, sharded_state=True)
     algorithms = {a.strategy_name: a for a in ALGORITHMS.values()}
     if name not in algorithms:
         raise ValueError(
-            f"strategy {strategy!r} has no memory model; choose one of auto, ddp, zero1_ddp, zero2_ddp, "
+            f"strategy {strategy!r} has no memory model; choose one of auto, ddp, zero1_ddp, zero2_ddp, fsdp2, "
             f"{', '.join(algorithms)} (--trainer.strategy), or skip the check with --preflight false."
         )
     algorithm = algorithms[name]
@@ -387,6 +392,31 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+def fsdp2_gathered_bytes(config: GPTConfig, param_bytes: int, world_size: int) -> tuple[int, int, int]:
+    """``fsdp2`` on our GPT (one FSDP group per ``Block``, the root holding the rest): bytes of one rank's shards
+    (each tensor split along dim 0, padded to a multiple of the world size), of the parameters gathered at once
+    during forward and backward (the root group, kept for the whole step, and two blocks: the one computing and
+    the one prefetched), and of one block unsharded.
+
+    >>> from lightning_ddp.model import get_config
+    >>> shard, gathered, block = fsdp2_gathered_bytes(get_config("tiny"), 4, 2)
+    >>> round(shard / 2**20, 2), round(gathered / 2**20, 2), round(block / 2**20, 2)  # of 13.77 MiB in all
+    (6.89, 11.77, 1.0)
+    """
+    shapes = gpt_parameter_shapes(config)
+    shard = sum(-(-s[0] // world_size) * math.prod(s[1:]) for s in shapes.values() if s)
+    blocks: dict[str, int] = {}
+    root = 0
+    for name, shape in shapes.items():
+        if name.startswith("blocks."):
+            key = name.split(".")[1]
+            blocks[key] = blocks.get(key, 0) + math.prod(shape)
+        else:
+            root += math.prod(shape)
+    block = max(blocks.values(), default=0)
+    return param_bytes * shard, param_bytes * (root + 2 * block), param_bytes * block
+
+
 def estimate_rank_memory(
     config: GPTConfig,
     *,
@@ -434,6 +464,11 @@ def estimate_rank_memory(
         gradient_bytes = p * max(sum(owned) for owned in _owned_numels(numels, p, world_size))
         cap = p * n_params if buffers.cap_bytes is None else min(buffers.cap_bytes, p * n_params)
         buffer_bytes = 3 * cap
+    elif buffers.kind == "fsdp2":
+        shard, gathered, block = fsdp2_gathered_bytes(config, p, world_size)
+        n_params = shard // p  # every rank holds its dim-0 shard of each tensor: ~Ψ/N (padded)
+        gradient_bytes = shard + block  # the shard, and the block whose unsharded gradient is being reduce-scattered
+        buffer_bytes = gathered
     elif buffers.kind == "bucketed":
         buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
         for b, indices in enumerate(buckets):
@@ -442,6 +477,8 @@ def estimate_rank_memory(
                 viewed += scalars
                 buffer_bytes += p * (scalars + int(b == len(buckets) - 1))  # + the missing-gradient sentinel
     state = _adam_state_bytes(numels, p, world_size if buffers.sharded_state else 1, None)
+    if buffers.kind == "fsdp2":  # AdamW over the shards: 2 moments of each, and a step per tensor
+        state = 2 * p * n_params + ADAM_STEP_BYTES_PER_TENSOR * len(numels)
 
     tokens = batch_size * seq_len
     per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)

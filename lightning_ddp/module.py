@@ -23,6 +23,8 @@ from typing import Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 import torch.nn.functional as F
 from typing_extensions import override
 
@@ -41,7 +43,8 @@ class LitGPT(pl.LightningModule):
         betas: AdamW's (beta1, beta2).
         weight_decay: Decoupled weight decay, applied to matrices only (not to norm weights).
         warmup_steps: Optimizer steps of linear learning-rate warm-up from 0 to ``lr``.
-        lr_schedule: ``constant`` after warm-up, or ``cosine`` decay to ``min_lr_ratio * lr`` at the last step.
+        lr_schedule: ``constant`` after warm-up, or ``cosine`` decay to ``min_lr_ratio * lr`` at the last step,
+            ``trainer.max_steps``: the schedule is fixed by it, and resuming with another ``max_steps`` warns.
         min_lr_ratio: Final learning rate of the cosine schedule, as a fraction of ``lr``.
     """
 
@@ -150,8 +153,27 @@ class LitGPT(pl.LightningModule):
         # The value is already the same on every rank; sync_dist=True only says so to Lightning, which otherwise
         # warns that an epoch-level metric was not synchronised (averaging equal values changes nothing).
         self.log(f"{stage}/loss", loss, sync_dist=True, prog_bar=True)
-        self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True)
+        self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
         self._eval_totals = None
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The cosine schedule runs to the trainer's max_steps; kept so that a resume can tell when it changes.
+        checkpoint["lr_schedule_max_steps"] = self.trainer.max_steps
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("lr_schedule_max_steps")
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self.hparams.lr_schedule != "cosine":
+            return
+        if saved is not None and saved != trainer.max_steps:
+            rank_zero_warn(
+                f"Resuming a run whose cosine learning-rate schedule was fixed by --trainer.max_steps {saved} with "
+                f"max_steps {trainer.max_steps}: the schedule changes from the checkpoint's step on (the rate jumps "
+                f"to where a {trainer.max_steps}-step run would be). Resume with --trainer.max_steps {saved} to "
+                "finish the run as planned."
+            )
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -436,7 +436,8 @@ class OutputConfig:
     out_dir: str = "logs/bench"
     """Directory of results.csv, repeats.csv, steps.csv, results.md, the PNGs, environment.json, profiles.json and
     runs/<cell id>/r<k>/ (each cell repeat's logs).
-    Results meant for the repository go under benchmarks/results/ (e.g. configs/bench/cpu.yaml)."""
+    logs/ is git-ignored: a run changes nothing committed. Results meant for the repository are regenerated on
+    purpose, naming their folder: ``--output.out_dir benchmarks/results/cpu``."""
     retry_failed: bool = False
     """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default every finished repeat
     is skipped)."""

@@ -130,8 +130,9 @@ class MemoryBenchConfig:
     separate_processes: bool = True
     """Measure each mode in fresh processes (an honest RSS per mode); false measures every mode in one set of
     processes, faster, but memory freed by an earlier mode may then stay in a later mode's RSS."""
-    out_dir: str = "bench_results/memory"
-    """Directory for results.json and results.md (created if missing; existing files are replaced)."""
+    out_dir: str = "logs/memory"
+    """Directory for results.json and results.md (created if missing; existing files are replaced). logs/ is
+    git-ignored; results meant for the repository are written on purpose (``--out_dir benchmarks/results/...``)."""
 
     def __post_init__(self) -> None:
         from lightning_ddp.model import PRESETS

@@ -98,8 +98,9 @@ class StragglerBenchConfig:
     """Draws of every interval."""
     seed: int = 0
     """Seed of the bootstrap."""
-    out_dir: str = "benchmarks/results/straggler"
-    """Where results.csv, steps.csv, results.md and environment.json go."""
+    out_dir: str = "logs/straggler"
+    """Where results.csv, steps.csv, results.md and environment.json go (logs/ is git-ignored; the committed results
+    are regenerated on purpose with ``--out_dir benchmarks/results/straggler``)."""
 
     def __post_init__(self) -> None:
         if not self.strategies:

@@ -7,6 +7,7 @@ The names load on first use: ``import lightning_ddp.callbacks.accounting`` needs
 ``accounting``         pure: metrics of one step from its record, and the summary over steps
 ``comm_timer``         ``CommTimer``, the thin Lightning shell that logs them every n-th step
 ``trace_recorder``     ``TraceRecorder``: torch profiler traces of a few steps on every rank
+``final_checkpoint``   ``FinalStepCheckpoint``: the run's last step saved whenever checkpointing is on
 ``comm_track``         the communication track it adds to each trace (``lightning_ddp.trace`` reads it back)
 ``recording``          the run's one shared ``Recorder``; what each strategy lets us measure
 ``straggler``          pure: each rank's launch-time vector, and waiting versus transfer from all of them
@@ -24,6 +25,7 @@ _HOMES = {
     "CommTimer": "lightning_ddp.callbacks.comm_timer",
     "TraceRecorder": "lightning_ddp.callbacks.trace_recorder",
     "SlowRank": "lightning_ddp.callbacks.slow_rank",
+    "FinalStepCheckpoint": "lightning_ddp.callbacks.final_checkpoint",
     "METRIC_KEYS": "lightning_ddp.callbacks.accounting",
     "StepTiming": "lightning_ddp.callbacks.accounting",
     "TimingSummary": "lightning_ddp.callbacks.accounting",

@@ -71,6 +71,7 @@ from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, StepTiming, Timi
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.recording import comm_recording, measurement_note, recorder_for, release_recorder
+from lightning_ddp.callbacks.recording import strategy_label
 from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
@@ -302,8 +303,7 @@ class CommTimer(Callback):
             )
             return
         out_dir = Path(trainer.logger.log_dir if trainer.logger and trainer.logger.log_dir else trainer.default_root_dir)
-        name = getattr(trainer.strategy, "strategy_name", "") or type(trainer.strategy).__name__
-        title = f"CommTimer [{name}, {trainer.world_size} ranks]"
+        title = f"CommTimer [{strategy_label(trainer.strategy)}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
         lag = self.summary.summarize(self.warmup_steps).get("straggler/lag_ms", {}).get("median")
         note = clock_note(self.exchange.describe()["max_uncertainty_ms"], lag)

@@ -131,6 +131,25 @@ def comm_recording(strategy: Any) -> CommRecording:
     return None
 
 
+def strategy_label(strategy: Any) -> str:
+    """The name a strategy is selected by: ours carry ``strategy_name``; Lightning's are looked up in its
+    ``StrategyRegistry`` (the entry of exactly this class whose settings the instance has: ``DDPStrategy`` with the
+    default start method is ``ddp``, not ``ddp_spawn``); anything else is its class name."""
+    name = getattr(strategy, "strategy_name", "")
+    if name:
+        return name
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    def has(key: str, value: Any) -> bool:
+        return getattr(strategy, f"_{key}", getattr(strategy, key, object())) == value
+
+    # The most specific entry the instance matches; among equals the shortest name (``ddp`` before its aliases).
+    matches = [(len(entry["init_params"]), -len(registered), registered)
+               for registered, entry in StrategyRegistry.items()
+               if entry["strategy"] is type(strategy) and all(has(k, v) for k, v in entry["init_params"].items())]
+    return max(matches)[2] if matches else type(strategy).__name__
+
+
 def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> str | None:
     """The one line the ``CommTimer`` says once when it cannot measure everything (``None`` for ``"full"``)."""
     name = getattr(strategy, "strategy_name", "") or type(strategy).__name__

@@ -11,7 +11,8 @@ The recipe, in ``configure_ddp`` (after the model is on its device, before the o
    then start from the same weights whatever they were seeded with.
 2. ``fully_shard`` each module whose class name is in ``shard_modules`` (default: our GPT's ``Block``), each its
    own FSDP group: its parameters are all-gathered just before its forward and backward and freed after
-   (``reshard_after_forward``), its gradients reduce-scattered as soon as its backward is done.
+   (``reshard_after_forward``), its gradients reduce-scattered as soon as its backward is done. A model without
+   those (a user's own) has its repeated layers sharded instead (``modules_to_shard``).
 3. ``fully_shard`` the LightningModule itself: the root group holds every parameter not in a block (our GPT's
    embedding, final norm and ``lm_head``; tied embedding/``lm_head`` weights are one parameter of this one group
    and stay tied). Over gloo every group reduce-scatters with SUM and divides itself (``force_sum_reduction``).
@@ -52,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Literal
+from typing import Any, Callable, Generator, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -94,8 +95,10 @@ class FSDP2Strategy(DDPStrategy):
 
     Args:
         shard_modules: Class names of the modules to shard one FSDP group each (e.g. a model's Transformer block);
-            default ``[Block]``, our GPT's. Everything else is sharded as one group at the root. A module with none
-            of these classes is sharded at the root only, with a message naming this argument.
+            default ``[Block]``, our GPT's. Everything else is sharded as one group at the root. A model with none
+            of these classes (a user's) has its repeated layers sharded instead, the children of each
+            ``ModuleList``/``Sequential`` that are all one class (as torch's auto-wrap policies do); with none of
+            those either, it is sharded at the root only, with a message naming this argument.
         reshard_after_forward: Free each group's gathered parameters after its forward and gather them again for
             backward (ZeRO-3's memory); ``false`` keeps them from forward to backward (ZeRO-2's, one all-gather
             less per step).
@@ -355,26 +358,65 @@ def force_sum_reduction(group: nn.Module) -> None:
 
 
 def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[list[nn.Module], str]:
-    """The submodules of ``module`` to shard one group each: those whose class name is in ``class_names``, the
-    outermost only (a listed class inside another listed one goes with its parent's group). Second: a message
-    when there are none, naming the fix (the root then holds every parameter: no per-block overlap, and every
-    parameter gathered at once)."""
-    chosen: list[nn.Module] = []
-    inside: set[int] = set()
-    for sub in module.modules():
-        if sub is module or id(sub) in inside:
-            continue
-        if type(sub).__name__ in class_names:
-            chosen.append(sub)
-            inside.update(id(m) for m in sub.modules())
+    """The submodules of ``module`` to shard one group each, and a message saying what was chosen when it was not
+    ``class_names`` ("" when it was).
+
+    1. The modules whose class name is in ``class_names``, the outermost only (a listed class inside another listed
+       one goes with its parent's group).
+    2. None of those (a model that is not our GPT): the repeated layers, as torch's auto-wrap policies and
+       torchtitan shard a Transformer, i.e. the children of every ``nn.ModuleList`` / ``nn.Sequential`` whose
+       children that hold parameters are all of one class and at least two (``nn.Transformer``'s encoder and
+       decoder layers, a ``blocks = nn.ModuleList(...)``), outermost only.
+    3. Neither: nothing; the root then holds every parameter (no per-layer overlap, every parameter gathered at
+       once), and the message names ``shard_modules``, the fix.
+    """
+    chosen = _outermost(module, lambda sub: type(sub).__name__ in class_names)
     if chosen:
         return chosen, ""
-    classes = sorted({type(m).__name__ for m in module.modules() if m is not module and any(m.parameters(recurse=False))})
+    repeated = {id(child) for sub in module.modules() if sub is not module for child in _repeated_layers(sub)}
+    chosen = _outermost(module, lambda sub: id(sub) in repeated)
+    if chosen:
+        classes = sorted({type(m).__name__ for m in chosen})
+        return chosen, (
+            f"fsdp2: no module of class {', '.join(class_names)} in {type(module).__name__}; sharding its "
+            f"{len(chosen)} repeated layers ({', '.join(classes)}) one group each. `shard_modules` names others."
+        )
+    classes = sorted({type(m).__name__ for m in module.modules() if m is not module and _has_own_parameters(m)})
     return [], (
         f"fsdp2: no module of class {', '.join(class_names)} in {type(module).__name__}; sharding it at the root "
         f"only (every parameter gathered at once). Name its repeated blocks with `shard_modules`, e.g. one of: "
         f"{', '.join(classes[:8]) or '(no parameters)'}."
     )
+
+
+def _outermost(module: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The submodules of ``module`` (not itself) that are ``wanted``, in module order, leaving out those inside
+    an earlier chosen one: a module belongs to one FSDP group."""
+    chosen: list[nn.Module] = []
+    inside: set[int] = set()
+    for sub in module.modules():
+        if sub is module or id(sub) in inside:
+            continue
+        if wanted(sub):
+            chosen.append(sub)
+            inside.update(id(m) for m in sub.modules())
+    return chosen
+
+
+def _repeated_layers(container: nn.Module) -> list[nn.Module]:
+    """The children of an ``nn.ModuleList`` / ``nn.Sequential`` when the ones holding parameters are at least two,
+    all of one class: a stack of layers. A Sequential of different layers (Linear, LayerNorm, Linear) is one unit."""
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return []
+    layers = [child for child in container.children() if any(True for _ in child.parameters())]
+    if len(layers) < 2 or len({type(layer) for layer in layers}) > 1:
+        return []
+    return layers
+
+
+def _has_own_parameters(module: nn.Module) -> bool:
+    # `any(module.parameters(...))` would take each tensor's truth value: an error for more than one element.
+    return any(True for _ in module.parameters(recurse=False))
 
 
 def mixed_precision_dtypes(precision: str, enabled: bool) -> tuple[torch.dtype | None, torch.dtype | None]:

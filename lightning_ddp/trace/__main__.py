@@ -1,12 +1,15 @@
 """``python -m lightning_ddp.trace RUN_DIR_OR_TRACES... -o timeline.png``: draw runs as stacked timelines.
 
-Each directory argument is one run (every ``*.pt.trace.json`` below it, one per rank); trace files given one by
-one are grouped into runs by their directory. Prints each run's overlap.
+Each directory argument is one run (every ``*.pt.trace.json`` below it, one per rank); a logger's folder holding
+several runs (``logs/overlap_ddp``) stands for its latest run with traces. Trace files given one by one are
+grouped into runs by their directory. Prints each run's overlap. A missing path or trace is one ``error:`` line,
+exit 2.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+import sys
 from pathlib import Path
 
 from jsonargparse import ArgumentParser
@@ -34,7 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.label is not None and len(args.label) != len(groups):
         parser.error(f"got {len(args.label)} --label for {len(groups)} runs; give one per run, in order")
     labels = args.label or [None] * len(groups)
-    runs = [load_run(paths, label) for paths, label in zip(groups.values(), labels)]
+    try:
+        runs = [load_run(paths, label) for paths, label in zip(groups.values(), labels)]
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for run in runs:
+        print(f"{run.label}: {Path(run.ranks[0].path).parent}")  # which run a logger's folder stood for
     timeline = render_timeline(runs, args.output, steps=args.steps, comm_source=args.comm_source, title=args.title)
     print(timeline.summary())
     print(f"wrote {timeline.path}")

@@ -158,7 +158,12 @@ def load_rank_trace(path: str | Path) -> RankTrace:
 
 
 def find_traces(path: str | Path) -> list[Path]:
-    """``path`` itself if it is a file, else every ``*.pt.trace.json`` below it (sorted)."""
+    """``path`` itself if it is a file, else the ``*.pt.trace.json`` files of one run below it (sorted).
+
+    A logger's folder holding several runs (``logs/overlap_ddp`` with ``version_0``, ``version_1``, ...) gives the
+    latest run that has traces, the highest version; other folders holding several runs are left to ``load_run``
+    to refuse.
+    """
     path = Path(path)
     if path.is_file():
         return [path]
@@ -169,7 +174,19 @@ def find_traces(path: str | Path) -> list[Path]:
         raise FileNotFoundError(
             f"no *{TRACE_SUFFIX} under {path}; record one with `python -m lightning_ddp fit ... --trace.enabled true`"
         )
-    return found
+    runs: dict[Path, list[Path]] = {}
+    for file in found:  # each rank writes <log_dir>/traces/rank{R}.pt.trace.json
+        runs.setdefault(file.parent.parent if file.parent.name == "traces" else file.parent, []).append(file)
+    versions = {_version(run): run for run in runs if run.parent == path}
+    if len(runs) > 1 and len(versions) == len(runs) and None not in versions:
+        return runs[versions[max(versions)]]
+    return found  # one run, or folders that are not a logger's versions: load_run refuses two traces of a rank
+
+
+def _version(run_dir: Path) -> int | None:
+    """N of Lightning's ``version_N`` run folder, None for any other name."""
+    number = run_dir.name.removeprefix("version_")
+    return int(number) if run_dir.name.startswith("version_") and number.isdigit() else None
 
 
 @dataclass

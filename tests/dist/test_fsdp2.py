@@ -335,3 +335,67 @@ def test_fsdp2_checkpoint_resumes_exactly(lightning_runs, tmp_path: Path, strate
 def test_ddp_checkpoint_resumes_under_fsdp2(lightning_runs, tmp_path: Path) -> None:
     resumed = _fit(tmp_path, "--trainer.strategy", "fsdp2", "--ckpt_path", str(checkpoint_at(lightning_runs["ddp"], 3)))
     _assert_same_weights(resumed, lightning_runs["ddp"] / "weights.pt")
+
+
+# ---- a model that is not our GPT: nn.Transformer in a user's LightningModule -----------------------------------
+
+TRANSFORMER_STEPS = 3
+
+
+def _fit_transformer(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
+    """Fit a LightningModule around ``nn.Transformer`` (no ``Block`` class) for 3 steps of AdamW; rank 0 returns
+    the full weights, every rank the modules fsdp2 sharded one group each."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.support.lightning_toy import join_existing_group
+
+    join_existing_group(rank, world_size)
+
+    class Seq2Seq(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(16, 16)
+            # dropout 0: both strategies must compute the same function, with no random mask to tell them apart
+            self.transformer = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+                                              dim_feedforward=32, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(16, 16)
+
+        def training_step(self, batch, batch_idx):
+            source, target = batch
+            out = self.head(self.transformer(self.embed(source), self.embed(target)))  # (B, T, 16)
+            return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    data = TensorDataset(torch.randint(0, 16, (24, 6), generator=generator),
+                         torch.randint(0, 16, (24, 6), generator=generator))
+    module = Seq2Seq()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=TRANSFORMER_STEPS,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, DataLoader(data, batch_size=4))  # 4 rows per rank: a global batch of 8
+    # fsdp2's parameters are DTensor shards: full_tensor() gathers each (a collective: every rank calls it).
+    weights = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+               for name, value in module.state_dict().items()}
+    groups = sorted({type(m).__name__ for m in module.modules() if m is not module and "FSDP" in type(m).__name__})
+    return {"weights": weights if rank == 0 else {}, "groups": groups}
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_shards_a_model_without_block_class_and_trains_like_ddp() -> None:
+    fsdp2 = run_on_ranks(_fit_transformer, 2, "fsdp2")
+    ddp = run_on_ranks(_fit_transformer, 2, "ddp")
+    # The repeated encoder and decoder layers became FSDP groups (fully_shard swaps each class for an FSDP one);
+    # under ddp nothing did.
+    assert fsdp2[0]["groups"] == ["FSDPTransformerDecoderLayer", "FSDPTransformerEncoderLayer"]
+    assert ddp[0]["groups"] == []
+    # Same weights after 3 steps: both average the same gradients and step AdamW elementwise; fp32 rounding
+    # (the reduce-scatter adds in another order than the all-reduce) stays ~1e-6, a wrong step moves ~lr = 1e-2.
+    ours, reference = fsdp2[0]["weights"], ddp[0]["weights"]
+    assert ours.keys() == reference.keys() and len(ours) > 0
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

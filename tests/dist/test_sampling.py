@@ -57,17 +57,18 @@ def test_the_readme_example_measures_a_plain_module_through_our_strategy_name(tm
     # examples/measure_your_training.py is the README's "Measure your own training" section, verbatim: a plain
     # LightningModule, Trainer(strategy="bucketed_ddp") after importing lightning_ddp, CommTimer() with defaults.
     _run_script(REPO / "examples" / "measure_your_training.py", cwd=tmp_path)
-    scalars = read_scalars(tmp_path / "lightning_logs")
-    # every_n_steps defaults to the trainer's log_every_n_steps=5: steps 0, 5, ..., 35 of the 40
+    logs = tmp_path / "logs" / "lightning_logs"  # default_root_dir="logs": under the git-ignored logs/
+    scalars = read_scalars(logs)
+    # every_n_steps defaults to the trainer's log_every_n_steps=2: steps 0, 2, ..., 38 of the 40
     for key in ("step/time_ms", "comm/exposed_ms", "comm/share", "comm/busy_ms", "comm/overlap", "comm/calls"):
-        assert [step for step, _ in scalars[key]] == list(range(0, 40, 5)), key
+        assert [step for step, _ in scalars[key]] == list(range(0, 40, 2)), key
     assert all(value > 0 for _, value in scalars["step/time_ms"])
     # the module says nothing about tokens or FLOPs: no throughput in tokens, no MFU (absent, not 0)
     assert "step/tokens_per_s" not in scalars and "step/mfu" not in scalars
-    summary = json.loads(next((tmp_path / "lightning_logs").rglob("timing_summary.json")).read_text())
-    # 8 measured steps, the first 5 of them (warmup_steps counts measured steps) left out of the summary
-    assert summary["warmup_steps"] == 5 and summary["summary"]["step/time_ms"]["n"] == 3
-    assert summary["run"]["strategy"] == "bucketed_ddp" and summary["run"]["every_n_steps"] == 5
+    summary = json.loads(next(logs.rglob("timing_summary.json")).read_text())
+    # 20 measured steps, the first 5 of them (warmup_steps counts measured steps) left out of the summary: 15
+    assert summary["warmup_steps"] == 5 and summary["summary"]["step/time_ms"]["n"] == 15
+    assert summary["run"]["strategy"] == "bucketed_ddp" and summary["run"]["every_n_steps"] == 2
 
 
 @pytest.mark.slow  # three short fits in a row (~1 minute on 2 busy cores); the arithmetic is unit-tested

@@ -77,6 +77,10 @@ def test_fixes_are_the_ones_that_help(monkeypatch) -> None:
     assert "--model.preset tiny" in message
     assert "--trainer.precision bf16-mixed" in message
     assert "--trainer.strategy zero1_ddp" in message
+    # Every sharding the memory model knows is listed with its peak: zero2 also shards the gradients (0.48 -> 0.24
+    # GiB), fsdp2 the parameters too (0.48 -> 0.24 + the gathered embedding, head and two blocks).
+    assert "--trainer.strategy zero2_ddp (peak 2.5 GiB, fits)" in message
+    assert "--trainer.strategy fsdp2 (peak 2.4 GiB, fits)" in message
 
 
 def test_a_refused_sweep_cell_is_recorded_as_oom(monkeypatch) -> None:

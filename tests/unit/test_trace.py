@@ -24,6 +24,7 @@ from lightning_ddp.trace.chrome import (
     RecordedStep,
     add_communication_track,
     assign_lanes,
+    find_traces,
     load_rank_trace,
     load_run,
 )
@@ -264,3 +265,23 @@ def test_collective_ranges_cost_nothing_without_a_profiler() -> None:
     assert isinstance(profiler_range(ranges.COMM_LAUNCH), nullcontext)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert isinstance(profiler_range(ranges.COMM_LAUNCH), torch.profiler.record_function)
+
+
+def test_a_loggers_folder_gives_its_latest_run_with_traces(tmp_path: Path, capsys) -> None:
+    # logs/overlap_ddp holds version_0 and version_2 with traces and version_3 without (a run with tracing off):
+    # the README's `python -m lightning_ddp.trace logs/overlap_ddp` draws version_2, the latest that has them.
+    logger_dir = tmp_path / "logs" / "overlap_ddp"
+    _write_run(logger_dir / "version_0" / "traces", overlapped=False)
+    _write_run(logger_dir / "version_2" / "traces", overlapped=True)
+    (logger_dir / "version_3").mkdir()
+    assert find_traces(logger_dir) == sorted((logger_dir / "version_2" / "traces").glob("*.pt.trace.json"))
+    trace_main([str(logger_dir), "-o", str(tmp_path / "t.png")])
+    assert f"{logger_dir / 'version_2' / 'traces'}" in capsys.readouterr().out
+
+
+def test_a_missing_run_is_one_error_line(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as refused:
+        trace_main([str(tmp_path / "logs" / "quickstart" / "version_0"), "-o", str(tmp_path / "t.png")])
+    assert refused.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and "does not exist; pass a run's log directory" in line
