@@ -1,0 +1,148 @@
+"""The CommTimer's two TensorBoard views: one page to read a run (a custom-scalars layout) and one table to compare
+runs (the HPARAMS tab: each run's strategy and settings as hparams, its medians as metrics).
+
+Pure Python (no torch, no Lightning): ``comm_timer.py`` hands the results to a ``TensorBoardLogger`` at the end of
+fit. What to read in each view, and why the charts are grouped this way: ``docs/tensorboard.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+
+__all__ = ["HPARAM_KEYS", "LAYOUT", "MEDIAN_METRICS", "custom_scalars_layout", "run_hparams", "run_metrics",
+           "strategy_settings"]
+
+LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
+    ("Where the step goes", (
+        ("step time, exposed and busy communication (ms)", ("step/time_ms", "comm/exposed_ms", "comm/busy_ms")),
+    )),
+    ("Hidden or not", (
+        ("share of the step exposed, share of communication hidden", ("comm/share", "comm/overlap")),
+    )),
+    ("Who made it wait", (
+        ("exposed = wait for the last rank + transfer (ms)", ("comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms")),
+        ("straggler's launch lag, ranks' compute spread (ms)", ("straggler/lag_ms", "step/rank_spread_ms")),
+    )),
+    ("Wire", (
+        ("bus and algorithm bandwidth (GB/s)", ("comm/busbw_GBps", "comm/algbw_GBps")),
+        ("bytes per step", ("comm/bytes",)),
+        ("collectives per step", ("comm/calls",)),
+    )),
+    ("Throughput and memory", (
+        ("tokens per second, all ranks", ("step/tokens_per_s",)),
+        ("model FLOPs utilisation", ("step/mfu",)),
+        ("peak memory (MiB)", ("memory/peak_MiB", "memory/peak_reserved_MiB")),
+    )),
+)
+"""Category -> charts, each chart a title and the CommTimer keys drawn on it (``accounting.step_metrics``). A chart
+only puts keys of one unit together, so that its y-axis reads in that unit."""
+
+MEDIAN_METRICS: dict[str, str] = {
+    key: f"median/{key}"
+    for key in ("step/time_ms", "comm/exposed_ms", "comm/share", "comm/overlap", "comm/wait_ms", "step/tokens_per_s",
+                "memory/peak_MiB")
+}
+"""CommTimer key -> the HPARAMS metric tag of its median over the run's measured steps after ``warmup_steps`` (the
+end-of-fit summary's median): what the table of runs sorts by."""
+
+HPARAM_KEYS: tuple[str, ...] = ("strategy", "bucket_size_mb", "engine_settings", "world_size", "precision",
+                                "batch_size", "seq_len", "accumulate_grad_batches", "preset")
+"""The hparams every run writes, all of them in every run (``NOT_APPLICABLE`` where a value has no meaning or is not
+known): TensorBoard takes the table's columns from one run's record, so runs must agree on the names."""
+
+NOT_APPLICABLE = "n/a"
+ONE_BUCKET = "one bucket"
+TORCH_DDP_BUCKET_CAP_MB = 25.0
+"""torch ``DistributedDataParallel``'s ``bucket_cap_mb`` when it is not given."""
+ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "buckets_in_flight", "reshard_after_forward",
+                     "mixed_precision")
+"""Strategy attributes that are engine settings (``zero1_ddp``, ``zero2_ddp``, ``fsdp2``), read where present."""
+
+
+def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, dict[str, list[Any]]]:
+    """``LAYOUT`` reduced to the keys the run ``logged``, in ``SummaryWriter.add_custom_scalars``' format:
+    ``{category: {chart title: ["Multiline", [tag regex, ...]]}}``.
+
+    A chart keeps the keys that were logged and is left out when none was; a category without charts is left out.
+    TensorBoard reads each tag as a regular expression matched at the tag's start: each key is escaped and anchored
+    at its end (``comm/bytes$``), with the logger's ``prefix`` (Lightning joins it with ``-``) in front.
+
+    >>> layout = custom_scalars_layout(["step/time_ms", "comm/exposed_ms", "comm/calls"])
+    >>> {category: list(charts) for category, charts in layout.items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'Where the step goes': ['step time, exposed and busy communication (ms)'],
+     'Who made it wait': ['exposed = wait for the last rank + transfer (ms)'],
+     'Wire': ['collectives per step']}
+    >>> layout["Where the step goes"]["step time, exposed and busy communication (ms)"]
+    ['Multiline', ['step/time_ms$', 'comm/exposed_ms$']]
+    """
+    logged = set(logged)
+    head = f"{prefix}-" if prefix else ""
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for category, charts in LAYOUT:
+        kept = {title: ["Multiline", [re.escape(head + key) + "$" for key in keys if key in logged]]
+                for title, keys in charts if any(key in logged for key in keys)}
+        if kept:
+            layout[category] = kept
+    return layout
+
+
+def run_metrics(summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The run's HPARAMS metrics: ``MEDIAN_METRICS`` of the keys in ``summary`` (``TimingSummary.summarize``).
+
+    >>> run_metrics({"step/time_ms": {"median": 80.0, "p10": 70.0}, "comm/bytes": {"median": 1e6}})
+    {'median/step/time_ms': 80.0}
+    """
+    return {tag: float(summary[key]["median"]) for key, tag in MEDIAN_METRICS.items() if key in summary}
+
+
+def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> tuple[float | str, str]:
+    """(bucket size, engine settings) of a Lightning strategy, as the HPARAMS table shows them.
+
+    Bucket size in MiB: ``resolved_bucket_size_mb`` (the engine's cap, ``auto`` and ``default`` resolved) when given;
+    ``ONE_BUCKET`` for an algorithm with buckets configured with ``null``; torch DDP's ``bucket_cap_mb`` (25 when not
+    given) for Lightning's ``ddp``; else ``NOT_APPLICABLE`` (no buckets: ``naive_ddp``, ZeRO-1's reduce-scatter).
+    Engine settings: ``name=value`` joined by ``, `` (``ENGINE_ATTRIBUTES``, then the strategy's ``engine_settings``,
+    or torch DDP's keyword arguments but its bucket cap), ``default`` when there are none.
+    """
+    algorithm = getattr(strategy, "algorithm", None)
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None)  # Lightning's DDPStrategy: what it passes to torch DDP
+    settings = {name: getattr(strategy, name) for name in ENGINE_ATTRIBUTES if hasattr(strategy, name)}
+    if algorithm is not None:
+        settings.update(getattr(strategy, "engine_settings", None) or {})
+    elif isinstance(ddp_kwargs, Mapping):
+        settings.update({k: v for k, v in ddp_kwargs.items() if k != "bucket_cap_mb"})
+    if resolved_bucket_size_mb is not None:
+        bucket: float | str = float(resolved_bucket_size_mb)
+    elif algorithm is not None:
+        one = getattr(algorithm, "has_bucket_size", False) and getattr(strategy, "bucket_size_mb", "") is None
+        bucket = ONE_BUCKET if one else NOT_APPLICABLE
+    elif isinstance(ddp_kwargs, Mapping):
+        bucket = float(ddp_kwargs.get("bucket_cap_mb") or TORCH_DDP_BUCKET_CAP_MB)
+    else:
+        bucket = NOT_APPLICABLE
+    return bucket, ", ".join(f"{k}={v}" for k, v in settings.items()) or "default"
+
+
+def run_hparams(**values: Any) -> dict[str, Any]:
+    """Every one of ``HPARAM_KEYS`` from ``values``: numbers and strings kept, ``None`` as ``NOT_APPLICABLE``,
+    anything else as its ``str``.
+
+    >>> run_hparams(strategy="naive_ddp", bucket_size_mb="n/a", engine_settings="default", world_size=2,
+    ...             precision="32-true", batch_size=8, seq_len=128, accumulate_grad_batches=1, preset=None)["preset"]
+    'n/a'
+    """
+    unknown = set(values) - set(HPARAM_KEYS)
+    missing = set(HPARAM_KEYS) - set(values)
+    if unknown or missing:
+        raise TypeError(f"run_hparams takes exactly {', '.join(HPARAM_KEYS)}; unknown: {sorted(unknown)}, missing: "
+                        f"{sorted(missing)}")
+    return {key: _hparam_value(values[key]) for key in HPARAM_KEYS}
+
+
+def _hparam_value(value: Any) -> float | int | str:
+    if value is None:
+        return NOT_APPLICABLE
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
