@@ -75,7 +75,8 @@ from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.recording import comm_recording, measurement_note, recorder_for, release_recorder
 from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
-from lightning_ddp.callbacks.tensorboard_views import custom_scalars_layout, run_hparams, run_metrics, strategy_settings
+from lightning_ddp.callbacks.tensorboard_views import (custom_scalars_layout, run_hparams, run_metrics, strategy_label,
+                                                       strategy_settings)
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -337,14 +338,15 @@ class CommTimer(Callback):
         if not loggers:
             return
         logged = set().union(*self.summary.metrics)
-        medians = run_metrics(self.summary.summarize(self.warmup_steps)) if len(self.summary) > self.warmup_steps else {}
+        past_warmup = len(self.summary) > self.warmup_steps
+        medians = run_metrics(self.summary.summarize(self.warmup_steps)) if past_warmup else {}
         bucket, engine = strategy_settings(trainer.strategy, self._bucket_size_mb)
         datamodule_hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
         shape = self._batch_shape if len(self._batch_shape) == 2 else (None, None)
         hparams = run_hparams(
-            strategy=getattr(trainer.strategy, "strategy_name", "") or type(trainer.strategy).__name__,
-            bucket_size_mb=bucket, engine_settings=engine, world_size=trainer.world_size,
-            precision=str(trainer.precision), batch_size=datamodule_hparams.get("batch_size", shape[0]),
+            strategy=strategy_label(trainer.strategy), bucket_size_mb=bucket, engine_settings=engine,
+            world_size=trainer.world_size, precision=str(trainer.precision),
+            batch_size=datamodule_hparams.get("batch_size", shape[0]),
             seq_len=datamodule_hparams.get("seq_len", shape[1]), preset=pl_module.hparams.get("preset"),
             accumulate_grad_batches=trainer.accumulate_grad_batches,
         )

@@ -11,7 +11,7 @@ import re
 from typing import Any, Iterable, Mapping
 
 __all__ = ["HPARAM_KEYS", "LAYOUT", "MEDIAN_METRICS", "custom_scalars_layout", "run_hparams", "run_metrics",
-           "strategy_settings"]
+           "strategy_label", "strategy_settings"]
 
 LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
     ("Where the step goes", (
@@ -96,6 +96,21 @@ def run_metrics(summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     return {tag: float(summary[key]["median"]) for key, tag in MEDIAN_METRICS.items() if key in summary}
 
 
+def strategy_label(strategy: Any) -> str:
+    """The name a strategy goes by: its ``strategy_name`` (ours, ``fsdp2``, Lightning's ``single_device``), else its
+    class's name without ``Strategy``, lower-cased, which is Lightning's registry name for its main ones
+    (``DDPStrategy``: ``ddp``, ``FSDPStrategy``: ``fsdp``, ``DeepSpeedStrategy``: ``deepspeed``).
+
+    >>> class DDPStrategy: ...
+    >>> strategy_label(DDPStrategy())
+    'ddp'
+    """
+    name = getattr(strategy, "strategy_name", None)
+    if isinstance(name, str) and name:
+        return name
+    return type(strategy).__name__.removesuffix("Strategy").lower() or type(strategy).__name__
+
+
 def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> tuple[float | str, str]:
     """(bucket size, engine settings) of a Lightning strategy, as the HPARAMS table shows them.
 
@@ -106,7 +121,9 @@ def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> t
     or torch DDP's keyword arguments but its bucket cap), ``default`` when there are none.
     """
     algorithm = getattr(strategy, "algorithm", None)
-    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None)  # Lightning's DDPStrategy: what it passes to torch DDP
+    # Lightning's DDPStrategy keeps what it passes to torch DDP; a subclass that declares what its own communication
+    # lets the timer see (fsdp2) wraps the model in something else.
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None) if not hasattr(strategy, "comm_recording") else None
     settings = {name: getattr(strategy, name) for name in ENGINE_ATTRIBUTES if hasattr(strategy, name)}
     if algorithm is not None:
         settings.update(getattr(strategy, "engine_settings", None) or {})
