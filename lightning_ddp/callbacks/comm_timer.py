@@ -342,13 +342,11 @@ class CommTimer(Callback):
         medians = run_metrics(self.summary.summarize(self.warmup_steps)) if past_warmup else {}
         bucket, engine = strategy_settings(trainer.strategy, self._bucket_size_mb)
         datamodule_hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
-        shape = self._batch_shape if len(self._batch_shape) == 2 else (None, None)
+        shape = self._batch_shape if len(self._batch_shape) == 2 else (None,)  # (batch, seq_len) when counted
         hparams = run_hparams(
             strategy=strategy_label(trainer.strategy), bucket_size_mb=bucket, engine_settings=engine,
             world_size=trainer.world_size, precision=str(trainer.precision),
-            batch_size=datamodule_hparams.get("batch_size", shape[0]),
-            seq_len=datamodule_hparams.get("seq_len", shape[1]), preset=pl_module.hparams.get("preset"),
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            batch_size=datamodule_hparams.get("batch_size", shape[0]), preset=pl_module.hparams.get("preset"),
         )
         for logger in loggers:
             logger.experiment.add_custom_scalars(custom_scalars_layout(logged, prefix=getattr(logger, "_prefix", "")))

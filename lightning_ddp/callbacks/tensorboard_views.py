@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-__all__ = ["HPARAM_KEYS", "LAYOUT", "MEDIAN_METRICS", "custom_scalars_layout", "run_hparams", "run_metrics",
+__all__ = ["HPARAM_NAMES", "LAYOUT", "MEDIAN_METRICS", "custom_scalars_layout", "run_hparams", "run_metrics",
            "strategy_label", "strategy_settings"]
 
 LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
@@ -46,10 +46,19 @@ MEDIAN_METRICS: dict[str, str] = {
 """CommTimer key -> the HPARAMS metric tag of its median over the run's measured steps after ``warmup_steps`` (the
 end-of-fit summary's median): what the table of runs sorts by."""
 
-HPARAM_KEYS: tuple[str, ...] = ("strategy", "bucket_size_mb", "engine_settings", "world_size", "precision",
-                                "batch_size", "seq_len", "accumulate_grad_batches", "preset")
-"""The hparams every run writes, all of them in every run (``NOT_APPLICABLE`` where a value has no meaning or is not
-known): TensorBoard takes the table's columns from one run's record, so runs must agree on the names."""
+HPARAM_NAMES: dict[str, str] = {
+    "strategy": "grad_sync/strategy",
+    "bucket_size_mb": "grad_sync/bucket_size_mb",
+    "engine_settings": "grad_sync/engine_settings",
+    "world_size": "run/world_size",
+    "precision": "run/precision",
+    "batch_size": "run/batch_size",
+    "preset": "run/preset",
+}
+"""``run_hparams``' arguments -> the hparams' names in TensorBoard. Every run writes all of them (``NOT_APPLICABLE``
+where a value has no meaning or is not known): TensorBoard takes the table's columns from one run's record, so
+runs must agree on the names. It sorts them by name and shows the first five until more are ticked: the
+``grad_sync/`` three, then ``run/batch_size`` and ``run/precision``."""
 
 NOT_APPLICABLE = "n/a"
 ONE_BUCKET = "one bucket"
@@ -142,19 +151,18 @@ def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> t
 
 
 def run_hparams(**values: Any) -> dict[str, Any]:
-    """Every one of ``HPARAM_KEYS`` from ``values``: numbers and strings kept, ``None`` as ``NOT_APPLICABLE``,
-    anything else as its ``str``.
+    """The run's hparams, every one of ``HPARAM_NAMES`` from ``values``: numbers and strings kept, ``None`` as
+    ``NOT_APPLICABLE``, anything else as its ``str``.
 
     >>> run_hparams(strategy="naive_ddp", bucket_size_mb="n/a", engine_settings="default", world_size=2,
-    ...             precision="32-true", batch_size=8, seq_len=128, accumulate_grad_batches=1, preset=None)["preset"]
+    ...             precision="32-true", batch_size=8, preset=None)["run/preset"]
     'n/a'
     """
-    unknown = set(values) - set(HPARAM_KEYS)
-    missing = set(HPARAM_KEYS) - set(values)
+    unknown, missing = set(values) - set(HPARAM_NAMES), set(HPARAM_NAMES) - set(values)
     if unknown or missing:
-        raise TypeError(f"run_hparams takes exactly {', '.join(HPARAM_KEYS)}; unknown: {sorted(unknown)}, missing: "
+        raise TypeError(f"run_hparams takes exactly {', '.join(HPARAM_NAMES)}; unknown: {sorted(unknown)}, missing: "
                         f"{sorted(missing)}")
-    return {key: _hparam_value(values[key]) for key in HPARAM_KEYS}
+    return {name: _hparam_value(values[key]) for key, name in HPARAM_NAMES.items()}
 
 
 def _hparam_value(value: Any) -> float | int | str:

@@ -31,7 +31,7 @@ def test_two_strategies_get_one_layout_and_a_table_that_tells_them_apart(tmp_pat
         assert all(tag in run.scalars for chart in charts for tag in chart), charts
         assert len(charts) == 10 and sum(len(chart) >= 2 for chart in charts) == 5, charts
         assert ["step/time_ms", "comm/exposed_ms", "comm/busy_ms"] in charts
-        assert run.hparams["world_size"] == 2 and run.hparams["preset"] == "tiny" and run.hparams["batch_size"] == 2
+        assert [run.hparams[f"run/{name}"] for name in ("world_size", "preset", "batch_size")] == [2, "tiny", 2]
         assert "median/step/time_ms" in run.metrics and "hp_metric" not in run.scalars  # no -1 placeholder
         # The table's step time: the median over the measured steps after warm-up (steps 2-5), logged once, at
         # the last step, and between the fastest and the slowest of those steps.
@@ -39,9 +39,10 @@ def test_two_strategies_get_one_layout_and_a_table_that_tells_them_apart(tmp_pat
         times = [value for s, value in run.scalars["step/time_ms"] if s >= 2]
         assert step == 5 and min(times) <= median <= max(times), (median, times)
     naive, bucketed = runs
-    assert (naive.hparams["strategy"], bucketed.hparams["strategy"]) == ("naive_ddp", "bucketed_ddp")
+    names = ("grad_sync/strategy", "grad_sync/bucket_size_mb")
     # naive has no buckets; bucketed_ddp by name takes the default 25 MiB (the quickstart's own block says 2)
-    assert (naive.hparams["bucket_size_mb"], bucketed.hparams["bucket_size_mb"]) == ("n/a", 25.0)
+    assert [naive.hparams[name] for name in names] == ["naive_ddp", "n/a"]
+    assert [bucketed.hparams[name] for name in names] == ["bucketed_ddp", 25.0]
     assert naive.scalars["median/step/time_ms"] != bucketed.scalars["median/step/time_ms"]
     # naive all-reduces after backward: nothing hidden; both runs list the same metrics, so one table holds both
     assert naive.scalars["median/comm/overlap"] == [(5, 0.0)] and naive.metrics == bucketed.metrics
