@@ -1,4 +1,4 @@
-"""Retake the TensorBoard screenshots of README and ``docs/tensorboard.md``: the CommTimer's cards, chart lines included.
+"""Retake the TensorBoard screenshots of README and ``docs/tensorboard.md``: the CommTimer's cards, lines included.
 
 The picture in README (``docs/tensorboard_comm.png``) is the quickstart run twice, with naive and bucketed DDP.
 From the repository root, on a machine with Debian's Chromium (``apt-get install -y chromium``)::
@@ -36,11 +36,12 @@ hyperparameter column)::
         --trainer.strategy $s --trainer.logger.init_args.save_dir /tmp/shots --trainer.logger.init_args.name $s; done
     python -m lightning_ddp fit --config configs/quickstart.yaml \\
         --trainer.logger.init_args.save_dir /tmp/shots --trainer.logger.init_args.name quickstart
-    python docs/tensorboard_screenshot.py --dashboard custom_scalars --size 1800x1900 \\
+    python docs/tensorboard_screenshot.py --dashboard custom_scalars --size 1450x1900 --colors 128 \\
         naive_ddp=/tmp/shots/naive_ddp/version_0 quickstart=/tmp/shots/quickstart/version_0 \\
         -o docs/tensorboard_custom_scalars.png
-    python docs/tensorboard_screenshot.py --dashboard hparams --sort-by median/step/time_ms --size 2400x420 \\
-        /tmp/shots -o docs/tensorboard_hparams.png
+    python docs/tensorboard_screenshot.py --dashboard hparams --sort-by median/step/time_ms --size 2800x330 \\
+        --colors 128 naive_ddp=/tmp/shots/naive_ddp/version_0 quickstart=/tmp/shots/quickstart/version_0 \\
+        ddp=/tmp/shots/ddp/version_0 zero2_ddp=/tmp/shots/zero2_ddp/version_0 -o docs/tensorboard_hparams.png
 
 The recipe:
 
@@ -427,7 +428,7 @@ def start_chromium(
 
 
 def capture(browser: DevToolsPipe, url: str, size: tuple[int, int], args: argparse.Namespace) -> bytes:
-    """Open ``url``, wait for the dashboard's cards (or table cells) to load and draw, and return a PNG of the window."""
+    """Open ``url``, wait for the dashboard's cards (or table cells) to load and draw, and return the window's PNG."""
     target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     browser.send("Emulation.setDeviceMetricsOverride",
