@@ -75,8 +75,8 @@ from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.recording import comm_recording, measurement_note, recorder_for, release_recorder
 from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
-from lightning_ddp.callbacks.tensorboard_views import (custom_scalars_layout, run_hparams, run_metrics, strategy_label,
-                                                       strategy_settings)
+from lightning_ddp.callbacks.tensorboard_views import (MEDIAN_METRICS, custom_scalars_layout, run_hparams, run_metrics,
+                                                       strategy_label, strategy_settings)
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -333,7 +333,7 @@ class CommTimer(Callback):
 
     def _write_tensorboard_views(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Into every TensorBoard logger (rank 0, end of fit): the custom-scalars layout of the keys this run logged,
-        and the run's hparams with its medians as metrics (none when every measured step was warm-up)."""
+        and the run's hparams record with its medians as metrics (no values when every measured step was warm-up)."""
         loggers = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
         if not loggers:
             return
@@ -348,10 +348,18 @@ class CommTimer(Callback):
             world_size=trainer.world_size, precision=str(trainer.precision),
             batch_size=datamodule_hparams.get("batch_size", shape[0]), preset=pl_module.hparams.get("preset"),
         )
+        from torch.utils.tensorboard.summary import hparams as hparams_summary  # loads tensorboard: only when needed
+
+        # What Lightning's log_hyperparams(params, metrics) writes, but naming every metric of MEDIAN_METRICS in the
+        # record whether or not this run logged it: TensorBoard takes the table's columns from one run's record.
+        records = hparams_summary(hparams, dict.fromkeys(MEDIAN_METRICS.values(), 0.0))  # values unused: names
         for logger in loggers:
             logger.experiment.add_custom_scalars(custom_scalars_layout(logged, prefix=getattr(logger, "_prefix", "")))
+            writer = logger.experiment._get_file_writer()  # as Lightning's own log_hyperparams does
+            for record in records:
+                writer.add_summary(record, self._step)
             if medians:
-                logger.log_hyperparams(hparams, metrics=medians, step=self._step)
+                logger.log_metrics(medians, step=self._step)
 
 
 def _peak_memory_mib(cuda: bool) -> float:

@@ -19,6 +19,7 @@ from lightning_ddp.callbacks.accounting import LANDMARK_KEYS
 from lightning_ddp.callbacks.tensorboard_views import (
     HPARAM_NAMES,
     LAYOUT,
+    MEDIAN_METRICS,
     custom_scalars_layout,
     run_hparams,
     run_metrics,
@@ -152,12 +153,25 @@ def test_a_tensorboard_run_gets_its_layout_and_its_medians_as_hparams_metrics(tm
     assert views.hparams == {"grad_sync/strategy": "single_device", "grad_sync/bucket_size_mb": "n/a",
                              "grad_sync/engine_settings": "default", "run/world_size": 1.0, "run/precision": "32-true",
                              "run/batch_size": "n/a", "run/preset": "toy"}  # TinyLM counts no tokens: no batch shape
-    assert views.metrics == ["median/step/time_ms", "median/memory/peak_MiB"]
+    # The record names every metric, so that one table holds runs that logged different keys; this run has values
+    # for the two it logged.
+    assert views.metrics == list(MEDIAN_METRICS.values())
+    assert {tag for tag in views.scalars if tag.startswith("median/")} == {"median/step/time_ms",
+                                                                           "median/memory/peak_MiB"}
     # The metric is the summary's median over steps 1-3 (step 0 is warm-up), logged once at the last measured step.
     summary = json.loads(next(tmp_path.rglob("timing_summary.json")).read_text())["summary"]
     ((step, value),) = views.scalars["median/step/time_ms"]
     assert step == 3 and value == pytest.approx(summary["step/time_ms"]["median"], rel=1e-6)
     assert "hp_metric" not in views.scalars  # no -1 placeholder
+
+
+def test_a_run_of_warm_up_steps_only_gets_its_row_without_values(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run")
+    _fit(logger, CommTimer(every_n_steps=1, warmup_steps=4))  # the 4 steps are all warm-up: no summary, no medians
+    views = read_views(Path(logger.log_dir))
+    assert views.hparams["grad_sync/strategy"] == "single_device" and views.metrics == list(MEDIAN_METRICS.values())
+    assert "step/time_ms" in views.scalars and not [tag for tag in views.scalars if tag.startswith("median/")]
+    assert "Where the step goes" in views.layout and "hp_metric" not in views.scalars
 
 
 def test_with_the_timer_off_tensorboard_gets_what_lightning_writes(tmp_path: Path) -> None:
