@@ -134,7 +134,7 @@ def _fit(logger, timer: CommTimer) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=logger, callbacks=[timer],
                          log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False)
-    module = tiny_lm_module(seed=0)
+    module = tiny_lm_module()
     module.save_hyperparameters({"preset": "toy"})  # hyperparameters to log, as LitGPT has: Lightning logs them first
     trainer.fit(module, DataLoader(tiny_lm_data(16), batch_size=4))
 
