@@ -1,4 +1,4 @@
-"""Retake README's TensorBoard screenshot: the CommTimer's ``comm/*`` cards, chart lines included.
+"""Retake the TensorBoard screenshots of README and ``docs/tensorboard.md``: the CommTimer's cards, lines included.
 
 The picture in README (``docs/tensorboard_comm.png``) is the quickstart run twice, with naive and bucketed DDP.
 From the repository root, on a machine with Debian's Chromium (``apt-get install -y chromium``)::
@@ -28,6 +28,21 @@ The straggler cards (``comm/wait_ms``, ``comm/transfer_ms``, ``straggler/rank``,
         --tag-filter 'comm/(exposed|wait|transfer)_ms|straggler/|rank_spread' --size 1800x1000 \\
         -o docs/tensorboard_straggler.png
 
+The CommTimer's own views (``docs/tensorboard.md``): its custom-scalars layout for the quickstart and naive DDP, and
+the HPARAMS table of four strategies sorted by median step time (``--dashboard``; ``--sort-by`` names a metric or
+hyperparameter column)::
+
+    for s in naive_ddp ddp zero2_ddp; do python -m lightning_ddp fit --config configs/quickstart.yaml \\
+        --trainer.strategy $s --trainer.logger.init_args.save_dir /tmp/shots --trainer.logger.init_args.name $s; done
+    python -m lightning_ddp fit --config configs/quickstart.yaml \\
+        --trainer.logger.init_args.save_dir /tmp/shots --trainer.logger.init_args.name quickstart
+    python docs/tensorboard_screenshot.py --dashboard custom_scalars --size 1450x1900 --colors 128 \\
+        naive_ddp=/tmp/shots/naive_ddp/version_0 quickstart=/tmp/shots/quickstart/version_0 \\
+        -o docs/tensorboard_custom_scalars.png
+    python docs/tensorboard_screenshot.py --dashboard hparams --sort-by median/step/time_ms --size 2800x330 \\
+        --colors 128 naive_ddp=/tmp/shots/naive_ddp/version_0 quickstart=/tmp/shots/quickstart/version_0 \\
+        ddp=/tmp/shots/ddp/version_0 zero2_ddp=/tmp/shots/zero2_ddp/version_0 -o docs/tensorboard_hparams.png
+
 The recipe:
 
 1. link every event file under each ``DIR`` into a temporary log directory, below ``NAME/`` when given; start
@@ -40,7 +55,10 @@ The recipe:
 3. open the Time Series dashboard with its tag filter, ``/?tagFilter=comm#timeseries``, wait until the cards have
    loaded their data and stopped changing, untick "Ignore outliers in chart scaling" (which would cut the peaks
    off: each y-axis would span only the 5th-95th percentile of its points; ``--ignore-outliers`` keeps it),
-   close the settings pane, let the charts draw, and save a PNG of the window (``Page.captureScreenshot``);
+   close the settings pane, let the charts draw, and save a PNG of the window (``Page.captureScreenshot``). The
+   Custom Scalars dashboard (``#custom_scalars``) is waited for and unticked the same way, through the shadow roots
+   of its Polymer elements; on the HParams dashboard (``#hparams``) the table's cells are waited for and
+   ``--sort-by`` is set as the query pane's "Sort by" menu sets it;
 4. stop Chromium and TensorBoard (their whole process groups) and delete the temporary directory (links, logs,
    Chromium's profile), whatever happened.
 
@@ -109,6 +127,47 @@ _CLOSE_SETTINGS_JS = """(() => {
   return Boolean(button);
 })()"""
 
+# The Custom Scalars and HParams dashboards are Polymer elements: their parts live in shadow roots, which
+# querySelectorAll does not enter. `deep(selector)` collects the matches in the document and in every shadow root.
+_DEEP_JS = """const deep = (selector, root = document, out = []) => {
+  root.querySelectorAll(selector).forEach(e => out.push(e));
+  root.querySelectorAll('*').forEach(e => { if (e.shadowRoot) deep(selector, e.shadowRoot, out); });
+  return out;
+};"""
+# Custom Scalars: how many chart cards exist, and how many still show their spinner (every card has an active
+# paper-spinner-lite; it is on the page, offsetParent set, only while the card loads).
+_CUSTOM_SCALARS_STATE_JS = f"""(() => {{ {_DEEP_JS}
+  return JSON.stringify({{cards: deep('tf-custom-scalar-multi-line-chart-card').length,
+                          loading: deep('paper-spinner-lite').filter(s => s.offsetParent !== null).length}});
+}})()"""
+# Its "Ignore outliers in chart scaling" is a paper-checkbox (on by default), with the same effect as above.
+_CUSTOM_SCALARS_SHOW_OUTLIERS_JS = f"""(() => {{ {_DEEP_JS}
+  const box = deep('paper-checkbox').find(b => b.textContent.includes('Ignore outliers in chart scaling'));
+  if (!box) return null;
+  if (box.checked) box.click();
+  return box.checked;
+}})()"""
+# HParams table: how many cells it shows (one per run and column, plus the headers); no spinner to wait for.
+_HPARAMS_STATE_JS = f"""(() => {{ {_DEEP_JS}
+  return JSON.stringify({{cards: deep('tf-hparams-table-view vaadin-grid-cell-content').length
+                                 || deep('vaadin-grid-cell-content').length, loading: 0}});
+}})()"""
+# Sort the table by the column named COLUMN, ascending, as the query pane's "Sort by" and "Direction" menus do: its
+# columns are the hyperparameters, then the metrics. Returns whether the column was found.
+_HPARAMS_SORT_JS = f"""(() => {{ {_DEEP_JS}
+  const pane = deep('tf-hparams-query-pane')[0];
+  if (!pane || !pane._hparams || !pane._metrics) return false;
+  const names = pane._hparams.map(h => h.info.name).concat(pane._metrics.map(m => m.info.name.tag));
+  const index = names.indexOf(COLUMN);
+  if (index < 0) return false;
+  pane.set('_sortDirection', 0);
+  pane.set('_sortByIndex', index);
+  return true;
+}})()"""
+
+DASHBOARDS = ("timeseries", "custom_scalars", "hparams")
+"""TensorBoard's dashboards this script can photograph (the part of the URL after ``#``)."""
+
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -136,9 +195,11 @@ def main(argv: list[str] | None = None) -> None:
             query["forceSVG"] = "true"
         if args.smoothing is not None:
             query["smoothing"] = str(args.smoothing)
-        url = f"{base_url}/?{urllib.parse.urlencode(query)}#timeseries"
+        url = f"{base_url}/?{urllib.parse.urlencode(query)}#{args.dashboard}"
         browser = start_chromium(chromium, (width, height), not args.svg, workdir, cleanup)
-        png = capture(browser, url, (width, height), args.ignore_outliers, args.settle, args.timeout)
+        png = capture(browser, url, (width, height), args)
+    if args.colors:
+        png = reduce_colors(png, args.colors)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(png)
@@ -149,6 +210,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Details: the module docstring.")
     parser.add_argument("logdirs", nargs="+", metavar="[NAME=]DIR", help="TensorBoard log directories")
     parser.add_argument("-o", "--output", required=True, help="the PNG to write")
+    parser.add_argument("--dashboard", choices=DASHBOARDS, default="timeseries",
+                        help="timeseries (default): one card per tag; custom_scalars: the CommTimer's layout; "
+                             "hparams: the table of runs")
+    parser.add_argument("--sort-by", metavar="COLUMN",
+                        help="hparams: sort the table by this column, ascending (e.g. median/step/time_ms)")
     parser.add_argument("--tag-filter", default="comm", help="regex of the tags to show (default: comm)")
     parser.add_argument("--size", default="1800x1450",
                         help="window size WIDTHxHEIGHT in pixels (default: 1800x1450: the eleven comm/ cards, 4 a "
@@ -162,7 +228,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds TensorBoard and the page each get to load (default: 120)")
     parser.add_argument("--chromium", default="/usr/bin/chromium", help="the Chromium binary")
+    parser.add_argument("--colors", type=int,
+                        help="reduce the PNG to this many colours (Pillow, which matplotlib brings), e.g. 128: a "
+                             "third of the size for a page of charts")
     return parser.parse_args(argv)
+
+
+def reduce_colors(png: bytes, colors: int) -> bytes:
+    """``png`` with a palette of ``colors`` colours (median cut), saved with zlib's best compression."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(out, format="PNG", optimize=True)
+    return out.getvalue()
 
 
 def parse_logdir(spec: str) -> tuple[str, Path]:
@@ -346,32 +427,43 @@ def start_chromium(
     return browser
 
 
-def capture(
-    browser: DevToolsPipe, url: str, size: tuple[int, int], ignore_outliers: bool, settle: float, timeout: float
-) -> bytes:
-    """Open ``url``, wait for the scalar cards to load and draw, and return a PNG of the window."""
+def capture(browser: DevToolsPipe, url: str, size: tuple[int, int], args: argparse.Namespace) -> bytes:
+    """Open ``url``, wait for the dashboard's cards (or table cells) to load and draw, and return the window's PNG."""
     target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     browser.send("Emulation.setDeviceMetricsOverride",
                  {"width": size[0], "height": size[1], "deviceScaleFactor": 1, "mobile": False}, session)
     browser.send("Page.navigate", {"url": url}, session)
-    # Loaded: some cards, none with a spinner, and the same state twice in a row (cards appear in waves).
+    state_js = {"timeseries": _CARDS_STATE_JS, "custom_scalars": _CUSTOM_SCALARS_STATE_JS,
+                "hparams": _HPARAMS_STATE_JS}[args.dashboard]
+    wait_until_loaded(browser, session, state_js, url, args.timeout)
+    if args.dashboard == "hparams":
+        if args.sort_by and not browser.evaluate(_HPARAMS_SORT_JS.replace("COLUMN", json.dumps(args.sort_by)),
+                                                 session):
+            print(f"found no column {args.sort_by!r} to sort by", file=sys.stderr)
+    else:
+        show_outliers = _SHOW_OUTLIERS_JS if args.dashboard == "timeseries" else _CUSTOM_SCALARS_SHOW_OUTLIERS_JS
+        if not args.ignore_outliers and browser.evaluate(show_outliers, session) is not False:
+            print("could not untick 'Ignore outliers in chart scaling'; outliers stay cropped", file=sys.stderr)
+    if args.dashboard == "timeseries" and not browser.evaluate(_CLOSE_SETTINGS_JS, session):
+        print("found no settings pane to close", file=sys.stderr)
+    time.sleep(args.settle)  # the cards re-lay out (without the pane, with the new columns), then the lines draw
+    return base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"}, session)["data"])
+
+
+def wait_until_loaded(browser: DevToolsPipe, session: str, state_js: str, url: str, timeout: float) -> None:
+    """Poll ``state_js`` (``{cards, loading}``) until some cards exist, none is loading, and the state held twice in
+    a row (cards appear in waves)."""
     deadline = time.monotonic() + timeout
     previous = None
     while True:
-        state = json.loads(browser.evaluate(_CARDS_STATE_JS, session) or "{}")
+        state = json.loads(browser.evaluate(state_js, session) or "{}")
         if state.get("cards") and not state.get("loading") and state == previous:
-            break
+            return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the scalar cards of {url} did not finish loading within {timeout:.0f} s ({state})")
+            raise TimeoutError(f"the cards of {url} did not finish loading within {timeout:.0f} s ({state})")
         previous = state
         time.sleep(1.0)
-    if not ignore_outliers and browser.evaluate(_SHOW_OUTLIERS_JS, session) is not False:
-        print("could not untick 'Ignore outliers in chart scaling'; outliers stay cropped", file=sys.stderr)
-    if not browser.evaluate(_CLOSE_SETTINGS_JS, session):
-        print("found no settings pane to close", file=sys.stderr)
-    time.sleep(settle)  # the cards re-lay out without the pane, then the worker draws the lines
-    return base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"}, session)["data"])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ The names load on first use: ``import lightning_ddp.callbacks.accounting`` needs
 =====================  ==========================================================================
 ``accounting``         pure: metrics of one step from its record, and the summary over steps
 ``comm_timer``         ``CommTimer``, the thin Lightning shell that logs them every n-th step
+``tensorboard_views``  pure: the timer's custom-scalars layout and HPARAMS record for TensorBoard
 ``trace_recorder``     ``TraceRecorder``: torch profiler traces of a few steps on every rank
 ``final_checkpoint``   ``FinalStepCheckpoint``: the run's last step saved whenever checkpointing is on
 ``comm_track``         the communication track it adds to each trace (``lightning_ddp.trace`` reads it back)

@@ -46,7 +46,9 @@ At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the measure
 ``compute_profile.json`` beside them: the median forward, backward and optimizer times and when each
 parameter's gradient became ready (``lightning_ddp.profile``; what ``python -m lightning_ddp.projection``
 predicts other world sizes from). Forward is the step's start to backward's start, backward runs to the last
-gradient computed, the optimizer from the gradients usable to the step's end.
+gradient computed, the optimizer from the gradients usable to the step's end. Into a ``TensorBoardLogger`` it also
+writes a custom-scalars layout of the keys the run logged and the run's hparams with its medians as metrics
+(``tensorboard_views``; the placeholder ``hp_metric`` of -1 is turned off).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -73,6 +76,8 @@ from lightning_ddp.callbacks.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.recording import comm_recording, measurement_note, recorder_for, release_recorder
 from lightning_ddp.callbacks.recording import strategy_label
 from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
+from lightning_ddp.callbacks.tensorboard_views import (MEDIAN_METRICS, custom_scalars_layout, run_hparams, run_metrics,
+                                                       strategy_label, strategy_settings)
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -165,6 +170,13 @@ class CommTimer(Callback):
                 "CommTimer logs to the Trainer's logger, but `Trainer(logger=False)` leaves it nowhere to write. "
                 "Enable a logger or switch the timer off with `--timer.enabled false`."
             )
+        if self.enabled and stage == "fit":
+            # The run's medians become its HPARAMS metrics at the end of fit (`_write_tensorboard_views`). Lightning
+            # would log the hyperparameters first with a placeholder `hp_metric` of -1, and TensorBoard keeps a run's
+            # first hparams record: that placeholder would hide ours, so it is turned off.
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger._default_hp_metric = False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -296,6 +308,7 @@ class CommTimer(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled or not trainer.is_global_zero or len(self.summary) == 0:
             return
+        self._write_tensorboard_views(trainer, pl_module)
         if len(self.summary) <= self.warmup_steps:
             rank_zero_info(
                 f"CommTimer: {len(self.summary)} steps ran, all within warmup_steps={self.warmup_steps}; no summary "
@@ -317,6 +330,36 @@ class CommTimer(Callback):
         profile = _median_profile(self._compute[self.warmup_steps:], self._watched, trainer, pl_module, self._batch_shape)
         if profile is not None:
             write_profile(profile, out_dir / "compute_profile.json")
+
+    def _write_tensorboard_views(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Into every TensorBoard logger (rank 0, end of fit): the custom-scalars layout of the keys this run logged,
+        and the run's hparams record with its medians as metrics (no values when every measured step was warm-up)."""
+        loggers = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        if not loggers:
+            return
+        logged = set().union(*self.summary.metrics)
+        past_warmup = len(self.summary) > self.warmup_steps
+        medians = run_metrics(self.summary.summarize(self.warmup_steps)) if past_warmup else {}
+        bucket, engine = strategy_settings(trainer.strategy, self._bucket_size_mb)
+        datamodule_hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
+        shape = self._batch_shape if len(self._batch_shape) == 2 else (None,)  # (batch, seq_len) when counted
+        hparams = run_hparams(
+            strategy=strategy_label(trainer.strategy), bucket_size_mb=bucket, engine_settings=engine,
+            world_size=trainer.world_size, precision=str(trainer.precision),
+            batch_size=datamodule_hparams.get("batch_size", shape[0]), preset=pl_module.hparams.get("preset"),
+        )
+        from torch.utils.tensorboard.summary import hparams as hparams_summary  # loads tensorboard: only when needed
+
+        # What Lightning's log_hyperparams(params, metrics) writes, but naming every metric of MEDIAN_METRICS in the
+        # record whether or not this run logged it: TensorBoard takes the table's columns from one run's record.
+        records = hparams_summary(hparams, dict.fromkeys(MEDIAN_METRICS.values(), 0.0))  # values unused: names
+        for logger in loggers:
+            logger.experiment.add_custom_scalars(custom_scalars_layout(logged, prefix=getattr(logger, "_prefix", "")))
+            writer = logger.experiment._get_file_writer()  # as Lightning's own log_hyperparams does
+            for record in records:
+                writer.add_summary(record, self._step)
+            if medians:
+                logger.log_metrics(medians, step=self._step)
 
 
 def _peak_memory_mib(cuda: bool) -> float:
