@@ -73,11 +73,11 @@ from lightning_ddp import compat, hardware
 from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
 from lightning_ddp.callbacks.rank_exchange import StragglerExchange
-from lightning_ddp.callbacks.recording import comm_recording, measurement_note, recorder_for, release_recorder
-from lightning_ddp.callbacks.recording import strategy_label
+from lightning_ddp.callbacks.recording import (comm_recording, measurement_note, recorder_for, release_recorder,
+                                               strategy_label)
 from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.callbacks.tensorboard_views import (MEDIAN_METRICS, custom_scalars_layout, run_hparams, run_metrics,
-                                                       strategy_label, strategy_settings)
+                                                       strategy_settings)
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 

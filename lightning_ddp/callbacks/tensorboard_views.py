@@ -11,7 +11,7 @@ import re
 from typing import Any, Iterable, Mapping
 
 __all__ = ["HPARAM_NAMES", "LAYOUT", "MEDIAN_METRICS", "custom_scalars_layout", "run_hparams", "run_metrics",
-           "strategy_label", "strategy_settings"]
+           "strategy_settings"]
 
 LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
     ("Where the step goes", (
@@ -105,21 +105,6 @@ def run_metrics(summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     {'median/step/time_ms': 80.0}
     """
     return {tag: float(summary[key]["median"]) for key, tag in MEDIAN_METRICS.items() if key in summary}
-
-
-def strategy_label(strategy: Any) -> str:
-    """The name a strategy goes by: its ``strategy_name`` (ours, ``fsdp2``, Lightning's ``single_device``), else its
-    class's name without ``Strategy``, lower-cased, which is Lightning's registry name for its main ones
-    (``DDPStrategy``: ``ddp``, ``FSDPStrategy``: ``fsdp``, ``DeepSpeedStrategy``: ``deepspeed``).
-
-    >>> class DDPStrategy: ...
-    >>> strategy_label(DDPStrategy())
-    'ddp'
-    """
-    name = getattr(strategy, "strategy_name", None)
-    if isinstance(name, str) and name:
-        return name
-    return type(strategy).__name__.removesuffix("Strategy").lower() or type(strategy).__name__
 
 
 def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> tuple[float | str, str]:

@@ -12,7 +12,7 @@ from lightning_ddp.callbacks.recording import strategy_label
 from lightning_ddp.cli import LightningDDPCLI
 from lightning_ddp.data import LMDataModule
 from lightning_ddp.module import LitGPT
-from lightning_ddp.strategies import NaiveDDPStrategy
+from lightning_ddp.strategies import FSDP2Strategy, NaiveDDPStrategy
 
 QUICKSTART = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
 
@@ -41,4 +41,5 @@ def test_strategy_label_is_the_registered_name() -> None:
     assert strategy_label(DDPStrategy()) == "ddp"  # Lightning's own: looked up in its StrategyRegistry
     assert strategy_label(DDPStrategy(start_method="spawn")) == "ddp_spawn"  # the entry whose settings it has
     assert strategy_label(NaiveDDPStrategy()) == "naive_ddp"  # ours carry strategy_name
+    assert strategy_label(FSDP2Strategy()) == "fsdp2"  # a DDPStrategy subclass, not read as torch DDP
     assert strategy_label(object()) == "object"  # unknown: the class name

@@ -23,7 +23,6 @@ from lightning_ddp.callbacks.tensorboard_views import (
     custom_scalars_layout,
     run_hparams,
     run_metrics,
-    strategy_label,
     strategy_settings,
 )
 from lightning_ddp.strategies import (
@@ -108,11 +107,6 @@ def test_run_metrics_are_the_medians_of_the_listed_keys_present() -> None:
 ], ids=["naive", "bucketed_one_bucket", "bucketed_auto", "powersgd", "zero1", "zero2", "ddp", "ddp_kwargs", "fsdp2"])
 def test_strategy_settings(strategy, resolved, expected) -> None:
     assert strategy_settings(strategy, resolved) == expected
-
-
-def test_strategy_label_is_the_registry_name() -> None:
-    assert [strategy_label(s) for s in (NaiveDDPStrategy(), ZeRO1DDPStrategy(), DDPStrategy(), FSDP2Strategy())] == [
-        "naive_ddp", "zero1_ddp", "ddp", "fsdp2"]
 
 
 def test_run_hparams_has_every_name_and_refuses_others() -> None:
