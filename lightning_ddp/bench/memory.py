@@ -500,6 +500,9 @@ def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:
             write_atomically(Path(result_file), json.dumps(gathered))
+        # Both ranks done with the group before either tears it down: a rank destroying it while its peer's gloo
+        # thread still holds the pair aborted ("terminate called without an active exception", SIGABRT) under load.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

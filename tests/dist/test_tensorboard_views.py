@@ -18,10 +18,11 @@ FAST = ("--model.context_length", "32", "--data.seq_len", "32", "--data.batch_si
 
 
 def test_two_strategies_get_one_layout_and_a_table_that_tells_them_apart(tmp_path: Path) -> None:
-    for strategy in ("naive_ddp", "bucketed_ddp"):  # version_0, version_1 of the one logger folder
+    strategies = ("naive_ddp", "bucketed_ddp")
+    for strategy in strategies:  # one logger folder; an unnamed run is named by its strategy (logs/naive_ddp/...)
         run_cli("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), *FAST, "--trainer.strategy", strategy,
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), cwd=tmp_path)
-    runs = [read_views(tmp_path / "logs" / "quickstart" / f"version_{i}") for i in (0, 1)]
+    runs = [read_views(tmp_path / "logs" / strategy / "version_0") for strategy in strategies]
     for run in runs:
         charts = [[regex.removesuffix("$") for regex in chart]
                   for charts in run.layout.values() for chart in charts.values()]
