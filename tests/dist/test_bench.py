@@ -822,6 +822,7 @@ def test_gradient_bytes_of_the_tiny_model() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the sweep's own run (~30 s): the slow tier, like the other benchmarks' runs
 def test_tiny_sweep_end_to_end(tmp_path, monkeypatch) -> None:
     out = tmp_path / "sweep"
     proc = subprocess.run(

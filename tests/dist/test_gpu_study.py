@@ -414,7 +414,8 @@ def _check_files(out: Path, document: dict) -> None:
             assert (out / name).is_file(), (stage["name"], name)
 
 
-@pytest.mark.multiprocess  # three real stages on CPU (~40 s)
+@pytest.mark.multiprocess
+@pytest.mark.slow  # three real stages on CPU (~20 s); the two-call dry run below runs every stage
 def test_dry_run_of_three_stages(tmp_path: Path) -> None:
     out = tmp_path / "study"
     assert main(["--out", str(out), "--cpu_dry_run", "true", "--stages", "[environment,compute,ready_times]"]) == 0
