@@ -476,9 +476,10 @@ def estimate_rank_memory(
                 scalars = sum(numels[i] for i in indices)
                 viewed += scalars
                 buffer_bytes += p * (scalars + int(b == len(buckets) - 1))  # + the missing-gradient sentinel
-    state = _adam_state_bytes(numels, p, world_size if buffers.sharded_state else 1, None)
-    if buffers.kind == "fsdp2":  # AdamW over the shards: 2 moments of each, and a step per tensor
+    if buffers.kind == "fsdp2":  # AdamW over the dim-0 shards: 2 moments of each, and a step per tensor
         state = 2 * p * n_params + ADAM_STEP_BYTES_PER_TENSOR * len(numels)
+    else:
+        state = _adam_state_bytes(numels, p, world_size if buffers.sharded_state else 1, None)
 
     tokens = batch_size * seq_len
     per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)

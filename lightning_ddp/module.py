@@ -23,9 +23,9 @@ from typing import Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_ddp.model import GPT, get_config

@@ -152,7 +152,7 @@ def strategy_label(strategy: Any) -> str:
 
 def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> str | None:
     """The one line the ``CommTimer`` says once when it cannot measure everything (``None`` for ``"full"``)."""
-    name = getattr(strategy, "strategy_name", "") or type(strategy).__name__
+    name = strategy_label(strategy)
     measured = "step time, throughput (when the module counts tokens or FLOPs), memory and the compute profile"
     if level == "full":
         return None

@@ -8,8 +8,8 @@ exit 2.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 from jsonargparse import ArgumentParser

@@ -149,10 +149,11 @@ def _check_budget(stages: Sequence[Stage], document: dict[str, Any], ctx: StudyC
     for stage, entry in zip(stages, document["stages"]):
         selected = ctx.config.stages is None or stage.name in ctx.config.stages
         runnable = entry["status"] != "ok" and selected and (ctx.cuda or not stage.needs_cuda)
-        if runnable and stage.estimate(ctx.config.cpu_dry_run) > budget_s:
-            raise ValueError(f"stage {stage.name} needs ~{stage.estimate(ctx.config.cpu_dry_run):.0f} s, more than "
-                             f"`--budget_min {ctx.config.budget_min:g}` gives a call; give it at least "
-                             f"{stage.estimate(ctx.config.cpu_dry_run) / 60:.1f} minutes (default 9)")
+        needs_s = stage.estimate(ctx.config.cpu_dry_run)
+        if runnable and needs_s > budget_s:
+            raise ValueError(f"stage {stage.name} needs ~{needs_s:.0f} s, more than `--budget_min "
+                             f"{ctx.config.budget_min:g}` gives a call; give it at least {needs_s / 60:.1f} minutes "
+                             "(default 9)")
 
 
 def _skip_reason(stage: Stage, config: GPUStudyConfig, ctx: StudyContext) -> tuple[str, str] | None:
