@@ -36,8 +36,7 @@ from lightning_ddp._lazy import lazy_exports
 from lightning_ddp._registration import register_with_lightning
 
 _SYNC = ["BucketedDDP", "FlatDDP", "NaiveDDP", "OverlapDDP", "Recorder", "ShardedOptimizer"]
-_STRATEGIES = ["BucketedDDPStrategy", "FlatDDPStrategy", "GradSyncStrategy", "NaiveDDPStrategy", "OverlapDDPStrategy",
-               "ZeRO1DDPStrategy"]
+_STRATEGIES = ["GradSyncStrategy", "ZeRO1DDPStrategy"]
 __all__ = sorted(_SYNC + _STRATEGIES)
 __getattr__, __dir__ = lazy_exports(
     __name__, {**dict.fromkeys(_SYNC, "lightning_ddp.sync"), **dict.fromkeys(_STRATEGIES, "lightning_ddp.strategies")}

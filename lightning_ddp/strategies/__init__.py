@@ -8,7 +8,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ddp.strategies.base import GradSyncStrategy
 from lightning_ddp.strategies.fsdp2 import FSDP2Strategy
-from lightning_ddp.strategies.named import BucketedDDPStrategy, FlatDDPStrategy, NaiveDDPStrategy, OverlapDDPStrategy
 from lightning_ddp.strategies.zero1 import ZeRO1DDPStrategy
 from lightning_ddp.strategies.zero2 import ZeRO2DDPStrategy
 
@@ -24,12 +23,8 @@ def register_strategies() -> None:
 register_strategies()
 
 __all__ = [
-    "BucketedDDPStrategy",
     "FSDP2Strategy",
-    "FlatDDPStrategy",
     "GradSyncStrategy",
-    "NaiveDDPStrategy",
-    "OverlapDDPStrategy",
     "ZeRO1DDPStrategy",
     "ZeRO2DDPStrategy",
     "register_strategies",

@@ -34,7 +34,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -57,8 +56,6 @@ from lightning_ddp.sync.comm import backend_from_spec
 from lightning_ddp.sync.gather import gather_rank_states
 
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
-
-_MAKE_CONTAINER_IS_OLD = "make_container is the old name of make_engine: override and call make_engine instead"
 
 ENGINE_STATES_KEY = "grad_sync_engine_states"
 """Where a checkpoint holds the engines' own states: ``{"algorithm": name, "world_size": n, "states": [rank 0's,
@@ -169,39 +166,20 @@ class GradSyncStrategy(DDPStrategy):
             self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
         )
 
-    def make_container(self, module: nn.Module) -> GradSyncEngine:
-        """Deprecated: the old name of ``make_engine``. Calling it builds the engine, with a warning; a subclass that
-        overrides it instead of ``make_engine`` still has its override used by ``configure_ddp``, with a warning."""
-        warnings.warn(_MAKE_CONTAINER_IS_OLD, DeprecationWarning, stacklevel=2)
-        return self.make_engine(module)
-
     @property
     def engine(self) -> GradSyncEngine | None:
         """The engine wrapping the model while fitting, else ``None``."""
         return self.model if isinstance(self.model, GradSyncEngine) else None
 
     @property
-    def container(self) -> GradSyncEngine | None:
-        """Deprecated: the old name of ``engine``."""
-        warnings.warn("GradSyncStrategy.container is now GradSyncStrategy.engine", DeprecationWarning, stacklevel=2)
-        return self.engine
-
-    @property
     def resolved_bucket_size_mb(self) -> float | None:
         """The bucket cap the engine uses (``auto`` and ``default`` resolved), while fitting; else ``None``."""
         return getattr(self.engine, "bucket_size_mb", None)
 
-    def _build_engine(self, module: nn.Module) -> GradSyncEngine:
-        if type(self).make_container is not GradSyncStrategy.make_container:  # a subclass written for the old name
-            warnings.warn(f"{type(self).__name__} overrides make_container; {_MAKE_CONTAINER_IS_OLD}",
-                          DeprecationWarning, stacklevel=2)
-            return self.make_container(module)
-        return self.make_engine(module)
-
     @override
     def configure_ddp(self) -> None:
         assert isinstance(self.model, pl.LightningModule)
-        self.model = self._build_engine(self.model)
+        self.model = self.make_engine(self.model)
         if self._restoring_engine_state:  # the checkpoint was loaded before the engine existed
             self._restore_engine_state()
         if self._recorder is not None:

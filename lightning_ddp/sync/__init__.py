@@ -44,7 +44,6 @@ from lightning_ddp._lazy import lazy_exports
 
 _HOMES = {
     "GradSyncEngine": "lightning_ddp.sync.base",
-    "DataParallel": "lightning_ddp.sync.base",  # GradSyncEngine's old name (deprecated, warns)
     "broadcast_module_states": "lightning_ddp.sync.base",
     "BucketedDDP": "lightning_ddp.sync.bucketed",
     "BucketedBF16DDP": "lightning_ddp.sync.bucketed_bf16",
@@ -68,5 +67,5 @@ _HOMES = {
     "assign_owners": "lightning_ddp.sync.zero1",
     "ZeRO2DDP": "lightning_ddp.sync.zero2",
 }
-__all__ = sorted(set(_HOMES) - {"DataParallel"})
+__all__ = sorted(_HOMES)
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -54,7 +54,6 @@ wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``d
 from __future__ import annotations
 
 import hashlib
-import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
@@ -282,10 +281,3 @@ def verify_same_parameters(module: nn.Module, comm: Communicator, device: torch.
         "construction (or configure_model)."
     )
 
-
-def __getattr__(name: str) -> Any:
-    # ``DataParallel`` was this class's first name; it still works, with a warning.
-    if name == "DataParallel":
-        warnings.warn("lightning_ddp.sync.base.DataParallel is now GradSyncEngine", DeprecationWarning, stacklevel=2)
-        return GradSyncEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,7 +40,7 @@ CASES = {
         "bucket_size_mb must be > 0",
     ),
     "nccl without gpus": (
-        lambda tmp: ["--trainer.strategy", "lightning_ddp.strategies.NaiveDDPStrategy",
+        lambda tmp: ["--trainer.strategy", "lightning_ddp.strategies.GradSyncStrategy",
                      "--trainer.strategy.init_args.process_group_backend", "nccl"],
         "process_group_backend='nccl' needs CUDA GPUs",
     ),

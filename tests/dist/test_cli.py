@@ -195,7 +195,7 @@ def test_validate_without_a_split_stops_with_the_flag_to_set(tmp_path: Path) -> 
 
 
 STRATEGIES = {
-    "bucketed_ddp": None,  # the quickstart's own BucketedDDPStrategy (a GradSyncStrategy)
+    "bucketed_ddp": None,  # the quickstart's own GradSyncStrategy block
     "zero1_ddp": "zero1_ddp",
     "ddp": json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
                        "init_args": {"process_group_backend": "gloo"}}),

@@ -75,7 +75,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 RESUME_CASES = {
     **{name: ["--trainer.strategy", name] for name in [*CUSTOM_STRATEGIES, "ddp"]},
-    "bucketed_auto": ["--trainer.strategy", "lightning_ddp.strategies.BucketedDDPStrategy",
+    "bucketed_auto": ["--trainer.strategy", "lightning_ddp.strategies.GradSyncStrategy",
                       "--trainer.strategy.init_args.bucket_size_mb", "auto"],
 }
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ddp.strategies import NaiveDDPStrategy, OverlapDDPStrategy
+from lightning_ddp.strategies import GradSyncStrategy
 from lightning_ddp.sync import Communicator, NaiveDDP, OverlapDDP, Pending
 
 
@@ -33,11 +33,11 @@ class _SlowAllReduceNaive(NaiveDDP):
         self.comm = _DelayedCommunicator(self.process_group, delay_ms / 1e3)
 
 
-class SlowNaiveDDPStrategy(NaiveDDPStrategy):
+class SlowNaiveDDPStrategy(GradSyncStrategy):
     """``naive_ddp`` whose every all-reduce call takes ``delay_ms`` longer."""
 
     def __init__(self, delay_ms: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(algorithm="naive_ddp", **kwargs)
         self.delay_ms = delay_ms
 
     def make_engine(self, module: nn.Module) -> NaiveDDP:
@@ -54,11 +54,11 @@ class _SlowBackwardOverlap(OverlapDDP):
         time.sleep(self.delay_s)  # ...then backward "computes" for delay_ms more before the next gradient
 
 
-class SlowBackwardOverlapDDPStrategy(OverlapDDPStrategy):
+class SlowBackwardOverlapDDPStrategy(GradSyncStrategy):
     """``overlap_ddp`` whose backward takes ``delay_ms`` longer after each gradient is ready."""
 
     def __init__(self, delay_ms: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(algorithm="overlap_ddp", **kwargs)
         self.delay_ms = delay_ms
 
     def make_engine(self, module: nn.Module) -> OverlapDDP:

@@ -106,7 +106,8 @@ def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch) -> None:
 
 def test_strategy_configs_map_to_the_estimates_names() -> None:
     assert _strategy_for_estimate("naive_ddp") == ("naive_ddp", None, False)
-    bucketed = {"class_path": "lightning_ddp.strategies.BucketedDDPStrategy", "init_args": {"bucket_size_mb": 2}}
+    bucketed = {"class_path": "lightning_ddp.strategies.GradSyncStrategy",
+                "init_args": {"algorithm": "bucketed_ddp", "bucket_size_mb": 2}}
     assert _strategy_for_estimate(bucketed) == ("bucketed_ddp", 2, False)
     generic = {"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": {"algorithm": "flat"}}
     assert _strategy_for_estimate(generic) == ("flat_ddp", None, False)

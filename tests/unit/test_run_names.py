@@ -12,7 +12,7 @@ from lightning_ddp.callbacks.recording import strategy_label
 from lightning_ddp.cli import LightningDDPCLI
 from lightning_ddp.data import LMDataModule
 from lightning_ddp.module import LitGPT
-from lightning_ddp.strategies import FSDP2Strategy, NaiveDDPStrategy
+from lightning_ddp.strategies import FSDP2Strategy, GradSyncStrategy
 
 QUICKSTART = str(Path(__file__).parents[2] / "configs" / "quickstart.yaml")
 
@@ -24,7 +24,7 @@ def _plain_argv(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("extra,expected", [
-    ([], "bucketed_ddp"),  # the quickstart's logger has no name; its strategy block is BucketedDDPStrategy
+    ([], "bucketed_ddp"),  # the quickstart's logger has no name; its strategy block is GradSyncStrategy
     (["--trainer.strategy", "ddp"], "ddp"),
     (["--trainer.logger.init_args.name", "mine"], "mine"),
     (["--trainer.strategy", "naive_ddp", "--trainer.logger.init_args.name", "tb_{strategy}"], "tb_naive_ddp"),
@@ -40,6 +40,6 @@ def test_the_log_folder_is_named_by_strategy(tmp_path: Path, extra: list[str], e
 def test_strategy_label_is_the_registered_name() -> None:
     assert strategy_label(DDPStrategy()) == "ddp"  # Lightning's own: looked up in its StrategyRegistry
     assert strategy_label(DDPStrategy(start_method="spawn")) == "ddp_spawn"  # the entry whose settings it has
-    assert strategy_label(NaiveDDPStrategy()) == "naive_ddp"  # ours carry strategy_name
+    assert strategy_label(GradSyncStrategy("naive_ddp")) == "naive_ddp"  # ours carry strategy_name
     assert strategy_label(FSDP2Strategy()) == "fsdp2"  # a DDPStrategy subclass, not read as torch DDP
     assert strategy_label(object()) == "object"  # unknown: the class name
