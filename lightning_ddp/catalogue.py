@@ -334,7 +334,7 @@ register(Entry(
 ))
 register(Entry(
     "zero1_ddp", "ZeRO-1: gradients reduce-scattered in step(), optimizer state sharded, parameters all-gathered.",
-    engine="lightning_ddp.sync.zero1.deferred:DeferredGradSync", lightning_class="lightning_ddp.strategies.ZeRO1DDPStrategy",
+    engine="lightning_ddp.sync.zero1:DeferredGradSync", lightning_class="lightning_ddp.strategies.ZeRO1DDPStrategy",
     init_args={"schedule": "reduce_scatter"}, sharded=True, memory="zero1", projection=f"{_SIMULATORS}:simulate_zero1",
 ))
 register(Entry(

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_ddp import compat
 from lightning_ddp.strategies.base import GradSyncStrategy
-from lightning_ddp.sync.zero1 import ShardedOptimizer
+from lightning_ddp.sync.sharding import ShardedOptimizer
 
 __all__ = ["ShardedOptimizerStrategy", "check_no_fp16", "route_clipping"]
 

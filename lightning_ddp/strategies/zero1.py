@@ -22,9 +22,9 @@ from lightning_ddp import catalogue
 from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_fp16
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
-from lightning_ddp.sync.zero1 import (
+from lightning_ddp.sync.zero1 import DeferredGradSync
+from lightning_ddp.sync.sharding import (
     CollectiveImpl,
-    DeferredGradSync,
     Schedule,
     ShardedOptimizer,
     check_collective_impl,

@@ -63,8 +63,8 @@ _HOMES = {
     "BucketReduce": "lightning_ddp.sync.reduce",
     "Reduction": "lightning_ddp.sync.reduce",
     "DeferredGradSync": "lightning_ddp.sync.zero1",
-    "ShardedOptimizer": "lightning_ddp.sync.zero1",
-    "assign_owners": "lightning_ddp.sync.zero1",
+    "ShardedOptimizer": "lightning_ddp.sync.sharding",
+    "assign_owners": "lightning_ddp.sync.assignment",
     "ZeRO2DDP": "lightning_ddp.sync.zero2",
 }
 __all__ = sorted(_HOMES)

@@ -81,7 +81,7 @@ from lightning_ddp.sync.bucket_model import BucketPrediction, resolve_bucket_siz
 from lightning_ddp.sync.bucket_order import BucketOrder
 from lightning_ddp.sync.bucketed import MiB, check_bucket_size
 from lightning_ddp.sync.comm import Pending
-from lightning_ddp.sync.zero1.optimizer import CollectiveImpl, check_collective_impl, resolve_collectives
+from lightning_ddp.sync.sharding.optimizer import CollectiveImpl, check_collective_impl, resolve_collectives
 
 __all__ = ["MAX_PADDING", "ZeRO2DDP", "check_buckets_in_flight", "plan_bucket"]
 

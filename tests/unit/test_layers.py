@@ -47,7 +47,7 @@ def test_the_core_imports_and_trains_without_lightning() -> None:
         import lightning_ddp.callbacks.accounting, lightning_ddp.trace
         from lightning_ddp.sync import (ALGORITHMS, BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP,
                                         Recorder, ShardedOptimizer, get_algorithm)
-        from lightning_ddp.sync.zero1 import checkpoint, collectives, partition
+        from lightning_ddp.sync.sharding import checkpoint, clipping, collectives
 
         import torch, torch.distributed as dist
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

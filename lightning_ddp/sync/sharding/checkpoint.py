@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_ddp.sync.gather import gather_rank_states
 
 if TYPE_CHECKING:
-    from lightning_ddp.sync.zero1.optimizer import ShardedOptimizer
+    from lightning_ddp.sync.sharding.optimizer import ShardedOptimizer
 
 __all__ = ["GROUP_KEYS_NOT_HYPERPARAMETERS", "consolidated_state_dict", "load_shard"]
 

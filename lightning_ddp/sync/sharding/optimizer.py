@@ -1,7 +1,6 @@
 """``ShardedOptimizer``: any ``torch.optim.Optimizer`` class, each rank keeping state only for what it owns.
 
-See the package docstring (``lightning_ddp.sync.zero1``) for the recipe, the schedules and the memory and
-communication figures.
+The recipe, the schedules and the memory and traffic figures: ``docs/algorithms.md`` (ZeRO-1, ZeRO-2).
 """
 
 from __future__ import annotations
@@ -14,11 +13,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_for
-from lightning_ddp.sync.zero1 import checkpoint
-from lightning_ddp.sync.zero1.checkpoint import GROUP_KEYS_NOT_HYPERPARAMETERS
-from lightning_ddp.sync.zero1.clipping import ClipRequest, clip_owned_gradients
-from lightning_ddp.sync.zero1.collectives import reduce_scatter_gradients, share_parameters
-from lightning_ddp.sync.zero1.partition import assign_owners
+from lightning_ddp.sync.assignment import assign_owners
+from lightning_ddp.sync.sharding import checkpoint
+from lightning_ddp.sync.sharding.checkpoint import GROUP_KEYS_NOT_HYPERPARAMETERS
+from lightning_ddp.sync.sharding.clipping import ClipRequest, clip_owned_gradients
+from lightning_ddp.sync.sharding.collectives import reduce_scatter_gradients, share_parameters
 
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
 OptimizerSchedule = Literal["allreduce_broadcast", "reduce_scatter", "reduce_in_backward"]
@@ -268,7 +267,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
             share_parameters(self.comm, self._params, self._owners, trainable, self.collectives, self.device)
         return loss
 
-    # -- clipping (lightning_ddp.sync.zero1.clipping) ---------------------------------------------------
+    # -- clipping (lightning_ddp.sync.sharding.clipping) ---------------------------------------------------
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
         """Clip the gradients by their global 2-norm at the next ``step()``, once they are averaged on their owners.
@@ -292,7 +291,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
                 f"{sorted(map(str, devices))}; move the model to its device before building the optimizer."
             )
 
-    # -- checkpoints (lightning_ddp.sync.zero1.checkpoint) ----------------------------------------------
+    # -- checkpoints (lightning_ddp.sync.sharding.checkpoint) ----------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The full (consolidated) state, on CPU, as ``optimizer_cls`` would return it for all parameters.

@@ -1,12 +1,11 @@
-"""The two collective phases of a ZeRO-1 step, in either implementation (``native`` or ``per_owner``).
+"""The two collective phases of a sharded step, ``native`` (one padded flat buffer per dtype, one reduce-scatter or
+all-gather) or ``per_owner`` (one reduce or broadcast per owner, no padding; the default on gloo).
 
 - ``reduce_scatter_gradients``: leave each owner the average over ranks of its parameters' gradients.
 - ``share_parameters``: send every updated parameter from its owner to the other ranks.
 
-``native`` packs one flat buffer per dtype, each rank's segment padded to the largest, and runs one
-``reduce_scatter`` / ``all_gather``; ``per_owner`` runs one ``reduce`` / ``broadcast`` per owner (no padding; the
-default on gloo, see the package docstring for why). Both issue the same collectives in the same order on every
-rank: the layout depends only on ownership, dtypes and the agreed gradient presence.
+Both issue the same collectives in the same order on every rank: the layout depends only on ownership, dtypes and
+the agreed gradient presence.
 """
 
 from __future__ import annotations
@@ -17,9 +16,25 @@ import torch
 
 from lightning_ddp.sync.buffers import agree_on_gradients, pack, unpack_gradients, unpack_into
 from lightning_ddp.sync.comm import Communicator
-from lightning_ddp.sync.zero1.partition import layout
 
-__all__ = ["reduce_scatter_gradients", "share_parameters"]
+__all__ = ["layout", "reduce_scatter_gradients", "share_parameters"]
+
+
+def layout(
+    indices: Sequence[int], params: Sequence[torch.Tensor], owners: Sequence[int], world_size: int
+) -> list[tuple[torch.dtype, list[list[torch.Tensor]]]]:
+    """``indices`` split by dtype (in order of first appearance), then by owner: ``[(dtype, segments)]`` where
+    ``segments[r]`` lists the parameters rank ``r`` owns, in index order.
+
+    >>> p = [torch.zeros(2), torch.zeros(3, dtype=torch.float64), torch.zeros(4)]
+    >>> [(dtype, [[t.numel() for t in seg] for seg in segs]) for dtype, segs in layout([0, 1, 2], p, [1, 0, 0], 2)]
+    [(torch.float32, [[4], [2]]), (torch.float64, [[3], []])]
+    """
+    by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for i in indices:
+        segments = by_dtype.setdefault(params[i].dtype, [[] for _ in range(world_size)])
+        segments[owners[i]].append(params[i])
+    return list(by_dtype.items())
 
 
 def _empty(comm_device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:

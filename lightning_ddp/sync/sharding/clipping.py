@@ -1,21 +1,8 @@
 """Gradient clipping when each rank holds only the gradients it owns (ZeRO-1 and ZeRO-2).
 
-One process clips with ``torch.nn.utils.clip_grad_norm_(params, max_norm)``: the global 2-norm of every gradient,
-then every gradient scaled by ``max_norm / (norm + 1e-6)`` if that is below 1. Under sharding no rank holds every
-averaged gradient, but each averaged gradient lives on exactly one owner, so:
-
-1. each rank sums the squared 2-norms of the averaged gradients it owns (per tensor in the tensor's dtype, as torch
-   does, then accumulated in float64, so mixed dtypes add up);
-2. one SUM all-reduce of that scalar ("gradient norm", recorded like every collective) gives every rank the squared
-   global norm; its root is the global norm, the same number on every rank;
-3. each owner scales its owned gradients by torch's clamped coefficient. Only owned gradients feed an update, so
-   the update equals one process's with clipping, up to the association of the norm's sum.
-
-Value clipping (``clip_grad_value_``) is elementwise: it needs no communication, the owners clamp their own.
-
-When: after the gradients reached their owners and before the owners step. ``ShardedOptimizer`` therefore takes a
-clipping *request* (``clip_grad_norm_`` / ``clip_grad_value_``, what Lightning's precision plugin calls through the
-strategy) and applies it inside ``step()``: for ``reduce_scatter`` the averages only exist there.
+Norm: each rank sums the squared norms of its owned, averaged gradients; one scalar SUM all-reduce gives every rank
+the global norm; each owner scales its own by torch's clamped coefficient. Value: each owner clamps its own.
+``ShardedOptimizer`` takes a clipping request and applies it inside ``step()``, once the averages exist.
 """
 
 from __future__ import annotations
