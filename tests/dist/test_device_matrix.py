@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ddp.sync.registry import ALGORITHMS
+from lightning_ddp import catalogue
 from tests.support.device_matrix import CPU_LAYOUTS, CUDA_LAYOUTS, all_jobs, check_job, run_layout
 from tests.support.dist_utils import run_on_ranks
 from tests.support.fsdp2_on_device import check_fsdp2_matches_one_process, fsdp2_job
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 ONE_RANK, TWO_RANKS = CPU_LAYOUTS
 # At world size 1: every engine on fp32 and bf16 (the two precisions the GPU tier checks), ZeRO-1 and ZeRO-2 on
 # plain; at 2: ZeRO-1 on its cases and ZeRO-2 on every case of the matrix.
-ONE_RANK_JOBS = ([(e, c) for e in ALGORITHMS for c in ("plain", "bf16")] + jobs_for(list(ZERO1_VARIANTS))
+ONE_RANK_JOBS = ([(e, c) for e in catalogue.names(engines_only=True) for c in ("plain", "bf16")] + jobs_for(list(ZERO1_VARIANTS))
                  + [(e, "plain") for e in ZERO2_VARIANTS])
 TWO_RANK_JOBS = jobs_for(list(ZERO1_VARIANTS)) + jobs_for(list(ZERO2_VARIANTS))
 
@@ -49,7 +49,7 @@ def test_zero_variants_on_two_ranks_match_single_process(two_ranks, engine, case
 
 def test_results_come_back_on_the_cpu_from_the_layout_asked_for(one_rank, two_ranks) -> None:
     assert [r["world_size"] for r in one_rank] == [1] and [r["world_size"] for r in two_ranks] == [2, 2]
-    run = one_rank[0]["runs"]["bucketed", "plain"]
+    run = one_rank[0]["runs"]["bucketed_ddp", "plain"]
     assert all(t.device.type == "cpu" for t in run["final"].values())  # the parent needs no GPU to read them
 
 
@@ -63,10 +63,10 @@ def test_zero1_reduce_scatter_compares_only_the_gradients_each_rank_owns(two_ran
 def test_a_wrong_gradient_fails_the_check(one_rank) -> None:
     # The check must see a bug: halve one synchronised gradient (a missing rank's contribution) and it fails.
     ranks = [{**one_rank[0], "runs": dict(one_rank[0]["runs"])}]
-    run = ranks[0]["runs"]["naive", "plain"] = {**one_rank[0]["runs"]["naive", "plain"]}
+    run = ranks[0]["runs"]["naive_ddp", "plain"] = {**one_rank[0]["runs"]["naive_ddp", "plain"]}
     run["steps"] = [{**step, "grads": {k: v / 2 for k, v in step["grads"].items()}} for step in run["steps"]]
     with pytest.raises(AssertionError, match="full-batch gradient"):
-        check_job(ranks, "naive", "plain")
+        check_job(ranks, "naive_ddp", "plain")
 
 
 def test_zero2_keeps_only_owned_gradients_and_native_sends_one_reduce_scatter(two_ranks) -> None:
@@ -81,7 +81,7 @@ def test_zero2_keeps_only_owned_gradients_and_native_sends_one_reduce_scatter(tw
 def test_the_gpu_tier_runs_every_engine_case_and_zero1_variant() -> None:
     jobs = all_jobs()
     assert {(e, c) for e in ZERO2_VARIANTS for c in CASES} <= set(jobs)
-    assert {(e, c) for e in ALGORITHMS for c in CASES} <= set(jobs)
+    assert {(e, c) for e in catalogue.names(engines_only=True) for c in CASES} <= set(jobs)
     assert {(e, "plain") for e in VARIANTS} <= set(jobs)
     assert {(e, c) for e in ZERO1_VARIANTS for c in ZERO1_CASES} <= set(jobs)
     assert [(layout.world_size, layout.backend, layout.device) for layout in CUDA_LAYOUTS] == [

@@ -27,26 +27,26 @@ from tests.support.lightning_toy import join_existing_group, tiny_lm_data, tiny_
 
 # ---- which state a resumed rank takes (pure) ------------------------------------------------------------------
 
-SAVED = {"algorithm": "bucketed_powersgd", "world_size": 2, "states": [{"_extra_state": "rank 0's"},
+SAVED = {"algorithm": "bucketed_powersgd_ddp", "world_size": 2, "states": [{"_extra_state": "rank 0's"},
                                                                        {"_extra_state": "rank 1's"}]}
 
 
 def test_each_rank_takes_its_own_entry_when_algorithm_and_world_size_match() -> None:
-    assert engine_state_to_restore(SAVED, "bucketed_powersgd", 2, 1, True) == ({"_extra_state": "rank 1's"}, "")
-    assert engine_state_to_restore(SAVED, "bucketed_powersgd", 2, 0, True) == ({"_extra_state": "rank 0's"}, "")
+    assert engine_state_to_restore(SAVED, "bucketed_powersgd_ddp", 2, 1, True) == ({"_extra_state": "rank 1's"}, "")
+    assert engine_state_to_restore(SAVED, "bucketed_powersgd_ddp", 2, 0, True) == ({"_extra_state": "rank 0's"}, "")
 
 
 def test_another_world_size_algorithm_or_none_at_all_drops_the_state_and_says_why() -> None:
     # 4 ranks cannot share out 2 ranks' error buffers: each was its rank's own.
-    state, why = engine_state_to_restore(SAVED, "bucketed_powersgd", 4, 3, True)
+    state, why = engine_state_to_restore(SAVED, "bucketed_powersgd_ddp", 4, 3, True)
     assert state is None and why == ("the checkpoint's engine state was saved by 2 ranks, each its own, and this run "
                                      "has 4; dropped")
-    state, why = engine_state_to_restore(SAVED, "bucketed", 2, 0, False)
-    assert state is None and why == ("the checkpoint's engine state was saved by the 'bucketed_powersgd' algorithm, "
-                                     "this run uses 'bucketed'; dropped")
-    state, why = engine_state_to_restore(None, "bucketed_powersgd", 2, 0, True)  # e.g. a `ddp` checkpoint
-    assert state is None and why.startswith("the checkpoint holds no 'bucketed_powersgd' engine state")
-    assert engine_state_to_restore(None, "bucketed", 2, 0, False) == (None, "")  # nothing saved, nothing to keep
+    state, why = engine_state_to_restore(SAVED, "bucketed_ddp", 2, 0, False)
+    assert state is None and why == ("the checkpoint's engine state was saved by the 'bucketed_powersgd_ddp' algorithm, "
+                                     "this run uses 'bucketed_ddp'; dropped")
+    state, why = engine_state_to_restore(None, "bucketed_powersgd_ddp", 2, 0, True)  # e.g. a `ddp` checkpoint
+    assert state is None and why.startswith("the checkpoint holds no 'bucketed_powersgd_ddp' engine state")
+    assert engine_state_to_restore(None, "bucketed_ddp", 2, 0, False) == (None, "")  # nothing saved, nothing to keep
 
 
 # ---- the gather and the engine's state, on 2 ranks -----------------------------------------------------------
@@ -83,7 +83,7 @@ def _gather_and_round_trip(rank: int, world_size: int) -> dict:
     except ValueError as error:
         wrong_keys = str(error)
     return {"everywhere": everywhere, "to_rank_1": to_rank_1, "saved": saved, "restored": fresh.engine_state_dict(),
-            "fresh_before": fresh_before, "bucketed": BucketedDDP(TinyLM()).engine_state_dict(),
+            "fresh_before": fresh_before, "bucketed_ddp": BucketedDDP(TinyLM()).engine_state_dict(),
             "wrong_keys": wrong_keys}
 
 
@@ -118,7 +118,7 @@ def test_engine_state_is_the_powersgd_state_and_round_trips(gathered) -> None:
         assert set(saved["_extra_state"]["errors"]) == {"embed.weight", "fc1.weight", "fc2.weight", "head.weight"}
         assert _equal(ranks["restored"], saved)
         assert ranks["fresh_before"]["_extra_state"]["iteration"] == 0  # so the round trip changed something
-        assert ranks["bucketed"] == {}  # an engine without state of its own
+        assert ranks["bucketed_ddp"] == {}  # an engine without state of its own
         assert ranks["wrong_keys"].startswith("the engine state has [] but BucketedPowerSGDDDP has ['_extra_state']")
     # Each rank's error is its own (local gradients differ); Q is averaged, the same on both.
     e0, e1 = (r["saved"]["_extra_state"]["errors"]["fc1.weight"] for r in gathered)
@@ -160,9 +160,9 @@ def _fit(rank: int, world_size: int, algorithm: str, settings: dict, epochs: int
 
 def _resume_runs(rank: int, world_size: int, tmp: str) -> dict:
     directory = Path(tmp)
-    full = _fit(rank, world_size, "bucketed_powersgd", SETTINGS, 2, None, str(directory / "full"))
+    full = _fit(rank, world_size, "bucketed_powersgd_ddp", SETTINGS, 2, None, str(directory / "full"))
     checkpoint = directory / "full" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
-    resumed = _fit(rank, world_size, "bucketed_powersgd", SETTINGS, 2, str(checkpoint), None)
+    resumed = _fit(rank, world_size, "bucketed_powersgd_ddp", SETTINGS, 2, str(checkpoint), None)
     # The control: the same checkpoint without the engine state (as a `ddp` checkpoint would be).
     control_path = directory / "without_engine_state.ckpt"
     if rank == 0:
@@ -170,12 +170,12 @@ def _resume_runs(rank: int, world_size: int, tmp: str) -> dict:
         saved.pop(ENGINE_STATES_KEY)
         torch.save(saved, control_path)
     dist.barrier()
-    control = _fit(rank, world_size, "bucketed_powersgd", SETTINGS, 2, str(control_path), None)
+    control = _fit(rank, world_size, "bucketed_powersgd_ddp", SETTINGS, 2, str(control_path), None)
     # Another algorithm resumes the model and optimizer, and drops PowerSGD's state with a warning.
-    bucketed = _fit(rank, world_size, "bucketed", {}, 2, str(checkpoint), None)
+    bucketed = _fit(rank, world_size, "bucketed_ddp", {}, 2, str(checkpoint), None)
     # Another PowerSGD rank: the saved factors do not fit, so the engine starts fresh, with a warning saying why.
-    other_rank = _fit(rank, world_size, "bucketed_powersgd", {**SETTINGS, "rank": 2}, 2, str(checkpoint), None)
-    return {"full": full, "resumed": resumed, "control": control, "bucketed": bucketed, "other_rank": other_rank,
+    other_rank = _fit(rank, world_size, "bucketed_powersgd_ddp", {**SETTINGS, "rank": 2}, 2, str(checkpoint), None)
+    return {"full": full, "resumed": resumed, "control": control, "bucketed_ddp": bucketed, "other_rank": other_rank,
             "checkpoint": torch.load(checkpoint, weights_only=True)[ENGINE_STATES_KEY]}
 
 
@@ -187,7 +187,7 @@ def resume_runs(tmp_path_factory) -> list[dict]:
 @pytest.mark.multiprocess
 def test_the_checkpoint_holds_every_ranks_powersgd_state(resume_runs) -> None:
     saved = resume_runs[0]["checkpoint"]  # weights_only=True loaded it: plain types only
-    assert saved["algorithm"] == "bucketed_powersgd" and saved["world_size"] == 2 and len(saved["states"]) == 2
+    assert saved["algorithm"] == "bucketed_powersgd_ddp" and saved["world_size"] == 2 and len(saved["states"]) == 2
     states = [s["_extra_state"] for s in saved["states"]]
     assert [s["iteration"] for s in states] == [STEPS_PER_EPOCH] * 2  # saved after epoch 0's 4 steps
     # Rank 1's own error, not a copy of rank 0's: their local gradients differ. (Names are the LightningModule's.)
@@ -209,17 +209,17 @@ def test_resume_with_the_engine_state_is_bitwise_and_without_it_is_not(resume_ru
     # The warning, once (rank 0), says what was dropped and what the engine starts with.
     (message,) = resume_runs[0]["control"]["warnings"]
     assert message.startswith("Resuming with a fresh BucketedPowerSGDDDP state: the checkpoint holds no "
-                              "'bucketed_powersgd' engine state"), message
+                              "'bucketed_powersgd_ddp' engine state"), message
     assert "step counter at 0 (so the start_iter exact steps run again)" in message
     assert resume_runs[1]["control"]["warnings"] == []
 
 
 @pytest.mark.multiprocess
 def test_resuming_under_another_algorithm_drops_the_state_with_a_warning(resume_runs) -> None:
-    (message,) = resume_runs[0]["bucketed"]["warnings"]
+    (message,) = resume_runs[0]["bucketed_ddp"]["warnings"]
     assert message.startswith("Resuming with a fresh BucketedDDP state: the checkpoint's engine state was saved by "
-                              "the 'bucketed_powersgd' algorithm, this run uses 'bucketed'; dropped"), message
-    assert resume_runs[0]["bucketed"]["step"] == 2 * STEPS_PER_EPOCH
+                              "the 'bucketed_powersgd_ddp' algorithm, this run uses 'bucketed_ddp'; dropped"), message
+    assert resume_runs[0]["bucketed_ddp"]["step"] == 2 * STEPS_PER_EPOCH
 
 
 @pytest.mark.multiprocess

@@ -38,7 +38,7 @@ from lightning_ddp.sync.bucketed_powersgd import (
 )
 from lightning_ddp.sync.comm import Communicator
 from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout
-from lightning_ddp.sync.registry import ALGORITHMS, Algorithm, get_algorithm, register_algorithm
+from lightning_ddp import catalogue
 from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import (
     CASES,
@@ -279,10 +279,10 @@ def _rank_one(module, *, bucket_size_mb=25.0, process_group=None) -> BucketedPow
     return BucketedPowerSGDDDP(module, bucket_size_mb, process_group, rank=1, start_iter=0, min_compression_rate=0)
 
 
-FULL_RANK = Algorithm("powersgd_full_rank", _full_rank, "PowerSGD at full rank (a test's)", has_bucket_size=True,
-                      overlaps_backward=True, exact=True)  # exact: held to fp32 tolerances
-RANK_ONE = Algorithm("powersgd_rank_one", _rank_one, "PowerSGD at rank 1 (a test's)", has_bucket_size=True,
-                     overlaps_backward=True, exact=False)
+FULL_RANK = catalogue.Entry("powersgd_full_rank", "PowerSGD at full rank (a test's)", engine=_full_rank,
+                            has_bucket_size=True, overlaps_backward=True, exact=True)  # exact: held to fp32 tolerances
+RANK_ONE = catalogue.Entry("powersgd_rank_one", "PowerSGD at rank 1 (a test's)", engine=_rank_one,
+                           has_bucket_size=True, overlaps_backward=True, exact=False)
 RANK_ONE_CASES = ["plain", "frozen", "unused", "data_dependent"]
 JOBS = jobs_for([FULL_RANK.name]) + [(RANK_ONE.name, case) for case in RANK_ONE_CASES]
 FEEDBACK_STEPS = 4
@@ -349,8 +349,8 @@ def _resume_run(rank: int) -> dict:
 
 
 def _run_powersgd_checks(rank: int, world_size: int) -> dict:
-    register_algorithm(FULL_RANK)  # in this spawned rank: the test's algorithms, then the equivalence matrix
-    register_algorithm(RANK_ONE)
+    catalogue.register(FULL_RANK)  # in this spawned rank: the test's algorithms, then the equivalence matrix
+    catalogue.register(RANK_ONE)
     return dict(matrix=run_jobs(rank, world_size, JOBS), feedback=_error_feedback_run(rank), resume=_resume_run(rank))
 
 
@@ -363,10 +363,10 @@ def ranks() -> list[dict]:
 def registered():
     """The test's algorithms registered in this process too (the equivalence checks read their tolerances)."""
     for algorithm in (FULL_RANK, RANK_ONE):
-        register_algorithm(algorithm)
+        catalogue.register(algorithm, replace=True)
     yield
     for algorithm in (FULL_RANK, RANK_ONE):
-        ALGORITHMS.pop(algorithm.name, None)
+        catalogue.STRATEGIES.pop(algorithm.name, None)
 
 
 @pytest.mark.multiprocess
@@ -435,6 +435,6 @@ def test_resuming_from_the_state_dict_is_bitwise(ranks) -> None:
 
 
 def test_the_registered_algorithm_is_lossy_and_bucketed() -> None:
-    algorithm = get_algorithm("bucketed_powersgd")
+    algorithm = catalogue.get("bucketed_powersgd_ddp")
     assert (algorithm.has_bucket_size, algorithm.overlaps_backward, algorithm.exact) == (True, True, False)
-    assert algorithm.engine_factory() is BucketedPowerSGDDDP and algorithm.strategy_name == "bucketed_powersgd_ddp"
+    assert algorithm.engine_factory() is BucketedPowerSGDDDP and algorithm.is_engine

@@ -1,7 +1,7 @@
 """Every gradient-sync engine on 2 gloo ranks trains exactly like one process on the full batch.
 
 The machinery (models, cases, the spawned job and the checks every algorithm must pass) is in
-``tests/support/equivalence.py``; this file runs it for every algorithm in ``lightning_ddp.sync.registry`` and adds the
+``tests/support/equivalence.py``; this file runs it for every engine of ``lightning_ddp.catalogue`` and adds the
 checks specific to the built-in engines (calls and bytes per step, bucket assignment).
 
 One spawned job runs every (engine, case) pair on both ranks and, on rank 0, the single-process reference of
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ddp.sync.registry import ALGORITHMS
+from lightning_ddp import catalogue
 from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import (
     BRANCH_SAMPLES,
@@ -36,8 +36,8 @@ from tests.support.equivalence import (
 
 pytestmark = pytest.mark.multiprocess
 
-ALGORITHM_NAMES = list(ALGORITHMS)  # every registered algorithm, the built-in four included
-BUILT_IN = ["naive", "flat", "overlap", "bucketed"]
+ALGORITHM_NAMES = catalogue.names(engines_only=True)  # every engine of the catalogue, the built-in four included
+BUILT_IN = ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp"]
 JOBS = jobs_for(ALGORITHM_NAMES) + [("bucketed_one_bucket", "plain"), ("bucketed_per_param", "plain")]
 JOB_IDS = [f"{engine}-{case}" for engine, case in JOBS]
 
@@ -96,9 +96,9 @@ def _expected_data_traffic(engine: str, run: dict, step: dict) -> tuple[int, int
             last bucket's one-element missing-gradient sentinel (4 B: every TinyLM's last bucket is float32).
     """
     synced = [(n, b, d) for n, b, d in run["trainable"] if n not in step["grad_none"]]
-    if engine == "naive":
+    if engine == "naive_ddp":
         return len(synced), sum(b for _, b, _ in synced)
-    if engine == "flat":
+    if engine == "flat_ddp":
         return len({d for _, _, d in synced}), sum(b for _, b, _ in synced)
     return len(run["buckets"]), sum(b for _, b, _ in run["trainable"]) + 4
 
@@ -120,16 +120,16 @@ def test_built_in_engines_move_the_expected_calls_and_bytes(ranks, engine, case)
             flags = [c for c in collectives if c.label == FLAGS]
             # The presence flags (one int32 per trainable tensor): naive and flat every step; the bucketed engines
             # only in a step where some rank had a missing gradient (their sentinel said so), then last.
-            expected = engine in ("naive", "flat") or _missing_on_some_rank(runs, number)
+            expected = engine in ("naive_ddp", "flat_ddp") or _missing_on_some_rank(runs, number)
             assert len(flags) == int(expected), (number, [c.label for c in collectives])
             assert all(c.nbytes == 4 * len(run["trainable"]) for c in flags)
-            if flags and engine not in ("naive", "flat"):
+            if flags and engine not in ("naive_ddp", "flat_ddp"):
                 assert collectives[-1] is flags[0]
             calls, nbytes = _expected_data_traffic(engine, run, step)
             assert len(_data(collectives)) == calls
             assert sum(c.nbytes for c in _data(collectives)) == nbytes
             assert all(c.op == "all_reduce" for c in collectives)
-            if engine == "naive":  # one call per tensor, in parameters() order, labelled by name
+            if engine == "naive_ddp":  # one call per tensor, in parameters() order, labelled by name
                 names = [n for n, _, _ in run["trainable"] if n not in step["grad_none"]]
                 assert [c.label for c in _data(collectives)] == names
 
@@ -147,8 +147,8 @@ def test_built_in_engines_move_the_expected_calls_and_bytes(ranks, engine, case)
 #             [fc1.w 1024, norm.b 32, norm.w 32] = 1088 B (exactly the cap) | [embed 512, scale 4]
 #             : 4 buckets                                                           = 4 calls
 # Were the tied tensor sent twice, each count would grow by one (flat: bytes by 512).
-TIED_CALLS = {"naive": 9, "flat": 2, "overlap": 8, "bucketed": 4}
-TIED_BYTES = {"naive": 2820, "flat": 2820, "overlap": 2792, "bucketed": 2792}
+TIED_CALLS = {"naive_ddp": 9, "flat_ddp": 2, "overlap_ddp": 8, "bucketed_ddp": 4}
+TIED_BYTES = {"naive_ddp": 2820, "flat_ddp": 2820, "overlap_ddp": 2792, "bucketed_ddp": 2792}
 
 
 @pytest.mark.parametrize("engine", BUILT_IN)
@@ -162,7 +162,7 @@ def test_tied_weight_communicated_once(ranks, engine):
             assert sum(c.nbytes for c in collectives) == TIED_BYTES[engine]
             labels = [c.label for c in collectives]
             assert "head.weight" not in labels
-            if engine in ("naive", "overlap"):  # labelled per tensor: the tied one appears exactly once
+            if engine in ("naive_ddp", "overlap_ddp"):  # labelled per tensor: the tied one appears exactly once
                 assert labels.count("embed.weight") == 1
 
 
@@ -176,7 +176,7 @@ def test_frozen_parameters_never_communicated_and_unchanged(ranks, engine):
     for run in _runs(ranks, engine, "frozen"):
         assert not any(n in FROZEN for n, _, _ in run["trainable"])
         for step in run["steps"]:
-            sentinel = 0 if engine in ("naive", "flat") else 4  # the bucketed engines' last bucket has one more float
+            sentinel = 0 if engine in ("naive_ddp", "flat_ddp") else 4  # the bucketed engines' last bucket has one more float
             assert sum(c.nbytes for c in _data(step["collectives"])) == 2724 + sentinel
             assert not any(name in c.label for c in step["collectives"] for name in FROZEN)
             assert all(name in step["grad_none"] for name in FROZEN)
@@ -190,14 +190,14 @@ def test_frozen_parameters_never_communicated_and_unchanged(ranks, engine):
 #   bucketed (1088 B cap), reverse: [head, fc2.b] 544 B | [fc2.w, unused.b] 1056 B | [unused.w, fc1.b] 384 B |
 #     [fc1.w, norm.b, norm.w] 1088 B | [embed, scale] 516 B -> 5 buckets (3588 B), so the unused tensors sit in
 #     buckets whose other members did get gradients.
-UNUSED_CALLS = {"naive": 9, "flat": 1, "overlap": 11, "bucketed": 5}
-UNUSED_BYTES = {"naive": 3300, "flat": 3300, "overlap": 3592, "bucketed": 3592}
+UNUSED_CALLS = {"naive_ddp": 9, "flat_ddp": 1, "overlap_ddp": 11, "bucketed_ddp": 5}
+UNUSED_BYTES = {"naive_ddp": 3300, "flat_ddp": 3300, "overlap_ddp": 3592, "bucketed_ddp": 3592}
 
 
 @pytest.mark.parametrize("engine", BUILT_IN)
 def test_parameter_unused_on_every_rank_keeps_grad_none(ranks, engine):
     for run in _runs(ranks, engine, "unused"):
-        if engine == "bucketed":
+        if engine == "bucketed_ddp":
             assert run["buckets"] == [[10, 9], [8, 7], [6, 5], [4, 3, 2], [1, 0]]
         for step in run["steps"]:
             assert {"unused.weight", "unused.bias"} <= set(step["grad_none"])
@@ -234,7 +234,7 @@ def test_accumulation_communicates_once_per_optimizer_step(ranks, engine):
             assert [(c.label, c.nbytes) for c in step["collectives"]] == [
                 (c.label, c.nbytes) for c in plain_step["collectives"]
             ]
-    assert len(plain["steps"][0]["collectives"]) == {"naive": 10, "flat": 2, "overlap": 9, "bucketed": 5}[engine]
+    assert len(plain["steps"][0]["collectives"]) == {"naive_ddp": 10, "flat_ddp": 2, "overlap_ddp": 9, "bucketed_ddp": 5}[engine]
 
 
 # TinyLM bucket assignment (reverse walk over 9 float32 tensors; bytes in the TinyLM docstring):
@@ -245,9 +245,9 @@ def test_accumulation_communicates_once_per_optimizer_step(ranks, engine):
 #   1 B cap:    every tensor exceeds the cap, so each sits alone -> 9 buckets (what OverlapDDP uses).
 EXPECTED_BUCKETS = {
     "bucketed_one_bucket": [[8, 7, 6, 5, 4, 3, 2, 1, 0]],
-    "bucketed": [[8, 7], [6], [5], [4, 3, 2], [1, 0]],
+    "bucketed_ddp": [[8, 7], [6], [5], [4, 3, 2], [1, 0]],
     "bucketed_per_param": [[i] for i in range(8, -1, -1)],
-    "overlap": [[i] for i in range(8, -1, -1)],
+    "overlap_ddp": [[i] for i in range(8, -1, -1)],
 }
 
 
@@ -263,7 +263,7 @@ def test_bucket_assignment_of_tinylm(ranks, engine):
 #   flat: one buffer per dtype -> 2 gradient calls.
 #   bucketed (1088 B cap), reverse: [fc3.b, fc3.w] | dtype change | [fc2.b] (+fc2.w 2176 B) | [fc2.w] |
 #     dtype change | [fc1.b, fc1.w] -> 4 buckets.
-@pytest.mark.parametrize("engine, calls", [("flat", 2), ("bucketed", 4)])
+@pytest.mark.parametrize("engine, calls", [("flat_ddp", 2), ("bucketed_ddp", 4)])
 def test_mixed_dtypes_split_buffers(ranks, engine, calls):
     for run in _runs(ranks, engine, "mixed_dtype"):
         for step in run["steps"]:

@@ -567,7 +567,7 @@ def test_zero1_ddp_resumes_under_the_other_schedule(lightning_runs, tmp_path: Pa
     run_dir = lightning_runs["zero1_ddp"]
     resumed = _fit(
         tmp_path, "--trainer.strategy", "lightning_ddp.strategies.ZeRO1DDPStrategy",
-        "--trainer.strategy.schedule", "allreduce_broadcast", "--trainer.strategy.grad_sync", "overlap",
+        "--trainer.strategy.schedule", "allreduce_broadcast", "--trainer.strategy.grad_sync", "overlap_ddp",
         "--ckpt_path", str(checkpoint_at(run_dir, 3)),
     )
     _assert_same_weights(resumed, run_dir / "weights.pt")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightning_ddp.sync.registry import ALGORITHMS
+from lightning_ddp import catalogue
 from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import (
     JOB_TIMEOUT_S,
@@ -57,7 +57,7 @@ CPU_LAYOUTS = (Layout("gloo_1rank_cpu", 1, "gloo", "cpu"), Layout("gloo_2ranks_c
 def all_jobs() -> list[tuple[str, str]]:
     """Every registered engine on every case, the bucket-count variants on ``plain``, ZeRO-1 on its cases, ZeRO-2 on
     every case."""
-    return (jobs_for(list(ALGORITHMS)) + [(name, "plain") for name in VARIANTS]
+    return (jobs_for(catalogue.names(engines_only=True)) + [(name, "plain") for name in VARIANTS]
             + jobs_for(list(ZERO1_VARIANTS)) + jobs_for(list(ZERO2_VARIANTS)))
 
 

@@ -7,7 +7,7 @@ on all 8 samples, up to float rounding (the sums are associated differently).
 
 ``run_jobs`` (spawned on 2 ranks with ``tests.support.dist_utils.run_on_ranks``) trains every (engine, case) pair on
 both ranks and, on rank 0, the single-process reference of every case. Engines are named as in
-``lightning_ddp.sync.registry`` (plus two bucket-count variants of ``bucketed``), so an algorithm registered
+``lightning_ddp.catalogue`` (plus two bucket-count variants of ``bucketed_ddp``), so an algorithm registered
 anywhere the spawned ranks import (a test module registering a toy one, say) runs through the same matrix.
 
 Each rank seeds its model differently (``MODEL_SEED + rank``) before wrapping, so the ranks only agree, and
