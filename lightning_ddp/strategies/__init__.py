@@ -1,11 +1,12 @@
 """Thin Lightning strategies over ``lightning_ddp.sync``, registered in Lightning's ``StrategyRegistry``.
 
 Importing this package registers every entry of ``lightning_ddp.catalogue`` that one of our classes builds;
-``register_strategies()`` registers entries added since (it is idempotent). ``docs/algorithms.md`` describes them.
+``register_strategies()`` registers entries added since (it is idempotent).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ddp import catalogue
 from lightning_ddp.strategies.base import GradSyncStrategy
 from lightning_ddp.strategies.fsdp2 import FSDP2Strategy
 from lightning_ddp.strategies.zero1 import ZeRO1DDPStrategy
@@ -13,11 +14,11 @@ from lightning_ddp.strategies.zero2 import ZeRO2DDPStrategy
 
 
 def register_strategies() -> None:
-    """Make ``trainer.strategy: <name>`` resolvable for every catalogue entry our classes build."""
-    GradSyncStrategy.register_strategies(StrategyRegistry)
-    ZeRO1DDPStrategy.register_strategies(StrategyRegistry)
-    ZeRO2DDPStrategy.register_strategies(StrategyRegistry)
-    FSDP2Strategy.register_strategies(StrategyRegistry)
+    """Make ``trainer.strategy: <name>`` resolvable for every catalogue entry one of our classes builds."""
+    for entry in catalogue.STRATEGIES.values():
+        package, _, class_name = entry.lightning_class.rpartition(".")
+        if package == __name__:
+            globals()[class_name].register_strategies(StrategyRegistry)
 
 
 register_strategies()

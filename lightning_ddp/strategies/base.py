@@ -1,32 +1,10 @@
 """``GradSyncStrategy``: Lightning's ``DDPStrategy`` with one of our engines instead of torch DDP.
 
-One class serves every algorithm of ``lightning_ddp.sync.registry``: ``GradSyncStrategy(algorithm="bucketed",
-bucket_size_mb=25)`` is ``bucketed_ddp``. The named classes (``NaiveDDPStrategy`` ...) only fix the algorithm,
-for the class paths users' YAML names; a new algorithm needs none.
-
-Subclassing ``DDPStrategy`` keeps what Lightning gets right (launchers, process-group set-up, the
-``DistributedSampler`` it injects, ``reduce``/``barrier``/``broadcast`` for ``sync_dist`` logging). We replace
-only the gradient synchronisation:
-
-- ``configure_ddp`` wraps the LightningModule in our engine (``make_engine``; a ``lightning_ddp.sync.GradSyncEngine``),
-  which broadcasts rank 0's weights. Not ``super()``: that builds a torch ``DistributedDataParallel``.
-- ``block_backward_sync`` enters the engine's ``no_sync()`` for gradient-accumulation micro-batches
-  (Lightning only does this for torch DDP models).
-- ``post_backward`` calls ``finish_gradient_synchronization()``. It runs inside the optimizer closure, right
-  after ``backward`` and before ``on_before_optimizer_step``, gradient clipping and ``optimizer.step``.
-- ``on_train_batch_start`` tells the engine a micro-batch begins (the strategy owns the training step).
-- ``attach_recorder`` is how an observer (the ``CommTimer``, the ``TraceRecorder``) asks for the step's
-  collectives to be recorded: the strategy hands the recorder to its engine (and, for ZeRO-1, to the
-  sharded optimizers). Nothing is recorded until someone asks.
-- ``teardown`` unwraps the engine. The model's checkpoint is unaffected: Lightning saves the LightningModule's
-  own ``state_dict``, so keys carry no ``module.`` prefix.
-- Checkpoints also carry the engine's own state (``GradSyncEngine.engine_state_dict``, e.g. PowerSGD's error feedback,
-  which differs per rank), as ZeRO-1 carries its sharded optimizer state, by the same mechanism
-  (``lightning_ddp.sync.gather``): ``save_checkpoint`` runs on every rank, gathers every rank's state to rank 0,
-  which writes them under ``ENGINE_STATES_KEY``; on resume Lightning loads the file on every rank and each rank
-  takes its own entry back once its engine is built. Saved with another world size, by another algorithm or by a
-  strategy that saves none, the engine starts fresh, with a warning saying what was dropped
-  (``engine_state_to_restore``). Weights-only checkpoints carry no engine state (nor optimizer state).
+One class serves every engine of ``lightning_ddp.catalogue``: ``GradSyncStrategy(algorithm="bucketed_ddp")``.
+It keeps Lightning's launchers, process-group set-up and sampler, and replaces the gradient synchronisation:
+``configure_ddp`` wraps the module in the engine, ``block_backward_sync`` enters its ``no_sync``, ``post_backward``
+finishes the sync, ``attach_recorder`` hands an observer's recorder to it, and checkpoints carry every rank's engine
+state (``ENGINE_STATES_KEY``). Details: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -63,22 +41,22 @@ rank 1's, ...]}`` (each an ``engine_state_dict()``, tensors on CPU); absent when
 
 
 class GradSyncStrategy(DDPStrategy):
-    """Data-parallel training with one of our gradient-sync algorithms (``lightning_ddp.sync.registry``).
+    """Data-parallel training with one of our gradient-sync engines (the engine entries of ``lightning_ddp.catalogue``).
 
     Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it, its engine's own settings
     included (as Lightning's ``DDPStrategy`` passes its ``**kwargs`` to torch DDP)::
 
         strategy:
           class_path: lightning_ddp.strategies.GradSyncStrategy
-          init_args: {algorithm: bucketed_powersgd, bucket_size_mb: 4, engine_settings: {rank: 4, start_iter: 10}}
+          init_args: {algorithm: bucketed_powersgd_ddp, bucket_size_mb: 4, engine_settings: {rank: 4, start_iter: 10}}
 
     Args:
-        algorithm: A registered algorithm: ``naive``, ``flat``, ``overlap``, ``bucketed`` or one you registered.
+        algorithm: A catalogue engine: ``naive_ddp``, ``flat_ddp``, ``bucketed_ddp``, ... or one you registered.
         bucket_size_mb: For algorithms with buckets: the cap in MiB, ``null`` for one bucket, ``auto`` to predict it
             from an all-reduce microbenchmark, ``default`` for the algorithm's own default (25 MiB). Algorithms
             without buckets take only ``default``.
-        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}`` for ``bucketed_powersgd``;
-            the names and defaults are ``Algorithm.settings()`` of the algorithm (``null``: every default). Checked
+        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}`` for ``bucketed_powersgd_ddp``;
+            the names and defaults are the entry's ``settings()`` (``null``: every default). Checked
             here, when the config is read: an unknown name is refused with the valid ones listed.
         accelerator: Set by the Trainer from ``trainer.accelerator``.
         parallel_devices: Set by the Trainer from ``trainer.devices``.
@@ -118,11 +96,7 @@ class GradSyncStrategy(DDPStrategy):
             start_method=start_method,
         )
         # Checked when the config is read, not after the processes have started.
-        self.algorithm = catalogue.get(algorithm)
-        if not self.algorithm.is_engine:
-            raise ValueError(f"GradSyncStrategy runs an engine of ours alone; {algorithm!r} is built by "
-                             f"{self.algorithm.lightning_class}: choose one of {', '.join(catalogue.names(engines_only=True))}, "
-                             f"or select it with `trainer.strategy: {algorithm}`.")
+        self.algorithm = self._catalogue_entry(algorithm)
         if bucket_size_mb != "default":
             if not self.algorithm.has_bucket_size:
                 raise ValueError(
@@ -145,6 +119,17 @@ class GradSyncStrategy(DDPStrategy):
     def strategy_name(self) -> str:
         """The catalogue name this run's strategy goes by, as in Lightning's ``StrategyRegistry``."""
         return self.algorithm.name
+
+    def _catalogue_entry(self, algorithm: str) -> catalogue.Entry:
+        """The catalogue entry whose engine this strategy runs (``algorithm`` must be an engine alone)."""
+        entry = catalogue.get(algorithm)
+        if not entry.is_engine:
+            raise ValueError(
+                f"GradSyncStrategy runs an engine of ours alone; {algorithm!r} is built by {entry.lightning_class}: "
+                f"choose one of {', '.join(catalogue.names(engines_only=True))}, or select it with "
+                f"`trainer.strategy: {algorithm}`."
+            )
+        return entry
 
     @override
     def setup_environment(self) -> None:
@@ -297,10 +282,30 @@ class GradSyncStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register every catalogue entry ``GradSyncStrategy`` builds (idempotent)."""
-        for entry in catalogue.STRATEGIES.values():
-            if entry.is_engine and entry.name not in strategy_registry:
-                strategy_registry.register(entry.name, GradSyncStrategy, description=entry.summary, algorithm=entry.name)
+        """Register every catalogue entry this class builds (idempotent)."""
+        register_entries(strategy_registry, cls)
+
+
+def _class_path(strategy_class: type) -> str:
+    return f"{strategy_class.__module__.rpartition('.')[0]}.{strategy_class.__name__}"
+
+
+def register_entries(strategy_registry: Any, strategy_class: type) -> None:
+    """Register, under its name, every catalogue entry whose ``lightning_class`` is ``strategy_class`` (idempotent)."""
+    for entry in catalogue.STRATEGIES.values():
+        if entry.lightning_class == _class_path(strategy_class) and entry.name not in strategy_registry:
+            strategy_registry.register(entry.name, strategy_class, description=entry.summary, **entry.init_args)
+
+
+def entry_of(strategy_class: type) -> catalogue.Entry:
+    """The one catalogue entry ``strategy_class`` (or its nearest base of ours) builds, e.g. ``zero2_ddp``."""
+    for base in strategy_class.__mro__:
+        if not base.__module__.startswith(f"{__package__}."):
+            continue
+        entries = [entry for entry in catalogue.STRATEGIES.values() if entry.lightning_class == _class_path(base)]
+        if len(entries) == 1:
+            return entries[0]
+    raise ValueError(f"no single catalogue entry names {strategy_class.__name__} as its lightning_class")
 
 
 def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:

@@ -1,51 +1,9 @@
 """``fsdp2``: torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) as a baseline strategy, on CPU (gloo) and CUDA.
 
-Lightning's own ``fsdp`` strategy refuses CPU, and its ``ModelParallelStrategy`` (which does run FSDP2 on gloo)
-leaves the sharding to the user's ``configure_model`` hook and saves sharded checkpoints by default. This thin
-strategy shards any LightningModule from the YAML alone, ``trainer.strategy: fsdp2``, and keeps checkpoints
-consolidated, so they move between ``fsdp2`` at any world size and ``ddp`` (or our strategies) both ways.
-
-The recipe, in ``configure_ddp`` (after the model is on its device, before the optimizers exist):
-
-1. Broadcast rank 0's parameters and buffers, as torch DDP and our engines do in their constructors: the ranks
-   then start from the same weights whatever they were seeded with.
-2. ``fully_shard`` each module whose class name is in ``shard_modules`` (default: our GPT's ``Block``), each its
-   own FSDP group: its parameters are all-gathered just before its forward and backward and freed after
-   (``reshard_after_forward``), its gradients reduce-scattered as soon as its backward is done. A model without
-   those (a user's own) has its repeated layers sharded instead (``modules_to_shard``).
-3. ``fully_shard`` the LightningModule itself: the root group holds every parameter not in a block (our GPT's
-   embedding, final norm and ``lm_head``; tied embedding/``lm_head`` weights are one parameter of this one group
-   and stay tied). Over gloo every group reduce-scatters with SUM and divides itself (``force_sum_reduction``).
-   Lightning calls ``training_step``, not ``forward``, so the strategy runs the step methods through the root's
-   ``__call__`` (as Lightning's DDP strategy does through the DDP wrapper) for the root's hooks to gather and free
-   its parameters.
-
-Then Lightning builds the optimizers over the sharded parameters (DTensors): each rank keeps 1/N of the
-parameters, gradients and optimizer state. Everything else is FSDP2's own:
-
-- Gradient accumulation: ``set_requires_gradient_sync(False)`` on the micro-batches before the last
-  (``block_backward_sync``, where Lightning enters torch DDP's ``no_sync``): the unsharded gradients accumulate
-  locally and are reduce-scattered once, after the last micro-batch's backward.
-- Gradient clipping: Lightning's ``clip_grad_norm_`` over the optimizer's parameters, which ``torch.nn.utils``
-  computes from the DTensor shards (each rank's partial sum of squares, all-reduced): the global norm.
-- Mixed precision: under ``trainer.precision: bf16-mixed`` (with ``mixed_precision: true``) FSDP2's
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: parameters are all-gathered and computed on in
-  bf16, gradients reduce-scattered in fp32 into the fp32 shards the optimizer updates (torchtitan's recipe). The
-  precision plugin's autocast stays on and leaves the bf16 matmuls alone. ``mixed_precision: false`` all-gathers
-  fp32 and lets autocast cast, as DDP's bf16-mixed does. ``16-mixed`` is refused (its gradient scaler is not
-  checked with sharded gradients); the ``*-true`` precisions shard the converted model as it is.
-- Checkpoints: ``torch.distributed.checkpoint.state_dict``'s full state dicts (``full_state_dict=True,
-  cpu_offload=True``): every rank takes part in gathering, rank 0 gets the LightningModule's ordinary state dict
-  (same keys as ``ddp``'s) and an optimizer state dict in torch's usual integer-keyed form (``optimizer_state``),
-  which is what ``ddp`` writes. On resume Lightning loads the model's weights into the module before it is
-  sharded, and the optimizer state after (``load_optimizer_state_dict``: each rank keeps its shard).
-
-Measurement. FSDP2's all-gathers and reduce-scatters are torch's, not ours, so no collective is recorded
-(``comm_recording = "landmarks"``): the ``CommTimer`` reports step time and exposed communication by the same
-landmarks as every strategy (last gradient computed -> gradients usable), and labels busy time and overlap "not
-recorded". The all-gathers of forward and backward sit inside compute there, as FSDP overlaps them. The last
-gradient is computed on the unsharded parameters FSDP2 swaps into the modules, not on the sharded ones the
-LightningModule lists: ``watched_parameters`` hands those to the timer.
+``configure_ddp`` broadcasts rank 0's weights, ``fully_shard`` s each module named in ``shard_modules`` (our GPT's
+``Block``) and then the LightningModule as the root; Lightning builds the optimizers over the sharded parameters.
+Checkpoints are consolidated full state dicts (the same file as ``ddp``'s). Its collectives are torch's: none is
+recorded. The recipe, mixed precision and measurement notes: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -68,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.strategies.base import check_backend_for_device
+from lightning_ddp.strategies.base import check_backend_for_device, entry_of, register_entries
 
 __all__ = [
     "DEFAULT_SHARD_MODULES",
@@ -116,8 +74,6 @@ class FSDP2Strategy(DDPStrategy):
         start_method: How the launcher starts the other ranks (``popen`` re-runs the command).
     """
 
-    strategy_name = "fsdp2"
-    """The name in Lightning's ``StrategyRegistry`` (``trainer.strategy: fsdp2``)."""
     comm_recording = "landmarks"
     """FSDP2 issues its collectives itself: the ``CommTimer`` reports busy time and overlap as "not recorded"."""
 
@@ -293,16 +249,16 @@ class FSDP2Strategy(DDPStrategy):
         # still gets full state dicts from lightning_module_state_dict.
         super().teardown()
 
+    @property
+    def strategy_name(self) -> str:
+        """The name in Lightning's ``StrategyRegistry`` (``trainer.strategy: fsdp2``)."""
+        return entry_of(type(self)).name
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``fsdp2`` (idempotent)."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls,
-                description="torch FSDP2 (fully_shard per Transformer block), CPU (gloo) and CUDA; consolidated "
-                            "checkpoints",
-            )
+        """Register the catalogue entry this class builds (idempotent)."""
+        register_entries(strategy_registry, cls)
 
 
 # ---- the sharding, and pure helpers (unit-tested without processes) -------------------------------------------

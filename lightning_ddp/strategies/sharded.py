@@ -1,17 +1,8 @@
 """``ShardedOptimizerStrategy``: what ``zero1_ddp`` and ``zero2_ddp`` share, over ``GradSyncStrategy``.
 
-- ``setup_optimizers``: after ``configure_optimizers`` (unchanged), each optimizer is replaced by ``shard(optimizer)``
-  (a ``ShardedOptimizer`` sharing its parameter-group dicts), and every LR scheduler is re-pointed at it. A recorder
-  attached by an observer goes to the engine and to the sharded optimizers, so the ``CommTimer`` accounts the
-  optimizer's collectives with the engine's.
-- Clipping: Lightning clips in the precision plugin (``clip_grad_by_norm`` / ``clip_grad_by_value`` over every
-  parameter's local ``.grad``), which under sharding would see non-averaged (ZeRO-1 ``reduce_scatter``) or absent
-  (ZeRO-2) gradients. ``route_clipping`` makes the plugin hand a ``ShardedOptimizer``'s clipping to the optimizer,
-  which clips its owned, averaged gradients by the global norm in ``step()`` (``lightning_ddp.sync.zero1.clipping``);
-  other optimizers clip as before. (Lightning's DeepSpeed strategy also moves clipping out of the plugin.)
-- Checkpoints: ``ShardedOptimizer.state_dict()`` is a collective returning the consolidated state on every rank;
-  Lightning calls it on every rank in ``dump_checkpoint`` and writes rank 0's, and loads the file on every rank on
-  resume, where each rank keeps its shard. The file equals an unsharded run's (resumable under ``ddp`` too).
+Each optimizer of ``configure_optimizers`` becomes ``shard(optimizer)`` (a ``ShardedOptimizer`` sharing its group
+dicts) with the LR schedulers re-pointed at it; the recorder goes to the sharded optimizers too; the precision
+plugin's clipping is routed to the optimizer (``route_clipping``), which clips the owned, averaged gradients.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""``zero1_ddp``: optimizer-state sharding (ZeRO stage 1) over our engines (see ``lightning_ddp.sync.zero1``).
+"""``zero1_ddp``: optimizer-state sharding (ZeRO stage 1) over our engines.
 
-What it adds to ``ShardedOptimizerStrategy`` (``lightning_ddp.strategies.sharded``: the sharded optimizers, their
-recorder, clipping and checkpoints, shared with ``zero2_ddp``):
-
-- ``make_engine``: with ``schedule: allreduce_broadcast`` the algorithm named by ``grad_sync`` (any entry of
-  ``lightning_ddp.sync.registry``) all-reduces the gradients as usual; with ``schedule: reduce_scatter`` a
-  ``DeferredGradSync`` leaves them local, because the optimizer reduce-scatters them in ``step()``.
-- ``shard``: each optimizer of ``configure_optimizers`` becomes a ``ShardedOptimizer.from_optimizer`` of it with the
-  strategy's schedule.
+``make_engine``: under ``schedule: reduce_scatter`` a ``DeferredGradSync`` (the optimizer reduce-scatters in
+``step()``); under ``allreduce_broadcast`` the ``grad_sync`` engine. ``shard``: ``ShardedOptimizer.from_optimizer``
+with the strategy's schedule.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp import catalogue
+from lightning_ddp.strategies.base import entry_of
 from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_fp16
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
@@ -81,19 +77,13 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
     @property
     @override
     def strategy_name(self) -> str:
-        return "zero1_ddp"
+        return entry_of(type(self)).name
 
     @override
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
         if self.schedule == "reduce_scatter":
             return DeferredGradSync(module)
         return super().make_engine(module)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "zero1_ddp" not in strategy_registry:
-            strategy_registry.register("zero1_ddp", cls, description=(cls.__doc__ or "").strip().splitlines()[0])
 
     @override
     def check_supported(self, precision: str) -> None:

@@ -1,12 +1,7 @@
-"""``zero2_ddp``: gradient and optimizer-state sharding (ZeRO stage 2; see ``lightning_ddp.sync.zero2``).
+"""``zero2_ddp``: gradient and optimizer-state sharding (ZeRO stage 2) over ``ZeRO2DDP``.
 
-What it adds to ``ShardedOptimizerStrategy`` (``lightning_ddp.strategies.sharded``: sharded optimizers, clipping,
-checkpoints):
-
-- ``make_engine``: a ``ZeRO2DDP``, which reduces gradient buckets to their owners during backward and keeps only the
-  owned gradients.
-- ``shard``: each optimizer becomes a ``ShardedOptimizer`` with ``schedule="reduce_in_backward"`` whose owners are
-  the engine's (``placement=engine.owner_of``): a rank steps exactly the parameters whose averaged gradients it holds.
+``shard``: each optimizer becomes a ``ShardedOptimizer`` with ``schedule="reduce_in_backward"`` whose owners are
+the engine's (``placement=engine.owner_of``).
 """
 
 from __future__ import annotations
@@ -17,7 +12,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp.strategies.base import log_bucket_prediction
+from lightning_ddp import catalogue
+from lightning_ddp.strategies.base import entry_of, log_bucket_prediction
 from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_fp16
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
@@ -60,15 +56,13 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
                 "zero2_ddp takes its engine's settings directly: set `bucket_size_mb`, `collectives` or "
                 "`buckets_in_flight` under init_args instead of `engine_settings`."
             )
-        # `bucketed_ddp` only stands for "an algorithm with buckets" in GradSyncStrategy's checks; make_engine builds ZeRO2DDP.
-        super().__init__(algorithm="bucketed_ddp", bucket_size_mb=bucket_size_mb, **kwargs)
+        super().__init__(algorithm=entry_of(type(self)).name, bucket_size_mb=bucket_size_mb, **kwargs)
         self.collectives = collectives
         self.buckets_in_flight = buckets_in_flight
 
-    @property
     @override
-    def strategy_name(self) -> str:
-        return "zero2_ddp"
+    def _catalogue_entry(self, algorithm: str) -> catalogue.Entry:
+        return catalogue.get(algorithm)  # its own entry: the engine is ZeRO2DDP, built with the settings above
 
     @override
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
@@ -76,12 +70,6 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
             module, bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,
             buckets_in_flight=self.buckets_in_flight,
         ))
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "zero2_ddp" not in strategy_registry:
-            strategy_registry.register("zero2_ddp", cls, description=(cls.__doc__ or "").strip().splitlines()[0])
 
     @override
     def check_supported(self, precision: str) -> None:

@@ -1,54 +1,10 @@
 """The small base every gradient-sync engine shares: wrapping, broadcasting, ``no_sync``, the hook plumbing.
 
-The conventional data-parallel interface, usable without Lightning::
-
-    ddp = BucketedDDP(model, bucket_size_mb=25)     # broadcasts parameters and buffers from rank 0
-    for batch in loader:
-        ddp.on_train_batch_start()                  # a new optimizer step begins
-        loss = loss_fn(ddp(batch))
-        loss.backward()                             # hook-based engines start communicating here
-        ddp.finish_gradient_synchronization()       # .grad now holds the average over ranks
-        optimizer.step(); optimizer.zero_grad()
-
-Gradient accumulation: run every micro-batch but the last under ``with ddp.no_sync():``.
-
-Measuring is separate from training: attach a ``Recorder`` (``ddp.recorder = Recorder(device)``, see
-``lightning_ddp.sync.record``) to have every collective and the time inside ``finish_gradient_synchronization``
-recorded per step; with none attached (the default) the engine records nothing and costs nothing extra.
-
-Invariants every engine keeps:
-
-- **Same collectives, same order, on every rank.** Collectives are matched by their position in the
-  sequence, so an engine never lets the order depend on local data. Hook-based engines launch in a fixed
-  order and launch at ``finish_gradient_synchronization`` whatever was not ready; therefore a parameter that
-  received no gradient on some rank never hangs the others.
-- **Unused parameters match single-process training.** Once per step, after the gradient collectives, the
-  ranks sum one small vector "which parameters have a ``.grad`` here" (``buffers.agree_on_gradients``). A
-  parameter with no gradient on *any* rank keeps ``.grad = None``, exactly as in a single process, so the
-  optimizer skips it. A parameter with a gradient on *some* ranks is averaged with zeros from the others, which
-  is the full-batch gradient: a rank that did not use it contributed 0.
-- **Averages, not sums:** every engine divides what it sends by the world size *before* the SUM all-reduce
-  (pre-scaling, as torch DDP's default hook does; gloo has no ``AVG``), so the sum it gets back is the average.
-- Tied weights appear once in ``module.parameters()`` and are communicated once; ``requires_grad=False``
-  parameters are never communicated.
-- **The ranks wrap the same model.** Before the broadcast, the constructor checks that every rank has the same
-  parameters (names, shapes, dtypes, ``requires_grad``, in order), as torch DDP's ``_verify_model_across_ranks``:
-  one all-gather of a per-rank digest and, only if they differ, of the descriptions, so that every rank raises the
-  same error naming the first parameter that differs, how, and on which rank, instead of one rank hanging or
-  averaging mismatched buffers.
-
-To write an engine: subclass ``GradSyncEngine``, implement ``_synchronize`` (called by
-``finish_gradient_synchronization``) and, to act during backward, set ``uses_grad_hooks = True`` and implement
-``_on_grad_ready(index)``. Issue every collective through ``self.comm`` (``lightning_ddp.sync.comm``), so it is
-recorded and profiled like the others. Then give it one entry in ``lightning_ddp.sync.registry``.
-
-An engine's own state (``engine_state_dict``): what its ``state_dict()`` holds besides the wrapped model's, e.g.
-PowerSGD's error buffers under ``_extra_state`` (from ``get_extra_state``). It may differ per rank: the Lightning
-strategy saves every rank's into the checkpoint and gives each rank its own back on resume.
-
-Profiling: while a torch profiler records, ``finish_gradient_synchronization``, each collective launch and each
-wait are ``record_function`` ranges (``ddp/grad_sync``, ``ddp/comm_launch``, ``ddp/comm_wait``; see
-``lightning_ddp.sync.ranges``). With no profiler active they cost one flag check.
+An engine broadcasts rank 0's parameters and buffers when it wraps the model (after checking every rank wraps the
+same parameters), and ``finish_gradient_synchronization()`` leaves the average over ranks in every ``.grad``.
+Subclasses implement ``_synchronize`` and, to act during backward, ``uses_grad_hooks`` and ``_on_grad_ready``;
+every collective goes through ``self.comm``. The invariants every engine keeps (same collectives in the same order
+on every rank, unused parameters as in one process, pre-scaled averages): ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -72,7 +28,7 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
     """Base of the gradient-sync engines: the wrapped model at ``.module`` plus the shared machinery.
 
     An *engine* is the model wrapped for data-parallel training (torch's ``DistributedDataParallel`` in our terms):
-    what a strategy builds (``GradSyncStrategy.engine``), what ``Algorithm.make_engine`` returns.
+    what a strategy builds (``GradSyncStrategy.engine``), what ``catalogue.Entry.make_engine`` returns.
 
     Subclasses implement ``_synchronize()`` (called by ``finish_gradient_synchronization``) and, if they
     communicate during backward, ``_on_grad_ready(index)`` for hook-driven launches.

@@ -1,37 +1,9 @@
 """Predict the best gradient-bucket size from a short all-reduce microbenchmark (``bucket_size_mb: auto``).
 
-Recipe:
-
-1. **Measure** (``measure_allreduce``): on the current process group, time one all-reduce of each message
-   size in ``sizes`` (4 KiB .. 64 MiB by default), ``repeats`` times after one untimed warm-up call, and keep
-   the median per size. Every rank must call it; the medians are then all-reduced with ``MAX`` so that every
-   rank holds the same numbers (the slowest rank sets the pace) and therefore makes the same prediction.
-2. **Fit** (``fit_latency_bandwidth``): the linear cost model ``t = o + bytes / w`` by least squares, giving
-   the per-call overhead ``o`` (seconds) and the bandwidth ``w`` (bytes per second, the *algorithm* bandwidth
-   of one all-reduce: message bytes over time). The fit minimises *relative* residuals by default (weights
-   ``1 / t**2``): the sizes span four orders of magnitude, and plain least squares would let the
-   milliseconds of noise on a 64 MiB message swamp the sub-millisecond intercept ``o`` it is meant to find.
-   With noiseless data both give the exact ``o`` and ``w``.
-3. **Optimise** (``optimal_bucket_bytes``): with ``s`` gradient bytes split into ``n_b`` equal buckets, and
-   assuming backward produces each bucket's gradients in about the time the previous bucket takes to
-   communicate (compute per bucket = communication per bucket, so only the last bucket is left over), the
-   communication still running when backward ends is
-
-       T(n_b) = s / (n_b * w) + n_b * o        # the last bucket's transfer + one overhead per bucket
-
-   ``dT/dn_b = -s / (n_b**2 * w) + o = 0`` gives ``n_b* = sqrt(s / (w * o))``, i.e. a bucket of
-   ``b* = s / n_b* = sqrt(s * w * o)`` bytes. A bucket never splits a parameter, so ``b*`` is raised to the
-   largest parameter's bytes, and a bucket larger than ``s`` is one bucket, so it is capped at ``s``.
-4. **Combine** (``predict_bucket_size``): ``s`` and the largest parameter from the module's trainable
-   parameters, the measurement on their device, the fit and the optimum; ``predict_bucket_size_mb`` returns
-   just the size in MiB (2**20 bytes, the unit of ``bucket_size_mb``).
-
-Invariants: ``measure_allreduce`` issues the same collectives in the same order on every rank (one warm-up
-and ``repeats`` timed all-reduces per size, then one ``MAX`` all-reduce of the medians), so ranks never
-mismatch; everything else here is pure arithmetic.
-
-Example: ``s = 400 MB``, ``w = 10 GB/s``, ``o = 100 us``: ``n_b* = sqrt(4e8 / (1e10 * 1e-4)) = 20`` buckets
-of ``b* = sqrt(4e8 * 1e10 * 1e-4) = 2e7`` bytes (20 MB), leaving ``2 ms + 2 ms = 4 ms`` after backward.
+``measure_allreduce`` times all-reduces of several sizes (a collective: every rank gets the same medians),
+``fit_latency_bandwidth`` fits ``t = o + bytes / w``, ``optimal_bucket_bytes`` minimises the communication left
+after backward, ``sqrt(s * w * o)`` bytes, and ``predict_bucket_size`` combines them for a module. The derivation:
+``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Strict bucket order: the per-step bookkeeping of the engines that launch gradient buckets from backward's hooks.
 
-Collectives are matched by their position in each rank's sequence, so buckets must launch in the same order on
-every rank, whatever order the gradients arrive in. ``BucketOrder`` counts, per bucket, the gradients still to come;
-a bucket launches when it is complete *and* every bucket before it has launched. What backward did not make ready
-(a parameter without a gradient on this rank) launches at ``finish_gradient_synchronization`` (``rest``). Used by
-``BucketedDDP`` and ``ZeRO2DDP``.
+A bucket launches when it is complete *and* every bucket before it has launched, so every rank issues the same
+collectives in the same order; what backward did not make ready launches at ``finish_gradient_synchronization``
+(``rest``). Used by ``BucketedDDP`` and ``ZeRO2DDP``.
 
 >>> order = BucketOrder([[0, 1], [2]], ["a", "b", "c"])
 >>> list(order.mark_ready(2))  # bucket 1 is complete, but bucket 0 has not launched: nothing yet

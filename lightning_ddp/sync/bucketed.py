@@ -1,50 +1,9 @@
 """Bucketed DDP: async all-reduce of size-capped gradient buckets, launched during backward.
 
-Recipe:
-
-1. At construction, assign parameters to buckets of at most ``bucket_size_mb`` MiB (2**20 bytes), walking
-   ``module.parameters()`` in *reverse*, the order in which backward produces gradients (output layer
-   first, embedding last). A parameter larger than the cap gets a bucket of its own; a dtype change starts a
-   new bucket. ``bucket_size_mb=None`` means one unbounded bucket per dtype. Every bucket of several tensors,
-   and the last bucket whatever its size, owns a persistent flat buffer; the last one has one element more,
-   the *missing-gradient sentinel* (step 4).
-2. During backward, a post-accumulate-grad hook marks each parameter ready. Buckets are launched strictly
-   in bucket order: bucket ``i`` is reduced (async) as soon as it and every bucket before it are complete.
-   Launching copies each gradient into its slice of the bucket's buffer, unless ``.grad`` already *is* that
-   slice (step 3); a one-tensor bucket without a buffer is reduced in place in ``.grad``.
-3. ``finish_gradient_synchronization``: launch, in order, the buckets backward did not complete (they hold
-   a parameter with no gradient this step; zeros stand in for it), wait for each bucket's average and point
-   every ``.grad`` at its slice of the buffer (gradients as views into the buckets, torch DDP's
-   ``gradient_as_bucket_view``): nothing is copied back. Next step, a gradient accumulated into that view
-   (``zero_grad(set_to_none=False)``) needs no copy at all; one freshly allocated (``set_to_none=True``, torch's
-   default) is copied in once.
-4. Missing gradients cost nothing until they happen: each rank writes 1 into the sentinel if one of its
-   parameters had no gradient this step, else 0. The last bucket only launches after every other bucket (strict
-   order), and a bucket holding a missing gradient only launches in step 3, so the rank knows by then. After the
-   reduction, the sentinel is > 0 exactly when some rank had a missing gradient; only then do the ranks sum "which
-   parameters have a ``.grad`` here" (one small all-reduce, see ``base``) and set ``.grad = None`` where no rank
-   had one. Every rank reads the same sentinel, so they all take the same branch: no hang.
-
-How a bucket is averaged is the engine's ``reduce`` step (``lightning_ddp.sync.reduce``, torch DDP's comm hook in
-our terms): by default it divides the buffer by the world size and SUM all-reduces it in place; another reduce
-step (e.g. one that communicates in bf16, or compresses each matrix to low rank) plugs in without touching the
-bucketing. With the buffer it is given the bucket's ``BucketLayout``: where each gradient lies in it, which bucket of
-the step it is. The sentinel lies in no gradient of the layout, and survives any reduce step that keeps 0 at 0 and
-positive numbers positive.
-
-Why in order: collectives are matched by sequence position across ranks. Launching strictly in bucket order
-makes the sequence identical on every rank even when some rank's gradient for a parameter is missing or late.
-
-Trade-off (the bucket sweep of the published 2-GPU xl runs, ``lightning_ddp.projection.published``): small buckets
-start communicating earlier but pay the per-call latency many times; one huge bucket pays it once but cannot start
-before backward ends.
-
-Measured choices (``python -m lightning_ddp.bench.engine_step``; the numbers are in
-``benchmarks/results/cpu/engine_step.md``): views instead of packing and unpacking every step, and the sentinel
-instead of a presence all-reduce every step. Not done: a smaller first bucket and rebuilding the buckets in the
-order gradients become ready after the first step (torch DDP does both): for this GPT the ready order *is* the
-reverse parameter order except that each block's ``w2`` and ``w3`` swap places, which moves no bucket boundary
-that matters.
+Buckets are filled in reverse parameter order and launched strictly in bucket order from the gradient hooks; at
+``finish_gradient_synchronization`` the rest launch, and every ``.grad`` becomes a view into its bucket's buffer.
+A sentinel element in the last bucket tells every rank whether some rank missed a gradient. How a bucket is averaged
+is the swappable ``reduce`` step (``lightning_ddp.sync.reduce``). Recipe and measured choices: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""Bucketed DDP with the gradients communicated in bf16: half the bytes, lossy.
+"""Bucketed DDP with the gradients communicated in bf16: half the bytes, lossy (torch DDP's ``bf16_compress_hook``).
 
-Recipe: ``BucketedDDP`` (buckets filled and launched in order during backward, see ``bucketed``) with its reduce
-step swapped for ``BF16CompressedAllReduce``, torch DDP's ``bf16_compress_hook``:
-
-1. when a bucket launches, cast its flat buffer to bf16 and divide the copy by the world size;
-2. SUM all-reduce the bf16 copy (async): half the bytes of fp32 on the wire;
-3. in ``finish_gradient_synchronization``, after the wait, cast the result back into the bucket's buffer, which the
-   gradients are views of.
-
-What it costs: bf16 keeps 8 mantissa bits, so each rank's scaled gradient is rounded to ~0.4 % (relative) before
-the sum, and the sum of n such numbers is rounded again in bf16 by the reduction. The optimizer sees the average
-to that precision, not the fp32 one: training is no longer equal to single-process training (``exact=False`` in
-the registry: the equivalence tests hold it to bf16 tolerances). What it saves: half the bytes; the two casts cost
-a read and a write of the bucket each. ``python -m lightning_ddp.bench.compression`` measures both (the numbers:
-``benchmarks/results/compression_cpu/results.md``).
-
-Only buckets of a floating dtype wider than bf16 are compressed; a bf16 bucket is reduced as it is.
+``BucketedDDP`` with its reduce step swapped for ``BF16CompressedAllReduce``: cast each bucket to bf16, divide by
+the world size, SUM all-reduce, cast back into the bucket. Only buckets of a floating dtype wider than bf16 are
+compressed. Its precision and cost: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

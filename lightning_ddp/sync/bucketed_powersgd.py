@@ -1,76 +1,11 @@
 """Bucketed DDP with PowerSGD: every large gradient matrix crosses the wire as two thin low-rank factors.
 
-PowerSGD (Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression", NeurIPS 2019; torch's
-``powerSGD_hook``) as the bucketed engine's reduce step, ``PowerSGDReduce``. Per bucket, with ``n`` ranks and
-approximation rank ``r`` (the ``rank`` argument):
-
-0. Warm-up: until ``start_iter`` optimizer steps have been synchronised, average the bucket exactly, as
-   ``AllReduceMean`` does (error feedback starts after; torch's ``start_powerSGD_iter``).
-1. Plan, once per bucket, from its ``BucketLayout`` (``plan_bucket``): a gradient of ``ndim >= 2`` is viewed as the
-   matrix ``(rows, cols) = (shape[0], prod(shape[1:]))`` and, with ``k = min(rows, cols, r)``, compressed when it
-   gains, ``rows * cols > min_compression_rate * (rows + cols) * k`` (torch's ``_should_compress``). Everything else
-   in the bucket (vectors, 0-d tensors, small matrices, the engine's missing-gradient sentinel) is *uncompressed*.
-2. Launch (during backward, as soon as the bucket is complete):
-
-   a. gather the uncompressed elements into one buffer, divide by ``n``, SUM all-reduce it (async);
-   b. per compressed matrix ``G`` (rows x cols): ``M = G + E``, ``E`` this rank's error from its last compressed
-      step (error feedback; zero at first); ``Q`` (cols x k) is the averaged ``Q`` of the last step (warm start), or
-      at first a normal draw from a generator seeded with ``(seed, bucket index)``, the same on every rank;
-      orthogonalise ``Q``; ``P = M Q / n`` (rows x k);
-   c. SUM all-reduce the bucket's ``P``s, packed in one buffer (async): the average of the ranks' ``M Q``.
-
-3. Finish (in ``finish_gradient_synchronization``, when the engine waits for the bucket):
-
-   a. write the averaged uncompressed elements back into the bucket;
-   b. orthogonalise each ``P`` (``orthogonalize``);
-   c. ``Q = M^T P / n``; SUM all-reduce the bucket's ``Q``s in one buffer and wait: the average of the ranks' ``M^T P``;
-   d. write ``P Q^T`` into the gradient's place in the bucket (in the bucket's dtype); ``E = M - (what was
-      written)``.
-
-Invariants:
-
-- **Same collectives on every rank.** The plan depends only on the layout (shapes) and the warm-up decision only
-  on the step counter, equal everywhere; so every rank issues the same all-reduces, in order, of the same sizes.
-- **The ranks stay bitwise identical.** ``P`` and ``Q`` are equal on every rank after their all-reduces, so
-  ``P Q^T`` is too. ``P`` has orthonormal columns, so ``P Q^T = P P^T mean_ranks(M)``: the ranks' average ``M``
-  projected onto ``span(P)``. With ``k = min(rows, cols)`` the projection is the identity and the average is exact
-  up to rounding (the tests hold it to fp32 tolerance); with ``k`` smaller it is a rank-``k`` approximation.
-- **Error feedback loses nothing, it delays.** ``E`` is kept per rank and per matrix in fp32 (fp64 for an fp64
-  bucket). Over any run of compressed steps, (sum of what was written) + (mean over ranks of ``E`` after) ==
-  (mean over ranks of ``E`` before) + (sum of the exact averages of the gradients), up to rounding: what the
-  approximation leaves out of one step is sent in later ones.
-- **The sentinel survives:** it is uncompressed, averaged as ``AllReduceMean`` averages it (0 stays 0, positive
-  stays positive).
-- **State changes only when a bucket's reduction finishes** (``E``, ``Q``; the step counter when the step's last
-  bucket finishes). A step abandoned between launch and wait (an exception in backward) changes nothing.
-
-Orthogonalisation (``orthogonalize``): a Householder QR factorisation, ``Q`` of ``torch.linalg.qr``, whose columns
-are orthonormal whatever the input: zero columns and (nearly) dependent columns included, and with no epsilon. torch
-uses it too for ``k > 2``, and Gram-Schmidt for ``k <= 2`` and half precision; we compute in fp32 at least, and
-Gram-Schmidt, the textbook choice, breaks exactly where this module needs it not to: when ``M`` has rank below ``k``
-(a layer few samples used; any matrix at ``k = min(rows, cols)``, as in the full-rank tests) the leftover columns
-are rounding noise, and normalising noise undoes the orthogonality. Measured on 16-row matrices: one pass on a
-rank-2 gradient at ``k = 16`` came back off by 6.8 on entries of size ~1.4; two passes with the norm eps-guarded
-(torch's ``col / (norm + eps)``) on a rank-1 gradient at ``k = 8`` came back 1.85x too large, the epsilon itself
-leaving a residual along the first column; QR: within 1e-6 (relative) in both cases. Every rank orthogonalises
-the same all-reduced ``P`` with the same library, so the results agree bitwise (the 2-rank tests check it).
-
-Not overlapped: the ``Q`` round. It needs the averaged ``P``, so it runs when the engine waits for the bucket, in
-``finish_gradient_synchronization``, after backward; only the uncompressed and ``P`` rounds overlap backward (torch
-chains all three rounds with futures instead). The compression arithmetic is recorded as ``pack`` time.
-
-What it saves: a compressed matrix sends ``(rows + cols) * k`` elements instead of ``rows * cols``
-(``BucketPlan.sent_numel`` per bucket). What it costs: two more collectives per bucket with matrices, two matmuls
-and two QR factorisations per matrix, and ``M`` and ``E`` (one fp32 copy each of the compressed gradients).
-
-Differences from torch's hook: ``E`` covers only the compressed matrices (torch keeps the whole bucket's local
-error, whose uncompressed part averages to zero over the ranks); ``start_iter`` may be 0 or 1 (our buckets never
-change after construction, torch's are rebuilt after the first step); and the state resumes exactly: the engine's
-``state_dict()`` carries ``E``, ``Q`` and the step counter (torch leaves saving them to the user,
-pytorch/pytorch#75666). ``E`` differs between ranks: save every rank's (``GradSyncStrategy`` puts every rank's
-into Lightning checkpoints and gives each rank its own back on resume). Like torch, a gradient no rank had this step
-(``.grad = None`` after it) still goes through the rounds, ``M = E``, and its approximation is not applied: ``E``
-keeps only what that approximation left out. A rank without a gradient that others had contributes zeros.
+PowerSGD (Vogels et al., NeurIPS 2019; torch's ``powerSGD_hook``) as the bucketed engine's reduce step,
+``PowerSGDReduce``: after ``start_iter`` exact steps, each matrix that shrinks more than ``min_compression_rate``
+is sent as rank-``rank`` factors P (during backward) and Q (at the wait), with per-rank error feedback; the rest
+of the bucket is averaged exactly. ``plan_bucket`` decides per bucket; ``orthogonalize`` is a Householder QR.
+The engine's state (error feedback, warm-start Q, step counter) is in its ``state_dict``. The recipe, invariants
+and measurements: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -437,7 +372,7 @@ class BucketedPowerSGDDDP(BucketedDDP):
     )
 
     check_settings = staticmethod(check_powersgd_options)
-    """The registry's check of the settings (``rank``, ``start_iter``, ``min_compression_rate``, ``seed``), run when
+    """The catalogue's check of the settings (``rank``, ``start_iter``, ``min_compression_rate``, ``seed``), run when
     a strategy's ``engine_settings`` are read: before any process starts."""
 
     def __init__(

@@ -1,13 +1,8 @@
-"""Flat communication buffers and gradient presence: the pieces ``flat``, ``bucketed`` and ZeRO-1 share.
+"""Flat communication buffers and gradient presence: the pieces ``flat``, ``bucketed`` and the sharding share.
 
-- ``pack``: copy tensors (zeros for a missing one) back to back into a flat buffer.
-- ``unpack_gradients``: copy a flat buffer's slices into the parameters' ``.grad`` (creating the ones that are
-  ``None``), and ``unpack_into``: copy them into any tensors (ZeRO-1's parameters).
-- ``agree_on_gradients`` (or ``launch_presence`` then ``read_presence``, to issue it early and read it late): one
-  tiny SUM all-reduce of "this parameter has a ``.grad`` here", so that a parameter no rank has a gradient for
-  keeps ``.grad = None`` everywhere, exactly as in one process.
-
-Slices are taken in the order given, each ``param.numel()`` long, viewed with the parameter's shape.
+``pack`` copies tensors (zeros for a missing one) back to back into a flat buffer; ``unpack_gradients`` and
+``unpack_into`` copy its slices back; ``agree_on_gradients`` (or ``launch_presence`` then ``read_presence``) sums
+"this parameter has a ``.grad`` here" over the ranks, so a parameter no rank has a gradient for keeps ``None``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """``Communicator``: the collectives of one engine (or optimizer) on one process group, in one place.
 
-Every collective the engines and ZeRO-1 issue goes through here, so that three concerns are handled once:
-
-- **async launch and wait**: each method launches ``async_op=True`` and returns a ``Pending``; ``wait(pending)``
-  blocks for it;
-- **recording**, only when a ``Recorder`` is attached (``communicator.recorder``) and armed (a step is being
-  measured); otherwise a collective costs one ``is None`` check (and one flag read) more than calling
-  ``torch.distributed`` directly;
-- **profiler ranges** (``ddp/comm_launch``, ``ddp/comm_wait``; names in ``lightning_ddp.sync.ranges``), only
-  while a torch profiler records.
-
-Message sizes follow nccl-tests (what ``Collective.nbytes`` holds, and what bus bandwidth is computed from): the
-buffer for ``all_reduce``, ``reduce`` and ``broadcast``; the whole input of ``reduce_scatter`` and the whole
-output of ``all_gather`` (every rank's part).
-
-Which backend moves a tensor (``backend_for``): a process group's backend is a spec, and the same group may
-move tensors of different devices with different backends. ``dist.get_backend`` returns the spec *as given*
-(``"cpu:gloo,cuda:nccl"`` is a common one), so it must never be compared with ``"nccl"`` or ``"gloo"``:
-
-1. ``parse_backend_spec`` (pure): a plain name (``"nccl"``) applies to every device, ``"cpu:gloo,cuda:nccl"`` maps
-   each device type to its backend;
-2. ``backend_from_spec`` (pure): the backend of one device under a spec, ``None`` when the spec names none;
-3. ``backend_for(device, group)``: the backend that moves ``device``'s tensors in a live group, read from
-   torch's public ``dist.get_backend_config`` (its device map of the spec: ``"nccl"`` is ``"cuda:nccl"``,
-   ``"gloo"`` is ``"cpu:gloo,cuda:gloo"``, an unset backend the one torch picked).
-
-The communicator asks it per launched tensor's device (NCCL completions are device events, gloo's host times),
-ZeRO-1 per its parameters' device (``collectives: auto``), the bucket-size model for its default device and the
-strategy for its own device (NCCL cannot move CPU tensors).
+Each method launches ``async_op=True`` and returns a ``Pending`` for ``wait``; each collective is recorded only when
+a ``Recorder`` is attached and armed, and opens profiler ranges only while a profiler records. Message sizes follow
+nccl-tests. ``backend_for`` (and the pure ``parse_backend_spec``, ``backend_from_spec``) says which backend moves a
+device's tensors: a group's backend is a spec such as ``cpu:gloo,cuda:nccl``, never to be compared with ``"nccl"``.
 """
 
 from __future__ import annotations

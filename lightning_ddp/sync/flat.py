@@ -1,15 +1,4 @@
-"""Flat DDP: after backward, one all-reduce of every gradient flattened into a single buffer.
-
-Recipe (``finish_gradient_synchronization``, after the last backward):
-
-1. Agree across ranks which parameters have a gradient at all (one tiny all-reduce of presence flags).
-2. Pack: concatenate those gradients (zeros where a rank has none) into one flat buffer per dtype, and divide
-   it by the world size.
-3. One all-reduce (SUM) per buffer; wait for it.
-4. Unpack: copy each slice back into its ``.grad``.
-
-One call pays the per-call latency once, at the price of the pack/unpack copies (recorded separately as
-``pack``) and a buffer the size of all gradients. Still nothing overlaps with backward.
+"""Flat DDP: after backward, one all-reduce of every gradient flattened into a single buffer per dtype.
 """
 
 from __future__ import annotations

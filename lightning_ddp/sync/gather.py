@@ -1,19 +1,9 @@
 """Gather every rank's state (nested dicts and lists of tensors and plain values) for a checkpoint.
 
-Two users: ``ShardedOptimizer.state_dict()`` (each rank owns part of the optimizer state; ZeRO-1's checkpoint is
-their union, on every rank) and the Lightning strategy's checkpoint of an engine's own state (PowerSGD's error
-buffers differ per rank; rank 0 writes every rank's). One mechanism for both, ``gather_rank_states``:
-
-1. Each rank replaces every tensor of its state by a ``TensorSpec`` (shape, dtype) and the ranks exchange these
-   skeletons with one ``all_gather_object``: plain values travel there, tensors do not (pickling a CUDA tensor would
-   move it through the host twice and needs the receiver's device).
-2. For each rank in turn, and each of its tensors in the skeleton's order (the same order on every rank, since every
-   rank reads the same skeletons), one ``broadcast`` from that rank, on ``device`` (NCCL moves only CUDA tensors).
-3. The receivers rebuild each rank's state from its skeleton with the tensors on CPU. With ``dst`` set only that
-   rank keeps them: the others take part in each broadcast with a buffer they drop at once, so they never hold more
-   than one received tensor.
-
-Not recorded by a ``Recorder`` (checkpoints are not training steps) and not a hot path: one call per checkpoint.
+For ``ShardedOptimizer.state_dict()`` (the union of the owners' shards) and the strategy's checkpoint of the
+engines' per-rank state. One ``all_gather_object`` of the skeletons (tensors replaced by ``TensorSpec``), then one
+``broadcast`` per tensor from its rank on ``device``; the receivers rebuild the states on CPU (with ``dst``, only
+that rank keeps them). Not recorded: checkpoints are not training steps.
 """
 
 from __future__ import annotations

@@ -1,13 +1,4 @@
-"""Naive DDP: after backward, one blocking all-reduce per gradient tensor.
-
-Recipe (``finish_gradient_synchronization``, after the last backward):
-
-1. Agree across ranks which parameters have a gradient at all (one tiny all-reduce of presence flags).
-2. For each parameter with a gradient somewhere, in ``module.parameters()`` order: divide its gradient
-   (zeros on a rank that has none) by the world size, all-reduce (SUM) it and wait for it.
-
-Nothing overlaps: communication starts only after the whole backward, and one call per tensor pays the
-per-call latency ~435 times for the xl model. It is the baseline the other engines improve on.
+"""Naive DDP: after backward, one blocking all-reduce per gradient tensor (the baseline the others improve on).
 """
 
 from __future__ import annotations

@@ -1,49 +1,10 @@
 """What a step communicated, recorded only when someone measures: ``Recorder``, ``SyncRecord``, ``Collective``.
 
-The engines never measure on their own. A ``Recorder`` is attached by whoever wants the numbers (the
-``CommTimer``, the ``TraceRecorder``, a benchmark, a test; through the strategy's ``attach_recorder`` under
-Lightning, or ``engine.recorder = Recorder(device)`` without it). With no recorder attached an engine pays one
-``is None`` check per collective: no clock reads, no CUDA events, no synchronisation.
-
-The life of one optimizer step's record::
-
-    recorder.open_step(step)            # anchors the clocks, marks the start
-    ... forward, backward, gradient sync, optimizer: the engines append collectives and spans ...
-    record = recorder.finish_step()      # marks the end; on CUDA the step's one synchronize; every mark -> ms
-
-``finish_step`` returns the record with every mark converted to **milliseconds since the step's clock anchor**
-(plain floats), so everything downstream (``lightning_ddp.callbacks.accounting``, the trace recorder) is pure
-arithmetic.
-
-Clocks (the honesty rules):
-
-- On CPU a mark is ``time.perf_counter()``: collectives run on the host, so the host clock is the truth.
-- On CUDA a mark is a ``torch.cuda.Event`` recorded on the current stream *of the engine's device*
-  (``event.record(torch.cuda.current_stream(device))``): it says when the device reached that point, not when
-  the host queued the work. The stream is named explicitly because marks are also taken on other threads (NCCL's
-  future callbacks, autograd's gradient hooks) whose current device may be another GPU; ``event.record()`` alone
-  would mark that GPU's stream. Events are only read in ``finish_step``, after its ``torch.cuda.synchronize()``.
-- The anchor: host time ``t0`` and event ``e0`` naming the same instant, so that host times (gloo's completion
-  callbacks) and events land on one axis. ``e0`` is recorded right after a synchronize, on an idle device, so it
-  completes as soon as it is recorded; ``t0`` is the midpoint of two host reads taken just before and just after
-  ``e0.record()``, so it is off by at most half that call (a single read on either side could be off by all of it).
-  The synchronize at the end of one step anchors the next: one synchronize per measured step, none when nobody
-  measures, and none in a step nobody opened (the ``CommTimer``'s unsampled steps: ``Recorder.armed``).
-- When an async collective *completed* (``Collective.completed``), by the backend that moves its tensor (asked per
-  device, ``lightning_ddp.sync.comm.backend_for``: a ``cpu:gloo,cuda:nccl`` group moves CUDA tensors with NCCL):
-  gloo completes its ``Work`` future on its own thread when the data has arrived, so a ``then`` callback reads
-  the host clock. NCCL completes the future when the work is queued, but runs ``then`` callbacks with a current
-  stream that waits for the collective's kernel, so an event recorded there fires when the collective has
-  finished on the device. No environment variable is needed for either. The mark after ``wait()`` is used only
-  when no completion was recorded (it is an upper bound: the wait may start long after the collective finished),
-  and never overwrites one.
-- gloo with CUDA tensors (two ranks on one GPU) joins two clocks: launches are events, completions host times,
-  through the one ``(e0, t0)`` pair. Gloo works on host copies of the tensors, and its future completes once the
-  host result is there, *before* the copy back to the GPU (queued on a side stream) has finished. A completion
-  can therefore precede the device copy-back: ``comm/busy_ms`` is slightly under-counted (by the copy-back), while
-  ``comm/exposed_ms`` still covers the copy, because ``wait()`` makes the current stream wait for it and the
-  exposed span ends with an event on that stream after the wait. Two clocks can also disagree outright; the
-  accounting then clamps the marks and counts them (``comm/clock_anomalies``).
+An observer attaches a ``Recorder`` (through the strategy's ``attach_recorder``, or ``engine.recorder = ...``);
+``open_step`` anchors the clocks, the engines append collectives and spans, ``finish_step`` returns the record with
+every mark in milliseconds since the anchor. Marks are ``perf_counter`` on CPU and CUDA events on the engine's
+device stream; completions are host times from gloo's callbacks or events from NCCL's. With none attached an engine
+pays one ``is None`` check per collective. The clock rules: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """How one gradient bucket is averaged over the ranks: the bucketed engine's swappable reduce step.
 
-This is torch DDP's communication hook (``DistributedDataParallel.register_comm_hook``) in our terms. The
-bucketed engine calls ``reduce.launch(comm, bucket, label, layout)`` as soon as a bucket is complete (during
-backward) and ``reduction.wait()`` in ``finish_gradient_synchronization``; what ``wait()`` returns is the bucket's
-average over the ranks, with the bucket's dtype and shape, and is unpacked into the gradients. Between the two, a
-reduce step may communicate anything it likes (another dtype, fewer bytes, several collectives): the engine
-never looks at what went over the wire.
-
-``layout`` (a ``BucketLayout``, torch's ``GradBucket`` in our terms) says where each gradient lies in the flat
-bucket, which bucket of the step it is and whose gradients it holds: what a reduce step that treats tensors
-differently (low-rank compression of the matrices, say) or keeps state per bucket needs. A reduce step that sees
-the bucket as one flat buffer ignores it; the engine always passes it, other callers may pass ``None``.
-
-===============================  =============================================================  ======================
-reduce step (module)             recipe                                                         torch DDP
-===============================  =============================================================  ======================
-``AllReduceMean`` (the default)  divide the bucket by n, then SUM all-reduce it in place        ``allreduce_hook``
-``BF16CompressedAllReduce``      cast to bf16, divide by n, SUM all-reduce, cast back           ``bf16_compress_hook``
-  (``bucketed_bf16``)
-``PowerSGDReduce``               matrices as low-rank factors P, Q (two all-reduces), the rest  ``powerSGD_hook``
-  (``bucketed_powersgd``)        as is (one all-reduce); error feedback
-===============================  =============================================================  ======================
-
-Another reduce step (compression, for instance) is a subclass of ``BucketReduce`` in its own engine file; see
-``lightning_ddp.sync.registry`` for how an engine becomes an algorithm.
+torch DDP's communication hook in our terms: ``BucketReduce.launch(comm, bucket, label, layout)`` is called as soon
+as a bucket is complete and returns a ``Reduction`` whose ``wait()`` gives the bucket's average (same dtype and
+shape); what goes over the wire in between is the reduce step's business. ``layout`` (``BucketLayout``) says where
+each gradient lies in the bucket. ``AllReduceMean`` is the default; others: ``bucketed_bf16``,
+``bucketed_powersgd``.
 """
 
 from __future__ import annotations

@@ -1,68 +1,10 @@
 """ZeRO stage 2: reduce each gradient bucket to its owners *during backward*; every rank keeps only what it owns.
 
-Recipe (``ZeRO2DDP``, with ``ShardedOptimizer(schedule="reduce_in_backward", placement=engine.owner_of)``):
-
-1. At construction, give every trainable parameter one owner (``assign_owners``, ZeRO-1's greedy balance by bytes)
-   and put the parameters into buckets of at most ``bucket_size_mb`` MiB, in reverse order (``assign_buckets``,
-   the bucketed engine's). Within a bucket, the parameters are laid out *by owner*: segment ``r`` holds rank
-   ``r``'s gradients, then one presence flag per gradient (step 4). Each rank's owned gradients go into one flat
-   *shard* per dtype, laid out bucket by bucket (Ψ_r elements), allocated at the step's first completed bucket and
-   not kept by the engine: the owned ``.grad`` views hold it until ``zero_grad`` drops them.
-2. During backward, a post-accumulate-grad hook marks each parameter ready; buckets launch strictly in bucket order
-   (as in ``bucketed``: collectives are matched by position, so the order never depends on local data). Launching
-   allocates the bucket's send buffer, copies each gradient into its segment (zeros and flag 0 for a gradient
-   this rank does not have, flag 1 otherwise) and *frees every gradient of the bucket* (``.grad = None``): the
-   buffer holds them now. Then the bucket goes to its owners:
-
-   - ``reduce_scatter`` (``collectives: native``, the default on NCCL) when the bucket's owner segments are
-     nearly equal (padding them to the largest adds at most ``MAX_PADDING`` of the bucket): one
-     ``reduce_scatter_tensor``, rank ``r`` receiving segment ``r``;
-   - otherwise (``per_owner``, the default on gloo, whose reduce-scatter is an all-reduce in disguise, and any
-     bucket whose segments are too unequal) one ``reduce`` per owner that has a segment, to that owner.
-3. At most ``buckets_in_flight`` buckets are in flight: launching one more first completes the oldest (that wait
-   holds up backward, so the ``Recorder`` counts it as an ``exposed`` span, like the waits of
-   ``finish_gradient_synchronization``). Completing
-   waits for its collectives, divides the owner's segment by the world size straight into its place in the shard
-   (sum -> average; gloo has no AVG), points each owned ``.grad`` at its view of the shard, and drops the send
-   buffer. ``finish_gradient_synchronization`` launches, in order, the buckets backward did not complete (they hold
-   a parameter with no gradient here) and completes every bucket still in flight.
-4. Missing gradients: each segment carries one presence flag per gradient, summed by the same collective, so an
-   owner learns on how many ranks each of its gradients existed without any extra collective. Where no rank had
-   one, the owner sets ``.grad = None`` (read once per step, after the last bucket: one host sync), exactly as in
-   one process, and its optimizer skips it; a gradient present on some ranks only is averaged with zeros.
-5. ``ShardedOptimizer.step()`` (schedule ``reduce_in_backward``) steps the owned shard and sends every updated
-   parameter from its owner (broadcast per owner on gloo, all-gather on NCCL), as in ZeRO-1.
-
-Buffers and memory per rank, Ψ parameters of b bytes each, Ψ_r ≈ Ψ/N owned, a bucket cap of B bytes, K =
-``buckets_in_flight``:
-
-=======================  ==============================================================================
-the shard                b·Ψ_r, from backward until ``zero_grad(set_to_none=True)``: the owned gradients
-                         (``.grad`` of owned parameters are views into it)
-send buffers             one per bucket in flight, each ≤ B plus 4 bytes of flags per gradient (``native``:
-                         padded, ≤ (1 + ``MAX_PADDING``)·B): at most K·B at once
-local gradients          of the buckets not launched yet: with backward producing gradients in bucket order (the
-                         reverse parameter order, as for our GPT), the one bucket filling, ≤ B
-=======================  ==============================================================================
-
-So gradients take b·Ψ_r + (K + 1)·B instead of DDP's b·Ψ (plus DDP's buckets, b·Ψ again in torch DDP's
-buffers): ``gradients <= Ψ/N + buckets in flight``; like DDP's gradients (not its buffers) they exist from backward
-to ``zero_grad``, not during the forward. Non-owned ``.grad`` are ``None`` after backward. The cost: a
-gradient that arrives out of bucket order holds back every later bucket (strict order), whose gradients then wait in
-full, as in ``bucketed``; and completing the oldest bucket early blocks the host on gloo (on NCCL ``wait`` only
-orders the streams).
-
-Sent per rank and step: (N-1)/N·bΨ for the reduces (a ring reduce-scatter's volume; per-owner reduces move the
-same bytes in aggregate) plus ZeRO-1's (N-1)/N·bΨ for the parameters: DDP's volume, as ZeRO-1's ``reduce_scatter``
-schedule, but the gradient half overlaps backward.
-
-Gradient accumulation: under ``no_sync()`` nothing launches and every rank keeps full local gradients (b·Ψ) until
-the last micro-batch, whose backward reduces and frees them. Clipping: ``ShardedOptimizer.clip_grad_norm_``
-(``lightning_ddp.sync.zero1.clipping``). Checkpoints: the engine keeps no state of its own; the optimizer's is
-ZeRO-1's consolidated state (resumable under any world size or strategy).
-
-Invariants (``base``): every rank issues the same collectives in the same order (the layout depends only on
-ownership, buckets and dtypes); tied weights are reduced once; frozen parameters are never communicated.
+``ZeRO2DDP`` buckets the gradients as ``bucketed`` does, laid out by owner with one presence flag per gradient;
+launching a bucket frees its gradients and sends it to its owners (one reduce-scatter, or one reduce per owner);
+completing it writes the owner's average into its flat shard and points the owned ``.grad`` there. At most
+``buckets_in_flight`` buckets wait at once. ``ShardedOptimizer(schedule="reduce_in_backward",
+placement=engine.owner_of)`` steps the shard. Schedule, memory and traffic: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
