@@ -40,42 +40,22 @@ ENGINE_STATES_KEY = "grad_sync_engine_states"
 rank 1's, ...]}`` (each an ``engine_state_dict()``, tensors on CPU); absent when the engine has no state."""
 
 
-class GradSyncStrategy(DDPStrategy):
-    """Data-parallel training with one of our gradient-sync engines (the engine entries of ``lightning_ddp.catalogue``).
-
-    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it, its engine's own settings
-    included (as Lightning's ``DDPStrategy`` passes its ``**kwargs`` to torch DDP)::
-
-        strategy:
-          class_path: lightning_ddp.strategies.GradSyncStrategy
-          init_args: {algorithm: bucketed_powersgd_ddp, bucket_size_mb: 4, engine_settings: {rank: 4, start_iter: 10}}
+class DataParallelStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with our defaults and checks, under ``GradSyncStrategy`` and ``FSDP2Strategy``:
+    the backend is checked against the device before any process starts, and the name comes from the catalogue.
 
     Args:
-        algorithm: A catalogue engine: ``naive_ddp``, ``flat_ddp``, ``bucketed_ddp``, ... or one you registered.
-        bucket_size_mb: For algorithms with buckets: the cap in MiB, ``null`` for one bucket, ``auto`` to predict it
-            from an all-reduce microbenchmark, ``default`` for the algorithm's own default (25 MiB). Algorithms
-            without buckets take only ``default``.
-        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}`` for ``bucketed_powersgd_ddp``;
-            the names and defaults are the entry's ``settings()`` (``null``: every default). Checked
-            here, when the config is read: an unknown name is refused with the valid ones listed.
-        accelerator: Set by the Trainer from ``trainer.accelerator``.
-        parallel_devices: Set by the Trainer from ``trainer.devices``.
-        cluster_environment: Set by the Trainer (local, torchrun, SLURM, ...).
-        checkpoint_io: Set by the Trainer.
-        precision_plugin: Set by the Trainer from ``trainer.precision``.
         process_group_backend: ``gloo``, ``nccl`` or one per device type, e.g. ``cpu:gloo,cuda:nccl``; default:
             ``nccl`` on CUDA, ``gloo`` on CPU.
         timeout: How long a collective may wait for the other ranks before the job fails (a stuck rank then ends
             the job). 10 minutes: long enough for rank 0 to write an xl checkpoint while the others wait at a
             barrier, short enough that a hang does not hold machines for Lightning's default 30 minutes.
         start_method: How the launcher starts the other ranks (``popen`` re-runs the command).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Set by the Trainer.
     """
 
     def __init__(
         self,
-        algorithm: str = "bucketed_ddp",
-        bucket_size_mb: BucketSizeOption = "default",
-        engine_settings: dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -95,6 +75,58 @@ class GradSyncStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+
+    @property
+    def strategy_name(self) -> str:
+        """The catalogue name this run's strategy goes by, as in Lightning's ``StrategyRegistry``."""
+        return entry_of(type(self)).name
+
+    @override
+    def setup_environment(self) -> None:
+        self.check_process_group_backend()
+        super().setup_environment()
+
+    def check_process_group_backend(self) -> None:
+        """Refuse a backend spec that cannot move this run's tensors (on ``root_device``), before any process starts.
+        Per device: ``cpu:gloo,cuda:nccl`` on CPU is fine, ``nccl`` on CPU would fail at the first collective."""
+        check_backend_for_device(self._get_process_group_backend(), self.root_device.type)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register every catalogue entry this class builds (idempotent)."""
+        register_entries(strategy_registry, cls)
+
+
+class GradSyncStrategy(DataParallelStrategy):
+    """Data-parallel training with one of our gradient-sync engines (the engine entries of ``lightning_ddp.catalogue``).
+
+    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it, its engine's own settings
+    included (as Lightning's ``DDPStrategy`` passes its ``**kwargs`` to torch DDP)::
+
+        strategy:
+          class_path: lightning_ddp.strategies.GradSyncStrategy
+          init_args: {algorithm: bucketed_powersgd_ddp, bucket_size_mb: 4, engine_settings: {rank: 4, start_iter: 10}}
+
+    Args:
+        algorithm: A catalogue engine: ``naive_ddp``, ``flat_ddp``, ``bucketed_ddp``, ... or one you registered.
+        bucket_size_mb: For algorithms with buckets: the cap in MiB, ``null`` for one bucket, ``auto`` to predict it
+            from an all-reduce microbenchmark, ``default`` for the algorithm's own default (25 MiB). Algorithms
+            without buckets take only ``default``.
+        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}`` for ``bucketed_powersgd_ddp``;
+            the names and defaults are the entry's ``settings()`` (``null``: every default). Checked
+            here, when the config is read: an unknown name is refused with the valid ones listed.
+        **kwargs: The arguments of ``DataParallelStrategy`` (backend, timeout, start method).
+    """
+
+    def __init__(
+        self,
+        algorithm: str = "bucketed_ddp",
+        bucket_size_mb: BucketSizeOption = "default",
+        engine_settings: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
         # Checked when the config is read, not after the processes have started.
         self.algorithm = self._catalogue_entry(algorithm)
         if bucket_size_mb != "default":
@@ -130,19 +162,6 @@ class GradSyncStrategy(DDPStrategy):
                 f"`trainer.strategy: {algorithm}`."
             )
         return entry
-
-    @override
-    def setup_environment(self) -> None:
-        self.check_process_group_backend()
-        super().setup_environment()
-
-    def check_process_group_backend(self) -> None:
-        """Refuse a backend spec that cannot move this run's tensors (on ``root_device``), before any process starts.
-
-        Per device, not by the spec's name: ``cpu:gloo,cuda:nccl`` on CPU moves the tensors with gloo and is fine,
-        while ``nccl`` (or ``cpu:nccl``) on CPU would fail at the first collective.
-        """
-        check_backend_for_device(self._get_process_group_backend(), self.root_device.type)
 
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
         """Wrap the LightningModule in this strategy's gradient-sync engine (a collective: it broadcasts rank 0's
@@ -279,12 +298,6 @@ class GradSyncStrategy(DDPStrategy):
             self.model = self.lightning_module
         super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register every catalogue entry this class builds (idempotent)."""
-        register_entries(strategy_registry, cls)
-
 
 def _class_path(strategy_class: type) -> str:
     return f"{strategy_class.__module__.rpartition('.')[0]}.{strategy_class.__name__}"
@@ -338,20 +351,9 @@ def check_backend_for_device(spec: str, device: str) -> None:
 def engine_state_to_restore(
     saved: Mapping[str, Any] | None, algorithm: str, world_size: int, rank: int, engine_has_state: bool
 ) -> tuple[dict[str, Any] | None, str]:
-    """Which engine state a resumed rank takes from a checkpoint's ``ENGINE_STATES_KEY`` entry, and what is dropped.
-
-    Args:
-        saved: The entry, or ``None`` when the checkpoint has none.
-        algorithm: This run's algorithm.
-        world_size: This run's world size.
-        rank: This rank (in the engine's group).
-        engine_has_state: Whether this run's engine keeps state of its own.
-
-    Returns:
-        ``(this rank's saved state or None, why something is dropped or "")``: the state only when the checkpoint was
-        saved by the same algorithm at the same world size (rank ``r`` takes entry ``r``; with another world size the
-        per-rank states, e.g. PowerSGD's error feedback, have no owner). ``(None, "")`` when neither side has state.
-    """
+    """``(this rank's state or None, why something is dropped or "")`` from a checkpoint's ``ENGINE_STATES_KEY``
+    entry ``saved`` (``None`` when it has none). Rank ``r`` takes entry ``r`` only when the same algorithm saved it
+    at the same world size: per-rank states have no owner at another. ``(None, "")`` when neither side has state."""
     if saved is None:
         if not engine_has_state:
             return None, ""

@@ -10,23 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, Callable, Generator, Literal
+from typing import Any, Callable, Generator
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.strategies.base import check_backend_for_device, entry_of, register_entries
+from lightning_ddp.strategies.base import DataParallelStrategy
+from lightning_ddp.sync.base import broadcast_module_states
 
 __all__ = [
     "DEFAULT_SHARD_MODULES",
@@ -42,7 +38,7 @@ DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
 """Class names sharded one FSDP group each by default: ``lightning_ddp.model.Block``, our GPT's Transformer block."""
 
 
-class FSDP2Strategy(DDPStrategy):
+class FSDP2Strategy(DataParallelStrategy):
     """Fully sharded data parallelism with torch's FSDP2: parameters, gradients and optimizer state split over ranks.
 
     Select it with ``trainer.strategy: fsdp2``, or configure it::
@@ -52,26 +48,15 @@ class FSDP2Strategy(DDPStrategy):
           init_args: {shard_modules: [Block], reshard_after_forward: true}
 
     Args:
-        shard_modules: Class names of the modules to shard one FSDP group each (e.g. a model's Transformer block);
-            default ``[Block]``, our GPT's. Everything else is sharded as one group at the root. A model with none
-            of these classes (a user's) has its repeated layers sharded instead, the children of each
-            ``ModuleList``/``Sequential`` that are all one class (as torch's auto-wrap policies do); with none of
-            those either, it is sharded at the root only, with a message naming this argument.
+        shard_modules: Class names of the modules to shard one FSDP group each; default ``[Block]``, our GPT's. The
+            root takes the rest. A model without them has its repeated layers sharded instead (``modules_to_shard``).
         reshard_after_forward: Free each group's gathered parameters after its forward and gather them again for
             backward (ZeRO-3's memory); ``false`` keeps them from forward to backward (ZeRO-2's, one all-gather
             less per step).
         mixed_precision: Under ``trainer.precision: bf16-mixed``, all-gather and compute in bf16 and reduce
             gradients in fp32 (FSDP2's ``MixedPrecisionPolicy``); ``false`` gathers fp32 and leaves the casting to
             autocast. Ignored under other precisions.
-        accelerator: Set by the Trainer from ``trainer.accelerator``.
-        parallel_devices: Set by the Trainer from ``trainer.devices``.
-        cluster_environment: Set by the Trainer (local, torchrun, SLURM, ...).
-        checkpoint_io: Set by the Trainer.
-        precision_plugin: Set by the Trainer from ``trainer.precision``.
-        process_group_backend: ``gloo``, ``nccl`` or one per device type, e.g. ``cpu:gloo,cuda:nccl``; default:
-            ``nccl`` on CUDA, ``gloo`` on CPU.
-        timeout: How long a collective may wait for the other ranks before the job fails (as ``GradSyncStrategy``).
-        start_method: How the launcher starts the other ranks (``popen`` re-runs the command).
+        **kwargs: The arguments of ``DataParallelStrategy`` (backend, timeout, start method).
     """
 
     comm_recording = "landmarks"
@@ -82,25 +67,9 @@ class FSDP2Strategy(DDPStrategy):
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
         mixed_precision: bool = True,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = timedelta(minutes=10),
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         if shard_modules is not None and (
             isinstance(shard_modules, str) or not all(isinstance(name, str) and name for name in shard_modules)
         ):
@@ -117,7 +86,6 @@ class FSDP2Strategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        check_backend_for_device(self._get_process_group_backend(), self.root_device.type)
         mixed_precision_dtypes(str(self.precision_plugin.precision), self.mixed_precision)  # refuses 16-mixed
         super().setup_environment()
 
@@ -243,22 +211,6 @@ class FSDP2Strategy(DDPStrategy):
                 options=StateDictOptions(full_state_dict=True),
             )
 
-    @override
-    def teardown(self) -> None:
-        # The module stays sharded (fully_shard works in place, for good): a callback's on_fit_end, after teardown,
-        # still gets full state dicts from lightning_module_state_dict.
-        super().teardown()
-
-    @property
-    def strategy_name(self) -> str:
-        """The name in Lightning's ``StrategyRegistry`` (``trainer.strategy: fsdp2``)."""
-        return entry_of(type(self)).name
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register the catalogue entry this class builds (idempotent)."""
-        register_entries(strategy_registry, cls)
 
 
 # ---- the sharding, and pure helpers (unit-tested without processes) -------------------------------------------
@@ -271,12 +223,12 @@ def shard(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> str:
-    """Steps 1-3 of the module docstring, in place, on every rank: rank 0's weights broadcast, one FSDP group per
-    module of ``class_names``, ``module`` itself the root. Returns ``modules_to_shard``'s message ("" when blocks
-    were found). ``module`` is then run through its ``__call__`` for the root's parameters to be gathered."""
+    """Shard ``module`` in place on every rank: rank 0's weights broadcast, one FSDP group per module of
+    ``class_names``, ``module`` itself the root. Returns ``modules_to_shard``'s message ("" when blocks were found)."""
     from torch.distributed.fsdp import fully_shard
 
-    _broadcast_from_rank0(module)
+    if dist.is_available() and dist.is_initialized():
+        broadcast_module_states(module)  # rank 0's weights everywhere, before sharding splits them
     blocks, message = modules_to_shard(module, class_names)
     options: dict[str, Any] = {}
     if param_dtype is not None:
@@ -436,13 +388,8 @@ def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mappi
 def _own_step(entry: Any) -> Any:
     """One parameter's optimizer state with its ``step`` tensor copied (the moments are left shared).
 
-    Why: AdamW's ``step`` is a CPU scalar tensor that ``optimizer.step()`` increments in place, and neither
-    ``get_optimizer_state_dict`` nor ``set_optimizer_state_dict`` (``Optimizer.load_state_dict``) copies it. Shared,
-    a saved step advances with training after it was taken, and a loaded step advances the caller's checkpoint;
-    when that checkpoint's tensors are in shared memory (handed to spawned ranks by ``torch.multiprocessing``),
-    every rank increments one counter, N times per step, and AdamW's bias correction reads whatever count the
-    other ranks have reached. The moments need no copy: the full state dict gathers them into new tensors, and
-    loading scatters them into each rank's new shard (``distribute_tensor``) but keeps a 0-dim ``step`` as it is.
+    AdamW increments its CPU ``step`` tensor in place and neither torch's full state dict nor its loading copies it,
+    so a saved step would advance with training (and, in shared memory, every rank would increment one counter).
 
     >>> step = torch.tensor(2.0)
     >>> _own_step({"step": step})["step"] is step, _own_step({"step": step})["step"].item()
@@ -460,14 +407,3 @@ def parameter_names(module: nn.Module) -> dict[Tensor, str]:
         names.setdefault(p, name)
     return names
 
-
-def _broadcast_from_rank0(module: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (a tied parameter once), before sharding splits them."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    seen: set[int] = set()
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                dist.broadcast(tensor, src=0)

@@ -38,19 +38,13 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
           init_args: {schedule: allreduce_broadcast, grad_sync: bucketed_ddp, bucket_size_mb: 25}
 
     Args:
-        schedule: ``reduce_scatter`` (ZeRO-1: reduce-scatter the gradients in ``optimizer.step()``, all-gather
-            the parameters; DDP's communication volume) or ``allreduce_broadcast`` (the ``grad_sync`` engine
-            all-reduces in backward, owners broadcast their parameters; 1.5x the volume, but the all-reduce
-            overlaps backward). Gradient clipping (``norm`` or ``value``) works under both: the optimizer clips
-            the owned, averaged gradients by the global norm in ``step()``.
-        grad_sync: The algorithm that all-reduces gradients under ``allreduce_broadcast``: a catalogue engine
-            (``naive_ddp``, ``flat_ddp``, ``overlap_ddp``, ``bucketed_ddp``, ...). Ignored by ``reduce_scatter``.
-        bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` algorithm with buckets; ``null`` for one bucket.
-        collectives: ``auto`` (per-owner reduce/broadcast on gloo, native reduce-scatter/all-gather otherwise),
-            ``native`` or ``per_owner``; see ``lightning_ddp.sync.zero1``.
-        **kwargs: The arguments of ``GradSyncStrategy`` (backend, timeout, start method), ``engine_settings``
-            included: the ``grad_sync`` engine's own settings (e.g. ``{rank: 4}`` for ``bucketed_powersgd_ddp``), checked
-            against that algorithm; ignored by ``reduce_scatter``, like ``grad_sync``.
+        schedule: ``reduce_scatter`` (reduce-scatter the gradients in ``optimizer.step()``, all-gather the
+            parameters: DDP's volume) or ``allreduce_broadcast`` (the ``grad_sync`` engine all-reduces in backward,
+            owners broadcast their parameters: 1.5x the volume, but the all-reduce overlaps backward).
+        grad_sync: The catalogue engine that all-reduces under ``allreduce_broadcast``, e.g. ``bucketed_ddp``.
+        bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` engine with buckets; ``null`` for one bucket.
+        collectives: ``auto`` (per owner on gloo, native otherwise), ``native`` or ``per_owner``.
+        **kwargs: The arguments of ``GradSyncStrategy``; ``engine_settings`` go to the ``grad_sync`` engine.
     """
 
     def __init__(

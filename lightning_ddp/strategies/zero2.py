@@ -31,14 +31,11 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
           init_args: {bucket_size_mb: 25, collectives: auto, buckets_in_flight: 2}
 
     Args:
-        bucket_size_mb: Bucket cap in MiB, as for ``bucketed_ddp``; ``null`` for one bucket per dtype, ``auto`` to
-            predict it from an all-reduce microbenchmark when training starts (logged on rank 0).
-        collectives: ``auto`` (one reduce per owner on gloo, reduce-scatter where the bucket's owner segments are
-            nearly equal otherwise), ``native`` or ``per_owner``; see ``lightning_ddp.sync.zero2``.
-        buckets_in_flight: How many launched buckets (each a send buffer of up to ``bucket_size_mb``) may wait at
-            once; more overlap, more memory.
-        **kwargs: The arguments of ``GradSyncStrategy`` (backend, timeout, start method); ``engine_settings`` is not
-            one (the engine's settings are the arguments above).
+        bucket_size_mb: Bucket cap in MiB, as for ``bucketed_ddp``; ``null`` for one bucket per dtype, or ``auto``.
+        collectives: ``auto`` (a reduce per owner on gloo, reduce-scatter where the bucket's owner segments are
+            nearly equal otherwise), ``native`` or ``per_owner``.
+        buckets_in_flight: How many launched buckets (send buffers) may wait at once: more overlap, more memory.
+        **kwargs: The arguments of ``GradSyncStrategy`` but ``engine_settings`` (the settings are the ones above).
     """
 
     def __init__(

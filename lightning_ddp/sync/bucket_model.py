@@ -41,22 +41,10 @@ DEFAULT_SIZES: tuple[int, ...] = tuple(4 * 1024 * 4**k for k in range(8))
 def fit_latency_bandwidth(
     sizes: Sequence[float], times: Sequence[float], relative: bool = True
 ) -> tuple[float, float]:
-    """Fit ``t = o + bytes / w`` to measured all-reduce times; return ``(o, w)``.
+    """Fit ``t = o + bytes / w`` to all-reduce ``times`` (seconds) of ``sizes`` (bytes); return ``(o, w)``.
 
-    Args:
-        sizes: Message sizes in bytes (at least two distinct values).
-        times: Time of one all-reduce of each size, in seconds (same length as ``sizes``, all > 0).
-        relative: Minimise relative residuals ``(t_i - fit_i) / t_i`` (weights ``1 / t_i**2``) rather than
-            absolute ones; see the module docstring for why.
-
-    Returns:
-        ``o``: per-call overhead in seconds, clipped at 0 (noise can push a tiny intercept below zero);
-        ``w``: bandwidth in bytes per second, ``math.inf`` when time does not grow with size.
-
-    Weighted least squares on ``t = o + k * b`` with ``k = 1 / w`` (weights ``v_i``)::
-
-        k = sum v (b - b_mean)(t - t_mean) / sum v (b - b_mean)**2,   o = t_mean - k * b_mean
-        (b_mean, t_mean: the v-weighted means)
+    Weighted least squares on ``t = o + k * b``, ``k = 1 / w``; ``relative`` weighs by ``1 / t**2`` (relative
+    residuals). ``o`` is clipped at 0; ``w`` is ``math.inf`` when time does not grow with size.
 
     >>> fit_latency_bandwidth([0, 1e6, 2e6], [1e-3, 2e-3, 3e-3])  # 1 ms + 1 ms per MB: o = 1 ms, w = 1 GB/s
     (0.001, 1000000000.0)
@@ -81,17 +69,9 @@ def fit_latency_bandwidth(
 
 
 def optimal_bucket_bytes(s: float, o: float, w: float, largest_param_bytes: float = 0) -> int:
-    """``b* = sqrt(s * w * o)`` bytes, raised to ``largest_param_bytes`` and capped at ``s`` (module docstring).
-
-    Args:
-        s: Gradient bytes communicated per step (all trainable parameters).
-        o: Per-call overhead of one all-reduce, seconds (``fit_latency_bandwidth``).
-        w: All-reduce bandwidth, bytes per second; ``math.inf`` gives the smallest bucket allowed.
-        largest_param_bytes: A bucket never splits a parameter, so it is never smaller than this.
-
-    Edge cases follow the model: with ``o = 0`` (no per-call cost) or ``w = inf`` (free transfer) more buckets
-    are never worse, so the answer is the smallest bucket allowed (``largest_param_bytes``); ``b* > s`` means
-    one bucket of ``s`` bytes.
+    """``b* = sqrt(s * w * o)`` bytes for ``s`` gradient bytes, overhead ``o`` (s) and bandwidth ``w`` (B/s), raised
+    to ``largest_param_bytes`` (a bucket never splits a parameter) and capped at ``s``. With ``o = 0`` or
+    ``w = inf`` more buckets are never worse: the smallest bucket allowed.
 
     >>> optimal_bucket_bytes(4e8, 1e-4, 1e10)  # sqrt(4e8 * 1e10 * 1e-4) = sqrt(4e14) = 2e7
     20000000
@@ -115,19 +95,9 @@ def measure_allreduce(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
 ) -> list[float]:
-    """Median seconds of one SUM all-reduce per message size, agreed over ranks (``MAX``); every rank must call it.
-
-    Args:
-        sizes: Message sizes in bytes (float32 messages, so each is rounded down to a multiple of 4, at least 4).
-        repeats: Timed calls per size (after one untimed warm-up call); the median is kept.
-        group: The process group (default: the world).
-        device: Where the messages live; default ``default_measure_device(group)``. Pass the
-            gradients' device: with gloo and CUDA tensors the transfer goes through the host, and that is the
-            cost the buckets will pay.
-
-    Returns:
-        One time in seconds per size, the same list on every rank.
-    """
+    """Median seconds of one SUM all-reduce per message size (bytes, float32), ``repeats`` timed calls after a
+    warm-up, agreed over ranks with ``MAX`` (the same list on every rank); a collective. ``device``: where the
+    gradients live (default ``default_measure_device(group)``), since that is the cost the buckets will pay."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("measure_allreduce needs a process group: call torch.distributed.init_process_group() first")
     if repeats < 1:

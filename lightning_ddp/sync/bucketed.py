@@ -61,8 +61,7 @@ class BucketedDDP(GradSyncEngine):
     Args:
         module: The model to train; any ``nn.Module``.
         bucket_size_mb: Bucket cap in MiB (2**20 bytes); ``None`` for a single bucket per dtype; ``"auto"`` to
-            predict the best cap from a short all-reduce microbenchmark at construction
-            (``lightning_ddp.sync.bucket_model``; the prediction is kept in ``bucket_prediction``).
+            predict it from an all-reduce microbenchmark (kept in ``bucket_prediction``).
         process_group: The group to average over (default: the world).
         reduce: How a bucket is averaged (``lightning_ddp.sync.reduce``); default ``AllReduceMean()``.
     """

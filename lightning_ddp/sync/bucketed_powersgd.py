@@ -173,14 +173,7 @@ def _initial_q_generator(seed: int, bucket_index: int) -> torch.Generator:
 
 class PowerSGDReduce(BucketReduce):
     """Average a bucket with PowerSGD: its large matrices as rank-``rank`` factors with error feedback, the rest
-    exactly (the module docstring has the recipe).
-
-    Args:
-        rank: The approximation rank ``r`` (each matrix uses ``min(rows, cols, r)``).
-        start_iter: Optimizer steps averaged exactly before compression starts.
-        min_compression_rate: Compress a matrix only if it shrinks by more than this factor.
-        seed: Seeds the generator of the first ``Q`` of each bucket; the same on every rank.
-    """
+    exactly. The settings are ``BucketedPowerSGDDDP``'s."""
 
     def __init__(self, rank: int = 4, start_iter: int = 10, min_compression_rate: float = 2.0, seed: int = 0) -> None:
         check_powersgd_options(rank, start_iter, min_compression_rate, seed)
@@ -360,9 +353,7 @@ class BucketedPowerSGDDDP(BucketedDDP):
         min_compression_rate: Compress only matrices that shrink by more than this factor (>= 0; 0: all matrices).
         seed: Seeds the first ``Q`` of each bucket; must be the same on every rank.
 
-    ``state_dict()`` carries, besides the wrapped module's, the PowerSGD state (``_extra_state``: the step counter,
-    each rank's error and the warm-start ``Q``), so ``load_state_dict()`` resumes bitwise; the errors differ
-    between ranks, so save every rank's.
+    ``state_dict()`` carries each rank's PowerSGD state (``_extra_state``): save every rank's.
     """
 
     reduce: PowerSGDReduce

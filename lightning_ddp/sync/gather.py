@@ -63,17 +63,11 @@ def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
 def gather_rank_states(
     state: Any, comm: Communicator, device: torch.device | str, dst: int | None = None
 ) -> list[Any] | None:
-    """Every rank's ``state``, by group rank, with the tensors on CPU. A collective: every rank must call it.
+    """``[state of rank 0, state of rank 1, ...]`` (copies, tensors on CPU); a collective.
 
-    Args:
-        state: This rank's state: dicts, lists and tuples whose leaves are tensors or picklable values. The ranks'
-            states may differ in structure and in their tensors' shapes.
-        comm: The group to gather over.
-        device: Where the tensors are moved for the broadcasts: the group's device (a CUDA device under NCCL).
-        dst: ``None``: every rank gets the list. A group rank: only that one does; the others get ``None``.
-
-    Returns:
-        ``[state of rank 0, state of rank 1, ...]`` (copies, on CPU), or ``None`` on a rank other than ``dst``.
+    ``state``: nested dicts, lists and tuples of tensors and picklable values, which may differ between ranks.
+    ``device``: where tensors travel (a CUDA device under NCCL). With ``dst`` only that group rank gets the list;
+    the others get ``None``.
     """
     local_tensors: list[torch.Tensor] = []
     skeleton = _skeleton(state, local_tensors)

@@ -173,13 +173,9 @@ class SyncRecord:
 class Recorder:
     """Collects one ``SyncRecord`` per optimizer step from whichever engines (and optimizers) it is attached to.
 
-    Armed or not: every recording path (``Communicator``'s collectives and spans, the gradient hooks, the compute
-    landmarks) checks ``armed`` first and returns at once when it is false, so a step nobody measures costs one
-    attribute read per collective and per gradient. A step is armed from ``open_step`` to ``finish_step``; between
-    steps the recorder stays armed only with ``open_on_demand`` (the default: a caller that never opens steps, e.g.
-    an engine measured on its own, still gets records, the first collective opening an unnumbered step). The
-    observers under Lightning (``lightning_ddp.callbacks.recording``) use ``open_on_demand=False`` and open only the
-    steps they measure: the ``CommTimer``'s sampled steps (``every_n_steps``) and the ``TraceRecorder``'s traced ones.
+    Every recording path checks ``armed`` first, so a step nobody measures costs one attribute read per collective.
+    A step is armed from ``open_step`` to ``finish_step``; between steps only with ``open_on_demand`` (the first
+    collective then opens an unnumbered step). The Lightning observers pass ``False`` and open the steps they measure.
 
     Args:
         device: Where the model computes: CUDA events on a GPU, host time otherwise.
@@ -254,13 +250,8 @@ class Recorder:
     # -- the step's compute landmarks (the timer marks them) ---------------------------------------------
 
     def watch_gradients(self, params: list[torch.Tensor]) -> None:
-        """Mark, every step, when each of ``params``'s gradients is computed (``ready``, ``last_ready``).
-
-        A tensor hook (``Tensor.register_hook``) on each parameter: it fires when autograd has computed that
-        gradient, before it is accumulated into ``.grad`` and before any engine's post-accumulate hook launches
-        communication for it, so the mark is the end of the compute. Only while a step is open. One mark per
-        gradient per backward: the cost of measuring, paid only when someone measures (``unwatch_gradients``).
-        """
+        """Mark, in every open step, when each of ``params``'s gradients is computed (``ready``, ``last_ready``):
+        a tensor hook fires before the gradient is accumulated and before any engine's hook communicates it."""
         self.unwatch_gradients()
         self._watched = len(params)
         self.record.ready = [None] * self._watched

@@ -109,14 +109,12 @@ class ZeRO2DDP(GradSyncEngine):
 
     Args:
         module: The model to train; any ``nn.Module``.
-        bucket_size_mb: Bucket cap in MiB (2**20 bytes); ``None`` for one bucket per dtype; ``"auto"`` to predict it
-            from an all-reduce microbenchmark (``lightning_ddp.sync.bucket_model``; the reduces cost about what
-            all-reduces of half the size do, so the prediction is a starting point).
+        bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it (a starting
+            point: the reduces cost about what all-reduces of half the size do).
         process_group: The group to shard over (default: the world).
         collectives: ``auto`` (``per_owner`` on gloo, ``native`` otherwise), ``native`` (a reduce-scatter per bucket
             whose owner segments are nearly equal, see ``MAX_PADDING``) or ``per_owner`` (one reduce per owner).
-        buckets_in_flight: How many launched buckets may wait at once (each holds a send buffer); launching one
-            more completes the oldest first.
+        buckets_in_flight: How many launched buckets (send buffers) may wait at once.
     """
 
     uses_grad_hooks = True

@@ -75,15 +75,10 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
     Args:
         params: Parameters or parameter groups, as for any optimizer.
         optimizer_cls: The optimizer class to shard, e.g. ``torch.optim.AdamW``.
-        schedule: ``allreduce_broadcast`` (gradients already all-reduced by a DDP engine), ``reduce_scatter``
-            (ZeRO-1: gradients are local; use ``DeferredGradSync`` as the engine) or ``reduce_in_backward`` (ZeRO-2:
-            ``ZeRO2DDP`` left each owner its averaged gradients; pass ``placement=engine.owner_of``). See the
-            package docstring.
-        collectives: ``auto``, ``native`` or ``per_owner``: how reduce-scatter and all-gather run (package docstring).
-        placement: The owner a parameter must have, or ``None`` to place it by ``assign_owners`` (the default for
-            every parameter). ZeRO-2 passes its engine's ``owner_of``: the engine reduced each gradient to that rank.
-
-    Measuring: set ``recorder`` (the strategy gives it the engine's) to record its collectives per step.
+        schedule: ``allreduce_broadcast`` (a DDP engine all-reduced the gradients), ``reduce_scatter`` (ZeRO-1, with
+            ``DeferredGradSync``) or ``reduce_in_backward`` (ZeRO-2: pass ``placement=engine.owner_of``).
+        collectives: ``auto``, ``native`` or ``per_owner``: how reduce-scatter and all-gather run.
+        placement: The owner a parameter must have, or ``None`` to place it by ``assign_owners``.
         process_group: The group to shard over (default: the world).
         **kwargs: Defaults of ``optimizer_cls`` (``lr``, ``betas``, ``weight_decay``, ...).
     """
