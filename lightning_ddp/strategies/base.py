@@ -99,7 +99,7 @@ class DataParallelStrategy(DDPStrategy):
 
 
 class GradSyncStrategy(DataParallelStrategy):
-    """Data-parallel training with one of our gradient-sync engines (the engine entries of ``lightning_ddp.catalogue``).
+    """Data-parallel training with one of our gradient-sync engines (the engines of ``lightning_ddp.catalogue``).
 
     Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it, its engine's own settings
     included (as Lightning's ``DDPStrategy`` passes its ``**kwargs`` to torch DDP)::
@@ -322,7 +322,7 @@ def entry_of(strategy_class: type) -> catalogue.Entry:
 
 
 def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:
-    """Say on rank 0 which cap ``bucket_size_mb=auto`` chose (engines with a ``bucket_prediction``); return ``engine``."""
+    """Say on rank 0 which cap ``bucket_size_mb=auto`` chose (engines with a ``bucket_prediction``); return it."""
     prediction = getattr(engine, "bucket_prediction", None)
     if prediction is not None:
         rank_zero_info(

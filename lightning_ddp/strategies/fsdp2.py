@@ -76,7 +76,7 @@ class FSDP2Strategy(DataParallelStrategy):
             raise TypeError(
                 f"shard_modules must be a list of class names, got {shard_modules!r}; e.g. `shard_modules: [Block]`."
             )
-        self.shard_modules: tuple[str, ...] = tuple(shard_modules) if shard_modules is not None else DEFAULT_SHARD_MODULES
+        self.shard_modules: tuple[str, ...] = DEFAULT_SHARD_MODULES if shard_modules is None else tuple(shard_modules)
         """Class names sharded one group each (the root takes the rest)."""
         self.reshard_after_forward = bool(reshard_after_forward)
         self.mixed_precision = bool(mixed_precision)

@@ -88,7 +88,9 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
     @override
     def shard(self, optimizer: Optimizer) -> Optimizer:
         if not isinstance(optimizer, ShardedOptimizer):
-            optimizer = ShardedOptimizer.from_optimizer(optimizer, schedule=self.schedule, collectives=self.collectives)
+            optimizer = ShardedOptimizer.from_optimizer(
+                optimizer, schedule=self.schedule, collectives=self.collectives
+            )
         elif optimizer.schedule != self.schedule:  # sharded by the user: its schedule must match our engine
             raise ValueError(
                 f"configure_optimizers returned a ShardedOptimizer with schedule={optimizer.schedule!r}, but the "

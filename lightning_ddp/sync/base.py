@@ -153,7 +153,7 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement _synchronize()")
 
     def _on_grad_ready(self, index: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} sets uses_grad_hooks but does not implement _on_grad_ready()")
+        raise NotImplementedError(f"{type(self).__name__} sets uses_grad_hooks but lacks _on_grad_ready()")
 
     def _reset_step(self) -> None:
         """Drop per-step launch state (engines that launch during backward keep some)."""

@@ -77,7 +77,9 @@ def optimal_bucket_bytes(s: float, o: float, w: float, largest_param_bytes: floa
     20000000
     """
     if not s > 0:
-        raise ValueError(f"s (gradient bytes) must be > 0, got {s!r}; a model with no trainable parameters needs no buckets")
+        raise ValueError(
+            f"s (gradient bytes) must be > 0, got {s!r}; a model with no trainable parameters needs no buckets"
+        )
     if o < 0 or not w > 0:
         raise ValueError(f"need o >= 0 and w > 0, got o={o!r}, w={w!r}; fit them with fit_latency_bandwidth")
     if largest_param_bytes < 0:
@@ -99,7 +101,9 @@ def measure_allreduce(
     warm-up, agreed over ranks with ``MAX`` (the same list on every rank); a collective. ``device``: where the
     gradients live (default ``default_measure_device(group)``), since that is the cost the buckets will pay."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("measure_allreduce needs a process group: call torch.distributed.init_process_group() first")
+        raise RuntimeError(
+            "measure_allreduce needs a process group: call torch.distributed.init_process_group() first"
+        )
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     sizes = list(sizes)

@@ -61,6 +61,6 @@ class BucketOrder:
         return range(start, self.next)
 
     def rest(self) -> range:
-        """The buckets not launched yet, in order (at the end of backward); afterwards every bucket counts as launched."""
+        """The buckets not launched yet, in order (at the end of backward); then every bucket counts as launched."""
         start, self.next = self.next, len(self.sizes)
         return range(start, self.next)

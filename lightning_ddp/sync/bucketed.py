@@ -36,7 +36,7 @@ def check_bucket_size(bucket_size_mb: float | str | None) -> None:
 
 
 class _Bucket:
-    """One bucket: its parameters, its layout and, if it has one, its persistent flat buffer and their views into it."""
+    """One bucket: its parameters, its layout and, if it has one, its persistent flat buffer and views into it."""
 
     __slots__ = ("indices", "params", "label", "layout", "buffer", "views")
 

@@ -234,7 +234,8 @@ class PowerSGDReduce(BucketReduce):
             qs = self._warm_qs(plan, layout.index, dtype, flat.device)
             p_offset = 0
             for matrix, q in zip(plan.matrices, qs):
-                m = flat[matrix.start : matrix.start + matrix.numel].view(matrix.rows, matrix.cols).to(dtype, copy=True)
+                gradient = flat[matrix.start : matrix.start + matrix.numel].view(matrix.rows, matrix.cols)
+                m = gradient.to(dtype, copy=True)
                 error = self.errors.get(matrix.name)
                 if error is not None:
                     if error.shape != m.shape:

@@ -13,7 +13,9 @@ import torch
 
 from lightning_ddp.sync.comm import Communicator, Pending
 
-__all__ = ["agree_on_gradients", "launch_presence", "pack", "packed", "read_presence", "unpack_gradients", "unpack_into"]
+__all__ = [
+    "agree_on_gradients", "launch_presence", "pack", "packed", "read_presence", "unpack_gradients", "unpack_into",
+]
 
 
 def pack(tensors: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -60,7 +62,9 @@ def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None
 PRESENCE_LABEL = "gradient presence flags"
 
 
-def launch_presence(comm: Communicator, has_grad: Sequence[bool], device: torch.device) -> tuple[Pending, torch.Tensor]:
+def launch_presence(
+    comm: Communicator, has_grad: Sequence[bool], device: torch.device
+) -> tuple[Pending, torch.Tensor]:
     """Start summing over ranks "this parameter has a ``.grad`` here" (one small async all-reduce)."""
     flags = torch.tensor(list(has_grad), dtype=torch.int32, device=device)
     return comm.all_reduce(flags, PRESENCE_LABEL), flags

@@ -42,8 +42,8 @@ def test_another_world_size_algorithm_or_none_at_all_drops_the_state_and_says_wh
     assert state is None and why == ("the checkpoint's engine state was saved by 2 ranks, each its own, and this run "
                                      "has 4; dropped")
     state, why = engine_state_to_restore(SAVED, "bucketed_ddp", 2, 0, False)
-    assert state is None and why == ("the checkpoint's engine state was saved by the 'bucketed_powersgd_ddp' algorithm, "
-                                     "this run uses 'bucketed_ddp'; dropped")
+    assert state is None and why == ("the checkpoint's engine state was saved by the 'bucketed_powersgd_ddp' "
+                                     "algorithm, this run uses 'bucketed_ddp'; dropped")
     state, why = engine_state_to_restore(None, "bucketed_powersgd_ddp", 2, 0, True)  # e.g. a `ddp` checkpoint
     assert state is None and why.startswith("the checkpoint holds no 'bucketed_powersgd_ddp' engine state")
     assert engine_state_to_restore(None, "bucketed_ddp", 2, 0, False) == (None, "")  # nothing saved, nothing to keep
@@ -226,6 +226,6 @@ def test_resuming_under_another_algorithm_drops_the_state_with_a_warning(resume_
 def test_resuming_with_another_powersgd_rank_drops_the_state_with_a_warning(resume_runs) -> None:
     (message,) = resume_runs[0]["other_rank"]["warnings"]
     assert message.startswith("Resuming with a fresh BucketedPowerSGDDDP state: the checkpoint's engine state does "
-                              "not fit this engine (the PowerSGD state was saved with rank=1, min_compression_rate=0.0, "
-                              "but this engine has rank=2"), message
+                              "not fit this engine (the PowerSGD state was saved with rank=1, "
+                              "min_compression_rate=0.0, but this engine has rank=2"), message
     assert resume_runs[0]["other_rank"]["step"] == 2 * STEPS_PER_EPOCH

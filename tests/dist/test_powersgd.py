@@ -11,8 +11,8 @@ The 2-rank checks share one spawn (``ranks`` fixture, ~30 s on 2 cores):
 - **rank 1 keeps the bookkeeping**: missing and frozen gradients neither hang nor get a ``.grad`` no rank had;
 - **resume is bitwise**: the engine's ``state_dict()`` restored into a fresh engine continues exactly.
 
-The registered ``bucketed_powersgd`` also runs through the equivalence matrix (``tests/dist/test_sync_equivalence.py``) at
-its defaults; its default ``start_iter=10`` outlasts the matrix's 3-4 steps, so there it averages exactly (and is
+The catalogue's ``bucketed_powersgd_ddp`` also runs through the equivalence matrix
+(``tests/dist/test_sync_equivalence.py``) at its defaults; its default ``start_iter=10`` outlasts the matrix's 3-4 steps, so there it averages exactly (and is
 held to the bf16 tolerances of a lossy algorithm). Compression itself is covered here.
 """
 

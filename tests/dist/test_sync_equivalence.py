@@ -176,7 +176,8 @@ def test_frozen_parameters_never_communicated_and_unchanged(ranks, engine):
     for run in _runs(ranks, engine, "frozen"):
         assert not any(n in FROZEN for n, _, _ in run["trainable"])
         for step in run["steps"]:
-            sentinel = 0 if engine in ("naive_ddp", "flat_ddp") else 4  # the bucketed engines' last bucket has one more float
+            # The bucketed engines' last bucket has one more float, the sentinel.
+            sentinel = 0 if engine in ("naive_ddp", "flat_ddp") else 4
             assert sum(c.nbytes for c in _data(step["collectives"])) == 2724 + sentinel
             assert not any(name in c.label for c in step["collectives"] for name in FROZEN)
             assert all(name in step["grad_none"] for name in FROZEN)
@@ -234,7 +235,8 @@ def test_accumulation_communicates_once_per_optimizer_step(ranks, engine):
             assert [(c.label, c.nbytes) for c in step["collectives"]] == [
                 (c.label, c.nbytes) for c in plain_step["collectives"]
             ]
-    assert len(plain["steps"][0]["collectives"]) == {"naive_ddp": 10, "flat_ddp": 2, "overlap_ddp": 9, "bucketed_ddp": 5}[engine]
+    calls = {"naive_ddp": 10, "flat_ddp": 2, "overlap_ddp": 9, "bucketed_ddp": 5}
+    assert len(plain["steps"][0]["collectives"]) == calls[engine]
 
 
 # TinyLM bucket assignment (reverse walk over 9 float32 tensors; bytes in the TinyLM docstring):

@@ -54,7 +54,8 @@ def load_shard(optimizer: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
-            f"the state has {len(saved_groups)} parameter groups but this optimizer has {len(optimizer.param_groups)}; "
+            f"the state has {len(saved_groups)} parameter groups but this optimizer has "
+            f"{len(optimizer.param_groups)}; "
             "load a checkpoint of the same model and configure_optimizers."
         )
     saved_index: dict[int, Any] = {}  # id(param) -> its index in state_dict

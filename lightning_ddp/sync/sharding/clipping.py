@@ -25,7 +25,7 @@ class ClipRequest:
     """Clip the owned gradients at the next ``step()``."""
 
     algorithm: Literal["norm", "value"]
-    """``norm``: scale by the global 2-norm (``clip_grad_norm_``); ``value``: clamp elementwise (``clip_grad_value_``)."""
+    """``norm``: scale by the global 2-norm (``clip_grad_norm_``); ``value``: clamp each element."""
     limit: float
     """``max_norm`` for ``norm``, ``clip_value`` for ``value``; > 0."""
 
@@ -49,7 +49,7 @@ def global_grad_norm(comm: Communicator, owned: Sequence[torch.Tensor], device: 
 def clip_owned_gradients(
     comm: Communicator, owned: Sequence[torch.Tensor], request: ClipRequest, device: torch.device
 ) -> torch.Tensor | None:
-    """Apply ``request`` to the owned gradients; return the global norm for ``norm`` (every rank the same), else None."""
+    """Apply ``request`` to the owned gradients; return the global norm for ``norm`` (the same on every rank)."""
     if request.algorithm == "value":
         for grad in owned:
             grad.clamp_(-request.limit, request.limit)

@@ -113,7 +113,8 @@ def share_parameters(
                 if r == rank:
                     with comm.span("pack"):
                         pack([p.detach() for p in owned], owned, buffer)
-                launched.append((buffer, owned, comm.broadcast(buffer, r, f"parameters of rank {r} ({len(owned)} tensors)")))
+                pending = comm.broadcast(buffer, r, f"parameters of rank {r} ({len(owned)} tensors)")
+                launched.append((buffer, owned, pending))
             for buffer, owned, pending in launched:
                 comm.wait(pending)
                 received.append((buffer, owned))

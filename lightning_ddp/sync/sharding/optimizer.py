@@ -103,11 +103,13 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         check_collective_impl(collectives)
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
             raise TypeError(
-                f"optimizer_cls must be a torch.optim.Optimizer subclass, e.g. torch.optim.AdamW; got {optimizer_cls!r}"
+                "optimizer_cls must be a torch.optim.Optimizer subclass, e.g. torch.optim.AdamW; "
+                f"got {optimizer_cls!r}"
             )
         if issubclass(optimizer_cls, ShardedOptimizer):
             raise TypeError(
-                "optimizer_cls is already a ShardedOptimizer; pass the optimizer class to shard, e.g. torch.optim.AdamW"
+                "optimizer_cls is already a ShardedOptimizer; pass the optimizer class to shard, e.g. "
+                "torch.optim.AdamW"
             )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -219,7 +221,9 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         for param, owner in zip(params, owners):
             if owner is not None:
                 if not 0 <= owner < self.world_size:
-                    raise ValueError(f"placement put a parameter on rank {owner}, outside the group of {self.world_size}")
+                    raise ValueError(
+                        f"placement put a parameter on rank {owner}, outside the group of {self.world_size}"
+                    )
                 loads[owner] += param.nbytes
         free = [i for i, owner in enumerate(owners) if owner is None]
         for i, owner in zip(free, assign_owners([params[i].nbytes for i in free], self.world_size, loads=loads)):
@@ -244,7 +248,9 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         if self.schedule == "reduce_scatter":
             with self.comm.span("exposed"):
-                reduce_scatter_gradients(self.comm, self._params, self._owners, trainable, self.collectives, self.device)
+                reduce_scatter_gradients(
+                    self.comm, self._params, self._owners, trainable, self.collectives, self.device
+                )
         self.last_grad_norm = None
         if self._clip is not None:  # now every owned gradient is the average over the ranks
             request, self._clip = self._clip, None
@@ -271,7 +277,9 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         ``step()``. The norm is in ``last_grad_norm`` after the step.
         """
         if norm_type != 2.0:
-            raise ValueError(f"ShardedOptimizer clips by the 2-norm only, got norm_type={norm_type!r}; drop norm_type.")
+            raise ValueError(
+                f"ShardedOptimizer clips by the 2-norm only, got norm_type={norm_type!r}; drop norm_type."
+            )
         self._clip = ClipRequest("norm", float(max_norm))
 
     def clip_grad_value_(self, clip_value: float) -> None:
