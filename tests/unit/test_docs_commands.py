@@ -1,10 +1,10 @@
-"""Every command quoted in README.md and docs/*.md parses, and every file it or a link names exists.
+"""Every command and config fragment quoted in README.md and docs/*.md parses; every file they or a link name exists.
 
 A command is a line of a fenced ``bash`` block, a ``$ `` line of a ``console`` block, or an inline
-```python -m lightning_ddp...``` span. Each ``python -m lightning_ddp[.x] ARGS`` is run in-process the way ``python -m``
+```python -m lightning_ddp...``` span. Each ``python -m lightning_ddp[.x] ARGS`` runs in-process as ``python -m``
 runs it, up to the moment its jsonargparse parser has parsed ``ARGS`` (and built the config dataclasses, whose
-``__post_init__`` validates them); nothing trains, benchmarks or writes. Scratch pages ``docs/_from_readme_*`` are
-skipped.
+``__post_init__`` validates them); nothing trains, benchmarks or writes. A ``yaml`` block that is a CLI config is
+parsed stacked on the quickstart. Scratch pages ``docs/_from_readme_*`` are skipped.
 """
 
 from __future__ import annotations
@@ -102,6 +102,14 @@ def commands_of(text: str, page: str) -> list[Command]:
     prose = FENCE.sub("", text)
     found += [words for match in INLINE.finditer(prose) for words in _split(match.group(1).replace("\n", " "))]
     return [Command(page, tuple(words)) for words in found]
+
+
+def config_fragments() -> list[tuple[str, str]]:
+    """``(page, yaml)`` of every fenced ``yaml`` block that is a CLI config (its first key ``trainer``, ``model``,
+    ``data``)."""
+    return [(path.relative_to(REPO).as_posix(), match.group(2)) for path in pages()
+            for match in FENCE.finditer(path.read_text(encoding="utf-8"))
+            if match.group(1) == "yaml" and match.group(2).startswith(("trainer:", "model:", "data:"))]
 
 
 def all_commands() -> list[Command]:
@@ -213,6 +221,16 @@ def test_every_quoted_command_parses(command: Command, monkeypatch: pytest.Monke
     parse_entry_point(module, arguments)
 
 
+@pytest.mark.parametrize(("page", "fragment"), config_fragments(), ids=lambda value: value.splitlines()[0][:40])
+def test_every_quoted_config_fragment_parses_on_the_quickstart(
+    page: str, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "fragment.yaml").write_text(fragment, encoding="utf-8")
+    monkeypatch.chdir(REPO)
+    parse_entry_point("lightning_ddp", ["fit", "--config", "configs/quickstart.yaml",
+                                        "--config", str(tmp_path / "fragment.yaml")])
+
+
 @pytest.mark.parametrize("command", [c for c in COMMANDS if named_inputs(c.words)], ids=str)
 def test_every_file_a_command_names_exists(command: Command) -> None:
     missing = [name for name in named_inputs(command.words) if not (REPO / name).exists()]
@@ -244,6 +262,15 @@ def test_a_misspelled_option_or_strategy_fails(monkeypatch: pytest.MonkeyPatch) 
     parse_entry_point("lightning_ddp.memory", ["--preset", "tiny", "--world_size", "2"])
     with pytest.raises(AssertionError, match="world_sise"):
         parse_entry_point("lightning_ddp.memory", ["--preset", "tiny", "--world_sise", "2"])
+
+
+def test_a_misspelled_strategy_argument_in_a_fragment_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    fragment = tmp_path / "fragment.yaml"
+    fragment.write_text("trainer:\n  strategy:\n    class_path: lightning_ddp.strategies.GradSyncStrategy\n"
+                        "    init_args: {bucket_size_mbb: 4}\n", encoding="utf-8")
+    with pytest.raises(AssertionError, match="bucket_size_mbb"):
+        parse_entry_point("lightning_ddp", ["fit", "--config", "configs/quickstart.yaml", "--config", str(fragment)])
 
 
 def test_a_config_file_that_does_not_exist_fails(monkeypatch: pytest.MonkeyPatch) -> None:
