@@ -30,7 +30,6 @@ from __future__ import annotations
 import csv
 import io
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -535,24 +534,6 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
 
 
 
-OLD_NAMES = {
-    "SEED_RUNS": "PUBLISHED_RUNS",
-    "SeedRun": "PublishedRun",
-    "SeedAssumptions": "PublishedAssumptions",
-    "SeedComparison": "PublishedComparison",
-    "compare_with_seeds": "compare_with_published",
-    "seeds_markdown": "published_markdown",
-    "seed_call_overhead_s": "published_call_overhead_s",
-}
-"""The names of this module's first version (``lightning_ddp.project.seeds``), which called the published runs "the
-seeds": old name -> new name. They still work, with a ``DeprecationWarning``."""
-
-
-def __getattr__(name: str) -> Any:
-    if name in OLD_NAMES:
-        warnings.warn(f"{__name__}.{name} is now {OLD_NAMES[name]}", DeprecationWarning, stacklevel=2)
-        return globals()[OLD_NAMES[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def main(out: str = "benchmarks/results/projection", gpu: str = "a100-pcie-40gb") -> None:
     """Compare the projection with the published 2-GPU xl runs and write published_xl_2gpu.md and .csv.

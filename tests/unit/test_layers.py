@@ -99,8 +99,8 @@ def test_the_lightning_layer_registers_every_algorithm() -> None:
 # ---- the import graph: the product never imports the study, and no module imports itself round a circle -------
 
 PACKAGE = REPO / "lightning_ddp"
-STUDY = ("bench", "project", "projection", "trace")
-"""The study: sweeps and benchmarks, the projection (and its old name), trace rendering. It may import the product;
+STUDY = ("bench", "projection", "trace")
+"""The study: sweeps and benchmarks, the projection, trace rendering. It may import the product;
 the product (everything else: ``sync``, ``strategies``, ``callbacks``, ``model``, ``module``, ``data``, ``cli``,
 ``memory``, ``hardware``, ``profile``, ...) never imports it, at module level or inside a function (torchtitan's
 "experiments depend on core, never back")."""

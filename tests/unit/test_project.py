@@ -503,38 +503,6 @@ def test_every_project_config_parses():
         assert config.study.strategies and config.study.world_sizes
 
 
-def test_the_old_package_name_still_imports_and_runs():
-    # lightning_ddp.project is the old name of lightning_ddp.projection: its modules are the new modules themselves
-    # (one class, not two copies), moved and renamed ones included (profile, seeds), it warns once, and `python -m`
-    # runs the new entry points.
-    code = textwrap.dedent("""
-        import warnings
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            import lightning_ddp.project as old
-        assert [w.category for w in caught] == [DeprecationWarning], caught
-        import lightning_ddp.profile, lightning_ddp.projection as new, lightning_ddp.projection.strategies
-        from lightning_ddp.project.strategies import StepModel
-        from lightning_ddp.project.profile import ComputeProfile
-        import lightning_ddp.project.run as run
-        assert StepModel is lightning_ddp.projection.strategies.StepModel
-        assert ComputeProfile is lightning_ddp.profile.ComputeProfile is old.ComputeProfile
-        assert run.__name__ == run.__spec__.name == "lightning_ddp.projection.run"
-        assert old.STRATEGIES is new.STRATEGIES
-        from lightning_ddp.project.seeds import SEED_RUNS, compare_with_seeds  # the old module, by its old names
-        import lightning_ddp.projection.published as published
-        assert SEED_RUNS is published.PUBLISHED_RUNS and compare_with_seeds is published.compare_with_published
-        print("ok")
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-    for old, new in (("lightning_ddp.project", "lightning_ddp.projection"),
-                     ("lightning_ddp.project.seeds", "lightning_ddp.projection.published")):
-        proc = subprocess.run([sys.executable, "-m", old, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.startswith(f"usage: python -m {new} "), proc.stdout[:200]
-
-
 def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     write_profile(three_params(), tmp_path / "profile.json")
     (tmp_path / "fit.json").write_text(json.dumps({"overhead_s": 1e-3, "bandwidth_Bps": 1e9, "world_size": 2}))
