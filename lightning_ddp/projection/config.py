@@ -20,10 +20,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from lightning_ddp import catalogue
 from lightning_ddp.projection.comm import ALGORITHMS, FABRICS, Fabric, get_fabric, read_fit
 from lightning_ddp.projection.contention import backend_contention
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
-from lightning_ddp.projection.strategies import STRATEGIES, check_settings, strategy_spec
+from lightning_ddp.projection.simulators import check_settings, simulated_names, simulator
 
 __all__ = [
     "ComputeConfig",
@@ -143,37 +144,31 @@ class NetworkConfig:
 class StudyConfig:
     """The axes of the projection: every strategy at every world size (and bucket size, for those with one)."""
 
-    strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
-    """Strategies to simulate: every registered algorithm with a projection model (naive, flat, overlap, bucketed,
-    bucketed_bf16, bucketed_powersgd, ...), zero1 and ddp."""
+    strategies: list[str] = field(default_factory=simulated_names)
+    """Strategies to simulate, by catalogue name; default: every entry with a projection model."""
     world_sizes: list[int] = field(default_factory=lambda: [2, 8, 64, 512, 1024])
     """Numbers of data-parallel ranks (one GPU each); on two-level fabrics, those above a node must fill whole nodes."""
     bucket_sizes_mb: list[float] = field(default_factory=lambda: [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000])
-    """Bucket caps in MiB for the strategies with buckets (bucketed, bucketed_bf16, ...); the report picks the best
-    per world size."""
+    """Bucket caps in MiB for the strategies with buckets; the report picks the best per world size."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
-    """Engine settings to project, per strategy: setting -> values, e.g. ``{bucketed_powersgd: {rank: [1, 4]}}``;
-    every combination is simulated (as a strategy of its own in the tables). A strategy without an entry uses its
-    model's defaults; an entry of a strategy not in ``strategies`` simulates nothing. Only settings its model takes
-    (those that change the step time) are accepted."""
+    """Per strategy, setting -> values to project, e.g. ``{bucketed_powersgd_ddp: {rank: [1, 4]}}``; every
+    combination is a row of its own. Only settings its model takes (those that change the step time) are accepted."""
 
     def __post_init__(self) -> None:
-        choices = ", ".join(STRATEGIES)
         if not self.strategies:
-            raise ValueError(f"`study.strategies` is empty; list at least one of {choices}")
+            raise ValueError(f"`study.strategies` is empty; list at least one of {', '.join(simulated_names())}")
         for name in self.strategies:
             try:
-                strategy_spec(name)
+                simulator(name)
             except ValueError as error:
                 raise ValueError(f"{error} (in `study.strategies`)") from None
         self.strategies = list(dict.fromkeys(self.strategies))
         for name, settings in self.engine_settings.items():  # checked whether listed or not (a narrowed list)
             where = f"`study.engine_settings.{name}`"
-            if name not in STRATEGIES:
-                try:
-                    strategy_spec(name)
-                except ValueError as error:
-                    raise ValueError(f"{where}: {error}") from None
+            try:
+                simulator(name)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
             if not isinstance(settings, dict) or not settings:
                 raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`")
             try:
@@ -189,7 +184,7 @@ class StudyConfig:
         if bad:
             raise ValueError(f"`study.world_sizes` must hold integers >= 2 (data parallelism needs two ranks), got {bad[0]!r}")
         self.world_sizes = sorted(set(self.world_sizes))
-        if any(STRATEGIES[s].has_bucket_size for s in self.strategies) and not self.bucket_sizes_mb:
+        if any(catalogue.get(s).has_bucket_size for s in self.strategies) and not self.bucket_sizes_mb:
             raise ValueError("`study.bucket_sizes_mb` is empty but a bucketed strategy is listed; give sizes in MiB, "
                              "e.g. `--study.bucket_sizes_mb [1,25,100]`")
         bad_sizes = [b for b in self.bucket_sizes_mb if not b > 0]

@@ -38,7 +38,7 @@ from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, FIT_BATCH
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
-from lightning_ddp.projection.strategies import StepModel, simulate
+from lightning_ddp.projection.simulators import StepModel, simulate
 
 __all__ = [
     "PUBLISHED_RUNS",
@@ -82,47 +82,47 @@ class PublishedRun:
 # Transcribed from the write-ups, in their order; seconds per step. Naive at batch 4, context 512 ran out of
 # memory ("out of memory (skipping this config)", 000) and has no row.
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun("naive", 2, 128, None, 0.7833, 0.4182, 0.5339, NAIVE),
-    PublishedRun("naive", 2, 256, None, 0.8051, 0.4425, 0.5496, NAIVE),
-    PublishedRun("naive", 2, 512, None, 0.9033, 0.4576, 0.5066, NAIVE),
-    PublishedRun("naive", 4, 128, None, 0.7958, 0.4395, 0.5523, NAIVE),
-    PublishedRun("naive", 4, 256, None, 0.8811, 0.4555, 0.5170, NAIVE),
-    PublishedRun("overlap", 2, 128, None, 0.7245, 0.2318, 0.3199, OVERLAP),
-    PublishedRun("overlap", 2, 256, None, 0.7328, 0.1831, 0.2499, OVERLAP),
-    PublishedRun("overlap", 2, 512, None, 0.7731, 0.1371, 0.1773, OVERLAP),
-    PublishedRun("overlap", 4, 128, None, 0.7297, 0.2001, 0.2742, OVERLAP),
-    PublishedRun("overlap", 4, 256, None, 0.7574, 0.1393, 0.1840, OVERLAP),
-    PublishedRun("overlap", 4, 512, None, 0.9468, 0.1286, 0.1359, OVERLAP),
-    PublishedRun("flat", 2, 128, None, 0.8251, 0.4273, 0.5178, FLAT),
-    PublishedRun("flat", 2, 256, None, 0.7995, 0.4080, 0.5103, FLAT),
-    PublishedRun("flat", 2, 512, None, 0.9150, 0.4227, 0.4619, FLAT),
-    PublishedRun("flat", 4, 128, None, 0.7978, 0.4065, 0.5096, FLAT),
-    PublishedRun("flat", 4, 256, None, 0.8768, 0.4132, 0.4712, FLAT),
-    PublishedRun("flat", 4, 512, None, 1.9628, 0.4029, 0.2053, FLAT),
-    PublishedRun("bucketed", 2, 128, 1, 0.7293, 0.2165, 0.2969, BUCKETED),
-    PublishedRun("bucketed", 2, 128, 10, 0.7290, 0.2146, 0.2944, BUCKETED),
-    PublishedRun("bucketed", 2, 128, 100, 0.7092, 0.1797, 0.2534, BUCKETED),
-    PublishedRun("bucketed", 2, 128, 1000, 0.7124, 0.2009, 0.2821, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 1, 0.7375, 0.1758, 0.2384, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 10, 0.7335, 0.1697, 0.2313, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 100, 0.7191, 0.1283, 0.1784, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 1000, 0.7193, 0.1636, 0.2275, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 1, 0.7870, 0.1283, 0.1630, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 10, 0.7857, 0.1200, 0.1527, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 100, 0.7713, 0.1306, 0.1693, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 1000, 0.7819, 0.1518, 0.1941, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 1, 0.7359, 0.1778, 0.2416, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 10, 0.7367, 0.1779, 0.2414, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 100, 0.7197, 0.1243, 0.1727, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 1000, 0.7136, 0.1529, 0.2143, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 1, 0.7676, 0.1358, 0.1769, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 10, 0.7683, 0.1279, 0.1664, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 100, 0.7603, 0.1103, 0.1450, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 1000, 0.7598, 0.1499, 0.1973, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 1, 0.9690, 0.1328, 0.1370, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 10, 0.9655, 0.1319, 0.1366, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 100, 0.9598, 0.1311, 0.1366, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 1000, 0.9692, 0.1591, 0.1641, BUCKETED),
+    PublishedRun("naive_ddp", 2, 128, None, 0.7833, 0.4182, 0.5339, NAIVE),
+    PublishedRun("naive_ddp", 2, 256, None, 0.8051, 0.4425, 0.5496, NAIVE),
+    PublishedRun("naive_ddp", 2, 512, None, 0.9033, 0.4576, 0.5066, NAIVE),
+    PublishedRun("naive_ddp", 4, 128, None, 0.7958, 0.4395, 0.5523, NAIVE),
+    PublishedRun("naive_ddp", 4, 256, None, 0.8811, 0.4555, 0.5170, NAIVE),
+    PublishedRun("overlap_ddp", 2, 128, None, 0.7245, 0.2318, 0.3199, OVERLAP),
+    PublishedRun("overlap_ddp", 2, 256, None, 0.7328, 0.1831, 0.2499, OVERLAP),
+    PublishedRun("overlap_ddp", 2, 512, None, 0.7731, 0.1371, 0.1773, OVERLAP),
+    PublishedRun("overlap_ddp", 4, 128, None, 0.7297, 0.2001, 0.2742, OVERLAP),
+    PublishedRun("overlap_ddp", 4, 256, None, 0.7574, 0.1393, 0.1840, OVERLAP),
+    PublishedRun("overlap_ddp", 4, 512, None, 0.9468, 0.1286, 0.1359, OVERLAP),
+    PublishedRun("flat_ddp", 2, 128, None, 0.8251, 0.4273, 0.5178, FLAT),
+    PublishedRun("flat_ddp", 2, 256, None, 0.7995, 0.4080, 0.5103, FLAT),
+    PublishedRun("flat_ddp", 2, 512, None, 0.9150, 0.4227, 0.4619, FLAT),
+    PublishedRun("flat_ddp", 4, 128, None, 0.7978, 0.4065, 0.5096, FLAT),
+    PublishedRun("flat_ddp", 4, 256, None, 0.8768, 0.4132, 0.4712, FLAT),
+    PublishedRun("flat_ddp", 4, 512, None, 1.9628, 0.4029, 0.2053, FLAT),
+    PublishedRun("bucketed_ddp", 2, 128, 1, 0.7293, 0.2165, 0.2969, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 128, 10, 0.7290, 0.2146, 0.2944, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 128, 100, 0.7092, 0.1797, 0.2534, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 128, 1000, 0.7124, 0.2009, 0.2821, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 256, 1, 0.7375, 0.1758, 0.2384, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 256, 10, 0.7335, 0.1697, 0.2313, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 256, 100, 0.7191, 0.1283, 0.1784, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 256, 1000, 0.7193, 0.1636, 0.2275, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 512, 1, 0.7870, 0.1283, 0.1630, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 512, 10, 0.7857, 0.1200, 0.1527, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 512, 100, 0.7713, 0.1306, 0.1693, BUCKETED),
+    PublishedRun("bucketed_ddp", 2, 512, 1000, 0.7819, 0.1518, 0.1941, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 128, 1, 0.7359, 0.1778, 0.2416, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 128, 10, 0.7367, 0.1779, 0.2414, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 128, 100, 0.7197, 0.1243, 0.1727, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 128, 1000, 0.7136, 0.1529, 0.2143, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 256, 1, 0.7676, 0.1358, 0.1769, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 256, 10, 0.7683, 0.1279, 0.1664, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 256, 100, 0.7603, 0.1103, 0.1450, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 256, 1000, 0.7598, 0.1499, 0.1973, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 512, 1, 0.9690, 0.1328, 0.1370, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 512, 10, 0.9655, 0.1319, 0.1366, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 512, 100, 0.9598, 0.1311, 0.1366, BUCKETED),
+    PublishedRun("bucketed_ddp", 4, 512, 1000, 0.9692, 0.1591, 0.1641, BUCKETED),
 )
 """Every published measurement, one row per printed run, citing its write-up (``SOURCES``)."""
 
@@ -169,7 +169,7 @@ class PublishedComparison:
 
 def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict[tuple[int, int], tuple[float, bool]]:
     """(batch, context) -> (compute-only step in ms, extrapolated?), from naive's total minus its all-reduce time."""
-    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in runs if r.strategy == "naive"}
+    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in runs if r.strategy == "naive_ddp"}
     tokens = [b * t for b, t in measured]
     times = list(measured.values())
     slope, intercept = statistics.linear_regression(tokens, times)  # ms = intercept + slope * tokens
@@ -187,8 +187,8 @@ def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, 
     ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)``, averaged over the (batch, context) cells where
     the published runs have both.
     """
-    naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == "naive"}
-    flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == "flat"}
+    naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == "naive_ddp"}
+    flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == "flat_ddp"}
     copies_s = 4 * grad_bytes / copy_Bps
     differences = [naive[cell] - (flat[cell] - copies_s) for cell in naive if cell in flat]
     return max(0.0, _mean(differences) / (tensors - 1) - 2 * fabric.intra.latency_s)
@@ -249,7 +249,7 @@ def _mean(values: Sequence[float]) -> float:
 def _summary(comparisons: Sequence[PublishedComparison], label: str) -> dict[str, dict[str, float]]:
     """Per strategy, means over its runs on fabric ``label``, leaving out batch 4 x context 512 (extrapolated)."""
     summary = {}
-    for strategy in ("naive", "flat", "overlap", "bucketed"):
+    for strategy in ("naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp"):
         cs = [c for c in comparisons if c.run.strategy == strategy and not c.extrapolated]
         if cs:
             summary[strategy] = {
@@ -271,7 +271,7 @@ def published_markdown(comparisons: Sequence[PublishedComparison],
     gpu = get_gpu(assumptions.gpu)
     sample = _profile(2, 128, 10_000.0, assumptions)
     grad_gb = sample.grad_bytes / 1e9
-    flat = [c.run for c in comparisons if c.run.strategy == "flat"]
+    flat = [c.run for c in comparisons if c.run.strategy == "flat_ddp"]
     implied = _mean([sample.grad_bytes / r.comm_s / 1e9 for r in flat])
     compute = calibrated_compute_ms([c.run for c in comparisons])
     lines = [
@@ -362,7 +362,7 @@ def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple
     fastest size is the published runs' fastest, the published runs' fastest sizes, the model's)."""
     groups: dict[tuple[int, int], list[PublishedComparison]] = {}
     for c in comparisons:
-        if c.run.strategy == "bucketed" and not c.extrapolated:
+        if c.run.strategy == "bucketed_ddp" and not c.extrapolated:
             groups.setdefault((c.run.batch_size, c.run.seq_len), []).append(c)
     published_best = [min(cs, key=lambda c: c.run.total_s).run.bucket_size_mb for cs in groups.values()]
     model_best = [min(cs, key=lambda c: c.predicted[label][0]).run.bucket_size_mb for cs in groups.values()]
@@ -378,7 +378,7 @@ def _gap(comparisons: Sequence[PublishedComparison], label: str, size: float, re
     """Range over (batch, context) groups of step(size) - step(reference) for bucketed, published and modelled (ms)."""
     steps: dict[tuple[int, int], dict[float, tuple[float, float]]] = {}
     for c in comparisons:
-        if c.run.strategy == "bucketed" and not c.extrapolated:
+        if c.run.strategy == "bucketed_ddp" and not c.extrapolated:
             steps.setdefault((c.run.batch_size, c.run.seq_len), {})[c.run.bucket_size_mb] = (1e3 * c.run.total_s, c.predicted[label][0])
     published = [g[size][0] - g[reference][0] for g in steps.values() if size in g and reference in g]
     model = [g[size][1] - g[reference][1] for g in steps.values() if size in g and reference in g]
@@ -389,7 +389,7 @@ def _findings(comparisons: Sequence[PublishedComparison], summaries: dict, label
     link = labels[0]
     summary = summaries[link]
     out = []
-    naive, flat = summary.get("naive"), summary.get("flat")
+    naive, flat = summary.get("naive_ddp"), summary.get("flat_ddp")
     if naive and flat:
         grad_bytes = 4 * XL_SHAPE.num_params
         copies_ms = flat["exposed"] - _model_flat_allreduce_ms(fabrics[link], grad_bytes)  # the model's pack + unpack
@@ -410,7 +410,7 @@ def _findings(comparisons: Sequence[PublishedComparison], summaries: dict, label
             f"take {naive['published_comm'] - flat['published_comm']:+.0f} ms longer than flat's (copies included), the "
             "model "
             f"{naive['exposed'] - flat['exposed']:+.0f} ms.{per_call}")
-    overlapped = [k for k in ("overlap", "bucketed") if k in summary]
+    overlapped = [k for k in ("overlap_ddp", "bucketed_ddp") if k in summary]
     if overlapped:
         steps = ", ".join(f"{k} {summary[k]['step']:.0f} vs {summary[k]['published_step']:.0f} ms" for k in overlapped)
         shares = ", ".join(f"{k} {100 * summary[k]['share']:.0f} vs {100 * summary[k]['published_share']:.0f} %"
@@ -454,8 +454,8 @@ def _findings(comparisons: Sequence[PublishedComparison], summaries: dict, label
         "communication time); the model knows nothing of memory, and its step times there are far too short.")
     nv = next((label for label in labels if "nvlink" in label), None)
     if nv:
-        nv_naive = summaries[nv].get("naive", {}).get("share", float("nan"))
-        nv_flat = summaries[nv].get("flat", {}).get("share", float("nan"))
+        nv_naive = summaries[nv].get("naive_ddp", {}).get("share", float("nan"))
+        nv_flat = summaries[nv].get("flat_ddp", {}).get("share", float("nan"))
         out.append(
             f"- **NVLink** (`{nv}`, prediction only; none of the published runs was on it): the same runs would spend "
             f"{100 * nv_naive:.0f} % (naive) and {100 * nv_flat:.0f} % (flat) of the step communicating, and overlap "
@@ -481,7 +481,7 @@ def published_contention_lines(contention: float) -> list[str]:
     rows = []
     for held_out, subset in ((None, "all (batch 4 x 512 left out)"), (False, f"fitting subset (batch {FIT_BATCH})"),
                              (True, "held out (batch 4)")):
-        for strategy in ("naive", "flat", "overlap", "bucketed"):
+        for strategy in ("naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp"):
             cells = {s: [x for x in published_pairs(s, held_out) if x[0].run.strategy == strategy]
                      for s in (0.0, contention)}
             share = {s: statistics.fmean(abs(c.predicted["pcie_gen4"][2] - c.run.ratio) for c, _, _ in v)

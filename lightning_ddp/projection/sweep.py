@@ -12,11 +12,23 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
-from lightning_ddp.bench.config import format_settings, setting_combinations
+from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import CommCost, Fabric, MeasuredFit, read_fit
 from lightning_ddp.projection.memory import state_bytes
-from lightning_ddp.projection.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
+from lightning_ddp.projection.simulators import (
+    StepModel,
+    StepResult,
+    check_settings,
+    simulate,
+    simulate_bucketed,
+    simulate_ddp,
+    simulate_flat,
+    simulate_naive,
+    simulate_overlap,
+    simulated_by,
+    simulator,
+)
 
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
 
@@ -41,18 +53,18 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
     compute slowed by ``1 + contention`` while a collective runs (``StepModel.contention``)."""
     engine_settings = engine_settings or {}
     for name in strategies:
-        strategy_spec(name)  # an unknown or unmodelled name fails before anything is simulated
-        for settings in setting_combinations(engine_settings.get(name)):
+        simulator(name)  # an unknown or unmodelled name fails before anything is simulated
+        for settings in catalogue.setting_combinations(engine_settings.get(name)):
             check_settings(name, settings)
     results = []
     for n in world_sizes:
         model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
         for name in strategies:
-            sizes: Iterable[Optional[float]] = bucket_sizes_mb if strategy_spec(name).has_bucket_size else [None]
+            sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
-                for settings in setting_combinations(engine_settings.get(name)):
+                for settings in catalogue.setting_combinations(engine_settings.get(name)):
                     result = simulate(name, model, size, **settings)
-                    result.memory_bytes = state_bytes(name, model, size, settings)
+                    result.memory_bytes = state_bytes(result, model)
                     results.append(result)
     return results
 
@@ -73,7 +85,7 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
     return {
         "strategy": result.strategy,
         "bucket_size_mb": "" if result.bucket_size_mb is None else f"{result.bucket_size_mb:g}",
-        "engine_settings": format_settings(result.settings),
+        "engine_settings": catalogue.format_settings(result.settings),
         "world_size": result.world_size,
         "nodes": nodes,
         "step_ms": round(result.step_ms, 4),
@@ -94,7 +106,7 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
 def predict_cells(
     profiles: Iterable[ComputeProfile | str | os.PathLike],
     fit: MeasuredFit | Fabric | str | os.PathLike,
-    strategies: Sequence[str] = ("naive", "flat", "overlap", "bucketed", "ddp"),
+    strategies: Optional[Sequence[str]] = None,
     bucket_sizes_mb: Sequence[float] = (0.25, 1.0, 4.0, 16.0),
     world_size: Optional[int] = None,
     copy_bandwidth_Bps: float = 10e9,
@@ -109,7 +121,8 @@ def predict_cells(
     Args:
         profiles: ``ComputeProfile`` objects or paths to profile JSON files.
         fit: The all-reduce fit (a ``MeasuredFit``, or a path to its JSON), or any ``Fabric``.
-        strategies: Names from ``strategies.STRATEGIES``.
+        strategies: Catalogue names; default: the unsharded strategies without compression (naive, flat, overlap,
+            bucketed, torch DDP).
         bucket_sizes_mb: Caps for the strategies that take one.
         world_size: Ranks to predict for; default: each profile's ``world_size`` (2 if it has none).
         copy_bandwidth_Bps: Memory bandwidth of buffer copies (bytes read + written per second). 10 GB/s is a
@@ -123,6 +136,8 @@ def predict_cells(
     if isinstance(fit, (str, os.PathLike)):
         fit = read_fit(fit)
     comm = fit.fabric(overhead_scaling) if isinstance(fit, MeasuredFit) else fit
+    if strategies is None:
+        strategies = simulated_by(simulate_naive, simulate_flat, simulate_overlap, simulate_bucketed, simulate_ddp)
     rows = []
     for item in profiles:
         profile = item if isinstance(item, ComputeProfile) else read_profile(item)

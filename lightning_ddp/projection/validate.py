@@ -36,11 +36,18 @@ from typing import Any, Iterable, Optional
 
 from jsonargparse import auto_cli
 
-from lightning_ddp.bench.config import parse_settings
+from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.projection.comm import read_fit
 from lightning_ddp.projection.contention import CONTENTION, cpu_contention_lines
-from lightning_ddp.projection.strategies import STRATEGIES, StepModel, simulate
+from lightning_ddp.projection.simulators import (
+    StepModel,
+    model_settings,
+    simulate,
+    simulate_bucketed,
+    simulated_by,
+    simulated_names,
+)
 
 __all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells", "validate_sweep"]
 
@@ -88,16 +95,17 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
     comm = read_fit(fit_path).fabric()
     reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
                  for r in rows if r["strategy"] == "reference"}
+    simulated = simulated_names()
     out = []
     for r in rows:
-        if r["status"] != "ok" or r["strategy"] not in STRATEGIES or r["cell_id"] not in profiles:
+        if r["status"] != "ok" or r["strategy"] not in simulated or r["cell_id"] not in profiles:
             continue
         size = _float(r.get("resolved_bucket_size_mb")) or _float(r.get("bucket_size_mb"))
         world = int(r["world_size"])
         own = ComputeProfile.from_dict(profiles[r["cell_id"]], origin=f"profile of {r['cell_id']}")
-        spec = STRATEGIES[r["strategy"]]
-        settings = {k: v for k, v in parse_settings(r.get("engine_settings") or "").items() if k in spec.settings()}
-        size_arg = size if spec.has_bucket_size else None
+        modelled = model_settings(r["strategy"])
+        settings = {k: v for k, v in catalogue.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
+        size_arg = size if catalogue.get(r["strategy"]).has_bucket_size else None
         try:
             predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps, contention=contention), size_arg,
                                  **settings)
@@ -171,15 +179,16 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
     ``bucketed`` cell's own profile over ``candidates``), each with the step time measured at the nearest size the
     sweep measured."""
     comm = read_fit(fit_path).fabric()
+    bucketed = simulated_by(simulate_bucketed)[0]
     out = []
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for c in cells:
-        if c["strategy"] == "bucketed" and isinstance(c["bucket_size_mb"], float):
+        if c["strategy"] == bucketed and isinstance(c["bucket_size_mb"], float):
             groups.setdefault((c["precision"], c["batch_size"], c["context_length"]), []).append(c)
     for key, group in groups.items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
-        predicted = {s: simulate("bucketed", StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
+        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
         projection_mb = min(predicted, key=predicted.get)
 
         def measured_at(size: float | None) -> dict[str, Any] | None:

@@ -1,80 +1,9 @@
-"""One training step as a timeline, per strategy; ``STRATEGIES``: what can be simulated, read from the registry.
+"""One training step as a timeline per strategy: the simulators the catalogue's ``projection`` entries name.
 
-The machine (``Timeline``): one **compute stream** (forward, backward, buffer copies, optimizer, in program order)
-and one **communication stream** on which collectives run in the order they are issued: a collective starts at
-``max(issue time, end of the previous collective)`` and lasts what ``StepModel.comm`` says. Waiting for a
-collective moves the compute stream to its end. The step ends when the optimizer has finished.
-
-How each strategy issues its collectives (mirroring the engines in ``lightning_ddp.sync`` and torch DDP):
-
-=================  ==========================================================================================
-strategy           schedule
-=================  ==========================================================================================
-``naive``          after backward: gradient-presence flags (a tiny blocking all-reduce), then one blocking
-                   all-reduce per gradient in ``parameters()`` order; optimizer
-``flat``           after backward: flags; pack every gradient into one buffer (a copy); one all-reduce; unpack;
-                   optimizer
-``overlap``        during backward: each gradient's async all-reduce, launched when it is ready, strictly in
-                   reverse ``parameters()`` order (a gradient ready early waits for its predecessors); at the
-                   end: wait, optimizer. In place, except the last bucket, which is copied into its buffer (it
-                   carries the missing-gradient sentinel); presence flags only if some gradient never comes
-``bucketed``       as overlap with buckets of at most ``bucket_size_mb`` MiB (``buckets.assign_buckets``): a
-                   bucket launches once all its gradients are ready and every earlier bucket has launched; a
-                   multi-tensor bucket (and the last one) is copied into its persistent buffer on the compute
-                   stream first (delaying the rest of backward); nothing is unpacked (the gradients are views of
-                   the buffers); one-tensor buckets are reduced in place
-``bucketed_bf16``  bucketed with the same buckets (capped on the fp32 gradient bytes), communicated in bf16:
-                   half the bytes on the wire, and every bucket pays a cast to bf16 and one back
-``bucketed_        bucketed with the same buckets; a bucket with a matrix worth compressing (``powersgd_plan``,
-powersgd``         the engine's rule) launches: the buffer copy, the gather of its uncompressed elements and
-                   their all-reduce, then on the compute stream ``M = G + E`` and ``P = M Q`` per matrix (and the
-                   QR of the warm-start ``Q``), then the all-reduce of the ``P``s. When backward is over the engine
-                   waits for each bucket in order and *then* runs its second round (not overlapped with
-                   backward): write back the uncompressed part, QR of ``P``, ``Q = M^T P``, the all-reduce of the
-                   ``Q``s (blocking), ``P Q^T`` into the bucket and the error update ``E = M - P Q^T``. Settings:
-                   ``rank``, ``min_compression_rate``. Steady state: the exact warm-up steps (``start_iter``)
-                   are not modelled
-``zero1``          ZeRO-1 ``reduce_scatter`` schedule: after backward, flags; pack the gradients into a buffer of
-                   ``n`` equal segments (padded to the largest owner's bytes, ``buckets.assign_owners``);
-                   reduce-scatter; copy the own segment out; optimizer on the owned parameters only (the most
-                   loaded rank sets the pace); pack the own parameters; all-gather; unpack every parameter
-``ddp``            torch DDP: buckets in gradient-ready order, 1 MiB first then 25 MiB (``buckets.ddp_buckets``),
-                   launched in bucket order; every bucket is copied in and out; no flags
-``zero2``          ZeRO-2 (NCCL's schedule): the bucketed engine's buckets, each packed into a buffer padded to
-                   ``n`` equal shards and reduce-scattered as soon as it fills (overlapped with backward); after
-                   backward the optimizer on the own ``1/n``, then per bucket the updated shard all-gathered
-                   (exposed) and copied out (``simulate_zero2``)
-``fsdp2``          torch ``fully_shard`` per transformer block and on the root (``transformer_blocks``): the
-                   root's and then each block's all-gather before its forward and again before its backward,
-                   issued one block ahead; each block's reduce-scatter after its backward (overlapped); the
-                   optimizer on the shard; nothing after (``simulate_fsdp2``)
-=================  ==========================================================================================
-
-Contention (``StepModel.contention``, ``s``; fitted per backend in ``contention``): compute placed while a collective
-is in flight runs ``1 + s`` times slower (``Timeline.advance``); the time it adds is ``StepResult.contention_ms``.
-
-Copies run on the compute stream at ``copy_bandwidth_Bps`` (bytes read + bytes written). The division by the
-world size is left out (one elementwise pass per gradient, fused into the copies or the kernel in practice), except
-in PowerSGD's arithmetic, where every kernel the engine runs is counted as a roofline: ``max(FLOPs /
-flops_per_s, bytes moved / copy_bandwidth_Bps)`` (``StepModel.kernel_ms``; at rank 4 every one of them is
-memory-bound: a rank-``r`` product reads the fp32 matrix once for ``2 r`` FLOPs per element). Per-kernel launch
-latency is not modelled: the engine runs about ten small kernels and two QR factorisations per compressed matrix
-from Python.
-
-Outputs (``StepResult``): ``step_ms``; ``compute_only_ms`` (forward + backward + unsharded optimizer: the 1-GPU
-step); ``exposed_comm_ms = step_ms - compute_only_ms``, the communication (and copies) not hidden behind compute
-(for ``zero1`` it is net of the optimizer time sharding saves); ``comm_share = exposed / step``;
-``contention_ms``, the compute time contention added (part of the exposed time); ``waited_comm_ms`` and
-``wait_share``, the exposed time without it (what a timer around the waits measures); ``busy_comm_ms``, the time
-the communication stream is busy (collectives never overlap each other, so this is
-their sum); ``overlap``, the fraction of it hidden behind compute; ``copy_ms``; ``calls``; ``comm_bytes`` (the sizes
-of all messages).
-
-To simulate a new algorithm, write ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult`` (its
-settings, keyword arguments with defaults after ``bucket_size_mb``, are the engine settings the model depends on)
-and name it in the algorithm's registry entry: ``Algorithm(..., projection="package.module:simulate_<name>")``
-(``lightning_ddp.sync.registry``). ``STRATEGIES`` reads the registry each time it is used; ``zero1`` and ``ddp``,
-which are not registry algorithms, are the projection's own ``BASELINES``.
+A ``Timeline`` has one compute stream and one FIFO communication stream; each ``simulate_<name>(model,
+bucket_size_mb, **settings) -> StepResult`` issues its collectives as its engine does. ``simulate(name, ...)`` looks
+the strategy up in ``lightning_ddp.catalogue``. The schedules, the outputs' definitions and how to add a model:
+docs/projection.md.
 """
 
 from __future__ import annotations
@@ -86,27 +15,27 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
-from lightning_ddp.bench.config import format_settings
+from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.comm import CommCost
-from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only
 
 __all__ = [
-    "BASELINES",
-    "STRATEGIES",
     "Interval",
     "Op",
     "StepModel",
     "StepResult",
-    "StrategySpec",
     "Timeline",
+    "check_settings",
+    "model_settings",
     "powersgd_plan",
-    "projected_strategies",
     "simulate",
-    "unmodelled_algorithms",
+    "simulated_by",
+    "simulated_names",
+    "simulator",
+    "unmodelled_names",
 ]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
@@ -271,11 +200,13 @@ class StepResult:
     """Compute time added by the contention model (compute slowed while collectives run); part of ``exposed_comm_ms``."""
     memory_bytes: Optional[int] = None
     """Model-state bytes per rank (``projection.memory``); set by ``sweep.project``."""
+    buffer_bytes: int = 0
+    """Engine state beyond the bucket buffers its memory model counts: bf16's wire copies, PowerSGD's ``E`` and ``Q``."""
 
     @property
     def variant(self) -> str:
         """The strategy with its settings, e.g. ``bucketed_powersgd rank=4`` (tables, best sizes, plots)."""
-        return f"{self.strategy} {format_settings(self.settings)}" if self.settings else self.strategy
+        return f"{self.strategy} {catalogue.format_settings(self.settings)}" if self.settings else self.strategy
 
     @property
     def exposed_comm_ms(self) -> float:
@@ -493,8 +424,10 @@ def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 2
     packs = [(model.copy_ms(2 * s) if b else 0.0) + (model.copy_ms(s + w) if s != w else 0.0)
              for s, w, b in zip(sizes, wire, buffered)]
     unpacks = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
-    return _bucket_schedule(model, "bucketed_bf16", bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
-                            unpack_ms=unpacks, presence_flags=_missing(model))
+    result = _bucket_schedule(model, "bucketed_bf16", bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
+                              unpack_ms=unpacks, presence_flags=_missing(model))
+    result.buffer_bytes = sum(wire)  # the half-width copy of every bucket
+    return result
 
 
 def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
@@ -732,9 +665,9 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
     if not p.has_shapes:
         missing = next(q.name for q in p.params if q.shape is None)
         raise ValueError(
-            f"bucketed_powersgd needs every parameter's shape (which gradients are matrices), but the compute profile "
+            f"PowerSGD's model needs every parameter's shape (which gradients are matrices), but the compute profile "
             f"has none for {missing!r}: use a modelled profile (`compute.source: flops`) or one the CommTimer recorded "
-            "with shapes, or leave bucketed_powersgd out of `study.strategies`"
+            "with shapes, or leave it out of `study.strategies`"
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank (the PowerSGD approximation rank) must be an int >= 1, got {rank!r}; e.g. rank=4")
@@ -745,6 +678,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
     buffered = _buffered(buckets)
     launch: list[list[Op]] = []
     finish: list[list[Op]] = []
+    state_bytes = 0
     for b, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, b)
         nbytes = sum(params[i].bytes for i in bucket)
@@ -758,6 +692,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
             launch.append([pack, Op("collective", label, nbytes=round(numel * g))])
             finish.append([])
             continue
+        state_bytes += sum(4 * (rows * cols + cols * k) for rows, cols, k in matrices)
         uncompressed = numel - sum(rows * cols for rows, cols, _ in matrices)
         p_numel = sum(rows * k for rows, _, k in matrices)
         q_numel = sum(cols * k for _, cols, k in matrices)
@@ -782,105 +717,68 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
                             for rows, cols, k in matrices)
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms), Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
-    return _staged_schedule(model, "bucketed_powersgd", bucket_size_mb, buckets, launch=launch, finish=finish,
-                            presence_flags=_missing(model))
+    result = _staged_schedule(model, "bucketed_powersgd", bucket_size_mb, buckets, launch=launch, finish=finish,
+                              presence_flags=_missing(model))
+    result.buffer_bytes = state_bytes  # the error feedback E and the warm-start Q of every compressed matrix, fp32
+    return result
 
 
-# ---- the table: the registry's algorithms with a model, and the projection's own baselines --------------------
+# ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------
 
 
-@dataclass(frozen=True)
-class StrategySpec:
-    """A simulated strategy: how to simulate one step, whether it takes a bucket size, what it does."""
-
-    simulate: Callable[..., StepResult]
-    """``simulate(model, bucket_size_mb, **settings) -> StepResult``."""
-    has_bucket_size: bool
-    summary: str
-
-    def settings(self) -> dict[str, Any]:
-        """The engine settings the model takes (its keyword arguments after ``bucket_size_mb``) and their defaults."""
-        parameters = list(inspect.signature(self.simulate).parameters.values())[2:]
-        return {q.name: q.default for q in parameters
-                if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-
-
-BASELINES: dict[str, StrategySpec] = {
-    "zero1": StrategySpec(simulate_zero1, False, "ZeRO-1: reduce-scatter, sharded optimizer, all-gather"),
-    "ddp": StrategySpec(simulate_ddp, False, "torch DDP: 1 MiB then 25 MiB buckets in gradient-ready order"),
-    "zero2": StrategySpec(simulate_zero2, True, "ZeRO-2: each bucket reduce-scattered during backward, sharded "
-                          "optimizer, updated parameters all-gathered after it"),
-    "fsdp2": StrategySpec(simulate_fsdp2, False, "torch FSDP2 (fully_shard per block): parameters all-gathered "
-                          "per block before forward and backward, gradients reduce-scattered per block"),
-}
-"""The strategies the projection simulates that are not registry algorithms (or not yet): ZeRO-1 (``zero1_ddp``, an
-optimizer on top of an engine), torch DDP (the baseline), ZeRO-2 and torch FSDP2. A registry algorithm of the same
-name that names no ``projection`` model is projected with the one here."""
-
-
-def _load(path: str, name: str) -> Callable[..., StepResult]:
-    module, _, attribute = path.partition(":")
+def _load(entry: catalogue.Strategy) -> Callable[..., StepResult]:
+    module, _, attribute = entry.projection.partition(":")
     try:
         function = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"the projection model of {name!r}, {path!r}, cannot be loaded ({error}); fix `projection` in "
-                         "its registry entry (lightning_ddp/sync/registry.py): \"package.module:function\"") from None
+        raise ValueError(f"the projection model of {entry.name!r}, {entry.projection!r}, cannot be loaded ({error}); "
+                         "fix `projection` in its catalogue entry: \"package.module:function\"") from None
     if not callable(function):
-        raise ValueError(f"the projection model of {name!r}, {path!r}, is not a function")
+        raise ValueError(f"the projection model of {entry.name!r}, {entry.projection!r}, is not a function")
     return function
 
 
-def projected_strategies() -> dict[str, StrategySpec]:
-    """Every strategy the projection can simulate, in table order: the registered algorithms with a ``projection``
-    (registry order), then ``BASELINES``. Read afresh each call: an algorithm registered later is in it."""
-    table = {a.name: StrategySpec(_load(a.projection, a.name), a.has_bucket_size, a.summary)
-             for a in ALGORITHMS.values() if a.projection is not None}
-    return {**table, **BASELINES}
+def simulated_names() -> list[str]:
+    """Every strategy the projection can simulate, in catalogue order: the entries with a ``projection``."""
+    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is not None]
 
 
-def unmodelled_algorithms() -> list[str]:
-    """Registered algorithms without a projection model (the report names them "not projected")."""
-    return [a.name for a in ALGORITHMS.values() if a.projection is None and a.name not in BASELINES]
+def unmodelled_names() -> list[str]:
+    """Catalogue entries without a projection model (the report names them "not projected")."""
+    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is None]
 
 
-class _Strategies(Mapping):
-    """A live view of ``projected_strategies()``: ``STRATEGIES[name]``, ``name in STRATEGIES``, iteration."""
-
-    def __getitem__(self, name: str) -> StrategySpec:
-        return projected_strategies()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(projected_strategies())
-
-    def __len__(self) -> int:
-        return len(projected_strategies())
-
-    def __repr__(self) -> str:
-        return f"STRATEGIES({', '.join(self)})"
+def simulated_by(*functions: Callable[..., StepResult]) -> list[str]:
+    """The catalogue names whose projection model is one of ``functions``, in catalogue order."""
+    wanted = {f"{function.__module__}:{function.__name__}" for function in functions}
+    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection in wanted]
 
 
-STRATEGIES: Mapping[str, StrategySpec] = _Strategies()
-"""Every simulated strategy by name, in the order tables and plots use: the registry's algorithms with a
-``projection`` model, then ``zero1`` and ``ddp`` (``projected_strategies``)."""
-
-
-def strategy_spec(name: str) -> StrategySpec:
-    """``STRATEGIES[name]``; an unknown name lists the simulated ones, and says how to model a registered one."""
-    table = projected_strategies()
-    if name in table:
-        return table[name]
-    choices = ", ".join(table)
-    if name in unmodelled_algorithms():  # registered for training, but nobody wrote its timeline model yet
+def simulator(name: str) -> Callable[..., StepResult]:
+    """The ``simulate(model, bucket_size_mb, **settings)`` of strategy ``name``; an unknown or unmodelled name
+    says what to do."""
+    if name not in catalogue.STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(simulated_names())}")
+    entry = catalogue.STRATEGIES[name]
+    if entry.projection is None:
         raise ValueError(
-            f"strategy {name!r} is registered in lightning_ddp/sync/registry.py but has no model in the projection: "
-            "add a simulate function (see simulate_bucketed in lightning_ddp/projection/strategies.py) and name it in "
-            f"its registry entry's `projection`, or leave it out (projected: {choices})")
-    raise ValueError(f"unknown strategy {name!r}; choose from {choices}")
+            f"strategy {name!r} has no model in the projection: add a simulate function (see simulate_bucketed in "
+            "lightning_ddp/projection/simulators.py) and name it in its catalogue entry's `projection`, or leave it "
+            f"out (projected: {', '.join(simulated_names())})")
+    return _load(entry)
+
+
+def model_settings(name: str) -> dict[str, Any]:
+    """The engine settings the model of ``name`` takes (its keyword arguments after ``bucket_size_mb``), with
+    their defaults."""
+    parameters = list(inspect.signature(simulator(name)).parameters.values())[2:]
+    return {q.name: q.default for q in parameters
+            if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
 def check_settings(name: str, settings: Mapping[str, Any]) -> None:
     """Refuse settings the model of ``name`` does not take, naming the ones it does."""
-    valid = strategy_spec(name).settings()
+    valid = model_settings(name)
     for setting in settings:
         if setting not in valid:
             raise ValueError(f"the projection of {name!r} models no setting {setting!r}; its settings are: "
@@ -891,13 +789,13 @@ def check_settings(name: str, settings: Mapping[str, Any]) -> None:
 def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None, **settings: Any) -> StepResult:
     """Simulate one step of strategy ``name`` (``bucket_size_mb`` for those that take one, ``settings`` for those
     whose model has them, e.g. ``rank=4``)."""
-    spec = strategy_spec(name)
+    function = simulator(name)
     check_settings(name, settings)
-    if spec.has_bucket_size:
-        result = spec.simulate(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
+    if catalogue.get(name).has_bucket_size:
+        result = function(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
     elif bucket_size_mb is not None:
         raise ValueError(f"strategy {name!r} takes no bucket size, got bucket_size_mb={bucket_size_mb!r}")
     else:
-        result = spec.simulate(model, None, **settings)
-    result.strategy, result.settings = name, dict(settings)  # an algorithm may reuse another's model
+        result = function(model, None, **settings)
+    result.strategy, result.settings = name, dict(settings)  # an entry may reuse another's model
     return result
