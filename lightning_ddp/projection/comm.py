@@ -1,58 +1,9 @@
 """What one collective costs: latency-bandwidth formulas per algorithm, fabric presets, and the measured fit.
 
-Formulas
---------
-
-``n`` ranks, ``S`` bytes in the buffer (the whole tensor an all-reduce reduces; the whole *output* of an
-all-gather, the whole *input* of a reduce-scatter), ``B`` the per-rank **bus bandwidth** (bytes/s; what
-nccl-tests reports as ``busbw`` on large messages), ``alpha`` the latency of one algorithm step, and ``c`` a fixed
-cost per call (kernel launch, NCCL's base latency, ``torch.distributed`` dispatch):
-
-=================  ====================  ======================================  =========================
-collective         algorithm             latency                                 bandwidth term
-=================  ====================  ======================================  =========================
-all-reduce         ring                  c + 2(n-1)·alpha                        2(n-1)/n · S / B
-all-reduce         tree (double binary)  c + 2·ceil(log2 n)·alpha                2 · S / B
-reduce-scatter     ring                  c + (n-1)·alpha                         (n-1)/n · S / B
-all-gather         ring                  c + (n-1)·alpha                         (n-1)/n · S / B
-broadcast          ring (pipelined)      c + (n-1)·alpha                         S / B
-=================  ====================  ======================================  =========================
-
-Sources. The bandwidth factors are nccl-tests' bus-bandwidth corrections (``doc/PERFORMANCE.md`` in
-github.com/NVIDIA/nccl-tests: all-reduce ``2(n-1)/n``, reduce-scatter and all-gather ``(n-1)/n``, broadcast 1):
-a ring moves ``2(n-1)/n · S`` per rank for an all-reduce. The step counts (``2(n-1)`` for a ring all-reduce,
-``n-1`` for reduce-scatter and all-gather) and the tree's ``2 · log2`` latency and ``algbw = busbw / 2`` (so
-``2 S / B``) are NCCL's own cost model, ``ncclTopoTuneModel`` in ``src/graph/tuning.cc`` of
-github.com/NVIDIA/nccl (``nsteps``, ``nInterSteps``, ``ratio = .5`` for trees). ``algorithm="auto"`` takes the
-cheaper of ring and tree for each message, as NCCL's tuner does with its own tables (``ncclTopoGetAlgoTime``).
-
-Two levels (``Fabric`` with ``inter``): beyond ``gpus_per_node`` ranks, ``m = n / gpus_per_node`` nodes. We
-approximate NCCL's behaviour on NVLink+InfiniBand clusters (DGX/HGX H100: 8 GPUs on NVSwitch, 8 NICs):
-
-- **ring**: one ring through all ``n`` ranks; of its ``2(n-1)`` all-reduce steps, ``2(m-1)`` cross the network
-  (``nInterSteps`` in tuning.cc): latency ``c + 2(n-m)·alpha_intra + 2(m-1)·alpha_inter``. Its bandwidth is
-  ``min(B_intra, nics_per_node · B_nic)``: each channel's ring leaves a node once, and NCCL spreads channels
-  over the NICs, so a node's network traffic equals one rank's and its NICs share it (NVIDIA measures 192 GB/s
-  all-reduce busbw on DGX A100 with 8 x 200 Gb/s NICs, github.com/NVIDIA/nccl/issues/812).
-- **tree**: NCCL chains the GPUs inside a node and builds a double binary tree over nodes: latency
-  ``c + 2((g-1)·alpha_intra + ceil(log2 m)·alpha_inter)`` (tuning.cc), bandwidth term ``2 S / B`` with the same
-  ``B``. At large ``m`` it beats the ring's ``2(n-1)`` steps by orders of magnitude in latency.
-- reduce-scatter, all-gather and broadcast: rings, with ``(n-m)·alpha_intra + (m-1)·alpha_inter``.
-
-Within one node (``n <= gpus_per_node``) only the intra level is used, with NCCL's chain for the tree (latency
-``2(n-1)·alpha``, so the ring always wins there, as in NCCL on one node). A one-level fabric (no ``inter``)
-uses the textbook formulas above for every ``n``, i.e. as if all ranks sat on one such link or switch.
-
-The measured fit (``MeasuredFit``): ``lightning_ddp.sync.bucket_model`` fits ``t = o + S / w`` to all-reduces
-on ``n0`` ranks (2 in the sweep). Read as a ring at ``n0`` ranks, ``t = 2(n0-1)·alpha + 2(n0-1)/n0 · S / B``, so
-``B = w · 2(n0-1)/n0`` (the bus bandwidth; equal to ``w`` at ``n0 = 2``) and, with ``overhead_scaling="per_hop"``
-(the default), ``alpha = o / (2(n0-1))``: the whole overhead is per-step latency, so at ``n`` ranks
-``t(n) = (n-1)/(n0-1) · o + 2(n-1)/n · S / B``. That is the pessimistic reading; ``"per_call"`` treats ``o`` as a
-fixed launch cost that does not grow with ``n`` (``c = o``, ``alpha = 0``). Either way each rank is assumed to
-keep its own link at the measured bandwidth as ranks are added, which a 2-rank gloo fit on one host (ranks
-sharing cores and memory bandwidth) cannot promise.
-
-Everything here is pure arithmetic on floats (seconds, bytes, bytes per second).
+``alpha + bytes / bandwidth`` per collective with the nccl-tests bus-bandwidth factors, ring or tree, on one- or
+two-level fabrics (``FABRICS``, each figure with its source), or this project's measured 2-rank all-reduce fit
+extrapolated to ``n`` ranks (``MeasuredFit``). Pure arithmetic on floats (seconds, bytes, bytes per second). The
+formulas and their sources: docs/projection.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""What a projection is: one dataclass per concern, every field documented (jsonargparse turns them into ``--help``).
-
-=================  ==============================================================================
-section            what it holds
-=================  ==============================================================================
-``compute:``       where compute times come from: FLOPs of a preset on a GPU at an MFU, or a profile file
-``network:``       what a collective costs: a fabric preset or the measured all-reduce fit
-``study:``         the axes: strategies, world sizes, bucket sizes, engine settings (e.g. PowerSGD's ``rank``)
-``output:``        where the CSV, markdown, plots and environment record go
-=================  ==============================================================================
+"""The projection's command line: one dataclass per concern (compute, network, study, output).
 
 Validation happens in ``__post_init__`` (at parse time, before anything is written), and every error says which
-field to change. ``build_fabric``, ``gpu_spec`` and ``copy_bandwidth`` resolve a section into what it describes (the
-run and the report both read them from here).
+field to change. ``build_fabric``, ``gpu_spec``, ``copy_bandwidth`` and ``contention_of`` resolve a section into
+what it describes (the run and the report both read them from here).
 """
 
 from __future__ import annotations

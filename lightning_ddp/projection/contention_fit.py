@@ -1,7 +1,6 @@
 """``python -m lightning_ddp.projection.contention_fit``: fit the contention ``s`` per backend from the committed data.
 
-The recipe and the fitted values are in ``contention`` (``CONTENTION``); this module runs the fits: gloo on the CPU
-sweep's step times (``validate.validate_cells``), NCCL on the published 2-GPU runs' wait shares
+Gloo on the CPU sweep's step times (``validate.validate_cells``), NCCL on the published 2-GPU runs' wait shares
 (``published.published_pairs``). Paste what it prints into ``contention.CONTENTION``.
 """
 

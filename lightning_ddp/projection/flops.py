@@ -1,30 +1,9 @@
 """A compute profile modelled from FLOPs: a model preset on a named GPU at a stated MFU.
 
-Recipe (``modelled_profile``):
-
-1. **Parameters** (``ModelShape.parameters``): the GPT of ``lightning_ddp.model`` in ``module.parameters()``
-   order, computed from the config's shape alone (``lightning_ddp.model_shapes.gpt_parameter_shapes``):
-   ``tok_emb.weight``; per block ``attn_norm``, ``q/k/v/out_proj``, ``ffn_norm``, ``w1``, ``w2``, ``w3``;
-   ``norm.weight``; ``lm_head.weight`` (absent when tied). For xl: 1,998,235,200 parameters in 435 tensors
-   (checked against the real module in the tests).
-2. **Forward + backward time**: ``tokens · flops_per_token / (peak · mfu)``, with ``tokens`` = per-rank batch x
-   sequence length and ``flops_per_token = 6 · N_matmul + 12 · n_layers · d_model · seq_len`` (PaLM, appendix B;
-   the same formula as ``GPT.flops_per_token``). Forward is a third, backward two thirds (2 vs 4 FLOPs per weight
-   and token; 4 vs 8 for the attention scores), so backward = 2 x forward.
-3. **Ready times**: backward walks the parameters in reverse order; each matmul's weight gradient is ready once
-   its backward FLOPs (4 per weight and token) are done, the attention-score backward (8 · seq_len · d_model per
-   token and layer) sits between ``out_proj`` and ``v_proj``, norm scales cost nothing, and the embedding's
-   gradient (a scatter-add) is ready when backward ends. So ready times follow reverse ``parameters()`` order.
-4. **Optimizer**: memory-bound. torch's default AdamW (``foreach``, ``_multi_tensor_adam`` in
-   ``torch/optim/adam.py``) makes 8 passes over fp32 tensors: ``mul_`` (weight decay, 8 B/param read+write),
-   ``lerp_`` (12), ``mul_`` (8), ``addcmul_`` (12), ``sqrt`` (8), ``div_`` (8), ``add_`` (8), ``addcdiv_`` (16):
-   80 bytes per parameter, at the GPU's memory bandwidth times ``memory_efficiency``. A fused AdamW would be 28.
-5. **Calibration** (optional, ``calibrate_step_ms``): keep the optimizer, scale forward and backward so that
-   forward + backward + optimizer equals a measured compute-only step.
-
-GPU figures (``GPUS``): dense bf16 peak and HBM bandwidth of every row of ``lightning_ddp.hardware.DEVICES`` (NVIDIA's
-datasheets, cited there; the same table the ``CommTimer``'s MFU reads). ``32-true`` runs use half the bf16 peak
-(the TF32 peak on Ampere and Hopper).
+``modelled_profile``: the preset's parameters in ``parameters()`` order, forward + backward from ``6 N + 12 L d T``
+FLOPs per token at ``peak x mfu`` (backward twice forward), each gradient ready once its backward FLOPs are done,
+the optimizer at the memory bandwidth (80 bytes per parameter for foreach AdamW), optionally calibrated to a
+measured compute-only step. ``GPUS``: the rows of ``lightning_ddp.hardware.DEVICES``. Recipe: docs/projection.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""The model against the published 2-GPU xl runs: naive / overlap / flat / bucketed (1, 10, 100, 1000 MB).
+"""The model against the published 2-GPU xl runs: naive, overlap, flat and bucketed (1, 10, 100, 1000 MB).
 
 ``python -m lightning_ddp.projection.published --out benchmarks/results/projection/`` writes
-``published_xl_2gpu.md`` and ``published_xl_2gpu.csv``: every published measurement beside the model's prediction on a
-PCIe-class link and on NVLink.
-
-Recipe (``compare_with_published``):
-
-1. **The published numbers** come from write-ups of a data-parallel study of the xl model on one node with 2 GPUs,
-   one per strategy (naive, overlap, flat, bucketed; ``SOURCES``). They are transcribed once, in ``PUBLISHED_RUNS``,
-   each row citing its write-up by topic: per-rank batch, context length, bucket size, and the three lines each run
-   printed, "total time train" (s per step), "total time grad all reduce" (s) and their ratio.
-2. **Compute calibration.** The write-ups report no forward/backward timings (the naive-DDP module write-up's
-   template leaves them as ``~XXX ms``), so the compute-only step is calibrated from naive DDP, which overlaps nothing:
-   ``compute = total time train - total time grad all reduce`` per (batch, context). Where naive ran out of memory
-   (batch 4, context 512) it is extrapolated linearly in tokens from the other five cells (flagged).
-3. **Split** of that step: the optimizer is modelled (80 B/param for foreach AdamW at the memory bandwidth of an
-   assumed GPU, ``PublishedAssumptions.gpu``; the write-ups do not name theirs), forward and backward share the rest
-   1 : 2, and gradients become ready through backward in proportion to FLOPs (``lightning_ddp.projection.flops``).
-4. **Links**: ``pcie_gen4`` (22 GB/s bus bandwidth) and ``nvlink4`` (370 GB/s). The published flat all-reduce of
-   7.99 GB took ~0.41 s, i.e. ~20 GB/s including the pack copies: a PCIe-class link, so the PCIe column is the
-   comparison and the NVLink column is what the same runs would show on NVLink.
-5. **Simulate** each published cell at 2 ranks and compare the share ``exposed / step`` with the published ratio.
-   Their "grad all reduce" time is what their step waited for communication (pack copies included for flat); ours
-   is step minus the compute-only step, the same quantity under the model's assumptions.
+``published_xl_2gpu.md`` and ``.csv``: every published measurement (``PUBLISHED_RUNS``, transcribed once, each
+citing its write-up) beside the model's prediction on a PCIe-class link and on NVLink, with compute calibrated from
+naive DDP (``compare_with_published``). The recipe: docs/projection.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,4 @@
 """The projection's files: ``results.csv``, ``results.md`` and the PNG plots (matplotlib's Agg canvas, no pyplot).
-
-Plots:
-
-- ``share_vs_world.png``: exposed-communication share (left) and step time (right) against world size (log 2 x),
-  one line per strategy (and per engine-settings variant, e.g. ``bucketed_powersgd rank=4``); bucketed strategies
-  at their best bucket size for each world size.
-- ``step_vs_bucket.png``: one panel per bucketed strategy: step time against bucket size (log x), one line per world
-  size, the best size marked; the dashed line is the compute-only step.
 """
 
 from __future__ import annotations

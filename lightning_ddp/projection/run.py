@@ -1,17 +1,7 @@
 """From a ``ProjectionConfig`` to files: build the compute profile and the fabric, simulate the grid, write outputs.
 
-Outputs in ``output.out_dir`` (each written to a temporary name and renamed, so never half a file):
-
-=======================  ======================================================================================
-file                     contents
-=======================  ======================================================================================
-``results.csv``          one row per strategy x world size (x bucket size, x engine settings), columns ``sweep.COLUMNS``
-``results.md``           inputs, step time and share per strategy and world size, best bucket sizes, caveats
-``share_vs_world.png``   exposed-communication share and step time against world size, one line per strategy
-``step_vs_bucket.png``   step time against bucket size, one line per world size (bucketed strategies)
-``compute_profile.json`` the compute profile the simulation used (schema ``lightning_ddp.compute_profile/1``)
-``environment.json``     versions, platform, git commit, the full config, the resolved fabric and profile summary
-=======================  ======================================================================================
+Writes ``results.csv``, ``results.md``, the plots, ``compute_profile.json`` and ``environment.json`` into
+``output.out_dir``, each atomically (docs/projection.md lists what each holds).
 """
 
 from __future__ import annotations

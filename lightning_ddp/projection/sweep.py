@@ -1,10 +1,8 @@
-"""The projection grid: every strategy x world size (x bucket size), the best bucket sizes, and ``predict_cells``.
+"""The projection grid: every strategy x world size (x bucket size, x engine settings), and the best bucket sizes.
 
-``project`` simulates one compute profile on one fabric (each strategy once per combination of its engine
-settings, e.g. PowerSGD's ``rank``); ``best_by_world_size`` picks, per bucketed strategy (and settings) and world
-size, the bucket size with the shortest step; ``result_row`` flattens a result into the CSV columns
-(``COLUMNS``); ``predict_cells`` is the entry point for checking the model against this project's own sweep
-(measured compute profiles plus the measured all-reduce fit).
+``project`` simulates one compute profile on one fabric; ``best_by_world_size`` picks the bucket size with the
+shortest step per variant and world size; ``result_row`` flattens a result into ``COLUMNS``; ``predict_cells``
+predicts measured compute profiles on a measured fit (the model against this project's sweep).
 """
 
 from __future__ import annotations

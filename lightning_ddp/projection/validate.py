@@ -1,27 +1,9 @@
 """``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep.
 
-    python -m lightning_ddp.projection.validate --sweep benchmarks/results/cpu --out benchmarks/results/projection
-
-For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning_ddp.projection.strategies``) from
-
-- its own measured compute timeline: the ``compute_profile.json`` the CommTimer wrote in that cell, which the
-  sweep keeps in ``profiles.json`` (forward, backward, optimizer and when each gradient became ready, medians over
-  the cell's measured steps);
-- the sweep's measured all-reduce fit ``t = o + S / w`` (``bucket_prediction.json``), on the cell's world size;
-- copies at ``--copy_GBps`` (measured here with a large ``torch.Tensor.copy_`` unless given),
-
-and compare the predicted step time and communication share with the measured ones (``results.csv``: pooled
-medians and 95 % intervals over the repeats; of results.csv it reads the step time and the communication share,
-not ``wait_comm_ms``/``transfer_comm_ms``: the simulation assumes equally fast ranks, so it has no straggler to
-wait for). A second prediction uses the group's *reference* profile instead
-(one process, no communication, the whole machine to itself): the gap between the two shows how much of a cell's
-time on 2 shared cores is compute slowed down by the other rank and by gloo's threads, which the model leaves out.
-
-Outputs (``--out``): ``cpu_sweep_validation.csv`` (one row per cell), ``cpu_sweep_validation.md`` (the error per
-cell, the median absolute error against the 15 % goal, and the ranking check: for every pair of cells of a group
-whose measured intervals do not overlap, does the prediction order them the same way?), and the comparison of
-``bucket_size_mb: auto``'s square-root rule with the bucket size the projection would choose, each against the
-step time the sweep measured there.
+Reads a sweep's files (``results.csv``, ``profiles.json``, ``bucket_prediction.json``), simulates every ok cell
+from its own measured compute profile and the sweep's all-reduce fit, and writes ``cpu_sweep_validation.csv`` and
+``.md``: the error per cell against the 15 % goal, the ranking check, and ``bucket_size_mb: auto``'s square-root
+rule against the projection's choice. What each prediction means: docs/projection.md.
 """
 
 from __future__ import annotations
