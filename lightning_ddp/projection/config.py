@@ -49,9 +49,8 @@ class ComputeConfig:
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "bf16-mixed"
     """Training precision: sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
     gpu: str = "h100-sxm"
-    """GPU, a key of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, h100-pcie, h200-sxm, gh200, b200, a100-sxm-80gb,
-    a100-pcie-40gb, ...): peak FLOP/s and memory bandwidth.
-    With ``source: profile`` only its memory bandwidth is used (for buffer copies)."""
+    """A key of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, a100-pcie-40gb, ...): peak FLOP/s and memory bandwidth
+    (only the bandwidth, for copies, with ``source: profile``)."""
     mfu: float = 0.4
     """Model FLOPs utilisation of forward + backward, relative to the GPU's dense peak (0.4 = 40 %)."""
     peak_tflops: Optional[float] = None
@@ -109,9 +108,8 @@ class NetworkConfig:
     call_overhead_us: Optional[float] = None
     """Overrides the fixed cost per collective, microseconds."""
     contention: Optional[float] = None
-    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (0: communication costs compute
-    nothing). Default: the value fitted for the backend (``lightning_ddp/projection/contention.py``): gloo's for a
-    ``measured`` fit recorded on gloo, NCCL's (fitted on the published 2-GPU PCIe runs) for every preset."""
+    """``s``: compute runs ``1 + s`` times slower while a collective is in flight; default: the value fitted for
+    the backend (``projection/contention.py``: gloo for a ``measured`` fit recorded on gloo, else NCCL)."""
 
     def __post_init__(self) -> None:
         if self.preset != "measured" and self.preset not in FABRICS:

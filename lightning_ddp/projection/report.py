@@ -29,11 +29,8 @@ from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
 __all__ = ["NO_COST_TOLERANCE", "build_markdown", "memory_verdicts", "write_csv", "write_plots"]
 
 NO_COST_TOLERANCE = 0.05
-"""A sharded strategy's memory saving comes "at no step-time cost" at a world size when its projected step is at
-most ``1 + NO_COST_TOLERANCE`` times the baseline's (``ddp``, else the fastest unsharded strategy): within 5 %. Both
-sides come from the same model, so its shared errors (compute, link) largely cancel; 5 % is about the spread of
-the published 2-GPU runs between bucket sizes of one strategy (0.3-3 %) plus the contention model's residual
-error on overlapped strategies, well below the 15 % the model's absolute step times are held to."""
+"""A sharded strategy's memory saving is "at no step-time cost" where its step is within 5 % of the baseline's
+(torch DDP, else the fastest unsharded strategy); why 5 %: docs/projection.md."""
 
 
 

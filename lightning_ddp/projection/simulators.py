@@ -57,13 +57,7 @@ class Interval:
 
 
 class Timeline:
-    """The two streams of one step. Times in milliseconds.
-
-    ``contention`` (``s``, ``contention.py``): compute that runs while a collective is in flight advances at ``1 /
-    (1 + s)`` of its speed, so a compute interval of ``d`` ms entirely under communication lasts ``d (1 + s)``.
-    Collectives are issued by the compute stream in program order, so every collective that can overlap a compute
-    interval is already on the timeline when that interval is placed (the simulators place work in program order).
-    """
+    """The two streams of one step, times in ms; compute beside a collective runs ``1 + contention`` times slower."""
 
     def __init__(self, contention: float = 0.0) -> None:
         if not contention >= 0:
@@ -319,15 +313,11 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
 def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool,
                      optimizer_fraction: float = 1.0, after: Sequence[Op] = ()) -> StepResult:
-    """Buckets launched from gradient hooks, strictly in bucket order; see the module docstring.
+    """Buckets launched from gradient hooks, strictly in bucket order.
 
-    ``launch[k]``: what launching bucket ``k`` does, in order (its compute delays the rest of backward; its
-    collectives are issued, not waited for). ``finish[k]``: what waiting for it does once backward is over, in
-    bucket order, after every collective of its launch has ended (a collective here is waited for at once). Then
-    the optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
-
-    Backward is placed piece by piece in program order (up to each launch), so that contention can slow the pieces
-    that run beside a collective.
+    ``launch[k]``: what launching bucket ``k`` does (its compute delays the rest of backward; its collectives are
+    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then the optimizer on
+    ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
     """
     p, t = model.profile, model.timeline()
 
@@ -470,11 +460,7 @@ def _padded(numel: int, n: int) -> int:
 
 
 def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
-    """ZeRO-2 (the module docstring's schedule): the bucketed engine's buckets, each packed into a flat buffer
-    padded to a multiple of ``n`` elements and reduce-scattered as soon as it fills (overlapped with the rest of
-    backward; each rank keeps ``1/n`` of the averaged gradients, so nothing is unpacked); after backward the
-    optimizer on the rank's ``1/n`` shard, then per bucket: the updated shard copied in, all-gathered into the
-    padded buffer (exposed: nothing is left to overlap), and copied out into the parameters."""
+    """ZeRO-2: each bucket reduce-scattered as it fills, the optimizer on the shard, then per bucket an all-gather."""
     p, n = model.profile, model.world_size
     params = p.params
     buckets = _engine_buckets(params, bucket_size_mb)
@@ -540,19 +526,10 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
 
 
 def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    """FSDP2: torch's ``fully_shard`` on each transformer block and on the root (``transformer_blocks``).
+    """FSDP2: ``fully_shard`` on each transformer block and on the root; the schedule is in docs/projection.md.
 
-    Forward: the root's all-gather, then per block its all-gather, issued one block ahead (block ``i + 1``'s when
-    block ``i`` starts) and copied out of the gather buffer before the block runs; the root keeps its parameters
-    (the root is not resharded after forward), blocks reshard theirs. Backward: each block's all-gather again,
-    one block ahead (the last block's at the start of backward), its backward, its gradients copied into a
-    padded buffer and reduce-scattered (overlapped with the next block's backward); the root's reduce-scatter
-    after the whole backward. Then the optimizer on the shard (``1/n`` of the padded elements). Nothing after:
-    the next forward's all-gathers fetch the updated shards.
-
-    Block times come from the profile: a block's backward is the backward work between the previous block's
-    last gradient and its own (``ready_ms``), its forward the same share of ``forward_ms``; the root's split
-    around them (lm_head and final norm before the first block's backward, the embedding after the last).
+    Block times come from the profile: a block's backward is the work between the previous block's last gradient
+    and its own, its forward the same share of ``forward_ms``.
     """
     p, n, t = model.profile, model.world_size, model.timeline()
     params = p.params
@@ -645,21 +622,10 @@ def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
 
 def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float] = 25.0, rank: int = 4,
                                min_compression_rate: float = 2.0) -> StepResult:
-    """PowerSGD on the bucketed engine's buckets (the module docstring's schedule; the engine's recipe is in
-    ``lightning_ddp/sync/bucketed_powersgd.py``), in its steady state: every step compressed, ``E`` and ``Q`` kept.
+    """PowerSGD on the bucketed engine's buckets, in its steady state (every step compressed, ``E`` and ``Q`` kept).
 
-    Per compressed ``rows x cols`` matrix (``k`` its rank) the kernels the engine runs, each as
-    ``StepModel.kernel_ms(FLOPs, bytes read + written)``, with ``g`` the gradient's element size and ``f`` that of
-    ``M``, ``E``, ``P``, ``Q`` (fp32, or the gradient's if wider) and ``rc = rows * cols``:
-
-    - launch: ``M = G`` copied (``rc (g + f)`` bytes), ``M += E`` (``3 rc f``), QR of ``Q`` (``2 cols k^2`` FLOPs),
-      ``P = M Q`` (``2 rc k`` FLOPs, ``(rc + cols k + rows k) f`` bytes), ``P /= n``;
-    - finish: QR of ``P`` (``2 rows k^2``), ``Q = M^T P`` (as ``M Q``), ``Q /= n``; after the ``Q`` round, ``P Q^T``
-      (``2 rc k`` FLOPs, writes ``rc f``), copied into the bucket (``rc (f + g)``), ``E = M - P Q^T`` (``rc (2 f + g)``).
-
-    The uncompressed elements (vectors, small matrices, the last bucket's missing-gradient sentinel) are gathered
-    (``torch.cat`` and ``/ n``: ``4 g`` bytes each) and written back (``2 g``). Wire bytes per bucket: ``g`` per
-    uncompressed element plus ``f (rows + cols) k`` per matrix: ``BucketPlan.sent_numel`` elements.
+    Every kernel the engine runs per compressed matrix is a ``StepModel.kernel_ms(FLOPs, bytes)`` roofline; the
+    kernel list with its FLOPs and bytes is in docs/projection.md.
     """
     p = model.profile
     if not p.has_shapes:

@@ -34,10 +34,7 @@ COLUMNS: tuple[str, ...] = (
     "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms", "exposed_comm_ms", "comm_share",
     "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket", "contention_ms", "memory_gb",
 )
-"""results.csv columns: per strategy, engine settings (e.g. ``rank=4``; empty: the defaults), world size and bucket
-size (empty for strategies without one); ``best_bucket`` is ``true`` on the bucket size with the shortest step for
-its strategy, settings and world size; ``contention_ms``: compute time added by the contention model
-(``contention``); ``memory_gb``: model-state GB per rank (``memory.state_bytes``)."""
+"""results.csv columns (docs/projection.md defines each)."""
 
 
 def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], world_sizes: Sequence[int],
