@@ -16,7 +16,7 @@ __all__ = ["DDP_BUCKET_CAP_BYTES", "DDP_FIRST_BUCKET_BYTES", "MiB", "assign_buck
 
 MiB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
-"""torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first (last-layer) bucket is small so communication starts early."""
+"""torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first (last-layer) bucket starts communication early."""
 DDP_BUCKET_CAP_BYTES = 25 * MiB
 """torch DDP's default ``bucket_cap_mb`` (25 MiB)."""
 

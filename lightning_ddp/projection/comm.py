@@ -51,7 +51,7 @@ def ring_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -
 
 
 def tree_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """``2·ceil(log2 n)·alpha + 2 · S / B`` seconds (reduce up, broadcast down a double binary tree); 0 on one rank."""
+    """``2·ceil(log2 n)·alpha + 2 · S / B`` seconds (up and down a double binary tree); 0 on one rank."""
     if n <= 1:
         return 0.0
     return 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bandwidth
@@ -127,7 +127,8 @@ class Fabric:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"fabric {self.name!r}: unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+            raise ValueError(f"fabric {self.name!r}: unknown algorithm {self.algorithm!r}; "
+                             f"choose one of {', '.join(ALGORITHMS)}")
         if self.gpus_per_node < 1 or self.nics_per_node < 1:
             raise ValueError(f"fabric {self.name!r}: gpus_per_node and nics_per_node must be >= 1")
         if self.call_overhead_s < 0:
@@ -216,7 +217,8 @@ class Fabric:
 
     def describe(self) -> str:
         """One line for reports."""
-        text = (f"{self.intra.name} {self.intra.bandwidth_Bps / 1e9:g} GB/s busbw, alpha {self.intra.latency_s * 1e6:g} us")
+        intra = self.intra
+        text = f"{intra.name} {intra.bandwidth_Bps / 1e9:g} GB/s busbw, alpha {intra.latency_s * 1e6:g} us"
         if self.inter is not None:
             text += (f"; {self.gpus_per_node} GPUs/node; {self.nics_per_node} x {self.inter.name} "
                      f"{self.inter.bandwidth_Bps / 1e9:g} GB/s, alpha {self.inter.latency_s * 1e6:g} us")
@@ -288,10 +290,12 @@ class MeasuredFit:
 
     def __post_init__(self) -> None:
         if self.overhead_s < 0 or not self.bandwidth_Bps > 0:
-            raise ValueError(f"measured fit: need overhead_s >= 0 and bandwidth_Bps > 0, got {self.overhead_s!r} and "
-                             f"{self.bandwidth_Bps!r}; refit with lightning_ddp.sync.bucket_model.fit_latency_bandwidth")
+            raise ValueError(f"measured fit: need overhead_s >= 0 and bandwidth_Bps > 0, got {self.overhead_s!r} "
+                             f"and {self.bandwidth_Bps!r}; refit with "
+                             "lightning_ddp.sync.bucket_model.fit_latency_bandwidth")
         if self.world_size < 2:
-            raise ValueError(f"measured fit: world_size must be >= 2 (a fit on one rank measures no link), got {self.world_size}")
+            raise ValueError("measured fit: world_size must be >= 2 (a fit on one rank measures no link), "
+                             f"got {self.world_size}")
 
     def fabric(self, overhead_scaling: Literal["per_hop", "per_call"] = "per_hop",
                algorithm: Algorithm = "ring") -> Fabric:
@@ -315,8 +319,9 @@ def read_fit(path: str | os.PathLike) -> MeasuredFit:
     """Read ``overhead_s``, ``bandwidth_Bps`` (and ``world_size``, ``backend``, ``device``) from a fit JSON file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"all-reduce fit {str(path)!r} does not exist; run the sweep with `run.predict_bucket_size: true` "
-                         "(it writes bucket_prediction.json) or point `network.fit_path` at such a file")
+        raise ValueError(f"all-reduce fit {str(path)!r} does not exist; run the sweep with "
+                         "`run.predict_bucket_size: true` (it writes bucket_prediction.json) or point "
+                         "`network.fit_path` at such a file")
     data = json.loads(path.read_text(encoding="utf-8"))
     missing = [k for k in ("overhead_s", "bandwidth_Bps") if data.get(k) is None]
     if missing:

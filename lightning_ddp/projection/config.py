@@ -47,7 +47,7 @@ class ComputeConfig:
     seq_len: int = 512
     """Sequence length (tokens per sequence)."""
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "bf16-mixed"
-    """Training precision: sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
+    """Sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
     gpu: str = "h100-sxm"
     """A key of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, a100-pcie-40gb, ...): peak FLOP/s and memory bandwidth
     (only the bandwidth, for copies, with ``source: profile``)."""
@@ -136,7 +136,7 @@ class StudyConfig:
     strategies: list[str] = field(default_factory=simulated_names)
     """Strategies to simulate, by catalogue name; default: every entry with a projection model."""
     world_sizes: list[int] = field(default_factory=lambda: [2, 8, 64, 512, 1024])
-    """Numbers of data-parallel ranks (one GPU each); on two-level fabrics, those above a node must fill whole nodes."""
+    """Data-parallel ranks (one GPU each); on two-level fabrics, those above a node must fill whole nodes."""
     bucket_sizes_mb: list[float] = field(default_factory=lambda: [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000])
     """Bucket caps in MiB for the strategies with buckets; the report picks the best per world size."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
@@ -171,7 +171,8 @@ class StudyConfig:
             raise ValueError("`study.world_sizes` is empty; list at least one, e.g. `--study.world_sizes [2,8]`")
         bad = [n for n in self.world_sizes if not (isinstance(n, int) and n >= 2)]
         if bad:
-            raise ValueError(f"`study.world_sizes` must hold integers >= 2 (data parallelism needs two ranks), got {bad[0]!r}")
+            raise ValueError(f"`study.world_sizes` must hold integers >= 2 (data parallelism needs two ranks), "
+                             f"got {bad[0]!r}")
         self.world_sizes = sorted(set(self.world_sizes))
         if any(catalogue.get(s).has_bucket_size for s in self.strategies) and not self.bucket_sizes_mb:
             raise ValueError("`study.bucket_sizes_mb` is empty but a bucketed strategy is listed; give sizes in MiB, "

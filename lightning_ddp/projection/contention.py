@@ -50,7 +50,7 @@ def backend_contention(backend: str) -> float:
 
 
 def fit_contention(loss: Callable[[float], float]) -> float:
-    """The ``s`` of the grid (``GRID``, then 0.01 steps around the best) with the smallest ``loss(s)``, rounded to 0.01.
+    """The ``s`` of ``GRID`` (then 0.01 steps around the best) with the smallest ``loss(s)``, rounded to 0.01.
 
     >>> fit_contention(lambda s: (s - 0.37) ** 2)
     0.37
@@ -75,11 +75,13 @@ def _errors(pairs: Sequence[tuple[float, float]]) -> str:
         return "no cells"
     errors = [p / m - 1 for p, m in pairs]
     fast = sum(1 for e in errors if e < 0)
-    return (f"{fast}/{len(errors)} predicted too fast, median |error| {100 * statistics.median(map(abs, errors)):.1f} %, "
+    median = statistics.median(map(abs, errors))
+    return (f"{fast}/{len(errors)} predicted too fast, median |error| {100 * median:.1f} %, "
             f"mean |error| {100 * statistics.fmean(map(abs, errors)):.1f} %")
 
 
-def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], contention: float) -> list[str]:
+def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]],
+                         contention: float) -> list[str]:
     """Markdown lines: the CPU validation's step errors without and with contention, on all cells and held out."""
     def pairs(cells: Sequence[dict[str, Any]], held_out: Optional[bool]) -> list[tuple[float, float]]:
         return [(c["predicted_step_ms"], c["measured_step_ms"]) for c in cells
@@ -92,8 +94,8 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
     return [
         "## Contention: compute slowed while collectives run", "",
         f"gloo's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
-        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} cells' step times, bounded by `S_MAX` = {S_MAX:g}); "
-        "the table above is with it. Step time, before (s = 0) -> after:", "",
+        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} cells' step times, bounded by `S_MAX` = "
+        f"{S_MAX:g}); the table above is with it. Step time, before (s = 0) -> after:", "",
         f"- all {len(after)} cells: {_errors(pairs(before, None))} -> {_errors(pairs(after, None))}",
         f"- fitting subset (batch {FIT_BATCH}): {_errors(pairs(before, False))} -> {_errors(pairs(after, False))}",
         f"- held out (the other batch sizes): {_errors(pairs(before, True))} -> {_errors(pairs(after, True))}",
@@ -101,7 +103,7 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
         f"The fit sits at its bound: the step-time error keeps falling past s = {S_MAX:g}, because most of the CPU "
         "cells' bias is not compute contention. Naive and flat overlap nothing and are as fast as before; every cell "
         "simulates compute from its own profile, recorded in the cell (its backward already slowed by the other rank "
-        "and by gloo's threads); and the all-reduce fit was measured with nothing else running, so communication under "
-        "load is slower than the model's (measured shares exceed predicted ones, and contention, which makes the wait "
-        "shorter, widens that gap).", "",
+        "and by gloo's threads); and the all-reduce fit was measured with nothing else running, so communication "
+        "under load is slower than the model's (measured shares exceed predicted ones, and contention, which makes "
+        "the wait shorter, widens that gap).", "",
     ]

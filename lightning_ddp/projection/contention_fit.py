@@ -32,8 +32,8 @@ def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CP
     sweep = Path(sweep)
     for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
         if not (sweep / name).is_file():
-            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json and "
-                             "bucket_prediction.json (e.g. benchmarks/results/cpu)")
+            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json "
+                             "and bucket_prediction.json (e.g. benchmarks/results/cpu)")
 
     def loss(s: float) -> float:
         return _mean_squared_log([(c["predicted_step_ms"], c["measured_step_ms"])
@@ -43,7 +43,7 @@ def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CP
 
 
 def fit_nccl() -> float:
-    """``s`` for NCCL, fitted on the wait share of the published 2-GPU xl runs of batch ``FIT_BATCH`` (``pcie_gen4``)."""
+    """``s`` for NCCL, fitted on the wait share of the published batch-``FIT_BATCH`` runs on ``pcie_gen4``."""
     return fit_contention(lambda s: statistics.fmean((c.predicted["pcie_gen4"][2] - c.run.ratio) ** 2
                                                      for c, _, _ in published_pairs(s, held_out=False)))
 

@@ -78,7 +78,8 @@ class ModelShape:
         from lightning_ddp.model import get_config  # the presets' one source of truth
 
         config = get_config(name, **overrides)
-        return cls(config.d_model, config.n_layers, config.n_heads, config.d_ff, config.vocab_size, config.tie_embeddings)
+        return cls(config.d_model, config.n_layers, config.n_heads, config.d_ff, config.vocab_size,
+                   config.tie_embeddings)
 
     def parameters(self) -> list[tuple[str, int]]:
         """``(name, numel)`` of every trainable parameter in ``module.parameters()`` order."""
@@ -158,11 +159,13 @@ def modelled_profile(
     peak = spec.bf16_flops / 2 if precision == "32-true" else spec.bf16_flops
     fwd_bwd_ms = 1e3 * tokens * shape.flops_per_token(seq_len) / (peak * mfu)
     optimizer_ms = 1e3 * shape.num_params * optimizer_bytes_per_param / (spec.memory_Bps * memory_efficiency)
-    source = f"modelled: {spec.name}, MFU {mfu:g}, AdamW {optimizer_bytes_per_param:g} B/param at {memory_efficiency:g} x HBM"
+    source = (f"modelled: {spec.name}, MFU {mfu:g}, AdamW {optimizer_bytes_per_param:g} B/param at "
+              f"{memory_efficiency:g} x HBM")
     if calibrate_step_ms is not None:
         if not calibrate_step_ms > optimizer_ms:
-            raise ValueError(f"calibrate_step_ms={calibrate_step_ms:g} ms leaves no time for forward and backward after the "
-                             f"modelled optimizer ({optimizer_ms:.4g} ms); give a larger step or a faster GPU")
+            raise ValueError(f"calibrate_step_ms={calibrate_step_ms:g} ms leaves no time for forward and backward "
+                             f"after the modelled optimizer ({optimizer_ms:.4g} ms); give a larger step or a faster "
+                             "GPU")
         fwd_bwd_ms = calibrate_step_ms - optimizer_ms
         source += f"; forward + backward calibrated to a {calibrate_step_ms:g} ms compute-only step"
     forward_ms, backward_ms = fwd_bwd_ms / 3, 2 * fwd_bwd_ms / 3
@@ -172,6 +175,7 @@ def modelled_profile(
         ParamTiming(name, numel, numel * element, backward_ms if done is None else backward_ms * done / total_bwd)
         for (name, numel), done in zip(shape.parameters(), shape.backward_ready_flops(seq_len))
     )
-    return ComputeProfile(forward_ms, backward_ms, optimizer_ms, params, source=source, device=spec.name, preset=preset,
-                          batch_size=batch_size, seq_len=seq_len, precision=precision, world_size=world_size,
+    return ComputeProfile(forward_ms, backward_ms, optimizer_ms, params, source=source, device=spec.name,
+                          preset=preset, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                          world_size=world_size,
                           extra={"mfu": mfu, "gpu": dataclasses.asdict(spec)})

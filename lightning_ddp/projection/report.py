@@ -147,7 +147,8 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
     return lines
 
 
-def _caveats(profile: ComputeProfile, results: Sequence[StepResult], best: dict[tuple[str, int], StepResult]) -> list[str]:
+def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
+             best: dict[tuple[str, int], StepResult]) -> list[str]:
     lines = ["", "## Caveats", ""]
     unmodelled = unmodelled_names()
     if unmodelled:
@@ -156,18 +157,18 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult], best: dict[
     lines += _zero1_caveat(profile, best) + _powersgd_caveat(profile, results)
     fsdp2 = simulated_by(simulate_fsdp2)
     if any(r.strategy in fsdp2 for r in results):
-        lines.append(f"- `{fsdp2[0]}` runs its all-gathers and reduce-scatters on the one communication stream, in issue "
-                     "order; torch runs them on two streams that share the link, so where both are busy the model "
-                     "serialises what torch interleaves. Its all-gathers move the parameters at their training width (no "
-                     "`MixedPrecisionPolicy`).")
+        lines.append(f"- `{fsdp2[0]}` runs its all-gathers and reduce-scatters on the one communication stream, in "
+                     "issue order; torch runs them on two streams that share the link, so where both are busy the "
+                     "model serialises what torch interleaves. Its all-gathers move the parameters at their training "
+                     "width (no `MixedPrecisionPolicy`).")
     return lines + [
-        "- Compute beside a collective runs `1 + s` times slower (Inputs; `lightning_ddp/projection/contention.py` fits "
-        "`s` per backend). Communication itself is never slowed by compute, and NCCL's `s` was fitted on 2 GPUs over "
-        "PCIe: the published overlapped steps there were still 0.1-0.25 s longer than the model's "
+        "- Compute beside a collective runs `1 + s` times slower (Inputs; `lightning_ddp/projection/contention.py` "
+        "fits `s` per backend). Communication itself is never slowed by compute, and NCCL's `s` was fitted on 2 GPUs "
+        "over PCIe: the published overlapped steps there were still 0.1-0.25 s longer than the model's "
         "(`python -m lightning_ddp.projection.published`).",
-        "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches protocol "
-        "(LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small messages are "
-        "priced roughly and in-network reduction is left out.",
+        "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches "
+        "protocol (LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small "
+        "messages are priced roughly and in-network reduction is left out.",
         "- Every rank is identical: no stragglers, no jitter, no network congestion from other jobs.",
         "",
         "Files: `results.csv` (every cell), `share_vs_world.png`, `step_vs_bucket.png`, `compute_profile.json`, "
@@ -187,8 +188,8 @@ def _zero1_caveat(profile: ComputeProfile, best: dict[tuple[str, int], StepResul
         f"- `{zero1[0].strategy}` is simulated as this project implements it: whole tensors per owner, every rank's "
         "segment padded to the most loaded owner's bytes, so the reduce-scatter and all-gather buffers grow to "
         f"{padding} the gradient bytes (with more ranks than tensors, some own nothing). Its exposed time is net of "
-        "the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 % where the saving exceeds "
-        "the communication: paid for, not overlapped."]
+        "the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 % where the saving "
+        "exceeds the communication: paid for, not overlapped."]
 
 
 def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> list[str]:
@@ -200,12 +201,13 @@ def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> 
     plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
     matrices = sum(1 for m in plan if m)
     return [
-        f"- `{powersgd[0].strategy}` is its steady state: every step compressed (the exact warm-up steps, `start_iter`, "
-        "are left out). Its arithmetic is counted kernel by kernel as the engine runs it, each at the larger of its "
-        "FLOPs at the profile's throughput and its bytes at the copy bandwidth (52 bytes moved per element of an fp32 "
-        "gradient per step: memory-bound at small ranks); the launch latency of its small kernels (about ten, and two "
-        f"QR factorisations, for each of the {matrices} compressed matrices here, issued from Python) is not, so it is "
-        "optimistic where those matrices are small. It is lossy: a step of it is not worth a step of the exact ones."]
+        f"- `{powersgd[0].strategy}` is its steady state: every step compressed (the exact warm-up steps, "
+        "`start_iter`, are left out). Its arithmetic is counted kernel by kernel as the engine runs it, each at the "
+        "larger of its FLOPs at the profile's throughput and its bytes at the copy bandwidth (52 bytes moved per "
+        "element of an fp32 gradient per step: memory-bound at small ranks); the launch latency of its small kernels "
+        f"(about ten, and two QR factorisations, for each of the {matrices} compressed matrices here, issued from "
+        "Python) is not, so it is optimistic where those matrices are small. It is lossy: a step of it is not worth a "
+        "step of the exact ones."]
 
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
@@ -233,8 +235,8 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
 
 def memory_verdicts(best: dict[tuple[str, int], StepResult], names: Sequence[str],
                     sizes: Sequence[int]) -> list[dict[str, Any]]:
-    """Per sharded strategy (the catalogue's ``sharded``) and world size: its memory and step against the baseline's, and whether
-    the saving comes at no step-time cost (``NO_COST_TOLERANCE``)."""
+    """Per sharded strategy (the catalogue's ``sharded``) and world size: its memory and step against the
+    baseline's, and whether the saving comes at no step-time cost (``NO_COST_TOLERANCE``)."""
     out = []
     for n in sizes:
         unsharded = [best[(v, n)] for v in names if (v, n) in best and not _sharded(v)]
@@ -266,7 +268,8 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
         cells = []
         for n in sizes:
             r = best.get((name, n))
-            cells.append("" if r is None or r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}")
+            text = "" if r is None or r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}"
+            cells.append(text)
         lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
     verdicts = memory_verdicts(best, names, sizes)
     if verdicts:
@@ -286,7 +289,8 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
 
 
 def _copy_text(config) -> str:
-    return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {config.compute.memory_efficiency:g})"
+    efficiency = config.compute.memory_efficiency
+    return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {efficiency:g})"
 
 
 def _save(fig, path: Path) -> Path:
@@ -329,8 +333,10 @@ def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputePr
         axes = fig.subplots(1, len(bucketed), squeeze=False)[0]
         for ax, name in zip(axes, bucketed):
             for n in sizes:
-                points = sorted((r for r in results if r.variant == name and r.world_size == n), key=lambda r: r.bucket_size_mb)
-                line = ax.plot([r.bucket_size_mb for r in points], [r.step_ms for r in points], marker=".", label=f"{n} ranks")
+                points = sorted((r for r in results if r.variant == name and r.world_size == n),
+                                key=lambda r: r.bucket_size_mb)
+                line = ax.plot([r.bucket_size_mb for r in points], [r.step_ms for r in points], marker=".",
+                               label=f"{n} ranks")
                 b = best[(name, n)]
                 ax.plot([b.bucket_size_mb], [b.step_ms], marker="*", markersize=12, color=line[0].get_color())
             ax.axhline(profile.compute_ms, color="grey", linestyle="--", label="compute only")

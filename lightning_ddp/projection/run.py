@@ -37,7 +37,8 @@ def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> 
     missing = [p.name for p in profile.params if p.name not in shapes]
     if missing:
         raise ValueError(f"no shape for parameter {missing[0]!r} of the compute profile")
-    return dataclasses.replace(profile, params=tuple(dataclasses.replace(p, shape=shapes[p.name]) for p in profile.params))
+    params = tuple(dataclasses.replace(p, shape=shapes[p.name]) for p in profile.params)
+    return dataclasses.replace(profile, params=params)
 
 
 def build_profile(compute) -> ComputeProfile:
@@ -46,9 +47,10 @@ def build_profile(compute) -> ComputeProfile:
         return read_profile(compute.profile_path)
     shape = ModelShape.from_preset(compute.preset)
     profile = modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=gpu_spec(compute), mfu=compute.mfu,
-                               precision=compute.precision, optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
-                               memory_efficiency=compute.memory_efficiency, calibrate_step_ms=compute.calibrate_step_ms,
-                               preset=compute.preset)
+                               precision=compute.precision,
+                               optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
+                               memory_efficiency=compute.memory_efficiency,
+                               calibrate_step_ms=compute.calibrate_step_ms, preset=compute.preset)
     return with_shapes(profile, gpt_parameter_shapes(shape))
 
 
@@ -95,8 +97,8 @@ def run_projection(config) -> ProjectionOutcome:
         write_csv(out_dir / "results.csv", rows),
         write_atomically(out_dir / "results.md", build_markdown(config, profile, fabric, results)),
         write_profile(profile, out_dir / "compute_profile.json"),
-        write_atomically(out_dir / "environment.json", json.dumps(describe_environment(config, profile, fabric), indent=2,
-                                                                  default=str) + "\n"),
+        write_atomically(out_dir / "environment.json",
+                         json.dumps(describe_environment(config, profile, fabric), indent=2, default=str) + "\n"),
     ]
     if config.output.plots:
         files += write_plots(out_dir, results, profile)

@@ -61,7 +61,8 @@ class Timeline:
 
     def __init__(self, contention: float = 0.0) -> None:
         if not contention >= 0:
-            raise ValueError(f"contention must be >= 0 (compute slowed by 1 + s while a collective runs), got {contention!r}")
+            raise ValueError(f"contention must be >= 0 (compute slowed by 1 + s while a collective runs), "
+                             f"got {contention!r}")
         self.contention = contention
         self.intervals: list[Interval] = []
         self.comm_free_ms = 0.0
@@ -191,11 +192,11 @@ class StepResult:
     settings: dict[str, Any] = field(default_factory=dict)
     """The engine settings it was simulated with (``simulate(..., **settings)``), e.g. ``{"rank": 4}``."""
     contention_ms: float = 0.0
-    """Compute time added by the contention model (compute slowed while collectives run); part of ``exposed_comm_ms``."""
+    """Compute time added by contention (compute slowed while collectives run); part of ``exposed_comm_ms``."""
     memory_bytes: Optional[int] = None
     """Model-state bytes per rank (``projection.memory``); set by ``sweep.project``."""
     buffer_bytes: int = 0
-    """Engine state beyond the bucket buffers its memory model counts: bf16's wire copies, PowerSGD's ``E`` and ``Q``."""
+    """Engine state beyond the bucket buffers its memory model counts (bf16's wire copies, PowerSGD's E and Q)."""
 
     @property
     def variant(self) -> str:
@@ -218,7 +219,7 @@ class StepResult:
 
     @property
     def wait_share(self) -> float:
-        """``waited_comm_ms / step_ms``: the share a timer around the waits reports; ``comm_share`` without contention."""
+        """``waited_comm_ms / step_ms``: the share a timer around the waits reports."""
         return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
@@ -294,7 +295,8 @@ class Op:
 
 
 def _bucket_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
-                     wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float], presence_flags: bool) -> StepResult:
+                     wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
+                     presence_flags: bool) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order: each packed, then all-reduced in one call;
     unpacked once waited for (see the module docstring)."""
     labels = [_bucket_label(model, bucket, k) for k, bucket in enumerate(buckets)]
@@ -424,7 +426,8 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
     params = model.profile.params
     never = float("inf")
     # gradient-ready order (ties: reverse parameters() order, the autograd order); no-gradient parameters last
-    order = sorted(reversed(range(len(params))), key=lambda i: never if params[i].ready_ms is None else params[i].ready_ms)
+    order = sorted(reversed(range(len(params))),
+                   key=lambda i: never if params[i].ready_ms is None else params[i].ready_ms)
     buckets = ddp_buckets([q.bytes for q in params], order)
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
@@ -571,7 +574,9 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
         cursor = t.compute(f"forward block {k}", cursor, scale * backward_ms[k])
     cursor = t.compute("forward (head)", cursor, scale * head_end)
     # backward
-    gathered = {order[0]: all_gather(_group_label(params, blocks[order[0]]), cursor, gather[order[0]])} if blocks else {}
+    gathered = {}
+    if blocks:
+        gathered[order[0]] = all_gather(_group_label(params, blocks[order[0]]), cursor, gather[order[0]])
     cursor = t.compute("backward (head)", cursor, head_end)
     last_comm = cursor
     for j, k in enumerate(order):
@@ -632,8 +637,8 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         missing = next(q.name for q in p.params if q.shape is None)
         raise ValueError(
             f"PowerSGD's model needs every parameter's shape (which gradients are matrices), but the compute profile "
-            f"has none for {missing!r}: use a modelled profile (`compute.source: flops`) or one the CommTimer recorded "
-            "with shapes, or leave it out of `study.strategies`"
+            f"has none for {missing!r}: use a modelled profile (`compute.source: flops`) or one the CommTimer "
+            "recorded with shapes, or leave it out of `study.strategies`"
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank (the PowerSGD approximation rank) must be an int >= 1, got {rank!r}; e.g. rank=4")
@@ -671,7 +676,8 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
                    + kernel(2 * cols * k * k, 2 * cols * k * f)  # orthogonalise Q
                    + kernel(2 * rows * cols * k, (rows * cols + cols * k + rows * k) * f)  # P = M Q
                    for rows, cols, k in matrices) + kernel(0, 2 * p_numel * f)  # P /= n
-        steps += [Op("compute", f"PowerSGD P {b}", p_ms), Op("collective", f"{label} [PowerSGD P]", nbytes=round(p_numel * f))]
+        steps += [Op("compute", f"PowerSGD P {b}", p_ms),
+                  Op("collective", f"{label} [PowerSGD P]", nbytes=round(p_numel * f))]
         launch.append(steps)
         q_ms = model.copy_ms(2 * uncompressed * g) + sum(  # write back the uncompressed elements
             kernel(2 * rows * k * k, 2 * rows * k * f)  # orthogonalise P
@@ -681,7 +687,8 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
                             + kernel(0, rows * cols * (f + g))  # into the bucket
                             + kernel(0, rows * cols * (2 * f + g))  # E = M - P Q^T
                             for rows, cols, k in matrices)
-        finish.append([Op("compute", f"PowerSGD Q {b}", q_ms), Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
+        finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
+                       Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
     result = _staged_schedule(model, "bucketed_powersgd", bucket_size_mb, buckets, launch=launch, finish=finish,
                               presence_flags=_missing(model))

@@ -31,7 +31,8 @@ from lightning_ddp.projection.simulators import (
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
 
 COLUMNS: tuple[str, ...] = (
-    "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms", "exposed_comm_ms", "comm_share",
+    "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms",
+    "exposed_comm_ms", "comm_share",
     "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket", "contention_ms", "memory_gb",
 )
 """results.csv columns (docs/projection.md defines each)."""

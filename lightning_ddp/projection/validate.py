@@ -99,7 +99,8 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         row: dict[str, Any] = {
             "cell_id": r["cell_id"], "strategy": r["strategy"], "bucket_size_mb": size or "",
             "engine_settings": r.get("engine_settings") or "",
-            "batch_size": int(r["batch_size"]), "context_length": int(r["context_length"]), "precision": r["precision"],
+            "batch_size": int(r["batch_size"]), "context_length": int(r["context_length"]),
+            "precision": r["precision"],
             "measured_step_ms": float(r["step_ms_median"]), "measured_step_lo": _float(r.get("step_ms_lo")),
             "measured_step_hi": _float(r.get("step_ms_hi")), "measured_share": _float(r.get("comm_share")),
             "predicted_step_ms": predicted.step_ms, "predicted_share": predicted.wait_share,
@@ -132,7 +133,8 @@ def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]
     for group in groups.values():
         for i, a in enumerate(group):
             for b in group[i + 1:]:
-                if None in (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"]):
+                bounds = (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"])
+                if None in bounds:
                     continue
                 if a["measured_step_hi"] < b["measured_step_lo"]:
                     faster, slower = a, b
