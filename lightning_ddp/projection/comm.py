@@ -22,58 +22,13 @@ __all__ = [
     "Fabric",
     "Link",
     "MeasuredFit",
-    "all_gather_time",
-    "broadcast_time",
     "get_fabric",
     "read_fit",
-    "reduce_scatter_time",
-    "ring_allreduce_time",
-    "tree_allreduce_time",
 ]
 
 Algorithm = Literal["ring", "tree", "auto"]
 ALGORITHMS: tuple[str, ...] = ("ring", "tree", "auto")
 """All-reduce algorithms: ``ring``, ``tree``, or ``auto`` (the cheaper of the two per message, as NCCL's tuner)."""
-
-
-# ---- the formulas --------------------------------------------------------------------------------------------
-
-
-def ring_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """``2(n-1)·alpha + 2(n-1)/n · S / B`` seconds; 0 on one rank.
-
-    >>> round(ring_allreduce_time(1e9, 2, 1e-5, 1e10), 9)  # 2 steps of 10 us + 1 GB / 10 GB/s
-    0.10002
-    """
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
-
-
-def tree_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """``2·ceil(log2 n)·alpha + 2 · S / B`` seconds (up and down a double binary tree); 0 on one rank."""
-    if n <= 1:
-        return 0.0
-    return 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bandwidth
-
-
-def reduce_scatter_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """Ring reduce-scatter of an ``S``-byte input: ``(n-1)·alpha + (n-1)/n · S / B``; 0 on one rank."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
-
-
-def all_gather_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """Ring all-gather into an ``S``-byte output: ``(n-1)·alpha + (n-1)/n · S / B``; 0 on one rank."""
-    return reduce_scatter_time(nbytes, n, alpha, bandwidth)
-
-
-def broadcast_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """Pipelined ring broadcast: ``(n-1)·alpha + S / B`` (nccl-tests busbw factor 1); 0 on one rank."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * alpha + nbytes / bandwidth
 
 
 # ---- links and fabrics ---------------------------------------------------------------------------------------
@@ -180,8 +135,8 @@ class Fabric:
             return 0.0
         m = self.nodes(n)
         bandwidth = self.bus_bandwidth(n)
-        if self.inter is None:  # one level: the textbook double binary tree over all ranks
-            return self.call_overhead_s + tree_allreduce_time(nbytes, n, self.intra.latency_s, bandwidth)
+        if self.inter is None:  # one level: the textbook double binary tree over all ranks, up and down
+            return self.call_overhead_s + 2 * math.ceil(math.log2(n)) * self.intra.latency_s + 2 * nbytes / bandwidth
         # NCCL: a chain inside each node, a double binary tree over nodes (tuning.cc)
         ranks_per_node = n // m
         latency = 2 * ((ranks_per_node - 1) * self.intra.latency_s + math.ceil(math.log2(m)) * self.inter.latency_s)

@@ -39,13 +39,6 @@ from lightning_ddp.projection import (
 from lightning_ddp import catalogue
 from lightning_ddp.projection.__main__ import main, parse_config
 from lightning_ddp.projection.buckets import assign_buckets, assign_owners, ddp_buckets
-from lightning_ddp.projection.comm import (
-    all_gather_time,
-    broadcast_time,
-    reduce_scatter_time,
-    ring_allreduce_time,
-    tree_allreduce_time,
-)
 from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
 from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project
 
@@ -83,20 +76,22 @@ def model(profile: ComputeProfile | None = None, n: int = 2) -> StepModel:
 
 
 def test_cost_formulas_at_two_and_eight_ranks():
-    S, B, a = 1e9, 1e10, 1e-5  # 1 GB at 10 GB/s: S / B = 0.1 s; alpha = 10 us
+    S, B, a = 1e9, 1e10, 1e-5  # 1 GB at 10 GB/s: S / B = 0.1 s; alpha = 10 us; no per-call cost
+    ring = Fabric("one level", Link("link", B, a), call_overhead_s=0.0, algorithm="ring")
+    tree = ring.with_changes(algorithm="tree")
     # ring all-reduce: 2(n-1) alpha + 2(n-1)/n S/B
-    assert ring_allreduce_time(S, 2, a, B) == pytest.approx(2 * a + 1.0 * 0.1)  # 0.10002
-    assert ring_allreduce_time(S, 8, a, B) == pytest.approx(14 * a + 1.75 * 0.1)  # 0.17514
+    assert ring.all_reduce_s(S, 2) == pytest.approx(2 * a + 1.0 * 0.1)  # 0.10002
+    assert ring.all_reduce_s(S, 8) == pytest.approx(14 * a + 1.75 * 0.1)  # 0.17514
     # tree: 2 ceil(log2 n) alpha + 2 S/B
-    assert tree_allreduce_time(S, 2, a, B) == pytest.approx(2 * a + 0.2)  # 0.20002
-    assert tree_allreduce_time(S, 8, a, B) == pytest.approx(6 * a + 0.2)  # 0.20006
+    assert tree.all_reduce_s(S, 2) == pytest.approx(2 * a + 0.2)  # 0.20002
+    assert tree.all_reduce_s(S, 8) == pytest.approx(6 * a + 0.2)  # 0.20006
     # reduce-scatter and all-gather: (n-1) alpha + (n-1)/n S/B
-    for f in (reduce_scatter_time, all_gather_time):
-        assert f(S, 2, a, B) == pytest.approx(a + 0.05)  # 0.05001
-        assert f(S, 8, a, B) == pytest.approx(7 * a + 0.0875)  # 0.08757
-    assert broadcast_time(S, 8, a, B) == pytest.approx(7 * a + 0.1)  # pipelined: (n-1) alpha + S/B
-    for f in (ring_allreduce_time, tree_allreduce_time, reduce_scatter_time, broadcast_time):
-        assert f(S, 1, a, B) == 0.0  # nothing to talk to
+    for f in (ring.reduce_scatter_s, ring.all_gather_s):
+        assert f(S, 2) == pytest.approx(a + 0.05)  # 0.05001
+        assert f(S, 8) == pytest.approx(7 * a + 0.0875)  # 0.08757
+    assert ring.broadcast_s(S, 8) == pytest.approx(7 * a + 0.1)  # pipelined: (n-1) alpha + S/B
+    for f in (ring.all_reduce_s, tree.all_reduce_s, ring.reduce_scatter_s, ring.broadcast_s):
+        assert f(S, 1) == 0.0  # nothing to talk to
 
 
 def test_two_level_fabric_follows_nccl_ring_and_tree():
