@@ -32,17 +32,18 @@ def state_bytes(result: StepResult, model: StepModel) -> int:
     memory = catalogue.get(result.strategy).memory
     params = model.profile.params
     psi = sum(q.bytes for q in params)
+    replicated = psi + psi + ADAM_STATES * psi  # parameters, gradients, optimizer state
     if memory == "none":
-        return psi + psi + ADAM_STATES * psi  # parameters, gradients, optimizer state
-    if memory == "full":
-        return psi + psi + ADAM_STATES * psi + psi
-    if memory == "bucketed":
-        return psi + psi + ADAM_STATES * psi + _bucket_buffer_bytes(model, result.bucket_size_mb) + result.buffer_bytes
+        return replicated
+    if memory in ("packed", "full_buckets"):  # the packed gradients of the sync; torch DDP's reducer buckets
+        return replicated + psi
+    if memory in ("per_tensor", "bucketed"):
+        return replicated + _bucket_buffer_bytes(model, result.bucket_size_mb) + result.buffer_bytes
     if memory == "zero1":
         return _zero1_bytes(model, psi)
     if memory == "zero2":
         return _zero2_bytes(model, psi, result.bucket_size_mb)
-    if memory == "fsdp2":
+    if memory == "fully_sharded":
         return _fsdp2_bytes(model)
     raise ValueError(f"no projected memory model {memory!r} (of {result.strategy!r}): add it to "
                      "lightning_ddp/projection/memory.py beside its simulate function")

@@ -699,7 +699,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
 # ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------
 
 
-def _load(entry: catalogue.Strategy) -> Callable[..., StepResult]:
+def _load(entry: catalogue.Entry) -> Callable[..., StepResult]:
     module, _, attribute = entry.projection.partition(":")
     try:
         function = getattr(importlib.import_module(module), attribute)
