@@ -19,7 +19,15 @@ from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, FIT_BATCH
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
-from lightning_ddp.projection.simulators import StepModel, simulate
+from lightning_ddp.projection.simulators import (
+    StepModel,
+    simulate,
+    simulate_bucketed,
+    simulate_flat,
+    simulate_naive,
+    simulate_overlap,
+    simulated_by,
+)
 
 __all__ = [
     "PUBLISHED_RUNS",
@@ -39,8 +47,9 @@ OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped wit
 FLAT = "flat write-up: one all-reduce of all gradients flattened, against one per parameter"
 BUCKETED = "bucketed write-up: overlap in buckets of 1, 10, 100 and 1000 MB"
 SOURCES = (NAIVE, OVERLAP, FLAT, BUCKETED)
-STRATEGIES = ("naive_ddp", "overlap_ddp", "flat_ddp", "bucketed_ddp")
-"""The published strategies by catalogue name, in ``SOURCES`` order."""
+STRATEGIES = tuple(simulated_by(model)[0] for model in
+                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
+"""The published strategies by catalogue name (the entries these algorithms' models simulate), in ``SOURCES`` order."""
 NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
 """The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
 

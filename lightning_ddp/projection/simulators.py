@@ -234,8 +234,9 @@ class StepResult:
         return min(1.0, max(0.0, 1.0 - (self.waited_comm_ms - self.copy_ms) / self.busy_comm_ms))
 
 
-def _result(name: str, bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
-    return StepResult(name, bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
+def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
+    """The result of a simulated step; ``simulate`` names its strategy."""
+    return StepResult("", bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
                       t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
 
 
@@ -266,7 +267,7 @@ def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     for param in model.profile.params:  # parameters() order, one blocking call each
         if param.ready_ms is not None:
             cursor = t.collective(param.name, cursor, model.all_reduce_ms(param.bytes), param.bytes)
-    return _result("naive", None, model, t, _optimizer(model, t, cursor))
+    return _result(None, model, t, _optimizer(model, t, cursor))
 
 
 def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
@@ -277,7 +278,7 @@ def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> S
     cursor = t.compute("pack", cursor, model.copy_ms(2 * nbytes), copy=True)
     cursor = t.collective("flat buffer", cursor, model.all_reduce_ms(nbytes), nbytes)
     cursor = t.compute("unpack", cursor, model.copy_ms(2 * nbytes), copy=True)
-    return _result("flat", None, model, t, _optimizer(model, t, cursor))
+    return _result(None, model, t, _optimizer(model, t, cursor))
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,7 @@ class Op:
     """For a collective: ``all_reduce``, ``reduce_scatter`` or ``all_gather`` (``COLLECTIVES``)."""
 
 
-def _bucket_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
+def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
                      presence_flags: bool) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order: each packed, then all-reduced in one call;
@@ -303,7 +304,7 @@ def _bucket_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float
     launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]), Op("collective", labels[k], nbytes=wire_bytes[k])]
               for k in range(len(buckets))]
     finish = [[Op("compute", f"unpack bucket {k}", unpack_ms[k])] for k in range(len(buckets))]
-    return _staged_schedule(model, name, bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
                             presence_flags=presence_flags)
 
 
@@ -312,7 +313,7 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
     return model.profile.params[bucket[0]].name if len(bucket) == 1 else f"bucket {k} ({len(bucket)} tensors)"
 
 
-def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
+def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool,
                      optimizer_fraction: float = 1.0, after: Sequence[Op] = ()) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order.
@@ -361,7 +362,7 @@ def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
     cursor, _ = run(after, _optimizer(model, t, cursor, optimizer_fraction), wait=True)
-    return _result(name, bucket_size_mb, model, t, cursor)
+    return _result(bucket_size_mb, model, t, cursor)
 
 
 def _cap_bytes(bucket_size_mb: Optional[float]) -> Optional[int]:
@@ -394,13 +395,13 @@ def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) 
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     # copied into the buffer (read + write) once; the gradients are views of it afterwards: no unpack
     copies = [model.copy_ms(2 * s) if buffered else 0.0 for s, buffered in zip(sizes, _buffered(buckets))]
-    return _bucket_schedule(model, "bucketed", bucket_size_mb, buckets, wire_bytes=sizes, pack_ms=copies,
+    return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=sizes, pack_ms=copies,
                             unpack_ms=[0.0] * len(buckets), presence_flags=_missing(model))
 
 
 def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
     result = simulate_bucketed(model, bucket_size_mb=1 / MiB)  # a 1-byte cap: one bucket per parameter, as OverlapDDP
-    result.strategy, result.bucket_size_mb = "overlap", None
+    result.bucket_size_mb = None
     return result
 
 
@@ -416,7 +417,7 @@ def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 2
     packs = [(model.copy_ms(2 * s) if b else 0.0) + (model.copy_ms(s + w) if s != w else 0.0)
              for s, w, b in zip(sizes, wire, buffered)]
     unpacks = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
-    result = _bucket_schedule(model, "bucketed_bf16", bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
+    result = _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
                               unpack_ms=unpacks, presence_flags=_missing(model))
     result.buffer_bytes = sum(wire)  # the half-width copy of every bucket
     return result
@@ -431,7 +432,7 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
     buckets = ddp_buckets([q.bytes for q in params], order)
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
-    return _bucket_schedule(model, "ddp", None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
+    return _bucket_schedule(model, None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
                             presence_flags=False)
 
 
@@ -454,7 +455,7 @@ def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     cursor = t.compute("pack own parameters", cursor, model.copy_ms(2 * segment), copy=True)
     cursor = t.collective("all-gather parameters", cursor, model.all_gather_ms(buffer), buffer)
     cursor = t.compute("unpack parameters", cursor, model.copy_ms(buffer + nbytes), copy=True)
-    return _result("zero1", None, model, t, cursor)
+    return _result(None, model, t, cursor)
 
 
 def _padded(numel: int, n: int) -> int:
@@ -484,7 +485,7 @@ def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> 
                   Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
     grad_bytes = sum(q.bytes for q in params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
-    return _staged_schedule(model, "zero2", bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
                             presence_flags=_missing(model), optimizer_fraction=fraction, after=after)
 
 
@@ -595,7 +596,7 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     cursor = max(cursor, last_comm)
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
-    return _result("fsdp2", None, model, t, _optimizer(model, t, cursor, fraction))
+    return _result(None, model, t, _optimizer(model, t, cursor, fraction))
 
 
 def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
@@ -690,7 +691,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
-    result = _staged_schedule(model, "bucketed_powersgd", bucket_size_mb, buckets, launch=launch, finish=finish,
+    result = _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
                               presence_flags=_missing(model))
     result.buffer_bytes = state_bytes  # the error feedback E and the warm-start Q of every compressed matrix, fp32
     return result
