@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_ddp.model_shapes import gpt_parameter_shapes  # re-exported: one source of the GPT's shapes
+from lightning_ddp.model_shapes import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, read_profile, write_atomically, write_profile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
@@ -20,16 +20,7 @@ from lightning_ddp.projection.report import build_markdown, write_csv, write_plo
 from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
 from lightning_ddp.provenance import git_state, invocation, package_version
 
-__all__ = [
-    "ProjectionOutcome",
-    "build_fabric",
-    "build_profile",
-    "copy_bandwidth",
-    "gpt_parameter_shapes",
-    "profile_flops_per_s",
-    "run_projection",
-    "with_shapes",
-]
+__all__ = ["ProjectionOutcome", "build_profile", "profile_flops_per_s", "run_projection", "with_shapes"]
 
 
 def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
@@ -55,14 +46,8 @@ def build_profile(compute) -> ComputeProfile:
 
 
 def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
-    """The profile's own arithmetic throughput: the model's forward + backward FLOPs over their modelled time (the
-    GPU's peak x MFU, or what calibration made of it), for the compute a strategy adds (PowerSGD's products and
-    QR factorisations). ``None`` for a measured profile (``source: profile``): its FLOPs are not recorded, so only
-    the bytes of that compute count.
-
-    The arithmetic it is used for runs in fp32 (``M``, ``E``, ``P``, ``Q``), slower than bf16 matmuls unless TF32
-    is allowed; at small ranks it is bound by memory bandwidth anyway (``StepModel.kernel_ms``).
-    """
+    """The profile's forward + backward FLOP/s (peak x MFU, or what calibration made of it), for the arithmetic a
+    strategy adds (PowerSGD's); ``None`` for a measured profile, whose FLOPs are not recorded (only bytes count)."""
     if compute.source != "flops":
         return None
     shape = ModelShape.from_preset(compute.preset)

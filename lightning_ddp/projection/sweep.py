@@ -108,26 +108,17 @@ def predict_cells(
     copy_bandwidth_Bps: float = 10e9,
     overhead_scaling: Literal["per_hop", "per_call"] = "per_hop",
 ) -> list[dict[str, Any]]:
-    """Predicted step time and communication share per strategy for measured compute profiles.
-
-    The lead's check of the model against this project's CPU sweep: give it the compute profiles the CommTimer
-    wrote for the sweep's cells and the sweep's all-reduce fit (``bucket_prediction.json``), and compare the rows
-    with ``results.csv``.
+    """Predicted step time and share per strategy for measured compute profiles (e.g. the sweep's cells).
 
     Args:
         profiles: ``ComputeProfile`` objects or paths to profile JSON files.
         fit: The all-reduce fit (a ``MeasuredFit``, or a path to its JSON), or any ``Fabric``.
-        strategies: Catalogue names; default: the unsharded strategies without compression (naive, flat, overlap,
-            bucketed, torch DDP).
-        bucket_sizes_mb: Caps for the strategies that take one.
-        world_size: Ranks to predict for; default: each profile's ``world_size`` (2 if it has none).
-        copy_bandwidth_Bps: Memory bandwidth of buffer copies (bytes read + written per second). 10 GB/s is a
-            guess for one process of a 2-core CPU machine; measure a large ``torch.cat`` for a better one.
-        overhead_scaling: How the fit's per-call overhead grows with ranks (``lightning_ddp.projection.comm``).
+        strategies: Catalogue names; default: naive, flat, overlap, bucketed and torch DDP.
+        world_size: Default: each profile's ``world_size`` (2 if it has none).
+        copy_bandwidth_Bps: Bytes read + written per second by buffer copies (10 GB/s: a guess for a 2-core CPU).
 
     Returns:
-        One dict per profile x strategy (x bucket size): the profile's descriptive fields (``preset``,
-        ``batch_size``, ``seq_len``, ``precision``, ``device``, ``profile``) plus ``result_row``'s columns.
+        One dict per profile x strategy (x bucket size): the profile's descriptive fields plus ``result_row``'s.
     """
     if isinstance(fit, (str, os.PathLike)):
         fit = read_fit(fit)

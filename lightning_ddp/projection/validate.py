@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -178,19 +179,13 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
         def measured_at(size: float | None) -> dict[str, Any] | None:
             if size is None:
                 return None
-            return min(group, key=lambda c: abs(_log(c["bucket_size_mb"]) - _log(size)))
+            return min(group, key=lambda c: abs(math.log(c["bucket_size_mb"]) - math.log(size)))
 
         sqrt_cell, projection_cell = measured_at(sqrt_rule_mb), measured_at(projection_mb)
         out.append({"group": key, "sqrt_rule_mb": sqrt_rule_mb, "projection_mb": projection_mb,
                     "measured_at_sqrt": sqrt_cell, "measured_at_projection": projection_cell,
                     "measured_best": best_measured})
     return out
-
-
-def _log(x: float) -> float:
-    import math
-
-    return math.log(x)
 
 
 def _fmt(value: float | None, spec: str) -> str:
