@@ -29,8 +29,6 @@ __all__ = [
     "gpu_spec",
 ]
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-
 
 @dataclass
 class ComputeConfig:
