@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from lightning_ddp import catalogue
-from lightning_ddp.profile import ComputeProfile, write_atomically
+from lightning_ddp.files import write_atomically
+from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import contention_of, copy_bandwidth
 from lightning_ddp.projection.simulators import (
