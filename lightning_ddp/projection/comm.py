@@ -63,7 +63,7 @@ class CommCost(Protocol):
 
 @dataclass(frozen=True)
 class Fabric:
-    """An interconnect: one level (``inter=None``) or NVLink-style nodes joined by a network (module docstring)."""
+    """An interconnect: one level (``inter=None``) or NVLink-style nodes joined by a network (docs/projection.md)."""
 
     name: str
     intra: Link
@@ -254,7 +254,7 @@ class MeasuredFit:
 
     def fabric(self, overhead_scaling: Literal["per_hop", "per_call"] = "per_hop",
                algorithm: Algorithm = "ring") -> Fabric:
-        """The fit as a one-level fabric, extrapolated to any ``n`` as the module docstring states."""
+        """The fit as a one-level fabric, extrapolated to any ``n`` as docs/projection.md states."""
         n0 = self.world_size
         bus = self.bandwidth_Bps * 2 * (n0 - 1) / n0  # nccl-tests busbw of the measured all-reduce
         if overhead_scaling == "per_hop":

@@ -34,7 +34,7 @@ FIT_BATCH = 2
 """The fitting subset: cells with this per-rank batch size; the others are held out."""
 
 S_MAX = 1.0
-"""The largest ``s`` the fit considers: compute at half speed beside a collective (module docstring)."""
+"""The largest ``s`` the fit considers: compute at half speed beside a collective (docs/projection.md)."""
 
 GRID = (0.0, S_MAX, 0.05)
 """Coarse grid of ``s``: start, stop, step; refined to 0.01 around the best point (within ``[0, S_MAX]``)."""

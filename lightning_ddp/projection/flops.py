@@ -20,7 +20,7 @@ from lightning_ddp.profile import ComputeProfile, ParamTiming
 __all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
 
 ADAMW_BYTES_PER_PARAM = 80.0
-"""Bytes read + written per parameter by one step of torch's foreach AdamW on fp32 state (module docstring)."""
+"""Bytes read + written per parameter by one step of torch's foreach AdamW on fp32 state (docs/projection.md)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class ModelShape:
     def backward_ready_flops(self, seq_len: int) -> list[Optional[float]]:
         """Per parameter (``parameters()`` order), backward FLOPs per token done when its gradient is ready.
 
-        ``None`` marks the embedding: its gradient is ready when backward ends (step 3 of the module docstring).
+        ``None`` marks the embedding: its gradient is ready when backward ends (docs/projection.md, Compute).
         """
         names = [name for name, _ in self.parameters()]
         numel = dict(self.parameters())
@@ -141,7 +141,7 @@ def modelled_profile(
     preset: Optional[str] = None,
     world_size: Optional[int] = None,
 ) -> ComputeProfile:
-    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank (module docstring).
+    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank (docs/projection.md).
 
     Args:
         gpu: A ``GPUS`` name or a ``GPUSpec``.

@@ -68,7 +68,7 @@ class ProjectionOutcome:
 
 
 def run_projection(config) -> ProjectionOutcome:
-    """Simulate the grid of ``config`` and write every output file (module docstring)."""
+    """Simulate the grid of ``config`` and write every output file (docs/projection.md)."""
     profile = build_profile(config.compute)
     fabric = build_fabric(config.network)
     for n in config.study.world_sizes:

@@ -177,7 +177,7 @@ class StepModel:
 
 @dataclass
 class StepResult:
-    """One simulated step of one strategy (module docstring)."""
+    """One simulated step of one strategy (docs/projection.md)."""
 
     strategy: str
     bucket_size_mb: Optional[float]
@@ -299,7 +299,7 @@ def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
                      presence_flags: bool) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order: each packed, then all-reduced in one call;
-    unpacked once waited for (see the module docstring)."""
+    unpacked once waited for (docs/projection.md)."""
     labels = [_bucket_label(model, bucket, k) for k, bucket in enumerate(buckets)]
     launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]), Op("collective", labels[k], nbytes=wire_bytes[k])]
               for k in range(len(buckets))]
