@@ -121,7 +121,7 @@ class GradSyncStrategy(DataParallelStrategy):
 
     def __init__(
         self,
-        algorithm: str = "bucketed_ddp",
+        algorithm: str = catalogue.DEFAULT_ENGINE,
         bucket_size_mb: BucketSizeOption = "default",
         engine_settings: dict[str, Any] | None = None,
         **kwargs: Any,
