@@ -266,17 +266,10 @@ def force_sum_reduction(group: nn.Module) -> None:
 
 
 def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[list[nn.Module], str]:
-    """The submodules of ``module`` to shard one group each, and a message saying what was chosen when it was not
-    ``class_names`` ("" when it was).
-
-    1. The modules whose class name is in ``class_names``, the outermost only (a listed class inside another listed
-       one goes with its parent's group).
-    2. None of those (a model that is not our GPT): the repeated layers, as torch's auto-wrap policies and
-       torchtitan shard a Transformer, i.e. the children of every ``nn.ModuleList`` / ``nn.Sequential`` whose
-       children that hold parameters are all of one class and at least two (``nn.Transformer``'s encoder and
-       decoder layers, a ``blocks = nn.ModuleList(...)``), outermost only.
-    3. Neither: nothing; the root then holds every parameter (no per-layer overlap, every parameter gathered at
-       once), and the message names ``shard_modules``, the fix.
+    """The submodules of ``module`` to shard one group each (outermost only), and a message when they are not of
+    ``class_names`` ("" when they are). Without such modules: the repeated layers (the children of a ``ModuleList``
+    or ``Sequential`` that hold parameters, at least two, all of one class), as torch's auto-wrap policies shard a
+    Transformer; without those either, none (the root holds everything) and the message names ``shard_modules``.
     """
     chosen = _outermost(module, lambda sub: type(sub).__name__ in class_names)
     if chosen:
