@@ -67,6 +67,7 @@ __all__ = [
     "dense_peak_flops",
     "find_device",
     "get_device",
+    "job_peak_flops",
     "mig_profile",
 ]
 
@@ -243,3 +244,16 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
     spec = find_device(device_name)
     peak = None if spec is None else spec.peak_flops(dtype)
     return None if peak is None else peak * compute_share(device_name, sm_count)
+
+
+def job_peak_flops(per_rank: list[tuple[object, float | None]]) -> float | None:
+    """The whole job's peak: the sum over its *distinct* devices of ``(device identity, peak)`` per rank.
+
+    Ranks sharing a device count it once; ``None`` if any peak is unknown.
+
+    >>> job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-0"), 1e15)])  # 2 ranks, 1 GPU
+    1000000000000000.0
+    """
+    if any(peak is None for _, peak in per_rank):
+        return None
+    return float(sum(dict(per_rank).values()))

@@ -39,9 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_ddp.files import write_atomically  # re-exported: the projection's writers import it from here
+from lightning_ddp.files import write_atomically
 
-__all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_atomically", "write_profile"]
+__all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_profile"]
 
 SCHEMA = "lightning_ddp.compute_profile/1"
 """The ``schema`` value of version 1; a reader refuses any other."""

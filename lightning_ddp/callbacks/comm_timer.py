@@ -14,7 +14,7 @@ nothing logged. Per measured optimizer step, once gradient accumulation is over,
 
 1. finishes the step's record (``lightning_ddp.sync.record``: on CUDA the step's one ``torch.cuda.synchronize()``,
    after which its CUDA events are read; every mark becomes milliseconds). The record comes from the run's
-   ``Recorder``, which the strategy attaches to its engine when asked (``callbacks.recording``): the timer only
+   ``Recorder``, which the strategy attaches to its engine when asked (``metrics.recording``): the timer only
    observes, it never drives the training step;
 2. all-gathers one small vector per rank (``rank_exchange``: step time, compute time, the launch times of the
    step's collectives on rank 0's clock), from which the step time is the max over ranks (the slowest rank sets
@@ -28,14 +28,14 @@ nothing logged. Per measured optimizer step, once gradient accumulation is over,
 
 Every strategy is measured the same way, Lightning's built-in ``ddp`` (torch ``DistributedDataParallel``)
 included: its bucket all-reduces are recorded through a DDP communication hook equivalent to torch's default
-(``callbacks.recording``), and ``comm/exposed_ms`` runs from the step's last gradient computed (a tensor hook on
+(``metrics.recording``), and ``comm/exposed_ms`` runs from the step's last gradient computed (a tensor hook on
 every trainable parameter) to the gradients usable (``on_before_optimizer_step``) for every strategy; see
 ``accounting.py``. A strategy whose collectives are not ours to record says so with ``comm_recording = "landmarks"``
 (``fsdp2``): its busy time, overlap, wait and bandwidths are "not recorded" (``accounting.NOT_RECORDED``), never 0. A
 strategy whose gradients are computed on other tensors than the LightningModule's parameters (FSDP2's unsharded
 ones) names them with ``watched_parameters()``.
 
-What is measured depends on the strategy (``callbacks.recording.comm_recording``, the one place that decides):
+What is measured depends on the strategy (``metrics.recording.comm_recording``, the one place that decides):
 everything for Lightning's ``ddp`` and ours; for any other strategy (one device, ``fsdp``, ``deepspeed``) step
 time, throughput, memory and the compute profile, with one line at the start of fit saying what is not measured,
 and the ``comm/`` keys left out rather than logged as zeros. ``step/tokens_per_s`` and ``step/mfu`` appear only when
@@ -70,14 +70,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ddp import compat, hardware
-from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
-from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
-from lightning_ddp.callbacks.rank_exchange import StragglerExchange
-from lightning_ddp.callbacks.recording import (comm_recording, measurement_note, recorder_for, release_recorder,
-                                               strategy_label)
-from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.callbacks.tensorboard_views import (MEDIAN_METRICS, custom_scalars_layout, run_hparams, run_metrics,
                                                        strategy_settings)
+from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
+from lightning_ddp.metrics.rank_exchange import StragglerExchange
+from lightning_ddp.metrics.recording import (comm_recording, measurement_note, recorder_for, release_recorder,
+                                             strategy_label)
+from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -384,17 +383,18 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | N
         properties = torch.cuda.get_device_properties(device)
         identity: tuple = (socket.gethostname(), str(getattr(properties, "uuid", device.index)))
         # The SM count makes a MIG slice's peak its share of the GPU, not the whole GPU's (~7x too high for 1g).
-        peak = dense_peak_flops(properties.name, dtype, sm_count=getattr(properties, "multi_processor_count", None))
+        sm_count = getattr(properties, "multi_processor_count", None)
+        peak = hardware.dense_peak_flops(properties.name, dtype, sm_count=sm_count)
     else:
         identity = (socket.gethostname(), os.getpid())  # a CPU rank computes on its own threads
-        peak = dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
+        peak = hardware.dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
     if peak_tflops is not None:
         peak = peak_tflops * 1e12
     per_rank: list = [(identity, peak)]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (identity, peak))
-    return job_peak_flops(per_rank)
+    return hardware.job_peak_flops(per_rank)
 
 
 def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:

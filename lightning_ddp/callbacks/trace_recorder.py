@@ -15,12 +15,12 @@ Recipe, per rank:
    on the training thread: torch's own ``Optimizer.step#AdamW.step`` range encloses the closure (forward and
    backward) and our optimizer range, which is why forward and backward are hooked rather than bracketed by
    ``on_train_batch_start``.
-3. Every traced step is recorded by the run's shared ``Recorder`` (``lightning_ddp.callbacks.recording``; the
+3. Every traced step is recorded by the run's shared ``Recorder`` (``lightning_ddp.metrics.recording``; the
    strategy hands it to its engine), which this callback opens for it; at the end of each traced step, keep the
    finished record's collectives (launch and completion of each, in ``perf_counter`` seconds). Steps outside the
    profiler's recording window are not opened, so they record nothing.
 4. When the last active step ends the profiler hands over the trace: export the Chrome trace, add the
-   communication track (``lightning_ddp.callbacks.comm_track.add_communication_track``: each collective's
+   communication track (``lightning_ddp.metrics.comm_track.add_communication_track``: each collective's
    launch -> completion as an event on the profiler's clock, aligned by the step anchors) and write
    ``rank{R}.pt.trace.json`` into ``dirpath`` (default ``<log_dir>/traces``). That is the layout of
    ``torch.profiler.tensorboard_trace_handler`` (``<worker>[.<span>].pt.trace.json``), so the same files open in
@@ -50,8 +50,8 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.callbacks.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
-from lightning_ddp.callbacks.recording import recorder_for, release_recorder
+from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
+from lightning_ddp.metrics.recording import recorder_for, release_recorder
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Recorder
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_ddp.bench.config import variant_strategy
-from lightning_ddp.profile import ComputeProfile, write_atomically
+from lightning_ddp.files import write_atomically
+from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import contention_of, copy_bandwidth
 from lightning_ddp.projection.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms

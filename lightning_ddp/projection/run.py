@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_ddp.model_shapes import gpt_parameter_shapes  # re-exported: one source of the GPT's shapes
-from lightning_ddp.profile import ComputeProfile, read_profile, write_atomically, write_profile
+from lightning_ddp.files import write_atomically
+from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile

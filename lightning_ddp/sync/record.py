@@ -12,7 +12,7 @@ The life of one optimizer step's record::
     record = recorder.finish_step()      # marks the end; on CUDA the step's one synchronize; every mark -> ms
 
 ``finish_step`` returns the record with every mark converted to **milliseconds since the step's clock anchor**
-(plain floats), so everything downstream (``lightning_ddp.callbacks.accounting``, the trace recorder) is pure
+(plain floats), so everything downstream (``lightning_ddp.metrics.accounting``, the trace recorder) is pure
 arithmetic.
 
 Clocks (the honesty rules):
@@ -217,7 +217,7 @@ class Recorder:
     attribute read per collective and per gradient. A step is armed from ``open_step`` to ``finish_step``; between
     steps the recorder stays armed only with ``open_on_demand`` (the default: a caller that never opens steps, e.g.
     an engine measured on its own, still gets records, the first collective opening an unnumbered step). The
-    observers under Lightning (``lightning_ddp.callbacks.recording``) use ``open_on_demand=False`` and open only the
+    observers under Lightning (``lightning_ddp.metrics.recording``) use ``open_on_demand=False`` and open only the
     steps they measure: the ``CommTimer``'s sampled steps (``every_n_steps``) and the ``TraceRecorder``'s traced ones.
 
     Args:

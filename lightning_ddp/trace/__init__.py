@@ -9,7 +9,7 @@ several runs::
 =====================  ==========================================================================
 ``overlap``            HTA's communication/computation overlap (interval arithmetic: ``lightning_ddp.intervals``)
 ``chrome``             Chrome-trace JSON read back (the recorder writes the communication track:
-                       ``lightning_ddp.callbacks.comm_track``)
+                       ``lightning_ddp.metrics.comm_track``)
 ``render``             the picture: per rank a compute row, on CUDA a GPU-kernel row, a communication row
 =====================  ==========================================================================
 

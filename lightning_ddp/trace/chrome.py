@@ -2,7 +2,7 @@
 collectives.
 
 The track itself, and how its events are put on the trace's clock, is written by
-``lightning_ddp.callbacks.comm_track`` (the ``TraceRecorder``'s half); its names are re-exported here.
+``lightning_ddp.metrics.comm_track`` (the ``TraceRecorder``'s half); its names are re-exported here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from lightning_ddp.callbacks.comm_track import (
+from lightning_ddp.intervals import Interval, merge, subtract
+from lightning_ddp.metrics.comm_track import (
     COMM_TID_BASE,
     MAX_DRIFT_US_PER_S,
     TRACE_SUFFIX,
@@ -21,7 +22,6 @@ from lightning_ddp.callbacks.comm_track import (
     add_communication_track,
     assign_lanes,
 )
-from lightning_ddp.intervals import Interval, merge, subtract
 from lightning_ddp.sync import ranges
 from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
 

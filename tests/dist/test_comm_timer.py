@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.callbacks import METRIC_KEYS
+from lightning_ddp.metrics import METRIC_KEYS
 from lightning_ddp.sync.registry import ALGORITHMS
 from tests.support.cli_utils import REPO, read_scalars, run_cli
 

@@ -1,4 +1,4 @@
-"""Tests for lightning_ddp.callbacks.accounting: hand-made timelines with the expected numbers worked out."""
+"""Tests for lightning_ddp.metrics.accounting: hand-made timelines with the expected numbers worked out."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from lightning_ddp.callbacks import accounting
-from lightning_ddp.callbacks.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
-from lightning_ddp.callbacks.straggler import attribute_wait
+from lightning_ddp.metrics import accounting
+from lightning_ddp.metrics.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
+from lightning_ddp.metrics.straggler import attribute_wait
 from lightning_ddp.intervals import overlap_length, total
 from lightning_ddp.sync.record import Collective, Recorder, SyncRecord
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.callbacks.accounting import (
+from lightning_ddp.metrics.accounting import (
     METRIC_KEYS,
     ClockAnomalyWarning,
     StepTiming,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
-from lightning_ddp.callbacks.recording import comm_recording, measurement_note
+from lightning_ddp.metrics.recording import comm_recording, measurement_note
 from lightning_ddp.sync import BucketedDDP, NaiveDDP, Recorder
 from lightning_ddp.sync.record import StepClock
 

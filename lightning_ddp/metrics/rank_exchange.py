@@ -29,8 +29,8 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_ddp.callbacks.clock_offset import ClockOffset, RoundTrip, estimate_offset
-from lightning_ddp.callbacks.straggler import StragglerStats, attribute_wait, rank_vector, vector_length
+from lightning_ddp.metrics.clock_offset import ClockOffset, RoundTrip, estimate_offset
+from lightning_ddp.metrics.straggler import StragglerStats, attribute_wait, rank_vector, vector_length
 from lightning_ddp.sync.record import SyncRecord
 
 __all__ = ["ClockSync", "StragglerExchange", "count_hosts", "measure_clock_offsets"]

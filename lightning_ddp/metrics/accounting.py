@@ -21,7 +21,7 @@ What is measured, per optimizer step and per rank:
   copies, scaling, bookkeeping. For our engines that is ``finish_gradient_synchronization`` and what surrounds
   it; for torch DDP, the reducer's wait for its last buckets and its copy-back at the end of backward.
   ``comm/pack_ms`` reports the copies and scaling of our engines on their own, wherever they ran.
-- **Waiting versus transfer** (``lightning_ddp.callbacks.straggler``): a collective cannot finish before the last
+- **Waiting versus transfer** (``lightning_ddp.metrics.straggler``): a collective cannot finish before the last
   rank has launched it, so the part of exposed time between this rank's launch and the last rank's launch of the
   same collective is waiting for a straggler (``comm/wait_ms``), the rest moving bytes (``comm/transfer_ms``).
 - **Busy communication**: the time some collective was in flight, each collective counted from when the
@@ -64,7 +64,7 @@ from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.intervals import Interval, overlap_length, total
 
 if TYPE_CHECKING:  # only for annotations: this module must not import torch
-    from lightning_ddp.callbacks.straggler import StragglerStats
+    from lightning_ddp.metrics.straggler import StragglerStats
     from lightning_ddp.sync.record import Collective, SyncRecord
 
 __all__ = [
@@ -293,7 +293,7 @@ def step_metrics(
 ) -> dict[str, float]:
     """The metrics of one optimizer step (``straggler``: what every rank's exchanged launch times say about it).
 
-    ``comm`` is what was recorded of the step's communication (``lightning_ddp.callbacks.recording.comm_recording``):
+    ``comm`` is what was recorded of the step's communication (``lightning_ddp.metrics.recording.comm_recording``):
     ``"full"`` gives every ``comm/`` key; ``"landmarks"`` only ``LANDMARK_KEYS`` (no collective was recorded, so
     busy time, overlap, bandwidths, calls and bytes are unknown); ``None`` none of them (nothing was seen, or there
     is no communication: one device). Unknown values are absent, never 0.
