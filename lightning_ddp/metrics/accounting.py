@@ -1,52 +1,9 @@
 """Per-step communication accounting: from a finished ``SyncRecord`` to metrics, and from steps to a summary.
 
-This module is pure Python (no Lightning, no ``torch.distributed``, no torch import at all) so that every
-number the timing callback logs can be unit-tested with hand-made timelines. The callback is a thin shell:
-once per optimizer step it takes the recorder's finished record (``lightning_ddp.sync.record``: every mark
-already in milliseconds), builds ``StepTiming.from_record``, calls ``step_metrics`` and hands the result to
-``TimingSummary.add``.
-
-What is measured, per optimizer step and per rank:
-
-- **Step time**: wall time of the whole optimizer step (every micro-batch's forward and backward, the
-  gradient synchronisation and the optimizer update). The logged ``step/time_ms`` is the **max over ranks**:
-  in synchronous data parallelism the slowest rank sets the pace, so the callback all-reduces the step time
-  with ``MAX`` (since the straggler split, the max of the per-rank vectors it all-gathers anyway:
-  ``StragglerStats.step_ms``). Reduce it *before* building ``StepTiming`` so that ``comm/share`` and
-  ``step/tokens_per_s`` describe the same (slowest-rank) step.
-- **Exposed communication**, one definition for every strategy, torch DDP included: from the moment the step's
-  last gradient has been computed to the moment the gradients are usable by the optimizer
-  (``on_before_optimizer_step``), plus any communication the optimizer step itself waits on (ZeRO-1's
-  reduce-scatter and all-gather, recorded as ``exposed`` spans). Everything in between counts: waits, buffer
-  copies, scaling, bookkeeping. For our engines that is ``finish_gradient_synchronization`` and what surrounds
-  it; for torch DDP, the reducer's wait for its last buckets and its copy-back at the end of backward.
-  ``comm/pack_ms`` reports the copies and scaling of our engines on their own, wherever they ran.
-- **Waiting versus transfer** (``lightning_ddp.metrics.straggler``): a collective cannot finish before the last
-  rank has launched it, so the part of exposed time between this rank's launch and the last rank's launch of the
-  same collective is waiting for a straggler (``comm/wait_ms``), the rest moving bytes (``comm/transfer_ms``).
-- **Busy communication**: the time some collective was in flight, each collective counted from when the
-  previous one of its group finished (``busy_intervals``). The part of it outside the exposed spans was hidden
-  behind compute: ``comm/overlap``.
-- **Not recorded**: a strategy whose collectives are not ours to record (``fsdp2``: torch's FSDP2 issues them;
-  the strategy says so with ``comm_recording = "landmarks"``) gets step time and exposed communication by the same
-  landmarks, and no ``COLLECTIVE_KEYS`` at all (``step_metrics(..., comm="landmarks")``): no logger key,
-  and ``TimingSummary(not_recorded=COLLECTIVE_KEYS)`` writes ``NOT_RECORDED`` where they would be (the table, the
-  CSV's cells, the JSON's ``not_recorded`` list) instead of a 0 that would read as "no communication".
-
-The honesty rules (the clocks themselves are described in ``lightning_ddp/sync/record.py``):
-
-- CUDA time is read from ``torch.cuda.Event`` marks, converted after the step's synchronize; host time on CUDA
-  would say when work was queued, not when it ran.
-- An async collective is counted on the critical path where it is *waited for*: ``exposed`` covers the
-  ``wait()`` calls inside ``finish_gradient_synchronization``, not the launch.
-- A collective's completion is recorded when it happens (gloo: the host clock in its future's callback; NCCL: an
-  event on the callback's stream, which waits for the kernel); the end of its ``wait()`` stands in only when no
-  completion was recorded (an upper bound).
-- Measuring never ends a run. A mark that contradicts another (an interval that ends before it starts, a step time
-  that is not positive, more communication than the step) is clamped (``StepTiming``), counted in the step's
-  ``comm/clock_anomalies`` and, the first time in a run, reported as a ``ClockAnomalyWarning`` naming the interval,
-  by how much it was off and the likely cause: marks from two clocks (host times and CUDA events) joined by one
-  anchor. Only arguments a user chose (``world_size``, ``peak_flops``, ``warmup_steps`` ...) raise.
+Pure Python (no torch): the ``CommTimer`` builds ``StepTiming.from_record`` once per measured optimizer step,
+calls ``step_metrics`` and hands the result to ``TimingSummary.add``. Every key's definition, the clock rules and
+the clamping of contradictory marks are in ``docs/comm_timer.md``. Measuring never raises; only arguments a user
+chose do.
 """
 
 from __future__ import annotations
@@ -107,35 +64,22 @@ def _ms(value: float) -> str:
 class StepTiming:
     """One optimizer step on one rank, in milliseconds on one axis (a finished record's: since its anchor).
 
-    Built by ``from_record`` from a finished ``SyncRecord``, or by hand in tests.
-
-    Construction makes the marks consistent instead of refusing them, so that a measurement can never end a
-    training run. Each fix is one line of ``anomalies`` (``comm/clock_anomalies`` counts them):
-
-    - an interval (``exposed``, ``pack``, a collective's ``[launched, completed]``) that ends before it starts is
-      clamped to ``end = start``. Zero length is the conservative choice: such an interval has no trustworthy
-      length, and zero is the only one that claims no time the clocks did not show (swapping the marks would
-      invent the very duration the disagreement measures, and dropping the interval would lose its start, which
-      orders the collectives in ``busy_intervals``). It adds nothing to any union; a clamped collective still
-      counts in ``comm/calls`` and ``comm/bytes``, so that step's bandwidths are upper bounds;
-    - a step time that is not a positive, finite number is set to 0; every ratio over it is then 0;
-    - exposed or busy time longer than the step (impossible on one clock: the step is the slowest rank's) is
-      clamped to the step in ``step_metrics``.
+    Construction clamps marks that contradict each other instead of refusing them (``docs/comm_timer.md``,
+    "Clocks"); each fix is one line of ``anomalies``.
     """
 
     step_ms: float
     """Wall time of the whole optimizer step (all micro-batches, synchronisation, optimizer update)."""
     exposed: list[Interval] = field(default_factory=list)
-    """Critical-path intervals of gradient synchronisation (see the module docstring)."""
+    """Critical-path intervals of gradient synchronisation."""
     pack: list[Interval] = field(default_factory=list)
     """Intervals copying gradients into or out of communication buffers (inside ``exposed`` when done there)."""
     collectives: list[Collective] = field(default_factory=list)
     """Every collective of the step, in launch order, with ``launched`` and ``completed`` in ms."""
     tokens: int | None = None
-    """Tokens this rank processed in the step, summed over its micro-batches; ``None`` when the module does not say
-    how to count them (then ``step/tokens_per_s`` is left out, not 0)."""
+    """Tokens this rank processed in the step; ``None``: not counted (no ``step/tokens_per_s``)."""
     anomalies: list[str] = field(default_factory=list, init=False, repr=False)
-    """What construction clamped, one line per clamped mark (see the class docstring); empty on one clock."""
+    """What construction clamped, one line per clamped mark; empty on one clock."""
 
     def __post_init__(self) -> None:
         if self.tokens is not None and self.tokens < 0:
@@ -168,12 +112,7 @@ class StepTiming:
 
     @classmethod
     def from_record(cls, record: SyncRecord, step_ms: float, tokens: int | None) -> StepTiming:
-        """From a finished record (``Recorder.finish_step``: marks in ms, completions filled in).
-
-        Exposed: the record's ``exposed`` spans together with ``[last_ready, usable]``, from the last gradient
-        computed to the gradients usable, when both were marked (clamped and counted, like any interval, when the
-        gradients were usable before the last one was computed).
-        """
+        """From a finished record; exposed is its ``exposed`` spans and ``[last_ready, usable]`` when both are marked."""
         exposed = list(record.exposed)
         if record.last_ready is not None and record.usable is not None:
             exposed.append((record.last_ready, record.usable))
@@ -195,9 +134,7 @@ BUS_FACTORS: dict[str, str] = {
     "broadcast": "1",
     "reduce": "1",
 }
-"""nccl-tests' bus-bandwidth factor per collective (``doc/PERFORMANCE.md``), with ``nbytes`` the whole buffer
-(for reduce-scatter the input, for all-gather the output): how many times the message crosses each rank's
-link in a bandwidth-optimal algorithm."""
+"""nccl-tests' bus-bandwidth factor per collective (``doc/PERFORMANCE.md``), ``nbytes`` the whole buffer."""
 
 
 def bus_factor(op: str, world_size: int) -> float:
@@ -215,12 +152,8 @@ def bus_factor(op: str, world_size: int) -> float:
 
 
 def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
-    """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]``, in launch order.
-
-    The collectives of one process group run one after another (NCCL: on one stream; gloo: in issue order), so a
-    collective launched while the previous one is still running only starts when that one ends. Taking
-    ``[launched, completed]`` instead would count the queueing as communication twice over and, in the union,
-    under-count when calls back up (e.g. 435 per-parameter calls on a slow link).
+    """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]``, in launch order
+    (one process group's collectives run one after another).
 
     >>> busy_intervals([_Timed(0.0, 4.0), _Timed(1.0, 6.0), _Timed(8.0, 9.0)])  # the second starts at 4
     [(0.0, 4.0), (4.0, 6.0), (8.0, 9.0)]
@@ -265,17 +198,13 @@ METRIC_KEYS: tuple[str, ...] = (
     "memory/peak_MiB",
     "memory/peak_reserved_MiB",
 )
-"""Every key ``step_metrics`` can produce, in order (``comm/wait_ms``, ``comm/transfer_ms`` and the straggler keys
-only with the ranks' exchanged launch times, ``straggler=``; ``step/tokens_per_s``, ``step/mfu`` and the memory keys
-only when their inputs are given; the ``comm/`` keys as ``comm`` allows)."""
+"""Every key ``step_metrics`` can produce, in order; a key whose inputs are missing is absent."""
 
 LANDMARK_KEYS: tuple[str, ...] = ("comm/exposed_ms", "comm/share", "comm/clock_anomalies")
 """The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``: no collective recorded)."""
 
 COLLECTIVE_KEYS: tuple[str, ...] = tuple(key for key in METRIC_KEYS if key.startswith("comm/") and key not in LANDMARK_KEYS)
-"""The keys computed from the recorded collectives (launch times, busy intervals, bytes) and our engines' pack spans:
-left out of a step measured by its landmarks alone (``comm="landmarks"``, ``fsdp2``), whose summary lists them as
-``not_recorded``."""
+"""The keys computed from the recorded collectives and pack spans: absent where only landmarks are recorded."""
 
 NOT_RECORDED = "not recorded"
 """What the summary's table and CSV show for a ``COLLECTIVE_KEYS`` metric of a strategy that records none."""
@@ -291,115 +220,46 @@ def step_metrics(
     straggler: StragglerStats | None = None,
     comm: str | None = "full",
 ) -> dict[str, float]:
-    """The metrics of one optimizer step (``straggler``: what every rank's exchanged launch times say about it).
+    """The metrics of one optimizer step; a key whose inputs are not given is absent, never 0.
 
-    ``comm`` is what was recorded of the step's communication (``lightning_ddp.metrics.recording.comm_recording``):
-    ``"full"`` gives every ``comm/`` key; ``"landmarks"`` only ``LANDMARK_KEYS`` (no collective was recorded, so
-    busy time, overlap, bandwidths, calls and bytes are unknown); ``None`` none of them (nothing was seen, or there
-    is no communication: one device). Unknown values are absent, never 0.
+    ``straggler``: what every rank's exchanged launch times say about the step. ``comm``: what was recorded
+    (``metrics.recording.comm_recording``): ``"full"`` every ``comm/`` key, ``"landmarks"`` only ``LANDMARK_KEYS``,
+    ``None`` none. ``flops_per_step`` is one rank's, ``peak_flops`` the whole job's. The keys (defined in full in
+    ``docs/comm_timer.md``; a ratio over a zero denominator is 0):
 
-    +--------------------------+----------------------------------------------------------------------------+
-    | Key                      | Value                                                                      |
-    +==========================+============================================================================+
-    | step/time_ms             | ``step_ms`` (the callback passes the max over ranks)                       |
-    | comm/exposed_ms          | union(exposed): from the last gradient computed to the gradients usable,   |
-    |                          | with ZeRO-1's optimizer-step phases; everything done there included        |
-    | comm/wait_ms             | overlap(union(wait), exposed): for each collective every rank launched,    |
-    |                          | [this rank's launch, the last rank's launch], clipped to the exposed       |
-    |                          | interval: exposed time spent waiting for a slower rank to arrive           |
-    | comm/transfer_ms         | exposed_ms - wait_ms: the rest of exposed communication (moving bytes,     |
-    |                          | copies, bookkeeping)                                                       |
-    | comm/pack_ms             | union(pack): copying and scaling gradients for communication, wherever it  |
-    |                          | ran (inside exposed for naive and flat; in backward's hooks for overlap    |
-    |                          | and bucketed, except their unpack)                                         |
-    | comm/share               | exposed_ms / step_ms (0 when step_ms is 0)                                 |
-    | comm/busy_ms             | union of ``busy_intervals``: collective i in flight from                   |
-    |                          | max(launched_i, completed_{i-1}) to completed_i (one stream per group)     |
-    | comm/overlap             | (busy_ms - overlap(busy, exposed)) / busy_ms: the share of in-flight       |
-    |                          | communication outside the critical path, hidden behind compute; 0 when     |
-    |                          | busy_ms == 0                                                               |
-    | comm/algbw_GBps          | bytes / (busy_ms / 1e3) / 1e9; 0 when busy_ms == 0                         |
-    | comm/busbw_GBps          | sum(bus_factor(op_i, n) * nbytes_i) / (busy_ms / 1e3) / 1e9: nccl-tests'   |
-    |                          | factor per op (``BUS_FACTORS``), n = world_size                            |
-    | comm/calls               | number of collectives                                                      |
-    | comm/bytes               | sum of the collectives' ``nbytes`` (nccl-tests' message sizes)             |
-    | comm/clock_anomalies     | marks ``StepTiming`` clamped in this step (``timing.anomalies``): intervals|
-    |                          | that end before they start, a step time not > 0, exposed or busy time      |
-    |                          | longer than the step (then clamped to it); 0 when all came from one clock  |
-    | step/tokens_per_s        | tokens * world_size / (step_ms / 1e3): global throughput (0 when step_ms   |
-    |                          | is 0); only when ``timing.tokens`` is counted: the CommTimer's             |
-    |                          | ``tokens_fn(batch)`` or the module's ``tokens_per_batch(batch)``           |
-    | straggler/rank           | the rank that launched the step's collectives last most often (the lowest  |
-    |                          | on a tie); only when at least one collective was compared                  |
-    | straggler/lag_ms         | median over the compared collectives of that rank's launch minus the       |
-    |                          | earliest rank's launch                                                     |
-    | step/rank_spread_ms      | slowest minus fastest rank's compute (forward + backward: step start to    |
-    |                          | last gradient computed)                                                    |
-    | step/mfu                 | flops_per_step * world_size / (step_ms / 1e3) / peak_flops, with           |
-    |                          | ``flops_per_step`` one rank's training FLOPs in the step (the module's     |
-    |                          | ``flops_per_batch``, as Lightning's ThroughputMonitor reads it, or its     |
-    |                          | ``flops_per_token(seq_len)`` times the tokens) and ``peak_flops`` the      |
-    |                          | dense peak of all the job's devices together (distinct GPUs: two ranks     |
-    |                          | sharing one GPU count it once); only when both are given                   |
-    | memory/peak_MiB          | ``peak_memory_mib`` (CUDA: max allocated this step; CPU: peak RSS)         |
-    | memory/peak_reserved_MiB | ``peak_reserved_mib`` (CUDA: max reserved by the caching allocator)        |
-    +--------------------------+----------------------------------------------------------------------------+
-
-    Reading the numbers: the naive engine blocks on each all-reduce inside ``finish_gradient_synchronization``,
-    so all its communication lies inside the exposed interval and overlap is 0; that is the expected result,
-    not a bug. The hook-based engines communicate during backward and only wait at the end, so the part of
-    their busy time before the sync begins is hidden and overlap approaches 1 as the waits shrink.
-
-    ``step/tokens_per_s`` and ``step/mfu`` assume every rank processes as much as this one (equal batch sizes).
-    The rank-dependent keys (``comm/wait_ms``, ``comm/transfer_ms``) are this rank's: the logger shows rank 0's,
-    so when rank 0 is itself the straggler its wait is about 0 and ``straggler/rank`` says why.
+    ========================  ===================================================================================
+    step/time_ms              ``timing.step_ms`` (the timer passes the max over ranks)
+    comm/exposed_ms           union(exposed): last gradient computed -> gradients usable, plus optimizer-step comm
+    comm/wait_ms              overlap(union(straggler.wait), exposed): waiting for the last rank's launch
+    comm/transfer_ms          exposed_ms - wait_ms
+    comm/pack_ms              union(pack)
+    comm/share                exposed_ms / step_ms
+    comm/busy_ms              union(busy_intervals(collectives))
+    comm/overlap              (busy_ms - overlap(busy, exposed)) / busy_ms
+    comm/algbw_GBps           bytes / (busy_ms / 1e3) / 1e9
+    comm/busbw_GBps           sum(bus_factor(op_i, world_size) * nbytes_i) / (busy_ms / 1e3) / 1e9
+    comm/calls                number of collectives
+    comm/bytes                sum of the collectives' ``nbytes``
+    comm/clock_anomalies      ``timing.clock_anomalies``
+    step/tokens_per_s         tokens * world_size / (step_ms / 1e3)
+    straggler/rank            the rank that launched the step's collectives last most often
+    straggler/lag_ms          median over compared collectives of its launch minus the earliest launch
+    step/rank_spread_ms       slowest minus fastest rank's compute
+    step/mfu                  flops_per_step * world_size / (step_ms / 1e3) / peak_flops
+    memory/peak_MiB           ``peak_memory_mib``
+    memory/peak_reserved_MiB  ``peak_reserved_mib``
+    ========================  ===================================================================================
     """
-    if not (isinstance(world_size, int) and world_size >= 1):
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if comm not in ("full", "landmarks", None):
-        raise ValueError(f"comm must be 'full', 'landmarks' or None, got {comm!r}")
-    for name, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
-
-    step_ms = float(timing.step_ms)  # > 0, or 0 where StepTiming clamped a step time that was not
-    exposed_ms = total(timing.exposed)
-    busy = busy_intervals(timing.collectives)
-    busy_ms = total(busy)
-    if step_ms > 0:  # more communication than the step is two clocks disagreeing (counted by StepTiming)
-        exposed_ms, busy_ms = min(exposed_ms, step_ms), min(busy_ms, step_ms)
-    nbytes = sum(c.nbytes for c in timing.collectives)
-    bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
-    hidden_ms = min(busy_ms, max(0.0, busy_ms - overlap_length(busy, timing.exposed)))
-
-    metrics = {
-        "step/time_ms": step_ms,
-        "comm/exposed_ms": exposed_ms,
-        "comm/pack_ms": total(timing.pack),
-        "comm/share": exposed_ms / step_ms if step_ms > 0 else 0.0,
-        "comm/busy_ms": busy_ms,
-        "comm/overlap": hidden_ms / busy_ms if busy_ms > 0 else 0.0,
-        "comm/algbw_GBps": nbytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
-        "comm/busbw_GBps": bus_bytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
-        "comm/calls": float(len(timing.collectives)),
-        "comm/bytes": float(nbytes),
-        "comm/clock_anomalies": float(timing.clock_anomalies),
-    }
-    if straggler is not None:
-        wait_ms = min(overlap_length(straggler.wait, timing.exposed), exposed_ms)
-        metrics = _insert_after(metrics, "comm/exposed_ms",
-                                {"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
+    _check_arguments(world_size, comm, flops_per_step, peak_flops)
+    metrics = _comm_metrics(timing, world_size, straggler)
     if comm != "full":
         kept = LANDMARK_KEYS if comm == "landmarks" else ()
         metrics = {key: value for key, value in metrics.items() if not key.startswith("comm/") or key in kept}
+    step_ms = float(timing.step_ms)
     if timing.tokens is not None:
         metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     if straggler is not None:
-        if straggler.straggler_rank is not None and straggler.lag_ms is not None:
-            metrics["straggler/rank"] = float(straggler.straggler_rank)
-            metrics["straggler/lag_ms"] = float(straggler.lag_ms)
-        if straggler.rank_spread_ms is not None:
-            metrics["step/rank_spread_ms"] = float(straggler.rank_spread_ms)
+        metrics.update(_straggler_metrics(straggler))
     if flops_per_step is not None and peak_flops is not None:
         metrics["step/mfu"] = flops_per_step * world_size / (step_ms / 1e3) / peak_flops if step_ms > 0 else 0.0
     if peak_memory_mib is not None:
@@ -409,14 +269,56 @@ def step_metrics(
     return metrics
 
 
-def _insert_after(metrics: dict[str, float], key: str, new: dict[str, float]) -> dict[str, float]:
-    """``metrics`` with ``new`` placed right after ``key`` (the order of ``METRIC_KEYS``)."""
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        out[name] = value
-        if name == key:
-            out.update(new)
-    return out
+def _check_arguments(world_size: int, comm: str | None, flops_per_step: float | None,
+                     peak_flops: float | None) -> None:
+    """Raise ``ValueError`` for an argument a user chose that ``step_metrics`` cannot use."""
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if comm not in ("full", "landmarks", None):
+        raise ValueError(f"comm must be 'full', 'landmarks' or None, got {comm!r}")
+    for name, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
+
+
+def _comm_metrics(timing: StepTiming, world_size: int, straggler: StragglerStats | None) -> dict[str, float]:
+    """``step/time_ms`` and every ``comm/`` key, in ``METRIC_KEYS`` order."""
+    step_ms = float(timing.step_ms)  # > 0, or 0 where StepTiming clamped a step time that was not
+    exposed_ms = total(timing.exposed)
+    busy = busy_intervals(timing.collectives)
+    busy_ms = total(busy)
+    if step_ms > 0:  # more communication than the step is two clocks disagreeing (counted by StepTiming)
+        exposed_ms, busy_ms = min(exposed_ms, step_ms), min(busy_ms, step_ms)
+    nbytes = sum(c.nbytes for c in timing.collectives)
+    bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
+    hidden_ms = min(busy_ms, max(0.0, busy_ms - overlap_length(busy, timing.exposed)))
+    metrics = {"step/time_ms": step_ms, "comm/exposed_ms": exposed_ms}
+    if straggler is not None:
+        wait_ms = min(overlap_length(straggler.wait, timing.exposed), exposed_ms)
+        metrics.update({"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
+    metrics.update({
+        "comm/pack_ms": total(timing.pack),
+        "comm/share": exposed_ms / step_ms if step_ms > 0 else 0.0,
+        "comm/busy_ms": busy_ms,
+        "comm/overlap": hidden_ms / busy_ms if busy_ms > 0 else 0.0,
+        "comm/algbw_GBps": nbytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
+        "comm/busbw_GBps": bus_bytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
+        "comm/calls": float(len(timing.collectives)),
+        "comm/bytes": float(nbytes),
+        "comm/clock_anomalies": float(timing.clock_anomalies),
+    })
+    return metrics
+
+
+def _straggler_metrics(straggler: StragglerStats) -> dict[str, float]:
+    """``straggler/rank``, ``straggler/lag_ms`` (when a collective was compared) and ``step/rank_spread_ms``."""
+    metrics = {}
+    if straggler.straggler_rank is not None and straggler.lag_ms is not None:
+        metrics["straggler/rank"] = float(straggler.straggler_rank)
+        metrics["straggler/lag_ms"] = float(straggler.lag_ms)
+    if straggler.rank_spread_ms is not None:
+        metrics["step/rank_spread_ms"] = float(straggler.rank_spread_ms)
+    return metrics
 
 
 # ---- summary over steps -------------------------------------------------------------------------------
@@ -455,32 +357,10 @@ _OPTIONAL_COLUMNS = frozenset({"comm/wait_ms", "comm/transfer_ms"})
 class TimingSummary:
     """Per-step metric dicts collected over a run, and their distribution after warm-up.
 
-    Add **one** dict per optimizer step (when gradient accumulation is over), never one per micro-batch: a
-    step's metrics already cover all its micro-batches. Step numbers must increase strictly, which catches a
-    caller that adds per micro-batch.
-
-    ``summarize(warmup_steps)`` drops the first ``warmup_steps`` steps *added* (whatever their step numbers,
-    so a resumed run also skips its own first steps) and gives, for each key, over the remaining steps:
-
-    +----------+-----------------------------------------------------------------------------+
-    | Stat     | Value                                                                                      |
-    +==========+=============================================================================+
-    | median   | 50th percentile                                                                            |
-    | p10, p90 | 10th and 90th percentiles                                                                  |
-    | n        | number of steps that reported the key                                                      |
-    +----------+-----------------------------------------------------------------------------+
-
-    Percentiles interpolate linearly between the closest ranks (numpy's default ``"linear"`` method), so the
-    median of an even count is the mean of the two middle values.
-
-    Clock anomalies (``comm/clock_anomalies``, see ``StepTiming``): ``clock_anomalies`` is their total over every
-    step added, warm-up included; ``write_json`` writes it beside the summary and ``format_table`` prints it when
-    there were any. The first step that brings anomalies (``add(..., anomalies=timing.anomalies)``) warns once
-    (``ClockAnomalyWarning``): one summary per run, one warning per run.
-
-    ``not_recorded``: metric keys the run could not measure (``COLLECTIVE_KEYS`` for a strategy whose collectives
-    are not recorded); ``write_json`` lists them under ``not_recorded``, ``write_csv`` and ``format_table`` show
-    ``NOT_RECORDED`` for them.
+    Add one dict per optimizer step (step numbers must increase strictly, which catches a caller adding per
+    micro-batch). ``summarize(warmup_steps)`` drops the first ``warmup_steps`` steps added and gives, per key,
+    ``median``, ``p10``, ``p90`` (numpy's linear interpolation) and ``n``. ``not_recorded``: keys the run cannot
+    measure, shown as ``NOT_RECORDED``. The first step that brings clock anomalies warns once per run.
     """
 
     stats: tuple[str, ...] = ("median", "p10", "p90", "n")

@@ -605,7 +605,7 @@ def test_the_summary_counts_anomalies_and_warns_once_per_run(tmp_path: Path) -> 
 
 def test_every_metric_key_of_the_summary_includes_the_anomaly_count() -> None:
     assert "comm/clock_anomalies" in METRIC_KEYS
-    assert "| comm/clock_anomalies " in step_metrics.__doc__
+    assert "\n    comm/clock_anomalies " in step_metrics.__doc__
     assert step_metrics(StepTiming(step_ms=5.0), world_size=1)["comm/clock_anomalies"] == 0.0
 
 
