@@ -1,33 +1,11 @@
 """The compute profile: how long forward, backward and the optimizer take, and when each gradient is ready.
 
-One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` on a
-real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.projection.flops`` use it too), and
-read by the projection (``lightning_ddp.projection``, which re-exports these names). It lives at the package's root,
-below both: the callback that writes it is on in every run and must not import the study code::
-
-    {"schema": "lightning_ddp.compute_profile/1",
-     "source": "free text: how it was measured",
-     "device": "cpu | NVIDIA H100 80GB HBM3 | ...",
-     "preset": "tiny", "batch_size": 4, "seq_len": 64, "precision": "32-true", "world_size": 2,
-     "forward_ms": 10.0, "backward_ms": 25.0, "optimizer_ms": 3.0,
-     "params": [{"name": "lm_head.weight", "numel": 1280000, "bytes": 5120000, "ready_ms": 0.8,
-                 "shape": [10000, 128]}, ...]}
-
-=================  ===========================================================================================
-field              meaning
-=================  ===========================================================================================
-``params``         trainable parameters in ``module.parameters()`` order (a tied tensor once)
-``bytes``          bytes of that parameter's gradient (what an engine communicates for it)
-``ready_ms``       when its gradient became ready, ms after the start of backward; ``null``: it got none
-``shape``          optional: the parameter's shape (what a compressing strategy's model, e.g. PowerSGD's, needs
-                   to know which gradients are matrices); absent in older files
-``forward_ms``     the forward pass (loss included), per rank
-``backward_ms``    the backward pass; the simulation lets backward last until the last ``ready_ms`` if later
-``optimizer_ms``   ``optimizer.step()`` (unsharded), per rank
-=================  ===========================================================================================
-
-Only ``schema``, the three times and ``params`` are required; the descriptive fields may be absent or null.
-Everything here is the standard library.
+One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` (or by
+``write_profile`` for modelled profiles) and read by the projection; it lives below both. Required: ``schema``,
+``forward_ms``, ``backward_ms``, ``optimizer_ms`` (per rank) and ``params`` (trainable parameters in
+``module.parameters()`` order, each with ``name``, ``numel``, gradient ``bytes``, ``ready_ms`` after backward's
+start or null, and an optional ``shape``); descriptive fields (``source``, ``device``, ``preset``, ``batch_size``,
+``seq_len``, ``precision``, ``world_size``) may be absent or null. Standard library only.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Draw runs as timelines: per rank a compute row (the training thread's ranges), on CUDA a GPU row (the
-non-communication kernels, what the overlap counts as compute there), and a communication row; runs stacked on
-one time axis.
-
-Each run gets its own panel; its title carries the run's overlap (``lightning_ddp.trace.overlap``). The time
-axis is milliseconds from the run's first recorded step start (earliest over its ranks), so panels stacked
-from different runs line up at their first step. Matplotlib's Agg backend: no display needed.
+"""Draw runs as timelines: per rank a compute row, on CUDA a GPU-kernel row, and a communication row; runs stacked
+on one millisecond axis from each run's first recorded step, each panel titled with its overlap (Agg backend).
 """
 
 from __future__ import annotations

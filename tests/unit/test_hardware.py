@@ -10,7 +10,8 @@ import torch
 
 from lightning_ddp import hardware
 from lightning_ddp.callbacks import comm_timer
-from lightning_ddp.hardware import DEVICES, compute_share, dense_peak_flops, find_device, get_device, job_peak_flops, mig_profile
+from lightning_ddp.hardware import (DEVICES, compute_share, dense_peak_flops, find_device, get_device, job_peak_flops,
+                                    mig_profile)
 
 
 @pytest.mark.parametrize("name,key", [
