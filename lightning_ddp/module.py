@@ -133,7 +133,8 @@ class LitGPT(pl.LightningModule):
         assert self._eval_totals is not None, "the epoch-start hook runs first"
         tokens = batch[1].numel()
         loss = self._loss(batch)  # mean over the batch's tokens
-        self._eval_totals += torch.stack([loss.detach().double() * tokens, loss.new_tensor(tokens, dtype=torch.float64)])
+        token_count = loss.new_tensor(tokens, dtype=torch.float64)
+        self._eval_totals += torch.stack([loss.detach().double() * tokens, token_count])
 
     def _log_eval_epoch(self, stage: str) -> None:
         # One all-reduce of (loss sum, tokens) over the ranks' shards: the mean over every held-out token, exactly

@@ -42,12 +42,13 @@ class ParamTiming:
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.bytes < 0:
-            raise ValueError(f"parameter {self.name!r}: numel and bytes must be >= 0, got {self.numel} and {self.bytes}")
+            raise ValueError(f"parameter {self.name!r}: numel and bytes must be >= 0, "
+                             f"got {self.numel} and {self.bytes}")
         if self.shape is not None:
             object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
             if math.prod(self.shape) != self.numel:
-                raise ValueError(f"parameter {self.name!r}: shape {list(self.shape)} has {math.prod(self.shape)} elements, "
-                                 f"but numel is {self.numel}; record the parameter's own shape, or none")
+                raise ValueError(f"parameter {self.name!r}: shape {list(self.shape)} has {math.prod(self.shape)} "
+                                 f"elements, but numel is {self.numel}; record the parameter's own shape, or none")
         if self.ready_ms is not None and not (self.ready_ms >= 0 and math.isfinite(self.ready_ms)):
             raise ValueError(
                 f"parameter {self.name!r}: ready_ms must be a finite time >= 0 ms after the start of backward, or "
@@ -106,8 +107,8 @@ class ComputeProfile:
     @property
     def label(self) -> str:
         """A short description for tables: preset, batch, sequence length, precision, device."""
-        parts = [self.preset or "model", f"b{self.batch_size}" if self.batch_size else "", f"t{self.seq_len}" if self.seq_len else "",
-                 self.precision or "", self.device or ""]
+        parts = [self.preset or "model", f"b{self.batch_size}" if self.batch_size else "",
+                 f"t{self.seq_len}" if self.seq_len else "", self.precision or "", self.device or ""]
         return " ".join(p for p in parts if p)
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,8 +136,8 @@ class ComputeProfile:
             )
         missing = [k for k in ("forward_ms", "backward_ms", "optimizer_ms", "params") if k not in data]
         if missing:
-            raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, backward_ms, "
-                             "optimizer_ms and params")
+            raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, "
+                             "backward_ms, optimizer_ms and params")
         if not isinstance(data["params"], list):
             raise ValueError(f"{origin}: `params` must be a list of {{name, numel, bytes, ready_ms}} objects")
         params = []
@@ -169,7 +170,8 @@ def read_profile(path: str | os.PathLike) -> ComputeProfile:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"compute profile {str(path)!r} is not valid JSON ({error}); was it written completely?") from None
+        raise ValueError(f"compute profile {str(path)!r} is not valid JSON ({error}); "
+                         "was it written completely?") from None
     return ComputeProfile.from_dict(data, origin=f"compute profile {str(path)!r}")
 
 

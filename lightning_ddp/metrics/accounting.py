@@ -112,7 +112,7 @@ class StepTiming:
 
     @classmethod
     def from_record(cls, record: SyncRecord, step_ms: float, tokens: int | None) -> StepTiming:
-        """From a finished record; exposed is its ``exposed`` spans and ``[last_ready, usable]`` when both are marked."""
+        """From a finished record; exposed: its ``exposed`` spans, and ``[last_ready, usable]`` when both marked."""
         exposed = list(record.exposed)
         if record.last_ready is not None and record.usable is not None:
             exposed.append((record.last_ready, record.usable))
@@ -203,7 +203,9 @@ METRIC_KEYS: tuple[str, ...] = (
 LANDMARK_KEYS: tuple[str, ...] = ("comm/exposed_ms", "comm/share", "comm/clock_anomalies")
 """The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``: no collective recorded)."""
 
-COLLECTIVE_KEYS: tuple[str, ...] = tuple(key for key in METRIC_KEYS if key.startswith("comm/") and key not in LANDMARK_KEYS)
+COLLECTIVE_KEYS: tuple[str, ...] = tuple(
+    key for key in METRIC_KEYS if key.startswith("comm/") and key not in LANDMARK_KEYS
+)
 """The keys computed from the recorded collectives and pack spans: absent where only landmarks are recorded."""
 
 NOT_RECORDED = "not recorded"

@@ -88,7 +88,8 @@ class RankTrace:
     def window(self, steps: int | None = None) -> Interval:
         """From the first recorded step's start to the end of the ``steps``-th (all steps when ``None``)."""
         if not self.steps:
-            raise ValueError(f"{self.path} has no {ranges.STEP}#N ranges: was it recorded by lightning_ddp's TraceRecorder?")
+            raise ValueError(f"{self.path} has no {ranges.STEP}#N ranges: "
+                             "was it recorded by lightning_ddp's TraceRecorder?")
         shown = self.steps if steps is None else self.steps[:steps]
         return shown[0][1][0], shown[-1][1][1]
 
