@@ -22,7 +22,6 @@ from lightning_ddp.data.sources import (
     TokenFile,
     write_token_file,
 )
-from lightning_ddp.data.sources import _token_id_range  # noqa: F401 - private, but the tests import it from here
 
 __all__ = [
     "BYTE_VOCAB_SIZE",

@@ -89,7 +89,7 @@ def test_what_each_strategy_lets_the_timer_measure() -> None:
 
     from lightning_ddp.strategies import GradSyncStrategy, ZeRO1DDPStrategy
 
-    assert comm_recording(GradSyncStrategy(algorithm="bucketed")) == "full"
+    assert comm_recording(GradSyncStrategy(algorithm="bucketed_ddp")) == "full"
     assert comm_recording(ZeRO1DDPStrategy()) == "full"
     assert comm_recording(DDPStrategy()) == "full"  # torch DDP, through a recording comm hook
     single, fsdp = SingleDeviceStrategy(device="cpu"), FSDPStrategy()

@@ -97,10 +97,10 @@ def test_run_metrics_are_the_medians_of_the_listed_keys_present() -> None:
 
 @pytest.mark.parametrize(("strategy", "resolved", "expected"), [
     (NaiveDDPStrategy(), None, ("n/a", "default")),  # no buckets
-    (GradSyncStrategy("bucketed", bucket_size_mb=None), None, ("one bucket", "default")),
+    (GradSyncStrategy("bucketed_ddp", bucket_size_mb=None), None, ("one bucket", "default")),
     (BucketedDDPStrategy(bucket_size_mb="auto"), 3.5, (3.5, "default")),  # `auto` as the engine resolved it
-    (GradSyncStrategy("bucketed_powersgd", engine_settings={"rank": 4}), 25.0, (25.0, "rank=4")),
-    (ZeRO1DDPStrategy(), None, ("n/a", "schedule=reduce_scatter, grad_sync=bucketed, collectives=auto")),
+    (GradSyncStrategy("bucketed_powersgd_ddp", engine_settings={"rank": 4}), 25.0, (25.0, "rank=4")),
+    (ZeRO1DDPStrategy(), None, ("n/a", "schedule=reduce_scatter, grad_sync=bucketed_ddp, collectives=auto")),
     (ZeRO2DDPStrategy(bucket_size_mb=4), 4.0, (4.0, "collectives=auto, buckets_in_flight=2")),
     (DDPStrategy(), None, (25.0, "default")),  # torch DDP's own default cap
     (DDPStrategy(bucket_cap_mb=4, static_graph=True), None, (4.0, "static_graph=True")),
