@@ -127,18 +127,9 @@ class StepTiming:
 
 # ---- step metrics -------------------------------------------------------------------------------------
 
-BUS_FACTORS: dict[str, str] = {
-    "all_reduce": "2(n-1)/n",
-    "reduce_scatter": "(n-1)/n",
-    "all_gather": "(n-1)/n",
-    "broadcast": "1",
-    "reduce": "1",
-}
-"""nccl-tests' bus-bandwidth factor per collective (``doc/PERFORMANCE.md``), ``nbytes`` the whole buffer."""
-
-
 def bus_factor(op: str, world_size: int) -> float:
-    """``BUS_FACTORS[op]`` for ``world_size`` ranks.
+    """nccl-tests' bus-bandwidth factor of collective ``op`` over ``world_size`` ranks (``doc/PERFORMANCE.md``),
+    with ``nbytes`` the whole buffer: ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for reduce-scatter and all-gather.
 
     >>> [bus_factor(op, 4) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")]
     [1.5, 0.75, 0.75, 1.0]
