@@ -1,19 +1,10 @@
 """Our strategy names in Lightning's ``StrategyRegistry`` from ``import lightning_ddp``, without importing Lightning.
 
-``Trainer(strategy="bucketed_ddp")`` resolves the name in ``lightning.pytorch.strategies.StrategyRegistry``, so the
-names must be registered before the Trainer is built, whichever of ``import lightning_ddp`` and ``import lightning``
-a user's script runs first. Importing ``lightning.pytorch`` costs seconds, and ``import lightning_ddp.sync`` (the
-pure-PyTorch core, which must work where Lightning is not installed) runs the package's ``__init__`` too, so the
-package does not import Lightning itself. Instead, ``register_with_lightning()``:
-
-1. if ``lightning.pytorch`` is already imported, registers now (``lightning_ddp.strategies.register_strategies``);
-2. otherwise puts a finder at the front of ``sys.meta_path`` that waits for ``lightning.pytorch`` to be imported
-   (by anyone, later) and registers right after that package has run, then takes itself out: a post-import hook,
-   as ``wrapt.register_post_import_hook`` does. It finds nothing itself (every other import goes on as before) and
-   costs nothing until Lightning is imported; where Lightning is not installed it never fires.
-
-A failure to register (a Lightning too old for our strategies) is a warning naming the import that shows the
-error, never an error in the user's ``import lightning``.
+``register_with_lightning()`` registers now if ``lightning.pytorch`` is imported; otherwise it puts a one-shot
+post-import hook at the front of ``sys.meta_path`` (as ``wrapt.register_post_import_hook`` does) that registers
+right after ``lightning.pytorch`` has run, and finds nothing itself. Importing Lightning costs seconds and the
+pure-PyTorch core must work without it, hence the hook. A failure to register is a warning, never an error in
+the user's ``import lightning``.
 """
 
 from __future__ import annotations

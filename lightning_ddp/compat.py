@@ -1,22 +1,9 @@
 """Every private or version-dependent torch and Lightning API this package uses, behind one small module.
 
-When a torch or Lightning release renames or removes one of these, this file is the only place to change. The
-module imports only torch at the top; each Lightning helper imports Lightning inside the function, so the
-pure-PyTorch core (``lightning_ddp.sync``) can import this module where Lightning is not installed.
-
-======================================  =====================================================================
-helper                                  what it hides
-======================================  =====================================================================
-``profiler_enabled``                    ``torch.autograd._profiler_enabled()``
-``reduce_scatter_tensor``               ``dist.reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor``
-``all_gather_tensor``                   ``dist.all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``
-``fsdp2_unsharded_parameters``          FSDP2's ``FSDPState._fsdp_param_group.fsdp_params`` and ``_unsharded_param``
-``should_accumulate``                   ``trainer.fit_loop._should_accumulate()``
-``is_mock_optimizer``                   ``lightning.pytorch.core.optimizer._MockOptimizer``
-``compute_dtype``                       ``lightning.pytorch.callbacks.throughput_monitor._plugin_to_compute_dtype``
-``launched_processes``                  ``strategy._launcher.procs`` (the sibling ranks Lightning's launcher started)
-``repoint_scheduler``                   ``LRScheduler``'s private ``_opt_called`` / ``_wrapped_by_lr_sched`` protocol
-======================================  =====================================================================
+When a torch or Lightning release renames or removes one of these, this file is the only place to change. It
+imports only torch at the top; each Lightning helper imports Lightning inside the function, so the pure-PyTorch
+core (``lightning_ddp.sync``) can import it where Lightning is not installed. Each helper is a few lines over the
+private API it hides.
 """
 
 from __future__ import annotations
@@ -56,13 +43,11 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def fsdp2_unsharded_parameters(root: torch.nn.Module) -> dict[torch.Tensor, torch.nn.Parameter]:
-    """Sharded parameter -> the unsharded parameter FSDP2 swaps into its module for forward and backward, for every
-    ``fully_shard`` group under ``root`` (the root first).
+    """Sharded parameter -> the unsharded parameter FSDP2 swaps in for forward and backward, for every
+    ``fully_shard`` group under ``root`` (FSDP2's private ``FSDPState._fsdp_param_group.fsdp_params``).
 
-    FSDP2 creates the unsharded parameters at a group's first all-gather and keeps the same objects afterwards
-    (only their storage is freed and re-allocated), so a gradient hook on one fires every backward. This gathers
-    and frees every group once (``unshard``/``reshard``, the root first: the first group gathered becomes the
-    root): a collective, to be called on every rank.
+    FSDP2 keeps the same unsharded objects after a group's first all-gather, so a gradient hook on one fires every
+    backward. Gathers and frees every group once, the root first: a collective, to call on every rank.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -106,11 +91,8 @@ def launched_processes(strategy: Any) -> list[subprocess.Popen]:
 
 
 def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Make ``scheduler`` drive ``optimizer`` instead of the optimizer it was built on.
-
-    torch's ``LRScheduler`` wraps its optimizer's ``step`` to notice a schedule that steps before the optimizer
-    (``_opt_called``); wrap the new optimizer the same way, or its first ``scheduler.step()`` warns that ``step``
-    was replaced.
+    """Make ``scheduler`` drive ``optimizer`` instead of the optimizer it was built on, wrapping its ``step`` as
+    ``LRScheduler`` does (the private ``_opt_called`` / ``_wrapped_by_lr_sched`` protocol), so no warning is given.
     """
     scheduler.optimizer = optimizer
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):

@@ -1,25 +1,9 @@
 """Writing a file whole or not at all: ``write_atomically`` and ``write_json_atomically``. Pure Python.
 
-Every result, profile and report this package writes goes through here, so a reader (a plot, a resumed sweep, a
-person with ``cat``) sees the old file or the new one, never half of one, even if the writer is killed mid-write:
-
-1. Create a temporary file with a unique name next to ``path`` (same directory, so the same filesystem), with
-   ``O_EXCL`` so that two writers of the same path never share one. Its permissions follow the umask, as a
-   plain ``open`` would give (``tempfile.mkstemp`` would make it 0600).
-2. Write the content, flush, ``fsync``: the bytes are on disk before the name points at them.
-3. ``os.replace`` it over ``path``: atomic within one filesystem, on POSIX and on Windows.
-4. On any error (the disk full, a ``KeyboardInterrupt``), remove the temporary file and re-raise: ``path`` keeps
-   its old content and nothing is left behind.
-
->>> import tempfile, pathlib
->>> with tempfile.TemporaryDirectory() as folder:
-...     path = write_json_atomically(pathlib.Path(folder) / "sub" / "a.json", {"step_ms": 12.5})
-...     print(path.read_text(), end="")
-...     print(sorted(p.name for p in path.parent.iterdir()))
-{
-  "step_ms": 12.5
-}
-['a.json']
+Every result, profile and report this package writes goes through here, so a reader sees the old file or the new
+one, never half of one: the content goes to a unique temporary file next to ``path`` (``O_EXCL``, permissions
+from the umask), is flushed and ``fsync``ed, then ``os.replace``d over ``path``; on any error the temporary file
+is removed and ``path`` keeps its old content.
 """
 
 from __future__ import annotations
@@ -34,8 +18,8 @@ __all__ = ["write_atomically", "write_json_atomically"]
 
 
 def write_atomically(path: str | os.PathLike, content: str | bytes) -> Path:
-    """Write ``content`` (text as UTF-8, or bytes) to ``path`` whole or not at all (module docstring); returns
-    the path. Missing parent directories are created."""
+    """Write ``content`` (text as UTF-8, or bytes) to ``path`` whole or not at all; returns the path. Missing
+    parent directories are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode("utf-8") if isinstance(content, str) else content

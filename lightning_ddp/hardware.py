@@ -1,55 +1,9 @@
 """One hardware table: dense peak FLOP/s per dtype, memory bandwidth and size, and SM count per device. Pure Python.
 
-Readers: the ``CommTimer``'s MFU (``lightning_ddp.callbacks.peak_flops``), the projection's GPUs
-(``lightning_ddp.projection.flops.GPUS``). Each figure lives here once.
-
-How a device name (``torch.cuda.get_device_name()``, ``torch.cuda.get_device_properties().name``) is matched:
-
-1. Lower-case it and cut off a MIG suffix (`` MIG 1g.10gb``; kept for step 4).
-2. Split the rest into words at every character that is not a letter or a digit ("NVIDIA A100-SXM4-40GB" ->
-   nvidia, a100, sxm4, 40gb), so "L40S" is not "L4" and "GB200" is not "B200".
-3. Walk ``DEVICES`` in order; the first row with a pattern whose words all occur in the name wins.
-4. A MIG slice gets the compute share of its slice: ``sm_count / DeviceSpec.sm_count`` when the caller passes
-   the slice's SM count (``torch.cuda.get_device_properties(i).multi_processor_count``), else the ``Ng`` of the
-   profile as N/7 of the GPU (7 compute slices on A100, H100, H200, B200). The SM share is the truer one: an H100
-   ``1g.10gb`` has 16 of 132 SMs (0.121), not 1/7 (0.143), because 7 slices of 16 leave 20 SMs unused.
-
-Figures are datasheet figures *without* structured sparsity (NVIDIA quotes the 2:4-sparse ones, twice as large,
-first). Per GPU:
-
-===============  ====  ==========  ======  ======  ======  ====  ======  ===  =============================================
-key              row   fp32        tf32    bf16    fp16    GB    TB/s    SMs  source
-===============  ====  ==========  ======  ======  ======  ====  ======  ===  =============================================
-h100-nvl         TF/s  60          417.5   835.5   835.5   94    3.9     132  H100 NVL product brief (sparse / 2)
-h100-pcie              51          378     756     756     80    2.0     114  H100 datasheet, PCIe column
-h100-sxm               67          494.7   989.4   989.4   80    3.35    132  H100 datasheet, SXM column
-gh200-144gb            67          494.7   989.4   989.4   144   4.9     132  GH200 datasheet: H100 SXM compute, HBM3e
-gh200                  67          494.7   989.4   989.4   96    4.0     132  GH200 datasheet: H100 SXM compute, HBM3
-h200-nvl               60          417.5   835.5   835.5   141   4.8     132  H200 datasheet, NVL column
-h200-sxm               67          494.7   989.4   989.4   141   4.8     132  H200 datasheet, SXM column
-b200                   75          1100    2250    2250    180   7.7     148  HGX B200 spec table (per GPU, sparse / 2)
-a100-sxm-80gb          19.5        156     312     312     80    2.039   108  A100 datasheet, SXM 80GB
-a100-pcie-80gb         19.5        156     312     312     80    1.935   108  A100 datasheet, PCIe 80GB
-a100-pcie-40gb         19.5        156     312     312     40    1.555   108  A100 datasheet, PCIe 40GB
-a100-sxm-40gb          19.5        156     312     312     40    1.555   108  A100 datasheet, SXM 40GB
-l4                     30.3        60      121     121     24    0.3     58   L4 datasheet (sparse / 2)
-cpu (per core)         0.078       -       -       -       -     -       -    measured: one core of this project's CI
-                                                                                machine, fp32 matmul (an estimate)
-===============  ====  ==========  ======  ======  ======  ====  ======  ===  =============================================
-
-``fp32`` is what a ``32-true`` run gets unless TF32 is allowed for matmuls
-(``torch.set_float32_matmul_precision("high")``); then ``tf32``. GH200's "480GB" in its device name is the Grace
-CPU's LPDDR5X, not GPU memory. B200 as sold in HGX/DGX B200 systems: 180 GB of its 192 GB HBM3e usable,
-1,000 W; the GB200 (1,200 W) is faster and is not matched.
-
->>> find_device("NVIDIA H100 80GB HBM3").key
-'h100-sxm'
->>> find_device("NVIDIA GH200 480GB").key, find_device("NVIDIA GH200 144G HBM3e").key
-('gh200', 'gh200-144gb')
->>> find_device("NVIDIA B200").key, find_device("NVIDIA GB200") is None
-('b200', True)
->>> find_device("NVIDIA L40S") is None  # not an L4: names are matched word by word
-True
+Read by the ``CommTimer``'s MFU and the projection's GPUs (``lightning_ddp.projection.flops.GPUS``); each figure
+lives here once, with its source. Figures are datasheet figures without structured sparsity. A device name is
+matched word by word against ``DEVICES`` in order (so "L40S" is not "L4"); a MIG slice gets its share of its GPU.
+The rules and the table: ``docs/comm_timer.md``, "MFU and the peak FLOP/s".
 """
 
 from __future__ import annotations
@@ -67,6 +21,7 @@ __all__ = [
     "dense_peak_flops",
     "find_device",
     "get_device",
+    "job_peak_flops",
     "mig_profile",
 ]
 
@@ -122,8 +77,8 @@ DEVICES: dict[str, DeviceSpec] = {
                    "NVIDIA H100 NVL product brief: 1,671 TFLOPS bf16 with sparsity, 3.9 TB/s HBM3"),
         DeviceSpec("h100-pcie", "NVIDIA H100 PCIe 80GB", (("h100", "pcie"),), _peaks(51.0, 378.0, 756.0), 2000, 80,
                    114, "NVIDIA H100 datasheet: 756 TFLOPS bf16 dense, 2.0 TB/s HBM2e"),
-        DeviceSpec("gh200-144gb", "NVIDIA GH200 144GB HBM3e", (("gh200", "hbm3e"), ("gh200", "144g"), ("gh200", "144gb")),
-                   _HOPPER_SXM, 4900, 144, 132,
+        DeviceSpec("gh200-144gb", "NVIDIA GH200 144GB HBM3e",
+                   (("gh200", "hbm3e"), ("gh200", "144g"), ("gh200", "144gb")), _HOPPER_SXM, 4900, 144, 132,
                    "NVIDIA GH200 datasheet: H100 SXM compute, 144 GB HBM3e at 4.9 TB/s"),
         DeviceSpec("gh200", "NVIDIA GH200 96GB HBM3", (("gh200",),), _HOPPER_SXM, 4000, 96, 132,
                    "NVIDIA GH200 datasheet: H100 SXM compute, 96 GB HBM3 at 4 TB/s"),
@@ -136,8 +91,8 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("b200", "NVIDIA B200 180GB", (("b200",),), _peaks(75.0, 1100.0, 2250.0), 7700, 180, 148,
                    "NVIDIA HGX B200 specifications, per GPU: 4.5 PFLOPS bf16 and 2.2 PFLOPS tf32 with sparsity, "
                    "75 TFLOPS fp32, 180 GB HBM3e at 7.7 TB/s"),
-        DeviceSpec("a100-sxm-80gb", "NVIDIA A100 SXM 80GB", (("a100", "sxm4", "80gb"), ("a100", "sxm", "80gb")), _AMPERE,
-                   2039, 80, 108, "NVIDIA A100 datasheet: 312 TFLOPS bf16, 2,039 GB/s"),
+        DeviceSpec("a100-sxm-80gb", "NVIDIA A100 SXM 80GB", (("a100", "sxm4", "80gb"), ("a100", "sxm", "80gb")),
+                   _AMPERE, 2039, 80, 108, "NVIDIA A100 datasheet: 312 TFLOPS bf16, 2,039 GB/s"),
         DeviceSpec("a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", (("a100", "pcie", "80gb"),), _AMPERE, 1935, 80, 108,
                    "NVIDIA A100 datasheet: 312 TFLOPS bf16, 1,935 GB/s"),
         DeviceSpec("a100-pcie-40gb", "NVIDIA A100 PCIe 40GB", (("a100", "pcie"),), _AMPERE, 1555, 40, 108,
@@ -159,14 +114,10 @@ def _words(name: str) -> set[str]:
 
 
 def mig_profile(device_name: str) -> tuple[int, int] | None:
-    """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` profile, or None for a whole device.
-
-    A compute instance inside a GPU instance (``Cc.Ng.Mgb``) has C of the slices.
+    """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` (or ``Cc.Ng.Mgb``) profile; None for a whole device.
 
     >>> mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), mig_profile("NVIDIA H100 80GB HBM3")
     ((1, 10), None)
-    >>> mig_profile("NVIDIA A100-SXM4-40GB MIG 3g.20gb"), mig_profile("NVIDIA H100 80GB HBM3 MIG 1c.3g.40gb")
-    ((3, 20), (1, 40))
     """
     match = _MIG.search(device_name.lower())
     if match is None:
@@ -197,14 +148,8 @@ def get_device(key: str) -> DeviceSpec:
 
 
 def compute_share(device_name: str, sm_count: int | None = None) -> float:
-    """The fraction of its GPU's compute a device has: 1 for a whole GPU; for a MIG slice, its SMs over the full
-    GPU's when ``sm_count`` is given and the GPU is in the table, else N/7 for an ``Ng`` profile.
-
-    >>> round(compute_share("NVIDIA H100 80GB HBM3 MIG 1g.10gb", sm_count=16), 3)  # 16 of 132 SMs
-    0.121
-    >>> round(compute_share("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), 3)  # no SM count: 1/7
-    0.143
-    """
+    """The fraction of its GPU's compute a device has: 1 for a whole GPU; for a MIG slice, ``sm_count`` over the
+    full GPU's SMs when given and known, else N/7 for an ``Ng`` profile."""
     profile = mig_profile(device_name)
     if profile is None:
         return 1.0
@@ -218,28 +163,26 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
     """Dense peak FLOP/s of one device (or MIG slice) for ``dtype``, or None if unknown.
 
     ``device_name``: a GPU's name, or ``"cpu"`` (then ``threads`` cores at ``CPU_FP32_TFLOPS_PER_CORE``, fp32 only).
-    ``sm_count``: the device's ``multi_processor_count``, for a MIG slice's share (module docstring, step 4).
+    ``sm_count``: the device's ``multi_processor_count``, for a MIG slice's share.
 
     >>> dense_peak_flops("NVIDIA H100 80GB HBM3", "bf16") / 1e12
     989.4
-    >>> dense_peak_flops("NVIDIA H100 NVL", "bf16") / 1e12, dense_peak_flops("NVIDIA H200", "tf32") / 1e12
-    (835.5, 494.7)
-    >>> dense_peak_flops("NVIDIA GH200 480GB", "bf16") / 1e12, dense_peak_flops("NVIDIA B200", "bf16") / 1e12
-    (989.4, 2250.0)
-    >>> dense_peak_flops("cpu", "fp32", threads=2) / 1e9
-    156.0
-
-    A MIG slice is a share of its GPU, not the whole GPU: 16 of an H100's 132 SMs, or 1/7 without the SM count.
-
-    >>> round(dense_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", sm_count=16) / 1e12, 1)
-    119.9
-    >>> round(dense_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16") / 1e12, 1)  # 1/7 of 989.4
-    141.3
-    >>> round(dense_peak_flops("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "bf16") / 1e12, 1)  # 3/7 of 312
-    133.7
     """
     if device_name.lower() == "cpu":
         return CPU_FP32_TFLOPS_PER_CORE * 1e12 * threads if dtype == "fp32" else None
     spec = find_device(device_name)
     peak = None if spec is None else spec.peak_flops(dtype)
     return None if peak is None else peak * compute_share(device_name, sm_count)
+
+
+def job_peak_flops(per_rank: list[tuple[object, float | None]]) -> float | None:
+    """The whole job's peak: the sum over its *distinct* devices of ``(device identity, peak)`` per rank.
+
+    Ranks sharing a device count it once; ``None`` if any peak is unknown.
+
+    >>> job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-0"), 1e15)])  # 2 ranks, 1 GPU
+    1000000000000000.0
+    """
+    if any(peak is None for _, peak in per_rank):
+        return None
+    return float(sum(dict(per_rank).values()))

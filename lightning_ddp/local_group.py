@@ -1,17 +1,10 @@
 """Ranks on one host: a free port to meet at, and joining their process group over loopback.
 
-For whoever spawns its own ranks on this machine: the benchmarks (``bench.compression``, ``bench.engine_step``,
-``bench.memory``, the sweep's cells) and the multi-process tests (``tests/support/dist_utils.py``). Importing it costs no
-torch import; ``init_local_process_group`` loads torch when called.
-
-Three things every such rank needs, each done once here:
-
-1. A rendezvous: ``tcp://127.0.0.1:<port>``, the port one that was free a moment ago (``find_free_port``; another
-   process may take it before rank 0 binds it, so callers that must not fail retry with a new one).
-2. Gloo on loopback: on Linux ``GLOO_SOCKET_IFNAME=lo`` unless already set, because gloo otherwise picks the
-   interface of the host name, which in a container may not route back to itself.
-3. Its share of the cores: ranks on one machine that each start ``os.cpu_count()`` intra-op threads oversubscribe
-   it, which only adds noise to every timing (``cores_per_rank``).
+For whoever spawns its own ranks on this machine (the benchmarks, the multi-process tests). Importing it costs no
+torch import. ``find_free_port`` gives a port that was free a moment ago (callers that must not fail retry);
+``init_local_process_group`` sets ``GLOO_SOCKET_IFNAME=lo`` on Linux (a container's host-name interface may not
+route back) and, with ``threads``, the rank's share of the cores (``cores_per_rank``), so ranks do not
+oversubscribe the machine.
 """
 
 from __future__ import annotations

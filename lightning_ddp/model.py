@@ -1,21 +1,10 @@
-"""A small, readable decoder-only Transformer language model (GPT-2 family, modern variant).
-
-The whole model lives in this file, in the spirit of nanoGPT's ``model.py``:
+"""A small, readable decoder-only Transformer language model (GPT-2 family, modern variant), nanoGPT-style.
 
     idx (B, T) -> token embedding -> n_layers x Block -> RMSNorm -> lm_head -> logits (B, T, V)
+    Block:  x = x + Attention(RMSNorm(x));  x = x + SwiGLU(RMSNorm(x))
 
-    Block:  x = x + Attention(RMSNorm(x))
-            x = x + SwiGLU(RMSNorm(x))     # pre-norm: sublayer inputs are normed, the stream is not
-
-Differences from GPT-2, all standard in recent LMs (LLaMA and friends):
-
-* RMSNorm instead of LayerNorm (scale only, no mean subtraction, no bias).
-* Rotary position embeddings (RoPE) on queries and keys instead of a learned position table.
-* SwiGLU feed-forward ``w2(silu(w1 x) * w3 x)`` instead of a GELU MLP.
-* No biases and no dropout anywhere; the token embedding and ``lm_head`` are untied by default.
-
-Every parameter is a weight matrix or a norm scale, so the parameter count has a closed form
-(see ``tests/unit/test_model.py``), and ``GPT.flops_per_token`` gives the training FLOPs used for MFU.
+RMSNorm, rotary position embeddings, a SwiGLU feed-forward, no biases, no dropout; embedding and ``lm_head``
+untied by default. ``GPT.flops_per_token`` gives the training FLOPs used for MFU; presets are chosen by name.
 """
 
 from __future__ import annotations
@@ -122,10 +111,8 @@ class RMSNorm(nn.Module):
 def rope_cache(
     context_length: int, head_dim: int, theta: float, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the RoPE angles, each (context_length, head_dim // 2), in float32.
-
-    Channel pair i at position t is rotated by angle t * theta^(-2i / head_dim). Created on ``device``, by
-    default the current default device, so building the model under ``torch.device("meta")`` works.
+    """cos and sin of the RoPE angles, each (context_length, head_dim // 2), in float32, on ``device``
+    (default: the current default device, so building under ``torch.device("meta")`` works).
     """
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)  # (hs/2,)
     positions = torch.arange(context_length, dtype=torch.float32, device=device)  # (T,)
@@ -134,11 +121,7 @@ def rope_cache(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by the angles in cos/sin (T, hs/2).
-
-    Pairing the two halves ("rotate half", as in GPT-NeoX and LLaMA) rather than adjacent channels
-    is equivalent up to a fixed permutation of the q/k channels, and needs no strided indexing.
-    """
+    """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by the angles in cos/sin (T, hs/2) ("rotate half")."""
     x1, x2 = x.float().chunk(2, dim=-1)  # each (B, nh, T, hs/2)
     rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, nh, T, hs)
     # Back to the input dtype: under autocast q/k arrive in bf16 and SDPA wants q, k, v to match.
@@ -261,22 +244,11 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward) at sequence length ``seq_len``.
+        """Training FLOPs per token (forward + backward) at ``seq_len`` (default ``config.context_length``).
 
-        Formula from PaLM (Chowdhery et al., 2022, appendix B), also used by Chinchilla:
-
-            flops_per_token = 6 * N_matmul + 12 * n_layers * d_model * seq_len
-
-        * ``6 * N_matmul``: each weight in a matmul costs 2 FLOPs (multiply + add) per token in
-          the forward pass and 4 in the backward pass (gradients w.r.t. input and weight).
-          N_matmul counts every Linear weight, lm_head included (even when tied), and excludes
-          the embedding lookup (a gather, no FLOPs) and the norm scales (elementwise).
-        * ``12 * n_layers * d_model * seq_len``: the attention scores Q K^T and the weighted sum
-          with V, 2 matmuls x 2 FLOPs x 3 (fwd + bwd) per layer, each over ``seq_len`` keys of
-          width d_model. The causal mask is ignored, as in PaLM.
-
-        ``seq_len`` defaults to ``config.context_length``. Divide achieved tokens/s times this by
-        the hardware's peak FLOP/s to get MFU.
+        PaLM's formula (Chowdhery et al., 2022, appendix B): ``6 * N_matmul + 12 * n_layers * d_model * seq_len``, with
+        ``N_matmul`` every Linear weight (lm_head included even when tied; no embedding, no norm scales) and the second
+        term the attention scores and weighted sum (the causal mask ignored).
         """
         if seq_len is None:
             seq_len = self.config.context_length

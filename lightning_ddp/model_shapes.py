@@ -1,26 +1,7 @@
 """The GPT's parameters, name and shape, from its config alone: ``gpt_parameter_shapes``. Pure Python.
 
-``lightning_ddp.model.GPT`` builds these tensors; this module states their names and shapes without building it
-(and without importing torch), for those that only need the shapes: the memory pre-flight
-(``lightning_ddp.memory``), the projection (``ModelShape.parameters``, the shapes of a modelled compute profile).
-``tests/unit/test_model.py`` holds it to the real module for every preset, tied and untied.
-
-In ``GPT.parameters()`` order (an ``nn.Linear(a, b)`` weight is ``(b, a)``):
-
-====================================  =========  ============================================
-name                                  shape      what
-====================================  =========  ============================================
-``tok_emb.weight``                    (V, d)     token embedding
-per block ``i``: ``blocks.{i}.`` +
-``attn_norm.weight``                  (d,)       RMSNorm scale before attention
-``attn.{q,k,v,out}_proj.weight``      (d, d)     the four attention projections
-``ffn_norm.weight``                   (d,)       RMSNorm scale before the feed-forward
-``ffn.w1.weight``                     (d_ff, d)  SwiGLU gate projection
-``ffn.w2.weight``                     (d, d_ff)  SwiGLU down projection
-``ffn.w3.weight``                     (d_ff, d)  SwiGLU up projection
-``norm.weight``                       (d,)       final RMSNorm scale
-``lm_head.weight``                    (V, d)     absent when tied: it *is* ``tok_emb.weight``
-====================================  =========  ============================================
+For those that need the shapes without building the model or importing torch: the memory pre-flight and the
+projection. ``tests/unit/test_model.py`` holds it to ``lightning_ddp.model.GPT`` for every preset, tied and untied.
 """
 
 from __future__ import annotations

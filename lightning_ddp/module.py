@@ -1,18 +1,8 @@
 """The GPT language model as a LightningModule: loss, optimizer, schedule, logging.
 
-Everything about *how gradients are synchronised* lives in the strategy (``lightning_ddp.strategies``);
-this module is deliberately ignorant of it, so swapping the strategy in YAML changes nothing here.
-
-Evaluation (``validate``, ``test``, and validation during ``fit``) logs, once per epoch of the held-out split:
-
-==============  ==============================================================================================
-key             what it is
-==============  ==============================================================================================
-``val/loss``    mean next-token cross-entropy (nats) over every token of the validation split, all ranks'
-                shards together (``test/loss`` for ``test``)
-``val/ppl``     perplexity, ``exp(val/loss)``: of the mean loss, not a mean of per-batch perplexities
-                (``test/ppl``)
-==============  ==============================================================================================
+It knows nothing of how gradients are synchronised (the strategy's job), so swapping the strategy changes nothing
+here. Evaluation logs once per epoch of the held-out split ``val/loss`` (mean next-token cross-entropy in nats over
+every token of the split, all ranks' shards together) and ``val/ppl`` (``exp(val/loss)``); ``test/*`` for ``test``.
 """
 
 from __future__ import annotations
@@ -143,7 +133,8 @@ class LitGPT(pl.LightningModule):
         assert self._eval_totals is not None, "the epoch-start hook runs first"
         tokens = batch[1].numel()
         loss = self._loss(batch)  # mean over the batch's tokens
-        self._eval_totals += torch.stack([loss.detach().double() * tokens, loss.new_tensor(tokens, dtype=torch.float64)])
+        token_count = loss.new_tensor(tokens, dtype=torch.float64)
+        self._eval_totals += torch.stack([loss.detach().double() * tokens, token_count])
 
     def _log_eval_epoch(self, stage: str) -> None:
         # One all-reduce of (loss sum, tokens) over the ranks' shards: the mean over every held-out token, exactly

@@ -1,33 +1,11 @@
 """The compute profile: how long forward, backward and the optimizer take, and when each gradient is ready.
 
-One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` on a
-real run or by ``write_profile`` here (the modelled profiles of ``lightning_ddp.projection.flops`` use it too), and
-read by the projection (``lightning_ddp.projection``, which re-exports these names). It lives at the package's root,
-below both: the callback that writes it is on in every run and must not import the study code::
-
-    {"schema": "lightning_ddp.compute_profile/1",
-     "source": "free text: how it was measured",
-     "device": "cpu | NVIDIA H100 80GB HBM3 | ...",
-     "preset": "tiny", "batch_size": 4, "seq_len": 64, "precision": "32-true", "world_size": 2,
-     "forward_ms": 10.0, "backward_ms": 25.0, "optimizer_ms": 3.0,
-     "params": [{"name": "lm_head.weight", "numel": 1280000, "bytes": 5120000, "ready_ms": 0.8,
-                 "shape": [10000, 128]}, ...]}
-
-=================  ===========================================================================================
-field              meaning
-=================  ===========================================================================================
-``params``         trainable parameters in ``module.parameters()`` order (a tied tensor once)
-``bytes``          bytes of that parameter's gradient (what an engine communicates for it)
-``ready_ms``       when its gradient became ready, ms after the start of backward; ``null``: it got none
-``shape``          optional: the parameter's shape (what a compressing strategy's model, e.g. PowerSGD's, needs
-                   to know which gradients are matrices); absent in older files
-``forward_ms``     the forward pass (loss included), per rank
-``backward_ms``    the backward pass; the simulation lets backward last until the last ``ready_ms`` if later
-``optimizer_ms``   ``optimizer.step()`` (unsharded), per rank
-=================  ===========================================================================================
-
-Only ``schema``, the three times and ``params`` are required; the descriptive fields may be absent or null.
-Everything here is the standard library.
+One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` (or by
+``write_profile`` for modelled profiles) and read by the projection; it lives below both. Required: ``schema``,
+``forward_ms``, ``backward_ms``, ``optimizer_ms`` (per rank) and ``params`` (trainable parameters in
+``module.parameters()`` order, each with ``name``, ``numel``, gradient ``bytes``, ``ready_ms`` after backward's
+start or null, and an optional ``shape``); descriptive fields (``source``, ``device``, ``preset``, ``batch_size``,
+``seq_len``, ``precision``, ``world_size``) may be absent or null. Standard library only.
 """
 
 from __future__ import annotations
@@ -39,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_ddp.files import write_atomically  # re-exported: the projection's writers import it from here
+from lightning_ddp.files import write_atomically
 
-__all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_atomically", "write_profile"]
+__all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_profile"]
 
 SCHEMA = "lightning_ddp.compute_profile/1"
 """The ``schema`` value of version 1; a reader refuses any other."""
@@ -64,12 +42,13 @@ class ParamTiming:
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.bytes < 0:
-            raise ValueError(f"parameter {self.name!r}: numel and bytes must be >= 0, got {self.numel} and {self.bytes}")
+            raise ValueError(f"parameter {self.name!r}: numel and bytes must be >= 0, "
+                             f"got {self.numel} and {self.bytes}")
         if self.shape is not None:
             object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
             if math.prod(self.shape) != self.numel:
-                raise ValueError(f"parameter {self.name!r}: shape {list(self.shape)} has {math.prod(self.shape)} elements, "
-                                 f"but numel is {self.numel}; record the parameter's own shape, or none")
+                raise ValueError(f"parameter {self.name!r}: shape {list(self.shape)} has {math.prod(self.shape)} "
+                                 f"elements, but numel is {self.numel}; record the parameter's own shape, or none")
         if self.ready_ms is not None and not (self.ready_ms >= 0 and math.isfinite(self.ready_ms)):
             raise ValueError(
                 f"parameter {self.name!r}: ready_ms must be a finite time >= 0 ms after the start of backward, or "
@@ -128,8 +107,8 @@ class ComputeProfile:
     @property
     def label(self) -> str:
         """A short description for tables: preset, batch, sequence length, precision, device."""
-        parts = [self.preset or "model", f"b{self.batch_size}" if self.batch_size else "", f"t{self.seq_len}" if self.seq_len else "",
-                 self.precision or "", self.device or ""]
+        parts = [self.preset or "model", f"b{self.batch_size}" if self.batch_size else "",
+                 f"t{self.seq_len}" if self.seq_len else "", self.precision or "", self.device or ""]
         return " ".join(p for p in parts if p)
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,8 +136,8 @@ class ComputeProfile:
             )
         missing = [k for k in ("forward_ms", "backward_ms", "optimizer_ms", "params") if k not in data]
         if missing:
-            raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, backward_ms, "
-                             "optimizer_ms and params")
+            raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, "
+                             "backward_ms, optimizer_ms and params")
         if not isinstance(data["params"], list):
             raise ValueError(f"{origin}: `params` must be a list of {{name, numel, bytes, ready_ms}} objects")
         params = []
@@ -191,7 +170,8 @@ def read_profile(path: str | os.PathLike) -> ComputeProfile:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"compute profile {str(path)!r} is not valid JSON ({error}); was it written completely?") from None
+        raise ValueError(f"compute profile {str(path)!r} is not valid JSON ({error}); "
+                         "was it written completely?") from None
     return ComputeProfile.from_dict(data, origin=f"compute profile {str(path)!r}")
 
 

@@ -1,8 +1,5 @@
-"""Where a result came from: the git commit of the code that produced it, and whether the tree was dirty; the
-command that ran it, where and when (``invocation``); the versions of the packages it ran on (``package_version``).
-
-Every benchmark's ``environment.json`` carries ``git_state()``, so a number can be traced to committed code (and
-one measured from uncommitted changes says so).
+"""Where a result came from: the git commit of the code and whether the tree was dirty (``git_state``), the
+command that ran it, where and when (``invocation``), and the package versions (``package_version``).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from lightning_ddp import files
-from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
+from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
 from lightning_ddp.bench.config import REFERENCE, format_bucket, format_settings, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, RankLayout
 from lightning_ddp.bench.load import LoadCheck

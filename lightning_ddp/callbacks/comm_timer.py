@@ -1,54 +1,10 @@
-"""``CommTimer``: per optimizer step, how much of the step went to gradient communication, into the logger.
+"""``CommTimer``: per measured optimizer step, how much of the step went to gradient communication, into the logger.
 
-A thin Lightning shell over the pure accounting in ``accounting.py`` (whose ``step_metrics`` docstring is the
-table of every key and its formula).
-
-Sampling: only every ``every_n_steps``-th optimizer step is measured (default: the trainer's
-``log_every_n_steps``), step ``s`` iff ``s % every_n_steps == 0``. Every rank decides from its own
-``trainer.global_step``, which is the same on all ranks, so deciding needs no communication. A step that is not
-measured costs (almost) nothing: the run's ``Recorder`` is not armed (``lightning_ddp.sync.record``), so the
-engines' collectives and the DDP comm hook record nothing (one flag read each; the hook, which DDP keeps for the
-whole run, does what torch's default all-reduce does), the per-parameter gradient hooks are removed before such a
-step and put back before the next measured one, and there is no ``torch.cuda.synchronize()``, no collective and
-nothing logged. Per measured optimizer step, once gradient accumulation is over, it:
-
-1. finishes the step's record (``lightning_ddp.sync.record``: on CUDA the step's one ``torch.cuda.synchronize()``,
-   after which its CUDA events are read; every mark becomes milliseconds). The record comes from the run's
-   ``Recorder``, which the strategy attaches to its engine when asked (``callbacks.recording``): the timer only
-   observes, it never drives the training step;
-2. all-gathers one small vector per rank (``rank_exchange``: step time, compute time, the launch times of the
-   step's collectives on rank 0's clock), from which the step time is the max over ranks (the slowest rank sets
-   the pace) and exposed communication splits into waiting for the last rank and transfer (``straggler``). This
-   one collective runs after the step's end mark and before the next step's start, so it is outside what is
-   measured. Ranks on several hosts first estimate their clock offsets to rank 0 (``clock_offset``) at train start
-   and every ``clock_sync_every_n_steps``;
-3. turns the engine's ``SyncRecord`` into metrics and, on rank 0, hands them to the trainer's loggers at the
-   measured step's number (as Lightning's ``ThroughputMonitor`` does: ``log_dict`` would follow Lightning's own
-   logging cadence and lose a sampled step between its logging steps).
-
-Every strategy is measured the same way, Lightning's built-in ``ddp`` (torch ``DistributedDataParallel``)
-included: its bucket all-reduces are recorded through a DDP communication hook equivalent to torch's default
-(``callbacks.recording``), and ``comm/exposed_ms`` runs from the step's last gradient computed (a tensor hook on
-every trainable parameter) to the gradients usable (``on_before_optimizer_step``) for every strategy; see
-``accounting.py``. A strategy whose collectives are not ours to record says so with ``comm_recording = "landmarks"``
-(``fsdp2``): its busy time, overlap, wait and bandwidths are "not recorded" (``accounting.NOT_RECORDED``), never 0. A
-strategy whose gradients are computed on other tensors than the LightningModule's parameters (FSDP2's unsharded
-ones) names them with ``watched_parameters()``.
-
-What is measured depends on the strategy (``callbacks.recording.comm_recording``, the one place that decides):
-everything for Lightning's ``ddp`` and ours; for any other strategy (one device, ``fsdp``, ``deepspeed``) step
-time, throughput, memory and the compute profile, with one line at the start of fit saying what is not measured,
-and the ``comm/`` keys left out rather than logged as zeros. ``step/tokens_per_s`` and ``step/mfu`` appear only when
-the module says how to count (``tokens_fn``, ``tokens_per_batch``, ``flops_per_batch``: see ``CommTimer``).
-
-At the end of ``fit`` rank 0 prints a summary (median, p10, p90 over the measured steps after the first
-``warmup_steps`` measured ones) and writes it as ``timing_summary.json`` and ``timing_summary.csv`` in the logger's directory, with
-``compute_profile.json`` beside them: the median forward, backward and optimizer times and when each
-parameter's gradient became ready (``lightning_ddp.profile``; what ``python -m lightning_ddp.projection``
-predicts other world sizes from). Forward is the step's start to backward's start, backward runs to the last
-gradient computed, the optimizer from the gradients usable to the step's end. Into a ``TensorBoardLogger`` it also
-writes a custom-scalars layout of the keys the run logged and the run's hparams with its medians as metrics
-(``tensorboard_views``; the placeholder ``hp_metric`` of -1 is turned off).
+A thin Lightning shell over ``lightning_ddp.metrics``: every ``every_n_steps``-th optimizer step it finishes the
+run's shared record, exchanges one vector per rank, logs ``step_metrics`` on rank 0 at the step's number, and at
+the end of fit prints a summary and writes ``timing_summary.json``/``.csv`` and ``compute_profile.json`` into the
+logger's directory (plus TensorBoard views). Steps not measured cost one flag read per collective. What each key
+means, what each strategy lets us measure and what the timer costs: ``docs/comm_timer.md``.
 """
 
 from __future__ import annotations
@@ -70,14 +26,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ddp import compat, hardware
-from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
-from lightning_ddp.callbacks.peak_flops import dense_peak_flops, job_peak_flops
-from lightning_ddp.callbacks.rank_exchange import StragglerExchange
-from lightning_ddp.callbacks.recording import (comm_recording, measurement_note, recorder_for, release_recorder,
-                                               strategy_label)
-from lightning_ddp.callbacks.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.callbacks.tensorboard_views import (MEDIAN_METRICS, custom_scalars_layout, run_hparams, run_metrics,
                                                        strategy_settings)
+from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
+from lightning_ddp.metrics.rank_exchange import StragglerExchange
+from lightning_ddp.metrics.recording import (comm_recording, measurement_note, recorder_for, release_recorder,
+                                             strategy_label)
+from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -85,32 +40,24 @@ from lightning_ddp.sync.record import Recorder, SyncRecord
 class CommTimer(Callback):
     """Log step time, exposed and busy communication time, comm share and overlap per optimizer step.
 
-    Drops into any Lightning project: ``Trainer(strategy="ddp", callbacks=[CommTimer()])``. Throughput is only
-    reported when the module says how to count, as for Lightning's ``ThroughputMonitor``:
-
-    - tokens (``step/tokens_per_s``): ``tokens_fn(batch)`` if given, else the module's ``tokens_per_batch(batch)``
-      method, summed over the step's micro-batches (``LitGPT`` counts its input's tokens);
-    - FLOPs (``step/mfu``): the module's ``flops_per_batch``, one rank's training FLOPs of one micro-batch (a
-      number, as ``ThroughputMonitor`` reads it, e.g. from ``lightning.fabric.utilities.throughput.measure_flops``,
-      or a method of the batch), else its ``flops_per_token(seq_len)`` times the counted tokens (``LitGPT``).
+    ``Trainer(strategy="ddp", callbacks=[CommTimer()])``. Throughput needs the module to say how to count, as for
+    Lightning's ``ThroughputMonitor``: tokens from ``tokens_fn(batch)`` or the module's ``tokens_per_batch(batch)``;
+    FLOPs from its ``flops_per_batch`` (a number or a method of the batch) or ``flops_per_token(seq_len)``.
 
     Args:
         warmup_steps: Measured optimizer steps left out of the end-of-fit summary (start-up, allocator warm-up).
-            Counted in measured steps: with ``every_n_steps=10`` and 5, steps 0, 10, ..., 40 are left out.
         enabled: Set false to switch the callback off (it is always added by the CLI).
         summary_name: Stem of the summary files written at the end of fit (``.json`` and ``.csv``).
         peak_tflops: Dense peak TFLOP/s of one device at the run's compute dtype, for ``step/mfu``; default: the
-            table in ``lightning_ddp.hardware`` (H100, GH200, H200, B200, A100, L4, a MIG slice's share of its GPU,
-            CPU estimate).
-        every_n_steps: Measure optimizer step ``s`` iff ``s % every_n_steps == 0``; the steps between cost nothing
-            (see the module docstring). Default: the trainer's ``log_every_n_steps``. 1 measures every step (the
-            benchmarks do).
+            table in ``lightning_ddp.hardware``.
+        every_n_steps: Measure optimizer step ``s`` iff ``s % every_n_steps == 0``; the steps between cost nothing.
+            Default: the trainer's ``log_every_n_steps``. 1 measures every step (the benchmarks do).
         tokens_fn: Tokens of one micro-batch on this rank, for ``step/tokens_per_s``; default: the module's
-            ``tokens_per_batch(batch)`` if it has one, else no throughput in tokens.
+            ``tokens_per_batch(batch)`` if it has one.
         straggler_collectives: Launch times compared across ranks per step (the step's last ones) for
             ``comm/wait_ms`` and ``straggler/*``; 8 bytes each per rank and step.
-        clock_sync: ``auto``: estimate every rank's clock offset to rank 0 when the ranks run on several hosts
-            (ranks on one host share their clock); ``always``: on one host too; ``off``: never.
+        clock_sync: ``auto``: estimate every rank's clock offset to rank 0 when the ranks run on several hosts;
+            ``always``: on one host too; ``off``: never.
         clock_sync_every_n_steps: Re-estimate the clock offsets after this many steps.
         clock_sync_rounds: Ping-pongs per rank and estimate; the one with the shortest round trip is kept.
     """
@@ -138,8 +85,8 @@ class CommTimer(Callback):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}; e.g. --timer.warmup_steps 5")
         if peak_tflops is not None and not peak_tflops > 0:
             h100 = hardware.get_device("h100-sxm").dense_tflops["bf16"]
-            raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; e.g. --timer.peak_tflops "
-                             f"{h100:g} for an H100 SXM in bf16")
+            raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; "
+                             f"e.g. --timer.peak_tflops {h100:g} for an H100 SXM in bf16")
         self.peak_tflops = peak_tflops
         self.warmup_steps = warmup_steps
         self.enabled = enabled
@@ -161,7 +108,9 @@ class CommTimer(Callback):
         self._flops: float | None = None
         self._peak_flops: float | None = None
         self._bucket_size_mb: float | None = None
-        self.exchange = StragglerExchange(straggler_collectives, clock_sync, clock_sync_every_n_steps, clock_sync_rounds)
+        self.exchange = StragglerExchange(
+            straggler_collectives, clock_sync, clock_sync_every_n_steps, clock_sync_rounds
+        )
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -209,7 +158,9 @@ class CommTimer(Callback):
         return step % self._every == 0
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self.enabled or self._recorder is None:
             return
         if not self._in_step:  # first micro-batch of an optimizer step
@@ -237,8 +188,9 @@ class CommTimer(Callback):
         flops = getattr(pl_module, "flops_per_batch", None)
         if callable(flops):
             flops = flops(batch)
-        if flops is None and tokens is not None and hasattr(pl_module, "flops_per_token") and len(self._batch_shape) > 1:
-            flops = tokens * float(pl_module.flops_per_token(self._batch_shape[-1]))
+        per_token = getattr(pl_module, "flops_per_token", None)
+        if flops is None and tokens is not None and per_token is not None and len(self._batch_shape) > 1:
+            flops = tokens * float(per_token(self._batch_shape[-1]))
         if flops is not None:
             self._flops = (self._flops or 0.0) + float(flops)
 
@@ -315,7 +267,8 @@ class CommTimer(Callback):
                 "written (lower --timer.warmup_steps or run more steps)."
             )
             return
-        out_dir = Path(trainer.logger.log_dir if trainer.logger and trainer.logger.log_dir else trainer.default_root_dir)
+        logged_dir = trainer.logger.log_dir if trainer.logger else None
+        out_dir = Path(logged_dir or trainer.default_root_dir)
         title = f"CommTimer [{strategy_label(trainer.strategy)}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
         lag = self.summary.summarize(self.warmup_steps).get("straggler/lag_ms", {}).get("median")
@@ -327,7 +280,8 @@ class CommTimer(Callback):
                  "clock": {**self.exchange.describe(), **({"note": note} if note else {})}}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
-        profile = _median_profile(self._compute[self.warmup_steps:], self._watched, trainer, pl_module, self._batch_shape)
+        steps = self._compute[self.warmup_steps:]
+        profile = _median_profile(steps, self._watched, trainer, pl_module, self._batch_shape)
         if profile is not None:
             write_profile(profile, out_dir / "compute_profile.json")
 
@@ -371,11 +325,7 @@ def _peak_memory_mib(cuda: bool) -> float:
 
 
 def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | None:
-    """The job's dense peak FLOP/s: every distinct device's peak (``peak_flops``), summed once per device.
-
-    A collective (one ``all_gather_object``): ranks that share a GPU (the one-GPU gloo layout) name the same device
-    and count it once.
-    """
+    """The job's dense peak FLOP/s, each distinct device once (a collective: one ``all_gather_object``)."""
     device = trainer.strategy.root_device
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compat.compute_dtype(trainer), "fp32")
     if device.type == "cuda":
@@ -384,17 +334,18 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | N
         properties = torch.cuda.get_device_properties(device)
         identity: tuple = (socket.gethostname(), str(getattr(properties, "uuid", device.index)))
         # The SM count makes a MIG slice's peak its share of the GPU, not the whole GPU's (~7x too high for 1g).
-        peak = dense_peak_flops(properties.name, dtype, sm_count=getattr(properties, "multi_processor_count", None))
+        sm_count = getattr(properties, "multi_processor_count", None)
+        peak = hardware.dense_peak_flops(properties.name, dtype, sm_count=sm_count)
     else:
         identity = (socket.gethostname(), os.getpid())  # a CPU rank computes on its own threads
-        peak = dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
+        peak = hardware.dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
     if peak_tflops is not None:
         peak = peak_tflops * 1e12
     per_rank: list = [(identity, peak)]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (identity, peak))
-    return job_peak_flops(per_rank)
+    return hardware.job_peak_flops(per_rank)
 
 
 def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:
@@ -436,7 +387,7 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
     return ComputeProfile(
         forward_ms=max(0.0, times["forward_ms"]), backward_ms=max(0.0, times["backward_ms"]),
         optimizer_ms=max(0.0, times["optimizer_ms"]), params=params,
-        source=f"CommTimer: median of {len(steps)} steps of {getattr(trainer.strategy, 'strategy_name', '') or type(trainer.strategy).__name__}",
+        source=f"CommTimer: median of {len(steps)} steps of {_strategy_name(trainer.strategy)}",
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         preset=hparams.get("preset"), batch_size=batch_shape[0] if len(batch_shape) == 2 else None,
         seq_len=batch_shape[-1] if len(batch_shape) == 2 else None,
@@ -449,15 +400,21 @@ def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
     device = trainer.strategy.root_device
     strategy = trainer.strategy
     return {
-        "strategy": getattr(strategy, "strategy_name", "") or type(strategy).__name__,
+        "strategy": _strategy_name(strategy),
         "strategy_class": type(strategy).__name__,
         "world_size": trainer.world_size,
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "precision": str(trainer.precision),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "hparams": {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in pl_module.hparams.items()},
+        "hparams": {key: value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+                    for key, value in pl_module.hparams.items()},
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "python": platform.python_version(),
     }
+
+
+def _strategy_name(strategy: Any) -> str:
+    """Lightning's registry name of ``strategy`` when it has one, else its class name."""
+    return getattr(strategy, "strategy_name", "") or type(strategy).__name__

@@ -1,14 +1,8 @@
 """``FinalStepCheckpoint``: whenever checkpointing is on, the run's last optimizer step is saved.
 
-Lightning's ``ModelCheckpoint`` saves after a validation or at an epoch's end. A run that stops at ``max_steps``
-between two validations (our configs validate every ``val_check_interval`` steps, across epochs) would lose every
-step after the last validation: a 50-step quickstart kept ``step=40.ckpt``, a 20-step one nothing at all. This
-callback asks each of the trainer's ``ModelCheckpoint`` callbacks that does not monitor a metric to save once more
-when training ends, unless it already saved this very step. A monitored one keeps its choice of the best (the
-last step has no value of its metric to rank it by); its ``save_last`` copy is its own business.
-
-A run that stops on an exception keeps the checkpoints it had: nothing is saved at the failure (the other ranks
-may be gone, and a collective save would hang) and nothing already saved is removed.
+``ModelCheckpoint`` saves after a validation or at an epoch's end, so a run that stops at ``max_steps`` between two
+validations would lose its last steps. This asks every unmonitored ``ModelCheckpoint`` to save once more when
+training ends, unless it already saved that step. A run that stops on an exception keeps what it had.
 """
 
 from __future__ import annotations
@@ -21,13 +15,8 @@ from typing_extensions import override
 class FinalStepCheckpoint(Callback):
     """Save the last optimizer step through every unmonitored ``ModelCheckpoint`` that has not saved it yet.
 
-    Does nothing when checkpointing is off (no ``ModelCheckpoint``). The file is the checkpoint callback's own
-    (its ``dirpath`` and ``filename``, e.g. ``<log_dir>/checkpoints/epoch=1-step=12.ckpt``); with the default
-    ``save_top_k=1`` it replaces the previous one, as any later save would.
-
-    The save happens at the end of the last training batch (``max_steps`` reached, or the last batch of the last
-    epoch), where ``every_n_train_steps`` saves: the loops' state there resumes mid-epoch exactly. A run stopped by
-    anything else (early stopping, ``max_time``) is saved when training ends, as Lightning's ``save_last`` is.
+    The file is the checkpoint callback's own (``dirpath``, ``filename``), saved at the end of the last training batch
+    (so a resume continues mid-epoch exactly), or when training ends for any other stop (early stopping, ``max_time``).
     """
 
     @override

@@ -1,26 +1,12 @@
 """``SlowRank``: an injected straggler, to check that the ``CommTimer`` blames the right rank for the right time.
 
-One rank sleeps ``delay_ms`` before its backward, every ``every_n_steps`` optimizer steps (the steps whose
-``trainer.global_step`` is a multiple of it). Its gradients, and so its collectives, arrive that much later; the
-other ranks wait for them inside their exposed communication. With it, ``comm/wait_ms`` on rank 0 should be
-about ``delay_ms``, ``straggler/rank`` the slow rank and ``step/rank_spread_ms`` about ``delay_ms``, while
-``comm/transfer_ms`` stays what it was without the delay (``python -m lightning_ddp.bench.straggler`` measures
-exactly that).
+One rank sleeps ``delay_ms`` before its backward (the last micro-batch's; on CUDA after a synchronize, so the
+device idles too) every ``every_n_steps`` optimizer steps. Rank 0's ``comm/wait_ms`` should then be about
+``delay_ms`` and ``straggler/rank`` the slow rank (``python -m lightning_ddp.bench.straggler`` measures it)::
 
-::
-
-    python -m lightning_ddp fit --config configs/quickstart.yaml \\
-        --trainer.callbacks+=lightning_ddp.callbacks.SlowRank --trainer.callbacks.rank 1 \\
+    python -m lightning_ddp fit --config configs/quickstart.yaml \
+        --trainer.callbacks+=lightning_ddp.callbacks.SlowRank --trainer.callbacks.rank 1 \
         --trainer.callbacks.delay_ms 20
-
-or in YAML, under ``trainer.callbacks``::
-
-    - class_path: lightning_ddp.callbacks.SlowRank
-      init_args: {rank: 1, delay_ms: 20, every_n_steps: 1}
-
-With gradient accumulation it sleeps once per optimizer step, before the last micro-batch's backward (the one
-whose gradients are communicated). On CUDA it synchronizes first, so that the device, not only the host, is
-idle for the delay (a host that runs ahead of its GPU would otherwise hide the sleep).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The CommTimer's two TensorBoard views: one page to read a run (a custom-scalars layout) and one table to compare
-runs (the HPARAMS tab: each run's strategy and settings as hparams, its medians as metrics).
-
-Pure Python (no torch, no Lightning): ``comm_timer.py`` hands the results to a ``TensorBoardLogger`` at the end of
-fit. What to read in each view, and why the charts are grouped this way: ``docs/tensorboard.md``.
+"""The CommTimer's two TensorBoard views: a custom-scalars layout to read a run, and the HPARAMS table to compare
+runs (strategy and settings as hparams, medians as metrics). Pure Python; what to read in each: ``docs/tensorboard.md``.
 """
 
 from __future__ import annotations
@@ -35,18 +32,15 @@ LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
         ("peak memory (MiB)", ("memory/peak_MiB", "memory/peak_reserved_MiB")),
     )),
 )
-"""Category -> charts, each chart a title and the CommTimer keys drawn on it (``accounting.step_metrics``). A chart
-only puts keys of one unit together, so that its y-axis reads in that unit."""
+"""Category -> charts, each chart a title and the CommTimer keys drawn on it, keys of one unit per chart."""
 
 MEDIAN_METRICS: dict[str, str] = {
     key: f"median/{key}"
     for key in ("step/time_ms", "comm/exposed_ms", "comm/share", "comm/overlap", "memory/peak_MiB", "comm/wait_ms",
                 "step/tokens_per_s")
 }
-"""CommTimer key -> the HPARAMS metric tag of its median over the run's measured steps after ``warmup_steps`` (the
-end-of-fit summary's median): what the table of runs sorts by. A tag of its own, not the key: the key's series would
-gain a point, and the table shows a tag's last value. TensorBoard shows the first five metrics until more are ticked:
-time, exposed, share, overlap and memory (the trade the strategies make); wait and tokens/s are one tick away."""
+"""CommTimer key -> the HPARAMS metric tag of its end-of-fit median (a tag of its own: the key's series would gain
+a point). TensorBoard shows the first five until more are ticked."""
 
 HPARAM_NAMES: dict[str, str] = {
     "strategy": "grad_sync/strategy",
@@ -58,9 +52,7 @@ HPARAM_NAMES: dict[str, str] = {
     "preset": "run/preset",
 }
 """``run_hparams``' arguments -> the hparams' names in TensorBoard. Every run writes all of them (``NOT_APPLICABLE``
-where a value has no meaning or is not known): TensorBoard takes the table's columns from one run's record, so
-runs must agree on the names. It sorts them by name and shows the first five until more are ticked: the
-``grad_sync/`` three, then ``run/batch_size`` and ``run/precision``."""
+where unknown): TensorBoard takes the table's columns from one run's record."""
 
 NOT_APPLICABLE = "n/a"
 ONE_BUCKET = "one bucket"
@@ -72,18 +64,11 @@ ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "buckets_in_flight"
 
 
 def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, dict[str, list[Any]]]:
-    """``LAYOUT`` reduced to the keys the run ``logged``, in ``SummaryWriter.add_custom_scalars``' format:
-    ``{category: {chart title: ["Multiline", [tag regex, ...]]}}``.
+    """``LAYOUT`` reduced to the keys the run ``logged``, in ``SummaryWriter.add_custom_scalars``' format
+    ``{category: {chart title: ["Multiline", [tag regex, ...]]}}``; empty charts and categories are left out. Each
+    tag is escaped, anchored at its end and preceded by the logger's ``prefix``.
 
-    A chart keeps the keys that were logged and is left out when none was; a category without charts is left out.
-    TensorBoard reads each tag as a regular expression matched at the tag's start: each key is escaped and anchored
-    at its end (``comm/bytes$``), with the logger's ``prefix`` (Lightning joins it with ``-``) in front.
-
-    >>> layout = custom_scalars_layout(["step/time_ms", "comm/exposed_ms", "comm/calls"])
-    >>> {category: list(charts) for category, charts in layout.items()}  # doctest: +NORMALIZE_WHITESPACE
-    {'Where the step goes': ['step time, exposed and busy communication (ms)'],
-     'Who made it wait': ['exposed = wait for the last rank + transfer (ms)'],
-     'Wire': ['collectives per step']}
+    >>> layout = custom_scalars_layout(["step/time_ms", "comm/exposed_ms"])
     >>> layout["Where the step goes"]["step time, exposed and busy communication (ms)"]
     ['Multiline', ['step/time_ms$', 'comm/exposed_ms$']]
     """

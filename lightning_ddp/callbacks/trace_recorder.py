@@ -1,35 +1,12 @@
 """``TraceRecorder``: a ``torch.profiler`` trace of a few optimizer steps on every rank, with our ranges and a
 communication track, one Chrome-trace JSON per rank.
 
-Recipe, per rank:
-
-1. ``on_train_start``: start ``torch.profiler.profile`` with ``schedule(wait=wait_steps, warmup=warmup_steps,
-   active=active_steps, repeat=1)``; the profiler advances once per optimizer step (``on_train_batch_end`` after
-   the last micro-batch). Hook the wrapped model's forward and the optimizers' step.
-2. While the profiler records, open ``record_function`` ranges (names in ``lightning_ddp.sync.ranges``):
-   ``ddp/step#N`` around the whole optimizer step, with ``time.perf_counter()`` read right before and after
-   opening it (the clock anchor); ``ddp/forward`` (forward pre-hook .. forward hook of the model the strategy
-   calls); ``ddp/backward`` (``on_before_backward`` .. ``on_after_backward``); ``ddp/optimizer``
-   (``on_before_optimizer_step`` .. the optimizer's step post-hook). The engines add ``ddp/grad_sync``,
-   ``ddp/comm_launch`` and ``ddp/comm_wait`` themselves (``lightning_ddp.sync.comm``). All ranges nest properly
-   on the training thread: torch's own ``Optimizer.step#AdamW.step`` range encloses the closure (forward and
-   backward) and our optimizer range, which is why forward and backward are hooked rather than bracketed by
-   ``on_train_batch_start``.
-3. Every traced step is recorded by the run's shared ``Recorder`` (``lightning_ddp.callbacks.recording``; the
-   strategy hands it to its engine), which this callback opens for it; at the end of each traced step, keep the
-   finished record's collectives (launch and completion of each, in ``perf_counter`` seconds). Steps outside the
-   profiler's recording window are not opened, so they record nothing.
-4. When the last active step ends the profiler hands over the trace: export the Chrome trace, add the
-   communication track (``lightning_ddp.callbacks.comm_track.add_communication_track``: each collective's
-   launch -> completion as an event on the profiler's clock, aligned by the step anchors) and write
-   ``rank{R}.pt.trace.json`` into ``dirpath`` (default ``<log_dir>/traces``). That is the layout of
-   ``torch.profiler.tensorboard_trace_handler`` (``<worker>[.<span>].pt.trace.json``), so the same files open in
-   Perfetto (ui.perfetto.dev), ``chrome://tracing``, HTA and TensorBoard's profiler plugin.
-
-What the profiler records on its own for gloo on CPU (torch 2.13): on the training thread ``c10d::allreduce_``
-(the enqueue, microseconds); on gloo's worker threads (``pt_gloo_runloop``) one ``gloo:all_reduce`` range per
-collective, from when a worker picks it up to when it completes. Our track adds what those lack: the
-parameter/bucket label, the bytes, and the time queued behind other collectives (launch -> completion).
+While the profiler records, the callback opens ``record_function`` ranges (``lightning_ddp.sync.ranges``):
+``ddp/step#N`` (with the clock anchor), ``ddp/forward`` (forward hooks of the model the strategy calls),
+``ddp/backward`` and ``ddp/optimizer``; the engines add their own. Traced steps are recorded by the run's shared
+``Recorder``; at the end the collectives are added as a communication track (``metrics.comm_track``) and each rank
+writes ``rank{R}.pt.trace.json`` into ``dirpath`` (``tensorboard_trace_handler``'s layout: Perfetto,
+``chrome://tracing``, HTA and TensorBoard open it). ``docs/comm_timer.md``, "Traces", has the clock alignment.
 """
 
 from __future__ import annotations
@@ -50,8 +27,8 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.callbacks.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
-from lightning_ddp.callbacks.recording import recorder_for, release_recorder
+from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
+from lightning_ddp.metrics.recording import recorder_for, release_recorder
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Recorder
 
@@ -87,7 +64,8 @@ class TraceRecorder(Callback):
                 "e.g. --trace.wait_steps 5 --trace.warmup_steps 1"
             )
         if active_steps < 1:
-            raise ValueError(f"active_steps must be >= 1 to record anything, got {active_steps}; e.g. --trace.active_steps 3")
+            raise ValueError(f"active_steps must be >= 1 to record anything, got {active_steps}; "
+                             "e.g. --trace.active_steps 3")
         self.enabled = enabled
         self.wait_steps = wait_steps
         self.warmup_steps = warmup_steps
@@ -192,9 +170,9 @@ class TraceRecorder(Callback):
             prof.stop()  # if the run ended inside the active window, this still writes what was recorded
             if self.trace_path is None:
                 rank_zero_warn(
-                    f"TraceRecorder wrote no trace: it needs {self.total_steps} optimizer steps (wait {self.wait_steps} "
-                    f"+ warmup {self.warmup_steps} + active {self.active_steps}). Lower --trace.wait_steps or run more "
-                    "steps."
+                    f"TraceRecorder wrote no trace: it needs {self.total_steps} optimizer steps "
+                    f"(wait {self.wait_steps} + warmup {self.warmup_steps} + active {self.active_steps}). "
+                    "Lower --trace.wait_steps or run more steps."
                 )
 
     # -- per step -------------------------------------------------------------------------------------------
@@ -204,7 +182,9 @@ class TraceRecorder(Callback):
         return self._prof is not None and self._prof.current_action in _RECORDING
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
             return
         self._in_step = True

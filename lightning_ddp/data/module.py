@@ -41,40 +41,26 @@ _STAGE_SPLITS = {"fit": ("val",), "validate": ("val",), "test": ("test",), None:
 class LMDataModule(LightningDataModule):
     """Language-modelling batches ``(x, y)`` of shape ``(batch_size, seq_len)`` from one source.
 
-    See the module docstring for the sources, the windowing, and how DDP shards the samples.
-
     Args:
-        source: Where tokens come from: ``synthetic`` (uniform random, no file, nothing to learn),
-            ``markov`` (walks on a random sparse Markov chain, no file, learnable down to a loss of
-            ``ln(markov_successors)``), ``tokens`` (flat binary token file, nanoGPT ``train.bin``) or
-            ``text`` (a text file as bytes, vocabulary 256).
+        source: Where tokens come from: ``synthetic`` (uniform random, nothing to learn), ``markov`` (a random
+            sparse Markov chain, learnable), ``tokens`` (flat binary token file, nanoGPT ``train.bin``) or ``text``.
         path: Training file; required for ``tokens`` and ``text``.
-        val_path: Separate validation file, same format as ``path``. Leave unset to hold out
-            ``val_fraction`` of the training windows instead.
-        val_fraction: Files only: fraction of the windows of ``path``, taken from its end (before the test
-            windows), held out for validation and never trained on. 0 means no validation.
+        val_path: Separate validation file, same format as ``path``; or hold out ``val_fraction``.
+        val_fraction: Files only: fraction of the windows of ``path`` (before the test windows) held out for
+            validation. 0 means no validation.
         test_path: Separate test file (for ``test``), same format as ``path``; or hold out ``test_fraction``.
-        test_fraction: Files only: fraction of the windows of ``path``, taken from its very end, held out for
-            ``test``. 0 means no test split.
-        val_samples: Generated sources only: samples held out for validation, drawn from a seed stream of their
-            own (same seed, same Markov chain, never a training sample). 0 means no validation.
-        test_samples: Generated sources only: samples held out for ``test``, from yet another stream. 0 means
-            no test split.
-        token_dtype: Element type of a ``tokens`` file: ``uint16`` (vocabularies up to 65,536) or
-            ``int32``.
-        vocab_size: Vocabulary size; every token id must be below it. Defaults to 10,000 for
-            ``synthetic``, ``markov`` and ``tokens``; ``text`` is always 256. The CLI passes the resolved
-            value on to ``--model.vocab_size``.
-        batch_size: Samples per batch on EACH rank (process); the global batch is
-            ``batch_size * world_size``.
+        test_fraction: Files only: fraction of the windows of ``path``, from its end, held out for ``test``.
+        val_samples: Generated sources only: samples held out for validation, a seed stream of their own.
+        test_samples: Generated sources only: samples held out for ``test``, from yet another stream.
+        token_dtype: Element type of a ``tokens`` file: ``uint16`` (vocabularies up to 65,536) or ``int32``.
+        vocab_size: Vocabulary size; every token id must be below it. Default 10,000; ``text`` is always 256.
+        batch_size: Samples per batch on EACH rank; the global batch is ``batch_size * world_size``.
         seq_len: Tokens per sample; must not exceed ``context_length``.
-        context_length: The model's maximum context (the CLI links it from the model); only
-            used to check ``seq_len``.
+        context_length: The model's maximum context (the CLI links it from the model); checks ``seq_len``.
         num_samples: Number of samples of the ``synthetic`` and ``markov`` sources.
-        markov_successors: Possible next tokens of every token in the ``markov`` chain (1 to 64); the
-            loss cannot fall below ``ln(markov_successors)`` nats (1.39 for 4).
-        seed: Seeds the generated tokens (and the ``markov`` chain) and the shuffle order (the same
-            on every rank).
+        markov_successors: Possible next tokens of every token in the ``markov`` chain (1 to 64); the loss cannot
+            fall below ``ln(markov_successors)`` nats.
+        seed: Seeds the generated tokens, the ``markov`` chain and the shuffle order (the same on every rank).
         shuffle: Shuffle the training samples every epoch.
         num_workers: DataLoader worker processes per rank (0 loads in the training process).
     """

@@ -1,9 +1,8 @@
 """The token sources: each a map-style ``Dataset`` whose sample ``i`` is a window ``(x, y)`` of ``seq_len`` tokens.
 
-Generated, no file (sample ``i`` depends only on ``(seed, i)``): ``SyntheticTokens`` (uniform, nothing to learn),
-``MarkovTokens`` (walks on a seeded sparse Markov chain, learnable). Read from a file, memory-mapped:
-``TokenFile`` (a flat array of token ids, nanoGPT's ``train.bin``; ``write_token_file`` writes one) and
-``TextBytes`` (a text file as bytes). Sources, windowing and sharding are described in ``lightning_ddp.data``.
+Generated, no file (sample ``i`` depends only on ``(seed, split, i)``): ``SyntheticTokens``, ``MarkovTokens``.
+Read from a file, memory-mapped: ``TokenFile`` (nanoGPT's ``train.bin``; ``write_token_file`` writes one) and
+``TextBytes`` (a text file as bytes).
 """
 
 from __future__ import annotations
@@ -48,28 +47,21 @@ def _check_split(split: str) -> None:
 
 
 def _held_out_seed(seed: int, split: str, index: int) -> int:
-    """The generator seed of sample ``index`` of a held-out split: a 64-bit hash of ``(seed, split, index)``.
-
-    ``SeedSequence`` mixes its entropy words, so these seeds are unrelated to the training stream's small integers
-    ``seed * 1_000_003 + index``: that one of ``V`` held-out seeds lands among ``N`` training seeds has probability
-    ``V * N / 2**64``, about 1e-12 for 256 and 100,000.
+    """The generator seed of sample ``index`` of a held-out split: a 64-bit hash of ``(seed, split, index)``,
+    unrelated to the training stream's seeds ``seed * 1_000_003 + index`` (a collision has probability ~1e-12).
     """
     words = [seed % 2**64, SPLITS.index(split), index]
     return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0])
 
 
 class SyntheticTokens(Dataset):
-    """Uniform random token windows, reproducible per sample.
-
-    Sample ``i`` of the training split comes from a ``torch.Generator`` seeded with ``seed * 1_000_003 + i``, so
-    it depends only on ``(seed, i)``: not on access order, worker, or rank. The held-out splits (``val``,
-    ``test``) seed sample ``i`` with a hash of ``(seed, split, i)`` instead: other samples, as reproducible.
+    """Uniform random token windows; sample ``i`` depends only on ``(seed, split, i)``, not on order, worker or rank.
 
     Args:
         num_samples: Number of samples (the dataset's length).
         seq_len: Tokens per sample input ``x`` (and target ``y``).
         vocab_size: Tokens are drawn uniformly from ``[0, vocab_size)``.
-        seed: Seed of the whole dataset; a different seed gives different samples.
+        seed: Seed of the whole dataset.
         split: Which stream of samples: ``train``, ``val`` or ``test``.
     """
 
@@ -103,37 +95,18 @@ class SyntheticTokens(Dataset):
 class MarkovTokens(Dataset):
     """Walks on a seeded random sparse Markov chain: learnable tokens, reproducible per sample.
 
-    The chain, built once from ``seed``:
-
-    1. rank the vocabulary in a random order and give the token of rank ``r`` (1-based) the Zipf weight
-       ``1 / r ** zipf_exponent``, normalised to sum to 1; as in text, a few tokens are frequent;
-    2. give every token ``successors`` *distinct* next tokens, drawn with those weights;
-    3. a walk starts at a token drawn with the same weights and moves to one of the current token's
-       successors, each with probability ``1 / successors``.
-
-    Sample ``i`` is the walk drawn from a generator seeded with ``(seed, split, i)``, so, as for
-    ``SyntheticTokens``, it depends only on ``(seed, i)``: not on access order, worker or rank. Every split walks
-    the same chain (built from ``seed`` alone); ``val`` and ``test`` draw their walks from streams of their own.
-
-    What loss to expect: given the current token, the next one is uniform over ``successors`` tokens,
-    so no model can beat ``ln(successors)`` nats per token (1.39 for the default 4): that is the
-    floor. An untrained model starts at ``ln(vocab_size)`` (9.21 for 10,000). The Zipf weights make
-    the loss fall fast: for vocabulary 10,000 and 4 successors, 100 tokens carry about 3/4 of a long
-    walk, so learning their frequencies alone brings the loss to the walk's unigram entropy (about
-    5.2-5.3 nats, depending on the seed), and learning their successors takes it below that. Measured
-    with the quickstart (``tiny`` model, 40 steps of 16 x 128 tokens, lr 3e-3): 9.22 at the first step,
-    3.45 averaged over the last five.
+    The chain, built from ``seed`` alone: tokens get Zipf weights ``1 / rank ** zipf_exponent`` in a random order;
+    every token gets ``successors`` distinct next tokens drawn with those weights; a walk starts at a weighted draw
+    and moves to a uniformly chosen successor. Sample ``i`` is the walk seeded from ``(seed, split, i)``. No model
+    can beat ``ln(successors)`` nats per token; an untrained one starts at ``ln(vocab_size)``.
 
     Args:
         num_samples: Number of samples (the dataset's length).
         seq_len: Tokens per sample input ``x`` (and target ``y``).
         vocab_size: Tokens are in ``[0, vocab_size)``.
-        seed: Seed of the chain and of the walks; a different seed gives another chain.
-        successors: Possible next tokens of every token, from 1 to ``vocab_size`` and at most
-            ``MAX_MARKOV_SUCCESSORS`` (64).
-        zipf_exponent: How skewed the token frequencies are. 0 makes all tokens equally likely, which
-            is far slower to learn, every row of the chain being as rare as the others: in the
-            quickstart's 40 steps the loss then only gets from 9.2 to 8.1.
+        seed: Seed of the chain and of the walks.
+        successors: Possible next tokens of every token, from 1 to ``MAX_MARKOV_SUCCESSORS``.
+        zipf_exponent: How skewed the token frequencies are; 0 (all equally likely) is far slower to learn.
         split: Which walks: ``train``, ``val`` or ``test`` (the same chain, other walks).
     """
 
@@ -213,10 +186,8 @@ def _other_split(dataset: SyntheticTokens | MarkovTokens, split: str, num_sample
 
 
 def _distinct_weighted_draws(rng: np.random.Generator, cdf: np.ndarray, rows: int, per_row: int) -> np.ndarray:
-    """``(rows, per_row)`` ranks drawn by the weights whose cumulative sum is ``cdf``, distinct within each row.
-
-    Column by column: draw every row's entry, then redraw only the entries that repeat an earlier column
-    of their row. An entry takes ``1 / (1 - w)`` draws on average, ``w`` the weight its row has already taken.
+    """``(rows, per_row)`` ranks drawn by the weights whose cumulative sum is ``cdf``, distinct within each row
+    (column by column, redrawing only the entries that repeat an earlier column of their row).
     """
     size = len(cdf)
     ranks = np.empty((rows, per_row), dtype=np.int64)
@@ -231,17 +202,14 @@ def _distinct_weighted_draws(rng: np.random.Generator, cdf: np.ndarray, rows: in
 
 
 class TokenFile(Dataset):
-    """Non-overlapping windows over a flat binary file of token ids.
+    """Non-overlapping windows over a flat binary file of token ids (no header, nanoGPT's ``train.bin``).
 
-    The file is a raw array with no header (nanoGPT's ``train.bin``; see ``write_token_file``).
-    Sample ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]``, returned as int64
-    ``(x, y) = (window[:-1], window[1:])``.
+    Sample ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]`` as int64 ``(window[:-1], window[1:])``.
 
     Args:
         path: The token file.
         seq_len: Tokens per sample input ``x`` (and target ``y``).
-        dtype: Element type the file was written with: ``"uint16"`` (vocabularies up to 65,536,
-            e.g. GPT-2) or ``"int32"``; ``"uint8"`` reads any file as bytes (see ``TextBytes``).
+        dtype: Element type of the file: ``"uint16"``, ``"int32"``, or ``"uint8"`` to read any file as bytes.
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, dtype: str = "uint16") -> None:
@@ -287,12 +255,7 @@ class TokenFile(Dataset):
 
 
 class TextBytes(TokenFile):
-    """A plain text file as byte tokens (vocabulary 256, no tokenizer), windowed like ``TokenFile``.
-
-    Args:
-        path: The text file; any encoding works, each byte is one token.
-        seq_len: Tokens (bytes) per sample input ``x`` (and target ``y``).
-    """
+    """A plain text file as byte tokens (vocabulary 256, no tokenizer), windowed like ``TokenFile``."""
 
     vocab_size = BYTE_VOCAB_SIZE
 

@@ -1,9 +1,8 @@
 """``python -m lightning_ddp.trace RUN_DIR_OR_TRACES... -o timeline.png``: draw runs as stacked timelines.
 
-Each directory argument is one run (every ``*.pt.trace.json`` below it, one per rank); a logger's folder holding
-several runs (``logs/overlap_ddp``) stands for its latest run with traces. Trace files given one by one are
-grouped into runs by their directory. Prints each run's overlap. A missing path or trace is one ``error:`` line,
-exit 2.
+Each directory is one run (its ``*.pt.trace.json``; a logger's folder stands for its latest run with traces);
+trace files given one by one are grouped by directory. Prints each run's overlap; a missing path or trace is one
+``error:`` line, exit 2.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Chrome-trace JSON read back: per-rank intervals of our ranges, our communication track and the profiler's own
-collectives.
-
-The track itself, and how its events are put on the trace's clock, is written by
-``lightning_ddp.callbacks.comm_track`` (the ``TraceRecorder``'s half); its names are re-exported here.
+collectives. The track is written by ``lightning_ddp.metrics.comm_track``; its names are re-exported here.
 """
 
 from __future__ import annotations
@@ -13,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from lightning_ddp.callbacks.comm_track import (
+from lightning_ddp.intervals import Interval, merge, subtract
+from lightning_ddp.metrics.comm_track import (
     COMM_TID_BASE,
     MAX_DRIFT_US_PER_S,
     TRACE_SUFFIX,
@@ -21,7 +19,6 @@ from lightning_ddp.callbacks.comm_track import (
     add_communication_track,
     assign_lanes,
 )
-from lightning_ddp.intervals import Interval, merge, subtract
 from lightning_ddp.sync import ranges
 from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
 
@@ -79,12 +76,8 @@ class RankTrace:
         return self.profiler_comm
 
     def compute(self) -> list[Interval]:
-        """When the rank computed.
-
-        On CUDA (the trace has GPU kernels): the non-communication kernels, as HTA does. The host ranges only say
-        when the kernels were *queued* (the host runs ahead of the GPU), while communication is in GPU time.
-        On CPU: forward, backward and optimizer time on the training thread, minus its time inside collective
-        calls.
+        """When the rank computed: on CUDA the non-communication kernels (as HTA does: host ranges only say when
+        kernels were queued); on CPU the training thread's forward, backward and optimizer minus its collective calls.
         """
         if self.gpu_compute:
             return self.gpu_compute
@@ -95,7 +88,8 @@ class RankTrace:
     def window(self, steps: int | None = None) -> Interval:
         """From the first recorded step's start to the end of the ``steps``-th (all steps when ``None``)."""
         if not self.steps:
-            raise ValueError(f"{self.path} has no {ranges.STEP}#N ranges: was it recorded by lightning_ddp's TraceRecorder?")
+            raise ValueError(f"{self.path} has no {ranges.STEP}#N ranges: "
+                             "was it recorded by lightning_ddp's TraceRecorder?")
         shown = self.steps if steps is None else self.steps[:steps]
         return shown[0][1][0], shown[-1][1][1]
 
@@ -158,11 +152,8 @@ def load_rank_trace(path: str | Path) -> RankTrace:
 
 
 def find_traces(path: str | Path) -> list[Path]:
-    """``path`` itself if it is a file, else the ``*.pt.trace.json`` files of one run below it (sorted).
-
-    A logger's folder holding several runs (``logs/overlap_ddp`` with ``version_0``, ``version_1``, ...) gives the
-    latest run that has traces, the highest version; other folders holding several runs are left to ``load_run``
-    to refuse.
+    """``path`` itself if it is a file, else the ``*.pt.trace.json`` files of one run below it (sorted); a logger's
+    folder holding several runs gives its latest run with traces.
     """
     path = Path(path)
     if path.is_file():

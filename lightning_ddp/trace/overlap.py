@@ -1,17 +1,9 @@
-"""The communication/computation overlap of one rank.
-
-The overlap follows Holistic Trace Analysis (HTA, ``get_comm_comp_overlap``)::
+"""The communication/computation overlap of one rank, as Holistic Trace Analysis defines it::
 
     overlap = |comm ∩ compute| / |comm|
 
-where ``comm`` is the union of the intervals in which some collective is in flight and ``compute`` the union of
-the intervals in which the rank computes; ``|.|`` is total length. HTA takes both from GPU kernels (NCCL kernels
-vs the others). On CPU with gloo we take ``comm`` from each collective's launch -> completion (the engine's
-``SyncRecord``, or gloo's own thread events) and ``compute`` from the training thread's forward, backward and
-optimizer ranges minus its time inside collective calls (launch, wait). 1.0: every moment of communication was
-hidden behind computation; 0.0: the rank computed nothing while communicating (naive and flat DDP).
-
-Intervals are ``(start, end)`` pairs in any one unit; the arithmetic lives in ``lightning_ddp.intervals``.
+``comm``: the union of the intervals some collective is in flight; ``compute``: when the rank computes (see
+``chrome.RankTrace.compute``). 1.0: all communication hidden behind computation; 0.0: none (naive, flat).
 """
 
 from __future__ import annotations
@@ -47,10 +39,9 @@ class Overlap:
 
 
 def comm_compute_overlap(comm: Iterable[Interval], compute: Iterable[Interval]) -> Overlap:
-    """HTA's communication/computation overlap of one rank (see the module docstring).
+    """HTA's communication/computation overlap of one rank.
 
-    >>> o = comm_compute_overlap(comm=[(0, 4)], compute=[(2, 10)])   # 2 of 4 ms hidden
-    >>> o.fraction
+    >>> comm_compute_overlap(comm=[(0, 4)], compute=[(2, 10)]).fraction  # 2 of 4 ms hidden
     0.5
     """
     comm = merge(comm)

@@ -1,16 +1,12 @@
-"""Draw runs as timelines: per rank a compute row (the training thread's ranges), on CUDA a GPU row (the
-non-communication kernels, what the overlap counts as compute there), and a communication row; runs stacked on
-one time axis.
-
-Each run gets its own panel; its title carries the run's overlap (``lightning_ddp.trace.overlap``). The time
-axis is milliseconds from the run's first recorded step start (earliest over its ranks), so panels stacked
-from different runs line up at their first step. Matplotlib's Agg backend: no display needed.
+"""Draw runs as timelines: per rank a compute row, on CUDA a GPU-kernel row, and a communication row; runs stacked
+on one millisecond axis from each run's first recorded step, each panel titled with its overlap (Agg backend).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_ddp.intervals import intersect
 from lightning_ddp.sync import ranges
@@ -61,7 +57,8 @@ class Timeline:
 
     def summary(self) -> str:
         return "\n".join(
-            f"{label}: overlap {o.fraction:.1%} ({o.overlapped / 1e3:.1f} of {o.comm / 1e3:.1f} ms communication hidden)"
+            f"{label}: overlap {o.fraction:.1%} "
+            f"({o.overlapped / 1e3:.1f} of {o.comm / 1e3:.1f} ms communication hidden)"
             for label, o in self.overlaps.items()
         )
 
@@ -104,63 +101,10 @@ def render_timeline(
     rows: list[Row] = []
     overlaps: dict[str, Overlap] = {}
     x_max = 0.0
-    labels = _unique([run.label for run in runs])
-    for ax, run, label in zip(axes[:, 0], runs, labels):
-        windows = {r.rank: r.window(steps) for r in run.ranks}
-        t0 = min(lo for lo, _ in windows.values())
-        total = Overlap(0.0, 0.0)
-        yticks, ylabels = [], []
-        for index, rank in enumerate(run.ranks):
-            lo, hi = windows[rank.rank]
-            x_max = max(x_max, (hi - t0) / 1e3)
-            ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
-            base = per_rank * (len(run.ranks) - 1 - index)  # rank 0 on top
-            compute_y, gpu_y, comm_y = base + per_rank - 1.2, base + 1.2, base
-            # compute row: the training thread's ranges, coloured by kind
-            bars = 0
-            for name in (ranges.FORWARD, ranges.BACKWARD, ranges.OPTIMIZER, ranges.GRAD_SYNC):
-                spans = clip(rank.ranges.get(name, []), lo, hi)
-                ax.broken_barh(ms(spans), (compute_y, 1.0), facecolors=COLORS[name], edgecolor="none")
-                bars += len(spans)
-            # the thread's time inside collective calls (not compute): a strip along the row's bottom
-            calls = clip([i for name in (ranges.COMM_LAUNCH, ranges.COMM_WAIT) for i in rank.ranges.get(name, [])], lo, hi)
-            ax.broken_barh(ms(calls), (compute_y, 0.2), facecolors=COLORS["calls"], edgecolor="none")
-            rows.append(Row(label, rank.rank, "compute", bars))
-            if gpu_rows:  # the GPU's own view: what overlap counts as compute on CUDA
-                kernels = clip(rank.gpu_compute, lo, hi)
-                ax.broken_barh(ms(kernels), (gpu_y, 1.0), facecolors=COLORS["gpu"], edgecolor="none")
-                rows.append(Row(label, rank.rank, "gpu", len(kernels)))
-            # communication row: each collective from launch to completion, concurrent ones in sub-lanes
-            comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(comm_source) if c.end > lo and c.start < hi]
-            lanes = assign_lanes(comm)
-            n_lanes = min(MAX_COMM_LANES, max(lanes, default=0) + 1)
-            lane_h = 0.78 / n_lanes
-            for lane in range(n_lanes):
-                spans = [iv for iv, l in zip(comm, lanes) if l % n_lanes == lane]
-                ax.broken_barh(ms(spans), (comm_y + 0.22 + lane * lane_h, lane_h), facecolors=COLORS["comm"],
-                               edgecolor="white", linewidth=0.3)
-            hidden = intersect(comm, clip(rank.compute(), lo, hi))
-            ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=COLORS["hidden"], edgecolor="none")
-            rows.append(Row(label, rank.rank, "comm", len(comm)))
-            overlap = rank.overlap(comm_source, (lo, hi))
-            total = total + overlap
-            yticks += [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if gpu_rows else [])
-            ylabels += [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
-            ylabels += [f"rank {rank.rank} GPU"] if gpu_rows else []
-            if index == 0:  # step boundaries, from the top rank
-                for step, (start, _) in rank.steps[:steps]:
-                    ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
-                    ax.text((start - t0) / 1e3, per_rank * len(run.ranks) - 0.15, f" step {step}", fontsize=7,
-                            va="bottom")
-        overlaps[label] = total
-        ax.set_yticks(yticks, ylabels, fontsize=8)
-        ax.set_ylim(-0.2, per_rank * len(run.ranks) + 0.25)
-        ax.grid(axis="x", linewidth=0.4, alpha=0.5)
-        ax.set_title(
-            f"{label}: overlap {total.fraction:.1%}  ({total.overlapped / 1e3:.1f} of {total.comm / 1e3:.1f} ms "
-            f"communication hidden behind compute, {len(run.ranks)} ranks)",
-            fontsize=10, loc="left",
-        )
+    for ax, run, label in zip(axes[:, 0], runs, _unique([run.label for run in runs])):
+        panel = _Panel(ax, label, per_rank, gpu_rows, comm_source, rows)
+        overlaps[label], run_end = _draw_run(panel, run, steps)
+        x_max = max(x_max, run_end)
     axes[-1, 0].set_xlim(0, x_max * 1.01)
     axes[-1, 0].set_xlabel("time since the run's first recorded step (ms)")
     handles = [Patch(facecolor=COLORS[key], label=LEGEND[key]) for key in LEGEND if key != "gpu" or gpu_rows]
@@ -173,6 +117,85 @@ def render_timeline(
     fig.savefig(output, dpi=dpi)
     plt.close(fig)
     return Timeline(output, rows, overlaps)
+
+
+@dataclass
+class _Panel:
+    """One run's axes and what every rank row of it shares."""
+
+    ax: Any
+    label: str
+    per_rank: float
+    gpu_rows: bool
+    comm_source: str
+    rows: list[Row]
+
+
+def _draw_run(panel: _Panel, run: RunTraces, steps: int | None) -> tuple[Overlap, float]:
+    """Draw every rank of ``run`` into its panel; returns the run's overlap and where its last step ends (ms)."""
+    ax, per_rank = panel.ax, panel.per_rank
+    windows = {r.rank: r.window(steps) for r in run.ranks}
+    t0 = min(lo for lo, _ in windows.values())
+    total = Overlap(0.0, 0.0)
+    yticks: list[float] = []
+    ylabels: list[str] = []
+    for index, rank in enumerate(run.ranks):
+        base = per_rank * (len(run.ranks) - 1 - index)  # rank 0 on top
+        overlap = _draw_rank(panel, rank, windows[rank.rank], t0, base, yticks, ylabels)
+        total = total + overlap
+        if index == 0:  # step boundaries, from the top rank
+            for step, (start, _) in rank.steps[:steps]:
+                ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
+                ax.text((start - t0) / 1e3, per_rank * len(run.ranks) - 0.15, f" step {step}", fontsize=7,
+                        va="bottom")
+    ax.set_yticks(yticks, ylabels, fontsize=8)
+    ax.set_ylim(-0.2, per_rank * len(run.ranks) + 0.25)
+    ax.grid(axis="x", linewidth=0.4, alpha=0.5)
+    ax.set_title(
+        f"{panel.label}: overlap {total.fraction:.1%}  ({total.overlapped / 1e3:.1f} of {total.comm / 1e3:.1f} ms "
+        f"communication hidden behind compute, {len(run.ranks)} ranks)",
+        fontsize=10, loc="left",
+    )
+    return total, max((hi - t0) / 1e3 for _, hi in windows.values())
+
+
+def _draw_rank(panel: _Panel, rank: Any, window: tuple[float, float], t0: float, base: float,
+               yticks: list[float], ylabels: list[str]) -> Overlap:
+    """One rank's compute row, GPU row (on CUDA) and communication row; returns its overlap."""
+    ax, label, lo, hi = panel.ax, panel.label, window[0], window[1]
+    ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
+    compute_y, gpu_y, comm_y = base + panel.per_rank - 1.2, base + 1.2, base
+    # compute row: the training thread's ranges, coloured by kind
+    bars = 0
+    for name in (ranges.FORWARD, ranges.BACKWARD, ranges.OPTIMIZER, ranges.GRAD_SYNC):
+        spans = clip(rank.ranges.get(name, []), lo, hi)
+        ax.broken_barh(ms(spans), (compute_y, 1.0), facecolors=COLORS[name], edgecolor="none")
+        bars += len(spans)
+    # the thread's time inside collective calls (not compute): a strip along the row's bottom
+    calls = clip([i for name in (ranges.COMM_LAUNCH, ranges.COMM_WAIT) for i in rank.ranges.get(name, [])], lo, hi)
+    ax.broken_barh(ms(calls), (compute_y, 0.2), facecolors=COLORS["calls"], edgecolor="none")
+    panel.rows.append(Row(label, rank.rank, "compute", bars))
+    if panel.gpu_rows:  # the GPU's own view: what overlap counts as compute on CUDA
+        kernels = clip(rank.gpu_compute, lo, hi)
+        ax.broken_barh(ms(kernels), (gpu_y, 1.0), facecolors=COLORS["gpu"], edgecolor="none")
+        panel.rows.append(Row(label, rank.rank, "gpu", len(kernels)))
+    # communication row: each collective from launch to completion, concurrent ones in sub-lanes
+    comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(panel.comm_source) if c.end > lo and c.start < hi]
+    lanes = assign_lanes(comm)
+    n_lanes = min(MAX_COMM_LANES, max(lanes, default=0) + 1)
+    lane_h = 0.78 / n_lanes
+    for lane in range(n_lanes):
+        spans = [interval for interval, assigned in zip(comm, lanes) if assigned % n_lanes == lane]
+        ax.broken_barh(ms(spans), (comm_y + 0.22 + lane * lane_h, lane_h), facecolors=COLORS["comm"],
+                       edgecolor="white", linewidth=0.3)
+    hidden = intersect(comm, clip(rank.compute(), lo, hi))
+    ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=COLORS["hidden"], edgecolor="none")
+    panel.rows.append(Row(label, rank.rank, "comm", len(comm)))
+    overlap = rank.overlap(panel.comm_source, (lo, hi))
+    yticks += [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if panel.gpu_rows else [])
+    ylabels += [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
+    ylabels += [f"rank {rank.rank} GPU"] if panel.gpu_rows else []
+    return overlap
 
 
 def _unique(labels: list[str]) -> list[str]:

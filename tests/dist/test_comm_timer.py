@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.callbacks import METRIC_KEYS
-from lightning_ddp.sync.registry import ALGORITHMS
+from lightning_ddp import catalogue
+from lightning_ddp.metrics import METRIC_KEYS
 from tests.support.cli_utils import REPO, read_scalars, run_cli
 
 pytestmark = pytest.mark.multiprocess
@@ -36,7 +36,7 @@ def fit(tmp_path: Path, *args: str) -> tuple[dict, dict]:
 BUILT_IN_CALLS = {"naive_ddp": 40, "flat_ddp": 2, "overlap_ddp": 39, "bucketed_ddp": 1}
 
 
-@pytest.mark.parametrize("strategy", [algorithm.strategy_name for algorithm in ALGORITHMS.values()])
+@pytest.mark.parametrize("strategy", catalogue.names(engines_only=True))
 def test_every_strategy_logs_every_key(tmp_path: Path, strategy: str) -> None:
     scalars, summary = fit(tmp_path, "--trainer.strategy", strategy)
     profile = json.loads(next((tmp_path / "logs").rglob("compute_profile.json")).read_text())

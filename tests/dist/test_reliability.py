@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ddp.sync.registry import ALGORITHMS
+from lightning_ddp import catalogue
 from tests.support.cli_utils import REPO, SAVE_FINAL_WEIGHTS, repo_first_on_path, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-CUSTOM_STRATEGIES = [algorithm.strategy_name for algorithm in ALGORITHMS.values()] + ["zero1_ddp"]
+CUSTOM_STRATEGIES = catalogue.names(engines_only=True) + ["zero1_ddp"]
 SMALL = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--model.context_length", "32", "--data.seq_len", "32",
          "--data.batch_size", "2", "--data.num_samples", "24", "--timer.enabled", "false")
 

@@ -23,9 +23,9 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp.callbacks import rank_exchange
+from lightning_ddp.metrics import rank_exchange
 from lightning_ddp.callbacks.comm_timer import CommTimer
-from lightning_ddp.callbacks.recording import recorder_for
+from lightning_ddp.metrics.recording import recorder_for
 from lightning_ddp.sync import record
 
 COUNTS: collections.Counter = collections.Counter()

@@ -1,4 +1,4 @@
-"""Tests for lightning_ddp.callbacks.accounting: hand-made timelines with the expected numbers worked out."""
+"""Tests for lightning_ddp.metrics.accounting: hand-made timelines with the expected numbers worked out."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import csv
 import doctest
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from lightning_ddp.callbacks import accounting
-from lightning_ddp.callbacks.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
-from lightning_ddp.callbacks.straggler import attribute_wait
+from lightning_ddp.metrics import accounting
+from lightning_ddp.metrics.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
+from lightning_ddp.metrics.straggler import attribute_wait
 from lightning_ddp.intervals import overlap_length, total
 from lightning_ddp.sync.record import Collective, Recorder, SyncRecord
 
@@ -74,8 +75,10 @@ def test_step_metrics_keys_match_the_documented_table():
     metrics = step_metrics(_naive_like(), world_size=2, flops_per_step=1.0, peak_flops=1.0, peak_memory_mib=1.0,
                            peak_reserved_mib=2.0, straggler=attribute_wait([vector, vector], rank=0))
     assert tuple(metrics) == METRIC_KEYS
-    for key in METRIC_KEYS:
-        assert f"| {key} " in step_metrics.__doc__
+    page = (Path(__file__).parents[2] / "docs" / "comm_timer.md").read_text()
+    for key in METRIC_KEYS:  # one row per key, in the code's table and in the docs page
+        assert f"\n    {key} " in step_metrics.__doc__, key
+        assert f"| `{key}` |" in page, key
     assert all(isinstance(value, float) for value in metrics.values())
 
 

@@ -28,14 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.callbacks.accounting import (
+from lightning_ddp import catalogue
+from lightning_ddp.metrics.accounting import (
     METRIC_KEYS,
     ClockAnomalyWarning,
     StepTiming,
     TimingSummary,
     step_metrics,
 )
-from lightning_ddp.sync import ALGORITHMS, Collective, Recorder, get_algorithm
+from lightning_ddp.sync import Collective, Recorder
 from lightning_ddp.sync.bucketed_bf16 import BF16CompressedAllReduce
 from lightning_ddp.sync import comm as comm_module
 from lightning_ddp.sync.record import StepClock, SyncRecord
@@ -346,7 +347,7 @@ class _Small(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("algorithm", catalogue.names(engines_only=True))
 def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, algorithm: str) -> None:
     # Pretend to be 2 ranks whose other rank holds the same gradients: the fake all-reduce records what it was
     # given and doubles it in place (the SUM over 2 equal contributions). Pre-scaled, every tensor sent holds
@@ -361,7 +362,7 @@ def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, a
     torch.manual_seed(0)
     model = _Small()
     reference = copy.deepcopy(model)
-    engine = get_algorithm(algorithm).make_engine(model)
+    engine = catalogue.get(algorithm).make_engine(model)
     engine.world_size = engine.comm.world_size = 2
     monkeypatch.setattr(comm_module.dist, "all_reduce", fake_all_reduce)
     x = torch.randn(4, 5)
@@ -389,7 +390,7 @@ def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, a
 
 def test_bucketed_reads_the_presence_flags_after_every_bucket(world_of_one) -> None:
     model = _Small()
-    engine = get_algorithm("bucketed").make_engine(model, bucket_size_mb=100 / 2**20)  # several buckets
+    engine = catalogue.get("bucketed_ddp").make_engine(model, bucket_size_mb=100 / 2**20)  # several buckets
     engine.recorder = recorder = Recorder()
     recorder.open_step(0)
     engine.on_train_batch_start()
@@ -403,13 +404,13 @@ def test_bucketed_reads_the_presence_flags_after_every_bucket(world_of_one) -> N
     assert model.unused.weight.grad is None  # unpacked (as zeros) first, then reset from the flags
 
 
-@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("algorithm", catalogue.names(engines_only=True))
 def test_every_copy_and_scaling_of_gradients_is_a_pack_span(world_of_one, algorithm: str) -> None:
     # No unused layer here: it would sit in the first bucket of the reverse walk and, never ready, hold every
     # bucket back until the synchronisation (buckets launch strictly in order).
     model = _Small(unused=False)
-    engine = get_algorithm(algorithm).make_engine(model, bucket_size_mb=100 / 2**20
-                                                  if get_algorithm(algorithm).has_bucket_size else "default")
+    engine = catalogue.get(algorithm).make_engine(model, bucket_size_mb=100 / 2**20
+                                                  if catalogue.get(algorithm).has_bucket_size else "default")
     engine.recorder = recorder = Recorder()
     recorder.open_step(0)
     engine.on_train_batch_start()
@@ -420,7 +421,7 @@ def test_every_copy_and_scaling_of_gradients_is_a_pack_span(world_of_one, algori
     inside = [span for span in record.pack if sync_start <= span[0] and span[1] <= sync_end]
     before = [span for span in record.pack if span[1] <= sync_start]
     assert record.pack, algorithm
-    if get_algorithm(algorithm).overlaps_backward:
+    if catalogue.get(algorithm).overlaps_backward:
         assert before, "the pre-scaling of buckets launched from the hooks is a pack span during backward"
     else:
         assert inside and not before, "naive and flat copy and scale inside the synchronisation"
@@ -502,7 +503,7 @@ def test_chained_fakes_are_consistent() -> None:
 
 def test_gradients_are_views_into_the_buckets_and_accumulate_there(world_of_one) -> None:
     model = _Small(unused=False)
-    engine = get_algorithm("bucketed").make_engine(model, bucket_size_mb=None)  # one bucket holding everything
+    engine = catalogue.get("bucketed_ddp").make_engine(model, bucket_size_mb=None)  # one bucket holding everything
     (bucket,) = engine._buckets
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
@@ -604,7 +605,7 @@ def test_the_summary_counts_anomalies_and_warns_once_per_run(tmp_path: Path) -> 
 
 def test_every_metric_key_of_the_summary_includes_the_anomaly_count() -> None:
     assert "comm/clock_anomalies" in METRIC_KEYS
-    assert "| comm/clock_anomalies " in step_metrics.__doc__
+    assert "\n    comm/clock_anomalies " in step_metrics.__doc__
     assert step_metrics(StepTiming(step_ms=5.0), world_size=1)["comm/clock_anomalies"] == 0.0
 
 

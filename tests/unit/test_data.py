@@ -18,9 +18,9 @@ from lightning_ddp.data import (
     SyntheticTokens,
     TextBytes,
     TokenFile,
-    _token_id_range,
     write_token_file,
 )
+from lightning_ddp.data.sources import _token_id_range
 
 
 def _batches(loader, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

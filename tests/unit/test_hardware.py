@@ -10,8 +10,8 @@ import torch
 
 from lightning_ddp import hardware
 from lightning_ddp.callbacks import comm_timer
-from lightning_ddp.callbacks.peak_flops import CPU_TFLOPS_PER_THREAD, DENSE_PEAK_TFLOPS, dense_peak_flops
-from lightning_ddp.hardware import DEVICES, compute_share, find_device, get_device, mig_profile
+from lightning_ddp.hardware import (DEVICES, compute_share, dense_peak_flops, find_device, get_device, job_peak_flops,
+                                    mig_profile)
 
 
 @pytest.mark.parametrize("name,key", [
@@ -75,11 +75,8 @@ def test_new_rows_have_their_datasheet_figures() -> None:
         assert set(spec.dense_tflops) == set(hardware.DTYPES) and spec.source and spec.sm_count > 0, spec.key
 
 
-def test_peak_flops_names_read_the_one_table() -> None:
-    # Every (words, peaks) entry of the old public tuple is a pattern of a hardware row with that row's figures.
-    rows = [(pattern, spec.dense_tflops) for spec in DEVICES.values() for pattern in spec.patterns]
-    assert [(w, dict(p)) for w, p in DENSE_PEAK_TFLOPS] == rows
-    assert CPU_TFLOPS_PER_THREAD == hardware.CPU_FP32_TFLOPS_PER_CORE == 0.078
+def test_cpu_peak_is_per_core() -> None:
+    assert hardware.CPU_FP32_TFLOPS_PER_CORE == 0.078
     assert dense_peak_flops("cpu", "fp32", threads=4) == pytest.approx(4 * 0.078e12)
     assert dense_peak_flops("cpu", "bf16") is None  # no CPU bf16 figure: no MFU rather than a guess
 
@@ -93,6 +90,13 @@ def test_projection_gpus_are_built_from_the_table() -> None:
         assert GPUS[key].memory_Bps == spec.memory_GBps * 1e9
     assert get_gpu("h100-sxm").memory_Bps == 3.35e12  # the projection's figures are unchanged
     assert list(GPUS)[:5] == ["h100-sxm", "h100-pcie", "h200-sxm", "a100-sxm-80gb", "a100-pcie-40gb"]
+
+
+def test_job_peak_counts_each_device_once() -> None:
+    # Two ranks on one GPU (gloo's one-GPU layout) share its peak; two GPUs add theirs; an unknown peak: no MFU.
+    assert job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-0"), 1e15)]) == 1e15
+    assert job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-1"), 1e15)]) == 2e15
+    assert job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-1"), None)]) is None
 
 
 def test_get_device_lists_the_keys() -> None:

@@ -44,7 +44,7 @@ def _run_without(blocked: set[str], body: str) -> subprocess.CompletedProcess:
 def test_the_core_imports_and_trains_without_lightning() -> None:
     proc = _run_without({"lightning", "lightning_fabric", "pytorch_lightning"}, """
         import lightning_ddp, lightning_ddp.compat, lightning_ddp.model, lightning_ddp.intervals
-        import lightning_ddp.callbacks.accounting, lightning_ddp.trace
+        import lightning_ddp.metrics.accounting, lightning_ddp.trace
         from lightning_ddp import catalogue
         from lightning_ddp.sync import (BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP, Recorder,
                                         ShardedOptimizer)
@@ -67,7 +67,7 @@ def test_the_core_imports_and_trains_without_lightning() -> None:
             assert record.collectives and all(c.launched <= c.completed for c in record.collectives), name
         dist.destroy_process_group()
         assert not any(m.split(".")[0] in ("lightning", "lightning_fabric") for m in sys.modules)
-        print("trained", len(ALGORITHMS), "algorithms")
+        print("trained", len(catalogue.names(engines_only=True)), "algorithms")
     """)
     assert "trained" in proc.stdout
 
@@ -77,7 +77,7 @@ def test_pure_modules_import_without_torch() -> None:
     # the analysis read them without paying for torch. So are the shared helpers: the atomic file write, the
     # GPT's shapes (the projection and the memory pre-flight) and the free port (the sweep's parent process).
     _run_without({"torch", "lightning", "lightning_fabric"}, """
-        import lightning_ddp, lightning_ddp.intervals, lightning_ddp.callbacks.accounting, lightning_ddp.sync.assignment
+        import lightning_ddp, lightning_ddp.intervals, lightning_ddp.metrics.accounting, lightning_ddp.sync.assignment
         import lightning_ddp.files, lightning_ddp.local_group, lightning_ddp.memory, lightning_ddp.model_shapes
         from lightning_ddp import catalogue
         from lightning_ddp.sync import ranges

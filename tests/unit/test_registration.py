@@ -11,17 +11,18 @@ from tests.support.cli_utils import REPO
 
 _CHECK = """
     from lightning.pytorch.strategies import StrategyRegistry
-    from lightning_ddp.strategies import strategy_names
-    missing = [name for name in strategy_names() if name not in StrategyRegistry]
+    from lightning_ddp import catalogue
+    missing = [name for name in catalogue.names() if name not in StrategyRegistry]
     assert not missing, missing
-    print("registered", len(strategy_names()))
+    print("registered", len(catalogue.names()))
 """
 
 
 def _run(body: str) -> str:
     code = textwrap.dedent(body) + textwrap.dedent(_CHECK)
     # -W error: a registration that fails only warns (never breaking `import lightning`), so make that fail here
-    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=180)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 

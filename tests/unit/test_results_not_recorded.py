@@ -7,7 +7,7 @@ import pytest
 
 from lightning_ddp.bench.results import CellData, cell_row
 from lightning_ddp.bench.stats import Bootstrapper
-from lightning_ddp.callbacks.accounting import NOT_RECORDED
+from lightning_ddp.metrics.accounting import NOT_RECORDED
 
 
 def _cell(step_keys: dict[str, float]) -> CellData:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_ddp.callbacks.recording import strategy_label
+from lightning_ddp.metrics.recording import strategy_label
 from lightning_ddp.cli import LightningDDPCLI
 from lightning_ddp.data import LMDataModule
 from lightning_ddp.module import LitGPT

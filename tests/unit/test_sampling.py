@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_ddp.callbacks.comm_timer import CommTimer
-from lightning_ddp.callbacks.recording import comm_recording, measurement_note
+from lightning_ddp.metrics.recording import comm_recording, measurement_note
 from lightning_ddp.sync import BucketedDDP, NaiveDDP, Recorder
 from lightning_ddp.sync.record import StepClock
 
@@ -89,7 +89,7 @@ def test_what_each_strategy_lets_the_timer_measure() -> None:
 
     from lightning_ddp.strategies import GradSyncStrategy, ZeRO1DDPStrategy
 
-    assert comm_recording(GradSyncStrategy(algorithm="bucketed")) == "full"
+    assert comm_recording(GradSyncStrategy(algorithm="bucketed_ddp")) == "full"
     assert comm_recording(ZeRO1DDPStrategy()) == "full"
     assert comm_recording(DDPStrategy()) == "full"  # torch DDP, through a recording comm hook
     single, fsdp = SingleDeviceStrategy(device="cpu"), FSDPStrategy()

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_ddp.callbacks.accounting import StepTiming, TimingSummary, step_metrics
-from lightning_ddp.callbacks.clock_offset import ClockOffset, RoundTrip, estimate_offset
-from lightning_ddp.callbacks.rank_exchange import StragglerExchange
+from lightning_ddp.metrics.accounting import StepTiming, TimingSummary, step_metrics
+from lightning_ddp.metrics.clock_offset import ClockOffset, RoundTrip, estimate_offset
+from lightning_ddp.metrics.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.slow_rank import SlowRank
-from lightning_ddp.callbacks.straggler import attribute_wait, clock_note, rank_vector
+from lightning_ddp.metrics.straggler import attribute_wait, clock_note, rank_vector
 from lightning_ddp.sync.record import Collective, SyncRecord
 
 approx = pytest.approx
@@ -184,7 +184,7 @@ def test_offsets_are_re_estimated_every_n_measured_steps_on_every_rank_alike():
 
 
 def test_small_messages_travel_on_the_cpu_unless_the_group_has_no_cpu_backend(monkeypatch: pytest.MonkeyPatch):
-    from lightning_ddp.callbacks import rank_exchange
+    from lightning_ddp.metrics import rank_exchange
 
     monkeypatch.setattr("lightning_ddp.sync.comm.backend_for", lambda device, group=None: "gloo")
     assert rank_exchange._message_device(torch.device("cuda", 0)) == torch.device("cpu")

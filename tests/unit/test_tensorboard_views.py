@@ -14,8 +14,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_ddp.callbacks import METRIC_KEYS, CommTimer
-from lightning_ddp.callbacks.accounting import LANDMARK_KEYS
+from lightning_ddp.callbacks import CommTimer
+from lightning_ddp.metrics import METRIC_KEYS
+from lightning_ddp.metrics.accounting import LANDMARK_KEYS
 from lightning_ddp.callbacks.tensorboard_views import (
     HPARAM_NAMES,
     LAYOUT,

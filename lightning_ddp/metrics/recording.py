@@ -1,36 +1,10 @@
 """One ``Recorder`` per training run, shared by every observer (``CommTimer``, ``TraceRecorder``).
 
-``recorder_for(trainer)`` creates the run's recorder on first use and has the run's gradient collectives
-recorded into it:
-
-- our strategies (``GradSyncStrategy``): ``strategy.attach_recorder`` hands it to the engine (and ZeRO-1's
-  optimizers);
-- Lightning's ``ddp`` (torch ``DistributedDataParallel``): a DDP communication hook that does exactly what torch's
-  default all-reduce hook does (divide the bucket by the world size, all-reduce it, same buckets, same result)
-  through our ``Communicator``, so each bucket's launch and completion land in the same record, under the same
-  definitions, as our engines' collectives. Registered only when someone measures; a model that already has a
-  comm hook keeps it (and its collectives go unrecorded, with a warning).
-
-Observers open and finish the recorder's steps themselves (``Recorder.open_step(global_step)`` is idempotent for
-the same step, ``finish_step`` for a finished one), so the strategy's training step is never driven by measuring.
-The run's recorder does not open steps on demand (``Recorder(open_on_demand=False)``): it is armed only in the steps
-an observer opened, so a step nobody measures records nothing, marks nothing and synchronises nothing.
-
-What can be measured depends on the strategy, and ``comm_recording(strategy)`` is the one place that decides:
-
-=================  ==============================================================================================
-``"full"``         every gradient collective is recorded (launch, completion, bytes) and the exposed time is taken
-                   from the step's landmarks: our strategies (``attach_recorder``) and Lightning's ``ddp`` family
-``"landmarks"``    only the landmarks: exposed time (last gradient computed -> gradients usable) and the step;
-                   busy time, overlap and bandwidth are not recorded. A strategy declares it with a
-                   ``comm_recording = "landmarks"`` attribute
-``None``           no communication is seen: step time, throughput, memory and the compute profile only
-                   (a single device, which has none; Lightning's ``fsdp``, ``deepspeed`` and any other strategy)
-=================  ==============================================================================================
-
-A strategy may declare its level itself with a ``comm_recording`` attribute (one of the above); otherwise it is
-inferred as in the table. ``measurement_note`` is the one-line message the ``CommTimer`` gives for every level
-but ``"full"``.
+``recorder_for(trainer)`` creates the run's recorder and has its gradient collectives recorded into it: our
+strategies through ``attach_recorder``, Lightning's ``ddp`` through a DDP comm hook equivalent to torch's default.
+Observers open and finish its steps; a step nobody opened records nothing. ``comm_recording(strategy)`` is the one
+place that decides what can be measured (``"full"``, ``"landmarks"``, ``None``: ``docs/comm_timer.md``, "What each
+strategy lets us measure").
 """
 
 from __future__ import annotations
@@ -48,7 +22,7 @@ __all__ = ["COMM_RECORDING_LEVELS", "CommRecording", "comm_recording", "measurem
 
 CommRecording = Optional[Literal["full", "landmarks"]]
 COMM_RECORDING_LEVELS: tuple[CommRecording, ...] = ("full", "landmarks", None)
-"""What the ``CommTimer`` can see of a strategy's communication (the module docstring's table)."""
+"""What the ``CommTimer`` can see of a strategy's communication: every collective, the landmarks, nothing."""
 
 _RECORDERS: "weakref.WeakKeyDictionary[Any, Recorder]" = weakref.WeakKeyDictionary()
 
@@ -111,7 +85,7 @@ def record_torch_ddp(model: DistributedDataParallel, recorder: Recorder) -> bool
 
 
 def comm_recording(strategy: Any) -> CommRecording:
-    """How much of ``strategy``'s gradient communication the run's recorder sees (the module docstring's table).
+    """How much of ``strategy``'s gradient communication the run's recorder sees (a ``COMM_RECORDING_LEVELS``).
 
     Raises:
         ValueError: The strategy declares a ``comm_recording`` that is not one of ``COMM_RECORDING_LEVELS``.
@@ -132,9 +106,8 @@ def comm_recording(strategy: Any) -> CommRecording:
 
 
 def strategy_label(strategy: Any) -> str:
-    """The name a strategy is selected by: ours carry ``strategy_name``; Lightning's are looked up in its
-    ``StrategyRegistry`` (the entry of exactly this class whose settings the instance has: ``DDPStrategy`` with the
-    default start method is ``ddp``, not ``ddp_spawn``); anything else is its class name."""
+    """The name a strategy is selected by: its ``strategy_name``, else the most specific ``StrategyRegistry`` entry
+    of exactly its class whose settings it has (``ddp``, not ``ddp_spawn``), else its class name."""
     name = getattr(strategy, "strategy_name", "")
     if name:
         return name

@@ -1,25 +1,10 @@
 """The communication track the ``TraceRecorder`` adds to a profiler's Chrome trace: each collective of the
 engine's ``SyncRecord``, launch -> completion, as an event on the trace's clock.
 
-The writing half of the trace format (``lightning_ddp.trace.chrome`` reads it back). It lives with the callback
-because recording is part of every traced run, and the product never imports the study code (``trace``).
-
-The profiler (kineto) writes ``ts`` in microseconds on its own clock (Unix time minus the file's
-``baseTimeNanoseconds``); the engines' ``SyncRecord`` marks are ``time.perf_counter()`` seconds (CPU) or CUDA
-events converted to host seconds. To put our intervals on the trace's axis we never compare the two clocks
-directly. Instead, each recorded step opens a ``ddp/step#N`` range between two ``perf_counter()`` reads
-``before`` and ``after``; the profiler stamps the range's ``ts`` in between, so::
-
-    offset_us  = ts(ddp/step#N) - (before + after) / 2 * 1e6
-    ts(mark)   = mark * 1e6 + offset_us                           # error <= (after - before) / 2 * 1e6
-
-The half-width ``(after - before) / 2`` is typically tens of microseconds, far below a collective's duration; but
-a thread descheduled between the two reads widens it to milliseconds. So each step uses the anchor, among all
-steps', with the smallest error bound
-``half-width + MAX_DRIFT_US_PER_S * |time between the two anchors|``: its own anchor when that is tight, a
-neighbour's when not. Kineto's clock is the wall clock, which NTP may slew by at most 500 ppm against
-``perf_counter``'s monotonic clock. The chosen anchor and its bound are stored per step in the metadata
-(``uncertainty_us``, and ``own_anchor_uncertainty_us`` for the step's own anchor): every trace states its error.
+The writing half of the trace format (``lightning_ddp.trace.chrome`` reads it back). Record marks reach the
+profiler's clock through each step's ``ddp/step#N`` range, opened between two ``perf_counter()`` reads; each step
+uses the anchor with the smallest error bound and stores it in the trace's metadata (``docs/comm_timer.md``,
+"Traces: the communication track").
 """
 
 from __future__ import annotations
@@ -33,14 +18,15 @@ from lightning_ddp.sync import ranges
 if TYPE_CHECKING:
     from lightning_ddp.sync.record import Collective
 
-__all__ = ["COMM_TID_BASE", "MAX_DRIFT_US_PER_S", "TRACE_SUFFIX", "RecordedStep", "add_communication_track", "assign_lanes"]
+__all__ = ["COMM_TID_BASE", "MAX_DRIFT_US_PER_S", "TRACE_SUFFIX", "RecordedStep", "add_communication_track",
+           "assign_lanes"]
 
 MAX_DRIFT_US_PER_S = 500.0
-"""Bound on how fast the wall clock (kineto's ``ts``) may drift from ``perf_counter``: NTP's maximum slew, 500 ppm."""
+"""How fast the wall clock (kineto's ``ts``) may drift from ``perf_counter``: NTP's maximum slew, 500 ppm."""
 COMM_TID_BASE = 2**30
 """Thread ids of the communication track's lanes: far above any real Linux tid (``pid_max`` <= 2**22)."""
 TRACE_SUFFIX = ".pt.trace.json"
-"""What every rank's trace file name ends with (``rank{R}.pt.trace.json``, torch's ``tensorboard_trace_handler`` layout)."""
+"""What every rank's trace file name ends with (``rank{R}.pt.trace.json``)."""
 
 
 @dataclass
@@ -79,23 +65,10 @@ def add_communication_track(
 ) -> dict[str, Any]:
     """Add each step's collectives as ``X`` events on lanes named ``COMM_THREAD_NAME`` in process ``pid``.
 
-    ``tid`` is the training thread, where the ``ddp/step#N`` anchors are. Steps whose anchor is not in the trace
-    (e.g. the profiler's warm-up) are skipped. Writes ``metadata`` plus the per-step anchors under
-    ``trace[METADATA_KEY]`` and returns ``trace``.
+    ``tid`` is the training thread, where the ``ddp/step#N`` anchors are; steps whose anchor is not in the trace
+    are skipped. Writes ``metadata`` and the per-step anchors under ``trace[METADATA_KEY]``; returns ``trace``.
     """
-    anchors = {
-        e["name"]: float(e["ts"])
-        for e in trace["traceEvents"]
-        if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") == tid and str(e.get("name", "")).startswith(ranges.STEP)
-    }
-    # (step, anchor midpoint in perf_counter seconds, half-width in us, offset in us) of every anchored step
-    measured = []
-    for record in steps:
-        ts = anchors.get(ranges.step_range_name(record.step))
-        if ts is not None:
-            before, after = record.anchor
-            mid = (before + after) / 2
-            measured.append((record.step, mid, (after - before) / 2 * 1e6, ts - mid * 1e6))
+    measured = _measured_anchors(trace, steps, pid, tid)
     placed: list[tuple[Collective, int, float]] = []  # (collective, step, offset_us)
     step_meta = []
     for step, mid, _, _ in measured:
@@ -103,7 +76,8 @@ def add_communication_track(
         # the tightest anchor for this step: its own, or a neighbour's if this one's reads were far apart
         bound = lambda a: a[2] + MAX_DRIFT_US_PER_S * abs(a[1] - mid)  # noqa: E731
         anchor = min(measured, key=bound)
-        step_meta.append({"step": step, "anchor_step": anchor[0], "offset_us": anchor[3], "uncertainty_us": bound(anchor),
+        step_meta.append({"step": step, "anchor_step": anchor[0], "offset_us": anchor[3],
+                          "uncertainty_us": bound(anchor),
                           "own_anchor_uncertainty_us": next(m[2] for m in measured if m[0] == step),
                           "collectives": len(record.collectives)})
         placed.extend((c, step, anchor[3]) for c in record.collectives)
@@ -121,9 +95,29 @@ def add_communication_track(
         })
     for lane in sorted(set(lanes)):
         name = ranges.COMM_THREAD_NAME + (f" #{lane}" if lane else "")
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": COMM_TID_BASE + lane, "args": {"name": name}})
+        lane_tid = COMM_TID_BASE + lane
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane_tid, "args": {"name": name}})
         # sort right below the training thread (kineto sorts threads by tid)
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": COMM_TID_BASE + lane,
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": lane_tid,
                        "args": {"sort_index": tid + 1 + lane}})
     trace[ranges.METADATA_KEY] = {**metadata, "pid": pid, "tid": tid, "steps": step_meta}
     return trace
+
+
+def _measured_anchors(trace: dict[str, Any], steps: list[RecordedStep], pid: int,
+                      tid: int) -> list[tuple[int, float, float, float]]:
+    """(step, anchor midpoint in perf_counter seconds, half-width in us, offset in us) of every anchored step."""
+    anchors = {
+        e["name"]: float(e["ts"])
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") == tid
+        and str(e.get("name", "")).startswith(ranges.STEP)
+    }
+    measured = []
+    for record in steps:
+        ts = anchors.get(ranges.step_range_name(record.step))
+        if ts is not None:
+            before, after = record.anchor
+            mid = (before + after) / 2
+            measured.append((record.step, mid, (after - before) / 2 * 1e6, ts - mid * 1e6))
+    return measured

@@ -1,23 +1,11 @@
 """The CommTimer's talk between ranks: one all-gather of per-rank vectors per measured step, and clock offsets.
 
-``StragglerExchange`` is what the timer holds:
-
-- ``start()`` (once, at train start, on every rank): compares hostnames (one ``all_gather_object``). Ranks on one
-  host share ``CLOCK_MONOTONIC`` and need no offsets; ranks on several hosts (or ``clock_sync="always"``) measure
-  them with ``measure_clock_offsets``;
-- ``exchange(record, step)`` (every measured step, on every rank, after the step's record is finished, so outside
-  what is measured): re-measures the offsets when ``clock_sync_every_n_steps`` have passed since the last time
-  (decided from the step number, which every rank shares), packs this rank's vector
-  (``straggler.rank_vector``), all-gathers every rank's in **one** collective and derives the step's
-  ``StragglerStats`` (``straggler.attribute_wait``), whose ``step_ms`` is the max over ranks: the all-gather
-  replaces the timer's former ``MAX`` all-reduce of the step time.
-
-``measure_clock_offsets``: rank 0 plays ``rounds`` ping-pongs with each other rank in turn (``dist.send`` /
-``dist.recv`` of one float64 tensor each way; the other ranks wait for their turn), reading the host clock
-(``time.perf_counter()``) around each message, keeps each rank's round trip with the shortest delay
-(``clock_offset.estimate_offset``) and broadcasts every rank's offset and uncertainty. CPU tensors where the group
-has a CPU backend (gloo, or ``cpu:gloo,cuda:nccl``), else tensors on the device, synchronized before the clock is
-read (an NCCL receive returns to the host before the data has arrived).
+``StragglerExchange.start()`` (train start, every rank) counts the hosts and, on several hosts or with
+``clock_sync="always"``, estimates clock offsets (``measure_clock_offsets``: ping-pongs between rank 0 and each
+rank, the offsets broadcast). ``exchange(record, step)`` (every measured step, outside what is measured)
+all-gathers every rank's ``straggler.rank_vector`` in one collective and returns this rank's ``StragglerStats``.
+Small messages travel on the CPU where the group has a CPU backend, else on the device, synchronized before the
+clock is read.
 """
 
 from __future__ import annotations
@@ -29,8 +17,8 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_ddp.callbacks.clock_offset import ClockOffset, RoundTrip, estimate_offset
-from lightning_ddp.callbacks.straggler import StragglerStats, attribute_wait, rank_vector, vector_length
+from lightning_ddp.metrics.clock_offset import ClockOffset, RoundTrip, estimate_offset
+from lightning_ddp.metrics.straggler import StragglerStats, attribute_wait, rank_vector, vector_length
 from lightning_ddp.sync.record import SyncRecord
 
 __all__ = ["ClockSync", "StragglerExchange", "count_hosts", "measure_clock_offsets"]
@@ -108,14 +96,13 @@ def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
 
 
 class StragglerExchange:
-    """One rank's side of the per-step exchange and of the clock offsets (see the module docstring).
+    """One rank's side of the per-step exchange and of the clock offsets.
 
     Args:
         max_collectives: Launch times compared per step (the last ones of the step); every rank must agree.
         clock_sync: ``auto``: estimate clock offsets only when the ranks run on several hosts; ``always``: also on
             one host (a test of the estimator); ``off``: never (offsets 0).
-        clock_sync_every_n_steps: Re-estimate the offsets once this many steps have passed since the last time
-            (clocks drift apart by some microseconds per second).
+        clock_sync_every_n_steps: Re-estimate the offsets once this many steps have passed since the last time.
         clock_sync_rounds: Ping-pongs per rank and estimate (the one with the shortest round trip is kept).
         now: The host clock in seconds used for the offsets (tests give one rank a shifted one).
     """
@@ -166,7 +153,7 @@ class StragglerExchange:
         self.max_uncertainty_ms = worst if self.max_uncertainty_ms is None else max(self.max_uncertainty_ms, worst)
 
     def exchange(self, record: SyncRecord, step: int) -> StragglerStats:
-        """Every rank's vector for this finished step, gathered in one collective, as this rank's ``StragglerStats``."""
+        """Every rank's vector for this finished step, gathered in one collective, as this rank's stats."""
         if self.syncing:
             if self._last_sync is None:  # estimated at train start: counts as this, the first measured step
                 self._last_sync = self.estimated_at[-1] = step
@@ -183,6 +170,12 @@ class StragglerExchange:
         dist.all_gather(gathered, local)
         return attribute_wait([t.tolist() for t in gathered], rank)
 
+    def _max_uncertainty(self) -> float | None:
+        """The largest offset uncertainty of the run; 0 on one host, ``None`` when hosts were not synchronised."""
+        if self.offsets is not None:
+            return self.max_uncertainty_ms
+        return 0.0 if self.hosts == 1 else None
+
     def describe(self) -> dict[str, Any]:
         """The clocks, for ``timing_summary.json``: hosts, how offsets were found, every rank's offset and bound."""
         if self.offsets is not None:
@@ -197,7 +190,7 @@ class StragglerExchange:
             "offsets": how,
             "offset_ms": [o.offset_ms for o in self.offsets] if self.offsets is not None else None,
             "uncertainty_ms": [o.uncertainty_ms for o in self.offsets] if self.offsets is not None else None,
-            "max_uncertainty_ms": self.max_uncertainty_ms if self.offsets is not None else (0.0 if self.hosts == 1 else None),
+            "max_uncertainty_ms": self._max_uncertainty(),
             "estimated_at_steps": self.estimated_at,
             "compared_collectives_max": self.max_collectives,
         }

@@ -1,23 +1,8 @@
-"""Each rank's clock offset to rank 0, from round trips, as NTP estimates it (pure: no torch, no process group).
+"""Each rank's clock offset to rank 0, from NTP-style round trips (pure: no torch, no process group).
 
-Ranks on one host share ``CLOCK_MONOTONIC`` (``time.perf_counter()`` on Linux), so their launch times compare
-directly. Ranks on different hosts do not: each monotonic clock starts at its own boot. To put every rank's
-launches on rank 0's clock, rank 0 and each rank exchange a few ping-pongs (``rank_exchange``), each giving four
-host times:
-
-- ``t0``: rank 0 sends the ping (rank 0's clock);
-- ``t1``: rank *r* receives it, ``t2``: rank *r* sends the pong (rank *r*'s clock);
-- ``t3``: rank 0 receives the pong (rank 0's clock).
-
-With ``theta`` = rank *r*'s clock minus rank 0's, and the two one-way delays ``d_out`` and ``d_back``:
-``t1 = t0 + d_out + theta`` and ``t3 = t2 - theta + d_back``, so
-
-- ``offset = ((t1 - t0) + (t2 - t3)) / 2 = theta + (d_out - d_back) / 2``;
-- ``round trip = (t3 - t0) - (t2 - t1) = d_out + d_back``.
-
-The asymmetry ``(d_out - d_back) / 2`` is unknown but bounded by half the round trip, so ``theta`` lies within
-``offset +- round trip / 2``: that half round trip is the **uncertainty**. The round trip with the shortest delay
-bounds it best (queueing only ever adds delay), so the estimate keeps that one (NTP's clock filter does the same).
+A ping-pong gives four host times ``t0``..``t3``; the offset is ``((t1 - t0) + (t2 - t3)) / 2``, known to within
+half the round trip ``(t3 - t0) - (t2 - t1)``; the round trip with the shortest delay is kept. The derivation:
+``docs/comm_timer.md``, "Clock offsets across hosts".
 """
 
 from __future__ import annotations
@@ -30,7 +15,7 @@ __all__ = ["ClockOffset", "RoundTrip", "estimate_offset"]
 
 @dataclass(frozen=True)
 class RoundTrip:
-    """One ping-pong between rank 0 and another rank, all four times in ms (see the module docstring)."""
+    """One ping-pong between rank 0 and another rank, all four times in ms."""
 
     t0: float
     """Rank 0 sends (rank 0's clock)."""
@@ -67,8 +52,7 @@ class ClockOffset:
 def estimate_offset(round_trips: Sequence[RoundTrip]) -> ClockOffset:
     """The offset of the round trip with the shortest delay, +- half that delay.
 
-    Rank *r*'s clock runs 1000 ms ahead of rank 0's; the first ping queued for 3 ms on the way out, the second
-    went 0.1 ms each way: the second is kept, and says 1000 +- 0.1 ms.
+    Rank *r*'s clock runs 1000 ms ahead; the first ping queued 3 ms on the way out, the second is kept:
 
     >>> slow = RoundTrip(t0=0.0, t1=1003.1, t2=1003.2, t3=3.3)
     >>> fast = RoundTrip(t0=10.0, t1=1010.1, t2=1010.2, t3=10.3)
@@ -76,8 +60,9 @@ def estimate_offset(round_trips: Sequence[RoundTrip]) -> ClockOffset:
     ClockOffset(offset_ms=1000.0, uncertainty_ms=0.1, samples=2)
     """
     if not round_trips:
-        raise ValueError("estimate_offset needs at least one round trip; take a few (e.g. --timer.clock_sync_rounds 8)")
+        raise ValueError("estimate_offset needs at least one round trip; take a few "
+                         "(e.g. --timer.clock_sync_rounds 8)")
     best = min(round_trips, key=lambda rt: rt.round_trip_ms)
     # A negative delay can only be clock reading jitter on a very fast link: it bounds nothing below 0.
-    return ClockOffset(offset_ms=round(best.offset_ms, 9), uncertainty_ms=round(max(0.0, best.round_trip_ms) / 2, 9),
-                       samples=len(round_trips))
+    uncertainty_ms = round(max(0.0, best.round_trip_ms) / 2, 9)
+    return ClockOffset(offset_ms=round(best.offset_ms, 9), uncertainty_ms=uncertainty_ms, samples=len(round_trips))

@@ -1,42 +1,10 @@
 """Who made the step wait: each rank's launch times, exchanged once per measured step, split exposed communication.
 
-Exposed communication has two causes that call for opposite fixes: moving bytes (buckets, compression, a faster
-link) and waiting for a slower rank to arrive (the data loader, a slow GPU, an unbalanced batch, a noisy
-neighbour). A collective cannot finish before its last rank has launched it, so the time from this rank's launch
-to the last rank's launch is waiting, whatever the link; the rest of the exposed time is transfer.
-
-Pure Python (no torch, no process group), like ``accounting``: the callback's exchange (``rank_exchange``) only
-moves the vectors this module builds and hands them back.
-
-1. ``rank_vector``: after a step is finished, each rank packs a fixed-length float64 vector (``VECTOR_HEADER``
-   fields, then the launch times of the step's **last** ``max_collectives`` collectives, NaN-padded):
-
-   ====  ====================================================================================================
-   slot  value
-   ====  ====================================================================================================
-   0     the rank's step time, ms (the job's ``step/time_ms`` is the max over ranks: this replaces the ``MAX``
-         all-reduce)
-   1     the rank's compute, ms: forward + backward, from the step's start to its last gradient computed (NaN
-         when a mark is missing)
-   2     the rank's 0 ms on rank 0's clock, ms: ``origin_s * 1e3 - clock_offset_ms`` (ranks on one host share
-         ``CLOCK_MONOTONIC``, offset 0; across hosts ``clock_offset`` estimates it)
-   3     how many collectives the rank launched this step
-   4..   launch times, ms on the rank's own axis, of its last ``max_collectives`` collectives in issue order
-   ====  ====================================================================================================
-
-2. every rank all-gathers every rank's vector (one collective per measured step, ``rank_exchange``);
-3. ``attribute_wait`` pairs the collectives by issue order (collective *i* of every rank is the same collective:
-   that is how backends match them) and compares those every rank holds: with counts ``n_r``, rank *r* holds
-   indices ``[n_r - min(n_r, K), n_r)``, so the compared indices are ``[max_r(n_r - min(n_r, K)), min_r n_r)``.
-   Ranks that launched different numbers (a recorder missing on one rank; it does not happen with a healthy
-   strategy) are compared on the indices they share, and ``compared`` says how many that was. Keeping the *last*
-   ``K`` keeps the collectives nearest the exposed interval, where waiting costs.
-
-For each compared collective *i*, with ``L_r,i`` its launch on the common clock: this rank waited
-``[L_self,i, max_r L_r,i]``; the union of those intervals, clipped to the exposed interval, is ``comm/wait_ms``
-(``accounting.step_metrics``). The straggler of collective *i* is ``argmax_r L_r,i`` (the lowest rank on a tie);
-``straggler/rank`` is the rank that was last most often (the lowest on a tie) and ``straggler/lag_ms`` the median
-over compared collectives of its launch minus the earliest launch.
+Pure Python (no torch, no process group). ``rank_vector`` packs one rank's fixed-length float64 vector
+(``VECTOR_HEADER`` fields, then the launch times of the step's last ``max_collectives`` collectives, NaN-padded);
+``rank_exchange`` all-gathers them; ``attribute_wait`` pairs the collectives by issue order and says how long
+this rank waited for the last rank's launch of each, who the straggler was and by how much. The vector layout and
+the definitions: ``docs/comm_timer.md``, "Who made the step wait".
 """
 
 from __future__ import annotations
@@ -57,8 +25,7 @@ VECTOR_HEADER = 4
 """Fields before the launch times: step ms, compute ms, origin on rank 0's clock (ms), number of collectives."""
 
 DEFAULT_MAX_COLLECTIVES = 512
-"""Launch times compared per step by default: every bucketed strategy and torch DDP launch far fewer; the naive
-engine on the xl model launches one per parameter tensor (~435), still inside. 4 KiB per rank and step."""
+"""Launch times compared per step by default: more than the naive engine's ~435 on the xl model; 4 KiB per rank."""
 
 
 def vector_length(max_collectives: int) -> int:
@@ -70,9 +37,7 @@ def vector_length(max_collectives: int) -> int:
 
 
 def rank_vector(record: SyncRecord, max_collectives: int, clock_offset_ms: float = 0.0) -> list[float]:
-    """This rank's vector (layout in the module docstring) from a finished record (marks in ms, ``origin_s`` set).
-
-    ``clock_offset_ms``: this rank's clock minus rank 0's (``clock_offset.estimate_offset``); 0 on one host.
+    """This rank's vector from a finished record; ``clock_offset_ms``: this rank's clock minus rank 0's.
 
     >>> from lightning_ddp.sync.record import Collective, SyncRecord
     >>> record = SyncRecord(collectives=[Collective("all_reduce", "b0", 8, 30.0, 40.0)], started=0.0, ended=50.0,
@@ -111,10 +76,9 @@ class StragglerStats:
 
 
 def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerStats:
-    """Every rank's vector (index = rank) -> the step's waits as ``rank`` saw them (see the module docstring).
+    """Every rank's vector (index = rank) -> the step's waits as ``rank`` saw them.
 
-    Rank 1 launches both collectives 20 ms late (same host, same origin): rank 0 waited 20 ms for each, rank 1 not
-    at all; rank 1 is the straggler with a 20 ms lag, and its compute was 20 ms longer:
+    Rank 1 launches both collectives 20 ms late: rank 0 waited 20 ms for each; rank 1 is the straggler.
 
     >>> v0 = [100.0, 60.0, 0.0, 2.0, 40.0, 55.0]
     >>> v1 = [100.0, 80.0, 0.0, 2.0, 60.0, 75.0]
@@ -168,18 +132,15 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
 def clock_note(uncertainty_ms: float | None, lag_ms: float | None) -> str | None:
     """The line the printed summary adds when clock offsets limit what the straggler numbers can say, else ``None``.
 
-    ``uncertainty_ms``: the largest offset uncertainty over ranks and estimates (0 when every rank reads one host's
-    clock; ``None`` when ranks on several hosts were compared without estimating offsets); ``lag_ms``: the median
-    ``straggler/lag_ms``.
+    ``uncertainty_ms``: the largest offset uncertainty (0 on one host; ``None``: hosts compared without estimating
+    offsets); ``lag_ms``: the median ``straggler/lag_ms``.
 
     >>> clock_note(0.0, 0.01) is None  # one host: one clock, any lag resolves
     True
-    >>> clock_note(0.5, 0.2)
-    'clock offsets are known to +-0.5 ms, more than the median straggler lag (0.2 ms): comm/wait_ms, straggler/rank and straggler/lag_ms cannot resolve lags this small'
     """
     if uncertainty_ms is None:
-        return ("clock offsets between hosts were not estimated (--timer.clock_sync off): comm/wait_ms, straggler/rank "
-                "and straggler/lag_ms compare the launch times of different clocks")
+        return ("clock offsets between hosts were not estimated (--timer.clock_sync off): comm/wait_ms, "
+                "straggler/rank and straggler/lag_ms compare the launch times of different clocks")
     if lag_ms is not None and uncertainty_ms > lag_ms:
         return (f"clock offsets are known to +-{uncertainty_ms:.3g} ms, more than the median straggler lag "
                 f"({lag_ms:.3g} ms): comm/wait_ms, straggler/rank and straggler/lag_ms cannot resolve lags this small")
