@@ -50,11 +50,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis
+from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.catalogue import format_bucket, variant_strategy
 from lightning_ddp.bench.results import ESTIMATED_KEYS, CellData, bootstrap_key
 from lightning_ddp.bench.stats import Bootstrapper, Estimate, geometric_mean_draws, percentile_interval, pooled_median
 from lightning_ddp.bench.stats import verdict as interval_verdict
+
 
 __all__ = [
     "ACROSS_GROUPS_TARGET",
@@ -312,12 +313,15 @@ class Analysis:
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
         """Goal 1 for bucketed and every other algorithm with a bucket size, goal 2 twice, goal 3 (module docstring)."""
-        naive, overlap, ddp, reference = (_find(rows, s) for s in ("naive_ddp", "overlap_ddp", BASELINE, REFERENCE))
+        # The goals' strategies, by what they keep: per-tensor blocking, per-tensor overlapping, and buckets.
+        naive_name, overlap_name = strategy_with_memory_model("none"), strategy_with_memory_model("per_tensor")
+        bucketed = catalogue.DEFAULT_ENGINE
+        naive, overlap, ddp, reference = (_find(rows, s) for s in (naive_name, overlap_name, BASELINE, REFERENCE))
         m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
-        algorithms = ["bucketed_ddp", *[s for s in strategy_order(variant_of(r) for r in rows)
-                                    if has_buckets(s) and s != "bucketed_ddp"]]
+        algorithms = [bucketed, *[s for s in strategy_order(variant_of(r) for r in rows)
+                                  if has_buckets(s) and s != bucketed]]
         for algorithm in algorithms:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
@@ -328,24 +332,24 @@ class Analysis:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
 
-        best = self.selections.get((group, "bucketed_ddp"))
-        for name, measured, row in (("overlap_ddp", m_overlap, overlap),
-                                    ("bucketed_ddp (best)", best.evaluated if best else None, best.row if best else None)):
-            goal = f"2. {name} comm share / naive_ddp comm share"
+        best = self.selections.get((group, bucketed))
+        best_measured, best_row = (best.evaluated, best.row) if best else (None, None)
+        for name, measured, row in ((overlap_name, m_overlap, overlap), (f"{bucketed} (best)", best_measured, best_row)):
+            goal = f"2. {name} comm share / {naive_name} comm share"
             naive_share = m_naive.point[_SHARE] if m_naive is not None else math.nan
             if m_naive is None:
-                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, "naive_ddp")))
+                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, naive_name)))
             elif not naive_share > 0:
-                checks.append(GoalCheck(group, goal, 1 / 3, note="naive_ddp comm share is 0 or missing"))
+                checks.append(GoalCheck(group, goal, 1 / 3, note=f"{naive_name} comm share is 0 or missing"))
             elif measured is None or not math.isfinite(measured.point[_SHARE]):
-                note = _missing(row, "overlap_ddp") if name == "overlap_ddp" else "no ok bucketed_ddp cell"
+                note = _missing(row, overlap_name) if name == overlap_name else f"no ok {bucketed} cell"
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                in_sample = best is not None and name != "overlap_ddp" and best.in_sample
-                note = _selection_note(best) if name != "overlap_ddp" and best else ""
+                in_sample = best is not None and name != overlap_name and best.in_sample
+                note = _selection_note(best) if name != overlap_name and best else ""
                 checks.append(self._ratio(group, goal, 1 / 3, measured, _SHARE, m_naive, _SHARE, note, in_sample))
 
-        goal = "3. bucketed_ddp (best) step time / max(reference step, busy comm)"
+        goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
         if best is not None and m_reference is not None:
             top = best.evaluated
             busy_point = top.point[_BUSY] if math.isfinite(top.point[_BUSY]) else 0.0
@@ -357,9 +361,10 @@ class Analysis:
             bound = "compute" if m_reference.point[_STEP] >= busy_point else "communication"
             note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
             checks.append(GoalCheck(group, goal, 1.10, Estimate(float(top.point[_STEP] / floor_point), lo, hi), note,
-                                    best.in_sample, "bucketed_ddp", draws))
+                                    best.in_sample, bucketed, draws))
         else:
-            checks.append(GoalCheck(group, goal, 1.10, note=_missing(reference, "reference") if best else "no ok bucketed_ddp cell"))
+            note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
+            checks.append(GoalCheck(group, goal, 1.10, note=note))
         return checks
 
     def _across(self, algorithm: str) -> AcrossGroups:

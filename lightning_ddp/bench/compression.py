@@ -60,7 +60,7 @@ from lightning_ddp.provenance import git_state
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
-BASELINE = "bucketed_ddp"
+BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
 
 

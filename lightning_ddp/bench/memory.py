@@ -60,7 +60,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 # The results' summary and results.md live in memory_report; its names stay importable from here.
+from lightning_ddp import catalogue
 from lightning_ddp.bench.memory_report import (  # noqa: F401
+    FSDP2,
+    MODE_LABELS,
     PLOT_NAME,
     POINTS,
     MiB,
@@ -87,7 +90,7 @@ __all__ = [
     "sent_bytes_per_rank",
 ]
 
-MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter", "zero2", "fsdp2")
+MODES: tuple[str, ...] = tuple(MODE_LABELS)
 """The measured configurations: plain AdamW, ZeRO-1 under each schedule, ZeRO-2, then torch's FSDP2
 (``_measure_fsdp2``)."""
 
@@ -116,7 +119,7 @@ class MemoryBenchConfig:
     """Process-group backend; default gloo on CPU, NCCL on CUDA."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
-    grad_sync: str = "bucketed_ddp"
+    grad_sync: str = catalogue.DEFAULT_ENGINE
     """The engine that all-reduces gradients for unsharded and allreduce_broadcast (a catalogue engine name)."""
     bucket_size_mb: Optional[float] = 25.0
     """Bucket cap in MiB of a ``grad_sync`` algorithm with buckets (null: one bucket); ignored by the others."""
@@ -359,7 +362,7 @@ def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -
     times = torch.tensor(step_ms, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     result = {
-        "mode": "fsdp2",
+        "mode": FSDP2,
         "rank": rank,
         "snapshots": snapshots,
         "expected": fsdp2_expected_bytes(shapes, dist.get_world_size(), rank),
@@ -392,7 +395,7 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     from lightning_ddp.model import GPT, get_config
     from lightning_ddp.sync import Recorder, ShardedOptimizer
 
-    if mode == "fsdp2":
+    if mode == FSDP2:
         return _measure_fsdp2(config, device, rank)
 
     gc.collect()
@@ -559,7 +562,7 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
     """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field); a validation error
     exits 2 with the message (no traceback)."""
-    from lightning_ddp.bench.command_line import parse_dataclass
+    from lightning_ddp.command_line import parse_dataclass
 
     return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")
 

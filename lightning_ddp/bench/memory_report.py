@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate, verdict
 from lightning_ddp.files import write_atomically
 
@@ -48,12 +49,15 @@ POINTS: tuple[str, ...] = ("setup", "before_step", "after_step")
 
 MiB = 2**20
 
+FSDP2 = strategy_with_memory_model("fully_sharded")
+"""torch's FSDP2, the last mode (its catalogue name)."""
+
 MODE_LABELS: dict[str, str] = {
     "unsharded": "DDP",
     "allreduce_broadcast": "ZeRO-1 (all-reduce + broadcast)",
     "reduce_scatter": "ZeRO-1 (reduce-scatter)",
     "zero2": "ZeRO-2",
-    "fsdp2": "FSDP2",
+    FSDP2: "FSDP2",
 }
 """The family's names of the benchmark's modes, in the table and the plot."""
 
@@ -86,7 +90,7 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
     # zero2: the reduce-scatter (in backward) + the all-gather; fsdp2 (reshard after forward): all-gather in forward,
     # again in backward, reduce-scatter of the gradients
     return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
-            "zero2": 2 * one_way, "fsdp2": 3 * one_way}[mode]
+            "zero2": 2 * one_way, FSDP2: 3 * one_way}[mode]
 
 
 def _peak(snapshots: dict[str, dict[str, Any]]) -> int | None:

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from lightning_ddp import catalogue
 from lightning_ddp.bench.launch import measured_steps, run_fit
 from lightning_ddp.bench.stats import Estimate, estimate, verdict
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -72,7 +73,7 @@ class StragglerBenchConfig:
 
     fit_config: str = "configs/quickstart.yaml"
     """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
-    strategies: list[str] = field(default_factory=lambda: ["bucketed_ddp", "ddp"])
+    strategies: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, "ddp"])
     """Values for ``--trainer.strategy``: registered names (``bucketed_ddp``, ``ddp`` ...)."""
     delays_ms: list[float] = field(default_factory=lambda: [0.0, 5.0, 20.0, 50.0])
     """SlowRank delays; 0 runs without SlowRank (the control)."""
@@ -104,7 +105,7 @@ class StragglerBenchConfig:
 
     def __post_init__(self) -> None:
         if not self.strategies:
-            raise ValueError("strategies is empty; e.g. --strategies '[bucketed_ddp, ddp]'")
+            raise ValueError(f"strategies is empty; e.g. --strategies '[{catalogue.DEFAULT_ENGINE}, ddp]'")
         if not self.delays_ms or any(not (d >= 0) for d in self.delays_ms):
             raise ValueError(f"delays_ms must be delays >= 0, got {self.delays_ms}; e.g. --delays_ms '[0, 5, 20, 50]'")
         if 0 not in self.delays_ms:
