@@ -166,6 +166,11 @@ _MEDIANS = (
 # ---- one repeat -------------------------------------------------------------------------------------------
 
 
+def _bucket_text(size: float | str | None) -> str:
+    """A bucket size as the CSV files write it: ``""`` where the strategy has none."""
+    return "" if size in (None, "") else format_bucket(size)
+
+
 def repeat_row(
     cell: Cell,
     repeat: int,
@@ -184,7 +189,7 @@ def repeat_row(
         cell_id=cell.id,
         repeat=repeat,
         strategy=cell.strategy,
-        bucket_size_mb=format_bucket(cell.bucket_size_mb),
+        bucket_size_mb=_bucket_text(cell.bucket_size_mb),
         engine_settings=format_settings(cell.settings),
         batch_size=cell.batch_size,
         context_length=cell.context_length,
@@ -410,7 +415,7 @@ def _csv_text(columns: Sequence[str], rows: Iterable[Row]) -> str:
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: format_bucket(row.get(k)) if k == "bucket_size_mb" else _cell_text(row.get(k))
+        writer.writerow({k: _bucket_text(row.get(k)) if k == "bucket_size_mb" else _cell_text(row.get(k))
                          for k in columns})
     return buffer.getvalue()
 
