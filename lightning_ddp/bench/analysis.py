@@ -1,44 +1,6 @@
-"""The sweep's analysis: per group of cells, the best bucket size chosen without selection bias, the performance
-goals with their intervals and verdicts, and goal 1 across the groups. ``bench.report`` renders it as
-``results.md``, ``bench.plots`` draws it.
-
-Everything here works on results.csv rows (``results.parse_row``) plus, for the intervals of ratios and the
-selection, the raw steps behind them (``results.CellData`` from steps.csv and repeats.csv), so the report can be
-rebuilt from the raw files alone (``--output.report_only true``). Given rows only, each row counts as one
-repeat of one step (zero-width intervals, and every best bucket size in-sample). Cells are compared within a
-*group*: same precision, per-rank batch size and context length. The statistics are ``bench.stats``'s.
-
-A strategy with engine settings (``grid.engine_settings``) is a *variant* per combination of them
-(``variant_of``: ``bucketed_powersgd rank=4``): each variant is reported as a strategy of its own, with its own
-line, best bucket size and goal 1.
-
-**Best bucket size without selection bias** (``select_best``). The minimum of several noisy step times is biased
-low: the winner is partly the luckiest draw. So for each algorithm with a bucket size, per group, the size with
-the lowest pooled median step time on the *selection* repeats (even indices 0, 2, 4, ...) is chosen, and its step
-time, share, interval and goal ratios come from the *evaluation* repeats (odd indices) only. With no evaluation
-repeat (fewer than 2 repeats ran) the choice is *in-sample*: reported from all its repeats, its goals
-``inconclusive``. ``auto`` is one of the candidate sizes.
-
-Performance goals, per group, each a ratio of pooled medians with its 95 % interval (independent bootstraps of
-the cells, the ratio per draw; the selected size with its evaluation repeats, every other cell with all of its
-repeats) and a verdict: ``met`` if the interval's upper end is <= target, ``missed`` if its lower end is above,
-else ``inconclusive``; ``not measurable`` when a needed cell has no ok repeat:
-
-====  ==============================================================  =================================
-goal  ratio                                                           target
-====  ==============================================================  =================================
-1     step(A at its best bucket size) / step(ddp), for ``bucketed``   <= 1
-      and every other algorithm A with a bucket size
-2     comm_share(overlap) / comm_share(naive), and the same for       <= 1/3
-      bucketed at its best bucket size
-3     step(bucketed best) / max(step(reference), busy_comm(bucketed   <= 1.10
-      best)): how close to the floor set by compute or by the wire
-====  ==============================================================  =================================
-
-**Faster than torch DDP, across groups** (``across_groups``): for each algorithm with a bucket size, the geometric
-mean over the groups of goal 1's ratio, its interval from the per-draw geometric mean (every group's cells
-bootstrapped within each draw), against the target 0.95; and how many groups met, missed or could not decide
-goal 1 (<= 1.00) on their own.
+"""The sweep's analysis, from results.csv rows and the raw steps behind them: per group (precision, batch, context)
+the best bucket size chosen on the selection repeats and measured on the evaluation repeats, the goals with
+intervals and verdicts, and goal 1 across the groups. docs/benchmarks.md states the goals.
 """
 
 from __future__ import annotations

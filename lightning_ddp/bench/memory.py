@@ -1,44 +1,8 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family: DDP, ZeRO-1 (both schedules), ZeRO-2 and FSDP2.
+data-parallel family (DDP, ZeRO-1 under both schedules, ZeRO-2, FSDP2), each mode in fresh ranks without Lightning.
 
-Recipe:
-
-1. For each mode, spawn ``devices`` fresh ranks (``torch.multiprocessing``; gloo on CPU, NCCL on CUDA). No
-   Lightning: the GPT from ``lightning_ddp.model``, an engine from ``lightning_ddp.sync`` and AdamW.
-2. Each mode starts from the same seed: build and wrap the model, build the optimizer (plain or sharded), train
-   ``steps`` steps on random tokens. Take a snapshot after set-up, and on the last step directly before and
-   directly after ``optimizer.step()`` (the optimizer state exists from the first step on).
-3. A snapshot sums the bytes of the tensors we own: the parameters, their ``.grad`` and every tensor in the
-   optimizer's ``state`` (only the shard's, for ``ShardedOptimizer``). On CUDA, ``rest`` is
-   ``torch.cuda.memory_allocated()`` minus those (activations, communication buffers, the allocator's
-   rounding) and the step's ``max_memory_allocated`` is reported, with ``memory_reserved`` and
-   ``max_memory_reserved`` beside it (the caching allocator's cache and NCCL's buffers live there); on CPU, ``rest`` is the process RSS minus
-   those (the interpreter, libraries, allocator caches), a secondary figure only. The *peak* per rank is the
-   largest ``max_memory_allocated`` of the snapshots on CUDA (set-up to the last step, activations included) and
-   the process's peak RSS (``getrusage``) on CPU.
-4. Next to every measured category: the analytic expectation (``expected_bytes``), from the model's shape
-   alone. For fp32 AdamW: parameters 4Ψ, gradients 4Ψ, state 8Ψ + 4T unsharded and 8Ψ_r + 4T_r sharded (Ψ
-   parameters, T tensors, Ψ_r and T_r those rank r owns under ``assign_owners``; the 4-byte ``step`` counter
-   per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``). The expected peak
-   is a lower bound, our tensors at their most: those plus ``expected_transient`` (zero2: the buckets in flight
-   during backward; fsdp2: the largest group's unsharded parameters and gradients), activations not included.
-5. Rank 0 gathers the ranks' results; the parent summarises them per mode and writes ``results.json`` and
-   ``results.md`` (the data-parallel family's table with the goals' verdicts, then one table per mode; both from
-   ``lightning_ddp.bench.memory_report``) and ``memory_vs_step_time.png`` (peak memory per rank against step time)
-   into ``out_dir``, each atomically (``lightning_ddp.files``), with versions, hardware and the config. Step time:
-   the median of the steps after ``warmup_steps`` (max over ranks), with its 95 % bootstrap interval.
-
-Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
-``ShardedOptimizer`` that broadcasts updated parameters), ``reduce_scatter`` (``DeferredGradSync`` + a
-``ShardedOptimizer`` that reduce-scatters gradients and all-gathers parameters), ``zero2`` (``ZeRO2DDP``, which
-reduces gradient buckets to their owners during backward and keeps only the owned gradients, + a ``ShardedOptimizer``
-placed by it: gradients 4Ψ_r after backward, plus at most ``zero2_gradient_peak_bytes`` during it, reported as
-``expected_gradient_peak``), ``fsdp2`` (torch's ``fully_shard`` per block, ``fsdp2_expected_bytes``: parameters,
-gradients and state all sharded by rows; its collectives are torch's, not recorded). See ``lightning_ddp.sync.zero1`` and ``lightning_ddp.sync.zero2`` for the formulas of
-communication volume; ``results.md`` shows them next to what the ``SyncRecord`` counted.
-
-This module holds the configuration and the measurement (steps 1 to 4, and ``run``); ``bench.memory_report`` the
-summary and the report (step 5).
+Next to every measured category stands the analytic expectation of ``lightning_ddp.memory``. This module holds the
+configuration and the measurement; ``memory_report`` the summary and the report. docs/benchmarks.md has the recipe.
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
-"""The memory benchmark's results, summarised and written up (``results.md``, the plot); no torch.
-
-``summarise_modes`` turns what the ranks of ``lightning_ddp.bench.memory`` measured into one entry per mode: the
-median step time after the warm-up with its 95 % interval, whether every snapshot holds exactly the analytic bytes
-(``lightning_ddp.memory.expected_bytes``), each rank's peak beside the tensors' expected peak, and the bytes each
-rank sends by the ring model (``sent_bytes_per_rank``). ``family_summary`` makes the data-parallel family's table
-(one row per mode: DDP, ZeRO-1 under each schedule, ZeRO-2, FSDP2) and the two goals' verdicts; ``format_report``
-renders everything; ``write_memory_plot`` draws peak memory per rank against step time (matplotlib, imported there).
-
-Statistics (``lightning_ddp.bench.stats``): one run per mode is one repeat, so the hierarchical bootstrap resamples
-its measured steps (``BOOTSTRAP_SAMPLES`` draws, seeded by the config's seed and the mode): the interval covers the
-step-to-step noise of that run, not the variation between runs. A ratio of two modes bootstraps both independently
-and divides per draw (``ratio_estimate``). Goals:
-
-- **ZeRO-2's gradients**: its held gradients per rank (after backward, the most loaded rank) <= DDP's / N + one
-  bucket (``bucket_size_mb``). Bytes are exact, so the verdict is ``met`` or ``missed``.
-- **ZeRO-2's step**: step time / ZeRO-1's (reduce_scatter) <= 1.10; ``met`` when the interval's upper end is at or
-  under it, ``missed`` when its lower end is over it, else ``inconclusive`` (``stats.verdict``).
-
-A goal whose modes were not measured is ``not measurable``.
+"""The memory benchmark's results, summarised per mode and written up (results.md, the plot); no torch.
+docs/benchmarks.md states the statistics and the goals.
 """
 
 from __future__ import annotations

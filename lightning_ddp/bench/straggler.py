@@ -1,32 +1,6 @@
-"""``python -m lightning_ddp.bench.straggler``: does the CommTimer blame an injected straggler for the right time?
-
-    python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml
-
-For every strategy (default ``bucketed_ddp`` and Lightning's ``ddp``) and every delay (default 0, 5, 20, 50 ms),
-``repeats`` real quickstart fits on 2 CPU ranks (``python -m lightning_ddp fit``, fresh processes each), with
-``lightning_ddp.callbacks.SlowRank(rank=slow_rank, delay_ms=delay)`` (none at delay 0). From each run's
-``timing_summary.json`` (rank 0's view), the steps after warm-up: ``comm/wait_ms``, ``comm/transfer_ms``,
-``straggler/rank``, ``straggler/lag_ms``, ``step/rank_spread_ms``, ``step/time_ms``.
-
-Per (strategy, delay), pooled medians with 95 % intervals (``lightning_ddp.bench.stats``: hierarchical bootstrap,
-repeats then steps), and the goals of issue 23, each ``met``/``missed``/``inconclusive`` from the interval:
-
-=====================  ==========================================================================================
-goal                   rule
-=====================  ==========================================================================================
-wait = delay           delay > 0: the interval of the median ``comm/wait_ms`` lies within delay +- ``tolerance_ms``
-                       (3 ms) -> met; entirely outside -> missed; else inconclusive
-straggler named        delay > 0: ``straggler/rank`` = ``slow_rank`` in >= ``straggler_share`` (90 %) of the pooled
-                       steps (a fraction, no interval: met or missed)
-transfer unchanged     delay > 0: the median ``comm/transfer_ms`` lies within the delay-0 interval of the same
-                       strategy (met or missed)
-no wait without one    delay 0: the interval of the median ``comm/wait_ms`` lies below ``idle_wait_ms`` (2 ms)
-=====================  ==========================================================================================
-
-Writes ``results.csv`` (one row per strategy and delay), ``steps.csv`` (every measured step) and ``results.md``
-(the table and the verdicts), with ``environment.json`` (versions, CPU, git state, the command and the config),
-atomically into ``out_dir``. Timing is meaningful only on an otherwise idle machine; each row records the load
-average after its runs.
+"""``python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml``: does the CommTimer blame an
+injected straggler (``SlowRank``) for the right time? Per strategy and delay, real fits, pooled medians with
+intervals and the goals' verdicts; docs/benchmarks.md states the goals.
 """
 
 from __future__ import annotations

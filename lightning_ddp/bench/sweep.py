@@ -1,30 +1,8 @@
-"""Run a sweep: every cell repeat in its own processes, interleaved, resumable, then the statistics and the report.
+"""Run a sweep: every cell repeat in its own processes, interleaved round-robin, resumable, then the statistics,
+results.csv, results.md and the plots (``output.report_only``: only those, from the raw files).
 
-Recipe (``run_sweep``):
-
-1. Expand the grid (``grid.expand_grid``); decide the backend and rank placement (``grid.rank_layout``);
-   write ``environment.json`` (versions, hardware, git commit, the full config).
-2. Read ``repeats.csv`` and ``steps.csv`` if they exist: a (cell, repeat) with a row is done and is skipped (with
-   ``output.retry_failed``, only ``ok`` rows count as done). The cell id hashes the cell's whole configuration,
-   so a changed setting reruns the cells it affects; ``run.repeats`` is not in it, so raising it runs only the
-   new repeats.
-3. If an algorithm with buckets is in the grid and ``run.predict_bucket_size`` is on, run the all-reduce
-   microbenchmark once on the same ranks (``bench.allreduce``) unless ``bucket_prediction.json`` exists: it fits
-   the per-call overhead ``o`` and bandwidth ``w``. Once a cell has finished, its model shape gives the gradient
-   bytes ``s`` and the largest parameter, and the predicted best bucket ``b* = sqrt(s * w * o)`` is added.
-4. Run the missing repeats round-robin: repeat 0 of every cell in grid order, then repeat 1 of every cell, ...
-   (a slow drift of the machine then hits every strategy alike). Before each, the load guard (``bench.load``)
-   waits for an idle machine; each repeat is a separate runner call with its own ``runs/<cell_id>/r<k>/``.
-   After each, rewrite ``steps.csv``, then ``repeats.csv`` (the row that marks the repeat done, written last),
-   ``profiles.json``, ``results.csv`` and ``results.md``, each whole and atomically (``lightning_ddp.files``), so a
-   killed sweep keeps every finished repeat and a half-written one is simply run again.
-5. Write ``results.csv`` (``results.cell_row``: pooled medians, bootstrap intervals), ``results.md``
-   (``report.build_report``) and the PNG plots; ``output.report_only`` does only this, from the raw files.
-
-The cell runner is injected (any ``(cell, run_dir) -> CellOutcome``), and so is the load guard, which is how
-tests fake both. The driver itself imports no torch (the cells run in their own processes): the few functions
-that need it (the GPU count, the model's gradient bytes, the bucket-size formula) import torch, the model or
-``sync.bucket_model`` when called.
+The cell runner and the load guard are injected (how the tests fake them); the driver imports no torch.
+docs/benchmarks.md gives the recipe.
 """
 
 from __future__ import annotations
