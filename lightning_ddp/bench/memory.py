@@ -355,13 +355,60 @@ def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
     return 2 * FP32 * max(groups)
 
 
+def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
+    """The mode's engine and optimizer, both reporting their collectives to ``recorder``."""
+    from lightning_ddp.sync import ShardedOptimizer
+
+    engine = _make_engine(mode, config, model)
+    engine.recorder = recorder
+    if mode == "unsharded":
+        return engine, torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    if mode == "zero2":
+        optimizer = _make_zero2_optimizer(config, engine, model)
+    else:
+        optimizer = ShardedOptimizer(
+            model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
+        )
+    optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
+    return engine, optimizer
+
+
+def _train_step(engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module, tokens: torch.Tensor,
+                device: torch.device, snapshots: dict[str, Any] | None) -> float:
+    """One step; its time in ms. ``snapshots`` given (the last step): snapshots before and after ``step()``, not
+    part of the step's time."""
+    _sync(device)
+    start = time.perf_counter()
+    engine.on_train_batch_start()
+    logits = engine(tokens[:, :-1])  # (B, T, V)
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    del logits
+    engine.finish_gradient_synchronization()
+    paused = 0.0
+    if snapshots is not None:
+        _sync(device)
+        pause = time.perf_counter()
+        snapshots["before_step"] = _snapshot(model, optimizer, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
+        paused += time.perf_counter() - pause
+    optimizer.step()
+    if snapshots is not None:
+        _sync(device)
+        pause = time.perf_counter()
+        snapshots["after_step"] = _snapshot(model, optimizer, device)
+        paused += time.perf_counter() - pause
+    optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    return (time.perf_counter() - start - paused) * 1e3
+
+
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
     from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.sync import Recorder, ShardedOptimizer
+    from lightning_ddp.sync import Recorder
 
     if mode == FSDP2:
         return _measure_fsdp2(config, device, rank)
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -369,59 +416,19 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     torch.manual_seed(config.seed)
     gpt_config = get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)
     model = GPT(gpt_config).to(device)
-    engine = _make_engine(mode, config, model)
     recorder = Recorder(device)  # counts the bytes and calls of every step's collectives
-    engine.recorder = recorder
-    if mode == "unsharded":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-        )
-    elif mode == "zero2":
-        optimizer = _make_zero2_optimizer(config, engine, model)
-        optimizer.recorder = recorder
-    else:
-        optimizer = ShardedOptimizer(
-            model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
-        )
-        optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
+    engine, optimizer = _build_mode(mode, config, model, recorder)
     _sync(device)
     snapshots = {"setup": _snapshot(model, optimizer, device)}
     generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
     step_ms: list[float] = []
-    comm_bytes: list[int] = []
-    comm_calls: list[int] = []
     for step in range(config.steps):
-        last = step == config.steps - 1
         tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        tokens = tokens.to(device)  # (B, T + 1): inputs are [:, :-1], targets [:, 1:]
-        _sync(device)
-        start = time.perf_counter()
         recorder.open_step(step)
-        engine.on_train_batch_start()
-        logits = engine(tokens[:, :-1])  # (B, T, V)
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        del logits
-        engine.finish_gradient_synchronization()
-        paused = 0.0
-        if last:  # snapshots are not part of the step's time
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["before_step"] = _snapshot(model, optimizer, device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
-            paused += time.perf_counter() - pause
-        optimizer.step()
-        if last:
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["after_step"] = _snapshot(model, optimizer, device)
-            paused += time.perf_counter() - pause
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        step_ms.append((time.perf_counter() - start - paused) * 1e3)
+        last = step == config.steps - 1
+        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
+        step_ms.append(_train_step(engine, optimizer, model, tokens.to(device), device, snapshots if last else None))
         record = recorder.finish_step()
-        comm_bytes.append(record.nbytes)
-        comm_calls.append(len(record.collectives))
     # The slowest rank sets the pace of synchronous data parallelism.
     times = torch.tensor(step_ms, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -432,8 +439,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         "snapshots": snapshots,
         "expected": expected_bytes(shapes, dist.get_world_size(), mode, rank),
         "step_ms": times.tolist(),
-        "comm_bytes_recorded": comm_bytes[-1],
-        "comm_calls": comm_calls[-1],
+        "comm_bytes_recorded": record.nbytes,
+        "comm_calls": len(record.collectives),
         "num_params": sum(math.prod(s) for s in shapes),
         "num_tensors": len(shapes),
         "shard_bytes": optimizer.shard_bytes if mode != "unsharded" else None,
