@@ -27,7 +27,7 @@ from jsonargparse import ArgumentParser, Namespace
 from lightning_ddp import catalogue
 from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.launch import run_fit, strategy_argument
-from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
+from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
 from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
 from lightning_ddp.data import TextBytes
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -319,8 +319,8 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
     ]
     for n in names:
         v = s["variants"][n]
-        lines.append(f"| `{n}` | {v['minus_fp32_mean']:+.3f} [{v['minus_fp32_lo']:+.3f}, {v['minus_fp32_hi']:+.3f}] | "
-                     f"{fp32['seed_spread']:.3f} | {v['loss_max_abs_difference']:.3f} |")
+        difference = interval_text(v["minus_fp32_mean"], v["minus_fp32_lo"], v["minus_fp32_hi"], "+.3f")
+        lines.append(f"| `{n}` | {difference} | {fp32['seed_spread']:.3f} | {v['loss_max_abs_difference']:.3f} |")
     lines += ["", "## Gradients, bytes and time", "",
               "Per-step error of each variant's average against the fp32 one (the same local gradients, along fp32 "
               "training's trajectory; the engine's state carried from step to step). *Exact steps*: those before "

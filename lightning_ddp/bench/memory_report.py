@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_ddp.bench.config import strategy_with_memory_model
-from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate, verdict
+from lightning_ddp.bench.stats import Estimate, estimate, interval_text, ratio_estimate, verdict
 from lightning_ddp.files import write_atomically
 
 __all__ = [
@@ -189,9 +189,7 @@ def _mib(value: int | float | None) -> str:
 
 
 def _interval(value: dict[str, float] | None, fmt: str) -> str:
-    if value is None:
-        return ""
-    return f"{value['point']:{fmt}} [{value['lo']:{fmt}}, {value['hi']:{fmt}}]"
+    return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
 
 
 def _family_lines(results: dict[str, Any]) -> list[str]:

@@ -28,7 +28,7 @@ from lightning_ddp.bench.analysis import (
 from lightning_ddp.bench.analysis import AcrossGroups, GoalCheck, Measured, Selection, group_rows  # noqa: F401
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis
 from lightning_ddp.catalogue import variant_label
-from lightning_ddp.bench.stats import Estimate
+from lightning_ddp.bench.stats import Estimate, bounds_text, estimate_text
 
 __all__ = ["build_report"]
 
@@ -38,26 +38,14 @@ _STRATEGY_TITLES = {
 }
 
 
-def _interval(lo: Any, hi: Any, spec: str, scale: float = 1.0) -> str:
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)):
-        return ""
-    return f" [{format(lo * scale, spec)}, {format(hi * scale, spec)}]"
-
-
-def _estimate_text(estimate: Estimate | None, spec: str = ",.1f", scale: float = 1.0, unit: str = "") -> str:
-    if estimate is None or not math.isfinite(estimate.point):
-        return "-"
-    return f"{format(estimate.point * scale, spec)}{unit}{_interval(estimate.lo, estimate.hi, spec, scale)}"
-
-
 def _cell_text(row: Row | None, bold: bool = False) -> str:
     if row is None:
         return "not run"
     if not is_ok(row):
         return row["status"] or "not run"
-    text = f"{row['step_ms_median']:,.1f} ms{_interval(row.get('step_ms_lo'), row.get('step_ms_hi'), ',.1f')}"
+    text = f"{row['step_ms_median']:,.1f} ms{bounds_text(row.get('step_ms_lo'), row.get('step_ms_hi'), ',.1f')}"
     if row["strategy"] != REFERENCE and row.get("comm_share") is not None:
-        share = _interval(row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100)
+        share = bounds_text(row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100)
         wait = row.get("wait_comm_ms")
         # Of the exposed communication, the part spent waiting for the last rank (the CommTimer's comm/wait_ms).
         wait_text = f"; wait {wait:,.2f} ms" if isinstance(wait, (int, float)) and math.isfinite(wait) else ""
@@ -174,8 +162,8 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
             where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
                      else f"repeats {repeats_text(evaluated.repeats)}: ")
             lines.append(
-                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | {where}{_estimate_text(evaluated.step, unit=' ms')} | "
-                f"{_estimate_text(evaluated.share, '.1f', 100, ' %')} | {predicted} | {auto_text} |")
+                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | {where}{estimate_text(evaluated.step, unit=' ms')} | "
+                f"{estimate_text(evaluated.share, '.1f', 100, ' %')} | {predicted} | {auto_text} |")
     lines += ["", "The model assumes each bucket's backward compute takes as long as its communication; where "
               "compute is much longer than communication (or the reverse) the measured optimum moves away from b*.", ""]
     return lines
@@ -204,7 +192,7 @@ def _goal_section(analysis: Analysis) -> list[str]:
     ]
     for check in analysis.goals:
         group = check.group
-        lines.append(f"| {group[0]} | {group[1]} | {group[2]} | {check.goal} | {_estimate_text(check.estimate, '.3f')} | "
+        lines.append(f"| {group[0]} | {group[1]} | {group[2]} | {check.goal} | {estimate_text(check.estimate, '.3f')} | "
                      f"{check.target:.3g} | {_verdict_text(check.verdict)} | {check.note} |")
     lines.append("")
     if analysis.across:
@@ -223,7 +211,7 @@ def _goal_section(analysis: Analysis) -> list[str]:
             c = summary.counts
             note = " (some best size in-sample)" if summary.in_sample else ""
             lines.append(
-                f"| {summary.algorithm} | {summary.groups} | {_estimate_text(summary.estimate, '.3f')} | "
+                f"| {summary.algorithm} | {summary.groups} | {estimate_text(summary.estimate, '.3f')} | "
                 f"{summary.target:g} | {_verdict_text(summary.verdict)}{note} | {c['met']} / {c['missed']} / "
                 f"{c['inconclusive']} / {c[NOT_MEASURABLE]} |")
         lines.append("")

@@ -22,7 +22,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.launch import measured_steps, run_fit
-from lightning_ddp.bench.stats import Estimate, estimate, verdict
+from lightning_ddp.bench.stats import Estimate, estimate, interval_text, verdict
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
@@ -176,13 +176,6 @@ def _csv(rows: list[dict[str, Any]], columns: list[str] | tuple[str, ...]) -> st
     return buffer.getvalue()
 
 
-def _interval_text(point: float, lo: float, hi: float, spec: str = ".2f") -> str:
-    if not math.isfinite(point):
-        return "-"
-    bounds = f" [{lo:{spec}}, {hi:{spec}}]" if math.isfinite(lo) and math.isfinite(hi) else ""
-    return f"{point:{spec}}{bounds}"
-
-
 def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
     """results.md: the table with intervals and the goals' verdicts."""
     lines = [
@@ -198,12 +191,12 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
     for row in rows:
         lines.append(
             f"| {row['strategy']} | {row['delay_ms']:g} | "
-            f"{_interval_text(row['wait_ms'], row['wait_ms_lo'], row['wait_ms_hi'])} | "
-            f"{_interval_text(row['transfer_ms'], row['transfer_ms_lo'], row['transfer_ms_hi'])} | "
-            f"{_interval_text(row['lag_ms'], row['lag_ms_lo'], row['lag_ms_hi'])} | "
-            f"{_interval_text(row['rank_spread_ms'], math.nan, math.nan)} | "
+            f"{interval_text(row['wait_ms'], row['wait_ms_lo'], row['wait_ms_hi'], '.2f')} | "
+            f"{interval_text(row['transfer_ms'], row['transfer_ms_lo'], row['transfer_ms_hi'], '.2f')} | "
+            f"{interval_text(row['lag_ms'], row['lag_ms_lo'], row['lag_ms_hi'], '.2f')} | "
+            f"{interval_text(row['rank_spread_ms'], spec='.2f')} | "
             f"{'-' if not math.isfinite(row['straggler_share']) else format(row['straggler_share'], '.0%')} | "
-            f"{_interval_text(row['step_ms'], math.nan, math.nan, '.1f')} | {row['wait_goal'] or '-'} | "
+            f"{interval_text(row['step_ms'], spec='.1f')} | {row['wait_goal'] or '-'} | "
             f"{row['straggler_goal'] or '-'} | {row['transfer_goal'] or '-'} |")
     lines += [
         "",

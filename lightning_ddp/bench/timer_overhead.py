@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.launch import run_fit
-from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
+from lightning_ddp.bench.stats import interval_text, pooled_median, ratio_estimate, verdict
 from lightning_ddp.files import write_atomically
 
 
@@ -135,8 +135,8 @@ def format_table(result: dict) -> str:
         if arm == "off":
             lines.append(f"| off | {data['median_step_ms']:.2f} | | | {data['window_mean_step_ms']:.2f} | |")
             continue
-        lines.append(f"| {arm} | {data['median_step_ms']:.2f} | {data['overhead'] * 100:+.2f} % "
-                     f"[{data['overhead_lo'] * 100:+.2f}, {data['overhead_hi'] * 100:+.2f}] | {data['verdict']} | "
+        overhead = interval_text(data["overhead"], data["overhead_lo"], data["overhead_hi"], "+.2f", 100, " %")
+        lines.append(f"| {arm} | {data['median_step_ms']:.2f} | {overhead} | {data['verdict']} | "
                      f"{data['window_mean_step_ms']:.2f} | {data['window_overhead'] * 100:+.2f} % |")
     return "\n".join(lines)
 
