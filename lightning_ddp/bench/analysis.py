@@ -88,7 +88,8 @@ def _find(rows: list[Row], strategy: str) -> Row | None:
 
 
 def _verdict(estimate: Estimate | None, target: float, in_sample: bool) -> str:
-    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else ``stats.verdict``."""
+    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else
+    ``stats.verdict``."""
     if estimate is None:
         return NOT_MEASURABLE
     if in_sample:
@@ -296,7 +297,8 @@ class Analysis:
 
         best = self.selections.get((group, bucketed))
         best_measured, best_row = (best.evaluated, best.row) if best else (None, None)
-        for name, measured, row in ((overlap_name, m_overlap, overlap), (f"{bucketed} (best)", best_measured, best_row)):
+        compared = ((overlap_name, m_overlap, overlap), (f"{bucketed} (best)", best_measured, best_row))
+        for name, measured, row in compared:
             goal = f"2. {name} comm share / {naive_name} comm share"
             naive_share = m_naive.point[_SHARE] if m_naive is not None else math.nan
             if m_naive is None:

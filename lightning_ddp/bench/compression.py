@@ -333,7 +333,8 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
         if "relative_gradient_error_median" in v:
             lines.append(f"| `{n}` | {v['exact_steps']} | {100 * v['relative_gradient_error_median']:.3f} % | "
                          f"{100 * v['relative_gradient_error_max']:.3f} % | {v['absolute_gradient_error_max']:.3g} |")
-    lines += ["", "| median over the seed values of each run's median | fp32 | " + " | ".join(f"`{n}`" for n in names) + " |",
+    variant_columns = " | ".join(f"`{n}`" for n in names)
+    lines += ["", f"| median over the seed values of each run's median | fp32 | {variant_columns} |",
               "|---|---:|" + "---:|" * len(names)]
     rows = [("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
             ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("measuring the per-step gradient error ...", flush=True)
         result_file = str(Path(tmp) / "errors.json")
         mp.spawn(_error_rank, args=(2, find_free_port(), args, variants, result_file), nprocs=2, join=True)
-        errors = {name: [tuple(e) for e in values] for name, values in json.loads(Path(result_file).read_text()).items()}
+        measured = json.loads(Path(result_file).read_text())
+        errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
     command = "python -m lightning_ddp.bench.compression " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -116,12 +116,14 @@ class GridConfig:
         self.strategies = list(dict.fromkeys(self.strategies))  # de-duplicate, keep the order
         for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
             if not values:
-                raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. `--grid.{name} [2]`")
+                raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. "
+                                 f"`--grid.{name} [2]`")
             bad = [v for v in values if not (isinstance(v, int) and v >= 1)]
             if bad:
                 raise ValueError(f"`grid.{name}` must hold integers >= 1, got {bad[0]!r}")
         if not self.precisions:
-            raise ValueError(f"the sweep has no cells: `precisions` is empty; list at least one of {', '.join(PRECISIONS)}")
+            raise ValueError(f"the sweep has no cells: `precisions` is empty; list at least one of "
+                             f"{', '.join(PRECISIONS)}")
         bad_precision = [p for p in self.precisions if p not in PRECISIONS]
         if bad_precision:
             raise ValueError(
@@ -158,7 +160,8 @@ def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
         raise ValueError(f"{where}: {name!r} is not one of our engines (the others have no engine settings here); "
                          f"choose from {', '.join(engines)}")
     if not isinstance(settings, dict) or not settings:
-        raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got {settings!r}")
+        raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got "
+                         f"{settings!r}")
     entry = catalogue.get(name)
     valid = None if entry.takes_any_setting() else entry.settings()
     for setting, values in settings.items():
@@ -166,7 +169,7 @@ def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
             axis = "`grid.bucket_sizes_mb`" if setting == "bucket_size_mb" else "the sweep"
             raise ValueError(f"{where}: {setting!r} is not an engine setting: {axis} sets it for every cell")
         if valid is not None and setting not in valid:
-            choices = ", ".join(valid) if valid else "none (its engine takes only the module, the bucket size and the process group)"
+            choices = ", ".join(valid) or "none (its engine takes only the module, bucket size and process group)"
             raise ValueError(f"{where}: the {name!r} engine has no setting {setting!r}; its settings are: {choices}")
         if not isinstance(values, list) or not values:
             raise ValueError(
@@ -263,7 +266,8 @@ class RunConfig:
                 "reference is added to the grid automatically"
             )
         if self.accelerator == "cpu" and self.backend == "nccl":
-            raise ValueError("`run.backend: nccl` needs CUDA; use `run.backend: gloo` (or `auto`) with `run.accelerator: cpu`")
+            raise ValueError("`run.backend: nccl` needs CUDA; use `run.backend: gloo` (or `auto`) with "
+                             "`run.accelerator: cpu`")
         if self.warmup_steps < 0:
             raise ValueError(f"`run.warmup_steps` must be >= 0, got {self.warmup_steps}")
         if self.steps < 1:
@@ -283,9 +287,11 @@ class RunConfig:
                 "e.g. `--run.busy_threshold 0.2` (1.0 never waits)"
             )
         if not self.max_wait_s >= 0:
-            raise ValueError(f"`run.max_wait_s` must be >= 0 seconds, got {self.max_wait_s}; 0 records the load without waiting")
+            raise ValueError(f"`run.max_wait_s` must be >= 0 seconds, got {self.max_wait_s}; 0 records the load "
+                             "without waiting")
         if not self.load_sample_s >= 0:
-            raise ValueError(f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the load guard off")
+            raise ValueError(f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the "
+                             "load guard off")
 
 
 @dataclass

@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
     command = "python -m lightning_ddp.bench.engine_step " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"{'':16s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
-             f"{'variant':16s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} {'95 % interval':>14s}   " * 2]
+             f"{'variant':16s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} "
+                                   f"{'95 % interval':>14s}   " * 2]
     for r in rows:
         cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
                  f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]

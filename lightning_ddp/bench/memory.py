@@ -40,7 +40,12 @@ from lightning_ddp.bench.memory_report import (  # noqa: F401
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
 # The analytic expectation lives with the CLI's memory pre-flight (the same formulas); re-exported here, names kept.
-from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes  # noqa: F401
+from lightning_ddp.memory import (  # noqa: F401
+    ADAM_STATE_BYTES_PER_PARAM,
+    ADAM_STEP_BYTES_PER_TENSOR,
+    FP32,
+    expected_bytes,
+)
 from lightning_ddp.provenance import git_state
 
 __all__ = [
@@ -207,7 +212,8 @@ def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
     if mode == "zero2":
         return _make_zero2_engine(config, model)
     algorithm = catalogue.get(config.grad_sync)
-    return algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size else "default")
+    bucket_size_mb = config.bucket_size_mb if algorithm.has_bucket_size else "default"
+    return algorithm.make_engine(model, bucket_size_mb=bucket_size_mb)
 
 
 # ---- zero2 (its own functions: the other modes' code is untouched) --------------------------------------------

@@ -95,9 +95,10 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
             lines.append("")
     lines.append(
         "Each cell: pooled median step time [95 % interval] over all its ok repeats (exposed communication share of "
-        "the step [95 % interval]; of it, the median time spent waiting for the last rank to launch). **Bold**: the bucket size selected on the selection repeats, per algorithm with "
-        "buckets; its out-of-sample numbers are in the next section. p10/p90, overlap, transfer, bus bandwidth, tokens/s, "
-        "memory and the load guard's counts are in results.csv; every step in steps.csv."
+        "the step [95 % interval]; of it, the median time spent waiting for the last rank to launch). **Bold**: "
+        "the bucket size selected on the selection repeats, per algorithm with buckets; its out-of-sample numbers "
+        "are in the next section. p10/p90, overlap, transfer, bus bandwidth, tokens/s, memory and the load guard's "
+        "counts are in results.csv; every step in steps.csv."
     )
     return lines
 
@@ -112,7 +113,9 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
         w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
         s_mb, largest_mb = prediction["grad_bytes"] / 2**20, prediction["largest_param_bytes"] / 2**20
         sizes = prediction.get("sizes") or []
-        span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB" if sizes else "the microbenchmark"
+        span = "the microbenchmark"
+        if sizes:
+            span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB"
         n_b = prediction["grad_bytes"] / prediction["bucket_bytes"]
         lines += [
             f"All-reduce microbenchmark on the sweep's ranks ({span}, median of {prediction.get('repeats', '?')}): "
@@ -139,8 +142,8 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
         "no evaluation repeat exists (fewer than 2 repeats ran), so the choice is reported from the repeats it was "
         "chosen on and its goals are inconclusive.",
         "",
-        "| precision | batch | context | algorithm | chosen (of sizes) on repeats | its step there | step on evaluation "
-        "repeats [95 %] | comm share [95 %] | predicted | auto cell |",
+        "| precision | batch | context | algorithm | chosen (of sizes) on repeats | its step there "
+        "| step on evaluation repeats [95 %] | comm share [95 %] | predicted | auto cell |",
         "|---|---:|---:|---|---|---:|---:|---:|---|---|",
     ]
     predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
@@ -150,8 +153,10 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
                 continue
             head = f"| {group[0]} | {group[1]} | {group[2]} | {strategy} |"
             auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
-            auto_text = "not in grid" if auto is None else (
-                f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else auto["status"] or "not run")
+            auto_text = "not in grid"
+            if auto is not None:
+                auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
+                auto_text = auto_ok or auto["status"] or "not run"
             selection = analysis.selections.get((group, strategy))
             if selection is None:
                 lines.append(f"{head} no ok cell | - | - | - | {predicted} | {auto_text} |")
@@ -162,7 +167,8 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
             where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
                      else f"repeats {repeats_text(evaluated.repeats)}: ")
             lines.append(
-                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | {where}{estimate_text(evaluated.step, unit=' ms')} | "
+                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | "
+                f"{where}{estimate_text(evaluated.step, unit=' ms')} | "
                 f"{estimate_text(evaluated.share, '.1f', 100, ' %')} | {predicted} | {auto_text} |")
     lines += ["", "The model assumes each bucket's backward compute takes as long as its communication; where "
               "compute is much longer than communication (or the reverse) the measured optimum moves away from b*.", ""]
@@ -192,7 +198,8 @@ def _goal_section(analysis: Analysis) -> list[str]:
     ]
     for check in analysis.goals:
         group = check.group
-        lines.append(f"| {group[0]} | {group[1]} | {group[2]} | {check.goal} | {estimate_text(check.estimate, '.3f')} | "
+        lines.append(f"| {group[0]} | {group[1]} | {group[2]} | {check.goal} | "
+                     f"{estimate_text(check.estimate, '.3f')} | "
                      f"{check.target:.3g} | {_verdict_text(check.verdict)} | {check.note} |")
     lines.append("")
     if analysis.across:
@@ -247,7 +254,8 @@ def _how_to_read(repeats: Any, samples: int) -> list[str]:
         "every cell, then repeat 1 of every cell, ...) so that a slow drift of the machine hits every strategy alike. "
         "A cell's step time (and share, and every other median) is the **pooled median** of all measured steps of "
         "its ok repeats. Its **95 % interval** is a two-level bootstrap: resample the repeats with replacement, then "
-        f"the steps within each resampled repeat, take the median; the 2.5th to 97.5th percentiles of {samples} such draws "
+        f"the steps within each resampled repeat, take the median; the 2.5th to 97.5th percentiles of {samples} "
+        "such draws "
         "(fixed seed: rebuilding the report gives the same numbers). The interval says how far the median could move "
         "if the whole measurement were repeated on this machine; it is wider when repeats disagree. A ratio of two "
         "cells takes both bootstraps independently, ratio per draw. **Best bucket size**: chosen on the even "
@@ -316,7 +324,8 @@ def build_report(
             busy = sum(1 for r in guarded if r["busy"] is True)
             waited = sum(r.get("waited_s") or 0.0 for r in guarded)
             threshold = run.get("busy_threshold")
-            rule = (f" (CPUs more than {100 * threshold:.0f} % busy after waiting up to {run.get('max_wait_s', '?'):g} s)"
+            rule = (f" (CPUs more than {100 * threshold:.0f} % busy after waiting up to "
+                    f"{run.get('max_wait_s', '?'):g} s)"
                     if isinstance(threshold, (int, float)) and isinstance(run.get("max_wait_s"), (int, float)) else "")
             lines.append(f"- load guard: **{busy} of {len(guarded)} cell repeats started on a busy machine**{rule}; "
                          f"{waited:,.0f} s waited for an idle machine in all")

@@ -49,8 +49,8 @@ __all__ = [
 Row = dict[str, Any]
 RepeatKey = tuple[str, int]
 
-_COORDINATES = ("strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model", "world_size",
-                "accelerator", "backend")
+_COORDINATES = ("strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model",
+                "world_size", "accelerator", "backend")
 
 REPEAT_COLUMNS: tuple[str, ...] = (
     "cell_id", "repeat", *_COORDINATES, "status", "reason", "wall_s", "measured_steps", "resolved_bucket_size_mb",
@@ -64,7 +64,8 @@ STEP_ID_COLUMNS: tuple[str, ...] = ("cell_id", "repeat", "step")
 RESULT_COLUMNS: tuple[str, ...] = (
     "cell_id", *_COORDINATES, "status", "reason", "repeats_ok", "repeats_run",
     "step_ms_median", "step_ms_lo", "step_ms_hi", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms",
-    "wait_comm_ms", "transfer_comm_ms", "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu", "peak_memory_MiB",
+    "wait_comm_ms", "transfer_comm_ms", "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps",
+    "tokens_per_s", "mfu", "peak_memory_MiB",
     "resolved_bucket_size_mb", "measured_steps", "wall_s", "load_avg_1m", "busy_repeats", "waited_s",
 )
 """The exact columns of results.csv, in order (see the module docstring)."""
@@ -148,7 +149,8 @@ def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) ->
     warmup = int(summary.get("warmup_steps", 0))
     rows = []
     for step in list(summary.get("steps", []))[warmup:]:
-        metrics = {k: v for k, v in step.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {k: v for k, v in step.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         rows.append({"cell_id": cell_id, "repeat": repeat, "step": int(step.get("step", len(rows))), **metrics})
     return rows
 
@@ -174,7 +176,8 @@ class CellData:
         return sorted(k for k, rows in self.steps.items() if rows)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
-        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a key."""
+        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a
+        key."""
         chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
         return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
                 for k in chosen]

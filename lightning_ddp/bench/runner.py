@@ -51,7 +51,7 @@ class CellOutcome:
     wall_s: float = 0.0
     """Wall time of the cell, start-up and teardown included."""
     profile: dict[str, Any] | None = None
-    """The cell's ``compute_profile.json`` (forward/backward/optimizer times, gradient-ready times), when it wrote one."""
+    """The cell's ``compute_profile.json`` (forward/backward/optimizer and gradient-ready times), if it wrote one."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

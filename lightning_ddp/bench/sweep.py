@@ -328,7 +328,8 @@ def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, 
     head = f"[{index}/{total}] {cell.label}, repeat {repeat + 1}/{repeats}: {outcome.status}"
     guard = ""
     if load.busy:
-        guard = f"; started on a busy machine ({100 * (load.busy_before or 0):.0f} % CPU busy after {load.waited_s:.0f} s)"
+        busy = 100 * (load.busy_before or 0)
+        guard = f"; started on a busy machine ({busy:.0f} % CPU busy after {load.waited_s:.0f} s)"
     elif load.waited_s >= 1:
         guard = f"; waited {load.waited_s:.0f} s for an idle machine"
     if outcome.status != "ok":
@@ -412,7 +413,8 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     except (KeyError, TypeError, ValueError):  # not a LitGPT (a custom module): no prediction
         return
     w = fit.get("bandwidth_Bps") or float("inf")
-    fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=optimal_bucket_bytes(s, fit["overhead_s"], w, largest))
+    bucket = optimal_bucket_bytes(s, fit["overhead_s"], w, largest)
+    fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=bucket)
     write_text_atomically(path, json.dumps(fit, indent=2) + "\n")
 
 

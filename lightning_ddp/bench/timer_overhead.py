@@ -159,9 +159,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--sampled_every must be >= 2 (1 is the every-step arm already), got {args.sampled_every}")
     extra = fit_arguments(args.fit_args)
     result = measure(args.config, args.steps, args.warmup, args.repeats, extra, args.sampled_every)
-    line = (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: {result['overhead_lo'] * 100:+.2f}, "
+    line = (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
+            f"{result['overhead_lo'] * 100:+.2f}, "
             f"{result['overhead_hi'] * 100:+.2f}] (median step {result['median_step_ms_timer_off']:.1f} ms "
-            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over whole runs "
+            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over "
+            "whole runs "
             f"{result['window_overhead'] * 100:+.2f} % ({result['window_mean_step_ms_timer_off']:.1f} vs "
             f"{result['window_mean_step_ms_timer_on']:.1f} ms mean step)")
     table = format_table(result)
