@@ -104,6 +104,8 @@ class MemoryBenchConfig:
     out_dir: str = "logs/memory"
     """Directory for results.json and results.md (created if missing; existing files are replaced). logs/ is
     git-ignored; results meant for the repository are written on purpose (``--out_dir benchmarks/results/...``)."""
+    report_only: bool = False
+    """Measure nothing: rebuild results.md and the plot from ``out_dir``'s results.json."""
 
     def __post_init__(self) -> None:
         from lightning_ddp.model import PRESETS
@@ -529,6 +531,11 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
                                         seed=config.seed)}
     results["family"] = family_summary(results)
     write_json_atomically(out_dir / "results.json", results)
+    return write_report(results, out_dir)
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """results.md and the plot from ``results`` (what results.json holds); returns ``results``."""
     report = format_report(results)
     write_atomically(out_dir / "results.md", report)
     write_memory_plot(results, out_dir / PLOT_NAME)
@@ -545,7 +552,12 @@ def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
 
 
 def main(args: list[str] | None = None) -> int:
-    results = run(parse_config(args))
+    config = parse_config(args)
+    if config.report_only:
+        out_dir = Path(config.out_dir)
+        results = write_report(json.loads((out_dir / "results.json").read_text()), out_dir)
+    else:
+        results = run(config)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 
