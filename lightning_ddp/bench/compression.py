@@ -297,7 +297,7 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
         f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
         f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, seeds))}", "",
         f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
-        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {torch.__version__}).", "",
+        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
         "| variant | engine settings (defaults filled in) |", "|---|---|",
         *[f"| `{v.name}` | {format_settings(v.effective_settings()) or '-'} |" for v in variants], "",
         f"## Loss: mean train/loss over the last {last} steps, per seed", "",
@@ -353,6 +353,19 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
     return "\n".join(lines)
 
 
+def write_report(out: Path) -> dict[str, Any]:
+    """results.md and loss_curves.png from ``out``'s results.json; returns the results."""
+    result = json.loads((out / "results.json").read_text())
+    variants = [Variant(v["algorithm"], v["settings"]) for v in result["variants"].values()]
+    runs = {int(seed): r for seed, r in result["runs"].items()}
+    names = [v.name for v in variants]
+    md = _markdown(result["summary"], variants, Namespace(**result["config"]), result["command"], result)
+    write_atomically(out / "results.md", md)
+    _plot(out / "loss_curves.png", runs, result["gradient_errors"], names)
+    print(md)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
@@ -370,10 +383,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", required=True, help="directory for results.json, results.md and loss_curves.png")
+    parser.add_argument("--report_only", action="store_true",
+                        help="train nothing: rebuild results.md and loss_curves.png from --out's results.json")
     parser.add_argument("fit_args", nargs=argparse.REMAINDER,
                         help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
                              "`-- --trainer.accelerator cuda`")
     args = parser.parse_args(argv)
+    if args.report_only:
+        return write_report(Path(args.out))
     extra = fit_arguments(args.fit_args)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds} repeats a seed; give distinct seeds, e.g. --seeds 0 1 2")
