@@ -101,10 +101,45 @@ def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: s
         dist.destroy_process_group()
 
 
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """The wall-time and CPU-time table of ``rows`` (one per variant), as text lines."""
+    width = max([16, *(len(r["variant"]) for r in rows)])
+    lines = [f"{'':{width}s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
+             f"{'variant':{width}s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} "
+                                        f"{'95 % interval':>14s}   " * 2]
+    for r in rows:
+        cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
+                 f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]
+        lines.append(f"{r['variant']:{width}s} " + "   ".join(cells))
+    return lines
+
+
+def _write(out: Path, result: dict[str, Any], lines: list[str]) -> None:
+    for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
+                       ("engine_step.md", f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
+        write_atomically(out / name, text)
+
+
+def _rows(measured: dict[str, Any], variants: list[str]) -> list[dict[str, Any]]:
+    """Per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals."""
+    rows = []
+    for variant in variants:
+        row: dict[str, Any] = {"variant": variant}
+        for kind in ("wall", "cpu"):
+            step = estimate(measured[kind][variant], 2000, seed=0, key=f"{kind} {variant}")
+            ratio = ratio_estimate(measured[kind][variant], measured[kind]["ddp"], 2000, seed=0,
+                                   keys=(f"{kind} {variant}", f"{kind} ddp"))
+            row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
+                         "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    bucketed = catalogue.DEFAULT_ENGINE
     parser = ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["ddp", "bucketed@1", "bucketed@4"],
-                        help="ddp or <algorithm>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
+    parser.add_argument("--variants", nargs="+", default=["ddp", f"{bucketed}@1", f"{bucketed}@4"],
+                        help="ddp or <engine>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--vocab_size", type=int, default=10_000)
     parser.add_argument("--batch_size", type=int, default=4, help="per rank")
@@ -113,7 +148,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per variant and round")
     parser.add_argument("--warmup", type=int, default=3, help="steps per variant and round left out")
     parser.add_argument("--out", default=None, help="directory for engine_step.json and .md")
+    parser.add_argument("--report_only", action="store_true",
+                        help="measure nothing: rebuild engine_step.md from --out's engine_step.json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        if not args.out:
+            parser.error("--report_only needs --out (the directory of engine_step.json)")
+        result = json.loads((Path(args.out) / "engine_step.json").read_text())
+        _write(Path(args.out), result, _table(result["rows"]))
+        return result
     if "ddp" not in args.variants:
         args.variants = ["ddp", *args.variants]
     for variant in args.variants:
@@ -128,35 +171,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result_file = str(Path(tmp) / "times.json")
         mp.spawn(_rank_main, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
         measured = json.loads(Path(result_file).read_text())
-    times = measured["wall"]
-    rows = []
-    for variant in args.variants:
-        row: dict[str, Any] = {"variant": variant}
-        for kind in ("wall", "cpu"):
-            step = estimate(measured[kind][variant], 2000, seed=0, key=f"{kind} {variant}")
-            ratio = ratio_estimate(measured[kind][variant], measured[kind]["ddp"], 2000, seed=0,
-                                   keys=(f"{kind} {variant}", f"{kind} ddp"))
-            row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
-                         "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
-        rows.append(row)
+    rows = _rows(measured, args.variants)
     command = "python -m lightning_ddp.bench.engine_step " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"{'':16s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
-             f"{'variant':16s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} "
-                                   f"{'95 % interval':>14s}   " * 2]
-    for r in rows:
-        cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
-                 f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]
-        lines.append(f"{r['variant']:16s} " + "   ".join(cells))
+    lines = _table(rows)
     print("\n".join(lines))
+    all_steps = [t for v in measured["wall"].values() for r in v for t in r]
     result = {"command": command, "config": vars(args), "rows": rows, "times_ms": measured,
-              "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(
-                  t for v in times.values() for r in v for t in r)}
+              "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(all_steps)}
     if args.out:
-        out = Path(args.out)
         result.update(git_state())
-        for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
-                           ("engine_step.md", f"Command: `{command}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
-            write_atomically(out / name, text)
+        _write(Path(args.out), result, lines)
     return result
 
 
