@@ -2,8 +2,8 @@
 
 ``fit_command`` is the only place that builds the command line. ``rank_layout`` and ``rank_environments`` place the
 ranks (one process that Lightning fans out, or every rank started here), ``run_processes`` runs them in their own
-sessions and never leaves one behind, ``run_fit`` runs one fit and raises on failure, and ``read_timing_summary``
-collects what the CommTimer wrote. docs/benchmarks.md describes how a run is placed and classified.
+sessions and never leaves one behind, ``run_fit`` runs one fit and raises on failure, ``run_interleaved`` runs cells x
+interleaved repeats, and ``read_timing_summary`` collects what the CommTimer wrote. docs/benchmarks.md describes how a run is placed and classified.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = [
     "rank_layout",
     "read_timing_summary",
     "run_fit",
+    "run_interleaved",
     "run_processes",
     "strategy_argument",
     "without_launcher_variables",
@@ -328,6 +329,19 @@ def run_fit(arguments: Sequence[str], log_dir: Path, *, what: str, timeout_s: fl
         how = f"ran past {timeout_s:.0f} s" if result.timed_out else f"exited {result.returncodes[0]}"
         raise RuntimeError(f"the fit ({what}) {how}: {error_line(text) or 'no error line'}")
     return log_dir
+
+
+def run_interleaved(cells: Mapping[str, Sequence[str]], repeats: int, log_root: Path, *,
+                    timeout_s: float = 3600.0) -> dict[str, list[Path]]:
+    """Run every cell's fit arguments ``repeats`` times, interleaved round-robin (repeat 0 of every cell, then repeat
+    1, ...: a slow drift of the machine hits every cell alike); per cell name, its repeats' log directories."""
+    logs: dict[str, list[Path]] = {name: [] for name in cells}
+    for repeat in range(repeats):
+        for index, (name, arguments) in enumerate(cells.items()):
+            print(f"{name}, repeat {repeat + 1}/{repeats}", flush=True)
+            log_dir = log_root / f"cell{index}" / f"r{repeat}"
+            logs[name].append(run_fit(arguments, log_dir, what=f"{name}, repeat {repeat + 1}", timeout_s=timeout_s))
+    return logs
 
 
 def read_timing_summary(log_dir: Path) -> dict[str, Any] | None:

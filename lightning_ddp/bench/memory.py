@@ -23,41 +23,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# The results' summary and results.md live in memory_report; its names stay importable from here.
 from lightning_ddp import catalogue
-from lightning_ddp.bench.memory_report import (  # noqa: F401
+from lightning_ddp.bench.memory_report import (
     FSDP2,
     MODE_LABELS,
     PLOT_NAME,
-    POINTS,
     MiB,
     family_summary,
     format_report,
-    sent_bytes_per_rank,
     summarise_modes,
     write_memory_plot,
 )
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
-# The analytic expectation lives with the CLI's memory pre-flight (the same formulas); re-exported here, names kept.
-from lightning_ddp.memory import (  # noqa: F401
-    ADAM_STATE_BYTES_PER_PARAM,
-    ADAM_STEP_BYTES_PER_TENSOR,
-    FP32,
-    expected_bytes,
-)
+from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes
 from lightning_ddp.provenance import git_state
 
-__all__ = [
-    "MODES",
-    "MemoryBenchConfig",
-    "expected_bytes",
-    "format_report",
-    "main",
-    "parse_config",
-    "run",
-    "sent_bytes_per_rank",
-]
+__all__ = ["MODES", "MemoryBenchConfig", "main", "parse_config", "run", "write_report"]
 
 MODES: tuple[str, ...] = tuple(MODE_LABELS)
 """The measured configurations: plain AdamW, ZeRO-1 under each schedule, ZeRO-2, then torch's FSDP2

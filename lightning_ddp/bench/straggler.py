@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import numpy as np
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.launch import measured_steps, run_fit
+from lightning_ddp.bench.launch import measured_steps, run_interleaved
 from lightning_ddp.bench.stats import Estimate, estimate, interval_text, verdict
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
@@ -105,14 +104,6 @@ def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float)
         arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
                       str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
     return arguments
-
-
-def _run(config: StragglerBenchConfig, strategy: str, delay_ms: float, tmp: Path) -> list[dict[str, float]]:
-    """One fit; its measured steps (rank 0's rows of timing_summary.json after warm-up)."""
-    log_dir = tmp / f"{strategy}_{delay_ms:g}_{time.monotonic_ns()}"
-    run_fit(_fit_arguments(config, strategy, delay_ms), log_dir, what=f"{strategy}, delay {delay_ms:g} ms",
-            timeout_s=config.timeout_s)
-    return measured_steps(log_dir)
 
 
 # ---- statistics ------------------------------------------------------------------------------------------
@@ -213,24 +204,28 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
 
 
 def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
-    """Every (strategy, delay) ``repeats`` times; the files in ``config.out_dir``; the results.csv rows."""
+    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv
+    rows."""
     out = Path(config.out_dir)
     rows: list[dict[str, Any]] = []
     step_rows: list[dict[str, Any]] = []
     delays = sorted(set(config.delays_ms))  # 0 first: the control every other delay is compared with
+    cells = {(strategy, delay): _fit_arguments(config, strategy, delay)
+             for strategy in config.strategies for delay in delays}
+    names = {key: f"{key[0]}, delay {key[1]:g} ms" for key in cells}
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in config.strategies:
-            control = None
-            for delay in delays:
-                runs = []
-                for repeat in range(config.repeats):
-                    print(f"{strategy}, delay {delay:g} ms, repeat {repeat + 1}/{config.repeats}", flush=True)
-                    runs.append(_run(config, strategy, delay, Path(tmp)))
-                    step_rows += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row}
-                                  for row in runs[-1]]
-                row = summarize_cell(config, strategy, delay, runs, control)
-                control = row if delay == 0 else control
-                rows.append(row)
+        logs = run_interleaved({names[key]: arguments for key, arguments in cells.items()}, config.repeats,
+                               Path(tmp), timeout_s=config.timeout_s)
+        # Per cell and repeat, rank 0's measured steps.
+        runs = {key: [measured_steps(log_dir) for log_dir in logs[names[key]]] for key in cells}
+    for strategy in config.strategies:
+        control = None
+        for delay in delays:
+            for repeat, steps in enumerate(runs[(strategy, delay)]):
+                step_rows += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row} for row in steps]
+            row = summarize_cell(config, strategy, delay, runs[(strategy, delay)], control)
+            control = row if delay == 0 else control
+            rows.append(row)
     step_columns = list(dict.fromkeys(key for row in step_rows for key in row))
     environment = {
         **invocation(), "command_line": command, "config": asdict(config),

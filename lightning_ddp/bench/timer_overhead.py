@@ -19,16 +19,18 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
-from lightning_ddp.bench.launch import run_fit
+from lightning_ddp.bench.launch import run_interleaved
 from lightning_ddp.bench.stats import interval_text, pooled_median, ratio_estimate, verdict
 from lightning_ddp.files import write_atomically
 
 
 class StepWallTimes(Callback):
-    """Rank 0 writes the host time between consecutive training-batch ends to ``path`` (JSON list, in ms), and
-    as its last entry the mean step of the whole run after one final synchronize (the window's throughput)."""
+    """Rank 0 writes the host time between consecutive training-batch ends (ms) and the whole window's time after
+    one final synchronize as JSON to ``path`` (default: ``FILE`` in the trainer's log directory)."""
 
-    def __init__(self, path: str) -> None:
+    FILE = "step_wall_times.json"
+
+    def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.times_ms: list[float] = []
         self._first: float | None = None
@@ -47,7 +49,8 @@ class StepWallTimes(Callback):
             torch.cuda.synchronize()  # once: the queued tail belongs to the window
         if trainer.is_global_zero and self._first is not None and self.times_ms:
             window_ms = (time.perf_counter() - self._first) * 1e3
-            Path(self.path).write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
+            path = Path(self.path or Path(trainer.log_dir) / self.FILE)
+            path.write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
 
 
 SAMPLED_EVERY = 50
@@ -68,26 +71,22 @@ def arms(sampled_every: int) -> dict[str, list[str]]:
 
 def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str],
             sampled_every: int = SAMPLED_EVERY) -> dict:
-    arm_args = arms(sampled_every)
-    runs: dict[str, list[list[float]]] = {arm: [] for arm in arm_args}  # per repeat, the measured steps
-    windows: dict[str, list[float]] = {arm: [] for arm in arm_args}  # mean step over each whole run
+    """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) and the settings."""
+    cells = {f"timer {arm}": [
+        "--config", config, *extra, "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+        *timer_args,
+        # No validation inside the measured window (the quickstart validates at step 40).
+        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
+    ] for arm, timer_args in arms(sampled_every).items()}
+    runs: dict[str, list[list[float]]] = {}  # per arm and repeat, the measured steps
+    windows: dict[str, list[float]] = {}  # per arm, the mean step over each whole run
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(repeats):
-            for index, (arm, timer_args) in enumerate(arm_args.items()):
-                out = Path(tmp) / f"arm{index}_{repeat}.json"
-                arguments = [
-                    "--config", config, *extra, "--trainer.max_steps", str(steps),
-                    "--trainer.enable_progress_bar", "false", *timer_args,
-                    # No validation inside the measured window (the quickstart validates at step 40).
-                    "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-                    "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
-                    "--trainer.callbacks.path", str(out),
-                ]
-                print(f"repeat {repeat + 1}/{repeats}, timer {arm}", flush=True)
-                run_fit(arguments, Path(tmp) / f"logs{index}_{repeat}", what=f"timer {arm}")
-                measured = json.loads(out.read_text())
-                runs[arm].append(measured["steps_ms"][warmup:])
-                windows[arm].append(measured["window_ms"] / len(measured["steps_ms"]))
+        logs = run_interleaved(cells, repeats, Path(tmp))
+        for arm in arms(sampled_every):
+            measured = [json.loads((log_dir / StepWallTimes.FILE).read_text()) for log_dir in logs[f"timer {arm}"]]
+            runs[arm] = [m["steps_ms"][warmup:] for m in measured]
+            windows[arm] = [m["window_ms"] / len(m["steps_ms"]) for m in measured]
     return summarize(runs, windows) | {"config": config, "extra_args": extra, "steps": steps, "warmup": warmup,
                                        "repeats": repeats, "sampled_every": sampled_every,
                                        "torch": torch.__version__, "cpu_count": os.cpu_count()}

@@ -20,7 +20,8 @@ from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, Swee
 from lightning_ddp.bench.grid import cell_command, cell_environments, expand_grid, sweep_layout
 from lightning_ddp.bench.launch import RankLayout, error_line, run_processes
 from lightning_ddp.bench.load import LoadCheck, busy_fraction, read_proc_stat, wait_until_idle
-from lightning_ddp.bench.report import analyze, build_report
+from lightning_ddp.bench.analysis import analyze
+from lightning_ddp.bench.report import build_report
 from lightning_ddp.bench.results import (
     REPEAT_COLUMNS,
     RESULT_COLUMNS,
