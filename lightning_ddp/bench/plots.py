@@ -100,10 +100,8 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
-    fig.suptitle(f"Step time and communication share by strategy: {precision}, batch {batch} per rank "
-                 "(error bars: 95 % intervals)")
-    fig.savefig(path, dpi=110)
+    _finish(fig, ax_step, path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
+            "rank (error bars: 95 % intervals)")
     return True
 
 
@@ -158,11 +156,15 @@ def _bucket_figure(
         ax.grid(alpha=0.3, which="both")
         if predicted_mb:
             ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
-    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
-    fig.suptitle(f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} per rank "
-                 "(all repeats, 95 % intervals; stars: auto; circled: selected)")
-    fig.savefig(path, dpi=110)
+    _finish(fig, ax_step, path, f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} "
+            "per rank (all repeats, 95 % intervals; stars: auto; circled: selected)")
     return True
+
+
+def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
+    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
 
 
 def write_plots(

@@ -224,22 +224,19 @@ def _goal_section(analysis: Analysis) -> list[str]:
 
 
 def _failures(rows: list[Row], repeat_rows: list[Row] | None) -> list[str]:
-    if repeat_rows is not None:
-        bad = [r for r in repeat_rows if r["status"] not in ("ok", "")]
-        if not bad:
-            return []
-        lines = ["## Cell repeats that did not finish", "", "| cell | repeat | status | reason |", "|---|---:|---|---|"]
-        for r in bad:
-            reason = (r.get("reason") or "").replace("|", "\\|")
-            lines.append(f"| {r['cell_id']} | {r['repeat']} | {r['status']} | {reason} |")
-        return lines + [""]
-    bad = [r for r in rows if r["status"] not in ("ok", "")]
+    """The cell repeats (or, given rows only, the cells) that did not finish, with their reasons."""
+    per_repeat = repeat_rows is not None
+    bad = [r for r in (repeat_rows if per_repeat else rows) if r["status"] not in ("ok", "")]
     if not bad:
         return []
-    lines = ["## Cells that did not finish", "", "| cell | status | reason |", "|---|---|---|"]
+    if per_repeat:
+        lines = ["## Cell repeats that did not finish", "", "| cell | repeat | status | reason |", "|---|---:|---|---|"]
+    else:
+        lines = ["## Cells that did not finish", "", "| cell | status | reason |", "|---|---|---|"]
     for r in bad:
         reason = (r.get("reason") or "").replace("|", "\\|")
-        lines.append(f"| {r['cell_id']} | {r['status']} | {reason} |")
+        repeat = f" {r['repeat']} |" if per_repeat else ""
+        lines.append(f"| {r['cell_id']} |{repeat} {r['status']} | {reason} |")
     return lines + [""]
 
 
