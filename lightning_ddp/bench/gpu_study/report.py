@@ -66,8 +66,7 @@ def published_runs(strategy: str, batch: int | None = None, seq_len: int | None 
 def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
     """``step s / comm share`` of the published run of ``strategy`` at (batch, context), the best bucket size for
     ``bucketed``; ``–`` where they have none (naive ran out of memory at batch 4, context 512)."""
-    base = strategy.removesuffix("_ddp")
-    runs = published_runs(base, batch, seq_len)
+    runs = published_runs(strategy, batch, seq_len)
     if not runs:
         return "–"
     best = min(runs, key=lambda r: r.total_s)
