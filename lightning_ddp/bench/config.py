@@ -190,9 +190,8 @@ class WorkloadConfig:
     """What each cell trains: a CLI config plus a few overrides (the grid's axes always win)."""
 
     base_config: str = "configs/quickstart.yaml"
-    """The ``python -m lightning_ddp fit`` config every cell starts from (model, data, optimizer). Relative
-    paths resolve against the current directory. The sweep sets devices, strategy, precision, batch size,
-    context length, steps and logger on top of it."""
+    """The fit config every cell starts from (relative to the current directory); the sweep sets its axes, steps
+    and logger on top."""
     preset: Optional[str] = "tiny"
     """Model preset (``--model.preset``: tiny, small, medium, large, xl, 2.7b); null keeps the base config's."""
     cli_args: list[str] = field(default_factory=list)
@@ -219,15 +218,11 @@ class RunConfig:
     devices: int = 2
     """Ranks (processes) of the data-parallel cells; the reference always runs on one."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend. ``auto``: gloo on CPU; on CUDA, nccl when there is a GPU per rank, otherwise
-    gloo with CUDA tensors, the ranks sharing the GPUs (NCCL refuses two ranks on one GPU; gloo moves the
-    gradients through the host, which is slow but still compares the strategies fairly)."""
+    """``auto``: gloo on CPU; on CUDA nccl with a GPU per rank, else gloo with the ranks sharing the GPUs
+    (docs/benchmarks.md)."""
     launcher: Literal["ranks", "lightning"] = "ranks"
-    """``ranks``: the sweep starts every rank at once with the usual launcher variables (``MASTER_ADDR``,
-    ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``, ``LOCAL_RANK``, ``RANK``), like torchrun; start-up costs one
-    import instead of one per rank, a dead rank ends its cell at once, and ranks can share a GPU.
-    ``lightning``: one process, Lightning's launcher starts the others (exactly what a user's command does;
-    needs a GPU per rank on CUDA)."""
+    """``ranks``: every rank started at once with the launcher variables, like torchrun (ranks can share a GPU);
+    ``lightning``: one process whose launcher starts the others, as a user's command does."""
     warmup_steps: int = 3
     """Optimizer steps run first and left out of the statistics (``--timer.warmup_steps``)."""
     steps: int = 10
@@ -235,29 +230,24 @@ class RunConfig:
     timeout_s: float = 600.0
     """Wall-clock limit per cell, start-up included; a cell past it is killed and gets status ``timeout``."""
     threads_per_rank: Optional[int] = None
-    """CPU threads per process (``OMP_NUM_THREADS``), the same for every cell including the reference so its
-    compute is comparable. Default on CPU: cores // devices (Lightning's own choice for DDP); unset on CUDA."""
+    """``OMP_NUM_THREADS`` of every process, the reference's too; default on CPU cores // devices, unset on
+    CUDA."""
     predict_bucket_size: bool = True
-    """Before the cells, run the all-reduce microbenchmark once on the same ranks and fit o and w, so the
-    report can put the predicted best bucket size next to the measured one."""
+    """Run the all-reduce microbenchmark once first, so the report puts the predicted best bucket size next to
+    the measured one."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every cell, e.g. ``{PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}``."""
     repeats: int = 5
-    """Times each cell is measured, each time in a fresh set of processes (``runs/<cell id>/r<k>/``), interleaved
-    round-robin: repeat 0 of every cell in grid order, then repeat 1 of every cell, ... so that a slow drift of the
-    machine hits every strategy alike. Intervals come from the variation between repeats, and the best bucket size
-    is chosen on the even repeats and measured on the odd ones: with fewer than 2 that choice is in-sample and
-    its goals are inconclusive. Raising it later runs only the missing repeats (the cell ids do not change)."""
+    """Times each cell runs, in fresh processes, interleaved round-robin; the best bucket size is chosen on the even
+    repeats and measured on the odd ones (so use >= 2). Raising it later runs only the new repeats."""
     busy_threshold: float = 0.2
-    """Load guard: before each repeat, a busy fraction of all CPUs (from /proc/stat) above this counts as a busy
-    machine and the sweep waits (nothing of the sweep runs between repeats, so that is someone else's work).
-    ``1.0`` never waits but still records."""
+    """Load guard: before each repeat, wait while more than this fraction of all CPUs is busy (``1.0`` never waits
+    but still records)."""
     max_wait_s: float = 300.0
     """Load guard: longest wait for an idle machine before a repeat; past it the repeat starts anyway and is
     counted as started on a busy machine (repeats.csv ``busy``)."""
     load_sample_s: float = 1.0
-    """Load guard: length of one CPU-usage sample in seconds (the guard polls with samples of this length);
-    ``0`` turns the guard off (nothing recorded, no waiting). Without /proc/stat it is off anyway."""
+    """Load guard: seconds per CPU-usage sample; ``0`` turns the guard off (so does a missing /proc/stat)."""
 
     def __post_init__(self) -> None:
         if self.devices < 2:
@@ -299,10 +289,8 @@ class OutputConfig:
     """Where results go and what a rerun does."""
 
     out_dir: str = "logs/bench"
-    """Directory of results.csv, repeats.csv, steps.csv, results.md, the PNGs, environment.json, profiles.json and
-    runs/<cell id>/r<k>/ (each cell repeat's logs).
-    logs/ is git-ignored: a run changes nothing committed. Results meant for the repository are regenerated on
-    purpose, naming their folder: ``--output.out_dir benchmarks/results/cpu``."""
+    """Where every file and runs/<cell id>/r<k>/ go (logs/ is git-ignored; committed results name their folder:
+    ``--output.out_dir benchmarks/results/cpu``)."""
     retry_failed: bool = False
     """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default every finished repeat
     is skipped)."""
