@@ -43,7 +43,6 @@ __all__ = [
     "write_repeats",
     "write_results",
     "write_steps",
-    "write_text_atomically",
 ]
 
 Row = dict[str, Any]
@@ -361,28 +360,18 @@ def _cell_text(value: Any) -> Any:
     return value
 
 
-write_text_atomically = files.write_atomically
-"""``text`` written to ``path`` whole or not at all (``lightning_ddp.files.write_atomically``)."""
-
-
 def write_results(path: str | os.PathLike, rows: Iterable[Row]) -> None:
     """Write the results.csv rows to ``path`` atomically (a reader or a kill never sees half a file)."""
-    write_text_atomically(path, _csv_text(RESULT_COLUMNS, rows))
+    files.write_atomically(path, _csv_text(RESULT_COLUMNS, rows))
 
 
 def write_repeats(path: str | os.PathLike, rows: Iterable[Row]) -> None:
     """Write the repeats.csv rows to ``path`` atomically."""
-    write_text_atomically(path, _csv_text(REPEAT_COLUMNS, rows))
+    files.write_atomically(path, _csv_text(REPEAT_COLUMNS, rows))
 
 
 def write_steps(path: str | os.PathLike, rows: Iterable[Row]) -> None:
     """Write the steps.csv rows to ``path`` atomically; columns: ``STEP_ID_COLUMNS``, then every metric key seen."""
     rows = list(rows)
     keys = dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)
-    write_text_atomically(path, _csv_text([*STEP_ID_COLUMNS, *keys], rows))
-
-
-def write_json_atomically(path: str | os.PathLike, document: Any) -> None:
-    """``json.dumps(document, indent=2, default=str)`` written atomically (``default=str``: a config may hold paths)."""
-    files.write_json_atomically(path, document, default=str)
-
+    files.write_atomically(path, _csv_text([*STEP_ID_COLUMNS, *keys], rows))

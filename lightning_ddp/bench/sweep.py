@@ -33,14 +33,13 @@ from lightning_ddp.bench.results import (
     read_repeats,
     read_steps,
     repeat_row,
-    write_json_atomically,
     write_repeats,
     write_results,
     write_steps,
-    write_text_atomically,
 )
 from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner
 from lightning_ddp.bench.stats import Bootstrapper
+from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
@@ -179,7 +178,7 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
     environment = describe_environment(config, layout)
     environment["sessions"] = _sessions(_read_json(out_dir / ENVIRONMENT_JSON) if repeats else None, environment,
                                         sum(1 for row in repeats.values() if row["status"] == "ok"))
-    write_text_atomically(out_dir / ENVIRONMENT_JSON, json.dumps(environment, indent=2, default=str) + "\n")
+    write_atomically(out_dir / ENVIRONMENT_JSON, json.dumps(environment, indent=2, default=str) + "\n")
     if not repeats and (out_dir / RESULTS_CSV).exists():
         say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
             "sweep's repeats")
@@ -198,7 +197,7 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
     if not fit:
         say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
         return
-    write_text_atomically(prediction_path, json.dumps(fit, indent=2) + "\n")
+    write_atomically(prediction_path, json.dumps(fit, indent=2) + "\n")
     bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
     say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
 
@@ -237,7 +236,7 @@ class _SweepState:
         profiles: dict[str, Any] = _read_json(profiles_path) or {}
         if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
             profiles[cell.id] = outcome.profile
-            write_json_atomically(profiles_path, profiles)
+            write_json_atomically(profiles_path, profiles, default=str)
         if outcome.status == "ok" and self.wants_prediction:
             _complete_prediction(out_dir / PREDICTION_JSON, outcome)
         _write_outputs(config, out_dir, self.cells, self.repeats, self.steps, self.bootstrap, final=False)
@@ -300,7 +299,7 @@ def _write_outputs(
     prediction = _read_json(out_dir / PREDICTION_JSON)
     environment = _read_json(out_dir / ENVIRONMENT_JSON)
     report = build_report(grid_rows, config.name, prediction, environment, pending, analysis, grid_repeats)
-    write_text_atomically(out_dir / RESULTS_MD, report)
+    write_atomically(out_dir / RESULTS_MD, report)
     if not (final and config.output.plots and grid_rows):
         return grid_rows, []
     predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
@@ -415,7 +414,7 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     w = fit.get("bandwidth_Bps") or float("inf")
     bucket = optimal_bucket_bytes(s, fit["overhead_s"], w, largest)
     fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=bucket)
-    write_text_atomically(path, json.dumps(fit, indent=2) + "\n")
+    write_atomically(path, json.dumps(fit, indent=2) + "\n")
 
 
 # ---- environment.json ---------------------------------------------------------------------------------
