@@ -218,8 +218,8 @@ class RunConfig:
     devices: int = 2
     """Ranks (processes) of the data-parallel cells; the reference always runs on one."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """``auto``: gloo on CPU; on CUDA nccl with a GPU per rank, else gloo with the ranks sharing the GPUs
-    (docs/benchmarks.md)."""
+    """NCCL refuses two ranks on one GPU, so ``auto`` is gloo on CPU, nccl with a GPU per rank, else gloo with the
+    ranks sharing the GPUs."""
     launcher: Literal["ranks", "lightning"] = "ranks"
     """``ranks``: every rank started at once with the launcher variables, like torchrun (ranks can share a GPU);
     ``lightning``: one process whose launcher starts the others, as a user's command does."""
@@ -241,13 +241,13 @@ class RunConfig:
     """Times each cell runs, in fresh processes, interleaved round-robin; the best bucket size is chosen on the even
     repeats and measured on the odd ones (so use >= 2). Raising it later runs only the new repeats."""
     busy_threshold: float = 0.2
-    """Load guard: before each repeat, wait while more than this fraction of all CPUs is busy (``1.0`` never waits
-    but still records)."""
+    """Load guard: before each repeat, wait while more than this fraction of all CPUs is busy (/proc/stat);
+    ``1.0`` never waits but still records."""
     max_wait_s: float = 300.0
     """Load guard: longest wait for an idle machine before a repeat; past it the repeat starts anyway and is
     counted as started on a busy machine (repeats.csv ``busy``)."""
     load_sample_s: float = 1.0
-    """Load guard: seconds per CPU-usage sample; ``0`` turns the guard off (so does a missing /proc/stat)."""
+    """Seconds per CPU-usage sample; 0 turns the guard off (as does a missing /proc/stat)."""
 
     def __post_init__(self) -> None:
         if self.devices < 2:
