@@ -96,8 +96,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         env: Extra environment variables.
         threads: ``OMP_NUM_THREADS`` per process (CPU runs); ``None`` leaves it unset.
     """
-    from lightning_ddp.bench.grid import LOOPBACK_INTERFACE, without_launcher_variables
-    from lightning_ddp.bench.runner import error_line, is_oom, run_processes
+    from lightning_ddp.bench.launch import LOOPBACK_INTERFACE, without_launcher_variables
+    from lightning_ddp.bench.launch import error_line, is_oom, run_processes
     from lightning_ddp.local_group import find_free_port
 
     names = [s.name for s in specs]
@@ -189,7 +189,7 @@ def main(plan_path: str) -> int:
     Args:
         plan_path: The plan: the output folder and each fit's command line.
     """
-    from lightning_ddp.bench.runner import error_line, is_oom
+    from lightning_ddp.bench.launch import error_line, is_oom
     from lightning_ddp.cli import main as cli_main
 
     plan = json.loads(Path(plan_path).read_text())

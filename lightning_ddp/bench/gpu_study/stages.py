@@ -89,8 +89,8 @@ class StudyContext:
 
     def run_python(self, args: list[str], log: Path, timeout_s: float | None = None) -> tuple[int | None, bool, str]:
         """``python ARGS`` in the checkout, output to ``log``; (exit code, timed out, error line)."""
-        from lightning_ddp.bench.grid import without_launcher_variables
-        from lightning_ddp.bench.runner import error_line, run_processes
+        from lightning_ddp.bench.launch import without_launcher_variables
+        from lightning_ddp.bench.launch import error_line, run_processes
 
         env = {**without_launcher_variables(), "PYTHONUNBUFFERED": "1", **self.env()}
         threads = self.threads(1)
