@@ -118,7 +118,7 @@ class GPUStudyConfig:
             if unknown:
                 raise ValueError(f"unknown stage {unknown[0]!r} in `--stages`; choose from {', '.join(STAGE_NAMES)}")
             if not self.stages:
-                raise ValueError(f"`--stages` is empty; list at least one of {', '.join(STAGE_NAMES)}, or leave it out")
+                raise ValueError(f"`--stages` is empty; list one or more of {', '.join(STAGE_NAMES)}, or leave it out")
         if self.archive is not None and not self.archive.endswith(".tar.gz"):
             raise ValueError(f"`--archive` must name a .tar.gz file, got {self.archive!r}; "
                              "e.g. `--archive study.tar.gz`")

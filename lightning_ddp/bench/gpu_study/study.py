@@ -51,8 +51,9 @@ def repository_root(root: str | None = None) -> Path:
 def cuda_available(env: dict[str, str] | None = None) -> bool:
     """Whether a child process sees a CUDA device (``torch.cuda.is_available()``), without touching CUDA here."""
     try:
-        proc = subprocess.run([sys.executable, "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"],
-                              capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+        code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, **(env or {})}, timeout=300)
     except subprocess.TimeoutExpired:  # a driver that hangs on the device query: no usable GPU
         return False
     return proc.returncode == 0
