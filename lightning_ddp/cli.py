@@ -29,7 +29,8 @@ import os
 import sys
 import warnings
 import zipfile
-from typing import NoReturn
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
@@ -39,6 +40,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
+from lightning_ddp import catalogue
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks.final_checkpoint import FinalStepCheckpoint
 from lightning_ddp.callbacks.recording import strategy_label
@@ -56,7 +58,7 @@ from lightning_ddp.memory import (
 )
 from lightning_ddp.model import PRESETS, get_config
 from lightning_ddp.module import LitGPT
-from lightning_ddp.strategies import register_strategies, strategy_names
+from lightning_ddp.strategies import register_strategies
 
 
 # LMDataModule resumes mid-epoch exactly through its own state_dict and sampler (see lightning_ddp.data); Lightning only
@@ -263,13 +265,13 @@ def check_strategy_name(strategy: object) -> None:
     """An unknown strategy name suggests the closest registered one and lists ours (Lightning's variants counted)."""
     if not isinstance(strategy, str) or strategy in StrategyRegistry or strategy == "auto":
         return
-    ours = strategy_names()
-    others = sorted(name for name in StrategyRegistry if name not in ours and name != "ddp")
-    close = difflib.get_close_matches(strategy, [*ours, "ddp", *others], n=1, cutoff=0.6)
+    ours = catalogue.names()
+    others = sorted(name for name in StrategyRegistry if name not in ours)
+    close = difflib.get_close_matches(strategy, [*ours, *others], n=1, cutoff=0.6)
     fix = f"did you mean {close[0]}? Set --trainer.strategy {close[0]}" if close else "set --trainer.strategy to one"
     raise ValueError(
-        f"Unknown strategy {strategy!r}. Ours: {', '.join(ours)}; Lightning's baseline: ddp (and {len(others)} more "
-        f"of Lightning's: {', '.join(n for n in others if 'find_unused' not in n and '_' not in n)}, ...); {fix}."
+        f"Unknown strategy {strategy!r}. Ours (ddp is Lightning's, the baseline): {', '.join(ours)} (and "
+        f"{len(others)} more of Lightning's: {', '.join(n for n in others if 'find_unused' not in n and '_' not in n)}, ...); {fix}."
     )
 
 
@@ -302,23 +304,6 @@ def check_checkpoint_file(path: str) -> None:
 
 # ---- the memory pre-flight ---------------------------------------------------------------------------------
 
-# Strategy classes by import path -> the strategy name ``estimate_rank_memory`` models.
-_STRATEGY_CLASSES = {
-    "lightning_ddp.strategies.NaiveDDPStrategy": "naive_ddp",
-    "lightning_ddp.strategies.named.NaiveDDPStrategy": "naive_ddp",
-    "lightning_ddp.strategies.FlatDDPStrategy": "flat_ddp",
-    "lightning_ddp.strategies.named.FlatDDPStrategy": "flat_ddp",
-    "lightning_ddp.strategies.OverlapDDPStrategy": "overlap_ddp",
-    "lightning_ddp.strategies.named.OverlapDDPStrategy": "overlap_ddp",
-    "lightning_ddp.strategies.BucketedDDPStrategy": "bucketed_ddp",
-    "lightning_ddp.strategies.named.BucketedDDPStrategy": "bucketed_ddp",
-    "lightning.pytorch.strategies.DDPStrategy": "ddp",
-    "lightning.pytorch.strategies.ddp.DDPStrategy": "ddp",
-    "lightning_ddp.strategies.FSDP2Strategy": "fsdp2",
-    "lightning_ddp.strategies.fsdp2.FSDP2Strategy": "fsdp2",
-}
-
-
 def _field(namespace: object, name: str, default: object = None) -> object:
     """``namespace.name`` for a jsonargparse Namespace or a dict, ``default`` when absent."""
     if namespace is None:
@@ -328,26 +313,31 @@ def _field(namespace: object, name: str, default: object = None) -> object:
     return getattr(namespace, name, default)
 
 
+def _builds(lightning_class: str, class_path: object) -> bool:
+    """``class_path`` names ``lightning_class`` (``package.Class`` or ``package.module.Class``)."""
+    package, _, name = lightning_class.rpartition(".")
+    return isinstance(class_path, str) and class_path.rpartition(".")[2] == name and class_path.startswith(package)
+
+
 def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] | None:
-    """(name, bucket_size_mb, state sharded over an all-reducing engine) of the configured strategy, or None
-    for one the estimate does not model (Lightning's FSDP, DeepSpeed, a user's class)."""
+    """(catalogue name, bucket_size_mb, state sharded over an all-reducing engine) of the configured strategy, or
+    None for one the estimate does not model (Lightning's FSDP, DeepSpeed, a user's class)."""
     if isinstance(strategy, str):
         return strategy, None, False
     class_path = _field(strategy, "class_path")
     init_args = _field(strategy, "init_args")
     bucket = _field(init_args, "bucket_size_mb")
-    if class_path in _STRATEGY_CLASSES:
-        return _STRATEGY_CLASSES[class_path], bucket, False
-    if class_path in ("lightning_ddp.strategies.GradSyncStrategy", "lightning_ddp.strategies.base.GradSyncStrategy"):
-        return f"{_field(init_args, 'algorithm', 'bucketed')}_ddp", bucket, False
-    if class_path in ("lightning_ddp.strategies.ZeRO1DDPStrategy", "lightning_ddp.strategies.zero1.ZeRO1DDPStrategy"):
-        if _field(init_args, "schedule", "reduce_scatter") == "allreduce_broadcast":
-            # The grad_sync engine all-reduces (its buffers) and the optimizer state is sharded.
-            return f"{_field(init_args, 'grad_sync', 'bucketed')}_ddp", bucket, True
-        return "zero1_ddp", bucket, False
-    if class_path in ("lightning_ddp.strategies.ZeRO2DDPStrategy", "lightning_ddp.strategies.zero2.ZeRO2DDPStrategy"):
-        return "zero2_ddp", bucket, False
-    return None
+    entries = [entry for entry in catalogue.STRATEGIES.values() if _builds(entry.lightning_class, class_path)]
+    if not entries:
+        return None
+    entry = entries[0]
+    if entry.is_engine:
+        return str(_field(init_args, "algorithm", entry.name)), bucket, False
+    schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
+    if schedule is not None and schedule != entry.init_args.get("schedule"):
+        # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.
+        return str(_field(init_args, "grad_sync", "bucketed_ddp")), bucket, True
+    return entry.name, bucket, False
 
 
 def _device_count(accelerator: object, devices: object, on_cuda: bool) -> int | None:
@@ -376,93 +366,122 @@ def _ranks_per_gpu(world_size: int, num_nodes: int) -> int:
     return max(1, -(-world_size // max(torch.cuda.device_count(), 1)))
 
 
-def check_memory(config) -> None:
-    """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes.
-
-    Runs on the parsed config, before any process starts or file is written. Skipped (silently) where the
-    estimate has no model or no budget to compare with: an accelerator other than CPU/CUDA, CUDA requested but
-    not visible (Lightning reports that itself), a strategy or precision ``lightning_ddp.memory`` does not
-    model, or a value the classes themselves will reject with their own message (a batch of 0, an unknown
-    preset).
-    """
-    trainer, model, data = config.trainer, config.model, config.data
-    accelerator = trainer.accelerator
-    if accelerator in ("cuda", "gpu"):
-        device_type = "cuda"
-    elif accelerator == "cpu":
-        device_type = "cpu"
-    elif accelerator == "auto":
+def _device_type(accelerator: object) -> str | None:
+    """``cuda`` or ``cpu`` for the accelerators the pre-flight has a budget for; None for others or CUDA not visible."""
+    device_type = {"cuda": "cuda", "gpu": "cuda", "cpu": "cpu"}.get(str(accelerator))
+    if accelerator == "auto":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        return
     if device_type == "cuda" and not torch.cuda.is_available():
-        return
-    local = _device_count(accelerator, trainer.devices, device_type == "cuda")
-    resolved = _strategy_for_estimate(trainer.strategy)
-    if local is None or resolved is None:
-        return
-    strategy, bucket_size_mb, shard_state = resolved
-    world_size = local * int(_field(trainer, "num_nodes", 1) or 1)
-    vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
-    kwargs = dict(
-        seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
-        bucket_size_mb=bucket_size_mb, device_type=device_type,
-    )
+        return None  # Lightning reports that itself
+    return device_type
 
-    def estimate(preset: str = model.preset, batch_size: int = data.batch_size, **overrides) -> MemoryEstimate:
-        gpt = get_config(preset, vocab_size=vocab, context_length=model.context_length,
-                         tie_embeddings=model.tie_embeddings)
-        args = {**kwargs, **overrides}
+
+@dataclass
+class _Preflight:
+    """What the pre-flight estimates from: the parsed config, resolved to a strategy and a world."""
+
+    config: Any
+    device_type: str
+    local: int
+    world_size: int
+    strategy: str
+    shard_state: bool
+    kwargs: dict[str, Any]
+
+    def gpt(self, preset: str | None = None) -> Any:
+        model, data = self.config.model, self.config.data
+        vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
+        return get_config(preset or model.preset, vocab_size=vocab, context_length=model.context_length,
+                          tie_embeddings=model.tie_embeddings)
+
+    def estimate(self, preset: str | None = None, batch_size: int | None = None, **overrides: Any) -> MemoryEstimate:
+        gpt, args = self.gpt(preset), {**self.kwargs, **overrides}
+        batch_size = self.config.data.batch_size if batch_size is None else batch_size
         result = estimate_rank_memory(gpt, batch_size=batch_size, **args)
-        if shard_state and args["strategy"] == kwargs["strategy"]:  # ZeRO-1 allreduce_broadcast: sharded state
-            sharded = estimate_rank_memory(gpt, batch_size=batch_size, **{**args, "strategy": "zero1_ddp"})
+        if self.shard_state and args["strategy"] == self.strategy:  # ZeRO-1 allreduce_broadcast: sharded state
+            zero1 = next(entry.name for entry in catalogue.STRATEGIES.values() if entry.memory == "zero1")
+            sharded = estimate_rank_memory(gpt, batch_size=batch_size, **{**args, "strategy": zero1})
             parts = {**result.parts, "optimizer_state": sharded.parts["optimizer_state"]}
             result = MemoryEstimate(parts=parts, phases=result.phases, description=result.description)
         return result
 
-    try:
-        current = estimate()
-    except ValueError:
-        return  # a value the model, data or strategy will reject with its own message, or one we do not model
-    sharing = local if device_type == "cpu" else _ranks_per_gpu(world_size, int(_field(trainer, "num_nodes", 1) or 1))
-    budget = memory_budget_bytes(device_type, sharing)
-    if current.total_bytes <= budget:
-        return
+
+def _preflight(config) -> _Preflight | None:
+    """The pre-flight's inputs, or None where there is nothing to check against (module docstring of check_memory)."""
+    trainer, data = config.trainer, config.data
+    device_type = _device_type(trainer.accelerator)
+    if device_type is None:
+        return None
+    local = _device_count(trainer.accelerator, trainer.devices, device_type == "cuda")
+    resolved = _strategy_for_estimate(trainer.strategy)
+    if local is None or resolved is None:
+        return None
+    strategy, bucket_size_mb, shard_state = resolved
+    world_size = local * int(_field(trainer, "num_nodes", 1) or 1)
+    kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
+                  bucket_size_mb=bucket_size_mb, device_type=device_type)
+    return _Preflight(config, device_type, local, world_size, strategy, shard_state, kwargs)
+
+
+def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list[str]:
+    """Each change that lowers the peak, with the peak it would give; the largest batch that fits first."""
 
     def outcome(e: MemoryEstimate) -> str:
-        verdict = "fits" if e.total_bytes <= budget else "not enough alone"
-        return f"peak {e.total_bytes / GiB:.1f} GiB, {verdict}"
+        return f"peak {e.total_bytes / GiB:.1f} GiB, {'fits' if e.total_bytes <= budget else 'not enough alone'}"
 
-    # Each fix with the peak it would give; a fix that would not lower the peak is left out.
-    fixes = []
-    gpt = get_config(model.preset, vocab_size=vocab, context_length=model.context_length,
-                     tie_embeddings=model.tie_embeddings)
-    best = largest_batch(gpt, budget_bytes=budget, max_batch=max(data.batch_size - 1, 1), **kwargs)
-    if best and best < data.batch_size:
-        fixes.append(f"--data.batch_size {best} ({outcome(estimate(batch_size=best))}; the largest that fits)")
-    elif data.batch_size > 1:
-        fixes.append(f"--data.batch_size 1 ({outcome(estimate(batch_size=1))})")
+    config, fixes = run.config, []
+    batch_size, preset = config.data.batch_size, config.model.preset
+    best = largest_batch(run.gpt(), budget_bytes=budget, max_batch=max(batch_size - 1, 1), **run.kwargs)
+    if best and best < batch_size:
+        fixes.append(f"--data.batch_size {best} ({outcome(run.estimate(batch_size=best))}; the largest that fits)")
+    elif batch_size > 1:
+        fixes.append(f"--data.batch_size 1 ({outcome(run.estimate(batch_size=1))})")
     candidates = []
-    if normalize_precision(trainer.precision) == "32-true":
-        candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
-    # Each sharding of the data-parallel family the memory model knows, with what it would make fit.
-    shardings = ("zero1_ddp", "zero2_ddp", "fsdp2") if world_size > 1 else ()
-    for name in shardings:
-        if name != strategy and not (shard_state and name == "zero1_ddp"):
-            candidates.append((f"--trainer.strategy {name}", estimate(strategy=name, bucket_size_mb=None)))
-    smaller = list(PRESETS)[: list(PRESETS).index(model.preset)] if model.preset in PRESETS else []
-    fitting = [name for name in smaller if estimate(preset=name).total_bytes <= budget]
+    if normalize_precision(config.trainer.precision) == "32-true":
+        candidates.append(("--trainer.precision bf16-mixed", run.estimate(precision="bf16-mixed")))
+    # Each sharding of the catalogue, with what it would make fit.
+    for entry in catalogue.STRATEGIES.values() if run.world_size > 1 else ():
+        if entry.sharded and entry.name != run.strategy and not (run.shard_state and entry.memory == "zero1"):
+            candidates.append((f"--trainer.strategy {entry.name}", run.estimate(strategy=entry.name,
+                                                                                 bucket_size_mb=None)))
+    smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
+    fitting = [name for name in smaller if run.estimate(preset=name).total_bytes <= budget]
     if fitting:
-        candidates.append((f"--model.preset {fitting[-1]}", estimate(preset=fitting[-1])))
+        candidates.append((f"--model.preset {fitting[-1]}", run.estimate(preset=fitting[-1])))
     fixes.extend(f"{flag} ({outcome(e)})" for flag, e in candidates if e.total_bytes < current.total_bytes)
-    if device_type == "cpu" and local > 1:
-        one = estimate(world_size=1)
-        if one.total_bytes <= budget * local:
-            fixes.append(f"--trainer.devices 1 (one process with all {budget * local / GiB:.1f} GiB: peak "
+    if run.device_type == "cpu" and run.local > 1:
+        one = run.estimate(world_size=1)
+        if one.total_bytes <= budget * run.local:
+            fixes.append(f"--trainer.devices 1 (one process with all {budget * run.local / GiB:.1f} GiB: peak "
                          f"{one.total_bytes / GiB:.1f} GiB, fits)")
     fixes.append("--preflight false skips this check (the estimate and its sources: lightning_ddp/memory.py)")
-    source = (f"the GPU's {budget * sharing / GiB:.1f} GiB" + (f" / {sharing} ranks on it" if sharing > 1 else "")
-              if device_type == "cuda" else f"available RAM {budget * local / GiB:.1f} GiB / {local} processes")
+    return fixes
+
+
+def check_memory(config) -> None:
+    """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes.
+
+    Runs on the parsed config, before any process starts or file is written. Skipped where the estimate has no
+    model or no budget: an accelerator other than CPU/CUDA, CUDA requested but not visible, a strategy or precision
+    ``lightning_ddp.memory`` does not model, or a value the classes reject with their own message.
+    """
+    run = _preflight(config)
+    if run is None:
+        return
+    try:
+        current = run.estimate()
+    except ValueError:
+        return  # a value the model, data or strategy will reject with its own message, or one we do not model
+    num_nodes = int(_field(config.trainer, "num_nodes", 1) or 1)
+    sharing = run.local if run.device_type == "cpu" else _ranks_per_gpu(run.world_size, num_nodes)
+    budget = memory_budget_bytes(run.device_type, sharing)
+    if current.total_bytes <= budget:
+        return
+    fixes = _memory_fixes(run, current, budget)
+    if run.device_type == "cuda":
+        source = f"the GPU's {budget * sharing / GiB:.1f} GiB" + (f" / {sharing} ranks on it" if sharing > 1 else "")
+    else:
+        source = f"available RAM {budget * run.local / GiB:.1f} GiB / {run.local} processes"
     check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
 
 
@@ -486,7 +505,7 @@ def check_subcommand(args: list[str] | None) -> None:
 
 def main(args: list[str] | None = None) -> LightningDDPCLI:
     check_subcommand(args)
-    register_strategies()  # `trainer.strategy: <name>_ddp` for every registered algorithm
+    register_strategies()  # `trainer.strategy: <name>` for every catalogue entry
     try:
         return LightningDDPCLI(
             LitGPT,

@@ -78,10 +78,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
 
-from lightning_ddp.sync.assignment import assign_buckets, assign_owners
-from lightning_ddp.sync.registry import ALGORITHMS
-
+from lightning_ddp import catalogue
 from lightning_ddp.model_shapes import gpt_parameter_shapes
+from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 
 if TYPE_CHECKING:
     from lightning_ddp.model import GPTConfig
@@ -273,40 +272,40 @@ class _Buffers:
 _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
 
 
+def _bucket_cap(bucket_size_mb: Any, bucket_given: bool, default: Any) -> int | None:
+    size = bucket_size_mb if bucket_given else default
+    if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
+        size = 25.0
+    return None if size is None else int(float(size) * MiB)
+
+
 def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | None, bucket_given: bool) -> _Buffers:
+    """The communication buffers of ``strategy``, from its catalogue entry's memory model."""
     name = strategy
     if name == "auto":
         name = "ddp" if world_size > 1 else "single"
     if name == "single" or name.startswith("single_device"):
         return _Buffers("none", False)
     if name in _TORCH_DDP_NAMES or name.startswith("ddp_find_unused_parameters"):
-        return _Buffers("full", True)
-    if name == "zero1_ddp":
-        # The default schedule, reduce_scatter: DeferredGradSync keeps no buffer; step() packs the gradients.
-        return _Buffers("full", False, sharded_state=True)
-    if name == "zero2_ddp":
-        size = bucket_size_mb if bucket_given and bucket_size_mb != "auto" else 25.0  # the strategy's default cap
-        return _Buffers("zero2", False, cap_bytes=None if size is None else int(float(size) * MiB), sharded_state=True)
-    if name == "fsdp2":  # parameters, gradients and state sharded; the gathered groups are fsdp2_gathered_bytes
-        return _Buffers("fsdp2", True, sharded_state=True)
-    algorithms = {a.strategy_name: a for a in ALGORITHMS.values()}
-    if name not in algorithms:
+        name = "ddp"
+    if name not in catalogue.STRATEGIES:
         raise ValueError(
-            f"strategy {strategy!r} has no memory model; choose one of auto, ddp, zero1_ddp, zero2_ddp, fsdp2, "
-            f"{', '.join(algorithms)} (--trainer.strategy), or skip the check with --preflight false."
+            f"strategy {strategy!r} has no memory model; choose one of auto, {', '.join(catalogue.STRATEGIES)} "
+            "(--trainer.strategy), or skip the check with --preflight false."
         )
-    algorithm = algorithms[name]
-    if algorithm.name == "naive":
-        return _Buffers("none", False)
-    if algorithm.name == "overlap":
-        return _Buffers("bucketed", True, cap_bytes=1)  # one tensor per bucket (sync/overlap.py)
-    if algorithm.has_bucket_size:
-        size = bucket_size_mb if bucket_given else algorithm.default_bucket_size_mb
-        if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
-            size = 25.0
-        return _Buffers("bucketed", True, cap_bytes=None if size is None else int(float(size) * MiB))
-    # flat, and any other registered engine without buckets: one packed buffer during the sync (conservative).
-    return _Buffers("full", False)
+    entry = catalogue.get(name)
+    cap = _bucket_cap(bucket_size_mb, bucket_given, entry.default_bucket_size_mb)
+    models = {
+        "none": _Buffers("none", False),
+        "per_tensor": _Buffers("bucketed", True, cap_bytes=1),  # one tensor per bucket (sync/overlap.py)
+        "packed": _Buffers("full", False),  # one packed buffer during the sync
+        "bucketed": _Buffers("bucketed", True, cap_bytes=cap),
+        "ddp": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
+        "zero1": _Buffers("full", False, sharded_state=True),  # step() packs the gradients to reduce-scatter them
+        "zero2": _Buffers("zero2", False, cap_bytes=cap, sharded_state=True),
+        "fsdp2": _Buffers("fsdp2", True, sharded_state=True),  # the gathered groups are fsdp2_gathered_bytes
+    }
+    return models[entry.memory]
 
 
 # ---- activations ---------------------------------------------------------------------------------------------

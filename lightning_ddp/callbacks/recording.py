@@ -165,4 +165,4 @@ def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> st
                 "comm/* metrics are logged.")
     return (f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics "
             "(exposed, busy, overlap, bandwidth). Communication is measured for Lightning's ddp and our strategies "
-            "(lightning_ddp.strategies.strategy_names()).")
+            "(lightning_ddp.catalogue.names()).")

@@ -68,7 +68,7 @@ TORCH_DDP_BUCKET_CAP_MB = 25.0
 """torch ``DistributedDataParallel``'s ``bucket_cap_mb`` when it is not given."""
 ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "buckets_in_flight", "reshard_after_forward",
                      "mixed_precision")
-"""Strategy attributes that are engine settings (``zero1_ddp``, ``zero2_ddp``, ``fsdp2``), read where present."""
+"""Strategy attributes that are engine settings (the sharded strategies'), read where present."""
 
 
 def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, dict[str, list[Any]]]:

@@ -50,12 +50,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_ddp import compat
+from lightning_ddp import catalogue, compat
 from lightning_ddp.sync import GradSyncEngine, Recorder
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.comm import backend_from_spec
 from lightning_ddp.sync.gather import gather_rank_states
-from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
 
@@ -99,7 +98,7 @@ class GradSyncStrategy(DDPStrategy):
 
     def __init__(
         self,
-        algorithm: str = "bucketed",
+        algorithm: str = "bucketed_ddp",
         bucket_size_mb: BucketSizeOption = "default",
         engine_settings: dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
@@ -122,12 +121,16 @@ class GradSyncStrategy(DDPStrategy):
             start_method=start_method,
         )
         # Checked when the config is read, not after the processes have started.
-        self.algorithm = get_algorithm(algorithm)
+        self.algorithm = catalogue.get(algorithm)
+        if not self.algorithm.is_engine:
+            raise ValueError(f"GradSyncStrategy runs an engine of ours alone; {algorithm!r} is built by "
+                             f"{self.algorithm.lightning_class}: choose one of {', '.join(catalogue.names(engines_only=True))}, "
+                             f"or select it with `trainer.strategy: {algorithm}`.")
         if bucket_size_mb != "default":
             if not self.algorithm.has_bucket_size:
                 raise ValueError(
-                    f"the {algorithm!r} algorithm has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop "
-                    "`bucket_size_mb` or choose an algorithm with buckets, e.g. `algorithm: bucketed`."
+                    f"{algorithm!r} has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop "
+                    "`bucket_size_mb` or choose an algorithm with buckets, e.g. `algorithm: bucketed_ddp`."
                 )
             check_bucket_size(bucket_size_mb)
         self.bucket_size_mb = bucket_size_mb
@@ -143,8 +146,8 @@ class GradSyncStrategy(DDPStrategy):
 
     @property
     def strategy_name(self) -> str:
-        """The name this run's strategy goes by (``<algorithm>_ddp``), as in Lightning's ``StrategyRegistry``."""
-        return self.algorithm.strategy_name
+        """The catalogue name this run's strategy goes by, as in Lightning's ``StrategyRegistry``."""
+        return self.algorithm.name
 
     @override
     def setup_environment(self) -> None:
@@ -316,12 +319,10 @@ class GradSyncStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``<name>_ddp`` for every algorithm of ``lightning_ddp.sync.registry`` (idempotent)."""
-        for algorithm in ALGORITHMS.values():
-            if algorithm.strategy_name not in strategy_registry:
-                strategy_registry.register(
-                    algorithm.strategy_name, GradSyncStrategy, description=algorithm.summary, algorithm=algorithm.name
-                )
+        """Register every catalogue entry ``GradSyncStrategy`` builds (idempotent)."""
+        for entry in catalogue.STRATEGIES.values():
+            if entry.is_engine and entry.name not in strategy_registry:
+                strategy_registry.register(entry.name, GradSyncStrategy, description=entry.summary, algorithm=entry.name)
 
 
 def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:

@@ -17,21 +17,21 @@ class NaiveDDPStrategy(GradSyncStrategy):
     """After backward, all-reduce every gradient tensor, one blocking call each (``naive_ddp``)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(algorithm="naive", **kwargs)
+        super().__init__(algorithm="naive_ddp", **kwargs)
 
 
 class FlatDDPStrategy(GradSyncStrategy):
     """After backward, all-reduce all gradients flattened into one buffer (``flat_ddp``)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(algorithm="flat", **kwargs)
+        super().__init__(algorithm="flat_ddp", **kwargs)
 
 
 class OverlapDDPStrategy(GradSyncStrategy):
     """During backward, an async all-reduce of each gradient as soon as it is ready (``overlap_ddp``)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(algorithm="overlap", **kwargs)
+        super().__init__(algorithm="overlap_ddp", **kwargs)
 
 
 class BucketedDDPStrategy(GradSyncStrategy):
@@ -44,4 +44,4 @@ class BucketedDDPStrategy(GradSyncStrategy):
     """
 
     def __init__(self, bucket_size_mb: Optional[Union[float, Literal["auto"]]] = 25.0, **kwargs: Any) -> None:
-        super().__init__(algorithm="bucketed", bucket_size_mb=bucket_size_mb, **kwargs)
+        super().__init__(algorithm="bucketed_ddp", bucket_size_mb=bucket_size_mb, **kwargs)

@@ -18,10 +18,10 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddp import catalogue
 from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_fp16
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
-from lightning_ddp.sync.registry import get_algorithm
 from lightning_ddp.sync.zero1 import (
     CollectiveImpl,
     DeferredGradSync,
@@ -39,7 +39,7 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
 
         strategy:
           class_path: lightning_ddp.strategies.ZeRO1DDPStrategy
-          init_args: {schedule: allreduce_broadcast, grad_sync: bucketed, bucket_size_mb: 25}
+          init_args: {schedule: allreduce_broadcast, grad_sync: bucketed_ddp, bucket_size_mb: 25}
 
     Args:
         schedule: ``reduce_scatter`` (ZeRO-1: reduce-scatter the gradients in ``optimizer.step()``, all-gather
@@ -47,20 +47,20 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
             all-reduces in backward, owners broadcast their parameters; 1.5x the volume, but the all-reduce
             overlaps backward). Gradient clipping (``norm`` or ``value``) works under both: the optimizer clips
             the owned, averaged gradients by the global norm in ``step()``.
-        grad_sync: The algorithm that all-reduces gradients under ``allreduce_broadcast``: any registered one
-            (``naive``, ``flat``, ``overlap``, ``bucketed``, ...). Ignored by ``reduce_scatter``.
+        grad_sync: The algorithm that all-reduces gradients under ``allreduce_broadcast``: a catalogue engine
+            (``naive_ddp``, ``flat_ddp``, ``overlap_ddp``, ``bucketed_ddp``, ...). Ignored by ``reduce_scatter``.
         bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` algorithm with buckets; ``null`` for one bucket.
         collectives: ``auto`` (per-owner reduce/broadcast on gloo, native reduce-scatter/all-gather otherwise),
             ``native`` or ``per_owner``; see ``lightning_ddp.sync.zero1``.
         **kwargs: The arguments of ``GradSyncStrategy`` (backend, timeout, start method), ``engine_settings``
-            included: the ``grad_sync`` engine's own settings (e.g. ``{rank: 4}`` for ``bucketed_powersgd``), checked
+            included: the ``grad_sync`` engine's own settings (e.g. ``{rank: 4}`` for ``bucketed_powersgd_ddp``), checked
             against that algorithm; ignored by ``reduce_scatter``, like ``grad_sync``.
     """
 
     def __init__(
         self,
         schedule: Schedule = "reduce_scatter",
-        grad_sync: str = "bucketed",
+        grad_sync: str = "bucketed_ddp",
         bucket_size_mb: float | None = 25.0,
         collectives: CollectiveImpl = "auto",
         **kwargs: Any,
@@ -70,7 +70,7 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
         check_collective_impl(collectives)
         check_bucket_size(bucket_size_mb)
         try:
-            has_buckets = get_algorithm(grad_sync).has_bucket_size
+            has_buckets = catalogue.get(grad_sync).has_bucket_size
         except ValueError as error:
             raise ValueError(f"grad_sync: {error}") from None
         super().__init__(algorithm=grad_sync, bucket_size_mb=bucket_size_mb if has_buckets else "default", **kwargs)

@@ -60,8 +60,8 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
                 "zero2_ddp takes its engine's settings directly: set `bucket_size_mb`, `collectives` or "
                 "`buckets_in_flight` under init_args instead of `engine_settings`."
             )
-        # `bucketed` only stands for "an algorithm with buckets" in GradSyncStrategy's checks; make_engine builds ZeRO2DDP.
-        super().__init__(algorithm="bucketed", bucket_size_mb=bucket_size_mb, **kwargs)
+        # `bucketed_ddp` only stands for "an algorithm with buckets" in GradSyncStrategy's checks; make_engine builds ZeRO2DDP.
+        super().__init__(algorithm="bucketed_ddp", bucket_size_mb=bucket_size_mb, **kwargs)
         self.collectives = collectives
         self.buckets_in_flight = buckets_in_flight
 

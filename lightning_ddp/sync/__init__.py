@@ -1,7 +1,7 @@
 """Pure-PyTorch gradient synchronisation: one algorithm per file over a small shared base. No Lightning here.
 
-Each algorithm is an *engine*: the model wrapped for data-parallel training, a ``GradSyncEngine``. The registry
-(``registry.ALGORITHMS``) lists them; this table is checked against it (``tests/dist/test_registry.py``):
+Each algorithm is an *engine*: the model wrapped for data-parallel training, a ``GradSyncEngine``. The catalogue
+(``lightning_ddp.catalogue``) lists them; this table is checked against it (``tests/dist/test_registry.py``):
 
 =====================  ========================  ======================================================================
 algorithm              engine                    what it does
@@ -29,14 +29,12 @@ The parts every engine shares:
 ``buffers``        flat buffers (pack, unpack) and the gradient-presence agreement
 ``reduce``         how a bucket is averaged (the bucketed engine's swappable step, torch DDP's comm hook)
 ``record``         ``Recorder``: what a step communicated, only when someone measures
-``registry``       the list of algorithms (name -> engine, capabilities) everything else reads
 ``ranges``         the names of the profiler ranges the engines open
 ``bucket_model``   predicting the best bucket size from an all-reduce microbenchmark (``auto``)
 ``gather``         every rank's state for a checkpoint (ZeRO-1's optimizer shards, an engine's own state)
 =================  =========================================================================
 
-To add an algorithm: see ``lightning_ddp.sync.registry``. The names below load on first use, so reading the
-registry or the range names costs no torch import.
+To add an algorithm: see ``docs/algorithms.md``. The names below load on first use.
 """
 
 from __future__ import annotations
@@ -65,10 +63,6 @@ _HOMES = {
     "BucketLayout": "lightning_ddp.sync.reduce",
     "BucketReduce": "lightning_ddp.sync.reduce",
     "Reduction": "lightning_ddp.sync.reduce",
-    "ALGORITHMS": "lightning_ddp.sync.registry",
-    "Algorithm": "lightning_ddp.sync.registry",
-    "get_algorithm": "lightning_ddp.sync.registry",
-    "register_algorithm": "lightning_ddp.sync.registry",
     "DeferredGradSync": "lightning_ddp.sync.zero1",
     "ShardedOptimizer": "lightning_ddp.sync.zero1",
     "assign_owners": "lightning_ddp.sync.zero1",

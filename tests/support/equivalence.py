@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer
-from lightning_ddp.sync.registry import get_algorithm
+from lightning_ddp.catalogue import get as get_algorithm
 from lightning_ddp.sync.zero2 import ZeRO2DDP
 
 WORLD_SIZE = 2  # the CPU suite's layout; run_jobs takes any world size that divides GLOBAL_BATCH

@@ -25,7 +25,7 @@ from lightning_ddp.memory import (
     saved_tensor_bytes,
 )
 from lightning_ddp.model import GPT, Block, GPTConfig, get_config, rope_cache
-from lightning_ddp.sync.registry import get_algorithm
+from lightning_ddp import catalogue
 
 
 def _estimate(config: GPTConfig, **overrides) -> MemoryEstimate:
@@ -99,7 +99,7 @@ def test_estimate_matches_a_real_bucketed_step_on_the_small_preset(world_of_one,
     config = get_config("small", context_length=seq)
     torch.manual_seed(0)
     model = GPT(config)
-    engine = get_algorithm("bucketed").make_engine(model)
+    engine = catalogue.get("bucketed_ddp").make_engine(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(config.vocab_size, (batch, seq + 1))
     params = list(model.parameters())

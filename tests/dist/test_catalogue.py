@@ -1,10 +1,10 @@
-"""Adding an algorithm touches no other file: a toy algorithm registered here runs through the Lightning strategy,
-the benchmark sweep's grid, report and plots, and the equivalence matrix.
+"""The strategy catalogue, and adding an algorithm with no other file: a toy entry registered here runs through the
+Lightning strategy, the benchmark sweep's grid, report and plots, and the equivalence matrix.
 
 The toy, ``toy_halves``, is bucketed DDP with its own reduce step: each bucket is all-reduced as two halves (two
 collectives) instead of one. It is exact, so it must match single-process training like every engine. It is
 registered only for the tests that use it (the ``toy`` fixture, and first thing in each spawned rank), so the
-other test modules, which parametrise over the registry, see only the package's own algorithms.
+other test modules, which parametrise over the catalogue, see only the package's own algorithms.
 
 A second toy, ``toy_pieces``, has a setting of its own (``pieces``: into how many all-reduces a bucket is split)
 and a ``check_settings``: the engine settings are read from its signature, checked when the strategy is built,
@@ -23,7 +23,8 @@ from torch import nn
 
 from lightning_ddp.sync import BucketedDDP, Communicator, Reduction
 from lightning_ddp.sync.reduce import BucketReduce
-from lightning_ddp.sync.registry import REQUIRED, ALGORITHMS, Algorithm, get_algorithm, register_algorithm
+from lightning_ddp import catalogue
+from lightning_ddp.catalogue import REQUIRED, Entry
 from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import (
     CASES,
@@ -52,22 +53,22 @@ def halves_engine(module: nn.Module, *, bucket_size_mb=25.0, process_group=None)
     return BucketedDDP(module, bucket_size_mb=bucket_size_mb, process_group=process_group, reduce=HalvesAllReduce())
 
 
-TOY = Algorithm(
-    "toy_halves", halves_engine, "Bucketed, each bucket all-reduced as two halves (a test's toy).",
-    has_bucket_size=True, overlaps_backward=True,
+TOY = Entry(
+    "toy_halves", "Bucketed, each bucket all-reduced as two halves (a test's toy).", engine=halves_engine,
+    has_bucket_size=True, overlaps_backward=True, memory="bucketed",
 )
 
 
 @pytest.fixture
 def toy():
     """The toy, registered for one test (and its Lightning strategy, once someone registers strategies)."""
-    register_algorithm(TOY)
+    catalogue.register(TOY)
     yield TOY
-    ALGORITHMS.pop(TOY.name, None)
+    catalogue.STRATEGIES.pop(TOY.name, None)
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if TOY.strategy_name in StrategyRegistry:
-        StrategyRegistry.remove(TOY.strategy_name)
+    if TOY.name in StrategyRegistry:
+        StrategyRegistry.remove(TOY.name)
 
 
 class PiecesAllReduce(BucketReduce):
@@ -95,44 +96,44 @@ class PiecesDDP(BucketedDDP):
             raise ValueError(f"pieces must be an int >= 1, got {pieces!r}; set e.g. pieces: 2")
 
 
-PIECES = Algorithm("toy_pieces", PiecesDDP, "Bucketed, each bucket all-reduced in `pieces` parts (a test's toy).",
-                   has_bucket_size=True, overlaps_backward=True)
+PIECES = Entry("toy_pieces", "Bucketed, each bucket all-reduced in `pieces` parts (a test's toy).", engine=PiecesDDP,
+               has_bucket_size=True, overlaps_backward=True, memory="bucketed")
 
 
 @pytest.fixture
 def toy_pieces():
-    register_algorithm(PIECES)
+    catalogue.register(PIECES)
     yield PIECES
-    ALGORITHMS.pop(PIECES.name, None)
+    catalogue.STRATEGIES.pop(PIECES.name, None)
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if PIECES.strategy_name in StrategyRegistry:
-        StrategyRegistry.remove(PIECES.strategy_name)
+    if PIECES.name in StrategyRegistry:
+        StrategyRegistry.remove(PIECES.name)
 
 
 def test_the_toy_is_registered_with_its_capabilities(toy) -> None:
-    assert get_algorithm("toy_halves") is TOY and TOY.strategy_name == "toy_halves_ddp"
+    assert catalogue.get("toy_halves") is TOY
     assert TOY.has_bucket_size and TOY.exact
-    with pytest.raises(ValueError, match="already registered"):
-        register_algorithm(Algorithm("toy_halves", halves_engine, "another toy"))
+    with pytest.raises(ValueError, match="already in the catalogue"):
+        catalogue.register(Entry("toy_halves", "another toy", engine=halves_engine))
     with pytest.raises(ValueError, match="toy_halves"):
-        get_algorithm("nonexistent")
+        catalogue.get("nonexistent")
 
 
 def test_the_strategy_accepts_the_toy_by_name_and_checks_its_options(toy) -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_ddp.strategies import GradSyncStrategy, register_strategies, strategy_names
+    from lightning_ddp.strategies import GradSyncStrategy, register_strategies
 
     register_strategies()  # registered after lightning_ddp.strategies was imported: register again (idempotent)
-    assert "toy_halves_ddp" in StrategyRegistry and "toy_halves_ddp" in strategy_names()
-    strategy = StrategyRegistry.get("toy_halves_ddp")
-    assert isinstance(strategy, GradSyncStrategy) and strategy.strategy_name == "toy_halves_ddp"
+    assert "toy_halves" in StrategyRegistry and "toy_halves" in catalogue.names(engines_only=True)
+    strategy = StrategyRegistry.get("toy_halves")
+    assert isinstance(strategy, GradSyncStrategy) and strategy.strategy_name == "toy_halves"
     assert GradSyncStrategy(algorithm="toy_halves", bucket_size_mb=1).bucket_size_mb == 1
     with pytest.raises(ValueError, match="bucket_size_mb must be > 0"):
         GradSyncStrategy(algorithm="toy_halves", bucket_size_mb=-1)
     with pytest.raises(ValueError, match="has no bucket size"):
-        GradSyncStrategy(algorithm="naive", bucket_size_mb=1)
+        GradSyncStrategy(algorithm="naive_ddp", bucket_size_mb=1)
 
 
 # ---- an engine's own settings ------------------------------------------------------------------------------
@@ -141,39 +142,39 @@ def test_the_strategy_accepts_the_toy_by_name_and_checks_its_options(toy) -> Non
 def test_settings_are_read_from_the_engine_signature() -> None:
     # Everything beyond module, process_group, bucket_size_mb and reduce, with its default, in signature order.
     assert PIECES.settings() == {"pieces": 2}
-    assert get_algorithm("bucketed_powersgd").settings() == {
+    assert catalogue.get("bucketed_powersgd_ddp").settings() == {
         "rank": 4, "start_iter": 10, "min_compression_rate": 2.0, "seed": 0}
     # BucketedDDP's `reduce` is an object the algorithm fixes, not a setting; the others have none.
-    assert {name: get_algorithm(name).settings() for name in ("naive", "flat", "overlap", "bucketed")} == {
-        "naive": {}, "flat": {}, "overlap": {}, "bucketed": {}}
+    assert {name: catalogue.get(name).settings() for name in ("naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp")} \
+        == {"naive_ddp": {}, "flat_ddp": {}, "overlap_ddp": {}, "bucketed_ddp": {}}
     # TOY's factory is keyword-only past `module`: still no settings of its own.
     assert TOY.settings() == {}
 
 
 def test_check_settings_fills_defaults_and_names_the_valid_ones() -> None:
     assert PIECES.check_settings(None) == {"pieces": 2} and PIECES.check_settings({"pieces": 3}) == {"pieces": 3}
-    with pytest.raises(ValueError, match=r"'piece' is not a setting of the 'toy_pieces' algorithm; 'toy_pieces' "
+    with pytest.raises(ValueError, match=r"'piece' is not a setting of 'toy_pieces'; 'toy_pieces' "
                                          r"takes: pieces=2\."):
         PIECES.check_settings({"piece": 3})
-    with pytest.raises(ValueError, match=r"'reduce' is not a setting .*reduce is not an engine setting"):
+    with pytest.raises(ValueError, match=r"'reduce' is not a setting .*reduce: not an engine setting"):
         PIECES.check_settings({"reduce": None})
-    with pytest.raises(ValueError, match=r"'rank' is not a setting of the 'bucketed' algorithm; 'bucketed' has no "
+    with pytest.raises(ValueError, match=r"'rank' is not a setting of 'bucketed_ddp'; 'bucketed_ddp' has no "
                                          r"engine settings: drop them"):
-        get_algorithm("bucketed").check_settings({"rank": 4})
+        catalogue.get("bucketed_ddp").check_settings({"rank": 4})
     with pytest.raises(TypeError, match="must be a mapping of setting names to values.*pieces: 2"):
         PIECES.check_settings([("pieces", 3)])
     # The engine's own check_settings runs with every setting: a bad value fails before any engine exists.
     with pytest.raises(ValueError, match="pieces must be an int >= 1, got 0"):
         PIECES.check_settings({"pieces": 0})
     with pytest.raises(ValueError, match=r"rank \(the PowerSGD approximation rank\) must be >= 1, got 0"):
-        get_algorithm("bucketed_powersgd").check_settings({"rank": 0})
+        catalogue.get("bucketed_powersgd_ddp").check_settings({"rank": 0})
 
 
 def test_a_required_setting_must_be_given_and_var_keywords_accept_any() -> None:
     def needs_width(module, *, process_group=None, width: int, **extra):
         raise AssertionError("not built in this test")
 
-    algorithm = Algorithm("toy_required", needs_width, "needs a width (a test's)")
+    algorithm = Entry("toy_required", "needs a width (a test's)", engine=needs_width)
     assert algorithm.settings() == {"width": REQUIRED}  # **extra is not a named setting
     with pytest.raises(ValueError, match=r"needs width in its engine settings; 'toy_required' takes: "
                                          r"width \(required\)"):
@@ -188,18 +189,18 @@ def test_the_strategy_checks_engine_settings_when_built(toy_pieces) -> None:
     strategy = GradSyncStrategy(algorithm="toy_pieces", engine_settings={"pieces": 3})
     assert strategy.engine_settings == {"pieces": 3}
     assert GradSyncStrategy(algorithm="toy_pieces").engine_settings == {}  # the engine's defaults apply
-    with pytest.raises(ValueError, match=r"engine_settings: 'piece' is not a setting of the 'toy_pieces' algorithm; "
+    with pytest.raises(ValueError, match=r"engine_settings: 'piece' is not a setting of 'toy_pieces'; "
                                          r"'toy_pieces' takes: pieces=2"):
         GradSyncStrategy(algorithm="toy_pieces", engine_settings={"piece": 3})
     with pytest.raises(ValueError, match="engine_settings: pieces must be an int >= 1, got -1"):
         GradSyncStrategy(algorithm="toy_pieces", engine_settings={"pieces": -1})
-    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of the 'naive' algorithm"):
-        GradSyncStrategy(algorithm="naive", engine_settings={"rank": 4})
+    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of 'naive_ddp'"):
+        GradSyncStrategy(algorithm="naive_ddp", engine_settings={"rank": 4})
     # ZeRO-1 passes them to its grad_sync algorithm, checked against that one.
     assert ZeRO1DDPStrategy(schedule="allreduce_broadcast", grad_sync="toy_pieces",
                             engine_settings={"pieces": 5}).engine_settings == {"pieces": 5}
-    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of the 'bucketed' algorithm"):
-        ZeRO1DDPStrategy(grad_sync="bucketed", engine_settings={"rank": 4})
+    with pytest.raises(ValueError, match="engine_settings: 'rank' is not a setting of 'bucketed_ddp'"):
+        ZeRO1DDPStrategy(grad_sync="bucketed_ddp", engine_settings={"rank": 4})
 
 
 def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy, tmp_path) -> None:
@@ -303,7 +304,7 @@ TOY_JOBS = jobs_for(["toy_halves"])
 
 
 def _run_toy_jobs(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict:
-    register_algorithm(TOY)  # in this spawned rank: the toy, then the same matrix as every algorithm
+    catalogue.register(TOY)  # in this spawned rank: the toy, then the same matrix as every algorithm
     return run_jobs(rank, world_size, jobs)
 
 
@@ -327,18 +328,18 @@ def test_the_toy_passes_the_equivalence_matrix(toy, toy_ranks, case) -> None:
 
 
 def _fit_with_the_toy_strategy(rank: int, world_size: int) -> dict:
-    """A 2-rank Lightning fit with ``trainer.strategy="toy_halves_ddp"`` on the process group run_on_ranks made."""
+    """A 2-rank Lightning fit with ``trainer.strategy="toy_halves"`` on the process group run_on_ranks made."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     from lightning_ddp.strategies import register_strategies
 
-    register_algorithm(TOY)  # in this spawned rank: the toy, then `toy_halves_ddp`
+    catalogue.register(TOY)  # in this spawned rank: the toy, then its strategy
     register_strategies()
     join_existing_group(rank, world_size)
     data = tiny_lm_data(32)
     module = tiny_lm_module(seed=rank)  # different on each rank: the strategy's broadcast must equalise them
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="toy_halves_ddp", max_steps=4, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="toy_halves", max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     engines = []
 
@@ -360,7 +361,7 @@ def _fit_with_the_toy_strategy(rank: int, world_size: int) -> dict:
 @pytest.mark.multiprocess
 def test_the_toy_trains_through_the_lightning_strategy() -> None:
     first, second = run_on_ranks(_fit_with_the_toy_strategy, 2, timeout=JOB_TIMEOUT_S)
-    assert first["strategy"] == "toy_halves_ddp" and first["reduce"] == "HalvesAllReduce"
+    assert first["strategy"] == "toy_halves" and first["reduce"] == "HalvesAllReduce"
     assert len(first["losses"]) == 4 and all(torch.isfinite(torch.tensor(first["losses"])))
     for name, value in first["weights"].items():  # the same averaged gradients on both ranks: identical weights
         assert torch.equal(value, second["weights"][name]), name
@@ -381,7 +382,7 @@ def _fit_with_engine_settings_from_yaml(rank: int, world_size: int) -> dict:
     from lightning.pytorch.strategies import Strategy
     from torch.utils.data import DataLoader
 
-    register_algorithm(PIECES)  # in this spawned rank
+    catalogue.register(PIECES)  # in this spawned rank
     join_existing_group(rank, world_size)
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=str | Strategy)
@@ -409,87 +410,46 @@ def test_a_toy_setting_reaches_the_engine_on_every_rank_from_yaml() -> None:
     assert ranks == [{"engine": "PiecesDDP", "pieces": 3, "buckets": 1}] * 2
 
 
-def test_the_registry_lists_the_built_ins_in_order() -> None:
-    assert list(ALGORITHMS)[:4] == ["naive", "flat", "overlap", "bucketed"]
-    assert "toy_halves" not in ALGORITHMS  # registered only while a test uses it
+def test_the_catalogue_lists_the_built_ins_in_order() -> None:
+    assert catalogue.names() == ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp", "bucketed_bf16_ddp",
+                                 "bucketed_powersgd_ddp", "zero1_ddp", "zero2_ddp", "fsdp2", "ddp"]
+    assert "toy_halves" not in catalogue.STRATEGIES  # registered only while a test uses it
 
 
-# ---- the tables that list the algorithms, against the registry ------------------------------------------------
+def test_every_entry_is_a_lightning_strategy_of_that_name_with_its_engine() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_ddp.strategies  # noqa: F401 - registers them
+
+    for entry in catalogue.STRATEGIES.values():
+        assert entry.name in StrategyRegistry, entry.name
+        strategy = StrategyRegistry.get(entry.name)
+        assert type(strategy).__name__ == entry.lightning_class.rpartition(".")[2], entry.name
+        if entry.is_engine:
+            assert strategy.algorithm is entry and strategy.strategy_name == entry.name
+        if entry.engine is not None:
+            assert callable(entry.engine_factory())
 
 
-def _table_rows(doc: str) -> list[list[str]]:
-    """The ````literals```` of each row of the reST simple tables in ``doc`` whose first two cells are literals."""
-    return [re.findall(r"``([^`]+)``", line) for line in doc.splitlines() if re.match(r"``[^`]+``\s{2,}``", line)]
+def test_the_strategy_argument_builds_the_entry_through_jsonargparse() -> None:
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=Strategy)
+    for entry in catalogue.STRATEGIES.values():
+        argument = entry.strategy_argument("gloo", settings=None)
+        strategy = parser.instantiate_classes(parser.parse_object({"strategy": argument})).strategy
+        assert type(strategy).__name__ == entry.lightning_class.rpartition(".")[2], entry.name
+    zero2 = catalogue.get("zero2_ddp").strategy_argument("gloo", 4.0, {"collectives": "per_owner"})
+    assert zero2["init_args"] == {"process_group_backend": "gloo", "bucket_size_mb": 4.0, "collectives": "per_owner"}
+    powersgd = catalogue.get("bucketed_powersgd_ddp").strategy_argument(None, "auto", {"rank": 2})
+    assert powersgd["init_args"] == {"algorithm": "bucketed_powersgd_ddp", "bucket_size_mb": "auto",
+                                     "engine_settings": {"rank": 2}}
 
 
-def _built_ins() -> list:
-    # the package's own entries (a test's toy, registered while it runs, is not in the docs)
-    return [a for a in ALGORITHMS.values() if isinstance(a.engine, str) and a.engine.startswith("lightning_ddp.sync.")]
-
-
-def test_the_sync_table_lists_every_registered_algorithm_with_its_engine() -> None:
-    import lightning_ddp.sync
-
-    rows = [row[:2] for row in _table_rows(lightning_ddp.sync.__doc__) if row[0] in ALGORITHMS]
-    expected = [[a.name, a.engine.rpartition(":")[2]] for a in _built_ins()]
-    assert rows == expected  # every algorithm, in registry order, with its engine class
-    assert len(expected) >= 6  # naive, flat, overlap, bucketed, bucketed_bf16, bucketed_powersgd
-    for name, engine in rows:  # and the engine the table names is exported by lightning_ddp.sync
-        assert getattr(lightning_ddp.sync, engine) is get_algorithm(name).engine_factory()
-
-
-def test_the_strategies_table_lists_every_registered_algorithm_then_zero1_and_zero2() -> None:
-    import lightning_ddp.strategies as strategies
-    import lightning_ddp.sync
-
-    rows = [row for row in _table_rows(strategies.__doc__) if row[0].endswith("_ddp") and not row[0].startswith("<")]
-    # one per algorithm in registry order, then zero1 and zero2, each a strategy of the package under its own name
-    assert [row[0] for row in rows] == [a.strategy_name for a in _built_ins()] + ["zero1_ddp", "zero2_ddp"]
-    for name, class_name, *_ in rows[-2:]:
-        assert getattr(strategies, class_name)().strategy_name == name
-    for (strategy_name, class_name, engine_path, *_), algorithm in zip(rows, _built_ins()):
-        strategy = getattr(strategies, class_name)(algorithm=algorithm.name) if class_name == "GradSyncStrategy" \
-            else getattr(strategies, class_name)()
-        assert strategy.algorithm is algorithm and strategy.strategy_name == strategy_name
-        assert getattr(lightning_ddp.sync, engine_path.rpartition(".")[2]) is algorithm.engine_factory()
-    # the default bucket size a row states is the algorithm's
-    for line in strategies.__doc__.splitlines():
-        name = next((a for a in _built_ins() if line.startswith(f"``{a.strategy_name}``")), None)
-        if name is not None and name.has_bucket_size:
-            assert f"({name.default_bucket_size_mb:g} MiB)" in line, line
-
-
-# ---- the engine's old names --------------------------------------------------------------------------------------
-
-
-def test_the_old_engine_names_still_work_with_a_warning() -> None:
-    from lightning_ddp.strategies import NaiveDDPStrategy
-    from lightning_ddp.sync import GradSyncEngine
-
-    with pytest.warns(DeprecationWarning, match="GradSyncEngine"):
-        from lightning_ddp.sync import DataParallel
-    assert DataParallel is GradSyncEngine
-    with pytest.warns(DeprecationWarning, match="GradSyncEngine"):
-        from lightning_ddp.sync.base import DataParallel as from_base
-    assert from_base is GradSyncEngine
-
-    built = object()  # what make_engine returns (no process group needed: nothing is wrapped)
-
-    class NewStyle(NaiveDDPStrategy):
-        def make_engine(self, module):
-            return built
-
-    strategy = NewStyle()
-    assert strategy.engine is None  # not fitting: nothing wrapped
-    with pytest.warns(DeprecationWarning, match="engine"):
-        assert strategy.container is None
-    with pytest.warns(DeprecationWarning, match="make_engine"):
-        assert strategy.make_container(nn.Linear(1, 1)) is built  # the old name calls the new one
-
-    class OldStyle(NaiveDDPStrategy):  # a subclass written for the old name: its override is still used
-        def make_container(self, module):
-            return built
-
-    with pytest.warns(DeprecationWarning, match="OldStyle overrides make_container"):
-        assert OldStyle()._build_engine(nn.Linear(1, 1)) is built
-    assert NewStyle()._build_engine(nn.Linear(1, 1)) is built
+def test_an_entry_names_a_known_memory_model_and_an_identifier() -> None:
+    with pytest.raises(ValueError, match="memory model 'huge' is not one of"):
+        Entry("toy_memory", "a test's", memory="huge")
+    with pytest.raises(ValueError, match="must be a Python identifier"):
+        Entry("toy memory", "a test's")

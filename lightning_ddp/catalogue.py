@@ -1,0 +1,356 @@
+"""The strategy catalogue: one entry per name a user can put in ``trainer.strategy``.
+
+An entry says how Lightning builds the strategy, which engine it runs, whether it has a bucket size, its settings and
+their defaults, its memory model (read by ``lightning_ddp.memory``) and its projection model (a
+``"package.module:function"`` path, read by ``lightning_ddp.projection``). The strategies, the CLI's pre-flight, the
+study and the tests read it; nothing else spells a strategy's name. Adding an algorithm is one engine file, one
+``register(Entry(...))`` and one YAML (``docs/algorithms.md``).
+
+Standard library only: engines are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Union
+
+BucketSize = Union[float, Literal["auto"], None]
+
+NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")
+"""Engine arguments that are not its own settings: the model, the group, the bucket cap and a reduce step."""
+
+REQUIRED = inspect.Parameter.empty
+"""What ``Entry.settings()`` gives for a setting without a default."""
+
+MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "ddp", "zero1", "zero2", "fsdp2")
+"""The memory models of ``lightning_ddp.memory``: which communication buffers a strategy keeps."""
+
+GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
+
+__all__ = [
+    "BucketSize",
+    "Entry",
+    "MEMORY_MODELS",
+    "NOT_SETTINGS",
+    "REQUIRED",
+    "STRATEGIES",
+    "format_bucket",
+    "format_settings",
+    "get",
+    "names",
+    "parse_settings",
+    "register",
+    "setting_combinations",
+    "settings_slug",
+    "variant_label",
+    "variant_strategy",
+]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One strategy: its name, how Lightning builds it, its engine and what it can do."""
+
+    name: str
+    """What ``trainer.strategy`` takes, and the strategy's name in every table, CSV column and plot."""
+    summary: str
+    """What it does, in one line."""
+    engine: str | Callable[..., Any] | None = None
+    """``"package.module:Class"`` (imported on first use) or a factory ``(module, *, process_group, ...)``; ``None``
+    where torch brings its own (``ddp``, ``fsdp2``)."""
+    lightning_class: str = GRAD_SYNC_STRATEGY
+    """The Lightning strategy class that builds it."""
+    init_args: Mapping[str, Any] = field(default_factory=dict)
+    """Fixed ``init_args`` of ``lightning_class`` (``GradSyncStrategy`` gets ``algorithm: <name>`` added)."""
+    has_bucket_size: bool = False
+    default_bucket_size_mb: BucketSize = 25.0
+    overlaps_backward: bool = False
+    """Communicates during backward, from gradient hooks."""
+    exact: bool = True
+    """Reproduces single-process training up to rounding; ``False`` for lossy compression."""
+    sharded: bool = False
+    """The optimizer state is split over the ranks."""
+    records_collectives: bool = True
+    """Our communicator issues its collectives, so busy time and overlap are recorded (not for torch's)."""
+    memory: str = "packed"
+    """Its memory model in ``lightning_ddp.memory`` (``MEMORY_MODELS``)."""
+    projection: str | None = None
+    """``"package.module:function"`` of its step-time simulation, or ``None`` (not projected)."""
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"a strategy name must be a Python identifier, got {self.name!r}")
+        if self.memory not in MEMORY_MODELS:
+            raise ValueError(f"{self.name}: memory model {self.memory!r} is not one of {', '.join(MEMORY_MODELS)}")
+        if self.lightning_class == GRAD_SYNC_STRATEGY and "algorithm" not in self.init_args:
+            object.__setattr__(self, "init_args", {"algorithm": self.name, **self.init_args})
+
+    @property
+    def is_engine(self) -> bool:
+        """Built by ``GradSyncStrategy`` over its engine alone (the entries ZeRO-1's ``grad_sync`` may name)."""
+        return self.lightning_class == GRAD_SYNC_STRATEGY
+
+    def engine_factory(self) -> Callable[..., Any]:
+        if self.engine is None:
+            raise ValueError(f"{self.name!r} has no engine of ours (torch builds it)")
+        if callable(self.engine):
+            return self.engine
+        module, _, attribute = self.engine.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    def settings(self) -> dict[str, Any]:
+        """The engine's own settings, name -> default (``REQUIRED`` if none), in signature order."""
+        if self.engine is None:
+            return {}
+        return {
+            name: parameter.default
+            for name, parameter in _parameters(self.engine_factory()).items()
+            if name not in NOT_SETTINGS
+            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        }
+
+    def takes_any_setting(self) -> bool:
+        """The engine takes ``**kwargs``: any name may be a setting."""
+        return self.engine is not None and any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in _parameters(self.engine_factory()).values())
+
+    def check_settings(self, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``settings`` with the defaults filled in; refuses unknown or missing names and values the engine's own
+        ``check_settings`` refuses. Builds nothing."""
+        settings = {} if settings is None else settings
+        if not isinstance(settings, Mapping) or not all(isinstance(name, str) for name in settings):
+            example = ", ".join(f"{k}: {_show(v)}" for k, v in self.settings().items()) or "name: value"
+            raise TypeError(f"the engine settings of {self.name!r} must be a mapping of setting names to values, "
+                            f"got {settings!r}; e.g. {{{example}}}.")
+        known = self.settings()
+        unknown = [name for name in settings if name not in known]
+        if unknown and not self.takes_any_setting():
+            reserved = [name for name in unknown if name in NOT_SETTINGS]
+            hint = (f" ({', '.join(reserved)}: not an engine setting; bucket_size_mb has an option of its own, the "
+                    "model, process group and reduce step are the engine's)" if reserved else "")
+            noun = "is not a setting" if len(unknown) == 1 else "are not settings"
+            raise ValueError(f"{', '.join(map(repr, unknown))} {noun} of {self.name!r}{hint}; "
+                             f"{self.describe_settings()}.")
+        complete = {**known, **settings}
+        missing = [name for name, value in complete.items() if value is REQUIRED]
+        if missing:
+            raise ValueError(f"{self.name!r} needs {', '.join(missing)} in its engine settings; "
+                             f"{self.describe_settings()}.")
+        check = getattr(self.engine_factory(), "check_settings", None) if self.engine is not None else None
+        if callable(check):
+            check(**complete)
+        return complete
+
+    def describe_settings(self) -> str:
+        known = self.settings()
+        if not known:
+            return f"{self.name!r} has no engine settings: drop them"
+        return f"{self.name!r} takes: " + ", ".join(
+            f"{name} (required)" if default is REQUIRED else f"{name}={default!r}" for name, default in known.items())
+
+    def make_engine(self, module: Any, *, bucket_size_mb: Any = "default", process_group: Any = None,
+                    **settings: Any) -> Any:
+        """Wrap ``module`` in this entry's engine (a collective: it broadcasts rank 0's weights)."""
+        factory = self.engine_factory()
+        self.check_settings(settings)
+        if not self.has_bucket_size:
+            if bucket_size_mb != "default":
+                with_buckets = ", ".join(entry.name for entry in STRATEGIES.values()
+                                         if entry.has_bucket_size and entry.is_engine)
+                raise ValueError(f"{self.name!r} has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop it, "
+                                 f"or choose a strategy with buckets ({with_buckets}).")
+            return factory(module, process_group=process_group, **settings)
+        size = self.default_bucket_size_mb if bucket_size_mb == "default" else bucket_size_mb
+        return factory(module, bucket_size_mb=size, process_group=process_group, **settings)
+
+    def strategy_argument(self, backend: str | None = None, bucket_size_mb: BucketSize | str = None,
+                          settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The value of ``--trainer.strategy`` (``json.dumps`` it): ``{"class_path": ..., "init_args": ...}``.
+
+        ``bucket_size_mb`` None: the entry's default. ``settings``: the engine's, under ``engine_settings`` for a
+        ``GradSyncStrategy`` and as ``init_args`` of their own for the others.
+        """
+        init_args: dict[str, Any] = dict(self.init_args)
+        if backend is not None:
+            init_args["process_group_backend"] = backend
+        if self.has_bucket_size:
+            default = "default" if self.is_engine else self.default_bucket_size_mb
+            init_args["bucket_size_mb"] = default if bucket_size_mb is None else bucket_size_mb
+        elif self.is_engine:
+            # "default" always: a bucket size in a base config's strategy would otherwise carry over to this class.
+            init_args["bucket_size_mb"] = "default"
+        if settings:
+            if self.is_engine:
+                init_args["engine_settings"] = dict(settings)
+            else:
+                init_args.update(settings)
+        return {"class_path": self.lightning_class, "init_args": init_args}
+
+
+def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    try:
+        return inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a C callable without a signature: no settings we can know
+        return {}
+
+
+def _show(value: Any) -> str:
+    return "<required>" if value is REQUIRED else repr(value)
+
+
+STRATEGIES: dict[str, Entry] = {}
+"""Every strategy by name, in the order tables and plots use."""
+
+
+def register(entry: Entry, replace: bool = False) -> Entry:
+    """Add ``entry`` to ``STRATEGIES`` (``replace=True`` to redefine a name). Lightning learns the name when
+    ``lightning_ddp.strategies.register_strategies()`` runs (importing ``lightning_ddp`` runs it once)."""
+    if entry.name in STRATEGIES and not replace and STRATEGIES[entry.name] != entry:
+        raise ValueError(f"a strategy named {entry.name!r} is already in the catalogue; pass replace=True to redefine it")
+    STRATEGIES[entry.name] = entry
+    return entry
+
+
+def get(name: str) -> Entry:
+    """The entry ``name``; an unknown name lists the valid ones."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a strategy of the catalogue; choose one of: {', '.join(STRATEGIES)}") from None
+
+
+def names(engines_only: bool = False) -> list[str]:
+    """Every strategy's name, or only those ``GradSyncStrategy`` builds from an engine alone."""
+    return [entry.name for entry in STRATEGIES.values() if entry.is_engine or not engines_only]
+
+
+# ---- how tables, CSV columns, file names and progress lines write a strategy with its settings --------------
+
+
+def format_bucket(bucket_size_mb: float | str) -> str:
+    """``25.0`` -> ``"25"``, ``0.5`` -> ``"0.5"``, ``"auto"`` -> ``"auto"``."""
+    return bucket_size_mb if isinstance(bucket_size_mb, str) else f"{float(bucket_size_mb):g}"
+
+
+def _setting_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def format_settings(settings: Mapping[str, Any]) -> str:
+    """``{"rank": 4, "start_iter": 10}`` -> ``"rank=4 start_iter=10"``; ``{}`` -> ``""``."""
+    return " ".join(f"{name}={_setting_text(value)}" for name, value in settings.items())
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """The settings ``format_settings`` wrote; values read as JSON where they parse, else kept as text.
+
+    >>> parse_settings("rank=4 min_compression_rate=0.5 mode=fast")
+    {'rank': 4, 'min_compression_rate': 0.5, 'mode': 'fast'}
+    """
+    settings: dict[str, Any] = {}
+    for item in (text or "").split():
+        name, _, value = item.partition("=")
+        try:
+            settings[name] = json.loads(value)
+        except ValueError:
+            settings[name] = value
+    return settings
+
+
+def settings_slug(settings: Mapping[str, Any]) -> str:
+    """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"``; ``{}`` -> ``""``."""
+    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{_setting_text(value)}")
+                   for name, value in settings.items())
+
+
+def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none.
+
+    >>> setting_combinations({"rank": [1, 4], "start_iter": [0]})
+    [{'rank': 1, 'start_iter': 0}, {'rank': 4, 'start_iter': 0}]
+    """
+    axes = axes or {}
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
+    """A strategy with its bucket size and settings: ``bucketed_powersgd_ddp 4 MiB rank=4``.
+
+    >>> variant_label("bucketed_ddp", "auto"), variant_label("bucketed_powersgd_ddp", 4.0, "rank=4")
+    ('bucketed_ddp auto', 'bucketed_powersgd_ddp 4 MiB rank=4')
+    """
+    name = strategy
+    if bucket_size_mb not in (None, ""):
+        name += f" {format_bucket(bucket_size_mb)}" + (" MiB" if bucket_size_mb != "auto" else "")
+    return f"{name} {settings}" if settings else name
+
+
+def variant_strategy(variant: str) -> str:
+    """The strategy of a ``variant_label``: a name is an identifier, so it ends at the first space."""
+    return variant.split(" ", 1)[0]
+
+
+# ---- the entries ---------------------------------------------------------------------------------------------
+
+_SIMULATORS = "lightning_ddp.projection.simulators"
+
+register(Entry(
+    "naive_ddp", "After backward, all-reduce every gradient tensor, one blocking call each.",
+    engine="lightning_ddp.sync.naive:NaiveDDP", memory="none", projection=f"{_SIMULATORS}:simulate_naive",
+))
+register(Entry(
+    "flat_ddp", "After backward, all-reduce all gradients flattened into one buffer.",
+    engine="lightning_ddp.sync.flat:FlatDDP", memory="packed", projection=f"{_SIMULATORS}:simulate_flat",
+))
+register(Entry(
+    "overlap_ddp", "During backward, an async all-reduce of each gradient as soon as it is ready.",
+    engine="lightning_ddp.sync.overlap:OverlapDDP", overlaps_backward=True, memory="per_tensor",
+    projection=f"{_SIMULATORS}:simulate_overlap",
+))
+register(Entry(
+    "bucketed_ddp", "During backward, an async all-reduce per size-capped bucket of gradients as it fills.",
+    engine="lightning_ddp.sync.bucketed:BucketedDDP", has_bucket_size=True, overlaps_backward=True,
+    memory="bucketed", projection=f"{_SIMULATORS}:simulate_bucketed",
+))
+register(Entry(
+    "bucketed_bf16_ddp", "Bucketed, with the gradients communicated in bf16: half the bytes, lossy.",
+    engine="lightning_ddp.sync.bucketed_bf16:BucketedBF16DDP", has_bucket_size=True, overlaps_backward=True,
+    exact=False, memory="bucketed", projection=f"{_SIMULATORS}:simulate_bucketed_bf16",
+))
+register(Entry(
+    "bucketed_powersgd_ddp", "Bucketed, each large gradient matrix sent as low-rank PowerSGD factors with error "
+    "feedback: far fewer bytes, lossy.",
+    engine="lightning_ddp.sync.bucketed_powersgd:BucketedPowerSGDDDP", has_bucket_size=True, overlaps_backward=True,
+    exact=False, memory="bucketed", projection=f"{_SIMULATORS}:simulate_bucketed_powersgd",
+))
+register(Entry(
+    "zero1_ddp", "ZeRO-1: gradients reduce-scattered in step(), optimizer state sharded, parameters all-gathered.",
+    engine="lightning_ddp.sync.zero1.deferred:DeferredGradSync", lightning_class="lightning_ddp.strategies.ZeRO1DDPStrategy",
+    init_args={"schedule": "reduce_scatter"}, sharded=True, memory="zero1", projection=f"{_SIMULATORS}:simulate_zero1",
+))
+register(Entry(
+    "zero2_ddp", "ZeRO-2: each bucket reduce-scattered to its owners during backward, gradients and optimizer state "
+    "sharded, parameters all-gathered after the step.",
+    engine="lightning_ddp.sync.zero2:ZeRO2DDP", lightning_class="lightning_ddp.strategies.ZeRO2DDPStrategy",
+    has_bucket_size=True, overlaps_backward=True, sharded=True, memory="zero2",
+    projection=f"{_SIMULATORS}:simulate_zero2",
+))
+register(Entry(
+    "fsdp2", "torch's FSDP2 (fully_shard per block): parameters, gradients and optimizer state sharded.",
+    lightning_class="lightning_ddp.strategies.FSDP2Strategy", overlaps_backward=True, sharded=True,
+    records_collectives=False, memory="fsdp2", projection=f"{_SIMULATORS}:simulate_fsdp2",
+))
+register(Entry(
+    "ddp", "Lightning's DDP (torch DistributedDataParallel): 25 MiB buckets during backward; the baseline.",
+    lightning_class="lightning.pytorch.strategies.DDPStrategy", overlaps_backward=True,
+    memory="ddp", projection=f"{_SIMULATORS}:simulate_ddp",
+))
