@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.__main__ import main
 from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, STAGE_NAMES, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
@@ -34,7 +35,6 @@ from lightning_ddp.bench.gpu_study.stages import (
 )
 from lightning_ddp.bench.gpu_study.study import plan_calls, run_study
 from lightning_ddp.projection.strategies import projected_strategies
-from lightning_ddp.strategies import strategy_names
 from tests.support.cli_utils import REPO
 
 # ---- the stage table ---------------------------------------------------------------------------------------------
@@ -468,7 +468,7 @@ def test_dry_run_of_every_stage_in_two_calls(tmp_path: Path) -> None:
     assert {"stages.json", "results.md", "strategies.json", "traces/timeline.png"} <= names
     assert not [n for n in names if n.endswith((".pt", ".ckpt")) or "/runs/" in n]
     strategies = json.loads((out / "strategies.json").read_text())["rows"]
-    assert set(strategies) == {*strategy_names(), "ddp"}  # every one of ours (algorithms, zero1, zero2) and the baseline
+    assert set(strategies) == set(catalogue.names())  # every strategy a user can pick, the baseline ddp included
     assert all(row["status"] == "ok" and row["step/time_ms"] > 0 for row in strategies.values())
     pair = json.loads((out / "one_gpu_pair.json").read_text())
     assert all(row["equal"] for row in pair["equivalence"]["rows"].values())
