@@ -1,25 +1,9 @@
 """Several CLI fits in one set of processes: ``python -m lightning_ddp fit`` without paying start-up per fit.
 
-A fit started as its own process pays the interpreter, torch, Lightning and CUDA start-up (10-20 s) before its
-first step; a stage that fits every strategy would spend most of its minutes there. ``run_fits`` starts the
-ranks once and each rank runs the planned fits one after another through the CLI's own entry point
-(``lightning_ddp.cli.main``: the same parsing, strategies and callbacks as the command line), each logging to
-``<out_dir>/<name>/``.
-
-Recipe (``run_fits``):
-
-1. Write the plan (``plan.json``: the fits not yet done) and start ``ranks`` processes of this module on it, with
-   the launcher variables of a "node" of one device each (``RANK``, ``NODE_RANK``, ``LOCAL_RANK=0``,
-   ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``): 2 ranks then share one GPU over gloo, as in the benchmark
-   sweep (NCCL refuses two ranks on one GPU). The fits' own arguments say ``--trainer.num_nodes``.
-2. Each rank: for each fit, rank 0 marks it started (``fit_started``), then ``cli.main(["fit", *args, <logger in
-   out_dir/name>])``; rank 0 writes ``fit_result.json`` (ok, or the error line and whether it was out of memory);
-   then every rank frees what the fit held. The process group outlives the fits (Lightning keeps an existing
-   one), so the ranks meet once. At world size 1 a failing fit is recorded and the next one runs; with more ranks
-   the failing rank exits, since its peer may be waiting for it in a collective.
-3. The parent waits (at most ``timeout_s``). Fits after a recorded failure that never started run in a fresh set
-   of processes; a fit that started but has no result (the processes crashed, were killed, or ran out of time)
-   gets the error line of the logs, and the fits after it run in a fresh set of processes.
+``run_fits`` starts ``ranks`` processes of this module on a plan (``plan.json``); each runs the fits one after
+another through ``lightning_ddp.cli.main``, logging to ``<out_dir>/<name>/``, and rank 0 writes each fit's
+``fit_result.json``. Two ranks share one device over gloo. Fits a crash or a failure left without a result run
+again in a fresh set of processes (docs/gpu.md, "Fits in one set of processes").
 """
 
 from __future__ import annotations
