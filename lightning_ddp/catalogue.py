@@ -27,13 +27,17 @@ NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")
 REQUIRED = inspect.Parameter.empty
 """What ``Entry.settings()`` gives for a setting without a default."""
 
-MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "ddp", "zero1", "zero2", "fsdp2")
+MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "full_buckets", "zero1", "zero2", "fully_sharded")
 """The memory models of ``lightning_ddp.memory``: which communication buffers a strategy keeps."""
 
 GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 
+DEFAULT_ENGINE = "bucketed_ddp"
+"""The engine ``GradSyncStrategy`` and ZeRO-1's ``grad_sync`` run when none is named."""
+
 __all__ = [
     "BucketSize",
+    "DEFAULT_ENGINE",
     "Entry",
     "MEMORY_MODELS",
     "NOT_SETTINGS",
@@ -347,10 +351,10 @@ register(Entry(
 register(Entry(
     "fsdp2", "torch's FSDP2 (fully_shard per block): parameters, gradients and optimizer state sharded.",
     lightning_class="lightning_ddp.strategies.FSDP2Strategy", overlaps_backward=True, sharded=True,
-    records_collectives=False, memory="fsdp2", projection=f"{_SIMULATORS}:simulate_fsdp2",
+    records_collectives=False, memory="fully_sharded", projection=f"{_SIMULATORS}:simulate_fsdp2",
 ))
 register(Entry(
     "ddp", "Lightning's DDP (torch DistributedDataParallel): 25 MiB buckets during backward; the baseline.",
     lightning_class="lightning.pytorch.strategies.DDPStrategy", overlaps_backward=True,
-    memory="ddp", projection=f"{_SIMULATORS}:simulate_ddp",
+    memory="full_buckets", projection=f"{_SIMULATORS}:simulate_ddp",
 ))

@@ -1,24 +1,10 @@
 """``python -m lightning_ddp fit --config configs/quickstart.yaml``: a thin LightningCLI.
 
-Subcommands: ``fit`` (train; validates where the trainer's ``val_check_interval`` says), ``validate`` (``val/loss``
-and ``val/ppl`` on the held-out validation split) and ``test`` (``test/loss``, ``test/ppl`` on the test split);
-``--ckpt_path`` evaluates a checkpoint's weights. The splits are described in ``lightning_ddp.data``. There is no
-``predict``: a language model's predictions need a sampling loop this toolkit does not have; asking for it (or any
-other subcommand) prints the supported ones and exits 2.
-
-The CLI only wires things together; each knob is documented where it is defined (``LitGPT``,
-``LMDataModule``, the strategies and callbacks), and jsonargparse turns those docstrings into ``--help``.
-The ``CommTimer`` callback is always added (section ``timer:``), and so is the ``TraceRecorder`` (section ``trace:``,
-off until ``--trace.enabled true``). Two arguments are linked rather than set twice:
-
-- ``data.vocab_size -> model.vocab_size``: the data decides the vocabulary (raw text bytes are always 256).
-- ``model.context_length -> data.context_length``: the data module rejects ``seq_len`` longer than the model's context.
-
-Before ``fit`` starts anything, a memory pre-flight (``lightning_ddp.memory``) estimates one rank's peak from the
-config and refuses a run that cannot fit its GPU (or its share of the host's RAM on CPU), with the breakdown and
-the fixes; ``--preflight false`` skips it. ``validate`` and ``test`` skip it: the estimate models training
-(gradients, optimizer state, activations kept for backward), several times what a forward pass without gradients
-holds, so it would refuse evaluations that fit.
+Subcommands ``fit``, ``validate`` and ``test`` (``--ckpt_path`` evaluates a checkpoint); any other prints the
+supported ones and exits 2. The ``CommTimer`` (section ``timer:``) and ``TraceRecorder`` (``trace:``) are always added;
+``data.vocab_size`` is linked to the model, ``model.context_length`` to the data. Before ``fit`` starts anything, the
+memory pre-flight (``lightning_ddp.memory``) refuses a run that cannot fit, with the fixes (``--preflight false`` skips
+it; evaluation skips it: it models training).
 """
 
 from __future__ import annotations
@@ -336,7 +322,7 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] |
     schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
     if schedule is not None and schedule != entry.init_args.get("schedule"):
         # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.
-        return str(_field(init_args, "grad_sync", "bucketed_ddp")), bucket, True
+        return str(_field(init_args, "grad_sync", catalogue.DEFAULT_ENGINE)), bucket, True
     return entry.name, bucket, False
 
 

@@ -1,74 +1,10 @@
-"""Memory pre-flight: how many bytes one rank needs for a training step, from the config alone, and does it fit.
+"""Memory pre-flight: the bytes one rank needs for a training step, from the config alone, and whether they fit.
 
-The CLI runs it right after parsing (``--preflight false`` skips it), so a model that cannot fit is refused in a
-second, with the breakdown and the fixes, instead of an OOM kill minutes later. Recipe of ``estimate_rank_memory``:
-
-1. Parameter shapes in closed form from the ``GPTConfig`` (``parameter_shapes``; no model is built): Ψ scalars in
-   T tensors, in ``model.parameters()`` order.
-2. Per category, bytes on one rank (Ψ_r, T_r: what rank r owns under ``assign_owners``; ``p`` the parameter
-   dtype's bytes: 4 in ``32-true`` and ``*-mixed``, 2 in ``*-true`` half precision):
-
-   ========================  ====================================================================================
-   parameters                pΨ
-   gradients                 p·(Ψ minus the parameters whose ``.grad`` is a view into a bucket buffer);
-                             ``zero2_ddp``: p·Ψ_r of the most loaded rank, its shard (from backward to zero_grad)
-   optimizer_state           AdamW: 2pΨ + 4T (``exp_avg``, ``exp_avg_sq``, a 0-d fp32 ``step`` per tensor);
-                             ``zero1_ddp``: 2pΨ_r + 4T_r of the most loaded rank
-   bucket_buffers            the engine's flat buffers besides ``.grad`` (table below)
-   regrown_gradients         bucketed engines point ``.grad`` at views into their buffers after the sync;
-                             ``zero_grad(set_to_none=True)`` (Lightning's default) drops the views, so backward
-                             allocates those gradients afresh next to the buffers: p·(their Ψ)
-   low_precision_weights     under ``bf16-mixed``/``16-mixed`` autocast: a 2-byte copy of every matmul weight,
-                             cached for the forward and saved for the backward
-   activations               tensors saved for backward (per-block formula below) + the logits
-   overhead                  fixed: CUDA context, NCCL buffers, allocator slack (CUDA); interpreter and
-                             libraries (CPU). ``CUDA_OVERHEAD_BYTES``, ``CPU_OVERHEAD_BYTES``
-   ========================  ====================================================================================
-
-   Bucket buffers per strategy (``strategy`` as the CLI names it):
-
-   =========================================  =========================================================  ==========
-   ``ddp`` (torch DDP, Lightning's baseline)  the reducer's flat buckets (``gradient_as_bucket_view``       persistent
-                                              off, Lightning's default): pΨ
-   ``bucketed_ddp``, ``bucketed_bf16_ddp``    every bucket of several tensors and the last one own a      persistent
-                                              flat buffer (``sync/bucketed.py``); ``.grad`` are views
-   ``overlap_ddp``                            one tensor per bucket, only the last (the embedding) has    persistent
-                                              a buffer
-   ``flat_ddp``                               the packed gradients of the sync (``sync/buffers.packed``)  transient
-   ``zero1_ddp``                              the packed gradients of ``step()``'s reduce-scatter         transient
-   ``zero2_ddp``                              the send buffers of the buckets in flight (2) and the       transient
-                                              local gradients of the bucket filling: 3 caps (≤ pΨ)
-   ``naive_ddp``                              none                                                        n/a
-   ``fsdp2``                                  parameters, gradients and state are 1/N shards; the root group  persistent
-                                              and two blocks gathered unsharded (``fsdp2_gathered_bytes``);
-                                              gradients: the shard and one block's unsharded ones
-   =========================================  =========================================================  ==========
-
-3. The peak, ``total_bytes``: not every category lives at once. Under ``set_to_none`` the gradients do not exist
-   during the forward; backward allocates them layer by layer as it frees that layer's saved activations and
-   weight copies. So the peak is the persistent parts (parameters, optimizer state, persistent buffers,
-   overhead) plus the larger of the forward's end (activations + low-precision weights) and the step's
-   (gradients + regrown gradients + transient buffers). ``MemoryEstimate.phases`` names the parts of each phase;
-   ``sum(parts)`` is the bound if they did coincide.
-
-Activations (``activation_bytes_per_token``): bytes saved for backward by one ``Block`` per token, MEASURED on CPU
-with ``torch.autograd.graph.saved_tensors_hooks`` (``saved_tensor_bytes``; distinct storages, parameters and the
-autocast weight copies left out) at several (B, T, d_model, d_ff, n_heads), and fitted: ``a·d_model + b·d_ff +
-c`` bytes per token, linear in B·T (``tests/unit/test_memory.py::test_block_activation_formula_matches_measurement``
-re-measures it). No T² term: ``scaled_dot_product_attention`` with ``is_causal`` runs a flash kernel on CPU
-(``_scaled_dot_product_flash_attention_for_cpu``) and flash (bf16/fp16) or memory-efficient (fp32) attention on
-CUDA; all of them save the output and a per-head logsumexp, O(T), not the T×T scores. Only the math fallback (an
-unsupported head size or dtype) would save 4·n_heads·T bytes per token more; the estimate does not assume it.
-Outside the blocks: the final norm (as one norm of a block, 8·d_model) and the logits, 12·V bytes per token in fp32
-(the logits, the log-softmax the loss saves, and the logits' gradient at the start of backward) plus 2·V for the
-half-precision logits under autocast or ``*-true`` half precision.
-
-Checked against measurement: ``tests/unit/test_memory.py`` compares every tensor category with the tensors of a real
-model, engine and AdamW step on CPU (within 15 %), and ``python -m lightning_ddp.bench.memory`` measures the same
-categories per rank (``configs/memory/cpu.yaml``).
-
-Print an estimate: ``python -m lightning_ddp.memory --preset xl --batch_size 4 --seq_len 512 --precision
-bf16-mixed --strategy bucketed_ddp --world_size 2 --bucket_size_mb 100``.
+``estimate_rank_memory`` adds the categories (parameters, gradients, optimizer state, the strategy's buffers from its
+catalogue memory model, activations, overhead) and takes the peak over the forward's end and the step;
+``check_fits`` refuses a run that does not fit, with the fixes. The formulas, how they were measured and the
+bucket buffers of each strategy: ``docs/memory.md``. Print an estimate: ``python -m lightning_ddp.memory --preset xl
+--batch_size 4 --seq_len 512 --precision bf16-mixed --strategy bucketed_ddp --world_size 2 --bucket_size_mb 100``.
 """
 
 from __future__ import annotations
@@ -260,7 +196,8 @@ def _adam_state_bytes(numels: Sequence[int], param_bytes: int, world_size: int, 
 @dataclass(frozen=True)
 class _Buffers:
     kind: str
-    """``none``, ``full`` (one buffer the size of all gradients) or ``bucketed`` (``assign_buckets``)."""
+    """``none``, ``full`` (one buffer the size of all gradients), ``bucketed`` (``assign_buckets``), ``zero2`` or
+    ``fully_sharded``."""
     persistent: bool
     """Kept across steps (``True``) or only during the sync/step (``False``)."""
     cap_bytes: int | None = None
@@ -300,10 +237,10 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | No
         "per_tensor": _Buffers("bucketed", True, cap_bytes=1),  # one tensor per bucket (sync/overlap.py)
         "packed": _Buffers("full", False),  # one packed buffer during the sync
         "bucketed": _Buffers("bucketed", True, cap_bytes=cap),
-        "ddp": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
+        "full_buckets": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
         "zero1": _Buffers("full", False, sharded_state=True),  # step() packs the gradients to reduce-scatter them
         "zero2": _Buffers("zero2", False, cap_bytes=cap, sharded_state=True),
-        "fsdp2": _Buffers("fsdp2", True, sharded_state=True),  # the gathered groups are fsdp2_gathered_bytes
+        "fully_sharded": _Buffers("fully_sharded", True, sharded_state=True),  # the gathered groups are fsdp2_gathered_bytes
     }
     return models[entry.memory]
 
@@ -416,6 +353,50 @@ def fsdp2_gathered_bytes(config: GPTConfig, param_bytes: int, world_size: int) -
     return param_bytes * shard, param_bytes * (root + 2 * block), param_bytes * block
 
 
+def _gradients_and_buffers(config: GPTConfig, buffers: _Buffers, numels: Sequence[int], p: int,
+                           world_size: int) -> tuple[int, int, int, int]:
+    """(parameters held, gradient bytes, buffer bytes, scalars whose ``.grad`` is a view into a bucket buffer)."""
+    n_params = sum(numels)
+    viewed = 0
+    buffer_bytes = 0
+    gradient_bytes = p * n_params
+    if buffers.kind == "full":
+        buffer_bytes = p * n_params
+    elif buffers.kind == "zero2":  # sync/zero2.py: the shard, and 2 send buffers + the bucket filling, each <= a cap
+        gradient_bytes = p * max(sum(owned) for owned in _owned_numels(numels, p, world_size))
+        cap = p * n_params if buffers.cap_bytes is None else min(buffers.cap_bytes, p * n_params)
+        buffer_bytes = 3 * cap
+    elif buffers.kind == "fully_sharded":
+        shard, gathered, block = fsdp2_gathered_bytes(config, p, world_size)
+        n_params = shard // p  # every rank holds its dim-0 shard of each tensor: ~Ψ/N (padded)
+        gradient_bytes = shard + block  # the shard, and the block whose unsharded gradient is being reduce-scattered
+        buffer_bytes = gathered
+    elif buffers.kind == "bucketed":
+        buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
+        for b, indices in enumerate(buckets):
+            if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
+                scalars = sum(numels[i] for i in indices)
+                viewed += scalars
+                buffer_bytes += p * (scalars + int(b == len(buckets) - 1))  # + the missing-gradient sentinel
+    return n_params, gradient_bytes, buffer_bytes, viewed
+
+
+def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels: Sequence[int]) -> int:
+    """Scalars of the weights autocast copies to half precision for the matmuls (the embedding's only when tied)."""
+    weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2) - config.vocab_size * config.d_model
+    if config.tie_embeddings:  # the one table serves as lm_head: its copy is still made for the matmul
+        weights += config.vocab_size * config.d_model
+    return weights
+
+
+def _activation_bytes(config: GPTConfig, tokens: int, precision: str, spec: _Precision) -> int:
+    """Saved for backward: every block, the final norm and the logits (docs/memory.md)."""
+    per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)
+    half_logits = 2 if (spec.autocast or spec.param_bytes == 2) else 0
+    outside = 8 * config.d_model + (12 + half_logits) * config.vocab_size
+    return tokens * (config.n_layers * per_block + outside)
+
+
 def estimate_rank_memory(
     config: GPTConfig,
     *,
@@ -427,10 +408,10 @@ def estimate_rank_memory(
     bucket_size_mb: float | None = None,
     device_type: str = "cuda",
 ) -> MemoryEstimate:
-    """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: module docstring).
+    """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: docs/memory.md).
 
-    ``strategy`` is the CLI's name (``ddp``, ``naive_ddp``, ``bucketed_ddp``, ``zero1_ddp``, ...);
-    ``bucket_size_mb`` the cap of a bucketed strategy (None: the algorithm's default, 25 MiB). The xl preset in
+    ``strategy`` is a catalogue name (or Lightning's ``auto``/``ddp`` variants); ``bucket_size_mb`` the cap of a
+    bucketed strategy (None: its default). The xl preset in
     the published 2-GPU xl runs' configuration (``configs/xl_2gpu.yaml``):
 
     >>> from lightning_ddp.model import get_config
@@ -450,52 +431,20 @@ def estimate_rank_memory(
     p = spec.param_bytes
     shapes = parameter_shapes(config)
     numels = [math.prod(s) for s in shapes]
-    n_params = sum(numels)
     buffers = _strategy_buffers(strategy, world_size, bucket_size_mb, bucket_size_mb is not None)
-
-    # Which parameters' .grad end up as views into persistent bucket buffers, and the buffers' bytes.
-    viewed = 0  # scalars whose gradient lives in a bucket buffer after the sync
-    buffer_bytes = 0
-    gradient_bytes = p * n_params
-    if buffers.kind == "full":
-        buffer_bytes = p * n_params
-    elif buffers.kind == "zero2":  # sync/zero2.py: the shard, and 2 send buffers + the bucket filling, each <= a cap
-        gradient_bytes = p * max(sum(owned) for owned in _owned_numels(numels, p, world_size))
-        cap = p * n_params if buffers.cap_bytes is None else min(buffers.cap_bytes, p * n_params)
-        buffer_bytes = 3 * cap
-    elif buffers.kind == "fsdp2":
-        shard, gathered, block = fsdp2_gathered_bytes(config, p, world_size)
-        n_params = shard // p  # every rank holds its dim-0 shard of each tensor: ~Ψ/N (padded)
-        gradient_bytes = shard + block  # the shard, and the block whose unsharded gradient is being reduce-scattered
-        buffer_bytes = gathered
-    elif buffers.kind == "bucketed":
-        buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
-        for b, indices in enumerate(buckets):
-            if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
-                scalars = sum(numels[i] for i in indices)
-                viewed += scalars
-                buffer_bytes += p * (scalars + int(b == len(buckets) - 1))  # + the missing-gradient sentinel
-    if buffers.kind == "fsdp2":  # AdamW over the dim-0 shards: 2 moments of each, and a step per tensor
+    n_params, gradient_bytes, buffer_bytes, viewed = _gradients_and_buffers(config, buffers, numels, p, world_size)
+    if buffers.kind == "fully_sharded":  # AdamW over the dim-0 shards: 2 moments of each, and a step per tensor
         state = 2 * p * n_params + ADAM_STEP_BYTES_PER_TENSOR * len(numels)
     else:
         state = _adam_state_bytes(numels, p, world_size if buffers.sharded_state else 1, None)
-
-    tokens = batch_size * seq_len
-    per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)
-    half_logits = 2 if (spec.autocast or p == 2) else 0
-    outside = 8 * config.d_model + (12 + half_logits) * config.vocab_size  # final norm, logits (module docstring)
-    activations = tokens * (config.n_layers * per_block + outside)
-    matmul_weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2) - config.vocab_size * config.d_model
-    if config.tie_embeddings:  # the one table serves as lm_head: its copy is still made for the matmul
-        matmul_weights += config.vocab_size * config.d_model
     parts = {
         "parameters": p * n_params,
         "gradients": gradient_bytes - p * viewed,
         "optimizer_state": state,
         "bucket_buffers": buffer_bytes,
         "regrown_gradients": p * viewed,
-        "low_precision_weights": 2 * matmul_weights if spec.autocast else 0,
-        "activations": activations,
+        "low_precision_weights": 2 * _matmul_weights(config, shapes, numels) if spec.autocast else 0,
+        "activations": _activation_bytes(config, batch_size * seq_len, precision, spec),
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
     step_phase = ("gradients", "regrown_gradients") + (() if buffers.persistent else ("bucket_buffers",))
@@ -599,7 +548,7 @@ def print_estimate(
     batch_size: int = 4,
     seq_len: int = 128,
     precision: str = "32-true",
-    strategy: str = "bucketed_ddp",
+    strategy: str = catalogue.DEFAULT_ENGINE,
     world_size: int = 2,
     bucket_size_mb: Optional[float] = None,
     device_type: Literal["cuda", "cpu"] = "cuda",

@@ -98,7 +98,7 @@ class GradSyncStrategy(DDPStrategy):
 
     def __init__(
         self,
-        algorithm: str = "bucketed_ddp",
+        algorithm: str = catalogue.DEFAULT_ENGINE,
         bucket_size_mb: BucketSizeOption = "default",
         engine_settings: dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,

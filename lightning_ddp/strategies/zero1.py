@@ -60,7 +60,7 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
     def __init__(
         self,
         schedule: Schedule = "reduce_scatter",
-        grad_sync: str = "bucketed_ddp",
+        grad_sync: str = catalogue.DEFAULT_ENGINE,
         bucket_size_mb: float | None = 25.0,
         collectives: CollectiveImpl = "auto",
         **kwargs: Any,

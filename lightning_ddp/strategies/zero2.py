@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddp import catalogue
 from lightning_ddp.strategies.base import log_bucket_prediction
 from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_fp16
 from lightning_ddp.sync import GradSyncEngine
@@ -60,8 +61,8 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
                 "zero2_ddp takes its engine's settings directly: set `bucket_size_mb`, `collectives` or "
                 "`buckets_in_flight` under init_args instead of `engine_settings`."
             )
-        # `bucketed_ddp` only stands for "an algorithm with buckets" in GradSyncStrategy's checks; make_engine builds ZeRO2DDP.
-        super().__init__(algorithm="bucketed_ddp", bucket_size_mb=bucket_size_mb, **kwargs)
+        # The default engine only stands for "an algorithm with buckets" in GradSyncStrategy's checks; make_engine builds ZeRO2DDP.
+        super().__init__(algorithm=catalogue.DEFAULT_ENGINE, bucket_size_mb=bucket_size_mb, **kwargs)
         self.collectives = collectives
         self.buckets_in_flight = buckets_in_flight
 

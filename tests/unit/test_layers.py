@@ -45,15 +45,16 @@ def test_the_core_imports_and_trains_without_lightning() -> None:
     proc = _run_without({"lightning", "lightning_fabric", "pytorch_lightning"}, """
         import lightning_ddp, lightning_ddp.compat, lightning_ddp.model, lightning_ddp.intervals
         import lightning_ddp.callbacks.accounting, lightning_ddp.trace
-        from lightning_ddp.sync import (ALGORITHMS, BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP,
-                                        Recorder, ShardedOptimizer, get_algorithm)
+        from lightning_ddp import catalogue
+        from lightning_ddp.sync import (BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP, Recorder,
+                                        ShardedOptimizer)
         from lightning_ddp.sync.zero1 import checkpoint, collectives, partition
 
         import torch, torch.distributed as dist
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        for name in ALGORITHMS:  # every registered engine takes a step, recorded
+        for name in catalogue.names(engines_only=True):  # every engine of the catalogue takes a step, recorded
             model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-            engine = get_algorithm(name).make_engine(model)
+            engine = catalogue.get(name).make_engine(model)
             engine.recorder = recorder = Recorder()
             optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
             optimizer.recorder = recorder
@@ -72,35 +73,24 @@ def test_the_core_imports_and_trains_without_lightning() -> None:
 
 
 def test_pure_modules_import_without_torch() -> None:
-    # The accounting, the interval arithmetic, the registry and the range names are plain Python: the sweep and
+    # The accounting, the interval arithmetic, the catalogue and the range names are plain Python: the sweep and
     # the analysis read them without paying for torch. So are the shared helpers: the atomic file write, the
     # GPT's shapes (the projection and the memory pre-flight) and the free port (the sweep's parent process).
     _run_without({"torch", "lightning", "lightning_fabric"}, """
         import lightning_ddp, lightning_ddp.intervals, lightning_ddp.callbacks.accounting, lightning_ddp.sync.assignment
         import lightning_ddp.files, lightning_ddp.local_group, lightning_ddp.memory, lightning_ddp.model_shapes
-        from lightning_ddp.sync import ranges, registry
-        assert "bucketed" in registry.ALGORITHMS and ranges.GRAD_SYNC
+        from lightning_ddp import catalogue
+        from lightning_ddp.sync import ranges
+        assert "bucketed_ddp" in catalogue.STRATEGIES and ranges.GRAD_SYNC
         assert "torch" not in sys.modules
     """)
-
-
-def test_the_lightning_layer_registers_every_algorithm() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_ddp.strategies import strategy_names
-    from lightning_ddp.sync.registry import ALGORITHMS
-
-    names = strategy_names()
-    assert names[: len(ALGORITHMS)] == [f"{name}_ddp" for name in ALGORITHMS]
-    assert names[len(ALGORITHMS):] == ["zero1_ddp", "zero2_ddp", "fsdp2"]  # fsdp2: torch's, through our thin strategy
-    assert all(name in StrategyRegistry for name in names)
 
 
 # ---- the import graph: the product never imports the study, and no module imports itself round a circle -------
 
 PACKAGE = REPO / "lightning_ddp"
-STUDY = ("bench", "project", "projection", "trace")
-"""The study: sweeps and benchmarks, the projection (and its old name), trace rendering. It may import the product;
+STUDY = ("bench", "projection", "trace")
+"""The study: sweeps and benchmarks, the projection, trace rendering. It may import the product;
 the product (everything else: ``sync``, ``strategies``, ``callbacks``, ``model``, ``module``, ``data``, ``cli``,
 ``memory``, ``hardware``, ``profile``, ...) never imports it, at module level or inside a function (torchtitan's
 "experiments depend on core, never back")."""
@@ -163,7 +153,7 @@ def test_the_import_scan_sees_imports_inside_functions() -> None:
 def test_the_product_never_imports_the_study() -> None:
     graph = _package_graph()
     product = [module for module in graph if not _is_study(module)]
-    for expected in ("lightning_ddp.sync.registry", "lightning_ddp.strategies.base", "lightning_ddp.callbacks.comm_timer",
+    for expected in ("lightning_ddp.catalogue", "lightning_ddp.strategies.base", "lightning_ddp.callbacks.comm_timer",
                      "lightning_ddp.model", "lightning_ddp.module", "lightning_ddp.cli", "lightning_ddp.memory",
                      "lightning_ddp.hardware", "lightning_ddp.profile"):
         assert expected in product
@@ -228,6 +218,78 @@ def test_no_import_cycles_among_the_package_modules() -> None:
     described = ["; ".join(f"{a} -> {b} (line {graph[a][b][0]})" for a in cycle for b in graph[a] if b in cycle)
                  for cycle in cycles]
     assert not cycles, "import cycles:\n" + "\n".join(described)
+
+
+def _sub_package(module: str) -> str:
+    """``lightning_ddp.bench.gpu_study.stages`` -> ``lightning_ddp.bench``; a top-level module is its own node."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycles_between_the_sub_packages() -> None:
+    # The rooms depend one way: product <- projection <- bench. A circle between two folders is a circle even when
+    # no two modules import each other.
+    graph: dict[str, dict[str, list[int]]] = {}
+    for module, targets in _package_graph().items():
+        for target, lines in targets.items():
+            if _sub_package(module) != _sub_package(target):
+                graph.setdefault(_sub_package(module), {}).setdefault(_sub_package(target), lines)
+    assert not _cycles(graph), f"sub-packages import each other in a circle: {_cycles(graph)}"
+
+
+# ---- the house: one catalogue, one launcher, short functions, a package that fits in the head ----------------
+
+
+def _sources() -> dict[str, str]:
+    return {str(path.relative_to(REPO)): path.read_text(encoding="utf-8") for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_a_strategy_name_is_spelled_in_at_most_two_package_files() -> None:
+    # The catalogue, and at most the strategy class that carries the name; every other reader asks the catalogue.
+    # (``ddp`` is Lightning's name, which its own variants and registry spell too.)
+    from lightning_ddp import catalogue
+
+    spelled: dict[str, list[str]] = {}
+    for file, source in _sources().items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Constant) and node.value in catalogue.STRATEGIES and node.value != "ddp":
+                spelled.setdefault(node.value, []).append(file)
+    too_many = {name: sorted(set(files)) for name, files in spelled.items() if len(set(files)) > 2}
+    assert not too_many, f"strategy names spelled in more than 2 package files: {too_many}"
+
+
+def test_one_study_module_builds_a_fit_command_line() -> None:
+    builders = [file for file, source in _sources().items()
+                if '"lightning_ddp", "fit"' in source or "'lightning_ddp', 'fit'" in source]
+    assert len(builders) <= 1, f"several modules build `python -m lightning_ddp fit`: {builders}"
+
+
+def _function_lengths() -> list[tuple[int, str]]:
+    """(lines without the docstring, file:function) of every function of the package."""
+    lengths = []
+    for file, source in _sources().items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                has_doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and len(body) > 1
+                start = body[1].lineno if has_doc else body[0].lineno
+                lengths.append((node.end_lineno - start + 1, f"{file}:{node.name}"))
+    return lengths
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    long = sorted((f"{name} ({n} lines)" for n, name in _function_lengths() if n > 80))
+    assert not long, "split into named steps: " + ", ".join(long)
+
+
+def test_the_package_stays_within_16000_lines() -> None:
+    lines = sum(source.count("\n") for source in _sources().values())
+    assert lines <= 16_000, f"lightning_ddp/ has {lines} lines; the house keeps it within 16,000"
+
+
+def test_no_line_is_longer_than_120_characters() -> None:
+    long = [f"{file}:{k}" for file, source in _sources().items()
+            for k, line in enumerate(source.splitlines(), 1) if len(line) > 120]
+    assert not long, f"lines over 120 characters: {long[:10]}"
 
 
 # ---- entry points: every `python -m lightning_ddp...` parses its command line with jsonargparse ------------------
