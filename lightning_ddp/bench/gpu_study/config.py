@@ -38,7 +38,8 @@ class Scale:
     equivalence_preset: str  # stage one_gpu_pair: 2 ranks against one process
     equivalence_steps: int
     sweep_config: str  # stage one_gpu_pair's short sweep, relative to the repository root
-    sweep_strategies: tuple[str, ...]  # its grid.strategies (the sweep adds the reference and ddp)
+    sweep_strategies: Optional[tuple[str, ...]]  # its grid.strategies, None: the config's (the sweep adds the
+    # reference and ddp)
     trace_preset: str
     profile_preset: str  # stage ready_times
     profile_batch: int
@@ -56,7 +57,7 @@ GPU_SCALE = Scale(
     strategies_preset="medium", strategies_batch=8, strategies_seq_len=512, strategies_steps=20, strategies_warmup=5,
     equivalence_preset="tiny", equivalence_steps=3,  # the steps the tolerances were calibrated at
     sweep_config="configs/bench/gpu_study.yaml",
-    sweep_strategies=("naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp", "bucketed_bf16_ddp", "ddp"),
+    sweep_strategies=None,
     trace_preset="small",
     profile_preset="xl", profile_batch=4, profile_seq_len=512, profile_steps=12,  # the published 2-GPU xl runs
     overhead_preset="small", overhead_steps=25, overhead_warmup=5, overhead_repeats=2,  # 6 cold fits, ~2 minutes

@@ -135,7 +135,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         failed = [t for t, code in zip(texts, outcome.returncodes) if code not in (0, None)] or texts
         line = next((error_line(t) for t in failed if error_line(t)), "")
         if outcome.timed_out:
-            status, line = "timeout", f"no result within the time left ({remaining:.0f} s)" + (f"; last output: {line}" if line else "")
+            status = "timeout"
+            line = f"no result within the time left ({remaining:.0f} s)" + (f"; last output: {line}" if line else "")
         else:
             status = "oom" if any(is_oom(t) for t in failed) else "failed"
             line = line or f"the processes exited {outcome.returncodes} without a result for this fit"

@@ -500,8 +500,9 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
 def _sweep_arguments(ctx: StudyContext, out_dir: Path) -> list[str]:
     s = ctx.scale
     args = ["-m", "lightning_ddp.bench", "--config", s.sweep_config, "--output.out_dir", str(out_dir.resolve()),
-            "--grid.strategies", json.dumps(list(s.sweep_strategies)),
             "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))]
+    if s.sweep_strategies is not None:
+        args += ["--grid.strategies", json.dumps(list(s.sweep_strategies))]
     if ctx.device == "cpu":  # the dry run: the same sweep, shrunk to the tiny preset on CPU
         args += ["--run.accelerator", "cpu", "--workload.base_config", "configs/quickstart.yaml",
                  "--workload.preset", "tiny", "--workload.cli_args", json.dumps(["--data.source", "synthetic"]),
@@ -529,7 +530,11 @@ def one_gpu_pair(ctx: StudyContext) -> StageResult:
 # ---- (f) traces ----------------------------------------------------------------------------------------------------
 
 
-TRACED = ("naive_ddp", "overlap_ddp")
+def without_and_with_overlap() -> list[str]:
+    """The catalogue's first engine that communicates after backward, and its first that overlaps backward."""
+    engines = [catalogue.get(name) for name in catalogue.names(engines_only=True)]
+    without = next(e.name for e in engines if not e.overlaps_backward)
+    return [without, next(e.name for e in engines if e.overlaps_backward)]
 
 
 def traces(ctx: StudyContext) -> StageResult:
@@ -540,7 +545,7 @@ def traces(ctx: StudyContext) -> StageResult:
     seq_len = 256 if ctx.device == "cuda" else 32
     specs = [FitSpec(name, fit_args(ctx, preset=s.trace_preset, batch=4, seq_len=seq_len, steps=9, warmup=6,
                                     precision=s.precision, strategy=name, ranks=2, extra=("--config", record)))
-             for name in TRACED]
+             for name in without_and_with_overlap()]
     results = ctx.fits("traces", specs, ranks=2)
     problems = _failures(results)
     runs = [load_run([r.log_dir / "traces"], r.name) for r in results if r.ok and (r.log_dir / "traces").exists()]
@@ -571,7 +576,8 @@ def ready_times(ctx: StudyContext) -> StageResult:
 
     s = ctx.scale
     spec = FitSpec("profile", fit_args(ctx, preset=s.profile_preset, batch=s.profile_batch, seq_len=s.profile_seq_len,
-                                       steps=s.profile_steps, warmup=3, precision=s.precision, strategy="naive_ddp"))
+                                       steps=s.profile_steps, warmup=3, precision=s.precision,
+                                       strategy=without_and_with_overlap()[0]))
     (result,) = ctx.fits("ready_times", [spec])
     profile_path = result.file("compute_profile.json")
     if not result.ok or profile_path is None:
@@ -637,7 +643,8 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
     s = ctx.scale
     stage = ctx.stage_dir("timer_overhead")
     fit = fit_args(ctx, preset=s.overhead_preset, batch=s.strategies_batch, seq_len=s.strategies_seq_len,
-                   steps=s.overhead_steps, warmup=s.overhead_warmup, precision=s.precision, strategy="bucketed_ddp")
+                   steps=s.overhead_steps, warmup=s.overhead_warmup, precision=s.precision,
+                   strategy=catalogue.DEFAULT_ENGINE)
     # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
     fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
