@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from lightning_ddp.bench.gpu_study.archive import write_archive
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, scale_of
 from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext
-from lightning_ddp.files import write_atomically
+from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import git_state, repo_relative
 
 __all__ = ["DONE", "RESULTS_MD", "STAGES_JSON", "STATUSES", "cuda_available", "plan_calls", "repository_root",
@@ -178,7 +178,7 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
         result = StageResult(problems=[_error_line(error)])
     entry["seconds"] = round(time.monotonic() - ctx.stage_started, 1)
     if result.data:
-        write_atomically(ctx.out / f"{stage.name}.json", json.dumps(result.data, indent=2, default=str) + "\n")
+        write_json_atomically(ctx.out / f"{stage.name}.json", result.data, default=str)
         result.files.insert(0, f"{stage.name}.json")
     entry.update(files=result.files, status="failed" if result.problems else "ok",
                  error=result.problems[0] if result.problems else "", problems=result.problems)
@@ -186,7 +186,7 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
 
 def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bool | None = None,
               log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
-    """Run the study of ``config`` (module recipe); returns the final ``stages.json`` document.
+    """Run the study of ``config``; returns the final ``stages.json`` document.
 
     Args:
         config: The command line.
@@ -217,7 +217,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         document["elapsed_s"] = round(time.monotonic() - started, 1)
         document["calls"][-1]["elapsed_s"] = document["elapsed_s"]
         document["complete"] = all(e["status"] in DONE for e in document["stages"])
-        write_atomically(out / STAGES_JSON, json.dumps(document, indent=2) + "\n")
+        write_json_atomically(out / STAGES_JSON, document)
         write_atomically(out / RESULTS_MD, build_report(document, out))
 
     kept = sum(e["status"] == "ok" for e in document["stages"])
