@@ -49,14 +49,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lightning_ddp.bench.config import (
-    BASELINE,
-    REFERENCE,
-    format_bucket,
-    has_bucket_axis,
-    sweep_strategies,
-    variant_strategy,
-)
+from lightning_ddp import catalogue
+from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis
+from lightning_ddp.catalogue import format_bucket, variant_strategy
 from lightning_ddp.bench.results import ESTIMATED_KEYS, CellData, bootstrap_key
 from lightning_ddp.bench.stats import Bootstrapper, Estimate, geometric_mean_draws, percentile_interval, pooled_median
 from lightning_ddp.bench.stats import verdict as interval_verdict
@@ -106,7 +101,7 @@ def strategy_order(names: Iterable[str]) -> list[str]:
     """``names`` (strategies or variants, deduplicated) in report order: the reference, the registered algorithms,
     ``ddp``, then any other name; the variants of one strategy, and unknown names, in first-seen order (a strategy
     the registry does not know is shown last, never dropped)."""
-    known = [REFERENCE, *[s for s in sweep_strategies() if s != BASELINE], BASELINE]
+    known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
     return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
@@ -317,12 +312,12 @@ class Analysis:
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
         """Goal 1 for bucketed and every other algorithm with a bucket size, goal 2 twice, goal 3 (module docstring)."""
-        naive, overlap, ddp, reference = (_find(rows, s) for s in ("naive", "overlap", BASELINE, REFERENCE))
+        naive, overlap, ddp, reference = (_find(rows, s) for s in ("naive_ddp", "overlap_ddp", BASELINE, REFERENCE))
         m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
-        algorithms = ["bucketed", *[s for s in strategy_order(variant_of(r) for r in rows)
-                                    if has_buckets(s) and s != "bucketed"]]
+        algorithms = ["bucketed_ddp", *[s for s in strategy_order(variant_of(r) for r in rows)
+                                    if has_buckets(s) and s != "bucketed_ddp"]]
         for algorithm in algorithms:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
@@ -333,24 +328,24 @@ class Analysis:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
 
-        best = self.selections.get((group, "bucketed"))
-        for name, measured, row in (("overlap", m_overlap, overlap),
-                                    ("bucketed (best)", best.evaluated if best else None, best.row if best else None)):
-            goal = f"2. {name} comm share / naive comm share"
+        best = self.selections.get((group, "bucketed_ddp"))
+        for name, measured, row in (("overlap_ddp", m_overlap, overlap),
+                                    ("bucketed_ddp (best)", best.evaluated if best else None, best.row if best else None)):
+            goal = f"2. {name} comm share / naive_ddp comm share"
             naive_share = m_naive.point[_SHARE] if m_naive is not None else math.nan
             if m_naive is None:
-                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, "naive")))
+                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, "naive_ddp")))
             elif not naive_share > 0:
-                checks.append(GoalCheck(group, goal, 1 / 3, note="naive comm share is 0 or missing"))
+                checks.append(GoalCheck(group, goal, 1 / 3, note="naive_ddp comm share is 0 or missing"))
             elif measured is None or not math.isfinite(measured.point[_SHARE]):
-                note = _missing(row, "overlap") if name == "overlap" else "no ok bucketed cell"
+                note = _missing(row, "overlap_ddp") if name == "overlap_ddp" else "no ok bucketed_ddp cell"
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                in_sample = best is not None and name != "overlap" and best.in_sample
-                note = _selection_note(best) if name != "overlap" and best else ""
+                in_sample = best is not None and name != "overlap_ddp" and best.in_sample
+                note = _selection_note(best) if name != "overlap_ddp" and best else ""
                 checks.append(self._ratio(group, goal, 1 / 3, measured, _SHARE, m_naive, _SHARE, note, in_sample))
 
-        goal = "3. bucketed (best) step time / max(reference step, busy comm)"
+        goal = "3. bucketed_ddp (best) step time / max(reference step, busy comm)"
         if best is not None and m_reference is not None:
             top = best.evaluated
             busy_point = top.point[_BUSY] if math.isfinite(top.point[_BUSY]) else 0.0
@@ -362,9 +357,9 @@ class Analysis:
             bound = "compute" if m_reference.point[_STEP] >= busy_point else "communication"
             note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
             checks.append(GoalCheck(group, goal, 1.10, Estimate(float(top.point[_STEP] / floor_point), lo, hi), note,
-                                    best.in_sample, "bucketed", draws))
+                                    best.in_sample, "bucketed_ddp", draws))
         else:
-            checks.append(GoalCheck(group, goal, 1.10, note=_missing(reference, "reference") if best else "no ok bucketed cell"))
+            checks.append(GoalCheck(group, goal, 1.10, note=_missing(reference, "reference") if best else "no ok bucketed_ddp cell"))
         return checks
 
     def _across(self, algorithm: str) -> AcrossGroups:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -48,24 +47,20 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
-from lightning_ddp.bench.config import (
-    engine_setting_defaults,
-    fit_arguments,
-    format_settings,
-    parse_settings,
-    settings_slug,
-)
+from lightning_ddp import catalogue
+from lightning_ddp.bench.config import fit_arguments
+from lightning_ddp.bench.launch import run_fit, strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
+from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
 from lightning_ddp.data import TextBytes
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
-from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
-BASELINE = "bucketed"
+BASELINE = "bucketed_ddp"
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
 
 
@@ -78,33 +73,34 @@ class Variant:
 
     @property
     def name(self) -> str:
-        """``bucketed_powersgd rank=4 start_iter=10`` (tables, legends, results.json keys)."""
+        """``bucketed_powersgd_ddp rank=4 start_iter=10`` (tables, legends, results.json keys)."""
         return f"{self.algorithm} {format_settings(self.settings)}" if self.settings else self.algorithm
 
     @property
     def key(self) -> str:
-        """``bucketed_powersgd-rank4-start_iter10`` (directory names)."""
+        """``bucketed_powersgd_ddp-rank4-start_iter10`` (directory names)."""
         return self.algorithm + settings_slug(self.settings)
 
     def effective_settings(self) -> dict[str, Any]:
         """Every setting of its engine, the defaults filled in (what the report states)."""
-        return {**(engine_setting_defaults(self.algorithm) or {}), **self.settings}
+        return {**catalogue.get(self.algorithm).settings(), **self.settings}
 
 
 def parse_variant(text: str) -> Variant:
-    """``"bucketed_powersgd:rank=4,start_iter=10"`` -> that ``Variant``; the algorithm must be a registered lossy one
-    with buckets and the settings its engine's.
+    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant``; the strategy must be a lossy engine with
+    buckets and the settings its engine's.
 
-    >>> parse_variant("bucketed_powersgd:rank=4,start_iter=10").name
-    'bucketed_powersgd rank=4 start_iter=10'
+    >>> parse_variant("bucketed_powersgd_ddp:rank=4,start_iter=10").name
+    'bucketed_powersgd_ddp rank=4 start_iter=10'
     """
     name, _, rest = text.partition(":")
-    lossy = [a.name for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
+    lossy = _lossy()
     if name not in lossy:
-        raise ValueError(f"variant {text!r}: {name!r} is not a registered lossy algorithm with buckets; choose from "
+        raise ValueError(f"variant {text!r}: {name!r} is not a lossy engine with buckets; choose from "
                          f"{', '.join(lossy)} (as NAME or NAME:setting=value,...)")
     settings = parse_settings(rest.replace(",", " "))
-    valid = engine_setting_defaults(name)
+    entry = catalogue.get(name)
+    valid = None if entry.takes_any_setting() else entry.settings()
     unknown = [s for s in settings if valid is not None and s not in valid]
     if unknown:
         raise ValueError(f"variant {text!r}: the {name!r} engine has no setting {unknown[0]!r}; its settings are: "
@@ -112,32 +108,28 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, settings)
 
 
+def _lossy() -> list[str]:
+    return [e.name for e in catalogue.STRATEGIES.values() if e.is_engine and not e.exact and e.has_bucket_size]
+
+
 def default_variants() -> list[Variant]:
-    """Every registered lossy algorithm with buckets, at its engine's defaults (registry order)."""
-    return [Variant(a.name) for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
+    """Every lossy engine with buckets, at its engine's defaults (catalogue order)."""
+    return [Variant(name) for name in _lossy()]
 
 
 # ---- training runs ----------------------------------------------------------------------------------------
 
 
-def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int, out: Path,
-         name: str, extra: list[str]) -> list[str]:
-    init_args: dict[str, Any] = {"algorithm": algorithm, "bucket_size_mb": bucket_size_mb}
-    if settings:  # only then: the default engines build without the strategy's engine_settings
-        init_args["engine_settings"] = settings
-    strategy = json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": init_args})
-    command = [sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
-               "--trainer.strategy", strategy, "--trainer.max_steps", str(steps),
-               "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
-               # Training loss and step time only: no validation between the timed steps.
-               "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-               "--timer.every_n_steps", "1",
-               "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"the {name} fit failed (exit {proc.returncode}):\n{tail}\ncommand: {' '.join(command)}")
-    return command
+def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int,
+         log_dir: Path, extra: list[str]) -> list[str]:
+    """One training run (loss and step time only: no validation between the timed steps); its fit arguments."""
+    arguments = ["--config", config, *extra,
+                 "--trainer.strategy", strategy_argument(algorithm, None, bucket_size_mb, settings),
+                 "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+                 "--timer.warmup_steps", "5", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps",
+                 "0", "--timer.every_n_steps", "1"]
+    run_fit(arguments, log_dir, what=log_dir.name)
+    return arguments
 
 
 def _read_run(log_dir: Path) -> dict[str, Any]:
@@ -188,8 +180,9 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
         engines = {}
         for variant in variants:
             shadow = GPT(config)
-            factory = get_algorithm(variant.algorithm).engine_factory()
-            engines[variant.name] = (shadow, factory(shadow, bucket_size_mb=args.bucket_size_mb, **variant.settings))
+            engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
+                                                                    **variant.settings)
+            engines[variant.name] = (shadow, engine)
         errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
         for step in range(args.steps):
             start = (step * world + rank) * args.batch_size
@@ -387,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g. "
-                             "bucketed_powersgd:rank=4,start_iter=10); default: every registered lossy algorithm "
+                             "bucketed_powersgd_ddp:rank=4,start_iter=10); default: every lossy engine "
                              "with buckets at its engine's defaults")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="one fp32 run and one run per variant per seed (seed_everything)")
@@ -428,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"training with {name}, seed {seed} ...", flush=True)
                 run_name = f"{key}_seed{seed}"
                 commands[f"{name}, seed {seed}"] = _fit(args.config, algorithm, settings, args.bucket_size_mb,
-                                                        args.steps, Path(tmp), run_name,
+                                                        args.steps, Path(tmp) / run_name,
                                                         [*extra, "--seed_everything", str(seed)])
                 runs[seed][name] = _read_run(Path(tmp) / run_name)
         print("measuring the per-step gradient error ...", flush=True)

@@ -1,53 +1,25 @@
-"""What a sweep is: one dataclass per concern, every field documented (jsonargparse turns the docstrings into ``--help``).
-
-=================  ==============================================================================
-section            what it holds
-=================  ==============================================================================
-``grid:``          the axes: strategies, per-rank batch sizes, context lengths, bucket sizes, precisions, and
-                   any algorithm's own engine settings (e.g. PowerSGD's ``rank``)
-``workload:``      the CLI config every cell starts from, the model preset, extra CLI arguments
-``run:``           how each cell runs: accelerator, ranks, backend, launcher, warm-up and measured steps, how
-                   many times (repeats), and the load guard that waits for an idle machine before each repeat
-``output:``        where results go, resume behaviour, report-only mode, the bootstrap's samples and seed
-=================  ==============================================================================
-
-Validation happens in ``__post_init__`` (so at parse time, before anything is launched), and every error says
-which field to change.
+"""What a sweep is: one dataclass per concern (``grid``, ``workload``, ``run``, ``output``), every field documented
+(jsonargparse turns the docstrings into ``--help``). Validation happens in ``__post_init__``, at parse time, and every
+error names the field to change. Strategy names are the catalogue's (``lightning_ddp.catalogue``).
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
-import json
-import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from lightning_ddp.sync.registry import ALGORITHMS, NOT_SETTINGS  # the standard library only: no torch import
+from lightning_ddp import catalogue  # the standard library only: no torch import
 
 __all__ = [
-    "BASELINE",
-    "FSDP2",
     "PRECISIONS",
     "REFERENCE",
-    "SHARDED",
-    "engine_setting_defaults",
     "fit_arguments",
-    "format_settings",
     "has_bucket_axis",
-    "parse_settings",
-    "setting_combinations",
-    "settings_slug",
-    "sweep_strategies",
-    "variant_label",
-    "variant_strategy",
     "GridConfig",
     "OutputConfig",
     "RunConfig",
     "SweepConfig",
     "WorkloadConfig",
-    "format_bucket",
 ]
 
 
@@ -61,129 +33,16 @@ def fit_arguments(remainder: list[str]) -> list[str]:
     return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
 
 
-SHARDED: dict[str, bool] = {"zero1": False, "zero2": True}
-"""The sharded strategies the sweep runs besides the registered algorithms (each its own strategy class, not a
-registry entry: its optimizer is sharded too), name -> whether it has a bucket axis: ``zero1`` (``zero1_ddp``, the
-``reduce_scatter`` schedule, which has no buckets) and ``zero2`` (``zero2_ddp``, buckets reduced to their owners)."""
-
-
-def sweep_strategies() -> list[str]:
-    """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), the sharded
-    strategies (``SHARDED``), then ``ddp``, then ``fsdp2`` (torch's FSDP2: busy time and overlap not recorded).
-
-    An algorithm registered before the sweep's configuration is read joins the sweep with no other change.
-    """
-    return [*ALGORITHMS, *SHARDED, BASELINE, FSDP2]
-
-
 def has_bucket_axis(strategy: str) -> bool:
-    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb`` (algorithms with a bucket size, and
-    ``zero2``)."""
-    algorithm = ALGORITHMS.get(strategy)
-    return SHARDED.get(strategy, False) or (algorithm is not None and algorithm.has_bucket_size)
+    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb``."""
+    return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
 
-
-ENGINE_ARGUMENTS: tuple[str, ...] = NOT_SETTINGS
-"""What every engine takes and the sweep sets itself (the registry's ``NOT_SETTINGS``); an engine's other keyword
-arguments are its *settings*."""
-
-
-def engine_setting_defaults(strategy: str) -> dict[str, Any] | None:
-    """The settings of ``strategy``'s engine with their defaults (``Algorithm.settings()``: ``REQUIRED``, i.e.
-    ``inspect.Parameter.empty``, where there is none); ``{}`` for ``ddp``, the reference and an engine without any;
-    ``None`` when the engine takes ``**kwargs`` (any name may be a setting). Imports the engine (hence torch).
-    """
-    algorithm = ALGORITHMS.get(strategy)
-    if algorithm is None:
-        return {}
-    parameters = inspect.signature(algorithm.engine_factory()).parameters.values()
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        return None
-    return algorithm.settings()
-
-
-def _setting_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def format_settings(settings: Mapping[str, Any]) -> str:
-    """``{"rank": 4, "start_iter": 10}`` -> ``"rank=4 start_iter=10"`` (labels, CSV and tables); ``{}`` -> ``""``.
-
-    >>> format_settings({"rank": 4, "min_compression_rate": 2.0})
-    'rank=4 min_compression_rate=2'
-    """
-    return " ".join(f"{name}={_setting_text(value)}" for name, value in settings.items())
-
-
-def parse_settings(text: str) -> dict[str, Any]:
-    """The settings ``format_settings`` wrote (results.csv's ``engine_settings``), values read as JSON where they
-    parse (numbers, ``true``/``false``), else kept as text.
-
-    >>> parse_settings("rank=4 min_compression_rate=0.5 mode=fast")
-    {'rank': 4, 'min_compression_rate': 0.5, 'mode': 'fast'}
-    """
-    settings: dict[str, Any] = {}
-    for item in (text or "").split():
-        name, _, value = item.partition("=")
-        try:
-            settings[name] = json.loads(value)
-        except ValueError:
-            settings[name] = value
-    return settings
-
-
-def settings_slug(settings: Mapping[str, Any]) -> str:
-    """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"`` (cell ids, plot names); ``{}`` -> ``""``.
-
-    >>> settings_slug({"rank": 4, "min_compression_rate": 0.5})
-    '-rank4-min_compression_rate0.5'
-    """
-    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{_setting_text(value)}") for name, value in settings.items())
-
-
-def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none.
-
-    >>> setting_combinations({"rank": [1, 4], "start_iter": [0]})
-    [{'rank': 1, 'start_iter': 0}, {'rank': 4, 'start_iter': 0}]
-    """
-    axes = axes or {}
-    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-
-
-def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
-    """How tables, plots and progress lines name a cell's strategy: ``bucketed_powersgd 4 MiB rank=4``.
-
-    >>> variant_label("bucketed", "auto"), variant_label("bucketed_powersgd", 4.0, "rank=4"), variant_label("naive")
-    ('bucketed auto', 'bucketed_powersgd 4 MiB rank=4', 'naive')
-    """
-    name = strategy
-    if bucket_size_mb not in (None, ""):
-        name += f" {format_bucket(bucket_size_mb)}" + (" MiB" if bucket_size_mb != "auto" else "")
-    return f"{name} {settings}" if settings else name
-
-
-def variant_strategy(variant: str) -> str:
-    """The strategy of a variant name (``"bucketed_powersgd rank=4"`` -> ``"bucketed_powersgd"``): a strategy name is
-    an identifier, so it ends at the first space."""
-    return variant.split(" ", 1)[0]
-
-
-BASELINE = "ddp"
-"""Lightning's built-in torch DDP: always in the grid, the yardstick of the first performance goal."""
-
-FSDP2 = "fsdp2"
-"""torch's FSDP2 (``lightning_ddp.strategies.FSDP2Strategy``), a baseline with parameters, gradients and optimizer
-state sharded: step time and exposed communication as for every strategy; busy time and overlap not recorded (torch
-issues its collectives), so its results.csv cells say so."""
 
 REFERENCE = "reference"
-"""The compute-only cell: one process (``--trainer.devices 1``, strategy ``auto``), same per-rank batch, no
-communication. Its step time is the floor that perfect overlap would reach. Always in the grid."""
+"""The compute-only cell: one process, strategy ``auto``, same per-rank batch; always in the grid."""
+
+BASELINE = "ddp"
+"""Lightning's DDP, always in the grid: the yardstick of the first performance goal."""
 
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 """Values of ``grid.precisions`` (Lightning's ``trainer.precision``; ``32-true`` is fp32)."""
@@ -208,25 +67,14 @@ SWEEP_OWNED_ARGS: dict[str, str] = {
 """CLI arguments the sweep sets for every cell, and the sweep field that controls each."""
 
 
-def format_bucket(size: float | str | None) -> str:
-    """``4.0 -> "4"``, ``0.25 -> "0.25"``, ``"auto" -> "auto"``, ``None -> ""`` (for ids, CSV and tables)."""
-    if size is None or size == "":
-        return ""
-    if isinstance(size, str):
-        return size
-    return f"{float(size):g}"
-
-
 @dataclass
 class GridConfig:
     """The axes of the sweep; every combination is one cell (``bucket_sizes_mb`` multiplies only the algorithms
-    that have a bucket size, e.g. ``bucketed``)."""
+    that have a bucket size, e.g. ``bucketed_ddp``)."""
 
-    strategies: list[str] = field(default_factory=lambda: ["naive", "flat", "overlap", "bucketed", "ddp"])
-    """Gradient-sync strategies to compare: any registered algorithm (naive, flat, overlap, bucketed, ...), the
-    sharded ``zero1`` and ``zero2`` (with a bucket axis), and
-    ddp. Lightning's ``ddp`` (the baseline) and the single-process compute-only ``reference`` are added to every
-    group of cells anyway."""
+    strategies: list[str] = field(default_factory=lambda: ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp",
+                                                           "ddp"])
+    """Strategies to compare (catalogue names); ``ddp`` and the one-process ``reference`` are always added."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""
     context_lengths: list[int] = field(default_factory=lambda: [64, 128])
@@ -237,21 +85,18 @@ class GridConfig:
     precisions: list[str] = field(default_factory=lambda: ["32-true"])
     """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
-    """Axes of an algorithm's own engine settings: per algorithm, setting -> values, e.g.
-    ``{bucketed_powersgd: {rank: [1, 4]}}``. Every combination of the values multiplies that algorithm's cells (times
-    its bucket sizes); the cell passes them to the strategy as ``engine_settings``. A setting is any keyword argument
-    of the algorithm's engine besides the module, the bucket size and the process group (checked here); one not
-    listed keeps the engine's default. Settings of an algorithm not in ``strategies`` make no cells."""
+    """Per engine, setting -> values, e.g. ``{bucketed_powersgd_ddp: {rank: [1, 4]}}``: every combination multiplies
+    that strategy's cells; a setting not listed keeps the engine's default."""
 
     def __post_init__(self) -> None:
-        choices = ", ".join(sweep_strategies())
+        choices = ", ".join(catalogue.names())
         if not self.strategies:
             raise ValueError(
                 f"the sweep has no cells: `strategies` is empty; list at least one of {choices} "
-                "(e.g. `--grid.strategies [naive,bucketed]`)"
+                "(e.g. `--grid.strategies [naive_ddp,bucketed_ddp]`)"
             )
         # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
-        unknown = [s for s in self.strategies if s not in sweep_strategies() and s != REFERENCE]
+        unknown = [s for s in self.strategies if s not in catalogue.STRATEGIES and s != REFERENCE]
         if unknown:
             raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
         self.strategies = list(dict.fromkeys(self.strategies))  # de-duplicate, keep the order
@@ -287,32 +132,32 @@ class GridConfig:
     def setting_combinations(self, strategy: str) -> list[dict[str, Any]]:
         """Every combination of ``strategy``'s ``engine_settings`` values, in the order they are listed (the first
         setting varies slowest); ``[{}]`` for a strategy without any."""
-        return setting_combinations(self.engine_settings.get(strategy))
+        return catalogue.setting_combinations(self.engine_settings.get(strategy))
 
 
-def _check_settings(algorithm: str, settings: Any) -> dict[str, list[Any]]:
-    """One algorithm's entry of ``grid.engine_settings``, checked against its engine's signature (values
-    de-duplicated), whether or not the algorithm is in ``grid.strategies`` (so a config's settings stay valid when
-    the strategies are narrowed on the command line)."""
-    where = f"`grid.engine_settings.{algorithm}`"
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"{where}: {algorithm!r} is not a registered algorithm (ddp and the reference have no engine settings); "
-            f"choose from {', '.join(ALGORITHMS)}"
-        )
+def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
+    """One entry of ``grid.engine_settings``, checked against its engine's signature (values de-duplicated), whether
+    or not the strategy is in ``grid.strategies`` (a config stays valid when they are narrowed on the command line)."""
+    where = f"`grid.engine_settings.{name}`"
+    engines = catalogue.names(engines_only=True)
+    if name not in engines:
+        raise ValueError(f"{where}: {name!r} is not one of our engines (the others have no engine settings here); "
+                         f"choose from {', '.join(engines)}")
     if not isinstance(settings, dict) or not settings:
         raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got {settings!r}")
-    valid = engine_setting_defaults(algorithm)
-    for name, values in settings.items():
-        if name in ENGINE_ARGUMENTS:
-            axis = "`grid.bucket_sizes_mb`" if name == "bucket_size_mb" else "the sweep"
-            raise ValueError(f"{where}: {name!r} is not an engine setting: {axis} sets it for every cell")
-        if valid is not None and name not in valid:
+    entry = catalogue.get(name)
+    valid = None if entry.takes_any_setting() else entry.settings()
+    for setting, values in settings.items():
+        if setting in catalogue.NOT_SETTINGS:
+            axis = "`grid.bucket_sizes_mb`" if setting == "bucket_size_mb" else "the sweep"
+            raise ValueError(f"{where}: {setting!r} is not an engine setting: {axis} sets it for every cell")
+        if valid is not None and setting not in valid:
             choices = ", ".join(valid) if valid else "none (its engine takes only the module, the bucket size and the process group)"
-            raise ValueError(f"{where}: the {algorithm!r} engine has no setting {name!r}; its settings are: {choices}")
+            raise ValueError(f"{where}: the {name!r} engine has no setting {setting!r}; its settings are: {choices}")
         if not isinstance(values, list) or not values:
-            raise ValueError(f"{where}.{name} must be a non-empty list of values, e.g. `{name}: [1, 4]`; got {values!r}")
-    return {name: _unique(values) for name, values in settings.items()}
+            raise ValueError(
+                f"{where}.{setting} must be a non-empty list of values, e.g. `{setting}: [1, 4]`; got {values!r}")
+    return {setting: _unique(values) for setting, values in settings.items()}
 
 
 def _unique(values: list[Any]) -> list[Any]:

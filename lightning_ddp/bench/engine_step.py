@@ -41,21 +41,21 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
+from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, ratio_estimate
 from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
-from lightning_ddp.sync.registry import get_algorithm
 
 __all__ = ["main", "parse_variant"]
 
 
 def parse_variant(text: str) -> tuple[str, float | str | None]:
-    """``"bucketed@4"`` -> ``("bucketed", 4.0)``; ``"ddp"`` -> ``("ddp", None)``; ``"bucketed@none"`` -> one bucket.
+    """``"bucketed_ddp@4"`` -> ``("bucketed_ddp", 4.0)``; ``"ddp"`` -> ``("ddp", None)``; ``@none``: one bucket.
 
-    >>> parse_variant("bucketed@0.25"), parse_variant("naive"), parse_variant("bucketed@auto")
-    (('bucketed', 0.25), ('naive', None), ('bucketed', 'auto'))
+    >>> parse_variant("bucketed_ddp@0.25"), parse_variant("naive_ddp"), parse_variant("bucketed_ddp@auto")
+    (('bucketed_ddp', 0.25), ('naive_ddp', None), ('bucketed_ddp', 'auto'))
     """
     name, _, size = text.partition("@")
     if not size:
@@ -69,7 +69,7 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     name, size = parse_variant(variant)
     if name == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
-    algorithm = get_algorithm(name)
+    algorithm = catalogue.get(name)
     if size is None:
         return algorithm.make_engine(model)
     return algorithm.make_engine(model, bucket_size_mb=None if size == "none" else size)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name, _ = parse_variant(variant)
         if name != "ddp":
             try:
-                get_algorithm(name)  # an unknown name fails here, listing the valid ones
+                catalogue.get(name)  # an unknown name fails here, listing the valid ones
             except ValueError as error:
                 parser.error(f"--variants: {error}")
 

@@ -116,9 +116,8 @@ class MemoryBenchConfig:
     """Process-group backend; default gloo on CPU, NCCL on CUDA."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
-    grad_sync: str = "bucketed"
-    """The algorithm that all-reduces gradients for unsharded and allreduce_broadcast: any registered one
-    (naive, flat, overlap, bucketed, ...; ``lightning_ddp.sync.registry``)."""
+    grad_sync: str = "bucketed_ddp"
+    """The engine that all-reduces gradients for unsharded and allreduce_broadcast (a catalogue engine name)."""
     bucket_size_mb: Optional[float] = 25.0
     """Bucket cap in MiB of a ``grad_sync`` algorithm with buckets (null: one bucket); ignored by the others."""
     lr: float = 3e-4
@@ -159,12 +158,11 @@ class MemoryBenchConfig:
             raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
-        from lightning_ddp.sync.registry import get_algorithm
+        from lightning_ddp import catalogue
 
-        try:
-            get_algorithm(self.grad_sync)
-        except ValueError as error:
-            raise ValueError(f"{error} (--grad_sync)") from None
+        if self.grad_sync not in catalogue.names(engines_only=True):
+            raise ValueError(f"{self.grad_sync!r} is not one of our engines; choose from "
+                             f"{', '.join(catalogue.names(engines_only=True))} (--grad_sync)")
 
 
 def resolved_backend(config: MemoryBenchConfig) -> str:
@@ -234,13 +232,14 @@ def _peak_rss_bytes() -> int | None:
 
 
 def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
-    from lightning_ddp.sync import DeferredGradSync, get_algorithm
+    from lightning_ddp import catalogue
+    from lightning_ddp.sync import DeferredGradSync
 
     if mode == "reduce_scatter":
         return DeferredGradSync(model)
     if mode == "zero2":
         return _make_zero2_engine(config, model)
-    algorithm = get_algorithm(config.grad_sync)
+    algorithm = catalogue.get(config.grad_sync)
     return algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size else "default")
 
 

@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import REFERENCE, has_bucket_axis, variant_strategy
+from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
+from lightning_ddp.catalogue import variant_strategy
 from lightning_ddp.bench.analysis import Analysis, analyze, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 

@@ -26,7 +26,8 @@ from lightning_ddp.bench.analysis import (
 )
 # This module held the analysis before bench.analysis did: its names stay importable from here.
 from lightning_ddp.bench.analysis import AcrossGroups, GoalCheck, Measured, Selection, group_rows  # noqa: F401
-from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, variant_label
+from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis
+from lightning_ddp.catalogue import variant_label
 from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["build_report"]

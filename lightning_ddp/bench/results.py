@@ -89,10 +89,12 @@ import numpy as np
 
 from lightning_ddp import files
 from lightning_ddp.callbacks.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
-from lightning_ddp.bench.config import REFERENCE, format_bucket, format_settings, has_bucket_axis
-from lightning_ddp.bench.grid import Cell, RankLayout
+from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
+from lightning_ddp.bench.grid import Cell
+from lightning_ddp.bench.launch import RankLayout
 from lightning_ddp.bench.load import LoadCheck
 from lightning_ddp.bench.runner import CellOutcome
+from lightning_ddp.catalogue import format_bucket, format_settings
 from lightning_ddp.bench.stats import Bootstrapper, percentile_interval, pooled_median, pooled_percentile
 
 __all__ = [

@@ -36,7 +36,6 @@ import io
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from typing import Any
 import numpy as np
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from lightning_ddp.bench.launch import measured_steps, run_fit
 from lightning_ddp.bench.stats import Estimate, estimate, verdict
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
@@ -122,31 +122,22 @@ class StragglerBenchConfig:
 # ---- one run ---------------------------------------------------------------------------------------------
 
 
-def _fit_command(config: StragglerBenchConfig, strategy: str, delay_ms: float, save_dir: Path) -> list[str]:
-    command = [sys.executable, "-m", "lightning_ddp", "fit", "--config", config.fit_config, *config.fit_args,
-               "--trainer.strategy", strategy, "--trainer.max_steps", str(config.steps),
-               "--timer.warmup_steps", str(config.warmup_steps), "--trainer.enable_progress_bar", "false",
-               "--trainer.logger.init_args.save_dir", str(save_dir)]
+def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
+    arguments = ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
+                 "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
+                 "--trainer.enable_progress_bar", "false"]
     if delay_ms > 0:
-        command += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
-                    str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
-    return command
+        arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
+                      str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
+    return arguments
 
 
 def _run(config: StragglerBenchConfig, strategy: str, delay_ms: float, tmp: Path) -> list[dict[str, float]]:
     """One fit; its measured steps (rank 0's rows of timing_summary.json after warm-up)."""
-    save_dir = tmp / f"{strategy}_{delay_ms:g}_{time.monotonic_ns()}"
-    command = _fit_command(config, strategy, delay_ms, save_dir)
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=config.timeout_s)
-    if proc.returncode != 0:
-        from lightning_ddp.bench.runner import error_line
-
-        print(proc.stderr[-8000:], file=sys.stderr, flush=True)
-        raise RuntimeError(f"the fit ({strategy}, delay {delay_ms:g} ms) exited {proc.returncode}: "
-                           f"{error_line(proc.stdout + proc.stderr) or 'no error line'}")
-    (summary_file,) = save_dir.rglob("timing_summary.json")
-    summary = json.loads(summary_file.read_text())
-    return summary["steps"][summary["warmup_steps"]:]
+    log_dir = tmp / f"{strategy}_{delay_ms:g}_{time.monotonic_ns()}"
+    run_fit(_fit_arguments(config, strategy, delay_ms), log_dir, what=f"{strategy}, delay {delay_ms:g} ms",
+            timeout_s=config.timeout_s)
+    return measured_steps(log_dir)
 
 
 # ---- statistics ------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ from typing import Any, Callable
 
 from lightning_ddp.bench.analysis import analyze
 from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
-from lightning_ddp.bench.grid import Cell, RankLayout, every_rank_environment, expand_grid, rank_layout, threads_per_rank
+from lightning_ddp.bench.grid import Cell, expand_grid, sweep_layout, threads_per_rank
+from lightning_ddp.bench.launch import RankLayout, find_free_port, rank_environments, run_processes
 from lightning_ddp.bench.load import LoadCheck, wait_until_idle
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import build_report
@@ -60,9 +61,8 @@ from lightning_ddp.bench.results import (
     write_steps,
     write_text_atomically,
 )
-from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, run_processes
+from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner
 from lightning_ddp.bench.stats import Bootstrapper
-from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
@@ -237,7 +237,7 @@ def _default_layout(config: SweepConfig) -> RankLayout:
         import torch
 
         gpu_count = torch.cuda.device_count()
-    return rank_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def _load_average() -> float | None:
@@ -353,7 +353,8 @@ def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
                "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
-    envs = every_rank_environment(config, layout, find_free_port())
+    envs = rank_environments(layout, find_free_port(), every_rank=True, threads=threads_per_rank(config),
+                             extra=config.run.env)
     logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
     outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
     if any(code != 0 for code in outcome.returncodes) or not result_path.exists():

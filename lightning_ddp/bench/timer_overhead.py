@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
+from lightning_ddp.bench.launch import run_fit
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
 from lightning_ddp.files import write_atomically
 
@@ -93,24 +93,16 @@ def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]
         for repeat in range(repeats):
             for index, (arm, timer_args) in enumerate(arm_args.items()):
                 out = Path(tmp) / f"arm{index}_{repeat}.json"
-                command = [
-                    sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
-                    "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false", *timer_args,
+                arguments = [
+                    "--config", config, *extra, "--trainer.max_steps", str(steps),
+                    "--trainer.enable_progress_bar", "false", *timer_args,
                     # No validation inside the measured window (the quickstart validates at step 40).
                     "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-                    "--trainer.logger.init_args.save_dir", str(Path(tmp) / "logs"),
                     "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
                     "--trainer.callbacks.path", str(out),
                 ]
                 print(f"repeat {repeat + 1}/{repeats}, timer {arm}", flush=True)
-                proc = subprocess.run(command, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    from lightning_ddp.bench.runner import error_line
-
-                    # The fit's own error, not the (long) command line CalledProcessError would show.
-                    print(proc.stderr[-8000:], file=sys.stderr, flush=True)
-                    raise RuntimeError(f"the fit with the timer {arm} exited {proc.returncode}: "
-                                       f"{error_line(proc.stdout + proc.stderr) or 'no error line'}")
+                run_fit(arguments, Path(tmp) / f"logs{index}_{repeat}", what=f"timer {arm}")
                 measured = json.loads(out.read_text())
                 runs[arm].append(measured["steps_ms"][warmup:])
                 windows[arm].append(measured["window_ms"] / len(measured["steps_ms"]))

@@ -16,7 +16,7 @@ import io
 from pathlib import Path
 from typing import Any, Sequence
 
-from lightning_ddp.bench.config import variant_strategy
+from lightning_ddp.catalogue import variant_strategy
 from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import contention_of, copy_bandwidth

@@ -88,7 +88,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
-from lightning_ddp.bench.config import format_settings
+from lightning_ddp.catalogue import format_settings
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.comm import CommCost

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
-from lightning_ddp.bench.config import format_settings, setting_combinations
+from lightning_ddp.catalogue import format_settings, setting_combinations
 from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import CommCost, Fabric, MeasuredFit, read_fit
 from lightning_ddp.projection.memory import state_bytes

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Optional
 
 from jsonargparse import auto_cli
 
-from lightning_ddp.bench.config import parse_settings
+from lightning_ddp.catalogue import parse_settings
 from lightning_ddp.profile import ComputeProfile, write_atomically
 from lightning_ddp.projection.comm import read_fit
 from lightning_ddp.projection.contention import CONTENTION, cpu_contention_lines

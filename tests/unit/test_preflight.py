@@ -86,7 +86,7 @@ def test_fixes_are_the_ones_that_help(monkeypatch) -> None:
 def test_a_refused_sweep_cell_is_recorded_as_oom(monkeypatch) -> None:
     # The benchmark sweep classifies a cell by its ranks' logs: the refusal must read as out of memory, with the
     # refusal's first line as the reason.
-    from lightning_ddp.bench.runner import is_oom
+    from lightning_ddp.bench.launch import is_oom
 
     monkeypatch.setattr(cli, "memory_budget_bytes", lambda device_type, ranks: 2**20)
     with pytest.raises(MemoryPreflightError) as info:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, Scale
 from lightning_ddp.bench.gpu_study.fits import FitResult, FitSpec, run_fits
+from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, run_processes, strategy_argument
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.provenance import COMMIT_VARIABLE
 
@@ -106,13 +107,7 @@ class StudyContext:
 
     def run_python(self, args: list[str], log: Path) -> Ran:
         """``python ARGS`` in the checkout until the stage's deadline, output to ``log``."""
-        from lightning_ddp.bench.grid import without_launcher_variables
-        from lightning_ddp.bench.runner import error_line, run_processes
-
-        env = {**without_launcher_variables(), "PYTHONUNBUFFERED": "1", **self.env()}
-        threads = self.threads(1)
-        if threads is not None:
-            env.setdefault("OMP_NUM_THREADS", str(threads))
+        env = base_environment(self.threads(1), extra=self.env())
         log.parent.mkdir(parents=True, exist_ok=True)
         result = run_processes([sys.executable, *args], [env], [log], max(self.stage_deadline(), 1.0),
                                cwd=str(self.root))
@@ -163,16 +158,13 @@ class Stage:
 def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
              strategy: str, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The CLI arguments (after ``fit``) of one fit on the study's device: ``ranks`` ranks share it over gloo;
-    ``strategy`` is a catalogue name, or ``auto`` (one process)."""
+    ``strategy`` is a catalogue name, or the study's one-process ``reference``."""
     backend = ctx.backend if ranks == 1 else "gloo"
-    argument = "auto"
-    if strategy != "auto":
-        argument = json.dumps(catalogue.get(strategy).strategy_argument(backend=backend))
     return (
         "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
         "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
         "--trainer.accelerator", ctx.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
-        "--trainer.strategy", argument, "--trainer.precision", precision,
+        "--trainer.strategy", strategy_argument(strategy, backend), "--trainer.precision", precision,
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
         "--timer.warmup_steps", str(warmup), "--timer.every_n_steps", "1", *extra,  # every step measured
@@ -478,7 +470,7 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
     import torch
 
     steps = ctx.scale.equivalence_steps
-    reference = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, "one_process", "auto", 1)])[0]
+    reference = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, "one_process", REFERENCE, 1)])[0]
     pairs = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, n, n, 2) for n in catalogue.names()],
                      ranks=2)
     problems = _failures([reference])
