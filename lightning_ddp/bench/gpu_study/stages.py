@@ -204,9 +204,10 @@ def _fit_row(result: FitResult) -> dict[str, Any]:
     row: dict[str, Any] = {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1)}
     for key in FIT_KEYS:
         median = (summary.get("summary") or {}).get(key, {}).get("median")
-        row[key] = float(median) if isinstance(median, (int, float)) else None
         if key in not_recorded:
             row[key] = "not recorded"
+        else:
+            row[key] = float(median) if isinstance(median, (int, float)) else None
     return row
 
 
