@@ -1,31 +1,8 @@
 """``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
 
-    python -m lightning_ddp.bench.compression --config configs/text_bytes.yaml --steps 300 \
-        --variants bucketed_bf16 bucketed_powersgd:rank=4,start_iter=10 --out benchmarks/results/compression_cpu
-
-Arguments after ``--`` go to every training run (``-- --trainer.accelerator cuda``).
-
-Every *variant* is a registered lossy algorithm with buckets (``exact=False`` in ``lightning_ddp.sync.registry``),
-with engine settings if given (``NAME:setting=value,...``); by default every such algorithm at its engine's
-defaults (``bucketed_bf16``, ``bucketed_powersgd`` ...). Each is compared with ``bucketed`` (exact fp32 averaging)
-at the same bucket size. Two measurements, both on 2 ranks:
-
-1. **Training**: per seed (``--seeds``, default 0 1 2), the same fit once with ``bucketed`` and once per variant
-   (same config, seed and data); each a real ``python -m lightning_ddp fit`` run (a variant's settings go to the
-   strategy as ``engine_settings``). From their logs: the ``train/loss`` curves; per variant the paired difference
-   of the loss over the last ``--last`` steps, per seed and pooled, with a 95 % interval (hierarchical bootstrap:
-   seed values, then steps within each seed; ``lightning_ddp.bench.stats``) next to the fp32 runs' own spread from
-   seed to seed (one pair of runs cannot tell a systematic effect from the trajectories drifting apart); and from the
-   CommTimer's summary the median bytes per step, step time and exposed communication.
-2. **Gradient error, step by step**: one fp32 training run without Lightning on the same data and model; every
-   step, each variant's engine (built directly from the registry with its settings, on a copy of the model loaded
-   with the same weights) averages the same local gradients its own way: the relative error
-   ``||avg_variant - avg_fp32|| / ||avg_fp32||`` of the whole flattened gradient, and the largest absolute error,
-   per step. Stateful engines keep their state across these steps (PowerSGD's warm-up and error feedback), so the
-   error is that of the algorithm's steady state along fp32 training's trajectory.
-
-Writes ``results.json``, ``results.md`` and ``loss_curves.png`` into ``--out`` (atomically), with the commands,
-versions and git state.
+Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) is compared with exact bucketed fp32
+averaging: real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run.
+Arguments after ``--`` go to every fit. docs/benchmarks.md describes both measurements.
 """
 
 from __future__ import annotations
@@ -60,7 +37,7 @@ from lightning_ddp.provenance import git_state
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
-BASELINE = "bucketed_ddp"
+BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
 
 

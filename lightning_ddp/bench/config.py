@@ -14,7 +14,9 @@ __all__ = [
     "PRECISIONS",
     "REFERENCE",
     "fit_arguments",
+    "default_strategies",
     "has_bucket_axis",
+    "strategy_with_memory_model",
     "GridConfig",
     "OutputConfig",
     "RunConfig",
@@ -31,6 +33,19 @@ def fit_arguments(remainder: list[str]) -> list[str]:
     ['--trainer.accelerator', 'cuda']
     """
     return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
+
+
+def strategy_with_memory_model(model: str) -> str:
+    """The one catalogue strategy whose memory model is ``model``: the study's goals and the memory benchmark name a
+    strategy by what it keeps in memory (``none``: naive_ddp, ``per_tensor``: overlap_ddp, ``fully_sharded``: fsdp2)."""
+    (name,) = [entry.name for entry in catalogue.STRATEGIES.values() if entry.memory == model]
+    return name
+
+
+def default_strategies() -> list[str]:
+    """The sweep's default strategies: our exact engines, then Lightning's ``ddp``."""
+    exact = [entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact]
+    return [*exact, BASELINE]
 
 
 def has_bucket_axis(strategy: str) -> bool:
@@ -72,8 +87,7 @@ class GridConfig:
     """The axes of the sweep; every combination is one cell (``bucket_sizes_mb`` multiplies only the algorithms
     that have a bucket size, e.g. ``bucketed_ddp``)."""
 
-    strategies: list[str] = field(default_factory=lambda: ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp",
-                                                           "ddp"])
+    strategies: list[str] = field(default_factory=default_strategies)
     """Strategies to compare (catalogue names); ``ddp`` and the one-process ``reference`` are always added."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""

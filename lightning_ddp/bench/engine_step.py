@@ -1,27 +1,6 @@
-"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without Lightning.
-
-What it isolates: the gradient synchronisation. Every variant trains the same GPT on the same random tokens with
-AdamW on 2 ranks (gloo on CPU), forward + backward + sync + ``optimizer.step()`` + ``zero_grad()`` (to ``None``,
-torch's default), and nothing else: no Lightning, no logging, no callbacks, no measuring inside the step. Torch
-DDP runs with the settings Lightning's ``ddp`` uses (25 MiB buckets, ``gradient_as_bucket_view=False``, no
-unused-parameter search).
-
-Recipe:
-
-1. Spawn the ranks once; each builds every variant's model (same seed) and engine.
-2. ``rounds`` rounds; in each, every variant runs ``warmup + steps`` steps in turn (round-robin, so a slow
-   drift of a shared machine hits every variant alike). Per step: its wall time (the host clock around it, max
-   over ranks), and its CPU time: the process's CPU seconds over the step (``time.process_time()``, every thread:
-   the training thread and gloo's), summed over ranks. On a CPU machine with one core per rank the CPU time is
-   what the step costs the machine, and it is far less noisy than the wall time, which also counts waiting for
-   the other rank and for the cores.
-3. Per variant: the median over all measured steps of all rounds, and its 95 % interval from a two-level
-   bootstrap over rounds and steps (``lightning_ddp.bench.stats``); per variant against ``ddp``: the ratio of
-   medians and its interval, for both times.
-
-Variants are ``ddp`` or ``<algorithm>[@<bucket MiB>]`` from the algorithm registry, e.g. ``bucketed@4``.
-
-    python -m lightning_ddp.bench.engine_step --variants ddp bucketed@1 bucketed@4 --rounds 6 --steps 20
+"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without
+Lightning (wall and CPU time per step, rounds interleaved). Variants are ``ddp`` or ``<engine>[@<bucket MiB>]``;
+docs/benchmarks.md has the recipe.
 """
 
 from __future__ import annotations

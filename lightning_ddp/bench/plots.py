@@ -1,17 +1,6 @@
-"""The sweep's PNG plots, from results.csv rows and their analysis (``bench.analysis``), on matplotlib's Agg canvas
-(no display, no pyplot global state). Every bar and point carries its 95 % interval as an error bar.
-
-One figure per precision and batch size, each with a step-time panel and a comm-share panel:
-
-- ``strategies_<precision>_bs<batch>.png``: bars per context length, one per strategy, the compute-only reference
-  as a bar of its own; an algorithm with buckets at the bucket size selected on the selection repeats, with the
-  numbers of its evaluation repeats (``analysis.Selection``); every strategy in the rows is drawn, in
-  ``analysis.strategy_order``;
-- ``<algorithm>_<precision>_bs<batch>.png`` for each algorithm with buckets (``bucketed`` ...; a variant with
-  engine settings, ``bucketed_powersgd rank=4``, is ``bucketed_powersgd-rank4_...``): step time and comm
-  share against the bucket size (log x), one line per context length, each point a cell over all its repeats, like
-  the study's bucket figures; the selected size is circled, the predicted best size is a dotted vertical line and
-  ``auto`` cells are stars at the size they resolved to.
+"""The sweep's PNG plots with 95 % error bars (matplotlib's Agg canvas): per precision and batch size, the strategies
+side by side, and step time and comm share against the bucket size for each engine with buckets
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

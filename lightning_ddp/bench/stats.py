@@ -1,36 +1,5 @@
-"""The sweep's statistics: point estimates, hierarchical-bootstrap intervals and verdicts (pure, numpy only).
-
-A cell is measured ``R`` times (*repeats*, each a fresh set of processes), each repeat for ``n`` measured steps.
-Steps of one repeat share that repeat's conditions (process placement, allocator state, what else the machine
-was doing), so they are not independent draws: the repeats are the units, the steps are measurements within them.
-
-Definitions (``x[r]`` the values of one metric in repeat ``r``; every function here takes them as a list of
-per-repeat arrays, a missing value being ``NaN``):
-
-=====================  =========================================================================================
-term                   definition
-=====================  =========================================================================================
-pooled median          the median of all the cell's measured steps, pooled over its repeats (``pooled_median``):
-                       the point estimate of every median in results.csv and results.md
-hierarchical           one draw (``hierarchical_bootstrap``): pick ``R`` repeats out of the ``R`` with replacement,
-bootstrap              then, within each picked repeat, as many steps as it has, with replacement; the statistic
-                       (the median) of the pooled picked steps is one draw. ``B`` draws (``output.bootstrap_samples``,
-                       default 2000), from a generator seeded by ``output.seed`` and the name of what is drawn
-                       (``rng_for``), so the same data and seed give the same interval in any order of computation
-95 % interval          ``[lo, hi]``: the 2.5th and 97.5th percentiles of the ``B`` draws (``percentile_interval``).
-                       Resampling repeats first makes a slow drift between repeats widen the interval, as it should;
-                       resampling only steps would pretend a repeat's shared conditions were independent luck
-ratio of two cells     point: the ratio of the two pooled medians. Interval: each cell bootstrapped on its own
-                       (independently: they ran in different processes) and the ratio taken per draw
-                       (``ratio_estimate``; ``Bootstrapper`` does the same for any function of several cells)
-geometric mean         over groups of per-group ratios: ``exp(mean(log ratio))``, per draw for the interval (every
-                       group's cells are bootstrapped within each draw: ``geometric_mean_draws``)
-verdict for a goal     ``met`` if ``hi <= target``, ``missed`` if ``lo > target``, else ``inconclusive``: the
-"ratio <= target"      interval straddles the target and these measurements cannot tell (``verdict``)
-=====================  =========================================================================================
-
-With one repeat the bootstrap can only resample steps: the interval then says nothing about the variation
-between process sets, which is why the sweep defaults to 5 repeats.
+"""The study's statistics: pooled medians, hierarchical-bootstrap intervals (repeats, then steps within each),
+ratios, geometric means and verdicts (pure, numpy only); docs/benchmarks.md defines each.
 
 >>> pooled_median([[1.0, 2.0, 3.0], [10.0]])  # the median of 1, 2, 3, 10
 2.5

@@ -1,24 +1,6 @@
-"""What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every 50th step,
-alternated in one command.
-
-    python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml --out benchmarks/results/cpu
-
-Arguments after ``--`` go to every fit (``-- --trainer.accelerator cuda``).
-
-The arms (``ARMS``): ``off`` (``--timer.enabled false``), ``every step`` (``--timer.every_n_steps 1``, what the
-benchmarks use) and ``every N steps`` (``--timer.every_n_steps N``, default 50, the CLI's default cadence: a step
-that is not sampled should cost nothing). Each repeat runs every arm once, in that order, so slow drifts of a shared
-machine hit them alike. Every step's wall time is taken by ``StepWallTimes``, a callback present in every run that
-only reads ``time.perf_counter()`` at the end of each training batch, with no synchronisation of its own: on CUDA a
-per-step ``torch.cuda.synchronize()`` in the *measuring* callback would drain the GPU in every arm and hide exactly
-the cost of the timer's own synchronize. Over many steps the host cannot run further ahead than the queue allows, so
-the host deltas average to the device's step time; the window's total (end of the warm-up to the end of training,
-after one final synchronize) is reported too. Per arm, the overhead is ``median(step | arm) / median(step | off) -
-1`` over the steps after ``warmup``, pooled over the repeats, with a 95 % interval (bootstrap over repeats, then
-steps) and a verdict against the goal of under 2 %: on 2 shared cores two repeats once gave +12 % and four the next
-minute -0.1 %, so read the interval, not the point. The median of a sampled arm is the cost of the steps it does not
-measure (the measured ones are 1 in N); the whole-run mean spreads the measured steps' cost over all steps, so run
-at least ``2 N`` steps (``--steps``) for it to include some.
+"""What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every Nth step,
+alternated in one command (``python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml``).
+Arguments after ``--`` go to every fit; docs/benchmarks.md says how the step times are taken.
 """
 
 from __future__ import annotations

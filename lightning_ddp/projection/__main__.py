@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_ddp.bench.command_line import parse_dataclass
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.projection.config import ProjectionConfig
 from lightning_ddp.projection.run import run_projection
 

@@ -1,4 +1,4 @@
-"""The study's command lines from config dataclasses (the sweep, the projection, the GPU study, the memory benchmark).
+"""Command lines from config dataclasses, for every study entry point (sweep, projection, GPU study, memory).
 
 Every field is a flag (``--grid.batch_sizes [2,4]``), ``--config FILE`` reads a YAML of them, a field's docstring is
 its ``--help`` text, and a config that fails validation (the dataclasses raise ``ValueError`` in
