@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_ddp import catalogue
 from lightning_ddp.cli import SUBCOMMANDS, main
 from tests.support.cli_utils import REPO, read_scalars, run_cli
 
@@ -195,10 +196,9 @@ def test_validate_without_a_split_stops_with_the_flag_to_set(tmp_path: Path) -> 
 
 
 STRATEGIES = {
-    "bucketed_ddp": None,  # the quickstart's own BucketedDDPStrategy (a GradSyncStrategy)
+    "bucketed_ddp": None,  # the quickstart's own strategy (a GradSyncStrategy)
     "zero1_ddp": "zero1_ddp",
-    "ddp": json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
-                       "init_args": {"process_group_backend": "gloo"}}),
+    "ddp": json.dumps(catalogue.get("ddp").strategy_argument("gloo")),
 }
 
 
