@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_ddp.bench.launch import is_oom
 from lightning_ddp.files import write_json_atomically
 
 __all__ = ["batch_candidates", "first_that_fits", "measure"]
@@ -149,11 +150,8 @@ def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: s
 
 
 def _is_oom(error: BaseException) -> bool:
-    import torch
-
-    # torch.OutOfMemoryError is torch >= 2.5's name; older versions raise torch.cuda.OutOfMemoryError (the same).
-    oom_types = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
-    return isinstance(error, oom_types) or "out of memory" in str(error).lower()
+    """An out-of-memory error, by the launcher's one rule (torch's ``OutOfMemoryError``, ``MemoryError``, ...)."""
+    return is_oom(f"{type(error).__name__}: {error}")
 
 
 def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
