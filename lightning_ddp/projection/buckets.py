@@ -1,13 +1,9 @@
 """Which parameters travel together: our engines' buckets, torch DDP's buckets, ZeRO-1's owners. Pure Python.
 
-``assign_buckets`` and ``assign_owners`` are the engines' own (``lightning_ddp.sync.assignment``, torch-free).
-``ddp_buckets`` restates torch DDP's rule (``compute_bucket_assignment_by_size`` in
-``torch/csrc/distributed/c10d/reducer.cpp``, checked against ``dist._compute_bucket_assignment_by_size``):
-
-- a bucket closes *after* the tensor that brings it to or past its limit (ours close *before* exceeding the cap);
-- the first bucket's limit is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), every later one ``bucket_cap_mb``
-  (25 MiB); since the first iteration is bucketed in the order gradients became ready (``_rebuild_buckets``),
-  the steady state walks parameters in ready order.
+``assign_buckets`` and ``assign_owners`` are the engines' own (``lightning_ddp.sync.assignment``, torch-free);
+``ddp_buckets`` restates torch DDP's rule (``compute_bucket_assignment_by_size`` in ``reducer.cpp``: a bucket closes
+after the tensor that reaches its limit, 1 MiB first then ``bucket_cap_mb``, in gradient-ready order), tested
+against ``dist._compute_bucket_assignment_by_size``.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ __all__ = ["DDP_BUCKET_CAP_BYTES", "DDP_FIRST_BUCKET_BYTES", "MiB", "assign_buck
 
 MiB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
-"""torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first (last-layer) bucket is small so communication starts early."""
+"""torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first (last-layer) bucket starts communication early."""
 DDP_BUCKET_CAP_BYTES = 25 * MiB
 """torch DDP's default ``bucket_cap_mb`` (25 MiB)."""
 

@@ -1,58 +1,9 @@
 """What one collective costs: latency-bandwidth formulas per algorithm, fabric presets, and the measured fit.
 
-Formulas
---------
-
-``n`` ranks, ``S`` bytes in the buffer (the whole tensor an all-reduce reduces; the whole *output* of an
-all-gather, the whole *input* of a reduce-scatter), ``B`` the per-rank **bus bandwidth** (bytes/s; what
-nccl-tests reports as ``busbw`` on large messages), ``alpha`` the latency of one algorithm step, and ``c`` a fixed
-cost per call (kernel launch, NCCL's base latency, ``torch.distributed`` dispatch):
-
-=================  ====================  ======================================  =========================
-collective         algorithm             latency                                 bandwidth term
-=================  ====================  ======================================  =========================
-all-reduce         ring                  c + 2(n-1)·alpha                        2(n-1)/n · S / B
-all-reduce         tree (double binary)  c + 2·ceil(log2 n)·alpha                2 · S / B
-reduce-scatter     ring                  c + (n-1)·alpha                         (n-1)/n · S / B
-all-gather         ring                  c + (n-1)·alpha                         (n-1)/n · S / B
-broadcast          ring (pipelined)      c + (n-1)·alpha                         S / B
-=================  ====================  ======================================  =========================
-
-Sources. The bandwidth factors are nccl-tests' bus-bandwidth corrections (``doc/PERFORMANCE.md`` in
-github.com/NVIDIA/nccl-tests: all-reduce ``2(n-1)/n``, reduce-scatter and all-gather ``(n-1)/n``, broadcast 1):
-a ring moves ``2(n-1)/n · S`` per rank for an all-reduce. The step counts (``2(n-1)`` for a ring all-reduce,
-``n-1`` for reduce-scatter and all-gather) and the tree's ``2 · log2`` latency and ``algbw = busbw / 2`` (so
-``2 S / B``) are NCCL's own cost model, ``ncclTopoTuneModel`` in ``src/graph/tuning.cc`` of
-github.com/NVIDIA/nccl (``nsteps``, ``nInterSteps``, ``ratio = .5`` for trees). ``algorithm="auto"`` takes the
-cheaper of ring and tree for each message, as NCCL's tuner does with its own tables (``ncclTopoGetAlgoTime``).
-
-Two levels (``Fabric`` with ``inter``): beyond ``gpus_per_node`` ranks, ``m = n / gpus_per_node`` nodes. We
-approximate NCCL's behaviour on NVLink+InfiniBand clusters (DGX/HGX H100: 8 GPUs on NVSwitch, 8 NICs):
-
-- **ring**: one ring through all ``n`` ranks; of its ``2(n-1)`` all-reduce steps, ``2(m-1)`` cross the network
-  (``nInterSteps`` in tuning.cc): latency ``c + 2(n-m)·alpha_intra + 2(m-1)·alpha_inter``. Its bandwidth is
-  ``min(B_intra, nics_per_node · B_nic)``: each channel's ring leaves a node once, and NCCL spreads channels
-  over the NICs, so a node's network traffic equals one rank's and its NICs share it (NVIDIA measures 192 GB/s
-  all-reduce busbw on DGX A100 with 8 x 200 Gb/s NICs, github.com/NVIDIA/nccl/issues/812).
-- **tree**: NCCL chains the GPUs inside a node and builds a double binary tree over nodes: latency
-  ``c + 2((g-1)·alpha_intra + ceil(log2 m)·alpha_inter)`` (tuning.cc), bandwidth term ``2 S / B`` with the same
-  ``B``. At large ``m`` it beats the ring's ``2(n-1)`` steps by orders of magnitude in latency.
-- reduce-scatter, all-gather and broadcast: rings, with ``(n-m)·alpha_intra + (m-1)·alpha_inter``.
-
-Within one node (``n <= gpus_per_node``) only the intra level is used, with NCCL's chain for the tree (latency
-``2(n-1)·alpha``, so the ring always wins there, as in NCCL on one node). A one-level fabric (no ``inter``)
-uses the textbook formulas above for every ``n``, i.e. as if all ranks sat on one such link or switch.
-
-The measured fit (``MeasuredFit``): ``lightning_ddp.sync.bucket_model`` fits ``t = o + S / w`` to all-reduces
-on ``n0`` ranks (2 in the sweep). Read as a ring at ``n0`` ranks, ``t = 2(n0-1)·alpha + 2(n0-1)/n0 · S / B``, so
-``B = w · 2(n0-1)/n0`` (the bus bandwidth; equal to ``w`` at ``n0 = 2``) and, with ``overhead_scaling="per_hop"``
-(the default), ``alpha = o / (2(n0-1))``: the whole overhead is per-step latency, so at ``n`` ranks
-``t(n) = (n-1)/(n0-1) · o + 2(n-1)/n · S / B``. That is the pessimistic reading; ``"per_call"`` treats ``o`` as a
-fixed launch cost that does not grow with ``n`` (``c = o``, ``alpha = 0``). Either way each rank is assumed to
-keep its own link at the measured bandwidth as ranks are added, which a 2-rank gloo fit on one host (ranks
-sharing cores and memory bandwidth) cannot promise.
-
-Everything here is pure arithmetic on floats (seconds, bytes, bytes per second).
+``alpha + bytes / bandwidth`` per collective with the nccl-tests bus-bandwidth factors, ring or tree, on one- or
+two-level fabrics (``FABRICS``, each figure with its source), or this project's measured 2-rank all-reduce fit
+extrapolated to ``n`` ranks (``MeasuredFit``). Pure arithmetic on floats (seconds, bytes, bytes per second). The
+formulas and their sources: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -71,58 +22,13 @@ __all__ = [
     "Fabric",
     "Link",
     "MeasuredFit",
-    "all_gather_time",
-    "broadcast_time",
     "get_fabric",
     "read_fit",
-    "reduce_scatter_time",
-    "ring_allreduce_time",
-    "tree_allreduce_time",
 ]
 
 Algorithm = Literal["ring", "tree", "auto"]
 ALGORITHMS: tuple[str, ...] = ("ring", "tree", "auto")
 """All-reduce algorithms: ``ring``, ``tree``, or ``auto`` (the cheaper of the two per message, as NCCL's tuner)."""
-
-
-# ---- the formulas --------------------------------------------------------------------------------------------
-
-
-def ring_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """``2(n-1)·alpha + 2(n-1)/n · S / B`` seconds; 0 on one rank.
-
-    >>> round(ring_allreduce_time(1e9, 2, 1e-5, 1e10), 9)  # 2 steps of 10 us + 1 GB / 10 GB/s
-    0.10002
-    """
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
-
-
-def tree_allreduce_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """``2·ceil(log2 n)·alpha + 2 · S / B`` seconds (reduce up, broadcast down a double binary tree); 0 on one rank."""
-    if n <= 1:
-        return 0.0
-    return 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bandwidth
-
-
-def reduce_scatter_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """Ring reduce-scatter of an ``S``-byte input: ``(n-1)·alpha + (n-1)/n · S / B``; 0 on one rank."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
-
-
-def all_gather_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """Ring all-gather into an ``S``-byte output: ``(n-1)·alpha + (n-1)/n · S / B``; 0 on one rank."""
-    return reduce_scatter_time(nbytes, n, alpha, bandwidth)
-
-
-def broadcast_time(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:
-    """Pipelined ring broadcast: ``(n-1)·alpha + S / B`` (nccl-tests busbw factor 1); 0 on one rank."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * alpha + nbytes / bandwidth
 
 
 # ---- links and fabrics ---------------------------------------------------------------------------------------
@@ -157,7 +63,7 @@ class CommCost(Protocol):
 
 @dataclass(frozen=True)
 class Fabric:
-    """An interconnect: one level (``inter=None``) or NVLink-style nodes joined by a network (module docstring)."""
+    """An interconnect: one level (``inter=None``) or NVLink-style nodes joined by a network (docs/projection.md)."""
 
     name: str
     intra: Link
@@ -176,7 +82,8 @@ class Fabric:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"fabric {self.name!r}: unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+            raise ValueError(f"fabric {self.name!r}: unknown algorithm {self.algorithm!r}; "
+                             f"choose one of {', '.join(ALGORITHMS)}")
         if self.gpus_per_node < 1 or self.nics_per_node < 1:
             raise ValueError(f"fabric {self.name!r}: gpus_per_node and nics_per_node must be >= 1")
         if self.call_overhead_s < 0:
@@ -228,8 +135,8 @@ class Fabric:
             return 0.0
         m = self.nodes(n)
         bandwidth = self.bus_bandwidth(n)
-        if self.inter is None:  # one level: the textbook double binary tree over all ranks
-            return self.call_overhead_s + tree_allreduce_time(nbytes, n, self.intra.latency_s, bandwidth)
+        if self.inter is None:  # one level: the textbook double binary tree over all ranks, up and down
+            return self.call_overhead_s + 2 * math.ceil(math.log2(n)) * self.intra.latency_s + 2 * nbytes / bandwidth
         # NCCL: a chain inside each node, a double binary tree over nodes (tuning.cc)
         ranks_per_node = n // m
         latency = 2 * ((ranks_per_node - 1) * self.intra.latency_s + math.ceil(math.log2(m)) * self.inter.latency_s)
@@ -265,7 +172,8 @@ class Fabric:
 
     def describe(self) -> str:
         """One line for reports."""
-        text = (f"{self.intra.name} {self.intra.bandwidth_Bps / 1e9:g} GB/s busbw, alpha {self.intra.latency_s * 1e6:g} us")
+        intra = self.intra
+        text = f"{intra.name} {intra.bandwidth_Bps / 1e9:g} GB/s busbw, alpha {intra.latency_s * 1e6:g} us"
         if self.inter is not None:
             text += (f"; {self.gpus_per_node} GPUs/node; {self.nics_per_node} x {self.inter.name} "
                      f"{self.inter.bandwidth_Bps / 1e9:g} GB/s, alpha {self.inter.latency_s * 1e6:g} us")
@@ -337,14 +245,16 @@ class MeasuredFit:
 
     def __post_init__(self) -> None:
         if self.overhead_s < 0 or not self.bandwidth_Bps > 0:
-            raise ValueError(f"measured fit: need overhead_s >= 0 and bandwidth_Bps > 0, got {self.overhead_s!r} and "
-                             f"{self.bandwidth_Bps!r}; refit with lightning_ddp.sync.bucket_model.fit_latency_bandwidth")
+            raise ValueError(f"measured fit: need overhead_s >= 0 and bandwidth_Bps > 0, got {self.overhead_s!r} "
+                             f"and {self.bandwidth_Bps!r}; refit with "
+                             "lightning_ddp.sync.bucket_model.fit_latency_bandwidth")
         if self.world_size < 2:
-            raise ValueError(f"measured fit: world_size must be >= 2 (a fit on one rank measures no link), got {self.world_size}")
+            raise ValueError("measured fit: world_size must be >= 2 (a fit on one rank measures no link), "
+                             f"got {self.world_size}")
 
     def fabric(self, overhead_scaling: Literal["per_hop", "per_call"] = "per_hop",
                algorithm: Algorithm = "ring") -> Fabric:
-        """The fit as a one-level fabric, extrapolated to any ``n`` as the module docstring states."""
+        """The fit as a one-level fabric, extrapolated to any ``n`` as docs/projection.md states."""
         n0 = self.world_size
         bus = self.bandwidth_Bps * 2 * (n0 - 1) / n0  # nccl-tests busbw of the measured all-reduce
         if overhead_scaling == "per_hop":
@@ -364,8 +274,9 @@ def read_fit(path: str | os.PathLike) -> MeasuredFit:
     """Read ``overhead_s``, ``bandwidth_Bps`` (and ``world_size``, ``backend``, ``device``) from a fit JSON file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"all-reduce fit {str(path)!r} does not exist; run the sweep with `run.predict_bucket_size: true` "
-                         "(it writes bucket_prediction.json) or point `network.fit_path` at such a file")
+        raise ValueError(f"all-reduce fit {str(path)!r} does not exist; run the sweep with "
+                         "`run.predict_bucket_size: true` (it writes bucket_prediction.json) or point "
+                         "`network.fit_path` at such a file")
     data = json.loads(path.read_text(encoding="utf-8"))
     missing = [k for k in ("overhead_s", "bandwidth_Bps") if data.get(k) is None]
     if missing:

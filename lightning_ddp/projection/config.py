@@ -1,17 +1,8 @@
-"""What a projection is: one dataclass per concern, every field documented (jsonargparse turns them into ``--help``).
-
-=================  ==============================================================================
-section            what it holds
-=================  ==============================================================================
-``compute:``       where compute times come from: FLOPs of a preset on a GPU at an MFU, or a profile file
-``network:``       what a collective costs: a fabric preset or the measured all-reduce fit
-``study:``         the axes: strategies, world sizes, bucket sizes, engine settings (e.g. PowerSGD's ``rank``)
-``output:``        where the CSV, markdown, plots and environment record go
-=================  ==============================================================================
+"""The projection's command line: one dataclass per concern (compute, network, study, output).
 
 Validation happens in ``__post_init__`` (at parse time, before anything is written), and every error says which
-field to change. ``build_fabric``, ``gpu_spec`` and ``copy_bandwidth`` resolve a section into what it describes (the
-run and the report both read them from here).
+field to change. ``build_fabric``, ``gpu_spec``, ``copy_bandwidth`` and ``contention_of`` resolve a section into
+what it describes (the run and the report both read them from here).
 """
 
 from __future__ import annotations
@@ -20,10 +11,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from lightning_ddp import catalogue
 from lightning_ddp.projection.comm import ALGORITHMS, FABRICS, Fabric, get_fabric, read_fit
 from lightning_ddp.projection.contention import backend_contention
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
-from lightning_ddp.projection.strategies import STRATEGIES, check_settings, strategy_spec
+from lightning_ddp.projection.simulators import check_settings, simulated_names, simulator
 
 __all__ = [
     "ComputeConfig",
@@ -36,8 +28,6 @@ __all__ = [
     "copy_bandwidth",
     "gpu_spec",
 ]
-
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
 
 @dataclass
@@ -55,11 +45,10 @@ class ComputeConfig:
     seq_len: int = 512
     """Sequence length (tokens per sequence)."""
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "bf16-mixed"
-    """Training precision: sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
+    """Sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
     gpu: str = "h100-sxm"
-    """GPU, a key of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, h100-pcie, h200-sxm, gh200, b200, a100-sxm-80gb,
-    a100-pcie-40gb, ...): peak FLOP/s and memory bandwidth.
-    With ``source: profile`` only its memory bandwidth is used (for buffer copies)."""
+    """A key of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, a100-pcie-40gb, ...): peak FLOP/s and memory bandwidth
+    (only the bandwidth, for copies, with ``source: profile``)."""
     mfu: float = 0.4
     """Model FLOPs utilisation of forward + backward, relative to the GPU's dense peak (0.4 = 40 %)."""
     peak_tflops: Optional[float] = None
@@ -117,9 +106,8 @@ class NetworkConfig:
     call_overhead_us: Optional[float] = None
     """Overrides the fixed cost per collective, microseconds."""
     contention: Optional[float] = None
-    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (0: communication costs compute
-    nothing). Default: the value fitted for the backend (``lightning_ddp/projection/contention.py``): gloo's for a
-    ``measured`` fit recorded on gloo, NCCL's (fitted on the published 2-GPU PCIe runs) for every preset."""
+    """``s``: compute runs ``1 + s`` times slower while a collective is in flight; default: the value fitted for
+    the backend (``projection/contention.py``: gloo for a ``measured`` fit recorded on gloo, else NCCL)."""
 
     def __post_init__(self) -> None:
         if self.preset != "measured" and self.preset not in FABRICS:
@@ -143,37 +131,31 @@ class NetworkConfig:
 class StudyConfig:
     """The axes of the projection: every strategy at every world size (and bucket size, for those with one)."""
 
-    strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
-    """Strategies to simulate: every registered algorithm with a projection model (naive, flat, overlap, bucketed,
-    bucketed_bf16, bucketed_powersgd, ...), zero1 and ddp."""
+    strategies: list[str] = field(default_factory=simulated_names)
+    """Strategies to simulate, by catalogue name; default: every entry with a projection model."""
     world_sizes: list[int] = field(default_factory=lambda: [2, 8, 64, 512, 1024])
-    """Numbers of data-parallel ranks (one GPU each); on two-level fabrics, those above a node must fill whole nodes."""
+    """Data-parallel ranks (one GPU each); on two-level fabrics, those above a node must fill whole nodes."""
     bucket_sizes_mb: list[float] = field(default_factory=lambda: [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000])
-    """Bucket caps in MiB for the strategies with buckets (bucketed, bucketed_bf16, ...); the report picks the best
-    per world size."""
+    """Bucket caps in MiB for the strategies with buckets; the report picks the best per world size."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
-    """Engine settings to project, per strategy: setting -> values, e.g. ``{bucketed_powersgd: {rank: [1, 4]}}``;
-    every combination is simulated (as a strategy of its own in the tables). A strategy without an entry uses its
-    model's defaults; an entry of a strategy not in ``strategies`` simulates nothing. Only settings its model takes
-    (those that change the step time) are accepted."""
+    """Per strategy, setting -> values to project, e.g. ``{bucketed_powersgd_ddp: {rank: [1, 4]}}``; every
+    combination is a row of its own. Only settings its model takes (those that change the step time) are accepted."""
 
     def __post_init__(self) -> None:
-        choices = ", ".join(STRATEGIES)
         if not self.strategies:
-            raise ValueError(f"`study.strategies` is empty; list at least one of {choices}")
+            raise ValueError(f"`study.strategies` is empty; list at least one of {', '.join(simulated_names())}")
         for name in self.strategies:
             try:
-                strategy_spec(name)
+                simulator(name)
             except ValueError as error:
                 raise ValueError(f"{error} (in `study.strategies`)") from None
         self.strategies = list(dict.fromkeys(self.strategies))
         for name, settings in self.engine_settings.items():  # checked whether listed or not (a narrowed list)
             where = f"`study.engine_settings.{name}`"
-            if name not in STRATEGIES:
-                try:
-                    strategy_spec(name)
-                except ValueError as error:
-                    raise ValueError(f"{where}: {error}") from None
+            try:
+                simulator(name)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
             if not isinstance(settings, dict) or not settings:
                 raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`")
             try:
@@ -187,9 +169,10 @@ class StudyConfig:
             raise ValueError("`study.world_sizes` is empty; list at least one, e.g. `--study.world_sizes [2,8]`")
         bad = [n for n in self.world_sizes if not (isinstance(n, int) and n >= 2)]
         if bad:
-            raise ValueError(f"`study.world_sizes` must hold integers >= 2 (data parallelism needs two ranks), got {bad[0]!r}")
+            raise ValueError(f"`study.world_sizes` must hold integers >= 2 (data parallelism needs two ranks), "
+                             f"got {bad[0]!r}")
         self.world_sizes = sorted(set(self.world_sizes))
-        if any(STRATEGIES[s].has_bucket_size for s in self.strategies) and not self.bucket_sizes_mb:
+        if any(catalogue.get(s).has_bucket_size for s in self.strategies) and not self.bucket_sizes_mb:
             raise ValueError("`study.bucket_sizes_mb` is empty but a bucketed strategy is listed; give sizes in MiB, "
                              "e.g. `--study.bucket_sizes_mb [1,25,100]`")
         bad_sizes = [b for b in self.bucket_sizes_mb if not b > 0]

@@ -1,40 +1,10 @@
 """Compute slowed while collectives run: the contention factor ``s`` per backend, and the fit that gives it.
 
-    python -m lightning_ddp.projection.contention_fit
-
-The timeline (``strategies.Timeline``) runs compute at ``1 / (1 + s)`` of its speed while a collective is in flight:
-``d`` ms of compute entirely beside communication lasts ``d (1 + s)``. Without it (``s = 0``) overlapped
-communication costs compute nothing, and the projection was biased fast: gloo's reduction threads take CPU cores
-from backward, NCCL's kernels take SMs and memory bandwidth from it. ``s`` is one constant per backend, fitted on the
-data this project has:
-
-The fit lives in ``contention_fit`` (it reads the validations, which read these constants):
-
-- ``gloo`` (CPU): the CPU sweep (``benchmarks/results/cpu``), every ok cell simulated from its own compute profile
-  as ``validate`` does, at the copy bandwidth that validation used (``CPU_COPY_GBPS``);
-- ``nccl`` (GPU): the published 2-GPU xl runs (``published``), simulated on ``pcie_gen4`` as that comparison does.
-
-The fit: ``s`` on a grid (``GRID``: 0 to ``S_MAX`` in steps of 0.05, then steps of 0.01 around the best) minimising
-an error over the **fitting subset**, the batch-2 cells (``FIT_BATCH``); the batch-4 cells are held out (published:
-batch 4 x context 512 is left out altogether, its compute extrapolated). Cells without overlapped communication
-(naive, flat, zero1) do not move with ``s``; they stay in the objective. The error is the one each data set's bias
-is stated in, and the one ``s`` can move there:
-
-- ``gloo``: the mean squared ``log(predicted / measured)`` **step time** (the CPU cells were predicted too fast);
-- ``nccl``: the mean squared error of the **wait share** (``StepResult.wait_share`` against the published "total
-  time grad all reduce" / "total time train"). On that PCIe link the model's overlapped steps are
-  communication-bound (~0.37 s of all-reduce against ~0.2 s of backward), so a slower backward hides more
-  communication but does not lengthen the step until backward outgrows the communication, and the step-time error
-  keeps falling up to absurd ``s`` (compute 9 times slower at ``s = 8``): the published overlapped steps are longer
-  for reasons besides compute contention (per-call cost, communication itself slowed), which ``s`` must not absorb.
-
-``S_MAX = 1`` (compute at half speed) bounds both: on 2 cores gloo's threads can take at most one of compute's two,
-and on a GPU NCCL's kernels take a minority of the SMs. Both step-time objectives keep improving up to and past it:
-the CPU sweep's step bias is mostly communication slower under load than the all-reduce fit measured alone, not
-compute contention (``validate`` reports the errors before and after, on the full set and the held-out cells).
-
-``CONTENTION`` holds the fitted values, rounded to 0.01; ``tests/unit/test_project.py`` refits them from the
-committed data and checks they agree. Refit after a new sweep and paste the printed values here.
+The timeline runs compute at ``1 / (1 + s)`` of its speed while a collective is in flight. ``CONTENTION`` holds the
+values ``python -m lightning_ddp.projection.contention_fit`` fits (gloo on the CPU sweep's step times, NCCL on the
+published 2-GPU runs' wait shares; the batch-2 cells fit, batch 4 is held out); ``tests/unit/test_project.py``
+refits them from the committed data. Refit after a new sweep and paste the printed values here. The objectives
+and why ``S_MAX`` bounds them: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -64,7 +34,7 @@ FIT_BATCH = 2
 """The fitting subset: cells with this per-rank batch size; the others are held out."""
 
 S_MAX = 1.0
-"""The largest ``s`` the fit considers: compute at half speed beside a collective (module docstring)."""
+"""The largest ``s`` the fit considers: compute at half speed beside a collective (docs/projection.md)."""
 
 GRID = (0.0, S_MAX, 0.05)
 """Coarse grid of ``s``: start, stop, step; refined to 0.01 around the best point (within ``[0, S_MAX]``)."""
@@ -80,7 +50,7 @@ def backend_contention(backend: str) -> float:
 
 
 def fit_contention(loss: Callable[[float], float]) -> float:
-    """The ``s`` of the grid (``GRID``, then 0.01 steps around the best) with the smallest ``loss(s)``, rounded to 0.01.
+    """The ``s`` of ``GRID`` (then 0.01 steps around the best) with the smallest ``loss(s)``, rounded to 0.01.
 
     >>> fit_contention(lambda s: (s - 0.37) ** 2)
     0.37
@@ -105,11 +75,13 @@ def _errors(pairs: Sequence[tuple[float, float]]) -> str:
         return "no cells"
     errors = [p / m - 1 for p, m in pairs]
     fast = sum(1 for e in errors if e < 0)
-    return (f"{fast}/{len(errors)} predicted too fast, median |error| {100 * statistics.median(map(abs, errors)):.1f} %, "
+    median = statistics.median(map(abs, errors))
+    return (f"{fast}/{len(errors)} predicted too fast, median |error| {100 * median:.1f} %, "
             f"mean |error| {100 * statistics.fmean(map(abs, errors)):.1f} %")
 
 
-def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], contention: float) -> list[str]:
+def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]],
+                         contention: float) -> list[str]:
     """Markdown lines: the CPU validation's step errors without and with contention, on all cells and held out."""
     def pairs(cells: Sequence[dict[str, Any]], held_out: Optional[bool]) -> list[tuple[float, float]]:
         return [(c["predicted_step_ms"], c["measured_step_ms"]) for c in cells
@@ -122,8 +94,8 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
     return [
         "## Contention: compute slowed while collectives run", "",
         f"gloo's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
-        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} cells' step times, bounded by `S_MAX` = {S_MAX:g}); "
-        "the table above is with it. Step time, before (s = 0) -> after:", "",
+        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} cells' step times, bounded by `S_MAX` = "
+        f"{S_MAX:g}); the table above is with it. Step time, before (s = 0) -> after:", "",
         f"- all {len(after)} cells: {_errors(pairs(before, None))} -> {_errors(pairs(after, None))}",
         f"- fitting subset (batch {FIT_BATCH}): {_errors(pairs(before, False))} -> {_errors(pairs(after, False))}",
         f"- held out (the other batch sizes): {_errors(pairs(before, True))} -> {_errors(pairs(after, True))}",
@@ -131,7 +103,7 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
         f"The fit sits at its bound: the step-time error keeps falling past s = {S_MAX:g}, because most of the CPU "
         "cells' bias is not compute contention. Naive and flat overlap nothing and are as fast as before; every cell "
         "simulates compute from its own profile, recorded in the cell (its backward already slowed by the other rank "
-        "and by gloo's threads); and the all-reduce fit was measured with nothing else running, so communication under "
-        "load is slower than the model's (measured shares exceed predicted ones, and contention, which makes the wait "
-        "shorter, widens that gap).", "",
+        "and by gloo's threads); and the all-reduce fit was measured with nothing else running, so communication "
+        "under load is slower than the model's (measured shares exceed predicted ones, and contention, which makes "
+        "the wait shorter, widens that gap).", "",
     ]

@@ -1,7 +1,6 @@
 """``python -m lightning_ddp.projection.contention_fit``: fit the contention ``s`` per backend from the committed data.
 
-The recipe and the fitted values are in ``contention`` (``CONTENTION``); this module runs the fits: gloo on the CPU
-sweep's step times (``validate.validate_cells``), NCCL on the published 2-GPU runs' wait shares
+Gloo on the CPU sweep's step times (``validate.validate_cells``), NCCL on the published 2-GPU runs' wait shares
 (``published.published_pairs``). Paste what it prints into ``contention.CONTENTION``.
 """
 
@@ -33,8 +32,8 @@ def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CP
     sweep = Path(sweep)
     for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
         if not (sweep / name).is_file():
-            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json and "
-                             "bucket_prediction.json (e.g. benchmarks/results/cpu)")
+            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json "
+                             "and bucket_prediction.json (e.g. benchmarks/results/cpu)")
 
     def loss(s: float) -> float:
         return _mean_squared_log([(c["predicted_step_ms"], c["measured_step_ms"])
@@ -44,7 +43,7 @@ def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CP
 
 
 def fit_nccl() -> float:
-    """``s`` for NCCL, fitted on the wait share of the published 2-GPU xl runs of batch ``FIT_BATCH`` (``pcie_gen4``)."""
+    """``s`` for NCCL, fitted on the wait share of the published batch-``FIT_BATCH`` runs on ``pcie_gen4``."""
     return fit_contention(lambda s: statistics.fmean((c.predicted["pcie_gen4"][2] - c.run.ratio) ** 2
                                                      for c, _, _ in published_pairs(s, held_out=False)))
 

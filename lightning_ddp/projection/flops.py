@@ -1,30 +1,9 @@
 """A compute profile modelled from FLOPs: a model preset on a named GPU at a stated MFU.
 
-Recipe (``modelled_profile``):
-
-1. **Parameters** (``ModelShape.parameters``): the GPT of ``lightning_ddp.model`` in ``module.parameters()``
-   order, computed from the config's shape alone (``lightning_ddp.model_shapes.gpt_parameter_shapes``):
-   ``tok_emb.weight``; per block ``attn_norm``, ``q/k/v/out_proj``, ``ffn_norm``, ``w1``, ``w2``, ``w3``;
-   ``norm.weight``; ``lm_head.weight`` (absent when tied). For xl: 1,998,235,200 parameters in 435 tensors
-   (checked against the real module in the tests).
-2. **Forward + backward time**: ``tokens · flops_per_token / (peak · mfu)``, with ``tokens`` = per-rank batch x
-   sequence length and ``flops_per_token = 6 · N_matmul + 12 · n_layers · d_model · seq_len`` (PaLM, appendix B;
-   the same formula as ``GPT.flops_per_token``). Forward is a third, backward two thirds (2 vs 4 FLOPs per weight
-   and token; 4 vs 8 for the attention scores), so backward = 2 x forward.
-3. **Ready times**: backward walks the parameters in reverse order; each matmul's weight gradient is ready once
-   its backward FLOPs (4 per weight and token) are done, the attention-score backward (8 · seq_len · d_model per
-   token and layer) sits between ``out_proj`` and ``v_proj``, norm scales cost nothing, and the embedding's
-   gradient (a scatter-add) is ready when backward ends. So ready times follow reverse ``parameters()`` order.
-4. **Optimizer**: memory-bound. torch's default AdamW (``foreach``, ``_multi_tensor_adam`` in
-   ``torch/optim/adam.py``) makes 8 passes over fp32 tensors: ``mul_`` (weight decay, 8 B/param read+write),
-   ``lerp_`` (12), ``mul_`` (8), ``addcmul_`` (12), ``sqrt`` (8), ``div_`` (8), ``add_`` (8), ``addcdiv_`` (16):
-   80 bytes per parameter, at the GPU's memory bandwidth times ``memory_efficiency``. A fused AdamW would be 28.
-5. **Calibration** (optional, ``calibrate_step_ms``): keep the optimizer, scale forward and backward so that
-   forward + backward + optimizer equals a measured compute-only step.
-
-GPU figures (``GPUS``): dense bf16 peak and HBM bandwidth of every row of ``lightning_ddp.hardware.DEVICES`` (NVIDIA's
-datasheets, cited there; the same table the ``CommTimer``'s MFU reads). ``32-true`` runs use half the bf16 peak
-(the TF32 peak on Ampere and Hopper).
+``modelled_profile``: the preset's parameters in ``parameters()`` order, forward + backward from ``6 N + 12 L d T``
+FLOPs per token at ``peak x mfu`` (backward twice forward), each gradient ready once its backward FLOPs are done,
+the optimizer at the memory bandwidth (80 bytes per parameter for foreach AdamW), optionally calibrated to a
+measured compute-only step. ``GPUS``: the rows of ``lightning_ddp.hardware.DEVICES``. Recipe: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ from lightning_ddp.profile import ComputeProfile, ParamTiming
 __all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
 
 ADAMW_BYTES_PER_PARAM = 80.0
-"""Bytes read + written per parameter by one step of torch's foreach AdamW on fp32 state (module docstring)."""
+"""Bytes read + written per parameter by one step of torch's foreach AdamW on fp32 state (docs/projection.md)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +78,8 @@ class ModelShape:
         from lightning_ddp.model import get_config  # the presets' one source of truth
 
         config = get_config(name, **overrides)
-        return cls(config.d_model, config.n_layers, config.n_heads, config.d_ff, config.vocab_size, config.tie_embeddings)
+        return cls(config.d_model, config.n_layers, config.n_heads, config.d_ff, config.vocab_size,
+                   config.tie_embeddings)
 
     def parameters(self) -> list[tuple[str, int]]:
         """``(name, numel)`` of every trainable parameter in ``module.parameters()`` order."""
@@ -122,7 +102,7 @@ class ModelShape:
     def backward_ready_flops(self, seq_len: int) -> list[Optional[float]]:
         """Per parameter (``parameters()`` order), backward FLOPs per token done when its gradient is ready.
 
-        ``None`` marks the embedding: its gradient is ready when backward ends (step 3 of the module docstring).
+        ``None`` marks the embedding: its gradient is ready when backward ends (docs/projection.md, Compute).
         """
         names = [name for name, _ in self.parameters()]
         numel = dict(self.parameters())
@@ -161,7 +141,7 @@ def modelled_profile(
     preset: Optional[str] = None,
     world_size: Optional[int] = None,
 ) -> ComputeProfile:
-    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank (module docstring).
+    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank (docs/projection.md).
 
     Args:
         gpu: A ``GPUS`` name or a ``GPUSpec``.
@@ -179,11 +159,13 @@ def modelled_profile(
     peak = spec.bf16_flops / 2 if precision == "32-true" else spec.bf16_flops
     fwd_bwd_ms = 1e3 * tokens * shape.flops_per_token(seq_len) / (peak * mfu)
     optimizer_ms = 1e3 * shape.num_params * optimizer_bytes_per_param / (spec.memory_Bps * memory_efficiency)
-    source = f"modelled: {spec.name}, MFU {mfu:g}, AdamW {optimizer_bytes_per_param:g} B/param at {memory_efficiency:g} x HBM"
+    source = (f"modelled: {spec.name}, MFU {mfu:g}, AdamW {optimizer_bytes_per_param:g} B/param at "
+              f"{memory_efficiency:g} x HBM")
     if calibrate_step_ms is not None:
         if not calibrate_step_ms > optimizer_ms:
-            raise ValueError(f"calibrate_step_ms={calibrate_step_ms:g} ms leaves no time for forward and backward after the "
-                             f"modelled optimizer ({optimizer_ms:.4g} ms); give a larger step or a faster GPU")
+            raise ValueError(f"calibrate_step_ms={calibrate_step_ms:g} ms leaves no time for forward and backward "
+                             f"after the modelled optimizer ({optimizer_ms:.4g} ms); give a larger step or a faster "
+                             "GPU")
         fwd_bwd_ms = calibrate_step_ms - optimizer_ms
         source += f"; forward + backward calibrated to a {calibrate_step_ms:g} ms compute-only step"
     forward_ms, backward_ms = fwd_bwd_ms / 3, 2 * fwd_bwd_ms / 3
@@ -193,6 +175,7 @@ def modelled_profile(
         ParamTiming(name, numel, numel * element, backward_ms if done is None else backward_ms * done / total_bwd)
         for (name, numel), done in zip(shape.parameters(), shape.backward_ready_flops(seq_len))
     )
-    return ComputeProfile(forward_ms, backward_ms, optimizer_ms, params, source=source, device=spec.name, preset=preset,
-                          batch_size=batch_size, seq_len=seq_len, precision=precision, world_size=world_size,
+    return ComputeProfile(forward_ms, backward_ms, optimizer_ms, params, source=source, device=spec.name,
+                          preset=preset, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                          world_size=world_size,
                           extra={"mfu": mfu, "gpu": dataclasses.asdict(spec)})

@@ -1,40 +1,23 @@
-"""Model-state memory per rank of each simulated strategy: parameters, gradients, optimizer state, engine buffers.
+"""Model-state bytes per rank of a simulated strategy: parameters, gradients, AdamW state and engine buffers.
 
-What sharding buys, beside what it costs in step time (``strategies``). Activations are left out: the per-rank batch
-is fixed (weak scaling), so they are the same for every strategy and world size (``lightning_ddp.memory`` estimates
-them, and the whole peak, for a run). With ``Ψ`` the gradient bytes (``ComputeProfile.grad_bytes``; parameters are
-taken to be as wide as their gradients, as in ``32-true`` and ``*-mixed``), ``n`` ranks:
-
-- ``naive``: ``Ψ`` parameters + ``Ψ`` gradients + ``2Ψ`` AdamW state (``exp_avg``, ``exp_avg_sq``); every other
-  strategy is this plus or minus:
-- ``flat``: + the packed gradients of the sync (transient), ``Ψ``; ``ddp``: + the reducer's buckets, ``Ψ``;
-- ``overlap``, ``bucketed``, ``bucketed_bf16``: + every buffered bucket (several tensors, or the last) at its
-  bytes (the gradients regrow beside them, as ``lightning_ddp.memory`` counts); bf16 adds the half-width wire copy
-  of every bucket; ``bucketed_powersgd``: bucketed's, + the error feedback ``E`` (fp32) and ``Q`` of every
-  compressed matrix;
-- ``zero1``: AdamW state of the most loaded owner only, ``2Ψ_r``, + the padded reduce-scatter buffer, ``n Ψ_r``;
-- ``zero2``: gradients ``Ψ/n`` (padded), + the gradients of buckets being filled (a gradient lives in full until
-  its bucket is reduced: counted as the largest bucket, twice), AdamW state ``2Ψ/n``, + the own shard of the
-  gathered parameters ``Ψ/n``;
-- ``fsdp2``: parameters ``Ψ/n`` + the root's and two blocks' unsharded (the running one and the prefetched one),
-  gradients ``Ψ/n`` + one block's unsharded, AdamW state ``2Ψ/n``.
-
-``Ψ_r`` is the most loaded ZeRO-1 owner's bytes (whole tensors per owner). The step's ``0-d`` ``step`` counters
-and the optimizer's per-tensor overheads are left out.
+Read from a compute profile (the gradients' bytes, shapes and ready order), so it prices what the simulators
+simulate; ``lightning_ddp.memory`` estimates a whole run's peak from a ``GPTConfig`` instead. The model per
+catalogue ``memory`` key: docs/projection.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-from lightning_ddp.projection.buckets import assign_owners
-from lightning_ddp.projection.strategies import (
+from lightning_ddp import catalogue
+from lightning_ddp.projection.buckets import MiB, assign_owners
+from lightning_ddp.projection.simulators import (
     StepModel,
+    StepResult,
     _buffered,
     _engine_buckets,
     _padded,
     _shard_bytes,
-    powersgd_plan,
     transformer_blocks,
 )
 
@@ -44,48 +27,60 @@ ADAM_STATES = 2
 """AdamW keeps ``exp_avg`` and ``exp_avg_sq``, each as wide as the parameter."""
 
 
-def state_bytes(name: str, model: StepModel, bucket_size_mb: Optional[float] = None,
-                settings: Optional[dict[str, Any]] = None) -> int:
-    """Model-state bytes on the most loaded rank of strategy ``name`` (module docstring's table)."""
-    p, n = model.profile, model.world_size
-    params = p.params
+def state_bytes(result: StepResult, model: StepModel) -> int:
+    """Model-state bytes on the most loaded rank of a simulated step (docs/projection.md's table)."""
+    memory = catalogue.get(result.strategy).memory
+    params = model.profile.params
     psi = sum(q.bytes for q in params)
-    full = psi + psi + ADAM_STATES * psi  # parameters, gradients, optimizer state
-    settings = settings or {}
-    if name in ("naive",):
-        return full
-    if name in ("flat", "ddp"):
-        return full + psi
-    if name in ("overlap", "bucketed", "bucketed_bf16", "bucketed_powersgd"):
-        buckets = _engine_buckets(params, 1 / 2**20 if name == "overlap" else (bucket_size_mb or 25.0))
-        sizes = [sum(params[i].bytes for i in b) for b in buckets]
-        extra = sum(s for s, buffered in zip(sizes, _buffered(buckets)) if buffered)
-        if name == "bucketed_bf16":
-            extra += sum(2 * sum(params[i].numel for i in b) for b in buckets)
-        if name == "bucketed_powersgd" and p.has_shapes:
-            plan = powersgd_plan([q.shape for q in params], settings.get("rank", 4),
-                                 settings.get("min_compression_rate", 2.0))
-            extra += sum(4 * (rows * cols + cols * k) for rows, cols, k in (m for m in plan if m))
-        return full + extra
-    if name == "zero1":
-        synced = [q.bytes for q in params if q.ready_ms is not None]
-        loads = [0] * n
-        for size, owner in zip(synced, assign_owners(synced, n)):
-            loads[owner] += size
-        return psi + psi + ADAM_STATES * max(loads) + n * max(loads)
-    if name == "zero2":
-        buckets = _engine_buckets(params, bucket_size_mb or 25.0)
-        padded = sum(round(_padded(sum(params[i].numel for i in b), n) * sum(params[i].bytes for i in b)
-                           / max(1, sum(params[i].numel for i in b))) for b in buckets)
-        largest = max((sum(params[i].bytes for i in b) for b in buckets), default=0)
-        shard = padded // n
-        return psi + shard + 2 * largest + ADAM_STATES * shard + shard
-    if name == "fsdp2":
-        root, blocks = transformer_blocks(params)
-        shard = (_shard_bytes(params, root, n) + sum(_shard_bytes(params, b, n) for b in blocks)) // n
-        sizes = sorted((sum(params[i].bytes for i in b) for b in blocks), reverse=True)
-        root_bytes = sum(params[i].bytes for i in root)
-        unsharded = root_bytes + sum(sizes[:2])  # the root, the running block and the prefetched one
-        return shard + unsharded + shard + sum(sizes[:1]) + ADAM_STATES * shard
-    raise ValueError(f"no memory model for strategy {name!r}: add it to lightning_ddp/projection/memory.py "
-                     "(state_bytes) beside its simulate function")
+    replicated = psi + psi + ADAM_STATES * psi  # parameters, gradients, optimizer state
+    if memory == "none":
+        return replicated
+    if memory in ("packed", "full_buckets"):  # the packed gradients of the sync; torch DDP's reducer buckets
+        return replicated + psi
+    if memory in ("per_tensor", "bucketed"):
+        return replicated + _bucket_buffer_bytes(model, result.bucket_size_mb) + result.buffer_bytes
+    if memory == "zero1":
+        return _zero1_bytes(model, psi)
+    if memory == "zero2":
+        return _zero2_bytes(model, psi, result.bucket_size_mb)
+    if memory == "fully_sharded":
+        return _fsdp2_bytes(model)
+    raise ValueError(f"no projected memory model {memory!r} (of {result.strategy!r}): add it to "
+                     "lightning_ddp/projection/memory.py beside its simulate function")
+
+
+def _bucket_buffer_bytes(model: StepModel, bucket_size_mb: Optional[float]) -> int:
+    """Every buffered bucket at its bytes; no bucket size: one bucket per tensor (as the overlap engine)."""
+    params = model.profile.params
+    buckets = _engine_buckets(params, 1 / MiB if bucket_size_mb is None else bucket_size_mb)
+    sizes = [sum(params[i].bytes for i in b) for b in buckets]
+    return sum(s for s, buffered in zip(sizes, _buffered(buckets)) if buffered)
+
+
+def _zero1_bytes(model: StepModel, psi: int) -> int:
+    n = model.world_size
+    synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
+    loads = [0] * n
+    for size, owner in zip(synced, assign_owners(synced, n)):
+        loads[owner] += size
+    return psi + psi + ADAM_STATES * max(loads) + n * max(loads)
+
+
+def _zero2_bytes(model: StepModel, psi: int, bucket_size_mb: Optional[float]) -> int:
+    params, n = model.profile.params, model.world_size
+    buckets = _engine_buckets(params, bucket_size_mb or 25.0)
+    padded = sum(round(_padded(sum(params[i].numel for i in b), n) * sum(params[i].bytes for i in b)
+                       / max(1, sum(params[i].numel for i in b))) for b in buckets)
+    largest = max((sum(params[i].bytes for i in b) for b in buckets), default=0)
+    shard = padded // n
+    return psi + shard + 2 * largest + ADAM_STATES * shard + shard
+
+
+def _fsdp2_bytes(model: StepModel) -> int:
+    params, n = model.profile.params, model.world_size
+    root, blocks = transformer_blocks(params)
+    shard = (_shard_bytes(params, root, n) + sum(_shard_bytes(params, b, n) for b in blocks)) // n
+    sizes = sorted((sum(params[i].bytes for i in b) for b in blocks), reverse=True)
+    root_bytes = sum(params[i].bytes for i in root)
+    unsharded = root_bytes + sum(sizes[:2])  # the root, the running block and the prefetched one
+    return shard + unsharded + shard + sum(sizes[:1]) + ADAM_STATES * shard

@@ -1,28 +1,9 @@
-"""The model against the published 2-GPU xl runs: naive / overlap / flat / bucketed (1, 10, 100, 1000 MB).
+"""The model against the published 2-GPU xl runs: naive, overlap, flat and bucketed (1, 10, 100, 1000 MB).
 
 ``python -m lightning_ddp.projection.published --out benchmarks/results/projection/`` writes
-``published_xl_2gpu.md`` and ``published_xl_2gpu.csv``: every published measurement beside the model's prediction on a
-PCIe-class link and on NVLink.
-
-Recipe (``compare_with_published``):
-
-1. **The published numbers** come from write-ups of a data-parallel study of the xl model on one node with 2 GPUs,
-   one per strategy (naive, overlap, flat, bucketed; ``SOURCES``). They are transcribed once, in ``PUBLISHED_RUNS``,
-   each row citing its write-up by topic: per-rank batch, context length, bucket size, and the three lines each run
-   printed, "total time train" (s per step), "total time grad all reduce" (s) and their ratio.
-2. **Compute calibration.** The write-ups report no forward/backward timings (the naive-DDP module write-up's
-   template leaves them as ``~XXX ms``), so the compute-only step is calibrated from naive DDP, which overlaps nothing:
-   ``compute = total time train - total time grad all reduce`` per (batch, context). Where naive ran out of memory
-   (batch 4, context 512) it is extrapolated linearly in tokens from the other five cells (flagged).
-3. **Split** of that step: the optimizer is modelled (80 B/param for foreach AdamW at the memory bandwidth of an
-   assumed GPU, ``PublishedAssumptions.gpu``; the write-ups do not name theirs), forward and backward share the rest
-   1 : 2, and gradients become ready through backward in proportion to FLOPs (``lightning_ddp.projection.flops``).
-4. **Links**: ``pcie_gen4`` (22 GB/s bus bandwidth) and ``nvlink4`` (370 GB/s). The published flat all-reduce of
-   7.99 GB took ~0.41 s, i.e. ~20 GB/s including the pack copies: a PCIe-class link, so the PCIe column is the
-   comparison and the NVLink column is what the same runs would show on NVLink.
-5. **Simulate** each published cell at 2 ranks and compare the share ``exposed / step`` with the published ratio.
-   Their "grad all reduce" time is what their step waited for communication (pack copies included for flat); ours
-   is step minus the compute-only step, the same quantity under the model's assumptions.
+``published_xl_2gpu.md`` and ``.csv``: every published measurement (``PUBLISHED_RUNS``, transcribed once, each
+citing its write-up) beside the model's prediction on a PCIe-class link and on NVLink, with compute calibrated from
+naive DDP (``compare_with_published``). The recipe: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -30,16 +11,24 @@ from __future__ import annotations
 import csv
 import io
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from lightning_ddp.profile import ComputeProfile, write_atomically
+from lightning_ddp.files import write_atomically
+from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, FIT_BATCH
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
-from lightning_ddp.projection.strategies import StepModel, simulate
+from lightning_ddp.projection.simulators import (
+    StepModel,
+    simulate,
+    simulate_bucketed,
+    simulate_flat,
+    simulate_naive,
+    simulate_overlap,
+    simulated_by,
+)
 
 __all__ = [
     "PUBLISHED_RUNS",
@@ -59,6 +48,10 @@ OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped wit
 FLAT = "flat write-up: one all-reduce of all gradients flattened, against one per parameter"
 BUCKETED = "bucketed write-up: overlap in buckets of 1, 10, 100 and 1000 MB"
 SOURCES = (NAIVE, OVERLAP, FLAT, BUCKETED)
+STRATEGIES = tuple(simulated_by(model)[0] for model in
+                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
+"""The published strategies by catalogue name (the entries these algorithms' models simulate), in ``SOURCES`` order."""
+NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
 """The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
 
 XL_SHAPE = ModelShape.from_preset("xl")
@@ -83,47 +76,47 @@ class PublishedRun:
 # Transcribed from the write-ups, in their order; seconds per step. Naive at batch 4, context 512 ran out of
 # memory ("out of memory (skipping this config)", 000) and has no row.
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun("naive", 2, 128, None, 0.7833, 0.4182, 0.5339, NAIVE),
-    PublishedRun("naive", 2, 256, None, 0.8051, 0.4425, 0.5496, NAIVE),
-    PublishedRun("naive", 2, 512, None, 0.9033, 0.4576, 0.5066, NAIVE),
-    PublishedRun("naive", 4, 128, None, 0.7958, 0.4395, 0.5523, NAIVE),
-    PublishedRun("naive", 4, 256, None, 0.8811, 0.4555, 0.5170, NAIVE),
-    PublishedRun("overlap", 2, 128, None, 0.7245, 0.2318, 0.3199, OVERLAP),
-    PublishedRun("overlap", 2, 256, None, 0.7328, 0.1831, 0.2499, OVERLAP),
-    PublishedRun("overlap", 2, 512, None, 0.7731, 0.1371, 0.1773, OVERLAP),
-    PublishedRun("overlap", 4, 128, None, 0.7297, 0.2001, 0.2742, OVERLAP),
-    PublishedRun("overlap", 4, 256, None, 0.7574, 0.1393, 0.1840, OVERLAP),
-    PublishedRun("overlap", 4, 512, None, 0.9468, 0.1286, 0.1359, OVERLAP),
-    PublishedRun("flat", 2, 128, None, 0.8251, 0.4273, 0.5178, FLAT),
-    PublishedRun("flat", 2, 256, None, 0.7995, 0.4080, 0.5103, FLAT),
-    PublishedRun("flat", 2, 512, None, 0.9150, 0.4227, 0.4619, FLAT),
-    PublishedRun("flat", 4, 128, None, 0.7978, 0.4065, 0.5096, FLAT),
-    PublishedRun("flat", 4, 256, None, 0.8768, 0.4132, 0.4712, FLAT),
-    PublishedRun("flat", 4, 512, None, 1.9628, 0.4029, 0.2053, FLAT),
-    PublishedRun("bucketed", 2, 128, 1, 0.7293, 0.2165, 0.2969, BUCKETED),
-    PublishedRun("bucketed", 2, 128, 10, 0.7290, 0.2146, 0.2944, BUCKETED),
-    PublishedRun("bucketed", 2, 128, 100, 0.7092, 0.1797, 0.2534, BUCKETED),
-    PublishedRun("bucketed", 2, 128, 1000, 0.7124, 0.2009, 0.2821, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 1, 0.7375, 0.1758, 0.2384, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 10, 0.7335, 0.1697, 0.2313, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 100, 0.7191, 0.1283, 0.1784, BUCKETED),
-    PublishedRun("bucketed", 2, 256, 1000, 0.7193, 0.1636, 0.2275, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 1, 0.7870, 0.1283, 0.1630, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 10, 0.7857, 0.1200, 0.1527, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 100, 0.7713, 0.1306, 0.1693, BUCKETED),
-    PublishedRun("bucketed", 2, 512, 1000, 0.7819, 0.1518, 0.1941, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 1, 0.7359, 0.1778, 0.2416, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 10, 0.7367, 0.1779, 0.2414, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 100, 0.7197, 0.1243, 0.1727, BUCKETED),
-    PublishedRun("bucketed", 4, 128, 1000, 0.7136, 0.1529, 0.2143, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 1, 0.7676, 0.1358, 0.1769, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 10, 0.7683, 0.1279, 0.1664, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 100, 0.7603, 0.1103, 0.1450, BUCKETED),
-    PublishedRun("bucketed", 4, 256, 1000, 0.7598, 0.1499, 0.1973, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 1, 0.9690, 0.1328, 0.1370, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 10, 0.9655, 0.1319, 0.1366, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 100, 0.9598, 0.1311, 0.1366, BUCKETED),
-    PublishedRun("bucketed", 4, 512, 1000, 0.9692, 0.1591, 0.1641, BUCKETED),
+    PublishedRun(NAIVE_DDP, 2, 128, None, 0.7833, 0.4182, 0.5339, NAIVE),
+    PublishedRun(NAIVE_DDP, 2, 256, None, 0.8051, 0.4425, 0.5496, NAIVE),
+    PublishedRun(NAIVE_DDP, 2, 512, None, 0.9033, 0.4576, 0.5066, NAIVE),
+    PublishedRun(NAIVE_DDP, 4, 128, None, 0.7958, 0.4395, 0.5523, NAIVE),
+    PublishedRun(NAIVE_DDP, 4, 256, None, 0.8811, 0.4555, 0.5170, NAIVE),
+    PublishedRun(OVERLAP_DDP, 2, 128, None, 0.7245, 0.2318, 0.3199, OVERLAP),
+    PublishedRun(OVERLAP_DDP, 2, 256, None, 0.7328, 0.1831, 0.2499, OVERLAP),
+    PublishedRun(OVERLAP_DDP, 2, 512, None, 0.7731, 0.1371, 0.1773, OVERLAP),
+    PublishedRun(OVERLAP_DDP, 4, 128, None, 0.7297, 0.2001, 0.2742, OVERLAP),
+    PublishedRun(OVERLAP_DDP, 4, 256, None, 0.7574, 0.1393, 0.1840, OVERLAP),
+    PublishedRun(OVERLAP_DDP, 4, 512, None, 0.9468, 0.1286, 0.1359, OVERLAP),
+    PublishedRun(FLAT_DDP, 2, 128, None, 0.8251, 0.4273, 0.5178, FLAT),
+    PublishedRun(FLAT_DDP, 2, 256, None, 0.7995, 0.4080, 0.5103, FLAT),
+    PublishedRun(FLAT_DDP, 2, 512, None, 0.9150, 0.4227, 0.4619, FLAT),
+    PublishedRun(FLAT_DDP, 4, 128, None, 0.7978, 0.4065, 0.5096, FLAT),
+    PublishedRun(FLAT_DDP, 4, 256, None, 0.8768, 0.4132, 0.4712, FLAT),
+    PublishedRun(FLAT_DDP, 4, 512, None, 1.9628, 0.4029, 0.2053, FLAT),
+    PublishedRun(BUCKETED_DDP, 2, 128, 1, 0.7293, 0.2165, 0.2969, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 128, 10, 0.7290, 0.2146, 0.2944, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 128, 100, 0.7092, 0.1797, 0.2534, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 128, 1000, 0.7124, 0.2009, 0.2821, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 256, 1, 0.7375, 0.1758, 0.2384, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 256, 10, 0.7335, 0.1697, 0.2313, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 256, 100, 0.7191, 0.1283, 0.1784, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 256, 1000, 0.7193, 0.1636, 0.2275, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 512, 1, 0.7870, 0.1283, 0.1630, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 512, 10, 0.7857, 0.1200, 0.1527, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 512, 100, 0.7713, 0.1306, 0.1693, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 2, 512, 1000, 0.7819, 0.1518, 0.1941, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 128, 1, 0.7359, 0.1778, 0.2416, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 128, 10, 0.7367, 0.1779, 0.2414, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 128, 100, 0.7197, 0.1243, 0.1727, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 128, 1000, 0.7136, 0.1529, 0.2143, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 256, 1, 0.7676, 0.1358, 0.1769, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 256, 10, 0.7683, 0.1279, 0.1664, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 256, 100, 0.7603, 0.1103, 0.1450, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 256, 1000, 0.7598, 0.1499, 0.1973, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 512, 1, 0.9690, 0.1328, 0.1370, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 512, 10, 0.9655, 0.1319, 0.1366, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 512, 100, 0.9598, 0.1311, 0.1366, BUCKETED),
+    PublishedRun(BUCKETED_DDP, 4, 512, 1000, 0.9692, 0.1591, 0.1641, BUCKETED),
 )
 """Every published measurement, one row per printed run, citing its write-up (``SOURCES``)."""
 
@@ -133,9 +126,8 @@ class PublishedAssumptions:
     """What the published runs do not say and the comparison has to assume."""
 
     gpu: str = "a100-pcie-40gb"
-    """GPU whose memory bandwidth times the optimizer (and the copies). The write-ups name none; a 40-48 GB PCIe card
-    fits their evidence: a ~20 GB/s link, and xl's 32 GB of fp32 weights, gradients and AdamW state running out of memory
-    at batch 4 x 512 tokens."""
+    """GPU whose memory bandwidth times the optimizer and the copies. The write-ups name none; a 40-48 GB PCIe card
+    fits their evidence (a ~20 GB/s link, and running out of memory at batch 4 x 512 tokens)."""
     memory_efficiency: float = 0.8
     """Fraction of the memory bandwidth that copies and the optimizer reach."""
     optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM
@@ -145,9 +137,8 @@ class PublishedAssumptions:
     fabrics: tuple[str, ...] = ("pcie_gen4", "nvlink4")
     """Links to predict on; the first is compared with the published runs."""
     published_call_overhead: bool = True
-    """Also predict on the first link with its per-call cost taken from the published runs themselves
-    (``published_call_overhead_s``: naive's extra time over flat, per extra call), a sensitivity check on the
-    bucket-size trend."""
+    """Also predict on the first link with the per-call cost the published runs imply (``published_call_overhead_s``),
+    a sensitivity check on the bucket-size trend."""
 
 
 @dataclass
@@ -170,7 +161,7 @@ class PublishedComparison:
 
 def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict[tuple[int, int], tuple[float, bool]]:
     """(batch, context) -> (compute-only step in ms, extrapolated?), from naive's total minus its all-reduce time."""
-    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in runs if r.strategy == "naive"}
+    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in runs if r.strategy == NAIVE_DDP}
     tokens = [b * t for b, t in measured]
     times = list(measured.values())
     slope, intercept = statistics.linear_regression(tokens, times)  # ms = intercept + slope * tokens
@@ -188,15 +179,15 @@ def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, 
     ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)``, averaged over the (batch, context) cells where
     the published runs have both.
     """
-    naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == "naive"}
-    flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == "flat"}
+    naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == NAIVE_DDP}
+    flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == FLAT_DDP}
     copies_s = 4 * grad_bytes / copy_Bps
     differences = [naive[cell] - (flat[cell] - copies_s) for cell in naive if cell in flat]
     return max(0.0, _mean(differences) / (tensors - 1) - 2 * fabric.intra.latency_s)
 
 
 def prediction_fabrics(assumptions: PublishedAssumptions) -> dict[str, Fabric]:
-    """Label -> fabric for every prediction column: the presets, plus the first with the published runs' per-call cost."""
+    """Label -> fabric of every prediction column: the presets, and the first with the published per-call cost."""
     fabrics = {name: get_fabric(name) for name in assumptions.fabrics}
     if assumptions.published_call_overhead:
         first = fabrics[assumptions.fabrics[0]]
@@ -237,7 +228,8 @@ def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumpti
         profile = _profile(run.batch_size, run.seq_len, compute_ms, assumptions)
         comparison = PublishedComparison(run, compute_ms, extrapolated)
         for name, fabric in fabrics.items():
-            r = simulate(run.strategy, StepModel(profile, fabric, 2, copy_Bps, contention=contention), run.bucket_size_mb)
+            step_model = StepModel(profile, fabric, 2, copy_Bps, contention=contention)
+            r = simulate(run.strategy, step_model, run.bucket_size_mb)
             comparison.predicted[name] = (r.step_ms, r.waited_comm_ms, r.wait_share)
         comparisons.append(comparison)
     return comparisons
@@ -250,14 +242,17 @@ def _mean(values: Sequence[float]) -> float:
 def _summary(comparisons: Sequence[PublishedComparison], label: str) -> dict[str, dict[str, float]]:
     """Per strategy, means over its runs on fabric ``label``, leaving out batch 4 x context 512 (extrapolated)."""
     summary = {}
-    for strategy in ("naive", "flat", "overlap", "bucketed"):
+    for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
         cs = [c for c in comparisons if c.run.strategy == strategy and not c.extrapolated]
         if cs:
             summary[strategy] = {
-                "published_share": _mean([c.run.ratio for c in cs]), "share": _mean([c.predicted[label][2] for c in cs]),
+                "published_share": _mean([c.run.ratio for c in cs]),
+                "share": _mean([c.predicted[label][2] for c in cs]),
                 "error": _mean([abs(c.predicted[label][2] - c.run.ratio) for c in cs]),
-                "published_step": _mean([1e3 * c.run.total_s for c in cs]), "step": _mean([c.predicted[label][0] for c in cs]),
-                "published_comm": _mean([1e3 * c.run.comm_s for c in cs]), "exposed": _mean([c.predicted[label][1] for c in cs]),
+                "published_step": _mean([1e3 * c.run.total_s for c in cs]),
+                "step": _mean([c.predicted[label][0] for c in cs]),
+                "published_comm": _mean([1e3 * c.run.comm_s for c in cs]),
+                "exposed": _mean([c.predicted[label][1] for c in cs]),
                 "unexplained": _mean([c.unexplained_ms for c in cs]),
             }
     return summary
@@ -268,53 +263,77 @@ def published_markdown(comparisons: Sequence[PublishedComparison],
     """The comparison as markdown: inputs, one row per published run, a summary per strategy, the disagreements."""
     fabrics = prediction_fabrics(assumptions)
     labels = list(fabrics)
-    link, rest = labels[0], labels[1:]
-    gpu = get_gpu(assumptions.gpu)
-    sample = _profile(2, 128, 10_000.0, assumptions)
-    grad_gb = sample.grad_bytes / 1e9
-    flat = [c.run for c in comparisons if c.run.strategy == "flat"]
-    implied = _mean([sample.grad_bytes / r.comm_s / 1e9 for r in flat])
-    compute = calibrated_compute_ms([c.run for c in comparisons])
+    summaries = {label: _summary(comparisons, label) for label in labels}
     lines = [
         "# The projection against the published 2-GPU xl runs",
         "",
         "Generated by `python -m lightning_ddp.projection.published --out benchmarks/results/projection/` "
-        "(`lightning_ddp/projection/published.py`; the published numbers are transcribed once, in `PUBLISHED_RUNS`, each "
-        "row citing its write-up by topic). Predictions are simulated timelines at 2 ranks (`lightning_ddp.projection`).",
+        "(`lightning_ddp/projection/published.py`; the published numbers are transcribed once, in `PUBLISHED_RUNS`, "
+        "each row citing its write-up by topic). Predictions are simulated timelines at 2 ranks "
+        "(`lightning_ddp.projection`).",
         "",
+    ]
+    lines += _inputs_lines(comparisons, assumptions, fabrics)
+    lines += _runs_table(comparisons, labels)
+    lines += _summary_table(summaries, labels)
+    lines += ["", "## Where the model agrees, where it does not, and why", ""]
+    lines += _findings(comparisons, summaries, labels, fabrics)
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: PublishedAssumptions,
+                  fabrics: dict[str, Fabric]) -> list[str]:
+    """The model, the calibrated compute per (batch, context), the split of the step and the links."""
+    link = next(iter(fabrics))
+    gpu = get_gpu(assumptions.gpu)
+    sample = _profile(2, 128, 10_000.0, assumptions)
+    grad_gb = sample.grad_bytes / 1e9
+    flat = [c.run for c in comparisons if c.run.strategy == FLAT_DDP]
+    implied = _mean([sample.grad_bytes / r.comm_s / 1e9 for r in flat])
+    lines = [
         "## Inputs",
         "",
         f"- **Model**: xl, {len(sample.params)} gradient tensors, {grad_gb:.3f} GB of fp32 gradients per step.",
         "- **Compute, calibrated to the published runs**: the write-ups report no forward or backward timings (the "
-        "naive-DDP module write-up's template leaves them as `~XXX ms`), so the compute-only step is naive's \"total time train\" minus its \"total time grad all "
-        "reduce\" (naive overlaps nothing):",
+        "naive-DDP module write-up's template leaves them as `~XXX ms`), so the compute-only step is naive's "
+        "\"total time train\" minus its \"total time grad all reduce\" (naive overlaps nothing):",
         "",
         "  | batch | context | compute-only step |",
         "  |---:|---:|---:|",
     ]
-    for (b, t), (ms, extrapolated) in compute.items():
-        lines.append(f"  | {b} | {t} | {ms:.1f} ms{' (extrapolated linearly in tokens: naive ran out of memory)' if extrapolated else ''} |")
+    for (b, t), (ms, extrapolated) in calibrated_compute_ms([c.run for c in comparisons]).items():
+        note = " (extrapolated linearly in tokens: naive ran out of memory)" if extrapolated else ""
+        lines.append(f"  | {b} | {t} | {ms:.1f} ms{note} |")
     lines += [
         "",
         f"- **Split of that step**: optimizer {sample.optimizer_ms:.1f} ms (foreach AdamW, "
-        f"{assumptions.optimizer_bytes_per_param:g} B/param at {assumptions.memory_efficiency:g} x {gpu.memory_Bps / 1e9:,.0f} "
-        f"GB/s, the memory bandwidth of an assumed {gpu.name}; the write-ups name no GPU); forward and backward share "
-        "the rest 1 : 2; gradients become ready through backward in proportion to FLOPs.",
-        f"- **Link**: the published flat all-reduce of {grad_gb:.2f} GB took {_mean([r.comm_s for r in flat]):.3f} s on "
-        f"average, {implied:.1f} GB/s including the pack copies: a PCIe-class link, so the comparison is `{link}`.",
+        f"{assumptions.optimizer_bytes_per_param:g} B/param at {assumptions.memory_efficiency:g} x "
+        f"{gpu.memory_Bps / 1e9:,.0f} GB/s, the memory bandwidth of an assumed {gpu.name}; the write-ups name no "
+        "GPU); forward and backward share the rest 1 : 2; gradients become ready through backward in proportion to "
+        "FLOPs.",
+        f"- **Link**: the published flat all-reduce of {grad_gb:.2f} GB took {_mean([r.comm_s for r in flat]):.3f} s "
+        f"on average, {implied:.1f} GB/s including the pack copies: a PCIe-class link, so the comparison is `{link}`.",
     ]
-    for label in labels:
-        lines.append(f"  - `{label}`: {fabrics[label].describe()}" + (f" ({fabrics[label].description})" if "+" in label else ""))
-    lines += [
+    for label, fabric in fabrics.items():
+        lines.append(f"  - `{label}`: {fabric.describe()}" + (f" ({fabric.description})" if "+" in label else ""))
+    return lines + [
         "  - `+published_c` is a sensitivity check: the per-call cost set so that the model's naive - flat difference "
         "equals the published runs' (`published_call_overhead_s`).",
         "- Bucket sizes: the write-ups' \"MB\", read as MiB (the project's unit).",
         "",
+    ]
+
+
+def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -> list[str]:
+    """One row per published run: what it printed, the prediction on each link, the unexplained time."""
+    link, rest = labels[0], labels[1:]
+    lines = [
         "## Every published run beside the prediction",
         "",
-        "Share = communication time not hidden / step. Published: their printed ratio. Model: (step - compute-only step) / "
-        "step. *Unexplained* = published step - (calibrated compute + the run's own communication time): step time that "
-        "neither compute nor the measured communication accounts for.",
+        "Share = communication time not hidden / step. Published: their printed ratio. Model: (step - compute-only "
+        "step) / step. *Unexplained* = published step - (calibrated compute + the run's own communication time): step "
+        "time that neither compute nor the measured communication accounts for.",
         "",
         f"| strategy | bucket | batch | context | published: step | comm | share | {link}: step | exposed | share | "
         "share - published | " + " | ".join(f"{label}: step | share" for label in rest) + " | unexplained |",
@@ -323,26 +342,30 @@ def published_markdown(comparisons: Sequence[PublishedComparison],
     for c in comparisons:
         r = c.run
         step, exposed, share = c.predicted[link]
-        cells = [r.strategy, "" if r.bucket_size_mb is None else f"{r.bucket_size_mb:g}", str(r.batch_size), str(r.seq_len),
-                 f"{r.total_s * 1e3:.0f} ms", f"{r.comm_s * 1e3:.0f} ms", f"{100 * r.ratio:.1f} %",
+        cells = [r.strategy, "" if r.bucket_size_mb is None else f"{r.bucket_size_mb:g}", str(r.batch_size),
+                 str(r.seq_len), f"{r.total_s * 1e3:.0f} ms", f"{r.comm_s * 1e3:.0f} ms", f"{100 * r.ratio:.1f} %",
                  f"{step:.0f} ms", f"{exposed:.0f} ms", f"{100 * share:.1f} %", f"{100 * (share - r.ratio):+.1f}"]
         for label in rest:
-            o_step, _, o_share = c.predicted[label]
-            cells += [f"{o_step:.0f} ms", f"{100 * o_share:.1f} %"]
+            other_step, _, other_share = c.predicted[label]
+            cells += [f"{other_step:.0f} ms", f"{100 * other_share:.1f} %"]
         cells.append(f"{c.unexplained_ms:+.0f} ms" + (" *" if c.extrapolated else ""))
         lines.append("| " + " | ".join(cells) + " |")
-    summaries = {label: _summary(comparisons, label) for label in labels}
-    lines += ["", "\\* compute extrapolated (naive ran out of memory at batch 4, context 512).", "",
-              "## Summary per strategy", "",
-              "Means over the published runs (bucketed: over all four sizes), leaving out batch 4 x context 512 "
-              "(extrapolated compute, memory pressure). Error = mean absolute difference of the shares.", "",
-              "| strategy | published: step | comm | share | "
-              + " | ".join(f"{label}: step | share" + (" | error" if label.startswith(link) else "") for label in labels)
-              + " | unexplained |",
-              "|---|---:|---:|---:|" + "".join("---:|---:|---:|" if label.startswith(link) else "---:|---:|" for label in labels)
-              + "---:|"]
-    base = summaries[link]
-    for strategy, s0 in base.items():
+    return lines + ["", "\\* compute extrapolated (naive ran out of memory at batch 4, context 512).", ""]
+
+
+def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: list[str]) -> list[str]:
+    """Per strategy, the means of ``_summary`` on every link (with the share error on the compared one)."""
+    link = labels[0]
+    lines = ["## Summary per strategy", "",
+             "Means over the published runs (bucketed: over all four sizes), leaving out batch 4 x context 512 "
+             "(extrapolated compute, memory pressure). Error = mean absolute difference of the shares.", "",
+             "| strategy | published: step | comm | share | "
+             + " | ".join(f"{label}: step | share" + (" | error" if label.startswith(link) else "")
+                          for label in labels)
+             + " | unexplained |",
+             "|---|---:|---:|---:|"
+             + "".join("---:|---:|---:|" if label.startswith(link) else "---:|---:|" for label in labels) + "---:|"]
+    for strategy, s0 in summaries[link].items():
         cells = [strategy, f"{s0['published_step']:.0f} ms", f"{s0['published_comm']:.0f} ms",
                  f"{100 * s0['published_share']:.1f} %"]
         for label in labels:
@@ -352,10 +375,7 @@ def published_markdown(comparisons: Sequence[PublishedComparison],
                 cells.append(f"{100 * s['error']:.1f} pts")
         cells.append(f"{s0['unexplained']:+.0f} ms")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Where the model agrees, where it does not, and why", ""]
-    lines += _findings(comparisons, summaries, labels, fabrics)
-    lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple[int, int, list[float], list[float]]:
@@ -363,7 +383,7 @@ def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple
     fastest size is the published runs' fastest, the published runs' fastest sizes, the model's)."""
     groups: dict[tuple[int, int], list[PublishedComparison]] = {}
     for c in comparisons:
-        if c.run.strategy == "bucketed" and not c.extrapolated:
+        if c.run.strategy == BUCKETED_DDP and not c.extrapolated:
             groups.setdefault((c.run.batch_size, c.run.seq_len), []).append(c)
     published_best = [min(cs, key=lambda c: c.run.total_s).run.bucket_size_mb for cs in groups.values()]
     model_best = [min(cs, key=lambda c: c.predicted[label][0]).run.bucket_size_mb for cs in groups.values()]
@@ -375,92 +395,112 @@ def _model_flat_allreduce_ms(fabric: Fabric, grad_bytes: int) -> float:
     return 1e3 * (fabric.all_reduce_s(4 * len(XL_SHAPE.parameters()), 2) + fabric.all_reduce_s(grad_bytes, 2))
 
 
-def _gap(comparisons: Sequence[PublishedComparison], label: str, size: float, reference: float) -> tuple[tuple[float, float], tuple[float, float]]:
+def _gap(comparisons: Sequence[PublishedComparison], label: str, size: float,
+         reference: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """Range over (batch, context) groups of step(size) - step(reference) for bucketed, published and modelled (ms)."""
     steps: dict[tuple[int, int], dict[float, tuple[float, float]]] = {}
     for c in comparisons:
-        if c.run.strategy == "bucketed" and not c.extrapolated:
-            steps.setdefault((c.run.batch_size, c.run.seq_len), {})[c.run.bucket_size_mb] = (1e3 * c.run.total_s, c.predicted[label][0])
+        if c.run.strategy == BUCKETED_DDP and not c.extrapolated:
+            group = steps.setdefault((c.run.batch_size, c.run.seq_len), {})
+            group[c.run.bucket_size_mb] = (1e3 * c.run.total_s, c.predicted[label][0])
     published = [g[size][0] - g[reference][0] for g in steps.values() if size in g and reference in g]
     model = [g[size][1] - g[reference][1] for g in steps.values() if size in g and reference in g]
     return (min(published), max(published)), (min(model), max(model))
 
 
-def _findings(comparisons: Sequence[PublishedComparison], summaries: dict, labels: list[str], fabrics: dict) -> list[str]:
+def _findings(comparisons: Sequence[PublishedComparison], summaries: dict, labels: list[str],
+              fabrics: dict) -> list[str]:
+    """The disagreements, one bullet each, with the numbers that show them."""
     link = labels[0]
-    summary = summaries[link]
-    out = []
-    naive, flat = summary.get("naive"), summary.get("flat")
-    if naive and flat:
-        grad_bytes = 4 * XL_SHAPE.num_params
-        copies_ms = flat["exposed"] - _model_flat_allreduce_ms(fabrics[link], grad_bytes)  # the model's pack + unpack
-        implied_bus = grad_bytes / (flat["published_comm"] - copies_ms) / 1e6  # GB/s: at 2 ranks busbw = algbw
-        preset_bus = fabrics[link].intra.bandwidth_Bps / 1e9
-        c_published = next((f for label, f in fabrics.items() if "+" in label), None)
-        per_call = ("" if c_published is None else
-                    f" Matching the published difference takes ~{c_published.call_overhead_s * 1e6:.0f} us per call "
-                    f"instead of the preset's {fabrics[link].call_overhead_s * 1e6:.0f} us (`+published_c`): the published "
-                    "runs' loop pays Python, dispatch and a wait per tensor, not just NCCL's kernel latency.")
-        out.append(
-            f"- **Naive and flat agree within a few points** (share error {100 * naive['error']:.1f} and "
-            f"{100 * flat['error']:.1f} points): after backward both are bandwidth-bound, so the link's bus bandwidth "
-            f"decides. The published flat communication ({flat['published_comm']:.0f} ms, of which the model puts "
-            f"{copies_ms:.0f} ms in the pack and unpack copies) implies {implied_bus:.1f} GB/s of bus bandwidth, "
-            f"{100 * (1 - implied_bus / preset_bus):.0f} % below the preset's {preset_bus:g} GB/s. "
-            "The model underestimates naive's per-call cost: the published naive all-reduces "
-            f"take {naive['published_comm'] - flat['published_comm']:+.0f} ms longer than flat's (copies included), the "
-            "model "
-            f"{naive['exposed'] - flat['exposed']:+.0f} ms.{per_call}")
-    overlapped = [k for k in ("overlap", "bucketed") if k in summary]
-    if overlapped:
-        steps = ", ".join(f"{k} {summary[k]['step']:.0f} vs {summary[k]['published_step']:.0f} ms" for k in overlapped)
-        shares = ", ".join(f"{k} {100 * summary[k]['share']:.0f} vs {100 * summary[k]['published_share']:.0f} %"
-                           for k in overlapped)
-        unexplained = _mean([summary[k]["unexplained"] for k in overlapped])
-        out.append(
-            f"- **Overlap and bucketed: the model predicts shorter steps** ({steps}) **and larger shares** ({shares}). "
-            f"Both come from one thing the model leaves out: the published overlapped steps are {unexplained:+.0f} ms "
-            "longer on average than the calibrated compute plus their own exposed communication, so backward itself ran slower "
-            "while all-reduces were in flight. NCCL kernels take SMs and memory bandwidth from the backward kernels, "
-            "PCIe transfers compete with them, and per-gradient Python hooks add launch overhead. A slower backward "
-            "hides more communication, hence the published runs' lower shares; the model's backward keeps its "
-            "compute-only length and hides less, at no cost. On this PCIe link, communication (~0.37 s) is longer than backward (~0.16-0.23 s), "
-            "so no strategy can hide it all, in the published runs as in the model.")
-    for label in labels[:2]:
-        groups, same, published_best, model_best = _best_sizes(comparisons, label)
-        model_common = statistics.mode(model_best)
-        if label == link:
-            common = statistics.mode(published_best)
-            others = sorted(set(published_best) - {common})
-            published_gap, model_gap = _gap(comparisons, link, 1000, 100)
-            out.append(
-                f"- **Bucket size** (`{label}`): the published runs' fastest size is {common:g} MB in "
-                f"{published_best.count(common)} of "
-                f"{groups} (batch, context) groups ({', '.join(f'{o:g} MB' for o in others) or 'none'} in the others); "
-                f"the model's fastest is {model_common:g} MiB in {model_best.count(model_common)} of {groups} and matches "
-                f"the published runs in {same}. With the preset's per-call cost (15 us + 2 x 2 us) the model sees 1 and "
-                "10 MiB alike and 100 MiB a few ms behind: on a ~20 GB/s link the transfer dwarfs the per-call cost, and smaller "
-                "buckets start earlier. It also penalises 1000 MiB (8 buckets; the first waits for 1000 MiB of "
-                f"gradients) more than the published runs show: 1000 vs 100 MB costs {published_gap[0]:+.0f} to "
-                f"{published_gap[1]:+.0f} ms per step in the published runs, {model_gap[0]:+.0f} to {model_gap[1]:+.0f} ms in the model.")
-        else:
-            out.append(
-                f"  With the published runs' own per-call cost (`{label}`) the model's fastest size is {model_common:g} "
-                f"MiB in {model_best.count(model_common)} of {groups} groups and matches the published runs' in {same}: "
-                "once a call costs ~0.1 ms, fewer and larger buckets pay off, which is the published runs' trend. Fewer "
-                "calls also contend less with backward, which the model does not see.")
+    out = _naive_flat_finding(summaries[link], fabrics, link) + _overlap_finding(summaries[link])
+    out += _bucket_size_findings(comparisons, labels)
     out.append(
-        "- **Batch 4, context 512**: naive ran out of memory there, so the compute is extrapolated, and the cells that "
-        "did run were under memory pressure (flat took 1.96 s per step, twice its neighbours, with the same "
+        "- **Batch 4, context 512**: naive ran out of memory there, so the compute is extrapolated, and the cells "
+        "that did run were under memory pressure (flat took 1.96 s per step, twice its neighbours, with the same "
         "communication time); the model knows nothing of memory, and its step times there are far too short.")
     nv = next((label for label in labels if "nvlink" in label), None)
     if nv:
-        nv_naive = summaries[nv].get("naive", {}).get("share", float("nan"))
-        nv_flat = summaries[nv].get("flat", {}).get("share", float("nan"))
+        nv_naive = summaries[nv].get(NAIVE_DDP, {}).get("share", float("nan"))
+        nv_flat = summaries[nv].get(FLAT_DDP, {}).get("share", float("nan"))
         out.append(
             f"- **NVLink** (`{nv}`, prediction only; none of the published runs was on it): the same runs would spend "
             f"{100 * nv_naive:.0f} % (naive) and {100 * nv_flat:.0f} % (flat) of the step communicating, and overlap "
             "and bucketed would hide nearly all of it; flat's copies then cost as much as its all-reduce.")
+    return out
+
+
+def _naive_flat_finding(summary: dict[str, dict[str, float]], fabrics: dict[str, Fabric], link: str) -> list[str]:
+    naive, flat = summary.get(NAIVE_DDP), summary.get(FLAT_DDP)
+    if not (naive and flat):
+        return []
+    grad_bytes = 4 * XL_SHAPE.num_params
+    copies_ms = flat["exposed"] - _model_flat_allreduce_ms(fabrics[link], grad_bytes)  # the model's pack + unpack
+    implied_bus = grad_bytes / (flat["published_comm"] - copies_ms) / 1e6  # GB/s: at 2 ranks busbw = algbw
+    preset_bus = fabrics[link].intra.bandwidth_Bps / 1e9
+    c_published = next((f for label, f in fabrics.items() if "+" in label), None)
+    per_call = ""
+    if c_published is not None:
+        per_call = (f" Matching the published difference takes ~{c_published.call_overhead_s * 1e6:.0f} us per call "
+                    f"instead of the preset's {fabrics[link].call_overhead_s * 1e6:.0f} us (`+published_c`): the "
+                    "published runs' loop pays Python, dispatch and a wait per tensor, not just NCCL's kernel "
+                    "latency.")
+    return [
+        f"- **Naive and flat agree within a few points** (share error {100 * naive['error']:.1f} and "
+        f"{100 * flat['error']:.1f} points): after backward both are bandwidth-bound, so the link's bus bandwidth "
+        f"decides. The published flat communication ({flat['published_comm']:.0f} ms, of which the model puts "
+        f"{copies_ms:.0f} ms in the pack and unpack copies) implies {implied_bus:.1f} GB/s of bus bandwidth, "
+        f"{100 * (1 - implied_bus / preset_bus):.0f} % below the preset's {preset_bus:g} GB/s. "
+        "The model underestimates naive's per-call cost: the published naive all-reduces "
+        f"take {naive['published_comm'] - flat['published_comm']:+.0f} ms longer than flat's (copies included), the "
+        f"model {naive['exposed'] - flat['exposed']:+.0f} ms.{per_call}"]
+
+
+def _overlap_finding(summary: dict[str, dict[str, float]]) -> list[str]:
+    overlapped = [k for k in (OVERLAP_DDP, BUCKETED_DDP) if k in summary]
+    if not overlapped:
+        return []
+    steps = ", ".join(f"{k} {summary[k]['step']:.0f} vs {summary[k]['published_step']:.0f} ms" for k in overlapped)
+    shares = ", ".join(f"{k} {100 * summary[k]['share']:.0f} vs {100 * summary[k]['published_share']:.0f} %"
+                       for k in overlapped)
+    unexplained = _mean([summary[k]["unexplained"] for k in overlapped])
+    return [
+        f"- **Overlap and bucketed: the model predicts shorter steps** ({steps}) **and larger shares** ({shares}). "
+        f"Both come from one thing the model leaves out: the published overlapped steps are {unexplained:+.0f} ms "
+        "longer on average than the calibrated compute plus their own exposed communication, so backward itself ran "
+        "slower while all-reduces were in flight. NCCL kernels take SMs and memory bandwidth from the backward "
+        "kernels, PCIe transfers compete with them, and per-gradient Python hooks add launch overhead. A slower "
+        "backward hides more communication, hence the published runs' lower shares; the model's backward keeps its "
+        "compute-only length and hides less, at no cost. On this PCIe link, communication (~0.37 s) is longer than "
+        "backward (~0.16-0.23 s), so no strategy can hide it all, in the published runs as in the model."]
+
+
+def _bucket_size_findings(comparisons: Sequence[PublishedComparison], labels: list[str]) -> list[str]:
+    link = labels[0]
+    out = []
+    for label in labels[:2]:
+        groups, same, published_best, model_best = _best_sizes(comparisons, label)
+        model_common = statistics.mode(model_best)
+        if label != link:
+            out.append(
+                f"  With the published runs' own per-call cost (`{label}`) the model's fastest size is "
+                f"{model_common:g} MiB in {model_best.count(model_common)} of {groups} groups and matches the "
+                f"published runs' in {same}: once a call costs ~0.1 ms, fewer and larger buckets pay off, which is "
+                "the published runs' trend. Fewer calls also contend less with backward, which the model does not "
+                "see.")
+            continue
+        common = statistics.mode(published_best)
+        others = ", ".join(f"{o:g} MB" for o in sorted(set(published_best) - {common})) or "none"
+        published_gap, model_gap = _gap(comparisons, link, 1000, 100)
+        out.append(
+            f"- **Bucket size** (`{label}`): the published runs' fastest size is {common:g} MB in "
+            f"{published_best.count(common)} of {groups} (batch, context) groups ({others} in the others); "
+            f"the model's fastest is {model_common:g} MiB in {model_best.count(model_common)} of {groups} and "
+            f"matches the published runs in {same}. With the preset's per-call cost (15 us + 2 x 2 us) the model "
+            "sees 1 and 10 MiB alike and 100 MiB a few ms behind: on a ~20 GB/s link the transfer dwarfs the "
+            "per-call cost, and smaller buckets start earlier. It also penalises 1000 MiB (8 buckets; the first waits "
+            "for 1000 MiB of gradients) more than the published runs show: 1000 vs 100 MB costs "
+            f"{published_gap[0]:+.0f} to {published_gap[1]:+.0f} ms per step in the published runs, "
+            f"{model_gap[0]:+.0f} to {model_gap[1]:+.0f} ms in the model.")
     return out
 
 
@@ -482,25 +522,27 @@ def published_contention_lines(contention: float) -> list[str]:
     rows = []
     for held_out, subset in ((None, "all (batch 4 x 512 left out)"), (False, f"fitting subset (batch {FIT_BATCH})"),
                              (True, "held out (batch 4)")):
-        for strategy in ("naive", "flat", "overlap", "bucketed"):
+        for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
             cells = {s: [x for x in published_pairs(s, held_out) if x[0].run.strategy == strategy]
                      for s in (0.0, contention)}
             share = {s: statistics.fmean(abs(c.predicted["pcie_gen4"][2] - c.run.ratio) for c, _, _ in v)
                      for s, v in cells.items()}
             step = {s: statistics.fmean(p / m - 1 for _, p, m in v) for s, v in cells.items()}
             rows.append(f"| {subset} | {strategy} | {len(cells[0.0])} | {100 * share[0.0]:.1f} -> "
-                        f"{100 * share[contention]:.1f} pts | {100 * step[0.0]:+.1f} -> {100 * step[contention]:+.1f} % |")
+                        f"{100 * share[contention]:.1f} pts | {100 * step[0.0]:+.1f} -> "
+                        f"{100 * step[contention]:+.1f} % |")
     return [
         "## Contention: compute slowed while collectives run", "",
         f"NCCL's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
-        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} runs' wait shares on `pcie_gen4`). The tables "
-        "above are without it (s = 0); here each strategy's mean |share error| (the model's wait share against the "
-        "published ratio) and mean step error on `pcie_gen4`, before (s = 0) -> after:", "",
+        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} runs' wait shares on `pcie_gen4`). The "
+        "tables above are without it (s = 0); here each strategy's mean |share error| (the model's wait share "
+        "against the published ratio) and mean step error on `pcie_gen4`, before (s = 0) -> after:", "",
         "| runs | strategy | runs | share error | step error |", "|---|---|---:|---:|---:|", *rows, "",
         "Contention lengthens the overlapped backward, which then hides more of the all-reduces: the wait shares come "
         "down to the published ones. It barely moves the step: on this link the overlapped steps are bound by ~0.37 s "
         "of communication, not by the ~0.2 s backward, so the published steps' extra ~0.15 s is something else "
-        "(communication itself slower beside compute, per-call costs of the hooks), which the model still leaves out.", "",
+        "(communication itself slower beside compute, per-call costs of the hooks), which the model still leaves "
+        "out.", "",
     ]
 
 
@@ -526,7 +568,8 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
                "source": r.source}
         for label, (step, exposed, share) in c.predicted.items():
             name = label.replace("+", "_")
-            row.update({f"{name}_step_ms": round(step, 2), f"{name}_exposed_ms": round(exposed, 2), f"{name}_share": round(share, 4)})
+            row.update({f"{name}_step_ms": round(step, 2), f"{name}_exposed_ms": round(exposed, 2),
+                        f"{name}_share": round(share, 4)})
         writer.writerow(row)
     markdown = published_markdown(comparisons, assumptions) + "\n" + "\n".join(
         published_contention_lines(CONTENTION["nccl"]))
@@ -535,24 +578,6 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
 
 
 
-OLD_NAMES = {
-    "SEED_RUNS": "PUBLISHED_RUNS",
-    "SeedRun": "PublishedRun",
-    "SeedAssumptions": "PublishedAssumptions",
-    "SeedComparison": "PublishedComparison",
-    "compare_with_seeds": "compare_with_published",
-    "seeds_markdown": "published_markdown",
-    "seed_call_overhead_s": "published_call_overhead_s",
-}
-"""The names of this module's first version (``lightning_ddp.project.seeds``), which called the published runs "the
-seeds": old name -> new name. They still work, with a ``DeprecationWarning``."""
-
-
-def __getattr__(name: str) -> Any:
-    if name in OLD_NAMES:
-        warnings.warn(f"{__name__}.{name} is now {OLD_NAMES[name]}", DeprecationWarning, stacklevel=2)
-        return globals()[OLD_NAMES[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def main(out: str = "benchmarks/results/projection", gpu: str = "a100-pcie-40gb") -> None:
     """Compare the projection with the published 2-GPU xl runs and write published_xl_2gpu.md and .csv.

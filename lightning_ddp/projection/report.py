@@ -1,12 +1,4 @@
 """The projection's files: ``results.csv``, ``results.md`` and the PNG plots (matplotlib's Agg canvas, no pyplot).
-
-Plots:
-
-- ``share_vs_world.png``: exposed-communication share (left) and step time (right) against world size (log 2 x),
-  one line per strategy (and per engine-settings variant, e.g. ``bucketed_powersgd rank=4``); bucketed strategies
-  at their best bucket size for each world size.
-- ``step_vs_bucket.png``: one panel per bucketed strategy: step time against bucket size (log x), one line per world
-  size, the best size marked; the dashed line is the compute-only step.
 """
 
 from __future__ import annotations
@@ -14,26 +6,33 @@ from __future__ import annotations
 import csv
 import io
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from lightning_ddp.catalogue import variant_strategy
-from lightning_ddp.profile import ComputeProfile, write_atomically
+from lightning_ddp import catalogue
+from lightning_ddp.files import write_atomically
+from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import contention_of, copy_bandwidth
-from lightning_ddp.projection.strategies import STRATEGIES, StepResult, powersgd_plan, unmodelled_algorithms
+from lightning_ddp.projection.simulators import (
+    StepResult,
+    model_settings,
+    powersgd_plan,
+    simulate_bucketed,
+    simulate_bucketed_powersgd,
+    simulate_ddp,
+    simulate_fsdp2,
+    simulate_zero1,
+    simulated_by,
+    unmodelled_names,
+)
 from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
 
-__all__ = ["NO_COST_TOLERANCE", "SHARDED", "build_markdown", "memory_verdicts", "write_csv", "write_plots"]
+__all__ = ["NO_COST_TOLERANCE", "build_markdown", "memory_verdicts", "write_csv", "write_plots"]
 
 NO_COST_TOLERANCE = 0.05
-"""A sharded strategy's memory saving comes "at no step-time cost" at a world size when its projected step is at
-most ``1 + NO_COST_TOLERANCE`` times the baseline's (``ddp``, else the fastest unsharded strategy): within 5 %. Both
-sides come from the same model, so its shared errors (compute, link) largely cancel; 5 % is about the spread of
-the published 2-GPU runs between bucket sizes of one strategy (0.3-3 %) plus the contention model's residual
-error on overlapped strategies, well below the 15 % the model's absolute step times are held to."""
+"""A sharded strategy's memory saving is "at no step-time cost" where its step is within 5 % of the baseline's
+(torch DDP, else the fastest unsharded strategy); why 5 %: docs/projection.md."""
 
-SHARDED = ("zero1", "zero2", "fsdp2")
-"""Strategies that shard model state (the memory verdict's rows); the others replicate it."""
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
@@ -49,7 +48,11 @@ def _ms(value: float) -> str:
 
 
 def _has_buckets(variant: str) -> bool:
-    return STRATEGIES[variant_strategy(variant)].has_bucket_size
+    return catalogue.get(catalogue.variant_strategy(variant)).has_bucket_size
+
+
+def _sharded(variant: str) -> bool:
+    return catalogue.get(catalogue.variant_strategy(variant)).sharded
 
 
 def _title(variant: str) -> str:
@@ -57,10 +60,10 @@ def _title(variant: str) -> str:
 
 
 def _variants(results: Sequence[StepResult]) -> list[str]:
-    """The strategies (with their settings) in ``results``, in ``STRATEGIES`` order, settings in first-seen order."""
-    order = {name: i for i, name in enumerate(STRATEGIES)}
+    """The strategies (with their settings) in ``results``, in catalogue order, settings in first-seen order."""
+    order = {name: i for i, name in enumerate(catalogue.STRATEGIES)}
     seen = list(dict.fromkeys(r.variant for r in results))
-    return sorted(seen, key=lambda v: order.get(variant_strategy(v), len(order)))  # stable
+    return sorted(seen, key=lambda v: order.get(catalogue.variant_strategy(v), len(order)))  # stable
 
 
 def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Sequence[StepResult]) -> str:
@@ -68,154 +71,183 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
     best = best_by_world_size(results)
     sizes = sorted({r.world_size for r in results})
     names = _variants(results)
-    gb = profile.grad_bytes / 1e9
-    lines = [
-        f"# {config.name}",
-        "",
+    lines = [f"# {config.name}", ""]
+    lines += _inputs_section(config, profile, fabric)
+    lines += ["## Step time (exposed communication share) per world size", "",
+              "Share = (step - compute-only step) / step: the part of the step spent on communication and copies that "
+              "compute did not hide.", ""]
+    lines += _strategy_table(best, names, sizes, _step_cell)
+    lines += _fastest(best, names, sizes)
+    lines += _memory_section(best, names, sizes)
+    lines += _best_bucket_section(results, best, names, sizes, fabric)
+    lines += ["", "## Communication stream: busy time and calls per step", "",
+              "Busy = the sum of all collectives' durations (they run one after another on one stream); hidden = "
+              "1 - (exposed - copies) / busy, the CommTimer's `comm/overlap`.", ""]
+    lines += _strategy_table(best, names, sizes, _busy_cell)
+    lines += _caveats(profile, results, best)
+    return "\n".join(lines)
+
+
+def _inputs_section(config, profile: ComputeProfile, fabric: Fabric) -> list[str]:
+    contention, source = contention_of(config.network)
+    return [
         "Projected by `python -m lightning_ddp.projection`: each cell is a simulated timeline of one training step "
         "(one compute stream, one communication stream), not a measurement. The model, its sources and where it is "
-        "known to be wrong: the docstring of `lightning_ddp/projection/__init__.py`.",
+        "known to be wrong: docs/projection.md.",
         "",
         "## Inputs",
         "",
         f"- **Compute** ({profile.source}): {profile.label}; per rank forward {_ms(profile.forward_ms)}, backward "
         f"{_ms(profile.backward_span_ms)}, optimizer {_ms(profile.optimizer_ms)}: a compute-only step of "
         f"**{_ms(profile.compute_ms)}**, the same at every world size (the per-rank batch is fixed).",
-        f"- **Gradients**: {len(profile.params)} tensors, {gb:.3f} GB per step.",
+        f"- **Gradients**: {len(profile.params)} tensors, {profile.grad_bytes / 1e9:.3f} GB per step.",
         f"- **Network** `{fabric.name}`: {fabric.description}. {fabric.describe()}.",
         f"- **Copies** (pack, unpack, casts): {_copy_text(config)}.",
-        "- **Contention**: compute runs {0:g} x slower while a collective is in flight (s = {1:g}, {2}).".format(
-            1 + contention_of(config.network)[0], *contention_of(config.network)),
+        f"- **Contention**: compute runs {1 + contention:g} x slower while a collective is in flight "
+        f"(s = {contention:g}, {source}).",
         "",
-        "## Step time (exposed communication share) per world size",
-        "",
-        "Share = (step - compute-only step) / step: the part of the step spent on communication and copies that "
-        "compute did not hide.",
-        "",
-        "| strategy | " + " | ".join(f"{n} ranks" for n in sizes) + " |",
-        "|---|" + "---:|" * len(sizes),
     ]
+
+
+def _strategy_table(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int],
+                    cell: Callable[[StepResult], str]) -> list[str]:
+    """One row per strategy variant, one column per world size; ``cell`` writes a result."""
+    lines = ["| strategy | " + " | ".join(f"{n} ranks" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
     for name in names:
-        cells = []
-        for n in sizes:
-            r = best.get((name, n))
-            if r is None:
-                cells.append("")
-                continue
-            text = f"{_ms(r.step_ms)} ({100 * r.comm_share:.1f} %)"
-            if r.bucket_size_mb is not None:
-                text += f" @ {r.bucket_size_mb:g} MiB"
-            cells.append(text)
+        cells = ["" if (name, n) not in best else cell(best[(name, n)]) for n in sizes]
         lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
-    lines += _fastest(best, names, sizes)
-    lines += _memory_section(best, names, sizes)
+    return lines
+
+
+def _step_cell(r: StepResult) -> str:
+    text = f"{_ms(r.step_ms)} ({100 * r.comm_share:.1f} %)"
+    return text + (f" @ {r.bucket_size_mb:g} MiB" if r.bucket_size_mb is not None else "")
+
+
+def _busy_cell(r: StepResult) -> str:
+    return f"{_ms(r.busy_comm_ms)}, {r.calls} calls, {100 * r.overlap:.0f} % hidden"
+
+
+def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, int], StepResult], names: list[str],
+                         sizes: list[int], fabric: Fabric) -> list[str]:
     bucketed = [s for s in names if _has_buckets(s)]
-    if bucketed:
-        lines += ["", "## Best bucket size per world size", "",
-                  "The cap (MiB) with the shortest step among `study.bucket_sizes_mb`, and how much worse the "
-                  "worst cap is.", "",
-                  "| world size | nodes | " + " | ".join(f"{s}: best | step | worst cap, step" for s in bucketed) + " |",
-                  "|---:|---:|" + "---:|---:|---|" * len(bucketed)]
-        for n in sizes:
-            cells = []
-            for s in bucketed:
-                candidates = [r for r in results if r.variant == s and r.world_size == n]
-                b, w = best[(s, n)], max(candidates, key=lambda r: r.step_ms)
-                cells.append(f"{b.bucket_size_mb:g} MiB | {_ms(b.step_ms)} | {w.bucket_size_mb:g} MiB, {_ms(w.step_ms)}")
-            lines.append(f"| {n} | {fabric.nodes(n)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Communication stream: busy time and calls per step", "",
-              "Busy = the sum of all collectives' durations (they run one after another on one stream); hidden = "
-              "1 - (exposed - copies) / busy, the CommTimer's `comm/overlap`.", "",
-              "| strategy | " + " | ".join(f"{n} ranks" for n in sizes) + " |",
-              "|---|" + "---:|" * len(sizes)]
-    for name in names:
+    if not bucketed:
+        return []
+    lines = ["", "## Best bucket size per world size", "",
+             "The cap (MiB) with the shortest step among `study.bucket_sizes_mb`, and how much worse the "
+             "worst cap is.", "",
+             "| world size | nodes | " + " | ".join(f"{s}: best | step | worst cap, step" for s in bucketed) + " |",
+             "|---:|---:|" + "---:|---:|---|" * len(bucketed)]
+    for n in sizes:
         cells = []
-        for n in sizes:
-            r = best.get((name, n))
-            cells.append("" if r is None else f"{_ms(r.busy_comm_ms)}, {r.calls} calls, {100 * r.overlap:.0f} % hidden")
-        lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Caveats", ""]
-    unmodelled = unmodelled_algorithms()
+        for s in bucketed:
+            candidates = [r for r in results if r.variant == s and r.world_size == n]
+            b, w = best[(s, n)], max(candidates, key=lambda r: r.step_ms)
+            cells.append(f"{b.bucket_size_mb:g} MiB | {_ms(b.step_ms)} | {w.bucket_size_mb:g} MiB, {_ms(w.step_ms)}")
+        lines.append(f"| {n} | {fabric.nodes(n)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
+             best: dict[tuple[str, int], StepResult]) -> list[str]:
+    lines = ["", "## Caveats", ""]
+    unmodelled = unmodelled_names()
     if unmodelled:
-        lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, registered for training but with no "
-                     "timeline model (`projection` in its registry entry) yet.")
-    zero1 = sorted((r for r in best.values() if r.strategy == "zero1"), key=lambda r: r.world_size)
-    if zero1 and profile.grad_bytes:
-        flags = 4 * len(profile.params)
-        padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
-        lines.append(
-            "- `zero1` is simulated as this project implements it: whole tensors per owner, every rank's segment padded "
-            "to the most loaded owner's bytes, so the reduce-scatter and all-gather buffers grow to "
-            f"{padding} the gradient bytes (with more ranks than tensors, some own nothing). Its exposed time is net of "
-            "the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 % where the saving exceeds "
-            "the communication: paid for, not overlapped.")
-    powersgd = [r for r in results if r.strategy == "bucketed_powersgd"]
-    if powersgd and profile.has_shapes:
-        settings = {**STRATEGIES["bucketed_powersgd"].settings(), **powersgd[0].settings}
-        plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
-        matrices = sum(1 for m in plan if m)
-        lines.append(
-            "- `bucketed_powersgd` is its steady state: every step compressed (the exact warm-up steps, `start_iter`, are "
-            "left out). Its arithmetic is counted kernel by kernel as the engine runs it, each at the larger of its FLOPs "
-            "at the profile's throughput and its bytes at the copy bandwidth (52 bytes moved per element of an fp32 "
-            "gradient per step: memory-bound at small ranks); the launch latency of its small kernels (about ten, and two QR "
-            f"factorisations, for each of the {matrices} compressed matrices here, issued from Python) is not, so it is "
-            "optimistic where those matrices are small. It is lossy: a step of it is not worth a step of the exact ones.")
-    if any(r.strategy == "fsdp2" for r in results):
-        lines.append("- `fsdp2` runs its all-gathers and reduce-scatters on the one communication stream, in issue order; "
-                     "torch runs them on two streams that share the link, so where both are busy the model serialises "
-                     "what torch interleaves. Its all-gathers move the parameters at their training width (no "
-                     "`MixedPrecisionPolicy`).")
-    lines += [
-        "- Compute beside a collective runs `1 + s` times slower (Inputs; `lightning_ddp/projection/contention.py` fits "
-        "`s` per backend). Communication itself is never slowed by compute, and NCCL's `s` was fitted on 2 GPUs over "
-        "PCIe: the published overlapped steps there were still 0.1-0.25 s longer than the model's "
+        lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
+                     "timeline model (`projection` in its entry) yet.")
+    lines += _zero1_caveat(profile, best) + _powersgd_caveat(profile, results)
+    fsdp2 = simulated_by(simulate_fsdp2)
+    if any(r.strategy in fsdp2 for r in results):
+        lines.append(f"- `{fsdp2[0]}` runs its all-gathers and reduce-scatters on the one communication stream, in "
+                     "issue order; torch runs them on two streams that share the link, so where both are busy the "
+                     "model serialises what torch interleaves. Its all-gathers move the parameters at their training "
+                     "width (no `MixedPrecisionPolicy`).")
+    return lines + [
+        "- Compute beside a collective runs `1 + s` times slower (Inputs; `lightning_ddp/projection/contention.py` "
+        "fits `s` per backend). Communication itself is never slowed by compute, and NCCL's `s` was fitted on 2 GPUs "
+        "over PCIe: the published overlapped steps there were still 0.1-0.25 s longer than the model's "
         "(`python -m lightning_ddp.projection.published`).",
-        "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches protocol "
-        "(LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small messages are "
-        "priced roughly and in-network reduction is left out.",
+        "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches "
+        "protocol (LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small "
+        "messages are priced roughly and in-network reduction is left out.",
         "- Every rank is identical: no stragglers, no jitter, no network congestion from other jobs.",
         "",
         "Files: `results.csv` (every cell), `share_vs_world.png`, `step_vs_bucket.png`, `compute_profile.json`, "
         "`environment.json`.",
         "",
     ]
-    return "\n".join(lines)
+
+
+def _zero1_caveat(profile: ComputeProfile, best: dict[tuple[str, int], StepResult]) -> list[str]:
+    names = simulated_by(simulate_zero1)
+    zero1 = sorted((r for r in best.values() if r.strategy in names), key=lambda r: r.world_size)
+    if not zero1 or not profile.grad_bytes:
+        return []
+    flags = 4 * len(profile.params)
+    padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
+    return [
+        f"- `{zero1[0].strategy}` is simulated as this project implements it: whole tensors per owner, every rank's "
+        "segment padded to the most loaded owner's bytes, so the reduce-scatter and all-gather buffers grow to "
+        f"{padding} the gradient bytes (with more ranks than tensors, some own nothing). Its exposed time is net of "
+        "the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 % where the saving "
+        "exceeds the communication: paid for, not overlapped."]
+
+
+def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> list[str]:
+    names = simulated_by(simulate_bucketed_powersgd)
+    powersgd = [r for r in results if r.strategy in names]
+    if not powersgd or not profile.has_shapes:
+        return []
+    settings = {**model_settings(powersgd[0].strategy), **powersgd[0].settings}
+    plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
+    matrices = sum(1 for m in plan if m)
+    return [
+        f"- `{powersgd[0].strategy}` is its steady state: every step compressed (the exact warm-up steps, "
+        "`start_iter`, are left out). Its arithmetic is counted kernel by kernel as the engine runs it, each at the "
+        "larger of its FLOPs at the profile's throughput and its bytes at the copy bandwidth (52 bytes moved per "
+        "element of an fp32 gradient per step: memory-bound at small ranks); the launch latency of its small kernels "
+        f"(about ten, and two QR factorisations, for each of the {matrices} compressed matrices here, issued from "
+        "Python) is not, so it is optimistic where those matrices are small. It is lossy: a step of it is not worth a "
+        "step of the exact ones."]
 
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
     """The fastest strategy per world size, against torch DDP and bucketed (each at its best bucket size)."""
+    baselines = simulated_by(simulate_ddp) + simulated_by(simulate_bucketed)  # torch DDP, then ours
     lines = ["", "## Fastest per world size", "",
              "The shortest projected step at each world size (strategies with buckets at their best size), and how it "
-             "compares with `ddp` and `bucketed`.", "",
-             "| world size | fastest | step | / ddp | / bucketed (best) |", "|---:|---|---:|---:|---:|"]
+             f"compares with {' and '.join(f'`{b}`' for b in baselines)}.", "",
+             "| world size | fastest | step | " + " | ".join(f"/ {b}" + (" (best)" if _has_buckets(b) else "")
+                                                         for b in baselines) + " |",
+             "|---:|---|---:|" + "---:|" * len(baselines)]
     for n in sizes:
         candidates = [best[(name, n)] for name in names if (name, n) in best]
         if not candidates:
             continue
         winner = min(candidates, key=lambda r: r.step_ms)
         ratios = []
-        for baseline in ("ddp", "bucketed"):
+        for baseline in baselines:
             other = best.get((baseline, n))
             ratios.append(f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-")
         size = f" @ {winner.bucket_size_mb:g} MiB" if winner.bucket_size_mb is not None else ""
-        lines.append(f"| {n} | {winner.variant}{size} | {_ms(winner.step_ms)} | {ratios[0]} | {ratios[1]} |")
+        lines.append(f"| {n} | {winner.variant}{size} | {_ms(winner.step_ms)} | " + " | ".join(ratios) + " |")
     return lines
 
 
 def memory_verdicts(best: dict[tuple[str, int], StepResult], names: Sequence[str],
                     sizes: Sequence[int]) -> list[dict[str, Any]]:
-    """Per sharded strategy (``SHARDED``) and world size: its memory and step against the baseline's, and whether
-    the saving comes at no step-time cost (``NO_COST_TOLERANCE``)."""
+    """Per sharded strategy (the catalogue's ``sharded``) and world size: its memory and step against the
+    baseline's, and whether the saving comes at no step-time cost (``NO_COST_TOLERANCE``)."""
     out = []
     for n in sizes:
-        unsharded = [best[(v, n)] for v in names if (v, n) in best and variant_strategy(v) not in SHARDED]
-        baseline = best.get(("ddp", n)) or min(unsharded, key=lambda r: r.step_ms, default=None)
+        unsharded = [best[(v, n)] for v in names if (v, n) in best and not _sharded(v)]
+        torch_ddp = [best[(v, n)] for v in simulated_by(simulate_ddp) if (v, n) in best]
+        baseline = torch_ddp[0] if torch_ddp else min(unsharded, key=lambda r: r.step_ms, default=None)
         if baseline is None or baseline.memory_bytes is None:
             continue
         for v in names:
             r = best.get((v, n))
-            if r is None or variant_strategy(v) not in SHARDED or r.memory_bytes is None:
+            if r is None or not _sharded(v) or r.memory_bytes is None:
                 continue
             slower = r.step_ms / baseline.step_ms - 1
             saved = baseline.memory_bytes - r.memory_bytes
@@ -237,7 +269,8 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
         cells = []
         for n in sizes:
             r = best.get((name, n))
-            cells.append("" if r is None or r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}")
+            text = "" if r is None or r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}"
+            cells.append(text)
         lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
     verdicts = memory_verdicts(best, names, sizes)
     if verdicts:
@@ -257,7 +290,8 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
 
 
 def _copy_text(config) -> str:
-    return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {config.compute.memory_efficiency:g})"
+    efficiency = config.compute.memory_efficiency
+    return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {efficiency:g})"
 
 
 def _save(fig, path: Path) -> Path:
@@ -300,8 +334,10 @@ def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputePr
         axes = fig.subplots(1, len(bucketed), squeeze=False)[0]
         for ax, name in zip(axes, bucketed):
             for n in sizes:
-                points = sorted((r for r in results if r.variant == name and r.world_size == n), key=lambda r: r.bucket_size_mb)
-                line = ax.plot([r.bucket_size_mb for r in points], [r.step_ms for r in points], marker=".", label=f"{n} ranks")
+                points = sorted((r for r in results if r.variant == name and r.world_size == n),
+                                key=lambda r: r.bucket_size_mb)
+                line = ax.plot([r.bucket_size_mb for r in points], [r.step_ms for r in points], marker=".",
+                               label=f"{n} ranks")
                 b = best[(name, n)]
                 ax.plot([b.bucket_size_mb], [b.step_ms], marker="*", markersize=12, color=line[0].get_color())
             ax.axhline(profile.compute_ms, color="grey", linestyle="--", label="compute only")

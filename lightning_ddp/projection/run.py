@@ -1,17 +1,7 @@
 """From a ``ProjectionConfig`` to files: build the compute profile and the fabric, simulate the grid, write outputs.
 
-Outputs in ``output.out_dir`` (each written to a temporary name and renamed, so never half a file):
-
-=======================  ======================================================================================
-file                     contents
-=======================  ======================================================================================
-``results.csv``          one row per strategy x world size (x bucket size, x engine settings), columns ``sweep.COLUMNS``
-``results.md``           inputs, step time and share per strategy and world size, best bucket sizes, caveats
-``share_vs_world.png``   exposed-communication share and step time against world size, one line per strategy
-``step_vs_bucket.png``   step time against bucket size, one line per world size (bucketed strategies)
-``compute_profile.json`` the compute profile the simulation used (schema ``lightning_ddp.compute_profile/1``)
-``environment.json``     versions, platform, git commit, the full config, the resolved fabric and profile summary
-=======================  ======================================================================================
+Writes ``results.csv``, ``results.md``, the plots, ``compute_profile.json`` and ``environment.json`` into
+``output.out_dir``, each atomically (docs/projection.md lists what each holds).
 """
 
 from __future__ import annotations
@@ -21,8 +11,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_ddp.model_shapes import gpt_parameter_shapes  # re-exported: one source of the GPT's shapes
-from lightning_ddp.profile import ComputeProfile, read_profile, write_atomically, write_profile
+from lightning_ddp.model_shapes import gpt_parameter_shapes
+from lightning_ddp.files import write_atomically
+from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
@@ -30,16 +21,7 @@ from lightning_ddp.projection.report import build_markdown, write_csv, write_plo
 from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
 from lightning_ddp.provenance import git_state, invocation, package_version
 
-__all__ = [
-    "ProjectionOutcome",
-    "build_fabric",
-    "build_profile",
-    "copy_bandwidth",
-    "gpt_parameter_shapes",
-    "profile_flops_per_s",
-    "run_projection",
-    "with_shapes",
-]
+__all__ = ["ProjectionOutcome", "build_profile", "profile_flops_per_s", "run_projection", "with_shapes"]
 
 
 def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
@@ -47,7 +29,8 @@ def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> 
     missing = [p.name for p in profile.params if p.name not in shapes]
     if missing:
         raise ValueError(f"no shape for parameter {missing[0]!r} of the compute profile")
-    return dataclasses.replace(profile, params=tuple(dataclasses.replace(p, shape=shapes[p.name]) for p in profile.params))
+    params = tuple(dataclasses.replace(p, shape=shapes[p.name]) for p in profile.params)
+    return dataclasses.replace(profile, params=params)
 
 
 def build_profile(compute) -> ComputeProfile:
@@ -56,21 +39,16 @@ def build_profile(compute) -> ComputeProfile:
         return read_profile(compute.profile_path)
     shape = ModelShape.from_preset(compute.preset)
     profile = modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=gpu_spec(compute), mfu=compute.mfu,
-                               precision=compute.precision, optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
-                               memory_efficiency=compute.memory_efficiency, calibrate_step_ms=compute.calibrate_step_ms,
-                               preset=compute.preset)
+                               precision=compute.precision,
+                               optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
+                               memory_efficiency=compute.memory_efficiency,
+                               calibrate_step_ms=compute.calibrate_step_ms, preset=compute.preset)
     return with_shapes(profile, gpt_parameter_shapes(shape))
 
 
 def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
-    """The profile's own arithmetic throughput: the model's forward + backward FLOPs over their modelled time (the
-    GPU's peak x MFU, or what calibration made of it), for the compute a strategy adds (PowerSGD's products and
-    QR factorisations). ``None`` for a measured profile (``source: profile``): its FLOPs are not recorded, so only
-    the bytes of that compute count.
-
-    The arithmetic it is used for runs in fp32 (``M``, ``E``, ``P``, ``Q``), slower than bf16 matmuls unless TF32
-    is allowed; at small ranks it is bound by memory bandwidth anyway (``StepModel.kernel_ms``).
-    """
+    """The profile's forward + backward FLOP/s (peak x MFU, or what calibration made of it), for the arithmetic a
+    strategy adds (PowerSGD's); ``None`` for a measured profile, whose FLOPs are not recorded (only bytes count)."""
     if compute.source != "flops":
         return None
     shape = ModelShape.from_preset(compute.preset)
@@ -90,7 +68,7 @@ class ProjectionOutcome:
 
 
 def run_projection(config) -> ProjectionOutcome:
-    """Simulate the grid of ``config`` and write every output file (module docstring)."""
+    """Simulate the grid of ``config`` and write every output file (docs/projection.md)."""
     profile = build_profile(config.compute)
     fabric = build_fabric(config.network)
     for n in config.study.world_sizes:
@@ -105,8 +83,8 @@ def run_projection(config) -> ProjectionOutcome:
         write_csv(out_dir / "results.csv", rows),
         write_atomically(out_dir / "results.md", build_markdown(config, profile, fabric, results)),
         write_profile(profile, out_dir / "compute_profile.json"),
-        write_atomically(out_dir / "environment.json", json.dumps(describe_environment(config, profile, fabric), indent=2,
-                                                                  default=str) + "\n"),
+        write_atomically(out_dir / "environment.json",
+                         json.dumps(describe_environment(config, profile, fabric), indent=2, default=str) + "\n"),
     ]
     if config.output.plots:
         files += write_plots(out_dir, results, profile)

@@ -1,10 +1,8 @@
-"""The projection grid: every strategy x world size (x bucket size), the best bucket sizes, and ``predict_cells``.
+"""The projection grid: every strategy x world size (x bucket size, x engine settings), and the best bucket sizes.
 
-``project`` simulates one compute profile on one fabric (each strategy once per combination of its engine
-settings, e.g. PowerSGD's ``rank``); ``best_by_world_size`` picks, per bucketed strategy (and settings) and world
-size, the bucket size with the shortest step; ``result_row`` flattens a result into the CSV columns
-(``COLUMNS``); ``predict_cells`` is the entry point for checking the model against this project's own sweep
-(measured compute profiles plus the measured all-reduce fit).
+``project`` simulates one compute profile on one fabric; ``best_by_world_size`` picks the bucket size with the
+shortest step per variant and world size; ``result_row`` flattens a result into ``COLUMNS``; ``predict_cells``
+predicts measured compute profiles on a measured fit (the model against this project's sweep).
 """
 
 from __future__ import annotations
@@ -12,22 +10,32 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
-from lightning_ddp.catalogue import format_settings, setting_combinations
+from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import CommCost, Fabric, MeasuredFit, read_fit
 from lightning_ddp.projection.memory import state_bytes
-from lightning_ddp.projection.strategies import StepModel, StepResult, check_settings, simulate, strategy_spec
+from lightning_ddp.projection.simulators import (
+    StepModel,
+    StepResult,
+    check_settings,
+    simulate,
+    simulate_bucketed,
+    simulate_ddp,
+    simulate_flat,
+    simulate_naive,
+    simulate_overlap,
+    simulated_by,
+    simulator,
+)
 
 __all__ = ["COLUMNS", "best_by_world_size", "predict_cells", "project", "result_row"]
 
 COLUMNS: tuple[str, ...] = (
-    "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms", "exposed_comm_ms", "comm_share",
+    "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms",
+    "exposed_comm_ms", "comm_share",
     "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket", "contention_ms", "memory_gb",
 )
-"""results.csv columns: per strategy, engine settings (e.g. ``rank=4``; empty: the defaults), world size and bucket
-size (empty for strategies without one); ``best_bucket`` is ``true`` on the bucket size with the shortest step for
-its strategy, settings and world size; ``contention_ms``: compute time added by the contention model
-(``contention``); ``memory_gb``: model-state GB per rank (``memory.state_bytes``)."""
+"""results.csv columns (docs/projection.md defines each)."""
 
 
 def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], world_sizes: Sequence[int],
@@ -41,18 +49,18 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
     compute slowed by ``1 + contention`` while a collective runs (``StepModel.contention``)."""
     engine_settings = engine_settings or {}
     for name in strategies:
-        strategy_spec(name)  # an unknown or unmodelled name fails before anything is simulated
-        for settings in setting_combinations(engine_settings.get(name)):
+        simulator(name)  # an unknown or unmodelled name fails before anything is simulated
+        for settings in catalogue.setting_combinations(engine_settings.get(name)):
             check_settings(name, settings)
     results = []
     for n in world_sizes:
         model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
         for name in strategies:
-            sizes: Iterable[Optional[float]] = bucket_sizes_mb if strategy_spec(name).has_bucket_size else [None]
+            sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
-                for settings in setting_combinations(engine_settings.get(name)):
+                for settings in catalogue.setting_combinations(engine_settings.get(name)):
                     result = simulate(name, model, size, **settings)
-                    result.memory_bytes = state_bytes(name, model, size, settings)
+                    result.memory_bytes = state_bytes(result, model)
                     results.append(result)
     return results
 
@@ -73,7 +81,7 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
     return {
         "strategy": result.strategy,
         "bucket_size_mb": "" if result.bucket_size_mb is None else f"{result.bucket_size_mb:g}",
-        "engine_settings": format_settings(result.settings),
+        "engine_settings": catalogue.format_settings(result.settings),
         "world_size": result.world_size,
         "nodes": nodes,
         "step_ms": round(result.step_ms, 4),
@@ -94,35 +102,29 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
 def predict_cells(
     profiles: Iterable[ComputeProfile | str | os.PathLike],
     fit: MeasuredFit | Fabric | str | os.PathLike,
-    strategies: Sequence[str] = ("naive", "flat", "overlap", "bucketed", "ddp"),
+    strategies: Optional[Sequence[str]] = None,
     bucket_sizes_mb: Sequence[float] = (0.25, 1.0, 4.0, 16.0),
     world_size: Optional[int] = None,
     copy_bandwidth_Bps: float = 10e9,
     overhead_scaling: Literal["per_hop", "per_call"] = "per_hop",
 ) -> list[dict[str, Any]]:
-    """Predicted step time and communication share per strategy for measured compute profiles.
-
-    The lead's check of the model against this project's CPU sweep: give it the compute profiles the CommTimer
-    wrote for the sweep's cells and the sweep's all-reduce fit (``bucket_prediction.json``), and compare the rows
-    with ``results.csv``.
+    """Predicted step time and share per strategy for measured compute profiles (e.g. the sweep's cells).
 
     Args:
         profiles: ``ComputeProfile`` objects or paths to profile JSON files.
         fit: The all-reduce fit (a ``MeasuredFit``, or a path to its JSON), or any ``Fabric``.
-        strategies: Names from ``strategies.STRATEGIES``.
-        bucket_sizes_mb: Caps for the strategies that take one.
-        world_size: Ranks to predict for; default: each profile's ``world_size`` (2 if it has none).
-        copy_bandwidth_Bps: Memory bandwidth of buffer copies (bytes read + written per second). 10 GB/s is a
-            guess for one process of a 2-core CPU machine; measure a large ``torch.cat`` for a better one.
-        overhead_scaling: How the fit's per-call overhead grows with ranks (``lightning_ddp.projection.comm``).
+        strategies: Catalogue names; default: naive, flat, overlap, bucketed and torch DDP.
+        world_size: Default: each profile's ``world_size`` (2 if it has none).
+        copy_bandwidth_Bps: Bytes read + written per second by buffer copies (10 GB/s: a guess for a 2-core CPU).
 
     Returns:
-        One dict per profile x strategy (x bucket size): the profile's descriptive fields (``preset``,
-        ``batch_size``, ``seq_len``, ``precision``, ``device``, ``profile``) plus ``result_row``'s columns.
+        One dict per profile x strategy (x bucket size): the profile's descriptive fields plus ``result_row``'s.
     """
     if isinstance(fit, (str, os.PathLike)):
         fit = read_fit(fit)
     comm = fit.fabric(overhead_scaling) if isinstance(fit, MeasuredFit) else fit
+    if strategies is None:
+        strategies = simulated_by(simulate_naive, simulate_flat, simulate_overlap, simulate_bucketed, simulate_ddp)
     rows = []
     for item in profiles:
         profile = item if isinstance(item, ComputeProfile) else read_profile(item)

@@ -1,27 +1,9 @@
 """``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep.
 
-    python -m lightning_ddp.projection.validate --sweep benchmarks/results/cpu --out benchmarks/results/projection
-
-For every ok cell of a sweep (``lightning_ddp.bench``): simulate it (``lightning_ddp.projection.strategies``) from
-
-- its own measured compute timeline: the ``compute_profile.json`` the CommTimer wrote in that cell, which the
-  sweep keeps in ``profiles.json`` (forward, backward, optimizer and when each gradient became ready, medians over
-  the cell's measured steps);
-- the sweep's measured all-reduce fit ``t = o + S / w`` (``bucket_prediction.json``), on the cell's world size;
-- copies at ``--copy_GBps`` (measured here with a large ``torch.Tensor.copy_`` unless given),
-
-and compare the predicted step time and communication share with the measured ones (``results.csv``: pooled
-medians and 95 % intervals over the repeats; of results.csv it reads the step time and the communication share,
-not ``wait_comm_ms``/``transfer_comm_ms``: the simulation assumes equally fast ranks, so it has no straggler to
-wait for). A second prediction uses the group's *reference* profile instead
-(one process, no communication, the whole machine to itself): the gap between the two shows how much of a cell's
-time on 2 shared cores is compute slowed down by the other rank and by gloo's threads, which the model leaves out.
-
-Outputs (``--out``): ``cpu_sweep_validation.csv`` (one row per cell), ``cpu_sweep_validation.md`` (the error per
-cell, the median absolute error against the 15 % goal, and the ranking check: for every pair of cells of a group
-whose measured intervals do not overlap, does the prediction order them the same way?), and the comparison of
-``bucket_size_mb: auto``'s square-root rule with the bucket size the projection would choose, each against the
-step time the sweep measured there.
+Reads a sweep's files (``results.csv``, ``profiles.json``, ``bucket_prediction.json``), simulates every ok cell
+from its own measured compute profile and the sweep's all-reduce fit, and writes ``cpu_sweep_validation.csv`` and
+``.md``: the error per cell against the 15 % goal, the ranking check, and ``bucket_size_mb: auto``'s square-root
+rule against the projection's choice. What each prediction means: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -29,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -36,11 +19,19 @@ from typing import Any, Iterable, Optional
 
 from jsonargparse import auto_cli
 
-from lightning_ddp.catalogue import parse_settings
-from lightning_ddp.profile import ComputeProfile, write_atomically
+from lightning_ddp import catalogue
+from lightning_ddp.files import write_atomically
+from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import read_fit
 from lightning_ddp.projection.contention import CONTENTION, cpu_contention_lines
-from lightning_ddp.projection.strategies import STRATEGIES, StepModel, simulate
+from lightning_ddp.projection.simulators import (
+    StepModel,
+    model_settings,
+    simulate,
+    simulate_bucketed,
+    simulated_by,
+    simulated_names,
+)
 
 __all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells", "validate_sweep"]
 
@@ -88,16 +79,17 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
     comm = read_fit(fit_path).fabric()
     reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
                  for r in rows if r["strategy"] == "reference"}
+    simulated = simulated_names()
     out = []
     for r in rows:
-        if r["status"] != "ok" or r["strategy"] not in STRATEGIES or r["cell_id"] not in profiles:
+        if r["status"] != "ok" or r["strategy"] not in simulated or r["cell_id"] not in profiles:
             continue
         size = _float(r.get("resolved_bucket_size_mb")) or _float(r.get("bucket_size_mb"))
         world = int(r["world_size"])
         own = ComputeProfile.from_dict(profiles[r["cell_id"]], origin=f"profile of {r['cell_id']}")
-        spec = STRATEGIES[r["strategy"]]
-        settings = {k: v for k, v in parse_settings(r.get("engine_settings") or "").items() if k in spec.settings()}
-        size_arg = size if spec.has_bucket_size else None
+        modelled = model_settings(r["strategy"])
+        settings = {k: v for k, v in catalogue.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
+        size_arg = size if catalogue.get(r["strategy"]).has_bucket_size else None
         try:
             predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps, contention=contention), size_arg,
                                  **settings)
@@ -109,7 +101,8 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         row: dict[str, Any] = {
             "cell_id": r["cell_id"], "strategy": r["strategy"], "bucket_size_mb": size or "",
             "engine_settings": r.get("engine_settings") or "",
-            "batch_size": int(r["batch_size"]), "context_length": int(r["context_length"]), "precision": r["precision"],
+            "batch_size": int(r["batch_size"]), "context_length": int(r["context_length"]),
+            "precision": r["precision"],
             "measured_step_ms": float(r["step_ms_median"]), "measured_step_lo": _float(r.get("step_ms_lo")),
             "measured_step_hi": _float(r.get("step_ms_hi")), "measured_share": _float(r.get("comm_share")),
             "predicted_step_ms": predicted.step_ms, "predicted_share": predicted.wait_share,
@@ -142,7 +135,8 @@ def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]
     for group in groups.values():
         for i, a in enumerate(group):
             for b in group[i + 1:]:
-                if None in (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"]):
+                bounds = (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"])
+                if None in bounds:
                     continue
                 if a["measured_step_hi"] < b["measured_step_lo"]:
                     faster, slower = a, b
@@ -171,33 +165,28 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
     ``bucketed`` cell's own profile over ``candidates``), each with the step time measured at the nearest size the
     sweep measured."""
     comm = read_fit(fit_path).fabric()
+    bucketed = simulated_by(simulate_bucketed)[0]
     out = []
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for c in cells:
-        if c["strategy"] == "bucketed" and isinstance(c["bucket_size_mb"], float):
+        if c["strategy"] == bucketed and isinstance(c["bucket_size_mb"], float):
             groups.setdefault((c["precision"], c["batch_size"], c["context_length"]), []).append(c)
     for key, group in groups.items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
-        predicted = {s: simulate("bucketed", StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
+        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
         projection_mb = min(predicted, key=predicted.get)
 
         def measured_at(size: float | None) -> dict[str, Any] | None:
             if size is None:
                 return None
-            return min(group, key=lambda c: abs(_log(c["bucket_size_mb"]) - _log(size)))
+            return min(group, key=lambda c: abs(math.log(c["bucket_size_mb"]) - math.log(size)))
 
         sqrt_cell, projection_cell = measured_at(sqrt_rule_mb), measured_at(projection_mb)
         out.append({"group": key, "sqrt_rule_mb": sqrt_rule_mb, "projection_mb": projection_mb,
                     "measured_at_sqrt": sqrt_cell, "measured_at_projection": projection_cell,
                     "measured_best": best_measured})
     return out
-
-
-def _log(x: float) -> float:
-    import math
-
-    return math.log(x)
 
 
 def _fmt(value: float | None, spec: str) -> str:

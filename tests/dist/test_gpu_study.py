@@ -34,7 +34,7 @@ from lightning_ddp.bench.gpu_study.stages import (
     weight_differences,
 )
 from lightning_ddp.bench.gpu_study.study import plan_calls, run_study
-from lightning_ddp.projection.strategies import projected_strategies
+from lightning_ddp.projection.simulators import simulated_names
 from tests.support.cli_utils import REPO
 
 # ---- the stage table ---------------------------------------------------------------------------------------------
@@ -444,7 +444,7 @@ def test_dry_run_of_three_stages(tmp_path: Path) -> None:
     assert ready["tensors"] == 39 and 0 <= ready["first_ready_ms"] <= ready["last_ready_ms"] <= ready["backward_ms"]
     # One projected row per strategy the projection models (every registered algorithm with a model, plus its
     # zero1 and ddp baselines), over NVLink and over PCIe.
-    projected = len(projected_strategies())
+    projected = len(simulated_names())
     assert {network: len(p["rows"]) for network, p in ready["projections"].items()} == {"nvlink4": projected,
                                                                                        "pcie_gen4": projected}
     report = (out / "results.md").read_text()

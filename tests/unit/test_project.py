@@ -21,7 +21,6 @@ import pytest
 
 from lightning_ddp.projection import (
     FABRICS,
-    STRATEGIES,
     ComputeProfile,
     Fabric,
     Link,
@@ -34,17 +33,12 @@ from lightning_ddp.projection import (
     read_fit,
     read_profile,
     simulate,
+    simulated_names,
     write_profile,
 )
+from lightning_ddp import catalogue
 from lightning_ddp.projection.__main__ import main, parse_config
 from lightning_ddp.projection.buckets import assign_buckets, assign_owners, ddp_buckets
-from lightning_ddp.projection.comm import (
-    all_gather_time,
-    broadcast_time,
-    reduce_scatter_time,
-    ring_allreduce_time,
-    tree_allreduce_time,
-)
 from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
 from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project
 
@@ -82,20 +76,22 @@ def model(profile: ComputeProfile | None = None, n: int = 2) -> StepModel:
 
 
 def test_cost_formulas_at_two_and_eight_ranks():
-    S, B, a = 1e9, 1e10, 1e-5  # 1 GB at 10 GB/s: S / B = 0.1 s; alpha = 10 us
+    S, B, a = 1e9, 1e10, 1e-5  # 1 GB at 10 GB/s: S / B = 0.1 s; alpha = 10 us; no per-call cost
+    ring = Fabric("one level", Link("link", B, a), call_overhead_s=0.0, algorithm="ring")
+    tree = ring.with_changes(algorithm="tree")
     # ring all-reduce: 2(n-1) alpha + 2(n-1)/n S/B
-    assert ring_allreduce_time(S, 2, a, B) == pytest.approx(2 * a + 1.0 * 0.1)  # 0.10002
-    assert ring_allreduce_time(S, 8, a, B) == pytest.approx(14 * a + 1.75 * 0.1)  # 0.17514
+    assert ring.all_reduce_s(S, 2) == pytest.approx(2 * a + 1.0 * 0.1)  # 0.10002
+    assert ring.all_reduce_s(S, 8) == pytest.approx(14 * a + 1.75 * 0.1)  # 0.17514
     # tree: 2 ceil(log2 n) alpha + 2 S/B
-    assert tree_allreduce_time(S, 2, a, B) == pytest.approx(2 * a + 0.2)  # 0.20002
-    assert tree_allreduce_time(S, 8, a, B) == pytest.approx(6 * a + 0.2)  # 0.20006
+    assert tree.all_reduce_s(S, 2) == pytest.approx(2 * a + 0.2)  # 0.20002
+    assert tree.all_reduce_s(S, 8) == pytest.approx(6 * a + 0.2)  # 0.20006
     # reduce-scatter and all-gather: (n-1) alpha + (n-1)/n S/B
-    for f in (reduce_scatter_time, all_gather_time):
-        assert f(S, 2, a, B) == pytest.approx(a + 0.05)  # 0.05001
-        assert f(S, 8, a, B) == pytest.approx(7 * a + 0.0875)  # 0.08757
-    assert broadcast_time(S, 8, a, B) == pytest.approx(7 * a + 0.1)  # pipelined: (n-1) alpha + S/B
-    for f in (ring_allreduce_time, tree_allreduce_time, reduce_scatter_time, broadcast_time):
-        assert f(S, 1, a, B) == 0.0  # nothing to talk to
+    for f in (ring.reduce_scatter_s, ring.all_gather_s):
+        assert f(S, 2) == pytest.approx(a + 0.05)  # 0.05001
+        assert f(S, 8) == pytest.approx(7 * a + 0.0875)  # 0.08757
+    assert ring.broadcast_s(S, 8) == pytest.approx(7 * a + 0.1)  # pipelined: (n-1) alpha + S/B
+    for f in (ring.all_reduce_s, tree.all_reduce_s, ring.reduce_scatter_s, ring.broadcast_s):
+        assert f(S, 1) == 0.0  # nothing to talk to
 
 
 def test_two_level_fabric_follows_nccl_ring_and_tree():
@@ -140,7 +136,7 @@ def test_measured_fit_is_exact_at_its_world_size_and_extrapolates_as_stated(tmp_
 
 
 def test_naive_is_compute_plus_every_all_reduce_in_parameter_order():
-    r = simulate("naive", model())
+    r = simulate("naive_ddp", model())
     # 40 ms of forward + backward; flags; a (1 + 1 ms), b (1 + 2), c (1 + 3) one after another; optimizer 5 ms
     assert r.step_ms == pytest.approx(40 + FLAGS_MS + 2 + 3 + 4 + 5)
     assert r.compute_only_ms == 45 and r.exposed_comm_ms == pytest.approx(FLAGS_MS + 9)
@@ -149,14 +145,14 @@ def test_naive_is_compute_plus_every_all_reduce_in_parameter_order():
 
 
 def test_flat_packs_reduces_once_and_unpacks():
-    r = simulate("flat", model())
+    r = simulate("flat_ddp", model())
     # flags, pack 6 MiB (2 ms), one all-reduce of 6 MiB (7 ms), unpack (2 ms), optimizer
     assert r.step_ms == pytest.approx(40 + FLAGS_MS + 2 + 7 + 2 + 5)
     assert r.copy_ms == pytest.approx(4) and r.calls == 2
 
 
 def test_overlap_hides_all_but_the_tail():
-    r = simulate("overlap", model())
+    r = simulate("overlap_ddp", model())
     comm = {i.label: (i.start_ms, i.end_ms) for i in r.intervals if i.stream == "comm"}
     # c ready at 10 + 10 = 20 ms: [20, 24]; b at 30: [30, 33]; a at the end of backward, 40, but a is the last
     # bucket, copied into its buffer (it carries the missing-gradient sentinel): 1 MiB read + written = 1/3 ms
@@ -169,14 +165,14 @@ def test_overlap_hides_all_but_the_tail():
 
 def test_overlap_launches_strictly_in_reverse_parameter_order():
     # c (last parameter, first to launch) is ready only at 25 ms, b already at 5: b waits for c's launch
-    r = simulate("overlap", model(three_params(ready=(30.0, 5.0, 25.0))))
+    r = simulate("overlap_ddp", model(three_params(ready=(30.0, 5.0, 25.0))))
     comm = {i.label: (i.start_ms, i.end_ms) for i in r.intervals if i.stream == "comm"}
     assert comm["c"] == pytest.approx((35, 39))  # launched at 10 + 25
     assert comm["b"] == pytest.approx((39, 42))  # issued at 35 too, runs after c on the one stream
 
 
 def test_bucketed_buckets_in_reverse_order_and_packs_multi_tensor_buckets():
-    r = simulate("bucketed", model(), 4.0)
+    r = simulate("bucketed_ddp", model(), 4.0)
     # 4 MiB cap, walking c, b, a: [c] (3 MiB; + b would be 5), then [b, a] (3 MiB)
     comm = [(i.label, i.start_ms, i.end_ms) for i in r.intervals if i.stream == "comm"]
     assert comm[0] == ("c", pytest.approx(20), pytest.approx(24))  # [c] in place at 20 ms: 1 + 3 ms
@@ -187,12 +183,12 @@ def test_bucketed_buckets_in_reverse_order_and_packs_multi_tensor_buckets():
     assert r.copy_ms == pytest.approx(1) and r.calls == 2
     # one bucket for everything: copy 6 MiB (2 ms) at 40, all-reduce 7 ms, optimizer: flat without its flags and
     # its unpack (another 2 ms)
-    flat = simulate("flat", model()).step_ms
-    assert simulate("bucketed", model(), 1000.0).step_ms == pytest.approx(40 + 2 + 7 + 5) == pytest.approx(flat - FLAGS_MS - 2)
+    flat = simulate("flat_ddp", model()).step_ms
+    assert simulate("bucketed_ddp", model(), 1000.0).step_ms == pytest.approx(40 + 2 + 7 + 5) == pytest.approx(flat - FLAGS_MS - 2)
 
 
 def test_bucketed_bf16_halves_the_wire_bytes_and_pays_a_cast_per_bucket():
-    r = simulate("bucketed_bf16", model(), 4.0)
+    r = simulate("bucketed_bf16_ddp", model(), 4.0)
     # same buckets; each moves 1.5 MiB (2.5 ms) and casts 3 MiB fp32 -> 1.5 MiB bf16 (4.5 MiB moved: 0.75 ms) each way
     comm = [(i.start_ms, i.end_ms) for i in r.intervals if i.stream == "comm"]
     assert comm[0] == pytest.approx((20.75, 23.25))  # [c], in place: cast [20, 20.75], then 2.5 ms
@@ -211,7 +207,7 @@ def test_ddp_uses_torch_buckets_in_ready_order_and_copies_every_bucket():
 
 
 def test_zero1_reduce_scatters_steps_its_shard_and_all_gathers():
-    r = simulate("zero1", model())
+    r = simulate("zero1_ddp", model())
     # owners: c (3 MiB) -> rank 0, b -> rank 1, a -> rank 1: loads 3 : 3 MiB, so segments of 3 MiB, a 6 MiB buffer
     # flags; pack (6 read + 6 written: 2 ms); reduce-scatter 7 ms; own segment out (1 ms); optimizer on half (2.5 ms);
     # own parameters in (1 ms); all-gather 7 ms; unpack (2 ms)
@@ -221,8 +217,8 @@ def test_zero1_reduce_scatters_steps_its_shard_and_all_gathers():
 
 def test_a_parameter_without_gradient_is_skipped_by_naive_and_launched_at_the_finish_by_bucketed():
     profile = three_params(ready=(None, 20.0, 10.0))  # a never gets a gradient
-    assert simulate("naive", model(profile)).calls == 3  # flags, b, c
-    r = simulate("overlap", model(profile))
+    assert simulate("naive_ddp", model(profile)).calls == 3  # flags, b, c
+    r = simulate("overlap_ddp", model(profile))
     a = next(i for i in r.intervals if i.label == "a")
     # launched by finish_gradient_synchronization at the end of backward (40 ms), after zeroing its buffer (1/3 ms);
     # then, a gradient being missing, the presence flags
@@ -231,7 +227,7 @@ def test_a_parameter_without_gradient_is_skipped_by_naive_and_launched_at_the_fi
 
 
 def test_powersgd_overlaps_its_first_round_with_backward_and_runs_the_second_after_it():
-    r = simulate("bucketed_powersgd", model(), 4.0, rank=4)
+    r = simulate("bucketed_powersgd_ddp", model(), 4.0, rank=4)
     # Buckets as bucketed at 4 MiB: [c], then [b, a] (+ the sentinel). Every matrix compresses at rank 4, e.g. c:
     # (768 + 1024) x 4 x 2 = 14,336 < 786,432 elements. Wire bytes (fp32): P = rows x 4, Q = cols x 4 elements.
     comm = [(i.label, i.nbytes) for i in r.intervals if i.stream == "comm"]
@@ -257,7 +253,7 @@ def test_powersgd_overlaps_its_first_round_with_backward_and_runs_the_second_aft
     assert spans["PowerSGD decompress 0"] == pytest.approx(
         (spans["c [PowerSGD Q]"][1], spans["c [PowerSGD Q]"][1] + 3 + 4 * (768 + 1024) * 4 / (6 * MiB)))
     assert r.step_ms == pytest.approx(spans["PowerSGD decompress 1"][1] + 5)  # then the optimizer
-    assert r.settings == {"rank": 4} and r.variant == "bucketed_powersgd rank=4"
+    assert r.settings == {"rank": 4} and r.variant == "bucketed_powersgd_ddp rank=4"
 
 
 def test_powersgd_at_full_rank_never_sends_fewer_bytes_than_bucketed():
@@ -265,12 +261,12 @@ def test_powersgd_at_full_rank_never_sends_fewer_bytes_than_bucketed():
     # elements, so it is compressed only if min_compression_rate < 1 (and then sends more): never fewer bytes.
     for profile in (three_params(), _small_gpt_profile()):
         for size in (0.25, 1.0, 4.0, 100.0):
-            bucketed = simulate("bucketed", model(profile), size).comm_bytes
+            bucketed = simulate("bucketed_ddp", model(profile), size).comm_bytes
             for rate in (2.0, 0.0):
-                full = simulate("bucketed_powersgd", model(profile), size, rank=10**6, min_compression_rate=rate)
+                full = simulate("bucketed_powersgd_ddp", model(profile), size, rank=10**6, min_compression_rate=rate)
                 assert full.comm_bytes >= bucketed, (size, rate)
                 assert (full.comm_bytes > bucketed + 4) == (rate == 0.0)  # + 4: the sentinel the model counts
-            assert simulate("bucketed_powersgd", model(profile), size, rank=4).comm_bytes < bucketed / 10
+            assert simulate("bucketed_powersgd_ddp", model(profile), size, rank=4).comm_bytes < bucketed / 10
 
 
 def test_arithmetic_is_a_roofline_of_flops_and_bytes():
@@ -281,8 +277,8 @@ def test_arithmetic_is_a_roofline_of_flops_and_bytes():
     # at rank 512 PowerSGD's products (2 x rows x cols x 512 FLOPs each: 0.27 GFLOP for a, 27 ms at 10 GFLOP/s)
     # outweigh their bytes (about 1 MiB: 1/6 ms); counted as bytes only, they are far cheaper
     slow_arithmetic = StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, flops_per_s=1e10)
-    slow = simulate("bucketed_powersgd", slow_arithmetic, 4.0, rank=512, min_compression_rate=0.0).step_ms
-    fast = simulate("bucketed_powersgd", model(), 4.0, rank=512, min_compression_rate=0.0).step_ms
+    slow = simulate("bucketed_powersgd_ddp", slow_arithmetic, 4.0, rank=512, min_compression_rate=0.0).step_ms
+    fast = simulate("bucketed_powersgd_ddp", model(), 4.0, rank=512, min_compression_rate=0.0).step_ms
     assert slow > fast + 10
 
 
@@ -295,9 +291,9 @@ def test_profile_shapes_round_trip_and_older_files_without_them_still_read(tmp_p
         del q["shape"]
     path.write_text(json.dumps(data))
     older = read_profile(path)
-    assert not older.has_shapes and simulate("bucketed", model(older), 4.0).step_ms == simulate("bucketed", model(), 4.0).step_ms
-    with pytest.raises(ValueError, match="bucketed_powersgd needs every parameter's shape.*'a'"):
-        simulate("bucketed_powersgd", model(older), 4.0)
+    assert not older.has_shapes and simulate("bucketed_ddp", model(older), 4.0).step_ms == simulate("bucketed_ddp", model(), 4.0).step_ms
+    with pytest.raises(ValueError, match="PowerSGD's model needs every parameter's shape.*'a'"):
+        simulate("bucketed_powersgd_ddp", model(older), 4.0)
     with pytest.raises(ValueError, match=r"shape \[2, 3\] has 6 elements, but numel is 5"):
         ParamTiming("w", 5, 20, 1.0, (2, 3))
 
@@ -308,27 +304,27 @@ def test_engine_settings_are_projected_as_strategies_of_their_own(tmp_path, caps
     base = ["--compute.source", "profile", "--compute.profile_path", str(tmp_path / "profile.json"),
             "--compute.memory_bandwidth_GBps", "10", "--network.preset", "measured",
             "--network.fit_path", str(tmp_path / "fit.json"), "--study.world_sizes", "[2, 8]",
-            "--study.bucket_sizes_mb", "[1, 4]", "--study.strategies", "[bucketed, bucketed_powersgd, ddp]",
+            "--study.bucket_sizes_mb", "[1, 4]", "--study.strategies", "[bucketed_ddp, bucketed_powersgd_ddp, ddp]",
             "--output.out_dir", str(tmp_path / "out"), "--output.plots", "false"]
-    assert main([*base, "--study.engine_settings", "{bucketed_powersgd: {rank: [1, 4]}}"]) == 0
+    assert main([*base, "--study.engine_settings", "{bucketed_powersgd_ddp: {rank: [1, 4]}}"]) == 0
     with open(tmp_path / "out" / "results.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["strategy"] == "bucketed_powersgd"]
+        rows = [r for r in csv.DictReader(f) if r["strategy"] == "bucketed_powersgd_ddp"]
     # 2 world sizes x 2 bucket sizes x 2 ranks, one best size per (rank, world size)
     assert sorted({r["engine_settings"] for r in rows}) == ["rank=1", "rank=4"] and len(rows) == 8
     assert sum(r["best_bucket"] == "true" for r in rows) == 4
     bytes_at = {(r["engine_settings"], r["world_size"], r["bucket_size_mb"]): int(r["comm_bytes"]) for r in rows}
     assert bytes_at[("rank=1", "2", "4")] < bytes_at[("rank=4", "2", "4")]  # rank 1 sends a quarter of P and Q
     markdown = (tmp_path / "out" / "results.md").read_text()
-    assert "| bucketed_powersgd rank=1 (best size) |" in markdown and "| bucketed_powersgd rank=4 (best size) |" in markdown
+    assert "| bucketed_powersgd_ddp rank=1 (best size) |" in markdown and "| bucketed_powersgd_ddp rank=4 (best size) |" in markdown
     assert "## Fastest per world size" in markdown
     with pytest.raises(SystemExit):
-        parse_config([*base, "--study.engine_settings", "{bucketed_powersgd: {seed: [1]}}"])
+        parse_config([*base, "--study.engine_settings", "{bucketed_powersgd_ddp: {seed: [1]}}"])
     assert "models no setting 'seed'; its settings are: rank, min_compression_rate" in capsys.readouterr().err
 
 
 def _small_gpt_profile():
     """The `tiny` preset's shapes with a 64-token vocabulary, fp32 gradients ready in reverse parameter order."""
-    from lightning_ddp.projection.run import gpt_parameter_shapes
+    from lightning_ddp.model_shapes import gpt_parameter_shapes
 
     shape = ModelShape(d_model=128, n_layers=2, n_heads=4, d_ff=512, vocab_size=64)
     shapes = gpt_parameter_shapes(shape)
@@ -362,7 +358,7 @@ def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb
     engine.finish_gradient_synchronization()
     sent = [(c.label, c.nbytes) for c in recorder.finish_step().collectives]
 
-    r = simulate("bucketed_powersgd", model(profile), bucket_size_mb, rank=4)
+    r = simulate("bucketed_powersgd_ddp", model(profile), bucket_size_mb, rank=4)
     assert [(i.label, i.nbytes) for i in r.intervals if i.stream == "comm"] == sent
     per_bucket: dict[str, int] = {}
     for label, nbytes in sent:
@@ -374,7 +370,8 @@ def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb
 
 
 def test_more_bandwidth_or_less_latency_is_never_slower():
-    from lightning_ddp.projection.run import gpt_parameter_shapes, with_shapes
+    from lightning_ddp.model_shapes import gpt_parameter_shapes
+    from lightning_ddp.projection.run import with_shapes
 
     tiny = ModelShape(d_model=128, n_layers=4, n_heads=4, d_ff=512)  # the `tiny` preset's shape, no torch needed
     profile = with_shapes(modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4), gpt_parameter_shapes(tiny))
@@ -383,18 +380,18 @@ def test_more_bandwidth_or_less_latency_is_never_slower():
                                inter=Link("ib", 2 * base.inter.bandwidth_Bps, base.inter.latency_s))
     snappier = base.with_changes(intra=Link("nvl", base.intra.bandwidth_Bps, base.intra.latency_s / 2),
                                  inter=Link("ib", base.inter.bandwidth_Bps, base.inter.latency_s / 2))
-    for name, spec in STRATEGIES.items():
+    for name in simulated_names():
         for n in (2, 8, 64, 1024):
-            for size in ((0.01, 1.0, 25.0) if spec.has_bucket_size else (None,)):
+            for size in ((0.01, 1.0, 25.0) if catalogue.get(name).has_bucket_size else (None,)):
                 steps = [simulate(name, StepModel(profile, f, n, 2.7e12), size).step_ms for f in (base, faster, snappier)]
                 assert steps[1] <= steps[0] + 1e-9 and steps[2] <= steps[0] + 1e-9, (name, n, size, steps)
 
 
 def test_best_bucket_is_the_shortest_step_per_world_size():
-    results = project(three_params(), LinearComm(), ["bucketed", "naive"], [2, 8], [1.0, 4.0, 1000.0], 6 * MiB * 1e3)
+    results = project(three_params(), LinearComm(), ["bucketed_ddp", "naive_ddp"], [2, 8], [1.0, 4.0, 1000.0], 6 * MiB * 1e3)
     best = best_by_world_size(results)
-    assert best[("bucketed", 2)].step_ms == min(r.step_ms for r in results if r.strategy == "bucketed" and r.world_size == 2)
-    assert best[("naive", 8)].bucket_size_mb is None
+    assert best[("bucketed_ddp", 2)].step_ms == min(r.step_ms for r in results if r.strategy == "bucketed_ddp" and r.world_size == 2)
+    assert best[("naive_ddp", 8)].bucket_size_mb is None
 
 
 # ---- the compute profile file -------------------------------------------------------------------------------
@@ -435,7 +432,7 @@ def test_modelled_xl_profile_matches_the_real_model():
     assert ready[0] == pytest.approx(profile.backward_ms)  # the embedding's gradient at the end
     assert ready[1:] == sorted(ready[1:], reverse=True)  # reverse parameters() order
     # the shapes the projection gives a modelled profile are the module's own
-    from lightning_ddp.projection.run import gpt_parameter_shapes
+    from lightning_ddp.model_shapes import gpt_parameter_shapes
 
     shapes = gpt_parameter_shapes(shape)
     assert [(name, shapes[name]) for name, _ in shape.parameters()] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
@@ -475,14 +472,14 @@ def test_the_package_imports_neither_torch_nor_lightning_at_module_level():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: StudyConfig(strategies=["nope"]), "unknown strategy 'nope'.*choose from naive"),
+    (lambda: StudyConfig(strategies=["nope"]), "unknown strategy 'nope'; choose one of naive_ddp"),
     (lambda: StudyConfig(strategies=[]), "at least one"),
     (lambda: StudyConfig(world_sizes=[1]), r">= 2"),
     (lambda: StudyConfig(bucket_sizes_mb=[0]), "> 0 MiB"),
-    (lambda: StudyConfig(strategies=["bucketed"], engine_settings={"bucketed_powersgd": {"seed": [4]}}),
+    (lambda: StudyConfig(strategies=["bucketed_ddp"], engine_settings={"bucketed_powersgd_ddp": {"seed": [4]}}),
      "models no setting 'seed'"),  # checked even when not listed
     (lambda: StudyConfig(engine_settings={"powersgd": {"rank": [4]}}), "unknown strategy 'powersgd'"),
-    (lambda: StudyConfig(engine_settings={"bucketed_powersgd": {"rank": []}}), "rank must be a non-empty list"),
+    (lambda: StudyConfig(engine_settings={"bucketed_powersgd_ddp": {"rank": []}}), "rank must be a non-empty list"),
     (lambda: ComputeConfig(source="profile"), "profile_path"),
     (lambda: ComputeConfig(mfu=1.5), r"compute.mfu: 0.4"),
     (lambda: ComputeConfig(gpu="tpu"), "choose one of h100-sxm"),
@@ -503,38 +500,6 @@ def test_every_project_config_parses():
         assert config.study.strategies and config.study.world_sizes
 
 
-def test_the_old_package_name_still_imports_and_runs():
-    # lightning_ddp.project is the old name of lightning_ddp.projection: its modules are the new modules themselves
-    # (one class, not two copies), moved and renamed ones included (profile, seeds), it warns once, and `python -m`
-    # runs the new entry points.
-    code = textwrap.dedent("""
-        import warnings
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            import lightning_ddp.project as old
-        assert [w.category for w in caught] == [DeprecationWarning], caught
-        import lightning_ddp.profile, lightning_ddp.projection as new, lightning_ddp.projection.strategies
-        from lightning_ddp.project.strategies import StepModel
-        from lightning_ddp.project.profile import ComputeProfile
-        import lightning_ddp.project.run as run
-        assert StepModel is lightning_ddp.projection.strategies.StepModel
-        assert ComputeProfile is lightning_ddp.profile.ComputeProfile is old.ComputeProfile
-        assert run.__name__ == run.__spec__.name == "lightning_ddp.projection.run"
-        assert old.STRATEGIES is new.STRATEGIES
-        from lightning_ddp.project.seeds import SEED_RUNS, compare_with_seeds  # the old module, by its old names
-        import lightning_ddp.projection.published as published
-        assert SEED_RUNS is published.PUBLISHED_RUNS and compare_with_seeds is published.compare_with_published
-        print("ok")
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-    for old, new in (("lightning_ddp.project", "lightning_ddp.projection"),
-                     ("lightning_ddp.project.seeds", "lightning_ddp.projection.published")):
-        proc = subprocess.run([sys.executable, "-m", old, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.startswith(f"usage: python -m {new} "), proc.stdout[:200]
-
-
 def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     write_profile(three_params(), tmp_path / "profile.json")
     (tmp_path / "fit.json").write_text(json.dumps({"overhead_s": 1e-3, "bandwidth_Bps": 1e9, "world_size": 2}))
@@ -553,7 +518,7 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     # world sizes x (6 strategies without buckets: naive, flat, overlap, zero1, ddp, fsdp2 + 4 with 3 sizes each:
     # bucketed, bucketed_bf16, bucketed_powersgd, zero2)
     assert len(rows) == 3 * (6 + 4 * 3)
-    naive2 = next(r for r in rows if r["strategy"] == "naive" and r["world_size"] == "2")
+    naive2 = next(r for r in rows if r["strategy"] == "naive_ddp" and r["world_size"] == "2")
     # measured fit at 2 ranks: 1 ms + bytes / (1 GB/s) per call: flags (12 B) + 1, 2, 3 MiB; compute 45 ms
     assert float(naive2["step_ms"]) == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3)
     assert sum(r["best_bucket"] == "true" for r in rows) == 3 * 4  # one best size per bucketed strategy and world size
@@ -570,8 +535,8 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
 
 def test_predict_cells_for_the_lead(tmp_path):
     path = write_profile(three_params(), tmp_path / "p.json")
-    rows = predict_cells([path], MeasuredFit(1e-3, 1e9), strategies=["naive", "bucketed"], bucket_sizes_mb=[1.0, 4.0])
-    assert [(r["strategy"], r["bucket_size_mb"]) for r in rows] == [("naive", ""), ("bucketed", "1"), ("bucketed", "4")]
+    rows = predict_cells([path], MeasuredFit(1e-3, 1e9), strategies=["naive_ddp", "bucketed_ddp"], bucket_sizes_mb=[1.0, 4.0])
+    assert [(r["strategy"], r["bucket_size_mb"]) for r in rows] == [("naive_ddp", ""), ("bucketed_ddp", "1"), ("bucketed_ddp", "4")]
     assert rows[0]["step_ms"] == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3) and rows[0]["world_size"] == 2
 
 
@@ -585,15 +550,15 @@ def test_published_transcription_is_consistent_and_the_model_tracks_naive_and_fl
         assert run.comm_s / run.total_s == pytest.approx(run.ratio, abs=6e-4), run
     assert len(PUBLISHED_RUNS) == 5 + 6 + 6 + 24  # naive (one OOM), overlap, flat, bucketed x 4 sizes
     # each run cites the write-up of its strategy, by topic
-    assert all(run.source in SOURCES and run.source.startswith(run.strategy) for run in PUBLISHED_RUNS)
+    assert all(run.source in SOURCES and run.source.startswith(run.strategy.removesuffix("_ddp")) for run in PUBLISHED_RUNS)
     assert XL_SHAPE.num_params == 1_998_235_200
     comparisons = compare_with_published()
     for c in comparisons:
-        if c.run.strategy in ("naive", "flat") and not c.extrapolated:
+        if c.run.strategy in ("naive_ddp", "flat_ddp") and not c.extrapolated:
             assert abs(c.predicted["pcie_gen4"][2] - c.run.ratio) < 0.08, c  # bandwidth-bound: the link decides
         assert c.predicted["nvlink4"][2] < c.predicted["pcie_gen4"][2]
     md, csv_path = write_comparison(tmp_path)
-    assert "| naive |" in md.read_text() and len(csv_path.read_text().splitlines()) == len(PUBLISHED_RUNS) + 1
+    assert "| naive_ddp |" in md.read_text() and len(csv_path.read_text().splitlines()) == len(PUBLISHED_RUNS) + 1
 
 
 def test_published_config_reproduces_the_published_comparison(tmp_path):
@@ -611,20 +576,16 @@ def test_published_config_reproduces_the_published_comparison(tmp_path):
     assert math.isclose(outcome.profile.compute_ms, 365.1, rel_tol=1e-9)
 
 
-def test_the_projection_reads_its_models_from_the_registry():
-    # Modelling a new algorithm for the projection is optional (adding one stays one engine file, one registry
-    # entry, one YAML); the ones this project ships all name a model in their entry, and the projection's table is
-    # those entries (in registry order) plus its own baselines, zero1 and ddp.
-    from lightning_ddp.sync.registry import ALGORITHMS
-
-    built_in = ["naive", "flat", "overlap", "bucketed", "bucketed_bf16", "bucketed_powersgd"]
-    assert all(ALGORITHMS[name].projection for name in built_in)
-    assert list(STRATEGIES) == [*[a for a in ALGORITHMS if ALGORITHMS[a].projection], "zero1", "ddp", "zero2", "fsdp2"]
-    for name in built_in:  # each model loads, runs, and its result carries the algorithm's name
-        size = 4.0 if ALGORITHMS[name].has_bucket_size else None
+def test_the_projection_reads_its_models_from_the_catalogue():
+    # Modelling a new strategy for the projection is optional (adding one stays one engine file, one catalogue
+    # entry, one YAML); every strategy this project ships names a model in its entry, and the projection simulates
+    # exactly those, in catalogue order.
+    assert simulated_names() == list(catalogue.STRATEGIES)
+    for name in simulated_names():  # each model loads, runs, and its result carries the strategy's name
+        size = 4.0 if catalogue.get(name).has_bucket_size else None
         assert simulate(name, model(), size).strategy == name
     with pytest.raises(ValueError, match="models no setting 'seed'; its settings are: rank, min_compression_rate"):
-        simulate("bucketed_powersgd", model(), 4.0, seed=1)  # an engine setting that changes no step time
+        simulate("bucketed_powersgd_ddp", model(), 4.0, seed=1)  # an engine setting that changes no step time
 
 
 # ---- the validation against a sweep ---------------------------------------------------------------------------
@@ -642,13 +603,13 @@ def test_validation_simulates_each_cell_with_its_engine_settings(tmp_path, capsy
 
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"overhead_s": 1e-3, "bandwidth_Bps": 1e9, "world_size": 2}))
-    row = {"cell_id": "p", "strategy": "bucketed_powersgd", "bucket_size_mb": "4", "engine_settings": "rank=1 start_iter=10",
+    row = {"cell_id": "p", "strategy": "bucketed_powersgd_ddp", "bucket_size_mb": "4", "engine_settings": "rank=1 start_iter=10",
            "status": "ok", "world_size": "2", "batch_size": "2", "context_length": "32", "precision": "32-true",
            "step_ms_median": "100", "comm_share": "0.1"}
     copy_Bps = 6 * MiB * 1e3
     (cell,) = validate_cells([row], {"p": three_params().to_dict()}, fit, copy_Bps)
     # rank 1 from the cell's settings (start_iter changes no steady-state step: not modelled, not passed)
-    at = {rank: simulate("bucketed_powersgd", StepModel(three_params(), read_fit(fit).fabric(), 2, copy_Bps), 4.0,
+    at = {rank: simulate("bucketed_powersgd_ddp", StepModel(three_params(), read_fit(fit).fabric(), 2, copy_Bps), 4.0,
                          rank=rank).step_ms for rank in (1, 4)}
     assert cell["predicted_step_ms"] == pytest.approx(at[1]) and at[1] < at[4] - 0.01
     assert cell["engine_settings"] == "rank=1 start_iter=10"
@@ -656,45 +617,43 @@ def test_validation_simulates_each_cell_with_its_engine_settings(tmp_path, capsy
     for q in older["params"]:
         q.pop("shape")
     assert validate_cells([row], {"p": older}, fit, copy_Bps) == []
-    assert "not simulated: p: bucketed_powersgd needs every parameter's shape" in capsys.readouterr().err
+    assert "not simulated: p: PowerSGD's model needs every parameter's shape" in capsys.readouterr().err
 
 
 def test_ranking_is_checked_only_where_the_measured_intervals_separate_the_cells():
     from lightning_ddp.projection.validate import ranking_agreement
 
     cells = [
-        _cell("naive", 130, 125, 135, 140),  # clearly slower than flat and ddp: 2 separated pairs
-        _cell("flat", 100, 95, 105, 90),
+        _cell("naive_ddp", 130, 125, 135, 140),  # clearly slower than flat and ddp: 2 separated pairs
+        _cell("flat_ddp", 100, 95, 105, 90),
         _cell("ddp", 102, 99, 110, 95),  # overlaps flat: not a pair; the prediction's order of them is not checked
-        _cell("overlap", 60, 55, 65, 120, batch=4),  # another group: never compared with the ones above
+        _cell("overlap_ddp", 60, 55, 65, 120, batch=4),  # another group: never compared with the ones above
     ]
     agree, pairs, disagreements = ranking_agreement(cells)
     assert (agree, pairs, disagreements) == (2, 2, [])
     cells[0]["predicted_step_ms"] = 92  # naive now predicted faster than ddp (95) but slower than flat (90)
     agree, pairs, disagreements = ranking_agreement(cells)
-    assert (agree, pairs) == (1, 2) and disagreements == ["ddp < naive (b2 t32)"]
+    assert (agree, pairs) == (1, 2) and disagreements == ["ddp < naive_ddp (b2 t32)"]
 
 
-def test_a_registered_algorithm_without_a_model_is_named_in_the_error_and_the_report(tmp_path, monkeypatch, capsys):
+def test_a_catalogue_entry_without_a_model_is_named_in_the_error_and_the_report(tmp_path, monkeypatch, capsys):
     import dataclasses
 
-    from lightning_ddp.sync import registry
-
-    bucketed = registry.ALGORITHMS["bucketed"]
-    monkeypatch.setitem(registry.ALGORITHMS, "toy_unmodelled",
+    bucketed = catalogue.get("bucketed_ddp")
+    monkeypatch.setitem(catalogue.STRATEGIES, "toy_unmodelled",
                         dataclasses.replace(bucketed, name="toy_unmodelled", projection=None))
     # one that names an existing model is projected with no other change, under its own name
-    monkeypatch.setitem(registry.ALGORITHMS, "toy_modelled", dataclasses.replace(bucketed, name="toy_modelled"))
-    assert "toy_modelled" in STRATEGIES and "toy_unmodelled" not in STRATEGIES
-    assert simulate("toy_modelled", model(), 4.0).step_ms == simulate("bucketed", model(), 4.0).step_ms
+    monkeypatch.setitem(catalogue.STRATEGIES, "toy_modelled", dataclasses.replace(bucketed, name="toy_modelled"))
+    assert "toy_modelled" in simulated_names() and "toy_unmodelled" not in simulated_names()
+    assert simulate("toy_modelled", model(), 4.0).step_ms == simulate("bucketed_ddp", model(), 4.0).step_ms
     base = ["--config", str(REPO / "configs" / "projection" / "xl_h100.yaml"), "--study.world_sizes", "[2]",
             "--output.out_dir", str(tmp_path), "--output.plots", "false"]
     with pytest.raises(SystemExit):
-        parse_config([*base, "--study.strategies", "[naive, toy_unmodelled]"])
+        parse_config([*base, "--study.strategies", "[naive_ddp, toy_unmodelled]"])
     assert "has no model in the projection: add a simulate function" in capsys.readouterr().err
-    assert main([*base, "--study.strategies", "[naive]"]) == 0
+    assert main([*base, "--study.strategies", "[naive_ddp]"]) == 0
     (line,) = [line for line in (tmp_path / "results.md").read_text().splitlines() if "Not projected:" in line]
-    assert "`toy_unmodelled`" in line  # with any other unmodelled algorithm registered
+    assert "`toy_unmodelled`" in line
 
 
 # ---- ZeRO-2, FSDP2, memory, contention --------------------------------------------------------------------------
@@ -721,14 +680,14 @@ def blocks_profile() -> ComputeProfile:
     return ComputeProfile(10.0, 30.0, 8.0, tuple(params), source="hand-made", world_size=2)
 
 
-@pytest.mark.parametrize("name,size", [("zero2", 1.0), ("fsdp2", None)])
+@pytest.mark.parametrize("name,size", [("zero2_ddp", 1.0), ("fsdp2", None)])
 def test_sharded_strategies_on_one_rank_communicate_nothing(name, size):
     # one rank: every collective of a fabric lasts 0 and there is nothing to copy: the compute-only step
     r = simulate(name, StepModel(blocks_profile(), MeasuredFit(1e-3, 1e9).fabric(), 1, 6 * MiB * 1e3), size)
     assert r.busy_comm_ms == 0 and r.step_ms == pytest.approx(48.0)
 
 
-@pytest.mark.parametrize("name,size", [("zero2", 1.0), ("fsdp2", None)])
+@pytest.mark.parametrize("name,size", [("zero2_ddp", 1.0), ("fsdp2", None)])
 def test_sharded_strategies_with_free_communication_cost_compute_plus_optimizer_over_n(name, size):
     # infinite bandwidth and copies: forward 10 + backward 30 + optimizer 8 / 4 ranks (4 MiB divide evenly)
     r = simulate(name, StepModel(blocks_profile(), InfiniteComm(), 4, 1e30), size)
@@ -736,7 +695,7 @@ def test_sharded_strategies_with_free_communication_cost_compute_plus_optimizer_
 
 
 def test_zero2_reduce_scatters_each_bucket_during_backward_and_all_gathers_after_the_optimizer():
-    r = simulate("zero2", model(), 4.0)
+    r = simulate("zero2_ddp", model(), 4.0)
     comm = [(i.label, i.start_ms, i.end_ms) for i in r.intervals if i.stream == "comm"]
     # buckets as bucketed at 4 MiB: [c] (3 MiB), [b, a] (3 MiB); each packed (1 ms), then reduce-scattered (4 ms)
     assert comm[0] == ("c [reduce-scatter]", pytest.approx(21), pytest.approx(25))  # c ready at 20, packed
@@ -759,18 +718,18 @@ def test_fsdp2_exposes_at_least_the_first_all_gather_and_gathers_every_block_twi
 
 
 def test_contention_slows_only_the_compute_beside_a_collective():
-    t = __import__("lightning_ddp.projection.strategies", fromlist=["Timeline"]).Timeline(contention=1.0)
+    t = __import__("lightning_ddp.projection.simulators", fromlist=["Timeline"]).Timeline(contention=1.0)
     t.collective("x", 10.0, 4.0, 0)  # in flight over [10, 14]
     # 10 ms of work from 5: 5 ms alone to 10, then 4 ms of wall at half speed (2 ms of work), then 3 ms alone
     assert t.compute("backward", 5.0, 10.0) == pytest.approx(17.0) and t.contention_ms == pytest.approx(2.0)
     # with s = 0.36 fitted for NCCL, an overlapped strategy's step grows and its wait shrinks by the same or less
-    plain = simulate("overlap", model())
-    slowed = simulate("overlap", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=0.36))
+    plain = simulate("overlap_ddp", model())
+    slowed = simulate("overlap_ddp", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=0.36))
     assert slowed.step_ms >= plain.step_ms and slowed.contention_ms > 0
     assert slowed.waited_comm_ms <= plain.waited_comm_ms + 1e-9
     # naive overlaps nothing: contention changes nothing
-    assert simulate("naive", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=1.0)).step_ms == \
-        pytest.approx(simulate("naive", model()).step_ms)
+    assert simulate("naive_ddp", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=1.0)).step_ms == \
+        pytest.approx(simulate("naive_ddp", model()).step_ms)
 
 
 def test_memory_per_rank_shrinks_with_sharding():
@@ -779,12 +738,15 @@ def test_memory_per_rank_shrinks_with_sharding():
     p = blocks_profile()  # 4 MiB of fp32 parameters
     at = {n: StepModel(p, LinearComm(), n, 1e12) for n in (2, 4)}
     # ddp: parameters, gradients, 2 AdamW states and the reducer's buckets: 5 x 4 MiB
-    assert state_bytes("ddp", at[4]) == 5 * 4 * MiB
+    def memory(name: str, n: int, size: float | None = None) -> int:
+        return state_bytes(simulate(name, at[n], size), at[n])
+
+    assert memory("ddp", 4) == 5 * 4 * MiB
     # zero2 at 4 ranks, one 4 MiB bucket: parameters 4 MiB + gradient shard 1 + the bucket twice 8 + state 2 + shard 1
-    assert state_bytes("zero2", at[4], 4.0) == (4 + 1 + 8 + 2 + 1) * MiB
+    assert memory("zero2_ddp", 4, 4.0) == (4 + 1 + 8 + 2 + 1) * MiB
     # fsdp2 at 4 ranks: shard 1 + root (2) and both blocks (2) unsharded + gradient shard 1 + one block 1 + state 2
-    assert state_bytes("fsdp2", at[4]) == (1 + 4 + 1 + 1 + 2) * MiB
-    assert state_bytes("fsdp2", at[4]) < state_bytes("fsdp2", at[2]) < state_bytes("ddp", at[2])
+    assert memory("fsdp2", 4) == (1 + 4 + 1 + 1 + 2) * MiB
+    assert memory("fsdp2", 4) < memory("fsdp2", 2) < memory("ddp", 2)
 
 
 def test_the_fitted_contention_reproduces_from_the_committed_data():
@@ -792,7 +754,14 @@ def test_the_fitted_contention_reproduces_from_the_committed_data():
 
     # python -m lightning_ddp.projection.contention_fit: gloo on the CPU sweep's step times, NCCL on the published runs'
     # wait shares; CONTENTION must hold what the committed data give
-    assert contention_fit.fit_gloo(REPO / "benchmarks/results/cpu") == contention.CONTENTION["gloo"]
+    sweep = REPO / "benchmarks/results/cpu"
+    assert contention_fit.fit_gloo(sweep) == contention.CONTENTION["gloo"]
+    # every measured cell of the sweep is in the fit (its strategy names are the catalogue's), not a few of them
+    profiles = json.loads((sweep / "profiles.json").read_text())
+    with open(sweep / "results.csv", newline="") as f:
+        measured = [r for r in csv.DictReader(f) if r["status"] == "ok" and r["strategy"] != "reference"
+                    and r["cell_id"] in profiles]
+    assert len(contention_fit.gloo_cells(sweep, 0.0)) == len(measured) > 0
     assert contention_fit.fit_nccl() == contention.CONTENTION["nccl"]
     # and it is a fit, not a constant: a loss with its minimum elsewhere moves it
     assert contention.fit_contention(lambda s: (s - 0.5) ** 2) == 0.5

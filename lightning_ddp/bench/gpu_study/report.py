@@ -56,9 +56,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
 def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
     """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), the best bucket
     size for a bucketed one; ``–`` where there is none."""
-    base = strategy.removesuffix("_ddp")
-    runs = [r for r in PUBLISHED_RUNS
-            if r.strategy.removesuffix("_ddp") == base and r.batch_size == batch and r.seq_len == seq_len]
+    runs = [r for r in PUBLISHED_RUNS if r.strategy == strategy and r.batch_size == batch and r.seq_len == seq_len]
     if not runs:
         return "–"
     best = min(runs, key=lambda r: r.total_s)

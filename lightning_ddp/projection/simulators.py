@@ -1,80 +1,9 @@
-"""One training step as a timeline, per strategy; ``STRATEGIES``: what can be simulated, read from the registry.
+"""One training step as a timeline per strategy: the simulators the catalogue's ``projection`` entries name.
 
-The machine (``Timeline``): one **compute stream** (forward, backward, buffer copies, optimizer, in program order)
-and one **communication stream** on which collectives run in the order they are issued: a collective starts at
-``max(issue time, end of the previous collective)`` and lasts what ``StepModel.comm`` says. Waiting for a
-collective moves the compute stream to its end. The step ends when the optimizer has finished.
-
-How each strategy issues its collectives (mirroring the engines in ``lightning_ddp.sync`` and torch DDP):
-
-=================  ==========================================================================================
-strategy           schedule
-=================  ==========================================================================================
-``naive``          after backward: gradient-presence flags (a tiny blocking all-reduce), then one blocking
-                   all-reduce per gradient in ``parameters()`` order; optimizer
-``flat``           after backward: flags; pack every gradient into one buffer (a copy); one all-reduce; unpack;
-                   optimizer
-``overlap``        during backward: each gradient's async all-reduce, launched when it is ready, strictly in
-                   reverse ``parameters()`` order (a gradient ready early waits for its predecessors); at the
-                   end: wait, optimizer. In place, except the last bucket, which is copied into its buffer (it
-                   carries the missing-gradient sentinel); presence flags only if some gradient never comes
-``bucketed``       as overlap with buckets of at most ``bucket_size_mb`` MiB (``buckets.assign_buckets``): a
-                   bucket launches once all its gradients are ready and every earlier bucket has launched; a
-                   multi-tensor bucket (and the last one) is copied into its persistent buffer on the compute
-                   stream first (delaying the rest of backward); nothing is unpacked (the gradients are views of
-                   the buffers); one-tensor buckets are reduced in place
-``bucketed_bf16``  bucketed with the same buckets (capped on the fp32 gradient bytes), communicated in bf16:
-                   half the bytes on the wire, and every bucket pays a cast to bf16 and one back
-``bucketed_        bucketed with the same buckets; a bucket with a matrix worth compressing (``powersgd_plan``,
-powersgd``         the engine's rule) launches: the buffer copy, the gather of its uncompressed elements and
-                   their all-reduce, then on the compute stream ``M = G + E`` and ``P = M Q`` per matrix (and the
-                   QR of the warm-start ``Q``), then the all-reduce of the ``P``s. When backward is over the engine
-                   waits for each bucket in order and *then* runs its second round (not overlapped with
-                   backward): write back the uncompressed part, QR of ``P``, ``Q = M^T P``, the all-reduce of the
-                   ``Q``s (blocking), ``P Q^T`` into the bucket and the error update ``E = M - P Q^T``. Settings:
-                   ``rank``, ``min_compression_rate``. Steady state: the exact warm-up steps (``start_iter``)
-                   are not modelled
-``zero1``          ZeRO-1 ``reduce_scatter`` schedule: after backward, flags; pack the gradients into a buffer of
-                   ``n`` equal segments (padded to the largest owner's bytes, ``buckets.assign_owners``);
-                   reduce-scatter; copy the own segment out; optimizer on the owned parameters only (the most
-                   loaded rank sets the pace); pack the own parameters; all-gather; unpack every parameter
-``ddp``            torch DDP: buckets in gradient-ready order, 1 MiB first then 25 MiB (``buckets.ddp_buckets``),
-                   launched in bucket order; every bucket is copied in and out; no flags
-``zero2``          ZeRO-2 (NCCL's schedule): the bucketed engine's buckets, each packed into a buffer padded to
-                   ``n`` equal shards and reduce-scattered as soon as it fills (overlapped with backward); after
-                   backward the optimizer on the own ``1/n``, then per bucket the updated shard all-gathered
-                   (exposed) and copied out (``simulate_zero2``)
-``fsdp2``          torch ``fully_shard`` per transformer block and on the root (``transformer_blocks``): the
-                   root's and then each block's all-gather before its forward and again before its backward,
-                   issued one block ahead; each block's reduce-scatter after its backward (overlapped); the
-                   optimizer on the shard; nothing after (``simulate_fsdp2``)
-=================  ==========================================================================================
-
-Contention (``StepModel.contention``, ``s``; fitted per backend in ``contention``): compute placed while a collective
-is in flight runs ``1 + s`` times slower (``Timeline.advance``); the time it adds is ``StepResult.contention_ms``.
-
-Copies run on the compute stream at ``copy_bandwidth_Bps`` (bytes read + bytes written). The division by the
-world size is left out (one elementwise pass per gradient, fused into the copies or the kernel in practice), except
-in PowerSGD's arithmetic, where every kernel the engine runs is counted as a roofline: ``max(FLOPs /
-flops_per_s, bytes moved / copy_bandwidth_Bps)`` (``StepModel.kernel_ms``; at rank 4 every one of them is
-memory-bound: a rank-``r`` product reads the fp32 matrix once for ``2 r`` FLOPs per element). Per-kernel launch
-latency is not modelled: the engine runs about ten small kernels and two QR factorisations per compressed matrix
-from Python.
-
-Outputs (``StepResult``): ``step_ms``; ``compute_only_ms`` (forward + backward + unsharded optimizer: the 1-GPU
-step); ``exposed_comm_ms = step_ms - compute_only_ms``, the communication (and copies) not hidden behind compute
-(for ``zero1`` it is net of the optimizer time sharding saves); ``comm_share = exposed / step``;
-``contention_ms``, the compute time contention added (part of the exposed time); ``waited_comm_ms`` and
-``wait_share``, the exposed time without it (what a timer around the waits measures); ``busy_comm_ms``, the time
-the communication stream is busy (collectives never overlap each other, so this is
-their sum); ``overlap``, the fraction of it hidden behind compute; ``copy_ms``; ``calls``; ``comm_bytes`` (the sizes
-of all messages).
-
-To simulate a new algorithm, write ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult`` (its
-settings, keyword arguments with defaults after ``bucket_size_mb``, are the engine settings the model depends on)
-and name it in the algorithm's registry entry: ``Algorithm(..., projection="package.module:simulate_<name>")``
-(``lightning_ddp.sync.registry``). ``STRATEGIES`` reads the registry each time it is used; ``zero1`` and ``ddp``,
-which are not registry algorithms, are the projection's own ``BASELINES``.
+A ``Timeline`` has one compute stream and one FIFO communication stream; each ``simulate_<name>(model,
+bucket_size_mb, **settings) -> StepResult`` issues its collectives as its engine does. ``simulate(name, ...)`` looks
+the strategy up in ``lightning_ddp.catalogue``. The schedules, the outputs' definitions and how to add a model:
+docs/projection.md.
 """
 
 from __future__ import annotations
@@ -86,27 +15,27 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
-from lightning_ddp.catalogue import format_settings
+from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.comm import CommCost
-from lightning_ddp.sync.registry import ALGORITHMS  # the standard library only
 
 __all__ = [
-    "BASELINES",
-    "STRATEGIES",
     "Interval",
     "Op",
     "StepModel",
     "StepResult",
-    "StrategySpec",
     "Timeline",
+    "check_settings",
+    "model_settings",
     "powersgd_plan",
-    "projected_strategies",
     "simulate",
-    "unmodelled_algorithms",
+    "simulated_by",
+    "simulated_names",
+    "simulator",
+    "unmodelled_names",
 ]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
@@ -128,17 +57,12 @@ class Interval:
 
 
 class Timeline:
-    """The two streams of one step. Times in milliseconds.
-
-    ``contention`` (``s``, ``contention.py``): compute that runs while a collective is in flight advances at ``1 /
-    (1 + s)`` of its speed, so a compute interval of ``d`` ms entirely under communication lasts ``d (1 + s)``.
-    Collectives are issued by the compute stream in program order, so every collective that can overlap a compute
-    interval is already on the timeline when that interval is placed (the simulators place work in program order).
-    """
+    """The two streams of one step, times in ms; compute beside a collective runs ``1 + contention`` times slower."""
 
     def __init__(self, contention: float = 0.0) -> None:
         if not contention >= 0:
-            raise ValueError(f"contention must be >= 0 (compute slowed by 1 + s while a collective runs), got {contention!r}")
+            raise ValueError(f"contention must be >= 0 (compute slowed by 1 + s while a collective runs), "
+                             f"got {contention!r}")
         self.contention = contention
         self.intervals: list[Interval] = []
         self.comm_free_ms = 0.0
@@ -253,7 +177,7 @@ class StepModel:
 
 @dataclass
 class StepResult:
-    """One simulated step of one strategy (module docstring)."""
+    """One simulated step of one strategy (docs/projection.md)."""
 
     strategy: str
     bucket_size_mb: Optional[float]
@@ -268,14 +192,16 @@ class StepResult:
     settings: dict[str, Any] = field(default_factory=dict)
     """The engine settings it was simulated with (``simulate(..., **settings)``), e.g. ``{"rank": 4}``."""
     contention_ms: float = 0.0
-    """Compute time added by the contention model (compute slowed while collectives run); part of ``exposed_comm_ms``."""
+    """Compute time added by contention (compute slowed while collectives run); part of ``exposed_comm_ms``."""
     memory_bytes: Optional[int] = None
     """Model-state bytes per rank (``projection.memory``); set by ``sweep.project``."""
+    buffer_bytes: int = 0
+    """Engine state beyond the bucket buffers its memory model counts (bf16's wire copies, PowerSGD's E and Q)."""
 
     @property
     def variant(self) -> str:
         """The strategy with its settings, e.g. ``bucketed_powersgd rank=4`` (tables, best sizes, plots)."""
-        return f"{self.strategy} {format_settings(self.settings)}" if self.settings else self.strategy
+        return f"{self.strategy} {catalogue.format_settings(self.settings)}" if self.settings else self.strategy
 
     @property
     def exposed_comm_ms(self) -> float:
@@ -293,7 +219,7 @@ class StepResult:
 
     @property
     def wait_share(self) -> float:
-        """``waited_comm_ms / step_ms``: the share a timer around the waits reports; ``comm_share`` without contention."""
+        """``waited_comm_ms / step_ms``: the share a timer around the waits reports."""
         return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
@@ -308,8 +234,9 @@ class StepResult:
         return min(1.0, max(0.0, 1.0 - (self.waited_comm_ms - self.copy_ms) / self.busy_comm_ms))
 
 
-def _result(name: str, bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
-    return StepResult(name, bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
+def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
+    """The result of a simulated step; ``simulate`` names its strategy."""
+    return StepResult("", bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
                       t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
 
 
@@ -340,7 +267,7 @@ def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     for param in model.profile.params:  # parameters() order, one blocking call each
         if param.ready_ms is not None:
             cursor = t.collective(param.name, cursor, model.all_reduce_ms(param.bytes), param.bytes)
-    return _result("naive", None, model, t, _optimizer(model, t, cursor))
+    return _result(None, model, t, _optimizer(model, t, cursor))
 
 
 def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
@@ -351,7 +278,7 @@ def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> S
     cursor = t.compute("pack", cursor, model.copy_ms(2 * nbytes), copy=True)
     cursor = t.collective("flat buffer", cursor, model.all_reduce_ms(nbytes), nbytes)
     cursor = t.compute("unpack", cursor, model.copy_ms(2 * nbytes), copy=True)
-    return _result("flat", None, model, t, _optimizer(model, t, cursor))
+    return _result(None, model, t, _optimizer(model, t, cursor))
 
 
 @dataclass(frozen=True)
@@ -368,15 +295,16 @@ class Op:
     """For a collective: ``all_reduce``, ``reduce_scatter`` or ``all_gather`` (``COLLECTIVES``)."""
 
 
-def _bucket_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
-                     wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float], presence_flags: bool) -> StepResult:
+def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
+                     wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
+                     presence_flags: bool) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order: each packed, then all-reduced in one call;
-    unpacked once waited for (see the module docstring)."""
+    unpacked once waited for (docs/projection.md)."""
     labels = [_bucket_label(model, bucket, k) for k, bucket in enumerate(buckets)]
     launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]), Op("collective", labels[k], nbytes=wire_bytes[k])]
               for k in range(len(buckets))]
     finish = [[Op("compute", f"unpack bucket {k}", unpack_ms[k])] for k in range(len(buckets))]
-    return _staged_schedule(model, name, bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
                             presence_flags=presence_flags)
 
 
@@ -385,18 +313,14 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
     return model.profile.params[bucket[0]].name if len(bucket) == 1 else f"bucket {k} ({len(bucket)} tensors)"
 
 
-def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
+def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool,
                      optimizer_fraction: float = 1.0, after: Sequence[Op] = ()) -> StepResult:
-    """Buckets launched from gradient hooks, strictly in bucket order; see the module docstring.
+    """Buckets launched from gradient hooks, strictly in bucket order.
 
-    ``launch[k]``: what launching bucket ``k`` does, in order (its compute delays the rest of backward; its
-    collectives are issued, not waited for). ``finish[k]``: what waiting for it does once backward is over, in
-    bucket order, after every collective of its launch has ended (a collective here is waited for at once). Then
-    the optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
-
-    Backward is placed piece by piece in program order (up to each launch), so that contention can slow the pieces
-    that run beside a collective.
+    ``launch[k]``: what launching bucket ``k`` does (its compute delays the rest of backward; its collectives are
+    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then the optimizer on
+    ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
     """
     p, t = model.profile, model.timeline()
 
@@ -438,7 +362,7 @@ def _staged_schedule(model: StepModel, name: str, bucket_size_mb: Optional[float
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
     cursor, _ = run(after, _optimizer(model, t, cursor, optimizer_fraction), wait=True)
-    return _result(name, bucket_size_mb, model, t, cursor)
+    return _result(bucket_size_mb, model, t, cursor)
 
 
 def _cap_bytes(bucket_size_mb: Optional[float]) -> Optional[int]:
@@ -471,13 +395,13 @@ def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) 
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     # copied into the buffer (read + write) once; the gradients are views of it afterwards: no unpack
     copies = [model.copy_ms(2 * s) if buffered else 0.0 for s, buffered in zip(sizes, _buffered(buckets))]
-    return _bucket_schedule(model, "bucketed", bucket_size_mb, buckets, wire_bytes=sizes, pack_ms=copies,
+    return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=sizes, pack_ms=copies,
                             unpack_ms=[0.0] * len(buckets), presence_flags=_missing(model))
 
 
 def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
     result = simulate_bucketed(model, bucket_size_mb=1 / MiB)  # a 1-byte cap: one bucket per parameter, as OverlapDDP
-    result.strategy, result.bucket_size_mb = "overlap", None
+    result.bucket_size_mb = None
     return result
 
 
@@ -493,19 +417,22 @@ def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 2
     packs = [(model.copy_ms(2 * s) if b else 0.0) + (model.copy_ms(s + w) if s != w else 0.0)
              for s, w, b in zip(sizes, wire, buffered)]
     unpacks = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
-    return _bucket_schedule(model, "bucketed_bf16", bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
-                            unpack_ms=unpacks, presence_flags=_missing(model))
+    result = _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
+                              unpack_ms=unpacks, presence_flags=_missing(model))
+    result.buffer_bytes = sum(wire)  # the half-width copy of every bucket
+    return result
 
 
 def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
     params = model.profile.params
     never = float("inf")
     # gradient-ready order (ties: reverse parameters() order, the autograd order); no-gradient parameters last
-    order = sorted(reversed(range(len(params))), key=lambda i: never if params[i].ready_ms is None else params[i].ready_ms)
+    order = sorted(reversed(range(len(params))),
+                   key=lambda i: never if params[i].ready_ms is None else params[i].ready_ms)
     buckets = ddp_buckets([q.bytes for q in params], order)
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
-    return _bucket_schedule(model, "ddp", None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
+    return _bucket_schedule(model, None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
                             presence_flags=False)
 
 
@@ -528,7 +455,7 @@ def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     cursor = t.compute("pack own parameters", cursor, model.copy_ms(2 * segment), copy=True)
     cursor = t.collective("all-gather parameters", cursor, model.all_gather_ms(buffer), buffer)
     cursor = t.compute("unpack parameters", cursor, model.copy_ms(buffer + nbytes), copy=True)
-    return _result("zero1", None, model, t, cursor)
+    return _result(None, model, t, cursor)
 
 
 def _padded(numel: int, n: int) -> int:
@@ -537,11 +464,7 @@ def _padded(numel: int, n: int) -> int:
 
 
 def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
-    """ZeRO-2 (the module docstring's schedule): the bucketed engine's buckets, each packed into a flat buffer
-    padded to a multiple of ``n`` elements and reduce-scattered as soon as it fills (overlapped with the rest of
-    backward; each rank keeps ``1/n`` of the averaged gradients, so nothing is unpacked); after backward the
-    optimizer on the rank's ``1/n`` shard, then per bucket: the updated shard copied in, all-gathered into the
-    padded buffer (exposed: nothing is left to overlap), and copied out into the parameters."""
+    """ZeRO-2: each bucket reduce-scattered as it fills, the optimizer on the shard, then per bucket an all-gather."""
     p, n = model.profile, model.world_size
     params = p.params
     buckets = _engine_buckets(params, bucket_size_mb)
@@ -562,7 +485,7 @@ def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> 
                   Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
     grad_bytes = sum(q.bytes for q in params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
-    return _staged_schedule(model, "zero2", bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
                             presence_flags=_missing(model), optimizer_fraction=fraction, after=after)
 
 
@@ -607,19 +530,10 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
 
 
 def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    """FSDP2: torch's ``fully_shard`` on each transformer block and on the root (``transformer_blocks``).
+    """FSDP2: ``fully_shard`` on each transformer block and on the root; the schedule is in docs/projection.md.
 
-    Forward: the root's all-gather, then per block its all-gather, issued one block ahead (block ``i + 1``'s when
-    block ``i`` starts) and copied out of the gather buffer before the block runs; the root keeps its parameters
-    (the root is not resharded after forward), blocks reshard theirs. Backward: each block's all-gather again,
-    one block ahead (the last block's at the start of backward), its backward, its gradients copied into a
-    padded buffer and reduce-scattered (overlapped with the next block's backward); the root's reduce-scatter
-    after the whole backward. Then the optimizer on the shard (``1/n`` of the padded elements). Nothing after:
-    the next forward's all-gathers fetch the updated shards.
-
-    Block times come from the profile: a block's backward is the backward work between the previous block's
-    last gradient and its own (``ready_ms``), its forward the same share of ``forward_ms``; the root's split
-    around them (lm_head and final norm before the first block's backward, the embedding after the last).
+    Block times come from the profile: a block's backward is the work between the previous block's last gradient
+    and its own, its forward the same share of ``forward_ms``.
     """
     p, n, t = model.profile, model.world_size, model.timeline()
     params = p.params
@@ -661,7 +575,9 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
         cursor = t.compute(f"forward block {k}", cursor, scale * backward_ms[k])
     cursor = t.compute("forward (head)", cursor, scale * head_end)
     # backward
-    gathered = {order[0]: all_gather(_group_label(params, blocks[order[0]]), cursor, gather[order[0]])} if blocks else {}
+    gathered = {}
+    if blocks:
+        gathered[order[0]] = all_gather(_group_label(params, blocks[order[0]]), cursor, gather[order[0]])
     cursor = t.compute("backward (head)", cursor, head_end)
     last_comm = cursor
     for j, k in enumerate(order):
@@ -680,7 +596,7 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     cursor = max(cursor, last_comm)
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
-    return _result("fsdp2", None, model, t, _optimizer(model, t, cursor, fraction))
+    return _result(None, model, t, _optimizer(model, t, cursor, fraction))
 
 
 def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
@@ -712,29 +628,18 @@ def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
 
 def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float] = 25.0, rank: int = 4,
                                min_compression_rate: float = 2.0) -> StepResult:
-    """PowerSGD on the bucketed engine's buckets (the module docstring's schedule; the engine's recipe is in
-    ``lightning_ddp/sync/bucketed_powersgd.py``), in its steady state: every step compressed, ``E`` and ``Q`` kept.
+    """PowerSGD on the bucketed engine's buckets, in its steady state (every step compressed, ``E`` and ``Q`` kept).
 
-    Per compressed ``rows x cols`` matrix (``k`` its rank) the kernels the engine runs, each as
-    ``StepModel.kernel_ms(FLOPs, bytes read + written)``, with ``g`` the gradient's element size and ``f`` that of
-    ``M``, ``E``, ``P``, ``Q`` (fp32, or the gradient's if wider) and ``rc = rows * cols``:
-
-    - launch: ``M = G`` copied (``rc (g + f)`` bytes), ``M += E`` (``3 rc f``), QR of ``Q`` (``2 cols k^2`` FLOPs),
-      ``P = M Q`` (``2 rc k`` FLOPs, ``(rc + cols k + rows k) f`` bytes), ``P /= n``;
-    - finish: QR of ``P`` (``2 rows k^2``), ``Q = M^T P`` (as ``M Q``), ``Q /= n``; after the ``Q`` round, ``P Q^T``
-      (``2 rc k`` FLOPs, writes ``rc f``), copied into the bucket (``rc (f + g)``), ``E = M - P Q^T`` (``rc (2 f + g)``).
-
-    The uncompressed elements (vectors, small matrices, the last bucket's missing-gradient sentinel) are gathered
-    (``torch.cat`` and ``/ n``: ``4 g`` bytes each) and written back (``2 g``). Wire bytes per bucket: ``g`` per
-    uncompressed element plus ``f (rows + cols) k`` per matrix: ``BucketPlan.sent_numel`` elements.
+    Every kernel the engine runs per compressed matrix is a ``StepModel.kernel_ms(FLOPs, bytes)`` roofline; the
+    kernel list with its FLOPs and bytes is in docs/projection.md.
     """
     p = model.profile
     if not p.has_shapes:
         missing = next(q.name for q in p.params if q.shape is None)
         raise ValueError(
-            f"bucketed_powersgd needs every parameter's shape (which gradients are matrices), but the compute profile "
-            f"has none for {missing!r}: use a modelled profile (`compute.source: flops`) or one the CommTimer recorded "
-            "with shapes, or leave bucketed_powersgd out of `study.strategies`"
+            f"PowerSGD's model needs every parameter's shape (which gradients are matrices), but the compute profile "
+            f"has none for {missing!r}: use a modelled profile (`compute.source: flops`) or one the CommTimer "
+            "recorded with shapes, or leave it out of `study.strategies`"
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank (the PowerSGD approximation rank) must be an int >= 1, got {rank!r}; e.g. rank=4")
@@ -745,6 +650,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
     buffered = _buffered(buckets)
     launch: list[list[Op]] = []
     finish: list[list[Op]] = []
+    state_bytes = 0
     for b, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, b)
         nbytes = sum(params[i].bytes for i in bucket)
@@ -758,6 +664,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
             launch.append([pack, Op("collective", label, nbytes=round(numel * g))])
             finish.append([])
             continue
+        state_bytes += sum(4 * (rows * cols + cols * k) for rows, cols, k in matrices)
         uncompressed = numel - sum(rows * cols for rows, cols, _ in matrices)
         p_numel = sum(rows * k for rows, _, k in matrices)
         q_numel = sum(cols * k for _, cols, k in matrices)
@@ -770,7 +677,8 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
                    + kernel(2 * cols * k * k, 2 * cols * k * f)  # orthogonalise Q
                    + kernel(2 * rows * cols * k, (rows * cols + cols * k + rows * k) * f)  # P = M Q
                    for rows, cols, k in matrices) + kernel(0, 2 * p_numel * f)  # P /= n
-        steps += [Op("compute", f"PowerSGD P {b}", p_ms), Op("collective", f"{label} [PowerSGD P]", nbytes=round(p_numel * f))]
+        steps += [Op("compute", f"PowerSGD P {b}", p_ms),
+                  Op("collective", f"{label} [PowerSGD P]", nbytes=round(p_numel * f))]
         launch.append(steps)
         q_ms = model.copy_ms(2 * uncompressed * g) + sum(  # write back the uncompressed elements
             kernel(2 * rows * k * k, 2 * rows * k * f)  # orthogonalise P
@@ -780,107 +688,71 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
                             + kernel(0, rows * cols * (f + g))  # into the bucket
                             + kernel(0, rows * cols * (2 * f + g))  # E = M - P Q^T
                             for rows, cols, k in matrices)
-        finish.append([Op("compute", f"PowerSGD Q {b}", q_ms), Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
+        finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
+                       Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
-    return _staged_schedule(model, "bucketed_powersgd", bucket_size_mb, buckets, launch=launch, finish=finish,
-                            presence_flags=_missing(model))
+    result = _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
+                              presence_flags=_missing(model))
+    result.buffer_bytes = state_bytes  # the error feedback E and the warm-start Q of every compressed matrix, fp32
+    return result
 
 
-# ---- the table: the registry's algorithms with a model, and the projection's own baselines --------------------
+# ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------
 
 
-@dataclass(frozen=True)
-class StrategySpec:
-    """A simulated strategy: how to simulate one step, whether it takes a bucket size, what it does."""
-
-    simulate: Callable[..., StepResult]
-    """``simulate(model, bucket_size_mb, **settings) -> StepResult``."""
-    has_bucket_size: bool
-    summary: str
-
-    def settings(self) -> dict[str, Any]:
-        """The engine settings the model takes (its keyword arguments after ``bucket_size_mb``) and their defaults."""
-        parameters = list(inspect.signature(self.simulate).parameters.values())[2:]
-        return {q.name: q.default for q in parameters
-                if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-
-
-BASELINES: dict[str, StrategySpec] = {
-    "zero1": StrategySpec(simulate_zero1, False, "ZeRO-1: reduce-scatter, sharded optimizer, all-gather"),
-    "ddp": StrategySpec(simulate_ddp, False, "torch DDP: 1 MiB then 25 MiB buckets in gradient-ready order"),
-    "zero2": StrategySpec(simulate_zero2, True, "ZeRO-2: each bucket reduce-scattered during backward, sharded "
-                          "optimizer, updated parameters all-gathered after it"),
-    "fsdp2": StrategySpec(simulate_fsdp2, False, "torch FSDP2 (fully_shard per block): parameters all-gathered "
-                          "per block before forward and backward, gradients reduce-scattered per block"),
-}
-"""The strategies the projection simulates that are not registry algorithms (or not yet): ZeRO-1 (``zero1_ddp``, an
-optimizer on top of an engine), torch DDP (the baseline), ZeRO-2 and torch FSDP2. A registry algorithm of the same
-name that names no ``projection`` model is projected with the one here."""
-
-
-def _load(path: str, name: str) -> Callable[..., StepResult]:
-    module, _, attribute = path.partition(":")
+def _load(entry: catalogue.Entry) -> Callable[..., StepResult]:
+    module, _, attribute = entry.projection.partition(":")
     try:
         function = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"the projection model of {name!r}, {path!r}, cannot be loaded ({error}); fix `projection` in "
-                         "its registry entry (lightning_ddp/sync/registry.py): \"package.module:function\"") from None
+        raise ValueError(f"the projection model of {entry.name!r}, {entry.projection!r}, cannot be loaded ({error}); "
+                         "fix `projection` in its catalogue entry: \"package.module:function\"") from None
     if not callable(function):
-        raise ValueError(f"the projection model of {name!r}, {path!r}, is not a function")
+        raise ValueError(f"the projection model of {entry.name!r}, {entry.projection!r}, is not a function")
     return function
 
 
-def projected_strategies() -> dict[str, StrategySpec]:
-    """Every strategy the projection can simulate, in table order: the registered algorithms with a ``projection``
-    (registry order), then ``BASELINES``. Read afresh each call: an algorithm registered later is in it."""
-    table = {a.name: StrategySpec(_load(a.projection, a.name), a.has_bucket_size, a.summary)
-             for a in ALGORITHMS.values() if a.projection is not None}
-    return {**table, **BASELINES}
+def simulated_names() -> list[str]:
+    """Every strategy the projection can simulate, in catalogue order: the entries with a ``projection``."""
+    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is not None]
 
 
-def unmodelled_algorithms() -> list[str]:
-    """Registered algorithms without a projection model (the report names them "not projected")."""
-    return [a.name for a in ALGORITHMS.values() if a.projection is None and a.name not in BASELINES]
+def unmodelled_names() -> list[str]:
+    """Catalogue entries without a projection model (the report names them "not projected")."""
+    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is None]
 
 
-class _Strategies(Mapping):
-    """A live view of ``projected_strategies()``: ``STRATEGIES[name]``, ``name in STRATEGIES``, iteration."""
-
-    def __getitem__(self, name: str) -> StrategySpec:
-        return projected_strategies()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(projected_strategies())
-
-    def __len__(self) -> int:
-        return len(projected_strategies())
-
-    def __repr__(self) -> str:
-        return f"STRATEGIES({', '.join(self)})"
+def simulated_by(*functions: Callable[..., StepResult]) -> list[str]:
+    """The catalogue names whose projection model is one of ``functions``, in catalogue order."""
+    wanted = {f"{function.__module__}:{function.__name__}" for function in functions}
+    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection in wanted]
 
 
-STRATEGIES: Mapping[str, StrategySpec] = _Strategies()
-"""Every simulated strategy by name, in the order tables and plots use: the registry's algorithms with a
-``projection`` model, then ``zero1`` and ``ddp`` (``projected_strategies``)."""
-
-
-def strategy_spec(name: str) -> StrategySpec:
-    """``STRATEGIES[name]``; an unknown name lists the simulated ones, and says how to model a registered one."""
-    table = projected_strategies()
-    if name in table:
-        return table[name]
-    choices = ", ".join(table)
-    if name in unmodelled_algorithms():  # registered for training, but nobody wrote its timeline model yet
+def simulator(name: str) -> Callable[..., StepResult]:
+    """The ``simulate(model, bucket_size_mb, **settings)`` of strategy ``name``; an unknown or unmodelled name
+    says what to do."""
+    if name not in catalogue.STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(simulated_names())}")
+    entry = catalogue.STRATEGIES[name]
+    if entry.projection is None:
         raise ValueError(
-            f"strategy {name!r} is registered in lightning_ddp/sync/registry.py but has no model in the projection: "
-            "add a simulate function (see simulate_bucketed in lightning_ddp/projection/strategies.py) and name it in "
-            f"its registry entry's `projection`, or leave it out (projected: {choices})")
-    raise ValueError(f"unknown strategy {name!r}; choose from {choices}")
+            f"strategy {name!r} has no model in the projection: add a simulate function (see simulate_bucketed in "
+            "lightning_ddp/projection/simulators.py) and name it in its catalogue entry's `projection`, or leave it "
+            f"out (projected: {', '.join(simulated_names())})")
+    return _load(entry)
+
+
+def model_settings(name: str) -> dict[str, Any]:
+    """The engine settings the model of ``name`` takes (its keyword arguments after ``bucket_size_mb``), with
+    their defaults."""
+    parameters = list(inspect.signature(simulator(name)).parameters.values())[2:]
+    return {q.name: q.default for q in parameters
+            if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
 def check_settings(name: str, settings: Mapping[str, Any]) -> None:
     """Refuse settings the model of ``name`` does not take, naming the ones it does."""
-    valid = strategy_spec(name).settings()
+    valid = model_settings(name)
     for setting in settings:
         if setting not in valid:
             raise ValueError(f"the projection of {name!r} models no setting {setting!r}; its settings are: "
@@ -891,13 +763,13 @@ def check_settings(name: str, settings: Mapping[str, Any]) -> None:
 def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None, **settings: Any) -> StepResult:
     """Simulate one step of strategy ``name`` (``bucket_size_mb`` for those that take one, ``settings`` for those
     whose model has them, e.g. ``rank=4``)."""
-    spec = strategy_spec(name)
+    function = simulator(name)
     check_settings(name, settings)
-    if spec.has_bucket_size:
-        result = spec.simulate(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
+    if catalogue.get(name).has_bucket_size:
+        result = function(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
     elif bucket_size_mb is not None:
         raise ValueError(f"strategy {name!r} takes no bucket size, got bucket_size_mb={bucket_size_mb!r}")
     else:
-        result = spec.simulate(model, None, **settings)
-    result.strategy, result.settings = name, dict(settings)  # an algorithm may reuse another's model
+        result = function(model, None, **settings)
+    result.strategy, result.settings = name, dict(settings)  # an entry may reuse another's model
     return result
