@@ -257,7 +257,7 @@ def check_strategy_name(strategy: object) -> None:
     fix = f"did you mean {close[0]}? Set --trainer.strategy {close[0]}" if close else "set --trainer.strategy to one"
     raise ValueError(
         f"Unknown strategy {strategy!r}. Ours (ddp is Lightning's, the baseline): {', '.join(ours)} (and "
-        f"{len(others)} more of Lightning's: {', '.join(n for n in others if 'find_unused' not in n and '_' not in n)}, ...); {fix}."
+        f"{len(others)} more of Lightning's: {', '.join(n for n in others if '_' not in n)}, ...); {fix}."
     )
 
 
