@@ -215,7 +215,8 @@ def register(entry: Entry, replace: bool = False) -> Entry:
     """Add ``entry`` to ``STRATEGIES`` (``replace=True`` to redefine a name). Lightning learns the name when
     ``lightning_ddp.strategies.register_strategies()`` runs (importing ``lightning_ddp`` runs it once)."""
     if entry.name in STRATEGIES and not replace and STRATEGIES[entry.name] != entry:
-        raise ValueError(f"a strategy named {entry.name!r} is already in the catalogue; pass replace=True to redefine it")
+        raise ValueError(f"a strategy named {entry.name!r} is already in the catalogue; "
+                         "pass replace=True to redefine it")
     STRATEGIES[entry.name] = entry
     return entry
 
@@ -225,7 +226,8 @@ def get(name: str) -> Entry:
     try:
         return STRATEGIES[name]
     except KeyError:
-        raise ValueError(f"{name!r} is not a strategy of the catalogue; choose one of: {', '.join(STRATEGIES)}") from None
+        choices = ", ".join(STRATEGIES)
+        raise ValueError(f"{name!r} is not a strategy of the catalogue; choose one of: {choices}") from None
 
 
 def names(engines_only: bool = False) -> list[str]:

@@ -257,7 +257,7 @@ def check_strategy_name(strategy: object) -> None:
     fix = f"did you mean {close[0]}? Set --trainer.strategy {close[0]}" if close else "set --trainer.strategy to one"
     raise ValueError(
         f"Unknown strategy {strategy!r}. Ours (ddp is Lightning's, the baseline): {', '.join(ours)} (and "
-        f"{len(others)} more of Lightning's: {', '.join(n for n in others if 'find_unused' not in n and '_' not in n)}, ...); {fix}."
+        f"{len(others)} more of Lightning's: {', '.join(n for n in others if '_' not in n)}, ...); {fix}."
     )
 
 
@@ -318,7 +318,7 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] |
         return None
     entry = entries[0]
     if entry.is_engine:
-        return str(_field(init_args, "algorithm", entry.name)), bucket, False
+        return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, False
     schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
     if schedule is not None and schedule != entry.init_args.get("schedule"):
         # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.

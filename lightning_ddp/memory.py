@@ -139,6 +139,7 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
 
     ``shapes`` are the trainable parameters' shapes (tied tensors once). Unsharded: every rank holds the state
     of every tensor; sharded (any ``mode`` but ``unsharded``): only of the tensors ``assign_owners`` gives it;
+    ``fully_sharded`` (fsdp2) holds its dim-0 rows of every tensor, gradients and state alike;
     ``zero2`` also holds only those tensors' gradients (its shard, Ψ_r; the buckets in flight during backward are
     gone by then: ``zero2_gradient_peak_bytes`` bounds them). ``python -m lightning_ddp.bench.memory`` measures the
     same three categories next to these.
@@ -149,12 +150,26 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
     {'parameters': 80, 'gradients': 80, 'optimizer_state': 36}
     >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="zero2", rank=1)  # and only the vector's gradient
     {'parameters': 80, 'gradients': 16, 'optimizer_state': 36}
+    >>> expected_bytes([(3, 2), (4,)], world_size=2, mode="fully_sharded", rank=1)  # rows 2 of (3, 2), 2..3 of (4,)
+    {'parameters': 16, 'gradients': 16, 'optimizer_state': 40}
     """
     numels = [math.prod(shape) for shape in shapes]
+    if mode == "fully_sharded":  # fsdp2: this rank's dim-0 rows of every parameter, gradient and moment
+        local = sum(_dim0_rows(shape, world_size, rank) * math.prod(shape[1:]) for shape in shapes)
+        state = ADAM_STATE_BYTES_PER_PARAM * local + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)
+        return {"parameters": FP32 * local, "gradients": FP32 * local, "optimizer_state": state}
     params = FP32 * sum(numels)
     state = _adam_state_bytes(numels, FP32, world_size if mode != "unsharded" else 1, rank)
     grads = FP32 * sum(_owned_numels(numels, FP32, world_size)[rank]) if mode == "zero2" else params
     return {"parameters": params, "gradients": grads, "optimizer_state": state}
+
+
+def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
+    """Rows of a tensor FSDP2 gives ``rank``: chunks of ``ceil(rows / N)`` along dim 0, the last ranks' shorter or
+    empty (a 0-d tensor is one row)."""
+    rows = shape[0] if shape else 1
+    chunk = -(-rows // world_size)
+    return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
 
 
 def zero2_gradient_peak_bytes(
@@ -240,7 +255,8 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | No
         "full_buckets": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
         "zero1": _Buffers("full", False, sharded_state=True),  # step() packs the gradients to reduce-scatter them
         "zero2": _Buffers("zero2", False, cap_bytes=cap, sharded_state=True),
-        "fully_sharded": _Buffers("fully_sharded", True, sharded_state=True),  # the gathered groups are fsdp2_gathered_bytes
+        # the gathered groups are fsdp2_gathered_bytes
+        "fully_sharded": _Buffers("fully_sharded", True, sharded_state=True),
     }
     return models[entry.memory]
 

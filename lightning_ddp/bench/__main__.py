@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from lightning_ddp.bench.command_line import parse_dataclass
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.bench.config import SweepConfig
 
 

@@ -1,13 +1,5 @@
-"""The sweep's all-reduce microbenchmark job: ``python -m lightning_ddp.bench.allreduce --out FILE``.
-
-Started once per sweep on the same ranks, backend and devices as the cells (with the launcher variables
-``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), it runs
-``lightning_ddp.sync.bucket_model.measure_allreduce`` and ``fit_latency_bandwidth`` and rank 0 writes::
-
-    {"overhead_s", "bandwidth_Bps", "sizes", "times_s", "repeats", "world_size", "backend", "device"}
-
-The gradient size, and with it the predicted bucket size, is added by the sweep once a cell has told it the
-model's shape (``sweep.gradient_bytes``).
+"""The sweep's all-reduce microbenchmark job (``python -m lightning_ddp.bench.allreduce --out FILE``), started once
+on the cells' ranks: rank 0 writes the fitted per-call overhead and bandwidth as JSON (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,44 +1,6 @@
-"""The sweep's analysis: per group of cells, the best bucket size chosen without selection bias, the performance
-goals with their intervals and verdicts, and goal 1 across the groups. ``bench.report`` renders it as
-``results.md``, ``bench.plots`` draws it.
-
-Everything here works on results.csv rows (``results.parse_row``) plus, for the intervals of ratios and the
-selection, the raw steps behind them (``results.CellData`` from steps.csv and repeats.csv), so the report can be
-rebuilt from the raw files alone (``--output.report_only true``). Given rows only, each row counts as one
-repeat of one step (zero-width intervals, and every best bucket size in-sample). Cells are compared within a
-*group*: same precision, per-rank batch size and context length. The statistics are ``bench.stats``'s.
-
-A strategy with engine settings (``grid.engine_settings``) is a *variant* per combination of them
-(``variant_of``: ``bucketed_powersgd rank=4``): each variant is reported as a strategy of its own, with its own
-line, best bucket size and goal 1.
-
-**Best bucket size without selection bias** (``select_best``). The minimum of several noisy step times is biased
-low: the winner is partly the luckiest draw. So for each algorithm with a bucket size, per group, the size with
-the lowest pooled median step time on the *selection* repeats (even indices 0, 2, 4, ...) is chosen, and its step
-time, share, interval and goal ratios come from the *evaluation* repeats (odd indices) only. With no evaluation
-repeat (fewer than 2 repeats ran) the choice is *in-sample*: reported from all its repeats, its goals
-``inconclusive``. ``auto`` is one of the candidate sizes.
-
-Performance goals, per group, each a ratio of pooled medians with its 95 % interval (independent bootstraps of
-the cells, the ratio per draw; the selected size with its evaluation repeats, every other cell with all of its
-repeats) and a verdict: ``met`` if the interval's upper end is <= target, ``missed`` if its lower end is above,
-else ``inconclusive``; ``not measurable`` when a needed cell has no ok repeat:
-
-====  ==============================================================  =================================
-goal  ratio                                                           target
-====  ==============================================================  =================================
-1     step(A at its best bucket size) / step(ddp), for ``bucketed``   <= 1
-      and every other algorithm A with a bucket size
-2     comm_share(overlap) / comm_share(naive), and the same for       <= 1/3
-      bucketed at its best bucket size
-3     step(bucketed best) / max(step(reference), busy_comm(bucketed   <= 1.10
-      best)): how close to the floor set by compute or by the wire
-====  ==============================================================  =================================
-
-**Faster than torch DDP, across groups** (``across_groups``): for each algorithm with a bucket size, the geometric
-mean over the groups of goal 1's ratio, its interval from the per-draw geometric mean (every group's cells
-bootstrapped within each draw), against the target 0.95; and how many groups met, missed or could not decide
-goal 1 (<= 1.00) on their own.
+"""The sweep's analysis, from results.csv rows and the raw steps behind them: per group (precision, batch, context)
+the best bucket size chosen on the selection repeats and measured on the evaluation repeats, the goals with
+intervals and verdicts, and goal 1 across the groups. docs/benchmarks.md states the goals.
 """
 
 from __future__ import annotations
@@ -49,17 +11,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lightning_ddp.bench.config import (
-    BASELINE,
-    REFERENCE,
-    format_bucket,
-    has_bucket_axis,
-    sweep_strategies,
-    variant_strategy,
-)
+from lightning_ddp import catalogue
+from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
+from lightning_ddp.catalogue import format_bucket, variant_strategy
 from lightning_ddp.bench.results import ESTIMATED_KEYS, CellData, bootstrap_key
 from lightning_ddp.bench.stats import Bootstrapper, Estimate, geometric_mean_draws, percentile_interval, pooled_median
 from lightning_ddp.bench.stats import verdict as interval_verdict
+
 
 __all__ = [
     "ACROSS_GROUPS_TARGET",
@@ -106,7 +64,7 @@ def strategy_order(names: Iterable[str]) -> list[str]:
     """``names`` (strategies or variants, deduplicated) in report order: the reference, the registered algorithms,
     ``ddp``, then any other name; the variants of one strategy, and unknown names, in first-seen order (a strategy
     the registry does not know is shown last, never dropped)."""
-    known = [REFERENCE, *[s for s in sweep_strategies() if s != BASELINE], BASELINE]
+    known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
     return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
@@ -130,7 +88,8 @@ def _find(rows: list[Row], strategy: str) -> Row | None:
 
 
 def _verdict(estimate: Estimate | None, target: float, in_sample: bool) -> str:
-    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else ``stats.verdict``."""
+    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else
+    ``stats.verdict``."""
     if estimate is None:
         return NOT_MEASURABLE
     if in_sample:
@@ -317,12 +276,15 @@ class Analysis:
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
         """Goal 1 for bucketed and every other algorithm with a bucket size, goal 2 twice, goal 3 (module docstring)."""
-        naive, overlap, ddp, reference = (_find(rows, s) for s in ("naive", "overlap", BASELINE, REFERENCE))
+        # The goals' strategies, by what they keep: per-tensor blocking, per-tensor overlapping, and buckets.
+        naive_name, overlap_name = strategy_with_memory_model("none"), strategy_with_memory_model("per_tensor")
+        bucketed = catalogue.DEFAULT_ENGINE
+        naive, overlap, ddp, reference = (_find(rows, s) for s in (naive_name, overlap_name, BASELINE, REFERENCE))
         m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
-        algorithms = ["bucketed", *[s for s in strategy_order(variant_of(r) for r in rows)
-                                    if has_buckets(s) and s != "bucketed"]]
+        algorithms = [bucketed, *[s for s in strategy_order(variant_of(r) for r in rows)
+                                  if has_buckets(s) and s != bucketed]]
         for algorithm in algorithms:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
@@ -333,24 +295,25 @@ class Analysis:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
 
-        best = self.selections.get((group, "bucketed"))
-        for name, measured, row in (("overlap", m_overlap, overlap),
-                                    ("bucketed (best)", best.evaluated if best else None, best.row if best else None)):
-            goal = f"2. {name} comm share / naive comm share"
+        best = self.selections.get((group, bucketed))
+        best_measured, best_row = (best.evaluated, best.row) if best else (None, None)
+        compared = ((overlap_name, m_overlap, overlap), (f"{bucketed} (best)", best_measured, best_row))
+        for name, measured, row in compared:
+            goal = f"2. {name} comm share / {naive_name} comm share"
             naive_share = m_naive.point[_SHARE] if m_naive is not None else math.nan
             if m_naive is None:
-                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, "naive")))
+                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, naive_name)))
             elif not naive_share > 0:
-                checks.append(GoalCheck(group, goal, 1 / 3, note="naive comm share is 0 or missing"))
+                checks.append(GoalCheck(group, goal, 1 / 3, note=f"{naive_name} comm share is 0 or missing"))
             elif measured is None or not math.isfinite(measured.point[_SHARE]):
-                note = _missing(row, "overlap") if name == "overlap" else "no ok bucketed cell"
+                note = _missing(row, overlap_name) if name == overlap_name else f"no ok {bucketed} cell"
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                in_sample = best is not None and name != "overlap" and best.in_sample
-                note = _selection_note(best) if name != "overlap" and best else ""
+                in_sample = best is not None and name != overlap_name and best.in_sample
+                note = _selection_note(best) if name != overlap_name and best else ""
                 checks.append(self._ratio(group, goal, 1 / 3, measured, _SHARE, m_naive, _SHARE, note, in_sample))
 
-        goal = "3. bucketed (best) step time / max(reference step, busy comm)"
+        goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
         if best is not None and m_reference is not None:
             top = best.evaluated
             busy_point = top.point[_BUSY] if math.isfinite(top.point[_BUSY]) else 0.0
@@ -362,9 +325,10 @@ class Analysis:
             bound = "compute" if m_reference.point[_STEP] >= busy_point else "communication"
             note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
             checks.append(GoalCheck(group, goal, 1.10, Estimate(float(top.point[_STEP] / floor_point), lo, hi), note,
-                                    best.in_sample, "bucketed", draws))
+                                    best.in_sample, bucketed, draws))
         else:
-            checks.append(GoalCheck(group, goal, 1.10, note=_missing(reference, "reference") if best else "no ok bucketed cell"))
+            note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
+            checks.append(GoalCheck(group, goal, 1.10, note=note))
         return checks
 
     def _across(self, algorithm: str) -> AcrossGroups:

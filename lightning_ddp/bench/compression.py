@@ -1,31 +1,8 @@
 """``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
 
-    python -m lightning_ddp.bench.compression --config configs/text_bytes.yaml --steps 300 \
-        --variants bucketed_bf16 bucketed_powersgd:rank=4,start_iter=10 --out benchmarks/results/compression_cpu
-
-Arguments after ``--`` go to every training run (``-- --trainer.accelerator cuda``).
-
-Every *variant* is a registered lossy algorithm with buckets (``exact=False`` in ``lightning_ddp.sync.registry``),
-with engine settings if given (``NAME:setting=value,...``); by default every such algorithm at its engine's
-defaults (``bucketed_bf16``, ``bucketed_powersgd`` ...). Each is compared with ``bucketed`` (exact fp32 averaging)
-at the same bucket size. Two measurements, both on 2 ranks:
-
-1. **Training**: per seed (``--seeds``, default 0 1 2), the same fit once with ``bucketed`` and once per variant
-   (same config, seed and data); each a real ``python -m lightning_ddp fit`` run (a variant's settings go to the
-   strategy as ``engine_settings``). From their logs: the ``train/loss`` curves; per variant the paired difference
-   of the loss over the last ``--last`` steps, per seed and pooled, with a 95 % interval (hierarchical bootstrap:
-   seed values, then steps within each seed; ``lightning_ddp.bench.stats``) next to the fp32 runs' own spread from
-   seed to seed (one pair of runs cannot tell a systematic effect from the trajectories drifting apart); and from the
-   CommTimer's summary the median bytes per step, step time and exposed communication.
-2. **Gradient error, step by step**: one fp32 training run without Lightning on the same data and model; every
-   step, each variant's engine (built directly from the registry with its settings, on a copy of the model loaded
-   with the same weights) averages the same local gradients its own way: the relative error
-   ``||avg_variant - avg_fp32|| / ||avg_fp32||`` of the whole flattened gradient, and the largest absolute error,
-   per step. Stateful engines keep their state across these steps (PowerSGD's warm-up and error feedback), so the
-   error is that of the algorithm's steady state along fp32 training's trajectory.
-
-Writes ``results.json``, ``results.md`` and ``loss_curves.png`` into ``--out`` (atomically), with the commands,
-versions and git state.
+Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) is compared with exact bucketed fp32
+averaging: real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run.
+Arguments after ``--`` go to every fit. docs/benchmarks.md describes both measurements.
 """
 
 from __future__ import annotations
@@ -34,7 +11,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -48,24 +24,20 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
-from lightning_ddp.bench.config import (
-    engine_setting_defaults,
-    fit_arguments,
-    format_settings,
-    parse_settings,
-    settings_slug,
-)
-from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
+from lightning_ddp import catalogue
+from lightning_ddp.bench.config import fit_arguments
+from lightning_ddp.bench.launch import run_fit, strategy_argument
+from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
+from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
 from lightning_ddp.data import TextBytes
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
-from lightning_ddp.sync.registry import ALGORITHMS, get_algorithm
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
-BASELINE = "bucketed"
+BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
 
 
@@ -78,33 +50,34 @@ class Variant:
 
     @property
     def name(self) -> str:
-        """``bucketed_powersgd rank=4 start_iter=10`` (tables, legends, results.json keys)."""
+        """``bucketed_powersgd_ddp rank=4 start_iter=10`` (tables, legends, results.json keys)."""
         return f"{self.algorithm} {format_settings(self.settings)}" if self.settings else self.algorithm
 
     @property
     def key(self) -> str:
-        """``bucketed_powersgd-rank4-start_iter10`` (directory names)."""
+        """``bucketed_powersgd_ddp-rank4-start_iter10`` (directory names)."""
         return self.algorithm + settings_slug(self.settings)
 
     def effective_settings(self) -> dict[str, Any]:
         """Every setting of its engine, the defaults filled in (what the report states)."""
-        return {**(engine_setting_defaults(self.algorithm) or {}), **self.settings}
+        return {**catalogue.get(self.algorithm).settings(), **self.settings}
 
 
 def parse_variant(text: str) -> Variant:
-    """``"bucketed_powersgd:rank=4,start_iter=10"`` -> that ``Variant``; the algorithm must be a registered lossy one
-    with buckets and the settings its engine's.
+    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant``; the strategy must be a lossy engine with
+    buckets and the settings its engine's.
 
-    >>> parse_variant("bucketed_powersgd:rank=4,start_iter=10").name
-    'bucketed_powersgd rank=4 start_iter=10'
+    >>> parse_variant("bucketed_powersgd_ddp:rank=4,start_iter=10").name
+    'bucketed_powersgd_ddp rank=4 start_iter=10'
     """
     name, _, rest = text.partition(":")
-    lossy = [a.name for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
+    lossy = _lossy()
     if name not in lossy:
-        raise ValueError(f"variant {text!r}: {name!r} is not a registered lossy algorithm with buckets; choose from "
+        raise ValueError(f"variant {text!r}: {name!r} is not a lossy engine with buckets; choose from "
                          f"{', '.join(lossy)} (as NAME or NAME:setting=value,...)")
     settings = parse_settings(rest.replace(",", " "))
-    valid = engine_setting_defaults(name)
+    entry = catalogue.get(name)
+    valid = None if entry.takes_any_setting() else entry.settings()
     unknown = [s for s in settings if valid is not None and s not in valid]
     if unknown:
         raise ValueError(f"variant {text!r}: the {name!r} engine has no setting {unknown[0]!r}; its settings are: "
@@ -112,32 +85,28 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, settings)
 
 
+def _lossy() -> list[str]:
+    return [e.name for e in catalogue.STRATEGIES.values() if e.is_engine and not e.exact and e.has_bucket_size]
+
+
 def default_variants() -> list[Variant]:
-    """Every registered lossy algorithm with buckets, at its engine's defaults (registry order)."""
-    return [Variant(a.name) for a in ALGORITHMS.values() if not a.exact and a.has_bucket_size]
+    """Every lossy engine with buckets, at its engine's defaults (catalogue order)."""
+    return [Variant(name) for name in _lossy()]
 
 
 # ---- training runs ----------------------------------------------------------------------------------------
 
 
-def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int, out: Path,
-         name: str, extra: list[str]) -> list[str]:
-    init_args: dict[str, Any] = {"algorithm": algorithm, "bucket_size_mb": bucket_size_mb}
-    if settings:  # only then: the default engines build without the strategy's engine_settings
-        init_args["engine_settings"] = settings
-    strategy = json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": init_args})
-    command = [sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
-               "--trainer.strategy", strategy, "--trainer.max_steps", str(steps),
-               "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
-               # Training loss and step time only: no validation between the timed steps.
-               "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-               "--timer.every_n_steps", "1",
-               "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"the {name} fit failed (exit {proc.returncode}):\n{tail}\ncommand: {' '.join(command)}")
-    return command
+def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int,
+         log_dir: Path, extra: list[str]) -> list[str]:
+    """One training run (loss and step time only: no validation between the timed steps); its fit arguments."""
+    arguments = ["--config", config, *extra,
+                 "--trainer.strategy", strategy_argument(algorithm, None, bucket_size_mb, settings),
+                 "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+                 "--timer.warmup_steps", "5", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps",
+                 "0", "--timer.every_n_steps", "1"]
+    run_fit(arguments, log_dir, what=log_dir.name)
+    return arguments
 
 
 def _read_run(log_dir: Path) -> dict[str, Any]:
@@ -188,8 +157,9 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
         engines = {}
         for variant in variants:
             shadow = GPT(config)
-            factory = get_algorithm(variant.algorithm).engine_factory()
-            engines[variant.name] = (shadow, factory(shadow, bucket_size_mb=args.bucket_size_mb, **variant.settings))
+            engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
+                                                                    **variant.settings)
+            engines[variant.name] = (shadow, engine)
         errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
         for step in range(args.steps):
             start = (step * world + rank) * args.batch_size
@@ -327,7 +297,7 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
         f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
         f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, seeds))}", "",
         f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
-        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {torch.__version__}).", "",
+        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
         "| variant | engine settings (defaults filled in) |", "|---|---|",
         *[f"| `{v.name}` | {format_settings(v.effective_settings()) or '-'} |" for v in variants], "",
         f"## Loss: mean train/loss over the last {last} steps, per seed", "",
@@ -349,8 +319,8 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
     ]
     for n in names:
         v = s["variants"][n]
-        lines.append(f"| `{n}` | {v['minus_fp32_mean']:+.3f} [{v['minus_fp32_lo']:+.3f}, {v['minus_fp32_hi']:+.3f}] | "
-                     f"{fp32['seed_spread']:.3f} | {v['loss_max_abs_difference']:.3f} |")
+        difference = interval_text(v["minus_fp32_mean"], v["minus_fp32_lo"], v["minus_fp32_hi"], "+.3f")
+        lines.append(f"| `{n}` | {difference} | {fp32['seed_spread']:.3f} | {v['loss_max_abs_difference']:.3f} |")
     lines += ["", "## Gradients, bytes and time", "",
               "Per-step error of each variant's average against the fp32 one (the same local gradients, along fp32 "
               "training's trajectory; the engine's state carried from step to step). *Exact steps*: those before "
@@ -363,7 +333,8 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
         if "relative_gradient_error_median" in v:
             lines.append(f"| `{n}` | {v['exact_steps']} | {100 * v['relative_gradient_error_median']:.3f} % | "
                          f"{100 * v['relative_gradient_error_max']:.3f} % | {v['absolute_gradient_error_max']:.3g} |")
-    lines += ["", "| median over the seed values of each run's median | fp32 | " + " | ".join(f"`{n}`" for n in names) + " |",
+    variant_columns = " | ".join(f"`{n}`" for n in names)
+    lines += ["", f"| median over the seed values of each run's median | fp32 | {variant_columns} |",
               "|---|---:|" + "---:|" * len(names)]
     rows = [("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
             ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
@@ -382,12 +353,25 @@ def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, comma
     return "\n".join(lines)
 
 
+def write_report(out: Path) -> dict[str, Any]:
+    """results.md and loss_curves.png from ``out``'s results.json; returns the results."""
+    result = json.loads((out / "results.json").read_text())
+    variants = [Variant(v["algorithm"], v["settings"]) for v in result["variants"].values()]
+    runs = {int(seed): r for seed, r in result["runs"].items()}
+    names = [v.name for v in variants]
+    md = _markdown(result["summary"], variants, Namespace(**result["config"]), result["command"], result)
+    write_atomically(out / "results.md", md)
+    _plot(out / "loss_curves.png", runs, result["gradient_errors"], names)
+    print(md)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g. "
-                             "bucketed_powersgd:rank=4,start_iter=10); default: every registered lossy algorithm "
+                             "bucketed_powersgd_ddp:rank=4,start_iter=10); default: every lossy engine "
                              "with buckets at its engine's defaults")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="one fp32 run and one run per variant per seed (seed_everything)")
@@ -399,10 +383,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", required=True, help="directory for results.json, results.md and loss_curves.png")
+    parser.add_argument("--report_only", action="store_true",
+                        help="train nothing: rebuild results.md and loss_curves.png from --out's results.json")
     parser.add_argument("fit_args", nargs=argparse.REMAINDER,
                         help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
                              "`-- --trainer.accelerator cuda`")
     args = parser.parse_args(argv)
+    if args.report_only:
+        return write_report(Path(args.out))
     extra = fit_arguments(args.fit_args)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds} repeats a seed; give distinct seeds, e.g. --seeds 0 1 2")
@@ -428,13 +416,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"training with {name}, seed {seed} ...", flush=True)
                 run_name = f"{key}_seed{seed}"
                 commands[f"{name}, seed {seed}"] = _fit(args.config, algorithm, settings, args.bucket_size_mb,
-                                                        args.steps, Path(tmp), run_name,
+                                                        args.steps, Path(tmp) / run_name,
                                                         [*extra, "--seed_everything", str(seed)])
                 runs[seed][name] = _read_run(Path(tmp) / run_name)
         print("measuring the per-step gradient error ...", flush=True)
         result_file = str(Path(tmp) / "errors.json")
         mp.spawn(_error_rank, args=(2, find_free_port(), args, variants, result_file), nprocs=2, join=True)
-        errors = {name: [tuple(e) for e in values] for name, values in json.loads(Path(result_file).read_text()).items()}
+        measured = json.loads(Path(result_file).read_text())
+        errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
     command = "python -m lightning_ddp.bench.compression " + " ".join(argv if argv is not None else sys.argv[1:])

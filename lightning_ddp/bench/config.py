@@ -1,53 +1,27 @@
-"""What a sweep is: one dataclass per concern, every field documented (jsonargparse turns the docstrings into ``--help``).
-
-=================  ==============================================================================
-section            what it holds
-=================  ==============================================================================
-``grid:``          the axes: strategies, per-rank batch sizes, context lengths, bucket sizes, precisions, and
-                   any algorithm's own engine settings (e.g. PowerSGD's ``rank``)
-``workload:``      the CLI config every cell starts from, the model preset, extra CLI arguments
-``run:``           how each cell runs: accelerator, ranks, backend, launcher, warm-up and measured steps, how
-                   many times (repeats), and the load guard that waits for an idle machine before each repeat
-``output:``        where results go, resume behaviour, report-only mode, the bootstrap's samples and seed
-=================  ==============================================================================
-
-Validation happens in ``__post_init__`` (so at parse time, before anything is launched), and every error says
-which field to change.
+"""What a sweep is: one dataclass per concern (``grid``, ``workload``, ``run``, ``output``), every field documented
+(jsonargparse turns the docstrings into ``--help``). Validation happens in ``__post_init__``, at parse time, and every
+error names the field to change. Strategy names are the catalogue's (``lightning_ddp.catalogue``).
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
-import json
-import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from lightning_ddp.sync.registry import ALGORITHMS, NOT_SETTINGS  # the standard library only: no torch import
+from lightning_ddp import catalogue  # the standard library only: no torch import
 
 __all__ = [
-    "BASELINE",
-    "FSDP2",
     "PRECISIONS",
     "REFERENCE",
-    "SHARDED",
-    "engine_setting_defaults",
     "fit_arguments",
-    "format_settings",
+    "default_strategies",
     "has_bucket_axis",
-    "parse_settings",
-    "setting_combinations",
-    "settings_slug",
-    "sweep_strategies",
-    "variant_label",
-    "variant_strategy",
+    "strategy_with_memory_model",
     "GridConfig",
     "OutputConfig",
     "RunConfig",
     "SweepConfig",
     "WorkloadConfig",
-    "format_bucket",
 ]
 
 
@@ -61,129 +35,29 @@ def fit_arguments(remainder: list[str]) -> list[str]:
     return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
 
 
-SHARDED: dict[str, bool] = {"zero1": False, "zero2": True}
-"""The sharded strategies the sweep runs besides the registered algorithms (each its own strategy class, not a
-registry entry: its optimizer is sharded too), name -> whether it has a bucket axis: ``zero1`` (``zero1_ddp``, the
-``reduce_scatter`` schedule, which has no buckets) and ``zero2`` (``zero2_ddp``, buckets reduced to their owners)."""
+def strategy_with_memory_model(model: str) -> str:
+    """The one catalogue strategy whose memory model is ``model``: the study's goals and the memory benchmark name a
+    strategy by what it keeps in memory (``none``: naive_ddp, ``per_tensor``: overlap_ddp, ``fully_sharded``: fsdp2)."""
+    (name,) = [entry.name for entry in catalogue.STRATEGIES.values() if entry.memory == model]
+    return name
 
 
-def sweep_strategies() -> list[str]:
-    """What ``grid.strategies`` accepts: every registered algorithm (``lightning_ddp.sync.registry``), the sharded
-    strategies (``SHARDED``), then ``ddp``, then ``fsdp2`` (torch's FSDP2: busy time and overlap not recorded).
-
-    An algorithm registered before the sweep's configuration is read joins the sweep with no other change.
-    """
-    return [*ALGORITHMS, *SHARDED, BASELINE, FSDP2]
+def default_strategies() -> list[str]:
+    """The sweep's default strategies: our exact engines, then Lightning's ``ddp``."""
+    exact = [entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact]
+    return [*exact, BASELINE]
 
 
 def has_bucket_axis(strategy: str) -> bool:
-    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb`` (algorithms with a bucket size, and
-    ``zero2``)."""
-    algorithm = ALGORITHMS.get(strategy)
-    return SHARDED.get(strategy, False) or (algorithm is not None and algorithm.has_bucket_size)
+    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb``."""
+    return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
 
-
-ENGINE_ARGUMENTS: tuple[str, ...] = NOT_SETTINGS
-"""What every engine takes and the sweep sets itself (the registry's ``NOT_SETTINGS``); an engine's other keyword
-arguments are its *settings*."""
-
-
-def engine_setting_defaults(strategy: str) -> dict[str, Any] | None:
-    """The settings of ``strategy``'s engine with their defaults (``Algorithm.settings()``: ``REQUIRED``, i.e.
-    ``inspect.Parameter.empty``, where there is none); ``{}`` for ``ddp``, the reference and an engine without any;
-    ``None`` when the engine takes ``**kwargs`` (any name may be a setting). Imports the engine (hence torch).
-    """
-    algorithm = ALGORITHMS.get(strategy)
-    if algorithm is None:
-        return {}
-    parameters = inspect.signature(algorithm.engine_factory()).parameters.values()
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        return None
-    return algorithm.settings()
-
-
-def _setting_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def format_settings(settings: Mapping[str, Any]) -> str:
-    """``{"rank": 4, "start_iter": 10}`` -> ``"rank=4 start_iter=10"`` (labels, CSV and tables); ``{}`` -> ``""``.
-
-    >>> format_settings({"rank": 4, "min_compression_rate": 2.0})
-    'rank=4 min_compression_rate=2'
-    """
-    return " ".join(f"{name}={_setting_text(value)}" for name, value in settings.items())
-
-
-def parse_settings(text: str) -> dict[str, Any]:
-    """The settings ``format_settings`` wrote (results.csv's ``engine_settings``), values read as JSON where they
-    parse (numbers, ``true``/``false``), else kept as text.
-
-    >>> parse_settings("rank=4 min_compression_rate=0.5 mode=fast")
-    {'rank': 4, 'min_compression_rate': 0.5, 'mode': 'fast'}
-    """
-    settings: dict[str, Any] = {}
-    for item in (text or "").split():
-        name, _, value = item.partition("=")
-        try:
-            settings[name] = json.loads(value)
-        except ValueError:
-            settings[name] = value
-    return settings
-
-
-def settings_slug(settings: Mapping[str, Any]) -> str:
-    """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"`` (cell ids, plot names); ``{}`` -> ``""``.
-
-    >>> settings_slug({"rank": 4, "min_compression_rate": 0.5})
-    '-rank4-min_compression_rate0.5'
-    """
-    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{_setting_text(value)}") for name, value in settings.items())
-
-
-def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none.
-
-    >>> setting_combinations({"rank": [1, 4], "start_iter": [0]})
-    [{'rank': 1, 'start_iter': 0}, {'rank': 4, 'start_iter': 0}]
-    """
-    axes = axes or {}
-    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-
-
-def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
-    """How tables, plots and progress lines name a cell's strategy: ``bucketed_powersgd 4 MiB rank=4``.
-
-    >>> variant_label("bucketed", "auto"), variant_label("bucketed_powersgd", 4.0, "rank=4"), variant_label("naive")
-    ('bucketed auto', 'bucketed_powersgd 4 MiB rank=4', 'naive')
-    """
-    name = strategy
-    if bucket_size_mb not in (None, ""):
-        name += f" {format_bucket(bucket_size_mb)}" + (" MiB" if bucket_size_mb != "auto" else "")
-    return f"{name} {settings}" if settings else name
-
-
-def variant_strategy(variant: str) -> str:
-    """The strategy of a variant name (``"bucketed_powersgd rank=4"`` -> ``"bucketed_powersgd"``): a strategy name is
-    an identifier, so it ends at the first space."""
-    return variant.split(" ", 1)[0]
-
-
-BASELINE = "ddp"
-"""Lightning's built-in torch DDP: always in the grid, the yardstick of the first performance goal."""
-
-FSDP2 = "fsdp2"
-"""torch's FSDP2 (``lightning_ddp.strategies.FSDP2Strategy``), a baseline with parameters, gradients and optimizer
-state sharded: step time and exposed communication as for every strategy; busy time and overlap not recorded (torch
-issues its collectives), so its results.csv cells say so."""
 
 REFERENCE = "reference"
-"""The compute-only cell: one process (``--trainer.devices 1``, strategy ``auto``), same per-rank batch, no
-communication. Its step time is the floor that perfect overlap would reach. Always in the grid."""
+"""The compute-only cell: one process, strategy ``auto``, same per-rank batch; always in the grid."""
+
+BASELINE = "ddp"
+"""Lightning's DDP, always in the grid: the yardstick of the first performance goal."""
 
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 """Values of ``grid.precisions`` (Lightning's ``trainer.precision``; ``32-true`` is fp32)."""
@@ -208,25 +82,13 @@ SWEEP_OWNED_ARGS: dict[str, str] = {
 """CLI arguments the sweep sets for every cell, and the sweep field that controls each."""
 
 
-def format_bucket(size: float | str | None) -> str:
-    """``4.0 -> "4"``, ``0.25 -> "0.25"``, ``"auto" -> "auto"``, ``None -> ""`` (for ids, CSV and tables)."""
-    if size is None or size == "":
-        return ""
-    if isinstance(size, str):
-        return size
-    return f"{float(size):g}"
-
-
 @dataclass
 class GridConfig:
     """The axes of the sweep; every combination is one cell (``bucket_sizes_mb`` multiplies only the algorithms
-    that have a bucket size, e.g. ``bucketed``)."""
+    that have a bucket size, e.g. ``bucketed_ddp``)."""
 
-    strategies: list[str] = field(default_factory=lambda: ["naive", "flat", "overlap", "bucketed", "ddp"])
-    """Gradient-sync strategies to compare: any registered algorithm (naive, flat, overlap, bucketed, ...), the
-    sharded ``zero1`` and ``zero2`` (with a bucket axis), and
-    ddp. Lightning's ``ddp`` (the baseline) and the single-process compute-only ``reference`` are added to every
-    group of cells anyway."""
+    strategies: list[str] = field(default_factory=default_strategies)
+    """Strategies to compare (catalogue names); ``ddp`` and the one-process ``reference`` are always added."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""
     context_lengths: list[int] = field(default_factory=lambda: [64, 128])
@@ -237,32 +99,31 @@ class GridConfig:
     precisions: list[str] = field(default_factory=lambda: ["32-true"])
     """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
-    """Axes of an algorithm's own engine settings: per algorithm, setting -> values, e.g.
-    ``{bucketed_powersgd: {rank: [1, 4]}}``. Every combination of the values multiplies that algorithm's cells (times
-    its bucket sizes); the cell passes them to the strategy as ``engine_settings``. A setting is any keyword argument
-    of the algorithm's engine besides the module, the bucket size and the process group (checked here); one not
-    listed keeps the engine's default. Settings of an algorithm not in ``strategies`` make no cells."""
+    """Per engine, setting -> values, e.g. ``{bucketed_powersgd_ddp: {rank: [1, 4]}}``: every combination multiplies
+    that strategy's cells; a setting not listed keeps the engine's default."""
 
     def __post_init__(self) -> None:
-        choices = ", ".join(sweep_strategies())
+        choices = ", ".join(catalogue.names())
         if not self.strategies:
             raise ValueError(
                 f"the sweep has no cells: `strategies` is empty; list at least one of {choices} "
-                "(e.g. `--grid.strategies [naive,bucketed]`)"
+                "(e.g. `--grid.strategies [naive_ddp,bucketed_ddp]`)"
             )
         # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
-        unknown = [s for s in self.strategies if s not in sweep_strategies() and s != REFERENCE]
+        unknown = [s for s in self.strategies if s not in catalogue.STRATEGIES and s != REFERENCE]
         if unknown:
             raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
         self.strategies = list(dict.fromkeys(self.strategies))  # de-duplicate, keep the order
         for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
             if not values:
-                raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. `--grid.{name} [2]`")
+                raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. "
+                                 f"`--grid.{name} [2]`")
             bad = [v for v in values if not (isinstance(v, int) and v >= 1)]
             if bad:
                 raise ValueError(f"`grid.{name}` must hold integers >= 1, got {bad[0]!r}")
         if not self.precisions:
-            raise ValueError(f"the sweep has no cells: `precisions` is empty; list at least one of {', '.join(PRECISIONS)}")
+            raise ValueError(f"the sweep has no cells: `precisions` is empty; list at least one of "
+                             f"{', '.join(PRECISIONS)}")
         bad_precision = [p for p in self.precisions if p not in PRECISIONS]
         if bad_precision:
             raise ValueError(
@@ -287,32 +148,33 @@ class GridConfig:
     def setting_combinations(self, strategy: str) -> list[dict[str, Any]]:
         """Every combination of ``strategy``'s ``engine_settings`` values, in the order they are listed (the first
         setting varies slowest); ``[{}]`` for a strategy without any."""
-        return setting_combinations(self.engine_settings.get(strategy))
+        return catalogue.setting_combinations(self.engine_settings.get(strategy))
 
 
-def _check_settings(algorithm: str, settings: Any) -> dict[str, list[Any]]:
-    """One algorithm's entry of ``grid.engine_settings``, checked against its engine's signature (values
-    de-duplicated), whether or not the algorithm is in ``grid.strategies`` (so a config's settings stay valid when
-    the strategies are narrowed on the command line)."""
-    where = f"`grid.engine_settings.{algorithm}`"
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"{where}: {algorithm!r} is not a registered algorithm (ddp and the reference have no engine settings); "
-            f"choose from {', '.join(ALGORITHMS)}"
-        )
+def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
+    """One entry of ``grid.engine_settings``, checked against its engine's signature (values de-duplicated), whether
+    or not the strategy is in ``grid.strategies`` (a config stays valid when they are narrowed on the command line)."""
+    where = f"`grid.engine_settings.{name}`"
+    engines = catalogue.names(engines_only=True)
+    if name not in engines:
+        raise ValueError(f"{where}: {name!r} is not one of our engines (the others have no engine settings here); "
+                         f"choose from {', '.join(engines)}")
     if not isinstance(settings, dict) or not settings:
-        raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got {settings!r}")
-    valid = engine_setting_defaults(algorithm)
-    for name, values in settings.items():
-        if name in ENGINE_ARGUMENTS:
-            axis = "`grid.bucket_sizes_mb`" if name == "bucket_size_mb" else "the sweep"
-            raise ValueError(f"{where}: {name!r} is not an engine setting: {axis} sets it for every cell")
-        if valid is not None and name not in valid:
-            choices = ", ".join(valid) if valid else "none (its engine takes only the module, the bucket size and the process group)"
-            raise ValueError(f"{where}: the {algorithm!r} engine has no setting {name!r}; its settings are: {choices}")
+        raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got "
+                         f"{settings!r}")
+    entry = catalogue.get(name)
+    valid = None if entry.takes_any_setting() else entry.settings()
+    for setting, values in settings.items():
+        if setting in catalogue.NOT_SETTINGS:
+            axis = "`grid.bucket_sizes_mb`" if setting == "bucket_size_mb" else "the sweep"
+            raise ValueError(f"{where}: {setting!r} is not an engine setting: {axis} sets it for every cell")
+        if valid is not None and setting not in valid:
+            choices = ", ".join(valid) or "none (its engine takes only the module, bucket size and process group)"
+            raise ValueError(f"{where}: the {name!r} engine has no setting {setting!r}; its settings are: {choices}")
         if not isinstance(values, list) or not values:
-            raise ValueError(f"{where}.{name} must be a non-empty list of values, e.g. `{name}: [1, 4]`; got {values!r}")
-    return {name: _unique(values) for name, values in settings.items()}
+            raise ValueError(
+                f"{where}.{setting} must be a non-empty list of values, e.g. `{setting}: [1, 4]`; got {values!r}")
+    return {setting: _unique(values) for setting, values in settings.items()}
 
 
 def _unique(values: list[Any]) -> list[Any]:
@@ -328,9 +190,8 @@ class WorkloadConfig:
     """What each cell trains: a CLI config plus a few overrides (the grid's axes always win)."""
 
     base_config: str = "configs/quickstart.yaml"
-    """The ``python -m lightning_ddp fit`` config every cell starts from (model, data, optimizer). Relative
-    paths resolve against the current directory. The sweep sets devices, strategy, precision, batch size,
-    context length, steps and logger on top of it."""
+    """The fit config every cell starts from (relative to the current directory); the sweep sets its axes, steps
+    and logger on top."""
     preset: Optional[str] = "tiny"
     """Model preset (``--model.preset``: tiny, small, medium, large, xl, 2.7b); null keeps the base config's."""
     cli_args: list[str] = field(default_factory=list)
@@ -357,15 +218,11 @@ class RunConfig:
     devices: int = 2
     """Ranks (processes) of the data-parallel cells; the reference always runs on one."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend. ``auto``: gloo on CPU; on CUDA, nccl when there is a GPU per rank, otherwise
-    gloo with CUDA tensors, the ranks sharing the GPUs (NCCL refuses two ranks on one GPU; gloo moves the
-    gradients through the host, which is slow but still compares the strategies fairly)."""
+    """NCCL refuses two ranks on one GPU, so ``auto`` is gloo on CPU, nccl with a GPU per rank, else gloo with the
+    ranks sharing the GPUs."""
     launcher: Literal["ranks", "lightning"] = "ranks"
-    """``ranks``: the sweep starts every rank at once with the usual launcher variables (``MASTER_ADDR``,
-    ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``, ``LOCAL_RANK``, ``RANK``), like torchrun; start-up costs one
-    import instead of one per rank, a dead rank ends its cell at once, and ranks can share a GPU.
-    ``lightning``: one process, Lightning's launcher starts the others (exactly what a user's command does;
-    needs a GPU per rank on CUDA)."""
+    """``ranks``: every rank started at once with the launcher variables, like torchrun (ranks can share a GPU);
+    ``lightning``: one process whose launcher starts the others, as a user's command does."""
     warmup_steps: int = 3
     """Optimizer steps run first and left out of the statistics (``--timer.warmup_steps``)."""
     steps: int = 10
@@ -373,29 +230,24 @@ class RunConfig:
     timeout_s: float = 600.0
     """Wall-clock limit per cell, start-up included; a cell past it is killed and gets status ``timeout``."""
     threads_per_rank: Optional[int] = None
-    """CPU threads per process (``OMP_NUM_THREADS``), the same for every cell including the reference so its
-    compute is comparable. Default on CPU: cores // devices (Lightning's own choice for DDP); unset on CUDA."""
+    """``OMP_NUM_THREADS`` of every process, the reference's too; default on CPU cores // devices, unset on
+    CUDA."""
     predict_bucket_size: bool = True
-    """Before the cells, run the all-reduce microbenchmark once on the same ranks and fit o and w, so the
-    report can put the predicted best bucket size next to the measured one."""
+    """Run the all-reduce microbenchmark once first, so the report puts the predicted best bucket size next to
+    the measured one."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every cell, e.g. ``{PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}``."""
     repeats: int = 5
-    """Times each cell is measured, each time in a fresh set of processes (``runs/<cell id>/r<k>/``), interleaved
-    round-robin: repeat 0 of every cell in grid order, then repeat 1 of every cell, ... so that a slow drift of the
-    machine hits every strategy alike. Intervals come from the variation between repeats, and the best bucket size
-    is chosen on the even repeats and measured on the odd ones: with fewer than 2 that choice is in-sample and
-    its goals are inconclusive. Raising it later runs only the missing repeats (the cell ids do not change)."""
+    """Times each cell runs, in fresh processes, interleaved round-robin; the best bucket size is chosen on the even
+    repeats and measured on the odd ones (so use >= 2). Raising it later runs only the new repeats."""
     busy_threshold: float = 0.2
-    """Load guard: before each repeat, a busy fraction of all CPUs (from /proc/stat) above this counts as a busy
-    machine and the sweep waits (nothing of the sweep runs between repeats, so that is someone else's work).
+    """Load guard: before each repeat, wait while more than this fraction of all CPUs is busy (/proc/stat);
     ``1.0`` never waits but still records."""
     max_wait_s: float = 300.0
     """Load guard: longest wait for an idle machine before a repeat; past it the repeat starts anyway and is
     counted as started on a busy machine (repeats.csv ``busy``)."""
     load_sample_s: float = 1.0
-    """Load guard: length of one CPU-usage sample in seconds (the guard polls with samples of this length);
-    ``0`` turns the guard off (nothing recorded, no waiting). Without /proc/stat it is off anyway."""
+    """Seconds per CPU-usage sample; 0 turns the guard off (as does a missing /proc/stat)."""
 
     def __post_init__(self) -> None:
         if self.devices < 2:
@@ -404,7 +256,8 @@ class RunConfig:
                 "reference is added to the grid automatically"
             )
         if self.accelerator == "cpu" and self.backend == "nccl":
-            raise ValueError("`run.backend: nccl` needs CUDA; use `run.backend: gloo` (or `auto`) with `run.accelerator: cpu`")
+            raise ValueError("`run.backend: nccl` needs CUDA; use `run.backend: gloo` (or `auto`) with "
+                             "`run.accelerator: cpu`")
         if self.warmup_steps < 0:
             raise ValueError(f"`run.warmup_steps` must be >= 0, got {self.warmup_steps}")
         if self.steps < 1:
@@ -424,9 +277,11 @@ class RunConfig:
                 "e.g. `--run.busy_threshold 0.2` (1.0 never waits)"
             )
         if not self.max_wait_s >= 0:
-            raise ValueError(f"`run.max_wait_s` must be >= 0 seconds, got {self.max_wait_s}; 0 records the load without waiting")
+            raise ValueError(f"`run.max_wait_s` must be >= 0 seconds, got {self.max_wait_s}; 0 records the load "
+                             "without waiting")
         if not self.load_sample_s >= 0:
-            raise ValueError(f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the load guard off")
+            raise ValueError(f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the "
+                             "load guard off")
 
 
 @dataclass
@@ -434,10 +289,8 @@ class OutputConfig:
     """Where results go and what a rerun does."""
 
     out_dir: str = "logs/bench"
-    """Directory of results.csv, repeats.csv, steps.csv, results.md, the PNGs, environment.json, profiles.json and
-    runs/<cell id>/r<k>/ (each cell repeat's logs).
-    logs/ is git-ignored: a run changes nothing committed. Results meant for the repository are regenerated on
-    purpose, naming their folder: ``--output.out_dir benchmarks/results/cpu``."""
+    """Where every file and runs/<cell id>/r<k>/ go (logs/ is git-ignored; committed results name their folder:
+    ``--output.out_dir benchmarks/results/cpu``)."""
     retry_failed: bool = False
     """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default every finished repeat
     is skipped)."""

@@ -1,27 +1,6 @@
-"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without Lightning.
-
-What it isolates: the gradient synchronisation. Every variant trains the same GPT on the same random tokens with
-AdamW on 2 ranks (gloo on CPU), forward + backward + sync + ``optimizer.step()`` + ``zero_grad()`` (to ``None``,
-torch's default), and nothing else: no Lightning, no logging, no callbacks, no measuring inside the step. Torch
-DDP runs with the settings Lightning's ``ddp`` uses (25 MiB buckets, ``gradient_as_bucket_view=False``, no
-unused-parameter search).
-
-Recipe:
-
-1. Spawn the ranks once; each builds every variant's model (same seed) and engine.
-2. ``rounds`` rounds; in each, every variant runs ``warmup + steps`` steps in turn (round-robin, so a slow
-   drift of a shared machine hits every variant alike). Per step: its wall time (the host clock around it, max
-   over ranks), and its CPU time: the process's CPU seconds over the step (``time.process_time()``, every thread:
-   the training thread and gloo's), summed over ranks. On a CPU machine with one core per rank the CPU time is
-   what the step costs the machine, and it is far less noisy than the wall time, which also counts waiting for
-   the other rank and for the cores.
-3. Per variant: the median over all measured steps of all rounds, and its 95 % interval from a two-level
-   bootstrap over rounds and steps (``lightning_ddp.bench.stats``); per variant against ``ddp``: the ratio of
-   medians and its interval, for both times.
-
-Variants are ``ddp`` or ``<algorithm>[@<bucket MiB>]`` from the algorithm registry, e.g. ``bucketed@4``.
-
-    python -m lightning_ddp.bench.engine_step --variants ddp bucketed@1 bucketed@4 --rounds 6 --steps 20
+"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without
+Lightning (wall and CPU time per step, rounds interleaved). Variants are ``ddp`` or ``<engine>[@<bucket MiB>]``;
+docs/benchmarks.md has the recipe.
 """
 
 from __future__ import annotations
@@ -41,21 +20,21 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
+from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, ratio_estimate
 from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
-from lightning_ddp.sync.registry import get_algorithm
 
 __all__ = ["main", "parse_variant"]
 
 
 def parse_variant(text: str) -> tuple[str, float | str | None]:
-    """``"bucketed@4"`` -> ``("bucketed", 4.0)``; ``"ddp"`` -> ``("ddp", None)``; ``"bucketed@none"`` -> one bucket.
+    """``"bucketed_ddp@4"`` -> ``("bucketed_ddp", 4.0)``; ``"ddp"`` -> ``("ddp", None)``; ``@none``: one bucket.
 
-    >>> parse_variant("bucketed@0.25"), parse_variant("naive"), parse_variant("bucketed@auto")
-    (('bucketed', 0.25), ('naive', None), ('bucketed', 'auto'))
+    >>> parse_variant("bucketed_ddp@0.25"), parse_variant("naive_ddp"), parse_variant("bucketed_ddp@auto")
+    (('bucketed_ddp', 0.25), ('naive_ddp', None), ('bucketed_ddp', 'auto'))
     """
     name, _, size = text.partition("@")
     if not size:
@@ -69,7 +48,7 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     name, size = parse_variant(variant)
     if name == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
-    algorithm = get_algorithm(name)
+    algorithm = catalogue.get(name)
     if size is None:
         return algorithm.make_engine(model)
     return algorithm.make_engine(model, bucket_size_mb=None if size == "none" else size)
@@ -122,36 +101,29 @@ def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: s
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["ddp", "bucketed@1", "bucketed@4"],
-                        help="ddp or <algorithm>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--vocab_size", type=int, default=10_000)
-    parser.add_argument("--batch_size", type=int, default=4, help="per rank")
-    parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant and round")
-    parser.add_argument("--warmup", type=int, default=3, help="steps per variant and round left out")
-    parser.add_argument("--out", default=None, help="directory for engine_step.json and .md")
-    args = parser.parse_args(argv)
-    if "ddp" not in args.variants:
-        args.variants = ["ddp", *args.variants]
-    for variant in args.variants:
-        name, _ = parse_variant(variant)
-        if name != "ddp":
-            try:
-                get_algorithm(name)  # an unknown name fails here, listing the valid ones
-            except ValueError as error:
-                parser.error(f"--variants: {error}")
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """The wall-time and CPU-time table of ``rows`` (one per variant), as text lines."""
+    width = max([16, *(len(r["variant"]) for r in rows)])
+    lines = [f"{'':{width}s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
+             f"{'variant':{width}s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} "
+                                        f"{'95 % interval':>14s}   " * 2]
+    for r in rows:
+        cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
+                 f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]
+        lines.append(f"{r['variant']:{width}s} " + "   ".join(cells))
+    return lines
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = str(Path(tmp) / "times.json")
-        mp.spawn(_rank_main, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
-        measured = json.loads(Path(result_file).read_text())
-    times = measured["wall"]
+
+def _write(out: Path, result: dict[str, Any], lines: list[str]) -> None:
+    for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
+                       ("engine_step.md", f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
+        write_atomically(out / name, text)
+
+
+def _rows(measured: dict[str, Any], variants: list[str]) -> list[dict[str, Any]]:
+    """Per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals."""
     rows = []
-    for variant in args.variants:
+    for variant in variants:
         row: dict[str, Any] = {"variant": variant}
         for kind in ("wall", "cpu"):
             step = estimate(measured[kind][variant], 2000, seed=0, key=f"{kind} {variant}")
@@ -160,23 +132,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
                          "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
         rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    bucketed = catalogue.DEFAULT_ENGINE
+    parser = ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["ddp", f"{bucketed}@1", f"{bucketed}@4"],
+                        help="ddp or <engine>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--vocab_size", type=int, default=10_000)
+    parser.add_argument("--batch_size", type=int, default=4, help="per rank")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=3, help="steps per variant and round left out")
+    parser.add_argument("--out", default=None, help="directory for engine_step.json and .md")
+    parser.add_argument("--report_only", action="store_true",
+                        help="measure nothing: rebuild engine_step.md from --out's engine_step.json")
+    args = parser.parse_args(argv)
+    if args.report_only:
+        if not args.out:
+            parser.error("--report_only needs --out (the directory of engine_step.json)")
+        result = json.loads((Path(args.out) / "engine_step.json").read_text())
+        _write(Path(args.out), result, _table(result["rows"]))
+        return result
+    if "ddp" not in args.variants:
+        args.variants = ["ddp", *args.variants]
+    for variant in args.variants:
+        name, _ = parse_variant(variant)
+        if name != "ddp":
+            try:
+                catalogue.get(name)  # an unknown name fails here, listing the valid ones
+            except ValueError as error:
+                parser.error(f"--variants: {error}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = str(Path(tmp) / "times.json")
+        mp.spawn(_rank_main, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
+        measured = json.loads(Path(result_file).read_text())
+    rows = _rows(measured, args.variants)
     command = "python -m lightning_ddp.bench.engine_step " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"{'':16s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
-             f"{'variant':16s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} {'95 % interval':>14s}   " * 2]
-    for r in rows:
-        cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
-                 f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]
-        lines.append(f"{r['variant']:16s} " + "   ".join(cells))
+    lines = _table(rows)
     print("\n".join(lines))
+    all_steps = [t for v in measured["wall"].values() for r in v for t in r]
     result = {"command": command, "config": vars(args), "rows": rows, "times_ms": measured,
-              "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(
-                  t for v in times.values() for r in v for t in r)}
+              "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(all_steps)}
     if args.out:
-        out = Path(args.out)
         result.update(git_state())
-        for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
-                           ("engine_step.md", f"Command: `{command}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
-            write_atomically(out / name, text)
+        _write(Path(args.out), result, lines)
     return result
 
 

@@ -1,20 +1,5 @@
-"""The load guard: before each cell repeat, wait until the machine's CPUs are (nearly) idle, and record how busy they were.
-
-Between two cell repeats nothing of the sweep's runs (the sweep itself sleeps while it samples), so any CPU time
-spent then belongs to someone else: another job on a shared machine, whose work would slow the next repeat's
-steps. Recipe (``wait_until_idle``):
-
-1. Sample: read the aggregate ``cpu`` line of ``/proc/stat`` (``read_proc_stat``), sleep ``run.load_sample_s``,
-   read it again. busy fraction = ``1 - Δidle / Δtotal`` over all cores (``busy_fraction``), where idle counts
-   the ``idle`` and ``iowait`` columns and total every column up to ``steal`` (``guest`` time is already
-   inside ``user``).
-2. While the fraction is above ``run.busy_threshold`` and less than ``run.max_wait_s`` has been spent waiting,
-   sample again (polling: each sample is itself the wait).
-3. Record ``busy_before`` (the last fraction), ``waited_s`` (time spent sampling after the first sample) and
-   ``busy`` (the repeat starts while the machine is still busy: the wait ran out).
-
-Without ``/proc/stat`` (macOS, Windows) the reader returns ``None``: nothing is recorded and nothing waits.
-The reader, the sleep and the clock are injected, so tests drive the guard with made-up counters.
+"""The load guard: before each cell repeat, wait until the machine's CPUs are (nearly) idle (``/proc/stat``), and
+record how busy they were. The reader, the sleep and the clock are injected, so tests drive it with made-up counters.
 
 >>> busy_fraction((800, 1000), (1550, 2000))  # 750 of the 1000 jiffies since the first reading idle: 25 % busy
 0.25

@@ -1,44 +1,8 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family: DDP, ZeRO-1 (both schedules), ZeRO-2 and FSDP2.
+data-parallel family (DDP, ZeRO-1 under both schedules, ZeRO-2, FSDP2), each mode in fresh ranks without Lightning.
 
-Recipe:
-
-1. For each mode, spawn ``devices`` fresh ranks (``torch.multiprocessing``; gloo on CPU, NCCL on CUDA). No
-   Lightning: the GPT from ``lightning_ddp.model``, an engine from ``lightning_ddp.sync`` and AdamW.
-2. Each mode starts from the same seed: build and wrap the model, build the optimizer (plain or sharded), train
-   ``steps`` steps on random tokens. Take a snapshot after set-up, and on the last step directly before and
-   directly after ``optimizer.step()`` (the optimizer state exists from the first step on).
-3. A snapshot sums the bytes of the tensors we own: the parameters, their ``.grad`` and every tensor in the
-   optimizer's ``state`` (only the shard's, for ``ShardedOptimizer``). On CUDA, ``rest`` is
-   ``torch.cuda.memory_allocated()`` minus those (activations, communication buffers, the allocator's
-   rounding) and the step's ``max_memory_allocated`` is reported, with ``memory_reserved`` and
-   ``max_memory_reserved`` beside it (the caching allocator's cache and NCCL's buffers live there); on CPU, ``rest`` is the process RSS minus
-   those (the interpreter, libraries, allocator caches), a secondary figure only. The *peak* per rank is the
-   largest ``max_memory_allocated`` of the snapshots on CUDA (set-up to the last step, activations included) and
-   the process's peak RSS (``getrusage``) on CPU.
-4. Next to every measured category: the analytic expectation (``expected_bytes``), from the model's shape
-   alone. For fp32 AdamW: parameters 4Ψ, gradients 4Ψ, state 8Ψ + 4T unsharded and 8Ψ_r + 4T_r sharded (Ψ
-   parameters, T tensors, Ψ_r and T_r those rank r owns under ``assign_owners``; the 4-byte ``step`` counter
-   per tensor is a 0-d fp32 tensor, kept on the CPU by torch unless ``capturable``/``fused``). The expected peak
-   is a lower bound, our tensors at their most: those plus ``expected_transient`` (zero2: the buckets in flight
-   during backward; fsdp2: the largest group's unsharded parameters and gradients), activations not included.
-5. Rank 0 gathers the ranks' results; the parent summarises them per mode and writes ``results.json`` and
-   ``results.md`` (the data-parallel family's table with the goals' verdicts, then one table per mode; both from
-   ``lightning_ddp.bench.memory_report``) and ``memory_vs_step_time.png`` (peak memory per rank against step time)
-   into ``out_dir``, each atomically (``lightning_ddp.files``), with versions, hardware and the config. Step time:
-   the median of the steps after ``warmup_steps`` (max over ranks), with its 95 % bootstrap interval.
-
-Modes: ``unsharded`` (the ``grad_sync`` engine + AdamW), ``allreduce_broadcast`` (same engine + a
-``ShardedOptimizer`` that broadcasts updated parameters), ``reduce_scatter`` (``DeferredGradSync`` + a
-``ShardedOptimizer`` that reduce-scatters gradients and all-gathers parameters), ``zero2`` (``ZeRO2DDP``, which
-reduces gradient buckets to their owners during backward and keeps only the owned gradients, + a ``ShardedOptimizer``
-placed by it: gradients 4Ψ_r after backward, plus at most ``zero2_gradient_peak_bytes`` during it, reported as
-``expected_gradient_peak``), ``fsdp2`` (torch's ``fully_shard`` per block, ``fsdp2_expected_bytes``: parameters,
-gradients and state all sharded by rows; its collectives are torch's, not recorded). See ``lightning_ddp.sync.zero1`` and ``lightning_ddp.sync.zero2`` for the formulas of
-communication volume; ``results.md`` shows them next to what the ``SyncRecord`` counted.
-
-This module holds the configuration and the measurement (steps 1 to 4, and ``run``); ``bench.memory_report`` the
-summary and the report (step 5).
+Next to every measured category stands the analytic expectation of ``lightning_ddp.memory``. This module holds the
+configuration and the measurement; ``memory_report`` the summary and the report. docs/benchmarks.md has the recipe.
 """
 
 from __future__ import annotations
@@ -59,35 +23,25 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# The results' summary and results.md live in memory_report; its names stay importable from here.
-from lightning_ddp.bench.memory_report import (  # noqa: F401
+from lightning_ddp import catalogue
+from lightning_ddp.bench.memory_report import (
+    FSDP2,
+    MODE_LABELS,
     PLOT_NAME,
-    POINTS,
     MiB,
     family_summary,
     format_report,
-    sent_bytes_per_rank,
     summarise_modes,
     write_memory_plot,
 )
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
-# The analytic expectation lives with the CLI's memory pre-flight (the same formulas); re-exported here, names kept.
-from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes  # noqa: F401
+from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes
 from lightning_ddp.provenance import git_state
 
-__all__ = [
-    "MODES",
-    "MemoryBenchConfig",
-    "expected_bytes",
-    "format_report",
-    "main",
-    "parse_config",
-    "run",
-    "sent_bytes_per_rank",
-]
+__all__ = ["MODES", "MemoryBenchConfig", "main", "parse_config", "run", "write_report"]
 
-MODES: tuple[str, ...] = ("unsharded", "allreduce_broadcast", "reduce_scatter", "zero2", "fsdp2")
+MODES: tuple[str, ...] = tuple(MODE_LABELS)
 """The measured configurations: plain AdamW, ZeRO-1 under each schedule, ZeRO-2, then torch's FSDP2
 (``_measure_fsdp2``)."""
 
@@ -116,9 +70,8 @@ class MemoryBenchConfig:
     """Process-group backend; default gloo on CPU, NCCL on CUDA."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
-    grad_sync: str = "bucketed"
-    """The algorithm that all-reduces gradients for unsharded and allreduce_broadcast: any registered one
-    (naive, flat, overlap, bucketed, ...; ``lightning_ddp.sync.registry``)."""
+    grad_sync: str = catalogue.DEFAULT_ENGINE
+    """The engine that all-reduces gradients for unsharded and allreduce_broadcast (a catalogue engine name)."""
     bucket_size_mb: Optional[float] = 25.0
     """Bucket cap in MiB of a ``grad_sync`` algorithm with buckets (null: one bucket); ignored by the others."""
     lr: float = 3e-4
@@ -133,6 +86,8 @@ class MemoryBenchConfig:
     out_dir: str = "logs/memory"
     """Directory for results.json and results.md (created if missing; existing files are replaced). logs/ is
     git-ignored; results meant for the repository are written on purpose (``--out_dir benchmarks/results/...``)."""
+    report_only: bool = False
+    """Measure nothing: rebuild results.md and the plot from ``out_dir``'s results.json."""
 
     def __post_init__(self) -> None:
         from lightning_ddp.model import PRESETS
@@ -159,12 +114,11 @@ class MemoryBenchConfig:
             raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
-        from lightning_ddp.sync.registry import get_algorithm
+        from lightning_ddp import catalogue
 
-        try:
-            get_algorithm(self.grad_sync)
-        except ValueError as error:
-            raise ValueError(f"{error} (--grad_sync)") from None
+        if self.grad_sync not in catalogue.names(engines_only=True):
+            raise ValueError(f"{self.grad_sync!r} is not one of our engines; choose from "
+                             f"{', '.join(catalogue.names(engines_only=True))} (--grad_sync)")
 
 
 def resolved_backend(config: MemoryBenchConfig) -> str:
@@ -234,14 +188,16 @@ def _peak_rss_bytes() -> int | None:
 
 
 def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
-    from lightning_ddp.sync import DeferredGradSync, get_algorithm
+    from lightning_ddp import catalogue
+    from lightning_ddp.sync import DeferredGradSync
 
     if mode == "reduce_scatter":
         return DeferredGradSync(model)
     if mode == "zero2":
         return _make_zero2_engine(config, model)
-    algorithm = get_algorithm(config.grad_sync)
-    return algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size else "default")
+    algorithm = catalogue.get(config.grad_sync)
+    bucket_size_mb = config.bucket_size_mb if algorithm.has_bucket_size else "default"
+    return algorithm.make_engine(model, bucket_size_mb=bucket_size_mb)
 
 
 # ---- zero2 (its own functions: the other modes' code is untouched) --------------------------------------------
@@ -360,7 +316,7 @@ def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -
     times = torch.tensor(step_ms, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     result = {
-        "mode": "fsdp2",
+        "mode": FSDP2,
         "rank": rank,
         "snapshots": snapshots,
         "expected": fsdp2_expected_bytes(shapes, dist.get_world_size(), rank),
@@ -389,13 +345,60 @@ def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
     return 2 * FP32 * max(groups)
 
 
+def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
+    """The mode's engine and optimizer, both reporting their collectives to ``recorder``."""
+    from lightning_ddp.sync import ShardedOptimizer
+
+    engine = _make_engine(mode, config, model)
+    engine.recorder = recorder
+    if mode == "unsharded":
+        return engine, torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    if mode == "zero2":
+        optimizer = _make_zero2_optimizer(config, engine, model)
+    else:
+        optimizer = ShardedOptimizer(
+            model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
+        )
+    optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
+    return engine, optimizer
+
+
+def _train_step(engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module, tokens: torch.Tensor,
+                device: torch.device, snapshots: dict[str, Any] | None) -> float:
+    """One step; its time in ms. ``snapshots`` given (the last step): snapshots before and after ``step()``, not
+    part of the step's time."""
+    _sync(device)
+    start = time.perf_counter()
+    engine.on_train_batch_start()
+    logits = engine(tokens[:, :-1])  # (B, T, V)
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    del logits
+    engine.finish_gradient_synchronization()
+    paused = 0.0
+    if snapshots is not None:
+        _sync(device)
+        pause = time.perf_counter()
+        snapshots["before_step"] = _snapshot(model, optimizer, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
+        paused += time.perf_counter() - pause
+    optimizer.step()
+    if snapshots is not None:
+        _sync(device)
+        pause = time.perf_counter()
+        snapshots["after_step"] = _snapshot(model, optimizer, device)
+        paused += time.perf_counter() - pause
+    optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    return (time.perf_counter() - start - paused) * 1e3
+
+
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
     from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.sync import Recorder, ShardedOptimizer
+    from lightning_ddp.sync import Recorder
 
-    if mode == "fsdp2":
+    if mode == FSDP2:
         return _measure_fsdp2(config, device, rank)
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -403,59 +406,19 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     torch.manual_seed(config.seed)
     gpt_config = get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)
     model = GPT(gpt_config).to(device)
-    engine = _make_engine(mode, config, model)
     recorder = Recorder(device)  # counts the bytes and calls of every step's collectives
-    engine.recorder = recorder
-    if mode == "unsharded":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-        )
-    elif mode == "zero2":
-        optimizer = _make_zero2_optimizer(config, engine, model)
-        optimizer.recorder = recorder
-    else:
-        optimizer = ShardedOptimizer(
-            model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
-        )
-        optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
+    engine, optimizer = _build_mode(mode, config, model, recorder)
     _sync(device)
     snapshots = {"setup": _snapshot(model, optimizer, device)}
     generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
     step_ms: list[float] = []
-    comm_bytes: list[int] = []
-    comm_calls: list[int] = []
     for step in range(config.steps):
-        last = step == config.steps - 1
         tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        tokens = tokens.to(device)  # (B, T + 1): inputs are [:, :-1], targets [:, 1:]
-        _sync(device)
-        start = time.perf_counter()
         recorder.open_step(step)
-        engine.on_train_batch_start()
-        logits = engine(tokens[:, :-1])  # (B, T, V)
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        del logits
-        engine.finish_gradient_synchronization()
-        paused = 0.0
-        if last:  # snapshots are not part of the step's time
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["before_step"] = _snapshot(model, optimizer, device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
-            paused += time.perf_counter() - pause
-        optimizer.step()
-        if last:
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["after_step"] = _snapshot(model, optimizer, device)
-            paused += time.perf_counter() - pause
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        step_ms.append((time.perf_counter() - start - paused) * 1e3)
+        last = step == config.steps - 1
+        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
+        step_ms.append(_train_step(engine, optimizer, model, tokens.to(device), device, snapshots if last else None))
         record = recorder.finish_step()
-        comm_bytes.append(record.nbytes)
-        comm_calls.append(len(record.collectives))
     # The slowest rank sets the pace of synchronous data parallelism.
     times = torch.tensor(step_ms, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -466,8 +429,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         "snapshots": snapshots,
         "expected": expected_bytes(shapes, dist.get_world_size(), mode, rank),
         "step_ms": times.tolist(),
-        "comm_bytes_recorded": comm_bytes[-1],
-        "comm_calls": comm_calls[-1],
+        "comm_bytes_recorded": record.nbytes,
+        "comm_calls": len(record.collectives),
         "num_params": sum(math.prod(s) for s in shapes),
         "num_tensors": len(shapes),
         "shard_bytes": optimizer.shard_bytes if mode != "unsharded" else None,
@@ -550,6 +513,11 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
                                         seed=config.seed)}
     results["family"] = family_summary(results)
     write_json_atomically(out_dir / "results.json", results)
+    return write_report(results, out_dir)
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """results.md and the plot from ``results`` (what results.json holds); returns ``results``."""
     report = format_report(results)
     write_atomically(out_dir / "results.md", report)
     write_memory_plot(results, out_dir / PLOT_NAME)
@@ -560,13 +528,18 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
     """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field); a validation error
     exits 2 with the message (no traceback)."""
-    from lightning_ddp.bench.command_line import parse_dataclass
+    from lightning_ddp.command_line import parse_dataclass
 
     return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")
 
 
 def main(args: list[str] | None = None) -> int:
-    results = run(parse_config(args))
+    config = parse_config(args)
+    if config.report_only:
+        out_dir = Path(config.out_dir)
+        results = write_report(json.loads((out_dir / "results.json").read_text()), out_dir)
+    else:
+        results = run(config)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 

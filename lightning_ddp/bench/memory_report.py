@@ -1,23 +1,5 @@
-"""The memory benchmark's results, summarised and written up (``results.md``, the plot); no torch.
-
-``summarise_modes`` turns what the ranks of ``lightning_ddp.bench.memory`` measured into one entry per mode: the
-median step time after the warm-up with its 95 % interval, whether every snapshot holds exactly the analytic bytes
-(``lightning_ddp.memory.expected_bytes``), each rank's peak beside the tensors' expected peak, and the bytes each
-rank sends by the ring model (``sent_bytes_per_rank``). ``family_summary`` makes the data-parallel family's table
-(one row per mode: DDP, ZeRO-1 under each schedule, ZeRO-2, FSDP2) and the two goals' verdicts; ``format_report``
-renders everything; ``write_memory_plot`` draws peak memory per rank against step time (matplotlib, imported there).
-
-Statistics (``lightning_ddp.bench.stats``): one run per mode is one repeat, so the hierarchical bootstrap resamples
-its measured steps (``BOOTSTRAP_SAMPLES`` draws, seeded by the config's seed and the mode): the interval covers the
-step-to-step noise of that run, not the variation between runs. A ratio of two modes bootstraps both independently
-and divides per draw (``ratio_estimate``). Goals:
-
-- **ZeRO-2's gradients**: its held gradients per rank (after backward, the most loaded rank) <= DDP's / N + one
-  bucket (``bucket_size_mb``). Bytes are exact, so the verdict is ``met`` or ``missed``.
-- **ZeRO-2's step**: step time / ZeRO-1's (reduce_scatter) <= 1.10; ``met`` when the interval's upper end is at or
-  under it, ``missed`` when its lower end is over it, else ``inconclusive`` (``stats.verdict``).
-
-A goal whose modes were not measured is ``not measurable``.
+"""The memory benchmark's results, summarised per mode and written up (results.md, the plot); no torch.
+docs/benchmarks.md states the statistics and the goals.
 """
 
 from __future__ import annotations
@@ -27,7 +9,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate, verdict
+from lightning_ddp.bench.config import strategy_with_memory_model
+from lightning_ddp.bench.stats import Estimate, estimate, interval_text, ratio_estimate, verdict
 from lightning_ddp.files import write_atomically
 
 __all__ = [
@@ -48,12 +31,15 @@ POINTS: tuple[str, ...] = ("setup", "before_step", "after_step")
 
 MiB = 2**20
 
+FSDP2 = strategy_with_memory_model("fully_sharded")
+"""torch's FSDP2, the last mode (its catalogue name)."""
+
 MODE_LABELS: dict[str, str] = {
     "unsharded": "DDP",
     "allreduce_broadcast": "ZeRO-1 (all-reduce + broadcast)",
     "reduce_scatter": "ZeRO-1 (reduce-scatter)",
     "zero2": "ZeRO-2",
-    "fsdp2": "FSDP2",
+    FSDP2: "FSDP2",
 }
 """The family's names of the benchmark's modes, in the table and the plot."""
 
@@ -86,7 +72,7 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
     # zero2: the reduce-scatter (in backward) + the all-gather; fsdp2 (reshard after forward): all-gather in forward,
     # again in backward, reduce-scatter of the gradients
     return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
-            "zero2": 2 * one_way, "fsdp2": 3 * one_way}[mode]
+            "zero2": 2 * one_way, FSDP2: 3 * one_way}[mode]
 
 
 def _peak(snapshots: dict[str, dict[str, Any]]) -> int | None:
@@ -203,9 +189,7 @@ def _mib(value: int | float | None) -> str:
 
 
 def _interval(value: dict[str, float] | None, fmt: str) -> str:
-    if value is None:
-        return ""
-    return f"{value['point']:{fmt}} [{value['lo']:{fmt}}, {value['hi']:{fmt}}]"
+    return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
 
 
 def _family_lines(results: dict[str, Any]) -> list[str]:

@@ -1,17 +1,6 @@
-"""The sweep's PNG plots, from results.csv rows and their analysis (``bench.analysis``), on matplotlib's Agg canvas
-(no display, no pyplot global state). Every bar and point carries its 95 % interval as an error bar.
-
-One figure per precision and batch size, each with a step-time panel and a comm-share panel:
-
-- ``strategies_<precision>_bs<batch>.png``: bars per context length, one per strategy, the compute-only reference
-  as a bar of its own; an algorithm with buckets at the bucket size selected on the selection repeats, with the
-  numbers of its evaluation repeats (``analysis.Selection``); every strategy in the rows is drawn, in
-  ``analysis.strategy_order``;
-- ``<algorithm>_<precision>_bs<batch>.png`` for each algorithm with buckets (``bucketed`` ...; a variant with
-  engine settings, ``bucketed_powersgd rank=4``, is ``bucketed_powersgd-rank4_...``): step time and comm
-  share against the bucket size (log x), one line per context length, each point a cell over all its repeats, like
-  the study's bucket figures; the selected size is circled, the predicted best size is a dotted vertical line and
-  ``auto`` cells are stars at the size they resolved to.
+"""The sweep's PNG plots with 95 % error bars (matplotlib's Agg canvas): per precision and batch size, the strategies
+side by side, and step time and comm share against the bucket size for each engine with buckets
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,7 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import REFERENCE, has_bucket_axis, variant_strategy
+from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
+from lightning_ddp.catalogue import variant_strategy
 from lightning_ddp.bench.analysis import Analysis, analyze, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 
@@ -110,10 +100,8 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
-    fig.suptitle(f"Step time and communication share by strategy: {precision}, batch {batch} per rank "
-                 "(error bars: 95 % intervals)")
-    fig.savefig(path, dpi=110)
+    _finish(fig, ax_step, path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
+            "rank (error bars: 95 % intervals)")
     return True
 
 
@@ -168,11 +156,15 @@ def _bucket_figure(
         ax.grid(alpha=0.3, which="both")
         if predicted_mb:
             ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
-    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
-    fig.suptitle(f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} per rank "
-                 "(all repeats, 95 % intervals; stars: auto; circled: selected)")
-    fig.savefig(path, dpi=110)
+    _finish(fig, ax_step, path, f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} "
+            "per rank (all repeats, 95 % intervals; stars: auto; circled: selected)")
     return True
+
+
+def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
+    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
 
 
 def write_plots(

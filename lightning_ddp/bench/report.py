@@ -24,10 +24,9 @@ from lightning_ddp.bench.analysis import (
     strategy_order,
     variant_of,
 )
-# This module held the analysis before bench.analysis did: its names stay importable from here.
-from lightning_ddp.bench.analysis import AcrossGroups, GoalCheck, Measured, Selection, group_rows  # noqa: F401
-from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, variant_label
-from lightning_ddp.bench.stats import Estimate
+from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis
+from lightning_ddp.catalogue import variant_label
+from lightning_ddp.bench.stats import Estimate, bounds_text, estimate_text
 
 __all__ = ["build_report"]
 
@@ -37,26 +36,14 @@ _STRATEGY_TITLES = {
 }
 
 
-def _interval(lo: Any, hi: Any, spec: str, scale: float = 1.0) -> str:
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)):
-        return ""
-    return f" [{format(lo * scale, spec)}, {format(hi * scale, spec)}]"
-
-
-def _estimate_text(estimate: Estimate | None, spec: str = ",.1f", scale: float = 1.0, unit: str = "") -> str:
-    if estimate is None or not math.isfinite(estimate.point):
-        return "-"
-    return f"{format(estimate.point * scale, spec)}{unit}{_interval(estimate.lo, estimate.hi, spec, scale)}"
-
-
 def _cell_text(row: Row | None, bold: bool = False) -> str:
     if row is None:
         return "not run"
     if not is_ok(row):
         return row["status"] or "not run"
-    text = f"{row['step_ms_median']:,.1f} ms{_interval(row.get('step_ms_lo'), row.get('step_ms_hi'), ',.1f')}"
+    text = f"{row['step_ms_median']:,.1f} ms{bounds_text(row.get('step_ms_lo'), row.get('step_ms_hi'), ',.1f')}"
     if row["strategy"] != REFERENCE and row.get("comm_share") is not None:
-        share = _interval(row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100)
+        share = bounds_text(row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100)
         wait = row.get("wait_comm_ms")
         # Of the exposed communication, the part spent waiting for the last rank (the CommTimer's comm/wait_ms).
         wait_text = f"; wait {wait:,.2f} ms" if isinstance(wait, (int, float)) and math.isfinite(wait) else ""
@@ -106,9 +93,10 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
             lines.append("")
     lines.append(
         "Each cell: pooled median step time [95 % interval] over all its ok repeats (exposed communication share of "
-        "the step [95 % interval]; of it, the median time spent waiting for the last rank to launch). **Bold**: the bucket size selected on the selection repeats, per algorithm with "
-        "buckets; its out-of-sample numbers are in the next section. p10/p90, overlap, transfer, bus bandwidth, tokens/s, "
-        "memory and the load guard's counts are in results.csv; every step in steps.csv."
+        "the step [95 % interval]; of it, the median time spent waiting for the last rank to launch). **Bold**: "
+        "the bucket size selected on the selection repeats, per algorithm with buckets; its out-of-sample numbers "
+        "are in the next section. p10/p90, overlap, transfer, bus bandwidth, tokens/s, memory and the load guard's "
+        "counts are in results.csv; every step in steps.csv."
     )
     return lines
 
@@ -123,7 +111,9 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
         w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
         s_mb, largest_mb = prediction["grad_bytes"] / 2**20, prediction["largest_param_bytes"] / 2**20
         sizes = prediction.get("sizes") or []
-        span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB" if sizes else "the microbenchmark"
+        span = "the microbenchmark"
+        if sizes:
+            span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB"
         n_b = prediction["grad_bytes"] / prediction["bucket_bytes"]
         lines += [
             f"All-reduce microbenchmark on the sweep's ranks ({span}, median of {prediction.get('repeats', '?')}): "
@@ -150,8 +140,8 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
         "no evaluation repeat exists (fewer than 2 repeats ran), so the choice is reported from the repeats it was "
         "chosen on and its goals are inconclusive.",
         "",
-        "| precision | batch | context | algorithm | chosen (of sizes) on repeats | its step there | step on evaluation "
-        "repeats [95 %] | comm share [95 %] | predicted | auto cell |",
+        "| precision | batch | context | algorithm | chosen (of sizes) on repeats | its step there "
+        "| step on evaluation repeats [95 %] | comm share [95 %] | predicted | auto cell |",
         "|---|---:|---:|---|---|---:|---:|---:|---|---|",
     ]
     predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
@@ -161,8 +151,10 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
                 continue
             head = f"| {group[0]} | {group[1]} | {group[2]} | {strategy} |"
             auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
-            auto_text = "not in grid" if auto is None else (
-                f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else auto["status"] or "not run")
+            auto_text = "not in grid"
+            if auto is not None:
+                auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
+                auto_text = auto_ok or auto["status"] or "not run"
             selection = analysis.selections.get((group, strategy))
             if selection is None:
                 lines.append(f"{head} no ok cell | - | - | - | {predicted} | {auto_text} |")
@@ -173,8 +165,9 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
             where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
                      else f"repeats {repeats_text(evaluated.repeats)}: ")
             lines.append(
-                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | {where}{_estimate_text(evaluated.step, unit=' ms')} | "
-                f"{_estimate_text(evaluated.share, '.1f', 100, ' %')} | {predicted} | {auto_text} |")
+                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | "
+                f"{where}{estimate_text(evaluated.step, unit=' ms')} | "
+                f"{estimate_text(evaluated.share, '.1f', 100, ' %')} | {predicted} | {auto_text} |")
     lines += ["", "The model assumes each bucket's backward compute takes as long as its communication; where "
               "compute is much longer than communication (or the reverse) the measured optimum moves away from b*.", ""]
     return lines
@@ -203,7 +196,8 @@ def _goal_section(analysis: Analysis) -> list[str]:
     ]
     for check in analysis.goals:
         group = check.group
-        lines.append(f"| {group[0]} | {group[1]} | {group[2]} | {check.goal} | {_estimate_text(check.estimate, '.3f')} | "
+        lines.append(f"| {group[0]} | {group[1]} | {group[2]} | {check.goal} | "
+                     f"{estimate_text(check.estimate, '.3f')} | "
                      f"{check.target:.3g} | {_verdict_text(check.verdict)} | {check.note} |")
     lines.append("")
     if analysis.across:
@@ -222,7 +216,7 @@ def _goal_section(analysis: Analysis) -> list[str]:
             c = summary.counts
             note = " (some best size in-sample)" if summary.in_sample else ""
             lines.append(
-                f"| {summary.algorithm} | {summary.groups} | {_estimate_text(summary.estimate, '.3f')} | "
+                f"| {summary.algorithm} | {summary.groups} | {estimate_text(summary.estimate, '.3f')} | "
                 f"{summary.target:g} | {_verdict_text(summary.verdict)}{note} | {c['met']} / {c['missed']} / "
                 f"{c['inconclusive']} / {c[NOT_MEASURABLE]} |")
         lines.append("")
@@ -230,22 +224,19 @@ def _goal_section(analysis: Analysis) -> list[str]:
 
 
 def _failures(rows: list[Row], repeat_rows: list[Row] | None) -> list[str]:
-    if repeat_rows is not None:
-        bad = [r for r in repeat_rows if r["status"] not in ("ok", "")]
-        if not bad:
-            return []
-        lines = ["## Cell repeats that did not finish", "", "| cell | repeat | status | reason |", "|---|---:|---|---|"]
-        for r in bad:
-            reason = (r.get("reason") or "").replace("|", "\\|")
-            lines.append(f"| {r['cell_id']} | {r['repeat']} | {r['status']} | {reason} |")
-        return lines + [""]
-    bad = [r for r in rows if r["status"] not in ("ok", "")]
+    """The cell repeats (or, given rows only, the cells) that did not finish, with their reasons."""
+    per_repeat = repeat_rows is not None
+    bad = [r for r in (repeat_rows if per_repeat else rows) if r["status"] not in ("ok", "")]
     if not bad:
         return []
-    lines = ["## Cells that did not finish", "", "| cell | status | reason |", "|---|---|---|"]
+    if per_repeat:
+        lines = ["## Cell repeats that did not finish", "", "| cell | repeat | status | reason |", "|---|---:|---|---|"]
+    else:
+        lines = ["## Cells that did not finish", "", "| cell | status | reason |", "|---|---|---|"]
     for r in bad:
         reason = (r.get("reason") or "").replace("|", "\\|")
-        lines.append(f"| {r['cell_id']} | {r['status']} | {reason} |")
+        repeat = f" {r['repeat']} |" if per_repeat else ""
+        lines.append(f"| {r['cell_id']} |{repeat} {r['status']} | {reason} |")
     return lines + [""]
 
 
@@ -258,7 +249,8 @@ def _how_to_read(repeats: Any, samples: int) -> list[str]:
         "every cell, then repeat 1 of every cell, ...) so that a slow drift of the machine hits every strategy alike. "
         "A cell's step time (and share, and every other median) is the **pooled median** of all measured steps of "
         "its ok repeats. Its **95 % interval** is a two-level bootstrap: resample the repeats with replacement, then "
-        f"the steps within each resampled repeat, take the median; the 2.5th to 97.5th percentiles of {samples} such draws "
+        f"the steps within each resampled repeat, take the median; the 2.5th to 97.5th percentiles of {samples} "
+        "such draws "
         "(fixed seed: rebuilding the report gives the same numbers). The interval says how far the median could move "
         "if the whole measurement were repeated on this machine; it is wider when repeats disagree. A ratio of two "
         "cells takes both bootstraps independently, ratio per draw. **Best bucket size**: chosen on the even "
@@ -327,7 +319,8 @@ def build_report(
             busy = sum(1 for r in guarded if r["busy"] is True)
             waited = sum(r.get("waited_s") or 0.0 for r in guarded)
             threshold = run.get("busy_threshold")
-            rule = (f" (CPUs more than {100 * threshold:.0f} % busy after waiting up to {run.get('max_wait_s', '?'):g} s)"
+            rule = (f" (CPUs more than {100 * threshold:.0f} % busy after waiting up to "
+                    f"{run.get('max_wait_s', '?'):g} s)"
                     if isinstance(threshold, (int, float)) and isinstance(run.get("max_wait_s"), (int, float)) else "")
             lines.append(f"- load guard: **{busy} of {len(guarded)} cell repeats started on a busy machine**{rule}; "
                          f"{waited:,.0f} s waited for an idle machine in all")

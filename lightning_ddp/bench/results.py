@@ -1,78 +1,6 @@
 """The sweep's files: the raw data (``repeats.csv``, ``steps.csv``), the per-cell aggregates (``results.csv``) and
-``profiles.json``; every file written whole and atomically (``lightning_ddp.files``).
-
-Each cell is measured ``run.repeats`` times (its *repeats*, each in fresh processes). The raw files hold everything
-measured; results.csv and results.md are computed from them, so ``--output.report_only true`` rebuilds both from
-steps.csv and repeats.csv alone.
-
-``repeats.csv``: one row per (cell, repeat) that ran (``REPEAT_COLUMNS``):
-
-========================  ===========================================================================
-column                    value
-========================  ===========================================================================
-cell_id, repeat           the cell (``grid.cell_id``) and the repeat index ``k``; ``runs/<cell_id>/r<k>/`` holds its logs
-strategy ... backend      the cell's coordinates, as in results.csv (so the file describes itself)
-status, reason            ok, oom, failed, timeout; why a repeat is not ok (its last meaningful error line)
-wall_s                    wall time of the repeat, start-up included
-measured_steps            steps after warm-up in its ``timing_summary.json``
-resolved_bucket_size_mb   the bucket cap the strategy reported using (``auto`` resolved)
-busy_before               load guard (``bench.load``): the machine's busy CPU fraction sampled last before it started
-waited_s                  load guard: seconds waited for an idle machine before it started
-busy                      load guard: ``true`` if it started while the machine was still busy (the wait ran out)
-load_avg_1m               the 1-minute load average right after it (its own ranks count too)
-started_at                when it started (UTC, ISO 8601)
-========================  ===========================================================================
-
-``steps.csv``: one row per (cell, repeat, measured step) of the ok repeats: ``cell_id``, ``repeat``, ``step`` and
-every metric key of the CommTimer's step rows (``step/time_ms``, ``comm/share``, ...; see
-``lightning_ddp/callbacks/accounting.py``), warm-up steps left out; a key a step did not report is empty.
-
-``results.csv``: one row per cell (``RESULT_COLUMNS``); the statistics are over the *ok* repeats, every median
-pooled over all their measured steps, every interval a hierarchical bootstrap (``bench.stats``):
-
-=======================  ===========================================================================
-column                   value
-=======================  ===========================================================================
-cell_id                  stable id of the cell (``grid.cell_id``)
-strategy                 a registered algorithm (naive, flat, overlap, bucketed, ...), ddp or reference
-bucket_size_mb           algorithms with buckets only: the configured cap in MiB, or ``auto``
-engine_settings          the engine settings the cell sets (``grid.engine_settings``), e.g. ``rank=4``; empty: defaults
-batch_size               per-rank batch size
-context_length           sequence length
-precision                Lightning precision
-model                    model preset
-world_size               ranks (1 for the reference)
-accelerator, backend     cpu/cuda, gloo/nccl (empty for the reference: no process group)
-status                   ok if at least one repeat is ok; else the last repeat's status (oom, failed, timeout)
-reason                   why repeats are not ok: ``r<k>: <error line>`` of the first, and how many
-repeats_ok, repeats_run  ok repeats, repeats run
-step_ms_median           pooled median of ``step/time_ms`` (max over ranks) over the ok repeats' measured steps
-step_ms_lo, step_ms_hi   its 95 % interval (hierarchical bootstrap: repeats, then steps within each)
-step_ms_p10/p90          10th and 90th percentiles of the pooled steps (the spread of single steps)
-exposed_comm_ms          pooled median ``comm/exposed_ms``: communication on the critical path
-busy_comm_ms             pooled median ``comm/busy_ms``: time some collective was in flight
-wait_comm_ms             pooled median ``comm/wait_ms``: exposed time rank 0 spent waiting for the last rank to launch
-transfer_comm_ms         pooled median ``comm/transfer_ms``: the rest of exposed communication (moving bytes)
-comm_share               pooled median ``comm/share`` = exposed / step
-comm_share_lo/hi         its 95 % interval
-overlap                  pooled median ``comm/overlap`` = 1 - exposed / busy
-                         (busy_comm_ms, overlap, busbw_GBps: ``not recorded`` for a strategy whose collectives the
-                         timer does not record, ``fsdp2``: its steps carry ``LANDMARK_KEYS`` but none of
-                         ``COLLECTIVE_KEYS``; empty for the one-device reference, which has no ``comm/`` key at all)
-busbw_GBps               pooled median ``comm/busbw_GBps``
-tokens_per_s             pooled median ``step/tokens_per_s`` (global)
-mfu                      pooled median ``step/mfu`` (CUDA with a known peak only)
-peak_memory_MiB          max ``memory/peak_MiB`` over all steps (CUDA: allocated; CPU: process RSS)
-resolved_bucket_size_mb  median over the ok repeats of the bucket cap the strategy reported (``auto`` resolved)
-measured_steps           steps in the statistics (all ok repeats together)
-wall_s                   wall time of all the cell's repeats together, start-up included
-load_avg_1m              the highest 1-minute load average after any of its repeats
-busy_repeats             repeats that started on a busy machine (load guard; empty without /proc/stat)
-waited_s                 seconds the load guard waited before its repeats, together
-=======================  ===========================================================================
-
-``profiles.json``: ``{cell_id: compute_profile.json}`` of the first ok repeat that wrote one (forward, backward,
-optimizer times and gradient-ready times); absent when no cell wrote one.
+``profiles.json``, each written whole and atomically. results.csv and results.md are computed from the raw files
+alone; docs/benchmarks.md lists every column.
 """
 
 from __future__ import annotations
@@ -89,10 +17,12 @@ import numpy as np
 
 from lightning_ddp import files
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
-from lightning_ddp.bench.config import REFERENCE, format_bucket, format_settings, has_bucket_axis
-from lightning_ddp.bench.grid import Cell, RankLayout
+from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
+from lightning_ddp.bench.grid import Cell
+from lightning_ddp.bench.launch import RankLayout
 from lightning_ddp.bench.load import LoadCheck
 from lightning_ddp.bench.runner import CellOutcome
+from lightning_ddp.catalogue import format_bucket, format_settings
 from lightning_ddp.bench.stats import Bootstrapper, percentile_interval, pooled_median, pooled_percentile
 
 __all__ = [
@@ -113,14 +43,13 @@ __all__ = [
     "write_repeats",
     "write_results",
     "write_steps",
-    "write_text_atomically",
 ]
 
 Row = dict[str, Any]
 RepeatKey = tuple[str, int]
 
-_COORDINATES = ("strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model", "world_size",
-                "accelerator", "backend")
+_COORDINATES = ("strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model",
+                "world_size", "accelerator", "backend")
 
 REPEAT_COLUMNS: tuple[str, ...] = (
     "cell_id", "repeat", *_COORDINATES, "status", "reason", "wall_s", "measured_steps", "resolved_bucket_size_mb",
@@ -134,7 +63,8 @@ STEP_ID_COLUMNS: tuple[str, ...] = ("cell_id", "repeat", "step")
 RESULT_COLUMNS: tuple[str, ...] = (
     "cell_id", *_COORDINATES, "status", "reason", "repeats_ok", "repeats_run",
     "step_ms_median", "step_ms_lo", "step_ms_hi", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms",
-    "wait_comm_ms", "transfer_comm_ms", "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps", "tokens_per_s", "mfu", "peak_memory_MiB",
+    "wait_comm_ms", "transfer_comm_ms", "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps",
+    "tokens_per_s", "mfu", "peak_memory_MiB",
     "resolved_bucket_size_mb", "measured_steps", "wall_s", "load_avg_1m", "busy_repeats", "waited_s",
 )
 """The exact columns of results.csv, in order (see the module docstring)."""
@@ -164,6 +94,11 @@ _MEDIANS = (
 # ---- one repeat -------------------------------------------------------------------------------------------
 
 
+def _bucket_text(size: float | str | None) -> str:
+    """A bucket size as the CSV files write it: ``""`` where the strategy has none."""
+    return "" if size in (None, "") else format_bucket(size)
+
+
 def repeat_row(
     cell: Cell,
     repeat: int,
@@ -182,7 +117,7 @@ def repeat_row(
         cell_id=cell.id,
         repeat=repeat,
         strategy=cell.strategy,
-        bucket_size_mb=format_bucket(cell.bucket_size_mb),
+        bucket_size_mb=_bucket_text(cell.bucket_size_mb),
         engine_settings=format_settings(cell.settings),
         batch_size=cell.batch_size,
         context_length=cell.context_length,
@@ -213,7 +148,8 @@ def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) ->
     warmup = int(summary.get("warmup_steps", 0))
     rows = []
     for step in list(summary.get("steps", []))[warmup:]:
-        metrics = {k: v for k, v in step.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {k: v for k, v in step.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         rows.append({"cell_id": cell_id, "repeat": repeat, "step": int(step.get("step", len(rows))), **metrics})
     return rows
 
@@ -239,7 +175,8 @@ class CellData:
         return sorted(k for k, rows in self.steps.items() if rows)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
-        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a key."""
+        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a
+        key."""
         chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
         return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
                 for k in chosen]
@@ -408,7 +345,7 @@ def _csv_text(columns: Sequence[str], rows: Iterable[Row]) -> str:
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: format_bucket(row.get(k)) if k == "bucket_size_mb" else _cell_text(row.get(k))
+        writer.writerow({k: _bucket_text(row.get(k)) if k == "bucket_size_mb" else _cell_text(row.get(k))
                          for k in columns})
     return buffer.getvalue()
 
@@ -423,28 +360,18 @@ def _cell_text(value: Any) -> Any:
     return value
 
 
-write_text_atomically = files.write_atomically
-"""``text`` written to ``path`` whole or not at all (``lightning_ddp.files.write_atomically``)."""
-
-
 def write_results(path: str | os.PathLike, rows: Iterable[Row]) -> None:
     """Write the results.csv rows to ``path`` atomically (a reader or a kill never sees half a file)."""
-    write_text_atomically(path, _csv_text(RESULT_COLUMNS, rows))
+    files.write_atomically(path, _csv_text(RESULT_COLUMNS, rows))
 
 
 def write_repeats(path: str | os.PathLike, rows: Iterable[Row]) -> None:
     """Write the repeats.csv rows to ``path`` atomically."""
-    write_text_atomically(path, _csv_text(REPEAT_COLUMNS, rows))
+    files.write_atomically(path, _csv_text(REPEAT_COLUMNS, rows))
 
 
 def write_steps(path: str | os.PathLike, rows: Iterable[Row]) -> None:
     """Write the steps.csv rows to ``path`` atomically; columns: ``STEP_ID_COLUMNS``, then every metric key seen."""
     rows = list(rows)
     keys = dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)
-    write_text_atomically(path, _csv_text([*STEP_ID_COLUMNS, *keys], rows))
-
-
-def write_json_atomically(path: str | os.PathLike, document: Any) -> None:
-    """``json.dumps(document, indent=2, default=str)`` written atomically (``default=str``: a config may hold paths)."""
-    files.write_json_atomically(path, document, default=str)
-
+    files.write_atomically(path, _csv_text([*STEP_ID_COLUMNS, *keys], rows))

@@ -1,36 +1,5 @@
-"""The sweep's statistics: point estimates, hierarchical-bootstrap intervals and verdicts (pure, numpy only).
-
-A cell is measured ``R`` times (*repeats*, each a fresh set of processes), each repeat for ``n`` measured steps.
-Steps of one repeat share that repeat's conditions (process placement, allocator state, what else the machine
-was doing), so they are not independent draws: the repeats are the units, the steps are measurements within them.
-
-Definitions (``x[r]`` the values of one metric in repeat ``r``; every function here takes them as a list of
-per-repeat arrays, a missing value being ``NaN``):
-
-=====================  =========================================================================================
-term                   definition
-=====================  =========================================================================================
-pooled median          the median of all the cell's measured steps, pooled over its repeats (``pooled_median``):
-                       the point estimate of every median in results.csv and results.md
-hierarchical           one draw (``hierarchical_bootstrap``): pick ``R`` repeats out of the ``R`` with replacement,
-bootstrap              then, within each picked repeat, as many steps as it has, with replacement; the statistic
-                       (the median) of the pooled picked steps is one draw. ``B`` draws (``output.bootstrap_samples``,
-                       default 2000), from a generator seeded by ``output.seed`` and the name of what is drawn
-                       (``rng_for``), so the same data and seed give the same interval in any order of computation
-95 % interval          ``[lo, hi]``: the 2.5th and 97.5th percentiles of the ``B`` draws (``percentile_interval``).
-                       Resampling repeats first makes a slow drift between repeats widen the interval, as it should;
-                       resampling only steps would pretend a repeat's shared conditions were independent luck
-ratio of two cells     point: the ratio of the two pooled medians. Interval: each cell bootstrapped on its own
-                       (independently: they ran in different processes) and the ratio taken per draw
-                       (``ratio_estimate``; ``Bootstrapper`` does the same for any function of several cells)
-geometric mean         over groups of per-group ratios: ``exp(mean(log ratio))``, per draw for the interval (every
-                       group's cells are bootstrapped within each draw: ``geometric_mean_draws``)
-verdict for a goal     ``met`` if ``hi <= target``, ``missed`` if ``lo > target``, else ``inconclusive``: the
-"ratio <= target"      interval straddles the target and these measurements cannot tell (``verdict``)
-=====================  =========================================================================================
-
-With one repeat the bootstrap can only resample steps: the interval then says nothing about the variation
-between process sets, which is why the sweep defaults to 5 repeats.
+"""The study's statistics: pooled medians, hierarchical-bootstrap intervals (repeats, then steps within each),
+ratios, geometric means and verdicts (pure, numpy only); docs/benchmarks.md defines each.
 
 >>> pooled_median([[1.0, 2.0, 3.0], [10.0]])  # the median of 1, 2, 3, 10
 2.5
@@ -52,9 +21,12 @@ __all__ = [
     "VERDICTS",
     "Bootstrapper",
     "Estimate",
+    "bounds_text",
     "estimate",
+    "estimate_text",
     "geometric_mean_draws",
     "hierarchical_bootstrap",
+    "interval_text",
     "percentile_interval",
     "pooled_median",
     "pooled_percentile",
@@ -186,6 +158,32 @@ class Estimate:
     def finite(self) -> bool:
         """Whether all three numbers are finite (a missing metric gives NaN)."""
         return all(math.isfinite(v) for v in (self.point, self.lo, self.hi))
+
+
+def bounds_text(lo: Any, hi: Any, spec: str = ",.1f", scale: float = 1.0) -> str:
+    """``" [lo, hi]"`` in ``spec`` (times ``scale``), or ``""`` unless both ends are finite numbers."""
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)):
+        return ""
+    return f" [{format(lo * scale, spec)}, {format(hi * scale, spec)}]"
+
+
+def interval_text(point: Any, lo: Any = math.nan, hi: Any = math.nan, spec: str = ",.1f", scale: float = 1.0,
+                  unit: str = "") -> str:
+    """The study's one way to write an estimate: ``"12.3 ms [11.0, 14.2]"``; ``"-"`` without a finite point.
+
+    >>> interval_text(12.34, 11.0, 14.2, ".1f", unit=" ms"), interval_text(0.5, spec=".0%"), interval_text(None)
+    ('12.3 ms [11.0, 14.2]', '50%', '-')
+    """
+    if not (isinstance(point, (int, float)) and math.isfinite(point)):
+        return "-"
+    return f"{format(point * scale, spec)}{unit}{bounds_text(lo, hi, spec, scale)}"
+
+
+def estimate_text(estimate: Estimate | None, spec: str = ",.1f", scale: float = 1.0, unit: str = "") -> str:
+    """``interval_text`` of an ``Estimate`` (``"-"`` for ``None``)."""
+    if estimate is None:
+        return "-"
+    return interval_text(estimate.point, estimate.lo, estimate.hi, spec, scale, unit)
 
 
 def verdict(interval: tuple[float, float] | Estimate, target: float) -> str:

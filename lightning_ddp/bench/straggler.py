@@ -1,32 +1,6 @@
-"""``python -m lightning_ddp.bench.straggler``: does the CommTimer blame an injected straggler for the right time?
-
-    python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml
-
-For every strategy (default ``bucketed_ddp`` and Lightning's ``ddp``) and every delay (default 0, 5, 20, 50 ms),
-``repeats`` real quickstart fits on 2 CPU ranks (``python -m lightning_ddp fit``, fresh processes each), with
-``lightning_ddp.callbacks.SlowRank(rank=slow_rank, delay_ms=delay)`` (none at delay 0). From each run's
-``timing_summary.json`` (rank 0's view), the steps after warm-up: ``comm/wait_ms``, ``comm/transfer_ms``,
-``straggler/rank``, ``straggler/lag_ms``, ``step/rank_spread_ms``, ``step/time_ms``.
-
-Per (strategy, delay), pooled medians with 95 % intervals (``lightning_ddp.bench.stats``: hierarchical bootstrap,
-repeats then steps), and the goals of issue 23, each ``met``/``missed``/``inconclusive`` from the interval:
-
-=====================  ==========================================================================================
-goal                   rule
-=====================  ==========================================================================================
-wait = delay           delay > 0: the interval of the median ``comm/wait_ms`` lies within delay +- ``tolerance_ms``
-                       (3 ms) -> met; entirely outside -> missed; else inconclusive
-straggler named        delay > 0: ``straggler/rank`` = ``slow_rank`` in >= ``straggler_share`` (90 %) of the pooled
-                       steps (a fraction, no interval: met or missed)
-transfer unchanged     delay > 0: the median ``comm/transfer_ms`` lies within the delay-0 interval of the same
-                       strategy (met or missed)
-no wait without one    delay 0: the interval of the median ``comm/wait_ms`` lies below ``idle_wait_ms`` (2 ms)
-=====================  ==========================================================================================
-
-Writes ``results.csv`` (one row per strategy and delay), ``steps.csv`` (every measured step) and ``results.md``
-(the table and the verdicts), with ``environment.json`` (versions, CPU, git state, the command and the config),
-atomically into ``out_dir``. Timing is meaningful only on an otherwise idle machine; each row records the load
-average after its runs.
+"""``python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml``: does the CommTimer blame an
+injected straggler (``SlowRank``) for the right time? Per strategy and delay, real fits, pooled medians with
+intervals and the goals' verdicts; docs/benchmarks.md states the goals.
 """
 
 from __future__ import annotations
@@ -36,10 +10,8 @@ import io
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +19,9 @@ from typing import Any
 import numpy as np
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from lightning_ddp.bench.stats import Estimate, estimate, verdict
+from lightning_ddp import catalogue
+from lightning_ddp.bench.launch import measured_steps, run_interleaved
+from lightning_ddp.bench.stats import Estimate, estimate, interval_text, verdict
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
@@ -72,7 +46,7 @@ class StragglerBenchConfig:
 
     fit_config: str = "configs/quickstart.yaml"
     """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
-    strategies: list[str] = field(default_factory=lambda: ["bucketed_ddp", "ddp"])
+    strategies: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, "ddp"])
     """Values for ``--trainer.strategy``: registered names (``bucketed_ddp``, ``ddp`` ...)."""
     delays_ms: list[float] = field(default_factory=lambda: [0.0, 5.0, 20.0, 50.0])
     """SlowRank delays; 0 runs without SlowRank (the control)."""
@@ -104,7 +78,7 @@ class StragglerBenchConfig:
 
     def __post_init__(self) -> None:
         if not self.strategies:
-            raise ValueError("strategies is empty; e.g. --strategies '[bucketed_ddp, ddp]'")
+            raise ValueError(f"strategies is empty; e.g. --strategies '[{catalogue.DEFAULT_ENGINE}, ddp]'")
         if not self.delays_ms or any(not (d >= 0) for d in self.delays_ms):
             raise ValueError(f"delays_ms must be delays >= 0, got {self.delays_ms}; e.g. --delays_ms '[0, 5, 20, 50]'")
         if 0 not in self.delays_ms:
@@ -122,31 +96,14 @@ class StragglerBenchConfig:
 # ---- one run ---------------------------------------------------------------------------------------------
 
 
-def _fit_command(config: StragglerBenchConfig, strategy: str, delay_ms: float, save_dir: Path) -> list[str]:
-    command = [sys.executable, "-m", "lightning_ddp", "fit", "--config", config.fit_config, *config.fit_args,
-               "--trainer.strategy", strategy, "--trainer.max_steps", str(config.steps),
-               "--timer.warmup_steps", str(config.warmup_steps), "--trainer.enable_progress_bar", "false",
-               "--trainer.logger.init_args.save_dir", str(save_dir)]
+def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
+    arguments = ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
+                 "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
+                 "--trainer.enable_progress_bar", "false"]
     if delay_ms > 0:
-        command += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
-                    str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
-    return command
-
-
-def _run(config: StragglerBenchConfig, strategy: str, delay_ms: float, tmp: Path) -> list[dict[str, float]]:
-    """One fit; its measured steps (rank 0's rows of timing_summary.json after warm-up)."""
-    save_dir = tmp / f"{strategy}_{delay_ms:g}_{time.monotonic_ns()}"
-    command = _fit_command(config, strategy, delay_ms, save_dir)
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=config.timeout_s)
-    if proc.returncode != 0:
-        from lightning_ddp.bench.runner import error_line
-
-        print(proc.stderr[-8000:], file=sys.stderr, flush=True)
-        raise RuntimeError(f"the fit ({strategy}, delay {delay_ms:g} ms) exited {proc.returncode}: "
-                           f"{error_line(proc.stdout + proc.stderr) or 'no error line'}")
-    (summary_file,) = save_dir.rglob("timing_summary.json")
-    summary = json.loads(summary_file.read_text())
-    return summary["steps"][summary["warmup_steps"]:]
+        arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
+                      str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
+    return arguments
 
 
 # ---- statistics ------------------------------------------------------------------------------------------
@@ -210,13 +167,6 @@ def _csv(rows: list[dict[str, Any]], columns: list[str] | tuple[str, ...]) -> st
     return buffer.getvalue()
 
 
-def _interval_text(point: float, lo: float, hi: float, spec: str = ".2f") -> str:
-    if not math.isfinite(point):
-        return "-"
-    bounds = f" [{lo:{spec}}, {hi:{spec}}]" if math.isfinite(lo) and math.isfinite(hi) else ""
-    return f"{point:{spec}}{bounds}"
-
-
 def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
     """results.md: the table with intervals and the goals' verdicts."""
     lines = [
@@ -232,12 +182,12 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
     for row in rows:
         lines.append(
             f"| {row['strategy']} | {row['delay_ms']:g} | "
-            f"{_interval_text(row['wait_ms'], row['wait_ms_lo'], row['wait_ms_hi'])} | "
-            f"{_interval_text(row['transfer_ms'], row['transfer_ms_lo'], row['transfer_ms_hi'])} | "
-            f"{_interval_text(row['lag_ms'], row['lag_ms_lo'], row['lag_ms_hi'])} | "
-            f"{_interval_text(row['rank_spread_ms'], math.nan, math.nan)} | "
+            f"{interval_text(row['wait_ms'], row['wait_ms_lo'], row['wait_ms_hi'], '.2f')} | "
+            f"{interval_text(row['transfer_ms'], row['transfer_ms_lo'], row['transfer_ms_hi'], '.2f')} | "
+            f"{interval_text(row['lag_ms'], row['lag_ms_lo'], row['lag_ms_hi'], '.2f')} | "
+            f"{interval_text(row['rank_spread_ms'], spec='.2f')} | "
             f"{'-' if not math.isfinite(row['straggler_share']) else format(row['straggler_share'], '.0%')} | "
-            f"{_interval_text(row['step_ms'], math.nan, math.nan, '.1f')} | {row['wait_goal'] or '-'} | "
+            f"{interval_text(row['step_ms'], spec='.1f')} | {row['wait_goal'] or '-'} | "
             f"{row['straggler_goal'] or '-'} | {row['transfer_goal'] or '-'} |")
     lines += [
         "",
@@ -254,24 +204,28 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
 
 
 def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
-    """Every (strategy, delay) ``repeats`` times; the files in ``config.out_dir``; the results.csv rows."""
+    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv
+    rows."""
     out = Path(config.out_dir)
     rows: list[dict[str, Any]] = []
     step_rows: list[dict[str, Any]] = []
     delays = sorted(set(config.delays_ms))  # 0 first: the control every other delay is compared with
+    cells = {(strategy, delay): _fit_arguments(config, strategy, delay)
+             for strategy in config.strategies for delay in delays}
+    names = {key: f"{key[0]}, delay {key[1]:g} ms" for key in cells}
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in config.strategies:
-            control = None
-            for delay in delays:
-                runs = []
-                for repeat in range(config.repeats):
-                    print(f"{strategy}, delay {delay:g} ms, repeat {repeat + 1}/{config.repeats}", flush=True)
-                    runs.append(_run(config, strategy, delay, Path(tmp)))
-                    step_rows += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row}
-                                  for row in runs[-1]]
-                row = summarize_cell(config, strategy, delay, runs, control)
-                control = row if delay == 0 else control
-                rows.append(row)
+        logs = run_interleaved({names[key]: arguments for key, arguments in cells.items()}, config.repeats,
+                               Path(tmp), timeout_s=config.timeout_s)
+        # Per cell and repeat, rank 0's measured steps.
+        runs = {key: [measured_steps(log_dir) for log_dir in logs[names[key]]] for key in cells}
+    for strategy in config.strategies:
+        control = None
+        for delay in delays:
+            for repeat, steps in enumerate(runs[(strategy, delay)]):
+                step_rows += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row} for row in steps]
+            row = summarize_cell(config, strategy, delay, runs[(strategy, delay)], control)
+            control = row if delay == 0 else control
+            rows.append(row)
     step_columns = list(dict.fromkeys(key for row in step_rows for key in row))
     environment = {
         **invocation(), "command_line": command, "config": asdict(config),

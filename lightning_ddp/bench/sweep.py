@@ -1,30 +1,8 @@
-"""Run a sweep: every cell repeat in its own processes, interleaved, resumable, then the statistics and the report.
+"""Run a sweep: every cell repeat in its own processes, interleaved round-robin, resumable, then the statistics,
+results.csv, results.md and the plots (``output.report_only``: only those, from the raw files).
 
-Recipe (``run_sweep``):
-
-1. Expand the grid (``grid.expand_grid``); decide the backend and rank placement (``grid.rank_layout``);
-   write ``environment.json`` (versions, hardware, git commit, the full config).
-2. Read ``repeats.csv`` and ``steps.csv`` if they exist: a (cell, repeat) with a row is done and is skipped (with
-   ``output.retry_failed``, only ``ok`` rows count as done). The cell id hashes the cell's whole configuration,
-   so a changed setting reruns the cells it affects; ``run.repeats`` is not in it, so raising it runs only the
-   new repeats.
-3. If an algorithm with buckets is in the grid and ``run.predict_bucket_size`` is on, run the all-reduce
-   microbenchmark once on the same ranks (``bench.allreduce``) unless ``bucket_prediction.json`` exists: it fits
-   the per-call overhead ``o`` and bandwidth ``w``. Once a cell has finished, its model shape gives the gradient
-   bytes ``s`` and the largest parameter, and the predicted best bucket ``b* = sqrt(s * w * o)`` is added.
-4. Run the missing repeats round-robin: repeat 0 of every cell in grid order, then repeat 1 of every cell, ...
-   (a slow drift of the machine then hits every strategy alike). Before each, the load guard (``bench.load``)
-   waits for an idle machine; each repeat is a separate runner call with its own ``runs/<cell_id>/r<k>/``.
-   After each, rewrite ``steps.csv``, then ``repeats.csv`` (the row that marks the repeat done, written last),
-   ``profiles.json``, ``results.csv`` and ``results.md``, each whole and atomically (``lightning_ddp.files``), so a
-   killed sweep keeps every finished repeat and a half-written one is simply run again.
-5. Write ``results.csv`` (``results.cell_row``: pooled medians, bootstrap intervals), ``results.md``
-   (``report.build_report``) and the PNG plots; ``output.report_only`` does only this, from the raw files.
-
-The cell runner is injected (any ``(cell, run_dir) -> CellOutcome``), and so is the load guard, which is how
-tests fake both. The driver itself imports no torch (the cells run in their own processes): the few functions
-that need it (the GPU count, the model's gradient bytes, the bucket-size formula) import torch, the model or
-``sync.bucket_model`` when called.
+The cell runner and the load guard are injected (how the tests fake them); the driver imports no torch.
+docs/benchmarks.md gives the recipe.
 """
 
 from __future__ import annotations
@@ -41,7 +19,8 @@ from typing import Any, Callable
 
 from lightning_ddp.bench.analysis import analyze
 from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
-from lightning_ddp.bench.grid import Cell, RankLayout, every_rank_environment, expand_grid, rank_layout, threads_per_rank
+from lightning_ddp.bench.grid import Cell, expand_grid, sweep_layout, threads_per_rank
+from lightning_ddp.bench.launch import RankLayout, find_free_port, rank_environments, run_processes
 from lightning_ddp.bench.load import LoadCheck, wait_until_idle
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import build_report
@@ -54,15 +33,13 @@ from lightning_ddp.bench.results import (
     read_repeats,
     read_steps,
     repeat_row,
-    write_json_atomically,
     write_repeats,
     write_results,
     write_steps,
-    write_text_atomically,
 )
-from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner, run_processes
+from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner
 from lightning_ddp.bench.stats import Bootstrapper
-from lightning_ddp.local_group import find_free_port
+from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
@@ -115,12 +92,12 @@ def run_sweep(
     log: Callable[[str], None] | None = None,
     load_guard: Callable[[], LoadCheck] | None = None,
 ) -> SweepResult:
-    """Run (or resume) the sweep of ``config``; see the module recipe.
+    """Run (or resume) the sweep of ``config`` (docs/benchmarks.md).
 
     Args:
         config: The sweep.
         runner: Runs one cell repeat; default ``SubprocessCellRunner`` (real ``python -m lightning_ddp fit`` processes).
-        layout: Rank placement; default from ``grid.rank_layout`` and the GPUs visible here.
+        layout: Rank placement; default from ``grid.sweep_layout`` and the GPUs visible here.
         predictor: Runs the all-reduce microbenchmark, returns the fit; default: a job on the sweep's ranks.
         progress: Show a progress bar over the cell repeats.
         log: Where the one-line-per-repeat results go (default: print above the progress bar).
@@ -147,76 +124,31 @@ def run_sweep(
         rows, plots = _write_outputs(config, out_dir, cells, repeats, steps, bootstrap, final=True)
         return SweepResult(out_dir, cells, rows, plots=plots)
 
-    if not Path(config.workload.base_config).is_file():
-        raise ValueError(
-            f"`workload.base_config` {config.workload.base_config!r} not found (relative paths resolve against the "
-            f"current directory, {os.getcwd()}); run from the repository root or give an absolute path"
-        )
-    if layout is None:
-        layout = _default_layout(config)
-    environment = describe_environment(config, layout)
-    environment["sessions"] = _sessions(_read_json(out_dir / ENVIRONMENT_JSON) if repeats else None, environment,
-                                        sum(1 for row in repeats.values() if row["status"] == "ok"))
-    write_text_atomically(out_dir / ENVIRONMENT_JSON, json.dumps(environment, indent=2, default=str) + "\n")
-    if not repeats and (out_dir / RESULTS_CSV).exists():
-        say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
-            "sweep's repeats")
-
-    def done(key: RepeatKey) -> bool:
-        row = repeats.get(key)
-        return row is not None and (row["status"] == "ok" or (bool(row["status"]) and not config.output.retry_failed))
-
+    layout = _start_session(config, out_dir, layout, repeats, say)
     order = repeat_order(cells, config.run.repeats)
-    todo = [(cell, k) for cell, k in order if not done((cell.id, k))]
-    total = len(order)
-    say(f"sweep {config.name!r}: {len(cells)} cells x {config.run.repeats} repeats = {total} cell repeats, "
-        f"{total - len(todo)} already done, {len(todo)} to run; {layout.world_size} ranks over {layout.backend}; "
+    todo = [(cell, k) for cell, k in order if not _done(config, repeats.get((cell.id, k)))]
+    say(f"sweep {config.name!r}: {len(cells)} cells x {config.run.repeats} repeats = {len(order)} cell repeats, "
+        f"{len(order) - len(todo)} already done, {len(todo)} to run; {layout.world_size} ranks over {layout.backend}; "
         f"results in {out_dir}")
-
-    prediction_path = out_dir / PREDICTION_JSON
     wants_prediction = config.run.predict_bucket_size and any(has_bucket_axis(s) for s in config.grid.strategies)
-    if wants_prediction and not prediction_path.exists() and todo:
-        say("measuring all-reduce time vs message size for the bucket-size model ...")
-        fit = (predictor or _run_allreduce_job)(config, layout, out_dir)
-        if fit:
-            write_text_atomically(prediction_path, json.dumps(fit, indent=2) + "\n")
-            bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
-            say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
-        else:
-            say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
+    if wants_prediction and todo:
+        _predict_bucket_size(config, layout, out_dir, predictor, say)
 
     runner = runner or SubprocessCellRunner(config, layout)
     guard = load_guard or (lambda: wait_until_idle(config.run.busy_threshold, config.run.max_wait_s,
                                                    config.run.load_sample_s))
-    profiles_path = out_dir / PROFILES_JSON
-    profiles: dict[str, Any] = _read_json(profiles_path) or {}
+    state = _SweepState(config, out_dir, cells, layout, repeats, steps, bootstrap, wants_prediction)
     ran: list[RepeatKey] = []
-    bar = _progress_bar(total, total - len(todo), progress)
+    bar = _progress_bar(len(order), len(order) - len(todo), progress)
     try:
         for cell, k in todo:
             if bar is not None:
                 bar.set_postfix_str(f"{cell.label}, repeat {k + 1}/{config.run.repeats}")
             load = guard()
-            started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
-            key = (cell.id, k)
-            steps.pop(key, None)
-            if outcome.status == "ok" and outcome.summary:
-                steps[key] = measured_step_rows(cell.id, k, outcome.summary)
-            row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, layout, load,
-                             _load_average(), started_at)
-            repeats[key] = parse_row({c: _text(v) for c, v in row.items()}, REPEAT_COLUMNS)
-            # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
-            write_steps(out_dir / STEPS_CSV, (step for key_ in repeats if key_ in steps for step in steps[key_]))
-            write_repeats(repeats_path, repeats.values())
-            if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
-                profiles[cell.id] = outcome.profile
-                write_json_atomically(profiles_path, profiles)
-            ran.append(key)
-            if outcome.status == "ok" and wants_prediction:
-                _complete_prediction(prediction_path, outcome)
-            _write_outputs(config, out_dir, cells, repeats, steps, bootstrap, final=False)
-            say(_result_line(total - len(todo) + len(ran), total, cell, k, config.run.repeats, outcome, load))
+            outcome = state.run_repeat(runner, cell, k, load)
+            ran.append((cell.id, k))
+            say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, config.run.repeats, outcome,
+                             load))
             if bar is not None:
                 bar.update(1)
     finally:
@@ -228,6 +160,89 @@ def run_sweep(
     return SweepResult(out_dir, cells, rows, ran, plots)
 
 
+def _done(config: SweepConfig, row: dict[str, Any] | None) -> bool:
+    """Whether a repeat with this repeats.csv row is finished (failed ones too, unless ``output.retry_failed``)."""
+    return row is not None and (row["status"] == "ok" or (bool(row["status"]) and not config.output.retry_failed))
+
+
+def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
+                   repeats: dict[RepeatKey, dict[str, Any]], say: Callable[[str], None]) -> RankLayout:
+    """Check the base config, decide the layout and write environment.json (this session added to the earlier)."""
+    if not Path(config.workload.base_config).is_file():
+        raise ValueError(
+            f"`workload.base_config` {config.workload.base_config!r} not found (relative paths resolve against the "
+            f"current directory, {os.getcwd()}); run from the repository root or give an absolute path"
+        )
+    if layout is None:
+        layout = _default_layout(config)
+    environment = describe_environment(config, layout)
+    environment["sessions"] = _sessions(_read_json(out_dir / ENVIRONMENT_JSON) if repeats else None, environment,
+                                        sum(1 for row in repeats.values() if row["status"] == "ok"))
+    write_atomically(out_dir / ENVIRONMENT_JSON, json.dumps(environment, indent=2, default=str) + "\n")
+    if not repeats and (out_dir / RESULTS_CSV).exists():
+        say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
+            "sweep's repeats")
+    return layout
+
+
+def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
+                         predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None,
+                         say: Callable[[str], None]) -> None:
+    """Run the all-reduce microbenchmark once (unless bucket_prediction.json exists) and write its fit."""
+    prediction_path = out_dir / PREDICTION_JSON
+    if prediction_path.exists():
+        return
+    say("measuring all-reduce time vs message size for the bucket-size model ...")
+    fit = (predictor or _run_allreduce_job)(config, layout, out_dir)
+    if not fit:
+        say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
+        return
+    write_atomically(prediction_path, json.dumps(fit, indent=2) + "\n")
+    bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
+    say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
+
+
+@dataclass
+class _SweepState:
+    """What a running sweep keeps between repeats, and how one repeat's results are written."""
+
+    config: SweepConfig
+    out_dir: Path
+    cells: list[Cell]
+    layout: RankLayout
+    repeats: dict[RepeatKey, dict[str, Any]]
+    steps: dict[RepeatKey, list[dict[str, Any]]]
+    bootstrap: Bootstrapper
+    wants_prediction: bool
+
+    def run_repeat(self, runner: CellRunner, cell: Cell, k: int, load: LoadCheck) -> CellOutcome:
+        """Run repeat ``k`` of ``cell``; then steps.csv, repeats.csv (last: it marks the repeat done),
+        profiles.json, results.csv and results.md, each whole and atomically."""
+        config, out_dir = self.config, self.out_dir
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
+        key = (cell.id, k)
+        self.steps.pop(key, None)
+        if outcome.status == "ok" and outcome.summary:
+            self.steps[key] = measured_step_rows(cell.id, k, outcome.summary)
+        row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, self.layout, load,
+                         _load_average(), started_at)
+        self.repeats[key] = parse_row({c: _text(v) for c, v in row.items()}, REPEAT_COLUMNS)
+        # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
+        write_steps(out_dir / STEPS_CSV, (step for key_ in self.repeats if key_ in self.steps
+                                          for step in self.steps[key_]))
+        write_repeats(out_dir / REPEATS_CSV, self.repeats.values())
+        profiles_path = out_dir / PROFILES_JSON
+        profiles: dict[str, Any] = _read_json(profiles_path) or {}
+        if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
+            profiles[cell.id] = outcome.profile
+            write_json_atomically(profiles_path, profiles, default=str)
+        if outcome.status == "ok" and self.wants_prediction:
+            _complete_prediction(out_dir / PREDICTION_JSON, outcome)
+        _write_outputs(config, out_dir, self.cells, self.repeats, self.steps, self.bootstrap, final=False)
+        return outcome
+
+
 # ---- helpers ------------------------------------------------------------------------------------------
 
 
@@ -237,7 +252,7 @@ def _default_layout(config: SweepConfig) -> RankLayout:
         import torch
 
         gpu_count = torch.cuda.device_count()
-    return rank_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def _load_average() -> float | None:
@@ -284,7 +299,7 @@ def _write_outputs(
     prediction = _read_json(out_dir / PREDICTION_JSON)
     environment = _read_json(out_dir / ENVIRONMENT_JSON)
     report = build_report(grid_rows, config.name, prediction, environment, pending, analysis, grid_repeats)
-    write_text_atomically(out_dir / RESULTS_MD, report)
+    write_atomically(out_dir / RESULTS_MD, report)
     if not (final and config.output.plots and grid_rows):
         return grid_rows, []
     predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
@@ -312,7 +327,8 @@ def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, 
     head = f"[{index}/{total}] {cell.label}, repeat {repeat + 1}/{repeats}: {outcome.status}"
     guard = ""
     if load.busy:
-        guard = f"; started on a busy machine ({100 * (load.busy_before or 0):.0f} % CPU busy after {load.waited_s:.0f} s)"
+        busy = 100 * (load.busy_before or 0)
+        guard = f"; started on a busy machine ({busy:.0f} % CPU busy after {load.waited_s:.0f} s)"
     elif load.waited_s >= 1:
         guard = f"; waited {load.waited_s:.0f} s for an idle machine"
     if outcome.status != "ok":
@@ -353,7 +369,8 @@ def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
                "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
-    envs = every_rank_environment(config, layout, find_free_port())
+    envs = rank_environments(layout, find_free_port(), every_rank=True, threads=threads_per_rank(config),
+                             extra=config.run.env)
     logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
     outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
     if any(code != 0 for code in outcome.returncodes) or not result_path.exists():
@@ -395,8 +412,9 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     except (KeyError, TypeError, ValueError):  # not a LitGPT (a custom module): no prediction
         return
     w = fit.get("bandwidth_Bps") or float("inf")
-    fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=optimal_bucket_bytes(s, fit["overhead_s"], w, largest))
-    write_text_atomically(path, json.dumps(fit, indent=2) + "\n")
+    bucket = optimal_bucket_bytes(s, fit["overhead_s"], w, largest)
+    fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=bucket)
+    write_atomically(path, json.dumps(fit, indent=2) + "\n")
 
 
 # ---- environment.json ---------------------------------------------------------------------------------

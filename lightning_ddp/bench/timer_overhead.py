@@ -1,24 +1,6 @@
-"""What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every 50th step,
-alternated in one command.
-
-    python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml --out benchmarks/results/cpu
-
-Arguments after ``--`` go to every fit (``-- --trainer.accelerator cuda``).
-
-The arms (``ARMS``): ``off`` (``--timer.enabled false``), ``every step`` (``--timer.every_n_steps 1``, what the
-benchmarks use) and ``every N steps`` (``--timer.every_n_steps N``, default 50, the CLI's default cadence: a step
-that is not sampled should cost nothing). Each repeat runs every arm once, in that order, so slow drifts of a shared
-machine hit them alike. Every step's wall time is taken by ``StepWallTimes``, a callback present in every run that
-only reads ``time.perf_counter()`` at the end of each training batch, with no synchronisation of its own: on CUDA a
-per-step ``torch.cuda.synchronize()`` in the *measuring* callback would drain the GPU in every arm and hide exactly
-the cost of the timer's own synchronize. Over many steps the host cannot run further ahead than the queue allows, so
-the host deltas average to the device's step time; the window's total (end of the warm-up to the end of training,
-after one final synchronize) is reported too. Per arm, the overhead is ``median(step | arm) / median(step | off) -
-1`` over the steps after ``warmup``, pooled over the repeats, with a 95 % interval (bootstrap over repeats, then
-steps) and a verdict against the goal of under 2 %: on 2 shared cores two repeats once gave +12 % and four the next
-minute -0.1 %, so read the interval, not the point. The median of a sampled arm is the cost of the steps it does not
-measure (the measured ones are 1 in N); the whole-run mean spreads the measured steps' cost over all steps, so run
-at least ``2 N`` steps (``--steps``) for it to include some.
+"""What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every Nth step,
+alternated in one command (``python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml``).
+Arguments after ``--`` go to every fit; docs/benchmarks.md says how the step times are taken.
 """
 
 from __future__ import annotations
@@ -27,7 +9,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,15 +19,18 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
-from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
+from lightning_ddp.bench.launch import run_interleaved
+from lightning_ddp.bench.stats import interval_text, pooled_median, ratio_estimate, verdict
 from lightning_ddp.files import write_atomically
 
 
 class StepWallTimes(Callback):
-    """Rank 0 writes the host time between consecutive training-batch ends to ``path`` (JSON list, in ms), and
-    as its last entry the mean step of the whole run after one final synchronize (the window's throughput)."""
+    """Rank 0 writes the host time between consecutive training-batch ends (ms) and the whole window's time after
+    one final synchronize as JSON to ``path`` (default: ``FILE`` in the trainer's log directory)."""
 
-    def __init__(self, path: str) -> None:
+    FILE = "step_wall_times.json"
+
+    def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.times_ms: list[float] = []
         self._first: float | None = None
@@ -65,7 +49,8 @@ class StepWallTimes(Callback):
             torch.cuda.synchronize()  # once: the queued tail belongs to the window
         if trainer.is_global_zero and self._first is not None and self.times_ms:
             window_ms = (time.perf_counter() - self._first) * 1e3
-            Path(self.path).write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
+            path = Path(self.path or Path(trainer.log_dir) / self.FILE)
+            path.write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
 
 
 SAMPLED_EVERY = 50
@@ -86,34 +71,22 @@ def arms(sampled_every: int) -> dict[str, list[str]]:
 
 def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str],
             sampled_every: int = SAMPLED_EVERY) -> dict:
-    arm_args = arms(sampled_every)
-    runs: dict[str, list[list[float]]] = {arm: [] for arm in arm_args}  # per repeat, the measured steps
-    windows: dict[str, list[float]] = {arm: [] for arm in arm_args}  # mean step over each whole run
+    """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) and the settings."""
+    cells = {f"timer {arm}": [
+        "--config", config, *extra, "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+        *timer_args,
+        # No validation inside the measured window (the quickstart validates at step 40).
+        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
+    ] for arm, timer_args in arms(sampled_every).items()}
+    runs: dict[str, list[list[float]]] = {}  # per arm and repeat, the measured steps
+    windows: dict[str, list[float]] = {}  # per arm, the mean step over each whole run
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(repeats):
-            for index, (arm, timer_args) in enumerate(arm_args.items()):
-                out = Path(tmp) / f"arm{index}_{repeat}.json"
-                command = [
-                    sys.executable, "-m", "lightning_ddp", "fit", "--config", config, *extra,
-                    "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false", *timer_args,
-                    # No validation inside the measured window (the quickstart validates at step 40).
-                    "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-                    "--trainer.logger.init_args.save_dir", str(Path(tmp) / "logs"),
-                    "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
-                    "--trainer.callbacks.path", str(out),
-                ]
-                print(f"repeat {repeat + 1}/{repeats}, timer {arm}", flush=True)
-                proc = subprocess.run(command, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    from lightning_ddp.bench.runner import error_line
-
-                    # The fit's own error, not the (long) command line CalledProcessError would show.
-                    print(proc.stderr[-8000:], file=sys.stderr, flush=True)
-                    raise RuntimeError(f"the fit with the timer {arm} exited {proc.returncode}: "
-                                       f"{error_line(proc.stdout + proc.stderr) or 'no error line'}")
-                measured = json.loads(out.read_text())
-                runs[arm].append(measured["steps_ms"][warmup:])
-                windows[arm].append(measured["window_ms"] / len(measured["steps_ms"]))
+        logs = run_interleaved(cells, repeats, Path(tmp))
+        for arm in arms(sampled_every):
+            measured = [json.loads((log_dir / StepWallTimes.FILE).read_text()) for log_dir in logs[f"timer {arm}"]]
+            runs[arm] = [m["steps_ms"][warmup:] for m in measured]
+            windows[arm] = [m["window_ms"] / len(m["steps_ms"]) for m in measured]
     return summarize(runs, windows) | {"config": config, "extra_args": extra, "steps": steps, "warmup": warmup,
                                        "repeats": repeats, "sampled_every": sampled_every,
                                        "torch": torch.__version__, "cpu_count": os.cpu_count()}
@@ -161,8 +134,8 @@ def format_table(result: dict) -> str:
         if arm == "off":
             lines.append(f"| off | {data['median_step_ms']:.2f} | | | {data['window_mean_step_ms']:.2f} | |")
             continue
-        lines.append(f"| {arm} | {data['median_step_ms']:.2f} | {data['overhead'] * 100:+.2f} % "
-                     f"[{data['overhead_lo'] * 100:+.2f}, {data['overhead_hi'] * 100:+.2f}] | {data['verdict']} | "
+        overhead = interval_text(data["overhead"], data["overhead_lo"], data["overhead_hi"], "+.2f", 100, " %")
+        lines.append(f"| {arm} | {data['median_step_ms']:.2f} | {overhead} | {data['verdict']} | "
                      f"{data['window_mean_step_ms']:.2f} | {data['window_overhead'] * 100:+.2f} % |")
     return "\n".join(lines)
 
@@ -185,9 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--sampled_every must be >= 2 (1 is the every-step arm already), got {args.sampled_every}")
     extra = fit_arguments(args.fit_args)
     result = measure(args.config, args.steps, args.warmup, args.repeats, extra, args.sampled_every)
-    line = (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: {result['overhead_lo'] * 100:+.2f}, "
+    line = (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
+            f"{result['overhead_lo'] * 100:+.2f}, "
             f"{result['overhead_hi'] * 100:+.2f}] (median step {result['median_step_ms_timer_off']:.1f} ms "
-            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over whole runs "
+            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over "
+            "whole runs "
             f"{result['window_overhead'] * 100:+.2f} % ({result['window_mean_step_ms_timer_off']:.1f} vs "
             f"{result['window_mean_step_ms_timer_on']:.1f} ms mean step)")
     table = format_table(result)

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.bench import runner as runner_module
+from lightning_ddp.bench import launch as launch_module
 from lightning_ddp.bench.__main__ import parse_config
 from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig
-from lightning_ddp.bench.grid import RankLayout, cell_command, expand_grid, rank_environments, rank_layout
+from lightning_ddp.bench.grid import cell_command, cell_environments, expand_grid, sweep_layout
+from lightning_ddp.bench.launch import RankLayout, error_line, run_processes
 from lightning_ddp.bench.load import LoadCheck, busy_fraction, read_proc_stat, wait_until_idle
-from lightning_ddp.bench.report import analyze, build_report
+from lightning_ddp.bench.analysis import analyze
+from lightning_ddp.bench.report import build_report
 from lightning_ddp.bench.results import (
     REPEAT_COLUMNS,
     RESULT_COLUMNS,
@@ -32,7 +34,7 @@ from lightning_ddp.bench.results import (
     read_steps,
     repeat_row,
 )
-from lightning_ddp.bench.runner import CellOutcome, SubprocessCellRunner, classify, error_line, run_processes
+from lightning_ddp.bench.runner import CellOutcome, SubprocessCellRunner, classify
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.sweep import gradient_bytes, run_sweep
 from tests.support.cli_utils import REPO, repo_first_on_path
@@ -46,7 +48,7 @@ WARMUP = 2  # warm-up steps in every fake timing_summary.json
 def sweep_config(tmp_path: Path, repeats: int = 2, **grid) -> SweepConfig:
     """A small grid writing to tmp_path, with the all-reduce job and the load guard off (the runner is faked)."""
     return SweepConfig(
-        grid=GridConfig(**{"strategies": ["naive", "bucketed"], "batch_sizes": [2], "context_lengths": [32, 64],
+        grid=GridConfig(**{"strategies": ["naive_ddp", "bucketed_ddp"], "batch_sizes": [2], "context_lengths": [32, 64],
                            "bucket_sizes_mb": [1.0, "auto"], **grid}),
         workload=WorkloadConfig(base_config=QUICKSTART),
         run=RunConfig(predict_bucket_size=False, repeats=repeats, load_sample_s=0.0),
@@ -109,8 +111,8 @@ def test_cpu_config_grid_counts() -> None:
     sweep = parse_config(["--config", str(REPO / "configs" / "bench" / "cpu.yaml")])
     cells = expand_grid(sweep)
     groups = len(sweep.grid.batch_sizes) * len(sweep.grid.context_lengths) * len(sweep.grid.precisions)
-    # per group: reference + naive + flat + overlap + ddp + fsdp2 + one cell per bucket size (4 sizes + auto) for each of
-    # bucketed and bucketed_bf16
+    # per group: reference + naive_ddp + flat_ddp + overlap_ddp + ddp + fsdp2 + one cell per bucket size (4 sizes + auto) for each of
+    # bucketed_ddp and bucketed_bf16_ddp
     assert len(cells) == groups * (6 + 2 * len(sweep.grid.bucket_sizes_mb)) == 4 * 16
     assert "auto" in sweep.grid.bucket_sizes_mb
     # 6 repeats: best bucket size chosen on 0, 2, 4 and measured on 1, 3, 5; uniform random tokens, not the
@@ -128,7 +130,7 @@ def test_xl_gpu_config_is_the_study_grid() -> None:
 
 
 def test_empty_grid_is_an_error_that_names_the_fix(capsys) -> None:
-    with pytest.raises(ValueError, match=r"the sweep has no cells: `strategies` is empty; list at least one of naive"):
+    with pytest.raises(ValueError, match=r"the sweep has no cells: `strategies` is empty; list at least one of naive_ddp"):
         GridConfig(strategies=[])
     # ...and on the command line: exit 2, the message, no traceback.
     with pytest.raises(SystemExit) as exit_info:
@@ -140,10 +142,10 @@ def test_empty_grid_is_an_error_that_names_the_fix(capsys) -> None:
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: GridConfig(strategies=["nccl_magic"]), "unknown strategy 'nccl_magic'.*choose from naive"),
+        (lambda: GridConfig(strategies=["nccl_magic"]), "unknown strategy 'nccl_magic'.*choose from naive_ddp"),
         (lambda: GridConfig(batch_sizes=[]), "`batch_sizes` is empty"),
         (lambda: GridConfig(context_lengths=[0]), "integers >= 1"),
-        (lambda: GridConfig(bucket_sizes_mb=[]), "`bucketed` is in `grid.strategies` but `grid.bucket_sizes_mb` is empty"),
+        (lambda: GridConfig(bucket_sizes_mb=[]), "`bucketed_ddp` is in `grid.strategies` but `grid.bucket_sizes_mb` is empty"),
         (lambda: GridConfig(bucket_sizes_mb=[-1.0]), "sizes > 0"),
         (lambda: GridConfig(precisions=["fp8"]), "unknown precision 'fp8'"),
         (lambda: RunConfig(devices=1), "reference is added"),
@@ -180,20 +182,20 @@ def test_help_documents_every_field(capsys) -> None:
 
 
 def test_grid_always_has_ddp_and_reference_and_buckets_only_for_bucketed(tmp_path) -> None:
-    config = sweep_config(tmp_path)  # naive + bucketed (1 MiB, auto), 1 batch size x 2 context lengths
+    config = sweep_config(tmp_path)  # naive_ddp + bucketed_ddp (1 MiB, auto), 1 batch size x 2 context lengths
     cells = expand_grid(config)
-    # per group: reference, naive, bucketed 1, bucketed auto, ddp = 5; 2 groups
+    # per group: reference, naive_ddp, bucketed_ddp 1, bucketed_ddp auto, ddp = 5; 2 groups
     assert len(cells) == 10
     for context in (32, 64):
         group = [c for c in cells if c.context_length == context]
         assert [(c.strategy, c.bucket_size_mb) for c in group] == [
-            ("reference", None), ("naive", None), ("bucketed", 1.0), ("bucketed", "auto"), ("ddp", None)]
-    assert all((c.bucket_size_mb is not None) == (c.strategy == "bucketed") for c in cells)
+            ("reference", None), ("naive_ddp", None), ("bucketed_ddp", 1.0), ("bucketed_ddp", "auto"), ("ddp", None)]
+    assert all((c.bucket_size_mb is not None) == (c.strategy == "bucketed_ddp") for c in cells)
     assert {c.world_size for c in cells if c.strategy == "reference"} == {1}
     assert {c.world_size for c in cells if c.strategy != "reference"} == {2}
-    # without bucketed the bucket sizes are ignored; ddp/reference listed explicitly are not duplicated
-    cells = expand_grid(sweep_config(tmp_path, strategies=["ddp", "reference", "flat"]))
-    assert [c.strategy for c in cells[:3]] == ["reference", "ddp", "flat"] and len(cells) == 6
+    # without bucketed_ddp the bucket sizes are ignored; ddp/reference listed explicitly are not duplicated
+    cells = expand_grid(sweep_config(tmp_path, strategies=["ddp", "reference", "flat_ddp"]))
+    assert [c.strategy for c in cells[:3]] == ["reference", "ddp", "flat_ddp"] and len(cells) == 6
 
 
 def test_cell_ids_are_stable_unique_and_follow_what_is_measured(tmp_path) -> None:
@@ -201,7 +203,7 @@ def test_cell_ids_are_stable_unique_and_follow_what_is_measured(tmp_path) -> Non
     ids = [c.id for c in expand_grid(config)]
     assert ids == [c.id for c in expand_grid(sweep_config(tmp_path))]  # same config, same ids
     assert len(set(ids)) == len(ids)
-    assert ids[2].startswith("bucketed-1mb-b2-t32-32-true-") and ids[3].startswith("bucketed-auto-b2-t32-")
+    assert ids[2].startswith("bucketed_ddp-1mb-b2-t32-32-true-") and ids[3].startswith("bucketed_ddp-auto-b2-t32-")
     # Where results go and how long a cell may take do not change what it measures...
     config.output.out_dir, config.run.timeout_s, config.run.launcher = "/elsewhere", 5.0, "lightning"
     # ...nor do the number of repeats and the load guard (raising the repeats runs only the new ones)...
@@ -215,7 +217,7 @@ def test_cell_ids_are_stable_unique_and_follow_what_is_measured(tmp_path) -> Non
 def test_cell_command_sets_the_axes_and_the_strategy(tmp_path) -> None:
     config = sweep_config(tmp_path)
     cells = {(c.strategy, c.bucket_size_mb, c.context_length): c for c in expand_grid(config)}
-    command = cell_command(cells[("bucketed", 1.0, 64)], config, CPU_LAYOUT, tmp_path / "run")
+    command = cell_command(cells[("bucketed_ddp", 1.0, 64)], config, CPU_LAYOUT, tmp_path / "run")
     assert command[1:5] == ["-m", "lightning_ddp", "fit", "--config"]
     args = dict(zip(command[4::2], command[5::2]))  # flag/value pairs after `fit`
     assert args["--data.batch_size"] == "2" and args["--data.seq_len"] == "64" and args["--model.context_length"] == "64"
@@ -225,7 +227,7 @@ def test_cell_command_sets_the_axes_and_the_strategy(tmp_path) -> None:
     assert args["--trainer.limit_val_batches"] == "0" and args["--trainer.num_sanity_val_steps"] == "0"
     assert json.loads(args["--trainer.strategy"]) == {
         "class_path": "lightning_ddp.strategies.GradSyncStrategy",
-        "init_args": {"algorithm": "bucketed", "process_group_backend": "gloo", "bucket_size_mb": 1.0},
+        "init_args": {"algorithm": "bucketed_ddp", "process_group_backend": "gloo", "bucket_size_mb": 1.0},
     }
     assert json.loads(args["--trainer.logger"])["init_args"]["save_dir"] == str(tmp_path / "run")
     reference_command = cell_command(cells[("reference", None, 64)], config, CPU_LAYOUT, tmp_path)
@@ -234,19 +236,19 @@ def test_cell_command_sets_the_axes_and_the_strategy(tmp_path) -> None:
 
 
 def test_sharded_strategies_are_sweep_cells_and_zero2_has_a_bucket_axis(tmp_path) -> None:
-    config = sweep_config(tmp_path, strategies=["zero1", "zero2"])  # bucket sizes 1 MiB and auto
+    config = sweep_config(tmp_path, strategies=["zero1_ddp", "zero2_ddp"])  # bucket sizes 1 MiB and auto
     group = [c for c in expand_grid(config) if c.context_length == 32]
-    # zero1's reduce_scatter schedule has no buckets; zero2 reduces buckets to their owners: one cell per size.
+    # zero1_ddp's reduce_scatter schedule has no buckets; zero2_ddp reduces buckets to their owners: one cell per size.
     assert [(c.strategy, c.bucket_size_mb) for c in group] == [
-        ("reference", None), ("zero1", None), ("zero2", 1.0), ("zero2", "auto"), ("ddp", None)]
+        ("reference", None), ("zero1_ddp", None), ("zero2_ddp", 1.0), ("zero2_ddp", "auto"), ("ddp", None)]
     strategies = {}
     for cell in group[1:3]:
         command = cell_command(cell, config, CPU_LAYOUT, tmp_path / cell.id)
         strategies[cell.strategy] = json.loads(dict(zip(command[4::2], command[5::2]))["--trainer.strategy"])
     assert strategies == {
-        "zero1": {"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
+        "zero1_ddp": {"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
                   "init_args": {"schedule": "reduce_scatter", "process_group_backend": "gloo"}},
-        "zero2": {"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
+        "zero2_ddp": {"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
                   "init_args": {"bucket_size_mb": 1.0, "process_group_backend": "gloo"}},
     }
 
@@ -254,7 +256,7 @@ def test_sharded_strategies_are_sweep_cells_and_zero2_has_a_bucket_axis(tmp_path
 def test_rank_layout_picks_the_backend() -> None:
     def layout(accelerator="cuda", backend="auto", launcher="ranks", gpus=0, visible=None):
         config = SweepConfig(run=RunConfig(accelerator=accelerator, backend=backend, launcher=launcher))
-        return rank_layout(config, gpus, visible)
+        return sweep_layout(config, gpus, visible)
 
     assert layout("cpu") == RankLayout("gloo", 2, 1)
     assert layout(gpus=2) == RankLayout("nccl", 2, 1) and layout(gpus=8).backend == "nccl"
@@ -273,17 +275,17 @@ def test_rank_environments(tmp_path) -> None:
     config = sweep_config(tmp_path)
     cells = {c.strategy: c for c in expand_grid(config)}
     parent = {"PATH": "/bin", "SLURM_NTASKS": "8", "RANK": "5", "TORCHELASTIC_RUN_ID": "x"}
-    envs = rank_environments(cells["naive"], config, CPU_LAYOUT, 12345, parent)
+    envs = cell_environments(cells["naive_ddp"], config, CPU_LAYOUT, 12345, parent)
     assert [(e["RANK"], e["LOCAL_RANK"], e["NODE_RANK"], e["WORLD_SIZE"], e["MASTER_PORT"]) for e in envs] == [
         ("0", "0", "0", "2", "12345"), ("1", "1", "0", "2", "12345")]
     assert all("SLURM_NTASKS" not in e and "TORCHELASTIC_RUN_ID" not in e and e["PATH"] == "/bin" for e in envs)
     # the reference: one process without launcher variables, the same threads as a rank
-    (reference,) = rank_environments(cells["reference"], config, CPU_LAYOUT, 12345, parent)
+    (reference,) = cell_environments(cells["reference"], config, CPU_LAYOUT, 12345, parent)
     assert "MASTER_PORT" not in reference and "RANK" not in reference
     assert reference["OMP_NUM_THREADS"] == envs[0]["OMP_NUM_THREADS"]
     # shared GPU: every rank a node of one device, its own CUDA_VISIBLE_DEVICES
     shared = RankLayout("gloo", 1, 2, ("0", "0"))
-    envs = rank_environments(cells["naive"], config, shared, 1, parent)
+    envs = cell_environments(cells["naive_ddp"], config, shared, 1, parent)
     assert [(e["NODE_RANK"], e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "0", "0"), ("1", "0", "0")]
 
 
@@ -308,7 +310,7 @@ def test_csv_schemas_are_exactly_these_columns() -> None:
 
 
 def test_a_cells_row_pools_the_measured_steps_of_its_repeats(tmp_path) -> None:
-    cell = next(c for c in expand_grid(sweep_config(tmp_path)) if c.strategy == "bucketed")
+    cell = next(c for c in expand_grid(sweep_config(tmp_path)) if c.strategy == "bucketed_ddp")
     repeat_rows, step_rows = [], []
     for k, steps in enumerate([[100.0, 110.0, 120.0, 130.0], [140.0, 150.0, 160.0, 170.0]]):
         outcome = CellOutcome("ok", "", fake_summary(steps, share=0.25), 7.5)
@@ -358,7 +360,7 @@ def test_the_sweep_writes_raw_and_aggregate_files(tmp_path) -> None:
 
 
 def test_profiles_json_keeps_the_first_ok_repeats_compute_profile(tmp_path) -> None:
-    config = sweep_config(tmp_path, strategies=["naive"], context_lengths=[32])  # reference, naive, ddp
+    config = sweep_config(tmp_path, strategies=["naive_ddp"], context_lengths=[32])  # reference, naive_ddp, ddp
 
     def runner(cell, run_dir):
         k = int(run_dir.name[1:])
@@ -370,7 +372,7 @@ def test_profiles_json_keeps_the_first_ok_repeats_compute_profile(tmp_path) -> N
     cells = {c.strategy: c.id for c in expand_grid(config)}
     # repeat 0's profile (forward 10 ms, not repeat 1's 11 ms); ddp wrote none and is left out
     assert profiles == {cells["reference"]: {"forward_ms": 10.0, "grad_ready_ms": {"w": 1.0}},
-                        cells["naive"]: {"forward_ms": 10.0, "grad_ready_ms": {"w": 1.0}}}
+                        cells["naive_ddp"]: {"forward_ms": 10.0, "grad_ready_ms": {"w": 1.0}}}
 
 
 # ---- the sweep with a fake cell runner --------------------------------------------------------------------
@@ -433,16 +435,16 @@ def test_resume_runs_only_the_missing_repeats(tmp_path) -> None:
 
 
 def test_failed_repeats_are_kept_and_retried_only_when_asked(tmp_path) -> None:
-    config = sweep_config(tmp_path, strategies=["naive"], context_lengths=[32])  # reference, naive, ddp
+    config = sweep_config(tmp_path, strategies=["naive_ddp"], context_lengths=[32])  # reference, naive_ddp, ddp
 
     def runner(cell, run_dir):
-        if cell.strategy == "naive" and run_dir.name == "r1":
+        if cell.strategy == "naive_ddp" and run_dir.name == "r1":
             return CellOutcome("failed", "rank 0 (exit code 1): RuntimeError: bad")
         return CellOutcome("ok", "", fake_summary(100.0), 1.0)
 
     run_fake(config, runner)
-    naive = next(c for c in expand_grid(config) if c.strategy == "naive")
-    row = read_results(tmp_path / "sweep" / "results.csv")[naive.id]
+    naive_ddp = next(c for c in expand_grid(config) if c.strategy == "naive_ddp")
+    row = read_results(tmp_path / "sweep" / "results.csv")[naive_ddp.id]
     # one ok repeat is enough for statistics; the reason says which repeat failed and how many
     assert row["status"] == "ok" and row["repeats_ok"] == 1 and row["repeats_run"] == 2 and row["measured_steps"] == 4
     assert row["reason"] == "r1: failed: rank 0 (exit code 1): RuntimeError: bad (1 of 2 repeats not ok)"
@@ -450,22 +452,22 @@ def test_failed_repeats_are_kept_and_retried_only_when_asked(tmp_path) -> None:
     config.output.retry_failed = True
     retry = FakeRunner()
     run_fake(config, retry)
-    assert retry.calls == [(naive.id, 1)]
-    assert read_results(tmp_path / "sweep" / "results.csv")[naive.id]["repeats_ok"] == 2
+    assert retry.calls == [(naive_ddp.id, 1)]
+    assert read_results(tmp_path / "sweep" / "results.csv")[naive_ddp.id]["repeats_ok"] == 2
 
 
 def test_failing_cells_get_rows_and_the_sweep_goes_on(tmp_path) -> None:
     config = sweep_config(tmp_path)
     runner = FakeRunner({
-        "naive": CellOutcome("oom", "rank 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
-        "bucketed": CellOutcome("timeout", "no result after 600 s"),
+        "naive_ddp": CellOutcome("oom", "rank 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        "bucketed_ddp": CellOutcome("timeout", "no result after 600 s"),
         "ddp": CellOutcome("failed", "rank 0 (exit code 1): RuntimeError: bad"),
     })
     result = run_fake(config, runner)
     assert len(runner.calls) == 2 * len(expand_grid(config))  # every repeat of every cell was attempted
     by_strategy = {r["strategy"]: r for r in result.rows}
-    assert by_strategy["naive"]["status"] == "oom" and "out of memory" in by_strategy["naive"]["reason"]
-    assert by_strategy["bucketed"]["status"] == "timeout"
+    assert by_strategy["naive_ddp"]["status"] == "oom" and "out of memory" in by_strategy["naive_ddp"]["reason"]
+    assert by_strategy["bucketed_ddp"]["status"] == "timeout"
     assert by_strategy["ddp"]["status"] == "failed" and by_strategy["ddp"]["step_ms_median"] is None
     assert by_strategy["reference"]["status"] == "ok"
     report = (tmp_path / "sweep" / "results.md").read_text()
@@ -519,7 +521,7 @@ def test_error_line_finds_the_last_meaningful_line() -> None:
 
 
 def test_run_processes_kills_on_timeout_and_after_a_peer_fails(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(runner_module, "_GRACE_S", 0.5)
+    monkeypatch.setattr(launch_module, "_GRACE_S", 0.5)
     sleep = [sys.executable, "-c", "import os, sys, time; sys.exit(int(os.environ['CODE'])) if os.environ['CODE'] != 'sleep' else time.sleep(60)"]
     env = dict(os.environ)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
@@ -552,13 +554,13 @@ def test_a_real_cell_with_an_invalid_option_fails_with_its_error_line(tmp_path) 
 
 
 def selection_sweep(tmp_path, repeats: int):
-    """bucketed at 1 and 4 MiB, ddp and the reference in one group. 1 MiB is lucky on the even repeats (80 ms) and
+    """bucketed_ddp at 1 and 4 MiB, ddp and the reference in one group. 1 MiB is lucky on the even repeats (80 ms) and
     slow on the odd ones (120 ms); 4 MiB is 95 ms always, ddp 100 ms, the reference 60 ms."""
-    config = sweep_config(tmp_path, repeats=repeats, strategies=["bucketed"], context_lengths=[64],
+    config = sweep_config(tmp_path, repeats=repeats, strategies=["bucketed_ddp"], context_lengths=[64],
                           bucket_sizes_mb=[1.0, 4.0])
 
     def step_ms(cell, k):
-        if cell.strategy == "bucketed":
+        if cell.strategy == "bucketed_ddp":
             return (80.0 if k % 2 == 0 else 120.0) if cell.bucket_size_mb == 1.0 else 95.0
         return {"ddp": 100.0, "reference": 60.0}[cell.strategy]
 
@@ -570,17 +572,17 @@ def test_the_best_bucket_size_is_chosen_on_even_repeats_and_measured_on_odd_ones
     rows = {(r["strategy"], r["bucket_size_mb"]): r for r in result.rows}
     # Over all repeats 4 MiB looks best (95 ms; 1 MiB pools 4 x 80 and 4 x 120 -> 100 ms), and on the selection
     # repeat alone 1 MiB looks best (80 ms): picking and reporting the in-sample minimum would say 80 / 100 = 0.8.
-    assert rows[("bucketed", 1.0)]["step_ms_median"] == 100.0 and rows[("bucketed", 4.0)]["step_ms_median"] == 95.0
+    assert rows[("bucketed_ddp", 1.0)]["step_ms_median"] == 100.0 and rows[("bucketed_ddp", 4.0)]["step_ms_median"] == 95.0
     report = (tmp_path / "sweep" / "results.md").read_text()
     # chosen on repeat 0 (80 < 95), measured on repeat 1: 120 ms; 120 / 100 = 1.2 > 1 in every draw: missed
-    assert "| 32-true | 2 | 64 | bucketed | 1 MiB, best of 2 on 0 | 80.0 ms | repeats 1: 120.0 ms [120.0, 120.0] |" in report
-    assert ("| 1. bucketed (best) step time / ddp step time | 1.200 [1.200, 1.200] | 1 | **missed** | best size 1 MiB "
+    assert "| 32-true | 2 | 64 | bucketed_ddp | 1 MiB, best of 2 on 0 | 80.0 ms | repeats 1: 120.0 ms [120.0, 120.0] |" in report
+    assert ("| 1. bucketed_ddp (best) step time / ddp step time | 1.200 [1.200, 1.200] | 1 | **missed** | best size 1 MiB "
             "(chosen on repeats 0) |") in report
     # goal 3 from the same evaluation repeat: 120 / max(reference 60, busy 10) = 2.0
     assert "| 2.000 [2.000, 2.000] | 1.1 | **missed** |" in report
     assert "chosen on the *selection* repeats (even indices 0, 2, 4, ...)" in report  # and results.md says so
     # the table shows every cell over all its repeats (1 MiB pools to 100 ms); the selected size is bold
-    assert "| bucketed 1 MiB | **100.0 ms [80.0, 120.0] (20.0 % [20.0, 20.0])** |" in report
+    assert "| bucketed_ddp 1 MiB | **100.0 ms [80.0, 120.0] (20.0 % [20.0, 20.0])** |" in report
 
 
 def test_with_one_repeat_the_choice_is_in_sample_and_its_goals_inconclusive(tmp_path) -> None:
@@ -588,9 +590,9 @@ def test_with_one_repeat_the_choice_is_in_sample_and_its_goals_inconclusive(tmp_
     report = (tmp_path / "sweep" / "results.md").read_text()
     # 80 / 100 = 0.8 would be "met", but it was chosen and measured on the same repeat
     assert "| 1 MiB, best of 2 on 0 | 80.0 ms | in-sample, repeats 0: 80.0 ms [80.0, 80.0] |" in report
-    assert ("| 1. bucketed (best) step time / ddp step time | 0.800 [0.800, 0.800] | 1 | inconclusive | best size 1 MiB, "
+    assert ("| 1. bucketed_ddp (best) step time / ddp step time | 0.800 [0.800, 0.800] | 1 | inconclusive | best size 1 MiB, "
             "in-sample (no evaluation repeat) |") in report
-    assert "**0 met, 0 missed, 2 inconclusive, 2 not measurable**" in report  # goals 1 and 3; goal 2 has no naive
+    assert "**0 met, 0 missed, 2 inconclusive, 2 not measurable**" in report  # goals 1 and 3; goal 2 has no naive_ddp
 
 
 def _study(cells: list[tuple], context: int = 64) -> tuple[list, list, list]:
@@ -618,76 +620,77 @@ def _report(repeat_rows, step_rows) -> str:
 
 
 def test_verdicts_met_missed_inconclusive_and_not_measurable_in_results_md() -> None:
-    # Group ctx 64: bucketed (1 MiB) 90 ms on both repeats, ddp 100: 0.9 in every draw -> met.
-    # Overlap share 0.15 / naive 0.6 = 0.25 and bucketed 0.1 / 0.6 = 0.167 <= 1/3 -> met, met.
+    # Group ctx 64: bucketed_ddp (1 MiB) 90 ms on both repeats, ddp 100: 0.9 in every draw -> met.
+    # Overlap share 0.15 / naive_ddp 0.6 = 0.25 and bucketed_ddp 0.1 / 0.6 = 0.167 <= 1/3 -> met, met.
     # Goal 3: 90 / reference, whose repeats are 80 and 84 ms: draws 90/80, 90/82, 90/84 = 1.125, 1.098, 1.071 around
     # 1.10 -> inconclusive (point 90 / 82 = 1.098, the pooled median of 4 x 80 and 4 x 84 being 82).
     g64 = _study([("reference", "", [[80.0] * 4, [84.0] * 4], 0.0, 0.0),
-                  ("naive", "", [[150.0] * 4] * 2, 0.6, 60.0),
-                  ("overlap", "", [[110.0] * 4] * 2, 0.15, 60.0),
-                  ("bucketed", 1.0, [[90.0] * 4] * 2, 0.1, 50.0),
+                  ("naive_ddp", "", [[150.0] * 4] * 2, 0.6, 60.0),
+                  ("overlap_ddp", "", [[110.0] * 4] * 2, 0.15, 60.0),
+                  ("bucketed_ddp", 1.0, [[90.0] * 4] * 2, 0.1, 50.0),
                   ("ddp", "", [[100.0] * 4] * 2, 0.1, 50.0)])
-    # Group ctx 128: bucketed 90 / ddp 80 = 1.125 -> missed; no naive, no reference: 3 goals not measurable.
-    g128 = _study([("bucketed", 1.0, [[90.0] * 4] * 2, 0.1, 50.0), ("ddp", "", [[80.0] * 4] * 2, 0.1, 50.0)], context=128)
+    # Group ctx 128: bucketed_ddp 90 / ddp 80 = 1.125 -> missed; no naive_ddp, no reference: 3 goals not measurable.
+    g128 = _study([("bucketed_ddp", 1.0, [[90.0] * 4] * 2, 0.1, 50.0), ("ddp", "", [[80.0] * 4] * 2, 0.1, 50.0)], context=128)
     report = _report(g64[0] + g128[0], g64[1] + g128[1])
     assert "**3 met, 1 missed, 1 inconclusive, 3 not measurable**" in report
-    assert "| 64 | 1. bucketed (best) step time / ddp step time | 0.900 [0.900, 0.900] | 1 | met |" in report
-    assert "| 64 | 2. overlap comm share / naive comm share | 0.250 [0.250, 0.250] | 0.333 | met |" in report
-    assert "| 64 | 3. bucketed (best) step time / max(reference step, busy comm) | 1.098 [1.071, 1.125] | 1.1 | inconclusive |" in report
+    assert "| 64 | 1. bucketed_ddp (best) step time / ddp step time | 0.900 [0.900, 0.900] | 1 | met |" in report
+    assert "| 64 | 2. overlap_ddp comm share / naive_ddp comm share | 0.250 [0.250, 0.250] | 0.333 | met |" in report
+    assert "| 64 | 3. bucketed_ddp (best) step time / max(reference step, busy comm) | 1.098 [1.071, 1.125] | 1.1 | inconclusive |" in report
     assert "floor 82.0 ms (compute)" in report
-    assert "| 128 | 1. bucketed (best) step time / ddp step time | 1.125 [1.125, 1.125] | 1 | **missed** |" in report
-    assert "| 128 | 2. overlap comm share / naive comm share | - | 0.333 | not measurable | no naive cell |" in report
+    assert "| 128 | 1. bucketed_ddp (best) step time / ddp step time | 1.125 [1.125, 1.125] | 1 | **missed** |" in report
+    assert "| 128 | 2. overlap_ddp comm share / naive_ddp comm share | - | 0.333 | not measurable | no naive_ddp cell |" in report
     # Across groups: sqrt(0.9 x 1.125) = 1.006 > 0.95 in every draw: missed; one group met, one missed.
-    assert "| bucketed | 2 | 1.006 [1.006, 1.006] | 0.95 | **missed** | 1 / 1 / 0 / 0 |" in report
+    assert "| bucketed_ddp | 2 | 1.006 [1.006, 1.006] | 0.95 | **missed** | 1 / 1 / 0 / 0 |" in report
 
 
 @pytest.fixture
 def second_bucketed_algorithm(monkeypatch):
-    """A second algorithm with a bucket size (as bucketed_bf16 will be), registered for one test."""
-    from lightning_ddp.sync.registry import ALGORITHMS, Algorithm
+    """A second algorithm with a bucket size (as bucketed_bf16_ddp will be), registered for one test."""
+    from lightning_ddp import catalogue
 
-    monkeypatch.setitem(ALGORITHMS, "bucketed_alt", Algorithm(
-        "bucketed_alt", "lightning_ddp.sync.bucketed:BucketedDDP", "bucketed, again (a test's stand-in)", has_bucket_size=True))
+    monkeypatch.setitem(catalogue.STRATEGIES, "bucketed_alt", catalogue.Entry(
+        "bucketed_alt", "bucketed_ddp, again (a test's stand-in)", engine="lightning_ddp.sync.bucketed:BucketedDDP",
+        has_bucket_size=True, memory="bucketed"))
     return "bucketed_alt"
 
 
 def test_every_algorithm_with_buckets_gets_goal_1_and_an_across_groups_row(second_bucketed_algorithm) -> None:
     # bucketed_alt: 1 MiB 98 / 102 ms on repeats 0 / 1, 4 MiB 99 ms: chosen 1 MiB on repeat 0 (98 < 99), measured
     # on repeat 1: 102 / ddp 100 = 1.02 -> missed. Across one group the geometric mean is that ratio.
-    repeat_rows, step_rows = _study([("bucketed", 1.0, [[90.0] * 4] * 2, 0.1, 50.0),
+    repeat_rows, step_rows = _study([("bucketed_ddp", 1.0, [[90.0] * 4] * 2, 0.1, 50.0),
                                      ("bucketed_alt", 1.0, [[98.0] * 4, [102.0] * 4], 0.1, 50.0),
                                      ("bucketed_alt", 4.0, [[99.0] * 4] * 2, 0.1, 50.0),
                                      ("ddp", "", [[100.0] * 4] * 2, 0.1, 50.0)])
     report = _report(repeat_rows, step_rows)
     assert "| 1. bucketed_alt (best) step time / ddp step time | 1.020 [1.020, 1.020] | 1 | **missed** | best size 1 MiB" in report
     assert "| bucketed_alt | 1 | 1.020 [1.020, 1.020] | 0.95 | **missed** | 0 / 1 / 0 / 0 |" in report
-    assert "| bucketed | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
+    assert "| bucketed_ddp | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
     assert "| 32-true | 2 | 64 | bucketed_alt | 1 MiB, best of 2 on 0 | 98.0 ms | repeats 1: 102.0 ms [102.0, 102.0] |" in report
 
 
 def test_each_engine_settings_variant_has_its_own_best_bucket_size_goal_and_rows() -> None:
-    # bucketed_powersgd at rank 1 and rank 4 (grid.engine_settings), two bucket sizes each, chosen per variant:
+    # bucketed_powersgd_ddp at rank 1 and rank 4 (grid.engine_settings), two bucket sizes each, chosen per variant:
     # rank=1: 1 MiB 70 / 72 ms on repeats 0 / 1, 4 MiB 75: chosen 1 MiB (70 < 75), measured 72 -> 72 / 100 = 0.72.
     # rank=4: 1 MiB 85, 4 MiB 80 / 90: chosen 4 MiB (80 < 85), measured 90 -> 0.9. Mixing the variants would
     # have chosen rank=1 at 1 MiB for both.
-    repeat_rows, step_rows = _study([("bucketed", 1.0, [[95.0] * 4] * 2, 0.1, 50.0),
-                                     ("bucketed_powersgd", 1.0, [[70.0] * 4, [72.0] * 4], 0.1, 20.0, "rank=1"),
-                                     ("bucketed_powersgd", 4.0, [[75.0] * 4] * 2, 0.1, 20.0, "rank=1"),
-                                     ("bucketed_powersgd", 1.0, [[85.0] * 4] * 2, 0.1, 30.0, "rank=4"),
-                                     ("bucketed_powersgd", 4.0, [[80.0] * 4, [90.0] * 4], 0.1, 30.0, "rank=4"),
+    repeat_rows, step_rows = _study([("bucketed_ddp", 1.0, [[95.0] * 4] * 2, 0.1, 50.0),
+                                     ("bucketed_powersgd_ddp", 1.0, [[70.0] * 4, [72.0] * 4], 0.1, 20.0, "rank=1"),
+                                     ("bucketed_powersgd_ddp", 4.0, [[75.0] * 4] * 2, 0.1, 20.0, "rank=1"),
+                                     ("bucketed_powersgd_ddp", 1.0, [[85.0] * 4] * 2, 0.1, 30.0, "rank=4"),
+                                     ("bucketed_powersgd_ddp", 4.0, [[80.0] * 4, [90.0] * 4], 0.1, 30.0, "rank=4"),
                                      ("ddp", "", [[100.0] * 4] * 2, 0.1, 50.0)])
     report = _report(repeat_rows, step_rows)
     lines = report.splitlines()
-    assert "| 32-true | 2 | 64 | bucketed_powersgd rank=1 | 1 MiB, best of 2 on 0 | 70.0 ms | repeats 1: 72.0 ms" in report
-    assert "| 32-true | 2 | 64 | bucketed_powersgd rank=4 | 4 MiB, best of 2 on 0 | 80.0 ms | repeats 1: 90.0 ms" in report
-    assert "| 1. bucketed_powersgd rank=1 (best) step time / ddp step time | 0.720 [0.720, 0.720] | 1 | met |" in report
-    assert "| 1. bucketed_powersgd rank=4 (best) step time / ddp step time | 0.900 [0.900, 0.900] | 1 | met |" in report
-    assert "| bucketed_powersgd rank=4 | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
-    # table rows: bucketed, then the variants in first-seen order, sizes ascending; the selected size in bold
-    titles = [line.split(" | ")[0][2:] for line in lines if line.startswith("| bucketed")][:5]
-    assert titles == ["bucketed 1 MiB", "bucketed_powersgd 1 MiB rank=1", "bucketed_powersgd 4 MiB rank=1",
-                      "bucketed_powersgd 1 MiB rank=4", "bucketed_powersgd 4 MiB rank=4"]
-    assert "| bucketed_powersgd 4 MiB rank=4 | **85.0 ms [80.0, 90.0]" in report  # 4 x 80 and 4 x 90 pool to 85
+    assert "| 32-true | 2 | 64 | bucketed_powersgd_ddp rank=1 | 1 MiB, best of 2 on 0 | 70.0 ms | repeats 1: 72.0 ms" in report
+    assert "| 32-true | 2 | 64 | bucketed_powersgd_ddp rank=4 | 4 MiB, best of 2 on 0 | 80.0 ms | repeats 1: 90.0 ms" in report
+    assert "| 1. bucketed_powersgd_ddp rank=1 (best) step time / ddp step time | 0.720 [0.720, 0.720] | 1 | met |" in report
+    assert "| 1. bucketed_powersgd_ddp rank=4 (best) step time / ddp step time | 0.900 [0.900, 0.900] | 1 | met |" in report
+    assert "| bucketed_powersgd_ddp rank=4 | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
+    # table rows: bucketed_ddp, then the variants in first-seen order, sizes ascending; the selected size in bold
+    titles = [line.split(" | ")[0][2:] for line in lines if line.startswith("| bucketed_")][:5]
+    assert titles == ["bucketed_ddp 1 MiB", "bucketed_powersgd_ddp 1 MiB rank=1", "bucketed_powersgd_ddp 4 MiB rank=1",
+                      "bucketed_powersgd_ddp 1 MiB rank=4", "bucketed_powersgd_ddp 4 MiB rank=4"]
+    assert "| bucketed_powersgd_ddp 4 MiB rank=4 | **85.0 ms [80.0, 90.0]" in report  # 4 x 80 and 4 x 90 pool to 85
 
 
 def test_report_from_rows_alone_still_renders() -> None:
@@ -695,9 +698,9 @@ def test_report_from_rows_alone_still_renders() -> None:
     rows = [parse_row({"cell_id": s + b, "strategy": s, "bucket_size_mb": b, "batch_size": "2", "context_length": "64",
                        "precision": "32-true", "status": "ok", "step_ms_median": t, "comm_share": "0.1",
                        "resolved_bucket_size_mb": "4.8828125" if b == "auto" else ""})
-            for s, b, t in (("reference", "", "60"), ("bucketed", "4", "90"), ("bucketed", "auto", "92"), ("ddp", "", "100"))]
+            for s, b, t in (("reference", "", "60"), ("bucketed_ddp", "4", "90"), ("bucketed_ddp", "auto", "92"), ("ddp", "", "100"))]
     report = build_report(rows, "t")
-    assert "| bucketed 4 MiB | **90.0 ms (10.0 %)** |" in report and "| bucketed auto | 92.0 ms (10.0 %) |" in report
+    assert "| bucketed_ddp 4 MiB | **90.0 ms (10.0 %)** |" in report and "| bucketed_ddp auto | 92.0 ms (10.0 %) |" in report
     assert "| 0.900 [0.900, 0.900] | 1 | inconclusive | best size 4 MiB, in-sample" in report
     assert "| - | 92.0 ms, auto (4.88 MiB) |" in report  # no prediction; the auto cell and the size it resolved to
 
@@ -719,7 +722,7 @@ def test_plots_have_a_figure_per_strategy_set_and_per_bucketed_algorithm(tmp_pat
     config, _ = selection_sweep(tmp_path, repeats=2)
     config.output.plots, config.output.report_only = True, True
     paths = run_fake(config, FakeRunner()).plots
-    assert sorted(p.name for p in paths) == ["bucketed_32-true_bs2.png", "strategies_32-true_bs2.png"]
+    assert sorted(p.name for p in paths) == ["bucketed_ddp_32-true_bs2.png", "strategies_32-true_bs2.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
 
 
@@ -790,17 +793,17 @@ def test_proc_stat_is_read_over_all_cores(tmp_path) -> None:
 
 
 def test_the_sweep_records_the_load_guard_per_repeat_and_counts_busy_starts(tmp_path) -> None:
-    config = sweep_config(tmp_path, strategies=["naive"], context_lengths=[32])  # reference, naive, ddp; 2 repeats
+    config = sweep_config(tmp_path, strategies=["naive_ddp"], context_lengths=[32])  # reference, naive_ddp, ddp; 2 repeats
     seen = iter([LoadCheck(0.05, 0.0, False), LoadCheck(0.6, 300.0, True), LoadCheck(0.1, 12.0, False)] * 2)
     run_fake(config, FakeRunner(), load_guard=lambda: next(seen))
     out = tmp_path / "sweep"
     repeats = list(read_repeats(out / "repeats.csv").values())
     assert [(r["busy_before"], r["waited_s"], r["busy"]) for r in repeats[:3]] == [
         (0.05, 0.0, False), (0.6, 300.0, True), (0.1, 12.0, False)]
-    naive = next(c for c in expand_grid(config) if c.strategy == "naive")
-    # naive's two repeats both started busy (the 2nd of every 3 in the round-robin), after 300 s each
-    assert read_results(out / "results.csv")[naive.id]["busy_repeats"] == 2
-    assert read_results(out / "results.csv")[naive.id]["waited_s"] == 600.0
+    naive_ddp = next(c for c in expand_grid(config) if c.strategy == "naive_ddp")
+    # naive_ddp's two repeats both started busy (the 2nd of every 3 in the round-robin), after 300 s each
+    assert read_results(out / "results.csv")[naive_ddp.id]["busy_repeats"] == 2
+    assert read_results(out / "results.csv")[naive_ddp.id]["waited_s"] == 600.0
     report = (out / "results.md").read_text()
     # 2 of 6 started busy; 0 + 300 + 12, twice = 624 s waited
     assert "**2 of 6 cell repeats started on a busy machine** (CPUs more than 20 % busy after waiting up to 300 s); " \
@@ -877,12 +880,12 @@ def _processes_mentioning(marker: str) -> list[int]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_sweep_killed_by_sigkill_keeps_finished_repeats_leaves_no_process_and_resumes(tmp_path) -> None:
-    # Three cells (reference, naive, ddp) x 2 repeats. Kill the sweep with SIGKILL once the first repeat is
+    # Three cells (reference, naive_ddp, ddp) x 2 repeats. Kill the sweep with SIGKILL once the first repeat is
     # written: it must survive intact, the repeat that was running must die with the sweep (PR_SET_PDEATHSIG), and
     # the same command must then finish the other repeats without rerunning the finished ones.
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "lightning_ddp.bench", "--config", "configs/bench/tiny_test.yaml",
-               "--grid.strategies", "[naive, ddp]", "--output.out_dir", str(out)]
+               "--grid.strategies", "[naive_ddp, ddp]", "--output.out_dir", str(out)]
     env = repo_first_on_path()
     sweep = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

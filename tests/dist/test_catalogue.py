@@ -205,17 +205,18 @@ def test_the_strategy_checks_engine_settings_when_built(toy_pieces) -> None:
 
 def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy, tmp_path) -> None:
     from lightning_ddp.bench.config import GridConfig, SweepConfig
-    from lightning_ddp.bench.grid import expand_grid, strategy_argument
+    from lightning_ddp.bench.grid import expand_grid
+    from lightning_ddp.bench.launch import strategy_argument
     from lightning_ddp.bench.plots import write_plots
     from lightning_ddp.bench.report import build_report
 
-    config = SweepConfig(grid=GridConfig(strategies=["naive", "toy_halves"], batch_sizes=[2], context_lengths=[32],
+    config = SweepConfig(grid=GridConfig(strategies=["naive_ddp", "toy_halves"], batch_sizes=[2], context_lengths=[32],
                                          bucket_sizes_mb=[1.0, 4.0]))
     cells = expand_grid(config)
     # reference, naive, toy at 1 and 4 MiB, ddp (always added)
     assert [(c.strategy, c.bucket_size_mb) for c in cells] == [
-        ("reference", None), ("naive", None), ("toy_halves", 1.0), ("toy_halves", 4.0), ("ddp", None)]
-    argument = json.loads(strategy_argument(cells[2], "gloo"))
+        ("reference", None), ("naive_ddp", None), ("toy_halves", 1.0), ("toy_halves", 4.0), ("ddp", None)]
+    argument = json.loads(strategy_argument(cells[2].strategy, "gloo", cells[2].bucket_size_mb))
     assert argument["init_args"]["algorithm"] == "toy_halves" and argument["init_args"]["bucket_size_mb"] == 1.0
 
     rows = []
@@ -232,7 +233,8 @@ def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy,
 
 def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_and_plots(toy_pieces, tmp_path) -> None:
     from lightning_ddp.bench.config import GridConfig, SweepConfig
-    from lightning_ddp.bench.grid import RankLayout, cell_command, expand_grid
+    from lightning_ddp.bench.grid import cell_command, expand_grid
+    from lightning_ddp.bench.launch import RankLayout
     from lightning_ddp.bench.plots import write_plots
     from lightning_ddp.bench.report import build_report
     from lightning_ddp.bench.results import repeat_row
@@ -287,15 +289,15 @@ def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_
     ({"toy_pieces": {"piece": [2]}}, r"the 'toy_pieces' engine has no setting 'piece'; its settings are: pieces"),
     ({"toy_pieces": {"bucket_size_mb": [2]}}, r"not an engine setting: `grid.bucket_sizes_mb` sets it"),
     ({"toy_pieces": {"pieces": []}}, r"`grid.engine_settings.toy_pieces`.pieces must be a non-empty list"),
-    ({"naive": {"pieces": [2]}}, r"'naive' engine has no setting 'pieces'; its settings are: none"),
-    ({"bucketed": {"pieces": [2]}}, r"the 'bucketed' engine has no setting 'pieces'"),  # listed or not
-    ({"ddp": {"pieces": [2]}}, r"'ddp' is not a registered algorithm"),
+    ({"naive_ddp": {"pieces": [2]}}, r"'naive_ddp' engine has no setting 'pieces'; its settings are: none"),
+    ({"bucketed_ddp": {"pieces": [2]}}, r"the 'bucketed_ddp' engine has no setting 'pieces'"),  # listed or not
+    ({"ddp": {"pieces": [2]}}, r"'ddp' is not one of our engines"),
 ])
 def test_an_unknown_engine_setting_is_refused_naming_the_valid_ones(toy_pieces, settings, match) -> None:
     from lightning_ddp.bench.config import GridConfig
 
     with pytest.raises(ValueError, match=match):
-        GridConfig(strategies=["naive", "toy_pieces"], engine_settings=settings)
+        GridConfig(strategies=["naive_ddp", "toy_pieces"], engine_settings=settings)
 
 
 # ---- through the equivalence matrix, on 2 ranks ---------------------------------------------------------

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.__main__ import main
 from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, STAGE_NAMES, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
@@ -34,7 +35,6 @@ from lightning_ddp.bench.gpu_study.stages import (
 )
 from lightning_ddp.bench.gpu_study.study import plan_calls, run_study
 from lightning_ddp.projection.simulators import simulated_names
-from lightning_ddp.strategies import strategy_names
 from tests.support.cli_utils import REPO
 
 # ---- the stage table ---------------------------------------------------------------------------------------------
@@ -58,7 +58,8 @@ def test_the_estimates_fit_two_calls_of_the_default_budget() -> None:
 
 
 def test_a_plan_refuses_a_budget_that_no_call_could_finish_a_stage_in() -> None:
-    with pytest.raises(ValueError, match="stage cuda_tests alone needs more than --budget_min 3"):
+    message = r"stage cuda_tests needs ~240 s, more than `--budget_min 3` gives a call; give it at least 4.0 min"
+    with pytest.raises(ValueError, match=message):
         plan_calls(STAGES, 3)
 
 
@@ -70,7 +71,8 @@ def test_only_the_test_tier_cannot_rehearse_on_cpu() -> None:
 def test_the_scales_differ_in_size_not_in_shape() -> None:
     assert (GPU_SCALE.device, GPU_SCALE.compute_preset, GPU_SCALE.compute_seq_len) == ("cuda", "xl", 512)
     assert (GPU_SCALE.profile_preset, GPU_SCALE.profile_batch, GPU_SCALE.profile_seq_len) == ("xl", 4, 512)
-    assert DRY_RUN_SCALE.device == "cpu" and {DRY_RUN_SCALE.compute_preset, DRY_RUN_SCALE.strategies_preset} == {"tiny"}
+    assert DRY_RUN_SCALE.device == "cpu"
+    assert {DRY_RUN_SCALE.compute_preset, DRY_RUN_SCALE.strategies_preset} == {"tiny"}
 
 
 # ---- the orchestration, with fake stages ---------------------------------------------------------------------------
@@ -109,9 +111,11 @@ def test_a_failing_stage_is_recorded_and_the_study_goes_on(tmp_path: Path) -> No
     entries = {s["name"]: s for s in document["stages"]}
     assert [s["status"] for s in document["stages"]] == ["ok", "failed", "failed", "ok"]
     assert seen["statuses"] == ["ok", "failed", "failed", "running"]
-    assert entries["one"]["files"] == ["one.json", "a.txt"] and json.loads((out / "one.json").read_text()) == {"value": 1}
+    assert entries["one"]["files"] == ["one.json", "a.txt"]
+    assert json.loads((out / "one.json").read_text()) == {"value": 1}
     assert entries["two"]["error"] == "RuntimeError: injected failure"  # one line, named by its type
-    assert entries["three"]["error"] == "first problem" and entries["three"]["problems"] == ["first problem", "second problem"]
+    assert entries["three"]["error"] == "first problem"
+    assert entries["three"]["problems"] == ["first problem", "second problem"]
     assert all(isinstance(s["seconds"], float) and s["estimate_s"] == 1.0 for s in document["stages"])
     assert json.loads((out / "stages.json").read_text()) == document
     assert not list(out.glob("*.tmp"))  # written to a temporary name and renamed over the file
@@ -144,7 +148,8 @@ def test_stages_that_cannot_finish_in_the_budget_are_skipped(tmp_path: Path) -> 
 
 
 def test_cuda_only_stages_are_skipped_without_cuda_and_selection_is_honoured(tmp_path: Path) -> None:
-    stages = [_stage("environment", lambda ctx: StageResult()), _stage("cuda_tests", lambda ctx: StageResult(), needs_cuda=True),
+    stages = [_stage("environment", lambda ctx: StageResult()),
+              _stage("cuda_tests", lambda ctx: StageResult(), needs_cuda=True),
               _stage("compute", lambda ctx: StageResult())]
     document = run_study(_config(tmp_path, stages=["environment", "cuda_tests"]), stages=stages, cuda=False,
                          log=lambda line: None)
@@ -158,7 +163,8 @@ def test_an_interrupted_stage_is_recorded_before_the_study_stops(tmp_path: Path)
     def interrupted(ctx: StudyContext) -> StageResult:
         raise KeyboardInterrupt
 
-    stages = [_stage("first", lambda ctx: StageResult()), _stage("second", interrupted), _stage("third", lambda ctx: StageResult())]
+    stages = [_stage("first", lambda ctx: StageResult()), _stage("second", interrupted),
+              _stage("third", lambda ctx: StageResult())]
     with pytest.raises(KeyboardInterrupt):
         run_study(_config(tmp_path), stages=stages, cuda=False, log=lambda line: None)
     document = json.loads((tmp_path / "study" / "stages.json").read_text())
@@ -198,7 +204,8 @@ def test_resume_keeps_the_ok_stages_and_runs_the_rest(tmp_path: Path) -> None:
 
 def test_a_budget_too_small_for_a_stage_left_to_run_is_refused(tmp_path: Path) -> None:
     stages = [_stage("environment", lambda ctx: StageResult(), 5), _stage("compute", lambda ctx: StageResult(), 120)]
-    with pytest.raises(ValueError, match=r"stage compute needs ~120 s, more than `--budget_min 1` .* at least 2.0 min"):
+    message = r"stage compute needs ~120 s, more than `--budget_min 1` .* at least 2.0 min"
+    with pytest.raises(ValueError, match=message):
         run_study(_config(tmp_path, budget_min=1), stages=stages, cuda=False, log=lambda line: None)
     assert not (tmp_path / "study").exists()  # refused before anything was written
     # Not selected, or needing CUDA where there is none: it would not run, so the budget is enough.
@@ -363,7 +370,8 @@ def test_fits_in_one_process_record_a_failure_and_go_on(tmp_path: Path) -> None:
     assert "Unknown strategy 'no_such_ddp'" in results[1].error
     # One launch for the three: a failing fit at world size 1 does not end the process.
     assert [p.name for p in (tmp_path / "_processes").iterdir()] == ["launch0"]
-    assert results[0].summary["run"]["strategy"] == "naive_ddp" and results[2].summary["run"]["strategy_class"] == "DDPStrategy"
+    assert results[0].summary["run"]["strategy"] == "naive_ddp"
+    assert results[2].summary["run"]["strategy_class"] == "DDPStrategy"
     assert results[0].file("timing_summary.json") is not None
     # No time left: nothing starts, and every fit says so.
     assert {r.status for r in run_fits(specs[:1], tmp_path / "late", timeout_s=0.5)} == {"not run"}
@@ -423,7 +431,8 @@ def test_dry_run_of_three_stages(tmp_path: Path) -> None:
     statuses = {s["name"]: s["status"] for s in document["stages"]}
     assert statuses == {"environment": "ok", "cuda_tests": "skipped: not selected", "compute": "ok",
                         "strategies": "skipped: not selected", "one_gpu_pair": "skipped: not selected",
-                        "traces": "skipped: not selected", "ready_times": "ok", "timer_overhead": "skipped: not selected"}
+                        "traces": "skipped: not selected", "ready_times": "ok",
+                        "timer_overhead": "skipped: not selected"}
     _check_files(out, document)
     compute = json.loads((out / "compute.json").read_text())
     for precision in ("bf16-mixed", "32-true"):
@@ -468,11 +477,12 @@ def test_dry_run_of_every_stage_in_two_calls(tmp_path: Path) -> None:
     assert {"stages.json", "results.md", "strategies.json", "traces/timeline.png"} <= names
     assert not [n for n in names if n.endswith((".pt", ".ckpt")) or "/runs/" in n]
     strategies = json.loads((out / "strategies.json").read_text())["rows"]
-    assert set(strategies) == {*strategy_names(), "ddp"}  # every one of ours (algorithms, zero1, zero2) and the baseline
+    assert set(strategies) == set(catalogue.names())  # every strategy a user can pick, the baseline ddp included
     assert all(row["status"] == "ok" and row["step/time_ms"] > 0 for row in strategies.values())
     pair = json.loads((out / "one_gpu_pair.json").read_text())
     assert all(row["equal"] for row in pair["equivalence"]["rows"].values())
-    assert {row["strategy"] for row in pair["sweep"]["rows"]} == {"reference", "ddp"}  # DRY_RUN_SCALE: ddp (+ reference)
+    # DRY_RUN_SCALE's sweep: ddp, and the reference the sweep adds
+    assert {row["strategy"] for row in pair["sweep"]["rows"]} == {"reference", "ddp"}
     traces = json.loads((out / "traces.json").read_text())
     assert set(traces["runs"]) == {"naive_ddp", "overlap_ddp"} and traces["runs"]["naive_ddp"]["overlap"] < 0.05
     assert (out / "traces" / "timeline.png").stat().st_size > 10_000

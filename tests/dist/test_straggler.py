@@ -126,8 +126,8 @@ def test_clock_offsets_are_estimated_and_applied_across_a_fake_host_boundary() -
 
 @pytest.mark.slow  # two torchrun launchers, each importing Lightning: ~40 s on 2 shared cores
 def test_two_torchrun_nodes_estimate_their_clock_offsets(tmp_path: Path) -> None:
-    from lightning_ddp.bench.grid import LOOPBACK_INTERFACE
-    from lightning_ddp.bench.runner import run_processes
+    from lightning_ddp.bench.launch import LOOPBACK_INTERFACE
+    from lightning_ddp.bench.launch import run_processes
     from lightning_ddp.local_group import find_free_port
 
     # README's multi-node recipe with 1 process per node; both "nodes" are this host, so the estimate is forced

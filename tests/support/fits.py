@@ -57,8 +57,8 @@ def fit_one_device(tmp_path: Path, *args: str, accelerator: str = "cuda", ranks:
 
 
 def _run_ranks_sharing_one_device(tmp_path: Path, ranks: int, args: tuple[str, ...], timeout: float) -> None:
-    from lightning_ddp.bench.grid import LOOPBACK_INTERFACE
-    from lightning_ddp.bench.runner import run_processes
+    from lightning_ddp.bench.launch import LOOPBACK_INTERFACE
+    from lightning_ddp.bench.launch import run_processes
     from lightning_ddp.local_group import find_free_port
 
     port = str(find_free_port())

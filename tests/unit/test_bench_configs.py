@@ -14,7 +14,8 @@ import pytest
 from lightning_ddp import memory
 from lightning_ddp.bench.__main__ import parse_config
 from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig
-from lightning_ddp.bench.grid import LOOPBACK_INTERFACE, RankLayout, expand_grid, rank_environments
+from lightning_ddp.bench.grid import cell_environments, expand_grid
+from lightning_ddp.bench.launch import LOOPBACK_INTERFACE, RankLayout
 from tests.support.cli_utils import REPO
 
 BENCH_CONFIGS = sorted((REPO / "configs" / "bench").glob("*.yaml"))
@@ -46,8 +47,8 @@ def test_stated_cell_count_is_the_grid(path: Path) -> None:
 
 
 def test_xl_gpu_is_180_cells_of_3_repeats() -> None:
-    # 2 precisions x 2 batch sizes x 3 contexts = 12 groups; per group the reference, naive, flat, overlap and
-    # ddp (5) plus bucketed and bucketed_bf16 at 1 / 10 / 100 / 1000 MB and auto (10) = 15: 180 cells.
+    # 2 precisions x 2 batch sizes x 3 contexts = 12 groups; per group the reference, naive_ddp, flat_ddp, overlap_ddp
+    # and ddp (5) plus bucketed_ddp and bucketed_bf16_ddp at 1 / 10 / 100 / 1000 MB and auto (10) = 15: 180 cells.
     sweep = parse_config(["--config", str(REPO / "configs" / "bench" / "xl_gpu.yaml")])
     assert len(expand_grid(sweep)) == 12 * 15 == 180 and sweep.run.repeats == 3
 
@@ -72,7 +73,7 @@ def test_memory_figures_in_comments_are_the_estimates(name: str, stated: int) ->
 
 def _sweep(tmp_path: Path, env: dict[str, str] | None = None) -> SweepConfig:
     return SweepConfig(
-        grid=GridConfig(strategies=["naive"], batch_sizes=[2], context_lengths=[32], bucket_sizes_mb=[1.0]),
+        grid=GridConfig(strategies=["naive_ddp"], batch_sizes=[2], context_lengths=[32], bucket_sizes_mb=[1.0]),
         workload=WorkloadConfig(base_config=str(REPO / "configs" / "quickstart.yaml")),
         run=RunConfig(predict_bucket_size=False, repeats=2, load_sample_s=0.0, env=env or {}),
         output=OutputConfig(out_dir=str(tmp_path / "sweep"), plots=False),
@@ -84,12 +85,12 @@ def test_cells_use_the_loopback_interface_for_gloo_unless_told_otherwise(tmp_pat
     config = _sweep(tmp_path)
     cells = {c.strategy: c for c in expand_grid(config)}
     layout = RankLayout("gloo", 2, 1)
-    for cell in (cells["naive"], cells["reference"]):
-        for env in rank_environments(cell, config, layout, 12345, parent={"PATH": "/bin"}):
+    for cell in (cells["naive_ddp"], cells["reference"]):
+        for env in cell_environments(cell, config, layout, 12345, parent={"PATH": "/bin"}):
             assert env["GLOO_SOCKET_IFNAME"] == LOOPBACK_INTERFACE
     # The user's value wins, from the sweep's environment or from run.env.
-    (env, _) = rank_environments(cells["naive"], config, layout, 1, parent={"GLOO_SOCKET_IFNAME": "eth1"})
+    (env, _) = cell_environments(cells["naive_ddp"], config, layout, 1, parent={"GLOO_SOCKET_IFNAME": "eth1"})
     assert env["GLOO_SOCKET_IFNAME"] == "eth1"
     configured = _sweep(tmp_path, env={"GLOO_SOCKET_IFNAME": "ib0"})
-    (env, _) = rank_environments(cells["naive"], configured, layout, 1, parent={})
+    (env, _) = cell_environments(cells["naive_ddp"], configured, layout, 1, parent={})
     assert env["GLOO_SOCKET_IFNAME"] == "ib0"

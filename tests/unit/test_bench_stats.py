@@ -143,19 +143,19 @@ def test_compression_summary_pairs_each_variant_with_fp32_by_seed_with_an_interv
     def run(losses, step_ms=100.0, nbytes=4.0):
         return {"loss": losses, "step_ms_median": step_ms, "exposed_ms_median": 5.0, "bytes_per_step": nbytes}
 
-    shifted = "bucketed_powersgd rank=4"  # every loss exactly 0.1 above fp32's: a zero-width interval at +0.1
+    shifted = "bucketed_powersgd_ddp rank=4"  # every loss exactly 0.1 above fp32's: a zero-width interval at +0.1
     runs = {
-        0: {"bucketed": run([5.0, 2.0, 1.0]), "bucketed_bf16": run([5.0, 2.5, 1.5], 90.0, 2.0),
+        0: {"bucketed_ddp": run([5.0, 2.0, 1.0]), "bucketed_bf16_ddp": run([5.0, 2.5, 1.5], 90.0, 2.0),
             shifted: run([5.1, 2.1, 1.1], 120.0, 0.25)},
-        1: {"bucketed": run([5.0, 2.0, 1.4]), "bucketed_bf16": run([5.0, 2.0, 1.2], 94.0, 2.0),
+        1: {"bucketed_ddp": run([5.0, 2.0, 1.4]), "bucketed_bf16_ddp": run([5.0, 2.0, 1.2], 94.0, 2.0),
             shifted: run([5.1, 2.1, 1.5], 130.0, 0.25)},
     }
-    errors = {"bucketed_bf16": [(0.002, 1e-3), (0.004, 2e-3), (0.003, 5e-4)],
+    errors = {"bucketed_bf16_ddp": [(0.002, 1e-3), (0.004, 2e-3), (0.003, 5e-4)],
               shifted: [(0.0, 0.0), (0.0, 0.0), (0.3, 0.01), (0.1, 0.02)]}  # 2 exact warm-up steps
-    s = summarize(runs, errors, ["bucketed_bf16", shifted], last=2, samples=200)
+    s = summarize(runs, errors, ["bucketed_bf16_ddp", shifted], last=2, samples=200)
     assert s["seeds"] == [0, 1] and s["fp32"]["loss_first"] == 5.0
     assert s["fp32"]["loss_last_mean"] == {"0": 1.5, "1": 1.7} and s["fp32"]["seed_spread"] == pytest.approx(0.2)
-    bf16 = s["variants"]["bucketed_bf16"]
+    bf16 = s["variants"]["bucketed_bf16_ddp"]
     assert bf16["loss_last_mean"] == {"0": 2.0, "1": 1.6}
     assert bf16["minus_fp32"] == {"0": pytest.approx(0.5), "1": pytest.approx(-0.1)}
     # pooled: the last 2 steps' differences are 0.5, 0.5 (seed 0) and 0, -0.2 (seed 1): mean 0.2. Its interval
@@ -178,15 +178,15 @@ def test_compression_summary_pairs_each_variant_with_fp32_by_seed_with_an_interv
 def test_compression_variants_are_registered_lossy_algorithms_with_their_engine_settings() -> None:
     from lightning_ddp.bench.compression import default_variants, parse_variant
 
-    assert [v.name for v in default_variants()][:2] == ["bucketed_bf16", "bucketed_powersgd"]
-    variant = parse_variant("bucketed_powersgd:rank=4,start_iter=10")
+    assert [v.name for v in default_variants()][:2] == ["bucketed_bf16_ddp", "bucketed_powersgd_ddp"]
+    variant = parse_variant("bucketed_powersgd_ddp:rank=4,start_iter=10")
     assert (variant.algorithm, variant.settings, variant.key) == (
-        "bucketed_powersgd", {"rank": 4, "start_iter": 10}, "bucketed_powersgd-rank4-start_iter10")
+        "bucketed_powersgd_ddp", {"rank": 4, "start_iter": 10}, "bucketed_powersgd_ddp-rank4-start_iter10")
     assert variant.effective_settings() == {"rank": 4, "start_iter": 10, "min_compression_rate": 2.0, "seed": 0}
-    with pytest.raises(ValueError, match="'bucketed' is not a registered lossy algorithm"):
-        parse_variant("bucketed")
+    with pytest.raises(ValueError, match="'bucketed_ddp' is not a lossy engine"):
+        parse_variant("bucketed_ddp")
     with pytest.raises(ValueError, match="has no setting 'rnak'; its settings are: rank, start_iter"):
-        parse_variant("bucketed_powersgd:rnak=4")
+        parse_variant("bucketed_powersgd_ddp:rnak=4")
 
 
 def test_timer_overhead_is_a_ratio_of_pooled_medians_with_an_interval_and_a_verdict() -> None:

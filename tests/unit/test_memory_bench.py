@@ -13,7 +13,9 @@ import torch
 
 from lightning_ddp.bench import memory, memory_report
 from lightning_ddp.bench.memory_report import PLOT_NAME, family_summary, format_report, summarise_modes, write_memory_plot
-from lightning_ddp.bench.memory import MODES, MemoryBenchConfig, expected_bytes, parse_config, sent_bytes_per_rank
+from lightning_ddp.bench.memory import MODES, MemoryBenchConfig, parse_config
+from lightning_ddp.bench.memory_report import sent_bytes_per_rank
+from lightning_ddp.memory import expected_bytes
 from lightning_ddp.model import GPT, get_config
 from tests.support.cli_utils import REPO
 

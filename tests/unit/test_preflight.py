@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp import cli
+from lightning_ddp import catalogue, cli
 from lightning_ddp.cli import LightningDDPCLI, _strategy_for_estimate
 from lightning_ddp.data import LMDataModule
 from lightning_ddp.memory import GiB, MemoryPreflightError
@@ -86,7 +86,7 @@ def test_fixes_are_the_ones_that_help(monkeypatch) -> None:
 def test_a_refused_sweep_cell_is_recorded_as_oom(monkeypatch) -> None:
     # The benchmark sweep classifies a cell by its ranks' logs: the refusal must read as out of memory, with the
     # refusal's first line as the reason.
-    from lightning_ddp.bench.runner import is_oom
+    from lightning_ddp.bench.launch import is_oom
 
     monkeypatch.setattr(cli, "memory_budget_bytes", lambda device_type, ranks: 2**20)
     with pytest.raises(MemoryPreflightError) as info:
@@ -109,11 +109,14 @@ def test_strategy_configs_map_to_the_estimates_names() -> None:
     bucketed = {"class_path": "lightning_ddp.strategies.GradSyncStrategy",
                 "init_args": {"algorithm": "bucketed_ddp", "bucket_size_mb": 2}}
     assert _strategy_for_estimate(bucketed) == ("bucketed_ddp", 2, False)
-    generic = {"class_path": "lightning_ddp.strategies.GradSyncStrategy", "init_args": {"algorithm": "flat"}}
-    assert _strategy_for_estimate(generic) == ("flat_ddp", None, False)
+    # the class under its module's path, and the algorithm left to its default
+    generic = {"class_path": "lightning_ddp.strategies.base.GradSyncStrategy", "init_args": {}}
+    assert _strategy_for_estimate(generic) == (catalogue.DEFAULT_ENGINE, None, False)
+    zero2 = {"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy", "init_args": {"bucket_size_mb": 4}}
+    assert _strategy_for_estimate(zero2) == ("zero2_ddp", 4, False)
     # ZeRO-1 over an all-reducing engine: that engine's buffers, and the state sharded.
     broadcast = {"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
-                 "init_args": {"schedule": "allreduce_broadcast", "grad_sync": "overlap"}}
+                 "init_args": {"schedule": "allreduce_broadcast", "grad_sync": "overlap_ddp"}}
     assert _strategy_for_estimate(broadcast) == ("overlap_ddp", None, True)
     # A strategy the estimate does not model is not guessed at: the pre-flight is skipped.
     assert _strategy_for_estimate({"class_path": "lightning.pytorch.strategies.FSDPStrategy"}) is None

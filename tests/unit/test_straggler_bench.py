@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.bench.straggler import COLUMNS, StragglerBenchConfig, _fit_command, main, render_markdown, summarize_cell
+from lightning_ddp.bench.straggler import COLUMNS, StragglerBenchConfig, _fit_arguments, main, render_markdown, summarize_cell
 from tests.support.cli_utils import REPO
 
 CONFIG = StragglerBenchConfig(bootstrap_samples=200)
@@ -57,9 +57,9 @@ def test_the_straggler_share_is_over_all_pooled_steps():
 
 
 def test_a_run_without_delay_has_no_slow_rank_and_a_delayed_one_names_it():
-    plain = _fit_command(CONFIG, "ddp", 0.0, Path("logs"))
+    plain = _fit_arguments(CONFIG, "ddp", 0.0)
     assert not any("SlowRank" in arg for arg in plain)
-    delayed = _fit_command(CONFIG, "ddp", 5.0, Path("logs"))
+    delayed = _fit_arguments(CONFIG, "ddp", 5.0)
     i = delayed.index("--trainer.callbacks+=lightning_ddp.callbacks.SlowRank")
     assert delayed[i + 1:i + 5] == ["--trainer.callbacks.rank", "1", "--trainer.callbacks.delay_ms", "5"]
 

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from lightning_ddp.bench.command_line import parse_dataclass
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
 from lightning_ddp.bench.gpu_study.packages import missing_message, missing_packages
 

@@ -1,12 +1,8 @@
 """One ``.tar.gz`` of what a GPU study is worth committing, small enough to come back from a GPU machine.
 
-What goes in (paths relative to the study's folder, so it unpacks into ``benchmarks/results/gpu-<h100|h200>/``):
-files ending in ``KEPT_SUFFIXES`` (stages.json, results.md, every JSON/CSV result, the plots, and the logs, which
-are for diagnosis: ``.gitignore`` keeps them and the process plans out of commits) of at most ``FILE_LIMIT`` bytes
-each; never weights or checkpoints, TensorBoard event files, or a sweep's per-cell ``runs/``
-folders. If the total passes ``ARCHIVE_LIMIT`` (the 16 MiB a file may have to come back), the largest files are
-left out until it fits; ``stages.json`` and ``results.md`` always go in. ``archive_contents.json`` inside lists
-what was left out and why. The archive is written to a temporary file and renamed, so it is whole or absent.
+Files ending in ``KEPT_SUFFIXES`` of at most ``FILE_LIMIT`` bytes each, at most ``ARCHIVE_LIMIT`` in all (the largest
+left out first; ``stages.json`` and ``results.md`` always in), never a sweep's ``runs/`` folders;
+``archive_contents.json`` inside lists what was left out. Written to a temporary file and renamed: whole or absent.
 """
 
 from __future__ import annotations
@@ -22,9 +18,9 @@ from pathlib import Path
 __all__ = ["ARCHIVE_LIMIT", "ArchiveContents", "FILE_LIMIT", "KEPT_SUFFIXES", "select_files", "write_archive"]
 
 ARCHIVE_LIMIT = 16 * 2**20
-"""Bytes of files (before compression) at most: a file the GPU machine sends back may have 16 MiB."""
+"""Bytes of files before compression: a file the GPU machine sends back may have 16 MiB."""
 FILE_LIMIT = 2 * 2**20
-"""Bytes one file may have: a raw profiler trace of a few steps is larger, its picture is not."""
+"""Bytes one file may have: a raw profiler trace is larger, its picture is not."""
 KEPT_SUFFIXES = (".json", ".csv", ".md", ".png", ".svg", ".xml", ".log", ".txt")
 LEFT_OUT_FOLDERS = ("runs",)
 """A sweep's per-cell folders: commands with machine paths and ports; results.csv summarises them."""
@@ -44,7 +40,7 @@ class ArchiveContents:
 
 
 def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_LIMIT) -> ArchiveContents:
-    """The files of ``out`` to archive (module docstring), smallest first among those that compete for room.
+    """The files of ``out`` to archive, smallest first among those that compete for room.
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp())

@@ -13,11 +13,8 @@ __all__ = ["SaveFinalWeights"]
 
 
 class SaveFinalWeights(Callback):
-    """At the end of fit, rank 0 saves the LightningModule's whole ``state_dict`` (on the CPU) to ``path``.
-
-    The state dict comes from the strategy, as a checkpoint's does: under a sharding strategy (``fsdp2``) the
-    module's own ``state_dict`` holds each rank's shard as a ``DTensor``, and only
-    ``strategy.lightning_module_state_dict()`` (a collective, so every rank calls it) gathers the full tensors.
+    """At the end of fit, rank 0 saves the LightningModule's whole ``state_dict`` (on the CPU) to ``path``; the
+    strategy gathers it, as for a checkpoint (under ``fsdp2`` the module's own holds each rank's shard).
 
     ``--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights --trainer.callbacks.path FILE``
 

@@ -1,18 +1,9 @@
 """The compute figures of one device: step time, tokens/s, MFU and peak memory of a preset at the largest batch.
 
-No Lightning and no communication: the model (``lightning_ddp.model.GPT``, built directly on the device), AdamW
-with the LightningModule's parameter groups and the same loss, timed step by step. What it answers is how fast
-one GPU computes the study's model, the floor every data-parallel strategy adds its communication to.
-
-Recipe (``measure``, run in its own process: ``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``):
-
-1. The pre-flight proposes a batch: ``largest_batch`` of ``lightning_ddp.memory`` under ``memory_budget_bytes``
-   (what is free on the device now, one rank), capped at ``max_batch``.
-2. Try it: ``warmup`` steps, then ``steps`` timed ones (CUDA events on a GPU, the host clock on CPU). On an
-   out-of-memory error, free everything the attempt held and try the next smaller batch of
-   ``batch_candidates`` (about 20 % smaller each time), so the batch that really fits is found in a few tries.
-3. Report the median step, tokens/s, MFU (the step's training FLOPs, ``GPT.flops_per_token``, over the device's
-   dense peak for the compute dtype in ``lightning_ddp.hardware``) and the peak allocated and reserved memory next to the estimate's peak.
+No Lightning and no communication: ``GPT`` built on the device, AdamW with the LightningModule's parameter groups,
+the same loss, timed step by step. ``measure`` starts at the memory pre-flight's largest batch and steps down on
+out-of-memory errors (docs/gpu.md, stage ``compute``). Run in its own process by the study:
+``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``.
 """
 
 from __future__ import annotations
@@ -25,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_ddp.bench.launch import is_oom
 from lightning_ddp.files import write_json_atomically
 
 __all__ = ["batch_candidates", "first_that_fits", "measure"]
@@ -103,21 +95,12 @@ def _peak_flops(device, dtype: str) -> float | None:
     return dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
 
 
-def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
-            device: str = "cuda") -> dict[str, Any]:
-    """Steps of ``preset`` at the largest batch that fits (module recipe); everything measured, as a dict."""
+def _model_and_optimizer(config, where):
+    """The model on ``where`` and AdamW with the LightningModule's parameter groups (decay on matrices only)."""
     import torch
-    import torch.nn.functional as F
 
-    from lightning_ddp.memory import estimate_rank_memory, largest_batch, memory_budget_bytes
-    from lightning_ddp.model import GPT, get_config
+    from lightning_ddp.model import GPT
 
-    where = torch.device(device)
-    config = get_config(preset, context_length=seq_len)
-    estimate_kwargs = dict(seq_len=seq_len, precision=precision, strategy="single", world_size=1,
-                           device_type=where.type)
-    budget = memory_budget_bytes(where.type, 1)
-    proposed = largest_batch(config, budget_bytes=budget, max_batch=max_batch, **estimate_kwargs)
     torch.manual_seed(0)
     with torch.device(where):  # built on the device: initialising 2 B parameters on the host takes a minute
         model = GPT(config)
@@ -125,37 +108,68 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=3e-4, betas=(0.9, 0.95))
+    return model, optimizer
+
+
+def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: str, steps: int,
+                 warmup: int) -> dict[str, Any]:
+    """``warmup`` + ``steps`` training steps at ``batch``; the times of the last ``steps`` (CUDA events on a GPU,
+    the host clock on CPU)."""
+    import torch
+    import torch.nn.functional as F
+
     autocast = precision.startswith(("bf16", "16")) and precision.endswith("mixed")
     amp_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
     cuda = where.type == "cuda"
-
-    def attempt(batch: int) -> dict[str, Any]:
-        tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1), device=where)
-        x, y = tokens[:, :-1], tokens[:, 1:]
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1), device=where)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(where)
+    times = []
+    for step in range(warmup + steps):
         if cuda:
-            torch.cuda.reset_peak_memory_stats(where)
-        times = []
-        for step in range(warmup + steps):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                t0 = time.perf_counter()
-            with torch.autocast(where.type, dtype=amp_dtype, enabled=autocast):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if cuda:
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end)
-            else:
-                ms = (time.perf_counter() - t0) * 1e3
-            if step >= warmup:
-                times.append(ms)
-        return {"batch": batch, "step_ms": times}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        with torch.autocast(where.type, dtype=amp_dtype, enabled=autocast):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        if step >= warmup:
+            times.append(ms)
+    return {"batch": batch, "step_ms": times}
+
+
+def _is_oom(error: BaseException) -> bool:
+    """An out-of-memory error, by the launcher's one rule (torch's ``OutOfMemoryError``, ``MemoryError``, ...)."""
+    return is_oom(f"{type(error).__name__}: {error}")
+
+
+def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
+            device: str = "cuda") -> dict[str, Any]:
+    """Steps of ``preset`` at the largest batch that fits, from the pre-flight's batch down; everything measured."""
+    import torch
+
+    from lightning_ddp.memory import estimate_rank_memory, largest_batch, memory_budget_bytes
+    from lightning_ddp.model import get_config
+
+    where = torch.device(device)
+    cuda = where.type == "cuda"
+    config = get_config(preset, context_length=seq_len)
+    estimate_kwargs = dict(seq_len=seq_len, precision=precision, strategy="single", world_size=1,
+                           device_type=where.type)
+    budget = memory_budget_bytes(where.type, 1)
+    proposed = largest_batch(config, budget_bytes=budget, max_batch=max_batch, **estimate_kwargs)
+    model, optimizer = _model_and_optimizer(config, where)
 
     def free() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -163,16 +177,12 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
         if cuda:
             torch.cuda.empty_cache()
 
-    # torch.OutOfMemoryError is torch >= 2.5's name; older versions raise torch.cuda.OutOfMemoryError (the same class).
-    oom_types = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
+    def attempt(batch: int) -> dict[str, Any]:
+        return _timed_steps(model, optimizer, where, batch, seq_len, precision, steps, warmup)
 
-    def is_oom(error: BaseException) -> bool:
-        return isinstance(error, oom_types) or "out of memory" in str(error).lower()
-
-    results = None
-    attempts: list[dict[str, Any]] = []
+    results, attempts = None, []
     if proposed >= 1:
-        results, attempts = first_that_fits(batch_candidates(proposed), attempt, is_oom, after_oom=free)
+        results, attempts = first_that_fits(batch_candidates(proposed), attempt, _is_oom, after_oom=free)
     out: dict[str, Any] = {
         "preset": preset, "precision": precision, "seq_len": seq_len, "device": str(where),
         "device_name": torch.cuda.get_device_name(where) if cuda else "cpu",

@@ -1,8 +1,7 @@
 """What a GPU study run is: the command line (``GPUStudyConfig``) and the sizes of its work (``Scale``).
 
-The command line is small on purpose (``--out DIR --resume true``): the sizes that make the whole study fit two
-9-minute calls on one H100 or H200 are fixed here, in ``GPU_SCALE``, and ``DRY_RUN_SCALE`` shrinks every one of them to
-the tiny preset on CPU, so ``--cpu_dry_run true`` runs every stage's code in a few minutes on a 2-core machine.
+``GPU_SCALE`` fits the whole study in two 9-minute calls on one H100 or H200; ``DRY_RUN_SCALE`` shrinks every
+size to the tiny preset on CPU, so ``--cpu_dry_run true`` runs every stage's code in minutes (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -21,58 +20,35 @@ STAGE_NAMES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Scale:
-    """The sizes of every stage's work: models, batches, steps, which strategies."""
+    """The sizes of every stage's work; each field is prefixed by the stage it sizes (warm-up steps are left out
+    of the medians, ``compute_max_batch`` caps the pre-flight's batch)."""
 
-    device: str
-    """``cuda`` or ``cpu`` (the dry run)."""
-    precision: str
-    """The training precision of the stages' fits (stage compute measures both bf16-mixed and 32-true)."""
+    device: str  # cuda, or cpu for the dry run
+    precision: str  # of the stages' fits (stage compute measures both bf16-mixed and 32-true)
     compute_preset: str
-    """Stage compute: the preset whose step time, MFU and memory are measured (the study's xl)."""
     compute_seq_len: int
-    """Stage compute: tokens per sequence."""
     compute_max_batch: int
-    """Stage compute: the largest batch ``largest_batch`` may propose."""
     compute_steps: int
-    """Stage compute: measured steps per batch (after ``compute_warmup``)."""
     compute_warmup: int
-    """Stage compute: steps run first and left out (allocator and kernel selection warm-up)."""
     strategies_preset: str
-    """Stage strategies: the preset every strategy trains at world size 1."""
     strategies_batch: int
-    """Stage strategies: per-rank batch (sequences)."""
     strategies_seq_len: int
-    """Stage strategies: tokens per sequence."""
     strategies_steps: int
-    """Stage strategies: optimizer steps per strategy, of which ``strategies_warmup`` are left out."""
     strategies_warmup: int
-    """Stage strategies: warm-up steps left out of the medians."""
-    equivalence_preset: str
-    """Stage one_gpu_pair: the preset of the 2-rank-versus-1-process equivalence fits."""
+    equivalence_preset: str  # stage one_gpu_pair: 2 ranks against one process
     equivalence_steps: int
-    """Stage one_gpu_pair: optimizer steps of each equivalence fit."""
-    sweep_config: str
-    """Stage one_gpu_pair: the sweep config (relative to the repository root) of the short sweep."""
-    sweep_strategies: tuple[str, ...]
-    """Stage one_gpu_pair: ``grid.strategies`` of the short sweep (the reference and ddp are always added)."""
+    sweep_config: str  # stage one_gpu_pair's short sweep, relative to the repository root
+    sweep_strategies: Optional[tuple[str, ...]]  # its grid.strategies, None: the config's (the sweep adds the
+    # reference and ddp)
     trace_preset: str
-    """Stage traces: the preset of the naive and overlap traces (2 gloo ranks on the one device)."""
-    profile_preset: str
-    """Stage ready_times: the preset whose backward is profiled (the study's xl)."""
+    profile_preset: str  # stage ready_times
     profile_batch: int
-    """Stage ready_times: per-rank batch (the published 2-GPU xl runs' batch 4)."""
     profile_seq_len: int
-    """Stage ready_times: tokens per sequence (the published runs' context 512)."""
     profile_steps: int
-    """Stage ready_times: optimizer steps (the CommTimer's warm-up is 3 of them)."""
-    overhead_preset: str
-    """Stage timer_overhead: the preset of the timer on/off fits."""
+    overhead_preset: str  # stage timer_overhead
     overhead_steps: int
-    """Stage timer_overhead: optimizer steps per fit."""
     overhead_warmup: int
-    """Stage timer_overhead: steps per fit left out of the median."""
-    overhead_repeats: int
-    """Stage timer_overhead: off/on pairs."""
+    overhead_repeats: int  # off/on pairs
 
 
 GPU_SCALE = Scale(
@@ -81,9 +57,9 @@ GPU_SCALE = Scale(
     strategies_preset="medium", strategies_batch=8, strategies_seq_len=512, strategies_steps=20, strategies_warmup=5,
     equivalence_preset="tiny", equivalence_steps=3,  # the steps the tolerances were calibrated at
     sweep_config="configs/bench/gpu_study.yaml",
-    sweep_strategies=("naive", "flat", "overlap", "bucketed", "bucketed_bf16", "ddp"),
+    sweep_strategies=None,
     trace_preset="small",
-    profile_preset="xl", profile_batch=4, profile_seq_len=512, profile_steps=12,
+    profile_preset="xl", profile_batch=4, profile_seq_len=512, profile_steps=12,  # the published 2-GPU xl runs
     overhead_preset="small", overhead_steps=25, overhead_warmup=5, overhead_repeats=2,  # 6 cold fits, ~2 minutes
 )
 """One H100 (80 GB) or H200 (141 GB): about 17 minutes of stages, two calls of ``--budget_min 9``."""
@@ -110,33 +86,28 @@ class GPUStudyConfig:
     """
 
     out: Optional[str] = None
-    """Directory of every output (required): stages.json (rewritten after every stage), results.md, each stage's
-    files."""
+    """Directory of every output (required): stages.json, results.md, each stage's files."""
     budget_min: float = 9.0
-    """Minutes this call may take, counted from its start (9: one 10-minute command with a minute to spare for
-    installing packages and the archive). Before each stage its estimate is compared with what is left: a stage that
-    cannot finish in time is skipped (``skipped: budget``) for a later ``--resume true`` call, and no stage's
-    processes run past the budget."""
+    """Minutes this call may take, from its start; a stage whose estimate does not fit what is left is skipped
+    (``skipped: budget``) for a later ``--resume true`` call."""
     cpu_dry_run: bool = False
-    """Run every stage on CPU with the tiny preset (minutes on a laptop), producing the same files; stages that
-    need CUDA are ``skipped: no CUDA``. Rehearse here what a GPU session will run."""
+    """Run every stage on CPU with the tiny preset, producing the same files; stages that need CUDA are skipped."""
     stages: Optional[list[str]] = None
-    """Run only these stages (by name, in the study's order); default: all. The others are ``skipped: not
-    selected``."""
+    """Run only these stages (by name); default: all. The others are ``skipped: not selected``."""
     root: Optional[str] = None
-    """The repository checkout whose configs/ and tests/ the stages use; default: the one this package is in,
+    """The repository checkout whose configs/ and tests/ the stages use; default: the one holding this package,
     else the current directory."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Environment variables for every process a stage starts, e.g. ``{NCCL_DEBUG: WARN}``."""
     resume: bool = False
-    """Keep every stage of ``--out``'s stages.json that is already ``ok`` (its row and files unchanged) and run the
-    rest: the study in several calls of a few minutes each. Without it, an ``--out`` that holds a study is refused."""
+    """Keep the stages of ``--out``'s stages.json that are ``ok`` and run the rest; without it, an ``--out`` that
+    holds a study is refused."""
     archive: Optional[str] = None
-    """Write one ``.tar.gz`` of what is worth committing (stages.json, results.md, the JSON/CSV results and the
-    pictures; no weights, no raw traces, at most 16 MiB) here when the call ends, finished or cut off."""
+    """Write a ``.tar.gz`` of what is worth committing (no weights, no raw traces, at most 16 MiB) here when the
+    call ends, finished or cut off."""
     commit: Optional[str] = None
-    """The git commit of the code, for a copy of the repository without ``.git`` (as a GPU machine receives it);
-    default: ``git rev-parse HEAD``, else the environment variable ``LIGHTNING_DDP_COMMIT``."""
+    """The git commit of the code, for a copy without ``.git``; default: ``git rev-parse HEAD``, else
+    ``$LIGHTNING_DDP_COMMIT``."""
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -148,7 +119,7 @@ class GPUStudyConfig:
             if unknown:
                 raise ValueError(f"unknown stage {unknown[0]!r} in `--stages`; choose from {', '.join(STAGE_NAMES)}")
             if not self.stages:
-                raise ValueError(f"`--stages` is empty; list at least one of {', '.join(STAGE_NAMES)}, or leave it out")
+                raise ValueError(f"`--stages` is empty; list one or more of {', '.join(STAGE_NAMES)}, or leave it out")
         if self.archive is not None and not self.archive.endswith(".tar.gz"):
             raise ValueError(f"`--archive` must name a .tar.gz file, got {self.archive!r}; "
                              "e.g. `--archive study.tar.gz`")
@@ -158,8 +129,6 @@ class GPUStudyConfig:
 
 
 def scale_of(config: GPUStudyConfig) -> Scale:
-    """The sizes of ``config``'s work: ``DRY_RUN_SCALE`` for a CPU dry run, else ``GPU_SCALE``.
-
-    A function, not a method: jsonargparse would offer a method of the config class as a subcommand.
-    """
+    """``DRY_RUN_SCALE`` for a CPU dry run, else ``GPU_SCALE`` (a function: jsonargparse would offer a method of
+    the config class as a subcommand)."""
     return DRY_RUN_SCALE if config.cpu_dry_run else GPU_SCALE

@@ -1,10 +1,8 @@
 """What the study ran on: ``python -m lightning_ddp.bench.gpu_study.environment OUT [--device cuda|cpu]``.
 
-Run in its own process, so that the study's own process never creates a CUDA context (it would hold ~0.5 GiB of
-the GPU that the stages' processes need). Records the device (name, memory, SM count, compute capability, UUID,
-MIG slice), the driver (NVIDIA driver version from ``nvidia-smi``, the CUDA driver API version), the software
-(torch and its CUDA, cuDNN and NCCL, Lightning, Python), the host, the hardware table's row for the device
-(``lightning_ddp.hardware``: the peaks MFU is computed against) and the git state of the code.
+Its own process, so the study's process never creates a CUDA context. Records the devices (name, memory, SMs,
+compute capability, MIG slice, the hardware table's row), the driver, torch / CUDA / cuDNN / NCCL, Lightning,
+Python, the host and the git state of the code.
 """
 
 from __future__ import annotations

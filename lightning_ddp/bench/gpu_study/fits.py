@@ -1,25 +1,9 @@
-"""Several CLI fits in one set of processes: ``python -m lightning_ddp fit`` without paying start-up per fit.
+"""Several CLI fits in one set of processes: the launcher's ``fit`` command lines without start-up per fit.
 
-A fit started as its own process pays the interpreter, torch, Lightning and CUDA start-up (10-20 s) before its
-first step; a stage that fits every strategy would spend most of its minutes there. ``run_fits`` starts the
-ranks once and each rank runs the planned fits one after another through the CLI's own entry point
-(``lightning_ddp.cli.main``: the same parsing, strategies and callbacks as the command line), each logging to
-``<out_dir>/<name>/``.
-
-Recipe (``run_fits``):
-
-1. Write the plan (``plan.json``: the fits not yet done) and start ``ranks`` processes of this module on it, with
-   the launcher variables of a "node" of one device each (``RANK``, ``NODE_RANK``, ``LOCAL_RANK=0``,
-   ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``): 2 ranks then share one GPU over gloo, as in the benchmark
-   sweep (NCCL refuses two ranks on one GPU). The fits' own arguments say ``--trainer.num_nodes``.
-2. Each rank: for each fit, rank 0 marks it started (``fit_started``), then ``cli.main(["fit", *args, <logger in
-   out_dir/name>])``; rank 0 writes ``fit_result.json`` (ok, or the error line and whether it was out of memory);
-   then every rank frees what the fit held. The process group outlives the fits (Lightning keeps an existing
-   one), so the ranks meet once. At world size 1 a failing fit is recorded and the next one runs; with more ranks
-   the failing rank exits, since its peer may be waiting for it in a collective.
-3. The parent waits (at most ``timeout_s``). Fits after a recorded failure that never started run in a fresh set
-   of processes; a fit that started but has no result (the processes crashed, were killed, or ran out of time)
-   gets the error line of the logs, and the fits after it run in a fresh set of processes.
+``run_fits`` starts ``ranks`` processes of this module on a plan (``plan.json``); each runs the fits one after
+another, each the launcher's command line (``bench.launch.fit_command``) through ``lightning_ddp.cli.main``,
+logging to ``<out_dir>/<name>/``; rank 0 writes each fit's ``fit_result.json``. Two ranks share one device over
+gloo. Fits a crash or a failure left without a result run in a fresh set of processes (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -30,13 +14,23 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_ddp.bench.launch import (
+    RankLayout,
+    error_line,
+    find_free_port,
+    fit_command,
+    is_oom,
+    rank_environments,
+    read_timing_summary,
+    run_processes,
+)
 from lightning_ddp.files import write_json_atomically
 
-__all__ = ["FitResult", "FitSpec", "logger_argument", "run_fits"]
+__all__ = ["FitResult", "FitSpec", "run_fits"]
 
 RESULT_FILE = "fit_result.json"
 STARTED_FILE = "fit_started"
@@ -64,7 +58,6 @@ class FitResult:
     log_dir: Path | None = None
     summary: dict[str, Any] | None = None
     """The CommTimer's ``timing_summary.json``, when it wrote one."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -77,15 +70,9 @@ class FitResult:
         return next(iter(sorted(self.log_dir.rglob(name))), None)
 
 
-def logger_argument(log_dir: Path) -> str:
-    """``--trainer.logger`` so that a fit logs into ``log_dir`` itself (name and version empty)."""
-    return json.dumps({"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                       "init_args": {"save_dir": str(log_dir), "name": "", "version": ""}})
-
-
 def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: float, cwd: str | None = None,
              env: dict[str, str] | None = None, threads: int | None = None) -> list[FitResult]:
-    """Run ``specs`` on ``ranks`` processes (module recipe); one ``FitResult`` per spec, in order.
+    """Run ``specs`` on ``ranks`` processes; one ``FitResult`` per spec, in order.
 
     Args:
         specs: The fits; names must be unique (each is a directory).
@@ -96,10 +83,6 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         env: Extra environment variables.
         threads: ``OMP_NUM_THREADS`` per process (CPU runs); ``None`` leaves it unset.
     """
-    from lightning_ddp.bench.grid import LOOPBACK_INTERFACE, without_launcher_variables
-    from lightning_ddp.bench.runner import error_line, is_oom, run_processes
-    from lightning_ddp.local_group import find_free_port
-
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"fit names must be unique (each is a directory), got {names}")
@@ -107,58 +90,59 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
     deadline = time.monotonic() + timeout_s
     results: dict[str, FitResult] = {}
     pending = list(specs)
-    launches = out_dir / "_processes"
-    launch = len(list(launches.glob("launch*"))) if launches.exists() else 0  # a later batch into the same directory
-    while pending:
+    launch = len(list((out_dir / "_processes").glob("launch*")))  # a later batch into the same directory
+    while pending and deadline - time.monotonic() > 1:
         remaining = deadline - time.monotonic()
-        if remaining <= 1:
-            break
-        work = out_dir / "_processes" / f"launch{launch}"
-        work.mkdir(parents=True, exist_ok=True)
-        for spec in pending:  # markers of an earlier launch would make a fit look started
-            (out_dir / spec.name / STARTED_FILE).unlink(missing_ok=True)
-        plan = work / "plan.json"
-        plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
-                                    "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
-        # Every rank is on this host: gloo on the loopback unless set (the host name's interface may not route back).
-        base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **without_launcher_variables(), "PYTHONUNBUFFERED": "1",
-                **(env or {})}
-        if threads is not None:
-            base["OMP_NUM_THREADS"] = str(threads)
-        port = str(find_free_port())
-        envs = [{**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks),
-                 "NODE_RANK": str(r), "LOCAL_RANK": "0", "RANK": str(r)} for r in range(ranks)]
-        logs = [work / f"rank{r}.log" for r in range(ranks)]
-        command = [sys.executable, "-m", "lightning_ddp.bench.gpu_study.fits", str(plan.resolve())]
-        outcome = run_processes(command, envs, logs, remaining, cwd=cwd)
-        finished = 0
-        for spec in pending:
-            result = _read_result(out_dir / spec.name, spec.name)
-            if result is not None:
-                results[spec.name] = result
-                finished += 1
+        outcome, logs = _launch(pending, out_dir, out_dir / "_processes" / f"launch{launch}", ranks, remaining,
+                                cwd, env, threads)
+        launch += 1
+        finished = {spec.name: result for spec in pending
+                    if (result := _read_result(out_dir / spec.name, spec.name)) is not None}
+        results.update(finished)
         missing = [s for s in pending if s.name not in results]
         if not missing:
             break
         first = missing[0]
-        launch += 1
         if finished and not (out_dir / first.name / STARTED_FILE).exists() and not outcome.timed_out:
             pending = missing  # the ranks stopped after a fit that failed (and said so): start the rest afresh
             continue
         # Else the first fit without a result is the one the processes died in (or ran out of time in), or, when
         # none started, the start-up that failed: either way it gets the error.
-        texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in logs]
-        failed = [t for t, code in zip(texts, outcome.returncodes) if code not in (0, None)] or texts
-        line = next((error_line(t) for t in failed if error_line(t)), "")
-        if outcome.timed_out:
-            status, line = "timeout", f"no result within the time left ({remaining:.0f} s)" + (f"; last output: {line}" if line else "")
-        else:
-            status = "oom" if any(is_oom(t) for t in failed) else "failed"
-            line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
-        results[first.name] = FitResult(first.name, status, line, 0.0, out_dir / first.name)
+        results[first.name] = _lost(first.name, out_dir, outcome, logs, remaining)
         pending = missing[1:]
     return [results.get(s.name) or FitResult(s.name, "not run", "no time was left to start it", 0.0, out_dir / s.name)
             for s in specs]
+
+
+def _launch(pending: list[FitSpec], out_dir: Path, work: Path, ranks: int, remaining: float, cwd: str | None,
+            env: dict[str, str] | None, threads: int | None):
+    """Start ``ranks`` processes on a plan of the ``pending`` fits and wait for them: (outcome, rank logs)."""
+    work.mkdir(parents=True, exist_ok=True)
+    for spec in pending:  # markers of an earlier launch would make a fit look started
+        (out_dir / spec.name / STARTED_FILE).unlink(missing_ok=True)
+    plan = work / "plan.json"
+    plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
+                                "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
+    # Each rank a "node" of one device: 2 ranks then share it over gloo (NCCL refuses two ranks on one GPU).
+    envs = rank_environments(RankLayout("gloo", 1, ranks), find_free_port(), every_rank=True, threads=threads,
+                             extra=env)
+    logs = [work / f"rank{r}.log" for r in range(ranks)]
+    command = [sys.executable, "-m", "lightning_ddp.bench.gpu_study.fits", str(plan.resolve())]
+    return run_processes(command, envs, logs, remaining, cwd=cwd), logs
+
+
+def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float) -> FitResult:
+    """The result of a fit the processes left without one: out of time, out of memory, or failed."""
+    texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in logs]
+    failed = [t for t, code in zip(texts, outcome.returncodes) if code not in (0, None)] or texts
+    line = next((error_line(t) for t in failed if error_line(t)), "")
+    if outcome.timed_out:
+        status = "timeout"
+        line = f"no result within the time left ({remaining:.0f} s)" + (f"; last output: {line}" if line else "")
+    else:
+        status = "oom" if any(is_oom(t) for t in failed) else "failed"
+        line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
+    return FitResult(name, status, line, 0.0, out_dir / name)
 
 
 def _read_result(log_dir: Path, name: str) -> FitResult | None:
@@ -166,18 +150,33 @@ def _read_result(log_dir: Path, name: str) -> FitResult | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    summary_path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
-    summary = json.loads(summary_path.read_text()) if summary_path is not None and data["status"] == "ok" else None
+    summary = read_timing_summary(log_dir) if data["status"] == "ok" else None
     return FitResult(name, data["status"], data.get("error", ""), data.get("seconds", 0.0), log_dir, summary)
 
 
 # ---- the child: run the plan's fits on this rank ------------------------------------------------------------
 
 
+def _run_one(args: list[str], log_dir: Path) -> tuple[str, str]:
+    """One fit in this process: the launcher's command line after ``python -m lightning_ddp``; (status, error)."""
+    from lightning_ddp.cli import main as cli_main
+
+    try:
+        cli = cli_main(fit_command([*args, "--trainer.enable_progress_bar", "false"], log_dir)[3:])
+        del cli
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        return ("oom" if is_oom(text) else "failed"), error_line(text) or f"{type(exc).__name__}: {exc}"
+    return "ok", ""
+
+
 def _free_memory() -> None:
-    gc.collect()
     import torch
 
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -189,9 +188,6 @@ def main(plan_path: str) -> int:
     Args:
         plan_path: The plan: the output folder and each fit's command line.
     """
-    from lightning_ddp.bench.runner import error_line, is_oom
-    from lightning_ddp.cli import main as cli_main
-
     plan = json.loads(Path(plan_path).read_text())
     out_dir = Path(plan["out_dir"])
     rank = int(os.environ.get("RANK", "0"))
@@ -202,18 +198,7 @@ def main(plan_path: str) -> int:
         if rank == 0:
             (log_dir / STARTED_FILE).touch()
         start = time.perf_counter()
-        status, error = "ok", ""
-        try:
-            cli = cli_main(["fit", *fit["args"], "--trainer.logger", logger_argument(log_dir),
-                            "--trainer.enable_progress_bar", "false"])
-            del cli
-        except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            text = traceback.format_exc()
-            print(text, file=sys.stderr, flush=True)
-            status = "oom" if is_oom(text) else "failed"
-            error = error_line(text) or f"{type(exc).__name__}: {exc}"
+        status, error = _run_one(fit["args"], log_dir)
         seconds = time.perf_counter() - start
         _free_memory()
         if rank == 0:

@@ -1,9 +1,7 @@
 """The Python packages the GPU study's processes import, checked before anything imports them.
 
-A GPU machine's Python often lacks a few (jsonargparse and the two packages of its ``signatures`` extra, which
-Lightning's CLI needs); without this check the first stage would end in a traceback. ``missing_packages`` asks the
-import system without importing, so the check costs milliseconds; docs/gpu.md says how to bring the missing ones
-as wheels.
+``missing_packages`` asks the import system without importing (milliseconds); ``missing_message`` is the one line
+that names what is missing and how to bring it (docs/gpu.md, "Packages").
 """
 
 from __future__ import annotations
@@ -17,9 +15,7 @@ REQUIRED: dict[str, str] = {
     "typeshed_client": "typeshed-client", "yaml": "PyYAML", "einops": "einops", "tensorboard": "tensorboard",
     "matplotlib": "matplotlib", "numpy": "numpy",
 }
-"""Import name -> the distribution pip installs it from: the project's dependencies with jsonargparse's
-``signatures`` extra (docstring-parser, typeshed-client) and its own need (PyYAML). Stage cuda_tests also needs
-pytest; without it that stage alone fails, with the reason."""
+"""Import name -> the distribution pip installs it from (jsonargparse's ``signatures`` extra included)."""
 
 
 def missing_packages(required: dict[str, str] = REQUIRED) -> list[str]:

@@ -1,11 +1,8 @@
 """``results.md``: the page to read first, built from ``stages.json`` and each stage's ``<name>.json`` only.
 
-Rendering is separate from running: ``build_report(document, out_dir)`` only reads files and formats, so a
-study cut off halfway renders what it has (the study rewrites results.md after every stage), and so does one
-copied off the GPU machine.
-
-One section per stage, each a table, with the published 2-GPU xl runs (``lightning_ddp.projection.published.PUBLISHED_RUNS``:
-xl on 2 GPUs, batch 2 and 4 per GPU, context 128 to 512) beside our numbers where they answer the same question.
+``build_report(document, out_dir)`` only reads files and formats, so a study cut off halfway, or copied off the GPU
+machine, renders what it has: one section per stage, with the published 2-GPU xl runs
+(``lightning_ddp.projection.published``) beside our numbers where they answer the same question.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 
-__all__ = ["build_report", "published_runs", "table"]
+__all__ = ["build_report", "table"]
 
 GiB = 2**30
 ONE_GPU_CAVEAT = (
@@ -56,22 +53,24 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     return lines
 
 
-def published_runs(strategy: str, batch: int | None = None, seq_len: int | None = None) -> list[Any]:
-    """The published 2-GPU xl runs of ``strategy`` (``naive``, ``overlap``, ``flat``, ``bucketed``), optionally at one
-    per-GPU batch and context."""
-    return [r for r in PUBLISHED_RUNS if r.strategy == strategy and (batch is None or r.batch_size == batch)
-            and (seq_len is None or r.seq_len == seq_len)]
-
-
 def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
-    """``step s / comm share`` of the published run of ``strategy`` at (batch, context), the best bucket size for
-    ``bucketed``; ``–`` where they have none (naive ran out of memory at batch 4, context 512)."""
-    runs = published_runs(strategy, batch, seq_len)
+    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), the best bucket
+    size for a bucketed one; ``–`` where there is none."""
+    runs = [r for r in PUBLISHED_RUNS if r.strategy == strategy and r.batch_size == batch and r.seq_len == seq_len]
     if not runs:
         return "–"
     best = min(runs, key=lambda r: r.total_s)
     bucket = f" ({best.bucket_size_mb:g} MB)" if best.bucket_size_mb is not None else ""
     return f"{best.total_s * 1e3:,.0f} ms, {best.ratio:.0%} comm{bucket}"
+
+
+def _status(row: dict[str, Any], why: str = "error") -> str:
+    """``ok``, else the status and why."""
+    return row.get("status") if row.get("status") == "ok" else f"{row.get('status')}: {row.get(why)}"
+
+
+def _gib(value: Any) -> str:
+    return _fmt(value / GiB if value else None, ".1f")
 
 
 def _read(out: Path, name: str) -> dict[str, Any] | None:
@@ -93,19 +92,22 @@ def _environment(data: dict[str, Any]) -> list[str]:
                      gpu["compute_capability"], hw.get("key", "not in the table"),
                      f"{_fmt(peaks.get('bf16'), ',.1f')} / {_fmt(peaks.get('fp32'), ',.1f')}",
                      f"{gpu['mig_profile'][0]}g.{gpu['mig_profile'][1]}gb" if gpu.get("mig_profile") else "no"])
-    lines = table(["GPU", "memory", "SMs", "CC", "hardware table", "dense TFLOP/s bf16 / fp32", "MIG"], rows) if rows else [
-        f"No GPU (device: {data.get('device')}; CPU: {data.get('cpu', {}).get('model')}, "
-        f"{data.get('cpu', {}).get('count')} cores)."]
-    lines += ["", f"NVIDIA driver {_fmt(data.get('nvidia_driver'))}, CUDA driver API {_fmt(data.get('cuda_driver_api'), 'd')}, "
-                  f"torch {data.get('torch')} (CUDA {_fmt(data.get('torch_cuda'))}, cuDNN {_fmt(data.get('cudnn'), 'd')}, "
+    cpu = data.get("cpu") or {}
+    lines = [f"No GPU (device: {data.get('device')}; CPU: {cpu.get('model')}, {cpu.get('count')} cores)."]
+    if rows:
+        lines = table(["GPU", "memory", "SMs", "CC", "hardware table", "dense TFLOP/s bf16 / fp32", "MIG"], rows)
+    lines += ["", f"NVIDIA driver {_fmt(data.get('nvidia_driver'))}, CUDA driver API "
+                  f"{_fmt(data.get('cuda_driver_api'), 'd')}, torch {data.get('torch')} (CUDA "
+                  f"{_fmt(data.get('torch_cuda'))}, cuDNN {_fmt(data.get('cudnn'), 'd')}, "
                   f"NCCL {_fmt(data.get('nccl'))}), Lightning {data.get('lightning')}, Python {data.get('python')}; "
                   f"commit {str(data.get('git_commit') or '–')[:12]}{' (dirty)' if data.get('git_dirty') else ''}."]
     return lines
 
 
 def _cuda_tests(data: dict[str, Any]) -> list[str]:
-    lines = [f"pytest: {data.get('summary_line') or '–'} ({data.get('tests', 0)} tests: {data.get('passed', 0)} passed, "
-             f"{data.get('failed', 0)} failed, {data.get('errors', 0)} errors, {data.get('skipped', 0)} skipped)."]
+    lines = [f"pytest: {data.get('summary_line') or '–'} ({data.get('tests', 0)} tests: {data.get('passed', 0)} "
+             f"passed, {data.get('failed', 0)} failed, {data.get('errors', 0)} errors, {data.get('skipped', 0)} "
+             "skipped)."]
     if data.get("failures"):
         lines += [""] + table(["failed test", "message"], [[f["test"], f["message"]] for f in data["failures"][:30]])
     return lines
@@ -119,24 +121,23 @@ def _compute(data: dict[str, Any]) -> list[str]:
                          f"{run.get('attempts')}"] + ["–"] * 7)
             continue
         tried = " → ".join(f"{a['batch']}{' OOM' if a['status'] == 'oom' else ''}" for a in run.get("attempts", []))
-        alloc, reserved, estimate = run.get("peak_allocated_bytes"), run.get("peak_reserved_bytes"), run.get("estimate_bytes")
+        reserved, estimate = run.get("peak_reserved_bytes"), run.get("estimate_bytes")
         rows.append([
-            f"{precision} ({run.get('compute_dtype')})", f"{run['batch']} (pre-flight {run['preflight_batch']}: {tried})",
+            f"{precision} ({run.get('compute_dtype')})",
+            f"{run['batch']} (pre-flight {run['preflight_batch']}: {tried})",
             _fmt(run.get("step_ms_median")), _fmt(run.get("tokens_per_s"), ",.0f"), _fmt(run.get("mfu"), ".1%"),
-            _fmt(alloc / GiB if alloc else None, ".1f"), _fmt(reserved / GiB if reserved else None, ".1f"),
-            _fmt(estimate / GiB if estimate else None, ".1f"),
+            _gib(run.get("peak_allocated_bytes")), _gib(reserved), _gib(estimate),
             _fmt(estimate / reserved if estimate and reserved else None, ".2f"),
         ])
     lines = table(["precision", "batch", "step ms", "tokens/s", "MFU", "peak alloc GiB", "peak reserved GiB",
                    "estimate GiB", "estimate / reserved"], rows)
-    compute = calibrated_compute_ms()
     published = []
-    for (batch, seq), (ms, extrapolated) in compute.items():
+    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items():
         if seq == data.get("seq_len"):
             published.append(f"batch {batch}: {ms:,.0f} ms = {batch * seq / (ms / 1e3):,.0f} tokens/s per GPU"
                              + (" (extrapolated)" if extrapolated else ""))
-    lines += ["", f"Beside: the published 2-GPU xl runs' compute-only step at context {data.get('seq_len')} (naive's step "
-                  f"minus its all-reduce time; their GPU is not named, and they ran bf16-mixed): "
+    lines += ["", f"Beside: the published 2-GPU xl runs' compute-only step at context {data.get('seq_len')} "
+                  "(naive's step minus its all-reduce time; their GPU is not named, and they ran bf16-mixed): "
                   + ("; ".join(published) or "none at this context") + "."]
     return lines
 
@@ -144,16 +145,17 @@ def _compute(data: dict[str, Any]) -> list[str]:
 def _strategies(data: dict[str, Any]) -> list[str]:
     rows = []
     for name, row in (data.get("rows") or {}).items():
-        rows.append([name, row["status"] if row["status"] == "ok" else f"{row['status']}: {row['error']}",
+        rows.append([name, _status(row),
                      _fmt(row.get("step/time_ms")), _fmt(row.get("overhead_vs_ddp"), "+.1%"),
                      _fmt(row.get("comm/exposed_ms"), ",.2f"), _fmt(row.get("comm/calls"), ",.0f"),
                      _fmt(row.get("step/mfu"), ".1%"), _fmt(row.get("memory/peak_MiB"), ",.0f"),
                      _published_cell(name)])
-    head = (f"{data.get('preset')} preset, batch {data.get('batch')} x {data.get('seq_len')} tokens, {data.get('precision')}, one "
-            f"rank ({data.get('backend')}), median of {data.get('steps', 0) - data.get('warmup', 0)} steps after "
-            f"{data.get('warmup')}. At world size 1 nothing crosses a wire: the step over ddp's is what each strategy's "
-            "hooks, copies and bookkeeping cost. The last column is the published 2-GPU xl run of the same algorithm "
-            "(batch 4, context 512; step and the share of it waiting for communication), for scale only.")
+    head = (f"{data.get('preset')} preset, batch {data.get('batch')} x {data.get('seq_len')} tokens, "
+            f"{data.get('precision')}, one rank ({data.get('backend')}), median of "
+            f"{data.get('steps', 0) - data.get('warmup', 0)} steps after {data.get('warmup')}. At world size 1 "
+            "nothing crosses a wire: the step over ddp's is what each strategy's hooks, copies and bookkeeping cost. "
+            "The last column is the published 2-GPU xl run of the same algorithm (batch 4, context 512; step and "
+            "the share of it waiting for communication), for scale only.")
     return [head, ""] + table(["strategy", "status", "step ms", "vs ddp", "exposed ms", "calls", "MFU", "peak MiB",
                                "published 2-GPU xl"], rows)
 
@@ -167,8 +169,9 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
              "off). Adam does not see a gradient's scale, so a sum instead of an average is the cuda tier's to "
              "catch (it compares the gradients).", "",
              f"Tolerances: {eq.get('tolerance_origin', '–')}", ""]
-    lines += table(["strategy", "status", "weights off", "tolerance", "median", "99th pct", "largest (tensor)", "equal"],
-                   [[name, row["status"] if row["status"] == "ok" else f"{row['status']}: {row['error']}",
+    headers = ["strategy", "status", "weights off", "tolerance", "median", "99th pct", "largest (tensor)", "equal"]
+    lines += table(headers,
+                   [[name, _status(row),
                      _fmt(row.get("off_fraction"), ".3%"), _fmt(row.get("tolerance"), ".2%"),
                      _fmt(row.get("median_updates"), ".1e"), _fmt(row.get("p99_updates"), ".1e"),
                      f"{_fmt(row.get('max_updates'), '.2g')} ({_fmt(row.get('worst_tensor'))})",
@@ -181,10 +184,11 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
                     "tokens/s", "published 2-GPU xl (same batch, context)"],
                    [[r.get("strategy"), _fmt(r.get("resolved_bucket_size_mb") or r.get("bucket_size_mb"), ".3g"),
                      f"{r.get('batch_size')} x {r.get('context_length')}",
-                     r.get("status") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('reason')}",
+                     _status(r, why="reason"),
                      _fmt(r.get("step_ms_median")), _fmt(r.get("comm_share"), ".1%"), _fmt(r.get("overlap"), ".0%"),
                      _fmt(r.get("tokens_per_s"), ",.0f"),
-                     _published_cell(str(r.get("strategy")), int(r.get("batch_size") or 0), int(r.get("context_length") or 0))]
+                     _published_cell(str(r.get("strategy")), int(r.get("batch_size") or 0),
+                                     int(r.get("context_length") or 0))]
                     for r in sweep]) if sweep else ["No sweep cell finished."]
     return lines
 
@@ -193,16 +197,19 @@ def _traces(data: dict[str, Any]) -> list[str]:
     rows = [[label, _fmt(run["overlap"], ".0%"), _fmt(run["comm_ms"]), _fmt(run["hidden_ms"]),
              _fmt(run["gpu_kernel_bars"], ",d") if run.get("gpu_rows") else "no GPU row",
              _published_cell(label, 2, 512)] for label, run in (data.get("runs") or {}).items()]
-    return ([f"{data.get('preset')} preset, {data.get('precision')}, 2 gloo ranks on the one device, 3 traced steps. Overlap: the share of "
-             "communication time during which the rank computed (on CUDA: its non-communication kernels ran).", ""]
-            + table(["run", "overlap", "comm ms", "hidden ms", "GPU kernels drawn", "published 2-GPU xl (batch 2, ctx 512)"],
-                    rows) + ["", "![naive vs overlap](traces/timeline.png)"])
+    head = (f"{data.get('preset')} preset, {data.get('precision')}, 2 gloo ranks on the one device, 3 traced steps. "
+            "Overlap: the share of communication time during which the rank computed (on CUDA: its non-communication "
+            "kernels ran).")
+    headers = ["run", "overlap", "comm ms", "hidden ms", "GPU kernels drawn", "published 2-GPU xl (batch 2, ctx 512)"]
+    return [head, ""] + table(headers, rows) + ["", "![naive vs overlap](traces/timeline.png)"]
 
 
 def _ready_times(data: dict[str, Any]) -> list[str]:
-    lines = [f"{data.get('preset')} preset on {data.get('device')}, batch {data.get('batch')} x {data.get('seq_len')}, "
-             f"{data.get('precision')}: forward {_fmt(data.get('forward_ms'))} ms, backward {_fmt(data.get('backward_ms'))} ms, "
-             f"optimizer {_fmt(data.get('optimizer_ms'))} ms; {data.get('tensors')} gradients ready from "
+    batch, seq_len = int(data.get("batch") or 0), int(data.get("seq_len") or 0)
+    lines = [f"{data.get('preset')} preset on {data.get('device')}, batch {batch} x {seq_len}, "
+             f"{data.get('precision')}: forward {_fmt(data.get('forward_ms'))} ms, "
+             f"backward {_fmt(data.get('backward_ms'))} ms, optimizer {_fmt(data.get('optimizer_ms'))} ms; "
+             f"{data.get('tensors')} gradients ready from "
              f"{_fmt(data.get('first_ready_ms'))} to {_fmt(data.get('last_ready_ms'))} ms into backward "
              f"(`{data.get('profile')}`).", ""]
     for network, projection in (data.get("projections") or {}).items():
@@ -211,7 +218,7 @@ def _ready_times(data: dict[str, Any]) -> list[str]:
         lines += table(["strategy", "bucket MB", "step ms", "exposed ms", "comm share", "published 2-GPU xl"],
                        [[r.get("strategy"), _fmt(r.get("bucket_size_mb"), "g"), _fmt(r.get("step_ms")),
                          _fmt(r.get("exposed_comm_ms")), _fmt(r.get("comm_share"), ".1%"),
-                         _published_cell(str(r.get("strategy")), int(data.get("batch") or 0), int(data.get("seq_len") or 0))]
+                         _published_cell(str(r.get("strategy")), batch, seq_len)]
                         for r in projection.get("rows") or []])
         lines.append("")
     return lines
@@ -219,7 +226,8 @@ def _ready_times(data: dict[str, Any]) -> list[str]:
 
 def _timer_overhead(data: dict[str, Any]) -> list[str]:
     return [f"{data.get('preset')} preset, {data.get('repeats')} off/on pairs of {data.get('steps')} steps "
-            f"({data.get('warmup')} left out): median step {_fmt(data.get('median_step_ms_timer_off'), ',.2f')} ms off, "
+            f"({data.get('warmup')} left out): median step {_fmt(data.get('median_step_ms_timer_off'), ',.2f')} ms "
+            "off, "
             f"{_fmt(data.get('median_step_ms_timer_on'), ',.2f')} ms on: overhead "
             f"{_fmt(data.get('overhead'), '+.2%')} [95 %: {_fmt(data.get('overhead_lo'), '+.2%')}, "
             f"{_fmt(data.get('overhead_hi'), '+.2%')}], goal < 2 %: **{data.get('verdict')}**; over whole runs "
@@ -242,7 +250,8 @@ def _calls_line(document: dict[str, Any]) -> str:
     budgets = " + ".join(f"{c.get('budget_min', 0):g}" for c in calls)
     elapsed = sum(c.get("elapsed_s") or 0 for c in calls) / 60
     commit = (document.get("commit") or {}).get("git_commit")
-    return (f"{len(calls)} call{'s' if len(calls) != 1 else ''} (budget{'s' if len(calls) != 1 else ''} {budgets} min, "
+    plural = "s" if len(calls) != 1 else ""
+    return (f"{len(calls)} call{plural} (budget{plural} {budgets} min, "
             f"{elapsed:.1f} min in all); started {document.get('created')}"
             + (f", commit {str(commit)[:12]}." if commit else "."))
 
@@ -257,8 +266,8 @@ def build_report(document: dict[str, Any], out: Path) -> str:
              f"{_calls_line(document)} `stages.json` has each stage's status, seconds and error line.", "",
              ONE_GPU_CAVEAT, ""]
     if document.get("cpu_dry_run"):
-        lines += ["This is a rehearsal on CPU: every stage's code ran with the tiny preset, stages that need CUDA were "
-                  "skipped, and no number below says anything about a GPU.", ""]
+        lines += ["This is a rehearsal on CPU: every stage's code ran with the tiny preset, stages that need CUDA "
+                  "were skipped, and no number below says anything about a GPU.", ""]
     lines += table(["stage", "status", "seconds", "estimate s", "error"],
                    [[f"[{e['name']}](#{e['name'].replace('_', '-')})", e["status"], _fmt(e.get("seconds"), ",.0f"),
                      _fmt(e.get("estimate_s"), ",.0f"), e.get("error") or ""] for e in document.get("stages", [])])

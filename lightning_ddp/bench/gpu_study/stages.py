@@ -1,19 +1,15 @@
 """The stages of the GPU study: one small function each, and ``STAGES``, the one table of them.
 
-A stage function takes the ``StudyContext`` (where to write, how long it may take, the scale of its work) and
-returns a ``StageResult``: the data ``report.py`` renders (written as ``<out>/<name>.json``), the files it wrote
-(relative to ``<out>``), and the problems it found. A problem (a strategy that crashed, a weight that differs, a
-failing test) makes the stage ``failed`` with the first problem as its error line, after its files are written;
-an exception does the same with the exception's line. Either way the study goes on with the next stage.
-
-Every process a stage starts is bounded by ``ctx.stage_deadline()``: the smaller of what is left of the budget
-and 1.5 times the stage's estimate (at least a minute more than it), so one stage running long cannot eat the
-ones after it.
+A stage takes the ``StudyContext`` and returns a ``StageResult``: the data ``report.py`` renders (written as
+``<out>/<name>.json``), the files it wrote (relative to ``<out>``) and the problems it found; a problem or an
+exception makes the stage ``failed`` and the study goes on. Every process a stage starts stops at
+``ctx.stage_deadline()`` (docs/gpu.md, "How a call is budgeted").
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -23,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, Scale
 from lightning_ddp.bench.gpu_study.fits import FitResult, FitSpec, run_fits
+from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, run_processes, strategy_argument
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.provenance import COMMIT_VARIABLE
 
@@ -34,6 +32,22 @@ __all__ = ["STAGES", "Stage", "StageResult", "StudyContext", "step_problems"]
 # ---- the context and the result ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Ran:
+    """How a process a stage started ended: its exit code, whether it timed out, and its error line."""
+
+    code: int | None
+    timed_out: bool
+    line: str
+
+    @property
+    def error(self) -> str:
+        """The error line, else why the process stopped (empty when it exited 0)."""
+        if self.code == 0:
+            return ""
+        return self.line or ("timed out" if self.timed_out else f"exited {self.code}")
+
+
 @dataclass
 class StudyContext:
     """What every stage gets: the config, where to write, the clock, and how to start processes."""
@@ -41,11 +55,10 @@ class StudyContext:
     config: GPUStudyConfig
     scale: Scale
     out: Path
-    """The study's output directory."""
     root: Path
     """The repository checkout (configs/, tests/)."""
     cuda: bool
-    """Whether a CUDA device is visible (read in a child process: the study's own process holds no CUDA context)."""
+    """Whether a child process saw a CUDA device (the study's own process holds no CUDA context)."""
     deadline: float
     """``time.monotonic()`` at which the budget ends."""
     log: Callable[[str], None] = print
@@ -58,7 +71,8 @@ class StudyContext:
         return self.deadline - time.monotonic()
 
     def stage_deadline(self) -> float:
-        """Seconds this stage's processes may still run (module docstring)."""
+        """Seconds this stage's processes may still run: the budget left, and at most 1.5 x the stage's estimate
+        (at least a minute more than it)."""
         allowed = max(1.5 * self.stage_estimate_s, self.stage_estimate_s + 60.0)
         return max(0.0, min(self.remaining(), self.stage_started + allowed - time.monotonic()))
 
@@ -66,6 +80,10 @@ class StudyContext:
         path = self.out / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def relative(self, path: Path) -> str:
+        """``path`` relative to the study's folder, as stages.json lists files."""
+        return path.resolve().relative_to(self.out.resolve()).as_posix()
 
     @property
     def device(self) -> str:
@@ -81,26 +99,20 @@ class StudyContext:
         return max(1, (os.cpu_count() or 1) // ranks) if self.device == "cpu" else None
 
     def env(self) -> dict[str, str]:
-        """Extra environment of every process: the checkout first on PYTHONPATH (its code, whatever is installed;
-        packages installed to a folder on PYTHONPATH stay found), and ``--commit`` as ``LIGHTNING_DDP_COMMIT``."""
+        """Extra environment of every process: the checkout first on PYTHONPATH, ``--commit`` as
+        ``LIGHTNING_DDP_COMMIT`` (no .git on a GPU machine), and ``--extra_env``."""
         path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)
-        commit = {COMMIT_VARIABLE: self.config.commit} if self.config.commit else {}  # no .git on a GPU machine
+        commit = {COMMIT_VARIABLE: self.config.commit} if self.config.commit else {}
         return {"PYTHONPATH": path, **commit, **self.config.extra_env}
 
-    def run_python(self, args: list[str], log: Path, timeout_s: float | None = None) -> tuple[int | None, bool, str]:
-        """``python ARGS`` in the checkout, output to ``log``; (exit code, timed out, error line)."""
-        from lightning_ddp.bench.grid import without_launcher_variables
-        from lightning_ddp.bench.runner import error_line, run_processes
-
-        env = {**without_launcher_variables(), "PYTHONUNBUFFERED": "1", **self.env()}
-        threads = self.threads(1)
-        if threads is not None:
-            env.setdefault("OMP_NUM_THREADS", str(threads))
-        limit = self.stage_deadline() if timeout_s is None else min(timeout_s, self.stage_deadline())
+    def run_python(self, args: list[str], log: Path) -> Ran:
+        """``python ARGS`` in the checkout until the stage's deadline, output to ``log``."""
+        env = base_environment(self.threads(1), extra=self.env())
         log.parent.mkdir(parents=True, exist_ok=True)
-        result = run_processes([sys.executable, *args], [env], [log], max(limit, 1.0), cwd=str(self.root))
+        result = run_processes([sys.executable, *args], [env], [log], max(self.stage_deadline(), 1.0),
+                               cwd=str(self.root))
         text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
-        return result.returncodes[0], result.timed_out, error_line(text)
+        return Ran(result.returncodes[0], result.timed_out, error_line(text))
 
     def fits(self, name: str, specs: list[FitSpec], ranks: int = 1) -> list[FitResult]:
         """``run_fits`` into ``<out>/<name>/``, bounded by the stage's deadline."""
@@ -131,10 +143,10 @@ class Stage:
     dry_run_estimate_s: float
     """Seconds of the CPU dry run (``DRY_RUN_SCALE``) on 2 cores."""
     needs_cuda: bool
-    """Cannot run at all without a GPU (``skipped: no CUDA`` in a dry run); the others run on CPU in a dry run."""
+    """Cannot run at all without a GPU (``skipped: no CUDA`` in a dry run)."""
     run: Callable[[StudyContext], StageResult]
     shows: str
-    """What the stage shows, one sentence (results.md, the README)."""
+    """What the stage shows, one sentence (results.md)."""
 
     def estimate(self, dry_run: bool) -> float:
         return self.dry_run_estimate_s if dry_run else self.estimate_s
@@ -143,37 +155,10 @@ class Stage:
 # ---- shared pieces ---------------------------------------------------------------------------------------------
 
 
-def strategy_names() -> list[str]:
-    """Every strategy a user can pick: one per registered algorithm, ``zero1_ddp``, ``zero2_ddp``, ``fsdp2`` (torch's
-    FSDP2) and Lightning's ``ddp``."""
-    from lightning_ddp.sync.registry import ALGORITHMS
-
-    return [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "zero2_ddp", "fsdp2", "ddp"]
-
-
-def strategy_argument(strategy: str, backend: str) -> str:
-    """``--trainer.strategy`` for ``strategy`` on ``backend`` (a class path with its arguments, as JSON)."""
-    if strategy in ("ddp", "auto"):
-        if strategy == "auto":
-            return "auto"
-        return json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
-                           "init_args": {"process_group_backend": backend}})
-    if strategy == "zero1_ddp":
-        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
-                           "init_args": {"process_group_backend": backend}})
-    if strategy == "zero2_ddp":
-        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
-                           "init_args": {"process_group_backend": backend}})
-    if strategy == "fsdp2":
-        return json.dumps({"class_path": "lightning_ddp.strategies.FSDP2Strategy",
-                           "init_args": {"process_group_backend": backend}})
-    return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy",
-                       "init_args": {"algorithm": strategy.removesuffix("_ddp"), "process_group_backend": backend}})
-
-
 def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
              strategy: str, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The CLI arguments (after ``fit``) of one fit on the study's device: ``ranks`` ranks share it over gloo."""
+    """The CLI arguments (after ``fit``) of one fit on the study's device: ``ranks`` ranks share it over gloo;
+    ``strategy`` is a catalogue name, or the study's one-process ``reference``."""
     backend = ctx.backend if ranks == 1 else "gloo"
     return (
         "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
@@ -187,10 +172,8 @@ def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps:
 
 
 def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
-    """What the CommTimer's accounting guarantees and a step of ``summary`` breaks: a number that is not finite,
-    exposed or busy communication longer than the step, a clock anomaly (``tests/support/fits.py`` asserts the same)."""
-    import math
-
+    """What a step of ``summary`` breaks of the CommTimer's guarantees: a number that is not finite, exposed or busy
+    communication longer than the step, a clock anomaly."""
     if not summary:
         return [f"{what}: no timing summary"]
     problems = []
@@ -207,28 +190,29 @@ def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
     return problems
 
 
-def _median(summary: dict[str, Any] | None, key: str) -> float | None:
-    value = ((summary or {}).get("summary") or {}).get(key, {}).get("median")
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def _write_json(path: Path, data: Any) -> None:
-    write_json_atomically(path, data, default=str)
-
-
-def _rel(ctx: StudyContext, path: Path) -> str:
-    return path.resolve().relative_to(ctx.out.resolve()).as_posix()
+FIT_KEYS = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
+            "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
+            "memory/peak_reserved_MiB")
+"""The medians of a fit's timing summary that the report shows."""
 
 
 def _fit_row(result: FitResult) -> dict[str, Any]:
-    """The numbers of one fit that the report shows; ``"not recorded"`` where the run's timer could not measure a key
-    (``fsdp2``'s busy time and overlap: the summary's ``not_recorded``)."""
-    keys = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
-            "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
-            "memory/peak_reserved_MiB")
-    not_recorded = set((result.summary or {}).get("not_recorded") or ())
-    return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1),
-            **{key: "not recorded" if key in not_recorded else _median(result.summary, key) for key in keys}}
+    """``FIT_KEYS``'s medians of one fit; ``"not recorded"`` where its timer could not measure a key (the summary's
+    ``not_recorded``: fsdp2's and ddp's busy time and overlap)."""
+    summary = result.summary or {}
+    not_recorded = set(summary.get("not_recorded") or ())
+    row: dict[str, Any] = {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1)}
+    for key in FIT_KEYS:
+        median = (summary.get("summary") or {}).get(key, {}).get("median")
+        if key in not_recorded:
+            row[key] = "not recorded"
+        else:
+            row[key] = float(median) if isinstance(median, (int, float)) else None
+    return row
+
+
+def _failures(results: list[FitResult]) -> list[str]:
+    return [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
 
 
 # ---- (a) environment --------------------------------------------------------------------------------------------
@@ -236,10 +220,10 @@ def _fit_row(result: FitResult) -> dict[str, Any]:
 
 def environment(ctx: StudyContext) -> StageResult:
     path = ctx.out / "environment.json"
-    code, timed_out, line = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.environment", str(path.resolve()),
-                                            "--device", ctx.device], ctx.out / "logs" / "environment.log")
-    if code != 0 or not path.exists():
-        return StageResult(problems=[line or ("timed out" if timed_out else f"exited {code}")])
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.environment", str(path.resolve()),
+                          "--device", ctx.device], ctx.out / "logs" / "environment.log")
+    if ran.code != 0 or not path.exists():
+        return StageResult(problems=[ran.error or "no environment.json"])
     return StageResult(data=json.loads(path.read_text()), files=["environment.json"])
 
 
@@ -287,9 +271,7 @@ def outcomes_from_log(text: str) -> dict[str, Any]:
 
 
 CUDA_TEST_WORKERS = 4
-"""pytest-xdist workers for the cuda tier where it is installed (a GPU machine's image has it): its ~25 CLI fits
-each pay 10-20 s of start-up, one after another over 6 minutes, four at a time well under the stage's estimate.
-The engine matrix stays in one worker (``xdist_group``): it spawns its ranks once per module."""
+"""pytest-xdist workers for the cuda tier where xdist is installed (the engine matrix stays in one: xdist_group)."""
 
 
 def parallel_workers() -> list[str]:
@@ -301,34 +283,37 @@ def parallel_workers() -> list[str]:
     return ["-p", "xdist", "-n", str(CUDA_TEST_WORKERS), "--dist", "loadgroup"]
 
 
+def _tier_problems(data: dict[str, Any], summary_line: str, timed_out: bool) -> list[str]:
+    problems = [f"{f['test']}: {f['message']}" for f in data["failures"]]
+    if timed_out:
+        problems.insert(0, f"the tier ran out of time ({summary_line or 'no summary'})")
+    elif data["tests"] and data["skipped"] == data["tests"]:
+        problems.append("every test of the tier was skipped: pytest saw no CUDA device")
+    if problems and data["failures"]:
+        problems[0] = f"{len(data['failures'])} of {data['tests']} failed, first: {problems[0]}"
+    return problems
+
+
 def cuda_tests(ctx: StudyContext) -> StageResult:
-    tier = ctx.root / "tests" / "gpu"
-    if not tier.is_dir():
+    if not (ctx.root / "tests" / "gpu").is_dir():
         return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
                                      "checkout of the repository, or pass --root CHECKOUT"])
     report = ctx.out / "cuda_tests.xml"
     log = ctx.out / "cuda_tests.log"
-    code, timed_out, line = ctx.run_python(
-        ["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
-         f"--junitxml={report.resolve()}", *parallel_workers()], log)
-    summary_line = next((l for l in reversed(log.read_text(errors="replace").splitlines()) if " in " in l and
-                         any(w in l for w in ("passed", "failed", "error", "skipped"))), "") if log.exists() else ""
+    ran = ctx.run_python(["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
+                          f"--junitxml={report.resolve()}", *parallel_workers()], log)
     text = log.read_text(errors="replace") if log.exists() else ""
+    summary_line = next((line for line in reversed(text.splitlines()) if " in " in line
+                         and any(w in line for w in ("passed", "failed", "error", "skipped"))), "").strip("= ")
     if report.exists():
         data = read_junit(report)
     elif _OUTCOME.search(text):  # cut off before the junit report: what the -v lines say so far
         data = outcomes_from_log(text)
     else:
-        return StageResult(files=["cuda_tests.log"], problems=[line or ("timed out" if timed_out else f"pytest exited {code}")])
-    data = {**data, "summary_line": summary_line.strip("= "), "exit_code": code, "timed_out": timed_out}
-    problems = [f"{f['test']}: {f['message']}" for f in data["failures"]]
-    if timed_out:
-        problems.insert(0, f"the tier ran out of time ({summary_line.strip('= ') or 'no summary'})")
-    elif data["tests"] and data["skipped"] == data["tests"]:
-        problems.append("every test of the tier was skipped: pytest saw no CUDA device")
-    if problems and data["failures"]:
-        problems[0] = f"{len(data['failures'])} of {data['tests']} failed, first: {problems[0]}"
-    return StageResult(data=data, files=[p.name for p in (report, log) if p.exists()], problems=problems)
+        return StageResult(files=["cuda_tests.log"], problems=[ran.error or "pytest wrote no report"])
+    data = {**data, "summary_line": summary_line, "exit_code": ran.code, "timed_out": ran.timed_out}
+    return StageResult(data=data, files=[p.name for p in (report, log) if p.exists()],
+                       problems=_tier_problems(data, summary_line, ran.timed_out))
 
 
 # ---- (c) compute ---------------------------------------------------------------------------------------------------
@@ -337,32 +322,40 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
 COMPUTE_PRECISIONS = ("bf16-mixed", "32-true")
 
 
-def compute(ctx: StudyContext) -> StageResult:
+def _compute_run(ctx: StudyContext, precision: str) -> tuple[dict[str, Any], str | None]:
+    """One precision of stage compute in its own process: (the run, its problem or None)."""
     s = ctx.scale
     stage = ctx.stage_dir("compute")
-    data: dict[str, Any] = {"preset": s.compute_preset, "seq_len": s.compute_seq_len, "runs": {}}
-    result = StageResult(data=data)
+    request = stage / f"request_{precision}.json"
+    out = stage / f"compute_{precision}.json"
+    write_json_atomically(request, {
+        "preset": s.compute_preset, "precision": precision, "seq_len": s.compute_seq_len,
+        "max_batch": s.compute_max_batch, "steps": s.compute_steps, "warmup": s.compute_warmup, "device": ctx.device})
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", str(request.resolve()), str(out.resolve())],
+                         stage / f"compute_{precision}.log")
+    if ran.code != 0 or not out.exists():
+        problem = f"{precision}: {ran.error or 'no result'}"
+        return {"status": "failed", "error": problem}, problem
+    run = json.loads(out.read_text())
+    run.pop("estimate_table", None)
+    run["status"] = "ok" if run.get("batch") else "failed"
+    if run["status"] == "ok":
+        return run, None
+    if not run.get("preflight_batch"):
+        return run, f"{precision}: the pre-flight allows no batch"
+    return run, f"{precision}: every batch from {run['preflight_batch']} down ran out of memory"
+
+
+def compute(ctx: StudyContext) -> StageResult:
+    s = ctx.scale
+    result = StageResult(data={"preset": s.compute_preset, "seq_len": s.compute_seq_len, "runs": {}})
     for precision in COMPUTE_PRECISIONS:
-        request = stage / f"request_{precision}.json"
-        out = stage / f"compute_{precision}.json"
-        _write_json(request, {"preset": s.compute_preset, "precision": precision, "seq_len": s.compute_seq_len,
-                              "max_batch": s.compute_max_batch, "steps": s.compute_steps, "warmup": s.compute_warmup,
-                              "device": ctx.device})
-        code, timed_out, line = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", str(request.resolve()),
-                                                str(out.resolve())], stage / f"compute_{precision}.log")
-        if code != 0 or not out.exists():
-            result.problems.append(f"{precision}: {line or ('timed out' if timed_out else f'exited {code}')}")
-            data["runs"][precision] = {"status": "failed", "error": result.problems[-1]}
-            continue
-        run = json.loads(out.read_text())
-        run.pop("estimate_table", None)
-        run["status"] = "ok" if run.get("batch") else "failed"
-        if not run.get("batch"):
-            why = ("the pre-flight allows no batch" if not run.get("preflight_batch")
-                   else f"every batch from {run['preflight_batch']} down ran out of memory")
-            result.problems.append(f"{precision}: {why}")
-        data["runs"][precision] = run
-        result.files.append(_rel(ctx, out))
+        run, problem = _compute_run(ctx, precision)
+        result.data["runs"][precision] = run
+        if problem:
+            result.problems.append(problem)
+        if "error" not in run:  # the process wrote its result
+            result.files.append(f"compute/compute_{precision}.json")
     return result
 
 
@@ -371,7 +364,7 @@ def compute(ctx: StudyContext) -> StageResult:
 
 def strategies(ctx: StudyContext) -> StageResult:
     s = ctx.scale
-    names = ["ddp", *(name for name in strategy_names() if name != "ddp")]  # the baseline first: a cut stage keeps it
+    names = ["ddp", *(name for name in catalogue.names() if name != "ddp")]  # the baseline first: a cut stage keeps it
     specs = [FitSpec(name, fit_args(ctx, preset=s.strategies_preset, batch=s.strategies_batch,
                                     seq_len=s.strategies_seq_len, steps=s.strategies_steps, warmup=s.strategies_warmup,
                                     precision=s.precision, strategy=name)) for name in names]
@@ -381,14 +374,14 @@ def strategies(ctx: StudyContext) -> StageResult:
     for row in rows.values():
         step = row.get("step/time_ms")
         row["overhead_vs_ddp"] = step / baseline - 1 if step and baseline else None
-    problems = [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
+    problems = _failures(results)
     for r in results:
         if r.ok:
             problems += step_problems(r.summary, r.name)
     data = {"preset": s.strategies_preset, "batch": s.strategies_batch, "seq_len": s.strategies_seq_len,
             "steps": s.strategies_steps, "warmup": s.strategies_warmup, "backend": ctx.backend,
             "precision": s.precision, "rows": rows}
-    files = [_rel(ctx, f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
+    files = [ctx.relative(f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
     return StageResult(data=data, files=files, problems=problems)
 
 
@@ -400,17 +393,14 @@ EQUIVALENCE_LR = 1e-3
 OFF_BY = 0.1
 """A weight is *off* when it differs from one process's by more than this many updates (``lr x steps``)."""
 EXACT_TOLERANCE = 1e-4
-"""Largest fraction of weights off that an exact algorithm may have. Measured on the tiny preset (3 steps, lr
-1e-3): float rounding of the batch sums leaves none off (99th percentile 2.5e-6 updates, largest 4e-3, where a
-near-zero gradient meets Adam's normalisation); a rank's gradient missing from the average leaves 52 % off."""
+"""Largest fraction of weights off an exact algorithm may have (calibration: docs/gpu.md)."""
 LOSSY_TOLERANCE = 1e-2
-"""The same for a lossy algorithm (``bucketed_bf16``): bf16 gradients left 0.08 % off (99th percentile 8e-3)."""
+"""The same for a lossy algorithm (``bucketed_bf16_ddp``)."""
 TOLERANCE_ORIGIN = ("calibrated on CPU (gloo, fp32, tiny preset, 3 steps at lr 1e-3): exact algorithms left no "
-                    "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16 0.08 % (99th "
+                    "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16_ddp 0.08 % (99th "
                     "percentile 8e-3), a rank's gradient missing from the average 52 %. cuBLAS sums in another order "
                     "than the CPU: read the 99th percentile and the largest difference beside the verdict.")
-"""Where the tolerances come from, written beside the verdicts (results.md) so a GPU's other rounding can be told
-from a wrong synchronisation: rounding moves the 99th percentile by orders of magnitude less than a missing rank."""
+"""Where the tolerances come from, written beside the verdicts in results.md."""
 
 
 def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update: float) -> dict[str, Any]:
@@ -438,59 +428,74 @@ def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update:
             "p99_updates": quantile(0.99), "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
 
 
+EQUIVALENCE_BATCH = 2
+EQUIVALENCE_SEQ_LEN = 64
+
+
+def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -> FitSpec:
+    """One fp32 fit of the equivalence, saving its final weights; ``ranks`` x the per-rank batch is the same global
+    batch for every fit."""
+    weights = ctx.out / "one_gpu_pair" / "equivalence" / name / "weights.pt"
+    extra = ("--model.lr", str(EQUIVALENCE_LR), "--timer.enabled", "false",
+             "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights",
+             "--trainer.callbacks.path", str(weights.resolve()))
+    return FitSpec(name, fit_args(ctx, preset=ctx.scale.equivalence_preset, batch=2 * EQUIVALENCE_BATCH // ranks,
+                                  seq_len=EQUIVALENCE_SEQ_LEN, steps=ctx.scale.equivalence_steps, warmup=0,
+                                  precision="32-true", strategy=strategy, ranks=ranks, extra=extra))
+
+
+def _compare(result: FitResult, expected: dict[str, Any] | None, update: float) -> tuple[dict[str, Any], list[str]]:
+    """The row of one 2-rank fit against the one-process weights ``expected``, and its problem if any."""
+    import torch
+
+    row: dict[str, Any] = {"status": result.status, "error": result.error}
+    path = result.log_dir / "weights.pt" if result.log_dir is not None else None
+    if not result.ok:
+        return row, [f"{result.name} on 2 ranks: {result.status}: {result.error}"]
+    if expected is None or path is None or not path.exists():
+        return row, []
+    row.update(weight_differences(torch.load(path, weights_only=True), expected, update))
+    path.unlink()  # compared: the weights are ~14 MB a strategy and worth nothing more
+    tolerance = EXACT_TOLERANCE if catalogue.get(result.name).exact else LOSSY_TOLERANCE
+    row["tolerance"] = tolerance
+    row["equal"] = row["off_fraction"] <= tolerance
+    if row["equal"]:
+        return row, []
+    return row, [f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the weights off "
+                 f"by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst {row['max_updates']:.3g} updates at "
+                 f"{row['worst_tensor']})"]
+
+
 def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
     """Every strategy on 2 ranks sharing the device vs one process on the same global batch (fp32)."""
     import torch
 
-    from lightning_ddp.sync.registry import ALGORITHMS
-
-    s = ctx.scale
-    batch, steps, seq_len = 2, s.equivalence_steps, 64
-    stage = ctx.stage_dir("one_gpu_pair/equivalence")
-
-    def spec(name: str, strategy: str, ranks: int, per_rank: int) -> FitSpec:
-        weights = stage / name / "weights.pt"
-        return FitSpec(name, fit_args(ctx, preset=s.equivalence_preset, batch=per_rank, seq_len=seq_len, steps=steps,
-                                      warmup=0, precision="32-true", strategy=strategy, ranks=ranks, extra=(
-            "--model.lr", str(EQUIVALENCE_LR), "--timer.enabled", "false",
-            "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights",
-            "--trainer.callbacks.path", str(weights.resolve()))))
-
-    reference = ctx.fits("one_gpu_pair/equivalence", [spec("one_process", "auto", 1, 2 * batch)])[0]
-    pairs = ctx.fits("one_gpu_pair/equivalence", [spec(n, n, 2, batch) for n in strategy_names()], ranks=2)
-    problems: list[str] = [] if reference.ok else [f"the one-process reference: {reference.status}: {reference.error}"]
-    rows: dict[str, Any] = {}
+    steps = ctx.scale.equivalence_steps
+    reference = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, "one_process", REFERENCE, 1)])[0]
+    pairs = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, n, n, 2) for n in catalogue.names()],
+                     ranks=2)
+    problems = _failures([reference])
     expected = None
+    reference_weights = ctx.out / "one_gpu_pair" / "equivalence" / "one_process" / "weights.pt"
     if reference.ok:
-        expected = torch.load(stage / "one_process" / "weights.pt", weights_only=True)
-        (stage / "one_process" / "weights.pt").unlink()
-    lossy = {a.strategy_name for a in ALGORITHMS.values() if not a.exact}
+        expected = torch.load(reference_weights, weights_only=True)
+        reference_weights.unlink()
+    rows: dict[str, Any] = {}
     for result in pairs:
-        row: dict[str, Any] = {"status": result.status, "error": result.error}
-        path = stage / result.name / "weights.pt"
-        if result.ok and expected is not None and path.exists():
-            row.update(weight_differences(torch.load(path, weights_only=True), expected, EQUIVALENCE_LR * steps))
-            path.unlink()  # compared: the weights are ~14 MB a strategy and worth nothing more
-            tolerance = LOSSY_TOLERANCE if result.name in lossy else EXACT_TOLERANCE
-            row["tolerance"] = tolerance
-            row["equal"] = row["off_fraction"] <= tolerance
-            if not row["equal"]:
-                problems.append(f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the "
-                                f"weights off by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst "
-                                f"{row['max_updates']:.3g} updates at {row['worst_tensor']})")
-        elif not result.ok:
-            problems.append(f"{result.name} on 2 ranks: {result.status}: {result.error}")
-        rows[result.name] = row
-    data = {"preset": s.equivalence_preset, "per_rank_batch": batch, "seq_len": seq_len, "steps": steps,
-            "lr": EQUIVALENCE_LR, "precision": "32-true", "off_by_updates": OFF_BY,
-            "tolerance_origin": TOLERANCE_ORIGIN, "rows": rows}
+        rows[result.name], found = _compare(result, expected, EQUIVALENCE_LR * steps)
+        problems += found
+    data = {"preset": ctx.scale.equivalence_preset, "per_rank_batch": EQUIVALENCE_BATCH,
+            "seq_len": EQUIVALENCE_SEQ_LEN, "steps": steps, "lr": EQUIVALENCE_LR, "precision": "32-true",
+            "off_by_updates": OFF_BY, "tolerance_origin": TOLERANCE_ORIGIN, "rows": rows}
     return data, problems
 
 
-def _sweep_arguments(ctx: StudyContext, out_dir: Path, timeout_s: float) -> list[str]:
+def _sweep_arguments(ctx: StudyContext, out_dir: Path) -> list[str]:
     s = ctx.scale
     args = ["-m", "lightning_ddp.bench", "--config", s.sweep_config, "--output.out_dir", str(out_dir.resolve()),
-            "--grid.strategies", json.dumps(list(s.sweep_strategies)), "--run.timeout_s", str(max(60, int(timeout_s)))]
+            "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))]
+    if s.sweep_strategies is not None:
+        args += ["--grid.strategies", json.dumps(list(s.sweep_strategies))]
     if ctx.device == "cpu":  # the dry run: the same sweep, shrunk to the tiny preset on CPU
         args += ["--run.accelerator", "cpu", "--workload.base_config", "configs/quickstart.yaml",
                  "--workload.preset", "tiny", "--workload.cli_args", json.dumps(["--data.source", "synthetic"]),
@@ -501,24 +506,28 @@ def _sweep_arguments(ctx: StudyContext, out_dir: Path, timeout_s: float) -> list
 
 
 def one_gpu_pair(ctx: StudyContext) -> StageResult:
+    from lightning_ddp.bench.results import read_results
+
     equivalence, problems = _equivalence(ctx)
     sweep_dir = ctx.stage_dir("one_gpu_pair/sweep")
-    code, timed_out, line = ctx.run_python(_sweep_arguments(ctx, sweep_dir, ctx.stage_deadline()),
-                                           ctx.out / "one_gpu_pair" / "sweep.log")
-    rows = []
+    ran = ctx.run_python(_sweep_arguments(ctx, sweep_dir), ctx.out / "one_gpu_pair" / "sweep.log")
     results_csv = sweep_dir / "results.csv"
-    if results_csv.exists():
-        from lightning_ddp.bench.results import read_results
-
-        rows = list(read_results(results_csv).values())
-    if code != 0:
-        problems.append(f"sweep: {line or ('timed out' if timed_out else f'exited {code}')}")
-    files = [_rel(ctx, p) for p in sorted(sweep_dir.glob("*")) if p.is_file()]
-    return StageResult(data={"equivalence": equivalence, "sweep": {"rows": rows, "exit_code": code}},
+    rows = list(read_results(results_csv).values()) if results_csv.exists() else []
+    if ran.code != 0:
+        problems.append(f"sweep: {ran.error}")
+    files = [ctx.relative(p) for p in sorted(sweep_dir.glob("*")) if p.is_file()]
+    return StageResult(data={"equivalence": equivalence, "sweep": {"rows": rows, "exit_code": ran.code}},
                        files=files, problems=problems)
 
 
 # ---- (f) traces ----------------------------------------------------------------------------------------------------
+
+
+def without_and_with_overlap() -> list[str]:
+    """The catalogue's first engine that communicates after backward, and its first that overlaps backward."""
+    engines = [catalogue.get(name) for name in catalogue.names(engines_only=True)]
+    without = next(e.name for e in engines if not e.overlaps_backward)
+    return [without, next(e.name for e in engines if e.overlaps_backward)]
 
 
 def traces(ctx: StudyContext) -> StageResult:
@@ -526,31 +535,33 @@ def traces(ctx: StudyContext) -> StageResult:
 
     s = ctx.scale
     record = str((ctx.root / "configs" / "trace" / "record.yaml").resolve())
-    specs = [FitSpec(name, fit_args(ctx, preset=s.trace_preset, batch=4, seq_len=256 if ctx.device == "cuda" else 32,
-                                    steps=9, warmup=6, precision=s.precision, strategy=name, ranks=2,
-                                    extra=("--config", record)))
-             for name in ("naive_ddp", "overlap_ddp")]
+    seq_len = 256 if ctx.device == "cuda" else 32
+    specs = [FitSpec(name, fit_args(ctx, preset=s.trace_preset, batch=4, seq_len=seq_len, steps=9, warmup=6,
+                                    precision=s.precision, strategy=name, ranks=2, extra=("--config", record)))
+             for name in without_and_with_overlap()]
     results = ctx.fits("traces", specs, ranks=2)
-    problems = [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
+    problems = _failures(results)
     runs = [load_run([r.log_dir / "traces"], r.name) for r in results if r.ok and (r.log_dir / "traces").exists()]
     data: dict[str, Any] = {"preset": s.trace_preset, "ranks": 2, "precision": s.precision, "runs": {}}
-    files = []
-    if runs:
-        picture = ctx.out / "traces" / "timeline.png"
-        timeline = render_timeline(runs, picture, title="naive vs overlap, 2 gloo ranks time-slicing one device")
-        files.append(_rel(ctx, picture))
-        for label, overlap in timeline.overlaps.items():
-            gpu_rows = [row.bars for row in timeline.rows if row.run == label and row.kind == "gpu"]
-            data["runs"][label] = {"overlap": overlap.fraction, "comm_ms": overlap.comm / 1e3,
-                                   "hidden_ms": overlap.overlapped / 1e3, "gpu_kernel_bars": sum(gpu_rows),
-                                   "gpu_rows": len(gpu_rows)}
-            if ctx.device == "cuda" and not sum(gpu_rows):
-                problems.append(f"{label}: the trace has no GPU kernel rows")
-        files += [_rel(ctx, p) for run in runs for p in (rank.path for rank in run.ranks)]
+    if not runs:
+        return StageResult(data=data, problems=problems)
+    picture = ctx.out / "traces" / "timeline.png"
+    timeline = render_timeline(runs, picture, title="naive vs overlap, 2 gloo ranks time-slicing one device")
+    for label, overlap in timeline.overlaps.items():
+        gpu_rows = [row.bars for row in timeline.rows if row.run == label and row.kind == "gpu"]
+        data["runs"][label] = {"overlap": overlap.fraction, "comm_ms": overlap.comm / 1e3,
+                               "hidden_ms": overlap.overlapped / 1e3, "gpu_kernel_bars": sum(gpu_rows),
+                               "gpu_rows": len(gpu_rows)}
+        if ctx.device == "cuda" and not sum(gpu_rows):
+            problems.append(f"{label}: the trace has no GPU kernel rows")
+    files = [ctx.relative(picture), *(ctx.relative(rank.path) for run in runs for rank in run.ranks)]
     return StageResult(data=data, files=files, problems=problems)
 
 
-# ---- (g) gradient-ready times in backward, and the projection from them ------------------------------------------------
+# ---- (g) gradient-ready times in backward, and the projection from them --------------------------------------------
+
+
+PROJECTED_NETWORKS = ("nvlink4", "pcie_gen4")
 
 
 def ready_times(ctx: StudyContext) -> StageResult:
@@ -558,24 +569,28 @@ def ready_times(ctx: StudyContext) -> StageResult:
 
     s = ctx.scale
     spec = FitSpec("profile", fit_args(ctx, preset=s.profile_preset, batch=s.profile_batch, seq_len=s.profile_seq_len,
-                                       steps=s.profile_steps, warmup=3, precision=s.precision, strategy="naive_ddp"))
+                                       steps=s.profile_steps, warmup=3, precision=s.precision,
+                                       strategy=without_and_with_overlap()[0]))
     (result,) = ctx.fits("ready_times", [spec])
     profile_path = result.file("compute_profile.json")
     if not result.ok or profile_path is None:
-        return StageResult(problems=[f"the {s.profile_preset} fit: {result.status}: {result.error or 'no compute_profile.json'}"])
+        error = result.error or "no compute_profile.json"
+        return StageResult(problems=[f"the {s.profile_preset} fit: {result.status}: {error}"])
     profile = read_profile(profile_path)
     ready = sorted(p.ready_ms for p in profile.params if p.ready_ms is not None)
     data: dict[str, Any] = {
         "preset": s.profile_preset, "batch": s.profile_batch, "seq_len": s.profile_seq_len, "device": profile.device,
-        "precision": s.precision,
-        "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms,
-        "tensors": len(profile.params), "first_ready_ms": ready[0] if ready else None,
-        "last_ready_ms": ready[-1] if ready else None, "profile": _rel(ctx, profile_path), "projections": {},
+        "precision": s.precision, "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms,
+        "optimizer_ms": profile.optimizer_ms, "tensors": len(profile.params),
+        "first_ready_ms": ready[0] if ready else None, "last_ready_ms": ready[-1] if ready else None,
+        "profile": ctx.relative(profile_path), "projections": {},
     }
-    files = [_rel(ctx, profile_path)]
-    problems = [] if len(ready) == len(profile.params) else [f"{len(profile.params) - len(ready)} tensors never became ready"]
+    files = [ctx.relative(profile_path)]
+    problems = []
+    if len(ready) != len(profile.params):
+        problems.append(f"{len(profile.params) - len(ready)} tensors never became ready")
     gpu = _projection_gpu(profile.device)
-    for network in ("nvlink4", "pcie_gen4"):
+    for network in PROJECTED_NETWORKS:
         rows, written = _project(ctx, profile_path, gpu, network)
         data["projections"][network] = {"gpu": gpu, "rows": rows}
         files += written
@@ -592,21 +607,26 @@ def _projection_gpu(device_name: str) -> str:
 
 
 def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The projection from the measured profile to 2 ranks on ``network`` (best bucket size per strategy)."""
-    from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, OutputConfig, ProjectionConfig, StudyConfig
+    """The projection from the measured profile to 2 ranks on ``network``: one row per strategy, each bucketed one
+    at its best bucket size; and the files it wrote."""
+    from lightning_ddp.projection.config import (
+        ComputeConfig,
+        NetworkConfig,
+        OutputConfig,
+        ProjectionConfig,
+        StudyConfig,
+    )
     from lightning_ddp.projection.run import run_projection
 
-    out_dir = ctx.out / "ready_times" / f"projection_{network}"
     config = ProjectionConfig(
         name=f"2 x {gpu} over {network}, from the measured profile",
         compute=ComputeConfig(source="profile", profile_path=str(profile_path), gpu=gpu),
         network=NetworkConfig(preset=network), study=StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
-        output=OutputConfig(out_dir=str(out_dir), plots=False),
+        output=OutputConfig(out_dir=str(ctx.out / "ready_times" / f"projection_{network}"), plots=False),
     )
     outcome = run_projection(config)
-    # One row per strategy: those without buckets, and each bucketed one at its best bucket size.
     rows = [row for row in outcome.rows if row.get("best_bucket") == "true" or row.get("bucket_size_mb") in (None, "")]
-    return rows, [_rel(ctx, Path(f)) for f in outcome.files]
+    return rows, [ctx.relative(Path(f)) for f in outcome.files]
 
 
 # ---- (h) the timer's overhead ---------------------------------------------------------------------------------------
@@ -615,28 +635,24 @@ def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> t
 def timer_overhead(ctx: StudyContext) -> StageResult:
     s = ctx.scale
     stage = ctx.stage_dir("timer_overhead")
-    seq_len = s.strategies_seq_len
-    extra = [a for a in fit_args(ctx, preset=s.overhead_preset, batch=s.strategies_batch, seq_len=seq_len,
-                                 steps=s.overhead_steps, warmup=s.overhead_warmup, precision=s.precision,
-                                 strategy="bucketed_ddp")]
-    # timer_overhead sets the steps, the timer (its arms) and the logger's directory itself; the rest is this study's fit.
+    fit = fit_args(ctx, preset=s.overhead_preset, batch=s.strategies_batch, seq_len=s.strategies_seq_len,
+                   steps=s.overhead_steps, warmup=s.overhead_warmup, precision=s.precision,
+                   strategy=catalogue.DEFAULT_ENGINE)
+    # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
-    extra = [a for i, a in enumerate(extra) if a not in owned and (i == 0 or extra[i - 1] not in owned)]
-    code, timed_out, line = ctx.run_python(
-        ["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",
-         "--steps", str(s.overhead_steps), "--warmup", str(s.overhead_warmup), "--repeats", str(s.overhead_repeats),
-         "--out", str(stage.resolve()), "--", *extra], stage / "timer_overhead.log")  # the fits' arguments after --
+    fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
+    log = stage / "timer_overhead.log"
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",
+                          "--steps", str(s.overhead_steps), "--warmup", str(s.overhead_warmup),
+                          "--repeats", str(s.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], log)
     path = stage / "timer_overhead.json"
-    if code != 0 or not path.exists():
-        return StageResult(files=[_rel(ctx, stage / "timer_overhead.log")],
-                           problems=[line or ("timed out" if timed_out else f"exited {code}")])
-    data = json.loads(path.read_text())
-    data["preset"] = s.overhead_preset
-    return StageResult(data=data, files=[_rel(ctx, path), _rel(ctx, stage / "timer_overhead.md")])
+    if ran.code != 0 or not path.exists():
+        return StageResult(files=[ctx.relative(log)], problems=[ran.error or "no timer_overhead.json"])
+    data = {**json.loads(path.read_text()), "preset": s.overhead_preset}
+    return StageResult(data=data, files=[ctx.relative(path), ctx.relative(stage / "timer_overhead.md")])
 
 
-# ---- the table -------------------------------------------------------------------------------------------------------
-
+# ---- the table ------------------------------------------------------------------------------------------
 
 STAGES: tuple[Stage, ...] = (
     Stage("environment", "Environment", 20, 5, False, environment,
@@ -661,5 +677,4 @@ STAGES: tuple[Stage, ...] = (
     Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead,
           "Step time with the timer on and off, alternated, with a 95 % interval: what measuring costs on a GPU."),
 )
-"""Every stage, in the order the study runs them (the ``GPU_SCALE`` estimates total ~17 minutes: two calls of 9;
-``study.plan_calls``)."""
+"""Every stage, in the order the study runs them (``GPU_SCALE``: ~17 minutes, two calls of 9)."""

@@ -1,18 +1,9 @@
-"""Run the stages in order against this call's budget; keep ``stages.json`` and ``results.md`` current after every
-stage, so the study can be finished by several short calls (``--resume true``).
+"""Run the stages in order against this call's budget, keeping ``stages.json`` and ``results.md`` current after
+every stage, so that several short calls (``--resume true``) finish the study.
 
-Recipe (``run_study``):
-
-1. Resolve the checkout (configs/, tests/) and whether CUDA is visible (asked in a child process, so the study's own
-   process never holds a CUDA context). Without CUDA only a dry run may go on. With ``--resume true`` read the
-   ``stages.json`` already in ``--out``: its ``ok`` stages are kept, row and files unchanged.
-2. Write ``stages.json``: the kept stages, every other one ``pending`` with its estimate.
-3. For each stage not kept, in order: ``skipped: not selected`` (``--stages``), ``skipped: no CUDA`` (it needs a
-   GPU and none is visible), ``skipped: budget`` (its estimate exceeds what is left of this call's budget, counted
-   from the call's start), else run it. An exception or a problem it reports makes it ``failed`` with one error
-   line; the study goes on. Its data goes to ``<name>.json``; then ``stages.json`` (atomically) and ``results.md``
-   are rewritten, so a call cut off at any minute leaves everything before it, described.
-4. With ``--archive FILE``, whatever happened: one ``.tar.gz`` of what is worth committing (``archive.py``).
+``run_study`` decides per stage: kept (``ok`` in a resumed study), ``skipped: not selected``, ``skipped: no
+CUDA``, ``skipped: budget`` (its estimate exceeds what is left), or run (``ok`` / ``failed`` with one error line).
+docs/gpu.md says how a call is budgeted.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from typing import Any, Callable, Sequence
 from lightning_ddp.bench.gpu_study.archive import write_archive
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, scale_of
 from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext
-from lightning_ddp.files import write_atomically
+from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import git_state, repo_relative
 
 __all__ = ["DONE", "RESULTS_MD", "STAGES_JSON", "STATUSES", "cuda_available", "plan_calls", "repository_root",
@@ -60,8 +51,9 @@ def repository_root(root: str | None = None) -> Path:
 def cuda_available(env: dict[str, str] | None = None) -> bool:
     """Whether a child process sees a CUDA device (``torch.cuda.is_available()``), without touching CUDA here."""
     try:
-        proc = subprocess.run([sys.executable, "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"],
-                              capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+        code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, **(env or {})}, timeout=300)
     except subprocess.TimeoutExpired:  # a driver that hangs on the device query: no usable GPU
         return False
     return proc.returncode == 0
@@ -73,8 +65,8 @@ def _error_line(error: BaseException) -> str:
 
 
 def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> list[list[str]]:
-    """The stages each call of ``--resume true --budget_min budget_min`` runs, if every stage takes its estimate:
-    the study's own rule (a stage runs when its estimate fits what is left), call after call.
+    """The stages each call of ``--resume true --budget_min budget_min`` runs if every stage takes its estimate: a
+    stage runs when its estimate fits what is left of the call. Raises ``ValueError`` if a stage fits no call.
 
     >>> from lightning_ddp.bench.gpu_study.stages import STAGES
     >>> for call in plan_calls(STAGES, 9):
@@ -82,12 +74,15 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
     ['environment', 'cuda_tests', 'compute', 'strategies']
     ['one_gpu_pair', 'traces', 'ready_times', 'timer_overhead']
     """
-    too_long = [s.name for s in stages if s.estimate(dry_run) > budget_min * 60]
-    if too_long:
-        raise ValueError(f"stage {too_long[0]} alone needs more than --budget_min {budget_min:g}; give more minutes")
+    budget_s = budget_min * 60
+    for stage in stages:
+        needs_s = stage.estimate(dry_run)
+        if needs_s > budget_s:
+            raise ValueError(f"stage {stage.name} needs ~{needs_s:.0f} s, more than `--budget_min {budget_min:g}` "
+                             f"gives a call; give it at least {needs_s / 60:.1f} minutes (default 9)")
     calls, left = [], list(stages)
     while left:
-        remaining, call = budget_min * 60, []
+        remaining, call = budget_s, []
         for stage in list(left):
             if stage.estimate(dry_run) <= remaining:
                 remaining -= stage.estimate(dry_run)
@@ -145,15 +140,11 @@ def commit_of(config: GPUStudyConfig) -> dict[str, Any]:
 
 def _check_budget(stages: Sequence[Stage], document: dict[str, Any], ctx: StudyContext) -> None:
     """Refuse a budget in which a stage left to run could never start (it would be skipped call after call)."""
-    budget_s = ctx.config.budget_min * 60
-    for stage, entry in zip(stages, document["stages"]):
-        selected = ctx.config.stages is None or stage.name in ctx.config.stages
-        runnable = entry["status"] != "ok" and selected and (ctx.cuda or not stage.needs_cuda)
-        needs_s = stage.estimate(ctx.config.cpu_dry_run)
-        if runnable and needs_s > budget_s:
-            raise ValueError(f"stage {stage.name} needs ~{needs_s:.0f} s, more than `--budget_min "
-                             f"{ctx.config.budget_min:g}` gives a call; give it at least {needs_s / 60:.1f} minutes "
-                             "(default 9)")
+    config = ctx.config
+    left = [stage for stage, entry in zip(stages, document["stages"])
+            if entry["status"] != "ok" and (config.stages is None or stage.name in config.stages)
+            and (ctx.cuda or not stage.needs_cuda)]
+    plan_calls(left, config.budget_min, config.cpu_dry_run)
 
 
 def _skip_reason(stage: Stage, config: GPUStudyConfig, ctx: StudyContext) -> tuple[str, str] | None:
@@ -187,7 +178,7 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
         result = StageResult(problems=[_error_line(error)])
     entry["seconds"] = round(time.monotonic() - ctx.stage_started, 1)
     if result.data:
-        write_atomically(ctx.out / f"{stage.name}.json", json.dumps(result.data, indent=2, default=str) + "\n")
+        write_json_atomically(ctx.out / f"{stage.name}.json", result.data, default=str)
         result.files.insert(0, f"{stage.name}.json")
     entry.update(files=result.files, status="failed" if result.problems else "ok",
                  error=result.problems[0] if result.problems else "", problems=result.problems)
@@ -195,7 +186,7 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
 
 def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bool | None = None,
               log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
-    """Run the study of ``config`` (module recipe); returns the final ``stages.json`` document.
+    """Run the study of ``config``; returns the final ``stages.json`` document.
 
     Args:
         config: The command line.
@@ -226,7 +217,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         document["elapsed_s"] = round(time.monotonic() - started, 1)
         document["calls"][-1]["elapsed_s"] = document["elapsed_s"]
         document["complete"] = all(e["status"] in DONE for e in document["stages"])
-        write_atomically(out / STAGES_JSON, json.dumps(document, indent=2) + "\n")
+        write_json_atomically(out / STAGES_JSON, document)
         write_atomically(out / RESULTS_MD, build_report(document, out))
 
     kept = sum(e["status"] == "ok" for e in document["stages"])

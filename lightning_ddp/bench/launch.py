@@ -1,0 +1,358 @@
+"""The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command, run with a timeout.
+
+``fit_command`` is the only place that builds the command line. ``rank_layout`` and ``rank_environments`` place the
+ranks (one process that Lightning fans out, or every rank started here), ``run_processes`` runs them in their own
+sessions and never leaves one behind, ``run_fit`` runs one fit and raises on failure, ``run_interleaved`` runs cells x
+interleaved repeats, and ``read_timing_summary`` collects what the CommTimer wrote. docs/benchmarks.md describes how a run is placed and classified.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from lightning_ddp import catalogue
+from lightning_ddp.local_group import find_free_port
+
+__all__ = [
+    "LOOPBACK_INTERFACE",
+    "ProcessResult",
+    "RankLayout",
+    "base_environment",
+    "error_line",
+    "find_free_port",
+    "fit_command",
+    "is_oom",
+    "logger_argument",
+    "rank_environments",
+    "rank_layout",
+    "read_timing_summary",
+    "run_fit",
+    "run_interleaved",
+    "run_processes",
+    "strategy_argument",
+    "without_launcher_variables",
+    "write_command",
+]
+
+REFERENCE = "reference"
+"""The study's one-process, compute-only cell (not a strategy: it runs with Lightning's ``auto``)."""
+
+LOOPBACK_INTERFACE = "lo0" if sys.platform == "darwin" else "lo"
+"""The loopback interface, which the runs' gloo uses (``GLOO_SOCKET_IFNAME``) unless told otherwise."""
+
+# Variables by which launchers (torchrun, SLURM, MPI, LSF) tell a process its rank: a run is its own
+# single-machine job, so inheriting the study's own values would make Lightning pick the wrong cluster environment.
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "LSB_", "JSM_")
+_OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory", re.IGNORECASE)
+# "SomeError: ...", "torch.OutOfMemoryError: ...", "KeyboardInterrupt", jsonargparse's "error: ...".
+_ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception|Exit|Interrupt|Failure)\b|error:|Killed\b|Segmentation fault)")
+_NOISE = re.compile(r"^(Traceback|During handling|The above exception|\s|\^|~|-{5,}|={5,}|.*[Ww]arning\b)")
+_GRACE_S = 5.0  # how long the other ranks get to exit by themselves after one failed
+
+
+# ---- the command -------------------------------------------------------------------------------------------
+
+
+def strategy_argument(name: str, backend: str | None = None, bucket_size_mb: float | str | None = None,
+                      settings: Mapping[str, Any] | None = None) -> str:
+    """The value of ``--trainer.strategy`` for a catalogue name (``auto`` for the study's ``reference``)."""
+    if name == REFERENCE:
+        return "auto"
+    return json.dumps(catalogue.get(name).strategy_argument(backend, bucket_size_mb, settings))
+
+
+def logger_argument(log_dir: Path) -> str:
+    """A TensorBoard logger whose log directory is ``log_dir`` itself (name and version empty)."""
+    return json.dumps({"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": str(log_dir), "name": "", "version": ""}})
+
+
+def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[str]:
+    """``python -m lightning_ddp fit <arguments>``, logging into ``log_dir`` when given (where the CommTimer's
+    ``timing_summary.json`` then lands)."""
+    command = [sys.executable, "-m", "lightning_ddp", "fit", *arguments]
+    if log_dir is not None:
+        command += ["--trainer.logger", logger_argument(log_dir)]
+    return command
+
+
+# ---- where the ranks go ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """How the data-parallel ranks of a run sit on the machine."""
+
+    backend: str
+    """``gloo`` or ``nccl``."""
+    devices_per_node: int
+    """``--trainer.devices``."""
+    num_nodes: int
+    """``--trainer.num_nodes``; > 1 only when ranks share GPUs (each rank is then a 'node' of one GPU)."""
+    gpu_of_rank: tuple[str, ...] | None = None
+    """``CUDA_VISIBLE_DEVICES`` of each rank when ranks share GPUs, else ``None``."""
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+
+def rank_layout(accelerator: str, devices: int, backend: str = "auto", launcher: str = "lightning",
+                gpu_count: int = 0, visible_gpus: str | None = None) -> RankLayout:
+    """The backend and the rank placement (``backend: auto`` resolved here): gloo on CPU, nccl with a GPU per rank,
+    else gloo with each rank a one-GPU "node" (needs ``launcher: ranks``); see docs/benchmarks.md."""
+    if accelerator == "cpu":
+        return RankLayout("gloo", devices, 1)
+    if gpu_count < 1:
+        raise ValueError("`run.accelerator: cuda` but no GPU is visible; use `run.accelerator: cpu` on this machine")
+    if gpu_count >= devices:
+        return RankLayout("nccl" if backend in ("auto", "nccl") else "gloo", devices, 1)
+    if backend == "nccl":
+        raise ValueError(
+            f"`run.backend: nccl` with {devices} ranks on {gpu_count} GPU(s): NCCL refuses two ranks on one GPU; "
+            "use `run.backend: auto` (gloo with CUDA tensors) or `run.devices` <= the number of GPUs"
+        )
+    if launcher != "ranks":
+        raise ValueError(
+            f"{devices} ranks on {gpu_count} GPU(s) need `run.launcher: ranks` (Lightning's launcher puts one rank "
+            "on each GPU and refuses to reuse one)"
+        )
+    ids = [g.strip() for g in visible_gpus.split(",")] if visible_gpus else [str(i) for i in range(gpu_count)]
+    ids = ids[:gpu_count]
+    return RankLayout("gloo", 1, devices, tuple(ids[r % len(ids)] for r in range(devices)))
+
+
+def without_launcher_variables(parent: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``parent`` (default: this process's environment) without the variables launchers tell ranks by, so that a
+    job started from inside another (a sweep under SLURM, a study under torchrun) is its own single-machine job."""
+    parent = dict(os.environ if parent is None else parent)
+    return {k: v for k, v in parent.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
+
+
+def base_environment(threads: int | None = None, extra: Mapping[str, str] | None = None,
+                     parent: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``parent`` without launcher variables, plus unbuffered output, ``OMP_NUM_THREADS`` = ``threads`` (if given),
+    ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set; every rank runs on this host) and ``extra``."""
+    env = without_launcher_variables(parent)
+    env["PYTHONUNBUFFERED"] = "1"  # logs stream to the rank files as they happen (the reason of a crash survives)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)  # Lightning keeps an OMP_NUM_THREADS that is already set
+    env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    env.update(extra or {})
+    return env
+
+
+def rank_environments(layout: RankLayout, port: int, *, every_rank: bool, threads: int | None = None,
+                      extra: Mapping[str, str] | None = None,
+                      parent: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """One environment per process to start: one (Lightning starts the other ranks itself, or a one-process run)
+    unless ``every_rank``, then each rank's with the variables Lightning's own launcher would have given it."""
+    env = base_environment(threads, extra, parent)
+    if not every_rank:
+        if layout.gpu_of_rank:
+            env["CUDA_VISIBLE_DEVICES"] = layout.gpu_of_rank[0]
+        return [env]
+    envs = []
+    for rank in range(layout.world_size):
+        node_rank, local_rank = divmod(rank, layout.devices_per_node)
+        rank_env = dict(env)
+        rank_env.update({
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(layout.world_size),
+            "NODE_RANK": str(node_rank),
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(rank),  # read by Lightning's rank_zero_only before the strategy sets the rank
+        })
+        if layout.gpu_of_rank:
+            rank_env["CUDA_VISIBLE_DEVICES"] = layout.gpu_of_rank[rank]
+        envs.append(rank_env)
+    return envs
+
+
+def write_command(path: Path, command: list[str], envs: list[dict[str, str]]) -> None:
+    """The command and the variables that differ between ranks or matter to the run, as a shell snippet."""
+    keys = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
+            "LOCAL_RANK", "RANK")
+    lines = ["# one line per process started for this run, all at once (with one line, Lightning starts the",
+             "# other ranks itself)"]
+    for env in envs:
+        prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in keys if k in env)
+        lines.append(f"{prefix} {shlex.join(command)}".strip())
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ---- running -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ProcessResult:
+    """What ``run_processes`` observed."""
+
+    returncodes: list[int | None]
+    timed_out: bool
+    killed_by_us: set[int] = field(default_factory=set)
+    first_failed: int | None = None
+    wall_s: float = 0.0
+
+
+# Loaded here, in the parent: the child only calls prctl between fork and exec, where loading a library could
+# deadlock on a lock held by another thread of the parent.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_the_parent() -> None:
+    """In a started process: ask the kernel to SIGKILL it when the study dies, even by SIGKILL (no orphans)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the process's own session: it and whatever it started (Lightning's ranks)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(procs: list[subprocess.Popen], killed: set[int]) -> None:
+    """SIGTERM the process groups still alive, then SIGKILL whatever is left after 3 s."""
+    alive = [i for i, proc in enumerate(procs) if proc.poll() is None]
+    for i in alive:
+        killed.add(i)
+        _kill_group(procs[i], signal.SIGTERM)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and any(procs[i].poll() is None for i in alive):
+        time.sleep(0.05)
+    for i in alive:
+        _kill_group(procs[i], signal.SIGKILL)  # also reaps stragglers of an exited leader
+        procs[i].wait()
+
+
+def _wait(procs: list[subprocess.Popen], start: float, timeout_s: float) -> tuple[bool, int | None]:
+    """Poll until all exit, the time is up, or the others had ``_GRACE_S`` to notice that one failed:
+    ``(timed_out, first_failed)``."""
+    first_failed: int | None = None
+    failed_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if first_failed is None:
+            first_failed = next((i for i, c in enumerate(codes) if c not in (0, None)), None)
+            failed_at = time.monotonic() if first_failed is not None else None
+        if all(c is not None for c in codes):
+            return False, first_failed
+        now = time.monotonic()
+        if now - start > timeout_s:
+            return True, first_failed
+        if failed_at is not None and now - failed_at > _GRACE_S:
+            return False, first_failed
+        time.sleep(0.1)
+
+
+def run_processes(command: list[str], envs: list[dict[str, str]], log_paths: list[Path], timeout_s: float,
+                  cwd: str | None = None) -> ProcessResult:
+    """Start one process per environment (output to its log), wait for all, never leave one behind."""
+    start = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    files = []
+    killed: set[int] = set()
+    timed_out, first_failed = False, None
+    try:
+        for env, log_path in zip(envs, log_paths):
+            log = open(log_path, "w", encoding="utf-8")
+            files.append(log)
+            procs.append(subprocess.Popen(
+                command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_the_parent,
+            ))
+        timed_out, first_failed = _wait(procs, start, timeout_s)
+    finally:
+        _stop(procs, killed)  # nothing is left alive after a normal finish
+        for p in procs:  # end any process a leader left running in its session (Lightning-launched ranks)
+            _kill_group(p, signal.SIGKILL)
+        for f in files:
+            f.close()
+    return ProcessResult([p.returncode for p in procs], timed_out, killed, first_failed, time.monotonic() - start)
+
+
+def is_oom(text: str) -> bool:
+    """Whether ``text`` (a failed process's output) reports running out of memory (CUDA, CPU or the allocator)."""
+    return bool(_OOM_PATTERNS.search(text))
+
+
+def error_line(text: str, limit: int = 300) -> str:
+    """The last meaningful error line of a process's output (``""`` if there is none): the last line naming an
+    error, else the last that is not traceback scaffolding, code, or a warning.
+
+    >>> error_line("Traceback (most recent call last):\\n  File 'x.py'\\n    f()\\nValueError: bad size\\n")
+    'ValueError: bad size'
+    """
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _ERROR_LINE.match(line):
+            return line[:limit]
+    for line in reversed(lines):
+        if not _NOISE.match(line):
+            return line[:limit]
+    return ""
+
+
+def run_fit(arguments: Sequence[str], log_dir: Path, *, what: str, timeout_s: float = 3600.0,
+            env: Mapping[str, str] | None = None, cwd: str | None = None) -> Path:
+    """Run one ``fit`` (Lightning starts its other ranks) logging into ``log_dir``; returns ``log_dir``.
+
+    Raises:
+        RuntimeError: the fit failed or timed out; names ``what`` and the fit's last error line.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    command = fit_command(arguments, log_dir.resolve())
+    environment = base_environment(extra=env)
+    write_command(log_dir / "command.txt", command, [environment])
+    log = log_dir / "fit.log"
+    result = run_processes(command, [environment], [log], timeout_s, cwd=cwd)
+    if result.timed_out or result.returncodes != [0]:
+        text = log.read_text(encoding="utf-8", errors="replace")
+        print(text[-8000:], file=sys.stderr, flush=True)
+        how = f"ran past {timeout_s:.0f} s" if result.timed_out else f"exited {result.returncodes[0]}"
+        raise RuntimeError(f"the fit ({what}) {how}: {error_line(text) or 'no error line'}")
+    return log_dir
+
+
+def run_interleaved(cells: Mapping[str, Sequence[str]], repeats: int, log_root: Path, *,
+                    timeout_s: float = 3600.0) -> dict[str, list[Path]]:
+    """Run every cell's fit arguments ``repeats`` times, interleaved round-robin (repeat 0 of every cell, then repeat
+    1, ...: a slow drift of the machine hits every cell alike); per cell name, its repeats' log directories."""
+    logs: dict[str, list[Path]] = {name: [] for name in cells}
+    for repeat in range(repeats):
+        for index, (name, arguments) in enumerate(cells.items()):
+            print(f"{name}, repeat {repeat + 1}/{repeats}", flush=True)
+            log_dir = log_root / f"cell{index}" / f"r{repeat}"
+            logs[name].append(run_fit(arguments, log_dir, what=f"{name}, repeat {repeat + 1}", timeout_s=timeout_s))
+    return logs
+
+
+def read_timing_summary(log_dir: Path) -> dict[str, Any] | None:
+    """The CommTimer's ``timing_summary.json`` under ``log_dir`` (the first, sorted), or ``None``."""
+    path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
+    return None if path is None else json.loads(path.read_text())
+
+
+def measured_steps(log_dir: Path) -> list[dict[str, float]]:
+    """Rank 0's per-step rows of ``timing_summary.json`` after its warm-up."""
+    summary = read_timing_summary(log_dir)
+    if summary is None:
+        raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
+    return summary["steps"][summary["warmup_steps"]:]
