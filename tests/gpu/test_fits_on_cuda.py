@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.sync.registry import ALGORITHMS
+from lightning_ddp import catalogue
 from tests.support.device_matrix import completion_clocks
 from tests.support.dist_utils import run_on_ranks
 from tests.support.fits import check_step_rows, fit_one_device, strategy_json
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]
 
-STRATEGIES = [a.strategy_name for a in ALGORITHMS.values()] + ["zero1_ddp", "zero2_ddp", "ddp"]
+STRATEGIES = catalogue.names(engines_only=True) + ["zero1_ddp", "zero2_ddp", "ddp"]
 BF16 = ("--trainer.precision", "bf16-mixed")
 
 
