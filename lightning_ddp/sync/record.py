@@ -37,8 +37,8 @@ class StepClock:
             torch.cuda.synchronize(self.device)
 
     def anchor(self, synchronize: bool = True) -> None:
-        """Name one instant on both clocks. On CUDA: synchronize (unless the caller just did), then record ``e0``
-        on the idle device's current stream, with ``t0`` the midpoint of two host reads around the record call."""
+        """Name one instant on both clocks (on CUDA: ``e0`` on the idle device, ``t0`` the midpoint of two host
+        reads around its record call)."""
         if not self.cuda:
             self.t0 = time.perf_counter()
             return
@@ -76,19 +76,15 @@ class StepClock:
 
 @dataclass
 class Collective:
-    """One collective: what it moved and when it was launched, completed and waited for.
-
-    Marks are raw (host seconds or CUDA events) while the step runs and milliseconds since the step's anchor
-    in a finished record (``Recorder.finish_step``).
-    """
+    """One collective: what it moved and when it was launched, completed and waited for (raw marks while the step
+    runs, milliseconds since the anchor in a finished record)."""
 
     op: str
     """Collective kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``reduce``, ``broadcast``."""
     label: str
     """What was communicated: a parameter name, ``bucket 3 (12 tensors)``, ``flat (435 tensors)``."""
     nbytes: int
-    """nccl-tests' message size: the buffer being all-reduced, reduced or broadcast; for ``reduce_scatter`` the
-    whole input and for ``all_gather`` the whole output (every rank's part)."""
+    """nccl-tests' message size: the buffer; the whole input of ``reduce_scatter``, output of ``all_gather``."""
     launched: Mark
     """When the collective was issued (on CUDA: when the issuing stream reached that point)."""
     completed: Mark | None = None
@@ -97,9 +93,8 @@ class Collective:
     """The interval the caller spent in ``Work.wait()`` for it, if anyone waited."""
 
     def converted(self, convert: Callable[[Mark], float]) -> Collective:
-        """This collective with every mark converted (e.g. to ms). Without a recorded completion, completion is the
-        end of the wait (the result was certainly there then), or, never waited for, the launch (nothing observed
-        it in flight)."""
+        """This collective with every mark converted (e.g. to ms); without a recorded completion, the end of the wait
+        stands for it (else the launch: nothing observed it in flight)."""
         launched = convert(self.launched)
         wait = (convert(self.wait[0]), convert(self.wait[1])) if self.wait is not None else None
         if self.completed is not None:
@@ -116,8 +111,7 @@ class SyncRecord:
     collectives: list[Collective] = field(default_factory=list)
     """Every collective of the step, in launch order."""
     exposed: list[Span] = field(default_factory=list)
-    """Intervals on the critical path spent synchronising (``finish_gradient_synchronization``; ZeRO-1's phases
-    inside ``optimizer.step()``)."""
+    """Intervals on the critical path spent synchronising (the engine's sync, the sharded optimizer's phases)."""
     pack: list[Span] = field(default_factory=list)
     """Intervals spent copying gradients into and out of communication buffers (flat, bucketed, ZeRO-1)."""
     started: Mark | None = None
@@ -205,12 +199,8 @@ class Recorder:
         return self._open
 
     def open_step(self, step: int | None = None) -> None:
-        """Start recording optimizer step ``step``: a fresh record, marked started now.
-
-        Idempotent for the same ``step`` number while it is open, so several observers (the timer, the trace
-        recorder) may each open the step they see. On CUDA the first step synchronizes once to anchor the clocks;
-        later steps reuse the anchor their predecessor's ``finish_step`` took.
-        """
+        """Start recording optimizer step ``step``: a fresh record, marked started now. Idempotent for the same
+        open ``step``, so several observers may each open it; the clocks are anchored once (then by ``finish_step``)."""
         if self._open and step is not None and step == self.step:
             return
         if not self._anchored:
@@ -228,10 +218,7 @@ class Recorder:
             self.open_step()
 
     def finish_step(self) -> SyncRecord:
-        """Mark the end, convert every mark to ms (after the step's one ``torch.cuda.synchronize()`` on CUDA).
-
-        Idempotent: a second call for the same step returns the same finished record.
-        """
+        """Mark the end and convert every mark to ms (after the step's one synchronize on CUDA); idempotent."""
         if not self._open:
             if self.finished is None:
                 raise RuntimeError("Recorder.finish_step() without an open step: call open_step() first")
