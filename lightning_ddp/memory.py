@@ -128,7 +128,7 @@ def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
 
     >>> from lightning_ddp.model import get_config
     >>> shapes = parameter_shapes(get_config("xl"))
-    >>> len(shapes), sum(math.prod(s) for s in shapes)  # T tensors, Ψ scalars (see lightning_ddp.sync.zero1)
+    >>> len(shapes), sum(math.prod(s) for s in shapes)  # T tensors, Ψ scalars
     (435, 1998235200)
     """
     return list(gpt_parameter_shapes(config).values())

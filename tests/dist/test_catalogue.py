@@ -455,3 +455,17 @@ def test_an_entry_names_a_known_memory_model_and_an_identifier() -> None:
         Entry("toy_memory", "a test's", memory="huge")
     with pytest.raises(ValueError, match="must be a Python identifier"):
         Entry("toy memory", "a test's")
+
+
+def _table_names(text: str) -> list[str]:
+    """The first cell of each markdown table row that is a ``name`` in backticks."""
+    return [match.group(1) for match in re.finditer(r"^\| `([a-z0-9_]+)` \|", text, flags=re.M)]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/algorithms.md"])
+def test_the_strategy_tables_list_every_catalogue_entry_in_order(page: str) -> None:
+    # The tables a user reads to choose: one row per catalogue entry, in catalogue order, nothing else first.
+    from tests.support.cli_utils import REPO
+
+    names = _table_names((REPO / page).read_text(encoding="utf-8"))
+    assert names[: len(catalogue.STRATEGIES)] == catalogue.names()

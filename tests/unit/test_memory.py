@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ddp import memory
