@@ -9,7 +9,6 @@ rule against the projection's choice. What each prediction means: docs/projectio
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import statistics
@@ -32,6 +31,7 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     simulated_names,
 )
+from lightning_ddp.projection.tables import csv_text, markdown_table
 
 __all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells", "validate_sweep"]
 
@@ -228,34 +228,35 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
         "",
         f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
         f"orders {agree} the same way" + (f"; not: {'; '.join(disagreements)}." if disagreements else "."), "",
-        "| cell | measured step ms [95 %] | predicted | error | from reference | measured share | predicted share |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in cells:
-        lines.append(
-            f"| {_name(c)} b{c['batch_size']} t{c['context_length']} | {c['measured_step_ms']:.1f} "
-            f"[{_fmt(c['measured_step_lo'], '.1f')}, {_fmt(c['measured_step_hi'], '.1f')}] | "
-            f"{c['predicted_step_ms']:.1f} | {100 * c['step_error']:+.1f} % | "
-            f"{_fmt(100 * c['step_error_from_reference'] if 'step_error_from_reference' in c else None, '+.1f')} % | "
-            f"{_fmt(100 * c['measured_share'] if c['measured_share'] is not None else None, '.1f')} % | "
-            f"{100 * c['predicted_share']:.1f} % |")
+    header = ["cell", "measured step ms [95 %]", "predicted", "error", "from reference", "measured share",
+              "predicted share"]
+    lines += markdown_table(header, [_cell_row(c) for c in cells], "lrrrrrr")
     lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", "",
               "Per group, each rule's size and the step time the sweep measured at the nearest measured size "
-              "(pooled median [95 %]).", "",
-              "| group | sqrt rule | measured there | projection | measured there | best measured |",
-              "|---|---:|---:|---:|---:|---:|"]
-    for a in auto:
-        p, b, t = a["group"]
+              "(pooled median [95 %]).", ""]
+    header = ["group", "sqrt rule", "measured there", "projection", "measured there", "best measured"]
+    rows = [[f"{a['group'][0]} b{a['group'][1]} t{a['group'][2]}", f"{_fmt(a['sqrt_rule_mb'], '.3g')} MiB",
+             _measured_at(a["measured_at_sqrt"]), f"{a['projection_mb']:g} MiB",
+             _measured_at(a["measured_at_projection"]), _measured_at(a["measured_best"])] for a in auto]
+    return "\n".join(lines + markdown_table(header, rows, "lrrrrr")) + "\n"
 
-        def at(cell: dict[str, Any] | None) -> str:
-            if cell is None:
-                return "-"
-            return (f"{cell['measured_step_ms']:.1f} [{_fmt(cell['measured_step_lo'], '.1f')}, "
-                    f"{_fmt(cell['measured_step_hi'], '.1f')}] ({_name(cell)})")
 
-        lines.append(f"| {p} b{b} t{t} | {_fmt(a['sqrt_rule_mb'], '.3g')} MiB | {at(a['measured_at_sqrt'])} | "
-                     f"{a['projection_mb']:g} MiB | {at(a['measured_at_projection'])} | {at(a['measured_best'])} |")
-    return "\n".join(lines) + "\n"
+def _cell_row(c: dict[str, Any]) -> list[str]:
+    from_reference = 100 * c["step_error_from_reference"] if "step_error_from_reference" in c else None
+    measured_share = 100 * c["measured_share"] if c["measured_share"] is not None else None
+    return [f"{_name(c)} b{c['batch_size']} t{c['context_length']}",
+            f"{c['measured_step_ms']:.1f} [{_fmt(c['measured_step_lo'], '.1f')}, "
+            f"{_fmt(c['measured_step_hi'], '.1f')}]", f"{c['predicted_step_ms']:.1f}",
+            f"{100 * c['step_error']:+.1f} %", f"{_fmt(from_reference, '+.1f')} %",
+            f"{_fmt(measured_share, '.1f')} %", f"{100 * c['predicted_share']:.1f} %"]
+
+
+def _measured_at(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    return (f"{cell['measured_step_ms']:.1f} [{_fmt(cell['measured_step_lo'], '.1f')}, "
+            f"{_fmt(cell['measured_step_hi'], '.1f')}] ({_name(cell)})")
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
@@ -296,12 +297,8 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     auto = compare_auto(cells, profiles, sweep_dir / "bucket_prediction.json", copy_Bps, sqrt_mb,
                         [0.25, 0.5, 1, 2, 4, 8, 16, 32])
     out_dir = Path(out)
-    buffer = io.StringIO()
     columns = list(dict.fromkeys(k for c in cells for k in c))
-    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(cells)
-    write_atomically(out_dir / "cpu_sweep_validation.csv", buffer.getvalue())
+    write_atomically(out_dir / "cpu_sweep_validation.csv", csv_text(cells, columns, restval=""))
     markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
     markdown += "\n" + "\n".join(cpu_contention_lines(before, cells, contention))
     write_atomically(out_dir / "cpu_sweep_validation.md", markdown)
