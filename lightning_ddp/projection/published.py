@@ -378,13 +378,19 @@ def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: li
     return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1))
 
 
-def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple[int, int, list[float], list[float]]:
-    """Over (batch, context) groups of bucketed runs (compute not extrapolated): (groups, groups where the model's
-    fastest size is the published runs' fastest, the published runs' fastest sizes, the model's)."""
+def _bucketed_groups(comparisons: Sequence[PublishedComparison]) -> dict[tuple[int, int], list[PublishedComparison]]:
+    """The bucketed runs whose compute is not extrapolated, by (batch, context)."""
     groups: dict[tuple[int, int], list[PublishedComparison]] = {}
     for c in comparisons:
         if c.run.strategy == BUCKETED_DDP and not c.extrapolated:
             groups.setdefault((c.run.batch_size, c.run.seq_len), []).append(c)
+    return groups
+
+
+def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple[int, int, list[float], list[float]]:
+    """Over ``_bucketed_groups``: (groups, groups where the model's fastest size is the published runs' fastest, the
+    published runs' fastest sizes, the model's)."""
+    groups = _bucketed_groups(comparisons)
     published_best = [min(cs, key=lambda c: c.run.total_s).run.bucket_size_mb for cs in groups.values()]
     model_best = [min(cs, key=lambda c: c.predicted[label][0]).run.bucket_size_mb for cs in groups.values()]
     return len(groups), sum(a == b for a, b in zip(published_best, model_best)), published_best, model_best
@@ -398,13 +404,10 @@ def _model_flat_allreduce_ms(fabric: Fabric, grad_bytes: int) -> float:
 def _gap(comparisons: Sequence[PublishedComparison], label: str, size: float,
          reference: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """Range over (batch, context) groups of step(size) - step(reference) for bucketed, published and modelled (ms)."""
-    steps: dict[tuple[int, int], dict[float, tuple[float, float]]] = {}
-    for c in comparisons:
-        if c.run.strategy == BUCKETED_DDP and not c.extrapolated:
-            group = steps.setdefault((c.run.batch_size, c.run.seq_len), {})
-            group[c.run.bucket_size_mb] = (1e3 * c.run.total_s, c.predicted[label][0])
-    published = [g[size][0] - g[reference][0] for g in steps.values() if size in g and reference in g]
-    model = [g[size][1] - g[reference][1] for g in steps.values() if size in g and reference in g]
+    steps = [{c.run.bucket_size_mb: (1e3 * c.run.total_s, c.predicted[label][0]) for c in group}
+             for group in _bucketed_groups(comparisons).values()]
+    published = [g[size][0] - g[reference][0] for g in steps if size in g and reference in g]
+    model = [g[size][1] - g[reference][1] for g in steps if size in g and reference in g]
     return (min(published), max(published)), (min(model), max(model))
 
 

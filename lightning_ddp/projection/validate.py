@@ -25,6 +25,7 @@ from lightning_ddp.projection.comm import read_fit
 from lightning_ddp.projection.contention import CONTENTION, cpu_contention_lines
 from lightning_ddp.projection.simulators import (
     StepModel,
+    StepResult,
     model_settings,
     simulate,
     simulate_bucketed,
@@ -90,13 +91,22 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         modelled = model_settings(r["strategy"])
         settings = {k: v for k, v in catalogue.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
         size_arg = size if catalogue.get(r["strategy"]).has_bucket_size else None
-        try:
-            predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps, contention=contention), size_arg,
-                                 **settings)
-        except ValueError as error:
-            if own.has_shapes:
-                raise
-            print(f"not simulated: {r['cell_id']}: {error}", file=sys.stderr)
+
+        def predict(profile: ComputeProfile) -> StepResult | None:
+            """The cell simulated from ``profile``; None where the model needs shapes the profile lacks (recorded
+            before the CommTimer wrote them: said on stderr for the cell's own profile)."""
+            try:
+                model = StepModel(profile, comm, world, copy_Bps, contention=contention)
+                return simulate(r["strategy"], model, size_arg, **settings)
+            except ValueError as error:
+                if profile.has_shapes:
+                    raise
+                if profile is own:
+                    print(f"not simulated: {r['cell_id']}: {error}", file=sys.stderr)
+                return None
+
+        predicted = predict(own)
+        if predicted is None:
             continue
         row: dict[str, Any] = {
             "cell_id": r["cell_id"], "strategy": r["strategy"], "bucket_size_mb": size or "",
@@ -109,17 +119,10 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         }
         row["step_error"] = row["predicted_step_ms"] / row["measured_step_ms"] - 1
         ref = reference.get((r["precision"], r["batch_size"], r["context_length"]))
-        if ref is not None:
-            ref_profile = ComputeProfile.from_dict(ref, origin="reference profile")
-            try:
-                from_reference = simulate(r["strategy"], StepModel(ref_profile, comm, world, copy_Bps,
-                                                                   contention=contention), size_arg, **settings)
-            except ValueError:
-                if ref_profile.has_shapes:
-                    raise
-            else:  # (a reference profile recorded without shapes cannot stand in for a model that needs them)
-                row["predicted_step_ms_from_reference"] = from_reference.step_ms
-                row["step_error_from_reference"] = from_reference.step_ms / row["measured_step_ms"] - 1
+        from_reference = predict(ComputeProfile.from_dict(ref, origin="reference profile")) if ref else None
+        if from_reference is not None:
+            row["predicted_step_ms_from_reference"] = from_reference.step_ms
+            row["step_error_from_reference"] = from_reference.step_ms / row["measured_step_ms"] - 1
         out.append(row)
     return out
 
