@@ -40,9 +40,21 @@ GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
 
 
-def _read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+SWEEP_FILES = ("results.csv", "profiles.json", "bucket_prediction.json")
+"""What the validation reads from a sweep's directory."""
+
+
+def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any], Path]:
+    """A sweep's ``(results.csv rows, profiles.json, the path of bucket_prediction.json)``; a missing file says how
+    to make it."""
+    sweep = Path(sweep)
+    for name in SWEEP_FILES:
+        if not (sweep / name).is_file():
+            raise ValueError(f"{sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
+                             "configs/bench/cpu.yaml) or point at a sweep directory such as benchmarks/results/cpu")
+    with open(sweep / "results.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return rows, json.loads((sweep / "profiles.json").read_text(encoding="utf-8")), sweep / "bucket_prediction.json"
 
 
 def _float(value: str | None) -> float | None:
@@ -281,23 +293,20 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     if not contention >= 0:
         print(f"error: --contention must be >= 0, got {contention}", file=sys.stderr)
         return 2
-    sweep_dir = Path(sweep)
-    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
-        if not (sweep_dir / name).is_file():
-            print(f"error: {sweep_dir / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
-                  "configs/bench/cpu.yaml)", file=sys.stderr)
-            return 2
-    rows = _read_csv(sweep_dir / "results.csv")
-    profiles = json.loads((sweep_dir / "profiles.json").read_text())
-    fit = json.loads((sweep_dir / "bucket_prediction.json").read_text())
+    try:
+        rows, profiles, fit_path = read_sweep(sweep)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    fit = json.loads(fit_path.read_text())
     copy_Bps = copy_GBps * 1e9 if copy_GBps else measure_copy_bandwidth()
-    before = validate_cells(rows, profiles, sweep_dir / "bucket_prediction.json", copy_Bps)
-    cells = validate_cells(rows, profiles, sweep_dir / "bucket_prediction.json", copy_Bps, contention)
+    before = validate_cells(rows, profiles, fit_path, copy_Bps)
+    cells = validate_cells(rows, profiles, fit_path, copy_Bps, contention)
     for cell, plain in zip(cells, before):
         cell["predicted_step_ms_without_contention"] = plain["predicted_step_ms"]
     agreement = ranking_agreement(cells)
     sqrt_mb = fit["bucket_bytes"] / 2**20 if fit.get("bucket_bytes") else None
-    auto = compare_auto(cells, profiles, sweep_dir / "bucket_prediction.json", copy_Bps, sqrt_mb,
+    auto = compare_auto(cells, profiles, fit_path, copy_Bps, sqrt_mb,
                         [0.25, 0.5, 1, 2, 4, 8, 16, 32])
     out_dir = Path(out)
     columns = list(dict.fromkeys(k for c in cells for k in c))
