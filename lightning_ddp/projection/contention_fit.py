@@ -6,7 +6,6 @@ Gloo on the CPU sweep's step times (``validate.validate_cells``), NCCL on the pu
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -14,26 +13,20 @@ from typing import Any
 
 from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_BATCH, _mean_squared_log, fit_contention
 from lightning_ddp.projection.published import published_pairs
-from lightning_ddp.projection.validate import _read_csv, validate_cells
+from lightning_ddp.projection.validate import read_sweep, validate_cells
 
 __all__ = ["fit_gloo", "fit_nccl", "gloo_cells", "main"]
 
 
 def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
     """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
-    sweep = Path(sweep)
-    rows = _read_csv(sweep / "results.csv")
-    profiles = json.loads((sweep / "profiles.json").read_text(encoding="utf-8"))
-    return validate_cells(rows, profiles, sweep / "bucket_prediction.json", copy_GBps * 1e9, contention)
+    rows, profiles, fit_path = read_sweep(sweep)
+    return validate_cells(rows, profiles, fit_path, copy_GBps * 1e9, contention)
 
 
 def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
     """``s`` for gloo, fitted on the step time of the CPU sweep's batch-``FIT_BATCH`` cells."""
-    sweep = Path(sweep)
-    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
-        if not (sweep / name).is_file():
-            raise ValueError(f"{sweep / name} is missing: fit on a sweep directory with results.csv, profiles.json "
-                             "and bucket_prediction.json (e.g. benchmarks/results/cpu)")
+    read_sweep(sweep)  # a missing file fails here, once
 
     def loss(s: float) -> float:
         return _mean_squared_log([(c["predicted_step_ms"], c["measured_step_ms"])

@@ -8,8 +8,6 @@ naive DDP (``compare_with_published``). The recipe: docs/projection.md.
 
 from __future__ import annotations
 
-import csv
-import io
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,7 @@ from lightning_ddp.projection.simulators import (
     simulate_overlap,
     simulated_by,
 )
+from lightning_ddp.projection.tables import csv_text, markdown_table
 
 __all__ = [
     "PUBLISHED_RUNS",
@@ -335,10 +334,8 @@ def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -
         "step) / step. *Unexplained* = published step - (calibrated compute + the run's own communication time): step "
         "time that neither compute nor the measured communication accounts for.",
         "",
-        f"| strategy | bucket | batch | context | published: step | comm | share | {link}: step | exposed | share | "
-        "share - published | " + " | ".join(f"{label}: step | share" for label in rest) + " | unexplained |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * len(rest) + "---:|",
     ]
+    rows = []
     for c in comparisons:
         r = c.run
         step, exposed, share = c.predicted[link]
@@ -349,8 +346,12 @@ def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -
             other_step, _, other_share = c.predicted[label]
             cells += [f"{other_step:.0f} ms", f"{100 * other_share:.1f} %"]
         cells.append(f"{c.unexplained_ms:+.0f} ms" + (" *" if c.extrapolated else ""))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines + ["", "\\* compute extrapolated (naive ran out of memory at batch 4, context 512).", ""]
+        rows.append(cells)
+    header = ["strategy", "bucket", "batch", "context", "published: step", "comm", "share", f"{link}: step", "exposed",
+              "share", "share - published", *(f"{label}: {c}" if c == "step" else c for label in rest
+                                               for c in ("step", "share")), "unexplained"]
+    footnote = "\\* compute extrapolated (naive ran out of memory at batch 4, context 512)."
+    return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1)) + ["", footnote, ""]
 
 
 def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: list[str]) -> list[str]:
@@ -358,13 +359,12 @@ def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: li
     link = labels[0]
     lines = ["## Summary per strategy", "",
              "Means over the published runs (bucketed: over all four sizes), leaving out batch 4 x context 512 "
-             "(extrapolated compute, memory pressure). Error = mean absolute difference of the shares.", "",
-             "| strategy | published: step | comm | share | "
-             + " | ".join(f"{label}: step | share" + (" | error" if label.startswith(link) else "")
-                          for label in labels)
-             + " | unexplained |",
-             "|---|---:|---:|---:|"
-             + "".join("---:|---:|---:|" if label.startswith(link) else "---:|---:|" for label in labels) + "---:|"]
+             "(extrapolated compute, memory pressure). Error = mean absolute difference of the shares.", ""]
+    header = ["strategy", "published: step", "comm", "share"]
+    for label in labels:
+        header += [f"{label}: step", "share"] + (["error"] if label.startswith(link) else [])
+    header.append("unexplained")
+    rows = []
     for strategy, s0 in summaries[link].items():
         cells = [strategy, f"{s0['published_step']:.0f} ms", f"{s0['published_comm']:.0f} ms",
                  f"{100 * s0['published_share']:.1f} %"]
@@ -374,17 +374,23 @@ def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: li
             if label.startswith(link):
                 cells.append(f"{100 * s['error']:.1f} pts")
         cells.append(f"{s0['unexplained']:+.0f} ms")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1))
 
 
-def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple[int, int, list[float], list[float]]:
-    """Over (batch, context) groups of bucketed runs (compute not extrapolated): (groups, groups where the model's
-    fastest size is the published runs' fastest, the published runs' fastest sizes, the model's)."""
+def _bucketed_groups(comparisons: Sequence[PublishedComparison]) -> dict[tuple[int, int], list[PublishedComparison]]:
+    """The bucketed runs whose compute is not extrapolated, by (batch, context)."""
     groups: dict[tuple[int, int], list[PublishedComparison]] = {}
     for c in comparisons:
         if c.run.strategy == BUCKETED_DDP and not c.extrapolated:
             groups.setdefault((c.run.batch_size, c.run.seq_len), []).append(c)
+    return groups
+
+
+def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple[int, int, list[float], list[float]]:
+    """Over ``_bucketed_groups``: (groups, groups where the model's fastest size is the published runs' fastest, the
+    published runs' fastest sizes, the model's)."""
+    groups = _bucketed_groups(comparisons)
     published_best = [min(cs, key=lambda c: c.run.total_s).run.bucket_size_mb for cs in groups.values()]
     model_best = [min(cs, key=lambda c: c.predicted[label][0]).run.bucket_size_mb for cs in groups.values()]
     return len(groups), sum(a == b for a, b in zip(published_best, model_best)), published_best, model_best
@@ -398,13 +404,10 @@ def _model_flat_allreduce_ms(fabric: Fabric, grad_bytes: int) -> float:
 def _gap(comparisons: Sequence[PublishedComparison], label: str, size: float,
          reference: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """Range over (batch, context) groups of step(size) - step(reference) for bucketed, published and modelled (ms)."""
-    steps: dict[tuple[int, int], dict[float, tuple[float, float]]] = {}
-    for c in comparisons:
-        if c.run.strategy == BUCKETED_DDP and not c.extrapolated:
-            group = steps.setdefault((c.run.batch_size, c.run.seq_len), {})
-            group[c.run.bucket_size_mb] = (1e3 * c.run.total_s, c.predicted[label][0])
-    published = [g[size][0] - g[reference][0] for g in steps.values() if size in g and reference in g]
-    model = [g[size][1] - g[reference][1] for g in steps.values() if size in g and reference in g]
+    steps = [{c.run.bucket_size_mb: (1e3 * c.run.total_s, c.predicted[label][0]) for c in group}
+             for group in _bucketed_groups(comparisons).values()]
+    published = [g[size][0] - g[reference][0] for g in steps if size in g and reference in g]
+    model = [g[size][1] - g[reference][1] for g in steps if size in g and reference in g]
     return (min(published), max(published)), (min(model), max(model))
 
 
@@ -528,16 +531,16 @@ def published_contention_lines(contention: float) -> list[str]:
             share = {s: statistics.fmean(abs(c.predicted["pcie_gen4"][2] - c.run.ratio) for c, _, _ in v)
                      for s, v in cells.items()}
             step = {s: statistics.fmean(p / m - 1 for _, p, m in v) for s, v in cells.items()}
-            rows.append(f"| {subset} | {strategy} | {len(cells[0.0])} | {100 * share[0.0]:.1f} -> "
-                        f"{100 * share[contention]:.1f} pts | {100 * step[0.0]:+.1f} -> "
-                        f"{100 * step[contention]:+.1f} % |")
+            rows.append([subset, strategy, len(cells[0.0]),
+                         f"{100 * share[0.0]:.1f} -> {100 * share[contention]:.1f} pts",
+                         f"{100 * step[0.0]:+.1f} -> {100 * step[contention]:+.1f} %"])
     return [
         "## Contention: compute slowed while collectives run", "",
         f"NCCL's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
         f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} runs' wait shares on `pcie_gen4`). The "
         "tables above are without it (s = 0); here each strategy's mean |share error| (the model's wait share "
         "against the published ratio) and mean step error on `pcie_gen4`, before (s = 0) -> after:", "",
-        "| runs | strategy | runs | share error | step error |", "|---|---|---:|---:|---:|", *rows, "",
+        *markdown_table(["runs", "strategy", "runs", "share error", "step error"], rows, "llrrr"), "",
         "Contention lengthens the overlapped backward, which then hides more of the all-reduces: the wait shares come "
         "down to the published ones. It barely moves the step: on this link the overlapped steps are bound by ~0.37 s "
         "of communication, not by the ~0.2 s backward, so the published steps' extra ~0.15 s is something else "
@@ -550,14 +553,12 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
     """Write ``published_xl_2gpu.md`` and ``published_xl_2gpu.csv`` into ``out``; returns their paths."""
     out = Path(out)
     comparisons = compare_with_published(assumptions)
-    buffer = io.StringIO()
     columns = ["strategy", "bucket_size_mb", "batch_size", "seq_len", "published_step_ms", "published_comm_ms",
                "published_share", "compute_ms", "compute_extrapolated", "unexplained_ms", "source"]
     for label in prediction_fabrics(assumptions):
         name = label.replace("+", "_")
         columns += [f"{name}_step_ms", f"{name}_exposed_ms", f"{name}_share"]
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
+    rows = []
     for c in comparisons:
         r = c.run
         row = {"strategy": r.strategy, "bucket_size_mb": "" if r.bucket_size_mb is None else f"{r.bucket_size_mb:g}",
@@ -570,11 +571,11 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
             name = label.replace("+", "_")
             row.update({f"{name}_step_ms": round(step, 2), f"{name}_exposed_ms": round(exposed, 2),
                         f"{name}_share": round(share, 4)})
-        writer.writerow(row)
+        rows.append(row)
     markdown = published_markdown(comparisons, assumptions) + "\n" + "\n".join(
         published_contention_lines(CONTENTION["nccl"]))
     return [write_atomically(out / "published_xl_2gpu.md", markdown),
-            write_atomically(out / "published_xl_2gpu.csv", buffer.getvalue())]
+            write_atomically(out / "published_xl_2gpu.csv", csv_text(rows, columns))]
 
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,6 +25,7 @@ from lightning_ddp.projection.simulators import (
     unmodelled_names,
 )
 from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
+from lightning_ddp.projection.tables import csv_text, markdown_table
 
 __all__ = ["NO_COST_TOLERANCE", "build_markdown", "memory_verdicts", "write_csv", "write_plots"]
 
@@ -36,11 +36,7 @@ NO_COST_TOLERANCE = 0.05
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(COLUMNS), extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return write_atomically(path, buffer.getvalue())
+    return write_atomically(path, csv_text(rows, COLUMNS, extrasaction="ignore"))
 
 
 def _ms(value: float) -> str:
@@ -112,11 +108,8 @@ def _inputs_section(config, profile: ComputeProfile, fabric: Fabric) -> list[str
 def _strategy_table(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int],
                     cell: Callable[[StepResult], str]) -> list[str]:
     """One row per strategy variant, one column per world size; ``cell`` writes a result."""
-    lines = ["| strategy | " + " | ".join(f"{n} ranks" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-    for name in names:
-        cells = ["" if (name, n) not in best else cell(best[(name, n)]) for n in sizes]
-        lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
-    return lines
+    rows = [[_title(name), *("" if (name, n) not in best else cell(best[(name, n)]) for n in sizes)] for name in names]
+    return markdown_table(["strategy", *(f"{n} ranks" for n in sizes)], rows, "l" + "r" * len(sizes))
 
 
 def _step_cell(r: StepResult) -> str:
@@ -135,17 +128,18 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
         return []
     lines = ["", "## Best bucket size per world size", "",
              "The cap (MiB) with the shortest step among `study.bucket_sizes_mb`, and how much worse the "
-             "worst cap is.", "",
-             "| world size | nodes | " + " | ".join(f"{s}: best | step | worst cap, step" for s in bucketed) + " |",
-             "|---:|---:|" + "---:|---:|---|" * len(bucketed)]
+             "worst cap is.", ""]
+    rows = []
     for n in sizes:
-        cells = []
+        cells = [n, fabric.nodes(n)]
         for s in bucketed:
-            candidates = [r for r in results if r.variant == s and r.world_size == n]
-            b, w = best[(s, n)], max(candidates, key=lambda r: r.step_ms)
-            cells.append(f"{b.bucket_size_mb:g} MiB | {_ms(b.step_ms)} | {w.bucket_size_mb:g} MiB, {_ms(w.step_ms)}")
-        lines.append(f"| {n} | {fabric.nodes(n)} | " + " | ".join(cells) + " |")
-    return lines
+            b = best[(s, n)]
+            w = max((r for r in results if r.variant == s and r.world_size == n), key=lambda r: r.step_ms)
+            cells += [f"{b.bucket_size_mb:g} MiB", _ms(b.step_ms), f"{w.bucket_size_mb:g} MiB, {_ms(w.step_ms)}"]
+        rows.append(cells)
+    header = ["world size", "nodes", *(f"{s}: {column}" if column == "best" else column
+                                       for s in bucketed for column in ("best", "step", "worst cap, step"))]
+    return lines + markdown_table(header, rows, "rr" + "rrl" * len(bucketed))
 
 
 def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
@@ -216,10 +210,8 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
     baselines = simulated_by(simulate_ddp) + simulated_by(simulate_bucketed)  # torch DDP, then ours
     lines = ["", "## Fastest per world size", "",
              "The shortest projected step at each world size (strategies with buckets at their best size), and how it "
-             f"compares with {' and '.join(f'`{b}`' for b in baselines)}.", "",
-             "| world size | fastest | step | " + " | ".join(f"/ {b}" + (" (best)" if _has_buckets(b) else "")
-                                                         for b in baselines) + " |",
-             "|---:|---|---:|" + "---:|" * len(baselines)]
+             f"compares with {' and '.join(f'`{b}`' for b in baselines)}.", ""]
+    rows = []
     for n in sizes:
         candidates = [best[(name, n)] for name in names if (name, n) in best]
         if not candidates:
@@ -230,8 +222,9 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
             other = best.get((baseline, n))
             ratios.append(f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-")
         size = f" @ {winner.bucket_size_mb:g} MiB" if winner.bucket_size_mb is not None else ""
-        lines.append(f"| {n} | {winner.variant}{size} | {_ms(winner.step_ms)} | " + " | ".join(ratios) + " |")
-    return lines
+        rows.append([n, f"{winner.variant}{size}", _ms(winner.step_ms), *ratios])
+    header = ["world size", "fastest", "step", *(f"/ {b}" + (" (best)" if _has_buckets(b) else "") for b in baselines)]
+    return lines + markdown_table(header, rows, "rlr" + "r" * len(baselines))
 
 
 def memory_verdicts(best: dict[tuple[str, int], StepResult], names: Sequence[str],
@@ -263,30 +256,29 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
     lines = ["", "## Memory per rank against step time", "",
              "Model-state memory per rank (parameters, gradients, AdamW state and the engine's buffers; activations "
              "are the same for every strategy and left out: `lightning_ddp/projection/memory.py`), in GB, with each "
-             "strategy's step (bucketed ones at their best size).", "",
-             "| strategy | " + " | ".join(f"{n} ranks" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-    for name in names:
-        cells = []
-        for n in sizes:
-            r = best.get((name, n))
-            text = "" if r is None or r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}"
-            cells.append(text)
-        lines.append(f"| {_title(name)} | " + " | ".join(cells) + " |")
+             "strategy's step (bucketed ones at their best size).", ""]
+    lines += _strategy_table(best, names, sizes, _memory_cell)
     verdicts = memory_verdicts(best, names, sizes)
     if verdicts:
         lines += ["", f"**Memory saving at no step-time cost**: a sharded strategy's step within "
                   f"{100 * NO_COST_TOLERANCE:.0f} % of the baseline's (`ddp`, else the fastest unsharded strategy; "
-                  "`NO_COST_TOLERANCE` in `lightning_ddp/projection/report.py`).", "",
-                  "| world size | strategy | memory | saved vs baseline | step | vs baseline | verdict |",
-                  "|---:|---|---:|---:|---:|---:|---|"]
-        for v in verdicts:
-            r, b = v["result"], v["baseline"]
-            verdict = ("**saving at no step-time cost**" if v["no_cost"] else
-                       "no saving" if v["saved_bytes"] <= 0 else f"saving costs {100 * v['slower']:+.1f} % step time")
-            lines.append(f"| {v['world_size']} | {_title(v['variant'])} | {r.memory_bytes / 1e9:.2f} GB | "
-                         f"{v['saved_bytes'] / 1e9:.2f} GB ({100 * v['saved_bytes'] / b.memory_bytes:.0f} % of "
-                         f"{b.variant}'s) | {_ms(r.step_ms)} | {100 * v['slower']:+.1f} % | {verdict} |")
+                  "`NO_COST_TOLERANCE` in `lightning_ddp/projection/report.py`).", ""]
+        header = ["world size", "strategy", "memory", "saved vs baseline", "step", "vs baseline", "verdict"]
+        lines += markdown_table(header, [_verdict_row(v) for v in verdicts], "rlrrrrl")
     return lines
+
+
+def _memory_cell(r: StepResult) -> str:
+    return "" if r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}"
+
+
+def _verdict_row(v: dict[str, Any]) -> list[Any]:
+    r, b = v["result"], v["baseline"]
+    verdict = ("**saving at no step-time cost**" if v["no_cost"] else
+               "no saving" if v["saved_bytes"] <= 0 else f"saving costs {100 * v['slower']:+.1f} % step time")
+    saved = f"{v['saved_bytes'] / 1e9:.2f} GB ({100 * v['saved_bytes'] / b.memory_bytes:.0f} % of {b.variant}'s)"
+    return [v["world_size"], _title(v["variant"]), f"{r.memory_bytes / 1e9:.2f} GB", saved, _ms(r.step_ms),
+            f"{100 * v['slower']:+.1f} %", verdict]
 
 
 def _copy_text(config) -> str:

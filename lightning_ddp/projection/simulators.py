@@ -150,20 +150,11 @@ class StepModel:
         """An empty timeline with this model's contention."""
         return Timeline(self.contention)
 
-    def all_reduce_ms(self, nbytes: float) -> float:
-        return 1e3 * self.comm.all_reduce_s(nbytes, self.world_size)
-
     def collective_ms(self, kind: str, nbytes: float) -> float:
-        """``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
+        """One collective of ``nbytes``; ``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective {kind!r}; choose one of {', '.join(COLLECTIVES)}")
-        return getattr(self, f"{kind}_ms")(nbytes)
-
-    def reduce_scatter_ms(self, nbytes: float) -> float:
-        return 1e3 * self.comm.reduce_scatter_s(nbytes, self.world_size)
-
-    def all_gather_ms(self, nbytes: float) -> float:
-        return 1e3 * self.comm.all_gather_s(nbytes, self.world_size)
+        return 1e3 * getattr(self.comm, f"{kind}_s")(nbytes, self.world_size)
 
     def copy_ms(self, bytes_moved: float) -> float:
         """A copy that reads and writes ``bytes_moved`` bytes in total."""
@@ -240,17 +231,22 @@ def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step
                       t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
 
 
-def _forward_backward(model: StepModel, t: Timeline) -> tuple[float, float]:
-    """Forward then backward with no hooks; returns (start of backward, end of backward)."""
-    p = model.profile
-    backward_start = t.compute("forward", 0.0, p.forward_ms)
-    return backward_start, t.compute("backward", backward_start, p.backward_span_ms)
+def _after_backward(model: StepModel) -> tuple[Timeline, float]:
+    """Forward, then backward with no hooks, then the presence flags: (the timeline, when the flags are in)."""
+    t = model.timeline()
+    backward_start = t.compute("forward", 0.0, model.profile.forward_ms)
+    return t, _presence_flags(model, t, t.compute("backward", backward_start, model.profile.backward_span_ms))
+
+
+def _collective(model: StepModel, t: Timeline, kind: str, label: str, issue_ms: float, nbytes: int) -> float:
+    """A collective of ``kind`` (``COLLECTIVES``) of ``nbytes`` issued at ``issue_ms``; returns its end."""
+    return t.collective(label, issue_ms, model.collective_ms(kind, nbytes), nbytes)
 
 
 def _presence_flags(model: StepModel, t: Timeline, issue_ms: float) -> float:
     """The engines' tiny blocking all-reduce of "which parameters have a gradient here"; returns its end."""
     nbytes = PRESENCE_FLAG_BYTES * len(model.profile.params)
-    return t.collective("gradient presence flags", issue_ms, model.all_reduce_ms(nbytes), nbytes)
+    return _collective(model, t, "all_reduce", "gradient presence flags", issue_ms, nbytes)
 
 
 def _optimizer(model: StepModel, t: Timeline, start_ms: float, fraction: float = 1.0) -> float:
@@ -261,22 +257,18 @@ def _optimizer(model: StepModel, t: Timeline, start_ms: float, fraction: float =
 
 
 def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t = model.timeline()
-    _, cursor = _forward_backward(model, t)
-    cursor = _presence_flags(model, t, cursor)
+    t, cursor = _after_backward(model)
     for param in model.profile.params:  # parameters() order, one blocking call each
         if param.ready_ms is not None:
-            cursor = t.collective(param.name, cursor, model.all_reduce_ms(param.bytes), param.bytes)
+            cursor = _collective(model, t, "all_reduce", param.name, cursor, param.bytes)
     return _result(None, model, t, _optimizer(model, t, cursor))
 
 
 def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t = model.timeline()
-    _, cursor = _forward_backward(model, t)
-    cursor = _presence_flags(model, t, cursor)
+    t, cursor = _after_backward(model)
     nbytes = model.profile.grad_bytes
     cursor = t.compute("pack", cursor, model.copy_ms(2 * nbytes), copy=True)
-    cursor = t.collective("flat buffer", cursor, model.all_reduce_ms(nbytes), nbytes)
+    cursor = _collective(model, t, "all_reduce", "flat buffer", cursor, nbytes)
     cursor = t.compute("unpack", cursor, model.copy_ms(2 * nbytes), copy=True)
     return _result(None, model, t, _optimizer(model, t, cursor))
 
@@ -336,7 +328,7 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
             if op.kind == "compute":
                 cursor = t.compute(op.label, cursor, op.ms, copy=True)
             else:  # the stream runs collectives in issue order: the last one issued ends last
-                end = t.collective(op.label, cursor, model.collective_ms(op.op, op.nbytes), op.nbytes)
+                end = _collective(model, t, op.op, op.label, cursor, op.nbytes)
                 if wait:
                     cursor = end
         return cursor, end
@@ -437,9 +429,8 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
 
 
 def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    p, n, t = model.profile, model.world_size, model.timeline()
-    _, cursor = _forward_backward(model, t)
-    cursor = _presence_flags(model, t, cursor)
+    p, n = model.profile, model.world_size
+    t, cursor = _after_backward(model)
     synced = [q for q in p.params if q.ready_ms is not None]
     nbytes = sum(q.bytes for q in synced)
     owners = assign_owners([q.bytes for q in synced], n)
@@ -449,11 +440,11 @@ def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     segment = max(loads)  # every rank's segment is padded to the largest (reduce-scatter needs equal chunks)
     buffer = n * segment
     cursor = t.compute("pack gradients", cursor, model.copy_ms(nbytes + buffer), copy=True)
-    cursor = t.collective("reduce-scatter gradients", cursor, model.reduce_scatter_ms(buffer), buffer)
+    cursor = _collective(model, t, "reduce_scatter", "reduce-scatter gradients", cursor, buffer)
     cursor = t.compute("unpack own gradients", cursor, model.copy_ms(2 * segment), copy=True)
     cursor = _optimizer(model, t, cursor, fraction=segment / nbytes if nbytes else 1.0)
     cursor = t.compute("pack own parameters", cursor, model.copy_ms(2 * segment), copy=True)
-    cursor = t.collective("all-gather parameters", cursor, model.all_gather_ms(buffer), buffer)
+    cursor = _collective(model, t, "all_gather", "all-gather parameters", cursor, buffer)
     cursor = t.compute("unpack parameters", cursor, model.copy_ms(buffer + nbytes), copy=True)
     return _result(None, model, t, cursor)
 
@@ -559,40 +550,40 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     def copy(nbytes: float) -> float:
         return model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
 
-    def all_gather(label: str, issue_ms: float, nbytes: int) -> float:
-        return t.collective(f"{label} [all-gather]", issue_ms, model.all_gather_ms(nbytes), nbytes)
+    labels = [_group_label(params, b) for b in blocks]
+
+    def all_gather(k: int, issue_ms: float) -> float:
+        return _collective(model, t, "all_gather", f"{labels[k]} [all-gather]", issue_ms, gather[k])
 
     # forward
     cursor = 0.0
-    root_ready = all_gather("root", cursor, root_bytes) if root else 0.0
-    gathered = {0: all_gather(_group_label(params, blocks[0]), cursor, gather[0])} if blocks else {}
+    root_ready = _collective(model, t, "all_gather", "root [all-gather]", cursor, root_bytes) if root else 0.0
+    gathered = {0: all_gather(0, cursor)} if blocks else {}
     cursor = t.compute("copy out root", max(cursor, root_ready), copy(root_moved), copy=True)
     cursor = t.compute("forward (embedding)", cursor, scale * tail_ms)
     for k in range(len(blocks)):
         if k + 1 < len(blocks):  # prefetch the next block's parameters
-            gathered[k + 1] = all_gather(_group_label(params, blocks[k + 1]), cursor, gather[k + 1])
+            gathered[k + 1] = all_gather(k + 1, cursor)
         cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
         cursor = t.compute(f"forward block {k}", cursor, scale * backward_ms[k])
     cursor = t.compute("forward (head)", cursor, scale * head_end)
     # backward
     gathered = {}
     if blocks:
-        gathered[order[0]] = all_gather(_group_label(params, blocks[order[0]]), cursor, gather[order[0]])
+        gathered[order[0]] = all_gather(order[0], cursor)
     cursor = t.compute("backward (head)", cursor, head_end)
     last_comm = cursor
     for j, k in enumerate(order):
         if j + 1 < len(order):
-            nxt = order[j + 1]
-            gathered[nxt] = all_gather(_group_label(params, blocks[nxt]), cursor, gather[nxt])
+            gathered[order[j + 1]] = all_gather(order[j + 1], cursor)
         cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
         cursor = t.compute(f"backward block {k}", cursor, backward_ms[k])
         cursor = t.compute(f"copy in gradients {k}", cursor, copy(moved[k]), copy=True)
-        last_comm = t.collective(f"{_group_label(params, blocks[k])} [reduce-scatter]", cursor,
-                                 model.reduce_scatter_ms(gather[k]), gather[k])
+        last_comm = _collective(model, t, "reduce_scatter", f"{labels[k]} [reduce-scatter]", cursor, gather[k])
     cursor = t.compute("backward (embedding)", cursor, tail_ms)
     if root:
         cursor = t.compute("copy in root gradients", cursor, copy(root_moved), copy=True)
-        last_comm = t.collective("root [reduce-scatter]", cursor, model.reduce_scatter_ms(root_bytes), root_bytes)
+        last_comm = _collective(model, t, "reduce_scatter", "root [reduce-scatter]", cursor, root_bytes)
     cursor = max(cursor, last_comm)
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0

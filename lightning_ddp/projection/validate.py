@@ -9,7 +9,6 @@ rule against the projection's choice. What each prediction means: docs/projectio
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import statistics
@@ -26,12 +25,14 @@ from lightning_ddp.projection.comm import read_fit
 from lightning_ddp.projection.contention import CONTENTION, cpu_contention_lines
 from lightning_ddp.projection.simulators import (
     StepModel,
+    StepResult,
     model_settings,
     simulate,
     simulate_bucketed,
     simulated_by,
     simulated_names,
 )
+from lightning_ddp.projection.tables import csv_text, markdown_table
 
 __all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells", "validate_sweep"]
 
@@ -39,9 +40,21 @@ GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
 
 
-def _read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+SWEEP_FILES = ("results.csv", "profiles.json", "bucket_prediction.json")
+"""What the validation reads from a sweep's directory."""
+
+
+def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any], Path]:
+    """A sweep's ``(results.csv rows, profiles.json, the path of bucket_prediction.json)``; a missing file says how
+    to make it."""
+    sweep = Path(sweep)
+    for name in SWEEP_FILES:
+        if not (sweep / name).is_file():
+            raise ValueError(f"{sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
+                             "configs/bench/cpu.yaml) or point at a sweep directory such as benchmarks/results/cpu")
+    with open(sweep / "results.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return rows, json.loads((sweep / "profiles.json").read_text(encoding="utf-8")), sweep / "bucket_prediction.json"
 
 
 def _float(value: str | None) -> float | None:
@@ -90,13 +103,22 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         modelled = model_settings(r["strategy"])
         settings = {k: v for k, v in catalogue.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
         size_arg = size if catalogue.get(r["strategy"]).has_bucket_size else None
-        try:
-            predicted = simulate(r["strategy"], StepModel(own, comm, world, copy_Bps, contention=contention), size_arg,
-                                 **settings)
-        except ValueError as error:
-            if own.has_shapes:
-                raise
-            print(f"not simulated: {r['cell_id']}: {error}", file=sys.stderr)
+
+        def predict(profile: ComputeProfile) -> StepResult | None:
+            """The cell simulated from ``profile``; None where the model needs shapes the profile lacks (recorded
+            before the CommTimer wrote them: said on stderr for the cell's own profile)."""
+            try:
+                model = StepModel(profile, comm, world, copy_Bps, contention=contention)
+                return simulate(r["strategy"], model, size_arg, **settings)
+            except ValueError as error:
+                if profile.has_shapes:
+                    raise
+                if profile is own:
+                    print(f"not simulated: {r['cell_id']}: {error}", file=sys.stderr)
+                return None
+
+        predicted = predict(own)
+        if predicted is None:
             continue
         row: dict[str, Any] = {
             "cell_id": r["cell_id"], "strategy": r["strategy"], "bucket_size_mb": size or "",
@@ -109,17 +131,10 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         }
         row["step_error"] = row["predicted_step_ms"] / row["measured_step_ms"] - 1
         ref = reference.get((r["precision"], r["batch_size"], r["context_length"]))
-        if ref is not None:
-            ref_profile = ComputeProfile.from_dict(ref, origin="reference profile")
-            try:
-                from_reference = simulate(r["strategy"], StepModel(ref_profile, comm, world, copy_Bps,
-                                                                   contention=contention), size_arg, **settings)
-            except ValueError:
-                if ref_profile.has_shapes:
-                    raise
-            else:  # (a reference profile recorded without shapes cannot stand in for a model that needs them)
-                row["predicted_step_ms_from_reference"] = from_reference.step_ms
-                row["step_error_from_reference"] = from_reference.step_ms / row["measured_step_ms"] - 1
+        from_reference = predict(ComputeProfile.from_dict(ref, origin="reference profile")) if ref else None
+        if from_reference is not None:
+            row["predicted_step_ms_from_reference"] = from_reference.step_ms
+            row["step_error_from_reference"] = from_reference.step_ms / row["measured_step_ms"] - 1
         out.append(row)
     return out
 
@@ -228,34 +243,35 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
         "",
         f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
         f"orders {agree} the same way" + (f"; not: {'; '.join(disagreements)}." if disagreements else "."), "",
-        "| cell | measured step ms [95 %] | predicted | error | from reference | measured share | predicted share |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in cells:
-        lines.append(
-            f"| {_name(c)} b{c['batch_size']} t{c['context_length']} | {c['measured_step_ms']:.1f} "
-            f"[{_fmt(c['measured_step_lo'], '.1f')}, {_fmt(c['measured_step_hi'], '.1f')}] | "
-            f"{c['predicted_step_ms']:.1f} | {100 * c['step_error']:+.1f} % | "
-            f"{_fmt(100 * c['step_error_from_reference'] if 'step_error_from_reference' in c else None, '+.1f')} % | "
-            f"{_fmt(100 * c['measured_share'] if c['measured_share'] is not None else None, '.1f')} % | "
-            f"{100 * c['predicted_share']:.1f} % |")
+    header = ["cell", "measured step ms [95 %]", "predicted", "error", "from reference", "measured share",
+              "predicted share"]
+    lines += markdown_table(header, [_cell_row(c) for c in cells], "lrrrrrr")
     lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", "",
               "Per group, each rule's size and the step time the sweep measured at the nearest measured size "
-              "(pooled median [95 %]).", "",
-              "| group | sqrt rule | measured there | projection | measured there | best measured |",
-              "|---|---:|---:|---:|---:|---:|"]
-    for a in auto:
-        p, b, t = a["group"]
+              "(pooled median [95 %]).", ""]
+    header = ["group", "sqrt rule", "measured there", "projection", "measured there", "best measured"]
+    rows = [[f"{a['group'][0]} b{a['group'][1]} t{a['group'][2]}", f"{_fmt(a['sqrt_rule_mb'], '.3g')} MiB",
+             _measured_at(a["measured_at_sqrt"]), f"{a['projection_mb']:g} MiB",
+             _measured_at(a["measured_at_projection"]), _measured_at(a["measured_best"])] for a in auto]
+    return "\n".join(lines + markdown_table(header, rows, "lrrrrr")) + "\n"
 
-        def at(cell: dict[str, Any] | None) -> str:
-            if cell is None:
-                return "-"
-            return (f"{cell['measured_step_ms']:.1f} [{_fmt(cell['measured_step_lo'], '.1f')}, "
-                    f"{_fmt(cell['measured_step_hi'], '.1f')}] ({_name(cell)})")
 
-        lines.append(f"| {p} b{b} t{t} | {_fmt(a['sqrt_rule_mb'], '.3g')} MiB | {at(a['measured_at_sqrt'])} | "
-                     f"{a['projection_mb']:g} MiB | {at(a['measured_at_projection'])} | {at(a['measured_best'])} |")
-    return "\n".join(lines) + "\n"
+def _cell_row(c: dict[str, Any]) -> list[str]:
+    from_reference = 100 * c["step_error_from_reference"] if "step_error_from_reference" in c else None
+    measured_share = 100 * c["measured_share"] if c["measured_share"] is not None else None
+    return [f"{_name(c)} b{c['batch_size']} t{c['context_length']}",
+            f"{c['measured_step_ms']:.1f} [{_fmt(c['measured_step_lo'], '.1f')}, "
+            f"{_fmt(c['measured_step_hi'], '.1f')}]", f"{c['predicted_step_ms']:.1f}",
+            f"{100 * c['step_error']:+.1f} %", f"{_fmt(from_reference, '+.1f')} %",
+            f"{_fmt(measured_share, '.1f')} %", f"{100 * c['predicted_share']:.1f} %"]
+
+
+def _measured_at(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    return (f"{cell['measured_step_ms']:.1f} [{_fmt(cell['measured_step_lo'], '.1f')}, "
+            f"{_fmt(cell['measured_step_hi'], '.1f')}] ({_name(cell)})")
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
@@ -277,31 +293,24 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     if not contention >= 0:
         print(f"error: --contention must be >= 0, got {contention}", file=sys.stderr)
         return 2
-    sweep_dir = Path(sweep)
-    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
-        if not (sweep_dir / name).is_file():
-            print(f"error: {sweep_dir / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
-                  "configs/bench/cpu.yaml)", file=sys.stderr)
-            return 2
-    rows = _read_csv(sweep_dir / "results.csv")
-    profiles = json.loads((sweep_dir / "profiles.json").read_text())
-    fit = json.loads((sweep_dir / "bucket_prediction.json").read_text())
+    try:
+        rows, profiles, fit_path = read_sweep(sweep)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    fit = json.loads(fit_path.read_text())
     copy_Bps = copy_GBps * 1e9 if copy_GBps else measure_copy_bandwidth()
-    before = validate_cells(rows, profiles, sweep_dir / "bucket_prediction.json", copy_Bps)
-    cells = validate_cells(rows, profiles, sweep_dir / "bucket_prediction.json", copy_Bps, contention)
+    before = validate_cells(rows, profiles, fit_path, copy_Bps)
+    cells = validate_cells(rows, profiles, fit_path, copy_Bps, contention)
     for cell, plain in zip(cells, before):
         cell["predicted_step_ms_without_contention"] = plain["predicted_step_ms"]
     agreement = ranking_agreement(cells)
     sqrt_mb = fit["bucket_bytes"] / 2**20 if fit.get("bucket_bytes") else None
-    auto = compare_auto(cells, profiles, sweep_dir / "bucket_prediction.json", copy_Bps, sqrt_mb,
+    auto = compare_auto(cells, profiles, fit_path, copy_Bps, sqrt_mb,
                         [0.25, 0.5, 1, 2, 4, 8, 16, 32])
     out_dir = Path(out)
-    buffer = io.StringIO()
     columns = list(dict.fromkeys(k for c in cells for k in c))
-    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(cells)
-    write_atomically(out_dir / "cpu_sweep_validation.csv", buffer.getvalue())
+    write_atomically(out_dir / "cpu_sweep_validation.csv", csv_text(cells, columns, restval=""))
     markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
     markdown += "\n" + "\n".join(cpu_contention_lines(before, cells, contention))
     write_atomically(out_dir / "cpu_sweep_validation.md", markdown)

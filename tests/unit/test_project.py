@@ -19,28 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.projection import (
-    FABRICS,
-    ComputeProfile,
-    Fabric,
-    Link,
-    MeasuredFit,
-    ModelShape,
-    ParamTiming,
-    StepModel,
-    modelled_profile,
-    predict_cells,
-    read_fit,
-    read_profile,
-    simulate,
-    simulated_names,
-    write_profile,
-)
 from lightning_ddp import catalogue
+from lightning_ddp.profile import ComputeProfile, ParamTiming, read_profile, write_profile
+from lightning_ddp.projection.comm import FABRICS, Fabric, Link, MeasuredFit, read_fit
+from lightning_ddp.projection.flops import ModelShape, modelled_profile
+from lightning_ddp.projection.simulators import StepModel, simulate, simulated_names
 from lightning_ddp.projection.__main__ import main, parse_config
 from lightning_ddp.projection.buckets import assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
-from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project
+from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project, result_row
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
@@ -533,9 +520,10 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     assert "54 cells" in capsys.readouterr().out
 
 
-def test_predict_cells_for_the_lead(tmp_path):
-    path = write_profile(three_params(), tmp_path / "p.json")
-    rows = predict_cells([path], MeasuredFit(1e-3, 1e9), strategies=["naive_ddp", "bucketed_ddp"], bucket_sizes_mb=[1.0, 4.0])
+def test_project_a_profile_file_on_a_measured_fit(tmp_path):
+    profile = read_profile(write_profile(three_params(), tmp_path / "p.json"))
+    rows = [result_row(r) for r in project(profile, MeasuredFit(1e-3, 1e9).fabric(), ["naive_ddp", "bucketed_ddp"], [2],
+                                           [1.0, 4.0], 10e9)]
     assert [(r["strategy"], r["bucket_size_mb"]) for r in rows] == [("naive_ddp", ""), ("bucketed_ddp", "1"), ("bucketed_ddp", "4")]
     assert rows[0]["step_ms"] == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3) and rows[0]["world_size"] == 2
 

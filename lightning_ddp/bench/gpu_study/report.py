@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
 
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
+from lightning_ddp.projection.tables import markdown_table as table
 
-__all__ = ["build_report", "table"]
+__all__ = ["build_report"]
 
 GiB = 2**30
 ONE_GPU_CAVEAT = (
@@ -35,22 +36,6 @@ def _fmt(value: Any, spec: str = ",.1f", scale: float = 1.0, suffix: str = "") -
     if isinstance(value, (int, float)):
         return f"{value * scale:{spec}}{suffix}"
     return str(value)
-
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    """A markdown table (cells already formatted; ``|`` escaped).
-
-    >>> print("\\n".join(table(["a", "b"], [[1, "x|y"]])))
-    | a | b |
-    |---|---|
-    | 1 | x\\|y |
-    """
-    def cell(value: Any) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return lines
 
 
 def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:

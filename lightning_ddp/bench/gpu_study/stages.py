@@ -114,6 +114,11 @@ class StudyContext:
         text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
         return Ran(result.returncodes[0], result.timed_out, error_line(text))
 
+    def run_module(self, module: str, args: list[str], result: Path, log: Path) -> tuple[Ran, dict[str, Any] | None]:
+        """``python -m MODULE ARGS`` (``run_python``) and the JSON it wrote to ``result`` (None if it failed)."""
+        ran = self.run_python(["-m", module, *args], log)
+        return ran, json.loads(result.read_text()) if ran.code == 0 and result.exists() else None
+
     def fits(self, name: str, specs: list[FitSpec], ranks: int = 1) -> list[FitResult]:
         """``run_fits`` into ``<out>/<name>/``, bounded by the stage's deadline."""
         return run_fits(specs, self.stage_dir(name), ranks=ranks, timeout_s=self.stage_deadline(),
@@ -220,11 +225,11 @@ def _failures(results: list[FitResult]) -> list[str]:
 
 def environment(ctx: StudyContext) -> StageResult:
     path = ctx.out / "environment.json"
-    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.environment", str(path.resolve()),
-                          "--device", ctx.device], ctx.out / "logs" / "environment.log")
-    if ran.code != 0 or not path.exists():
+    args, log = [str(path.resolve()), "--device", ctx.device], ctx.out / "logs" / "environment.log"
+    ran, data = ctx.run_module("lightning_ddp.bench.gpu_study.environment", args, path, log)
+    if data is None:
         return StageResult(problems=[ran.error or "no environment.json"])
-    return StageResult(data=json.loads(path.read_text()), files=["environment.json"])
+    return StageResult(data=data, files=["environment.json"])
 
 
 # ---- (b) the cuda test tier ---------------------------------------------------------------------------------------
@@ -331,12 +336,11 @@ def _compute_run(ctx: StudyContext, precision: str) -> tuple[dict[str, Any], str
     write_json_atomically(request, {
         "preset": s.compute_preset, "precision": precision, "seq_len": s.compute_seq_len,
         "max_batch": s.compute_max_batch, "steps": s.compute_steps, "warmup": s.compute_warmup, "device": ctx.device})
-    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", str(request.resolve()), str(out.resolve())],
-                         stage / f"compute_{precision}.log")
-    if ran.code != 0 or not out.exists():
+    ran, run = ctx.run_module("lightning_ddp.bench.gpu_study.compute", [str(request.resolve()), str(out.resolve())],
+                              out, stage / f"compute_{precision}.log")
+    if run is None:
         problem = f"{precision}: {ran.error or 'no result'}"
         return {"status": "failed", "error": problem}, problem
-    run = json.loads(out.read_text())
     run.pop("estimate_table", None)
     run["status"] = "ok" if run.get("batch") else "failed"
     if run["status"] == "ok":
@@ -641,14 +645,13 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
     # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
     fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
-    log = stage / "timer_overhead.log"
-    ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",
-                          "--steps", str(s.overhead_steps), "--warmup", str(s.overhead_warmup),
-                          "--repeats", str(s.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], log)
-    path = stage / "timer_overhead.json"
-    if ran.code != 0 or not path.exists():
+    log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
+    ran, data = ctx.run_module("lightning_ddp.bench.timer_overhead", [
+        "--config", "configs/quickstart.yaml", "--steps", str(s.overhead_steps), "--warmup", str(s.overhead_warmup),
+        "--repeats", str(s.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], path, log)
+    if data is None:
         return StageResult(files=[ctx.relative(log)], problems=[ran.error or "no timer_overhead.json"])
-    data = {**json.loads(path.read_text()), "preset": s.overhead_preset}
+    data = {**data, "preset": s.overhead_preset}
     return StageResult(data=data, files=[ctx.relative(path), ctx.relative(stage / "timer_overhead.md")])
 
 
