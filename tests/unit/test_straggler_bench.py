@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.bench.straggler import COLUMNS, StragglerBenchConfig, _fit_arguments, main, render_markdown, summarize_cell
+from lightning_ddp.bench.straggler import (
+    COLUMNS, StragglerBenchConfig, _fit_arguments, main, render_markdown, summarize_cell,
+)
 from tests.support.cli_utils import REPO
 
 CONFIG = StragglerBenchConfig(bootstrap_samples=200)
