@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, ratio_estimate
-from lightning_ddp.files import write_atomically
+from lightning_ddp.bench.study import command_text, read_json, write_outputs
 from lightning_ddp.local_group import find_free_port, init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
@@ -115,9 +114,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _write(out: Path, result: dict[str, Any], lines: list[str]) -> None:
-    for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
-                       ("engine_step.md", f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
-        write_atomically(out / name, text)
+    write_outputs(out, {"engine_step.json": result,
+                        "engine_step.md": f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n"})
 
 
 def _rows(measured: dict[str, Any], variants: list[str]) -> list[dict[str, Any]]:
@@ -154,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.report_only:
         if not args.out:
             parser.error("--report_only needs --out (the directory of engine_step.json)")
-        result = json.loads((Path(args.out) / "engine_step.json").read_text())
+        result = read_json(Path(args.out) / "engine_step.json")
         _write(Path(args.out), result, _table(result["rows"]))
         return result
     if "ddp" not in args.variants:
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mp.spawn(_rank_main, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
         measured = json.loads(Path(result_file).read_text())
     rows = _rows(measured, args.variants)
-    command = "python -m lightning_ddp.bench.engine_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_text("lightning_ddp.bench.engine_step", argv)
     lines = _table(rows)
     print("\n".join(lines))
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
