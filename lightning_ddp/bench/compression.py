@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
@@ -28,11 +26,11 @@ from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    command_text, loss_curve, markdown_table, read_json, run_study, summary_medians, write_outputs,
+    command_text, loss_curve, markdown_table, read_json, run_study, spawn_ranks, summary_medians, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
 from lightning_ddp.data import TextBytes
-from lightning_ddp.local_group import find_free_port, init_cpu_process_group
+from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
 
@@ -425,11 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     runs, commands = _train(args, variants, extra)
     print("measuring the per-step gradient error ...", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = str(Path(tmp) / "errors.json")
-        mp.spawn(_error_rank, args=(2, find_free_port(), args, variants, result_file), nprocs=2, join=True)
-        measured = json.loads(Path(result_file).read_text())
-        errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
+    measured = spawn_ranks(_error_rank, 2, args, variants)
+    errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
     command = command_text("lightning_ddp.bench.compression", argv)

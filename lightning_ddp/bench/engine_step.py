@@ -8,21 +8,19 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, ratio_estimate
-from lightning_ddp.bench.study import command_text, read_json, write_outputs
-from lightning_ddp.local_group import find_free_port, init_cpu_process_group
+from lightning_ddp.bench.study import command_text, read_json, spawn_ranks, write_outputs
+from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.provenance import git_state
 
@@ -165,10 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except ValueError as error:
                 parser.error(f"--variants: {error}")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = str(Path(tmp) / "times.json")
-        mp.spawn(_rank_main, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
-        measured = json.loads(Path(result_file).read_text())
+    measured = spawn_ranks(_rank_main, 2, args)
     rows = _rows(measured, args.variants)
     command = command_text("lightning_ddp.bench.engine_step", argv)
     lines = _table(rows)

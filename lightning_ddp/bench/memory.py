@@ -13,7 +13,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,8 +33,9 @@ from lightning_ddp.bench.memory_report import (
     summarise_modes,
     write_memory_plot,
 )
-from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
+from lightning_ddp.bench.study import read_json, spawn_ranks, write_outputs
+from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes
 from lightning_ddp.provenance import git_state
 
@@ -448,8 +448,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int, result_file: str) -> None:
-    world_size = config.devices
+def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig, modes: list[str],
+               result_file: str) -> None:
     cuda = config.accelerator == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -490,8 +490,6 @@ def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
 
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
-    import torch.multiprocessing as mp
-
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
         raise ValueError(
             f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
@@ -502,24 +500,21 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     # pages), which would show up in the next mode's RSS.
     batches = [[mode] for mode in config.modes] if config.separate_processes else [list(config.modes)]
     per_mode = []
-    with tempfile.TemporaryDirectory(prefix="memory_bench_") as scratch:
-        for number, modes in enumerate(batches):
-            result_file = str(Path(scratch) / f"ranks{number}.json")
-            mp.spawn(_rank_main, args=(config, modes, find_free_port(), result_file), nprocs=config.devices, join=True)
-            per_rank = json.loads(Path(result_file).read_text())  # [rank][mode index] -> one rank's result
-            per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
+    for modes in batches:
+        per_rank = spawn_ranks(_rank_main, config.devices, config, modes)  # [rank][mode index] -> one rank's result
+        per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     results = {"config": asdict(config), "environment": _environment(config),
                "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
                                         seed=config.seed)}
     results["family"] = family_summary(results)
-    write_json_atomically(out_dir / "results.json", results)
+    write_outputs(out_dir, {"results.json": results})
     return write_report(results, out_dir)
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """results.md and the plot from ``results`` (what results.json holds); returns ``results``."""
     report = format_report(results)
-    write_atomically(out_dir / "results.md", report)
+    write_outputs(out_dir, {"results.md": report})
     write_memory_plot(results, out_dir / PLOT_NAME)
     print(report, flush=True)
     return results
@@ -537,7 +532,7 @@ def main(args: list[str] | None = None) -> int:
     config = parse_config(args)
     if config.report_only:
         out_dir = Path(config.out_dir)
-        results = write_report(json.loads((out_dir / "results.json").read_text()), out_dir)
+        results = write_report(read_json(out_dir / "results.json"), out_dir)
     else:
         results = run(config)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1

@@ -23,7 +23,7 @@ from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
 __all__ = ["command_text", "csv_text", "loss_curve", "markdown_table", "per_repeat", "provenance", "read_csv",
-           "run_study", "step_rows", "summary_medians", "write_outputs"]
+           "run_study", "spawn_ranks", "step_rows", "summary_medians", "write_outputs"]
 
 T = TypeVar("T")
 
@@ -38,6 +38,19 @@ def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[
     with tempfile.TemporaryDirectory() as tmp:
         logs = run_interleaved(cells, repeats, Path(tmp), timeout_s=timeout_s)
         return {name: [read(log_dir) for log_dir in dirs] for name, dirs in logs.items()}
+
+
+def spawn_ranks(rank_main: Callable[..., None], world: int, *args: Any) -> Any:
+    """The in-process benchmarks' runner (memory, engine step, gradient error): ``rank_main(rank, world, port,
+    *args, result_file)`` in ``world`` spawned processes; what rank 0 wrote to ``result_file`` as JSON."""
+    import torch.multiprocessing as mp
+
+    from lightning_ddp.local_group import find_free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = str(Path(tmp) / "result.json")
+        mp.spawn(rank_main, args=(world, find_free_port(), *args, result_file), nprocs=world, join=True)
+        return read_json(result_file)
 
 
 # ---- metric plug-ins: a run's log directory in, named values out ---------------------------------------------

@@ -40,7 +40,8 @@ from lightning_ddp.bench.results import (
 from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
+from lightning_ddp.bench.study import provenance
+from lightning_ddp.provenance import package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
 
@@ -430,18 +431,9 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
 
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         cuda_version = torch.version.cuda
-    return {
-        **invocation(),
-        "hostname": platform.node(),
-        "torch": package_version("torch"),
-        "lightning": package_version("lightning"),
-        "jsonargparse": package_version("jsonargparse"),
-        "cuda": cuda_version,
-        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
-        "gpus": gpus,
-        "backend": layout.backend,
-        "layout": dataclasses.asdict(layout),
-        "threads_per_rank": threads_per_rank(config),
-        **git_state(ignore=[config.output.out_dir]),  # the sweep's own results are not a code change
-        "config": dataclasses.asdict(config),
-    }
+    return provenance(
+        config.output.out_dir,  # the sweep's own results are not a code change
+        hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
+        backend=layout.backend, layout=dataclasses.asdict(layout), threads_per_rank=threads_per_rank(config),
+        config=dataclasses.asdict(config),
+    )
