@@ -247,11 +247,6 @@ def fsdp2_expected_bytes(shapes: list[tuple[int, ...]], world_size: int, rank: i
             "optimizer_state": ADAM_STATE_BYTES_PER_PARAM * local + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)}
 
 
-def _local_tensors(tensors) -> list[torch.Tensor | None]:
-    """A DTensor's local shard, any other tensor as it is (FSDP2's parameters, gradients and state are DTensors)."""
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-
-
 def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
     """The ``fsdp2`` mode: the GPT sharded by ``lightning_ddp.strategies.fsdp2.shard`` (one group per block), AdamW
     over the shards; snapshots of the local shards. Its collectives are torch's: none recorded."""
