@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -247,18 +247,24 @@ def fsdp2_expected_bytes(shapes: list[tuple[int, ...]], world_size: int, rank: i
             "optimizer_state": ADAM_STATE_BYTES_PER_PARAM * local + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)}
 
 
-def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
-    """The ``fsdp2`` mode: the GPT sharded by ``lightning_ddp.strategies.fsdp2.shard`` (one group per block), AdamW
-    over the shards; snapshots of the local shards. Its collectives are torch's: none recorded."""
+def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Module:
+    """The seeded GPT on ``device``, after freeing what the previous mode left (and resetting the CUDA peak)."""
     from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.strategies.fsdp2 import shard
 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(config.seed)
-    model = GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
+    return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
+
+
+def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
+    """The ``fsdp2`` mode: the GPT sharded by ``lightning_ddp.strategies.fsdp2.shard`` (one group per block), AdamW
+    over the shards; snapshots of the local shards. Its collectives are torch's: none recorded."""
+    from lightning_ddp.strategies.fsdp2 import shard
+
+    model = _fresh_model(config, device)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     transient = _fsdp2_transient_bytes(model)
     shard(model)
@@ -278,45 +284,14 @@ def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -
 
         return _snapshot(_Local(), _State(), device)  # type: ignore[arg-type]
 
-    _sync(device)
-    snapshots = {"setup": snapshot()}
-    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
-    step_ms: list[float] = []
-    for step in range(config.steps):
-        last = step == config.steps - 1
-        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        tokens = tokens.to(device)  # (B, T + 1)
-        _sync(device)
-        start = time.perf_counter()
-        logits = model(tokens[:, :-1])  # (B, T, V)
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        del logits
-        paused = 0.0
-        if last:
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["before_step"] = snapshot()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            paused += time.perf_counter() - pause
-        optimizer.step()
-        if last:
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["after_step"] = snapshot()
-            paused += time.perf_counter() - pause
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        step_ms.append((time.perf_counter() - start - paused) * 1e3)
-    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    snapshots, step_ms, _ = _run_steps(model, optimizer, config, device, rank, snapshot)
     result = {
         "mode": FSDP2,
         "rank": rank,
         "snapshots": snapshots,
         "expected": fsdp2_expected_bytes(shapes, dist.get_world_size(), rank),
         "full_parameter_bytes": FP32 * sum(math.prod(s) for s in shapes),
-        "step_ms": times.tolist(),
+        "step_ms": step_ms,
         "comm_bytes_recorded": None,  # torch's collectives: not recorded
         "comm_calls": None,
         "num_params": sum(math.prod(s) for s in shapes),
@@ -358,22 +333,24 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
     return engine, optimizer
 
 
-def _train_step(engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module, tokens: torch.Tensor,
-                device: torch.device, snapshots: dict[str, Any] | None) -> float:
-    """One step; its time in ms. ``snapshots`` given (the last step): snapshots before and after ``step()``, not
-    part of the step's time."""
+def _train_step(engine: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, device: torch.device,
+                snapshot: Callable[[], dict[str, Any]], snapshots: dict[str, Any] | None) -> float:
+    """One step of ``engine`` (one of ours, or FSDP2's sharded model); its time in ms. ``snapshots`` given (the
+    last step): ``snapshot()`` before and after ``step()``, not part of the step's time."""
     _sync(device)
     start = time.perf_counter()
-    engine.on_train_batch_start()
+    if hasattr(engine, "on_train_batch_start"):
+        engine.on_train_batch_start()
     logits = engine(tokens[:, :-1])  # (B, T, V)
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     del logits
-    engine.finish_gradient_synchronization()
+    if hasattr(engine, "finish_gradient_synchronization"):
+        engine.finish_gradient_synchronization()
     paused = 0.0
     if snapshots is not None:
         _sync(device)
         pause = time.perf_counter()
-        snapshots["before_step"] = _snapshot(model, optimizer, device)
+        snapshots["before_step"] = snapshot()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
         paused += time.perf_counter() - pause
@@ -381,49 +358,52 @@ def _train_step(engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.M
     if snapshots is not None:
         _sync(device)
         pause = time.perf_counter()
-        snapshots["after_step"] = _snapshot(model, optimizer, device)
+        snapshots["after_step"] = snapshot()
         paused += time.perf_counter() - pause
     optimizer.zero_grad(set_to_none=True)
     _sync(device)
     return (time.perf_counter() - start - paused) * 1e3
 
 
+def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
+               rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any = None) -> tuple[dict, list, Any]:
+    """``config.steps`` steps on random tokens: the snapshots (set-up, and around the last step's ``step()``),
+    every step's time, the max over ranks (the slowest rank sets the pace of synchronous data parallelism), and the
+    last step's record of collectives (``recorder`` given)."""
+    _sync(device)
+    snapshots = {"setup": snapshot()}
+    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
+    step_ms: list[float] = []
+    for step in range(config.steps):
+        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
+        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
+        if recorder is not None:
+            recorder.open_step(step)
+        last = step == config.steps - 1
+        step_ms.append(_train_step(engine, optimizer, tokens.to(device), device, snapshot, snapshots if last else None))
+        record = recorder.finish_step() if recorder is not None else None
+    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return snapshots, times.tolist(), record
+
+
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
-    from lightning_ddp.model import GPT, get_config
     from lightning_ddp.sync import Recorder
 
     if mode == FSDP2:
         return _measure_fsdp2(config, device, rank)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(config.seed)
-    gpt_config = get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)
-    model = GPT(gpt_config).to(device)
+    model = _fresh_model(config, device)
     recorder = Recorder(device)  # counts the bytes and calls of every step's collectives
     engine, optimizer = _build_mode(mode, config, model, recorder)
-    _sync(device)
-    snapshots = {"setup": _snapshot(model, optimizer, device)}
-    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
-    step_ms: list[float] = []
-    for step in range(config.steps):
-        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        recorder.open_step(step)
-        last = step == config.steps - 1
-        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
-        step_ms.append(_train_step(engine, optimizer, model, tokens.to(device), device, snapshots if last else None))
-        record = recorder.finish_step()
-    # The slowest rank sets the pace of synchronous data parallelism.
-    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    snapshots, step_ms, record = _run_steps(engine, optimizer, config, device, rank,
+                                            lambda: _snapshot(model, optimizer, device), recorder)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     result = {
         "mode": mode,
         "rank": rank,
         "snapshots": snapshots,
         "expected": expected_bytes(shapes, dist.get_world_size(), mode, rank),
-        "step_ms": times.tolist(),
+        "step_ms": step_ms,
         "comm_bytes_recorded": record.nbytes,
         "comm_calls": len(record.collectives),
         "num_params": sum(math.prod(s) for s in shapes),
