@@ -6,7 +6,6 @@ intervals and the goals' verdicts; docs/benchmarks.md states the goals.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import Estimate, estimate, interval_text, verdict
 from lightning_ddp.bench.study import (
-    command_text, csv_text, markdown_table, per_repeat, provenance, read_csv, read_json, run_study, step_rows,
-    write_outputs,
+    command_text, csv_text, load_average, markdown_table, per_repeat, provenance, read_csv, read_json, run_study,
+    step_rows, write_outputs,
 )
 
 __all__ = ["StragglerBenchConfig", "main", "summarize_cell"]
@@ -145,7 +144,7 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
         "exposed_ms": estimates["comm/exposed_ms"].point,
         "straggler_share": float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan,
         "wait_goal": "", "straggler_goal": "", "transfer_goal": "",
-        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else "",
+        "load_avg_1m": load_average(),
     }
     for name, key in (("wait_ms", "comm/wait_ms"), ("transfer_ms", "comm/transfer_ms"), ("lag_ms", "straggler/lag_ms")):
         value = estimates[key]

@@ -22,8 +22,8 @@ from lightning_ddp.bench.launch import measured_steps, read_timing_summary, run_
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
-__all__ = ["command_text", "csv_text", "loss_curve", "markdown_table", "per_repeat", "provenance", "read_csv",
-           "run_study", "spawn_ranks", "step_rows", "summary_medians", "write_outputs"]
+__all__ = ["command_text", "csv_text", "load_average", "loss_curve", "markdown_table", "per_repeat", "provenance",
+           "read_csv", "read_json", "run_study", "spawn_ranks", "step_rows", "summary_medians", "write_outputs"]
 
 T = TypeVar("T")
 
@@ -159,6 +159,19 @@ def write_outputs(out: str | os.PathLike, files: Mapping[str, str | dict]) -> No
             write_json_atomically(Path(out) / name, content, default=str)
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """A JSON file's content."""
-    return json.loads(Path(path).read_text())
+def read_json(path: str | os.PathLike, missing_ok: bool = False) -> Any:
+    """A JSON file's content; with ``missing_ok``, ``None`` for a missing or unreadable file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        if missing_ok:
+            return None
+        raise
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (recorded next to timings), or ``None`` where the platform has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
