@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import Estimate, estimate, interval_text, verdict
@@ -244,16 +243,9 @@ def write_report(config: StragglerBenchConfig) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.straggler", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML of the settings below")
-    parser.add_class_arguments(StragglerBenchConfig, as_group=False)
-    settings = parser.parse_args(argv).as_dict()
-    for key in ("config", "__path__"):
-        settings.pop(key, None)
-    try:
-        config = StragglerBenchConfig(**settings)
-    except ValueError as error:
-        parser.error(str(error))
+    from lightning_ddp.command_line import parse_dataclass
+
+    config = parse_dataclass(StragglerBenchConfig, argv, prog="python -m lightning_ddp.bench.straggler")
     if config.report_only:
         return write_report(config)
     command = command_text("lightning_ddp.bench.straggler", argv)
