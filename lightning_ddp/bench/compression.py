@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +25,13 @@ from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    command_text, loss_curve, markdown_table, read_json, run_study, spawn_ranks, summary_medians, write_outputs,
+    command_text, loss_curve, markdown_table, provenance, read_json, run_study, spawn_ranks, summary_medians,
+    write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
 from lightning_ddp.data import TextBytes
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
-from lightning_ddp.provenance import git_state
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
@@ -428,11 +427,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
     command = command_text("lightning_ddp.bench.compression", argv)
-    result = {"command": command, "fit_commands": commands, "config": vars(args), "extra_args": extra,
-              "variants": {v.name: {"algorithm": v.algorithm, "settings": v.settings,
-                                    "effective_settings": v.effective_settings()} for v in variants},
-              "summary": summary, "runs": {str(seed): r for seed, r in runs.items()}, "gradient_errors": errors,
-              "torch": torch.__version__, "cpu_count": os.cpu_count(), **git_state(ignore=[out])}
+    variant_settings = {v.name: {"algorithm": v.algorithm, "settings": v.settings,
+                                 "effective_settings": v.effective_settings()} for v in variants}
+    result = provenance(out, command=command, fit_commands=commands, config=vars(args), extra_args=extra,
+                        variants=variant_settings, summary=summary, runs={str(seed): r for seed, r in runs.items()},
+                        gradient_errors=errors)
     write_outputs(out, {"results.json": result})
     return write_report(out)
 

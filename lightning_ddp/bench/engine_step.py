@@ -6,7 +6,6 @@ docs/benchmarks.md has the recipe.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -19,10 +18,9 @@ from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, ratio_estimate
-from lightning_ddp.bench.study import command_text, read_json, spawn_ranks, write_outputs
+from lightning_ddp.bench.study import command_text, provenance, read_json, spawn_ranks, write_outputs
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
-from lightning_ddp.provenance import git_state
 
 __all__ = ["main", "parse_variant"]
 
@@ -169,10 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines = _table(rows)
     print("\n".join(lines))
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
-    result = {"command": command, "config": vars(args), "rows": rows, "times_ms": measured,
-              "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(all_steps)}
+    result = provenance(args.out, command=command, config=vars(args), rows=rows, times_ms=measured,
+                        median_all_ms=statistics.median(all_steps))
     if args.out:
-        result.update(git_state())
         _write(Path(args.out), result, lines)
     return result
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.stats import interval_text, pooled_median, ratio_estimate, verdict
-from lightning_ddp.bench.study import command_text, markdown_table, read_json, run_study, write_outputs
+from lightning_ddp.bench.study import command_text, markdown_table, provenance, read_json, run_study, write_outputs
 
 
 class StepWallTimes(Callback):
@@ -86,8 +85,7 @@ def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]
     runs = {arm: [m["steps_ms"][warmup:] for m in runs] for arm, runs in measured.items()}  # measured steps
     windows = {arm: [m["window_ms"] / len(m["steps_ms"]) for m in runs] for arm, runs in measured.items()}
     return summarize(runs, windows) | {"config": config, "extra_args": extra, "steps": steps, "warmup": warmup,
-                                       "repeats": repeats, "sampled_every": sampled_every,
-                                       "torch": torch.__version__, "cpu_count": os.cpu_count()}
+                                       "repeats": repeats, "sampled_every": sampled_every}
 
 
 GOAL = 0.02
@@ -185,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(summary_line(result))
     print(format_table(result))
     if args.out:
-        write_report(Path(args.out), {**result, "command": command_text("lightning_ddp.bench.timer_overhead", argv)})
+        command = command_text("lightning_ddp.bench.timer_overhead", argv)
+        write_report(Path(args.out), provenance(args.out, **result, command=command))
     return result
 
 
