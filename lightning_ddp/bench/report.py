@@ -101,6 +101,25 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
     return lines
 
 
+def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[Row], predicted: str) -> list[Any]:
+    """One row of the best-bucket table: the size chosen on the selection repeats, measured on the others."""
+    auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
+    auto_text = "not in grid"
+    if auto is not None:
+        auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
+        auto_text = auto_ok or auto["status"] or "not run"
+    selection = analysis.selections.get((group, strategy))
+    if selection is None:
+        return [*group, strategy, "no ok cell", "-", "-", "-", predicted, auto_text]
+    evaluated = selection.evaluated
+    on = f"{bucket_text(selection.row)}, best of {selection.candidates} on {repeats_text(selection.selection_repeats)}"
+    where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
+             else f"repeats {repeats_text(evaluated.repeats)}: ")
+    return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
+            f"{where}{estimate_text(evaluated.step, unit=' ms')}", estimate_text(evaluated.share, ".1f", 100, " %"),
+            predicted, auto_text]
+
+
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
     rows = analysis.rows
     lines = ["## Best bucket size: chosen on some repeats, measured on the others", ""]
@@ -140,34 +159,14 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
         "no evaluation repeat exists (fewer than 2 repeats ran), so the choice is reported from the repeats it was "
         "chosen on and its goals are inconclusive.",
         "",
-        "| precision | batch | context | algorithm | chosen (of sizes) on repeats | its step there "
-        "| step on evaluation repeats [95 %] | comm share [95 %] | predicted | auto cell |",
-        "|---|---:|---:|---|---|---:|---:|---:|---|---|",
     ]
     predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
-    for group, members in analysis.groups.items():
-        for strategy in strategy_order(variant_of(r) for r in members):
-            if not has_buckets(strategy):
-                continue
-            head = f"| {group[0]} | {group[1]} | {group[2]} | {strategy} |"
-            auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
-            auto_text = "not in grid"
-            if auto is not None:
-                auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
-                auto_text = auto_ok or auto["status"] or "not run"
-            selection = analysis.selections.get((group, strategy))
-            if selection is None:
-                lines.append(f"{head} no ok cell | - | - | - | {predicted} | {auto_text} |")
-                continue
-            evaluated = selection.evaluated
-            on = (f"{bucket_text(selection.row)}, best of {selection.candidates} on "
-                  f"{repeats_text(selection.selection_repeats)}")
-            where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
-                     else f"repeats {repeats_text(evaluated.repeats)}: ")
-            lines.append(
-                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | "
-                f"{where}{estimate_text(evaluated.step, unit=' ms')} | "
-                f"{estimate_text(evaluated.share, '.1f', 100, ' %')} | {predicted} | {auto_text} |")
+    table = [_bucket_row(analysis, group, strategy, members, predicted)
+             for group, members in analysis.groups.items()
+             for strategy in strategy_order(variant_of(r) for r in members) if has_buckets(strategy)]
+    header = ["precision", "batch", "context", "algorithm", "chosen (of sizes) on repeats", "its step there",
+              "step on evaluation repeats [95 %]", "comm share [95 %]", "predicted", "auto cell"]
+    lines += markdown_table(header, table, "lrrllrrrll")
     lines += ["", "The model assumes each bucket's backward compute takes as long as its communication; where "
               "compute is much longer than communication (or the reverse) the measured optimum moves away from b*.", ""]
     return lines
