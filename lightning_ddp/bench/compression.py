@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,20 +17,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.config import fit_arguments
-from lightning_ddp.bench.launch import run_fit, strategy_argument
+from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
+from lightning_ddp.bench.study import (
+    command_text, loss_curve, markdown_table, provenance, read_json, run_study, spawn_ranks, summary_medians,
+    write_outputs,
+)
 from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
 from lightning_ddp.data import TextBytes
-from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.local_group import find_free_port, init_cpu_process_group
+from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
-from lightning_ddp.provenance import git_state
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
@@ -97,35 +95,41 @@ def default_variants() -> list[Variant]:
 # ---- training runs ----------------------------------------------------------------------------------------
 
 
-def _fit(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int,
-         log_dir: Path, extra: list[str]) -> list[str]:
-    """One training run (loss and step time only: no validation between the timed steps); its fit arguments."""
-    arguments = ["--config", config, *extra,
-                 "--trainer.strategy", strategy_argument(algorithm, None, bucket_size_mb, settings),
-                 "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
-                 "--timer.warmup_steps", "5", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps",
-                 "0", "--timer.every_n_steps", "1"]
-    run_fit(arguments, log_dir, what=log_dir.name)
-    return arguments
+def _fit_arguments(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int,
+                   extra: list[str]) -> list[str]:
+    """One training run's fit arguments (loss and step time only: no validation between the timed steps)."""
+    return ["--config", config, *extra,
+            "--trainer.strategy", strategy_argument(algorithm, None, bucket_size_mb, settings),
+            "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+            "--timer.warmup_steps", "5", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps",
+            "0", "--timer.every_n_steps", "1"]
+
+
+_MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
+                            "bytes_per_step": "comm/bytes"})
 
 
 def _read_run(log_dir: Path) -> dict[str, Any]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """The compression plug-in: a run's loss curve and its step time, exposed comm and bytes (medians)."""
+    return {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)}
 
-    losses: dict[int, float] = {}
-    for path in sorted(log_dir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        acc.Reload()
-        if "train/loss" in acc.Tags()["scalars"]:
-            losses.update({e.step: e.value for e in acc.Scalars("train/loss")})
-    (summary_path,) = log_dir.rglob("timing_summary.json")
-    summary = json.loads(summary_path.read_text())["summary"]
-    return {
-        "loss": [losses[k] for k in sorted(losses)],
-        "step_ms_median": summary["step/time_ms"]["median"],
-        "exposed_ms_median": summary["comm/exposed_ms"]["median"],
-        "bytes_per_step": summary["comm/bytes"]["median"],
-    }
+
+def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[dict, dict[str, list[str]]]:
+    """Per seed, one fp32 run and one run per variant (in that order); ``runs[seed][name]`` and the fit arguments
+    by ``"<name>, seed <seed>"``."""
+    cells: dict[str, list[str]] = {}
+    keys = {}
+    for seed in args.seeds:
+        for name, algorithm, settings in [(BASELINE, BASELINE, {}),
+                                          *((v.name, v.algorithm, v.settings) for v in variants)]:
+            cells[f"{name}, seed {seed}"] = _fit_arguments(args.config, algorithm, settings, args.bucket_size_mb,
+                                                           args.steps, [*extra, "--seed_everything", str(seed)])
+            keys[f"{name}, seed {seed}"] = (seed, name)
+    measured = run_study(cells, 1, _read_run)
+    runs: dict[int, dict[str, dict[str, Any]]] = {seed: {} for seed in args.seeds}
+    for cell, (seed, name) in keys.items():
+        runs[seed][name] = measured[cell][0]
+    return runs, cells
 
 
 # ---- the gradient error ------------------------------------------------------------------------------------
@@ -288,79 +292,90 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
     fig.savefig(path, dpi=110)
 
 
-def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, command: str,
-              result: dict[str, Any]) -> str:
+def _loss_tables(s: dict[str, Any], names: list[str]) -> list[str]:
+    """The per-seed loss table and the pooled gap to fp32 with its interval."""
     fp32, last, seeds = s["fp32"], s["last_steps"], s["seeds"]
-    names = [v.name for v in variants]
-    title = ", ".join(f"`{n}`" for n in names)
-    lines = [
-        f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
-        f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, seeds))}", "",
-        f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
-        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
-        "| variant | engine settings (defaults filled in) |", "|---|---|",
-        *[f"| `{v.name}` | {format_settings(v.effective_settings()) or '-'} |" for v in variants], "",
+    per_seed = [[seed, f"{fp32['loss_last_mean'][seed]:.3f}",
+                 *(f"{s['variants'][n]['loss_last_mean'][seed]:.3f} ({s['variants'][n]['minus_fp32'][seed]:+.3f})"
+                   for n in names)] for seed in map(str, seeds)]
+    gaps = [[f"`{n}`", interval_text(s["variants"][n]["minus_fp32_mean"], s["variants"][n]["minus_fp32_lo"],
+                                     s["variants"][n]["minus_fp32_hi"], "+.3f"),
+             f"{fp32['seed_spread']:.3f}", f"{s['variants'][n]['loss_max_abs_difference']:.3f}"] for n in names]
+    return [
         f"## Loss: mean train/loss over the last {last} steps, per seed", "",
-        f"| seed | fp32 (`{BASELINE}`) | " + " | ".join(f"`{n}` (- fp32)" for n in names) + " |",
-        "|---:|---:|" + "---:|" * len(names),
-    ]
-    for seed in map(str, seeds):
-        cells = [f"{s['variants'][n]['loss_last_mean'][seed]:.3f} ({s['variants'][n]['minus_fp32'][seed]:+.3f})"
-                 for n in names]
-        lines.append(f"| {seed} | {fp32['loss_last_mean'][seed]:.3f} | " + " | ".join(cells) + " |")
-    lines += [
+        *markdown_table(["seed", f"fp32 (`{BASELINE}`)", *(f"`{n}` (- fp32)" for n in names)], per_seed,
+                        "r" * (len(names) + 2)),
         "", f"The gap to fp32 pooled over every seed: the mean of the per-step differences over the last {last} steps, "
         "with its 95 % interval (hierarchical bootstrap: seed values, then steps within each seed"
         + ("; with one seed value only the steps vary, so the interval says nothing about seed-to-seed variation" if
            len(seeds) == 1 else "") + f"). The fp32 runs alone spread over {fp32['seed_spread']:.3f} nats from seed "
         f"to seed. All runs of a seed start from the same weights and data order (first fp32 loss "
         f"{fp32['loss_first']:.3f}).", "",
-        "| variant | loss - fp32 [95 %] | fp32 seed spread | largest gap at any step |", "|---|---:|---:|---:|",
+        *markdown_table(["variant", "loss - fp32 [95 %]", "fp32 seed spread", "largest gap at any step"], gaps),
     ]
-    for n in names:
-        v = s["variants"][n]
-        difference = interval_text(v["minus_fp32_mean"], v["minus_fp32_lo"], v["minus_fp32_hi"], "+.3f")
-        lines.append(f"| `{n}` | {difference} | {fp32['seed_spread']:.3f} | {v['loss_max_abs_difference']:.3f} |")
-    lines += ["", "## Gradients, bytes and time", "",
-              "Per-step error of each variant's average against the fp32 one (the same local gradients, along fp32 "
-              "training's trajectory; the engine's state carried from step to step). *Exact steps*: those before "
-              "its first nonzero error (a warm-up that averages exactly); the other columns are over the steps after "
-              "them.", "",
-              "| variant | exact steps | relative error: median | largest | largest absolute error |",
-              "|---|---:|---:|---:|---:|"]
-    for n in names:
-        v = s["variants"][n]
-        if "relative_gradient_error_median" in v:
-            lines.append(f"| `{n}` | {v['exact_steps']} | {100 * v['relative_gradient_error_median']:.3f} % | "
-                         f"{100 * v['relative_gradient_error_max']:.3f} % | {v['absolute_gradient_error_max']:.3g} |")
-    variant_columns = " | ".join(f"`{n}`" for n in names)
-    lines += ["", f"| median over the seed values of each run's median | fp32 | {variant_columns} |",
-              "|---|---:|" + "---:|" * len(names)]
-    rows = [("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
-            ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
-            ("exposed communication", "exposed_ms_median", lambda x: f"{x:.1f} ms")]
-    for title_, key, fmt in rows:
+
+
+_COSTS = (("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
+          ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
+          ("exposed communication", "exposed_ms_median", lambda x: f"{x:.1f} ms"))
+
+
+def _cost_tables(s: dict[str, Any], names: list[str]) -> list[str]:
+    """The gradient-error table and the bytes/time table (with ratios to fp32)."""
+    fp32 = s["fp32"]
+    errors = [[f"`{n}`", v["exact_steps"], f"{100 * v['relative_gradient_error_median']:.3f} %",
+               f"{100 * v['relative_gradient_error_max']:.3f} %", f"{v['absolute_gradient_error_max']:.3g}"]
+              for n in names if "relative_gradient_error_median" in (v := s["variants"][n])]
+    costs = []
+    for title, key, fmt in _COSTS:
         cells = []
         for n in names:
             ratio = s["variants"][n][key] / fp32[key] if fp32[key] else None
             cells.append(fmt(s["variants"][n][key]) + (f" ({ratio:.3g}x)" if ratio is not None else ""))
-        lines.append(f"| {title_} | {fmt(fp32[key])} | " + " | ".join(cells) + " |")
-    lines += ["", "Bytes are the CommTimer's median per measured step (after its 5 warm-up steps), so an algorithm "
-              "that averages exactly for its first steps (PowerSGD's `start_iter`) is counted at its compressed "
-              "steps once those are the majority. Step times come from single runs on a small CPU machine (about "
-              "+-20 % noise): read them as indicative only; the benchmark sweep measures speed with repeats and "
-              "intervals.", "", "![loss curves and gradient error](loss_curves.png)", ""]
+        costs.append([title, fmt(fp32[key]), *cells])
+    return [
+        "## Gradients, bytes and time", "",
+        "Per-step error of each variant's average against the fp32 one (the same local gradients, along fp32 "
+        "training's trajectory; the engine's state carried from step to step). *Exact steps*: those before "
+        "its first nonzero error (a warm-up that averages exactly); the other columns are over the steps after "
+        "them.", "",
+        *markdown_table(["variant", "exact steps", "relative error: median", "largest", "largest absolute error"],
+                        errors),
+        "",
+        *markdown_table(["median over the seed values of each run's median", "fp32", *(f"`{n}`" for n in names)],
+                        costs),
+    ]
+
+
+def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, command: str,
+              result: dict[str, Any]) -> str:
+    names = [v.name for v in variants]
+    title = ", ".join(f"`{n}`" for n in names)
+    lines = [
+        f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
+        f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, s['seeds']))}", "",
+        f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
+        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
+        *markdown_table(["variant", "engine settings (defaults filled in)"],
+                        [[f"`{v.name}`", format_settings(v.effective_settings()) or "-"] for v in variants], "ll"),
+        "", *_loss_tables(s, names), "", *_cost_tables(s, names),
+        "", "Bytes are the CommTimer's median per measured step (after its 5 warm-up steps), so an algorithm "
+        "that averages exactly for its first steps (PowerSGD's `start_iter`) is counted at its compressed "
+        "steps once those are the majority. Step times come from single runs on a small CPU machine (about "
+        "+-20 % noise): read them as indicative only; the benchmark sweep measures speed with repeats and "
+        "intervals.", "", "![loss curves and gradient error](loss_curves.png)", "",
+    ]
     return "\n".join(lines)
 
 
 def write_report(out: Path) -> dict[str, Any]:
     """results.md and loss_curves.png from ``out``'s results.json; returns the results."""
-    result = json.loads((out / "results.json").read_text())
+    result = read_json(out / "results.json")
     variants = [Variant(v["algorithm"], v["settings"]) for v in result["variants"].values()]
     runs = {int(seed): r for seed, r in result["runs"].items()}
     names = [v.name for v in variants]
     md = _markdown(result["summary"], variants, Namespace(**result["config"]), result["command"], result)
-    write_atomically(out / "results.md", md)
+    write_outputs(out, {"results.md": md})
     _plot(out / "loss_curves.png", runs, result["gradient_errors"], names)
     print(md)
     return result
@@ -405,39 +420,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not 1 <= args.last <= args.steps:
         parser.error(f"--last must be between 1 and --steps ({args.steps}), got {args.last}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs: dict[int, dict[str, dict[str, Any]]] = {}
-    commands: dict[str, list[str]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            runs[seed] = {}
-            for name, algorithm, settings, key in [(BASELINE, BASELINE, {}, BASELINE),
-                                                   *((v.name, v.algorithm, v.settings, v.key) for v in variants)]:
-                print(f"training with {name}, seed {seed} ...", flush=True)
-                run_name = f"{key}_seed{seed}"
-                commands[f"{name}, seed {seed}"] = _fit(args.config, algorithm, settings, args.bucket_size_mb,
-                                                        args.steps, Path(tmp) / run_name,
-                                                        [*extra, "--seed_everything", str(seed)])
-                runs[seed][name] = _read_run(Path(tmp) / run_name)
-        print("measuring the per-step gradient error ...", flush=True)
-        result_file = str(Path(tmp) / "errors.json")
-        mp.spawn(_error_rank, args=(2, find_free_port(), args, variants, result_file), nprocs=2, join=True)
-        measured = json.loads(Path(result_file).read_text())
-        errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
+    runs, commands = _train(args, variants, extra)
+    print("measuring the per-step gradient error ...", flush=True)
+    measured = spawn_ranks(_error_rank, 2, args, variants)
+    errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
-    command = "python -m lightning_ddp.bench.compression " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"command": command, "fit_commands": commands, "config": vars(args), "extra_args": extra,
-              "variants": {v.name: {"algorithm": v.algorithm, "settings": v.settings,
-                                    "effective_settings": v.effective_settings()} for v in variants},
-              "summary": summary, "runs": {str(seed): r for seed, r in runs.items()}, "gradient_errors": errors,
-              "torch": torch.__version__, "cpu_count": os.cpu_count(), **git_state(ignore=[out])}
-    md = _markdown(summary, variants, args, command, result)
-    write_json_atomically(out / "results.json", result, default=str)
-    write_atomically(out / "results.md", md)
-    _plot(out / "loss_curves.png", runs, errors, names)
-    print(md)
-    return result
+    command = command_text("lightning_ddp.bench.compression", argv)
+    variant_settings = {v.name: {"algorithm": v.algorithm, "settings": v.settings,
+                                 "effective_settings": v.effective_settings()} for v in variants}
+    result = provenance(out, command=command, fit_commands=commands, config=vars(args), extra_args=extra,
+                        variants=variant_settings, summary=summary, runs={str(seed): r for seed, r in runs.items()},
+                        gradient_errors=errors)
+    write_outputs(out, {"results.json": result})
+    return write_report(out)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
+from lightning_ddp.bench.launch import REFERENCE
 
 __all__ = [
     "PRECISIONS",
@@ -53,8 +54,6 @@ def has_bucket_axis(strategy: str) -> bool:
     return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
 
 
-REFERENCE = "reference"
-"""The compute-only cell: one process, strategy ``auto``, same per-rank batch; always in the grid."""
 
 BASELINE = "ddp"
 """Lightning's DDP, always in the grid: the yardstick of the first performance goal."""

@@ -6,26 +6,21 @@ docs/benchmarks.md has the recipe.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, ratio_estimate
-from lightning_ddp.files import write_atomically
-from lightning_ddp.local_group import find_free_port, init_cpu_process_group
+from lightning_ddp.bench.study import command_text, provenance, read_json, spawn_ranks, write_outputs
+from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
-from lightning_ddp.provenance import git_state
 
 __all__ = ["main", "parse_variant"]
 
@@ -115,9 +110,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _write(out: Path, result: dict[str, Any], lines: list[str]) -> None:
-    for name, text in (("engine_step.json", json.dumps(result, indent=2) + "\n"),
-                       ("engine_step.md", f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n")):
-        write_atomically(out / name, text)
+    write_outputs(out, {"engine_step.json": result,
+                        "engine_step.md": f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n"})
 
 
 def _rows(measured: dict[str, Any], variants: list[str]) -> list[dict[str, Any]]:
@@ -154,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.report_only:
         if not args.out:
             parser.error("--report_only needs --out (the directory of engine_step.json)")
-        result = json.loads((Path(args.out) / "engine_step.json").read_text())
+        result = read_json(Path(args.out) / "engine_step.json")
         _write(Path(args.out), result, _table(result["rows"]))
         return result
     if "ddp" not in args.variants:
@@ -167,19 +161,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except ValueError as error:
                 parser.error(f"--variants: {error}")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = str(Path(tmp) / "times.json")
-        mp.spawn(_rank_main, args=(2, find_free_port(), args, result_file), nprocs=2, join=True)
-        measured = json.loads(Path(result_file).read_text())
+    measured = spawn_ranks(_rank_main, 2, args)
     rows = _rows(measured, args.variants)
-    command = "python -m lightning_ddp.bench.engine_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_text("lightning_ddp.bench.engine_step", argv)
     lines = _table(rows)
     print("\n".join(lines))
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
-    result = {"command": command, "config": vars(args), "rows": rows, "times_ms": measured,
-              "torch": torch.__version__, "cpu_count": os.cpu_count(), "median_all_ms": statistics.median(all_steps)}
+    result = provenance(args.out, command=command, config=vars(args), rows=rows, times_ms=measured,
+                        median_all_ms=statistics.median(all_steps))
     if args.out:
-        result.update(git_state())
         _write(Path(args.out), result, lines)
     return result
 

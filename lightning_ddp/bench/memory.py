@@ -13,11 +13,10 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,8 +33,9 @@ from lightning_ddp.bench.memory_report import (
     summarise_modes,
     write_memory_plot,
 )
-from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.local_group import cores_per_rank, find_free_port, init_local_process_group
+from lightning_ddp.bench.study import read_json, spawn_ranks, write_outputs
+from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes
 from lightning_ddp.provenance import git_state
 
@@ -247,23 +247,24 @@ def fsdp2_expected_bytes(shapes: list[tuple[int, ...]], world_size: int, rank: i
             "optimizer_state": ADAM_STATE_BYTES_PER_PARAM * local + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)}
 
 
-def _local_tensors(tensors) -> list[torch.Tensor | None]:
-    """A DTensor's local shard, any other tensor as it is (FSDP2's parameters, gradients and state are DTensors)."""
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-
-
-def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
-    """The ``fsdp2`` mode: the GPT sharded by ``lightning_ddp.strategies.fsdp2.shard`` (one group per block), AdamW
-    over the shards; snapshots of the local shards. Its collectives are torch's: none recorded."""
+def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Module:
+    """The seeded GPT on ``device``, after freeing what the previous mode left (and resetting the CUDA peak)."""
     from lightning_ddp.model import GPT, get_config
-    from lightning_ddp.strategies.fsdp2 import shard
 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(config.seed)
-    model = GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
+    return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
+
+
+def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
+    """The ``fsdp2`` mode: the GPT sharded by ``lightning_ddp.strategies.fsdp2.shard`` (one group per block), AdamW
+    over the shards; snapshots of the local shards. Its collectives are torch's: none recorded."""
+    from lightning_ddp.strategies.fsdp2 import shard
+
+    model = _fresh_model(config, device)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     transient = _fsdp2_transient_bytes(model)
     shard(model)
@@ -283,45 +284,14 @@ def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -
 
         return _snapshot(_Local(), _State(), device)  # type: ignore[arg-type]
 
-    _sync(device)
-    snapshots = {"setup": snapshot()}
-    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
-    step_ms: list[float] = []
-    for step in range(config.steps):
-        last = step == config.steps - 1
-        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        tokens = tokens.to(device)  # (B, T + 1)
-        _sync(device)
-        start = time.perf_counter()
-        logits = model(tokens[:, :-1])  # (B, T, V)
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        del logits
-        paused = 0.0
-        if last:
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["before_step"] = snapshot()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            paused += time.perf_counter() - pause
-        optimizer.step()
-        if last:
-            _sync(device)
-            pause = time.perf_counter()
-            snapshots["after_step"] = snapshot()
-            paused += time.perf_counter() - pause
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        step_ms.append((time.perf_counter() - start - paused) * 1e3)
-    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    snapshots, step_ms, _ = _run_steps(model, optimizer, config, device, rank, snapshot)
     result = {
         "mode": FSDP2,
         "rank": rank,
         "snapshots": snapshots,
         "expected": fsdp2_expected_bytes(shapes, dist.get_world_size(), rank),
         "full_parameter_bytes": FP32 * sum(math.prod(s) for s in shapes),
-        "step_ms": times.tolist(),
+        "step_ms": step_ms,
         "comm_bytes_recorded": None,  # torch's collectives: not recorded
         "comm_calls": None,
         "num_params": sum(math.prod(s) for s in shapes),
@@ -363,22 +333,24 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
     return engine, optimizer
 
 
-def _train_step(engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module, tokens: torch.Tensor,
-                device: torch.device, snapshots: dict[str, Any] | None) -> float:
-    """One step; its time in ms. ``snapshots`` given (the last step): snapshots before and after ``step()``, not
-    part of the step's time."""
+def _train_step(engine: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, device: torch.device,
+                snapshot: Callable[[], dict[str, Any]], snapshots: dict[str, Any] | None) -> float:
+    """One step of ``engine`` (one of ours, or FSDP2's sharded model); its time in ms. ``snapshots`` given (the
+    last step): ``snapshot()`` before and after ``step()``, not part of the step's time."""
     _sync(device)
     start = time.perf_counter()
-    engine.on_train_batch_start()
+    if hasattr(engine, "on_train_batch_start"):
+        engine.on_train_batch_start()
     logits = engine(tokens[:, :-1])  # (B, T, V)
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     del logits
-    engine.finish_gradient_synchronization()
+    if hasattr(engine, "finish_gradient_synchronization"):
+        engine.finish_gradient_synchronization()
     paused = 0.0
     if snapshots is not None:
         _sync(device)
         pause = time.perf_counter()
-        snapshots["before_step"] = _snapshot(model, optimizer, device)
+        snapshots["before_step"] = snapshot()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
         paused += time.perf_counter() - pause
@@ -386,49 +358,52 @@ def _train_step(engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.M
     if snapshots is not None:
         _sync(device)
         pause = time.perf_counter()
-        snapshots["after_step"] = _snapshot(model, optimizer, device)
+        snapshots["after_step"] = snapshot()
         paused += time.perf_counter() - pause
     optimizer.zero_grad(set_to_none=True)
     _sync(device)
     return (time.perf_counter() - start - paused) * 1e3
 
 
+def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
+               rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any = None) -> tuple[dict, list, Any]:
+    """``config.steps`` steps on random tokens: the snapshots (set-up, and around the last step's ``step()``),
+    every step's time, the max over ranks (the slowest rank sets the pace of synchronous data parallelism), and the
+    last step's record of collectives (``recorder`` given)."""
+    _sync(device)
+    snapshots = {"setup": snapshot()}
+    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
+    step_ms: list[float] = []
+    for step in range(config.steps):
+        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
+        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
+        if recorder is not None:
+            recorder.open_step(step)
+        last = step == config.steps - 1
+        step_ms.append(_train_step(engine, optimizer, tokens.to(device), device, snapshot, snapshots if last else None))
+        record = recorder.finish_step() if recorder is not None else None
+    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return snapshots, times.tolist(), record
+
+
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
-    from lightning_ddp.model import GPT, get_config
     from lightning_ddp.sync import Recorder
 
     if mode == FSDP2:
         return _measure_fsdp2(config, device, rank)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(config.seed)
-    gpt_config = get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)
-    model = GPT(gpt_config).to(device)
+    model = _fresh_model(config, device)
     recorder = Recorder(device)  # counts the bytes and calls of every step's collectives
     engine, optimizer = _build_mode(mode, config, model, recorder)
-    _sync(device)
-    snapshots = {"setup": _snapshot(model, optimizer, device)}
-    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
-    step_ms: list[float] = []
-    for step in range(config.steps):
-        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        recorder.open_step(step)
-        last = step == config.steps - 1
-        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
-        step_ms.append(_train_step(engine, optimizer, model, tokens.to(device), device, snapshots if last else None))
-        record = recorder.finish_step()
-    # The slowest rank sets the pace of synchronous data parallelism.
-    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    snapshots, step_ms, record = _run_steps(engine, optimizer, config, device, rank,
+                                            lambda: _snapshot(model, optimizer, device), recorder)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     result = {
         "mode": mode,
         "rank": rank,
         "snapshots": snapshots,
         "expected": expected_bytes(shapes, dist.get_world_size(), mode, rank),
-        "step_ms": times.tolist(),
+        "step_ms": step_ms,
         "comm_bytes_recorded": record.nbytes,
         "comm_calls": len(record.collectives),
         "num_params": sum(math.prod(s) for s in shapes),
@@ -448,8 +423,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rank_main(rank: int, config: MemoryBenchConfig, modes: list[str], port: int, result_file: str) -> None:
-    world_size = config.devices
+def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig, modes: list[str],
+               result_file: str) -> None:
     cuda = config.accelerator == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -490,8 +465,6 @@ def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
 
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
-    import torch.multiprocessing as mp
-
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
         raise ValueError(
             f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
@@ -502,24 +475,21 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     # pages), which would show up in the next mode's RSS.
     batches = [[mode] for mode in config.modes] if config.separate_processes else [list(config.modes)]
     per_mode = []
-    with tempfile.TemporaryDirectory(prefix="memory_bench_") as scratch:
-        for number, modes in enumerate(batches):
-            result_file = str(Path(scratch) / f"ranks{number}.json")
-            mp.spawn(_rank_main, args=(config, modes, find_free_port(), result_file), nprocs=config.devices, join=True)
-            per_rank = json.loads(Path(result_file).read_text())  # [rank][mode index] -> one rank's result
-            per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
+    for modes in batches:
+        per_rank = spawn_ranks(_rank_main, config.devices, config, modes)  # [rank][mode index] -> one rank's result
+        per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     results = {"config": asdict(config), "environment": _environment(config),
                "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
                                         seed=config.seed)}
     results["family"] = family_summary(results)
-    write_json_atomically(out_dir / "results.json", results)
+    write_outputs(out_dir, {"results.json": results})
     return write_report(results, out_dir)
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """results.md and the plot from ``results`` (what results.json holds); returns ``results``."""
     report = format_report(results)
-    write_atomically(out_dir / "results.md", report)
+    write_outputs(out_dir, {"results.md": report})
     write_memory_plot(results, out_dir / PLOT_NAME)
     print(report, flush=True)
     return results
@@ -537,7 +507,7 @@ def main(args: list[str] | None = None) -> int:
     config = parse_config(args)
     if config.report_only:
         out_dir = Path(config.out_dir)
-        results = write_report(json.loads((out_dir / "results.json").read_text()), out_dir)
+        results = write_report(read_json(out_dir / "results.json"), out_dir)
     else:
         results = run(config)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.stats import Estimate, estimate, interval_text, ratio_estimate, verdict
+from lightning_ddp.bench.study import markdown_table
 from lightning_ddp.files import write_atomically
 
 __all__ = [
@@ -197,23 +198,11 @@ def _family_lines(results: dict[str, Any]) -> list[str]:
     family = results.get("family") or family_summary(results)
     cuda = config["accelerator"] == "cuda"
     peak = "max allocated, activations included" if cuda else "peak process RSS, interpreter included"
-    lines = [
-        "## The data-parallel family",
-        "",
-        f"Per rank (the most loaded rank), MiB: measured (expected). Peak: {peak}; its expected figure is our "
-        "tensors at their most (a lower bound: ZeRO-2's buckets in flight, FSDP2's largest unsharded group, no "
-        f"activations). Step: median ms over steps {config.get('warmup_steps', 1) + 1}..{config['steps']} (max over "
-        "ranks) [95 % interval over those steps]; ratio to ZeRO-1 (reduce-scatter) the same way.",
-        "",
-        "| mode | parameters | gradients | optimizer state | peak | step ms | step / ZeRO-1 (reduce-scatter) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in family["rows"]:
-        cells = [f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
-                 for k in ("parameters", "gradients", "optimizer_state", "peak")]
-        lines.append(f"| {row['label']} | " + " | ".join(cells) + f" | {_interval(row['step_ms'], ',.1f')} | "
-                     f"{_interval(row.get('step_ratio_to_zero1'), '.3f')} |")
-    lines += ["", "| goal | measured | target | verdict |", "|---|---:|---:|---|"]
+    rows = [[row["label"], *(f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
+                             for k in ("parameters", "gradients", "optimizer_state", "peak")),
+             _interval(row["step_ms"], ",.1f"), _interval(row.get("step_ratio_to_zero1"), ".3f")]
+            for row in family["rows"]]
+    goals = []
     for goal in family["goals"]:
         if "ratio" in goal:
             measured, target = _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
@@ -221,8 +210,20 @@ def _family_lines(results: dict[str, Any]) -> list[str]:
             measured, target = f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
         else:
             measured = target = ""
-        lines.append(f"| {goal['goal']} | {measured} | {target} | **{goal['verdict']}** |")
-    return lines
+        goals.append([goal["goal"], measured, target, f"**{goal['verdict']}**"])
+    return [
+        "## The data-parallel family",
+        "",
+        f"Per rank (the most loaded rank), MiB: measured (expected). Peak: {peak}; its expected figure is our "
+        "tensors at their most (a lower bound: ZeRO-2's buckets in flight, FSDP2's largest unsharded group, no "
+        f"activations). Step: median ms over steps {config.get('warmup_steps', 1) + 1}..{config['steps']} (max over "
+        "ranks) [95 % interval over those steps]; ratio to ZeRO-1 (reduce-scatter) the same way.",
+        "",
+        *markdown_table(["mode", "parameters", "gradients", "optimizer state", "peak", "step ms",
+                         "step / ZeRO-1 (reduce-scatter)"], rows),
+        "",
+        *markdown_table(["goal", "measured", "target", "verdict"], goals, "lrrl"),
+    ]
 
 
 def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
@@ -251,6 +252,48 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
     return write_atomically(path, buffer.getvalue())
 
 
+def _rank_lines(results: dict[str, Any]) -> list[str]:
+    """One row per mode and rank: optimizer state, tensors before the step, step time, bytes."""
+    rows = []
+    for mode in results["modes"]:
+        for per_rank in mode["ranks"]:
+            before = per_rank["snapshots"]["before_step"]
+            tensors = before["parameters"] + before["gradients"] + before["optimizer_state"]
+            rows.append([mode["mode"], per_rank["rank"],
+                         f"{_mib(before['optimizer_state'])} ({_mib(per_rank['expected']['optimizer_state'])})",
+                         _mib(tensors), f"{mode['step_ms_median']:,.1f}", _mib(per_rank["comm_bytes_recorded"]),
+                         _mib(mode["sent_bytes_per_rank"])])
+    header = ["mode", "rank", "optimizer state MiB (expected)", "tensors before step MiB",
+              "step ms (median, max over ranks)", "recorded comm MiB/step", "sent per rank MiB/step (ring model)"]
+    return ["## Every rank", "", *markdown_table(header, rows)]
+
+
+def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """One mode's snapshots: a row per rank and point."""
+    cuda = config["accelerator"] == "cuda"
+    memory = ["allocated", "max_allocated", "reserved", "max_reserved", "rest"] if cuda else ["rss", "rest"]
+    rows = []
+    for per_rank in mode["ranks"]:
+        for point in POINTS:
+            snap = per_rank["snapshots"][point]
+            tensors = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
+            rows.append([per_rank["rank"], point, _mib(snap["parameters"]), _mib(snap["gradients"]),
+                         _mib(snap["optimizer_state"]), _mib(tensors),
+                         _mib(sum(per_rank["expected_at"][point].values())), *(_mib(snap[k]) for k in memory)])
+    header = ["rank", "point", "parameters", "gradients", "optimizer state", "tensors", "expected",
+              *(["allocated", "max allocated", "reserved", "max reserved", "rest"] if cuda else ["RSS", "rest"])]
+    return [
+        "",
+        f"## {mode['mode']}",
+        "",
+        f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
+        f"{config['steps']} (max over ranks). "
+        f"Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
+        "",
+        *markdown_table(header, rows, "rl" + "r" * (len(header) - 2)),
+    ]
+
+
 def format_report(results: dict[str, Any]) -> str:
     """``results.md``: a summary table across modes, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
@@ -276,47 +319,8 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         *_family_lines(results),
         "",
-        "## Every rank",
-        "",
-        "| mode | rank | optimizer state MiB (expected) | tensors before step MiB | step ms (median, max over ranks) "
-        "| recorded comm MiB/step | sent per rank MiB/step (ring model) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        *_rank_lines(results),
     ]
     for mode in results["modes"]:
-        for per_rank in mode["ranks"]:
-            before = per_rank["snapshots"]["before_step"]
-            tensors = before["parameters"] + before["gradients"] + before["optimizer_state"]
-            lines.append(
-                f"| {mode['mode']} | {per_rank['rank']} | {_mib(before['optimizer_state'])} "
-                f"({_mib(per_rank['expected']['optimizer_state'])}) | {_mib(tensors)} | {mode['step_ms_median']:,.1f} "
-                f"| {_mib(per_rank['comm_bytes_recorded'])} | {_mib(mode['sent_bytes_per_rank'])} |"
-            )
-    for mode in results["modes"]:
-        lines += [
-            "",
-            f"## {mode['mode']}",
-            "",
-            f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
-            f"{config['steps']} (max over ranks). "
-            f"Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
-            "",
-            "| rank | point | parameters | gradients | optimizer state | tensors | expected | "
-            + ("allocated | max allocated | reserved | max reserved | rest |" if cuda else "RSS | rest |"),
-            "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|---:|" if cuda else "---:|---:|"),
-        ]
-        for per_rank in mode["ranks"]:
-            for point in POINTS:
-                snap = per_rank["snapshots"][point]
-                exp = per_rank["expected_at"][point]
-                tensors = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
-                row = (
-                    f"| {per_rank['rank']} | {point} | {_mib(snap['parameters'])} | {_mib(snap['gradients'])} | "
-                    f"{_mib(snap['optimizer_state'])} | {_mib(tensors)} | {_mib(sum(exp.values()))} | "
-                )
-                if cuda:
-                    row += (f"{_mib(snap['allocated'])} | {_mib(snap['max_allocated'])} | {_mib(snap['reserved'])} | "
-                            f"{_mib(snap['max_reserved'])} | {_mib(snap['rest'])} |")
-                else:
-                    row += f"{_mib(snap['rss'])} | {_mib(snap['rest'])} |"
-                lines.append(row)
+        lines += _mode_lines(mode, config)
     return "\n".join(lines) + "\n"

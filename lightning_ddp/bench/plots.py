@@ -10,9 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
-from lightning_ddp.catalogue import variant_strategy
-from lightning_ddp.bench.analysis import Analysis, analyze, strategy_order, variant_of
+from lightning_ddp.bench.config import REFERENCE
+from lightning_ddp.bench.analysis import Analysis, analyze, has_buckets, is_ok, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["write_plots"]
@@ -20,17 +19,9 @@ __all__ = ["write_plots"]
 Row = dict[str, Any]
 
 
-def _bucketed(variant: str) -> bool:
-    return has_bucket_axis(variant_strategy(variant))
-
-
 def _file_stem(variant: str) -> str:
     """``"bucketed_powersgd rank=4"`` -> ``"bucketed_powersgd-rank4"`` (as the cell ids spell settings)."""
     return re.sub(r"[^A-Za-z0-9._-]", "", variant.replace(" ", "-"))
-
-
-def _ok(row: Row | None) -> bool:
-    return row is not None and row["status"] == "ok" and row.get("step_ms_median") is not None
 
 
 def _figure():
@@ -77,17 +68,17 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         shares: list[Estimate | None] = []
         for context in contexts:
             group = (precision, batch, context)
-            if _bucketed(name):
+            if has_buckets(name):
                 selection = analysis.selections.get((group, name))
                 steps.append(selection.evaluated.step if selection else None)
                 shares.append(selection.evaluated.share if selection else None)
                 continue
             row = next((r for r in groups[group] if variant_of(r) == name), None)
-            ok = _ok(row)
+            ok = is_ok(row)
             steps.append(_row_estimate(row, "step_ms_median", "step_ms_lo", "step_ms_hi") if ok else None)
             shares.append(_row_estimate(row, "comm_share", "comm_share_lo", "comm_share_hi") if ok else None)
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
-        label = (f"{name} (selected size, evaluation repeats)" if _bucketed(name)
+        label = (f"{name} (selected size, evaluation repeats)" if has_buckets(name)
                  else {REFERENCE: "reference (compute only)"}.get(name, name))
         heights, yerr = _error(steps)
         ax_step.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
@@ -113,7 +104,7 @@ def _bucket_figure(
     drew = selected = False
     for context in contexts:
         group = (precision, batch, context)
-        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and _ok(r)]
+        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)]
         points = []  # (x, row, marker)
         for r in rows:
             resolved = r.get("resolved_bucket_size_mb")
@@ -187,7 +178,7 @@ def write_plots(
             if _strategy_figure(path, precision, batch, analysis, contexts):
                 written.append(path)
             bucketed = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
-            for strategy in filter(_bucketed, bucketed):
+            for strategy in filter(has_buckets, bucketed):
                 path = out_dir / f"{_file_stem(strategy)}_{precision}_bs{batch}.png"
                 if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
                     written.append(path)

@@ -26,7 +26,8 @@ from lightning_ddp.bench.analysis import (
 )
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis
 from lightning_ddp.catalogue import variant_label
-from lightning_ddp.bench.stats import Estimate, bounds_text, estimate_text
+from lightning_ddp.bench.stats import bounds_text, estimate_text
+from lightning_ddp.bench.study import markdown_table
 
 __all__ = ["build_report"]
 
@@ -75,21 +76,20 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
         for batch in batches:
             contexts = sorted({g[2] for g in groups if g[0] == precision and g[1] == batch})
             lines += [f"### {precision}, batch size {batch} per rank", ""]
-            lines.append("| strategy | " + " | ".join(f"context {c}" for c in contexts) + " |")
-            lines.append("|---|" + "---:|" * len(contexts))
             variants: dict[tuple, Row] = {}
             for context in contexts:
                 for row in groups[(precision, batch, context)]:
                     variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
             order = strategy_order(strategy for strategy, _ in variants)
+            table = []
             for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k], order)):
-                title = _title(strategy, size)
                 cells = []
                 for context in contexts:
                     row = next((r for r in groups[(precision, batch, context)]
                                 if variant_of(r) == strategy and r["bucket_size_mb"] == size), None)
                     cells.append(_cell_text(row, bold=row is not None and row["cell_id"] in selected))
-                lines.append(f"| {title} | " + " | ".join(cells) + " |")
+                table.append([_title(strategy, size), *cells])
+            lines += markdown_table(["strategy", *(f"context {c}" for c in contexts)], table)
             lines.append("")
     lines.append(
         "Each cell: pooled median step time [95 % interval] over all its ok repeats (exposed communication share of "
@@ -99,6 +99,25 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
         "counts are in results.csv; every step in steps.csv."
     )
     return lines
+
+
+def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[Row], predicted: str) -> list[Any]:
+    """One row of the best-bucket table: the size chosen on the selection repeats, measured on the others."""
+    auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
+    auto_text = "not in grid"
+    if auto is not None:
+        auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
+        auto_text = auto_ok or auto["status"] or "not run"
+    selection = analysis.selections.get((group, strategy))
+    if selection is None:
+        return [*group, strategy, "no ok cell", "-", "-", "-", predicted, auto_text]
+    evaluated = selection.evaluated
+    on = f"{bucket_text(selection.row)}, best of {selection.candidates} on {repeats_text(selection.selection_repeats)}"
+    where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
+             else f"repeats {repeats_text(evaluated.repeats)}: ")
+    return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
+            f"{where}{estimate_text(evaluated.step, unit=' ms')}", estimate_text(evaluated.share, ".1f", 100, " %"),
+            predicted, auto_text]
 
 
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
@@ -140,34 +159,14 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
         "no evaluation repeat exists (fewer than 2 repeats ran), so the choice is reported from the repeats it was "
         "chosen on and its goals are inconclusive.",
         "",
-        "| precision | batch | context | algorithm | chosen (of sizes) on repeats | its step there "
-        "| step on evaluation repeats [95 %] | comm share [95 %] | predicted | auto cell |",
-        "|---|---:|---:|---|---|---:|---:|---:|---|---|",
     ]
     predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
-    for group, members in analysis.groups.items():
-        for strategy in strategy_order(variant_of(r) for r in members):
-            if not has_buckets(strategy):
-                continue
-            head = f"| {group[0]} | {group[1]} | {group[2]} | {strategy} |"
-            auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
-            auto_text = "not in grid"
-            if auto is not None:
-                auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
-                auto_text = auto_ok or auto["status"] or "not run"
-            selection = analysis.selections.get((group, strategy))
-            if selection is None:
-                lines.append(f"{head} no ok cell | - | - | - | {predicted} | {auto_text} |")
-                continue
-            evaluated = selection.evaluated
-            on = (f"{bucket_text(selection.row)}, best of {selection.candidates} on "
-                  f"{repeats_text(selection.selection_repeats)}")
-            where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
-                     else f"repeats {repeats_text(evaluated.repeats)}: ")
-            lines.append(
-                f"{head} {on} | {selection.selection_step_ms:,.1f} ms | "
-                f"{where}{estimate_text(evaluated.step, unit=' ms')} | "
-                f"{estimate_text(evaluated.share, '.1f', 100, ' %')} | {predicted} | {auto_text} |")
+    table = [_bucket_row(analysis, group, strategy, members, predicted)
+             for group, members in analysis.groups.items()
+             for strategy in strategy_order(variant_of(r) for r in members) if has_buckets(strategy)]
+    header = ["precision", "batch", "context", "algorithm", "chosen (of sizes) on repeats", "its step there",
+              "step on evaluation repeats [95 %]", "comm share [95 %]", "predicted", "auto cell"]
+    lines += markdown_table(header, table, "lrrllrrrll")
     lines += ["", "The model assumes each bucket's backward compute takes as long as its communication; where "
               "compute is much longer than communication (or the reverse) the measured optimum moves away from b*.", ""]
     return lines
@@ -191,14 +190,11 @@ def _goal_section(analysis: Analysis) -> list[str]:
         "**inconclusive**: the interval straddles the target (or the best size is in-sample). A best bucket size "
         "enters with its evaluation repeats only.",
         "",
-        "| precision | batch | context | goal | ratio [95 %] | target | verdict | note |",
-        "|---|---:|---:|---|---:|---:|---|---|",
     ]
-    for check in analysis.goals:
-        group = check.group
-        lines.append(f"| {group[0]} | {group[1]} | {group[2]} | {check.goal} | "
-                     f"{estimate_text(check.estimate, '.3f')} | "
-                     f"{check.target:.3g} | {_verdict_text(check.verdict)} | {check.note} |")
+    goals = [[*check.group, check.goal, estimate_text(check.estimate, ".3f"), f"{check.target:.3g}",
+              _verdict_text(check.verdict), check.note] for check in analysis.goals]
+    lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
+                            goals, "lrrlrrll")
     lines.append("")
     if analysis.across:
         lines += [
@@ -208,17 +204,17 @@ def _goal_section(analysis: Analysis) -> list[str]:
             f"cells bootstrapped within each draw], against {ACROSS_GROUPS_TARGET:g} (5 % faster than torch DDP); and "
             "how the groups came out on their own against 1.00.",
             "",
-            "| algorithm | groups | geometric mean of best / ddp [95 %] | target | verdict | groups <= 1.00: met / "
-            "missed / inconclusive / not measurable |",
-            "|---|---:|---:|---:|---|---|",
         ]
+        across = []
         for summary in analysis.across:
             c = summary.counts
             note = " (some best size in-sample)" if summary.in_sample else ""
-            lines.append(
-                f"| {summary.algorithm} | {summary.groups} | {estimate_text(summary.estimate, '.3f')} | "
-                f"{summary.target:g} | {_verdict_text(summary.verdict)}{note} | {c['met']} / {c['missed']} / "
-                f"{c['inconclusive']} / {c[NOT_MEASURABLE]} |")
+            across.append([summary.algorithm, summary.groups, estimate_text(summary.estimate, ".3f"),
+                           f"{summary.target:g}", f"{_verdict_text(summary.verdict)}{note}",
+                           f"{c['met']} / {c['missed']} / {c['inconclusive']} / {c[NOT_MEASURABLE]}"])
+        header = ["algorithm", "groups", "geometric mean of best / ddp [95 %]", "target", "verdict",
+                  "groups <= 1.00: met / missed / inconclusive / not measurable"]
+        lines += markdown_table(header, across, "lrrrll")
         lines.append("")
     return lines
 
@@ -229,14 +225,11 @@ def _failures(rows: list[Row], repeat_rows: list[Row] | None) -> list[str]:
     bad = [r for r in (repeat_rows if per_repeat else rows) if r["status"] not in ("ok", "")]
     if not bad:
         return []
-    if per_repeat:
-        lines = ["## Cell repeats that did not finish", "", "| cell | repeat | status | reason |", "|---|---:|---|---|"]
-    else:
-        lines = ["## Cells that did not finish", "", "| cell | status | reason |", "|---|---|---|"]
-    for r in bad:
-        reason = (r.get("reason") or "").replace("|", "\\|")
-        repeat = f" {r['repeat']} |" if per_repeat else ""
-        lines.append(f"| {r['cell_id']} |{repeat} {r['status']} | {reason} |")
+    header = ["cell", "repeat", "status", "reason"] if per_repeat else ["cell", "status", "reason"]
+    table = [[r["cell_id"], *([r["repeat"]] if per_repeat else []), r["status"],
+              (r.get("reason") or "").replace("|", "\\|")] for r in bad]
+    title = "## Cell repeats that did not finish" if per_repeat else "## Cells that did not finish"
+    lines = [title, "", *markdown_table(header, table, "lrll" if per_repeat else "lll")]
     return lines + [""]
 
 

@@ -5,8 +5,6 @@ alone; docs/benchmarks.md lists every column.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from lightning_ddp.bench.load import LoadCheck
 from lightning_ddp.bench.runner import CellOutcome
 from lightning_ddp.catalogue import format_bucket, format_settings
 from lightning_ddp.bench.stats import Bootstrapper, percentile_interval, pooled_median, pooled_percentile
+from lightning_ddp.bench.study import csv_text, read_csv
 
 __all__ = [
     "ESTIMATED_KEYS",
@@ -312,11 +311,9 @@ def parse_row(raw: Mapping[str, Any], columns: Sequence[str] = RESULT_COLUMNS) -
 
 
 def _read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
-    path = Path(path)
-    if not path.exists():
+    if not Path(path).exists():
         return []
-    with open(path, newline="", encoding="utf-8") as f:
-        return [raw for raw in csv.DictReader(f) if raw.get("cell_id")]
+    return [raw for raw in read_csv(path) if raw.get("cell_id")]
 
 
 def read_results(path: str | os.PathLike) -> dict[str, Row]:
@@ -341,23 +338,7 @@ def read_steps(path: str | os.PathLike) -> dict[RepeatKey, list[Row]]:
 
 
 def _csv_text(columns: Sequence[str], rows: Iterable[Row]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: _bucket_text(row.get(k)) if k == "bucket_size_mb" else _cell_text(row.get(k))
-                         for k in columns})
-    return buffer.getvalue()
-
-
-def _cell_text(value: Any) -> Any:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float) and not math.isfinite(value):
-        return ""
-    return value
+    return csv_text(({**row, "bucket_size_mb": _bucket_text(row.get("bucket_size_mb"))} for row in rows), columns)
 
 
 def write_results(path: str | os.PathLike, rows: Iterable[Row]) -> None:

@@ -5,25 +5,19 @@ intervals and the goals' verdicts; docs/benchmarks.md states the goals.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
-import os
-import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.launch import measured_steps, run_interleaved
 from lightning_ddp.bench.stats import Estimate, estimate, interval_text, verdict
-from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
+from lightning_ddp.bench.study import (
+    command_text, csv_text, load_average, markdown_table, per_repeat, provenance, read_csv, read_json, run_study,
+    step_rows, write_outputs,
+)
 
 __all__ = ["StragglerBenchConfig", "main", "summarize_cell"]
 
@@ -72,6 +66,8 @@ class StragglerBenchConfig:
     """Draws of every interval."""
     seed: int = 0
     """Seed of the bootstrap."""
+    report_only: bool = False
+    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
     out_dir: str = "logs/straggler"
     """Where results.csv, steps.csv, results.md and environment.json go (logs/ is git-ignored; the committed results
     are regenerated on purpose with ``--out_dir benchmarks/results/straggler``)."""
@@ -106,11 +102,7 @@ def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float)
     return arguments
 
 
-# ---- statistics ------------------------------------------------------------------------------------------
-
-
-def _per_repeat(runs: list[list[dict[str, float]]], key: str) -> list[np.ndarray]:
-    return [np.array([row.get(key, math.nan) for row in run], dtype=float) for run in runs]
+# ---- statistics: the straggler plug-in ---------------------------------------------------------------------
 
 
 def _goal_within(value: Estimate, lo: float, hi: float) -> str:
@@ -124,72 +116,67 @@ def _goal_within(value: Estimate, lo: float, hi: float) -> str:
     return "inconclusive"
 
 
+def _goals(config: StragglerBenchConfig, row: dict[str, Any], wait: Estimate, control: dict[str, Any] | None) -> None:
+    """The verdicts of one row, in place (docs/benchmarks.md states the goals)."""
+    delay_ms = row["delay_ms"]
+    if delay_ms == 0:
+        row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
+        return
+    row["wait_goal"] = _goal_within(wait, delay_ms - config.tolerance_ms, delay_ms + config.tolerance_ms)
+    row["straggler_goal"] = "met" if row["straggler_share"] >= config.straggler_share else "missed"
+    if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
+                                   for k in ("transfer_ms_lo", "transfer_ms_hi")):
+        inside = control["transfer_ms_lo"] <= row["transfer_ms"] <= control["transfer_ms_hi"]
+        row["transfer_goal"] = "met" if inside else "missed"
+
+
 def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float, runs: list[list[dict[str, float]]],
                    control: dict[str, Any] | None) -> dict[str, Any]:
     """The results.csv row of one (strategy, delay) from its runs' measured steps; ``control``: the same strategy's
     delay-0 row (for the transfer goal), ``None`` for the delay-0 row itself."""
-    estimates = {key: estimate(_per_repeat(runs, key), config.bootstrap_samples, config.seed,
+    estimates = {key: estimate(per_repeat(runs, key), config.bootstrap_samples, config.seed,
                                key=f"{strategy}|{delay_ms:g}|{key}") for key in KEYS}
-    ranks = np.concatenate(_per_repeat(runs, "straggler/rank")) if runs else np.array([])
-    share = float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan
-    wait, transfer, lag = estimates["comm/wait_ms"], estimates["comm/transfer_ms"], estimates["straggler/lag_ms"]
+    ranks = np.concatenate(per_repeat(runs, "straggler/rank")) if runs else np.array([])
     row: dict[str, Any] = {
         "strategy": strategy, "delay_ms": delay_ms, "repeats_ok": len(runs), "measured_steps": sum(map(len, runs)),
-        "wait_ms": wait.point, "wait_ms_lo": wait.lo, "wait_ms_hi": wait.hi,
-        "transfer_ms": transfer.point, "transfer_ms_lo": transfer.lo, "transfer_ms_hi": transfer.hi,
-        "lag_ms": lag.point, "lag_ms_lo": lag.lo, "lag_ms_hi": lag.hi,
         "rank_spread_ms": estimates["step/rank_spread_ms"].point, "step_ms": estimates["step/time_ms"].point,
-        "exposed_ms": estimates["comm/exposed_ms"].point, "straggler_share": share,
+        "exposed_ms": estimates["comm/exposed_ms"].point,
+        "straggler_share": float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan,
         "wait_goal": "", "straggler_goal": "", "transfer_goal": "",
-        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else "",
+        "load_avg_1m": load_average(),
     }
-    if delay_ms == 0:
-        row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
-        return row
-    row["wait_goal"] = _goal_within(wait, delay_ms - config.tolerance_ms, delay_ms + config.tolerance_ms)
-    row["straggler_goal"] = "met" if share >= config.straggler_share else "missed"
-    if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
-                                   for k in ("transfer_ms_lo", "transfer_ms_hi")):
-        inside = control["transfer_ms_lo"] <= transfer.point <= control["transfer_ms_hi"]
-        row["transfer_goal"] = "met" if inside else "missed"
-    return row
+    for name, key in (("wait_ms", "comm/wait_ms"), ("transfer_ms", "comm/transfer_ms"), ("lag_ms", "straggler/lag_ms")):
+        value = estimates[key]
+        row.update({name: value.point, f"{name}_lo": value.lo, f"{name}_hi": value.hi})
+    _goals(config, row, estimates["comm/wait_ms"], control)
+    return {column: row[column] for column in COLUMNS}
 
 
-# ---- files -----------------------------------------------------------------------------------------------
+# ---- the report ------------------------------------------------------------------------------------------
 
 
-def _csv(rows: list[dict[str, Any]], columns: list[str] | tuple[str, ...]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), restval="", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows([{k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else
-                           "" if isinstance(v, float) else v) for k, v in row.items()} for row in rows])
-    return buffer.getvalue()
+def _table_row(row: dict[str, Any]) -> list[str]:
+    share = row["straggler_share"]
+    return [row["strategy"], f"{row['delay_ms']:g}",
+            *(interval_text(row[name], row[f"{name}_lo"], row[f"{name}_hi"], ".2f")
+              for name in ("wait_ms", "transfer_ms", "lag_ms")),
+            interval_text(row["rank_spread_ms"], spec=".2f"),
+            "-" if not math.isfinite(share) else format(share, ".0%"),
+            interval_text(row["step_ms"], spec=".1f"),
+            row["wait_goal"] or "-", row["straggler_goal"] or "-", row["transfer_goal"] or "-"]
 
 
 def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
     """results.md: the table with intervals and the goals' verdicts."""
+    header = ["strategy", "delay ms", "comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms", "step/rank_spread_ms",
+              f"straggler = rank {config.slow_rank}", "step ms", "wait goal", "straggler goal", "transfer goal"]
     lines = [
         "# Who made the step wait: an injected straggler", "",
         f"`SlowRank(rank={config.slow_rank}, delay_ms=D)` on {config.fit_config} (2 ranks), {config.repeats} repeat(s) "
         f"x {config.steps - config.warmup_steps} measured steps per row (after {config.warmup_steps} warm-up). "
         "Pooled medians of rank 0's per-step metrics [95 % interval, hierarchical bootstrap over repeats then steps].",
         "",
-        "| strategy | delay ms | comm/wait_ms | comm/transfer_ms | straggler/lag_ms | step/rank_spread_ms | "
-        f"straggler = rank {config.slow_rank} | step ms | wait goal | straggler goal | transfer goal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['strategy']} | {row['delay_ms']:g} | "
-            f"{interval_text(row['wait_ms'], row['wait_ms_lo'], row['wait_ms_hi'], '.2f')} | "
-            f"{interval_text(row['transfer_ms'], row['transfer_ms_lo'], row['transfer_ms_hi'], '.2f')} | "
-            f"{interval_text(row['lag_ms'], row['lag_ms_lo'], row['lag_ms_hi'], '.2f')} | "
-            f"{interval_text(row['rank_spread_ms'], spec='.2f')} | "
-            f"{'-' if not math.isfinite(row['straggler_share']) else format(row['straggler_share'], '.0%')} | "
-            f"{interval_text(row['step_ms'], spec='.1f')} | {row['wait_goal'] or '-'} | "
-            f"{row['straggler_goal'] or '-'} | {row['transfer_goal'] or '-'} |")
-    lines += [
+        *markdown_table(header, map(_table_row, rows), "lrrrrrrrlll"),
         "",
         f"Goals: with a delay, the median `comm/wait_ms` within +-{config.tolerance_ms:g} ms of it (met when its whole "
         f"interval is), `straggler/rank` = {config.slow_rank} in >= {config.straggler_share:.0%} of the steps, and the "
@@ -203,55 +190,65 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
     return "\n".join(lines)
 
 
-def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
-    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv
-    rows."""
-    out = Path(config.out_dir)
-    rows: list[dict[str, Any]] = []
-    step_rows: list[dict[str, Any]] = []
-    delays = sorted(set(config.delays_ms))  # 0 first: the control every other delay is compared with
-    cells = {(strategy, delay): _fit_arguments(config, strategy, delay)
-             for strategy in config.strategies for delay in delays}
-    names = {key: f"{key[0]}, delay {key[1]:g} ms" for key in cells}
-    with tempfile.TemporaryDirectory() as tmp:
-        logs = run_interleaved({names[key]: arguments for key, arguments in cells.items()}, config.repeats,
-                               Path(tmp), timeout_s=config.timeout_s)
-        # Per cell and repeat, rank 0's measured steps.
-        runs = {key: [measured_steps(log_dir) for log_dir in logs[names[key]]] for key in cells}
+def _summary_rows(config: StragglerBenchConfig, runs: dict[tuple[str, float], list]) -> list[dict[str, Any]]:
+    """The results.csv rows, per strategy delay 0 first: the control every other delay is compared with."""
+    rows = []
     for strategy in config.strategies:
         control = None
-        for delay in delays:
-            for repeat, steps in enumerate(runs[(strategy, delay)]):
-                step_rows += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row} for row in steps]
+        for delay in sorted(set(config.delays_ms)):
             row = summarize_cell(config, strategy, delay, runs[(strategy, delay)], control)
             control = row if delay == 0 else control
             rows.append(row)
-    step_columns = list(dict.fromkeys(key for row in step_rows for key in row))
-    environment = {
-        **invocation(), "command_line": command, "config": asdict(config),
-        "torch": package_version("torch"), "lightning": package_version("lightning"),
-        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
-        **git_state(ignore=[out]),
-    }
-    write_atomically(out / "results.csv", _csv(rows, COLUMNS))
-    write_atomically(out / "steps.csv", _csv(step_rows, step_columns))
-    write_atomically(out / "results.md", render_markdown(config, rows, command))
-    write_json_atomically(out / "environment.json", environment)
+    return rows
+
+
+def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
+    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv
+    rows."""
+    cells = {(strategy, delay): _fit_arguments(config, strategy, delay)
+             for strategy in config.strategies for delay in sorted(set(config.delays_ms))}
+    names = {key: f"{key[0]}, delay {key[1]:g} ms" for key in cells}
+    measured = run_study({names[key]: arguments for key, arguments in cells.items()}, config.repeats, step_rows,
+                         timeout_s=config.timeout_s)
+    runs = {key: measured[names[key]] for key in cells}
+    rows = _summary_rows(config, runs)
+    step_table = [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row}
+                  for (strategy, delay), repeats in runs.items() for repeat, steps in enumerate(repeats)
+                  for row in steps]
+    step_columns = list(dict.fromkeys(key for row in step_table for key in row))
+    write_outputs(config.out_dir, {
+        "results.csv": csv_text(rows, COLUMNS, digits=4),
+        "steps.csv": csv_text(step_table, step_columns, digits=4),
+        "results.md": render_markdown(config, rows, command),
+        "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config)),
+    })
+    return rows
+
+
+def _parsed(row: dict[str, str]) -> dict[str, Any]:
+    """A results.csv row with its numbers as numbers (empty: NaN) and its verdicts as text."""
+    text = ("strategy", "wait_goal", "straggler_goal", "transfer_goal")
+    return {key: value if key in text else float(value) if value != "" else math.nan for key, value in row.items()}
+
+
+def write_report(config: StragglerBenchConfig) -> list[dict[str, Any]]:
+    """results.md rebuilt from ``config.out_dir``'s results.csv and environment.json (nothing measured)."""
+    out = Path(config.out_dir)
+    recorded = read_json(out / "environment.json")
+    settings = {**recorded["config"], "report_only": False}
+    rows = [_parsed(row) for row in read_csv(out / "results.csv")]
+    write_outputs(out, {"results.md": render_markdown(StragglerBenchConfig(**settings), rows,
+                                                      recorded["command_line"])})
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.straggler", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action=ActionConfigFile, help="a YAML of the settings below")
-    parser.add_class_arguments(StragglerBenchConfig, as_group=False)
-    settings = parser.parse_args(argv).as_dict()
-    for key in ("config", "__path__"):
-        settings.pop(key, None)
-    try:
-        config = StragglerBenchConfig(**settings)
-    except ValueError as error:
-        parser.error(str(error))
-    command = "python -m lightning_ddp.bench.straggler " + " ".join(argv if argv is not None else sys.argv[1:])
+    from lightning_ddp.command_line import parse_dataclass
+
+    config = parse_dataclass(StragglerBenchConfig, argv, prog="python -m lightning_ddp.bench.straggler")
+    if config.report_only:
+        return write_report(config)
+    command = command_text("lightning_ddp.bench.straggler", argv)
     rows = run_benchmark(config, command)
     print(render_markdown(config, rows, command))
     return rows

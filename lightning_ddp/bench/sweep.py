@@ -40,7 +40,8 @@ from lightning_ddp.bench.results import (
 from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
+from lightning_ddp.bench.study import load_average, provenance, read_json, write_outputs
+from lightning_ddp.provenance import package_version
 
 __all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
 
@@ -176,9 +177,9 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
     if layout is None:
         layout = _default_layout(config)
     environment = describe_environment(config, layout)
-    environment["sessions"] = _sessions(_read_json(out_dir / ENVIRONMENT_JSON) if repeats else None, environment,
-                                        sum(1 for row in repeats.values() if row["status"] == "ok"))
-    write_atomically(out_dir / ENVIRONMENT_JSON, json.dumps(environment, indent=2, default=str) + "\n")
+    previous = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True) if repeats else None
+    environment["sessions"] = _sessions(previous, environment, sum(1 for r in repeats.values() if r["status"] == "ok"))
+    write_outputs(out_dir, {ENVIRONMENT_JSON: environment})
     if not repeats and (out_dir / RESULTS_CSV).exists():
         say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
             "sweep's repeats")
@@ -197,7 +198,7 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
     if not fit:
         say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
         return
-    write_atomically(prediction_path, json.dumps(fit, indent=2) + "\n")
+    write_outputs(out_dir, {PREDICTION_JSON: fit})
     bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
     say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
 
@@ -226,14 +227,14 @@ class _SweepState:
         if outcome.status == "ok" and outcome.summary:
             self.steps[key] = measured_step_rows(cell.id, k, outcome.summary)
         row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, self.layout, load,
-                         _load_average(), started_at)
+                         load_average(), started_at)
         self.repeats[key] = parse_row({c: _text(v) for c, v in row.items()}, REPEAT_COLUMNS)
         # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
         write_steps(out_dir / STEPS_CSV, (step for key_ in self.repeats if key_ in self.steps
                                           for step in self.steps[key_]))
         write_repeats(out_dir / REPEATS_CSV, self.repeats.values())
         profiles_path = out_dir / PROFILES_JSON
-        profiles: dict[str, Any] = _read_json(profiles_path) or {}
+        profiles: dict[str, Any] = read_json(profiles_path, missing_ok=True) or {}
         if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
             profiles[cell.id] = outcome.profile
             write_json_atomically(profiles_path, profiles, default=str)
@@ -253,13 +254,6 @@ def _default_layout(config: SweepConfig) -> RankLayout:
 
         gpu_count = torch.cuda.device_count()
     return sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):  # not available on this platform
-        return None
 
 
 def _text(value: Any) -> str:
@@ -296,8 +290,8 @@ def _write_outputs(
     grid_repeats = [r for r in repeats.values() if r["cell_id"] in grid_ids]
     expected = {(c.id, k) for c, k in repeat_order(cells, config.run.repeats)}
     pending = len(expected - {(r["cell_id"], r["repeat"]) for r in grid_repeats})
-    prediction = _read_json(out_dir / PREDICTION_JSON)
-    environment = _read_json(out_dir / ENVIRONMENT_JSON)
+    prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
+    environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
     report = build_report(grid_rows, config.name, prediction, environment, pending, analysis, grid_repeats)
     write_atomically(out_dir / RESULTS_MD, report)
     if not (final and config.output.plots and grid_rows):
@@ -313,13 +307,6 @@ def _sessions(previous: dict[str, Any] | None, current: dict[str, Any], repeats_
     keys = ("created", "git_commit", "git_dirty", "git_changed", "hostname")
     earlier = list((previous or {}).get("sessions") or ([{k: previous.get(k) for k in keys}] if previous else []))
     return [*earlier, {**{k: current.get(k) for k in keys}, "repeats_done_before": repeats_done}]
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, outcome: CellOutcome,
@@ -403,7 +390,7 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     """Add ``s``, the largest parameter and ``b*`` to the fit, from the model of a finished cell (once)."""
     from lightning_ddp.sync.bucket_model import optimal_bucket_bytes
 
-    fit = _read_json(path)
+    fit = read_json(path, missing_ok=True)
     hparams = ((outcome.summary or {}).get("run") or {}).get("hparams")
     if not fit or fit.get("bucket_bytes") or not hparams:
         return
@@ -430,18 +417,9 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
 
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         cuda_version = torch.version.cuda
-    return {
-        **invocation(),
-        "hostname": platform.node(),
-        "torch": package_version("torch"),
-        "lightning": package_version("lightning"),
-        "jsonargparse": package_version("jsonargparse"),
-        "cuda": cuda_version,
-        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
-        "gpus": gpus,
-        "backend": layout.backend,
-        "layout": dataclasses.asdict(layout),
-        "threads_per_rank": threads_per_rank(config),
-        **git_state(ignore=[config.output.out_dir]),  # the sweep's own results are not a code change
-        "config": dataclasses.asdict(config),
-    }
+    return provenance(
+        config.output.out_dir,  # the sweep's own results are not a code change
+        hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
+        backend=layout.backend, layout=dataclasses.asdict(layout), threads_per_rank=threads_per_rank(config),
+        config=dataclasses.asdict(config),
+    )

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,9 +16,8 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
-from lightning_ddp.bench.launch import run_interleaved
 from lightning_ddp.bench.stats import interval_text, pooled_median, ratio_estimate, verdict
-from lightning_ddp.files import write_atomically
+from lightning_ddp.bench.study import command_text, markdown_table, provenance, read_json, run_study, write_outputs
 
 
 class StepWallTimes(Callback):
@@ -69,6 +65,11 @@ def arms(sampled_every: int) -> dict[str, list[str]]:
     }
 
 
+def _wall_times(log_dir: Path) -> dict:
+    """The timer-overhead plug-in: what ``StepWallTimes`` wrote for one run."""
+    return json.loads((log_dir / StepWallTimes.FILE).read_text())
+
+
 def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str],
             sampled_every: int = SAMPLED_EVERY) -> dict:
     """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) and the settings."""
@@ -79,17 +80,12 @@ def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
     ] for arm, timer_args in arms(sampled_every).items()}
-    runs: dict[str, list[list[float]]] = {}  # per arm and repeat, the measured steps
-    windows: dict[str, list[float]] = {}  # per arm, the mean step over each whole run
-    with tempfile.TemporaryDirectory() as tmp:
-        logs = run_interleaved(cells, repeats, Path(tmp))
-        for arm in arms(sampled_every):
-            measured = [json.loads((log_dir / StepWallTimes.FILE).read_text()) for log_dir in logs[f"timer {arm}"]]
-            runs[arm] = [m["steps_ms"][warmup:] for m in measured]
-            windows[arm] = [m["window_ms"] / len(m["steps_ms"]) for m in measured]
+    logs = run_study(cells, repeats, _wall_times)
+    measured = {arm: logs[f"timer {arm}"] for arm in arms(sampled_every)}
+    runs = {arm: [m["steps_ms"][warmup:] for m in runs] for arm, runs in measured.items()}  # measured steps
+    windows = {arm: [m["window_ms"] / len(m["steps_ms"]) for m in runs] for arm, runs in measured.items()}
     return summarize(runs, windows) | {"config": config, "extra_args": extra, "steps": steps, "warmup": warmup,
-                                       "repeats": repeats, "sampled_every": sampled_every,
-                                       "torch": torch.__version__, "cpu_count": os.cpu_count()}
+                                       "repeats": repeats, "sampled_every": sampled_every}
 
 
 GOAL = 0.02
@@ -128,16 +124,34 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
 
 def format_table(result: dict) -> str:
     """A markdown table: per arm its median step and, against ``off``, the ratio with its interval and verdict."""
-    lines = ["| timer | median step ms | vs off [95 %] | goal < 2 % | whole-run mean step ms | vs off |",
-             "|---|---:|---|---|---:|---:|"]
+    rows = []
     for arm, data in result["arms"].items():
         if arm == "off":
-            lines.append(f"| off | {data['median_step_ms']:.2f} | | | {data['window_mean_step_ms']:.2f} | |")
+            rows.append(["off", f"{data['median_step_ms']:.2f}", "", "", f"{data['window_mean_step_ms']:.2f}", ""])
             continue
         overhead = interval_text(data["overhead"], data["overhead_lo"], data["overhead_hi"], "+.2f", 100, " %")
-        lines.append(f"| {arm} | {data['median_step_ms']:.2f} | {overhead} | {data['verdict']} | "
-                     f"{data['window_mean_step_ms']:.2f} | {data['window_overhead'] * 100:+.2f} % |")
-    return "\n".join(lines)
+        rows.append([arm, f"{data['median_step_ms']:.2f}", overhead, data["verdict"],
+                     f"{data['window_mean_step_ms']:.2f}", f"{data['window_overhead'] * 100:+.2f} %"])
+    header = ["timer", "median step ms", "vs off [95 %]", "goal < 2 %", "whole-run mean step ms", "vs off"]
+    return "\n".join(markdown_table(header, rows, "lrllrr"))
+
+
+def summary_line(result: dict) -> str:
+    """One line: the every-step arm's overhead with its interval and verdict, and over whole runs."""
+    return (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
+            f"{result['overhead_lo'] * 100:+.2f}, "
+            f"{result['overhead_hi'] * 100:+.2f}] (median step {result['median_step_ms_timer_off']:.1f} ms "
+            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over "
+            "whole runs "
+            f"{result['window_overhead'] * 100:+.2f} % ({result['window_mean_step_ms_timer_off']:.1f} vs "
+            f"{result['window_mean_step_ms_timer_on']:.1f} ms mean step)")
+
+
+def write_report(out: Path, result: dict) -> None:
+    """timer_overhead.json and .md in ``out`` (``result`` with its ``command``)."""
+    write_outputs(out, {"timer_overhead.json": result,
+                        "timer_overhead.md": f"{summary_line(result)}\n\n{format_table(result)}\n\n"
+                                             f"Command: `{result['command']}`\n"})
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -150,30 +164,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sampled_every", type=int, default=SAMPLED_EVERY,
                         help="the sampled arm's --timer.every_n_steps (run at least twice as many --steps)")
     parser.add_argument("--out", default=None, help="directory for timer_overhead.json and .md")
+    parser.add_argument("--report_only", action="store_true",
+                        help="measure nothing: rebuild timer_overhead.md from --out's timer_overhead.json")
     parser.add_argument("fit_args", nargs=argparse.REMAINDER,
                         help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
                              "`-- --trainer.accelerator cuda`")
     args = parser.parse_args(argv)
+    if args.report_only:
+        if not args.out:
+            parser.error("--report_only needs --out (the directory of timer_overhead.json)")
+        result = read_json(Path(args.out) / "timer_overhead.json")
+        write_report(Path(args.out), result)
+        return result
     if args.sampled_every < 2:
         raise ValueError(f"--sampled_every must be >= 2 (1 is the every-step arm already), got {args.sampled_every}")
     extra = fit_arguments(args.fit_args)
     result = measure(args.config, args.steps, args.warmup, args.repeats, extra, args.sampled_every)
-    line = (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
-            f"{result['overhead_lo'] * 100:+.2f}, "
-            f"{result['overhead_hi'] * 100:+.2f}] (median step {result['median_step_ms_timer_off']:.1f} ms "
-            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over "
-            "whole runs "
-            f"{result['window_overhead'] * 100:+.2f} % ({result['window_mean_step_ms_timer_off']:.1f} vs "
-            f"{result['window_mean_step_ms_timer_on']:.1f} ms mean step)")
-    table = format_table(result)
-    print(line)
-    print(table)
+    print(summary_line(result))
+    print(format_table(result))
     if args.out:
-        out = Path(args.out)
-        command = "python -m lightning_ddp.bench.timer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
-        for name, text in (("timer_overhead.json", json.dumps({**result, "command": command}, indent=2) + "\n"),
-                           ("timer_overhead.md", f"{line}\n\n{table}\n\nCommand: `{command}`\n")):
-            write_atomically(out / name, text)
+        command = command_text("lightning_ddp.bench.timer_overhead", argv)
+        write_report(Path(args.out), provenance(args.out, **result, command=command))
     return result
 
 

@@ -209,3 +209,16 @@ def test_timer_overhead_is_a_ratio_of_pooled_medians_with_an_interval_and_a_verd
     assert drift["overhead_lo"] == pytest.approx(0.01) and drift["overhead_hi"] == pytest.approx(0.25)
     assert drift["verdict"] == "inconclusive"
     assert summarize({"off": [[100.0] * 3] * 2, every: [[110.0] * 3] * 2}, windows, 200)["verdict"] == "missed"
+
+
+@pytest.mark.parametrize(("module", "stem"), [("timer_overhead", "timer_overhead"), ("engine_step", "engine_step")])
+def test_report_only_rebuilds_the_committed_report_from_its_json(module: str, stem: str, tmp_path) -> None:
+    # no measurement: the committed JSON in, the committed markdown out, byte for byte (the report is its function)
+    import importlib
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu"
+    (tmp_path / f"{stem}.json").write_text((committed / f"{stem}.json").read_text())
+    importlib.import_module(f"lightning_ddp.bench.{module}").main(["--out", str(tmp_path), "--report_only"])
+    assert (tmp_path / f"{stem}.md").read_text() == (committed / f"{stem}.md").read_text()
+    assert (tmp_path / f"{stem}.json").read_text() == (committed / f"{stem}.json").read_text()

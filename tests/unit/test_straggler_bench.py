@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.bench.straggler import COLUMNS, StragglerBenchConfig, _fit_arguments, main, render_markdown, summarize_cell
+from lightning_ddp.bench.straggler import (
+    COLUMNS, StragglerBenchConfig, _fit_arguments, main, render_markdown, summarize_cell,
+)
 from tests.support.cli_utils import REPO
 
 CONFIG = StragglerBenchConfig(bootstrap_samples=200)
@@ -83,3 +85,14 @@ def test_bad_settings_name_the_fix(args: list[str], match: str, capsys: pytest.C
     with pytest.raises(SystemExit):
         main(args)
     assert match in capsys.readouterr().err
+
+
+def test_report_only_rebuilds_the_committed_report_from_its_rows(tmp_path: Path):
+    # the committed rows and environment, no fit: results.md has one table row per (strategy, delay) in the CSV
+    for name in ("results.csv", "environment.json"):
+        (tmp_path / name).write_text((REPO / "benchmarks" / "results" / "straggler" / name).read_text())
+    rows = main(["--out_dir", str(tmp_path), "--report_only", "true"])
+    report = (tmp_path / "results.md").read_text()
+    assert len(rows) == 8
+    assert sum(line.startswith(("| ddp | ", "| bucketed_ddp | ")) for line in report.splitlines()) == len(rows)
+    assert "Command: `python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml`" in report
