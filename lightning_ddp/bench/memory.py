@@ -36,7 +36,7 @@ from lightning_ddp.bench.memory_report import (
 from lightning_ddp.bench.study import read_json, spawn_ranks, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import cores_per_rank, init_local_process_group
-from lightning_ddp.memory import ADAM_STATE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR, FP32, expected_bytes
+from lightning_ddp.memory import FP32, expected_bytes
 from lightning_ddp.provenance import git_state
 
 __all__ = ["MODES", "MemoryBenchConfig", "main", "parse_config", "run", "write_report"]
@@ -226,27 +226,6 @@ def _zero2_gradient_peak(config: MemoryBenchConfig, shapes: list[tuple[int, ...]
 # ---- fsdp2 (torch's fully_shard: its own measurement) --------------------------------------------------------
 
 
-def fsdp2_expected_bytes(shapes: list[tuple[int, ...]], world_size: int, rank: int) -> dict[str, int]:
-    """Bytes rank ``rank`` holds under FSDP2 (``fully_shard``: every tensor split along dim 0 in chunks of
-    ``ceil(rows / N)``, the last ranks possibly shorter or empty), fp32 AdamW: its rows of every parameter, the same
-    rows of every gradient, twice them in AdamW's moments plus the 4-byte ``step`` of every tensor (each rank keeps
-    one per tensor, even for an empty shard). Between steps nothing else: the unsharded block lives only while its
-    forward or backward runs (the peak adds the largest group's full parameters and gradients).
-
-    >>> fsdp2_expected_bytes([(3, 2), (4,)], world_size=2, rank=1)  # rows 2..2 of the (3, 2), 2..3 of the (4,)
-    {'parameters': 16, 'gradients': 16, 'optimizer_state': 40}
-    """
-    local = 0
-    for shape in shapes:
-        rows = shape[0] if shape else 1
-        chunk = -(-rows // world_size)
-        mine = max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
-        local += mine * math.prod(shape[1:])
-    params = FP32 * local
-    return {"parameters": params, "gradients": params,
-            "optimizer_state": ADAM_STATE_BYTES_PER_PARAM * local + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)}
-
-
 def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Module:
     """The seeded GPT on ``device``, after freeing what the previous mode left (and resetting the CUDA peak)."""
     from lightning_ddp.model import GPT, get_config
@@ -289,7 +268,7 @@ def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -
         "mode": FSDP2,
         "rank": rank,
         "snapshots": snapshots,
-        "expected": fsdp2_expected_bytes(shapes, dist.get_world_size(), rank),
+        "expected": expected_bytes(shapes, dist.get_world_size(), "fully_sharded", rank),
         "full_parameter_bytes": FP32 * sum(math.prod(s) for s in shapes),
         "step_ms": step_ms,
         "comm_bytes_recorded": None,  # torch's collectives: not recorded

@@ -58,7 +58,7 @@ PLOT_NAME = "memory_vs_step_time.png"
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; see ``sync.zero1``).
+    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md).
 
     >>> [sent_bytes_per_rank(1000, 2, mode) for mode in ("unsharded", "allreduce_broadcast", "reduce_scatter")]
     [1000.0, 1500.0, 1000.0]
@@ -314,7 +314,7 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         "`recorded comm` sums the input sizes of the step's collectives in the `SyncRecord` (a reduce-scatter's "
         "input is the whole buffer, a broadcast counts on every rank); `sent per rank` is the bandwidth-optimal "
-        "volume each rank sends (ring model, see `lightning_ddp.sync.zero1`); FSDP2's collectives are torch's, not "
+        "volume each rank sends (ring model, docs/algorithms.md); FSDP2's collectives are torch's, not "
         "recorded.",
         "",
         *_family_lines(results),
