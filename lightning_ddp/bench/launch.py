@@ -1,10 +1,8 @@
 """The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command, run with a timeout.
 
-``fit_command`` is the only place that builds the command line. ``rank_layout`` and ``rank_environments`` place the
-ranks (one process that Lightning fans out, or every rank started here), ``run_processes`` runs them in their own
-sessions and never leaves one behind, ``run_fit`` runs one fit and raises on failure, ``run_interleaved`` runs cells x
-interleaved repeats, and ``read_timing_summary`` collects what the CommTimer wrote. docs/benchmarks.md describes
-how a run is placed and classified.
+``fit_command`` is the only place that builds the command line; ``rank_layout`` and ``rank_environments`` place the
+ranks, ``run_processes`` runs them and never leaves one behind, ``run_fit`` runs one fit, ``run_interleaved`` runs
+cells x interleaved repeats and ``read_timing_summary`` collects what the CommTimer wrote (docs/benchmarks.md).
 """
 
 from __future__ import annotations
