@@ -50,13 +50,7 @@ _SPEC_FORM = "'<backend>' or '<device>:<backend>,<device>:<backend>', e.g. 'nccl
 
 
 def parse_backend_spec(spec: str) -> dict[str, str]:
-    """``{device type: backend}`` of a backend spec, lower-cased; a plain name is ``{"*": name}``.
-
-    >>> parse_backend_spec("cpu:gloo,cuda:nccl")
-    {'cpu': 'gloo', 'cuda': 'nccl'}
-    >>> parse_backend_spec("NCCL")
-    {'*': 'nccl'}
-    """
+    """``{device type: backend}`` of a backend spec, lower-cased; a plain name is ``{"*": name}``."""
     spec = str(spec).strip().lower()
     if ":" not in spec:
         if not spec or "," in spec:
@@ -74,13 +68,7 @@ def parse_backend_spec(spec: str) -> dict[str, str]:
 
 
 def backend_from_spec(spec: str, device: torch.device | str) -> str | None:
-    """The backend that moves ``device``'s tensors under ``spec``; ``None`` when the spec names none for it.
-
-    >>> backend_from_spec("cpu:gloo,cuda:nccl", "cuda:1"), backend_from_spec("gloo", "cuda")
-    ('nccl', 'gloo')
-    >>> backend_from_spec("cuda:nccl", "cpu") is None  # nothing moves CPU tensors in such a group
-    True
-    """
+    """The backend that moves ``device``'s tensors under ``spec``; ``None`` when the spec names none for it."""
     backends = parse_backend_spec(spec)
     return backends.get(torch.device(device).type, backends.get(_EVERY_DEVICE))
 
