@@ -1,12 +1,7 @@
 """The strategy catalogue: one entry per name a user can put in ``trainer.strategy``.
 
-An entry says how Lightning builds the strategy, which engine it runs, whether it has a bucket size, its settings and
-their defaults, its memory model (read by ``lightning_ddp.memory``) and its projection model (a
-``"package.module:function"`` path, read by ``lightning_ddp.projection``). The strategies, the CLI's pre-flight, the
-study and the tests read it; nothing else spells a strategy's name. Adding an algorithm is one engine file, one
-``register(Entry(...))`` and one YAML (``docs/algorithms.md``).
-
-Standard library only: engines are imported on first use.
+Nothing else spells a strategy's name. Adding an algorithm is one engine file, one ``register(Entry(...))`` and
+one YAML (``docs/algorithms.md``). Standard library only: engines are imported on first use.
 """
 
 from __future__ import annotations
@@ -65,8 +60,7 @@ class Entry:
     summary: str
     """What it does, in one line."""
     engine: str | Callable[..., Any] | None = None
-    """``"package.module:Class"`` (imported on first use) or a factory ``(module, *, process_group, ...)``; ``None``
-    where torch brings its own (``ddp``, ``fsdp2``)."""
+    """``"package.module:Class"`` or a factory ``(module, *, process_group, ...)``; ``None`` for torch's own."""
     lightning_class: str = GRAD_SYNC_STRATEGY
     """The Lightning strategy class that builds it."""
     init_args: Mapping[str, Any] = field(default_factory=dict)
@@ -124,8 +118,7 @@ class Entry:
             p.kind is inspect.Parameter.VAR_KEYWORD for p in _parameters(self.engine_factory()).values())
 
     def check_settings(self, settings: Mapping[str, Any] | None) -> dict[str, Any]:
-        """``settings`` with the defaults filled in; refuses unknown or missing names and values the engine's own
-        ``check_settings`` refuses. Builds nothing."""
+        """``settings`` with the defaults filled in; raises on unknown or missing names and refused values."""
         settings = {} if settings is None else settings
         if not isinstance(settings, Mapping) or not all(isinstance(name, str) for name in settings):
             example = ", ".join(f"{k}: {_show(v)}" for k, v in self.settings().items()) or "name: value"
@@ -176,8 +169,7 @@ class Entry:
                           settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The value of ``--trainer.strategy`` (``json.dumps`` it): ``{"class_path": ..., "init_args": ...}``.
 
-        ``bucket_size_mb`` None: the entry's default. ``settings``: the engine's, under ``engine_settings`` for a
-        ``GradSyncStrategy`` and as ``init_args`` of their own for the others.
+        ``bucket_size_mb`` None: the entry's default.
         """
         init_args: dict[str, Any] = dict(self.init_args)
         if backend is not None:
@@ -212,8 +204,7 @@ STRATEGIES: dict[str, Entry] = {}
 
 
 def register(entry: Entry, replace: bool = False) -> Entry:
-    """Add ``entry`` to ``STRATEGIES`` (``replace=True`` to redefine a name). Lightning learns the name when
-    ``lightning_ddp.strategies.register_strategies()`` runs (importing ``lightning_ddp`` runs it once)."""
+    """Add ``entry`` to ``STRATEGIES`` (``replace=True`` to redefine a name)."""
     if entry.name in STRATEGIES and not replace and STRATEGIES[entry.name] != entry:
         raise ValueError(f"a strategy named {entry.name!r} is already in the catalogue; "
                          "pass replace=True to redefine it")

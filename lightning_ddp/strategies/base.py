@@ -1,10 +1,7 @@
 """``GradSyncStrategy``: Lightning's ``DDPStrategy`` with one of our engines instead of torch DDP.
 
-One class serves every engine of ``lightning_ddp.catalogue``: ``GradSyncStrategy(algorithm="bucketed_ddp")``.
-It keeps Lightning's launchers, process-group set-up and sampler, and replaces the gradient synchronisation:
-``configure_ddp`` wraps the module in the engine, ``block_backward_sync`` enters its ``no_sync``, ``post_backward``
-finishes the sync, ``attach_recorder`` hands an observer's recorder to it, and checkpoints carry every rank's engine
-state (``ENGINE_STATES_KEY``). Details: ``docs/algorithms.md``.
+One class serves every engine of ``lightning_ddp.catalogue``; checkpoints carry every rank's engine state
+(``ENGINE_STATES_KEY``). Details: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -36,20 +33,15 @@ from lightning_ddp.sync.gather import gather_rank_states
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
 
 ENGINE_STATES_KEY = "grad_sync_engine_states"
-"""Where a checkpoint holds the engines' own states: ``{"algorithm": name, "world_size": n, "states": [rank 0's,
-rank 1's, ...]}`` (each an ``engine_state_dict()``, tensors on CPU); absent when the engine has no state."""
+"""Where a checkpoint holds the engines' states: ``{"algorithm", "world_size", "states": [one per rank]}``."""
 
 
 class DataParallelStrategy(DDPStrategy):
-    """Lightning's ``DDPStrategy`` with our defaults and checks, under ``GradSyncStrategy`` and ``FSDP2Strategy``:
-    the backend is checked against the device before any process starts, and the name comes from the catalogue.
+    """Lightning's ``DDPStrategy`` with our defaults and checks (the base of our strategies).
 
     Args:
-        process_group_backend: ``gloo``, ``nccl`` or one per device type, e.g. ``cpu:gloo,cuda:nccl``; default:
-            ``nccl`` on CUDA, ``gloo`` on CPU.
-        timeout: How long a collective may wait for the other ranks before the job fails (a stuck rank then ends
-            the job). 10 minutes: long enough for rank 0 to write an xl checkpoint while the others wait at a
-            barrier, short enough that a hang does not hold machines for Lightning's default 30 minutes.
+        process_group_backend: ``gloo``, ``nccl`` or one per device type, e.g. ``cpu:gloo,cuda:nccl``.
+        timeout: How long a collective may wait for the other ranks before the job fails.
         start_method: How the launcher starts the other ranks (``popen`` re-runs the command).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Set by the Trainer.
     """
@@ -87,8 +79,7 @@ class DataParallelStrategy(DDPStrategy):
         super().setup_environment()
 
     def check_process_group_backend(self) -> None:
-        """Refuse a backend spec that cannot move this run's tensors (on ``root_device``), before any process starts.
-        Per device: ``cpu:gloo,cuda:nccl`` on CPU is fine, ``nccl`` on CPU would fail at the first collective."""
+        """Refuse a backend spec that cannot move this run's tensors, before any process starts."""
         check_backend_for_device(self._get_process_group_backend(), self.root_device.type)
 
     @classmethod
@@ -99,23 +90,12 @@ class DataParallelStrategy(DDPStrategy):
 
 
 class GradSyncStrategy(DataParallelStrategy):
-    """Data-parallel training with one of our gradient-sync engines (the engines of ``lightning_ddp.catalogue``).
-
-    Select an algorithm by name, ``trainer.strategy: bucketed_ddp``, or configure it, its engine's own settings
-    included (as Lightning's ``DDPStrategy`` passes its ``**kwargs`` to torch DDP)::
-
-        strategy:
-          class_path: lightning_ddp.strategies.GradSyncStrategy
-          init_args: {algorithm: bucketed_powersgd_ddp, bucket_size_mb: 4, engine_settings: {rank: 4, start_iter: 10}}
+    """Data-parallel training with one of our gradient-sync engines (``trainer.strategy: bucketed_ddp``).
 
     Args:
-        algorithm: A catalogue engine: ``naive_ddp``, ``flat_ddp``, ``bucketed_ddp``, ... or one you registered.
-        bucket_size_mb: For algorithms with buckets: the cap in MiB, ``null`` for one bucket, ``auto`` to predict it
-            from an all-reduce microbenchmark, ``default`` for the algorithm's own default (25 MiB). Algorithms
-            without buckets take only ``default``.
-        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}`` for ``bucketed_powersgd_ddp``;
-            the names and defaults are the entry's ``settings()`` (``null``: every default). Checked
-            here, when the config is read: an unknown name is refused with the valid ones listed.
+        algorithm: A catalogue engine: ``naive_ddp``, ``flat_ddp``, ``bucketed_ddp``, ...
+        bucket_size_mb: Bucket cap in MiB, ``null`` for one bucket, ``auto`` to predict it, or ``default``.
+        engine_settings: The engine's own settings, name -> value, e.g. ``{rank: 4}``; ``null``: the defaults.
         **kwargs: The arguments of ``DataParallelStrategy`` (backend, timeout, start method).
     """
 
@@ -127,7 +107,6 @@ class GradSyncStrategy(DataParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        # Checked when the config is read, not after the processes have started.
         self.algorithm = self._catalogue_entry(algorithm)
         if bucket_size_mb != "default":
             if not self.algorithm.has_bucket_size:
@@ -142,18 +121,15 @@ class GradSyncStrategy(DataParallelStrategy):
         except (TypeError, ValueError) as error:
             raise type(error)(f"engine_settings: {error}") from None
         self.engine_settings: dict[str, Any] = dict(engine_settings or {})
-        """The engine's own settings as given (the engine's defaults fill in the rest)."""
         self._recorder: Recorder | None = None
         self._engine_states_to_restore: Mapping[str, Any] | None = None
         self._restoring_engine_state = False
 
     @property
     def strategy_name(self) -> str:
-        """The catalogue name this run's strategy goes by, as in Lightning's ``StrategyRegistry``."""
         return self.algorithm.name
 
     def _catalogue_entry(self, algorithm: str) -> catalogue.Entry:
-        """The catalogue entry whose engine this strategy runs (``algorithm`` must be an engine alone)."""
         entry = catalogue.get(algorithm)
         if not entry.is_engine:
             raise ValueError(
@@ -164,8 +140,7 @@ class GradSyncStrategy(DataParallelStrategy):
         return entry
 
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
-        """Wrap the LightningModule in this strategy's gradient-sync engine (a collective: it broadcasts rank 0's
-        weights). Override it to build another engine; ``configure_ddp`` calls it."""
+        """Wrap the LightningModule in this strategy's engine (a collective: it broadcasts rank 0's weights)."""
         return log_bucket_prediction(
             self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
         )
@@ -177,7 +152,7 @@ class GradSyncStrategy(DataParallelStrategy):
 
     @property
     def resolved_bucket_size_mb(self) -> float | None:
-        """The bucket cap the engine uses (``auto`` and ``default`` resolved), while fitting; else ``None``."""
+        """The bucket cap the engine uses while fitting; else ``None``."""
         return getattr(self.engine, "bucket_size_mb", None)
 
     @override
@@ -241,10 +216,7 @@ class GradSyncStrategy(DataParallelStrategy):
             )
 
     def attach_recorder(self, recorder: Recorder | None) -> None:
-        """Record this run's gradient collectives into ``recorder`` (``None`` stops recording).
-
-        Called by observers; may be called before the model is wrapped (it is attached when it is).
-        """
+        """Record this run's gradient collectives into ``recorder`` (``None`` stops); may precede wrapping."""
         self._recorder = recorder
         for target in self._recorded():
             target.recorder = recorder
@@ -304,7 +276,7 @@ def _class_path(strategy_class: type) -> str:
 
 
 def register_entries(strategy_registry: Any, strategy_class: type) -> None:
-    """Register, under its name, every catalogue entry whose ``lightning_class`` is ``strategy_class`` (idempotent)."""
+    """Register every catalogue entry whose ``lightning_class`` is ``strategy_class`` (idempotent)."""
     for entry in catalogue.STRATEGIES.values():
         if entry.lightning_class == _class_path(strategy_class) and entry.name not in strategy_registry:
             strategy_registry.register(entry.name, strategy_class, description=entry.summary, **entry.init_args)
@@ -334,7 +306,7 @@ def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:
 
 
 def check_backend_for_device(spec: str, device: str) -> None:
-    """Refuse a process-group backend spec that cannot move ``device`` tensors (``GradSyncStrategy`` and ``fsdp2``)."""
+    """Raise ``ValueError`` when backend ``spec`` cannot move ``device`` tensors."""
     backend = backend_from_spec(spec, device)
     if backend is None:
         raise ValueError(
@@ -351,9 +323,8 @@ def check_backend_for_device(spec: str, device: str) -> None:
 def engine_state_to_restore(
     saved: Mapping[str, Any] | None, algorithm: str, world_size: int, rank: int, engine_has_state: bool
 ) -> tuple[dict[str, Any] | None, str]:
-    """``(this rank's state or None, why something is dropped or "")`` from a checkpoint's ``ENGINE_STATES_KEY``
-    entry ``saved`` (``None`` when it has none). Rank ``r`` takes entry ``r`` only when the same algorithm saved it
-    at the same world size: per-rank states have no owner at another. ``(None, "")`` when neither side has state."""
+    """``(this rank's state or None, why it is dropped or "")`` from a checkpoint's ``ENGINE_STATES_KEY`` entry;
+    a state is taken only when the same algorithm saved it at the same world size."""
     if saved is None:
         if not engine_has_state:
             return None, ""

@@ -1,9 +1,7 @@
-"""``fsdp2``: torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) as a baseline strategy, on CPU (gloo) and CUDA.
+"""``fsdp2``: torch's FSDP2 (``fully_shard``) as a baseline strategy, on CPU (gloo) and CUDA.
 
-``configure_ddp`` broadcasts rank 0's weights, ``fully_shard`` s each module named in ``shard_modules`` (our GPT's
-``Block``) and then the LightningModule as the root; Lightning builds the optimizers over the sharded parameters.
-Checkpoints are consolidated full state dicts (the same file as ``ddp``'s). Its collectives are torch's: none is
-recorded. The recipe, mixed precision and measurement notes: ``docs/algorithms.md``.
+Checkpoints are consolidated full state dicts (the same file as ``ddp``'s); its collectives are not recorded.
+The recipe: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -35,32 +33,21 @@ __all__ = [
 ]
 
 DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
-"""Class names sharded one FSDP group each by default: ``lightning_ddp.model.Block``, our GPT's Transformer block."""
+"""Class names sharded one FSDP group each by default (our GPT's ``Block``)."""
 
 
 class FSDP2Strategy(DataParallelStrategy):
-    """Fully sharded data parallelism with torch's FSDP2: parameters, gradients and optimizer state split over ranks.
-
-    Select it with ``trainer.strategy: fsdp2``, or configure it::
-
-        strategy:
-          class_path: lightning_ddp.strategies.FSDP2Strategy
-          init_args: {shard_modules: [Block], reshard_after_forward: true}
+    """Fully sharded data parallelism with torch's FSDP2 (``trainer.strategy: fsdp2``).
 
     Args:
-        shard_modules: Class names of the modules to shard one FSDP group each; default ``[Block]``, our GPT's. The
-            root takes the rest. A model without them has its repeated layers sharded instead (``modules_to_shard``).
-        reshard_after_forward: Free each group's gathered parameters after its forward and gather them again for
-            backward (ZeRO-3's memory); ``false`` keeps them from forward to backward (ZeRO-2's, one all-gather
-            less per step).
-        mixed_precision: Under ``trainer.precision: bf16-mixed``, all-gather and compute in bf16 and reduce
-            gradients in fp32 (FSDP2's ``MixedPrecisionPolicy``); ``false`` gathers fp32 and leaves the casting to
-            autocast. Ignored under other precisions.
-        **kwargs: The arguments of ``DataParallelStrategy`` (backend, timeout, start method).
+        shard_modules: Class names of the modules sharded one FSDP group each; default ``[Block]``.
+        reshard_after_forward: Free gathered parameters after forward (ZeRO-3's memory); ``false`` keeps them.
+        mixed_precision: Under ``bf16-mixed``, gather and compute in bf16, reduce in fp32.
+        **kwargs: The arguments of ``DataParallelStrategy``.
     """
 
     comm_recording = "landmarks"
-    """FSDP2 issues its collectives itself: the ``CommTimer`` reports busy time and overlap as "not recorded"."""
+    """FSDP2 issues its collectives itself: busy time and overlap are "not recorded"."""
 
     def __init__(
         self,
@@ -77,7 +64,6 @@ class FSDP2Strategy(DataParallelStrategy):
                 f"shard_modules must be a list of class names, got {shard_modules!r}; e.g. `shard_modules: [Block]`."
             )
         self.shard_modules: tuple[str, ...] = DEFAULT_SHARD_MODULES if shard_modules is None else tuple(shard_modules)
-        """Class names sharded one group each (the root takes the rest)."""
         self.reshard_after_forward = bool(reshard_after_forward)
         self.mixed_precision = bool(mixed_precision)
         self._sharded = False
@@ -103,8 +89,7 @@ class FSDP2Strategy(DataParallelStrategy):
     # -- the training step through the root's __call__ -------------------------------------------------------
 
     def _through_root(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``lightning_module.<method_name>`` inside the root module's ``__call__``, so that FSDP's root hooks
-        (gather the root's parameters before, free them and hook backward after) run around it."""
+        """Run ``lightning_module.<method_name>`` inside the root's ``__call__``, so FSDP's root hooks run."""
         module = self.lightning_module
         assert module is not None
 
@@ -160,9 +145,7 @@ class FSDP2Strategy(DataParallelStrategy):
     # -- measurement -----------------------------------------------------------------------------------------
 
     def watched_parameters(self) -> list[tuple[str, Tensor]]:
-        """``(name, tensor)`` whose gradient hooks fire when each parameter's gradient is computed: FSDP2's
-        unsharded parameters (created here by one gather and free of every group, a collective: call it on every
-        rank), in ``named_parameters`` order; the sharded parameters' own hooks never fire."""
+        """``(name, tensor)`` whose gradient hooks fire: FSDP2's unsharded parameters. A collective."""
         module = self.lightning_module
         assert module is not None
         if not self._sharded:
@@ -223,8 +206,7 @@ def shard(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> str:
-    """Shard ``module`` in place on every rank: rank 0's weights broadcast, one FSDP group per module of
-    ``class_names``, ``module`` itself the root. Returns ``modules_to_shard``'s message ("" when blocks were found)."""
+    """Shard ``module`` in place on every rank; returns ``modules_to_shard``'s message."""
     from torch.distributed.fsdp import fully_shard
 
     if dist.is_available() and dist.is_initialized():
@@ -245,7 +227,7 @@ def shard(
 
 
 def _gloo_reduces(module: nn.Module) -> bool:
-    """Whether gloo carries the gradients of ``module``'s parameters (their device's backend in the world group)."""
+    """Whether gloo carries the gradients of ``module``'s parameters."""
     from lightning_ddp.sync.comm import backend_for
 
     parameter = next(module.parameters(), None)
@@ -253,24 +235,15 @@ def _gloo_reduces(module: nn.Module) -> bool:
 
 
 def force_sum_reduction(group: nn.Module) -> None:
-    """Reduce-scatter ``group``'s gradients with ``ReduceOp.SUM`` and divide by the world size in FSDP2 itself.
-
-    FSDP2 averages fp32 gradients with ``ReduceOp.AVG``, which gloo has been reported to carry out as a sum
-    (pytorch/pytorch#162338): every gradient N times too large, which AdamW's scale invariance hides in the weights.
-    SUM then a division is what FSDP2 does for fp16 anyway. A torch without the switch is left as it is: the gradient
-    comparisons of ``tests/dist/test_fsdp2.py`` and ``tests/gpu/test_fsdp2_on_cuda.py`` are the check.
-    """
+    """Reduce-scatter ``group``'s gradients with SUM and divide in FSDP2 (gloo's AVG sums: pytorch#162338)."""
     switch = getattr(group, "set_force_sum_reduction_for_comms", None)
     if switch is not None:
         switch(True)
 
 
 def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[list[nn.Module], str]:
-    """The submodules of ``module`` to shard one group each (outermost only), and a message when they are not of
-    ``class_names`` ("" when they are). Without such modules: the repeated layers (the children of a ``ModuleList``
-    or ``Sequential`` that hold parameters, at least two, all of one class), as torch's auto-wrap policies shard a
-    Transformer; without those either, none (the root holds everything) and the message names ``shard_modules``.
-    """
+    """The outermost submodules of ``class_names`` (else the repeated layers, else none), and a message when they
+    are not of ``class_names`` ("" when they are)."""
     chosen = _outermost(module, lambda sub: type(sub).__name__ in class_names)
     if chosen:
         return chosen, ""
@@ -291,8 +264,7 @@ def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[l
 
 
 def _outermost(module: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[nn.Module]:
-    """The submodules of ``module`` (not itself) that are ``wanted``, in module order, leaving out those inside
-    an earlier chosen one: a module belongs to one FSDP group."""
+    """The submodules of ``module`` that are ``wanted``, in order, none inside an earlier chosen one."""
     chosen: list[nn.Module] = []
     inside: set[int] = set()
     for sub in module.modules():
@@ -305,8 +277,7 @@ def _outermost(module: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[n
 
 
 def _repeated_layers(container: nn.Module) -> list[nn.Module]:
-    """The children of an ``nn.ModuleList`` / ``nn.Sequential`` when the ones holding parameters are at least two,
-    all of one class: a stack of layers. A Sequential of different layers (Linear, LayerNorm, Linear) is one unit."""
+    """The children of a ``ModuleList``/``Sequential`` when those holding parameters are ≥ 2, all of one class."""
     if not isinstance(container, (nn.ModuleList, nn.Sequential)):
         return []
     layers = [child for child in container.children() if any(True for _ in child.parameters())]
@@ -321,8 +292,8 @@ def _has_own_parameters(module: nn.Module) -> bool:
 
 
 def mixed_precision_dtypes(precision: str, enabled: bool) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """FSDP2's ``(param_dtype, reduce_dtype)`` for a Lightning precision: bf16/fp32 under ``bf16-mixed`` when
-    ``enabled``, else ``(None, None)`` (the parameters' own dtype throughout). ``16-mixed`` is refused.
+    """FSDP2's ``(param_dtype, reduce_dtype)``: bf16/fp32 under ``bf16-mixed`` when ``enabled``, else
+    ``(None, None)``. Raises ``ValueError`` for ``16-mixed``.
 
     >>> mixed_precision_dtypes("bf16-mixed", True)
     (torch.bfloat16, torch.float32)
@@ -340,9 +311,8 @@ def mixed_precision_dtypes(precision: str, enabled: bool) -> tuple[torch.dtype |
 
 
 def fqn_keys_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A full optimizer state dict keyed by parameter names (``get_optimizer_state_dict``) in torch's own form:
-    parameters numbered 0, 1, ... in param-group order, as ``Optimizer.state_dict()`` numbers them. Each ``step``
-    tensor is a copy (``_own_step``): the checkpoint is a snapshot, not the live counter the next step advances.
+    """A full optimizer state dict keyed by parameter names, numbered in param-group order as
+    ``Optimizer.state_dict()`` numbers them; each ``step`` tensor copied.
 
     >>> fqn_keys_to_ids({"state": {"b": {"step": 1}}, "param_groups": [{"lr": 1, "params": ["a", "b"]}]})
     {'state': {1: {'step': 1}}, 'param_groups': [{'lr': 1, 'params': [0, 1]}]}
@@ -356,9 +326,7 @@ def fqn_keys_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mapping[Tensor, str]) -> dict[str, Any]:
-    """The inverse of ``fqn_keys_to_ids`` for ``optimizer``: number ``i`` is the ``i``-th parameter of its groups,
-    named by ``names`` (parameter -> name). A checkpoint with other groups is refused, naming the mismatch. Each
-    ``step`` tensor is a copy (``_own_step``): the optimizer keeps a loaded one and advances it in place."""
+    """The inverse of ``fqn_keys_to_ids`` for ``optimizer``. Raises ``ValueError`` when the groups differ."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved_groups = state["param_groups"]
     saved_count = sum(len(group["params"]) for group in saved_groups)
@@ -379,10 +347,7 @@ def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mappi
 
 
 def _own_step(entry: Any) -> Any:
-    """One parameter's optimizer state with its ``step`` tensor copied (the moments are left shared).
-
-    AdamW increments its CPU ``step`` tensor in place and neither torch's full state dict nor its loading copies it,
-    so a saved step would advance with training (and, in shared memory, every rank would increment one counter).
+    """One parameter's optimizer state with its ``step`` tensor copied: AdamW advances it in place.
 
     >>> step = torch.tensor(2.0)
     >>> _own_step({"step": step})["step"] is step, _own_step({"step": step})["step"].item()
@@ -394,7 +359,7 @@ def _own_step(entry: Any) -> Any:
 
 
 def parameter_names(module: nn.Module) -> dict[Tensor, str]:
-    """Parameter -> its first name in ``module`` (a tied parameter goes by the name ``named_parameters`` gives)."""
+    """Parameter -> its first name in ``module``."""
     names: dict[Tensor, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(p, name)

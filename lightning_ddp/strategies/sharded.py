@@ -1,8 +1,7 @@
 """``ShardedOptimizerStrategy``: what ``zero1_ddp`` and ``zero2_ddp`` share, over ``GradSyncStrategy``.
 
-Each optimizer of ``configure_optimizers`` becomes ``shard(optimizer)`` (a ``ShardedOptimizer`` sharing its group
-dicts) with the LR schedulers re-pointed at it; the recorder goes to the sharded optimizers too; the precision
-plugin's clipping is routed to the optimizer (``route_clipping``), which clips the owned, averaged gradients.
+Each optimizer of ``configure_optimizers`` becomes ``shard(optimizer)``, its LR schedulers and the precision
+plugin's clipping pointed at it.
 """
 
 from __future__ import annotations
@@ -57,13 +56,8 @@ class ShardedOptimizerStrategy(GradSyncStrategy):
 
 
 def route_clipping(plugin: Precision) -> None:
-    """Make ``plugin`` hand the clipping of a ``ShardedOptimizer`` to the optimizer itself (idempotent).
-
-    Lightning's ``Precision.clip_gradients`` calls ``clip_grad_by_norm(optimizer, value)`` or
-    ``clip_grad_by_value(optimizer, value)``; for a ``ShardedOptimizer`` these become the optimizer's
-    ``clip_grad_norm_`` / ``clip_grad_value_`` (applied in ``step()``, once gradients are averaged on their owners).
-    Per instance, so every precision plugin (``32-true``, ``bf16-mixed``, ``64-true``, ...) keeps its own class.
-    """
+    """Make ``plugin`` hand the clipping of a ``ShardedOptimizer`` to the optimizer's ``clip_grad_norm_`` /
+    ``clip_grad_value_`` (idempotent; per instance, so every precision plugin keeps its class)."""
     if getattr(plugin, _ROUTED, False):
         return
     by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value

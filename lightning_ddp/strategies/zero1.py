@@ -1,8 +1,6 @@
 """``zero1_ddp``: optimizer-state sharding (ZeRO stage 1) over our engines.
 
-``make_engine``: under ``schedule: reduce_scatter`` a ``DeferredGradSync`` (the optimizer reduce-scatters in
-``step()``); under ``allreduce_broadcast`` the ``grad_sync`` engine. ``shard``: ``ShardedOptimizer.from_optimizer``
-with the strategy's schedule.
+The schedules: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -31,16 +29,8 @@ from lightning_ddp.sync.sharding import (
 class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
     """Shard the optimizer state over the ranks (ZeRO-1); ``configure_optimizers`` stays unchanged.
 
-    Select it with ``trainer.strategy: zero1_ddp`` (reduce-scatter schedule), or configure it::
-
-        strategy:
-          class_path: lightning_ddp.strategies.ZeRO1DDPStrategy
-          init_args: {schedule: allreduce_broadcast, grad_sync: bucketed_ddp, bucket_size_mb: 25}
-
     Args:
-        schedule: ``reduce_scatter`` (reduce-scatter the gradients in ``optimizer.step()``, all-gather the
-            parameters: DDP's volume) or ``allreduce_broadcast`` (the ``grad_sync`` engine all-reduces in backward,
-            owners broadcast their parameters: 1.5x the volume, but the all-reduce overlaps backward).
+        schedule: ``reduce_scatter`` (in ``optimizer.step()``) or ``allreduce_broadcast`` (``grad_sync`` in backward).
         grad_sync: The catalogue engine that all-reduces under ``allreduce_broadcast``, e.g. ``bucketed_ddp``.
         bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` engine with buckets; ``null`` for one bucket.
         collectives: ``auto`` (per owner on gloo, native otherwise), ``native`` or ``per_owner``.

@@ -1,7 +1,6 @@
 """``zero2_ddp``: gradient and optimizer-state sharding (ZeRO stage 2) over ``ZeRO2DDP``.
 
-``shard``: each optimizer becomes a ``ShardedOptimizer`` with ``schedule="reduce_in_backward"`` whose owners are
-the engine's (``placement=engine.owner_of``).
+Each optimizer becomes a ``ShardedOptimizer(schedule="reduce_in_backward", placement=engine.owner_of)``.
 """
 
 from __future__ import annotations
@@ -24,16 +23,9 @@ from lightning_ddp.sync.zero2 import ZeRO2DDP
 class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
     """Shard the gradients and the optimizer state over the ranks (ZeRO-2); ``configure_optimizers`` stays unchanged.
 
-    Select it with ``trainer.strategy: zero2_ddp``, or configure it::
-
-        strategy:
-          class_path: lightning_ddp.strategies.ZeRO2DDPStrategy
-          init_args: {bucket_size_mb: 25, collectives: auto, buckets_in_flight: 2}
-
     Args:
-        bucket_size_mb: Bucket cap in MiB, as for ``bucketed_ddp``; ``null`` for one bucket per dtype, or ``auto``.
-        collectives: ``auto`` (a reduce per owner on gloo, reduce-scatter where the bucket's owner segments are
-            nearly equal otherwise), ``native`` or ``per_owner``.
+        bucket_size_mb: Bucket cap in MiB; ``null`` for one bucket per dtype, or ``auto``.
+        collectives: ``auto`` (per owner on gloo, native otherwise), ``native`` or ``per_owner``.
         buckets_in_flight: How many launched buckets (send buffers) may wait at once: more overlap, more memory.
         **kwargs: The arguments of ``GradSyncStrategy`` but ``engine_settings`` (the settings are the ones above).
     """

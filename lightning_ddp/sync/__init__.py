@@ -1,9 +1,7 @@
 """Pure-PyTorch gradient synchronisation: one algorithm per file over a small shared base. No Lightning here.
 
-Each algorithm is an *engine* (a ``GradSyncEngine``: the model wrapped for data-parallel training), listed with the
-other strategies in ``lightning_ddp.catalogue``. ``sharding`` holds the sharded optimizer ZeRO-1 (``zero1``) and
-ZeRO-2 (``zero2``) share; ``base``, ``comm``, ``buffers``, ``reduce``, ``record``, ``gather`` are the shared parts.
-What each algorithm does and how to add one: ``docs/algorithms.md``. The names below load on first use.
+Each algorithm is an *engine* (a ``GradSyncEngine``), listed in ``lightning_ddp.catalogue``. What each does and how
+to add one: ``docs/algorithms.md``. The names below load on first use.
 """
 
 from __future__ import annotations

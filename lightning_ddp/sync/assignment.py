@@ -1,7 +1,6 @@
 """Which parameters travel together: the bucketed engines' buckets and ZeRO-1's owners. Pure Python, no torch.
 
-The engines call these at wrap time, and the projection (``lightning_ddp.projection``, which never imports torch)
-simulates the same buckets and owners by calling the same functions.
+The projection (which never imports torch) simulates the same buckets and owners with them.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ __all__ = ["assign_buckets", "assign_owners"]
 def assign_buckets(nbytes: Sequence[int], dtypes: Sequence[Hashable], cap_bytes: int | None) -> list[list[int]]:
     """Group parameter indices into buckets, walking them in reverse order.
 
-    A bucket closes when adding the next parameter would exceed ``cap_bytes`` (``None``: never) or when the
-    dtype changes (``dtypes`` are compared for equality only). A parameter larger than the cap therefore sits
-    alone in its bucket.
+    A bucket closes when the next parameter would exceed ``cap_bytes`` (``None``: never) or the dtype changes.
 
     >>> assign_buckets([4, 4, 4, 12], ["float32"] * 4, cap_bytes=8)
     [[3], [2, 1], [0]]
@@ -39,9 +36,8 @@ def assign_buckets(nbytes: Sequence[int], dtypes: Sequence[Hashable], cap_bytes:
 def assign_owners(nbytes: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> list[int]:
     """The owner rank of each parameter: greedy, largest first, onto the least-loaded rank.
 
-    Parameters are visited by decreasing size, ties by index; each goes to the rank with the fewest bytes so
-    far, ties to the lower rank. Pure and deterministic, so every rank computes the same assignment. ``loads``
-    are bytes the ranks already own (for parameters added later with ``add_param_group``).
+    Ties go to the lower index and the lower rank, so every rank computes the same assignment. ``loads``: bytes
+    the ranks already own.
 
     Sizes 12, 8, 4, 4 go to r0; r1; r1 (loads 12 : 8); r0 (12 : 12, a tie: the lower rank):
 

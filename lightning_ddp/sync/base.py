@@ -1,10 +1,8 @@
 """The small base every gradient-sync engine shares: wrapping, broadcasting, ``no_sync``, the hook plumbing.
 
-An engine broadcasts rank 0's parameters and buffers when it wraps the model (after checking every rank wraps the
-same parameters), and ``finish_gradient_synchronization()`` leaves the average over ranks in every ``.grad``.
-Subclasses implement ``_synchronize`` and, to act during backward, ``uses_grad_hooks`` and ``_on_grad_ready``;
-every collective goes through ``self.comm``. The invariants every engine keeps (same collectives in the same order
-on every rank, unused parameters as in one process, pre-scaled averages): ``docs/algorithms.md``.
+An engine broadcasts rank 0's parameters and buffers when it wraps the model, and
+``finish_gradient_synchronization()`` leaves the average over ranks in every ``.grad``. The invariants every
+engine keeps: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -25,21 +23,16 @@ __all__ = ["GradSyncEngine", "broadcast_module_states", "describe_parameters", "
 
 
 class GradSyncEngine(RecordsThroughComm, nn.Module):
-    """Base of the gradient-sync engines: the wrapped model at ``.module`` plus the shared machinery.
+    """Base of the engines: the model wrapped for data parallelism (torch DDP's role), at ``.module``.
 
-    An *engine* is the model wrapped for data-parallel training (torch's ``DistributedDataParallel`` in our terms):
-    what a strategy builds (``GradSyncStrategy.engine``), what ``catalogue.Entry.make_engine`` returns.
-
-    Subclasses implement ``_synchronize()`` (called by ``finish_gradient_synchronization``) and, if they
-    communicate during backward, ``_on_grad_ready(index)`` for hook-driven launches.
+    Subclasses implement ``_synchronize()`` and, to communicate during backward, ``_on_grad_ready(index)``.
     """
 
     uses_grad_hooks: bool = False
     """Whether the engine registers post-accumulate-grad hooks (overlap, bucketed)."""
 
     state_summary: str = ""
-    """What the engine's own state (``engine_state_dict``) holds, in words; a resumed run that has to start it
-    afresh says so in its warning. Empty for an engine without state."""
+    """What ``engine_state_dict`` holds, in words, for the warning of a resumed run; empty without state."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -93,12 +86,7 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
             self.require_backward_grad_sync = previous
 
     def on_train_batch_start(self) -> None:
-        """A micro-batch begins: forget launch state a step left behind without finishing (e.g. after an error).
-
-        Called for every micro-batch (the Lightning strategy calls it from its own ``on_train_batch_start``); it
-        must therefore not disturb an accumulation window, and it does not: nothing is launched under
-        ``no_sync()``.
-        """
+        """A micro-batch begins: forget launch state a step left unfinished (nothing launches under ``no_sync``)."""
         self._reset_step()
 
     def finish_gradient_synchronization(self) -> None:
@@ -126,17 +114,13 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
     # -- the engine's own state (checkpoints) -----------------------------------------------------------
 
     def engine_state_dict(self) -> dict[str, Any]:
-        """What ``state_dict()`` holds besides the wrapped model's (keys without the ``module.`` prefix), e.g.
-        ``{"_extra_state": ...}`` for PowerSGD; ``{}`` for an engine without state. May differ per rank."""
+        """What ``state_dict()`` holds besides the wrapped model's; ``{}`` without state. May differ per rank."""
         return {key: value for key, value in self.state_dict().items() if not key.startswith("module.")}
 
     def load_engine_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``engine_state_dict()`` of the same rank of a run with the same engine and settings.
 
-        Raises:
-            ValueError: ``state`` holds keys this engine does not have, lacks some it has, or does not fit (e.g.
-                PowerSGD's state saved with another ``rank``); the state this engine had is then kept, as far as
-                the engine's own ``set_extra_state`` checks before it changes anything.
+        Raises ``ValueError`` when ``state``'s keys or shapes do not fit this engine.
         """
         expected = set(self.engine_state_dict())
         if set(state) != expected:
@@ -208,12 +192,8 @@ def _first_difference(reference: list[tuple], other: list[tuple], first: int, ra
 
 
 def verify_same_parameters(module: nn.Module, comm: Communicator, device: torch.device) -> None:
-    """Raise the same ``ValueError`` on every rank unless every rank's ``module`` has the same parameters.
-
-    Same names, shapes, dtypes and ``requires_grad``, in the same order (``describe_parameters``). One all-gather
-    of an 8-byte digest of the description; only when the digests differ, an ``all_gather_object`` of the
-    descriptions themselves, to name the first difference. Every rank reaches the same verdict, so none is left
-    waiting in a collective the others skipped. Ranks in the message are global ranks.
+    """Raise the same ``ValueError`` on every rank unless every rank's ``module`` has the same parameters
+    (names, shapes, dtypes, ``requires_grad``, order). One all-gather of a digest; the message names global ranks.
     """
     if comm.world_size == 1:
         return

@@ -1,8 +1,6 @@
 """Predict the best gradient-bucket size from a short all-reduce microbenchmark (``bucket_size_mb: auto``).
 
-``measure_allreduce`` times all-reduces of several sizes (a collective: every rank gets the same medians),
-``fit_latency_bandwidth`` fits ``t = o + bytes / w``, ``optimal_bucket_bytes`` minimises the communication left
-after backward, ``sqrt(s * w * o)`` bytes, and ``predict_bucket_size`` combines them for a module. The derivation:
+Fit ``t = o + bytes / w`` to measured all-reduces and take ``sqrt(s * w * o)`` bytes. The derivation:
 ``docs/algorithms.md``.
 """
 
@@ -43,11 +41,7 @@ def fit_latency_bandwidth(
 ) -> tuple[float, float]:
     """Fit ``t = o + bytes / w`` to all-reduce ``times`` (seconds) of ``sizes`` (bytes); return ``(o, w)``.
 
-    Weighted least squares on ``t = o + k * b``, ``k = 1 / w``; ``relative`` weighs by ``1 / t**2`` (relative
-    residuals). ``o`` is clipped at 0; ``w`` is ``math.inf`` when time does not grow with size.
-
-    >>> fit_latency_bandwidth([0, 1e6, 2e6], [1e-3, 2e-3, 3e-3])  # 1 ms + 1 ms per MB: o = 1 ms, w = 1 GB/s
-    (0.001, 1000000000.0)
+    ``relative`` weighs by ``1 / t**2``. ``o`` is clipped at 0; ``w`` is ``math.inf`` when time does not grow.
     """
     if len(sizes) != len(times):
         raise ValueError(f"sizes and times must have the same length, got {len(sizes)} and {len(times)}")
@@ -69,9 +63,8 @@ def fit_latency_bandwidth(
 
 
 def optimal_bucket_bytes(s: float, o: float, w: float, largest_param_bytes: float = 0) -> int:
-    """``b* = sqrt(s * w * o)`` bytes for ``s`` gradient bytes, overhead ``o`` (s) and bandwidth ``w`` (B/s), raised
-    to ``largest_param_bytes`` (a bucket never splits a parameter) and capped at ``s``. With ``o = 0`` or
-    ``w = inf`` more buckets are never worse: the smallest bucket allowed.
+    """``b* = sqrt(s * w * o)`` bytes for ``s`` gradient bytes, overhead ``o`` (s) and bandwidth ``w`` (B/s), at
+    least ``largest_param_bytes`` and at most ``s``.
 
     >>> optimal_bucket_bytes(4e8, 1e-4, 1e10)  # sqrt(4e8 * 1e10 * 1e-4) = sqrt(4e14) = 2e7
     20000000
@@ -97,9 +90,7 @@ def measure_allreduce(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
 ) -> list[float]:
-    """Median seconds of one SUM all-reduce per message size (bytes, float32), ``repeats`` timed calls after a
-    warm-up, agreed over ranks with ``MAX`` (the same list on every rank); a collective. ``device``: where the
-    gradients live (default ``default_measure_device(group)``), since that is the cost the buckets will pay."""
+    """Median seconds of one all-reduce per message size (bytes), MAX over ranks; a collective."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "measure_allreduce needs a process group: call torch.distributed.init_process_group() first"
@@ -131,9 +122,7 @@ def measure_allreduce(
 
 
 def default_measure_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where ``measure_allreduce`` puts its messages when not told: the current CUDA device when ``group`` moves CUDA
-    tensors over NCCL (``nccl``, ``cpu:gloo,cuda:nccl``), else the CPU. Asked per device (``sync.comm``): the spec
-    as given is never ``"nccl"`` for a mixed group."""
+    """The current CUDA device when ``group`` moves CUDA tensors over NCCL, else the CPU."""
     if backend_from_spec(dist.get_backend_config(group), "cuda") == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -175,11 +164,8 @@ def predict_bucket_size(
     sizes: Iterable[int] = DEFAULT_SIZES,
     repeats: int = 5,
 ) -> BucketPrediction:
-    """Measure, fit and optimise (the recipe above) for the trainable parameters of ``module_or_params``.
-
-    A collective: every rank of ``group`` must call it, at the same point. Gradients are assumed to have
-    their parameter's dtype (as in fp32 and bf16-mixed training: AMP keeps fp32 parameters and gradients).
-    """
+    """Measure, fit and optimise for the trainable parameters of ``module_or_params``; a collective.
+    Gradients are assumed to have their parameter's dtype."""
     params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) else module_or_params
     unique: dict[int, torch.Tensor] = {}
     for p in params:
@@ -199,8 +185,8 @@ def predict_bucket_size(
 def resolve_bucket_size(
     bucket_size_mb: float | str | None, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> tuple[float | None, BucketPrediction | None]:
-    """An engine's ``bucket_size_mb`` as a number (or ``None``: one bucket), and the prediction ``"auto"`` made (else
-    ``None``). For ``"auto"`` a collective: every rank measures together and gets the same (MAX-agreed) prediction."""
+    """An engine's ``bucket_size_mb`` as a number (``None``: one bucket) and the ``"auto"`` prediction (a
+    collective), else ``None``."""
     if bucket_size_mb != "auto":
         return bucket_size_mb, None  # type: ignore[return-value]
     prediction = predict_bucket_size(params, group)

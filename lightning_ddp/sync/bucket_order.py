@@ -21,11 +21,9 @@ __all__ = ["BucketOrder"]
 
 
 class BucketOrder:
-    """Which gradients are ready this step and which bucket launches next (module docstring).
+    """Which gradients are ready this step and which bucket launches next.
 
-    Args:
-        buckets: Parameter indices per bucket, in launch order.
-        names: Every parameter's name, by index (for the error on a gradient that is ready twice).
+    ``buckets``: parameter indices per bucket, in launch order; ``names``: for the error on a gradient ready twice.
     """
 
     def __init__(self, buckets: Sequence[Sequence[int]], names: Sequence[str]) -> None:

@@ -1,9 +1,7 @@
 """Bucketed DDP: async all-reduce of size-capped gradient buckets, launched during backward.
 
-Buckets are filled in reverse parameter order and launched strictly in bucket order from the gradient hooks; at
-``finish_gradient_synchronization`` the rest launch, and every ``.grad`` becomes a view into its bucket's buffer.
-A sentinel element in the last bucket tells every rank whether some rank missed a gradient. How a bucket is averaged
-is the swappable ``reduce`` step (``lightning_ddp.sync.reduce``). Recipe and measured choices: ``docs/algorithms.md``.
+How a bucket is averaged is the swappable ``reduce`` step (``lightning_ddp.sync.reduce``). Recipe and measured
+choices: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -59,10 +57,7 @@ class BucketedDDP(GradSyncEngine):
     """All-reduce gradient buckets of at most ``bucket_size_mb`` MiB as they fill during backward.
 
     Args:
-        module: The model to train; any ``nn.Module``.
-        bucket_size_mb: Bucket cap in MiB (2**20 bytes); ``None`` for a single bucket per dtype; ``"auto"`` to
-            predict it from an all-reduce microbenchmark (kept in ``bucket_prediction``).
-        process_group: The group to average over (default: the world).
+        bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it.
         reduce: How a bucket is averaged (``lightning_ddp.sync.reduce``); default ``AllReduceMean()``.
     """
 

@@ -1,8 +1,6 @@
 """Bucketed DDP with the gradients communicated in bf16: half the bytes, lossy (torch DDP's ``bf16_compress_hook``).
 
-``BucketedDDP`` with its reduce step swapped for ``BF16CompressedAllReduce``: cast each bucket to bf16, divide by
-the world size, SUM all-reduce, cast back into the bucket. Only buckets of a floating dtype wider than bf16 are
-compressed. Its precision and cost: ``docs/algorithms.md``.
+Only buckets of a floating dtype wider than bf16 are compressed. Its precision and cost: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -39,13 +37,7 @@ class BF16CompressedAllReduce(BucketReduce):
 
 
 class BucketedBF16DDP(BucketedDDP):
-    """``BucketedDDP`` whose buckets go over the wire in bf16 (``BF16CompressedAllReduce``).
-
-    Args:
-        module: The model to train.
-        bucket_size_mb: Bucket cap in MiB of the *uncompressed* gradients, as for ``BucketedDDP``.
-        process_group: The group to average over (default: the world).
-    """
+    """``BucketedDDP`` whose buckets go over the wire in bf16; ``bucket_size_mb`` caps the uncompressed gradients."""
 
     def __init__(
         self,

@@ -1,11 +1,7 @@
 """Bucketed DDP with PowerSGD: every large gradient matrix crosses the wire as two thin low-rank factors.
 
 PowerSGD (Vogels et al., NeurIPS 2019; torch's ``powerSGD_hook``) as the bucketed engine's reduce step,
-``PowerSGDReduce``: after ``start_iter`` exact steps, each matrix that shrinks more than ``min_compression_rate``
-is sent as rank-``rank`` factors P (during backward) and Q (at the wait), with per-rank error feedback; the rest
-of the bucket is averaged exactly. ``plan_bucket`` decides per bucket; ``orthogonalize`` is a Householder QR.
-The engine's state (error feedback, warm-start Q, step counter) is in its ``state_dict``. The recipe, invariants
-and measurements: ``docs/algorithms.md``.
+``PowerSGDReduce``, with per-rank error feedback. The recipe, invariants and measurements: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -45,19 +41,14 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
 
 
 def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
-    """Whether a ``rows x cols`` matrix sent as rank-``rank`` factors shrinks by more than ``min_compression_rate``.
-
-    Uncompressed it is ``rows * cols`` elements, compressed ``(rows + cols) * rank``; compress when
-    ``rows * cols > min_compression_rate * (rows + cols) * rank`` (strictly, as torch's ``_should_compress``).
-    """
+    """Whether ``rows * cols > min_compression_rate * (rows + cols) * rank`` (torch's ``_should_compress``)."""
     return (rows + cols) * rank * min_compression_rate < rows * cols
 
 
 def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis (rows x k) of a space holding the columns of ``matrix`` (rows x k, rows >= k).
 
-    Householder QR: ``Q^T Q = I`` to rounding for any input, a zero or rank-deficient one included (the module
-    docstring says why not Gram-Schmidt). ``Q Q^T`` then projects onto a space that contains every column.
+    Householder QR: ``Q^T Q = I`` to rounding for any input, a zero or rank-deficient one included.
     """
     return torch.linalg.qr(matrix, mode="reduced").Q
 
@@ -309,10 +300,7 @@ class PowerSGDReduce(BucketReduce):
     # -- checkpointing ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """A copy of what a resumed run needs to continue exactly: the step counter, ``E`` and ``Q`` per matrix.
-
-        ``E`` is this rank's own: save every rank's state.
-        """
+        """A copy of the step counter, ``E`` (this rank's own) and ``Q`` per matrix."""
         return {
             "iteration": self.iteration,
             "rank": self.rank,
@@ -345,16 +333,13 @@ class BucketedPowerSGDDDP(BucketedDDP):
     """``BucketedDDP`` whose buckets are averaged with PowerSGD (``PowerSGDReduce``): lossy, far fewer bytes.
 
     Args:
-        module: The model to train.
-        bucket_size_mb: Bucket cap in MiB of the *uncompressed* gradients, as for ``BucketedDDP``.
-        process_group: The group to average over (default: the world).
-        rank: The approximation rank (>= 1): a compressed ``rows x cols`` gradient sends ``(rows + cols) * rank``
-            elements.
+        bucket_size_mb: Bucket cap in MiB of the *uncompressed* gradients.
+        rank: The approximation rank (>= 1).
         start_iter: Optimizer steps averaged exactly before compression starts (>= 0).
-        min_compression_rate: Compress only matrices that shrink by more than this factor (>= 0; 0: all matrices).
+        min_compression_rate: Compress only matrices that shrink by more than this factor (>= 0; 0: all).
         seed: Seeds the first ``Q`` of each bucket; must be the same on every rank.
 
-    ``state_dict()`` carries each rank's PowerSGD state (``_extra_state``): save every rank's.
+    ``state_dict()`` carries each rank's own PowerSGD state: save every rank's.
     """
 
     reduce: PowerSGDReduce
@@ -364,8 +349,7 @@ class BucketedPowerSGDDDP(BucketedDDP):
     )
 
     check_settings = staticmethod(check_powersgd_options)
-    """The catalogue's check of the settings (``rank``, ``start_iter``, ``min_compression_rate``, ``seed``), run when
-    a strategy's ``engine_settings`` are read: before any process starts."""
+    """The catalogue's check of the settings, run before any process starts."""
 
     def __init__(
         self,

@@ -1,8 +1,7 @@
 """Flat communication buffers and gradient presence: the pieces ``flat``, ``bucketed`` and the sharding share.
 
-``pack`` copies tensors (zeros for a missing one) back to back into a flat buffer; ``unpack_gradients`` and
-``unpack_into`` copy its slices back; ``agree_on_gradients`` (or ``launch_presence`` then ``read_presence``) sums
-"this parameter has a ``.grad`` here" over the ranks, so a parameter no rank has a gradient for keeps ``None``.
+``agree_on_gradients`` sums "this parameter has a ``.grad`` here" over the ranks, so a parameter no rank has a
+gradient for keeps ``None``.
 """
 
 from __future__ import annotations
@@ -44,10 +43,7 @@ def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` into each parameter's ``.grad``.
-
-    A parameter whose ``.grad`` is ``None`` gets a clone of its slice (a view would keep the whole buffer alive).
-    """
+    """Copy consecutive slices of ``flat`` into each parameter's ``.grad`` (a clone where it was ``None``)."""
     offset = 0
     for param in params:
         n = param.numel()
@@ -78,6 +74,5 @@ def read_presence(comm: Communicator, launched: tuple[Pending, torch.Tensor]) ->
 
 
 def agree_on_gradients(comm: Communicator, has_grad: Sequence[bool], device: torch.device) -> list[int]:
-    """For each parameter, on how many ranks it has a gradient (``has_grad`` here; one small all-reduce, waited
-    for now)."""
+    """For each parameter, on how many ranks it has a gradient (one small all-reduce)."""
     return read_presence(comm, launch_presence(comm, has_grad, device))

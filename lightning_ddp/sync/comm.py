@@ -1,9 +1,8 @@
 """``Communicator``: the collectives of one engine (or optimizer) on one process group, in one place.
 
-Each method launches ``async_op=True`` and returns a ``Pending`` for ``wait``; each collective is recorded only when
-a ``Recorder`` is attached and armed, and opens profiler ranges only while a profiler records. Message sizes follow
-nccl-tests. ``backend_for`` (and the pure ``parse_backend_spec``, ``backend_from_spec``) says which backend moves a
-device's tensors: a group's backend is a spec such as ``cpu:gloo,cuda:nccl``, never to be compared with ``"nccl"``.
+Each method launches ``async_op=True`` and returns a ``Pending``; it is recorded only when a ``Recorder`` is
+armed. ``backend_for`` says which backend moves a device's tensors: a group's backend is a spec such as
+``cpu:gloo,cuda:nccl``, never to be compared with ``"nccl"``.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ class Pending:
 
 
 def profiler_range(name: str) -> AbstractContextManager:
-    """``record_function(name)`` while a torch profiler is recording, else a no-op context: entering a
-    ``record_function`` costs tens of microseconds even when no profiler listens, the flag read nothing."""
+    """``record_function(name)`` while a torch profiler is recording, else a no-op (it costs tens of us)."""
     return record_function(name) if compat.profiler_enabled() else _NOTHING
 
 
@@ -52,15 +50,7 @@ _SPEC_FORM = "'<backend>' or '<device>:<backend>,<device>:<backend>', e.g. 'nccl
 
 
 def parse_backend_spec(spec: str) -> dict[str, str]:
-    """``{device type: backend}`` of a process-group backend spec; a plain name is ``{"*": name}`` (every device).
-
-    Lower-cased, as torch does; spaces around the parts are dropped.
-
-    >>> parse_backend_spec("cpu:gloo,cuda:nccl")
-    {'cpu': 'gloo', 'cuda': 'nccl'}
-    >>> parse_backend_spec("NCCL")
-    {'*': 'nccl'}
-    """
+    """``{device type: backend}`` of a backend spec, lower-cased; a plain name is ``{"*": name}``."""
     spec = str(spec).strip().lower()
     if ":" not in spec:
         if not spec or "," in spec:
@@ -78,23 +68,13 @@ def parse_backend_spec(spec: str) -> dict[str, str]:
 
 
 def backend_from_spec(spec: str, device: torch.device | str) -> str | None:
-    """The backend that moves ``device``'s tensors under ``spec``; ``None`` when the spec names none for it.
-
-    >>> backend_from_spec("cpu:gloo,cuda:nccl", "cuda:1"), backend_from_spec("gloo", "cuda")
-    ('nccl', 'gloo')
-    >>> backend_from_spec("cuda:nccl", "cpu") is None  # nothing moves CPU tensors in such a group
-    True
-    """
+    """The backend that moves ``device``'s tensors under ``spec``; ``None`` when the spec names none for it."""
     backends = parse_backend_spec(spec)
     return backends.get(torch.device(device).type, backends.get(_EVERY_DEVICE))
 
 
 def backend_for(device: torch.device | str, group: dist.ProcessGroup | None = None) -> str:
-    """The backend of ``group`` (default: the world) that moves tensors on ``device``, e.g. ``"nccl"``.
-
-    Raises:
-        ValueError: The group has no backend for ``device``'s type (a collective on such a tensor would fail).
-    """
+    """The backend of ``group`` (default: the world) that moves ``device``'s tensors; ``ValueError`` if none."""
     config = dist.get_backend_config(group)
     backend = backend_from_spec(config, device)
     if backend is None:
@@ -107,11 +87,7 @@ def backend_for(device: torch.device | str, group: dist.ProcessGroup | None = No
 
 
 class Communicator:
-    """Async collectives on ``group`` (default: the world), recorded when ``recorder`` is set.
-
-    Args:
-        group: The process group.
-    """
+    """Async collectives on ``group`` (default: the world), recorded when ``recorder`` is set."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -200,8 +176,7 @@ class Communicator:
         return Pending(work, collective)
 
     def _moved_by_nccl(self, device: torch.device) -> bool:
-        """Whether NCCL moves ``device``'s tensors in this group: its completion is then a device event (the
-        future's callback stream waits for the kernel), otherwise a host time (``Recorder.add``)."""
+        """Whether NCCL moves ``device``'s tensors (completion is then a device event, else a host time)."""
         moved = self._nccl_moves.get(device.type)
         if moved is None:
             moved = self._nccl_moves[device.type] = backend_for(device, self.group) == "nccl"
@@ -209,8 +184,7 @@ class Communicator:
 
 
 class RecordsThroughComm:
-    """For classes that issue their collectives through ``self.comm`` (engines, ``ShardedOptimizer``): the
-    ``recorder`` an observer attaches is the communicator's."""
+    """For classes whose collectives go through ``self.comm``: their ``recorder`` is the communicator's."""
 
     comm: Communicator
 

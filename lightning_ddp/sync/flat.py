@@ -1,5 +1,4 @@
-"""Flat DDP: after backward, one all-reduce of every gradient flattened into a single buffer per dtype.
-"""
+"""Flat DDP: after backward, one all-reduce of every gradient flattened into a single buffer per dtype."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Gather every rank's state (nested dicts and lists of tensors and plain values) for a checkpoint.
 
-For ``ShardedOptimizer.state_dict()`` (the union of the owners' shards) and the strategy's checkpoint of the
-engines' per-rank state. One ``all_gather_object`` of the skeletons (tensors replaced by ``TensorSpec``), then one
-``broadcast`` per tensor from its rank on ``device``; the receivers rebuild the states on CPU (with ``dst``, only
-that rank keeps them). Not recorded: checkpoints are not training steps.
+One ``all_gather_object`` of the skeletons (tensors replaced by ``TensorSpec``), then one ``broadcast`` per tensor.
+Not recorded: checkpoints are not training steps.
 """
 
 from __future__ import annotations
@@ -65,9 +63,7 @@ def gather_rank_states(
 ) -> list[Any] | None:
     """``[state of rank 0, state of rank 1, ...]`` (copies, tensors on CPU); a collective.
 
-    ``state``: nested dicts, lists and tuples of tensors and picklable values, which may differ between ranks.
-    ``device``: where tensors travel (a CUDA device under NCCL). With ``dst`` only that group rank gets the list;
-    the others get ``None``.
+    ``device``: where tensors travel. With ``dst`` only that group rank gets the list; the others get ``None``.
     """
     local_tensors: list[torch.Tensor] = []
     skeleton = _skeleton(state, local_tensors)

@@ -1,5 +1,4 @@
-"""Naive DDP: after backward, one blocking all-reduce per gradient tensor (the baseline the others improve on).
-"""
+"""Naive DDP: after backward, one blocking all-reduce per gradient tensor (the baseline)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The names of the ``torch.profiler.record_function`` ranges we add to a trace, and of our own tracks.
 
-One place for the strings the engines and the trace recorder write and the trace analysis (``lightning_ddp.trace``)
-reads. Constant names (no parameter names in them), so aggregating tools group them; per-collective detail lives in
-the communication track's ``args``.
+Constant names, so aggregating tools group them; per-collective detail lives in the track's ``args``.
 """
 
 STEP = "ddp/step"

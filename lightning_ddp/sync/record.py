@@ -1,10 +1,8 @@
 """What a step communicated, recorded only when someone measures: ``Recorder``, ``SyncRecord``, ``Collective``.
 
-An observer attaches a ``Recorder`` (through the strategy's ``attach_recorder``, or ``engine.recorder = ...``);
-``open_step`` anchors the clocks, the engines append collectives and spans, ``finish_step`` returns the record with
-every mark in milliseconds since the anchor. Marks are ``perf_counter`` on CPU and CUDA events on the engine's
-device stream; completions are host times from gloo's callbacks or events from NCCL's. With none attached an engine
-pays one ``is None`` check per collective. The clock rules: ``docs/algorithms.md``.
+An observer attaches a ``Recorder``; ``finish_step`` returns the record with every mark in milliseconds since
+``open_step``'s anchor. With none attached an engine pays one ``is None`` check per collective. The clock rules:
+``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ class StepClock:
             torch.cuda.synchronize(self.device)
 
     def anchor(self, synchronize: bool = True) -> None:
-        """Name one instant on both clocks (on CUDA: ``e0`` on the idle device, ``t0`` the midpoint of two host
-        reads around its record call)."""
+        """Name one instant on both clocks (on CUDA: an event ``e0`` and host time ``t0``)."""
         if not self.cuda:
             self.t0 = time.perf_counter()
             return
@@ -58,8 +55,7 @@ class StepClock:
         return time.perf_counter()
 
     def mark(self) -> Mark:
-        """Now, as the device sees it (on CUDA an event on the current stream of this clock's device, whatever the
-        calling thread's current device; host time on CPU)."""
+        """Now, as the device sees it (a CUDA event on this clock's device's current stream; host time on CPU)."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
@@ -76,8 +72,7 @@ class StepClock:
 
 @dataclass
 class Collective:
-    """One collective: what it moved and when it was launched, completed and waited for (raw marks while the step
-    runs, milliseconds since the anchor in a finished record)."""
+    """One collective: what it moved and when it was launched, completed and waited for (ms in a finished record)."""
 
     op: str
     """Collective kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``reduce``, ``broadcast``."""
@@ -93,8 +88,7 @@ class Collective:
     """The interval the caller spent in ``Work.wait()`` for it, if anyone waited."""
 
     def converted(self, convert: Callable[[Mark], float]) -> Collective:
-        """This collective with every mark converted (e.g. to ms); without a recorded completion, the end of the wait
-        stands for it (else the launch: nothing observed it in flight)."""
+        """This collective with every mark converted; a missing completion becomes the wait's end, else the launch."""
         launched = convert(self.launched)
         wait = (convert(self.wait[0]), convert(self.wait[1])) if self.wait is not None else None
         if self.completed is not None:
@@ -167,14 +161,13 @@ class SyncRecord:
 class Recorder:
     """Collects one ``SyncRecord`` per optimizer step from whichever engines (and optimizers) it is attached to.
 
-    Every recording path checks ``armed`` first, so a step nobody measures costs one attribute read per collective.
     A step is armed from ``open_step`` to ``finish_step``; between steps only with ``open_on_demand`` (the first
-    collective then opens an unnumbered step). The Lightning observers pass ``False`` and open the steps they measure.
+    collective then opens an unnumbered step).
 
     Args:
         device: Where the model computes: CUDA events on a GPU, host time otherwise.
-        clock: The clock to use instead of ``StepClock(device)`` (tests give a fake one).
-        open_on_demand: Whether a collective recorded while no step is open opens one (see above).
+        clock: The clock to use instead of ``StepClock(device)``.
+        open_on_demand: Whether a collective recorded while no step is open opens one.
     """
 
     def __init__(self, device: torch.device | str = "cpu", clock: StepClock | None = None,
@@ -199,8 +192,7 @@ class Recorder:
         return self._open
 
     def open_step(self, step: int | None = None) -> None:
-        """Start recording optimizer step ``step``: a fresh record, marked started now. Idempotent for the same
-        open ``step``, so several observers may each open it; the clocks are anchored once (then by ``finish_step``)."""
+        """Start recording optimizer step ``step`` (idempotent for the same open ``step``: several observers)."""
         if self._open and step is not None and step == self.step:
             return
         if not self._anchored:
@@ -237,8 +229,7 @@ class Recorder:
     # -- the step's compute landmarks (the timer marks them) ---------------------------------------------
 
     def watch_gradients(self, params: list[torch.Tensor]) -> None:
-        """Mark, in every open step, when each of ``params``'s gradients is computed (``ready``, ``last_ready``):
-        a tensor hook fires before the gradient is accumulated and before any engine's hook communicates it."""
+        """Mark, in every open step, when each of ``params``'s gradients is computed (``ready``, ``last_ready``)."""
         self.unwatch_gradients()
         self._watched = len(params)
         self.record.ready = [None] * self._watched

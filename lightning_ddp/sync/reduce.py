@@ -2,9 +2,7 @@
 
 torch DDP's communication hook in our terms: ``BucketReduce.launch(comm, bucket, label, layout)`` is called as soon
 as a bucket is complete and returns a ``Reduction`` whose ``wait()`` gives the bucket's average (same dtype and
-shape); what goes over the wire in between is the reduce step's business. ``layout`` (``BucketLayout``) says where
-each gradient lies in the bucket. ``AllReduceMean`` is the default; others: ``bucketed_bf16``,
-``bucketed_powersgd``.
+shape). ``AllReduceMean`` is the default.
 """
 
 from __future__ import annotations
@@ -24,9 +22,7 @@ __all__ = ["AllReduceMean", "BucketLayout", "BucketReduce", "Reduction"]
 class BucketLayout:
     """Where each gradient lies in one flat bucket; the same on every rank and every step.
 
-    The tensors do not have to fill the bucket: elements no tensor covers (the bucketed engine's
-    missing-gradient sentinel, the last element of the last bucket) must be averaged like any other and keep
-    0 at 0 and positive numbers positive.
+    Elements no tensor covers (the missing-gradient sentinel) must be averaged too, keeping 0 at 0 and signs.
     """
 
     index: int
@@ -73,19 +69,11 @@ class BucketReduce(ABC):
         self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
     ) -> Reduction:
         """Start averaging ``bucket`` (it may be modified in place); return what ``wait()`` finishes.
-
-        ``layout``: where each gradient lies in ``bucket`` (the engine always passes it; ``None`` from callers
-        that have none, and then the bucket is one tensor of its own shape).
-        """
+        ``layout`` ``None``: the bucket is one tensor of its own shape."""
 
 
 class AllReduceMean(BucketReduce):
-    """Divide the bucket by the world size, then SUM all-reduce it in place (gloo has no AVG).
-
-    Pre-scaling, as torch DDP's default hook does, takes the division off the critical path: it runs when the
-    bucket is launched (during backward for hook-driven buckets) instead of after the wait. For a power-of-two
-    world size it is exact: ``a / 2 + b / 2 == (a + b) / 2`` in floating point (barring underflow).
-    """
+    """Divide the bucket by the world size, then SUM all-reduce it in place (gloo has no AVG)."""
 
     def launch(
         self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None

@@ -1,9 +1,6 @@
 """ZeRO stage 2: reduce each gradient bucket to its owners *during backward*; every rank keeps only what it owns.
 
-``ZeRO2DDP`` buckets the gradients as ``bucketed`` does, laid out by owner with one presence flag per gradient;
-launching a bucket frees its gradients and sends it to its owners (one reduce-scatter, or one reduce per owner);
-completing it writes the owner's average into its flat shard and points the owned ``.grad`` there. At most
-``buckets_in_flight`` buckets wait at once. ``ShardedOptimizer(schedule="reduce_in_backward",
+``ZeRO2DDP`` buckets the gradients laid out by owner; ``ShardedOptimizer(schedule="reduce_in_backward",
 placement=engine.owner_of)`` steps the shard. Schedule, memory and traffic: ``docs/algorithms.md``.
 """
 
@@ -28,8 +25,7 @@ from lightning_ddp.sync.sharding.optimizer import CollectiveImpl, check_collecti
 __all__ = ["MAX_PADDING", "ZeRO2DDP", "check_buckets_in_flight", "plan_bucket"]
 
 MAX_PADDING = 0.125
-"""With ``native`` collectives, a bucket goes out as one reduce-scatter only if padding every owner's segment to the
-largest adds at most this fraction of the bucket's elements; otherwise one reduce per owner (no padding)."""
+"""``native``: one reduce-scatter only if padding the owners' segments adds at most this fraction of elements."""
 
 
 def check_buckets_in_flight(buckets_in_flight: int) -> None:
@@ -104,16 +100,11 @@ class _InFlight:
 class ZeRO2DDP(GradSyncEngine):
     """Reduce gradient buckets to their owners during backward; keep only the owned gradients (ZeRO-2).
 
-    Train it with ``ShardedOptimizer(..., schedule="reduce_in_backward", placement=engine.owner_of)``: a plain
-    optimizer would skip every parameter this rank does not own (its ``.grad`` is ``None``).
+    Train it with ``ShardedOptimizer(..., schedule="reduce_in_backward", placement=engine.owner_of)``.
 
     Args:
-        module: The model to train; any ``nn.Module``.
-        bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it (a starting
-            point: the reduces cost about what all-reduces of half the size do).
-        process_group: The group to shard over (default: the world).
-        collectives: ``auto`` (``per_owner`` on gloo, ``native`` otherwise), ``native`` (a reduce-scatter per bucket
-            whose owner segments are nearly equal, see ``MAX_PADDING``) or ``per_owner`` (one reduce per owner).
+        bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it.
+        collectives: ``auto`` (``per_owner`` on gloo, ``native`` otherwise), ``native`` or ``per_owner``.
         buckets_in_flight: How many launched buckets (send buffers) may wait at once.
     """
 

@@ -1,10 +1,7 @@
 """Optimizer-state sharding shared by ZeRO-1 (``sync/zero1.py``) and ZeRO-2 (``sync/zero2.py``).
 
 ``ShardedOptimizer`` wraps any ``torch.optim.Optimizer`` class so each rank keeps state only for the parameters it
-owns (``assign_owners``); ``step()`` moves gradients to their owners where the schedule asks, clips, updates the
-owned shard and shares the updated parameters. Parts: ``optimizer``, ``collectives`` (reduce-scatter and all-gather,
-native or per owner), ``clipping`` (the global norm over owned gradients), ``checkpoint`` (consolidated state).
-Schedules, memory and traffic: ``docs/algorithms.md``.
+owns. Schedules, memory and traffic: ``docs/algorithms.md``.
 """
 
 from lightning_ddp.sync.assignment import assign_owners

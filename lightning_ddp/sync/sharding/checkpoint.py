@@ -1,9 +1,7 @@
 """Checkpoints of a ``ShardedOptimizer``: consolidate every rank's shard into the unsharded format, and back.
 
-``consolidated_state_dict`` is what ``ShardedOptimizer.state_dict()`` returns: the full state, on CPU, in exactly
-the format ``optimizer_cls`` would produce for all parameters, so a checkpoint resumes under any world size, either
-schedule, or plain DDP with an unsharded optimizer. ``load_shard`` takes such a state (Lightning loads the file on
-every rank) and keeps the entries the rank owns.
+The consolidated state has ``optimizer_cls``'s own format, so a checkpoint resumes under any world size, either
+schedule, or plain DDP.
 """
 
 from __future__ import annotations
@@ -21,11 +19,7 @@ GROUP_KEYS_NOT_HYPERPARAMETERS = ("params", "param_names")
 
 
 def consolidated_state_dict(optimizer: ShardedOptimizer) -> dict[str, Any]:
-    """The full state on every rank. A collective: every rank must call it.
-
-    Each rank's owned entries travel by ``gather_rank_states`` (one ``all_gather_object`` of their shapes, then one
-    ``broadcast`` per state tensor from its owner), and their union, in parameter order per owner, is the state.
-    """
+    """The full state on every rank (the union of the owners' entries). A collective."""
     inner = optimizer.optim
     assert inner is not None
     local = {optimizer._index[id(param)]: dict(entry) for param, entry in inner.state.items()}
@@ -45,10 +39,7 @@ def consolidated_state_dict(optimizer: ShardedOptimizer) -> dict[str, Any]:
 
 
 def load_shard(optimizer: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load a full state (from ``state_dict()`` or an unsharded ``optimizer_cls``); keep the owned entries.
-
-    Not a collective. The hyperparameters of every group come from ``state_dict``, as in torch.
-    """
+    """Load a full state and keep the owned entries (the groups' hyperparameters too). Not a collective."""
     inner = optimizer.optim
     assert inner is not None
     saved_groups = state_dict["param_groups"]

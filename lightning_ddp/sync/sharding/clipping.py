@@ -1,8 +1,7 @@
 """Gradient clipping when each rank holds only the gradients it owns (ZeRO-1 and ZeRO-2).
 
-Norm: each rank sums the squared norms of its owned, averaged gradients; one scalar SUM all-reduce gives every rank
-the global norm; each owner scales its own by torch's clamped coefficient. Value: each owner clamps its own.
-``ShardedOptimizer`` takes a clipping request and applies it inside ``step()``, once the averages exist.
+Norm: one scalar SUM all-reduce of the owners' squared norms, then each owner scales its own by torch's clamped
+coefficient. Value: each owner clamps its own.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ class ClipRequest:
 
 
 def global_grad_norm(comm: Communicator, owned: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The 2-norm of every rank's ``owned`` gradients together (a collective: every rank calls it), float64 on
-    ``device``. ``owned``: the averaged gradients this rank owns (none is held by two ranks)."""
+    """The 2-norm of every rank's ``owned`` gradients together, float64 on ``device``; a collective."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for grad in owned:
         squares += torch.linalg.vector_norm(grad).double().square()

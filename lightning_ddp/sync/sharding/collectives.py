@@ -1,9 +1,6 @@
 """The two collective phases of a sharded step, ``native`` (one padded flat buffer per dtype, one reduce-scatter or
 all-gather) or ``per_owner`` (one reduce or broadcast per owner, no padding; the default on gloo).
 
-- ``reduce_scatter_gradients``: leave each owner the average over ranks of its parameters' gradients.
-- ``share_parameters``: send every updated parameter from its owner to the other ranks.
-
 Both issue the same collectives in the same order on every rank: the layout depends only on ownership, dtypes and
 the agreed gradient presence.
 """
@@ -45,11 +42,8 @@ def reduce_scatter_gradients(
     comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int],
     impl: str, device: torch.device,
 ) -> None:
-    """Leave each owner the average over ranks of its parameters' gradients (the others' ``.grad`` stay local).
-
-    A parameter no rank has a gradient for keeps ``.grad = None`` everywhere (one small all-reduce of presence
-    flags decides), so its owner's optimizer skips it, as torch would.
-    """
+    """Leave each owner the average over ranks of its parameters' gradients (the others' ``.grad`` stay local);
+    a parameter no rank has a gradient for keeps ``.grad = None`` everywhere."""
     if not trainable:
         return
     counts = agree_on_gradients(comm, [params[i].grad is not None for i in trainable], device)

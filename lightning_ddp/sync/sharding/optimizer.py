@@ -25,8 +25,7 @@ CollectiveImpl = Literal["auto", "native", "per_owner"]
 SCHEDULES: tuple[str, ...] = ("allreduce_broadcast", "reduce_scatter")
 """ZeRO-1's schedules (what the ``zero1_ddp`` strategy offers)."""
 OPTIMIZER_SCHEDULES: tuple[str, ...] = (*SCHEDULES, "reduce_in_backward")
-"""What ``ShardedOptimizer`` accepts: ZeRO-1's, and ``reduce_in_backward``, where ZeRO-2's engine
-(``lightning_ddp.sync.zero2``) has already left each owner the average of its gradients during backward."""
+"""What ``ShardedOptimizer`` accepts: ZeRO-1's, and ZeRO-2's ``reduce_in_backward``."""
 Placement = Callable[[torch.Tensor], Optional[int]]
 COLLECTIVE_IMPLS: tuple[str, ...] = ("auto", "native", "per_owner")
 
@@ -57,8 +56,7 @@ def check_collective_impl(collectives: str) -> None:
 def resolve_collectives(
     collectives: str, device: torch.device | str, group: dist.ProcessGroup | None = None
 ) -> str:
-    """``collectives`` with ``auto`` resolved for tensors on ``device``: ``per_owner`` where gloo moves them,
-    ``native`` otherwise. Per device, not per spec: ``cpu:gloo,cuda:nccl`` moves CUDA parameters over NCCL."""
+    """``collectives`` with ``auto`` resolved for ``device``: ``per_owner`` where gloo moves it, else ``native``."""
     check_collective_impl(collectives)
     if collectives != "auto":
         return collectives
@@ -68,19 +66,14 @@ def resolve_collectives(
 class ShardedOptimizer(RecordsThroughComm, Optimizer):
     """Wrap any ``torch.optim.Optimizer`` class so each rank keeps optimizer state only for the parameters it owns.
 
-    ``param_groups`` are the full, outer groups (every parameter, every hyperparameter of ``optimizer_cls``); an
-    LR scheduler may change them and ``step()`` copies them into the wrapped optimizer ``optim``, which holds
-    the owned parameters only. ``state`` is ``optim.state``: the shard's state.
+    ``param_groups`` are the full groups (an LR scheduler may change them; ``step()`` copies them into ``optim``,
+    which holds the owned parameters only). ``state`` is the shard's state.
 
     Args:
-        params: Parameters or parameter groups, as for any optimizer.
-        optimizer_cls: The optimizer class to shard, e.g. ``torch.optim.AdamW``.
-        schedule: ``allreduce_broadcast`` (a DDP engine all-reduced the gradients), ``reduce_scatter`` (ZeRO-1, with
-            ``DeferredGradSync``) or ``reduce_in_backward`` (ZeRO-2: pass ``placement=engine.owner_of``).
+        schedule: ``allreduce_broadcast``, ``reduce_scatter`` (ZeRO-1) or ``reduce_in_backward`` (ZeRO-2).
         collectives: ``auto``, ``native`` or ``per_owner``: how reduce-scatter and all-gather run.
         placement: The owner a parameter must have, or ``None`` to place it by ``assign_owners``.
-        process_group: The group to shard over (default: the world).
-        **kwargs: Defaults of ``optimizer_cls`` (``lr``, ``betas``, ``weight_decay``, ...).
+        **kwargs: Defaults of ``optimizer_cls`` (``lr``, ``betas``, ...).
     """
 
     def __init__(
@@ -160,8 +153,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
     ) -> ShardedOptimizer:
         """Shard an optimizer that has not stepped yet: same class, same defaults, *the same* group dicts.
 
-        Sharing the group dicts means an LR scheduler built on ``optimizer`` already writes into this
-        optimizer's groups; re-point it anyway (``scheduler.optimizer = sharded``), as the strategy does.
+        Re-point an LR scheduler built on ``optimizer`` anyway (``scheduler.optimizer = sharded``).
         """
         if isinstance(optimizer, ShardedOptimizer):
             raise TypeError("the optimizer is already a ShardedOptimizer")
@@ -271,11 +263,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
     # -- clipping (lightning_ddp.sync.sharding.clipping) ---------------------------------------------------
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
-        """Clip the gradients by their global 2-norm at the next ``step()``, once they are averaged on their owners.
-
-        What ``torch.nn.utils.clip_grad_norm_`` does in one process; a collective (one scalar all-reduce) inside
-        ``step()``. The norm is in ``last_grad_norm`` after the step.
-        """
+        """Clip by the global 2-norm at the next ``step()`` (a collective there); the norm is in ``last_grad_norm``."""
         if norm_type != 2.0:
             raise ValueError(
                 f"ShardedOptimizer clips by the 2-norm only, got norm_type={norm_type!r}; drop norm_type."
@@ -297,10 +285,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
     # -- checkpoints (lightning_ddp.sync.sharding.checkpoint) ----------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The full (consolidated) state, on CPU, as ``optimizer_cls`` would return it for all parameters.
-
-        A collective: every rank must call it, and every rank gets the whole state.
-        """
+        """The full state on CPU, as ``optimizer_cls`` would return it; a collective, every rank gets it all."""
         return checkpoint.consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
