@@ -111,9 +111,8 @@ class RMSNorm(nn.Module):
 def rope_cache(
     context_length: int, head_dim: int, theta: float, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the RoPE angles, each (context_length, head_dim // 2), in float32, on ``device``
-    (default: the current default device, so building under ``torch.device("meta")`` works).
-    """
+    """cos and sin of the RoPE angles, each (context_length, head_dim // 2), float32, on ``device`` (None: the
+    default device, so building under ``torch.device("meta")`` works)."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)  # (hs/2,)
     positions = torch.arange(context_length, dtype=torch.float32, device=device)  # (T,)
     angles = torch.outer(positions, inv_freq)  # (T, hs/2)

@@ -1,8 +1,6 @@
-"""The GPT language model as a LightningModule: loss, optimizer, schedule, logging.
-
-It knows nothing of how gradients are synchronised (the strategy's job), so swapping the strategy changes nothing
-here. Evaluation logs once per epoch of the held-out split ``val/loss`` (mean next-token cross-entropy in nats over
-every token of the split, all ranks' shards together) and ``val/ppl`` (``exp(val/loss)``); ``test/*`` for ``test``.
+"""The GPT language model as a LightningModule: loss, optimizer, schedule, logging; nothing of how gradients are
+synchronised. Evaluation logs ``val/loss`` (mean cross-entropy in nats over every token of the split, all ranks)
+and ``val/ppl`` once per epoch; ``test/*`` for ``test``.
 """
 
 from __future__ import annotations

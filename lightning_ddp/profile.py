@@ -1,11 +1,7 @@
 """The compute profile: how long forward, backward and the optimizer take, and when each gradient is ready.
 
-One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` (or by
-``write_profile`` for modelled profiles) and read by the projection; it lives below both. Required: ``schema``,
-``forward_ms``, ``backward_ms``, ``optimizer_ms`` (per rank) and ``params`` (trainable parameters in
-``module.parameters()`` order, each with ``name``, ``numel``, gradient ``bytes``, ``ready_ms`` after backward's
-start or null, and an optional ``shape``); descriptive fields (``source``, ``device``, ``preset``, ``batch_size``,
-``seq_len``, ``precision``, ``world_size``) may be absent or null. Standard library only.
+One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``, in ``docs/comm_timer.md``), written by
+the ``CommTimer`` or ``write_profile`` and read by the projection. Standard library only.
 """
 
 from __future__ import annotations
