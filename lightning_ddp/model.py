@@ -243,12 +243,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward) at ``seq_len`` (default ``config.context_length``).
-
-        PaLM's formula (Chowdhery et al., 2022, appendix B): ``6 * N_matmul + 12 * n_layers * d_model * seq_len``, with
-        ``N_matmul`` every Linear weight (lm_head included even when tied; no embedding, no norm scales) and the second
-        term the attention scores and weighted sum (the causal mask ignored).
-        """
+        """Training FLOPs per token at ``seq_len`` (default ``config.context_length``): PaLM's
+        ``6 * N_matmul + 12 * n_layers * d_model * seq_len``, ``N_matmul`` every Linear weight, lm_head included
+        (``docs/projection.md``)."""
         if seq_len is None:
             seq_len = self.config.context_length
         if seq_len < 1:

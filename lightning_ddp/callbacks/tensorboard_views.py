@@ -83,11 +83,7 @@ def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, 
 
 
 def run_metrics(summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """The run's HPARAMS metrics: ``MEDIAN_METRICS`` of the keys in ``summary`` (``TimingSummary.summarize``).
-
-    >>> run_metrics({"step/time_ms": {"median": 80.0, "p10": 70.0}, "comm/bytes": {"median": 1e6}})
-    {'median/step/time_ms': 80.0}
-    """
+    """The run's HPARAMS metrics: ``MEDIAN_METRICS`` of the keys in ``summary`` (``TimingSummary.summarize``)."""
     return {tag: float(summary[key]["median"]) for key, tag in MEDIAN_METRICS.items() if key in summary}
 
 

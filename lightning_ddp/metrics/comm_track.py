@@ -37,11 +37,7 @@ class RecordedStep:
 
 
 def assign_lanes(intervals: list[Interval]) -> list[int]:
-    """Greedy lanes so that intervals in one lane never overlap (Chrome ``X`` events on one thread must nest).
-
-    >>> assign_lanes([(0, 4), (1, 2), (3, 5), (4, 6)])
-    [0, 1, 1, 0]
-    """
+    """Greedy lanes so that intervals in one lane never overlap (Chrome ``X`` events on one thread must nest)."""
     lane_end: list[float] = []
     lanes = []
     for start, end in intervals:
