@@ -445,15 +445,7 @@ def estimate_rank_memory(
 
 
 def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024, **estimate_kwargs: Any) -> int:
-    """The largest ``batch_size`` <= ``max_batch`` whose estimate (``estimate_kwargs``) fits; 0 if not even 1 does.
-
-    >>> from lightning_ddp.model import get_config
-    >>> kw = dict(seq_len=128, precision="32-true", strategy="ddp", world_size=2, device_type="cpu")
-    >>> largest_batch(get_config("tiny", context_length=128), budget_bytes=2 * GiB, **kw)  # ~21 MiB a sequence
-    68
-    >>> largest_batch(get_config("xl"), budget_bytes=12 * GiB, **kw)  # the fp32 weights alone need 7.4 GiB x 5
-    0
-    """
+    """The largest ``batch_size`` <= ``max_batch`` whose estimate (``estimate_kwargs``) fits; 0 if not even 1 does."""
     estimate_kwargs.pop("batch_size", None)
 
     def fits(batch: int) -> bool:
