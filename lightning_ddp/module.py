@@ -182,11 +182,8 @@ class LitGPT(pl.LightningModule):
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: float, schedule: str, min_ratio: float) -> float:
-    """Learning-rate multiplier at optimizer step ``step``: linear warm-up, then constant or cosine decay.
-
-    Cosine: ``min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * progress))`` with progress running from 0 at the
-    end of warm-up to 1 at ``total_steps``.
-    """
+    """Learning-rate multiplier at optimizer step ``step``: linear warm-up, then constant or cosine decay to
+    ``min_ratio`` at ``total_steps``."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant" or not math.isfinite(total_steps) or total_steps <= warmup_steps:

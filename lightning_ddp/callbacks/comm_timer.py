@@ -368,6 +368,7 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
     times = {key: median([s[key] for s in steps]) for key in ("forward_ms", "backward_ms", "optimizer_ms")}
     if not steps or None in times.values():
         return None
+
     def ready(i: int) -> float | None:
         # A gradient ready before backward started can only be two clocks disagreeing: clamped to 0, as the three
         # times below are, since ParamTiming refuses a negative time and the profile would not be written.
