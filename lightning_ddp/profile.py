@@ -28,13 +28,12 @@ class ParamTiming:
     name: str
     """Qualified name, as ``module.named_parameters()`` gives it."""
     numel: int
-    """Number of elements."""
     bytes: int
-    """Bytes of its gradient (numel times the gradient's element size)."""
+    """Bytes of its gradient."""
     ready_ms: Optional[float]
     """Milliseconds after the start of backward when its gradient was ready; ``None``: no gradient this step."""
     shape: Optional[tuple[int, ...]] = None
-    """Its shape, if recorded (``numel`` is their product)."""
+    """Its shape, if recorded."""
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.bytes < 0:
@@ -54,7 +53,7 @@ class ParamTiming:
 
 @dataclass(frozen=True)
 class ComputeProfile:
-    """Per-rank compute of one training step (see the module docstring for the JSON form)."""
+    """Per-rank compute of one training step (its JSON form: ``docs/comm_timer.md``)."""
 
     forward_ms: float
     backward_ms: float
