@@ -1,10 +1,7 @@
 """Our strategy names in Lightning's ``StrategyRegistry`` from ``import lightning_ddp``, without importing Lightning.
 
-``register_with_lightning()`` registers now if ``lightning.pytorch`` is imported; otherwise it puts a one-shot
-post-import hook at the front of ``sys.meta_path`` (as ``wrapt.register_post_import_hook`` does) that registers
-right after ``lightning.pytorch`` has run, and finds nothing itself. Importing Lightning costs seconds and the
-pure-PyTorch core must work without it, hence the hook. A failure to register is a warning, never an error in
-the user's ``import lightning``.
+``register_with_lightning()`` registers now if ``lightning.pytorch`` is imported, else from a one-shot post-import
+hook on ``sys.meta_path``. A failure to register is a warning, never an error in the user's ``import lightning``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``python -m lightning_ddp fit --config configs/quickstart.yaml``: a thin LightningCLI.
 
-Subcommands ``fit``, ``validate`` and ``test`` (``--ckpt_path`` evaluates a checkpoint); any other prints the
-supported ones and exits 2. The ``CommTimer`` (section ``timer:``) and ``TraceRecorder`` (``trace:``) are always added;
-``data.vocab_size`` is linked to the model, ``model.context_length`` to the data. Before ``fit`` starts anything, the
-memory pre-flight (``lightning_ddp.memory``) refuses a run that cannot fit, with the fixes (``--preflight false`` skips
-it; evaluation skips it: it models training).
+Subcommands ``fit``, ``validate``, ``test``; the ``CommTimer`` (``timer:``) and ``TraceRecorder`` (``trace:``) are
+always added. Before ``fit`` starts anything, the memory pre-flight refuses a run that cannot fit, with the fixes
+(``--preflight false`` skips it; ``docs/memory.md``).
 """
 
 from __future__ import annotations
@@ -68,7 +66,7 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropLightn
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
-#: The subcommands this CLI runs; LightningCLI's ``predict`` is left out (see the module docstring).
+#: The subcommands this CLI runs; LightningCLI's ``predict`` is left out.
 SUBCOMMANDS = ("fit", "validate", "test")
 
 
@@ -79,8 +77,7 @@ def _quiet_evaluation() -> None:
 
 
 class UsageError(SystemExit):
-    """A refused input: exit code 2, the message already printed as one ``error:`` line. A ``SystemExit``, so that
-    ``python -m lightning_ddp`` prints no traceback; its text is the message, for a caller that catches it."""
+    """A refused input: exit code 2 and no traceback, the message already printed as one ``error:`` line."""
 
     def __init__(self, message: str) -> None:
         super().__init__(2)
@@ -101,11 +98,8 @@ _TYPE_NOISE = ("Expected a ", "Not a valid subclass", "Type <", "Does not valida
 
 
 def user_error_message(message: str) -> str:
-    """The line of a (jsonargparse) error message that says what is wrong, with the fix when it names one.
-
-    A union type's report lists one reason per type tried (``- ...``, continued on deeper-indented lines): the one
-    that is not a type mismatch, the one naming a fix first, after the key's label (``Parser key "x":``) when
-    there is one. Otherwise the first line, with the next when it is only a label.
+    """The line of a jsonargparse error message that says what is wrong: of a union's reasons, the one that is not a
+    type mismatch, preferring one that names a fix, after the key's label.
 
     >>> user_error_message("Does not validate against any of the Union subtypes\\nErrors:\\n  - Expected a <class "
     ...                    "'str'>\\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\\nGiven value: x")
@@ -113,8 +107,6 @@ def user_error_message(message: str) -> str:
     >>> user_error_message('Parser key "s":\\n  Errors:\\n    - Expected a <class \\'str\\'>\\n'
     ...                    '    - Problem with given class_path \\'A\\':\\n        Option \\'x\\' is not accepted')
     'Parser key "s": Option \\'x\\' is not accepted'
-    >>> user_error_message('Parser key "data.batch_size":\\n  Expected a <class \\'int\\'>. Got value: abc')
-    'Parser key "data.batch_size": Expected a <class \\'int\\'>. Got value: abc'
     """
     raw = [line.rstrip() for line in message.splitlines() if line.strip()]
     if not raw:
@@ -143,8 +135,7 @@ def user_error_message(message: str) -> str:
 
 
 class OneLineErrorParser(LightningArgumentParser):
-    """jsonargparse's parser, whose refusal is one ``error:`` line and a pointer to ``--help`` instead of the
-    whole usage text (~90 lines for ``fit``) before the error."""
+    """jsonargparse's parser, refusing with one ``error:`` line instead of the whole usage text."""
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -163,7 +154,7 @@ class LightningDDPCLI(LightningCLI):
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
-        """LightningCLI's subcommands and the ``Trainer`` method arguments each skips, ``SUBCOMMANDS`` only."""
+        """LightningCLI's subcommands, ``SUBCOMMANDS`` only."""
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -234,9 +225,7 @@ class LightningDDPCLI(LightningCLI):
 
 
 def name_run_by_strategy(trainer) -> None:
-    """A TensorBoard/CSV logger left unnamed logs under the strategy's name (``logs/bucketed_ddp/version_0``, beside
-    ``logs/naive_ddp/version_0`` in TensorBoard); ``{strategy}`` in a name is replaced by it
-    (``name: text_bytes_{strategy}``). A name given otherwise is kept. Runs before anything reads the log folder."""
+    """Name an unnamed TensorBoard/CSV logger after the strategy, or replace ``{strategy}`` in its name."""
     logger = trainer.logger
     if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
         return
@@ -306,8 +295,7 @@ def _builds(lightning_class: str, class_path: object) -> bool:
 
 
 def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] | None:
-    """(catalogue name, bucket_size_mb, state sharded over an all-reducing engine) of the configured strategy, or
-    None for one the estimate does not model (Lightning's FSDP, DeepSpeed, a user's class)."""
+    """(catalogue name, bucket_size_mb, state sharded over an all-reducing engine), or None if not modelled."""
     if isinstance(strategy, str):
         return strategy, None, False
     class_path = _field(strategy, "class_path")
@@ -340,13 +328,8 @@ def _device_count(accelerator: object, devices: object, on_cuda: bool) -> int | 
 
 
 def _ranks_per_gpu(world_size: int, num_nodes: int) -> int:
-    """How many ranks share this rank's GPU.
-
-    One node: one rank per device (Lightning refuses a device listed twice). Several "nodes" all on this host
-    (``MASTER_ADDR`` is the loopback: the benchmark sweep's layout for more ranks than GPUs, one device per rank):
-    the world over the GPUs this process sees, rounded up (over-counts when ranks are spread over GPUs that each
-    see only their own: the budget errs small, never large).
-    """
+    """How many ranks share this rank's GPU: 1, or with several "nodes" on the loopback (the sweep's layout for
+    more ranks than GPUs) the world over the visible GPUs, rounded up (the budget errs small, never large)."""
     if num_nodes == 1 or os.environ.get("MASTER_ADDR") not in ("127.0.0.1", "localhost"):
         return 1
     return max(1, -(-world_size // max(torch.cuda.device_count(), 1)))
@@ -364,7 +347,7 @@ def _device_type(accelerator: object) -> str | None:
 
 @dataclass
 class _Preflight:
-    """What the pre-flight estimates from: the parsed config, resolved to a strategy and a world."""
+    """The parsed config, resolved to a strategy and a world."""
 
     config: Any
     device_type: str
@@ -393,7 +376,7 @@ class _Preflight:
 
 
 def _preflight(config) -> _Preflight | None:
-    """The pre-flight's inputs, or None where there is nothing to check against (module docstring of check_memory)."""
+    """The pre-flight's inputs, or None where there is nothing to check against."""
     trainer, data = config.trainer, config.data
     device_type = _device_type(trainer.accelerator)
     if device_type is None:
@@ -445,12 +428,8 @@ def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list
 
 
 def check_memory(config) -> None:
-    """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes.
-
-    Runs on the parsed config, before any process starts or file is written. Skipped where the estimate has no
-    model or no budget: an accelerator other than CPU/CUDA, CUDA requested but not visible, a strategy or precision
-    ``lightning_ddp.memory`` does not model, or a value the classes reject with their own message.
-    """
+    """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes;
+    skipped where there is no model or no budget (another accelerator, an unmodelled strategy or precision)."""
     run = _preflight(config)
     if run is None:
         return
@@ -472,11 +451,7 @@ def check_memory(config) -> None:
 
 
 def check_subcommand(args: list[str] | None) -> None:
-    """An unsupported subcommand (``predict``, a typo) gets one line naming the supported ones and exit code 2.
-
-    jsonargparse would answer ``predict`` with the whole usage text and an "invalid choice"; this says what to run.
-    Only the first argument is looked at, where the subcommand goes; options such as ``--help`` pass through.
-    """
+    """Exit 2 with one line naming the supported subcommands if the first argument is another one."""
     first = (sys.argv[1:] if args is None else args)[:1]
     if not first or first[0].startswith("-") or first[0] in SUBCOMMANDS:
         return

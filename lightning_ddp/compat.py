@@ -1,9 +1,6 @@
 """Every private or version-dependent torch and Lightning API this package uses, behind one small module.
 
-When a torch or Lightning release renames or removes one of these, this file is the only place to change. It
-imports only torch at the top; each Lightning helper imports Lightning inside the function, so the pure-PyTorch
-core (``lightning_ddp.sync``) can import it where Lightning is not installed. Each helper is a few lines over the
-private API it hides.
+It imports only torch at the top (Lightning inside each helper), so the pure-PyTorch core can import it.
 """
 
 from __future__ import annotations
@@ -91,9 +88,7 @@ def launched_processes(strategy: Any) -> list[subprocess.Popen]:
 
 
 def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Make ``scheduler`` drive ``optimizer`` instead of the optimizer it was built on, wrapping its ``step`` as
-    ``LRScheduler`` does (the private ``_opt_called`` / ``_wrapped_by_lr_sched`` protocol), so no warning is given.
-    """
+    """Make ``scheduler`` drive ``optimizer``, wrapping its ``step`` as ``LRScheduler`` does (no warning given)."""
     scheduler.optimizer = optimizer
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return

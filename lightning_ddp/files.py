@@ -1,9 +1,7 @@
 """Writing a file whole or not at all: ``write_atomically`` and ``write_json_atomically``. Pure Python.
 
-Every result, profile and report this package writes goes through here, so a reader sees the old file or the new
-one, never half of one: the content goes to a unique temporary file next to ``path`` (``O_EXCL``, permissions
-from the umask), is flushed and ``fsync``ed, then ``os.replace``d over ``path``; on any error the temporary file
-is removed and ``path`` keeps its old content.
+Every file this package writes goes through here: a unique temporary file beside ``path``, fsynced, then
+``os.replace``d over it; on any error ``path`` keeps its old content.
 """
 
 from __future__ import annotations

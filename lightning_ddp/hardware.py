@@ -1,9 +1,6 @@
-"""One hardware table: dense peak FLOP/s per dtype, memory bandwidth and size, and SM count per device. Pure Python.
-
-Read by the ``CommTimer``'s MFU and the projection's GPUs (``lightning_ddp.projection.flops.GPUS``); each figure
-lives here once, with its source. Figures are datasheet figures without structured sparsity. A device name is
-matched word by word against ``DEVICES`` in order (so "L40S" is not "L4"); a MIG slice gets its share of its GPU.
-The rules and the table: ``docs/comm_timer.md``, "MFU and the peak FLOP/s".
+"""One hardware table, pure Python: dense peak FLOP/s per dtype, memory bandwidth and size, SM count per device,
+each with its datasheet source. Read by the ``CommTimer``'s MFU and the projection; the matching rules:
+``docs/comm_timer.md``, "MFU and the peak FLOP/s".
 """
 
 from __future__ import annotations
@@ -29,35 +26,33 @@ DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 """The compute dtypes with a peak in the table."""
 
 MIG_COMPUTE_SLICES = 7
-"""Compute slices of a MIG-capable GPU (A100, H100, H200, B200): a ``Ng`` profile holds N of them."""
+"""Compute slices of a MIG-capable GPU: a ``Ng`` profile holds N of them."""
 
 CPU_FP32_TFLOPS_PER_CORE = 0.078
-"""fp32 matmul throughput of one core of our 2-core CI machine (~78 GFLOP/s, measured): an estimate for CPUs."""
+"""fp32 matmul TFLOP/s of one CPU core (measured on our CI machine): an estimate for CPUs."""
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device kind: its peaks, its memory and how its name is recognised."""
+    """One device kind."""
 
     key: str
     """Short name, e.g. ``h100-sxm`` (the projection's ``compute.gpu``)."""
     name: str
     """Display name."""
     patterns: tuple[tuple[str, ...], ...]
-    """Word sets, any of which identifies the device (every word must be a word of the lower-cased name)."""
+    """Word sets, any of which identifies the device (all its words in the lower-cased name)."""
     dense_tflops: dict[str, float] = field(compare=False)
-    """Dense (no sparsity) peak TFLOP/s by dtype: fp32, tf32, bf16, fp16."""
+    """Dense peak TFLOP/s by dtype."""
     memory_GBps: float
     """Memory bandwidth, GB/s (10**9 bytes)."""
     memory_GB: float
-    """Memory size, GB (10**9 bytes), as the datasheet states it."""
+    """Memory size, GB (10**9 bytes)."""
     sm_count: int
-    """SMs of the full (non-MIG) product, ``multi_processor_count`` of an unpartitioned device."""
+    """SMs of the full (non-MIG) product."""
     source: str
-    """Where the figures come from."""
 
     def peak_flops(self, dtype: str) -> float | None:
-        """Dense peak FLOP/s for ``dtype``, or None if the table has none."""
         tflops = self.dense_tflops.get(dtype)
         return None if tflops is None else tflops * 1e12
 
@@ -148,8 +143,7 @@ def get_device(key: str) -> DeviceSpec:
 
 
 def compute_share(device_name: str, sm_count: int | None = None) -> float:
-    """The fraction of its GPU's compute a device has: 1 for a whole GPU; for a MIG slice, ``sm_count`` over the
-    full GPU's SMs when given and known, else N/7 for an ``Ng`` profile."""
+    """The fraction of its GPU's compute a device (or MIG slice, by ``sm_count`` or else N/7) has."""
     profile = mig_profile(device_name)
     if profile is None:
         return 1.0
@@ -160,14 +154,8 @@ def compute_share(device_name: str, sm_count: int | None = None) -> float:
 
 
 def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: int | None = None) -> float | None:
-    """Dense peak FLOP/s of one device (or MIG slice) for ``dtype``, or None if unknown.
-
-    ``device_name``: a GPU's name, or ``"cpu"`` (then ``threads`` cores at ``CPU_FP32_TFLOPS_PER_CORE``, fp32 only).
-    ``sm_count``: the device's ``multi_processor_count``, for a MIG slice's share.
-
-    >>> dense_peak_flops("NVIDIA H100 80GB HBM3", "bf16") / 1e12
-    989.4
-    """
+    """Dense peak FLOP/s of one device (or MIG slice) for ``dtype``, or None if unknown; ``"cpu"``: ``threads``
+    cores, fp32 only."""
     if device_name.lower() == "cpu":
         return CPU_FP32_TFLOPS_PER_CORE * 1e12 * threads if dtype == "fp32" else None
     spec = find_device(device_name)
@@ -176,9 +164,7 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
 
 
 def job_peak_flops(per_rank: list[tuple[object, float | None]]) -> float | None:
-    """The whole job's peak: the sum over its *distinct* devices of ``(device identity, peak)`` per rank.
-
-    Ranks sharing a device count it once; ``None`` if any peak is unknown.
+    """The whole job's peak from ``(device identity, peak)`` per rank: each device once; ``None`` if any is unknown.
 
     >>> job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-0"), 1e15)])  # 2 ranks, 1 GPU
     1000000000000000.0

@@ -1,10 +1,5 @@
-"""Ranks on one host: a free port to meet at, and joining their process group over loopback.
-
-For whoever spawns its own ranks on this machine (the benchmarks, the multi-process tests). Importing it costs no
-torch import. ``find_free_port`` gives a port that was free a moment ago (callers that must not fail retry);
-``init_local_process_group`` sets ``GLOO_SOCKET_IFNAME=lo`` on Linux (a container's host-name interface may not
-route back) and, with ``threads``, the rank's share of the cores (``cores_per_rank``), so ranks do not
-oversubscribe the machine.
+"""Ranks on one host (the benchmarks, the multi-process tests): a free port to meet at, and joining their process
+group over loopback (``GLOO_SOCKET_IFNAME=lo`` on Linux) with each rank's share of the cores. Imports no torch.
 """
 
 from __future__ import annotations

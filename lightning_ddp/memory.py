@@ -1,10 +1,7 @@
 """Memory pre-flight: the bytes one rank needs for a training step, from the config alone, and whether they fit.
 
-``estimate_rank_memory`` adds the categories (parameters, gradients, optimizer state, the strategy's buffers from its
-catalogue memory model, activations, overhead) and takes the peak over the forward's end and the step;
-``check_fits`` refuses a run that does not fit, with the fixes. The formulas, how they were measured and the
-bucket buffers of each strategy: ``docs/memory.md``. Print an estimate: ``python -m lightning_ddp.memory --preset xl
---batch_size 4 --seq_len 512 --precision bf16-mixed --strategy bucketed_ddp --world_size 2 --bucket_size_mb 100``.
+``estimate_rank_memory`` adds the categories and takes the peak over the forward's end and the step; ``check_fits``
+refuses a run that does not fit, with the fixes. The formulas and how they were measured: ``docs/memory.md``.
 """
 
 from __future__ import annotations
@@ -60,21 +57,16 @@ PARTS: tuple[str, ...] = (
 """The categories of ``MemoryEstimate.parts``, in table order."""
 
 CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
-"""Fixed per-rank cost on CUDA that no tensor accounts for: the CUDA context and loaded kernels (~0.5 GiB with
-torch 2.x on Hopper), NCCL's communicator buffers (~0.3-0.5 GiB for one node), cuBLAS workspaces, and the caching
-allocator's rounding and fragmentation."""
+"""Fixed per-rank cost on CUDA that no tensor accounts for (``docs/memory.md``, "Overhead")."""
 CPU_OVERHEAD_BYTES = int(0.5 * GiB)
-"""Fixed per-process cost on CPU: the interpreter with torch and Lightning imported is ~0.4 GiB RSS (measured on
-this project's CPU machine with torch 2.x), plus the data loader and allocator caches."""
+"""Fixed per-process cost on CPU (``docs/memory.md``, "Overhead")."""
 
-# Bytes saved for backward per token by one Block: (a, b, c) in a·d_model + b·d_ff + c. Measured on CPU with
-# `saved_tensor_bytes` and fitted (module docstring); re-measured by
-# tests/unit/test_memory.py::test_block_activation_formula_matches_measurement. Keyed by the activation dtype regime.
+# Bytes saved for backward per token by one Block: (a, b, c) in a·d_model + b·d_ff + c, by activation regime;
+# measured and fitted as docs/memory.md says, re-measured by tests/unit/test_memory.py.
 _BLOCK_SAVED_BYTES: dict[str, tuple[int, int, int]] = {
-    "fp32": (44, 16, 100),  # 11 fp32 (B,T,d) tensors (norm in/out x2, q, k, v, rotated q, k, attention out, its
-    # (B,T,C) copy, the residual) and 4 fp32 (B,T,d_ff) in the SwiGLU (w1 x, w3 x, silu, product)
-    "autocast": (36, 8, 100),  # the matmul outputs in 2 bytes, norms, RoPE and the residual stream still fp32
-    "half": (26, 8, 100),  # *-true half precision: everything in 2 bytes except the fp32 norm and RoPE internals
+    "fp32": (44, 16, 100),
+    "autocast": (36, 8, 100),
+    "half": (26, 8, 100),
 }
 
 
@@ -103,12 +95,7 @@ _PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "
 
 
 def normalize_precision(precision: object) -> str:
-    """Lightning's precision setting as one of ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
-    ``16-true``, ``64-true``.
-
-    >>> normalize_precision(32), normalize_precision("bf16"), normalize_precision(None)
-    ('32-true', 'bf16-mixed', '32-true')
-    """
+    """Lightning's precision setting as a key of ``_PRECISIONS`` (``32`` -> ``32-true``, ...)."""
     name = str(precision)
     name = _PRECISION_ALIASES.get(name, name)
     if name not in _PRECISIONS:
@@ -123,8 +110,7 @@ def normalize_precision(precision: object) -> str:
 
 
 def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
-    """Shapes of ``GPT(config).parameters()``, in order, without building the model (tied tables once): the
-    values of ``lightning_ddp.model_shapes.gpt_parameter_shapes``.
+    """Shapes of ``GPT(config).parameters()``, in order, without building the model (tied tables once).
 
     >>> from lightning_ddp.model import get_config
     >>> shapes = parameter_shapes(get_config("xl"))
@@ -137,12 +123,8 @@ def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
 def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state one rank holds before (and after) a step, fp32.
 
-    ``shapes`` are the trainable parameters' shapes (tied tensors once). Unsharded: every rank holds the state
-    of every tensor; sharded (any ``mode`` but ``unsharded``): only of the tensors ``assign_owners`` gives it;
-    ``fully_sharded`` (fsdp2) holds its dim-0 rows of every tensor, gradients and state alike;
-    ``zero2`` also holds only those tensors' gradients (its shard, Ψ_r; the buckets in flight during backward are
-    gone by then: ``zero2_gradient_peak_bytes`` bounds them). ``python -m lightning_ddp.bench.memory`` measures the
-    same three categories next to these.
+    ``mode``: ``unsharded``, a sharded state (``reduce_scatter``: the tensors ``assign_owners`` gives the rank),
+    ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor).
 
     >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="unsharded", rank=1)
     {'parameters': 80, 'gradients': 80, 'optimizer_state': 168}
@@ -165,8 +147,7 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
 
 
 def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
-    """Rows of a tensor FSDP2 gives ``rank``: chunks of ``ceil(rows / N)`` along dim 0, the last ranks' shorter or
-    empty (a 0-d tensor is one row)."""
+    """Rows of a tensor FSDP2 gives ``rank``: chunks of ``ceil(rows / N)`` along dim 0 (a 0-d tensor is one row)."""
     rows = shape[0] if shape else 1
     chunk = -(-rows // world_size)
     return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
@@ -175,9 +156,8 @@ def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
 def zero2_gradient_peak_bytes(
     shapes: list[tuple[int, ...]], world_size: int, rank: int, bucket_cap_bytes: int | None, buckets_in_flight: int = 2
 ) -> int:
-    """An upper bound of the gradient bytes a ``zero2`` rank holds during backward, fp32: its shard (Ψ_r) plus
-    ``buckets_in_flight`` send buffers and the local gradients of the bucket filling, each at most one cap (the
-    whole gradient, Ψ, with one bucket), when backward produces gradients in bucket order (``sync/zero2.py``).
+    """An upper bound of the gradient bytes a ``zero2`` rank holds during backward, fp32: its shard plus
+    ``buckets_in_flight + 1`` caps (``docs/memory.md``).
 
     >>> zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64)  # 16 + 3 x 64
     208
@@ -211,14 +191,13 @@ def _adam_state_bytes(numels: Sequence[int], param_bytes: int, world_size: int, 
 @dataclass(frozen=True)
 class _Buffers:
     kind: str
-    """``none``, ``full`` (one buffer the size of all gradients), ``bucketed`` (``assign_buckets``), ``zero2`` or
-    ``fully_sharded``."""
+    """``none``, ``full`` (one buffer the size of all gradients), ``bucketed``, ``zero2`` or ``fully_sharded``."""
     persistent: bool
-    """Kept across steps (``True``) or only during the sync/step (``False``)."""
+    """Kept across steps."""
     cap_bytes: int | None = None
-    """The bucket cap for ``bucketed`` (None: one bucket)."""
+    """The bucket cap (None: one bucket)."""
     sharded_state: bool = False
-    """ZeRO-1: the optimizer state is split over the ranks."""
+    """The optimizer state is split over the ranks."""
 
 
 _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
@@ -265,9 +244,8 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | No
 
 
 def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-true") -> int:
-    """Bytes one ``Block`` saves for backward per token (the measured, fitted formula; module docstring).
-
-    The xl block (d_model 1600, d_ff 6400) under bf16-mixed: 36·1600 + 8·6400 + 100 bytes:
+    """Bytes one ``Block`` saves for backward per token (the fitted formula); the xl block under bf16-mixed:
+    36·1600 + 8·6400 + 100 bytes:
 
     >>> activation_bytes_per_token(1600, 6400, "bf16-mixed")
     108900
@@ -278,11 +256,8 @@ def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-tru
 
 
 def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs.
-
-    ``exclude``: tensors whose storages are not to be counted (the parameters). This is how the per-block
-    formula was measured; ``tests/unit/test_memory.py`` re-measures it with this function.
-    """
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs, ``exclude``'s storages not
+    counted (the parameters)."""
     import torch
 
     skip = {t.untyped_storage().data_ptr() for t in exclude}
@@ -307,13 +282,12 @@ class MemoryEstimate:
     """Bytes one rank needs for a training step, by category (``PARTS``), and its peak."""
 
     parts: dict[str, int]
-    """Bytes per category: parameters, gradients, optimizer_state, bucket_buffers, regrown_gradients,
-    low_precision_weights, activations, overhead."""
+    """Bytes per category of ``PARTS``."""
     phases: tuple[tuple[str, ...], ...] = ()
-    """Groups of parts that do not live at the same time (the forward's end, the step's); the peak holds the
-    largest group plus every part in no group. Empty: every part at once."""
+    """Groups of parts that do not live at the same time; the peak holds the largest group plus every part in no
+    group. Empty: every part at once."""
     description: str = ""
-    """What was estimated, for messages: preset, batch, context, precision, strategy, ranks."""
+    """What was estimated, for messages."""
 
     @property
     def total_bytes(self) -> int:
@@ -325,7 +299,7 @@ class MemoryEstimate:
 
     @property
     def sum_bytes(self) -> int:
-        """Every part at once: the bound if the phases did coincide."""
+        """Every part at once."""
         return sum(self.parts.values())
 
     def table(self) -> str:
@@ -345,10 +319,8 @@ class MemoryEstimate:
 
 
 def fsdp2_gathered_bytes(config: GPTConfig, param_bytes: int, world_size: int) -> tuple[int, int, int]:
-    """``fsdp2`` on our GPT (one FSDP group per ``Block``, the root holding the rest): bytes of one rank's shards
-    (each tensor split along dim 0, padded to a multiple of the world size), of the parameters gathered at once
-    during forward and backward (the root group, kept for the whole step, and two blocks: the one computing and
-    the one prefetched), and of one block unsharded.
+    """``fsdp2`` on our GPT (one group per ``Block``): bytes of one rank's padded shards, of the parameters gathered
+    at once (the root group and two blocks: computing and prefetched), and of one block unsharded.
 
     >>> from lightning_ddp.model import get_config
     >>> shard, gathered, block = fsdp2_gathered_bytes(get_config("tiny"), 4, 2)
@@ -426,9 +398,8 @@ def estimate_rank_memory(
 ) -> MemoryEstimate:
     """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: docs/memory.md).
 
-    ``strategy`` is a catalogue name (or Lightning's ``auto``/``ddp`` variants); ``bucket_size_mb`` the cap of a
-    bucketed strategy (None: its default). The xl preset in
-    the published 2-GPU xl runs' configuration (``configs/xl_2gpu.yaml``):
+    ``strategy``: a catalogue name or Lightning's ``auto``/``ddp`` variants; ``bucket_size_mb`` None: its default.
+    The published 2-GPU xl runs' configuration (``configs/xl_2gpu.yaml``):
 
     >>> from lightning_ddp.model import get_config
     >>> xl = estimate_rank_memory(get_config("xl", context_length=512), batch_size=4, seq_len=512,
@@ -474,17 +445,7 @@ def estimate_rank_memory(
 
 
 def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024, **estimate_kwargs: Any) -> int:
-    """The largest ``batch_size`` <= ``max_batch`` whose estimate fits ``budget_bytes``; 0 if not even 1 does.
-
-    ``estimate_kwargs`` are ``estimate_rank_memory``'s other keywords (``seq_len``, ``precision``, ...).
-
-    >>> from lightning_ddp.model import get_config
-    >>> kw = dict(seq_len=128, precision="32-true", strategy="ddp", world_size=2, device_type="cpu")
-    >>> largest_batch(get_config("tiny", context_length=128), budget_bytes=2 * GiB, **kw)  # ~21 MiB a sequence
-    68
-    >>> largest_batch(get_config("xl"), budget_bytes=12 * GiB, **kw)  # the fp32 weights alone need 7.4 GiB x 5
-    0
-    """
+    """The largest ``batch_size`` <= ``max_batch`` whose estimate (``estimate_kwargs``) fits; 0 if not even 1 does."""
     estimate_kwargs.pop("batch_size", None)
 
     def fits(batch: int) -> bool:
@@ -502,8 +463,7 @@ def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024
 
 
 def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
-    """Bytes one rank may use: what is free now on the current GPU (``cudaMemGetInfo``: its memory less what this
-    and other processes hold), or the host's available RAM (``MemAvailable``), divided by the ranks that share it."""
+    """Bytes one rank may use: the current GPU's memory or the host's available RAM, over the ranks sharing it."""
     if not isinstance(ranks_per_device, int) or ranks_per_device < 1:
         raise ValueError(f"ranks_per_device must be a positive integer, got {ranks_per_device!r}")
     if device_type == "cuda":
@@ -538,9 +498,7 @@ class MemoryPreflightError(ValueError):
 def check_fits(
     estimate: MemoryEstimate, budget_bytes: int, *, what: str, fixes: Sequence[str] = (), budget_source: str = ""
 ) -> None:
-    """Raise ``MemoryPreflightError`` if ``estimate`` exceeds ``budget_bytes``: one message with the breakdown,
-    the budget (``budget_source`` says where it comes from) and ``fixes`` (one line each, e.g. a smaller batch
-    with the peak it would give)."""
+    """Raise ``MemoryPreflightError`` if ``estimate`` exceeds ``budget_bytes``, with the breakdown and ``fixes``."""
     if estimate.total_bytes <= budget_bytes:
         return
     source = f" ({budget_source})" if budget_source else ""
@@ -572,15 +530,15 @@ def print_estimate(
     """Print the estimated peak memory of one rank, category by category.
 
     Args:
-        preset: Model preset (``lightning_ddp.model.PRESETS``: tiny, small, medium, large, xl, 2.7b).
+        preset: Model preset (``lightning_ddp.model.PRESETS``).
         vocab_size: Vocabulary size.
         batch_size: Sequences per rank.
         seq_len: Tokens per sequence (the model's context length).
-        precision: Lightning precision (32-true, bf16-mixed, 16-mixed, bf16-true).
-        strategy: Strategy name (``bucketed_ddp``, ``zero1_ddp``, ``ddp``, ...).
+        precision: Lightning precision (32-true, bf16-mixed, ...).
+        strategy: Strategy name.
         world_size: Data-parallel ranks.
-        bucket_size_mb: Bucket cap in MiB for strategies with buckets; default: the strategy's own.
-        device_type: Where the rank trains: ``cuda`` or ``cpu`` (fixed per-process costs differ).
+        bucket_size_mb: Bucket cap in MiB; default: the strategy's own.
+        device_type: ``cuda`` or ``cpu``.
     """
     from lightning_ddp.model import get_config  # torch: this module imports it only where a function needs it
 

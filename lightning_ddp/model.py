@@ -111,9 +111,8 @@ class RMSNorm(nn.Module):
 def rope_cache(
     context_length: int, head_dim: int, theta: float, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the RoPE angles, each (context_length, head_dim // 2), in float32, on ``device``
-    (default: the current default device, so building under ``torch.device("meta")`` works).
-    """
+    """cos and sin of the RoPE angles, each (context_length, head_dim // 2), float32, on ``device`` (None: the
+    default device, so building under ``torch.device("meta")`` works)."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)  # (hs/2,)
     positions = torch.arange(context_length, dtype=torch.float32, device=device)  # (T,)
     angles = torch.outer(positions, inv_freq)  # (T, hs/2)
@@ -244,12 +243,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward) at ``seq_len`` (default ``config.context_length``).
-
-        PaLM's formula (Chowdhery et al., 2022, appendix B): ``6 * N_matmul + 12 * n_layers * d_model * seq_len``, with
-        ``N_matmul`` every Linear weight (lm_head included even when tied; no embedding, no norm scales) and the second
-        term the attention scores and weighted sum (the causal mask ignored).
-        """
+        """Training FLOPs per token at ``seq_len`` (default ``config.context_length``): PaLM's
+        ``6 * N_matmul + 12 * n_layers * d_model * seq_len``, ``N_matmul`` every Linear weight, lm_head included
+        (``docs/projection.md``)."""
         if seq_len is None:
             seq_len = self.config.context_length
         if seq_len < 1:

@@ -1,7 +1,5 @@
-"""The GPT's parameters, name and shape, from its config alone: ``gpt_parameter_shapes``. Pure Python.
-
-For those that need the shapes without building the model or importing torch: the memory pre-flight and the
-projection. ``tests/unit/test_model.py`` holds it to ``lightning_ddp.model.GPT`` for every preset, tied and untied.
+"""The GPT's parameters, name and shape, from its config alone, without torch (for the memory pre-flight and the
+projection; ``tests/unit/test_model.py`` holds it to ``lightning_ddp.model.GPT``).
 """
 
 from __future__ import annotations

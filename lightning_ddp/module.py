@@ -1,8 +1,6 @@
-"""The GPT language model as a LightningModule: loss, optimizer, schedule, logging.
-
-It knows nothing of how gradients are synchronised (the strategy's job), so swapping the strategy changes nothing
-here. Evaluation logs once per epoch of the held-out split ``val/loss`` (mean next-token cross-entropy in nats over
-every token of the split, all ranks' shards together) and ``val/ppl`` (``exp(val/loss)``); ``test/*`` for ``test``.
+"""The GPT language model as a LightningModule: loss, optimizer, schedule, logging; nothing of how gradients are
+synchronised. Evaluation logs ``val/loss`` (mean cross-entropy in nats over every token of the split, all ranks)
+and ``val/ppl`` once per epoch; ``test/*`` for ``test``.
 """
 
 from __future__ import annotations
@@ -184,11 +182,8 @@ class LitGPT(pl.LightningModule):
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: float, schedule: str, min_ratio: float) -> float:
-    """Learning-rate multiplier at optimizer step ``step``: linear warm-up, then constant or cosine decay.
-
-    Cosine: ``min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * progress))`` with progress running from 0 at the
-    end of warm-up to 1 at ``total_steps``.
-    """
+    """Learning-rate multiplier at optimizer step ``step``: linear warm-up, then constant or cosine decay to
+    ``min_ratio`` at ``total_steps``."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant" or not math.isfinite(total_steps) or total_steps <= warmup_steps:

@@ -1,11 +1,7 @@
 """The compute profile: how long forward, backward and the optimizer take, and when each gradient is ready.
 
-One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``), written by the ``CommTimer`` (or by
-``write_profile`` for modelled profiles) and read by the projection; it lives below both. Required: ``schema``,
-``forward_ms``, ``backward_ms``, ``optimizer_ms`` (per rank) and ``params`` (trainable parameters in
-``module.parameters()`` order, each with ``name``, ``numel``, gradient ``bytes``, ``ready_ms`` after backward's
-start or null, and an optional ``shape``); descriptive fields (``source``, ``device``, ``preset``, ``batch_size``,
-``seq_len``, ``precision``, ``world_size``) may be absent or null. Standard library only.
+One JSON file per measurement (schema ``lightning_ddp.compute_profile/1``, in ``docs/comm_timer.md``), written by
+the ``CommTimer`` or ``write_profile`` and read by the projection. Standard library only.
 """
 
 from __future__ import annotations
@@ -32,13 +28,12 @@ class ParamTiming:
     name: str
     """Qualified name, as ``module.named_parameters()`` gives it."""
     numel: int
-    """Number of elements."""
     bytes: int
-    """Bytes of its gradient (numel times the gradient's element size)."""
+    """Bytes of its gradient."""
     ready_ms: Optional[float]
     """Milliseconds after the start of backward when its gradient was ready; ``None``: no gradient this step."""
     shape: Optional[tuple[int, ...]] = None
-    """Its shape, if recorded (``numel`` is their product)."""
+    """Its shape, if recorded."""
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.bytes < 0:
@@ -58,7 +53,7 @@ class ParamTiming:
 
 @dataclass(frozen=True)
 class ComputeProfile:
-    """Per-rank compute of one training step (see the module docstring for the JSON form)."""
+    """Per-rank compute of one training step (its JSON form: ``docs/comm_timer.md``)."""
 
     forward_ms: float
     backward_ms: float

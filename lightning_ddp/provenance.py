@@ -31,8 +31,7 @@ def _git(*args: str) -> str | None:
 
 
 def repo_relative(value: str) -> str:
-    """``value`` with the repository's own location removed: a path inside the repository (or an argument that
-    names one, as ``--out=/abs/repo/dir``) becomes relative to its root, so a committed result names no machine.
+    """``value`` (a path or an argument such as ``--out=PATH``) relative to the repository's root when inside it.
 
     >>> repo_relative(str(_REPO / "benchmarks" / "results"))
     'benchmarks/results'
@@ -46,9 +45,7 @@ def repo_relative(value: str) -> str:
 
 
 def invocation() -> dict[str, Any]:
-    """``{"created", "command", "cwd", "python", "platform"}``: when (UTC) and how this process was started, and on
-    what Python and operating system. Paths inside the repository are written relative to its root
-    (``repo_relative``): results are committed, and the machine they ran on is not theirs to name."""
+    """``{"created", "command", "cwd", "python", "platform"}`` of this process, paths ``repo_relative``."""
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": [repo_relative(arg) for arg in sys.argv],
@@ -81,11 +78,8 @@ def package_version(name: str) -> str | None:
 def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     """``{"git_commit", "git_commit_source", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files
     differ from it, and which (at most 20). Outside a git checkout the commit is ``$LIGHTNING_DDP_COMMIT`` (source
-    ``"LIGHTNING_DDP_COMMIT"``), else ``None``, and whether the tree is dirty is unknown (``None``).
-
-    Args:
-        ignore: Directories whose changes do not count, e.g. the run's own output directory: a resumed sweep's
-            half-written results are not a change to the code that measures.
+    ``"LIGHTNING_DDP_COMMIT"``), else ``None``, and whether the tree is dirty is unknown (``None``). ``ignore``:
+    directories whose changes do not count (the run's own output).
     """
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=normal")

@@ -1,10 +1,7 @@
 """``CommTimer``: per measured optimizer step, how much of the step went to gradient communication, into the logger.
 
-A thin Lightning shell over ``lightning_ddp.metrics``: every ``every_n_steps``-th optimizer step it finishes the
-run's shared record, exchanges one vector per rank, logs ``step_metrics`` on rank 0 at the step's number, and at
-the end of fit prints a summary and writes ``timing_summary.json``/``.csv`` and ``compute_profile.json`` into the
-logger's directory (plus TensorBoard views). Steps not measured cost one flag read per collective. What each key
-means, what each strategy lets us measure and what the timer costs: ``docs/comm_timer.md``.
+A thin Lightning shell over ``lightning_ddp.metrics``; at the end of fit it prints a summary and writes
+``timing_summary.json``/``.csv`` and ``compute_profile.json`` into the logger's directory. ``docs/comm_timer.md``.
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ from lightning_ddp.sync.record import Recorder, SyncRecord
 class CommTimer(Callback):
     """Log step time, exposed and busy communication time, comm share and overlap per optimizer step.
 
-    ``Trainer(strategy="ddp", callbacks=[CommTimer()])``. Throughput needs the module to say how to count, as for
-    Lightning's ``ThroughputMonitor``: tokens from ``tokens_fn(batch)`` or the module's ``tokens_per_batch(batch)``;
-    FLOPs from its ``flops_per_batch`` (a number or a method of the batch) or ``flops_per_token(seq_len)``.
+    ``Trainer(strategy="ddp", callbacks=[CommTimer()])``. FLOPs come from the module's ``flops_per_batch`` (a
+    number or a method of the batch) or ``flops_per_token(seq_len)``.
 
     Args:
         warmup_steps: Measured optimizer steps left out of the end-of-fit summary (start-up, allocator warm-up).
@@ -372,6 +368,7 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
     times = {key: median([s[key] for s in steps]) for key in ("forward_ms", "backward_ms", "optimizer_ms")}
     if not steps or None in times.values():
         return None
+
     def ready(i: int) -> float | None:
         # A gradient ready before backward started can only be two clocks disagreeing: clamped to 0, as the three
         # times below are, since ParamTiming refuses a negative time and the profile would not be written.

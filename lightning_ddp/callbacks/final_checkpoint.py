@@ -1,8 +1,5 @@
-"""``FinalStepCheckpoint``: whenever checkpointing is on, the run's last optimizer step is saved.
-
-``ModelCheckpoint`` saves after a validation or at an epoch's end, so a run that stops at ``max_steps`` between two
-validations would lose its last steps. This asks every unmonitored ``ModelCheckpoint`` to save once more when
-training ends, unless it already saved that step. A run that stops on an exception keeps what it had.
+"""``FinalStepCheckpoint``: whenever checkpointing is on, the run's last optimizer step is saved (``ModelCheckpoint``
+alone would lose the steps after the last validation of a run stopped by ``max_steps``).
 """
 
 from __future__ import annotations
@@ -14,9 +11,7 @@ from typing_extensions import override
 
 class FinalStepCheckpoint(Callback):
     """Save the last optimizer step through every unmonitored ``ModelCheckpoint`` that has not saved it yet.
-
-    The file is the checkpoint callback's own (``dirpath``, ``filename``), saved at the end of the last training batch
-    (so a resume continues mid-epoch exactly), or when training ends for any other stop (early stopping, ``max_time``).
+    At the end of the last training batch, or when training ends for any other stop; an exception saves nothing.
     """
 
     @override

@@ -1,8 +1,6 @@
 """``SlowRank``: an injected straggler, to check that the ``CommTimer`` blames the right rank for the right time.
 
-One rank sleeps ``delay_ms`` before its backward (the last micro-batch's; on CUDA after a synchronize, so the
-device idles too) every ``every_n_steps`` optimizer steps. Rank 0's ``comm/wait_ms`` should then be about
-``delay_ms`` and ``straggler/rank`` the slow rank (``python -m lightning_ddp.bench.straggler`` measures it)::
+Rank 0's ``comm/wait_ms`` should then be about ``delay_ms`` and ``straggler/rank`` the slow rank::
 
     python -m lightning_ddp fit --config configs/quickstart.yaml \
         --trainer.callbacks+=lightning_ddp.callbacks.SlowRank --trainer.callbacks.rank 1 \
@@ -24,7 +22,8 @@ __all__ = ["SlowRank"]
 
 
 class SlowRank(Callback):
-    """Make one rank a straggler: sleep ``delay_ms`` before its backward every ``every_n_steps`` optimizer steps.
+    """Make one rank a straggler: sleep ``delay_ms`` before its backward (the last micro-batch's; on CUDA after a
+    synchronize) every ``every_n_steps`` optimizer steps.
 
     Args:
         rank: The global rank that sleeps.

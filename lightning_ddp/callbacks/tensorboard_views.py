@@ -64,9 +64,8 @@ ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "buckets_in_flight"
 
 
 def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, dict[str, list[Any]]]:
-    """``LAYOUT`` reduced to the keys the run ``logged``, in ``SummaryWriter.add_custom_scalars``' format
-    ``{category: {chart title: ["Multiline", [tag regex, ...]]}}``; empty charts and categories are left out. Each
-    tag is escaped, anchored at its end and preceded by the logger's ``prefix``.
+    """``LAYOUT`` reduced to the keys the run ``logged``, in ``SummaryWriter.add_custom_scalars``' format; each tag
+    escaped, anchored at its end and preceded by ``prefix``.
 
     >>> layout = custom_scalars_layout(["step/time_ms", "comm/exposed_ms"])
     >>> layout["Where the step goes"]["step time, exposed and busy communication (ms)"]
@@ -84,22 +83,13 @@ def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, 
 
 
 def run_metrics(summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """The run's HPARAMS metrics: ``MEDIAN_METRICS`` of the keys in ``summary`` (``TimingSummary.summarize``).
-
-    >>> run_metrics({"step/time_ms": {"median": 80.0, "p10": 70.0}, "comm/bytes": {"median": 1e6}})
-    {'median/step/time_ms': 80.0}
-    """
+    """The run's HPARAMS metrics: ``MEDIAN_METRICS`` of the keys in ``summary`` (``TimingSummary.summarize``)."""
     return {tag: float(summary[key]["median"]) for key, tag in MEDIAN_METRICS.items() if key in summary}
 
 
 def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> tuple[float | str, str]:
-    """(bucket size, engine settings) of a Lightning strategy, as the HPARAMS table shows them.
-
-    Bucket size in MiB: ``resolved_bucket_size_mb`` (the engine's cap, ``auto`` and ``default`` resolved) when given;
-    ``ONE_BUCKET`` for an algorithm with buckets configured with ``null``; torch DDP's ``bucket_cap_mb`` (25 when not
-    given) for Lightning's ``ddp``; else ``NOT_APPLICABLE`` (no buckets: ``naive_ddp``, ZeRO-1's reduce-scatter).
-    Engine settings: ``name=value`` joined by ``, `` (``ENGINE_ATTRIBUTES``, then the strategy's ``engine_settings``,
-    or torch DDP's keyword arguments but its bucket cap), ``default`` when there are none.
+    """(bucket size in MiB, engine settings as ``name=value, ...``) of a Lightning strategy for the HPARAMS table:
+    ``ONE_BUCKET`` for a bucket size of ``null``, ``NOT_APPLICABLE`` without buckets, ``default`` without settings.
     """
     algorithm = getattr(strategy, "algorithm", None)
     # Lightning's DDPStrategy keeps what it passes to torch DDP; a subclass that declares what its own communication
@@ -123,8 +113,7 @@ def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> t
 
 
 def run_hparams(**values: Any) -> dict[str, Any]:
-    """The run's hparams, every one of ``HPARAM_NAMES`` from ``values``: numbers and strings kept, ``None`` as
-    ``NOT_APPLICABLE``, anything else as its ``str``.
+    """Every one of ``HPARAM_NAMES`` from ``values``: numbers and strings kept, ``None`` as ``NOT_APPLICABLE``.
 
     >>> run_hparams(strategy="naive_ddp", bucket_size_mb="n/a", engine_settings="default", world_size=2,
     ...             precision="32-true", batch_size=8, preset=None)["run/preset"]

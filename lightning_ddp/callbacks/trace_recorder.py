@@ -1,12 +1,6 @@
-"""``TraceRecorder``: a ``torch.profiler`` trace of a few optimizer steps on every rank, with our ranges and a
-communication track, one Chrome-trace JSON per rank.
-
-While the profiler records, the callback opens ``record_function`` ranges (``lightning_ddp.sync.ranges``):
-``ddp/step#N`` (with the clock anchor), ``ddp/forward`` (forward hooks of the model the strategy calls),
-``ddp/backward`` and ``ddp/optimizer``; the engines add their own. Traced steps are recorded by the run's shared
-``Recorder``; at the end the collectives are added as a communication track (``metrics.comm_track``) and each rank
-writes ``rank{R}.pt.trace.json`` into ``dirpath`` (``tensorboard_trace_handler``'s layout: Perfetto,
-``chrome://tracing``, HTA and TensorBoard open it). ``docs/comm_timer.md``, "Traces", has the clock alignment.
+"""``TraceRecorder``: a ``torch.profiler`` trace of a few optimizer steps on every rank, with our ``ddp/*`` ranges
+and a communication track, one ``rank{R}.pt.trace.json`` per rank (Perfetto, HTA and TensorBoard open it).
+The clock alignment: ``docs/comm_timer.md``, "Traces".
 """
 
 from __future__ import annotations

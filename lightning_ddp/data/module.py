@@ -1,6 +1,5 @@
-"""``LMDataModule``: the ``--data.*`` arguments, checked when it is built; the datasets of one source (training and
-the held-out validation and test splits); the loaders with a ``ResumableDistributedSampler`` (training) or a plain
-rank-sharding ``DistributedSampler`` (evaluation); and the position in the data that a checkpoint saves.
+"""``LMDataModule``: the ``--data.*`` arguments and their checks, the datasets of one source and its held-out
+splits, the loaders, and the position in the data that a checkpoint saves.
 """
 
 from __future__ import annotations
@@ -242,11 +241,8 @@ class LMDataModule(LightningDataModule):
         return dataset
 
     def _file_splits(self, dataset: TokenFile) -> tuple[Dataset, Dataset | None, Dataset | None]:
-        """(train, val, test) of a file source: separate files, or held-out tails of the windows of ``path``.
-
-        The windows are cut ``[train | val | test]``: the last ``test_fraction`` of them (at least one) for test,
-        the ``val_fraction`` before those for validation, the rest for training.
-        """
+        """(train, val, test) of a file source: separate files, or ``path``'s windows cut ``[train | val | test]``
+        (at least one test window when ``test_fraction`` > 0)."""
         num_windows = len(dataset)
         num_val = math.ceil(num_windows * self.val_fraction) if self.val_path is None else 0
         num_test = math.ceil(num_windows * self.test_fraction) if self.test_path is None else 0

@@ -1,7 +1,5 @@
-"""``ResumableDistributedSampler``: every rank its own disjoint share of the samples, and an exact mid-epoch resume.
-
-Used by ``LMDataModule.train_dataloader``; how the shares are cut is described in ``lightning_ddp.data``.
-"""
+"""``ResumableDistributedSampler``: every rank its own disjoint share of the samples, and an exact mid-epoch resume
+(``docs/index.md``, "Model, data and other knobs")."""
 
 from __future__ import annotations
 
@@ -15,12 +13,8 @@ __all__ = ["ResumableDistributedSampler"]
 class ResumableDistributedSampler(DistributedSampler):
     """``DistributedSampler`` that can skip the first samples of one epoch (to resume mid-epoch exactly).
 
-    Always ``drop_last=True``: every rank gets ``len(dataset) // num_replicas`` samples, none repeated.
-
-    ``epoch_source``, when given, is read at the start of every epoch instead of the value passed to
-    ``set_epoch``. The data module passes ``trainer.current_epoch``. Lightning calls ``set_epoch`` with its count of
-    *processed* epochs, and a run stopped by ``max_steps`` mid-epoch counts that epoch as processed. Resuming
-    from its checkpoint would then shuffle the rest of the epoch with the next epoch's permutation.
+    Always ``drop_last=True``. ``epoch_source``, when given, is read at the start of every epoch instead of the value
+    passed to ``set_epoch`` (the data module passes ``trainer.current_epoch``; ``docs/index.md`` says why).
     """
 
     def __init__(

@@ -1,8 +1,7 @@
-"""The token sources: each a map-style ``Dataset`` whose sample ``i`` is a window ``(x, y)`` of ``seq_len`` tokens.
+"""The token sources: map-style ``Dataset``s whose sample ``i`` is a window ``(x, y)`` of ``seq_len`` tokens.
 
-Generated, no file (sample ``i`` depends only on ``(seed, split, i)``): ``SyntheticTokens``, ``MarkovTokens``.
-Read from a file, memory-mapped: ``TokenFile`` (nanoGPT's ``train.bin``; ``write_token_file`` writes one) and
-``TextBytes`` (a text file as bytes).
+Generated (sample ``i`` depends only on ``(seed, split, i)``): ``SyntheticTokens``, ``MarkovTokens``. Memory-mapped
+files: ``TokenFile`` (nanoGPT's ``train.bin``) and ``TextBytes`` (a text file as bytes).
 """
 
 from __future__ import annotations
@@ -30,12 +29,9 @@ __all__ = [
 TOKEN_DTYPES = ("uint16", "int32")
 #: Vocabulary of ``source="text"``: one token per byte value.
 BYTE_VOCAB_SIZE = 256
-#: Most successors per token of ``source="markov"``: drawing distinct successors by rejection costs
-#: ~0.2 s for 64 successors of 10,000 tokens but grows with their square, and ln(64) = 4.2 nats is
-#: already a high floor.
+#: Most successors per token of ``source="markov"`` (drawing them costs their square; ln(64) is a high floor).
 MAX_MARKOV_SUCCESSORS = 64
-# Tokens read per step when scanning a file for out-of-range ids: 4M tokens (8-16 MB) keeps the
-# scan's memory small however large the memory-mapped file is.
+# Tokens read per step when scanning a file for out-of-range ids.
 _SCAN_CHUNK_TOKENS = 1 << 22
 #: The splits of a generated source, each its own stream of samples drawn from the same seed.
 SPLITS = ("train", "val", "test")
@@ -47,22 +43,13 @@ def _check_split(split: str) -> None:
 
 
 def _held_out_seed(seed: int, split: str, index: int) -> int:
-    """The generator seed of sample ``index`` of a held-out split: a 64-bit hash of ``(seed, split, index)``,
-    unrelated to the training stream's seeds ``seed * 1_000_003 + index`` (a collision has probability ~1e-12).
-    """
+    """The generator seed of sample ``index`` of a held-out split: a 64-bit hash of ``(seed, split, index)``."""
     words = [seed % 2**64, SPLITS.index(split), index]
     return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0])
 
 
 class SyntheticTokens(Dataset):
     """Uniform random token windows; sample ``i`` depends only on ``(seed, split, i)``, not on order, worker or rank.
-
-    Args:
-        num_samples: Number of samples (the dataset's length).
-        seq_len: Tokens per sample input ``x`` (and target ``y``).
-        vocab_size: Tokens are drawn uniformly from ``[0, vocab_size)``.
-        seed: Seed of the whole dataset.
-        split: Which stream of samples: ``train``, ``val`` or ``test``.
     """
 
     def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0, split: str = "train") -> None:
@@ -74,7 +61,7 @@ class SyntheticTokens(Dataset):
         self.split = split
 
     def held_out(self, split: str, num_samples: int) -> SyntheticTokens:
-        """The ``split`` (``val`` or ``test``) of this dataset: ``num_samples`` samples of its own stream."""
+        """The ``split`` (``val`` or ``test``) of this dataset, ``num_samples`` long."""
         return _other_split(self, split, num_samples)
 
     def __len__(self) -> int:
@@ -99,15 +86,7 @@ class MarkovTokens(Dataset):
     every token gets ``successors`` distinct next tokens drawn with those weights; a walk starts at a weighted draw
     and moves to a uniformly chosen successor. Sample ``i`` is the walk seeded from ``(seed, split, i)``. No model
     can beat ``ln(successors)`` nats per token; an untrained one starts at ``ln(vocab_size)``.
-
-    Args:
-        num_samples: Number of samples (the dataset's length).
-        seq_len: Tokens per sample input ``x`` (and target ``y``).
-        vocab_size: Tokens are in ``[0, vocab_size)``.
-        seed: Seed of the chain and of the walks.
-        successors: Possible next tokens of every token, from 1 to ``MAX_MARKOV_SUCCESSORS``.
-        zipf_exponent: How skewed the token frequencies are; 0 (all equally likely) is far slower to learn.
-        split: Which walks: ``train``, ``val`` or ``test`` (the same chain, other walks).
+    ``successors``: 1 to ``MAX_MARKOV_SUCCESSORS``; ``zipf_exponent`` 0 (all equally likely) is far slower to learn.
     """
 
     def __init__(
@@ -152,8 +131,7 @@ class MarkovTokens(Dataset):
         return int(self._ranking[rank])
 
     def held_out(self, split: str, num_samples: int) -> MarkovTokens:
-        """The ``split`` (``val`` or ``test``) of this dataset: ``num_samples`` other walks on the same chain (shared,
-        not rebuilt)."""
+        """The ``split`` (``val`` or ``test``): ``num_samples`` other walks on the same (shared) chain."""
         other = _other_split(self, split, num_samples)
         other._walk_stream = 1 + SPLITS.index(split)
         return other
@@ -186,9 +164,7 @@ def _other_split(dataset: SyntheticTokens | MarkovTokens, split: str, num_sample
 
 
 def _distinct_weighted_draws(rng: np.random.Generator, cdf: np.ndarray, rows: int, per_row: int) -> np.ndarray:
-    """``(rows, per_row)`` ranks drawn by the weights whose cumulative sum is ``cdf``, distinct within each row
-    (column by column, redrawing only the entries that repeat an earlier column of their row).
-    """
+    """``(rows, per_row)`` ranks drawn by the weights whose cumulative sum is ``cdf``, distinct within each row."""
     size = len(cdf)
     ranks = np.empty((rows, per_row), dtype=np.int64)
     for column in range(per_row):
@@ -204,12 +180,8 @@ def _distinct_weighted_draws(rng: np.random.Generator, cdf: np.ndarray, rows: in
 class TokenFile(Dataset):
     """Non-overlapping windows over a flat binary file of token ids (no header, nanoGPT's ``train.bin``).
 
-    Sample ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]`` as int64 ``(window[:-1], window[1:])``.
-
-    Args:
-        path: The token file.
-        seq_len: Tokens per sample input ``x`` (and target ``y``).
-        dtype: Element type of the file: ``"uint16"``, ``"int32"``, or ``"uint8"`` to read any file as bytes.
+    Sample ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]`` as int64 ``(window[:-1], window[1:])``;
+    ``dtype``: ``"uint16"``, ``"int32"``, or ``"uint8"`` to read any file as bytes.
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, dtype: str = "uint16") -> None:
@@ -236,9 +208,7 @@ class TokenFile(Dataset):
         return self._tokens
 
     def __getstate__(self) -> dict:
-        # Pickling an np.memmap copies the whole file into the pickle. DataLoader workers started
-        # with "spawn" (macOS, Windows, ddp_spawn) pickle the dataset, so drop the map and let
-        # each worker reopen the file.
+        # Pickling an np.memmap copies the whole file: spawned DataLoader workers reopen it instead.
         return {**self.__dict__, "_tokens": None}
 
     def __len__(self) -> int:
@@ -266,10 +236,7 @@ class TextBytes(TokenFile):
 def write_token_file(
     path: str | os.PathLike, tokens: np.ndarray | list[int], dtype: str = "uint16"
 ) -> None:
-    """Write ``tokens`` to ``path`` as a flat, headerless binary array (the ``TokenFile`` format).
-
-    Raises ``ValueError`` rather than silently wrapping ids that do not fit ``dtype``.
-    """
+    """Write ``tokens`` to ``path`` in the ``TokenFile`` format; ``ValueError`` for ids that do not fit ``dtype``."""
     tokens = np.asarray(tokens)
     if tokens.size and tokens.min() < 0:
         raise ValueError(f"token ids must be >= 0, got {tokens.min()}.")

@@ -1,9 +1,5 @@
-"""Per-step communication accounting: from a finished ``SyncRecord`` to metrics, and from steps to a summary.
-
-Pure Python (no torch): the ``CommTimer`` builds ``StepTiming.from_record`` once per measured optimizer step,
-calls ``step_metrics`` and hands the result to ``TimingSummary.add``. Every key's definition, the clock rules and
-the clamping of contradictory marks are in ``docs/comm_timer.md``. Measuring never raises; only arguments a user
-chose do.
+"""Per-step communication accounting, pure Python (no torch): ``StepTiming`` -> ``step_metrics`` ->
+``TimingSummary``. Measuring never raises; only arguments a user chose do. Definitions: ``docs/comm_timer.md``.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ class ClockAnomalyWarning(RuntimeWarning):
 
 
 def _clamped(name: str, intervals: Sequence[Interval], anomalies: list[str]) -> list[Interval]:
-    """``intervals`` with every one that ends before it starts clamped to ``end = start``, each noted in
-    ``anomalies``."""
+    """``intervals`` with each backwards one clamped to ``end = start`` and noted in ``anomalies``."""
     out: list[Interval] = []
     for start, end in intervals:
         if end < start:
@@ -62,24 +57,21 @@ def _ms(value: float) -> str:
 
 @dataclass
 class StepTiming:
-    """One optimizer step on one rank, in milliseconds on one axis (a finished record's: since its anchor).
-
-    Construction clamps marks that contradict each other instead of refusing them (``docs/comm_timer.md``,
-    "Clocks"); each fix is one line of ``anomalies``.
-    """
+    """One optimizer step on one rank, in ms since the record's anchor; contradicting marks are clamped, one line
+    of ``anomalies`` each (``docs/comm_timer.md``, "Clocks")."""
 
     step_ms: float
-    """Wall time of the whole optimizer step (all micro-batches, synchronisation, optimizer update)."""
+    """Wall time of the whole optimizer step."""
     exposed: list[Interval] = field(default_factory=list)
     """Critical-path intervals of gradient synchronisation."""
     pack: list[Interval] = field(default_factory=list)
-    """Intervals copying gradients into or out of communication buffers (inside ``exposed`` when done there)."""
+    """Intervals copying gradients into or out of communication buffers."""
     collectives: list[Collective] = field(default_factory=list)
-    """Every collective of the step, in launch order, with ``launched`` and ``completed`` in ms."""
+    """Every collective of the step, in launch order."""
     tokens: int | None = None
-    """Tokens this rank processed in the step; ``None``: not counted (no ``step/tokens_per_s``)."""
+    """Tokens this rank processed in the step; ``None``: not counted."""
     anomalies: list[str] = field(default_factory=list, init=False, repr=False)
-    """What construction clamped, one line per clamped mark; empty on one clock."""
+    """What construction clamped, one line per mark."""
 
     def __post_init__(self) -> None:
         if self.tokens is not None and self.tokens < 0:
@@ -107,7 +99,7 @@ class StepTiming:
 
     @property
     def clock_anomalies(self) -> int:
-        """How many marks construction clamped (``len(anomalies)``): ``comm/clock_anomalies``."""
+        """``comm/clock_anomalies``: how many marks construction clamped."""
         return len(self.anomalies)
 
     @classmethod
@@ -128,8 +120,7 @@ class StepTiming:
 # ---- step metrics -------------------------------------------------------------------------------------
 
 def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor of collective ``op`` over ``world_size`` ranks (``doc/PERFORMANCE.md``),
-    with ``nbytes`` the whole buffer: ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for reduce-scatter and all-gather.
+    """nccl-tests' bus-bandwidth factor of collective ``op`` over ``world_size`` ranks (``nbytes``: the whole buffer).
 
     >>> [bus_factor(op, 4) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")]
     [1.5, 0.75, 0.75, 1.0]
@@ -143,8 +134,7 @@ def bus_factor(op: str, world_size: int) -> float:
 
 
 def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
-    """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]``, in launch order
-    (one process group's collectives run one after another).
+    """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]`` (they run in order).
 
     >>> busy_intervals([_Timed(0.0, 4.0), _Timed(1.0, 6.0), _Timed(8.0, 9.0)])  # the second starts at 4
     [(0.0, 4.0), (4.0, 6.0), (8.0, 9.0)]
@@ -161,8 +151,6 @@ def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
 
 @dataclass
 class _Timed:
-    """A collective reduced to its launch and completion (for the doctest above)."""
-
     launched: float
     completed: float
 
@@ -189,15 +177,15 @@ METRIC_KEYS: tuple[str, ...] = (
     "memory/peak_MiB",
     "memory/peak_reserved_MiB",
 )
-"""Every key ``step_metrics`` can produce, in order; a key whose inputs are missing is absent."""
+"""Every key ``step_metrics`` can produce, in order."""
 
 LANDMARK_KEYS: tuple[str, ...] = ("comm/exposed_ms", "comm/share", "comm/clock_anomalies")
-"""The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``: no collective recorded)."""
+"""The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``)."""
 
 COLLECTIVE_KEYS: tuple[str, ...] = tuple(
     key for key in METRIC_KEYS if key.startswith("comm/") and key not in LANDMARK_KEYS
 )
-"""The keys computed from the recorded collectives and pack spans: absent where only landmarks are recorded."""
+"""The keys computed from the recorded collectives and pack spans."""
 
 NOT_RECORDED = "not recorded"
 """What the summary's table and CSV show for a ``COLLECTIVE_KEYS`` metric of a strategy that records none."""
@@ -215,10 +203,8 @@ def step_metrics(
 ) -> dict[str, float]:
     """The metrics of one optimizer step; a key whose inputs are not given is absent, never 0.
 
-    ``straggler``: what every rank's exchanged launch times say about the step. ``comm``: what was recorded
-    (``metrics.recording.comm_recording``): ``"full"`` every ``comm/`` key, ``"landmarks"`` only ``LANDMARK_KEYS``,
-    ``None`` none. ``flops_per_step`` is one rank's, ``peak_flops`` the whole job's. The keys (defined in full in
-    ``docs/comm_timer.md``; a ratio over a zero denominator is 0):
+    ``comm``: ``"full"`` every ``comm/`` key, ``"landmarks"`` only ``LANDMARK_KEYS``, ``None`` none.
+    ``flops_per_step`` is one rank's, ``peak_flops`` the whole job's. A ratio over a zero denominator is 0:
 
     ========================  ===================================================================================
     step/time_ms              ``timing.step_ms`` (the timer passes the max over ranks)
@@ -264,7 +250,6 @@ def step_metrics(
 
 def _check_arguments(world_size: int, comm: str | None, flops_per_step: float | None,
                      peak_flops: float | None) -> None:
-    """Raise ``ValueError`` for an argument a user chose that ``step_metrics`` cannot use."""
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if comm not in ("full", "landmarks", None):
@@ -320,8 +305,6 @@ def _straggler_metrics(straggler: StragglerStats) -> dict[str, float]:
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) by linear interpolation between closest ranks (numpy's default).
 
-    >>> _percentile([1.0, 2.0, 3.0, 4.0], 50)
-    2.5
     >>> _percentile([10.0, 20.0, 30.0, 40.0, 50.0], 10)  # rank 0.1 * 4 = 0.4: 10 + 0.4 * (20 - 10)
     14.0
     """
@@ -348,19 +331,13 @@ _OPTIONAL_COLUMNS = frozenset({"comm/wait_ms", "comm/transfer_ms"})
 
 
 class TimingSummary:
-    """Per-step metric dicts collected over a run, and their distribution after warm-up.
-
-    Add one dict per optimizer step (step numbers must increase strictly, which catches a caller adding per
-    micro-batch). ``summarize(warmup_steps)`` drops the first ``warmup_steps`` steps added and gives, per key,
-    ``median``, ``p10``, ``p90`` (numpy's linear interpolation) and ``n``. ``not_recorded``: keys the run cannot
-    measure, shown as ``NOT_RECORDED``. The first step that brings clock anomalies warns once per run.
-    """
+    """Per-step metric dicts of a run (one per optimizer step, steps strictly increasing) and their distribution
+    after warm-up. ``not_recorded``: keys the run cannot measure, shown as ``NOT_RECORDED``."""
 
     stats: tuple[str, ...] = ("median", "p10", "p90", "n")
 
     def __init__(self, not_recorded: Sequence[str] = ()) -> None:
         self.not_recorded: tuple[str, ...] = tuple(not_recorded)
-        """Keys this run does not measure (shown as ``NOT_RECORDED``)."""
         self.steps: list[int] = []
         self.metrics: list[dict[str, float]] = []
         self._warned = False
@@ -370,12 +347,11 @@ class TimingSummary:
 
     @property
     def clock_anomalies(self) -> int:
-        """Marks clamped over every step added (the sum of ``comm/clock_anomalies``), warm-up included."""
+        """Marks clamped over every step added, warm-up included."""
         return int(sum(metrics.get("comm/clock_anomalies", 0.0) for metrics in self.metrics))
 
     def add(self, step: int, metrics: dict[str, float], anomalies: Sequence[str] = ()) -> None:
-        """Record the metrics of optimizer step ``step`` (a copy is kept); ``anomalies``: what ``StepTiming`` clamped
-        in it, reported the first time there are any (``ClockAnomalyWarning``)."""
+        """Record step ``step``'s metrics; the first ``anomalies`` of a run warn (``ClockAnomalyWarning``)."""
         if self.steps and step <= self.steps[-1]:
             raise ValueError(
                 f"step {step} was added after step {self.steps[-1]}; add metrics once per optimizer step, when "
@@ -414,10 +390,7 @@ class TimingSummary:
         return [{"step": step, **metrics} for step, metrics in zip(self.steps, self.metrics)]
 
     def write_json(self, path: str | os.PathLike, warmup_steps: int, extra: dict[str, Any] | None = None) -> None:
-        """Write ``{**extra, "warmup_steps", "summary", "clock_anomalies", "steps"}`` to ``path`` atomically.
-
-        ``extra`` is for what belongs next to the numbers: hardware, versions, the full config.
-        """
+        """Write ``{**extra, "warmup_steps", "summary", "clock_anomalies", "steps"}`` to ``path`` atomically."""
         document = {**(extra or {}), "warmup_steps": warmup_steps, "summary": self.summarize(warmup_steps),
                     "clock_anomalies": self.clock_anomalies}
         if self.not_recorded:
@@ -427,8 +400,8 @@ class TimingSummary:
         write_json_atomically(path, document, allow_nan=False)
 
     def write_csv(self, path: str | os.PathLike) -> None:
-        """Write ``to_rows()`` to ``path`` atomically; a key a step did not report is an empty cell, a key the run
-        does not measure (``not_recorded``) a column of ``NOT_RECORDED``."""
+        """Write ``to_rows()`` to ``path`` atomically; a missing key is an empty cell, a ``not_recorded`` one
+        ``NOT_RECORDED``."""
         rows = [{**row, **dict.fromkeys(self.not_recorded, NOT_RECORDED)} for row in self.to_rows()]
         columns = list(dict.fromkeys(key for row in rows for key in row)) or ["step"]
         buffer = io.StringIO()
@@ -438,7 +411,7 @@ class TimingSummary:
         write_atomically(path, buffer.getvalue())
 
     def format_table(self, warmup_steps: int, title: str | None = None) -> str:
-        """An aligned text table of the headline metrics (median, p10, p90) for printing at the end of fit."""
+        """An aligned text table of the headline metrics (median, p10, p90)."""
         summary = self.summarize(warmup_steps)
         # The straggler split is there only when the ranks exchanged launch times: its columns only then.
         columns = [c for c in _TABLE_COLUMNS if c[1] in summary or c[1] not in _OPTIONAL_COLUMNS]
@@ -467,7 +440,6 @@ class TimingSummary:
 
 
 def _anomaly_message(step: int, anomalies: Sequence[str]) -> str:
-    """The once-per-run warning: what was clamped in ``step``, and why that usually happens."""
     shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
     return (
         f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is marks from "

@@ -1,8 +1,5 @@
 """Each rank's clock offset to rank 0, from NTP-style round trips (pure: no torch, no process group).
-
-A ping-pong gives four host times ``t0``..``t3``; the offset is ``((t1 - t0) + (t2 - t3)) / 2``, known to within
-half the round trip ``(t3 - t0) - (t2 - t1)``; the round trip with the shortest delay is kept. The derivation:
-``docs/comm_timer.md``, "Clock offsets across hosts".
+The derivation: ``docs/comm_timer.md``, "Clock offsets across hosts".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The communication track the ``TraceRecorder`` adds to a profiler's Chrome trace: each collective of the
-engine's ``SyncRecord``, launch -> completion, as an event on the trace's clock.
-
-The writing half of the trace format (``lightning_ddp.trace.chrome`` reads it back). Record marks reach the
-profiler's clock through each step's ``ddp/step#N`` range, opened between two ``perf_counter()`` reads; each step
-uses the anchor with the smallest error bound and stores it in the trace's metadata (``docs/comm_timer.md``,
-"Traces: the communication track").
+engine's ``SyncRecord``, launch -> completion, on the trace's clock (``lightning_ddp.trace.chrome`` reads it back;
+``docs/comm_timer.md``, "Traces: the communication track").
 """
 
 from __future__ import annotations
@@ -41,11 +37,7 @@ class RecordedStep:
 
 
 def assign_lanes(intervals: list[Interval]) -> list[int]:
-    """Greedy lanes so that intervals in one lane never overlap (Chrome ``X`` events on one thread must nest).
-
-    >>> assign_lanes([(0, 4), (1, 2), (3, 5), (4, 6)])
-    [0, 1, 1, 0]
-    """
+    """Greedy lanes so that intervals in one lane never overlap (Chrome ``X`` events on one thread must nest)."""
     lane_end: list[float] = []
     lanes = []
     for start, end in intervals:
@@ -63,11 +55,8 @@ def assign_lanes(intervals: list[Interval]) -> list[int]:
 def add_communication_track(
     trace: dict[str, Any], steps: list[RecordedStep], pid: int, tid: int, metadata: dict[str, Any]
 ) -> dict[str, Any]:
-    """Add each step's collectives as ``X`` events on lanes named ``COMM_THREAD_NAME`` in process ``pid``.
-
-    ``tid`` is the training thread, where the ``ddp/step#N`` anchors are; steps whose anchor is not in the trace
-    are skipped. Writes ``metadata`` and the per-step anchors under ``trace[METADATA_KEY]``; returns ``trace``.
-    """
+    """Add each step's collectives as ``X`` events on lanes ``COMM_THREAD_NAME`` in process ``pid`` (anchors on
+    thread ``tid``; a step without one is skipped), with ``metadata`` under ``trace[METADATA_KEY]``; returns it."""
     measured = _measured_anchors(trace, steps, pid, tid)
     placed: list[tuple[Collective, int, float]] = []  # (collective, step, offset_us)
     step_meta = []

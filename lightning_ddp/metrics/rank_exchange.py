@@ -1,11 +1,7 @@
 """The CommTimer's talk between ranks: one all-gather of per-rank vectors per measured step, and clock offsets.
 
-``StragglerExchange.start()`` (train start, every rank) counts the hosts and, on several hosts or with
-``clock_sync="always"``, estimates clock offsets (``measure_clock_offsets``: ping-pongs between rank 0 and each
-rank, the offsets broadcast). ``exchange(record, step)`` (every measured step, outside what is measured)
-all-gathers every rank's ``straggler.rank_vector`` in one collective and returns this rank's ``StragglerStats``.
-Small messages travel on the CPU where the group has a CPU backend, else on the device, synchronized before the
-clock is read.
+``StragglerExchange.start()`` counts the hosts and, when asked, estimates clock offsets; ``exchange(record, step)``
+all-gathers every rank's ``straggler.rank_vector`` and returns this rank's ``StragglerStats``.
 """
 
 from __future__ import annotations
@@ -53,10 +49,7 @@ def count_hosts() -> int:
 
 def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
                           now: Callable[[], float] = time.perf_counter) -> list[ClockOffset]:
-    """Every rank's clock offset to rank 0 (index = rank), the same list on every rank; a collective.
-
-    ``now``: the host clock in seconds (tests give a rank a shifted one).
-    """
+    """Every rank's clock offset to rank 0 (index = rank), the same list on every rank; a collective."""
     if not (isinstance(rounds, int) and rounds >= 1):
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}; e.g. --timer.clock_sync_rounds 8")
     if not _distributed():
@@ -100,11 +93,10 @@ class StragglerExchange:
 
     Args:
         max_collectives: Launch times compared per step (the last ones of the step); every rank must agree.
-        clock_sync: ``auto``: estimate clock offsets only when the ranks run on several hosts; ``always``: also on
-            one host (a test of the estimator); ``off``: never (offsets 0).
-        clock_sync_every_n_steps: Re-estimate the offsets once this many steps have passed since the last time.
-        clock_sync_rounds: Ping-pongs per rank and estimate (the one with the shortest round trip is kept).
-        now: The host clock in seconds used for the offsets (tests give one rank a shifted one).
+        clock_sync: ``auto`` (only on several hosts), ``always`` or ``off`` (offsets 0).
+        clock_sync_every_n_steps: Re-estimate the offsets after this many steps.
+        clock_sync_rounds: Ping-pongs per rank and estimate.
+        now: The host clock in seconds (tests shift one rank's).
     """
 
     def __init__(self, max_collectives: int, clock_sync: str = "auto", clock_sync_every_n_steps: int = 1000,

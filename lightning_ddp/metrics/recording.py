@@ -1,10 +1,7 @@
 """One ``Recorder`` per training run, shared by every observer (``CommTimer``, ``TraceRecorder``).
 
-``recorder_for(trainer)`` creates the run's recorder and has its gradient collectives recorded into it: our
-strategies through ``attach_recorder``, Lightning's ``ddp`` through a DDP comm hook equivalent to torch's default.
-Observers open and finish its steps; a step nobody opened records nothing. ``comm_recording(strategy)`` is the one
-place that decides what can be measured (``"full"``, ``"landmarks"``, ``None``: ``docs/comm_timer.md``, "What each
-strategy lets us measure").
+``recorder_for(trainer)`` creates it and has the gradient collectives recorded into it (Lightning's ``ddp``
+through a comm hook); ``comm_recording(strategy)`` decides what can be measured (``docs/comm_timer.md``).
 """
 
 from __future__ import annotations
@@ -85,11 +82,8 @@ def record_torch_ddp(model: DistributedDataParallel, recorder: Recorder) -> bool
 
 
 def comm_recording(strategy: Any) -> CommRecording:
-    """How much of ``strategy``'s gradient communication the run's recorder sees (a ``COMM_RECORDING_LEVELS``).
-
-    Raises:
-        ValueError: The strategy declares a ``comm_recording`` that is not one of ``COMM_RECORDING_LEVELS``.
-    """
+    """How much of ``strategy``'s gradient communication the recorder sees, one of ``COMM_RECORDING_LEVELS``
+    (``ValueError`` for a strategy that declares another)."""
     if hasattr(strategy, "comm_recording"):
         declared = strategy.comm_recording
         if declared not in COMM_RECORDING_LEVELS:

@@ -1,10 +1,6 @@
-"""Who made the step wait: each rank's launch times, exchanged once per measured step, split exposed communication.
-
-Pure Python (no torch, no process group). ``rank_vector`` packs one rank's fixed-length float64 vector
-(``VECTOR_HEADER`` fields, then the launch times of the step's last ``max_collectives`` collectives, NaN-padded);
-``rank_exchange`` all-gathers them; ``attribute_wait`` pairs the collectives by issue order and says how long
-this rank waited for the last rank's launch of each, who the straggler was and by how much. The vector layout and
-the definitions: ``docs/comm_timer.md``, "Who made the step wait".
+"""Who made the step wait, pure Python: ``rank_vector`` packs one rank's launch times, ``rank_exchange``
+all-gathers the vectors, ``attribute_wait`` splits exposed communication into waiting and transfer.
+Vector layout and definitions: ``docs/comm_timer.md``, "Who made the step wait".
 """
 
 from __future__ import annotations
@@ -25,11 +21,11 @@ VECTOR_HEADER = 4
 """Fields before the launch times: step ms, compute ms, origin on rank 0's clock (ms), number of collectives."""
 
 DEFAULT_MAX_COLLECTIVES = 512
-"""Launch times compared per step by default: more than the naive engine's ~435 on the xl model; 4 KiB per rank."""
+"""Launch times compared per step by default (more than the naive engine's ~435 on the xl model)."""
 
 
 def vector_length(max_collectives: int) -> int:
-    """The length every rank's vector has (all ranks must agree on ``max_collectives``)."""
+    """The length of every rank's vector."""
     if not (isinstance(max_collectives, int) and max_collectives >= 1):
         raise ValueError(f"max_collectives must be an int >= 1, got {max_collectives!r}; e.g. "
                          f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
@@ -62,17 +58,17 @@ class StragglerStats:
     step_ms: float
     """The slowest rank's step time (the max over ranks)."""
     wait: list[Interval] = field(default_factory=list)
-    """On this rank's axis: for each compared collective, from this rank's launch to the last rank's launch."""
+    """On this rank's axis, per compared collective: from this rank's launch to the last rank's."""
     straggler_rank: int | None = None
     """The rank that launched last most often; ``None`` when no collective was compared."""
     lag_ms: float | None = None
     """Median over compared collectives of the straggler's launch minus the earliest launch."""
     rank_spread_ms: float | None = None
-    """Slowest minus fastest rank's compute (forward + backward); ``None`` when no rank marked it."""
+    """Slowest minus fastest rank's compute; ``None`` when no rank marked it."""
     compared: int = 0
-    """How many collectives every rank held and were compared."""
+    """Collectives compared."""
     world_size: int = 1
-    """How many vectors were compared."""
+    """Vectors compared."""
 
 
 def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerStats:
@@ -130,14 +126,8 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
 
 
 def clock_note(uncertainty_ms: float | None, lag_ms: float | None) -> str | None:
-    """The line the printed summary adds when clock offsets limit what the straggler numbers can say, else ``None``.
-
-    ``uncertainty_ms``: the largest offset uncertainty (0 on one host; ``None``: hosts compared without estimating
-    offsets); ``lag_ms``: the median ``straggler/lag_ms``.
-
-    >>> clock_note(0.0, 0.01) is None  # one host: one clock, any lag resolves
-    True
-    """
+    """The summary's line when clock offsets limit the straggler numbers, else ``None``; ``uncertainty_ms``: the
+    largest offset uncertainty (``None``: not estimated), ``lag_ms``: the median ``straggler/lag_ms``."""
     if uncertainty_ms is None:
         return ("clock offsets between hosts were not estimated (--timer.clock_sync off): comm/wait_ms, "
                 "straggler/rank and straggler/lag_ms compare the launch times of different clocks")

@@ -4,9 +4,7 @@ Record traces with the ``TraceRecorder`` (``--trace.enabled true``), then draw o
 
     python -m lightning_ddp.trace logs/naive/version_0 logs/overlap/version_0 -o timeline.png
 
-``chrome`` reads the traces back, ``overlap`` computes HTA's overlap, ``render`` draws the picture. Collectives
-come from our communication track, or, where there is none (Lightning's ``ddp``), from what the profiler saw
-(gloo's ranges, NCCL kernels): an upper bound on the overlap, as they include non-gradient collectives.
+``chrome`` reads the traces back, ``overlap`` computes HTA's overlap, ``render`` draws the picture.
 """
 
 from lightning_ddp.trace.chrome import RankTrace, RunTraces, find_traces, load_rank_trace, load_run

@@ -152,9 +152,8 @@ def load_rank_trace(path: str | Path) -> RankTrace:
 
 
 def find_traces(path: str | Path) -> list[Path]:
-    """``path`` itself if it is a file, else the ``*.pt.trace.json`` files of one run below it (sorted); a logger's
-    folder holding several runs gives its latest run with traces.
-    """
+    """``path`` if it is a file, else the ``*.pt.trace.json`` files of one run below it (sorted; of several runs,
+    the latest with traces)."""
     path = Path(path)
     if path.is_file():
         return [path]

@@ -1,9 +1,5 @@
-"""The communication/computation overlap of one rank, as Holistic Trace Analysis defines it::
-
-    overlap = |comm ∩ compute| / |comm|
-
-``comm``: the union of the intervals some collective is in flight; ``compute``: when the rank computes (see
-``chrome.RankTrace.compute``). 1.0: all communication hidden behind computation; 0.0: none (naive, flat).
+"""The communication/computation overlap of one rank, as Holistic Trace Analysis defines it:
+``|comm ∩ compute| / |comm|`` (1.0: all communication hidden behind computation).
 """
 
 from __future__ import annotations

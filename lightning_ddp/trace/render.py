@@ -73,14 +73,8 @@ def render_timeline(
 ) -> Timeline:
     """Draw ``runs`` (stacked, shared ms axis) into ``output`` (PNG, or any format matplotlib infers).
 
-    Args:
-        runs: One ``RunTraces`` per run (``lightning_ddp.trace.load_run``).
-        output: Picture path.
-        steps: Draw and measure only each rank's first ``steps`` recorded steps (default: all).
-        comm_source: ``record`` (the SyncRecord track), ``profiler`` (gloo threads / NCCL kernels) or ``auto``
-            (the SyncRecord track where there is one).
-        title: Figure title above the panels.
-        dpi: Resolution of the saved picture.
+    ``steps``: only each rank's first ``steps`` recorded steps (None: all). ``comm_source``: ``record`` (the
+    SyncRecord track), ``profiler`` (gloo threads / NCCL kernels) or ``auto`` (the track where there is one).
     """
     import matplotlib
 
