@@ -59,16 +59,20 @@ TOY = Entry(
 )
 
 
-@pytest.fixture
-def toy():
-    """The toy, registered for one test (and its Lightning strategy, once someone registers strategies)."""
-    catalogue.register(TOY)
-    yield TOY
-    catalogue.STRATEGIES.pop(TOY.name, None)
+def _registered(entry: Entry):
+    """``entry`` in the catalogue for one test, then gone (and its Lightning strategy, if someone registered it)."""
+    catalogue.register(entry)
+    yield entry
+    catalogue.STRATEGIES.pop(entry.name, None)
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if TOY.name in StrategyRegistry:
-        StrategyRegistry.remove(TOY.name)
+    if entry.name in StrategyRegistry:
+        StrategyRegistry.remove(entry.name)
+
+
+@pytest.fixture
+def toy():
+    yield from _registered(TOY)
 
 
 class PiecesAllReduce(BucketReduce):
@@ -102,13 +106,7 @@ PIECES = Entry("toy_pieces", "Bucketed, each bucket all-reduced in `pieces` part
 
 @pytest.fixture
 def toy_pieces():
-    catalogue.register(PIECES)
-    yield PIECES
-    catalogue.STRATEGIES.pop(PIECES.name, None)
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    if PIECES.name in StrategyRegistry:
-        StrategyRegistry.remove(PIECES.name)
+    yield from _registered(PIECES)
 
 
 def test_the_toy_is_registered_with_its_capabilities(toy) -> None:
