@@ -33,7 +33,7 @@ def _truncated_checkpoint(tmp_path: Path) -> list[str]:
 
 
 CASES = {
-    "unknown strategy": (lambda tmp: ["--trainer.strategy", "foo_ddp"], "Unknown strategy 'foo_ddp'. Ours: naive_ddp"),
+    "unknown strategy": (lambda tmp: ["--trainer.strategy", "foo_ddp"], "Unknown strategy 'foo_ddp'. Ours (ddp is Lightning's, the baseline): naive_ddp"),
     "bucket size 0": (
         lambda tmp: ["--config", str(REPO / "configs" / "strategy" / "bucketed.yaml"),
                      "--trainer.strategy.init_args.bucket_size_mb", "0"],

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_ddp import catalogue
 from lightning_ddp.metrics import METRIC_KEYS
 from tests.support.cli_utils import REPO, repo_first_on_path, run_cli
 
@@ -24,22 +25,11 @@ QUICK = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source",
 """The quickstart's tiny GPT, 8 steps of which 3 are warm-up, uniform random tokens (nothing to learn)."""
 
 
-def strategy_json(algorithm: str, backend: str, **init_args: Any) -> str:
-    """``--trainer.strategy`` for a strategy name (``naive_ddp`` ... ``zero1_ddp``, ``zero2_ddp``, ``ddp``) with its backend."""
-    if algorithm == "ddp":
-        return json.dumps({"class_path": "lightning.pytorch.strategies.DDPStrategy",
-                           "init_args": {"process_group_backend": backend}})
-    if algorithm == "zero1_ddp":
-        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
-                           "init_args": {"process_group_backend": backend, **init_args}})
-    if algorithm == "zero2_ddp":
-        return json.dumps({"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy",
-                           "init_args": {"process_group_backend": backend, **init_args}})
-    # bucket_size_mb always ("default" unless given): the quickstart's own bucket size would otherwise be carried
-    # over to this class, and an algorithm without buckets refuses one.
-    return json.dumps({"class_path": "lightning_ddp.strategies.GradSyncStrategy",
-                       "init_args": {"algorithm": algorithm.removesuffix("_ddp"), "process_group_backend": backend,
-                                     "bucket_size_mb": "default", **init_args}})
+def strategy_json(name: str, backend: str, **init_args: Any) -> str:
+    """``--trainer.strategy`` for a catalogue name with its backend (and ``init_args`` over the entry's own)."""
+    argument = catalogue.get(name).strategy_argument(backend)
+    argument["init_args"].update(init_args)
+    return json.dumps(argument)
 
 
 def fit_one_device(tmp_path: Path, *args: str, accelerator: str = "cuda", ranks: int = 1,
