@@ -73,8 +73,6 @@ class Entry:
     """Reproduces single-process training up to rounding; ``False`` for lossy compression."""
     sharded: bool = False
     """The optimizer state is split over the ranks."""
-    records_collectives: bool = True
-    """Our communicator issues its collectives, so busy time and overlap are recorded (not for torch's)."""
     memory: str = "packed"
     """Its memory model in ``lightning_ddp.memory`` (``MEMORY_MODELS``)."""
     projection: str | None = None
@@ -344,7 +342,7 @@ register(Entry(
 register(Entry(
     "fsdp2", "torch's FSDP2 (fully_shard per block): parameters, gradients and optimizer state sharded.",
     lightning_class="lightning_ddp.strategies.FSDP2Strategy", overlaps_backward=True, sharded=True,
-    records_collectives=False, memory="fully_sharded", projection=f"{_SIMULATORS}:simulate_fsdp2",
+    memory="fully_sharded", projection=f"{_SIMULATORS}:simulate_fsdp2",
 ))
 register(Entry(
     "ddp", "Lightning's DDP (torch DistributedDataParallel): 25 MiB buckets during backward; the baseline.",
