@@ -6,7 +6,6 @@ provenance, the command that made them). docs/benchmarks.md describes the benchm
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os
@@ -20,6 +19,7 @@ import numpy as np
 
 from lightning_ddp.bench.launch import measured_steps, read_timing_summary, run_interleaved
 from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.projection import tables
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
 __all__ = ["command_text", "csv_text", "load_average", "loss_curve", "markdown_table", "per_repeat", "provenance",
@@ -110,12 +110,8 @@ def _csv_value(value: Any, digits: int | None) -> Any:
 def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], digits: int | None = None) -> str:
     """The study's one CSV writer: ``columns`` in order (others ignored), missing/None/NaN as empty, booleans as
     ``true``/``false``, floats rounded to ``digits`` when given."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({column: _csv_value(row.get(column), digits) for column in columns})
-    return buffer.getvalue()
+    values = ({column: _csv_value(row.get(column), digits) for column in columns} for row in rows)
+    return tables.csv_text(values, columns)
 
 
 def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
@@ -130,11 +126,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: 
     >>> markdown_table(["a", "b"], [[1, 2]])
     ['| a | b |', '|---|---:|', '| 1 | 2 |']
     """
-    align = align or "l" + "r" * (len(header) - 1)
-    lines = ["| " + " | ".join(map(str, header)) + " |",
-             "|" + "".join("---:|" if a == "r" else "---|" for a in align)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return lines
+    return tables.markdown_table([str(name) for name in header], rows, align or "l" + "r" * (len(header) - 1))
 
 
 def command_text(module: str, argv: Sequence[str] | None) -> str:
