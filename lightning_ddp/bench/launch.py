@@ -1,8 +1,8 @@
 """The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command, run with a timeout.
 
 ``fit_command`` is the only place that builds the command line; ``rank_layout`` and ``rank_environments`` place the
-ranks, ``run_processes`` runs them and never leaves one behind, ``run_fit`` runs one fit, ``run_interleaved`` runs
-cells x interleaved repeats and ``read_timing_summary`` collects what the CommTimer wrote (docs/benchmarks.md).
+ranks, ``run_processes`` runs them and never leaves one behind, ``run_fit`` runs one fit and ``read_timing_summary``
+collects what the CommTimer wrote (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,26 +23,9 @@ from typing import Any, Mapping, Sequence
 from lightning_ddp import catalogue
 from lightning_ddp.local_group import find_free_port
 
-__all__ = [
-    "LOOPBACK_INTERFACE",
-    "ProcessResult",
-    "RankLayout",
-    "base_environment",
-    "error_line",
-    "find_free_port",
-    "fit_command",
-    "is_oom",
-    "logger_argument",
-    "rank_environments",
-    "rank_layout",
-    "read_timing_summary",
-    "run_fit",
-    "run_interleaved",
-    "run_processes",
-    "strategy_argument",
-    "without_launcher_variables",
-    "write_command",
-]
+__all__ = ["LOOPBACK_INTERFACE", "ProcessResult", "RankLayout", "base_environment", "error_line", "find_free_port",
+           "fit_command", "is_oom", "logger_argument", "rank_environments", "rank_layout", "read_timing_summary",
+           "run_fit", "run_processes", "strategy_argument", "without_launcher_variables", "write_command"]
 
 REFERENCE = "reference"
 """The study's one-process, compute-only cell (not a strategy: it runs with Lightning's ``auto``)."""
@@ -330,28 +313,8 @@ def run_fit(arguments: Sequence[str], log_dir: Path, *, what: str, timeout_s: fl
     return log_dir
 
 
-def run_interleaved(cells: Mapping[str, Sequence[str]], repeats: int, log_root: Path, *,
-                    timeout_s: float = 3600.0) -> dict[str, list[Path]]:
-    """Run every cell's fit arguments ``repeats`` times, interleaved round-robin (repeat 0 of every cell, then repeat
-    1, ...: a slow drift of the machine hits every cell alike); per cell name, its repeats' log directories."""
-    logs: dict[str, list[Path]] = {name: [] for name in cells}
-    for repeat in range(repeats):
-        for index, (name, arguments) in enumerate(cells.items()):
-            print(f"{name}, repeat {repeat + 1}/{repeats}", flush=True)
-            log_dir = log_root / f"cell{index}" / f"r{repeat}"
-            logs[name].append(run_fit(arguments, log_dir, what=f"{name}, repeat {repeat + 1}", timeout_s=timeout_s))
-    return logs
-
-
 def read_timing_summary(log_dir: Path) -> dict[str, Any] | None:
     """The CommTimer's ``timing_summary.json`` under ``log_dir`` (the first, sorted), or ``None``."""
     path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
     return None if path is None else json.loads(path.read_text())
 
-
-def measured_steps(log_dir: Path) -> list[dict[str, float]]:
-    """Rank 0's per-step rows of ``timing_summary.json`` after its warm-up."""
-    summary = read_timing_summary(log_dir)
-    if summary is None:
-        raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
-    return summary["steps"][summary["warmup_steps"]:]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.config import REFERENCE
-from lightning_ddp.bench.analysis import Analysis, analyze, has_buckets, is_ok, strategy_order, variant_of
+from lightning_ddp.bench.report import Analysis, has_buckets, is_ok, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["write_plots"]
@@ -161,14 +161,11 @@ def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
 def write_plots(
     out_dir: str | Path, rows: list[Row], predicted_mb: float | None = None, analysis: Analysis | None = None
 ) -> list[Path]:
-    """Write the figures of the module docstring for ``rows`` (parsed results.csv rows); return their paths.
-
-    ``analysis`` (``analysis.analyze`` with the raw steps) gives the selected bucket sizes and their evaluation
-    numbers; without it, the rows alone (every selection in-sample).
-    """
+    """Write the figures of the module docstring for ``rows`` (parsed results.csv rows) and their ``Analysis``
+    (default: from the rows alone, every selection in-sample); return their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    analysis = analysis or analyze(rows)
+    analysis = analysis or Analysis(rows)
     groups = analysis.groups
     written = []
     for precision in dict.fromkeys(g[0] for g in groups):

@@ -1,35 +1,585 @@
-"""``results.md``: the study's tables with intervals, the best bucket size chosen without selection bias, the
-bucket-size prediction against the measurement, and the performance goals with verdicts.
-
-The numbers are ``bench.analysis``'s (``analyze``: the selections, the goals, the across-groups summary; its
-docstring defines them); this module renders them, with the header (machine, model, versions, load guard), how to
-read the numbers, and the cells that did not finish. The analysis names stay importable from here.
+"""The sweep's files and report: the raw data (``repeats.csv``, ``steps.csv``), the per-cell aggregates
+(``results.csv``), the analysis (per group the best bucket size chosen on the selection repeats and measured on the
+evaluation repeats, the goals with verdicts, goal 1 across groups) and ``results.md``. Everything is computed from
+the raw files alone; docs/benchmarks.md lists every column and defines the analysis.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
-from lightning_ddp.bench.analysis import (
-    ACROSS_GROUPS_TARGET,
-    NOT_MEASURABLE,
-    Analysis,
-    Row,
-    analyze,
-    bucket_text,
-    has_buckets,
-    is_ok,
-    repeats_text,
-    strategy_order,
-    variant_of,
+import numpy as np
+
+from lightning_ddp import catalogue, files
+from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
+from lightning_ddp.bench.stats import (
+    Bootstrapper,
+    Estimate,
+    bounds_text,
+    estimate_text,
+    geometric_mean_draws,
+    percentile_interval,
+    pooled_median,
+    pooled_percentile,
 )
-from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis
-from lightning_ddp.catalogue import variant_label
-from lightning_ddp.bench.stats import bounds_text, estimate_text
-from lightning_ddp.bench.study import markdown_table
+from lightning_ddp.bench.stats import verdict as interval_verdict
+from lightning_ddp.bench.study import csv_text, markdown_table, read_csv
+from lightning_ddp.catalogue import format_bucket, variant_label, variant_strategy
+from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
 
-__all__ = ["build_report"]
+Row = dict[str, Any]
+RepeatKey = tuple[str, int]
+
+_COORDINATES = ("strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model",
+                "world_size", "accelerator", "backend")
+
+REPEAT_COLUMNS: tuple[str, ...] = (
+    "cell_id", "repeat", *_COORDINATES, "status", "reason", "wall_s", "measured_steps", "resolved_bucket_size_mb",
+    "busy_before", "waited_s", "busy", "load_avg_1m", "started_at",
+)
+"""The exact columns of repeats.csv, in order."""
+
+STEP_ID_COLUMNS: tuple[str, ...] = ("cell_id", "repeat", "step")
+"""The first columns of steps.csv; the metric keys follow, in first-seen order."""
+
+RESULT_COLUMNS: tuple[str, ...] = (
+    "cell_id", *_COORDINATES, "status", "reason", "repeats_ok", "repeats_run",
+    "step_ms_median", "step_ms_lo", "step_ms_hi", "step_ms_p10", "step_ms_p90", "exposed_comm_ms", "busy_comm_ms",
+    "wait_comm_ms", "transfer_comm_ms", "comm_share", "comm_share_lo", "comm_share_hi", "overlap", "busbw_GBps",
+    "tokens_per_s", "mfu", "peak_memory_MiB",
+    "resolved_bucket_size_mb", "measured_steps", "wall_s", "load_avg_1m", "busy_repeats", "waited_s",
+)
+"""The exact columns of results.csv, in order."""
+
+_INTEGER_COLUMNS = frozenset({"batch_size", "context_length", "world_size", "repeat", "repeats_ok", "repeats_run",
+                              "busy_repeats"})
+NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | frozenset(
+    REPEAT_COLUMNS[REPEAT_COLUMNS.index("wall_s"):REPEAT_COLUMNS.index("busy")]) | {"load_avg_1m"} | _INTEGER_COLUMNS
+"""Columns ``parse_row`` turns into numbers (empty cells become ``None``)."""
+
+ESTIMATED_KEYS: tuple[str, ...] = ("step/time_ms", "comm/share", "comm/busy_ms")
+"""The metrics bootstrapped together (the same resampled steps): what the report's intervals and goals need."""
+
+# (column, CommTimer key) of the pooled-median columns without an interval
+_MEDIANS = (
+    ("exposed_comm_ms", "comm/exposed_ms"),
+    ("busy_comm_ms", "comm/busy_ms"),
+    ("wait_comm_ms", "comm/wait_ms"),
+    ("transfer_comm_ms", "comm/transfer_ms"),
+    ("overlap", "comm/overlap"),
+    ("busbw_GBps", "comm/busbw_GBps"),
+    ("tokens_per_s", "step/tokens_per_s"),
+    ("mfu", "step/mfu"),
+)
+
+
+def bucket_cell(size: float | str | None) -> str:
+    """A bucket size as the CSV files write it: ``""`` where the strategy has none."""
+    return "" if size in (None, "") else format_bucket(size)
+
+
+@dataclass
+class CellData:
+    """One cell's coordinates (``meta``), its repeats.csv rows (every status, by repeat index) and the measured steps
+    of its ok repeats (by repeat index): what its statistics are computed from."""
+
+    cell_id: str
+    meta: Row
+    repeats: list[Row] = field(default_factory=list)
+    steps: dict[int, list[Row]] = field(default_factory=dict)
+
+    @property
+    def ok_repeats(self) -> list[int]:
+        """Indices of the ok repeats that have measured steps, ascending."""
+        return sorted(k for k, rows in self.steps.items() if rows)
+
+    def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
+        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a
+        key."""
+        chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
+        return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
+                for k in chosen]
+
+    @classmethod
+    def from_result_row(cls, row: Row) -> CellData:
+        """A results.csv row without its raw data, as one repeat of one step holding the row's medians (so the report
+        works on rows alone: intervals of zero width, best bucket sizes in-sample)."""
+        step = {"step/time_ms": row.get("step_ms_median"), "comm/share": row.get("comm_share"),
+                "comm/busy_ms": row.get("busy_comm_ms")}
+        ok = row.get("status") == "ok" and row.get("step_ms_median") is not None
+        return cls(str(row.get("cell_id", "")), dict(row), [], {0: [step]} if ok else {})
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str, CellData]:
+    """Every cell of ``repeat_rows`` with its steps (steps of a repeat that is not an ok row are ignored)."""
+    cells: dict[str, CellData] = {}
+    ok: set[RepeatKey] = set()
+    for row in sorted(repeat_rows, key=lambda r: (r["repeat"])):
+        data = cells.setdefault(row["cell_id"], CellData(row["cell_id"], {c: row.get(c) for c in _COORDINATES}))
+        data.repeats.append(row)
+        if row["status"] == "ok":
+            ok.add((row["cell_id"], row["repeat"]))
+    for step in step_rows:
+        key = (step["cell_id"], step["repeat"])
+        if key in ok:
+            cells[key[0]].steps.setdefault(key[1], []).append(step)
+    return cells
+
+
+def bootstrap_key(cell_id: str, repeats: Sequence[int]) -> str:
+    """The name a cell's draws over ``repeats`` are drawn under (``stats.rng_for``), e.g. ``"<id>|r0,1,2"``: the
+    report's ratios reuse the draws behind results.csv's intervals.
+
+    >>> bootstrap_key("naive-b2", [1, 3])
+    'naive-b2|r1,3'
+    """
+    return f"{cell_id}|r" + ",".join(map(str, repeats))
+
+
+def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
+    """The results.csv row of one cell, intervals from ``bootstrap`` over its ok repeats."""
+    row: Row = {column: "" for column in RESULT_COLUMNS}
+    row.update(data.meta, cell_id=data.cell_id)
+    run = data.repeats
+    ok = data.ok_repeats
+    failed = [r for r in run if r["status"] != "ok"]
+    row["status"] = "ok" if ok else (run[-1]["status"] if run else "")
+    if failed:
+        first = failed[0]
+        more = f" ({len(failed)} of {len(run)} repeats not ok)" if len(run) > 1 else ""
+        row["reason"] = f"r{first['repeat']}: {first['status']}: {first['reason']}{more}".rstrip()
+    row.update(
+        repeats_ok=len(ok),
+        repeats_run=len(run),
+        wall_s=round(sum(r.get("wall_s") or 0.0 for r in run), 1),
+    )
+    loads = [r["load_avg_1m"] for r in run if isinstance(r.get("load_avg_1m"), (int, float))]
+    row["load_avg_1m"] = max(loads) if loads else ""
+    guarded = [r for r in run if r.get("busy") is not None and r.get("busy") != ""]
+    if guarded:
+        row["busy_repeats"] = sum(1 for r in guarded if r["busy"] is True)
+        row["waited_s"] = round(sum(r.get("waited_s") or 0.0 for r in guarded), 1)
+    resolved = [r["resolved_bucket_size_mb"] for r in run
+                if r["status"] == "ok" and isinstance(r.get("resolved_bucket_size_mb"), (int, float))]
+    if resolved:
+        row["resolved_bucket_size_mb"] = float(np.median(resolved))
+    if not ok:
+        return row
+
+    keys = list(dict.fromkeys(key for k in ok for step in data.steps[k] for key in step if key not in STEP_ID_COLUMNS))
+    values = data.values(keys)
+    medians = dict(zip(keys, np.atleast_1d(pooled_median(values))))
+    column = {key: i for i, key in enumerate(keys)}
+    step_values = [v[:, column["step/time_ms"]] for v in values] if "step/time_ms" in column else []
+    if step_values:
+        row.update(step_ms_median=float(medians["step/time_ms"]),
+                   step_ms_p10=float(pooled_percentile(step_values, 10)),
+                   step_ms_p90=float(pooled_percentile(step_values, 90)),
+                   measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
+        lo, hi = percentile_interval(bootstrap.draws(bootstrap_key(data.cell_id, ok), data.values(ESTIMATED_KEYS)))
+        row.update(step_ms_lo=lo[0], step_ms_hi=hi[0])
+        if "comm/share" in column:
+            row.update(comm_share=float(medians["comm/share"]), comm_share_lo=lo[1], comm_share_hi=hi[1])
+    # Landmarks but no collective metric: the strategy's collectives were not recorded (fsdp2; not: no communication).
+    # A cell with no comm/ key at all (the one-device reference) has no communication: its cells stay empty.
+    unrecorded = any(key in column for key in LANDMARK_KEYS) and not any(key in column for key in COLLECTIVE_KEYS)
+    for name, key in _MEDIANS:
+        if key in medians and math.isfinite(medians[key]):
+            row[name] = float(medians[key])
+        elif unrecorded and key in COLLECTIVE_KEYS:
+            row[name] = NOT_RECORDED
+    if "memory/peak_MiB" in column:
+        peak = np.nanmax(np.concatenate([v[:, column["memory/peak_MiB"]] for v in values]))
+        row["peak_memory_MiB"] = float(peak) if math.isfinite(peak) else ""
+    return {k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+# ---- reading and writing ----------------------------------------------------------------------------------
+
+
+def _parse_value(column: str, value: Any) -> Any:
+    if column in NUMERIC_COLUMNS:
+        if value in ("", None):
+            return None
+        try:
+            number = float(value)
+        except ValueError:  # e.g. resolved_bucket_size_mb "auto" from an unwired strategy
+            return value
+        return int(number) if column in _INTEGER_COLUMNS else number
+    if column == "busy":
+        return {"true": True, "false": False}.get(str(value).lower())
+    if column == "bucket_size_mb":
+        return float(value) if value not in ("", "auto", None) else (value or "")
+    return value or ""
+
+
+def parse_row(raw: Mapping[str, Any], columns: Sequence[str] = RESULT_COLUMNS) -> Row:
+    """A row read back from CSV: numeric columns as floats (ints for the integer ones), empty as ``None``, ``busy``
+    as a bool, numeric bucket sizes as floats."""
+    return {column: _parse_value(column, raw.get(column, "")) for column in columns}
+
+
+def _read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
+    return [raw for raw in read_csv(path) if raw.get("cell_id")] if Path(path).exists() else []
+
+
+def read_results(path: str | os.PathLike) -> dict[str, Row]:
+    """``{cell_id: parsed row}`` of an existing results.csv (empty if there is none)."""
+    return {raw["cell_id"]: parse_row(raw) for raw in _read_csv(path)}
+
+
+def read_repeats(path: str | os.PathLike) -> dict[RepeatKey, Row]:
+    """``{(cell_id, repeat): parsed row}`` of an existing repeats.csv (empty if there is none)."""
+    rows = (parse_row(raw, REPEAT_COLUMNS) for raw in _read_csv(path))
+    return {(row["cell_id"], row["repeat"]): row for row in rows}
+
+
+def read_steps(path: str | os.PathLike) -> dict[RepeatKey, list[Row]]:
+    """``{(cell_id, repeat): [step rows]}`` of an existing steps.csv; metrics as floats, empty cells left out."""
+    steps: dict[RepeatKey, list[Row]] = {}
+    for raw in _read_csv(path):
+        row: Row = {"cell_id": raw["cell_id"], "repeat": int(raw["repeat"]), "step": int(float(raw["step"]))}
+        row.update({k: float(v) for k, v in raw.items() if k not in STEP_ID_COLUMNS and v not in ("", None)})
+        steps.setdefault((row["cell_id"], row["repeat"]), []).append(row)
+    return steps
+
+
+def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[str] | None = None) -> None:
+    """Rows to ``path`` atomically, bucket sizes as the files write them; ``columns`` default: steps.csv's
+    (``STEP_ID_COLUMNS``, then every metric key seen)."""
+    rows = [{**row, "bucket_size_mb": bucket_cell(row.get("bucket_size_mb"))} for row in rows]
+    if columns is None:
+        columns = [*STEP_ID_COLUMNS, *dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)]
+    files.write_atomically(path, csv_text(rows, columns))
+
+
+# ---- the analysis: best bucket sizes, goals, verdicts -------------------------------------------------------
+
+
+Group = tuple[str, int, int]
+
+ACROSS_GROUPS_TARGET = 0.95
+"""Target of the geometric mean over groups of (best / ddp) step time: 5 % faster than torch DDP."""
+
+NOT_MEASURABLE = "not measurable"
+
+_STEP, _SHARE, _BUSY = range(3)  # columns of ESTIMATED_KEYS
+
+
+def variant_of(row: Row) -> str:
+    """The row's strategy with its engine settings, what the report compares: ``"bucketed_powersgd rank=4"``, or
+    the strategy alone (``"bucketed"``) for a cell that sets none."""
+    settings = row.get("engine_settings") or ""
+    return f"{row['strategy']} {settings}" if settings else row["strategy"]
+
+
+def has_buckets(variant: str) -> bool:
+    """Whether the strategy of ``variant`` (a strategy, or a strategy with engine settings) has a bucket size."""
+    return has_bucket_axis(variant_strategy(variant))
+
+
+def strategy_order(names: Iterable[str]) -> list[str]:
+    """``names`` (strategies or variants, deduplicated) in report order: the reference, the registered algorithms,
+    ``ddp``, then any other name; the variants of one strategy, and unknown names, in first-seen order (a strategy
+    the registry does not know is shown last, never dropped)."""
+    known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
+    position = {s: i for i, s in enumerate(known)}
+    present = list(dict.fromkeys(names))
+    return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
+
+
+def group_rows(rows: Iterable[Row]) -> dict[Group, list[Row]]:
+    """Rows by ``(precision, batch_size, context_length)``, groups in first-seen order."""
+    groups: dict[Group, list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
+    return groups
+
+
+def is_ok(row: Row | None) -> bool:
+    """Whether ``row`` is a cell that finished with a step time (``status`` ok)."""
+    return row is not None and row.get("status") == "ok" and row.get("step_ms_median") is not None
+
+
+def _find(rows: list[Row], strategy: str) -> Row | None:
+    return next((r for r in rows if variant_of(r) == strategy), None)
+
+
+def _verdict(estimate: Estimate | None, target: float, in_sample: bool) -> str:
+    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else
+    ``stats.verdict``."""
+    if estimate is None:
+        return NOT_MEASURABLE
+    if in_sample:
+        return "inconclusive"
+    return interval_verdict(estimate, target)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians and ``(B, 3)``
+    bootstrap draws."""
+
+    row: Row
+    repeats: tuple[int, ...]
+    point: np.ndarray = field(repr=False)
+    draws: np.ndarray = field(repr=False)
+
+    def estimate(self, column: int) -> Estimate:
+        lo, hi = percentile_interval(self.draws[:, column])
+        return Estimate(float(self.point[column]), lo, hi)
+
+    @property
+    def step(self) -> Estimate:
+        return self.estimate(_STEP)
+
+    @property
+    def share(self) -> Estimate:
+        return self.estimate(_SHARE)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The best bucket size of one algorithm in one group: the cell ``row`` chosen among ``candidates`` sizes on the
+    ``selection_repeats`` (even indices) with ``selection_step_ms``, ``evaluated`` on the odd ones; ``in_sample``:
+    no evaluation repeat, so the numbers are the ones it was chosen on (biased low) and its goals inconclusive."""
+
+    group: Group
+    strategy: str
+    row: Row
+    selection_repeats: tuple[int, ...]
+    selection_step_ms: float
+    evaluated: Measured
+    in_sample: bool
+    candidates: int
+
+
+@dataclass(frozen=True)
+class GoalCheck:
+    """One performance goal (``goal``, in words) on one group: met when the ratio's interval (``estimate``; None when
+    a cell it needs has no ok repeat) is at or below ``target``; ``in_sample``: never conclusive; ``algorithm``: goal
+    1's algorithm; ``draws``: the ratio's bootstrap draws (for the across-groups geometric mean)."""
+
+    group: Group
+    goal: str
+    target: float
+    estimate: Estimate | None = None
+    note: str = ""
+    in_sample: bool = False
+    algorithm: str = ""
+    draws: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def verdict(self) -> str:
+        return _verdict(self.estimate, self.target, self.in_sample)
+
+
+@dataclass(frozen=True)
+class AcrossGroups:
+    """Goal 1 of one algorithm over every group: the geometric mean of (best / ddp) over ``groups`` measurable
+    groups (``None`` if none), the per-group verdict ``counts``; ``in_sample``: some group's best size is."""
+
+    algorithm: str
+    estimate: Estimate | None
+    groups: int
+    counts: dict[str, int]
+    in_sample: bool = False
+    target: float = ACROSS_GROUPS_TARGET
+
+    @property
+    def verdict(self) -> str:
+        return _verdict(self.estimate, self.target, self.in_sample)
+
+
+class Analysis:
+    """Selections, goals and the across-groups summary of a sweep's results.csv ``rows`` (grid order); a cell
+    missing from ``data`` (``cell_data``) counts as one repeat of one step holding its row's medians."""
+
+    def __init__(self, rows: Sequence[Row], data: Mapping[str, CellData] | None = None,
+                 bootstrap: Bootstrapper | None = None) -> None:
+        self.rows = [r for r in rows if r.get("status")]
+        self.bootstrap = bootstrap or Bootstrapper(2000, 0)
+        self.data = {r["cell_id"]: (data or {}).get(r["cell_id"]) or CellData.from_result_row(r) for r in self.rows}
+        self.groups = group_rows(self.rows)
+        self.selections: dict[tuple[Group, str], Selection] = {}
+        for group, members in self.groups.items():
+            for strategy in strategy_order(variant_of(r) for r in members):
+                if has_buckets(strategy):
+                    selection = self._select(group, [r for r in members if variant_of(r) == strategy])
+                    if selection is not None:
+                        self.selections[(group, strategy)] = selection
+        self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
+        algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
+        self.across = [self._across(a) for a in algorithms]
+
+    # -- measurements
+
+    def measured(self, row: Row, repeats: Sequence[int] | None = None) -> Measured | None:
+        """``row``'s cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them."""
+        data = self.data.get(row["cell_id"])
+        if data is None:
+            return None
+        chosen = tuple(data.ok_repeats if repeats is None else [k for k in repeats if k in data.ok_repeats])
+        if not chosen:
+            return None
+        values = data.values(ESTIMATED_KEYS, chosen)
+        draws = self.bootstrap.draws(bootstrap_key(row["cell_id"], chosen), values)
+        return Measured(row, chosen, np.asarray(pooled_median(values), dtype=float), draws)
+
+    def _select(self, group: Group, rows: list[Row]) -> Selection | None:
+        """The best bucket size of one algorithm in one group (module docstring)."""
+        candidates = []
+        for order, row in enumerate(rows):
+            ok = self.data[row["cell_id"]].ok_repeats if is_ok(row) else []
+            if ok:
+                candidates.append((order, row, ok))
+        if not candidates:
+            return None
+
+        def median_on(row: Row, repeats: Sequence[int]) -> float:
+            values = self.data[row["cell_id"]].values(ESTIMATED_KEYS[:1], repeats)
+            value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
+            return value if math.isfinite(value) else math.inf
+
+        with_selection = [(o, r, [k for k in ok if k % 2 == 0]) for o, r, ok in candidates]
+        with_selection = [c for c in with_selection if c[2]]
+        if with_selection:
+            order, row, chosen_on = min(with_selection, key=lambda c: (median_on(c[1], c[2]), c[0]))
+            evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1]
+        else:  # every even repeat failed: nothing to choose on out of sample
+            order, row, chosen_on = min(candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
+            evaluation = []
+        in_sample = not evaluation
+        evaluated = self.measured(row, None if in_sample else evaluation)
+        assert evaluated is not None  # the row has ok repeats
+        return Selection(group, variant_of(row), row, tuple(chosen_on), median_on(row, chosen_on), evaluated,
+                         in_sample, len(candidates))
+
+    # -- goals
+
+    def _ratio(self, group: Group, goal: str, target: float, top: Measured, top_column: int, bottom: Measured,
+               bottom_column: int, note: str, in_sample: bool = False, algorithm: str = "") -> GoalCheck:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            draws = top.draws[:, top_column] / bottom.draws[:, bottom_column]
+            point = float(top.point[top_column] / bottom.point[bottom_column])
+        lo, hi = percentile_interval(draws)
+        return GoalCheck(group, goal, target, Estimate(point, lo, hi), note, in_sample, algorithm, draws)
+
+    def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
+        """Goal 1 for bucketed and every other algorithm with a bucket size, goal 2 twice, goal 3 (module docstring)."""
+        # The goals' strategies, by what they keep: per-tensor blocking, per-tensor overlapping, and buckets.
+        naive_name, overlap_name = strategy_with_memory_model("none"), strategy_with_memory_model("per_tensor")
+        bucketed = catalogue.DEFAULT_ENGINE
+        naive, overlap, ddp, reference = (_find(rows, s) for s in (naive_name, overlap_name, BASELINE, REFERENCE))
+        m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
+                                                 for r in (naive, overlap, ddp, reference))
+        checks = []
+        algorithms = [bucketed, *[s for s in strategy_order(variant_of(r) for r in rows)
+                                  if has_buckets(s) and s != bucketed]]
+        for algorithm in algorithms:
+            goal = f"1. {algorithm} (best) step time / ddp step time"
+            selection = self.selections.get((group, algorithm))
+            if selection is not None and m_ddp is not None:
+                checks.append(self._ratio(group, goal, 1.0, selection.evaluated, _STEP, m_ddp, _STEP,
+                                          _selection_note(selection), selection.in_sample, algorithm))
+            else:
+                note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
+                checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
+
+        best = self.selections.get((group, bucketed))
+        best_measured, best_row = (best.evaluated, best.row) if best else (None, None)
+        compared = ((overlap_name, m_overlap, overlap), (f"{bucketed} (best)", best_measured, best_row))
+        for name, measured, row in compared:
+            goal = f"2. {name} comm share / {naive_name} comm share"
+            naive_share = m_naive.point[_SHARE] if m_naive is not None else math.nan
+            if m_naive is None:
+                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, naive_name)))
+            elif not naive_share > 0:
+                checks.append(GoalCheck(group, goal, 1 / 3, note=f"{naive_name} comm share is 0 or missing"))
+            elif measured is None or not math.isfinite(measured.point[_SHARE]):
+                note = _missing(row, overlap_name) if name == overlap_name else f"no ok {bucketed} cell"
+                checks.append(GoalCheck(group, goal, 1 / 3, note=note))
+            else:
+                in_sample = best is not None and name != overlap_name and best.in_sample
+                note = _selection_note(best) if name != overlap_name and best else ""
+                checks.append(self._ratio(group, goal, 1 / 3, measured, _SHARE, m_naive, _SHARE, note, in_sample))
+
+        goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
+        if best is not None and m_reference is not None:
+            top = best.evaluated
+            busy_point = top.point[_BUSY] if math.isfinite(top.point[_BUSY]) else 0.0
+            floor_point = max(float(m_reference.point[_STEP]), float(busy_point))
+            floor_draws = np.fmax(m_reference.draws[:, _STEP], top.draws[:, _BUSY])  # fmax: a missing busy is no floor
+            with np.errstate(divide="ignore", invalid="ignore"):
+                draws = top.draws[:, _STEP] / floor_draws
+            lo, hi = percentile_interval(draws)
+            bound = "compute" if m_reference.point[_STEP] >= busy_point else "communication"
+            note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
+            checks.append(GoalCheck(group, goal, 1.10, Estimate(float(top.point[_STEP] / floor_point), lo, hi), note,
+                                    best.in_sample, bucketed, draws))
+        else:
+            note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
+            checks.append(GoalCheck(group, goal, 1.10, note=note))
+        return checks
+
+    def _across(self, algorithm: str) -> AcrossGroups:
+        checks = [c for c in self.goals if c.goal.startswith("1.") and c.algorithm == algorithm]
+        counts = {v: 0 for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
+        for check in checks:
+            counts[check.verdict] += 1
+        measurable = [c for c in checks if c.estimate is not None and c.draws is not None]
+        if not measurable:
+            return AcrossGroups(algorithm, None, 0, counts)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            point = float(np.exp(np.mean(np.log([c.estimate.point for c in measurable]))))
+        lo, hi = percentile_interval(geometric_mean_draws([c.draws for c in measurable]))
+        return AcrossGroups(algorithm, Estimate(point, lo, hi), len(measurable), counts,
+                            any(c.in_sample for c in measurable))
+
+
+# ---- results.md ---------------------------------------------------------------------------------------
+
+
+def bucket_text(row: Row) -> str:
+    """The row's bucket size for a reader: ``4 MiB``, or ``auto (12.3 MiB)`` with the size ``auto`` resolved to.
+
+    >>> bucket_text({"bucket_size_mb": 4.0}), bucket_text({"bucket_size_mb": "auto", "resolved_bucket_size_mb": 12.34})
+    ('4 MiB', 'auto (12.3 MiB)')
+    """
+    size = row["bucket_size_mb"]
+    if size == "auto":
+        resolved = row.get("resolved_bucket_size_mb")
+        return f"auto ({resolved:.3g} MiB)" if isinstance(resolved, float) else "auto"
+    return f"{format_bucket(size)} MiB"
+
+
+def repeats_text(repeats: Sequence[int]) -> str:
+    """Repeat indices as a list for a reader: ``0, 2, 4``."""
+    return ", ".join(map(str, repeats))
+
+
+def _selection_note(selection: Selection) -> str:
+    if selection.in_sample:
+        return f"best size {bucket_text(selection.row)}, in-sample (no evaluation repeat)"
+    return f"best size {bucket_text(selection.row)} (chosen on repeats {repeats_text(selection.selection_repeats)})"
+
+
+def _missing(row: Row | None, name: str) -> str:
+    if row is None:
+        return f"no {name} cell"
+    return f"{name} cell {row['status'] or 'not run'}"
+
 
 _STRATEGY_TITLES = {
     REFERENCE: "reference (1 process, no communication)",
@@ -273,18 +823,9 @@ def build_report(
     analysis: Analysis | None = None,
     repeat_rows: list[Row] | None = None,
 ) -> str:
-    """The whole results.md as a string.
-
-    Args:
-        rows: results.csv rows of the cells of the current grid, in grid order.
-        title: The sweep's name.
-        prediction: ``bucket_prediction.json`` (fit and, once a cell finished, gradient sizes), if any.
-        environment: ``environment.json``, for the header.
-        pending: Cell repeats of the grid not run yet (a sweep in progress or killed).
-        analysis: ``analyze(rows, data, bootstrap)`` with the raw steps; default: from the rows alone.
-        repeat_rows: repeats.csv rows of the grid's cells (load guard, failures); default: none.
-    """
-    analysis = analysis or analyze(rows)
+    """results.md from the grid's results.csv ``rows`` (grid order), ``bucket_prediction.json``, ``environment.json``,
+    the ``pending`` cell repeats, the ``Analysis`` (default: from the rows alone) and the grid's repeats.csv rows."""
+    analysis = analysis or Analysis(rows)
     config = (environment or {}).get("config", {})
     run = config.get("run", {})
     repeats = run.get("repeats", "?")

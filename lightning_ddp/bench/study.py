@@ -1,6 +1,7 @@
 """The study pipeline every benchmark shares: cells (fit arguments) x interleaved repeats run by the one launcher,
-the CommTimer's files read by small metric plug-ins, and one way to write the results (CSV, markdown tables,
-provenance, the command that made them). docs/benchmarks.md describes the benchmarks built on it.
+the CommTimer's files read by small metric plug-ins, the load guard before each repeat, and one way to write the
+results (CSV, markdown tables, provenance, the command that made them). docs/benchmarks.md describes the benchmarks
+built on it.
 """
 
 from __future__ import annotations
@@ -11,21 +12,25 @@ import math
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from lightning_ddp.bench.launch import measured_steps, read_timing_summary, run_interleaved
+from lightning_ddp.bench.launch import read_timing_summary, run_fit
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.projection import tables
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
-__all__ = ["command_text", "csv_text", "load_average", "loss_curve", "markdown_table", "per_repeat", "provenance",
-           "read_csv", "read_json", "run_study", "spawn_ranks", "step_rows", "summary_medians", "write_outputs"]
+__all__ = ["LoadCheck", "busy_fraction", "command_text", "csv_text", "csv_value", "interleaved", "load_average",
+           "loss_curve", "markdown_table", "per_repeat", "provenance", "read_csv", "read_json", "read_proc_stat",
+           "run_study", "spawn_ranks", "step_rows", "summary_medians", "wait_until_idle", "write_outputs"]
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 # ---- running a study ----------------------------------------------------------------------------------------
@@ -33,11 +38,28 @@ T = TypeVar("T")
 
 def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[Path], T], *,
               timeout_s: float = 3600.0) -> dict[str, list[T]]:
-    """Every cell's fit ``repeats`` times, interleaved (cell order within each round); per cell, what the metric
-    plug-in ``read`` makes of each run's log directory, in repeat order."""
+    """Every cell's fit ``repeats`` times, ``interleaved``; per cell, what the metric plug-in ``read`` makes of each
+    run's log directory, in repeat order."""
+    results: dict[str, list[T]] = {name: [] for name in cells}
+    index = {name: i for i, name in enumerate(cells)}
     with tempfile.TemporaryDirectory() as tmp:
-        logs = run_interleaved(cells, repeats, Path(tmp), timeout_s=timeout_s)
-        return {name: [read(log_dir) for log_dir in dirs] for name, dirs in logs.items()}
+        for name, repeat in interleaved(cells, repeats):
+            print(f"{name}, repeat {repeat + 1}/{repeats}", flush=True)
+            log_dir = Path(tmp) / f"cell{index[name]}" / f"r{repeat}"
+            run_fit(cells[name], log_dir, what=f"{name}, repeat {repeat + 1}", timeout_s=timeout_s)
+            results[name].append(read(log_dir))
+    return results
+
+
+def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
+    """Every (cell, repeat) in the order a study runs them: repeat 0 of every cell, then repeat 1, ... (a slow drift
+    of the machine hits every cell alike).
+
+    >>> interleaved("ab", 2)
+    [('a', 0), ('b', 0), ('a', 1), ('b', 1)]
+    """
+    cells = list(cells)
+    return [(cell, k) for k in range(repeats) for cell in cells]
 
 
 def spawn_ranks(rank_main: Callable[..., None], world: int, *args: Any) -> Any:
@@ -58,7 +80,10 @@ def spawn_ranks(rank_main: Callable[..., None], world: int, *args: Any) -> Any:
 
 def step_rows(log_dir: Path) -> list[dict[str, float]]:
     """Rank 0's measured per-step rows (wait/transfer, lag, step time, exposed comm ...) after the warm-up."""
-    return measured_steps(log_dir)
+    summary = read_timing_summary(log_dir)
+    if summary is None:
+        raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
+    return summary["steps"][summary["warmup_steps"]:]
 
 
 def summary_medians(keys: Mapping[str, str]) -> Callable[[Path], dict[str, float]]:
@@ -95,7 +120,8 @@ def per_repeat(runs: Sequence[Sequence[Mapping[str, float]]], key: str) -> list[
 # ---- writing the results -------------------------------------------------------------------------------------
 
 
-def _csv_value(value: Any, digits: int | None) -> Any:
+def csv_value(value: Any, digits: int | None = None) -> Any:
+    """A value as a CSV cell holds it: None/NaN as ``""``, booleans as ``true``/``false``."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -110,7 +136,7 @@ def _csv_value(value: Any, digits: int | None) -> Any:
 def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], digits: int | None = None) -> str:
     """The study's one CSV writer: ``columns`` in order (others ignored), missing/None/NaN as empty, booleans as
     ``true``/``false``, floats rounded to ``digits`` when given."""
-    values = ({column: _csv_value(row.get(column), digits) for column in columns} for row in rows)
+    values = ({column: csv_value(row.get(column), digits) for column in columns} for row in rows)
     return tables.csv_text(values, columns)
 
 
@@ -167,3 +193,80 @@ def load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
         return None
+
+
+# ---- the load guard: before each repeat, wait until the machine's CPUs are (nearly) idle ----------------------
+
+
+CpuTimes = tuple[int, int]
+"""``(idle, total)`` jiffies since boot, summed over all cores."""
+
+
+def read_proc_stat(path: str = "/proc/stat") -> CpuTimes | None:
+    """``(idle + iowait, user + nice + system + idle + iowait + irq + softirq + steal)`` of the ``cpu`` line, or
+    ``None`` where there is no such file (not Linux)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("cpu "):
+                    fields = [int(v) for v in line.split()[1:9]]
+                    fields += [0] * (8 - len(fields))  # old kernels have fewer columns
+                    return fields[3] + fields[4], sum(fields)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
+    """``1 - Δidle / Δtotal`` between two readings; ``0.0`` when no time passed on the counters.
+
+    >>> busy_fraction((800, 1000), (1550, 2000))  # 750 of the 1000 jiffies since the first reading idle
+    0.25
+    """
+    d_idle, d_total = after[0] - before[0], after[1] - before[1]
+    if d_total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - d_idle / d_total))
+
+
+def _sample_busy(seconds: float, reader: Callable[[], CpuTimes | None], sleep: Callable[[float], None]) -> float | None:
+    before = reader()
+    if before is None:
+        return None
+    sleep(seconds)
+    after = reader()
+    return None if after is None else busy_fraction(before, after)
+
+
+@dataclass(frozen=True)
+class LoadCheck:
+    """What the guard saw before one repeat (the sweep's repeats.csv columns of the same names)."""
+
+    busy_before: float | None = None
+    """The last busy fraction sampled before the repeat started; ``None`` where it cannot be measured."""
+    waited_s: float = 0.0
+    """Seconds spent waiting for the machine to go idle."""
+    busy: bool | None = None
+    """True if the repeat started on a busy machine (still above the threshold when the wait ran out)."""
+
+
+def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,
+                    reader: Callable[[], CpuTimes | None] = read_proc_stat,
+                    sleep: Callable[[float], None] = time.sleep,
+                    clock: Callable[[], float] = time.monotonic) -> LoadCheck:
+    """Sample the busy fraction over ``sample_s`` (0: guard off), and keep sampling while it is above ``threshold``,
+    up to ``max_wait_s``; ``reader``, ``sleep`` and ``clock`` are injected by tests."""
+    if sample_s <= 0:
+        return LoadCheck()
+    fraction = _sample_busy(sample_s, reader, sleep)
+    if fraction is None:
+        return LoadCheck()
+    start = clock()
+    waited = 0.0
+    while fraction > threshold and waited < max_wait_s:
+        latest = _sample_busy(sample_s, reader, sleep)
+        waited = clock() - start
+        if latest is None:  # the file went away: stop waiting, keep what was seen
+            break
+        fraction = latest
+    return LoadCheck(busy_before=fraction, waited_s=waited, busy=fraction > threshold)

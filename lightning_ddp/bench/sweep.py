@@ -1,8 +1,7 @@
-"""Run a sweep: every cell repeat in its own processes, interleaved round-robin, resumable, then the statistics,
-results.csv, results.md and the plots (``output.report_only``: only those, from the raw files).
-
-The cell runner and the load guard are injected (how the tests fake them); the driver imports no torch.
-docs/benchmarks.md gives the recipe.
+"""Run a sweep: every cell repeat in its own processes (``SubprocessCellRunner``: ``ok``, ``oom``, ``failed`` or
+``timeout``), interleaved, resumable, each after the load guard; then results.csv, results.md and the plots
+(``output.report_only``: only those, from the raw files). The cell runner and the load guard are injected (how the
+tests fake them); the driver imports no torch. docs/benchmarks.md gives the recipe.
 """
 
 from __future__ import annotations
@@ -11,39 +10,55 @@ import dataclasses
 import json
 import os
 import platform
+import re
+import shutil
+import signal
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from lightning_ddp.bench.analysis import analyze
-from lightning_ddp.bench.config import SweepConfig, has_bucket_axis
-from lightning_ddp.bench.grid import Cell, expand_grid, sweep_layout, threads_per_rank
-from lightning_ddp.bench.launch import RankLayout, find_free_port, rank_environments, run_processes
-from lightning_ddp.bench.load import LoadCheck, wait_until_idle
+from lightning_ddp.bench.config import REFERENCE, SweepConfig, has_bucket_axis
+from lightning_ddp.bench.grid import Cell, cell_command, cell_environments, expand_grid, sweep_layout, threads_per_rank
+from lightning_ddp.bench.launch import (
+    RankLayout,
+    error_line,
+    find_free_port,
+    is_oom,
+    rank_environments,
+    run_processes,
+    write_command,
+)
 from lightning_ddp.bench.plots import write_plots
-from lightning_ddp.bench.report import build_report
-from lightning_ddp.bench.results import (
+from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
+    RESULT_COLUMNS,
+    Analysis,
+    Row,
+    bucket_cell,
+    build_report,
     cell_data,
     cell_row,
-    measured_step_rows,
     parse_row,
     read_repeats,
     read_steps,
-    repeat_row,
-    write_repeats,
-    write_results,
-    write_steps,
+    write_csv,
 )
-from lightning_ddp.bench.runner import CellOutcome, CellRunner, SubprocessCellRunner
 from lightning_ddp.bench.stats import Bootstrapper
+from lightning_ddp.bench.study import (
+    LoadCheck,
+    csv_value,
+    interleaved,
+    load_average,
+    provenance,
+    read_json,
+    wait_until_idle,
+    write_outputs,
+)
+from lightning_ddp.catalogue import format_settings
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.bench.study import load_average, provenance, read_json, write_outputs
 from lightning_ddp.provenance import package_version
-
-__all__ = ["SweepResult", "describe_environment", "gradient_bytes", "repeat_order", "run_sweep"]
 
 RESULTS_CSV = "results.csv"
 REPEATS_CSV = "repeats.csv"
@@ -57,16 +72,171 @@ ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbench
 RepeatKey = tuple[str, int]
 
 
+# ---- one cell repeat ----------------------------------------------------------------------------------------
+
+
+STATUSES = ("ok", "oom", "failed", "timeout")
+
+_ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE)
+
+
+@dataclass
+class CellOutcome:
+    """What running a cell produced: its ``status`` (one of ``STATUSES``), the error line that explains it, the
+    CommTimer's ``timing_summary.json`` and ``compute_profile.json`` when written, the wall time with start-up."""
+
+    status: str
+    reason: str = ""
+    summary: dict[str, Any] | None = None
+    wall_s: float = 0.0
+    profile: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+
+CellRunner = Callable[[Cell, Path], CellOutcome]
+"""Runs one cell whose outputs go to the given directory."""
+
+
+def classify(
+    returncodes: list[int | None],
+    logs: list[str],
+    timed_out: bool,
+    killed_by_us: set[int],
+    first_failed: int | None,
+    summary_found: bool,
+    timeout_s: float = 0.0,
+) -> tuple[str, str]:
+    """``(status, reason)`` of a finished cell from its processes' exit codes and output: timeout; else oom if a
+    failed rank's log says so or a rank died by a SIGKILL we did not send (not one in ``killed_by_us``); else
+    failed; else ok if the CommTimer wrote its summary."""
+    order = ([first_failed] if first_failed is not None else []) + [i for i in range(len(logs)) if i != first_failed]
+    if timed_out:
+        last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
+        return "timeout", f"no result after {timeout_s:.0f} s" + (f"; last output: {last}" if last else "")
+    failed = [i for i in order if returncodes[i] not in (0, None)]
+    if not failed:
+        if summary_found:
+            return "ok", ""
+        last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
+        return "failed", "exited 0 but wrote no timing_summary.json" + (f" (last output: {last})" if last else "")
+    for i in failed:
+        match = next((line for line in reversed(logs[i].splitlines()) if is_oom(line)), None)
+        if match:
+            return "oom", f"rank {i}: {match.strip()[:300]}"
+    for i in failed:
+        if returncodes[i] == -signal.SIGKILL and i not in killed_by_us:
+            return "oom", f"rank {i} was killed by SIGKILL (-9), most likely the kernel's out-of-memory killer"
+    first = failed[0]
+    line = error_line(logs[first])
+    code = returncodes[first]
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return "failed", f"rank {first} ({how}): {line}" if line else f"rank {first} ({how}) printed no error line"
+
+
+class SubprocessCellRunner:
+    """Runs a cell as ``python -m lightning_ddp fit`` processes in ``cwd`` (relative config paths resolve there)."""
+
+    def __init__(self, config: SweepConfig, layout: RankLayout, cwd: str | None = None) -> None:
+        self.config = config
+        self.layout = layout
+        self.cwd = cwd
+
+    def __call__(self, cell: Cell, run_dir: Path) -> CellOutcome:
+        outcome = self._run_once(cell, run_dir)
+        if outcome.status == "failed" and _ADDRESS_IN_USE.search(outcome.reason):
+            outcome = self._run_once(cell, run_dir)  # the free port was taken between probe and bind: once more
+        return outcome
+
+    def _run_once(self, cell: Cell, run_dir: Path) -> CellOutcome:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a rerun (e.g. retry_failed) starts clean: no stale summary is read
+        run_dir.mkdir(parents=True)
+        command = cell_command(cell, self.config, self.layout, run_dir.resolve())
+        port = find_free_port()
+        envs = cell_environments(cell, self.config, self.layout, port)
+        write_command(run_dir / "command.txt", command, envs)
+        logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
+        result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
+        summary_path, profile_path = (next(iter(sorted(run_dir.rglob(name))), None)
+                                      for name in ("timing_summary.json", "compute_profile.json"))
+        texts = [p.read_text(encoding="utf-8", errors="replace") for p in logs]
+        status, reason = classify(
+            result.returncodes, texts, result.timed_out, result.killed_by_us, result.first_failed,
+            summary_path is not None, self.config.run.timeout_s,
+        )
+        if status != "ok":
+            return CellOutcome(status, reason, None, result.wall_s)
+        profile = read_json(profile_path, missing_ok=True) if profile_path else None  # an extra: a bad file is left out
+        return CellOutcome(status, reason, read_json(summary_path), result.wall_s, profile)
+
+
+def repeat_row(
+    cell: Cell,
+    repeat: int,
+    outcome: CellOutcome,
+    model: str | None,
+    accelerator: str,
+    layout: RankLayout,
+    load: LoadCheck | None = None,
+    load_avg: float | None = None,
+    started_at: str = "",
+) -> Row:
+    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran."""
+    load = load or LoadCheck()
+    row: Row = {column: "" for column in REPEAT_COLUMNS}
+    row.update(
+        cell_id=cell.id,
+        repeat=repeat,
+        strategy=cell.strategy,
+        bucket_size_mb=bucket_cell(cell.bucket_size_mb),
+        engine_settings=format_settings(cell.settings),
+        batch_size=cell.batch_size,
+        context_length=cell.context_length,
+        precision=cell.precision,
+        model=model or "",
+        world_size=cell.world_size,
+        accelerator=accelerator,
+        backend="" if cell.strategy == REFERENCE else layout.backend,
+        status=outcome.status,
+        reason=outcome.reason,
+        wall_s=round(outcome.wall_s, 1),
+        busy_before="" if load.busy_before is None else round(load.busy_before, 3),
+        waited_s=round(load.waited_s, 1) if load.busy_before is not None else "",
+        busy="" if load.busy is None else str(load.busy).lower(),
+        load_avg_1m="" if load_avg is None else round(load_avg, 2),
+        started_at=started_at,
+    )
+    if outcome.status == "ok" and outcome.summary:
+        row["measured_steps"] = len(measured_step_rows(cell.id, repeat, outcome.summary))
+        resolved = (outcome.summary.get("run") or {}).get("bucket_size_mb")
+        if has_bucket_axis(cell.strategy) and isinstance(resolved, (int, float)):  # "auto" if the size was not recorded
+            row["resolved_bucket_size_mb"] = resolved
+    return row
+
+
+def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) -> list[Row]:
+    """The steps.csv rows of one ok repeat: its ``timing_summary.json`` step rows after the first ``warmup_steps``."""
+    warmup = int(summary.get("warmup_steps", 0))
+    rows = []
+    for step in list(summary.get("steps", []))[warmup:]:
+        metrics = {k: v for k, v in step.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        rows.append({"cell_id": cell_id, "repeat": repeat, "step": int(step.get("step", len(rows))), **metrics})
+    return rows
+
+
 @dataclass
 class SweepResult:
-    """What ``run_sweep`` produced."""
+    """What ``run_sweep`` produced: the parsed results.csv rows of this grid's cells that ran (grid order), the
+    ``(cell_id, repeat)`` run by this call (the others were skipped as done) and the plots."""
 
     out_dir: Path
     cells: list[Cell]
-    rows: list[dict[str, Any]]
-    """Parsed results.csv rows of this grid's cells that have run, in grid order."""
+    rows: list[Row]
     ran: list[RepeatKey] = field(default_factory=list)
-    """``(cell_id, repeat)`` of the repeats run by this call, in order (the others were skipped as done)."""
     plots: list[Path] = field(default_factory=list)
 
     @property
@@ -74,59 +244,91 @@ class SweepResult:
         return sum(1 for r in self.rows if r["status"] == "ok")
 
 
-def repeat_order(cells: list[Cell], repeats: int) -> list[tuple[Cell, int]]:
-    """Every (cell, repeat) in the order the sweep runs them: repeat 0 of every cell in grid order, then repeat 1, ...
+@dataclass
+class _Sweep:
+    """A sweep's raw data in memory (``repeats`` and ``steps`` as read back from the files) and how it is written."""
 
-    >>> from types import SimpleNamespace as C
-    >>> [(c.id, k) for c, k in repeat_order([C(id="a"), C(id="b")], 2)]
-    [('a', 0), ('b', 0), ('a', 1), ('b', 1)]
-    """
-    return [(cell, k) for k in range(repeats) for cell in cells]
+    config: SweepConfig
+    out_dir: Path
+    cells: list[Cell]
+    repeats: dict[RepeatKey, Row]
+    steps: dict[RepeatKey, list[Row]]
+    bootstrap: Bootstrapper
+
+    def record(self, cell: Cell, k: int, outcome: CellOutcome, layout: RankLayout, load: LoadCheck,
+               started_at: str, wants_prediction: bool) -> None:
+        """Repeat ``k`` of ``cell`` ran: steps.csv, repeats.csv (last: it marks the repeat done), profiles.json,
+        the prediction, results.csv and results.md, each whole and atomically."""
+        config, out_dir, key = self.config, self.out_dir, (cell.id, k)
+        self.steps.pop(key, None)
+        if outcome.status == "ok" and outcome.summary:
+            self.steps[key] = measured_step_rows(cell.id, k, outcome.summary)
+        row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, layout, load,
+                         load_average(), started_at)
+        self.repeats[key] = parse_row({c: csv_value(v) for c, v in row.items()}, REPEAT_COLUMNS)
+        # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
+        write_csv(out_dir / STEPS_CSV, (step for k_ in self.repeats if k_ in self.steps for step in self.steps[k_]))
+        write_csv(out_dir / REPEATS_CSV, self.repeats.values(), REPEAT_COLUMNS)
+        profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
+        if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
+            write_json_atomically(out_dir / PROFILES_JSON, {**profiles, cell.id: outcome.profile}, default=str)
+        if outcome.status == "ok" and wants_prediction:
+            _complete_prediction(out_dir / PREDICTION_JSON, outcome)
+        self.write_outputs(final=False)
+
+    def write_outputs(self, final: bool) -> tuple[list[Row], list[Path]]:
+        """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
+        every cell of repeats.csv (this grid's first, then other configurations': the files never lose data); the
+        report and the plots only this grid's cells."""
+        out_dir = self.out_dir
+        data = cell_data(self.repeats.values(), (step for rows in self.steps.values() for step in rows))
+        rows = {cid: parse_row({c: csv_value(v) for c, v in cell_row(d, self.bootstrap).items()})
+                for cid, d in data.items()}
+        ids = [c.id for c in self.cells]
+        grid_rows = [rows[cid] for cid in ids if cid in rows]
+        write_csv(out_dir / RESULTS_CSV, grid_rows + [row for cid, row in rows.items() if cid not in set(ids)],
+                  RESULT_COLUMNS)
+        analysis = Analysis(grid_rows, {cid: data[cid] for cid in ids if cid in data}, self.bootstrap)
+        grid_repeats = [r for r in self.repeats.values() if r["cell_id"] in set(ids)]
+        expected = set(interleaved(ids, self.config.run.repeats))
+        pending = len(expected - {(r["cell_id"], r["repeat"]) for r in grid_repeats})
+        prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
+        environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
+        report = build_report(grid_rows, self.config.name, prediction, environment, pending, analysis, grid_repeats)
+        write_atomically(out_dir / RESULTS_MD, report)
+        if not (final and self.config.output.plots and grid_rows):
+            return grid_rows, []
+        predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
+        return grid_rows, write_plots(out_dir, grid_rows, predicted_mb, analysis)
 
 
-def run_sweep(
-    config: SweepConfig,
-    runner: CellRunner | None = None,
-    layout: RankLayout | None = None,
-    predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] | None = None,
-    load_guard: Callable[[], LoadCheck] | None = None,
-) -> SweepResult:
-    """Run (or resume) the sweep of ``config`` (docs/benchmarks.md).
-
-    Args:
-        config: The sweep.
-        runner: Runs one cell repeat; default ``SubprocessCellRunner`` (real ``python -m lightning_ddp fit`` processes).
-        layout: Rank placement; default from ``grid.sweep_layout`` and the GPUs visible here.
-        predictor: Runs the all-reduce microbenchmark, returns the fit; default: a job on the sweep's ranks.
-        progress: Show a progress bar over the cell repeats.
-        log: Where the one-line-per-repeat results go (default: print above the progress bar).
-        load_guard: Called before each repeat, waits for an idle machine and says what it saw; default:
-            ``load.wait_until_idle`` with ``run.busy_threshold``, ``run.max_wait_s`` and ``run.load_sample_s``.
-    """
+def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
+              predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None = None,
+              progress: bool = True, log: Callable[[str], None] | None = None,
+              load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
+    """Run (or resume) the sweep of ``config`` (docs/benchmarks.md). Defaults: ``runner`` a
+    ``SubprocessCellRunner``, ``layout`` from the GPUs visible here, ``predictor`` the all-reduce job on the sweep's
+    ranks, ``log`` above the progress bar, ``load_guard`` ``study.wait_until_idle`` with the ``run`` settings."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells = expand_grid(config)
-    repeats_path = out_dir / REPEATS_CSV
-    repeats = read_repeats(repeats_path)
+    repeats = read_repeats(out_dir / REPEATS_CSV)
     # Steps of a repeat without an ok row come from a repeat killed between the two writes: it runs again.
     steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
              if key in repeats and repeats[key]["status"] == "ok"}
     bootstrap = Bootstrapper(config.output.bootstrap_samples, config.output.seed)
-    say = log or _tqdm_write
-
+    sweep = _Sweep(config, out_dir, expand_grid(config), repeats, steps, bootstrap)
+    cells, say = sweep.cells, log or _tqdm_write
     if config.output.report_only:
         if not repeats:
             raise ValueError(
-                f"`output.report_only` but {repeats_path} has no rows (results.csv and results.md are rebuilt from "
-                "repeats.csv and steps.csv); run the sweep first (without report_only)"
+                f"`output.report_only` but {out_dir / REPEATS_CSV} has no rows (results.csv and results.md are rebuilt "
+                "from repeats.csv and steps.csv); run the sweep first (without report_only)"
             )
-        rows, plots = _write_outputs(config, out_dir, cells, repeats, steps, bootstrap, final=True)
+        rows, plots = sweep.write_outputs(final=True)
         return SweepResult(out_dir, cells, rows, plots=plots)
 
     layout = _start_session(config, out_dir, layout, repeats, say)
-    order = repeat_order(cells, config.run.repeats)
+    order = interleaved(cells, config.run.repeats)
     todo = [(cell, k) for cell, k in order if not _done(config, repeats.get((cell.id, k)))]
     say(f"sweep {config.name!r}: {len(cells)} cells x {config.run.repeats} repeats = {len(order)} cell repeats, "
         f"{len(order) - len(todo)} already done, {len(todo)} to run; {layout.world_size} ranks over {layout.backend}; "
@@ -134,40 +336,36 @@ def run_sweep(
     wants_prediction = config.run.predict_bucket_size and any(has_bucket_axis(s) for s in config.grid.strategies)
     if wants_prediction and todo:
         _predict_bucket_size(config, layout, out_dir, predictor, say)
-
     runner = runner or SubprocessCellRunner(config, layout)
-    guard = load_guard or (lambda: wait_until_idle(config.run.busy_threshold, config.run.max_wait_s,
-                                                   config.run.load_sample_s))
-    state = _SweepState(config, out_dir, cells, layout, repeats, steps, bootstrap, wants_prediction)
+    run = config.run
+    guard = load_guard or (lambda: wait_until_idle(run.busy_threshold, run.max_wait_s, run.load_sample_s))
     ran: list[RepeatKey] = []
-    bar = _progress_bar(len(order), len(order) - len(todo), progress)
-    try:
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal; in a log file (not a TTY) only the one-line results
+    with tqdm(total=len(order), initial=len(order) - len(todo), unit="repeat", desc="sweep", dynamic_ncols=True,
+              disable=None if progress else True) as bar:
         for cell, k in todo:
-            if bar is not None:
-                bar.set_postfix_str(f"{cell.label}, repeat {k + 1}/{config.run.repeats}")
+            bar.set_postfix_str(f"{cell.label}, repeat {k + 1}/{run.repeats}")
             load = guard()
-            outcome = state.run_repeat(runner, cell, k, load)
+            started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
+            sweep.record(cell, k, outcome, layout, load, started_at, wants_prediction)
             ran.append((cell.id, k))
-            say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, config.run.repeats, outcome,
-                             load))
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    rows, plots = _write_outputs(config, out_dir, cells, repeats, steps, bootstrap, final=True)
-    ok = sum(1 for r in rows if r["status"] == "ok")
-    say(f"done: {ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
+            say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
+            bar.update(1)
+    rows, plots = sweep.write_outputs(final=True)
+    say(f"done: {sum(1 for r in rows if r['status'] == 'ok')} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
     return SweepResult(out_dir, cells, rows, ran, plots)
 
 
-def _done(config: SweepConfig, row: dict[str, Any] | None) -> bool:
+def _done(config: SweepConfig, row: Row | None) -> bool:
     """Whether a repeat with this repeats.csv row is finished (failed ones too, unless ``output.retry_failed``)."""
     return row is not None and (row["status"] == "ok" or (bool(row["status"]) and not config.output.retry_failed))
 
 
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
-                   repeats: dict[RepeatKey, dict[str, Any]], say: Callable[[str], None]) -> RankLayout:
+                   repeats: dict[RepeatKey, Row], say: Callable[[str], None]) -> RankLayout:
     """Check the base config, decide the layout and write environment.json (this session added to the earlier)."""
     if not Path(config.workload.base_config).is_file():
         raise ValueError(
@@ -175,7 +373,12 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
             f"current directory, {os.getcwd()}); run from the repository root or give an absolute path"
         )
     if layout is None:
-        layout = _default_layout(config)
+        gpu_count = 0
+        if config.run.accelerator == "cuda":
+            import torch
+
+            gpu_count = torch.cuda.device_count()
+        layout = sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
     environment = describe_environment(config, layout)
     previous = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True) if repeats else None
     environment["sessions"] = _sessions(previous, environment, sum(1 for r in repeats.values() if r["status"] == "ok"))
@@ -190,8 +393,7 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
                          predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None,
                          say: Callable[[str], None]) -> None:
     """Run the all-reduce microbenchmark once (unless bucket_prediction.json exists) and write its fit."""
-    prediction_path = out_dir / PREDICTION_JSON
-    if prediction_path.exists():
+    if (out_dir / PREDICTION_JSON).exists():
         return
     say("measuring all-reduce time vs message size for the bucket-size model ...")
     fit = (predictor or _run_allreduce_job)(config, layout, out_dir)
@@ -201,103 +403,6 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
     write_outputs(out_dir, {PREDICTION_JSON: fit})
     bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
     say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
-
-
-@dataclass
-class _SweepState:
-    """What a running sweep keeps between repeats, and how one repeat's results are written."""
-
-    config: SweepConfig
-    out_dir: Path
-    cells: list[Cell]
-    layout: RankLayout
-    repeats: dict[RepeatKey, dict[str, Any]]
-    steps: dict[RepeatKey, list[dict[str, Any]]]
-    bootstrap: Bootstrapper
-    wants_prediction: bool
-
-    def run_repeat(self, runner: CellRunner, cell: Cell, k: int, load: LoadCheck) -> CellOutcome:
-        """Run repeat ``k`` of ``cell``; then steps.csv, repeats.csv (last: it marks the repeat done),
-        profiles.json, results.csv and results.md, each whole and atomically."""
-        config, out_dir = self.config, self.out_dir
-        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
-        key = (cell.id, k)
-        self.steps.pop(key, None)
-        if outcome.status == "ok" and outcome.summary:
-            self.steps[key] = measured_step_rows(cell.id, k, outcome.summary)
-        row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, self.layout, load,
-                         load_average(), started_at)
-        self.repeats[key] = parse_row({c: _text(v) for c, v in row.items()}, REPEAT_COLUMNS)
-        # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
-        write_steps(out_dir / STEPS_CSV, (step for key_ in self.repeats if key_ in self.steps
-                                          for step in self.steps[key_]))
-        write_repeats(out_dir / REPEATS_CSV, self.repeats.values())
-        profiles_path = out_dir / PROFILES_JSON
-        profiles: dict[str, Any] = read_json(profiles_path, missing_ok=True) or {}
-        if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
-            profiles[cell.id] = outcome.profile
-            write_json_atomically(profiles_path, profiles, default=str)
-        if outcome.status == "ok" and self.wants_prediction:
-            _complete_prediction(out_dir / PREDICTION_JSON, outcome)
-        _write_outputs(config, out_dir, self.cells, self.repeats, self.steps, self.bootstrap, final=False)
-        return outcome
-
-
-# ---- helpers ------------------------------------------------------------------------------------------
-
-
-def _default_layout(config: SweepConfig) -> RankLayout:
-    gpu_count = 0
-    if config.run.accelerator == "cuda":
-        import torch
-
-        gpu_count = torch.cuda.device_count()
-    return sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-
-def _text(value: Any) -> str:
-    """A value as the CSV will hold it (so a row in memory equals the row read back)."""
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-def _write_outputs(
-    config: SweepConfig,
-    out_dir: Path,
-    cells: list[Cell],
-    repeats: dict[RepeatKey, dict[str, Any]],
-    steps: dict[RepeatKey, list[dict[str, Any]]],
-    bootstrap: Bootstrapper,
-    final: bool,
-) -> tuple[list[dict[str, Any]], list[Path]]:
-    """results.csv and results.md from the raw data (always) and, when ``final``, the plots.
-
-    results.csv holds every cell of repeats.csv (this grid's first, in grid order, then other configurations'
-    cells: the files never lose data); the report and the plots only this grid's cells.
-    """
-    data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
-    rows = {cid: parse_row({c: _text(v) for c, v in cell_row(d, bootstrap).items()}) for cid, d in data.items()}
-    ids = [c.id for c in cells]
-    grid_rows = [rows[cid] for cid in ids if cid in rows]
-    write_results(out_dir / RESULTS_CSV, grid_rows + [row for cid, row in rows.items() if cid not in set(ids)])
-
-    analysis = analyze(grid_rows, {cid: data[cid] for cid in ids if cid in data}, bootstrap)
-    grid_ids = set(ids)
-    grid_repeats = [r for r in repeats.values() if r["cell_id"] in grid_ids]
-    expected = {(c.id, k) for c, k in repeat_order(cells, config.run.repeats)}
-    pending = len(expected - {(r["cell_id"], r["repeat"]) for r in grid_repeats})
-    prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
-    environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
-    report = build_report(grid_rows, config.name, prediction, environment, pending, analysis, grid_repeats)
-    write_atomically(out_dir / RESULTS_MD, report)
-    if not (final and config.output.plots and grid_rows):
-        return grid_rows, []
-    predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
-    return grid_rows, write_plots(out_dir, grid_rows, predicted_mb, analysis)
 
 
 def _sessions(previous: dict[str, Any] | None, current: dict[str, Any], repeats_done: int) -> list[dict[str, Any]]:
@@ -334,15 +439,6 @@ def _tqdm_write(line: str) -> None:
 
     tqdm.write(line)
     sys.stdout.flush()
-
-
-def _progress_bar(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    # disable=None: a bar on a terminal; in a log file (not a TTY) only the one-line results
-    return tqdm(total=total, initial=initial, unit="repeat", desc="sweep", dynamic_ncols=True, disable=None)
 
 
 # ---- the bucket-size prediction ------------------------------------------------------------------------
@@ -401,7 +497,7 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     w = fit.get("bandwidth_Bps") or float("inf")
     bucket = optimal_bucket_bytes(s, fit["overhead_s"], w, largest)
     fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=bucket)
-    write_atomically(path, json.dumps(fit, indent=2) + "\n")
+    write_json_atomically(path, fit)
 
 
 # ---- environment.json ---------------------------------------------------------------------------------

@@ -19,24 +19,29 @@ from lightning_ddp.bench.__main__ import parse_config
 from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig
 from lightning_ddp.bench.grid import cell_command, cell_environments, expand_grid, sweep_layout
 from lightning_ddp.bench.launch import RankLayout, error_line, run_processes
-from lightning_ddp.bench.load import LoadCheck, busy_fraction, read_proc_stat, wait_until_idle
-from lightning_ddp.bench.analysis import analyze
-from lightning_ddp.bench.report import build_report
-from lightning_ddp.bench.results import (
+from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
     RESULT_COLUMNS,
+    Analysis,
+    build_report,
     cell_data,
     cell_row,
-    measured_step_rows,
     parse_row,
     read_repeats,
     read_results,
     read_steps,
-    repeat_row,
 )
-from lightning_ddp.bench.runner import CellOutcome, SubprocessCellRunner, classify
 from lightning_ddp.bench.stats import Bootstrapper
-from lightning_ddp.bench.sweep import gradient_bytes, run_sweep
+from lightning_ddp.bench.study import LoadCheck, busy_fraction, read_proc_stat, wait_until_idle
+from lightning_ddp.bench.sweep import (
+    CellOutcome,
+    SubprocessCellRunner,
+    classify,
+    gradient_bytes,
+    measured_step_rows,
+    repeat_row,
+    run_sweep,
+)
 from tests.support.cli_utils import REPO, repo_first_on_path
 
 BENCH_CONFIGS = sorted((REPO / "configs" / "bench").glob("*.yaml"))
@@ -616,7 +621,7 @@ def _report(repeat_rows, step_rows) -> str:
     bootstrap = Bootstrapper(2000, seed=0)
     data = cell_data(repeat_rows, step_rows)
     rows = [parse_row({k: "" if v is None else str(v) for k, v in cell_row(d, bootstrap).items()}) for d in data.values()]
-    return build_report(rows, "t", analysis=analyze(rows, data, bootstrap), repeat_rows=repeat_rows)
+    return build_report(rows, "t", analysis=Analysis(rows, data, bootstrap), repeat_rows=repeat_rows)
 
 
 def test_verdicts_met_missed_inconclusive_and_not_measurable_in_results_md() -> None:

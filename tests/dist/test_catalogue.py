@@ -235,8 +235,7 @@ def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_
     from lightning_ddp.bench.launch import RankLayout
     from lightning_ddp.bench.plots import write_plots
     from lightning_ddp.bench.report import build_report
-    from lightning_ddp.bench.results import repeat_row
-    from lightning_ddp.bench.runner import CellOutcome
+    from lightning_ddp.bench.sweep import CellOutcome, repeat_row
 
     def config(**settings) -> SweepConfig:
         return SweepConfig(grid=GridConfig(strategies=["toy_pieces"], batch_sizes=[2], context_lengths=[32],

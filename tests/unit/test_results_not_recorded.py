@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ddp.bench.results import CellData, cell_row
+from lightning_ddp.bench.report import CellData, cell_row
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.metrics.accounting import NOT_RECORDED
 
