@@ -11,24 +11,12 @@ from typing import Any, Literal, Optional, Union
 from lightning_ddp import catalogue  # the standard library only: no torch import
 from lightning_ddp.bench.launch import REFERENCE
 
-__all__ = [
-    "PRECISIONS",
-    "REFERENCE",
-    "fit_arguments",
-    "default_strategies",
-    "has_bucket_axis",
-    "strategy_with_memory_model",
-    "GridConfig",
-    "OutputConfig",
-    "RunConfig",
-    "SweepConfig",
-    "WorkloadConfig",
-]
+__all__ = ["PRECISIONS", "REFERENCE", "fit_arguments", "default_strategies", "has_bucket_axis",
+           "strategy_with_memory_model", "GridConfig", "OutputConfig", "RunConfig", "SweepConfig", "WorkloadConfig"]
 
 
 def fit_arguments(remainder: list[str]) -> list[str]:
-    """The arguments a benchmark passes on to each ``python -m lightning_ddp fit`` run: what follows ``--`` on its
-    command line (its ``fit_args``, an ``argparse.REMAINDER``), without the ``--``.
+    """What follows ``--`` on a benchmark's command line (``argparse.REMAINDER``), passed on to each fit.
 
     >>> fit_arguments(["--", "--trainer.accelerator", "cuda"])
     ['--trainer.accelerator', 'cuda']
@@ -37,8 +25,7 @@ def fit_arguments(remainder: list[str]) -> list[str]:
 
 
 def strategy_with_memory_model(model: str) -> str:
-    """The one catalogue strategy whose memory model is ``model``: the study's goals and the memory benchmark name a
-    strategy by what it keeps in memory (``none``: naive_ddp, ``per_tensor``: overlap_ddp, ``fully_sharded``: fsdp2)."""
+    """The one catalogue strategy whose memory model is ``model`` (``none``, ``per_tensor``, ``fully_sharded``)."""
     (name,) = [entry.name for entry in catalogue.STRATEGIES.values() if entry.memory == model]
     return name
 
@@ -52,7 +39,6 @@ def default_strategies() -> list[str]:
 def has_bucket_axis(strategy: str) -> bool:
     """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb``."""
     return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
-
 
 
 BASELINE = "ddp"
@@ -151,8 +137,7 @@ class GridConfig:
 
 
 def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
-    """One entry of ``grid.engine_settings``, checked against its engine's signature (values de-duplicated), whether
-    or not the strategy is in ``grid.strategies`` (a config stays valid when they are narrowed on the command line)."""
+    """One entry of ``grid.engine_settings`` checked against its engine's signature, values de-duplicated."""
     where = f"`grid.engine_settings.{name}`"
     engines = catalogue.names(engines_only=True)
     if name not in engines:
@@ -249,38 +234,34 @@ class RunConfig:
     """Seconds per CPU-usage sample; 0 turns the guard off (as does a missing /proc/stat)."""
 
     def __post_init__(self) -> None:
-        if self.devices < 2:
-            raise ValueError(
-                f"`run.devices` must be >= 2 for data-parallel cells, got {self.devices}; the 1-process compute-only "
-                "reference is added to the grid automatically"
-            )
-        if self.accelerator == "cpu" and self.backend == "nccl":
-            raise ValueError("`run.backend: nccl` needs CUDA; use `run.backend: gloo` (or `auto`) with "
-                             "`run.accelerator: cpu`")
-        if self.warmup_steps < 0:
-            raise ValueError(f"`run.warmup_steps` must be >= 0, got {self.warmup_steps}")
-        if self.steps < 1:
-            raise ValueError(f"`run.steps` must be >= 1 (the measured steps), got {self.steps}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"`run.timeout_s` must be > 0 seconds, got {self.timeout_s}")
-        if self.threads_per_rank is not None and self.threads_per_rank < 1:
-            raise ValueError(f"`run.threads_per_rank` must be >= 1 or null (automatic), got {self.threads_per_rank}")
-        if not (isinstance(self.repeats, int) and self.repeats >= 1):
-            raise ValueError(
-                f"`run.repeats` must be an integer >= 1, got {self.repeats!r}; use at least 2 (e.g. `--run.repeats 6`) "
-                "so that the best bucket size can be chosen and measured on different repeats"
-            )
-        if not 0.0 <= self.busy_threshold <= 1.0:
-            raise ValueError(
-                f"`run.busy_threshold` is a fraction of all CPUs between 0 and 1, got {self.busy_threshold}; "
-                "e.g. `--run.busy_threshold 0.2` (1.0 never waits)"
-            )
-        if not self.max_wait_s >= 0:
-            raise ValueError(f"`run.max_wait_s` must be >= 0 seconds, got {self.max_wait_s}; 0 records the load "
-                             "without waiting")
-        if not self.load_sample_s >= 0:
-            raise ValueError(f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the "
-                             "load guard off")
+        _require(
+            (self.devices >= 2, f"`run.devices` must be >= 2 for data-parallel cells, got {self.devices}; the "
+                                "1-process compute-only reference is added to the grid automatically"),
+            (self.accelerator != "cpu" or self.backend != "nccl",
+             "`run.backend: nccl` needs CUDA; use `run.backend: gloo` (or `auto`) with `run.accelerator: cpu`"),
+            (self.warmup_steps >= 0, f"`run.warmup_steps` must be >= 0, got {self.warmup_steps}"),
+            (self.steps >= 1, f"`run.steps` must be >= 1 (the measured steps), got {self.steps}"),
+            (self.timeout_s > 0, f"`run.timeout_s` must be > 0 seconds, got {self.timeout_s}"),
+            (self.threads_per_rank is None or self.threads_per_rank >= 1,
+             f"`run.threads_per_rank` must be >= 1 or null (automatic), got {self.threads_per_rank}"),
+            (isinstance(self.repeats, int) and self.repeats >= 1,
+             f"`run.repeats` must be an integer >= 1, got {self.repeats!r}; use at least 2 (e.g. `--run.repeats 6`) "
+             "so that the best bucket size can be chosen and measured on different repeats"),
+            (0.0 <= self.busy_threshold <= 1.0,
+             f"`run.busy_threshold` is a fraction of all CPUs between 0 and 1, got {self.busy_threshold}; "
+             "e.g. `--run.busy_threshold 0.2` (1.0 never waits)"),
+            (self.max_wait_s >= 0,
+             f"`run.max_wait_s` must be >= 0 seconds, got {self.max_wait_s}; 0 records the load without waiting"),
+            (self.load_sample_s >= 0,
+             f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the load guard off"),
+        )
+
+
+def _require(*checks: tuple[bool, str]) -> None:
+    """Raise the message of the first failed ``(condition, message)`` check as a ``ValueError``."""
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 @dataclass

@@ -1,7 +1,5 @@
-"""From a ``SweepConfig`` to cells (``expand_grid``), and from a cell to its fit arguments and processes.
-
-A cell's id is a readable slug plus a hash of everything that changes what it measures, so a rerun skips finished
-repeats (docs/benchmarks.md). The command line itself is built by the launcher (``bench.launch``).
+"""From a ``SweepConfig`` to cells (``expand_grid``: ids that a rerun recognises), and from a cell to its fit
+arguments and processes (the command line itself is the launcher's); docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,47 +22,27 @@ from lightning_ddp.bench.launch import (
 )
 from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
 
-__all__ = [
-    "Cell",
-    "cell_command",
-    "cell_environments",
-    "cell_id",
-    "expand_grid",
-    "sweep_layout",
-]
+__all__ = ["Cell", "cell_command", "cell_environments", "cell_id", "expand_grid", "sweep_layout", "threads_per_rank"]
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One point of the grid: one training run in its own process(es)."""
+    """One point of the grid: one training run in its own process(es). ``id`` (readable slug + config hash) names
+    its rows and run directories; ``strategy`` is a catalogue name or ``reference``; ``bucket_size_mb`` is ``None``
+    unless the strategy has one; ``engine_settings`` are ``(name, value)`` pairs in the config's order."""
 
     id: str
-    """Stable identifier (readable slug + config hash); names the rows and the run directories (``runs/<id>/r<k>/``)."""
     strategy: str
-    """A catalogue name or ``reference``."""
     batch_size: int
-    """Per-rank batch size."""
     context_length: int
-    """Sequence length."""
     precision: str
-    """Lightning precision."""
     bucket_size_mb: float | str | None
-    """Bucket cap in MiB or ``"auto"``; ``None`` unless the strategy has a bucket size."""
     world_size: int
-    """Ranks: ``run.devices``, or 1 for the reference."""
     engine_settings: tuple[tuple[str, Any], ...] = ()
-    """The algorithm's engine settings this cell sets (``grid.engine_settings``), as ``(name, value)`` pairs in the
-    config's order; empty: the engine's defaults."""
 
     @property
     def settings(self) -> dict[str, Any]:
-        """``engine_settings`` as a dict, e.g. ``{"rank": 4}``."""
         return dict(self.engine_settings)
-
-    @property
-    def group(self) -> tuple[str, int, int]:
-        """``(precision, batch_size, context_length)``: the cells the report compares with each other."""
-        return (self.precision, self.batch_size, self.context_length)
 
     @property
     def label(self) -> str:

@@ -25,7 +25,7 @@ from lightning_ddp.local_group import find_free_port
 
 __all__ = ["LOOPBACK_INTERFACE", "ProcessResult", "RankLayout", "base_environment", "error_line", "find_free_port",
            "fit_command", "is_oom", "logger_argument", "rank_environments", "rank_layout", "read_timing_summary",
-           "run_fit", "run_processes", "strategy_argument", "without_launcher_variables", "write_command"]
+           "run_fit", "run_processes", "strategy_argument", "write_command"]
 
 REFERENCE = "reference"
 """The study's one-process, compute-only cell (not a strategy: it runs with Lightning's ``auto``)."""
@@ -76,16 +76,13 @@ def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[s
 
 @dataclass(frozen=True)
 class RankLayout:
-    """How the data-parallel ranks of a run sit on the machine."""
+    """How the data-parallel ranks of a run sit on the machine: ``num_nodes`` > 1 only when ranks share GPUs (each
+    rank is then a 'node' of one GPU, ``gpu_of_rank`` its ``CUDA_VISIBLE_DEVICES``)."""
 
     backend: str
-    """``gloo`` or ``nccl``."""
     devices_per_node: int
-    """``--trainer.devices``."""
     num_nodes: int
-    """``--trainer.num_nodes``; > 1 only when ranks share GPUs (each rank is then a 'node' of one GPU)."""
     gpu_of_rank: tuple[str, ...] | None = None
-    """``CUDA_VISIBLE_DEVICES`` of each rank when ranks share GPUs, else ``None``."""
 
     @property
     def world_size(self) -> int:
@@ -117,18 +114,13 @@ def rank_layout(accelerator: str, devices: int, backend: str = "auto", launcher:
     return RankLayout("gloo", 1, devices, tuple(ids[r % len(ids)] for r in range(devices)))
 
 
-def without_launcher_variables(parent: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``parent`` (default: this process's environment) without the variables launchers tell ranks by, so that a
-    job started from inside another (a sweep under SLURM, a study under torchrun) is its own single-machine job."""
-    parent = dict(os.environ if parent is None else parent)
-    return {k: v for k, v in parent.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
-
-
 def base_environment(threads: int | None = None, extra: Mapping[str, str] | None = None,
                      parent: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``parent`` without launcher variables, plus unbuffered output, ``OMP_NUM_THREADS`` = ``threads`` (if given),
-    ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set; every rank runs on this host) and ``extra``."""
-    env = without_launcher_variables(parent)
+    """``parent`` (default: this process's environment) without the variables launchers tell ranks by (a job started
+    under SLURM or torchrun is its own single-machine job), plus unbuffered output, ``OMP_NUM_THREADS`` =
+    ``threads`` (if given), ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set) and ``extra``."""
+    parent = dict(os.environ if parent is None else parent)
+    env = {k: v for k, v in parent.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"  # logs stream to the rank files as they happen (the reason of a crash survives)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)  # Lightning keeps an OMP_NUM_THREADS that is already set
@@ -182,7 +174,7 @@ def write_command(path: Path, command: list[str], envs: list[dict[str, str]]) ->
 
 @dataclass
 class ProcessResult:
-    """What ``run_processes`` observed."""
+    """What ``run_processes`` observed (``killed_by_us``: indices of the processes it had to stop)."""
 
     returncodes: list[int | None]
     timed_out: bool

@@ -17,26 +17,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = [
-    "VERDICTS",
-    "Bootstrapper",
-    "Estimate",
-    "bounds_text",
-    "estimate",
-    "estimate_text",
-    "geometric_mean_draws",
-    "hierarchical_bootstrap",
-    "interval_text",
-    "percentile_interval",
-    "pooled_median",
-    "pooled_percentile",
-    "ratio_estimate",
-    "rng_for",
-    "verdict",
-]
-
-VERDICTS: tuple[str, ...] = ("met", "missed", "inconclusive")
-"""What ``verdict`` can say (a goal whose cells are missing is "not measurable", decided by the caller)."""
+__all__ = ["Bootstrapper", "Estimate", "bounds_text", "estimate", "estimate_text", "geometric_mean_draws",
+           "hierarchical_bootstrap", "interval_text", "percentile_interval", "pooled_median", "pooled_percentile",
+           "ratio_estimate", "rng_for", "verdict"]
 
 LEVEL = 0.95
 """Coverage of every interval: the 2.5th to the 97.5th percentile of the draws."""
@@ -103,17 +86,9 @@ def hierarchical_bootstrap(
     rng: np.random.Generator,
     statistic: Callable[[np.ndarray, int], np.ndarray] = _median,
 ) -> np.ndarray:
-    """``samples`` draws of ``statistic`` (default: the median) under the two-level resampling of the module docstring.
-
-    Args:
-        repeats: One array per repeat, ``(n_r,)`` or ``(n_r, k)``; the ``k`` metrics of a step are resampled together.
-        samples: ``B``, the number of draws.
-        rng: The generator (``rng_for``).
-        statistic: ``f(values, axis)`` reducing the pooled steps of a draw; NaNs (missing values) may be present.
-
-    Returns:
-        ``(B,)`` draws, or ``(B, k)`` for 2-D repeats.
-    """
+    """``samples`` draws ``(B,)`` (``(B, k)`` for 2-D repeats, whose ``k`` metrics of a step are resampled
+    together) of ``statistic(values, axis)`` (default: the median; NaNs may be present) over the pooled steps of a
+    draw: resample the repeats with replacement, then the steps within each."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     arrays = _as_arrays(repeats)
@@ -229,17 +204,9 @@ def geometric_mean_draws(ratio_draws: Sequence[np.ndarray]) -> np.ndarray:
 
 
 class Bootstrapper:
-    """Draws per named sample, cached: the same cell drawn for its own interval and inside a ratio is the same draw.
-
-    ``draws(key, repeats)`` is ``hierarchical_bootstrap(repeats, samples, rng_for(seed, key))``. The generator
-    depends on the name alone (name a key after the cell and the repeats used, ``"<cell_id>|r0,1,2"``); the cache
-    on the name and the values, so a sweep that keeps one ``Bootstrapper`` while cells gain repeats never reuses
-    stale draws.
-
-    Args:
-        samples: ``B`` (``output.bootstrap_samples``).
-        seed: ``output.seed``.
-    """
+    """``draws(key, repeats)``: ``hierarchical_bootstrap(repeats, samples, rng_for(seed, key))``, cached on the key
+    and the values (the same cell drawn for its own interval and inside a ratio is the same draw; a cell that gained
+    repeats is drawn anew)."""
 
     def __init__(self, samples: int, seed: int) -> None:
         if samples < 1:
