@@ -1,7 +1,5 @@
-"""``python -m lightning_ddp.bench --config configs/bench/cpu.yaml``: run (or resume) a benchmark sweep.
-
-Every field of the config is a flag too (``--grid.batch_sizes [2,4]``, ``--run.steps 20``,
-``--output.out_dir /tmp/sweep``); ``--help`` documents them and ``--print_config`` shows the merged result.
+"""``python -m lightning_ddp.bench --config configs/bench/cpu.yaml``: run (or resume) a benchmark sweep; every config
+field is a flag too (``--run.steps 20``), ``--help`` documents them, ``--print_config`` shows the merged result.
 """
 
 from __future__ import annotations

@@ -13,13 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.config import BASELINE, REFERENCE, SweepConfig, has_bucket_axis
-from lightning_ddp.bench.launch import (
-    RankLayout,
-    fit_command,
-    rank_environments,
-    rank_layout,
-    strategy_argument,
-)
+from lightning_ddp.bench.launch import RankLayout, fit_command, rank_environments, rank_layout, strategy_argument
 from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
 
 __all__ = ["Cell", "cell_command", "cell_environments", "cell_id", "expand_grid", "sweep_layout", "threads_per_rank"]

@@ -17,13 +17,7 @@ import numpy as np
 from lightning_ddp import catalogue, files
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
-    Bootstrapper,
-    Estimate,
-    bounds_text,
-    estimate_text,
-    geometric_mean_draws,
-    percentile_interval,
-    pooled_median,
+    Bootstrapper, Estimate, bounds_text, estimate_text, geometric_mean_draws, percentile_interval, pooled_median,
     pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict

@@ -22,42 +22,18 @@ from typing import Any, Callable, Mapping
 from lightning_ddp.bench.config import REFERENCE, SweepConfig, has_bucket_axis
 from lightning_ddp.bench.grid import Cell, cell_command, cell_environments, expand_grid, sweep_layout, threads_per_rank
 from lightning_ddp.bench.launch import (
-    RankLayout,
-    error_line,
-    find_free_port,
-    is_oom,
-    rank_environments,
-    run_processes,
-    write_command,
+    RankLayout, error_line, find_free_port, is_oom, rank_environments, run_processes, write_command,
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
-    REPEAT_COLUMNS,
-    RESULT_COLUMNS,
-    Analysis,
-    Row,
-    bucket_cell,
-    build_report,
-    cell_data,
-    cell_row,
-    parse_row,
-    read_repeats,
-    read_steps,
-    write_csv,
+    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
+    read_repeats, read_steps, write_csv,
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
-    LoadCheck,
-    csv_value,
-    interleaved,
-    load_average,
-    provenance,
-    read_json,
-    wait_until_idle,
-    write_outputs,
+    LoadCheck, csv_value, interleaved, load_average, provenance, read_json, wait_until_idle, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings
-from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import package_version
 
 RESULTS_CSV = "results.csv"
@@ -271,7 +247,7 @@ class _Sweep:
         write_csv(out_dir / REPEATS_CSV, self.repeats.values(), REPEAT_COLUMNS)
         profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
         if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
-            write_json_atomically(out_dir / PROFILES_JSON, {**profiles, cell.id: outcome.profile}, default=str)
+            write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell.id: outcome.profile}})
         if outcome.status == "ok" and wants_prediction:
             _complete_prediction(out_dir / PREDICTION_JSON, outcome)
         self.write_outputs(final=False)
@@ -295,7 +271,7 @@ class _Sweep:
         prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
         environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
         report = build_report(grid_rows, self.config.name, prediction, environment, pending, analysis, grid_repeats)
-        write_atomically(out_dir / RESULTS_MD, report)
+        write_outputs(out_dir, {RESULTS_MD: report})
         if not (final and self.config.output.plots and grid_rows):
             return grid_rows, []
         predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
@@ -462,10 +438,8 @@ def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -
 
 
 def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
-    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` these hparams build.
-
-    The model is built on the meta device (shapes only, no memory), so this is instant even for xl.
-    """
+    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` these hparams build (on
+    the meta device: instant even for xl)."""
     import torch
 
     from lightning_ddp.model import GPT, get_config
@@ -497,7 +471,7 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     w = fit.get("bandwidth_Bps") or float("inf")
     bucket = optimal_bucket_bytes(s, fit["overhead_s"], w, largest)
     fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=bucket)
-    write_json_atomically(path, fit)
+    write_outputs(path.parent, {path.name: fit})
 
 
 # ---- environment.json ---------------------------------------------------------------------------------
