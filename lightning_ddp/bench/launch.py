@@ -24,7 +24,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.local_group import find_free_port
 
 __all__ = ["LOOPBACK_INTERFACE", "ProcessResult", "RankLayout", "base_environment", "error_line", "find_free_port",
-           "fit_command", "is_oom", "logger_argument", "rank_environments", "rank_layout", "read_timing_summary",
+           "fit_command", "is_oom", "rank_environments", "rank_layout", "read_timing_summary",
            "run_fit", "run_processes", "strategy_argument", "write_command"]
 
 REFERENCE = "reference"
@@ -56,18 +56,14 @@ def strategy_argument(name: str, backend: str | None = None, bucket_size_mb: flo
     return json.dumps(catalogue.get(name).strategy_argument(backend, bucket_size_mb, settings))
 
 
-def logger_argument(log_dir: Path) -> str:
-    """A TensorBoard logger whose log directory is ``log_dir`` itself (name and version empty)."""
-    return json.dumps({"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                       "init_args": {"save_dir": str(log_dir), "name": "", "version": ""}})
-
-
 def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[str]:
-    """``python -m lightning_ddp fit <arguments>``, logging into ``log_dir`` when given (where the CommTimer's
-    ``timing_summary.json`` then lands)."""
+    """``python -m lightning_ddp fit <arguments>``, with a TensorBoard logger writing into ``log_dir`` itself when
+    given (where the CommTimer's ``timing_summary.json`` then lands)."""
     command = [sys.executable, "-m", "lightning_ddp", "fit", *arguments]
     if log_dir is not None:
-        command += ["--trainer.logger", logger_argument(log_dir)]
+        logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                  "init_args": {"save_dir": str(log_dir), "name": "", "version": ""}}
+        command += ["--trainer.logger", json.dumps(logger)]
     return command
 
 

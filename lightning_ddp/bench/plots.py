@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.config import REFERENCE
-from lightning_ddp.bench.report import Analysis, has_buckets, is_ok, strategy_order, variant_of
+from lightning_ddp.bench.report import Analysis, Row, has_buckets, is_ok, panels, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["write_plots"]
-
-Row = dict[str, Any]
 
 
 def _file_stem(variant: str) -> str:
@@ -168,15 +166,13 @@ def write_plots(
     analysis = analysis or Analysis(rows)
     groups = analysis.groups
     written = []
-    for precision in dict.fromkeys(g[0] for g in groups):
-        for batch in dict.fromkeys(g[1] for g in groups if g[0] == precision):
-            contexts = sorted({g[2] for g in groups if g[0] == precision and g[1] == batch})
-            path = out_dir / f"strategies_{precision}_bs{batch}.png"
-            if _strategy_figure(path, precision, batch, analysis, contexts):
+    for precision, batch, contexts in panels(groups):
+        path = out_dir / f"strategies_{precision}_bs{batch}.png"
+        if _strategy_figure(path, precision, batch, analysis, contexts):
+            written.append(path)
+        bucketed = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
+        for strategy in filter(has_buckets, bucketed):
+            path = out_dir / f"{_file_stem(strategy)}_{precision}_bs{batch}.png"
+            if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
                 written.append(path)
-            bucketed = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
-            for strategy in filter(has_buckets, bucketed):
-                path = out_dir / f"{_file_stem(strategy)}_{precision}_bs{batch}.png"
-                if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
-                    written.append(path)
     return written

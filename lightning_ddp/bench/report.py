@@ -301,6 +301,15 @@ def group_rows(rows: Iterable[Row]) -> dict[Group, list[Row]]:
     return groups
 
 
+def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
+    """``(precision, batch, contexts)`` of the groups, as the report's tables and the plots show them: precisions and
+    batches in first-seen order, contexts ascending."""
+    groups = list(groups)
+    return [(precision, batch, sorted({g[2] for g in groups if g[:2] == (precision, batch)}))
+            for precision in dict.fromkeys(g[0] for g in groups)
+            for batch in dict.fromkeys(g[1] for g in groups if g[0] == precision)]
+
+
 def is_ok(row: Row | None) -> bool:
     """Whether ``row`` is a cell that finished with a step time (``status`` ok)."""
     return row is not None and row.get("status") == "ok" and row.get("step_ms_median") is not None
@@ -308,6 +317,11 @@ def is_ok(row: Row | None) -> bool:
 
 def _find(rows: list[Row], strategy: str) -> Row | None:
     return next((r for r in rows if variant_of(r) == strategy), None)
+
+
+def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
+    verdicts = [check.verdict for check in checks]
+    return {v: verdicts.count(v) for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
 
 
 def _verdict(estimate: Estimate | None, target: float, in_sample: bool) -> str:
@@ -529,9 +543,7 @@ class Analysis:
 
     def _across(self, algorithm: str) -> AcrossGroups:
         checks = [c for c in self.goals if c.goal.startswith("1.") and c.algorithm == algorithm]
-        counts = {v: 0 for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
-        for check in checks:
-            counts[check.verdict] += 1
+        counts = _verdict_counts(checks)
         measurable = [c for c in checks if c.estimate is not None and c.draws is not None]
         if not measurable:
             return AcrossGroups(algorithm, None, 0, counts)
@@ -614,27 +626,23 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
     lines = []
     groups = analysis.groups
     selected = {s.row["cell_id"] for s in analysis.selections.values()}
-    precisions = list(dict.fromkeys(g[0] for g in groups))
-    for precision in precisions:
-        batches = list(dict.fromkeys(g[1] for g in groups if g[0] == precision))
-        for batch in batches:
-            contexts = sorted({g[2] for g in groups if g[0] == precision and g[1] == batch})
-            lines += [f"### {precision}, batch size {batch} per rank", ""]
-            variants: dict[tuple, Row] = {}
+    for precision, batch, contexts in panels(groups):
+        lines += [f"### {precision}, batch size {batch} per rank", ""]
+        variants: dict[tuple, Row] = {}
+        for context in contexts:
+            for row in groups[(precision, batch, context)]:
+                variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
+        order = strategy_order(strategy for strategy, _ in variants)
+        table = []
+        for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k], order)):
+            cells = []
             for context in contexts:
-                for row in groups[(precision, batch, context)]:
-                    variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
-            order = strategy_order(strategy for strategy, _ in variants)
-            table = []
-            for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k], order)):
-                cells = []
-                for context in contexts:
-                    row = next((r for r in groups[(precision, batch, context)]
-                                if variant_of(r) == strategy and r["bucket_size_mb"] == size), None)
-                    cells.append(_cell_text(row, bold=row is not None and row["cell_id"] in selected))
-                table.append([_title(strategy, size), *cells])
-            lines += markdown_table(["strategy", *(f"context {c}" for c in contexts)], table)
-            lines.append("")
+                row = next((r for r in groups[(precision, batch, context)]
+                            if variant_of(r) == strategy and r["bucket_size_mb"] == size), None)
+                cells.append(_cell_text(row, bold=row is not None and row["cell_id"] in selected))
+            table.append([_title(strategy, size), *cells])
+        lines += markdown_table(["strategy", *(f"context {c}" for c in contexts)], table)
+        lines.append("")
     lines.append(
         "Each cell: pooled median step time [95 % interval] over all its ok repeats (exposed communication share of "
         "the step [95 % interval]; of it, the median time spent waiting for the last rank to launch). **Bold**: "
@@ -722,9 +730,7 @@ def _verdict_text(verdict: str) -> str:
 
 def _goal_section(analysis: Analysis) -> list[str]:
     lines = ["## Performance goals", ""]
-    counts = {v: 0 for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
-    for check in analysis.goals:
-        counts[check.verdict] += 1
+    counts = _verdict_counts(analysis.goals)
     lines += [
         f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} inconclusive, "
         f"{counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).",
