@@ -127,8 +127,9 @@ def sweep_layout(config: SweepConfig, gpu_count: int = 0, visible_gpus: str | No
     return rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpu_count, visible_gpus)
 
 
-def cell_arguments(cell: Cell, config: SweepConfig, layout: RankLayout) -> list[str]:
-    """The fit arguments of this cell (every process of the cell runs the same command)."""
+def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
+    """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
+    timing_summary.json lands)."""
     run, workload = config.run, config.workload
     reference = cell.strategy == REFERENCE
     args = ["--config", workload.base_config, *workload.cli_args]
@@ -154,12 +155,7 @@ def cell_arguments(cell: Cell, config: SweepConfig, layout: RankLayout) -> list[
         "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
         "--timer.warmup_steps", str(run.warmup_steps),
     ]
-    return args
-
-
-def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
-    """The cell's ``fit`` command, logging into ``run_dir`` itself (where its timing_summary.json lands)."""
-    return fit_command(cell_arguments(cell, config, layout), run_dir)
+    return fit_command(args, run_dir)
 
 
 def threads_per_rank(config: SweepConfig, cpu_count: int | None = None) -> int | None:
