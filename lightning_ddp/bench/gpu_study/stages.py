@@ -510,7 +510,7 @@ def _sweep_arguments(ctx: StudyContext, out_dir: Path) -> list[str]:
 
 
 def one_gpu_pair(ctx: StudyContext) -> StageResult:
-    from lightning_ddp.bench.results import read_results
+    from lightning_ddp.bench.report import read_results
 
     equivalence, problems = _equivalence(ctx)
     sweep_dir = ctx.stage_dir("one_gpu_pair/sweep")
