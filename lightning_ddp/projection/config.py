@@ -111,8 +111,8 @@ class NetworkConfig:
             raise ValueError(f"unknown `network.algorithm` {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         _require(self.gpus_per_node is None or self.gpus_per_node >= 1, self, "gpus_per_node", ">= 1")
         _require(self.call_overhead_us is None or self.call_overhead_us >= 0, self, "call_overhead_us", ">= 0")
-        _require(self.contention is None or self.contention >= 0, self, "contention", ">= 0 or null (the fitted value)",
-                 "; e.g. 0.3 for compute 30 % slower while a collective runs")
+        _require(self.contention is None or self.contention >= 0, self, "contention",
+                 ">= 0 or null (the fitted value)", "; e.g. 0.3 for compute 30 % slower while a collective runs")
 
 
 @dataclass

@@ -45,15 +45,14 @@ OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped wit
 FLAT = "flat write-up: one all-reduce of all gradients flattened, against one per parameter"
 BUCKETED = "bucketed write-up: overlap in buckets of 1, 10, 100 and 1000 MB"
 SOURCES = (NAIVE, OVERLAP, FLAT, BUCKETED)
+"""The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
 STRATEGIES = tuple(simulated_by(model)[0] for model in
                    (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
 """The published strategies by catalogue name (the entries these algorithms' models simulate), in ``SOURCES`` order."""
 NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
-"""The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
 
 XL_SHAPE = ModelShape.from_preset("xl")
-"""The write-ups' xl (d_model 1600, d_ff 6400, 48 layers, 25 heads, vocab 10 000, untied): the preset
-``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch, as modelling any preset does)."""
+"""The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""
 
 
 @dataclass(frozen=True)
@@ -295,12 +294,11 @@ def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: Publi
         "naive-DDP module write-up's template leaves them as `~XXX ms`), so the compute-only step is naive's "
         "\"total time train\" minus its \"total time grad all reduce\" (naive overlaps nothing):",
         "",
-        "  | batch | context | compute-only step |",
-        "  |---:|---:|---:|",
     ]
-    for (b, t), (ms, extrapolated) in calibrated_compute_ms([c.run for c in comparisons]).items():
-        note = " (extrapolated linearly in tokens: naive ran out of memory)" if extrapolated else ""
-        lines.append(f"  | {b} | {t} | {ms:.1f} ms{note} |")
+    note = " (extrapolated linearly in tokens: naive ran out of memory)"
+    rows = [[b, t, f"{ms:.1f} ms" + (note if extrapolated else "")]
+            for (b, t), (ms, extrapolated) in calibrated_compute_ms([c.run for c in comparisons]).items()]
+    lines += ["  " + line for line in markdown_table(["batch", "context", "compute-only step"], rows, "rrr")]
     lines += [
         "",
         f"- **Split of that step**: optimizer {sample.optimizer_ms:.1f} ms (foreach AdamW, "

@@ -181,8 +181,8 @@ def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> 
     plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
     matrices = sum(1 for m in plan if m)
     return [f"- `{powersgd[0].strategy}` is its steady state (every step compressed; lossy), each kernel a roofline "
-            f"without its launch latency (about ten small kernels and two QR factorisations for each of the {matrices} "
-            "compressed matrices here): optimistic where those matrices are small."]
+            "without its launch latency (about ten small kernels and two QR factorisations for each of the "
+            f"{matrices} compressed matrices here): optimistic where those matrices are small."]
 
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
