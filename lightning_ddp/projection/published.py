@@ -168,13 +168,9 @@ def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict
 
 def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int,
                               runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> float:
-    """The per-call cost ``c`` that makes the model's naive - flat difference match the published runs'.
-
-    In the model, naive makes ``tensors + 1`` calls and flat 2 (the presence flags included), each costing
-    ``c + 2 alpha`` at 2 ranks besides the bytes, and flat adds pack + unpack copies (``4 S / copy_Bps``). So
-    ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)``, averaged over the (batch, context) cells where
-    the published runs have both.
-    """
+    """The per-call cost ``c`` that makes the model's naive - flat difference match the published runs':
+    ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks, averaged over the cells with both
+    (naive makes ``tensors + 1`` calls, flat 2 and the pack + unpack copies ``4 S / copy_Bps``)."""
     naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == NAIVE_DDP}
     flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == FLAT_DDP}
     copies_s = 4 * grad_bytes / copy_Bps
@@ -210,11 +206,9 @@ def _profile(batch_size: int, seq_len: int, compute_ms: float, assumptions: Publ
 def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumptions(),
                            runs: Sequence[PublishedRun] = PUBLISHED_RUNS,
                            contention: float = 0.0) -> list[PublishedComparison]:
-    """Every published run with the model's step, waited communication and share on each of ``assumptions.fabrics``.
-
-    ``contention``: compute slowed by ``1 + contention`` while a collective runs (``StepModel.contention``). The
-    exposed time and share compared are the waits (``StepResult.waited_comm_ms``, ``wait_share``), as the published
-    "total time grad all reduce" timed the wait; without contention they are step minus compute-only."""
+    """Every published run with the model's step, waited communication and wait share on each of
+    ``assumptions.fabrics`` (the published "total time grad all reduce" timed the wait), with ``StepModel.contention``
+    ``contention``."""
     copy_Bps = _copy_Bps(assumptions)
     compute = calibrated_compute_ms(runs)
     fabrics = prediction_fabrics(assumptions)

@@ -97,7 +97,8 @@ def _inputs_section(config, profile: ComputeProfile, fabric: Fabric) -> list[str
         f"**{_ms(profile.compute_ms)}**, the same at every world size (the per-rank batch is fixed).",
         f"- **Gradients**: {len(profile.params)} tensors, {profile.grad_bytes / 1e9:.3f} GB per step.",
         f"- **Network** `{fabric.name}`: {fabric.description}. {fabric.describe()}.",
-        f"- **Copies** (pack, unpack, casts): {_copy_text(config)}.",
+        f"- **Copies** (pack, unpack, casts): {copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x "
+        f"{config.compute.memory_efficiency:g}).",
         f"- **Contention**: compute runs {1 + contention:g} x slower while a collective is in flight "
         f"(s = {contention:g}, {source}).",
         "",
@@ -259,11 +260,6 @@ def _verdict_row(v: dict[str, Any]) -> list[Any]:
     saved = f"{v['saved_bytes'] / 1e9:.2f} GB ({100 * v['saved_bytes'] / b.memory_bytes:.0f} % of {b.variant}'s)"
     return [v["world_size"], _title(v["variant"]), f"{r.memory_bytes / 1e9:.2f} GB", saved, _ms(r.step_ms),
             f"{100 * v['slower']:+.1f} %", verdict]
-
-
-def _copy_text(config) -> str:
-    efficiency = config.compute.memory_efficiency
-    return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {efficiency:g})"
 
 
 def _save(fig, path: Path) -> Path:
