@@ -142,11 +142,8 @@ class StudyConfig:
             where = f"`study.engine_settings.{name}`"
             try:
                 simulator(name)
-            except ValueError as error:
-                raise ValueError(f"{where}: {error}") from None
-            if not isinstance(settings, dict) or not settings:
-                raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`")
-            try:
+                if not isinstance(settings, dict) or not settings:
+                    raise ValueError("it must map setting names to lists of values, e.g. `{rank: [1, 4]}`")
                 check_settings(name, settings)
             except ValueError as error:
                 raise ValueError(f"{where}: {error}") from None
