@@ -1,9 +1,6 @@
-"""What one collective costs: latency-bandwidth formulas per algorithm, fabric presets, and the measured fit.
+"""What one collective costs: latency-bandwidth formulas (ring, tree), fabric presets, and the measured fit.
 
-``alpha + bytes / bandwidth`` per collective with the nccl-tests bus-bandwidth factors, ring or tree, on one- or
-two-level fabrics (``FABRICS``, each figure with its source), or this project's measured 2-rank all-reduce fit
-extrapolated to ``n`` ranks (``MeasuredFit``). Pure arithmetic on floats (seconds, bytes, bytes per second). The
-formulas and their sources: docs/projection.md.
+Pure arithmetic on floats (seconds, bytes, bytes per second); the formulas and their sources: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -125,22 +122,20 @@ class Fabric:
 
     # -- collectives
 
+    def _cost_s(self, n: int, latency_s: float, bytes_per_rank: float) -> float:
+        """One call on ``n`` ranks: the per-call cost, ``latency_s``, and ``bytes_per_rank`` at the bus bandwidth."""
+        return 0.0 if n <= 1 else self.call_overhead_s + latency_s + bytes_per_rank / self.bus_bandwidth(n)
+
     def ring_all_reduce_s(self, nbytes: float, n: int) -> float:
-        if n <= 1:
-            return 0.0
-        return self.call_overhead_s + self._step_latency(n, 2) + 2 * (n - 1) / n * nbytes / self.bus_bandwidth(n)
+        return self._cost_s(n, self._step_latency(n, 2), 2 * (n - 1) / n * nbytes)
 
     def tree_all_reduce_s(self, nbytes: float, n: int) -> float:
-        if n <= 1:
-            return 0.0
         m = self.nodes(n)
-        bandwidth = self.bus_bandwidth(n)
         if self.inter is None:  # one level: the textbook double binary tree over all ranks, up and down
-            return self.call_overhead_s + 2 * math.ceil(math.log2(n)) * self.intra.latency_s + 2 * nbytes / bandwidth
+            return self._cost_s(n, 2 * math.ceil(math.log2(max(n, 1))) * self.intra.latency_s, 2 * nbytes)
         # NCCL: a chain inside each node, a double binary tree over nodes (tuning.cc)
-        ranks_per_node = n // m
-        latency = 2 * ((ranks_per_node - 1) * self.intra.latency_s + math.ceil(math.log2(m)) * self.inter.latency_s)
-        return self.call_overhead_s + latency + 2 * nbytes / bandwidth
+        latency = 2 * ((n // m - 1) * self.intra.latency_s + math.ceil(math.log2(m)) * self.inter.latency_s)
+        return self._cost_s(n, latency, 2 * nbytes)
 
     def all_reduce_s(self, nbytes: float, n: int) -> float:
         """Seconds for one all-reduce of ``nbytes`` on ``n`` ranks with this fabric's algorithm."""
@@ -152,9 +147,7 @@ class Fabric:
 
     def reduce_scatter_s(self, nbytes: float, n: int) -> float:
         """Seconds for a ring reduce-scatter of an ``nbytes`` input over ``n`` ranks."""
-        if n <= 1:
-            return 0.0
-        return self.call_overhead_s + self._step_latency(n, 1) + (n - 1) / n * nbytes / self.bus_bandwidth(n)
+        return self._cost_s(n, self._step_latency(n, 1), (n - 1) / n * nbytes)
 
     def all_gather_s(self, nbytes: float, n: int) -> float:
         """Seconds for a ring all-gather into an ``nbytes`` output over ``n`` ranks."""
@@ -162,9 +155,7 @@ class Fabric:
 
     def broadcast_s(self, nbytes: float, n: int) -> float:
         """Seconds for a pipelined ring broadcast of ``nbytes`` to ``n`` ranks."""
-        if n <= 1:
-            return 0.0
-        return self.call_overhead_s + self._step_latency(n, 1) + nbytes / self.bus_bandwidth(n)
+        return self._cost_s(n, self._step_latency(n, 1), nbytes)
 
     def with_changes(self, **changes) -> Fabric:
         """A copy with fields replaced (e.g. ``algorithm="ring"``)."""

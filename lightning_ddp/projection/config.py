@@ -1,8 +1,6 @@
-"""The projection's command line: one dataclass per concern (compute, network, study, output).
+"""The projection's command line: one dataclass per concern, validated at parse time (each error names its field).
 
-Validation happens in ``__post_init__`` (at parse time, before anything is written), and every error says which
-field to change. ``build_fabric``, ``gpu_spec``, ``copy_bandwidth`` and ``contention_of`` resolve a section into
-what it describes (the run and the report both read them from here).
+``build_fabric``, ``gpu_spec``, ``copy_bandwidth`` and ``contention_of`` resolve a section into what it describes.
 """
 
 from __future__ import annotations
@@ -67,23 +65,16 @@ class ComputeConfig:
         if self.source == "profile" and not self.profile_path:
             raise ValueError("`compute.source: profile` needs `compute.profile_path` (a compute profile JSON file), "
                              "or use `compute.source: flops`")
-        if self.source == "flops":
-            for name in ("batch_size", "seq_len"):
-                if getattr(self, name) < 1:
-                    raise ValueError(f"`compute.{name}` must be >= 1, got {getattr(self, name)}")
         if self.gpu not in GPUS:
             raise ValueError(f"unknown `compute.gpu` {self.gpu!r}; choose one of {', '.join(GPUS)} "
                              "(and override with `compute.peak_tflops` / `compute.memory_bandwidth_GBps`)")
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"`compute.mfu` must be in (0, 1], got {self.mfu}; e.g. `compute.mfu: 0.4` for 40 %")
-        if not 0 < self.memory_efficiency <= 1:
-            raise ValueError(f"`compute.memory_efficiency` must be in (0, 1], got {self.memory_efficiency}")
+        for name in ("batch_size", "seq_len"):
+            _require(self.source != "flops" or getattr(self, name) >= 1, self, name, ">= 1")
+        _require(0 < self.mfu <= 1, self, "mfu", "in (0, 1]", "; e.g. `compute.mfu: 0.4` for 40 %")
+        _require(0 < self.memory_efficiency <= 1, self, "memory_efficiency", "in (0, 1]")
         for name in ("peak_tflops", "memory_bandwidth_GBps", "calibrate_step_ms"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"`compute.{name}` must be > 0 or null, got {value}")
-        if self.optimizer_bytes_per_param < 0:
-            raise ValueError(f"`compute.optimizer_bytes_per_param` must be >= 0, got {self.optimizer_bytes_per_param}")
+            _require(getattr(self, name) is None or getattr(self, name) > 0, self, name, "> 0 or null")
+        _require(self.optimizer_bytes_per_param >= 0, self, "optimizer_bytes_per_param", ">= 0")
 
 
 @dataclass
@@ -118,13 +109,10 @@ class NetworkConfig:
                              "benchmarks/results/cpu/bucket_prediction.json)")
         if self.algorithm is not None and self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown `network.algorithm` {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-        if self.gpus_per_node is not None and self.gpus_per_node < 1:
-            raise ValueError(f"`network.gpus_per_node` must be >= 1, got {self.gpus_per_node}")
-        if self.call_overhead_us is not None and self.call_overhead_us < 0:
-            raise ValueError(f"`network.call_overhead_us` must be >= 0, got {self.call_overhead_us}")
-        if self.contention is not None and not self.contention >= 0:
-            raise ValueError(f"`network.contention` must be >= 0 or null (the fitted value), got {self.contention}; "
-                             "e.g. 0.3 for compute 30 % slower while a collective runs")
+        _require(self.gpus_per_node is None or self.gpus_per_node >= 1, self, "gpus_per_node", ">= 1")
+        _require(self.call_overhead_us is None or self.call_overhead_us >= 0, self, "call_overhead_us", ">= 0")
+        _require(self.contention is None or self.contention >= 0, self, "contention",
+                 ">= 0 or null (the fitted value)", "; e.g. 0.3 for compute 30 % slower while a collective runs")
 
 
 @dataclass
@@ -154,11 +142,8 @@ class StudyConfig:
             where = f"`study.engine_settings.{name}`"
             try:
                 simulator(name)
-            except ValueError as error:
-                raise ValueError(f"{where}: {error}") from None
-            if not isinstance(settings, dict) or not settings:
-                raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`")
-            try:
+                if not isinstance(settings, dict) or not settings:
+                    raise ValueError("it must map setting names to lists of values, e.g. `{rank: [1, 4]}`")
                 check_settings(name, settings)
             except ValueError as error:
                 raise ValueError(f"{where}: {error}") from None
@@ -215,6 +200,13 @@ class ProjectionConfig:
             fabric = build_fabric(self.network)
             for n in self.study.world_sizes:
                 fabric.check_world_size(n)
+
+
+def _require(ok: bool, section: Any, name: str, want: str, hint: str = "") -> None:
+    """Unless ``ok``: the error ``section.name must be <want>, got <value><hint>``."""
+    if not ok:
+        where = type(section).__name__.removesuffix("Config").lower()
+        raise ValueError(f"`{where}.{name}` must be {want}, got {getattr(section, name)}{hint}")
 
 
 # ---- what a section describes, resolved ------------------------------------------------------------------------

@@ -1,10 +1,7 @@
 """Compute slowed while collectives run: the contention factor ``s`` per backend, and the fit that gives it.
 
-The timeline runs compute at ``1 / (1 + s)`` of its speed while a collective is in flight. ``CONTENTION`` holds the
-values ``python -m lightning_ddp.projection.contention_fit`` fits (gloo on the CPU sweep's step times, NCCL on the
-published 2-GPU runs' wait shares; the batch-2 cells fit, batch 4 is held out); ``tests/unit/test_project.py``
-refits them from the committed data. Refit after a new sweep and paste the printed values here. The objectives
-and why ``S_MAX`` bounds them: docs/projection.md.
+``CONTENTION`` holds what ``python -m lightning_ddp.projection.contention_fit`` prints (refit after a new sweep and
+paste it here; ``tests/unit/test_project.py`` refits it). The objectives and ``S_MAX``: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -100,10 +97,5 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
         f"- fitting subset (batch {FIT_BATCH}): {_errors(pairs(before, False))} -> {_errors(pairs(after, False))}",
         f"- held out (the other batch sizes): {_errors(pairs(before, True))} -> {_errors(pairs(after, True))}",
         f"- mean |share error| (the CommTimer's wait share): {share(before)} -> {share(after)}", "",
-        f"The fit sits at its bound: the step-time error keeps falling past s = {S_MAX:g}, because most of the CPU "
-        "cells' bias is not compute contention. Naive and flat overlap nothing and are as fast as before; every cell "
-        "simulates compute from its own profile, recorded in the cell (its backward already slowed by the other rank "
-        "and by gloo's threads); and the all-reduce fit was measured with nothing else running, so communication "
-        "under load is slower than the model's (measured shares exceed predicted ones, and contention, which makes "
-        "the wait shorter, widens that gap).", "",
+        "Why the fit sits at its bound and what of the bias it leaves: docs/projection.md (\"Contention\").", "",
     ]

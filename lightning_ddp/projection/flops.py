@@ -1,9 +1,7 @@
-"""A compute profile modelled from FLOPs: a model preset on a named GPU at a stated MFU.
+"""A compute profile modelled from FLOPs: a model preset on a named GPU (``GPUS``) at a stated MFU.
 
-``modelled_profile``: the preset's parameters in ``parameters()`` order, forward + backward from ``6 N + 12 L d T``
-FLOPs per token at ``peak x mfu`` (backward twice forward), each gradient ready once its backward FLOPs are done,
-the optimizer at the memory bandwidth (80 bytes per parameter for foreach AdamW), optionally calibrated to a
-measured compute-only step. ``GPUS``: the rows of ``lightning_ddp.hardware.DEVICES``. Recipe: docs/projection.md.
+``modelled_profile`` times forward, backward (each gradient ready once its backward FLOPs are done) and the
+optimizer; the recipe is in docs/projection.md.
 """
 
 from __future__ import annotations
@@ -141,14 +139,9 @@ def modelled_profile(
     preset: Optional[str] = None,
     world_size: Optional[int] = None,
 ) -> ComputeProfile:
-    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank (docs/projection.md).
+    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank.
 
-    Args:
-        gpu: A ``GPUS`` name or a ``GPUSpec``.
-        mfu: Model FLOPs utilisation of forward + backward, relative to the bf16 dense peak (TF32 for ``32-true``).
-        optimizer_bytes_per_param: Memory traffic of one optimizer step per parameter (80: foreach AdamW).
-        memory_efficiency: Fraction of the HBM bandwidth that streaming kernels reach.
-        calibrate_step_ms: If given, forward and backward are scaled so that forward + backward + optimizer equals it.
+    ``gpu``: a ``GPUS`` name or a ``GPUSpec``; the other arguments are ``ComputeConfig``'s fields of the same names.
     """
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if not 0 < mfu <= 1:

@@ -1,17 +1,13 @@
-"""Model-state bytes per rank of a simulated strategy: parameters, gradients, AdamW state and engine buffers.
-
-Read from a compute profile (the gradients' bytes, shapes and ready order), so it prices what the simulators
-simulate; ``lightning_ddp.memory`` estimates a whole run's peak from a ``GPTConfig`` instead. The model per
-catalogue ``memory`` key: docs/projection.md.
-"""
+"""Model-state bytes per rank of a simulated strategy (parameters, gradients, AdamW state, engine buffers), read
+from its compute profile; the model per catalogue ``memory`` key: docs/projection.md."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from lightning_ddp import catalogue
-from lightning_ddp.projection.buckets import MiB, assign_owners
 from lightning_ddp.projection.simulators import (
+    MiB,
     StepModel,
     StepResult,
     _buffered,
@@ -20,6 +16,7 @@ from lightning_ddp.projection.simulators import (
     _shard_bytes,
     transformer_blocks,
 )
+from lightning_ddp.sync.assignment import assign_owners
 
 __all__ = ["ADAM_STATES", "state_bytes"]
 

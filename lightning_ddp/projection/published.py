@@ -1,9 +1,7 @@
-"""The model against the published 2-GPU xl runs: naive, overlap, flat and bucketed (1, 10, 100, 1000 MB).
+"""The model against the published 2-GPU xl runs (``PUBLISHED_RUNS``): naive, overlap, flat and bucketed.
 
 ``python -m lightning_ddp.projection.published --out benchmarks/results/projection/`` writes
-``published_xl_2gpu.md`` and ``.csv``: every published measurement (``PUBLISHED_RUNS``, transcribed once, each
-citing its write-up) beside the model's prediction on a PCIe-class link and on NVLink, with compute calibrated from
-naive DDP (``compare_with_published``). The recipe: docs/projection.md.
+``published_xl_2gpu.md`` and ``.csv``. The recipe and what the comparison shows: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -47,15 +45,14 @@ OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped wit
 FLAT = "flat write-up: one all-reduce of all gradients flattened, against one per parameter"
 BUCKETED = "bucketed write-up: overlap in buckets of 1, 10, 100 and 1000 MB"
 SOURCES = (NAIVE, OVERLAP, FLAT, BUCKETED)
+"""The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
 STRATEGIES = tuple(simulated_by(model)[0] for model in
                    (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
 """The published strategies by catalogue name (the entries these algorithms' models simulate), in ``SOURCES`` order."""
 NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
-"""The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
 
 XL_SHAPE = ModelShape.from_preset("xl")
-"""The write-ups' xl (d_model 1600, d_ff 6400, 48 layers, 25 heads, vocab 10 000, untied): the preset
-``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch, as modelling any preset does)."""
+"""The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""
 
 
 @dataclass(frozen=True)
@@ -171,13 +168,9 @@ def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict
 
 def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int,
                               runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> float:
-    """The per-call cost ``c`` that makes the model's naive - flat difference match the published runs'.
-
-    In the model, naive makes ``tensors + 1`` calls and flat 2 (the presence flags included), each costing
-    ``c + 2 alpha`` at 2 ranks besides the bytes, and flat adds pack + unpack copies (``4 S / copy_Bps``). So
-    ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)``, averaged over the (batch, context) cells where
-    the published runs have both.
-    """
+    """The per-call cost ``c`` that makes the model's naive - flat difference match the published runs':
+    ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks, averaged over the cells with both
+    (naive makes ``tensors + 1`` calls, flat 2 and the pack + unpack copies ``4 S / copy_Bps``)."""
     naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == NAIVE_DDP}
     flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == FLAT_DDP}
     copies_s = 4 * grad_bytes / copy_Bps
@@ -213,11 +206,9 @@ def _profile(batch_size: int, seq_len: int, compute_ms: float, assumptions: Publ
 def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumptions(),
                            runs: Sequence[PublishedRun] = PUBLISHED_RUNS,
                            contention: float = 0.0) -> list[PublishedComparison]:
-    """Every published run with the model's step, waited communication and share on each of ``assumptions.fabrics``.
-
-    ``contention``: compute slowed by ``1 + contention`` while a collective runs (``StepModel.contention``). The
-    exposed time and share compared are the waits (``StepResult.waited_comm_ms``, ``wait_share``), as the published
-    "total time grad all reduce" timed the wait; without contention they are step minus compute-only."""
+    """Every published run with the model's step, waited communication and wait share on each of
+    ``assumptions.fabrics`` (the published "total time grad all reduce" timed the wait), with ``StepModel.contention``
+    ``contention``."""
     copy_Bps = _copy_Bps(assumptions)
     compute = calibrated_compute_ms(runs)
     fabrics = prediction_fabrics(assumptions)
@@ -275,9 +266,8 @@ def published_markdown(comparisons: Sequence[PublishedComparison],
     lines += _inputs_lines(comparisons, assumptions, fabrics)
     lines += _runs_table(comparisons, labels)
     lines += _summary_table(summaries, labels)
-    lines += ["", "## Where the model agrees, where it does not, and why", ""]
-    lines += _findings(comparisons, summaries, labels, fabrics)
-    lines.append("")
+    lines += ["", "Where the model agrees, where it does not, and why: docs/projection.md (\"Checked against the "
+              "published 2-GPU xl runs\").", ""]
     return "\n".join(lines)
 
 
@@ -298,12 +288,11 @@ def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: Publi
         "naive-DDP module write-up's template leaves them as `~XXX ms`), so the compute-only step is naive's "
         "\"total time train\" minus its \"total time grad all reduce\" (naive overlaps nothing):",
         "",
-        "  | batch | context | compute-only step |",
-        "  |---:|---:|---:|",
     ]
-    for (b, t), (ms, extrapolated) in calibrated_compute_ms([c.run for c in comparisons]).items():
-        note = " (extrapolated linearly in tokens: naive ran out of memory)" if extrapolated else ""
-        lines.append(f"  | {b} | {t} | {ms:.1f} ms{note} |")
+    note = " (extrapolated linearly in tokens: naive ran out of memory)"
+    rows = [[b, t, f"{ms:.1f} ms" + (note if extrapolated else "")]
+            for (b, t), (ms, extrapolated) in calibrated_compute_ms([c.run for c in comparisons]).items()]
+    lines += ["  " + line for line in markdown_table(["batch", "context", "compute-only step"], rows, "rrr")]
     lines += [
         "",
         f"- **Split of that step**: optimizer {sample.optimizer_ms:.1f} ms (foreach AdamW, "
@@ -378,135 +367,6 @@ def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: li
     return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1))
 
 
-def _bucketed_groups(comparisons: Sequence[PublishedComparison]) -> dict[tuple[int, int], list[PublishedComparison]]:
-    """The bucketed runs whose compute is not extrapolated, by (batch, context)."""
-    groups: dict[tuple[int, int], list[PublishedComparison]] = {}
-    for c in comparisons:
-        if c.run.strategy == BUCKETED_DDP and not c.extrapolated:
-            groups.setdefault((c.run.batch_size, c.run.seq_len), []).append(c)
-    return groups
-
-
-def _best_sizes(comparisons: Sequence[PublishedComparison], label: str) -> tuple[int, int, list[float], list[float]]:
-    """Over ``_bucketed_groups``: (groups, groups where the model's fastest size is the published runs' fastest, the
-    published runs' fastest sizes, the model's)."""
-    groups = _bucketed_groups(comparisons)
-    published_best = [min(cs, key=lambda c: c.run.total_s).run.bucket_size_mb for cs in groups.values()]
-    model_best = [min(cs, key=lambda c: c.predicted[label][0]).run.bucket_size_mb for cs in groups.values()]
-    return len(groups), sum(a == b for a, b in zip(published_best, model_best)), published_best, model_best
-
-
-def _model_flat_allreduce_ms(fabric: Fabric, grad_bytes: int) -> float:
-    """The model's flat step communication without copies: the flags and the one all-reduce, at 2 ranks."""
-    return 1e3 * (fabric.all_reduce_s(4 * len(XL_SHAPE.parameters()), 2) + fabric.all_reduce_s(grad_bytes, 2))
-
-
-def _gap(comparisons: Sequence[PublishedComparison], label: str, size: float,
-         reference: float) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Range over (batch, context) groups of step(size) - step(reference) for bucketed, published and modelled (ms)."""
-    steps = [{c.run.bucket_size_mb: (1e3 * c.run.total_s, c.predicted[label][0]) for c in group}
-             for group in _bucketed_groups(comparisons).values()]
-    published = [g[size][0] - g[reference][0] for g in steps if size in g and reference in g]
-    model = [g[size][1] - g[reference][1] for g in steps if size in g and reference in g]
-    return (min(published), max(published)), (min(model), max(model))
-
-
-def _findings(comparisons: Sequence[PublishedComparison], summaries: dict, labels: list[str],
-              fabrics: dict) -> list[str]:
-    """The disagreements, one bullet each, with the numbers that show them."""
-    link = labels[0]
-    out = _naive_flat_finding(summaries[link], fabrics, link) + _overlap_finding(summaries[link])
-    out += _bucket_size_findings(comparisons, labels)
-    out.append(
-        "- **Batch 4, context 512**: naive ran out of memory there, so the compute is extrapolated, and the cells "
-        "that did run were under memory pressure (flat took 1.96 s per step, twice its neighbours, with the same "
-        "communication time); the model knows nothing of memory, and its step times there are far too short.")
-    nv = next((label for label in labels if "nvlink" in label), None)
-    if nv:
-        nv_naive = summaries[nv].get(NAIVE_DDP, {}).get("share", float("nan"))
-        nv_flat = summaries[nv].get(FLAT_DDP, {}).get("share", float("nan"))
-        out.append(
-            f"- **NVLink** (`{nv}`, prediction only; none of the published runs was on it): the same runs would spend "
-            f"{100 * nv_naive:.0f} % (naive) and {100 * nv_flat:.0f} % (flat) of the step communicating, and overlap "
-            "and bucketed would hide nearly all of it; flat's copies then cost as much as its all-reduce.")
-    return out
-
-
-def _naive_flat_finding(summary: dict[str, dict[str, float]], fabrics: dict[str, Fabric], link: str) -> list[str]:
-    naive, flat = summary.get(NAIVE_DDP), summary.get(FLAT_DDP)
-    if not (naive and flat):
-        return []
-    grad_bytes = 4 * XL_SHAPE.num_params
-    copies_ms = flat["exposed"] - _model_flat_allreduce_ms(fabrics[link], grad_bytes)  # the model's pack + unpack
-    implied_bus = grad_bytes / (flat["published_comm"] - copies_ms) / 1e6  # GB/s: at 2 ranks busbw = algbw
-    preset_bus = fabrics[link].intra.bandwidth_Bps / 1e9
-    c_published = next((f for label, f in fabrics.items() if "+" in label), None)
-    per_call = ""
-    if c_published is not None:
-        per_call = (f" Matching the published difference takes ~{c_published.call_overhead_s * 1e6:.0f} us per call "
-                    f"instead of the preset's {fabrics[link].call_overhead_s * 1e6:.0f} us (`+published_c`): the "
-                    "published runs' loop pays Python, dispatch and a wait per tensor, not just NCCL's kernel "
-                    "latency.")
-    return [
-        f"- **Naive and flat agree within a few points** (share error {100 * naive['error']:.1f} and "
-        f"{100 * flat['error']:.1f} points): after backward both are bandwidth-bound, so the link's bus bandwidth "
-        f"decides. The published flat communication ({flat['published_comm']:.0f} ms, of which the model puts "
-        f"{copies_ms:.0f} ms in the pack and unpack copies) implies {implied_bus:.1f} GB/s of bus bandwidth, "
-        f"{100 * (1 - implied_bus / preset_bus):.0f} % below the preset's {preset_bus:g} GB/s. "
-        "The model underestimates naive's per-call cost: the published naive all-reduces "
-        f"take {naive['published_comm'] - flat['published_comm']:+.0f} ms longer than flat's (copies included), the "
-        f"model {naive['exposed'] - flat['exposed']:+.0f} ms.{per_call}"]
-
-
-def _overlap_finding(summary: dict[str, dict[str, float]]) -> list[str]:
-    overlapped = [k for k in (OVERLAP_DDP, BUCKETED_DDP) if k in summary]
-    if not overlapped:
-        return []
-    steps = ", ".join(f"{k} {summary[k]['step']:.0f} vs {summary[k]['published_step']:.0f} ms" for k in overlapped)
-    shares = ", ".join(f"{k} {100 * summary[k]['share']:.0f} vs {100 * summary[k]['published_share']:.0f} %"
-                       for k in overlapped)
-    unexplained = _mean([summary[k]["unexplained"] for k in overlapped])
-    return [
-        f"- **Overlap and bucketed: the model predicts shorter steps** ({steps}) **and larger shares** ({shares}). "
-        f"Both come from one thing the model leaves out: the published overlapped steps are {unexplained:+.0f} ms "
-        "longer on average than the calibrated compute plus their own exposed communication, so backward itself ran "
-        "slower while all-reduces were in flight. NCCL kernels take SMs and memory bandwidth from the backward "
-        "kernels, PCIe transfers compete with them, and per-gradient Python hooks add launch overhead. A slower "
-        "backward hides more communication, hence the published runs' lower shares; the model's backward keeps its "
-        "compute-only length and hides less, at no cost. On this PCIe link, communication (~0.37 s) is longer than "
-        "backward (~0.16-0.23 s), so no strategy can hide it all, in the published runs as in the model."]
-
-
-def _bucket_size_findings(comparisons: Sequence[PublishedComparison], labels: list[str]) -> list[str]:
-    link = labels[0]
-    out = []
-    for label in labels[:2]:
-        groups, same, published_best, model_best = _best_sizes(comparisons, label)
-        model_common = statistics.mode(model_best)
-        if label != link:
-            out.append(
-                f"  With the published runs' own per-call cost (`{label}`) the model's fastest size is "
-                f"{model_common:g} MiB in {model_best.count(model_common)} of {groups} groups and matches the "
-                f"published runs' in {same}: once a call costs ~0.1 ms, fewer and larger buckets pay off, which is "
-                "the published runs' trend. Fewer calls also contend less with backward, which the model does not "
-                "see.")
-            continue
-        common = statistics.mode(published_best)
-        others = ", ".join(f"{o:g} MB" for o in sorted(set(published_best) - {common})) or "none"
-        published_gap, model_gap = _gap(comparisons, link, 1000, 100)
-        out.append(
-            f"- **Bucket size** (`{label}`): the published runs' fastest size is {common:g} MB in "
-            f"{published_best.count(common)} of {groups} (batch, context) groups ({others} in the others); "
-            f"the model's fastest is {model_common:g} MiB in {model_best.count(model_common)} of {groups} and "
-            f"matches the published runs in {same}. With the preset's per-call cost (15 us + 2 x 2 us) the model "
-            "sees 1 and 10 MiB alike and 100 MiB a few ms behind: on a ~20 GB/s link the transfer dwarfs the "
-            "per-call cost, and smaller buckets start earlier. It also penalises 1000 MiB (8 buckets; the first waits "
-            "for 1000 MiB of gradients) more than the published runs show: 1000 vs 100 MB costs "
-            f"{published_gap[0]:+.0f} to {published_gap[1]:+.0f} ms per step in the published runs, "
-            f"{model_gap[0]:+.0f} to {model_gap[1]:+.0f} ms in the model.")
-    return out
-
-
 def published_pairs(contention: float, held_out: Optional[bool] = None) -> list[tuple[Any, float, float]]:
     """``(run, predicted step ms, published step ms)`` for every published run on ``pcie_gen4`` whose compute was not
     extrapolated; ``held_out``: only those outside (``True``) or inside (``False``) the fitting subset."""
@@ -541,11 +401,6 @@ def published_contention_lines(contention: float) -> list[str]:
         "tables above are without it (s = 0); here each strategy's mean |share error| (the model's wait share "
         "against the published ratio) and mean step error on `pcie_gen4`, before (s = 0) -> after:", "",
         *markdown_table(["runs", "strategy", "runs", "share error", "step error"], rows, "llrrr"), "",
-        "Contention lengthens the overlapped backward, which then hides more of the all-reduces: the wait shares come "
-        "down to the published ones. It barely moves the step: on this link the overlapped steps are bound by ~0.37 s "
-        "of communication, not by the ~0.2 s backward, so the published steps' extra ~0.15 s is something else "
-        "(communication itself slower beside compute, per-call costs of the hooks), which the model still leaves "
-        "out.", "",
     ]
 
 

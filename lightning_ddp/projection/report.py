@@ -19,7 +19,6 @@ from lightning_ddp.projection.simulators import (
     simulate_bucketed,
     simulate_bucketed_powersgd,
     simulate_ddp,
-    simulate_fsdp2,
     simulate_zero1,
     simulated_by,
     unmodelled_names,
@@ -98,7 +97,8 @@ def _inputs_section(config, profile: ComputeProfile, fabric: Fabric) -> list[str
         f"**{_ms(profile.compute_ms)}**, the same at every world size (the per-rank batch is fixed).",
         f"- **Gradients**: {len(profile.params)} tensors, {profile.grad_bytes / 1e9:.3f} GB per step.",
         f"- **Network** `{fabric.name}`: {fabric.description}. {fabric.describe()}.",
-        f"- **Copies** (pack, unpack, casts): {_copy_text(config)}.",
+        f"- **Copies** (pack, unpack, casts): {copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x "
+        f"{config.compute.memory_efficiency:g}).",
         f"- **Contention**: compute runs {1 + contention:g} x slower while a collective is in flight "
         f"(s = {contention:g}, {source}).",
         "",
@@ -150,21 +150,10 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
                      "timeline model (`projection` in its entry) yet.")
     lines += _zero1_caveat(profile, best) + _powersgd_caveat(profile, results)
-    fsdp2 = simulated_by(simulate_fsdp2)
-    if any(r.strategy in fsdp2 for r in results):
-        lines.append(f"- `{fsdp2[0]}` runs its all-gathers and reduce-scatters on the one communication stream, in "
-                     "issue order; torch runs them on two streams that share the link, so where both are busy the "
-                     "model serialises what torch interleaves. Its all-gathers move the parameters at their training "
-                     "width (no `MixedPrecisionPolicy`).")
     return lines + [
-        "- Compute beside a collective runs `1 + s` times slower (Inputs; `lightning_ddp/projection/contention.py` "
-        "fits `s` per backend). Communication itself is never slowed by compute, and NCCL's `s` was fitted on 2 GPUs "
-        "over PCIe: the published overlapped steps there were still 0.1-0.25 s longer than the model's "
-        "(`python -m lightning_ddp.projection.published`).",
-        "- One latency and one bandwidth per link (`auto` picks ring or tree per message); NCCL also switches "
-        "protocol (LL, LL128, Simple) by message size and uses NVLink SHARP / CollNet where available, so small "
-        "messages are priced roughly and in-network reduction is left out.",
-        "- Every rank is identical: no stragglers, no jitter, no network congestion from other jobs.",
+        "- Every rank is identical (no stragglers, no jitter, no congestion); one latency and one bandwidth per link; "
+        "FSDP2's two streams serialised on one. These assumptions and where the model is known to be wrong: "
+        "docs/projection.md.",
         "",
         "Files: `results.csv` (every cell), `share_vs_world.png`, `step_vs_bucket.png`, `compute_profile.json`, "
         "`environment.json`.",
@@ -179,12 +168,9 @@ def _zero1_caveat(profile: ComputeProfile, best: dict[tuple[str, int], StepResul
         return []
     flags = 4 * len(profile.params)
     padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
-    return [
-        f"- `{zero1[0].strategy}` is simulated as this project implements it: whole tensors per owner, every rank's "
-        "segment padded to the most loaded owner's bytes, so the reduce-scatter and all-gather buffers grow to "
-        f"{padding} the gradient bytes (with more ranks than tensors, some own nothing). Its exposed time is net of "
-        "the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 % where the saving "
-        "exceeds the communication: paid for, not overlapped."]
+    return [f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's bytes (whole tensors per "
+            f"owner): its buffers grow to {padding} the gradient bytes. Its exposed time is net of the optimizer time "
+            "sharding saves, hence shares below zero and \"hidden\" near 100 %: paid for, not overlapped."]
 
 
 def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> list[str]:
@@ -195,14 +181,9 @@ def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> 
     settings = {**model_settings(powersgd[0].strategy), **powersgd[0].settings}
     plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
     matrices = sum(1 for m in plan if m)
-    return [
-        f"- `{powersgd[0].strategy}` is its steady state: every step compressed (the exact warm-up steps, "
-        "`start_iter`, are left out). Its arithmetic is counted kernel by kernel as the engine runs it, each at the "
-        "larger of its FLOPs at the profile's throughput and its bytes at the copy bandwidth (52 bytes moved per "
-        "element of an fp32 gradient per step: memory-bound at small ranks); the launch latency of its small kernels "
-        f"(about ten, and two QR factorisations, for each of the {matrices} compressed matrices here, issued from "
-        "Python) is not, so it is optimistic where those matrices are small. It is lossy: a step of it is not worth a "
-        "step of the exact ones."]
+    return [f"- `{powersgd[0].strategy}` is its steady state (every step compressed; lossy), each kernel a roofline "
+            "without its launch latency (about ten small kernels and two QR factorisations for each of the "
+            f"{matrices} compressed matrices here): optimistic where those matrices are small."]
 
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
@@ -279,11 +260,6 @@ def _verdict_row(v: dict[str, Any]) -> list[Any]:
     saved = f"{v['saved_bytes'] / 1e9:.2f} GB ({100 * v['saved_bytes'] / b.memory_bytes:.0f} % of {b.variant}'s)"
     return [v["world_size"], _title(v["variant"]), f"{r.memory_bytes / 1e9:.2f} GB", saved, _ms(r.step_ms),
             f"{100 * v['slower']:+.1f} %", verdict]
-
-
-def _copy_text(config) -> str:
-    efficiency = config.compute.memory_efficiency
-    return f"{copy_bandwidth(config.compute) / 1e9:,.0f} GB/s (memory bandwidth x {efficiency:g})"
 
 
 def _save(fig, path: Path) -> Path:

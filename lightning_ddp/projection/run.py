@@ -1,8 +1,5 @@
-"""From a ``ProjectionConfig`` to files: build the compute profile and the fabric, simulate the grid, write outputs.
-
-Writes ``results.csv``, ``results.md``, the plots, ``compute_profile.json`` and ``environment.json`` into
-``output.out_dir``, each atomically (docs/projection.md lists what each holds).
-"""
+"""From a ``ProjectionConfig`` to files: build the compute profile and the fabric, simulate the grid, write the
+outputs into ``output.out_dir`` (docs/projection.md lists them)."""
 
 from __future__ import annotations
 
@@ -70,9 +67,7 @@ class ProjectionOutcome:
 def run_projection(config) -> ProjectionOutcome:
     """Simulate the grid of ``config`` and write every output file (docs/projection.md)."""
     profile = build_profile(config.compute)
-    fabric = build_fabric(config.network)
-    for n in config.study.world_sizes:
-        fabric.check_world_size(n)
+    fabric = build_fabric(config.network)  # its world sizes were checked against it by ProjectionConfig
     results = project(profile, fabric, config.study.strategies, config.study.world_sizes, config.study.bucket_sizes_mb,
                       copy_bandwidth(config.compute), config.study.engine_settings,
                       profile_flops_per_s(config.compute, profile), contention_of(config.network)[0])

@@ -1,9 +1,7 @@
 """One training step as a timeline per strategy: the simulators the catalogue's ``projection`` entries name.
 
-A ``Timeline`` has one compute stream and one FIFO communication stream; each ``simulate_<name>(model,
-bucket_size_mb, **settings) -> StepResult`` issues its collectives as its engine does. ``simulate(name, ...)`` looks
-the strategy up in ``lightning_ddp.catalogue``. The schedules, the outputs' definitions and how to add a model:
-docs/projection.md.
+Each ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult`` issues its collectives as its engine does
+on a ``Timeline`` (one compute stream, one FIFO communication stream). The schedules: docs/projection.md.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
-from lightning_ddp.projection.buckets import MiB, assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.comm import CommCost
+from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 
 __all__ = [
     "Interval",
@@ -29,6 +27,7 @@ __all__ = [
     "StepResult",
     "Timeline",
     "check_settings",
+    "ddp_buckets",
     "model_settings",
     "powersgd_plan",
     "simulate",
@@ -43,6 +42,12 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 PRESENCE_FLAG_BYTES = 4
 """Bytes per parameter of the gradient-presence all-reduce (one int32 flag each)."""
+
+MiB = 2**20
+DDP_FIRST_BUCKET_BYTES = 1 * MiB
+"""torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first (last-layer) bucket starts communication early."""
+DDP_BUCKET_CAP_BYTES = 25 * MiB
+"""torch DDP's default ``bucket_cap_mb`` (25 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,6 @@ class Timeline:
     """The two streams of one step, times in ms; compute beside a collective runs ``1 + contention`` times slower."""
 
     def __init__(self, contention: float = 0.0) -> None:
-        if not contention >= 0:
-            raise ValueError(f"contention must be >= 0 (compute slowed by 1 + s while a collective runs), "
-                             f"got {contention!r}")
         self.contention = contention
         self.intervals: list[Interval] = []
         self.comm_free_ms = 0.0
@@ -94,8 +96,7 @@ class Timeline:
         return now + left
 
     def compute(self, label: str, start_ms: float, duration_ms: float, copy: bool = False) -> float:
-        """Occupy the compute stream from ``start_ms`` for ``duration_ms`` of work (longer under contention);
-        returns the end."""
+        """Occupy the compute stream from ``start_ms`` for ``duration_ms`` of work; returns the end."""
         end = self.advance(start_ms, duration_ms)
         if end > start_ms:
             self.intervals.append(Interval("compute", label, start_ms, end))
@@ -215,11 +216,7 @@ class StepResult:
 
     @property
     def overlap(self) -> float:
-        """The fraction of communication hidden behind compute, ``1 - (exposed - copies) / busy`` clipped to [0, 1].
-
-        As the CommTimer's ``comm/overlap``, whose exposed time leaves buffer copies out; the clip absorbs zero1's
-        optimizer saving (its exposed time is net of it) and float dust.
-        """
+        """``1 - (waited - copies) / busy`` clipped to [0, 1], as the CommTimer's ``comm/overlap``."""
         if self.busy_comm_ms <= 0:
             return 0.0
         return min(1.0, max(0.0, 1.0 - (self.waited_comm_ms - self.copy_ms) / self.busy_comm_ms))
@@ -290,12 +287,11 @@ class Op:
 def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
                      presence_flags: bool) -> StepResult:
-    """Buckets launched from gradient hooks, strictly in bucket order: each packed, then all-reduced in one call;
-    unpacked once waited for (docs/projection.md)."""
-    labels = [_bucket_label(model, bucket, k) for k, bucket in enumerate(buckets)]
-    launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]), Op("collective", labels[k], nbytes=wire_bytes[k])]
-              for k in range(len(buckets))]
-    finish = [[Op("compute", f"unpack bucket {k}", unpack_ms[k])] for k in range(len(buckets))]
+    """Each bucket packed, then all-reduced in one call; unpacked once waited for."""
+    launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]),
+               Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])]
+              for k, bucket in enumerate(buckets)]
+    finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
     return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
                             presence_flags=presence_flags)
 
@@ -415,6 +411,28 @@ def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 2
     return result
 
 
+def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: int = DDP_FIRST_BUCKET_BYTES,
+                cap_bytes: int = DDP_BUCKET_CAP_BYTES) -> list[list[int]]:
+    """torch DDP's rule (``compute_bucket_assignment_by_size`` in ``reducer.cpp``) over parameters in gradient-ready
+    ``order``: add the tensor, then close the bucket if it reached ``first_cap_bytes`` (the first) or ``cap_bytes``.
+
+    >>> ddp_buckets([16, 16, 16, 48, 4, 4], order=range(6), first_cap_bytes=8, cap_bytes=32)
+    [[0], [1, 2], [3], [4, 5]]
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index in order:
+        current.append(index)
+        current_bytes += nbytes[index]
+        if current_bytes >= (first_cap_bytes if not buckets else cap_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
     params = model.profile.params
     never = float("inf")
@@ -521,11 +539,8 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
 
 
 def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    """FSDP2: ``fully_shard`` on each transformer block and on the root; the schedule is in docs/projection.md.
-
-    Block times come from the profile: a block's backward is the work between the previous block's last gradient
-    and its own, its forward the same share of ``forward_ms``.
-    """
+    """FSDP2: ``fully_shard`` on each transformer block and on the root (docs/projection.md: the schedule, and
+    each block's times from the profile)."""
     p, n, t = model.profile, model.world_size, model.timeline()
     params = p.params
     root, blocks = transformer_blocks(params)
@@ -619,11 +634,8 @@ def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
 
 def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float] = 25.0, rank: int = 4,
                                min_compression_rate: float = 2.0) -> StepResult:
-    """PowerSGD on the bucketed engine's buckets, in its steady state (every step compressed, ``E`` and ``Q`` kept).
-
-    Every kernel the engine runs per compressed matrix is a ``StepModel.kernel_ms(FLOPs, bytes)`` roofline; the
-    kernel list with its FLOPs and bytes is in docs/projection.md.
-    """
+    """PowerSGD on the bucketed engine's buckets in its steady state, each of its kernels a ``kernel_ms`` roofline
+    (the kernel list: docs/projection.md)."""
     p = model.profile
     if not p.has_shapes:
         missing = next(q.name for q in p.params if q.shape is None)
@@ -691,18 +703,6 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
 # ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------
 
 
-def _load(entry: catalogue.Entry) -> Callable[..., StepResult]:
-    module, _, attribute = entry.projection.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"the projection model of {entry.name!r}, {entry.projection!r}, cannot be loaded ({error}); "
-                         "fix `projection` in its catalogue entry: \"package.module:function\"") from None
-    if not callable(function):
-        raise ValueError(f"the projection model of {entry.name!r}, {entry.projection!r}, is not a function")
-    return function
-
-
 def simulated_names() -> list[str]:
     """Every strategy the projection can simulate, in catalogue order: the entries with a ``projection``."""
     return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is not None]
@@ -730,7 +730,15 @@ def simulator(name: str) -> Callable[..., StepResult]:
             f"strategy {name!r} has no model in the projection: add a simulate function (see simulate_bucketed in "
             "lightning_ddp/projection/simulators.py) and name it in its catalogue entry's `projection`, or leave it "
             f"out (projected: {', '.join(simulated_names())})")
-    return _load(entry)
+    module, _, attribute = entry.projection.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"the projection model of {name!r}, {entry.projection!r}, cannot be loaded ({error}); "
+                         "fix `projection` in its catalogue entry: \"package.module:function\"") from None
+    if not callable(function):
+        raise ValueError(f"the projection model of {name!r}, {entry.projection!r}, is not a function")
+    return function
 
 
 def model_settings(name: str) -> dict[str, Any]:

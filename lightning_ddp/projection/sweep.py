@@ -35,10 +35,8 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
             engine_settings: Mapping[str, Mapping[str, Sequence[Any]]] | None = None,
             flops_per_s: Optional[float] = None, contention: float = 0.0) -> list[StepResult]:
     """Simulate every strategy at every world size (and every bucket size for those that take one, and every
-    combination of ``engine_settings[strategy]``, ``{setting: [values]}``, for those given some).
-
-    ``flops_per_s``: the compute stream's arithmetic throughput (``StepModel.flops_per_s``); ``contention``:
-    compute slowed by ``1 + contention`` while a collective runs (``StepModel.contention``)."""
+    combination of ``engine_settings[strategy]``, ``{setting: [values]}``); ``flops_per_s`` and ``contention`` go to
+    ``StepModel``."""
     engine_settings = engine_settings or {}
     for name in strategies:
         simulator(name)  # an unknown or unmodelled name fails before anything is simulated

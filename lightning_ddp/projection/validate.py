@@ -1,9 +1,7 @@
 """``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep.
 
-Reads a sweep's files (``results.csv``, ``profiles.json``, ``bucket_prediction.json``), simulates every ok cell
-from its own measured compute profile and the sweep's all-reduce fit, and writes ``cpu_sweep_validation.csv`` and
-``.md``: the error per cell against the 15 % goal, the ranking check, and ``bucket_size_mb: auto``'s square-root
-rule against the projection's choice. What each prediction means: docs/projection.md.
+Simulates every ok cell of a sweep from its own compute profile and the sweep's all-reduce fit, and writes
+``cpu_sweep_validation.csv`` and ``.md`` (docs/projection.md says what each part checks).
 """
 
 from __future__ import annotations
@@ -82,13 +80,10 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
                    copy_Bps: float, contention: float = 0.0) -> list[dict[str, Any]]:
-    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and share.
+    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and (wait) share.
 
-    A cell's engine settings (``engine_settings``) go to the model where it models them (e.g. PowerSGD's ``rank``;
-    ``start_iter`` changes no steady-state step). A cell whose model needs parameter shapes its profile lacks
-    (recorded before the CommTimer wrote them) is left out, with a line on stderr. ``contention``: compute slowed by
-    ``1 + contention`` while a collective runs (``StepModel.contention``); the predicted share is the wait share
-    (``StepResult.wait_share``), what the CommTimer measures."""
+    The cell's engine settings go to the model where it models them; a cell whose model needs shapes its profile
+    lacks is left out, said on stderr."""
     comm = read_fit(fit_path).fabric()
     reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
                  for r in rows if r["strategy"] == "reference"}
@@ -105,8 +100,7 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         size_arg = size if catalogue.get(r["strategy"]).has_bucket_size else None
 
         def predict(profile: ComputeProfile) -> StepResult | None:
-            """The cell simulated from ``profile``; None where the model needs shapes the profile lacks (recorded
-            before the CommTimer wrote them: said on stderr for the cell's own profile)."""
+            """The cell simulated from ``profile``; None where the model needs shapes the profile lacks."""
             try:
                 model = StepModel(profile, comm, world, copy_Bps, contention=contention)
                 return simulate(r["strategy"], model, size_arg, **settings)
@@ -290,10 +284,9 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
                + (f" --contention {contention:g}" if contention is not None else ""))
     if contention is None:
         contention = CONTENTION["gloo"]
-    if not contention >= 0:
-        print(f"error: --contention must be >= 0, got {contention}", file=sys.stderr)
-        return 2
     try:
+        if not contention >= 0:
+            raise ValueError(f"--contention must be >= 0, got {contention}")
         rows, profiles, fit_path = read_sweep(sweep)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

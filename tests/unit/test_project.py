@@ -25,7 +25,7 @@ from lightning_ddp.projection.comm import FABRICS, Fabric, Link, MeasuredFit, re
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
 from lightning_ddp.projection.simulators import StepModel, simulate, simulated_names
 from lightning_ddp.projection.__main__ import main, parse_config
-from lightning_ddp.projection.buckets import assign_buckets, assign_owners, ddp_buckets
+from lightning_ddp.projection.simulators import assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
 from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project, result_row
 
