@@ -1,8 +1,7 @@
 """``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
 
-Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) is compared with exact bucketed fp32
-averaging: real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run.
-Arguments after ``--`` go to every fit. docs/benchmarks.md describes both measurements.
+Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) against exact bucketed fp32 averaging: real
+fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.config import fit_arguments
+from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
@@ -95,16 +94,6 @@ def default_variants() -> list[Variant]:
 # ---- training runs ----------------------------------------------------------------------------------------
 
 
-def _fit_arguments(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int,
-                   extra: list[str]) -> list[str]:
-    """One training run's fit arguments (loss and step time only: no validation between the timed steps)."""
-    return ["--config", config, *extra,
-            "--trainer.strategy", strategy_argument(algorithm, None, bucket_size_mb, settings),
-            "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
-            "--timer.warmup_steps", "5", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps",
-            "0", "--timer.every_n_steps", "1"]
-
-
 _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
                             "bytes_per_step": "comm/bytes"})
 
@@ -117,18 +106,16 @@ def _read_run(log_dir: Path) -> dict[str, Any]:
 def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, one fp32 run and one run per variant (in that order); ``runs[seed][name]`` and the fit arguments
     by ``"<name>, seed <seed>"``."""
-    cells: dict[str, list[str]] = {}
-    keys = {}
-    for seed in args.seeds:
-        for name, algorithm, settings in [(BASELINE, BASELINE, {}),
-                                          *((v.name, v.algorithm, v.settings) for v in variants)]:
-            cells[f"{name}, seed {seed}"] = _fit_arguments(args.config, algorithm, settings, args.bucket_size_mb,
-                                                           args.steps, [*extra, "--seed_everything", str(seed)])
-            keys[f"{name}, seed {seed}"] = (seed, name)
+    runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
+    cells = {f"{name}, seed {seed}": [
+        "--config", args.config, *extra, "--seed_everything", str(seed),
+        "--trainer.strategy", strategy_argument(algorithm, None, args.bucket_size_mb, settings),
+        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
+        # loss and step time only: no validation between the timed steps
+        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
+    ] for seed in args.seeds for name, algorithm, settings in runs_of}
     measured = run_study(cells, 1, _read_run)
-    runs: dict[int, dict[str, dict[str, Any]]] = {seed: {} for seed in args.seeds}
-    for cell, (seed, name) in keys.items():
-        runs[seed][name] = measured[cell][0]
+    runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
 
 
@@ -169,21 +156,18 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
             start = (step * world + rank) * args.batch_size
             batch = [data[(start + k) % len(data)] for k in range(args.batch_size)]
             x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            forward_backward(model, x, y)
             exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
             dist.all_reduce(exact)
             for name, (shadow, engine) in engines.items():
                 shadow.load_state_dict(model.state_dict())
                 shadow.zero_grad(set_to_none=True)
-                engine.on_train_batch_start()
-                F.cross_entropy(engine(x).flatten(0, 1), y.flatten()).backward()
-                engine.finish_gradient_synchronization()
+                forward_backward(engine, x, y)
                 averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
                 errors[name].append(gradient_error(exact, averaged))
-            offset = 0
-            for p in params:  # train on the exact average: the trajectory is fp32 training's
-                p.grad.copy_(exact[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            # train on the exact average: the trajectory is fp32 training's
+            for p, average in zip(params, exact.split([p.numel() for p in params])):
+                p.grad.copy_(average.view_as(p))
             optimizer.step()
             optimizer.zero_grad()
         if rank == 0:
@@ -195,26 +179,12 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
 # ---- the numbers ---------------------------------------------------------------------------------------------
 
 
-def _mean(values: np.ndarray, axis: int) -> np.ndarray:
-    return np.nanmean(values, axis=axis)
-
-
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
               variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
     """The numbers of results.md from ``runs[seed][name]`` (``_read_run``; ``BASELINE`` and every variant) and each
-    variant's per-step gradient errors.
-
-    Per variant: ``loss_last_mean[seed]``, each run's mean ``train/loss`` over its last ``last`` steps;
-    ``minus_fp32[seed]`` the paired difference per seed (same seed: same initial weights and data order);
-    ``minus_fp32_mean`` the mean of the per-step differences over those steps and every seed, with its 95 % interval
-    ``minus_fp32_lo``/``_hi`` (hierarchical bootstrap: seed values, then steps within each; ``samples`` draws,
-    ``seed``); bytes, step and exposed time per step (median over the seed values of each run's median) and their
-    ratios to fp32;
-    ``exact_steps``, the steps before its first nonzero gradient error (a warm-up that averages exactly), and the
-    error's median and largest values over the steps after them.
-    ``fp32.seed_spread``: the largest minus the smallest fp32 ``loss_last_mean`` over the seed values, the run-to-run
-    variation a difference must exceed to mean anything.
-    """
+    variant's per-step gradient errors: per variant its loss over the last ``last`` steps against fp32's (per seed,
+    and pooled with a hierarchical-bootstrap interval of ``samples`` draws), its costs and their ratios to fp32, and
+    its gradient error after its exact warm-up steps; fp32's seed-to-seed spread (docs/benchmarks.md)."""
     seeds = sorted(runs)
 
     def last_mean(seed: int, name: str) -> float:
@@ -234,7 +204,7 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
     for name in variants:
         differences = [np.array(runs[seed][name]["loss"][-last:]) - np.array(runs[seed][BASELINE]["loss"][-last:])
                        for seed in seeds]
-        draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=_mean)
+        draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=np.nanmean)
         lo, hi = percentile_interval(draws)
         step_errors = errors.get(name) or []
         relative = [e for e, _ in step_errors]
@@ -347,14 +317,15 @@ def _cost_tables(s: dict[str, Any], names: list[str]) -> list[str]:
     ]
 
 
-def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, command: str,
-              result: dict[str, Any]) -> str:
+def _markdown(result: dict[str, Any], variants: list[Variant]) -> str:
+    """results.md from what results.json holds."""
+    s, config = result["summary"], result["config"]
     names = [v.name for v in variants]
     title = ", ".join(f"`{n}`" for n in names)
     lines = [
-        f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
-        f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, s['seeds']))}", "",
-        f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
+        f"# Lossy gradient communication vs fp32: {title}; {config['steps']} steps, 2 ranks, bucket "
+        f"{config['bucket_size_mb']:g} MiB, seed {', '.join(map(str, s['seeds']))}", "",
+        f"Command: `{result['command']}` (commit {str(result['git_commit'])[:12]}"
         + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
         *markdown_table(["variant", "engine settings (defaults filled in)"],
                         [[f"`{v.name}`", format_settings(v.effective_settings()) or "-"] for v in variants], "ll"),
@@ -373,10 +344,9 @@ def write_report(out: Path) -> dict[str, Any]:
     result = read_json(out / "results.json")
     variants = [Variant(v["algorithm"], v["settings"]) for v in result["variants"].values()]
     runs = {int(seed): r for seed, r in result["runs"].items()}
-    names = [v.name for v in variants]
-    md = _markdown(result["summary"], variants, Namespace(**result["config"]), result["command"], result)
+    md = _markdown(result, variants)
     write_outputs(out, {"results.md": md})
-    _plot(out / "loss_curves.png", runs, result["gradient_errors"], names)
+    _plot(out / "loss_curves.png", runs, result["gradient_errors"], [v.name for v in variants])
     print(md)
     return result
 
