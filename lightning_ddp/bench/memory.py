@@ -83,22 +83,17 @@ class MemoryBenchConfig:
         from lightning_ddp.model import PRESETS
 
         if self.preset not in PRESETS:
-            raise ValueError(
-                f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} (--preset)"
-            )
+            raise ValueError(f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} "
+                             "(--preset)")
         for name in ("vocab_size", "batch_size", "seq_len", "devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} (--{name})")
         if self.warmup_steps < 1:
-            raise ValueError(
-                f"warmup_steps must be >= 1, got {self.warmup_steps}: the first step allocates the optimizer state "
-                "(--warmup_steps 2)"
-            )
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}: the first step allocates the "
+                             "optimizer state (--warmup_steps 2)")
         if self.steps < self.warmup_steps + 2:
-            raise ValueError(
-                f"steps must be >= warmup_steps + 2 = {self.warmup_steps + 2}, got {self.steps}: the step-time "
-                f"interval needs at least 2 measured steps (--steps {self.warmup_steps + 10})"
-            )
+            raise ValueError(f"steps must be >= warmup_steps + 2 = {self.warmup_steps + 2}, got {self.steps}: the "
+                             f"step-time interval needs at least 2 measured steps (--steps {self.warmup_steps + 10})")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
@@ -369,10 +364,8 @@ def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
-        raise ValueError(
-            f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
-            "lower --devices or use --accelerator cpu"
-        )
+        raise ValueError(f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
+                         "lower --devices or use --accelerator cpu")
     out_dir = Path(config.out_dir)
     # Fresh processes per mode: memory an earlier mode freed may stay with the allocator (glibc keeps freed heap
     # pages), which would show up in the next mode's RSS.
@@ -399,8 +392,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
-    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field); a validation error
-    exits 2 with the message (no traceback)."""
+    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field)."""
     from lightning_ddp.command_line import parse_dataclass
 
     return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")

@@ -101,7 +101,8 @@ def summarise_modes(
         summary = {"mode": mode, "ranks": ranks, "warmup_steps": warmup_steps}
         step = estimate([_measured_steps(summary)], BOOTSTRAP_SAMPLES, seed, key=mode)
         full_parameters = ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"])
-        summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step), "matches_expected": matches,
+        summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
+                          "matches_expected": matches,
                           "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, world_size, mode)})
     return summaries
 
@@ -240,8 +241,8 @@ def _rank_lines(results: dict[str, Any]) -> list[str]:
             before = per_rank["snapshots"]["before_step"]
             rows.append([mode["mode"], per_rank["rank"],
                          f"{_mib(before['optimizer_state'])} ({_mib(per_rank['expected']['optimizer_state'])})",
-                         _mib(_tensors(before)), f"{mode['step_ms_median']:,.1f}", _mib(per_rank["comm_bytes_recorded"]),
-                         _mib(mode["sent_bytes_per_rank"])])
+                         _mib(_tensors(before)), f"{mode['step_ms_median']:,.1f}",
+                         _mib(per_rank["comm_bytes_recorded"]), _mib(mode["sent_bytes_per_rank"])])
     header = ["mode", "rank", "optimizer state MiB (expected)", "tensors before step MiB",
               "step ms (median, max over ranks)", "recorded comm MiB/step", "sent per rank MiB/step (ring model)"]
     return ["## Every rank", "", *markdown_table(header, rows)]
