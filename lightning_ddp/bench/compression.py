@@ -190,16 +190,15 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
     def last_mean(seed: int, name: str) -> float:
         return statistics.mean(runs[seed][name]["loss"][-last:])
 
-    def median_over_seeds(name: str, key: str) -> float:
-        return statistics.median(runs[seed][name][key] for seed in seeds)
+    def numbers(name: str) -> dict[str, Any]:
+        """What fp32 and the variants report alike: the first loss, the last steps' mean per seed, the costs."""
+        return {"loss_first": runs[seeds[0]][name]["loss"][0],
+                "loss_last_mean": {str(seed): last_mean(seed, name) for seed in seeds},
+                **{key: statistics.median(runs[seed][name][key] for seed in seeds)
+                   for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")}}
 
     fp32_last = {seed: last_mean(seed, BASELINE) for seed in seeds}
-    fp32 = {
-        "loss_first": runs[seeds[0]][BASELINE]["loss"][0],
-        "loss_last_mean": {str(seed): fp32_last[seed] for seed in seeds},
-        "seed_spread": max(fp32_last.values()) - min(fp32_last.values()),
-        **{key: median_over_seeds(BASELINE, key) for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")},
-    }
+    fp32 = {**numbers(BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
     out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": BASELINE, "fp32": fp32, "variants": {}}
     for name in variants:
         differences = [np.array(runs[seed][name]["loss"][-last:]) - np.array(runs[seed][BASELINE]["loss"][-last:])
@@ -209,8 +208,7 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
         step_errors = errors.get(name) or []
         relative = [e for e, _ in step_errors]
         v: dict[str, Any] = {
-            "loss_first": runs[seeds[0]][name]["loss"][0],
-            "loss_last_mean": {str(seed): last_mean(seed, name) for seed in seeds},
+            **numbers(name),
             "minus_fp32": {str(seed): last_mean(seed, name) - fp32_last[seed] for seed in seeds},
             "minus_fp32_mean": float(np.mean(np.concatenate(differences))),
             "minus_fp32_lo": lo,
@@ -218,7 +216,6 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
             "loss_max_abs_difference": max(float(np.max(np.abs(np.array(runs[seed][name]["loss"])
                                                               - np.array(runs[seed][BASELINE]["loss"]))))
                                            for seed in seeds),
-            **{key: median_over_seeds(name, key) for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")},
         }
         v["bytes_ratio"] = v["bytes_per_step"] / fp32["bytes_per_step"] if fp32["bytes_per_step"] else None
         if relative:
@@ -246,18 +243,16 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
         for name, run in by_name.items():
             label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
             ax_loss.plot(range(len(run["loss"])), run["loss"], color=colors[name], alpha=0.75, lw=1, label=label)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel(f"train/loss (rank 0), seed {', '.join(map(str, runs))}")
-    ax_loss.legend(fontsize=8)
-    ax_loss.grid(alpha=0.3)
     for name in names:
         ax_err.plot(range(len(errors.get(name, []))), [100 * e for e, _ in errors.get(name, [])], color=colors[name],
                     label=name)
-    ax_err.set_xlabel("step")
+    ax_loss.set_ylabel(f"train/loss (rank 0), seed {', '.join(map(str, runs))}")
     ax_err.set_ylabel("relative error of the average vs fp32 (%)")
     ax_err.set_yscale("symlog", linthresh=0.1)
-    ax_err.legend(fontsize=8)
-    ax_err.grid(alpha=0.3)
+    for ax in (ax_loss, ax_err):
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.suptitle("Lossy gradient communication against fp32: loss curves and per-step gradient error")
     fig.savefig(path, dpi=110)
 
