@@ -387,8 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     runs, commands = _train(args, variants, extra)
     print("measuring the per-step gradient error ...", flush=True)
-    measured = spawn_ranks(_error_rank, 2, args, variants)
-    errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
+    errors = spawn_ranks(_error_rank, 2, args, variants)  # per variant, per step: [relative, absolute]
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
     command = command_text("lightning_ddp.bench.compression", argv)
