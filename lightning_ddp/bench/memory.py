@@ -25,11 +25,10 @@ from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.memory_report import (
     FSDP2, MODE_LABELS, PLOT_NAME, MiB, family_summary, format_report, summarise_modes, write_memory_plot,
 )
-from lightning_ddp.bench.study import read_json, spawn_ranks, write_outputs
+from lightning_ddp.bench.study import provenance, read_json, spawn_ranks, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.memory import FP32, expected_bytes
-from lightning_ddp.provenance import git_state
 
 __all__ = ["MODES", "MemoryBenchConfig", "main", "parse_config", "run", "write_report"]
 
@@ -347,18 +346,12 @@ def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig,
 
 
 def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
+    """What results.json records beside the numbers: the study's provenance, the device, CPUs and backend."""
     cuda = config.accelerator == "cuda" and torch.cuda.is_available()
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu"),
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.version.cuda if cuda else None,
-        "backend": resolved_backend(config),
-        "world_size": config.devices,
-        **git_state(),
-    }
+    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
+    return provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
+                      cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
+                      world_size=config.devices)
 
 
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
