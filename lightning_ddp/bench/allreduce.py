@@ -4,16 +4,15 @@ on the cells' ranks: rank 0 writes the fitted per-call overhead and bandwidth as
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-
 from jsonargparse import auto_cli
 
+from lightning_ddp.files import write_json_atomically
 from lightning_ddp.sync.bucket_model import DEFAULT_SIZES, fit_latency_bandwidth, measure_allreduce
 
 
@@ -38,7 +37,7 @@ def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal
         times = measure_allreduce(sizes, repeats=repeats, device=torch_device)
         o, w = fit_latency_bandwidth(sizes, times)
         if dist.get_rank() == 0:
-            result = {
+            write_json_atomically(out, {
                 "overhead_s": o,
                 "bandwidth_Bps": w if w != float("inf") else None,
                 "sizes": sizes,
@@ -47,9 +46,7 @@ def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal
                 "world_size": dist.get_world_size(),
                 "backend": backend,
                 "device": str(torch_device),
-            }
-            with open(out, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
+            })
             print(f"all-reduce fit: o = {o * 1e3:.3f} ms, w = {w / 1e9:.3f} GB/s", flush=True)
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,7 @@
 """``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
 
-Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) is compared with exact bucketed fp32
-averaging: real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run.
-Arguments after ``--`` go to every fit. docs/benchmarks.md describes both measurements.
+Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) against exact bucketed fp32 averaging: real
+fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.config import fit_arguments
+from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
@@ -95,16 +94,6 @@ def default_variants() -> list[Variant]:
 # ---- training runs ----------------------------------------------------------------------------------------
 
 
-def _fit_arguments(config: str, algorithm: str, settings: dict[str, Any], bucket_size_mb: float, steps: int,
-                   extra: list[str]) -> list[str]:
-    """One training run's fit arguments (loss and step time only: no validation between the timed steps)."""
-    return ["--config", config, *extra,
-            "--trainer.strategy", strategy_argument(algorithm, None, bucket_size_mb, settings),
-            "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
-            "--timer.warmup_steps", "5", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps",
-            "0", "--timer.every_n_steps", "1"]
-
-
 _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
                             "bytes_per_step": "comm/bytes"})
 
@@ -117,18 +106,16 @@ def _read_run(log_dir: Path) -> dict[str, Any]:
 def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, one fp32 run and one run per variant (in that order); ``runs[seed][name]`` and the fit arguments
     by ``"<name>, seed <seed>"``."""
-    cells: dict[str, list[str]] = {}
-    keys = {}
-    for seed in args.seeds:
-        for name, algorithm, settings in [(BASELINE, BASELINE, {}),
-                                          *((v.name, v.algorithm, v.settings) for v in variants)]:
-            cells[f"{name}, seed {seed}"] = _fit_arguments(args.config, algorithm, settings, args.bucket_size_mb,
-                                                           args.steps, [*extra, "--seed_everything", str(seed)])
-            keys[f"{name}, seed {seed}"] = (seed, name)
+    runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
+    cells = {f"{name}, seed {seed}": [
+        "--config", args.config, *extra, "--seed_everything", str(seed),
+        "--trainer.strategy", strategy_argument(algorithm, None, args.bucket_size_mb, settings),
+        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
+        # loss and step time only: no validation between the timed steps
+        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
+    ] for seed in args.seeds for name, algorithm, settings in runs_of}
     measured = run_study(cells, 1, _read_run)
-    runs: dict[int, dict[str, dict[str, Any]]] = {seed: {} for seed in args.seeds}
-    for cell, (seed, name) in keys.items():
-        runs[seed][name] = measured[cell][0]
+    runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
 
 
@@ -169,21 +156,18 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
             start = (step * world + rank) * args.batch_size
             batch = [data[(start + k) % len(data)] for k in range(args.batch_size)]
             x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            forward_backward(model, x, y)
             exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
             dist.all_reduce(exact)
             for name, (shadow, engine) in engines.items():
                 shadow.load_state_dict(model.state_dict())
                 shadow.zero_grad(set_to_none=True)
-                engine.on_train_batch_start()
-                F.cross_entropy(engine(x).flatten(0, 1), y.flatten()).backward()
-                engine.finish_gradient_synchronization()
+                forward_backward(engine, x, y)
                 averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
                 errors[name].append(gradient_error(exact, averaged))
-            offset = 0
-            for p in params:  # train on the exact average: the trajectory is fp32 training's
-                p.grad.copy_(exact[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            # train on the exact average: the trajectory is fp32 training's
+            for p, average in zip(params, exact.split([p.numel() for p in params])):
+                p.grad.copy_(average.view_as(p))
             optimizer.step()
             optimizer.zero_grad()
         if rank == 0:
@@ -195,52 +179,36 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
 # ---- the numbers ---------------------------------------------------------------------------------------------
 
 
-def _mean(values: np.ndarray, axis: int) -> np.ndarray:
-    return np.nanmean(values, axis=axis)
-
-
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
               variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
     """The numbers of results.md from ``runs[seed][name]`` (``_read_run``; ``BASELINE`` and every variant) and each
-    variant's per-step gradient errors.
-
-    Per variant: ``loss_last_mean[seed]``, each run's mean ``train/loss`` over its last ``last`` steps;
-    ``minus_fp32[seed]`` the paired difference per seed (same seed: same initial weights and data order);
-    ``minus_fp32_mean`` the mean of the per-step differences over those steps and every seed, with its 95 % interval
-    ``minus_fp32_lo``/``_hi`` (hierarchical bootstrap: seed values, then steps within each; ``samples`` draws,
-    ``seed``); bytes, step and exposed time per step (median over the seed values of each run's median) and their
-    ratios to fp32;
-    ``exact_steps``, the steps before its first nonzero gradient error (a warm-up that averages exactly), and the
-    error's median and largest values over the steps after them.
-    ``fp32.seed_spread``: the largest minus the smallest fp32 ``loss_last_mean`` over the seed values, the run-to-run
-    variation a difference must exceed to mean anything.
-    """
+    variant's per-step gradient errors: per variant its loss over the last ``last`` steps against fp32's (per seed,
+    and pooled with a hierarchical-bootstrap interval of ``samples`` draws), its costs and their ratios to fp32, and
+    its gradient error after its exact warm-up steps; fp32's seed-to-seed spread (docs/benchmarks.md)."""
     seeds = sorted(runs)
 
     def last_mean(seed: int, name: str) -> float:
         return statistics.mean(runs[seed][name]["loss"][-last:])
 
-    def median_over_seeds(name: str, key: str) -> float:
-        return statistics.median(runs[seed][name][key] for seed in seeds)
+    def numbers(name: str) -> dict[str, Any]:
+        """What fp32 and the variants report alike: the first loss, the last steps' mean per seed, the costs."""
+        return {"loss_first": runs[seeds[0]][name]["loss"][0],
+                "loss_last_mean": {str(seed): last_mean(seed, name) for seed in seeds},
+                **{key: statistics.median(runs[seed][name][key] for seed in seeds)
+                   for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")}}
 
     fp32_last = {seed: last_mean(seed, BASELINE) for seed in seeds}
-    fp32 = {
-        "loss_first": runs[seeds[0]][BASELINE]["loss"][0],
-        "loss_last_mean": {str(seed): fp32_last[seed] for seed in seeds},
-        "seed_spread": max(fp32_last.values()) - min(fp32_last.values()),
-        **{key: median_over_seeds(BASELINE, key) for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")},
-    }
+    fp32 = {**numbers(BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
     out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": BASELINE, "fp32": fp32, "variants": {}}
     for name in variants:
         differences = [np.array(runs[seed][name]["loss"][-last:]) - np.array(runs[seed][BASELINE]["loss"][-last:])
                        for seed in seeds]
-        draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=_mean)
+        draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=np.nanmean)
         lo, hi = percentile_interval(draws)
         step_errors = errors.get(name) or []
         relative = [e for e, _ in step_errors]
         v: dict[str, Any] = {
-            "loss_first": runs[seeds[0]][name]["loss"][0],
-            "loss_last_mean": {str(seed): last_mean(seed, name) for seed in seeds},
+            **numbers(name),
             "minus_fp32": {str(seed): last_mean(seed, name) - fp32_last[seed] for seed in seeds},
             "minus_fp32_mean": float(np.mean(np.concatenate(differences))),
             "minus_fp32_lo": lo,
@@ -248,7 +216,6 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
             "loss_max_abs_difference": max(float(np.max(np.abs(np.array(runs[seed][name]["loss"])
                                                               - np.array(runs[seed][BASELINE]["loss"]))))
                                            for seed in seeds),
-            **{key: median_over_seeds(name, key) for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")},
         }
         v["bytes_ratio"] = v["bytes_per_step"] / fp32["bytes_per_step"] if fp32["bytes_per_step"] else None
         if relative:
@@ -276,18 +243,16 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
         for name, run in by_name.items():
             label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
             ax_loss.plot(range(len(run["loss"])), run["loss"], color=colors[name], alpha=0.75, lw=1, label=label)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel(f"train/loss (rank 0), seed {', '.join(map(str, runs))}")
-    ax_loss.legend(fontsize=8)
-    ax_loss.grid(alpha=0.3)
     for name in names:
         ax_err.plot(range(len(errors.get(name, []))), [100 * e for e, _ in errors.get(name, [])], color=colors[name],
                     label=name)
-    ax_err.set_xlabel("step")
+    ax_loss.set_ylabel(f"train/loss (rank 0), seed {', '.join(map(str, runs))}")
     ax_err.set_ylabel("relative error of the average vs fp32 (%)")
     ax_err.set_yscale("symlog", linthresh=0.1)
-    ax_err.legend(fontsize=8)
-    ax_err.grid(alpha=0.3)
+    for ax in (ax_loss, ax_err):
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.suptitle("Lossy gradient communication against fp32: loss curves and per-step gradient error")
     fig.savefig(path, dpi=110)
 
@@ -347,14 +312,15 @@ def _cost_tables(s: dict[str, Any], names: list[str]) -> list[str]:
     ]
 
 
-def _markdown(s: dict[str, Any], variants: list[Variant], args: Namespace, command: str,
-              result: dict[str, Any]) -> str:
+def _markdown(result: dict[str, Any], variants: list[Variant]) -> str:
+    """results.md from what results.json holds."""
+    s, config = result["summary"], result["config"]
     names = [v.name for v in variants]
     title = ", ".join(f"`{n}`" for n in names)
     lines = [
-        f"# Lossy gradient communication vs fp32: {title}; {args.steps} steps, 2 ranks, bucket "
-        f"{args.bucket_size_mb:g} MiB, seed {', '.join(map(str, s['seeds']))}", "",
-        f"Command: `{command}` (commit {str(result['git_commit'])[:12]}"
+        f"# Lossy gradient communication vs fp32: {title}; {config['steps']} steps, 2 ranks, bucket "
+        f"{config['bucket_size_mb']:g} MiB, seed {', '.join(map(str, s['seeds']))}", "",
+        f"Command: `{result['command']}` (commit {str(result['git_commit'])[:12]}"
         + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
         *markdown_table(["variant", "engine settings (defaults filled in)"],
                         [[f"`{v.name}`", format_settings(v.effective_settings()) or "-"] for v in variants], "ll"),
@@ -373,10 +339,9 @@ def write_report(out: Path) -> dict[str, Any]:
     result = read_json(out / "results.json")
     variants = [Variant(v["algorithm"], v["settings"]) for v in result["variants"].values()]
     runs = {int(seed): r for seed, r in result["runs"].items()}
-    names = [v.name for v in variants]
-    md = _markdown(result["summary"], variants, Namespace(**result["config"]), result["command"], result)
+    md = _markdown(result, variants)
     write_outputs(out, {"results.md": md})
-    _plot(out / "loss_curves.png", runs, result["gradient_errors"], names)
+    _plot(out / "loss_curves.png", runs, result["gradient_errors"], [v.name for v in variants])
     print(md)
     return result
 
@@ -422,8 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     runs, commands = _train(args, variants, extra)
     print("measuring the per-step gradient error ...", flush=True)
-    measured = spawn_ranks(_error_rank, 2, args, variants)
-    errors = {name: [tuple(e) for e in values] for name, values in measured.items()}
+    errors = spawn_ranks(_error_rank, 2, args, variants)  # per variant, per step: [relative, absolute]
     names = [v.name for v in variants]
     summary = summarize(runs, errors, names, last=args.last)
     command = command_text("lightning_ddp.bench.compression", argv)

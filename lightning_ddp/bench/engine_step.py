@@ -1,6 +1,6 @@
 """``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without
-Lightning (wall and CPU time per step, rounds interleaved). Variants are ``ddp`` or ``<engine>[@<bucket MiB>]``;
-docs/benchmarks.md has the recipe.
+Lightning (wall and CPU time per step, rounds interleaved; docs/benchmarks.md). Variants are ``ddp`` or
+``<engine>[@<bucket MiB>]``. Also the in-process benchmarks' one training step, ``forward_backward``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lightning_ddp.bench.study import command_text, provenance, read_json, spawn
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 
-__all__ = ["main", "parse_variant"]
+__all__ = ["forward_backward", "main", "parse_variant"]
 
 
 def parse_variant(text: str) -> tuple[str, float | str | None]:
@@ -37,6 +37,15 @@ def parse_variant(text: str) -> tuple[str, float | str | None]:
     if size in ("auto", "none"):
         return name, "auto" if size == "auto" else "none"
     return name, float(size)
+
+
+def forward_backward(engine: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """Forward, cross-entropy and backward through ``engine`` (ours, torch's or a plain model), gradients synced."""
+    if hasattr(engine, "on_train_batch_start"):
+        engine.on_train_batch_start()
+    F.cross_entropy(engine(inputs).flatten(0, 1), targets.flatten()).backward()
+    if hasattr(engine, "finish_gradient_synchronization"):
+        engine.finish_gradient_synchronization()
 
 
 def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -61,37 +70,30 @@ def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: s
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             runs[variant] = (engine, optimizer)
         generator = torch.Generator().manual_seed(1000 + rank)
-        times: dict[str, list[list[float]]] = {v: [] for v in args.variants}
-        cpu_times: dict[str, list[list[float]]] = {v: [] for v in args.variants}
+        measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
+                                                             for kind in ("wall", "cpu")}
         for _ in range(args.rounds):
             for variant in args.variants:
                 engine, optimizer = runs[variant]
-                step_ms, cpu_ms = [], []
+                wall_ms, cpu_ms = [], []
                 for step in range(args.warmup + args.steps):
                     tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
                     cpu_start = time.process_time()
                     start = time.perf_counter()
-                    if hasattr(engine, "on_train_batch_start"):
-                        engine.on_train_batch_start()
-                    logits = engine(tokens[:, :-1])
-                    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-                    if hasattr(engine, "finish_gradient_synchronization"):
-                        engine.finish_gradient_synchronization()
+                    forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
                     optimizer.step()
                     optimizer.zero_grad()
-                    elapsed = (time.perf_counter() - start) * 1e3
-                    cpu = (time.process_time() - cpu_start) * 1e3
                     if step >= args.warmup:
-                        step_ms.append(elapsed)
-                        cpu_ms.append(cpu)
-                agreed = torch.tensor(step_ms, dtype=torch.float64)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                times[variant].append(agreed.tolist())
-                spent = torch.tensor(cpu_ms, dtype=torch.float64)
-                dist.all_reduce(spent)  # what the step cost both ranks together
-                cpu_times[variant].append(spent.tolist())
+                        wall_ms.append((time.perf_counter() - start) * 1e3)
+                        cpu_ms.append((time.process_time() - cpu_start) * 1e3)
+                wall = torch.tensor(wall_ms, dtype=torch.float64)
+                dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                cpu = torch.tensor(cpu_ms, dtype=torch.float64)
+                dist.all_reduce(cpu)  # what the step cost both ranks together
+                measured["wall"][variant].append(wall.tolist())
+                measured["cpu"][variant].append(cpu.tolist())
         if rank == 0:
-            Path(result_file).write_text(json.dumps({"wall": times, "cpu": cpu_times}))
+            Path(result_file).write_text(json.dumps(measured))
     finally:
         dist.destroy_process_group()
 

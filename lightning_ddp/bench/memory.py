@@ -1,8 +1,7 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family (DDP, ZeRO-1 under both schedules, ZeRO-2, FSDP2), each mode in fresh ranks without Lightning.
-
-Next to every measured category stands the analytic expectation of ``lightning_ddp.memory``. This module holds the
-configuration and the measurement; ``memory_report`` the summary and the report. docs/benchmarks.md has the recipe.
+data-parallel family (DDP, ZeRO-1 under both schedules, ZeRO-2, FSDP2) beside ``lightning_ddp.memory``'s analytic
+figures, each mode in fresh ranks without Lightning. The configuration and the measurement; ``memory_report`` the
+summary and the report; docs/benchmarks.md the recipe.
 """
 
 from __future__ import annotations
@@ -20,34 +19,26 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from lightning_ddp import catalogue
+from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.memory_report import (
-    FSDP2,
-    MODE_LABELS,
-    PLOT_NAME,
-    MiB,
-    family_summary,
-    format_report,
-    summarise_modes,
-    write_memory_plot,
+    FSDP2, MODE_LABELS, PLOT_NAME, MiB, family_summary, format_report, summarise_modes, write_memory_plot,
 )
-from lightning_ddp.bench.study import read_json, spawn_ranks, write_outputs
+from lightning_ddp.bench.study import provenance, read_json, spawn_ranks, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.memory import FP32, expected_bytes
-from lightning_ddp.provenance import git_state
 
 __all__ = ["MODES", "MemoryBenchConfig", "main", "parse_config", "run", "write_report"]
 
 MODES: tuple[str, ...] = tuple(MODE_LABELS)
-"""The measured configurations: plain AdamW, ZeRO-1 under each schedule, ZeRO-2, then torch's FSDP2
-(``_measure_fsdp2``)."""
+"""The measured configurations: plain AdamW, ZeRO-1 under each schedule, ZeRO-2, then torch's FSDP2."""
+
 
 @dataclass
 class MemoryBenchConfig:
-    """Per-rank memory (parameters, gradients, optimizer state, rest) and step time with and without ZeRO-1."""
+    """Per-rank memory (parameters, gradients, optimizer state, rest) and step time of the data-parallel family."""
 
     preset: str = "small"
     """Model size by name (``lightning_ddp.model.PRESETS``): tiny, small, medium, large, xl, 2.7b."""
@@ -60,10 +51,9 @@ class MemoryBenchConfig:
     devices: int = 2
     """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
     steps: int = 12
-    """Optimizer steps per mode, warm-up included; the last is the one the snapshots are taken in."""
+    """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
     warmup_steps: int = 2
-    """The first steps, left out of the step-time statistics (the first allocates the optimizer state, the next
-    still warms the allocator and caches); at least 1, and at least 2 steps must remain for the interval."""
+    """The first steps, left out of the step time (the first allocates the optimizer state); >= 1, 2 must remain."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
@@ -81,11 +71,10 @@ class MemoryBenchConfig:
     seed: int = 0
     """Seed of the model's initial weights and of the random tokens."""
     separate_processes: bool = True
-    """Measure each mode in fresh processes (an honest RSS per mode); false measures every mode in one set of
-    processes, faster, but memory freed by an earlier mode may then stay in a later mode's RSS."""
+    """Each mode in fresh processes (an honest RSS per mode); false: one set, faster, an earlier mode's freed memory
+    may stay in a later one's RSS."""
     out_dir: str = "logs/memory"
-    """Directory for results.json and results.md (created if missing; existing files are replaced). logs/ is
-    git-ignored; results meant for the repository are written on purpose (``--out_dir benchmarks/results/...``)."""
+    """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
     report_only: bool = False
     """Measure nothing: rebuild results.md and the plot from ``out_dir``'s results.json."""
 
@@ -93,29 +82,22 @@ class MemoryBenchConfig:
         from lightning_ddp.model import PRESETS
 
         if self.preset not in PRESETS:
-            raise ValueError(
-                f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} (--preset)"
-            )
+            raise ValueError(f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} "
+                             "(--preset)")
         for name in ("vocab_size", "batch_size", "seq_len", "devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} (--{name})")
         if self.warmup_steps < 1:
-            raise ValueError(
-                f"warmup_steps must be >= 1, got {self.warmup_steps}: the first step allocates the optimizer state "
-                "(--warmup_steps 2)"
-            )
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}: the first step allocates the "
+                             "optimizer state (--warmup_steps 2)")
         if self.steps < self.warmup_steps + 2:
-            raise ValueError(
-                f"steps must be >= warmup_steps + 2 = {self.warmup_steps + 2}, got {self.steps}: the step-time "
-                f"interval needs at least 2 measured steps (--steps {self.warmup_steps + 10})"
-            )
+            raise ValueError(f"steps must be >= warmup_steps + 2 = {self.warmup_steps + 2}, got {self.steps}: the "
+                             f"step-time interval needs at least 2 measured steps (--steps {self.warmup_steps + 10})")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
-        from lightning_ddp import catalogue
-
         if self.grad_sync not in catalogue.names(engines_only=True):
             raise ValueError(f"{self.grad_sync!r} is not one of our engines; choose from "
                              f"{', '.join(catalogue.names(engines_only=True))} (--grad_sync)")
@@ -150,10 +132,16 @@ def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
     return total
 
 
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local shard (FSDP2), any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    state = [v for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v)]
+    """The bytes of this rank's parameters, gradients and optimizer state (local shards), and the process's memory."""
+    params = [_local(p) for p in model.parameters()]
+    grads = [_local(p.grad) for p in model.parameters()]
+    state = [_local(v) for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v)]
     snap: dict[str, Any] = {
         "parameters": _tensor_bytes(params),
         "gradients": _tensor_bytes(grads),
@@ -187,43 +175,36 @@ def _peak_rss_bytes() -> int | None:
     return int(peak) * (1 if sys.platform == "darwin" else 1024)  # macOS reports bytes
 
 
-def _make_engine(mode: str, config: MemoryBenchConfig, model: torch.nn.Module):
-    from lightning_ddp import catalogue
-    from lightning_ddp.sync import DeferredGradSync
+def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
+    """The mode's engine (FSDP2: the sharded model itself) and optimizer, ours reporting collectives to ``recorder``."""
+    from lightning_ddp.sync import DeferredGradSync, ShardedOptimizer
 
+    adamw = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if mode == FSDP2:
+        from lightning_ddp.strategies.fsdp2 import shard
+
+        shard(model)
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
     if mode == "reduce_scatter":
-        return DeferredGradSync(model)
+        engine = DeferredGradSync(model)
+    elif mode == "zero2":
+        from lightning_ddp.sync.zero2 import ZeRO2DDP
+
+        engine = ZeRO2DDP(model, bucket_size_mb=config.bucket_size_mb)
+    else:
+        algorithm = catalogue.get(config.grad_sync)
+        engine = algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size
+                                       else "default")
+    engine.recorder = recorder
+    if mode == "unsharded":
+        return engine, torch.optim.AdamW(model.parameters(), **adamw)
     if mode == "zero2":
-        return _make_zero2_engine(config, model)
-    algorithm = catalogue.get(config.grad_sync)
-    bucket_size_mb = config.bucket_size_mb if algorithm.has_bucket_size else "default"
-    return algorithm.make_engine(model, bucket_size_mb=bucket_size_mb)
-
-
-# ---- zero2 (its own functions: the other modes' code is untouched) --------------------------------------------
-
-
-def _make_zero2_engine(config: MemoryBenchConfig, model: torch.nn.Module):
-    from lightning_ddp.sync.zero2 import ZeRO2DDP
-
-    return ZeRO2DDP(model, bucket_size_mb=config.bucket_size_mb)
-
-
-def _make_zero2_optimizer(config: MemoryBenchConfig, engine, model: torch.nn.Module) -> torch.optim.Optimizer:
-    from lightning_ddp.sync import ShardedOptimizer
-
-    return ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule="reduce_in_backward",
-                            placement=engine.owner_of, lr=config.lr, weight_decay=config.weight_decay)
-
-
-def _zero2_gradient_peak(config: MemoryBenchConfig, shapes: list[tuple[int, ...]], rank: int) -> int:
-    from lightning_ddp.memory import zero2_gradient_peak_bytes
-
-    cap = None if config.bucket_size_mb is None else int(config.bucket_size_mb * MiB)
-    return zero2_gradient_peak_bytes(shapes, dist.get_world_size(), rank, cap)
-
-
-# ---- fsdp2 (torch's fully_shard: its own measurement) --------------------------------------------------------
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule="reduce_in_backward",
+                                     placement=engine.owner_of, **adamw)
+    else:
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule=mode, **adamw)
+    optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
+    return engine, optimizer
 
 
 def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Module:
@@ -238,50 +219,6 @@ def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Mo
     return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
 
 
-def _measure_fsdp2(config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
-    """The ``fsdp2`` mode: the GPT sharded by ``lightning_ddp.strategies.fsdp2.shard`` (one group per block), AdamW
-    over the shards; snapshots of the local shards. Its collectives are torch's: none recorded."""
-    from lightning_ddp.strategies.fsdp2 import shard
-
-    model = _fresh_model(config, device)
-    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    transient = _fsdp2_transient_bytes(model)
-    shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-    def snapshot() -> dict[str, Any]:
-        class _Local(torch.nn.Module):  # _snapshot reads .parameters() and .grad: hand it the local shards
-            def parameters(self, recurse: bool = True):  # noqa: ANN201
-                for p in model.parameters():
-                    local = p.to_local()
-                    local.grad = p.grad.to_local() if p.grad is not None else None
-                    yield local
-
-        class _State:
-            state = {k: {n: v.to_local() if hasattr(v, "to_local") else v for n, v in entry.items()}
-                     for k, entry in optimizer.state.items()}
-
-        return _snapshot(_Local(), _State(), device)  # type: ignore[arg-type]
-
-    snapshots, step_ms, _ = _run_steps(model, optimizer, config, device, rank, snapshot)
-    result = {
-        "mode": FSDP2,
-        "rank": rank,
-        "snapshots": snapshots,
-        "expected": expected_bytes(shapes, dist.get_world_size(), "fully_sharded", rank),
-        "full_parameter_bytes": FP32 * sum(math.prod(s) for s in shapes),
-        "step_ms": step_ms,
-        "comm_bytes_recorded": None,  # torch's collectives: not recorded
-        "comm_calls": None,
-        "num_params": sum(math.prod(s) for s in shapes),
-        "num_tensors": len(shapes),
-        "shard_bytes": None,
-        "expected_transient": transient,
-    }
-    del optimizer, model
-    return result
-
-
 def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
     """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's unsharded parameters and gradients
     (one group per block, the root the rest; ``shard``), gathered while that group's backward runs."""
@@ -294,72 +231,47 @@ def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
     return 2 * FP32 * max(groups)
 
 
-def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
-    """The mode's engine and optimizer, both reporting their collectives to ``recorder``."""
-    from lightning_ddp.sync import ShardedOptimizer
-
-    engine = _make_engine(mode, config, model)
-    engine.recorder = recorder
-    if mode == "unsharded":
-        return engine, torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    if mode == "zero2":
-        optimizer = _make_zero2_optimizer(config, engine, model)
-    else:
-        optimizer = ShardedOptimizer(
-            model.parameters(), torch.optim.AdamW, schedule=mode, lr=config.lr, weight_decay=config.weight_decay
-        )
-    optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
-    return engine, optimizer
-
-
-def _train_step(engine: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, device: torch.device,
-                snapshot: Callable[[], dict[str, Any]], snapshots: dict[str, Any] | None) -> float:
-    """One step of ``engine`` (one of ours, or FSDP2's sharded model); its time in ms. ``snapshots`` given (the
-    last step): ``snapshot()`` before and after ``step()``, not part of the step's time."""
+def _paused_snapshot(snapshot: Callable[[], dict[str, Any]], device: torch.device) -> tuple[dict[str, Any], float]:
+    """``snapshot()`` and the seconds it took (left out of the step's time); the CUDA peak restarts after it, so
+    the next snapshot's ``max_allocated`` is what happened in between."""
     _sync(device)
     start = time.perf_counter()
-    if hasattr(engine, "on_train_batch_start"):
-        engine.on_train_batch_start()
-    logits = engine(tokens[:, :-1])  # (B, T, V)
-    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    del logits
-    if hasattr(engine, "finish_gradient_synchronization"):
-        engine.finish_gradient_synchronization()
-    paused = 0.0
-    if snapshots is not None:
-        _sync(device)
-        pause = time.perf_counter()
-        snapshots["before_step"] = snapshot()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)  # so after_step's max_allocated is the step's own peak
-        paused += time.perf_counter() - pause
-    optimizer.step()
-    if snapshots is not None:
-        _sync(device)
-        pause = time.perf_counter()
-        snapshots["after_step"] = snapshot()
-        paused += time.perf_counter() - pause
-    optimizer.zero_grad(set_to_none=True)
-    _sync(device)
-    return (time.perf_counter() - start - paused) * 1e3
+    taken = snapshot()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return taken, time.perf_counter() - start
 
 
 def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
-               rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any = None) -> tuple[dict, list, Any]:
+               rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any) -> tuple[dict, list, Any]:
     """``config.steps`` steps on random tokens: the snapshots (set-up, and around the last step's ``step()``),
-    every step's time, the max over ranks (the slowest rank sets the pace of synchronous data parallelism), and the
-    last step's record of collectives (``recorder`` given)."""
+    every step's ms, max over ranks (the slowest rank sets the pace), and the last step's record of collectives
+    (``recorder`` given)."""
     _sync(device)
     snapshots = {"setup": snapshot()}
     generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
     step_ms: list[float] = []
+    record = None
     for step in range(config.steps):
         # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
         tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
+        tokens = tokens.to(device)
         if recorder is not None:
             recorder.open_step(step)
         last = step == config.steps - 1
-        step_ms.append(_train_step(engine, optimizer, tokens.to(device), device, snapshot, snapshots if last else None))
+        _sync(device)
+        start = time.perf_counter()
+        forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
+        paused = 0.0
+        if last:
+            snapshots["before_step"], paused = _paused_snapshot(snapshot, device)
+        optimizer.step()
+        if last:
+            snapshots["after_step"], seconds = _paused_snapshot(snapshot, device)
+            paused += seconds
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        step_ms.append((time.perf_counter() - start - paused) * 1e3)
         record = recorder.finish_step() if recorder is not None else None
     times = torch.tensor(step_ms, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -367,30 +279,36 @@ def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenc
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
+    from lightning_ddp.memory import zero2_gradient_peak_bytes
     from lightning_ddp.sync import Recorder
 
-    if mode == FSDP2:
-        return _measure_fsdp2(config, device, rank)
     model = _fresh_model(config, device)
-    recorder = Recorder(device)  # counts the bytes and calls of every step's collectives
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    num_params = sum(math.prod(s) for s in shapes)
+    world_size = dist.get_world_size()
+    transient = _fsdp2_transient_bytes(model) if mode == FSDP2 else 0
+    # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
+    recorder = None if mode == FSDP2 else Recorder(device)
     engine, optimizer = _build_mode(mode, config, model, recorder)
     snapshots, step_ms, record = _run_steps(engine, optimizer, config, device, rank,
                                             lambda: _snapshot(model, optimizer, device), recorder)
-    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     result = {
         "mode": mode,
         "rank": rank,
         "snapshots": snapshots,
-        "expected": expected_bytes(shapes, dist.get_world_size(), mode, rank),
+        "expected": expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank),
+        "full_parameter_bytes": FP32 * num_params,
         "step_ms": step_ms,
-        "comm_bytes_recorded": record.nbytes,
-        "comm_calls": len(record.collectives),
-        "num_params": sum(math.prod(s) for s in shapes),
+        "comm_bytes_recorded": None if record is None else record.nbytes,
+        "comm_calls": None if record is None else len(record.collectives),
+        "num_params": num_params,
         "num_tensors": len(shapes),
-        "shard_bytes": optimizer.shard_bytes if mode != "unsharded" else None,
+        "shard_bytes": getattr(optimizer, "shard_bytes", None),
+        "expected_transient": transient,
     }
     if mode == "zero2":
-        result["expected_gradient_peak"] = _zero2_gradient_peak(config, shapes, rank)
+        cap = None if config.bucket_size_mb is None else int(config.bucket_size_mb * MiB)
+        result["expected_gradient_peak"] = zero2_gradient_peak_bytes(shapes, world_size, rank, cap)
         # beyond the held shard, during backward: the buckets in flight and the one filling
         result["expected_transient"] = result["expected_gradient_peak"] - result["expected"]["gradients"]
     del engine, optimizer, model
@@ -428,27 +346,19 @@ def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig,
 
 
 def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
+    """What results.json records beside the numbers: the study's provenance, the device, CPUs and backend."""
     cuda = config.accelerator == "cuda" and torch.cuda.is_available()
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu"),
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.version.cuda if cuda else None,
-        "backend": resolved_backend(config),
-        "world_size": config.devices,
-        **git_state(),
-    }
+    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
+    return provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
+                      cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
+                      world_size=config.devices)
 
 
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
-        raise ValueError(
-            f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
-            "lower --devices or use --accelerator cpu"
-        )
+        raise ValueError(f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
+                         "lower --devices or use --accelerator cpu")
     out_dir = Path(config.out_dir)
     # Fresh processes per mode: memory an earlier mode freed may stay with the allocator (glibc keeps freed heap
     # pages), which would show up in the next mode's RSS.
@@ -475,8 +385,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
-    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field); a validation error
-    exits 2 with the message (no traceback)."""
+    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field)."""
     from lightning_ddp.command_line import parse_dataclass
 
     return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")

@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from lightning_ddp.bench.config import strategy_with_memory_model
-from lightning_ddp.bench.stats import Estimate, estimate, interval_text, ratio_estimate, verdict
+from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
 from lightning_ddp.bench.study import markdown_table
 from lightning_ddp.files import write_atomically
 
-__all__ = [
-    "BOOTSTRAP_SAMPLES",
-    "MODE_LABELS",
-    "PLOT_NAME",
-    "POINTS",
-    "STEP_GOAL",
-    "family_summary",
-    "format_report",
-    "sent_bytes_per_rank",
-    "summarise_modes",
-    "write_memory_plot",
-]
+__all__ = ["BOOTSTRAP_SAMPLES", "MODE_LABELS", "PLOT_NAME", "POINTS", "STEP_GOAL", "family_summary", "format_report",
+           "sent_bytes_per_rank", "summarise_modes", "write_memory_plot"]
 
 POINTS: tuple[str, ...] = ("setup", "before_step", "after_step")
 """When snapshots are taken: after model and optimizer set-up; on the last step before and after ``step()``."""
@@ -70,21 +61,14 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
     n = world_size
     all_reduce = 2 * (n - 1) / n * param_bytes
     one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
-    # zero2: the reduce-scatter (in backward) + the all-gather; fsdp2 (reshard after forward): all-gather in forward,
-    # again in backward, reduce-scatter of the gradients
     return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
             "zero2": 2 * one_way, FSDP2: 3 * one_way}[mode]
 
 
-def _peak(snapshots: dict[str, dict[str, Any]]) -> int | None:
-    """A rank's measured peak: the largest ``max_allocated`` (CUDA) or ``max_rss`` (CPU) of its snapshots."""
-    values = [snap.get("max_allocated", snap.get("max_rss")) for snap in snapshots.values()]
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
-
-
-def _estimate_dict(value: Estimate) -> dict[str, float]:
-    return {"point": value.point, "lo": value.lo, "hi": value.hi}
+def _largest(values: Iterable[int | None]) -> int | None:
+    """The largest of the values that are not None (None if none is)."""
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
 
 
 def summarise_modes(
@@ -110,34 +94,27 @@ def summarise_modes(
                 snap = entry["snapshots"][point]
                 for key, value in entry["expected_at"][point].items():
                     matches &= snap[key] == value
-            entry["peak"] = _peak(entry["snapshots"])
+            # the measured peak: the largest max_allocated (CUDA) or max_rss (CPU) of the snapshots
+            entry["peak"] = _largest(snap.get("max_allocated", snap.get("max_rss"))
+                                     for snap in entry["snapshots"].values())
             entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
-        measured = ranks[0]["step_ms"][warmup_steps:]  # max over ranks already; the warm-up left out
-        step = estimate([measured], BOOTSTRAP_SAMPLES, seed, key=mode)
-        summaries.append(
-            {
-                "mode": mode,
-                "ranks": ranks,
-                "warmup_steps": warmup_steps,
-                "step_ms_median": step.point,
-                "step_ms": _estimate_dict(step),
-                "matches_expected": matches,
-                "sent_bytes_per_rank": sent_bytes_per_rank(
-                    ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"]), world_size, mode),
-            }
-        )
+        summary = {"mode": mode, "ranks": ranks, "warmup_steps": warmup_steps}
+        step = estimate([_measured_steps(summary)], BOOTSTRAP_SAMPLES, seed, key=mode)
+        full_parameters = ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"])
+        summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
+                          "matches_expected": matches,
+                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, world_size, mode)})
     return summaries
 
 
 def _most_loaded(mode: dict[str, Any], key: str) -> int | None:
     """The largest of ``key`` over the mode's ranks (a snapshot category at ``before_step``, or a rank's entry)."""
-    values = [r["snapshots"]["before_step"][key] if key in r["snapshots"]["before_step"] else r.get(key)
-              for r in mode["ranks"]]
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
+    return _largest(r["snapshots"]["before_step"][key] if key in r["snapshots"]["before_step"] else r.get(key)
+                    for r in mode["ranks"])
 
 
 def _measured_steps(mode: dict[str, Any]) -> list[float]:
+    """Rank 0's step times (already the max over ranks) after the warm-up."""
     return mode["ranks"][0]["step_ms"][mode.get("warmup_steps", 1):]
 
 
@@ -158,7 +135,7 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
         if ZERO1 in modes:
             ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], BOOTSTRAP_SAMPLES,
                                    seed, keys=(name, ZERO1))
-            row["step_ratio_to_zero1"] = _estimate_dict(ratio)
+            row["step_ratio_to_zero1"] = asdict(ratio)
         rows.append(row)
     return {"rows": rows, "goals": _goals(config, modes, {row["mode"]: row for row in rows})}
 
@@ -183,6 +160,10 @@ def _goals(config: dict[str, Any], modes: dict[str, dict[str, Any]],
         ratio = rows["zero2"]["step_ratio_to_zero1"]
         step.update(ratio=ratio, target=STEP_GOAL, verdict=verdict((ratio["lo"], ratio["hi"]), STEP_GOAL))
     return [gradients, step]
+
+
+def _tensors(snapshot: dict[str, Any]) -> int:
+    return snapshot["parameters"] + snapshot["gradients"] + snapshot["optimizer_state"]
 
 
 def _mib(value: int | float | None) -> str:
@@ -258,11 +239,10 @@ def _rank_lines(results: dict[str, Any]) -> list[str]:
     for mode in results["modes"]:
         for per_rank in mode["ranks"]:
             before = per_rank["snapshots"]["before_step"]
-            tensors = before["parameters"] + before["gradients"] + before["optimizer_state"]
             rows.append([mode["mode"], per_rank["rank"],
                          f"{_mib(before['optimizer_state'])} ({_mib(per_rank['expected']['optimizer_state'])})",
-                         _mib(tensors), f"{mode['step_ms_median']:,.1f}", _mib(per_rank["comm_bytes_recorded"]),
-                         _mib(mode["sent_bytes_per_rank"])])
+                         _mib(_tensors(before)), f"{mode['step_ms_median']:,.1f}",
+                         _mib(per_rank["comm_bytes_recorded"]), _mib(mode["sent_bytes_per_rank"])])
     header = ["mode", "rank", "optimizer state MiB (expected)", "tensors before step MiB",
               "step ms (median, max over ranks)", "recorded comm MiB/step", "sent per rank MiB/step (ring model)"]
     return ["## Every rank", "", *markdown_table(header, rows)]
@@ -276,9 +256,8 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
     for per_rank in mode["ranks"]:
         for point in POINTS:
             snap = per_rank["snapshots"][point]
-            tensors = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
             rows.append([per_rank["rank"], point, _mib(snap["parameters"]), _mib(snap["gradients"]),
-                         _mib(snap["optimizer_state"]), _mib(tensors),
+                         _mib(snap["optimizer_state"]), _mib(_tensors(snap)),
                          _mib(sum(per_rank["expected_at"][point].values())), *(_mib(snap[k]) for k in memory)])
     header = ["rank", "point", "parameters", "gradients", "optimizer state", "tensors", "expected",
               *(["allocated", "max allocated", "reserved", "max reserved", "rest"] if cuda else ["RSS", "rest"])]

@@ -69,8 +69,7 @@ class StragglerBenchConfig:
     report_only: bool = False
     """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
     out_dir: str = "logs/straggler"
-    """Where results.csv, steps.csv, results.md and environment.json go (logs/ is git-ignored; the committed results
-    are regenerated on purpose with ``--out_dir benchmarks/results/straggler``)."""
+    """Where results.csv, steps.csv, results.md and environment.json go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
         if not self.strategies:
@@ -190,28 +189,21 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
     return "\n".join(lines)
 
 
-def _summary_rows(config: StragglerBenchConfig, runs: dict[tuple[str, float], list]) -> list[dict[str, Any]]:
-    """The results.csv rows, per strategy delay 0 first: the control every other delay is compared with."""
+def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
+    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv rows,
+    per strategy delay 0 first: the control every other delay is compared with."""
+    delays = sorted(set(config.delays_ms))
+    cells = {f"{strategy}, delay {delay:g} ms": _fit_arguments(config, strategy, delay)
+             for strategy in config.strategies for delay in delays}
+    measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
+    runs = {(strategy, delay): measured[f"{strategy}, delay {delay:g} ms"]
+            for strategy in config.strategies for delay in delays}
     rows = []
     for strategy in config.strategies:
         control = None
-        for delay in sorted(set(config.delays_ms)):
-            row = summarize_cell(config, strategy, delay, runs[(strategy, delay)], control)
-            control = row if delay == 0 else control
-            rows.append(row)
-    return rows
-
-
-def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
-    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv
-    rows."""
-    cells = {(strategy, delay): _fit_arguments(config, strategy, delay)
-             for strategy in config.strategies for delay in sorted(set(config.delays_ms))}
-    names = {key: f"{key[0]}, delay {key[1]:g} ms" for key in cells}
-    measured = run_study({names[key]: arguments for key, arguments in cells.items()}, config.repeats, step_rows,
-                         timeout_s=config.timeout_s)
-    runs = {key: measured[names[key]] for key in cells}
-    rows = _summary_rows(config, runs)
+        for delay in delays:
+            rows.append(summarize_cell(config, strategy, delay, runs[(strategy, delay)], control))
+            control = rows[-1] if delay == 0 else control
     step_table = [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row}
                   for (strategy, delay), repeats in runs.items() for repeat, steps in enumerate(repeats)
                   for row in steps]

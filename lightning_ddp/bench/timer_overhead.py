@@ -33,7 +33,7 @@ class StepWallTimes(Callback):
         self._last: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        now = time.perf_counter()  # no synchronize here: see the module docstring
+        now = time.perf_counter()  # no synchronize here: see docs/benchmarks.md, "Timer overhead"
         if self._last is not None:
             self.times_ms.append((now - self._last) * 1e3)
         else:
@@ -93,10 +93,9 @@ GOAL = 0.02
 
 
 def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]], samples: int = 2000) -> dict:
-    """Per arm other than ``off``, from each arm's steps per repeat: ``median(arm) / median(off) - 1`` (pooled
-    medians) with a 95 % interval from the two-level bootstrap of ``lightning_ddp.bench.stats`` (repeats, then
-    steps), its verdict against the 2 % goal, and the same ratio of the whole runs' mean steps (``windows``, no
-    interval), under ``arms``; the ``every step`` arm's also at the top level (``overhead``, ...)."""
+    """Per arm other than ``off`` (under ``arms``; the ``every step`` arm's also at the top level): its overhead
+    ``median(arm) / median(off) - 1`` with a 95 % interval and its verdict against the 2 % goal, and the same ratio
+    of the whole runs' mean steps (``windows``, no interval)."""
     off = pooled_median(runs["off"])
     mean_off = statistics.mean(windows["off"])
     per_arm: dict[str, dict] = {"off": {"median_step_ms": off, "window_mean_step_ms": mean_off,
@@ -139,12 +138,11 @@ def format_table(result: dict) -> str:
 def summary_line(result: dict) -> str:
     """One line: the every-step arm's overhead with its interval and verdict, and over whole runs."""
     return (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
-            f"{result['overhead_lo'] * 100:+.2f}, "
-            f"{result['overhead_hi'] * 100:+.2f}] (median step {result['median_step_ms_timer_off']:.1f} ms "
-            f"off, {result['median_step_ms_timer_on']:.1f} ms on; goal < {GOAL:.0%}: {result['verdict']}); over "
-            "whole runs "
-            f"{result['window_overhead'] * 100:+.2f} % ({result['window_mean_step_ms_timer_off']:.1f} vs "
-            f"{result['window_mean_step_ms_timer_on']:.1f} ms mean step)")
+            f"{result['overhead_lo'] * 100:+.2f}, {result['overhead_hi'] * 100:+.2f}] (median step "
+            f"{result['median_step_ms_timer_off']:.1f} ms off, {result['median_step_ms_timer_on']:.1f} ms on; goal < "
+            f"{GOAL:.0%}: {result['verdict']}); over whole runs {result['window_overhead'] * 100:+.2f} % "
+            f"({result['window_mean_step_ms_timer_off']:.1f} vs {result['window_mean_step_ms_timer_on']:.1f} ms mean "
+            "step)")
 
 
 def write_report(out: Path, result: dict) -> None:
