@@ -294,10 +294,11 @@ def _builds(lightning_class: str, class_path: object) -> bool:
     return isinstance(class_path, str) and class_path.rpartition(".")[2] == name and class_path.startswith(package)
 
 
-def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] | None:
-    """(catalogue name, bucket_size_mb, state sharded over an all-reducing engine), or None if not modelled."""
+def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | None] | None:
+    """(catalogue name, bucket_size_mb, the entry that shards the state over an all-reducing engine, if any), or
+    None if not modelled."""
     if isinstance(strategy, str):
-        return strategy, None, False
+        return strategy, None, None
     class_path = _field(strategy, "class_path")
     init_args = _field(strategy, "init_args")
     bucket = _field(init_args, "bucket_size_mb")
@@ -306,12 +307,12 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] |
         return None
     entry = entries[0]
     if entry.is_engine:
-        return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, False
+        return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
     schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
     if schedule is not None and schedule != entry.init_args.get("schedule"):
         # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.
-        return str(_field(init_args, "grad_sync", catalogue.DEFAULT_ENGINE)), bucket, True
-    return entry.name, bucket, False
+        return str(_field(init_args, "grad_sync", catalogue.DEFAULT_ENGINE)), bucket, entry.name
+    return entry.name, bucket, None
 
 
 def _device_count(accelerator: object, devices: object, on_cuda: bool) -> int | None:
@@ -354,7 +355,8 @@ class _Preflight:
     local: int
     world_size: int
     strategy: str
-    shard_state: bool
+    sharded_by: str | None
+    """The catalogue entry that shards the optimizer state over ``strategy``'s engine (ZeRO-1 allreduce_broadcast)."""
     kwargs: dict[str, Any]
 
     def gpt(self, preset: str | None = None) -> Any:
@@ -364,15 +366,10 @@ class _Preflight:
                           tie_embeddings=model.tie_embeddings)
 
     def estimate(self, preset: str | None = None, batch_size: int | None = None, **overrides: Any) -> MemoryEstimate:
-        gpt, args = self.gpt(preset), {**self.kwargs, **overrides}
+        args = {**self.kwargs, **overrides}
         batch_size = self.config.data.batch_size if batch_size is None else batch_size
-        result = estimate_rank_memory(gpt, batch_size=batch_size, **args)
-        if self.shard_state and args["strategy"] == self.strategy:  # ZeRO-1 allreduce_broadcast: sharded state
-            zero1 = next(entry.name for entry in catalogue.STRATEGIES.values() if entry.memory == "zero1")
-            sharded = estimate_rank_memory(gpt, batch_size=batch_size, **{**args, "strategy": zero1})
-            parts = {**result.parts, "optimizer_state": sharded.parts["optimizer_state"]}
-            result = MemoryEstimate(parts=parts, phases=result.phases, description=result.description)
-        return result
+        sharded = self.sharded_by is not None and args["strategy"] == self.strategy
+        return estimate_rank_memory(self.gpt(preset), batch_size=batch_size, shard_optimizer_state=sharded, **args)
 
 
 def _preflight(config) -> _Preflight | None:
@@ -385,11 +382,11 @@ def _preflight(config) -> _Preflight | None:
     resolved = _strategy_for_estimate(trainer.strategy)
     if local is None or resolved is None:
         return None
-    strategy, bucket_size_mb, shard_state = resolved
+    strategy, bucket_size_mb, sharded_by = resolved
     world_size = local * int(_field(trainer, "num_nodes", 1) or 1)
     kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
                   bucket_size_mb=bucket_size_mb, device_type=device_type)
-    return _Preflight(config, device_type, local, world_size, strategy, shard_state, kwargs)
+    return _Preflight(config, device_type, local, world_size, strategy, sharded_by, kwargs)
 
 
 def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list[str]:
@@ -410,7 +407,7 @@ def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list
         candidates.append(("--trainer.precision bf16-mixed", run.estimate(precision="bf16-mixed")))
     # Each sharding of the catalogue, with what it would make fit.
     for entry in catalogue.STRATEGIES.values() if run.world_size > 1 else ():
-        if entry.sharded and entry.name != run.strategy and not (run.shard_state and entry.memory == "zero1"):
+        if entry.sharded and entry.name not in (run.strategy, run.sharded_by):
             candidates.append((f"--trainer.strategy {entry.name}", run.estimate(strategy=entry.name,
                                                                                  bucket_size_mb=None)))
     smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
