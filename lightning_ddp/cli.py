@@ -70,12 +70,6 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 SUBCOMMANDS = ("fit", "validate", "test")
 
 
-def _quiet_evaluation() -> None:
-    # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to a
-    # resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
-    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
-
-
 class UsageError(SystemExit):
     """A refused input: exit code 2 and no traceback, the message already printed as one ``error:`` line."""
 
@@ -190,21 +184,21 @@ class LightningDDPCLI(LightningCLI):
 
     @override
     def before_validate(self) -> None:
-        self._require_split("validate")
-        _quiet_evaluation()
+        self._before_evaluation("validate")
 
     @override
     def before_test(self) -> None:
-        self._require_split("test")
-        _quiet_evaluation()
+        self._before_evaluation("test")
 
-    def _require_split(self, stage: str) -> None:
+    def _before_evaluation(self, stage: str) -> None:
         # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
         try:
             self.datamodule.check_has_split(stage)
         except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
+            refuse(str(error))
+        # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to
+        # a resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
+        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -455,10 +449,8 @@ def check_subcommand(args: list[str] | None) -> None:
     why = ""
     if first[0] == "predict":
         why = " (a language model's predictions need a sampling loop this toolkit does not have)"
-    print(f"error: `{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: "
-          f"{', '.join(SUBCOMMANDS)}; e.g. python -m lightning_ddp validate --config configs/quickstart.yaml",
-          file=sys.stderr)
-    raise SystemExit(2)
+    refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: {', '.join(SUBCOMMANDS)}; "
+           "e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
 
 
 def main(args: list[str] | None = None) -> LightningDDPCLI:

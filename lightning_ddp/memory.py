@@ -26,7 +26,6 @@ __all__ = [
     "CUDA_OVERHEAD_BYTES",
     "MemoryEstimate",
     "MemoryPreflightError",
-    "PARTS",
     "activation_bytes_per_token",
     "check_fits",
     "estimate_rank_memory",
@@ -43,18 +42,6 @@ GiB = 2**30
 FP32 = 4
 ADAM_STATE_BYTES_PER_PARAM = 2 * FP32  # exp_avg and exp_avg_sq, in the parameter's dtype (fp32 here)
 ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter (fp32 on the CPU unless capturable/fused)
-
-PARTS: tuple[str, ...] = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "bucket_buffers",
-    "regrown_gradients",
-    "low_precision_weights",
-    "activations",
-    "overhead",
-)
-"""The categories of ``MemoryEstimate.parts``, in table order."""
 
 CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
 """Fixed per-rank cost on CUDA that no tensor accounts for (``docs/memory.md``, "Overhead")."""
@@ -265,10 +252,11 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> in
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank needs for a training step, by category (``PARTS``), and its peak."""
+    """Bytes one rank needs for a training step, by category, and its peak."""
 
     parts: dict[str, int]
-    """Bytes per category of ``PARTS``."""
+    """Bytes per category, in table order: parameters, gradients, optimizer_state, bucket_buffers,
+    regrown_gradients, low_precision_weights, activations, overhead."""
     phases: tuple[tuple[str, ...], ...] = ()
     """Groups of parts that do not live at the same time; the peak holds the largest group plus every part in no
     group. Empty: every part at once."""
