@@ -248,11 +248,10 @@ def check_cpu_devices(accelerator: object, devices: object) -> None:
     """On CPU each device is a process: more processes than cores only thrash (or hang waiting for a core)."""
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     cores = os.cpu_count() or 1
-    if isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    if on_cpu and isinstance(devices, int) and devices > cores:
+    count = _device_count(devices, on_cuda=False) if on_cpu else None
+    if count is not None and count > cores:
         raise ValueError(
-            f"--trainer.devices {devices} asks for {devices} CPU processes, but this machine has {cores} CPU cores; "
+            f"--trainer.devices {devices} asks for {count} CPU processes, but this machine has {cores} CPU cores; "
             f"set --trainer.devices to at most {cores}."
         )
 
@@ -296,10 +295,9 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | N
     class_path = _field(strategy, "class_path")
     init_args = _field(strategy, "init_args")
     bucket = _field(init_args, "bucket_size_mb")
-    entries = [entry for entry in catalogue.STRATEGIES.values() if _builds(entry.lightning_class, class_path)]
-    if not entries:
+    entry = next((e for e in catalogue.STRATEGIES.values() if _builds(e.lightning_class, class_path)), None)
+    if entry is None:
         return None
-    entry = entries[0]
     if entry.is_engine:
         return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
     schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
@@ -309,7 +307,7 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | N
     return entry.name, bucket, None
 
 
-def _device_count(accelerator: object, devices: object, on_cuda: bool) -> int | None:
+def _device_count(devices: object, on_cuda: bool) -> int | None:
     """Ranks on this host: Lightning's ``devices`` as a count (``auto``: 1 CPU process, or every visible GPU)."""
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
         devices = int(devices)
@@ -372,7 +370,7 @@ def _preflight(config) -> _Preflight | None:
     device_type = _device_type(trainer.accelerator)
     if device_type is None:
         return None
-    local = _device_count(trainer.accelerator, trainer.devices, device_type == "cuda")
+    local = _device_count(trainer.devices, device_type == "cuda")
     resolved = _strategy_for_estimate(trainer.strategy)
     if local is None or resolved is None:
         return None
