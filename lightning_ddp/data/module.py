@@ -28,11 +28,6 @@ __all__ = ["DEFAULT_VOCAB_SIZE", "GENERATED_SOURCES", "LMDataModule"]
 GENERATED_SOURCES = ("synthetic", "markov")
 #: Vocabulary of ``synthetic``, ``markov`` and ``tokens`` when ``--data.vocab_size`` is not given.
 DEFAULT_VOCAB_SIZE = 10_000
-#: What each evaluation split is called on the command line (``validate`` reads ``val``, ``test`` reads ``test``).
-_SPLIT_FLAGS = {
-    "val": ("--data.val_samples", "--data.val_fraction", "--data.val_path"),
-    "test": ("--data.test_samples", "--data.test_fraction", "--data.test_path"),
-}
 #: The held-out splits each Lightning stage reads (``None``: the caller may run any of them).
 _STAGE_SPLITS = {"fit": ("val",), "validate": ("val",), "test": ("test",), None: ("val", "test")}
 
@@ -193,22 +188,20 @@ class LMDataModule(LightningDataModule):
     def _build_datasets(self) -> None:
         # Done at construction, before the Trainer starts: a bad file then fails before any process is launched
         # or any log file is created. Memory-mapped files cost nothing to open; only the id scan reads them.
+        if self.source not in GENERATED_SOURCES:
+            self.train_dataset, self.val_dataset, self.test_dataset = self._file_splits(self._open_file(self.path))
+            return
         if self.source == "synthetic":
             train = SyntheticTokens(self.num_samples, self.seq_len, self.vocab_size, self.seed)
-        elif self.source == "markov":
+        else:
             train = MarkovTokens(
                 self.num_samples, self.seq_len, self.vocab_size, self.seed, successors=self.markov_successors
             )
-        else:
-            self.train_dataset, self.val_dataset, self.test_dataset = self._file_splits(self._open_file(self.path))
-            return
-        # Generated: each held-out split is its own stream of the same seed (the same Markov chain), so it does not
-        # change with --data.num_samples and never repeats a training sample.
+        # Each held-out split is its own stream of the same seed (the same Markov chain), so it does not change with
+        # --data.num_samples and never repeats a training sample.
         self.train_dataset = train
-        if self.val_samples > 0:
-            self.val_dataset = train.held_out("val", self.val_samples)
-        if self.test_samples > 0:
-            self.test_dataset = train.held_out("test", self.test_samples)
+        self.val_dataset = train.held_out("val", self.val_samples) if self.val_samples > 0 else None
+        self.test_dataset = train.held_out("test", self.test_samples) if self.test_samples > 0 else None
 
     def _open_file(self, path: str) -> TokenFile:
         if self.source == "text":
@@ -254,7 +247,7 @@ class LMDataModule(LightningDataModule):
         split = _STAGE_SPLITS[stage][0]
         if getattr(self, f"{split}_dataset") is not None:
             return
-        samples, fraction, path = _SPLIT_FLAGS[split]
+        samples, fraction, path = _split_flags(split)
         if self.source in GENERATED_SOURCES:
             fix = f"set {samples} above 0"
         else:
@@ -266,7 +259,7 @@ class LMDataModule(LightningDataModule):
         dataset = getattr(self, f"{split}_dataset")
         world_size, _ = self._world()
         if dataset is not None and len(dataset) < world_size:
-            samples, fraction, path = _SPLIT_FLAGS[split]
+            samples, fraction, path = _split_flags(split)
             if self.source in GENERATED_SOURCES:
                 fix = f"raise {samples} to at least {world_size}"
             elif getattr(self, f"{split}_path") is not None:
@@ -347,3 +340,8 @@ class LMDataModule(LightningDataModule):
         # would pad the shards by repeating samples). A DistributedSampler, so Lightning keeps it.
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
         return self._loader(dataset, sampler)
+
+
+def _split_flags(split: str) -> tuple[str, ...]:
+    """The flags of the held-out ``split``: its samples (generated sources), fraction and path (files)."""
+    return tuple(f"--data.{split}_{kind}" for kind in ("samples", "fraction", "path"))
