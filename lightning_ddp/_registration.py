@@ -7,7 +7,6 @@ hook on ``sys.meta_path``. A failure to register is a warning, never an error in
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
@@ -50,33 +49,14 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                     break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
+        exec_module = spec.loader.exec_module
 
         def exec_then_register(module: ModuleType) -> None:
             exec_module(module)
             _register()
 
-        spec.loader = _Delegating(loader, exec_then_register)
+        spec.loader.exec_module = exec_then_register  # this module's own loader object: no other module runs it
         return spec
-
-
-class _Delegating(importlib.abc.Loader):
-    """``loader`` with its ``exec_module`` replaced; everything else (``get_resource_reader``, ...) is the loader's."""
-
-    def __init__(self, loader: Any, exec_module: Any) -> None:
-        self._loader = loader
-        self._exec_module = exec_module
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__loader__ = self._loader  # the module sees its real loader, as if we were never there
-        self._exec_module(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
 
 
 def register_with_lightning() -> None:

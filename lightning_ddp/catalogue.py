@@ -119,7 +119,8 @@ class Entry:
         """``settings`` with the defaults filled in; raises on unknown or missing names and refused values."""
         settings = {} if settings is None else settings
         if not isinstance(settings, Mapping) or not all(isinstance(name, str) for name in settings):
-            example = ", ".join(f"{k}: {_show(v)}" for k, v in self.settings().items()) or "name: value"
+            example = ", ".join(f"{k}: {'<required>' if v is REQUIRED else repr(v)}"
+                                for k, v in self.settings().items()) or "name: value"
             raise TypeError(f"the engine settings of {self.name!r} must be a mapping of setting names to values, "
                             f"got {settings!r}; e.g. {{{example}}}.")
         known = self.settings()
@@ -191,10 +192,6 @@ def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
         return inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a C callable without a signature: no settings we can know
         return {}
-
-
-def _show(value: Any) -> str:
-    return "<required>" if value is REQUIRED else repr(value)
 
 
 STRATEGIES: dict[str, Entry] = {}

@@ -70,12 +70,6 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 SUBCOMMANDS = ("fit", "validate", "test")
 
 
-def _quiet_evaluation() -> None:
-    # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to a
-    # resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
-    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
-
-
 class UsageError(SystemExit):
     """A refused input: exit code 2 and no traceback, the message already printed as one ``error:`` line."""
 
@@ -190,21 +184,21 @@ class LightningDDPCLI(LightningCLI):
 
     @override
     def before_validate(self) -> None:
-        self._require_split("validate")
-        _quiet_evaluation()
+        self._before_evaluation("validate")
 
     @override
     def before_test(self) -> None:
-        self._require_split("test")
-        _quiet_evaluation()
+        self._before_evaluation("test")
 
-    def _require_split(self, stage: str) -> None:
+    def _before_evaluation(self, stage: str) -> None:
         # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
         try:
             self.datamodule.check_has_split(stage)
         except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
+            refuse(str(error))
+        # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to
+        # a resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
+        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -254,11 +248,10 @@ def check_cpu_devices(accelerator: object, devices: object) -> None:
     """On CPU each device is a process: more processes than cores only thrash (or hang waiting for a core)."""
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     cores = os.cpu_count() or 1
-    if isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    if on_cpu and isinstance(devices, int) and devices > cores:
+    count = _device_count(devices, on_cuda=False) if on_cpu else None
+    if count is not None and count > cores:
         raise ValueError(
-            f"--trainer.devices {devices} asks for {devices} CPU processes, but this machine has {cores} CPU cores; "
+            f"--trainer.devices {devices} asks for {count} CPU processes, but this machine has {cores} CPU cores; "
             f"set --trainer.devices to at most {cores}."
         )
 
@@ -294,27 +287,27 @@ def _builds(lightning_class: str, class_path: object) -> bool:
     return isinstance(class_path, str) and class_path.rpartition(".")[2] == name and class_path.startswith(package)
 
 
-def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, bool] | None:
-    """(catalogue name, bucket_size_mb, state sharded over an all-reducing engine), or None if not modelled."""
+def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | None] | None:
+    """(catalogue name, bucket_size_mb, the entry that shards the state over an all-reducing engine, if any), or
+    None if not modelled."""
     if isinstance(strategy, str):
-        return strategy, None, False
+        return strategy, None, None
     class_path = _field(strategy, "class_path")
     init_args = _field(strategy, "init_args")
     bucket = _field(init_args, "bucket_size_mb")
-    entries = [entry for entry in catalogue.STRATEGIES.values() if _builds(entry.lightning_class, class_path)]
-    if not entries:
+    entry = next((e for e in catalogue.STRATEGIES.values() if _builds(e.lightning_class, class_path)), None)
+    if entry is None:
         return None
-    entry = entries[0]
     if entry.is_engine:
-        return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, False
+        return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
     schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
     if schedule is not None and schedule != entry.init_args.get("schedule"):
         # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.
-        return str(_field(init_args, "grad_sync", catalogue.DEFAULT_ENGINE)), bucket, True
-    return entry.name, bucket, False
+        return str(_field(init_args, "grad_sync", catalogue.DEFAULT_ENGINE)), bucket, entry.name
+    return entry.name, bucket, None
 
 
-def _device_count(accelerator: object, devices: object, on_cuda: bool) -> int | None:
+def _device_count(devices: object, on_cuda: bool) -> int | None:
     """Ranks on this host: Lightning's ``devices`` as a count (``auto``: 1 CPU process, or every visible GPU)."""
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
         devices = int(devices)
@@ -354,7 +347,8 @@ class _Preflight:
     local: int
     world_size: int
     strategy: str
-    shard_state: bool
+    sharded_by: str | None
+    """The catalogue entry that shards the optimizer state over ``strategy``'s engine (ZeRO-1 allreduce_broadcast)."""
     kwargs: dict[str, Any]
 
     def gpt(self, preset: str | None = None) -> Any:
@@ -364,15 +358,10 @@ class _Preflight:
                           tie_embeddings=model.tie_embeddings)
 
     def estimate(self, preset: str | None = None, batch_size: int | None = None, **overrides: Any) -> MemoryEstimate:
-        gpt, args = self.gpt(preset), {**self.kwargs, **overrides}
+        args = {**self.kwargs, **overrides}
         batch_size = self.config.data.batch_size if batch_size is None else batch_size
-        result = estimate_rank_memory(gpt, batch_size=batch_size, **args)
-        if self.shard_state and args["strategy"] == self.strategy:  # ZeRO-1 allreduce_broadcast: sharded state
-            zero1 = next(entry.name for entry in catalogue.STRATEGIES.values() if entry.memory == "zero1")
-            sharded = estimate_rank_memory(gpt, batch_size=batch_size, **{**args, "strategy": zero1})
-            parts = {**result.parts, "optimizer_state": sharded.parts["optimizer_state"]}
-            result = MemoryEstimate(parts=parts, phases=result.phases, description=result.description)
-        return result
+        sharded = self.sharded_by is not None and args["strategy"] == self.strategy
+        return estimate_rank_memory(self.gpt(preset), batch_size=batch_size, shard_optimizer_state=sharded, **args)
 
 
 def _preflight(config) -> _Preflight | None:
@@ -381,15 +370,15 @@ def _preflight(config) -> _Preflight | None:
     device_type = _device_type(trainer.accelerator)
     if device_type is None:
         return None
-    local = _device_count(trainer.accelerator, trainer.devices, device_type == "cuda")
+    local = _device_count(trainer.devices, device_type == "cuda")
     resolved = _strategy_for_estimate(trainer.strategy)
     if local is None or resolved is None:
         return None
-    strategy, bucket_size_mb, shard_state = resolved
+    strategy, bucket_size_mb, sharded_by = resolved
     world_size = local * int(_field(trainer, "num_nodes", 1) or 1)
     kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
                   bucket_size_mb=bucket_size_mb, device_type=device_type)
-    return _Preflight(config, device_type, local, world_size, strategy, shard_state, kwargs)
+    return _Preflight(config, device_type, local, world_size, strategy, sharded_by, kwargs)
 
 
 def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list[str]:
@@ -410,7 +399,7 @@ def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list
         candidates.append(("--trainer.precision bf16-mixed", run.estimate(precision="bf16-mixed")))
     # Each sharding of the catalogue, with what it would make fit.
     for entry in catalogue.STRATEGIES.values() if run.world_size > 1 else ():
-        if entry.sharded and entry.name != run.strategy and not (run.shard_state and entry.memory == "zero1"):
+        if entry.sharded and entry.name not in (run.strategy, run.sharded_by):
             candidates.append((f"--trainer.strategy {entry.name}", run.estimate(strategy=entry.name,
                                                                                  bucket_size_mb=None)))
     smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
@@ -458,10 +447,8 @@ def check_subcommand(args: list[str] | None) -> None:
     why = ""
     if first[0] == "predict":
         why = " (a language model's predictions need a sampling loop this toolkit does not have)"
-    print(f"error: `{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: "
-          f"{', '.join(SUBCOMMANDS)}; e.g. python -m lightning_ddp validate --config configs/quickstart.yaml",
-          file=sys.stderr)
-    raise SystemExit(2)
+    refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: {', '.join(SUBCOMMANDS)}; "
+           "e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
 
 
 def main(args: list[str] | None = None) -> LightningDDPCLI:

@@ -52,10 +52,6 @@ class DeviceSpec:
     """SMs of the full (non-MIG) product."""
     source: str
 
-    def peak_flops(self, dtype: str) -> float | None:
-        tflops = self.dense_tflops.get(dtype)
-        return None if tflops is None else tflops * 1e12
-
 
 def _peaks(fp32: float, tf32: float, bf16: float, fp16: float | None = None) -> dict[str, float]:
     return {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16 if fp16 is None else fp16}
@@ -159,8 +155,8 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
     if device_name.lower() == "cpu":
         return CPU_FP32_TFLOPS_PER_CORE * 1e12 * threads if dtype == "fp32" else None
     spec = find_device(device_name)
-    peak = None if spec is None else spec.peak_flops(dtype)
-    return None if peak is None else peak * compute_share(device_name, sm_count)
+    tflops = None if spec is None else spec.dense_tflops.get(dtype)
+    return None if tflops is None else tflops * 1e12 * compute_share(device_name, sm_count)
 
 
 def job_peak_flops(per_rank: list[tuple[object, float | None]]) -> float | None:

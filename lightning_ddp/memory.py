@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
 
 from lightning_ddp import catalogue
+from lightning_ddp.catalogue import BucketSize
 from lightning_ddp.model_shapes import gpt_parameter_shapes
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 
@@ -25,7 +26,6 @@ __all__ = [
     "CUDA_OVERHEAD_BYTES",
     "MemoryEstimate",
     "MemoryPreflightError",
-    "PARTS",
     "activation_bytes_per_token",
     "check_fits",
     "estimate_rank_memory",
@@ -33,7 +33,6 @@ __all__ = [
     "largest_batch",
     "memory_budget_bytes",
     "normalize_precision",
-    "parameter_shapes",
     "print_estimate",
     "saved_tensor_bytes",
 ]
@@ -43,18 +42,6 @@ GiB = 2**30
 FP32 = 4
 ADAM_STATE_BYTES_PER_PARAM = 2 * FP32  # exp_avg and exp_avg_sq, in the parameter's dtype (fp32 here)
 ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter (fp32 on the CPU unless capturable/fused)
-
-PARTS: tuple[str, ...] = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "bucket_buffers",
-    "regrown_gradients",
-    "low_precision_weights",
-    "activations",
-    "overhead",
-)
-"""The categories of ``MemoryEstimate.parts``, in table order."""
 
 CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
 """Fixed per-rank cost on CUDA that no tensor accounts for (``docs/memory.md``, "Overhead")."""
@@ -107,17 +94,6 @@ def normalize_precision(precision: object) -> str:
 
 
 # ---- shapes and the analytic expectation -------------------------------------------------------------------
-
-
-def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
-    """Shapes of ``GPT(config).parameters()``, in order, without building the model (tied tables once).
-
-    >>> from lightning_ddp.model import get_config
-    >>> shapes = parameter_shapes(get_config("xl"))
-    >>> len(shapes), sum(math.prod(s) for s in shapes)  # T tensors, Ψ scalars
-    (435, 1998235200)
-    """
-    return list(gpt_parameter_shapes(config).values())
 
 
 def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int) -> dict[str, int]:
@@ -194,29 +170,34 @@ class _Buffers:
     """``none``, ``full`` (one buffer the size of all gradients), ``bucketed``, ``zero2`` or ``fully_sharded``."""
     persistent: bool
     """Kept across steps."""
-    cap_bytes: int | None = None
-    """The bucket cap (None: one bucket)."""
     sharded_state: bool = False
     """The optimizer state is split over the ranks."""
+    cap_bytes: int | None = None
+    """The bucket cap (None: one bucket)."""
 
+
+# The buffers of each memory model of the catalogue (``Entry.memory``); the bucket cap is the strategy's.
+_MEMORY_MODELS: dict[str, _Buffers] = {
+    "none": _Buffers("none", False),
+    "per_tensor": _Buffers("bucketed", True),  # one tensor per bucket (sync/overlap.py): a cap of 1 byte
+    "packed": _Buffers("full", False),  # one packed buffer during the sync
+    "bucketed": _Buffers("bucketed", True),
+    "full_buckets": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
+    "zero1": _Buffers("full", False, sharded_state=True),  # step() packs the gradients to reduce-scatter them
+    "zero2": _Buffers("zero2", False, sharded_state=True),
+    "fully_sharded": _Buffers("fully_sharded", True, sharded_state=True),  # gathered: fsdp2_gathered_bytes
+}
 
 _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
 
 
-def _bucket_cap(bucket_size_mb: Any, bucket_given: bool, default: Any) -> int | None:
-    size = bucket_size_mb if bucket_given else default
-    if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
-        size = 25.0
-    return None if size is None else int(float(size) * MiB)
-
-
-def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | None, bucket_given: bool) -> _Buffers:
-    """The communication buffers of ``strategy``, from its catalogue entry's memory model."""
+def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> _Buffers:
+    """The communication buffers of ``strategy`` (``bucket_size_mb`` None: its default), from its catalogue entry."""
     name = strategy
     if name == "auto":
         name = "ddp" if world_size > 1 else "single"
     if name == "single" or name.startswith("single_device"):
-        return _Buffers("none", False)
+        return _MEMORY_MODELS["none"]
     if name in _TORCH_DDP_NAMES or name.startswith("ddp_find_unused_parameters"):
         name = "ddp"
     if name not in catalogue.STRATEGIES:
@@ -225,19 +206,11 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: float | No
             "(--trainer.strategy), or skip the check with --preflight false."
         )
     entry = catalogue.get(name)
-    cap = _bucket_cap(bucket_size_mb, bucket_given, entry.default_bucket_size_mb)
-    models = {
-        "none": _Buffers("none", False),
-        "per_tensor": _Buffers("bucketed", True, cap_bytes=1),  # one tensor per bucket (sync/overlap.py)
-        "packed": _Buffers("full", False),  # one packed buffer during the sync
-        "bucketed": _Buffers("bucketed", True, cap_bytes=cap),
-        "full_buckets": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
-        "zero1": _Buffers("full", False, sharded_state=True),  # step() packs the gradients to reduce-scatter them
-        "zero2": _Buffers("zero2", False, cap_bytes=cap, sharded_state=True),
-        # the gathered groups are fsdp2_gathered_bytes
-        "fully_sharded": _Buffers("fully_sharded", True, sharded_state=True),
-    }
-    return models[entry.memory]
+    size = entry.default_bucket_size_mb if bucket_size_mb is None else bucket_size_mb
+    if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
+        size = 25.0
+    cap = None if size is None else int(float(size) * MiB)
+    return replace(_MEMORY_MODELS[entry.memory], cap_bytes=1 if entry.memory == "per_tensor" else cap)
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
@@ -279,10 +252,11 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> in
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank needs for a training step, by category (``PARTS``), and its peak."""
+    """Bytes one rank needs for a training step, by category, and its peak."""
 
     parts: dict[str, int]
-    """Bytes per category of ``PARTS``."""
+    """Bytes per category, in table order: parameters, gradients, optimizer_state, bucket_buffers,
+    regrown_gradients, low_precision_weights, activations, overhead."""
     phases: tuple[tuple[str, ...], ...] = ()
     """Groups of parts that do not live at the same time; the peak holds the largest group plus every part in no
     group. Empty: every part at once."""
@@ -393,12 +367,14 @@ def estimate_rank_memory(
     precision: str,
     strategy: str,
     world_size: int,
-    bucket_size_mb: float | None = None,
+    bucket_size_mb: BucketSize = None,
     device_type: str = "cuda",
+    shard_optimizer_state: bool = False,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: docs/memory.md).
 
-    ``strategy``: a catalogue name or Lightning's ``auto``/``ddp`` variants; ``bucket_size_mb`` None: its default.
+    ``strategy``: a catalogue name or Lightning's ``auto``/``ddp`` variants; ``bucket_size_mb`` None: its default;
+    ``shard_optimizer_state``: the state is sharded whatever the strategy (ZeRO-1 over an all-reducing engine).
     The published 2-GPU xl runs' configuration (``configs/xl_2gpu.yaml``):
 
     >>> from lightning_ddp.model import get_config
@@ -416,14 +392,15 @@ def estimate_rank_memory(
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     spec = _PRECISIONS[normalize_precision(precision)]
     p = spec.param_bytes
-    shapes = parameter_shapes(config)
+    shapes = list(gpt_parameter_shapes(config).values())
     numels = [math.prod(s) for s in shapes]
-    buffers = _strategy_buffers(strategy, world_size, bucket_size_mb, bucket_size_mb is not None)
+    buffers = _strategy_buffers(strategy, world_size, bucket_size_mb)
     n_params, gradient_bytes, buffer_bytes, viewed = _gradients_and_buffers(config, buffers, numels, p, world_size)
     if buffers.kind == "fully_sharded":  # AdamW over the dim-0 shards: 2 moments of each, and a step per tensor
         state = 2 * p * n_params + ADAM_STEP_BYTES_PER_TENSOR * len(numels)
     else:
-        state = _adam_state_bytes(numels, p, world_size if buffers.sharded_state else 1, None)
+        sharded = buffers.sharded_state or shard_optimizer_state
+        state = _adam_state_bytes(numels, p, world_size if sharded else 1, None)
     parts = {
         "parameters": p * n_params,
         "gradients": gradient_bytes - p * viewed,

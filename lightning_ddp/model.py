@@ -138,9 +138,8 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = rearrange(self.q_proj(x), "B T (nh hs) -> B nh T hs", nh=self.n_heads)  # (B, nh, T, hs)
-        k = rearrange(self.k_proj(x), "B T (nh hs) -> B nh T hs", nh=self.n_heads)  # (B, nh, T, hs)
-        v = rearrange(self.v_proj(x), "B T (nh hs) -> B nh T hs", nh=self.n_heads)  # (B, nh, T, hs)
+        q, k, v = (rearrange(projection(x), "B T (nh hs) -> B nh T hs", nh=self.n_heads)  # each (B, nh, T, hs)
+                   for projection in (self.q_proj, self.k_proj, self.v_proj))
         # Position enters only through q and k, so attention scores depend on relative offsets.
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # is_causal=True masks future keys and lets PyTorch pick a fused (flash) kernel.

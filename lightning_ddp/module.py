@@ -102,48 +102,32 @@ class LitGPT(pl.LightningModule):
 
     @override
     def on_validation_epoch_start(self) -> None:
-        self._start_eval_epoch()
-
-    @override
-    def on_test_epoch_start(self) -> None:
-        self._start_eval_epoch()
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
 
     @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch)
-
-    @override
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch)
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        self._log_eval_epoch("val")
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        self._log_eval_epoch("test")
-
-    def _start_eval_epoch(self) -> None:
-        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-
-    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        assert self._eval_totals is not None, "the epoch-start hook runs first"
         tokens = batch[1].numel()
         loss = self._loss(batch)  # mean over the batch's tokens
         token_count = loss.new_tensor(tokens, dtype=torch.float64)
         self._eval_totals += torch.stack([loss.detach().double() * tokens, token_count])
 
-    def _log_eval_epoch(self, stage: str) -> None:
+    @override
+    def on_validation_epoch_end(self) -> None:
         # One all-reduce of (loss sum, tokens) over the ranks' shards: the mean over every held-out token, exactly
         # (Lightning's per-step sync_dist would give the same mean, but not the perplexity of it).
         totals = self.trainer.strategy.reduce(self._eval_totals, reduce_op="sum")
         loss = (totals[0] / totals[1]).float()
+        stage = "test" if self.trainer.testing else "val"
         # The value is already the same on every rank; sync_dist=True only says so to Lightning, which otherwise
         # warns that an epoch-level metric was not synchronised (averaging equal values changes nothing).
         self.log(f"{stage}/loss", loss, sync_dist=True, prog_bar=True)
         self.log(f"{stage}/ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
         self._eval_totals = None
+
+    # ``test`` evaluates its split as ``validate`` does, and logs ``test/*``.
+    on_test_epoch_start = on_validation_epoch_start
+    test_step = validation_step
+    on_test_epoch_end = on_validation_epoch_end
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:

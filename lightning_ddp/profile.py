@@ -20,6 +20,9 @@ __all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_pro
 SCHEMA = "lightning_ddp.compute_profile/1"
 """The ``schema`` value of version 1; a reader refuses any other."""
 
+_TIMES = ("forward_ms", "backward_ms", "optimizer_ms")
+_RUN_FIELDS = ("preset", "batch_size", "seq_len", "precision", "world_size")
+
 
 @dataclass(frozen=True)
 class ParamTiming:
@@ -70,7 +73,7 @@ class ComputeProfile:
     """Fields of the file this reader does not know, kept for the record (never interpreted)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_ms", "backward_ms", "optimizer_ms"):
+        for name in _TIMES:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"compute profile: {name} must be a finite time >= 0 ms, got {value!r}")
@@ -109,8 +112,7 @@ class ComputeProfile:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (schema version 1)."""
         data: dict[str, Any] = {"schema": SCHEMA}
-        for key in ("source", "device", "preset", "batch_size", "seq_len", "precision", "world_size",
-                    "forward_ms", "backward_ms", "optimizer_ms"):
+        for key in ("source", "device", *_RUN_FIELDS, *_TIMES):
             data[key] = getattr(self, key)
         data["params"] = [{k: (list(v) if k == "shape" else v) for k, v in asdict(p).items()
                            if not (k == "shape" and v is None)} for p in self.params]
@@ -129,7 +131,7 @@ class ComputeProfile:
                 f"{origin}: schema is {schema!r}, this reader understands {SCHEMA!r}; write the file with "
                 "lightning_ddp.profile.write_profile (or the CommTimer), or convert it to that schema"
             )
-        missing = [k for k in ("forward_ms", "backward_ms", "optimizer_ms", "params") if k not in data]
+        missing = [k for k in (*_TIMES, "params") if k not in data]
         if missing:
             raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, "
                              "backward_ms, optimizer_ms and params")
@@ -145,14 +147,11 @@ class ComputeProfile:
             except (KeyError, TypeError, AttributeError) as error:
                 raise ValueError(f"{origin}: params[{i}] must be an object with name, numel, bytes and ready_ms "
                                  f"(null if no gradient), and optionally shape; got {raw!r}") from error
-        known = {"schema", "source", "device", "preset", "batch_size", "seq_len", "precision", "world_size",
-                 "forward_ms", "backward_ms", "optimizer_ms", "params"}
+        known = {"schema", "source", "device", *_RUN_FIELDS, *_TIMES, "params"}
         return cls(
-            forward_ms=float(data["forward_ms"]), backward_ms=float(data["backward_ms"]),
-            optimizer_ms=float(data["optimizer_ms"]), params=tuple(params),
-            source=data.get("source") or "", device=data.get("device") or "", preset=data.get("preset"),
-            batch_size=data.get("batch_size"), seq_len=data.get("seq_len"), precision=data.get("precision"),
-            world_size=data.get("world_size"), extra={k: v for k, v in data.items() if k not in known},
+            **{k: float(data[k]) for k in _TIMES}, **{k: data.get(k) for k in _RUN_FIELDS}, params=tuple(params),
+            source=data.get("source") or "", device=data.get("device") or "",
+            extra={k: v for k, v in data.items() if k not in known},
         )
 
 

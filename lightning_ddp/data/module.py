@@ -28,11 +28,6 @@ __all__ = ["DEFAULT_VOCAB_SIZE", "GENERATED_SOURCES", "LMDataModule"]
 GENERATED_SOURCES = ("synthetic", "markov")
 #: Vocabulary of ``synthetic``, ``markov`` and ``tokens`` when ``--data.vocab_size`` is not given.
 DEFAULT_VOCAB_SIZE = 10_000
-#: What each evaluation split is called on the command line (``validate`` reads ``val``, ``test`` reads ``test``).
-_SPLIT_FLAGS = {
-    "val": ("--data.val_samples", "--data.val_fraction", "--data.val_path"),
-    "test": ("--data.test_samples", "--data.test_fraction", "--data.test_path"),
-}
 #: The held-out splits each Lightning stage reads (``None``: the caller may run any of them).
 _STAGE_SPLITS = {"fit": ("val",), "validate": ("val",), "test": ("test",), None: ("val", "test")}
 
@@ -125,54 +120,42 @@ class LMDataModule(LightningDataModule):
                 f"--data.token_dtype {self.token_dtype!r} is not supported; choose one of "
                 f"{', '.join(TOKEN_DTYPES)}."
             )
-        for flag, value, minimum in (
-            ("batch_size", self.batch_size, 1),
-            ("seq_len", self.seq_len, 1),
-            ("num_samples", self.num_samples, 1),
-            ("val_samples", self.val_samples, 0),
-            ("test_samples", self.test_samples, 0),
-            ("num_workers", self.num_workers, 0),
-        ):
-            if value < minimum:
-                raise ValueError(f"--data.{flag} is {value}; set --data.{flag} to at least {minimum}.")
+        minimums = {"batch_size": 1, "seq_len": 1, "num_samples": 1, "val_samples": 0, "test_samples": 0,
+                    "num_workers": 0}
+        for flag, minimum in minimums.items():
+            if getattr(self, flag) < minimum:
+                raise ValueError(f"--data.{flag} is {getattr(self, flag)}; set --data.{flag} to at least {minimum}.")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"--data.vocab_size is {vocab_size}; set it to at least 1.")
-        for split in ("val", "test"):
-            fraction = getattr(self, f"{split}_fraction")
-            if not 0.0 <= fraction < 1.0:
-                raise ValueError(
-                    f"--data.{split}_fraction is {fraction}; it must be in [0, 1) (0 = no {split} split)."
-                )
         if self.context_length is not None and self.seq_len > self.context_length:
             raise ValueError(
                 f"--data.seq_len {self.seq_len} exceeds the model's context length "
                 f"{self.context_length}; lower --data.seq_len or raise --model.context_length."
             )
+        generated = self.source in GENERATED_SOURCES
         for split in ("val", "test"):
-            if getattr(self, f"{split}_path") is not None and getattr(self, f"{split}_fraction") > 0:
+            fraction = getattr(self, f"{split}_fraction")
+            if not 0.0 <= fraction < 1.0:
+                raise ValueError(f"--data.{split}_fraction is {fraction}; it must be in [0, 1) (0 = no {split} split).")
+            if getattr(self, f"{split}_path") is not None and fraction > 0:
                 raise ValueError(
                     f"both --data.{split}_path and --data.{split}_fraction are set; use a separate {split} "
                     "file or a held-out fraction, not both."
                 )
-        if self.source in GENERATED_SOURCES:
-            for flag, value in (("path", self.path), ("val_path", self.val_path), ("test_path", self.test_path)):
-                if value is not None:
-                    raise ValueError(
-                        f"--data.{flag} is set but --data.source is {self.source}, which reads no file; "
-                        f"set --data.source tokens or text, or drop --data.{flag}."
-                    )
-            for split in ("val", "test"):
-                if getattr(self, f"{split}_fraction") > 0:
-                    raise ValueError(
-                        f"--data.{split}_fraction is for files; --data.source {self.source} generates its held-out "
-                        f"samples from a stream of their own: set --data.{split}_samples instead."
-                    )
-            return
-        if self.path is None:
-            raise ValueError(
-                f"--data.source {self.source} reads a file; set --data.path to the training file."
-            )
-        for flag, value in (("path", self.path), ("val_path", self.val_path), ("test_path", self.test_path)):
+            if generated and fraction > 0:
+                raise ValueError(
+                    f"--data.{split}_fraction is for files; --data.source {self.source} generates its held-out "
+                    f"samples from a stream of their own: set --data.{split}_samples instead."
+                )
+        if not generated and self.path is None:
+            raise ValueError(f"--data.source {self.source} reads a file; set --data.path to the training file.")
+        for flag in ("path", "val_path", "test_path"):
+            value = getattr(self, flag)
+            if value is not None and generated:
+                raise ValueError(
+                    f"--data.{flag} is set but --data.source is {self.source}, which reads no file; "
+                    f"set --data.source tokens or text, or drop --data.{flag}."
+                )
             if value is not None and not os.path.isfile(value):
                 raise FileNotFoundError(
                     f"--data.{flag} {value!r} does not exist (or is not a file); set --data.{flag} "
@@ -205,22 +188,20 @@ class LMDataModule(LightningDataModule):
     def _build_datasets(self) -> None:
         # Done at construction, before the Trainer starts: a bad file then fails before any process is launched
         # or any log file is created. Memory-mapped files cost nothing to open; only the id scan reads them.
+        if self.source not in GENERATED_SOURCES:
+            self.train_dataset, self.val_dataset, self.test_dataset = self._file_splits(self._open_file(self.path))
+            return
         if self.source == "synthetic":
             train = SyntheticTokens(self.num_samples, self.seq_len, self.vocab_size, self.seed)
-        elif self.source == "markov":
+        else:
             train = MarkovTokens(
                 self.num_samples, self.seq_len, self.vocab_size, self.seed, successors=self.markov_successors
             )
-        else:
-            self.train_dataset, self.val_dataset, self.test_dataset = self._file_splits(self._open_file(self.path))
-            return
-        # Generated: each held-out split is its own stream of the same seed (the same Markov chain), so it does not
-        # change with --data.num_samples and never repeats a training sample.
+        # Each held-out split is its own stream of the same seed (the same Markov chain), so it does not change with
+        # --data.num_samples and never repeats a training sample.
         self.train_dataset = train
-        if self.val_samples > 0:
-            self.val_dataset = train.held_out("val", self.val_samples)
-        if self.test_samples > 0:
-            self.test_dataset = train.held_out("test", self.test_samples)
+        self.val_dataset = train.held_out("val", self.val_samples) if self.val_samples > 0 else None
+        self.test_dataset = train.held_out("test", self.test_samples) if self.test_samples > 0 else None
 
     def _open_file(self, path: str) -> TokenFile:
         if self.source == "text":
@@ -266,7 +247,7 @@ class LMDataModule(LightningDataModule):
         split = _STAGE_SPLITS[stage][0]
         if getattr(self, f"{split}_dataset") is not None:
             return
-        samples, fraction, path = _SPLIT_FLAGS[split]
+        samples, fraction, path = _split_flags(split)
         if self.source in GENERATED_SOURCES:
             fix = f"set {samples} above 0"
         else:
@@ -276,9 +257,9 @@ class LMDataModule(LightningDataModule):
     def _check_every_rank_gets_a_sample(self, split: str) -> None:
         # Each rank evaluates its own shard; a rank with none would not join the epoch-end all-reduce of the loss.
         dataset = getattr(self, f"{split}_dataset")
-        world_size = self.trainer.world_size if self.trainer is not None else 1
+        world_size, _ = self._world()
         if dataset is not None and len(dataset) < world_size:
-            samples, fraction, path = _SPLIT_FLAGS[split]
+            samples, fraction, path = _split_flags(split)
             if self.source in GENERATED_SOURCES:
                 fix = f"raise {samples} to at least {world_size}"
             elif getattr(self, f"{split}_path") is not None:
@@ -292,7 +273,7 @@ class LMDataModule(LightningDataModule):
 
     def _check_enough_for_one_batch(self) -> None:
         # drop_last=True would silently yield zero training steps; say so instead.
-        world_size = self.trainer.world_size if self.trainer is not None else 1
+        world_size, _ = self._world()
         per_rank = len(self.train_dataset) // world_size
         if per_rank < self.batch_size:
             raise ValueError(
@@ -303,8 +284,17 @@ class LMDataModule(LightningDataModule):
 
     # ---- dataloaders ----------------------------------------------------------------------------
 
+    def _world(self) -> tuple[int, int]:
+        """(world size, this rank), (1, 0) without a trainer."""
+        return (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+
+    def _loader(self, dataset: Dataset, sampler: DistributedSampler, drop_last: bool = False) -> DataLoader:
+        # Persistent workers: kept across epochs instead of restarted (and reopening the files).
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=drop_last,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
     def train_dataloader(self) -> DataLoader:
-        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        world_size, rank = self._world()
         sampler = ResumableDistributedSampler(
             self.train_dataset,
             num_replicas=world_size,
@@ -317,16 +307,8 @@ class LMDataModule(LightningDataModule):
             epoch, batches_done = self._resume_position
             sampler.skip(epoch, batches_done * self.batch_size)
             self._resume_position = None
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            # Every step sees full batches, so all ranks do equal work and throughput is comparable.
-            drop_last=True,
-            num_workers=self.num_workers,
-            # Keep workers across epochs instead of restarting them (and reopening the files).
-            persistent_workers=self.num_workers > 0,
-        )
+        # drop_last: every step sees full batches, so all ranks do equal work and throughput is comparable.
+        return self._loader(self.train_dataset, sampler, drop_last=True)
 
     def state_dict(self) -> dict[str, int]:
         """Where training is in the data: the epoch, and the batches of it already trained on (per rank)."""
@@ -352,15 +334,14 @@ class LMDataModule(LightningDataModule):
     def _eval_dataloader(self, dataset: Dataset | None) -> DataLoader | list:
         if dataset is None:
             return []
-        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        world_size, rank = self._world()
         # Rank r evaluates samples r, r + world, r + 2 * world, ... in order; the last len % world samples are left
         # out, so every rank runs the same number of batches and none is counted twice (Lightning's own sampler
         # would pad the shards by repeating samples). A DistributedSampler, so Lightning keeps it.
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return self._loader(dataset, sampler)
+
+
+def _split_flags(split: str) -> tuple[str, ...]:
+    """The flags of the held-out ``split``: its samples (generated sources), fraction and path (files)."""
+    return tuple(f"--data.{split}_{kind}" for kind in ("samples", "fraction", "path"))

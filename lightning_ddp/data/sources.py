@@ -37,9 +37,9 @@ _SCAN_CHUNK_TOKENS = 1 << 22
 SPLITS = ("train", "val", "test")
 
 
-def _check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}.")
+def _check_index(index: int, length: int) -> None:
+    if not 0 <= index < length:
+        raise IndexError(f"index {index} out of range for {length} samples")
 
 
 def _held_out_seed(seed: int, split: str, index: int) -> int:
@@ -48,28 +48,36 @@ def _held_out_seed(seed: int, split: str, index: int) -> int:
     return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0])
 
 
-class SyntheticTokens(Dataset):
-    """Uniform random token windows; sample ``i`` depends only on ``(seed, split, i)``, not on order, worker or rank.
-    """
+class _GeneratedTokens(Dataset):
+    """``num_samples`` windows of ``split``; sample ``i`` depends only on ``(seed, split, i)``, not on order, worker
+    or rank."""
 
     def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0, split: str = "train") -> None:
-        _check_split(split)
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}.")
         self.num_samples = num_samples
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.seed = seed
         self.split = split
 
-    def held_out(self, split: str, num_samples: int) -> SyntheticTokens:
-        """The ``split`` (``val`` or ``test``) of this dataset, ``num_samples`` long."""
-        return _other_split(self, split, num_samples)
+    def held_out(self, split: str, num_samples: int):
+        """The ``split`` (``val`` or ``test``) of this dataset, ``num_samples`` long (a Markov chain's shared)."""
+        if split == "train":
+            raise ValueError("held_out() gives a held-out split: 'val' or 'test', not 'train'.")
+        other = copy.copy(self)  # shallow: a Markov chain's tables are shared, never written
+        _GeneratedTokens.__init__(other, num_samples, self.seq_len, self.vocab_size, self.seed, split)
+        return other
 
     def __len__(self) -> int:
         return self.num_samples
 
+
+class SyntheticTokens(_GeneratedTokens):
+    """Uniform random token windows."""
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        _check_index(index, self.num_samples)
         if self.split == "train":
             # A prime multiplier keeps (seed, i) -> generator seed one-to-one for any realistic size.
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -79,7 +87,7 @@ class SyntheticTokens(Dataset):
         return window[:-1], window[1:]
 
 
-class MarkovTokens(Dataset):
+class MarkovTokens(_GeneratedTokens):
     """Walks on a seeded random sparse Markov chain: learnable tokens, reproducible per sample.
 
     The chain, built from ``seed`` alone: tokens get Zipf weights ``1 / rank ** zipf_exponent`` in a random order;
@@ -99,25 +107,17 @@ class MarkovTokens(Dataset):
         zipf_exponent: float = 1.0,
         split: str = "train",
     ) -> None:
-        _check_split(split)
+        super().__init__(num_samples, seq_len, vocab_size, seed, split)
         if not 1 <= successors <= min(vocab_size, MAX_MARKOV_SUCCESSORS):
             raise ValueError(
                 f"--data.markov_successors is {successors}; set it between 1 and "
                 f"{min(vocab_size, MAX_MARKOV_SUCCESSORS)} (at most {MAX_MARKOV_SUCCESSORS}, and at most the "
                 "vocabulary size: every token needs that many distinct successors)."
             )
-        self.num_samples = num_samples
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
-        self.seed = seed
         self.successors = successors
-        self.split = split
         # SeedSequence takes non-negative integers only; seed mod 2**64 is one-to-one for any 64-bit seed.
         self._entropy = seed % 2**64
-        # Stream 0 builds the chain, streams 1, 2, 3 draw the train, val and test walks: [entropy, stream, index]
-        # never repeats.
-        self._walk_stream = 1 + SPLITS.index(split)
-        rng = np.random.default_rng([self._entropy, 0, 0])
+        rng = np.random.default_rng([self._entropy, 0, 0])  # stream 0 builds the chain; 1, 2, 3: the splits' walks
         ranking = rng.permutation(vocab_size)  # ranking[r] is the token of Zipf rank r + 1
         weights = 1.0 / np.arange(1, vocab_size + 1, dtype=np.float64) ** zipf_exponent
         self._cdf = np.cumsum(weights / weights.sum())
@@ -130,19 +130,9 @@ class MarkovTokens(Dataset):
         rank = min(int(np.searchsorted(self._cdf, uniform, side="right")), self.vocab_size - 1)
         return int(self._ranking[rank])
 
-    def held_out(self, split: str, num_samples: int) -> MarkovTokens:
-        """The ``split`` (``val`` or ``test``): ``num_samples`` other walks on the same (shared) chain."""
-        other = _other_split(self, split, num_samples)
-        other._walk_stream = 1 + SPLITS.index(split)
-        return other
-
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
-        rng = np.random.default_rng([self._entropy, self._walk_stream, index])
+        _check_index(index, self.num_samples)
+        rng = np.random.default_rng([self._entropy, 1 + SPLITS.index(self.split), index])
         start = self._draw_by_weight(rng.random())
         choices = rng.integers(0, self.successors, size=self.seq_len).tolist()
         # A walk is sequential: one table lookup per token, ~0.5 us each (~70 us for 128 tokens).
@@ -152,15 +142,6 @@ class MarkovTokens(Dataset):
             window.append(int(table[window[-1], choice]))
         window = torch.tensor(window, dtype=torch.int64)
         return window[:-1], window[1:]
-
-
-def _other_split(dataset: SyntheticTokens | MarkovTokens, split: str, num_samples: int):
-    _check_split(split)
-    if split == "train":
-        raise ValueError("held_out() gives a held-out split: 'val' or 'test', not 'train'.")
-    other = copy.copy(dataset)  # shallow: a Markov chain's tables are shared, never written
-    other.split, other.num_samples = split, num_samples
-    return other
 
 
 def _distinct_weighted_draws(rng: np.random.Generator, cdf: np.ndarray, rows: int, per_row: int) -> np.ndarray:
@@ -216,8 +197,7 @@ class TokenFile(Dataset):
         return (self.num_tokens - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        _check_index(index, len(self))
         start = index * self.seq_len
         # int64 copy: torch indexes embeddings with int64, and the copy detaches from the memmap.
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))

@@ -20,11 +20,15 @@ from lightning_ddp.memory import (
     expected_bytes,
     largest_batch,
     memory_budget_bytes,
-    parameter_shapes,
     saved_tensor_bytes,
 )
 from lightning_ddp.model import GPT, Block, GPTConfig, get_config, rope_cache
+from lightning_ddp.model_shapes import gpt_parameter_shapes
 from lightning_ddp import catalogue
+
+
+def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
+    return list(gpt_parameter_shapes(config).values())
 
 
 def _estimate(config: GPTConfig, **overrides) -> MemoryEstimate:
@@ -39,6 +43,8 @@ def test_parameter_shapes_are_the_models_in_order(preset: str, tie: bool) -> Non
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = GPT(config)
     assert parameter_shapes(config) == [tuple(p.shape) for p in model.parameters()]
+    xl = parameter_shapes(get_config("xl"))
+    assert (len(xl), sum(math.prod(s) for s in xl)) == (435, 1998235200)  # T tensors, Ψ scalars
 
 
 # ---- activations: the measured per-block formula ---------------------------------------------------------

@@ -105,18 +105,18 @@ def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch) -> None:
 
 
 def test_strategy_configs_map_to_the_estimates_names() -> None:
-    assert _strategy_for_estimate("naive_ddp") == ("naive_ddp", None, False)
+    assert _strategy_for_estimate("naive_ddp") == ("naive_ddp", None, None)
     bucketed = {"class_path": "lightning_ddp.strategies.GradSyncStrategy",
                 "init_args": {"algorithm": "bucketed_ddp", "bucket_size_mb": 2}}
-    assert _strategy_for_estimate(bucketed) == ("bucketed_ddp", 2, False)
+    assert _strategy_for_estimate(bucketed) == ("bucketed_ddp", 2, None)
     # the class under its module's path, and the algorithm left to its default
     generic = {"class_path": "lightning_ddp.strategies.base.GradSyncStrategy", "init_args": {}}
-    assert _strategy_for_estimate(generic) == (catalogue.DEFAULT_ENGINE, None, False)
+    assert _strategy_for_estimate(generic) == (catalogue.DEFAULT_ENGINE, None, None)
     zero2 = {"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy", "init_args": {"bucket_size_mb": 4}}
-    assert _strategy_for_estimate(zero2) == ("zero2_ddp", 4, False)
+    assert _strategy_for_estimate(zero2) == ("zero2_ddp", 4, None)
     # ZeRO-1 over an all-reducing engine: that engine's buffers, and the state sharded.
     broadcast = {"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
                  "init_args": {"schedule": "allreduce_broadcast", "grad_sync": "overlap_ddp"}}
-    assert _strategy_for_estimate(broadcast) == ("overlap_ddp", None, True)
+    assert _strategy_for_estimate(broadcast) == ("overlap_ddp", None, "zero1_ddp")
     # A strategy the estimate does not model is not guessed at: the pre-flight is skipped.
     assert _strategy_for_estimate({"class_path": "lightning.pytorch.strategies.FSDPStrategy"}) is None
