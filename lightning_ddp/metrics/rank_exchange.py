@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddp.metrics.clock_offset import ClockOffset, RoundTrip, estimate_offset
-from lightning_ddp.metrics.straggler import StragglerStats, attribute_wait, rank_vector, vector_length
+from lightning_ddp.metrics.straggler import (ClockOffset, RoundTrip, StragglerStats, attribute_wait, estimate_offset,
+                                             rank_vector, vector_length)
 from lightning_ddp.sync.record import SyncRecord
 
-__all__ = ["ClockSync", "StragglerExchange", "count_hosts", "measure_clock_offsets"]
+__all__ = ["StragglerExchange", "count_hosts", "measure_clock_offsets"]
 
-ClockSync = Literal["auto", "always", "off"]
 CLOCK_SYNC_CHOICES = ("auto", "always", "off")
 
 
@@ -162,14 +161,9 @@ class StragglerExchange:
         dist.all_gather(gathered, local)
         return attribute_wait([t.tolist() for t in gathered], rank)
 
-    def _max_uncertainty(self) -> float | None:
-        """The largest offset uncertainty of the run; 0 on one host, ``None`` when hosts were not synchronised."""
-        if self.offsets is not None:
-            return self.max_uncertainty_ms
-        return 0.0 if self.hosts == 1 else None
-
     def describe(self) -> dict[str, Any]:
-        """The clocks, for ``timing_summary.json``: hosts, how offsets were found, every rank's offset and bound."""
+        """The clocks, for ``timing_summary.json``: hosts, how offsets were found, every rank's offset and bound;
+        ``max_uncertainty_ms``: the largest of the run, 0 on one host, ``None`` when hosts were not synchronised."""
         if self.offsets is not None:
             how = f"estimated from {self.rounds} round trips per rank (shortest kept)"
         elif self.hosts > 1:
@@ -182,7 +176,7 @@ class StragglerExchange:
             "offsets": how,
             "offset_ms": [o.offset_ms for o in self.offsets] if self.offsets is not None else None,
             "uncertainty_ms": [o.uncertainty_ms for o in self.offsets] if self.offsets is not None else None,
-            "max_uncertainty_ms": self._max_uncertainty(),
+            "max_uncertainty_ms": 0.0 if self.offsets is None and self.hosts == 1 else self.max_uncertainty_ms,
             "estimated_at_steps": self.estimated_at,
             "compared_collectives_max": self.max_collectives,
         }
