@@ -328,7 +328,14 @@ class TimingSummary:
         self.metrics.append({key: float(value) for key, value in metrics.items()})
         if anomalies and not self._warned:
             self._warned = True
-            warnings.warn(_anomaly_message(step, anomalies), ClockAnomalyWarning, stacklevel=2)
+            shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
+            message = (
+                f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is "
+                "marks from two clocks (host times, e.g. gloo's completions, and CUDA events) joined by one anchor, "
+                "or converted with different anchors. Training goes on; each step counts its clamped marks in "
+                "comm/clock_anomalies (also in the timing summary); this warning is given once per run."
+            )
+            warnings.warn(message, ClockAnomalyWarning, stacklevel=2)
 
     def summarize(self, warmup_steps: int) -> dict[str, dict[str, float]]:
         """``{key: {"median", "p10", "p90", "n"}}`` over the steps left after the first ``warmup_steps``."""
@@ -404,13 +411,3 @@ class TimingSummary:
             lines.append(f"clock anomalies: {self.clock_anomalies} marks clamped in {steps} of {len(self.steps)} steps "
                          "(comm/clock_anomalies; the first is described in the run's ClockAnomalyWarning)")
         return "\n".join(lines)
-
-
-def _anomaly_message(step: int, anomalies: Sequence[str]) -> str:
-    shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
-    return (
-        f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is marks from "
-        "two clocks (host times, e.g. gloo's completions, and CUDA events) joined by one anchor, or converted with "
-        "different anchors. Training goes on; each step counts its clamped marks in comm/clock_anomalies (also in "
-        "the timing summary); this warning is given once per run."
-    )

@@ -88,15 +88,9 @@ def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
 
 
 class StragglerExchange:
-    """One rank's side of the per-step exchange and of the clock offsets.
-
-    Args:
-        max_collectives: Launch times compared per step (the last ones of the step); every rank must agree.
-        clock_sync: ``auto`` (only on several hosts), ``always`` or ``off`` (offsets 0).
-        clock_sync_every_n_steps: Re-estimate the offsets after this many steps.
-        clock_sync_rounds: Ping-pongs per rank and estimate.
-        now: The host clock in seconds (tests shift one rank's).
-    """
+    """One rank's side of the per-step exchange and of the clock offsets. The settings are ``CommTimer``'s of the
+    same names (``max_collectives``: its ``straggler_collectives``, the same on every rank); ``now``: the host clock
+    in seconds (tests shift one rank's)."""
 
     def __init__(self, max_collectives: int, clock_sync: str = "auto", clock_sync_every_n_steps: int = 1000,
                  clock_sync_rounds: int = 8, now: Callable[[], float] = time.perf_counter) -> None:

@@ -97,7 +97,7 @@ class RankTrace:
     """GPU kernels that are not communication (CUDA traces only; HTA's computation kernels), merged."""
 
     def comm(self, source: str = "auto") -> list[CommEvent]:
-        """Collectives from ``record`` (SyncRecord), ``profiler`` (gloo threads / NCCL kernels), or ``auto``."""
+        """The rank's collectives from ``source``, one of ``COMM_SOURCES``."""
         if source not in COMM_SOURCES:
             raise ValueError(f"comm source {source!r} is not one of {', '.join(map(repr, COMM_SOURCES))}")
         if source == "record" or (source == "auto" and self.record_comm):
@@ -217,10 +217,7 @@ class RunTraces:
 
     def overlap(self, source: str = "auto", steps: int | None = None) -> Overlap:
         """The run's overlap: communication and overlapped time summed over ranks (a ratio of sums)."""
-        result = Overlap(0.0, 0.0)
-        for rank in self.ranks:
-            result = result + rank.overlap(source, rank.window(steps))
-        return result
+        return sum((rank.overlap(source, rank.window(steps)) for rank in self.ranks), Overlap(0.0, 0.0))
 
 
 def load_run(paths: Iterable[str | Path], label: str | None = None) -> RunTraces:
