@@ -69,8 +69,6 @@ class StragglerStats:
     """Slowest minus fastest rank's compute; ``None`` when no rank marked it."""
     compared: int = 0
     """Collectives compared."""
-    world_size: int = 1
-    """Vectors compared."""
 
 
 def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerStats:
@@ -115,8 +113,7 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
         wait.append((own, own + latest - launches[rank]))
         earliest = min(launches)
         per_collective.append([value - earliest for value in launches])
-    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait, compared=len(per_collective),
-                           world_size=len(vectors))
+    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait, compared=len(per_collective))
     if per_collective:
         straggler = max(range(len(vectors)), key=lambda r: (last_counts[r], -r))
         stats.straggler_rank = straggler

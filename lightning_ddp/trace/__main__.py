@@ -8,7 +8,6 @@ trace files given one by one are grouped by directory. Prints each run's overlap
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from pathlib import Path
 
 from jsonargparse import ArgumentParser
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--title", default=None, help="figure title")
     args = parser.parse_args(argv)
 
-    groups: OrderedDict[Path, list[Path]] = OrderedDict()
+    groups: dict[Path, list[Path]] = {}  # in the order given
     for p in map(Path, args.paths):
         groups.setdefault(p if p.is_dir() else p.parent, []).append(p)
     if args.label is not None and len(args.label) != len(groups):
