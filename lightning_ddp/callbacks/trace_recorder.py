@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_ddp import compat
 from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
-from lightning_ddp.metrics.recording import recorder_for, release_recorder
+from lightning_ddp.metrics.recording import recorder_for, release_recorder, strategy_label
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Recorder
 
@@ -117,7 +117,7 @@ class TraceRecorder(Callback):
         self._description = {
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
-            "strategy": getattr(trainer.strategy, "strategy_name", "") or type(trainer.strategy).__name__,
+            "strategy": strategy_label(trainer.strategy),
             "strategy_class": type(trainer.strategy).__name__,
             "comm_track": "SyncRecord" if hasattr(trainer.strategy, "attach_recorder") else None,
             "torch": torch.__version__,

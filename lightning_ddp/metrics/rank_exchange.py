@@ -98,12 +98,10 @@ class StragglerExchange:
         if clock_sync not in CLOCK_SYNC_CHOICES:
             raise ValueError(f"clock_sync must be one of {', '.join(CLOCK_SYNC_CHOICES)}, got {clock_sync!r}; e.g. "
                              "--timer.clock_sync auto")
-        if not (isinstance(clock_sync_every_n_steps, int) and clock_sync_every_n_steps >= 1):
-            raise ValueError(f"clock_sync_every_n_steps must be an int >= 1, got {clock_sync_every_n_steps!r}; e.g. "
-                             "--timer.clock_sync_every_n_steps 1000")
-        if not (isinstance(clock_sync_rounds, int) and clock_sync_rounds >= 1):
-            raise ValueError(f"clock_sync_rounds must be an int >= 1, got {clock_sync_rounds!r}; e.g. "
-                             "--timer.clock_sync_rounds 8")
+        for name, value, example in (("clock_sync_every_n_steps", clock_sync_every_n_steps, 1000),
+                                     ("clock_sync_rounds", clock_sync_rounds, 8)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}; e.g. --timer.{name} {example}")
         self.max_collectives = max_collectives
         self.clock_sync = clock_sync
         self.every_n_steps = clock_sync_every_n_steps
