@@ -1,7 +1,6 @@
 """Lightning callbacks: ``CommTimer`` (per-step communication metrics), ``TraceRecorder`` (profiler traces with a
-communication track), ``FinalStepCheckpoint`` and ``SlowRank`` (an injected straggler).
-
-The accounting they log is pure and lives in ``lightning_ddp.metrics``.
+communication track), ``FinalStepCheckpoint`` and ``SlowRank`` (an injected straggler). What they log is computed,
+pure, in ``lightning_ddp.metrics``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""``SlowRank``: an injected straggler, to check that the ``CommTimer`` blames the right rank for the right time.
-
-Rank 0's ``comm/wait_ms`` should then be about ``delay_ms`` and ``straggler/rank`` the slow rank::
-
-    python -m lightning_ddp fit --config configs/quickstart.yaml \
-        --trainer.callbacks+=lightning_ddp.callbacks.SlowRank --trainer.callbacks.rank 1 \
-        --trainer.callbacks.delay_ms 20
+"""``SlowRank``: an injected straggler, to check that the ``CommTimer`` blames the right rank for the right time
+(rank 0's ``comm/wait_ms`` about ``delay_ms``, ``straggler/rank`` the slow rank). The command line:
+``docs/comm_timer.md``, "See it: one rank slow on purpose".
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ MEDIAN_METRICS: dict[str, str] = {
     for key in ("step/time_ms", "comm/exposed_ms", "comm/share", "comm/overlap", "memory/peak_MiB", "comm/wait_ms",
                 "step/tokens_per_s")
 }
-"""CommTimer key -> the HPARAMS metric tag of its end-of-fit median (a tag of its own: the key's series would gain
-a point). TensorBoard shows the first five until more are ticked."""
+"""CommTimer key -> the HPARAMS metric tag of its end-of-fit median, in the order TensorBoard shows them."""
 
 HPARAM_NAMES: dict[str, str] = {
     "strategy": "grad_sync/strategy",
@@ -51,8 +50,7 @@ HPARAM_NAMES: dict[str, str] = {
     "batch_size": "run/batch_size",
     "preset": "run/preset",
 }
-"""``run_hparams``' arguments -> the hparams' names in TensorBoard. Every run writes all of them (``NOT_APPLICABLE``
-where unknown): TensorBoard takes the table's columns from one run's record."""
+"""``run_hparams``' arguments -> the hparams' names in TensorBoard; every run writes all of them."""
 
 NOT_APPLICABLE = "n/a"
 ONE_BUCKET = "one bucket"

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_ddp import compat
 from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
-from lightning_ddp.metrics.recording import recorder_for, release_recorder
+from lightning_ddp.metrics.recording import recorder_for, release_recorder, strategy_label
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Recorder
 
@@ -85,6 +85,10 @@ class TraceRecorder(Callback):
         """Optimizer steps the run needs for the trace to be written."""
         return self.wait_steps + self.warmup_steps + self.active_steps
 
+    def _needs(self) -> str:
+        return (f"{self.total_steps} optimizer steps (wait {self.wait_steps} + warmup {self.warmup_steps} + active "
+                f"{self.active_steps})")
+
     # -- set-up and tear-down -------------------------------------------------------------------------------
 
     @override
@@ -105,21 +109,17 @@ class TraceRecorder(Callback):
         if not self.enabled:
             return
         if trainer.max_steps != -1 and trainer.max_steps < self.total_steps:
-            rank_zero_warn(
-                f"TraceRecorder needs {self.total_steps} optimizer steps (wait {self.wait_steps} + warmup "
-                f"{self.warmup_steps} + active {self.active_steps}) but max_steps={trainer.max_steps}: the trace will "
-                "cover fewer steps. Lower --trace.wait_steps or raise --trainer.max_steps."
-            )
+            rank_zero_warn(f"TraceRecorder needs {self._needs()} but max_steps={trainer.max_steps}: the trace will "
+                           "cover fewer steps. Lower --trace.wait_steps or raise --trainer.max_steps.")
         model = trainer.strategy.model
         self._recorder = recorder_for(trainer)
-        records_collectives = hasattr(trainer.strategy, "attach_recorder")
         self._tid = threading.get_native_id()
         self._description = {
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
-            "strategy": getattr(trainer.strategy, "strategy_name", "") or type(trainer.strategy).__name__,
+            "strategy": strategy_label(trainer.strategy),
             "strategy_class": type(trainer.strategy).__name__,
-            "comm_track": "SyncRecord" if records_collectives else None,
+            "comm_track": "SyncRecord" if hasattr(trainer.strategy, "attach_recorder") else None,
             "torch": torch.__version__,
             "clock": "ts_us = perf_counter_s * 1e6 + offset_us; offset from the ddp/step#N anchor of each step",
         }
@@ -163,11 +163,8 @@ class TraceRecorder(Callback):
             prof, self._prof = self._prof, None
             prof.stop()  # if the run ended inside the active window, this still writes what was recorded
             if self.trace_path is None:
-                rank_zero_warn(
-                    f"TraceRecorder wrote no trace: it needs {self.total_steps} optimizer steps "
-                    f"(wait {self.wait_steps} + warmup {self.warmup_steps} + active {self.active_steps}). "
-                    "Lower --trace.wait_steps or run more steps."
-                )
+                rank_zero_warn(f"TraceRecorder wrote no trace: it needs {self._needs()}. Lower --trace.wait_steps "
+                               "or run more steps.")
 
     # -- per step -------------------------------------------------------------------------------------------
 
@@ -176,9 +173,7 @@ class TraceRecorder(Callback):
         return self._prof is not None and self._prof.current_action in _RECORDING
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
             return
         self._in_step = True
@@ -203,9 +198,7 @@ class TraceRecorder(Callback):
         self._enter(ranges.OPTIMIZER)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._prof is None or not self._in_step or compat.should_accumulate(trainer):
             return
         self._in_step = False

@@ -20,16 +20,8 @@ if TYPE_CHECKING:  # only for annotations: this module must not import torch
     from lightning_ddp.metrics.straggler import StragglerStats
     from lightning_ddp.sync.record import Collective, SyncRecord
 
-__all__ = [
-    "COLLECTIVE_KEYS",
-    "LANDMARK_KEYS",
-    "METRIC_KEYS",
-    "NOT_RECORDED",
-    "ClockAnomalyWarning",
-    "StepTiming",
-    "TimingSummary",
-    "step_metrics",
-]
+__all__ = ["COLLECTIVE_KEYS", "LANDMARK_KEYS", "METRIC_KEYS", "NOT_RECORDED", "ClockAnomalyWarning", "StepTiming",
+           "TimingSummary", "step_metrics"]
 
 
 class ClockAnomalyWarning(RuntimeWarning):
@@ -136,7 +128,9 @@ def bus_factor(op: str, world_size: int) -> float:
 def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
     """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]`` (they run in order).
 
-    >>> busy_intervals([_Timed(0.0, 4.0), _Timed(1.0, 6.0), _Timed(8.0, 9.0)])  # the second starts at 4
+    >>> from lightning_ddp.sync.record import Collective
+    >>> busy_intervals([Collective("all_reduce", "b", 8, launched, completed)
+    ...                 for launched, completed in [(0.0, 4.0), (1.0, 6.0), (8.0, 9.0)]])  # the second starts at 4
     [(0.0, 4.0), (4.0, 6.0), (8.0, 9.0)]
     """
     out: list[Interval] = []
@@ -147,12 +141,6 @@ def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
             out.append((start, end))
         previous_end = max(previous_end, end)
     return out
-
-
-@dataclass
-class _Timed:
-    launched: float
-    completed: float
 
 
 METRIC_KEYS: tuple[str, ...] = (
@@ -229,27 +217,6 @@ def step_metrics(
     memory/peak_reserved_MiB  ``peak_reserved_mib``
     ========================  ===================================================================================
     """
-    _check_arguments(world_size, comm, flops_per_step, peak_flops)
-    metrics = _comm_metrics(timing, world_size, straggler)
-    if comm != "full":
-        kept = LANDMARK_KEYS if comm == "landmarks" else ()
-        metrics = {key: value for key, value in metrics.items() if not key.startswith("comm/") or key in kept}
-    step_ms = float(timing.step_ms)
-    if timing.tokens is not None:
-        metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
-    if straggler is not None:
-        metrics.update(_straggler_metrics(straggler))
-    if flops_per_step is not None and peak_flops is not None:
-        metrics["step/mfu"] = flops_per_step * world_size / (step_ms / 1e3) / peak_flops if step_ms > 0 else 0.0
-    if peak_memory_mib is not None:
-        metrics["memory/peak_MiB"] = float(peak_memory_mib)
-    if peak_reserved_mib is not None:
-        metrics["memory/peak_reserved_MiB"] = float(peak_reserved_mib)
-    return metrics
-
-
-def _check_arguments(world_size: int, comm: str | None, flops_per_step: float | None,
-                     peak_flops: float | None) -> None:
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if comm not in ("full", "landmarks", None):
@@ -257,10 +224,6 @@ def _check_arguments(world_size: int, comm: str | None, flops_per_step: float | 
     for name, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
-
-
-def _comm_metrics(timing: StepTiming, world_size: int, straggler: StragglerStats | None) -> dict[str, float]:
-    """``step/time_ms`` and every ``comm/`` key, in ``METRIC_KEYS`` order."""
     step_ms = float(timing.step_ms)  # > 0, or 0 where StepTiming clamped a step time that was not
     exposed_ms = total(timing.exposed)
     busy = busy_intervals(timing.collectives)
@@ -270,11 +233,9 @@ def _comm_metrics(timing: StepTiming, world_size: int, straggler: StragglerStats
     nbytes = sum(c.nbytes for c in timing.collectives)
     bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
     hidden_ms = min(busy_ms, max(0.0, busy_ms - overlap_length(busy, timing.exposed)))
-    metrics = {"step/time_ms": step_ms, "comm/exposed_ms": exposed_ms}
-    if straggler is not None:
-        wait_ms = min(overlap_length(straggler.wait, timing.exposed), exposed_ms)
-        metrics.update({"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
-    metrics.update({
+    metrics = {
+        "step/time_ms": step_ms,
+        "comm/exposed_ms": exposed_ms,
         "comm/pack_ms": total(timing.pack),
         "comm/share": exposed_ms / step_ms if step_ms > 0 else 0.0,
         "comm/busy_ms": busy_ms,
@@ -284,19 +245,25 @@ def _comm_metrics(timing: StepTiming, world_size: int, straggler: StragglerStats
         "comm/calls": float(len(timing.collectives)),
         "comm/bytes": float(nbytes),
         "comm/clock_anomalies": float(timing.clock_anomalies),
-    })
-    return metrics
-
-
-def _straggler_metrics(straggler: StragglerStats) -> dict[str, float]:
-    """``straggler/rank``, ``straggler/lag_ms`` (when a collective was compared) and ``step/rank_spread_ms``."""
-    metrics = {}
-    if straggler.straggler_rank is not None and straggler.lag_ms is not None:
-        metrics["straggler/rank"] = float(straggler.straggler_rank)
-        metrics["straggler/lag_ms"] = float(straggler.lag_ms)
-    if straggler.rank_spread_ms is not None:
-        metrics["step/rank_spread_ms"] = float(straggler.rank_spread_ms)
-    return metrics
+    }
+    if timing.tokens is not None:
+        metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
+    if straggler is not None:
+        wait_ms = min(overlap_length(straggler.wait, timing.exposed), exposed_ms)
+        metrics.update({"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
+        if straggler.straggler_rank is not None and straggler.lag_ms is not None:
+            metrics["straggler/rank"] = float(straggler.straggler_rank)
+            metrics["straggler/lag_ms"] = float(straggler.lag_ms)
+        if straggler.rank_spread_ms is not None:
+            metrics["step/rank_spread_ms"] = float(straggler.rank_spread_ms)
+    if flops_per_step is not None and peak_flops is not None:
+        metrics["step/mfu"] = flops_per_step * world_size / (step_ms / 1e3) / peak_flops if step_ms > 0 else 0.0
+    if peak_memory_mib is not None:
+        metrics["memory/peak_MiB"] = float(peak_memory_mib)
+    if peak_reserved_mib is not None:
+        metrics["memory/peak_reserved_MiB"] = float(peak_reserved_mib)
+    kept = {"full": METRIC_KEYS, "landmarks": LANDMARK_KEYS, None: ()}[comm]
+    return {key: metrics[key] for key in METRIC_KEYS if key in metrics and (key in kept or not key.startswith("comm/"))}
 
 
 # ---- summary over steps -------------------------------------------------------------------------------
@@ -361,7 +328,14 @@ class TimingSummary:
         self.metrics.append({key: float(value) for key, value in metrics.items()})
         if anomalies and not self._warned:
             self._warned = True
-            warnings.warn(_anomaly_message(step, anomalies), ClockAnomalyWarning, stacklevel=2)
+            shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
+            message = (
+                f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is "
+                "marks from two clocks (host times, e.g. gloo's completions, and CUDA events) joined by one anchor, "
+                "or converted with different anchors. Training goes on; each step counts its clamped marks in "
+                "comm/clock_anomalies (also in the timing summary); this warning is given once per run."
+            )
+            warnings.warn(message, ClockAnomalyWarning, stacklevel=2)
 
     def summarize(self, warmup_steps: int) -> dict[str, dict[str, float]]:
         """``{key: {"median", "p10", "p90", "n"}}`` over the steps left after the first ``warmup_steps``."""
@@ -437,13 +411,3 @@ class TimingSummary:
             lines.append(f"clock anomalies: {self.clock_anomalies} marks clamped in {steps} of {len(self.steps)} steps "
                          "(comm/clock_anomalies; the first is described in the run's ClockAnomalyWarning)")
         return "\n".join(lines)
-
-
-def _anomaly_message(step: int, anomalies: Sequence[str]) -> str:
-    shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
-    return (
-        f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is marks from "
-        "two clocks (host times, e.g. gloo's completions, and CUDA events) joined by one anchor, or converted with "
-        "different anchors. Training goes on; each step counts its clamped marks in comm/clock_anomalies (also in "
-        "the timing summary); this warning is given once per run."
-    )

@@ -60,16 +60,14 @@ def add_communication_track(
     measured = _measured_anchors(trace, steps, pid, tid)
     placed: list[tuple[Collective, int, float]] = []  # (collective, step, offset_us)
     step_meta = []
-    for step, mid, _, _ in measured:
-        record = next(r for r in steps if r.step == step)
+    for record, mid, own_bound, _ in measured:
         # the tightest anchor for this step: its own, or a neighbour's if this one's reads were far apart
         bound = lambda a: a[2] + MAX_DRIFT_US_PER_S * abs(a[1] - mid)  # noqa: E731
         anchor = min(measured, key=bound)
-        step_meta.append({"step": step, "anchor_step": anchor[0], "offset_us": anchor[3],
-                          "uncertainty_us": bound(anchor),
-                          "own_anchor_uncertainty_us": next(m[2] for m in measured if m[0] == step),
+        step_meta.append({"step": record.step, "anchor_step": anchor[0].step, "offset_us": anchor[3],
+                          "uncertainty_us": bound(anchor), "own_anchor_uncertainty_us": own_bound,
                           "collectives": len(record.collectives)})
-        placed.extend((c, step, anchor[3]) for c in record.collectives)
+        placed.extend((c, record.step, anchor[3]) for c in record.collectives)
     placed.sort(key=lambda item: item[0].launched)
     lanes = assign_lanes([(c.launched, c.completed) for c, _, _ in placed])
     events = trace["traceEvents"]
@@ -94,7 +92,7 @@ def add_communication_track(
 
 
 def _measured_anchors(trace: dict[str, Any], steps: list[RecordedStep], pid: int,
-                      tid: int) -> list[tuple[int, float, float, float]]:
+                      tid: int) -> list[tuple[RecordedStep, float, float, float]]:
     """(step, anchor midpoint in perf_counter seconds, half-width in us, offset in us) of every anchored step."""
     anchors = {
         e["name"]: float(e["ts"])
@@ -108,5 +106,5 @@ def _measured_anchors(trace: dict[str, Any], steps: list[RecordedStep], pid: int
         if ts is not None:
             before, after = record.anchor
             mid = (before + after) / 2
-            measured.append((record.step, mid, (after - before) / 2 * 1e6, ts - mid * 1e6))
+            measured.append((record, mid, (after - before) / 2 * 1e6, ts - mid * 1e6))
     return measured

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddp.metrics.clock_offset import ClockOffset, RoundTrip, estimate_offset
-from lightning_ddp.metrics.straggler import StragglerStats, attribute_wait, rank_vector, vector_length
+from lightning_ddp.metrics.straggler import (ClockOffset, RoundTrip, StragglerStats, attribute_wait, estimate_offset,
+                                             rank_vector, vector_length)
 from lightning_ddp.sync.record import SyncRecord
 
-__all__ = ["ClockSync", "StragglerExchange", "count_hosts", "measure_clock_offsets"]
+__all__ = ["StragglerExchange", "count_hosts", "measure_clock_offsets"]
 
-ClockSync = Literal["auto", "always", "off"]
 CLOCK_SYNC_CHOICES = ("auto", "always", "off")
 
 
@@ -89,15 +88,9 @@ def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
 
 
 class StragglerExchange:
-    """One rank's side of the per-step exchange and of the clock offsets.
-
-    Args:
-        max_collectives: Launch times compared per step (the last ones of the step); every rank must agree.
-        clock_sync: ``auto`` (only on several hosts), ``always`` or ``off`` (offsets 0).
-        clock_sync_every_n_steps: Re-estimate the offsets after this many steps.
-        clock_sync_rounds: Ping-pongs per rank and estimate.
-        now: The host clock in seconds (tests shift one rank's).
-    """
+    """One rank's side of the per-step exchange and of the clock offsets. The settings are ``CommTimer``'s of the
+    same names (``max_collectives``: its ``straggler_collectives``, the same on every rank); ``now``: the host clock
+    in seconds (tests shift one rank's)."""
 
     def __init__(self, max_collectives: int, clock_sync: str = "auto", clock_sync_every_n_steps: int = 1000,
                  clock_sync_rounds: int = 8, now: Callable[[], float] = time.perf_counter) -> None:
@@ -105,12 +98,10 @@ class StragglerExchange:
         if clock_sync not in CLOCK_SYNC_CHOICES:
             raise ValueError(f"clock_sync must be one of {', '.join(CLOCK_SYNC_CHOICES)}, got {clock_sync!r}; e.g. "
                              "--timer.clock_sync auto")
-        if not (isinstance(clock_sync_every_n_steps, int) and clock_sync_every_n_steps >= 1):
-            raise ValueError(f"clock_sync_every_n_steps must be an int >= 1, got {clock_sync_every_n_steps!r}; e.g. "
-                             "--timer.clock_sync_every_n_steps 1000")
-        if not (isinstance(clock_sync_rounds, int) and clock_sync_rounds >= 1):
-            raise ValueError(f"clock_sync_rounds must be an int >= 1, got {clock_sync_rounds!r}; e.g. "
-                             "--timer.clock_sync_rounds 8")
+        for name, value, example in (("clock_sync_every_n_steps", clock_sync_every_n_steps, 1000),
+                                     ("clock_sync_rounds", clock_sync_rounds, 8)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}; e.g. --timer.{name} {example}")
         self.max_collectives = max_collectives
         self.clock_sync = clock_sync
         self.every_n_steps = clock_sync_every_n_steps
@@ -162,14 +153,9 @@ class StragglerExchange:
         dist.all_gather(gathered, local)
         return attribute_wait([t.tolist() for t in gathered], rank)
 
-    def _max_uncertainty(self) -> float | None:
-        """The largest offset uncertainty of the run; 0 on one host, ``None`` when hosts were not synchronised."""
-        if self.offsets is not None:
-            return self.max_uncertainty_ms
-        return 0.0 if self.hosts == 1 else None
-
     def describe(self) -> dict[str, Any]:
-        """The clocks, for ``timing_summary.json``: hosts, how offsets were found, every rank's offset and bound."""
+        """The clocks, for ``timing_summary.json``: hosts, how offsets were found, every rank's offset and bound;
+        ``max_uncertainty_ms``: the largest of the run, 0 on one host, ``None`` when hosts were not synchronised."""
         if self.offsets is not None:
             how = f"estimated from {self.rounds} round trips per rank (shortest kept)"
         elif self.hosts > 1:
@@ -182,7 +168,7 @@ class StragglerExchange:
             "offsets": how,
             "offset_ms": [o.offset_ms for o in self.offsets] if self.offsets is not None else None,
             "uncertainty_ms": [o.uncertainty_ms for o in self.offsets] if self.offsets is not None else None,
-            "max_uncertainty_ms": self._max_uncertainty(),
+            "max_uncertainty_ms": 0.0 if self.offsets is None and self.hosts == 1 else self.max_uncertainty_ms,
             "estimated_at_steps": self.estimated_at,
             "compared_collectives_max": self.max_collectives,
         }

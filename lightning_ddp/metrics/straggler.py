@@ -1,6 +1,7 @@
 """Who made the step wait, pure Python: ``rank_vector`` packs one rank's launch times, ``rank_exchange``
-all-gathers the vectors, ``attribute_wait`` splits exposed communication into waiting and transfer.
-Vector layout and definitions: ``docs/comm_timer.md``, "Who made the step wait".
+all-gathers the vectors, ``attribute_wait`` splits exposed communication into waiting and transfer;
+``estimate_offset`` puts the launches of several hosts on rank 0's clock, from NTP-style round trips.
+Vector layout, definitions and the offsets' derivation: ``docs/comm_timer.md``, "Who made the step wait".
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from lightning_ddp.intervals import Interval
 if TYPE_CHECKING:  # only for annotations: this module must not import torch
     from lightning_ddp.sync.record import SyncRecord
 
-__all__ = ["VECTOR_HEADER", "StragglerStats", "attribute_wait", "clock_note", "rank_vector", "vector_length"]
+__all__ = ["VECTOR_HEADER", "ClockOffset", "RoundTrip", "StragglerStats", "attribute_wait", "clock_note",
+           "estimate_offset", "rank_vector", "vector_length"]
 
 VECTOR_HEADER = 4
 """Fields before the launch times: step ms, compute ms, origin on rank 0's clock (ms), number of collectives."""
@@ -67,8 +69,6 @@ class StragglerStats:
     """Slowest minus fastest rank's compute; ``None`` when no rank marked it."""
     compared: int = 0
     """Collectives compared."""
-    world_size: int = 1
-    """Vectors compared."""
 
 
 def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerStats:
@@ -113,8 +113,7 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
         wait.append((own, own + latest - launches[rank]))
         earliest = min(launches)
         per_collective.append([value - earliest for value in launches])
-    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait, compared=len(per_collective),
-                           world_size=len(vectors))
+    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait, compared=len(per_collective))
     if per_collective:
         straggler = max(range(len(vectors)), key=lambda r: (last_counts[r], -r))
         stats.straggler_rank = straggler
@@ -135,3 +134,55 @@ def clock_note(uncertainty_ms: float | None, lag_ms: float | None) -> str | None
         return (f"clock offsets are known to +-{uncertainty_ms:.3g} ms, more than the median straggler lag "
                 f"({lag_ms:.3g} ms): comm/wait_ms, straggler/rank and straggler/lag_ms cannot resolve lags this small")
     return None
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """One ping-pong between rank 0 and another rank, in ms: ``t0`` rank 0 sends, ``t1`` the other rank receives,
+    ``t2`` it replies, ``t3`` rank 0 receives the reply (``t0``, ``t3`` on rank 0's clock, ``t1``, ``t2`` on its)."""
+
+    t0: float
+    t1: float
+    t2: float
+    t3: float
+
+    @property
+    def offset_ms(self) -> float:
+        """The other rank's clock minus rank 0's, if the two one-way delays were equal."""
+        return ((self.t1 - self.t0) + (self.t2 - self.t3)) / 2
+
+    @property
+    def round_trip_ms(self) -> float:
+        """Time on the wire both ways: the round trip minus the other rank's turnaround (>= 0 on true clocks)."""
+        return (self.t3 - self.t0) - (self.t2 - self.t1)
+
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """One rank's clock offset to rank 0: subtract ``offset_ms`` from its times to put them on rank 0's clock."""
+
+    offset_ms: float
+    """The rank's clock minus rank 0's."""
+    uncertainty_ms: float
+    """Half the round trip of the sample kept: the true offset lies within ``offset_ms +- uncertainty_ms``."""
+    samples: int = 1
+    """How many round trips were taken (the one with the shortest delay is kept)."""
+
+
+def estimate_offset(round_trips: Sequence[RoundTrip]) -> ClockOffset:
+    """The offset of the round trip with the shortest delay, +- half that delay.
+
+    Rank *r*'s clock runs 1000 ms ahead; the first ping queued 3 ms on the way out, the second is kept:
+
+    >>> slow = RoundTrip(t0=0.0, t1=1003.1, t2=1003.2, t3=3.3)
+    >>> fast = RoundTrip(t0=10.0, t1=1010.1, t2=1010.2, t3=10.3)
+    >>> estimate_offset([slow, fast])
+    ClockOffset(offset_ms=1000.0, uncertainty_ms=0.1, samples=2)
+    """
+    if not round_trips:
+        raise ValueError("estimate_offset needs at least one round trip; take a few "
+                         "(e.g. --timer.clock_sync_rounds 8)")
+    best = min(round_trips, key=lambda rt: rt.round_trip_ms)
+    # A negative delay can only be clock reading jitter on a very fast link: it bounds nothing below 0.
+    uncertainty_ms = round(max(0.0, best.round_trip_ms) / 2, 9)
+    return ClockOffset(offset_ms=round(best.offset_ms, 9), uncertainty_ms=uncertainty_ms, samples=len(round_trips))

@@ -1,24 +1,11 @@
-"""Timelines from profiler traces: did communication overlap computation, and by how much?
-
-Record traces with the ``TraceRecorder`` (``--trace.enabled true``), then draw one or several runs::
-
-    python -m lightning_ddp.trace logs/naive/version_0 logs/overlap/version_0 -o timeline.png
-
-``chrome`` reads the traces back, ``overlap`` computes HTA's overlap, ``render`` draws the picture.
+"""Timelines from the ``TraceRecorder``'s profiler traces: did communication overlap computation, and by how much?
+``chrome`` reads the traces back and computes HTA's overlap, ``render`` draws the picture, ``python -m
+lightning_ddp.trace`` does both (``docs/tensorboard.md``, "Profiler traces and timelines").
 """
 
-from lightning_ddp.trace.chrome import RankTrace, RunTraces, find_traces, load_rank_trace, load_run
-from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
+from lightning_ddp.trace.chrome import (Overlap, RankTrace, RunTraces, comm_compute_overlap, find_traces,
+                                        load_rank_trace, load_run)
 from lightning_ddp.trace.render import Timeline, render_timeline
 
-__all__ = [
-    "Overlap",
-    "RankTrace",
-    "RunTraces",
-    "Timeline",
-    "comm_compute_overlap",
-    "find_traces",
-    "load_rank_trace",
-    "load_run",
-    "render_timeline",
-]
+__all__ = ["Overlap", "RankTrace", "RunTraces", "Timeline", "comm_compute_overlap", "find_traces", "load_rank_trace",
+           "load_run", "render_timeline"]

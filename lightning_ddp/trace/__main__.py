@@ -8,12 +8,11 @@ trace files given one by one are grouped by directory. Prints each run's overlap
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
-from lightning_ddp.trace.chrome import load_run
+from lightning_ddp.trace.chrome import COMM_SOURCES, load_run
 from lightning_ddp.trace.render import render_timeline
 
 
@@ -24,13 +23,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--label", action="append", default=None,
                         help="name of a run, once per run in order (default: the strategy recorded in the trace)")
     parser.add_argument("--steps", type=int, default=None, help="draw only each rank's first N recorded steps")
-    parser.add_argument("--comm-source", choices=("auto", "record", "profiler"), default="auto",
+    parser.add_argument("--comm-source", choices=COMM_SOURCES, default="auto",
                         help="collectives from the SyncRecord track (record), from gloo threads / NCCL kernels "
                              "(profiler), or the track where there is one (auto)")
     parser.add_argument("--title", default=None, help="figure title")
     args = parser.parse_args(argv)
 
-    groups: OrderedDict[Path, list[Path]] = OrderedDict()
+    groups: dict[Path, list[Path]] = {}  # in the order given
     for p in map(Path, args.paths):
         groups.setdefault(p if p.is_dir() else p.parent, []).append(p)
     if args.label is not None and len(args.label) != len(groups):

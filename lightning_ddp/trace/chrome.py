@@ -1,5 +1,6 @@
-"""Chrome-trace JSON read back: per-rank intervals of our ranges, our communication track and the profiler's own
-collectives. The track is written by ``lightning_ddp.metrics.comm_track``; its names are re-exported here.
+"""Chrome-trace JSON read back: per-rank intervals of our ranges, our communication track (written by
+``lightning_ddp.metrics.comm_track``) and the profiler's own collectives; and one rank's communication/computation
+overlap as Holistic Trace Analysis defines it, ``|comm ∩ compute| / |comm|`` (1.0: all communication hidden).
 """
 
 from __future__ import annotations
@@ -10,23 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from lightning_ddp.intervals import Interval, merge, subtract
-from lightning_ddp.metrics.comm_track import (
-    COMM_TID_BASE,
-    MAX_DRIFT_US_PER_S,
-    TRACE_SUFFIX,
-    RecordedStep,
-    add_communication_track,
-    assign_lanes,
-)
+from lightning_ddp.intervals import Interval, intersect, merge, subtract, total
+from lightning_ddp.metrics.comm_track import TRACE_SUFFIX
 from lightning_ddp.sync import ranges
-from lightning_ddp.trace.overlap import Overlap, comm_compute_overlap
 
-__all__ = [
-    "COMM_TID_BASE", "GPU_KERNEL_CATEGORY", "MAX_DRIFT_US_PER_S", "PROFILER_COMM_RE", "TRACE_SUFFIX", "CommEvent",
-    "RankTrace", "RecordedStep", "RunTraces", "add_communication_track", "assign_lanes", "clip", "find_traces",
-    "load_rank_trace", "load_run",
-]
+__all__ = ["COMM_SOURCES", "GPU_KERNEL_CATEGORY", "PROFILER_COMM_RE", "CommEvent", "Overlap", "RankTrace", "RunTraces",
+           "clip", "comm_compute_overlap", "find_traces", "load_rank_trace", "load_run"]
 
 PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")
 """Profiler events that are communication: gloo's per-collective ranges on its worker threads, NCCL kernels
@@ -34,9 +24,48 @@ PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")
 GPU_KERNEL_CATEGORY = "kernel"
 """``cat`` of the GPU kernels kineto records (CUDA activity); memory copies and sets are ``gpu_memcpy`` and
 ``gpu_memset``, which HTA counts as neither computation nor communication."""
+COMM_SOURCES = ("auto", "record", "profiler")
+"""Where ``RankTrace.comm`` takes collectives from: ``record`` (the SyncRecord track), ``profiler`` (gloo threads,
+NCCL kernels), ``auto`` (the track where there is one)."""
 
 
-# -- reading ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Overlap:
+    """How much of one rank's (or several ranks' summed) communication time was hidden behind computation."""
+
+    comm: float
+    """Total time with at least one collective in flight (union of the communication intervals)."""
+    overlapped: float
+    """Of that, the time during which the rank was also computing."""
+
+    @property
+    def fraction(self) -> float:
+        """``overlapped / comm`` (HTA's comp_comm_overlap ratio); 0.0 when nothing was communicated."""
+        return self.overlapped / self.comm if self.comm > 0 else 0.0
+
+    @property
+    def exposed(self) -> float:
+        """Communication time not hidden behind computation."""
+        return self.comm - self.overlapped
+
+    def describe(self, more: str = "") -> str:
+        """``overlap 75.0% (3.0 of 4.0 ms communication hidden{more})``, from times in trace microseconds."""
+        hidden_ms, comm_ms = self.overlapped / 1e3, self.comm / 1e3
+        return f"overlap {self.fraction:.1%} ({hidden_ms:.1f} of {comm_ms:.1f} ms communication hidden{more})"
+
+    def __add__(self, other: Overlap) -> Overlap:
+        # Summing over ranks weights each rank by its communication time, as a ratio of sums should.
+        return Overlap(self.comm + other.comm, self.overlapped + other.overlapped)
+
+
+def comm_compute_overlap(comm: Iterable[Interval], compute: Iterable[Interval]) -> Overlap:
+    """HTA's communication/computation overlap of one rank.
+
+    >>> comm_compute_overlap(comm=[(0, 4)], compute=[(2, 10)]).fraction  # 2 of 4 ms hidden
+    0.5
+    """
+    comm = merge(comm)
+    return Overlap(comm=total(comm), overlapped=total(intersect(comm, compute)))
 
 
 @dataclass
@@ -68,9 +97,9 @@ class RankTrace:
     """GPU kernels that are not communication (CUDA traces only; HTA's computation kernels), merged."""
 
     def comm(self, source: str = "auto") -> list[CommEvent]:
-        """Collectives from ``record`` (SyncRecord), ``profiler`` (gloo threads / NCCL kernels), or ``auto``."""
-        if source not in ("auto", "record", "profiler"):
-            raise ValueError(f"comm source {source!r} is not one of 'auto', 'record', 'profiler'")
+        """The rank's collectives from ``source``, one of ``COMM_SOURCES``."""
+        if source not in COMM_SOURCES:
+            raise ValueError(f"comm source {source!r} is not one of {', '.join(map(repr, COMM_SOURCES))}")
         if source == "record" or (source == "auto" and self.record_comm):
             return self.record_comm
         return self.profiler_comm
@@ -94,7 +123,7 @@ class RankTrace:
         return shown[0][1][0], shown[-1][1][1]
 
     def overlap(self, source: str = "auto", window: Interval | None = None) -> Overlap:
-        """HTA overlap of this rank (``lightning_ddp.trace.overlap``) inside ``window`` (default: all steps)."""
+        """HTA overlap of this rank (``comm_compute_overlap``) inside ``window`` (default: all steps)."""
         lo, hi = window if window is not None else self.window()
         comm = clip([(c.start, c.end) for c in self.comm(source)], lo, hi)
         return comm_compute_overlap(comm, clip(self.compute(), lo, hi))
@@ -188,10 +217,7 @@ class RunTraces:
 
     def overlap(self, source: str = "auto", steps: int | None = None) -> Overlap:
         """The run's overlap: communication and overlapped time summed over ranks (a ratio of sums)."""
-        result = Overlap(0.0, 0.0)
-        for rank in self.ranks:
-            result = result + rank.overlap(source, rank.window(steps))
-        return result
+        return sum((rank.overlap(source, rank.window(steps)) for rank in self.ranks), Overlap(0.0, 0.0))
 
 
 def load_run(paths: Iterable[str | Path], label: str | None = None) -> RunTraces:

@@ -9,30 +9,21 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.intervals import intersect
+from lightning_ddp.metrics.comm_track import assign_lanes
 from lightning_ddp.sync import ranges
-from lightning_ddp.trace.chrome import RunTraces, assign_lanes, clip
-from lightning_ddp.trace.overlap import Overlap
+from lightning_ddp.trace.chrome import Overlap, RankTrace, RunTraces, clip
 
-COLORS = {
-    ranges.FORWARD: "#4C72B0",
-    ranges.BACKWARD: "#DD8452",
-    ranges.OPTIMIZER: "#55A868",
-    ranges.GRAD_SYNC: "#B0B0B0",
-    "calls": "#5A1A1A",
-    "comm": "#C44E52",
-    "hidden": "#2F2F2F",
-    "gpu": "#8172B3",
-}
 LEGEND = {
-    ranges.FORWARD: "forward",
-    ranges.BACKWARD: "backward (incl. gradient hooks)",
-    ranges.OPTIMIZER: "optimizer step",
-    ranges.GRAD_SYNC: "finish_gradient_synchronization (waiting)",
-    "calls": "inside a collective call (launch / wait)",
-    "comm": "collective in flight (launch -> completion)",
-    "hidden": "communication hidden behind compute",
-    "gpu": "GPU kernels (not communication)",
+    ranges.FORWARD: ("#4C72B0", "forward"),
+    ranges.BACKWARD: ("#DD8452", "backward (incl. gradient hooks)"),
+    ranges.OPTIMIZER: ("#55A868", "optimizer step"),
+    ranges.GRAD_SYNC: ("#B0B0B0", "finish_gradient_synchronization (waiting)"),
+    "calls": ("#5A1A1A", "inside a collective call (launch / wait)"),
+    "comm": ("#C44E52", "collective in flight (launch -> completion)"),
+    "hidden": ("#2F2F2F", "communication hidden behind compute"),
+    "gpu": ("#8172B3", "GPU kernels (not communication)"),
 }
+"""What each bar is: its colour and its legend."""
 MAX_COMM_LANES = 4
 """Concurrent collectives are stacked in up to this many sub-lanes of the communication row."""
 
@@ -56,11 +47,7 @@ class Timeline:
     overlaps: dict[str, Overlap]
 
     def summary(self) -> str:
-        return "\n".join(
-            f"{label}: overlap {o.fraction:.1%} "
-            f"({o.overlapped / 1e3:.1f} of {o.comm / 1e3:.1f} ms communication hidden)"
-            for label, o in self.overlaps.items()
-        )
+        return "\n".join(f"{label}: {overlap.describe()}" for label, overlap in self.overlaps.items())
 
 
 def render_timeline(
@@ -69,13 +56,9 @@ def render_timeline(
     steps: int | None = None,
     comm_source: str = "auto",
     title: str | None = None,
-    dpi: int = 120,
 ) -> Timeline:
-    """Draw ``runs`` (stacked, shared ms axis) into ``output`` (PNG, or any format matplotlib infers).
-
-    ``steps``: only each rank's first ``steps`` recorded steps (None: all). ``comm_source``: ``record`` (the
-    SyncRecord track), ``profiler`` (gloo threads / NCCL kernels) or ``auto`` (the track where there is one).
-    """
+    """Draw ``runs`` (stacked, shared ms axis) into ``output`` (PNG, or any format matplotlib infers); ``steps``:
+    only each rank's first ``steps`` recorded steps (None: all); ``comm_source``: one of ``chrome.COMM_SOURCES``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,14 +84,14 @@ def render_timeline(
         x_max = max(x_max, run_end)
     axes[-1, 0].set_xlim(0, x_max * 1.01)
     axes[-1, 0].set_xlabel("time since the run's first recorded step (ms)")
-    handles = [Patch(facecolor=COLORS[key], label=LEGEND[key]) for key in LEGEND if key != "gpu" or gpu_rows]
+    handles = [Patch(facecolor=color, label=text) for key, (color, text) in LEGEND.items() if key != "gpu" or gpu_rows]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle(title or "Compute vs gradient communication (overlap = time computing while communicating / "
                           "communication time, as in HTA)", fontsize=11)
     fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))  # keep ~0.5 inch at the bottom for the legend
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=dpi)
+    fig.savefig(output, dpi=120)
     plt.close(fig)
     return Timeline(output, rows, overlaps)
 
@@ -130,13 +113,11 @@ def _draw_run(panel: _Panel, run: RunTraces, steps: int | None) -> tuple[Overlap
     ax, per_rank = panel.ax, panel.per_rank
     windows = {r.rank: r.window(steps) for r in run.ranks}
     t0 = min(lo for lo, _ in windows.values())
-    total = Overlap(0.0, 0.0)
     yticks: list[float] = []
     ylabels: list[str] = []
     for index, rank in enumerate(run.ranks):
         base = per_rank * (len(run.ranks) - 1 - index)  # rank 0 on top
-        overlap = _draw_rank(panel, rank, windows[rank.rank], t0, base, yticks, ylabels)
-        total = total + overlap
+        _draw_rank(panel, rank, windows[rank.rank], t0, base, yticks, ylabels)
         if index == 0:  # step boundaries, from the top rank
             for step, (start, _) in rank.steps[:steps]:
                 ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
@@ -145,17 +126,15 @@ def _draw_run(panel: _Panel, run: RunTraces, steps: int | None) -> tuple[Overlap
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.set_ylim(-0.2, per_rank * len(run.ranks) + 0.25)
     ax.grid(axis="x", linewidth=0.4, alpha=0.5)
-    ax.set_title(
-        f"{panel.label}: overlap {total.fraction:.1%}  ({total.overlapped / 1e3:.1f} of {total.comm / 1e3:.1f} ms "
-        f"communication hidden behind compute, {len(run.ranks)} ranks)",
-        fontsize=10, loc="left",
-    )
+    total = run.overlap(panel.comm_source, steps)
+    title = total.describe(f" behind compute, {len(run.ranks)} ranks")
+    ax.set_title(f"{panel.label}: {title}", fontsize=10, loc="left")
     return total, max((hi - t0) / 1e3 for _, hi in windows.values())
 
 
-def _draw_rank(panel: _Panel, rank: Any, window: tuple[float, float], t0: float, base: float,
-               yticks: list[float], ylabels: list[str]) -> Overlap:
-    """One rank's compute row, GPU row (on CUDA) and communication row; returns its overlap."""
+def _draw_rank(panel: _Panel, rank: RankTrace, window: tuple[float, float], t0: float, base: float,
+               yticks: list[float], ylabels: list[str]) -> None:
+    """One rank's compute row, GPU row (on CUDA) and communication row."""
     ax, label, lo, hi = panel.ax, panel.label, window[0], window[1]
     ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
     compute_y, gpu_y, comm_y = base + panel.per_rank - 1.2, base + 1.2, base
@@ -163,15 +142,15 @@ def _draw_rank(panel: _Panel, rank: Any, window: tuple[float, float], t0: float,
     bars = 0
     for name in (ranges.FORWARD, ranges.BACKWARD, ranges.OPTIMIZER, ranges.GRAD_SYNC):
         spans = clip(rank.ranges.get(name, []), lo, hi)
-        ax.broken_barh(ms(spans), (compute_y, 1.0), facecolors=COLORS[name], edgecolor="none")
+        ax.broken_barh(ms(spans), (compute_y, 1.0), facecolors=LEGEND[name][0], edgecolor="none")
         bars += len(spans)
     # the thread's time inside collective calls (not compute): a strip along the row's bottom
     calls = clip([i for name in (ranges.COMM_LAUNCH, ranges.COMM_WAIT) for i in rank.ranges.get(name, [])], lo, hi)
-    ax.broken_barh(ms(calls), (compute_y, 0.2), facecolors=COLORS["calls"], edgecolor="none")
+    ax.broken_barh(ms(calls), (compute_y, 0.2), facecolors=LEGEND["calls"][0], edgecolor="none")
     panel.rows.append(Row(label, rank.rank, "compute", bars))
     if panel.gpu_rows:  # the GPU's own view: what overlap counts as compute on CUDA
         kernels = clip(rank.gpu_compute, lo, hi)
-        ax.broken_barh(ms(kernels), (gpu_y, 1.0), facecolors=COLORS["gpu"], edgecolor="none")
+        ax.broken_barh(ms(kernels), (gpu_y, 1.0), facecolors=LEGEND["gpu"][0], edgecolor="none")
         panel.rows.append(Row(label, rank.rank, "gpu", len(kernels)))
     # communication row: each collective from launch to completion, concurrent ones in sub-lanes
     comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(panel.comm_source) if c.end > lo and c.start < hi]
@@ -180,16 +159,15 @@ def _draw_rank(panel: _Panel, rank: Any, window: tuple[float, float], t0: float,
     lane_h = 0.78 / n_lanes
     for lane in range(n_lanes):
         spans = [interval for interval, assigned in zip(comm, lanes) if assigned % n_lanes == lane]
-        ax.broken_barh(ms(spans), (comm_y + 0.22 + lane * lane_h, lane_h), facecolors=COLORS["comm"],
+        ax.broken_barh(ms(spans), (comm_y + 0.22 + lane * lane_h, lane_h), facecolors=LEGEND["comm"][0],
                        edgecolor="white", linewidth=0.3)
     hidden = intersect(comm, clip(rank.compute(), lo, hi))
-    ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=COLORS["hidden"], edgecolor="none")
+    ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=LEGEND["hidden"][0], edgecolor="none")
     panel.rows.append(Row(label, rank.rank, "comm", len(comm)))
     overlap = rank.overlap(panel.comm_source, (lo, hi))
     yticks += [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if panel.gpu_rows else [])
     ylabels += [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
     ylabels += [f"rank {rank.rank} GPU"] if panel.gpu_rows else []
-    return overlap
 
 
 def _unique(labels: list[str]) -> list[str]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lightning_ddp.metrics.accounting import StepTiming, TimingSummary, step_metrics
-from lightning_ddp.metrics.clock_offset import ClockOffset, RoundTrip, estimate_offset
 from lightning_ddp.metrics.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.slow_rank import SlowRank
-from lightning_ddp.metrics.straggler import attribute_wait, clock_note, rank_vector
+from lightning_ddp.metrics.straggler import (ClockOffset, RoundTrip, attribute_wait, clock_note, estimate_offset,
+                                             rank_vector)
 from lightning_ddp.sync.record import Collective, SyncRecord
 
 approx = pytest.approx
