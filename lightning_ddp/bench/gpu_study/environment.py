@@ -2,22 +2,20 @@
 
 Its own process, so the study's process never creates a CUDA context. Records the devices (name, memory, SMs,
 compute capability, MIG slice, the hardware table's row), the driver, torch / CUDA / cuDNN / NCCL, Lightning,
-Python, the host and the git state of the code.
+Python, the host and the git state of the code (``bench.study.provenance``).
 """
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from lightning_ddp.files import write_json_atomically
-from lightning_ddp.provenance import cpu_model, package_version
+from lightning_ddp.provenance import package_version
 
 __all__ = ["describe"]
 
@@ -57,12 +55,13 @@ def _gpu(index: int) -> dict[str, Any]:
     }
 
 
-def describe(device: str = "cuda") -> dict[str, Any]:
-    """Everything in the module docstring, for ``device`` (``cuda``: every visible GPU; ``cpu``: the host only)."""
+def describe(device: str = "cuda", out: str | None = None) -> dict[str, Any]:
+    """Everything in the module docstring, for ``device`` (``cuda``: every visible GPU; ``cpu``: the host only);
+    ``out``, where it is written, does not make the tree dirty."""
     import torch
 
+    from lightning_ddp.bench.study import provenance
     from lightning_ddp.memory import memory_budget_bytes
-    from lightning_ddp.provenance import git_state
 
     cuda = device == "cuda" and torch.cuda.is_available()
     nccl = None
@@ -76,36 +75,19 @@ def describe(device: str = "cuda") -> dict[str, Any]:
         driver_api = torch._C._cuda_getDriverVersion() if cuda else None  # e.g. 12040 for CUDA 12.4
     except (AttributeError, RuntimeError):
         driver_api = None
-    return {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": "cuda" if cuda else "cpu",
-        "gpus": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        "nvidia_driver": _nvidia_smi("driver_version") if cuda else None,
-        "cuda_driver_api": driver_api,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "nccl": nccl,
-        "lightning": package_version("lightning"),
-        "jsonargparse": package_version("jsonargparse"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "hostname": platform.node(),
-        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
-        "memory_budget_bytes": memory_budget_bytes("cuda" if cuda else "cpu", 1),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        **git_state(),
-    }
+    return provenance(
+        out, device="cuda" if cuda else "cpu", gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        nvidia_driver=_nvidia_smi("driver_version") if cuda else None, cuda_driver_api=driver_api,
+        torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None, nccl=nccl,
+        jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
+        memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+    )
 
 
 def main(out: str, device: str = "cuda") -> int:
-    """Describe the machine and write it to ``out``.
-
-    Args:
-        out: Where the description goes (JSON).
-        device: ``cuda`` (the GPU, its driver and libraries) or ``cpu`` (a dry run's machine).
-    """
-    write_json_atomically(Path(out), describe(device), default=str)
+    """Describe the machine for ``device`` (``cuda`` or ``cpu``, a dry run's) and write it to ``out`` (JSON)."""
+    write_json_atomically(Path(out), describe(device, str(Path(out).parent)), default=str)
     return 0
 
 

@@ -1,8 +1,6 @@
-"""``results.md``: the page to read first, built from ``stages.json`` and each stage's ``<name>.json`` only.
-
-``build_report(document, out_dir)`` only reads files and formats, so a study cut off halfway, or copied off the GPU
-machine, renders what it has: one section per stage, with the published 2-GPU xl runs
-(``lightning_ddp.projection.published``) beside our numbers where they answer the same question.
+"""``results.md``, built from ``stages.json`` and each stage's ``<name>.json`` only (a study cut off halfway, or
+copied off the GPU machine, renders what it has): one section per stage, with the published 2-GPU xl runs beside
+our numbers where they answer the same question.
 """
 
 from __future__ import annotations
@@ -27,9 +25,6 @@ ONE_GPU_CAVEAT = (
 )
 
 
-# ---- formatting --------------------------------------------------------------------------------------------------
-
-
 def _fmt(value: Any, spec: str = ",.1f", scale: float = 1.0, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
@@ -39,8 +34,8 @@ def _fmt(value: Any, spec: str = ",.1f", scale: float = 1.0, suffix: str = "") -
 
 
 def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
-    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), the best bucket
-    size for a bucketed one; ``–`` where there is none."""
+    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), at its best
+    bucket size; ``–`` where there is none."""
     runs = [r for r in PUBLISHED_RUNS if r.strategy == strategy and r.batch_size == batch and r.seq_len == seq_len]
     if not runs:
         return "–"
@@ -50,8 +45,12 @@ def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
 
 
 def _status(row: dict[str, Any], why: str = "error") -> str:
-    """``ok``, else the status and why."""
     return row.get("status") if row.get("status") == "ok" else f"{row.get('status')}: {row.get(why)}"
+
+
+def _cells(row: dict[str, Any], columns: tuple[tuple[str, str], ...]) -> list[str]:
+    """``row``'s values of ``columns`` (key, format spec), formatted."""
+    return [_fmt(row.get(key), spec) for key, spec in columns]
 
 
 def _gib(value: Any) -> str:
@@ -63,9 +62,6 @@ def _read(out: Path, name: str) -> dict[str, Any] | None:
         return json.loads((out / f"{name}.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-# ---- one renderer per stage ----------------------------------------------------------------------------------------
 
 
 def _environment(data: dict[str, Any]) -> list[str]:
@@ -128,13 +124,10 @@ def _compute(data: dict[str, Any]) -> list[str]:
 
 
 def _strategies(data: dict[str, Any]) -> list[str]:
-    rows = []
-    for name, row in (data.get("rows") or {}).items():
-        rows.append([name, _status(row),
-                     _fmt(row.get("step/time_ms")), _fmt(row.get("overhead_vs_ddp"), "+.1%"),
-                     _fmt(row.get("comm/exposed_ms"), ",.2f"), _fmt(row.get("comm/calls"), ",.0f"),
-                     _fmt(row.get("step/mfu"), ".1%"), _fmt(row.get("memory/peak_MiB"), ",.0f"),
-                     _published_cell(name)])
+    columns = (("step/time_ms", ",.1f"), ("overhead_vs_ddp", "+.1%"), ("comm/exposed_ms", ",.2f"),
+               ("comm/calls", ",.0f"), ("step/mfu", ".1%"), ("memory/peak_MiB", ",.0f"))
+    rows = [[name, _status(row), *_cells(row, columns), _published_cell(name)]
+            for name, row in (data.get("rows") or {}).items()]
     head = (f"{data.get('preset')} preset, batch {data.get('batch')} x {data.get('seq_len')} tokens, "
             f"{data.get('precision')}, one rank ({data.get('backend')}), median of "
             f"{data.get('steps', 0) - data.get('warmup', 0)} steps after {data.get('warmup')}. At world size 1 "
@@ -154,11 +147,10 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
              "off). Adam does not see a gradient's scale, so a sum instead of an average is the cuda tier's to "
              "catch (it compares the gradients).", "",
              f"Tolerances: {eq.get('tolerance_origin', '–')}", ""]
+    columns = (("off_fraction", ".3%"), ("tolerance", ".2%"), ("median_updates", ".1e"), ("p99_updates", ".1e"))
     headers = ["strategy", "status", "weights off", "tolerance", "median", "99th pct", "largest (tensor)", "equal"]
     lines += table(headers,
-                   [[name, _status(row),
-                     _fmt(row.get("off_fraction"), ".3%"), _fmt(row.get("tolerance"), ".2%"),
-                     _fmt(row.get("median_updates"), ".1e"), _fmt(row.get("p99_updates"), ".1e"),
+                   [[name, _status(row), *_cells(row, columns),
                      f"{_fmt(row.get('max_updates'), '.2g')} ({_fmt(row.get('worst_tensor'))})",
                      {True: "yes", False: "**no**"}.get(row.get("equal"), "–")]
                     for name, row in (eq.get("rows") or {}).items()])
@@ -170,8 +162,8 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
                    [[r.get("strategy"), _fmt(r.get("resolved_bucket_size_mb") or r.get("bucket_size_mb"), ".3g"),
                      f"{r.get('batch_size')} x {r.get('context_length')}",
                      _status(r, why="reason"),
-                     _fmt(r.get("step_ms_median")), _fmt(r.get("comm_share"), ".1%"), _fmt(r.get("overlap"), ".0%"),
-                     _fmt(r.get("tokens_per_s"), ",.0f"),
+                     *_cells(r, (("step_ms_median", ",.1f"), ("comm_share", ".1%"), ("overlap", ".0%"),
+                                 ("tokens_per_s", ",.0f"))),
                      _published_cell(str(r.get("strategy")), int(r.get("batch_size") or 0),
                                      int(r.get("context_length") or 0))]
                     for r in sweep]) if sweep else ["No sweep cell finished."]
@@ -201,8 +193,8 @@ def _ready_times(data: dict[str, Any]) -> list[str]:
         lines += [f"Projected to 2 x {projection.get('gpu')} over `{network}` (best bucket size per strategy), beside "
                   "the published 2-GPU xl runs at the same batch and context:", ""]
         lines += table(["strategy", "bucket MB", "step ms", "exposed ms", "comm share", "published 2-GPU xl"],
-                       [[r.get("strategy"), _fmt(r.get("bucket_size_mb"), "g"), _fmt(r.get("step_ms")),
-                         _fmt(r.get("exposed_comm_ms")), _fmt(r.get("comm_share"), ".1%"),
+                       [[r.get("strategy"), *_cells(r, (("bucket_size_mb", "g"), ("step_ms", ",.1f"),
+                                                         ("exposed_comm_ms", ",.1f"), ("comm_share", ".1%"))),
                          _published_cell(str(r.get("strategy")), batch, seq_len)]
                         for r in projection.get("rows") or []])
         lines.append("")
@@ -223,9 +215,6 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "environment": _environment, "cuda_tests": _cuda_tests, "compute": _compute, "strategies": _strategies,
     "one_gpu_pair": _one_gpu_pair, "traces": _traces, "ready_times": _ready_times, "timer_overhead": _timer_overhead,
 }
-
-
-# ---- the page ------------------------------------------------------------------------------------------------------
 
 
 def _calls_line(document: dict[str, Any]) -> str:
