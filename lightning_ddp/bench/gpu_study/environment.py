@@ -7,8 +7,8 @@ Python, the host and the git state of the code (``bench.study.provenance``).
 
 from __future__ import annotations
 
+import dataclasses
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +20,11 @@ from lightning_ddp.provenance import package_version
 __all__ = ["describe"]
 
 
-def _nvidia_smi(query: str) -> str | None:
-    """One ``nvidia-smi --query-gpu`` field of the first GPU, or None without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return None
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (``nvidia-smi``), or None without nvidia-smi."""
     try:
-        proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=20)
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = proc.stdout.strip().splitlines()
@@ -48,10 +46,7 @@ def _gpu(index: int) -> dict[str, Any]:
         "uuid": str(getattr(p, "uuid", "")) or None,
         "mig_profile": mig_profile(p.name),
         "compute_share": compute_share(p.name, p.multi_processor_count),
-        "hardware_table": None if spec is None else {
-            "key": spec.key, "dense_tflops": spec.dense_tflops, "memory_GBps": spec.memory_GBps,
-            "memory_GB": spec.memory_GB, "sm_count": spec.sm_count, "source": spec.source,
-        },
+        "hardware_table": None if spec is None else dataclasses.asdict(spec),
     }
 
 
@@ -76,8 +71,9 @@ def describe(device: str = "cuda", out: str | None = None) -> dict[str, Any]:
     except (AttributeError, RuntimeError):
         driver_api = None
     return provenance(
-        out, device="cuda" if cuda else "cpu", gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        nvidia_driver=_nvidia_smi("driver_version") if cuda else None, cuda_driver_api=driver_api,
+        out, device="cuda" if cuda else "cpu",
+        gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        nvidia_driver=_nvidia_driver() if cuda else None, cuda_driver_api=driver_api,
         torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None, nccl=nccl,
         jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
         memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),

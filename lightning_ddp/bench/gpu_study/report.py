@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_ddp.bench.study import read_json
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 from lightning_ddp.projection.tables import markdown_table as table
 
@@ -17,20 +18,16 @@ __all__ = ["build_report"]
 
 GiB = 2**30
 ONE_GPU_CAVEAT = (
-    "**Two ranks on one GPU time-slice it.** Where two ranks share the GPU (stages `one_gpu_pair` and `traces`), "
-    "their kernels take turns and their gradients go through the host over gloo: those step times are not 2-GPU "
-    "step times and their communication is not NVLink's or PCIe's. What transfers to a real 2-GPU run is "
-    "correctness (every strategy equals one process), the CUDA code paths (they ran), and the compute figures of "
-    "one GPU (stages `compute`, `strategies`, `ready_times`), from which `ready_times` projects 2 GPUs."
+    "**Two ranks on one GPU time-slice it.** The step times of stages `one_gpu_pair` and `traces` are not 2-GPU "
+    "step times. What transfers is correctness, the CUDA code paths and the compute figures of one GPU, from which "
+    "`ready_times` projects 2 GPUs (docs/gpu.md, \"Reading the 2-rank numbers\")."
 )
 
 
-def _fmt(value: Any, spec: str = ",.1f", scale: float = 1.0, suffix: str = "") -> str:
+def _fmt(value: Any, spec: str = ",.1f") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
-    if isinstance(value, (int, float)):
-        return f"{value * scale:{spec}}{suffix}"
-    return str(value)
+    return f"{value:{spec}}" if isinstance(value, (int, float)) else str(value)
 
 
 def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
@@ -57,19 +54,12 @@ def _gib(value: Any) -> str:
     return _fmt(value / GiB if value else None, ".1f")
 
 
-def _read(out: Path, name: str) -> dict[str, Any] | None:
-    try:
-        return json.loads((out / f"{name}.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def _environment(data: dict[str, Any]) -> list[str]:
     rows = []
     for gpu in data.get("gpus") or []:
         hw = gpu.get("hardware_table") or {}
         peaks = hw.get("dense_tflops") or {}
-        rows.append([gpu["name"], _fmt(gpu["total_memory_bytes"] / GiB, ".1f", suffix=" GiB"), gpu["sm_count"],
+        rows.append([gpu["name"], _gib(gpu["total_memory_bytes"]) + " GiB", gpu["sm_count"],
                      gpu["compute_capability"], hw.get("key", "not in the table"),
                      f"{_fmt(peaks.get('bf16'), ',.1f')} / {_fmt(peaks.get('fp32'), ',.1f')}",
                      f"{gpu['mig_profile'][0]}g.{gpu['mig_profile'][1]}gb" if gpu.get("mig_profile") else "no"])
@@ -130,10 +120,9 @@ def _strategies(data: dict[str, Any]) -> list[str]:
             for name, row in (data.get("rows") or {}).items()]
     head = (f"{data.get('preset')} preset, batch {data.get('batch')} x {data.get('seq_len')} tokens, "
             f"{data.get('precision')}, one rank ({data.get('backend')}), median of "
-            f"{data.get('steps', 0) - data.get('warmup', 0)} steps after {data.get('warmup')}. At world size 1 "
-            "nothing crosses a wire: the step over ddp's is what each strategy's hooks, copies and bookkeeping cost. "
-            "The last column is the published 2-GPU xl run of the same algorithm (batch 4, context 512; step and "
-            "the share of it waiting for communication), for scale only.")
+            f"{data.get('steps', 0) - data.get('warmup', 0)} steps after {data.get('warmup')}: the step over ddp's "
+            "is what each strategy's hooks cost. Last column, for scale only: the published 2-GPU xl run (batch 4, "
+            "context 512; step, and its share waiting for communication).")
     return [head, ""] + table(["strategy", "status", "step ms", "vs ddp", "exposed ms", "calls", "MFU", "peak MiB",
                                "published 2-GPU xl"], rows)
 
@@ -143,9 +132,7 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
     lines = [f"**Equivalence** ({eq.get('preset')} preset, fp32, {eq.get('steps')} steps at lr {eq.get('lr')}): each "
              f"strategy on 2 ranks with batch {eq.get('per_rank_batch')} each against one process with batch "
              f"{2 * (eq.get('per_rank_batch') or 0)}, the same samples. Weight differences in updates (lr x steps); "
-             "*off*: more than 0.1 update (a rank's gradient missing from the average leaves about half the weights "
-             "off). Adam does not see a gradient's scale, so a sum instead of an average is the cuda tier's to "
-             "catch (it compares the gradients).", "",
+             "*off*: more than 0.1 update (docs/gpu.md, \"How the stages measure\").", "",
              f"Tolerances: {eq.get('tolerance_origin', '–')}", ""]
     columns = (("off_fraction", ".3%"), ("tolerance", ".2%"), ("median_updates", ".1e"), ("p99_updates", ".1e"))
     headers = ["strategy", "status", "weights off", "tolerance", "median", "99th pct", "largest (tensor)", "equal"]
@@ -204,8 +191,7 @@ def _ready_times(data: dict[str, Any]) -> list[str]:
 def _timer_overhead(data: dict[str, Any]) -> list[str]:
     return [f"{data.get('preset')} preset, {data.get('repeats')} off/on pairs of {data.get('steps')} steps "
             f"({data.get('warmup')} left out): median step {_fmt(data.get('median_step_ms_timer_off'), ',.2f')} ms "
-            "off, "
-            f"{_fmt(data.get('median_step_ms_timer_on'), ',.2f')} ms on: overhead "
+            f"off, {_fmt(data.get('median_step_ms_timer_on'), ',.2f')} ms on: overhead "
             f"{_fmt(data.get('overhead'), '+.2%')} [95 %: {_fmt(data.get('overhead_lo'), '+.2%')}, "
             f"{_fmt(data.get('overhead_hi'), '+.2%')}], goal < 2 %: **{data.get('verdict')}**; over whole runs "
             f"{_fmt(data.get('window_overhead'), '+.2%')}."]
@@ -232,7 +218,7 @@ def _calls_line(document: dict[str, Any]) -> str:
 
 def build_report(document: dict[str, Any], out: Path) -> str:
     """results.md for ``document`` (the stages.json dict), reading each stage's ``<name>.json`` from ``out``."""
-    environment = _read(out, "environment") or {}
+    environment = read_json(out / "environment.json", missing_ok=True) or {}
     gpus = environment.get("gpus") or []
     device = gpus[0]["name"] if gpus else document.get("device", "?")
     title = "GPU study" + (" (CPU dry run: tiny preset, no CUDA)" if document.get("cpu_dry_run") else f" on {device}")
@@ -247,7 +233,7 @@ def build_report(document: dict[str, Any], out: Path) -> str:
                      _fmt(e.get("estimate_s"), ",.0f"), e.get("error") or ""] for e in document.get("stages", [])])
     for entry in document.get("stages", []):
         lines += ["", f"## {entry['name']}", "", f"*{entry['title']}.* {entry.get('shows', '')}", ""]
-        data = _read(out, entry["name"])
+        data = read_json(out / f"{entry['name']}.json", missing_ok=True)
         if entry["status"] in ("pending", "running") or data is None:
             lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
             continue

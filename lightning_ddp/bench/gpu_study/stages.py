@@ -217,24 +217,31 @@ def environment(ctx: StudyContext) -> StageResult:
     return StageResult(data=data, files=["environment.json"])
 
 
+def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """``{"tests", "passed", "failed", "errors", "skipped", "failures": [{"test", "message"}]}`` of (test, outcome,
+    message) triples."""
+    counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+    for _, outcome, _ in outcomes:
+        counts[outcome] += 1
+    failures = [{"test": test, "message": message} for test, outcome, message in outcomes
+                if outcome in ("failed", "errors")]
+    return {"tests": len(outcomes), **counts, "failures": failures}
+
+
 def read_junit(path: Path) -> dict[str, Any]:
-    """Counts and failures of a pytest ``--junitxml`` report: ``{"tests", "passed", "failed", "errors",
-    "skipped", "failures": [{"test", "message"}]}``."""
-    root = ET.parse(path).getroot()
-    cases = list(root.iter("testcase"))
-    failures, counts = [], {"failed": 0, "errors": 0, "skipped": 0}
-    for case in cases:
+    """The counts and failures (``_tally``) of a pytest ``--junitxml`` report."""
+    outcomes = []
+    for case in ET.parse(path).getroot().iter("testcase"):
         test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome, message = "passed", ""
         for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
             element = case.find(tag)
             if element is not None:
-                counts[key] += 1
-                if key != "skipped":
-                    message = (element.get("message") or element.text or "").strip().splitlines()
-                    failures.append({"test": test, "message": message[0][:300] if message else ""})
+                lines = (element.get("message") or element.text or "").strip().splitlines()
+                outcome, message = key, lines[0][:300] if lines else ""
                 break
-    passed = len(cases) - sum(counts.values())
-    return {"tests": len(cases), "passed": passed, **counts, "failures": failures}
+        outcomes.append((test, outcome, message))
+    return _tally(outcomes)
 
 
 _OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
@@ -243,14 +250,8 @@ _OUTCOME_KEY = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERRO
 
 
 def outcomes_from_log(text: str) -> dict[str, Any]:
-    """Counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    failures = []
-    for test, outcome in _OUTCOME.findall(text):
-        counts[_OUTCOME_KEY[outcome]] += 1
-        if outcome in ("FAILED", "ERROR"):
-            failures.append({"test": test, "message": outcome.lower()})
-    return {"tests": sum(counts.values()), **counts, "failures": failures}
+    """The counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
+    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in _OUTCOME.findall(text)])
 
 
 def _tier_problems(data: dict[str, Any], summary_line: str, timed_out: bool) -> list[str]:
