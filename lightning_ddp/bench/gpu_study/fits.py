@@ -17,16 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.launch import (
-    RankLayout,
-    error_line,
-    find_free_port,
-    fit_command,
-    is_oom,
-    rank_environments,
-    read_timing_summary,
-    run_processes,
-)
+from lightning_ddp.bench.launch import (RankLayout, error_line, find_free_port, fit_command, is_oom, rank_environments,
+                                        read_timing_summary, run_processes)
 from lightning_ddp.files import write_json_atomically
 
 __all__ = ["FitResult", "FitSpec", "run_fits"]
@@ -149,8 +141,7 @@ def _run_one(args: list[str], log_dir: Path) -> tuple[str, str]:
     from lightning_ddp.cli import main as cli_main
 
     try:
-        cli = cli_main(fit_command([*args, "--trainer.enable_progress_bar", "false"], log_dir)[3:])
-        del cli
+        cli_main(fit_command([*args, "--trainer.enable_progress_bar", "false"], log_dir)[3:])  # the CLI not kept
     except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -160,17 +151,10 @@ def _run_one(args: list[str], log_dir: Path) -> tuple[str, str]:
     return "ok", ""
 
 
-def _free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
 def main(plan_path: str) -> int:
     """Run the fits of the plan file ``plan_path`` (written by ``run_fits``) in this process, one after another."""
+    import torch
+
     plan = json.loads(Path(plan_path).read_text())
     out_dir = Path(plan["out_dir"])
     rank = int(os.environ.get("RANK", "0"))
@@ -183,7 +167,10 @@ def main(plan_path: str) -> int:
         start = time.perf_counter()
         status, error = _run_one(fit["args"], log_dir)
         seconds = time.perf_counter() - start
-        _free_memory()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         if rank == 0:
             write_json_atomically(log_dir / RESULT_FILE, {"status": status, "error": error, "seconds": seconds})
         if status != "ok" and plan["stop_on_failure"]:

@@ -188,7 +188,8 @@ FIT_KEYS = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms
 
 
 def _fit_row(result: FitResult) -> dict[str, Any]:
-    """``FIT_KEYS``'s medians of one fit; ``"not recorded"`` where its timer could not measure a key."""
+    """``FIT_KEYS``'s medians of one fit; ``"not recorded"`` where its timer could not measure a key (the summary's
+    ``not_recorded``: fsdp2's and ddp's busy time and overlap)."""
     summary = result.summary or {}
     not_recorded = set(summary.get("not_recorded") or ())
     row: dict[str, Any] = {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1)}
