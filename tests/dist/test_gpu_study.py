@@ -44,6 +44,11 @@ STAGE_NAMES = [s.name for s in STAGES]
 # ---- the stage table ---------------------------------------------------------------------------------------------
 
 
+def test_the_stages_run_in_the_documented_order() -> None:
+    assert STAGE_NAMES == ["environment", "cuda_tests", "compute", "strategies", "one_gpu_pair", "traces",
+                           "ready_times", "timer_overhead"]
+
+
 def test_the_estimates_fit_two_calls_of_the_default_budget() -> None:
     # A GPU machine gives ~30 minutes in commands of at most 10: README's recipe is two calls of 9 minutes (the
     # default budget), each with a minute to spare for installing wheels and writing the archive.
