@@ -10,7 +10,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-__all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "Scale", "scale_of"]
+__all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "STAGE_NAMES", "Scale", "scale_of"]
+
+STAGE_NAMES: tuple[str, ...] = (
+    "environment", "cuda_tests", "compute", "strategies", "one_gpu_pair", "traces", "ready_times", "timer_overhead",
+)
+"""The stages, in the order they run (``stages.STAGES`` defines them; a test keeps the two lists equal)."""
 
 
 @dataclass(frozen=True)
@@ -84,14 +89,11 @@ class GPUStudyConfig:
         if not self.budget_min > 0:
             raise ValueError(f"`--budget_min` must be > 0 minutes, got {self.budget_min}; e.g. `--budget_min 9`")
         if self.stages is not None:
-            from lightning_ddp.bench.gpu_study.stages import STAGES  # not at the top: stages imports this module
-
-            names = [stage.name for stage in STAGES]
-            unknown = [s for s in self.stages if s not in names]
+            unknown = [s for s in self.stages if s not in STAGE_NAMES]
             if unknown:
-                raise ValueError(f"unknown stage {unknown[0]!r} in `--stages`; choose from {', '.join(names)}")
+                raise ValueError(f"unknown stage {unknown[0]!r} in `--stages`; choose from {', '.join(STAGE_NAMES)}")
             if not self.stages:
-                raise ValueError(f"`--stages` is empty; list one or more of {', '.join(names)}, or leave it out")
+                raise ValueError(f"`--stages` is empty; list one or more of {', '.join(STAGE_NAMES)}, or leave it out")
         if self.archive is not None and not self.archive.endswith(".tar.gz"):
             raise ValueError(f"`--archive` must name a .tar.gz file, got {self.archive!r}; "
                              "e.g. `--archive study.tar.gz`")
