@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.gpu_study.__main__ import main
+from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
+from lightning_ddp.bench.gpu_study.archive import select_files
+from lightning_ddp.bench.gpu_study.compute import batch_candidates, first_that_fits
 from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, STAGE_NAMES, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
 from lightning_ddp.bench.gpu_study.report import build_report
@@ -69,10 +71,13 @@ def test_only_the_test_tier_cannot_rehearse_on_cpu() -> None:
 
 
 def test_the_scales_differ_in_size_not_in_shape() -> None:
-    assert (GPU_SCALE.device, GPU_SCALE.compute_preset, GPU_SCALE.compute_seq_len) == ("cuda", "xl", 512)
-    assert (GPU_SCALE.profile_preset, GPU_SCALE.profile_batch, GPU_SCALE.profile_seq_len) == ("xl", 4, 512)
+    assert (GPU_SCALE.device, GPU_SCALE.compute["preset"], GPU_SCALE.compute["seq_len"]) == ("cuda", "xl", 512)
+    assert (GPU_SCALE.profile["preset"], GPU_SCALE.profile["batch"], GPU_SCALE.profile["seq_len"]) == ("xl", 4, 512)
     assert DRY_RUN_SCALE.device == "cpu"
-    assert {DRY_RUN_SCALE.compute_preset, DRY_RUN_SCALE.strategies_preset} == {"tiny"}
+    assert {DRY_RUN_SCALE.compute["preset"], DRY_RUN_SCALE.strategies["preset"]} == {"tiny"}
+    # Every stage's fits take the same keyword arguments at both scales.
+    for stage in ("compute", "strategies", "traces", "profile", "overhead"):
+        assert getattr(GPU_SCALE, stage).keys() == getattr(DRY_RUN_SCALE, stage).keys(), stage
 
 
 # ---- the orchestration, with fake stages ---------------------------------------------------------------------------
@@ -281,6 +286,10 @@ def test_a_missing_package_is_one_line_before_anything_imports_it(tmp_path: Path
     assert not (tmp_path / "study").exists()  # nothing started
 
 
+def test_missing_packages_are_found_without_importing_them() -> None:
+    assert missing_packages({"json": "json", "no_such_module_here": "no-such-dist"}) == ["no-such-dist"]
+
+
 def test_without_cuda_only_a_dry_run_may_start(tmp_path: Path) -> None:
     config = GPUStudyConfig(out=str(tmp_path / "study"), root=str(REPO))
     with pytest.raises(ValueError, match="--cpu_dry_run true"):
@@ -329,6 +338,7 @@ def test_a_tier_cut_off_before_its_report_is_counted_from_the_verbose_log() -> N
     assert {k: data[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == dict(
         tests=3, passed=1, failed=1, errors=0, skipped=1)
     assert data["failures"] == [{"test": "tests/gpu/test_a.py::test_two", "message": "failed"}]
+    assert outcomes_from_log("tests/a.py::test_x PASSED [ 50%]\ntests/a.py::test_y FAILED [100%]\n")["failed"] == 1
 
 
 @pytest.mark.multiprocess  # one pytest subprocess collecting the tier (~10 s)
@@ -343,7 +353,39 @@ def test_the_cuda_tests_stage_runs_the_tier_and_says_when_nothing_ran(tmp_path: 
     assert set(result.files) == {"cuda_tests.xml", "cuda_tests.log"}
 
 
+def test_the_archive_keeps_the_smallest_files_that_fit(tmp_path: Path) -> None:
+    for name, size in [("stages.json", 10), ("a/weights.pt", 50), ("b/big.json", 40), ("b/c.csv", 30)]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * size)
+    contents = select_files(tmp_path, limit=45, file_limit=100)
+    assert (contents.files, contents.left_out, contents.size_bytes) == (
+        ["b/c.csv", "stages.json"], ["b/big.json (40 B: the archive would pass 45 B)"], 40)
+
+
+def test_compute_steps_down_from_the_preflight_batch_on_out_of_memory_errors() -> None:
+    assert batch_candidates(10) == [10, 8, 6, 4, 3, 2, 1] and batch_candidates(1) == [1]
+    freed = []
+
+    def attempt(batch: int) -> dict:
+        if batch > 6:
+            raise MemoryError("out of memory")
+        return {"batch": batch}
+
+    assert first_that_fits([10, 8, 6, 4], attempt, lambda: freed.append(1)) == (
+        {"batch": 6}, [{"batch": 10, "status": "oom"}, {"batch": 8, "status": "oom"}, {"batch": 6, "status": "ok"}])
+    assert len(freed) == 2
+
+    def fails(batch: int) -> dict:
+        raise ValueError("not a matter of size")
+
+    with pytest.raises(ValueError, match="not a matter of size"):
+        first_that_fits([4, 2], fails, lambda: None)
+
+
 def test_weight_differences_tell_rounding_from_a_missing_rank() -> None:
+    d = weight_differences({"w": torch.tensor([1.0, 1.0, 1.5])}, {"w": torch.tensor([1.0, 1.0, 1.0])}, 1.0)
+    assert (round(d["off_fraction"], 3), d["median_updates"], d["max_updates"], d["worst_tensor"]) == (
+        0.333, 0.0, 0.5, "w")
     torch.manual_seed(0)
     reference = {"w": torch.randn(10_000), "b": torch.randn(100)}
     update = 1e-3 * 3  # lr x steps
@@ -438,7 +480,7 @@ def test_dry_run_of_three_stages(tmp_path: Path) -> None:
     for precision in ("bf16-mixed", "32-true"):
         run = compute["runs"][precision]
         # The pre-flight allows the scale's whole cap on a CPU with gigabytes free, and it fits at once.
-        assert run["batch"] == run["preflight_batch"] == DRY_RUN_SCALE.compute_max_batch
+        assert run["batch"] == run["preflight_batch"] == DRY_RUN_SCALE.compute["max_batch"]
         assert run["attempts"] == [{"batch": run["batch"], "status": "ok"}] and run["tokens_per_s"] > 0
     ready = json.loads((out / "ready_times.json").read_text())
     assert ready["tensors"] == 39 and 0 <= ready["first_ready_ms"] <= ready["last_ready_ms"] <= ready["backward_ms"]

@@ -1,25 +1,39 @@
 """``python -m lightning_ddp.bench.gpu_study --out DIR [--budget_min 9] [--resume true] [--archive FILE]``.
 
-Every field of ``GPUStudyConfig`` is a flag (``--stages [environment,compute]``, ``--cpu_dry_run true``,
-``--commit HASH``); ``--help`` documents them. Exit status: 0 when every stage that ran is ok (stages left for a
-later ``--resume true`` call are listed on the last line), 1 when one failed, 2 for a missing package, a bad
-command line or no CUDA without ``--cpu_dry_run``, 130 when interrupted (what finished is in DIR and the archive).
+Every field of ``GPUStudyConfig`` is a flag; ``--help`` documents them. Exit status: 0 when every stage that ran is
+ok (stages left for a later ``--resume true`` call are listed on the last line), 1 when one failed, 2 for a missing
+package, a bad command line or no CUDA without ``--cpu_dry_run``, 130 when interrupted.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import sys
 import time
 
 from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
-from lightning_ddp.bench.gpu_study.packages import missing_message, missing_packages
+
+REQUIRED: dict[str, str] = {
+    "torch": "torch", "lightning": "lightning", "jsonargparse": "jsonargparse", "docstring_parser": "docstring-parser",
+    "typeshed_client": "typeshed-client", "yaml": "PyYAML", "einops": "einops", "tensorboard": "tensorboard",
+    "matplotlib": "matplotlib", "numpy": "numpy",
+}
+"""The modules the study's processes import -> the distribution pip installs each from (docs/gpu.md, "Packages")."""
 
 
-def parse_config(args: list[str] | None = None) -> GPUStudyConfig:
-    """The ``GPUStudyConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
-    return parse_dataclass(GPUStudyConfig, args, prog="python -m lightning_ddp.bench.gpu_study")
+def missing_packages(required: dict[str, str] = REQUIRED) -> list[str]:
+    """The distributions of ``required`` whose module this Python cannot import, asked without importing it."""
+    missing = []
+    for module, distribution in required.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module blocked in sys.modules
+            found = False
+        if not found:
+            missing.append(distribution)
+    return missing
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -30,9 +44,11 @@ def main(args: list[str] | None = None) -> int:
     started = time.monotonic()  # this call's budget counts from here
     missing = missing_packages()
     if missing:  # before anything imports them: one line, not a traceback
-        print(f"error: {missing_message(missing)}", file=sys.stderr)
+        print(f"error: missing Python packages: {' '.join(missing)}; install them, e.g. offline from wheels: `pip "
+              "install --no-index --no-deps --target /tmp/site wheels/*.whl && export PYTHONPATH=/tmp/site` "
+              "(docs/gpu.md)", file=sys.stderr)
         return 2
-    config = parse_config(args)
+    config = parse_dataclass(GPUStudyConfig, args, prog="python -m lightning_ddp.bench.gpu_study")
     from lightning_ddp.bench.gpu_study.study import run_study  # after parsing: --help stays fast
 
     signal.signal(signal.SIGTERM, _terminate)

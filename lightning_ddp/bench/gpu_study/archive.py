@@ -17,13 +17,10 @@ from pathlib import Path
 
 __all__ = ["ARCHIVE_LIMIT", "ArchiveContents", "FILE_LIMIT", "KEPT_SUFFIXES", "select_files", "write_archive"]
 
-ARCHIVE_LIMIT = 16 * 2**20
-"""Bytes of files before compression: a file the GPU machine sends back may have 16 MiB."""
-FILE_LIMIT = 2 * 2**20
-"""Bytes one file may have: a raw profiler trace is larger, its picture is not."""
+ARCHIVE_LIMIT = 16 * 2**20  # bytes before compression: a file the GPU machine sends back may have 16 MiB
+FILE_LIMIT = 2 * 2**20  # bytes one file may have: a raw profiler trace is larger, its picture is not
 KEPT_SUFFIXES = (".json", ".csv", ".md", ".png", ".svg", ".xml", ".log", ".txt")
-LEFT_OUT_FOLDERS = ("runs",)
-"""A sweep's per-cell folders: commands with machine paths and ports; results.csv summarises them."""
+LEFT_OUT_FOLDERS = ("runs",)  # a sweep's per-cell folders (machine paths and ports); results.csv summarises them
 ALWAYS = ("stages.json", "results.md")
 CONTENTS = "archive_contents.json"
 
@@ -33,23 +30,12 @@ class ArchiveContents:
     """What an archive holds and what was left out (relative paths)."""
 
     files: list[str] = field(default_factory=list)
-    left_out: list[str] = field(default_factory=list)
-    """``"PATH (why)"`` for each file left out that a suffix would have kept."""
-    size_bytes: int = 0
-    """The files' bytes before compression."""
+    left_out: list[str] = field(default_factory=list)  # "PATH (why)" of each file left out that a suffix would keep
+    size_bytes: int = 0  # before compression
 
 
 def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_LIMIT) -> ArchiveContents:
-    """The files of ``out`` to archive, smallest first among those that compete for room.
-
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp())
-    >>> for name, size in [("stages.json", 10), ("a/weights.pt", 50), ("b/big.json", 40), ("b/c.csv", 30)]:
-    ...     (d / name).parent.mkdir(parents=True, exist_ok=True); _ = (d / name).write_bytes(b"x" * size)
-    >>> c = select_files(d, limit=45, file_limit=100)
-    >>> c.files, c.left_out, c.size_bytes
-    (['b/c.csv', 'stages.json'], ['b/big.json (40 B: the archive would pass 45 B)'], 40)
-    """
+    """The files of ``out`` to archive, smallest first among those that compete for room."""
     candidates = []
     for path in sorted(out.rglob("*")):
         relative = path.relative_to(out)

@@ -1,9 +1,8 @@
-"""The compute figures of one device: step time, tokens/s, MFU and peak memory of a preset at the largest batch.
+"""The compute figures of one device: ``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``.
 
-No Lightning and no communication: ``GPT`` built on the device, AdamW with the LightningModule's parameter groups,
-the same loss, timed step by step. ``measure`` starts at the memory pre-flight's largest batch and steps down on
-out-of-memory errors (docs/gpu.md, stage ``compute``). Run in its own process by the study:
-``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``.
+Step time, tokens/s, MFU and peak memory of a preset at the largest batch that fits, without Lightning or
+communication; ``measure`` starts at the memory pre-flight's batch and steps down on out-of-memory errors
+(docs/gpu.md, "How the stages measure").
 """
 
 from __future__ import annotations
@@ -23,13 +22,7 @@ __all__ = ["batch_candidates", "first_that_fits", "measure"]
 
 
 def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
-    """``first`` and the batches to fall back to on out-of-memory errors, each about 20 % smaller, down to 1.
-
-    >>> batch_candidates(10)
-    [10, 8, 6, 4, 3, 2, 1]
-    >>> batch_candidates(1)
-    [1]
-    """
+    """``first`` and the batches to fall back to on out-of-memory errors, each about 20 % smaller, down to 1."""
     if first < 1:
         return []
     out = [first]
@@ -38,38 +31,20 @@ def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
     return out
 
 
-def first_that_fits(candidates: list[int], attempt: Callable[[int], dict[str, Any]],
-                    is_oom: Callable[[BaseException], bool], after_oom: Callable[[], None] | None = None,
+def first_that_fits(candidates: list[int], attempt: Callable[[int], dict[str, Any]], after_oom: Callable[[], None],
                     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """Try ``attempt(batch)`` for each candidate in order until one does not run out of memory.
-
-    Returns the first result (or ``None``) and every attempt as ``{"batch", "status"}`` (``ok`` or ``oom``). Any
-    other error propagates: it is not a matter of size. ``after_oom`` runs once the failed attempt's exception,
-    and with it every tensor its frames held, is gone (inside the ``except`` they would still be alive).
-
-    >>> def attempt(b):
-    ...     if b > 6:
-    ...         raise MemoryError("out of memory")
-    ...     return {"batch": b}
-    >>> first_that_fits([10, 8, 6, 4], attempt, lambda e: isinstance(e, MemoryError))
-    ({'batch': 6}, [{'batch': 10, 'status': 'oom'}, {'batch': 8, 'status': 'oom'}, {'batch': 6, 'status': 'ok'}])
-    """
+    """``attempt(batch)`` for each candidate until one does not run out of memory: its result (or None) and every
+    attempt as ``{"batch", "status"}`` (``ok`` or ``oom``); any other error propagates. ``after_oom`` runs once the
+    failed attempt's exception, and with it every tensor its frames held, is gone."""
     attempts: list[dict[str, Any]] = []
     for batch in candidates:
-        out_of_memory = False
         try:
-            result = attempt(batch)
+            return attempt(batch), [*attempts, {"batch": batch, "status": "ok"}]
         except BaseException as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
-            if not is_oom(error):
+            if not is_oom(f"{type(error).__name__}: {error}"):
                 raise
-            out_of_memory = True
-        if out_of_memory:
-            attempts.append({"batch": batch, "status": "oom"})
-            if after_oom is not None:
-                after_oom()
-            continue
-        attempts.append({"batch": batch, "status": "ok"})
-        return result, attempts
+        attempts.append({"batch": batch, "status": "oom"})
+        after_oom()
     return None, attempts
 
 
@@ -113,8 +88,7 @@ def _model_and_optimizer(config, where):
 
 def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: str, steps: int,
                  warmup: int) -> dict[str, Any]:
-    """``warmup`` + ``steps`` training steps at ``batch``; the times of the last ``steps`` (CUDA events on a GPU,
-    the host clock on CPU)."""
+    """``warmup`` + ``steps`` training steps at ``batch``; the times of the last ``steps``."""
     import torch
     import torch.nn.functional as F
 
@@ -149,11 +123,6 @@ def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: s
     return {"batch": batch, "step_ms": times}
 
 
-def _is_oom(error: BaseException) -> bool:
-    """An out-of-memory error, by the launcher's one rule (torch's ``OutOfMemoryError``, ``MemoryError``, ...)."""
-    return is_oom(f"{type(error).__name__}: {error}")
-
-
 def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
             device: str = "cuda") -> dict[str, Any]:
     """Steps of ``preset`` at the largest batch that fits, from the pre-flight's batch down; everything measured."""
@@ -182,7 +151,7 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
 
     results, attempts = None, []
     if proposed >= 1:
-        results, attempts = first_that_fits(batch_candidates(proposed), attempt, _is_oom, after_oom=free)
+        results, attempts = first_that_fits(batch_candidates(proposed), attempt, free)
     out: dict[str, Any] = {
         "preset": preset, "precision": precision, "seq_len": seq_len, "device": str(where),
         "device_name": torch.cuda.get_device_name(where) if cuda else "cpu",
@@ -209,12 +178,7 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
 
 
 def main(request: str, out: str) -> int:
-    """Measure with the keyword arguments in the JSON file ``request``; write the result to ``out``.
-
-    Args:
-        request: The JSON file of ``measure``'s keyword arguments (the study writes it).
-        out: Where the result goes (JSON).
-    """
+    """Measure with the keyword arguments in the JSON file ``request`` (the study writes it); the result to ``out``."""
     result = measure(**json.loads(Path(request).read_text()))
     write_json_atomically(out, result)
     return 0

@@ -1,14 +1,14 @@
 """What a GPU study run is: the command line (``GPUStudyConfig``) and the sizes of its work (``Scale``).
 
 ``GPU_SCALE`` fits the whole study in two 9-minute calls on one H100 or H200; ``DRY_RUN_SCALE`` shrinks every
-size to the tiny preset on CPU, so ``--cpu_dry_run true`` runs every stage's code in minutes (docs/gpu.md).
+size to the tiny preset on CPU (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 __all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "STAGE_NAMES", "Scale", "scale_of"]
 
@@ -20,60 +20,39 @@ STAGE_NAMES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Scale:
-    """The sizes of every stage's work; each field is prefixed by the stage it sizes (warm-up steps are left out
-    of the medians, ``compute_max_batch`` caps the pre-flight's batch)."""
+    """The sizes of every stage's work: per stage, the keyword arguments of its fits (``stages.fit_args``)."""
 
     device: str  # cuda, or cpu for the dry run
     precision: str  # of the stages' fits (stage compute measures both bf16-mixed and 32-true)
-    compute_preset: str
-    compute_seq_len: int
-    compute_max_batch: int
-    compute_steps: int
-    compute_warmup: int
-    strategies_preset: str
-    strategies_batch: int
-    strategies_seq_len: int
-    strategies_steps: int
-    strategies_warmup: int
-    equivalence_preset: str  # stage one_gpu_pair: 2 ranks against one process
-    equivalence_steps: int
-    sweep_config: str  # stage one_gpu_pair's short sweep, relative to the repository root
-    sweep_strategies: Optional[tuple[str, ...]]  # its grid.strategies, None: the config's (the sweep adds the
-    # reference and ddp)
-    trace_preset: str
-    profile_preset: str  # stage ready_times
-    profile_batch: int
-    profile_seq_len: int
-    profile_steps: int
-    overhead_preset: str  # stage timer_overhead
-    overhead_steps: int
-    overhead_warmup: int
+    compute: Mapping[str, Any]  # max_batch caps the memory pre-flight's batch
+    strategies: Mapping[str, Any]  # warm-up steps are left out of the medians
+    traces: Mapping[str, Any]  # 2 ranks; the last steps - warmup steps are traced
+    profile: Mapping[str, Any]  # stage ready_times
+    overhead: Mapping[str, Any]  # stage timer_overhead
     overhead_repeats: int  # off/on pairs
+    sweep_strategies: Optional[tuple[str, ...]]  # stage one_gpu_pair's sweep; None: the config's (it adds the
+    # reference and ddp)
 
 
 GPU_SCALE = Scale(
     device="cuda", precision="bf16-mixed",
-    compute_preset="xl", compute_seq_len=512, compute_max_batch=256, compute_steps=8, compute_warmup=3,
-    strategies_preset="medium", strategies_batch=8, strategies_seq_len=512, strategies_steps=20, strategies_warmup=5,
-    equivalence_preset="tiny", equivalence_steps=3,  # the steps the tolerances were calibrated at
-    sweep_config="configs/bench/gpu_study.yaml",
+    compute=dict(preset="xl", seq_len=512, max_batch=256, steps=8, warmup=3),
+    strategies=dict(preset="medium", batch=8, seq_len=512, steps=20, warmup=5),
+    traces=dict(preset="small", batch=4, seq_len=256, steps=9, warmup=6),
+    profile=dict(preset="xl", batch=4, seq_len=512, steps=12, warmup=3),  # the published 2-GPU xl runs
+    overhead=dict(preset="small", batch=8, seq_len=512, steps=25, warmup=5), overhead_repeats=2,  # 6 fits, ~2 min
     sweep_strategies=None,
-    trace_preset="small",
-    profile_preset="xl", profile_batch=4, profile_seq_len=512, profile_steps=12,  # the published 2-GPU xl runs
-    overhead_preset="small", overhead_steps=25, overhead_warmup=5, overhead_repeats=2,  # 6 cold fits, ~2 minutes
 )
 """One H100 (80 GB) or H200 (141 GB): about 17 minutes of stages, two calls of ``--budget_min 9``."""
 
 DRY_RUN_SCALE = Scale(
     device="cpu", precision="32-true",  # bf16 autocast on CPU is several times slower than fp32
-    compute_preset="tiny", compute_seq_len=32, compute_max_batch=2, compute_steps=2, compute_warmup=1,
-    strategies_preset="tiny", strategies_batch=2, strategies_seq_len=32, strategies_steps=4, strategies_warmup=1,
-    equivalence_preset="tiny", equivalence_steps=3,
-    sweep_config="configs/bench/gpu_study.yaml",
+    compute=dict(preset="tiny", seq_len=32, max_batch=2, steps=2, warmup=1),
+    strategies=dict(preset="tiny", batch=2, seq_len=32, steps=4, warmup=1),
+    traces=dict(preset="tiny", batch=4, seq_len=32, steps=9, warmup=6),
+    profile=dict(preset="tiny", batch=2, seq_len=32, steps=5, warmup=3),
+    overhead=dict(preset="tiny", batch=2, seq_len=32, steps=6, warmup=2), overhead_repeats=1,
     sweep_strategies=("ddp",),  # the sweep adds the reference: 2 cells, the sweep's code paths at the least cost
-    trace_preset="tiny",
-    profile_preset="tiny", profile_batch=2, profile_seq_len=32, profile_steps=5,
-    overhead_preset="tiny", overhead_steps=6, overhead_warmup=2, overhead_repeats=1,
 )
 """The same stages on CPU with the tiny preset: every code path but the CUDA lines, in minutes on 2 cores."""
 
@@ -88,26 +67,21 @@ class GPUStudyConfig:
     out: Optional[str] = None
     """Directory of every output (required): stages.json, results.md, each stage's files."""
     budget_min: float = 9.0
-    """Minutes this call may take, from its start; a stage whose estimate does not fit what is left is skipped
-    (``skipped: budget``) for a later ``--resume true`` call."""
+    """Minutes this call may take; a stage whose estimate does not fit what is left waits for ``--resume true``."""
     cpu_dry_run: bool = False
     """Run every stage on CPU with the tiny preset, producing the same files; stages that need CUDA are skipped."""
     stages: Optional[list[str]] = None
     """Run only these stages (by name); default: all. The others are ``skipped: not selected``."""
     root: Optional[str] = None
-    """The repository checkout whose configs/ and tests/ the stages use; default: the one holding this package,
-    else the current directory."""
+    """The checkout whose configs/ and tests/ the stages use; default: the one holding this package, else cwd."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Environment variables for every process a stage starts, e.g. ``{NCCL_DEBUG: WARN}``."""
     resume: bool = False
-    """Keep the stages of ``--out``'s stages.json that are ``ok`` and run the rest; without it, an ``--out`` that
-    holds a study is refused."""
+    """Keep the ``ok`` stages of ``--out``'s stages.json and run the rest (required where ``--out`` holds a study)."""
     archive: Optional[str] = None
-    """Write a ``.tar.gz`` of what is worth committing (no weights, no raw traces, at most 16 MiB) here when the
-    call ends, finished or cut off."""
+    """Write a ``.tar.gz`` of what is worth committing (at most 16 MiB) here when the call ends, finished or not."""
     commit: Optional[str] = None
-    """The git commit of the code, for a copy without ``.git``; default: ``git rev-parse HEAD``, else
-    ``$LIGHTNING_DDP_COMMIT``."""
+    """The code's git commit, for a copy without ``.git``; default: HEAD, else ``$LIGHTNING_DDP_COMMIT``."""
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -129,6 +103,5 @@ class GPUStudyConfig:
 
 
 def scale_of(config: GPUStudyConfig) -> Scale:
-    """``DRY_RUN_SCALE`` for a CPU dry run, else ``GPU_SCALE`` (a function: jsonargparse would offer a method of
-    the config class as a subcommand)."""
+    """``DRY_RUN_SCALE`` for a CPU dry run, else ``GPU_SCALE`` (not a method: jsonargparse would offer it)."""
     return DRY_RUN_SCALE if config.cpu_dry_run else GPU_SCALE

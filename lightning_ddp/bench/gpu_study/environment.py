@@ -2,33 +2,29 @@
 
 Its own process, so the study's process never creates a CUDA context. Records the devices (name, memory, SMs,
 compute capability, MIG slice, the hardware table's row), the driver, torch / CUDA / cuDNN / NCCL, Lightning,
-Python, the host and the git state of the code.
+Python, the host and the git state of the code (``bench.study.provenance``).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import platform
-import shutil
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from lightning_ddp.files import write_json_atomically
-from lightning_ddp.provenance import cpu_model, package_version
+from lightning_ddp.provenance import package_version
 
 __all__ = ["describe"]
 
 
-def _nvidia_smi(query: str) -> str | None:
-    """One ``nvidia-smi --query-gpu`` field of the first GPU, or None without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return None
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (``nvidia-smi``), or None without nvidia-smi."""
     try:
-        proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=20)
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = proc.stdout.strip().splitlines()
@@ -50,19 +46,17 @@ def _gpu(index: int) -> dict[str, Any]:
         "uuid": str(getattr(p, "uuid", "")) or None,
         "mig_profile": mig_profile(p.name),
         "compute_share": compute_share(p.name, p.multi_processor_count),
-        "hardware_table": None if spec is None else {
-            "key": spec.key, "dense_tflops": spec.dense_tflops, "memory_GBps": spec.memory_GBps,
-            "memory_GB": spec.memory_GB, "sm_count": spec.sm_count, "source": spec.source,
-        },
+        "hardware_table": None if spec is None else dataclasses.asdict(spec),
     }
 
 
-def describe(device: str = "cuda") -> dict[str, Any]:
-    """Everything in the module docstring, for ``device`` (``cuda``: every visible GPU; ``cpu``: the host only)."""
+def describe(device: str = "cuda", out: str | None = None) -> dict[str, Any]:
+    """Everything in the module docstring, for ``device`` (``cuda``: every visible GPU; ``cpu``: the host only);
+    ``out``, where it is written, does not make the tree dirty."""
     import torch
 
+    from lightning_ddp.bench.study import provenance
     from lightning_ddp.memory import memory_budget_bytes
-    from lightning_ddp.provenance import git_state
 
     cuda = device == "cuda" and torch.cuda.is_available()
     nccl = None
@@ -76,36 +70,20 @@ def describe(device: str = "cuda") -> dict[str, Any]:
         driver_api = torch._C._cuda_getDriverVersion() if cuda else None  # e.g. 12040 for CUDA 12.4
     except (AttributeError, RuntimeError):
         driver_api = None
-    return {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": "cuda" if cuda else "cpu",
-        "gpus": [_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        "nvidia_driver": _nvidia_smi("driver_version") if cuda else None,
-        "cuda_driver_api": driver_api,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "nccl": nccl,
-        "lightning": package_version("lightning"),
-        "jsonargparse": package_version("jsonargparse"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "hostname": platform.node(),
-        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
-        "memory_budget_bytes": memory_budget_bytes("cuda" if cuda else "cpu", 1),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        **git_state(),
-    }
+    return provenance(
+        out, device="cuda" if cuda else "cpu",
+        gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        nvidia_driver=_nvidia_driver() if cuda else None, cuda_driver_api=driver_api,
+        torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None, nccl=nccl,
+        jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
+        memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+    )
 
 
 def main(out: str, device: str = "cuda") -> int:
-    """Describe the machine and write it to ``out``.
-
-    Args:
-        out: Where the description goes (JSON).
-        device: ``cuda`` (the GPU, its driver and libraries) or ``cpu`` (a dry run's machine).
-    """
-    write_json_atomically(Path(out), describe(device), default=str)
+    """Describe the machine for ``device`` (``cuda`` or ``cpu``, a dry run's) and write it to ``out`` (JSON)."""
+    write_json_atomically(Path(out), describe(device, str(Path(out).parent)), default=str)
     return 0
 
 

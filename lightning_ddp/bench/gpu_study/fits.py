@@ -1,9 +1,8 @@
 """Several CLI fits in one set of processes: the launcher's ``fit`` command lines without start-up per fit.
 
-``run_fits`` starts ``ranks`` processes of this module on a plan (``plan.json``); each runs the fits one after
-another, each the launcher's command line (``bench.launch.fit_command``) through ``lightning_ddp.cli.main``,
-logging to ``<out_dir>/<name>/``; rank 0 writes each fit's ``fit_result.json``. Two ranks share one device over
-gloo. Fits a crash or a failure left without a result run in a fresh set of processes (docs/gpu.md).
+``run_fits`` starts ``ranks`` processes of this module on a plan; each runs the fits one after another through
+``lightning_ddp.cli.main``, logging to ``<out_dir>/<name>/``, where rank 0 writes ``fit_result.json``. Fits a crash
+or a failure left without a result run in a fresh set of processes (docs/gpu.md, "How the stages measure").
 """
 
 from __future__ import annotations
@@ -18,16 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.launch import (
-    RankLayout,
-    error_line,
-    find_free_port,
-    fit_command,
-    is_oom,
-    rank_environments,
-    read_timing_summary,
-    run_processes,
-)
+from lightning_ddp.bench.launch import (RankLayout, error_line, find_free_port, fit_command, is_oom, rank_environments,
+                                        read_timing_summary, run_processes)
 from lightning_ddp.files import write_json_atomically
 
 __all__ = ["FitResult", "FitSpec", "run_fits"]
@@ -49,15 +40,11 @@ class FitResult:
     """How one fit went, and what it wrote."""
 
     name: str
-    status: str
-    """``ok``, ``oom``, ``failed``, ``timeout`` or ``not run`` (no time was left to start it)."""
-    error: str = ""
-    """The error line (empty when ok)."""
-    seconds: float = 0.0
-    """Wall time of the fit itself (start-up of the processes not included)."""
+    status: str  # ok, oom, failed, timeout or "not run" (no time was left to start it)
+    error: str = ""  # the error line
+    seconds: float = 0.0  # of the fit itself, the processes' start-up not included
     log_dir: Path | None = None
-    summary: dict[str, Any] | None = None
-    """The CommTimer's ``timing_summary.json``, when it wrote one."""
+    summary: dict[str, Any] | None = None  # the CommTimer's timing_summary.json, when it wrote one
 
     @property
     def ok(self) -> bool:
@@ -72,17 +59,9 @@ class FitResult:
 
 def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: float, cwd: str | None = None,
              env: dict[str, str] | None = None, threads: int | None = None) -> list[FitResult]:
-    """Run ``specs`` on ``ranks`` processes; one ``FitResult`` per spec, in order.
-
-    Args:
-        specs: The fits; names must be unique (each is a directory).
-        out_dir: Where each fit logs (``out_dir/<name>/``) and the processes' logs go (``out_dir/_processes/``).
-        ranks: Processes per fit; 2 puts both on the one device (each a "node" of one device).
-        timeout_s: Wall-clock limit for all the fits together, start-ups included.
-        cwd: Working directory of the processes (relative paths in the fits' arguments resolve there).
-        env: Extra environment variables.
-        threads: ``OMP_NUM_THREADS`` per process (CPU runs); ``None`` leaves it unset.
-    """
+    """Run ``specs`` (unique names) on ``ranks`` processes sharing one device, all within ``timeout_s``; one
+    ``FitResult`` per spec, in order. The processes' logs go to ``out_dir/_processes/``; ``threads``:
+    ``OMP_NUM_THREADS`` per process (None: unset)."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"fit names must be unique (each is a directory), got {names}")
@@ -162,8 +141,7 @@ def _run_one(args: list[str], log_dir: Path) -> tuple[str, str]:
     from lightning_ddp.cli import main as cli_main
 
     try:
-        cli = cli_main(fit_command([*args, "--trainer.enable_progress_bar", "false"], log_dir)[3:])
-        del cli
+        cli_main(fit_command([*args, "--trainer.enable_progress_bar", "false"], log_dir)[3:])  # the CLI not kept
     except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -173,21 +151,10 @@ def _run_one(args: list[str], log_dir: Path) -> tuple[str, str]:
     return "ok", ""
 
 
-def _free_memory() -> None:
+def main(plan_path: str) -> int:
+    """Run the fits of the plan file ``plan_path`` (written by ``run_fits``) in this process, one after another."""
     import torch
 
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def main(plan_path: str) -> int:
-    """Run the fits of the plan file ``plan_path`` (JSON, written by ``run_fits``) in this process, one after another.
-
-    Args:
-        plan_path: The plan: the output folder and each fit's command line.
-    """
     plan = json.loads(Path(plan_path).read_text())
     out_dir = Path(plan["out_dir"])
     rank = int(os.environ.get("RANK", "0"))
@@ -200,7 +167,10 @@ def main(plan_path: str) -> int:
         start = time.perf_counter()
         status, error = _run_one(fit["args"], log_dir)
         seconds = time.perf_counter() - start
-        _free_memory()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         if rank == 0:
             write_json_atomically(log_dir / RESULT_FILE, {"status": status, "error": error, "seconds": seconds})
         if status != "ok" and plan["stop_on_failure"]:

@@ -1,8 +1,6 @@
-"""``results.md``: the page to read first, built from ``stages.json`` and each stage's ``<name>.json`` only.
-
-``build_report(document, out_dir)`` only reads files and formats, so a study cut off halfway, or copied off the GPU
-machine, renders what it has: one section per stage, with the published 2-GPU xl runs
-(``lightning_ddp.projection.published``) beside our numbers where they answer the same question.
+"""``results.md``, built from ``stages.json`` and each stage's ``<name>.json`` only (a study cut off halfway, or
+copied off the GPU machine, renders what it has): one section per stage, with the published 2-GPU xl runs beside
+our numbers where they answer the same question.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_ddp.bench.study import read_json
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 from lightning_ddp.projection.tables import markdown_table as table
 
@@ -19,28 +18,21 @@ __all__ = ["build_report"]
 
 GiB = 2**30
 ONE_GPU_CAVEAT = (
-    "**Two ranks on one GPU time-slice it.** Where two ranks share the GPU (stages `one_gpu_pair` and `traces`), "
-    "their kernels take turns and their gradients go through the host over gloo: those step times are not 2-GPU "
-    "step times and their communication is not NVLink's or PCIe's. What transfers to a real 2-GPU run is "
-    "correctness (every strategy equals one process), the CUDA code paths (they ran), and the compute figures of "
-    "one GPU (stages `compute`, `strategies`, `ready_times`), from which `ready_times` projects 2 GPUs."
+    "**Two ranks on one GPU time-slice it.** The step times of stages `one_gpu_pair` and `traces` are not 2-GPU "
+    "step times. What transfers is correctness, the CUDA code paths and the compute figures of one GPU, from which "
+    "`ready_times` projects 2 GPUs (docs/gpu.md, \"Reading the 2-rank numbers\")."
 )
 
 
-# ---- formatting --------------------------------------------------------------------------------------------------
-
-
-def _fmt(value: Any, spec: str = ",.1f", scale: float = 1.0, suffix: str = "") -> str:
+def _fmt(value: Any, spec: str = ",.1f") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
-    if isinstance(value, (int, float)):
-        return f"{value * scale:{spec}}{suffix}"
-    return str(value)
+    return f"{value:{spec}}" if isinstance(value, (int, float)) else str(value)
 
 
 def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
-    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), the best bucket
-    size for a bucketed one; ``–`` where there is none."""
+    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), at its best
+    bucket size; ``–`` where there is none."""
     runs = [r for r in PUBLISHED_RUNS if r.strategy == strategy and r.batch_size == batch and r.seq_len == seq_len]
     if not runs:
         return "–"
@@ -50,22 +42,16 @@ def _published_cell(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
 
 
 def _status(row: dict[str, Any], why: str = "error") -> str:
-    """``ok``, else the status and why."""
     return row.get("status") if row.get("status") == "ok" else f"{row.get('status')}: {row.get(why)}"
+
+
+def _cells(row: dict[str, Any], columns: tuple[tuple[str, str], ...]) -> list[str]:
+    """``row``'s values of ``columns`` (key, format spec), formatted."""
+    return [_fmt(row.get(key), spec) for key, spec in columns]
 
 
 def _gib(value: Any) -> str:
     return _fmt(value / GiB if value else None, ".1f")
-
-
-def _read(out: Path, name: str) -> dict[str, Any] | None:
-    try:
-        return json.loads((out / f"{name}.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-# ---- one renderer per stage ----------------------------------------------------------------------------------------
 
 
 def _environment(data: dict[str, Any]) -> list[str]:
@@ -73,7 +59,7 @@ def _environment(data: dict[str, Any]) -> list[str]:
     for gpu in data.get("gpus") or []:
         hw = gpu.get("hardware_table") or {}
         peaks = hw.get("dense_tflops") or {}
-        rows.append([gpu["name"], _fmt(gpu["total_memory_bytes"] / GiB, ".1f", suffix=" GiB"), gpu["sm_count"],
+        rows.append([gpu["name"], _gib(gpu["total_memory_bytes"]) + " GiB", gpu["sm_count"],
                      gpu["compute_capability"], hw.get("key", "not in the table"),
                      f"{_fmt(peaks.get('bf16'), ',.1f')} / {_fmt(peaks.get('fp32'), ',.1f')}",
                      f"{gpu['mig_profile'][0]}g.{gpu['mig_profile'][1]}gb" if gpu.get("mig_profile") else "no"])
@@ -128,19 +114,15 @@ def _compute(data: dict[str, Any]) -> list[str]:
 
 
 def _strategies(data: dict[str, Any]) -> list[str]:
-    rows = []
-    for name, row in (data.get("rows") or {}).items():
-        rows.append([name, _status(row),
-                     _fmt(row.get("step/time_ms")), _fmt(row.get("overhead_vs_ddp"), "+.1%"),
-                     _fmt(row.get("comm/exposed_ms"), ",.2f"), _fmt(row.get("comm/calls"), ",.0f"),
-                     _fmt(row.get("step/mfu"), ".1%"), _fmt(row.get("memory/peak_MiB"), ",.0f"),
-                     _published_cell(name)])
+    columns = (("step/time_ms", ",.1f"), ("overhead_vs_ddp", "+.1%"), ("comm/exposed_ms", ",.2f"),
+               ("comm/calls", ",.0f"), ("step/mfu", ".1%"), ("memory/peak_MiB", ",.0f"))
+    rows = [[name, _status(row), *_cells(row, columns), _published_cell(name)]
+            for name, row in (data.get("rows") or {}).items()]
     head = (f"{data.get('preset')} preset, batch {data.get('batch')} x {data.get('seq_len')} tokens, "
             f"{data.get('precision')}, one rank ({data.get('backend')}), median of "
-            f"{data.get('steps', 0) - data.get('warmup', 0)} steps after {data.get('warmup')}. At world size 1 "
-            "nothing crosses a wire: the step over ddp's is what each strategy's hooks, copies and bookkeeping cost. "
-            "The last column is the published 2-GPU xl run of the same algorithm (batch 4, context 512; step and "
-            "the share of it waiting for communication), for scale only.")
+            f"{data.get('steps', 0) - data.get('warmup', 0)} steps after {data.get('warmup')}: the step over ddp's "
+            "is what each strategy's hooks cost. Last column, for scale only: the published 2-GPU xl run (batch 4, "
+            "context 512; step, and its share waiting for communication).")
     return [head, ""] + table(["strategy", "status", "step ms", "vs ddp", "exposed ms", "calls", "MFU", "peak MiB",
                                "published 2-GPU xl"], rows)
 
@@ -150,15 +132,12 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
     lines = [f"**Equivalence** ({eq.get('preset')} preset, fp32, {eq.get('steps')} steps at lr {eq.get('lr')}): each "
              f"strategy on 2 ranks with batch {eq.get('per_rank_batch')} each against one process with batch "
              f"{2 * (eq.get('per_rank_batch') or 0)}, the same samples. Weight differences in updates (lr x steps); "
-             "*off*: more than 0.1 update (a rank's gradient missing from the average leaves about half the weights "
-             "off). Adam does not see a gradient's scale, so a sum instead of an average is the cuda tier's to "
-             "catch (it compares the gradients).", "",
+             "*off*: more than 0.1 update (docs/gpu.md, \"How the stages measure\").", "",
              f"Tolerances: {eq.get('tolerance_origin', '–')}", ""]
+    columns = (("off_fraction", ".3%"), ("tolerance", ".2%"), ("median_updates", ".1e"), ("p99_updates", ".1e"))
     headers = ["strategy", "status", "weights off", "tolerance", "median", "99th pct", "largest (tensor)", "equal"]
     lines += table(headers,
-                   [[name, _status(row),
-                     _fmt(row.get("off_fraction"), ".3%"), _fmt(row.get("tolerance"), ".2%"),
-                     _fmt(row.get("median_updates"), ".1e"), _fmt(row.get("p99_updates"), ".1e"),
+                   [[name, _status(row), *_cells(row, columns),
                      f"{_fmt(row.get('max_updates'), '.2g')} ({_fmt(row.get('worst_tensor'))})",
                      {True: "yes", False: "**no**"}.get(row.get("equal"), "–")]
                     for name, row in (eq.get("rows") or {}).items()])
@@ -170,8 +149,8 @@ def _one_gpu_pair(data: dict[str, Any]) -> list[str]:
                    [[r.get("strategy"), _fmt(r.get("resolved_bucket_size_mb") or r.get("bucket_size_mb"), ".3g"),
                      f"{r.get('batch_size')} x {r.get('context_length')}",
                      _status(r, why="reason"),
-                     _fmt(r.get("step_ms_median")), _fmt(r.get("comm_share"), ".1%"), _fmt(r.get("overlap"), ".0%"),
-                     _fmt(r.get("tokens_per_s"), ",.0f"),
+                     *_cells(r, (("step_ms_median", ",.1f"), ("comm_share", ".1%"), ("overlap", ".0%"),
+                                 ("tokens_per_s", ",.0f"))),
                      _published_cell(str(r.get("strategy")), int(r.get("batch_size") or 0),
                                      int(r.get("context_length") or 0))]
                     for r in sweep]) if sweep else ["No sweep cell finished."]
@@ -201,8 +180,8 @@ def _ready_times(data: dict[str, Any]) -> list[str]:
         lines += [f"Projected to 2 x {projection.get('gpu')} over `{network}` (best bucket size per strategy), beside "
                   "the published 2-GPU xl runs at the same batch and context:", ""]
         lines += table(["strategy", "bucket MB", "step ms", "exposed ms", "comm share", "published 2-GPU xl"],
-                       [[r.get("strategy"), _fmt(r.get("bucket_size_mb"), "g"), _fmt(r.get("step_ms")),
-                         _fmt(r.get("exposed_comm_ms")), _fmt(r.get("comm_share"), ".1%"),
+                       [[r.get("strategy"), *_cells(r, (("bucket_size_mb", "g"), ("step_ms", ",.1f"),
+                                                         ("exposed_comm_ms", ",.1f"), ("comm_share", ".1%"))),
                          _published_cell(str(r.get("strategy")), batch, seq_len)]
                         for r in projection.get("rows") or []])
         lines.append("")
@@ -212,8 +191,7 @@ def _ready_times(data: dict[str, Any]) -> list[str]:
 def _timer_overhead(data: dict[str, Any]) -> list[str]:
     return [f"{data.get('preset')} preset, {data.get('repeats')} off/on pairs of {data.get('steps')} steps "
             f"({data.get('warmup')} left out): median step {_fmt(data.get('median_step_ms_timer_off'), ',.2f')} ms "
-            "off, "
-            f"{_fmt(data.get('median_step_ms_timer_on'), ',.2f')} ms on: overhead "
+            f"off, {_fmt(data.get('median_step_ms_timer_on'), ',.2f')} ms on: overhead "
             f"{_fmt(data.get('overhead'), '+.2%')} [95 %: {_fmt(data.get('overhead_lo'), '+.2%')}, "
             f"{_fmt(data.get('overhead_hi'), '+.2%')}], goal < 2 %: **{data.get('verdict')}**; over whole runs "
             f"{_fmt(data.get('window_overhead'), '+.2%')}."]
@@ -223,9 +201,6 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "environment": _environment, "cuda_tests": _cuda_tests, "compute": _compute, "strategies": _strategies,
     "one_gpu_pair": _one_gpu_pair, "traces": _traces, "ready_times": _ready_times, "timer_overhead": _timer_overhead,
 }
-
-
-# ---- the page ------------------------------------------------------------------------------------------------------
 
 
 def _calls_line(document: dict[str, Any]) -> str:
@@ -243,7 +218,7 @@ def _calls_line(document: dict[str, Any]) -> str:
 
 def build_report(document: dict[str, Any], out: Path) -> str:
     """results.md for ``document`` (the stages.json dict), reading each stage's ``<name>.json`` from ``out``."""
-    environment = _read(out, "environment") or {}
+    environment = read_json(out / "environment.json", missing_ok=True) or {}
     gpus = environment.get("gpus") or []
     device = gpus[0]["name"] if gpus else document.get("device", "?")
     title = "GPU study" + (" (CPU dry run: tiny preset, no CUDA)" if document.get("cpu_dry_run") else f" on {device}")
@@ -258,7 +233,7 @@ def build_report(document: dict[str, Any], out: Path) -> str:
                      _fmt(e.get("estimate_s"), ",.0f"), e.get("error") or ""] for e in document.get("stages", [])])
     for entry in document.get("stages", []):
         lines += ["", f"## {entry['name']}", "", f"*{entry['title']}.* {entry.get('shows', '')}", ""]
-        data = _read(out, entry["name"])
+        data = read_json(out / f"{entry['name']}.json", missing_ok=True)
         if entry["status"] in ("pending", "running") or data is None:
             lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
             continue

@@ -1,13 +1,13 @@
-"""The stages of the GPU study: one small function each, and ``STAGES``, the one table of them.
+"""The stages of the GPU study: one function each, and ``STAGES``, the one table of them.
 
 A stage takes the ``StudyContext`` and returns a ``StageResult``: the data ``report.py`` renders (written as
-``<out>/<name>.json``), the files it wrote (relative to ``<out>``) and the problems it found; a problem or an
-exception makes the stage ``failed`` and the study goes on. Every process a stage starts stops at
-``ctx.stage_deadline()`` (docs/gpu.md, "How a call is budgeted").
+``<out>/<name>.json``), the files it wrote (relative to ``<out>``) and its problems (any makes it ``failed``). Every
+process a stage starts stops at ``ctx.stage_deadline()`` (docs/gpu.md, "How a call is budgeted").
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -29,12 +29,9 @@ from lightning_ddp.provenance import COMMIT_VARIABLE
 __all__ = ["STAGES", "Stage", "StageResult", "StudyContext", "step_problems"]
 
 
-# ---- the context and the result ---------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Ran:
-    """How a process a stage started ended: its exit code, whether it timed out, and its error line."""
+    """How a process a stage started ended; ``error``: its error line, else why it stopped (empty after exit 0)."""
 
     code: int | None
     timed_out: bool
@@ -42,7 +39,6 @@ class Ran:
 
     @property
     def error(self) -> str:
-        """The error line, else why the process stopped (empty when it exited 0)."""
         if self.code == 0:
             return ""
         return self.line or ("timed out" if self.timed_out else f"exited {self.code}")
@@ -55,19 +51,14 @@ class StudyContext:
     config: GPUStudyConfig
     scale: Scale
     out: Path
-    root: Path
-    """The repository checkout (configs/, tests/)."""
-    cuda: bool
-    """Whether a child process saw a CUDA device (the study's own process holds no CUDA context)."""
-    deadline: float
-    """``time.monotonic()`` at which the budget ends."""
+    root: Path  # the repository checkout (configs/, tests/)
+    cuda: bool  # whether a child process saw a CUDA device (the study's own process holds no CUDA context)
+    deadline: float  # time.monotonic() at which the budget ends
     log: Callable[[str], None] = print
-    stage_estimate_s: float = 0.0
-    """The running stage's estimate (set by the study before each stage)."""
+    stage_estimate_s: float = 0.0  # the running stage's estimate and start, set by the study
     stage_started: float = 0.0
 
     def remaining(self) -> float:
-        """Seconds left of the budget."""
         return self.deadline - time.monotonic()
 
     def stage_deadline(self) -> float:
@@ -115,7 +106,7 @@ class StudyContext:
         return Ran(result.returncodes[0], result.timed_out, error_line(text))
 
     def run_module(self, module: str, args: list[str], result: Path, log: Path) -> tuple[Ran, dict[str, Any] | None]:
-        """``python -m MODULE ARGS`` (``run_python``) and the JSON it wrote to ``result`` (None if it failed)."""
+        """``python -m MODULE ARGS`` and the JSON it wrote to ``result`` (None if it failed)."""
         ran = self.run_python(["-m", module, *args], log)
         return ran, json.loads(result.read_text()) if ran.code == 0 and result.exists() else None
 
@@ -127,31 +118,25 @@ class StudyContext:
 
 @dataclass
 class StageResult:
-    """What a stage produced."""
+    """What a stage produced: ``data`` for report.py, the ``files`` it wrote (relative to ``out``), ``problems``."""
 
     data: dict[str, Any] = field(default_factory=dict)
-    """What ``report.py`` renders; written to ``<out>/<name>.json``."""
     files: list[str] = field(default_factory=list)
-    """Files the stage wrote, relative to the output directory."""
     problems: list[str] = field(default_factory=list)
-    """What went wrong; the first is the stage's error line, and any makes it ``failed``."""
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One row of ``STAGES``."""
+    """One row of ``STAGES``: seconds on one H100 or H200 and in the dry run on 2 cores (start-up included), whether
+    it cannot run without a GPU, and what it shows (one sentence of results.md)."""
 
     name: str
     title: str
     estimate_s: float
-    """Seconds on one H100 or H200 (``GPU_SCALE``), start-up included."""
     dry_run_estimate_s: float
-    """Seconds of the CPU dry run (``DRY_RUN_SCALE``) on 2 cores."""
     needs_cuda: bool
-    """Cannot run at all without a GPU (``skipped: no CUDA`` in a dry run)."""
     run: Callable[[StudyContext], StageResult]
     shows: str
-    """What the stage shows, one sentence (results.md)."""
 
     def estimate(self, dry_run: bool) -> float:
         return self.dry_run_estimate_s if dry_run else self.estimate_s
@@ -160,19 +145,20 @@ class Stage:
 # ---- shared pieces ---------------------------------------------------------------------------------------------
 
 
-def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
-             strategy: str, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The CLI arguments (after ``fit``) of one fit on the study's device: ``ranks`` ranks share it over gloo;
-    ``strategy`` is a catalogue name, or the study's one-process ``reference``."""
+def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps: int, warmup: int, strategy: str,
+             precision: str | None = None, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The CLI arguments (after ``fit``) of one fit on the study's device, every step timed: ``ranks`` ranks share
+    it over gloo; ``strategy`` is a catalogue name, or the study's one-process ``reference``."""
     backend = ctx.backend if ranks == 1 else "gloo"
     return (
         "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
         "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
         "--trainer.accelerator", ctx.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
-        "--trainer.strategy", strategy_argument(strategy, backend), "--trainer.precision", precision,
+        "--trainer.strategy", strategy_argument(strategy, backend),
+        "--trainer.precision", precision or ctx.scale.precision,
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
-        "--timer.warmup_steps", str(warmup), "--timer.every_n_steps", "1", *extra,  # every step measured
+        "--timer.warmup_steps", str(warmup), "--timer.every_n_steps", "1", *extra,
     )
 
 
@@ -220,7 +206,7 @@ def _failures(results: list[FitResult]) -> list[str]:
     return [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
 
 
-# ---- (a) environment --------------------------------------------------------------------------------------------
+# ---- the stages -----------------------------------------------------------------------------------------------
 
 
 def environment(ctx: StudyContext) -> StageResult:
@@ -232,60 +218,41 @@ def environment(ctx: StudyContext) -> StageResult:
     return StageResult(data=data, files=["environment.json"])
 
 
-# ---- (b) the cuda test tier ---------------------------------------------------------------------------------------
+def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """``{"tests", "passed", "failed", "errors", "skipped", "failures": [{"test", "message"}]}`` of (test, outcome,
+    message) triples."""
+    counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+    for _, outcome, _ in outcomes:
+        counts[outcome] += 1
+    failures = [{"test": test, "message": message} for test, outcome, message in outcomes
+                if outcome in ("failed", "errors")]
+    return {"tests": len(outcomes), **counts, "failures": failures}
 
 
 def read_junit(path: Path) -> dict[str, Any]:
-    """Counts and failures of a pytest ``--junitxml`` report: ``{"tests", "passed", "failed", "errors",
-    "skipped", "failures": [{"test", "message"}]}``."""
-    root = ET.parse(path).getroot()
-    cases = list(root.iter("testcase"))
-    failures, counts = [], {"failed": 0, "errors": 0, "skipped": 0}
-    for case in cases:
+    """The counts and failures (``_tally``) of a pytest ``--junitxml`` report."""
+    outcomes = []
+    for case in ET.parse(path).getroot().iter("testcase"):
         test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome, message = "passed", ""
         for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
             element = case.find(tag)
             if element is not None:
-                counts[key] += 1
-                if key != "skipped":
-                    message = (element.get("message") or element.text or "").strip().splitlines()
-                    failures.append({"test": test, "message": message[0][:300] if message else ""})
+                lines = (element.get("message") or element.text or "").strip().splitlines()
+                outcome, message = key, lines[0][:300] if lines else ""
                 break
-    passed = len(cases) - sum(counts.values())
-    return {"tests": len(cases), "passed": passed, **counts, "failures": failures}
+        outcomes.append((test, outcome, message))
+    return _tally(outcomes)
 
 
 _OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+_OUTCOME_KEY = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+                "XFAIL": "skipped"}
 
 
 def outcomes_from_log(text: str) -> dict[str, Any]:
-    """Counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report.
-
-    >>> outcomes_from_log("tests/a.py::test_x PASSED [ 50%]\\ntests/a.py::test_y FAILED [100%]\\n")["failed"]
-    1
-    """
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    failures = []
-    key = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
-           "XFAIL": "skipped"}
-    for test, outcome in _OUTCOME.findall(text):
-        counts[key[outcome]] += 1
-        if outcome in ("FAILED", "ERROR"):
-            failures.append({"test": test, "message": outcome.lower()})
-    return {"tests": sum(counts.values()), **counts, "failures": failures}
-
-
-CUDA_TEST_WORKERS = 4
-"""pytest-xdist workers for the cuda tier where xdist is installed (the engine matrix stays in one: xdist_group)."""
-
-
-def parallel_workers() -> list[str]:
-    """pytest's arguments that spread the cuda tier over ``CUDA_TEST_WORKERS`` processes; none without xdist."""
-    import importlib.util
-
-    if importlib.util.find_spec("xdist") is None:
-        return []
-    return ["-p", "xdist", "-n", str(CUDA_TEST_WORKERS), "--dist", "loadgroup"]
+    """The counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
+    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in _OUTCOME.findall(text)])
 
 
 def _tier_problems(data: dict[str, Any], summary_line: str, timed_out: bool) -> list[str]:
@@ -303,10 +270,11 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
     if not (ctx.root / "tests" / "gpu").is_dir():
         return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
                                      "checkout of the repository, or pass --root CHECKOUT"])
-    report = ctx.out / "cuda_tests.xml"
-    log = ctx.out / "cuda_tests.log"
+    report, log = ctx.out / "cuda_tests.xml", ctx.out / "cuda_tests.log"
+    # 4 pytest-xdist workers where xdist is installed; the engine matrix stays in one (xdist_group)
+    workers = ["-p", "xdist", "-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
     ran = ctx.run_python(["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
-                          f"--junitxml={report.resolve()}", *parallel_workers()], log)
+                          f"--junitxml={report.resolve()}", *workers], log)
     text = log.read_text(errors="replace") if log.exists() else ""
     summary_line = next((line for line in reversed(text.splitlines()) if " in " in line
                          and any(w in line for w in ("passed", "failed", "error", "skipped"))), "").strip("= ")
@@ -321,21 +289,11 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
                        problems=_tier_problems(data, summary_line, ran.timed_out))
 
 
-# ---- (c) compute ---------------------------------------------------------------------------------------------------
-
-
-COMPUTE_PRECISIONS = ("bf16-mixed", "32-true")
-
-
 def _compute_run(ctx: StudyContext, precision: str) -> tuple[dict[str, Any], str | None]:
     """One precision of stage compute in its own process: (the run, its problem or None)."""
-    s = ctx.scale
     stage = ctx.stage_dir("compute")
-    request = stage / f"request_{precision}.json"
-    out = stage / f"compute_{precision}.json"
-    write_json_atomically(request, {
-        "preset": s.compute_preset, "precision": precision, "seq_len": s.compute_seq_len,
-        "max_batch": s.compute_max_batch, "steps": s.compute_steps, "warmup": s.compute_warmup, "device": ctx.device})
+    request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
+    write_json_atomically(request, {**ctx.scale.compute, "precision": precision, "device": ctx.device})
     ran, run = ctx.run_module("lightning_ddp.bench.gpu_study.compute", [str(request.resolve()), str(out.resolve())],
                               out, stage / f"compute_{precision}.log")
     if run is None:
@@ -351,9 +309,9 @@ def _compute_run(ctx: StudyContext, precision: str) -> tuple[dict[str, Any], str
 
 
 def compute(ctx: StudyContext) -> StageResult:
-    s = ctx.scale
-    result = StageResult(data={"preset": s.compute_preset, "seq_len": s.compute_seq_len, "runs": {}})
-    for precision in COMPUTE_PRECISIONS:
+    compute_scale = ctx.scale.compute
+    result = StageResult(data={"preset": compute_scale["preset"], "seq_len": compute_scale["seq_len"], "runs": {}})
+    for precision in ("bf16-mixed", "32-true"):
         run, problem = _compute_run(ctx, precision)
         result.data["runs"][precision] = run
         if problem:
@@ -363,15 +321,9 @@ def compute(ctx: StudyContext) -> StageResult:
     return result
 
 
-# ---- (d) every strategy at world size 1 ----------------------------------------------------------------------------
-
-
 def strategies(ctx: StudyContext) -> StageResult:
-    s = ctx.scale
     names = ["ddp", *(name for name in catalogue.names() if name != "ddp")]  # the baseline first: a cut stage keeps it
-    specs = [FitSpec(name, fit_args(ctx, preset=s.strategies_preset, batch=s.strategies_batch,
-                                    seq_len=s.strategies_seq_len, steps=s.strategies_steps, warmup=s.strategies_warmup,
-                                    precision=s.precision, strategy=name)) for name in names]
+    specs = [FitSpec(name, fit_args(ctx, **ctx.scale.strategies, strategy=name)) for name in names]
     results = ctx.fits("strategies", specs)
     rows = {r.name: _fit_row(r) for r in results}
     baseline = rows.get("ddp", {}).get("step/time_ms")
@@ -382,40 +334,27 @@ def strategies(ctx: StudyContext) -> StageResult:
     for r in results:
         if r.ok:
             problems += step_problems(r.summary, r.name)
-    data = {"preset": s.strategies_preset, "batch": s.strategies_batch, "seq_len": s.strategies_seq_len,
-            "steps": s.strategies_steps, "warmup": s.strategies_warmup, "backend": ctx.backend,
-            "precision": s.precision, "rows": rows}
+    data = {**ctx.scale.strategies, "backend": ctx.backend, "precision": ctx.scale.precision, "rows": rows}
     files = [ctx.relative(f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
     return StageResult(data=data, files=files, problems=problems)
 
 
-# ---- (e) 2 ranks over gloo on the one device -----------------------------------------------------------------------
-
-
-EQUIVALENCE_LR = 1e-3
-"""The equivalence fits' learning rate: the scale of what a wrong synchronisation moves a weight by per step."""
-OFF_BY = 0.1
-"""A weight is *off* when it differs from one process's by more than this many updates (``lr x steps``)."""
-EXACT_TOLERANCE = 1e-4
-"""Largest fraction of weights off an exact algorithm may have (calibration: docs/gpu.md)."""
-LOSSY_TOLERANCE = 1e-2
-"""The same for a lossy algorithm (``bucketed_bf16_ddp``)."""
+# Stage one_gpu_pair's equivalence: fp32 fits on the same global batch, 2 ranks against one process, compared in
+# updates (lr x steps); the tolerances' calibration is TOLERANCE_ORIGIN (docs/gpu.md).
+EQUIVALENCE = {"preset": "tiny", "per_rank_batch": 2, "seq_len": 64, "steps": 3, "lr": 1e-3}
+OFF_BY = 0.1  # a weight is *off* when it differs from one process's by more than this many updates
+EXACT_TOLERANCE = 1e-4  # the largest fraction of weights off an exact algorithm may have
+LOSSY_TOLERANCE = 1e-2  # the same for a lossy algorithm (bucketed_bf16_ddp)
 TOLERANCE_ORIGIN = ("calibrated on CPU (gloo, fp32, tiny preset, 3 steps at lr 1e-3): exact algorithms left no "
                     "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16_ddp 0.08 % (99th "
                     "percentile 8e-3), a rank's gradient missing from the average 52 %. cuBLAS sums in another order "
                     "than the CPU: read the 99th percentile and the largest difference beside the verdict.")
-"""Where the tolerances come from, written beside the verdicts in results.md."""
+SWEEP_CONFIG = "configs/bench/gpu_study.yaml"  # stage one_gpu_pair's short sweep, relative to the checkout
 
 
 def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update: float) -> dict[str, Any]:
     """How far ``actual``'s weights are from ``expected``'s, in updates (``update`` = lr x steps): the fraction off
-    by more than ``OFF_BY``, the median, the 99th percentile and the largest, and where the largest is.
-
-    >>> import torch
-    >>> d = weight_differences({"w": torch.tensor([1.0, 1.0, 1.5])}, {"w": torch.tensor([1.0, 1.0, 1.0])}, 1.0)
-    >>> round(d["off_fraction"], 3), d["median_updates"], d["max_updates"], d["worst_tensor"]
-    (0.333, 0.0, 0.5, 'w')
-    """
+    by more than ``OFF_BY``, the median, the 99th percentile and the largest, and where the largest is."""
     import torch
 
     if actual.keys() != expected.keys():
@@ -432,23 +371,18 @@ def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update:
             "p99_updates": quantile(0.99), "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
 
 
-EQUIVALENCE_BATCH = 2
-EQUIVALENCE_SEQ_LEN = 64
-
-
 def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -> FitSpec:
-    """One fp32 fit of the equivalence, saving its final weights; ``ranks`` x the per-rank batch is the same global
-    batch for every fit."""
+    """One fp32 fit saving its final weights; ``ranks`` x its batch is the same global batch for every fit."""
     weights = ctx.out / "one_gpu_pair" / "equivalence" / name / "weights.pt"
-    extra = ("--model.lr", str(EQUIVALENCE_LR), "--timer.enabled", "false",
+    extra = ("--model.lr", str(EQUIVALENCE["lr"]), "--timer.enabled", "false",
              "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights",
              "--trainer.callbacks.path", str(weights.resolve()))
-    return FitSpec(name, fit_args(ctx, preset=ctx.scale.equivalence_preset, batch=2 * EQUIVALENCE_BATCH // ranks,
-                                  seq_len=EQUIVALENCE_SEQ_LEN, steps=ctx.scale.equivalence_steps, warmup=0,
+    return FitSpec(name, fit_args(ctx, preset=EQUIVALENCE["preset"], batch=2 * EQUIVALENCE["per_rank_batch"] // ranks,
+                                  seq_len=EQUIVALENCE["seq_len"], steps=EQUIVALENCE["steps"], warmup=0,
                                   precision="32-true", strategy=strategy, ranks=ranks, extra=extra))
 
 
-def _compare(result: FitResult, expected: dict[str, Any] | None, update: float) -> tuple[dict[str, Any], list[str]]:
+def _compare(result: FitResult, expected: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """The row of one 2-rank fit against the one-process weights ``expected``, and its problem if any."""
     import torch
 
@@ -458,11 +392,11 @@ def _compare(result: FitResult, expected: dict[str, Any] | None, update: float) 
         return row, [f"{result.name} on 2 ranks: {result.status}: {result.error}"]
     if expected is None or path is None or not path.exists():
         return row, []
-    row.update(weight_differences(torch.load(path, weights_only=True), expected, update))
+    row.update(weight_differences(torch.load(path, weights_only=True), expected,
+                                  EQUIVALENCE["lr"] * EQUIVALENCE["steps"]))
     path.unlink()  # compared: the weights are ~14 MB a strategy and worth nothing more
     tolerance = EXACT_TOLERANCE if catalogue.get(result.name).exact else LOSSY_TOLERANCE
-    row["tolerance"] = tolerance
-    row["equal"] = row["off_fraction"] <= tolerance
+    row.update(tolerance=tolerance, equal=row["off_fraction"] <= tolerance)
     if row["equal"]:
         return row, []
     return row, [f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the weights off "
@@ -474,7 +408,6 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
     """Every strategy on 2 ranks sharing the device vs one process on the same global batch (fp32)."""
     import torch
 
-    steps = ctx.scale.equivalence_steps
     reference = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, "one_process", REFERENCE, 1)])[0]
     pairs = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, n, n, 2) for n in catalogue.names()],
                      ranks=2)
@@ -486,20 +419,18 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
         reference_weights.unlink()
     rows: dict[str, Any] = {}
     for result in pairs:
-        rows[result.name], found = _compare(result, expected, EQUIVALENCE_LR * steps)
+        rows[result.name], found = _compare(result, expected)
         problems += found
-    data = {"preset": ctx.scale.equivalence_preset, "per_rank_batch": EQUIVALENCE_BATCH,
-            "seq_len": EQUIVALENCE_SEQ_LEN, "steps": steps, "lr": EQUIVALENCE_LR, "precision": "32-true",
-            "off_by_updates": OFF_BY, "tolerance_origin": TOLERANCE_ORIGIN, "rows": rows}
+    data = {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "tolerance_origin": TOLERANCE_ORIGIN,
+            "rows": rows}
     return data, problems
 
 
 def _sweep_arguments(ctx: StudyContext, out_dir: Path) -> list[str]:
-    s = ctx.scale
-    args = ["-m", "lightning_ddp.bench", "--config", s.sweep_config, "--output.out_dir", str(out_dir.resolve()),
+    args = ["-m", "lightning_ddp.bench", "--config", SWEEP_CONFIG, "--output.out_dir", str(out_dir.resolve()),
             "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))]
-    if s.sweep_strategies is not None:
-        args += ["--grid.strategies", json.dumps(list(s.sweep_strategies))]
+    if ctx.scale.sweep_strategies is not None:
+        args += ["--grid.strategies", json.dumps(list(ctx.scale.sweep_strategies))]
     if ctx.device == "cpu":  # the dry run: the same sweep, shrunk to the tiny preset on CPU
         args += ["--run.accelerator", "cpu", "--workload.base_config", "configs/quickstart.yaml",
                  "--workload.preset", "tiny", "--workload.cli_args", json.dumps(["--data.source", "synthetic"]),
@@ -524,9 +455,6 @@ def one_gpu_pair(ctx: StudyContext) -> StageResult:
                        files=files, problems=problems)
 
 
-# ---- (f) traces ----------------------------------------------------------------------------------------------------
-
-
 def without_and_with_overlap() -> list[str]:
     """The catalogue's first engine that communicates after backward, and its first that overlaps backward."""
     engines = [catalogue.get(name) for name in catalogue.names(engines_only=True)]
@@ -537,16 +465,13 @@ def without_and_with_overlap() -> list[str]:
 def traces(ctx: StudyContext) -> StageResult:
     from lightning_ddp.trace import load_run, render_timeline
 
-    s = ctx.scale
     record = str((ctx.root / "configs" / "trace" / "record.yaml").resolve())
-    seq_len = 256 if ctx.device == "cuda" else 32
-    specs = [FitSpec(name, fit_args(ctx, preset=s.trace_preset, batch=4, seq_len=seq_len, steps=9, warmup=6,
-                                    precision=s.precision, strategy=name, ranks=2, extra=("--config", record)))
+    specs = [FitSpec(name, fit_args(ctx, **ctx.scale.traces, strategy=name, ranks=2, extra=("--config", record)))
              for name in without_and_with_overlap()]
     results = ctx.fits("traces", specs, ranks=2)
     problems = _failures(results)
     runs = [load_run([r.log_dir / "traces"], r.name) for r in results if r.ok and (r.log_dir / "traces").exists()]
-    data: dict[str, Any] = {"preset": s.trace_preset, "ranks": 2, "precision": s.precision, "runs": {}}
+    data: dict[str, Any] = {**ctx.scale.traces, "ranks": 2, "precision": ctx.scale.precision, "runs": {}}
     if not runs:
         return StageResult(data=data, problems=problems)
     picture = ctx.out / "traces" / "timeline.png"
@@ -562,39 +487,30 @@ def traces(ctx: StudyContext) -> StageResult:
     return StageResult(data=data, files=files, problems=problems)
 
 
-# ---- (g) gradient-ready times in backward, and the projection from them --------------------------------------------
-
-
-PROJECTED_NETWORKS = ("nvlink4", "pcie_gen4")
-
-
 def ready_times(ctx: StudyContext) -> StageResult:
     from lightning_ddp.profile import read_profile
 
-    s = ctx.scale
-    spec = FitSpec("profile", fit_args(ctx, preset=s.profile_preset, batch=s.profile_batch, seq_len=s.profile_seq_len,
-                                       steps=s.profile_steps, warmup=3, precision=s.precision,
-                                       strategy=without_and_with_overlap()[0]))
+    profile_scale = ctx.scale.profile
+    spec = FitSpec("profile", fit_args(ctx, **profile_scale, strategy=without_and_with_overlap()[0]))
     (result,) = ctx.fits("ready_times", [spec])
     profile_path = result.file("compute_profile.json")
     if not result.ok or profile_path is None:
         error = result.error or "no compute_profile.json"
-        return StageResult(problems=[f"the {s.profile_preset} fit: {result.status}: {error}"])
+        return StageResult(problems=[f"the {profile_scale['preset']} fit: {result.status}: {error}"])
     profile = read_profile(profile_path)
     ready = sorted(p.ready_ms for p in profile.params if p.ready_ms is not None)
     data: dict[str, Any] = {
-        "preset": s.profile_preset, "batch": s.profile_batch, "seq_len": s.profile_seq_len, "device": profile.device,
-        "precision": s.precision, "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms,
-        "optimizer_ms": profile.optimizer_ms, "tensors": len(profile.params),
-        "first_ready_ms": ready[0] if ready else None, "last_ready_ms": ready[-1] if ready else None,
-        "profile": ctx.relative(profile_path), "projections": {},
+        **profile_scale, "device": profile.device, "precision": ctx.scale.precision,
+        "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms,
+        "tensors": len(profile.params), "first_ready_ms": ready[0] if ready else None,
+        "last_ready_ms": ready[-1] if ready else None, "profile": ctx.relative(profile_path), "projections": {},
     }
     files = [ctx.relative(profile_path)]
     problems = []
     if len(ready) != len(profile.params):
         problems.append(f"{len(profile.params) - len(ready)} tensors never became ready")
     gpu = _projection_gpu(profile.device)
-    for network in PROJECTED_NETWORKS:
+    for network in ("nvlink4", "pcie_gen4"):
         rows, written = _project(ctx, profile_path, gpu, network)
         data["projections"][network] = {"gpu": gpu, "rows": rows}
         files += written
@@ -611,51 +527,39 @@ def _projection_gpu(device_name: str) -> str:
 
 
 def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The projection from the measured profile to 2 ranks on ``network``: one row per strategy, each bucketed one
-    at its best bucket size; and the files it wrote."""
-    from lightning_ddp.projection.config import (
-        ComputeConfig,
-        NetworkConfig,
-        OutputConfig,
-        ProjectionConfig,
-        StudyConfig,
-    )
+    """The projection from the measured profile to 2 ranks on ``network``, one row per strategy (a bucketed one at
+    its best bucket size), and the files it wrote."""
+    from lightning_ddp.projection import config as projection
     from lightning_ddp.projection.run import run_projection
 
-    config = ProjectionConfig(
+    config = projection.ProjectionConfig(
         name=f"2 x {gpu} over {network}, from the measured profile",
-        compute=ComputeConfig(source="profile", profile_path=str(profile_path), gpu=gpu),
-        network=NetworkConfig(preset=network), study=StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
-        output=OutputConfig(out_dir=str(ctx.out / "ready_times" / f"projection_{network}"), plots=False),
+        compute=projection.ComputeConfig(source="profile", profile_path=str(profile_path), gpu=gpu),
+        network=projection.NetworkConfig(preset=network),
+        study=projection.StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
+        output=projection.OutputConfig(out_dir=str(ctx.out / "ready_times" / f"projection_{network}"), plots=False),
     )
     outcome = run_projection(config)
     rows = [row for row in outcome.rows if row.get("best_bucket") == "true" or row.get("bucket_size_mb") in (None, "")]
     return rows, [ctx.relative(Path(f)) for f in outcome.files]
 
 
-# ---- (h) the timer's overhead ---------------------------------------------------------------------------------------
-
-
 def timer_overhead(ctx: StudyContext) -> StageResult:
-    s = ctx.scale
+    overhead = ctx.scale.overhead
     stage = ctx.stage_dir("timer_overhead")
-    fit = fit_args(ctx, preset=s.overhead_preset, batch=s.strategies_batch, seq_len=s.strategies_seq_len,
-                   steps=s.overhead_steps, warmup=s.overhead_warmup, precision=s.precision,
-                   strategy=catalogue.DEFAULT_ENGINE)
+    fit = fit_args(ctx, **overhead, strategy=catalogue.DEFAULT_ENGINE)
     # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
     fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
     log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
     ran, data = ctx.run_module("lightning_ddp.bench.timer_overhead", [
-        "--config", "configs/quickstart.yaml", "--steps", str(s.overhead_steps), "--warmup", str(s.overhead_warmup),
-        "--repeats", str(s.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], path, log)
+        "--config", "configs/quickstart.yaml", "--steps", str(overhead["steps"]), "--warmup", str(overhead["warmup"]),
+        "--repeats", str(ctx.scale.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], path, log)
     if data is None:
         return StageResult(files=[ctx.relative(log)], problems=[ran.error or "no timer_overhead.json"])
-    data = {**data, "preset": s.overhead_preset}
+    data = {**data, "preset": overhead["preset"]}
     return StageResult(data=data, files=[ctx.relative(path), ctx.relative(stage / "timer_overhead.md")])
 
-
-# ---- the table ------------------------------------------------------------------------------------------
 
 STAGES: tuple[Stage, ...] = (
     Stage("environment", "Environment", 20, 5, False, environment,

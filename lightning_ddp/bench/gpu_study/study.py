@@ -1,9 +1,9 @@
-"""Run the stages in order against this call's budget, keeping ``stages.json`` and ``results.md`` current after
-every stage, so that several short calls (``--resume true``) finish the study.
+"""Run the stages in order against this call's budget, rewriting ``stages.json`` and ``results.md`` after every
+stage, so that several short calls (``--resume true``) finish the study.
 
-``run_study`` decides per stage: kept (``ok`` in a resumed study), ``skipped: not selected``, ``skipped: no
-CUDA``, ``skipped: budget`` (its estimate exceeds what is left), or run (``ok`` / ``failed`` with one error line).
-docs/gpu.md says how a call is budgeted.
+A stage's status: ``pending``, ``running``, ``ok``, ``failed`` (with one error line), ``interrupted``, ``skipped:
+not selected``, ``skipped: no CUDA`` or ``skipped: budget`` (its estimate exceeds what is left). docs/gpu.md says
+how a call is budgeted.
 """
 
 from __future__ import annotations
@@ -23,17 +23,10 @@ from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, Stu
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import git_state, repo_relative
 
-__all__ = ["DONE", "RESULTS_MD", "STAGES_JSON", "STATUSES", "cuda_available", "plan_calls", "repository_root",
-           "run_study"]
+__all__ = ["DONE", "cuda_available", "plan_calls", "repository_root", "run_study"]
 
-STAGES_JSON = "stages.json"
-RESULTS_MD = "results.md"
-STATUSES = ("pending", "running", "ok", "failed", "skipped: budget", "skipped: no CUDA", "skipped: not selected",
-            "interrupted")
-"""What a stage's ``status`` in stages.json can be."""
 DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
-"""The statuses that leave nothing to do (``complete`` in stages.json); a ``--resume true`` call keeps the ``ok``
-stages and runs every other one again."""
+"""The statuses that leave nothing to do (``complete`` in stages.json); ``--resume true`` runs every other again."""
 
 
 def repository_root(root: str | None = None) -> Path:
@@ -49,7 +42,7 @@ def repository_root(root: str | None = None) -> Path:
 
 
 def cuda_available(env: dict[str, str] | None = None) -> bool:
-    """Whether a child process sees a CUDA device (``torch.cuda.is_available()``), without touching CUDA here."""
+    """Whether a child process sees a CUDA device, without touching CUDA here."""
     try:
         code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -59,21 +52,9 @@ def cuda_available(env: dict[str, str] | None = None) -> bool:
     return proc.returncode == 0
 
 
-def _error_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
 def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> list[list[str]]:
     """The stages each call of ``--resume true --budget_min budget_min`` runs if every stage takes its estimate: a
-    stage runs when its estimate fits what is left of the call. Raises ``ValueError`` if a stage fits no call.
-
-    >>> from lightning_ddp.bench.gpu_study.stages import STAGES
-    >>> for call in plan_calls(STAGES, 9):
-    ...     print(call)
-    ['environment', 'cuda_tests', 'compute', 'strategies']
-    ['one_gpu_pair', 'traces', 'ready_times', 'timer_overhead']
-    """
+    stage runs when its estimate fits what is left of the call. Raises ``ValueError`` if a stage fits no call."""
     budget_s = budget_min * 60
     for stage in stages:
         needs_s = stage.estimate(dry_run)
@@ -93,9 +74,9 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
 
 
 def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any] | None:
-    """The stages.json already in ``out`` that ``--resume`` continues (None: nothing to continue); a folder that
-    holds a study is refused without ``--resume``, and one of the other kind (dry run / GPU) always."""
-    path = out / STAGES_JSON
+    """The stages.json in ``out`` that ``--resume`` continues (None: none); refused without ``--resume``, and
+    always where it is of the other kind (dry run / GPU)."""
+    path = out / "stages.json"
     if not path.exists():
         return None
     try:
@@ -114,43 +95,31 @@ def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any] | No
 
 
 def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyContext,
-                  previous: dict[str, Any] | None) -> dict[str, Any]:
+                  previous: dict[str, Any]) -> dict[str, Any]:
     """stages.json for this call: every stage pending, except those ``previous`` has ``ok`` (kept unchanged)."""
-    kept = {e["name"]: e for e in (previous or {}).get("stages", []) if e.get("status") == "ok"}
+    kept = {e["name"]: e for e in previous.get("stages", []) if e.get("status") == "ok"}
     call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": [repo_relative(arg) for arg in sys.argv], "budget_min": config.budget_min}
+    if config.commit:
+        commit = {"git_commit": config.commit, "source": "--commit"}
+    else:
+        state = git_state()
+        commit = {"git_commit": state["git_commit"], "source": state["git_commit_source"]}
     return {
-        "created": (previous or {}).get("created", call["started"]),
+        "created": previous.get("created", call["started"]),
         "command": call["command"], "budget_min": config.budget_min, "cpu_dry_run": config.cpu_dry_run,
         "cuda": ctx.cuda, "device": ctx.device, "root": repo_relative(str(ctx.root)), "elapsed_s": 0.0,
-        "commit": commit_of(config), "calls": [*(previous or {}).get("calls", []), call], "complete": False,
+        "commit": commit, "calls": [*previous.get("calls", []), call], "complete": False,
         "stages": [kept.get(s.name) or {"name": s.name, "title": s.title, "status": "pending", "seconds": None,
                                         "estimate_s": s.estimate(config.cpu_dry_run), "error": "", "files": [],
                                         "shows": s.shows} for s in stages],
     }
 
 
-def commit_of(config: GPUStudyConfig) -> dict[str, Any]:
-    """``{"git_commit", "source"}``: ``--commit``, else the checkout's HEAD, else ``$LIGHTNING_DDP_COMMIT``."""
-    if config.commit:
-        return {"git_commit": config.commit, "source": "--commit"}
-    state = git_state()
-    return {"git_commit": state["git_commit"], "source": state["git_commit_source"]}
-
-
-def _check_budget(stages: Sequence[Stage], document: dict[str, Any], ctx: StudyContext) -> None:
-    """Refuse a budget in which a stage left to run could never start (it would be skipped call after call)."""
-    config = ctx.config
-    left = [stage for stage, entry in zip(stages, document["stages"])
-            if entry["status"] != "ok" and (config.stages is None or stage.name in config.stages)
-            and (ctx.cuda or not stage.needs_cuda)]
-    plan_calls(left, config.budget_min, config.cpu_dry_run)
-
-
-def _skip_reason(stage: Stage, config: GPUStudyConfig, ctx: StudyContext) -> tuple[str, str] | None:
+def _skip_reason(stage: Stage, ctx: StudyContext) -> tuple[str, str] | None:
     """``(status, error)`` when ``stage`` does not run in this call, else None."""
-    estimate = stage.estimate(config.cpu_dry_run)
-    if config.stages is not None and stage.name not in config.stages:
+    estimate = stage.estimate(ctx.config.cpu_dry_run)
+    if ctx.config.stages is not None and stage.name not in ctx.config.stages:
         return "skipped: not selected", ""
     if stage.needs_cuda and not ctx.cuda:
         return "skipped: no CUDA", ""
@@ -175,7 +144,8 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
         save()
         raise
     except Exception as error:  # noqa: BLE001 - one stage's failure is recorded; the study goes on
-        result = StageResult(problems=[_error_line(error)])
+        text = str(error).strip().splitlines()
+        result = StageResult(problems=[f"{type(error).__name__}: {text[0] if text else ''}"[:300]])
     entry["seconds"] = round(time.monotonic() - ctx.stage_started, 1)
     if result.data:
         write_json_atomically(ctx.out / f"{stage.name}.json", result.data, default=str)
@@ -186,15 +156,9 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
 
 def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bool | None = None,
               log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
-    """Run the study of ``config``; returns the final ``stages.json`` document.
-
-    Args:
-        config: The command line.
-        stages: The stages to run, in order (tests pass their own).
-        cuda: Whether CUDA is visible; default: ask a child process.
-        log: Where progress lines go (default: print, flushed).
-        started: ``time.monotonic()`` when the call began (the budget counts from it); default: now.
-    """
+    """Run the study of ``config``; returns the final ``stages.json`` document. ``cuda`` default: ask a child
+    process; ``log``: where progress lines go (default: print); ``started``: ``time.monotonic()`` when the call
+    began (the budget counts from it; default: now)."""
     from lightning_ddp.bench.gpu_study.report import build_report
 
     started = time.monotonic() if started is None else started
@@ -209,16 +173,20 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
                          "study needs one. To rehearse every stage on CPU, add `--cpu_dry_run true`.")
     ctx = StudyContext(config=config, scale=scale_of(config), out=out, root=root, cuda=cuda,
                        deadline=started + config.budget_min * 60, log=say)
-    document = _new_document(config, stages, ctx, previous)
-    _check_budget(stages, document, ctx)
+    document = _new_document(config, stages, ctx, previous or {})
+    # Refuse a budget in which a stage left to run could never start (it would be skipped call after call).
+    selected = config.stages or [stage.name for stage in stages]
+    left = [stage for stage, entry in zip(stages, document["stages"])
+            if entry["status"] != "ok" and stage.name in selected and (cuda or not stage.needs_cuda)]
+    plan_calls(left, config.budget_min, config.cpu_dry_run)
     out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
         document["elapsed_s"] = round(time.monotonic() - started, 1)
         document["calls"][-1]["elapsed_s"] = document["elapsed_s"]
         document["complete"] = all(e["status"] in DONE for e in document["stages"])
-        write_json_atomically(out / STAGES_JSON, document)
-        write_atomically(out / RESULTS_MD, build_report(document, out))
+        write_json_atomically(out / "stages.json", document)
+        write_atomically(out / "results.md", build_report(document, out))
 
     kept = sum(e["status"] == "ok" for e in document["stages"])
     say(f"GPU study{' (CPU dry run)' if config.cpu_dry_run else ''}: {len(stages)} stages"
@@ -228,7 +196,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         for stage, entry in zip(stages, document["stages"]):
             if entry["status"] == "ok":
                 continue
-            skip = _skip_reason(stage, config, ctx)
+            skip = _skip_reason(stage, ctx)
             if skip is None:
                 _run_stage(stage, entry, ctx, save)
             else:
@@ -244,6 +212,6 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
             say(f"archive: {config.archive} ({contents.size_bytes / 2**20:.1f} MiB, {len(contents.files)} files"
                 + (f"; left out: {', '.join(contents.left_out[:5])}" if contents.left_out else "") + ")")
     left = [e["name"] for e in document["stages"] if e["status"] not in DONE]
-    say(f"done in {time.monotonic() - started:.0f} s: {out / RESULTS_MD}"
+    say(f"done in {time.monotonic() - started:.0f} s: {out / 'results.md'}"
         + (f"; not done yet: {', '.join(left)} (run again with --resume true)" if left else "; every stage done"))
     return document
