@@ -167,10 +167,10 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
     device_gib = device_memory_gib or (spec.memory_GB * 1e9 / 2**30 if spec is not None else None)
     peak_gib = (run.medians.get("memory/peak_MiB") or 0.0) / 1024
     if device_gib and peak_gib >= MEMORY_NEAR * device_gib and current_bytes is not None:
-        saves = {}
+        saves: dict[str, float] = {}  # per sharded strategy, at its setting that keeps the least
         for r in rows:
-            if r["sharded"] and r["strategy"] not in saves:
-                saves[r["strategy"]] = current_bytes / 2**30 - r["memory_GiB"]
+            if r["sharded"]:
+                saves[r["strategy"]] = max(saves.get(r["strategy"], -1e9), current_bytes / 2**30 - r["memory_GiB"])
         verdict["memory"] = {"peak_GiB": peak_gib, "device_GiB": device_gib, "sharding_saves_GiB": saves}
     return verdict
 
