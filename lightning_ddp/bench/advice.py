@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_ddp import catalogue
 from lightning_ddp.advice import advise, read_run
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
@@ -32,7 +33,7 @@ class AdviceBenchConfig:
 
     fit_config: str = "configs/quickstart.yaml"
     """The fit every run starts from."""
-    starts: list[str] = field(default_factory=lambda: ["naive_ddp", "bucketed_ddp:2"])
+    starts: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, f"{catalogue.DEFAULT_ENGINE}:2"])
     """Starting points: a catalogue name, ``name:MiB`` for a bucket size."""
     repeats: int = 3
     """Interleaved runs of each start and each applied advice."""
