@@ -70,10 +70,12 @@ def _advice(log_dir: Path) -> dict[str, Any]:
     document = advise(read_run(log_dir))
     verdict = document["verdict"]
     top = verdict["top"] if verdict["action"] == "change" else None
+    # keep (or a straggler): the prediction is the current row's, the start's own step with its interval
+    row = top or next(r for r in document["recommendations"] if r["current"])
     return {"verdict": verdict["action"], "step_ms": document["run"]["step_ms"],
             "applied": top and f"{top['strategy']} {top['settings'].get('bucket_size_mb') or ''}".strip(),
             "fit_args": top["fit_args"] if top else [],
-            "predicted": [top["predicted_step_ms"], *top["predicted_step_interval"]] if top else None}
+            "predicted": [row["predicted_step_ms"], *row["predicted_step_interval"]]}
 
 
 def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], runs: dict[str, list]) -> dict[str, Any]:
@@ -82,8 +84,7 @@ def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], run
         return estimate(per_repeat(runs[key], "step/time_ms"), config.bootstrap_samples, config.seed, f"{start}|{key}")
 
     first, after = measured("start"), measured("applied" if advice["fit_args"] else "start")
-    # keep: the prediction is the start's own step, from the run advise read
-    predicted = advice["predicted"] or [advice["step_ms"]] * 3
+    predicted = advice["predicted"]
     gain = ratio_estimate(per_repeat(runs["start"], "step/time_ms"),
                           per_repeat(runs["applied" if advice["fit_args"] else "start"], "step/time_ms"),
                           config.bootstrap_samples, config.seed, (f"{start}|start", f"{start}|applied"))
