@@ -94,8 +94,9 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     fits, notes = fit_calls(run.summary["collectives"])
     current, scale, factor = run.info["strategy"], 1.0, 1.0
     calibrated = current in simulated_names()
-    busy_ms = run.medians.get("comm/busy_ms")
-    if calibrated and busy_ms:  # first the communication: the current strategy's busy time as measured
+    # first the communication: the current strategy's busy time as measured, less waiting for a late rank
+    busy_ms = (run.medians.get("comm/busy_ms") or 0.0) - (run.medians.get("comm/wait_ms") or 0.0)
+    if calibrated and busy_ms > 0:
         factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), _current_size(run)).busy_comm_ms
     model = step_model(run, FittedComm(fits, factor))
     params = run.profile.params

@@ -28,6 +28,7 @@ def _advise(run_dir: Path) -> dict:
 
 
 def _fit(tmp_path: Path, *args: str) -> Path:
+    tmp_path.mkdir()
     run_cli("fit", *FAST, "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), *args, cwd=tmp_path)
     (summary,) = (tmp_path / "logs").rglob("timing_summary.json")
     return summary.parent
@@ -41,9 +42,10 @@ def test_advise_on_a_naive_quickstart_run_and_on_a_straggler(tmp_path: Path) -> 
     if top is not None:  # a change: its fit_args run as they are
         run_cli("fit", *FAST, "--trainer.logger.init_args.save_dir", str(tmp_path / "applied"), *top["fit_args"],
                 cwd=tmp_path)
+    # 150 ms: most of the exposed time even when two loaded cores make the transfer itself slow
     slow = _advise(_fit(tmp_path / "slow", "--trainer.strategy", "bucketed_ddp",
                         "--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank", "1",
-                        "--trainer.callbacks.delay_ms", "60"))
+                        "--trainer.callbacks.delay_ms", "150"))
     assert slow["verdict"]["action"] == "straggler" and slow["verdict"]["straggler"]["rank"] == 1
 
 
