@@ -104,7 +104,11 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in params)) / MiB
     simulated: dict[tuple, Any] = {}
     not_predicted = []
-    for name, bucket, size in _candidates(auto_mb):
+    candidates = _candidates(auto_mb)
+    if calibrated and not any(name == current and size_equal(bucket, _current_size(run))
+                              for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
+        candidates.append((current, _current_size(run), _current_size(run)))
+    for name, bucket, size in candidates:
         try:
             result = simulate(name, model, size)
         except ValueError as error:  # e.g. FSDP2's blocks on a model without numbered layers
@@ -125,7 +129,7 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
         predicted = r.step_ms * scale
         row = {"strategy": name, "settings": {"bucket_size_mb": bucket} if bucket is not None else {},
                "exact": entry.exact, "sharded": entry.sharded,
-               "current": name == current and (bucket is None or size_equal(bucket, _current_size(run))),
+               "current": calibrated and name == current and size_equal(bucket, _current_size(run)),
                "predicted_step_ms": predicted, "predicted_step_interval": _interval(predicted),
                "predicted_share": r.comm_share, "gain": run.step_ms / predicted - 1,
                "gain_interval": [run.step_ms / hi - 1 for hi in _interval(predicted)[::-1]],

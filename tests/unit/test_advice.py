@@ -91,6 +91,12 @@ def test_keep_a_straggler_memory_and_a_script(tmp_path: Path) -> None:
     assert saves["fsdp2"] == pytest.approx(3 * BLOCKS * BLOCK_BYTES / 2 / 2**30, rel=0.3)
     script = advise(read_run(_write_run(tmp_path / "script", cli=False)))
     assert script["verdict"]["top"]["fit_args"] == [] and script["verdict"]["top"]["python"].startswith("Trainer(")
+    resolved = _write_run(tmp_path / "auto", strategy="bucketed_ddp")
+    summary = json.loads((resolved / "timing_summary.json").read_text())
+    summary["run"]["bucket_size_mb"] = 3.3  # what `auto` resolved to: a size the table does not try, still the row
+    (resolved / "timing_summary.json").write_text(json.dumps(summary))
+    (current,) = [r for r in advise(read_run(resolved))["recommendations"] if r["current"]]
+    assert current["settings"] == {"bucket_size_mb": 3.3}
     scales = advise(read_run(_write_run(tmp_path / "scales")), world_sizes=[4, 8], network="nvlink4")["scales"]
     assert set(scales) == {"4", "8"} and scales["8"][0]["predicted_step_ms"] > 0
 
