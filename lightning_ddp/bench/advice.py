@@ -16,6 +16,7 @@ from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
 from lightning_ddp.bench.study import (command_text, csv_text, load_average, markdown_table, per_repeat, provenance,
                                        read_csv, read_json, run_study, step_rows, write_outputs)
+from lightning_ddp.command_line import parse_dataclass
 
 __all__ = ["AdviceBenchConfig", "main"]
 
@@ -151,8 +152,6 @@ def write_report(config: AdviceBenchConfig) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    from lightning_ddp.command_line import parse_dataclass
-
     config = parse_dataclass(AdviceBenchConfig, argv, prog="python -m lightning_ddp.bench.advice")
     if config.report_only:
         return write_report(config)

@@ -127,3 +127,26 @@ def test_the_command_writes_advice_json_and_md(tmp_path: Path, capsys: pytest.Ca
     markdown = (run / "advice.md").read_text()
     assert "**Verdict: change to" in markdown and "--trainer.strategy" in markdown
     assert markdown in capsys.readouterr().out
+
+
+def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
+    from lightning_ddp.bench import advice as bench
+    from lightning_ddp.bench.study import csv_text, write_outputs
+
+    config = bench.parse_dataclass(bench.AdviceBenchConfig, ["--config", str(REPO / "configs/advice/cpu.yaml")],
+                                   prog="check")
+    assert len(config.starts) == 6 and config.tolerance == 0.10
+    config.out_dir, config.bootstrap_samples = str(tmp_path), 200
+    steps = [[{"step/time_ms": 100.0 + k % 3} for k in range(10)] for _ in range(2)]
+    faster = [[{"step/time_ms": 80.0 + k % 3} for k in range(10)] for _ in range(2)]
+    advice = {"verdict": "change", "step_ms": 101.0, "applied": "flat", "fit_args": ["--trainer.strategy", "x"],
+              "predicted": [84.0, 76.0, 92.0]}
+    row = bench.summarize(config, "naive", advice, {"start": steps, "applied": faster})
+    assert row["within_tolerance"] and row["not_slower"] and row["gain"] == pytest.approx(101 / 81 - 1, rel=0.02)
+    keep = bench.summarize(config, "flat", {**advice, "fit_args": [], "verdict": "keep"}, {"start": steps})
+    assert keep["applied_ms"] == keep["start_ms"] and keep["gain"] == 0.0
+    markdown = bench.render_markdown(config, [row, keep], "cmd")
+    write_outputs(tmp_path, {"results.csv": csv_text([row, keep], bench.COLUMNS, digits=4), "results.md": markdown,
+                             "environment.json": {"config": vars(config), "command_line": "cmd"}})
+    bench.write_report(config)
+    assert (tmp_path / "results.md").read_text() == markdown
