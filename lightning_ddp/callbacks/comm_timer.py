@@ -27,8 +27,8 @@ from lightning_ddp.callbacks.tensorboard_views import (MEDIAN_METRICS, custom_sc
                                                        strategy_settings)
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.rank_exchange import StragglerExchange
-from lightning_ddp.metrics.recording import (comm_recording, measurement_note, recorder_for, release_recorder,
-                                             strategy_label)
+from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
+                                             measurement_note, recorder_for, release_recorder, strategy_label)
 from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
@@ -93,6 +93,7 @@ class CommTimer(Callback):
         self._recorder: Recorder | None = None
         self._watched: list[tuple[str, torch.Tensor]] = []
         self._compute: list[dict[str, Any]] = []  # per measured step: forward/backward/optimizer ms, ready ms
+        self._calls: dict[tuple[str, int], list[float]] = {}  # (op, bytes) -> busy ms, steps after warm-up
         self._batch_shape: tuple[int, ...] = ()  # (batch, seq_len) of a micro-batch, when the module counts tokens
         self._every = 1  # every_n_steps resolved at the start of training
         self._comm: str | None = "full"  # what this strategy's communication can be seen of (comm_recording)
@@ -246,6 +247,9 @@ class CommTimer(Callback):
         # Inconsistent marks were clamped and counted, never raised: the first ones of the run are warned about here.
         self.summary.add(self._step, metrics, anomalies=timing.anomalies)
         self._compute.append(_compute_landmarks(record))
+        if len(self.summary) > self.warmup_steps:
+            for op, nbytes, busy_ms in collective_calls(timing.collectives):
+                self._calls.setdefault((op, nbytes), []).append(busy_ms)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -271,9 +275,11 @@ class CommTimer(Callback):
         note = clock_note(self.exchange.describe()["max_uncertainty_ms"], lag)
         if note is not None:
             print(f"note: {note}", flush=True)
-        extra = {"run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
+        extra = {"schema": SUMMARY_SCHEMA,
+                 "run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
                          "every_n_steps": self._every, "comm_recording": self._comm},
-                 "clock": {**self.exchange.describe(), **({"note": note} if note else {})}}
+                 "clock": {**self.exchange.describe(), **({"note": note} if note else {})},
+                 "collectives": call_table(self._calls)}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
         steps = self._compute[self.warmup_steps:]
@@ -399,6 +405,7 @@ def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
     return {
         "strategy": _strategy_name(strategy),
         "strategy_class": type(strategy).__name__,
+        "cli": getattr(sys.modules["__main__"].__spec__, "name", "") == "lightning_ddp.__main__",  # else a script
         "world_size": trainer.world_size,
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -6,16 +6,20 @@ through a comm hook); ``comm_recording(strategy)`` decides what can be measured 
 
 from __future__ import annotations
 
+import statistics
 import weakref
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp.sync.comm import Communicator
 from lightning_ddp.sync.record import Recorder
 
-__all__ = ["COMM_RECORDING_LEVELS", "CommRecording", "comm_recording", "measurement_note", "record_torch_ddp",
-           "recorder_for", "release_recorder"]
+__all__ = ["COMM_RECORDING_LEVELS", "SUMMARY_SCHEMA", "CommRecording", "call_table", "collective_calls",
+           "comm_recording", "measurement_note", "record_torch_ddp", "recorder_for", "release_recorder"]
+
+SUMMARY_SCHEMA = "lightning_ddp.timing_summary/2"
+"""``timing_summary.json``'s version: 2 added ``collectives`` (``call_table``); a summary without one is version 1."""
 
 CommRecording = Optional[Literal["full", "landmarks"]]
 COMM_RECORDING_LEVELS: tuple[CommRecording, ...] = ("full", "landmarks", None)
@@ -133,3 +137,20 @@ def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> st
     return (f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics "
             "(exposed, busy, overlap, bandwidth). Communication is measured for Lightning's ddp and our strategies "
             "(lightning_ddp.catalogue.names()).")
+
+
+def collective_calls(collectives: Iterable[Any]) -> list[tuple[str, int, float]]:
+    """``(op, bytes, busy ms)`` per collective of a finished step (ms marks), each busy from its launch or the end
+    of the one before, whichever is later (they run in order, as ``accounting.busy_intervals``)."""
+    calls, previous_end = [], float("-inf")
+    for c in collectives:
+        calls.append((c.op, int(c.nbytes), max(0.0, c.completed - max(c.launched, previous_end))))
+        previous_end = max(previous_end, c.completed)
+    return calls
+
+
+def call_table(calls: dict[tuple[str, int], list[float]]) -> list[dict[str, Any]]:
+    """``timing_summary.json``'s ``collectives``: per (op, bytes) of the measured steps after warm-up, the count and
+    the median busy ms (what ``python -m lightning_ddp advise`` fits latency and bandwidth to)."""
+    return [{"op": op, "bytes": nbytes, "count": len(times), "median_ms": statistics.median(times)}
+            for (op, nbytes), times in sorted(calls.items())]

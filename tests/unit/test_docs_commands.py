@@ -164,6 +164,7 @@ def parse_entry_point(module: str, arguments: list[str]) -> None:
     """
     original = jsonargparse.ArgumentParser.parse_args
     depth = 0
+    cli = module == "lightning_ddp" and arguments[:1] != ["advise"]  # `advise` is the study's own parser
 
     def parse_and_stop(parser: jsonargparse.ArgumentParser, *args: object, **kwargs: object) -> object:
         nonlocal depth
@@ -173,7 +174,7 @@ def parse_entry_point(module: str, arguments: list[str]) -> None:
         finally:
             depth -= 1
         if depth == 0:
-            if module == "lightning_ddp":
+            if cli:
                 _PARSERS.setdefault(module, parser)
                 _check_cli_config(namespace)
             else:
@@ -188,7 +189,7 @@ def parse_entry_point(module: str, arguments: list[str]) -> None:
           warnings.catch_warnings()):
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: "found in sys.modules" for a module run as main
         try:
-            if module in _PARSERS:
+            if cli and module in _PARSERS:
                 _PARSERS[module].parse_args(arguments)
             else:
                 runpy.run_module(module, run_name="__main__", alter_sys=False)

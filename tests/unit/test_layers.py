@@ -89,8 +89,8 @@ def test_pure_modules_import_without_torch() -> None:
 # ---- the import graph: the product never imports the study, and no module imports itself round a circle -------
 
 PACKAGE = REPO / "lightning_ddp"
-STUDY = ("bench", "projection", "trace")
-"""The study: sweeps and benchmarks, the projection, trace rendering. It may import the product;
+STUDY = ("bench", "projection", "trace", "advice")
+"""The study: sweeps and benchmarks, the projection, trace rendering, advice. It may import the product;
 the product (everything else: ``sync``, ``strategies``, ``callbacks``, ``model``, ``module``, ``data``, ``cli``,
 ``memory``, ``hardware``, ``profile``, ...) never imports it, at module level or inside a function (torchtitan's
 "experiments depend on core, never back")."""
@@ -150,9 +150,15 @@ def test_the_import_scan_sees_imports_inside_functions() -> None:
     assert "lightning_ddp.profile" in graph["lightning_ddp.callbacks.comm_timer"]
 
 
+ENTRY_POINT = "lightning_ddp.__main__"
+"""``python -m lightning_ddp``: the command line, neither product nor study. It dispatches ``advise`` to the study
+(lazily) and everything else to the product's CLI; nothing imports it."""
+
+
 def test_the_product_never_imports_the_study() -> None:
     graph = _package_graph()
-    product = [module for module in graph if not _is_study(module)]
+    product = [module for module in graph if not _is_study(module) and module != ENTRY_POINT]
+    assert not [module for module in graph if ENTRY_POINT in graph[module]]
     for expected in ("lightning_ddp.catalogue", "lightning_ddp.strategies.base", "lightning_ddp.callbacks.comm_timer",
                      "lightning_ddp.model", "lightning_ddp.module", "lightning_ddp.cli", "lightning_ddp.memory",
                      "lightning_ddp.hardware", "lightning_ddp.profile"):

@@ -1,0 +1,165 @@
+"""``python -m lightning_ddp.bench.advice --config configs/advice/cpu.yaml``: is ``advise`` right? Per starting
+point: fit, advise, then the start and its top recommendation measured with interleaved repeats; predicted against
+measured step and gain, with intervals (docs/advice.md, "The check").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_ddp import catalogue
+from lightning_ddp.advice import advise, read_run
+from lightning_ddp.bench.launch import strategy_argument
+from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
+from lightning_ddp.bench.study import (command_text, csv_text, load_average, markdown_table, per_repeat, provenance,
+                                       read_csv, read_json, run_study, step_rows, write_outputs)
+from lightning_ddp.command_line import parse_dataclass
+
+__all__ = ["AdviceBenchConfig", "main"]
+
+COLUMNS: tuple[str, ...] = (
+    "start", "verdict", "applied", "predicted_ms", "predicted_lo", "predicted_hi", "start_ms", "start_lo", "start_hi",
+    "applied_ms", "applied_lo", "applied_hi", "error", "predicted_gain", "gain", "gain_lo", "gain_hi",
+    "within_tolerance", "not_slower", "load_avg_1m",
+)
+"""results.csv's columns: per start, the verdict, the step predicted and measured [95 %], the gains."""
+
+
+@dataclass
+class AdviceBenchConfig:
+    """What ``python -m lightning_ddp.bench.advice`` runs (``configs/advice/cpu.yaml``)."""
+
+    fit_config: str = "configs/quickstart.yaml"
+    """The fit every run starts from."""
+    starts: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, f"{catalogue.DEFAULT_ENGINE}:2"])
+    """Starting points: a catalogue name, ``name:MiB`` for a bucket size."""
+    repeats: int = 3
+    """Interleaved runs of each start and each applied advice."""
+    steps: int = 40
+    """Optimizer steps per run."""
+    warmup_steps: int = 5
+    """Steps per run left out."""
+    fit_args: list[str] = field(default_factory=list)
+    """More arguments for every fit."""
+    tolerance: float = 0.10
+    """Goal: |predicted / measured - 1| within this."""
+    timeout_s: float = 900.0
+    """Seconds per run before it is killed."""
+    bootstrap_samples: int = 2000
+    """Draws of every interval."""
+    seed: int = 0
+    """Seed of the bootstrap."""
+    report_only: bool = False
+    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
+    out_dir: str = "logs/advice"
+    """Where results.csv, results.md and environment.json go (committed: benchmarks/results/advice_cpu)."""
+
+
+def _start_arguments(config: AdviceBenchConfig, start: str) -> list[str]:
+    name, _, size = start.partition(":")
+    strategy = strategy_argument(name, bucket_size_mb=float(size) if size else None)
+    return ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
+            "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
+            "--trainer.enable_progress_bar", "false"]
+
+
+def _advice(log_dir: Path) -> dict[str, Any]:
+    """The metric plug-in of the first phase: advise on the run, keep what the check needs."""
+    document = advise(read_run(log_dir))
+    verdict = document["verdict"]
+    top = verdict["top"] if verdict["action"] == "change" else None
+    # keep (or a straggler): the prediction is the current row's, the start's own step with its interval
+    row = top or next(r for r in document["recommendations"] if r["current"])
+    return {"verdict": verdict["action"], "step_ms": document["run"]["step_ms"],
+            "applied": top and f"{top['strategy']} {top['settings'].get('bucket_size_mb') or ''}".strip(),
+            "fit_args": top["fit_args"] if top else [],
+            "predicted": [row["predicted_step_ms"], *row["predicted_step_interval"]]}
+
+
+def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], runs: dict[str, list]) -> dict[str, Any]:
+    """results.csv's row of one start from its advice and the step rows of its start and applied runs."""
+    def measured(key: str):
+        return estimate(per_repeat(runs[key], "step/time_ms"), config.bootstrap_samples, config.seed, f"{start}|{key}")
+
+    first, after = measured("start"), measured("applied" if advice["fit_args"] else "start")
+    predicted = advice["predicted"]
+    gain = ratio_estimate(per_repeat(runs["start"], "step/time_ms"),
+                          per_repeat(runs["applied" if advice["fit_args"] else "start"], "step/time_ms"),
+                          config.bootstrap_samples, config.seed, (f"{start}|start", f"{start}|applied"))
+    error = predicted[0] / after.point - 1
+    return {"start": start, "verdict": advice["verdict"], "applied": advice["applied"] or "-",
+            "predicted_ms": predicted[0], "predicted_lo": predicted[1], "predicted_hi": predicted[2],
+            "start_ms": first.point, "start_lo": first.lo, "start_hi": first.hi,
+            "applied_ms": after.point, "applied_lo": after.lo, "applied_hi": after.hi, "error": error,
+            "predicted_gain": advice["step_ms"] / predicted[0] - 1, "gain": gain.point - 1, "gain_lo": gain.lo - 1,
+            "gain_hi": gain.hi - 1, "within_tolerance": abs(error) <= config.tolerance,
+            "not_slower": not after.lo > first.hi, "load_avg_1m": load_average()}
+
+
+def render_markdown(config: AdviceBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
+    """results.md: per start, the verdict, predicted against measured step and gain, and the goals."""
+    header = ["start", "verdict", "applied", "predicted ms [interval]", "start ms [95 %]", "applied ms [95 %]",
+              "error", "predicted gain", "measured gain [95 %]", f"within {config.tolerance:.0%}", "not slower"]
+    body = [[r["start"], r["verdict"], r["applied"], interval_text(r["predicted_ms"], r["predicted_lo"],
+                                                                   r["predicted_hi"]),
+             interval_text(r["start_ms"], r["start_lo"], r["start_hi"]),
+             interval_text(r["applied_ms"], r["applied_lo"], r["applied_hi"]), f"{r['error']:+.1%}",
+             f"{r['predicted_gain']:+.1%}", interval_text(r["gain"], r["gain_lo"], r["gain_hi"], "+.1%"),
+             "yes" if r["within_tolerance"] else "no", "yes" if r["not_slower"] else "no"] for r in rows]
+    within = sum(bool(r["within_tolerance"]) for r in rows)
+    return "\n".join([
+        "# Advice, checked by running it", "",
+        f"{config.fit_config} on 2 CPU ranks; per start one fit advised on, then the start and the applied advice "
+        f"{config.repeats} time(s) each, interleaved, {config.steps - config.warmup_steps} measured steps per run. "
+        "Pooled medians [95 % hierarchical bootstrap]; a keep verdict predicts the start's own step.", "",
+        *markdown_table(header, body, "lllrrrrrrll"), "",
+        f"Predicted within {config.tolerance:.0%} of measured: {within} of {len(rows)}; applied never slower than the "
+        f"start beyond the intervals: {'yes' if all(r['not_slower'] for r in rows) else 'no'}.", "",
+        f"Command: `{command}`", ""])
+
+
+def run_benchmark(config: AdviceBenchConfig, command: str) -> list[dict[str, Any]]:
+    """Advise on one fit per start, then measure every start and its advice interleaved; write the files."""
+    starts = {start: _start_arguments(config, start) for start in config.starts}
+    advice = {start: runs[0] for start, runs in run_study(starts, 1, _advice, timeout_s=config.timeout_s).items()}
+    cells = {f"{start}|start": arguments for start, arguments in starts.items()}
+    cells.update({f"{start}|applied": starts[start] + advice[start]["fit_args"] for start in starts
+                  if advice[start]["fit_args"]})
+    measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
+    rows = [summarize(config, start, advice[start], {key.split("|")[1]: runs for key, runs in measured.items()
+                                                     if key.split("|")[0] == start}) for start in starts]
+    write_outputs(config.out_dir, {
+        "results.csv": csv_text(rows, COLUMNS, digits=4),
+        "results.md": render_markdown(config, rows, command),
+        "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config), advice=advice),
+    })
+    return rows
+
+
+def write_report(config: AdviceBenchConfig) -> list[dict[str, Any]]:
+    """results.md rebuilt from ``config.out_dir``'s results.csv and environment.json (nothing measured)."""
+    out = Path(config.out_dir)
+    recorded = read_json(out / "environment.json")
+    text = ("start", "verdict", "applied")
+    rows = [{k: v if k in text else v == "true" if v in ("true", "false") else float(v) if v else math.nan
+             for k, v in row.items()} for row in read_csv(out / "results.csv")]
+    settings = AdviceBenchConfig(**{**recorded["config"], "report_only": False})
+    write_outputs(out, {"results.md": render_markdown(settings, rows, recorded["command_line"])})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    config = parse_dataclass(AdviceBenchConfig, argv, prog="python -m lightning_ddp.bench.advice")
+    if config.report_only:
+        return write_report(config)
+    command = command_text("lightning_ddp.bench.advice", argv)
+    rows = run_benchmark(config, command)
+    print(render_markdown(config, rows, command))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
