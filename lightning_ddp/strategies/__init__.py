@@ -17,8 +17,8 @@ def register_strategies() -> None:
     """Make ``trainer.strategy: <name>`` resolvable for every catalogue entry one of our classes builds."""
     for entry in catalogue.STRATEGIES.values():
         package, _, class_name = entry.lightning_class.rpartition(".")
-        if package == __name__:
-            globals()[class_name].register_strategies(StrategyRegistry)
+        if package == __name__ and entry.name not in StrategyRegistry:
+            StrategyRegistry.register(entry.name, globals()[class_name], description=entry.summary, **entry.init_args)
 
 
 register_strategies()

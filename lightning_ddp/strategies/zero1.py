@@ -17,7 +17,7 @@ from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.zero1 import DeferredGradSync
-from lightning_ddp.sync.sharding import (
+from lightning_ddp.sync.sharding.optimizer import (
     CollectiveImpl,
     Schedule,
     ShardedOptimizer,

@@ -16,7 +16,7 @@ from lightning_ddp.strategies.base import entry_of, log_bucket_prediction
 from lightning_ddp.strategies.sharded import ShardedOptimizerStrategy, check_no_fp16
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
-from lightning_ddp.sync.sharding import CollectiveImpl, ShardedOptimizer
+from lightning_ddp.sync.sharding.optimizer import CollectiveImpl, ShardedOptimizer
 from lightning_ddp.sync.zero2 import ZeRO2DDP
 
 
