@@ -9,8 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_ddp import catalogue
 from lightning_ddp.strategies.base import GradSyncStrategy
 from lightning_ddp.strategies.fsdp2 import FSDP2Strategy
-from lightning_ddp.strategies.zero1 import ZeRO1DDPStrategy
-from lightning_ddp.strategies.zero2 import ZeRO2DDPStrategy
+from lightning_ddp.strategies.sharded import ZeRO1DDPStrategy, ZeRO2DDPStrategy
 
 
 def register_strategies() -> None:
