@@ -9,16 +9,15 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_ddp import catalogue
 from lightning_ddp.strategies.base import GradSyncStrategy
 from lightning_ddp.strategies.fsdp2 import FSDP2Strategy
-from lightning_ddp.strategies.zero1 import ZeRO1DDPStrategy
-from lightning_ddp.strategies.zero2 import ZeRO2DDPStrategy
+from lightning_ddp.strategies.sharded import ZeRO1DDPStrategy, ZeRO2DDPStrategy
 
 
 def register_strategies() -> None:
     """Make ``trainer.strategy: <name>`` resolvable for every catalogue entry one of our classes builds."""
     for entry in catalogue.STRATEGIES.values():
         package, _, class_name = entry.lightning_class.rpartition(".")
-        if package == __name__:
-            globals()[class_name].register_strategies(StrategyRegistry)
+        if package == __name__ and entry.name not in StrategyRegistry:
+            StrategyRegistry.register(entry.name, globals()[class_name], description=entry.summary, **entry.init_args)
 
 
 register_strategies()

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Literal, Union
 
@@ -80,13 +80,18 @@ class DataParallelStrategy(DDPStrategy):
 
     def check_process_group_backend(self) -> None:
         """Refuse a backend spec that cannot move this run's tensors, before any process starts."""
-        check_backend_for_device(self._get_process_group_backend(), self.root_device.type)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register every catalogue entry this class builds (idempotent)."""
-        register_entries(strategy_registry, cls)
+        spec, device = self._get_process_group_backend(), self.root_device.type
+        backend = backend_from_spec(spec, device)
+        if backend is None:
+            raise ValueError(
+                f"process_group_backend={spec!r} has no backend for {device} tensors, which this run trains on; add "
+                f"one (e.g. '{device}:gloo,{spec}') or drop `process_group_backend` for the default."
+            )
+        if backend == "nccl" and device != "cuda":
+            raise ValueError(
+                f"process_group_backend={spec!r} needs CUDA GPUs (it moves this run's {device} tensors with nccl); "
+                "use gloo (the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
+            )
 
 
 class GradSyncStrategy(DataParallelStrategy):
@@ -210,10 +215,9 @@ class GradSyncStrategy(DataParallelStrategy):
             except ValueError as error:
                 dropped = f"the checkpoint's engine state does not fit this engine ({error})"
         if dropped:
-            rank_zero_warn(
-                f"Resuming with a fresh {type(engine).__name__} state: {dropped}. "
-                f"{_fresh_state_note(engine)}"
-            )
+            summary = f": {engine.state_summary}" if engine.state_summary else ""
+            rank_zero_warn(f"Resuming with a fresh {type(engine).__name__} state: {dropped}. It starts as at "
+                           f"construction{summary}.")
 
     def attach_recorder(self, recorder: Recorder | None) -> None:
         """Record this run's gradient collectives into ``recorder`` (``None`` stops); may precede wrapping."""
@@ -228,10 +232,7 @@ class GradSyncStrategy(DataParallelStrategy):
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.engine is None:
-            yield None
-            return
-        with self.engine.no_sync():
+        with self.engine.no_sync() if self.engine is not None else nullcontext():
             yield None
 
     @override
@@ -271,23 +272,13 @@ class GradSyncStrategy(DataParallelStrategy):
         super().teardown()
 
 
-def _class_path(strategy_class: type) -> str:
-    return f"{strategy_class.__module__.rpartition('.')[0]}.{strategy_class.__name__}"
-
-
-def register_entries(strategy_registry: Any, strategy_class: type) -> None:
-    """Register every catalogue entry whose ``lightning_class`` is ``strategy_class`` (idempotent)."""
-    for entry in catalogue.STRATEGIES.values():
-        if entry.lightning_class == _class_path(strategy_class) and entry.name not in strategy_registry:
-            strategy_registry.register(entry.name, strategy_class, description=entry.summary, **entry.init_args)
-
-
 def entry_of(strategy_class: type) -> catalogue.Entry:
     """The one catalogue entry ``strategy_class`` (or its nearest base of ours) builds, e.g. ``zero2_ddp``."""
     for base in strategy_class.__mro__:
         if not base.__module__.startswith(f"{__package__}."):
             continue
-        entries = [entry for entry in catalogue.STRATEGIES.values() if entry.lightning_class == _class_path(base)]
+        path = f"{__package__}.{base.__name__}"  # as the catalogue spells it: the package exports every class
+        entries = [entry for entry in catalogue.STRATEGIES.values() if entry.lightning_class == path]
         if len(entries) == 1:
             return entries[0]
     raise ValueError(f"no single catalogue entry names {strategy_class.__name__} as its lightning_class")
@@ -303,21 +294,6 @@ def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:
             f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
         )
     return engine
-
-
-def check_backend_for_device(spec: str, device: str) -> None:
-    """Raise ``ValueError`` when backend ``spec`` cannot move ``device`` tensors."""
-    backend = backend_from_spec(spec, device)
-    if backend is None:
-        raise ValueError(
-            f"process_group_backend={spec!r} has no backend for {device} tensors, which this run trains on; add "
-            f"one (e.g. '{device}:gloo,{spec}') or drop `process_group_backend` for the default."
-        )
-    if backend == "nccl" and device != "cuda":
-        raise ValueError(
-            f"process_group_backend={spec!r} needs CUDA GPUs (it moves this run's {device} tensors with nccl); "
-            "use gloo (the default off GPUs: drop `process_group_backend`) or run with --trainer.accelerator cuda."
-        )
 
 
 def engine_state_to_restore(
@@ -338,11 +314,6 @@ def engine_state_to_restore(
         return None, (f"the checkpoint's engine state was saved by {saved_world_size} ranks, each its own, and this "
                       f"run has {world_size}; dropped")
     return saved["states"][rank], ""
-
-
-def _fresh_state_note(engine: GradSyncEngine) -> str:
-    summary = getattr(engine, "state_summary", "")
-    return f"It starts as at construction: {summary}." if summary else "It starts as at construction."
 
 
 def describe_dead_ranks(procs: list[subprocess.Popen], first_rank: int) -> str:

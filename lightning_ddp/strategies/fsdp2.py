@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_ddp import compat
 from lightning_ddp.strategies.base import DataParallelStrategy
 from lightning_ddp.sync.base import broadcast_module_states
+from lightning_ddp.sync.comm import backend_for
 
 __all__ = [
     "DEFAULT_SHARD_MODULES",
@@ -88,10 +89,12 @@ class FSDP2Strategy(DataParallelStrategy):
 
     # -- the training step through the root's __call__ -------------------------------------------------------
 
-    def _through_root(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``lightning_module.<method_name>`` inside the root's ``__call__``, so FSDP's root hooks run."""
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``lightning_module.<method_name>``, once sharded inside the root's ``__call__`` (FSDP's root hooks)."""
         module = self.lightning_module
         assert module is not None
+        if not self._sharded:
+            return getattr(module, method_name)(*args, **kwargs)
 
         def forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
             del module.forward  # back to the class's forward, for a step that calls `self(x)`
@@ -102,11 +105,6 @@ class FSDP2Strategy(DataParallelStrategy):
             return module(*args, **kwargs)
         finally:
             module.__dict__.pop("forward", None)
-
-    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        if not self._sharded:
-            return getattr(self.lightning_module, method_name)(*args, **kwargs)
-        return self._through_root(method_name, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -195,7 +193,6 @@ class FSDP2Strategy(DataParallelStrategy):
             )
 
 
-
 # ---- the sharding, and pure helpers (unit-tested without processes) -------------------------------------------
 
 
@@ -220,25 +217,13 @@ def shard(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(module, **options)  # the root: the parameters outside the blocks (tied weights stay one)
-    if _gloo_reduces(module):
-        for group in (*blocks, module):
-            force_sum_reduction(group)
-    return message
-
-
-def _gloo_reduces(module: nn.Module) -> bool:
-    """Whether gloo carries the gradients of ``module``'s parameters."""
-    from lightning_ddp.sync.comm import backend_for
-
     parameter = next(module.parameters(), None)
-    return parameter is not None and backend_for(parameter.device) == "gloo"
-
-
-def force_sum_reduction(group: nn.Module) -> None:
-    """Reduce-scatter ``group``'s gradients with SUM and divide in FSDP2 (gloo's AVG sums: pytorch#162338)."""
-    switch = getattr(group, "set_force_sum_reduction_for_comms", None)
-    if switch is not None:
-        switch(True)
+    if parameter is not None and backend_for(parameter.device) == "gloo":
+        for group in (*blocks, module):  # reduce-scatter with SUM, divide in FSDP2 (gloo's AVG sums: pytorch#162338)
+            switch = getattr(group, "set_force_sum_reduction_for_comms", None)
+            if switch is not None:
+                switch(True)
+    return message
 
 
 def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[list[nn.Module], str]:
@@ -255,7 +240,9 @@ def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[l
             f"fsdp2: no module of class {', '.join(class_names)} in {type(module).__name__}; sharding its "
             f"{len(chosen)} repeated layers ({', '.join(classes)}) one group each. `shard_modules` names others."
         )
-    classes = sorted({type(m).__name__ for m in module.modules() if m is not module and _has_own_parameters(m)})
+    # `any(m.parameters(...))` would take each tensor's truth value: an error for more than one element.
+    owning = [m for m in module.modules() if m is not module and any(True for _ in m.parameters(recurse=False))]
+    classes = sorted({type(m).__name__ for m in owning})
     return [], (
         f"fsdp2: no module of class {', '.join(class_names)} in {type(module).__name__}; sharding it at the root "
         f"only (every parameter gathered at once). Name its repeated blocks with `shard_modules`, e.g. one of: "
@@ -284,11 +271,6 @@ def _repeated_layers(container: nn.Module) -> list[nn.Module]:
     if len(layers) < 2 or len({type(layer) for layer in layers}) > 1:
         return []
     return layers
-
-
-def _has_own_parameters(module: nn.Module) -> bool:
-    # `any(module.parameters(...))` would take each tensor's truth value: an error for more than one element.
-    return any(True for _ in module.parameters(recurse=False))
 
 
 def mixed_precision_dtypes(precision: str, enabled: bool) -> tuple[torch.dtype | None, torch.dtype | None]:

@@ -1,23 +1,34 @@
-"""``ShardedOptimizerStrategy``: what ``zero1_ddp`` and ``zero2_ddp`` share, over ``GradSyncStrategy``.
+"""The ZeRO strategies, ``zero1_ddp`` and ``zero2_ddp``, over what they share: ``ShardedOptimizerStrategy``.
 
 Each optimizer of ``configure_optimizers`` becomes ``shard(optimizer)``, its LR schedulers and the precision
-plugin's clipping pointed at it.
+plugin's clipping pointed at it. ZeRO-1's schedules and ZeRO-2's: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp import compat
-from lightning_ddp.strategies.base import GradSyncStrategy
-from lightning_ddp.sync.sharding import ShardedOptimizer
+from lightning_ddp import catalogue, compat
+from lightning_ddp.strategies.base import GradSyncStrategy, entry_of, log_bucket_prediction
+from lightning_ddp.sync import GradSyncEngine
+from lightning_ddp.sync.bucketed import check_bucket_size
+from lightning_ddp.sync.sharding.optimizer import (
+    CollectiveImpl,
+    Schedule,
+    ShardedOptimizer,
+    check_collective_impl,
+    check_schedule,
+)
+from lightning_ddp.sync.zero1 import DeferredGradSync
+from lightning_ddp.sync.zero2 import ZeRO2DDP
 
-__all__ = ["ShardedOptimizerStrategy", "check_no_fp16", "route_clipping"]
+__all__ = ["ShardedOptimizerStrategy", "ZeRO1DDPStrategy", "ZeRO2DDPStrategy", "check_no_fp16", "route_clipping"]
 
 _ROUTED = "_lightning_ddp_routes_sharded_clipping"
 
@@ -84,4 +95,127 @@ def check_no_fp16(precision: str, what: str, alternative: str) -> None:
             "before optimizer.step(), and here they are not yet the same on every rank, so one rank may skip the step "
             "(and its collectives) while the others wait in them until the timeout. Use `--trainer.precision "
             f"bf16-mixed` (no scaler), or {alternative}."
+        )
+
+
+class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
+    """Shard the optimizer state over the ranks (ZeRO-1); ``configure_optimizers`` stays unchanged.
+
+    Args:
+        schedule: ``reduce_scatter`` (in ``optimizer.step()``) or ``allreduce_broadcast`` (``grad_sync`` in backward).
+        grad_sync: The catalogue engine that all-reduces under ``allreduce_broadcast``, e.g. ``bucketed_ddp``.
+        bucket_size_mb: Bucket cap in MiB of a ``grad_sync`` engine with buckets; ``null`` for one bucket.
+        collectives: ``auto`` (per owner on gloo, native otherwise), ``native`` or ``per_owner``.
+        **kwargs: The arguments of ``GradSyncStrategy``; ``engine_settings`` go to the ``grad_sync`` engine.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule = "reduce_scatter",
+        grad_sync: str = catalogue.DEFAULT_ENGINE,
+        bucket_size_mb: float | None = 25.0,
+        collectives: CollectiveImpl = "auto",
+        **kwargs: Any,
+    ) -> None:
+        # Fail when the config is read, not after the processes have started.
+        check_schedule(schedule)
+        check_collective_impl(collectives)
+        check_bucket_size(bucket_size_mb)
+        try:
+            has_buckets = catalogue.get(grad_sync).has_bucket_size
+        except ValueError as error:
+            raise ValueError(f"grad_sync: {error}") from None
+        super().__init__(algorithm=grad_sync, bucket_size_mb=bucket_size_mb if has_buckets else "default", **kwargs)
+        self.schedule = schedule
+        self.grad_sync = grad_sync
+        self.collectives = collectives
+
+    @property
+    @override
+    def strategy_name(self) -> str:
+        return entry_of(type(self)).name
+
+    @override
+    def make_engine(self, module: nn.Module) -> GradSyncEngine:
+        if self.schedule == "reduce_scatter":
+            return DeferredGradSync(module)
+        return super().make_engine(module)
+
+    @override
+    def check_supported(self, precision: str) -> None:
+        if self.schedule == "reduce_scatter":
+            check_no_fp16(precision, "`schedule: reduce_scatter`", "`--trainer.strategy.init_args.schedule "
+                          "allreduce_broadcast` (gradients are averaged in backward, so every rank sees the same inf)")
+
+    @override
+    def shard(self, optimizer: Optimizer) -> Optimizer:
+        if not isinstance(optimizer, ShardedOptimizer):
+            optimizer = ShardedOptimizer.from_optimizer(
+                optimizer, schedule=self.schedule, collectives=self.collectives
+            )
+        elif optimizer.schedule != self.schedule:  # sharded by the user: its schedule must match our engine
+            raise ValueError(
+                f"configure_optimizers returned a ShardedOptimizer with schedule={optimizer.schedule!r}, but the "
+                f"strategy runs schedule={self.schedule!r}; return a plain optimizer (the strategy shards it) or set "
+                f"`--trainer.strategy.init_args.schedule {optimizer.schedule}`."
+            )
+        return optimizer
+
+
+class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
+    """Shard the gradients and the optimizer state over the ranks (ZeRO-2); ``configure_optimizers`` stays unchanged.
+
+    Args:
+        bucket_size_mb: Bucket cap in MiB; ``null`` for one bucket per dtype, or ``auto``.
+        collectives: ``auto`` (per owner on gloo, native otherwise), ``native`` or ``per_owner``.
+        buckets_in_flight: How many launched buckets (send buffers) may wait at once: more overlap, more memory.
+        **kwargs: The arguments of ``GradSyncStrategy`` but ``engine_settings`` (the settings are the ones above).
+    """
+
+    def __init__(
+        self,
+        bucket_size_mb: Optional[Union[float, Literal["auto"]]] = 25.0,
+        collectives: CollectiveImpl = "auto",
+        buckets_in_flight: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        # Fail when the config is read, not after the processes have started.
+        check_bucket_size(bucket_size_mb)
+        ZeRO2DDP.check_settings(collectives=collectives, buckets_in_flight=buckets_in_flight)
+        if kwargs.get("engine_settings"):
+            raise ValueError(
+                "zero2_ddp takes its engine's settings directly: set `bucket_size_mb`, `collectives` or "
+                "`buckets_in_flight` under init_args instead of `engine_settings`."
+            )
+        super().__init__(algorithm=entry_of(type(self)).name, bucket_size_mb=bucket_size_mb, **kwargs)
+        self.collectives = collectives
+        self.buckets_in_flight = buckets_in_flight
+
+    @override
+    def _catalogue_entry(self, algorithm: str) -> catalogue.Entry:
+        return catalogue.get(algorithm)  # its own entry: the engine is ZeRO2DDP, built with the settings above
+
+    @override
+    def make_engine(self, module: nn.Module) -> GradSyncEngine:
+        return log_bucket_prediction(ZeRO2DDP(
+            module, bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,
+            buckets_in_flight=self.buckets_in_flight,
+        ))
+
+    @override
+    def check_supported(self, precision: str) -> None:
+        check_no_fp16(precision, "zero2_ddp (each rank holds only its own gradients)", "`--trainer.strategy zero1_ddp "
+                      "--trainer.strategy.init_args.schedule allreduce_broadcast`")
+
+    @override
+    def shard(self, optimizer: Optimizer) -> Optimizer:
+        engine = self.engine
+        assert isinstance(engine, ZeRO2DDP), "the engine is built before the optimizers (configure_ddp)"
+        if isinstance(optimizer, ShardedOptimizer):
+            raise ValueError(
+                "configure_optimizers returned a ShardedOptimizer, but zero2_ddp must place each parameter on the "
+                "rank its engine reduces the gradient to; return a plain optimizer (the strategy shards it)."
+            )
+        return ShardedOptimizer.from_optimizer(
+            optimizer, schedule="reduce_in_backward", collectives=self.collectives, placement=engine.owner_of
         )

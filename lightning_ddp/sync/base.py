@@ -19,7 +19,9 @@ from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_r
 from lightning_ddp.sync.ranges import GRAD_SYNC
 from lightning_ddp.sync.record import SyncRecord
 
-__all__ = ["GradSyncEngine", "broadcast_module_states", "describe_parameters", "verify_same_parameters"]
+__all__ = [
+    "GradSyncEngine", "broadcast_module_states", "check_number", "describe_parameters", "verify_same_parameters",
+]
 
 
 class GradSyncEngine(RecordsThroughComm, nn.Module):
@@ -153,6 +155,14 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
     def device(self) -> torch.device:
         """Where the parameters (and so the gradients and communication buffers) live."""
         return self.params[0].device if self.params else torch.device("cpu")
+
+
+def check_number(name: str, value: Any, minimum: float | None, fix: str, integer: bool = True) -> None:
+    """Refuse an engine setting that is not an int (a number unless ``integer``) ``>= minimum``, naming ``fix``."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {value!r}; {fix}.")
+    if minimum is not None and not value >= minimum:  # also NaN
+        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}.")
 
 
 def broadcast_module_states(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:

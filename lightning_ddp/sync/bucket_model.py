@@ -26,7 +26,6 @@ __all__ = [
     "measure_allreduce",
     "optimal_bucket_bytes",
     "predict_bucket_size",
-    "predict_bucket_size_mb",
     "resolve_bucket_size",
 ]
 
@@ -191,13 +190,6 @@ def resolve_bucket_size(
         return bucket_size_mb, None  # type: ignore[return-value]
     prediction = predict_bucket_size(params, group)
     return prediction.bucket_size_mb, prediction
-
-
-def predict_bucket_size_mb(
-    module_or_params: nn.Module | Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, **kwargs
-) -> float:
-    """The predicted best ``bucket_size_mb`` (MiB) for these parameters on ``group``; see ``predict_bucket_size``."""
-    return predict_bucket_size(module_or_params, group, **kwargs).bucket_size_mb
 
 
 def _round_sig(x: float, digits: int = 12) -> float:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.bucketed import BucketedDDP
 from lightning_ddp.sync.comm import Communicator
 from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
@@ -121,37 +122,13 @@ def plan_bucket(layout: BucketLayout, numel: int, rank: int, min_compression_rat
 
 def check_powersgd_options(rank: Any, start_iter: Any, min_compression_rate: Any, seed: Any) -> None:
     """Reject PowerSGD settings that cannot work, naming the fix (the engine and the strategy share this)."""
-
-    def is_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if not is_int(rank):
-        raise TypeError(f"rank (the PowerSGD approximation rank) must be an int, got {rank!r}; set e.g. rank=4.")
-    if rank < 1:
-        raise ValueError(
-            f"rank (the PowerSGD approximation rank) must be >= 1, got {rank}; set e.g. rank=4 (1 sends the fewest "
-            "bytes, higher ranks approximate better)."
-        )
-    if not is_int(start_iter):
-        raise TypeError(
-            f"start_iter must be an int (a number of optimizer steps), got {start_iter!r}; set e.g. start_iter=10."
-        )
-    if start_iter < 0:
-        raise ValueError(
-            f"start_iter must be >= 0, got {start_iter}; set start_iter=0 to compress from the first step, or the "
-            "number of steps to average exactly first (e.g. 10)."
-        )
-    if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)):
-        raise TypeError(
-            f"min_compression_rate must be a number, got {min_compression_rate!r}; set e.g. min_compression_rate=2.0."
-        )
-    if not min_compression_rate >= 0:  # also NaN
-        raise ValueError(
-            f"min_compression_rate must be >= 0, got {min_compression_rate}; set 0 to compress every matrix, or e.g. "
-            "2.0 to compress only matrices that shrink more than 2x."
-        )
-    if not is_int(seed):
-        raise TypeError(f"seed must be an int, got {seed!r}; set e.g. seed=0 (every rank must use the same one).")
+    check_number("rank (the PowerSGD approximation rank)", rank, 1,
+                 "set e.g. rank=4 (1 sends the fewest bytes, higher ranks approximate better)")
+    check_number("start_iter (a number of optimizer steps)", start_iter, 0, "set start_iter=0 to compress from the "
+                 "first step, or the number of steps to average exactly first, e.g. start_iter=10")
+    check_number("min_compression_rate", min_compression_rate, 0, "set 0 to compress every matrix, or e.g. "
+                 "min_compression_rate=2.0 to compress only matrices that shrink more than 2x", integer=False)
+    check_number("seed", seed, None, "set e.g. seed=0 (every rank must use the same one)")
 
 
 def _initial_q_generator(seed: int, bucket_index: int) -> torch.Generator:
@@ -202,14 +179,7 @@ class PowerSGDReduce(BucketReduce):
         plan = self.plan(layout, flat.numel())
         if not self.compressing or not plan.matrices:  # 0. warm-up, or nothing worth compressing
             reduction = self._plain.launch(comm, bucket, label, layout)
-            average = reduction.finish
-
-            def count() -> None:
-                if average is not None:
-                    average()
-                self._count_step(layout)
-
-            reduction.finish = count
+            reduction.finish = lambda: self._count_step(layout)  # AllReduceMean's reduction has nothing to finish
             return reduction
         world_size = comm.world_size
         dtype = torch.promote_types(flat.dtype, torch.float32)  # M, E, P and Q: fp32 at least

@@ -10,11 +10,9 @@ from typing import Sequence
 
 import torch
 
-from lightning_ddp.sync.comm import Communicator, Pending
+from lightning_ddp.sync.comm import Communicator
 
-__all__ = [
-    "agree_on_gradients", "launch_presence", "pack", "packed", "read_presence", "unpack_gradients", "unpack_into",
-]
+__all__ = ["agree_on_gradients", "pack", "packed", "unpack_gradients", "unpack_into"]
 
 
 def pack(tensors: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -55,24 +53,8 @@ def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None
         offset += n
 
 
-PRESENCE_LABEL = "gradient presence flags"
-
-
-def launch_presence(
-    comm: Communicator, has_grad: Sequence[bool], device: torch.device
-) -> tuple[Pending, torch.Tensor]:
-    """Start summing over ranks "this parameter has a ``.grad`` here" (one small async all-reduce)."""
-    flags = torch.tensor(list(has_grad), dtype=torch.int32, device=device)
-    return comm.all_reduce(flags, PRESENCE_LABEL), flags
-
-
-def read_presence(comm: Communicator, launched: tuple[Pending, torch.Tensor]) -> list[int]:
-    """For each parameter, on how many ranks it has a ``.grad`` (waits; ``.tolist()`` blocks the host)."""
-    pending, flags = launched
-    comm.wait(pending)
-    return flags.tolist()
-
-
 def agree_on_gradients(comm: Communicator, has_grad: Sequence[bool], device: torch.device) -> list[int]:
-    """For each parameter, on how many ranks it has a gradient (one small all-reduce)."""
-    return read_presence(comm, launch_presence(comm, has_grad, device))
+    """For each parameter, on how many ranks it has a gradient (one small all-reduce; ``.tolist()`` blocks)."""
+    flags = torch.tensor(list(has_grad), dtype=torch.int32, device=device)
+    comm.wait(comm.all_reduce(flags, "gradient presence flags"))
+    return flags.tolist()

@@ -7,7 +7,7 @@ Not recorded: checkpoints are not training steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,37 +25,15 @@ class TensorSpec:
     dtype: torch.dtype
 
 
-def _skeleton(state: Any, tensors: list[torch.Tensor]) -> Any:
-    """``state`` with each tensor replaced by its ``TensorSpec``, the tensors appended to ``tensors`` in order."""
-    if torch.is_tensor(state):
-        tensors.append(state)
-        return TensorSpec(tuple(state.shape), state.dtype)
+def _replace(state: Any, kind: type, replace: Callable[[Any], Any]) -> Any:
+    """``state`` (nested dicts, lists and tuples) with each ``kind`` in it replaced by ``replace(it)``, in order."""
+    if isinstance(state, kind):
+        return replace(state)
     if isinstance(state, dict):
-        return {key: _skeleton(value, tensors) for key, value in state.items()}
+        return {key: _replace(value, kind, replace) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_skeleton(value, tensors) for value in state)
+        return type(state)(_replace(value, kind, replace) for value in state)
     return state
-
-
-def _specs(skeleton: Any) -> list[TensorSpec]:
-    if isinstance(skeleton, TensorSpec):
-        return [skeleton]
-    if isinstance(skeleton, dict):
-        return [spec for value in skeleton.values() for spec in _specs(value)]
-    if isinstance(skeleton, (list, tuple)):
-        return [spec for value in skeleton for spec in _specs(value)]
-    return []
-
-
-def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    """The inverse of ``_skeleton``: each ``TensorSpec`` replaced by the next of ``tensors``, in order."""
-    if isinstance(skeleton, TensorSpec):
-        return next(tensors)
-    if isinstance(skeleton, dict):
-        return {key: _fill(value, tensors) for key, value in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_fill(value, tensors) for value in skeleton)
-    return skeleton
 
 
 def gather_rank_states(
@@ -66,15 +44,22 @@ def gather_rank_states(
     ``device``: where tensors travel. With ``dst`` only that group rank gets the list; the others get ``None``.
     """
     local_tensors: list[torch.Tensor] = []
-    skeleton = _skeleton(state, local_tensors)
+
+    def spec_of(tensor: torch.Tensor) -> TensorSpec:
+        local_tensors.append(tensor)
+        return TensorSpec(tuple(tensor.shape), tensor.dtype)
+
+    skeleton = _replace(state, torch.Tensor, spec_of)  # each tensor replaced by its TensorSpec
     skeletons: list[Any] = [None] * comm.world_size
     dist.all_gather_object(skeletons, skeleton, group=comm.group)
     keep = dst is None or dst == comm.rank
     device = torch.device(device)
     states = []
     for r, rank_skeleton in enumerate(skeletons):
+        specs: list[TensorSpec] = []
+        _replace(rank_skeleton, TensorSpec, specs.append)
         received = []
-        for position, spec in enumerate(_specs(rank_skeleton)):
+        for position, spec in enumerate(specs):
             if r == comm.rank:
                 buffer = local_tensors[position].detach().to(device, copy=True)
             else:
@@ -83,5 +68,6 @@ def gather_rank_states(
             if keep:
                 received.append(buffer.cpu())
         if keep:
-            states.append(_fill(rank_skeleton, iter(received)))
+            tensors = iter(received)
+            states.append(_replace(rank_skeleton, TensorSpec, lambda _: next(tensors)))
     return states if keep else None

@@ -15,24 +15,18 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
-from lightning_ddp.sync.base import GradSyncEngine
+from lightning_ddp.sync.base import GradSyncEngine, check_number
 from lightning_ddp.sync.bucket_model import BucketPrediction, resolve_bucket_size
 from lightning_ddp.sync.bucket_order import BucketOrder
 from lightning_ddp.sync.bucketed import MiB, check_bucket_size
+from lightning_ddp.sync.buffers import pack
 from lightning_ddp.sync.comm import Pending
 from lightning_ddp.sync.sharding.optimizer import CollectiveImpl, check_collective_impl, resolve_collectives
 
-__all__ = ["MAX_PADDING", "ZeRO2DDP", "check_buckets_in_flight", "plan_bucket"]
+__all__ = ["MAX_PADDING", "ZeRO2DDP", "plan_bucket"]
 
 MAX_PADDING = 0.125
 """``native``: one reduce-scatter only if padding the owners' segments adds at most this fraction of elements."""
-
-
-def check_buckets_in_flight(buckets_in_flight: int) -> None:
-    if isinstance(buckets_in_flight, bool) or not isinstance(buckets_in_flight, int) or buckets_in_flight < 1:
-        raise ValueError(
-            f"buckets_in_flight must be an integer >= 1, got {buckets_in_flight!r}; set e.g. `buckets_in_flight: 2`."
-        )
 
 
 @dataclass
@@ -148,7 +142,7 @@ class ZeRO2DDP(GradSyncEngine):
     def check_settings(collectives: str = "auto", buckets_in_flight: int = 2) -> None:
         """Refuse bad settings when the config is read (the strategy calls this)."""
         check_collective_impl(collectives)
-        check_buckets_in_flight(buckets_in_flight)
+        check_number("buckets_in_flight", buckets_in_flight, 1, "set e.g. `buckets_in_flight: 2`")
 
     # -- ownership ---------------------------------------------------------------------------------------
 
@@ -186,20 +180,13 @@ class ZeRO2DDP(GradSyncEngine):
         with self.comm.span("pack"):
             # Padding (reduce_scatter) must be zeros; a per-owner buffer is written in full.
             buffer = (torch.zeros if plan.scatter else torch.empty)(plan.total, dtype=dtype, device=self.device)
-            for r, segment in enumerate(plan.segments):
-                offset = plan.offsets[r]
-                flags = buffer[offset + plan.numels[r] : offset + plan.size(r)]
-                for k, i in enumerate(segment):
-                    param = self.params[i]
-                    chunk = buffer[offset : offset + param.numel()]
-                    if param.grad is None:
-                        chunk.zero_()
-                        flags[k] = 0
-                    else:
-                        chunk.copy_(param.grad.reshape(-1))
-                        flags[k] = 1
-                        param.grad = None  # the buffer holds it now: free it
-                    offset += param.numel()
+            for r, segment in enumerate(plan.segments):  # each segment: its gradients, then their presence flags
+                start, numel = plan.offsets[r], plan.numels[r]
+                params = [self.params[i] for i in segment]
+                pack([p.grad for p in params], params, buffer[start : start + numel])
+                for k, param in enumerate(params):
+                    buffer[start + numel + k] = float(param.grad is not None)
+                    param.grad = None  # the buffer holds it now: free it
         flight = _InFlight(plan, buffer, None)
         if plan.scatter:
             width = plan.total // self.world_size

@@ -17,7 +17,6 @@ from lightning_ddp.sync.bucket_model import (
     measure_allreduce,
     optimal_bucket_bytes,
     predict_bucket_size,
-    predict_bucket_size_mb,
 )
 from tests.support.dist_utils import find_free_port
 
@@ -142,7 +141,8 @@ def test_predict_bucket_size_on_one_rank(one_rank_group):
     assert prediction.largest_param_bytes == 512 * 256 * 4
     # Whatever one rank measures, the answer lies between the largest parameter and all gradients.
     assert prediction.largest_param_bytes <= prediction.bucket_bytes <= prediction.grad_bytes
-    assert predict_bucket_size_mb(model.parameters(), sizes=[4096, 65536], repeats=1) <= prediction.grad_bytes / 2**20
+    from_params = predict_bucket_size(model.parameters(), sizes=[4096, 65536], repeats=1)
+    assert from_params.bucket_size_mb <= prediction.grad_bytes / 2**20
 
 
 def test_bucketed_engine_resolves_auto_with_the_prediction(one_rank_group):

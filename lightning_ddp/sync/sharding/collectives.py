@@ -34,10 +34,6 @@ def layout(
     return list(by_dtype.items())
 
 
-def _empty(comm_device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=comm_device)
-
-
 def reduce_scatter_gradients(
     comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int],
     impl: str, device: torch.device,
@@ -58,7 +54,7 @@ def reduce_scatter_gradients(
             with comm.span("pack"):
                 for r, owned in enumerate(segments):
                     pack([p.grad for p in owned], owned, send[r * width : r * width + sizes[r]])
-            recv = _empty(device, width, dtype)
+            recv = torch.empty(width, dtype=dtype, device=device)
             comm.wait(comm.reduce_scatter(recv, send, f"gradients {dtype} ({len(present)} tensors)"))
             mine = recv[: sizes[rank]]
         else:
@@ -66,7 +62,7 @@ def reduce_scatter_gradients(
             for r, owned in enumerate(segments):
                 if sizes[r] == 0:
                     continue
-                buffer = _empty(device, sizes[r], dtype)
+                buffer = torch.empty(sizes[r], dtype=dtype, device=device)
                 with comm.span("pack"):
                     pack([p.grad for p in owned], owned, buffer)
                 launched.append((r, buffer, comm.reduce(buffer, r, f"gradients of rank {r} ({len(owned)} tensors)")))
@@ -95,7 +91,7 @@ def share_parameters(
             send = torch.zeros(width, dtype=dtype, device=device)
             with comm.span("pack"):
                 pack([p.detach() for p in mine], mine, send)
-            gathered = _empty(device, world * width, dtype)
+            gathered = torch.empty(world * width, dtype=dtype, device=device)
             comm.wait(comm.all_gather(gathered, send, f"parameters {dtype} ({len(trainable)} tensors)"))
             received = [(gathered[r * width : r * width + sizes[r]], owned) for r, owned in enumerate(segments)]
         else:
@@ -103,7 +99,7 @@ def share_parameters(
             for r, owned in enumerate(segments):
                 if sizes[r] == 0:
                     continue
-                buffer = _empty(device, sizes[r], dtype)
+                buffer = torch.empty(sizes[r], dtype=dtype, device=device)
                 if r == rank:
                     with comm.span("pack"):
                         pack([p.detach() for p in owned], owned, buffer)
