@@ -477,7 +477,7 @@ class Analysis:
         return GoalCheck(group, goal, target, Estimate(point, lo, hi), note, in_sample, algorithm, draws)
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
-        """Goal 1 for bucketed and every other algorithm with a bucket size, goal 2 twice, goal 3 (docs/benchmarks.md)."""
+        """Goal 1 for bucketed and every other algorithm with buckets, goal 2 twice, goal 3 (docs/benchmarks.md)."""
         # The goals' strategies, by what they keep: per-tensor blocking, per-tensor overlapping, and buckets.
         naive_name, overlap_name = strategy_with_memory_model("none"), strategy_with_memory_model("per_tensor")
         bucketed = catalogue.DEFAULT_ENGINE
