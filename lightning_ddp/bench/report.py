@@ -289,14 +289,6 @@ def strategy_order(names: Iterable[str]) -> list[str]:
     return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
 
 
-def group_rows(rows: Iterable[Row]) -> dict[Group, list[Row]]:
-    """Rows by ``(precision, batch_size, context_length)``, groups in first-seen order."""
-    groups: dict[Group, list[Row]] = {}
-    for row in rows:
-        groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
-    return groups
-
-
 def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
     """``(precision, batch, contexts)`` of the groups, as the report's tables and the plots show them: precisions and
     batches in first-seen order, contexts ascending."""
@@ -411,7 +403,9 @@ class Analysis:
         self.rows = [r for r in rows if r.get("status")]
         self.bootstrap = bootstrap or Bootstrapper(2000, 0)
         self.data = {r["cell_id"]: (data or {}).get(r["cell_id"]) or CellData.from_result_row(r) for r in self.rows}
-        self.groups = group_rows(self.rows)
+        self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
+        for row in self.rows:
+            self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
         self.selections: dict[tuple[Group, str], Selection] = {}
         for group, members in self.groups.items():
             for strategy in strategy_order(variant_of(r) for r in members):
@@ -597,12 +591,6 @@ def _cell_text(row: Row | None, bold: bool = False) -> str:
     return f"**{text}**" if bold else text
 
 
-def _row_key(row: Row, order: list[str]) -> tuple:
-    size = row["bucket_size_mb"]
-    # strategies in report order; numeric bucket sizes ascending, then auto
-    return (order.index(variant_of(row)), 1 if size == "auto" else 0, size if isinstance(size, float) else 0.0)
-
-
 def _title(variant: str, size: Any) -> str:
     """A table row's name: ``reference (1 process, ...)``, ``naive``, ``bucketed_powersgd 4 MiB rank=4``."""
     if variant in _STRATEGY_TITLES:
@@ -623,7 +611,9 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
                 variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
         order = strategy_order(strategy for strategy, _ in variants)
         table = []
-        for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k], order)):
+        # strategies in report order; numeric bucket sizes ascending, then auto
+        for strategy, size in sorted(variants, key=lambda k: (order.index(k[0]), k[1] == "auto",
+                                                              k[1] if isinstance(k[1], float) else 0.0)):
             cells = []
             for context in contexts:
                 row = next((r for r in groups[(precision, batch, context)]
