@@ -215,6 +215,10 @@ class SweepResult:
     ran: list[RepeatKey] = field(default_factory=list)
     plots: list[Path] = field(default_factory=list)
 
+    @property
+    def ok(self) -> int:
+        return sum(1 for r in self.rows if r["status"] == "ok")
+
 
 @dataclass
 class _Sweep:
