@@ -94,7 +94,6 @@ class GridConfig:
         unknown = [s for s in self.strategies if s not in catalogue.STRATEGIES and s != REFERENCE]
         if unknown:
             raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
-        self.strategies = list(dict.fromkeys(self.strategies))  # de-duplicate, keep the order
         for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
             if not values:
                 raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. "
@@ -119,10 +118,8 @@ class GridConfig:
                 f"`{bucketed[0]}` is in `grid.strategies` but `grid.bucket_sizes_mb` is empty; list at least one size, "
                 f"e.g. `--grid.bucket_sizes_mb [1,auto]`, or remove `{bucketed[0]}`"
             )
-        self.batch_sizes = list(dict.fromkeys(self.batch_sizes))
-        self.context_lengths = list(dict.fromkeys(self.context_lengths))
-        self.precisions = list(dict.fromkeys(self.precisions))
-        self.bucket_sizes_mb = list(dict.fromkeys(self.bucket_sizes_mb))
+        for axis in ("strategies", "batch_sizes", "context_lengths", "precisions", "bucket_sizes_mb"):
+            setattr(self, axis, list(dict.fromkeys(getattr(self, axis))))  # de-duplicate, keep the order
         self.engine_settings = {algorithm: _check_settings(algorithm, settings)
                                 for algorithm, settings in self.engine_settings.items()}
 
