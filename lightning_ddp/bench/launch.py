@@ -1,8 +1,5 @@
-"""The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command, run with a timeout.
-
-``fit_command`` is the only place that builds the command line; ``rank_layout`` and ``rank_environments`` place the
-ranks, ``run_processes`` runs them and never leaves one behind, ``run_fit`` runs one fit and ``read_timing_summary``
-collects what the CommTimer wrote (docs/benchmarks.md).
+"""The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command (``fit_command``, the only
+place that builds it), the ranks placed, run with a timeout, none left behind (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from lightning_ddp.bench.launch import (
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
-    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
+    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
     read_repeats, read_steps, write_csv,
 )
 from lightning_ddp.bench.stats import Bootstrapper
@@ -44,8 +44,6 @@ RESULTS_MD = "results.md"
 ENVIRONMENT_JSON = "environment.json"
 PREDICTION_JSON = "bucket_prediction.json"
 ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbenchmark (the median is kept)
-
-RepeatKey = tuple[str, int]
 
 
 # ---- one cell repeat ----------------------------------------------------------------------------------------
@@ -89,14 +87,13 @@ def classify(
     failed rank's log says so or a rank died by a SIGKILL we did not send (not one in ``killed_by_us``); else
     failed; else ok if the CommTimer wrote its summary."""
     order = ([first_failed] if first_failed is not None else []) + [i for i in range(len(logs)) if i != first_failed]
+    last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
     if timed_out:
-        last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
         return "timeout", f"no result after {timeout_s:.0f} s" + (f"; last output: {last}" if last else "")
     failed = [i for i in order if returncodes[i] not in (0, None)]
     if not failed:
         if summary_found:
             return "ok", ""
-        last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
         return "failed", "exited 0 but wrote no timing_summary.json" + (f" (last output: {last})" if last else "")
     for i in failed:
         match = next((line for line in reversed(logs[i].splitlines()) if is_oom(line)), None)
