@@ -16,11 +16,7 @@ __all__ = ["PRECISIONS", "REFERENCE", "fit_arguments", "default_strategies", "ha
 
 
 def fit_arguments(remainder: list[str]) -> list[str]:
-    """What follows ``--`` on a benchmark's command line (``argparse.REMAINDER``), passed on to each fit.
-
-    >>> fit_arguments(["--", "--trainer.accelerator", "cuda"])
-    ['--trainer.accelerator', 'cuda']
-    """
+    """What follows ``--`` on a benchmark's command line (``argparse.REMAINDER``), passed on to each fit."""
     return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
 
 
@@ -98,7 +94,6 @@ class GridConfig:
         unknown = [s for s in self.strategies if s not in catalogue.STRATEGIES and s != REFERENCE]
         if unknown:
             raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
-        self.strategies = list(dict.fromkeys(self.strategies))  # de-duplicate, keep the order
         for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
             if not values:
                 raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. "
@@ -123,10 +118,8 @@ class GridConfig:
                 f"`{bucketed[0]}` is in `grid.strategies` but `grid.bucket_sizes_mb` is empty; list at least one size, "
                 f"e.g. `--grid.bucket_sizes_mb [1,auto]`, or remove `{bucketed[0]}`"
             )
-        self.batch_sizes = list(dict.fromkeys(self.batch_sizes))
-        self.context_lengths = list(dict.fromkeys(self.context_lengths))
-        self.precisions = list(dict.fromkeys(self.precisions))
-        self.bucket_sizes_mb = list(dict.fromkeys(self.bucket_sizes_mb))
+        for axis in ("strategies", "batch_sizes", "context_lengths", "precisions", "bucket_sizes_mb"):
+            setattr(self, axis, list(dict.fromkeys(getattr(self, axis))))  # de-duplicate, keep the order
         self.engine_settings = {algorithm: _check_settings(algorithm, settings)
                                 for algorithm, settings in self.engine_settings.items()}
 
@@ -198,7 +191,7 @@ class RunConfig:
     """How each cell runs: where, on how many ranks, for how many steps, for how long at most."""
 
     accelerator: Literal["cpu", "cuda"] = "cpu"
-    """``cpu`` or ``cuda`` (``--trainer.accelerator``)."""
+    """``--trainer.accelerator``."""
     devices: int = 2
     """Ranks (processes) of the data-parallel cells; the reference always runs on one."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -234,7 +227,7 @@ class RunConfig:
     """Seconds per CPU-usage sample; 0 turns the guard off (as does a missing /proc/stat)."""
 
     def __post_init__(self) -> None:
-        _require(
+        checks = (
             (self.devices >= 2, f"`run.devices` must be >= 2 for data-parallel cells, got {self.devices}; the "
                                 "1-process compute-only reference is added to the grid automatically"),
             (self.accelerator != "cpu" or self.backend != "nccl",
@@ -255,13 +248,9 @@ class RunConfig:
             (self.load_sample_s >= 0,
              f"`run.load_sample_s` must be >= 0 seconds, got {self.load_sample_s}; 0 turns the load guard off"),
         )
-
-
-def _require(*checks: tuple[bool, str]) -> None:
-    """Raise the message of the first failed ``(condition, message)`` check as a ``ValueError``."""
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 @dataclass
@@ -277,7 +266,7 @@ class OutputConfig:
     report_only: bool = False
     """Run nothing: rebuild results.csv, results.md and the plots from the raw data, steps.csv and repeats.csv."""
     plots: bool = True
-    """Write the PNG plots (matplotlib, Agg)."""
+    """Write the PNG plots."""
     bootstrap_samples: int = 2000
     """Draws of the hierarchical bootstrap behind every 95 % interval (repeats, then steps within each repeat,
     resampled with replacement; ``lightning_ddp.bench.stats``)."""
@@ -302,10 +291,6 @@ class SweepConfig:
     name: str = "sweep"
     """Title of results.md."""
     grid: GridConfig = field(default_factory=GridConfig)
-    """The axes of the sweep."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    """What every cell trains."""
     run: RunConfig = field(default_factory=RunConfig)
-    """How every cell runs."""
     output: OutputConfig = field(default_factory=OutputConfig)
-    """Where results go."""

@@ -66,11 +66,18 @@ def cell_id(coordinates: dict[str, Any], fingerprint: dict[str, Any]) -> str:
     return f"{slug}-{digest}"
 
 
-def _fingerprint(config: SweepConfig) -> dict[str, Any]:
-    """The sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
-    report options)."""
+def expand_grid(config: SweepConfig) -> list[Cell]:
+    """Every cell of the sweep, grouped by (precision, batch size, context length): per group the reference, one
+    cell per listed strategy (``ddp`` added if missing) times its bucket sizes (if it has any) times the combinations
+    of its ``grid.engine_settings``."""
+    grid = config.grid
+    listed = [s for s in grid.strategies if s != REFERENCE]
+    if BASELINE not in listed:
+        listed.append(BASELINE)
     run = config.run
-    return {
+    # the sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
+    # report options)
+    fingerprint = {
         "workload": dataclasses.asdict(config.workload),
         "accelerator": run.accelerator,
         "devices": run.devices,
@@ -80,17 +87,6 @@ def _fingerprint(config: SweepConfig) -> dict[str, Any]:
         "threads_per_rank": run.threads_per_rank,
         "env": dict(sorted(run.env.items())),
     }
-
-
-def expand_grid(config: SweepConfig) -> list[Cell]:
-    """Every cell of the sweep, grouped by (precision, batch size, context length): per group the reference, one
-    cell per listed strategy (``ddp`` added if missing) times its bucket sizes (if it has any) times the combinations
-    of its ``grid.engine_settings``."""
-    grid = config.grid
-    listed = [s for s in grid.strategies if s != REFERENCE]
-    if BASELINE not in listed:
-        listed.append(BASELINE)
-    fingerprint = _fingerprint(config)
     cells = []
     for precision in grid.precisions:
         for batch_size in grid.batch_sizes:

@@ -1,8 +1,5 @@
-"""The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command, run with a timeout.
-
-``fit_command`` is the only place that builds the command line; ``rank_layout`` and ``rank_environments`` place the
-ranks, ``run_processes`` runs them and never leaves one behind, ``run_fit`` runs one fit and ``read_timing_summary``
-collects what the CommTimer wrote (docs/benchmarks.md).
+"""The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command (``fit_command``, the only
+place that builds it), the ranks placed, run with a timeout, none left behind (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -198,48 +195,15 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _stop(procs: list[subprocess.Popen], killed: set[int]) -> None:
-    """SIGTERM the process groups still alive, then SIGKILL whatever is left after 3 s."""
-    alive = [i for i, proc in enumerate(procs) if proc.poll() is None]
-    for i in alive:
-        killed.add(i)
-        _kill_group(procs[i], signal.SIGTERM)
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline and any(procs[i].poll() is None for i in alive):
-        time.sleep(0.05)
-    for i in alive:
-        _kill_group(procs[i], signal.SIGKILL)  # also reaps stragglers of an exited leader
-        procs[i].wait()
-
-
-def _wait(procs: list[subprocess.Popen], start: float, timeout_s: float) -> tuple[bool, int | None]:
-    """Poll until all exit, the time is up, or the others had ``_GRACE_S`` to notice that one failed:
-    ``(timed_out, first_failed)``."""
-    first_failed: int | None = None
-    failed_at: float | None = None
-    while True:
-        codes = [p.poll() for p in procs]
-        if first_failed is None:
-            first_failed = next((i for i, c in enumerate(codes) if c not in (0, None)), None)
-            failed_at = time.monotonic() if first_failed is not None else None
-        if all(c is not None for c in codes):
-            return False, first_failed
-        now = time.monotonic()
-        if now - start > timeout_s:
-            return True, first_failed
-        if failed_at is not None and now - failed_at > _GRACE_S:
-            return False, first_failed
-        time.sleep(0.1)
-
-
 def run_processes(command: list[str], envs: list[dict[str, str]], log_paths: list[Path], timeout_s: float,
                   cwd: str | None = None) -> ProcessResult:
-    """Start one process per environment (output to its log), wait for all, never leave one behind."""
+    """Start one process per environment (output to its log) and poll until all exit, ``timeout_s`` is up, or the
+    others had ``_GRACE_S`` to notice that one failed; then SIGTERM the process groups still alive, SIGKILL whatever
+    is left after 3 s and every group a leader left running (Lightning-launched ranks): none is left behind."""
     start = time.monotonic()
     procs: list[subprocess.Popen] = []
     files = []
-    killed: set[int] = set()
-    timed_out, first_failed = False, None
+    timed_out, first_failed, failed_at = False, None, None
     try:
         for env, log_path in zip(envs, log_paths):
             log = open(log_path, "w", encoding="utf-8")
@@ -248,14 +212,30 @@ def run_processes(command: list[str], envs: list[dict[str, str]], log_paths: lis
                 command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_die_with_the_parent,
             ))
-        timed_out, first_failed = _wait(procs, start, timeout_s)
+        while True:
+            codes = [p.poll() for p in procs]
+            if first_failed is None:
+                first_failed = next((i for i, c in enumerate(codes) if c not in (0, None)), None)
+                failed_at = time.monotonic() if first_failed is not None else None
+            done, now = all(c is not None for c in codes), time.monotonic()
+            timed_out = not done and now - start > timeout_s
+            if done or timed_out or failed_at is not None and now - failed_at > _GRACE_S:
+                break
+            time.sleep(0.1)
     finally:
-        _stop(procs, killed)  # nothing is left alive after a normal finish
-        for p in procs:  # end any process a leader left running in its session (Lightning-launched ranks)
-            _kill_group(p, signal.SIGKILL)
+        alive = [i for i, proc in enumerate(procs) if proc.poll() is None]  # none after a normal finish
+        for i in alive:
+            _kill_group(procs[i], signal.SIGTERM)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(procs[i].poll() is None for i in alive):
+            time.sleep(0.05)
+        for i, proc in enumerate(procs):
+            _kill_group(proc, signal.SIGKILL)
+            if i in alive:
+                proc.wait()
         for f in files:
             f.close()
-    return ProcessResult([p.returncode for p in procs], timed_out, killed, first_failed, time.monotonic() - start)
+    return ProcessResult([p.returncode for p in procs], timed_out, set(alive), first_failed, time.monotonic() - start)
 
 
 def is_oom(text: str) -> bool:
@@ -265,11 +245,7 @@ def is_oom(text: str) -> bool:
 
 def error_line(text: str, limit: int = 300) -> str:
     """The last meaningful error line of a process's output (``""`` if there is none): the last line naming an
-    error, else the last that is not traceback scaffolding, code, or a warning.
-
-    >>> error_line("Traceback (most recent call last):\\n  File 'x.py'\\n    f()\\nValueError: bad size\\n")
-    'ValueError: bad size'
-    """
+    error, else the last that is not traceback scaffolding, code, or a warning."""
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         if _ERROR_LINE.match(line):

@@ -17,11 +17,6 @@ from lightning_ddp.bench.stats import Estimate
 __all__ = ["write_plots"]
 
 
-def _file_stem(variant: str) -> str:
-    """``"bucketed_powersgd rank=4"`` -> ``"bucketed_powersgd-rank4"`` (as the cell ids spell settings)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "", variant.replace(" ", "-"))
-
-
 def _figure():
     from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
 
@@ -172,7 +167,8 @@ def write_plots(
             written.append(path)
         bucketed = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
         for strategy in filter(has_buckets, bucketed):
-            path = out_dir / f"{_file_stem(strategy)}_{precision}_bs{batch}.png"
+            stem = re.sub(r"[^A-Za-z0-9._-]", "", strategy.replace(" ", "-"))  # as cell ids spell settings: -rank4
+            path = out_dir / f"{stem}_{precision}_bs{batch}.png"
             if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
                 written.append(path)
     return written

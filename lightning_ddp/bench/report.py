@@ -133,11 +133,7 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
 
 def bootstrap_key(cell_id: str, repeats: Sequence[int]) -> str:
     """The name a cell's draws over ``repeats`` are drawn under (``stats.rng_for``), e.g. ``"<id>|r0,1,2"``: the
-    report's ratios reuse the draws behind results.csv's intervals.
-
-    >>> bootstrap_key("naive-b2", [1, 3])
-    'naive-b2|r1,3'
-    """
+    report's ratios reuse the draws behind results.csv's intervals."""
     return f"{cell_id}|r" + ",".join(map(str, repeats))
 
 
@@ -293,14 +289,6 @@ def strategy_order(names: Iterable[str]) -> list[str]:
     return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
 
 
-def group_rows(rows: Iterable[Row]) -> dict[Group, list[Row]]:
-    """Rows by ``(precision, batch_size, context_length)``, groups in first-seen order."""
-    groups: dict[Group, list[Row]] = {}
-    for row in rows:
-        groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
-    return groups
-
-
 def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
     """``(precision, batch, contexts)`` of the groups, as the report's tables and the plots show them: precisions and
     batches in first-seen order, contexts ascending."""
@@ -313,10 +301,6 @@ def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
 def is_ok(row: Row | None) -> bool:
     """Whether ``row`` is a cell that finished with a step time (``status`` ok)."""
     return row is not None and row.get("status") == "ok" and row.get("step_ms_median") is not None
-
-
-def _find(rows: list[Row], strategy: str) -> Row | None:
-    return next((r for r in rows if variant_of(r) == strategy), None)
 
 
 def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
@@ -419,7 +403,9 @@ class Analysis:
         self.rows = [r for r in rows if r.get("status")]
         self.bootstrap = bootstrap or Bootstrapper(2000, 0)
         self.data = {r["cell_id"]: (data or {}).get(r["cell_id"]) or CellData.from_result_row(r) for r in self.rows}
-        self.groups = group_rows(self.rows)
+        self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
+        for row in self.rows:
+            self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
         self.selections: dict[tuple[Group, str], Selection] = {}
         for group, members in self.groups.items():
             for strategy in strategy_order(variant_of(r) for r in members):
@@ -446,7 +432,7 @@ class Analysis:
         return Measured(row, chosen, np.asarray(pooled_median(values), dtype=float), draws)
 
     def _select(self, group: Group, rows: list[Row]) -> Selection | None:
-        """The best bucket size of one algorithm in one group (module docstring)."""
+        """The best bucket size of one algorithm in one group (docs/benchmarks.md, "Analysis")."""
         candidates = []
         for order, row in enumerate(rows):
             ok = self.data[row["cell_id"]].ok_repeats if is_ok(row) else []
@@ -485,11 +471,12 @@ class Analysis:
         return GoalCheck(group, goal, target, Estimate(point, lo, hi), note, in_sample, algorithm, draws)
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
-        """Goal 1 for bucketed and every other algorithm with a bucket size, goal 2 twice, goal 3 (module docstring)."""
+        """Goal 1 for bucketed and every other algorithm with buckets, goal 2 twice, goal 3 (docs/benchmarks.md)."""
         # The goals' strategies, by what they keep: per-tensor blocking, per-tensor overlapping, and buckets.
         naive_name, overlap_name = strategy_with_memory_model("none"), strategy_with_memory_model("per_tensor")
         bucketed = catalogue.DEFAULT_ENGINE
-        naive, overlap, ddp, reference = (_find(rows, s) for s in (naive_name, overlap_name, BASELINE, REFERENCE))
+        naive, overlap, ddp, reference = (next((r for r in rows if variant_of(r) == s), None)
+                                          for s in (naive_name, overlap_name, BASELINE, REFERENCE))
         m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
@@ -558,11 +545,7 @@ class Analysis:
 
 
 def bucket_text(row: Row) -> str:
-    """The row's bucket size for a reader: ``4 MiB``, or ``auto (12.3 MiB)`` with the size ``auto`` resolved to.
-
-    >>> bucket_text({"bucket_size_mb": 4.0}), bucket_text({"bucket_size_mb": "auto", "resolved_bucket_size_mb": 12.34})
-    ('4 MiB', 'auto (12.3 MiB)')
-    """
+    """The row's bucket size for a reader: ``4 MiB``, or ``auto (12.3 MiB)`` with the size ``auto`` resolved to."""
     size = row["bucket_size_mb"]
     if size == "auto":
         resolved = row.get("resolved_bucket_size_mb")
@@ -608,12 +591,6 @@ def _cell_text(row: Row | None, bold: bool = False) -> str:
     return f"**{text}**" if bold else text
 
 
-def _row_key(row: Row, order: list[str]) -> tuple:
-    size = row["bucket_size_mb"]
-    # strategies in report order; numeric bucket sizes ascending, then auto
-    return (order.index(variant_of(row)), 1 if size == "auto" else 0, size if isinstance(size, float) else 0.0)
-
-
 def _title(variant: str, size: Any) -> str:
     """A table row's name: ``reference (1 process, ...)``, ``naive``, ``bucketed_powersgd 4 MiB rank=4``."""
     if variant in _STRATEGY_TITLES:
@@ -634,7 +611,9 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
                 variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
         order = strategy_order(strategy for strategy, _ in variants)
         table = []
-        for strategy, size in sorted(variants, key=lambda k: _row_key(variants[k], order)):
+        # strategies in report order; numeric bucket sizes ascending, then auto
+        for strategy, size in sorted(variants, key=lambda k: (order.index(k[0]), k[1] == "auto",
+                                                              k[1] if isinstance(k[1], float) else 0.0)):
             cells = []
             for context in contexts:
                 row = next((r for r in groups[(precision, batch, context)]
@@ -643,13 +622,6 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
             table.append([_title(strategy, size), *cells])
         lines += markdown_table(["strategy", *(f"context {c}" for c in contexts)], table)
         lines.append("")
-    lines.append(
-        "Each cell: pooled median step time [95 % interval] over all its ok repeats (exposed communication share of "
-        "the step [95 % interval]; of it, the median time spent waiting for the last rank to launch). **Bold**: "
-        "the bucket size selected on the selection repeats, per algorithm with buckets; its out-of-sample numbers "
-        "are in the next section. p10/p90, overlap, transfer, bus bandwidth, tokens/s, memory and the load guard's "
-        "counts are in results.csv; every step in steps.csv."
-    )
     return lines
 
 
@@ -704,24 +676,13 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
                   "failed (see runs/allreduce/).", ""]
     if not any(has_bucket_axis(r["strategy"]) for r in rows):
         return lines + ["No algorithm with buckets in the grid.", ""]
-    lines += [
-        "Picking the fastest of several noisy bucket sizes and reporting that same measurement is biased low: the "
-        "winner is partly the luckiest. So the size is chosen on the *selection* repeats (even indices 0, 2, 4, ...) "
-        "and its step time, share and goal ratios come from the *evaluation* repeats (odd indices) only. *In-sample*: "
-        "no evaluation repeat exists (fewer than 2 repeats ran), so the choice is reported from the repeats it was "
-        "chosen on and its goals are inconclusive.",
-        "",
-    ]
     predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
     table = [_bucket_row(analysis, group, strategy, members, predicted)
              for group, members in analysis.groups.items()
              for strategy in strategy_order(variant_of(r) for r in members) if has_buckets(strategy)]
     header = ["precision", "batch", "context", "algorithm", "chosen (of sizes) on repeats", "its step there",
               "step on evaluation repeats [95 %]", "comm share [95 %]", "predicted", "auto cell"]
-    lines += markdown_table(header, table, "lrrllrrrll")
-    lines += ["", "The model assumes each bucket's backward compute takes as long as its communication; where "
-              "compute is much longer than communication (or the reverse) the measured optimum moves away from b*.", ""]
-    return lines
+    return lines + markdown_table(header, table, "lrrllrrrll") + [""]
 
 
 def _verdict_text(verdict: str) -> str:
@@ -735,11 +696,6 @@ def _goal_section(analysis: Analysis) -> list[str]:
         f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} inconclusive, "
         f"{counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).",
         "",
-        "Per group: the ratio of pooled medians [95 % interval: each cell bootstrapped on its own, the ratio taken per "
-        "draw]. **met**: the whole interval is at or below the target; **missed**: the whole interval is above it; "
-        "**inconclusive**: the interval straddles the target (or the best size is in-sample). A best bucket size "
-        "enters with its evaluation repeats only.",
-        "",
     ]
     goals = [[*check.group, check.goal, estimate_text(check.estimate, ".3f"), f"{check.target:.3g}",
               _verdict_text(check.verdict), check.note] for check in analysis.goals]
@@ -747,14 +703,7 @@ def _goal_section(analysis: Analysis) -> list[str]:
                             goals, "lrrlrrll")
     lines.append("")
     if analysis.across:
-        lines += [
-            "### Faster than torch DDP, across groups",
-            "",
-            f"Geometric mean over the groups of goal 1's ratio (best / ddp step time) [95 % interval: every group's "
-            f"cells bootstrapped within each draw], against {ACROSS_GROUPS_TARGET:g} (5 % faster than torch DDP); and "
-            "how the groups came out on their own against 1.00.",
-            "",
-        ]
+        lines += ["### Faster than torch DDP, across groups", ""]
         across = []
         for summary in analysis.across:
             c = summary.counts
@@ -781,27 +730,6 @@ def _failures(rows: list[Row], repeat_rows: list[Row] | None) -> list[str]:
     title = "## Cell repeats that did not finish" if per_repeat else "## Cells that did not finish"
     lines = [title, "", *markdown_table(header, table, "lrll" if per_repeat else "lll")]
     return lines + [""]
-
-
-def _how_to_read(repeats: Any, samples: int) -> list[str]:
-    times = f"{repeats} times" if isinstance(repeats, int) else "several times"
-    return [
-        "## How to read this",
-        "",
-        f"Every cell runs {times} (*repeats*), each in fresh processes, interleaved round-robin (repeat 0 of "
-        "every cell, then repeat 1 of every cell, ...) so that a slow drift of the machine hits every strategy alike. "
-        "A cell's step time (and share, and every other median) is the **pooled median** of all measured steps of "
-        "its ok repeats. Its **95 % interval** is a two-level bootstrap: resample the repeats with replacement, then "
-        f"the steps within each resampled repeat, take the median; the 2.5th to 97.5th percentiles of {samples} "
-        "such draws "
-        "(fixed seed: rebuilding the report gives the same numbers). The interval says how far the median could move "
-        "if the whole measurement were repeated on this machine; it is wider when repeats disagree. A ratio of two "
-        "cells takes both bootstraps independently, ratio per draw. **Best bucket size**: chosen on the even "
-        "repeats, reported from the odd ones only (selection vs evaluation; see that section). **Verdict** of a goal "
-        "`ratio <= target`: met if the interval's upper end is at most the target, missed if its lower end is above "
-        "it, inconclusive if it straddles the target.",
-        "",
-    ]
 
 
 def _resumed_across(environment: dict[str, Any]) -> str:
@@ -872,10 +800,17 @@ def build_report(
     if pending:
         what = "cell repeats" if repeat_rows is not None else "cells"
         lines += [f"> {done} of {done + pending} {what} done; rerun the same command to finish the others.", ""]
-    lines += _how_to_read(repeats, analysis.bootstrap.samples)
+    lines += [
+        "## How to read this",
+        "",
+        "Pooled medians over every measured step of a cell's ok repeats; 95 % intervals from "
+        f"{analysis.bootstrap.samples} hierarchical-bootstrap draws (fixed seed). A best bucket size is "
+        "chosen on the *selection* repeats (even indices 0, 2, 4, ...) and measured on the *evaluation* repeats (odd "
+        "indices). The tables and the verdicts: docs/benchmarks.md, \"How to read results\".",
+        "",
+    ]
     lines += ["## Step time and communication share", ""]
     lines += _strategy_tables(analysis)
-    lines.append("")
     lines += _bucket_section(analysis, prediction)
     lines += _goal_section(analysis)
     lines += _failures(rows, repeat_rows)

@@ -1,10 +1,5 @@
 """The study's statistics: pooled medians, hierarchical-bootstrap intervals (repeats, then steps within each),
-ratios, geometric means and verdicts (pure, numpy only); docs/benchmarks.md defines each.
-
->>> pooled_median([[1.0, 2.0, 3.0], [10.0]])  # the median of 1, 2, 3, 10
-2.5
->>> verdict((0.90, 0.98), 1.0), verdict((1.02, 1.10), 1.0), verdict((0.95, 1.05), 1.0)
-('met', 'missed', 'inconclusive')
+ratios, geometric means and verdicts (pure, numpy only); docs/benchmarks.md defines each, with examples.
 """
 
 from __future__ import annotations
@@ -60,22 +55,14 @@ def pooled_median(repeats: Repeats) -> float | np.ndarray:
 
 
 def pooled_percentile(repeats: Repeats, q: float) -> float | np.ndarray:
-    """The ``q``-th percentile (0..100, linear interpolation, numpy's default) of the pooled steps.
-
-    >>> pooled_percentile([[10.0, 20.0], [30.0, 40.0, 50.0]], 10)  # rank 0.4: 10 + 0.4 * 10
-    14.0
-    """
+    """The ``q``-th percentile (0..100, linear interpolation, numpy's default) of the pooled steps."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return _scalar(np.nanpercentile(np.concatenate(_as_arrays(repeats)), q, axis=0))
 
 
 def rng_for(seed: int, *keys: str) -> np.random.Generator:
-    """A generator determined by ``seed`` and the names of what is drawn (not by what was drawn before it).
-
-    >>> float(rng_for(0, "a").random()) == float(rng_for(0, "a").random()) != float(rng_for(0, "b").random())
-    True
-    """
+    """A generator determined by ``seed`` and the names of what is drawn (not by what was drawn before it)."""
     digest = hashlib.sha256("\0".join(keys).encode()).digest()
     return np.random.default_rng([int(seed) & 0xFFFFFFFF, *np.frombuffer(digest[:16], dtype=np.uint32).tolist()])
 
@@ -173,11 +160,7 @@ def verdict(interval: tuple[float, float] | Estimate, target: float) -> str:
 
 
 def estimate(repeats: Repeats, samples: int, seed: int, key: str = "") -> Estimate:
-    """The pooled median of one metric and its hierarchical-bootstrap interval.
-
-    >>> estimate([[5.0, 5.0], [5.0, 5.0, 5.0]], 200, seed=0)  # nothing varies: a zero-width interval
-    Estimate(point=5.0, lo=5.0, hi=5.0)
-    """
+    """The pooled median of one metric and its hierarchical-bootstrap interval."""
     draws = hierarchical_bootstrap(repeats, samples, rng_for(seed, key))
     lo, hi = percentile_interval(draws)
     return Estimate(float(pooled_median(repeats)), lo, hi)
@@ -194,11 +177,7 @@ def ratio_estimate(numerator: Repeats, denominator: Repeats, samples: int, seed:
 
 
 def geometric_mean_draws(ratio_draws: Sequence[np.ndarray]) -> np.ndarray:
-    """Per draw, ``exp(mean over groups of log(ratio))``: draws ``(B,)`` of each group's ratio in, ``(B,)`` out.
-
-    >>> geometric_mean_draws([np.array([2.0]), np.array([0.5])]).tolist()  # sqrt(2 * 0.5)
-    [1.0]
-    """
+    """Per draw, ``exp(mean over groups of log(ratio))``: draws ``(B,)`` of each group's ratio in, ``(B,)`` out."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.exp(np.mean(np.log(np.stack(ratio_draws)), axis=0))
 

@@ -53,11 +53,7 @@ def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[
 
 def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
     """Every (cell, repeat) in the order a study runs them: repeat 0 of every cell, then repeat 1, ... (a slow drift
-    of the machine hits every cell alike).
-
-    >>> interleaved("ab", 2)
-    [('a', 0), ('b', 0), ('a', 1), ('b', 1)]
-    """
+    of the machine hits every cell alike)."""
     cells = list(cells)
     return [(cell, k) for k in range(repeats) for cell in cells]
 
@@ -218,11 +214,7 @@ def read_proc_stat(path: str = "/proc/stat") -> CpuTimes | None:
 
 
 def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
-    """``1 - Δidle / Δtotal`` between two readings; ``0.0`` when no time passed on the counters.
-
-    >>> busy_fraction((800, 1000), (1550, 2000))  # 750 of the 1000 jiffies since the first reading idle
-    0.25
-    """
+    """``1 - Δidle / Δtotal`` between two readings; ``0.0`` when no time passed on the counters."""
     d_idle, d_total = after[0] - before[0], after[1] - before[1]
     if d_total <= 0:
         return 0.0
@@ -240,14 +232,13 @@ def _sample_busy(seconds: float, reader: Callable[[], CpuTimes | None], sleep: C
 
 @dataclass(frozen=True)
 class LoadCheck:
-    """What the guard saw before one repeat (the sweep's repeats.csv columns of the same names)."""
+    """What the guard saw before one repeat (the sweep's repeats.csv columns of the same names): the last busy
+    fraction sampled (``None`` where it cannot be measured), the seconds waited for an idle machine, and whether the
+    repeat started on a busy one (still above the threshold when the wait ran out)."""
 
     busy_before: float | None = None
-    """The last busy fraction sampled before the repeat started; ``None`` where it cannot be measured."""
     waited_s: float = 0.0
-    """Seconds spent waiting for the machine to go idle."""
     busy: bool | None = None
-    """True if the repeat started on a busy machine (still above the threshold when the wait ran out)."""
 
 
 def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,

@@ -26,7 +26,7 @@ from lightning_ddp.bench.launch import (
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
-    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
+    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
     read_repeats, read_steps, write_csv,
 )
 from lightning_ddp.bench.stats import Bootstrapper
@@ -44,8 +44,6 @@ RESULTS_MD = "results.md"
 ENVIRONMENT_JSON = "environment.json"
 PREDICTION_JSON = "bucket_prediction.json"
 ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbenchmark (the median is kept)
-
-RepeatKey = tuple[str, int]
 
 
 # ---- one cell repeat ----------------------------------------------------------------------------------------
@@ -89,14 +87,13 @@ def classify(
     failed rank's log says so or a rank died by a SIGKILL we did not send (not one in ``killed_by_us``); else
     failed; else ok if the CommTimer wrote its summary."""
     order = ([first_failed] if first_failed is not None else []) + [i for i in range(len(logs)) if i != first_failed]
+    last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
     if timed_out:
-        last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
         return "timeout", f"no result after {timeout_s:.0f} s" + (f"; last output: {last}" if last else "")
     failed = [i for i in order if returncodes[i] not in (0, None)]
     if not failed:
         if summary_found:
             return "ok", ""
-        last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
         return "failed", "exited 0 but wrote no timing_summary.json" + (f" (last output: {last})" if last else "")
     for i in failed:
         match = next((line for line in reversed(logs[i].splitlines()) if is_oom(line)), None)
@@ -305,7 +302,10 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
 
     layout = _start_session(config, out_dir, layout, repeats, say)
     order = interleaved(cells, config.run.repeats)
-    todo = [(cell, k) for cell, k in order if not _done(config, repeats.get((cell.id, k)))]
+    # a repeat with a row is done (a failed one too, unless output.retry_failed)
+    retry = config.output.retry_failed
+    done = {key for key, row in repeats.items() if row["status"] == "ok" or row["status"] and not retry}
+    todo = [(cell, k) for cell, k in order if (cell.id, k) not in done]
     say(f"sweep {config.name!r}: {len(cells)} cells x {config.run.repeats} repeats = {len(order)} cell repeats, "
         f"{len(order) - len(todo)} already done, {len(todo)} to run; {layout.world_size} ranks over {layout.backend}; "
         f"results in {out_dir}")
@@ -335,11 +335,6 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
     return SweepResult(out_dir, cells, rows, ran, plots)
 
 
-def _done(config: SweepConfig, row: Row | None) -> bool:
-    """Whether a repeat with this repeats.csv row is finished (failed ones too, unless ``output.retry_failed``)."""
-    return row is not None and (row["status"] == "ok" or (bool(row["status"]) and not config.output.retry_failed))
-
-
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
                    repeats: dict[RepeatKey, Row], say: Callable[[str], None]) -> RankLayout:
     """Check the base config, decide the layout and write environment.json (this session added to the earlier)."""
@@ -357,7 +352,12 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
         layout = sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
     environment = describe_environment(config, layout)
     previous = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True) if repeats else None
-    environment["sessions"] = _sessions(previous, environment, sum(1 for r in repeats.values() if r["status"] == "ok"))
+    # Every session that ran repeats of this sweep, oldest first (a resumed sweep keeps the earlier ones, so results
+    # measured across two commits say so): when it started, the code it ran, how many repeats were already done.
+    keys = ("created", "git_commit", "git_dirty", "git_changed", "hostname")
+    earlier = list((previous or {}).get("sessions") or ([{k: previous.get(k) for k in keys}] if previous else []))
+    done = sum(1 for r in repeats.values() if r["status"] == "ok")
+    environment["sessions"] = [*earlier, {**{k: environment.get(k) for k in keys}, "repeats_done_before": done}]
     write_outputs(out_dir, {ENVIRONMENT_JSON: environment})
     if not repeats and (out_dir / RESULTS_CSV).exists():
         say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
@@ -379,15 +379,6 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
     write_outputs(out_dir, {PREDICTION_JSON: fit})
     bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
     say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
-
-
-def _sessions(previous: dict[str, Any] | None, current: dict[str, Any], repeats_done: int) -> list[dict[str, Any]]:
-    """Every session that ran repeats of this sweep, oldest first: when it started, the code it ran (commit, dirty)
-    and how many repeats were already done. A resumed sweep keeps the earlier sessions, so results measured
-    across two commits say so."""
-    keys = ("created", "git_commit", "git_dirty", "git_changed", "hostname")
-    earlier = list((previous or {}).get("sessions") or ([{k: previous.get(k) for k in keys}] if previous else []))
-    return [*earlier, {**{k: current.get(k) for k in keys}, "repeats_done_before": repeats_done}]
 
 
 def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, outcome: CellOutcome,
