@@ -12,17 +12,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional, Protocol
 
-__all__ = [
-    "ALGORITHMS",
-    "FABRICS",
-    "CommCost",
-    "Fabric",
-    "Link",
-    "MeasuredFit",
-    "get_fabric",
-    "read_fit",
-]
-
 Algorithm = Literal["ring", "tree", "auto"]
 ALGORITHMS: tuple[str, ...] = ("ring", "tree", "auto")
 """All-reduce algorithms: ``ring``, ``tree``, or ``auto`` (the cheaper of the two per message, as NCCL's tuner)."""

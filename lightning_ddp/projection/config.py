@@ -15,18 +15,6 @@ from lightning_ddp.projection.contention import backend_contention
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
 from lightning_ddp.projection.simulators import check_settings, simulated_names, simulator
 
-__all__ = [
-    "ComputeConfig",
-    "NetworkConfig",
-    "OutputConfig",
-    "ProjectionConfig",
-    "StudyConfig",
-    "build_fabric",
-    "contention_of",
-    "copy_bandwidth",
-    "gpu_spec",
-]
-
 
 @dataclass
 class ComputeConfig:

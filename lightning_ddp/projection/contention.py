@@ -10,16 +10,6 @@ import math
 import statistics
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = [
-    "CONTENTION",
-    "CPU_COPY_GBPS",
-    "FIT_BATCH",
-    "S_MAX",
-    "backend_contention",
-    "cpu_contention_lines",
-    "fit_contention",
-]
-
 CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
 """Fitted ``s`` per backend (``python -m lightning_ddp.projection.contention_fit`` prints them)."""
 

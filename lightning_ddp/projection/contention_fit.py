@@ -15,8 +15,6 @@ from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_B
 from lightning_ddp.projection.published import published_pairs
 from lightning_ddp.projection.validate import read_sweep, validate_cells
 
-__all__ = ["fit_gloo", "fit_nccl", "gloo_cells", "main"]
-
 
 def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
     """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""

@@ -15,8 +15,6 @@ from lightning_ddp.hardware import DEVICES, DeviceSpec
 from lightning_ddp.model_shapes import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 
-__all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
-
 ADAMW_BYTES_PER_PARAM = 80.0
 """Bytes read + written per parameter by one step of torch's foreach AdamW on fp32 state (docs/projection.md)."""
 

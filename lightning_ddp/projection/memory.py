@@ -18,8 +18,6 @@ from lightning_ddp.projection.simulators import (
 )
 from lightning_ddp.sync.assignment import assign_owners
 
-__all__ = ["ADAM_STATES", "state_bytes"]
-
 ADAM_STATES = 2
 """AdamW keeps ``exp_avg`` and ``exp_avg_sq``, each as wide as the parameter."""
 

@@ -27,19 +27,6 @@ from lightning_ddp.projection.simulators import (
 )
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
-__all__ = [
-    "PUBLISHED_RUNS",
-    "SOURCES",
-    "PublishedAssumptions",
-    "PublishedComparison",
-    "PublishedRun",
-    "compare_with_published",
-    "main",
-    "published_markdown",
-    "published_contention_lines",
-    "published_pairs",
-]
-
 NAIVE = "naive DDP write-up: an all-reduce per parameter gradient after backward"
 OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped with backward"
 FLAT = "flat write-up: one all-reduce of all gradients flattened, against one per parameter"
@@ -431,8 +418,6 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
         published_contention_lines(CONTENTION["nccl"]))
     return [write_atomically(out / "published_xl_2gpu.md", markdown),
             write_atomically(out / "published_xl_2gpu.csv", csv_text(rows, columns))]
-
-
 
 
 def main(out: str = "benchmarks/results/projection", gpu: str = "a100-pcie-40gb") -> None:

@@ -26,12 +26,9 @@ from lightning_ddp.projection.simulators import (
 from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
-__all__ = ["NO_COST_TOLERANCE", "build_markdown", "memory_verdicts", "write_csv", "write_plots"]
-
 NO_COST_TOLERANCE = 0.05
 """A sharded strategy's memory saving is "at no step-time cost" where its step is within 5 % of the baseline's
 (torch DDP, else the fastest unsharded strategy); why 5 %: docs/projection.md."""
-
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:

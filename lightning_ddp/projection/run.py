@@ -18,8 +18,6 @@ from lightning_ddp.projection.report import build_markdown, write_csv, write_plo
 from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
 from lightning_ddp.provenance import git_state, invocation, package_version
 
-__all__ = ["ProjectionOutcome", "build_profile", "profile_flops_per_s", "run_projection", "with_shapes"]
-
 
 def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
     """``profile`` with each parameter's ``shape`` from ``shapes`` (by name; every parameter must be there)."""

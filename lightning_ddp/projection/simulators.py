@@ -20,23 +20,6 @@ from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.comm import CommCost
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 
-__all__ = [
-    "Interval",
-    "Op",
-    "StepModel",
-    "StepResult",
-    "Timeline",
-    "check_settings",
-    "ddp_buckets",
-    "model_settings",
-    "powersgd_plan",
-    "simulate",
-    "simulated_by",
-    "simulated_names",
-    "simulator",
-    "unmodelled_names",
-]
-
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 """The collectives a schedule can issue (``StepModel.collective_ms``)."""
 

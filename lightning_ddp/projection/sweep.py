@@ -20,8 +20,6 @@ from lightning_ddp.projection.simulators import (
     simulator,
 )
 
-__all__ = ["COLUMNS", "best_by_world_size", "project", "result_row"]
-
 COLUMNS: tuple[str, ...] = (
     "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms",
     "exposed_comm_ms", "comm_share",

@@ -32,8 +32,6 @@ from lightning_ddp.projection.simulators import (
 )
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
-__all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells", "validate_sweep"]
-
 GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
 
