@@ -207,9 +207,7 @@ def _bias_line(cells: list[dict[str, Any]]) -> str:
     signed = [c["step_error"] for c in cells]
     faster = sum(1 for e in signed if e < 0)
     return (f"Bias: {faster} of {len(signed)} cells are predicted faster than measured (median signed error "
-            f"{100 * statistics.median(signed):+.1f} %), with compute slowed beside collectives (the contention "
-            "section below gives the errors without it). The rest is not compute contention: the all-reduce fit was "
-            "measured with nothing else running. Read the goal's verdict together with this line.")
+            f"{100 * statistics.median(signed):+.1f} %), with contention (docs/projection.md).")
 
 
 def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[str]], auto: list[dict[str, Any]],
@@ -223,15 +221,15 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
         "# The projection against the CPU sweep", "",
         f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
         f"w = {fit['bandwidth_Bps'] / 1e9:.3f} GB/s; copies at {copy_Bps / 1e9:.2f} GB/s (read + written, measured "
-        "here). Each cell is simulated from its own measured compute timeline (its `compute_profile.json`).", "",
+        "here). How to read this report: docs/projection.md.", "",
         f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over {len(errors)} cells "
         f"(goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest {100 * max(errors):.1f} %."
         if errors else "No cell could be predicted (no profiles).",
         "",
         _bias_line(cells),
         "",
-        f"From the group's reference profile instead (compute measured alone, without the other rank and gloo's "
-        f"threads on the 2 cores): median error {100 * statistics.median(ref_errors):.1f} %." if ref_errors else "",
+        f"From the group's reference profile instead: median error {100 * statistics.median(ref_errors):.1f} %."
+        if ref_errors else "",
         "",
         f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
         f"orders {agree} the same way" + (f"; not: {'; '.join(disagreements)}." if disagreements else "."), "",
@@ -239,9 +237,7 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
     header = ["cell", "measured step ms [95 %]", "predicted", "error", "from reference", "measured share",
               "predicted share"]
     lines += markdown_table(header, [_cell_row(c) for c in cells], "lrrrrrr")
-    lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", "",
-              "Per group, each rule's size and the step time the sweep measured at the nearest measured size "
-              "(pooled median [95 %]).", ""]
+    lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", ""]
     header = ["group", "sqrt rule", "measured there", "projection", "measured there", "best measured"]
     rows = [[f"{a['group'][0]} b{a['group'][1]} t{a['group'][2]}", f"{_fmt(a['sqrt_rule_mb'], '.3g')} MiB",
              _measured_at(a["measured_at_sqrt"]), f"{a['projection_mb']:g} MiB",
