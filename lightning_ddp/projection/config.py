@@ -206,13 +206,9 @@ def build_fabric(network: NetworkConfig) -> Fabric:
         fabric = read_fit(network.fit_path).fabric(network.overhead_scaling, network.algorithm or "ring")
     else:
         fabric = get_fabric(network.preset)
-        if network.algorithm is not None:
-            fabric = fabric.with_changes(algorithm=network.algorithm)
-    if network.gpus_per_node is not None:
-        fabric = fabric.with_changes(gpus_per_node=network.gpus_per_node)
-    if network.call_overhead_us is not None:
-        fabric = fabric.with_changes(call_overhead_s=network.call_overhead_us * 1e-6)
-    return fabric
+    overhead_s = None if network.call_overhead_us is None else network.call_overhead_us * 1e-6
+    changes = {"algorithm": network.algorithm, "gpus_per_node": network.gpus_per_node, "call_overhead_s": overhead_s}
+    return dataclasses.replace(fabric, **{k: v for k, v in changes.items() if v is not None})
 
 
 def contention_of(network: NetworkConfig) -> tuple[float, str]:
@@ -228,13 +224,9 @@ def contention_of(network: NetworkConfig) -> tuple[float, str]:
 
 def gpu_spec(compute: ComputeConfig) -> GPUSpec:
     """The GPU a ``ComputeConfig`` names, with its overrides (peak FLOP/s, memory bandwidth)."""
-    spec = GPUS[compute.gpu]
-    changes = {}
-    if compute.peak_tflops is not None:
-        changes["bf16_flops"] = compute.peak_tflops * 1e12
-    if compute.memory_bandwidth_GBps is not None:
-        changes["memory_Bps"] = compute.memory_bandwidth_GBps * 1e9
-    return dataclasses.replace(spec, **changes) if changes else spec
+    changes = {"bf16_flops": compute.peak_tflops and compute.peak_tflops * 1e12,
+               "memory_Bps": compute.memory_bandwidth_GBps and compute.memory_bandwidth_GBps * 1e9}
+    return dataclasses.replace(GPUS[compute.gpu], **{k: v for k, v in changes.items() if v is not None})
 
 
 def copy_bandwidth(compute: ComputeConfig) -> float:

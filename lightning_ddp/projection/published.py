@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,19 +110,14 @@ class PublishedAssumptions:
     """What the published runs do not say and the comparison has to assume."""
 
     gpu: str = "a100-pcie-40gb"
-    """GPU whose memory bandwidth times the optimizer and the copies. The write-ups name none; a 40-48 GB PCIe card
-    fits their evidence (a ~20 GB/s link, and running out of memory at batch 4 x 512 tokens)."""
+    """The write-ups name none; a 40-48 GB PCIe card fits their ~20 GB/s link and memory limit."""
     memory_efficiency: float = 0.8
-    """Fraction of the memory bandwidth that copies and the optimizer reach."""
     optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM
-    """Memory traffic of one AdamW step per parameter (80: torch's foreach AdamW in fp32)."""
     grad_precision: str = "bf16-mixed"
-    """Gradients in fp32 (4 bytes each), as under bf16 autocast or fp32 training: 7.99 GB per step for xl."""
     fabrics: tuple[str, ...] = ("pcie_gen4", "nvlink4")
     """Links to predict on; the first is compared with the published runs."""
     published_call_overhead: bool = True
-    """Also predict on the first link with the per-call cost the published runs imply (``published_call_overhead_s``),
-    a sensitivity check on the bucket-size trend."""
+    """Also the first link with the per-call cost the published runs imply (``published_call_overhead_s``)."""
 
 
 @dataclass
@@ -130,9 +126,7 @@ class PublishedComparison:
 
     run: PublishedRun
     compute_ms: float
-    """The calibrated compute-only step (naive's total minus its all-reduce time)."""
     extrapolated: bool
-    """The compute had to be extrapolated (naive ran out of memory for this batch and context)."""
     predicted: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """Fabric -> (step ms, exposed ms, share)."""
 
@@ -155,9 +149,7 @@ def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict
 
 def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int,
                               runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> float:
-    """The per-call cost ``c`` that makes the model's naive - flat difference match the published runs':
-    ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks, averaged over the cells with both
-    (naive makes ``tensors + 1`` calls, flat 2 and the pack + unpack copies ``4 S / copy_Bps``)."""
+    """The per-call cost ``c`` with ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks."""
     naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == NAIVE_DDP}
     flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == FLAT_DDP}
     copies_s = 4 * grad_bytes / copy_Bps
@@ -172,8 +164,9 @@ def prediction_fabrics(assumptions: PublishedAssumptions) -> dict[str, Fabric]:
         first = fabrics[assumptions.fabrics[0]]
         sample = _profile(1, 1, 10_000.0, assumptions)
         c = published_call_overhead_s(first, _copy_Bps(assumptions), sample.grad_bytes, len(sample.params))
-        labelled = {assumptions.fabrics[0]: first, f"{assumptions.fabrics[0]}+published_c": first.with_changes(
-            call_overhead_s=c, description=f"{first.description}, per-call cost {c * 1e6:.0f} us from naive - flat")}
+        described = f"{first.description}, per-call cost {c * 1e6:.0f} us from naive - flat"
+        labelled = {assumptions.fabrics[0]: first, f"{assumptions.fabrics[0]}+published_c": dataclasses.replace(
+            first, call_overhead_s=c, description=described)}
         labelled.update({k: v for k, v in fabrics.items() if k != assumptions.fabrics[0]})
         return labelled
     return fabrics
@@ -193,9 +186,7 @@ def _profile(batch_size: int, seq_len: int, compute_ms: float, assumptions: Publ
 def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumptions(),
                            runs: Sequence[PublishedRun] = PUBLISHED_RUNS,
                            contention: float = 0.0) -> list[PublishedComparison]:
-    """Every published run with the model's step, waited communication and wait share on each of
-    ``assumptions.fabrics`` (the published "total time grad all reduce" timed the wait), with ``StepModel.contention``
-    ``contention``."""
+    """Every published run with the model's step, waited communication and wait share on each fabric."""
     copy_Bps = _copy_Bps(assumptions)
     compute = calibrated_compute_ms(runs)
     fabrics = prediction_fabrics(assumptions)
@@ -368,7 +359,6 @@ def published_contention_lines(contention: float) -> list[str]:
 
 
 def write_comparison(out: str | Path, assumptions: PublishedAssumptions = PublishedAssumptions()) -> list[Path]:
-    """Write ``published_xl_2gpu.md`` and ``published_xl_2gpu.csv`` into ``out``; returns their paths."""
     out = Path(out)
     comparisons = compare_with_published(assumptions)
     columns = ["strategy", "bucket_size_mb", "batch_size", "seq_len", "published_step_ms", "published_comm_ms",

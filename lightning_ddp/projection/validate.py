@@ -36,15 +36,10 @@ GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
 
 
-SWEEP_FILES = ("results.csv", "profiles.json", "bucket_prediction.json")
-"""What the validation reads from a sweep's directory."""
-
-
 def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any], Path]:
-    """A sweep's ``(results.csv rows, profiles.json, the path of bucket_prediction.json)``; a missing file says how
-    to make it."""
+    """A sweep's ``(results.csv rows, profiles.json, the path of bucket_prediction.json)``."""
     sweep = Path(sweep)
-    for name in SWEEP_FILES:
+    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
         if not (sweep / name).is_file():
             raise ValueError(f"{sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
                              "configs/bench/cpu.yaml) or point at a sweep directory such as benchmarks/results/cpu")
@@ -78,10 +73,8 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
                    copy_Bps: float, contention: float = 0.0) -> list[dict[str, Any]]:
-    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and (wait) share.
-
-    The cell's engine settings go to the model where it models them; a cell whose model needs shapes its profile
-    lacks is left out, said on stderr."""
+    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and (wait) share;
+    a cell whose model needs shapes its profile lacks is left out, said on stderr."""
     comm = read_fit(fit_path).fabric()
     reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
                  for r in rows if r["strategy"] == "reference"}
@@ -132,8 +125,7 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
 
 
 def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
-    """``(agree, pairs, disagreements)`` over the pairs of cells of one group whose measured intervals do not
-    overlap: the prediction must put the measurably faster cell first."""
+    """``(agree, pairs, disagreements)`` over the pairs of a group's cells whose measured intervals do not overlap."""
     agree = pairs = 0
     disagreements = []
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -168,9 +160,8 @@ def _name(cell: dict[str, Any]) -> str:
 
 def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
                  sqrt_rule_mb: float | None, candidates: Iterable[float]) -> list[dict[str, Any]]:
-    """Per group: the square-root rule's size and the projection's best size (simulated on the group's best
-    ``bucketed`` cell's own profile over ``candidates``), each with the step time measured at the nearest size the
-    sweep measured."""
+    """Per group: the square-root rule's size and the projection's best of ``candidates``, each with the step time
+    measured at the nearest measured size."""
     comm = read_fit(fit_path).fabric()
     bucketed = simulated_by(simulate_bucketed)[0]
     out = []
@@ -201,7 +192,6 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _bias_line(cells: list[dict[str, Any]]) -> str:
-    """Whether the errors lean one way: a median |error| within the goal can hide a model that is always fast."""
     if not cells:
         return ""
     signed = [c["step_error"] for c in cells]
