@@ -1,7 +1,5 @@
-"""What one collective costs: latency-bandwidth formulas (ring, tree), fabric presets, and the measured fit.
-
-Pure arithmetic on floats (seconds, bytes, bytes per second); the formulas and their sources: docs/projection.md.
-"""
+"""What one collective costs: latency-bandwidth formulas (ring, tree), fabric presets, the measured fit (seconds,
+bytes, bytes per second; the formulas and their sources: docs/projection.md)."""
 
 from __future__ import annotations
 

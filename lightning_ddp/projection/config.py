@@ -1,7 +1,5 @@
-"""The projection's command line: one dataclass per concern, validated at parse time (each error names its field).
-
-``build_fabric``, ``gpu_spec``, ``copy_bandwidth`` and ``contention_of`` resolve a section into what it describes.
-"""
+"""The projection's command line: one dataclass per concern, validated at parse time (each error names its field),
+and the functions that resolve a section into what it describes."""
 
 from __future__ import annotations
 
@@ -174,13 +172,9 @@ class ProjectionConfig:
     name: str = "projection"
     """Title of results.md."""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
-    """Per-rank compute of one step."""
     network: NetworkConfig = field(default_factory=NetworkConfig)
-    """What collectives cost."""
     study: StudyConfig = field(default_factory=StudyConfig)
-    """The axes."""
     output: OutputConfig = field(default_factory=OutputConfig)
-    """Where results go."""
 
     def __post_init__(self) -> None:
         # world sizes must fit the fabric's nodes; checked here so a bad grid fails before anything is written

@@ -1,8 +1,5 @@
-"""``python -m lightning_ddp.projection.contention_fit``: fit the contention ``s`` per backend from the committed data.
-
-Gloo on the CPU sweep's step times (``validate.validate_cells``), NCCL on the published 2-GPU runs' wait shares
-(``published.published_pairs``). Paste what it prints into ``contention.CONTENTION``.
-"""
+"""``python -m lightning_ddp.projection.contention_fit``: fit ``s`` per backend from the committed data (gloo on the
+CPU sweep, NCCL on the published runs); paste what it prints into ``contention.CONTENTION``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A compute profile modelled from FLOPs: a model preset on a named GPU (``GPUS``) at a stated MFU.
-
-``modelled_profile`` times forward, backward (each gradient ready once its backward FLOPs are done) and the
-optimizer; the recipe is in docs/projection.md.
-"""
+"""A compute profile modelled from FLOPs: a model preset on a named GPU (``GPUS``) at a stated MFU (the recipe:
+docs/projection.md)."""
 
 from __future__ import annotations
 

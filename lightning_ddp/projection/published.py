@@ -1,8 +1,5 @@
-"""The model against the published 2-GPU xl runs (``PUBLISHED_RUNS``): naive, overlap, flat and bucketed.
-
-``python -m lightning_ddp.projection.published --out benchmarks/results/projection/`` writes
-``published_xl_2gpu.md`` and ``.csv``. The recipe and what the comparison shows: docs/projection.md.
-"""
+"""The model against the published 2-GPU xl runs (``PUBLISHED_RUNS``): naive, overlap, flat and bucketed; writes
+``published_xl_2gpu.md`` and ``.csv`` (docs/projection.md)."""
 
 from __future__ import annotations
 

@@ -23,16 +23,12 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     unmodelled_names,
 )
-from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
-from lightning_ddp.projection.tables import csv_text, markdown_table
+from lightning_ddp.projection.sweep import best_by_world_size
+from lightning_ddp.projection.tables import markdown_table
 
 NO_COST_TOLERANCE = 0.05
 """A sharded strategy's memory saving is "at no step-time cost" where its step is within 5 % of the baseline's
 (torch DDP, else the fastest unsharded strategy); why 5 %: docs/projection.md."""
-
-
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
-    return write_atomically(path, csv_text(rows, COLUMNS, extrasaction="ignore"))
 
 
 def _ms(value: float) -> str:

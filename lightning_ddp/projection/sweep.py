@@ -1,8 +1,4 @@
-"""The projection grid: every strategy x world size (x bucket size, x engine settings), and the best bucket sizes.
-
-``project`` simulates one compute profile on one fabric; ``best_by_world_size`` picks the bucket size with the
-shortest step per variant and world size; ``result_row`` flattens a result into ``COLUMNS``.
-"""
+"""The projection grid: every strategy x world size (x bucket size, x engine settings), and the best bucket sizes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep.
-
-Simulates every ok cell of a sweep from its own compute profile and the sweep's all-reduce fit, and writes
-``cpu_sweep_validation.csv`` and ``.md`` (docs/projection.md says what each part checks).
-"""
+"""``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep, written to
+``cpu_sweep_validation.csv`` and ``.md`` (docs/projection.md)."""
 
 from __future__ import annotations
 
@@ -238,18 +235,18 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
 def _cell_row(c: dict[str, Any]) -> list[str]:
     from_reference = 100 * c["step_error_from_reference"] if "step_error_from_reference" in c else None
     measured_share = 100 * c["measured_share"] if c["measured_share"] is not None else None
-    return [f"{_name(c)} b{c['batch_size']} t{c['context_length']}",
-            f"{c['measured_step_ms']:.1f} [{_fmt(c['measured_step_lo'], '.1f')}, "
-            f"{_fmt(c['measured_step_hi'], '.1f')}]", f"{c['predicted_step_ms']:.1f}",
+    return [f"{_name(c)} b{c['batch_size']} t{c['context_length']}", _interval(c), f"{c['predicted_step_ms']:.1f}",
             f"{100 * c['step_error']:+.1f} %", f"{_fmt(from_reference, '+.1f')} %",
             f"{_fmt(measured_share, '.1f')} %", f"{100 * c['predicted_share']:.1f} %"]
 
 
+def _interval(cell: dict[str, Any]) -> str:
+    low, high = _fmt(cell["measured_step_lo"], ".1f"), _fmt(cell["measured_step_hi"], ".1f")
+    return f"{cell['measured_step_ms']:.1f} [{low}, {high}]"
+
+
 def _measured_at(cell: dict[str, Any] | None) -> str:
-    if cell is None:
-        return "-"
-    return (f"{cell['measured_step_ms']:.1f} [{_fmt(cell['measured_step_lo'], '.1f')}, "
-            f"{_fmt(cell['measured_step_hi'], '.1f')}] ({_name(cell)})")
+    return "-" if cell is None else f"{_interval(cell)} ({_name(cell)})"
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
@@ -295,10 +292,5 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_ddp.projection.validate``: ``validate_sweep`` from the command line (``--help``)."""
-    return auto_cli(validate_sweep, args=argv, prog="python -m lightning_ddp.projection.validate")
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(auto_cli(validate_sweep, prog="python -m lightning_ddp.projection.validate"))
