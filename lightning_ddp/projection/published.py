@@ -356,13 +356,7 @@ def published_contention_lines(contention: float) -> list[str]:
 
 
 def write_comparison(out: str | Path, assumptions: PublishedAssumptions = PublishedAssumptions()) -> list[Path]:
-    out = Path(out)
     comparisons = compare_with_published(assumptions)
-    columns = ["strategy", "bucket_size_mb", "batch_size", "seq_len", "published_step_ms", "published_comm_ms",
-               "published_share", "compute_ms", "compute_extrapolated", "unexplained_ms", "source"]
-    for label in prediction_fabrics(assumptions):
-        name = label.replace("+", "_")
-        columns += [f"{name}_step_ms", f"{name}_exposed_ms", f"{name}_share"]
     rows = []
     for c in comparisons:
         r = c.run
@@ -379,8 +373,9 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
         rows.append(row)
     markdown = published_markdown(comparisons, assumptions) + "\n" + "\n".join(
         published_contention_lines(CONTENTION["nccl"]))
-    return [write_atomically(out / "published_xl_2gpu.md", markdown),
-            write_atomically(out / "published_xl_2gpu.csv", csv_text(rows, columns))]
+    columns = list(dict.fromkeys(k for row in rows for k in row))  # the runs' fields, then each fabric's three
+    return [write_atomically(Path(out) / "published_xl_2gpu.md", markdown),
+            write_atomically(Path(out) / "published_xl_2gpu.csv", csv_text(rows, columns))]
 
 
 def main(out: str = "benchmarks/results/projection", gpu: str = "a100-pcie-40gb") -> None:
