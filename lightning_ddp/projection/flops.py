@@ -21,10 +21,8 @@ class GPUSpec:
     """The two numbers the model needs from a GPU (built from ``lightning_ddp.hardware``, or given by hand)."""
 
     name: str
-    bf16_flops: float
-    """Dense bf16 tensor-core peak, FLOP/s."""
-    memory_Bps: float
-    """HBM bandwidth, bytes/s."""
+    bf16_flops: float  # dense bf16 tensor-core peak, FLOP/s
+    memory_Bps: float  # HBM bandwidth, bytes/s
     source: str = ""
 
 

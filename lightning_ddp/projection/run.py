@@ -42,8 +42,7 @@ def build_profile(compute) -> ComputeProfile:
 
 
 def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
-    """The profile's forward + backward FLOP/s (peak x MFU, or what calibration made of it), for the arithmetic a
-    strategy adds (PowerSGD's); ``None`` for a measured profile, whose FLOPs are not recorded (only bytes count)."""
+    """The profile's forward + backward FLOP/s (PowerSGD's arithmetic); ``None`` for a measured profile."""
     if compute.source != "flops":
         return None
     shape = ModelShape.from_preset(compute.preset)
