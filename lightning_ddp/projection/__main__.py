@@ -1,8 +1,4 @@
-"""``python -m lightning_ddp.projection --config configs/projection/xl_h100.yaml``: project step time and comm share.
-
-Every field of the config is a flag too (``--study.world_sizes [2,8,64]``, ``--network.preset pcie_gen4``,
-``--output.out_dir /tmp/projection``); ``--help`` documents them and ``--print_config`` shows the merged result.
-"""
+"""``python -m lightning_ddp.projection --config configs/projection/xl_h100.yaml``: every config field is a flag."""
 
 from __future__ import annotations
 

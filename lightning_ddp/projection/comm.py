@@ -1,27 +1,14 @@
-"""What one collective costs: latency-bandwidth formulas (ring, tree), fabric presets, and the measured fit.
-
-Pure arithmetic on floats (seconds, bytes, bytes per second); the formulas and their sources: docs/projection.md.
-"""
+"""What one collective costs: latency-bandwidth formulas (ring, tree), fabric presets, the measured fit (seconds,
+bytes, bytes per second; the formulas and their sources: docs/projection.md)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Protocol
-
-__all__ = [
-    "ALGORITHMS",
-    "FABRICS",
-    "CommCost",
-    "Fabric",
-    "Link",
-    "MeasuredFit",
-    "get_fabric",
-    "read_fit",
-]
 
 Algorithm = Literal["ring", "tree", "auto"]
 ALGORITHMS: tuple[str, ...] = ("ring", "tree", "auto")
@@ -40,8 +27,7 @@ class Link:
     """Bus bandwidth per rank (per NIC for a network level), bytes/s: the large-message nccl-tests ``busbw``."""
     latency_s: float
     """``alpha``: latency of one algorithm step over this link, seconds."""
-    source: str = ""
-    """Where the numbers come from."""
+    source: str = ""  # where the numbers come from
 
     def __post_init__(self) -> None:
         if not self.bandwidth_Bps > 0 or self.latency_s < 0:
@@ -86,8 +72,6 @@ class Fabric:
         if self.call_overhead_s < 0:
             raise ValueError(f"fabric {self.name!r}: call_overhead_s must be >= 0, got {self.call_overhead_s}")
 
-    # -- layout
-
     def nodes(self, n: int) -> int:
         """Nodes holding ``n`` ranks (1 for a one-level fabric or a single node)."""
         if self.inter is None or n <= self.gpus_per_node:
@@ -119,8 +103,6 @@ class Fabric:
             return steps_per_rank * (n - 1) * self.intra.latency_s
         assert self.inter is not None
         return steps_per_rank * ((n - m) * self.intra.latency_s + (m - 1) * self.inter.latency_s)
-
-    # -- collectives
 
     def _cost_s(self, n: int, latency_s: float, bytes_per_rank: float) -> float:
         """One call on ``n`` ranks: the per-call cost, ``latency_s``, and ``bytes_per_rank`` at the bus bandwidth."""
@@ -156,10 +138,6 @@ class Fabric:
     def broadcast_s(self, nbytes: float, n: int) -> float:
         """Seconds for a pipelined ring broadcast of ``nbytes`` to ``n`` ranks."""
         return self._cost_s(n, self._step_latency(n, 1), nbytes)
-
-    def with_changes(self, **changes) -> Fabric:
-        """A copy with fields replaced (e.g. ``algorithm="ring"``)."""
-        return replace(self, **changes)
 
     def describe(self) -> str:
         """One line for reports."""
@@ -229,8 +207,7 @@ class MeasuredFit:
     """``o``: per-call overhead, seconds."""
     bandwidth_Bps: float
     """``w``: algorithm bandwidth of one all-reduce (message bytes over time), bytes/s."""
-    world_size: int = 2
-    """Ranks the fit was measured on."""
+    world_size: int = 2  # ranks the fit was measured on
     backend: str = ""
     device: str = ""
 

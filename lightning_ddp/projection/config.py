@@ -1,7 +1,5 @@
-"""The projection's command line: one dataclass per concern, validated at parse time (each error names its field).
-
-``build_fabric``, ``gpu_spec``, ``copy_bandwidth`` and ``contention_of`` resolve a section into what it describes.
-"""
+"""The projection's command line: one dataclass per concern, validated at parse time (each error names its field),
+and the functions that resolve a section into what it describes."""
 
 from __future__ import annotations
 
@@ -14,18 +12,6 @@ from lightning_ddp.projection.comm import ALGORITHMS, FABRICS, Fabric, get_fabri
 from lightning_ddp.projection.contention import backend_contention
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
 from lightning_ddp.projection.simulators import check_settings, simulated_names, simulator
-
-__all__ = [
-    "ComputeConfig",
-    "NetworkConfig",
-    "OutputConfig",
-    "ProjectionConfig",
-    "StudyConfig",
-    "build_fabric",
-    "contention_of",
-    "copy_bandwidth",
-    "gpu_spec",
-]
 
 
 @dataclass
@@ -186,13 +172,9 @@ class ProjectionConfig:
     name: str = "projection"
     """Title of results.md."""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
-    """Per-rank compute of one step."""
     network: NetworkConfig = field(default_factory=NetworkConfig)
-    """What collectives cost."""
     study: StudyConfig = field(default_factory=StudyConfig)
-    """The axes."""
     output: OutputConfig = field(default_factory=OutputConfig)
-    """Where results go."""
 
     def __post_init__(self) -> None:
         # world sizes must fit the fabric's nodes; checked here so a bad grid fails before anything is written
@@ -218,13 +200,9 @@ def build_fabric(network: NetworkConfig) -> Fabric:
         fabric = read_fit(network.fit_path).fabric(network.overhead_scaling, network.algorithm or "ring")
     else:
         fabric = get_fabric(network.preset)
-        if network.algorithm is not None:
-            fabric = fabric.with_changes(algorithm=network.algorithm)
-    if network.gpus_per_node is not None:
-        fabric = fabric.with_changes(gpus_per_node=network.gpus_per_node)
-    if network.call_overhead_us is not None:
-        fabric = fabric.with_changes(call_overhead_s=network.call_overhead_us * 1e-6)
-    return fabric
+    overhead_s = None if network.call_overhead_us is None else network.call_overhead_us * 1e-6
+    changes = {"algorithm": network.algorithm, "gpus_per_node": network.gpus_per_node, "call_overhead_s": overhead_s}
+    return dataclasses.replace(fabric, **{k: v for k, v in changes.items() if v is not None})
 
 
 def contention_of(network: NetworkConfig) -> tuple[float, str]:
@@ -240,13 +218,9 @@ def contention_of(network: NetworkConfig) -> tuple[float, str]:
 
 def gpu_spec(compute: ComputeConfig) -> GPUSpec:
     """The GPU a ``ComputeConfig`` names, with its overrides (peak FLOP/s, memory bandwidth)."""
-    spec = GPUS[compute.gpu]
-    changes = {}
-    if compute.peak_tflops is not None:
-        changes["bf16_flops"] = compute.peak_tflops * 1e12
-    if compute.memory_bandwidth_GBps is not None:
-        changes["memory_Bps"] = compute.memory_bandwidth_GBps * 1e9
-    return dataclasses.replace(spec, **changes) if changes else spec
+    changes = {"bf16_flops": compute.peak_tflops and compute.peak_tflops * 1e12,
+               "memory_Bps": compute.memory_bandwidth_GBps and compute.memory_bandwidth_GBps * 1e9}
+    return dataclasses.replace(GPUS[compute.gpu], **{k: v for k, v in changes.items() if v is not None})
 
 
 def copy_bandwidth(compute: ComputeConfig) -> float:

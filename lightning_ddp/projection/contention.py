@@ -1,7 +1,6 @@
 """Compute slowed while collectives run: the contention factor ``s`` per backend, and the fit that gives it.
 
-``CONTENTION`` holds what ``python -m lightning_ddp.projection.contention_fit`` prints (refit after a new sweep and
-paste it here; ``tests/unit/test_project.py`` refits it). The objectives and ``S_MAX``: docs/projection.md.
+``CONTENTION`` holds what ``python -m lightning_ddp.projection.contention_fit`` prints (``test_project.py`` refits it).
 """
 
 from __future__ import annotations
@@ -9,16 +8,6 @@ from __future__ import annotations
 import math
 import statistics
 from typing import Any, Callable, Optional, Sequence
-
-__all__ = [
-    "CONTENTION",
-    "CPU_COPY_GBPS",
-    "FIT_BATCH",
-    "S_MAX",
-    "backend_contention",
-    "cpu_contention_lines",
-    "fit_contention",
-]
 
 CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
 """Fitted ``s`` per backend (``python -m lightning_ddp.projection.contention_fit`` prints them)."""
@@ -90,12 +79,10 @@ def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[
 
     return [
         "## Contention: compute slowed while collectives run", "",
-        f"gloo's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
-        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} cells' step times, bounded by `S_MAX` = "
-        f"{S_MAX:g}); the table above is with it. Step time, before (s = 0) -> after:", "",
+        f"gloo's `s` = {contention:g} (fitted on the batch-{FIT_BATCH} cells' step times, at most `S_MAX` = "
+        f"{S_MAX:g}; the table above is with it; docs/projection.md, \"Contention\"). Before (s = 0) -> after:", "",
         f"- all {len(after)} cells: {_errors(pairs(before, None))} -> {_errors(pairs(after, None))}",
         f"- fitting subset (batch {FIT_BATCH}): {_errors(pairs(before, False))} -> {_errors(pairs(after, False))}",
         f"- held out (the other batch sizes): {_errors(pairs(before, True))} -> {_errors(pairs(after, True))}",
         f"- mean |share error| (the CommTimer's wait share): {share(before)} -> {share(after)}", "",
-        "Why the fit sits at its bound and what of the bias it leaves: docs/projection.md (\"Contention\").", "",
     ]

@@ -1,8 +1,5 @@
-"""``python -m lightning_ddp.projection.contention_fit``: fit the contention ``s`` per backend from the committed data.
-
-Gloo on the CPU sweep's step times (``validate.validate_cells``), NCCL on the published 2-GPU runs' wait shares
-(``published.published_pairs``). Paste what it prints into ``contention.CONTENTION``.
-"""
+"""``python -m lightning_ddp.projection.contention_fit``: fit ``s`` per backend from the committed data (gloo on the
+CPU sweep, NCCL on the published runs); paste what it prints into ``contention.CONTENTION``."""
 
 from __future__ import annotations
 
@@ -14,8 +11,6 @@ from typing import Any
 from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_BATCH, _mean_squared_log, fit_contention
 from lightning_ddp.projection.published import published_pairs
 from lightning_ddp.projection.validate import read_sweep, validate_cells
-
-__all__ = ["fit_gloo", "fit_nccl", "gloo_cells", "main"]
 
 
 def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:

@@ -1,8 +1,5 @@
-"""A compute profile modelled from FLOPs: a model preset on a named GPU (``GPUS``) at a stated MFU.
-
-``modelled_profile`` times forward, backward (each gradient ready once its backward FLOPs are done) and the
-optimizer; the recipe is in docs/projection.md.
-"""
+"""A compute profile modelled from FLOPs: a model preset on a named GPU (``GPUS``) at a stated MFU (the recipe:
+docs/projection.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_ddp.hardware import DEVICES, DeviceSpec
+from lightning_ddp.hardware import DEVICES
 from lightning_ddp.model_shapes import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, ParamTiming
-
-__all__ = ["ADAMW_BYTES_PER_PARAM", "GPUS", "GPUSpec", "ModelShape", "grad_element_bytes", "modelled_profile"]
 
 ADAMW_BYTES_PER_PARAM = 80.0
 """Bytes read + written per parameter by one step of torch's foreach AdamW on fp32 state (docs/projection.md)."""
@@ -26,24 +21,18 @@ class GPUSpec:
     """The two numbers the model needs from a GPU (built from ``lightning_ddp.hardware``, or given by hand)."""
 
     name: str
-    bf16_flops: float
-    """Dense bf16 tensor-core peak, FLOP/s."""
-    memory_Bps: float
-    """HBM bandwidth, bytes/s."""
+    bf16_flops: float  # dense bf16 tensor-core peak, FLOP/s
+    memory_Bps: float  # HBM bandwidth, bytes/s
     source: str = ""
-
-
-def _from_hardware(spec: DeviceSpec) -> GPUSpec:
-    return GPUSpec(spec.name, spec.dense_tflops["bf16"] * 1e12, spec.memory_GBps * 1e9, spec.source)
 
 
 # The projection's first five GPUs lead, so that its listings and messages keep their order; then the rest.
 _FIRST = ("h100-sxm", "h100-pcie", "h200-sxm", "a100-sxm-80gb", "a100-pcie-40gb")
 GPUS: dict[str, GPUSpec] = {
-    key: _from_hardware(DEVICES[key]) for key in (*_FIRST, *(k for k in DEVICES if k not in _FIRST))
+    key: GPUSpec(DEVICES[key].name, DEVICES[key].dense_tflops["bf16"] * 1e12, DEVICES[key].memory_GBps * 1e9,
+                 DEVICES[key].source) for key in (*_FIRST, *(k for k in DEVICES if k not in _FIRST))
 }
-"""GPUs by name (``compute.gpu``): every row of ``lightning_ddp.hardware.DEVICES`` (h100-sxm, h100-pcie, h200-sxm,
-a100-sxm-80gb, a100-pcie-40gb, gh200, b200, ...), the one table of hardware figures."""
+"""GPUs by name (``compute.gpu``): every row of ``lightning_ddp.hardware.DEVICES``."""
 
 
 def get_gpu(name: str) -> GPUSpec:
@@ -52,11 +41,6 @@ def get_gpu(name: str) -> GPUSpec:
     except KeyError:
         raise ValueError(f"{name!r} is not a known GPU; choose one of: {', '.join(GPUS)} (or set "
                          "`compute.peak_tflops` and `compute.memory_bandwidth_GBps`)") from None
-
-
-def grad_element_bytes(precision: str) -> int:
-    """Bytes per gradient element: mixed precision keeps fp32 parameters and gradients; ``bf16-true`` has bf16."""
-    return 2 if precision in ("bf16-true", "16-true") else 4
 
 
 @dataclass(frozen=True)
@@ -98,10 +82,7 @@ class ModelShape:
         return float(6 * self.matmul_params + 12 * self.n_layers * self.d_model * seq_len)
 
     def backward_ready_flops(self, seq_len: int) -> list[Optional[float]]:
-        """Per parameter (``parameters()`` order), backward FLOPs per token done when its gradient is ready.
-
-        ``None`` marks the embedding: its gradient is ready when backward ends (docs/projection.md, Compute).
-        """
+        """Per parameter, backward FLOPs per token done when its gradient is ready (``None``: when backward ends)."""
         names = [name for name, _ in self.parameters()]
         numel = dict(self.parameters())
         attention = 8 * seq_len * self.d_model  # backward of Q K^T and A V for one layer, per token
@@ -139,10 +120,7 @@ def modelled_profile(
     preset: Optional[str] = None,
     world_size: Optional[int] = None,
 ) -> ComputeProfile:
-    """The compute profile of one step of ``shape`` at ``batch_size x seq_len`` tokens per rank.
-
-    ``gpu``: a ``GPUS`` name or a ``GPUSpec``; the other arguments are ``ComputeConfig``'s fields of the same names.
-    """
+    """One step of ``shape`` at ``batch_size x seq_len`` tokens per rank; the rest: ``ComputeConfig``'s fields."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}; e.g. 0.4 for 40 % of the peak")
@@ -163,7 +141,7 @@ def modelled_profile(
         source += f"; forward + backward calibrated to a {calibrate_step_ms:g} ms compute-only step"
     forward_ms, backward_ms = fwd_bwd_ms / 3, 2 * fwd_bwd_ms / 3
     total_bwd = 2 * shape.flops_per_token(seq_len) / 3
-    element = grad_element_bytes(precision)
+    element = 2 if precision in ("bf16-true", "16-true") else 4  # mixed precision keeps fp32 gradients
     params = tuple(
         ParamTiming(name, numel, numel * element, backward_ms if done is None else backward_ms * done / total_bwd)
         for (name, numel), done in zip(shape.parameters(), shape.backward_ready_flops(seq_len))

@@ -18,10 +18,7 @@ from lightning_ddp.projection.simulators import (
 )
 from lightning_ddp.sync.assignment import assign_owners
 
-__all__ = ["ADAM_STATES", "state_bytes"]
-
-ADAM_STATES = 2
-"""AdamW keeps ``exp_avg`` and ``exp_avg_sq``, each as wide as the parameter."""
+ADAM_STATES = 2  # AdamW's exp_avg and exp_avg_sq, each as wide as the parameter
 
 
 def state_bytes(result: StepResult, model: StepModel) -> int:

@@ -1,11 +1,9 @@
-"""The model against the published 2-GPU xl runs (``PUBLISHED_RUNS``): naive, overlap, flat and bucketed.
-
-``python -m lightning_ddp.projection.published --out benchmarks/results/projection/`` writes
-``published_xl_2gpu.md`` and ``.csv``. The recipe and what the comparison shows: docs/projection.md.
-"""
+"""The model against the published 2-GPU xl runs (``PUBLISHED_RUNS``): naive, overlap, flat and bucketed; writes
+``published_xl_2gpu.md`` and ``.csv`` (docs/projection.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,19 +24,6 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
 )
 from lightning_ddp.projection.tables import csv_text, markdown_table
-
-__all__ = [
-    "PUBLISHED_RUNS",
-    "SOURCES",
-    "PublishedAssumptions",
-    "PublishedComparison",
-    "PublishedRun",
-    "compare_with_published",
-    "main",
-    "published_markdown",
-    "published_contention_lines",
-    "published_pairs",
-]
 
 NAIVE = "naive DDP write-up: an all-reduce per parameter gradient after backward"
 OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped with backward"
@@ -122,19 +107,14 @@ class PublishedAssumptions:
     """What the published runs do not say and the comparison has to assume."""
 
     gpu: str = "a100-pcie-40gb"
-    """GPU whose memory bandwidth times the optimizer and the copies. The write-ups name none; a 40-48 GB PCIe card
-    fits their evidence (a ~20 GB/s link, and running out of memory at batch 4 x 512 tokens)."""
+    """The write-ups name none; a 40-48 GB PCIe card fits their ~20 GB/s link and memory limit."""
     memory_efficiency: float = 0.8
-    """Fraction of the memory bandwidth that copies and the optimizer reach."""
     optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM
-    """Memory traffic of one AdamW step per parameter (80: torch's foreach AdamW in fp32)."""
     grad_precision: str = "bf16-mixed"
-    """Gradients in fp32 (4 bytes each), as under bf16 autocast or fp32 training: 7.99 GB per step for xl."""
     fabrics: tuple[str, ...] = ("pcie_gen4", "nvlink4")
     """Links to predict on; the first is compared with the published runs."""
     published_call_overhead: bool = True
-    """Also predict on the first link with the per-call cost the published runs imply (``published_call_overhead_s``),
-    a sensitivity check on the bucket-size trend."""
+    """Also the first link with the per-call cost the published runs imply (``published_call_overhead_s``)."""
 
 
 @dataclass
@@ -143,9 +123,7 @@ class PublishedComparison:
 
     run: PublishedRun
     compute_ms: float
-    """The calibrated compute-only step (naive's total minus its all-reduce time)."""
     extrapolated: bool
-    """The compute had to be extrapolated (naive ran out of memory for this batch and context)."""
     predicted: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """Fabric -> (step ms, exposed ms, share)."""
 
@@ -168,9 +146,7 @@ def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict
 
 def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int,
                               runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> float:
-    """The per-call cost ``c`` that makes the model's naive - flat difference match the published runs':
-    ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks, averaged over the cells with both
-    (naive makes ``tensors + 1`` calls, flat 2 and the pack + unpack copies ``4 S / copy_Bps``)."""
+    """The per-call cost ``c`` with ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks."""
     naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == NAIVE_DDP}
     flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == FLAT_DDP}
     copies_s = 4 * grad_bytes / copy_Bps
@@ -185,8 +161,9 @@ def prediction_fabrics(assumptions: PublishedAssumptions) -> dict[str, Fabric]:
         first = fabrics[assumptions.fabrics[0]]
         sample = _profile(1, 1, 10_000.0, assumptions)
         c = published_call_overhead_s(first, _copy_Bps(assumptions), sample.grad_bytes, len(sample.params))
-        labelled = {assumptions.fabrics[0]: first, f"{assumptions.fabrics[0]}+published_c": first.with_changes(
-            call_overhead_s=c, description=f"{first.description}, per-call cost {c * 1e6:.0f} us from naive - flat")}
+        described = f"{first.description}, per-call cost {c * 1e6:.0f} us from naive - flat"
+        labelled = {assumptions.fabrics[0]: first, f"{assumptions.fabrics[0]}+published_c": dataclasses.replace(
+            first, call_overhead_s=c, description=described)}
         labelled.update({k: v for k, v in fabrics.items() if k != assumptions.fabrics[0]})
         return labelled
     return fabrics
@@ -206,9 +183,7 @@ def _profile(batch_size: int, seq_len: int, compute_ms: float, assumptions: Publ
 def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumptions(),
                            runs: Sequence[PublishedRun] = PUBLISHED_RUNS,
                            contention: float = 0.0) -> list[PublishedComparison]:
-    """Every published run with the model's step, waited communication and wait share on each of
-    ``assumptions.fabrics`` (the published "total time grad all reduce" timed the wait), with ``StepModel.contention``
-    ``contention``."""
+    """Every published run with the model's step, waited communication and wait share on each fabric."""
     copy_Bps = _copy_Bps(assumptions)
     compute = calibrated_compute_ms(runs)
     fabrics = prediction_fabrics(assumptions)
@@ -257,18 +232,14 @@ def published_markdown(comparisons: Sequence[PublishedComparison],
     lines = [
         "# The projection against the published 2-GPU xl runs",
         "",
-        "Generated by `python -m lightning_ddp.projection.published --out benchmarks/results/projection/` "
-        "(`lightning_ddp/projection/published.py`; the published numbers are transcribed once, in `PUBLISHED_RUNS`, "
-        "each row citing its write-up by topic). Predictions are simulated timelines at 2 ranks "
-        "(`lightning_ddp.projection`).",
+        "Generated by `python -m lightning_ddp.projection.published --out benchmarks/results/projection/`. The "
+        "recipe, the columns and what the comparison shows: docs/projection.md.",
         "",
     ]
     lines += _inputs_lines(comparisons, assumptions, fabrics)
     lines += _runs_table(comparisons, labels)
     lines += _summary_table(summaries, labels)
-    lines += ["", "Where the model agrees, where it does not, and why: docs/projection.md (\"Checked against the "
-              "published 2-GPU xl runs\").", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + [""])
 
 
 def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: PublishedAssumptions,
@@ -284,9 +255,7 @@ def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: Publi
         "## Inputs",
         "",
         f"- **Model**: xl, {len(sample.params)} gradient tensors, {grad_gb:.3f} GB of fp32 gradients per step.",
-        "- **Compute, calibrated to the published runs**: the write-ups report no forward or backward timings (the "
-        "naive-DDP module write-up's template leaves them as `~XXX ms`), so the compute-only step is naive's "
-        "\"total time train\" minus its \"total time grad all reduce\" (naive overlaps nothing):",
+        "- **Compute, calibrated to the published runs** (naive's step minus its all-reduce time):",
         "",
     ]
     note = " (extrapolated linearly in tokens: naive ran out of memory)"
@@ -297,33 +266,19 @@ def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: Publi
         "",
         f"- **Split of that step**: optimizer {sample.optimizer_ms:.1f} ms (foreach AdamW, "
         f"{assumptions.optimizer_bytes_per_param:g} B/param at {assumptions.memory_efficiency:g} x "
-        f"{gpu.memory_Bps / 1e9:,.0f} GB/s, the memory bandwidth of an assumed {gpu.name}; the write-ups name no "
-        "GPU); forward and backward share the rest 1 : 2; gradients become ready through backward in proportion to "
-        "FLOPs.",
+        f"{gpu.memory_Bps / 1e9:,.0f} GB/s of an assumed {gpu.name}); forward and backward share the rest 1 : 2.",
         f"- **Link**: the published flat all-reduce of {grad_gb:.2f} GB took {_mean([r.comm_s for r in flat]):.3f} s "
-        f"on average, {implied:.1f} GB/s including the pack copies: a PCIe-class link, so the comparison is `{link}`.",
+        f"on average, {implied:.1f} GB/s including the pack copies: the comparison is `{link}`.",
     ]
     for label, fabric in fabrics.items():
         lines.append(f"  - `{label}`: {fabric.describe()}" + (f" ({fabric.description})" if "+" in label else ""))
-    return lines + [
-        "  - `+published_c` is a sensitivity check: the per-call cost set so that the model's naive - flat difference "
-        "equals the published runs' (`published_call_overhead_s`).",
-        "- Bucket sizes: the write-ups' \"MB\", read as MiB (the project's unit).",
-        "",
-    ]
+    return lines + [""]
 
 
 def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -> list[str]:
     """One row per published run: what it printed, the prediction on each link, the unexplained time."""
     link, rest = labels[0], labels[1:]
-    lines = [
-        "## Every published run beside the prediction",
-        "",
-        "Share = communication time not hidden / step. Published: their printed ratio. Model: (step - compute-only "
-        "step) / step. *Unexplained* = published step - (calibrated compute + the run's own communication time): step "
-        "time that neither compute nor the measured communication accounts for.",
-        "",
-    ]
+    lines = ["## Every published run beside the prediction", ""]
     rows = []
     for c in comparisons:
         r = c.run
@@ -346,9 +301,7 @@ def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -
 def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: list[str]) -> list[str]:
     """Per strategy, the means of ``_summary`` on every link (with the share error on the compared one)."""
     link = labels[0]
-    lines = ["## Summary per strategy", "",
-             "Means over the published runs (bucketed: over all four sizes), leaving out batch 4 x context 512 "
-             "(extrapolated compute, memory pressure). Error = mean absolute difference of the shares.", ""]
+    lines = ["## Summary per strategy (batch 4 x context 512 left out)", ""]
     header = ["strategy", "published: step", "comm", "share"]
     for label in labels:
         header += [f"{label}: step", "share"] + (["error"] if label.startswith(link) else [])
@@ -396,23 +349,14 @@ def published_contention_lines(contention: float) -> list[str]:
                          f"{100 * step[0.0]:+.1f} -> {100 * step[contention]:+.1f} %"])
     return [
         "## Contention: compute slowed while collectives run", "",
-        f"NCCL's `s` = {contention:g} (`lightning_ddp/projection/contention.py`, fitted by `python -m "
-        f"lightning_ddp.projection.contention_fit` on the batch-{FIT_BATCH} runs' wait shares on `pcie_gen4`). The "
-        "tables above are without it (s = 0); here each strategy's mean |share error| (the model's wait share "
-        "against the published ratio) and mean step error on `pcie_gen4`, before (s = 0) -> after:", "",
+        f"NCCL's `s` = {contention:g}, fitted on the batch-{FIT_BATCH} runs; mean errors on `pcie_gen4`, before "
+        "(s = 0) -> after:", "",
         *markdown_table(["runs", "strategy", "runs", "share error", "step error"], rows, "llrrr"), "",
     ]
 
 
 def write_comparison(out: str | Path, assumptions: PublishedAssumptions = PublishedAssumptions()) -> list[Path]:
-    """Write ``published_xl_2gpu.md`` and ``published_xl_2gpu.csv`` into ``out``; returns their paths."""
-    out = Path(out)
     comparisons = compare_with_published(assumptions)
-    columns = ["strategy", "bucket_size_mb", "batch_size", "seq_len", "published_step_ms", "published_comm_ms",
-               "published_share", "compute_ms", "compute_extrapolated", "unexplained_ms", "source"]
-    for label in prediction_fabrics(assumptions):
-        name = label.replace("+", "_")
-        columns += [f"{name}_step_ms", f"{name}_exposed_ms", f"{name}_share"]
     rows = []
     for c in comparisons:
         r = c.run
@@ -429,10 +373,9 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
         rows.append(row)
     markdown = published_markdown(comparisons, assumptions) + "\n" + "\n".join(
         published_contention_lines(CONTENTION["nccl"]))
-    return [write_atomically(out / "published_xl_2gpu.md", markdown),
-            write_atomically(out / "published_xl_2gpu.csv", csv_text(rows, columns))]
-
-
+    columns = list(dict.fromkeys(k for row in rows for k in row))  # the runs' fields, then each fabric's three
+    return [write_atomically(Path(out) / "published_xl_2gpu.md", markdown),
+            write_atomically(Path(out) / "published_xl_2gpu.csv", csv_text(rows, columns))]
 
 
 def main(out: str = "benchmarks/results/projection", gpu: str = "a100-pcie-40gb") -> None:

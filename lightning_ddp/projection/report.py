@@ -23,19 +23,12 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     unmodelled_names,
 )
-from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size
-from lightning_ddp.projection.tables import csv_text, markdown_table
-
-__all__ = ["NO_COST_TOLERANCE", "build_markdown", "memory_verdicts", "write_csv", "write_plots"]
+from lightning_ddp.projection.sweep import best_by_world_size
+from lightning_ddp.projection.tables import markdown_table
 
 NO_COST_TOLERANCE = 0.05
 """A sharded strategy's memory saving is "at no step-time cost" where its step is within 5 % of the baseline's
 (torch DDP, else the fastest unsharded strategy); why 5 %: docs/projection.md."""
-
-
-
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
-    return write_atomically(path, csv_text(rows, COLUMNS, extrasaction="ignore"))
 
 
 def _ms(value: float) -> str:
@@ -68,16 +61,12 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
     names = _variants(results)
     lines = [f"# {config.name}", ""]
     lines += _inputs_section(config, profile, fabric)
-    lines += ["## Step time (exposed communication share) per world size", "",
-              "Share = (step - compute-only step) / step: the part of the step spent on communication and copies that "
-              "compute did not hide.", ""]
+    lines += ["## Step time (exposed communication share) per world size", ""]
     lines += _strategy_table(best, names, sizes, _step_cell)
     lines += _fastest(best, names, sizes)
     lines += _memory_section(best, names, sizes)
     lines += _best_bucket_section(results, best, names, sizes, fabric)
-    lines += ["", "## Communication stream: busy time and calls per step", "",
-              "Busy = the sum of all collectives' durations (they run one after another on one stream); hidden = "
-              "1 - (exposed - copies) / busy, the CommTimer's `comm/overlap`.", ""]
+    lines += ["", "## Communication stream: busy time and calls per step", ""]
     lines += _strategy_table(best, names, sizes, _busy_cell)
     lines += _caveats(profile, results, best)
     return "\n".join(lines)
@@ -86,9 +75,8 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
 def _inputs_section(config, profile: ComputeProfile, fabric: Fabric) -> list[str]:
     contention, source = contention_of(config.network)
     return [
-        "Projected by `python -m lightning_ddp.projection`: each cell is a simulated timeline of one training step "
-        "(one compute stream, one communication stream), not a measurement. The model, its sources and where it is "
-        "known to be wrong: docs/projection.md.",
+        "Projected by `python -m lightning_ddp.projection` (simulated, not measured). How to read each table and "
+        "where the model is known to be wrong: docs/projection.md.",
         "",
         "## Inputs",
         "",
@@ -126,9 +114,7 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
     bucketed = [s for s in names if _has_buckets(s)]
     if not bucketed:
         return []
-    lines = ["", "## Best bucket size per world size", "",
-             "The cap (MiB) with the shortest step among `study.bucket_sizes_mb`, and how much worse the "
-             "worst cap is.", ""]
+    lines = ["", "## Best bucket size per world size", ""]
     rows = []
     for n in sizes:
         cells = [n, fabric.nodes(n)]
@@ -150,15 +136,7 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
                      "timeline model (`projection` in its entry) yet.")
     lines += _zero1_caveat(profile, best) + _powersgd_caveat(profile, results)
-    return lines + [
-        "- Every rank is identical (no stragglers, no jitter, no congestion); one latency and one bandwidth per link; "
-        "FSDP2's two streams serialised on one. These assumptions and where the model is known to be wrong: "
-        "docs/projection.md.",
-        "",
-        "Files: `results.csv` (every cell), `share_vs_world.png`, `step_vs_bucket.png`, `compute_profile.json`, "
-        "`environment.json`.",
-        "",
-    ]
+    return lines + [""]
 
 
 def _zero1_caveat(profile: ComputeProfile, best: dict[tuple[str, int], StepResult]) -> list[str]:
@@ -189,9 +167,7 @@ def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
     """The fastest strategy per world size, against torch DDP and bucketed (each at its best bucket size)."""
     baselines = simulated_by(simulate_ddp) + simulated_by(simulate_bucketed)  # torch DDP, then ours
-    lines = ["", "## Fastest per world size", "",
-             "The shortest projected step at each world size (strategies with buckets at their best size), and how it "
-             f"compares with {' and '.join(f'`{b}`' for b in baselines)}.", ""]
+    lines = ["", "## Fastest per world size", ""]
     rows = []
     for n in sizes:
         candidates = [best[(name, n)] for name in names if (name, n) in best]
@@ -234,16 +210,12 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
     """Model-state memory per rank of every strategy, and the sharded strategies' verdicts."""
     if not any(r.memory_bytes is not None for r in best.values()):
         return []
-    lines = ["", "## Memory per rank against step time", "",
-             "Model-state memory per rank (parameters, gradients, AdamW state and the engine's buffers; activations "
-             "are the same for every strategy and left out: `lightning_ddp/projection/memory.py`), in GB, with each "
-             "strategy's step (bucketed ones at their best size).", ""]
+    lines = ["", "## Memory per rank against step time", ""]
     lines += _strategy_table(best, names, sizes, _memory_cell)
     verdicts = memory_verdicts(best, names, sizes)
     if verdicts:
-        lines += ["", f"**Memory saving at no step-time cost**: a sharded strategy's step within "
-                  f"{100 * NO_COST_TOLERANCE:.0f} % of the baseline's (`ddp`, else the fastest unsharded strategy; "
-                  "`NO_COST_TOLERANCE` in `lightning_ddp/projection/report.py`).", ""]
+        lines += ["", f"**Memory saving at no step-time cost** (step within {100 * NO_COST_TOLERANCE:.0f} % of the "
+                  "baseline's):", ""]
         header = ["world size", "strategy", "memory", "saved vs baseline", "step", "vs baseline", "verdict"]
         lines += markdown_table(header, [_verdict_row(v) for v in verdicts], "rlrrrrl")
     return lines

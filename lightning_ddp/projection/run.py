@@ -1,5 +1,4 @@
-"""From a ``ProjectionConfig`` to files: build the compute profile and the fabric, simulate the grid, write the
-outputs into ``output.out_dir`` (docs/projection.md lists them)."""
+"""From a ``ProjectionConfig`` to the files in ``output.out_dir`` (docs/projection.md lists them)."""
 
 from __future__ import annotations
 
@@ -14,11 +13,10 @@ from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
-from lightning_ddp.projection.report import build_markdown, write_csv, write_plots
-from lightning_ddp.projection.sweep import best_by_world_size, project, result_row
+from lightning_ddp.projection.report import build_markdown, write_plots
+from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project, result_row
+from lightning_ddp.projection.tables import csv_text
 from lightning_ddp.provenance import git_state, invocation, package_version
-
-__all__ = ["ProjectionOutcome", "build_profile", "profile_flops_per_s", "run_projection", "with_shapes"]
 
 
 def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
@@ -44,8 +42,7 @@ def build_profile(compute) -> ComputeProfile:
 
 
 def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
-    """The profile's forward + backward FLOP/s (peak x MFU, or what calibration made of it), for the arithmetic a
-    strategy adds (PowerSGD's); ``None`` for a measured profile, whose FLOPs are not recorded (only bytes count)."""
+    """The profile's forward + backward FLOP/s (PowerSGD's arithmetic); ``None`` for a measured profile."""
     if compute.source != "flops":
         return None
     shape = ModelShape.from_preset(compute.preset)
@@ -75,7 +72,7 @@ def run_projection(config) -> ProjectionOutcome:
     rows = [result_row(r, fabric.nodes(r.world_size), best[(r.variant, r.world_size)] is r) for r in results]
     out_dir = Path(config.output.out_dir)
     files = [
-        write_csv(out_dir / "results.csv", rows),
+        write_atomically(out_dir / "results.csv", csv_text(rows, COLUMNS, extrasaction="ignore")),
         write_atomically(out_dir / "results.md", build_markdown(config, profile, fabric, results)),
         write_profile(profile, out_dir / "compute_profile.json"),
         write_atomically(out_dir / "environment.json",

@@ -20,23 +20,6 @@ from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.comm import CommCost
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 
-__all__ = [
-    "Interval",
-    "Op",
-    "StepModel",
-    "StepResult",
-    "Timeline",
-    "check_settings",
-    "ddp_buckets",
-    "model_settings",
-    "powersgd_plan",
-    "simulate",
-    "simulated_by",
-    "simulated_names",
-    "simulator",
-    "unmodelled_names",
-]
-
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 """The collectives a schedule can issue (``StepModel.collective_ms``)."""
 
@@ -130,11 +113,9 @@ class StepModel:
     copy_bandwidth_Bps: float
     """Memory bandwidth of buffer copies (bytes read + written per second)."""
     flops_per_s: Optional[float] = None
-    """FLOP/s of arithmetic on the compute stream (PowerSGD's products and QR factorisations): the profile's
-    forward + backward throughput (``run.profile_flops_per_s``); ``None``: only the bytes they move count."""
+    """FLOP/s of the compute stream's arithmetic (PowerSGD's); ``None``: only the bytes they move count."""
     contention: float = 0.0
-    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``contention.py``: the fitted
-    values per backend and the command that fits them); 0: communication costs compute nothing."""
+    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``contention.py``)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -146,10 +127,6 @@ class StepModel:
         if not self.contention >= 0:
             raise ValueError(f"contention must be >= 0, got {self.contention!r}; e.g. 0.3 for compute 30 % slower "
                              "while a collective runs")
-
-    def timeline(self) -> Timeline:
-        """An empty timeline with this model's contention."""
-        return Timeline(self.contention)
 
     def collective_ms(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes``; ``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
@@ -205,14 +182,12 @@ class StepResult:
 
     @property
     def waited_comm_ms(self) -> float:
-        """The time the compute stream waited for communication (and spent on copies): exposed minus contention.
-        What a timer around the waits measures (the CommTimer, the published runs' "grad all reduce")."""
+        """Exposed minus contention: what a timer around the waits measures (the CommTimer's)."""
         return self.exposed_comm_ms - self.contention_ms
 
     @property
     def wait_share(self) -> float:
-        """``waited_comm_ms / step_ms``: the share a timer around the waits reports."""
-        return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
+            return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
     def overlap(self) -> float:
@@ -223,20 +198,18 @@ class StepResult:
 
 
 def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
-    """The result of a simulated step; ``simulate`` names its strategy."""
     return StepResult("", bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
                       t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
 
 
 def _after_backward(model: StepModel) -> tuple[Timeline, float]:
     """Forward, then backward with no hooks, then the presence flags: (the timeline, when the flags are in)."""
-    t = model.timeline()
+    t = Timeline(model.contention)
     backward_start = t.compute("forward", 0.0, model.profile.forward_ms)
     return t, _presence_flags(model, t, t.compute("backward", backward_start, model.profile.backward_span_ms))
 
 
 def _collective(model: StepModel, t: Timeline, kind: str, label: str, issue_ms: float, nbytes: int) -> float:
-    """A collective of ``kind`` (``COLLECTIVES``) of ``nbytes`` issued at ``issue_ms``; returns its end."""
     return t.collective(label, issue_ms, model.collective_ms(kind, nbytes), nbytes)
 
 
@@ -272,16 +245,14 @@ def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> S
 
 @dataclass(frozen=True)
 class Op:
-    """One step of a bucket's reduction: ``ms`` of work on the compute stream (``compute``: a buffer copy, a cast,
-    compression arithmetic; counted in ``copy_ms``, as the CommTimer counts them as pack/unpack time), or a
-    collective (``op``: all-reduce unless said) of ``nbytes`` (``collective``)."""
+    """One step of a bucket's reduction: ``ms`` of work on the compute stream (counted in ``copy_ms``, as the
+    CommTimer's pack/unpack time), or a collective ``op`` of ``nbytes``."""
 
     kind: Literal["compute", "collective"]
     label: str
     ms: float = 0.0
     nbytes: int = 0
-    op: str = "all_reduce"
-    """For a collective: ``all_reduce``, ``reduce_scatter`` or ``all_gather`` (``COLLECTIVES``)."""
+    op: str = "all_reduce"  # one of COLLECTIVES
 
 
 def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
@@ -310,7 +281,7 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
     issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then the optimizer on
     ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
     """
-    p, t = model.profile, model.timeline()
+    p, t = model.profile, Timeline(model.contention)
 
     backward_start = t.compute("forward", 0.0, p.forward_ms)
     cursor = backward_start  # the compute stream
@@ -353,14 +324,6 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
     return _result(bucket_size_mb, model, t, cursor)
 
 
-def _cap_bytes(bucket_size_mb: Optional[float]) -> Optional[int]:
-    if bucket_size_mb is None:
-        return None
-    if not bucket_size_mb > 0:
-        raise ValueError(f"bucket_size_mb must be > 0 MiB, got {bucket_size_mb!r}")
-    return int(bucket_size_mb * MiB)
-
-
 def _buffered(buckets: list[list[int]]) -> list[bool]:
     """Which buckets the engine copies into a buffer: every multi-tensor bucket, and the last (the sentinel's)."""
     return [len(bucket) > 1 or k == len(buckets) - 1 for k, bucket in enumerate(buckets)]
@@ -372,9 +335,11 @@ def _missing(model: StepModel) -> bool:
 
 
 def _engine_buckets(params: Sequence[ParamTiming], bucket_size_mb: Optional[float]) -> list[list[int]]:
-    """The bucketed engines' own assignment (``lightning_ddp.sync.assignment``); a profile's gradients share one
-    dtype, so only the cap closes a bucket."""
-    return assign_buckets([q.bytes for q in params], [None] * len(params), _cap_bytes(bucket_size_mb))
+    """The bucketed engines' own assignment; a profile's gradients share one dtype, so only the cap closes one."""
+    if bucket_size_mb is not None and not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb must be > 0 MiB, got {bucket_size_mb!r}")
+    cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
+    return assign_buckets([q.bytes for q in params], [None] * len(params), cap)
 
 
 def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
@@ -524,8 +489,7 @@ def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], list[l
 
 
 def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) -> int:
-    """Bytes of the unsharded, padded buffer of ``indices``: each parameter split on dim 0 across ``n`` ranks as
-    ``fully_shard`` does (dim 0 padded to a multiple of ``n``; without a shape, its elements)."""
+    """Bytes of the padded buffer of ``indices``, each split on dim 0 across ``n`` ranks as ``fully_shard`` does."""
     total = 0
     for i in indices:
         q = params[i]
@@ -539,9 +503,8 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
 
 
 def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    """FSDP2: ``fully_shard`` on each transformer block and on the root (docs/projection.md: the schedule, and
-    each block's times from the profile)."""
-    p, n, t = model.profile, model.world_size, model.timeline()
+    """FSDP2: ``fully_shard`` on each transformer block and on the root (docs/projection.md)."""
+    p, n, t = model.profile, model.world_size, Timeline(model.contention)
     params = p.params
     root, blocks = transformer_blocks(params)
     span = p.backward_span_ms
@@ -612,11 +575,8 @@ def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
 
 def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
                   min_compression_rate: float) -> list[Optional[tuple[int, int, int]]]:
-    """Per gradient of a bucket, ``(rows, cols, k)`` if the PowerSGD engine compresses it, else ``None``.
-
-    The engine's rule (``lightning_ddp.sync.bucketed_powersgd.plan_bucket``, restated without torch and tested to
-    agree): a gradient of ``ndim >= 2`` is the matrix ``(shape[0], prod(shape[1:]))``; with ``k = min(rows, cols,
-    rank)`` it is compressed when ``rows * cols > min_compression_rate * (rows + cols) * k``.
+    """Per gradient of a bucket, ``(rows, cols, k)`` if the PowerSGD engine compresses it, else ``None``: the
+    engine's ``plan_bucket`` rule without torch (tested to agree).
 
     >>> powersgd_plan([(1600, 6400), (1600,), (8, 8)], rank=4, min_compression_rate=2.0)
     [(1600, 6400, 4), None, None]
@@ -634,8 +594,7 @@ def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
 
 def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float] = 25.0, rank: int = 4,
                                min_compression_rate: float = 2.0) -> StepResult:
-    """PowerSGD on the bucketed engine's buckets in its steady state, each of its kernels a ``kernel_ms`` roofline
-    (the kernel list: docs/projection.md)."""
+    """PowerSGD's steady state on the bucketed engine's buckets, each kernel a ``kernel_ms`` roofline."""
     p = model.profile
     if not p.has_shapes:
         missing = next(q.name for q in p.params if q.shape is None)
@@ -720,8 +679,7 @@ def simulated_by(*functions: Callable[..., StepResult]) -> list[str]:
 
 
 def simulator(name: str) -> Callable[..., StepResult]:
-    """The ``simulate(model, bucket_size_mb, **settings)`` of strategy ``name``; an unknown or unmodelled name
-    says what to do."""
+    """The ``simulate(model, bucket_size_mb, **settings)`` of strategy ``name``."""
     if name not in catalogue.STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(simulated_names())}")
     entry = catalogue.STRATEGIES[name]
@@ -742,8 +700,7 @@ def simulator(name: str) -> Callable[..., StepResult]:
 
 
 def model_settings(name: str) -> dict[str, Any]:
-    """The engine settings the model of ``name`` takes (its keyword arguments after ``bucket_size_mb``), with
-    their defaults."""
+    """The engine settings the model of ``name`` takes, with their defaults."""
     parameters = list(inspect.signature(simulator(name)).parameters.values())[2:]
     return {q.name: q.default for q in parameters
             if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
@@ -760,8 +717,7 @@ def check_settings(name: str, settings: Mapping[str, Any]) -> None:
 
 
 def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None, **settings: Any) -> StepResult:
-    """Simulate one step of strategy ``name`` (``bucket_size_mb`` for those that take one, ``settings`` for those
-    whose model has them, e.g. ``rank=4``)."""
+    """Simulate one step of strategy ``name`` (``settings``: e.g. ``rank=4``, where its model has them)."""
     function = simulator(name)
     check_settings(name, settings)
     if catalogue.get(name).has_bucket_size:

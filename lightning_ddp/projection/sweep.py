@@ -1,8 +1,4 @@
-"""The projection grid: every strategy x world size (x bucket size, x engine settings), and the best bucket sizes.
-
-``project`` simulates one compute profile on one fabric; ``best_by_world_size`` picks the bucket size with the
-shortest step per variant and world size; ``result_row`` flattens a result into ``COLUMNS``.
-"""
+"""The projection grid: every strategy x world size (x bucket size, x engine settings), and the best bucket sizes."""
 
 from __future__ import annotations
 
@@ -20,8 +16,6 @@ from lightning_ddp.projection.simulators import (
     simulator,
 )
 
-__all__ = ["COLUMNS", "best_by_world_size", "project", "result_row"]
-
 COLUMNS: tuple[str, ...] = (
     "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms",
     "exposed_comm_ms", "comm_share",
@@ -34,9 +28,8 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
             bucket_sizes_mb: Sequence[float], copy_bandwidth_Bps: float,
             engine_settings: Mapping[str, Mapping[str, Sequence[Any]]] | None = None,
             flops_per_s: Optional[float] = None, contention: float = 0.0) -> list[StepResult]:
-    """Simulate every strategy at every world size (and every bucket size for those that take one, and every
-    combination of ``engine_settings[strategy]``, ``{setting: [values]}``); ``flops_per_s`` and ``contention`` go to
-    ``StepModel``."""
+    """Simulate every strategy at every world size, bucket size (those with one) and combination of
+    ``engine_settings[strategy]`` (``{setting: [values]}``)."""
     engine_settings = engine_settings or {}
     for name in strategies:
         simulator(name)  # an unknown or unmodelled name fails before anything is simulated
@@ -56,8 +49,7 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
 
 
 def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], StepResult]:
-    """``(variant, world size) -> result`` with the shortest step (over bucket sizes; the only one otherwise); the
-    variant is the strategy with its settings (``StepResult.variant``: ``bucketed_powersgd rank=4``)."""
+    """``(StepResult.variant, world size) -> result`` with the shortest step over bucket sizes."""
     best: dict[tuple[str, int], StepResult] = {}
     for r in results:
         key = (r.variant, r.world_size)
@@ -67,23 +59,18 @@ def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], S
 
 
 def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[str, Any]:
-    """One CSV row (``COLUMNS``)."""
+    """One CSV row (``COLUMNS``): times rounded to 4 decimals, shares to 5."""
+    row = {column: round(getattr(result, column), 5 if column in ("comm_share", "overlap") else 4)
+           for column in COLUMNS if column.endswith("_ms") or column in ("comm_share", "overlap")}
     return {
+        **row,
         "strategy": result.strategy,
         "bucket_size_mb": "" if result.bucket_size_mb is None else f"{result.bucket_size_mb:g}",
         "engine_settings": catalogue.format_settings(result.settings),
         "world_size": result.world_size,
         "nodes": nodes,
-        "step_ms": round(result.step_ms, 4),
-        "compute_only_ms": round(result.compute_only_ms, 4),
-        "exposed_comm_ms": round(result.exposed_comm_ms, 4),
-        "comm_share": round(result.comm_share, 5),
-        "busy_comm_ms": round(result.busy_comm_ms, 4),
-        "overlap": round(result.overlap, 5),
-        "copy_ms": round(result.copy_ms, 4),
         "calls": result.calls,
         "comm_bytes": result.comm_bytes,
         "best_bucket": "true" if best and result.bucket_size_mb is not None else "",
-        "contention_ms": round(result.contention_ms, 4),
         "memory_gb": "" if result.memory_bytes is None else round(result.memory_bytes / 1e9, 4),
     }

@@ -6,8 +6,6 @@ import csv
 import io
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["csv_text", "markdown_table"]
-
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
     """The lines of a markdown table; ``align`` has one letter per column, ``r`` right-aligned (``---:``), anything

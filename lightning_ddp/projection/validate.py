@@ -1,8 +1,5 @@
-"""``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep.
-
-Simulates every ok cell of a sweep from its own compute profile and the sweep's all-reduce fit, and writes
-``cpu_sweep_validation.csv`` and ``.md`` (docs/projection.md says what each part checks).
-"""
+"""``python -m lightning_ddp.projection.validate``: the projection against this project's own CPU sweep, written to
+``cpu_sweep_validation.csv`` and ``.md`` (docs/projection.md)."""
 
 from __future__ import annotations
 
@@ -32,21 +29,14 @@ from lightning_ddp.projection.simulators import (
 )
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
-__all__ = ["compare_auto", "main", "ranking_agreement", "validate_cells", "validate_sweep"]
-
 GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
 
 
-SWEEP_FILES = ("results.csv", "profiles.json", "bucket_prediction.json")
-"""What the validation reads from a sweep's directory."""
-
-
 def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any], Path]:
-    """A sweep's ``(results.csv rows, profiles.json, the path of bucket_prediction.json)``; a missing file says how
-    to make it."""
+    """A sweep's ``(results.csv rows, profiles.json, the path of bucket_prediction.json)``."""
     sweep = Path(sweep)
-    for name in SWEEP_FILES:
+    for name in ("results.csv", "profiles.json", "bucket_prediction.json"):
         if not (sweep / name).is_file():
             raise ValueError(f"{sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
                              "configs/bench/cpu.yaml) or point at a sweep directory such as benchmarks/results/cpu")
@@ -80,10 +70,8 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
                    copy_Bps: float, contention: float = 0.0) -> list[dict[str, Any]]:
-    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and (wait) share.
-
-    The cell's engine settings go to the model where it models them; a cell whose model needs shapes its profile
-    lacks is left out, said on stderr."""
+    """One dict per ok cell with a profile and a simulated strategy: measured and predicted step and (wait) share;
+    a cell whose model needs shapes its profile lacks is left out, said on stderr."""
     comm = read_fit(fit_path).fabric()
     reference = {(r["precision"], r["batch_size"], r["context_length"]): profiles.get(r["cell_id"])
                  for r in rows if r["strategy"] == "reference"}
@@ -134,8 +122,7 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
 
 
 def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
-    """``(agree, pairs, disagreements)`` over the pairs of cells of one group whose measured intervals do not
-    overlap: the prediction must put the measurably faster cell first."""
+    """``(agree, pairs, disagreements)`` over the pairs of a group's cells whose measured intervals do not overlap."""
     agree = pairs = 0
     disagreements = []
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -170,9 +157,8 @@ def _name(cell: dict[str, Any]) -> str:
 
 def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
                  sqrt_rule_mb: float | None, candidates: Iterable[float]) -> list[dict[str, Any]]:
-    """Per group: the square-root rule's size and the projection's best size (simulated on the group's best
-    ``bucketed`` cell's own profile over ``candidates``), each with the step time measured at the nearest size the
-    sweep measured."""
+    """Per group: the square-root rule's size and the projection's best of ``candidates``, each with the step time
+    measured at the nearest measured size."""
     comm = read_fit(fit_path).fabric()
     bucketed = simulated_by(simulate_bucketed)[0]
     out = []
@@ -203,15 +189,12 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _bias_line(cells: list[dict[str, Any]]) -> str:
-    """Whether the errors lean one way: a median |error| within the goal can hide a model that is always fast."""
     if not cells:
         return ""
     signed = [c["step_error"] for c in cells]
     faster = sum(1 for e in signed if e < 0)
     return (f"Bias: {faster} of {len(signed)} cells are predicted faster than measured (median signed error "
-            f"{100 * statistics.median(signed):+.1f} %), with compute slowed beside collectives (the contention "
-            "section below gives the errors without it). The rest is not compute contention: the all-reduce fit was "
-            "measured with nothing else running. Read the goal's verdict together with this line.")
+            f"{100 * statistics.median(signed):+.1f} %), with contention (docs/projection.md).")
 
 
 def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[str]], auto: list[dict[str, Any]],
@@ -225,15 +208,15 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
         "# The projection against the CPU sweep", "",
         f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
         f"w = {fit['bandwidth_Bps'] / 1e9:.3f} GB/s; copies at {copy_Bps / 1e9:.2f} GB/s (read + written, measured "
-        "here). Each cell is simulated from its own measured compute timeline (its `compute_profile.json`).", "",
+        "here). How to read this report: docs/projection.md.", "",
         f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over {len(errors)} cells "
         f"(goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest {100 * max(errors):.1f} %."
         if errors else "No cell could be predicted (no profiles).",
         "",
         _bias_line(cells),
         "",
-        f"From the group's reference profile instead (compute measured alone, without the other rank and gloo's "
-        f"threads on the 2 cores): median error {100 * statistics.median(ref_errors):.1f} %." if ref_errors else "",
+        f"From the group's reference profile instead: median error {100 * statistics.median(ref_errors):.1f} %."
+        if ref_errors else "",
         "",
         f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
         f"orders {agree} the same way" + (f"; not: {'; '.join(disagreements)}." if disagreements else "."), "",
@@ -241,9 +224,7 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
     header = ["cell", "measured step ms [95 %]", "predicted", "error", "from reference", "measured share",
               "predicted share"]
     lines += markdown_table(header, [_cell_row(c) for c in cells], "lrrrrrr")
-    lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", "",
-              "Per group, each rule's size and the step time the sweep measured at the nearest measured size "
-              "(pooled median [95 %]).", ""]
+    lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", ""]
     header = ["group", "sqrt rule", "measured there", "projection", "measured there", "best measured"]
     rows = [[f"{a['group'][0]} b{a['group'][1]} t{a['group'][2]}", f"{_fmt(a['sqrt_rule_mb'], '.3g')} MiB",
              _measured_at(a["measured_at_sqrt"]), f"{a['projection_mb']:g} MiB",
@@ -254,18 +235,18 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
 def _cell_row(c: dict[str, Any]) -> list[str]:
     from_reference = 100 * c["step_error_from_reference"] if "step_error_from_reference" in c else None
     measured_share = 100 * c["measured_share"] if c["measured_share"] is not None else None
-    return [f"{_name(c)} b{c['batch_size']} t{c['context_length']}",
-            f"{c['measured_step_ms']:.1f} [{_fmt(c['measured_step_lo'], '.1f')}, "
-            f"{_fmt(c['measured_step_hi'], '.1f')}]", f"{c['predicted_step_ms']:.1f}",
+    return [f"{_name(c)} b{c['batch_size']} t{c['context_length']}", _interval(c), f"{c['predicted_step_ms']:.1f}",
             f"{100 * c['step_error']:+.1f} %", f"{_fmt(from_reference, '+.1f')} %",
             f"{_fmt(measured_share, '.1f')} %", f"{100 * c['predicted_share']:.1f} %"]
 
 
+def _interval(cell: dict[str, Any]) -> str:
+    low, high = _fmt(cell["measured_step_lo"], ".1f"), _fmt(cell["measured_step_hi"], ".1f")
+    return f"{cell['measured_step_ms']:.1f} [{low}, {high}]"
+
+
 def _measured_at(cell: dict[str, Any] | None) -> str:
-    if cell is None:
-        return "-"
-    return (f"{cell['measured_step_ms']:.1f} [{_fmt(cell['measured_step_lo'], '.1f')}, "
-            f"{_fmt(cell['measured_step_hi'], '.1f')}] ({_name(cell)})")
+    return "-" if cell is None else f"{_interval(cell)} ({_name(cell)})"
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
@@ -311,10 +292,5 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_ddp.projection.validate``: ``validate_sweep`` from the command line (``--help``)."""
-    return auto_cli(validate_sweep, args=argv, prog="python -m lightning_ddp.projection.validate")
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(auto_cli(validate_sweep, prog="python -m lightning_ddp.projection.validate"))

@@ -8,6 +8,7 @@ One process, no GPU; the timelines use a linear cost model (1 ms per collective 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import csv
 import json
 import math
@@ -65,7 +66,7 @@ def model(profile: ComputeProfile | None = None, n: int = 2) -> StepModel:
 def test_cost_formulas_at_two_and_eight_ranks():
     S, B, a = 1e9, 1e10, 1e-5  # 1 GB at 10 GB/s: S / B = 0.1 s; alpha = 10 us; no per-call cost
     ring = Fabric("one level", Link("link", B, a), call_overhead_s=0.0, algorithm="ring")
-    tree = ring.with_changes(algorithm="tree")
+    tree = dataclasses.replace(ring, algorithm="tree")
     # ring all-reduce: 2(n-1) alpha + 2(n-1)/n S/B
     assert ring.all_reduce_s(S, 2) == pytest.approx(2 * a + 1.0 * 0.1)  # 0.10002
     assert ring.all_reduce_s(S, 8) == pytest.approx(14 * a + 1.75 * 0.1)  # 0.17514
@@ -363,9 +364,9 @@ def test_more_bandwidth_or_less_latency_is_never_slower():
     tiny = ModelShape(d_model=128, n_layers=4, n_heads=4, d_ff=512)  # the `tiny` preset's shape, no torch needed
     profile = with_shapes(modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4), gpt_parameter_shapes(tiny))
     base = FABRICS["h100_nvlink_ib"]
-    faster = base.with_changes(intra=Link("nvl", 2 * base.intra.bandwidth_Bps, base.intra.latency_s),
+    faster = dataclasses.replace(base, intra=Link("nvl", 2 * base.intra.bandwidth_Bps, base.intra.latency_s),
                                inter=Link("ib", 2 * base.inter.bandwidth_Bps, base.inter.latency_s))
-    snappier = base.with_changes(intra=Link("nvl", base.intra.bandwidth_Bps, base.intra.latency_s / 2),
+    snappier = dataclasses.replace(base, intra=Link("nvl", base.intra.bandwidth_Bps, base.intra.latency_s / 2),
                                  inter=Link("ib", base.inter.bandwidth_Bps, base.inter.latency_s / 2))
     for name in simulated_names():
         for n in (2, 8, 64, 1024):
