@@ -13,9 +13,6 @@ import csv
 import json
 import math
 import random
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
