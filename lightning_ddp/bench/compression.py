@@ -91,9 +91,6 @@ def default_variants() -> list[Variant]:
     return [Variant(name) for name in _lossy()]
 
 
-# ---- training runs ----------------------------------------------------------------------------------------
-
-
 _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
                             "bytes_per_step": "comm/bytes"})
 
@@ -117,9 +114,6 @@ def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[
     measured = run_study(cells, 1, _read_run)
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
-
-
-# ---- the gradient error ------------------------------------------------------------------------------------
 
 
 def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> tuple[float, float]:
@@ -176,9 +170,6 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
         dist.destroy_process_group()
 
 
-# ---- the numbers ---------------------------------------------------------------------------------------------
-
-
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
               variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
     """The numbers of results.md from ``runs[seed][name]`` (``_read_run``; ``BASELINE`` and every variant) and each
@@ -227,9 +218,6 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
                      absolute_gradient_error_max=max(m for _, m in step_errors))
         out["variants"][name] = v
     return out
-
-
-# ---- the files -------------------------------------------------------------------------------------------------
 
 
 def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
@@ -300,10 +288,7 @@ def _cost_tables(s: dict[str, Any], names: list[str]) -> list[str]:
         costs.append([title, fmt(fp32[key]), *cells])
     return [
         "## Gradients, bytes and time", "",
-        "Per-step error of each variant's average against the fp32 one (the same local gradients, along fp32 "
-        "training's trajectory; the engine's state carried from step to step). *Exact steps*: those before "
-        "its first nonzero error (a warm-up that averages exactly); the other columns are over the steps after "
-        "them.", "",
+        "Per-step error of each variant's average against the fp32 one, along fp32 training's trajectory.", "",
         *markdown_table(["variant", "exact steps", "relative error: median", "largest", "largest absolute error"],
                         errors),
         "",
@@ -325,11 +310,8 @@ def _markdown(result: dict[str, Any], variants: list[Variant]) -> str:
         *markdown_table(["variant", "engine settings (defaults filled in)"],
                         [[f"`{v.name}`", format_settings(v.effective_settings()) or "-"] for v in variants], "ll"),
         "", *_loss_tables(s, names), "", *_cost_tables(s, names),
-        "", "Bytes are the CommTimer's median per measured step (after its 5 warm-up steps), so an algorithm "
-        "that averages exactly for its first steps (PowerSGD's `start_iter`) is counted at its compressed "
-        "steps once those are the majority. Step times come from single runs on a small CPU machine (about "
-        "+-20 % noise): read them as indicative only; the benchmark sweep measures speed with repeats and "
-        "intervals.", "", "![loss curves and gradient error](loss_curves.png)", "",
+        "", "How to read these tables (exact steps, bytes, step-time noise): docs/benchmarks.md, \"Compression "
+        "benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", "",
     ]
     return "\n".join(lines)
 

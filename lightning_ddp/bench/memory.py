@@ -108,9 +108,6 @@ def resolved_backend(config: MemoryBenchConfig) -> str:
     return config.backend or ("nccl" if config.accelerator == "cuda" else "gloo")
 
 
-# ---- one rank -----------------------------------------------------------------------------------------
-
-
 def _current_rss_bytes() -> int | None:
     """Resident set size now (Linux ``/proc/self/statm``); None elsewhere."""
     try:
@@ -340,9 +337,6 @@ def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig,
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-# ---- the results ----------------------------------------------------------------------------------------
 
 
 def _environment(config: MemoryBenchConfig) -> dict[str, Any]:

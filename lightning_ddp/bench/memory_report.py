@@ -177,8 +177,6 @@ def _interval(value: dict[str, float] | None, fmt: str) -> str:
 def _family_lines(results: dict[str, Any]) -> list[str]:
     config = results["config"]
     family = results.get("family") or family_summary(results)
-    cuda = config["accelerator"] == "cuda"
-    peak = "max allocated, activations included" if cuda else "peak process RSS, interpreter included"
     rows = [[row["label"], *(f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
                              for k in ("parameters", "gradients", "optimizer_state", "peak")),
              _interval(row["step_ms"], ",.1f"), _interval(row.get("step_ratio_to_zero1"), ".3f")]
@@ -195,10 +193,8 @@ def _family_lines(results: dict[str, Any]) -> list[str]:
     return [
         "## The data-parallel family",
         "",
-        f"Per rank (the most loaded rank), MiB: measured (expected). Peak: {peak}; its expected figure is our "
-        "tensors at their most (a lower bound: ZeRO-2's buckets in flight, FSDP2's largest unsharded group, no "
-        f"activations). Step: median ms over steps {config.get('warmup_steps', 1) + 1}..{config['steps']} (max over "
-        "ranks) [95 % interval over those steps]; ratio to ZeRO-1 (reduce-scatter) the same way.",
+        f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
+        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
         "",
         *markdown_table(["mode", "parameters", "gradients", "optimizer state", "peak", "step ms",
                          "step / ZeRO-1 (reduce-scatter)"], rows),
@@ -276,25 +272,14 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
 def format_report(results: dict[str, Any]) -> str:
     """``results.md``: a summary table across modes, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
-    cuda = config["accelerator"] == "cuda"
     lines = [
         f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
         f"{config['accelerator']}",
         "",
         f"torch {env['torch']}, {env['device']}, {env['cpu_count']} CPUs, backend {env['backend']}; batch "
         f"{config['batch_size']} x {config['seq_len']} tokens per rank, {config['steps']} steps per mode, engine "
-        f"{config['grad_sync']}. Bytes are MiB (2^20). `tensors` = parameters + gradients + optimizer state, summed "
-        "over the tensors themselves; `expected` is the analytic figure (see `lightning_ddp.bench.memory`); "
-        + ("`rest` = `torch.cuda.memory_allocated()` minus our tensors on the GPU." if cuda else
-           "`rest` = process RSS minus our tensors (a secondary figure: interpreter, libraries, activations, "
-           "communication buffers, allocator caches"
-           + ("; each mode runs in fresh processes)." if config["separate_processes"] else
-              "; the modes share processes, so memory freed by an earlier mode can stay in a later one's RSS).")),
-        "",
-        "`recorded comm` sums the input sizes of the step's collectives in the `SyncRecord` (a reduce-scatter's "
-        "input is the whole buffer, a broadcast counts on every rank); `sent per rank` is the bandwidth-optimal "
-        "volume each rank sends (ring model, docs/algorithms.md); FSDP2's collectives are torch's, not "
-        "recorded.",
+        f"{config['grad_sync']}, each mode in {'fresh' if config['separate_processes'] else 'shared'} processes. "
+        "Bytes are MiB (2^20); the columns are defined in docs/benchmarks.md, \"Reading the memory report\".",
         "",
         *_family_lines(results),
         "",

@@ -88,9 +88,6 @@ class StragglerBenchConfig:
             raise ValueError(f"slow_rank must be a rank >= 0, got {self.slow_rank}; e.g. --slow_rank 1")
 
 
-# ---- one run ---------------------------------------------------------------------------------------------
-
-
 def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
     arguments = ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
                  "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
@@ -99,9 +96,6 @@ def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float)
         arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
                       str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
     return arguments
-
-
-# ---- statistics: the straggler plug-in ---------------------------------------------------------------------
 
 
 def _goal_within(value: Estimate, lo: float, hi: float) -> str:
@@ -149,9 +143,6 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
         row.update({name: value.point, f"{name}_lo": value.lo, f"{name}_hi": value.hi})
     _goals(config, row, estimates["comm/wait_ms"], control)
     return {column: row[column] for column in COLUMNS}
-
-
-# ---- the report ------------------------------------------------------------------------------------------
 
 
 def _table_row(row: dict[str, Any]) -> list[str]:
