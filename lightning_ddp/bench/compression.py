@@ -61,12 +61,7 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant``; the strategy must be a lossy engine with
-    buckets and the settings its engine's.
-
-    >>> parse_variant("bucketed_powersgd_ddp:rank=4,start_iter=10").name
-    'bucketed_powersgd_ddp rank=4 start_iter=10'
-    """
+    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant`` of a lossy engine with buckets."""
     name, _, rest = text.partition(":")
     lossy = _lossy()
     if name not in lossy:
