@@ -167,10 +167,8 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
 
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
               variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The numbers of results.md from ``runs[seed][name]`` (``_read_run``; ``BASELINE`` and every variant) and each
-    variant's per-step gradient errors: per variant its loss over the last ``last`` steps against fp32's (per seed,
-    and pooled with a hierarchical-bootstrap interval of ``samples`` draws), its costs and their ratios to fp32, and
-    its gradient error after its exact warm-up steps; fp32's seed-to-seed spread (docs/benchmarks.md)."""
+    """The numbers of results.md from ``runs[seed][name]`` (``_read_run``) and each variant's per-step gradient
+    errors (docs/benchmarks.md)."""
     seeds = sorted(runs)
 
     def last_mean(seed: int, name: str) -> float:

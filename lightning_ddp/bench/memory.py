@@ -1,8 +1,6 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family (DDP, ZeRO-1 under both schedules, ZeRO-2, FSDP2) beside ``lightning_ddp.memory``'s analytic
-figures, each mode in fresh ranks without Lightning. The configuration and the measurement; ``memory_report`` the
-summary and the report; docs/benchmarks.md the recipe.
-"""
+data-parallel family beside ``lightning_ddp.memory``'s analytic figures (the measurement; ``memory_report`` the
+report; docs/benchmarks.md the recipe)."""
 
 from __future__ import annotations
 
@@ -104,7 +102,6 @@ class MemoryBenchConfig:
 
 
 def resolved_backend(config: MemoryBenchConfig) -> str:
-    """The configured backend, or the default: NCCL on CUDA, gloo on CPU."""
     return config.backend or ("nccl" if config.accelerator == "cuda" else "gloo")
 
 
@@ -379,7 +376,6 @@ def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
-    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field)."""
     from lightning_ddp.command_line import parse_dataclass
 
     return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")

@@ -49,15 +49,7 @@ PLOT_NAME = "memory_vs_step_time.png"
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md).
-
-    >>> [sent_bytes_per_rank(1000, 2, mode) for mode in ("unsharded", "allreduce_broadcast", "reduce_scatter")]
-    [1000.0, 1500.0, 1000.0]
-    >>> sent_bytes_per_rank(1000, 2, "zero2")  # ZeRO-2: the reduce-scatter's volume, in backward, + the all-gather
-    1000.0
-    >>> sent_bytes_per_rank(1000, 2, "fsdp2")  # FSDP2: two all-gathers (forward, backward) + one reduce-scatter
-    1500.0
-    """
+    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md)."""
     n = world_size
     all_reduce = 2 * (n - 1) / n * param_bytes
     one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
@@ -75,10 +67,8 @@ def summarise_modes(
     modes: Sequence[str], world_size: int, per_mode: list[list[dict[str, Any]]], warmup_steps: int = 1,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """Per mode (``per_mode[m][r]``: rank ``r``'s result in mode ``modes[m]``): its ranks, each with what every
-    snapshot should hold (``expected_at``), its measured ``peak`` and the tensors' ``expected_peak``; the step time
-    after ``warmup_steps`` (median and 95 % interval, ``step_ms``), whether every snapshot equals the expectation,
-    and the bytes each rank sends (``sent_bytes_per_rank``)."""
+    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``modes[m]``); docs/benchmarks.md
+    lists what it holds."""
     summaries = []
     for mode, ranks in zip(modes, per_mode):
         matches = True
