@@ -90,11 +90,6 @@ _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median
                             "bytes_per_step": "comm/bytes"})
 
 
-def _read_run(log_dir: Path) -> dict[str, Any]:
-    """The compression plug-in: a run's loss curve and its step time, exposed comm and bytes (medians)."""
-    return {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)}
-
-
 def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, one fp32 run and one run per variant (in that order); ``runs[seed][name]`` and the fit arguments
     by ``"<name>, seed <seed>"``."""
@@ -106,7 +101,8 @@ def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[
         # loss and step time only: no validation between the timed steps
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
     ] for seed in args.seeds for name, algorithm, settings in runs_of}
-    measured = run_study(cells, 1, _read_run)
+    # per run: its loss curve and its step time, exposed comm and bytes (medians)
+    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)})
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
 
@@ -167,7 +163,7 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
 
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
               variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The numbers of results.md from ``runs[seed][name]`` (``_read_run``) and each variant's per-step gradient
+    """The numbers of results.md from ``runs[seed][name]`` (``_train``) and each variant's per-step gradient
     errors (docs/benchmarks.md)."""
     seeds = sorted(runs)
 

@@ -336,15 +336,6 @@ def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig,
         dist.destroy_process_group()
 
 
-def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
-    """What results.json records beside the numbers: the study's provenance, the device, CPUs and backend."""
-    cuda = config.accelerator == "cuda" and torch.cuda.is_available()
-    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
-    return provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
-                      cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
-                      world_size=config.devices)
-
-
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
@@ -358,7 +349,13 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     for modes in batches:
         per_rank = spawn_ranks(_rank_main, config.devices, config, modes)  # [rank][mode index] -> one rank's result
         per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
-    results = {"config": asdict(config), "environment": _environment(config),
+    cuda = config.accelerator == "cuda" and torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
+    # results.json's environment: the study's provenance, the device, CPUs and backend
+    environment = provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
+                             cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
+                             world_size=config.devices)
+    results = {"config": asdict(config), "environment": environment,
                "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
                                         seed=config.seed)}
     results["family"] = family_summary(results)

@@ -206,18 +206,14 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, 
     return rows
 
 
-def _parsed(row: dict[str, str]) -> dict[str, Any]:
-    """A results.csv row with its numbers as numbers (empty: NaN) and its verdicts as text."""
-    text = ("strategy", "wait_goal", "straggler_goal", "transfer_goal")
-    return {key: value if key in text else float(value) if value != "" else math.nan for key, value in row.items()}
-
-
 def write_report(config: StragglerBenchConfig) -> list[dict[str, Any]]:
     """results.md rebuilt from ``config.out_dir``'s results.csv and environment.json (nothing measured)."""
     out = Path(config.out_dir)
     recorded = read_json(out / "environment.json")
     settings = {**recorded["config"], "report_only": False}
-    rows = [_parsed(row) for row in read_csv(out / "results.csv")]
+    text = ("strategy", "wait_goal", "straggler_goal", "transfer_goal")  # the rest are numbers (empty: NaN)
+    rows = [{key: value if key in text else float(value) if value != "" else math.nan for key, value in row.items()}
+            for row in read_csv(out / "results.csv")]
     write_outputs(out, {"results.md": render_markdown(StragglerBenchConfig(**settings), rows,
                                                       recorded["command_line"])})
     return rows
