@@ -61,12 +61,7 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant``; the strategy must be a lossy engine with
-    buckets and the settings its engine's.
-
-    >>> parse_variant("bucketed_powersgd_ddp:rank=4,start_iter=10").name
-    'bucketed_powersgd_ddp rank=4 start_iter=10'
-    """
+    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant`` of a lossy engine with buckets."""
     name, _, rest = text.partition(":")
     lossy = _lossy()
     if name not in lossy:
@@ -91,16 +86,8 @@ def default_variants() -> list[Variant]:
     return [Variant(name) for name in _lossy()]
 
 
-# ---- training runs ----------------------------------------------------------------------------------------
-
-
 _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
                             "bytes_per_step": "comm/bytes"})
-
-
-def _read_run(log_dir: Path) -> dict[str, Any]:
-    """The compression plug-in: a run's loss curve and its step time, exposed comm and bytes (medians)."""
-    return {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)}
 
 
 def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[dict, dict[str, list[str]]]:
@@ -114,12 +101,10 @@ def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[
         # loss and step time only: no validation between the timed steps
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
     ] for seed in args.seeds for name, algorithm, settings in runs_of}
-    measured = run_study(cells, 1, _read_run)
+    # per run: its loss curve and its step time, exposed comm and bytes (medians)
+    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)})
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
-
-
-# ---- the gradient error ------------------------------------------------------------------------------------
 
 
 def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> tuple[float, float]:
@@ -176,15 +161,10 @@ def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: lis
         dist.destroy_process_group()
 
 
-# ---- the numbers ---------------------------------------------------------------------------------------------
-
-
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
               variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The numbers of results.md from ``runs[seed][name]`` (``_read_run``; ``BASELINE`` and every variant) and each
-    variant's per-step gradient errors: per variant its loss over the last ``last`` steps against fp32's (per seed,
-    and pooled with a hierarchical-bootstrap interval of ``samples`` draws), its costs and their ratios to fp32, and
-    its gradient error after its exact warm-up steps; fp32's seed-to-seed spread (docs/benchmarks.md)."""
+    """The numbers of results.md from ``runs[seed][name]`` (``_train``) and each variant's per-step gradient
+    errors (docs/benchmarks.md)."""
     seeds = sorted(runs)
 
     def last_mean(seed: int, name: str) -> float:
@@ -227,9 +207,6 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
                      absolute_gradient_error_max=max(m for _, m in step_errors))
         out["variants"][name] = v
     return out
-
-
-# ---- the files -------------------------------------------------------------------------------------------------
 
 
 def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
@@ -300,10 +277,7 @@ def _cost_tables(s: dict[str, Any], names: list[str]) -> list[str]:
         costs.append([title, fmt(fp32[key]), *cells])
     return [
         "## Gradients, bytes and time", "",
-        "Per-step error of each variant's average against the fp32 one (the same local gradients, along fp32 "
-        "training's trajectory; the engine's state carried from step to step). *Exact steps*: those before "
-        "its first nonzero error (a warm-up that averages exactly); the other columns are over the steps after "
-        "them.", "",
+        "Per-step error of each variant's average against the fp32 one, along fp32 training's trajectory.", "",
         *markdown_table(["variant", "exact steps", "relative error: median", "largest", "largest absolute error"],
                         errors),
         "",
@@ -325,11 +299,8 @@ def _markdown(result: dict[str, Any], variants: list[Variant]) -> str:
         *markdown_table(["variant", "engine settings (defaults filled in)"],
                         [[f"`{v.name}`", format_settings(v.effective_settings()) or "-"] for v in variants], "ll"),
         "", *_loss_tables(s, names), "", *_cost_tables(s, names),
-        "", "Bytes are the CommTimer's median per measured step (after its 5 warm-up steps), so an algorithm "
-        "that averages exactly for its first steps (PowerSGD's `start_iter`) is counted at its compressed "
-        "steps once those are the majority. Step times come from single runs on a small CPU machine (about "
-        "+-20 % noise): read them as indicative only; the benchmark sweep measures speed with repeats and "
-        "intervals.", "", "![loss curves and gradient error](loss_curves.png)", "",
+        "", "How to read these tables (exact steps, bytes, step-time noise): docs/benchmarks.md, \"Compression "
+        "benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", "",
     ]
     return "\n".join(lines)
 

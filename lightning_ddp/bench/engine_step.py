@@ -52,10 +52,8 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     name, size = parse_variant(variant)
     if name == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
-    algorithm = catalogue.get(name)
-    if size is None:
-        return algorithm.make_engine(model)
-    return algorithm.make_engine(model, bucket_size_mb=None if size == "none" else size)
+    bucket = {} if size is None else {"bucket_size_mb": None if size == "none" else size}
+    return catalogue.get(name).make_engine(model, **bucket)
 
 
 def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: str) -> None:

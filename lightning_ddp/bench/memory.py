@@ -1,8 +1,6 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family (DDP, ZeRO-1 under both schedules, ZeRO-2, FSDP2) beside ``lightning_ddp.memory``'s analytic
-figures, each mode in fresh ranks without Lightning. The configuration and the measurement; ``memory_report`` the
-summary and the report; docs/benchmarks.md the recipe.
-"""
+data-parallel family beside ``lightning_ddp.memory``'s analytic figures (the measurement; ``memory_report`` the
+report; docs/benchmarks.md the recipe)."""
 
 from __future__ import annotations
 
@@ -104,11 +102,7 @@ class MemoryBenchConfig:
 
 
 def resolved_backend(config: MemoryBenchConfig) -> str:
-    """The configured backend, or the default: NCCL on CUDA, gloo on CPU."""
     return config.backend or ("nccl" if config.accelerator == "cuda" else "gloo")
-
-
-# ---- one rank -----------------------------------------------------------------------------------------
 
 
 def _current_rss_bytes() -> int | None:
@@ -342,18 +336,6 @@ def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig,
         dist.destroy_process_group()
 
 
-# ---- the results ----------------------------------------------------------------------------------------
-
-
-def _environment(config: MemoryBenchConfig) -> dict[str, Any]:
-    """What results.json records beside the numbers: the study's provenance, the device, CPUs and backend."""
-    cuda = config.accelerator == "cuda" and torch.cuda.is_available()
-    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
-    return provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
-                      cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
-                      world_size=config.devices)
-
-
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
     """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
@@ -367,7 +349,13 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     for modes in batches:
         per_rank = spawn_ranks(_rank_main, config.devices, config, modes)  # [rank][mode index] -> one rank's result
         per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
-    results = {"config": asdict(config), "environment": _environment(config),
+    cuda = config.accelerator == "cuda" and torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
+    # results.json's environment: the study's provenance, the device, CPUs and backend
+    environment = provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
+                             cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
+                             world_size=config.devices)
+    results = {"config": asdict(config), "environment": environment,
                "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
                                         seed=config.seed)}
     results["family"] = family_summary(results)
@@ -385,7 +373,6 @@ def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
-    """The ``MemoryBenchConfig`` of a command line (``--config FILE`` and/or one flag per field)."""
     from lightning_ddp.command_line import parse_dataclass
 
     return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")

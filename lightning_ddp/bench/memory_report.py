@@ -49,15 +49,7 @@ PLOT_NAME = "memory_vs_step_time.png"
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md).
-
-    >>> [sent_bytes_per_rank(1000, 2, mode) for mode in ("unsharded", "allreduce_broadcast", "reduce_scatter")]
-    [1000.0, 1500.0, 1000.0]
-    >>> sent_bytes_per_rank(1000, 2, "zero2")  # ZeRO-2: the reduce-scatter's volume, in backward, + the all-gather
-    1000.0
-    >>> sent_bytes_per_rank(1000, 2, "fsdp2")  # FSDP2: two all-gathers (forward, backward) + one reduce-scatter
-    1500.0
-    """
+    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md)."""
     n = world_size
     all_reduce = 2 * (n - 1) / n * param_bytes
     one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
@@ -75,10 +67,8 @@ def summarise_modes(
     modes: Sequence[str], world_size: int, per_mode: list[list[dict[str, Any]]], warmup_steps: int = 1,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """Per mode (``per_mode[m][r]``: rank ``r``'s result in mode ``modes[m]``): its ranks, each with what every
-    snapshot should hold (``expected_at``), its measured ``peak`` and the tensors' ``expected_peak``; the step time
-    after ``warmup_steps`` (median and 95 % interval, ``step_ms``), whether every snapshot equals the expectation,
-    and the bytes each rank sends (``sent_bytes_per_rank``)."""
+    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``modes[m]``); docs/benchmarks.md
+    lists what it holds."""
     summaries = []
     for mode, ranks in zip(modes, per_mode):
         matches = True
@@ -177,8 +167,6 @@ def _interval(value: dict[str, float] | None, fmt: str) -> str:
 def _family_lines(results: dict[str, Any]) -> list[str]:
     config = results["config"]
     family = results.get("family") or family_summary(results)
-    cuda = config["accelerator"] == "cuda"
-    peak = "max allocated, activations included" if cuda else "peak process RSS, interpreter included"
     rows = [[row["label"], *(f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
                              for k in ("parameters", "gradients", "optimizer_state", "peak")),
              _interval(row["step_ms"], ",.1f"), _interval(row.get("step_ratio_to_zero1"), ".3f")]
@@ -195,10 +183,8 @@ def _family_lines(results: dict[str, Any]) -> list[str]:
     return [
         "## The data-parallel family",
         "",
-        f"Per rank (the most loaded rank), MiB: measured (expected). Peak: {peak}; its expected figure is our "
-        "tensors at their most (a lower bound: ZeRO-2's buckets in flight, FSDP2's largest unsharded group, no "
-        f"activations). Step: median ms over steps {config.get('warmup_steps', 1) + 1}..{config['steps']} (max over "
-        "ranks) [95 % interval over those steps]; ratio to ZeRO-1 (reduce-scatter) the same way.",
+        f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
+        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
         "",
         *markdown_table(["mode", "parameters", "gradients", "optimizer state", "peak", "step ms",
                          "step / ZeRO-1 (reduce-scatter)"], rows),
@@ -276,25 +262,14 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
 def format_report(results: dict[str, Any]) -> str:
     """``results.md``: a summary table across modes, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
-    cuda = config["accelerator"] == "cuda"
     lines = [
         f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
         f"{config['accelerator']}",
         "",
         f"torch {env['torch']}, {env['device']}, {env['cpu_count']} CPUs, backend {env['backend']}; batch "
         f"{config['batch_size']} x {config['seq_len']} tokens per rank, {config['steps']} steps per mode, engine "
-        f"{config['grad_sync']}. Bytes are MiB (2^20). `tensors` = parameters + gradients + optimizer state, summed "
-        "over the tensors themselves; `expected` is the analytic figure (see `lightning_ddp.bench.memory`); "
-        + ("`rest` = `torch.cuda.memory_allocated()` minus our tensors on the GPU." if cuda else
-           "`rest` = process RSS minus our tensors (a secondary figure: interpreter, libraries, activations, "
-           "communication buffers, allocator caches"
-           + ("; each mode runs in fresh processes)." if config["separate_processes"] else
-              "; the modes share processes, so memory freed by an earlier mode can stay in a later one's RSS).")),
-        "",
-        "`recorded comm` sums the input sizes of the step's collectives in the `SyncRecord` (a reduce-scatter's "
-        "input is the whole buffer, a broadcast counts on every rank); `sent per rank` is the bandwidth-optimal "
-        "volume each rank sends (ring model, docs/algorithms.md); FSDP2's collectives are torch's, not "
-        "recorded.",
+        f"{config['grad_sync']}, each mode in {'fresh' if config['separate_processes'] else 'shared'} processes. "
+        "Bytes are MiB (2^20); the columns are defined in docs/benchmarks.md, \"Reading the memory report\".",
         "",
         *_family_lines(results),
         "",

@@ -88,9 +88,6 @@ class StragglerBenchConfig:
             raise ValueError(f"slow_rank must be a rank >= 0, got {self.slow_rank}; e.g. --slow_rank 1")
 
 
-# ---- one run ---------------------------------------------------------------------------------------------
-
-
 def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
     arguments = ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
                  "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
@@ -99,9 +96,6 @@ def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float)
         arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
                       str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
     return arguments
-
-
-# ---- statistics: the straggler plug-in ---------------------------------------------------------------------
 
 
 def _goal_within(value: Estimate, lo: float, hi: float) -> str:
@@ -151,9 +145,6 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
     return {column: row[column] for column in COLUMNS}
 
 
-# ---- the report ------------------------------------------------------------------------------------------
-
-
 def _table_row(row: dict[str, Any]) -> list[str]:
     share = row["straggler_share"]
     return [row["strategy"], f"{row['delay_ms']:g}",
@@ -177,11 +168,9 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
         "",
         *markdown_table(header, map(_table_row, rows), "lrrrrrrrlll"),
         "",
-        f"Goals: with a delay, the median `comm/wait_ms` within +-{config.tolerance_ms:g} ms of it (met when its whole "
-        f"interval is), `straggler/rank` = {config.slow_rank} in >= {config.straggler_share:.0%} of the steps, and the "
-        "median `comm/transfer_ms` inside the same strategy's no-delay interval; without one, the median "
-        f"`comm/wait_ms` below {config.idle_wait_ms:g} ms (met when its whole interval is). The straggler share at "
-        "delay 0 is whichever rank happened to be last: nothing to meet.",
+        f"Goals (docs/benchmarks.md, \"Straggler benchmark\"): wait within +-{config.tolerance_ms:g} ms of the delay, "
+        f"straggler named in >= {config.straggler_share:.0%} of the steps, transfer inside the no-delay interval; "
+        f"without a delay, wait below {config.idle_wait_ms:g} ms.",
         "",
         f"Command: `{command}`",
         "",
@@ -217,18 +206,14 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, 
     return rows
 
 
-def _parsed(row: dict[str, str]) -> dict[str, Any]:
-    """A results.csv row with its numbers as numbers (empty: NaN) and its verdicts as text."""
-    text = ("strategy", "wait_goal", "straggler_goal", "transfer_goal")
-    return {key: value if key in text else float(value) if value != "" else math.nan for key, value in row.items()}
-
-
 def write_report(config: StragglerBenchConfig) -> list[dict[str, Any]]:
     """results.md rebuilt from ``config.out_dir``'s results.csv and environment.json (nothing measured)."""
     out = Path(config.out_dir)
     recorded = read_json(out / "environment.json")
     settings = {**recorded["config"], "report_only": False}
-    rows = [_parsed(row) for row in read_csv(out / "results.csv")]
+    text = ("strategy", "wait_goal", "straggler_goal", "transfer_goal")  # the rest are numbers (empty: NaN)
+    rows = [{key: value if key in text else float(value) if value != "" else math.nan for key, value in row.items()}
+            for row in read_csv(out / "results.csv")]
     write_outputs(out, {"results.md": render_markdown(StragglerBenchConfig(**settings), rows,
                                                       recorded["command_line"])})
     return rows

@@ -65,11 +65,6 @@ def arms(sampled_every: int) -> dict[str, list[str]]:
     }
 
 
-def _wall_times(log_dir: Path) -> dict:
-    """The timer-overhead plug-in: what ``StepWallTimes`` wrote for one run."""
-    return json.loads((log_dir / StepWallTimes.FILE).read_text())
-
-
 def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str],
             sampled_every: int = SAMPLED_EVERY) -> dict:
     """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) and the settings."""
@@ -80,7 +75,7 @@ def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str]
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
     ] for arm, timer_args in arms(sampled_every).items()}
-    logs = run_study(cells, repeats, _wall_times)
+    logs = run_study(cells, repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()))
     measured = {arm: logs[f"timer {arm}"] for arm in arms(sampled_every)}
     runs = {arm: [m["steps_ms"][warmup:] for m in runs] for arm, runs in measured.items()}  # measured steps
     windows = {arm: [m["window_ms"] / len(m["steps_ms"]) for m in runs] for arm, runs in measured.items()}
@@ -110,7 +105,7 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
             "overhead_hi": ratio.hi - 1, "verdict": verdict(ratio, 1 + GOAL), "window_mean_step_ms": mean_on,
             "window_overhead": mean_on / mean_off - 1, "steps_measured": sum(map(len, runs[arm])),
         }
-    every = per_arm.get(EVERY_STEP) or next(v for k, v in per_arm.items() if k != "off")
+    every = per_arm[EVERY_STEP]
     return {
         "median_step_ms_timer_off": off, "median_step_ms_timer_on": every["median_step_ms"],
         "overhead": every["overhead"], "overhead_lo": every["overhead_lo"], "overhead_hi": every["overhead_hi"],

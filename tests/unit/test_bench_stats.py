@@ -182,6 +182,7 @@ def test_compression_variants_are_registered_lossy_algorithms_with_their_engine_
     variant = parse_variant("bucketed_powersgd_ddp:rank=4,start_iter=10")
     assert (variant.algorithm, variant.settings, variant.key) == (
         "bucketed_powersgd_ddp", {"rank": 4, "start_iter": 10}, "bucketed_powersgd_ddp-rank4-start_iter10")
+    assert variant.name == "bucketed_powersgd_ddp rank=4 start_iter=10"
     assert variant.effective_settings() == {"rank": 4, "start_iter": 10, "min_compression_rate": 2.0, "seed": 0}
     with pytest.raises(ValueError, match="'bucketed_ddp' is not a lossy engine"):
         parse_variant("bucketed_ddp")

@@ -49,6 +49,9 @@ def test_sent_bytes_follow_the_ring_model() -> None:
     assert sent_bytes_per_rank(400, 4, "unsharded") == 600
     assert sent_bytes_per_rank(400, 4, "allreduce_broadcast") == 900
     assert sent_bytes_per_rank(400, 4, "reduce_scatter") == 600
+    # ZeRO-2: the reduce-scatter's volume in backward + the all-gather; FSDP2: two all-gathers + one reduce-scatter
+    assert sent_bytes_per_rank(1000, 2, "zero2") == 1000
+    assert sent_bytes_per_rank(1000, 2, "fsdp2") == 1500
 
 
 @pytest.mark.parametrize("path", MEMORY_CONFIGS, ids=lambda p: p.name)
