@@ -25,7 +25,10 @@ PROJECTION_ERROR = 0.099
 validation (``calibrated_error`` of benchmarks/results/projection/cpu_sweep_validation.csv; a test recomputes it)."""
 
 STRAGGLER_SHARE = 0.5
-"""A straggler is named when waiting for the slowest rank is more than this share of the exposed time."""
+"""A straggler is named when waiting for the slowest rank is more than this share of the exposed time ..."""
+
+STRAGGLER_STEP_SHARE = 0.05
+"""... and more than this share of the step: a few ms of jitter behind a well-hidden sync is no straggler."""
 
 MEMORY_NEAR = 0.8
 """Sharding is priced when the run's peak memory is above this share of the device's."""
@@ -163,7 +166,7 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
                        "keep: no exact alternative is predicted faster beyond its interval")
     exposed, wait = run.medians.get("comm/exposed_ms") or 0.0, run.medians.get("comm/wait_ms") or 0.0
     rank = run.straggler_rank()
-    if exposed > 0 and wait > STRAGGLER_SHARE * exposed and rank is not None:
+    if wait > STRAGGLER_SHARE * exposed and wait > STRAGGLER_STEP_SHARE * run.step_ms and rank is not None:
         verdict.update(action="straggler", straggler={"rank": rank, "wait_ms": wait, "exposed_ms": exposed})
         verdict["text"] = (f"straggler: rank {rank} makes the others wait {wait:.1f} of {exposed:.1f} exposed ms; "
                            "no strategy fixes a straggler: find what slows that rank")
