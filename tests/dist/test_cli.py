@@ -110,6 +110,7 @@ def test_quickstart_trains_on_two_processes_and_logs_loss(tmp_path: Path) -> Non
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # a fit on real text: learning, not a strategy's correctness (the fp64 matrix is)
 def test_text_bytes_loss_goes_down(tmp_path: Path) -> None:
     # Raw bytes of this repo's README: vocab 256, no tokenizer. Starting loss is about ln(256) = 5.5; a tiny model
     # learns byte statistics within a few dozen steps, so the last losses must be far below the first.

@@ -47,6 +47,7 @@ def traces(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # a traced fit per strategy: the traces' end-to-end run, in the slow tier (`pytest -m slow`)
 def test_one_parseable_trace_per_rank_with_ranges_and_communication(traces: dict[str, Path]) -> None:
     for name, trace_dir in traces.items():
         files = sorted(trace_dir.glob("*.pt.trace.json"))

@@ -17,6 +17,7 @@ FAST = ("--model.context_length", "32", "--data.seq_len", "32", "--data.batch_si
         "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--timer.warmup_steps", "2")
 
 
+@pytest.mark.slow  # two fits for the dashboards' end-to-end run, in the slow tier (`pytest -m slow`)
 def test_two_strategies_get_one_layout_and_a_table_that_tells_them_apart(tmp_path: Path) -> None:
     strategies = ("naive_ddp", "bucketed_ddp")
     for strategy in strategies:  # one logger folder; an unnamed run is named by its strategy (logs/naive_ddp/...)
