@@ -163,6 +163,7 @@ def _eval_metrics(tmp_path: Path, name: str, subcommand: str, *args: str) -> dic
     return scalars
 
 
+@pytest.mark.slow  # evaluation, not a strategy's correctness (~20 s); the validate subcommand stays in the default
 @pytest.mark.multiprocess
 def test_validate_on_two_ranks_averages_over_both_shards(tmp_path: Path) -> None:
     # 10 held-out walks: on 2 ranks each evaluates 5 (batches of 2, 2, 1); the mean over both shards must equal one
@@ -177,6 +178,7 @@ def test_validate_on_two_ranks_averages_over_both_shards(tmp_path: Path) -> None
     assert two["val/ppl"][0][1] == pytest.approx(math.exp(loss_two), rel=1e-4)
 
 
+@pytest.mark.slow  # evaluation, not a strategy's correctness (~15 s)
 @pytest.mark.multiprocess
 def test_test_subcommand_reports_test_loss_on_two_ranks(tmp_path: Path) -> None:
     scalars = _eval_metrics(tmp_path, "test", "test", "--data.test_samples", "8")

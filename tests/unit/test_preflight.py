@@ -29,6 +29,7 @@ def _parse(*args: str) -> LightningDDPCLI:
     return LightningDDPCLI(LitGPT, LMDataModule, args=["--config", QUICKSTART, *args], run=False)
 
 
+@pytest.mark.slow  # a 20-second threshold on a subprocess: noisy on a loaded machine
 def test_xl_on_the_quickstart_is_refused_fast_with_one_message_and_writes_nothing(tmp_path: Path) -> None:
     # A new user's first try at the xl preset on a CPU machine: 2 processes of ~31 GiB each (fp32 weights,
     # gradients and AdamW state of 2.0 B parameters alone are 7.4 + 7.4 + 14.9 GiB) cannot fit in any CPU host
