@@ -8,20 +8,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = [
-    "CPU_FP32_TFLOPS_PER_CORE",
-    "DEVICES",
-    "DTYPES",
-    "DeviceSpec",
-    "MIG_COMPUTE_SLICES",
-    "compute_share",
-    "dense_peak_flops",
-    "find_device",
-    "get_device",
-    "job_peak_flops",
-    "mig_profile",
-]
-
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 """The compute dtypes with a peak in the table."""
 

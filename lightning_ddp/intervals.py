@@ -10,8 +10,6 @@ from typing import Iterable
 
 Interval = tuple[float, float]
 
-__all__ = ["Interval", "intersect", "merge", "overlap_length", "subtract", "total"]
-
 
 def merge(intervals: Iterable[Interval]) -> list[Interval]:
     """The union as sorted, disjoint intervals; touching intervals join, empty ones vanish."""

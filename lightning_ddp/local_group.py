@@ -9,8 +9,6 @@ import socket
 import sys
 from datetime import timedelta
 
-__all__ = ["cores_per_rank", "find_free_port", "init_cpu_process_group", "init_local_process_group"]
-
 
 def find_free_port() -> int:
     """A localhost TCP port that was free a moment ago (the OS picks it when binding port 0)."""

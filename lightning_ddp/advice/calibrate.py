@@ -17,8 +17,6 @@ from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS
 from lightning_ddp.projection.simulators import StepModel
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth
 
-__all__ = ["FittedComm", "Run", "RunError", "fit_calls", "read_run", "step_model"]
-
 RERUN = "re-run the fit with this version of lightning_ddp (its CommTimer writes what advise reads)"
 
 

@@ -15,8 +15,6 @@ from lightning_ddp.projection.sweep import best_by_world_size, project
 from lightning_ddp.projection.memory import state_bytes
 from lightning_ddp.sync.bucket_model import optimal_bucket_bytes
 
-__all__ = ["BUCKET_SIZES_MB", "PROJECTION_ERROR", "advise", "calibrated_error", "fit_arguments"]
-
 BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)
 """Bucket sizes tried for every strategy that takes one, besides ``auto``."""
 

@@ -8,8 +8,6 @@ from typing import Any
 from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically, write_json_atomically
 
-__all__ = ["render_markdown", "write_advice"]
-
 SHOWN = 12
 """Rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)."""
 
