@@ -30,29 +30,20 @@ CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
 CPU_OVERHEAD_BYTES = int(0.5 * GiB)
 """Fixed per-process cost on CPU (``docs/memory.md``, "Overhead")."""
 
-# Bytes saved for backward per token by one Block: (a, b, c) in a·d_model + b·d_ff + c, by activation regime;
-# measured and fitted as docs/memory.md says, re-measured by tests/unit/test_memory.py.
-_BLOCK_SAVED_BYTES: dict[str, tuple[int, int, int]] = {
-    "fp32": (44, 16, 100),
-    "autocast": (36, 8, 100),
-    "half": (26, 8, 100),
-}
-
-
 class _Precision(NamedTuple):
     param_bytes: int  # bytes per parameter, gradient and AdamW state element
     autocast: bool  # matmuls run in 2 bytes on 2-byte weight copies (``*-mixed``)
-    activations: str  # key of ``_BLOCK_SAVED_BYTES``
-    activation_scale: int = 1  # multiplier of the measured fp32 formula (2 for fp64)
+    block_saved: tuple[int, int, int]  # bytes one Block saves for backward per token: a·d_model + b·d_ff + c
 
 
+# block_saved: measured and fitted as docs/memory.md says, re-measured by tests/unit/test_memory.py (fp64: 2 x fp32)
 _PRECISIONS: dict[str, _Precision] = {
-    "32-true": _Precision(4, False, "fp32"),
-    "bf16-mixed": _Precision(4, True, "autocast"),
-    "16-mixed": _Precision(4, True, "autocast"),
-    "bf16-true": _Precision(2, False, "half"),
-    "16-true": _Precision(2, False, "half"),
-    "64-true": _Precision(8, False, "fp32", 2),
+    "32-true": _Precision(4, False, (44, 16, 100)),
+    "bf16-mixed": _Precision(4, True, (36, 8, 100)),
+    "16-mixed": _Precision(4, True, (36, 8, 100)),
+    "bf16-true": _Precision(2, False, (26, 8, 100)),
+    "16-true": _Precision(2, False, (26, 8, 100)),
+    "64-true": _Precision(8, False, (88, 32, 200)),
 }
 # Lightning's short names for the same settings.
 _PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true", "None": "32-true"}
@@ -196,9 +187,8 @@ def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-tru
     >>> activation_bytes_per_token(1600, 6400, "bf16-mixed")
     108900
     """
-    spec = _PRECISIONS[normalize_precision(precision)]
-    a, b, c = _BLOCK_SAVED_BYTES[spec.activations]
-    return spec.activation_scale * (a * d_model + b * d_ff + c)
+    a, b, c = _PRECISIONS[normalize_precision(precision)].block_saved
+    return a * d_model + b * d_ff + c
 
 
 def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> int:
