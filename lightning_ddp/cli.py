@@ -56,12 +56,8 @@ warnings.filterwarnings("ignore", message="Total length of `list` across ranks i
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
-class _DropLightningTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
-
-
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropLightningTips())
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda record: not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:"))
 
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -463,7 +459,5 @@ def main(args: list[str] | None = None) -> LightningDDPCLI:
             save_config_kwargs={"overwrite": True},
             args=args,
         )
-    except MemoryPreflightError as error:
-        # One message, no traceback: the run was refused by design, nothing went wrong in the code.
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except MemoryPreflightError as error:  # refused by design: one message, no traceback
+        refuse(str(error))
