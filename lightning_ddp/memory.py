@@ -302,8 +302,9 @@ def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels
     return weights
 
 
-def _activation_bytes(config: GPTConfig, tokens: int, precision: str, spec: _Precision) -> int:
+def _activation_bytes(config: GPTConfig, tokens: int, precision: str) -> int:
     """Saved for backward: every block, the final norm and the logits (docs/memory.md)."""
+    spec = _PRECISIONS[normalize_precision(precision)]
     per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)
     half_logits = 2 if (spec.autocast or spec.param_bytes == 2) else 0
     outside = 8 * config.d_model + (12 + half_logits) * config.vocab_size
@@ -356,7 +357,7 @@ def estimate_rank_memory(
         "bucket_buffers": buffer_bytes,
         "regrown_gradients": p * viewed,
         "low_precision_weights": 2 * _matmul_weights(config, shapes, numels) if spec.autocast else 0,
-        "activations": _activation_bytes(config, batch_size * seq_len, precision, spec),
+        "activations": _activation_bytes(config, batch_size * seq_len, precision),
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
     step_phase = ("gradients", "regrown_gradients") + (() if buffers.persistent else ("bucket_buffers",))
@@ -372,7 +373,6 @@ def estimate_rank_memory(
 
 def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024, **estimate_kwargs: Any) -> int:
     """The largest ``batch_size`` <= ``max_batch`` whose estimate (``estimate_kwargs``) fits; 0 if not even 1 does."""
-    estimate_kwargs.pop("batch_size", None)
 
     def fits(batch: int) -> bool:
         return estimate_rank_memory(config, batch_size=batch, **estimate_kwargs).total_bytes <= budget_bytes
