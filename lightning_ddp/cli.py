@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from jsonargparse import lazy_instance, set_parsing_settings
+from jsonargparse import Namespace, lazy_instance, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
@@ -268,15 +268,6 @@ def check_checkpoint_file(path: str) -> None:
 
 # ---- the memory pre-flight ---------------------------------------------------------------------------------
 
-def _field(namespace: object, name: str, default: object = None) -> object:
-    """``namespace.name`` for a jsonargparse Namespace or a dict, ``default`` when absent."""
-    if namespace is None:
-        return default
-    if isinstance(namespace, dict):
-        return namespace.get(name, default)
-    return getattr(namespace, name, default)
-
-
 def _builds(lightning_class: str, class_path: object) -> bool:
     """``class_path`` names ``lightning_class`` (``package.Class`` or ``package.module.Class``)."""
     package, _, name = lightning_class.rpartition(".")
@@ -288,18 +279,19 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | N
     None if not modelled."""
     if isinstance(strategy, str):
         return strategy, None, None
-    class_path = _field(strategy, "class_path")
-    init_args = _field(strategy, "init_args")
-    bucket = _field(init_args, "bucket_size_mb")
+    if not isinstance(strategy, (dict, Namespace)):  # a Strategy instance
+        return None
+    class_path, init_args = strategy.get("class_path"), strategy.get("init_args") or {}
+    bucket = init_args.get("bucket_size_mb")
     entry = next((e for e in catalogue.STRATEGIES.values() if _builds(e.lightning_class, class_path)), None)
     if entry is None:
         return None
     if entry.is_engine:
-        return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
-    schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
+        return str(init_args.get("algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
+    schedule = init_args.get("schedule", entry.init_args.get("schedule"))
     if schedule is not None and schedule != entry.init_args.get("schedule"):
         # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.
-        return str(_field(init_args, "grad_sync", catalogue.DEFAULT_ENGINE)), bucket, entry.name
+        return str(init_args.get("grad_sync", catalogue.DEFAULT_ENGINE)), bucket, entry.name
     return entry.name, bucket, None
 
 
@@ -371,7 +363,7 @@ def _preflight(config) -> _Preflight | None:
     if local is None or resolved is None:
         return None
     strategy, bucket_size_mb, sharded_by = resolved
-    world_size = local * int(_field(trainer, "num_nodes", 1) or 1)
+    world_size = local * int(trainer.get("num_nodes", 1) or 1)
     kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
                   bucket_size_mb=bucket_size_mb, device_type=device_type)
     return _Preflight(config, device_type, local, world_size, strategy, sharded_by, kwargs)
@@ -422,7 +414,7 @@ def check_memory(config) -> None:
         current = run.estimate()
     except ValueError:
         return  # a value the model, data or strategy will reject with its own message, or one we do not model
-    num_nodes = int(_field(config.trainer, "num_nodes", 1) or 1)
+    num_nodes = int(config.trainer.get("num_nodes", 1) or 1)
     sharing = run.local if run.device_type == "cpu" else _ranks_per_gpu(run.world_size, num_nodes)
     budget = memory_budget_bytes(run.device_type, sharing)
     if current.total_bytes <= budget:
