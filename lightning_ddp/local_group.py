@@ -52,8 +52,3 @@ def init_local_process_group(
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timeout)
 
-
-def init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
-    """Join a gloo group of ``world_size`` processes on this host (the benchmarks' ``mp.spawn`` ranks): each rank
-    gets its share of the cores, and gloo talks over loopback."""
-    init_local_process_group(rank, world_size, port, "gloo", threads=cores_per_rank(world_size))
