@@ -2,7 +2,7 @@ import sys
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["advise"]:  # the study's command: imported only here, never by the product
-        from lightning_ddp.advice.__main__ import main as advise
+        from lightning_ddp.advice import main as advise
 
         sys.exit(advise(sys.argv[2:]))
     from lightning_ddp.cli import main

@@ -30,26 +30,6 @@ GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 DEFAULT_ENGINE = "bucketed_ddp"
 """The engine ``GradSyncStrategy`` and ZeRO-1's ``grad_sync`` run when none is named."""
 
-__all__ = [
-    "BucketSize",
-    "DEFAULT_ENGINE",
-    "Entry",
-    "MEMORY_MODELS",
-    "NOT_SETTINGS",
-    "REQUIRED",
-    "STRATEGIES",
-    "format_bucket",
-    "format_settings",
-    "get",
-    "names",
-    "parse_settings",
-    "register",
-    "setting_combinations",
-    "settings_slug",
-    "variant_label",
-    "variant_strategy",
-]
-
 
 @dataclass(frozen=True)
 class Entry:

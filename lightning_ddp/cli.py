@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from jsonargparse import lazy_instance, set_parsing_settings
+from jsonargparse import Namespace, lazy_instance, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
@@ -56,12 +56,8 @@ warnings.filterwarnings("ignore", message="Total length of `list` across ranks i
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
-class _DropLightningTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
-
-
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropLightningTips())
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda record: not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:"))
 
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -246,9 +242,8 @@ def check_strategy_name(strategy: object) -> None:
 
 def check_cpu_devices(accelerator: object, devices: object) -> None:
     """On CPU each device is a process: more processes than cores only thrash (or hang waiting for a core)."""
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     cores = os.cpu_count() or 1
-    count = _device_count(devices, on_cuda=False) if on_cpu else None
+    count = _device_count(devices, on_cuda=False) if _device_type(accelerator) == "cpu" else None
     if count is not None and count > cores:
         raise ValueError(
             f"--trainer.devices {devices} asks for {count} CPU processes, but this machine has {cores} CPU cores; "
@@ -272,15 +267,6 @@ def check_checkpoint_file(path: str) -> None:
 
 # ---- the memory pre-flight ---------------------------------------------------------------------------------
 
-def _field(namespace: object, name: str, default: object = None) -> object:
-    """``namespace.name`` for a jsonargparse Namespace or a dict, ``default`` when absent."""
-    if namespace is None:
-        return default
-    if isinstance(namespace, dict):
-        return namespace.get(name, default)
-    return getattr(namespace, name, default)
-
-
 def _builds(lightning_class: str, class_path: object) -> bool:
     """``class_path`` names ``lightning_class`` (``package.Class`` or ``package.module.Class``)."""
     package, _, name = lightning_class.rpartition(".")
@@ -292,18 +278,19 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | N
     None if not modelled."""
     if isinstance(strategy, str):
         return strategy, None, None
-    class_path = _field(strategy, "class_path")
-    init_args = _field(strategy, "init_args")
-    bucket = _field(init_args, "bucket_size_mb")
+    if not isinstance(strategy, (dict, Namespace)):  # a Strategy instance
+        return None
+    class_path, init_args = strategy.get("class_path"), strategy.get("init_args") or {}
+    bucket = init_args.get("bucket_size_mb")
     entry = next((e for e in catalogue.STRATEGIES.values() if _builds(e.lightning_class, class_path)), None)
     if entry is None:
         return None
     if entry.is_engine:
-        return str(_field(init_args, "algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
-    schedule = _field(init_args, "schedule", entry.init_args.get("schedule"))
+        return str(init_args.get("algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
+    schedule = init_args.get("schedule", entry.init_args.get("schedule"))
     if schedule is not None and schedule != entry.init_args.get("schedule"):
         # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.
-        return str(_field(init_args, "grad_sync", catalogue.DEFAULT_ENGINE)), bucket, entry.name
+        return str(init_args.get("grad_sync", catalogue.DEFAULT_ENGINE)), bucket, entry.name
     return entry.name, bucket, None
 
 
@@ -364,23 +351,6 @@ class _Preflight:
         return estimate_rank_memory(self.gpt(preset), batch_size=batch_size, shard_optimizer_state=sharded, **args)
 
 
-def _preflight(config) -> _Preflight | None:
-    """The pre-flight's inputs, or None where there is nothing to check against."""
-    trainer, data = config.trainer, config.data
-    device_type = _device_type(trainer.accelerator)
-    if device_type is None:
-        return None
-    local = _device_count(trainer.devices, device_type == "cuda")
-    resolved = _strategy_for_estimate(trainer.strategy)
-    if local is None or resolved is None:
-        return None
-    strategy, bucket_size_mb, sharded_by = resolved
-    world_size = local * int(_field(trainer, "num_nodes", 1) or 1)
-    kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
-                  bucket_size_mb=bucket_size_mb, device_type=device_type)
-    return _Preflight(config, device_type, local, world_size, strategy, sharded_by, kwargs)
-
-
 def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list[str]:
     """Each change that lowers the peak, with the peak it would give; the largest batch that fits first."""
 
@@ -419,23 +389,31 @@ def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list
 def check_memory(config) -> None:
     """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes;
     skipped where there is no model or no budget (another accelerator, an unmodelled strategy or precision)."""
-    run = _preflight(config)
-    if run is None:
-        return
+    trainer, data = config.trainer, config.data
+    device_type = _device_type(trainer.accelerator)
+    local = None if device_type is None else _device_count(trainer.devices, device_type == "cuda")
+    resolved = _strategy_for_estimate(trainer.strategy)
+    if local is None or resolved is None:
+        return  # nothing to check against
+    strategy, bucket_size_mb, sharded_by = resolved
+    num_nodes = int(trainer.get("num_nodes", 1) or 1)
+    world_size = local * num_nodes
+    kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
+                  bucket_size_mb=bucket_size_mb, device_type=device_type)
+    run = _Preflight(config, device_type, local, world_size, strategy, sharded_by, kwargs)
     try:
         current = run.estimate()
     except ValueError:
         return  # a value the model, data or strategy will reject with its own message, or one we do not model
-    num_nodes = int(_field(config.trainer, "num_nodes", 1) or 1)
-    sharing = run.local if run.device_type == "cpu" else _ranks_per_gpu(run.world_size, num_nodes)
-    budget = memory_budget_bytes(run.device_type, sharing)
+    sharing = local if device_type == "cpu" else _ranks_per_gpu(world_size, num_nodes)
+    budget = memory_budget_bytes(device_type, sharing)
     if current.total_bytes <= budget:
         return
-    fixes = _memory_fixes(run, current, budget)
-    if run.device_type == "cuda":
+    if device_type == "cuda":
         source = f"the GPU's {budget * sharing / GiB:.1f} GiB" + (f" / {sharing} ranks on it" if sharing > 1 else "")
     else:
-        source = f"available RAM {budget * run.local / GiB:.1f} GiB / {run.local} processes"
+        source = f"available RAM {budget * local / GiB:.1f} GiB / {local} processes"
+    fixes = _memory_fixes(run, current, budget)
     check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
 
 
@@ -463,7 +441,5 @@ def main(args: list[str] | None = None) -> LightningDDPCLI:
             save_config_kwargs={"overwrite": True},
             args=args,
         )
-    except MemoryPreflightError as error:
-        # One message, no traceback: the run was refused by design, nothing went wrong in the code.
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except MemoryPreflightError as error:  # refused by design: one message, no traceback
+        refuse(str(error))

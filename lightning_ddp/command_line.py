@@ -10,8 +10,6 @@ from __future__ import annotations
 import sys
 from typing import TypeVar
 
-__all__ = ["parse_dataclass"]
-
 T = TypeVar("T")
 
 

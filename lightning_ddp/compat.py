@@ -13,18 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "all_gather_tensor",
-    "compute_dtype",
-    "fsdp2_unsharded_parameters",
-    "is_mock_optimizer",
-    "launched_processes",
-    "profiler_enabled",
-    "reduce_scatter_tensor",
-    "repoint_scheduler",
-    "should_accumulate",
-]
-
 
 # ---- torch ---------------------------------------------------------------------------------------------
 

@@ -12,8 +12,6 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_atomically", "write_json_atomically"]
-
 
 def write_atomically(path: str | os.PathLike, content: str | bytes) -> Path:
     """Write ``content`` (text as UTF-8, or bytes) to ``path`` whole or not at all; returns the path. Missing

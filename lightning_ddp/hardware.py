@@ -8,20 +8,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = [
-    "CPU_FP32_TFLOPS_PER_CORE",
-    "DEVICES",
-    "DTYPES",
-    "DeviceSpec",
-    "MIG_COMPUTE_SLICES",
-    "compute_share",
-    "dense_peak_flops",
-    "find_device",
-    "get_device",
-    "job_peak_flops",
-    "mig_profile",
-]
-
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 """The compute dtypes with a peak in the table."""
 
@@ -100,10 +86,6 @@ DEVICES: dict[str, DeviceSpec] = {
 _MIG = re.compile(r"\bmig\b\s*(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
 
 
-def _words(name: str) -> set[str]:
-    return set(re.split(r"[^a-z0-9]+", name.lower()))
-
-
 def mig_profile(device_name: str) -> tuple[int, int] | None:
     """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` (or ``Cc.Ng.Mgb``) profile; None for a whole device.
 
@@ -123,7 +105,7 @@ def find_device(device_name: str) -> DeviceSpec | None:
     match = _MIG.search(name)
     if match is not None:
         name = name[: match.start()]  # the profile's "10gb" must not match a memory size of the GPU itself
-    words = _words(name)
+    words = set(re.split(r"[^a-z0-9]+", name))
     for spec in DEVICES.values():
         if any(all(word in words for word in pattern) for pattern in spec.patterns):
             return spec

@@ -10,8 +10,6 @@ from typing import Iterable
 
 Interval = tuple[float, float]
 
-__all__ = ["Interval", "intersect", "merge", "overlap_length", "subtract", "total"]
-
 
 def merge(intervals: Iterable[Interval]) -> list[Interval]:
     """The union as sorted, disjoint intervals; touching intervals join, empty ones vanish."""
@@ -34,7 +32,13 @@ def total(intervals: Iterable[Interval]) -> float:
 
 
 def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The intervals covered by both ``a`` and ``b``."""
+    """The intervals covered by both ``a`` and ``b``; ``total`` of them is the length of the overlap.
+
+    >>> total(intersect([(0.0, 10.0)], [(2.0, 3.0), (9.0, 12.0)]))  # [2, 3] and [9, 10]
+    2.0
+    >>> intersect([(0.0, 1.0)], [(1.0, 2.0)])  # touching is not overlapping
+    []
+    """
     a, b = merge(a), merge(b)
     out: list[Interval] = []
     i = j = 0
@@ -47,17 +51,6 @@ def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
         else:
             j += 1
     return out
-
-
-def overlap_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
-    """Length of the intersection of the union of ``a`` with the union of ``b``.
-
-    >>> overlap_length([(0.0, 10.0)], [(2.0, 3.0), (9.0, 12.0)])  # [2, 3] and [9, 10]
-    2.0
-    >>> overlap_length([(0.0, 1.0)], [(1.0, 2.0)])  # touching is not overlapping
-    0.0
-    """
-    return total(intersect(a, b))
 
 
 def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:

@@ -9,8 +9,6 @@ import socket
 import sys
 from datetime import timedelta
 
-__all__ = ["cores_per_rank", "find_free_port", "init_cpu_process_group", "init_local_process_group"]
-
 
 def find_free_port() -> int:
     """A localhost TCP port that was free a moment ago (the OS picks it when binding port 0)."""
@@ -54,8 +52,3 @@ def init_local_process_group(
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timeout)
 
-
-def init_cpu_process_group(rank: int, world_size: int, port: int) -> None:
-    """Join a gloo group of ``world_size`` processes on this host (the benchmarks' ``mp.spawn`` ranks): each rank
-    gets its share of the cores, and gloo talks over loopback."""
-    init_local_process_group(rank, world_size, port, "gloo", threads=cores_per_rank(world_size))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.catalogue import BucketSize
@@ -19,28 +19,10 @@ from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 if TYPE_CHECKING:
     from lightning_ddp.model import GPTConfig
 
-__all__ = [
-    "ADAM_STATE_BYTES_PER_PARAM",
-    "ADAM_STEP_BYTES_PER_TENSOR",
-    "CPU_OVERHEAD_BYTES",
-    "CUDA_OVERHEAD_BYTES",
-    "MemoryEstimate",
-    "MemoryPreflightError",
-    "activation_bytes_per_token",
-    "check_fits",
-    "estimate_rank_memory",
-    "expected_bytes",
-    "largest_batch",
-    "memory_budget_bytes",
-    "normalize_precision",
-    "print_estimate",
-    "saved_tensor_bytes",
-]
-
 MiB = 2**20
 GiB = 2**30
 FP32 = 4
-ADAM_STATE_BYTES_PER_PARAM = 2 * FP32  # exp_avg and exp_avg_sq, in the parameter's dtype (fp32 here)
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype
 ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter (fp32 on the CPU unless capturable/fused)
 
 CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
@@ -48,34 +30,20 @@ CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
 CPU_OVERHEAD_BYTES = int(0.5 * GiB)
 """Fixed per-process cost on CPU (``docs/memory.md``, "Overhead")."""
 
-# Bytes saved for backward per token by one Block: (a, b, c) in a·d_model + b·d_ff + c, by activation regime;
-# measured and fitted as docs/memory.md says, re-measured by tests/unit/test_memory.py.
-_BLOCK_SAVED_BYTES: dict[str, tuple[int, int, int]] = {
-    "fp32": (44, 16, 100),
-    "autocast": (36, 8, 100),
-    "half": (26, 8, 100),
-}
+class _Precision(NamedTuple):
+    param_bytes: int  # bytes per parameter, gradient and AdamW state element
+    autocast: bool  # matmuls run in 2 bytes on 2-byte weight copies (``*-mixed``)
+    block_saved: tuple[int, int, int]  # bytes one Block saves for backward per token: a·d_model + b·d_ff + c
 
 
-@dataclass(frozen=True)
-class _Precision:
-    param_bytes: int
-    """Bytes per parameter, gradient and AdamW state element."""
-    autocast: bool
-    """Matmuls run in 2 bytes on 2-byte weight copies (``*-mixed``)."""
-    activations: str
-    """Key of ``_BLOCK_SAVED_BYTES``."""
-    activation_scale: int = 1
-    """Multiplier of the measured fp32 formula (2 for fp64)."""
-
-
+# block_saved: measured and fitted as docs/memory.md says, re-measured by tests/unit/test_memory.py (fp64: 2 x fp32)
 _PRECISIONS: dict[str, _Precision] = {
-    "32-true": _Precision(4, False, "fp32"),
-    "bf16-mixed": _Precision(4, True, "autocast"),
-    "16-mixed": _Precision(4, True, "autocast"),
-    "bf16-true": _Precision(2, False, "half"),
-    "16-true": _Precision(2, False, "half"),
-    "64-true": _Precision(8, False, "fp32", 2),
+    "32-true": _Precision(4, False, (44, 16, 100)),
+    "bf16-mixed": _Precision(4, True, (36, 8, 100)),
+    "16-mixed": _Precision(4, True, (36, 8, 100)),
+    "bf16-true": _Precision(2, False, (26, 8, 100)),
+    "16-true": _Precision(2, False, (26, 8, 100)),
+    "64-true": _Precision(8, False, (88, 32, 200)),
 }
 # Lightning's short names for the same settings.
 _PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true", "None": "32-true"}
@@ -96,8 +64,11 @@ def normalize_precision(precision: object) -> str:
 # ---- shapes and the analytic expectation -------------------------------------------------------------------
 
 
-def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int) -> dict[str, int]:
-    """Bytes of parameters, gradients and AdamW state one rank holds before (and after) a step, fp32.
+def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int | None,
+                   param_bytes: int = FP32) -> dict[str, int]:
+    """Bytes of parameters, gradients and AdamW state rank ``rank`` holds before (and after) a step; ``rank`` None:
+    the most loaded rank, category by category. The one walk of the memory models: the pre-flight and the
+    benchmark's expectation.
 
     ``mode``: ``unsharded``, a sharded state (``reduce_scatter``: the tensors ``assign_owners`` gives the rank),
     ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor).
@@ -111,15 +82,19 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
     >>> expected_bytes([(3, 2), (4,)], world_size=2, mode="fully_sharded", rank=1)  # rows 2 of (3, 2), 2..3 of (4,)
     {'parameters': 16, 'gradients': 16, 'optimizer_state': 40}
     """
+    p = param_bytes
+    if mode == "fully_sharded":  # this rank's dim-0 rows of every parameter, gradient and moment; rank 0 holds most
+        held = sum(_dim0_rows(shape, world_size, rank or 0) * math.prod(shape[1:]) for shape in shapes)
+        state = ADAM_MOMENTS * p * held + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)
+        return {"parameters": p * held, "gradients": p * held, "optimizer_state": state}
     numels = [math.prod(shape) for shape in shapes]
-    if mode == "fully_sharded":  # fsdp2: this rank's dim-0 rows of every parameter, gradient and moment
-        local = sum(_dim0_rows(shape, world_size, rank) * math.prod(shape[1:]) for shape in shapes)
-        state = ADAM_STATE_BYTES_PER_PARAM * local + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)
-        return {"parameters": FP32 * local, "gradients": FP32 * local, "optimizer_state": state}
-    params = FP32 * sum(numels)
-    state = _adam_state_bytes(numels, FP32, world_size if mode != "unsharded" else 1, rank)
-    grads = FP32 * sum(_owned_numels(numels, FP32, world_size)[rank]) if mode == "zero2" else params
-    return {"parameters": params, "gradients": grads, "optimizer_state": state}
+    per_rank = []
+    for owned in _owned_numels(numels, p, world_size):
+        stated = numels if mode == "unsharded" else owned
+        state = ADAM_MOMENTS * p * sum(stated) + ADAM_STEP_BYTES_PER_TENSOR * len(stated)
+        per_rank.append((p * sum(numels), p * sum(owned if mode == "zero2" else numels), state))
+    values = per_rank[rank] if rank is not None else map(max, zip(*per_rank))
+    return dict(zip(("parameters", "gradients", "optimizer_state"), values))
 
 
 def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
@@ -127,6 +102,14 @@ def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
     rows = shape[0] if shape else 1
     chunk = -(-rows // world_size)
     return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
+
+
+def _owned_numels(numels: Sequence[int], param_bytes: int, world_size: int) -> list[list[int]]:
+    """Per rank, the sizes of the tensors ``assign_owners`` gives it (ZeRO-1's and ZeRO-2's owners)."""
+    if world_size == 1:
+        return [list(numels)]
+    owners = assign_owners([param_bytes * n for n in numels], world_size)
+    return [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
 
 
 def zero2_gradient_peak_bytes(
@@ -138,42 +121,22 @@ def zero2_gradient_peak_bytes(
     >>> zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64)  # 16 + 3 x 64
     208
     """
-    numels = [math.prod(shape) for shape in shapes]
-    shard = FP32 * sum(_owned_numels(numels, FP32, world_size)[rank])
-    bucket = FP32 * sum(numels) if bucket_cap_bytes is None else min(bucket_cap_bytes, FP32 * sum(numels))
-    return shard + (buckets_in_flight + 1) * bucket
+    shard = expected_bytes(shapes, world_size, "zero2", rank)["gradients"]
+    return shard + (buckets_in_flight + 1) * _cap(bucket_cap_bytes, FP32 * sum(math.prod(s) for s in shapes))
 
 
-def _owned_numels(numels: Sequence[int], param_bytes: int, world_size: int) -> list[list[int]]:
-    """Per rank, the sizes of the tensors ``assign_owners`` gives it (ZeRO-1's and ZeRO-2's owners)."""
-    if world_size == 1:
-        return [list(numels)]
-    owners = assign_owners([param_bytes * n for n in numels], world_size)
-    return [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
-
-
-def _adam_state_bytes(numels: Sequence[int], param_bytes: int, world_size: int, rank: int | None) -> int:
-    """AdamW state of rank ``rank`` (None: the most loaded rank) when ``world_size`` ranks shard it."""
-    owned_sets = _owned_numels(numels, param_bytes, world_size)
-    per_rank = [
-        2 * param_bytes * sum(owned) + ADAM_STEP_BYTES_PER_TENSOR * len(owned) for owned in owned_sets
-    ]
-    return max(per_rank) if rank is None else per_rank[rank if world_size > 1 else 0]
+def _cap(cap_bytes: int | None, total_bytes: int) -> int:
+    """A bucket's size: the cap, or every gradient when there is no cap or fewer gradients than the cap."""
+    return total_bytes if cap_bytes is None else min(cap_bytes, total_bytes)
 
 
 # ---- strategies ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Buffers:
-    kind: str
-    """``none``, ``full`` (one buffer the size of all gradients), ``bucketed``, ``zero2`` or ``fully_sharded``."""
-    persistent: bool
-    """Kept across steps."""
-    sharded_state: bool = False
-    """The optimizer state is split over the ranks."""
-    cap_bytes: int | None = None
-    """The bucket cap (None: one bucket)."""
+class _Buffers(NamedTuple):
+    kind: str  # none, full (one buffer the size of all gradients), bucketed, zero2 or fully_sharded
+    persistent: bool  # kept across steps
+    mode: str = "unsharded"  # how ``expected_bytes`` shards the parameters, gradients and state
 
 
 # The buffers of each memory model of the catalogue (``Entry.memory``); the bucket cap is the strategy's.
@@ -183,21 +146,22 @@ _MEMORY_MODELS: dict[str, _Buffers] = {
     "packed": _Buffers("full", False),  # one packed buffer during the sync
     "bucketed": _Buffers("bucketed", True),
     "full_buckets": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
-    "zero1": _Buffers("full", False, sharded_state=True),  # step() packs the gradients to reduce-scatter them
-    "zero2": _Buffers("zero2", False, sharded_state=True),
-    "fully_sharded": _Buffers("fully_sharded", True, sharded_state=True),  # gathered: fsdp2_gathered_bytes
+    "zero1": _Buffers("full", False, "reduce_scatter"),  # step() packs the gradients to reduce-scatter them
+    "zero2": _Buffers("zero2", False, "zero2"),
+    "fully_sharded": _Buffers("fully_sharded", True, "fully_sharded"),
 }
 
 _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
 
 
-def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> _Buffers:
-    """The communication buffers of ``strategy`` (``bucket_size_mb`` None: its default), from its catalogue entry."""
+def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[_Buffers, int | None]:
+    """The communication buffers of ``strategy`` and their cap in bytes (None: one bucket; ``bucket_size_mb``
+    None: the strategy's default), from its catalogue entry."""
     name = strategy
     if name == "auto":
         name = "ddp" if world_size > 1 else "single"
     if name == "single" or name.startswith("single_device"):
-        return _MEMORY_MODELS["none"]
+        return _MEMORY_MODELS["none"], None
     if name in _TORCH_DDP_NAMES or name.startswith("ddp_find_unused_parameters"):
         name = "ddp"
     if name not in catalogue.STRATEGIES:
@@ -210,7 +174,7 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize
     if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
         size = 25.0
     cap = None if size is None else int(float(size) * MiB)
-    return replace(_MEMORY_MODELS[entry.memory], cap_bytes=1 if entry.memory == "per_tensor" else cap)
+    return _MEMORY_MODELS[entry.memory], 1 if entry.memory == "per_tensor" else cap
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
@@ -223,9 +187,8 @@ def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-tru
     >>> activation_bytes_per_token(1600, 6400, "bf16-mixed")
     108900
     """
-    spec = _PRECISIONS[normalize_precision(precision)]
-    a, b, c = _BLOCK_SAVED_BYTES[spec.activations]
-    return spec.activation_scale * (a * d_model + b * d_ff + c)
+    a, b, c = _PRECISIONS[normalize_precision(precision)].block_saved
+    return a * d_model + b * d_ff + c
 
 
 def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> int:
@@ -292,55 +255,43 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def fsdp2_gathered_bytes(config: GPTConfig, param_bytes: int, world_size: int) -> tuple[int, int, int]:
-    """``fsdp2`` on our GPT (one group per ``Block``): bytes of one rank's padded shards, of the parameters gathered
-    at once (the root group and two blocks: computing and prefetched), and of one block unsharded.
-
-    >>> from lightning_ddp.model import get_config
-    >>> shard, gathered, block = fsdp2_gathered_bytes(get_config("tiny"), 4, 2)
-    >>> round(shard / 2**20, 2), round(gathered / 2**20, 2), round(block / 2**20, 2)  # of 13.77 MiB in all
-    (6.89, 11.77, 1.0)
-    """
-    shapes = gpt_parameter_shapes(config)
-    shard = sum(-(-s[0] // world_size) * math.prod(s[1:]) for s in shapes.values() if s)
-    blocks: dict[str, int] = {}
-    root = 0
-    for name, shape in shapes.items():
-        if name.startswith("blocks."):
-            key = name.split(".")[1]
-            blocks[key] = blocks.get(key, 0) + math.prod(shape)
-        else:
-            root += math.prod(shape)
-    block = max(blocks.values(), default=0)
-    return param_bytes * shard, param_bytes * (root + 2 * block), param_bytes * block
-
-
-def _gradients_and_buffers(config: GPTConfig, buffers: _Buffers, numels: Sequence[int], p: int,
-                           world_size: int) -> tuple[int, int, int, int]:
-    """(parameters held, gradient bytes, buffer bytes, scalars whose ``.grad`` is a view into a bucket buffer)."""
-    n_params = sum(numels)
-    viewed = 0
-    buffer_bytes = 0
-    gradient_bytes = p * n_params
-    if buffers.kind == "full":
-        buffer_bytes = p * n_params
-    elif buffers.kind == "zero2":  # sync/zero2.py: the shard, and 2 send buffers + the bucket filling, each <= a cap
-        gradient_bytes = p * max(sum(owned) for owned in _owned_numels(numels, p, world_size))
-        cap = p * n_params if buffers.cap_bytes is None else min(buffers.cap_bytes, p * n_params)
-        buffer_bytes = 3 * cap
-    elif buffers.kind == "fully_sharded":
-        shard, gathered, block = fsdp2_gathered_bytes(config, p, world_size)
-        n_params = shard // p  # every rank holds its dim-0 shard of each tensor: ~Ψ/N (padded)
-        gradient_bytes = shard + block  # the shard, and the block whose unsharded gradient is being reduce-scattered
-        buffer_bytes = gathered
-    elif buffers.kind == "bucketed":
-        buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), buffers.cap_bytes)
+def _buffer_bytes(config: GPTConfig, kind: str, cap: int | None, numels: Sequence[int],
+                  p: int) -> tuple[int, int, int]:
+    """(buffer bytes, gradient bytes beside the rank's own, scalars whose ``.grad`` is a view into a buffer)."""
+    total = p * sum(numels)
+    if kind == "full":
+        return total, 0, 0
+    if kind == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
+        return 3 * _cap(cap, total), 0, 0
+    if kind == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
+        root, block = _fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
+        return p * (root + 2 * block), p * block, 0
+    buffer_bytes = viewed = 0
+    if kind == "bucketed":
+        buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), cap)
         for b, indices in enumerate(buckets):
             if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
                 scalars = sum(numels[i] for i in indices)
                 viewed += scalars
                 buffer_bytes += p * (scalars + int(b == len(buckets) - 1))  # + the missing-gradient sentinel
-    return n_params, gradient_bytes, buffer_bytes, viewed
+    return buffer_bytes, 0, viewed
+
+
+def _fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
+    """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group and of the largest block.
+
+    >>> from lightning_ddp.model import get_config
+    >>> _fsdp2_groups(get_config("tiny"))  # of 3.61M in all
+    (2560128, 262400)
+    """
+    root, blocks = 0, {}
+    for name, shape in gpt_parameter_shapes(config).items():
+        if name.startswith("blocks."):
+            key = name.split(".")[1]
+            blocks[key] = blocks.get(key, 0) + math.prod(shape)
+        else:
+            root += math.prod(shape)
+    return root, max(blocks.values(), default=0)
 
 
 def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels: Sequence[int]) -> int:
@@ -351,8 +302,9 @@ def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels
     return weights
 
 
-def _activation_bytes(config: GPTConfig, tokens: int, precision: str, spec: _Precision) -> int:
+def _activation_bytes(config: GPTConfig, tokens: int, precision: str) -> int:
     """Saved for backward: every block, the final norm and the logits (docs/memory.md)."""
+    spec = _PRECISIONS[normalize_precision(precision)]
     per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)
     half_logits = 2 if (spec.autocast or spec.param_bytes == 2) else 0
     outside = 8 * config.d_model + (12 + half_logits) * config.vocab_size
@@ -394,36 +346,33 @@ def estimate_rank_memory(
     p = spec.param_bytes
     shapes = list(gpt_parameter_shapes(config).values())
     numels = [math.prod(s) for s in shapes]
-    buffers = _strategy_buffers(strategy, world_size, bucket_size_mb)
-    n_params, gradient_bytes, buffer_bytes, viewed = _gradients_and_buffers(config, buffers, numels, p, world_size)
-    if buffers.kind == "fully_sharded":  # AdamW over the dim-0 shards: 2 moments of each, and a step per tensor
-        state = 2 * p * n_params + ADAM_STEP_BYTES_PER_TENSOR * len(numels)
-    else:
-        sharded = buffers.sharded_state or shard_optimizer_state
-        state = _adam_state_bytes(numels, p, world_size if sharded else 1, None)
+    buffers, cap = _strategy_buffers(strategy, world_size, bucket_size_mb)
+    mode = "reduce_scatter" if shard_optimizer_state and buffers.mode == "unsharded" else buffers.mode
+    held = expected_bytes(shapes, world_size, mode, None, p)
+    buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, buffers.kind, cap, numels, p)
     parts = {
-        "parameters": p * n_params,
-        "gradients": gradient_bytes - p * viewed,
-        "optimizer_state": state,
+        "parameters": held["parameters"],
+        "gradients": held["gradients"] + gathered_gradient - p * viewed,
+        "optimizer_state": held["optimizer_state"],
         "bucket_buffers": buffer_bytes,
         "regrown_gradients": p * viewed,
         "low_precision_weights": 2 * _matmul_weights(config, shapes, numels) if spec.autocast else 0,
-        "activations": _activation_bytes(config, batch_size * seq_len, precision, spec),
+        "activations": _activation_bytes(config, batch_size * seq_len, precision),
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
     step_phase = ("gradients", "regrown_gradients") + (() if buffers.persistent else ("bucket_buffers",))
     phases = (("activations", "low_precision_weights"), step_phase)
+    millions = held["parameters"] / p / 1e6
     description = (
-        f"d_model {config.d_model} x {config.n_layers} layers ({n_params / 1e6:,.0f}M parameters), batch "
-        f"{batch_size} x {seq_len} tokens, {normalize_precision(precision)}, {strategy} on {world_size} "
-        f"{device_type} rank{'s' if world_size > 1 else ''}"
+        f"d_model {config.d_model} x {config.n_layers} layers ({millions:,.0f}M parameters), batch {batch_size} x "
+        f"{seq_len} tokens, {normalize_precision(precision)}, {strategy} on {world_size} {device_type} "
+        f"rank{'s' if world_size > 1 else ''}"
     )
     return MemoryEstimate(parts=parts, phases=phases, description=description)
 
 
 def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024, **estimate_kwargs: Any) -> int:
     """The largest ``batch_size`` <= ``max_batch`` whose estimate (``estimate_kwargs``) fits; 0 if not even 1 does."""
-    estimate_kwargs.pop("batch_size", None)
 
     def fits(batch: int) -> bool:
         return estimate_rank_memory(config, batch_size=batch, **estimate_kwargs).total_bytes <= budget_bytes

@@ -18,8 +18,6 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "get_config"]
-
 
 @dataclass(kw_only=True)
 class GPTConfig:

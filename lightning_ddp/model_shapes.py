@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["GPTShape", "gpt_parameter_shapes"]
-
 
 class GPTShape(Protocol):
     """What fixes the parameter shapes: ``lightning_ddp.model.GPTConfig`` or the projection's ``ModelShape``."""

@@ -15,8 +15,6 @@ from typing import Any, Optional
 
 from lightning_ddp.files import write_atomically
 
-__all__ = ["SCHEMA", "ComputeProfile", "ParamTiming", "read_profile", "write_profile"]
-
 SCHEMA = "lightning_ddp.compute_profile/1"
 """The ``schema`` value of version 1; a reader refuses any other."""
 

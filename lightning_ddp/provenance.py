@@ -14,8 +14,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMMIT_VARIABLE", "cpu_model", "git_state", "invocation", "package_version", "repo_relative"]
-
 COMMIT_VARIABLE = "LIGHTNING_DDP_COMMIT"
 """The environment variable that names the commit where the code is a copy without ``.git`` (a GPU machine's)."""
 

@@ -29,7 +29,7 @@ from lightning_ddp.bench.study import (
 )
 from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
 from lightning_ddp.data import TextBytes
-from lightning_ddp.local_group import init_cpu_process_group
+from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.model import GPT, get_config
 
 __all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
@@ -120,7 +120,7 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
 
 def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: list[Variant],
                 result_file: str) -> None:
-    init_cpu_process_group(rank, world, port)
+    init_local_process_group(rank, world, port, threads=cores_per_rank(world))
     try:
         data = TextBytes(args.text, seq_len=args.seq_len)
         config = get_config("tiny", vocab_size=256, context_length=args.seq_len)

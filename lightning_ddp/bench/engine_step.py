@@ -19,7 +19,7 @@ from jsonargparse import ArgumentParser, Namespace
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, ratio_estimate
 from lightning_ddp.bench.study import command_text, provenance, read_json, spawn_ranks, write_outputs
-from lightning_ddp.local_group import init_cpu_process_group
+from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.model import GPT, get_config
 
 __all__ = ["forward_backward", "main", "parse_variant"]
@@ -57,7 +57,7 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: str) -> None:
-    init_cpu_process_group(rank, world, port)
+    init_local_process_group(rank, world, port, threads=cores_per_rank(world))
     try:
         config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
         runs = {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.intervals import Interval, overlap_length, total
+from lightning_ddp.intervals import Interval, intersect, total
 
 if TYPE_CHECKING:  # only for annotations: this module must not import torch
     from lightning_ddp.metrics.straggler import StragglerStats
@@ -232,7 +232,7 @@ def step_metrics(
         exposed_ms, busy_ms = min(exposed_ms, step_ms), min(busy_ms, step_ms)
     nbytes = sum(c.nbytes for c in timing.collectives)
     bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
-    hidden_ms = min(busy_ms, max(0.0, busy_ms - overlap_length(busy, timing.exposed)))
+    hidden_ms = min(busy_ms, max(0.0, busy_ms - total(intersect(busy, timing.exposed))))
     metrics = {
         "step/time_ms": step_ms,
         "comm/exposed_ms": exposed_ms,
@@ -249,7 +249,7 @@ def step_metrics(
     if timing.tokens is not None:
         metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     if straggler is not None:
-        wait_ms = min(overlap_length(straggler.wait, timing.exposed), exposed_ms)
+        wait_ms = min(total(intersect(straggler.wait, timing.exposed)), exposed_ms)
         metrics.update({"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
         if straggler.straggler_rank is not None and straggler.lag_ms is not None:
             metrics["straggler/rank"] = float(straggler.straggler_rank)

@@ -6,8 +6,7 @@ to add one: ``docs/algorithms.md``. The names below load on first use.
 
 from __future__ import annotations
 
-
-from lightning_ddp._lazy import lazy_exports
+import importlib
 
 _HOMES = {
     "GradSyncEngine": "lightning_ddp.sync.base",
@@ -35,4 +34,14 @@ _HOMES = {
     "ZeRO2DDP": "lightning_ddp.sync.zero2",
 }
 __all__ = sorted(_HOMES)
-__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
+
+
+def __getattr__(name: str) -> object:
+    """PEP 562: a name of ``_HOMES`` imported on first use, so importing the package is cheap."""
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

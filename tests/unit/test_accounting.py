@@ -13,7 +13,7 @@ import pytest
 from lightning_ddp.metrics import accounting
 from lightning_ddp.metrics.accounting import METRIC_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.straggler import attribute_wait
-from lightning_ddp.intervals import overlap_length, total
+from lightning_ddp.intervals import intersect, total
 from lightning_ddp.sync.record import Collective, Recorder, SyncRecord
 
 approx = pytest.approx
@@ -37,14 +37,14 @@ def test_total_counts_overlap_once():
     assert total([(0.0, 10.0), (3.0, 4.0)]) == approx(10.0)
 
 
-def test_overlap_length_intersects_the_two_unions():
+def test_the_overlap_intersects_the_two_unions():
     # a = [0, 5] ∪ [8, 12] (a's own overlap is merged first); b = [4, 9] ∪ [11, 20]
     # intersection: [4, 5] (1) + [8, 9] (1) + [11, 12] (1) = 3
     a = [(0.0, 5.0), (1.0, 3.0), (8.0, 12.0)]
     b = [(4.0, 9.0), (11.0, 20.0)]
-    assert overlap_length(a, b) == approx(3.0)
-    assert overlap_length(b, a) == approx(3.0)
-    assert overlap_length(a, []) == 0.0
+    assert total(intersect(a, b)) == approx(3.0)
+    assert total(intersect(b, a)) == approx(3.0)
+    assert total(intersect(a, [])) == 0.0
 
 
 def test_backwards_interval_is_clamped_and_counted_not_an_error():

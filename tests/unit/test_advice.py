@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.advice import PROJECTION_ERROR, RunError, advise, read_run
-from lightning_ddp.advice.__main__ import main
-from lightning_ddp.advice.calibrate import fit_calls
-from lightning_ddp.advice.recommend import calibrated_error
+from lightning_ddp.advice import PROJECTION_ERROR, RunError, advise, calibrated_error, fit_calls, main, read_run
 from lightning_ddp.bench.study import read_csv
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA, call_table, collective_calls
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile

@@ -1,0 +1,404 @@
+"""``python -m lightning_ddp advise RUN_DIR``, optionally ``--world_sizes '[8, 64]' --network nvlink4`` and
+``--device_memory_gib 80``: what to change, predicted from the run's own timer files.
+
+Reads a CommTimer folder (``timing_summary.json`` version 2, ``compute_profile.json``), calibrates the projection
+to it (compute from the profile, ``t = o + S / w`` per collective from the timer's recorded calls), simulates every
+catalogue alternative at the run's world size, scaled so the current strategy matches its measured step, and writes
+``advice.json`` and ``advice.md`` into the folder. A study module: the product never imports it. How each step
+works (calibration, predictions, verdict): docs/advice.md.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning_ddp import catalogue, hardware
+from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.metrics.recording import SUMMARY_SCHEMA
+from lightning_ddp.profile import ComputeProfile, read_profile
+from lightning_ddp.projection.comm import MeasuredFit, get_fabric
+from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS
+from lightning_ddp.projection.memory import state_bytes
+from lightning_ddp.projection.simulators import MiB, StepModel, simulate, simulated_names
+from lightning_ddp.projection.sweep import best_by_world_size, project
+from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
+
+RERUN = "re-run the fit with this version of lightning_ddp (its CommTimer writes what advise reads)"
+
+
+class RunError(ValueError):
+    """RUN_DIR cannot be advised on; the message is the one line the command prints."""
+
+
+@dataclass
+class Run:
+    """What advise needs from a CommTimer folder."""
+
+    path: Path
+    summary: dict[str, Any]
+    profile: ComputeProfile
+    medians: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.summary["run"]
+
+    @property
+    def step_ms(self) -> float:
+        return self.medians["step/time_ms"]
+
+    def straggler_rank(self) -> int | None:
+        """The rank named ``straggler/rank`` in most measured steps."""
+        ranks = [s["straggler/rank"] for s in self.summary["steps"][self.summary["warmup_steps"]:]
+                 if "straggler/rank" in s]
+        return int(Counter(ranks).most_common(1)[0][0]) if ranks else None
+
+
+def read_run(run_dir: str | Path) -> Run:
+    """The run in ``run_dir``; ``RunError`` (one line naming the fix) for a folder advise cannot read."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise RunError(f"{path} is not a folder; pass the folder where the CommTimer wrote timing_summary.json")
+    summary_path, profile_path = path / "timing_summary.json", path / "compute_profile.json"
+    if not summary_path.is_file():
+        raise RunError(f"{path} has no timing_summary.json: not a CommTimer folder (the fit's logger directory, e.g. "
+                       "logs/<strategy>/version_0)")
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RunError(f"{summary_path} is unreadable ({error}); {RERUN}") from None
+    if not isinstance(summary, dict) or summary.get("schema") != SUMMARY_SCHEMA:
+        found = summary.get("schema", "none (version 1)") if isinstance(summary, dict) else "not an object"
+        raise RunError(f"{summary_path} has schema {found}, advise reads {SUMMARY_SCHEMA}: {RERUN}")
+    if not summary["collectives"] or summary["run"].get("world_size", 1) < 2:
+        raise RunError(f"{summary_path} recorded no collectives (one rank, or a strategy whose calls the timer "
+                       "cannot see): nothing to calibrate the network from")
+    try:
+        profile = read_profile(profile_path)
+    except (OSError, ValueError) as error:
+        raise RunError(f"{profile_path}: {error}; {RERUN}") from None
+    medians = {key: value["median"] for key, value in summary["summary"].items()}
+    return Run(path, summary, profile, medians)
+
+
+def fit_calls(calls: list[dict[str, Any]]) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """``{op: (o seconds, w bytes/s)}`` from the recorded calls (each size weighed by its count), and a note per op
+    fitted on one size only."""
+    by_op: dict[str, list[tuple[int, float]]] = {}
+    for call in calls:
+        if call["median_ms"] > 0 and call["bytes"] > 0:
+            by_op.setdefault(call["op"], []).extend([(call["bytes"], call["median_ms"] / 1e3)] * call["count"])
+    fits, notes, single = {}, [], {}
+    for op, points in by_op.items():
+        sizes, times = zip(*points)
+        if len(set(sizes)) >= 2:
+            o, w = fit_latency_bandwidth(sizes, times)
+            if w != float("inf"):
+                fits[op] = (o, w)
+                continue
+        single[op] = (statistics.median(sizes), statistics.median(times))
+    for op, (size, seconds) in single.items():
+        # One size cannot split o from w: keep the overhead of an op that was fitted (else none) and put the rest
+        # of the time on bandwidth (docs/advice.md).
+        o = min((f[0] for f in fits.values()), default=0.0)
+        o = o if o < seconds else 0.0
+        fits[op] = (o, size / (seconds - o))
+        notes.append(f"{op}: one message size ({size / 2**20:.3g} MiB) only; o = {o * 1e3:.3g} ms taken from the "
+                     "other collectives, the rest of its time counted as bandwidth")
+    return fits, notes
+
+
+@dataclass(frozen=True)
+class FittedComm:
+    """The projection's ``CommCost`` from the run's own fits, at the run's world size. An op the run did not issue
+    is priced from the all-reduce fit as a ring does: ``o + S / (2 w)`` for reduce-scatter and all-gather.
+    ``factor`` scales every time (the busy-time calibration)."""
+
+    fits: dict[str, tuple[float, float]]
+    factor: float = 1.0
+
+    def _seconds(self, op: str, nbytes: float, n: int, half: bool = False) -> float:
+        if n <= 1:
+            return 0.0
+        if op in self.fits:
+            o, w = self.fits[op]
+            return self.factor * (o + nbytes / w)
+        o, w = self.fits.get("all_reduce", next(iter(self.fits.values())))
+        return self.factor * (o + nbytes / (2 * w if half else w))
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        return self._seconds("all_reduce", nbytes, n)
+
+    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
+        return self._seconds("reduce_scatter", nbytes, n, half=True)
+
+    def all_gather_s(self, nbytes: float, n: int) -> float:
+        return self._seconds("all_gather", nbytes, n, half=True)
+
+    def broadcast_s(self, nbytes: float, n: int) -> float:
+        return self._seconds("broadcast", nbytes, n)
+
+
+def copy_Bps(run: Run) -> float:
+    """Buffer-copy bandwidth: the device table's memory bandwidth on a GPU, the CPU validation's on a CPU."""
+    spec = hardware.find_device(str(run.info.get("device") or ""))
+    return spec.memory_GBps * 1e9 if spec is not None else CPU_COPY_GBPS * 1e9
+
+
+def step_model(run: Run, comm: Any, world_size: int | None = None) -> StepModel:
+    """The projection's model of one step of ``run``: its compute profile, ``comm``, its backend's contention."""
+    contention = CONTENTION.get(str(run.info.get("backend")), 0.0)
+    return StepModel(run.profile, comm, world_size or run.info["world_size"], copy_Bps(run), contention=contention)
+
+
+# ---- predictions and the verdict ---------------------------------------------------------------------------------
+
+BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)
+"""Bucket sizes tried for every strategy that takes one, besides ``auto``."""
+
+PROJECTION_ERROR = 0.099
+"""Half-width of every interval, relative: the median |error| of self-calibrated predictions in the committed CPU
+validation (``calibrated_error`` of benchmarks/results/projection/cpu_sweep_validation.csv; a test recomputes it)."""
+
+STRAGGLER_SHARE = 0.5
+"""A straggler is named when waiting for the slowest rank is more than this share of the exposed time ..."""
+
+STRAGGLER_STEP_SHARE = 0.05
+"""... and more than this share of the step: a few ms of jitter behind a well-hidden sync is no straggler."""
+
+MEMORY_NEAR = 0.8
+"""Sharding is priced when the run's peak memory is above this share of the device's."""
+
+
+def calibrated_error(rows: Sequence[dict[str, str]]) -> float:
+    """Median |error| of predicting one cell from another of its group scaled to the other's measured step (what
+    advise does): ``(1 + e_b) / (1 + e_a) - 1`` over every ordered pair of the validation's ``step_error``."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["precision"], r["batch_size"], r["context_length"]), []).append(float(r["step_error"]))
+    return statistics.median(abs((1 + b) / (1 + a) - 1) for errors in groups.values()
+                             for i, a in enumerate(errors) for j, b in enumerate(errors) if i != j)
+
+
+def fit_arguments(run: Run, name: str, bucket: float | str | None) -> dict[str, Any]:
+    """How to apply a strategy: ``fit_args`` for our CLI, a YAML fragment, and ``Trainer(strategy=...)``."""
+    value = catalogue.get(name).strategy_argument(bucket_size_mb=bucket)
+    text = json.dumps(value)
+    arguments = ", ".join(f"{k}={v!r}" for k, v in value["init_args"].items())
+    return {"fit_args": ["--trainer.strategy", text] if run.info.get("cli") else [],
+            "yaml": f"trainer:\n  strategy: {text}\n",
+            "python": f"Trainer(strategy={value['class_path']}({arguments}))"}
+
+
+def _candidates(auto_mb: float) -> list[tuple[str, float | str | None, float | None]]:
+    """``(strategy, bucket size as applied, size simulated)`` for every simulated catalogue entry."""
+    out = []
+    for name in simulated_names():
+        if catalogue.get(name).has_bucket_size:
+            out += [(name, size, float(size)) for size in BUCKET_SIZES_MB] + [(name, "auto", auto_mb)]
+        else:
+            out.append((name, None, None))
+    return out
+
+
+def _current_size(run: Run) -> float | None:
+    entry = catalogue.get(run.info["strategy"])
+    size = run.info.get("bucket_size_mb")
+    return (size if size is not None else entry.default_bucket_size_mb) if entry.has_bucket_size else None
+
+
+def _interval(value: float) -> list[float]:
+    return [value * (1 - PROJECTION_ERROR), value * (1 + PROJECTION_ERROR)]
+
+
+def _scales(run: Run, fits: dict, scale: float, world_sizes: Sequence[int], network: str | None) -> dict[str, list]:
+    """The best variants at other world sizes: the all-reduce fit extrapolated, or a fabric preset (not scaled)."""
+    o, w = fits.get("all_reduce", next(iter(fits.values())))
+    comm = get_fabric(network) if network else MeasuredFit(o, w, run.info["world_size"]).fabric()
+    model = step_model(run, comm)
+    factor = 1.0 if network else scale
+    results = project(run.profile, comm, simulated_names(), list(world_sizes), BUCKET_SIZES_MB,
+                      model.copy_bandwidth_Bps, contention=model.contention)
+    out: dict[str, list] = {}
+    for (variant, n), r in sorted(best_by_world_size(results).items(), key=lambda item: item[1].step_ms):
+        out.setdefault(str(n), []).append({"strategy": variant, "bucket_size_mb": r.bucket_size_mb,
+                                           "predicted_step_ms": r.step_ms * factor, "predicted_share": r.comm_share})
+    return out
+
+
+def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None,
+           device_memory_gib: float | None = None) -> dict[str, Any]:
+    """advice.json's document for ``run`` (docs/advice.md defines every field)."""
+    fits, notes = fit_calls(run.summary["collectives"])
+    current, scale, factor = run.info["strategy"], 1.0, 1.0
+    calibrated = current in simulated_names()
+    # first the communication: the current strategy's busy time as measured, less waiting for a late rank
+    busy_ms = (run.medians.get("comm/busy_ms") or 0.0) - (run.medians.get("comm/wait_ms") or 0.0)
+    if calibrated and busy_ms > 0:
+        factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), _current_size(run)).busy_comm_ms
+    model = step_model(run, FittedComm(fits, factor))
+    params = run.profile.params
+    o, w = fits.get("all_reduce", next(iter(fits.values())))
+    auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in params)) / MiB
+    simulated: dict[tuple, Any] = {}
+    not_predicted = []
+    candidates = _candidates(auto_mb)
+    if calibrated and not any(name == current and size_equal(bucket, _current_size(run))
+                              for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
+        candidates.append((current, _current_size(run), _current_size(run)))
+    for name, bucket, size in candidates:
+        try:
+            result = simulate(name, model, size)
+        except ValueError as error:  # e.g. FSDP2's blocks on a model without numbered layers
+            not_predicted.append(f"{name}: {error}")
+            continue
+        result.memory_bytes = state_bytes(result, model)
+        simulated[(name, bucket)] = result
+    if calibrated:  # then the step: every prediction scaled so the current one is the measured step
+        mine = simulate(current, model, _current_size(run))
+        scale = run.step_ms / mine.step_ms
+        current_bytes = state_bytes(mine, model)
+    else:
+        notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
+        current_bytes = None
+    rows = []
+    for (name, bucket), r in simulated.items():
+        entry = catalogue.get(name)
+        predicted = r.step_ms * scale
+        row = {"strategy": name, "settings": {"bucket_size_mb": bucket} if bucket is not None else {},
+               "exact": entry.exact, "sharded": entry.sharded,
+               "current": calibrated and name == current and size_equal(bucket, _current_size(run)),
+               "predicted_step_ms": predicted, "predicted_step_interval": _interval(predicted),
+               "predicted_share": r.comm_share, "gain": run.step_ms / predicted - 1,
+               "gain_interval": [run.step_ms / hi - 1 for hi in _interval(predicted)[::-1]],
+               "memory_GiB": r.memory_bytes / 2**30, **fit_arguments(run, name, bucket)}
+        rows.append(row)
+    rows.sort(key=lambda row: row["predicted_step_ms"])
+    document = {"run": {"path": str(run.path), "strategy": current, "bucket_size_mb": run.info.get("bucket_size_mb"),
+                        "world_size": run.info["world_size"], "backend": run.info.get("backend"),
+                        "cli": bool(run.info.get("cli")), "step_ms": run.step_ms,
+                        "exposed_ms": run.medians.get("comm/exposed_ms"), "share": run.medians.get("comm/share")},
+                "calibration": {"fits": {op: {"overhead_s": f[0], "bandwidth_Bps": f[1]} for op, f in fits.items()},
+                                "comm_factor": factor, "scale": scale,
+                                "contention": model.contention, "auto_bucket_mb": auto_mb,
+                                "projection_error": PROJECTION_ERROR, "notes": notes},
+                "recommendations": rows, "not_predicted": not_predicted,
+                "verdict": _verdict(run, rows, current_bytes, device_memory_gib)}
+    if world_sizes:
+        document["scales"] = _scales(run, fits, scale, world_sizes, network)
+    return document
+
+
+def size_equal(a: float | str | None, b: float | str | None) -> bool:
+    return a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) < 1e-6)
+
+
+def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
+             device_memory_gib: float | None) -> dict[str, Any]:
+    """``action`` (change, keep or straggler), one line saying why, and the straggler and memory findings."""
+    better = [r for r in rows if r["exact"] and not r["current"] and r["predicted_step_interval"][1] < run.step_ms]
+    verdict: dict[str, Any] = {"action": "change" if better else "keep", "top": better[0] if better else None}
+    verdict["text"] = (f"change to {_label(better[0])}: {better[0]['gain']:+.0%} predicted" if better else
+                       "keep: no exact alternative is predicted faster beyond its interval")
+    exposed, wait = run.medians.get("comm/exposed_ms") or 0.0, run.medians.get("comm/wait_ms") or 0.0
+    rank = run.straggler_rank()
+    if wait > STRAGGLER_SHARE * exposed and wait > STRAGGLER_STEP_SHARE * run.step_ms and rank is not None:
+        verdict.update(action="straggler", straggler={"rank": rank, "wait_ms": wait, "exposed_ms": exposed})
+        verdict["text"] = (f"straggler: rank {rank} makes the others wait {wait:.1f} of {exposed:.1f} exposed ms; "
+                           "no strategy fixes a straggler: find what slows that rank")
+    spec = hardware.find_device(str(run.info.get("device") or ""))
+    device_gib = device_memory_gib or (spec.memory_GB * 1e9 / 2**30 if spec is not None else None)
+    peak_gib = (run.medians.get("memory/peak_MiB") or 0.0) / 1024
+    if device_gib and peak_gib >= MEMORY_NEAR * device_gib and current_bytes is not None:
+        saves: dict[str, float] = {}  # per sharded strategy, at its setting that keeps the least
+        for r in rows:
+            if r["sharded"]:
+                saves[r["strategy"]] = max(saves.get(r["strategy"], -1e9), current_bytes / 2**30 - r["memory_GiB"])
+        verdict["memory"] = {"peak_GiB": peak_gib, "device_GiB": device_gib, "sharding_saves_GiB": saves}
+    return verdict
+
+
+def _label(row: dict[str, Any]) -> str:
+    return catalogue.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
+
+
+# ---- advice.md and advice.json -----------------------------------------------------------------------------------
+
+SHOWN = 12
+"""Rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)."""
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    lo, hi = r["predicted_step_interval"]
+    glo, ghi = r["gain_interval"]
+    flags = " ".join(flag for flag, on in (("current", r["current"]), ("lossy", not r["exact"]),
+                                            ("sharded", r["sharded"])) if on)
+    return [_label(r), flags or "-",
+            f"{r['predicted_step_ms']:.1f} [{lo:.1f}, {hi:.1f}]", f"{r['predicted_share']:.1%}",
+            f"{r['gain']:+.0%} [{glo:+.0%}, {ghi:+.0%}]", f"{r['memory_GiB']:.3f}"]
+
+
+def render_markdown(document: dict[str, Any]) -> str:
+    """The verdict, how to apply it, and the best predictions first."""
+    run, calibration, verdict = document["run"], document["calibration"], document["verdict"]
+    lines = [f"# Advice for {run['path']}", "",
+             f"Current: {run['strategy']} on {run['world_size']} ranks ({run['backend']}), step {run['step_ms']:.1f} "
+             f"ms, exposed communication {run['exposed_ms'] or 0:.1f} ms.", "", f"**Verdict: {verdict['text']}.**", ""]
+    top = verdict.get("top")
+    if top is not None and verdict["action"] == "change":
+        applied = " ".join(top["fit_args"][:1] + [f"'{a}'" for a in top["fit_args"][1:]])
+        lines += [f"Apply: `{applied}`" if applied else f"Apply: `{top['python']}`", "",
+                  "```yaml", top["yaml"].rstrip(), "```", ""]
+    for name, saved in verdict.get("memory", {}).get("sharding_saves_GiB", {}).items():
+        lines.append(f"- memory: {name} saves {saved:.2f} GiB per rank")
+    header = "| strategy | | predicted step ms [interval] | exposed share | gain [interval] | state GiB/rank |"
+    lines += [header, "|---|---|---:|---:|---:|---:|"]
+    seen: set[str] = set()
+    shown = [r for r in document["recommendations"]
+             if r["current"] or (r["strategy"] not in seen and not seen.add(r["strategy"]))]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in shown[:SHOWN]]
+    lines += ["", f"Intervals: +-{calibration['projection_error']:.1%} (docs/advice.md). Communication scaled "
+              f"x{calibration['comm_factor']:.3g} to the measured busy time, the step x{calibration['scale']:.3g} "
+              "to the measured step.", *[f"- {note}" for note in calibration["notes"]]]
+    for n, best in document.get("scales", {}).items():
+        lines.append(f"- {n} ranks: " + "; ".join(
+            f"{b['strategy']} {b['predicted_step_ms']:.1f} ms" for b in best[:3]))
+    return "\n".join(lines) + "\n"
+
+
+def write_advice(run_dir: str | Path, document: dict[str, Any]) -> tuple[Path, Path]:
+    """advice.json and advice.md into ``run_dir``, each whole or not at all."""
+    return (write_json_atomically(Path(run_dir) / "advice.json", document, allow_nan=False),
+            write_atomically(Path(run_dir) / "advice.md", render_markdown(document)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Advise on RUN_DIR: print advice.md, write it and advice.json there; a bad folder is one line, exit 2."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m lightning_ddp advise", description=__doc__)
+    parser.add_argument("run_dir", help="the folder where the CommTimer wrote timing_summary.json")
+    parser.add_argument("--world_sizes", type=list[int], default=[], help="also project to these world sizes")
+    parser.add_argument("--network", type=Optional[str], default=None,
+                        help="a fabric preset for --world_sizes (default: the run's all-reduce fit)")
+    parser.add_argument("--device_memory_gib", type=Optional[float], default=None,
+                        help="the device's memory (a CPU run's is not known)")
+    args = parser.parse_args(argv)
+    try:
+        document = advise(read_run(args.run_dir), args.world_sizes, args.network, args.device_memory_gib)
+    except ValueError as error:  # RunError: RUN_DIR; else an option (an unknown --network)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    write_advice(args.run_dir, document)
+    print(render_markdown(document))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
