@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
@@ -25,17 +26,6 @@ from lightning_ddp.projection.simulators import (
 )
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
-NAIVE = "naive DDP write-up: an all-reduce per parameter gradient after backward"
-OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped with backward"
-FLAT = "flat write-up: one all-reduce of all gradients flattened, against one per parameter"
-BUCKETED = "bucketed write-up: overlap in buckets of 1, 10, 100 and 1000 MB"
-SOURCES = (NAIVE, OVERLAP, FLAT, BUCKETED)
-"""The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
-STRATEGIES = tuple(simulated_by(model)[0] for model in
-                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
-"""The published strategies by catalogue name (the entries these algorithms' models simulate), in ``SOURCES`` order."""
-NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
-
 XL_SHAPE = ModelShape.from_preset("xl")
 """The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""
 
@@ -54,52 +44,25 @@ class PublishedRun:
     source: str
 
 
-# Transcribed from the write-ups, in their order; seconds per step. Naive at batch 4, context 512 ran out of
-# memory ("out of memory (skipping this config)", 000) and has no row.
-PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun(NAIVE_DDP, 2, 128, None, 0.7833, 0.4182, 0.5339, NAIVE),
-    PublishedRun(NAIVE_DDP, 2, 256, None, 0.8051, 0.4425, 0.5496, NAIVE),
-    PublishedRun(NAIVE_DDP, 2, 512, None, 0.9033, 0.4576, 0.5066, NAIVE),
-    PublishedRun(NAIVE_DDP, 4, 128, None, 0.7958, 0.4395, 0.5523, NAIVE),
-    PublishedRun(NAIVE_DDP, 4, 256, None, 0.8811, 0.4555, 0.5170, NAIVE),
-    PublishedRun(OVERLAP_DDP, 2, 128, None, 0.7245, 0.2318, 0.3199, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 2, 256, None, 0.7328, 0.1831, 0.2499, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 2, 512, None, 0.7731, 0.1371, 0.1773, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 4, 128, None, 0.7297, 0.2001, 0.2742, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 4, 256, None, 0.7574, 0.1393, 0.1840, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 4, 512, None, 0.9468, 0.1286, 0.1359, OVERLAP),
-    PublishedRun(FLAT_DDP, 2, 128, None, 0.8251, 0.4273, 0.5178, FLAT),
-    PublishedRun(FLAT_DDP, 2, 256, None, 0.7995, 0.4080, 0.5103, FLAT),
-    PublishedRun(FLAT_DDP, 2, 512, None, 0.9150, 0.4227, 0.4619, FLAT),
-    PublishedRun(FLAT_DDP, 4, 128, None, 0.7978, 0.4065, 0.5096, FLAT),
-    PublishedRun(FLAT_DDP, 4, 256, None, 0.8768, 0.4132, 0.4712, FLAT),
-    PublishedRun(FLAT_DDP, 4, 512, None, 1.9628, 0.4029, 0.2053, FLAT),
-    PublishedRun(BUCKETED_DDP, 2, 128, 1, 0.7293, 0.2165, 0.2969, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 128, 10, 0.7290, 0.2146, 0.2944, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 128, 100, 0.7092, 0.1797, 0.2534, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 128, 1000, 0.7124, 0.2009, 0.2821, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 1, 0.7375, 0.1758, 0.2384, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 10, 0.7335, 0.1697, 0.2313, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 100, 0.7191, 0.1283, 0.1784, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 1000, 0.7193, 0.1636, 0.2275, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 1, 0.7870, 0.1283, 0.1630, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 10, 0.7857, 0.1200, 0.1527, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 100, 0.7713, 0.1306, 0.1693, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 1000, 0.7819, 0.1518, 0.1941, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 1, 0.7359, 0.1778, 0.2416, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 10, 0.7367, 0.1779, 0.2414, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 100, 0.7197, 0.1243, 0.1727, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 1000, 0.7136, 0.1529, 0.2143, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 1, 0.7676, 0.1358, 0.1769, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 10, 0.7683, 0.1279, 0.1664, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 100, 0.7603, 0.1103, 0.1450, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 1000, 0.7598, 0.1499, 0.1973, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 1, 0.9690, 0.1328, 0.1370, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 10, 0.9655, 0.1319, 0.1366, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 100, 0.9598, 0.1311, 0.1366, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 1000, 0.9692, 0.1591, 0.1641, BUCKETED),
-)
-"""Every published measurement, one row per printed run, citing its write-up (``SOURCES``)."""
+RUNS_CSV = Path(__file__).resolve().parents[2] / "configs" / "projection" / "published_xl_2gpu_runs.csv"
+"""Every published measurement, one row per printed run (seconds per step), transcribed from the write-ups in their
+order, each citing its write-up by topic. Naive at batch 4, context 512 ran out of memory and has no row."""
+
+
+def read_runs(path: str | Path = RUNS_CSV) -> tuple[PublishedRun, ...]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return tuple(PublishedRun(r["strategy"], int(r["batch_size"]), int(r["seq_len"]),
+                                  float(r["bucket_size_mb"]) if r["bucket_size_mb"] else None, float(r["total_s"]),
+                                  float(r["comm_s"]), float(r["ratio"]), r["source"]) for r in csv.DictReader(f))
+
+
+PUBLISHED_RUNS = read_runs()
+SOURCES = tuple(dict.fromkeys(run.source for run in PUBLISHED_RUNS))
+"""The write-ups the numbers come from, one per strategy (``PublishedRun.source``)."""
+STRATEGIES = tuple(simulated_by(model)[0] for model in
+                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
+"""The published strategies by catalogue name (the entries these algorithms' models simulate)."""
+NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
 
 
 @dataclass(frozen=True)
