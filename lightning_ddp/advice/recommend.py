@@ -10,9 +10,9 @@ from typing import Any, Sequence
 from lightning_ddp import catalogue, hardware
 from lightning_ddp.advice.calibrate import FittedComm, Run, fit_calls, step_model
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
-from lightning_ddp.projection.simulators import MiB, simulate, simulated_names
-from lightning_ddp.projection.sweep import best_by_world_size, project
 from lightning_ddp.projection.memory import state_bytes
+from lightning_ddp.projection.run import project
+from lightning_ddp.projection.simulators import MiB, best_by_world_size, simulate, simulated_names
 from lightning_ddp.sync.bucket_model import optimal_bucket_bytes
 
 __all__ = ["BUCKET_SIZES_MB", "PROJECTION_ERROR", "advise", "calibrated_error", "fit_arguments"]

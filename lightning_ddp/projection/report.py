@@ -14,6 +14,7 @@ from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import contention_of, copy_bandwidth
 from lightning_ddp.projection.simulators import (
     StepResult,
+    best_by_world_size,
     model_settings,
     powersgd_plan,
     simulate_bucketed,
@@ -23,7 +24,6 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     unmodelled_names,
 )
-from lightning_ddp.projection.sweep import best_by_world_size
 from lightning_ddp.projection.tables import markdown_table
 
 NO_COST_TOLERANCE = 0.05

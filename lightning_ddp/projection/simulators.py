@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
@@ -147,7 +147,7 @@ class StepResult:
     contention_ms: float = 0.0
     """Compute time added by contention (compute slowed while collectives run); part of ``exposed_comm_ms``."""
     memory_bytes: Optional[int] = None
-    """Model-state bytes per rank (``projection.memory``); set by ``sweep.project``."""
+    """Model-state bytes per rank (``projection.memory``); set by ``run.project``."""
     buffer_bytes: int = 0
     """Engine state beyond the bucket buffers its memory model counts (bf16's wire copies, PowerSGD's E and Q)."""
 
@@ -179,6 +179,16 @@ class StepResult:
         if self.busy_comm_ms <= 0:
             return 0.0
         return min(1.0, max(0.0, 1.0 - (self.waited_comm_ms - self.copy_ms) / self.busy_comm_ms))
+
+
+def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], StepResult]:
+    """``(StepResult.variant, world size) -> result`` with the shortest step over bucket sizes."""
+    best: dict[tuple[str, int], StepResult] = {}
+    for r in results:
+        key = (r.variant, r.world_size)
+        if key not in best or r.step_ms < best[key].step_ms:
+            best[key] = r
+    return best
 
 
 def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
