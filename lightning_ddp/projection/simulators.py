@@ -688,14 +688,7 @@ def simulator(name: str) -> Callable[..., StepResult]:
             "lightning_ddp/projection/simulators.py) and name it in its catalogue entry's `projection`, or leave it "
             f"out (projected: {', '.join(simulated_names())})")
     module, _, attribute = entry.projection.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"the projection model of {name!r}, {entry.projection!r}, cannot be loaded ({error}); "
-                         "fix `projection` in its catalogue entry: \"package.module:function\"") from None
-    if not callable(function):
-        raise ValueError(f"the projection model of {name!r}, {entry.projection!r}, is not a function")
-    return function
+    return getattr(importlib.import_module(module), attribute)
 
 
 def model_settings(name: str) -> dict[str, Any]:
