@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_BATCH, _mean_squared_log, fit_contention
-from lightning_ddp.projection.published import on_pcie
+from lightning_ddp.projection.published import pcie_rows
 from lightning_ddp.projection.validate import read_sweep, validate_cells
 
 
@@ -32,8 +32,8 @@ def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CP
 
 def fit_nccl() -> float:
     """``s`` for NCCL, fitted on the wait share of the published batch-``FIT_BATCH`` runs on ``pcie_gen4``."""
-    return fit_contention(lambda s: statistics.fmean((c.predicted["pcie_gen4"][2] - c.run.ratio) ** 2
-                                                     for c in on_pcie(s) if c.run.batch_size == FIT_BATCH))
+    return fit_contention(lambda s: statistics.fmean((r["predicted_share"] - r["measured_share"]) ** 2
+                                                     for r in pcie_rows(s) if r["batch_size"] == FIT_BATCH))
 
 
 def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:

@@ -8,12 +8,12 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning_ddp.files import write_atomically
 from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
-from lightning_ddp.projection.contention import CONTENTION, FIT_BATCH
+from lightning_ddp.projection.contention import CONTENTION, contention_lines
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
 from lightning_ddp.projection.simulators import (
     StepModel,
@@ -254,36 +254,13 @@ def _summary_table(comparisons: Sequence[PublishedComparison], labels: list[str]
     return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1))
 
 
-def on_pcie(contention: float) -> list[PublishedComparison]:
-    """The published runs whose compute was not extrapolated, predicted on ``pcie_gen4`` with ``contention``."""
+def pcie_rows(contention: float) -> list[dict[str, Any]]:
+    """The published runs whose compute was not extrapolated as measured rows (as ``validate``'s cells) beside their
+    prediction on ``pcie_gen4`` with ``contention``."""
     comparisons = compare_with_published(contention=contention, links=("pcie_gen4",), published_c=False)
-    return [c for c in comparisons if not c.extrapolated]
-
-
-def published_contention_lines(contention: float) -> list[str]:
-    """Markdown lines: the published runs' share and step errors on ``pcie_gen4`` without and with contention, on
-    all non-extrapolated runs, the fitting subset and the held-out ones."""
-    predicted = {s: on_pcie(s) for s in (0.0, contention)}
-    rows = []
-    for subset, fitting in (("all (batch 4 x 512 left out)", None), (f"fitting subset (batch {FIT_BATCH})", True),
-                            ("held out (batch 4)", False)):
-        for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
-            cells = {s: [c for c in cs if c.run.strategy == strategy
-                         and (fitting is None or (c.run.batch_size == FIT_BATCH) == fitting)]
-                     for s, cs in predicted.items()}
-            share = {s: statistics.fmean(abs(c.predicted["pcie_gen4"][2] - c.run.ratio) for c in v)
-                     for s, v in cells.items()}
-            step = {s: statistics.fmean(c.predicted["pcie_gen4"][0] / (1e3 * c.run.total_s) - 1 for c in v)
-                    for s, v in cells.items()}
-            rows.append([subset, strategy, len(cells[0.0]),
-                         f"{100 * share[0.0]:.1f} -> {100 * share[contention]:.1f} pts",
-                         f"{100 * step[0.0]:+.1f} -> {100 * step[contention]:+.1f} %"])
-    return [
-        "## Contention: compute slowed while collectives run", "",
-        f"NCCL's `s` = {contention:g}, fitted on the batch-{FIT_BATCH} runs; mean errors on `pcie_gen4`, before "
-        "(s = 0) -> after:", "",
-        *markdown_table(["runs", "strategy", "runs", "share error", "step error"], rows, "llrrr"), "",
-    ]
+    return [{"strategy": c.run.strategy, "batch_size": c.run.batch_size, "measured_step_ms": 1e3 * c.run.total_s,
+             "measured_share": c.run.ratio, "predicted_step_ms": c.predicted["pcie_gen4"][0],
+             "predicted_share": c.predicted["pcie_gen4"][2]} for c in comparisons if not c.extrapolated]
 
 
 def write_comparison(out: str | Path, gpu: str = GPU) -> list[Path]:
@@ -302,7 +279,10 @@ def write_comparison(out: str | Path, gpu: str = GPU) -> list[Path]:
             row.update({f"{name}_step_ms": round(step, 2), f"{name}_exposed_ms": round(exposed, 2),
                         f"{name}_share": round(share, 4)})
         rows.append(row)
-    markdown = published_markdown(comparisons, gpu) + "\n" + "\n".join(published_contention_lines(CONTENTION["nccl"]))
+    s = CONTENTION["nccl"]
+    markdown = published_markdown(comparisons, gpu) + "\n" + "\n".join(contention_lines(
+        "NCCL", s, "runs' wait shares on `pcie_gen4`; batch 4 x context 512 left out", pcie_rows(0.0), pcie_rows(s),
+        ["mean \\|share error\\|", "mean step error"], by_strategy=True))
     columns = list(dict.fromkeys(k for row in rows for k in row))  # the runs' fields, then each fabric's three
     return [write_atomically(Path(out) / "published_xl_2gpu.md", markdown),
             write_atomically(Path(out) / "published_xl_2gpu.csv", csv_text(rows, columns))]
