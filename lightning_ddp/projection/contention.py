@@ -79,7 +79,7 @@ METRICS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
 def contention_lines(backend: str, s: float, fitted_on: str, before: Sequence[dict[str, Any]],
                      after: Sequence[dict[str, Any]], metrics: Sequence[str], by_strategy: bool) -> list[str]:
     """Markdown: ``metrics`` of the rows predicted without contention (``before``) -> with ``s`` (``after``, the same
-    rows in the same order), on all rows, the fitting subset and the held-out rows (per strategy if ``by_strategy``)."""
+    rows in the same order) on all rows, the fitting subset and the held-out rows (per strategy if ``by_strategy``)."""
     rows = []
     for subset, keep in (("all", lambda r: True), (f"fitting subset (batch {FIT_BATCH})",
                                                   lambda r: r["batch_size"] == FIT_BATCH),

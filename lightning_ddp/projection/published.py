@@ -243,7 +243,8 @@ def _summary_table(comparisons: Sequence[PublishedComparison], labels: list[str]
         if not cs:
             continue
         cells = [strategy, f"{_mean([1e3 * c.run.total_s for c in cs]):.0f} ms",
-                 f"{_mean([1e3 * c.run.comm_s for c in cs]):.0f} ms", f"{100 * _mean([c.run.ratio for c in cs]):.1f} %"]
+                 f"{_mean([1e3 * c.run.comm_s for c in cs]):.0f} ms",
+                 f"{100 * _mean([c.run.ratio for c in cs]):.1f} %"]
         for label in labels:
             cells += [f"{_mean([c.predicted[label][0] for c in cs]):.0f} ms",
                       f"{100 * _mean([c.predicted[label][2] for c in cs]):.1f} %"]
