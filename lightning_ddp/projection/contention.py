@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any, Callable, Sequence
 
@@ -48,10 +47,6 @@ def fit_contention(loss: Callable[[float], float]) -> float:
     best = min(coarse, key=loss)
     fine = [round(best + k * 0.01, 2) for k in range(-5, 6) if 0 <= best + k * 0.01 <= stop + 1e-9]
     return round(min(fine, key=loss), 2)
-
-
-def _mean_squared_log(pairs: Sequence[tuple[float, float]]) -> float:
-    return statistics.fmean(math.log(p / m) ** 2 for p, m in pairs) if pairs else 0.0
 
 
 # ---- before and after, for the validation reports: rows with predicted_/measured_ step_ms and share ---------------
