@@ -1,4 +1,5 @@
-"""Compute slowed while collectives run: the contention factor ``s`` per backend, and the fit that gives it.
+"""Compute slowed while collectives run: the contention factor ``s`` per backend, the grid fit that gives it, and the
+before/after table both validations write (rows of predicted and measured step times and shares).
 
 ``CONTENTION`` holds what ``python -m lightning_ddp.projection.contention_fit`` prints (``test_project.py`` refits it).
 """
