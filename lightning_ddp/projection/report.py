@@ -126,38 +126,30 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
 
 def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
              best: dict[tuple[str, int], StepResult]) -> list[str]:
+    """The unmodelled strategies, ZeRO-1's padding and PowerSGD's compressed matrices (docs/projection.md)."""
     lines = ["", "## Caveats", ""]
     unmodelled = unmodelled_names()
     if unmodelled:
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
                      "timeline model (`projection` in its entry) yet.")
-    lines += _zero1_caveat(profile, best) + _powersgd_caveat(profile, results)
+    zero1 = sorted((r for r in best.values() if r.strategy in simulated_by(simulate_zero1)),
+                   key=lambda r: r.world_size)
+    if zero1 and profile.grad_bytes:
+        flags = 4 * len(profile.params)
+        padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
+        lines.append(f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's bytes (whole "
+                     f"tensors per owner): its buffers grow to {padding} the gradient bytes. Its exposed time is net "
+                     "of the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 %: paid "
+                     "for, not overlapped.")
+    powersgd = [r for r in results if r.strategy in simulated_by(simulate_bucketed_powersgd)]
+    if powersgd and profile.has_shapes:
+        settings = {**model_settings(powersgd[0].strategy), **powersgd[0].settings}
+        plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
+        lines.append(f"- `{powersgd[0].strategy}` is its steady state (every step compressed; lossy), each kernel a "
+                     "roofline without its launch latency (about ten small kernels and two QR factorisations for "
+                     f"each of the {sum(1 for m in plan if m)} compressed matrices here): optimistic where those "
+                     "matrices are small.")
     return lines + [""]
-
-
-def _zero1_caveat(profile: ComputeProfile, best: dict[tuple[str, int], StepResult]) -> list[str]:
-    names = simulated_by(simulate_zero1)
-    zero1 = sorted((r for r in best.values() if r.strategy in names), key=lambda r: r.world_size)
-    if not zero1 or not profile.grad_bytes:
-        return []
-    flags = 4 * len(profile.params)
-    padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
-    return [f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's bytes (whole tensors per "
-            f"owner): its buffers grow to {padding} the gradient bytes. Its exposed time is net of the optimizer time "
-            "sharding saves, hence shares below zero and \"hidden\" near 100 %: paid for, not overlapped."]
-
-
-def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> list[str]:
-    names = simulated_by(simulate_bucketed_powersgd)
-    powersgd = [r for r in results if r.strategy in names]
-    if not powersgd or not profile.has_shapes:
-        return []
-    settings = {**model_settings(powersgd[0].strategy), **powersgd[0].settings}
-    plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
-    matrices = sum(1 for m in plan if m)
-    return [f"- `{powersgd[0].strategy}` is its steady state (every step compressed; lossy), each kernel a roofline "
-            "without its launch latency (about ten small kernels and two QR factorisations for each of the "
-            f"{matrices} compressed matrices here): optimistic where those matrices are small."]
 
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
