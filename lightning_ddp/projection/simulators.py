@@ -196,13 +196,6 @@ def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step
                       t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
 
 
-def _after_backward(model: StepModel) -> tuple[Timeline, float]:
-    """Forward, then backward with no hooks, then the presence flags: (the timeline, when the flags are in)."""
-    t = Timeline(model.contention)
-    backward_start = t.compute("forward", 0.0, model.profile.forward_ms)
-    return t, _presence_flags(model, t, t.compute("backward", backward_start, model.profile.backward_span_ms))
-
-
 def _collective(model: StepModel, t: Timeline, kind: str, label: str, issue_ms: float, nbytes: int) -> float:
     return t.collective(label, issue_ms, model.collective_ms(kind, nbytes), nbytes)
 
@@ -221,20 +214,15 @@ def _optimizer(model: StepModel, t: Timeline, start_ms: float, fraction: float =
 
 
 def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t, cursor = _after_backward(model)
-    for param in model.profile.params:  # parameters() order, one blocking call each
-        if param.ready_ms is not None:
-            cursor = _collective(model, t, "all_reduce", param.name, cursor, param.bytes)
-    return _result(None, model, t, _optimizer(model, t, cursor))
+    return _staged_schedule(model, None, [], presence_flags=True, before=[  # parameters() order, blocking
+        Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None])
 
 
 def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t, cursor = _after_backward(model)
     nbytes = model.profile.grad_bytes
-    cursor = t.compute("pack", cursor, model.copy_ms(2 * nbytes), copy=True)
-    cursor = _collective(model, t, "all_reduce", "flat buffer", cursor, nbytes)
-    cursor = t.compute("unpack", cursor, model.copy_ms(2 * nbytes), copy=True)
-    return _result(None, model, t, _optimizer(model, t, cursor))
+    return _staged_schedule(model, None, [], presence_flags=True, before=[
+        Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
+        Op("compute", "unpack", model.copy_ms(2 * nbytes))])
 
 
 @dataclass(frozen=True)
@@ -267,13 +255,14 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
 
 
 def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
-                     launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool,
-                     optimizer_fraction: float = 1.0, after: Sequence[Op] = ()) -> StepResult:
-    """Buckets launched from gradient hooks, strictly in bucket order.
+                     launch: Sequence[Sequence[Op]] = (), finish: Sequence[Sequence[Op]] = (), presence_flags: bool,
+                     before: Sequence[Op] = (), optimizer_fraction: float = 1.0,
+                     after: Sequence[Op] = ()) -> StepResult:
+    """Buckets launched from gradient hooks, strictly in bucket order (no buckets: a sync after backward).
 
     ``launch[k]``: what launching bucket ``k`` does (its compute delays the rest of backward; its collectives are
-    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then the optimizer on
-    ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
+    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then ``before``, the
+    optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
     """
     p, t = model.profile, Timeline(model.contention)
 
@@ -314,6 +303,7 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
         cursor = _presence_flags(model, t, cursor)
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
+    cursor, _ = run(before, cursor, wait=True)
     cursor, _ = run(after, _optimizer(model, t, cursor, optimizer_fraction), wait=True)
     return _result(bucket_size_mb, model, t, cursor)
 
@@ -403,19 +393,18 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
 
 
 def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t, cursor = _after_backward(model)
     loads = owner_loads(model)
-    nbytes = sum(loads)
-    segment = max(loads)  # every rank's segment is padded to the largest (reduce-scatter needs equal chunks)
+    nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: reduce-scatter needs equal chunks
     buffer = model.world_size * segment
-    cursor = t.compute("pack gradients", cursor, model.copy_ms(nbytes + buffer), copy=True)
-    cursor = _collective(model, t, "reduce_scatter", "reduce-scatter gradients", cursor, buffer)
-    cursor = t.compute("unpack own gradients", cursor, model.copy_ms(2 * segment), copy=True)
-    cursor = _optimizer(model, t, cursor, fraction=segment / nbytes if nbytes else 1.0)
-    cursor = t.compute("pack own parameters", cursor, model.copy_ms(2 * segment), copy=True)
-    cursor = _collective(model, t, "all_gather", "all-gather parameters", cursor, buffer)
-    cursor = t.compute("unpack parameters", cursor, model.copy_ms(buffer + nbytes), copy=True)
-    return _result(None, model, t, cursor)
+    return _staged_schedule(model, None, [], presence_flags=True, before=[
+        Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
+        Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
+        Op("compute", "unpack own gradients", model.copy_ms(2 * segment)),
+    ], optimizer_fraction=segment / nbytes if nbytes else 1.0, after=[
+        Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
+        Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
+        Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes)),
+    ])
 
 
 def owner_loads(model: StepModel) -> list[int]:
