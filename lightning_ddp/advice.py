@@ -25,8 +25,8 @@ from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS
 from lightning_ddp.projection.memory import state_bytes
-from lightning_ddp.projection.simulators import MiB, StepModel, simulate, simulated_names
-from lightning_ddp.projection.sweep import best_by_world_size, project
+from lightning_ddp.projection.run import project
+from lightning_ddp.projection.simulators import MiB, StepModel, best_by_world_size, simulate, simulated_names
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
 
 RERUN = "re-run the fit with this version of lightning_ddp (its CommTimer writes what advise reads)"

@@ -83,12 +83,6 @@ class Fabric:
             )
         return n // self.gpus_per_node
 
-    def check_world_size(self, n: int) -> None:
-        """Raise the ``nodes`` error early (config validation)."""
-        if n < 1:
-            raise ValueError(f"world size must be >= 1, got {n}")
-        self.nodes(n)
-
     def bus_bandwidth(self, n: int) -> float:
         """Bytes/s the ring (and tree) moves per rank at ``n`` ranks: the slower of NVLink and the node's NICs."""
         if self.nodes(n) == 1:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from lightning_ddp import catalogue
-from lightning_ddp.projection.comm import ALGORITHMS, FABRICS, Fabric, get_fabric, read_fit
+from lightning_ddp.projection.comm import FABRICS, Fabric, get_fabric, read_fit
 from lightning_ddp.projection.contention import backend_contention
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
 from lightning_ddp.projection.simulators import check_settings, simulated_names, simulator
@@ -93,8 +93,6 @@ class NetworkConfig:
         if self.preset == "measured" and not self.fit_path:
             raise ValueError("`network.preset: measured` needs `network.fit_path` (e.g. "
                              "benchmarks/results/cpu/bucket_prediction.json)")
-        if self.algorithm is not None and self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown `network.algorithm` {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         _require(self.gpus_per_node is None or self.gpus_per_node >= 1, self, "gpus_per_node", ">= 1")
         _require(self.call_overhead_us is None or self.call_overhead_us >= 0, self, "call_overhead_us", ">= 0")
         _require(self.contention is None or self.contention >= 0, self, "contention",
@@ -181,7 +179,7 @@ class ProjectionConfig:
         if self.network.preset != "measured":
             fabric = build_fabric(self.network)
             for n in self.study.world_sizes:
-                fabric.check_world_size(n)
+                fabric.nodes(n)  # raises unless n fills whole nodes
 
 
 def _require(ok: bool, section: Any, name: str, want: str, hint: str = "") -> None:

@@ -1,13 +1,15 @@
-"""Compute slowed while collectives run: the contention factor ``s`` per backend, and the fit that gives it.
+"""Compute slowed while collectives run: the contention factor ``s`` per backend, the grid fit that gives it, and the
+before/after table both validations write (rows of predicted and measured step times and shares).
 
 ``CONTENTION`` holds what ``python -m lightning_ddp.projection.contention_fit`` prints (``test_project.py`` refits it).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
+
+from lightning_ddp.projection.tables import markdown_table
 
 CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
 """Fitted ``s`` per backend (``python -m lightning_ddp.projection.contention_fit`` prints them)."""
@@ -48,41 +50,43 @@ def fit_contention(loss: Callable[[float], float]) -> float:
     return round(min(fine, key=loss), 2)
 
 
-def _mean_squared_log(pairs: Sequence[tuple[float, float]]) -> float:
-    return statistics.fmean(math.log(p / m) ** 2 for p, m in pairs) if pairs else 0.0
+# ---- before and after, for the validation reports: rows with predicted_/measured_ step_ms and share ---------------
 
 
-# ---- before and after, for the validation reports ----------------------------------------------------------------
+def _step_errors(rows: Sequence[dict[str, Any]]) -> list[float]:
+    return [r["predicted_step_ms"] / r["measured_step_ms"] - 1 for r in rows]
 
 
-def _errors(pairs: Sequence[tuple[float, float]]) -> str:
-    """``k/N too fast, median |error| x %, mean |error| y %`` of (predicted, measured) step times."""
-    if not pairs:
-        return "no cells"
-    errors = [p / m - 1 for p, m in pairs]
-    fast = sum(1 for e in errors if e < 0)
-    median = statistics.median(map(abs, errors))
-    return (f"{fast}/{len(errors)} predicted too fast, median |error| {100 * median:.1f} %, "
-            f"mean |error| {100 * statistics.fmean(map(abs, errors)):.1f} %")
+def _share_errors(rows: Sequence[dict[str, Any]]) -> list[float]:
+    return [abs(r["predicted_share"] - r["measured_share"]) for r in rows if r["measured_share"] is not None]
 
 
-def cpu_contention_lines(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]],
-                         contention: float) -> list[str]:
-    """Markdown lines: the CPU validation's step errors without and with contention, on all cells and held out."""
-    def pairs(cells: Sequence[dict[str, Any]], held_out: Optional[bool]) -> list[tuple[float, float]]:
-        return [(c["predicted_step_ms"], c["measured_step_ms"]) for c in cells
-                if held_out is None or (c["batch_size"] != FIT_BATCH) == held_out]
+METRICS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
+    "too fast": lambda rows: f"{sum(1 for e in _step_errors(rows) if e < 0)}/{len(rows)}",
+    "median \\|step error\\|": lambda rows: f"{100 * statistics.median(map(abs, _step_errors(rows))):.1f} %",
+    "mean \\|step error\\|": lambda rows: f"{100 * statistics.fmean(map(abs, _step_errors(rows))):.1f} %",
+    "mean step error": lambda rows: f"{100 * statistics.fmean(_step_errors(rows)):+.1f} %",
+    "mean \\|share error\\|": lambda rows: (f"{100 * statistics.fmean(_share_errors(rows)):.1f} pts"
+                                        if _share_errors(rows) else "-"),
+}
+"""What the before -> after tables can show, by column title."""
 
-    def share(cells: Sequence[dict[str, Any]]) -> str:
-        errors = [abs(c["predicted_share"] - c["measured_share"]) for c in cells if c["measured_share"] is not None]
-        return f"{100 * statistics.fmean(errors):.1f} points" if errors else "-"
 
+def contention_lines(backend: str, s: float, fitted_on: str, before: Sequence[dict[str, Any]],
+                     after: Sequence[dict[str, Any]], metrics: Sequence[str], by_strategy: bool) -> list[str]:
+    """Markdown: ``metrics`` of the rows predicted without contention (``before``) -> with ``s`` (``after``, the same
+    rows in the same order) on all rows, the fitting subset and the held-out rows (per strategy if ``by_strategy``)."""
+    rows = []
+    for subset, keep in (("all", lambda r: True), (f"fitting subset (batch {FIT_BATCH})",
+                                                  lambda r: r["batch_size"] == FIT_BATCH),
+                         ("held out (other batches)", lambda r: r["batch_size"] != FIT_BATCH)):
+        for strategy in dict.fromkeys(r["strategy"] for r in before) if by_strategy else ["all"]:
+            pairs = [(b, a) for b, a in zip(before, after) if keep(b) and strategy in ("all", b["strategy"])]
+            was, now = [b for b, _ in pairs], [a for _, a in pairs]
+            rows.append([subset, strategy, len(pairs), *(f"{METRICS[m](was)} -> {METRICS[m](now)}" for m in metrics)])
     return [
         "## Contention: compute slowed while collectives run", "",
-        f"gloo's `s` = {contention:g} (fitted on the batch-{FIT_BATCH} cells' step times, at most `S_MAX` = "
-        f"{S_MAX:g}; the table above is with it; docs/projection.md, \"Contention\"). Before (s = 0) -> after:", "",
-        f"- all {len(after)} cells: {_errors(pairs(before, None))} -> {_errors(pairs(after, None))}",
-        f"- fitting subset (batch {FIT_BATCH}): {_errors(pairs(before, False))} -> {_errors(pairs(after, False))}",
-        f"- held out (the other batch sizes): {_errors(pairs(before, True))} -> {_errors(pairs(after, True))}",
-        f"- mean |share error| (the CommTimer's wait share): {share(before)} -> {share(after)}", "",
+        f"{backend}'s `s` = {s:g}, fitted on the batch-{FIT_BATCH} {fitted_on} (at most `S_MAX` = {S_MAX:g}; "
+        "docs/projection.md, \"Contention\"). Before (s = 0) -> after:", "",
+        *markdown_table(["subset", "strategy", "rows", *metrics], rows, "llr" + "r" * len(metrics)), "",
     ]

@@ -3,13 +3,14 @@ CPU sweep, NCCL on the published runs); paste what it prints into ``contention.C
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_BATCH, _mean_squared_log, fit_contention
-from lightning_ddp.projection.published import published_pairs
+from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_BATCH, fit_contention
+from lightning_ddp.projection.published import pcie_rows
 from lightning_ddp.projection.validate import read_sweep, validate_cells
 
 
@@ -19,21 +20,21 @@ def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY
     return validate_cells(rows, profiles, fit_path, copy_GBps * 1e9, contention)
 
 
+def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict[str, Any]], float]) -> float:
+    """The ``s`` minimising the mean ``error(row)`` over the batch-``FIT_BATCH`` rows of ``rows_at(s)``."""
+    return fit_contention(lambda s: statistics.fmean(error(r) for r in rows_at(s) if r["batch_size"] == FIT_BATCH))
+
+
 def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
-    """``s`` for gloo, fitted on the step time of the CPU sweep's batch-``FIT_BATCH`` cells."""
+    """``s`` for gloo: the squared log step-time error of the CPU sweep's cells."""
     read_sweep(sweep)  # a missing file fails here, once
-
-    def loss(s: float) -> float:
-        return _mean_squared_log([(c["predicted_step_ms"], c["measured_step_ms"])
-                                  for c in gloo_cells(sweep, s, copy_GBps) if c["batch_size"] == FIT_BATCH])
-
-    return fit_contention(loss)
+    return _fit(lambda s: gloo_cells(sweep, s, copy_GBps),
+                lambda r: math.log(r["predicted_step_ms"] / r["measured_step_ms"]) ** 2)
 
 
 def fit_nccl() -> float:
-    """``s`` for NCCL, fitted on the wait share of the published batch-``FIT_BATCH`` runs on ``pcie_gen4``."""
-    return fit_contention(lambda s: statistics.fmean((c.predicted["pcie_gen4"][2] - c.run.ratio) ** 2
-                                                     for c, _, _ in published_pairs(s, held_out=False)))
+    """``s`` for NCCL: the squared wait-share error of the published runs on ``pcie_gen4``."""
+    return _fit(pcie_rows, lambda r: (r["predicted_share"] - r["measured_share"]) ** 2)
 
 
 def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:

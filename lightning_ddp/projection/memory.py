@@ -12,11 +12,11 @@ from lightning_ddp.projection.simulators import (
     StepResult,
     _buffered,
     _engine_buckets,
-    _padded,
     _shard_bytes,
+    owner_loads,
+    padded_bucket_bytes,
     transformer_blocks,
 )
-from lightning_ddp.sync.assignment import assign_owners
 
 ADAM_STATES = 2  # AdamW's exp_avg and exp_avg_sq, each as wide as the parameter
 
@@ -52,21 +52,15 @@ def _bucket_buffer_bytes(model: StepModel, bucket_size_mb: Optional[float]) -> i
 
 
 def _zero1_bytes(model: StepModel, psi: int) -> int:
-    n = model.world_size
-    synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
-    loads = [0] * n
-    for size, owner in zip(synced, assign_owners(synced, n)):
-        loads[owner] += size
-    return psi + psi + ADAM_STATES * max(loads) + n * max(loads)
+    segment = max(owner_loads(model))
+    return psi + psi + ADAM_STATES * segment + model.world_size * segment
 
 
 def _zero2_bytes(model: StepModel, psi: int, bucket_size_mb: Optional[float]) -> int:
     params, n = model.profile.params, model.world_size
     buckets = _engine_buckets(params, bucket_size_mb or 25.0)
-    padded = sum(round(_padded(sum(params[i].numel for i in b), n) * sum(params[i].bytes for i in b)
-                       / max(1, sum(params[i].numel for i in b))) for b in buckets)
+    shard = sum(padded_bucket_bytes(params, b, n) for b in buckets) // n
     largest = max((sum(params[i].bytes for i in b) for b in buckets), default=0)
-    shard = padded // n
     return psi + shard + 2 * largest + ADAM_STATES * shard + shard
 
 

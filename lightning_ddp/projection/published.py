@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Any, Optional, Sequence
 from lightning_ddp.files import write_atomically
 from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
-from lightning_ddp.projection.contention import CONTENTION, FIT_BATCH
+from lightning_ddp.projection.contention import CONTENTION, contention_lines
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
 from lightning_ddp.projection.simulators import (
     StepModel,
@@ -24,17 +25,6 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
 )
 from lightning_ddp.projection.tables import csv_text, markdown_table
-
-NAIVE = "naive DDP write-up: an all-reduce per parameter gradient after backward"
-OVERLAP = "overlap write-up: each parameter gradient's all-reduce overlapped with backward"
-FLAT = "flat write-up: one all-reduce of all gradients flattened, against one per parameter"
-BUCKETED = "bucketed write-up: overlap in buckets of 1, 10, 100 and 1000 MB"
-SOURCES = (NAIVE, OVERLAP, FLAT, BUCKETED)
-"""The write-ups the numbers come from, one per strategy, each named by its topic (``PublishedRun.source``)."""
-STRATEGIES = tuple(simulated_by(model)[0] for model in
-                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
-"""The published strategies by catalogue name (the entries these algorithms' models simulate), in ``SOURCES`` order."""
-NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
 
 XL_SHAPE = ModelShape.from_preset("xl")
 """The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""
@@ -54,67 +44,33 @@ class PublishedRun:
     source: str
 
 
-# Transcribed from the write-ups, in their order; seconds per step. Naive at batch 4, context 512 ran out of
-# memory ("out of memory (skipping this config)", 000) and has no row.
-PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun(NAIVE_DDP, 2, 128, None, 0.7833, 0.4182, 0.5339, NAIVE),
-    PublishedRun(NAIVE_DDP, 2, 256, None, 0.8051, 0.4425, 0.5496, NAIVE),
-    PublishedRun(NAIVE_DDP, 2, 512, None, 0.9033, 0.4576, 0.5066, NAIVE),
-    PublishedRun(NAIVE_DDP, 4, 128, None, 0.7958, 0.4395, 0.5523, NAIVE),
-    PublishedRun(NAIVE_DDP, 4, 256, None, 0.8811, 0.4555, 0.5170, NAIVE),
-    PublishedRun(OVERLAP_DDP, 2, 128, None, 0.7245, 0.2318, 0.3199, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 2, 256, None, 0.7328, 0.1831, 0.2499, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 2, 512, None, 0.7731, 0.1371, 0.1773, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 4, 128, None, 0.7297, 0.2001, 0.2742, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 4, 256, None, 0.7574, 0.1393, 0.1840, OVERLAP),
-    PublishedRun(OVERLAP_DDP, 4, 512, None, 0.9468, 0.1286, 0.1359, OVERLAP),
-    PublishedRun(FLAT_DDP, 2, 128, None, 0.8251, 0.4273, 0.5178, FLAT),
-    PublishedRun(FLAT_DDP, 2, 256, None, 0.7995, 0.4080, 0.5103, FLAT),
-    PublishedRun(FLAT_DDP, 2, 512, None, 0.9150, 0.4227, 0.4619, FLAT),
-    PublishedRun(FLAT_DDP, 4, 128, None, 0.7978, 0.4065, 0.5096, FLAT),
-    PublishedRun(FLAT_DDP, 4, 256, None, 0.8768, 0.4132, 0.4712, FLAT),
-    PublishedRun(FLAT_DDP, 4, 512, None, 1.9628, 0.4029, 0.2053, FLAT),
-    PublishedRun(BUCKETED_DDP, 2, 128, 1, 0.7293, 0.2165, 0.2969, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 128, 10, 0.7290, 0.2146, 0.2944, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 128, 100, 0.7092, 0.1797, 0.2534, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 128, 1000, 0.7124, 0.2009, 0.2821, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 1, 0.7375, 0.1758, 0.2384, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 10, 0.7335, 0.1697, 0.2313, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 100, 0.7191, 0.1283, 0.1784, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 256, 1000, 0.7193, 0.1636, 0.2275, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 1, 0.7870, 0.1283, 0.1630, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 10, 0.7857, 0.1200, 0.1527, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 100, 0.7713, 0.1306, 0.1693, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 2, 512, 1000, 0.7819, 0.1518, 0.1941, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 1, 0.7359, 0.1778, 0.2416, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 10, 0.7367, 0.1779, 0.2414, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 100, 0.7197, 0.1243, 0.1727, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 128, 1000, 0.7136, 0.1529, 0.2143, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 1, 0.7676, 0.1358, 0.1769, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 10, 0.7683, 0.1279, 0.1664, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 100, 0.7603, 0.1103, 0.1450, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 256, 1000, 0.7598, 0.1499, 0.1973, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 1, 0.9690, 0.1328, 0.1370, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 10, 0.9655, 0.1319, 0.1366, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 100, 0.9598, 0.1311, 0.1366, BUCKETED),
-    PublishedRun(BUCKETED_DDP, 4, 512, 1000, 0.9692, 0.1591, 0.1641, BUCKETED),
-)
-"""Every published measurement, one row per printed run, citing its write-up (``SOURCES``)."""
+RUNS_CSV = Path(__file__).resolve().parents[2] / "configs" / "projection" / "published_xl_2gpu_runs.csv"
+"""Every published measurement, one row per printed run (seconds per step), transcribed from the write-ups in their
+order, each citing its write-up by topic. Naive at batch 4, context 512 ran out of memory and has no row."""
 
 
-@dataclass(frozen=True)
-class PublishedAssumptions:
-    """What the published runs do not say and the comparison has to assume."""
+def read_runs(path: str | Path = RUNS_CSV) -> tuple[PublishedRun, ...]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return tuple(PublishedRun(r["strategy"], int(r["batch_size"]), int(r["seq_len"]),
+                                  float(r["bucket_size_mb"]) if r["bucket_size_mb"] else None, float(r["total_s"]),
+                                  float(r["comm_s"]), float(r["ratio"]), r["source"]) for r in csv.DictReader(f))
 
-    gpu: str = "a100-pcie-40gb"
-    """The write-ups name none; a 40-48 GB PCIe card fits their ~20 GB/s link and memory limit."""
-    memory_efficiency: float = 0.8
-    optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM
-    grad_precision: str = "bf16-mixed"
-    fabrics: tuple[str, ...] = ("pcie_gen4", "nvlink4")
-    """Links to predict on; the first is compared with the published runs."""
-    published_call_overhead: bool = True
-    """Also the first link with the per-call cost the published runs imply (``published_call_overhead_s``)."""
+
+PUBLISHED_RUNS = read_runs()
+SOURCES = tuple(dict.fromkeys(run.source for run in PUBLISHED_RUNS))
+"""The write-ups the numbers come from, one per strategy (``PublishedRun.source``)."""
+STRATEGIES = tuple(simulated_by(model)[0] for model in
+                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
+"""The published strategies by catalogue name (the entries these algorithms' models simulate)."""
+NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
+
+
+GPU = "a100-pcie-40gb"
+"""The GPU assumed for the optimizer's and copies' memory bandwidth: the write-ups name none; a 40-48 GB PCIe card
+fits their ~20 GB/s link and memory limit. At 80 % of its bandwidth; gradients fp32 (bf16-mixed)."""
+MEMORY_EFFICIENCY = 0.8
+LINKS = ("pcie_gen4", "nvlink4")
+"""Links to predict on; the first is compared with the published runs (also with their per-call cost)."""
 
 
 @dataclass
@@ -154,47 +110,44 @@ def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, 
     return max(0.0, _mean(differences) / (tensors - 1) - 2 * fabric.intra.latency_s)
 
 
-def prediction_fabrics(assumptions: PublishedAssumptions) -> dict[str, Fabric]:
-    """Label -> fabric of every prediction column: the presets, and the first with the published per-call cost."""
-    fabrics = {name: get_fabric(name) for name in assumptions.fabrics}
-    if assumptions.published_call_overhead:
-        first = fabrics[assumptions.fabrics[0]]
-        sample = _profile(1, 1, 10_000.0, assumptions)
-        c = published_call_overhead_s(first, _copy_Bps(assumptions), sample.grad_bytes, len(sample.params))
+def prediction_fabrics(gpu: str = GPU, links: Sequence[str] = LINKS,
+                       published_c: bool = True) -> dict[str, Fabric]:
+    """Label -> fabric of every prediction column: the presets, and (``published_c``) the first with the per-call cost
+    the published runs imply (``published_call_overhead_s``)."""
+    fabrics = {name: get_fabric(name) for name in links}
+    if published_c:
+        first = fabrics[links[0]]
+        sample = _profile(1, 1, 10_000.0, gpu)
+        c = published_call_overhead_s(first, _copy_Bps(gpu), sample.grad_bytes, len(sample.params))
         described = f"{first.description}, per-call cost {c * 1e6:.0f} us from naive - flat"
-        labelled = {assumptions.fabrics[0]: first, f"{assumptions.fabrics[0]}+published_c": dataclasses.replace(
-            first, call_overhead_s=c, description=described)}
-        labelled.update({k: v for k, v in fabrics.items() if k != assumptions.fabrics[0]})
-        return labelled
+        fabrics = {links[0]: first, f"{links[0]}+published_c": dataclasses.replace(
+            first, call_overhead_s=c, description=described), **{k: v for k, v in fabrics.items() if k != links[0]}}
     return fabrics
 
 
-def _copy_Bps(assumptions: PublishedAssumptions) -> float:
-    return get_gpu(assumptions.gpu).memory_Bps * assumptions.memory_efficiency
+def _copy_Bps(gpu: str) -> float:
+    return get_gpu(gpu).memory_Bps * MEMORY_EFFICIENCY
 
 
-def _profile(batch_size: int, seq_len: int, compute_ms: float, assumptions: PublishedAssumptions) -> ComputeProfile:
-    return modelled_profile(XL_SHAPE, batch_size, seq_len, gpu=assumptions.gpu, precision=assumptions.grad_precision,
-                            optimizer_bytes_per_param=assumptions.optimizer_bytes_per_param,
-                            memory_efficiency=assumptions.memory_efficiency, calibrate_step_ms=compute_ms, preset="xl",
-                            world_size=2)
+def _profile(batch_size: int, seq_len: int, compute_ms: float, gpu: str) -> ComputeProfile:
+    return modelled_profile(XL_SHAPE, batch_size, seq_len, gpu=gpu, precision="bf16-mixed",
+                            optimizer_bytes_per_param=ADAMW_BYTES_PER_PARAM, memory_efficiency=MEMORY_EFFICIENCY,
+                            calibrate_step_ms=compute_ms, preset="xl", world_size=2)
 
 
-def compare_with_published(assumptions: PublishedAssumptions = PublishedAssumptions(),
-                           runs: Sequence[PublishedRun] = PUBLISHED_RUNS,
-                           contention: float = 0.0) -> list[PublishedComparison]:
+def compare_with_published(gpu: str = GPU, contention: float = 0.0, links: Sequence[str] = LINKS,
+                           published_c: bool = True) -> list[PublishedComparison]:
     """Every published run with the model's step, waited communication and wait share on each fabric."""
-    copy_Bps = _copy_Bps(assumptions)
-    compute = calibrated_compute_ms(runs)
-    fabrics = prediction_fabrics(assumptions)
+    compute = calibrated_compute_ms()
+    fabrics = prediction_fabrics(gpu, links, published_c)
     comparisons = []
-    for run in runs:
+    for run in PUBLISHED_RUNS:
         compute_ms, extrapolated = compute[(run.batch_size, run.seq_len)]
-        profile = _profile(run.batch_size, run.seq_len, compute_ms, assumptions)
+        profile = _profile(run.batch_size, run.seq_len, compute_ms, gpu)
         comparison = PublishedComparison(run, compute_ms, extrapolated)
         for name, fabric in fabrics.items():
-            step_model = StepModel(profile, fabric, 2, copy_Bps, contention=contention)
-            r = simulate(run.strategy, step_model, run.bucket_size_mb)
+            r = simulate(run.strategy, StepModel(profile, fabric, 2, _copy_Bps(gpu), contention=contention),
+                         run.bucket_size_mb)
             comparison.predicted[name] = (r.step_ms, r.waited_comm_ms, r.wait_share)
         comparisons.append(comparison)
     return comparisons
@@ -204,31 +157,9 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def _summary(comparisons: Sequence[PublishedComparison], label: str) -> dict[str, dict[str, float]]:
-    """Per strategy, means over its runs on fabric ``label``, leaving out batch 4 x context 512 (extrapolated)."""
-    summary = {}
-    for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
-        cs = [c for c in comparisons if c.run.strategy == strategy and not c.extrapolated]
-        if cs:
-            summary[strategy] = {
-                "published_share": _mean([c.run.ratio for c in cs]),
-                "share": _mean([c.predicted[label][2] for c in cs]),
-                "error": _mean([abs(c.predicted[label][2] - c.run.ratio) for c in cs]),
-                "published_step": _mean([1e3 * c.run.total_s for c in cs]),
-                "step": _mean([c.predicted[label][0] for c in cs]),
-                "published_comm": _mean([1e3 * c.run.comm_s for c in cs]),
-                "exposed": _mean([c.predicted[label][1] for c in cs]),
-                "unexplained": _mean([c.unexplained_ms for c in cs]),
-            }
-    return summary
-
-
-def published_markdown(comparisons: Sequence[PublishedComparison],
-                       assumptions: PublishedAssumptions = PublishedAssumptions()) -> str:
-    """The comparison as markdown: inputs, one row per published run, a summary per strategy, the disagreements."""
-    fabrics = prediction_fabrics(assumptions)
-    labels = list(fabrics)
-    summaries = {label: _summary(comparisons, label) for label in labels}
+def published_markdown(comparisons: Sequence[PublishedComparison], gpu: str = GPU) -> str:
+    """The comparison as markdown: inputs, one row per published run, a summary per strategy."""
+    fabrics = prediction_fabrics(gpu)
     lines = [
         "# The projection against the published 2-GPU xl runs",
         "",
@@ -236,18 +167,17 @@ def published_markdown(comparisons: Sequence[PublishedComparison],
         "recipe, the columns and what the comparison shows: docs/projection.md.",
         "",
     ]
-    lines += _inputs_lines(comparisons, assumptions, fabrics)
-    lines += _runs_table(comparisons, labels)
-    lines += _summary_table(summaries, labels)
+    lines += _inputs_lines(comparisons, gpu, fabrics)
+    lines += _runs_table(comparisons, list(fabrics))
+    lines += _summary_table(comparisons, list(fabrics))
     return "\n".join(lines + [""])
 
 
-def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: PublishedAssumptions,
-                  fabrics: dict[str, Fabric]) -> list[str]:
+def _inputs_lines(comparisons: Sequence[PublishedComparison], gpu: str, fabrics: dict[str, Fabric]) -> list[str]:
     """The model, the calibrated compute per (batch, context), the split of the step and the links."""
     link = next(iter(fabrics))
-    gpu = get_gpu(assumptions.gpu)
-    sample = _profile(2, 128, 10_000.0, assumptions)
+    spec = get_gpu(gpu)
+    sample = _profile(2, 128, 10_000.0, gpu)
     grad_gb = sample.grad_bytes / 1e9
     flat = [c.run for c in comparisons if c.run.strategy == FLAT_DDP]
     implied = _mean([sample.grad_bytes / r.comm_s / 1e9 for r in flat])
@@ -265,8 +195,8 @@ def _inputs_lines(comparisons: Sequence[PublishedComparison], assumptions: Publi
     lines += [
         "",
         f"- **Split of that step**: optimizer {sample.optimizer_ms:.1f} ms (foreach AdamW, "
-        f"{assumptions.optimizer_bytes_per_param:g} B/param at {assumptions.memory_efficiency:g} x "
-        f"{gpu.memory_Bps / 1e9:,.0f} GB/s of an assumed {gpu.name}); forward and backward share the rest 1 : 2.",
+        f"{ADAMW_BYTES_PER_PARAM:g} B/param at {MEMORY_EFFICIENCY:g} x "
+        f"{spec.memory_Bps / 1e9:,.0f} GB/s of an assumed {spec.name}); forward and backward share the rest 1 : 2.",
         f"- **Link**: the published flat all-reduce of {grad_gb:.2f} GB took {_mean([r.comm_s for r in flat]):.3f} s "
         f"on average, {implied:.1f} GB/s including the pack copies: the comparison is `{link}`.",
     ]
@@ -298,8 +228,9 @@ def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -
     return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1)) + ["", footnote, ""]
 
 
-def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: list[str]) -> list[str]:
-    """Per strategy, the means of ``_summary`` on every link (with the share error on the compared one)."""
+def _summary_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -> list[str]:
+    """Per strategy, means over its runs (batch 4 x context 512, extrapolated, left out) on every link, with the share
+    error on the compared one."""
     link = labels[0]
     lines = ["## Summary per strategy (batch 4 x context 512 left out)", ""]
     header = ["strategy", "published: step", "comm", "share"]
@@ -307,56 +238,34 @@ def _summary_table(summaries: dict[str, dict[str, dict[str, float]]], labels: li
         header += [f"{label}: step", "share"] + (["error"] if label.startswith(link) else [])
     header.append("unexplained")
     rows = []
-    for strategy, s0 in summaries[link].items():
-        cells = [strategy, f"{s0['published_step']:.0f} ms", f"{s0['published_comm']:.0f} ms",
-                 f"{100 * s0['published_share']:.1f} %"]
+    for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
+        cs = [c for c in comparisons if c.run.strategy == strategy and not c.extrapolated]
+        if not cs:
+            continue
+        cells = [strategy, f"{_mean([1e3 * c.run.total_s for c in cs]):.0f} ms",
+                 f"{_mean([1e3 * c.run.comm_s for c in cs]):.0f} ms",
+                 f"{100 * _mean([c.run.ratio for c in cs]):.1f} %"]
         for label in labels:
-            s = summaries[label][strategy]
-            cells += [f"{s['step']:.0f} ms", f"{100 * s['share']:.1f} %"]
+            cells += [f"{_mean([c.predicted[label][0] for c in cs]):.0f} ms",
+                      f"{100 * _mean([c.predicted[label][2] for c in cs]):.1f} %"]
             if label.startswith(link):
-                cells.append(f"{100 * s['error']:.1f} pts")
-        cells.append(f"{s0['unexplained']:+.0f} ms")
+                cells.append(f"{100 * _mean([abs(c.predicted[label][2] - c.run.ratio) for c in cs]):.1f} pts")
+        cells.append(f"{_mean([c.unexplained_ms for c in cs]):+.0f} ms")
         rows.append(cells)
     return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1))
 
 
-def published_pairs(contention: float, held_out: Optional[bool] = None) -> list[tuple[Any, float, float]]:
-    """``(run, predicted step ms, published step ms)`` for every published run on ``pcie_gen4`` whose compute was not
-    extrapolated; ``held_out``: only those outside (``True``) or inside (``False``) the fitting subset."""
-    assumptions = PublishedAssumptions(fabrics=("pcie_gen4",), published_call_overhead=False)
-    out = []
-    for c in compare_with_published(assumptions, contention=contention):
-        if c.extrapolated or (held_out is not None and (c.run.batch_size != FIT_BATCH) != held_out):
-            continue
-        out.append((c, c.predicted["pcie_gen4"][0], 1e3 * c.run.total_s))
-    return out
+def pcie_rows(contention: float) -> list[dict[str, Any]]:
+    """The published runs whose compute was not extrapolated as measured rows (as ``validate``'s cells) beside their
+    prediction on ``pcie_gen4`` with ``contention``."""
+    comparisons = compare_with_published(contention=contention, links=("pcie_gen4",), published_c=False)
+    return [{"strategy": c.run.strategy, "batch_size": c.run.batch_size, "measured_step_ms": 1e3 * c.run.total_s,
+             "measured_share": c.run.ratio, "predicted_step_ms": c.predicted["pcie_gen4"][0],
+             "predicted_share": c.predicted["pcie_gen4"][2]} for c in comparisons if not c.extrapolated]
 
 
-def published_contention_lines(contention: float) -> list[str]:
-    """Markdown lines: the published overlapped runs' share and step errors on ``pcie_gen4`` without and with
-    contention, on all non-extrapolated runs and on the held-out ones."""
-    rows = []
-    for held_out, subset in ((None, "all (batch 4 x 512 left out)"), (False, f"fitting subset (batch {FIT_BATCH})"),
-                             (True, "held out (batch 4)")):
-        for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
-            cells = {s: [x for x in published_pairs(s, held_out) if x[0].run.strategy == strategy]
-                     for s in (0.0, contention)}
-            share = {s: statistics.fmean(abs(c.predicted["pcie_gen4"][2] - c.run.ratio) for c, _, _ in v)
-                     for s, v in cells.items()}
-            step = {s: statistics.fmean(p / m - 1 for _, p, m in v) for s, v in cells.items()}
-            rows.append([subset, strategy, len(cells[0.0]),
-                         f"{100 * share[0.0]:.1f} -> {100 * share[contention]:.1f} pts",
-                         f"{100 * step[0.0]:+.1f} -> {100 * step[contention]:+.1f} %"])
-    return [
-        "## Contention: compute slowed while collectives run", "",
-        f"NCCL's `s` = {contention:g}, fitted on the batch-{FIT_BATCH} runs; mean errors on `pcie_gen4`, before "
-        "(s = 0) -> after:", "",
-        *markdown_table(["runs", "strategy", "runs", "share error", "step error"], rows, "llrrr"), "",
-    ]
-
-
-def write_comparison(out: str | Path, assumptions: PublishedAssumptions = PublishedAssumptions()) -> list[Path]:
-    comparisons = compare_with_published(assumptions)
+def write_comparison(out: str | Path, gpu: str = GPU) -> list[Path]:
+    comparisons = compare_with_published(gpu)
     rows = []
     for c in comparisons:
         r = c.run
@@ -371,21 +280,23 @@ def write_comparison(out: str | Path, assumptions: PublishedAssumptions = Publis
             row.update({f"{name}_step_ms": round(step, 2), f"{name}_exposed_ms": round(exposed, 2),
                         f"{name}_share": round(share, 4)})
         rows.append(row)
-    markdown = published_markdown(comparisons, assumptions) + "\n" + "\n".join(
-        published_contention_lines(CONTENTION["nccl"]))
+    s = CONTENTION["nccl"]
+    markdown = published_markdown(comparisons, gpu) + "\n" + "\n".join(contention_lines(
+        "NCCL", s, "runs' wait shares on `pcie_gen4`; batch 4 x context 512 left out", pcie_rows(0.0), pcie_rows(s),
+        ["mean \\|share error\\|", "mean step error"], by_strategy=True))
     columns = list(dict.fromkeys(k for row in rows for k in row))  # the runs' fields, then each fabric's three
     return [write_atomically(Path(out) / "published_xl_2gpu.md", markdown),
             write_atomically(Path(out) / "published_xl_2gpu.csv", csv_text(rows, columns))]
 
 
-def main(out: str = "benchmarks/results/projection", gpu: str = "a100-pcie-40gb") -> None:
+def main(out: str = "benchmarks/results/projection", gpu: str = GPU) -> None:
     """Compare the projection with the published 2-GPU xl runs and write published_xl_2gpu.md and .csv.
 
     Args:
         out: Directory for published_xl_2gpu.md and published_xl_2gpu.csv.
         gpu: The GPU assumed for the optimizer's and copies' memory bandwidth (the write-ups do not name theirs).
     """
-    for path in write_comparison(out, PublishedAssumptions(gpu=gpu)):
+    for path in write_comparison(out, gpu):
         print(path)
 
 

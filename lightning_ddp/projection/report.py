@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
@@ -14,6 +14,7 @@ from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import contention_of, copy_bandwidth
 from lightning_ddp.projection.simulators import (
     StepResult,
+    best_by_world_size,
     model_settings,
     powersgd_plan,
     simulate_bucketed,
@@ -23,7 +24,6 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     unmodelled_names,
 )
-from lightning_ddp.projection.sweep import best_by_world_size
 from lightning_ddp.projection.tables import markdown_table
 
 NO_COST_TOLERANCE = 0.05
@@ -35,16 +35,12 @@ def _ms(value: float) -> str:
     return f"{value:,.1f} ms" if value >= 10 else f"{value:.2f} ms"
 
 
-def _has_buckets(variant: str) -> bool:
-    return catalogue.get(catalogue.variant_strategy(variant)).has_bucket_size
-
-
-def _sharded(variant: str) -> bool:
-    return catalogue.get(catalogue.variant_strategy(variant)).sharded
+def _entry(variant: str) -> catalogue.Entry:
+    return catalogue.get(catalogue.variant_strategy(variant))
 
 
 def _title(variant: str) -> str:
-    return f"{variant} (best size)" if _has_buckets(variant) else variant
+    return f"{variant} (best size)" if _entry(variant).has_bucket_size else variant
 
 
 def _variants(results: Sequence[StepResult]) -> list[str]:
@@ -111,7 +107,7 @@ def _busy_cell(r: StepResult) -> str:
 
 def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, int], StepResult], names: list[str],
                          sizes: list[int], fabric: Fabric) -> list[str]:
-    bucketed = [s for s in names if _has_buckets(s)]
+    bucketed = [s for s in names if _entry(s).has_bucket_size]
     if not bucketed:
         return []
     lines = ["", "## Best bucket size per world size", ""]
@@ -130,38 +126,30 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
 
 def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
              best: dict[tuple[str, int], StepResult]) -> list[str]:
+    """The unmodelled strategies, ZeRO-1's padding and PowerSGD's compressed matrices (docs/projection.md)."""
     lines = ["", "## Caveats", ""]
     unmodelled = unmodelled_names()
     if unmodelled:
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
                      "timeline model (`projection` in its entry) yet.")
-    lines += _zero1_caveat(profile, best) + _powersgd_caveat(profile, results)
+    zero1 = sorted((r for r in best.values() if r.strategy in simulated_by(simulate_zero1)),
+                   key=lambda r: r.world_size)
+    if zero1 and profile.grad_bytes:
+        flags = 4 * len(profile.params)
+        padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
+        lines.append(f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's bytes (whole "
+                     f"tensors per owner): its buffers grow to {padding} the gradient bytes. Its exposed time is net "
+                     "of the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 %: paid "
+                     "for, not overlapped.")
+    powersgd = [r for r in results if r.strategy in simulated_by(simulate_bucketed_powersgd)]
+    if powersgd and profile.has_shapes:
+        settings = {**model_settings(powersgd[0].strategy), **powersgd[0].settings}
+        plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
+        lines.append(f"- `{powersgd[0].strategy}` is its steady state (every step compressed; lossy), each kernel a "
+                     "roofline without its launch latency (about ten small kernels and two QR factorisations for "
+                     f"each of the {sum(1 for m in plan if m)} compressed matrices here): optimistic where those "
+                     "matrices are small.")
     return lines + [""]
-
-
-def _zero1_caveat(profile: ComputeProfile, best: dict[tuple[str, int], StepResult]) -> list[str]:
-    names = simulated_by(simulate_zero1)
-    zero1 = sorted((r for r in best.values() if r.strategy in names), key=lambda r: r.world_size)
-    if not zero1 or not profile.grad_bytes:
-        return []
-    flags = 4 * len(profile.params)
-    padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
-    return [f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's bytes (whole tensors per "
-            f"owner): its buffers grow to {padding} the gradient bytes. Its exposed time is net of the optimizer time "
-            "sharding saves, hence shares below zero and \"hidden\" near 100 %: paid for, not overlapped."]
-
-
-def _powersgd_caveat(profile: ComputeProfile, results: Sequence[StepResult]) -> list[str]:
-    names = simulated_by(simulate_bucketed_powersgd)
-    powersgd = [r for r in results if r.strategy in names]
-    if not powersgd or not profile.has_shapes:
-        return []
-    settings = {**model_settings(powersgd[0].strategy), **powersgd[0].settings}
-    plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
-    matrices = sum(1 for m in plan if m)
-    return [f"- `{powersgd[0].strategy}` is its steady state (every step compressed; lossy), each kernel a roofline "
-            "without its launch latency (about ten small kernels and two QR factorisations for each of the "
-            f"{matrices} compressed matrices here): optimistic where those matrices are small."]
 
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
@@ -180,30 +168,9 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
             ratios.append(f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-")
         size = f" @ {winner.bucket_size_mb:g} MiB" if winner.bucket_size_mb is not None else ""
         rows.append([n, f"{winner.variant}{size}", _ms(winner.step_ms), *ratios])
-    header = ["world size", "fastest", "step", *(f"/ {b}" + (" (best)" if _has_buckets(b) else "") for b in baselines)]
+    header = ["world size", "fastest", "step",
+              *(f"/ {b}" + (" (best)" if _entry(b).has_bucket_size else "") for b in baselines)]
     return lines + markdown_table(header, rows, "rlr" + "r" * len(baselines))
-
-
-def memory_verdicts(best: dict[tuple[str, int], StepResult], names: Sequence[str],
-                    sizes: Sequence[int]) -> list[dict[str, Any]]:
-    """Per sharded strategy (the catalogue's ``sharded``) and world size: its memory and step against the
-    baseline's, and whether the saving comes at no step-time cost (``NO_COST_TOLERANCE``)."""
-    out = []
-    for n in sizes:
-        unsharded = [best[(v, n)] for v in names if (v, n) in best and not _sharded(v)]
-        torch_ddp = [best[(v, n)] for v in simulated_by(simulate_ddp) if (v, n) in best]
-        baseline = torch_ddp[0] if torch_ddp else min(unsharded, key=lambda r: r.step_ms, default=None)
-        if baseline is None or baseline.memory_bytes is None:
-            continue
-        for v in names:
-            r = best.get((v, n))
-            if r is None or not _sharded(v) or r.memory_bytes is None:
-                continue
-            slower = r.step_ms / baseline.step_ms - 1
-            saved = baseline.memory_bytes - r.memory_bytes
-            out.append({"variant": v, "world_size": n, "result": r, "baseline": baseline, "slower": slower,
-                        "saved_bytes": saved, "no_cost": saved > 0 and slower <= NO_COST_TOLERANCE})
-    return out
 
 
 def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
@@ -212,12 +179,12 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
         return []
     lines = ["", "## Memory per rank against step time", ""]
     lines += _strategy_table(best, names, sizes, _memory_cell)
-    verdicts = memory_verdicts(best, names, sizes)
+    verdicts = _verdict_rows(best, names, sizes)
     if verdicts:
         lines += ["", f"**Memory saving at no step-time cost** (step within {100 * NO_COST_TOLERANCE:.0f} % of the "
                   "baseline's):", ""]
         header = ["world size", "strategy", "memory", "saved vs baseline", "step", "vs baseline", "verdict"]
-        lines += markdown_table(header, [_verdict_row(v) for v in verdicts], "rlrrrrl")
+        lines += markdown_table(header, verdicts, "rlrrrrl")
     return lines
 
 
@@ -225,13 +192,29 @@ def _memory_cell(r: StepResult) -> str:
     return "" if r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}"
 
 
-def _verdict_row(v: dict[str, Any]) -> list[Any]:
-    r, b = v["result"], v["baseline"]
-    verdict = ("**saving at no step-time cost**" if v["no_cost"] else
-               "no saving" if v["saved_bytes"] <= 0 else f"saving costs {100 * v['slower']:+.1f} % step time")
-    saved = f"{v['saved_bytes'] / 1e9:.2f} GB ({100 * v['saved_bytes'] / b.memory_bytes:.0f} % of {b.variant}'s)"
-    return [v["world_size"], _title(v["variant"]), f"{r.memory_bytes / 1e9:.2f} GB", saved, _ms(r.step_ms),
-            f"{100 * v['slower']:+.1f} %", verdict]
+def _verdict_rows(best: dict[tuple[str, int], StepResult], names: Sequence[str],
+                  sizes: Sequence[int]) -> list[list]:
+    """Per sharded strategy (the catalogue's ``sharded``) and world size: its memory and step against the baseline's
+    (torch DDP, else the fastest unsharded strategy), and whether the saving comes at no step-time cost."""
+    rows: list[list] = []
+    for n in sizes:
+        unsharded = [best[(v, n)] for v in names if (v, n) in best and not _entry(v).sharded]
+        torch_ddp = [best[(v, n)] for v in simulated_by(simulate_ddp) if (v, n) in best]
+        baseline = torch_ddp[0] if torch_ddp else min(unsharded, key=lambda r: r.step_ms, default=None)
+        if baseline is None or baseline.memory_bytes is None:
+            continue
+        for v in names:
+            r = best.get((v, n))
+            if r is None or not _entry(v).sharded or r.memory_bytes is None:
+                continue
+            slower = r.step_ms / baseline.step_ms - 1
+            saved = baseline.memory_bytes - r.memory_bytes
+            verdict = ("**saving at no step-time cost**" if saved > 0 and slower <= NO_COST_TOLERANCE else
+                       "no saving" if saved <= 0 else f"saving costs {100 * slower:+.1f} % step time")
+            rows.append([n, _title(v), f"{r.memory_bytes / 1e9:.2f} GB",
+                         f"{saved / 1e9:.2f} GB ({100 * saved / baseline.memory_bytes:.0f} % of {baseline.variant}'s)",
+                         _ms(r.step_ms), f"{100 * slower:+.1f} %", verdict])
+    return rows
 
 
 def _save(fig, path: Path) -> Path:
@@ -268,7 +251,7 @@ def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputePr
     fig.suptitle(f"Projected step and communication share: {profile.label}")
     files.append(_save(fig, out_dir / "share_vs_world.png"))
 
-    bucketed = [s for s in names if _has_buckets(s)]
+    bucketed = [s for s in names if _entry(s).has_bucket_size]
     if bucketed:
         fig = Figure(figsize=(6 * len(bucketed), 4.5), layout="constrained")
         axes = fig.subplots(1, len(bucketed), squeeze=False)[0]

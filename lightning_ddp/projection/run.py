@@ -1,22 +1,70 @@
-"""From a ``ProjectionConfig`` to the files in ``output.out_dir`` (docs/projection.md lists them)."""
+"""The projection grid (every strategy x world size x bucket size x engine settings) and, from a ``ProjectionConfig``,
+the files in ``output.out_dir`` (docs/projection.md lists them)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
-from lightning_ddp.model_shapes import gpt_parameter_shapes
+from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
+from lightning_ddp.model_shapes import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
-from lightning_ddp.projection.comm import Fabric
+from lightning_ddp.projection.comm import CommCost, Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
+from lightning_ddp.projection.memory import state_bytes
 from lightning_ddp.projection.report import build_markdown, write_plots
-from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project, result_row
+from lightning_ddp.projection.simulators import StepModel, StepResult, best_by_world_size, simulate
 from lightning_ddp.projection.tables import csv_text
 from lightning_ddp.provenance import git_state, invocation, package_version
+
+COLUMNS: tuple[str, ...] = (
+    "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms",
+    "exposed_comm_ms", "comm_share",
+    "busy_comm_ms", "overlap", "copy_ms", "calls", "comm_bytes", "best_bucket", "contention_ms", "memory_gb",
+)
+"""results.csv columns (docs/projection.md defines each)."""
+
+
+def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], world_sizes: Sequence[int],
+            bucket_sizes_mb: Sequence[float], copy_bandwidth_Bps: float,
+            engine_settings: Mapping[str, Mapping[str, Sequence[Any]]] | None = None,
+            flops_per_s: Optional[float] = None, contention: float = 0.0) -> list[StepResult]:
+    """Simulate every strategy at every world size, bucket size (those with one) and combination of
+    ``engine_settings[strategy]`` (``{setting: [values]}``)."""
+    engine_settings = engine_settings or {}
+    results = []
+    for n in world_sizes:
+        model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
+        for name in strategies:
+            sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
+            for size in sizes:
+                for settings in catalogue.setting_combinations(engine_settings.get(name)):
+                    result = simulate(name, model, size, **settings)
+                    result.memory_bytes = state_bytes(result, model)
+                    results.append(result)
+    return results
+
+
+def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[str, Any]:
+    """One CSV row (``COLUMNS``): times rounded to 4 decimals, shares to 5."""
+    row = {column: round(getattr(result, column), 5 if column in ("comm_share", "overlap") else 4)
+           for column in COLUMNS if column.endswith("_ms") or column in ("comm_share", "overlap")}
+    return {
+        **row,
+        "strategy": result.strategy,
+        "bucket_size_mb": "" if result.bucket_size_mb is None else f"{result.bucket_size_mb:g}",
+        "engine_settings": catalogue.format_settings(result.settings),
+        "world_size": result.world_size,
+        "nodes": nodes,
+        "calls": result.calls,
+        "comm_bytes": result.comm_bytes,
+        "best_bucket": "true" if best and result.bucket_size_mb is not None else "",
+        "memory_gb": "" if result.memory_bytes is None else round(result.memory_bytes / 1e9, 4),
+    }
 
 
 def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
@@ -50,14 +98,12 @@ def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
     return flops / ((profile.forward_ms + profile.backward_ms) / 1e3)
 
 
-@dataclasses.dataclass
-class ProjectionOutcome:
+class ProjectionOutcome(NamedTuple):
     """What ``run_projection`` computed and wrote."""
 
-    results: list
+    results: list[StepResult]
     rows: list[dict[str, Any]]
     profile: ComputeProfile
-    fabric: Fabric
     files: list[Path]
 
 
@@ -80,7 +126,7 @@ def run_projection(config) -> ProjectionOutcome:
     ]
     if config.output.plots:
         files += write_plots(out_dir, results, profile)
-    return ProjectionOutcome(results, rows, profile, fabric, files)
+    return ProjectionOutcome(results, rows, profile, files)
 
 
 def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dict[str, Any]:

@@ -13,15 +13,12 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.comm import CommCost
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
-
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-"""The collectives a schedule can issue (``StepModel.collective_ms``)."""
 
 PRESENCE_FLAG_BYTES = 4
 """Bytes per parameter of the gradient-presence all-reduce (one int32 flag each)."""
@@ -117,21 +114,8 @@ class StepModel:
     contention: float = 0.0
     """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``contention.py``)."""
 
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if not self.copy_bandwidth_Bps > 0:
-            raise ValueError(f"copy_bandwidth_Bps must be > 0, got {self.copy_bandwidth_Bps}")
-        if self.flops_per_s is not None and not self.flops_per_s > 0:
-            raise ValueError(f"flops_per_s must be > 0 or None, got {self.flops_per_s}")
-        if not self.contention >= 0:
-            raise ValueError(f"contention must be >= 0, got {self.contention!r}; e.g. 0.3 for compute 30 % slower "
-                             "while a collective runs")
-
     def collective_ms(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes``; ``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
-        if kind not in COLLECTIVES:
-            raise ValueError(f"unknown collective {kind!r}; choose one of {', '.join(COLLECTIVES)}")
         return 1e3 * getattr(self.comm, f"{kind}_s")(nbytes, self.world_size)
 
     def copy_ms(self, bytes_moved: float) -> float:
@@ -163,7 +147,7 @@ class StepResult:
     contention_ms: float = 0.0
     """Compute time added by contention (compute slowed while collectives run); part of ``exposed_comm_ms``."""
     memory_bytes: Optional[int] = None
-    """Model-state bytes per rank (``projection.memory``); set by ``sweep.project``."""
+    """Model-state bytes per rank (``projection.memory``); set by ``run.project``."""
     buffer_bytes: int = 0
     """Engine state beyond the bucket buffers its memory model counts (bf16's wire copies, PowerSGD's E and Q)."""
 
@@ -197,16 +181,19 @@ class StepResult:
         return min(1.0, max(0.0, 1.0 - (self.waited_comm_ms - self.copy_ms) / self.busy_comm_ms))
 
 
+def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], StepResult]:
+    """``(StepResult.variant, world size) -> result`` with the shortest step over bucket sizes."""
+    best: dict[tuple[str, int], StepResult] = {}
+    for r in results:
+        key = (r.variant, r.world_size)
+        if key not in best or r.step_ms < best[key].step_ms:
+            best[key] = r
+    return best
+
+
 def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
     return StepResult("", bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
                       t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
-
-
-def _after_backward(model: StepModel) -> tuple[Timeline, float]:
-    """Forward, then backward with no hooks, then the presence flags: (the timeline, when the flags are in)."""
-    t = Timeline(model.contention)
-    backward_start = t.compute("forward", 0.0, model.profile.forward_ms)
-    return t, _presence_flags(model, t, t.compute("backward", backward_start, model.profile.backward_span_ms))
 
 
 def _collective(model: StepModel, t: Timeline, kind: str, label: str, issue_ms: float, nbytes: int) -> float:
@@ -227,20 +214,15 @@ def _optimizer(model: StepModel, t: Timeline, start_ms: float, fraction: float =
 
 
 def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t, cursor = _after_backward(model)
-    for param in model.profile.params:  # parameters() order, one blocking call each
-        if param.ready_ms is not None:
-            cursor = _collective(model, t, "all_reduce", param.name, cursor, param.bytes)
-    return _result(None, model, t, _optimizer(model, t, cursor))
+    return _staged_schedule(model, None, [], presence_flags=True, before=[  # parameters() order, blocking
+        Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None])
 
 
 def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    t, cursor = _after_backward(model)
     nbytes = model.profile.grad_bytes
-    cursor = t.compute("pack", cursor, model.copy_ms(2 * nbytes), copy=True)
-    cursor = _collective(model, t, "all_reduce", "flat buffer", cursor, nbytes)
-    cursor = t.compute("unpack", cursor, model.copy_ms(2 * nbytes), copy=True)
-    return _result(None, model, t, _optimizer(model, t, cursor))
+    return _staged_schedule(model, None, [], presence_flags=True, before=[
+        Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
+        Op("compute", "unpack", model.copy_ms(2 * nbytes))])
 
 
 @dataclass(frozen=True)
@@ -252,7 +234,7 @@ class Op:
     label: str
     ms: float = 0.0
     nbytes: int = 0
-    op: str = "all_reduce"  # one of COLLECTIVES
+    op: str = "all_reduce"  # or reduce_scatter, all_gather
 
 
 def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
@@ -273,13 +255,14 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
 
 
 def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
-                     launch: list[list[Op]], finish: list[list[Op]], presence_flags: bool,
-                     optimizer_fraction: float = 1.0, after: Sequence[Op] = ()) -> StepResult:
-    """Buckets launched from gradient hooks, strictly in bucket order.
+                     launch: Sequence[Sequence[Op]] = (), finish: Sequence[Sequence[Op]] = (), presence_flags: bool,
+                     before: Sequence[Op] = (), optimizer_fraction: float = 1.0,
+                     after: Sequence[Op] = ()) -> StepResult:
+    """Buckets launched from gradient hooks, strictly in bucket order (no buckets: a sync after backward).
 
     ``launch[k]``: what launching bucket ``k`` does (its compute delays the rest of backward; its collectives are
-    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then the optimizer on
-    ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
+    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then ``before``, the
+    optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
     """
     p, t = model.profile, Timeline(model.contention)
 
@@ -320,6 +303,7 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
         cursor = _presence_flags(model, t, cursor)
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
+    cursor, _ = run(before, cursor, wait=True)
     cursor, _ = run(after, _optimizer(model, t, cursor, optimizer_fraction), wait=True)
     return _result(bucket_size_mb, model, t, cursor)
 
@@ -343,13 +327,7 @@ def _engine_buckets(params: Sequence[ParamTiming], bucket_size_mb: Optional[floa
 
 
 def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
-    params = model.profile.params
-    buckets = _engine_buckets(params, bucket_size_mb)
-    sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
-    # copied into the buffer (read + write) once; the gradients are views of it afterwards: no unpack
-    copies = [model.copy_ms(2 * s) if buffered else 0.0 for s, buffered in zip(sizes, _buffered(buckets))]
-    return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=sizes, pack_ms=copies,
-                            unpack_ms=[0.0] * len(buckets), presence_flags=_missing(model))
+    return _bucketed(model, bucket_size_mb, bf16=False)
 
 
 def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
@@ -359,20 +337,23 @@ def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -
 
 
 def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
+    return _bucketed(model, bucket_size_mb, bf16=True)
+
+
+def _bucketed(model: StepModel, bucket_size_mb: Optional[float], bf16: bool) -> StepResult:
+    """The bucketed engine: each buffered bucket copied in once (the gradients are views of it afterwards: no unpack);
+    with ``bf16``, sent in bf16: cast to it (read s, write w) after the copy and back (read w, write s) at the finish
+    (gradients already in bf16 are not cast), its half-width copy kept per bucket."""
     params = model.profile.params
     buckets = _engine_buckets(params, bucket_size_mb)
-    numels = [sum(params[i].numel for i in bucket) for bucket in buckets]
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
-    wire = [2 * n for n in numels]  # bf16 on the wire
-    buffered = _buffered(buckets)
-    # the copy into the buffer (as bucketed), then the cast to bf16 (read s, write w); on the way back the cast into
-    # the buffer (read w, write s). Gradients already in bf16 are not cast.
-    packs = [(model.copy_ms(2 * s) if b else 0.0) + (model.copy_ms(s + w) if s != w else 0.0)
-             for s, w, b in zip(sizes, wire, buffered)]
-    unpacks = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
-    result = _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs,
-                              unpack_ms=unpacks, presence_flags=_missing(model))
-    result.buffer_bytes = sum(wire)  # the half-width copy of every bucket
+    wire = [2 * sum(params[i].numel for i in bucket) for bucket in buckets] if bf16 else sizes
+    casts = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
+    packs = [(model.copy_ms(2 * s) if buffered else 0.0) + cast
+             for s, cast, buffered in zip(sizes, casts, _buffered(buckets))]
+    result = _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
+                              presence_flags=_missing(model))
+    result.buffer_bytes = sum(wire) if bf16 else 0
     return result
 
 
@@ -412,29 +393,38 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
 
 
 def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    p, n = model.profile, model.world_size
-    t, cursor = _after_backward(model)
-    synced = [q for q in p.params if q.ready_ms is not None]
-    nbytes = sum(q.bytes for q in synced)
-    owners = assign_owners([q.bytes for q in synced], n)
-    loads = [0] * n
-    for q, owner in zip(synced, owners):
-        loads[owner] += q.bytes
-    segment = max(loads)  # every rank's segment is padded to the largest (reduce-scatter needs equal chunks)
-    buffer = n * segment
-    cursor = t.compute("pack gradients", cursor, model.copy_ms(nbytes + buffer), copy=True)
-    cursor = _collective(model, t, "reduce_scatter", "reduce-scatter gradients", cursor, buffer)
-    cursor = t.compute("unpack own gradients", cursor, model.copy_ms(2 * segment), copy=True)
-    cursor = _optimizer(model, t, cursor, fraction=segment / nbytes if nbytes else 1.0)
-    cursor = t.compute("pack own parameters", cursor, model.copy_ms(2 * segment), copy=True)
-    cursor = _collective(model, t, "all_gather", "all-gather parameters", cursor, buffer)
-    cursor = t.compute("unpack parameters", cursor, model.copy_ms(buffer + nbytes), copy=True)
-    return _result(None, model, t, cursor)
+    loads = owner_loads(model)
+    nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: reduce-scatter needs equal chunks
+    buffer = model.world_size * segment
+    return _staged_schedule(model, None, [], presence_flags=True, before=[
+        Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
+        Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
+        Op("compute", "unpack own gradients", model.copy_ms(2 * segment)),
+    ], optimizer_fraction=segment / nbytes if nbytes else 1.0, after=[
+        Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
+        Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
+        Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes)),
+    ])
+
+
+def owner_loads(model: StepModel) -> list[int]:
+    """Gradient bytes each ZeRO-1 rank owns (whole tensors, ``assign_owners``), of the gradients that come."""
+    synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
+    loads = [0] * model.world_size
+    for size, owner in zip(synced, assign_owners(synced, model.world_size)):
+        loads[owner] += size
+    return loads
 
 
 def _padded(numel: int, n: int) -> int:
     """``numel`` rounded up to a multiple of ``n``: an element-wise shard of equal size on every rank."""
     return -(-numel // n) * n
+
+
+def padded_bucket_bytes(params: Sequence[ParamTiming], bucket: Sequence[int], n: int) -> int:
+    """Bytes of a ZeRO-2 bucket's flat buffer, padded to ``n`` equal shards."""
+    numel = sum(params[i].numel for i in bucket)
+    return round(_padded(numel, n) * sum(params[i].bytes for i in bucket) / numel) if numel else 0
 
 
 def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
@@ -447,9 +437,7 @@ def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> 
     for k, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, k)
         nbytes = sum(params[i].bytes for i in bucket)
-        numel = sum(params[i].numel for i in bucket)
-        element = nbytes / numel if numel else 4.0
-        padded = round(_padded(numel, n) * element)
+        padded = padded_bucket_bytes(params, bucket, n)
         padded_total += padded
         launch.append([Op("compute", f"pack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0),
                        Op("collective", f"{label} [reduce-scatter]", nbytes=padded, op="reduce_scatter")])
@@ -689,14 +677,7 @@ def simulator(name: str) -> Callable[..., StepResult]:
             "lightning_ddp/projection/simulators.py) and name it in its catalogue entry's `projection`, or leave it "
             f"out (projected: {', '.join(simulated_names())})")
     module, _, attribute = entry.projection.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"the projection model of {name!r}, {entry.projection!r}, cannot be loaded ({error}); "
-                         "fix `projection` in its catalogue entry: \"package.module:function\"") from None
-    if not callable(function):
-        raise ValueError(f"the projection model of {name!r}, {entry.projection!r}, is not a function")
-    return function
+    return getattr(importlib.import_module(module), attribute)
 
 
 def model_settings(name: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
 from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import read_fit
-from lightning_ddp.projection.contention import CONTENTION, cpu_contention_lines
+from lightning_ddp.projection.contention import CONTENTION, contention_lines
 from lightning_ddp.projection.simulators import (
     StepModel,
     StepResult,
@@ -286,7 +286,9 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     columns = list(dict.fromkeys(k for c in cells for k in c))
     write_atomically(out_dir / "cpu_sweep_validation.csv", csv_text(cells, columns, restval=""))
     markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
-    markdown += "\n" + "\n".join(cpu_contention_lines(before, cells, contention))
+    markdown += "\n" + "\n".join(contention_lines(
+        "gloo", contention, "cells' step times", before, cells,
+        ["too fast", "median \\|step error\\|", "mean \\|step error\\|", "mean \\|share error\\|"], by_strategy=False))
     write_atomically(out_dir / "cpu_sweep_validation.md", markdown)
     print(markdown)
     return 0

@@ -25,7 +25,8 @@ from lightning_ddp.projection.simulators import StepModel, simulate, simulated_n
 from lightning_ddp.projection.__main__ import main, parse_config
 from lightning_ddp.projection.simulators import assign_buckets, assign_owners, ddp_buckets
 from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
-from lightning_ddp.projection.sweep import COLUMNS, best_by_world_size, project, result_row
+from lightning_ddp.projection.run import COLUMNS, project, result_row
+from lightning_ddp.projection.simulators import best_by_world_size
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
