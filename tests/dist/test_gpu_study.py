@@ -19,11 +19,9 @@ import torch
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
-from lightning_ddp.bench.gpu_study.archive import select_files
 from lightning_ddp.bench.gpu_study.compute import batch_candidates, first_that_fits
 from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, STAGE_NAMES, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
-from lightning_ddp.bench.gpu_study.report import build_report
 from lightning_ddp.bench.gpu_study.stages import (
     EXACT_TOLERANCE,
     STAGES,
@@ -35,7 +33,7 @@ from lightning_ddp.bench.gpu_study.stages import (
     read_junit,
     weight_differences,
 )
-from lightning_ddp.bench.gpu_study.study import plan_calls, run_study
+from lightning_ddp.bench.gpu_study.study import build_report, plan_calls, run_study, select_files
 from lightning_ddp.projection.simulators import simulated_names
 from tests.support.cli_utils import REPO
 
@@ -84,7 +82,7 @@ def test_the_scales_differ_in_size_not_in_shape() -> None:
 
 
 def _stage(name: str, run, estimate: float = 1.0, needs_cuda: bool = False) -> Stage:
-    return Stage(name, name.title(), estimate, estimate, needs_cuda, run, f"what {name} shows")
+    return Stage(name, name.title(), estimate, estimate, needs_cuda, run)
 
 
 def _config(tmp_path: Path, **kwargs) -> GPUStudyConfig:
@@ -358,7 +356,7 @@ def test_the_archive_keeps_the_smallest_files_that_fit(tmp_path: Path) -> None:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x" * size)
     contents = select_files(tmp_path, limit=45, file_limit=100)
-    assert (contents.files, contents.left_out, contents.size_bytes) == (
+    assert (contents["files"], contents["left_out"], contents["size_bytes"]) == (
         ["b/c.csv", "stages.json"], ["b/big.json (40 B: the archive would pass 45 B)"], 40)
 
 
@@ -444,9 +442,9 @@ def test_the_report_puts_the_published_runs_beside_ours(tmp_path: Path) -> None:
             "ddp": {"status": "ok", "error": "", "step/time_ms": 100.0, "overhead_vs_ddp": 0.0}}}))
     document = {"budget_min": 20, "elapsed_s": 60, "cpu_dry_run": False, "device": "cuda", "stages": [
         {"name": "strategies", "title": "Every strategy", "status": "failed", "seconds": 50.0, "estimate_s": 60,
-         "error": "zero1_ddp: failed: RuntimeError: boom", "shows": "it runs", "problems": ["zero1_ddp: boom"]},
+         "error": "zero1_ddp: failed: RuntimeError: boom", "problems": ["zero1_ddp: boom"]},
         {"name": "traces", "title": "Traces", "status": "skipped: budget", "seconds": None, "estimate_s": 60,
-         "error": "needs ~60 s, 10 s of the budget left", "shows": "timelines"}]}
+         "error": "needs ~60 s, 10 s of the budget left"}]}
     report = build_report(document, tmp_path)
     assert "**Two ranks on one GPU time-slice it.**" in report
     # overlap_ddp beside the published 2-GPU xl overlap run at batch 4, context 512: 946.8 ms, 13.59 % comm
