@@ -70,22 +70,6 @@ def _peak_flops(device, dtype: str) -> float | None:
     return dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
 
 
-def _model_and_optimizer(config, where):
-    """The model on ``where`` and AdamW with the LightningModule's parameter groups (decay on matrices only)."""
-    import torch
-
-    from lightning_ddp.model import GPT
-
-    torch.manual_seed(0)
-    with torch.device(where):  # built on the device: initialising 2 B parameters on the host takes a minute
-        model = GPT(config)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95))
-    return model, optimizer
-
-
 def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: str, steps: int,
                  warmup: int) -> dict[str, Any]:
     """``warmup`` + ``steps`` training steps at ``batch``; the times of the last ``steps``."""
@@ -101,11 +85,7 @@ def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: s
         torch.cuda.reset_peak_memory_stats(where)
     times = []
     for step in range(warmup + steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
+        start = time.perf_counter()
         with torch.autocast(where.type, dtype=amp_dtype, enabled=autocast):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -113,13 +93,9 @@ def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: s
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize(where)  # the step's kernels done: the host clock times the whole step
         if step >= warmup:
-            times.append(ms)
+            times.append((time.perf_counter() - start) * 1e3)
     return {"batch": batch, "step_ms": times}
 
 
@@ -130,6 +106,7 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
 
     from lightning_ddp.memory import estimate_rank_memory, largest_batch, memory_budget_bytes
     from lightning_ddp.model import get_config
+    from lightning_ddp.module import LitGPT
 
     where = torch.device(device)
     cuda = where.type == "cuda"
@@ -138,7 +115,10 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
                            device_type=where.type)
     budget = memory_budget_bytes(where.type, 1)
     proposed = largest_batch(config, budget_bytes=budget, max_batch=max_batch, **estimate_kwargs)
-    model, optimizer = _model_and_optimizer(config, where)
+    torch.manual_seed(0)
+    with torch.device(where):  # built on the device: initialising 2 B parameters on the host takes a minute
+        module = LitGPT(preset, context_length=seq_len)
+    model, optimizer = module.model, module.configure_optimizers()  # AdamW with the training run's groups
 
     def free() -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -30,8 +30,7 @@ class Scale:
     profile: Mapping[str, Any]  # stage ready_times
     overhead: Mapping[str, Any]  # stage timer_overhead
     overhead_repeats: int  # off/on pairs
-    sweep_strategies: Optional[tuple[str, ...]]  # stage one_gpu_pair's sweep; None: the config's (it adds the
-    # reference and ddp)
+    sweep_config: str  # stage one_gpu_pair's short sweep, relative to the checkout
 
 
 GPU_SCALE = Scale(
@@ -41,7 +40,7 @@ GPU_SCALE = Scale(
     traces=dict(preset="small", batch=4, seq_len=256, steps=9, warmup=6),
     profile=dict(preset="xl", batch=4, seq_len=512, steps=12, warmup=3),  # the published 2-GPU xl runs
     overhead=dict(preset="small", batch=8, seq_len=512, steps=25, warmup=5), overhead_repeats=2,  # 6 fits, ~2 min
-    sweep_strategies=None,
+    sweep_config="configs/bench/gpu_study.yaml",
 )
 """One H100 (80 GB) or H200 (141 GB): about 17 minutes of stages, two calls of ``--budget_min 9``."""
 
@@ -52,7 +51,7 @@ DRY_RUN_SCALE = Scale(
     traces=dict(preset="tiny", batch=4, seq_len=32, steps=9, warmup=6),
     profile=dict(preset="tiny", batch=2, seq_len=32, steps=5, warmup=3),
     overhead=dict(preset="tiny", batch=2, seq_len=32, steps=6, warmup=2), overhead_repeats=1,
-    sweep_strategies=("ddp",),  # the sweep adds the reference: 2 cells, the sweep's code paths at the least cost
+    sweep_config="configs/bench/gpu_study_cpu.yaml",  # the same sweep shrunk: 2 cells on CPU
 )
 """The same stages on CPU with the tiny preset: every code path but the CUDA lines, in minutes on 2 cores."""
 

@@ -295,7 +295,7 @@ def compute(ctx: StudyContext) -> StageResult:
 
 
 def _tried(run: dict[str, Any], data: dict[str, Any]) -> str:
-    return " → ".join(f"{a['batch']}{' OOM' if a['status'] == 'oom' else ''}" for a in run.get("attempts", []))
+    return f"{run.get('preflight_batch')}: " + " → ".join(f"{a['batch']}{' OOM' if a['status'] == 'oom' else ''}" for a in run.get("attempts", []))
 
 
 def _estimate_over_reserved(run: dict[str, Any], data: dict[str, Any]) -> float | None:
@@ -365,7 +365,6 @@ TOLERANCE_ORIGIN = ("calibrated on CPU (gloo, fp32, tiny preset, 3 steps at lr 1
                     "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16_ddp 0.08 % (99th "
                     "percentile 8e-3), a rank's gradient missing from the average 52 %. cuBLAS sums in another order "
                     "than the CPU: read the 99th percentile and the largest difference beside the verdict.")
-SWEEP_CONFIG = "configs/bench/gpu_study.yaml"  # stage one_gpu_pair's short sweep, relative to the checkout
 
 
 def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update: float) -> dict[str, Any]:
@@ -435,26 +434,14 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
     return data, problems
 
 
-def _sweep_arguments(ctx: StudyContext, out_dir: Path) -> list[str]:
-    args = ["-m", "lightning_ddp.bench", "--config", SWEEP_CONFIG, "--output.out_dir", str(out_dir.resolve()),
-            "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))]
-    if ctx.scale.sweep_strategies is not None:
-        args += ["--grid.strategies", json.dumps(list(ctx.scale.sweep_strategies))]
-    if ctx.scale.device == "cpu":  # the dry run: the same sweep, shrunk to the tiny preset on CPU
-        args += ["--run.accelerator", "cpu", "--workload.base_config", "configs/quickstart.yaml",
-                 "--workload.preset", "tiny", "--workload.cli_args", json.dumps(["--data.source", "synthetic"]),
-                 "--grid.batch_sizes", "[2]", "--grid.context_lengths", "[32]", "--grid.bucket_sizes_mb", "[1]",
-                 "--grid.precisions", "[32-true]", "--run.warmup_steps", "1", "--run.steps", "2",
-                 "--run.predict_bucket_size", "false", "--run.env", "{}"]
-    return args
-
-
 def one_gpu_pair(ctx: StudyContext) -> StageResult:
     from lightning_ddp.bench.report import read_results
 
     equivalence, problems = _equivalence(ctx)
     sweep_dir = ctx.stage_dir("one_gpu_pair/sweep")
-    ran = ctx.run_python(_sweep_arguments(ctx, sweep_dir), ctx.out / "one_gpu_pair" / "sweep.log")
+    ran = ctx.run_python(["-m", "lightning_ddp.bench", "--config", ctx.scale.sweep_config, "--output.out_dir",
+                          str(sweep_dir.resolve()), "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))],
+                         ctx.out / "one_gpu_pair" / "sweep.log")
     results_csv = sweep_dir / "results.csv"
     rows = list(read_results(results_csv).values()) if results_csv.exists() else []
     if ran.code != 0:

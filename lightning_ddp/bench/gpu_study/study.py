@@ -249,12 +249,13 @@ def _table(table: Table, data: dict[str, Any]) -> list[str]:
     except (KeyError, TypeError):
         rows = None
     rows = [{"name": name, **row} for name, row in rows.items()] if isinstance(rows, dict) else rows or []
-    lines = [table.intro, ""] if table.intro else []
+    lines = ["", table.intro] if table.intro else []
     if not rows:
-        return lines + ["No rows."]
-    return lines + markdown_table([header for header, _, _ in table.columns],
-                                  [[cell(key(row, data) if callable(key) else row.get(key), spec)
-                                    for _, key, spec in table.columns] for row in rows])
+        return lines + ["", "No rows."]
+    align = "".join("l" if spec == "" else "r" for _, _, spec in table.columns)
+    return lines + [""] + markdown_table([header for header, _, _ in table.columns],
+                                         [[cell(key(row, data) if callable(key) else row.get(key), spec)
+                                           for _, key, spec in table.columns] for row in rows], align)
 
 
 def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = STAGES) -> str:
@@ -275,8 +276,8 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
              f"step times ([docs/gpu.md]({DOCS}#reading-the-2-rank-numbers)).", ""]
     if document.get("cpu_dry_run"):
         lines += ["A rehearsal on CPU with the tiny preset: no number below says anything about a GPU.", ""]
-    lines += markdown_table(["stage", "status", "seconds", "estimate s", "error"],
-                            [[f"[{e['name']}](#{e['name'].replace('_', '-')})", e["status"],
+    lines += markdown_table(["stage", "status", "seconds", "estimate s", "error"], align="llrrl", rows=[
+                             [f"[{e['name']}](#{e['name'].replace('_', '-')})", e["status"],
                               cell(e.get("seconds"), ",.0f"), cell(e.get("estimate_s"), ",.0f"), e.get("error") or ""]
                              for e in document.get("stages", [])])
     specs = {stage.name: stage for stage in stages}
@@ -290,9 +291,9 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
         if stage is None or not (stage.caption or stage.tables):
             lines += ["```json", json.dumps(data, indent=2)[:4000], "```"]
         else:
-            lines += [_Caption().format(stage.caption, **data), ""] if stage.caption else []
+            lines += [_Caption().format(stage.caption, **data)] if stage.caption else []
             for table in stage.tables:
-                lines += _table(table, data) + [""]
+                lines += _table(table, data)
         if entry.get("problems"):
             lines += ["", "Problems:", *[f"- {p}" for p in entry["problems"][:20]]]
     return "\n".join(lines).rstrip() + "\n"
