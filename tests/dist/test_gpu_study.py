@@ -20,7 +20,7 @@ import torch
 from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
 from lightning_ddp.bench.gpu_study.compute import batch_candidates, first_that_fits
-from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, STAGE_NAMES, GPUStudyConfig
+from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
 from lightning_ddp.bench.gpu_study.stages import (
     EXACT_TOLERANCE,
@@ -40,8 +40,12 @@ from tests.support.cli_utils import REPO
 # ---- the stage table ---------------------------------------------------------------------------------------------
 
 
-def test_the_stage_table_is_the_configs_list_in_order() -> None:
-    assert [s.name for s in STAGES] == list(STAGE_NAMES)
+STAGE_NAMES = ["environment", "cuda_tests", "compute", "strategies", "one_gpu_pair", "traces", "ready_times",
+               "timer_overhead"]
+
+
+def test_the_stages_run_in_this_order() -> None:
+    assert [s.name for s in STAGES] == STAGE_NAMES
 
 
 def test_the_estimates_fit_two_calls_of_the_default_budget() -> None:
@@ -297,12 +301,21 @@ def test_without_cuda_only_a_dry_run_may_start(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--budget_min", "20"], "`--out` is missing"),
     (["--out", "x", "--budget_min", "0"], "`--budget_min` must be > 0"),
-    (["--out", "x", "--stages", "[compute,nonsense]"], "unknown stage 'nonsense'"),
 ])
 def test_bad_command_lines_exit_2_naming_the_fix(capsys, args: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stages, message", [("[compute,nonsense]", "unknown stage 'nonsense' in `--stages`"),
+                                             ("[]", "`--stages` is empty")])
+def test_a_bad_stage_list_exits_2_naming_the_stages(tmp_path: Path, capsys, stages: str, message: str) -> None:
+    # Checked against the study's stages before anything starts: nothing written.
+    assert main(["--out", str(tmp_path / "study"), "--cpu_dry_run", "true", "--stages", stages]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and "; choose from environment, cuda_tests, compute," in err
+    assert not (tmp_path / "study").exists()
 
 
 # ---- the parts ----------------------------------------------------------------------------------------------------

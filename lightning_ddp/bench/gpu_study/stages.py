@@ -8,7 +8,6 @@ its problems (any makes it ``failed``). Every process a stage starts stops at ``
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
@@ -29,6 +28,10 @@ from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_comput
 from lightning_ddp.provenance import COMMIT_VARIABLE
 
 __all__ = ["STAGES", "Stage", "StageResult", "StudyContext"]
+
+
+DOCS = "../../../docs/gpu.md"
+"""docs/gpu.md from results.md in ``benchmarks/results/gpu-<h100|h200>/``, where the recipe puts it."""
 
 
 class Ran(NamedTuple):
@@ -295,7 +298,9 @@ def compute(ctx: StudyContext) -> StageResult:
 
 
 def _tried(run: dict[str, Any], data: dict[str, Any]) -> str:
-    return f"{run.get('preflight_batch')}: " + " → ".join(f"{a['batch']}{' OOM' if a['status'] == 'oom' else ''}" for a in run.get("attempts", []))
+    """The pre-flight's batch and each batch tried from it."""
+    tried = [f"{a['batch']}{' OOM' if a['status'] == 'oom' else ''}" for a in run.get("attempts", [])]
+    return f"{run.get('preflight_batch')}: {' → '.join(tried)}"
 
 
 def _estimate_over_reserved(run: dict[str, Any], data: dict[str, Any]) -> float | None:
@@ -356,15 +361,11 @@ def strategies(ctx: StudyContext) -> StageResult:
 
 
 # Stage one_gpu_pair's equivalence: fp32 fits on the same global batch, 2 ranks against one process, compared in
-# updates (lr x steps); the tolerances' calibration is TOLERANCE_ORIGIN (docs/gpu.md).
+# updates (lr x steps); docs/gpu.md says how the tolerances were calibrated.
 EQUIVALENCE = {"preset": "tiny", "per_rank_batch": 2, "seq_len": 64, "steps": 3, "lr": 1e-3}
 OFF_BY = 0.1  # a weight is *off* when it differs from one process's by more than this many updates
 EXACT_TOLERANCE = 1e-4  # the largest fraction of weights off an exact algorithm may have
 LOSSY_TOLERANCE = 1e-2  # the same for a lossy algorithm (bucketed_bf16_ddp)
-TOLERANCE_ORIGIN = ("calibrated on CPU (gloo, fp32, tiny preset, 3 steps at lr 1e-3): exact algorithms left no "
-                    "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16_ddp 0.08 % (99th "
-                    "percentile 8e-3), a rank's gradient missing from the average 52 %. cuBLAS sums in another order "
-                    "than the CPU: read the 99th percentile and the largest difference beside the verdict.")
 
 
 def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update: float) -> dict[str, Any]:
@@ -429,8 +430,7 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
             problems.append(f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the "
                             f"weights off by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst "
                             f"{row['max_updates']:.3g} updates at {row['worst_tensor']})")
-    data = {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "tolerance_origin": TOLERANCE_ORIGIN,
-            "rows": rows}
+    data = {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "rows": rows}
     return data, problems
 
 
@@ -614,8 +614,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair, caption=(
         "**Equivalence** ({equivalence[preset]} preset, fp32, {equivalence[steps]} steps at lr {equivalence[lr]}): "
         "2 ranks of batch {equivalence[per_rank_batch]} against one process on the same samples; weight "
-        "differences in updates (lr x steps), *off* beyond {equivalence[off_by_updates]} update. Tolerances: "
-        "{equivalence[tolerance_origin]}"),
+        "differences in updates (lr x steps), *off* beyond {equivalence[off_by_updates]} update; how the tolerances "
+        f"were calibrated: [docs/gpu.md]({DOCS}#how-the-stages-measure)."),
         tables=(Table(lambda data: data["equivalence"]["rows"], (
             ("strategy", "name", ""), STATUS, ("weights off", "off_fraction", ".3%"),
             ("tolerance", "tolerance", ".2%"), ("median", "median_updates", ".1e"),

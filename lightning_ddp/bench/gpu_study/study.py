@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, scale_of
-from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext, Table
+from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
+from lightning_ddp.bench.gpu_study.stages import DOCS, STAGES, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import markdown_table, read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import git_state, repo_relative
@@ -162,6 +162,11 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     began (the budget counts from it; default: now)."""
     started = time.monotonic() if started is None else started
     say = log or (lambda line: print(line, flush=True))
+    names = [stage.name for stage in stages]
+    unknown = [name for name in config.stages or () if name not in names]
+    if unknown or config.stages == []:
+        problem = f"unknown stage {unknown[0]!r} in `--stages`" if unknown else "`--stages` is empty"
+        raise ValueError(f"{problem}; choose from {', '.join(names)}, or leave it out")
     out = Path(config.out)
     root = repository_root(config.root)
     previous = _previous_document(out, config)
@@ -169,7 +174,8 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     if not cuda and not config.cpu_dry_run:
         raise ValueError("no CUDA device is visible (torch.cuda.is_available() is False in a fresh process); the GPU "
                          "study needs one. To rehearse every stage on CPU, add `--cpu_dry_run true`.")
-    ctx = StudyContext(config=config, scale=scale_of(config), out=out, root=root, cuda=cuda,
+    scale = DRY_RUN_SCALE if config.cpu_dry_run else GPU_SCALE
+    ctx = StudyContext(config=config, scale=scale, out=out, root=root, cuda=cuda,
                        deadline=started + config.budget_min * 60, log=say)
     document = _new_document(config, stages, ctx, previous)
     # Refuse a budget in which a stage left to run could never start (it would be skipped call after call).
@@ -211,9 +217,6 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
 
 
 # ---- results.md: each stage's caption and tables over its <name>.json -------------------------------------------
-
-DOCS = "../../../docs/gpu.md"
-"""docs/gpu.md from results.md in ``benchmarks/results/gpu-<h100|h200>/``, where the recipe puts it."""
 
 
 def cell(value: Any, spec: str = "") -> str:
