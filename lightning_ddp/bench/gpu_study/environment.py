@@ -17,7 +17,7 @@ from typing import Any
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.provenance import package_version
 
-__all__ = ["describe"]
+__all__ = ["main"]
 
 
 def _nvidia_driver() -> str | None:
@@ -50,9 +50,9 @@ def _gpu(index: int) -> dict[str, Any]:
     }
 
 
-def describe(device: str = "cuda", out: str | None = None) -> dict[str, Any]:
-    """Everything in the module docstring, for ``device`` (``cuda``: every visible GPU; ``cpu``: the host only);
-    ``out``, where it is written, does not make the tree dirty."""
+def main(out: str, device: str = "cuda") -> int:
+    """Describe the machine for ``device`` (``cuda``: every visible GPU; ``cpu``, a dry run's: the host only) and
+    write it to ``out`` (JSON; its folder does not make the tree dirty)."""
     import torch
 
     from lightning_ddp.bench.study import provenance
@@ -70,20 +70,15 @@ def describe(device: str = "cuda", out: str | None = None) -> dict[str, Any]:
         driver_api = torch._C._cuda_getDriverVersion() if cuda else None  # e.g. 12040 for CUDA 12.4
     except (AttributeError, RuntimeError):
         driver_api = None
-    return provenance(
-        out, device="cuda" if cuda else "cpu",
+    write_json_atomically(Path(out), provenance(
+        str(Path(out).parent), device="cuda" if cuda else "cpu",
         gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
         nvidia_driver=_nvidia_driver() if cuda else None, cuda_driver_api=driver_api,
         torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None, nccl=nccl,
         jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
         memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
         float32_matmul_precision=torch.get_float32_matmul_precision(),
-    )
-
-
-def main(out: str, device: str = "cuda") -> int:
-    """Describe the machine for ``device`` (``cuda`` or ``cpu``, a dry run's) and write it to ``out`` (JSON)."""
-    write_json_atomically(Path(out), describe(device, str(Path(out).parent)), default=str)
+    ), default=str)
     return 0
 
 
