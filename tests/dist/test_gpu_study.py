@@ -466,6 +466,19 @@ def test_the_report_puts_the_published_runs_beside_ours(tmp_path: Path) -> None:
     assert "| [traces](#traces) | skipped: budget | – | 60 | needs ~60 s, 10 s of the budget left |" in report
 
 
+def test_the_report_renders_what_a_stage_cut_off_wrote(tmp_path: Path) -> None:
+    # Every stage's caption and tables come from its data: a missing field or row shows as "–", never an error.
+    (tmp_path / "timer_overhead.json").write_text(json.dumps({"preset": "small", "overhead": 0.0123}))
+    (tmp_path / "compute.json").write_text(json.dumps({"runs": {"32-true": {
+        "status": "ok", "batch": 6, "preflight_batch": 8, "peak_reserved_bytes": 2 * 2**30, "estimate_bytes": 2**30,
+        "attempts": [{"batch": 8, "status": "oom"}, {"batch": 6, "status": "ok"}]}}}))
+    document = {"stages": [{"name": name, "title": name, "status": "ok", "seconds": 1.0, "estimate_s": 1}
+                           for name in ("compute", "timer_overhead")]}
+    report = build_report(document, tmp_path)
+    assert "small preset, – off/on pairs of – steps" in report and "overhead +1.23% [95 %: –, –]" in report
+    assert "| 32-true | ok | – | 6 | 8: 8 OOM → 6 | – | – | – | – | 2.0 | 1.0 | 0.50 |" in report
+
+
 # ---- the dry run ----------------------------------------------------------------------------------------------------
 
 
