@@ -7,7 +7,7 @@ size to the tiny preset on CPU (docs/gpu.md).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "Scale"]
@@ -68,8 +68,6 @@ class GPUStudyConfig:
     not selected``."""
     root: Optional[str] = None
     """The checkout whose configs/ and tests/ the stages use; default: the one holding this package, else cwd."""
-    extra_env: dict[str, str] = field(default_factory=dict)
-    """Environment variables for every process a stage starts, e.g. ``{NCCL_DEBUG: WARN}``."""
     resume: bool = False
     """Keep the ``ok`` stages of ``--out``'s stages.json and run the rest (required where ``--out`` holds a study)."""
     archive: Optional[str] = None

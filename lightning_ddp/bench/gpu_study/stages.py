@@ -81,11 +81,10 @@ class StudyContext:
         return max(1, (os.cpu_count() or 1) // ranks) if self.scale.device == "cpu" else None
 
     def env(self) -> dict[str, str]:
-        """Extra environment of every process: the checkout first on PYTHONPATH, ``--commit`` as
-        ``LIGHTNING_DDP_COMMIT`` (no .git on a GPU machine), and ``--extra_env``."""
+        """Extra environment of every process (which inherits this one's): the checkout first on PYTHONPATH, and
+        ``--commit`` as ``LIGHTNING_DDP_COMMIT`` (no .git on a GPU machine)."""
         path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)
-        commit = {COMMIT_VARIABLE: self.config.commit} if self.config.commit else {}
-        return {"PYTHONPATH": path, **commit, **self.config.extra_env}
+        return {"PYTHONPATH": path, **({COMMIT_VARIABLE: self.config.commit} if self.config.commit else {})}
 
     def run_python(self, args: list[str], log: Path, result: Path | None = None) -> Ran:
         """``python ARGS`` in the checkout until the stage's deadline, output to ``log``."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import string
 import subprocess
 import sys
@@ -46,12 +45,11 @@ def repository_root(root: str | None = None) -> Path:
                      "from a checkout of the repository or pass --root CHECKOUT")
 
 
-def cuda_available(env: dict[str, str] | None = None) -> bool:
+def cuda_available() -> bool:
     """Whether a child process sees a CUDA device, without touching CUDA here."""
     try:
         code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env={**os.environ, **(env or {})}, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:  # a driver that hangs on the device query: no usable GPU
         return False
     return proc.returncode == 0
@@ -170,7 +168,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     out = Path(config.out)
     root = repository_root(config.root)
     previous = _previous_document(out, config)
-    cuda = cuda_available(config.extra_env) if cuda is None else cuda
+    cuda = cuda_available() if cuda is None else cuda
     if not cuda and not config.cpu_dry_run:
         raise ValueError("no CUDA device is visible (torch.cuda.is_available() is False in a fresh process); the GPU "
                          "study needs one. To rehearse every stage on CPU, add `--cpu_dry_run true`.")
