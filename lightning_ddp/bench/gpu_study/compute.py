@@ -1,15 +1,21 @@
-"""The compute figures of one device: ``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``.
+"""The study's processes on the device, so that its own never creates a CUDA context (docs/gpu.md, "How the stages
+measure"):
 
-Step time, tokens/s, MFU and peak memory of a preset at the largest batch that fits, without Lightning or
-communication; ``measure`` starts at the memory pre-flight's batch and steps down on out-of-memory errors
-(docs/gpu.md, "How the stages measure").
+- ``python -m lightning_ddp.bench.gpu_study.compute environment OUT [--device cuda|cpu]``: what the study ran on
+  (the devices, their MIG slice and hardware table row, driver, torch / CUDA / cuDNN / NCCL, the git state);
+- ``python -m lightning_ddp.bench.gpu_study.compute compute REQUEST OUT``: step time, tokens/s, MFU and peak memory
+  of a preset at the largest batch that fits, without a Trainer or communication; ``measure`` starts at the memory
+  pre-flight's batch and steps down on out-of-memory errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,8 +23,9 @@ from typing import Any, Callable
 
 from lightning_ddp.bench.launch import is_oom
 from lightning_ddp.files import write_json_atomically
+from lightning_ddp.provenance import package_version
 
-__all__ = ["batch_candidates", "first_that_fits", "measure"]
+__all__ = ["batch_candidates", "compute", "environment", "first_that_fits", "measure"]
 
 
 def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
@@ -157,14 +164,75 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
     return out
 
 
-def main(request: str, out: str) -> int:
+def compute(request: str, out: str) -> int:
     """Measure with the keyword arguments in the JSON file ``request`` (the study writes it); the result to ``out``."""
-    result = measure(**json.loads(Path(request).read_text()))
-    write_json_atomically(out, result)
+    write_json_atomically(out, measure(**json.loads(Path(request).read_text())))
+    return 0
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (``nvidia-smi``), or None without nvidia-smi."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def _gpu(index: int) -> dict[str, Any]:
+    import torch
+
+    from lightning_ddp.hardware import compute_share, find_device, mig_profile
+
+    p = torch.cuda.get_device_properties(index)
+    spec = find_device(p.name)
+    return {
+        "name": p.name,
+        "total_memory_bytes": p.total_memory,
+        "sm_count": p.multi_processor_count,
+        "compute_capability": f"{p.major}.{p.minor}",
+        "uuid": str(getattr(p, "uuid", "")) or None,
+        "mig_profile": mig_profile(p.name),
+        "compute_share": compute_share(p.name, p.multi_processor_count),
+        "hardware_table": None if spec is None else dataclasses.asdict(spec),
+    }
+
+
+def environment(out: str, device: str = "cuda") -> int:
+    """Describe the machine for ``device`` (``cuda``: every visible GPU; ``cpu``, a dry run's: the host only) and
+    write it to ``out`` (JSON; its folder does not make the tree dirty)."""
+    import torch
+
+    from lightning_ddp.bench.study import provenance
+    from lightning_ddp.memory import memory_budget_bytes
+
+    cuda = device == "cuda" and torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        try:
+            version = torch.cuda.nccl.version()  # (2, 21, 5) in torch 2.x; one int (22105) in some older builds
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except (AttributeError, RuntimeError):  # a build without NCCL
+            nccl = None
+    try:
+        driver_api = torch._C._cuda_getDriverVersion() if cuda else None  # e.g. 12040 for CUDA 12.4
+    except (AttributeError, RuntimeError):
+        driver_api = None
+    write_json_atomically(Path(out), provenance(
+        str(Path(out).parent), device="cuda" if cuda else "cpu",
+        gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        nvidia_driver=_nvidia_driver() if cuda else None, cuda_driver_api=driver_api,
+        torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None, nccl=nccl,
+        jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
+        memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+    ), default=str)
     return 0
 
 
 if __name__ == "__main__":
     from jsonargparse import auto_cli
 
-    sys.exit(auto_cli(main, prog="python -m lightning_ddp.bench.gpu_study.compute"))
+    sys.exit(auto_cli([environment, compute], prog="python -m lightning_ddp.bench.gpu_study.compute"))

@@ -199,8 +199,8 @@ STATUS = ("status", _status, "")
 
 def environment(ctx: StudyContext) -> StageResult:
     path = ctx.out / "environment.json"
-    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.environment", str(path.resolve()), "--device",
-                          ctx.scale.device], ctx.out / "logs" / "environment.log", path)
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", "environment", str(path.resolve()),
+                          "--device", ctx.scale.device], ctx.out / "logs" / "environment.log", path)
     if ran.data is None:
         return StageResult(problems=[ran.error or "no environment.json"])
     return StageResult(data=ran.data, files=["environment.json"])
@@ -280,7 +280,7 @@ def compute(ctx: StudyContext) -> StageResult:
     for precision in ("bf16-mixed", "32-true"):
         request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
         write_json_atomically(request, {**ctx.scale.compute, "precision": precision, "device": ctx.scale.device})
-        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", str(request.resolve()),
+        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", "compute", str(request.resolve()),
                               str(out.resolve())], stage / f"compute_{precision}.log", out)
         run = ran.data or {"status": "failed", "error": f"{precision}: {ran.error or 'no result'}"}
         if ran.data is not None:  # the process wrote its result
