@@ -19,11 +19,9 @@ import torch
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
-from lightning_ddp.bench.gpu_study.archive import select_files
 from lightning_ddp.bench.gpu_study.compute import batch_candidates, first_that_fits
-from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, STAGE_NAMES, GPUStudyConfig
+from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
-from lightning_ddp.bench.gpu_study.report import build_report
 from lightning_ddp.bench.gpu_study.stages import (
     EXACT_TOLERANCE,
     STAGES,
@@ -35,15 +33,19 @@ from lightning_ddp.bench.gpu_study.stages import (
     read_junit,
     weight_differences,
 )
-from lightning_ddp.bench.gpu_study.study import plan_calls, run_study
+from lightning_ddp.bench.gpu_study.study import build_report, plan_calls, run_study, select_files
 from lightning_ddp.projection.simulators import simulated_names
 from tests.support.cli_utils import REPO
 
 # ---- the stage table ---------------------------------------------------------------------------------------------
 
 
-def test_the_stage_table_is_the_configs_list_in_order() -> None:
-    assert [s.name for s in STAGES] == list(STAGE_NAMES)
+STAGE_NAMES = ["environment", "cuda_tests", "compute", "strategies", "one_gpu_pair", "traces", "ready_times",
+               "timer_overhead"]
+
+
+def test_the_stages_run_in_this_order() -> None:
+    assert [s.name for s in STAGES] == STAGE_NAMES
 
 
 def test_the_estimates_fit_two_calls_of_the_default_budget() -> None:
@@ -84,7 +86,7 @@ def test_the_scales_differ_in_size_not_in_shape() -> None:
 
 
 def _stage(name: str, run, estimate: float = 1.0, needs_cuda: bool = False) -> Stage:
-    return Stage(name, name.title(), estimate, estimate, needs_cuda, run, f"what {name} shows")
+    return Stage(name, name.title(), estimate, estimate, needs_cuda, run)
 
 
 def _config(tmp_path: Path, **kwargs) -> GPUStudyConfig:
@@ -299,12 +301,21 @@ def test_without_cuda_only_a_dry_run_may_start(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--budget_min", "20"], "`--out` is missing"),
     (["--out", "x", "--budget_min", "0"], "`--budget_min` must be > 0"),
-    (["--out", "x", "--stages", "[compute,nonsense]"], "unknown stage 'nonsense'"),
 ])
 def test_bad_command_lines_exit_2_naming_the_fix(capsys, args: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stages, message", [("[compute,nonsense]", "unknown stage 'nonsense' in `--stages`"),
+                                             ("[]", "`--stages` is empty")])
+def test_a_bad_stage_list_exits_2_naming_the_stages(tmp_path: Path, capsys, stages: str, message: str) -> None:
+    # Checked against the study's stages before anything starts: nothing written.
+    assert main(["--out", str(tmp_path / "study"), "--cpu_dry_run", "true", "--stages", stages]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and "; choose from environment, cuda_tests, compute," in err
+    assert not (tmp_path / "study").exists()
 
 
 # ---- the parts ----------------------------------------------------------------------------------------------------
@@ -358,7 +369,7 @@ def test_the_archive_keeps_the_smallest_files_that_fit(tmp_path: Path) -> None:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x" * size)
     contents = select_files(tmp_path, limit=45, file_limit=100)
-    assert (contents.files, contents.left_out, contents.size_bytes) == (
+    assert (contents["files"], contents["left_out"], contents["size_bytes"]) == (
         ["b/c.csv", "stages.json"], ["b/big.json (40 B: the archive would pass 45 B)"], 40)
 
 
@@ -444,15 +455,28 @@ def test_the_report_puts_the_published_runs_beside_ours(tmp_path: Path) -> None:
             "ddp": {"status": "ok", "error": "", "step/time_ms": 100.0, "overhead_vs_ddp": 0.0}}}))
     document = {"budget_min": 20, "elapsed_s": 60, "cpu_dry_run": False, "device": "cuda", "stages": [
         {"name": "strategies", "title": "Every strategy", "status": "failed", "seconds": 50.0, "estimate_s": 60,
-         "error": "zero1_ddp: failed: RuntimeError: boom", "shows": "it runs", "problems": ["zero1_ddp: boom"]},
+         "error": "zero1_ddp: failed: RuntimeError: boom", "problems": ["zero1_ddp: boom"]},
         {"name": "traces", "title": "Traces", "status": "skipped: budget", "seconds": None, "estimate_s": 60,
-         "error": "needs ~60 s, 10 s of the budget left", "shows": "timelines"}]}
+         "error": "needs ~60 s, 10 s of the budget left"}]}
     report = build_report(document, tmp_path)
     assert "**Two ranks on one GPU time-slice it.**" in report
     # overlap_ddp beside the published 2-GPU xl overlap run at batch 4, context 512: 946.8 ms, 13.59 % comm
     assert "| overlap_ddp | ok | 110.0 | +10.0% |" in report and "947 ms, 14% comm" in report
     assert "failed: RuntimeError: boom" in report
     assert "| [traces](#traces) | skipped: budget | – | 60 | needs ~60 s, 10 s of the budget left |" in report
+
+
+def test_the_report_renders_what_a_stage_cut_off_wrote(tmp_path: Path) -> None:
+    # Every stage's caption and tables come from its data: a missing field or row shows as "–", never an error.
+    (tmp_path / "timer_overhead.json").write_text(json.dumps({"preset": "small", "overhead": 0.0123}))
+    (tmp_path / "compute.json").write_text(json.dumps({"runs": {"32-true": {
+        "status": "ok", "batch": 6, "preflight_batch": 8, "peak_reserved_bytes": 2 * 2**30, "estimate_bytes": 2**30,
+        "attempts": [{"batch": 8, "status": "oom"}, {"batch": 6, "status": "ok"}]}}}))
+    document = {"stages": [{"name": name, "title": name, "status": "ok", "seconds": 1.0, "estimate_s": 1}
+                           for name in ("compute", "timer_overhead")]}
+    report = build_report(document, tmp_path)
+    assert "small preset, – off/on pairs of – steps" in report and "overhead +1.23% [95 %: –, –]" in report
+    assert "| 32-true | ok | – | 6 | 8: 8 OOM → 6 | – | – | – | – | 2.0 | 1.0 | 0.50 |" in report
 
 
 # ---- the dry run ----------------------------------------------------------------------------------------------------

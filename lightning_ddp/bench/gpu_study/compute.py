@@ -1,15 +1,21 @@
-"""The compute figures of one device: ``python -m lightning_ddp.bench.gpu_study.compute REQUEST OUT``.
+"""The study's processes on the device, so that its own never creates a CUDA context (docs/gpu.md, "How the stages
+measure"):
 
-Step time, tokens/s, MFU and peak memory of a preset at the largest batch that fits, without Lightning or
-communication; ``measure`` starts at the memory pre-flight's batch and steps down on out-of-memory errors
-(docs/gpu.md, "How the stages measure").
+- ``python -m lightning_ddp.bench.gpu_study.compute environment OUT [--device cuda|cpu]``: what the study ran on
+  (the devices, their MIG slice and hardware table row, driver, torch / CUDA / cuDNN / NCCL, the git state);
+- ``python -m lightning_ddp.bench.gpu_study.compute compute REQUEST OUT``: step time, tokens/s, MFU and peak memory
+  of a preset at the largest batch that fits, without a Trainer or communication; ``measure`` starts at the memory
+  pre-flight's batch and steps down on out-of-memory errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,8 +23,9 @@ from typing import Any, Callable
 
 from lightning_ddp.bench.launch import is_oom
 from lightning_ddp.files import write_json_atomically
+from lightning_ddp.provenance import package_version
 
-__all__ = ["batch_candidates", "first_that_fits", "measure"]
+__all__ = ["batch_candidates", "compute", "environment", "first_that_fits", "measure"]
 
 
 def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
@@ -70,22 +77,6 @@ def _peak_flops(device, dtype: str) -> float | None:
     return dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
 
 
-def _model_and_optimizer(config, where):
-    """The model on ``where`` and AdamW with the LightningModule's parameter groups (decay on matrices only)."""
-    import torch
-
-    from lightning_ddp.model import GPT
-
-    torch.manual_seed(0)
-    with torch.device(where):  # built on the device: initialising 2 B parameters on the host takes a minute
-        model = GPT(config)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95))
-    return model, optimizer
-
-
 def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: str, steps: int,
                  warmup: int) -> dict[str, Any]:
     """``warmup`` + ``steps`` training steps at ``batch``; the times of the last ``steps``."""
@@ -101,11 +92,7 @@ def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: s
         torch.cuda.reset_peak_memory_stats(where)
     times = []
     for step in range(warmup + steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
+        start = time.perf_counter()
         with torch.autocast(where.type, dtype=amp_dtype, enabled=autocast):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -113,13 +100,9 @@ def _timed_steps(model, optimizer, where, batch: int, seq_len: int, precision: s
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize(where)  # the step's kernels done: the host clock times the whole step
         if step >= warmup:
-            times.append(ms)
+            times.append((time.perf_counter() - start) * 1e3)
     return {"batch": batch, "step_ms": times}
 
 
@@ -130,6 +113,7 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
 
     from lightning_ddp.memory import estimate_rank_memory, largest_batch, memory_budget_bytes
     from lightning_ddp.model import get_config
+    from lightning_ddp.module import LitGPT
 
     where = torch.device(device)
     cuda = where.type == "cuda"
@@ -138,7 +122,10 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
                            device_type=where.type)
     budget = memory_budget_bytes(where.type, 1)
     proposed = largest_batch(config, budget_bytes=budget, max_batch=max_batch, **estimate_kwargs)
-    model, optimizer = _model_and_optimizer(config, where)
+    torch.manual_seed(0)
+    with torch.device(where):  # built on the device: initialising 2 B parameters on the host takes a minute
+        module = LitGPT(preset, context_length=seq_len)
+    model, optimizer = module.model, module.configure_optimizers()  # AdamW with the training run's groups
 
     def free() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -177,14 +164,75 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
     return out
 
 
-def main(request: str, out: str) -> int:
+def compute(request: str, out: str) -> int:
     """Measure with the keyword arguments in the JSON file ``request`` (the study writes it); the result to ``out``."""
-    result = measure(**json.loads(Path(request).read_text()))
-    write_json_atomically(out, result)
+    write_json_atomically(out, measure(**json.loads(Path(request).read_text())))
+    return 0
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (``nvidia-smi``), or None without nvidia-smi."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def _gpu(index: int) -> dict[str, Any]:
+    import torch
+
+    from lightning_ddp.hardware import compute_share, find_device, mig_profile
+
+    p = torch.cuda.get_device_properties(index)
+    spec = find_device(p.name)
+    return {
+        "name": p.name,
+        "total_memory_bytes": p.total_memory,
+        "sm_count": p.multi_processor_count,
+        "compute_capability": f"{p.major}.{p.minor}",
+        "uuid": str(getattr(p, "uuid", "")) or None,
+        "mig_profile": mig_profile(p.name),
+        "compute_share": compute_share(p.name, p.multi_processor_count),
+        "hardware_table": None if spec is None else dataclasses.asdict(spec),
+    }
+
+
+def environment(out: str, device: str = "cuda") -> int:
+    """Describe the machine for ``device`` (``cuda``: every visible GPU; ``cpu``, a dry run's: the host only) and
+    write it to ``out`` (JSON; its folder does not make the tree dirty)."""
+    import torch
+
+    from lightning_ddp.bench.study import provenance
+    from lightning_ddp.memory import memory_budget_bytes
+
+    cuda = device == "cuda" and torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        try:
+            version = torch.cuda.nccl.version()  # (2, 21, 5) in torch 2.x; one int (22105) in some older builds
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except (AttributeError, RuntimeError):  # a build without NCCL
+            nccl = None
+    try:
+        driver_api = torch._C._cuda_getDriverVersion() if cuda else None  # e.g. 12040 for CUDA 12.4
+    except (AttributeError, RuntimeError):
+        driver_api = None
+    write_json_atomically(Path(out), provenance(
+        str(Path(out).parent), device="cuda" if cuda else "cpu",
+        gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        nvidia_driver=_nvidia_driver() if cuda else None, cuda_driver_api=driver_api,
+        torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None, nccl=nccl,
+        jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
+        memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+    ), default=str)
     return 0
 
 
 if __name__ == "__main__":
     from jsonargparse import auto_cli
 
-    sys.exit(auto_cli(main, prog="python -m lightning_ddp.bench.gpu_study.compute"))
+    sys.exit(auto_cli([environment, compute], prog="python -m lightning_ddp.bench.gpu_study.compute"))

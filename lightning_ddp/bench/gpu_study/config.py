@@ -7,16 +7,10 @@ size to the tiny preset on CPU (docs/gpu.md).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "STAGE_NAMES", "Scale", "scale_of"]
-
-STAGE_NAMES: tuple[str, ...] = (
-    "environment", "cuda_tests", "compute", "strategies", "one_gpu_pair", "traces", "ready_times", "timer_overhead",
-)
-"""The stages, in the order they run (``stages.STAGES`` defines them; a test keeps the two lists equal)."""
-
+__all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "Scale"]
 
 @dataclass(frozen=True)
 class Scale:
@@ -30,8 +24,7 @@ class Scale:
     profile: Mapping[str, Any]  # stage ready_times
     overhead: Mapping[str, Any]  # stage timer_overhead
     overhead_repeats: int  # off/on pairs
-    sweep_strategies: Optional[tuple[str, ...]]  # stage one_gpu_pair's sweep; None: the config's (it adds the
-    # reference and ddp)
+    sweep_config: str  # stage one_gpu_pair's short sweep, relative to the checkout
 
 
 GPU_SCALE = Scale(
@@ -41,7 +34,7 @@ GPU_SCALE = Scale(
     traces=dict(preset="small", batch=4, seq_len=256, steps=9, warmup=6),
     profile=dict(preset="xl", batch=4, seq_len=512, steps=12, warmup=3),  # the published 2-GPU xl runs
     overhead=dict(preset="small", batch=8, seq_len=512, steps=25, warmup=5), overhead_repeats=2,  # 6 fits, ~2 min
-    sweep_strategies=None,
+    sweep_config="configs/bench/gpu_study.yaml",
 )
 """One H100 (80 GB) or H200 (141 GB): about 17 minutes of stages, two calls of ``--budget_min 9``."""
 
@@ -52,7 +45,7 @@ DRY_RUN_SCALE = Scale(
     traces=dict(preset="tiny", batch=4, seq_len=32, steps=9, warmup=6),
     profile=dict(preset="tiny", batch=2, seq_len=32, steps=5, warmup=3),
     overhead=dict(preset="tiny", batch=2, seq_len=32, steps=6, warmup=2), overhead_repeats=1,
-    sweep_strategies=("ddp",),  # the sweep adds the reference: 2 cells, the sweep's code paths at the least cost
+    sweep_config="configs/bench/gpu_study_cpu.yaml",  # the same sweep shrunk: 2 cells on CPU
 )
 """The same stages on CPU with the tiny preset: every code path but the CUDA lines, in minutes on 2 cores."""
 
@@ -71,11 +64,10 @@ class GPUStudyConfig:
     cpu_dry_run: bool = False
     """Run every stage on CPU with the tiny preset, producing the same files; stages that need CUDA are skipped."""
     stages: Optional[list[str]] = None
-    """Run only these stages (by name); default: all. The others are ``skipped: not selected``."""
+    """Run only these stages (by name, checked against the study's stages); default: all. The others are ``skipped:
+    not selected``."""
     root: Optional[str] = None
     """The checkout whose configs/ and tests/ the stages use; default: the one holding this package, else cwd."""
-    extra_env: dict[str, str] = field(default_factory=dict)
-    """Environment variables for every process a stage starts, e.g. ``{NCCL_DEBUG: WARN}``."""
     resume: bool = False
     """Keep the ``ok`` stages of ``--out``'s stages.json and run the rest (required where ``--out`` holds a study)."""
     archive: Optional[str] = None
@@ -88,12 +80,6 @@ class GPUStudyConfig:
             raise ValueError("`--out` is missing; give the directory for the study's files, e.g. `--out gpu_study`")
         if not self.budget_min > 0:
             raise ValueError(f"`--budget_min` must be > 0 minutes, got {self.budget_min}; e.g. `--budget_min 9`")
-        if self.stages is not None:
-            unknown = [s for s in self.stages if s not in STAGE_NAMES]
-            if unknown:
-                raise ValueError(f"unknown stage {unknown[0]!r} in `--stages`; choose from {', '.join(STAGE_NAMES)}")
-            if not self.stages:
-                raise ValueError(f"`--stages` is empty; list one or more of {', '.join(STAGE_NAMES)}, or leave it out")
         if self.archive is not None and not self.archive.endswith(".tar.gz"):
             raise ValueError(f"`--archive` must name a .tar.gz file, got {self.archive!r}; "
                              "e.g. `--archive study.tar.gz`")
@@ -101,7 +87,3 @@ class GPUStudyConfig:
             raise ValueError(f"`--commit` must be a git commit hash (7-40 hex digits), got {self.commit!r}; e.g. "
                              "`--commit $(git rev-parse HEAD)` where the checkout has .git")
 
-
-def scale_of(config: GPUStudyConfig) -> Scale:
-    """``DRY_RUN_SCALE`` for a CPU dry run, else ``GPU_SCALE`` (not a method: jsonargparse would offer it)."""
-    return DRY_RUN_SCALE if config.cpu_dry_run else GPU_SCALE

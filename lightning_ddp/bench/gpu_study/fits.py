@@ -24,7 +24,6 @@ from lightning_ddp.files import write_json_atomically
 __all__ = ["FitResult", "FitSpec", "run_fits"]
 
 RESULT_FILE = "fit_result.json"
-STARTED_FILE = "fit_started"
 
 
 @dataclass(frozen=True)
@@ -81,13 +80,12 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         missing = [s for s in pending if s.name not in results]
         if not missing:
             break
-        first = missing[0]
-        if finished and not (out_dir / first.name / STARTED_FILE).exists() and not outcome.timed_out:
+        if ranks > 1 and finished and list(finished.values())[-1].status != "ok" and not outcome.timed_out:
             pending = missing  # the ranks stopped after a fit that failed (and said so): start the rest afresh
             continue
         # Else the first fit without a result is the one the processes died in (or ran out of time in), or, when
         # none started, the start-up that failed: either way it gets the error.
-        results[first.name] = _lost(first.name, out_dir, outcome, logs, remaining)
+        results[missing[0].name] = _lost(missing[0].name, out_dir, outcome, logs, remaining)
         pending = missing[1:]
     return [results.get(s.name) or FitResult(s.name, "not run", "no time was left to start it", 0.0, out_dir / s.name)
             for s in specs]
@@ -97,8 +95,8 @@ def _launch(pending: list[FitSpec], out_dir: Path, work: Path, ranks: int, remai
             env: dict[str, str] | None, threads: int | None):
     """Start ``ranks`` processes on a plan of the ``pending`` fits and wait for them: (outcome, rank logs)."""
     work.mkdir(parents=True, exist_ok=True)
-    for spec in pending:  # markers of an earlier launch would make a fit look started
-        (out_dir / spec.name / STARTED_FILE).unlink(missing_ok=True)
+    for spec in pending:  # a result of an earlier call (--resume) would make a fit look finished
+        (out_dir / spec.name / RESULT_FILE).unlink(missing_ok=True)
     plan = work / "plan.json"
     plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
                                 "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
@@ -162,8 +160,6 @@ def main(plan_path: str) -> int:
         log_dir = out_dir / fit["name"]
         log_dir.mkdir(parents=True, exist_ok=True)
         print(f"[gpu_study] fit {fit['name']} on rank {rank}", flush=True)
-        if rank == 0:
-            (log_dir / STARTED_FILE).touch()
         start = time.perf_counter()
         status, error = _run_one(fit["args"], log_dir)
         seconds = time.perf_counter() - start

@@ -1,14 +1,13 @@
-"""The stages of the GPU study: one function each, and ``STAGES``, the one table of them.
+"""The stages of the GPU study: ``STAGES``, one ``Stage`` each (what it runs, its estimates, how results.md shows it).
 
-A stage takes the ``StudyContext`` and returns a ``StageResult``: the data ``report.py`` renders (written as
-``<out>/<name>.json``), the files it wrote (relative to ``<out>``) and its problems (any makes it ``failed``). Every
-process a stage starts stops at ``ctx.stage_deadline()`` (docs/gpu.md, "How a call is budgeted").
+A stage's ``run`` takes the ``StudyContext`` and returns a ``StageResult``: the data written as ``<out>/<name>.json``
+(results.md renders it with the stage's ``caption`` and ``tables``), the files it wrote (relative to ``<out>``) and
+its problems (any makes it ``failed``). Every process a stage starts stops at ``ctx.stage_deadline()``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
@@ -17,31 +16,32 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Union
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, Scale
 from lightning_ddp.bench.gpu_study.fits import FitResult, FitSpec, run_fits
 from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, run_processes, strategy_argument
+from lightning_ddp.bench.study import read_json
 from lightning_ddp.files import write_json_atomically
+from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 from lightning_ddp.provenance import COMMIT_VARIABLE
 
-__all__ = ["STAGES", "Stage", "StageResult", "StudyContext", "step_problems"]
+__all__ = ["STAGES", "Stage", "StageResult", "StudyContext"]
 
 
-@dataclass(frozen=True)
-class Ran:
-    """How a process a stage started ended; ``error``: its error line, else why it stopped (empty after exit 0)."""
+DOCS = "../../../docs/gpu.md"
+"""docs/gpu.md from results.md in ``benchmarks/results/gpu-<h100|h200>/``, where the recipe puts it."""
+
+
+class Ran(NamedTuple):
+    """How a process a stage started ended: exit code, whether it ran out of time, its error line (empty after exit
+    0), and the JSON it wrote to its result file (None unless it exited 0 and wrote one)."""
 
     code: int | None
     timed_out: bool
-    line: str
-
-    @property
-    def error(self) -> str:
-        if self.code == 0:
-            return ""
-        return self.line or ("timed out" if self.timed_out else f"exited {self.code}")
+    error: str
+    data: Any = None
 
 
 @dataclass
@@ -76,39 +76,27 @@ class StudyContext:
         """``path`` relative to the study's folder, as stages.json lists files."""
         return path.resolve().relative_to(self.out.resolve()).as_posix()
 
-    @property
-    def device(self) -> str:
-        return self.scale.device
-
-    @property
-    def backend(self) -> str:
-        """The backend of one rank per device: NCCL on a GPU, gloo on CPU."""
-        return "nccl" if self.device == "cuda" else "gloo"
-
     def threads(self, ranks: int) -> int | None:
         """``OMP_NUM_THREADS`` of each of ``ranks`` CPU processes (the cores shared out); unset on a GPU."""
-        return max(1, (os.cpu_count() or 1) // ranks) if self.device == "cpu" else None
+        return max(1, (os.cpu_count() or 1) // ranks) if self.scale.device == "cpu" else None
 
     def env(self) -> dict[str, str]:
-        """Extra environment of every process: the checkout first on PYTHONPATH, ``--commit`` as
-        ``LIGHTNING_DDP_COMMIT`` (no .git on a GPU machine), and ``--extra_env``."""
+        """Extra environment of every process (which inherits this one's): the checkout first on PYTHONPATH, and
+        ``--commit`` as ``LIGHTNING_DDP_COMMIT`` (no .git on a GPU machine)."""
         path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)
-        commit = {COMMIT_VARIABLE: self.config.commit} if self.config.commit else {}
-        return {"PYTHONPATH": path, **commit, **self.config.extra_env}
+        return {"PYTHONPATH": path, **({COMMIT_VARIABLE: self.config.commit} if self.config.commit else {})}
 
-    def run_python(self, args: list[str], log: Path) -> Ran:
+    def run_python(self, args: list[str], log: Path, result: Path | None = None) -> Ran:
         """``python ARGS`` in the checkout until the stage's deadline, output to ``log``."""
         env = base_environment(self.threads(1), extra=self.env())
         log.parent.mkdir(parents=True, exist_ok=True)
-        result = run_processes([sys.executable, *args], [env], [log], max(self.stage_deadline(), 1.0),
-                               cwd=str(self.root))
-        text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
-        return Ran(result.returncodes[0], result.timed_out, error_line(text))
-
-    def run_module(self, module: str, args: list[str], result: Path, log: Path) -> tuple[Ran, dict[str, Any] | None]:
-        """``python -m MODULE ARGS`` and the JSON it wrote to ``result`` (None if it failed)."""
-        ran = self.run_python(["-m", module, *args], log)
-        return ran, json.loads(result.read_text()) if ran.code == 0 and result.exists() else None
+        ended = run_processes([sys.executable, *args], [env], [log], max(self.stage_deadline(), 1.0),
+                              cwd=str(self.root))
+        code = ended.returncodes[0]
+        if code == 0:
+            return Ran(0, False, "", read_json(result, missing_ok=True) if result else None)
+        line = error_line(log.read_text(encoding="utf-8", errors="replace") if log.exists() else "")
+        return Ran(code, ended.timed_out, line or ("timed out" if ended.timed_out else f"exited {code}"))
 
     def fits(self, name: str, specs: list[FitSpec], ranks: int = 1) -> list[FitResult]:
         """``run_fits`` into ``<out>/<name>/``, bounded by the stage's deadline."""
@@ -118,17 +106,30 @@ class StudyContext:
 
 @dataclass
 class StageResult:
-    """What a stage produced: ``data`` for report.py, the ``files`` it wrote (relative to ``out``), ``problems``."""
+    """What a stage produced: ``data`` for results.md, the ``files`` it wrote (relative to ``out``), ``problems``."""
 
     data: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
+Cell = Union[str, Callable[[dict[str, Any], dict[str, Any]], Any]]
+"""A row's key (``name``: a row of a dict of rows, its key), or ``f(row, data)`` for a cell made of several."""
+
+
+class Table(NamedTuple):
+    """A table of results.md: where its rows are in the stage's data (a key, or ``f(data)``), its columns (header,
+    ``Cell``, format spec: Python's, ``GiB`` for bytes) and the line before it."""
+
+    rows: Union[str, Callable[[dict[str, Any]], Any]]
+    columns: tuple[tuple[str, Cell, str], ...]
+    intro: str = ""
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One row of ``STAGES``: seconds on one H100 or H200 and in the dry run on 2 cores (start-up included), whether
-    it cannot run without a GPU, and what it shows (one sentence of results.md)."""
+    """One stage: seconds on one H100 or H200 and in the dry run on 2 cores (start-up included), whether it cannot run
+    without a GPU, and how results.md renders its data: ``caption`` (``str.format`` over the data) and ``tables``."""
 
     name: str
     title: str
@@ -136,7 +137,8 @@ class Stage:
     dry_run_estimate_s: float
     needs_cuda: bool
     run: Callable[[StudyContext], StageResult]
-    shows: str
+    caption: str = ""
+    tables: tuple[Table, ...] = ()
 
     def estimate(self, dry_run: bool) -> float:
         return self.dry_run_estimate_s if dry_run else self.estimate_s
@@ -149,17 +151,179 @@ def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps:
              precision: str | None = None, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The CLI arguments (after ``fit``) of one fit on the study's device, every step timed: ``ranks`` ranks share
     it over gloo; ``strategy`` is a catalogue name, or the study's one-process ``reference``."""
-    backend = ctx.backend if ranks == 1 else "gloo"
+    backend = _backend(ctx) if ranks == 1 else "gloo"
     return (
         "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
         "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
-        "--trainer.accelerator", ctx.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
+        "--trainer.accelerator", ctx.scale.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
         "--trainer.strategy", strategy_argument(strategy, backend),
         "--trainer.precision", precision or ctx.scale.precision,
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
         "--timer.warmup_steps", str(warmup), "--timer.every_n_steps", "1", *extra,
     )
+
+
+def _backend(ctx: StudyContext) -> str:
+    """The backend of one rank per device: NCCL on a GPU, gloo on CPU."""
+    return "nccl" if ctx.scale.device == "cuda" else "gloo"
+
+
+def _failures(results: list[FitResult]) -> list[str]:
+    return [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
+
+
+def published(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
+    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), at its best
+    bucket size; ``–`` where there is none."""
+    runs = [r for r in PUBLISHED_RUNS if r.strategy == strategy and r.batch_size == batch and r.seq_len == seq_len]
+    if not runs:
+        return "–"
+    best = min(runs, key=lambda r: r.total_s)
+    bucket = f" ({best.bucket_size_mb:g} MB)" if best.bucket_size_mb is not None else ""
+    return f"{best.total_s * 1e3:,.0f} ms, {best.ratio:.0%} comm{bucket}"
+
+
+def _status(row: dict[str, Any], data: dict[str, Any]) -> str:
+    """A row's status, with its error (a sweep row's ``reason``) unless it is ``ok``."""
+    if row.get("status") == "ok":
+        return "ok"
+    return f"{row.get('status')}: {row.get('error') or row.get('reason')}"
+
+
+STATUS = ("status", _status, "")
+
+
+# ---- the stages -----------------------------------------------------------------------------------------------
+
+
+def environment(ctx: StudyContext) -> StageResult:
+    path = ctx.out / "environment.json"
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", "environment", str(path.resolve()),
+                          "--device", ctx.scale.device], ctx.out / "logs" / "environment.log", path)
+    if ran.data is None:
+        return StageResult(problems=[ran.error or "no environment.json"])
+    return StageResult(data=ran.data, files=["environment.json"])
+
+
+def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """``{"tests", "passed", "failed", "errors", "skipped", "failures": [{"test", "message"}]}`` of (test, outcome,
+    message) triples."""
+    counts = {key: sum(o == key for _, o, _ in outcomes) for key in ("passed", "failed", "errors", "skipped")}
+    failures = [{"test": test, "message": message} for test, outcome, message in outcomes
+                if outcome in ("failed", "errors")]
+    return {"tests": len(outcomes), **counts, "failures": failures}
+
+
+def read_junit(path: Path) -> dict[str, Any]:
+    """The counts and failures (``_tally``) of a pytest ``--junitxml`` report."""
+    outcomes = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+            element = case.find(tag)
+            if element is not None:
+                lines = (element.get("message") or element.text or "").strip().splitlines()
+                outcome, message = key, lines[0][:300] if lines else ""
+                break
+        outcomes.append((f"{case.get('classname', '')}::{case.get('name', '')}", outcome, message))
+    return _tally(outcomes)
+
+
+_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+_OUTCOME_KEY = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+                "XFAIL": "skipped"}
+
+
+def outcomes_from_log(text: str) -> dict[str, Any]:
+    """The counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
+    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in _OUTCOME.findall(text)])
+
+
+def cuda_tests(ctx: StudyContext) -> StageResult:
+    if not (ctx.root / "tests" / "gpu").is_dir():
+        return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
+                                     "checkout of the repository, or pass --root CHECKOUT"])
+    report, log = ctx.out / "cuda_tests.xml", ctx.out / "cuda_tests.log"
+    # 4 pytest-xdist workers where xdist is installed; the engine matrix stays in one (xdist_group)
+    workers = ["-p", "xdist", "-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
+    ran = ctx.run_python(["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
+                          f"--junitxml={report.resolve()}", *workers], log)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    summary_line = next((line for line in reversed(text.splitlines()) if " in " in line
+                         and any(w in line for w in ("passed", "failed", "error", "skipped"))), "").strip("= ")
+    if report.exists():
+        data = read_junit(report)
+    elif _OUTCOME.search(text):  # cut off before the junit report: what the -v lines say so far
+        data = outcomes_from_log(text)
+    else:
+        return StageResult(files=["cuda_tests.log"], problems=[ran.error or "pytest wrote no report"])
+    data.update(summary_line=summary_line, exit_code=ran.code, timed_out=ran.timed_out)
+    problems = [f"{f['test']}: {f['message']}" for f in data["failures"]]
+    if problems:
+        problems[0] = f"{len(problems)} of {data['tests']} failed, first: {problems[0]}"
+    if ran.timed_out:
+        problems.insert(0, f"the tier ran out of time ({summary_line or 'no summary'})")
+    elif data["tests"] and data["skipped"] == data["tests"]:
+        problems.append("every test of the tier was skipped: pytest saw no CUDA device")
+    return StageResult(data=data, files=[p.name for p in (report, log) if p.exists()], problems=problems)
+
+
+def compute(ctx: StudyContext) -> StageResult:
+    stage = ctx.stage_dir("compute")
+    published_ms = [f"batch {batch}: {ms:,.0f} ms = {batch * seq / (ms / 1e3):,.0f} tokens/s per GPU"
+                    + (" (extrapolated)" if extrapolated else "")
+                    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items()
+                    if seq == ctx.scale.compute["seq_len"]]
+    result = StageResult(data={"preset": ctx.scale.compute["preset"], "seq_len": ctx.scale.compute["seq_len"],
+                               "published": "; ".join(published_ms) or "none at this context", "runs": {}})
+    for precision in ("bf16-mixed", "32-true"):
+        request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
+        write_json_atomically(request, {**ctx.scale.compute, "precision": precision, "device": ctx.scale.device})
+        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", "compute", str(request.resolve()),
+                              str(out.resolve())], stage / f"compute_{precision}.log", out)
+        run = ran.data or {"status": "failed", "error": f"{precision}: {ran.error or 'no result'}"}
+        if ran.data is not None:  # the process wrote its result
+            run.pop("estimate_table", None)
+            run["status"] = "ok" if run.get("batch") else "failed"
+            result.files.append(f"compute/compute_{precision}.json")
+        if run["status"] != "ok" and "error" not in run:
+            run["error"] = (f"{precision}: every batch from {run['preflight_batch']} down ran out of memory"
+                            if run.get("preflight_batch") else f"{precision}: the pre-flight allows no batch")
+        result.data["runs"][precision] = run
+        if run["status"] != "ok":
+            result.problems.append(run["error"])
+    return result
+
+
+def _tried(run: dict[str, Any], data: dict[str, Any]) -> str:
+    """The pre-flight's batch and each batch tried from it."""
+    tried = [f"{a['batch']}{' OOM' if a['status'] == 'oom' else ''}" for a in run.get("attempts", [])]
+    return f"{run.get('preflight_batch')}: {' → '.join(tried)}"
+
+
+def _estimate_over_reserved(run: dict[str, Any], data: dict[str, Any]) -> float | None:
+    estimate, reserved = run.get("estimate_bytes"), run.get("peak_reserved_bytes")
+    return estimate / reserved if estimate and reserved else None
+
+
+FIT_KEYS = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
+            "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
+            "memory/peak_reserved_MiB")
+"""The medians of a fit's timing summary that strategies.json keeps."""
+
+
+def _fit_row(result: FitResult) -> dict[str, Any]:
+    """``FIT_KEYS``'s medians of one fit; ``"not recorded"`` where its timer could not measure a key (the summary's
+    ``not_recorded``: fsdp2's and ddp's busy time and overlap)."""
+    summary = result.summary or {}
+    not_recorded = set(summary.get("not_recorded") or ())
+    row: dict[str, Any] = {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1)}
+    for key in FIT_KEYS:
+        median = (summary.get("summary") or {}).get(key, {}).get("median")
+        number = float(median) if isinstance(median, (int, float)) else None
+        row[key] = "not recorded" if key in not_recorded else number
+    return row
 
 
 def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
@@ -181,175 +345,26 @@ def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
     return problems
 
 
-FIT_KEYS = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
-            "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
-            "memory/peak_reserved_MiB")
-"""The medians of a fit's timing summary that the report shows."""
-
-
-def _fit_row(result: FitResult) -> dict[str, Any]:
-    """``FIT_KEYS``'s medians of one fit; ``"not recorded"`` where its timer could not measure a key (the summary's
-    ``not_recorded``: fsdp2's and ddp's busy time and overlap)."""
-    summary = result.summary or {}
-    not_recorded = set(summary.get("not_recorded") or ())
-    row: dict[str, Any] = {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1)}
-    for key in FIT_KEYS:
-        median = (summary.get("summary") or {}).get(key, {}).get("median")
-        if key in not_recorded:
-            row[key] = "not recorded"
-        else:
-            row[key] = float(median) if isinstance(median, (int, float)) else None
-    return row
-
-
-def _failures(results: list[FitResult]) -> list[str]:
-    return [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
-
-
-# ---- the stages -----------------------------------------------------------------------------------------------
-
-
-def environment(ctx: StudyContext) -> StageResult:
-    path = ctx.out / "environment.json"
-    args, log = [str(path.resolve()), "--device", ctx.device], ctx.out / "logs" / "environment.log"
-    ran, data = ctx.run_module("lightning_ddp.bench.gpu_study.environment", args, path, log)
-    if data is None:
-        return StageResult(problems=[ran.error or "no environment.json"])
-    return StageResult(data=data, files=["environment.json"])
-
-
-def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """``{"tests", "passed", "failed", "errors", "skipped", "failures": [{"test", "message"}]}`` of (test, outcome,
-    message) triples."""
-    counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
-    for _, outcome, _ in outcomes:
-        counts[outcome] += 1
-    failures = [{"test": test, "message": message} for test, outcome, message in outcomes
-                if outcome in ("failed", "errors")]
-    return {"tests": len(outcomes), **counts, "failures": failures}
-
-
-def read_junit(path: Path) -> dict[str, Any]:
-    """The counts and failures (``_tally``) of a pytest ``--junitxml`` report."""
-    outcomes = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        test = f"{case.get('classname', '')}::{case.get('name', '')}"
-        outcome, message = "passed", ""
-        for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
-            element = case.find(tag)
-            if element is not None:
-                lines = (element.get("message") or element.text or "").strip().splitlines()
-                outcome, message = key, lines[0][:300] if lines else ""
-                break
-        outcomes.append((test, outcome, message))
-    return _tally(outcomes)
-
-
-_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
-_OUTCOME_KEY = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
-                "XFAIL": "skipped"}
-
-
-def outcomes_from_log(text: str) -> dict[str, Any]:
-    """The counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
-    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in _OUTCOME.findall(text)])
-
-
-def _tier_problems(data: dict[str, Any], summary_line: str, timed_out: bool) -> list[str]:
-    problems = [f"{f['test']}: {f['message']}" for f in data["failures"]]
-    if timed_out:
-        problems.insert(0, f"the tier ran out of time ({summary_line or 'no summary'})")
-    elif data["tests"] and data["skipped"] == data["tests"]:
-        problems.append("every test of the tier was skipped: pytest saw no CUDA device")
-    if problems and data["failures"]:
-        problems[0] = f"{len(data['failures'])} of {data['tests']} failed, first: {problems[0]}"
-    return problems
-
-
-def cuda_tests(ctx: StudyContext) -> StageResult:
-    if not (ctx.root / "tests" / "gpu").is_dir():
-        return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
-                                     "checkout of the repository, or pass --root CHECKOUT"])
-    report, log = ctx.out / "cuda_tests.xml", ctx.out / "cuda_tests.log"
-    # 4 pytest-xdist workers where xdist is installed; the engine matrix stays in one (xdist_group)
-    workers = ["-p", "xdist", "-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
-    ran = ctx.run_python(["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
-                          f"--junitxml={report.resolve()}", *workers], log)
-    text = log.read_text(errors="replace") if log.exists() else ""
-    summary_line = next((line for line in reversed(text.splitlines()) if " in " in line
-                         and any(w in line for w in ("passed", "failed", "error", "skipped"))), "").strip("= ")
-    if report.exists():
-        data = read_junit(report)
-    elif _OUTCOME.search(text):  # cut off before the junit report: what the -v lines say so far
-        data = outcomes_from_log(text)
-    else:
-        return StageResult(files=["cuda_tests.log"], problems=[ran.error or "pytest wrote no report"])
-    data = {**data, "summary_line": summary_line, "exit_code": ran.code, "timed_out": ran.timed_out}
-    return StageResult(data=data, files=[p.name for p in (report, log) if p.exists()],
-                       problems=_tier_problems(data, summary_line, ran.timed_out))
-
-
-def _compute_run(ctx: StudyContext, precision: str) -> tuple[dict[str, Any], str | None]:
-    """One precision of stage compute in its own process: (the run, its problem or None)."""
-    stage = ctx.stage_dir("compute")
-    request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
-    write_json_atomically(request, {**ctx.scale.compute, "precision": precision, "device": ctx.device})
-    ran, run = ctx.run_module("lightning_ddp.bench.gpu_study.compute", [str(request.resolve()), str(out.resolve())],
-                              out, stage / f"compute_{precision}.log")
-    if run is None:
-        problem = f"{precision}: {ran.error or 'no result'}"
-        return {"status": "failed", "error": problem}, problem
-    run.pop("estimate_table", None)
-    run["status"] = "ok" if run.get("batch") else "failed"
-    if run["status"] == "ok":
-        return run, None
-    if not run.get("preflight_batch"):
-        return run, f"{precision}: the pre-flight allows no batch"
-    return run, f"{precision}: every batch from {run['preflight_batch']} down ran out of memory"
-
-
-def compute(ctx: StudyContext) -> StageResult:
-    compute_scale = ctx.scale.compute
-    result = StageResult(data={"preset": compute_scale["preset"], "seq_len": compute_scale["seq_len"], "runs": {}})
-    for precision in ("bf16-mixed", "32-true"):
-        run, problem = _compute_run(ctx, precision)
-        result.data["runs"][precision] = run
-        if problem:
-            result.problems.append(problem)
-        if "error" not in run:  # the process wrote its result
-            result.files.append(f"compute/compute_{precision}.json")
-    return result
-
-
 def strategies(ctx: StudyContext) -> StageResult:
     names = ["ddp", *(name for name in catalogue.names() if name != "ddp")]  # the baseline first: a cut stage keeps it
-    specs = [FitSpec(name, fit_args(ctx, **ctx.scale.strategies, strategy=name)) for name in names]
-    results = ctx.fits("strategies", specs)
+    results = ctx.fits("strategies", [FitSpec(n, fit_args(ctx, **ctx.scale.strategies, strategy=n)) for n in names])
     rows = {r.name: _fit_row(r) for r in results}
     baseline = rows.get("ddp", {}).get("step/time_ms")
     for row in rows.values():
         step = row.get("step/time_ms")
         row["overhead_vs_ddp"] = step / baseline - 1 if step and baseline else None
-    problems = _failures(results)
-    for r in results:
-        if r.ok:
-            problems += step_problems(r.summary, r.name)
-    data = {**ctx.scale.strategies, "backend": ctx.backend, "precision": ctx.scale.precision, "rows": rows}
+    problems = _failures(results) + [p for r in results if r.ok for p in step_problems(r.summary, r.name)]
+    data = {**ctx.scale.strategies, "backend": _backend(ctx), "precision": ctx.scale.precision, "rows": rows}
     files = [ctx.relative(f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
     return StageResult(data=data, files=files, problems=problems)
 
 
 # Stage one_gpu_pair's equivalence: fp32 fits on the same global batch, 2 ranks against one process, compared in
-# updates (lr x steps); the tolerances' calibration is TOLERANCE_ORIGIN (docs/gpu.md).
+# updates (lr x steps); docs/gpu.md says how the tolerances were calibrated.
 EQUIVALENCE = {"preset": "tiny", "per_rank_batch": 2, "seq_len": 64, "steps": 3, "lr": 1e-3}
 OFF_BY = 0.1  # a weight is *off* when it differs from one process's by more than this many updates
 EXACT_TOLERANCE = 1e-4  # the largest fraction of weights off an exact algorithm may have
 LOSSY_TOLERANCE = 1e-2  # the same for a lossy algorithm (bucketed_bf16_ddp)
-TOLERANCE_ORIGIN = ("calibrated on CPU (gloo, fp32, tiny preset, 3 steps at lr 1e-3): exact algorithms left no "
-                    "weight off (99th percentile 2.5e-6 updates, largest 4e-3), bucketed_bf16_ddp 0.08 % (99th "
-                    "percentile 8e-3), a rank's gradient missing from the average 52 %. cuBLAS sums in another order "
-                    "than the CPU: read the 99th percentile and the largest difference beside the verdict.")
-SWEEP_CONFIG = "configs/bench/gpu_study.yaml"  # stage one_gpu_pair's short sweep, relative to the checkout
 
 
 def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update: float) -> dict[str, Any]:
@@ -382,62 +397,40 @@ def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -
                                   precision="32-true", strategy=strategy, ranks=ranks, extra=extra))
 
 
-def _compare(result: FitResult, expected: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
-    """The row of one 2-rank fit against the one-process weights ``expected``, and its problem if any."""
+def _weights(result: FitResult) -> Any:
+    """The final weights ``result``'s fit saved, removed once read (~14 MB a strategy, worth nothing more)."""
     import torch
 
-    row: dict[str, Any] = {"status": result.status, "error": result.error}
-    path = result.log_dir / "weights.pt" if result.log_dir is not None else None
-    if not result.ok:
-        return row, [f"{result.name} on 2 ranks: {result.status}: {result.error}"]
-    if expected is None or path is None or not path.exists():
-        return row, []
-    row.update(weight_differences(torch.load(path, weights_only=True), expected,
-                                  EQUIVALENCE["lr"] * EQUIVALENCE["steps"]))
-    path.unlink()  # compared: the weights are ~14 MB a strategy and worth nothing more
-    tolerance = EXACT_TOLERANCE if catalogue.get(result.name).exact else LOSSY_TOLERANCE
-    row.update(tolerance=tolerance, equal=row["off_fraction"] <= tolerance)
-    if row["equal"]:
-        return row, []
-    return row, [f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the weights off "
-                 f"by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst {row['max_updates']:.3g} updates at "
-                 f"{row['worst_tensor']})"]
+    path = result.log_dir / "weights.pt" if result.ok and result.log_dir is not None else None
+    if path is None or not path.exists():
+        return None
+    weights = torch.load(path, weights_only=True)
+    path.unlink()
+    return weights
 
 
 def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
     """Every strategy on 2 ranks sharing the device vs one process on the same global batch (fp32)."""
-    import torch
-
     reference = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, "one_process", REFERENCE, 1)])[0]
     pairs = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, n, n, 2) for n in catalogue.names()],
                      ranks=2)
-    problems = _failures([reference])
-    expected = None
-    reference_weights = ctx.out / "one_gpu_pair" / "equivalence" / "one_process" / "weights.pt"
-    if reference.ok:
-        expected = torch.load(reference_weights, weights_only=True)
-        reference_weights.unlink()
+    problems = _failures([reference]) + [f"{r.name} on 2 ranks: {r.status}: {r.error}" for r in pairs if not r.ok]
+    expected = _weights(reference)
     rows: dict[str, Any] = {}
     for result in pairs:
-        rows[result.name], found = _compare(result, expected)
-        problems += found
-    data = {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "tolerance_origin": TOLERANCE_ORIGIN,
-            "rows": rows}
+        row = rows[result.name] = {"status": result.status, "error": result.error}
+        actual = _weights(result)
+        if expected is None or actual is None:
+            continue
+        row.update(weight_differences(actual, expected, EQUIVALENCE["lr"] * EQUIVALENCE["steps"]))
+        tolerance = EXACT_TOLERANCE if catalogue.get(result.name).exact else LOSSY_TOLERANCE
+        row.update(tolerance=tolerance, equal=row["off_fraction"] <= tolerance)
+        if not row["equal"]:
+            problems.append(f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the "
+                            f"weights off by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst "
+                            f"{row['max_updates']:.3g} updates at {row['worst_tensor']})")
+    data = {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "rows": rows}
     return data, problems
-
-
-def _sweep_arguments(ctx: StudyContext, out_dir: Path) -> list[str]:
-    args = ["-m", "lightning_ddp.bench", "--config", SWEEP_CONFIG, "--output.out_dir", str(out_dir.resolve()),
-            "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))]
-    if ctx.scale.sweep_strategies is not None:
-        args += ["--grid.strategies", json.dumps(list(ctx.scale.sweep_strategies))]
-    if ctx.device == "cpu":  # the dry run: the same sweep, shrunk to the tiny preset on CPU
-        args += ["--run.accelerator", "cpu", "--workload.base_config", "configs/quickstart.yaml",
-                 "--workload.preset", "tiny", "--workload.cli_args", json.dumps(["--data.source", "synthetic"]),
-                 "--grid.batch_sizes", "[2]", "--grid.context_lengths", "[32]", "--grid.bucket_sizes_mb", "[1]",
-                 "--grid.precisions", "[32-true]", "--run.warmup_steps", "1", "--run.steps", "2",
-                 "--run.predict_bucket_size", "false", "--run.env", "{}"]
-    return args
 
 
 def one_gpu_pair(ctx: StudyContext) -> StageResult:
@@ -445,7 +438,9 @@ def one_gpu_pair(ctx: StudyContext) -> StageResult:
 
     equivalence, problems = _equivalence(ctx)
     sweep_dir = ctx.stage_dir("one_gpu_pair/sweep")
-    ran = ctx.run_python(_sweep_arguments(ctx, sweep_dir), ctx.out / "one_gpu_pair" / "sweep.log")
+    ran = ctx.run_python(["-m", "lightning_ddp.bench", "--config", ctx.scale.sweep_config, "--output.out_dir",
+                          str(sweep_dir.resolve()), "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))],
+                         ctx.out / "one_gpu_pair" / "sweep.log")
     results_csv = sweep_dir / "results.csv"
     rows = list(read_results(results_csv).values()) if results_csv.exists() else []
     if ran.code != 0:
@@ -481,7 +476,7 @@ def traces(ctx: StudyContext) -> StageResult:
         data["runs"][label] = {"overlap": overlap.fraction, "comm_ms": overlap.comm / 1e3,
                                "hidden_ms": overlap.overlapped / 1e3, "gpu_kernel_bars": sum(gpu_rows),
                                "gpu_rows": len(gpu_rows)}
-        if ctx.device == "cuda" and not sum(gpu_rows):
+        if ctx.scale.device == "cuda" and not sum(gpu_rows):
             problems.append(f"{label}: the trace has no GPU kernel rows")
     files = [ctx.relative(picture), *(ctx.relative(rank.path) for run in runs for rank in run.ranks)]
     return StageResult(data=data, files=files, problems=problems)
@@ -544,6 +539,11 @@ def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> t
     return rows, [ctx.relative(Path(f)) for f in outcome.files]
 
 
+def _projected_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{**row, "network": network, "gpu": projection["gpu"]}
+            for network, projection in (data.get("projections") or {}).items() for row in projection["rows"]]
+
+
 def timer_overhead(ctx: StudyContext) -> StageResult:
     overhead = ctx.scale.overhead
     stage = ctx.stage_dir("timer_overhead")
@@ -552,36 +552,104 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
     fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
     log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
-    ran, data = ctx.run_module("lightning_ddp.bench.timer_overhead", [
-        "--config", "configs/quickstart.yaml", "--steps", str(overhead["steps"]), "--warmup", str(overhead["warmup"]),
-        "--repeats", str(ctx.scale.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], path, log)
-    if data is None:
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",
+                          "--steps", str(overhead["steps"]), "--warmup", str(overhead["warmup"]), "--repeats",
+                          str(ctx.scale.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], log, path)
+    if ran.data is None:
         return StageResult(files=[ctx.relative(log)], problems=[ran.error or "no timer_overhead.json"])
-    data = {**data, "preset": overhead["preset"]}
+    data = {**ran.data, "preset": overhead["preset"]}
     return StageResult(data=data, files=[ctx.relative(path), ctx.relative(stage / "timer_overhead.md")])
 
 
+def _hardware(gpu: dict[str, Any], data: dict[str, Any]) -> str:
+    """A GPU's row of the hardware table: its key and dense peaks (those MFU is computed against)."""
+    row = gpu.get("hardware_table")
+    if not row:
+        return "not in the table"
+    peaks = row.get("dense_tflops") or {}
+    return f"{row.get('key')}: {peaks.get('bf16')} / {peaks.get('fp32')} TFLOP/s dense bf16 / fp32"
+
+
+def _published_here(row: dict[str, Any], data: dict[str, Any]) -> str:
+    """The published run of the row's strategy at its batch and context (else the stage's)."""
+    return published(str(row.get("strategy")), int(row.get("batch_size") or data.get("batch") or 0),
+                     int(row.get("context_length") or data.get("seq_len") or 0))
+
+
+def _bucket(row: dict[str, Any], data: dict[str, Any]) -> Any:
+    return row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb")
+
+
 STAGES: tuple[Stage, ...] = (
-    Stage("environment", "Environment", 20, 5, False, environment,
-          "GPU name, memory, SM count, driver, torch / CUDA / NCCL versions, the hardware table's row, git commit."),
-    Stage("cuda_tests", "The cuda test tier", 240, 0, True, cuda_tests,
-          "Every engine and ZeRO-1 variant on CUDA tensors equal to one process (NCCL at world size 1, 2 gloo ranks "
-          "on the GPU), the CommTimer's CUDA path for every strategy, the per-device backend spec, auto buckets."),
-    Stage("compute", "Compute: xl on one GPU", 120, 20, False, compute,
-          "Step time, tokens/s, MFU and peak memory of the xl preset at the largest batch that fits, bf16-mixed and "
-          "32-true, beside the memory pre-flight's estimate."),
-    Stage("strategies", "Every strategy at world size 1", 120, 55, False, strategies,
-          "Every strategy runs on CUDA (NCCL at world size 1: no data crosses a wire), and what its hooks cost over "
-          "ddp's step."),
-    Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair,
-          "Every strategy on 2 ranks equal to one process on the whole batch, and a short sweep of the strategies "
-          "(time-sliced: not 2-GPU step times)."),
-    Stage("traces", "Traces: naive vs overlap", 60, 30, False, traces,
-          "Profiler timelines with GPU kernel rows: when gradients are communicated against when the GPU computes."),
+    Stage("environment", "Environment", 20, 5, False, environment, caption=(
+        "Device {device} (CPU: {cpu[model]}, {cpu[count]} cores); NVIDIA driver {nvidia_driver}, CUDA driver API "
+        "{cuda_driver_api}, torch {torch} (CUDA {torch_cuda}, cuDNN {cudnn}, NCCL {nccl}), Lightning {lightning}, "
+        "Python {python}; commit {git_commit:.12} (dirty: {git_dirty})."),
+        tables=(Table("gpus", (("GPU", "name", ""), ("memory GiB", "total_memory_bytes", "GiB"),
+                               ("SMs", "sm_count", ""), ("CC", "compute_capability", ""),
+                               ("hardware table", _hardware, ""), ("MIG (g, GB)", "mig_profile", ""))),)),
+    Stage("cuda_tests", "The cuda test tier", 240, 0, True, cuda_tests, caption=(
+        "pytest: {summary_line} ({tests} tests: {passed} passed, {failed} failed, {errors} errors, {skipped} "
+        "skipped)."),
+        tables=(Table("failures", (("failed test", "test", ""), ("message", "message", ""))),)),
+    Stage("compute", "Compute: xl on one GPU", 120, 20, False, compute, caption=(
+        "{preset} preset, context {seq_len}, at the largest batch that fits. The published 2-GPU xl runs' "
+        "compute-only step at this context (naive's step minus its all-reduce; bf16-mixed, GPU not named): "
+        "{published}."),
+        tables=(Table("runs", (
+            ("precision", "name", ""), STATUS, ("dtype", "compute_dtype", ""), ("batch", "batch", ""),
+            ("pre-flight batch: tried", _tried, ""), ("step ms", "step_ms_median", ",.1f"),
+            ("tokens/s", "tokens_per_s", ",.0f"), ("MFU", "mfu", ".1%"),
+            ("peak alloc GiB", "peak_allocated_bytes", "GiB"), ("peak reserved GiB", "peak_reserved_bytes", "GiB"),
+            ("estimate GiB", "estimate_bytes", "GiB"), ("estimate / reserved", _estimate_over_reserved, ".2f"))),)),
+    Stage("strategies", "Every strategy at world size 1", 120, 55, False, strategies, caption=(
+        "{preset} preset, batch {batch} x {seq_len} tokens, {precision}, one rank ({backend}), medians after "
+        "{warmup} of {steps} steps: the step over ddp's is what a strategy's hooks cost."),
+        tables=(Table("rows", (
+            ("strategy", "name", ""), STATUS, ("step ms", "step/time_ms", ",.1f"),
+            ("vs ddp", "overhead_vs_ddp", "+.1%"), ("exposed ms", "comm/exposed_ms", ",.2f"),
+            ("calls", "comm/calls", ",.0f"), ("MFU", "step/mfu", ".1%"), ("peak MiB", "memory/peak_MiB", ",.0f"),
+            ("published 2-GPU xl (batch 4, ctx 512)", lambda row, data: published(row["name"]), ""))),)),
+    Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair, caption=(
+        "**Equivalence** ({equivalence[preset]} preset, fp32, {equivalence[steps]} steps at lr {equivalence[lr]}): "
+        "2 ranks of batch {equivalence[per_rank_batch]} against one process on the same samples; weight "
+        "differences in updates (lr x steps), *off* beyond {equivalence[off_by_updates]} update; how the tolerances "
+        f"were calibrated: [docs/gpu.md]({DOCS}#how-the-stages-measure)."),
+        tables=(Table(lambda data: data["equivalence"]["rows"], (
+            ("strategy", "name", ""), STATUS, ("weights off", "off_fraction", ".3%"),
+            ("tolerance", "tolerance", ".2%"), ("median", "median_updates", ".1e"),
+            ("99th pct", "p99_updates", ".1e"), ("largest", "max_updates", ".2g"), ("at", "worst_tensor", ""),
+            ("equal", "equal", ""))),
+                Table(lambda data: data["sweep"]["rows"], (
+                    ("strategy", "strategy", ""), ("bucket MB", _bucket, ".3g"), ("batch", "batch_size", ""),
+                    ("context", "context_length", ""), STATUS, ("step ms", "step_ms_median", ",.1f"),
+                    ("comm share", "comm_share", ".1%"), ("overlap", "overlap", ".0%"),
+                    ("tokens/s", "tokens_per_s", ",.0f"), ("published 2-GPU xl", _published_here, "")),
+                      "**Short sweep** (`one_gpu_pair/sweep/results.md` has the intervals): the comparison between "
+                      "strategies transfers, the milliseconds do not."))),
+    Stage("traces", "Traces: naive vs overlap", 60, 30, False, traces, caption=(
+        "{preset} preset, {precision}, 2 gloo ranks on the one device, 3 traced steps; overlap: the share of "
+        "communication during which the rank computed. ![naive vs overlap](traces/timeline.png)"),
+        tables=(Table("runs", (
+            ("run", "name", ""), ("overlap", "overlap", ".0%"), ("comm ms", "comm_ms", ",.1f"),
+            ("hidden ms", "hidden_ms", ",.1f"), ("GPU rows", "gpu_rows", ""),
+            ("GPU kernels drawn", "gpu_kernel_bars", ",d"),
+            ("published 2-GPU xl (batch 2, ctx 512)", lambda row, data: published(row["name"], 2, 512), ""))),)),
     Stage("ready_times", "Gradient-ready times in xl backward, projected to 2 GPUs", 90, 20, False, ready_times,
-          "When each of xl's 435 gradients is ready in backward, and the projection re-run from it for 2 GPUs over "
-          "NVLink and over PCIe, beside the published 2-GPU xl runs."),
-    Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead,
-          "Step time with the timer on and off, alternated, with a 95 % interval: what measuring costs on a GPU."),
+          caption=(
+        "{preset} preset on {device}, batch {batch} x {seq_len}, {precision}: forward {forward_ms:,.1f} ms, backward "
+        "{backward_ms:,.1f} ms, optimizer {optimizer_ms:,.1f} ms; {tensors} gradients ready from "
+        "{first_ready_ms:,.1f} to {last_ready_ms:,.1f} ms into backward (`{profile}`), and projected to 2 GPUs."),
+        tables=(Table(_projected_rows, (
+            ("network", "network", ""), ("GPU", "gpu", ""), ("strategy", "strategy", ""),
+            ("best bucket MB", "bucket_size_mb", "g"), ("step ms", "step_ms", ",.1f"),
+            ("exposed ms", "exposed_comm_ms", ",.1f"), ("comm share", "comm_share", ".1%"),
+            ("published 2-GPU xl", _published_here, ""))),)),
+    Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead, caption=(
+        "{preset} preset, {repeats} off/on pairs of {steps} steps ({warmup} left out): median step "
+        "{median_step_ms_timer_off:,.2f} ms off, {median_step_ms_timer_on:,.2f} ms on: overhead {overhead:+.2%} "
+        "[95 %: {overhead_lo:+.2%}, {overhead_hi:+.2%}], goal < 2 %: **{verdict}**; over whole runs "
+        "{window_overhead:+.2%}.")),
 )
-"""Every stage, in the order the study runs them (``GPU_SCALE``: ~17 minutes, two calls of 9)."""
+"""Every stage, in the order the study runs them (``GPU_SCALE``: ~17 minutes, two calls of 9); docs/gpu.md says
+what each shows."""

@@ -1,29 +1,33 @@
 """Run the stages in order against this call's budget, rewriting ``stages.json`` and ``results.md`` after every
-stage, so that several short calls (``--resume true``) finish the study.
+stage, so that several short calls (``--resume true``) finish the study; ``--archive`` packs what is worth committing.
 
 A stage's status: ``pending``, ``running``, ``ok``, ``failed`` (with one error line), ``interrupted``, ``skipped:
 not selected``, ``skipped: no CUDA`` or ``skipped: budget`` (its estimate exceeds what is left). docs/gpu.md says
-how a call is budgeted.
+how a call is budgeted and what the archive holds.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
+import math
+import string
 import subprocess
 import sys
+import tarfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_ddp.bench.gpu_study.archive import write_archive
-from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, scale_of
-from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext
+from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
+from lightning_ddp.bench.gpu_study.stages import DOCS, STAGES, Stage, StageResult, StudyContext, Table
+from lightning_ddp.bench.study import markdown_table, read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import git_state, repo_relative
 
-__all__ = ["DONE", "cuda_available", "plan_calls", "repository_root", "run_study"]
+__all__ = ["DONE", "build_report", "cuda_available", "plan_calls", "repository_root", "run_study", "select_files",
+           "write_archive"]
 
 DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
 """The statuses that leave nothing to do (``complete`` in stages.json); ``--resume true`` runs every other again."""
@@ -41,12 +45,11 @@ def repository_root(root: str | None = None) -> Path:
                      "from a checkout of the repository or pass --root CHECKOUT")
 
 
-def cuda_available(env: dict[str, str] | None = None) -> bool:
+def cuda_available() -> bool:
     """Whether a child process sees a CUDA device, without touching CUDA here."""
     try:
         code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env={**os.environ, **(env or {})}, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:  # a driver that hangs on the device query: no usable GPU
         return False
     return proc.returncode == 0
@@ -57,10 +60,10 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
     stage runs when its estimate fits what is left of the call. Raises ``ValueError`` if a stage fits no call."""
     budget_s = budget_min * 60
     for stage in stages:
-        needs_s = stage.estimate(dry_run)
-        if needs_s > budget_s:
-            raise ValueError(f"stage {stage.name} needs ~{needs_s:.0f} s, more than `--budget_min {budget_min:g}` "
-                             f"gives a call; give it at least {needs_s / 60:.1f} minutes (default 9)")
+        if stage.estimate(dry_run) > budget_s:
+            raise ValueError(f"stage {stage.name} needs ~{stage.estimate(dry_run):.0f} s, more than `--budget_min "
+                             f"{budget_min:g}` gives a call; give it at least {stage.estimate(dry_run) / 60:.1f} "
+                             "minutes (default 9)")
     calls, left = [], list(stages)
     while left:
         remaining, call = budget_s, []
@@ -73,12 +76,12 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
     return calls
 
 
-def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any] | None:
-    """The stages.json in ``out`` that ``--resume`` continues (None: none); refused without ``--resume``, and
+def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any]:
+    """The stages.json in ``out`` that ``--resume`` continues (empty: none); refused without ``--resume``, and
     always where it is of the other kind (dry run / GPU)."""
     path = out / "stages.json"
     if not path.exists():
-        return None
+        return {}
     try:
         previous = json.loads(path.read_text())
         done = [entry["name"] for entry in previous["stages"] if entry["status"] == "ok"]
@@ -100,19 +103,16 @@ def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyCon
     kept = {e["name"]: e for e in previous.get("stages", []) if e.get("status") == "ok"}
     call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": [repo_relative(arg) for arg in sys.argv], "budget_min": config.budget_min}
-    if config.commit:
-        commit = {"git_commit": config.commit, "source": "--commit"}
-    else:
-        state = git_state()
-        commit = {"git_commit": state["git_commit"], "source": state["git_commit_source"]}
+    state = git_state() if not config.commit else {"git_commit": config.commit, "git_commit_source": "--commit"}
     return {
         "created": previous.get("created", call["started"]),
         "command": call["command"], "budget_min": config.budget_min, "cpu_dry_run": config.cpu_dry_run,
-        "cuda": ctx.cuda, "device": ctx.device, "root": repo_relative(str(ctx.root)), "elapsed_s": 0.0,
-        "commit": commit, "calls": [*previous.get("calls", []), call], "complete": False,
+        "cuda": ctx.cuda, "device": ctx.scale.device, "root": repo_relative(str(ctx.root)), "elapsed_s": 0.0,
+        "commit": {"git_commit": state["git_commit"], "source": state["git_commit_source"]},
+        "calls": [*previous.get("calls", []), call], "complete": False,
         "stages": [kept.get(s.name) or {"name": s.name, "title": s.title, "status": "pending", "seconds": None,
-                                        "estimate_s": s.estimate(config.cpu_dry_run), "error": "", "files": [],
-                                        "shows": s.shows} for s in stages],
+                                        "estimate_s": s.estimate(config.cpu_dry_run), "error": "", "files": []}
+                   for s in stages],
     }
 
 
@@ -133,9 +133,8 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
     entry.update(status="running", seconds=None, error="", files=[])
     entry.pop("problems", None)
     save()
-    estimate = stage.estimate(ctx.config.cpu_dry_run)
-    ctx.log(f"[{stage.name}] {stage.title} (~{estimate:.0f} s) ...")
-    ctx.stage_estimate_s, ctx.stage_started = estimate, time.monotonic()
+    ctx.stage_estimate_s, ctx.stage_started = stage.estimate(ctx.config.cpu_dry_run), time.monotonic()
+    ctx.log(f"[{stage.name}] {stage.title} (~{ctx.stage_estimate_s:.0f} s) ...")
     try:
         result = stage.run(ctx)
     except KeyboardInterrupt:
@@ -159,34 +158,33 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     """Run the study of ``config``; returns the final ``stages.json`` document. ``cuda`` default: ask a child
     process; ``log``: where progress lines go (default: print); ``started``: ``time.monotonic()`` when the call
     began (the budget counts from it; default: now)."""
-    from lightning_ddp.bench.gpu_study.report import build_report
-
     started = time.monotonic() if started is None else started
     say = log or (lambda line: print(line, flush=True))
+    names = [stage.name for stage in stages]
+    unknown = [name for name in config.stages or () if name not in names]
+    if unknown or config.stages == []:
+        problem = f"unknown stage {unknown[0]!r} in `--stages`" if unknown else "`--stages` is empty"
+        raise ValueError(f"{problem}; choose from {', '.join(names)}, or leave it out")
     out = Path(config.out)
     root = repository_root(config.root)
     previous = _previous_document(out, config)
-    if cuda is None:
-        cuda = cuda_available(config.extra_env)
+    cuda = cuda_available() if cuda is None else cuda
     if not cuda and not config.cpu_dry_run:
         raise ValueError("no CUDA device is visible (torch.cuda.is_available() is False in a fresh process); the GPU "
                          "study needs one. To rehearse every stage on CPU, add `--cpu_dry_run true`.")
-    ctx = StudyContext(config=config, scale=scale_of(config), out=out, root=root, cuda=cuda,
+    scale = DRY_RUN_SCALE if config.cpu_dry_run else GPU_SCALE
+    ctx = StudyContext(config=config, scale=scale, out=out, root=root, cuda=cuda,
                        deadline=started + config.budget_min * 60, log=say)
-    document = _new_document(config, stages, ctx, previous or {})
+    document = _new_document(config, stages, ctx, previous)
     # Refuse a budget in which a stage left to run could never start (it would be skipped call after call).
-    selected = config.stages or [stage.name for stage in stages]
-    left = [stage for stage, entry in zip(stages, document["stages"])
-            if entry["status"] != "ok" and stage.name in selected and (cuda or not stage.needs_cuda)]
-    plan_calls(left, config.budget_min, config.cpu_dry_run)
-    out.mkdir(parents=True, exist_ok=True)
+    plan_calls([stage for stage, entry in zip(stages, document["stages"]) if entry["status"] != "ok"
+                and stage.name in (config.stages or [stage.name]) and (cuda or not stage.needs_cuda)],
+               config.budget_min, config.cpu_dry_run)
 
     def save() -> None:
-        document["elapsed_s"] = round(time.monotonic() - started, 1)
-        document["calls"][-1]["elapsed_s"] = document["elapsed_s"]
+        document["elapsed_s"] = document["calls"][-1]["elapsed_s"] = round(time.monotonic() - started, 1)
         document["complete"] = all(e["status"] in DONE for e in document["stages"])
-        write_json_atomically(out / "stages.json", document)
-        write_atomically(out / "results.md", build_report(document, out))
+        write_outputs(out, {"stages.json": document, "results.md": build_report(document, out, stages)})
 
     kept = sum(e["status"] == "ok" for e in document["stages"])
     say(f"GPU study{' (CPU dry run)' if config.cpu_dry_run else ''}: {len(stages)} stages"
@@ -202,16 +200,150 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
             else:
                 entry.update(status=skip[0], error=skip[1], seconds=None)
             save()
-            line = f"[{stage.name}] {entry['status']}"
-            if entry["seconds"] is not None:
-                line += f" in {entry['seconds']:.0f} s"
-            say(line + (f": {entry['error']}" if entry["error"] else ""))
+            took = f" in {entry['seconds']:.0f} s" if entry["seconds"] is not None else ""
+            say(f"[{stage.name}] {entry['status']}{took}" + (f": {entry['error']}" if entry["error"] else ""))
     finally:
         if config.archive:
             contents = write_archive(out, Path(config.archive))
-            say(f"archive: {config.archive} ({contents.size_bytes / 2**20:.1f} MiB, {len(contents.files)} files"
-                + (f"; left out: {', '.join(contents.left_out[:5])}" if contents.left_out else "") + ")")
+            left_out = f"; left out: {', '.join(contents['left_out'][:5])}" if contents["left_out"] else ""
+            say(f"archive: {config.archive} ({contents['size_bytes'] / 2**20:.1f} MiB, {len(contents['files'])} "
+                f"files{left_out})")
     left = [e["name"] for e in document["stages"] if e["status"] not in DONE]
     say(f"done in {time.monotonic() - started:.0f} s: {out / 'results.md'}"
         + (f"; not done yet: {', '.join(left)} (run again with --resume true)" if left else "; every stage done"))
     return document
+
+
+# ---- results.md: each stage's caption and tables over its <name>.json -------------------------------------------
+
+
+def cell(value: Any, spec: str = "") -> str:
+    """A value as results.md shows it: ``–`` for none, ``GiB`` for bytes in GiB, else ``format(value, spec)`` where
+    the spec applies."""
+    if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    if spec == "GiB" and isinstance(value, (int, float)):
+        return f"{value / 2**30:.1f}"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):  # e.g. "not recorded" where a number was expected
+        return str(value)
+
+
+class _Caption(string.Formatter):
+    """``str.format`` over a stage's data where a missing field shows as ``–``."""
+
+    def get_field(self, field_name: str, args: Sequence[Any], kwargs: Any) -> Any:
+        try:
+            return super().get_field(field_name, args, kwargs)
+        except (KeyError, IndexError, TypeError):
+            return None, field_name
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        return cell(value, format_spec)
+
+
+def _table(table: Table, data: dict[str, Any]) -> list[str]:
+    """The lines of one of a stage's tables (a dict of rows gives each row its key as ``name``)."""
+    try:
+        rows = table.rows(data) if callable(table.rows) else data[table.rows]
+    except (KeyError, TypeError):
+        rows = None
+    rows = [{"name": name, **row} for name, row in rows.items()] if isinstance(rows, dict) else rows or []
+    lines = ["", table.intro] if table.intro else []
+    if not rows:
+        return lines + ["", "No rows."]
+    align = "".join("l" if spec == "" else "r" for _, _, spec in table.columns)
+    return lines + [""] + markdown_table([header for header, _, _ in table.columns],
+                                         [[cell(key(row, data) if callable(key) else row.get(key), spec)
+                                           for _, key, spec in table.columns] for row in rows], align)
+
+
+def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = STAGES) -> str:
+    """results.md for ``document`` (the stages.json dict), reading each stage's ``<name>.json`` from ``out``."""
+    gpus = (read_json(out / "environment.json", missing_ok=True) or {}).get("gpus") or []
+    device = gpus[0]["name"] if gpus else document.get("device", "?")
+    title = "GPU study" + (" (CPU dry run: tiny preset, no CUDA)" if document.get("cpu_dry_run") else f" on {device}")
+    calls = document.get("calls") or [document]
+    plural = "s" if len(calls) != 1 else ""
+    budgets = " + ".join(f"{c.get('budget_min', 0):g}" for c in calls)
+    commit = (document.get("commit") or {}).get("git_commit")
+    lines = [f"# {title}", "",
+             f"{len(calls)} call{plural} (budget{plural} {budgets} min, "
+             f"{sum(c.get('elapsed_s') or 0 for c in calls) / 60:.1f} min in all); started {document.get('created')}"
+             + (f", commit {str(commit)[:12]}" if commit else "") + ". `stages.json` has each stage's status, seconds "
+             "and error line.", "",
+             "**Two ranks on one GPU time-slice it.** The step times of `one_gpu_pair` and `traces` are not 2-GPU "
+             f"step times ([docs/gpu.md]({DOCS}#reading-the-2-rank-numbers)).", ""]
+    if document.get("cpu_dry_run"):
+        lines += ["A rehearsal on CPU with the tiny preset: no number below says anything about a GPU.", ""]
+    lines += markdown_table(["stage", "status", "seconds", "estimate s", "error"], align="llrrl", rows=[
+                             [f"[{e['name']}](#{e['name'].replace('_', '-')})", e["status"],
+                              cell(e.get("seconds"), ",.0f"), cell(e.get("estimate_s"), ",.0f"), e.get("error") or ""]
+                             for e in document.get("stages", [])])
+    specs = {stage.name: stage for stage in stages}
+    for entry in document.get("stages", []):
+        lines += ["", f"## {entry['name']}", "", f"*{entry['title']}* ([what it shows]({DOCS}#stages)).", ""]
+        data = read_json(out / f"{entry['name']}.json", missing_ok=True)
+        stage = specs.get(entry["name"])
+        if entry["status"] in ("pending", "running") or data is None:
+            lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
+            continue
+        if stage is None or not (stage.caption or stage.tables):
+            lines += ["```json", json.dumps(data, indent=2)[:4000], "```"]
+        else:
+            lines += [_Caption().format(stage.caption, **data)] if stage.caption else []
+            for table in stage.tables:
+                lines += _table(table, data)
+        if entry.get("problems"):
+            lines += ["", "Problems:", *[f"- {p}" for p in entry["problems"][:20]]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---- the archive: what is worth committing, small enough to come back from a GPU machine -----------------------
+
+ARCHIVE_LIMIT = 16 * 2**20  # bytes before compression: a file the GPU machine sends back may have 16 MiB
+FILE_LIMIT = 2 * 2**20  # bytes one file may have: a raw profiler trace is larger, its picture is not
+KEPT_SUFFIXES = (".json", ".csv", ".md", ".png", ".svg", ".xml", ".log", ".txt")
+LEFT_OUT_FOLDERS = ("runs",)  # a sweep's per-cell folders (machine paths and ports); results.csv summarises them
+ALWAYS = ("stages.json", "results.md")
+CONTENTS = "archive_contents.json"
+
+
+def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_LIMIT) -> dict[str, Any]:
+    """``{"files", "left_out", "size_bytes"}``: the files of ``out`` to archive (``stages.json`` and ``results.md``
+    always, then the smallest first while they fit), and ``"PATH (why)"`` of each file a suffix would keep but the
+    limits leave out."""
+    candidates = []
+    for path in sorted(out.rglob("*")):
+        relative = path.relative_to(out)
+        if path.is_file() and relative.name != CONTENTS and path.suffix in KEPT_SUFFIXES \
+                and not any(part in LEFT_OUT_FOLDERS for part in relative.parts[:-1]):
+            candidates.append((relative.as_posix(), path.stat().st_size))
+    contents: dict[str, Any] = {"files": [], "left_out": [], "size_bytes": 0}
+    for name, size in sorted(candidates, key=lambda c: (c[0] not in ALWAYS, c[1], c[0])):
+        if name not in ALWAYS and size > file_limit:
+            contents["left_out"].append(f"{name} ({size:,} B: over {file_limit:,} B a file)")
+        elif name not in ALWAYS and contents["size_bytes"] + size > limit:
+            contents["left_out"].append(f"{name} ({size:,} B: the archive would pass {limit:,} B)")
+        else:
+            contents["files"].append(name)
+            contents["size_bytes"] += size
+    contents["files"].sort()
+    return contents
+
+
+def write_archive(out: Path, archive: Path) -> dict[str, Any]:
+    """Write ``archive`` (a ``.tar.gz``, whole or not at all) of the files ``select_files`` keeps, with ``CONTENTS``
+    listing them and what was left out."""
+    contents = select_files(out)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name in contents["files"]:
+            tar.add(out / name, arcname=name, recursive=False)
+        listing = json.dumps(contents, indent=2).encode()
+        info = tarfile.TarInfo(CONTENTS)
+        info.size = len(listing)
+        tar.addfile(info, io.BytesIO(listing))
+    write_atomically(archive, buffer.getvalue())
+    return contents
