@@ -148,8 +148,8 @@ class CommTimer(Callback):
         self._hook_gradients(self.is_sampled(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
-        self._peak_flops = _job_peak_flops(trainer, self.peak_tflops)
-        self.exchange.start(trainer.strategy.root_device)
+        self._peak_flops, hosts = _job_peak_flops(trainer, self.peak_tflops)
+        self.exchange.start(trainer.strategy.root_device, hosts)
 
     def is_sampled(self, step: int) -> bool:
         """Whether optimizer step ``step`` is measured: the same answer on every rank, with no communication."""
@@ -327,8 +327,9 @@ def _peak_memory_mib(cuda: bool) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # macOS reports bytes, Linux KiB
 
 
-def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | None:
-    """The job's dense peak FLOP/s, each distinct device once (a collective: one ``all_gather_object``)."""
+def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> tuple[float | None, int]:
+    """The job's dense peak FLOP/s, each distinct device once, and how many hosts the ranks run on (a collective:
+    one ``all_gather_object``)."""
     device = trainer.strategy.root_device
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compat.compute_dtype(trainer), "fp32")
     if device.type == "cuda":
@@ -348,7 +349,7 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | N
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (identity, peak))
-    return hardware.job_peak_flops(per_rank)
+    return hardware.job_peak_flops(per_rank), len({identity[0] for identity, _ in per_rank})
 
 
 def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:

@@ -7,7 +7,6 @@ Vector layout, definitions and the offsets' derivation: ``docs/comm_timer.md``, 
 from __future__ import annotations
 
 import math
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from lightning_ddp.intervals import Interval
 from lightning_ddp.sync.record import SyncRecord
 
 __all__ = ["VECTOR_HEADER", "ClockOffset", "RoundTrip", "StragglerExchange", "StragglerStats", "attribute_wait",
-           "clock_note", "count_hosts", "estimate_offset", "measure_clock_offsets", "rank_vector", "vector_length"]
+           "clock_note", "estimate_offset", "measure_clock_offsets", "rank_vector", "vector_length"]
 
 VECTOR_HEADER = 4
 """Fields before the launch times: step ms, compute ms, origin on rank 0's clock (ms), number of collectives."""
@@ -209,15 +208,6 @@ def _message_device(device: torch.device) -> torch.device:
         return device
 
 
-def count_hosts() -> int:
-    """How many distinct hostnames the ranks run on (one ``all_gather_object``; 1 without a process group)."""
-    if not _distributed():
-        return 1
-    names: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, socket.gethostname())
-    return len(set(names))
-
-
 def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
                           now: Callable[[], float] = time.perf_counter) -> list[ClockOffset]:
     """Every rank's clock offset to rank 0 (index = rank), the same list on every rank; a collective."""
@@ -294,10 +284,11 @@ class StragglerExchange:
         """Whether clock offsets are estimated in this run (decided in ``start``)."""
         return self.clock_sync == "always" or (self.clock_sync == "auto" and self.hosts > 1)
 
-    def start(self, device: torch.device | str) -> None:
-        """At train start, on every rank: count the hosts and, if needed, estimate the offsets a first time."""
+    def start(self, device: torch.device | str, hosts: int = 1) -> None:
+        """At train start, on every rank: the number of distinct hostnames the ranks run on, and, if needed, the
+        offsets' first estimate."""
         self.device = torch.device(device)
-        self.hosts = count_hosts()
+        self.hosts = hosts
         if self.syncing:
             self._sync(None)
 
