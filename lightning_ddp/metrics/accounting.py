@@ -312,13 +312,10 @@ class TimingSummary:
         if anomalies and not self._warned:
             self._warned = True
             shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
-            message = (
-                f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is "
-                "marks from two clocks (host times, e.g. gloo's completions, and CUDA events) joined by one anchor, "
-                "or converted with different anchors. Training goes on; each step counts its clamped marks in "
-                "comm/clock_anomalies (also in the timing summary); this warning is given once per run."
-            )
-            warnings.warn(message, ClockAnomalyWarning, stacklevel=2)
+            warnings.warn(f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}; likely two "
+                          "clocks joined by one anchor. Training goes on, each step counting them in "
+                          "comm/clock_anomalies; warned once per run (docs/comm_timer.md, \"Clocks\")",
+                          ClockAnomalyWarning, stacklevel=2)
 
     def summarize(self, warmup_steps: int) -> dict[str, dict[str, float]]:
         """``{key: {"median", "p10", "p90", "n"}}`` over the steps left after the first ``warmup_steps``."""

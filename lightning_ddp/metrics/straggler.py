@@ -210,9 +210,8 @@ def _message_device(device: torch.device) -> torch.device:
 
 def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
                           now: Callable[[], float] = time.perf_counter) -> list[ClockOffset]:
-    """Every rank's clock offset to rank 0 (index = rank), the same list on every rank; a collective."""
-    if not (isinstance(rounds, int) and rounds >= 1):
-        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}; e.g. --timer.clock_sync_rounds 8")
+    """Every rank's clock offset to rank 0 (index = rank), the same list on every rank; a collective. ``rounds``:
+    checked by ``StragglerExchange``."""
     if not _distributed():
         return [ClockOffset(0.0, 0.0, 0)]
     world, rank = dist.get_world_size(), dist.get_rank()
