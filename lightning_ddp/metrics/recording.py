@@ -123,20 +123,17 @@ def strategy_label(strategy: Any) -> str:
 
 def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> str | None:
     """The one line the ``CommTimer`` says once when it cannot measure everything (``None`` for ``"full"``)."""
-    name = strategy_label(strategy)
-    measured = "step time, throughput (when the module counts tokens or FLOPs), memory and the compute profile"
     if level == "full":
         return None
+    name = strategy_label(strategy)
+    measured = "step time, throughput (when the module counts tokens or FLOPs), memory and the compute profile"
+    see = ' (docs/comm_timer.md, "What each strategy lets us measure")'
     if level == "landmarks":
-        return (f"CommTimer on {name}: measures {measured} and the exposed communication (comm/exposed_ms, "
-                "comm/share: last gradient computed -> gradients usable); its collectives are not recorded, so "
-                "comm/busy_ms, comm/overlap and the bandwidths are not logged.")
+        return (f"CommTimer on {name}: measures {measured} and comm/exposed_ms, comm/share; its collectives are not "
+                f"recorded, so comm/busy_ms, comm/overlap and the bandwidths are not logged{see}")
     if world_size == 1 and not hasattr(strategy, "comm_recording"):
-        return (f"CommTimer on {name} (one device): measures {measured}; there is no gradient communication, so no "
-                "comm/* metrics are logged.")
-    return (f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics "
-            "(exposed, busy, overlap, bandwidth). Communication is measured for Lightning's ddp and our strategies "
-            "(lightning_ddp.catalogue.names()).")
+        return f"CommTimer on {name} (one device): measures {measured}; no gradient communication, no comm/* metrics"
+    return f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics{see}"
 
 
 def collective_calls(collectives: Iterable[Any]) -> list[tuple[str, int, float]]:
