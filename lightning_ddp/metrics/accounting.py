@@ -126,7 +126,8 @@ def bus_factor(op: str, world_size: int) -> float:
 
 
 def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
-    """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]`` (they run in order).
+    """When each collective was really in flight, one interval each: ``[max(launched_i, end_{i-1}), completed_i]``
+    (they run in order), empty for one that completed before the one before it did.
 
     >>> from lightning_ddp.sync.record import Collective
     >>> busy_intervals([Collective("all_reduce", "b", 8, launched, completed)
@@ -136,10 +137,9 @@ def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
     out: list[Interval] = []
     previous_end = -math.inf
     for c in collectives:
-        start, end = max(c.launched, previous_end), c.completed
-        if end > start:
-            out.append((start, end))
-        previous_end = max(previous_end, end)
+        start = max(c.launched, previous_end)
+        out.append((start, max(start, c.completed)))
+        previous_end = max(previous_end, c.completed)
     return out
 
 

