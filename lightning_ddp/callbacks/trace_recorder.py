@@ -80,10 +80,14 @@ class TraceRecorder(Callback):
         self._tid = 0
         self._description: dict[str, Any] = {}
 
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the run needs for the trace to be written."""
+        return self.wait_steps + self.warmup_steps + self.active_steps
+
     def _needs(self) -> str:
-        """The optimizer steps the run needs for the trace to be written, in words."""
-        return (f"{self.wait_steps + self.warmup_steps + self.active_steps} optimizer steps (wait {self.wait_steps} "
-                f"+ warmup {self.warmup_steps} + active {self.active_steps})")
+        return (f"{self.total_steps} optimizer steps (wait {self.wait_steps} + warmup {self.warmup_steps} + active "
+                f"{self.active_steps})")
 
     # -- set-up and tear-down -------------------------------------------------------------------------------
 
@@ -104,7 +108,7 @@ class TraceRecorder(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled:
             return
-        if -1 < trainer.max_steps < self.wait_steps + self.warmup_steps + self.active_steps:
+        if trainer.max_steps != -1 and trainer.max_steps < self.total_steps:
             rank_zero_warn(f"TraceRecorder needs {self._needs()} but max_steps={trainer.max_steps}: the trace will "
                            "cover fewer steps. Lower --trace.wait_steps or raise --trainer.max_steps.")
         model = trainer.strategy.model
