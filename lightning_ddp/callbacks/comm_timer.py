@@ -10,6 +10,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -26,10 +27,9 @@ from lightning_ddp import compat, hardware
 from lightning_ddp.callbacks.tensorboard_views import (MEDIAN_METRICS, custom_scalars_layout, run_hparams, run_metrics,
                                                        strategy_settings)
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
-from lightning_ddp.metrics.rank_exchange import StragglerExchange
 from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
                                              measurement_note, recorder_for, release_recorder, strategy_label)
-from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, clock_note
+from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, StragglerExchange, clock_note
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -111,18 +111,19 @@ class CommTimer(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.enabled and stage == "fit" and trainer.logger is None:
+        if not self.enabled or stage != "fit":
+            return
+        if trainer.logger is None:
             raise ValueError(
                 "CommTimer logs to the Trainer's logger, but `Trainer(logger=False)` leaves it nowhere to write. "
                 "Enable a logger or switch the timer off with `--timer.enabled false`."
             )
-        if self.enabled and stage == "fit":
-            # The run's medians become its HPARAMS metrics at the end of fit (`_write_tensorboard_views`). Lightning
-            # would log the hyperparameters first with a placeholder `hp_metric` of -1, and TensorBoard keeps a run's
-            # first hparams record: that placeholder would hide ours, so it is turned off.
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger._default_hp_metric = False
+        # The run's medians become its HPARAMS metrics at the end of fit (`_write_tensorboard_views`). Lightning
+        # would log the hyperparameters first with a placeholder `hp_metric` of -1, and TensorBoard keeps a run's
+        # first hparams record: that placeholder would hide ours, so it is turned off.
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger._default_hp_metric = False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,8 +148,8 @@ class CommTimer(Callback):
         self._hook_gradients(self.is_sampled(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
-        self._peak_flops = _job_peak_flops(trainer, self.peak_tflops)
-        self.exchange.start(trainer.strategy.root_device)
+        self._peak_flops, hosts = _job_peak_flops(trainer, self.peak_tflops)
+        self.exchange.start(trainer.strategy.root_device, hosts)
 
     def is_sampled(self, step: int) -> bool:
         """Whether optimizer step ``step`` is measured: the same answer on every rank, with no communication."""
@@ -326,8 +327,9 @@ def _peak_memory_mib(cuda: bool) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # macOS reports bytes, Linux KiB
 
 
-def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | None:
-    """The job's dense peak FLOP/s, each distinct device once (a collective: one ``all_gather_object``)."""
+def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> tuple[float | None, int]:
+    """The job's dense peak FLOP/s, each distinct device once, and how many hosts the ranks run on (a collective:
+    one ``all_gather_object``)."""
     device = trainer.strategy.root_device
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compat.compute_dtype(trainer), "fp32")
     if device.type == "cuda":
@@ -347,7 +349,7 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> float | N
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (identity, peak))
-    return hardware.job_peak_flops(per_rank)
+    return hardware.job_peak_flops(per_rank), len({identity[0] for identity, _ in per_rank})
 
 
 def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:
@@ -365,31 +367,23 @@ def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:
 def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.Tensor]], trainer: pl.Trainer,
                     pl_module: pl.LightningModule, batch_shape: tuple[int, ...]) -> ComputeProfile | None:
     """The median over ``steps`` of each landmark, as a compute profile (``None`` if a landmark never showed)."""
-    import statistics
 
     def median(values: list[float | None]) -> float | None:
+        # A negative median (a gradient ready before backward started) can only be two clocks disagreeing: clamped
+        # to 0, since ParamTiming refuses a negative time and the profile would not be written.
         present = [v for v in values if v is not None]
-        return statistics.median(present) if present else None
+        return max(0.0, statistics.median(present)) if present else None
 
     times = {key: median([s[key] for s in steps]) for key in ("forward_ms", "backward_ms", "optimizer_ms")}
     if not steps or None in times.values():
         return None
-
-    def ready(i: int) -> float | None:
-        # A gradient ready before backward started can only be two clocks disagreeing: clamped to 0, as the three
-        # times below are, since ParamTiming refuses a negative time and the profile would not be written.
-        value = median([s["ready_ms"][i] for s in steps if i < len(s["ready_ms"])])
-        return max(0.0, value) if value is not None else None
-
-    params = tuple(
-        ParamTiming(name, p.numel(), p.nbytes, ready(i), tuple(p.shape))
-        for i, (name, p) in enumerate(watched)
-    )
+    ready = [median([s["ready_ms"][i] for s in steps if i < len(s["ready_ms"])]) for i in range(len(watched))]
+    params = tuple(ParamTiming(name, p.numel(), p.nbytes, ready_ms, tuple(p.shape))
+                   for (name, p), ready_ms in zip(watched, ready))
     hparams = pl_module.hparams
     device = trainer.strategy.root_device
     return ComputeProfile(
-        forward_ms=max(0.0, times["forward_ms"]), backward_ms=max(0.0, times["backward_ms"]),
-        optimizer_ms=max(0.0, times["optimizer_ms"]), params=params,
+        **times, params=params,
         source=f"CommTimer: median of {len(steps)} steps of {_strategy_name(trainer.strategy)}",
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         preset=hparams.get("preset"), batch_size=batch_shape[0] if len(batch_shape) == 2 else None,

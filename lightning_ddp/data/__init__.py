@@ -1,10 +1,8 @@
-"""Language-modelling data: four token sources (``sources``) behind one ``LightningDataModule`` (``module``,
-``--data.source``), with a resumable sampler (``sampler``). The sources and splits: ``docs/index.md``, "Model,
-data and other knobs".
+"""Language-modelling data: four token sources (``sources``) behind one ``LightningDataModule`` with a resumable
+sampler (``module``, ``--data.source``). The sources and splits: ``docs/index.md``, "Model, data and other knobs".
 """
 
-from lightning_ddp.data.module import DEFAULT_VOCAB_SIZE, GENERATED_SOURCES, LMDataModule
-from lightning_ddp.data.sampler import ResumableDistributedSampler
+from lightning_ddp.data.module import DEFAULT_VOCAB_SIZE, GENERATED_SOURCES, LMDataModule, ResumableDistributedSampler
 from lightning_ddp.data.sources import (
     BYTE_VOCAB_SIZE,
     MAX_MARKOV_SUCCESSORS,

@@ -1,17 +1,17 @@
 """``LMDataModule``: the ``--data.*`` arguments and their checks, the datasets of one source and its held-out
-splits, the loaders, and the position in the data that a checkpoint saves.
+splits, the loaders, and the position in the data that a checkpoint saves (``ResumableDistributedSampler``: an
+exact mid-epoch resume; ``docs/index.md``, "Model, data and other knobs").
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import Callable, Literal
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from lightning_ddp.data.sampler import ResumableDistributedSampler
 from lightning_ddp.data.sources import (
     BYTE_VOCAB_SIZE,
     TOKEN_DTYPES,
@@ -22,7 +22,7 @@ from lightning_ddp.data.sources import (
     _token_id_range,
 )
 
-__all__ = ["DEFAULT_VOCAB_SIZE", "GENERATED_SOURCES", "LMDataModule"]
+__all__ = ["DEFAULT_VOCAB_SIZE", "GENERATED_SOURCES", "LMDataModule", "ResumableDistributedSampler"]
 
 #: Sources that generate their tokens and read no file.
 GENERATED_SOURCES = ("synthetic", "markov")
@@ -345,3 +345,40 @@ class LMDataModule(LightningDataModule):
 def _split_flags(split: str) -> tuple[str, ...]:
     """The flags of the held-out ``split``: its samples (generated sources), fraction and path (files)."""
     return tuple(f"--data.{split}_{kind}" for kind in ("samples", "fraction", "path"))
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can skip the first samples of one epoch (to resume mid-epoch exactly).
+
+    Always ``drop_last=True``. ``epoch_source``, when given, is read at the start of every epoch instead of the value
+    passed to ``set_epoch`` (the data module passes ``trainer.current_epoch``; ``docs/index.md`` says why).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        epoch_source: Callable[[], int] | None = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.epoch_source = epoch_source
+        self._skip_epoch: int | None = None
+        self._skip_samples = 0
+
+    def skip(self, epoch: int, samples: int) -> None:
+        """In epoch ``epoch``, leave out this rank's first ``samples`` samples (those already trained on)."""
+        self._skip_epoch, self._skip_samples = epoch, samples
+
+    def __iter__(self):
+        if self.epoch_source is not None:
+            self.epoch = self.epoch_source()
+        indices = list(super().__iter__())
+        if self.epoch == self._skip_epoch:
+            indices = indices[self._skip_samples :]
+        return iter(indices)
+
+    # __len__ stays the full epoch: Lightning reads it once as the epoch's length and, on resume, continues
+    # counting batches from where the checkpoint was, so the skipped ones must still count.

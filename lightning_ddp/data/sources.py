@@ -125,19 +125,15 @@ class MarkovTokens(_GeneratedTokens):
         #: ``next_tokens[t]`` holds the ``successors`` distinct tokens that may follow token ``t``.
         self.next_tokens = ranking[_distinct_weighted_draws(rng, self._cdf, vocab_size, successors)]
 
-    def _draw_by_weight(self, uniform: float) -> int:
-        # Inverse-CDF sampling; min() guards the last bucket against the cumsum's rounding below 1.0.
-        rank = min(int(np.searchsorted(self._cdf, uniform, side="right")), self.vocab_size - 1)
-        return int(self._ranking[rank])
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         _check_index(index, self.num_samples)
         rng = np.random.default_rng([self._entropy, 1 + SPLITS.index(self.split), index])
-        start = self._draw_by_weight(rng.random())
+        # The start by weight (inverse CDF; min() guards the last bucket against the cumsum's rounding below 1.0).
+        start = min(int(np.searchsorted(self._cdf, rng.random(), side="right")), self.vocab_size - 1)
         choices = rng.integers(0, self.successors, size=self.seq_len).tolist()
         # A walk is sequential: one table lookup per token, ~0.5 us each (~70 us for 128 tokens).
         table = self.next_tokens
-        window = [start]
+        window = [int(self._ranking[start])]
         for choice in choices:
             window.append(int(table[window[-1], choice]))
         window = torch.tensor(window, dtype=torch.int64)
@@ -171,7 +167,11 @@ class TokenFile(Dataset):
         self.dtype = np.dtype(dtype)
         num_bytes = os.path.getsize(self.path)
         if num_bytes % self.dtype.itemsize:
-            raise ValueError(_dtype_mismatch_message(self.path, num_bytes, self.dtype.name))
+            fits = [name for name in TOKEN_DTYPES if num_bytes % np.dtype(name).itemsize == 0]
+            fix = (f"it was probably written as {' or '.join(fits)}: set --data.token_dtype {fits[0]}." if fits
+                   else "it is no token file of any supported dtype; for a text file set --data.source text.")
+            raise ValueError(f"{self.path} is {num_bytes} bytes, not a multiple of the {self.dtype.itemsize}-byte "
+                             f"{self.dtype.name} tokens; {fix}")
         self.num_tokens = num_bytes // self.dtype.itemsize
         if self.num_tokens < seq_len + 1:
             raise ValueError(
@@ -229,24 +229,7 @@ def write_token_file(
 
 
 def _token_id_range(tokens: np.ndarray, chunk_tokens: int = _SCAN_CHUNK_TOKENS) -> tuple[int, int]:
-    """Smallest and largest id in ``tokens``, read a chunk at a time so a memmap stays on disk."""
-    low, high = None, None
-    for start in range(0, len(tokens), chunk_tokens):
-        chunk = tokens[start : start + chunk_tokens]
-        chunk_low, chunk_high = int(chunk.min()), int(chunk.max())
-        low = chunk_low if low is None else min(low, chunk_low)
-        high = chunk_high if high is None else max(high, chunk_high)
-    assert low is not None and high is not None, "callers pass a non-empty array"
-    return low, high
-
-
-def _dtype_mismatch_message(path: str, num_bytes: int, dtype: str) -> str:
-    itemsize = np.dtype(dtype).itemsize
-    fits = [name for name in TOKEN_DTYPES if num_bytes % np.dtype(name).itemsize == 0]
-    if fits:
-        fix = f"it was probably written as {' or '.join(fits)}: set --data.token_dtype {fits[0]}."
-    else:
-        fix = "it is no token file of any supported dtype; for a text file set --data.source text."
-    return (
-        f"{path} is {num_bytes} bytes, not a multiple of the {itemsize}-byte {dtype} tokens; {fix}"
-    )
+    """Smallest and largest id in ``tokens`` (not empty), read a chunk at a time so a memmap stays on disk."""
+    chunks = (tokens[start : start + chunk_tokens] for start in range(0, len(tokens), chunk_tokens))
+    ranges = [(int(chunk.min()), int(chunk.max())) for chunk in chunks]
+    return min(low for low, _ in ranges), max(high for _, high in ranges)

@@ -126,7 +126,8 @@ def bus_factor(op: str, world_size: int) -> float:
 
 
 def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
-    """When each collective was really in flight: ``[max(launched_i, end_{i-1}), completed_i]`` (they run in order).
+    """When each collective was really in flight, one interval each: ``[max(launched_i, end_{i-1}), completed_i]``
+    (they run in order), empty for one that completed before the one before it did.
 
     >>> from lightning_ddp.sync.record import Collective
     >>> busy_intervals([Collective("all_reduce", "b", 8, launched, completed)
@@ -136,10 +137,9 @@ def busy_intervals(collectives: Sequence[Collective]) -> list[Interval]:
     out: list[Interval] = []
     previous_end = -math.inf
     for c in collectives:
-        start, end = max(c.launched, previous_end), c.completed
-        if end > start:
-            out.append((start, end))
-        previous_end = max(previous_end, end)
+        start = max(c.launched, previous_end)
+        out.append((start, max(start, c.completed)))
+        previous_end = max(previous_end, c.completed)
     return out
 
 
@@ -189,33 +189,10 @@ def step_metrics(
     straggler: StragglerStats | None = None,
     comm: str | None = "full",
 ) -> dict[str, float]:
-    """The metrics of one optimizer step; a key whose inputs are not given is absent, never 0.
-
-    ``comm``: ``"full"`` every ``comm/`` key, ``"landmarks"`` only ``LANDMARK_KEYS``, ``None`` none.
-    ``flops_per_step`` is one rank's, ``peak_flops`` the whole job's. A ratio over a zero denominator is 0:
-
-    ========================  ===================================================================================
-    step/time_ms              ``timing.step_ms`` (the timer passes the max over ranks)
-    comm/exposed_ms           union(exposed): last gradient computed -> gradients usable, plus optimizer-step comm
-    comm/wait_ms              overlap(union(straggler.wait), exposed): waiting for the last rank's launch
-    comm/transfer_ms          exposed_ms - wait_ms
-    comm/pack_ms              union(pack)
-    comm/share                exposed_ms / step_ms
-    comm/busy_ms              union(busy_intervals(collectives))
-    comm/overlap              (busy_ms - overlap(busy, exposed)) / busy_ms
-    comm/algbw_GBps           bytes / (busy_ms / 1e3) / 1e9
-    comm/busbw_GBps           sum(bus_factor(op_i, world_size) * nbytes_i) / (busy_ms / 1e3) / 1e9
-    comm/calls                number of collectives
-    comm/bytes                sum of the collectives' ``nbytes``
-    comm/clock_anomalies      ``timing.clock_anomalies``
-    step/tokens_per_s         tokens * world_size / (step_ms / 1e3)
-    straggler/rank            the rank that launched the step's collectives last most often
-    straggler/lag_ms          median over compared collectives of its launch minus the earliest launch
-    step/rank_spread_ms       slowest minus fastest rank's compute
-    step/mfu                  flops_per_step * world_size / (step_ms / 1e3) / peak_flops
-    memory/peak_MiB           ``peak_memory_mib``
-    memory/peak_reserved_MiB  ``peak_reserved_mib``
-    ========================  ===================================================================================
+    """The metrics of one optimizer step, each defined where it is computed (``docs/comm_timer.md``, "The keys"); a
+    key whose inputs are not given is absent, never 0, and a ratio over a zero denominator is 0. ``comm``: ``"full"``
+    every ``comm/`` key, ``"landmarks"`` only ``LANDMARK_KEYS``, ``None`` none. ``flops_per_step`` is one rank's,
+    ``peak_flops`` the whole job's.
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -234,11 +211,15 @@ def step_metrics(
     bus_bytes = sum(bus_factor(c.op, world_size) * c.nbytes for c in timing.collectives)
     hidden_ms = min(busy_ms, max(0.0, busy_ms - total(intersect(busy, timing.exposed))))
     metrics = {
+        # the step's wall time (the timer passes the max over ranks)
         "step/time_ms": step_ms,
+        # union(exposed): last gradient computed -> gradients usable, plus the optimizer step's communication
         "comm/exposed_ms": exposed_ms,
         "comm/pack_ms": total(timing.pack),
         "comm/share": exposed_ms / step_ms if step_ms > 0 else 0.0,
+        # union(busy_intervals(collectives)): time with a collective in flight
         "comm/busy_ms": busy_ms,
+        # the share of busy time outside the exposed intervals
         "comm/overlap": hidden_ms / busy_ms if busy_ms > 0 else 0.0,
         "comm/algbw_GBps": nbytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
         "comm/busbw_GBps": bus_bytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
@@ -246,15 +227,17 @@ def step_metrics(
         "comm/bytes": float(nbytes),
         "comm/clock_anomalies": float(timing.clock_anomalies),
     }
-    if timing.tokens is not None:
+    if timing.tokens is not None:  # every rank's tokens: this rank's times world_size
         metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     if straggler is not None:
+        # waiting for the last rank's launch (overlap of straggler.wait with exposed), and the rest of exposed
         wait_ms = min(total(intersect(straggler.wait, timing.exposed)), exposed_ms)
         metrics.update({"comm/wait_ms": wait_ms, "comm/transfer_ms": exposed_ms - wait_ms})
         if straggler.straggler_rank is not None and straggler.lag_ms is not None:
+            # the rank that launched last most often; the median of its launch minus the earliest launch
             metrics["straggler/rank"] = float(straggler.straggler_rank)
             metrics["straggler/lag_ms"] = float(straggler.lag_ms)
-        if straggler.rank_spread_ms is not None:
+        if straggler.rank_spread_ms is not None:  # slowest minus fastest rank's compute
             metrics["step/rank_spread_ms"] = float(straggler.rank_spread_ms)
     if flops_per_step is not None and peak_flops is not None:
         metrics["step/mfu"] = flops_per_step * world_size / (step_ms / 1e3) / peak_flops if step_ms > 0 else 0.0
@@ -329,13 +312,10 @@ class TimingSummary:
         if anomalies and not self._warned:
             self._warned = True
             shown = "; ".join(anomalies[:3]) + (f"; and {len(anomalies) - 3} more" if len(anomalies) > 3 else "")
-            message = (
-                f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}. The likely cause is "
-                "marks from two clocks (host times, e.g. gloo's completions, and CUDA events) joined by one anchor, "
-                "or converted with different anchors. Training goes on; each step counts its clamped marks in "
-                "comm/clock_anomalies (also in the timing summary); this warning is given once per run."
-            )
-            warnings.warn(message, ClockAnomalyWarning, stacklevel=2)
+            warnings.warn(f"step {step}: {len(anomalies)} inconsistent timing mark(s) clamped: {shown}; likely two "
+                          "clocks joined by one anchor. Training goes on, each step counting them in "
+                          "comm/clock_anomalies; warned once per run (docs/comm_timer.md, \"Clocks\")",
+                          ClockAnomalyWarning, stacklevel=2)
 
     def summarize(self, warmup_steps: int) -> dict[str, dict[str, float]]:
         """``{key: {"median", "p10", "p90", "n"}}`` over the steps left after the first ``warmup_steps``."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import statistics
 import weakref
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddp.metrics.accounting import busy_intervals
 from lightning_ddp.sync.comm import Communicator
 from lightning_ddp.sync.record import Recorder
 
@@ -123,30 +124,22 @@ def strategy_label(strategy: Any) -> str:
 
 def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> str | None:
     """The one line the ``CommTimer`` says once when it cannot measure everything (``None`` for ``"full"``)."""
-    name = strategy_label(strategy)
-    measured = "step time, throughput (when the module counts tokens or FLOPs), memory and the compute profile"
     if level == "full":
         return None
+    name = strategy_label(strategy)
+    measured = "step time, throughput (when the module counts tokens or FLOPs), memory and the compute profile"
+    see = ' (docs/comm_timer.md, "What each strategy lets us measure")'
     if level == "landmarks":
-        return (f"CommTimer on {name}: measures {measured} and the exposed communication (comm/exposed_ms, "
-                "comm/share: last gradient computed -> gradients usable); its collectives are not recorded, so "
-                "comm/busy_ms, comm/overlap and the bandwidths are not logged.")
+        return (f"CommTimer on {name}: measures {measured} and comm/exposed_ms, comm/share; its collectives are not "
+                f"recorded, so comm/busy_ms, comm/overlap and the bandwidths are not logged{see}")
     if world_size == 1 and not hasattr(strategy, "comm_recording"):
-        return (f"CommTimer on {name} (one device): measures {measured}; there is no gradient communication, so no "
-                "comm/* metrics are logged.")
-    return (f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics "
-            "(exposed, busy, overlap, bandwidth). Communication is measured for Lightning's ddp and our strategies "
-            "(lightning_ddp.catalogue.names()).")
+        return f"CommTimer on {name} (one device): measures {measured}; no gradient communication, no comm/* metrics"
+    return f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics{see}"
 
 
-def collective_calls(collectives: Iterable[Any]) -> list[tuple[str, int, float]]:
-    """``(op, bytes, busy ms)`` per collective of a finished step (ms marks), each busy from its launch or the end
-    of the one before, whichever is later (they run in order, as ``accounting.busy_intervals``)."""
-    calls, previous_end = [], float("-inf")
-    for c in collectives:
-        calls.append((c.op, int(c.nbytes), max(0.0, c.completed - max(c.launched, previous_end))))
-        previous_end = max(previous_end, c.completed)
-    return calls
+def collective_calls(collectives: Sequence[Any]) -> list[tuple[str, int, float]]:
+    """``(op, bytes, busy ms)`` per collective of a finished step (ms marks): the length of its ``busy_intervals``."""
+    return [(c.op, int(c.nbytes), end - start) for c, (start, end) in zip(collectives, busy_intervals(collectives))]
 
 
 def call_table(calls: dict[tuple[str, int], list[float]]) -> list[dict[str, Any]]:

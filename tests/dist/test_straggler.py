@@ -83,7 +83,7 @@ def _shifted_clock(rank: int):  # noqa: ANN202
 
 
 def _offsets_with_a_shifted_clock(rank: int, world_size: int) -> list[tuple[float, float]]:
-    from lightning_ddp.metrics.rank_exchange import measure_clock_offsets
+    from lightning_ddp.metrics.straggler import measure_clock_offsets
 
     offsets = measure_clock_offsets(rounds=8, now=_shifted_clock(rank))
     return [(o.offset_ms, o.uncertainty_ms) for o in offsets]
@@ -91,7 +91,7 @@ def _offsets_with_a_shifted_clock(rank: int, world_size: int) -> list[tuple[floa
 
 def _wait_with_a_shifted_clock(rank: int, world_size: int) -> tuple[float, float | None, int | None]:
     from lightning_ddp.metrics.accounting import StepTiming, step_metrics
-    from lightning_ddp.metrics.rank_exchange import StragglerExchange
+    from lightning_ddp.metrics.straggler import StragglerExchange
 
     now = _shifted_clock(rank)
     exchange = StragglerExchange(max_collectives=4, clock_sync="always", now=now)

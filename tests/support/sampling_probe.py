@@ -23,8 +23,8 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp.metrics import rank_exchange
 from lightning_ddp.callbacks.comm_timer import CommTimer
+from lightning_ddp.metrics import straggler
 from lightning_ddp.metrics.recording import recorder_for
 from lightning_ddp.sync import record
 
@@ -46,7 +46,7 @@ _counted(dist, "all_reduce", "dist.all_reduce")  # the engine's buckets (and fla
 _counted(record.StepClock, "synchronize", "StepClock.synchronize")  # torch.cuda.synchronize on CUDA
 _counted(record.StepClock, "mark", "StepClock.mark")  # every clock read: hooks, landmarks, collectives
 _counted(record.Recorder, "add", "Recorder.add")  # a recorded collective
-_counted(rank_exchange.StragglerExchange, "exchange", "timer collective")  # its one all-gather per step
+_counted(straggler.StragglerExchange, "exchange", "timer collective")  # its one all-gather per step
 
 
 class MemoryLogger(Logger):

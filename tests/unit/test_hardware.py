@@ -110,5 +110,6 @@ def test_comm_timer_passes_the_sm_count_so_a_mig_slice_is_its_share(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(comm_timer.compat, "compute_dtype", lambda trainer: torch.bfloat16)
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
-    peak = comm_timer._job_peak_flops(trainer, peak_tflops=None)
+    peak, hosts = comm_timer._job_peak_flops(trainer, peak_tflops=None)
+    assert hosts == 1
     assert peak == pytest.approx(989.4e12 * 16 / 132)  # 119.9 TFLOP/s, not the whole GPU's 989.4

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from lightning_ddp.metrics.accounting import StepTiming, TimingSummary, step_metrics
-from lightning_ddp.metrics.rank_exchange import StragglerExchange
 from lightning_ddp.callbacks.slow_rank import SlowRank
-from lightning_ddp.metrics.straggler import (ClockOffset, RoundTrip, attribute_wait, clock_note, estimate_offset,
-                                             rank_vector)
+from lightning_ddp.metrics.straggler import (ClockOffset, RoundTrip, StragglerExchange, attribute_wait, clock_note,
+                                             estimate_offset, rank_vector)
 from lightning_ddp.sync.record import Collective, SyncRecord
 
 approx = pytest.approx
@@ -184,16 +183,16 @@ def test_offsets_are_re_estimated_every_n_measured_steps_on_every_rank_alike():
 
 
 def test_small_messages_travel_on_the_cpu_unless_the_group_has_no_cpu_backend(monkeypatch: pytest.MonkeyPatch):
-    from lightning_ddp.metrics import rank_exchange
+    from lightning_ddp.metrics import straggler
 
     monkeypatch.setattr("lightning_ddp.sync.comm.backend_for", lambda device, group=None: "gloo")
-    assert rank_exchange._message_device(torch.device("cuda", 0)) == torch.device("cpu")
+    assert straggler._message_device(torch.device("cuda", 0)) == torch.device("cpu")
 
     def nccl_only(device, group=None):  # noqa: ANN001, ANN202
         raise ValueError("the process group (backend 'nccl') has no backend for cpu tensors")
 
     monkeypatch.setattr("lightning_ddp.sync.comm.backend_for", nccl_only)
-    assert rank_exchange._message_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert straggler._message_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
