@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.config import REFERENCE
-from lightning_ddp.bench.report import Analysis, Row, has_buckets, is_ok, panels, strategy_order, variant_of
+from lightning_ddp.bench.report import SHARE, STEP, Analysis, Row, has_buckets, is_ok, panels, strategy_order, variant_of
 from lightning_ddp.bench.stats import Estimate
 
 __all__ = ["write_plots"]
@@ -63,8 +63,8 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
             group = (precision, batch, context)
             if has_buckets(name):
                 selection = analysis.selections.get((group, name))
-                steps.append(selection.evaluated.step if selection else None)
-                shares.append(selection.evaluated.share if selection else None)
+                steps.append(selection.evaluated.estimate(STEP) if selection else None)
+                shares.append(selection.evaluated.estimate(SHARE) if selection else None)
                 continue
             row = next((r for r in groups[group] if variant_of(r) == name), None)
             ok = is_ok(row)

@@ -264,7 +264,7 @@ ACROSS_GROUPS_TARGET = 0.95
 
 NOT_MEASURABLE = "not measurable"
 
-_STEP, _SHARE, _BUSY = range(3)  # columns of ESTIMATED_KEYS
+STEP, SHARE, BUSY = range(3)  # columns of ESTIMATED_KEYS
 
 
 def variant_of(row: Row) -> str:
@@ -303,27 +303,18 @@ def is_ok(row: Row | None) -> bool:
     return row is not None and row.get("status") == "ok" and row.get("step_ms_median") is not None
 
 
+VERDICTS = ("met", "missed", "inconclusive", NOT_MEASURABLE)
+
+
 def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
     verdicts = [check.verdict for check in checks]
-    return {v: verdicts.count(v) for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
-
-
-def _verdict(estimate: Estimate | None, target: float, in_sample: bool) -> str:
-    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else
-    ``stats.verdict``."""
-    if estimate is None:
-        return NOT_MEASURABLE
-    if in_sample:
-        return "inconclusive"
-    return interval_verdict(estimate, target)
+    return {v: verdicts.count(v) for v in VERDICTS}
 
 
 @dataclass(frozen=True)
 class Measured:
-    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians and ``(B, 3)``
-    bootstrap draws."""
+    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
 
-    row: Row
     repeats: tuple[int, ...]
     point: np.ndarray = field(repr=False)
     draws: np.ndarray = field(repr=False)
@@ -332,14 +323,6 @@ class Measured:
         lo, hi = percentile_interval(self.draws[:, column])
         return Estimate(float(self.point[column]), lo, hi)
 
-    @property
-    def step(self) -> Estimate:
-        return self.estimate(_STEP)
-
-    @property
-    def share(self) -> Estimate:
-        return self.estimate(_SHARE)
-
 
 @dataclass(frozen=True)
 class Selection:
@@ -347,8 +330,6 @@ class Selection:
     ``selection_repeats`` (even indices) with ``selection_step_ms``, ``evaluated`` on the odd ones; ``in_sample``:
     no evaluation repeat, so the numbers are the ones it was chosen on (biased low) and its goals inconclusive."""
 
-    group: Group
-    strategy: str
     row: Row
     selection_repeats: tuple[int, ...]
     selection_step_ms: float
@@ -359,11 +340,11 @@ class Selection:
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """One performance goal (``goal``, in words) on one group: met when the ratio's interval (``estimate``; None when
-    a cell it needs has no ok repeat) is at or below ``target``; ``in_sample``: never conclusive; ``algorithm``: goal
-    1's algorithm; ``draws``: the ratio's bootstrap draws (for the across-groups geometric mean)."""
+    """One performance goal (``goal``, in words) on one group, or goal 1 of one ``algorithm`` across ``groups``
+    measurable groups (``group`` empty): met when the ratio's interval (``estimate``; None when a cell it needs has no
+    ok repeat) is at or below ``target``; ``in_sample``: never conclusive; ``draws``: the ratio's bootstrap draws."""
 
-    group: Group
+    group: Group | tuple[()]
     goal: str
     target: float
     estimate: Estimate | None = None
@@ -371,27 +352,21 @@ class GoalCheck:
     in_sample: bool = False
     algorithm: str = ""
     draws: np.ndarray | None = field(default=None, repr=False, compare=False)
+    groups: int = 1
 
     @property
     def verdict(self) -> str:
-        return _verdict(self.estimate, self.target, self.in_sample)
+        """``not measurable`` without an estimate; ``inconclusive`` when in-sample; else ``stats.verdict``."""
+        if self.estimate is None:
+            return NOT_MEASURABLE
+        return "inconclusive" if self.in_sample else interval_verdict(self.estimate, self.target)
 
 
-@dataclass(frozen=True)
-class AcrossGroups:
-    """Goal 1 of one algorithm over every group: the geometric mean of (best / ddp) over ``groups`` measurable
-    groups (``None`` if none), the per-group verdict ``counts``; ``in_sample``: some group's best size is."""
-
-    algorithm: str
-    estimate: Estimate | None
-    groups: int
-    counts: dict[str, int]
-    in_sample: bool = False
-    target: float = ACROSS_GROUPS_TARGET
-
-    @property
-    def verdict(self) -> str:
-        return _verdict(self.estimate, self.target, self.in_sample)
+def _checked(group: Group | tuple[()], goal: str, target: float, point: float, draws: np.ndarray, note: str,
+             in_sample: bool = False, algorithm: str = "", groups: int = 1) -> GoalCheck:
+    """A measurable ``GoalCheck``: its interval from the ratio's ``draws``."""
+    lo, hi = percentile_interval(draws)
+    return GoalCheck(group, goal, target, Estimate(float(point), lo, hi), note, in_sample, algorithm, draws, groups)
 
 
 class Analysis:
@@ -408,36 +383,29 @@ class Analysis:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
         self.selections: dict[tuple[Group, str], Selection] = {}
         for group, members in self.groups.items():
-            for strategy in strategy_order(variant_of(r) for r in members):
-                if has_buckets(strategy):
-                    selection = self._select(group, [r for r in members if variant_of(r) == strategy])
-                    if selection is not None:
-                        self.selections[(group, strategy)] = selection
-        self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
-        algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
-        self.across = [self._across(a) for a in algorithms]
-
-    # -- measurements
+            for strategy in filter(has_buckets, strategy_order(variant_of(r) for r in members)):
+                selection = self._select([r for r in members if variant_of(r) == strategy])
+                if selection is not None:
+                    self.selections[(group, strategy)] = selection
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
+            algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
+            self.across = [self._across(a) for a in algorithms]
 
     def measured(self, row: Row, repeats: Sequence[int] | None = None) -> Measured | None:
         """``row``'s cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them."""
-        data = self.data.get(row["cell_id"])
-        if data is None:
-            return None
+        data = self.data[row["cell_id"]]
         chosen = tuple(data.ok_repeats if repeats is None else [k for k in repeats if k in data.ok_repeats])
         if not chosen:
             return None
         values = data.values(ESTIMATED_KEYS, chosen)
         draws = self.bootstrap.draws(bootstrap_key(row["cell_id"], chosen), values)
-        return Measured(row, chosen, np.asarray(pooled_median(values), dtype=float), draws)
+        return Measured(chosen, np.asarray(pooled_median(values), dtype=float), draws)
 
-    def _select(self, group: Group, rows: list[Row]) -> Selection | None:
+    def _select(self, rows: list[Row]) -> Selection | None:
         """The best bucket size of one algorithm in one group (docs/benchmarks.md, "Analysis")."""
-        candidates = []
-        for order, row in enumerate(rows):
-            ok = self.data[row["cell_id"]].ok_repeats if is_ok(row) else []
-            if ok:
-                candidates.append((order, row, ok))
+        candidates = [(order, row, self.data[row["cell_id"]].ok_repeats) for order, row in enumerate(rows)
+                      if is_ok(row) and self.data[row["cell_id"]].ok_repeats]
         if not candidates:
             return None
 
@@ -446,29 +414,13 @@ class Analysis:
             value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
             return value if math.isfinite(value) else math.inf
 
-        with_selection = [(o, r, [k for k in ok if k % 2 == 0]) for o, r, ok in candidates]
-        with_selection = [c for c in with_selection if c[2]]
-        if with_selection:
-            order, row, chosen_on = min(with_selection, key=lambda c: (median_on(c[1], c[2]), c[0]))
-            evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1]
-        else:  # every even repeat failed: nothing to choose on out of sample
-            order, row, chosen_on = min(candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
-            evaluation = []
-        in_sample = not evaluation
-        evaluated = self.measured(row, None if in_sample else evaluation)
+        with_selection = [c for c in ((o, r, [k for k in ok if k % 2 == 0]) for o, r, ok in candidates) if c[2]]
+        # every even repeat failed: nothing to choose on out of sample
+        _, row, chosen_on = min(with_selection or candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
+        evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
+        evaluated = self.measured(row, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
-        return Selection(group, variant_of(row), row, tuple(chosen_on), median_on(row, chosen_on), evaluated,
-                         in_sample, len(candidates))
-
-    # -- goals
-
-    def _ratio(self, group: Group, goal: str, target: float, top: Measured, top_column: int, bottom: Measured,
-               bottom_column: int, note: str, in_sample: bool = False, algorithm: str = "") -> GoalCheck:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            draws = top.draws[:, top_column] / bottom.draws[:, bottom_column]
-            point = float(top.point[top_column] / bottom.point[bottom_column])
-        lo, hi = percentile_interval(draws)
-        return GoalCheck(group, goal, target, Estimate(point, lo, hi), note, in_sample, algorithm, draws)
+        return Selection(row, tuple(chosen_on), median_on(row, chosen_on), evaluated, not evaluation, len(candidates))
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
         """Goal 1 for bucketed and every other algorithm with buckets, goal 2 twice, goal 3 (docs/benchmarks.md)."""
@@ -486,59 +438,55 @@ class Analysis:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
             if selection is not None and m_ddp is not None:
-                checks.append(self._ratio(group, goal, 1.0, selection.evaluated, _STEP, m_ddp, _STEP,
-                                          _selection_note(selection), selection.in_sample, algorithm))
+                top = selection.evaluated
+                checks.append(_checked(group, goal, 1.0, top.point[STEP] / m_ddp.point[STEP],
+                                       top.draws[:, STEP] / m_ddp.draws[:, STEP], _selection_note(selection),
+                                       selection.in_sample, algorithm))
             else:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
 
         best = self.selections.get((group, bucketed))
-        best_measured, best_row = (best.evaluated, best.row) if best else (None, None)
-        compared = ((overlap_name, m_overlap, overlap), (f"{bucketed} (best)", best_measured, best_row))
-        for name, measured, row in compared:
+        for name, measured in ((overlap_name, m_overlap), (f"{bucketed} (best)", best and best.evaluated)):
             goal = f"2. {name} comm share / {naive_name} comm share"
-            naive_share = m_naive.point[_SHARE] if m_naive is not None else math.nan
-            if m_naive is None:
-                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, naive_name)))
-            elif not naive_share > 0:
-                checks.append(GoalCheck(group, goal, 1 / 3, note=f"{naive_name} comm share is 0 or missing"))
-            elif measured is None or not math.isfinite(measured.point[_SHARE]):
-                note = _missing(row, overlap_name) if name == overlap_name else f"no ok {bucketed} cell"
+            of_best = name != overlap_name
+            if m_naive is None or not m_naive.point[SHARE] > 0:
+                note = _missing(naive, naive_name) if m_naive is None else f"{naive_name} comm share is 0 or missing"
+                checks.append(GoalCheck(group, goal, 1 / 3, note=note))
+            elif measured is None or not math.isfinite(measured.point[SHARE]):
+                note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                in_sample = best is not None and name != overlap_name and best.in_sample
-                note = _selection_note(best) if name != overlap_name and best else ""
-                checks.append(self._ratio(group, goal, 1 / 3, measured, _SHARE, m_naive, _SHARE, note, in_sample))
+                checks.append(_checked(group, goal, 1 / 3, measured.point[SHARE] / m_naive.point[SHARE],
+                                       measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
+                                       _selection_note(best) if of_best and best else "",
+                                       of_best and best is not None and best.in_sample))
 
         goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
         if best is not None and m_reference is not None:
             top = best.evaluated
-            busy_point = top.point[_BUSY] if math.isfinite(top.point[_BUSY]) else 0.0
-            floor_point = max(float(m_reference.point[_STEP]), float(busy_point))
-            floor_draws = np.fmax(m_reference.draws[:, _STEP], top.draws[:, _BUSY])  # fmax: a missing busy is no floor
-            with np.errstate(divide="ignore", invalid="ignore"):
-                draws = top.draws[:, _STEP] / floor_draws
-            lo, hi = percentile_interval(draws)
-            bound = "compute" if m_reference.point[_STEP] >= busy_point else "communication"
+            busy_point = top.point[BUSY] if math.isfinite(top.point[BUSY]) else 0.0
+            floor_point = max(float(m_reference.point[STEP]), float(busy_point))
+            floor_draws = np.fmax(m_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
+            bound = "compute" if m_reference.point[STEP] >= busy_point else "communication"
             note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
-            checks.append(GoalCheck(group, goal, 1.10, Estimate(float(top.point[_STEP] / floor_point), lo, hi), note,
-                                    best.in_sample, bucketed, draws))
+            checks.append(_checked(group, goal, 1.10, top.point[STEP] / floor_point, top.draws[:, STEP] / floor_draws,
+                                   note, best.in_sample, bucketed))
         else:
             note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
             checks.append(GoalCheck(group, goal, 1.10, note=note))
         return checks
 
-    def _across(self, algorithm: str) -> AcrossGroups:
+    def _across(self, algorithm: str) -> GoalCheck:
+        """Goal 1 of ``algorithm`` over every group: the geometric mean of (best / ddp); ``note``: the verdict counts."""
         checks = [c for c in self.goals if c.goal.startswith("1.") and c.algorithm == algorithm]
-        counts = _verdict_counts(checks)
+        note = " / ".join(str(count) for count in _verdict_counts(checks).values())
         measurable = [c for c in checks if c.estimate is not None and c.draws is not None]
         if not measurable:
-            return AcrossGroups(algorithm, None, 0, counts)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            point = float(np.exp(np.mean(np.log([c.estimate.point for c in measurable]))))
-        lo, hi = percentile_interval(geometric_mean_draws([c.draws for c in measurable]))
-        return AcrossGroups(algorithm, Estimate(point, lo, hi), len(measurable), counts,
-                            any(c.in_sample for c in measurable))
+            return GoalCheck((), algorithm, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
+        point = np.exp(np.mean(np.log([c.estimate.point for c in measurable])))
+        return _checked((), algorithm, ACROSS_GROUPS_TARGET, point, geometric_mean_draws([c.draws for c in measurable]),
+                        note, any(c.in_sample for c in measurable), algorithm, len(measurable))
 
 
 # ---- results.md ---------------------------------------------------------------------------------------
@@ -640,7 +588,8 @@ def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[R
     where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
              else f"repeats {repeats_text(evaluated.repeats)}: ")
     return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
-            f"{where}{estimate_text(evaluated.step, unit=' ms')}", estimate_text(evaluated.share, ".1f", 100, " %"),
+            f"{where}{estimate_text(evaluated.estimate(STEP), unit=' ms')}",
+            estimate_text(evaluated.estimate(SHARE), ".1f", 100, " %"),
             predicted, auto_text]
 
 
@@ -704,13 +653,9 @@ def _goal_section(analysis: Analysis) -> list[str]:
     lines.append("")
     if analysis.across:
         lines += ["### Faster than torch DDP, across groups", ""]
-        across = []
-        for summary in analysis.across:
-            c = summary.counts
-            note = " (some best size in-sample)" if summary.in_sample else ""
-            across.append([summary.algorithm, summary.groups, estimate_text(summary.estimate, ".3f"),
-                           f"{summary.target:g}", f"{_verdict_text(summary.verdict)}{note}",
-                           f"{c['met']} / {c['missed']} / {c['inconclusive']} / {c[NOT_MEASURABLE]}"])
+        across = [[c.algorithm, c.groups, estimate_text(c.estimate, ".3f"), f"{c.target:g}",
+                   _verdict_text(c.verdict) + (" (some best size in-sample)" if c.in_sample else ""), c.note]
+                  for c in analysis.across]
         header = ["algorithm", "groups", "geometric mean of best / ddp [95 %]", "target", "verdict",
                   "groups <= 1.00: met / missed / inconclusive / not measurable"]
         lines += markdown_table(header, across, "lrrrll")
