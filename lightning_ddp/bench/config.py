@@ -130,7 +130,8 @@ class GridConfig:
 
 
 def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
-    """One entry of ``grid.engine_settings`` checked against its engine's signature, values de-duplicated."""
+    """One entry of ``grid.engine_settings``: every combination checked by its engine (``Entry.check_settings``),
+    values de-duplicated."""
     where = f"`grid.engine_settings.{name}`"
     engines = catalogue.names(engines_only=True)
     if name not in engines:
@@ -139,18 +140,15 @@ def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
     if not isinstance(settings, dict) or not settings:
         raise ValueError(f"{where} must map setting names to lists of values, e.g. `{{rank: [1, 4]}}`; got "
                          f"{settings!r}")
-    entry = catalogue.get(name)
-    valid = None if entry.takes_any_setting() else entry.settings()
     for setting, values in settings.items():
-        if setting in catalogue.NOT_SETTINGS:
-            axis = "`grid.bucket_sizes_mb`" if setting == "bucket_size_mb" else "the sweep"
-            raise ValueError(f"{where}: {setting!r} is not an engine setting: {axis} sets it for every cell")
-        if valid is not None and setting not in valid:
-            choices = ", ".join(valid) or "none (its engine takes only the module, bucket size and process group)"
-            raise ValueError(f"{where}: the {name!r} engine has no setting {setting!r}; its settings are: {choices}")
         if not isinstance(values, list) or not values:
             raise ValueError(
                 f"{where}.{setting} must be a non-empty list of values, e.g. `{setting}: [1, 4]`; got {values!r}")
+    try:
+        for combination in catalogue.setting_combinations(settings):
+            catalogue.get(name).check_settings(combination)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
     return {setting: _unique(values) for setting, values in settings.items()}
 
 

@@ -283,11 +283,11 @@ def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_
 
 
 @pytest.mark.parametrize("settings, match", [
-    ({"toy_pieces": {"piece": [2]}}, r"the 'toy_pieces' engine has no setting 'piece'; its settings are: pieces"),
-    ({"toy_pieces": {"bucket_size_mb": [2]}}, r"not an engine setting: `grid.bucket_sizes_mb` sets it"),
+    ({"toy_pieces": {"piece": [2]}}, r"toy_pieces`: 'piece' is not a setting of 'toy_pieces'; 'toy_pieces' takes: pieces"),
+    ({"toy_pieces": {"bucket_size_mb": [2]}}, r"bucket_size_mb: not an engine setting; bucket_size_mb has an option of its own"),
     ({"toy_pieces": {"pieces": []}}, r"`grid.engine_settings.toy_pieces`.pieces must be a non-empty list"),
-    ({"naive_ddp": {"pieces": [2]}}, r"'naive_ddp' engine has no setting 'pieces'; its settings are: none"),
-    ({"bucketed_ddp": {"pieces": [2]}}, r"the 'bucketed_ddp' engine has no setting 'pieces'"),  # listed or not
+    ({"naive_ddp": {"pieces": [2]}}, r"'pieces' is not a setting of 'naive_ddp'; 'naive_ddp' has no engine settings"),
+    ({"bucketed_ddp": {"pieces": [2]}}, r"'pieces' is not a setting of 'bucketed_ddp'"),  # listed or not
     ({"ddp": {"pieces": [2]}}, r"'ddp' is not one of our engines"),
 ])
 def test_an_unknown_engine_setting_is_refused_naming_the_valid_ones(toy_pieces, settings, match) -> None:
