@@ -478,7 +478,7 @@ class Analysis:
         return checks
 
     def _across(self, algorithm: str) -> GoalCheck:
-        """Goal 1 of ``algorithm`` over every group: the geometric mean of (best / ddp); ``note``: the verdict counts."""
+        """Goal 1 of ``algorithm`` over every group: the geometric mean of (best / ddp); ``note``: verdict counts."""
         checks = [c for c in self.goals if c.goal.startswith("1.") and c.algorithm == algorithm]
         note = " / ".join(str(count) for count in _verdict_counts(checks).values())
         measurable = [c for c in checks if c.estimate is not None and c.draws is not None]

@@ -19,8 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from lightning_ddp.bench.config import REFERENCE, SweepConfig, has_bucket_axis
-from lightning_ddp.bench.grid import Cell, cell_command, cell_environments, expand_grid, sweep_layout, threads_per_rank
+from lightning_ddp.bench.config import (
+    REFERENCE, Cell, SweepConfig, cell_command, cell_environments, expand_grid, has_bucket_axis, sweep_layout,
+    threads_per_rank,
+)
 from lightning_ddp.bench.launch import (
     RankLayout, error_line, find_free_port, is_oom, rank_environments, run_processes, write_command,
 )

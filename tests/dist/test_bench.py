@@ -16,8 +16,10 @@ import pytest
 
 from lightning_ddp.bench import launch as launch_module
 from lightning_ddp.bench.__main__ import parse_config
-from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig
-from lightning_ddp.bench.grid import cell_command, cell_environments, expand_grid, sweep_layout
+from lightning_ddp.bench.config import (
+    GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, cell_command, cell_environments, expand_grid,
+    sweep_layout,
+)
 from lightning_ddp.bench.launch import RankLayout, error_line, run_processes
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
