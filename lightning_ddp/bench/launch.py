@@ -18,11 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from lightning_ddp import catalogue
-from lightning_ddp.local_group import find_free_port
-
-__all__ = ["LOOPBACK_INTERFACE", "ProcessResult", "RankLayout", "base_environment", "error_line", "find_free_port",
-           "fit_command", "is_oom", "rank_environments", "rank_layout", "read_timing_summary",
-           "run_fit", "run_processes", "strategy_argument", "write_command"]
+from lightning_ddp.local_group import find_free_port  # noqa: F401 (the launchers' port, re-exported)
 
 REFERENCE = "reference"
 """The study's one-process, compute-only cell (not a strategy: it runs with Lightning's ``auto``)."""

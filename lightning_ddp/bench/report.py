@@ -17,7 +17,7 @@ import numpy as np
 from lightning_ddp import catalogue, files
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
-    Bootstrapper, Estimate, bounds_text, estimate_text, geometric_mean_draws, percentile_interval, pooled_median,
+    Bootstrapper, Estimate, bounds_text, geometric_mean_draws, interval_text, percentile_interval, pooled_median,
     pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
@@ -588,8 +588,8 @@ def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[R
     where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
              else f"repeats {repeats_text(evaluated.repeats)}: ")
     return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
-            f"{where}{estimate_text(evaluated.estimate(STEP), unit=' ms')}",
-            estimate_text(evaluated.estimate(SHARE), ".1f", 100, " %"),
+            f"{where}{interval_text(evaluated.estimate(STEP), unit=' ms')}",
+            interval_text(evaluated.estimate(SHARE), spec=".1f", scale=100, unit=" %"),
             predicted, auto_text]
 
 
@@ -646,14 +646,14 @@ def _goal_section(analysis: Analysis) -> list[str]:
         f"{counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).",
         "",
     ]
-    goals = [[*check.group, check.goal, estimate_text(check.estimate, ".3f"), f"{check.target:.3g}",
+    goals = [[*check.group, check.goal, interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
               _verdict_text(check.verdict), check.note] for check in analysis.goals]
     lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
                             goals, "lrrlrrll")
     lines.append("")
     if analysis.across:
         lines += ["### Faster than torch DDP, across groups", ""]
-        across = [[c.algorithm, c.groups, estimate_text(c.estimate, ".3f"), f"{c.target:g}",
+        across = [[c.algorithm, c.groups, interval_text(c.estimate, spec=".3f"), f"{c.target:g}",
                    _verdict_text(c.verdict) + (" (some best size in-sample)" if c.in_sample else ""), c.note]
                   for c in analysis.across]
         header = ["algorithm", "groups", "geometric mean of best / ddp [95 %]", "target", "verdict",

@@ -25,10 +25,6 @@ from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.projection import tables
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
-__all__ = ["LoadCheck", "busy_fraction", "command_text", "csv_text", "csv_value", "interleaved", "load_average",
-           "loss_curve", "markdown_table", "per_repeat", "provenance", "read_csv", "read_json", "read_proc_stat",
-           "run_study", "spawn_ranks", "step_rows", "summary_medians", "wait_until_idle", "write_outputs"]
-
 T = TypeVar("T")
 K = TypeVar("K")
 
