@@ -24,7 +24,7 @@ from lightning_ddp.bench.config import (
     threads_per_rank,
 )
 from lightning_ddp.bench.launch import (
-    RankLayout, error_line, find_free_port, is_oom, rank_environments, run_processes, write_command,
+    ProcessResult, RankLayout, error_line, find_free_port, is_oom, rank_environments, run_processes, write_command,
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
@@ -76,21 +76,14 @@ CellRunner = Callable[[Cell, Path], CellOutcome]
 """Runs one cell whose outputs go to the given directory."""
 
 
-def classify(
-    returncodes: list[int | None],
-    logs: list[str],
-    timed_out: bool,
-    killed_by_us: set[int],
-    first_failed: int | None,
-    summary_found: bool,
-    timeout_s: float = 0.0,
-) -> tuple[str, str]:
-    """``(status, reason)`` of a finished cell from its processes' exit codes and output: timeout; else oom if a
-    failed rank's log says so or a rank died by a SIGKILL we did not send (not one in ``killed_by_us``); else
-    failed; else ok if the CommTimer wrote its summary."""
+def classify(result: ProcessResult, logs: list[str], summary_found: bool, timeout_s: float = 0.0) -> tuple[str, str]:
+    """``(status, reason)`` of a finished cell from its processes (``launch.run_processes``) and their output:
+    timeout; else oom if a failed rank's log says so or a rank died by a SIGKILL we did not send; else failed; else
+    ok if the CommTimer wrote its summary."""
+    returncodes, first_failed = result.returncodes, result.first_failed
     order = ([first_failed] if first_failed is not None else []) + [i for i in range(len(logs)) if i != first_failed]
     last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
-    if timed_out:
+    if result.timed_out:
         return "timeout", f"no result after {timeout_s:.0f} s" + (f"; last output: {last}" if last else "")
     failed = [i for i in order if returncodes[i] not in (0, None)]
     if not failed:
@@ -102,7 +95,7 @@ def classify(
         if match:
             return "oom", f"rank {i}: {match.strip()[:300]}"
     for i in failed:
-        if returncodes[i] == -signal.SIGKILL and i not in killed_by_us:
+        if returncodes[i] == -signal.SIGKILL and i not in result.killed_by_us:
             return "oom", f"rank {i} was killed by SIGKILL (-9), most likely the kernel's out-of-memory killer"
     first = failed[0]
     line = error_line(logs[first])
@@ -111,13 +104,13 @@ def classify(
     return "failed", f"rank {first} ({how}): {line}" if line else f"rank {first} ({how}) printed no error line"
 
 
+@dataclass
 class SubprocessCellRunner:
     """Runs a cell as ``python -m lightning_ddp fit`` processes in ``cwd`` (relative config paths resolve there)."""
 
-    def __init__(self, config: SweepConfig, layout: RankLayout, cwd: str | None = None) -> None:
-        self.config = config
-        self.layout = layout
-        self.cwd = cwd
+    config: SweepConfig
+    layout: RankLayout
+    cwd: str | None = None
 
     def __call__(self, cell: Cell, run_dir: Path) -> CellOutcome:
         outcome = self._run_once(cell, run_dir)
@@ -138,10 +131,7 @@ class SubprocessCellRunner:
         summary_path, profile_path = (next(iter(sorted(run_dir.rglob(name))), None)
                                       for name in ("timing_summary.json", "compute_profile.json"))
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in logs]
-        status, reason = classify(
-            result.returncodes, texts, result.timed_out, result.killed_by_us, result.first_failed,
-            summary_path is not None, self.config.run.timeout_s,
-        )
+        status, reason = classify(result, texts, summary_path is not None, self.config.run.timeout_s)
         if status != "ok":
             return CellOutcome(status, reason, None, result.wall_s)
         profile = read_json(profile_path, missing_ok=True) if profile_path else None  # an extra: a bad file is left out

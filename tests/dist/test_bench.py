@@ -20,7 +20,7 @@ from lightning_ddp.bench.config import (
     GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, cell_command, cell_environments, expand_grid,
     sweep_layout,
 )
-from lightning_ddp.bench.launch import RankLayout, error_line, run_processes
+from lightning_ddp.bench.launch import ProcessResult, RankLayout, error_line, run_processes
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
     RESULT_COLUMNS,
@@ -506,16 +506,16 @@ def test_classify() -> None:
     traceback = "Traceback (most recent call last):\n  File 'x'\n    y()\nRuntimeError: Connection closed by peer\n"
     oom = "Traceback:\n  File 'm.py'\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB\n"
     # rank 1 ran out of memory first; rank 0 then lost its peer and exited too
-    status, reason = classify([1, 1], [traceback, oom], False, set(), first_failed=1, summary_found=False)
+    status, reason = classify(ProcessResult([1, 1], False, set(), first_failed=1), [traceback, oom], summary_found=False)
     assert status == "oom" and reason.startswith("rank 1: torch.OutOfMemoryError: CUDA out of memory")
-    assert classify([1], ["MemoryError\n"], False, set(), 0, False)[0] == "oom"  # CPU
+    assert classify(ProcessResult([1], False, set(), 0), ["MemoryError\n"], False)[0] == "oom"  # CPU
     # SIGKILL we did not send: the kernel's OOM killer; SIGKILL we sent after a peer failed: not an OOM
-    assert classify([-9, 1], ["", traceback], False, set(), 0, False)[0] == "oom"
-    status, reason = classify([1, -9], ["ValueError: bad size\n", ""], False, {1}, 0, False)
+    assert classify(ProcessResult([-9, 1], False, set(), 0), ["", traceback], False)[0] == "oom"
+    status, reason = classify(ProcessResult([1, -9], False, {1}, 0), ["ValueError: bad size\n", ""], False)
     assert (status, reason) == ("failed", "rank 0 (exit code 1): ValueError: bad size")
-    assert classify([-9, -9], ["", "step 3\n"], True, {0, 1}, None, False, 30)[0:1] == ("timeout",)
-    assert classify([0, 0], ["", ""], False, set(), None, summary_found=True) == ("ok", "")
-    assert classify([0], ["done\n"], False, set(), None, summary_found=False)[0] == "failed"
+    assert classify(ProcessResult([-9, -9], True, {0, 1}, None), ["", "step 3\n"], False, 30)[0:1] == ("timeout",)
+    assert classify(ProcessResult([0, 0], False, set(), None), ["", ""], summary_found=True) == ("ok", "")
+    assert classify(ProcessResult([0], False, set(), None), ["done\n"], summary_found=False)[0] == "failed"
 
 
 def test_error_line_finds_the_last_meaningful_line() -> None:
@@ -542,7 +542,7 @@ def test_run_processes_kills_on_timeout_and_after_a_peer_fails(tmp_path, monkeyp
     # a process that dies by SIGKILL on its own (as under the OOM killer) is an out-of-memory cell
     suicide = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     result = run_processes(suicide, [env], logs[:1], timeout_s=30)
-    status, reason = classify(result.returncodes, [""], result.timed_out, result.killed_by_us, result.first_failed, False)
+    status, reason = classify(result, [""], False)
     assert status == "oom" and "SIGKILL" in reason
 
 
