@@ -6,11 +6,10 @@ its fit arguments and processes (the command line itself is the launcher's). doc
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -362,7 +361,7 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     # the sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
     # report options)
     fingerprint = {
-        "workload": dataclasses.asdict(config.workload),
+        "workload": asdict(config.workload),
         "accelerator": run.accelerator,
         "devices": run.devices,
         "backend": run.backend,

@@ -6,7 +6,6 @@ tests fake them); the driver imports no torch. docs/benchmarks.md gives the reci
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
@@ -14,7 +13,7 @@ import re
 import shutil
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -195,10 +194,9 @@ def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) ->
 
 @dataclass
 class SweepResult:
-    """What ``run_sweep`` produced: the parsed results.csv rows of this grid's cells that ran (grid order), the
+    """What ``run_sweep`` produced: the grid's cells, the parsed results.csv rows of those that ran (grid order), the
     ``(cell_id, repeat)`` run by this call (the others were skipped as done) and the plots."""
 
-    out_dir: Path
     cells: list[Cell]
     rows: list[Row]
     ran: list[RepeatKey] = field(default_factory=list)
@@ -290,7 +288,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
                 "from repeats.csv and steps.csv); run the sweep first (without report_only)"
             )
         rows, plots = sweep.write_outputs(final=True)
-        return SweepResult(out_dir, cells, rows, plots=plots)
+        return SweepResult(cells, rows, plots=plots)
 
     layout = _start_session(config, out_dir, layout, repeats, say)
     order = interleaved(cells, config.run.repeats)
@@ -324,7 +322,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             bar.update(1)
     rows, plots = sweep.write_outputs(final=True)
     say(f"done: {sum(1 for r in rows if r['status'] == 'ok')} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
-    return SweepResult(out_dir, cells, rows, ran, plots)
+    return SweepResult(cells, rows, ran, plots)
 
 
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
@@ -473,6 +471,6 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
     return provenance(
         config.output.out_dir,  # the sweep's own results are not a code change
         hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
-        backend=layout.backend, layout=dataclasses.asdict(layout), threads_per_rank=threads_per_rank(config),
-        config=dataclasses.asdict(config),
+        backend=layout.backend, layout=asdict(layout), threads_per_rank=threads_per_rank(config),
+        config=asdict(config),
     )
