@@ -17,7 +17,7 @@ import numpy as np
 from lightning_ddp import catalogue, files
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
-    Bootstrapper, Estimate, bounds_text, geometric_mean_draws, interval_text, percentile_interval, pooled_median,
+    Bootstrapper, Estimate, geometric_mean_draws, interval_text, percentile_interval, pooled_median,
     pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
@@ -529,13 +529,13 @@ def _cell_text(row: Row | None, bold: bool = False) -> str:
         return "not run"
     if not is_ok(row):
         return row["status"] or "not run"
-    text = f"{row['step_ms_median']:,.1f} ms{bounds_text(row.get('step_ms_lo'), row.get('step_ms_hi'), ',.1f')}"
+    text = interval_text(row["step_ms_median"], row.get("step_ms_lo"), row.get("step_ms_hi"), unit=" ms")
     if row["strategy"] != REFERENCE and row.get("comm_share") is not None:
-        share = bounds_text(row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100)
+        share = interval_text(row["comm_share"], row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100, " %")
         wait = row.get("wait_comm_ms")
         # Of the exposed communication, the part spent waiting for the last rank (the CommTimer's comm/wait_ms).
         wait_text = f"; wait {wait:,.2f} ms" if isinstance(wait, (int, float)) and math.isfinite(wait) else ""
-        text += f" ({100 * row['comm_share']:.1f} %{share}{wait_text})"
+        text += f" ({share}{wait_text})"
     return f"**{text}**" if bold else text
 
 
