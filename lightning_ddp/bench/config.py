@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
 from lightning_ddp.bench.launch import (
-    REFERENCE, RankLayout, fit_command, rank_environments, rank_layout, strategy_argument,
+    REFERENCE, RankLayout, fit_command, rank_environments, strategy_argument,
 )
 from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
 
@@ -400,12 +400,6 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
 # ---- processes ----------------------------------------------------------------------------------------
 
 
-def sweep_layout(config: SweepConfig, gpu_count: int = 0, visible_gpus: str | None = None) -> RankLayout:
-    """``launch.rank_layout`` for the sweep's ``run`` section."""
-    run = config.run
-    return rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpu_count, visible_gpus)
-
-
 def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
     """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
     timing_summary.json lands)."""
@@ -437,13 +431,13 @@ def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: P
     return fit_command(args, run_dir)
 
 
-def threads_per_rank(config: SweepConfig, cpu_count: int | None = None) -> int | None:
+def threads_per_rank(config: SweepConfig) -> int | None:
     """``run.threads_per_rank``, or on CPU ``cores // devices`` (what Lightning's DDP sets), or ``None`` on CUDA."""
     if config.run.threads_per_rank is not None:
         return config.run.threads_per_rank
     if config.run.accelerator != "cpu":
         return None
-    return max(1, (cpu_count or os.cpu_count() or 1) // config.run.devices)
+    return max(1, (os.cpu_count() or 1) // config.run.devices)
 
 
 def cell_environments(cell: Cell, config: SweepConfig, layout: RankLayout, port: int,

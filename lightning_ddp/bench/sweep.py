@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from lightning_ddp.bench.config import (
-    REFERENCE, Cell, SweepConfig, cell_command, cell_environments, expand_grid, has_bucket_axis, sweep_layout,
-    threads_per_rank,
+    REFERENCE, Cell, SweepConfig, cell_command, cell_environments, expand_grid, has_bucket_axis, threads_per_rank,
 )
 from lightning_ddp.bench.launch import (
-    ProcessResult, RankLayout, error_line, find_free_port, is_oom, rank_environments, run_processes, write_command,
+    ProcessResult, RankLayout, error_line, find_free_port, is_oom, rank_environments, rank_layout, run_processes,
+    write_command,
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
@@ -334,12 +334,14 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
             f"current directory, {os.getcwd()}); run from the repository root or give an absolute path"
         )
     if layout is None:
+        run = config.run
         gpu_count = 0
-        if config.run.accelerator == "cuda":
+        if run.accelerator == "cuda":
             import torch
 
             gpu_count = torch.cuda.device_count()
-        layout = sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        layout = rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpu_count, visible)
     environment = describe_environment(config, layout)
     previous = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True) if repeats else None
     # Every session that ran repeats of this sweep, oldest first (a resumed sweep keeps the earlier ones, so results

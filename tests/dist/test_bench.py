@@ -18,9 +18,8 @@ from lightning_ddp.bench import launch as launch_module
 from lightning_ddp.bench.__main__ import parse_config
 from lightning_ddp.bench.config import (
     GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, cell_command, cell_environments, expand_grid,
-    sweep_layout,
 )
-from lightning_ddp.bench.launch import ProcessResult, RankLayout, error_line, run_processes
+from lightning_ddp.bench.launch import ProcessResult, RankLayout, error_line, rank_layout, run_processes
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
     RESULT_COLUMNS,
@@ -262,8 +261,8 @@ def test_sharded_strategies_are_sweep_cells_and_zero2_has_a_bucket_axis(tmp_path
 
 def test_rank_layout_picks_the_backend() -> None:
     def layout(accelerator="cuda", backend="auto", launcher="ranks", gpus=0, visible=None):
-        config = SweepConfig(run=RunConfig(accelerator=accelerator, backend=backend, launcher=launcher))
-        return sweep_layout(config, gpus, visible)
+        run = RunConfig(accelerator=accelerator, backend=backend, launcher=launcher)  # a valid run section
+        return rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpus, visible)
 
     assert layout("cpu") == RankLayout("gloo", 2, 1)
     assert layout(gpus=2) == RankLayout("nccl", 2, 1) and layout(gpus=8).backend == "nccl"
