@@ -480,13 +480,17 @@ class Analysis:
     def _across(self, algorithm: str) -> GoalCheck:
         """Goal 1 of ``algorithm`` over every group: the geometric mean of (best / ddp); ``note``: verdict counts."""
         checks = [c for c in self.goals if c.goal.startswith("1.") and c.algorithm == algorithm]
-        note = " / ".join(str(count) for count in _verdict_counts(checks).values())
+        counts = " / ".join(str(count) for count in _verdict_counts(checks).values())
+        note = f"groups <= 1.00 met / missed / inconclusive / not measurable: {counts}"
+        goal = f"1. {algorithm} (best) / ddp step time, geometric mean over groups"
         measurable = [c for c in checks if c.estimate is not None and c.draws is not None]
         if not measurable:
-            return GoalCheck((), algorithm, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
+            return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
         point = np.exp(np.mean(np.log([c.estimate.point for c in measurable])))
-        return _checked((), algorithm, ACROSS_GROUPS_TARGET, point, geometric_mean_draws([c.draws for c in measurable]),
-                        note, any(c.in_sample for c in measurable), algorithm, len(measurable))
+        in_sample = any(c.in_sample for c in measurable)
+        return _checked((), goal, ACROSS_GROUPS_TARGET, point, geometric_mean_draws([c.draws for c in measurable]),
+                        note + ("; some best size in-sample" if in_sample else ""), in_sample, algorithm,
+                        len(measurable))
 
 
 # ---- results.md ---------------------------------------------------------------------------------------
@@ -646,21 +650,12 @@ def _goal_section(analysis: Analysis) -> list[str]:
         f"{counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).",
         "",
     ]
-    goals = [[*check.group, check.goal, interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
-              _verdict_text(check.verdict), check.note] for check in analysis.goals]
+    goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
+              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", _verdict_text(check.verdict), check.note]
+             for check in [*analysis.goals, *analysis.across]]
     lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
                             goals, "lrrlrrll")
-    lines.append("")
-    if analysis.across:
-        lines += ["### Faster than torch DDP, across groups", ""]
-        across = [[c.algorithm, c.groups, interval_text(c.estimate, spec=".3f"), f"{c.target:g}",
-                   _verdict_text(c.verdict) + (" (some best size in-sample)" if c.in_sample else ""), c.note]
-                  for c in analysis.across]
-        header = ["algorithm", "groups", "geometric mean of best / ddp [95 %]", "target", "verdict",
-                  "groups <= 1.00: met / missed / inconclusive / not measurable"]
-        lines += markdown_table(header, across, "lrrrll")
-        lines.append("")
-    return lines
+    return lines + [""]
 
 
 def _failures(rows: list[Row], repeat_rows: list[Row] | None) -> list[str]:

@@ -646,7 +646,7 @@ def test_verdicts_met_missed_inconclusive_and_not_measurable_in_results_md() -> 
     assert "| 128 | 1. bucketed_ddp (best) step time / ddp step time | 1.125 [1.125, 1.125] | 1 | **missed** |" in report
     assert "| 128 | 2. overlap_ddp comm share / naive_ddp comm share | - | 0.333 | not measurable | no naive_ddp cell |" in report
     # Across groups: sqrt(0.9 x 1.125) = 1.006 > 0.95 in every draw: missed; one group met, one missed.
-    assert "| bucketed_ddp | 2 | 1.006 [1.006, 1.006] | 0.95 | **missed** | 1 / 1 / 0 / 0 |" in report
+    assert "| all |  | 2 groups | 1. bucketed_ddp (best) / ddp step time, geometric mean over groups | 1.006 [1.006, 1.006] | 0.95 | **missed** | groups <= 1.00 met / missed / inconclusive / not measurable: 1 / 1 / 0 / 0 |" in report
 
 
 @pytest.fixture
@@ -669,8 +669,8 @@ def test_every_algorithm_with_buckets_gets_goal_1_and_an_across_groups_row(secon
                                      ("ddp", "", [[100.0] * 4] * 2, 0.1, 50.0)])
     report = _report(repeat_rows, step_rows)
     assert "| 1. bucketed_alt (best) step time / ddp step time | 1.020 [1.020, 1.020] | 1 | **missed** | best size 1 MiB" in report
-    assert "| bucketed_alt | 1 | 1.020 [1.020, 1.020] | 0.95 | **missed** | 0 / 1 / 0 / 0 |" in report
-    assert "| bucketed_ddp | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
+    assert "| all |  | 1 groups | 1. bucketed_alt (best) / ddp step time, geometric mean over groups | 1.020 [1.020, 1.020] | 0.95 | **missed** | groups <= 1.00 met / missed / inconclusive / not measurable: 0 / 1 / 0 / 0 |" in report
+    assert "| all |  | 1 groups | 1. bucketed_ddp (best) / ddp step time, geometric mean over groups | 0.900 [0.900, 0.900] | 0.95 | met | groups <= 1.00 met / missed / inconclusive / not measurable: 1 / 0 / 0 / 0 |" in report
     assert "| 32-true | 2 | 64 | bucketed_alt | 1 MiB, best of 2 on 0 | 98.0 ms | repeats 1: 102.0 ms [102.0, 102.0] |" in report
 
 
@@ -691,7 +691,7 @@ def test_each_engine_settings_variant_has_its_own_best_bucket_size_goal_and_rows
     assert "| 32-true | 2 | 64 | bucketed_powersgd_ddp rank=4 | 4 MiB, best of 2 on 0 | 80.0 ms | repeats 1: 90.0 ms" in report
     assert "| 1. bucketed_powersgd_ddp rank=1 (best) step time / ddp step time | 0.720 [0.720, 0.720] | 1 | met |" in report
     assert "| 1. bucketed_powersgd_ddp rank=4 (best) step time / ddp step time | 0.900 [0.900, 0.900] | 1 | met |" in report
-    assert "| bucketed_powersgd_ddp rank=4 | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
+    assert "| all |  | 1 groups | 1. bucketed_powersgd_ddp rank=4 (best) / ddp step time, geometric mean over groups | 0.900 [0.900, 0.900] | 0.95 | met | groups <= 1.00 met / missed / inconclusive / not measurable: 1 / 0 / 0 / 0 |" in report
     # table rows: bucketed_ddp, then the variants in first-seen order, sizes ascending; the selected size in bold
     titles = [line.split(" | ")[0][2:] for line in lines if line.startswith("| bucketed_")][:5]
     assert titles == ["bucketed_ddp 1 MiB", "bucketed_powersgd_ddp 1 MiB rank=1", "bucketed_powersgd_ddp 4 MiB rank=1",
