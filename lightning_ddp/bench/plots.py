@@ -150,14 +150,10 @@ def _bucket_figure(
     return True
 
 
-def write_plots(
-    out_dir: str | Path, rows: list[Row], predicted_mb: float | None = None, analysis: Analysis | None = None
-) -> list[Path]:
-    """Write the figures of the module docstring for ``rows`` (parsed results.csv rows) and their ``Analysis``
-    (default: from the rows alone, every selection in-sample); return their paths."""
+def write_plots(out_dir: str | Path, analysis: Analysis, predicted_mb: float | None = None) -> list[Path]:
+    """Write the figures of the module docstring for the sweep's ``analysis``; return their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    analysis = analysis or Analysis(rows)
     written = []
     for precision, batch, contexts in panels(analysis.groups):
         path = out_dir / f"strategies_{precision}_bs{batch}.png"

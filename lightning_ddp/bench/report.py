@@ -98,16 +98,6 @@ class CellData:
         return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
                 for k in chosen]
 
-    @classmethod
-    def from_result_row(cls, row: Row) -> CellData:
-        """A results.csv row without its raw data, as one repeat of one step holding the row's medians (so the report
-        works on rows alone: intervals of zero width, best bucket sizes in-sample)."""
-        step = {"step/time_ms": row.get("step_ms_median"), "comm/share": row.get("comm_share"),
-                "comm/busy_ms": row.get("busy_comm_ms")}
-        ok = row.get("status") == "ok" and row.get("step_ms_median") is not None
-        return cls(str(row.get("cell_id", "")), dict(row), [], {0: [step]} if ok else {})
-
-
 def _number(value: Any) -> float:
     try:
         return float(value)
@@ -370,14 +360,13 @@ def _checked(group: Group | tuple[()], goal: str, target: float, point: float, d
 
 
 class Analysis:
-    """Selections, goals and the across-groups summary of a sweep's results.csv ``rows`` (grid order); a cell
-    missing from ``data`` (``cell_data``) counts as one repeat of one step holding its row's medians."""
+    """The results.csv ``rows`` (parsed), selections, goals and the across-groups summary of the cells ``data``
+    (``cell_data``; in report order)."""
 
-    def __init__(self, rows: Sequence[Row], data: Mapping[str, CellData] | None = None,
-                 bootstrap: Bootstrapper | None = None) -> None:
-        self.rows = [r for r in rows if r.get("status")]
+    def __init__(self, data: Mapping[str, CellData], bootstrap: Bootstrapper | None = None) -> None:
         self.bootstrap = bootstrap or Bootstrapper(2000, 0)
-        self.data = {r["cell_id"]: (data or {}).get(r["cell_id"]) or CellData.from_result_row(r) for r in self.rows}
+        self.data = dict(data)
+        self.rows = [parse_row(cell_row(cell, self.bootstrap)) for cell in self.data.values()]
         self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
         for row in self.rows:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
@@ -651,25 +640,21 @@ def _goal_section(analysis: Analysis) -> list[str]:
         "",
     ]
     goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
-              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", _verdict_text(check.verdict), check.note]
-             for check in [*analysis.goals, *analysis.across]]
+              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", _verdict_text(check.verdict),
+              check.note] for check in [*analysis.goals, *analysis.across]]
     lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
                             goals, "lrrlrrll")
     return lines + [""]
 
 
-def _failures(rows: list[Row], repeat_rows: list[Row] | None) -> list[str]:
-    """The cell repeats (or, given rows only, the cells) that did not finish, with their reasons."""
-    per_repeat = repeat_rows is not None
-    bad = [r for r in (repeat_rows if per_repeat else rows) if r["status"] not in ("ok", "")]
-    if not bad:
+def _failures(repeat_rows: list[Row]) -> list[str]:
+    """The cell repeats that did not finish, with their reasons."""
+    table = [[r["cell_id"], r["repeat"], r["status"], (r.get("reason") or "").replace("|", "\\|")]
+             for r in repeat_rows if r["status"] not in ("ok", "")]
+    if not table:
         return []
-    header = ["cell", "repeat", "status", "reason"] if per_repeat else ["cell", "status", "reason"]
-    table = [[r["cell_id"], *([r["repeat"]] if per_repeat else []), r["status"],
-              (r.get("reason") or "").replace("|", "\\|")] for r in bad]
-    title = "## Cell repeats that did not finish" if per_repeat else "## Cells that did not finish"
-    lines = [title, "", *markdown_table(header, table, "lrll" if per_repeat else "lll")]
-    return lines + [""]
+    return ["## Cell repeats that did not finish", "", *markdown_table(["cell", "repeat", "status", "reason"], table,
+                                                                        "lrll"), ""]
 
 
 def _resumed_across(environment: dict[str, Any]) -> str:
@@ -683,17 +668,15 @@ def _resumed_across(environment: dict[str, Any]) -> str:
 
 
 def build_report(
-    rows: list[Row],
+    analysis: Analysis,
     title: str = "sweep",
     prediction: dict[str, Any] | None = None,
     environment: dict[str, Any] | None = None,
     pending: int = 0,
-    analysis: Analysis | None = None,
-    repeat_rows: list[Row] | None = None,
 ) -> str:
-    """results.md from the grid's results.csv ``rows`` (grid order), ``bucket_prediction.json``, ``environment.json``,
-    the ``pending`` cell repeats, the ``Analysis`` (default: from the rows alone) and the grid's repeats.csv rows."""
-    analysis = analysis or Analysis(rows)
+    """results.md of the grid's ``analysis`` with ``bucket_prediction.json``, ``environment.json`` and the
+    ``pending`` cell repeats."""
+    repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
     config = (environment or {}).get("config", {})
     run = config.get("run", {})
     repeats = run.get("repeats", "?")
@@ -736,10 +719,9 @@ def build_report(
             )
     if len(lines) > 2:
         lines.append("")
-    done = len(repeat_rows) if repeat_rows is not None else sum(1 for r in rows if r["status"])
     if pending:
-        what = "cell repeats" if repeat_rows is not None else "cells"
-        lines += [f"> {done} of {done + pending} {what} done; rerun the same command to finish the others.", ""]
+        done = len(repeat_rows)
+        lines += [f"> {done} of {done + pending} cell repeats done; rerun the same command to finish the others.", ""]
     lines += [
         "## How to read this",
         "",
@@ -753,5 +735,5 @@ def build_report(
     lines += _strategy_tables(analysis)
     lines += _bucket_section(analysis, prediction)
     lines += _goal_section(analysis)
-    lines += _failures(rows, repeat_rows)
+    lines += _failures(repeat_rows)
     return "\n".join(lines).rstrip() + "\n"

@@ -194,13 +194,18 @@ def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) ->
 
 @dataclass
 class SweepResult:
-    """What ``run_sweep`` produced: the grid's cells, the parsed results.csv rows of those that ran (grid order), the
-    ``(cell_id, repeat)`` run by this call (the others were skipped as done) and the plots."""
+    """What ``run_sweep`` produced: the grid's cells, the ``Analysis`` of those that ran (its ``rows``: their parsed
+    results.csv rows, grid order), the ``(cell_id, repeat)`` run by this call (the others were skipped as done) and
+    the plots."""
 
     cells: list[Cell]
-    rows: list[Row]
+    analysis: Analysis
     ran: list[RepeatKey] = field(default_factory=list)
     plots: list[Path] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[Row]:
+        return self.analysis.rows
 
     @property
     def ok(self) -> int:
@@ -239,30 +244,25 @@ class _Sweep:
             _complete_prediction(out_dir / PREDICTION_JSON, outcome)
         self.write_outputs(final=False)
 
-    def write_outputs(self, final: bool) -> tuple[list[Row], list[Path]]:
+    def write_outputs(self, final: bool) -> tuple[Analysis, list[Path]]:
         """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
         every cell of repeats.csv (this grid's first, then other configurations': the files never lose data); the
         report and the plots only this grid's cells."""
         out_dir = self.out_dir
         data = cell_data(self.repeats.values(), (step for rows in self.steps.values() for step in rows))
-        rows = {cid: parse_row({c: csv_value(v) for c, v in cell_row(d, self.bootstrap).items()})
-                for cid, d in data.items()}
         ids = [c.id for c in self.cells]
-        grid_rows = [rows[cid] for cid in ids if cid in rows]
-        write_csv(out_dir / RESULTS_CSV, grid_rows + [row for cid, row in rows.items() if cid not in set(ids)],
-                  RESULT_COLUMNS)
-        analysis = Analysis(grid_rows, {cid: data[cid] for cid in ids if cid in data}, self.bootstrap)
-        grid_repeats = [r for r in self.repeats.values() if r["cell_id"] in set(ids)]
+        analysis = Analysis({cid: data[cid] for cid in ids if cid in data}, self.bootstrap)
+        others = [parse_row(cell_row(d, self.bootstrap)) for cid, d in data.items() if cid not in set(ids)]
+        write_csv(out_dir / RESULTS_CSV, analysis.rows + others, RESULT_COLUMNS)
         expected = set(interleaved(ids, self.config.run.repeats))
-        pending = len(expected - {(r["cell_id"], r["repeat"]) for r in grid_repeats})
+        pending = len(expected - set(self.repeats))
         prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
         environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
-        report = build_report(grid_rows, self.config.name, prediction, environment, pending, analysis, grid_repeats)
-        write_outputs(out_dir, {RESULTS_MD: report})
-        if not (final and self.config.output.plots and grid_rows):
-            return grid_rows, []
+        write_outputs(out_dir, {RESULTS_MD: build_report(analysis, self.config.name, prediction, environment, pending)})
+        if not (final and self.config.output.plots and analysis.rows):
+            return analysis, []
         predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
-        return grid_rows, write_plots(out_dir, grid_rows, predicted_mb, analysis)
+        return analysis, write_plots(out_dir, analysis, predicted_mb)
 
 
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
@@ -287,8 +287,8 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
                 f"`output.report_only` but {out_dir / REPEATS_CSV} has no rows (results.csv and results.md are rebuilt "
                 "from repeats.csv and steps.csv); run the sweep first (without report_only)"
             )
-        rows, plots = sweep.write_outputs(final=True)
-        return SweepResult(cells, rows, plots=plots)
+        analysis, plots = sweep.write_outputs(final=True)
+        return SweepResult(cells, analysis, plots=plots)
 
     layout = _start_session(config, out_dir, layout, repeats, say)
     order = interleaved(cells, config.run.repeats)
@@ -320,9 +320,10 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             ran.append((cell.id, k))
             say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
             bar.update(1)
-    rows, plots = sweep.write_outputs(final=True)
-    say(f"done: {sum(1 for r in rows if r['status'] == 'ok')} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
-    return SweepResult(cells, rows, ran, plots)
+    analysis, plots = sweep.write_outputs(final=True)
+    result = SweepResult(cells, analysis, ran, plots)
+    say(f"done: {result.ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
+    return result
 
 
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,

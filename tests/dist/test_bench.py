@@ -619,10 +619,7 @@ def _study(cells: list[tuple], context: int = 64) -> tuple[list, list, list]:
 
 
 def _report(repeat_rows, step_rows) -> str:
-    bootstrap = Bootstrapper(2000, seed=0)
-    data = cell_data(repeat_rows, step_rows)
-    rows = [parse_row({k: "" if v is None else str(v) for k, v in cell_row(d, bootstrap).items()}) for d in data.values()]
-    return build_report(rows, "t", analysis=Analysis(rows, data, bootstrap), repeat_rows=repeat_rows)
+    return build_report(Analysis(cell_data(repeat_rows, step_rows), Bootstrapper(2000, seed=0)), "t")
 
 
 def test_verdicts_met_missed_inconclusive_and_not_measurable_in_results_md() -> None:
@@ -699,14 +696,14 @@ def test_each_engine_settings_variant_has_its_own_best_bucket_size_goal_and_rows
     assert "| bucketed_powersgd_ddp 4 MiB rank=4 | **85.0 ms [80.0, 90.0]" in report  # 4 x 80 and 4 x 90 pool to 85
 
 
-def test_report_from_rows_alone_still_renders() -> None:
-    # The registry test and older callers pass results.csv rows only: each is one repeat of one step.
-    rows = [parse_row({"cell_id": s + b, "strategy": s, "bucket_size_mb": b, "batch_size": "2", "context_length": "64",
-                       "precision": "32-true", "status": "ok", "step_ms_median": t, "comm_share": "0.1",
-                       "resolved_bucket_size_mb": "4.8828125" if b == "auto" else ""})
-            for s, b, t in (("reference", "", "60"), ("bucketed_ddp", "4", "90"), ("bucketed_ddp", "auto", "92"), ("ddp", "", "100"))]
-    report = build_report(rows, "t")
-    assert "| bucketed_ddp 4 MiB | **90.0 ms (10.0 %)** |" in report and "| bucketed_ddp auto | 92.0 ms (10.0 %) |" in report
+def test_a_report_of_one_repeat_of_one_step_renders_with_the_auto_cells_resolved_size() -> None:
+    repeat_rows, step_rows = _study([("reference", "", [[60.0]], 0.0, 0.0), ("bucketed_ddp", 4.0, [[90.0]], 0.1, 5.0),
+                                     ("bucketed_ddp", "auto", [[92.0]], 0.1, 5.0), ("ddp", "", [[100.0]], 0.1, 5.0)])
+    for row in repeat_rows:
+        row["resolved_bucket_size_mb"] = 4.8828125 if row["bucket_size_mb"] == "auto" else None
+    report = _report(repeat_rows, step_rows)
+    assert "| bucketed_ddp 4 MiB | **90.0 ms [90.0, 90.0] (10.0 % [10.0, 10.0])** |" in report
+    assert "| bucketed_ddp auto | 92.0 ms [92.0, 92.0] (10.0 % [10.0, 10.0]) |" in report
     assert "| 0.900 [0.900, 0.900] | 1 | inconclusive | best size 4 MiB, in-sample" in report
     assert "| - | 92.0 ms, auto (4.88 MiB) |" in report  # no prediction; the auto cell and the size it resolved to
 
@@ -716,11 +713,11 @@ def test_report_puts_the_predicted_bucket_size_next_to_the_measured_best(tmp_pat
     # o = 0.5 ms, w = 1 GB/s, s = 16 MiB: sqrt(16 * 2**20 * 1e9 * 5e-4) = 2.9e6 bytes < largest 5 MiB -> 5 MiB
     prediction = {"overhead_s": 5e-4, "bandwidth_Bps": 1e9, "sizes": [4096, 2**26], "repeats": 10,
                   "grad_bytes": 16 * 2**20, "largest_param_bytes": 5 * 2**20, "bucket_bytes": 5 * 2**20}
-    report = build_report(result.rows, "t", prediction)
+    report = build_report(result.analysis, "t", prediction)
     assert "**o = 0.500 ms** per call and **w = 1.000 GB/s**" in report
     assert "= **5 MiB** (about 3.2 buckets" in report
     assert "| 5 MiB | not in grid |" in report
-    report = build_report(result.rows, "t", {**prediction, "bandwidth_Bps": None})  # time did not grow with size
+    report = build_report(result.analysis, "t", {**prediction, "bandwidth_Bps": None})  # time did not grow with size
     assert "unbounded" in report
 
 
