@@ -212,57 +212,45 @@ class SweepResult:
         return sum(1 for r in self.rows if r["status"] == "ok")
 
 
-@dataclass
-class _Sweep:
-    """A sweep's raw data in memory (``repeats`` and ``steps`` as read back from the files) and how it is written."""
+def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], cell: Cell,
+           outcome: CellOutcome, row: Row, wants_prediction: bool) -> None:
+    """A repeat of ``cell`` ran (``row``: its repeats.csv row) into the raw data read back from the files: steps.csv,
+    repeats.csv (last: it marks the repeat done), profiles.json and the prediction, each whole and atomically."""
+    key = (cell.id, row["repeat"])
+    steps.pop(key, None)
+    if outcome.status == "ok" and outcome.summary:
+        steps[key] = measured_step_rows(cell.id, row["repeat"], outcome.summary)
+    repeats[key] = parse_row({c: csv_value(v) for c, v in row.items()}, REPEAT_COLUMNS)
+    # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
+    write_csv(out_dir / STEPS_CSV, (step for k in repeats if k in steps for step in steps[k]))
+    write_csv(out_dir / REPEATS_CSV, repeats.values(), REPEAT_COLUMNS)
+    profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
+    if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
+        write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell.id: outcome.profile}})
+    if outcome.status == "ok" and wants_prediction:
+        _complete_prediction(out_dir / PREDICTION_JSON, outcome)
 
-    config: SweepConfig
-    out_dir: Path
-    cells: list[Cell]
-    repeats: dict[RepeatKey, Row]
-    steps: dict[RepeatKey, list[Row]]
-    bootstrap: Bootstrapper
 
-    def record(self, cell: Cell, k: int, outcome: CellOutcome, layout: RankLayout, load: LoadCheck,
-               started_at: str, wants_prediction: bool) -> None:
-        """Repeat ``k`` of ``cell`` ran: steps.csv, repeats.csv (last: it marks the repeat done), profiles.json,
-        the prediction, results.csv and results.md, each whole and atomically."""
-        config, out_dir, key = self.config, self.out_dir, (cell.id, k)
-        self.steps.pop(key, None)
-        if outcome.status == "ok" and outcome.summary:
-            self.steps[key] = measured_step_rows(cell.id, k, outcome.summary)
-        row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, layout, load,
-                         load_average(), started_at)
-        self.repeats[key] = parse_row({c: csv_value(v) for c, v in row.items()}, REPEAT_COLUMNS)
-        # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
-        write_csv(out_dir / STEPS_CSV, (step for k_ in self.repeats if k_ in self.steps for step in self.steps[k_]))
-        write_csv(out_dir / REPEATS_CSV, self.repeats.values(), REPEAT_COLUMNS)
-        profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
-        if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
-            write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell.id: outcome.profile}})
-        if outcome.status == "ok" and wants_prediction:
-            _complete_prediction(out_dir / PREDICTION_JSON, outcome)
-        self.write_outputs(final=False)
-
-    def write_outputs(self, final: bool) -> tuple[Analysis, list[Path]]:
-        """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
-        every cell of repeats.csv (this grid's first, then other configurations': the files never lose data); the
-        report and the plots only this grid's cells."""
-        out_dir = self.out_dir
-        data = cell_data(self.repeats.values(), (step for rows in self.steps.values() for step in rows))
-        ids = [c.id for c in self.cells]
-        analysis = Analysis({cid: data[cid] for cid in ids if cid in data}, self.bootstrap)
-        others = [parse_row(cell_row(d, self.bootstrap)) for cid, d in data.items() if cid not in set(ids)]
-        write_csv(out_dir / RESULTS_CSV, analysis.rows + others, RESULT_COLUMNS)
-        expected = set(interleaved(ids, self.config.run.repeats))
-        pending = len(expected - set(self.repeats))
-        prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
-        environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
-        write_outputs(out_dir, {RESULTS_MD: build_report(analysis, self.config.name, prediction, environment, pending)})
-        if not (final and self.config.output.plots and analysis.rows):
-            return analysis, []
-        predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
-        return analysis, write_plots(out_dir, analysis, predicted_mb)
+def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKey, Row],
+                  steps: dict[RepeatKey, list[Row]], bootstrap: Bootstrapper,
+                  final: bool = False) -> tuple[Analysis, list[Path]]:
+    """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
+    every cell of repeats.csv (the grid's ``cells`` first, then other configurations': the files never lose data);
+    the report and the plots only the grid's."""
+    out_dir = Path(config.output.out_dir)
+    data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
+    ids = [c.id for c in cells]
+    analysis = Analysis({cid: data[cid] for cid in ids if cid in data}, bootstrap)
+    others = [parse_row(cell_row(d, bootstrap)) for cid, d in data.items() if cid not in set(ids)]
+    write_csv(out_dir / RESULTS_CSV, analysis.rows + others, RESULT_COLUMNS)
+    pending = len(set(interleaved(ids, config.run.repeats)) - set(repeats))
+    prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
+    environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
+    write_outputs(out_dir, {RESULTS_MD: build_report(analysis, config.name, prediction, environment, pending)})
+    if not (final and config.output.plots and analysis.rows):
+        return analysis, []
+    predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
+    return analysis, write_plots(out_dir, analysis, predicted_mb)
 
 
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
@@ -279,15 +267,14 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
     steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
              if key in repeats and repeats[key]["status"] == "ok"}
     bootstrap = Bootstrapper(config.output.bootstrap_samples, config.output.seed)
-    sweep = _Sweep(config, out_dir, expand_grid(config), repeats, steps, bootstrap)
-    cells, say = sweep.cells, log or _tqdm_write
+    cells, say = expand_grid(config), log or _tqdm_write
     if config.output.report_only:
         if not repeats:
             raise ValueError(
                 f"`output.report_only` but {out_dir / REPEATS_CSV} has no rows (results.csv and results.md are rebuilt "
                 "from repeats.csv and steps.csv); run the sweep first (without report_only)"
             )
-        analysis, plots = sweep.write_outputs(final=True)
+        analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
         return SweepResult(cells, analysis, plots=plots)
 
     layout = _start_session(config, out_dir, layout, repeats, say)
@@ -316,11 +303,14 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             load = guard()
             started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
-            sweep.record(cell, k, outcome, layout, load, started_at, wants_prediction)
+            row = repeat_row(cell, k, outcome, config.workload.preset, run.accelerator, layout, load, load_average(),
+                             started_at)
+            record(out_dir, repeats, steps, cell, outcome, row, wants_prediction)
+            write_results(config, cells, repeats, steps, bootstrap)
             ran.append((cell.id, k))
             say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
             bar.update(1)
-    analysis, plots = sweep.write_outputs(final=True)
+    analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
     result = SweepResult(cells, analysis, ran, plots)
     say(f"done: {result.ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
     return result
