@@ -586,39 +586,34 @@ def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[R
             predicted, auto_text]
 
 
+def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list[str]:
+    """The all-reduce fit and the bucket size ``b*`` it predicts (``bucket_bytes``: once a cell gave the model)."""
+    if not prediction:
+        return ["No prediction: the all-reduce microbenchmark did not run (`run.predict_bucket_size: false`) or "
+                "failed (see runs/allreduce/).", ""] if bucketed else []
+    w, sizes = prediction.get("bandwidth_Bps"), prediction.get("sizes") or []
+    span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB" if sizes else ""
+    w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
+    lines = [f"All-reduce microbenchmark on the sweep's ranks ({span or 'the microbenchmark'}, median of "
+             f"{prediction.get('repeats', '?')}): least-squares fit `t = o + bytes / w` gives "
+             f"**o = {prediction['overhead_s'] * 1e3:.3f} ms** per call and **w = {w_text}**."]
+    if not prediction.get("bucket_bytes"):
+        return lines + ["No cell finished yet, so the gradient size (and the prediction) is unknown.", ""]
+    s_mb, largest_mb = prediction["grad_bytes"] / 2**20, prediction["largest_param_bytes"] / 2**20
+    return lines + [f"Gradients: s = {s_mb:.2f} MiB, largest parameter {largest_mb:.2f} MiB. Predicted best bucket "
+                    f"`b* = max(largest, sqrt(s * w * o))` = **{prediction['bucket_bytes'] / 2**20:.3g} MiB** (about "
+                    f"{prediction['grad_bytes'] / prediction['bucket_bytes']:.1f} buckets; see "
+                    "`lightning_ddp/sync/bucket_model.py`).", ""]
+
+
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
-    rows = analysis.rows
-    lines = ["## Best bucket size: chosen on some repeats, measured on the others", ""]
-    predicted_mb = None
-    if prediction and prediction.get("bucket_bytes"):
-        predicted_mb = prediction["bucket_bytes"] / 2**20
-        o_ms, w = prediction["overhead_s"] * 1e3, prediction.get("bandwidth_Bps")
-        w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
-        s_mb, largest_mb = prediction["grad_bytes"] / 2**20, prediction["largest_param_bytes"] / 2**20
-        sizes = prediction.get("sizes") or []
-        span = "the microbenchmark"
-        if sizes:
-            span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB"
-        n_b = prediction["grad_bytes"] / prediction["bucket_bytes"]
-        lines += [
-            f"All-reduce microbenchmark on the sweep's ranks ({span}, median of {prediction.get('repeats', '?')}): "
-            f"least-squares fit `t = o + bytes / w` gives **o = {o_ms:.3f} ms** per call and **w = {w_text}**.",
-            f"Gradients: s = {s_mb:.2f} MiB, largest parameter {largest_mb:.2f} MiB. Predicted best bucket "
-            f"`b* = max(largest, sqrt(s * w * o))` = **{predicted_mb:.3g} MiB** (about {n_b:.1f} buckets; see "
-            "`lightning_ddp/sync/bucket_model.py`).",
-            "",
-        ]
-    elif prediction:
-        w = prediction.get("bandwidth_Bps")
-        lines += [f"All-reduce fit: o = {prediction['overhead_s'] * 1e3:.3f} ms, w = "
-                  f"{f'{w / 1e9:.3f} GB/s' if w else 'unbounded'}; no cell finished yet, so the gradient size (and the "
-                  "prediction) is unknown.", ""]
-    elif any(has_bucket_axis(r["strategy"]) for r in rows):
-        lines += ["No prediction: the all-reduce microbenchmark did not run (`run.predict_bucket_size: false`) or "
-                  "failed (see runs/allreduce/).", ""]
-    if not any(has_bucket_axis(r["strategy"]) for r in rows):
+    bucketed = any(has_bucket_axis(r["strategy"]) for r in analysis.rows)
+    lines = ["## Best bucket size: chosen on some repeats, measured on the others", "",
+             *_prediction_lines(prediction, bucketed)]
+    if not bucketed:
         return lines + ["No algorithm with buckets in the grid.", ""]
-    predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
+    bucket_bytes = (prediction or {}).get("bucket_bytes")
+    predicted = f"{bucket_bytes / 2**20:.3g} MiB" if bucket_bytes else "-"
     table = [_bucket_row(analysis, group, strategy, members, predicted)
              for group, members in analysis.groups.items()
              for strategy in strategy_order(variant_of(r) for r in members) if has_buckets(strategy)]
