@@ -370,10 +370,14 @@ class Analysis:
         self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
         for row in self.rows:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
+        # per group, its algorithms with buckets (variants), in report order: what the selections, goal 1 and the
+        # best-bucket table walk
+        self.algorithms = {group: list(filter(has_buckets, strategy_order(variant_of(r) for r in members)))
+                           for group, members in self.groups.items()}
         self.selections: dict[tuple[Group, str], Selection] = {}
-        for group, members in self.groups.items():
-            for strategy in filter(has_buckets, strategy_order(variant_of(r) for r in members)):
-                selection = self._select([r for r in members if variant_of(r) == strategy])
+        for group, algorithms in self.algorithms.items():
+            for strategy in algorithms:
+                selection = self._select([r for r in self.groups[group] if variant_of(r) == strategy])
                 if selection is not None:
                     self.selections[(group, strategy)] = selection
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -421,9 +425,7 @@ class Analysis:
         m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
-        algorithms = [bucketed, *[s for s in strategy_order(variant_of(r) for r in rows)
-                                  if has_buckets(s) and s != bucketed]]
-        for algorithm in algorithms:
+        for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
             if selection is not None and m_ddp is not None:
@@ -566,9 +568,9 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
     return lines
 
 
-def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[Row], predicted: str) -> list[Any]:
+def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str) -> list[Any]:
     """One row of the best-bucket table: the size chosen on the selection repeats, measured on the others."""
-    auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
+    auto = next((r for r in analysis.groups[group] if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
     auto_text = "not in grid"
     if auto is not None:
         auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
@@ -614,9 +616,8 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
         return lines + ["No algorithm with buckets in the grid.", ""]
     bucket_bytes = (prediction or {}).get("bucket_bytes")
     predicted = f"{bucket_bytes / 2**20:.3g} MiB" if bucket_bytes else "-"
-    table = [_bucket_row(analysis, group, strategy, members, predicted)
-             for group, members in analysis.groups.items()
-             for strategy in strategy_order(variant_of(r) for r in members) if has_buckets(strategy)]
+    table = [_bucket_row(analysis, group, strategy, predicted)
+             for group, algorithms in analysis.algorithms.items() for strategy in algorithms]
     header = ["precision", "batch", "context", "algorithm", "chosen (of sizes) on repeats", "its step there",
               "step on evaluation repeats [95 %]", "comm share [95 %]", "predicted", "auto cell"]
     return lines + markdown_table(header, table, "lrrllrrrll") + [""]
