@@ -570,7 +570,8 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
 
 def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str) -> list[Any]:
     """One row of the best-bucket table: the size chosen on the selection repeats, measured on the others."""
-    auto = next((r for r in analysis.groups[group] if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
+    auto = next((r for r in analysis.groups[group] if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"),
+                None)
     auto_text = "not in grid"
     if auto is not None:
         auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
