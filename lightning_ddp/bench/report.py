@@ -519,7 +519,8 @@ _STRATEGY_TITLES = {
 }
 
 
-def _cell_text(row: Row | None, bold: bool = False) -> str:
+def _cell_text(row: Row | None, selected: set[str]) -> str:
+    """A cell of a strategy table; **bold** when it is a ``selected`` best bucket size."""
     if row is None:
         return "not run"
     if not is_ok(row):
@@ -531,7 +532,7 @@ def _cell_text(row: Row | None, bold: bool = False) -> str:
         # Of the exposed communication, the part spent waiting for the last rank (the CommTimer's comm/wait_ms).
         wait_text = f"; wait {wait:,.2f} ms" if isinstance(wait, (int, float)) and math.isfinite(wait) else ""
         text += f" ({share}{wait_text})"
-    return f"**{text}**" if bold else text
+    return f"**{text}**" if row["cell_id"] in selected else text
 
 
 def _title(variant: str, size: Any) -> str:
@@ -544,27 +545,20 @@ def _title(variant: str, size: Any) -> str:
 
 def _strategy_tables(analysis: Analysis) -> list[str]:
     lines = []
-    groups = analysis.groups
     selected = {s.row["cell_id"] for s in analysis.selections.values()}
-    for precision, batch, contexts in panels(groups):
-        lines += [f"### {precision}, batch size {batch} per rank", ""]
-        variants: dict[tuple, Row] = {}
+    for precision, batch, contexts in panels(analysis.groups):
+        cells: dict[tuple, Row] = {}  # (variant, bucket size, context) -> its row
         for context in contexts:
-            for row in groups[(precision, batch, context)]:
-                variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
+            for row in analysis.groups[(precision, batch, context)]:
+                cells.setdefault((variant_of(row), row["bucket_size_mb"], context), row)
+        variants = list(dict.fromkeys(key[:2] for key in cells))
         order = strategy_order(strategy for strategy, _ in variants)
-        table = []
         # strategies in report order; numeric bucket sizes ascending, then auto
-        for strategy, size in sorted(variants, key=lambda k: (order.index(k[0]), k[1] == "auto",
-                                                              k[1] if isinstance(k[1], float) else 0.0)):
-            cells = []
-            for context in contexts:
-                row = next((r for r in groups[(precision, batch, context)]
-                            if variant_of(r) == strategy and r["bucket_size_mb"] == size), None)
-                cells.append(_cell_text(row, bold=row is not None and row["cell_id"] in selected))
-            table.append([_title(strategy, size), *cells])
-        lines += markdown_table(["strategy", *(f"context {c}" for c in contexts)], table)
-        lines.append("")
+        variants.sort(key=lambda k: (order.index(k[0]), k[1] == "auto", k[1] if isinstance(k[1], float) else 0.0))
+        table = [[_title(*variant), *(_cell_text(cells.get((*variant, c)), selected) for c in contexts)]
+                 for variant in variants]
+        lines += [f"### {precision}, batch size {batch} per rank", "",
+                  *markdown_table(["strategy", *(f"context {c}" for c in contexts)], table), ""]
     return lines
 
 
