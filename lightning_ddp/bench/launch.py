@@ -18,11 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from lightning_ddp import catalogue
-from lightning_ddp.local_group import find_free_port
-
-__all__ = ["LOOPBACK_INTERFACE", "ProcessResult", "RankLayout", "base_environment", "error_line", "find_free_port",
-           "fit_command", "is_oom", "rank_environments", "rank_layout", "read_timing_summary",
-           "run_fit", "run_processes", "strategy_argument", "write_command"]
+from lightning_ddp.local_group import find_free_port  # noqa: F401 (the launchers' port, re-exported)
 
 REFERENCE = "reference"
 """The study's one-process, compute-only cell (not a strategy: it runs with Lightning's ``auto``)."""
@@ -254,31 +250,3 @@ def error_line(text: str, limit: int = 300) -> str:
         if not _NOISE.match(line):
             return line[:limit]
     return ""
-
-
-def run_fit(arguments: Sequence[str], log_dir: Path, *, what: str, timeout_s: float = 3600.0,
-            env: Mapping[str, str] | None = None, cwd: str | None = None) -> Path:
-    """Run one ``fit`` (Lightning starts its other ranks) logging into ``log_dir``; returns ``log_dir``.
-
-    Raises:
-        RuntimeError: the fit failed or timed out; names ``what`` and the fit's last error line.
-    """
-    log_dir.mkdir(parents=True, exist_ok=True)
-    command = fit_command(arguments, log_dir.resolve())
-    environment = base_environment(extra=env)
-    write_command(log_dir / "command.txt", command, [environment])
-    log = log_dir / "fit.log"
-    result = run_processes(command, [environment], [log], timeout_s, cwd=cwd)
-    if result.timed_out or result.returncodes != [0]:
-        text = log.read_text(encoding="utf-8", errors="replace")
-        print(text[-8000:], file=sys.stderr, flush=True)
-        how = f"ran past {timeout_s:.0f} s" if result.timed_out else f"exited {result.returncodes[0]}"
-        raise RuntimeError(f"the fit ({what}) {how}: {error_line(text) or 'no error line'}")
-    return log_dir
-
-
-def read_timing_summary(log_dir: Path) -> dict[str, Any] | None:
-    """The CommTimer's ``timing_summary.json`` under ``log_dir`` (the first, sorted), or ``None``."""
-    path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
-    return None if path is None else json.loads(path.read_text())
-

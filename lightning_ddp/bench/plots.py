@@ -11,30 +11,27 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.config import REFERENCE
-from lightning_ddp.bench.report import Analysis, Row, has_buckets, is_ok, panels, strategy_order, variant_of
+from lightning_ddp.bench.report import (
+    SHARE, STEP, Analysis, Group, Row, has_buckets, is_ok, panels, strategy_order, variant_of,
+)
 from lightning_ddp.bench.stats import Estimate
 
-__all__ = ["write_plots"]
+# per panel: the estimated column, its results.csv columns (median, lo, hi), the scale and the axis label
+_PANELS = ((STEP, ("step_ms_median", "step_ms_lo", "step_ms_hi"), 1.0, "median step time (ms)"),
+           (SHARE, ("comm_share", "comm_share_lo", "comm_share_hi"), 100.0, "exposed comm share of step (%)"))
 
 
-def _figure():
-    from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
-
-    fig = Figure(figsize=(12, 4.2), layout="constrained")
-    return fig, fig.subplots(1, 2)
-
-
-def _row_estimate(row: Row, column: str, lo: str, hi: str) -> Estimate | None:
-    value = row.get(column)
+def _row_estimate(row: Row, columns: tuple[str, str, str]) -> Estimate | None:
+    """A row's median and interval (an interval not recorded: none) from its ``(median, lo, hi)`` columns."""
+    value, low, high = (row.get(c) for c in columns)
     if not isinstance(value, (int, float)):
         return None
-    low, high = row.get(lo), row.get(hi)
     if not (isinstance(low, (int, float)) and isinstance(high, (int, float))):
         low = high = value  # no interval recorded: a bar without error bar
     return Estimate(float(value), float(low), float(high))
 
 
-def _error(estimates: list[Estimate | None], scale: float = 1.0) -> tuple[list[float], list[list[float]]]:
+def _error(estimates: list[Estimate | None], scale: float) -> tuple[list[float], list[list[float]]]:
     """Bar heights and matplotlib's ``yerr`` (distances below and above) for the estimates (missing: 0)."""
     heights, below, above = [], [], []
     for e in estimates:
@@ -49,100 +46,11 @@ def _error(estimates: list[Estimate | None], scale: float = 1.0) -> tuple[list[f
     return heights, [below, above]
 
 
-def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
-    groups = analysis.groups
-    names = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
-    if not names:
-        return False
-    fig, (ax_step, ax_share) = _figure()
-    width = 0.8 / len(names)
-    for k, name in enumerate(names):
-        steps: list[Estimate | None] = []
-        shares: list[Estimate | None] = []
-        for context in contexts:
-            group = (precision, batch, context)
-            if has_buckets(name):
-                selection = analysis.selections.get((group, name))
-                steps.append(selection.evaluated.step if selection else None)
-                shares.append(selection.evaluated.share if selection else None)
-                continue
-            row = next((r for r in groups[group] if variant_of(r) == name), None)
-            ok = is_ok(row)
-            steps.append(_row_estimate(row, "step_ms_median", "step_ms_lo", "step_ms_hi") if ok else None)
-            shares.append(_row_estimate(row, "comm_share", "comm_share_lo", "comm_share_hi") if ok else None)
-        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
-        label = (f"{name} (selected size, evaluation repeats)" if has_buckets(name)
-                 else {REFERENCE: "reference (compute only)"}.get(name, name))
-        heights, yerr = _error(steps)
-        ax_step.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
-        if name != REFERENCE:
-            heights, yerr = _error(shares, 100.0)
-            ax_share.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
-        else:
-            ax_share.bar(xs, [0.0] * len(xs), width)  # keep the colours of both panels aligned
-    for ax, ylabel in ((ax_step, "median step time (ms)"), (ax_share, "exposed comm share of step (%)")):
-        ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-    _finish(fig, ax_step, path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
-            "rank (error bars: 95 % intervals)")
-    return True
+def _figure() -> tuple[Any, Any]:
+    from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
 
-
-def _bucket_figure(
-    path: Path, strategy: str, precision: str, batch: int, analysis: Analysis, contexts: list[int],
-    predicted_mb: float | None,
-) -> bool:
-    fig, (ax_step, ax_share) = _figure()
-    drew = selected = False
-    for context in contexts:
-        group = (precision, batch, context)
-        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)]
-        points = []  # (x, row, marker)
-        for r in rows:
-            resolved = r.get("resolved_bucket_size_mb")
-            if r["bucket_size_mb"] != "auto":
-                points.append((r["bucket_size_mb"], r, "o"))
-            elif isinstance(resolved, float):
-                points.append((resolved, r, "*"))
-        if not points:
-            continue
-        drew = True
-        fixed = sorted((p for p in points if p[2] == "o"), key=lambda p: p[0])
-        color = None
-        for ax, column, lo, hi, scale in ((ax_step, "step_ms_median", "step_ms_lo", "step_ms_hi", 1.0),
-                                          (ax_share, "comm_share", "comm_share_lo", "comm_share_hi", 100.0)):
-            if fixed:
-                heights, yerr = _error([_row_estimate(p[1], column, lo, hi) for p in fixed], scale)
-                container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
-                                        color=color, label=f"context {context}")
-                color = container.lines[0].get_color()
-            for x, r, marker in points:
-                if marker == "*":
-                    heights, yerr = _error([_row_estimate(r, column, lo, hi)], scale)
-                    ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3,
-                                color=color)
-            selection = analysis.selections.get((group, strategy))
-            chosen = next((p for p in points if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
-            if chosen is not None and isinstance(chosen[1].get(column), (int, float)):
-                selected = True
-                ax.plot([chosen[0]], [chosen[1][column] * scale], marker="o", markersize=16, markerfacecolor="none",
-                        markeredgewidth=1.5, linestyle="", color=color)
-    if not drew:
-        return False
-    if selected:  # one neutral legend entry for the circles of every context
-        ax_step.plot([], [], marker="o", markersize=12, markerfacecolor="none", linestyle="", color="gray",
-                     label="selected size (on the selection repeats)")
-    for ax, ylabel in ((ax_step, "median step time (ms)"), (ax_share, "exposed comm share of step (%)")):
-        ax.set_xscale("log")
-        ax.set_xlabel("bucket size (MiB)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, which="both")
-        if predicted_mb:
-            ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
-    _finish(fig, ax_step, path, f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} "
-            "per rank (all repeats, 95 % intervals; stars: auto; circled: selected)")
-    return True
+    fig = Figure(figsize=(12, 4.2), layout="constrained")
+    return fig, fig.subplots(1, 2)
 
 
 def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
@@ -151,21 +59,107 @@ def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_plots(
-    out_dir: str | Path, rows: list[Row], predicted_mb: float | None = None, analysis: Analysis | None = None
-) -> list[Path]:
-    """Write the figures of the module docstring for ``rows`` (parsed results.csv rows) and their ``Analysis``
-    (default: from the rows alone, every selection in-sample); return their paths."""
+def _shown(analysis: Analysis, group: Group, name: str, panel: int, columns: tuple[str, str, str]) -> Estimate | None:
+    """What a strategy bar shows: an algorithm with buckets at its selected size on the evaluation repeats, any other
+    strategy's cell over all repeats."""
+    if has_buckets(name):
+        selection = analysis.selections.get((group, name))
+        return selection.evaluated.estimate(panel) if selection else None
+    row = next((r for r in analysis.groups[group] if variant_of(r) == name), None)
+    return _row_estimate(row, columns) if is_ok(row) else None
+
+
+def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
+    names = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
+    if not names:
+        return False
+    fig, axes = _figure()
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
+        label = (f"{name} (selected size, evaluation repeats)" if has_buckets(name)
+                 else {REFERENCE: "reference (compute only)"}.get(name, name))
+        for ax, (panel, columns, scale, _) in zip(axes, _PANELS):
+            if panel == SHARE and name == REFERENCE:
+                ax.bar(xs, [0.0] * len(xs), width)  # keep the colours of both panels aligned
+                continue
+            shown = [_shown(analysis, (precision, batch, c), name, panel, columns) for c in contexts]
+            heights, yerr = _error(shown, scale)
+            ax.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
+    for ax, (*_, ylabel) in zip(axes, _PANELS):
+        ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    _finish(fig, axes[0], path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
+            "rank (error bars: 95 % intervals)")
+    return True
+
+
+def _bucket_figure(
+    path: Path, strategy: str, precision: str, batch: int, analysis: Analysis, contexts: list[int],
+    predicted_mb: float | None,
+) -> bool:
+    fig, axes = _figure()
+    drew = selected = False
+    for context in contexts:
+        group = (precision, batch, context)
+        points = []  # (x, row, marker)
+        for r in analysis.groups[group]:
+            if variant_of(r) != strategy or not is_ok(r):
+                continue
+            if r["bucket_size_mb"] != "auto":
+                points.append((r["bucket_size_mb"], r, "o"))
+            elif isinstance(r.get("resolved_bucket_size_mb"), float):
+                points.append((r["resolved_bucket_size_mb"], r, "*"))
+        if not points:
+            continue
+        drew = True
+        fixed = sorted((p for p in points if p[2] == "o"), key=lambda p: p[0])
+        selection = analysis.selections.get((group, strategy))
+        chosen = next((p for p in points if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
+        color = None
+        for ax, (_, columns, scale, _) in zip(axes, _PANELS):
+            if fixed:
+                heights, yerr = _error([_row_estimate(p[1], columns) for p in fixed], scale)
+                container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
+                                        color=color, label=f"context {context}")
+                color = container.lines[0].get_color()
+            for x, r, marker in points:
+                if marker == "*":
+                    heights, yerr = _error([_row_estimate(r, columns)], scale)
+                    ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3,
+                                color=color)
+            if chosen is not None and isinstance(chosen[1].get(columns[0]), (int, float)):
+                selected = True
+                ax.plot([chosen[0]], [chosen[1][columns[0]] * scale], marker="o", markersize=16,
+                        markerfacecolor="none", markeredgewidth=1.5, linestyle="", color=color)
+    if not drew:
+        return False
+    if selected:  # one neutral legend entry for the circles of every context
+        axes[0].plot([], [], marker="o", markersize=12, markerfacecolor="none", linestyle="", color="gray",
+                     label="selected size (on the selection repeats)")
+    for ax, (*_, ylabel) in zip(axes, _PANELS):
+        ax.set_xscale("log")
+        ax.set_xlabel("bucket size (MiB)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        if predicted_mb:
+            ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
+    _finish(fig, axes[0], path, f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} "
+            "per rank (all repeats, 95 % intervals; stars: auto; circled: selected)")
+    return True
+
+
+def write_plots(out_dir: str | Path, analysis: Analysis, predicted_mb: float | None = None) -> list[Path]:
+    """Write the figures of the module docstring for the sweep's ``analysis``; return their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    analysis = analysis or Analysis(rows)
-    groups = analysis.groups
     written = []
-    for precision, batch, contexts in panels(groups):
+    for precision, batch, contexts in panels(analysis.groups):
         path = out_dir / f"strategies_{precision}_bs{batch}.png"
         if _strategy_figure(path, precision, batch, analysis, contexts):
             written.append(path)
-        bucketed = strategy_order(variant_of(r) for c in contexts for r in groups[(precision, batch, c)])
+        bucketed = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
         for strategy in filter(has_buckets, bucketed):
             stem = re.sub(r"[^A-Za-z0-9._-]", "", strategy.replace(" ", "-"))  # as cell ids spell settings: -rank4
             path = out_dir / f"{stem}_{precision}_bs{batch}.png"

@@ -17,7 +17,7 @@ import numpy as np
 from lightning_ddp import catalogue, files
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
-    Bootstrapper, Estimate, bounds_text, estimate_text, geometric_mean_draws, percentile_interval, pooled_median,
+    Bootstrapper, Estimate, geometric_mean_draws, interval_text, percentile_interval, pooled_median,
     pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
@@ -97,16 +97,6 @@ class CellData:
         chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
         return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
                 for k in chosen]
-
-    @classmethod
-    def from_result_row(cls, row: Row) -> CellData:
-        """A results.csv row without its raw data, as one repeat of one step holding the row's medians (so the report
-        works on rows alone: intervals of zero width, best bucket sizes in-sample)."""
-        step = {"step/time_ms": row.get("step_ms_median"), "comm/share": row.get("comm_share"),
-                "comm/busy_ms": row.get("busy_comm_ms")}
-        ok = row.get("status") == "ok" and row.get("step_ms_median") is not None
-        return cls(str(row.get("cell_id", "")), dict(row), [], {0: [step]} if ok else {})
-
 
 def _number(value: Any) -> float:
     try:
@@ -264,7 +254,7 @@ ACROSS_GROUPS_TARGET = 0.95
 
 NOT_MEASURABLE = "not measurable"
 
-_STEP, _SHARE, _BUSY = range(3)  # columns of ESTIMATED_KEYS
+STEP, SHARE, BUSY = range(3)  # columns of ESTIMATED_KEYS
 
 
 def variant_of(row: Row) -> str:
@@ -303,27 +293,18 @@ def is_ok(row: Row | None) -> bool:
     return row is not None and row.get("status") == "ok" and row.get("step_ms_median") is not None
 
 
+VERDICTS = ("met", "missed", "inconclusive", NOT_MEASURABLE)
+
+
 def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
     verdicts = [check.verdict for check in checks]
-    return {v: verdicts.count(v) for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
-
-
-def _verdict(estimate: Estimate | None, target: float, in_sample: bool) -> str:
-    """``not measurable`` without an estimate; ``inconclusive`` when a best size is in-sample; else
-    ``stats.verdict``."""
-    if estimate is None:
-        return NOT_MEASURABLE
-    if in_sample:
-        return "inconclusive"
-    return interval_verdict(estimate, target)
+    return {v: verdicts.count(v) for v in VERDICTS}
 
 
 @dataclass(frozen=True)
 class Measured:
-    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians and ``(B, 3)``
-    bootstrap draws."""
+    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
 
-    row: Row
     repeats: tuple[int, ...]
     point: np.ndarray = field(repr=False)
     draws: np.ndarray = field(repr=False)
@@ -332,14 +313,6 @@ class Measured:
         lo, hi = percentile_interval(self.draws[:, column])
         return Estimate(float(self.point[column]), lo, hi)
 
-    @property
-    def step(self) -> Estimate:
-        return self.estimate(_STEP)
-
-    @property
-    def share(self) -> Estimate:
-        return self.estimate(_SHARE)
-
 
 @dataclass(frozen=True)
 class Selection:
@@ -347,8 +320,6 @@ class Selection:
     ``selection_repeats`` (even indices) with ``selection_step_ms``, ``evaluated`` on the odd ones; ``in_sample``:
     no evaluation repeat, so the numbers are the ones it was chosen on (biased low) and its goals inconclusive."""
 
-    group: Group
-    strategy: str
     row: Row
     selection_repeats: tuple[int, ...]
     selection_step_ms: float
@@ -359,11 +330,11 @@ class Selection:
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """One performance goal (``goal``, in words) on one group: met when the ratio's interval (``estimate``; None when
-    a cell it needs has no ok repeat) is at or below ``target``; ``in_sample``: never conclusive; ``algorithm``: goal
-    1's algorithm; ``draws``: the ratio's bootstrap draws (for the across-groups geometric mean)."""
+    """One performance goal (``goal``, in words) on one group, or goal 1 of one ``algorithm`` across ``groups``
+    measurable groups (``group`` empty): met when the ratio's interval (``estimate``; None when a cell it needs has no
+    ok repeat) is at or below ``target``; ``in_sample``: never conclusive; ``draws``: the ratio's bootstrap draws."""
 
-    group: Group
+    group: Group | tuple[()]
     goal: str
     target: float
     estimate: Estimate | None = None
@@ -371,73 +342,63 @@ class GoalCheck:
     in_sample: bool = False
     algorithm: str = ""
     draws: np.ndarray | None = field(default=None, repr=False, compare=False)
+    groups: int = 1
 
     @property
     def verdict(self) -> str:
-        return _verdict(self.estimate, self.target, self.in_sample)
+        """``not measurable`` without an estimate; ``inconclusive`` when in-sample; else ``stats.verdict``."""
+        if self.estimate is None:
+            return NOT_MEASURABLE
+        return "inconclusive" if self.in_sample else interval_verdict(self.estimate, self.target)
 
 
-@dataclass(frozen=True)
-class AcrossGroups:
-    """Goal 1 of one algorithm over every group: the geometric mean of (best / ddp) over ``groups`` measurable
-    groups (``None`` if none), the per-group verdict ``counts``; ``in_sample``: some group's best size is."""
-
-    algorithm: str
-    estimate: Estimate | None
-    groups: int
-    counts: dict[str, int]
-    in_sample: bool = False
-    target: float = ACROSS_GROUPS_TARGET
-
-    @property
-    def verdict(self) -> str:
-        return _verdict(self.estimate, self.target, self.in_sample)
+def _checked(group: Group | tuple[()], goal: str, target: float, point: float, draws: np.ndarray, note: str,
+             in_sample: bool = False, algorithm: str = "", groups: int = 1) -> GoalCheck:
+    """A measurable ``GoalCheck``: its interval from the ratio's ``draws``."""
+    lo, hi = percentile_interval(draws)
+    return GoalCheck(group, goal, target, Estimate(float(point), lo, hi), note, in_sample, algorithm, draws, groups)
 
 
 class Analysis:
-    """Selections, goals and the across-groups summary of a sweep's results.csv ``rows`` (grid order); a cell
-    missing from ``data`` (``cell_data``) counts as one repeat of one step holding its row's medians."""
+    """The results.csv ``rows`` (parsed), selections, goals and the across-groups summary of the cells ``data``
+    (``cell_data``; in report order)."""
 
-    def __init__(self, rows: Sequence[Row], data: Mapping[str, CellData] | None = None,
-                 bootstrap: Bootstrapper | None = None) -> None:
-        self.rows = [r for r in rows if r.get("status")]
+    def __init__(self, data: Mapping[str, CellData], bootstrap: Bootstrapper | None = None) -> None:
         self.bootstrap = bootstrap or Bootstrapper(2000, 0)
-        self.data = {r["cell_id"]: (data or {}).get(r["cell_id"]) or CellData.from_result_row(r) for r in self.rows}
+        self.data = dict(data)
+        self.rows = [parse_row(cell_row(cell, self.bootstrap)) for cell in self.data.values()]
         self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
         for row in self.rows:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
+        # per group, its algorithms with buckets (variants), in report order: what the selections, goal 1 and the
+        # best-bucket table walk
+        self.algorithms = {group: list(filter(has_buckets, strategy_order(variant_of(r) for r in members)))
+                           for group, members in self.groups.items()}
         self.selections: dict[tuple[Group, str], Selection] = {}
-        for group, members in self.groups.items():
-            for strategy in strategy_order(variant_of(r) for r in members):
-                if has_buckets(strategy):
-                    selection = self._select(group, [r for r in members if variant_of(r) == strategy])
-                    if selection is not None:
-                        self.selections[(group, strategy)] = selection
-        self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
-        algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
-        self.across = [self._across(a) for a in algorithms]
-
-    # -- measurements
+        for group, algorithms in self.algorithms.items():
+            for strategy in algorithms:
+                selection = self._select([r for r in self.groups[group] if variant_of(r) == strategy])
+                if selection is not None:
+                    self.selections[(group, strategy)] = selection
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
+            algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
+            self.across = [self._across(a) for a in algorithms]
 
     def measured(self, row: Row, repeats: Sequence[int] | None = None) -> Measured | None:
         """``row``'s cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them."""
-        data = self.data.get(row["cell_id"])
-        if data is None:
-            return None
+        data = self.data[row["cell_id"]]
         chosen = tuple(data.ok_repeats if repeats is None else [k for k in repeats if k in data.ok_repeats])
         if not chosen:
             return None
         values = data.values(ESTIMATED_KEYS, chosen)
         draws = self.bootstrap.draws(bootstrap_key(row["cell_id"], chosen), values)
-        return Measured(row, chosen, np.asarray(pooled_median(values), dtype=float), draws)
+        return Measured(chosen, np.asarray(pooled_median(values), dtype=float), draws)
 
-    def _select(self, group: Group, rows: list[Row]) -> Selection | None:
+    def _select(self, rows: list[Row]) -> Selection | None:
         """The best bucket size of one algorithm in one group (docs/benchmarks.md, "Analysis")."""
-        candidates = []
-        for order, row in enumerate(rows):
-            ok = self.data[row["cell_id"]].ok_repeats if is_ok(row) else []
-            if ok:
-                candidates.append((order, row, ok))
+        candidates = [(order, row, self.data[row["cell_id"]].ok_repeats) for order, row in enumerate(rows)
+                      if is_ok(row) and self.data[row["cell_id"]].ok_repeats]
         if not candidates:
             return None
 
@@ -446,29 +407,13 @@ class Analysis:
             value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
             return value if math.isfinite(value) else math.inf
 
-        with_selection = [(o, r, [k for k in ok if k % 2 == 0]) for o, r, ok in candidates]
-        with_selection = [c for c in with_selection if c[2]]
-        if with_selection:
-            order, row, chosen_on = min(with_selection, key=lambda c: (median_on(c[1], c[2]), c[0]))
-            evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1]
-        else:  # every even repeat failed: nothing to choose on out of sample
-            order, row, chosen_on = min(candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
-            evaluation = []
-        in_sample = not evaluation
-        evaluated = self.measured(row, None if in_sample else evaluation)
+        with_selection = [c for c in ((o, r, [k for k in ok if k % 2 == 0]) for o, r, ok in candidates) if c[2]]
+        # every even repeat failed: nothing to choose on out of sample
+        _, row, chosen_on = min(with_selection or candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
+        evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
+        evaluated = self.measured(row, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
-        return Selection(group, variant_of(row), row, tuple(chosen_on), median_on(row, chosen_on), evaluated,
-                         in_sample, len(candidates))
-
-    # -- goals
-
-    def _ratio(self, group: Group, goal: str, target: float, top: Measured, top_column: int, bottom: Measured,
-               bottom_column: int, note: str, in_sample: bool = False, algorithm: str = "") -> GoalCheck:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            draws = top.draws[:, top_column] / bottom.draws[:, bottom_column]
-            point = float(top.point[top_column] / bottom.point[bottom_column])
-        lo, hi = percentile_interval(draws)
-        return GoalCheck(group, goal, target, Estimate(point, lo, hi), note, in_sample, algorithm, draws)
+        return Selection(row, tuple(chosen_on), median_on(row, chosen_on), evaluated, not evaluation, len(candidates))
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
         """Goal 1 for bucketed and every other algorithm with buckets, goal 2 twice, goal 3 (docs/benchmarks.md)."""
@@ -480,65 +425,63 @@ class Analysis:
         m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
-        algorithms = [bucketed, *[s for s in strategy_order(variant_of(r) for r in rows)
-                                  if has_buckets(s) and s != bucketed]]
-        for algorithm in algorithms:
+        for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
             if selection is not None and m_ddp is not None:
-                checks.append(self._ratio(group, goal, 1.0, selection.evaluated, _STEP, m_ddp, _STEP,
-                                          _selection_note(selection), selection.in_sample, algorithm))
+                top = selection.evaluated
+                checks.append(_checked(group, goal, 1.0, top.point[STEP] / m_ddp.point[STEP],
+                                       top.draws[:, STEP] / m_ddp.draws[:, STEP], _selection_note(selection),
+                                       selection.in_sample, algorithm))
             else:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
 
         best = self.selections.get((group, bucketed))
-        best_measured, best_row = (best.evaluated, best.row) if best else (None, None)
-        compared = ((overlap_name, m_overlap, overlap), (f"{bucketed} (best)", best_measured, best_row))
-        for name, measured, row in compared:
+        for name, measured in ((overlap_name, m_overlap), (f"{bucketed} (best)", best and best.evaluated)):
             goal = f"2. {name} comm share / {naive_name} comm share"
-            naive_share = m_naive.point[_SHARE] if m_naive is not None else math.nan
-            if m_naive is None:
-                checks.append(GoalCheck(group, goal, 1 / 3, note=_missing(naive, naive_name)))
-            elif not naive_share > 0:
-                checks.append(GoalCheck(group, goal, 1 / 3, note=f"{naive_name} comm share is 0 or missing"))
-            elif measured is None or not math.isfinite(measured.point[_SHARE]):
-                note = _missing(row, overlap_name) if name == overlap_name else f"no ok {bucketed} cell"
+            of_best = name != overlap_name
+            if m_naive is None or not m_naive.point[SHARE] > 0:
+                note = _missing(naive, naive_name) if m_naive is None else f"{naive_name} comm share is 0 or missing"
+                checks.append(GoalCheck(group, goal, 1 / 3, note=note))
+            elif measured is None or not math.isfinite(measured.point[SHARE]):
+                note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                in_sample = best is not None and name != overlap_name and best.in_sample
-                note = _selection_note(best) if name != overlap_name and best else ""
-                checks.append(self._ratio(group, goal, 1 / 3, measured, _SHARE, m_naive, _SHARE, note, in_sample))
+                checks.append(_checked(group, goal, 1 / 3, measured.point[SHARE] / m_naive.point[SHARE],
+                                       measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
+                                       _selection_note(best) if of_best and best else "",
+                                       of_best and best is not None and best.in_sample))
 
         goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
         if best is not None and m_reference is not None:
             top = best.evaluated
-            busy_point = top.point[_BUSY] if math.isfinite(top.point[_BUSY]) else 0.0
-            floor_point = max(float(m_reference.point[_STEP]), float(busy_point))
-            floor_draws = np.fmax(m_reference.draws[:, _STEP], top.draws[:, _BUSY])  # fmax: a missing busy is no floor
-            with np.errstate(divide="ignore", invalid="ignore"):
-                draws = top.draws[:, _STEP] / floor_draws
-            lo, hi = percentile_interval(draws)
-            bound = "compute" if m_reference.point[_STEP] >= busy_point else "communication"
+            busy_point = top.point[BUSY] if math.isfinite(top.point[BUSY]) else 0.0
+            floor_point = max(float(m_reference.point[STEP]), float(busy_point))
+            floor_draws = np.fmax(m_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
+            bound = "compute" if m_reference.point[STEP] >= busy_point else "communication"
             note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
-            checks.append(GoalCheck(group, goal, 1.10, Estimate(float(top.point[_STEP] / floor_point), lo, hi), note,
-                                    best.in_sample, bucketed, draws))
+            checks.append(_checked(group, goal, 1.10, top.point[STEP] / floor_point, top.draws[:, STEP] / floor_draws,
+                                   note, best.in_sample, bucketed))
         else:
             note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
             checks.append(GoalCheck(group, goal, 1.10, note=note))
         return checks
 
-    def _across(self, algorithm: str) -> AcrossGroups:
+    def _across(self, algorithm: str) -> GoalCheck:
+        """Goal 1 of ``algorithm`` over every group: the geometric mean of (best / ddp); ``note``: verdict counts."""
         checks = [c for c in self.goals if c.goal.startswith("1.") and c.algorithm == algorithm]
-        counts = _verdict_counts(checks)
+        counts = " / ".join(str(count) for count in _verdict_counts(checks).values())
+        note = f"groups <= 1.00 met / missed / inconclusive / not measurable: {counts}"
+        goal = f"1. {algorithm} (best) / ddp step time, geometric mean over groups"
         measurable = [c for c in checks if c.estimate is not None and c.draws is not None]
         if not measurable:
-            return AcrossGroups(algorithm, None, 0, counts)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            point = float(np.exp(np.mean(np.log([c.estimate.point for c in measurable]))))
-        lo, hi = percentile_interval(geometric_mean_draws([c.draws for c in measurable]))
-        return AcrossGroups(algorithm, Estimate(point, lo, hi), len(measurable), counts,
-                            any(c.in_sample for c in measurable))
+            return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
+        point = np.exp(np.mean(np.log([c.estimate.point for c in measurable])))
+        in_sample = any(c.in_sample for c in measurable)
+        return _checked((), goal, ACROSS_GROUPS_TARGET, point, geometric_mean_draws([c.draws for c in measurable]),
+                        note + ("; some best size in-sample" if in_sample else ""), in_sample, algorithm,
+                        len(measurable))
 
 
 # ---- results.md ---------------------------------------------------------------------------------------
@@ -576,19 +519,20 @@ _STRATEGY_TITLES = {
 }
 
 
-def _cell_text(row: Row | None, bold: bool = False) -> str:
+def _cell_text(row: Row | None, selected: set[str]) -> str:
+    """A cell of a strategy table; **bold** when it is a ``selected`` best bucket size."""
     if row is None:
         return "not run"
     if not is_ok(row):
         return row["status"] or "not run"
-    text = f"{row['step_ms_median']:,.1f} ms{bounds_text(row.get('step_ms_lo'), row.get('step_ms_hi'), ',.1f')}"
+    text = interval_text(row["step_ms_median"], row.get("step_ms_lo"), row.get("step_ms_hi"), unit=" ms")
     if row["strategy"] != REFERENCE and row.get("comm_share") is not None:
-        share = bounds_text(row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100)
+        share = interval_text(row["comm_share"], row.get("comm_share_lo"), row.get("comm_share_hi"), ".1f", 100, " %")
         wait = row.get("wait_comm_ms")
         # Of the exposed communication, the part spent waiting for the last rank (the CommTimer's comm/wait_ms).
         wait_text = f"; wait {wait:,.2f} ms" if isinstance(wait, (int, float)) and math.isfinite(wait) else ""
-        text += f" ({100 * row['comm_share']:.1f} %{share}{wait_text})"
-    return f"**{text}**" if bold else text
+        text += f" ({share}{wait_text})"
+    return f"**{text}**" if row["cell_id"] in selected else text
 
 
 def _title(variant: str, size: Any) -> str:
@@ -601,33 +545,27 @@ def _title(variant: str, size: Any) -> str:
 
 def _strategy_tables(analysis: Analysis) -> list[str]:
     lines = []
-    groups = analysis.groups
     selected = {s.row["cell_id"] for s in analysis.selections.values()}
-    for precision, batch, contexts in panels(groups):
-        lines += [f"### {precision}, batch size {batch} per rank", ""]
-        variants: dict[tuple, Row] = {}
+    for precision, batch, contexts in panels(analysis.groups):
+        cells: dict[tuple, Row] = {}  # (variant, bucket size, context) -> its row
         for context in contexts:
-            for row in groups[(precision, batch, context)]:
-                variants.setdefault((variant_of(row), row["bucket_size_mb"]), row)
+            for row in analysis.groups[(precision, batch, context)]:
+                cells.setdefault((variant_of(row), row["bucket_size_mb"], context), row)
+        variants = list(dict.fromkeys(key[:2] for key in cells))
         order = strategy_order(strategy for strategy, _ in variants)
-        table = []
         # strategies in report order; numeric bucket sizes ascending, then auto
-        for strategy, size in sorted(variants, key=lambda k: (order.index(k[0]), k[1] == "auto",
-                                                              k[1] if isinstance(k[1], float) else 0.0)):
-            cells = []
-            for context in contexts:
-                row = next((r for r in groups[(precision, batch, context)]
-                            if variant_of(r) == strategy and r["bucket_size_mb"] == size), None)
-                cells.append(_cell_text(row, bold=row is not None and row["cell_id"] in selected))
-            table.append([_title(strategy, size), *cells])
-        lines += markdown_table(["strategy", *(f"context {c}" for c in contexts)], table)
-        lines.append("")
+        variants.sort(key=lambda k: (order.index(k[0]), k[1] == "auto", k[1] if isinstance(k[1], float) else 0.0))
+        table = [[_title(*variant), *(_cell_text(cells.get((*variant, c)), selected) for c in contexts)]
+                 for variant in variants]
+        lines += [f"### {precision}, batch size {batch} per rank", "",
+                  *markdown_table(["strategy", *(f"context {c}" for c in contexts)], table), ""]
     return lines
 
 
-def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[Row], predicted: str) -> list[Any]:
+def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str) -> list[Any]:
     """One row of the best-bucket table: the size chosen on the selection repeats, measured on the others."""
-    auto = next((r for r in members if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"), None)
+    auto = next((r for r in analysis.groups[group] if variant_of(r) == strategy and r["bucket_size_mb"] == "auto"),
+                None)
     auto_text = "not in grid"
     if auto is not None:
         auto_ok = f"{auto['step_ms_median']:,.1f} ms, {bucket_text(auto)}" if is_ok(auto) else ""
@@ -640,46 +578,41 @@ def _bucket_row(analysis: Analysis, group: tuple, strategy: str, members: list[R
     where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
              else f"repeats {repeats_text(evaluated.repeats)}: ")
     return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
-            f"{where}{estimate_text(evaluated.step, unit=' ms')}", estimate_text(evaluated.share, ".1f", 100, " %"),
+            f"{where}{interval_text(evaluated.estimate(STEP), unit=' ms')}",
+            interval_text(evaluated.estimate(SHARE), spec=".1f", scale=100, unit=" %"),
             predicted, auto_text]
 
 
+def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list[str]:
+    """The all-reduce fit and the bucket size ``b*`` it predicts (``bucket_bytes``: once a cell gave the model)."""
+    if not prediction:
+        return ["No prediction: the all-reduce microbenchmark did not run (`run.predict_bucket_size: false`) or "
+                "failed (see runs/allreduce/).", ""] if bucketed else []
+    w, sizes = prediction.get("bandwidth_Bps"), prediction.get("sizes") or []
+    span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB" if sizes else ""
+    w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
+    lines = [f"All-reduce microbenchmark on the sweep's ranks ({span or 'the microbenchmark'}, median of "
+             f"{prediction.get('repeats', '?')}): least-squares fit `t = o + bytes / w` gives "
+             f"**o = {prediction['overhead_s'] * 1e3:.3f} ms** per call and **w = {w_text}**."]
+    if not prediction.get("bucket_bytes"):
+        return lines + ["No cell finished yet, so the gradient size (and the prediction) is unknown.", ""]
+    s_mb, largest_mb = prediction["grad_bytes"] / 2**20, prediction["largest_param_bytes"] / 2**20
+    return lines + [f"Gradients: s = {s_mb:.2f} MiB, largest parameter {largest_mb:.2f} MiB. Predicted best bucket "
+                    f"`b* = max(largest, sqrt(s * w * o))` = **{prediction['bucket_bytes'] / 2**20:.3g} MiB** (about "
+                    f"{prediction['grad_bytes'] / prediction['bucket_bytes']:.1f} buckets; see "
+                    "`lightning_ddp/sync/bucket_model.py`).", ""]
+
+
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
-    rows = analysis.rows
-    lines = ["## Best bucket size: chosen on some repeats, measured on the others", ""]
-    predicted_mb = None
-    if prediction and prediction.get("bucket_bytes"):
-        predicted_mb = prediction["bucket_bytes"] / 2**20
-        o_ms, w = prediction["overhead_s"] * 1e3, prediction.get("bandwidth_Bps")
-        w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
-        s_mb, largest_mb = prediction["grad_bytes"] / 2**20, prediction["largest_param_bytes"] / 2**20
-        sizes = prediction.get("sizes") or []
-        span = "the microbenchmark"
-        if sizes:
-            span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB"
-        n_b = prediction["grad_bytes"] / prediction["bucket_bytes"]
-        lines += [
-            f"All-reduce microbenchmark on the sweep's ranks ({span}, median of {prediction.get('repeats', '?')}): "
-            f"least-squares fit `t = o + bytes / w` gives **o = {o_ms:.3f} ms** per call and **w = {w_text}**.",
-            f"Gradients: s = {s_mb:.2f} MiB, largest parameter {largest_mb:.2f} MiB. Predicted best bucket "
-            f"`b* = max(largest, sqrt(s * w * o))` = **{predicted_mb:.3g} MiB** (about {n_b:.1f} buckets; see "
-            "`lightning_ddp/sync/bucket_model.py`).",
-            "",
-        ]
-    elif prediction:
-        w = prediction.get("bandwidth_Bps")
-        lines += [f"All-reduce fit: o = {prediction['overhead_s'] * 1e3:.3f} ms, w = "
-                  f"{f'{w / 1e9:.3f} GB/s' if w else 'unbounded'}; no cell finished yet, so the gradient size (and the "
-                  "prediction) is unknown.", ""]
-    elif any(has_bucket_axis(r["strategy"]) for r in rows):
-        lines += ["No prediction: the all-reduce microbenchmark did not run (`run.predict_bucket_size: false`) or "
-                  "failed (see runs/allreduce/).", ""]
-    if not any(has_bucket_axis(r["strategy"]) for r in rows):
+    bucketed = any(has_bucket_axis(r["strategy"]) for r in analysis.rows)
+    lines = ["## Best bucket size: chosen on some repeats, measured on the others", "",
+             *_prediction_lines(prediction, bucketed)]
+    if not bucketed:
         return lines + ["No algorithm with buckets in the grid.", ""]
-    predicted = f"{predicted_mb:.3g} MiB" if predicted_mb else "-"
-    table = [_bucket_row(analysis, group, strategy, members, predicted)
-             for group, members in analysis.groups.items()
-             for strategy in strategy_order(variant_of(r) for r in members) if has_buckets(strategy)]
+    bucket_bytes = (prediction or {}).get("bucket_bytes")
+    predicted = f"{bucket_bytes / 2**20:.3g} MiB" if bucket_bytes else "-"
+    table = [_bucket_row(analysis, group, strategy, predicted)
+             for group, algorithms in analysis.algorithms.items() for strategy in algorithms]
     header = ["precision", "batch", "context", "algorithm", "chosen (of sizes) on repeats", "its step there",
               "step on evaluation repeats [95 %]", "comm share [95 %]", "predicted", "auto cell"]
     return lines + markdown_table(header, table, "lrrllrrrll") + [""]
@@ -697,39 +630,22 @@ def _goal_section(analysis: Analysis) -> list[str]:
         f"{counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).",
         "",
     ]
-    goals = [[*check.group, check.goal, estimate_text(check.estimate, ".3f"), f"{check.target:.3g}",
-              _verdict_text(check.verdict), check.note] for check in analysis.goals]
+    goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
+              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", _verdict_text(check.verdict),
+              check.note] for check in [*analysis.goals, *analysis.across]]
     lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
                             goals, "lrrlrrll")
-    lines.append("")
-    if analysis.across:
-        lines += ["### Faster than torch DDP, across groups", ""]
-        across = []
-        for summary in analysis.across:
-            c = summary.counts
-            note = " (some best size in-sample)" if summary.in_sample else ""
-            across.append([summary.algorithm, summary.groups, estimate_text(summary.estimate, ".3f"),
-                           f"{summary.target:g}", f"{_verdict_text(summary.verdict)}{note}",
-                           f"{c['met']} / {c['missed']} / {c['inconclusive']} / {c[NOT_MEASURABLE]}"])
-        header = ["algorithm", "groups", "geometric mean of best / ddp [95 %]", "target", "verdict",
-                  "groups <= 1.00: met / missed / inconclusive / not measurable"]
-        lines += markdown_table(header, across, "lrrrll")
-        lines.append("")
-    return lines
-
-
-def _failures(rows: list[Row], repeat_rows: list[Row] | None) -> list[str]:
-    """The cell repeats (or, given rows only, the cells) that did not finish, with their reasons."""
-    per_repeat = repeat_rows is not None
-    bad = [r for r in (repeat_rows if per_repeat else rows) if r["status"] not in ("ok", "")]
-    if not bad:
-        return []
-    header = ["cell", "repeat", "status", "reason"] if per_repeat else ["cell", "status", "reason"]
-    table = [[r["cell_id"], *([r["repeat"]] if per_repeat else []), r["status"],
-              (r.get("reason") or "").replace("|", "\\|")] for r in bad]
-    title = "## Cell repeats that did not finish" if per_repeat else "## Cells that did not finish"
-    lines = [title, "", *markdown_table(header, table, "lrll" if per_repeat else "lll")]
     return lines + [""]
+
+
+def _failures(repeat_rows: list[Row]) -> list[str]:
+    """The cell repeats that did not finish, with their reasons."""
+    table = [[r["cell_id"], r["repeat"], r["status"], (r.get("reason") or "").replace("|", "\\|")]
+             for r in repeat_rows if r["status"] not in ("ok", "")]
+    if not table:
+        return []
+    return ["## Cell repeats that did not finish", "", *markdown_table(["cell", "repeat", "status", "reason"], table,
+                                                                        "lrll"), ""]
 
 
 def _resumed_across(environment: dict[str, Any]) -> str:
@@ -743,17 +659,15 @@ def _resumed_across(environment: dict[str, Any]) -> str:
 
 
 def build_report(
-    rows: list[Row],
+    analysis: Analysis,
     title: str = "sweep",
     prediction: dict[str, Any] | None = None,
     environment: dict[str, Any] | None = None,
     pending: int = 0,
-    analysis: Analysis | None = None,
-    repeat_rows: list[Row] | None = None,
 ) -> str:
-    """results.md from the grid's results.csv ``rows`` (grid order), ``bucket_prediction.json``, ``environment.json``,
-    the ``pending`` cell repeats, the ``Analysis`` (default: from the rows alone) and the grid's repeats.csv rows."""
-    analysis = analysis or Analysis(rows)
+    """results.md of the grid's ``analysis`` with ``bucket_prediction.json``, ``environment.json`` and the
+    ``pending`` cell repeats."""
+    repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
     config = (environment or {}).get("config", {})
     run = config.get("run", {})
     repeats = run.get("repeats", "?")
@@ -796,10 +710,9 @@ def build_report(
             )
     if len(lines) > 2:
         lines.append("")
-    done = len(repeat_rows) if repeat_rows is not None else sum(1 for r in rows if r["status"])
     if pending:
-        what = "cell repeats" if repeat_rows is not None else "cells"
-        lines += [f"> {done} of {done + pending} {what} done; rerun the same command to finish the others.", ""]
+        done = len(repeat_rows)
+        lines += [f"> {done} of {done + pending} cell repeats done; rerun the same command to finish the others.", ""]
     lines += [
         "## How to read this",
         "",
@@ -813,5 +726,5 @@ def build_report(
     lines += _strategy_tables(analysis)
     lines += _bucket_section(analysis, prediction)
     lines += _goal_section(analysis)
-    lines += _failures(rows, repeat_rows)
+    lines += _failures(repeat_rows)
     return "\n".join(lines).rstrip() + "\n"

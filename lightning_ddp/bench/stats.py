@@ -12,10 +12,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Bootstrapper", "Estimate", "bounds_text", "estimate", "estimate_text", "geometric_mean_draws",
-           "hierarchical_bootstrap", "interval_text", "percentile_interval", "pooled_median", "pooled_percentile",
-           "ratio_estimate", "rng_for", "verdict"]
-
 LEVEL = 0.95
 """Coverage of every interval: the 2.5th to the 97.5th percentile of the draws."""
 
@@ -122,30 +118,22 @@ class Estimate:
         return all(math.isfinite(v) for v in (self.point, self.lo, self.hi))
 
 
-def bounds_text(lo: Any, hi: Any, spec: str = ",.1f", scale: float = 1.0) -> str:
-    """``" [lo, hi]"`` in ``spec`` (times ``scale``), or ``""`` unless both ends are finite numbers."""
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)):
-        return ""
-    return f" [{format(lo * scale, spec)}, {format(hi * scale, spec)}]"
-
-
 def interval_text(point: Any, lo: Any = math.nan, hi: Any = math.nan, spec: str = ",.1f", scale: float = 1.0,
                   unit: str = "") -> str:
-    """The study's one way to write an estimate: ``"12.3 ms [11.0, 14.2]"``; ``"-"`` without a finite point.
+    """The study's one way to write an estimate (``point`` a number or an ``Estimate``): ``"12.3 ms [11.0, 14.2]"``,
+    the interval left out unless both ends are finite numbers; ``"-"`` without a finite point.
 
     >>> interval_text(12.34, 11.0, 14.2, ".1f", unit=" ms"), interval_text(0.5, spec=".0%"), interval_text(None)
     ('12.3 ms [11.0, 14.2]', '50%', '-')
     """
+    if isinstance(point, Estimate):
+        point, lo, hi = point.point, point.lo, point.hi
     if not (isinstance(point, (int, float)) and math.isfinite(point)):
         return "-"
-    return f"{format(point * scale, spec)}{unit}{bounds_text(lo, hi, spec, scale)}"
-
-
-def estimate_text(estimate: Estimate | None, spec: str = ",.1f", scale: float = 1.0, unit: str = "") -> str:
-    """``interval_text`` of an ``Estimate`` (``"-"`` for ``None``)."""
-    if estimate is None:
-        return "-"
-    return interval_text(estimate.point, estimate.lo, estimate.hi, spec, scale, unit)
+    text = f"{format(point * scale, spec)}{unit}"
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)):
+        return text
+    return f"{text} [{format(lo * scale, spec)}, {format(hi * scale, spec)}]"
 
 
 def verdict(interval: tuple[float, float] | Estimate, target: float) -> str:
@@ -188,8 +176,6 @@ class Bootstrapper:
     repeats is drawn anew)."""
 
     def __init__(self, samples: int, seed: int) -> None:
-        if samples < 1:
-            raise ValueError(f"bootstrap samples must be >= 1, got {samples}")
         self.samples = samples
         self.seed = seed
         self._cache: dict[tuple[str, bytes], np.ndarray] = {}

@@ -20,14 +20,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lightning_ddp.bench.launch import read_timing_summary, run_fit
+from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes, write_command
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.projection import tables
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
-
-__all__ = ["LoadCheck", "busy_fraction", "command_text", "csv_text", "csv_value", "interleaved", "load_average",
-           "loss_curve", "markdown_table", "per_repeat", "provenance", "read_csv", "read_json", "read_proc_stat",
-           "run_study", "spawn_ranks", "step_rows", "summary_medians", "wait_until_idle", "write_outputs"]
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -38,15 +34,30 @@ K = TypeVar("K")
 
 def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[Path], T], *,
               timeout_s: float = 3600.0) -> dict[str, list[T]]:
-    """Every cell's fit ``repeats`` times, ``interleaved``; per cell, what the metric plug-in ``read`` makes of each
-    run's log directory, in repeat order."""
+    """Every cell's fit (Lightning starts its other ranks) ``repeats`` times, ``interleaved``; per cell, what the
+    metric plug-in ``read`` makes of each run's log directory, in repeat order.
+
+    Raises:
+        RuntimeError: a fit failed or timed out; names the cell, the repeat and the fit's last error line.
+    """
     results: dict[str, list[T]] = {name: [] for name in cells}
     index = {name: i for i, name in enumerate(cells)}
     with tempfile.TemporaryDirectory() as tmp:
         for name, repeat in interleaved(cells, repeats):
             print(f"{name}, repeat {repeat + 1}/{repeats}", flush=True)
             log_dir = Path(tmp) / f"cell{index[name]}" / f"r{repeat}"
-            run_fit(cells[name], log_dir, what=f"{name}, repeat {repeat + 1}", timeout_s=timeout_s)
+            log_dir.mkdir(parents=True)
+            command = fit_command(cells[name], log_dir.resolve())
+            environment = base_environment()
+            write_command(log_dir / "command.txt", command, [environment])
+            log = log_dir / "fit.log"
+            result = run_processes(command, [environment], [log], timeout_s)
+            if result.timed_out or result.returncodes != [0]:
+                text = log.read_text(encoding="utf-8", errors="replace")
+                print(text[-8000:], file=sys.stderr, flush=True)
+                how = f"ran past {timeout_s:.0f} s" if result.timed_out else f"exited {result.returncodes[0]}"
+                last = error_line(text) or "no error line"
+                raise RuntimeError(f"the fit ({name}, repeat {repeat + 1}) {how}: {last}")
             results[name].append(read(log_dir))
     return results
 
@@ -74,11 +85,18 @@ def spawn_ranks(rank_main: Callable[..., None], world: int, *args: Any) -> Any:
 # ---- metric plug-ins: a run's log directory in, named values out ---------------------------------------------
 
 
+def read_timing_summary(log_dir: Path, required: bool = False) -> dict[str, Any] | None:
+    """The CommTimer's ``timing_summary.json`` under ``log_dir`` (the first, sorted), or ``None`` (a RuntimeError
+    when ``required``)."""
+    path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
+    if path is None and required:
+        raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
+    return None if path is None else json.loads(path.read_text())
+
+
 def step_rows(log_dir: Path) -> list[dict[str, float]]:
     """Rank 0's measured per-step rows (wait/transfer, lag, step time, exposed comm ...) after the warm-up."""
-    summary = read_timing_summary(log_dir)
-    if summary is None:
-        raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
+    summary = read_timing_summary(log_dir, required=True)
     return summary["steps"][summary["warmup_steps"]:]
 
 
@@ -87,9 +105,7 @@ def summary_medians(keys: Mapping[str, str]) -> Callable[[Path], dict[str, float
     (step time, exposed comm, bytes ...)."""
 
     def read(log_dir: Path) -> dict[str, float]:
-        timing = read_timing_summary(log_dir)
-        if timing is None:
-            raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
+        timing = read_timing_summary(log_dir, required=True)
         return {name: timing["summary"][key]["median"] for name, key in keys.items()}
 
     return read

@@ -6,7 +6,6 @@ tests fake them); the driver imports no torch. docs/benchmarks.md gives the reci
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
@@ -14,15 +13,17 @@ import re
 import shutil
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from lightning_ddp.bench.config import REFERENCE, SweepConfig, has_bucket_axis
-from lightning_ddp.bench.grid import Cell, cell_command, cell_environments, expand_grid, sweep_layout, threads_per_rank
+from lightning_ddp.bench.config import (
+    REFERENCE, Cell, SweepConfig, cell_command, cell_environments, expand_grid, has_bucket_axis, threads_per_rank,
+)
 from lightning_ddp.bench.launch import (
-    RankLayout, error_line, find_free_port, is_oom, rank_environments, run_processes, write_command,
+    ProcessResult, RankLayout, error_line, find_free_port, is_oom, rank_environments, rank_layout, run_processes,
+    write_command,
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
@@ -74,21 +75,14 @@ CellRunner = Callable[[Cell, Path], CellOutcome]
 """Runs one cell whose outputs go to the given directory."""
 
 
-def classify(
-    returncodes: list[int | None],
-    logs: list[str],
-    timed_out: bool,
-    killed_by_us: set[int],
-    first_failed: int | None,
-    summary_found: bool,
-    timeout_s: float = 0.0,
-) -> tuple[str, str]:
-    """``(status, reason)`` of a finished cell from its processes' exit codes and output: timeout; else oom if a
-    failed rank's log says so or a rank died by a SIGKILL we did not send (not one in ``killed_by_us``); else
-    failed; else ok if the CommTimer wrote its summary."""
+def classify(result: ProcessResult, logs: list[str], summary_found: bool, timeout_s: float = 0.0) -> tuple[str, str]:
+    """``(status, reason)`` of a finished cell from its processes (``launch.run_processes``) and their output:
+    timeout; else oom if a failed rank's log says so or a rank died by a SIGKILL we did not send; else failed; else
+    ok if the CommTimer wrote its summary."""
+    returncodes, first_failed = result.returncodes, result.first_failed
     order = ([first_failed] if first_failed is not None else []) + [i for i in range(len(logs)) if i != first_failed]
     last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
-    if timed_out:
+    if result.timed_out:
         return "timeout", f"no result after {timeout_s:.0f} s" + (f"; last output: {last}" if last else "")
     failed = [i for i in order if returncodes[i] not in (0, None)]
     if not failed:
@@ -100,7 +94,7 @@ def classify(
         if match:
             return "oom", f"rank {i}: {match.strip()[:300]}"
     for i in failed:
-        if returncodes[i] == -signal.SIGKILL and i not in killed_by_us:
+        if returncodes[i] == -signal.SIGKILL and i not in result.killed_by_us:
             return "oom", f"rank {i} was killed by SIGKILL (-9), most likely the kernel's out-of-memory killer"
     first = failed[0]
     line = error_line(logs[first])
@@ -109,13 +103,13 @@ def classify(
     return "failed", f"rank {first} ({how}): {line}" if line else f"rank {first} ({how}) printed no error line"
 
 
+@dataclass
 class SubprocessCellRunner:
     """Runs a cell as ``python -m lightning_ddp fit`` processes in ``cwd`` (relative config paths resolve there)."""
 
-    def __init__(self, config: SweepConfig, layout: RankLayout, cwd: str | None = None) -> None:
-        self.config = config
-        self.layout = layout
-        self.cwd = cwd
+    config: SweepConfig
+    layout: RankLayout
+    cwd: str | None = None
 
     def __call__(self, cell: Cell, run_dir: Path) -> CellOutcome:
         outcome = self._run_once(cell, run_dir)
@@ -136,10 +130,7 @@ class SubprocessCellRunner:
         summary_path, profile_path = (next(iter(sorted(run_dir.rglob(name))), None)
                                       for name in ("timing_summary.json", "compute_profile.json"))
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in logs]
-        status, reason = classify(
-            result.returncodes, texts, result.timed_out, result.killed_by_us, result.first_failed,
-            summary_path is not None, self.config.run.timeout_s,
-        )
+        status, reason = classify(result, texts, summary_path is not None, self.config.run.timeout_s)
         if status != "ok":
             return CellOutcome(status, reason, None, result.wall_s)
         profile = read_json(profile_path, missing_ok=True) if profile_path else None  # an extra: a bad file is left out
@@ -203,76 +194,63 @@ def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) ->
 
 @dataclass
 class SweepResult:
-    """What ``run_sweep`` produced: the parsed results.csv rows of this grid's cells that ran (grid order), the
-    ``(cell_id, repeat)`` run by this call (the others were skipped as done) and the plots."""
+    """What ``run_sweep`` produced: the grid's cells, the ``Analysis`` of those that ran (its ``rows``: their parsed
+    results.csv rows, grid order), the ``(cell_id, repeat)`` run by this call (the others were skipped as done) and
+    the plots."""
 
-    out_dir: Path
     cells: list[Cell]
-    rows: list[Row]
+    analysis: Analysis
     ran: list[RepeatKey] = field(default_factory=list)
     plots: list[Path] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[Row]:
+        return self.analysis.rows
 
     @property
     def ok(self) -> int:
         return sum(1 for r in self.rows if r["status"] == "ok")
 
 
-@dataclass
-class _Sweep:
-    """A sweep's raw data in memory (``repeats`` and ``steps`` as read back from the files) and how it is written."""
+def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], cell: Cell,
+           outcome: CellOutcome, row: Row, wants_prediction: bool) -> None:
+    """A repeat of ``cell`` ran (``row``: its repeats.csv row) into the raw data read back from the files: steps.csv,
+    repeats.csv (last: it marks the repeat done), profiles.json and the prediction, each whole and atomically."""
+    key = (cell.id, row["repeat"])
+    steps.pop(key, None)
+    if outcome.status == "ok" and outcome.summary:
+        steps[key] = measured_step_rows(cell.id, row["repeat"], outcome.summary)
+    repeats[key] = parse_row({c: csv_value(v) for c, v in row.items()}, REPEAT_COLUMNS)
+    # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
+    write_csv(out_dir / STEPS_CSV, (step for k in repeats if k in steps for step in steps[k]))
+    write_csv(out_dir / REPEATS_CSV, repeats.values(), REPEAT_COLUMNS)
+    profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
+    if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
+        write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell.id: outcome.profile}})
+    if outcome.status == "ok" and wants_prediction:
+        _complete_prediction(out_dir / PREDICTION_JSON, outcome)
 
-    config: SweepConfig
-    out_dir: Path
-    cells: list[Cell]
-    repeats: dict[RepeatKey, Row]
-    steps: dict[RepeatKey, list[Row]]
-    bootstrap: Bootstrapper
 
-    def record(self, cell: Cell, k: int, outcome: CellOutcome, layout: RankLayout, load: LoadCheck,
-               started_at: str, wants_prediction: bool) -> None:
-        """Repeat ``k`` of ``cell`` ran: steps.csv, repeats.csv (last: it marks the repeat done), profiles.json,
-        the prediction, results.csv and results.md, each whole and atomically."""
-        config, out_dir, key = self.config, self.out_dir, (cell.id, k)
-        self.steps.pop(key, None)
-        if outcome.status == "ok" and outcome.summary:
-            self.steps[key] = measured_step_rows(cell.id, k, outcome.summary)
-        row = repeat_row(cell, k, outcome, config.workload.preset, config.run.accelerator, layout, load,
-                         load_average(), started_at)
-        self.repeats[key] = parse_row({c: csv_value(v) for c, v in row.items()}, REPEAT_COLUMNS)
-        # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
-        write_csv(out_dir / STEPS_CSV, (step for k_ in self.repeats if k_ in self.steps for step in self.steps[k_]))
-        write_csv(out_dir / REPEATS_CSV, self.repeats.values(), REPEAT_COLUMNS)
-        profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
-        if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
-            write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell.id: outcome.profile}})
-        if outcome.status == "ok" and wants_prediction:
-            _complete_prediction(out_dir / PREDICTION_JSON, outcome)
-        self.write_outputs(final=False)
-
-    def write_outputs(self, final: bool) -> tuple[list[Row], list[Path]]:
-        """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
-        every cell of repeats.csv (this grid's first, then other configurations': the files never lose data); the
-        report and the plots only this grid's cells."""
-        out_dir = self.out_dir
-        data = cell_data(self.repeats.values(), (step for rows in self.steps.values() for step in rows))
-        rows = {cid: parse_row({c: csv_value(v) for c, v in cell_row(d, self.bootstrap).items()})
-                for cid, d in data.items()}
-        ids = [c.id for c in self.cells]
-        grid_rows = [rows[cid] for cid in ids if cid in rows]
-        write_csv(out_dir / RESULTS_CSV, grid_rows + [row for cid, row in rows.items() if cid not in set(ids)],
-                  RESULT_COLUMNS)
-        analysis = Analysis(grid_rows, {cid: data[cid] for cid in ids if cid in data}, self.bootstrap)
-        grid_repeats = [r for r in self.repeats.values() if r["cell_id"] in set(ids)]
-        expected = set(interleaved(ids, self.config.run.repeats))
-        pending = len(expected - {(r["cell_id"], r["repeat"]) for r in grid_repeats})
-        prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
-        environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
-        report = build_report(grid_rows, self.config.name, prediction, environment, pending, analysis, grid_repeats)
-        write_outputs(out_dir, {RESULTS_MD: report})
-        if not (final and self.config.output.plots and grid_rows):
-            return grid_rows, []
-        predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
-        return grid_rows, write_plots(out_dir, grid_rows, predicted_mb, analysis)
+def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKey, Row],
+                  steps: dict[RepeatKey, list[Row]], bootstrap: Bootstrapper,
+                  final: bool = False) -> tuple[Analysis, list[Path]]:
+    """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
+    every cell of repeats.csv (the grid's ``cells`` first, then other configurations': the files never lose data);
+    the report and the plots only the grid's."""
+    out_dir = Path(config.output.out_dir)
+    data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
+    ids = [c.id for c in cells]
+    analysis = Analysis({cid: data[cid] for cid in ids if cid in data}, bootstrap)
+    others = [parse_row(cell_row(d, bootstrap)) for cid, d in data.items() if cid not in set(ids)]
+    write_csv(out_dir / RESULTS_CSV, analysis.rows + others, RESULT_COLUMNS)
+    pending = len(set(interleaved(ids, config.run.repeats)) - set(repeats))
+    prediction = read_json(out_dir / PREDICTION_JSON, missing_ok=True)
+    environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
+    write_outputs(out_dir, {RESULTS_MD: build_report(analysis, config.name, prediction, environment, pending)})
+    if not (final and config.output.plots and analysis.rows):
+        return analysis, []
+    predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
+    return analysis, write_plots(out_dir, analysis, predicted_mb)
 
 
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
@@ -289,16 +267,15 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
     steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
              if key in repeats and repeats[key]["status"] == "ok"}
     bootstrap = Bootstrapper(config.output.bootstrap_samples, config.output.seed)
-    sweep = _Sweep(config, out_dir, expand_grid(config), repeats, steps, bootstrap)
-    cells, say = sweep.cells, log or _tqdm_write
+    cells, say = expand_grid(config), log or _tqdm_write
     if config.output.report_only:
         if not repeats:
             raise ValueError(
                 f"`output.report_only` but {out_dir / REPEATS_CSV} has no rows (results.csv and results.md are rebuilt "
                 "from repeats.csv and steps.csv); run the sweep first (without report_only)"
             )
-        rows, plots = sweep.write_outputs(final=True)
-        return SweepResult(out_dir, cells, rows, plots=plots)
+        analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
+        return SweepResult(cells, analysis, plots=plots)
 
     layout = _start_session(config, out_dir, layout, repeats, say)
     order = interleaved(cells, config.run.repeats)
@@ -326,13 +303,17 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             load = guard()
             started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
-            sweep.record(cell, k, outcome, layout, load, started_at, wants_prediction)
+            row = repeat_row(cell, k, outcome, config.workload.preset, run.accelerator, layout, load, load_average(),
+                             started_at)
+            record(out_dir, repeats, steps, cell, outcome, row, wants_prediction)
+            write_results(config, cells, repeats, steps, bootstrap)
             ran.append((cell.id, k))
             say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
             bar.update(1)
-    rows, plots = sweep.write_outputs(final=True)
-    say(f"done: {sum(1 for r in rows if r['status'] == 'ok')} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
-    return SweepResult(out_dir, cells, rows, ran, plots)
+    analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
+    result = SweepResult(cells, analysis, ran, plots)
+    say(f"done: {result.ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
+    return result
 
 
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
@@ -344,12 +325,14 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
             f"current directory, {os.getcwd()}); run from the repository root or give an absolute path"
         )
     if layout is None:
+        run = config.run
         gpu_count = 0
-        if config.run.accelerator == "cuda":
+        if run.accelerator == "cuda":
             import torch
 
             gpu_count = torch.cuda.device_count()
-        layout = sweep_layout(config, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        layout = rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpu_count, visible)
     environment = describe_environment(config, layout)
     previous = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True) if repeats else None
     # Every session that ran repeats of this sweep, oldest first (a resumed sweep keeps the earlier ones, so results
@@ -481,6 +464,6 @@ def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, A
     return provenance(
         config.output.out_dir,  # the sweep's own results are not a code change
         hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
-        backend=layout.backend, layout=dataclasses.asdict(layout), threads_per_rank=threads_per_rank(config),
-        config=dataclasses.asdict(config),
+        backend=layout.backend, layout=asdict(layout), threads_per_rank=threads_per_rank(config),
+        config=asdict(config),
     )

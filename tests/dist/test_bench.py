@@ -16,9 +16,10 @@ import pytest
 
 from lightning_ddp.bench import launch as launch_module
 from lightning_ddp.bench.__main__ import parse_config
-from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig
-from lightning_ddp.bench.grid import cell_command, cell_environments, expand_grid, sweep_layout
-from lightning_ddp.bench.launch import RankLayout, error_line, run_processes
+from lightning_ddp.bench.config import (
+    GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, cell_command, cell_environments, expand_grid,
+)
+from lightning_ddp.bench.launch import ProcessResult, RankLayout, error_line, rank_layout, run_processes
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
     RESULT_COLUMNS,
@@ -260,8 +261,8 @@ def test_sharded_strategies_are_sweep_cells_and_zero2_has_a_bucket_axis(tmp_path
 
 def test_rank_layout_picks_the_backend() -> None:
     def layout(accelerator="cuda", backend="auto", launcher="ranks", gpus=0, visible=None):
-        config = SweepConfig(run=RunConfig(accelerator=accelerator, backend=backend, launcher=launcher))
-        return sweep_layout(config, gpus, visible)
+        run = RunConfig(accelerator=accelerator, backend=backend, launcher=launcher)  # a valid run section
+        return rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpus, visible)
 
     assert layout("cpu") == RankLayout("gloo", 2, 1)
     assert layout(gpus=2) == RankLayout("nccl", 2, 1) and layout(gpus=8).backend == "nccl"
@@ -504,16 +505,16 @@ def test_classify() -> None:
     traceback = "Traceback (most recent call last):\n  File 'x'\n    y()\nRuntimeError: Connection closed by peer\n"
     oom = "Traceback:\n  File 'm.py'\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB\n"
     # rank 1 ran out of memory first; rank 0 then lost its peer and exited too
-    status, reason = classify([1, 1], [traceback, oom], False, set(), first_failed=1, summary_found=False)
+    status, reason = classify(ProcessResult([1, 1], False, set(), first_failed=1), [traceback, oom], summary_found=False)
     assert status == "oom" and reason.startswith("rank 1: torch.OutOfMemoryError: CUDA out of memory")
-    assert classify([1], ["MemoryError\n"], False, set(), 0, False)[0] == "oom"  # CPU
+    assert classify(ProcessResult([1], False, set(), 0), ["MemoryError\n"], False)[0] == "oom"  # CPU
     # SIGKILL we did not send: the kernel's OOM killer; SIGKILL we sent after a peer failed: not an OOM
-    assert classify([-9, 1], ["", traceback], False, set(), 0, False)[0] == "oom"
-    status, reason = classify([1, -9], ["ValueError: bad size\n", ""], False, {1}, 0, False)
+    assert classify(ProcessResult([-9, 1], False, set(), 0), ["", traceback], False)[0] == "oom"
+    status, reason = classify(ProcessResult([1, -9], False, {1}, 0), ["ValueError: bad size\n", ""], False)
     assert (status, reason) == ("failed", "rank 0 (exit code 1): ValueError: bad size")
-    assert classify([-9, -9], ["", "step 3\n"], True, {0, 1}, None, False, 30)[0:1] == ("timeout",)
-    assert classify([0, 0], ["", ""], False, set(), None, summary_found=True) == ("ok", "")
-    assert classify([0], ["done\n"], False, set(), None, summary_found=False)[0] == "failed"
+    assert classify(ProcessResult([-9, -9], True, {0, 1}, None), ["", "step 3\n"], False, 30)[0:1] == ("timeout",)
+    assert classify(ProcessResult([0, 0], False, set(), None), ["", ""], summary_found=True) == ("ok", "")
+    assert classify(ProcessResult([0], False, set(), None), ["done\n"], summary_found=False)[0] == "failed"
 
 
 def test_error_line_finds_the_last_meaningful_line() -> None:
@@ -540,7 +541,7 @@ def test_run_processes_kills_on_timeout_and_after_a_peer_fails(tmp_path, monkeyp
     # a process that dies by SIGKILL on its own (as under the OOM killer) is an out-of-memory cell
     suicide = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     result = run_processes(suicide, [env], logs[:1], timeout_s=30)
-    status, reason = classify(result.returncodes, [""], result.timed_out, result.killed_by_us, result.first_failed, False)
+    status, reason = classify(result, [""], False)
     assert status == "oom" and "SIGKILL" in reason
 
 
@@ -618,10 +619,7 @@ def _study(cells: list[tuple], context: int = 64) -> tuple[list, list, list]:
 
 
 def _report(repeat_rows, step_rows) -> str:
-    bootstrap = Bootstrapper(2000, seed=0)
-    data = cell_data(repeat_rows, step_rows)
-    rows = [parse_row({k: "" if v is None else str(v) for k, v in cell_row(d, bootstrap).items()}) for d in data.values()]
-    return build_report(rows, "t", analysis=Analysis(rows, data, bootstrap), repeat_rows=repeat_rows)
+    return build_report(Analysis(cell_data(repeat_rows, step_rows), Bootstrapper(2000, seed=0)), "t")
 
 
 def test_verdicts_met_missed_inconclusive_and_not_measurable_in_results_md() -> None:
@@ -645,7 +643,7 @@ def test_verdicts_met_missed_inconclusive_and_not_measurable_in_results_md() -> 
     assert "| 128 | 1. bucketed_ddp (best) step time / ddp step time | 1.125 [1.125, 1.125] | 1 | **missed** |" in report
     assert "| 128 | 2. overlap_ddp comm share / naive_ddp comm share | - | 0.333 | not measurable | no naive_ddp cell |" in report
     # Across groups: sqrt(0.9 x 1.125) = 1.006 > 0.95 in every draw: missed; one group met, one missed.
-    assert "| bucketed_ddp | 2 | 1.006 [1.006, 1.006] | 0.95 | **missed** | 1 / 1 / 0 / 0 |" in report
+    assert "| all |  | 2 groups | 1. bucketed_ddp (best) / ddp step time, geometric mean over groups | 1.006 [1.006, 1.006] | 0.95 | **missed** | groups <= 1.00 met / missed / inconclusive / not measurable: 1 / 1 / 0 / 0 |" in report
 
 
 @pytest.fixture
@@ -668,8 +666,8 @@ def test_every_algorithm_with_buckets_gets_goal_1_and_an_across_groups_row(secon
                                      ("ddp", "", [[100.0] * 4] * 2, 0.1, 50.0)])
     report = _report(repeat_rows, step_rows)
     assert "| 1. bucketed_alt (best) step time / ddp step time | 1.020 [1.020, 1.020] | 1 | **missed** | best size 1 MiB" in report
-    assert "| bucketed_alt | 1 | 1.020 [1.020, 1.020] | 0.95 | **missed** | 0 / 1 / 0 / 0 |" in report
-    assert "| bucketed_ddp | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
+    assert "| all |  | 1 groups | 1. bucketed_alt (best) / ddp step time, geometric mean over groups | 1.020 [1.020, 1.020] | 0.95 | **missed** | groups <= 1.00 met / missed / inconclusive / not measurable: 0 / 1 / 0 / 0 |" in report
+    assert "| all |  | 1 groups | 1. bucketed_ddp (best) / ddp step time, geometric mean over groups | 0.900 [0.900, 0.900] | 0.95 | met | groups <= 1.00 met / missed / inconclusive / not measurable: 1 / 0 / 0 / 0 |" in report
     assert "| 32-true | 2 | 64 | bucketed_alt | 1 MiB, best of 2 on 0 | 98.0 ms | repeats 1: 102.0 ms [102.0, 102.0] |" in report
 
 
@@ -690,7 +688,7 @@ def test_each_engine_settings_variant_has_its_own_best_bucket_size_goal_and_rows
     assert "| 32-true | 2 | 64 | bucketed_powersgd_ddp rank=4 | 4 MiB, best of 2 on 0 | 80.0 ms | repeats 1: 90.0 ms" in report
     assert "| 1. bucketed_powersgd_ddp rank=1 (best) step time / ddp step time | 0.720 [0.720, 0.720] | 1 | met |" in report
     assert "| 1. bucketed_powersgd_ddp rank=4 (best) step time / ddp step time | 0.900 [0.900, 0.900] | 1 | met |" in report
-    assert "| bucketed_powersgd_ddp rank=4 | 1 | 0.900 [0.900, 0.900] | 0.95 | met | 1 / 0 / 0 / 0 |" in report
+    assert "| all |  | 1 groups | 1. bucketed_powersgd_ddp rank=4 (best) / ddp step time, geometric mean over groups | 0.900 [0.900, 0.900] | 0.95 | met | groups <= 1.00 met / missed / inconclusive / not measurable: 1 / 0 / 0 / 0 |" in report
     # table rows: bucketed_ddp, then the variants in first-seen order, sizes ascending; the selected size in bold
     titles = [line.split(" | ")[0][2:] for line in lines if line.startswith("| bucketed_")][:5]
     assert titles == ["bucketed_ddp 1 MiB", "bucketed_powersgd_ddp 1 MiB rank=1", "bucketed_powersgd_ddp 4 MiB rank=1",
@@ -698,14 +696,14 @@ def test_each_engine_settings_variant_has_its_own_best_bucket_size_goal_and_rows
     assert "| bucketed_powersgd_ddp 4 MiB rank=4 | **85.0 ms [80.0, 90.0]" in report  # 4 x 80 and 4 x 90 pool to 85
 
 
-def test_report_from_rows_alone_still_renders() -> None:
-    # The registry test and older callers pass results.csv rows only: each is one repeat of one step.
-    rows = [parse_row({"cell_id": s + b, "strategy": s, "bucket_size_mb": b, "batch_size": "2", "context_length": "64",
-                       "precision": "32-true", "status": "ok", "step_ms_median": t, "comm_share": "0.1",
-                       "resolved_bucket_size_mb": "4.8828125" if b == "auto" else ""})
-            for s, b, t in (("reference", "", "60"), ("bucketed_ddp", "4", "90"), ("bucketed_ddp", "auto", "92"), ("ddp", "", "100"))]
-    report = build_report(rows, "t")
-    assert "| bucketed_ddp 4 MiB | **90.0 ms (10.0 %)** |" in report and "| bucketed_ddp auto | 92.0 ms (10.0 %) |" in report
+def test_a_report_of_one_repeat_of_one_step_renders_with_the_auto_cells_resolved_size() -> None:
+    repeat_rows, step_rows = _study([("reference", "", [[60.0]], 0.0, 0.0), ("bucketed_ddp", 4.0, [[90.0]], 0.1, 5.0),
+                                     ("bucketed_ddp", "auto", [[92.0]], 0.1, 5.0), ("ddp", "", [[100.0]], 0.1, 5.0)])
+    for row in repeat_rows:
+        row["resolved_bucket_size_mb"] = 4.8828125 if row["bucket_size_mb"] == "auto" else None
+    report = _report(repeat_rows, step_rows)
+    assert "| bucketed_ddp 4 MiB | **90.0 ms [90.0, 90.0] (10.0 % [10.0, 10.0])** |" in report
+    assert "| bucketed_ddp auto | 92.0 ms [92.0, 92.0] (10.0 % [10.0, 10.0]) |" in report
     assert "| 0.900 [0.900, 0.900] | 1 | inconclusive | best size 4 MiB, in-sample" in report
     assert "| - | 92.0 ms, auto (4.88 MiB) |" in report  # no prediction; the auto cell and the size it resolved to
 
@@ -715,11 +713,11 @@ def test_report_puts_the_predicted_bucket_size_next_to_the_measured_best(tmp_pat
     # o = 0.5 ms, w = 1 GB/s, s = 16 MiB: sqrt(16 * 2**20 * 1e9 * 5e-4) = 2.9e6 bytes < largest 5 MiB -> 5 MiB
     prediction = {"overhead_s": 5e-4, "bandwidth_Bps": 1e9, "sizes": [4096, 2**26], "repeats": 10,
                   "grad_bytes": 16 * 2**20, "largest_param_bytes": 5 * 2**20, "bucket_bytes": 5 * 2**20}
-    report = build_report(result.rows, "t", prediction)
+    report = build_report(result.analysis, "t", prediction)
     assert "**o = 0.500 ms** per call and **w = 1.000 GB/s**" in report
     assert "= **5 MiB** (about 3.2 buckets" in report
     assert "| 5 MiB | not in grid |" in report
-    report = build_report(result.rows, "t", {**prediction, "bandwidth_Bps": None})  # time did not grow with size
+    report = build_report(result.analysis, "t", {**prediction, "bandwidth_Bps": None})  # time did not grow with size
     assert "unbounded" in report
 
 

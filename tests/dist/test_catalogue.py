@@ -201,9 +201,21 @@ def test_the_strategy_checks_engine_settings_when_built(toy_pieces) -> None:
         ZeRO1DDPStrategy(grad_sync="bucketed_ddp", engine_settings={"rank": 4})
 
 
+def _made_up_analysis(cells):
+    """The sweep's analysis of ``cells`` each measured once, one step: 100, 110, ... ms, comm share 0.1, busy 5 ms."""
+    from lightning_ddp.bench.launch import RankLayout
+    from lightning_ddp.bench.report import REPEAT_COLUMNS, Analysis, cell_data, parse_row
+    from lightning_ddp.bench.sweep import CellOutcome, repeat_row
+
+    repeats = [parse_row(repeat_row(cell, 0, CellOutcome("ok"), "tiny", "cpu", RankLayout("gloo", 2, 1)), REPEAT_COLUMNS)
+               for cell in cells]
+    steps = [{"cell_id": cell.id, "repeat": 0, "step": 0, "step/time_ms": 100.0 + 10 * k, "comm/share": 0.1,
+              "comm/busy_ms": 5.0} for k, cell in enumerate(cells)]
+    return repeats, Analysis(cell_data(repeats, steps))
+
+
 def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy, tmp_path) -> None:
-    from lightning_ddp.bench.config import GridConfig, SweepConfig
-    from lightning_ddp.bench.grid import expand_grid
+    from lightning_ddp.bench.config import GridConfig, SweepConfig, expand_grid
     from lightning_ddp.bench.launch import strategy_argument
     from lightning_ddp.bench.plots import write_plots
     from lightning_ddp.bench.report import build_report
@@ -217,25 +229,19 @@ def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy,
     argument = json.loads(strategy_argument(cells[2].strategy, "gloo", cells[2].bucket_size_mb))
     assert argument["init_args"]["algorithm"] == "toy_halves" and argument["init_args"]["bucket_size_mb"] == 1.0
 
-    rows = []
-    for k, cell in enumerate(cells):  # made-up ok rows: 100, 110, ... ms
-        rows.append({"cell_id": cell.id, "strategy": cell.strategy, "bucket_size_mb": cell.bucket_size_mb or "",
-                     "batch_size": 2, "context_length": 32, "precision": "32-true", "status": "ok",
-                     "step_ms_median": 100.0 + 10 * k, "comm_share": 0.1, "busy_comm_ms": 5.0})
-    report = build_report(rows)
+    _, analysis = _made_up_analysis(cells)
+    report = build_report(analysis)
     assert "| toy_halves 1 MiB |" in report and "| toy_halves 4 MiB |" in report
-    names = {path.name for path in write_plots(tmp_path, rows)}
+    names = {path.name for path in write_plots(tmp_path, analysis)}
     assert names == {"strategies_32-true_bs2.png", "toy_halves_32-true_bs2.png"}
 
 
 
 def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_and_plots(toy_pieces, tmp_path) -> None:
-    from lightning_ddp.bench.config import GridConfig, SweepConfig
-    from lightning_ddp.bench.grid import cell_command, expand_grid
+    from lightning_ddp.bench.config import GridConfig, SweepConfig, cell_command, expand_grid
     from lightning_ddp.bench.launch import RankLayout
     from lightning_ddp.bench.plots import write_plots
     from lightning_ddp.bench.report import build_report
-    from lightning_ddp.bench.sweep import CellOutcome, repeat_row
 
     def config(**settings) -> SweepConfig:
         return SweepConfig(grid=GridConfig(strategies=["toy_pieces"], batch_sizes=[2], context_lengths=[32],
@@ -266,28 +272,25 @@ def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_
     assert "engine_settings" not in strategy_of(cells[-1])["init_args"]  # ddp: none to set
     assert "engine_settings" not in strategy_of(plain[1])["init_args"]  # the toy with its defaults: as before
 
-    rows = []
-    for k, cell in enumerate(cells):  # made-up ok rows: 100, 110, ... ms
-        row = repeat_row(cell, 0, CellOutcome("ok"), "tiny", "cpu", layout)
-        rows.append({**row, "status": "ok", "step_ms_median": 100.0 + 10 * k, "comm_share": 0.1, "busy_comm_ms": 5.0})
+    rows, analysis = _made_up_analysis(cells)  # 100, 110, ... ms
     assert [r["engine_settings"] for r in rows] == ["", "pieces=2", "pieces=3", "pieces=2", "pieces=3", ""]
-    report = build_report(rows)
+    report = build_report(analysis)
     for title in ("toy_pieces 1 MiB pieces=2", "toy_pieces 1 MiB pieces=3", "toy_pieces 4 MiB pieces=3"):
         assert f"| {title} |" in report
     # each variant has its own best bucket size (1 MiB: 110 < 130 ms and 120 < 140 ms) and its own goal 1
     assert "| 1. toy_pieces pieces=2 (best) step time / ddp step time | 0.733 [0.733, 0.733] |" in report  # 110 / 150
     assert "| 1. toy_pieces pieces=3 (best) step time / ddp step time | 0.800 [0.800, 0.800] |" in report  # 120 / 150
-    names = {path.name for path in write_plots(tmp_path, rows)}
+    names = {path.name for path in write_plots(tmp_path, analysis)}
     assert names == {"strategies_32-true_bs2.png", "toy_pieces-pieces2_32-true_bs2.png",
                      "toy_pieces-pieces3_32-true_bs2.png"}
 
 
 @pytest.mark.parametrize("settings, match", [
-    ({"toy_pieces": {"piece": [2]}}, r"the 'toy_pieces' engine has no setting 'piece'; its settings are: pieces"),
-    ({"toy_pieces": {"bucket_size_mb": [2]}}, r"not an engine setting: `grid.bucket_sizes_mb` sets it"),
+    ({"toy_pieces": {"piece": [2]}}, r"toy_pieces`: 'piece' is not a setting of 'toy_pieces'; 'toy_pieces' takes: pieces"),
+    ({"toy_pieces": {"bucket_size_mb": [2]}}, r"bucket_size_mb: not an engine setting; bucket_size_mb has an option of its own"),
     ({"toy_pieces": {"pieces": []}}, r"`grid.engine_settings.toy_pieces`.pieces must be a non-empty list"),
-    ({"naive_ddp": {"pieces": [2]}}, r"'naive_ddp' engine has no setting 'pieces'; its settings are: none"),
-    ({"bucketed_ddp": {"pieces": [2]}}, r"the 'bucketed_ddp' engine has no setting 'pieces'"),  # listed or not
+    ({"naive_ddp": {"pieces": [2]}}, r"'pieces' is not a setting of 'naive_ddp'; 'naive_ddp' has no engine settings"),
+    ({"bucketed_ddp": {"pieces": [2]}}, r"'pieces' is not a setting of 'bucketed_ddp'"),  # listed or not
     ({"ddp": {"pieces": [2]}}, r"'ddp' is not one of our engines"),
 ])
 def test_an_unknown_engine_setting_is_refused_naming_the_valid_ones(toy_pieces, settings, match) -> None:

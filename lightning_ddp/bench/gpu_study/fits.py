@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.bench.launch import (RankLayout, error_line, find_free_port, fit_command, is_oom, rank_environments,
-                                        read_timing_summary, run_processes)
+                                        run_processes)
+from lightning_ddp.bench.study import read_timing_summary
 from lightning_ddp.files import write_json_atomically
 
 __all__ = ["FitResult", "FitSpec", "run_fits"]
