@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from lightning_ddp import catalogue
-from lightning_ddp.local_group import find_free_port  # noqa: F401 (the launchers' port, re-exported)
 
 REFERENCE = "reference"
 """The study's one-process, compute-only cell (not a strategy: it runs with Lightning's ``auto``)."""

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.launch import (RankLayout, error_line, find_free_port, fit_command, is_oom, rank_environments,
-                                        run_processes)
+from lightning_ddp.bench.launch import RankLayout, error_line, fit_command, is_oom, rank_environments, run_processes
 from lightning_ddp.bench.study import read_timing_summary
 from lightning_ddp.files import write_json_atomically
+from lightning_ddp.local_group import find_free_port
 
 __all__ = ["FitResult", "FitSpec", "run_fits"]
 
