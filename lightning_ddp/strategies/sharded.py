@@ -18,7 +18,7 @@ from lightning_ddp import catalogue, compat
 from lightning_ddp.strategies.base import GradSyncStrategy, entry_of, log_bucket_prediction
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
-from lightning_ddp.sync.sharding.optimizer import (
+from lightning_ddp.sync.sharding import (
     CollectiveImpl,
     Schedule,
     ShardedOptimizer,

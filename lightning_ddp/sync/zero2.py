@@ -21,7 +21,7 @@ from lightning_ddp.sync.bucket_order import BucketOrder
 from lightning_ddp.sync.bucketed import MiB, check_bucket_size
 from lightning_ddp.sync.buffers import pack
 from lightning_ddp.sync.comm import Pending
-from lightning_ddp.sync.sharding.optimizer import CollectiveImpl, check_collective_impl, resolve_collectives
+from lightning_ddp.sync.sharding import CollectiveImpl, check_collective_impl, resolve_collectives
 
 __all__ = ["MAX_PADDING", "ZeRO2DDP", "plan_bucket"]
 
