@@ -27,8 +27,7 @@ from typing_extensions import override
 from lightning_ddp import catalogue, compat
 from lightning_ddp.sync import GradSyncEngine, Recorder
 from lightning_ddp.sync.bucketed import check_bucket_size
-from lightning_ddp.sync.comm import backend_from_spec
-from lightning_ddp.sync.gather import gather_rank_states
+from lightning_ddp.sync.comm import backend_from_spec, gather_rank_states
 
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
 

@@ -15,9 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.base import check_number
-from lightning_ddp.sync.bucketed import BucketedDDP
+from lightning_ddp.sync.bucketed import AllReduceMean, BucketedDDP, BucketLayout, BucketReduce, Reduction
 from lightning_ddp.sync.comm import Communicator
-from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
 
 __all__ = [
     "BucketPlan",

@@ -17,9 +17,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_ddp.sync.assignment import assign_owners
-from lightning_ddp.sync.buffers import agree_on_gradients, pack, unpack_gradients, unpack_into
-from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_for
-from lightning_ddp.sync.gather import gather_rank_states
+from lightning_ddp.sync.base import agree_on_gradients, pack, unpack_gradients, unpack_into
+from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_for, gather_rank_states
 
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
 OptimizerSchedule = Literal["allreduce_broadcast", "reduce_scatter", "reduce_in_backward"]
