@@ -23,16 +23,6 @@ from lightning_ddp.strategies.base import DataParallelStrategy
 from lightning_ddp.sync.base import broadcast_module_states
 from lightning_ddp.sync.comm import backend_for
 
-__all__ = [
-    "DEFAULT_SHARD_MODULES",
-    "FSDP2Strategy",
-    "fqn_keys_to_ids",
-    "ids_to_fqn_keys",
-    "mixed_precision_dtypes",
-    "modules_to_shard",
-    "shard",
-]
-
 DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
 """Class names sharded one FSDP group each by default (our GPT's ``Block``)."""
 

@@ -28,8 +28,6 @@ from lightning_ddp.sync.sharding import (
 from lightning_ddp.sync.zero1 import DeferredGradSync
 from lightning_ddp.sync.zero2 import ZeRO2DDP
 
-__all__ = ["ShardedOptimizerStrategy", "ZeRO1DDPStrategy", "ZeRO2DDPStrategy", "check_no_fp16", "route_clipping"]
-
 _ROUTED = "_lightning_ddp_routes_sharded_clipping"
 
 

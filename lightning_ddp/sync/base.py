@@ -20,11 +20,6 @@ from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_r
 from lightning_ddp.sync.ranges import GRAD_SYNC
 from lightning_ddp.sync.record import SyncRecord
 
-__all__ = [
-    "GradSyncEngine", "agree_on_gradients", "broadcast_module_states", "check_number", "describe_parameters", "pack",
-    "packed", "unpack_gradients", "unpack_into", "verify_same_parameters",
-]
-
 
 class GradSyncEngine(RecordsThroughComm, nn.Module):
     """Base of the engines: the model wrapped for data parallelism (torch DDP's role), at ``.module``.

@@ -18,17 +18,6 @@ from torch import nn
 
 from lightning_ddp.sync.comm import backend_from_spec
 
-__all__ = [
-    "DEFAULT_SIZES",
-    "BucketPrediction",
-    "default_measure_device",
-    "fit_latency_bandwidth",
-    "measure_allreduce",
-    "optimal_bucket_bytes",
-    "predict_bucket_size",
-    "resolve_bucket_size",
-]
-
 MiB = 2**20
 
 DEFAULT_SIZES: tuple[int, ...] = tuple(4 * 1024 * 4**k for k in range(8))

@@ -156,22 +156,27 @@ class BucketOrder:
 
 
 class _Bucket:
-    """One bucket: its parameters, its layout and, if it has one, its persistent flat buffer and views into it."""
+    """Bucket ``b`` of ``count``: its parameters, its layout and, unless it is one tensor reduced in place in its
+    ``.grad``, its persistent flat buffer and views into it (the last bucket's ends in the sentinel)."""
 
     __slots__ = ("indices", "params", "label", "layout", "buffer", "views")
 
-    def __init__(self, indices: list[int], params: list[torch.Tensor], label: str, layout: BucketLayout,
-                 buffered: bool, sentinel: bool):
+    def __init__(self, b: int, count: int, indices: list[int], params: list[torch.Tensor], names: list[str]) -> None:
         self.indices = indices
         self.params = params
-        self.label = label
-        self.layout = layout  # what the reduce step is told about the bucket (the sentinel is in no tensor)
+        self.label = names[0] if len(indices) == 1 else f"bucket {b} ({len(indices)} tensors)"
+        offsets = [0]
+        for param in params[:-1]:
+            offsets.append(offsets[-1] + param.numel())
+        # What the reduce step is told about the bucket (the sentinel is in no tensor).
+        self.layout = BucketLayout(b, count, tuple(names), tuple(p.shape for p in params), tuple(offsets))
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        if buffered:
+        sentinel = b == count - 1
+        if len(indices) > 1 or sentinel:
             numel = sum(p.numel() for p in params)
             self.buffer = torch.zeros(numel + int(sentinel), dtype=params[0].dtype, device=params[0].device)
-            for param, offset in zip(params, layout.offsets):
+            for param, offset in zip(params, offsets):
                 self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
 
 
@@ -228,10 +233,9 @@ class BucketedDDP(BucketEngine):
     ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
         self.reduce = reduce if reduce is not None else AllReduceMean()
-        last = len(self.buckets) - 1
         self._buckets = [
-            _Bucket(indices, [self.params[i] for i in indices], self._bucket_label(indices, b),
-                    self._bucket_layout(indices, b), buffered=len(indices) > 1 or b == last, sentinel=b == last)
+            _Bucket(b, len(self.buckets), indices, [self.params[i] for i in indices],
+                    [self.param_names[i] for i in indices])
             for b, indices in enumerate(self.buckets)
         ]
         self._reset_step()
@@ -241,16 +245,6 @@ class BucketedDDP(BucketEngine):
         self._launched: list[Reduction] = []
         self._has_grad = [True] * len(self.params)  # locally, at its bucket's launch
         self._missing = False  # some local parameter had no gradient this step
-
-    def _bucket_label(self, indices: list[int], b: int) -> str:
-        return self.param_names[indices[0]] if len(indices) == 1 else f"bucket {b} ({len(indices)} tensors)"
-
-    def _bucket_layout(self, indices: list[int], b: int) -> BucketLayout:
-        offsets = [0]
-        for i in indices[:-1]:
-            offsets.append(offsets[-1] + self.params[i].numel())
-        return BucketLayout(b, len(self.buckets), tuple(self.param_names[i] for i in indices),
-                            tuple(self.params[i].shape for i in indices), tuple(offsets))
 
     def _launch(self, b: int) -> None:
         assert b == len(self._launched), "buckets must launch in order"

@@ -14,8 +14,6 @@ from torch import nn
 from lightning_ddp.sync.bucketed import AllReduceMean, BucketedDDP, BucketLayout, BucketReduce, Reduction
 from lightning_ddp.sync.comm import Communicator
 
-__all__ = ["BF16CompressedAllReduce", "BucketedBF16DDP"]
-
 
 class BF16CompressedAllReduce(BucketReduce):
     """Average a bucket over the ranks in bf16: cast, divide by n, SUM all-reduce, cast back into the bucket."""

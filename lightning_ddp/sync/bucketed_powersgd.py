@@ -18,18 +18,6 @@ from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.bucketed import AllReduceMean, BucketedDDP, BucketLayout, BucketReduce, Reduction
 from lightning_ddp.sync.comm import Communicator
 
-__all__ = [
-    "BucketPlan",
-    "BucketedPowerSGDDDP",
-    "CompressedMatrix",
-    "PowerSGDReduce",
-    "check_powersgd_options",
-    "matrix_shape",
-    "orthogonalize",
-    "plan_bucket",
-    "should_compress",
-]
-
 # ---- the arithmetic (pure) -------------------------------------------------------------------------------
 
 

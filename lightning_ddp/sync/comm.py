@@ -20,17 +20,6 @@ from lightning_ddp import compat
 from lightning_ddp.sync.ranges import COMM_LAUNCH, COMM_WAIT
 from lightning_ddp.sync.record import Collective, Recorder
 
-__all__ = [
-    "Communicator",
-    "Pending",
-    "RecordsThroughComm",
-    "backend_for",
-    "backend_from_spec",
-    "gather_rank_states",
-    "parse_backend_spec",
-    "profiler_range",
-]
-
 _NOTHING = nullcontext()
 
 

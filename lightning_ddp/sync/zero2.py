@@ -20,8 +20,6 @@ from lightning_ddp.sync.bucketed import BucketEngine
 from lightning_ddp.sync.comm import Pending
 from lightning_ddp.sync.sharding import CollectiveImpl, check_collective_impl, resolve_collectives
 
-__all__ = ["MAX_PADDING", "ZeRO2DDP", "plan_bucket"]
-
 MAX_PADDING = 0.125
 """``native``: one reduce-scatter only if padding the owners' segments adds at most this fraction of elements."""
 
