@@ -136,9 +136,7 @@ class FSDP2Strategy(DataParallelStrategy):
         """``(name, tensor)`` whose gradient hooks fire: FSDP2's unsharded parameters. A collective."""
         module = self.lightning_module
         assert module is not None
-        if not self._sharded:
-            return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        unsharded = compat.fsdp2_unsharded_parameters(module)
+        unsharded = compat.fsdp2_unsharded_parameters(module)  # {} before sharding
         return [(name, unsharded.get(p, p)) for name, p in module.named_parameters() if p.requires_grad]
 
     # -- checkpoints: consolidated, as an unsharded run writes them -----------------------------------------

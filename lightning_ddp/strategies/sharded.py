@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp import catalogue, compat
-from lightning_ddp.strategies.base import GradSyncStrategy, entry_of, log_bucket_prediction
+from lightning_ddp.strategies.base import GradSyncStrategy, entry_of
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.sharding import (
@@ -195,10 +195,8 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
 
     @override
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
-        return log_bucket_prediction(ZeRO2DDP(
-            module, bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,
-            buckets_in_flight=self.buckets_in_flight,
-        ))
+        return ZeRO2DDP(module, bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,
+                        buckets_in_flight=self.buckets_in_flight)
 
     @override
     def check_supported(self, precision: str) -> None:

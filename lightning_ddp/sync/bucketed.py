@@ -54,11 +54,6 @@ class BucketLayout:
     offsets: tuple[int, ...]
     """Each gradient's first element in the flattened bucket (``bucket.view(-1)``)."""
 
-    @classmethod
-    def single(cls, name: str, shape: torch.Size) -> BucketLayout:
-        """A bucket that is one tensor, for callers outside an engine (a bench, a test)."""
-        return cls(0, 1, (name,), (torch.Size(shape),), (0,))
-
 
 @dataclass
 class Reduction:

@@ -145,11 +145,6 @@ class PowerSGDReduce(BucketReduce):
         self._plans: dict[tuple[BucketLayout, int], BucketPlan] = {}
         self._plain = AllReduceMean()
 
-    @property
-    def compressing(self) -> bool:
-        """Whether the next step's buckets are compressed (``start_iter`` steps have been synchronised)."""
-        return self.iteration >= self.start_iter
-
     def plan(self, layout: BucketLayout, numel: int) -> BucketPlan:
         """The bucket's plan (computed once per layout)."""
         key = (layout, numel)
@@ -160,11 +155,11 @@ class PowerSGDReduce(BucketReduce):
     def launch(
         self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
     ) -> Reduction:
-        if layout is None:  # one tensor of the bucket's shape
-            layout = BucketLayout.single(label, bucket.shape)
+        if layout is None:  # one tensor of the bucket's shape (a caller outside an engine: a bench, a test)
+            layout = BucketLayout(0, 1, (label,), (torch.Size(bucket.shape),), (0,))
         flat = bucket.view(-1) if bucket.is_contiguous() else bucket.contiguous().view(-1)
         plan = self.plan(layout, flat.numel())
-        if not self.compressing or not plan.matrices:  # 0. warm-up, or nothing worth compressing
+        if self.iteration < self.start_iter or not plan.matrices:  # 0. warm-up, or nothing worth compressing
             reduction = self._plain.launch(comm, bucket, label, layout)
             reduction.finish = lambda: self._count_step(layout)  # AllReduceMean's reduction has nothing to finish
             return reduction
