@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_range
+from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_range, require_process_group
 from lightning_ddp.sync.ranges import GRAD_SYNC
 from lightning_ddp.sync.record import SyncRecord
 
@@ -35,11 +35,7 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                f"{type(self).__name__} needs a process group: call torch.distributed.init_process_group() first "
-                "(or train through the Lightning strategy, which does it for you)."
-            )
+        require_process_group(type(self).__name__, "the Lightning strategy")
         self.module = module
         self.process_group = process_group
         self.comm = Communicator(process_group)

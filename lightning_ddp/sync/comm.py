@@ -77,6 +77,13 @@ def backend_for(device: torch.device | str, group: dist.ProcessGroup | None = No
     return backend
 
 
+def require_process_group(user: str, strategy: str = "") -> None:
+    """Raise ``RuntimeError`` naming ``user`` unless a default process group exists (``strategy`` makes one)."""
+    if not dist.is_available() or not dist.is_initialized():
+        also = f" (or train through {strategy}, which does it for you)." if strategy else ""
+        raise RuntimeError(f"{user} needs a process group: call torch.distributed.init_process_group() first{also}")
+
+
 class Communicator:
     """Async collectives on ``group`` (default: the world), recorded when ``recorder`` is set."""
 

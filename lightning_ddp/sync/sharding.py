@@ -18,7 +18,9 @@ from torch.optim import Optimizer
 
 from lightning_ddp.sync.assignment import assign_owners
 from lightning_ddp.sync.base import agree_on_gradients, pack, unpack_gradients, unpack_into
-from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_for, gather_rank_states
+from lightning_ddp.sync.comm import (
+    Communicator, RecordsThroughComm, backend_for, gather_rank_states, require_process_group,
+)
 
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
 OptimizerSchedule = Literal["allreduce_broadcast", "reduce_scatter", "reduce_in_backward"]
@@ -232,11 +234,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
                 "optimizer_cls is already a ShardedOptimizer; pass the optimizer class to shard, e.g. "
                 "torch.optim.AdamW"
             )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ShardedOptimizer needs a process group: call torch.distributed.init_process_group() first "
-                "(or train through the `zero1_ddp` strategy, which does it for you)."
-            )
+        require_process_group("ShardedOptimizer", "the `zero1_ddp` strategy")
         self.optimizer_cls = optimizer_cls
         self.schedule = schedule
         self.process_group = process_group
