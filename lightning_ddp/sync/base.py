@@ -18,7 +18,6 @@ from torch import nn
 
 from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_range, require_process_group
 from lightning_ddp.sync.ranges import GRAD_SYNC
-from lightning_ddp.sync.record import SyncRecord
 
 
 class GradSyncEngine(RecordsThroughComm, nn.Module):
@@ -52,18 +51,6 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
         if self.uses_grad_hooks:
             for index, param in enumerate(self.params):
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(index)))
-
-    # -- measuring (observers only: ``recorder`` comes from RecordsThroughComm) ---------------------------
-
-    @property
-    def record(self) -> SyncRecord:
-        """The attached recorder's record of the current step (raw marks)."""
-        if self.comm.recorder is None:
-            raise RuntimeError(
-                f"{type(self).__name__} records nothing until a recorder is attached: "
-                "`engine.recorder = lightning_ddp.sync.Recorder(device)`."
-            )
-        return self.comm.recorder.record
 
     # -- the conventional interface -------------------------------------------------------------------
 
