@@ -118,11 +118,6 @@ def check_powersgd_options(rank: Any, start_iter: Any, min_compression_rate: Any
     check_number("seed", seed, None, "set e.g. seed=0 (every rank must use the same one)")
 
 
-def _initial_q_generator(seed: int, bucket_index: int) -> torch.Generator:
-    # One stream per (seed, bucket), independent of the order in which buckets first compress.
-    return torch.Generator().manual_seed((seed * 1_000_003 + bucket_index) % 2**63)
-
-
 # ---- the reduce step ----------------------------------------------------------------------------------------
 
 
@@ -227,9 +222,11 @@ class PowerSGDReduce(BucketReduce):
     ) -> list[torch.Tensor]:
         """Each compressed matrix's starting ``Q``: last step's, else a normal draw (equal on every rank)."""
         # The first compressed step draws every matrix's Q of the bucket in order (so a draw does not depend on
-        # which Qs exist); a resumed step draws nothing.
-        missing = any(matrix.name not in self.qs for matrix in plan.matrices)
-        generator = _initial_q_generator(self.seed, bucket_index) if missing else None
+        # which Qs exist); a resumed step draws nothing. One stream per (seed, bucket), independent of the order in
+        # which buckets first compress.
+        generator = None
+        if any(matrix.name not in self.qs for matrix in plan.matrices):
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + bucket_index) % 2**63)
         qs = []
         for matrix in plan.matrices:
             shape = (matrix.cols, matrix.rank)

@@ -43,9 +43,6 @@ class BucketPlan:
     shard_offset: int = 0
     """Where this rank's segment lands in its shard of the bucket's dtype."""
 
-    def size(self, r: int) -> int:
-        return self.numels[r] + len(self.segments[r])
-
 
 def plan_bucket(indices: list[int], numels: list[int], owners: list[int], world_size: int, native: bool) -> BucketPlan:
     """The layout of one bucket (pure: identical on every rank).
@@ -178,7 +175,7 @@ class ZeRO2DDP(BucketEngine):
         else:
             for r, segment in enumerate(plan.segments):
                 if segment:
-                    part = buffer[plan.offsets[r] : plan.offsets[r] + plan.size(r)]
+                    part = buffer[plan.offsets[r] : plan.offsets[r] + plan.numels[r] + len(segment)]
                     flight.pending.append(self.comm.reduce(part, r, f"{label} to rank {r}"))
         self._in_flight.append(flight)
         while len(self._in_flight) > self.buckets_in_flight:  # bound the send buffers held at once
