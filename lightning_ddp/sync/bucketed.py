@@ -216,7 +216,7 @@ class BucketedDDP(BucketEngine):
 
     Args:
         bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it.
-        reduce: How a bucket is averaged (``lightning_ddp.sync.reduce``); default ``AllReduceMean()``.
+        reduce: How a bucket is averaged (a ``BucketReduce``, above); default ``AllReduceMean()``.
     """
 
     def __init__(
