@@ -27,8 +27,7 @@ from typing_extensions import override
 from lightning_ddp import catalogue, compat
 from lightning_ddp.sync import GradSyncEngine, Recorder
 from lightning_ddp.sync.bucketed import check_bucket_size
-from lightning_ddp.sync.comm import backend_from_spec
-from lightning_ddp.sync.gather import gather_rank_states
+from lightning_ddp.sync.comm import backend_from_spec, gather_rank_states
 
 BucketSizeOption = Union[float, Literal["auto", "default"], None]
 
@@ -146,9 +145,7 @@ class GradSyncStrategy(DataParallelStrategy):
 
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
         """Wrap the LightningModule in this strategy's engine (a collective: it broadcasts rank 0's weights)."""
-        return log_bucket_prediction(
-            self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
-        )
+        return self.algorithm.make_engine(module, bucket_size_mb=self.bucket_size_mb, **self.engine_settings)
 
     @property
     def engine(self) -> GradSyncEngine | None:
@@ -163,7 +160,14 @@ class GradSyncStrategy(DataParallelStrategy):
     @override
     def configure_ddp(self) -> None:
         assert isinstance(self.model, pl.LightningModule)
-        self.model = self.make_engine(self.model)
+        self.model = engine = self.make_engine(self.model)
+        prediction = getattr(engine, "bucket_prediction", None)
+        if prediction is not None:  # bucket_size_mb=auto: say on rank 0 which cap it chose
+            rank_zero_info(
+                f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(engine.buckets)} buckets) from an "
+                f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
+                f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
+            )
         if self._restoring_engine_state:  # the checkpoint was loaded before the engine existed
             self._restore_engine_state()
         if self._recorder is not None:
@@ -282,18 +286,6 @@ def entry_of(strategy_class: type) -> catalogue.Entry:
         if len(entries) == 1:
             return entries[0]
     raise ValueError(f"no single catalogue entry names {strategy_class.__name__} as its lightning_class")
-
-
-def log_bucket_prediction(engine: GradSyncEngine) -> GradSyncEngine:
-    """Say on rank 0 which cap ``bucket_size_mb=auto`` chose (engines with a ``bucket_prediction``); return it."""
-    prediction = getattr(engine, "bucket_prediction", None)
-    if prediction is not None:
-        rank_zero_info(
-            f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(engine.buckets)} buckets) from an "
-            f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
-            f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
-        )
-    return engine
 
 
 def engine_state_to_restore(

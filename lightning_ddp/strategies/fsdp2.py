@@ -23,16 +23,6 @@ from lightning_ddp.strategies.base import DataParallelStrategy
 from lightning_ddp.sync.base import broadcast_module_states
 from lightning_ddp.sync.comm import backend_for
 
-__all__ = [
-    "DEFAULT_SHARD_MODULES",
-    "FSDP2Strategy",
-    "fqn_keys_to_ids",
-    "ids_to_fqn_keys",
-    "mixed_precision_dtypes",
-    "modules_to_shard",
-    "shard",
-]
-
 DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
 """Class names sharded one FSDP group each by default (our GPT's ``Block``)."""
 
@@ -146,9 +136,7 @@ class FSDP2Strategy(DataParallelStrategy):
         """``(name, tensor)`` whose gradient hooks fire: FSDP2's unsharded parameters. A collective."""
         module = self.lightning_module
         assert module is not None
-        if not self._sharded:
-            return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        unsharded = compat.fsdp2_unsharded_parameters(module)
+        unsharded = compat.fsdp2_unsharded_parameters(module)  # {} before sharding
         return [(name, unsharded.get(p, p)) for name, p in module.named_parameters() if p.requires_grad]
 
     # -- checkpoints: consolidated, as an unsharded run writes them -----------------------------------------

@@ -15,10 +15,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp import catalogue, compat
-from lightning_ddp.strategies.base import GradSyncStrategy, entry_of, log_bucket_prediction
+from lightning_ddp.strategies.base import GradSyncStrategy, entry_of
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
-from lightning_ddp.sync.sharding.optimizer import (
+from lightning_ddp.sync.sharding import (
     CollectiveImpl,
     Schedule,
     ShardedOptimizer,
@@ -27,8 +27,6 @@ from lightning_ddp.sync.sharding.optimizer import (
 )
 from lightning_ddp.sync.zero1 import DeferredGradSync
 from lightning_ddp.sync.zero2 import ZeRO2DDP
-
-__all__ = ["ShardedOptimizerStrategy", "ZeRO1DDPStrategy", "ZeRO2DDPStrategy", "check_no_fp16", "route_clipping"]
 
 _ROUTED = "_lightning_ddp_routes_sharded_clipping"
 
@@ -197,10 +195,8 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
 
     @override
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
-        return log_bucket_prediction(ZeRO2DDP(
-            module, bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,
-            buckets_in_flight=self.buckets_in_flight,
-        ))
+        return ZeRO2DDP(module, bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,
+                        buckets_in_flight=self.buckets_in_flight)
 
     @override
     def check_supported(self, precision: str) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["assign_buckets", "assign_owners"]
-
 
 def assign_buckets(nbytes: Sequence[int], dtypes: Sequence[Hashable], cap_bytes: int | None) -> list[list[int]]:
     """Group parameter indices into buckets, walking them in reverse order.

@@ -1,4 +1,5 @@
-"""The small base every gradient-sync engine shares: wrapping, broadcasting, ``no_sync``, the hook plumbing.
+"""The small base every gradient-sync engine shares: wrapping, broadcasting, ``no_sync``, the hook plumbing, and the
+flat communication buffers (``pack``, ``unpack_*``) and gradient-presence agreement (``agree_on_gradients``).
 
 An engine broadcasts rank 0's parameters and buffers when it wraps the model, and
 ``finish_gradient_synchronization()`` leaves the average over ranks in every ``.grad``. The invariants every
@@ -9,19 +10,14 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_range
+from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, profiler_range, require_process_group
 from lightning_ddp.sync.ranges import GRAD_SYNC
-from lightning_ddp.sync.record import SyncRecord
-
-__all__ = [
-    "GradSyncEngine", "broadcast_module_states", "check_number", "describe_parameters", "verify_same_parameters",
-]
 
 
 class GradSyncEngine(RecordsThroughComm, nn.Module):
@@ -38,11 +34,7 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                f"{type(self).__name__} needs a process group: call torch.distributed.init_process_group() first "
-                "(or train through the Lightning strategy, which does it for you)."
-            )
+        require_process_group(type(self).__name__, "the Lightning strategy")
         self.module = module
         self.process_group = process_group
         self.comm = Communicator(process_group)
@@ -59,18 +51,6 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
         if self.uses_grad_hooks:
             for index, param in enumerate(self.params):
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(index)))
-
-    # -- measuring (observers only: ``recorder`` comes from RecordsThroughComm) ---------------------------
-
-    @property
-    def record(self) -> SyncRecord:
-        """The attached recorder's record of the current step (raw marks)."""
-        if self.comm.recorder is None:
-            raise RuntimeError(
-                f"{type(self).__name__} records nothing until a recorder is attached: "
-                "`engine.recorder = lightning_ddp.sync.Recorder(device)`."
-            )
-        return self.comm.recorder.record
 
     # -- the conventional interface -------------------------------------------------------------------
 
@@ -227,3 +207,48 @@ def verify_same_parameters(module: nn.Module, comm: Communicator, device: torch.
         "construction (or configure_model)."
     )
 
+
+def pack(tensors: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``tensors`` (one per parameter in ``params``; zeros for ``None``) flat into ``out``, in order."""
+    offset = 0
+    for tensor, param in zip(tensors, params):
+        chunk = out[offset : offset + param.numel()]
+        if tensor is None:
+            chunk.zero_()
+        else:
+            chunk.copy_(tensor.reshape(-1))
+        offset += param.numel()
+
+
+def packed(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new flat buffer holding the parameters' gradients (zeros where ``.grad`` is ``None``)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors`` (``tensor.copy_``, in order)."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into each parameter's ``.grad`` (a clone where it was ``None``)."""
+    offset = 0
+    for param in params:
+        n = param.numel()
+        value = flat[offset : offset + n].view_as(param)
+        if param.grad is None:
+            param.grad = value.clone()
+        elif value.data_ptr() != param.grad.data_ptr():
+            param.grad.copy_(value)
+        offset += n
+
+
+def agree_on_gradients(comm: Communicator, has_grad: Sequence[bool], device: torch.device) -> list[int]:
+    """For each parameter, on how many ranks it has a gradient (one small all-reduce; ``.tolist()`` blocks), so a
+    parameter no rank has a gradient for can keep ``None``."""
+    flags = torch.tensor(list(has_grad), dtype=torch.int32, device=device)
+    comm.wait(comm.all_reduce(flags, "gradient presence flags"))
+    return flags.tolist()

@@ -16,18 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.sync.comm import backend_from_spec
-
-__all__ = [
-    "DEFAULT_SIZES",
-    "BucketPrediction",
-    "default_measure_device",
-    "fit_latency_bandwidth",
-    "measure_allreduce",
-    "optimal_bucket_bytes",
-    "predict_bucket_size",
-    "resolve_bucket_size",
-]
+from lightning_ddp.sync.comm import backend_from_spec, require_process_group
 
 MiB = 2**20
 
@@ -90,10 +79,7 @@ def measure_allreduce(
     device: torch.device | str | None = None,
 ) -> list[float]:
     """Median seconds of one all-reduce per message size (bytes), MAX over ranks; a collective."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "measure_allreduce needs a process group: call torch.distributed.init_process_group() first"
-        )
+    require_process_group("measure_allreduce")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     sizes = list(sizes)

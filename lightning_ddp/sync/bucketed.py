@@ -1,23 +1,26 @@
-"""Bucketed DDP: async all-reduce of size-capped gradient buckets, launched during backward.
+"""Bucketed DDP: async all-reduce of size-capped gradient buckets, launched during backward; and what every engine
+that launches buckets from backward's hooks shares (``BucketEngine``: the cap, the buckets, their strict order).
 
-How a bucket is averaged is the swappable ``reduce`` step (``lightning_ddp.sync.reduce``). Recipe and measured
-choices: ``docs/algorithms.md``.
+How ``BucketedDDP`` averages a bucket is the swappable reduce step, torch DDP's communication hook in our terms:
+``BucketReduce.launch(comm, bucket, label, layout)`` is called as soon as a bucket is complete and returns a
+``Reduction`` whose ``wait()`` gives the bucket's average (same dtype and shape); ``AllReduceMean`` is the default.
+Recipe, strict order and measured choices: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets
-from lightning_ddp.sync.base import GradSyncEngine
+from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients
 from lightning_ddp.sync.bucket_model import BucketPrediction, resolve_bucket_size
-from lightning_ddp.sync.bucket_order import BucketOrder
-from lightning_ddp.sync.buffers import agree_on_gradients
-from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
+from lightning_ddp.sync.comm import Communicator, Pending
 
 MiB = 2**20
 
@@ -33,33 +36,148 @@ def check_bucket_size(bucket_size_mb: float | str | None) -> None:
         )
 
 
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each gradient lies in one flat bucket; the same on every rank and every step.
+
+    Elements no tensor covers (the missing-gradient sentinel) must be averaged too, keeping 0 at 0 and signs.
+    """
+
+    index: int
+    """The bucket's position in the launch order (0 is launched first)."""
+    count: int
+    """How many buckets a step launches (``index == count - 1``: the step's last)."""
+    names: tuple[str, ...]
+    """The parameters whose gradients the bucket holds, in bucket order."""
+    shapes: tuple[torch.Size, ...]
+    """Each gradient's shape."""
+    offsets: tuple[int, ...]
+    """Each gradient's first element in the flattened bucket (``bucket.view(-1)``)."""
+
+
+@dataclass
+class Reduction:
+    """A launched reduce step: wait for ``pending`` collectives, run ``finish``, hand back ``result``."""
+
+    comm: Communicator
+    pending: list[Pending]
+    result: torch.Tensor
+    """The bucket's average once ``wait()`` returns (with the bucket's dtype and shape)."""
+    finish: Callable[[], None] | None = None
+    """Work after the collectives (e.g. scaling or decompressing into ``result``)."""
+
+    def wait(self) -> torch.Tensor:
+        for pending in self.pending:
+            self.comm.wait(pending)
+        if self.finish is not None:
+            self.finish()
+        return self.result
+
+
+class BucketReduce(ABC):
+    """Average one flat bucket over the ranks of ``comm``; subclasses implement ``launch``."""
+
+    @abstractmethod
+    def launch(
+        self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
+    ) -> Reduction:
+        """Start averaging ``bucket`` (it may be modified in place); return what ``wait()`` finishes.
+        ``layout`` ``None``: the bucket is one tensor of its own shape."""
+
+
+class AllReduceMean(BucketReduce):
+    """Divide the bucket by the world size, then SUM all-reduce it in place (gloo has no AVG)."""
+
+    def launch(
+        self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
+    ) -> Reduction:
+        with comm.span("pack"):
+            bucket.div_(comm.world_size)
+        return Reduction(comm, [comm.all_reduce(bucket, label)], bucket)
+
+
+class BucketOrder:
+    """Which gradients are ready this step and which bucket launches next (strict order).
+
+    A bucket launches when it is complete *and* every bucket before it has launched, so every rank issues the same
+    collectives in the same order; what backward did not make ready launches at the end (``rest``). ``buckets``:
+    parameter indices per bucket, in launch order; ``names``: for the error on a gradient ready twice.
+
+    >>> order = BucketOrder([[0, 1], [2]], ["a", "b", "c"])
+    >>> list(order.mark_ready(2))  # bucket 1 is complete, but bucket 0 has not launched: nothing yet
+    []
+    >>> list(order.mark_ready(1)), list(order.mark_ready(0))  # bucket 0 completes: 0, then the waiting 1
+    ([], [0, 1])
+    >>> list(order.rest())
+    []
+    """
+
+    def __init__(self, buckets: Sequence[Sequence[int]], names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.sizes = [len(indices) for indices in buckets]
+        self.bucket_of = [0] * len(self.names)
+        for b, indices in enumerate(buckets):
+            for i in indices:
+                self.bucket_of[i] = b
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: no gradient ready, no bucket launched."""
+        self.ready = [False] * len(self.names)
+        self.pending = list(self.sizes)
+        self.next = 0
+
+    def mark_ready(self, index: int) -> range:
+        """Parameter ``index``'s gradient is ready: the buckets to launch now, in order (often none)."""
+        if self.ready[index]:
+            raise RuntimeError(
+                f"The gradient of {self.names[index]!r} became ready twice in one step. With gradient "
+                "accumulation, run every micro-batch but the last under `with ddp.no_sync():`."
+            )
+        self.ready[index] = True
+        b = self.bucket_of[index]
+        self.pending[b] -= 1
+        start = self.next
+        if b == start and not self.pending[b]:  # only then can anything launch
+            count, pending = len(self.sizes), self.pending
+            while self.next < count and not pending[self.next]:
+                self.next += 1
+        return range(start, self.next)
+
+    def rest(self) -> range:
+        """The buckets not launched yet, in order (at the end of backward); then every bucket counts as launched."""
+        start, self.next = self.next, len(self.sizes)
+        return range(start, self.next)
+
+
 class _Bucket:
-    """One bucket: its parameters, its layout and, if it has one, its persistent flat buffer and views into it."""
+    """Bucket ``b`` of ``count``: its parameters, its layout and, unless it is one tensor reduced in place in its
+    ``.grad``, its persistent flat buffer and views into it (the last bucket's ends in the sentinel)."""
 
     __slots__ = ("indices", "params", "label", "layout", "buffer", "views")
 
-    def __init__(self, indices: list[int], params: list[torch.Tensor], label: str, layout: BucketLayout,
-                 buffered: bool, sentinel: bool):
+    def __init__(self, b: int, count: int, indices: list[int], params: list[torch.Tensor], names: list[str]) -> None:
         self.indices = indices
         self.params = params
-        self.label = label
-        self.layout = layout  # what the reduce step is told about the bucket (the sentinel is in no tensor)
+        self.label = names[0] if len(indices) == 1 else f"bucket {b} ({len(indices)} tensors)"
+        offsets = [0]
+        for param in params[:-1]:
+            offsets.append(offsets[-1] + param.numel())
+        # What the reduce step is told about the bucket (the sentinel is in no tensor).
+        self.layout = BucketLayout(b, count, tuple(names), tuple(p.shape for p in params), tuple(offsets))
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        if buffered:
+        sentinel = b == count - 1
+        if len(indices) > 1 or sentinel:
             numel = sum(p.numel() for p in params)
             self.buffer = torch.zeros(numel + int(sentinel), dtype=params[0].dtype, device=params[0].device)
-            for param, offset in zip(params, layout.offsets):
+            for param, offset in zip(params, offsets):
                 self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
 
 
-class BucketedDDP(GradSyncEngine):
-    """All-reduce gradient buckets of at most ``bucket_size_mb`` MiB as they fill during backward.
-
-    Args:
-        bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it.
-        reduce: How a bucket is averaged (``lightning_ddp.sync.reduce``); default ``AllReduceMean()``.
-    """
+class BucketEngine(GradSyncEngine):
+    """Base of the engines that launch gradient buckets of at most ``bucket_size_mb`` MiB from backward's hooks, in
+    strict order; subclasses implement ``_launch(b)`` and finish with ``_launch_rest()`` in ``_synchronize``."""
 
     uses_grad_hooks = True
 
@@ -68,44 +186,60 @@ class BucketedDDP(GradSyncEngine):
         module: nn.Module,
         bucket_size_mb: float | Literal["auto"] | None = 25.0,
         process_group: dist.ProcessGroup | None = None,
-        reduce: BucketReduce | None = None,
     ) -> None:
         check_bucket_size(bucket_size_mb)
         super().__init__(module, process_group)
-        self.reduce = reduce if reduce is not None else AllReduceMean()
         self.bucket_prediction: BucketPrediction | None
         self.bucket_size_mb, self.bucket_prediction = resolve_bucket_size(bucket_size_mb, self.params, process_group)
         cap = None if self.bucket_size_mb is None else int(self.bucket_size_mb * MiB)
-        nbytes = [p.nbytes for p in self.params]
-        self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
-        last = len(self.buckets) - 1
-        self._buckets = [
-            _Bucket(indices, [self.params[i] for i in indices], self._bucket_label(indices, b),
-                    self._bucket_layout(indices, b), buffered=len(indices) > 1 or b == last, sentinel=b == last)
-            for b, indices in enumerate(self.buckets)
-        ]
+        self.buckets = assign_buckets([p.nbytes for p in self.params], [p.dtype for p in self.params], cap)
         self._order = BucketOrder(self.buckets, self.param_names)
-        self._reset_step()
 
     def _reset_step(self) -> None:
         self._order.reset()
-        self._launched: list[Reduction] = []
-        self._has_grad = [True] * len(self.params)  # locally, at its bucket's launch
-        self._missing = False  # some local parameter had no gradient this step
-
-    def _bucket_label(self, indices: list[int], b: int) -> str:
-        return self.param_names[indices[0]] if len(indices) == 1 else f"bucket {b} ({len(indices)} tensors)"
-
-    def _bucket_layout(self, indices: list[int], b: int) -> BucketLayout:
-        offsets = [0]
-        for i in indices[:-1]:
-            offsets.append(offsets[-1] + self.params[i].numel())
-        return BucketLayout(b, len(self.buckets), tuple(self.param_names[i] for i in indices),
-                            tuple(self.params[i].shape for i in indices), tuple(offsets))
 
     def _on_grad_ready(self, index: int) -> None:
         for b in self._order.mark_ready(index):  # strict order: complete buckets whose predecessors launched
             self._launch(b)
+
+    def _launch_rest(self) -> None:
+        """Launch what backward did not make ready (a parameter without a gradient here)."""
+        for b in self._order.rest():
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _launch()")
+
+
+class BucketedDDP(BucketEngine):
+    """All-reduce gradient buckets of at most ``bucket_size_mb`` MiB as they fill during backward.
+
+    Args:
+        bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it.
+        reduce: How a bucket is averaged (a ``BucketReduce``, above); default ``AllReduceMean()``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_size_mb: float | Literal["auto"] | None = 25.0,
+        process_group: dist.ProcessGroup | None = None,
+        reduce: BucketReduce | None = None,
+    ) -> None:
+        super().__init__(module, bucket_size_mb, process_group)
+        self.reduce = reduce if reduce is not None else AllReduceMean()
+        self._buckets = [
+            _Bucket(b, len(self.buckets), indices, [self.params[i] for i in indices],
+                    [self.param_names[i] for i in indices])
+            for b, indices in enumerate(self.buckets)
+        ]
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        super()._reset_step()
+        self._launched: list[Reduction] = []
+        self._has_grad = [True] * len(self.params)  # locally, at its bucket's launch
+        self._missing = False  # some local parameter had no gradient this step
 
     def _launch(self, b: int) -> None:
         assert b == len(self._launched), "buckets must launch in order"
@@ -135,8 +269,7 @@ class BucketedDDP(GradSyncEngine):
         self._launched.append(self.reduce.launch(self.comm, tensor, bucket.label, bucket.layout))
 
     def _synchronize(self) -> None:
-        for b in self._order.rest():  # what backward did not make ready (a parameter without a gradient here)
-            self._launch(b)
+        self._launch_rest()
         average = None
         for bucket, reduction in zip(self._buckets, self._launched):
             average = reduction.wait()

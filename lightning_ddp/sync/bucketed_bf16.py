@@ -11,11 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.sync.bucketed import BucketedDDP
+from lightning_ddp.sync.bucketed import AllReduceMean, BucketedDDP, BucketLayout, BucketReduce, Reduction
 from lightning_ddp.sync.comm import Communicator
-from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
-
-__all__ = ["BF16CompressedAllReduce", "BucketedBF16DDP"]
 
 
 class BF16CompressedAllReduce(BucketReduce):

@@ -15,21 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.base import check_number
-from lightning_ddp.sync.bucketed import BucketedDDP
+from lightning_ddp.sync.bucketed import AllReduceMean, BucketedDDP, BucketLayout, BucketReduce, Reduction
 from lightning_ddp.sync.comm import Communicator
-from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout, BucketReduce, Reduction
-
-__all__ = [
-    "BucketPlan",
-    "BucketedPowerSGDDDP",
-    "CompressedMatrix",
-    "PowerSGDReduce",
-    "check_powersgd_options",
-    "matrix_shape",
-    "orthogonalize",
-    "plan_bucket",
-    "should_compress",
-]
 
 # ---- the arithmetic (pure) -------------------------------------------------------------------------------
 
@@ -131,11 +118,6 @@ def check_powersgd_options(rank: Any, start_iter: Any, min_compression_rate: Any
     check_number("seed", seed, None, "set e.g. seed=0 (every rank must use the same one)")
 
 
-def _initial_q_generator(seed: int, bucket_index: int) -> torch.Generator:
-    # One stream per (seed, bucket), independent of the order in which buckets first compress.
-    return torch.Generator().manual_seed((seed * 1_000_003 + bucket_index) % 2**63)
-
-
 # ---- the reduce step ----------------------------------------------------------------------------------------
 
 
@@ -158,11 +140,6 @@ class PowerSGDReduce(BucketReduce):
         self._plans: dict[tuple[BucketLayout, int], BucketPlan] = {}
         self._plain = AllReduceMean()
 
-    @property
-    def compressing(self) -> bool:
-        """Whether the next step's buckets are compressed (``start_iter`` steps have been synchronised)."""
-        return self.iteration >= self.start_iter
-
     def plan(self, layout: BucketLayout, numel: int) -> BucketPlan:
         """The bucket's plan (computed once per layout)."""
         key = (layout, numel)
@@ -173,11 +150,11 @@ class PowerSGDReduce(BucketReduce):
     def launch(
         self, comm: Communicator, bucket: torch.Tensor, label: str, layout: BucketLayout | None = None
     ) -> Reduction:
-        if layout is None:  # one tensor of the bucket's shape
-            layout = BucketLayout.single(label, bucket.shape)
+        if layout is None:  # one tensor of the bucket's shape (a caller outside an engine: a bench, a test)
+            layout = BucketLayout(0, 1, (label,), (torch.Size(bucket.shape),), (0,))
         flat = bucket.view(-1) if bucket.is_contiguous() else bucket.contiguous().view(-1)
         plan = self.plan(layout, flat.numel())
-        if not self.compressing or not plan.matrices:  # 0. warm-up, or nothing worth compressing
+        if self.iteration < self.start_iter or not plan.matrices:  # 0. warm-up, or nothing worth compressing
             reduction = self._plain.launch(comm, bucket, label, layout)
             reduction.finish = lambda: self._count_step(layout)  # AllReduceMean's reduction has nothing to finish
             return reduction
@@ -245,9 +222,11 @@ class PowerSGDReduce(BucketReduce):
     ) -> list[torch.Tensor]:
         """Each compressed matrix's starting ``Q``: last step's, else a normal draw (equal on every rank)."""
         # The first compressed step draws every matrix's Q of the bucket in order (so a draw does not depend on
-        # which Qs exist); a resumed step draws nothing.
-        missing = any(matrix.name not in self.qs for matrix in plan.matrices)
-        generator = _initial_q_generator(self.seed, bucket_index) if missing else None
+        # which Qs exist); a resumed step draws nothing. One stream per (seed, bucket), independent of the order in
+        # which buckets first compress.
+        generator = None
+        if any(matrix.name not in self.qs for matrix in plan.matrices):
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + bucket_index) % 2**63)
         qs = []
         for matrix in plan.matrices:
             shape = (matrix.cols, matrix.rank)

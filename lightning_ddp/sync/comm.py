@@ -2,14 +2,15 @@
 
 Each method launches ``async_op=True`` and returns a ``Pending``; it is recorded only when a ``Recorder`` is
 armed. ``backend_for`` says which backend moves a device's tensors: a group's backend is a spec such as
-``cpu:gloo,cuda:nccl``, never to be compared with ``"nccl"``.
+``cpu:gloo,cuda:nccl``, never to be compared with ``"nccl"``. ``gather_rank_states`` gathers every rank's state
+for a checkpoint (not recorded: checkpoints are not training steps).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,16 +19,6 @@ from torch.profiler import record_function
 from lightning_ddp import compat
 from lightning_ddp.sync.ranges import COMM_LAUNCH, COMM_WAIT
 from lightning_ddp.sync.record import Collective, Recorder
-
-__all__ = [
-    "Communicator",
-    "Pending",
-    "RecordsThroughComm",
-    "backend_for",
-    "backend_from_spec",
-    "parse_backend_spec",
-    "profiler_range",
-]
 
 _NOTHING = nullcontext()
 
@@ -84,6 +75,13 @@ def backend_for(device: torch.device | str, group: dist.ProcessGroup | None = No
             f"device it serves, or initialise it with one for {device_type}, e.g. backend 'cpu:gloo,cuda:nccl'"
         )
     return backend
+
+
+def require_process_group(user: str, strategy: str = "") -> None:
+    """Raise ``RuntimeError`` naming ``user`` unless a default process group exists (``strategy`` makes one)."""
+    if not dist.is_available() or not dist.is_initialized():
+        also = f" (or train through {strategy}, which does it for you)." if strategy else ""
+        raise RuntimeError(f"{user} needs a process group: call torch.distributed.init_process_group() first{also}")
 
 
 class Communicator:
@@ -196,3 +194,60 @@ class RecordsThroughComm:
     @recorder.setter
     def recorder(self, recorder: Recorder | None) -> None:
         self.comm.recorder = recorder
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where a tensor stood in a state's skeleton: its shape and dtype (its values follow by broadcast)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _replace(state: Any, kind: type, replace: Callable[[Any], Any]) -> Any:
+    """``state`` (nested dicts, lists and tuples) with each ``kind`` in it replaced by ``replace(it)``, in order."""
+    if isinstance(state, kind):
+        return replace(state)
+    if isinstance(state, dict):
+        return {key: _replace(value, kind, replace) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_replace(value, kind, replace) for value in state)
+    return state
+
+
+def gather_rank_states(
+    state: Any, comm: Communicator, device: torch.device | str, dst: int | None = None
+) -> list[Any] | None:
+    """``[state of rank 0, state of rank 1, ...]`` (copies, tensors on CPU); a collective: one ``all_gather_object``
+    of the skeletons (tensors replaced by ``TensorSpec``), then one ``broadcast`` per tensor.
+
+    ``device``: where tensors travel. With ``dst`` only that group rank gets the list; the others get ``None``.
+    """
+    local_tensors: list[torch.Tensor] = []
+
+    def spec_of(tensor: torch.Tensor) -> TensorSpec:
+        local_tensors.append(tensor)
+        return TensorSpec(tuple(tensor.shape), tensor.dtype)
+
+    skeleton = _replace(state, torch.Tensor, spec_of)  # each tensor replaced by its TensorSpec
+    skeletons: list[Any] = [None] * comm.world_size
+    dist.all_gather_object(skeletons, skeleton, group=comm.group)
+    keep = dst is None or dst == comm.rank
+    device = torch.device(device)
+    states = []
+    for r, rank_skeleton in enumerate(skeletons):
+        specs: list[TensorSpec] = []
+        _replace(rank_skeleton, TensorSpec, specs.append)
+        received = []
+        for position, spec in enumerate(specs):
+            if r == comm.rank:
+                buffer = local_tensors[position].detach().to(device, copy=True)
+            else:
+                buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            dist.broadcast(buffer, src=comm.global_rank(r), group=comm.group)
+            if keep:
+                received.append(buffer.cpu())
+        if keep:
+            tensors = iter(received)
+            states.append(_replace(rank_skeleton, TensorSpec, lambda _: next(tensors)))
+    return states if keep else None

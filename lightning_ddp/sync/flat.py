@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ddp.sync.base import GradSyncEngine
-from lightning_ddp.sync.buffers import agree_on_gradients, packed, unpack_gradients
+from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients, packed, unpack_gradients
 
 
 class FlatDDP(GradSyncEngine):

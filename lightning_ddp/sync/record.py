@@ -17,8 +17,6 @@ import torch
 Mark = Union[float, "torch.cuda.Event"]
 Span = tuple[Mark, Mark]
 
-__all__ = ["Collective", "Mark", "Recorder", "StepClock", "SyncRecord"]
-
 
 class StepClock:
     """Marks on one axis: host seconds on CPU, CUDA events on GPU, both read relative to an anchor."""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from lightning_ddp.sync.base import GradSyncEngine
 
-__all__ = ["DeferredGradSync"]
-
 
 class DeferredGradSync(GradSyncEngine):
     """An engine that leaves gradients local; ``ShardedOptimizer(schedule="reduce_scatter")`` syncs them in step()."""

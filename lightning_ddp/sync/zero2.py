@@ -14,16 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddp.sync.assignment import assign_buckets, assign_owners
-from lightning_ddp.sync.base import GradSyncEngine, check_number
-from lightning_ddp.sync.bucket_model import BucketPrediction, resolve_bucket_size
-from lightning_ddp.sync.bucket_order import BucketOrder
-from lightning_ddp.sync.bucketed import MiB, check_bucket_size
-from lightning_ddp.sync.buffers import pack
+from lightning_ddp.sync.assignment import assign_owners
+from lightning_ddp.sync.base import check_number, pack
+from lightning_ddp.sync.bucketed import BucketEngine
 from lightning_ddp.sync.comm import Pending
-from lightning_ddp.sync.sharding.optimizer import CollectiveImpl, check_collective_impl, resolve_collectives
-
-__all__ = ["MAX_PADDING", "ZeRO2DDP", "plan_bucket"]
+from lightning_ddp.sync.sharding import CollectiveImpl, check_collective_impl, resolve_collectives
 
 MAX_PADDING = 0.125
 """``native``: one reduce-scatter only if padding the owners' segments adds at most this fraction of elements."""
@@ -47,9 +42,6 @@ class BucketPlan:
     """One ``reduce_scatter`` (segments padded to equal width) rather than one ``reduce`` per owner."""
     shard_offset: int = 0
     """Where this rank's segment lands in its shard of the bucket's dtype."""
-
-    def size(self, r: int) -> int:
-        return self.numels[r] + len(self.segments[r])
 
 
 def plan_bucket(indices: list[int], numels: list[int], owners: list[int], world_size: int, native: bool) -> BucketPlan:
@@ -91,7 +83,7 @@ class _InFlight:
     pending: list[Pending] = field(default_factory=list)
 
 
-class ZeRO2DDP(GradSyncEngine):
+class ZeRO2DDP(BucketEngine):
     """Reduce gradient buckets to their owners during backward; keep only the owned gradients (ZeRO-2).
 
     Train it with ``ShardedOptimizer(..., schedule="reduce_in_backward", placement=engine.owner_of)``.
@@ -102,8 +94,6 @@ class ZeRO2DDP(GradSyncEngine):
         buckets_in_flight: How many launched buckets (send buffers) may wait at once.
     """
 
-    uses_grad_hooks = True
-
     def __init__(
         self,
         module: nn.Module,
@@ -113,10 +103,7 @@ class ZeRO2DDP(GradSyncEngine):
         buckets_in_flight: int = 2,
     ) -> None:
         self.check_settings(collectives=collectives, buckets_in_flight=buckets_in_flight)
-        check_bucket_size(bucket_size_mb)
-        super().__init__(module, process_group)
-        self.bucket_prediction: BucketPrediction | None
-        self.bucket_size_mb, self.bucket_prediction = resolve_bucket_size(bucket_size_mb, self.params, process_group)
+        super().__init__(module, bucket_size_mb, process_group)
         self.buckets_in_flight = buckets_in_flight
         self.collectives = resolve_collectives(collectives, self.device, process_group)
         """``native`` or ``per_owner`` (``auto`` resolved for the parameters' device)."""
@@ -125,8 +112,6 @@ class ZeRO2DDP(GradSyncEngine):
         self.owners = assign_owners(nbytes, world)
         """The owner rank of each trainable parameter (``params`` order)."""
         self._owner_by_id = {id(p): owner for p, owner in zip(self.params, self.owners)}
-        cap = None if self.bucket_size_mb is None else int(self.bucket_size_mb * MiB)
-        self.buckets = assign_buckets(nbytes, [p.dtype for p in self.params], cap)
         numels = [p.numel() for p in self.params]
         self._plans = [plan_bucket(b, numels, self.owners, world, self.collectives == "native") for b in self.buckets]
         # The shard's layout: per dtype, this rank's owned gradients, bucket by bucket (each segment contiguous).
@@ -135,7 +120,6 @@ class ZeRO2DDP(GradSyncEngine):
             dtype = self.params[plan.indices[0]].dtype
             plan.shard_offset = self._shard_numel.get(dtype, 0)
             self._shard_numel[dtype] = plan.shard_offset + plan.numels[rank]
-        self._order = BucketOrder(self.buckets, self.param_names)
         self._reset_step()
 
     @staticmethod
@@ -163,15 +147,11 @@ class ZeRO2DDP(GradSyncEngine):
     # -- the step ------------------------------------------------------------------------------------------
 
     def _reset_step(self) -> None:
-        self._order.reset()
+        super()._reset_step()
         self._in_flight: deque[_InFlight] = deque()
         self._flags: list[tuple[list[int], torch.Tensor]] = []  # (owned indices, their summed presence flags)
         # Dropped here: the owned .grad views keep this step's shards alive until zero_grad drops them.
         self._shards: dict[torch.dtype, torch.Tensor] = {}
-
-    def _on_grad_ready(self, index: int) -> None:
-        for b in self._order.mark_ready(index):  # strict order: complete buckets whose predecessors launched
-            self._launch(b)
 
     def _launch(self, b: int) -> None:
         plan = self._plans[b]
@@ -195,7 +175,7 @@ class ZeRO2DDP(GradSyncEngine):
         else:
             for r, segment in enumerate(plan.segments):
                 if segment:
-                    part = buffer[plan.offsets[r] : plan.offsets[r] + plan.size(r)]
+                    part = buffer[plan.offsets[r] : plan.offsets[r] + plan.numels[r] + len(segment)]
                     flight.pending.append(self.comm.reduce(part, r, f"{label} to rank {r}"))
         self._in_flight.append(flight)
         while len(self._in_flight) > self.buckets_in_flight:  # bound the send buffers held at once
@@ -227,8 +207,7 @@ class ZeRO2DDP(GradSyncEngine):
                 offset += param.numel()
 
     def _synchronize(self) -> None:
-        for b in self._order.rest():  # what backward did not make ready (a parameter without a gradient here)
-            self._launch(b)
+        self._launch_rest()
         while self._in_flight:
             self._complete(self._in_flight.popleft())
         if self._flags:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_ddp.sync import BucketedDDP, Communicator, Reduction
-from lightning_ddp.sync.reduce import BucketReduce
+from lightning_ddp.sync.bucketed import BucketReduce
 from lightning_ddp import catalogue
 from lightning_ddp.catalogue import REQUIRED, Entry
 from tests.support.dist_utils import run_on_ranks

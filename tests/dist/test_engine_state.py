@@ -2,7 +2,7 @@
 
 PowerSGD's state (step counter, warm-start ``Q``, and each rank's *own* error feedback ``E``) lives on the engine,
 not on the LightningModule whose ``state_dict`` Lightning saves. ``GradSyncStrategy`` gathers every rank's
-``engine_state_dict()`` to rank 0 on save (``lightning_ddp.sync.gather``, ZeRO-1's mechanism) and gives each rank its
+``engine_state_dict()`` to rank 0 on save (``gather_rank_states``, ZeRO-1's mechanism) and gives each rank its
 entry back on resume; a checkpoint from another world size or algorithm, or with no engine state, starts the engine
 fresh with a warning.
 
@@ -55,7 +55,7 @@ def test_another_world_size_algorithm_or_none_at_all_drops_the_state_and_says_wh
 def _gather_and_round_trip(rank: int, world_size: int) -> dict:
     from lightning_ddp.sync import BucketedDDP, Communicator
     from lightning_ddp.sync.bucketed_powersgd import BucketedPowerSGDDDP
-    from lightning_ddp.sync.gather import gather_rank_states
+    from lightning_ddp.sync.comm import gather_rank_states
 
     comm = Communicator()
     # Different structures and shapes per rank, plain values among the tensors.

@@ -37,7 +37,7 @@ from lightning_ddp.sync.bucketed_powersgd import (
     should_compress,
 )
 from lightning_ddp.sync.comm import Communicator
-from lightning_ddp.sync.reduce import AllReduceMean, BucketLayout
+from lightning_ddp.sync.bucketed import AllReduceMean, BucketLayout
 from lightning_ddp import catalogue
 from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import (

@@ -30,7 +30,7 @@ from torch import nn
 from lightning_ddp.compat import repoint_scheduler
 from lightning_ddp.strategies import ZeRO1DDPStrategy
 from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer, assign_owners
-from lightning_ddp.sync.sharding import collectives
+from lightning_ddp.sync import sharding
 from tests.support.cli_utils import REPO, checkpoint_at, checkpointing_args, read_scalars, run_cli
 from tests.support.dist_utils import run_on_ranks
 
@@ -417,7 +417,7 @@ def test_state_dict_is_consolidated_in_the_unsharded_format(job, schedule) -> No
 
 
 def test_assign_owners_doctest_and_rules() -> None:
-    assert doctest.testmod(collectives).failed == 0
+    assert doctest.testmod(sharding).failed == 0
     # Deterministic and pure: the same input gives the same owners (every rank computes it on its own).
     sizes = [400, 4, 1600, 1600, 36, 400, 4]
     assert assign_owners(sizes, 3) == assign_owners(list(sizes), 3)

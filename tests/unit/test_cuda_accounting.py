@@ -223,7 +223,7 @@ def test_backend_for_reads_the_live_group(monkeypatch) -> None:
 
 
 def test_zero1_auto_collectives_follow_the_parameters_device(monkeypatch) -> None:
-    from lightning_ddp.sync.sharding.optimizer import ShardedOptimizer, resolve_collectives
+    from lightning_ddp.sync.sharding import ShardedOptimizer, resolve_collectives
 
     dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

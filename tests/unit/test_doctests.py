@@ -22,7 +22,7 @@ def test_docstring_examples(name: str) -> None:
 
 def test_the_examples_are_found() -> None:
     # A guard against the walk above silently finding nothing: these modules are known to hold examples.
-    for name in ("lightning_ddp.intervals", "lightning_ddp.sync.assignment", "lightning_ddp.sync.sharding.collectives",
+    for name in ("lightning_ddp.intervals", "lightning_ddp.sync.assignment", "lightning_ddp.sync.sharding",
                  "lightning_ddp.metrics.accounting", "lightning_ddp.sync.bucket_model"):
         assert name in MODULES
         assert doctest.testmod(importlib.import_module(name)).attempted > 0, name

@@ -48,7 +48,7 @@ def test_the_core_imports_and_trains_without_lightning() -> None:
         from lightning_ddp import catalogue
         from lightning_ddp.sync import (BucketedDDP, DeferredGradSync, FlatDDP, NaiveDDP, OverlapDDP, Recorder,
                                         ShardedOptimizer)
-        from lightning_ddp.sync.sharding import checkpoint, clipping, collectives
+        from lightning_ddp.sync import sharding
 
         import torch, torch.distributed as dist
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

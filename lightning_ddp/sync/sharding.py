@@ -1,23 +1,26 @@
 """``ShardedOptimizer``: any ``torch.optim.Optimizer`` class, each rank keeping state only for what it owns.
 
-The recipe, the schedules and the memory and traffic figures: ``docs/algorithms.md`` (ZeRO-1, ZeRO-2).
+Shared by ZeRO-1 (``zero1.py``) and ZeRO-2 (``zero2.py``). Its collective phases run ``native`` (one padded flat
+buffer per dtype, one reduce-scatter or all-gather) or ``per_owner`` (one reduce or broadcast per owner, no padding;
+the default on gloo); either way every rank issues the same collectives in the same order. Checkpoints are
+consolidated into ``optimizer_cls``'s own format, so they resume under any world size, either schedule, or plain
+DDP. The recipe, schedules, clipping, memory and traffic: ``docs/algorithms.md`` (ZeRO-1, ZeRO-2).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_ddp.sync.comm import Communicator, RecordsThroughComm, backend_for
 from lightning_ddp.sync.assignment import assign_owners
-from lightning_ddp.sync.sharding import checkpoint
-from lightning_ddp.sync.sharding.checkpoint import GROUP_KEYS_NOT_HYPERPARAMETERS
-from lightning_ddp.sync.sharding.clipping import ClipRequest, clip_owned_gradients
-from lightning_ddp.sync.sharding.collectives import reduce_scatter_gradients, share_parameters
+from lightning_ddp.sync.base import agree_on_gradients, pack, unpack_gradients, unpack_into
+from lightning_ddp.sync.comm import (
+    Communicator, RecordsThroughComm, backend_for, gather_rank_states, require_process_group,
+)
 
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
 OptimizerSchedule = Literal["allreduce_broadcast", "reduce_scatter", "reduce_in_backward"]
@@ -28,9 +31,9 @@ OPTIMIZER_SCHEDULES: tuple[str, ...] = (*SCHEDULES, "reduce_in_backward")
 """What ``ShardedOptimizer`` accepts: ZeRO-1's, and ZeRO-2's ``reduce_in_backward``."""
 Placement = Callable[[torch.Tensor], Optional[int]]
 COLLECTIVE_IMPLS: tuple[str, ...] = ("auto", "native", "per_owner")
+GROUP_KEYS_NOT_HYPERPARAMETERS = ("params", "param_names")
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
-__all__ = ["COLLECTIVE_IMPLS", "OPTIMIZER_SCHEDULES", "SCHEDULES", "CollectiveImpl", "OptimizerSchedule", "Placement",
-           "Schedule", "ShardedOptimizer", "check_collective_impl", "check_schedule", "resolve_collectives"]
 
 
 def check_schedule(schedule: str, accepted: tuple[str, ...] = SCHEDULES) -> None:
@@ -61,6 +64,133 @@ def resolve_collectives(
     if collectives != "auto":
         return collectives
     return "per_owner" if backend_for(device, group) == "gloo" else "native"
+
+
+def layout(
+    indices: Sequence[int], params: Sequence[torch.Tensor], owners: Sequence[int], world_size: int
+) -> list[tuple[torch.dtype, list[list[torch.Tensor]]]]:
+    """``indices`` split by dtype (in order of first appearance), then by owner: ``[(dtype, segments)]`` where
+    ``segments[r]`` lists the parameters rank ``r`` owns, in index order.
+
+    >>> p = [torch.zeros(2), torch.zeros(3, dtype=torch.float64), torch.zeros(4)]
+    >>> [(dtype, [[t.numel() for t in seg] for seg in segs]) for dtype, segs in layout([0, 1, 2], p, [1, 0, 0], 2)]
+    [(torch.float32, [[4], [2]]), (torch.float64, [[3], []])]
+    """
+    by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for i in indices:
+        segments = by_dtype.setdefault(params[i].dtype, [[] for _ in range(world_size)])
+        segments[owners[i]].append(params[i])
+    return list(by_dtype.items())
+
+
+def reduce_scatter_gradients(
+    comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int],
+    impl: str, device: torch.device,
+) -> None:
+    """Leave each owner the average over ranks of its parameters' gradients (the others' ``.grad`` stay local);
+    a parameter no rank has a gradient for keeps ``.grad = None`` everywhere."""
+    if not trainable:
+        return
+    counts = agree_on_gradients(comm, [params[i].grad is not None for i in trainable], device)
+    present = [i for i, count in zip(trainable, counts) if count > 0]
+    world, rank = comm.world_size, comm.rank
+    for dtype, segments in layout(present, params, owners, world):
+        sizes = [sum(p.numel() for p in owned) for owned in segments]
+        mine: torch.Tensor | None = None
+        if impl == "native":
+            width = max(sizes)  # every segment padded to the largest: reduce-scatter needs equal chunks
+            send = torch.zeros(world * width, dtype=dtype, device=device)
+            with comm.span("pack"):
+                for r, owned in enumerate(segments):
+                    pack([p.grad for p in owned], owned, send[r * width : r * width + sizes[r]])
+            recv = torch.empty(width, dtype=dtype, device=device)
+            comm.wait(comm.reduce_scatter(recv, send, f"gradients {dtype} ({len(present)} tensors)"))
+            mine = recv[: sizes[rank]]
+        else:
+            launched = []  # (owner, buffer, pending), in rank order
+            for r, owned in enumerate(segments):
+                if sizes[r] == 0:
+                    continue
+                buffer = torch.empty(sizes[r], dtype=dtype, device=device)
+                with comm.span("pack"):
+                    pack([p.grad for p in owned], owned, buffer)
+                launched.append((r, buffer, comm.reduce(buffer, r, f"gradients of rank {r} ({len(owned)} tensors)")))
+            for r, buffer, pending in launched:
+                comm.wait(pending)
+                if r == rank:
+                    mine = buffer  # only the owner's copy holds the sum
+        if mine is not None:
+            with comm.span("pack"):
+                mine.div_(world)  # sum -> average (gloo has no AVG)
+                unpack_gradients(mine, segments[rank])
+
+
+def share_parameters(
+    comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int],
+    impl: str, device: torch.device,
+) -> None:
+    """Send every trainable parameter from its owner to the other ranks (broadcasts, or one all-gather)."""
+    world, rank = comm.world_size, comm.rank
+    for dtype, segments in layout(trainable, params, owners, world):
+        sizes = [sum(p.numel() for p in owned) for owned in segments]
+        mine = segments[rank]
+        received: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flat values, their parameters)
+        if impl == "native":
+            width = max(sizes)
+            send = torch.zeros(width, dtype=dtype, device=device)
+            with comm.span("pack"):
+                pack([p.detach() for p in mine], mine, send)
+            gathered = torch.empty(world * width, dtype=dtype, device=device)
+            comm.wait(comm.all_gather(gathered, send, f"parameters {dtype} ({len(trainable)} tensors)"))
+            received = [(gathered[r * width : r * width + sizes[r]], owned) for r, owned in enumerate(segments)]
+        else:
+            launched = []
+            for r, owned in enumerate(segments):
+                if sizes[r] == 0:
+                    continue
+                buffer = torch.empty(sizes[r], dtype=dtype, device=device)
+                if r == rank:
+                    with comm.span("pack"):
+                        pack([p.detach() for p in owned], owned, buffer)
+                pending = comm.broadcast(buffer, r, f"parameters of rank {r} ({len(owned)} tensors)")
+                launched.append((buffer, owned, pending))
+            for buffer, owned, pending in launched:
+                comm.wait(pending)
+                received.append((buffer, owned))
+        with comm.span("pack"):
+            for flat, owned in received:
+                if owned is not mine:  # this rank's own parameters are already up to date: it computed them
+                    unpack_into(flat, [p.detach() for p in owned])
+
+def clip_owned_gradients(
+    comm: Communicator, owned: Sequence[torch.Tensor], clip: tuple[str, float], device: torch.device
+) -> torch.Tensor | None:
+    """Apply ``clip`` (``("norm", max_norm)`` or ``("value", clip_value)``) to the owned gradients; return the global
+    2-norm for ``norm`` (one scalar SUM all-reduce of the owners' squared norms; the same on every rank)."""
+    algorithm, limit = clip
+    if algorithm == "value":  # each owner clamps its own
+        for grad in owned:
+            grad.clamp_(-limit, limit)
+        return None
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in owned:
+        squares += torch.linalg.vector_norm(grad).double().square()
+    comm.wait(comm.all_reduce(squares.reshape(1), "gradient norm"))
+    norm = squares.sqrt()
+    coefficient = torch.clamp(limit / (norm + CLIP_EPS), max=1.0)
+    for grad in owned:
+        grad.mul_(coefficient.to(grad.dtype))
+    return norm
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in GROUP_KEYS_NOT_HYPERPARAMETERS}
+
+
+def _clip_limit(limit: float) -> float:
+    if not limit > 0:
+        raise ValueError(f"the clipping limit must be > 0, got {limit!r}; set e.g. gradient_clip_val: 1.0.")
+    return float(limit)
 
 
 class ShardedOptimizer(RecordsThroughComm, Optimizer):
@@ -104,11 +234,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
                 "optimizer_cls is already a ShardedOptimizer; pass the optimizer class to shard, e.g. "
                 "torch.optim.AdamW"
             )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ShardedOptimizer needs a process group: call torch.distributed.init_process_group() first "
-                "(or train through the `zero1_ddp` strategy, which does it for you)."
-            )
+        require_process_group("ShardedOptimizer", "the `zero1_ddp` strategy")
         self.optimizer_cls = optimizer_cls
         self.schedule = schedule
         self.process_group = process_group
@@ -121,7 +247,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         self._owners: list[int] = []
         self._loads = [0] * self.world_size
         self._placement = placement
-        self._clip: ClipRequest | None = None  # requested for the next step() (clip_grad_norm_, clip_grad_value_)
+        self._clip: tuple[str, float] | None = None  # for the next step(): clip_grad_norm_, clip_grad_value_
         self.last_grad_norm: torch.Tensor | None = None
         """The global gradient norm the last ``step()`` clipped by (``clip_grad_norm_``), else ``None``."""
         self.optim: Optimizer | None = None
@@ -136,9 +262,8 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         # what optimizer_cls would produce and schedulers find e.g. `betas`; defaults too, for add_param_group.
         self.defaults = dict(self.optim.defaults)
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
-            for key, value in inner.items():
-                if key not in GROUP_KEYS_NOT_HYPERPARAMETERS:
-                    outer.setdefault(key, value)
+            for key, value in _hyperparameters(inner).items():
+                outer.setdefault(key, value)
         self.state = self.optim.state  # the shard's state; Lightning's _optimizer_to_device walks it
 
     @classmethod
@@ -190,9 +315,8 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
 
     def _inner_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """The wrapped optimizer's group for outer ``group``: its hyperparameters, only the owned parameters."""
-        inner = {k: v for k, v in group.items() if k not in GROUP_KEYS_NOT_HYPERPARAMETERS}
-        inner["params"] = [p for p in group["params"] if self._owners[self._index[id(p)]] == self.rank]
-        return inner
+        return {**_hyperparameters(group),
+                "params": [p for p in group["params"] if self._owners[self._index[id(p)]] == self.rank]}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its new parameters go to the least-loaded ranks (parameters already placed never move)."""
@@ -245,22 +369,20 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
                 )
         self.last_grad_norm = None
         if self._clip is not None:  # now every owned gradient is the average over the ranks
-            request, self._clip = self._clip, None
+            clip, self._clip = self._clip, None
             owned = [p.grad for i, p in enumerate(self._params)
                      if p.grad is not None and p.requires_grad and self._owners[i] == self.rank]
             with self.comm.span("exposed"):
-                self.last_grad_norm = clip_owned_gradients(self.comm, owned, request, self.device)
+                self.last_grad_norm = clip_owned_gradients(self.comm, owned, clip, self.device)
         # An LR scheduler (or the user) writes the outer groups; the inner optimizer reads its own.
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
-            for key, value in outer.items():
-                if key not in GROUP_KEYS_NOT_HYPERPARAMETERS:
-                    inner[key] = value
+            inner.update(_hyperparameters(outer))
         self.optim.step(**kwargs)
         with self.comm.span("exposed"):
             share_parameters(self.comm, self._params, self._owners, trainable, self.collectives, self.device)
         return loss
 
-    # -- clipping (lightning_ddp.sync.sharding.clipping) ---------------------------------------------------
+    # -- clipping: once every owned gradient is averaged, at step() --------------------------------------
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
         """Clip by the global 2-norm at the next ``step()`` (a collective there); the norm is in ``last_grad_norm``."""
@@ -268,11 +390,11 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
             raise ValueError(
                 f"ShardedOptimizer clips by the 2-norm only, got norm_type={norm_type!r}; drop norm_type."
             )
-        self._clip = ClipRequest("norm", float(max_norm))
+        self._clip = ("norm", _clip_limit(float(max_norm)))
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the gradients to ``[-clip_value, clip_value]`` at the next ``step()`` (each owner its own)."""
-        self._clip = ClipRequest("value", float(clip_value))
+        self._clip = ("value", _clip_limit(float(clip_value)))
 
     def _check_one_device(self) -> None:
         devices = {p.device for p in self._params}
@@ -282,13 +404,59 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
                 f"{sorted(map(str, devices))}; move the model to its device before building the optimizer."
             )
 
-    # -- checkpoints (lightning_ddp.sync.sharding.checkpoint) ----------------------------------------------
+    # -- checkpoints: the consolidated state, in optimizer_cls's format ----------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The full state on CPU, as ``optimizer_cls`` would return it; a collective, every rank gets it all."""
-        return checkpoint.consolidated_state_dict(self)
+        assert self.optim is not None
+        local = {self._index[id(param)]: dict(entry) for param, entry in self.optim.state.items()}
+        # NCCL needs CUDA tensors, even for Adam's CPU `step` counters: broadcast on the parameters' device.
+        owned = gather_rank_states(local, self.comm, self.device)
+        assert owned is not None
+        state: dict[int, dict[str, Any]] = {}
+        for entries in owned:
+            for index in sorted(entries):
+                state[index] = entries[index]
+        param_groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [self._index[id(p)] for p in group["params"]]
+            param_groups.append(packed)
+        return {"state": state, "param_groups": param_groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state (from ``state_dict()`` or an unsharded ``optimizer_cls``); keep the owned entries."""
-        checkpoint.load_shard(self, state_dict)
+        """Load a full state (from ``state_dict()`` or an unsharded ``optimizer_cls``); keep the owned entries (the
+        groups' hyperparameters too). Not a collective."""
+        assert self.optim is not None
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the state has {len(saved_groups)} parameter groups but this optimizer has "
+                f"{len(self.param_groups)}; load a checkpoint of the same model and configure_optimizers."
+            )
+        saved_index: dict[int, Any] = {}  # id(param) -> its index in state_dict
+        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"parameter group {number} has {len(group['params'])} parameters but the state has "
+                    f"{len(saved['params'])} for it; load a checkpoint of the same model and configure_optimizers."
+                )
+            for index, param in zip(saved["params"], group["params"]):
+                saved_index[id(param)] = index
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        inner_state: dict[int, Any] = {}
+        inner_groups = []
+        position = 0
+        for group, inner_group in zip(self.param_groups, self.optim.param_groups):
+            positions = []
+            for param in inner_group["params"]:
+                index = saved_index[id(param)]
+                if index in state_dict["state"]:
+                    inner_state[position] = state_dict["state"][index]
+                positions.append(position)
+                position += 1
+            inner_groups.append({**_hyperparameters(group), "params": positions})
+        self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         self.state = self.optim.state  # torch's load_state_dict replaced the dict
