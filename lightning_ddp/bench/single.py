@@ -1,0 +1,93 @@
+"""What the single benchmarks share on top of ``study``: tables written from column definitions, results.csv read
+back into typed rows, and the main of a benchmark configured by a dataclass that writes results.csv, results.md and
+environment.json (``--report_only true`` rebuilds results.md from the first and the last).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+from lightning_ddp.bench.stats import interval_text
+from lightning_ddp.bench.study import (
+    command_text, csv_text, markdown_table, provenance, read_csv, read_json, write_outputs,
+)
+
+__all__ = ["Column", "benchmark_main", "interval_cell", "read_rows", "table", "text_cell", "write_results"]
+
+C = TypeVar("C")
+Row = Mapping[str, Any]
+
+
+class Column(NamedTuple):
+    """One column of a table: its header, its cell from a row, its alignment (``l`` or ``r``)."""
+
+    header: str
+    cell: Callable[[Row], Any]
+    align: str = "r"
+
+
+def table(columns: Sequence[Column], rows: Iterable[Row]) -> list[str]:
+    """The markdown table of ``rows`` under ``columns``, as lines."""
+    return markdown_table([c.header for c in columns], [[c.cell(row) for c in columns] for row in rows],
+                          "".join(c.align for c in columns))
+
+
+def text_cell(name: str, spec: str = "") -> Callable[[Row], str]:
+    """A cell writing ``row[name]`` in ``spec``; ``-`` where it is ``None`` or empty."""
+    return lambda row: "-" if row[name] in (None, "") else format(row[name], spec)
+
+
+def interval_cell(name: str, spec: str = ",.1f", scale: float = 1.0, unit: str = "") -> Callable[[Row], str]:
+    """A cell writing ``row[name]`` with its interval ``row[name_lo]``, ``row[name_hi]`` where the row has them."""
+    return lambda row: interval_text(row[name], row.get(f"{name}_lo"), row.get(f"{name}_hi"), spec, scale, unit)
+
+
+def _typed(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    if text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """A results.csv's rows: booleans, numbers and text as written, empty cells as ``None``."""
+    return [{key: _typed(value) for key, value in row.items()} for row in read_csv(path)]
+
+
+def write_results(config: Any, command: str, rows: list[dict[str, Any]], columns: Sequence[str], markdown: str,
+                  files: Mapping[str, str] | None = None, **recorded: Any) -> None:
+    """results.csv (``columns``, 4 digits), results.md, ``files`` and environment.json (provenance, the command
+    line, the config and ``recorded``) into ``config.out_dir``."""
+    write_outputs(config.out_dir, {
+        "results.csv": csv_text(rows, columns, digits=4), "results.md": markdown, **(files or {}),
+        "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config), **recorded),
+    })
+
+
+def benchmark_main(config_class: type[C], module: str, argv: list[str] | None,
+                   measure: Callable[[C, str], list[dict[str, Any]]],
+                   render: Callable[[C, list[dict[str, Any]], str], str]) -> list[dict[str, Any]]:
+    """``python -m <module>``: its config parsed; ``measure(config, command)`` the rows (it writes the files, its
+    environment.json with ``config`` and ``command_line``), their markdown printed; with ``report_only``, results.md
+    rebuilt from ``out_dir``'s results.csv and environment.json, nothing measured."""
+    from lightning_ddp.command_line import parse_dataclass
+
+    config = parse_dataclass(config_class, argv, prog=f"python -m {module}")
+    if config.report_only:
+        recorded = read_json(Path(config.out_dir) / "environment.json")
+        rows = read_rows(Path(config.out_dir) / "results.csv")
+        settings = config_class(**{**recorded["config"], "report_only": False})
+        write_outputs(config.out_dir, {"results.md": render(settings, rows, recorded["command_line"])})
+        return rows
+    command = command_text(module, argv)
+    rows = measure(config, command)
+    print(render(config, rows, command))
+    return rows
+
