@@ -35,14 +35,24 @@ def table(columns: Sequence[Column], rows: Iterable[Row]) -> list[str]:
                           "".join(c.align for c in columns))
 
 
+def _text(value: Any, spec: str) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return format(value, spec)
+
+
 def text_cell(name: str, spec: str = "") -> Callable[[Row], str]:
-    """A cell writing ``row[name]`` in ``spec``; ``-`` where it is ``None`` or empty."""
-    return lambda row: "-" if row[name] in (None, "") else format(row[name], spec)
+    """A cell writing ``row[name]`` in ``spec``: booleans as yes/no, ``-`` where it is ``None`` or empty."""
+    return lambda row: _text(row[name], spec)
 
 
-def interval_cell(name: str, spec: str = ",.1f", scale: float = 1.0, unit: str = "") -> Callable[[Row], str]:
-    """A cell writing ``row[name]`` with its interval ``row[name_lo]``, ``row[name_hi]`` where the row has them."""
-    return lambda row: interval_text(row[name], row.get(f"{name}_lo"), row.get(f"{name}_hi"), spec, scale, unit)
+def interval_cell(name: str, spec: str = ",.1f", bounds: str = "") -> Callable[[Row], str]:
+    """A cell writing ``row[name]`` with its interval where the row has one: ``row[<bounds or name>_lo]`` and
+    ``_hi``."""
+    lo, hi = f"{bounds or name}_lo", f"{bounds or name}_hi"
+    return lambda row: interval_text(row[name], row.get(lo), row.get(hi), spec)
 
 
 def _typed(text: str) -> Any:
