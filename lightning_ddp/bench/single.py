@@ -44,15 +44,16 @@ def _text(value: Any, spec: str) -> str:
 
 
 def text_cell(name: str, spec: str = "") -> Callable[[Row], str]:
-    """A cell writing ``row[name]`` in ``spec``: booleans as yes/no, ``-`` where it is ``None`` or empty."""
-    return lambda row: _text(row[name], spec)
+    """A cell writing ``row[name]`` in ``spec``: booleans as yes/no, ``-`` where it is missing or empty."""
+    return lambda row: _text(row.get(name), spec)
 
 
-def interval_cell(name: str, spec: str = ",.1f", bounds: str = "") -> Callable[[Row], str]:
-    """A cell writing ``row[name]`` with its interval where the row has one: ``row[<bounds or name>_lo]`` and
-    ``_hi``."""
+def interval_cell(name: str, spec: str = ",.1f", bounds: str = "", scale: float = 1.0,
+                  unit: str = "") -> Callable[[Row], str]:
+    """A cell writing ``row[name]`` (``interval_text``) with its interval where the row has one:
+    ``row[<bounds or name>_lo]`` and ``_hi``."""
     lo, hi = f"{bounds or name}_lo", f"{bounds or name}_hi"
-    return lambda row: interval_text(row[name], row.get(lo), row.get(hi), spec)
+    return lambda row: interval_text(row.get(name), row.get(lo), row.get(hi), spec, scale, unit)
 
 
 def _typed(text: str) -> Any:

@@ -16,8 +16,9 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.config import fit_arguments
-from lightning_ddp.bench.stats import interval_text, pooled_median, ratio_estimate, verdict
-from lightning_ddp.bench.study import command_text, markdown_table, provenance, read_json, run_study, write_outputs
+from lightning_ddp.bench.single import Column, interval_cell, table, text_cell
+from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
+from lightning_ddp.bench.study import command_text, provenance, read_json, run_study, write_outputs
 
 
 class StepWallTimes(Callback):
@@ -106,28 +107,20 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
             "window_overhead": mean_on / mean_off - 1, "steps_measured": sum(map(len, runs[arm])),
         }
     every = per_arm[EVERY_STEP]
-    return {
-        "median_step_ms_timer_off": off, "median_step_ms_timer_on": every["median_step_ms"],
-        "overhead": every["overhead"], "overhead_lo": every["overhead_lo"], "overhead_hi": every["overhead_hi"],
-        "verdict": every["verdict"], "window_mean_step_ms_timer_off": mean_off,
-        "window_mean_step_ms_timer_on": every["window_mean_step_ms"], "window_overhead": every["window_overhead"],
-        "steps_measured": {arm: data["steps_measured"] for arm, data in per_arm.items()},
-        "arms": per_arm,
-    }
+    return {**{f"{key}_timer_{state}": per_arm[arm][key] for key in ("median_step_ms", "window_mean_step_ms")
+               for state, arm in (("off", "off"), ("on", EVERY_STEP))},
+            **{key: every[key] for key in ("overhead", "overhead_lo", "overhead_hi", "verdict", "window_overhead")},
+            "steps_measured": {arm: data["steps_measured"] for arm, data in per_arm.items()}, "arms": per_arm}
 
 
 def format_table(result: dict) -> str:
     """A markdown table: per arm its median step and, against ``off``, the ratio with its interval and verdict."""
-    rows = []
-    for arm, data in result["arms"].items():
-        if arm == "off":
-            rows.append(["off", f"{data['median_step_ms']:.2f}", "", "", f"{data['window_mean_step_ms']:.2f}", ""])
-            continue
-        overhead = interval_text(data["overhead"], data["overhead_lo"], data["overhead_hi"], "+.2f", 100, " %")
-        rows.append([arm, f"{data['median_step_ms']:.2f}", overhead, data["verdict"],
-                     f"{data['window_mean_step_ms']:.2f}", f"{data['window_overhead'] * 100:+.2f} %"])
-    header = ["timer", "median step ms", "vs off [95 %]", "goal < 2 %", "whole-run mean step ms", "vs off"]
-    return "\n".join(markdown_table(header, rows, "lrllrr"))
+    columns = [Column("timer", text_cell("arm"), "l"), Column("median step ms", text_cell("median_step_ms", ".2f")),
+               Column("vs off [95 %]", interval_cell("overhead", "+.2f", scale=100, unit=" %"), "l"),
+               Column(f"goal < {GOAL:.0%}", text_cell("verdict"), "l"),
+               Column("whole-run mean step ms", text_cell("window_mean_step_ms", ".2f")),
+               Column("vs off", interval_cell("window_overhead", "+.2f", scale=100, unit=" %"))]
+    return "\n".join(table(columns, [{"arm": arm, **data} for arm, data in result["arms"].items()]))
 
 
 def summary_line(result: dict) -> str:
