@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.stats import estimate, ratio_estimate
+from lightning_ddp.bench.single import Column, table, text_cell
+from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
 from lightning_ddp.bench.study import command_text, provenance, read_json, spawn_ranks, write_outputs
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
@@ -96,22 +97,20 @@ def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: s
         dist.destroy_process_group()
 
 
-def _table(rows: list[dict[str, Any]]) -> list[str]:
-    """The wall-time and CPU-time table of ``rows`` (one per variant), as text lines."""
-    width = max([16, *(len(r["variant"]) for r in rows)])
-    lines = [f"{'':{width}s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
-             f"{'variant':{width}s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} "
-                                        f"{'95 % interval':>14s}   " * 2]
-    for r in rows:
-        cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
-                 f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]
-        lines.append(f"{r['variant']:{width}s} " + "   ".join(cells))
+def _write(out: Path | None, result: dict[str, Any]) -> list[str]:
+    """engine_step.json and .md (per variant, the wall and CPU time per step and their ratios to ddp's) in ``out``;
+    the table's lines."""
+    columns = [Column("variant", text_cell("variant"), "l")]
+    for kind, title in (("wall", "wall ms per step (max over ranks)"), ("cpu", "CPU ms per step (both ranks)")):
+        columns += [Column(f"{title} [95 %]", lambda row, k=kind: interval_text(
+                        row[k]["median_ms"], row[k]["lo_ms"], row[k]["hi_ms"], ".1f")),
+                    Column("/ ddp [95 %]", lambda row, k=kind: interval_text(
+                        row[k]["ratio_vs_ddp"], row[k]["ratio_lo"], row[k]["ratio_hi"], ".3f"))]
+    lines = table(columns, result["rows"])
+    if out is not None:
+        write_outputs(out, {"engine_step.json": result,
+                            "engine_step.md": f"Command: `{result['command']}`\n\n" + "\n".join(lines) + "\n"})
     return lines
-
-
-def _write(out: Path, result: dict[str, Any], lines: list[str]) -> None:
-    write_outputs(out, {"engine_step.json": result,
-                        "engine_step.md": f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n"})
 
 
 def _rows(measured: dict[str, Any], variants: list[str]) -> list[dict[str, Any]]:
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.out:
             parser.error("--report_only needs --out (the directory of engine_step.json)")
         result = read_json(Path(args.out) / "engine_step.json")
-        _write(Path(args.out), result, _table(result["rows"]))
+        _write(Path(args.out), result)
         return result
     if "ddp" not in args.variants:
         args.variants = ["ddp", *args.variants]
@@ -163,14 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     measured = spawn_ranks(_rank_main, 2, args)
     rows = _rows(measured, args.variants)
-    command = command_text("lightning_ddp.bench.engine_step", argv)
-    lines = _table(rows)
-    print("\n".join(lines))
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
-    result = provenance(args.out, command=command, config=vars(args), rows=rows, times_ms=measured,
-                        median_all_ms=statistics.median(all_steps))
-    if args.out:
-        _write(Path(args.out), result, lines)
+    result = provenance(args.out, command=command_text("lightning_ddp.bench.engine_step", argv), config=vars(args),
+                        rows=rows, times_ms=measured, median_all_ms=statistics.median(all_steps))
+    print("\n".join(_write(Path(args.out) if args.out else None, result)))
     return result
 
 
