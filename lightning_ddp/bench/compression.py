@@ -11,7 +11,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -22,12 +22,13 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
+from lightning_ddp.bench.single import Column, interval_cell, table, text_cell
+from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
     command_text, loss_curve, markdown_table, provenance, read_json, run_study, spawn_ranks, summary_medians,
     write_outputs,
 )
-from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
+from lightning_ddp.catalogue import format_settings, parse_settings
 from lightning_ddp.data import TextBytes
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
@@ -50,31 +51,21 @@ class Variant:
         """``bucketed_powersgd_ddp rank=4 start_iter=10`` (tables, legends, results.json keys)."""
         return f"{self.algorithm} {format_settings(self.settings)}" if self.settings else self.algorithm
 
-    @property
-    def key(self) -> str:
-        """``bucketed_powersgd_ddp-rank4-start_iter10`` (directory names)."""
-        return self.algorithm + settings_slug(self.settings)
-
     def effective_settings(self) -> dict[str, Any]:
         """Every setting of its engine, the defaults filled in (what the report states)."""
-        return {**catalogue.get(self.algorithm).settings(), **self.settings}
+        return catalogue.get(self.algorithm).check_settings(self.settings)
 
 
 def parse_variant(text: str) -> Variant:
-    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant`` of a lossy engine with buckets."""
+    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant`` of a lossy engine with buckets; an
+    unknown setting or a refused value fails, naming the engine's settings."""
     name, _, rest = text.partition(":")
-    lossy = _lossy()
-    if name not in lossy:
+    if name not in _lossy():
         raise ValueError(f"variant {text!r}: {name!r} is not a lossy engine with buckets; choose from "
-                         f"{', '.join(lossy)} (as NAME or NAME:setting=value,...)")
-    settings = parse_settings(rest.replace(",", " "))
-    entry = catalogue.get(name)
-    valid = None if entry.takes_any_setting() else entry.settings()
-    unknown = [s for s in settings if valid is not None and s not in valid]
-    if unknown:
-        raise ValueError(f"variant {text!r}: the {name!r} engine has no setting {unknown[0]!r}; its settings are: "
-                         f"{', '.join(valid or {}) or 'none'}")
-    return Variant(name, settings)
+                         f"{', '.join(_lossy())} (as NAME or NAME:setting=value,...)")
+    variant = Variant(name, parse_settings(rest.replace(",", " ")))
+    variant.effective_settings()
+    return variant
 
 
 def _lossy() -> list[str]:
@@ -234,86 +225,69 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
     fig.savefig(path, dpi=110)
 
 
-def _loss_tables(s: dict[str, Any], names: list[str]) -> list[str]:
-    """The per-seed loss table and the pooled gap to fp32 with its interval."""
-    fp32, last, seeds = s["fp32"], s["last_steps"], s["seeds"]
-    per_seed = [[seed, f"{fp32['loss_last_mean'][seed]:.3f}",
-                 *(f"{s['variants'][n]['loss_last_mean'][seed]:.3f} ({s['variants'][n]['minus_fp32'][seed]:+.3f})"
-                   for n in names)] for seed in map(str, seeds)]
-    gaps = [[f"`{n}`", interval_text(s["variants"][n]["minus_fp32_mean"], s["variants"][n]["minus_fp32_lo"],
-                                     s["variants"][n]["minus_fp32_hi"], "+.3f"),
-             f"{fp32['seed_spread']:.3f}", f"{s['variants'][n]['loss_max_abs_difference']:.3f}"] for n in names]
-    return [
-        f"## Loss: mean train/loss over the last {last} steps, per seed", "",
-        *markdown_table(["seed", f"fp32 (`{BASELINE}`)", *(f"`{n}` (- fp32)" for n in names)], per_seed,
-                        "r" * (len(names) + 2)),
-        "", f"The gap to fp32 pooled over every seed: the mean of the per-step differences over the last {last} steps, "
-        "with its 95 % interval (hierarchical bootstrap: seed values, then steps within each seed"
-        + ("; with one seed value only the steps vary, so the interval says nothing about seed-to-seed variation" if
-           len(seeds) == 1 else "") + f"). The fp32 runs alone spread over {fp32['seed_spread']:.3f} nats from seed "
-        f"to seed. All runs of a seed start from the same weights and data order (first fp32 loss "
-        f"{fp32['loss_first']:.3f}).", "",
-        *markdown_table(["variant", "loss - fp32 [95 %]", "fp32 seed spread", "largest gap at any step"], gaps),
-    ]
-
-
 _COSTS = (("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
           ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
           ("exposed communication", "exposed_ms_median", lambda x: f"{x:.1f} ms"))
 
 
-def _cost_tables(s: dict[str, Any], names: list[str]) -> list[str]:
-    """The gradient-error table and the bytes/time table (with ratios to fp32)."""
-    fp32 = s["fp32"]
-    errors = [[f"`{n}`", v["exact_steps"], f"{100 * v['relative_gradient_error_median']:.3f} %",
-               f"{100 * v['relative_gradient_error_max']:.3f} %", f"{v['absolute_gradient_error_max']:.3g}"]
-              for n in names if "relative_gradient_error_median" in (v := s["variants"][n])]
-    costs = []
-    for title, key, fmt in _COSTS:
-        cells = []
-        for n in names:
-            ratio = s["variants"][n][key] / fp32[key] if fp32[key] else None
-            cells.append(fmt(s["variants"][n][key]) + (f" ({ratio:.3g}x)" if ratio is not None else ""))
-        costs.append([title, fmt(fp32[key]), *cells])
-    return [
-        "## Gradients, bytes and time", "",
-        "Per-step error of each variant's average against the fp32 one, along fp32 training's trajectory.", "",
-        *markdown_table(["variant", "exact steps", "relative error: median", "largest", "largest absolute error"],
-                        errors),
-        "",
-        *markdown_table(["median over the seed values of each run's median", "fp32", *(f"`{n}`" for n in names)],
-                        costs),
-    ]
+def _cost(fp32: dict[str, Any], variant: dict[str, Any], key: str, fmt: Callable[[float], str]) -> str:
+    """A variant's cost with its ratio to fp32's (fp32's own cost: ``variant`` is ``fp32``)."""
+    ratio = f" ({variant[key] / fp32[key]:.3g}x)" if fp32[key] and variant is not fp32 else ""
+    return fmt(variant[key]) + ratio
 
 
-def _markdown(result: dict[str, Any], variants: list[Variant]) -> str:
-    """results.md from what results.json holds."""
+def _markdown(result: dict[str, Any]) -> str:
+    """results.md from what results.json holds; docs/benchmarks.md, "Compression benchmark", says how to read it."""
     s, config = result["summary"], result["config"]
-    names = [v.name for v in variants]
-    title = ", ".join(f"`{n}`" for n in names)
-    lines = [
-        f"# Lossy gradient communication vs fp32: {title}; {config['steps']} steps, 2 ranks, bucket "
-        f"{config['bucket_size_mb']:g} MiB, seed {', '.join(map(str, s['seeds']))}", "",
+    fp32, last, variants = s["fp32"], s["last_steps"], s["variants"]
+    names = list(result["variants"])
+    seeds = [str(seed) for seed in s["seeds"]]
+    per_seed = [Column("seed", lambda seed: seed),
+                Column(f"fp32 (`{BASELINE}`)", lambda seed: f"{fp32['loss_last_mean'][seed]:.3f}"),
+                *(Column(f"`{n}` (- fp32)", lambda seed, v=variants[n]:
+                         f"{v['loss_last_mean'][seed]:.3f} ({v['minus_fp32'][seed]:+.3f})") for n in names)]
+    rows = [{"variant": f"`{n}`", "spread": fp32["seed_spread"], **variants[n]} for n in names]
+    gaps = [Column("variant", text_cell("variant"), "l"),
+            Column("loss - fp32 [95 %]", interval_cell("minus_fp32_mean", "+.3f", bounds="minus_fp32")),
+            Column("fp32 seed spread", text_cell("spread", ".3f")),
+            Column("largest gap at any step", text_cell("loss_max_abs_difference", ".3f"))]
+    errors = [Column("variant", text_cell("variant"), "l"), Column("exact steps", text_cell("exact_steps")),
+              Column("relative error: median", interval_cell("relative_gradient_error_median", ".3f", scale=100,
+                                                             unit=" %")),
+              Column("largest", interval_cell("relative_gradient_error_max", ".3f", scale=100, unit=" %")),
+              Column("largest absolute error", text_cell("absolute_gradient_error_max", ".3g"))]
+    costs = [Column("median over the seed values of each run's median", lambda cost: cost[0], "l"),
+             *(Column(header, lambda cost, v=v: _cost(fp32, v, cost[1], cost[2]))
+               for header, v in [("fp32", fp32), *((f"`{n}`", variants[n]) for n in names)])]
+    return "\n".join([
+        f"# Lossy gradient communication vs fp32: {', '.join(f'`{n}`' for n in names)}; {config['steps']} steps, "
+        f"2 ranks, bucket {config['bucket_size_mb']:g} MiB, seed {', '.join(seeds)}", "",
         f"Command: `{result['command']}` (commit {str(result['git_commit'])[:12]}"
         + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
         *markdown_table(["variant", "engine settings (defaults filled in)"],
-                        [[f"`{v.name}`", format_settings(v.effective_settings()) or "-"] for v in variants], "ll"),
-        "", *_loss_tables(s, names), "", *_cost_tables(s, names),
-        "", "How to read these tables (exact steps, bytes, step-time noise): docs/benchmarks.md, \"Compression "
-        "benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", "",
-    ]
-    return "\n".join(lines)
+                        [[f"`{n}`", format_settings(v["effective_settings"]) or "-"]
+                         for n, v in result["variants"].items()], "ll"), "",
+        f"## Loss: mean train/loss over the last {last} steps, per seed", "",
+        *table(per_seed, seeds), "",
+        f"The gap to fp32 pooled over every seed, with its 95 % interval; every run of a seed starts from the same "
+        f"weights and data order (first fp32 loss {fp32['loss_first']:.3f}).", "",
+        *table(gaps, rows), "",
+        "## Gradients, bytes and time", "",
+        "Per-step error of each variant's average against the fp32 one, along fp32 training's trajectory.", "",
+        *table(errors, [row for row in rows if "relative_gradient_error_median" in row]), "",
+        *table(costs, _COSTS), "",
+        "How to read these tables (the interval, exact steps, bytes, step-time noise): docs/benchmarks.md, "
+        "\"Compression benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", ""])
 
 
 def write_report(out: Path) -> dict[str, Any]:
     """results.md and loss_curves.png from ``out``'s results.json; returns the results."""
     result = read_json(out / "results.json")
-    variants = [Variant(v["algorithm"], v["settings"]) for v in result["variants"].values()]
-    runs = {int(seed): r for seed, r in result["runs"].items()}
-    md = _markdown(result, variants)
-    write_outputs(out, {"results.md": md})
-    _plot(out / "loss_curves.png", runs, result["gradient_errors"], [v.name for v in variants])
-    print(md)
+    markdown = _markdown(result)
+    write_outputs(out, {"results.md": markdown})
+    _plot(out / "loss_curves.png", {int(seed): r for seed, r in result["runs"].items()}, result["gradient_errors"],
+          list(result["variants"]))
+    print(markdown)
     return result
 
 
