@@ -27,7 +27,7 @@ from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, v
 from lightning_ddp.bench.study import markdown_table, provenance, read_json, spawn_ranks, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import cores_per_rank, init_local_process_group
-from lightning_ddp.memory import FP32, expected_bytes
+from lightning_ddp.memory import FP32, expected_bytes, fsdp2_gathered_bytes
 
 __all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "parse_config", "run",
            "sent_bytes_per_rank", "summarise_modes", "write_memory_plot", "write_report"]
@@ -225,15 +225,10 @@ def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Mo
 
 
 def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
-    """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's unsharded parameters and gradients
-    (one group per block, the root the rest; ``shard``), gathered while that group's backward runs."""
-    from lightning_ddp.strategies.fsdp2 import DEFAULT_SHARD_MODULES, modules_to_shard
-
-    blocks, _ = modules_to_shard(model, DEFAULT_SHARD_MODULES)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    groups = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    groups.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
-    return 2 * FP32 * max(groups)
+    """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's (a block's or the root's) unsharded
+    parameters and gradients, gathered while that group's backward runs (``lightning_ddp.memory``'s model)."""
+    _, gathered, block = fsdp2_gathered_bytes(model.config, FP32, 1)  # gathered: the root and two blocks
+    return 2 * max(block, gathered - 2 * block)
 
 
 def _paused_snapshot(snapshot: Callable[[], dict[str, Any]], device: torch.device) -> tuple[dict[str, Any], float]:
