@@ -15,6 +15,7 @@ from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.single import Column, benchmark_main, interval_cell, table, text_cell, write_results
 from lightning_ddp.bench.stats import estimate, ratio_estimate
 from lightning_ddp.bench.study import load_average, per_repeat, run_study, step_rows
+from lightning_ddp.command_line import parse_dataclass
 
 __all__ = ["AdviceBenchConfig", "main"]
 
@@ -135,7 +136,8 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> list[dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    return benchmark_main(AdviceBenchConfig, "lightning_ddp.bench.advice", argv, run_benchmark, render_markdown)
+    config = parse_dataclass(AdviceBenchConfig, argv, prog="python -m lightning_ddp.bench.advice")
+    return benchmark_main(config, "lightning_ddp.bench.advice", argv, run_benchmark, render_markdown)
 
 
 if __name__ == "__main__":

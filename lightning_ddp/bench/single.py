@@ -82,23 +82,18 @@ def write_results(config: Any, command: str, rows: list[dict[str, Any]], columns
     })
 
 
-def benchmark_main(config_class: type[C], module: str, argv: list[str] | None,
-                   measure: Callable[[C, str], list[dict[str, Any]]],
+def benchmark_main(config: C, module: str, argv: list[str] | None, measure: Callable[[C, str], list[dict[str, Any]]],
                    render: Callable[[C, list[dict[str, Any]], str], str]) -> list[dict[str, Any]]:
-    """``python -m <module>``: its config parsed; ``measure(config, command)`` the rows (it writes the files, its
+    """``python -m <module>`` with its parsed ``config``: ``measure(config, command)`` the rows (it writes the files,
     environment.json with ``config`` and ``command_line``), their markdown printed; with ``report_only``, results.md
     rebuilt from ``out_dir``'s results.csv and environment.json, nothing measured."""
-    from lightning_ddp.command_line import parse_dataclass
-
-    config = parse_dataclass(config_class, argv, prog=f"python -m {module}")
     if config.report_only:
         recorded = read_json(Path(config.out_dir) / "environment.json")
         rows = read_rows(Path(config.out_dir) / "results.csv")
-        settings = config_class(**{**recorded["config"], "report_only": False})
+        settings = type(config)(**{**recorded["config"], "report_only": False})
         write_outputs(config.out_dir, {"results.md": render(settings, rows, recorded["command_line"])})
         return rows
     command = command_text(module, argv)
     rows = measure(config, command)
     print(render(config, rows, command))
     return rows
-

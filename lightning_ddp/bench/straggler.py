@@ -15,6 +15,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.single import Column, benchmark_main, interval_cell, table, text_cell, write_results
 from lightning_ddp.bench.stats import Estimate, estimate, verdict
 from lightning_ddp.bench.study import csv_text, load_average, per_repeat, run_study, step_rows
+from lightning_ddp.command_line import parse_dataclass
 
 __all__ = ["StragglerBenchConfig", "main", "summarize_cell"]
 
@@ -191,7 +192,8 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, 
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    return benchmark_main(StragglerBenchConfig, "lightning_ddp.bench.straggler", argv, run_benchmark, render_markdown)
+    config = parse_dataclass(StragglerBenchConfig, argv, prog="python -m lightning_ddp.bench.straggler")
+    return benchmark_main(config, "lightning_ddp.bench.straggler", argv, run_benchmark, render_markdown)
 
 
 if __name__ == "__main__":
