@@ -12,7 +12,9 @@ from typing import Any
 from lightning_ddp import catalogue
 from lightning_ddp.advice import advise, read_run
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.single import Column, benchmark_main, interval_cell, table, text_cell, write_results
+from lightning_ddp.bench.single import (
+    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
+)
 from lightning_ddp.bench.stats import estimate, ratio_estimate
 from lightning_ddp.bench.study import load_average, per_repeat, run_study, step_rows
 from lightning_ddp.command_line import parse_dataclass
@@ -28,41 +30,22 @@ COLUMNS: tuple[str, ...] = (
 
 
 @dataclass
-class AdviceBenchConfig:
+class AdviceBenchConfig(StudyConfig):
     """What ``python -m lightning_ddp.bench.advice`` runs (``configs/advice/cpu.yaml``)."""
 
-    fit_config: str = "configs/quickstart.yaml"
-    """The fit every run starts from."""
     starts: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, f"{catalogue.DEFAULT_ENGINE}:2"])
     """Starting points: a catalogue name, ``name:MiB`` for a bucket size."""
-    repeats: int = 3
-    """Interleaved runs of each start and each applied advice."""
-    steps: int = 40
-    """Optimizer steps per run."""
-    warmup_steps: int = 5
-    """Steps per run left out."""
-    fit_args: list[str] = field(default_factory=list)
-    """More arguments for every fit."""
     tolerance: float = 0.10
     """Goal: |predicted / measured - 1| within this."""
     timeout_s: float = 900.0
     """Seconds per run before it is killed."""
-    bootstrap_samples: int = 2000
-    """Draws of every interval."""
-    seed: int = 0
-    """Seed of the bootstrap."""
-    report_only: bool = False
-    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
     out_dir: str = "logs/advice"
     """Where results.csv, results.md and environment.json go (committed: benchmarks/results/advice_cpu)."""
 
 
 def _start_arguments(config: AdviceBenchConfig, start: str) -> list[str]:
     name, _, size = start.partition(":")
-    strategy = strategy_argument(name, bucket_size_mb=float(size) if size else None)
-    return ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
-            "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
-            "--trainer.enable_progress_bar", "false"]
+    return fit_arguments_of(config, strategy_argument(name, bucket_size_mb=float(size) if size else None))
 
 
 def _advice(log_dir: Path) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """What the single benchmarks share on top of ``study``: tables written from column definitions, results.csv read
-back into typed rows, and the main of a benchmark configured by a dataclass that writes results.csv, results.md and
+back into typed rows, and the config and main of a fit-based benchmark that writes results.csv, results.md and
 environment.json (``--report_only true`` rebuilds results.md from the first and the last).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -15,7 +15,8 @@ from lightning_ddp.bench.study import (
     command_text, csv_text, markdown_table, provenance, read_csv, read_json, write_outputs,
 )
 
-__all__ = ["Column", "benchmark_main", "interval_cell", "read_rows", "table", "text_cell", "write_results"]
+__all__ = ["Column", "StudyConfig", "benchmark_main", "fit_arguments_of", "interval_cell", "read_rows", "table",
+           "text_cell", "write_results"]
 
 C = TypeVar("C")
 Row = Mapping[str, Any]
@@ -72,7 +73,47 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return [{key: _typed(value) for key, value in row.items()} for row in read_csv(path)]
 
 
-def write_results(config: Any, command: str, rows: list[dict[str, Any]], columns: Sequence[str], markdown: str,
+@dataclass
+class StudyConfig:
+    """What every fit-based single benchmark configures: its fits, their repeats, the bootstrap, the output."""
+
+    fit_config: str = "configs/quickstart.yaml"
+    """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
+    fit_args: list[str] = field(default_factory=list)
+    """More arguments for every fit, e.g. ``["--data.source", "synthetic"]``."""
+    repeats: int = 3
+    """Interleaved runs of every cell, each in fresh processes."""
+    steps: int = 40
+    """Optimizer steps per run."""
+    warmup_steps: int = 5
+    """Steps per run left out (``--timer.warmup_steps``)."""
+    timeout_s: float = 600.0
+    """Seconds per run before it is killed and the benchmark fails."""
+    bootstrap_samples: int = 2000
+    """Draws of every interval."""
+    seed: int = 0
+    """Seed of the bootstrap."""
+    report_only: bool = False
+    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
+    out_dir: str = "logs/study"
+    """Where results.csv, results.md and environment.json go (logs/ is git-ignored)."""
+
+    def __post_init__(self) -> None:
+        for name in ("repeats", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+
+
+def fit_arguments_of(config: StudyConfig, strategy: str) -> list[str]:
+    """A fit of ``fit_config`` and ``fit_args`` with ``strategy``, ``steps`` long, ``warmup_steps`` left out."""
+    return ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
+            "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
+            "--trainer.enable_progress_bar", "false"]
+
+
+def write_results(config: StudyConfig, command: str, rows: list[dict[str, Any]], columns: Sequence[str], markdown: str,
                   files: Mapping[str, str] | None = None, **recorded: Any) -> None:
     """results.csv (``columns``, 4 digits), results.md, ``files`` and environment.json (provenance, the command
     line, the config and ``recorded``) into ``config.out_dir``."""

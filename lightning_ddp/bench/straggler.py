@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.single import Column, benchmark_main, interval_cell, table, text_cell, write_results
+from lightning_ddp.bench.single import (
+    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
+)
 from lightning_ddp.bench.stats import Estimate, estimate, verdict
 from lightning_ddp.bench.study import csv_text, load_average, per_repeat, run_study, step_rows
 from lightning_ddp.command_line import parse_dataclass
@@ -36,43 +38,26 @@ _INTERVALS = (("wait_ms", "comm/wait_ms"), ("transfer_ms", "comm/transfer_ms"), 
 
 
 @dataclass
-class StragglerBenchConfig:
+class StragglerBenchConfig(StudyConfig):
     """What ``python -m lightning_ddp.bench.straggler`` runs (``configs/straggler/bench.yaml``)."""
 
-    fit_config: str = "configs/quickstart.yaml"
-    """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
     strategies: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, "ddp"])
     """Values for ``--trainer.strategy``: registered names (``bucketed_ddp``, ``ddp`` ...)."""
     delays_ms: list[float] = field(default_factory=lambda: [0.0, 5.0, 20.0, 50.0])
     """SlowRank delays; 0 runs without SlowRank (the control)."""
     slow_rank: int = 1
     """The rank that sleeps."""
-    repeats: int = 3
-    """Runs per (strategy, delay), each in fresh processes."""
-    steps: int = 40
-    """Optimizer steps per run."""
-    warmup_steps: int = 5
-    """Steps per run left out (``--timer.warmup_steps``)."""
-    fit_args: list[str] = field(default_factory=list)
-    """More arguments for every fit, e.g. ``["--data.source", "synthetic"]``."""
     tolerance_ms: float = 3.0
     """Goal: the median wait within delay +- this."""
     straggler_share: float = 0.9
     """Goal: the slow rank named in at least this share of the steps."""
     idle_wait_ms: float = 2.0
     """Goal: without a delay, the median wait below this."""
-    timeout_s: float = 600.0
-    """Seconds per run before it is killed and the benchmark fails."""
-    bootstrap_samples: int = 2000
-    """Draws of every interval."""
-    seed: int = 0
-    """Seed of the bootstrap."""
-    report_only: bool = False
-    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
     out_dir: str = "logs/straggler"
     """Where results.csv, steps.csv, results.md and environment.json go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.strategies:
             raise ValueError(f"strategies is empty; e.g. --strategies '[{catalogue.DEFAULT_ENGINE}, ddp]'")
         if not self.delays_ms or any(not (d >= 0) for d in self.delays_ms):
@@ -80,19 +65,12 @@ class StragglerBenchConfig:
         if 0 not in self.delays_ms:
             raise ValueError(f"delays_ms {self.delays_ms} has no 0: the transfer goal compares with the no-delay runs; "
                              "add 0")
-        for name in ("repeats", "steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         if self.slow_rank < 0:
             raise ValueError(f"slow_rank must be a rank >= 0, got {self.slow_rank}; e.g. --slow_rank 1")
 
 
 def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
-    arguments = ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
-                 "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
-                 "--trainer.enable_progress_bar", "false"]
+    arguments = fit_arguments_of(config, strategy)
     if delay_ms > 0:
         arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
                       str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
