@@ -323,8 +323,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         variants = [parse_variant(v) for v in args.variants] if args.variants else default_variants()
     except ValueError as error:
         parser.error(str(error))
-    if not variants:
-        parser.error("no lossy algorithm with buckets is registered; pass --variants")
     if len({v.name for v in variants}) != len(variants):
         parser.error("--variants lists a variant twice")
     if not 1 <= args.last <= args.steps:

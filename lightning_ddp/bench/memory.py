@@ -71,7 +71,7 @@ class MemoryBenchConfig:
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
-    """Process-group backend; default gloo on CPU, NCCL on CUDA."""
+    """Process-group backend; default (null) gloo on CPU, NCCL on CUDA."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
     grad_sync: str = catalogue.DEFAULT_ENGINE
@@ -112,13 +112,10 @@ class MemoryBenchConfig:
             raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
+        self.backend = self.backend or ("nccl" if self.accelerator == "cuda" else "gloo")
         if self.grad_sync not in catalogue.names(engines_only=True):
             raise ValueError(f"{self.grad_sync!r} is not one of our engines; choose from "
                              f"{', '.join(catalogue.names(engines_only=True))} (--grad_sync)")
-
-
-def resolved_backend(config: MemoryBenchConfig) -> str:
-    return config.backend or ("nccl" if config.accelerator == "cuda" else "gloo")
 
 
 def _current_rss_bytes() -> int | None:
@@ -327,7 +324,7 @@ def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig,
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     # CPU ranks share the machine's cores; oversubscribing them only adds noise.
-    init_local_process_group(rank, world_size, port, resolved_backend(config),
+    init_local_process_group(rank, world_size, port, config.backend,
                              threads=None if cuda else cores_per_rank(world_size))
     try:
         results = [_measure_mode(mode, config, device, rank) for mode in modes]
@@ -591,7 +588,7 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
     # results.json's environment: the study's provenance, the device, CPUs and backend
     environment = provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
-                             cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
+                             cuda=torch.version.cuda if cuda else None, backend=config.backend,
                              world_size=config.devices)
     results = {"config": asdict(config), "environment": environment,
                "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
