@@ -92,20 +92,16 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
     """Per arm other than ``off`` (under ``arms``; the ``every step`` arm's also at the top level): its overhead
     ``median(arm) / median(off) - 1`` with a 95 % interval and its verdict against the 2 % goal, and the same ratio
     of the whole runs' mean steps (``windows``, no interval)."""
-    off = pooled_median(runs["off"])
-    mean_off = statistics.mean(windows["off"])
-    per_arm: dict[str, dict] = {"off": {"median_step_ms": off, "window_mean_step_ms": mean_off,
-                                        "steps_measured": sum(map(len, runs["off"]))}}
-    for arm in runs:
-        if arm == "off":
-            continue
-        ratio = ratio_estimate(runs[arm], runs["off"], samples, seed=0, keys=(f"timer {arm}", "timer off"))
-        mean_on = statistics.mean(windows[arm])
-        per_arm[arm] = {
-            "median_step_ms": pooled_median(runs[arm]), "overhead": ratio.point - 1, "overhead_lo": ratio.lo - 1,
-            "overhead_hi": ratio.hi - 1, "verdict": verdict(ratio, 1 + GOAL), "window_mean_step_ms": mean_on,
-            "window_overhead": mean_on / mean_off - 1, "steps_measured": sum(map(len, runs[arm])),
-        }
+    per_arm: dict[str, dict] = {}
+    for arm, steps in runs.items():  # off first: every other arm is divided by it
+        mean = statistics.mean(windows[arm])
+        per_arm[arm] = {"median_step_ms": pooled_median(steps), "window_mean_step_ms": mean,
+                        "steps_measured": sum(map(len, steps))}
+        if arm != "off":
+            ratio = ratio_estimate(steps, runs["off"], samples, seed=0, keys=(f"timer {arm}", "timer off"))
+            per_arm[arm].update(overhead=ratio.point - 1, overhead_lo=ratio.lo - 1, overhead_hi=ratio.hi - 1,
+                                verdict=verdict(ratio, 1 + GOAL),
+                                window_overhead=mean / per_arm["off"]["window_mean_step_ms"] - 1)
     every = per_arm[EVERY_STEP]
     return {**{f"{key}_timer_{state}": per_arm[arm][key] for key in ("median_step_ms", "window_mean_step_ms")
                for state, arm in (("off", "off"), ("on", EVERY_STEP))},
