@@ -23,14 +23,15 @@ Row = Mapping[str, Any]
 
 
 class Column(NamedTuple):
-    """One column of a table: its header, its cell from a row, its alignment (``l`` or ``r``)."""
+    """One column of a table: its header, its cell from a row (a mapping, or whatever the table's rows are), its
+    alignment (``l`` or ``r``)."""
 
     header: str
-    cell: Callable[[Row], Any]
+    cell: Callable[[Any], Any]
     align: str = "r"
 
 
-def table(columns: Sequence[Column], rows: Iterable[Row]) -> list[str]:
+def table(columns: Sequence[Column], rows: Iterable[Any]) -> list[str]:
     """The markdown table of ``rows`` under ``columns``, as lines."""
     return markdown_table([c.header for c in columns], [[c.cell(row) for c in columns] for row in rows],
                           "".join(c.align for c in columns))
