@@ -8,22 +8,55 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.single import Column, table, text_cell
+from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, table, text_cell
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
-from lightning_ddp.bench.study import command_text, provenance, read_json, spawn_ranks, write_outputs
+from lightning_ddp.bench.study import provenance, read_json, spawn_ranks, write_outputs
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 
-__all__ = ["forward_backward", "main", "parse_variant"]
+__all__ = ["EngineStepConfig", "forward_backward", "main", "parse_variant"]
+
+
+@dataclass
+class EngineStepConfig(BenchConfig):
+    """What ``python -m lightning_ddp.bench.engine_step`` runs (2 CPU ranks over gloo, in-process engines)."""
+
+    variants: list[str] = field(default_factory=lambda: [
+        "ddp", f"{catalogue.DEFAULT_ENGINE}@1", f"{catalogue.DEFAULT_ENGINE}@4"])
+    """``ddp`` or ``<engine>[@<bucket MiB>|@auto|@none]``; ``ddp``, the baseline of the ratios, is added first when
+    missing."""
+    preset: str = "tiny"
+    vocab_size: int = 10_000
+    batch_size: int = 4
+    """Sequences per rank and step."""
+    seq_len: int = 64
+    repeats: int = 6
+    """Rounds: every variant's steps once per round, interleaved."""
+    steps: int = 20
+    """Measured steps per variant and round, after ``warmup_steps``."""
+    warmup_steps: int = 3
+    """Steps per variant and round left out, before the measured ones."""
+    out_dir: str = "logs/engine_step"
+    """Where engine_step.json and .md go (logs/ is git-ignored)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if "ddp" not in self.variants:
+            self.variants = ["ddp", *self.variants]
+        for variant in self.variants:
+            name, _ = parse_variant(variant)
+            if name != "ddp":
+                catalogue.get(name)  # an unknown name fails here, listing the valid ones
 
 
 def parse_variant(text: str) -> tuple[str, float | str | None]:
@@ -57,7 +90,7 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     return catalogue.get(name).make_engine(model, **bucket)
 
 
-def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: str) -> None:
+def _rank_main(rank: int, world: int, port: int, args: EngineStepConfig, result_file: str) -> None:
     init_cpu_process_group(rank, world, port)
     try:
         config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
@@ -71,18 +104,18 @@ def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: s
         generator = torch.Generator().manual_seed(1000 + rank)
         measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
                                                              for kind in ("wall", "cpu")}
-        for _ in range(args.rounds):
+        for _ in range(args.repeats):
             for variant in args.variants:
                 engine, optimizer = runs[variant]
                 wall_ms, cpu_ms = [], []
-                for step in range(args.warmup + args.steps):
+                for step in range(args.warmup_steps + args.steps):
                     tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
                     cpu_start = time.process_time()
                     start = time.perf_counter()
                     forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
                     optimizer.step()
                     optimizer.zero_grad()
-                    if step >= args.warmup:
+                    if step >= args.warmup_steps:
                         wall_ms.append((time.perf_counter() - start) * 1e3)
                         cpu_ms.append((time.process_time() - cpu_start) * 1e3)
                 wall = torch.tensor(wall_ms, dtype=torch.float64)
@@ -97,76 +130,50 @@ def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: s
         dist.destroy_process_group()
 
 
-def _write(out: Path | None, result: dict[str, Any]) -> list[str]:
-    """engine_step.json and .md (per variant, the wall and CPU time per step and their ratios to ddp's) in ``out``;
-    the table's lines."""
+def write_report(config: EngineStepConfig) -> dict[str, Any]:
+    """engine_step.md (per variant, the wall and CPU time per step and their ratios to ddp's) from ``out_dir``'s
+    engine_step.json; returns the result."""
+    result = read_json(Path(config.out_dir) / "engine_step.json")
     columns = [Column("variant", text_cell("variant"), "l")]
     for kind, title in (("wall", "wall ms per step (max over ranks)"), ("cpu", "CPU ms per step (both ranks)")):
         columns += [Column(f"{title} [95 %]", lambda row, k=kind: interval_text(
                         row[k]["median_ms"], row[k]["lo_ms"], row[k]["hi_ms"], ".1f")),
                     Column("/ ddp [95 %]", lambda row, k=kind: interval_text(
                         row[k]["ratio_vs_ddp"], row[k]["ratio_lo"], row[k]["ratio_hi"], ".3f"))]
-    lines = table(columns, result["rows"])
-    if out is not None:
-        write_outputs(out, {"engine_step.json": result,
-                            "engine_step.md": f"Command: `{result['command']}`\n\n" + "\n".join(lines) + "\n"})
-    return lines
+    write_outputs(config.out_dir, {"engine_step.md": f"Command: `{result['command']}`\n\n"
+                                                     + "\n".join(table(columns, result["rows"])) + "\n"})
+    return result
 
 
-def _rows(measured: dict[str, Any], variants: list[str]) -> list[dict[str, Any]]:
+def _rows(measured: dict[str, Any], config: EngineStepConfig) -> list[dict[str, Any]]:
     """Per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals."""
     rows = []
-    for variant in variants:
+    for variant in config.variants:
         row: dict[str, Any] = {"variant": variant}
         for kind in ("wall", "cpu"):
-            step = estimate(measured[kind][variant], 2000, seed=0, key=f"{kind} {variant}")
-            ratio = ratio_estimate(measured[kind][variant], measured[kind]["ddp"], 2000, seed=0,
-                                   keys=(f"{kind} {variant}", f"{kind} ddp"))
+            step = estimate(measured[kind][variant], config.bootstrap_samples, config.seed, key=f"{kind} {variant}")
+            ratio = ratio_estimate(measured[kind][variant], measured[kind]["ddp"], config.bootstrap_samples,
+                                   config.seed, keys=(f"{kind} {variant}", f"{kind} ddp"))
             row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
                          "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
         rows.append(row)
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    bucketed = catalogue.DEFAULT_ENGINE
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["ddp", f"{bucketed}@1", f"{bucketed}@4"],
-                        help="ddp or <engine>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--vocab_size", type=int, default=10_000)
-    parser.add_argument("--batch_size", type=int, default=4, help="per rank")
-    parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant and round")
-    parser.add_argument("--warmup", type=int, default=3, help="steps per variant and round left out")
-    parser.add_argument("--out", default=None, help="directory for engine_step.json and .md")
-    parser.add_argument("--report_only", action="store_true",
-                        help="measure nothing: rebuild engine_step.md from --out's engine_step.json")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        if not args.out:
-            parser.error("--report_only needs --out (the directory of engine_step.json)")
-        result = read_json(Path(args.out) / "engine_step.json")
-        _write(Path(args.out), result)
-        return result
-    if "ddp" not in args.variants:
-        args.variants = ["ddp", *args.variants]
-    for variant in args.variants:
-        name, _ = parse_variant(variant)
-        if name != "ddp":
-            try:
-                catalogue.get(name)  # an unknown name fails here, listing the valid ones
-            except ValueError as error:
-                parser.error(f"--variants: {error}")
-
-    measured = spawn_ranks(_rank_main, 2, args)
-    rows = _rows(measured, args.variants)
+def measure(config: EngineStepConfig, command: str) -> dict[str, Any]:
+    """Every variant's steps, rounds interleaved, on 2 ranks; engine_step.json and .md in ``out_dir``."""
+    measured = spawn_ranks(_rank_main, 2, config)
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
-    result = provenance(args.out, command=command_text("lightning_ddp.bench.engine_step", argv), config=vars(args),
-                        rows=rows, times_ms=measured, median_all_ms=statistics.median(all_steps))
-    print("\n".join(_write(Path(args.out) if args.out else None, result)))
-    return result
+    write_outputs(config.out_dir, {"engine_step.json": provenance(
+        config.out_dir, command=command, config=asdict(config), rows=_rows(measured, config), times_ms=measured,
+        median_all_ms=statistics.median(all_steps))})
+    return write_report(config)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    config = parse_dataclass(EngineStepConfig, argv, prog="python -m lightning_ddp.bench.engine_step")
+    return benchmark_main(config, "lightning_ddp.bench.engine_step", argv, measure,
+                          lambda _, __, ___: (Path(config.out_dir) / "engine_step.md").read_text(), write_report)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ from lightning_ddp.bench.study import (
     command_text, csv_text, markdown_table, provenance, read_csv, read_json, write_outputs,
 )
 
-__all__ = ["Column", "StudyConfig", "benchmark_main", "fit_arguments_of", "interval_cell", "read_rows", "table",
-           "text_cell", "write_results"]
+__all__ = ["BenchConfig", "Column", "StudyConfig", "benchmark_main", "fit_arguments_of", "interval_cell", "read_rows",
+           "table", "text_cell", "write_results"]
 
 C = TypeVar("C")
+R = TypeVar("R")
 Row = Mapping[str, Any]
 
 
@@ -75,29 +76,23 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 @dataclass
-class StudyConfig:
-    """What every fit-based single benchmark configures: its fits, their repeats, the bootstrap, the output."""
+class BenchConfig:
+    """What every single benchmark configures: its repeats, its steps, the bootstrap, the output."""
 
-    fit_config: str = "configs/quickstart.yaml"
-    """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
-    fit_args: list[str] = field(default_factory=list)
-    """More arguments for every fit, e.g. ``["--data.source", "synthetic"]``."""
     repeats: int = 3
-    """Interleaved runs of every cell, each in fresh processes."""
+    """Interleaved runs (rounds) of every cell, each in fresh processes where the cells are fits."""
     steps: int = 40
     """Optimizer steps per run."""
     warmup_steps: int = 5
     """Steps per run left out (``--timer.warmup_steps``)."""
-    timeout_s: float = 600.0
-    """Seconds per run before it is killed and the benchmark fails."""
     bootstrap_samples: int = 2000
     """Draws of every interval."""
     seed: int = 0
     """Seed of the bootstrap."""
     report_only: bool = False
-    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
+    """Measure nothing: rebuild the report from ``out_dir``'s recorded results."""
     out_dir: str = "logs/study"
-    """Where results.csv, results.md and environment.json go (logs/ is git-ignored)."""
+    """Where the results and the report go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
         for name in ("repeats", "steps"):
@@ -105,6 +100,18 @@ class StudyConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+
+
+@dataclass
+class StudyConfig(BenchConfig):
+    """A ``BenchConfig`` whose cells are fits: the fit config and arguments every fit starts from, its timeout."""
+
+    fit_config: str = "configs/quickstart.yaml"
+    """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
+    fit_args: list[str] = field(default_factory=list)
+    """More arguments for every fit, e.g. ``["--data.source", "synthetic"]``."""
+    timeout_s: float = 600.0
+    """Seconds per run before it is killed and the benchmark fails."""
 
 
 def fit_arguments_of(config: StudyConfig, strategy: str) -> list[str]:
@@ -124,18 +131,25 @@ def write_results(config: StudyConfig, command: str, rows: list[dict[str, Any]],
     })
 
 
-def benchmark_main(config: C, module: str, argv: list[str] | None, measure: Callable[[C, str], list[dict[str, Any]]],
-                   render: Callable[[C, list[dict[str, Any]], str], str]) -> list[dict[str, Any]]:
-    """``python -m <module>`` with its parsed ``config``: ``measure(config, command)`` the rows (it writes the files,
-    environment.json with ``config`` and ``command_line``), their markdown printed; with ``report_only``, results.md
-    rebuilt from ``out_dir``'s results.csv and environment.json, nothing measured."""
-    if config.report_only:
-        recorded = read_json(Path(config.out_dir) / "environment.json")
-        rows = read_rows(Path(config.out_dir) / "results.csv")
-        settings = type(config)(**{**recorded["config"], "report_only": False})
-        write_outputs(config.out_dir, {"results.md": render(settings, rows, recorded["command_line"])})
-        return rows
-    command = command_text(module, argv)
-    rows = measure(config, command)
-    print(render(config, rows, command))
+def _rebuild_results_md(config: Any, render: Callable[[Any, list[dict[str, Any]], str], str]) -> list[dict[str, Any]]:
+    """results.md rebuilt from ``config.out_dir``'s results.csv and environment.json (its recorded config)."""
+    recorded = read_json(Path(config.out_dir) / "environment.json")
+    rows = read_rows(Path(config.out_dir) / "results.csv")
+    settings = type(config)(**{**recorded["config"], "report_only": False})
+    write_outputs(config.out_dir, {"results.md": render(settings, rows, recorded["command_line"])})
     return rows
+
+
+def benchmark_main(config: C, module: str, argv: list[str] | None, measure: Callable[[C, str], R],
+                   render: Callable[[C, R, str], str] | None = None,
+                   rebuild: Callable[[C], R] | None = None) -> R:
+    """``python -m <module>`` with its parsed ``config``: ``measure(config, command)`` the results (it writes the
+    files), ``render``'s markdown of them printed. With ``report_only`` nothing is measured: ``rebuild(config)``
+    rewrites the report from ``out_dir``'s files (default: results.md from results.csv and environment.json)."""
+    if config.report_only:
+        return rebuild(config) if rebuild is not None else _rebuild_results_md(config, render)
+    command = command_text(module, argv)
+    result = measure(config, command)
+    if render is not None:
+        print(render(config, result, command))
+    return result

@@ -219,6 +219,6 @@ def test_report_only_rebuilds_the_committed_report_from_its_json(module: str, st
 
     committed = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu"
     (tmp_path / f"{stem}.json").write_text((committed / f"{stem}.json").read_text())
-    importlib.import_module(f"lightning_ddp.bench.{module}").main(["--out", str(tmp_path), "--report_only"])
+    importlib.import_module(f"lightning_ddp.bench.{module}").main(["--out_dir", str(tmp_path), "--report_only", "true"])
     assert (tmp_path / f"{stem}.md").read_text() == (committed / f"{stem}.md").read_text()
     assert (tmp_path / f"{stem}.json").read_text() == (committed / f"{stem}.json").read_text()

@@ -553,8 +553,9 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
     fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
     log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
     ran, data = ctx.run_module("lightning_ddp.bench.timer_overhead", [
-        "--config", "configs/quickstart.yaml", "--steps", str(overhead["steps"]), "--warmup", str(overhead["warmup"]),
-        "--repeats", str(ctx.scale.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], path, log)
+        "--fit_config", "configs/quickstart.yaml", "--steps", str(overhead["steps"]), "--warmup_steps",
+        str(overhead["warmup"]), "--repeats", str(ctx.scale.overhead_repeats), "--out_dir", str(stage.resolve()),
+        "--fit_args", json.dumps(fit)], path, log)
     if data is None:
         return StageResult(files=[ctx.relative(log)], problems=[ran.error or "no timer_overhead.json"])
     data = {**data, "preset": overhead["preset"]}
