@@ -1,39 +1,36 @@
 """``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
 
-Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) against exact bucketed fp32 averaging: real
-fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
+Each lossy engine with buckets (or ``--variants '[NAME:setting=value,...]'``) against exact bucketed fp32 averaging:
+real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.single import Column, interval_cell, table, text_cell
+from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, table, text_cell
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    command_text, loss_curve, markdown_table, provenance, read_json, run_study, spawn_ranks, summary_medians,
-    write_outputs,
+    loss_curve, markdown_table, provenance, read_json, run_study, spawn_ranks, summary_medians, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.data import TextBytes
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 
-__all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
+__all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
 
 BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
@@ -77,23 +74,69 @@ def default_variants() -> list[Variant]:
     return [Variant(name) for name in _lossy()]
 
 
+@dataclass
+class CompressionConfig(StudyConfig):
+    """What ``python -m lightning_ddp.bench.compression`` runs: per seed one fit of fp32 and of every variant, and
+    the gradient-error run."""
+
+    fit_config: str = "configs/text_bytes.yaml"
+    """The fit config of the training runs."""
+    variants: list[str] | None = None
+    """Lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g.
+    ``bucketed_powersgd_ddp:rank=4,start_iter=10``); default: every lossy engine with buckets at its defaults."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """One fp32 run and one run per variant per seed (``seed_everything``): the seeds are the repeats."""
+    repeats: int = 1
+    """Must be 1: the seeds repeat the runs."""
+    text: str = "README.md"
+    """The text file (raw bytes) of the gradient-error run."""
+    steps: int = 300
+    last: int = 20
+    """The loss is compared over each run's last N steps."""
+    bucket_size_mb: float = 1.0
+    batch_size: int = 8
+    """Sequences per rank in the gradient-error run."""
+    seq_len: int = 128
+    lr: float = 3e-3
+    out_dir: str = "logs/compression"
+    """Where results.json, results.md and loss_curves.png go (logs/ is git-ignored)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.repeats != 1:
+            raise ValueError(f"repeats must be 1 (the seeds repeat the runs), got {self.repeats}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {self.seeds} repeats a seed; give distinct seeds, e.g. --seeds '[0, 1, 2]'")
+        if not 1 <= self.last <= self.steps:
+            raise ValueError(f"last must be between 1 and steps ({self.steps}), got {self.last}")
+        if len({v.name for v in variants_of(self)}) != len(variants_of(self)):
+            raise ValueError("variants lists a variant twice")
+
+
+def variants_of(config: CompressionConfig) -> list[Variant]:
+    """``config.variants`` parsed (``parse_variant``), or every default."""
+    return [parse_variant(v) for v in config.variants] if config.variants else default_variants()
+
+
 _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
                             "bytes_per_step": "comm/bytes"})
 
 
-def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[dict, dict[str, list[str]]]:
+def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, one fp32 run and one run per variant (in that order); ``runs[seed][name]`` and the fit arguments
     by ``"<name>, seed <seed>"``."""
     runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
     cells = {f"{name}, seed {seed}": [
-        "--config", args.config, *extra, "--seed_everything", str(seed),
+        "--config", args.fit_config, *args.fit_args, "--seed_everything", str(seed),
         "--trainer.strategy", strategy_argument(algorithm, None, args.bucket_size_mb, settings),
-        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
+        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false",
+        "--timer.warmup_steps", str(args.warmup_steps),
         # loss and step time only: no validation between the timed steps
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
     ] for seed in args.seeds for name, algorithm, settings in runs_of}
     # per run: its loss curve and its step time, exposed comm and bytes (medians)
-    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)})
+    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)},
+                         timeout_s=args.timeout_s)
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
 
@@ -109,7 +152,7 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
     return (difference.norm().item() / norm if norm > 0 else 0.0), difference.abs().max().item()
 
 
-def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: list[Variant],
+def _error_rank(rank: int, world: int, port: int, args: CompressionConfig, variants: list[Variant],
                 result_file: str) -> None:
     init_cpu_process_group(rank, world, port)
     try:
@@ -280,8 +323,9 @@ def _markdown(result: dict[str, Any]) -> str:
         "\"Compression benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", ""])
 
 
-def write_report(out: Path) -> dict[str, Any]:
-    """results.md and loss_curves.png from ``out``'s results.json; returns the results."""
+def write_report(config: CompressionConfig) -> dict[str, Any]:
+    """results.md and loss_curves.png from ``out_dir``'s results.json; returns the results."""
+    out = Path(config.out_dir)
     result = read_json(out / "results.json")
     markdown = _markdown(result)
     write_outputs(out, {"results.md": markdown})
@@ -291,56 +335,25 @@ def write_report(out: Path) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help="lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g. "
-                             "bucketed_powersgd_ddp:rank=4,start_iter=10); default: every lossy engine "
-                             "with buckets at its engine's defaults")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="one fp32 run and one run per variant per seed (seed_everything)")
-    parser.add_argument("--text", default="README.md", help="the text file (raw bytes) of the gradient-error run")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--last", type=int, default=20, help="the loss is compared over each run's last N steps")
-    parser.add_argument("--bucket_size_mb", type=float, default=1.0)
-    parser.add_argument("--batch_size", type=int, default=8, help="per rank, in the gradient-error run")
-    parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--out", required=True, help="directory for results.json, results.md and loss_curves.png")
-    parser.add_argument("--report_only", action="store_true",
-                        help="train nothing: rebuild results.md and loss_curves.png from --out's results.json")
-    parser.add_argument("fit_args", nargs=argparse.REMAINDER,
-                        help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
-                             "`-- --trainer.accelerator cuda`")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        return write_report(Path(args.out))
-    extra = fit_arguments(args.fit_args)
-    if len(set(args.seeds)) != len(args.seeds):
-        parser.error(f"--seeds {args.seeds} repeats a seed; give distinct seeds, e.g. --seeds 0 1 2")
-    try:
-        variants = [parse_variant(v) for v in args.variants] if args.variants else default_variants()
-    except ValueError as error:
-        parser.error(str(error))
-    if len({v.name for v in variants}) != len(variants):
-        parser.error("--variants lists a variant twice")
-    if not 1 <= args.last <= args.steps:
-        parser.error(f"--last must be between 1 and --steps ({args.steps}), got {args.last}")
-    out = Path(args.out)
-    runs, commands = _train(args, variants, extra)
+def measure(config: CompressionConfig, command: str) -> dict[str, Any]:
+    """The fits and the gradient-error run; results.json, results.md and loss_curves.png in ``out_dir``."""
+    variants = variants_of(config)
+    runs, commands = _train(config, variants)
     print("measuring the per-step gradient error ...", flush=True)
-    errors = spawn_ranks(_error_rank, 2, args, variants)  # per variant, per step: [relative, absolute]
-    names = [v.name for v in variants]
-    summary = summarize(runs, errors, names, last=args.last)
-    command = command_text("lightning_ddp.bench.compression", argv)
+    errors = spawn_ranks(_error_rank, 2, config, variants)  # per variant, per step: [relative, absolute]
+    summary = summarize(runs, errors, [v.name for v in variants], config.last, config.bootstrap_samples, config.seed)
     variant_settings = {v.name: {"algorithm": v.algorithm, "settings": v.settings,
                                  "effective_settings": v.effective_settings()} for v in variants}
-    result = provenance(out, command=command, fit_commands=commands, config=vars(args), extra_args=extra,
-                        variants=variant_settings, summary=summary, runs={str(seed): r for seed, r in runs.items()},
-                        gradient_errors=errors)
-    write_outputs(out, {"results.json": result})
-    return write_report(out)
+    result = provenance(config.out_dir, command=command, fit_commands=commands, config=asdict(config),
+                        extra_args=config.fit_args, variants=variant_settings, summary=summary,
+                        runs={str(seed): r for seed, r in runs.items()}, gradient_errors=errors)
+    write_outputs(config.out_dir, {"results.json": result})
+    return write_report(config)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    config = parse_dataclass(CompressionConfig, argv, prog="python -m lightning_ddp.bench.compression")
+    return benchmark_main(config, "lightning_ddp.bench.compression", argv, measure, rebuild=write_report)
 
 
 if __name__ == "__main__":
