@@ -30,7 +30,8 @@ from lightning_ddp.data import TextBytes
 from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 
-__all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
+__all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant",
+           "summarize"]
 
 BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
