@@ -6,7 +6,6 @@ real fits per seed (loss, bytes, step time) and the per-step gradient error alon
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,15 +18,14 @@ import torch.distributed as dist
 from lightning_ddp import catalogue
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, table, text_cell
+from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, run_ranks, table, text_cell
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    loss_curve, markdown_table, provenance, read_json, run_study, spawn_ranks, summary_medians, write_outputs,
+    loss_curve, markdown_table, provenance, read_json, run_study, summary_medians, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings
 from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.data import TextBytes
-from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 
 __all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant",
@@ -153,47 +151,43 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
     return (difference.norm().item() / norm if norm > 0 else 0.0), difference.abs().max().item()
 
 
-def _error_rank(rank: int, world: int, port: int, args: CompressionConfig, variants: list[Variant],
-                result_file: str) -> None:
-    init_cpu_process_group(rank, world, port)
-    try:
-        data = TextBytes(args.text, seq_len=args.seq_len)
-        config = get_config("tiny", vocab_size=256, context_length=args.seq_len)
-        torch.manual_seed(0)
-        model = GPT(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        params = [p for p in model.parameters() if p.requires_grad]
-        # Each variant's engine on a copy of the model (bench code builds engines directly, settings and all); the
-        # copy is loaded with the trained weights before every step, so it sees the same local gradients.
-        engines = {}
-        for variant in variants:
-            shadow = GPT(config)
-            engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
-                                                                    **variant.settings)
-            engines[variant.name] = (shadow, engine)
-        errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
-        for step in range(args.steps):
-            start = (step * world + rank) * args.batch_size
-            batch = [data[(start + k) % len(data)] for k in range(args.batch_size)]
-            x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
-            forward_backward(model, x, y)
-            exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
-            dist.all_reduce(exact)
-            for name, (shadow, engine) in engines.items():
-                shadow.load_state_dict(model.state_dict())
-                shadow.zero_grad(set_to_none=True)
-                forward_backward(engine, x, y)
-                averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
-                errors[name].append(gradient_error(exact, averaged))
-            # train on the exact average: the trajectory is fp32 training's
-            for p, average in zip(params, exact.split([p.numel() for p in params])):
-                p.grad.copy_(average.view_as(p))
-            optimizer.step()
-            optimizer.zero_grad()
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(errors))
-    finally:
-        dist.destroy_process_group()
+def _error_rank(rank: int, world: int, args: CompressionConfig,
+                variants: list[Variant]) -> dict[str, list[tuple[float, float]]]:
+    """Per variant, per step of one fp32 run: its average's ``gradient_error`` against the exact one."""
+    data = TextBytes(args.text, seq_len=args.seq_len)
+    config = get_config("tiny", vocab_size=256, context_length=args.seq_len)
+    torch.manual_seed(0)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Each variant's engine on a copy of the model (bench code builds engines directly, settings and all); the
+    # copy is loaded with the trained weights before every step, so it sees the same local gradients.
+    engines = {}
+    for variant in variants:
+        shadow = GPT(config)
+        engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
+                                                                **variant.settings)
+        engines[variant.name] = (shadow, engine)
+    errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for step in range(args.steps):
+        start = (step * world + rank) * args.batch_size
+        batch = [data[(start + k) % len(data)] for k in range(args.batch_size)]
+        x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+        forward_backward(model, x, y)
+        exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
+        dist.all_reduce(exact)
+        for name, (shadow, engine) in engines.items():
+            shadow.load_state_dict(model.state_dict())
+            shadow.zero_grad(set_to_none=True)
+            forward_backward(engine, x, y)
+            averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
+            errors[name].append(gradient_error(exact, averaged))
+        # train on the exact average: the trajectory is fp32 training's
+        for p, average in zip(params, exact.split([p.numel() for p in params])):
+            p.grad.copy_(average.view_as(p))
+        optimizer.step()
+        optimizer.zero_grad()
+    return errors
 
 
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
@@ -341,7 +335,7 @@ def measure(config: CompressionConfig, command: str) -> dict[str, Any]:
     variants = variants_of(config)
     runs, commands = _train(config, variants)
     print("measuring the per-step gradient error ...", flush=True)
-    errors = spawn_ranks(_error_rank, 2, config, variants)  # per variant, per step: [relative, absolute]
+    errors = run_ranks(2, _error_rank, config, variants)  # per variant, per step: [relative, absolute]
     summary = summarize(runs, errors, [v.name for v in variants], config.last, config.bootstrap_samples, config.seed)
     variant_settings = {v.name: {"algorithm": v.algorithm, "settings": v.settings,
                                  "effective_settings": v.effective_settings()} for v in variants}

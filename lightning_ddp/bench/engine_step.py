@@ -5,7 +5,6 @@ Lightning (wall and CPU time per step, rounds interleaved; docs/benchmarks.md). 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,11 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, table, text_cell
+from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table, text_cell
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
-from lightning_ddp.bench.study import provenance, read_json, spawn_ranks, write_outputs
+from lightning_ddp.bench.study import provenance, read_json, write_outputs
 from lightning_ddp.command_line import parse_dataclass
-from lightning_ddp.local_group import init_cpu_process_group
 from lightning_ddp.model import GPT, get_config
 
 __all__ = ["EngineStepConfig", "forward_backward", "main", "parse_variant"]
@@ -90,44 +88,40 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     return catalogue.get(name).make_engine(model, **bucket)
 
 
-def _rank_main(rank: int, world: int, port: int, args: EngineStepConfig, result_file: str) -> None:
-    init_cpu_process_group(rank, world, port)
-    try:
-        config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
-        runs = {}
+def _measure_ranks(rank: int, world: int, args: EngineStepConfig) -> dict[str, dict[str, list[list[float]]]]:
+    """Every variant's measured steps on this rank, per kind (wall, CPU) and variant: one list per round."""
+    config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
+    runs = {}
+    for variant in args.variants:
+        torch.manual_seed(0)
+        model = GPT(config)
+        engine = _build(variant, model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs[variant] = (engine, optimizer)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
+                                                         for kind in ("wall", "cpu")}
+    for _ in range(args.repeats):
         for variant in args.variants:
-            torch.manual_seed(0)
-            model = GPT(config)
-            engine = _build(variant, model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            runs[variant] = (engine, optimizer)
-        generator = torch.Generator().manual_seed(1000 + rank)
-        measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
-                                                             for kind in ("wall", "cpu")}
-        for _ in range(args.repeats):
-            for variant in args.variants:
-                engine, optimizer = runs[variant]
-                wall_ms, cpu_ms = [], []
-                for step in range(args.warmup_steps + args.steps):
-                    tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
-                    cpu_start = time.process_time()
-                    start = time.perf_counter()
-                    forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    if step >= args.warmup_steps:
-                        wall_ms.append((time.perf_counter() - start) * 1e3)
-                        cpu_ms.append((time.process_time() - cpu_start) * 1e3)
-                wall = torch.tensor(wall_ms, dtype=torch.float64)
-                dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                cpu = torch.tensor(cpu_ms, dtype=torch.float64)
-                dist.all_reduce(cpu)  # what the step cost both ranks together
-                measured["wall"][variant].append(wall.tolist())
-                measured["cpu"][variant].append(cpu.tolist())
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(measured))
-    finally:
-        dist.destroy_process_group()
+            engine, optimizer = runs[variant]
+            wall_ms, cpu_ms = [], []
+            for step in range(args.warmup_steps + args.steps):
+                tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+                cpu_start = time.process_time()
+                start = time.perf_counter()
+                forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
+                optimizer.step()
+                optimizer.zero_grad()
+                if step >= args.warmup_steps:
+                    wall_ms.append((time.perf_counter() - start) * 1e3)
+                    cpu_ms.append((time.process_time() - cpu_start) * 1e3)
+            wall = torch.tensor(wall_ms, dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            cpu = torch.tensor(cpu_ms, dtype=torch.float64)
+            dist.all_reduce(cpu)  # what the step cost both ranks together
+            measured["wall"][variant].append(wall.tolist())
+            measured["cpu"][variant].append(cpu.tolist())
+    return measured
 
 
 def write_report(config: EngineStepConfig) -> dict[str, Any]:
@@ -162,7 +156,7 @@ def _rows(measured: dict[str, Any], config: EngineStepConfig) -> list[dict[str, 
 
 def measure(config: EngineStepConfig, command: str) -> dict[str, Any]:
     """Every variant's steps, rounds interleaved, on 2 ranks; engine_step.json and .md in ``out_dir``."""
-    measured = spawn_ranks(_rank_main, 2, config)
+    measured = run_ranks(2, _measure_ranks, config)
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
     write_outputs(config.out_dir, {"engine_step.json": provenance(
         config.out_dir, command=command, config=asdict(config), rows=_rows(measured, config), times_ms=measured,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import io
-import json
 import math
 import os
 import platform
@@ -24,9 +23,9 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.study import markdown_table, provenance, read_json, spawn_ranks, write_outputs
+from lightning_ddp.bench.single import run_ranks
+from lightning_ddp.bench.study import markdown_table, provenance, read_json, write_outputs
 from lightning_ddp.files import write_atomically
-from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_gathered_bytes
 
 __all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "parse_config", "run",
@@ -317,26 +316,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig, modes: list[str],
-               result_file: str) -> None:
-    cuda = config.accelerator == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
-    init_local_process_group(rank, world_size, port, config.backend,
-                             threads=None if cuda else cores_per_rank(world_size))
-    try:
-        results = [_measure_mode(mode, config, device, rank) for mode in modes]
-        gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(results, gathered, dst=0)
-        if rank == 0:
-            write_atomically(Path(result_file), json.dumps(gathered))
-        # Both ranks done with the group before either tears it down: a rank destroying it while its peer's gloo
-        # thread still holds the pair aborted ("terminate called without an active exception", SIGABRT) under load.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes: list[str]) -> list[Any] | None:
+    """Every mode on this rank; on rank 0, every rank's results (``[rank][mode index]``)."""
+    device = torch.device("cuda", rank) if config.accelerator == "cuda" else torch.device("cpu")
+    results = [_measure_mode(mode, config, device, rank) for mode in modes]
+    gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
+    dist.gather_object(results, gathered, dst=0)
+    return gathered
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
@@ -582,7 +568,8 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     batches = [[mode] for mode in config.modes] if config.separate_processes else [list(config.modes)]
     per_mode = []
     for modes in batches:
-        per_rank = spawn_ranks(_rank_main, config.devices, config, modes)  # [rank][mode index] -> one rank's result
+        per_rank = run_ranks(config.devices, _measure_ranks, config, modes, backend=config.backend,
+                             cuda=config.accelerator == "cuda")  # [rank][mode index] -> one rank's result
         per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     cuda = config.accelerator == "cuda" and torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")

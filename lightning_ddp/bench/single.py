@@ -1,22 +1,28 @@
 """What the single benchmarks share on top of ``study``: tables written from column definitions, results.csv read
-back into typed rows, and the config and main of a fit-based benchmark that writes results.csv, results.md and
-environment.json (``--report_only true`` rebuilds results.md from the first and the last).
+back into typed rows, their configs and main (``--report_only true`` rebuilds the report from the recorded results)
+and the in-process benchmarks' rank runner.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+import torch
+import torch.distributed as dist
+
 from lightning_ddp.bench.stats import interval_text
 from lightning_ddp.bench.study import (
-    command_text, csv_text, markdown_table, provenance, read_csv, read_json, write_outputs,
+    command_text, csv_text, markdown_table, provenance, read_csv, read_json, spawn_ranks, write_outputs,
 )
+from lightning_ddp.files import write_atomically
+from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 
 __all__ = ["BenchConfig", "Column", "StudyConfig", "benchmark_main", "fit_arguments_of", "interval_cell", "read_rows",
-           "table", "text_cell", "write_results"]
+           "run_ranks", "table", "text_cell", "write_results"]
 
 C = TypeVar("C")
 R = TypeVar("R")
@@ -153,3 +159,28 @@ def benchmark_main(config: C, module: str, argv: list[str] | None, measure: Call
     if render is not None:
         print(render(config, result, command))
     return result
+
+
+def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool,
+          *args_and_file: Any) -> None:
+    *args, result_file = args_and_file
+    if cuda:
+        torch.cuda.set_device(rank)
+    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
+    init_local_process_group(rank, world, port, backend, threads=None if cuda else cores_per_rank(world))
+    try:
+        result = measure(rank, world, *args)
+        if rank == 0:
+            write_atomically(Path(result_file), json.dumps(result))
+        # Both ranks done with the group before either tears it down: a rank destroying it while its peer's gloo
+        # thread still holds the pair aborted ("terminate called without an active exception", SIGABRT) under load.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str = "gloo", cuda: bool = False) -> Any:
+    """The in-process benchmarks' ranks: ``measure(rank, world, *args)`` in ``world`` spawned processes joined in
+    one local process group (``backend``; each CPU rank its share of the cores, each CUDA rank its GPU); what rank
+    0's ``measure`` returned (through JSON)."""
+    return spawn_ranks(_rank, world, measure, backend, cuda, *args)
