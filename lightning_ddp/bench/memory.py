@@ -496,23 +496,8 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
     return write_atomically(path, buffer.getvalue())
 
 
-def _rank_lines(results: dict[str, Any]) -> list[str]:
-    """One row per mode and rank: optimizer state, tensors before the step, step time, bytes."""
-    rows = []
-    for mode in results["modes"]:
-        for per_rank in mode["ranks"]:
-            before = per_rank["snapshots"]["before_step"]
-            rows.append([mode["mode"], per_rank["rank"],
-                         f"{_mib(before['optimizer_state'])} ({_mib(per_rank['expected']['optimizer_state'])})",
-                         _mib(_tensors(before)), f"{mode['step_ms_median']:,.1f}",
-                         _mib(per_rank["comm_bytes_recorded"]), _mib(mode["sent_bytes_per_rank"])])
-    header = ["mode", "rank", "optimizer state MiB (expected)", "tensors before step MiB",
-              "step ms (median, max over ranks)", "recorded comm MiB/step", "sent per rank MiB/step (ring model)"]
-    return ["## Every rank", "", *markdown_table(header, rows)]
-
-
 def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """One mode's snapshots: a row per rank and point."""
+    """One mode's snapshots and the communication per step: a row per rank and point."""
     cuda = config["accelerator"] == "cuda"
     memory = ["allocated", "max_allocated", "reserved", "max_reserved", "rest"] if cuda else ["rss", "rest"]
     rows = []
@@ -521,23 +506,25 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
             snap = per_rank["snapshots"][point]
             rows.append([per_rank["rank"], point, _mib(snap["parameters"]), _mib(snap["gradients"]),
                          _mib(snap["optimizer_state"]), _mib(_tensors(snap)),
-                         _mib(sum(per_rank["expected_at"][point].values())), *(_mib(snap[k]) for k in memory)])
+                         _mib(sum(per_rank["expected_at"][point].values())), *(_mib(snap[k]) for k in memory),
+                         _mib(per_rank["comm_bytes_recorded"])])
     header = ["rank", "point", "parameters", "gradients", "optimizer state", "tensors", "expected",
-              *(["allocated", "max allocated", "reserved", "max reserved", "rest"] if cuda else ["RSS", "rest"])]
+              *(["allocated", "max allocated", "reserved", "max reserved", "rest"] if cuda else ["RSS", "rest"]),
+              "recorded comm MiB/step"]
     return [
         "",
         f"## {mode['mode']}",
         "",
         f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
-        f"{config['steps']} (max over ranks). "
-        f"Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
+        f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
+        f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
         "",
         *markdown_table(header, rows, "rl" + "r" * (len(header) - 2)),
     ]
 
 
 def format_report(results: dict[str, Any]) -> str:
-    """``results.md``: a summary table across modes, then one table per mode (a row per rank and point)."""
+    """``results.md``: the family's table and goals, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
     lines = [
         f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
@@ -549,8 +536,6 @@ def format_report(results: dict[str, Any]) -> str:
         "Bytes are MiB (2^20); the columns are defined in docs/benchmarks.md, \"Reading the memory report\".",
         "",
         *_family_lines(results),
-        "",
-        *_rank_lines(results),
     ]
     for mode in results["modes"]:
         lines += _mode_lines(mode, config)
