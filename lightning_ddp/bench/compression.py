@@ -210,8 +210,8 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
     fp32 = {**numbers(BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
     out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": BASELINE, "fp32": fp32, "variants": {}}
     for name in variants:
-        differences = [np.array(runs[seed][name]["loss"][-last:]) - np.array(runs[seed][BASELINE]["loss"][-last:])
-                       for seed in seeds]
+        gaps = [np.array(runs[seed][name]["loss"]) - np.array(runs[seed][BASELINE]["loss"]) for seed in seeds]
+        differences = [gap[-last:] for gap in gaps]
         draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=np.nanmean)
         lo, hi = percentile_interval(draws)
         step_errors = errors.get(name) or []
@@ -222,9 +222,7 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
             "minus_fp32_mean": float(np.mean(np.concatenate(differences))),
             "minus_fp32_lo": lo,
             "minus_fp32_hi": hi,
-            "loss_max_abs_difference": max(float(np.max(np.abs(np.array(runs[seed][name]["loss"])
-                                                              - np.array(runs[seed][BASELINE]["loss"]))))
-                                           for seed in seeds),
+            "loss_max_abs_difference": max(float(np.max(np.abs(gap))) for gap in gaps),
         }
         v["bytes_ratio"] = v["bytes_per_step"] / fp32["bytes_per_step"] if fp32["bytes_per_step"] else None
         if relative:

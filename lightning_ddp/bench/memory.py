@@ -517,7 +517,8 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
         "",
         f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
         f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
-        f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: **{'yes' if mode['matches_expected'] else 'NO'}**.",
+        f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
+        f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
         "",
         *markdown_table(header, rows, "rl" + "r" * (len(header) - 2)),
     ]
