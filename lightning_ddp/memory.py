@@ -264,7 +264,7 @@ def _buffer_bytes(config: GPTConfig, kind: str, cap: int | None, numels: Sequenc
     if kind == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
         return 3 * _cap(cap, total), 0, 0
     if kind == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
-        root, block = _fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
+        root, block = fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
         return p * (root + 2 * block), p * block, 0
     buffer_bytes = viewed = 0
     if kind == "bucketed":
@@ -277,11 +277,11 @@ def _buffer_bytes(config: GPTConfig, kind: str, cap: int | None, numels: Sequenc
     return buffer_bytes, 0, viewed
 
 
-def _fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
+def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
     """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group and of the largest block.
 
     >>> from lightning_ddp.model import get_config
-    >>> _fsdp2_groups(get_config("tiny"))  # of 3.61M in all
+    >>> fsdp2_groups(get_config("tiny"))  # of 3.61M in all
     (2560128, 262400)
     """
     root, blocks = 0, {}

@@ -5,17 +5,18 @@ measured step and gain, with intervals (docs/advice.md, "The check").
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_ddp import catalogue
 from lightning_ddp.advice import advise, read_run
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
-from lightning_ddp.bench.study import (command_text, csv_text, load_average, markdown_table, per_repeat, provenance,
-                                       read_csv, read_json, run_study, step_rows, write_outputs)
+from lightning_ddp.bench.single import (
+    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
+)
+from lightning_ddp.bench.stats import estimate, ratio_estimate
+from lightning_ddp.bench.study import load_average, per_repeat, run_study, step_rows
 from lightning_ddp.command_line import parse_dataclass
 
 __all__ = ["AdviceBenchConfig", "main"]
@@ -29,41 +30,22 @@ COLUMNS: tuple[str, ...] = (
 
 
 @dataclass
-class AdviceBenchConfig:
+class AdviceBenchConfig(StudyConfig):
     """What ``python -m lightning_ddp.bench.advice`` runs (``configs/advice/cpu.yaml``)."""
 
-    fit_config: str = "configs/quickstart.yaml"
-    """The fit every run starts from."""
     starts: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, f"{catalogue.DEFAULT_ENGINE}:2"])
     """Starting points: a catalogue name, ``name:MiB`` for a bucket size."""
-    repeats: int = 3
-    """Interleaved runs of each start and each applied advice."""
-    steps: int = 40
-    """Optimizer steps per run."""
-    warmup_steps: int = 5
-    """Steps per run left out."""
-    fit_args: list[str] = field(default_factory=list)
-    """More arguments for every fit."""
     tolerance: float = 0.10
     """Goal: |predicted / measured - 1| within this."""
     timeout_s: float = 900.0
     """Seconds per run before it is killed."""
-    bootstrap_samples: int = 2000
-    """Draws of every interval."""
-    seed: int = 0
-    """Seed of the bootstrap."""
-    report_only: bool = False
-    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
     out_dir: str = "logs/advice"
     """Where results.csv, results.md and environment.json go (committed: benchmarks/results/advice_cpu)."""
 
 
 def _start_arguments(config: AdviceBenchConfig, start: str) -> list[str]:
     name, _, size = start.partition(":")
-    strategy = strategy_argument(name, bucket_size_mb=float(size) if size else None)
-    return ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
-            "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
-            "--trainer.enable_progress_bar", "false"]
+    return fit_arguments_of(config, strategy_argument(name, bucket_size_mb=float(size) if size else None))
 
 
 def _advice(log_dir: Path) -> dict[str, Any]:
@@ -101,21 +83,22 @@ def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], run
 
 def render_markdown(config: AdviceBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
     """results.md: per start, the verdict, predicted against measured step and gain, and the goals."""
-    header = ["start", "verdict", "applied", "predicted ms [interval]", "start ms [95 %]", "applied ms [95 %]",
-              "error", "predicted gain", "measured gain [95 %]", f"within {config.tolerance:.0%}", "not slower"]
-    body = [[r["start"], r["verdict"], r["applied"], interval_text(r["predicted_ms"], r["predicted_lo"],
-                                                                   r["predicted_hi"]),
-             interval_text(r["start_ms"], r["start_lo"], r["start_hi"]),
-             interval_text(r["applied_ms"], r["applied_lo"], r["applied_hi"]), f"{r['error']:+.1%}",
-             f"{r['predicted_gain']:+.1%}", interval_text(r["gain"], r["gain_lo"], r["gain_hi"], "+.1%"),
-             "yes" if r["within_tolerance"] else "no", "yes" if r["not_slower"] else "no"] for r in rows]
+    columns = [*(Column(key, text_cell(key), "l") for key in ("start", "verdict", "applied")),
+               Column("predicted ms [interval]", interval_cell("predicted_ms", bounds="predicted")),
+               Column("start ms [95 %]", interval_cell("start_ms", bounds="start")),
+               Column("applied ms [95 %]", interval_cell("applied_ms", bounds="applied")),
+               Column("error", text_cell("error", "+.1%")),
+               Column("predicted gain", text_cell("predicted_gain", "+.1%")),
+               Column("measured gain [95 %]", interval_cell("gain", "+.1%")),
+               Column(f"within {config.tolerance:.0%}", text_cell("within_tolerance"), "l"),
+               Column("not slower", text_cell("not_slower"), "l")]
     within = sum(bool(r["within_tolerance"]) for r in rows)
     return "\n".join([
         "# Advice, checked by running it", "",
         f"{config.fit_config} on 2 CPU ranks; per start one fit advised on, then the start and the applied advice "
         f"{config.repeats} time(s) each, interleaved, {config.steps - config.warmup_steps} measured steps per run. "
         "Pooled medians [95 % hierarchical bootstrap]; a keep verdict predicts the start's own step.", "",
-        *markdown_table(header, body, "lllrrrrrrll"), "",
+        *table(columns, rows), "",
         f"Predicted within {config.tolerance:.0%} of measured: {within} of {len(rows)}; applied never slower than the "
         f"start beyond the intervals: {'yes' if all(r['not_slower'] for r in rows) else 'no'}.", "",
         f"Command: `{command}`", ""])
@@ -131,34 +114,13 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> list[dict[str, Any
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
     rows = [summarize(config, start, advice[start], {key.split("|")[1]: runs for key, runs in measured.items()
                                                      if key.split("|")[0] == start}) for start in starts]
-    write_outputs(config.out_dir, {
-        "results.csv": csv_text(rows, COLUMNS, digits=4),
-        "results.md": render_markdown(config, rows, command),
-        "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config), advice=advice),
-    })
-    return rows
-
-
-def write_report(config: AdviceBenchConfig) -> list[dict[str, Any]]:
-    """results.md rebuilt from ``config.out_dir``'s results.csv and environment.json (nothing measured)."""
-    out = Path(config.out_dir)
-    recorded = read_json(out / "environment.json")
-    text = ("start", "verdict", "applied")
-    rows = [{k: v if k in text else v == "true" if v in ("true", "false") else float(v) if v else math.nan
-             for k, v in row.items()} for row in read_csv(out / "results.csv")]
-    settings = AdviceBenchConfig(**{**recorded["config"], "report_only": False})
-    write_outputs(out, {"results.md": render_markdown(settings, rows, recorded["command_line"])})
+    write_results(config, command, rows, COLUMNS, render_markdown(config, rows, command), advice=advice)
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_dataclass(AdviceBenchConfig, argv, prog="python -m lightning_ddp.bench.advice")
-    if config.report_only:
-        return write_report(config)
-    command = command_text("lightning_ddp.bench.advice", argv)
-    rows = run_benchmark(config, command)
-    print(render_markdown(config, rows, command))
-    return rows
+    return benchmark_main(config, "lightning_ddp.bench.advice", argv, run_benchmark, render_markdown)
 
 
 if __name__ == "__main__":

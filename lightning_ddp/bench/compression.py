@@ -1,38 +1,35 @@
 """``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
 
-Each lossy engine with buckets (or ``--variants NAME:setting=value,...``) against exact bucketed fp32 averaging: real
-fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
+Each lossy engine with buckets (or ``--variants '[NAME:setting=value,...]'``) against exact bucketed fp32 averaging:
+real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.config import fit_arguments
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
+from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, run_ranks, table, text_cell
+from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    command_text, loss_curve, markdown_table, provenance, read_json, run_study, spawn_ranks, summary_medians,
-    write_outputs,
+    loss_curve, markdown_table, provenance, read_json, run_study, summary_medians, write_outputs,
 )
-from lightning_ddp.catalogue import format_settings, parse_settings, settings_slug
+from lightning_ddp.catalogue import format_settings, parse_settings
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.data import TextBytes
-from lightning_ddp.local_group import cores_per_rank, init_local_process_group
 from lightning_ddp.model import GPT, get_config
 
-__all__ = ["BASELINE", "Variant", "default_variants", "gradient_error", "main", "parse_variant", "summarize"]
+__all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant",
+           "summarize"]
 
 BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
@@ -50,31 +47,21 @@ class Variant:
         """``bucketed_powersgd_ddp rank=4 start_iter=10`` (tables, legends, results.json keys)."""
         return f"{self.algorithm} {format_settings(self.settings)}" if self.settings else self.algorithm
 
-    @property
-    def key(self) -> str:
-        """``bucketed_powersgd_ddp-rank4-start_iter10`` (directory names)."""
-        return self.algorithm + settings_slug(self.settings)
-
     def effective_settings(self) -> dict[str, Any]:
         """Every setting of its engine, the defaults filled in (what the report states)."""
-        return {**catalogue.get(self.algorithm).settings(), **self.settings}
+        return catalogue.get(self.algorithm).check_settings(self.settings)
 
 
 def parse_variant(text: str) -> Variant:
-    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant`` of a lossy engine with buckets."""
+    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant`` of a lossy engine with buckets; an
+    unknown setting or a refused value fails, naming the engine's settings."""
     name, _, rest = text.partition(":")
-    lossy = _lossy()
-    if name not in lossy:
+    if name not in _lossy():
         raise ValueError(f"variant {text!r}: {name!r} is not a lossy engine with buckets; choose from "
-                         f"{', '.join(lossy)} (as NAME or NAME:setting=value,...)")
-    settings = parse_settings(rest.replace(",", " "))
-    entry = catalogue.get(name)
-    valid = None if entry.takes_any_setting() else entry.settings()
-    unknown = [s for s in settings if valid is not None and s not in valid]
-    if unknown:
-        raise ValueError(f"variant {text!r}: the {name!r} engine has no setting {unknown[0]!r}; its settings are: "
-                         f"{', '.join(valid or {}) or 'none'}")
-    return Variant(name, settings)
+                         f"{', '.join(_lossy())} (as NAME or NAME:setting=value,...)")
+    variant = Variant(name, parse_settings(rest.replace(",", " ")))
+    variant.effective_settings()
+    return variant
 
 
 def _lossy() -> list[str]:
@@ -86,23 +73,69 @@ def default_variants() -> list[Variant]:
     return [Variant(name) for name in _lossy()]
 
 
+@dataclass
+class CompressionConfig(StudyConfig):
+    """What ``python -m lightning_ddp.bench.compression`` runs: per seed one fit of fp32 and of every variant, and
+    the gradient-error run."""
+
+    fit_config: str = "configs/text_bytes.yaml"
+    """The fit config of the training runs."""
+    variants: list[str] | None = None
+    """Lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g.
+    ``bucketed_powersgd_ddp:rank=4,start_iter=10``); default: every lossy engine with buckets at its defaults."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """One fp32 run and one run per variant per seed (``seed_everything``): the seeds are the repeats."""
+    repeats: int = 1
+    """Must be 1: the seeds repeat the runs."""
+    text: str = "README.md"
+    """The text file (raw bytes) of the gradient-error run."""
+    steps: int = 300
+    last: int = 20
+    """The loss is compared over each run's last N steps."""
+    bucket_size_mb: float = 1.0
+    batch_size: int = 8
+    """Sequences per rank in the gradient-error run."""
+    seq_len: int = 128
+    lr: float = 3e-3
+    out_dir: str = "logs/compression"
+    """Where results.json, results.md and loss_curves.png go (logs/ is git-ignored)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.repeats != 1:
+            raise ValueError(f"repeats must be 1 (the seeds repeat the runs), got {self.repeats}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {self.seeds} repeats a seed; give distinct seeds, e.g. --seeds '[0, 1, 2]'")
+        if not 1 <= self.last <= self.steps:
+            raise ValueError(f"last must be between 1 and steps ({self.steps}), got {self.last}")
+        if len({v.name for v in variants_of(self)}) != len(variants_of(self)):
+            raise ValueError("variants lists a variant twice")
+
+
+def variants_of(config: CompressionConfig) -> list[Variant]:
+    """``config.variants`` parsed (``parse_variant``), or every default."""
+    return [parse_variant(v) for v in config.variants] if config.variants else default_variants()
+
+
 _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
                             "bytes_per_step": "comm/bytes"})
 
 
-def _train(args: Namespace, variants: list[Variant], extra: list[str]) -> tuple[dict, dict[str, list[str]]]:
+def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, one fp32 run and one run per variant (in that order); ``runs[seed][name]`` and the fit arguments
     by ``"<name>, seed <seed>"``."""
     runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
     cells = {f"{name}, seed {seed}": [
-        "--config", args.config, *extra, "--seed_everything", str(seed),
+        "--config", args.fit_config, *args.fit_args, "--seed_everything", str(seed),
         "--trainer.strategy", strategy_argument(algorithm, None, args.bucket_size_mb, settings),
-        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false", "--timer.warmup_steps", "5",
+        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false",
+        "--timer.warmup_steps", str(args.warmup_steps),
         # loss and step time only: no validation between the timed steps
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
     ] for seed in args.seeds for name, algorithm, settings in runs_of}
     # per run: its loss curve and its step time, exposed comm and bytes (medians)
-    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)})
+    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)},
+                         timeout_s=args.timeout_s)
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
 
@@ -118,47 +151,43 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
     return (difference.norm().item() / norm if norm > 0 else 0.0), difference.abs().max().item()
 
 
-def _error_rank(rank: int, world: int, port: int, args: Namespace, variants: list[Variant],
-                result_file: str) -> None:
-    init_local_process_group(rank, world, port, threads=cores_per_rank(world))
-    try:
-        data = TextBytes(args.text, seq_len=args.seq_len)
-        config = get_config("tiny", vocab_size=256, context_length=args.seq_len)
-        torch.manual_seed(0)
-        model = GPT(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        params = [p for p in model.parameters() if p.requires_grad]
-        # Each variant's engine on a copy of the model (bench code builds engines directly, settings and all); the
-        # copy is loaded with the trained weights before every step, so it sees the same local gradients.
-        engines = {}
-        for variant in variants:
-            shadow = GPT(config)
-            engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
-                                                                    **variant.settings)
-            engines[variant.name] = (shadow, engine)
-        errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
-        for step in range(args.steps):
-            start = (step * world + rank) * args.batch_size
-            batch = [data[(start + k) % len(data)] for k in range(args.batch_size)]
-            x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
-            forward_backward(model, x, y)
-            exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
-            dist.all_reduce(exact)
-            for name, (shadow, engine) in engines.items():
-                shadow.load_state_dict(model.state_dict())
-                shadow.zero_grad(set_to_none=True)
-                forward_backward(engine, x, y)
-                averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
-                errors[name].append(gradient_error(exact, averaged))
-            # train on the exact average: the trajectory is fp32 training's
-            for p, average in zip(params, exact.split([p.numel() for p in params])):
-                p.grad.copy_(average.view_as(p))
-            optimizer.step()
-            optimizer.zero_grad()
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(errors))
-    finally:
-        dist.destroy_process_group()
+def _error_rank(rank: int, world: int, args: CompressionConfig,
+                variants: list[Variant]) -> dict[str, list[tuple[float, float]]]:
+    """Per variant, per step of one fp32 run: its average's ``gradient_error`` against the exact one."""
+    data = TextBytes(args.text, seq_len=args.seq_len)
+    config = get_config("tiny", vocab_size=256, context_length=args.seq_len)
+    torch.manual_seed(0)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Each variant's engine on a copy of the model (bench code builds engines directly, settings and all); the
+    # copy is loaded with the trained weights before every step, so it sees the same local gradients.
+    engines = {}
+    for variant in variants:
+        shadow = GPT(config)
+        engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
+                                                                **variant.settings)
+        engines[variant.name] = (shadow, engine)
+    errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for step in range(args.steps):
+        start = (step * world + rank) * args.batch_size
+        batch = [data[(start + k) % len(data)] for k in range(args.batch_size)]
+        x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+        forward_backward(model, x, y)
+        exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
+        dist.all_reduce(exact)
+        for name, (shadow, engine) in engines.items():
+            shadow.load_state_dict(model.state_dict())
+            shadow.zero_grad(set_to_none=True)
+            forward_backward(engine, x, y)
+            averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
+            errors[name].append(gradient_error(exact, averaged))
+        # train on the exact average: the trajectory is fp32 training's
+        for p, average in zip(params, exact.split([p.numel() for p in params])):
+            p.grad.copy_(average.view_as(p))
+        optimizer.step()
+        optimizer.zero_grad()
+    return errors
 
 
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
@@ -181,8 +210,8 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
     fp32 = {**numbers(BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
     out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": BASELINE, "fp32": fp32, "variants": {}}
     for name in variants:
-        differences = [np.array(runs[seed][name]["loss"][-last:]) - np.array(runs[seed][BASELINE]["loss"][-last:])
-                       for seed in seeds]
+        gaps = [np.array(runs[seed][name]["loss"]) - np.array(runs[seed][BASELINE]["loss"]) for seed in seeds]
+        differences = [gap[-last:] for gap in gaps]
         draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=np.nanmean)
         lo, hi = percentile_interval(draws)
         step_errors = errors.get(name) or []
@@ -193,9 +222,7 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
             "minus_fp32_mean": float(np.mean(np.concatenate(differences))),
             "minus_fp32_lo": lo,
             "minus_fp32_hi": hi,
-            "loss_max_abs_difference": max(float(np.max(np.abs(np.array(runs[seed][name]["loss"])
-                                                              - np.array(runs[seed][BASELINE]["loss"]))))
-                                           for seed in seeds),
+            "loss_max_abs_difference": max(float(np.max(np.abs(gap))) for gap in gaps),
         }
         v["bytes_ratio"] = v["bytes_per_step"] / fp32["bytes_per_step"] if fp32["bytes_per_step"] else None
         if relative:
@@ -234,141 +261,92 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
     fig.savefig(path, dpi=110)
 
 
-def _loss_tables(s: dict[str, Any], names: list[str]) -> list[str]:
-    """The per-seed loss table and the pooled gap to fp32 with its interval."""
-    fp32, last, seeds = s["fp32"], s["last_steps"], s["seeds"]
-    per_seed = [[seed, f"{fp32['loss_last_mean'][seed]:.3f}",
-                 *(f"{s['variants'][n]['loss_last_mean'][seed]:.3f} ({s['variants'][n]['minus_fp32'][seed]:+.3f})"
-                   for n in names)] for seed in map(str, seeds)]
-    gaps = [[f"`{n}`", interval_text(s["variants"][n]["minus_fp32_mean"], s["variants"][n]["minus_fp32_lo"],
-                                     s["variants"][n]["minus_fp32_hi"], "+.3f"),
-             f"{fp32['seed_spread']:.3f}", f"{s['variants'][n]['loss_max_abs_difference']:.3f}"] for n in names]
-    return [
-        f"## Loss: mean train/loss over the last {last} steps, per seed", "",
-        *markdown_table(["seed", f"fp32 (`{BASELINE}`)", *(f"`{n}` (- fp32)" for n in names)], per_seed,
-                        "r" * (len(names) + 2)),
-        "", f"The gap to fp32 pooled over every seed: the mean of the per-step differences over the last {last} steps, "
-        "with its 95 % interval (hierarchical bootstrap: seed values, then steps within each seed"
-        + ("; with one seed value only the steps vary, so the interval says nothing about seed-to-seed variation" if
-           len(seeds) == 1 else "") + f"). The fp32 runs alone spread over {fp32['seed_spread']:.3f} nats from seed "
-        f"to seed. All runs of a seed start from the same weights and data order (first fp32 loss "
-        f"{fp32['loss_first']:.3f}).", "",
-        *markdown_table(["variant", "loss - fp32 [95 %]", "fp32 seed spread", "largest gap at any step"], gaps),
-    ]
-
-
 _COSTS = (("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
           ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
           ("exposed communication", "exposed_ms_median", lambda x: f"{x:.1f} ms"))
 
 
-def _cost_tables(s: dict[str, Any], names: list[str]) -> list[str]:
-    """The gradient-error table and the bytes/time table (with ratios to fp32)."""
-    fp32 = s["fp32"]
-    errors = [[f"`{n}`", v["exact_steps"], f"{100 * v['relative_gradient_error_median']:.3f} %",
-               f"{100 * v['relative_gradient_error_max']:.3f} %", f"{v['absolute_gradient_error_max']:.3g}"]
-              for n in names if "relative_gradient_error_median" in (v := s["variants"][n])]
-    costs = []
-    for title, key, fmt in _COSTS:
-        cells = []
-        for n in names:
-            ratio = s["variants"][n][key] / fp32[key] if fp32[key] else None
-            cells.append(fmt(s["variants"][n][key]) + (f" ({ratio:.3g}x)" if ratio is not None else ""))
-        costs.append([title, fmt(fp32[key]), *cells])
-    return [
-        "## Gradients, bytes and time", "",
-        "Per-step error of each variant's average against the fp32 one, along fp32 training's trajectory.", "",
-        *markdown_table(["variant", "exact steps", "relative error: median", "largest", "largest absolute error"],
-                        errors),
-        "",
-        *markdown_table(["median over the seed values of each run's median", "fp32", *(f"`{n}`" for n in names)],
-                        costs),
-    ]
+def _cost(fp32: dict[str, Any], variant: dict[str, Any], key: str, fmt: Callable[[float], str]) -> str:
+    """A variant's cost with its ratio to fp32's (fp32's own cost: ``variant`` is ``fp32``)."""
+    ratio = f" ({variant[key] / fp32[key]:.3g}x)" if fp32[key] and variant is not fp32 else ""
+    return fmt(variant[key]) + ratio
 
 
-def _markdown(result: dict[str, Any], variants: list[Variant]) -> str:
-    """results.md from what results.json holds."""
+def _markdown(result: dict[str, Any]) -> str:
+    """results.md from what results.json holds; docs/benchmarks.md, "Compression benchmark", says how to read it."""
     s, config = result["summary"], result["config"]
-    names = [v.name for v in variants]
-    title = ", ".join(f"`{n}`" for n in names)
-    lines = [
-        f"# Lossy gradient communication vs fp32: {title}; {config['steps']} steps, 2 ranks, bucket "
-        f"{config['bucket_size_mb']:g} MiB, seed {', '.join(map(str, s['seeds']))}", "",
+    fp32, last, variants = s["fp32"], s["last_steps"], s["variants"]
+    names = list(result["variants"])
+    seeds = [str(seed) for seed in s["seeds"]]
+    per_seed = [Column("seed", lambda seed: seed),
+                Column(f"fp32 (`{BASELINE}`)", lambda seed: f"{fp32['loss_last_mean'][seed]:.3f}"),
+                *(Column(f"`{n}` (- fp32)", lambda seed, v=variants[n]:
+                         f"{v['loss_last_mean'][seed]:.3f} ({v['minus_fp32'][seed]:+.3f})") for n in names)]
+    rows = [{"variant": f"`{n}`", "spread": fp32["seed_spread"], **variants[n]} for n in names]
+    gaps = [Column("variant", text_cell("variant"), "l"),
+            Column("loss - fp32 [95 %]", interval_cell("minus_fp32_mean", "+.3f", bounds="minus_fp32")),
+            Column("fp32 seed spread", text_cell("spread", ".3f")),
+            Column("largest gap at any step", text_cell("loss_max_abs_difference", ".3f"))]
+    errors = [Column("variant", text_cell("variant"), "l"), Column("exact steps", text_cell("exact_steps")),
+              Column("relative error: median", interval_cell("relative_gradient_error_median", ".3f", scale=100,
+                                                             unit=" %")),
+              Column("largest", interval_cell("relative_gradient_error_max", ".3f", scale=100, unit=" %")),
+              Column("largest absolute error", text_cell("absolute_gradient_error_max", ".3g"))]
+    costs = [Column("median over the seed values of each run's median", lambda cost: cost[0], "l"),
+             *(Column(header, lambda cost, v=v: _cost(fp32, v, cost[1], cost[2]))
+               for header, v in [("fp32", fp32), *((f"`{n}`", variants[n]) for n in names)])]
+    return "\n".join([
+        f"# Lossy gradient communication vs fp32: {', '.join(f'`{n}`' for n in names)}; {config['steps']} steps, "
+        f"2 ranks, bucket {config['bucket_size_mb']:g} MiB, seed {', '.join(seeds)}", "",
         f"Command: `{result['command']}` (commit {str(result['git_commit'])[:12]}"
         + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
         *markdown_table(["variant", "engine settings (defaults filled in)"],
-                        [[f"`{v.name}`", format_settings(v.effective_settings()) or "-"] for v in variants], "ll"),
-        "", *_loss_tables(s, names), "", *_cost_tables(s, names),
-        "", "How to read these tables (exact steps, bytes, step-time noise): docs/benchmarks.md, \"Compression "
-        "benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", "",
-    ]
-    return "\n".join(lines)
+                        [[f"`{n}`", format_settings(v["effective_settings"]) or "-"]
+                         for n, v in result["variants"].items()], "ll"), "",
+        f"## Loss: mean train/loss over the last {last} steps, per seed", "",
+        *table(per_seed, seeds), "",
+        f"The gap to fp32 pooled over every seed, with its 95 % interval; every run of a seed starts from the same "
+        f"weights and data order (first fp32 loss {fp32['loss_first']:.3f}).", "",
+        *table(gaps, rows), "",
+        "## Gradients, bytes and time", "",
+        "Per-step error of each variant's average against the fp32 one, along fp32 training's trajectory.", "",
+        *table(errors, [row for row in rows if "relative_gradient_error_median" in row]), "",
+        *table(costs, _COSTS), "",
+        "How to read these tables (the interval, exact steps, bytes, step-time noise): docs/benchmarks.md, "
+        "\"Compression benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", ""])
 
 
-def write_report(out: Path) -> dict[str, Any]:
-    """results.md and loss_curves.png from ``out``'s results.json; returns the results."""
+def write_report(config: CompressionConfig) -> dict[str, Any]:
+    """results.md and loss_curves.png from ``out_dir``'s results.json; returns the results."""
+    out = Path(config.out_dir)
     result = read_json(out / "results.json")
-    variants = [Variant(v["algorithm"], v["settings"]) for v in result["variants"].values()]
-    runs = {int(seed): r for seed, r in result["runs"].items()}
-    md = _markdown(result, variants)
-    write_outputs(out, {"results.md": md})
-    _plot(out / "loss_curves.png", runs, result["gradient_errors"], [v.name for v in variants])
-    print(md)
+    markdown = _markdown(result)
+    write_outputs(out, {"results.md": markdown})
+    _plot(out / "loss_curves.png", {int(seed): r for seed, r in result["runs"].items()}, result["gradient_errors"],
+          list(result["variants"]))
+    print(markdown)
     return result
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.compression", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/text_bytes.yaml", help="the fit config of the training runs")
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help="lossy algorithms to compare with fp32, as NAME or NAME:setting=value,... (e.g. "
-                             "bucketed_powersgd_ddp:rank=4,start_iter=10); default: every lossy engine "
-                             "with buckets at its engine's defaults")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="one fp32 run and one run per variant per seed (seed_everything)")
-    parser.add_argument("--text", default="README.md", help="the text file (raw bytes) of the gradient-error run")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--last", type=int, default=20, help="the loss is compared over each run's last N steps")
-    parser.add_argument("--bucket_size_mb", type=float, default=1.0)
-    parser.add_argument("--batch_size", type=int, default=8, help="per rank, in the gradient-error run")
-    parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--out", required=True, help="directory for results.json, results.md and loss_curves.png")
-    parser.add_argument("--report_only", action="store_true",
-                        help="train nothing: rebuild results.md and loss_curves.png from --out's results.json")
-    parser.add_argument("fit_args", nargs=argparse.REMAINDER,
-                        help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
-                             "`-- --trainer.accelerator cuda`")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        return write_report(Path(args.out))
-    extra = fit_arguments(args.fit_args)
-    if len(set(args.seeds)) != len(args.seeds):
-        parser.error(f"--seeds {args.seeds} repeats a seed; give distinct seeds, e.g. --seeds 0 1 2")
-    try:
-        variants = [parse_variant(v) for v in args.variants] if args.variants else default_variants()
-    except ValueError as error:
-        parser.error(str(error))
-    if not variants:
-        parser.error("no lossy algorithm with buckets is registered; pass --variants")
-    if len({v.name for v in variants}) != len(variants):
-        parser.error("--variants lists a variant twice")
-    if not 1 <= args.last <= args.steps:
-        parser.error(f"--last must be between 1 and --steps ({args.steps}), got {args.last}")
-    out = Path(args.out)
-    runs, commands = _train(args, variants, extra)
+def measure(config: CompressionConfig, command: str) -> dict[str, Any]:
+    """The fits and the gradient-error run; results.json, results.md and loss_curves.png in ``out_dir``."""
+    variants = variants_of(config)
+    runs, commands = _train(config, variants)
     print("measuring the per-step gradient error ...", flush=True)
-    errors = spawn_ranks(_error_rank, 2, args, variants)  # per variant, per step: [relative, absolute]
-    names = [v.name for v in variants]
-    summary = summarize(runs, errors, names, last=args.last)
-    command = command_text("lightning_ddp.bench.compression", argv)
+    errors = run_ranks(2, _error_rank, config, variants)  # per variant, per step: [relative, absolute]
+    summary = summarize(runs, errors, [v.name for v in variants], config.last, config.bootstrap_samples, config.seed)
     variant_settings = {v.name: {"algorithm": v.algorithm, "settings": v.settings,
                                  "effective_settings": v.effective_settings()} for v in variants}
-    result = provenance(out, command=command, fit_commands=commands, config=vars(args), extra_args=extra,
-                        variants=variant_settings, summary=summary, runs={str(seed): r for seed, r in runs.items()},
-                        gradient_errors=errors)
-    write_outputs(out, {"results.json": result})
-    return write_report(out)
+    result = provenance(config.out_dir, command=command, fit_commands=commands, config=asdict(config),
+                        extra_args=config.fit_args, variants=variant_settings, summary=summary,
+                        runs={str(seed): r for seed, r in runs.items()}, gradient_errors=errors)
+    write_outputs(config.out_dir, {"results.json": result})
+    return write_report(config)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    config = parse_dataclass(CompressionConfig, argv, prog="python -m lightning_ddp.bench.compression")
+    return benchmark_main(config, "lightning_ddp.bench.compression", argv, measure, rebuild=write_report)
 
 
 if __name__ == "__main__":

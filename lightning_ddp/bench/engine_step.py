@@ -5,24 +5,56 @@ Lightning (wall and CPU time per step, rounds interleaved; docs/benchmarks.md). 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from jsonargparse import ArgumentParser, Namespace
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.stats import estimate, ratio_estimate
-from lightning_ddp.bench.study import command_text, provenance, read_json, spawn_ranks, write_outputs
-from lightning_ddp.local_group import cores_per_rank, init_local_process_group
+from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table, text_cell
+from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
+from lightning_ddp.bench.study import provenance, read_json, write_outputs
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.model import GPT, get_config
 
-__all__ = ["forward_backward", "main", "parse_variant"]
+__all__ = ["EngineStepConfig", "forward_backward", "main", "parse_variant"]
+
+
+@dataclass
+class EngineStepConfig(BenchConfig):
+    """What ``python -m lightning_ddp.bench.engine_step`` runs (2 CPU ranks over gloo, in-process engines)."""
+
+    variants: list[str] = field(default_factory=lambda: [
+        "ddp", f"{catalogue.DEFAULT_ENGINE}@1", f"{catalogue.DEFAULT_ENGINE}@4"])
+    """``ddp`` or ``<engine>[@<bucket MiB>|@auto|@none]``; ``ddp``, the baseline of the ratios, is added first when
+    missing."""
+    preset: str = "tiny"
+    vocab_size: int = 10_000
+    batch_size: int = 4
+    """Sequences per rank and step."""
+    seq_len: int = 64
+    repeats: int = 6
+    """Rounds: every variant's steps once per round, interleaved."""
+    steps: int = 20
+    """Measured steps per variant and round, after ``warmup_steps``."""
+    warmup_steps: int = 3
+    """Steps per variant and round left out, before the measured ones."""
+    out_dir: str = "logs/engine_step"
+    """Where engine_step.json and .md go (logs/ is git-ignored)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if "ddp" not in self.variants:
+            self.variants = ["ddp", *self.variants]
+        for variant in self.variants:
+            name, _ = parse_variant(variant)
+            if name != "ddp":
+                catalogue.get(name)  # an unknown name fails here, listing the valid ones
 
 
 def parse_variant(text: str) -> tuple[str, float | str | None]:
@@ -56,122 +88,86 @@ def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
     return catalogue.get(name).make_engine(model, **bucket)
 
 
-def _rank_main(rank: int, world: int, port: int, args: Namespace, result_file: str) -> None:
-    init_local_process_group(rank, world, port, threads=cores_per_rank(world))
-    try:
-        config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
-        runs = {}
+def _measure_ranks(rank: int, world: int, args: EngineStepConfig) -> dict[str, dict[str, list[list[float]]]]:
+    """Every variant's measured steps on this rank, per kind (wall, CPU) and variant: one list per round."""
+    config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
+    runs = {}
+    for variant in args.variants:
+        torch.manual_seed(0)
+        model = GPT(config)
+        engine = _build(variant, model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs[variant] = (engine, optimizer)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
+                                                         for kind in ("wall", "cpu")}
+    for _ in range(args.repeats):
         for variant in args.variants:
-            torch.manual_seed(0)
-            model = GPT(config)
-            engine = _build(variant, model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            runs[variant] = (engine, optimizer)
-        generator = torch.Generator().manual_seed(1000 + rank)
-        measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
-                                                             for kind in ("wall", "cpu")}
-        for _ in range(args.rounds):
-            for variant in args.variants:
-                engine, optimizer = runs[variant]
-                wall_ms, cpu_ms = [], []
-                for step in range(args.warmup + args.steps):
-                    tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
-                    cpu_start = time.process_time()
-                    start = time.perf_counter()
-                    forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    if step >= args.warmup:
-                        wall_ms.append((time.perf_counter() - start) * 1e3)
-                        cpu_ms.append((time.process_time() - cpu_start) * 1e3)
-                wall = torch.tensor(wall_ms, dtype=torch.float64)
-                dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                cpu = torch.tensor(cpu_ms, dtype=torch.float64)
-                dist.all_reduce(cpu)  # what the step cost both ranks together
-                measured["wall"][variant].append(wall.tolist())
-                measured["cpu"][variant].append(cpu.tolist())
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(measured))
-    finally:
-        dist.destroy_process_group()
+            engine, optimizer = runs[variant]
+            wall_ms, cpu_ms = [], []
+            for step in range(args.warmup_steps + args.steps):
+                tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+                cpu_start = time.process_time()
+                start = time.perf_counter()
+                forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
+                optimizer.step()
+                optimizer.zero_grad()
+                if step >= args.warmup_steps:
+                    wall_ms.append((time.perf_counter() - start) * 1e3)
+                    cpu_ms.append((time.process_time() - cpu_start) * 1e3)
+            wall = torch.tensor(wall_ms, dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            cpu = torch.tensor(cpu_ms, dtype=torch.float64)
+            dist.all_reduce(cpu)  # what the step cost both ranks together
+            measured["wall"][variant].append(wall.tolist())
+            measured["cpu"][variant].append(cpu.tolist())
+    return measured
 
 
-def _table(rows: list[dict[str, Any]]) -> list[str]:
-    """The wall-time and CPU-time table of ``rows`` (one per variant), as text lines."""
-    width = max([16, *(len(r["variant"]) for r in rows)])
-    lines = [f"{'':{width}s} {'wall time per step (max over ranks)':^50s}   {'CPU time per step (both ranks)':^50s}",
-             f"{'variant':{width}s} " + f"{'median ms':>10s} {'95 % interval':>17s} {'/ ddp':>6s} "
-                                        f"{'95 % interval':>14s}   " * 2]
-    for r in rows:
-        cells = [f"{c['median_ms']:10.1f} [{c['lo_ms']:6.1f}, {c['hi_ms']:6.1f}] {c['ratio_vs_ddp']:6.3f} "
-                 f"[{c['ratio_lo']:.3f}, {c['ratio_hi']:.3f}]" for c in (r["wall"], r["cpu"])]
-        lines.append(f"{r['variant']:{width}s} " + "   ".join(cells))
-    return lines
+def write_report(config: EngineStepConfig) -> dict[str, Any]:
+    """engine_step.md (per variant, the wall and CPU time per step and their ratios to ddp's) from ``out_dir``'s
+    engine_step.json; returns the result."""
+    result = read_json(Path(config.out_dir) / "engine_step.json")
+    columns = [Column("variant", text_cell("variant"), "l")]
+    for kind, title in (("wall", "wall ms per step (max over ranks)"), ("cpu", "CPU ms per step (both ranks)")):
+        columns += [Column(f"{title} [95 %]", lambda row, k=kind: interval_text(
+                        row[k]["median_ms"], row[k]["lo_ms"], row[k]["hi_ms"], ".1f")),
+                    Column("/ ddp [95 %]", lambda row, k=kind: interval_text(
+                        row[k]["ratio_vs_ddp"], row[k]["ratio_lo"], row[k]["ratio_hi"], ".3f"))]
+    write_outputs(config.out_dir, {"engine_step.md": f"Command: `{result['command']}`\n\n"
+                                                     + "\n".join(table(columns, result["rows"])) + "\n"})
+    return result
 
 
-def _write(out: Path, result: dict[str, Any], lines: list[str]) -> None:
-    write_outputs(out, {"engine_step.json": result,
-                        "engine_step.md": f"Command: `{result['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n"})
-
-
-def _rows(measured: dict[str, Any], variants: list[str]) -> list[dict[str, Any]]:
+def _rows(measured: dict[str, Any], config: EngineStepConfig) -> list[dict[str, Any]]:
     """Per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals."""
     rows = []
-    for variant in variants:
+    for variant in config.variants:
         row: dict[str, Any] = {"variant": variant}
         for kind in ("wall", "cpu"):
-            step = estimate(measured[kind][variant], 2000, seed=0, key=f"{kind} {variant}")
-            ratio = ratio_estimate(measured[kind][variant], measured[kind]["ddp"], 2000, seed=0,
-                                   keys=(f"{kind} {variant}", f"{kind} ddp"))
+            step = estimate(measured[kind][variant], config.bootstrap_samples, config.seed, key=f"{kind} {variant}")
+            ratio = ratio_estimate(measured[kind][variant], measured[kind]["ddp"], config.bootstrap_samples,
+                                   config.seed, keys=(f"{kind} {variant}", f"{kind} ddp"))
             row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
                          "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
         rows.append(row)
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    bucketed = catalogue.DEFAULT_ENGINE
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.engine_step", description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["ddp", f"{bucketed}@1", f"{bucketed}@4"],
-                        help="ddp or <engine>[@<bucket MiB>|@auto|@none]; ddp is the baseline of the ratios")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--vocab_size", type=int, default=10_000)
-    parser.add_argument("--batch_size", type=int, default=4, help="per rank")
-    parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant and round")
-    parser.add_argument("--warmup", type=int, default=3, help="steps per variant and round left out")
-    parser.add_argument("--out", default=None, help="directory for engine_step.json and .md")
-    parser.add_argument("--report_only", action="store_true",
-                        help="measure nothing: rebuild engine_step.md from --out's engine_step.json")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        if not args.out:
-            parser.error("--report_only needs --out (the directory of engine_step.json)")
-        result = read_json(Path(args.out) / "engine_step.json")
-        _write(Path(args.out), result, _table(result["rows"]))
-        return result
-    if "ddp" not in args.variants:
-        args.variants = ["ddp", *args.variants]
-    for variant in args.variants:
-        name, _ = parse_variant(variant)
-        if name != "ddp":
-            try:
-                catalogue.get(name)  # an unknown name fails here, listing the valid ones
-            except ValueError as error:
-                parser.error(f"--variants: {error}")
-
-    measured = spawn_ranks(_rank_main, 2, args)
-    rows = _rows(measured, args.variants)
-    command = command_text("lightning_ddp.bench.engine_step", argv)
-    lines = _table(rows)
-    print("\n".join(lines))
+def measure(config: EngineStepConfig, command: str) -> dict[str, Any]:
+    """Every variant's steps, rounds interleaved, on 2 ranks; engine_step.json and .md in ``out_dir``."""
+    measured = run_ranks(2, _measure_ranks, config)
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
-    result = provenance(args.out, command=command, config=vars(args), rows=rows, times_ms=measured,
-                        median_all_ms=statistics.median(all_steps))
-    if args.out:
-        _write(Path(args.out), result, lines)
-    return result
+    write_outputs(config.out_dir, {"engine_step.json": provenance(
+        config.out_dir, command=command, config=asdict(config), rows=_rows(measured, config), times_ms=measured,
+        median_all_ms=statistics.median(all_steps))})
+    return write_report(config)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    config = parse_dataclass(EngineStepConfig, argv, prog="python -m lightning_ddp.bench.engine_step")
+    return benchmark_main(config, "lightning_ddp.bench.engine_step", argv, measure,
+                          lambda _, __, ___: (Path(config.out_dir) / "engine_step.md").read_text(), write_report)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family beside ``lightning_ddp.memory``'s analytic figures (the measurement; ``memory_report`` the
-report; docs/benchmarks.md the recipe)."""
+data-parallel family beside ``lightning_ddp.memory``'s analytic figures: the measurement, the summary per mode with
+the goals' verdicts, results.md and the plot (docs/benchmarks.md, "Memory benchmark").
+"""
 
 from __future__ import annotations
 
 import gc
-import json
+import io
 import math
 import os
 import platform
@@ -13,25 +14,39 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddp import catalogue
+from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.engine_step import forward_backward
-from lightning_ddp.bench.memory_report import (
-    FSDP2, MODE_LABELS, PLOT_NAME, MiB, family_summary, format_report, summarise_modes, write_memory_plot,
-)
-from lightning_ddp.bench.study import provenance, read_json, spawn_ranks, write_outputs
+from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
+from lightning_ddp.bench.single import run_ranks
+from lightning_ddp.bench.study import markdown_table, provenance, read_json, write_outputs
 from lightning_ddp.files import write_atomically
-from lightning_ddp.local_group import cores_per_rank, init_local_process_group
-from lightning_ddp.memory import FP32, expected_bytes
+from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 
-__all__ = ["MODES", "MemoryBenchConfig", "main", "parse_config", "run", "write_report"]
+__all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "parse_config", "run",
+           "sent_bytes_per_rank", "summarise_modes", "write_memory_plot", "write_report"]
 
+POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
+MiB = 2**20
+FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
+MODE_LABELS: dict[str, str] = {
+    "unsharded": "DDP",
+    "allreduce_broadcast": "ZeRO-1 (all-reduce + broadcast)",
+    "reduce_scatter": "ZeRO-1 (reduce-scatter)",
+    "zero2": "ZeRO-2",
+    FSDP2: "FSDP2",
+}
+"""The measured modes in order (plain AdamW, ZeRO-1 under each schedule, ZeRO-2, FSDP2), named as in the report."""
 MODES: tuple[str, ...] = tuple(MODE_LABELS)
-"""The measured configurations: plain AdamW, ZeRO-1 under each schedule, ZeRO-2, then torch's FSDP2."""
+ZERO1 = "reduce_scatter"  # the ZeRO-1 schedule of ZeRO-2's step goal (the same communication volume)
+STEP_GOAL = 1.10  # ZeRO-2's step at most 10 % over ZeRO-1's
+BOOTSTRAP_SAMPLES = 2000
+PLOT_NAME = "memory_vs_step_time.png"
 
 
 @dataclass
@@ -55,7 +70,7 @@ class MemoryBenchConfig:
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
-    """Process-group backend; default gloo on CPU, NCCL on CUDA."""
+    """Process-group backend; default (null) gloo on CPU, NCCL on CUDA."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
     grad_sync: str = catalogue.DEFAULT_ENGINE
@@ -96,13 +111,10 @@ class MemoryBenchConfig:
             raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
+        self.backend = self.backend or ("nccl" if self.accelerator == "cuda" else "gloo")
         if self.grad_sync not in catalogue.names(engines_only=True):
             raise ValueError(f"{self.grad_sync!r} is not one of our engines; choose from "
                              f"{', '.join(catalogue.names(engines_only=True))} (--grad_sync)")
-
-
-def resolved_backend(config: MemoryBenchConfig) -> str:
-    return config.backend or ("nccl" if config.accelerator == "cuda" else "gloo")
 
 
 def _current_rss_bytes() -> int | None:
@@ -116,14 +128,9 @@ def _current_rss_bytes() -> int | None:
 
 def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
     """Bytes of distinct tensors (by data pointer), optionally only those on ``device``'s type."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if t is None or t.data_ptr() in seen or (device is not None and t.device.type != device.type):
-            continue
-        seen.add(t.data_ptr())
-        total += t.nbytes
-    return total
+    distinct = {t.data_ptr(): t.nbytes for t in tensors
+                if t is not None and (device is None or t.device.type == device.type)}
+    return sum(distinct.values())
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -214,15 +221,10 @@ def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Mo
 
 
 def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
-    """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's unsharded parameters and gradients
-    (one group per block, the root the rest; ``shard``), gathered while that group's backward runs."""
-    from lightning_ddp.strategies.fsdp2 import DEFAULT_SHARD_MODULES, modules_to_shard
-
-    blocks, _ = modules_to_shard(model, DEFAULT_SHARD_MODULES)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    groups = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    groups.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
-    return 2 * FP32 * max(groups)
+    """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's (a block's or the root's) unsharded
+    parameters and gradients, gathered while that group's backward runs (``lightning_ddp.memory``'s model)."""
+    root, block = fsdp2_groups(model.config)
+    return 2 * FP32 * max(block, root)
 
 
 def _paused_snapshot(snapshot: Callable[[], dict[str, Any]], device: torch.device) -> tuple[dict[str, Any], float]:
@@ -314,26 +316,231 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rank_main(rank: int, world_size: int, port: int, config: MemoryBenchConfig, modes: list[str],
-               result_file: str) -> None:
-    cuda = config.accelerator == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
-    init_local_process_group(rank, world_size, port, resolved_backend(config),
-                             threads=None if cuda else cores_per_rank(world_size))
-    try:
-        results = [_measure_mode(mode, config, device, rank) for mode in modes]
-        gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(results, gathered, dst=0)
-        if rank == 0:
-            write_atomically(Path(result_file), json.dumps(gathered))
-        # Both ranks done with the group before either tears it down: a rank destroying it while its peer's gloo
-        # thread still holds the pair aborted ("terminate called without an active exception", SIGABRT) under load.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes: list[str]) -> list[Any] | None:
+    """Every mode on this rank; on rank 0, every rank's results (``[rank][mode index]``)."""
+    device = torch.device("cuda", rank) if config.accelerator == "cuda" else torch.device("cpu")
+    results = [_measure_mode(mode, config, device, rank) for mode in modes]
+    gathered: list[Any] = [None] * world_size if rank == 0 else None  # type: ignore[assignment]
+    dist.gather_object(results, gathered, dst=0)
+    return gathered
+
+
+def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
+    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md)."""
+    n = world_size
+    all_reduce = 2 * (n - 1) / n * param_bytes
+    one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
+    return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
+            "zero2": 2 * one_way, FSDP2: 3 * one_way}[mode]
+
+
+def _largest(values: Iterable[int | None]) -> int | None:
+    """The largest of the values that are not None (None if none is)."""
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def summarise_modes(
+    modes: Sequence[str], world_size: int, per_mode: list[list[dict[str, Any]]], warmup_steps: int = 1,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``modes[m]``); docs/benchmarks.md
+    lists what it holds."""
+    summaries = []
+    for mode, ranks in zip(modes, per_mode):
+        matches = True
+        for entry in ranks:
+            full = entry["expected"]
+            # Before any step: parameters only (AdamW allocates its state lazily, .grad is None).
+            entry["expected_at"] = {
+                "setup": {"parameters": full["parameters"], "gradients": 0, "optimizer_state": 0},
+                "before_step": full,
+                "after_step": full,
+            }
+            for point in POINTS:
+                snap = entry["snapshots"][point]
+                for key, value in entry["expected_at"][point].items():
+                    matches &= snap[key] == value
+            # the measured peak: the largest max_allocated (CUDA) or max_rss (CPU) of the snapshots
+            entry["peak"] = _largest(snap.get("max_allocated", snap.get("max_rss"))
+                                     for snap in entry["snapshots"].values())
+            entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
+        summary = {"mode": mode, "ranks": ranks, "warmup_steps": warmup_steps}
+        step = estimate([_measured_steps(summary)], BOOTSTRAP_SAMPLES, seed, key=mode)
+        full_parameters = ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"])
+        summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
+                          "matches_expected": matches,
+                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, world_size, mode)})
+    return summaries
+
+
+def _most_loaded(mode: dict[str, Any], key: str) -> int | None:
+    """The largest of ``key`` over the mode's ranks (a snapshot category at ``before_step``, or a rank's entry)."""
+    return _largest(r["snapshots"]["before_step"][key] if key in r["snapshots"]["before_step"] else r.get(key)
+                    for r in mode["ranks"])
+
+
+def _measured_steps(mode: dict[str, Any]) -> list[float]:
+    """Rank 0's step times (already the max over ranks) after the warm-up."""
+    return mode["ranks"][0]["step_ms"][mode.get("warmup_steps", 1):]
+
+
+def family_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The data-parallel family's table (``rows``: one per measured mode, the most loaded rank's bytes, measured and
+    expected) and the goals (``goals``), from ``results`` with ``config`` and summarised ``modes``."""
+    config = results["config"]
+    modes = {m["mode"]: m for m in results["modes"]}
+    seed = config.get("seed", 0)
+    rows = []
+    for name, mode in modes.items():
+        row: dict[str, Any] = {"mode": name, "label": MODE_LABELS.get(name, name), "step_ms": mode["step_ms"]}
+        for key in ("parameters", "gradients", "optimizer_state"):
+            row[key] = _most_loaded(mode, key)
+            row[f"expected_{key}"] = max(r["expected"][key] for r in mode["ranks"])
+        row["peak"] = _most_loaded(mode, "peak")
+        row["expected_peak"] = max(r["expected_peak"] for r in mode["ranks"])
+        if ZERO1 in modes:
+            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], BOOTSTRAP_SAMPLES,
+                                   seed, keys=(name, ZERO1))
+            row["step_ratio_to_zero1"] = asdict(ratio)
+        rows.append(row)
+    return {"rows": rows, "goals": _goals(config, modes, {row["mode"]: row for row in rows})}
+
+
+def _goals(config: dict[str, Any], modes: dict[str, dict[str, Any]],
+           rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The two goals' verdicts; the step goal reads ZeRO-2's row (its ratio to ZeRO-1 is bootstrapped there)."""
+    n = config["devices"]
+    gradients: dict[str, Any] = {"goal": "ZeRO-2 gradients per rank <= DDP's / N + one bucket",
+                                 "verdict": "not measurable"}
+    if "zero2" in modes and "unsharded" in modes:
+        full = _most_loaded(modes["unsharded"], "gradients")
+        cap = config.get("bucket_size_mb")
+        bucket = full if cap is None else min(int(cap * MiB), full)  # null: one bucket of every gradient
+        target = full / n + bucket
+        measured = _most_loaded(modes["zero2"], "gradients")
+        gradients.update(measured_MiB=measured / MiB, target_MiB=target / MiB,
+                         verdict="met" if measured <= target else "missed")
+    step: dict[str, Any] = {"goal": f"ZeRO-2 step time / ZeRO-1's ({ZERO1}) <= {STEP_GOAL:.2f}",
+                            "verdict": "not measurable"}
+    if "zero2" in modes and ZERO1 in modes:
+        ratio = rows["zero2"]["step_ratio_to_zero1"]
+        step.update(ratio=ratio, target=STEP_GOAL, verdict=verdict((ratio["lo"], ratio["hi"]), STEP_GOAL))
+    return [gradients, step]
+
+
+def _tensors(snapshot: dict[str, Any]) -> int:
+    return snapshot["parameters"] + snapshot["gradients"] + snapshot["optimizer_state"]
+
+
+def _mib(value: int | float | None) -> str:
+    return "" if value is None else f"{value / MiB:,.2f}"
+
+
+def _interval(value: dict[str, float] | None, fmt: str) -> str:
+    return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
+
+
+def _family_lines(results: dict[str, Any]) -> list[str]:
+    config = results["config"]
+    family = results.get("family") or family_summary(results)
+    rows = [[row["label"], *(f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
+                             for k in ("parameters", "gradients", "optimizer_state", "peak")),
+             _interval(row["step_ms"], ",.1f"), _interval(row.get("step_ratio_to_zero1"), ".3f")]
+            for row in family["rows"]]
+    goals = []
+    for goal in family["goals"]:
+        if "ratio" in goal:
+            measured, target = _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
+        elif "measured_MiB" in goal:
+            measured, target = f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
+        else:
+            measured = target = ""
+        goals.append([goal["goal"], measured, target, f"**{goal['verdict']}**"])
+    return [
+        "## The data-parallel family",
+        "",
+        f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
+        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
+        "",
+        *markdown_table(["mode", "parameters", "gradients", "optimizer state", "peak", "step ms",
+                         "step / ZeRO-1 (reduce-scatter)"], rows),
+        "",
+        *markdown_table(["goal", "measured", "target", "verdict"], goals, "lrrl"),
+    ]
+
+
+def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
+    """Peak memory per rank (the most loaded rank, MiB) against step time (median, 95 % interval as error bars), one
+    labelled point per mode; a PNG written atomically. Needs matplotlib (the study's plots only)."""
+    from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
+
+    config = results["config"]
+    rows = (results.get("family") or family_summary(results))["rows"]
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for row in rows:
+        step, peak = row["step_ms"], row["peak"]
+        if peak is None or not all(math.isfinite(step[k]) for k in ("point", "lo", "hi")):
+            continue
+        ax.errorbar([step["point"]], [peak / MiB], xerr=[[step["point"] - step["lo"]], [step["hi"] - step["point"]]],
+                    fmt="o", capsize=4, label=row["label"])
+        ax.annotate(row["label"], (step["point"], peak / MiB), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.set_xlabel("step time, ms (median, 95 % interval)")
+    ax.set_ylabel("peak memory per rank, MiB" + (" (max allocated)" if config["accelerator"] == "cuda"
+                                                 else " (peak RSS)"))
+    ax.set_title(f"{config['preset']}, {config['devices']} ranks, {config['accelerator']}")
+    ax.grid(alpha=0.3)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return write_atomically(path, buffer.getvalue())
+
+
+def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """One mode's snapshots and the communication per step: a row per rank and point."""
+    cuda = config["accelerator"] == "cuda"
+    memory = ["allocated", "max_allocated", "reserved", "max_reserved", "rest"] if cuda else ["rss", "rest"]
+    rows = []
+    for per_rank in mode["ranks"]:
+        for point in POINTS:
+            snap = per_rank["snapshots"][point]
+            rows.append([per_rank["rank"], point, _mib(snap["parameters"]), _mib(snap["gradients"]),
+                         _mib(snap["optimizer_state"]), _mib(_tensors(snap)),
+                         _mib(sum(per_rank["expected_at"][point].values())), *(_mib(snap[k]) for k in memory),
+                         _mib(per_rank["comm_bytes_recorded"])])
+    header = ["rank", "point", "parameters", "gradients", "optimizer state", "tensors", "expected",
+              *(["allocated", "max allocated", "reserved", "max reserved", "rest"] if cuda else ["RSS", "rest"]),
+              "recorded comm MiB/step"]
+    return [
+        "",
+        f"## {mode['mode']}",
+        "",
+        f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
+        f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
+        f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
+        f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
+        "",
+        *markdown_table(header, rows, "rl" + "r" * (len(header) - 2)),
+    ]
+
+
+def format_report(results: dict[str, Any]) -> str:
+    """``results.md``: the family's table and goals, then one table per mode (a row per rank and point)."""
+    config, env = results["config"], results["environment"]
+    lines = [
+        f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
+        f"{config['accelerator']}",
+        "",
+        f"torch {env['torch']}, {env['device']}, {env['cpu_count']} CPUs, backend {env['backend']}; batch "
+        f"{config['batch_size']} x {config['seq_len']} tokens per rank, {config['steps']} steps per mode, engine "
+        f"{config['grad_sync']}, each mode in {'fresh' if config['separate_processes'] else 'shared'} processes. "
+        "Bytes are MiB (2^20); the columns are defined in docs/benchmarks.md, \"Reading the memory report\".",
+        "",
+        *_family_lines(results),
+    ]
+    for mode in results["modes"]:
+        lines += _mode_lines(mode, config)
+    return "\n".join(lines) + "\n"
 
 
 def run(config: MemoryBenchConfig) -> dict[str, Any]:
@@ -347,13 +554,14 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
     batches = [[mode] for mode in config.modes] if config.separate_processes else [list(config.modes)]
     per_mode = []
     for modes in batches:
-        per_rank = spawn_ranks(_rank_main, config.devices, config, modes)  # [rank][mode index] -> one rank's result
+        per_rank = run_ranks(config.devices, _measure_ranks, config, modes, backend=config.backend,
+                             cuda=config.accelerator == "cuda")  # [rank][mode index] -> one rank's result
         per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     cuda = config.accelerator == "cuda" and torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
     # results.json's environment: the study's provenance, the device, CPUs and backend
     environment = provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
-                             cuda=torch.version.cuda if cuda else None, backend=resolved_backend(config),
+                             cuda=torch.version.cuda if cuda else None, backend=config.backend,
                              world_size=config.devices)
     results = {"config": asdict(config), "environment": environment,
                "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,

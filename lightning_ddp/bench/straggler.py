@@ -6,18 +6,18 @@ intervals and the goals' verdicts; docs/benchmarks.md states the goals.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.stats import Estimate, estimate, interval_text, verdict
-from lightning_ddp.bench.study import (
-    command_text, csv_text, load_average, markdown_table, per_repeat, provenance, read_csv, read_json, run_study,
-    step_rows, write_outputs,
+from lightning_ddp.bench.single import (
+    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
 )
+from lightning_ddp.bench.stats import Estimate, estimate, verdict
+from lightning_ddp.bench.study import csv_text, load_average, per_repeat, run_study, step_rows
+from lightning_ddp.command_line import parse_dataclass
 
 __all__ = ["StragglerBenchConfig", "main", "summarize_cell"]
 
@@ -33,45 +33,31 @@ COLUMNS: tuple[str, ...] = (
 )
 """The columns of results.csv, in order."""
 
+_INTERVALS = (("wait_ms", "comm/wait_ms"), ("transfer_ms", "comm/transfer_ms"), ("lag_ms", "straggler/lag_ms"))
+"""The results' columns written with their interval, and the metric each estimates."""
+
 
 @dataclass
-class StragglerBenchConfig:
+class StragglerBenchConfig(StudyConfig):
     """What ``python -m lightning_ddp.bench.straggler`` runs (``configs/straggler/bench.yaml``)."""
 
-    fit_config: str = "configs/quickstart.yaml"
-    """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
     strategies: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, "ddp"])
     """Values for ``--trainer.strategy``: registered names (``bucketed_ddp``, ``ddp`` ...)."""
     delays_ms: list[float] = field(default_factory=lambda: [0.0, 5.0, 20.0, 50.0])
     """SlowRank delays; 0 runs without SlowRank (the control)."""
     slow_rank: int = 1
     """The rank that sleeps."""
-    repeats: int = 3
-    """Runs per (strategy, delay), each in fresh processes."""
-    steps: int = 40
-    """Optimizer steps per run."""
-    warmup_steps: int = 5
-    """Steps per run left out (``--timer.warmup_steps``)."""
-    fit_args: list[str] = field(default_factory=list)
-    """More arguments for every fit, e.g. ``["--data.source", "synthetic"]``."""
     tolerance_ms: float = 3.0
     """Goal: the median wait within delay +- this."""
     straggler_share: float = 0.9
     """Goal: the slow rank named in at least this share of the steps."""
     idle_wait_ms: float = 2.0
     """Goal: without a delay, the median wait below this."""
-    timeout_s: float = 600.0
-    """Seconds per run before it is killed and the benchmark fails."""
-    bootstrap_samples: int = 2000
-    """Draws of every interval."""
-    seed: int = 0
-    """Seed of the bootstrap."""
-    report_only: bool = False
-    """Measure nothing: rebuild results.md from ``out_dir``'s results.csv and environment.json."""
     out_dir: str = "logs/straggler"
     """Where results.csv, steps.csv, results.md and environment.json go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.strategies:
             raise ValueError(f"strategies is empty; e.g. --strategies '[{catalogue.DEFAULT_ENGINE}, ddp]'")
         if not self.delays_ms or any(not (d >= 0) for d in self.delays_ms):
@@ -79,19 +65,12 @@ class StragglerBenchConfig:
         if 0 not in self.delays_ms:
             raise ValueError(f"delays_ms {self.delays_ms} has no 0: the transfer goal compares with the no-delay runs; "
                              "add 0")
-        for name in ("repeats", "steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         if self.slow_rank < 0:
             raise ValueError(f"slow_rank must be a rank >= 0, got {self.slow_rank}; e.g. --slow_rank 1")
 
 
 def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
-    arguments = ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
-                 "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
-                 "--trainer.enable_progress_bar", "false"]
+    arguments = fit_arguments_of(config, strategy)
     if delay_ms > 0:
         arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",
                       str(config.slow_rank), "--trainer.callbacks.delay_ms", f"{delay_ms:g}"]
@@ -138,44 +117,32 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
         "wait_goal": "", "straggler_goal": "", "transfer_goal": "",
         "load_avg_1m": load_average(),
     }
-    for name, key in (("wait_ms", "comm/wait_ms"), ("transfer_ms", "comm/transfer_ms"), ("lag_ms", "straggler/lag_ms")):
+    for name, key in _INTERVALS:
         value = estimates[key]
         row.update({name: value.point, f"{name}_lo": value.lo, f"{name}_hi": value.hi})
     _goals(config, row, estimates["comm/wait_ms"], control)
     return {column: row[column] for column in COLUMNS}
 
 
-def _table_row(row: dict[str, Any]) -> list[str]:
-    share = row["straggler_share"]
-    return [row["strategy"], f"{row['delay_ms']:g}",
-            *(interval_text(row[name], row[f"{name}_lo"], row[f"{name}_hi"], ".2f")
-              for name in ("wait_ms", "transfer_ms", "lag_ms")),
-            interval_text(row["rank_spread_ms"], spec=".2f"),
-            "-" if not math.isfinite(share) else format(share, ".0%"),
-            interval_text(row["step_ms"], spec=".1f"),
-            row["wait_goal"] or "-", row["straggler_goal"] or "-", row["transfer_goal"] or "-"]
-
-
 def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
     """results.md: the table with intervals and the goals' verdicts."""
-    header = ["strategy", "delay ms", "comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms", "step/rank_spread_ms",
-              f"straggler = rank {config.slow_rank}", "step ms", "wait goal", "straggler goal", "transfer goal"]
-    lines = [
+    columns = [Column("strategy", text_cell("strategy"), "l"), Column("delay ms", text_cell("delay_ms", "g")),
+               *(Column(key, interval_cell(name, ".2f")) for name, key in _INTERVALS),
+               Column("step/rank_spread_ms", interval_cell("rank_spread_ms", ".2f")),
+               Column(f"straggler = rank {config.slow_rank}", interval_cell("straggler_share", ".0%")),
+               Column("step ms", interval_cell("step_ms", ".1f")),
+               *(Column(goal.replace("_", " "), text_cell(goal), "l")
+                 for goal in ("wait_goal", "straggler_goal", "transfer_goal"))]
+    return "\n".join([
         "# Who made the step wait: an injected straggler", "",
         f"`SlowRank(rank={config.slow_rank}, delay_ms=D)` on {config.fit_config} (2 ranks), {config.repeats} repeat(s) "
         f"x {config.steps - config.warmup_steps} measured steps per row (after {config.warmup_steps} warm-up). "
         "Pooled medians of rank 0's per-step metrics [95 % interval, hierarchical bootstrap over repeats then steps].",
-        "",
-        *markdown_table(header, map(_table_row, rows), "lrrrrrrrlll"),
-        "",
+        "", *table(columns, rows), "",
         f"Goals (docs/benchmarks.md, \"Straggler benchmark\"): wait within +-{config.tolerance_ms:g} ms of the delay, "
         f"straggler named in >= {config.straggler_share:.0%} of the steps, transfer inside the no-delay interval; "
-        f"without a delay, wait below {config.idle_wait_ms:g} ms.",
-        "",
-        f"Command: `{command}`",
-        "",
-    ]
-    return "\n".join(lines)
+        f"without a delay, wait below {config.idle_wait_ms:g} ms.", "",
+        f"Command: `{command}`", ""])
 
 
 def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
@@ -197,38 +164,14 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, 
                   for (strategy, delay), repeats in runs.items() for repeat, steps in enumerate(repeats)
                   for row in steps]
     step_columns = list(dict.fromkeys(key for row in step_table for key in row))
-    write_outputs(config.out_dir, {
-        "results.csv": csv_text(rows, COLUMNS, digits=4),
-        "steps.csv": csv_text(step_table, step_columns, digits=4),
-        "results.md": render_markdown(config, rows, command),
-        "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config)),
-    })
-    return rows
-
-
-def write_report(config: StragglerBenchConfig) -> list[dict[str, Any]]:
-    """results.md rebuilt from ``config.out_dir``'s results.csv and environment.json (nothing measured)."""
-    out = Path(config.out_dir)
-    recorded = read_json(out / "environment.json")
-    settings = {**recorded["config"], "report_only": False}
-    text = ("strategy", "wait_goal", "straggler_goal", "transfer_goal")  # the rest are numbers (empty: NaN)
-    rows = [{key: value if key in text else float(value) if value != "" else math.nan for key, value in row.items()}
-            for row in read_csv(out / "results.csv")]
-    write_outputs(out, {"results.md": render_markdown(StragglerBenchConfig(**settings), rows,
-                                                      recorded["command_line"])})
+    write_results(config, command, rows, COLUMNS, render_markdown(config, rows, command),
+                  {"steps.csv": csv_text(step_table, step_columns, digits=4)})
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    from lightning_ddp.command_line import parse_dataclass
-
     config = parse_dataclass(StragglerBenchConfig, argv, prog="python -m lightning_ddp.bench.straggler")
-    if config.report_only:
-        return write_report(config)
-    command = command_text("lightning_ddp.bench.straggler", argv)
-    rows = run_benchmark(config, command)
-    print(render_markdown(config, rows, command))
-    return rows
+    return benchmark_main(config, "lightning_ddp.bench.straggler", argv, run_benchmark, render_markdown)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,23 @@
 """What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every Nth step,
-alternated in one command (``python -m lightning_ddp.bench.timer_overhead --config configs/quickstart.yaml``).
-Arguments after ``--`` go to every fit; docs/benchmarks.md says how the step times are taken.
+alternated in one command (``python -m lightning_ddp.bench.timer_overhead --fit_config configs/quickstart.yaml``);
+docs/benchmarks.md says how the step times are taken.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
 
-from lightning_ddp.bench.config import fit_arguments
-from lightning_ddp.bench.stats import interval_text, pooled_median, ratio_estimate, verdict
-from lightning_ddp.bench.study import command_text, markdown_table, provenance, read_json, run_study, write_outputs
+from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, table, text_cell
+from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
+from lightning_ddp.bench.study import provenance, read_json, run_study, write_outputs
+from lightning_ddp.command_line import parse_dataclass
 
 
 class StepWallTimes(Callback):
@@ -49,11 +49,30 @@ class StepWallTimes(Callback):
             path.write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
 
 
-SAMPLED_EVERY = 50
-"""The sampled arm's ``every_n_steps`` by default (Lightning's default ``log_every_n_steps``)."""
-
 EVERY_STEP = "every step"
 """The arm the top-level keys of the result describe (the timer as the benchmarks run it)."""
+
+
+@dataclass
+class TimerOverheadConfig(StudyConfig):
+    """What ``python -m lightning_ddp.bench.timer_overhead`` runs."""
+
+    repeats: int = 4
+    """Rounds of the arms (the interval needs several)."""
+    steps: int = 110
+    """Optimizer steps per run (110: the every-50 arm measures steps 0, 50 and 100)."""
+    warmup_steps: int = 5
+    """Steps per run left out of the median."""
+    sampled_every: int = 50
+    """The sampled arm's ``--timer.every_n_steps`` (Lightning's default ``log_every_n_steps``; run at least twice
+    as many steps)."""
+    out_dir: str = "logs/timer_overhead"
+    """Where timer_overhead.json and .md go (logs/ is git-ignored)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sampled_every < 2:
+            raise ValueError(f"sampled_every must be >= 2 (1 is the every-step arm already), got {self.sampled_every}")
 
 
 def arms(sampled_every: int) -> dict[str, list[str]]:
@@ -65,69 +84,62 @@ def arms(sampled_every: int) -> dict[str, list[str]]:
     }
 
 
-def measure(config: str, steps: int, warmup: int, repeats: int, extra: list[str],
-            sampled_every: int = SAMPLED_EVERY) -> dict:
-    """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) and the settings."""
+def measure(config: TimerOverheadConfig, command: str) -> dict:
+    """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) with the settings, written with
+    its report to ``out_dir``."""
     cells = {f"timer {arm}": [
-        "--config", config, *extra, "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
-        *timer_args,
+        "--config", config.fit_config, *config.fit_args, "--trainer.max_steps", str(config.steps),
+        "--trainer.enable_progress_bar", "false", *timer_args,
         # No validation inside the measured window (the quickstart validates at step 40).
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
-    ] for arm, timer_args in arms(sampled_every).items()}
-    logs = run_study(cells, repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()))
-    measured = {arm: logs[f"timer {arm}"] for arm in arms(sampled_every)}
-    runs = {arm: [m["steps_ms"][warmup:] for m in runs] for arm, runs in measured.items()}  # measured steps
+    ] for arm, timer_args in arms(config.sampled_every).items()}
+    logs = run_study(cells, config.repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()),
+                     timeout_s=config.timeout_s)
+    measured = {arm: logs[f"timer {arm}"] for arm in arms(config.sampled_every)}
+    runs = {arm: [m["steps_ms"][config.warmup_steps:] for m in runs] for arm, runs in measured.items()}
     windows = {arm: [m["window_ms"] / len(m["steps_ms"]) for m in runs] for arm, runs in measured.items()}
-    return summarize(runs, windows) | {"config": config, "extra_args": extra, "steps": steps, "warmup": warmup,
-                                       "repeats": repeats, "sampled_every": sampled_every}
+    result = provenance(config.out_dir, **summarize(runs, windows, config.bootstrap_samples, config.seed),
+                        config=asdict(config), repeats=config.repeats, steps=config.steps,
+                        warmup=config.warmup_steps, command=command)
+    write_outputs(config.out_dir, {"timer_overhead.json": result})
+    return write_report(config)
 
 
 GOAL = 0.02
 """The timer may add at most 2 % to the median step."""
 
 
-def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]], samples: int = 2000) -> dict:
+def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]], samples: int = 2000,
+              seed: int = 0) -> dict:
     """Per arm other than ``off`` (under ``arms``; the ``every step`` arm's also at the top level): its overhead
     ``median(arm) / median(off) - 1`` with a 95 % interval and its verdict against the 2 % goal, and the same ratio
     of the whole runs' mean steps (``windows``, no interval)."""
-    off = pooled_median(runs["off"])
-    mean_off = statistics.mean(windows["off"])
-    per_arm: dict[str, dict] = {"off": {"median_step_ms": off, "window_mean_step_ms": mean_off,
-                                        "steps_measured": sum(map(len, runs["off"]))}}
-    for arm in runs:
-        if arm == "off":
-            continue
-        ratio = ratio_estimate(runs[arm], runs["off"], samples, seed=0, keys=(f"timer {arm}", "timer off"))
-        mean_on = statistics.mean(windows[arm])
-        per_arm[arm] = {
-            "median_step_ms": pooled_median(runs[arm]), "overhead": ratio.point - 1, "overhead_lo": ratio.lo - 1,
-            "overhead_hi": ratio.hi - 1, "verdict": verdict(ratio, 1 + GOAL), "window_mean_step_ms": mean_on,
-            "window_overhead": mean_on / mean_off - 1, "steps_measured": sum(map(len, runs[arm])),
-        }
+    per_arm: dict[str, dict] = {}
+    for arm, steps in runs.items():  # off first: every other arm is divided by it
+        mean = statistics.mean(windows[arm])
+        per_arm[arm] = {"median_step_ms": pooled_median(steps), "window_mean_step_ms": mean,
+                        "steps_measured": sum(map(len, steps))}
+        if arm != "off":
+            ratio = ratio_estimate(steps, runs["off"], samples, seed=seed, keys=(f"timer {arm}", "timer off"))
+            per_arm[arm].update(overhead=ratio.point - 1, overhead_lo=ratio.lo - 1, overhead_hi=ratio.hi - 1,
+                                verdict=verdict(ratio, 1 + GOAL),
+                                window_overhead=mean / per_arm["off"]["window_mean_step_ms"] - 1)
     every = per_arm[EVERY_STEP]
-    return {
-        "median_step_ms_timer_off": off, "median_step_ms_timer_on": every["median_step_ms"],
-        "overhead": every["overhead"], "overhead_lo": every["overhead_lo"], "overhead_hi": every["overhead_hi"],
-        "verdict": every["verdict"], "window_mean_step_ms_timer_off": mean_off,
-        "window_mean_step_ms_timer_on": every["window_mean_step_ms"], "window_overhead": every["window_overhead"],
-        "steps_measured": {arm: data["steps_measured"] for arm, data in per_arm.items()},
-        "arms": per_arm,
-    }
+    return {**{f"{key}_timer_{state}": per_arm[arm][key] for key in ("median_step_ms", "window_mean_step_ms")
+               for state, arm in (("off", "off"), ("on", EVERY_STEP))},
+            **{key: every[key] for key in ("overhead", "overhead_lo", "overhead_hi", "verdict", "window_overhead")},
+            "steps_measured": {arm: data["steps_measured"] for arm, data in per_arm.items()}, "arms": per_arm}
 
 
 def format_table(result: dict) -> str:
     """A markdown table: per arm its median step and, against ``off``, the ratio with its interval and verdict."""
-    rows = []
-    for arm, data in result["arms"].items():
-        if arm == "off":
-            rows.append(["off", f"{data['median_step_ms']:.2f}", "", "", f"{data['window_mean_step_ms']:.2f}", ""])
-            continue
-        overhead = interval_text(data["overhead"], data["overhead_lo"], data["overhead_hi"], "+.2f", 100, " %")
-        rows.append([arm, f"{data['median_step_ms']:.2f}", overhead, data["verdict"],
-                     f"{data['window_mean_step_ms']:.2f}", f"{data['window_overhead'] * 100:+.2f} %"])
-    header = ["timer", "median step ms", "vs off [95 %]", "goal < 2 %", "whole-run mean step ms", "vs off"]
-    return "\n".join(markdown_table(header, rows, "lrllrr"))
+    columns = [Column("timer", text_cell("arm"), "l"), Column("median step ms", text_cell("median_step_ms", ".2f")),
+               Column("vs off [95 %]", interval_cell("overhead", "+.2f", scale=100, unit=" %"), "l"),
+               Column(f"goal < {GOAL:.0%}", text_cell("verdict"), "l"),
+               Column("whole-run mean step ms", text_cell("window_mean_step_ms", ".2f")),
+               Column("vs off", interval_cell("window_overhead", "+.2f", scale=100, unit=" %"))]
+    return "\n".join(table(columns, [{"arm": arm, **data} for arm, data in result["arms"].items()]))
 
 
 def summary_line(result: dict) -> str:
@@ -140,45 +152,18 @@ def summary_line(result: dict) -> str:
             "step)")
 
 
-def write_report(out: Path, result: dict) -> None:
-    """timer_overhead.json and .md in ``out`` (``result`` with its ``command``)."""
-    write_outputs(out, {"timer_overhead.json": result,
-                        "timer_overhead.md": f"{summary_line(result)}\n\n{format_table(result)}\n\n"
-                                             f"Command: `{result['command']}`\n"})
+def write_report(config: TimerOverheadConfig) -> dict:
+    """timer_overhead.md from ``out_dir``'s timer_overhead.json; returns the result."""
+    result = read_json(Path(config.out_dir) / "timer_overhead.json")
+    write_outputs(config.out_dir, {"timer_overhead.md": f"{summary_line(result)}\n\n{format_table(result)}\n\n"
+                                                        f"Command: `{result['command']}`\n"})
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="python -m lightning_ddp.bench.timer_overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/quickstart.yaml", help="the fit config to time")
-    parser.add_argument("--steps", type=int, default=110,
-                        help="optimizer steps per run (110: the every-50 arm measures steps 0, 50 and 100)")
-    parser.add_argument("--warmup", type=int, default=5, help="steps per run left out of the median")
-    parser.add_argument("--repeats", type=int, default=4, help="rounds of the arms (the interval needs several)")
-    parser.add_argument("--sampled_every", type=int, default=SAMPLED_EVERY,
-                        help="the sampled arm's --timer.every_n_steps (run at least twice as many --steps)")
-    parser.add_argument("--out", default=None, help="directory for timer_overhead.json and .md")
-    parser.add_argument("--report_only", action="store_true",
-                        help="measure nothing: rebuild timer_overhead.md from --out's timer_overhead.json")
-    parser.add_argument("fit_args", nargs=argparse.REMAINDER,
-                        help="after `--`: arguments for every `python -m lightning_ddp fit` run, e.g. "
-                             "`-- --trainer.accelerator cuda`")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        if not args.out:
-            parser.error("--report_only needs --out (the directory of timer_overhead.json)")
-        result = read_json(Path(args.out) / "timer_overhead.json")
-        write_report(Path(args.out), result)
-        return result
-    if args.sampled_every < 2:
-        raise ValueError(f"--sampled_every must be >= 2 (1 is the every-step arm already), got {args.sampled_every}")
-    extra = fit_arguments(args.fit_args)
-    result = measure(args.config, args.steps, args.warmup, args.repeats, extra, args.sampled_every)
-    print(summary_line(result))
-    print(format_table(result))
-    if args.out:
-        command = command_text("lightning_ddp.bench.timer_overhead", argv)
-        write_report(Path(args.out), provenance(args.out, **result, command=command))
-    return result
+    config = parse_dataclass(TimerOverheadConfig, argv, prog="python -m lightning_ddp.bench.timer_overhead")
+    return benchmark_main(config, "lightning_ddp.bench.timer_overhead", argv, measure,
+                          lambda _, result, __: summary_line(result) + "\n" + format_table(result), write_report)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,9 @@ def test_the_readme_example_measures_a_plain_module_through_our_strategy_name(tm
 def test_the_timer_overhead_benchmark_runs_its_three_arms(tmp_path: Path) -> None:
     from lightning_ddp.bench.timer_overhead import main
 
-    result = main(["--steps", "5", "--warmup", "1", "--repeats", "1", "--sampled_every", "2", "--out", str(tmp_path),
-                   "--", "--trainer.devices", "1", "--model.context_length", "32", "--data.seq_len", "32",
-                   "--data.batch_size", "2"])
+    result = main(["--steps", "5", "--warmup_steps", "1", "--repeats", "1", "--sampled_every", "2", "--out_dir",
+                   str(tmp_path), "--fit_args", '["--trainer.devices", "1", "--model.context_length", "32", '
+                   '"--data.seq_len", "32", "--data.batch_size", "2"]'])
     assert list(result["arms"]) == ["off", "every step", "every 2 steps"]
     assert result["steps_measured"] == {"off": 3, "every step": 3, "every 2 steps": 3}  # 5 steps: 4 deltas - 1
     table = (tmp_path / "timer_overhead.md").read_text()

@@ -132,9 +132,10 @@ def test_the_command_writes_advice_json_and_md(tmp_path: Path, capsys: pytest.Ca
 def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
     from lightning_ddp.bench import advice as bench
     from lightning_ddp.bench.study import csv_text, write_outputs
+    from lightning_ddp.command_line import parse_dataclass
 
-    config = bench.parse_dataclass(bench.AdviceBenchConfig, ["--config", str(REPO / "configs/advice/cpu.yaml")],
-                                   prog="check")
+    config = parse_dataclass(bench.AdviceBenchConfig, ["--config", str(REPO / "configs/advice/cpu.yaml")],
+                             prog="check")
     assert len(config.starts) == 6 and config.tolerance == 0.10
     config.out_dir, config.bootstrap_samples = str(tmp_path), 200
     steps = [[{"step/time_ms": 100.0 + k % 3} for k in range(10)] for _ in range(2)]
@@ -148,5 +149,5 @@ def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
     markdown = bench.render_markdown(config, [row, keep], "cmd")
     write_outputs(tmp_path, {"results.csv": csv_text([row, keep], bench.COLUMNS, digits=4), "results.md": markdown,
                              "environment.json": {"config": vars(config), "command_line": "cmd"}})
-    bench.write_report(config)
+    bench.main(["--out_dir", str(tmp_path), "--report_only", "true"])
     assert (tmp_path / "results.md").read_text() == markdown

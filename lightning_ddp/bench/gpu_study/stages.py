@@ -8,6 +8,7 @@ its problems (any makes it ``failed``). Every process a stage starts stops at ``
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -552,9 +553,10 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
     fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
     log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
-    ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--config", "configs/quickstart.yaml",
-                          "--steps", str(overhead["steps"]), "--warmup", str(overhead["warmup"]), "--repeats",
-                          str(ctx.scale.overhead_repeats), "--out", str(stage.resolve()), "--", *fit], log, path)
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--fit_config", "configs/quickstart.yaml",
+                          "--steps", str(overhead["steps"]), "--warmup_steps", str(overhead["warmup"]), "--repeats",
+                          str(ctx.scale.overhead_repeats), "--out_dir", str(stage.resolve()),
+                          "--fit_args", json.dumps(fit)], log, path)
     if ran.data is None:
         return StageResult(files=[ctx.relative(log)], problems=[ran.error or "no timer_overhead.json"])
     data = {**ran.data, "preset": overhead["preset"]}
