@@ -22,8 +22,7 @@ from lightning_ddp.bench.config import (
     REFERENCE, Cell, SweepConfig, cell_command, cell_environments, expand_grid, has_bucket_axis, threads_per_rank,
 )
 from lightning_ddp.bench.launch import (
-    ProcessResult, RankLayout, error_line, find_free_port, is_oom, rank_environments, rank_layout, run_processes,
-    write_command,
+    ProcessResult, RankLayout, error_line, is_oom, rank_environments, rank_layout, run_processes, write_command,
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
@@ -35,6 +34,7 @@ from lightning_ddp.bench.study import (
     LoadCheck, csv_value, interleaved, load_average, provenance, read_json, wait_until_idle, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings
+from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import package_version
 
 RESULTS_CSV = "results.csv"
