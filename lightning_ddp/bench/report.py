@@ -668,60 +668,37 @@ def build_report(
     """results.md of the grid's ``analysis`` with ``bucket_prediction.json``, ``environment.json`` and the
     ``pending`` cell repeats."""
     repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
-    config = (environment or {}).get("config", {})
-    run = config.get("run", {})
-    repeats = run.get("repeats", "?")
+    environment = environment or {}
+    run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
     lines = [f"# Benchmark sweep: {title}", ""]
     if environment:
-        workload = config.get("workload", {})
         device = ", ".join(environment.get("gpus") or []) or environment.get("cpu", {}).get("model", "cpu")
-        cores = environment.get("cpu", {}).get("count", "?")
-        lines += [
-            f"- machine: {device}; {cores} CPU cores; "
-            f"{run.get('devices', '?')} ranks over {environment.get('backend', '?')} ({run.get('accelerator', '?')})",
-            f"- model: preset `{workload.get('preset')}` from `{workload.get('base_config')}` "
-            f"{' '.join(workload.get('cli_args') or [])}".rstrip(),
-            f"- {repeats} repeats per cell, interleaved; each {run.get('warmup_steps', '?')} warm-up + "
-            f"{run.get('steps', '?')} measured steps in fresh processes; torch {environment.get('torch')}, "
-            f"lightning {environment.get('lightning')}, commit {str(environment.get('git_commit') or 'unknown')[:12]}"
-            + (" **with uncommitted changes** (environment.json lists them)" if environment.get("git_dirty") else "")
-            + _resumed_across(environment),
-            "- full configuration, versions and hardware: environment.json; raw data: steps.csv and repeats.csv; "
-            "per-repeat logs: runs/<cell_id>/r<k>/",
-        ]
+        dirty = " **with uncommitted changes**" if environment.get("git_dirty") else ""
+        lines.append(
+            f"- {device}; {environment.get('cpu', {}).get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
+            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset `{workload.get('preset')}` from "
+            f"`{workload.get('base_config')}` {' '.join(workload.get('cli_args') or [])}; torch "
+            f"{environment.get('torch')}, lightning {environment.get('lightning')}, commit "
+            f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}{_resumed_across(environment)}; "
+            f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
+            f"{run.get('steps', '?')} measured steps")
     if repeat_rows:
-        guarded = [r for r in repeat_rows if r.get("busy") is not None and r.get("busy") != ""]
-        if guarded:
-            busy = sum(1 for r in guarded if r["busy"] is True)
-            waited = sum(r.get("waited_s") or 0.0 for r in guarded)
-            threshold = run.get("busy_threshold")
-            rule = (f" (CPUs more than {100 * threshold:.0f} % busy after waiting up to "
-                    f"{run.get('max_wait_s', '?'):g} s)"
-                    if isinstance(threshold, (int, float)) and isinstance(run.get("max_wait_s"), (int, float)) else "")
-            lines.append(f"- load guard: **{busy} of {len(guarded)} cell repeats started on a busy machine**{rule}; "
-                         f"{waited:,.0f} s waited for an idle machine in all")
-        else:
-            lines.append("- load guard: off or unavailable (no /proc/stat): no repeat was checked")
+        guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
+        busy = sum(1 for r in guarded if r["busy"] is True)
+        waited = sum(r.get("waited_s") or 0.0 for r in guarded)
         loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), float)]
-        if loads:
-            lines.append(
-                f"- 1-minute load average after each repeat: {min(loads):.1f} to {max(loads):.1f} on "
-                f"{(environment or {}).get('cpu', {}).get('count', '?')} cores (the repeat's own ranks included)"
-            )
-    if len(lines) > 2:
-        lines.append("")
+        lines.append(
+            f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to {run.get('max_wait_s', '?')} s): "
+            + (f"**{busy} of {len(guarded)} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
+            + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
+    lines.append(
+        f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best bucket "
+        "sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How to read "
+        "results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's files\"")
+    lines.append("")
     if pending:
         done = len(repeat_rows)
         lines += [f"> {done} of {done + pending} cell repeats done; rerun the same command to finish the others.", ""]
-    lines += [
-        "## How to read this",
-        "",
-        "Pooled medians over every measured step of a cell's ok repeats; 95 % intervals from "
-        f"{analysis.bootstrap.samples} hierarchical-bootstrap draws (fixed seed). A best bucket size is "
-        "chosen on the *selection* repeats (even indices 0, 2, 4, ...) and measured on the *evaluation* repeats (odd "
-        "indices). The tables and the verdicts: docs/benchmarks.md, \"How to read results\".",
-        "",
-    ]
     lines += ["## Step time and communication share", ""]
     lines += _strategy_tables(analysis)
     lines += _bucket_section(analysis, prediction)
