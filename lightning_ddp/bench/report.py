@@ -676,9 +676,9 @@ def build_report(
         dirty = " **with uncommitted changes**" if environment.get("git_dirty") else ""
         lines.append(
             f"- {device}; {environment.get('cpu', {}).get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
-            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset `{workload.get('preset')}` from "
-            f"`{workload.get('base_config')}` {' '.join(workload.get('cli_args') or [])}; torch "
-            f"{environment.get('torch')}, lightning {environment.get('lightning')}, commit "
+            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
+            f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
+            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning {environment.get('lightning')}, commit "
             f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}{_resumed_across(environment)}; "
             f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
             f"{run.get('steps', '?')} measured steps")
@@ -688,7 +688,8 @@ def build_report(
         waited = sum(r.get("waited_s") or 0.0 for r in guarded)
         loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), float)]
         lines.append(
-            f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to {run.get('max_wait_s', '?')} s): "
+            f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
+            f"{run.get('max_wait_s', '?')} s): "
             + (f"**{busy} of {len(guarded)} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
             + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
     lines.append(
