@@ -678,7 +678,8 @@ def build_report(
             f"- {device}; {environment.get('cpu', {}).get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
             f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
             f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
-            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning {environment.get('lightning')}, commit "
+            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
+            f"{environment.get('lightning')}, commit "
             f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}{_resumed_across(environment)}; "
             f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
             f"{run.get('steps', '?')} measured steps")
