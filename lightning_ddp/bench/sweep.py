@@ -137,42 +137,28 @@ class SubprocessCellRunner:
         return CellOutcome(status, reason, read_json(summary_path), result.wall_s, profile)
 
 
-def repeat_row(
-    cell: Cell,
-    repeat: int,
-    outcome: CellOutcome,
-    model: str | None,
-    accelerator: str,
-    layout: RankLayout,
-    load: LoadCheck | None = None,
-    load_avg: float | None = None,
-    started_at: str = "",
-) -> Row:
-    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran."""
+def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
+    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran: the cell's coordinates, the ``outcome``,
+    the ``load`` guard's check and the sweep's other ``columns`` (model, accelerator, backend, load_avg_1m,
+    started_at; ``None``: empty)."""
     load = load or LoadCheck()
     row: Row = {column: "" for column in REPEAT_COLUMNS}
+    row.update({name: "" if value is None else value for name, value in columns.items()})
     row.update(
+        {name: getattr(cell, name) for name in ("strategy", "batch_size", "context_length", "precision", "world_size")},
         cell_id=cell.id,
         repeat=repeat,
-        strategy=cell.strategy,
         bucket_size_mb=bucket_cell(cell.bucket_size_mb),
         engine_settings=format_settings(cell.settings),
-        batch_size=cell.batch_size,
-        context_length=cell.context_length,
-        precision=cell.precision,
-        model=model or "",
-        world_size=cell.world_size,
-        accelerator=accelerator,
-        backend="" if cell.strategy == REFERENCE else layout.backend,
         status=outcome.status,
         reason=outcome.reason,
         wall_s=round(outcome.wall_s, 1),
         busy_before="" if load.busy_before is None else round(load.busy_before, 3),
         waited_s=round(load.waited_s, 1) if load.busy_before is not None else "",
         busy="" if load.busy is None else str(load.busy).lower(),
-        load_avg_1m="" if load_avg is None else round(load_avg, 2),
-        started_at=started_at,
     )
+    if cell.strategy == REFERENCE:
+        row["backend"] = ""
     if outcome.status == "ok" and outcome.summary:
         row["measured_steps"] = len(measured_step_rows(cell.id, repeat, outcome.summary))
         resolved = (outcome.summary.get("run") or {}).get("bucket_size_mb")
@@ -303,8 +289,8 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             load = guard()
             started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
-            row = repeat_row(cell, k, outcome, config.workload.preset, run.accelerator, layout, load, load_average(),
-                             started_at)
+            row = repeat_row(cell, k, outcome, load, model=config.workload.preset, accelerator=run.accelerator,
+                             backend=layout.backend, load_avg_1m=load_average(), started_at=started_at)
             record(out_dir, repeats, steps, cell, outcome, row, wants_prediction)
             write_results(config, cells, repeats, steps, bootstrap)
             ran.append((cell.id, k))

@@ -321,7 +321,8 @@ def test_a_cells_row_pools_the_measured_steps_of_its_repeats(tmp_path) -> None:
     for k, steps in enumerate([[100.0, 110.0, 120.0, 130.0], [140.0, 150.0, 160.0, 170.0]]):
         outcome = CellOutcome("ok", "", fake_summary(steps, share=0.25), 7.5)
         load = LoadCheck(busy_before=0.5 if k else 0.1, waited_s=30.0 if k else 0.0, busy=bool(k))
-        raw = repeat_row(cell, k, outcome, "tiny", "cpu", CPU_LAYOUT, load, 1.234 + k, "2025-01-01T00:00:00+00:00")
+        raw = repeat_row(cell, k, outcome, load, model="tiny", accelerator="cpu", backend="gloo",
+                         load_avg_1m=round(1.234 + k, 2), started_at="2025-01-01T00:00:00+00:00")
         repeat_rows.append(parse_row({c: "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
                                       for c, v in raw.items()}, REPEAT_COLUMNS))
         step_rows += measured_step_rows(cell.id, k, outcome.summary)
