@@ -331,18 +331,26 @@ class Selection:
 @dataclass(frozen=True)
 class GoalCheck:
     """One performance goal (``goal``, in words) on one group, or goal 1 of one ``algorithm`` across ``groups``
-    measurable groups (``group`` empty): met when the ratio's interval (``estimate``; None when a cell it needs has no
-    ok repeat) is at or below ``target``; ``in_sample``: never conclusive; ``draws``: the ratio's bootstrap draws."""
+    measurable groups (``group`` empty): met when the interval of the ratio (``point``, bootstrap ``draws``; None
+    when a cell it needs has no ok repeat) is at or below ``target``; ``in_sample``: never conclusive."""
 
     group: Group | tuple[()]
     goal: str
     target: float
-    estimate: Estimate | None = None
     note: str = ""
+    point: float | None = None
+    draws: np.ndarray | None = field(default=None, repr=False, compare=False)
     in_sample: bool = False
     algorithm: str = ""
-    draws: np.ndarray | None = field(default=None, repr=False, compare=False)
     groups: int = 1
+
+    @property
+    def estimate(self) -> Estimate | None:
+        """The ratio and its 95 % interval; ``None`` when not measurable."""
+        if self.draws is None:
+            return None
+        lo, hi = percentile_interval(self.draws)
+        return Estimate(float(self.point), lo, hi)
 
     @property
     def verdict(self) -> str:
@@ -350,13 +358,6 @@ class GoalCheck:
         if self.estimate is None:
             return NOT_MEASURABLE
         return "inconclusive" if self.in_sample else interval_verdict(self.estimate, self.target)
-
-
-def _checked(group: Group | tuple[()], goal: str, target: float, point: float, draws: np.ndarray, note: str,
-             in_sample: bool = False, algorithm: str = "", groups: int = 1) -> GoalCheck:
-    """A measurable ``GoalCheck``: its interval from the ratio's ``draws``."""
-    lo, hi = percentile_interval(draws)
-    return GoalCheck(group, goal, target, Estimate(float(point), lo, hi), note, in_sample, algorithm, draws, groups)
 
 
 class Analysis:
@@ -430,9 +431,9 @@ class Analysis:
             selection = self.selections.get((group, algorithm))
             if selection is not None and m_ddp is not None:
                 top = selection.evaluated
-                checks.append(_checked(group, goal, 1.0, top.point[STEP] / m_ddp.point[STEP],
-                                       top.draws[:, STEP] / m_ddp.draws[:, STEP], _selection_note(selection),
-                                       selection.in_sample, algorithm))
+                checks.append(GoalCheck(group, goal, 1.0, _selection_note(selection),
+                                        top.point[STEP] / m_ddp.point[STEP], top.draws[:, STEP] / m_ddp.draws[:, STEP],
+                                        selection.in_sample, algorithm))
             else:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
@@ -448,10 +449,10 @@ class Analysis:
                 note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                checks.append(_checked(group, goal, 1 / 3, measured.point[SHARE] / m_naive.point[SHARE],
-                                       measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
-                                       _selection_note(best) if of_best and best else "",
-                                       of_best and best is not None and best.in_sample))
+                checks.append(GoalCheck(group, goal, 1 / 3, _selection_note(best) if of_best and best else "",
+                                        measured.point[SHARE] / m_naive.point[SHARE],
+                                        measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
+                                        of_best and best is not None and best.in_sample))
 
         goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
         if best is not None and m_reference is not None:
@@ -461,8 +462,8 @@ class Analysis:
             floor_draws = np.fmax(m_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
             bound = "compute" if m_reference.point[STEP] >= busy_point else "communication"
             note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
-            checks.append(_checked(group, goal, 1.10, top.point[STEP] / floor_point, top.draws[:, STEP] / floor_draws,
-                                   note, best.in_sample, bucketed))
+            checks.append(GoalCheck(group, goal, 1.10, note, top.point[STEP] / floor_point,
+                                    top.draws[:, STEP] / floor_draws, best.in_sample, bucketed))
         else:
             note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
             checks.append(GoalCheck(group, goal, 1.10, note=note))
@@ -474,14 +475,14 @@ class Analysis:
         counts = " / ".join(str(count) for count in _verdict_counts(checks).values())
         note = f"groups <= 1.00 met / missed / inconclusive / not measurable: {counts}"
         goal = f"1. {algorithm} (best) / ddp step time, geometric mean over groups"
-        measurable = [c for c in checks if c.estimate is not None and c.draws is not None]
+        measurable = [c for c in checks if c.draws is not None]
         if not measurable:
             return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
-        point = np.exp(np.mean(np.log([c.estimate.point for c in measurable])))
+        point = np.exp(np.mean(np.log([c.point for c in measurable])))
         in_sample = any(c.in_sample for c in measurable)
-        return _checked((), goal, ACROSS_GROUPS_TARGET, point, geometric_mean_draws([c.draws for c in measurable]),
-                        note + ("; some best size in-sample" if in_sample else ""), in_sample, algorithm,
-                        len(measurable))
+        return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note + ("; some best size in-sample" if in_sample else ""),
+                         point, geometric_mean_draws([c.draws for c in measurable]), in_sample, algorithm,
+                         len(measurable))
 
 
 # ---- results.md ---------------------------------------------------------------------------------------
