@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -127,11 +128,6 @@ class GridConfig:
             setattr(self, axis, list(dict.fromkeys(getattr(self, axis))))  # de-duplicate, keep the order
         self.engine_settings = {algorithm: _check_settings(algorithm, settings)
                                 for algorithm, settings in self.engine_settings.items()}
-
-    def setting_combinations(self, strategy: str) -> list[dict[str, Any]]:
-        """Every combination of ``strategy``'s ``engine_settings`` values, in the order they are listed (the first
-        setting varies slowest); ``[{}]`` for a strategy without any."""
-        return catalogue.setting_combinations(self.engine_settings.get(strategy))
 
 
 def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
@@ -357,42 +353,32 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     listed = [s for s in grid.strategies if s != REFERENCE]
     if BASELINE not in listed:
         listed.append(BASELINE)
-    run = config.run
     # the sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
-    # report options)
-    fingerprint = {
-        "workload": asdict(config.workload),
-        "accelerator": run.accelerator,
-        "devices": run.devices,
-        "backend": run.backend,
-        "warmup_steps": run.warmup_steps,
-        "steps": run.steps,
-        "threads_per_rank": run.threads_per_rank,
-        "env": dict(sorted(run.env.items())),
-    }
+    # report options); json.dumps sorts every dict's keys, so the hash does not depend on their order
+    measured = ("accelerator", "devices", "backend", "warmup_steps", "steps", "threads_per_rank", "env")
+    fingerprint = {"workload": asdict(config.workload), **{name: getattr(config.run, name) for name in measured}}
+    # every combination of a strategy's engine_settings values, the first setting varying slowest
+    variants: list[tuple[str, float | str | None, dict[str, Any]]] = [(REFERENCE, None, {})]
+    for strategy in listed:
+        sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
+        variants.extend((strategy, size, settings) for size in sizes
+                        for settings in catalogue.setting_combinations(grid.engine_settings.get(strategy)))
     cells = []
-    for precision in grid.precisions:
-        for batch_size in grid.batch_sizes:
-            for context_length in grid.context_lengths:
-                variants: list[tuple[str, float | str | None, dict[str, Any]]] = [(REFERENCE, None, {})]
-                for strategy in listed:
-                    sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
-                    variants.extend((strategy, size, settings) for size in sizes
-                                    for settings in grid.setting_combinations(strategy))
-                for strategy, bucket, settings in variants:
-                    coordinates: dict[str, Any] = {
-                        "strategy": strategy,
-                        "bucket_size_mb": bucket,
-                        "batch_size": batch_size,
-                        "context_length": context_length,
-                        "precision": precision,
-                        "world_size": 1 if strategy == REFERENCE else config.run.devices,
-                    }
-                    if settings:  # only then: the ids of cells without settings stay what they were
-                        coordinates["engine_settings"] = settings
-                    identity = cell_id(coordinates, fingerprint)
-                    coordinates["engine_settings"] = tuple(settings.items())
-                    cells.append(Cell(id=identity, **coordinates))
+    for precision, batch_size, context_length in product(grid.precisions, grid.batch_sizes, grid.context_lengths):
+        for strategy, bucket, settings in variants:
+            coordinates: dict[str, Any] = {
+                "strategy": strategy,
+                "bucket_size_mb": bucket,
+                "batch_size": batch_size,
+                "context_length": context_length,
+                "precision": precision,
+                "world_size": 1 if strategy == REFERENCE else config.run.devices,
+            }
+            if settings:  # only then: the ids of cells without settings stay what they were
+                coordinates["engine_settings"] = settings
+            identity = cell_id(coordinates, fingerprint)
+            coordinates["engine_settings"] = tuple(settings.items())
+            cells.append(Cell(id=identity, **coordinates))
     assert len({c.id for c in cells}) == len(cells), "cell ids must be unique"
     return cells
 
