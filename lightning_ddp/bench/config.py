@@ -1,7 +1,7 @@
 """What a sweep is: one dataclass per concern (``grid``, ``workload``, ``run``, ``output``), every field documented
 (jsonargparse turns the docstrings into ``--help``), validated in ``__post_init__`` at parse time with every error
-naming the field to change; and the cells it expands to (``expand_grid``: ids that a rerun recognises), each with
-its fit arguments and processes (the command line itself is the launcher's). docs/benchmarks.md.
+naming the field to change; and the cells it expands to (``expand_grid``: ids that a rerun recognises).
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
-from lightning_ddp.bench.launch import (
-    REFERENCE, RankLayout, fit_command, rank_environments, strategy_argument,
-)
+from lightning_ddp.bench.launch import REFERENCE
 from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
 
 
@@ -381,55 +379,3 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
             cells.append(Cell(id=identity, **coordinates))
     assert len({c.id for c in cells}) == len(cells), "cell ids must be unique"
     return cells
-
-
-# ---- processes ----------------------------------------------------------------------------------------
-
-
-def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
-    """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
-    timing_summary.json lands)."""
-    run, workload = config.run, config.workload
-    reference = cell.strategy == REFERENCE
-    args = ["--config", workload.base_config, *workload.cli_args]
-    if workload.preset is not None:
-        args += ["--model.preset", workload.preset]
-    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, cell.settings)
-    args += [
-        "--model.context_length", str(cell.context_length),
-        "--data.seq_len", str(cell.context_length),
-        "--data.batch_size", str(cell.batch_size),
-        "--trainer.accelerator", run.accelerator,
-        "--trainer.devices", "1" if reference else str(layout.devices_per_node),
-        "--trainer.num_nodes", "1" if reference else str(layout.num_nodes),
-        "--trainer.strategy", strategy,
-        "--trainer.precision", cell.precision,
-        "--trainer.max_steps", str(run.warmup_steps + run.steps),
-        "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.enable_progress_bar", "false",
-        "--timer.enabled", "true",
-        "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
-        "--timer.warmup_steps", str(run.warmup_steps),
-    ]
-    return fit_command(args, run_dir)
-
-
-def threads_per_rank(config: SweepConfig) -> int | None:
-    """``run.threads_per_rank``, or on CPU ``cores // devices`` (what Lightning's DDP sets), or ``None`` on CUDA."""
-    if config.run.threads_per_rank is not None:
-        return config.run.threads_per_rank
-    if config.run.accelerator != "cpu":
-        return None
-    return max(1, (os.cpu_count() or 1) // config.run.devices)
-
-
-def cell_environments(cell: Cell, config: SweepConfig, layout: RankLayout, port: int,
-                      parent: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: one for the reference and for ``launcher: lightning``, else every
-    rank's."""
-    every_rank = cell.strategy != REFERENCE and config.run.launcher == "ranks"
-    return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
-                             extra=config.run.env, parent=parent)

@@ -18,11 +18,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from lightning_ddp.bench.config import (
-    REFERENCE, Cell, SweepConfig, cell_command, cell_environments, expand_grid, has_bucket_axis, threads_per_rank,
-)
+from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
-    ProcessResult, RankLayout, error_line, is_oom, rank_environments, rank_layout, run_processes, write_command,
+    ProcessResult, RankLayout, error_line, fit_command, is_oom, rank_environments, rank_layout, run_processes,
+    strategy_argument, write_command,
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
@@ -45,6 +44,58 @@ RESULTS_MD = "results.md"
 ENVIRONMENT_JSON = "environment.json"
 PREDICTION_JSON = "bucket_prediction.json"
 ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbenchmark (the median is kept)
+
+
+# ---- a cell's processes ---------------------------------------------------------------------------------
+
+
+def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
+    """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
+    timing_summary.json lands)."""
+    run, workload = config.run, config.workload
+    reference = cell.strategy == REFERENCE
+    args = ["--config", workload.base_config, *workload.cli_args]
+    if workload.preset is not None:
+        args += ["--model.preset", workload.preset]
+    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, cell.settings)
+    args += [
+        "--model.context_length", str(cell.context_length),
+        "--data.seq_len", str(cell.context_length),
+        "--data.batch_size", str(cell.batch_size),
+        "--trainer.accelerator", run.accelerator,
+        "--trainer.devices", "1" if reference else str(layout.devices_per_node),
+        "--trainer.num_nodes", "1" if reference else str(layout.num_nodes),
+        "--trainer.strategy", strategy,
+        "--trainer.precision", cell.precision,
+        "--trainer.max_steps", str(run.warmup_steps + run.steps),
+        "--trainer.limit_val_batches", "0",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false",
+        "--timer.enabled", "true",
+        "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
+        "--timer.warmup_steps", str(run.warmup_steps),
+    ]
+    return fit_command(args, run_dir)
+
+
+def threads_per_rank(config: SweepConfig) -> int | None:
+    """``run.threads_per_rank``, or on CPU ``cores // devices`` (what Lightning's DDP sets), or ``None`` on CUDA."""
+    if config.run.threads_per_rank is not None:
+        return config.run.threads_per_rank
+    if config.run.accelerator != "cpu":
+        return None
+    return max(1, (os.cpu_count() or 1) // config.run.devices)
+
+
+def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
+                      parent: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """One environment per process to start: one for the reference and for ``launcher: lightning``, else every
+    rank's (``cell`` None: a job of the sweep's own on every rank, the all-reduce microbenchmark)."""
+    every_rank = cell is None or cell.strategy != REFERENCE and config.run.launcher == "ranks"
+    return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
+                             extra=config.run.env, parent=parent)
 
 
 # ---- one cell repeat ----------------------------------------------------------------------------------------
@@ -388,8 +439,7 @@ def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
                "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
-    envs = rank_environments(layout, find_free_port(), every_rank=True, threads=threads_per_rank(config),
-                             extra=config.run.env)
+    envs = cell_environments(None, config, layout, find_free_port())
     logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
     outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
     if any(code != 0 for code in outcome.returncodes) or not result_path.exists():

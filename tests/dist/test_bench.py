@@ -16,9 +16,7 @@ import pytest
 
 from lightning_ddp.bench import launch as launch_module
 from lightning_ddp.bench.__main__ import parse_config
-from lightning_ddp.bench.config import (
-    GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, cell_command, cell_environments, expand_grid,
-)
+from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, expand_grid
 from lightning_ddp.bench.launch import ProcessResult, RankLayout, error_line, rank_layout, run_processes
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
@@ -37,6 +35,8 @@ from lightning_ddp.bench.study import LoadCheck, busy_fraction, read_proc_stat, 
 from lightning_ddp.bench.sweep import (
     CellOutcome,
     SubprocessCellRunner,
+    cell_command,
+    cell_environments,
     classify,
     gradient_bytes,
     measured_step_rows,

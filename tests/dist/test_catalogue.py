@@ -237,7 +237,8 @@ def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy,
 
 
 def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_and_plots(toy_pieces, tmp_path) -> None:
-    from lightning_ddp.bench.config import GridConfig, SweepConfig, cell_command, expand_grid
+    from lightning_ddp.bench.config import GridConfig, SweepConfig, expand_grid
+    from lightning_ddp.bench.sweep import cell_command
     from lightning_ddp.bench.launch import RankLayout
     from lightning_ddp.bench.plots import write_plots
     from lightning_ddp.bench.report import build_report
