@@ -88,16 +88,15 @@ class GridConfig:
     that strategy's cells; a setting not listed keeps the engine's default."""
 
     def __post_init__(self) -> None:
-        choices = ", ".join(catalogue.names())
-        if not self.strategies:
-            raise ValueError(
-                f"the sweep has no cells: `strategies` is empty; list at least one of {choices} "
-                "(e.g. `--grid.strategies [naive_ddp,bucketed_ddp]`)"
-            )
-        # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
-        unknown = [s for s in self.strategies if s not in catalogue.STRATEGIES and s != REFERENCE]
-        if unknown:
-            raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
+        axes = (("strategies", "strategy", catalogue.names()), ("precisions", "precision", PRECISIONS))
+        for axis, one, known in axes:
+            choices = ", ".join(known)
+            if not getattr(self, axis):
+                raise ValueError(f"the sweep has no cells: `{axis}` is empty; list at least one of {choices}")
+            # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
+            unknown = [value for value in getattr(self, axis) if value not in known and value != REFERENCE]
+            if unknown:
+                raise ValueError(f"unknown {one} {unknown[0]!r} in `grid.{axis}`; choose from {choices}")
         for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
             if not values:
                 raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. "
@@ -105,14 +104,6 @@ class GridConfig:
             bad = [v for v in values if not (isinstance(v, int) and v >= 1)]
             if bad:
                 raise ValueError(f"`grid.{name}` must hold integers >= 1, got {bad[0]!r}")
-        if not self.precisions:
-            raise ValueError(f"the sweep has no cells: `precisions` is empty; list at least one of "
-                             f"{', '.join(PRECISIONS)}")
-        bad_precision = [p for p in self.precisions if p not in PRECISIONS]
-        if bad_precision:
-            raise ValueError(
-                f"unknown precision {bad_precision[0]!r} in `grid.precisions`; choose from {', '.join(PRECISIONS)}"
-            )
         for size in self.bucket_sizes_mb:
             if isinstance(size, str) and size != "auto" or not isinstance(size, str) and not size > 0:
                 raise ValueError(f"`grid.bucket_sizes_mb` takes sizes > 0 (MiB) or `auto`, got {size!r}")
