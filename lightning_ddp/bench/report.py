@@ -619,10 +619,6 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
     return lines + markdown_table(header, table, "lrrllrrrll") + [""]
 
 
-def _verdict_text(verdict: str) -> str:
-    return {"missed": "**missed**", NOT_MEASURABLE: "not measurable"}.get(verdict, verdict)
-
-
 def _goal_section(analysis: Analysis) -> list[str]:
     lines = ["## Performance goals", ""]
     counts = _verdict_counts(analysis.goals)
@@ -632,7 +628,8 @@ def _goal_section(analysis: Analysis) -> list[str]:
         "",
     ]
     goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
-              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", _verdict_text(check.verdict),
+              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
+              "**missed**" if check.verdict == "missed" else check.verdict,
               check.note] for check in [*analysis.goals, *analysis.across]]
     lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
                             goals, "lrrlrrll")
@@ -647,16 +644,6 @@ def _failures(repeat_rows: list[Row]) -> list[str]:
         return []
     return ["## Cell repeats that did not finish", "", *markdown_table(["cell", "repeat", "status", "reason"], table,
                                                                         "lrll"), ""]
-
-
-def _resumed_across(environment: dict[str, Any]) -> str:
-    """A note when a resumed sweep's sessions ran different code (commits, or a dirty tree)."""
-    sessions = environment.get("sessions") or []
-    code = {(str(x.get("git_commit") or "unknown")[:12], bool(x.get("git_dirty"))) for x in sessions}
-    if len(code) <= 1:
-        return ""
-    described = ", ".join(sorted(c + (" (dirty)" if dirty else "") for c, dirty in code))
-    return f"; **resumed across {len(sessions)} sessions running different code**: {described}"
 
 
 def build_report(
@@ -675,13 +662,18 @@ def build_report(
     if environment:
         device = ", ".join(environment.get("gpus") or []) or environment.get("cpu", {}).get("model", "cpu")
         dirty = " **with uncommitted changes**" if environment.get("git_dirty") else ""
+        sessions = environment.get("sessions") or []  # a resumed sweep's sessions that ran different code: named
+        code = {str(x.get("git_commit") or "unknown")[:12] + (" (dirty)" if x.get("git_dirty") else "")
+                for x in sessions}
+        if len(code) > 1:
+            dirty += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(sorted(code))}"
         lines.append(
             f"- {device}; {environment.get('cpu', {}).get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
             f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
             f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
             f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
             f"{environment.get('lightning')}, commit "
-            f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}{_resumed_across(environment)}; "
+            f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}; "
             f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
             f"{run.get('steps', '?')} measured steps")
     if repeat_rows:
