@@ -1,7 +1,7 @@
 """What a sweep is: one dataclass per concern (``grid``, ``workload``, ``run``, ``output``), every field documented
 (jsonargparse turns the docstrings into ``--help``), validated in ``__post_init__`` at parse time with every error
-naming the field to change; and the cells it expands to (``expand_grid``: ids that a rerun recognises), each with
-its fit arguments and processes (the command line itself is the launcher's). docs/benchmarks.md.
+naming the field to change; and the cells it expands to (``expand_grid``: ids that a rerun recognises).
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
-from lightning_ddp.bench.launch import (
-    REFERENCE, RankLayout, fit_command, rank_environments, strategy_argument,
-)
+from lightning_ddp.bench.launch import REFERENCE
 from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
 
 
@@ -89,16 +88,15 @@ class GridConfig:
     that strategy's cells; a setting not listed keeps the engine's default."""
 
     def __post_init__(self) -> None:
-        choices = ", ".join(catalogue.names())
-        if not self.strategies:
-            raise ValueError(
-                f"the sweep has no cells: `strategies` is empty; list at least one of {choices} "
-                "(e.g. `--grid.strategies [naive_ddp,bucketed_ddp]`)"
-            )
-        # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
-        unknown = [s for s in self.strategies if s not in catalogue.STRATEGIES and s != REFERENCE]
-        if unknown:
-            raise ValueError(f"unknown strategy {unknown[0]!r} in `grid.strategies`; choose from {choices}")
+        axes = (("strategies", "strategy", catalogue.names()), ("precisions", "precision", PRECISIONS))
+        for axis, one, known in axes:
+            choices = ", ".join(known)
+            if not getattr(self, axis):
+                raise ValueError(f"the sweep has no cells: `{axis}` is empty; list at least one of {choices}")
+            # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
+            unknown = [value for value in getattr(self, axis) if value not in known and value != REFERENCE]
+            if unknown:
+                raise ValueError(f"unknown {one} {unknown[0]!r} in `grid.{axis}`; choose from {choices}")
         for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
             if not values:
                 raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. "
@@ -106,14 +104,6 @@ class GridConfig:
             bad = [v for v in values if not (isinstance(v, int) and v >= 1)]
             if bad:
                 raise ValueError(f"`grid.{name}` must hold integers >= 1, got {bad[0]!r}")
-        if not self.precisions:
-            raise ValueError(f"the sweep has no cells: `precisions` is empty; list at least one of "
-                             f"{', '.join(PRECISIONS)}")
-        bad_precision = [p for p in self.precisions if p not in PRECISIONS]
-        if bad_precision:
-            raise ValueError(
-                f"unknown precision {bad_precision[0]!r} in `grid.precisions`; choose from {', '.join(PRECISIONS)}"
-            )
         for size in self.bucket_sizes_mb:
             if isinstance(size, str) and size != "auto" or not isinstance(size, str) and not size > 0:
                 raise ValueError(f"`grid.bucket_sizes_mb` takes sizes > 0 (MiB) or `auto`, got {size!r}")
@@ -127,11 +117,6 @@ class GridConfig:
             setattr(self, axis, list(dict.fromkeys(getattr(self, axis))))  # de-duplicate, keep the order
         self.engine_settings = {algorithm: _check_settings(algorithm, settings)
                                 for algorithm, settings in self.engine_settings.items()}
-
-    def setting_combinations(self, strategy: str) -> list[dict[str, Any]]:
-        """Every combination of ``strategy``'s ``engine_settings`` values, in the order they are listed (the first
-        setting varies slowest); ``[{}]`` for a strategy without any."""
-        return catalogue.setting_combinations(self.engine_settings.get(strategy))
 
 
 def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
@@ -357,93 +342,31 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     listed = [s for s in grid.strategies if s != REFERENCE]
     if BASELINE not in listed:
         listed.append(BASELINE)
-    run = config.run
     # the sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
-    # report options)
-    fingerprint = {
-        "workload": asdict(config.workload),
-        "accelerator": run.accelerator,
-        "devices": run.devices,
-        "backend": run.backend,
-        "warmup_steps": run.warmup_steps,
-        "steps": run.steps,
-        "threads_per_rank": run.threads_per_rank,
-        "env": dict(sorted(run.env.items())),
-    }
+    # report options); json.dumps sorts every dict's keys, so the hash does not depend on their order
+    measured = ("accelerator", "devices", "backend", "warmup_steps", "steps", "threads_per_rank", "env")
+    fingerprint = {"workload": asdict(config.workload), **{name: getattr(config.run, name) for name in measured}}
+    # every combination of a strategy's engine_settings values, the first setting varying slowest
+    variants: list[tuple[str, float | str | None, dict[str, Any]]] = [(REFERENCE, None, {})]
+    for strategy in listed:
+        sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
+        variants.extend((strategy, size, settings) for size in sizes
+                        for settings in catalogue.setting_combinations(grid.engine_settings.get(strategy)))
     cells = []
-    for precision in grid.precisions:
-        for batch_size in grid.batch_sizes:
-            for context_length in grid.context_lengths:
-                variants: list[tuple[str, float | str | None, dict[str, Any]]] = [(REFERENCE, None, {})]
-                for strategy in listed:
-                    sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
-                    variants.extend((strategy, size, settings) for size in sizes
-                                    for settings in grid.setting_combinations(strategy))
-                for strategy, bucket, settings in variants:
-                    coordinates: dict[str, Any] = {
-                        "strategy": strategy,
-                        "bucket_size_mb": bucket,
-                        "batch_size": batch_size,
-                        "context_length": context_length,
-                        "precision": precision,
-                        "world_size": 1 if strategy == REFERENCE else config.run.devices,
-                    }
-                    if settings:  # only then: the ids of cells without settings stay what they were
-                        coordinates["engine_settings"] = settings
-                    identity = cell_id(coordinates, fingerprint)
-                    coordinates["engine_settings"] = tuple(settings.items())
-                    cells.append(Cell(id=identity, **coordinates))
+    for precision, batch_size, context_length in product(grid.precisions, grid.batch_sizes, grid.context_lengths):
+        for strategy, bucket, settings in variants:
+            coordinates: dict[str, Any] = {
+                "strategy": strategy,
+                "bucket_size_mb": bucket,
+                "batch_size": batch_size,
+                "context_length": context_length,
+                "precision": precision,
+                "world_size": 1 if strategy == REFERENCE else config.run.devices,
+            }
+            if settings:  # only then: the ids of cells without settings stay what they were
+                coordinates["engine_settings"] = settings
+            identity = cell_id(coordinates, fingerprint)
+            coordinates["engine_settings"] = tuple(settings.items())
+            cells.append(Cell(id=identity, **coordinates))
     assert len({c.id for c in cells}) == len(cells), "cell ids must be unique"
     return cells
-
-
-# ---- processes ----------------------------------------------------------------------------------------
-
-
-def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
-    """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
-    timing_summary.json lands)."""
-    run, workload = config.run, config.workload
-    reference = cell.strategy == REFERENCE
-    args = ["--config", workload.base_config, *workload.cli_args]
-    if workload.preset is not None:
-        args += ["--model.preset", workload.preset]
-    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, cell.settings)
-    args += [
-        "--model.context_length", str(cell.context_length),
-        "--data.seq_len", str(cell.context_length),
-        "--data.batch_size", str(cell.batch_size),
-        "--trainer.accelerator", run.accelerator,
-        "--trainer.devices", "1" if reference else str(layout.devices_per_node),
-        "--trainer.num_nodes", "1" if reference else str(layout.num_nodes),
-        "--trainer.strategy", strategy,
-        "--trainer.precision", cell.precision,
-        "--trainer.max_steps", str(run.warmup_steps + run.steps),
-        "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0",
-        "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.enable_progress_bar", "false",
-        "--timer.enabled", "true",
-        "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
-        "--timer.warmup_steps", str(run.warmup_steps),
-    ]
-    return fit_command(args, run_dir)
-
-
-def threads_per_rank(config: SweepConfig) -> int | None:
-    """``run.threads_per_rank``, or on CPU ``cores // devices`` (what Lightning's DDP sets), or ``None`` on CUDA."""
-    if config.run.threads_per_rank is not None:
-        return config.run.threads_per_rank
-    if config.run.accelerator != "cpu":
-        return None
-    return max(1, (os.cpu_count() or 1) // config.run.devices)
-
-
-def cell_environments(cell: Cell, config: SweepConfig, layout: RankLayout, port: int,
-                      parent: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: one for the reference and for ``launcher: lightning``, else every
-    rank's."""
-    every_rank = cell.strategy != REFERENCE and config.run.launcher == "ranks"
-    return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
-                             extra=config.run.env, parent=parent)

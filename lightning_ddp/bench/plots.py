@@ -16,19 +16,14 @@ from lightning_ddp.bench.report import (
 )
 from lightning_ddp.bench.stats import Estimate
 
-# per panel: the estimated column, its results.csv columns (median, lo, hi), the scale and the axis label
-_PANELS = ((STEP, ("step_ms_median", "step_ms_lo", "step_ms_hi"), 1.0, "median step time (ms)"),
-           (SHARE, ("comm_share", "comm_share_lo", "comm_share_hi"), 100.0, "exposed comm share of step (%)"))
+# per panel: the estimated column, the scale and the axis label
+_PANELS = ((STEP, 1.0, "median step time (ms)"), (SHARE, 100.0, "exposed comm share of step (%)"))
 
 
-def _row_estimate(row: Row, columns: tuple[str, str, str]) -> Estimate | None:
-    """A row's median and interval (an interval not recorded: none) from its ``(median, lo, hi)`` columns."""
-    value, low, high = (row.get(c) for c in columns)
-    if not isinstance(value, (int, float)):
-        return None
-    if not (isinstance(low, (int, float)) and isinstance(high, (int, float))):
-        low = high = value  # no interval recorded: a bar without error bar
-    return Estimate(float(value), float(low), float(high))
+def _cell(analysis: Analysis, row: Row | None, panel: int) -> Estimate | None:
+    """An ok cell's pooled median and interval over all its ok repeats (the results.csv numbers)."""
+    measured = analysis.measured(row) if is_ok(row) else None
+    return measured.estimate(panel) if measured else None
 
 
 def _error(estimates: list[Estimate | None], scale: float) -> tuple[list[float], list[list[float]]]:
@@ -59,14 +54,13 @@ def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _shown(analysis: Analysis, group: Group, name: str, panel: int, columns: tuple[str, str, str]) -> Estimate | None:
+def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate | None:
     """What a strategy bar shows: an algorithm with buckets at its selected size on the evaluation repeats, any other
     strategy's cell over all repeats."""
     if has_buckets(name):
         selection = analysis.selections.get((group, name))
         return selection.evaluated.estimate(panel) if selection else None
-    row = next((r for r in analysis.groups[group] if variant_of(r) == name), None)
-    return _row_estimate(row, columns) if is_ok(row) else None
+    return _cell(analysis, next((r for r in analysis.groups[group] if variant_of(r) == name), None), panel)
 
 
 def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
@@ -79,11 +73,11 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
         label = (f"{name} (selected size, evaluation repeats)" if has_buckets(name)
                  else {REFERENCE: "reference (compute only)"}.get(name, name))
-        for ax, (panel, columns, scale, _) in zip(axes, _PANELS):
+        for ax, (panel, scale, _) in zip(axes, _PANELS):
             if panel == SHARE and name == REFERENCE:
                 ax.bar(xs, [0.0] * len(xs), width)  # keep the colours of both panels aligned
                 continue
-            shown = [_shown(analysis, (precision, batch, c), name, panel, columns) for c in contexts]
+            shown = [_shown(analysis, (precision, batch, c), name, panel) for c in contexts]
             heights, yerr = _error(shown, scale)
             ax.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
     for ax, (*_, ylabel) in zip(axes, _PANELS):
@@ -118,20 +112,21 @@ def _bucket_figure(
         selection = analysis.selections.get((group, strategy))
         chosen = next((p for p in points if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
         color = None
-        for ax, (_, columns, scale, _) in zip(axes, _PANELS):
+        for ax, (panel, scale, _) in zip(axes, _PANELS):
             if fixed:
-                heights, yerr = _error([_row_estimate(p[1], columns) for p in fixed], scale)
+                heights, yerr = _error([_cell(analysis, p[1], panel) for p in fixed], scale)
                 container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
                                         color=color, label=f"context {context}")
                 color = container.lines[0].get_color()
             for x, r, marker in points:
                 if marker == "*":
-                    heights, yerr = _error([_row_estimate(r, columns)], scale)
+                    heights, yerr = _error([_cell(analysis, r, panel)], scale)
                     ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3,
                                 color=color)
-            if chosen is not None and isinstance(chosen[1].get(columns[0]), (int, float)):
+            point = _cell(analysis, chosen[1], panel).point if chosen is not None else math.nan
+            if math.isfinite(point):
                 selected = True
-                ax.plot([chosen[0]], [chosen[1][columns[0]] * scale], marker="o", markersize=16,
+                ax.plot([chosen[0]], [point * scale], marker="o", markersize=16,
                         markerfacecolor="none", markeredgewidth=1.5, linestyle="", color=color)
     if not drew:
         return False

@@ -331,18 +331,26 @@ class Selection:
 @dataclass(frozen=True)
 class GoalCheck:
     """One performance goal (``goal``, in words) on one group, or goal 1 of one ``algorithm`` across ``groups``
-    measurable groups (``group`` empty): met when the ratio's interval (``estimate``; None when a cell it needs has no
-    ok repeat) is at or below ``target``; ``in_sample``: never conclusive; ``draws``: the ratio's bootstrap draws."""
+    measurable groups (``group`` empty): met when the interval of the ratio (``point``, bootstrap ``draws``; None
+    when a cell it needs has no ok repeat) is at or below ``target``; ``in_sample``: never conclusive."""
 
     group: Group | tuple[()]
     goal: str
     target: float
-    estimate: Estimate | None = None
     note: str = ""
+    point: float | None = None
+    draws: np.ndarray | None = field(default=None, repr=False, compare=False)
     in_sample: bool = False
     algorithm: str = ""
-    draws: np.ndarray | None = field(default=None, repr=False, compare=False)
     groups: int = 1
+
+    @property
+    def estimate(self) -> Estimate | None:
+        """The ratio and its 95 % interval; ``None`` when not measurable."""
+        if self.draws is None:
+            return None
+        lo, hi = percentile_interval(self.draws)
+        return Estimate(float(self.point), lo, hi)
 
     @property
     def verdict(self) -> str:
@@ -350,13 +358,6 @@ class GoalCheck:
         if self.estimate is None:
             return NOT_MEASURABLE
         return "inconclusive" if self.in_sample else interval_verdict(self.estimate, self.target)
-
-
-def _checked(group: Group | tuple[()], goal: str, target: float, point: float, draws: np.ndarray, note: str,
-             in_sample: bool = False, algorithm: str = "", groups: int = 1) -> GoalCheck:
-    """A measurable ``GoalCheck``: its interval from the ratio's ``draws``."""
-    lo, hi = percentile_interval(draws)
-    return GoalCheck(group, goal, target, Estimate(float(point), lo, hi), note, in_sample, algorithm, draws, groups)
 
 
 class Analysis:
@@ -430,9 +431,9 @@ class Analysis:
             selection = self.selections.get((group, algorithm))
             if selection is not None and m_ddp is not None:
                 top = selection.evaluated
-                checks.append(_checked(group, goal, 1.0, top.point[STEP] / m_ddp.point[STEP],
-                                       top.draws[:, STEP] / m_ddp.draws[:, STEP], _selection_note(selection),
-                                       selection.in_sample, algorithm))
+                checks.append(GoalCheck(group, goal, 1.0, _selection_note(selection),
+                                        top.point[STEP] / m_ddp.point[STEP], top.draws[:, STEP] / m_ddp.draws[:, STEP],
+                                        selection.in_sample, algorithm))
             else:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
@@ -448,10 +449,10 @@ class Analysis:
                 note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                checks.append(_checked(group, goal, 1 / 3, measured.point[SHARE] / m_naive.point[SHARE],
-                                       measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
-                                       _selection_note(best) if of_best and best else "",
-                                       of_best and best is not None and best.in_sample))
+                checks.append(GoalCheck(group, goal, 1 / 3, _selection_note(best) if of_best and best else "",
+                                        measured.point[SHARE] / m_naive.point[SHARE],
+                                        measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
+                                        of_best and best is not None and best.in_sample))
 
         goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
         if best is not None and m_reference is not None:
@@ -461,8 +462,8 @@ class Analysis:
             floor_draws = np.fmax(m_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
             bound = "compute" if m_reference.point[STEP] >= busy_point else "communication"
             note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
-            checks.append(_checked(group, goal, 1.10, top.point[STEP] / floor_point, top.draws[:, STEP] / floor_draws,
-                                   note, best.in_sample, bucketed))
+            checks.append(GoalCheck(group, goal, 1.10, note, top.point[STEP] / floor_point,
+                                    top.draws[:, STEP] / floor_draws, best.in_sample, bucketed))
         else:
             note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
             checks.append(GoalCheck(group, goal, 1.10, note=note))
@@ -474,14 +475,14 @@ class Analysis:
         counts = " / ".join(str(count) for count in _verdict_counts(checks).values())
         note = f"groups <= 1.00 met / missed / inconclusive / not measurable: {counts}"
         goal = f"1. {algorithm} (best) / ddp step time, geometric mean over groups"
-        measurable = [c for c in checks if c.estimate is not None and c.draws is not None]
+        measurable = [c for c in checks if c.draws is not None]
         if not measurable:
             return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
-        point = np.exp(np.mean(np.log([c.estimate.point for c in measurable])))
+        point = np.exp(np.mean(np.log([c.point for c in measurable])))
         in_sample = any(c.in_sample for c in measurable)
-        return _checked((), goal, ACROSS_GROUPS_TARGET, point, geometric_mean_draws([c.draws for c in measurable]),
-                        note + ("; some best size in-sample" if in_sample else ""), in_sample, algorithm,
-                        len(measurable))
+        return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note + ("; some best size in-sample" if in_sample else ""),
+                         point, geometric_mean_draws([c.draws for c in measurable]), in_sample, algorithm,
+                         len(measurable))
 
 
 # ---- results.md ---------------------------------------------------------------------------------------
@@ -618,10 +619,6 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
     return lines + markdown_table(header, table, "lrrllrrrll") + [""]
 
 
-def _verdict_text(verdict: str) -> str:
-    return {"missed": "**missed**", NOT_MEASURABLE: "not measurable"}.get(verdict, verdict)
-
-
 def _goal_section(analysis: Analysis) -> list[str]:
     lines = ["## Performance goals", ""]
     counts = _verdict_counts(analysis.goals)
@@ -631,7 +628,8 @@ def _goal_section(analysis: Analysis) -> list[str]:
         "",
     ]
     goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
-              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", _verdict_text(check.verdict),
+              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
+              "**missed**" if check.verdict == "missed" else check.verdict,
               check.note] for check in [*analysis.goals, *analysis.across]]
     lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
                             goals, "lrrlrrll")
@@ -648,16 +646,6 @@ def _failures(repeat_rows: list[Row]) -> list[str]:
                                                                         "lrll"), ""]
 
 
-def _resumed_across(environment: dict[str, Any]) -> str:
-    """A note when a resumed sweep's sessions ran different code (commits, or a dirty tree)."""
-    sessions = environment.get("sessions") or []
-    code = {(str(x.get("git_commit") or "unknown")[:12], bool(x.get("git_dirty"))) for x in sessions}
-    if len(code) <= 1:
-        return ""
-    described = ", ".join(sorted(c + (" (dirty)" if dirty else "") for c, dirty in code))
-    return f"; **resumed across {len(sessions)} sessions running different code**: {described}"
-
-
 def build_report(
     analysis: Analysis,
     title: str = "sweep",
@@ -668,60 +656,44 @@ def build_report(
     """results.md of the grid's ``analysis`` with ``bucket_prediction.json``, ``environment.json`` and the
     ``pending`` cell repeats."""
     repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
-    config = (environment or {}).get("config", {})
-    run = config.get("run", {})
-    repeats = run.get("repeats", "?")
+    environment = environment or {}
+    run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
     lines = [f"# Benchmark sweep: {title}", ""]
     if environment:
-        workload = config.get("workload", {})
         device = ", ".join(environment.get("gpus") or []) or environment.get("cpu", {}).get("model", "cpu")
-        cores = environment.get("cpu", {}).get("count", "?")
-        lines += [
-            f"- machine: {device}; {cores} CPU cores; "
-            f"{run.get('devices', '?')} ranks over {environment.get('backend', '?')} ({run.get('accelerator', '?')})",
-            f"- model: preset `{workload.get('preset')}` from `{workload.get('base_config')}` "
-            f"{' '.join(workload.get('cli_args') or [])}".rstrip(),
-            f"- {repeats} repeats per cell, interleaved; each {run.get('warmup_steps', '?')} warm-up + "
-            f"{run.get('steps', '?')} measured steps in fresh processes; torch {environment.get('torch')}, "
-            f"lightning {environment.get('lightning')}, commit {str(environment.get('git_commit') or 'unknown')[:12]}"
-            + (" **with uncommitted changes** (environment.json lists them)" if environment.get("git_dirty") else "")
-            + _resumed_across(environment),
-            "- full configuration, versions and hardware: environment.json; raw data: steps.csv and repeats.csv; "
-            "per-repeat logs: runs/<cell_id>/r<k>/",
-        ]
+        dirty = " **with uncommitted changes**" if environment.get("git_dirty") else ""
+        sessions = environment.get("sessions") or []  # a resumed sweep's sessions that ran different code: named
+        code = {str(x.get("git_commit") or "unknown")[:12] + (" (dirty)" if x.get("git_dirty") else "")
+                for x in sessions}
+        if len(code) > 1:
+            dirty += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(sorted(code))}"
+        lines.append(
+            f"- {device}; {environment.get('cpu', {}).get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
+            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
+            f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
+            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
+            f"{environment.get('lightning')}, commit "
+            f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}; "
+            f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
+            f"{run.get('steps', '?')} measured steps")
     if repeat_rows:
-        guarded = [r for r in repeat_rows if r.get("busy") is not None and r.get("busy") != ""]
-        if guarded:
-            busy = sum(1 for r in guarded if r["busy"] is True)
-            waited = sum(r.get("waited_s") or 0.0 for r in guarded)
-            threshold = run.get("busy_threshold")
-            rule = (f" (CPUs more than {100 * threshold:.0f} % busy after waiting up to "
-                    f"{run.get('max_wait_s', '?'):g} s)"
-                    if isinstance(threshold, (int, float)) and isinstance(run.get("max_wait_s"), (int, float)) else "")
-            lines.append(f"- load guard: **{busy} of {len(guarded)} cell repeats started on a busy machine**{rule}; "
-                         f"{waited:,.0f} s waited for an idle machine in all")
-        else:
-            lines.append("- load guard: off or unavailable (no /proc/stat): no repeat was checked")
+        guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
+        busy = sum(1 for r in guarded if r["busy"] is True)
+        waited = sum(r.get("waited_s") or 0.0 for r in guarded)
         loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), float)]
-        if loads:
-            lines.append(
-                f"- 1-minute load average after each repeat: {min(loads):.1f} to {max(loads):.1f} on "
-                f"{(environment or {}).get('cpu', {}).get('count', '?')} cores (the repeat's own ranks included)"
-            )
-    if len(lines) > 2:
-        lines.append("")
+        lines.append(
+            f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
+            f"{run.get('max_wait_s', '?')} s): "
+            + (f"**{busy} of {len(guarded)} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
+            + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
+    lines.append(
+        f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best bucket "
+        "sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How to read "
+        "results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's files\"")
+    lines.append("")
     if pending:
         done = len(repeat_rows)
         lines += [f"> {done} of {done + pending} cell repeats done; rerun the same command to finish the others.", ""]
-    lines += [
-        "## How to read this",
-        "",
-        "Pooled medians over every measured step of a cell's ok repeats; 95 % intervals from "
-        f"{analysis.bootstrap.samples} hierarchical-bootstrap draws (fixed seed). A best bucket size is "
-        "chosen on the *selection* repeats (even indices 0, 2, 4, ...) and measured on the *evaluation* repeats (odd "
-        "indices). The tables and the verdicts: docs/benchmarks.md, \"How to read results\".",
-        "",
-    ]
     lines += ["## Step time and communication share", ""]
     lines += _strategy_tables(analysis)
     lines += _bucket_section(analysis, prediction)

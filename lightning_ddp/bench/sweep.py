@@ -18,11 +18,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from lightning_ddp.bench.config import (
-    REFERENCE, Cell, SweepConfig, cell_command, cell_environments, expand_grid, has_bucket_axis, threads_per_rank,
-)
+from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
-    ProcessResult, RankLayout, error_line, is_oom, rank_environments, rank_layout, run_processes, write_command,
+    ProcessResult, RankLayout, error_line, fit_command, is_oom, rank_environments, rank_layout, run_processes,
+    strategy_argument, write_command,
 )
 from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
@@ -34,6 +33,7 @@ from lightning_ddp.bench.study import (
     LoadCheck, csv_value, interleaved, load_average, provenance, read_json, wait_until_idle, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings
+from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import package_version
 from lightning_ddp.local_group import find_free_port
 
@@ -45,6 +45,58 @@ RESULTS_MD = "results.md"
 ENVIRONMENT_JSON = "environment.json"
 PREDICTION_JSON = "bucket_prediction.json"
 ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbenchmark (the median is kept)
+
+
+# ---- a cell's processes ---------------------------------------------------------------------------------
+
+
+def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
+    """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
+    timing_summary.json lands)."""
+    run, workload = config.run, config.workload
+    reference = cell.strategy == REFERENCE
+    args = ["--config", workload.base_config, *workload.cli_args]
+    if workload.preset is not None:
+        args += ["--model.preset", workload.preset]
+    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, cell.settings)
+    args += [
+        "--model.context_length", str(cell.context_length),
+        "--data.seq_len", str(cell.context_length),
+        "--data.batch_size", str(cell.batch_size),
+        "--trainer.accelerator", run.accelerator,
+        "--trainer.devices", "1" if reference else str(layout.devices_per_node),
+        "--trainer.num_nodes", "1" if reference else str(layout.num_nodes),
+        "--trainer.strategy", strategy,
+        "--trainer.precision", cell.precision,
+        "--trainer.max_steps", str(run.warmup_steps + run.steps),
+        "--trainer.limit_val_batches", "0",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false",
+        "--timer.enabled", "true",
+        "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
+        "--timer.warmup_steps", str(run.warmup_steps),
+    ]
+    return fit_command(args, run_dir)
+
+
+def threads_per_rank(config: SweepConfig) -> int | None:
+    """``run.threads_per_rank``, or on CPU ``cores // devices`` (what Lightning's DDP sets), or ``None`` on CUDA."""
+    if config.run.threads_per_rank is not None:
+        return config.run.threads_per_rank
+    if config.run.accelerator != "cpu":
+        return None
+    return max(1, (os.cpu_count() or 1) // config.run.devices)
+
+
+def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
+                      parent: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """One environment per process to start: one for the reference and for ``launcher: lightning``, else every
+    rank's (``cell`` None: a job of the sweep's own on every rank, the all-reduce microbenchmark)."""
+    every_rank = cell is None or cell.strategy != REFERENCE and config.run.launcher == "ranks"
+    return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
+                             extra=config.run.env, parent=parent)
 
 
 # ---- one cell repeat ----------------------------------------------------------------------------------------
@@ -137,42 +189,28 @@ class SubprocessCellRunner:
         return CellOutcome(status, reason, read_json(summary_path), result.wall_s, profile)
 
 
-def repeat_row(
-    cell: Cell,
-    repeat: int,
-    outcome: CellOutcome,
-    model: str | None,
-    accelerator: str,
-    layout: RankLayout,
-    load: LoadCheck | None = None,
-    load_avg: float | None = None,
-    started_at: str = "",
-) -> Row:
-    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran."""
+def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
+    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran: the cell's coordinates, the ``outcome``,
+    the ``load`` guard's check and the sweep's other ``columns`` (model, accelerator, backend, load_avg_1m,
+    started_at; ``None``: empty)."""
     load = load or LoadCheck()
     row: Row = {column: "" for column in REPEAT_COLUMNS}
+    row.update({name: "" if value is None else value for name, value in columns.items()})
     row.update(
+        {name: getattr(cell, name) for name in ("strategy", "batch_size", "context_length", "precision", "world_size")},
         cell_id=cell.id,
         repeat=repeat,
-        strategy=cell.strategy,
         bucket_size_mb=bucket_cell(cell.bucket_size_mb),
         engine_settings=format_settings(cell.settings),
-        batch_size=cell.batch_size,
-        context_length=cell.context_length,
-        precision=cell.precision,
-        model=model or "",
-        world_size=cell.world_size,
-        accelerator=accelerator,
-        backend="" if cell.strategy == REFERENCE else layout.backend,
         status=outcome.status,
         reason=outcome.reason,
         wall_s=round(outcome.wall_s, 1),
         busy_before="" if load.busy_before is None else round(load.busy_before, 3),
         waited_s=round(load.waited_s, 1) if load.busy_before is not None else "",
         busy="" if load.busy is None else str(load.busy).lower(),
-        load_avg_1m="" if load_avg is None else round(load_avg, 2),
-        started_at=started_at,
     )
+    if cell.strategy == REFERENCE:
+        row["backend"] = ""
     if outcome.status == "ok" and outcome.summary:
         row["measured_steps"] = len(measured_step_rows(cell.id, repeat, outcome.summary))
         resolved = (outcome.summary.get("run") or {}).get("bucket_size_mb")
@@ -303,8 +341,8 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             load = guard()
             started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
-            row = repeat_row(cell, k, outcome, config.workload.preset, run.accelerator, layout, load, load_average(),
-                             started_at)
+            row = repeat_row(cell, k, outcome, load, model=config.workload.preset, accelerator=run.accelerator,
+                             backend=layout.backend, load_avg_1m=load_average(), started_at=started_at)
             record(out_dir, repeats, steps, cell, outcome, row, wants_prediction)
             write_results(config, cells, repeats, steps, bootstrap)
             ran.append((cell.id, k))
@@ -402,8 +440,7 @@ def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
                "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
-    envs = rank_environments(layout, find_free_port(), every_rank=True, threads=threads_per_rank(config),
-                             extra=config.run.env)
+    envs = cell_environments(None, config, layout, find_free_port())
     logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
     outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
     if any(code != 0 for code in outcome.returncodes) or not result_path.exists():

@@ -16,9 +16,7 @@ import pytest
 
 from lightning_ddp.bench import launch as launch_module
 from lightning_ddp.bench.__main__ import parse_config
-from lightning_ddp.bench.config import (
-    GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, cell_command, cell_environments, expand_grid,
-)
+from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, expand_grid
 from lightning_ddp.bench.launch import ProcessResult, RankLayout, error_line, rank_layout, run_processes
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS,
@@ -37,6 +35,8 @@ from lightning_ddp.bench.study import LoadCheck, busy_fraction, read_proc_stat, 
 from lightning_ddp.bench.sweep import (
     CellOutcome,
     SubprocessCellRunner,
+    cell_command,
+    cell_environments,
     classify,
     gradient_bytes,
     measured_step_rows,
@@ -321,7 +321,8 @@ def test_a_cells_row_pools_the_measured_steps_of_its_repeats(tmp_path) -> None:
     for k, steps in enumerate([[100.0, 110.0, 120.0, 130.0], [140.0, 150.0, 160.0, 170.0]]):
         outcome = CellOutcome("ok", "", fake_summary(steps, share=0.25), 7.5)
         load = LoadCheck(busy_before=0.5 if k else 0.1, waited_s=30.0 if k else 0.0, busy=bool(k))
-        raw = repeat_row(cell, k, outcome, "tiny", "cpu", CPU_LAYOUT, load, 1.234 + k, "2025-01-01T00:00:00+00:00")
+        raw = repeat_row(cell, k, outcome, load, model="tiny", accelerator="cpu", backend="gloo",
+                         load_avg_1m=round(1.234 + k, 2), started_at="2025-01-01T00:00:00+00:00")
         repeat_rows.append(parse_row({c: "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
                                       for c, v in raw.items()}, REPEAT_COLUMNS))
         step_rows += measured_step_rows(cell.id, k, outcome.summary)
@@ -809,8 +810,8 @@ def test_the_sweep_records_the_load_guard_per_repeat_and_counts_busy_starts(tmp_
     assert read_results(out / "results.csv")[naive_ddp.id]["waited_s"] == 600.0
     report = (out / "results.md").read_text()
     # 2 of 6 started busy; 0 + 300 + 12, twice = 624 s waited
-    assert "**2 of 6 cell repeats started on a busy machine** (CPUs more than 20 % busy after waiting up to 300 s); " \
-           "624 s waited for an idle machine in all" in report
+    assert "load guard (busy fraction > 0.2 after up to 300.0 s): **2 of 6 cell repeats started busy**, 624 s waited" \
+           in report
 
 
 # ---- gradient bytes -------------------------------------------------------------------------------------
@@ -852,7 +853,7 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch) -> None:
     assert all((out / "runs" / cid / f"r{k}" / "timing_summary.json").exists() for cid, k in repeats)
     report = (out / "results.md").read_text()
     assert "| reference (1 process, no communication) |" in report and "## Performance goals" in report
-    assert "## How to read this" in report and "cell repeats started on a busy machine" in report
+    assert 'docs/benchmarks.md, "How to read results"' in report and "cell repeats started busy" in report
     assert "1-minute load average" in report
     assert (out / "strategies_32-true_bs2.png").read_bytes()[:4] == b"\x89PNG"
     environment = json.loads((out / "environment.json").read_text())

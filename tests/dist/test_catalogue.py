@@ -203,12 +203,11 @@ def test_the_strategy_checks_engine_settings_when_built(toy_pieces) -> None:
 
 def _made_up_analysis(cells):
     """The sweep's analysis of ``cells`` each measured once, one step: 100, 110, ... ms, comm share 0.1, busy 5 ms."""
-    from lightning_ddp.bench.launch import RankLayout
     from lightning_ddp.bench.report import REPEAT_COLUMNS, Analysis, cell_data, parse_row
     from lightning_ddp.bench.sweep import CellOutcome, repeat_row
 
-    repeats = [parse_row(repeat_row(cell, 0, CellOutcome("ok"), "tiny", "cpu", RankLayout("gloo", 2, 1)), REPEAT_COLUMNS)
-               for cell in cells]
+    repeats = [parse_row(repeat_row(cell, 0, CellOutcome("ok"), model="tiny", accelerator="cpu", backend="gloo"),
+                         REPEAT_COLUMNS) for cell in cells]
     steps = [{"cell_id": cell.id, "repeat": 0, "step": 0, "step/time_ms": 100.0 + 10 * k, "comm/share": 0.1,
               "comm/busy_ms": 5.0} for k, cell in enumerate(cells)]
     return repeats, Analysis(cell_data(repeats, steps))
@@ -238,7 +237,8 @@ def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy,
 
 
 def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_and_plots(toy_pieces, tmp_path) -> None:
-    from lightning_ddp.bench.config import GridConfig, SweepConfig, cell_command, expand_grid
+    from lightning_ddp.bench.config import GridConfig, SweepConfig, expand_grid
+    from lightning_ddp.bench.sweep import cell_command
     from lightning_ddp.bench.launch import RankLayout
     from lightning_ddp.bench.plots import write_plots
     from lightning_ddp.bench.report import build_report

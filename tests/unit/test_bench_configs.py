@@ -13,10 +13,9 @@ import pytest
 
 from lightning_ddp import memory
 from lightning_ddp.bench.__main__ import parse_config
-from lightning_ddp.bench.config import (
-    GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, cell_environments, expand_grid,
-)
+from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, expand_grid
 from lightning_ddp.bench.launch import LOOPBACK_INTERFACE, RankLayout
+from lightning_ddp.bench.sweep import cell_environments
 from tests.support.cli_utils import REPO
 
 BENCH_CONFIGS = sorted((REPO / "configs" / "bench").glob("*.yaml"))
