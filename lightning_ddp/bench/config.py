@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from itertools import product
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
 from lightning_ddp.bench.launch import REFERENCE
 from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
-
-
-def fit_arguments(remainder: list[str]) -> list[str]:
-    """What follows ``--`` on a benchmark's command line (``argparse.REMAINDER``), passed on to each fit."""
-    return remainder[1:] if remainder[:1] == ["--"] else list(remainder)
 
 
 def strategy_with_memory_model(model: str) -> str:

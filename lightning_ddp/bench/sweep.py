@@ -35,7 +35,6 @@ from lightning_ddp.bench.study import (
 from lightning_ddp.catalogue import format_settings
 from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import package_version
-from lightning_ddp.local_group import find_free_port
 
 RESULTS_CSV = "results.csv"
 REPEATS_CSV = "repeats.csv"
