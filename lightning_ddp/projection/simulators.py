@@ -42,10 +42,12 @@ class Interval:
 
 
 class Timeline:
-    """The two streams of one step, times in ms; compute beside a collective runs ``1 + contention`` times slower."""
+    """The two streams of one step of ``model``, times in ms; compute beside a collective runs ``1 + contention``
+    times slower."""
 
-    def __init__(self, contention: float = 0.0) -> None:
-        self.contention = contention
+    def __init__(self, model: StepModel) -> None:
+        self.model = model
+        self.contention = model.contention
         self.intervals: list[Interval] = []
         self.comm_free_ms = 0.0
         self.busy_comm_ms = 0.0
@@ -85,8 +87,9 @@ class Timeline:
             self.copy_ms += max(duration_ms, 0.0)  # the work; its slowdown is in contention_ms
         return end
 
-    def collective(self, label: str, issue_ms: float, duration_ms: float, nbytes: int) -> float:
-        """Run a collective issued at ``issue_ms`` after every earlier one; returns its end."""
+    def collective(self, label: str, issue_ms: float, nbytes: int, kind: str = "all_reduce") -> float:
+        """Run a collective ``kind`` of ``nbytes`` issued at ``issue_ms`` after every earlier one; returns its end."""
+        duration_ms = self.model.collective_ms(kind, nbytes)
         start = max(issue_ms, self.comm_free_ms)
         end = start + duration_ms
         self.intervals.append(Interval("comm", label, start, end, int(nbytes)))
@@ -98,6 +101,16 @@ class Timeline:
         self.calls += 1
         self.comm_bytes += int(nbytes)
         return end
+
+    def optimizer(self, start_ms: float, fraction: float = 1.0) -> float:
+        """The optimizer on ``fraction`` of the parameters (a shard's), from ``start_ms``; returns its end."""
+        return self.compute("optimizer", start_ms, self.model.profile.optimizer_ms * fraction)
+
+    def result(self, bucket_size_mb: Optional[float], step_ms: float) -> StepResult:
+        """The step that ends at ``step_ms`` (``simulate`` names its strategy)."""
+        m = self.model
+        return StepResult("", bucket_size_mb, m.world_size, step_ms, m.profile.compute_ms, self.busy_comm_ms,
+                          self.copy_ms, self.calls, self.comm_bytes, self.intervals, contention_ms=self.contention_ms)
 
 
 @dataclass(frozen=True)
@@ -191,25 +204,6 @@ def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], S
     return best
 
 
-def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
-    return StepResult("", bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
-                      t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
-
-
-def _collective(model: StepModel, t: Timeline, kind: str, label: str, issue_ms: float, nbytes: int) -> float:
-    return t.collective(label, issue_ms, model.collective_ms(kind, nbytes), nbytes)
-
-
-def _presence_flags(model: StepModel, t: Timeline, issue_ms: float) -> float:
-    """The engines' tiny blocking all-reduce of "which parameters have a gradient here"; returns its end."""
-    nbytes = PRESENCE_FLAG_BYTES * len(model.profile.params)
-    return _collective(model, t, "all_reduce", "gradient presence flags", issue_ms, nbytes)
-
-
-def _optimizer(model: StepModel, t: Timeline, start_ms: float, fraction: float = 1.0) -> float:
-    return t.compute("optimizer", start_ms, model.profile.optimizer_ms * fraction)
-
-
 # ---- the strategies ------------------------------------------------------------------------------------------
 
 
@@ -264,7 +258,7 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
     issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then ``before``, the
     optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
     """
-    p, t = model.profile, Timeline(model.contention)
+    p, t = model.profile, Timeline(model)
 
     backward_start = t.compute("forward", 0.0, p.forward_ms)
     cursor = backward_start  # the compute stream
@@ -278,7 +272,7 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
             if op.kind == "compute":
                 cursor = t.compute(op.label, cursor, op.ms, copy=True)
             else:  # the stream runs collectives in issue order: the last one issued ends last
-                end = _collective(model, t, op.op, op.label, cursor, op.nbytes)
+                end = t.collective(op.label, cursor, op.nbytes, op.op)
                 if wait:
                     cursor = end
         return cursor, end
@@ -299,13 +293,13 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
     for late in range(b, len(buckets)):  # finish_gradient_synchronization: launch what backward did not
         cursor, end = run(launch[late], cursor, wait=False)
         comm_ends.append(end)
-    if presence_flags:
-        cursor = _presence_flags(model, t, cursor)
+    if presence_flags:  # the engines' tiny blocking all-reduce of "which parameters have a gradient here"
+        cursor = t.collective("gradient presence flags", cursor, PRESENCE_FLAG_BYTES * len(p.params))
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
     cursor, _ = run(before, cursor, wait=True)
-    cursor, _ = run(after, _optimizer(model, t, cursor, optimizer_fraction), wait=True)
-    return _result(bucket_size_mb, model, t, cursor)
+    cursor, _ = run(after, t.optimizer(cursor, optimizer_fraction), wait=True)
+    return t.result(bucket_size_mb, cursor)
 
 
 def _buffered(buckets: list[list[int]]) -> list[bool]:
@@ -492,7 +486,7 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
 
 def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
     """FSDP2: ``fully_shard`` on each transformer block and on the root (docs/projection.md)."""
-    p, n, t = model.profile, model.world_size, Timeline(model.contention)
+    p, n, t = model.profile, model.world_size, Timeline(model)
     params = p.params
     root, blocks = transformer_blocks(params)
     span = p.backward_span_ms
@@ -519,11 +513,11 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     labels = [_group_label(params, b) for b in blocks]
 
     def all_gather(k: int, issue_ms: float) -> float:
-        return _collective(model, t, "all_gather", f"{labels[k]} [all-gather]", issue_ms, gather[k])
+        return t.collective(f"{labels[k]} [all-gather]", issue_ms, gather[k], "all_gather")
 
     # forward
     cursor = 0.0
-    root_ready = _collective(model, t, "all_gather", "root [all-gather]", cursor, root_bytes) if root else 0.0
+    root_ready = t.collective("root [all-gather]", cursor, root_bytes, "all_gather") if root else 0.0
     gathered = {0: all_gather(0, cursor)} if blocks else {}
     cursor = t.compute("copy out root", max(cursor, root_ready), copy(root_moved), copy=True)
     cursor = t.compute("forward (embedding)", cursor, scale * tail_ms)
@@ -545,15 +539,15 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
         cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
         cursor = t.compute(f"backward block {k}", cursor, backward_ms[k])
         cursor = t.compute(f"copy in gradients {k}", cursor, copy(moved[k]), copy=True)
-        last_comm = _collective(model, t, "reduce_scatter", f"{labels[k]} [reduce-scatter]", cursor, gather[k])
+        last_comm = t.collective(f"{labels[k]} [reduce-scatter]", cursor, gather[k], "reduce_scatter")
     cursor = t.compute("backward (embedding)", cursor, tail_ms)
     if root:
         cursor = t.compute("copy in root gradients", cursor, copy(root_moved), copy=True)
-        last_comm = _collective(model, t, "reduce_scatter", "root [reduce-scatter]", cursor, root_bytes)
+        last_comm = t.collective("root [reduce-scatter]", cursor, root_bytes, "reduce_scatter")
     cursor = max(cursor, last_comm)
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
-    return _result(None, model, t, _optimizer(model, t, cursor, fraction))
+    return t.result(None, t.optimizer(cursor, fraction))
 
 
 def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
