@@ -15,15 +15,7 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, contention_lines
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
-from lightning_ddp.projection.simulators import (
-    StepModel,
-    simulate,
-    simulate_bucketed,
-    simulate_flat,
-    simulate_naive,
-    simulate_overlap,
-    simulated_by,
-)
+from lightning_ddp.projection.simulators import StepModel, simulate, simulated_by
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
 XL_SHAPE = ModelShape.from_preset("xl")
@@ -59,8 +51,7 @@ def read_runs(path: str | Path = RUNS_CSV) -> tuple[PublishedRun, ...]:
 PUBLISHED_RUNS = read_runs()
 SOURCES = tuple(dict.fromkeys(run.source for run in PUBLISHED_RUNS))
 """The write-ups the numbers come from, one per strategy (``PublishedRun.source``)."""
-STRATEGIES = tuple(simulated_by(model)[0] for model in
-                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
+STRATEGIES = tuple(simulated_by(layout)[0] for layout in ("none", "per_tensor", "packed", "bucketed"))
 """The published strategies by catalogue name (the entries these algorithms' models simulate)."""
 NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
 

@@ -1,12 +1,15 @@
-"""One training step as a timeline per strategy: the simulators the catalogue's ``projection`` entries name.
+"""One training step as a timeline per strategy, issuing its collectives as its engine does on a ``Timeline`` (one
+compute stream, one FIFO communication stream).
 
-Each ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult`` issues its collectives as its engine does
-on a ``Timeline`` (one compute stream, one FIFO communication stream). The schedules: docs/projection.md.
+An entry with ``projection="schedule"`` is simulated from its catalogue facts (``simulate_from_facts``); one whose
+schedule they do not describe names a hook ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult``.
+The schedules: docs/projection.md.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 import inspect
 import math
@@ -207,18 +210,6 @@ def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], S
 # ---- the strategies ------------------------------------------------------------------------------------------
 
 
-def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    return _staged_schedule(model, None, [], presence_flags=True, before=[  # parameters() order, blocking
-        Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None])
-
-
-def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    nbytes = model.profile.grad_bytes
-    return _staged_schedule(model, None, [], presence_flags=True, before=[
-        Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
-        Op("compute", "unpack", model.copy_ms(2 * nbytes))])
-
-
 @dataclass(frozen=True)
 class Op:
     """One step of a bucket's reduction: ``ms`` of work on the compute stream (counted in ``copy_ms``, as the
@@ -320,17 +311,8 @@ def _engine_buckets(params: Sequence[ParamTiming], bucket_size_mb: Optional[floa
     return assign_buckets([q.bytes for q in params], [None] * len(params), cap)
 
 
-def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
-    return _bucketed(model, bucket_size_mb, bf16=False)
-
-
-def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    result = simulate_bucketed(model, bucket_size_mb=1 / MiB)  # a 1-byte cap: one bucket per parameter, as OverlapDDP
-    result.bucket_size_mb = None
-    return result
-
-
 def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
+    """The hook of ``bucketed_bf16_ddp``: the bucketed schedule with the wire in bf16."""
     return _bucketed(model, bucket_size_mb, bf16=True)
 
 
@@ -373,7 +355,7 @@ def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: in
     return buckets
 
 
-def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
+def _torch_ddp(model: StepModel) -> StepResult:
     params = model.profile.params
     never = float("inf")
     # gradient-ready order (ties: reverse parameters() order, the autograd order); no-gradient parameters last
@@ -386,19 +368,35 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
                             presence_flags=False)
 
 
-def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    loads = owner_loads(model)
-    nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: reduce-scatter needs equal chunks
-    buffer = model.world_size * segment
-    return _staged_schedule(model, None, [], presence_flags=True, before=[
-        Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
-        Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
-        Op("compute", "unpack own gradients", model.copy_ms(2 * segment)),
-    ], optimizer_fraction=segment / nbytes if nbytes else 1.0, after=[
-        Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
-        Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
-        Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes)),
-    ])
+def _after_backward(model: StepModel, layout: str) -> StepResult:
+    """The engines that sync after backward, by their buffers: ``none`` (a blocking all-reduce per gradient, in
+    ``parameters()`` order), ``packed`` (one flat buffer) or ``zero1`` (reduce-scatter, then all-gather after the
+    optimizer on the own segment)."""
+    before: list[Op] = []
+    after: list[Op] = []
+    fraction = 1.0
+    if layout == "none":
+        before = [Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None]
+    elif layout == "packed":
+        nbytes = model.profile.grad_bytes
+        before = [Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
+                  Op("compute", "unpack", model.copy_ms(2 * nbytes))]
+    elif layout == "zero1":
+        loads = owner_loads(model)
+        nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: equal reduce-scatter chunks
+        buffer = model.world_size * segment
+        before = [Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
+                  Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
+                  Op("compute", "unpack own gradients", model.copy_ms(2 * segment))]
+        fraction = segment / nbytes if nbytes else 1.0
+        after = [Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
+                 Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
+                 Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes))]
+    else:
+        raise ValueError(f"no shared schedule syncs a {layout!r} layout after backward: name a hook in the entry's "
+                         "`projection` (docs/projection.md, Adding a model)")
+    return _staged_schedule(model, None, [], presence_flags=True, before=before, optimizer_fraction=fraction,
+                            after=after)
 
 
 def owner_loads(model: StepModel) -> list[int]:
@@ -421,7 +419,7 @@ def padded_bucket_bytes(params: Sequence[ParamTiming], bucket: Sequence[int], n:
     return round(_padded(numel, n) * sum(params[i].bytes for i in bucket) / numel) if numel else 0
 
 
-def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
+def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     """ZeRO-2: each bucket reduce-scattered as it fills, the optimizer on the shard, then per bucket an all-gather."""
     p, n = model.profile, model.world_size
     params = p.params
@@ -484,7 +482,7 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
     return total
 
 
-def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
+def _fsdp2(model: StepModel) -> StepResult:
     """FSDP2: ``fully_shard`` on each transformer block and on the root (docs/projection.md)."""
     p, n, t = model.profile, model.world_size, Timeline(model)
     params = p.params
@@ -644,6 +642,21 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
 # ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------
 
 
+def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
+    """The step of an entry with ``projection="schedule"``, from its facts: ``memory`` (the buffers its engine
+    keeps), ``overlaps_backward``, ``has_bucket_size`` and ``sharded`` (docs/projection.md)."""
+    if entry.memory == "fully_sharded":
+        return _fsdp2(model)
+    if not entry.overlaps_backward:
+        return _after_backward(model, entry.memory)
+    if entry.memory == "full_buckets":  # torch DDP's own buckets and copies
+        return _torch_ddp(model)
+    size = bucket_size_mb if entry.has_bucket_size else 1 / MiB  # no cap: a 1-byte one, one bucket per gradient
+    result = _zero2(model, size) if entry.sharded else _bucketed(model, size, bf16=False)
+    result.bucket_size_mb = bucket_size_mb
+    return result
+
+
 def simulated_names() -> list[str]:
     """Every strategy the projection can simulate, in catalogue order: the entries with a ``projection``."""
     return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is not None]
@@ -654,10 +667,14 @@ def unmodelled_names() -> list[str]:
     return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is None]
 
 
-def simulated_by(*functions: Callable[..., StepResult]) -> list[str]:
-    """The catalogue names whose projection model is one of ``functions``, in catalogue order."""
-    wanted = {f"{function.__module__}:{function.__name__}" for function in functions}
-    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection in wanted]
+def simulated_by(model: str | Callable[..., StepResult]) -> list[str]:
+    """The catalogue names, in order, simulated by the hook ``model``, or from their facts with ``memory == model``
+    (e.g. ``"zero1"``, ``"full_buckets"``)."""
+    if callable(model):
+        return [name for name, entry in catalogue.STRATEGIES.items()
+                if entry.projection == f"{model.__module__}:{model.__name__}"]
+    return [name for name, entry in catalogue.STRATEGIES.items()
+            if entry.projection == catalogue.SCHEDULE and entry.memory == model]
 
 
 def simulator(name: str) -> Callable[..., StepResult]:
@@ -667,9 +684,11 @@ def simulator(name: str) -> Callable[..., StepResult]:
     entry = catalogue.STRATEGIES[name]
     if entry.projection is None:
         raise ValueError(
-            f"strategy {name!r} has no model in the projection: add a simulate function (see simulate_bucketed in "
-            "lightning_ddp/projection/simulators.py) and name it in its catalogue entry's `projection`, or leave it "
-            f"out (projected: {', '.join(simulated_names())})")
+            f"strategy {name!r} has no model in the projection: add a simulate function, or set `projection=\"schedule"
+            "\"` in its catalogue entry where its facts describe its schedule (docs/projection.md, Adding a model), or "
+            f"leave it out (projected: {', '.join(simulated_names())})")
+    if entry.projection == catalogue.SCHEDULE:
+        return functools.partial(simulate_from_facts, entry)
     module, _, attribute = entry.projection.partition(":")
     return getattr(importlib.import_module(module), attribute)
 
