@@ -212,14 +212,17 @@ def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], S
 
 @dataclass(frozen=True)
 class Op:
-    """One step of a bucket's reduction: ``ms`` of work on the compute stream (counted in ``copy_ms``, as the
-    CommTimer's pack/unpack time), or a collective ``op`` of ``nbytes``."""
+    """One step of a schedule: ``ms`` of work on the compute stream (counted in ``copy_ms``, as the CommTimer's
+    pack/unpack time, if ``copy``), started once the latest collective labelled ``waits`` (if any) has ended; or a
+    collective ``op`` of ``nbytes``."""
 
     kind: Literal["compute", "collective"]
     label: str
     ms: float = 0.0
     nbytes: int = 0
     op: str = "all_reduce"  # or reduce_scatter, all_gather
+    copy: bool = True
+    waits: str = ""
 
 
 def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
@@ -230,7 +233,7 @@ def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
                Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])]
               for k, bucket in enumerate(buckets)]
     finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
-    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=presence_flags)
 
 
@@ -239,49 +242,59 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
     return model.profile.params[bucket[0]].name if len(bucket) == 1 else f"bucket {k} ({len(bucket)} tensors)"
 
 
-def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
+def _ready(model: StepModel, buckets: list[list[int]]) -> list[Optional[float]]:
+    """When each bucket's last gradient is ready (ms of backward work), ``None`` if one never comes."""
+    ready = [[model.profile.params[i].ready_ms for i in bucket] for bucket in buckets]
+    return [None if None in times else max(times) for times in ready]
+
+
+def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: Sequence[Optional[float]], *,
                      launch: Sequence[Sequence[Op]] = (), finish: Sequence[Sequence[Op]] = (), presence_flags: bool,
-                     before: Sequence[Op] = (), optimizer_fraction: float = 1.0,
-                     after: Sequence[Op] = ()) -> StepResult:
+                     before: Sequence[Op] = (), optimizer_fraction: float = 1.0, after: Sequence[Op] = (),
+                     forward: Optional[Sequence[Op]] = None) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order (no buckets: a sync after backward).
 
-    ``launch[k]``: what launching bucket ``k`` does (its compute delays the rest of backward; its collectives are
-    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then ``before``, the
-    optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
+    ``forward`` (default: the profile's forward), then backward placed up to each bucket's ``ready`` time (``None``:
+    launched after backward, as every later bucket). ``launch[k]``: what launching bucket ``k`` does (its compute
+    delays the rest of backward; its collectives are issued, not waited for). ``finish[k]``: what waiting for it
+    does once backward is over. Then ``before``, the optimizer on ``optimizer_fraction`` of the parameters, then
+    ``after`` (each collective waited for at once).
     """
     p, t = model.profile, Timeline(model)
-
-    backward_start = t.compute("forward", 0.0, p.forward_ms)
-    cursor = backward_start  # the compute stream
-    done = 0.0  # backward work done (ms of the profile's backward)
-    comm_ends: list[float] = []
+    ends: dict[str, float] = {}  # label -> end of the latest collective with it
 
     def run(ops: Sequence[Op], cursor: float, wait: bool) -> tuple[float, float]:
         """``ops`` from ``cursor``: (when the compute stream is free again, when the last collective ends)."""
         end = cursor
         for op in ops:
             if op.kind == "compute":
-                cursor = t.compute(op.label, cursor, op.ms, copy=True)
+                start = max(cursor, ends[op.waits]) if op.waits else cursor
+                cursor = t.compute(op.label, start, op.ms, copy=op.copy)
             else:  # the stream runs collectives in issue order: the last one issued ends last
-                end = t.collective(op.label, cursor, op.nbytes, op.op)
+                end = ends[op.label] = t.collective(op.label, cursor, op.nbytes, op.op)
                 if wait:
                     cursor = end
         return cursor, end
 
+    if forward is None:
+        cursor = t.compute("forward", 0.0, p.forward_ms)
+    else:
+        cursor, _ = run(forward, 0.0, wait=False)
+    done = 0.0  # backward work done (ms of the profile's backward)
+    comm_ends: list[float] = []
     b = 0
-    for b, bucket in enumerate(buckets):
-        ready = [p.params[i].ready_ms for i in bucket]
-        if any(r is None for r in ready):
+    for b, ready_ms in enumerate(ready):
+        if ready_ms is None:
             break  # a gradient that never comes: this bucket (and, in order, every later one) waits for the finish
-        if max(ready) > done:
-            cursor = t.compute("backward", cursor, max(ready) - done)
-            done = max(ready)
+        if ready_ms > done:
+            cursor = t.compute("backward", cursor, ready_ms - done)
+            done = ready_ms
         cursor, end = run(launch[b], cursor, wait=False)
         comm_ends.append(end)
     else:
-        b = len(buckets)
+        b = len(ready)
     cursor = t.compute("backward", cursor, p.backward_span_ms - done)
-    for late in range(b, len(buckets)):  # finish_gradient_synchronization: launch what backward did not
+    for late in range(b, len(ready)):  # finish_gradient_synchronization: launch what backward did not
         cursor, end = run(launch[late], cursor, wait=False)
         comm_ends.append(end)
     if presence_flags:  # the engines' tiny blocking all-reduce of "which parameters have a gradient here"
@@ -439,7 +452,7 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
                   Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
     grad_bytes = sum(q.bytes for q in params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
-    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=_missing(model), optimizer_fraction=fraction, after=after)
 
 
@@ -483,8 +496,10 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
 
 
 def _fsdp2(model: StepModel) -> StepResult:
-    """FSDP2: ``fully_shard`` on each transformer block and on the root (docs/projection.md)."""
-    p, n, t = model.profile, model.world_size, Timeline(model)
+    """FSDP2: ``fully_shard`` on each transformer block and on the root, on the shared schedule: the forward's
+    all-gathers one block ahead; in backward a bucket per block, in backward order (after the head's), each launch
+    copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last."""
+    p, n = model.profile, model.world_size
     params = p.params
     root, blocks = transformer_blocks(params)
     span = p.backward_span_ms
@@ -504,48 +519,44 @@ def _fsdp2(model: StepModel) -> StepResult:
     root_bytes = _shard_bytes(params, root, n)
     moved = [sum(params[i].bytes for i in b) for b in blocks]
     root_moved = sum(params[i].bytes for i in root)
-
-    def copy(nbytes: float) -> float:
-        return model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
-
     labels = [_group_label(params, b) for b in blocks]
 
-    def all_gather(k: int, issue_ms: float) -> float:
-        return t.collective(f"{labels[k]} [all-gather]", issue_ms, gather[k], "all_gather")
+    def copy(label: str, nbytes: float, waits: str = "") -> Op:
+        ms = model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
+        return Op("compute", label, ms, waits=waits)
 
-    # forward
-    cursor = 0.0
-    root_ready = t.collective("root [all-gather]", cursor, root_bytes, "all_gather") if root else 0.0
-    gathered = {0: all_gather(0, cursor)} if blocks else {}
-    cursor = t.compute("copy out root", max(cursor, root_ready), copy(root_moved), copy=True)
-    cursor = t.compute("forward (embedding)", cursor, scale * tail_ms)
+    def work(label: str, ms: float) -> Op:
+        return Op("compute", label, ms, copy=False)
+
+    def all_gather(k: int) -> list[Op]:
+        return [Op("collective", f"{labels[k]} [all-gather]", nbytes=gather[k], op="all_gather")]
+
+    def copy_out(k: int) -> Op:
+        return copy(f"copy out block {k}", moved[k], waits=f"{labels[k]} [all-gather]")
+
+    forward = [Op("collective", "root [all-gather]", nbytes=root_bytes, op="all_gather")] if root else []
+    forward += all_gather(0) if blocks else []
+    forward += [copy("copy out root", root_moved, "root [all-gather]" if root else ""),
+                work("forward (embedding)", scale * tail_ms)]
     for k in range(len(blocks)):
-        if k + 1 < len(blocks):  # prefetch the next block's parameters
-            gathered[k + 1] = all_gather(k + 1, cursor)
-        cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
-        cursor = t.compute(f"forward block {k}", cursor, scale * backward_ms[k])
-    cursor = t.compute("forward (head)", cursor, scale * head_end)
-    # backward
-    gathered = {}
-    if blocks:
-        gathered[order[0]] = all_gather(order[0], cursor)
-    cursor = t.compute("backward (head)", cursor, head_end)
-    last_comm = cursor
+        forward += [*(all_gather(k + 1) if k + 1 < len(blocks) else []), copy_out(k),
+                    work(f"forward block {k}", scale * backward_ms[k])]
+    forward += [work("forward (head)", scale * head_end), *(all_gather(order[0]) if blocks else [])]
+    launch = [[*(all_gather(order[1]) if len(order) > 1 else []), *([copy_out(order[0])] if blocks else [])]]
     for j, k in enumerate(order):
-        if j + 1 < len(order):
-            gathered[order[j + 1]] = all_gather(order[j + 1], cursor)
-        cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
-        cursor = t.compute(f"backward block {k}", cursor, backward_ms[k])
-        cursor = t.compute(f"copy in gradients {k}", cursor, copy(moved[k]), copy=True)
-        last_comm = t.collective(f"{labels[k]} [reduce-scatter]", cursor, gather[k], "reduce_scatter")
-    cursor = t.compute("backward (embedding)", cursor, tail_ms)
-    if root:
-        cursor = t.compute("copy in root gradients", cursor, copy(root_moved), copy=True)
-        last_comm = t.collective("root [reduce-scatter]", cursor, root_bytes, "reduce_scatter")
-    cursor = max(cursor, last_comm)
+        launch.append([copy(f"copy in gradients {k}", moved[k]),
+                       Op("collective", f"{labels[k]} [reduce-scatter]", nbytes=gather[k], op="reduce_scatter"),
+                       *(all_gather(order[j + 2]) if j + 2 < len(order) else []),
+                       *([copy_out(order[j + 1])] if j + 1 < len(order) else [])])
+    ready: list[Optional[float]] = [head_end, *(ends[k] for k in order)]
+    if root:  # launched after the embedding's backward
+        ready.append(None)
+        launch.append([copy("copy in root gradients", root_moved),
+                       Op("collective", "root [reduce-scatter]", nbytes=root_bytes, op="reduce_scatter")])
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
-    return t.result(None, t.optimizer(cursor, fraction))
+    return _staged_schedule(model, None, ready, launch=launch, finish=[[] for _ in launch], presence_flags=False,
+                            optimizer_fraction=fraction, forward=forward)
 
 
 def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
@@ -633,7 +644,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
-    result = _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
+    result = _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                               presence_flags=_missing(model))
     result.buffer_bytes = state_bytes  # the error feedback E and the warm-start Q of every compressed matrix, fp32
     return result
