@@ -50,7 +50,6 @@ class Timeline:
 
     def __init__(self, model: StepModel) -> None:
         self.model = model
-        self.contention = model.contention
         self.intervals: list[Interval] = []
         self.comm_free_ms = 0.0
         self.busy_comm_ms = 0.0
@@ -64,9 +63,9 @@ class Timeline:
     def advance(self, start_ms: float, work_ms: float) -> float:
         """When ``work_ms`` of compute started at ``start_ms`` ends, slowed by ``1 + contention`` while a collective
         already on the timeline is in flight."""
-        if self.contention == 0 or work_ms <= 0:
+        if self.model.contention == 0 or work_ms <= 0:
             return start_ms + max(work_ms, 0.0)
-        slow = 1.0 + self.contention
+        slow = 1.0 + self.model.contention
         now, left = start_ms, work_ms
         for a, b in self._comm_spans[bisect.bisect_right(self._comm_ends, start_ms):]:
             if a > now:  # a gap with no collective: full speed
@@ -508,12 +507,9 @@ def _fsdp2(model: StepModel) -> StepResult:
     order = sorted(range(len(blocks)), key=lambda k: ends[k])  # backward order
     head_end = max((params[i].ready_ms for i in root if params[i].ready_ms is not None
                     and (not ends or params[i].ready_ms <= min(ends))), default=0.0)
-    backward_ms: dict[int, float] = {}
-    previous = head_end
-    for k in order:
-        backward_ms[k] = max(0.0, ends[k] - previous)
-        previous = max(previous, ends[k])
-    tail_ms = max(0.0, span - previous)  # the embedding's backward
+    ready: list[Optional[float]] = [head_end, *(ends[k] for k in order)]  # each bucket's: the head's, then blocks'
+    backward_ms = {k: max(0.0, ready[j + 1] - ready[j]) for j, k in enumerate(order)}
+    tail_ms = max(0.0, span - ready[-1])  # the embedding's backward
     scale = p.forward_ms / span if span > 0 else 0.0
     gather = [_shard_bytes(params, b, n) for b in blocks]
     root_bytes = _shard_bytes(params, root, n)
@@ -548,7 +544,6 @@ def _fsdp2(model: StepModel) -> StepResult:
                        Op("collective", f"{labels[k]} [reduce-scatter]", nbytes=gather[k], op="reduce_scatter"),
                        *(all_gather(order[j + 2]) if j + 2 < len(order) else []),
                        *([copy_out(order[j + 1])] if j + 1 < len(order) else [])])
-    ready: list[Optional[float]] = [head_end, *(ends[k] for k in order)]
     if root:  # launched after the embedding's backward
         ready.append(None)
         launch.append([copy("copy in root gradients", root_moved),
