@@ -275,10 +275,7 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
                     cursor = end
         return cursor, end
 
-    if forward is None:
-        cursor = t.compute("forward", 0.0, p.forward_ms)
-    else:
-        cursor, _ = run(forward, 0.0, wait=False)
+    cursor, _ = run(forward or [Op("compute", "forward", p.forward_ms, copy=False)], 0.0, wait=False)
     done = 0.0  # backward work done (ms of the profile's backward)
     comm_ends: list[float] = []
     b = 0
