@@ -27,6 +27,9 @@ MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "full_buckets", "ze
 
 GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 
+SCHEDULE = "schedule"
+"""``Entry.projection`` of a strategy the projection simulates from its facts."""
+
 DEFAULT_ENGINE = "bucketed_ddp"
 """The engine ``GradSyncStrategy`` and ZeRO-1's ``grad_sync`` run when none is named."""
 
@@ -56,7 +59,8 @@ class Entry:
     memory: str = "packed"
     """Its memory model in ``lightning_ddp.memory`` (``MEMORY_MODELS``)."""
     projection: str | None = None
-    """``"package.module:function"`` of its step-time simulation, or ``None`` (not projected)."""
+    """Its step-time simulation: ``SCHEDULE`` (the projection's shared schedule, from the facts above), a hook
+    ``"package.module:function"`` for a schedule they do not describe, or ``None`` (not projected)."""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -277,21 +281,21 @@ _SIMULATORS = "lightning_ddp.projection.simulators"
 
 register(Entry(
     "naive_ddp", "After backward, all-reduce every gradient tensor, one blocking call each.",
-    engine="lightning_ddp.sync.naive:NaiveDDP", memory="none", projection=f"{_SIMULATORS}:simulate_naive",
+    engine="lightning_ddp.sync.naive:NaiveDDP", memory="none", projection=SCHEDULE,
 ))
 register(Entry(
     "flat_ddp", "After backward, all-reduce all gradients flattened into one buffer.",
-    engine="lightning_ddp.sync.flat:FlatDDP", memory="packed", projection=f"{_SIMULATORS}:simulate_flat",
+    engine="lightning_ddp.sync.flat:FlatDDP", memory="packed", projection=SCHEDULE,
 ))
 register(Entry(
     "overlap_ddp", "During backward, an async all-reduce of each gradient as soon as it is ready.",
     engine="lightning_ddp.sync.overlap:OverlapDDP", overlaps_backward=True, memory="per_tensor",
-    projection=f"{_SIMULATORS}:simulate_overlap",
+    projection=SCHEDULE,
 ))
 register(Entry(
     "bucketed_ddp", "During backward, an async all-reduce per size-capped bucket of gradients as it fills.",
     engine="lightning_ddp.sync.bucketed:BucketedDDP", has_bucket_size=True, overlaps_backward=True,
-    memory="bucketed", projection=f"{_SIMULATORS}:simulate_bucketed",
+    memory="bucketed", projection=SCHEDULE,
 ))
 register(Entry(
     "bucketed_bf16_ddp", "Bucketed, with the gradients communicated in bf16: half the bytes, lossy.",
@@ -307,22 +311,22 @@ register(Entry(
 register(Entry(
     "zero1_ddp", "ZeRO-1: gradients reduce-scattered in step(), optimizer state sharded, parameters all-gathered.",
     engine="lightning_ddp.sync.zero1:DeferredGradSync", lightning_class="lightning_ddp.strategies.ZeRO1DDPStrategy",
-    init_args={"schedule": "reduce_scatter"}, sharded=True, memory="zero1", projection=f"{_SIMULATORS}:simulate_zero1",
+    init_args={"schedule": "reduce_scatter"}, sharded=True, memory="zero1", projection=SCHEDULE,
 ))
 register(Entry(
     "zero2_ddp", "ZeRO-2: each bucket reduce-scattered to its owners during backward, gradients and optimizer state "
     "sharded, parameters all-gathered after the step.",
     engine="lightning_ddp.sync.zero2:ZeRO2DDP", lightning_class="lightning_ddp.strategies.ZeRO2DDPStrategy",
     has_bucket_size=True, overlaps_backward=True, sharded=True, memory="zero2",
-    projection=f"{_SIMULATORS}:simulate_zero2",
+    projection=SCHEDULE,
 ))
 register(Entry(
     "fsdp2", "torch's FSDP2 (fully_shard per block): parameters, gradients and optimizer state sharded.",
     lightning_class="lightning_ddp.strategies.FSDP2Strategy", overlaps_backward=True, sharded=True,
-    memory="fully_sharded", projection=f"{_SIMULATORS}:simulate_fsdp2",
+    memory="fully_sharded", projection=SCHEDULE,
 ))
 register(Entry(
     "ddp", "Lightning's DDP (torch DistributedDataParallel): 25 MiB buckets during backward; the baseline.",
     lightning_class="lightning.pytorch.strategies.DDPStrategy", overlaps_backward=True,
-    memory="full_buckets", projection=f"{_SIMULATORS}:simulate_ddp",
+    memory="full_buckets", projection=SCHEDULE,
 ))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -15,15 +15,7 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, contention_lines
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
-from lightning_ddp.projection.simulators import (
-    StepModel,
-    simulate,
-    simulate_bucketed,
-    simulate_flat,
-    simulate_naive,
-    simulate_overlap,
-    simulated_by,
-)
+from lightning_ddp.projection.simulators import StepModel, simulate, simulated_by
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
 XL_SHAPE = ModelShape.from_preset("xl")
@@ -59,8 +51,7 @@ def read_runs(path: str | Path = RUNS_CSV) -> tuple[PublishedRun, ...]:
 PUBLISHED_RUNS = read_runs()
 SOURCES = tuple(dict.fromkeys(run.source for run in PUBLISHED_RUNS))
 """The write-ups the numbers come from, one per strategy (``PublishedRun.source``)."""
-STRATEGIES = tuple(simulated_by(model)[0] for model in
-                   (simulate_naive, simulate_overlap, simulate_flat, simulate_bucketed))
+STRATEGIES = tuple(simulated_by(layout)[0] for layout in ("none", "per_tensor", "packed", "bucketed"))
 """The published strategies by catalogue name (the entries these algorithms' models simulate)."""
 NAIVE_DDP, OVERLAP_DDP, FLAT_DDP, BUCKETED_DDP = STRATEGIES
 
@@ -71,22 +62,6 @@ fits their ~20 GB/s link and memory limit. At 80 % of its bandwidth; gradients f
 MEMORY_EFFICIENCY = 0.8
 LINKS = ("pcie_gen4", "nvlink4")
 """Links to predict on; the first is compared with the published runs (also with their per-call cost)."""
-
-
-@dataclass
-class PublishedComparison:
-    """One published run beside the model's predictions."""
-
-    run: PublishedRun
-    compute_ms: float
-    extrapolated: bool
-    predicted: dict[str, tuple[float, float, float]] = field(default_factory=dict)
-    """Fabric -> (step ms, exposed ms, share)."""
-
-    @property
-    def unexplained_ms(self) -> float:
-        """Published step minus (calibrated compute + the run's own communication time): what neither accounts for."""
-        return 1e3 * (self.run.total_s - self.run.comm_s) - self.compute_ms
 
 
 def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict[tuple[int, int], tuple[float, bool]]:
@@ -136,28 +111,35 @@ def _profile(batch_size: int, seq_len: int, compute_ms: float, gpu: str) -> Comp
 
 
 def compare_with_published(gpu: str = GPU, contention: float = 0.0, links: Sequence[str] = LINKS,
-                           published_c: bool = True) -> list[PublishedComparison]:
-    """Every published run with the model's step, waited communication and wait share on each fabric."""
+                           published_c: bool = True) -> list[dict[str, Any]]:
+    """Every published run as a row of ``published_xl_2gpu.csv`` (unrounded): what it printed, its calibrated
+    compute, the unexplained time (published step minus compute and the run's own communication) and, per fabric
+    ``<label>`` (``+`` as ``_``), the model's ``<label>_step_ms``, ``_exposed_ms`` (waited) and ``_share``."""
     compute = calibrated_compute_ms()
     fabrics = prediction_fabrics(gpu, links, published_c)
-    comparisons = []
+    rows = []
     for run in PUBLISHED_RUNS:
         compute_ms, extrapolated = compute[(run.batch_size, run.seq_len)]
         profile = _profile(run.batch_size, run.seq_len, compute_ms, gpu)
-        comparison = PublishedComparison(run, compute_ms, extrapolated)
-        for name, fabric in fabrics.items():
+        row = {"strategy": run.strategy, "bucket_size_mb": run.bucket_size_mb, "batch_size": run.batch_size,
+               "seq_len": run.seq_len, "published_step_ms": 1e3 * run.total_s, "published_comm_ms": 1e3 * run.comm_s,
+               "published_share": run.ratio, "compute_ms": compute_ms, "compute_extrapolated": extrapolated,
+               "unexplained_ms": 1e3 * (run.total_s - run.comm_s) - compute_ms, "source": run.source}
+        for label, fabric in fabrics.items():
             r = simulate(run.strategy, StepModel(profile, fabric, 2, _copy_Bps(gpu), contention=contention),
                          run.bucket_size_mb)
-            comparison.predicted[name] = (r.step_ms, r.waited_comm_ms, r.wait_share)
-        comparisons.append(comparison)
-    return comparisons
+            name = label.replace("+", "_")
+            row.update({f"{name}_step_ms": r.step_ms, f"{name}_exposed_ms": r.waited_comm_ms,
+                        f"{name}_share": r.wait_share})
+        rows.append(row)
+    return rows
 
 
 def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def published_markdown(comparisons: Sequence[PublishedComparison], gpu: str = GPU) -> str:
+def published_markdown(comparisons: Sequence[dict[str, Any]], gpu: str = GPU) -> str:
     """The comparison as markdown: inputs, one row per published run, a summary per strategy."""
     fabrics = prediction_fabrics(gpu)
     lines = [
@@ -167,19 +149,19 @@ def published_markdown(comparisons: Sequence[PublishedComparison], gpu: str = GP
         "recipe, the columns and what the comparison shows: docs/projection.md.",
         "",
     ]
-    lines += _inputs_lines(comparisons, gpu, fabrics)
+    lines += _inputs_lines(gpu, fabrics)
     lines += _runs_table(comparisons, list(fabrics))
     lines += _summary_table(comparisons, list(fabrics))
     return "\n".join(lines + [""])
 
 
-def _inputs_lines(comparisons: Sequence[PublishedComparison], gpu: str, fabrics: dict[str, Fabric]) -> list[str]:
+def _inputs_lines(gpu: str, fabrics: dict[str, Fabric]) -> list[str]:
     """The model, the calibrated compute per (batch, context), the split of the step and the links."""
     link = next(iter(fabrics))
     spec = get_gpu(gpu)
     sample = _profile(2, 128, 10_000.0, gpu)
     grad_gb = sample.grad_bytes / 1e9
-    flat = [c.run for c in comparisons if c.run.strategy == FLAT_DDP]
+    flat = [r for r in PUBLISHED_RUNS if r.strategy == FLAT_DDP]
     implied = _mean([sample.grad_bytes / r.comm_s / 1e9 for r in flat])
     lines = [
         "## Inputs",
@@ -190,7 +172,7 @@ def _inputs_lines(comparisons: Sequence[PublishedComparison], gpu: str, fabrics:
     ]
     note = " (extrapolated linearly in tokens: naive ran out of memory)"
     rows = [[b, t, f"{ms:.1f} ms" + (note if extrapolated else "")]
-            for (b, t), (ms, extrapolated) in calibrated_compute_ms([c.run for c in comparisons]).items()]
+            for (b, t), (ms, extrapolated) in calibrated_compute_ms().items()]
     lines += ["  " + line for line in markdown_table(["batch", "context", "compute-only step"], rows, "rrr")]
     lines += [
         "",
@@ -205,21 +187,21 @@ def _inputs_lines(comparisons: Sequence[PublishedComparison], gpu: str, fabrics:
     return lines + [""]
 
 
-def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -> list[str]:
+def _runs_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> list[str]:
     """One row per published run: what it printed, the prediction on each link, the unexplained time."""
     link, rest = labels[0], labels[1:]
     lines = ["## Every published run beside the prediction", ""]
     rows = []
     for c in comparisons:
-        r = c.run
-        step, exposed, share = c.predicted[link]
-        cells = [r.strategy, "" if r.bucket_size_mb is None else f"{r.bucket_size_mb:g}", str(r.batch_size),
-                 str(r.seq_len), f"{r.total_s * 1e3:.0f} ms", f"{r.comm_s * 1e3:.0f} ms", f"{100 * r.ratio:.1f} %",
-                 f"{step:.0f} ms", f"{exposed:.0f} ms", f"{100 * share:.1f} %", f"{100 * (share - r.ratio):+.1f}"]
+        step, exposed, share = (c[f"{link}_{column}"] for column in ("step_ms", "exposed_ms", "share"))
+        cells = [c["strategy"], "" if c["bucket_size_mb"] is None else f"{c['bucket_size_mb']:g}",
+                 str(c["batch_size"]), str(c["seq_len"]), f"{c['published_step_ms']:.0f} ms",
+                 f"{c['published_comm_ms']:.0f} ms", f"{100 * c['published_share']:.1f} %", f"{step:.0f} ms",
+                 f"{exposed:.0f} ms", f"{100 * share:.1f} %", f"{100 * (share - c['published_share']):+.1f}"]
         for label in rest:
-            other_step, _, other_share = c.predicted[label]
-            cells += [f"{other_step:.0f} ms", f"{100 * other_share:.1f} %"]
-        cells.append(f"{c.unexplained_ms:+.0f} ms" + (" *" if c.extrapolated else ""))
+            name = label.replace("+", "_")
+            cells += [f"{c[name + '_step_ms']:.0f} ms", f"{100 * c[name + '_share']:.1f} %"]
+        cells.append(f"{c['unexplained_ms']:+.0f} ms" + (" *" if c["compute_extrapolated"] else ""))
         rows.append(cells)
     header = ["strategy", "bucket", "batch", "context", "published: step", "comm", "share", f"{link}: step", "exposed",
               "share", "share - published", *(f"{label}: {c}" if c == "step" else c for label in rest
@@ -228,7 +210,7 @@ def _runs_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -
     return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1)) + ["", footnote, ""]
 
 
-def _summary_table(comparisons: Sequence[PublishedComparison], labels: list[str]) -> list[str]:
+def _summary_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> list[str]:
     """Per strategy, means over its runs (batch 4 x context 512, extrapolated, left out) on every link, with the share
     error on the compared one."""
     link = labels[0]
@@ -239,18 +221,22 @@ def _summary_table(comparisons: Sequence[PublishedComparison], labels: list[str]
     header.append("unexplained")
     rows = []
     for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
-        cs = [c for c in comparisons if c.run.strategy == strategy and not c.extrapolated]
+        cs = [c for c in comparisons if c["strategy"] == strategy and not c["compute_extrapolated"]]
         if not cs:
             continue
-        cells = [strategy, f"{_mean([1e3 * c.run.total_s for c in cs]):.0f} ms",
-                 f"{_mean([1e3 * c.run.comm_s for c in cs]):.0f} ms",
-                 f"{100 * _mean([c.run.ratio for c in cs]):.1f} %"]
+
+        def mean(column: str) -> float:
+            return _mean([c[column] for c in cs])
+
+        cells = [strategy, f"{mean('published_step_ms'):.0f} ms", f"{mean('published_comm_ms'):.0f} ms",
+                 f"{100 * mean('published_share'):.1f} %"]
         for label in labels:
-            cells += [f"{_mean([c.predicted[label][0] for c in cs]):.0f} ms",
-                      f"{100 * _mean([c.predicted[label][2] for c in cs]):.1f} %"]
+            name = label.replace("+", "_")
+            cells += [f"{mean(name + '_step_ms'):.0f} ms", f"{100 * mean(name + '_share'):.1f} %"]
             if label.startswith(link):
-                cells.append(f"{100 * _mean([abs(c.predicted[label][2] - c.run.ratio) for c in cs]):.1f} pts")
-        cells.append(f"{_mean([c.unexplained_ms for c in cs]):+.0f} ms")
+                errors = [abs(c[name + "_share"] - c["published_share"]) for c in cs]
+                cells.append(f"{100 * _mean(errors):.1f} pts")
+        cells.append(f"{mean('unexplained_ms'):+.0f} ms")
         rows.append(cells)
     return lines + markdown_table(header, rows, "l" + "r" * (len(header) - 1))
 
@@ -259,34 +245,29 @@ def pcie_rows(contention: float) -> list[dict[str, Any]]:
     """The published runs whose compute was not extrapolated as measured rows (as ``validate``'s cells) beside their
     prediction on ``pcie_gen4`` with ``contention``."""
     comparisons = compare_with_published(contention=contention, links=("pcie_gen4",), published_c=False)
-    return [{"strategy": c.run.strategy, "batch_size": c.run.batch_size, "measured_step_ms": 1e3 * c.run.total_s,
-             "measured_share": c.run.ratio, "predicted_step_ms": c.predicted["pcie_gen4"][0],
-             "predicted_share": c.predicted["pcie_gen4"][2]} for c in comparisons if not c.extrapolated]
+    return [{"strategy": c["strategy"], "batch_size": c["batch_size"], "measured_step_ms": c["published_step_ms"],
+             "measured_share": c["published_share"], "predicted_step_ms": c["pcie_gen4_step_ms"],
+             "predicted_share": c["pcie_gen4_share"]} for c in comparisons if not c["compute_extrapolated"]]
 
 
 def write_comparison(out: str | Path, gpu: str = GPU) -> list[Path]:
     comparisons = compare_with_published(gpu)
-    rows = []
-    for c in comparisons:
-        r = c.run
-        row = {"strategy": r.strategy, "bucket_size_mb": "" if r.bucket_size_mb is None else f"{r.bucket_size_mb:g}",
-               "batch_size": r.batch_size, "seq_len": r.seq_len, "published_step_ms": round(1e3 * r.total_s, 2),
-               "published_comm_ms": round(1e3 * r.comm_s, 2), "published_share": r.ratio,
-               "compute_ms": round(c.compute_ms, 2),
-               "compute_extrapolated": str(c.extrapolated).lower(), "unexplained_ms": round(c.unexplained_ms, 2),
-               "source": r.source}
-        for label, (step, exposed, share) in c.predicted.items():
-            name = label.replace("+", "_")
-            row.update({f"{name}_step_ms": round(step, 2), f"{name}_exposed_ms": round(exposed, 2),
-                        f"{name}_share": round(share, 4)})
-        rows.append(row)
+    rows = [{column: _csv_cell(column, value) for column, value in c.items()} for c in comparisons]
     s = CONTENTION["nccl"]
     markdown = published_markdown(comparisons, gpu) + "\n" + "\n".join(contention_lines(
         "NCCL", s, "runs' wait shares on `pcie_gen4`; batch 4 x context 512 left out", pcie_rows(0.0), pcie_rows(s),
         ["mean \\|share error\\|", "mean step error"], by_strategy=True))
-    columns = list(dict.fromkeys(k for row in rows for k in row))  # the runs' fields, then each fabric's three
     return [write_atomically(Path(out) / "published_xl_2gpu.md", markdown),
-            write_atomically(Path(out) / "published_xl_2gpu.csv", csv_text(rows, columns))]
+            write_atomically(Path(out) / "published_xl_2gpu.csv", csv_text(rows, list(rows[0])))]
+
+
+def _csv_cell(column: str, value: Any) -> Any:
+    """A comparison's value as ``published_xl_2gpu.csv`` writes it: ms to 2 decimals, shares to 4."""
+    if value is None or isinstance(value, bool):
+        return "" if value is None else str(value).lower()
+    if column == "bucket_size_mb":
+        return f"{value:g}"
+    return round(value, 4 if column.endswith("_share") else 2) if isinstance(value, float) else value
 
 
 def main(out: str = "benchmarks/results/projection", gpu: str = GPU) -> None:

@@ -17,10 +17,7 @@ from lightning_ddp.projection.simulators import (
     best_by_world_size,
     model_settings,
     powersgd_plan,
-    simulate_bucketed,
     simulate_bucketed_powersgd,
-    simulate_ddp,
-    simulate_zero1,
     simulated_by,
     unmodelled_names,
 )
@@ -132,7 +129,7 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
     if unmodelled:
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
                      "timeline model (`projection` in its entry) yet.")
-    zero1 = sorted((r for r in best.values() if r.strategy in simulated_by(simulate_zero1)),
+    zero1 = sorted((r for r in best.values() if r.strategy in simulated_by("zero1")),
                    key=lambda r: r.world_size)
     if zero1 and profile.grad_bytes:
         flags = 4 * len(profile.params)
@@ -154,7 +151,7 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
     """The fastest strategy per world size, against torch DDP and bucketed (each at its best bucket size)."""
-    baselines = simulated_by(simulate_ddp) + simulated_by(simulate_bucketed)  # torch DDP, then ours
+    baselines = simulated_by("full_buckets") + simulated_by("bucketed")  # torch DDP, then ours
     lines = ["", "## Fastest per world size", ""]
     rows = []
     for n in sizes:
@@ -199,7 +196,7 @@ def _verdict_rows(best: dict[tuple[str, int], StepResult], names: Sequence[str],
     rows: list[list] = []
     for n in sizes:
         unsharded = [best[(v, n)] for v in names if (v, n) in best and not _entry(v).sharded]
-        torch_ddp = [best[(v, n)] for v in simulated_by(simulate_ddp) if (v, n) in best]
+        torch_ddp = [best[(v, n)] for v in simulated_by("full_buckets") if (v, n) in best]
         baseline = torch_ddp[0] if torch_ddp else min(unsharded, key=lambda r: r.step_ms, default=None)
         if baseline is None or baseline.memory_bytes is None:
             continue

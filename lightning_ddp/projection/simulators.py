@@ -1,12 +1,15 @@
-"""One training step as a timeline per strategy: the simulators the catalogue's ``projection`` entries name.
+"""One training step as a timeline per strategy, issuing its collectives as its engine does on a ``Timeline`` (one
+compute stream, one FIFO communication stream).
 
-Each ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult`` issues its collectives as its engine does
-on a ``Timeline`` (one compute stream, one FIFO communication stream). The schedules: docs/projection.md.
+An entry with ``projection="schedule"`` is simulated from its catalogue facts (``simulate_from_facts``); one whose
+schedule they do not describe names a hook ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult``.
+The schedules: docs/projection.md.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 import inspect
 import math
@@ -42,10 +45,11 @@ class Interval:
 
 
 class Timeline:
-    """The two streams of one step, times in ms; compute beside a collective runs ``1 + contention`` times slower."""
+    """The two streams of one step of ``model``, times in ms; compute beside a collective runs ``1 + contention``
+    times slower."""
 
-    def __init__(self, contention: float = 0.0) -> None:
-        self.contention = contention
+    def __init__(self, model: StepModel) -> None:
+        self.model = model
         self.intervals: list[Interval] = []
         self.comm_free_ms = 0.0
         self.busy_comm_ms = 0.0
@@ -59,9 +63,9 @@ class Timeline:
     def advance(self, start_ms: float, work_ms: float) -> float:
         """When ``work_ms`` of compute started at ``start_ms`` ends, slowed by ``1 + contention`` while a collective
         already on the timeline is in flight."""
-        if self.contention == 0 or work_ms <= 0:
+        if self.model.contention == 0 or work_ms <= 0:
             return start_ms + max(work_ms, 0.0)
-        slow = 1.0 + self.contention
+        slow = 1.0 + self.model.contention
         now, left = start_ms, work_ms
         for a, b in self._comm_spans[bisect.bisect_right(self._comm_ends, start_ms):]:
             if a > now:  # a gap with no collective: full speed
@@ -85,8 +89,9 @@ class Timeline:
             self.copy_ms += max(duration_ms, 0.0)  # the work; its slowdown is in contention_ms
         return end
 
-    def collective(self, label: str, issue_ms: float, duration_ms: float, nbytes: int) -> float:
-        """Run a collective issued at ``issue_ms`` after every earlier one; returns its end."""
+    def collective(self, label: str, issue_ms: float, nbytes: int, kind: str = "all_reduce") -> float:
+        """Run a collective ``kind`` of ``nbytes`` issued at ``issue_ms`` after every earlier one; returns its end."""
+        duration_ms = self.model.collective_ms(kind, nbytes)
         start = max(issue_ms, self.comm_free_ms)
         end = start + duration_ms
         self.intervals.append(Interval("comm", label, start, end, int(nbytes)))
@@ -98,6 +103,16 @@ class Timeline:
         self.calls += 1
         self.comm_bytes += int(nbytes)
         return end
+
+    def optimizer(self, start_ms: float, fraction: float = 1.0) -> float:
+        """The optimizer on ``fraction`` of the parameters (a shard's), from ``start_ms``; returns its end."""
+        return self.compute("optimizer", start_ms, self.model.profile.optimizer_ms * fraction)
+
+    def result(self, bucket_size_mb: Optional[float], step_ms: float) -> StepResult:
+        """The step that ends at ``step_ms`` (``simulate`` names its strategy)."""
+        m = self.model
+        return StepResult("", bucket_size_mb, m.world_size, step_ms, m.profile.compute_ms, self.busy_comm_ms,
+                          self.copy_ms, self.calls, self.comm_bytes, self.intervals, contention_ms=self.contention_ms)
 
 
 @dataclass(frozen=True)
@@ -191,50 +206,22 @@ def best_by_world_size(results: Iterable[StepResult]) -> dict[tuple[str, int], S
     return best
 
 
-def _result(bucket_size_mb: Optional[float], model: StepModel, t: Timeline, step_ms: float) -> StepResult:
-    return StepResult("", bucket_size_mb, model.world_size, step_ms, model.profile.compute_ms, t.busy_comm_ms,
-                      t.copy_ms, t.calls, t.comm_bytes, t.intervals, contention_ms=t.contention_ms)
-
-
-def _collective(model: StepModel, t: Timeline, kind: str, label: str, issue_ms: float, nbytes: int) -> float:
-    return t.collective(label, issue_ms, model.collective_ms(kind, nbytes), nbytes)
-
-
-def _presence_flags(model: StepModel, t: Timeline, issue_ms: float) -> float:
-    """The engines' tiny blocking all-reduce of "which parameters have a gradient here"; returns its end."""
-    nbytes = PRESENCE_FLAG_BYTES * len(model.profile.params)
-    return _collective(model, t, "all_reduce", "gradient presence flags", issue_ms, nbytes)
-
-
-def _optimizer(model: StepModel, t: Timeline, start_ms: float, fraction: float = 1.0) -> float:
-    return t.compute("optimizer", start_ms, model.profile.optimizer_ms * fraction)
-
-
 # ---- the strategies ------------------------------------------------------------------------------------------
-
-
-def simulate_naive(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    return _staged_schedule(model, None, [], presence_flags=True, before=[  # parameters() order, blocking
-        Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None])
-
-
-def simulate_flat(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    nbytes = model.profile.grad_bytes
-    return _staged_schedule(model, None, [], presence_flags=True, before=[
-        Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
-        Op("compute", "unpack", model.copy_ms(2 * nbytes))])
 
 
 @dataclass(frozen=True)
 class Op:
-    """One step of a bucket's reduction: ``ms`` of work on the compute stream (counted in ``copy_ms``, as the
-    CommTimer's pack/unpack time), or a collective ``op`` of ``nbytes``."""
+    """One step of a schedule: ``ms`` of work on the compute stream (counted in ``copy_ms``, as the CommTimer's
+    pack/unpack time, if ``copy``), started once the latest collective labelled ``waits`` (if any) has ended; or a
+    collective ``op`` of ``nbytes``."""
 
     kind: Literal["compute", "collective"]
     label: str
     ms: float = 0.0
     nbytes: int = 0
     op: str = "all_reduce"  # or reduce_scatter, all_gather
+    copy: bool = True
+    waits: str = ""
 
 
 def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
@@ -245,7 +232,7 @@ def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
                Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])]
               for k, bucket in enumerate(buckets)]
     finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
-    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=presence_flags)
 
 
@@ -254,58 +241,65 @@ def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
     return model.profile.params[bucket[0]].name if len(bucket) == 1 else f"bucket {k} ({len(bucket)} tensors)"
 
 
-def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
+def _ready(model: StepModel, buckets: list[list[int]]) -> list[Optional[float]]:
+    """When each bucket's last gradient is ready (ms of backward work), ``None`` if one never comes."""
+    ready = [[model.profile.params[i].ready_ms for i in bucket] for bucket in buckets]
+    return [None if None in times else max(times) for times in ready]
+
+
+def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: Sequence[Optional[float]], *,
                      launch: Sequence[Sequence[Op]] = (), finish: Sequence[Sequence[Op]] = (), presence_flags: bool,
-                     before: Sequence[Op] = (), optimizer_fraction: float = 1.0,
-                     after: Sequence[Op] = ()) -> StepResult:
+                     before: Sequence[Op] = (), optimizer_fraction: float = 1.0, after: Sequence[Op] = (),
+                     forward: Optional[Sequence[Op]] = None) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order (no buckets: a sync after backward).
 
-    ``launch[k]``: what launching bucket ``k`` does (its compute delays the rest of backward; its collectives are
-    issued, not waited for). ``finish[k]``: what waiting for it does once backward is over. Then ``before``, the
-    optimizer on ``optimizer_fraction`` of the parameters, then ``after`` (each collective waited for at once).
+    ``forward`` (default: the profile's forward), then backward placed up to each bucket's ``ready`` time (``None``:
+    launched after backward, as every later bucket). ``launch[k]``: what launching bucket ``k`` does (its compute
+    delays the rest of backward; its collectives are issued, not waited for). ``finish[k]``: what waiting for it
+    does once backward is over. Then ``before``, the optimizer on ``optimizer_fraction`` of the parameters, then
+    ``after`` (each collective waited for at once).
     """
-    p, t = model.profile, Timeline(model.contention)
-
-    backward_start = t.compute("forward", 0.0, p.forward_ms)
-    cursor = backward_start  # the compute stream
-    done = 0.0  # backward work done (ms of the profile's backward)
-    comm_ends: list[float] = []
+    p, t = model.profile, Timeline(model)
+    ends: dict[str, float] = {}  # label -> end of the latest collective with it
 
     def run(ops: Sequence[Op], cursor: float, wait: bool) -> tuple[float, float]:
         """``ops`` from ``cursor``: (when the compute stream is free again, when the last collective ends)."""
         end = cursor
         for op in ops:
             if op.kind == "compute":
-                cursor = t.compute(op.label, cursor, op.ms, copy=True)
+                start = max(cursor, ends[op.waits]) if op.waits else cursor
+                cursor = t.compute(op.label, start, op.ms, copy=op.copy)
             else:  # the stream runs collectives in issue order: the last one issued ends last
-                end = _collective(model, t, op.op, op.label, cursor, op.nbytes)
+                end = ends[op.label] = t.collective(op.label, cursor, op.nbytes, op.op)
                 if wait:
                     cursor = end
         return cursor, end
 
+    cursor, _ = run(forward or [Op("compute", "forward", p.forward_ms, copy=False)], 0.0, wait=False)
+    done = 0.0  # backward work done (ms of the profile's backward)
+    comm_ends: list[float] = []
     b = 0
-    for b, bucket in enumerate(buckets):
-        ready = [p.params[i].ready_ms for i in bucket]
-        if any(r is None for r in ready):
+    for b, ready_ms in enumerate(ready):
+        if ready_ms is None:
             break  # a gradient that never comes: this bucket (and, in order, every later one) waits for the finish
-        if max(ready) > done:
-            cursor = t.compute("backward", cursor, max(ready) - done)
-            done = max(ready)
+        if ready_ms > done:
+            cursor = t.compute("backward", cursor, ready_ms - done)
+            done = ready_ms
         cursor, end = run(launch[b], cursor, wait=False)
         comm_ends.append(end)
     else:
-        b = len(buckets)
+        b = len(ready)
     cursor = t.compute("backward", cursor, p.backward_span_ms - done)
-    for late in range(b, len(buckets)):  # finish_gradient_synchronization: launch what backward did not
+    for late in range(b, len(ready)):  # finish_gradient_synchronization: launch what backward did not
         cursor, end = run(launch[late], cursor, wait=False)
         comm_ends.append(end)
-    if presence_flags:
-        cursor = _presence_flags(model, t, cursor)
+    if presence_flags:  # the engines' tiny blocking all-reduce of "which parameters have a gradient here"
+        cursor = t.collective("gradient presence flags", cursor, PRESENCE_FLAG_BYTES * len(p.params))
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
     cursor, _ = run(before, cursor, wait=True)
-    cursor, _ = run(after, _optimizer(model, t, cursor, optimizer_fraction), wait=True)
-    return _result(bucket_size_mb, model, t, cursor)
+    cursor, _ = run(after, t.optimizer(cursor, optimizer_fraction), wait=True)
+    return t.result(bucket_size_mb, cursor)
 
 
 def _buffered(buckets: list[list[int]]) -> list[bool]:
@@ -326,17 +320,8 @@ def _engine_buckets(params: Sequence[ParamTiming], bucket_size_mb: Optional[floa
     return assign_buckets([q.bytes for q in params], [None] * len(params), cap)
 
 
-def simulate_bucketed(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
-    return _bucketed(model, bucket_size_mb, bf16=False)
-
-
-def simulate_overlap(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    result = simulate_bucketed(model, bucket_size_mb=1 / MiB)  # a 1-byte cap: one bucket per parameter, as OverlapDDP
-    result.bucket_size_mb = None
-    return result
-
-
 def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
+    """The hook of ``bucketed_bf16_ddp``: the bucketed schedule with the wire in bf16."""
     return _bucketed(model, bucket_size_mb, bf16=True)
 
 
@@ -379,7 +364,7 @@ def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: in
     return buckets
 
 
-def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
+def _torch_ddp(model: StepModel) -> StepResult:
     params = model.profile.params
     never = float("inf")
     # gradient-ready order (ties: reverse parameters() order, the autograd order); no-gradient parameters last
@@ -392,19 +377,35 @@ def simulate_ddp(model: StepModel, bucket_size_mb: Optional[float] = None) -> St
                             presence_flags=False)
 
 
-def simulate_zero1(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    loads = owner_loads(model)
-    nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: reduce-scatter needs equal chunks
-    buffer = model.world_size * segment
-    return _staged_schedule(model, None, [], presence_flags=True, before=[
-        Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
-        Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
-        Op("compute", "unpack own gradients", model.copy_ms(2 * segment)),
-    ], optimizer_fraction=segment / nbytes if nbytes else 1.0, after=[
-        Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
-        Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
-        Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes)),
-    ])
+def _after_backward(model: StepModel, layout: str) -> StepResult:
+    """The engines that sync after backward, by their buffers: ``none`` (a blocking all-reduce per gradient, in
+    ``parameters()`` order), ``packed`` (one flat buffer) or ``zero1`` (reduce-scatter, then all-gather after the
+    optimizer on the own segment)."""
+    before: list[Op] = []
+    after: list[Op] = []
+    fraction = 1.0
+    if layout == "none":
+        before = [Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None]
+    elif layout == "packed":
+        nbytes = model.profile.grad_bytes
+        before = [Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
+                  Op("compute", "unpack", model.copy_ms(2 * nbytes))]
+    elif layout == "zero1":
+        loads = owner_loads(model)
+        nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: equal reduce-scatter chunks
+        buffer = model.world_size * segment
+        before = [Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
+                  Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
+                  Op("compute", "unpack own gradients", model.copy_ms(2 * segment))]
+        fraction = segment / nbytes if nbytes else 1.0
+        after = [Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
+                 Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
+                 Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes))]
+    else:
+        raise ValueError(f"no shared schedule syncs a {layout!r} layout after backward: name a hook in the entry's "
+                         "`projection` (docs/projection.md, Adding a model)")
+    return _staged_schedule(model, None, [], presence_flags=True, before=before, optimizer_fraction=fraction,
+                            after=after)
 
 
 def owner_loads(model: StepModel) -> list[int]:
@@ -427,7 +428,7 @@ def padded_bucket_bytes(params: Sequence[ParamTiming], bucket: Sequence[int], n:
     return round(_padded(numel, n) * sum(params[i].bytes for i in bucket) / numel) if numel else 0
 
 
-def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
+def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     """ZeRO-2: each bucket reduce-scattered as it fills, the optimizer on the shard, then per bucket an all-gather."""
     p, n = model.profile, model.world_size
     params = p.params
@@ -447,7 +448,7 @@ def simulate_zero2(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> 
                   Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
     grad_bytes = sum(q.bytes for q in params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
-    return _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=_missing(model), optimizer_fraction=fraction, after=after)
 
 
@@ -490,9 +491,11 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
     return total
 
 
-def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> StepResult:
-    """FSDP2: ``fully_shard`` on each transformer block and on the root (docs/projection.md)."""
-    p, n, t = model.profile, model.world_size, Timeline(model.contention)
+def _fsdp2(model: StepModel) -> StepResult:
+    """FSDP2: ``fully_shard`` on each transformer block and on the root, on the shared schedule: the forward's
+    all-gathers one block ahead; in backward a bucket per block, in backward order (after the head's), each launch
+    copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last."""
+    p, n = model.profile, model.world_size
     params = p.params
     root, blocks = transformer_blocks(params)
     span = p.backward_span_ms
@@ -501,59 +504,51 @@ def simulate_fsdp2(model: StepModel, bucket_size_mb: Optional[float] = None) -> 
     order = sorted(range(len(blocks)), key=lambda k: ends[k])  # backward order
     head_end = max((params[i].ready_ms for i in root if params[i].ready_ms is not None
                     and (not ends or params[i].ready_ms <= min(ends))), default=0.0)
-    backward_ms: dict[int, float] = {}
-    previous = head_end
-    for k in order:
-        backward_ms[k] = max(0.0, ends[k] - previous)
-        previous = max(previous, ends[k])
-    tail_ms = max(0.0, span - previous)  # the embedding's backward
+    ready: list[Optional[float]] = [head_end, *(ends[k] for k in order)]  # each bucket's: the head's, then blocks'
+    backward_ms = {k: max(0.0, ready[j + 1] - ready[j]) for j, k in enumerate(order)}
+    tail_ms = max(0.0, span - ready[-1])  # the embedding's backward
     scale = p.forward_ms / span if span > 0 else 0.0
     gather = [_shard_bytes(params, b, n) for b in blocks]
     root_bytes = _shard_bytes(params, root, n)
     moved = [sum(params[i].bytes for i in b) for b in blocks]
     root_moved = sum(params[i].bytes for i in root)
-
-    def copy(nbytes: float) -> float:
-        return model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
-
     labels = [_group_label(params, b) for b in blocks]
 
-    def all_gather(k: int, issue_ms: float) -> float:
-        return _collective(model, t, "all_gather", f"{labels[k]} [all-gather]", issue_ms, gather[k])
+    def copy(label: str, nbytes: float, waits: str = "") -> Op:
+        ms = model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
+        return Op("compute", label, ms, waits=waits)
 
-    # forward
-    cursor = 0.0
-    root_ready = _collective(model, t, "all_gather", "root [all-gather]", cursor, root_bytes) if root else 0.0
-    gathered = {0: all_gather(0, cursor)} if blocks else {}
-    cursor = t.compute("copy out root", max(cursor, root_ready), copy(root_moved), copy=True)
-    cursor = t.compute("forward (embedding)", cursor, scale * tail_ms)
+    def work(label: str, ms: float) -> Op:
+        return Op("compute", label, ms, copy=False)
+
+    def all_gather(k: int) -> list[Op]:
+        return [Op("collective", f"{labels[k]} [all-gather]", nbytes=gather[k], op="all_gather")]
+
+    def copy_out(k: int) -> Op:
+        return copy(f"copy out block {k}", moved[k], waits=f"{labels[k]} [all-gather]")
+
+    forward = [Op("collective", "root [all-gather]", nbytes=root_bytes, op="all_gather")] if root else []
+    forward += all_gather(0) if blocks else []
+    forward += [copy("copy out root", root_moved, "root [all-gather]" if root else ""),
+                work("forward (embedding)", scale * tail_ms)]
     for k in range(len(blocks)):
-        if k + 1 < len(blocks):  # prefetch the next block's parameters
-            gathered[k + 1] = all_gather(k + 1, cursor)
-        cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
-        cursor = t.compute(f"forward block {k}", cursor, scale * backward_ms[k])
-    cursor = t.compute("forward (head)", cursor, scale * head_end)
-    # backward
-    gathered = {}
-    if blocks:
-        gathered[order[0]] = all_gather(order[0], cursor)
-    cursor = t.compute("backward (head)", cursor, head_end)
-    last_comm = cursor
+        forward += [*(all_gather(k + 1) if k + 1 < len(blocks) else []), copy_out(k),
+                    work(f"forward block {k}", scale * backward_ms[k])]
+    forward += [work("forward (head)", scale * head_end), *(all_gather(order[0]) if blocks else [])]
+    launch = [[*(all_gather(order[1]) if len(order) > 1 else []), *([copy_out(order[0])] if blocks else [])]]
     for j, k in enumerate(order):
-        if j + 1 < len(order):
-            gathered[order[j + 1]] = all_gather(order[j + 1], cursor)
-        cursor = t.compute(f"copy out block {k}", max(cursor, gathered[k]), copy(moved[k]), copy=True)
-        cursor = t.compute(f"backward block {k}", cursor, backward_ms[k])
-        cursor = t.compute(f"copy in gradients {k}", cursor, copy(moved[k]), copy=True)
-        last_comm = _collective(model, t, "reduce_scatter", f"{labels[k]} [reduce-scatter]", cursor, gather[k])
-    cursor = t.compute("backward (embedding)", cursor, tail_ms)
-    if root:
-        cursor = t.compute("copy in root gradients", cursor, copy(root_moved), copy=True)
-        last_comm = _collective(model, t, "reduce_scatter", "root [reduce-scatter]", cursor, root_bytes)
-    cursor = max(cursor, last_comm)
+        launch.append([copy(f"copy in gradients {k}", moved[k]),
+                       Op("collective", f"{labels[k]} [reduce-scatter]", nbytes=gather[k], op="reduce_scatter"),
+                       *(all_gather(order[j + 2]) if j + 2 < len(order) else []),
+                       *([copy_out(order[j + 1])] if j + 1 < len(order) else [])])
+    if root:  # launched after the embedding's backward
+        ready.append(None)
+        launch.append([copy("copy in root gradients", root_moved),
+                       Op("collective", "root [reduce-scatter]", nbytes=root_bytes, op="reduce_scatter")])
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
-    return _result(None, model, t, _optimizer(model, t, cursor, fraction))
+    return _staged_schedule(model, None, ready, launch=launch, finish=[[] for _ in launch], presence_flags=False,
+                            optimizer_fraction=fraction, forward=forward)
 
 
 def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
@@ -641,13 +636,28 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
-    result = _staged_schedule(model, bucket_size_mb, buckets, launch=launch, finish=finish,
+    result = _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                               presence_flags=_missing(model))
     result.buffer_bytes = state_bytes  # the error feedback E and the warm-start Q of every compressed matrix, fp32
     return result
 
 
 # ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------
+
+
+def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
+    """The step of an entry with ``projection="schedule"``, from its facts: ``memory`` (the buffers its engine
+    keeps), ``overlaps_backward``, ``has_bucket_size`` and ``sharded`` (docs/projection.md)."""
+    if entry.memory == "fully_sharded":
+        return _fsdp2(model)
+    if not entry.overlaps_backward:
+        return _after_backward(model, entry.memory)
+    if entry.memory == "full_buckets":  # torch DDP's own buckets and copies
+        return _torch_ddp(model)
+    size = bucket_size_mb if entry.has_bucket_size else 1 / MiB  # no cap: a 1-byte one, one bucket per gradient
+    result = _zero2(model, size) if entry.sharded else _bucketed(model, size, bf16=False)
+    result.bucket_size_mb = bucket_size_mb
+    return result
 
 
 def simulated_names() -> list[str]:
@@ -660,10 +670,14 @@ def unmodelled_names() -> list[str]:
     return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is None]
 
 
-def simulated_by(*functions: Callable[..., StepResult]) -> list[str]:
-    """The catalogue names whose projection model is one of ``functions``, in catalogue order."""
-    wanted = {f"{function.__module__}:{function.__name__}" for function in functions}
-    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection in wanted]
+def simulated_by(model: str | Callable[..., StepResult]) -> list[str]:
+    """The catalogue names, in order, simulated by the hook ``model``, or from their facts with ``memory == model``
+    (e.g. ``"zero1"``, ``"full_buckets"``)."""
+    if callable(model):
+        return [name for name, entry in catalogue.STRATEGIES.items()
+                if entry.projection == f"{model.__module__}:{model.__name__}"]
+    return [name for name, entry in catalogue.STRATEGIES.items()
+            if entry.projection == catalogue.SCHEDULE and entry.memory == model]
 
 
 def simulator(name: str) -> Callable[..., StepResult]:
@@ -673,9 +687,11 @@ def simulator(name: str) -> Callable[..., StepResult]:
     entry = catalogue.STRATEGIES[name]
     if entry.projection is None:
         raise ValueError(
-            f"strategy {name!r} has no model in the projection: add a simulate function (see simulate_bucketed in "
-            "lightning_ddp/projection/simulators.py) and name it in its catalogue entry's `projection`, or leave it "
-            f"out (projected: {', '.join(simulated_names())})")
+            f"strategy {name!r} has no model in the projection: add a simulate function, or set `projection=\"schedule"
+            "\"` in its catalogue entry where its facts describe its schedule (docs/projection.md, Adding a model), or "
+            f"leave it out (projected: {', '.join(simulated_names())})")
+    if entry.projection == catalogue.SCHEDULE:
+        return functools.partial(simulate_from_facts, entry)
     module, _, attribute = entry.projection.partition(":")
     return getattr(importlib.import_module(module), attribute)
 

@@ -23,7 +23,6 @@ from lightning_ddp.projection.simulators import (
     StepResult,
     model_settings,
     simulate,
-    simulate_bucketed,
     simulated_by,
     simulated_names,
 )
@@ -160,7 +159,7 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
     """Per group: the square-root rule's size and the projection's best of ``candidates``, each with the step time
     measured at the nearest measured size."""
     comm = read_fit(fit_path).fabric()
-    bucketed = simulated_by(simulate_bucketed)[0]
+    bucketed = simulated_by("bucketed")[0]
     out = []
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for c in cells:
