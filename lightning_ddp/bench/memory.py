@@ -23,7 +23,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.single import run_ranks
+from lightning_ddp.bench.single import Column, run_ranks, table
 from lightning_ddp.bench.study import markdown_table, provenance, read_json, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
@@ -429,10 +429,6 @@ def _goals(config: dict[str, Any], modes: dict[str, dict[str, Any]],
     return [gradients, step]
 
 
-def _tensors(snapshot: dict[str, Any]) -> int:
-    return snapshot["parameters"] + snapshot["gradients"] + snapshot["optimizer_state"]
-
-
 def _mib(value: int | float | None) -> str:
     return "" if value is None else f"{value / MiB:,.2f}"
 
@@ -441,32 +437,49 @@ def _interval(value: dict[str, float] | None, fmt: str) -> str:
     return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
 
 
+def _against_expected(key: str) -> Callable[[dict[str, Any]], str]:
+    """A family cell: the most loaded rank's ``key``, measured (expected), MiB."""
+    return lambda row: f"{_mib(row[key])} ({_mib(row[f'expected_{key}'])})"
+
+
+FAMILY_COLUMNS = [
+    Column("mode", lambda row: row["label"], "l"),
+    *(Column(key.replace("_", " "), _against_expected(key))
+      for key in ("parameters", "gradients", "optimizer_state", "peak")),
+    Column("step ms", lambda row: _interval(row["step_ms"], ",.1f")),
+    Column("step / ZeRO-1 (reduce-scatter)", lambda row: _interval(row.get("step_ratio_to_zero1"), ".3f")),
+]
+
+
+def _goal_cells(goal: dict[str, Any]) -> tuple[str, str]:
+    """A goal's measured value and target as text (empty where not measurable)."""
+    if "ratio" in goal:
+        return _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
+    if "measured_MiB" in goal:
+        return f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
+    return "", ""
+
+
+GOAL_COLUMNS = [
+    Column("goal", lambda goal: goal["goal"], "l"),
+    Column("measured", lambda goal: _goal_cells(goal)[0]),
+    Column("target", lambda goal: _goal_cells(goal)[1]),
+    Column("verdict", lambda goal: f"**{goal['verdict']}**", "l"),
+]
+
+
 def _family_lines(results: dict[str, Any]) -> list[str]:
     config = results["config"]
     family = results.get("family") or family_summary(results)
-    rows = [[row["label"], *(f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
-                             for k in ("parameters", "gradients", "optimizer_state", "peak")),
-             _interval(row["step_ms"], ",.1f"), _interval(row.get("step_ratio_to_zero1"), ".3f")]
-            for row in family["rows"]]
-    goals = []
-    for goal in family["goals"]:
-        if "ratio" in goal:
-            measured, target = _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
-        elif "measured_MiB" in goal:
-            measured, target = f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
-        else:
-            measured = target = ""
-        goals.append([goal["goal"], measured, target, f"**{goal['verdict']}**"])
     return [
         "## The data-parallel family",
         "",
         f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
         f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
         "",
-        *markdown_table(["mode", "parameters", "gradients", "optimizer state", "peak", "step ms",
-                         "step / ZeRO-1 (reduce-scatter)"], rows),
+        *table(FAMILY_COLUMNS, family["rows"]),
         "",
-        *markdown_table(["goal", "measured", "target", "verdict"], goals, "lrrl"),
+        *table(GOAL_COLUMNS, family["goals"]),
     ]
 
 
@@ -496,21 +509,32 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
     return write_atomically(path, buffer.getvalue())
 
 
+TENSORS = ("parameters", "gradients", "optimizer_state")
+MEMORY_HEADERS = {"cuda": {"allocated": "allocated", "max_allocated": "max allocated", "reserved": "reserved",
+                           "max_reserved": "max reserved", "rest": "rest"},
+                  "cpu": {"rss": "RSS", "rest": "rest"}}
+"""The process-memory columns of a mode's table, per accelerator: snapshot key -> header."""
+
+
+def _snapshot_cell(key: str) -> Callable[[tuple[dict[str, Any], str]], str]:
+    return lambda rank_point: _mib(rank_point[0]["snapshots"][rank_point[1]][key])
+
+
+def _mode_columns(accelerator: str) -> list[Column]:
+    """A mode's table: a row per (rank's result, point)."""
+    return [
+        Column("rank", lambda rank_point: rank_point[0]["rank"]),
+        Column("point", lambda rank_point: rank_point[1], "l"),
+        *(Column(key.replace("_", " "), _snapshot_cell(key)) for key in TENSORS),
+        Column("tensors", lambda rank_point: _mib(sum(rank_point[0]["snapshots"][rank_point[1]][k] for k in TENSORS))),
+        Column("expected", lambda rank_point: _mib(sum(rank_point[0]["expected_at"][rank_point[1]].values()))),
+        *(Column(header, _snapshot_cell(key)) for key, header in MEMORY_HEADERS[accelerator].items()),
+        Column("recorded comm MiB/step", lambda rank_point: _mib(rank_point[0]["comm_bytes_recorded"])),
+    ]
+
+
 def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """One mode's snapshots and the communication per step: a row per rank and point."""
-    cuda = config["accelerator"] == "cuda"
-    memory = ["allocated", "max_allocated", "reserved", "max_reserved", "rest"] if cuda else ["rss", "rest"]
-    rows = []
-    for per_rank in mode["ranks"]:
-        for point in POINTS:
-            snap = per_rank["snapshots"][point]
-            rows.append([per_rank["rank"], point, _mib(snap["parameters"]), _mib(snap["gradients"]),
-                         _mib(snap["optimizer_state"]), _mib(_tensors(snap)),
-                         _mib(sum(per_rank["expected_at"][point].values())), *(_mib(snap[k]) for k in memory),
-                         _mib(per_rank["comm_bytes_recorded"])])
-    header = ["rank", "point", "parameters", "gradients", "optimizer state", "tensors", "expected",
-              *(["allocated", "max allocated", "reserved", "max reserved", "rest"] if cuda else ["RSS", "rest"]),
-              "recorded comm MiB/step"]
     return [
         "",
         f"## {mode['mode']}",
@@ -520,7 +544,7 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
         f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
         f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
         "",
-        *markdown_table(header, rows, "rl" + "r" * (len(header) - 2)),
+        *table(_mode_columns(config["accelerator"]), [(rank, point) for rank in mode["ranks"] for point in POINTS]),
     ]
 
 
