@@ -31,6 +31,7 @@ from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 __all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "parse_config", "run",
            "sent_bytes_per_rank", "summarise_modes", "write_memory_plot", "write_report"]
 
+TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
 MiB = 2**20
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
@@ -394,7 +395,7 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for name, mode in modes.items():
         row: dict[str, Any] = {"mode": name, "label": MODE_LABELS.get(name, name), "step_ms": mode["step_ms"]}
-        for key in ("parameters", "gradients", "optimizer_state"):
+        for key in TENSORS:
             row[key] = _most_loaded(mode, key)
             row[f"expected_{key}"] = max(r["expected"][key] for r in mode["ranks"])
         row["peak"] = _most_loaded(mode, "peak")
@@ -444,8 +445,7 @@ def _against_expected(key: str) -> Callable[[dict[str, Any]], str]:
 
 FAMILY_COLUMNS = [
     Column("mode", lambda row: row["label"], "l"),
-    *(Column(key.replace("_", " "), _against_expected(key))
-      for key in ("parameters", "gradients", "optimizer_state", "peak")),
+    *(Column(key.replace("_", " "), _against_expected(key)) for key in (*TENSORS, "peak")),
     Column("step ms", lambda row: _interval(row["step_ms"], ",.1f")),
     Column("step / ZeRO-1 (reduce-scatter)", lambda row: _interval(row.get("step_ratio_to_zero1"), ".3f")),
 ]
@@ -509,32 +509,26 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
     return write_atomically(path, buffer.getvalue())
 
 
-TENSORS = ("parameters", "gradients", "optimizer_state")
-MEMORY_HEADERS = {"cuda": {"allocated": "allocated", "max_allocated": "max allocated", "reserved": "reserved",
+PROCESS_MEMORY = {"cuda": {"allocated": "allocated", "max_allocated": "max allocated", "reserved": "reserved",
                            "max_reserved": "max reserved", "rest": "rest"},
                   "cpu": {"rss": "RSS", "rest": "rest"}}
 """The process-memory columns of a mode's table, per accelerator: snapshot key -> header."""
 
 
-def _snapshot_cell(key: str) -> Callable[[tuple[dict[str, Any], str]], str]:
-    return lambda rank_point: _mib(rank_point[0]["snapshots"][rank_point[1]][key])
-
-
-def _mode_columns(accelerator: str) -> list[Column]:
-    """A mode's table: a row per (rank's result, point)."""
-    return [
-        Column("rank", lambda rank_point: rank_point[0]["rank"]),
-        Column("point", lambda rank_point: rank_point[1], "l"),
-        *(Column(key.replace("_", " "), _snapshot_cell(key)) for key in TENSORS),
-        Column("tensors", lambda rank_point: _mib(sum(rank_point[0]["snapshots"][rank_point[1]][k] for k in TENSORS))),
-        Column("expected", lambda rank_point: _mib(sum(rank_point[0]["expected_at"][rank_point[1]].values()))),
-        *(Column(header, _snapshot_cell(key)) for key, header in MEMORY_HEADERS[accelerator].items()),
-        Column("recorded comm MiB/step", lambda rank_point: _mib(rank_point[0]["comm_bytes_recorded"])),
-    ]
+def _mib_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda row: _mib(row[key])
 
 
 def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """One mode's snapshots and the communication per step: a row per rank and point."""
+    rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
+             "tensors": sum(r["snapshots"][point][k] for k in TENSORS),
+             "expected": sum(r["expected_at"][point].values()), "comm": r["comm_bytes_recorded"]}
+            for r in mode["ranks"] for point in POINTS]
+    in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
+              **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
+    columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
+               *(Column(header, _mib_cell(key)) for key, header in in_mib.items())]
     return [
         "",
         f"## {mode['mode']}",
@@ -544,7 +538,7 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
         f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
         f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
         "",
-        *table(_mode_columns(config["accelerator"]), [(rank, point) for rank in mode["ranks"] for point in POINTS]),
+        *table(columns, rows),
     ]
 
 
