@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.single import Column, run_ranks, table
+from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table
 from lightning_ddp.bench.study import markdown_table, provenance, read_json, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
@@ -46,14 +46,23 @@ MODE_LABELS: dict[str, str] = {
 MODES: tuple[str, ...] = tuple(MODE_LABELS)
 ZERO1 = "reduce_scatter"  # the ZeRO-1 schedule of ZeRO-2's step goal (the same communication volume)
 STEP_GOAL = 1.10  # ZeRO-2's step at most 10 % over ZeRO-1's
-BOOTSTRAP_SAMPLES = 2000
 PLOT_NAME = "memory_vs_step_time.png"
 
 
 @dataclass
-class MemoryBenchConfig:
+class MemoryBenchConfig(BenchConfig):
     """Per-rank memory (parameters, gradients, optimizer state, rest) and step time of the data-parallel family."""
 
+    repeats: int = 1
+    """Must be 1: one run per mode."""
+    steps: int = 12
+    """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
+    warmup_steps: int = 2
+    """The first steps, left out of the step time (the first allocates the optimizer state); >= 1, 2 must remain."""
+    seed: int = 0
+    """Seed of the model's initial weights, of the random tokens and of the bootstrap."""
+    out_dir: str = "logs/memory"
+    """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
     preset: str = "small"
     """Model size by name (``lightning_ddp.model.PRESETS``): tiny, small, medium, large, xl, 2.7b."""
     vocab_size: int = 10_000
@@ -64,10 +73,6 @@ class MemoryBenchConfig:
     """Tokens per sequence (also the model's context length)."""
     devices: int = 2
     """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
-    steps: int = 12
-    """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
-    warmup_steps: int = 2
-    """The first steps, left out of the step time (the first allocates the optimizer state); >= 1, 2 must remain."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
@@ -82,19 +87,16 @@ class MemoryBenchConfig:
     """AdamW learning rate."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (on every parameter: the measurement does not depend on it)."""
-    seed: int = 0
-    """Seed of the model's initial weights and of the random tokens."""
     separate_processes: bool = True
     """Each mode in fresh processes (an honest RSS per mode); false: one set, faster, an earlier mode's freed memory
     may stay in a later one's RSS."""
-    out_dir: str = "logs/memory"
-    """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
-    report_only: bool = False
-    """Measure nothing: rebuild results.md and the plot from ``out_dir``'s results.json."""
 
     def __post_init__(self) -> None:
         from lightning_ddp.model import PRESETS
 
+        super().__post_init__()
+        if self.repeats != 1:
+            raise ValueError(f"repeats must be 1 (one run per mode), got {self.repeats}")
         if self.preset not in PRESETS:
             raise ValueError(f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} "
                              "(--preset)")
@@ -341,14 +343,16 @@ def _largest(values: Iterable[int | None]) -> int | None:
     return max(present) if present else None
 
 
-def summarise_modes(
-    modes: Sequence[str], world_size: int, per_mode: list[list[dict[str, Any]]], warmup_steps: int = 1,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
-    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``modes[m]``); docs/benchmarks.md
-    lists what it holds."""
+def _bootstrap(config: dict[str, Any]) -> tuple[int, int]:
+    """The bootstrap's samples and seed of a recorded config (results.json before ``bootstrap_samples``: 2000)."""
+    return config.get("bootstrap_samples", BenchConfig.bootstrap_samples), config.get("seed", 0)
+
+
+def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``config["modes"][m]``);
+    docs/benchmarks.md lists what it holds."""
     summaries = []
-    for mode, ranks in zip(modes, per_mode):
+    for mode, ranks in zip(config["modes"], per_mode):
         matches = True
         for entry in ranks:
             full = entry["expected"]
@@ -366,12 +370,12 @@ def summarise_modes(
             entry["peak"] = _largest(snap.get("max_allocated", snap.get("max_rss"))
                                      for snap in entry["snapshots"].values())
             entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
-        summary = {"mode": mode, "ranks": ranks, "warmup_steps": warmup_steps}
-        step = estimate([_measured_steps(summary)], BOOTSTRAP_SAMPLES, seed, key=mode)
+        summary = {"mode": mode, "ranks": ranks, "warmup_steps": config["warmup_steps"]}
+        step = estimate([_measured_steps(summary)], *_bootstrap(config), key=mode)
         full_parameters = ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"])
         summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
                           "matches_expected": matches,
-                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, world_size, mode)})
+                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, config["devices"], mode)})
     return summaries
 
 
@@ -391,7 +395,6 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
     expected) and the goals (``goals``), from ``results`` with ``config`` and summarised ``modes``."""
     config = results["config"]
     modes = {m["mode"]: m for m in results["modes"]}
-    seed = config.get("seed", 0)
     rows = []
     for name, mode in modes.items():
         row: dict[str, Any] = {"mode": name, "label": MODE_LABELS.get(name, name), "step_ms": mode["step_ms"]}
@@ -401,8 +404,8 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
         row["peak"] = _most_loaded(mode, "peak")
         row["expected_peak"] = max(r["expected_peak"] for r in mode["ranks"])
         if ZERO1 in modes:
-            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], BOOTSTRAP_SAMPLES,
-                                   seed, keys=(name, ZERO1))
+            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], *_bootstrap(config),
+                                   keys=(name, ZERO1))
             row["step_ratio_to_zero1"] = asdict(ratio)
         rows.append(row)
     return {"rows": rows, "goals": _goals(config, modes, {row["mode"]: row for row in rows})}
@@ -582,8 +585,7 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
                              cuda=torch.version.cuda if cuda else None, backend=config.backend,
                              world_size=config.devices)
     results = {"config": asdict(config), "environment": environment,
-               "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
-                                        seed=config.seed)}
+               "modes": summarise_modes(asdict(config), per_mode)}
     results["family"] = family_summary(results)
     write_outputs(out_dir, {"results.json": results})
     return write_report(results, out_dir)
@@ -598,6 +600,10 @@ def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return results
 
 
+def _rebuild(config: MemoryBenchConfig) -> dict[str, Any]:
+    return write_report(read_json(Path(config.out_dir) / "results.json"), Path(config.out_dir))
+
+
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
     from lightning_ddp.command_line import parse_dataclass
 
@@ -605,12 +611,10 @@ def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
 
 
 def main(args: list[str] | None = None) -> int:
-    config = parse_config(args)
-    if config.report_only:
-        out_dir = Path(config.out_dir)
-        results = write_report(read_json(out_dir / "results.json"), out_dir)
-    else:
-        results = run(config)
+    """The benchmark (``report_only``: results.md and the plot from ``out_dir``'s results.json); 1 where a mode's
+    measured tensors differ from the expectation."""
+    results = benchmark_main(parse_config(args), "lightning_ddp.bench.memory", args,
+                             lambda config, command: run(config), rebuild=_rebuild)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 
