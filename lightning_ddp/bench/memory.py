@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,15 +35,26 @@ TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measu
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
 MiB = 2**20
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
-MODE_LABELS: dict[str, str] = {
-    "unsharded": "DDP",
-    "allreduce_broadcast": "ZeRO-1 (all-reduce + broadcast)",
-    "reduce_scatter": "ZeRO-1 (reduce-scatter)",
-    "zero2": "ZeRO-2",
-    FSDP2: "FSDP2",
+
+
+class Mode(NamedTuple):
+    """A measured mode: its report label, its optimizer (a ``ShardedOptimizer`` schedule; None: plain AdamW) and
+    what each rank sends per step with bandwidth-optimal collectives, in one-way passes of the parameters' bytes."""
+
+    label: str
+    schedule: Optional[str]
+    one_ways: int
+
+
+MODE_TABLE: dict[str, Mode] = {
+    "unsharded": Mode("DDP", None, 2),  # an all-reduce
+    "allreduce_broadcast": Mode("ZeRO-1 (all-reduce + broadcast)", "allreduce_broadcast", 3),
+    "reduce_scatter": Mode("ZeRO-1 (reduce-scatter)", "reduce_scatter", 2),
+    "zero2": Mode("ZeRO-2", "reduce_in_backward", 2),
+    FSDP2: Mode("FSDP2", None, 3),  # two all-gathers and a reduce-scatter
 }
-"""The measured modes in order (plain AdamW, ZeRO-1 under each schedule, ZeRO-2, FSDP2), named as in the report."""
-MODES: tuple[str, ...] = tuple(MODE_LABELS)
+"""The measured modes in order (plain AdamW, ZeRO-1 under each schedule, ZeRO-2, FSDP2)."""
+MODES: tuple[str, ...] = tuple(MODE_TABLE)
 ZERO1 = "reduce_scatter"  # the ZeRO-1 schedule of ZeRO-2's step goal (the same communication volume)
 STEP_GOAL = 1.10  # ZeRO-2's step at most 10 % over ZeRO-1's
 PLOT_NAME = "memory_vs_step_time.png"
@@ -154,7 +165,7 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
     }
     owned = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
     if device.type == "cuda":
-        on_device = _tensor_bytes(params, device) + _tensor_bytes(grads, device) + _tensor_bytes(state, device)
+        on_device = _tensor_bytes([*params, *grads, *state], device)
         snap["allocated"] = torch.cuda.memory_allocated(device)
         snap["max_allocated"] = torch.cuda.max_memory_allocated(device)
         # The caching allocator's reservation (blocks cached for reuse, fragmentation): what the GPU really lends.
@@ -200,13 +211,11 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
         engine = algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size
                                        else "default")
     engine.recorder = recorder
-    if mode == "unsharded":
+    schedule = MODE_TABLE[mode].schedule
+    if schedule is None:
         return engine, torch.optim.AdamW(model.parameters(), **adamw)
-    if mode == "zero2":
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule="reduce_in_backward",
-                                     placement=engine.owner_of, **adamw)
-    else:
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule=mode, **adamw)
+    placement = {"placement": engine.owner_of} if mode == "zero2" else {}
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule=schedule, **placement, **adamw)
     optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
     return engine, optimizer
 
@@ -223,22 +232,16 @@ def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Mo
     return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
 
 
-def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
-    """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's (a block's or the root's) unsharded
-    parameters and gradients, gathered while that group's backward runs (``lightning_ddp.memory``'s model)."""
-    root, block = fsdp2_groups(model.config)
-    return 2 * FP32 * max(block, root)
-
-
-def _paused_snapshot(snapshot: Callable[[], dict[str, Any]], device: torch.device) -> tuple[dict[str, Any], float]:
-    """``snapshot()`` and the seconds it took (left out of the step's time); the CUDA peak restarts after it, so
-    the next snapshot's ``max_allocated`` is what happened in between."""
+def _take(snapshots: dict[str, Any], point: str, snapshot: Callable[[], dict[str, Any]],
+          device: torch.device) -> float:
+    """``snapshots[point] = snapshot()``; returns the seconds it took (left out of the step's time). The CUDA peak
+    restarts after it, so the next snapshot's ``max_allocated`` is what happened in between."""
     _sync(device)
     start = time.perf_counter()
-    taken = snapshot()
+    snapshots[point] = snapshot()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return taken, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
@@ -261,13 +264,10 @@ def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenc
         _sync(device)
         start = time.perf_counter()
         forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
-        paused = 0.0
-        if last:
-            snapshots["before_step"], paused = _paused_snapshot(snapshot, device)
+        paused = _take(snapshots, "before_step", snapshot, device) if last else 0.0
         optimizer.step()
         if last:
-            snapshots["after_step"], seconds = _paused_snapshot(snapshot, device)
-            paused += seconds
+            paused += _take(snapshots, "after_step", snapshot, device)
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         step_ms.append((time.perf_counter() - start - paused) * 1e3)
@@ -285,7 +285,9 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     num_params = sum(math.prod(s) for s in shapes)
     world_size = dist.get_world_size()
-    transient = _fsdp2_transient_bytes(model) if mode == FSDP2 else 0
+    # FSDP2 holds beyond its shards at the peak, fp32, the largest group's (a block's or the root's) unsharded
+    # parameters and gradients, gathered while that group's backward runs (``lightning_ddp.memory``'s model)
+    transient = 2 * FP32 * max(fsdp2_groups(model.config)) if mode == FSDP2 else 0
     # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
     recorder = None if mode == FSDP2 else Recorder(device)
     engine, optimizer = _build_mode(mode, config, model, recorder)
@@ -329,12 +331,10 @@ def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes:
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md)."""
-    n = world_size
-    all_reduce = 2 * (n - 1) / n * param_bytes
-    one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
-    return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
-            "zero2": 2 * one_way, FSDP2: 3 * one_way}[mode]
+    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md): a
+    reduce-scatter, an all-gather or the N per-owner broadcasts/reduces send (N - 1) / N of them, an all-reduce
+    twice that."""
+    return MODE_TABLE[mode].one_ways * (world_size - 1) / world_size * param_bytes
 
 
 def _largest(values: Iterable[int | None]) -> int | None:
@@ -397,7 +397,7 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
     modes = {m["mode"]: m for m in results["modes"]}
     rows = []
     for name, mode in modes.items():
-        row: dict[str, Any] = {"mode": name, "label": MODE_LABELS.get(name, name), "step_ms": mode["step_ms"]}
+        row: dict[str, Any] = {"mode": name, "label": MODE_TABLE[name].label, "step_ms": mode["step_ms"]}
         for key in TENSORS:
             row[key] = _most_loaded(mode, key)
             row[f"expected_{key}"] = max(r["expected"][key] for r in mode["ranks"])
