@@ -154,29 +154,25 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
     """The bytes of this rank's parameters, gradients and optimizer state (local shards), and the process's memory."""
-    params = [_local(p) for p in model.parameters()]
-    grads = [_local(p.grad) for p in model.parameters()]
-    state = [_local(v) for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v)]
-    snap: dict[str, Any] = {
-        "parameters": _tensor_bytes(params),
-        "gradients": _tensor_bytes(grads),
-        "optimizer_state": _tensor_bytes(state),
-        "optimizer_state_tensors": len(optimizer.state),
+    tensors = {
+        "parameters": [_local(p) for p in model.parameters()],
+        "gradients": [_local(p.grad) for p in model.parameters()],
+        "optimizer_state": [_local(v) for entry in optimizer.state.values() for v in entry.values()
+                            if torch.is_tensor(v)],
     }
-    owned = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
+    snap: dict[str, Any] = {key: _tensor_bytes(values) for key, values in tensors.items()}
+    snap["optimizer_state_tensors"] = len(optimizer.state)
     if device.type == "cuda":
-        on_device = _tensor_bytes([*params, *grads, *state], device)
-        snap["allocated"] = torch.cuda.memory_allocated(device)
-        snap["max_allocated"] = torch.cuda.max_memory_allocated(device)
-        # The caching allocator's reservation (blocks cached for reuse, fragmentation): what the GPU really lends.
-        snap["reserved"] = torch.cuda.memory_reserved(device)
-        snap["max_reserved"] = torch.cuda.max_memory_reserved(device)
-        snap["rest"] = snap["allocated"] - on_device
+        allocated = torch.cuda.memory_allocated(device)
+        on_device = _tensor_bytes([t for values in tensors.values() for t in values], device)
+        # reserved: the caching allocator's blocks (cached for reuse, fragmentation), what the GPU really lends
+        snap.update(allocated=allocated, max_allocated=torch.cuda.max_memory_allocated(device),
+                    reserved=torch.cuda.memory_reserved(device), max_reserved=torch.cuda.max_memory_reserved(device),
+                    rest=allocated - on_device)
     else:
         rss = _current_rss_bytes()
-        snap["rss"] = rss
-        snap["rest"] = None if rss is None else rss - owned
-        snap["max_rss"] = _peak_rss_bytes()
+        snap.update(rss=rss, rest=None if rss is None else rss - sum(snap[k] for k in TENSORS),
+                    max_rss=_peak_rss_bytes())
     return snap
 
 
@@ -362,10 +358,8 @@ def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]
                 "before_step": full,
                 "after_step": full,
             }
-            for point in POINTS:
-                snap = entry["snapshots"][point]
-                for key, value in entry["expected_at"][point].items():
-                    matches &= snap[key] == value
+            matches &= all(entry["snapshots"][point][key] == value
+                           for point in POINTS for key, value in entry["expected_at"][point].items())
             # the measured peak: the largest max_allocated (CUDA) or max_rss (CPU) of the snapshots
             entry["peak"] = _largest(snap.get("max_allocated", snap.get("max_rss"))
                                      for snap in entry["snapshots"].values())
