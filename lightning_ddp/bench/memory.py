@@ -435,14 +435,10 @@ def _interval(value: dict[str, float] | None, fmt: str) -> str:
     return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
 
 
-def _against_expected(key: str) -> Callable[[dict[str, Any]], str]:
-    """A family cell: the most loaded rank's ``key``, measured (expected), MiB."""
-    return lambda row: f"{_mib(row[key])} ({_mib(row[f'expected_{key}'])})"
-
-
 FAMILY_COLUMNS = [
     Column("mode", lambda row: row["label"], "l"),
-    *(Column(key.replace("_", " "), _against_expected(key)) for key in (*TENSORS, "peak")),
+    *(Column(key.replace("_", " "), lambda row, k=key: f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})")
+      for key in (*TENSORS, "peak")),
     Column("step ms", lambda row: _interval(row["step_ms"], ",.1f")),
     Column("step / ZeRO-1 (reduce-scatter)", lambda row: _interval(row.get("step_ratio_to_zero1"), ".3f")),
 ]
@@ -463,21 +459,6 @@ GOAL_COLUMNS = [
     Column("target", lambda goal: _goal_cells(goal)[1]),
     Column("verdict", lambda goal: f"**{goal['verdict']}**", "l"),
 ]
-
-
-def _family_lines(results: dict[str, Any]) -> list[str]:
-    config = results["config"]
-    family = results.get("family") or family_summary(results)
-    return [
-        "## The data-parallel family",
-        "",
-        f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
-        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
-        "",
-        *table(FAMILY_COLUMNS, family["rows"]),
-        "",
-        *table(GOAL_COLUMNS, family["goals"]),
-    ]
 
 
 def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
@@ -512,10 +493,6 @@ PROCESS_MEMORY = {"cuda": {"allocated": "allocated", "max_allocated": "max alloc
 """The process-memory columns of a mode's table, per accelerator: snapshot key -> header."""
 
 
-def _mib_cell(key: str) -> Callable[[dict[str, Any]], str]:
-    return lambda row: _mib(row[key])
-
-
 def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """One mode's snapshots and the communication per step: a row per rank and point."""
     rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
@@ -525,7 +502,7 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
     in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
               **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
     columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
-               *(Column(header, _mib_cell(key)) for key, header in in_mib.items())]
+               *(Column(header, lambda row, k=key: _mib(row[k])) for key, header in in_mib.items())]
     return [
         "",
         f"## {mode['mode']}",
@@ -542,6 +519,7 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
 def format_report(results: dict[str, Any]) -> str:
     """``results.md``: the family's table and goals, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
+    family = results.get("family") or family_summary(results)
     lines = [
         f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
         f"{config['accelerator']}",
@@ -551,7 +529,14 @@ def format_report(results: dict[str, Any]) -> str:
         f"{config['grad_sync']}, each mode in {'fresh' if config['separate_processes'] else 'shared'} processes. "
         "Bytes are MiB (2^20); the columns are defined in docs/benchmarks.md, \"Reading the memory report\".",
         "",
-        *_family_lines(results),
+        "## The data-parallel family",
+        "",
+        f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
+        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
+        "",
+        *table(FAMILY_COLUMNS, family["rows"]),
+        "",
+        *table(GOAL_COLUMNS, family["goals"]),
     ]
     for mode in results["modes"]:
         lines += _mode_lines(mode, config)
