@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.single import run_ranks
+from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table
 from lightning_ddp.bench.study import markdown_table, provenance, read_json, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
@@ -31,28 +31,49 @@ from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 __all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "parse_config", "run",
            "sent_bytes_per_rank", "summarise_modes", "write_memory_plot", "write_report"]
 
+TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
 MiB = 2**20
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
-MODE_LABELS: dict[str, str] = {
-    "unsharded": "DDP",
-    "allreduce_broadcast": "ZeRO-1 (all-reduce + broadcast)",
-    "reduce_scatter": "ZeRO-1 (reduce-scatter)",
-    "zero2": "ZeRO-2",
-    FSDP2: "FSDP2",
+
+
+class Mode(NamedTuple):
+    """A measured mode: its report label, its optimizer (a ``ShardedOptimizer`` schedule; None: plain AdamW) and
+    what each rank sends per step with bandwidth-optimal collectives, in one-way passes of the parameters' bytes."""
+
+    label: str
+    schedule: Optional[str]
+    one_ways: int
+
+
+MODE_TABLE: dict[str, Mode] = {
+    "unsharded": Mode("DDP", None, 2),  # an all-reduce
+    "allreduce_broadcast": Mode("ZeRO-1 (all-reduce + broadcast)", "allreduce_broadcast", 3),
+    "reduce_scatter": Mode("ZeRO-1 (reduce-scatter)", "reduce_scatter", 2),
+    "zero2": Mode("ZeRO-2", "reduce_in_backward", 2),
+    FSDP2: Mode("FSDP2", None, 3),  # two all-gathers and a reduce-scatter
 }
-"""The measured modes in order (plain AdamW, ZeRO-1 under each schedule, ZeRO-2, FSDP2), named as in the report."""
-MODES: tuple[str, ...] = tuple(MODE_LABELS)
+"""The measured modes in order (plain AdamW, ZeRO-1 under each schedule, ZeRO-2, FSDP2)."""
+MODES: tuple[str, ...] = tuple(MODE_TABLE)
 ZERO1 = "reduce_scatter"  # the ZeRO-1 schedule of ZeRO-2's step goal (the same communication volume)
 STEP_GOAL = 1.10  # ZeRO-2's step at most 10 % over ZeRO-1's
-BOOTSTRAP_SAMPLES = 2000
 PLOT_NAME = "memory_vs_step_time.png"
 
 
 @dataclass
-class MemoryBenchConfig:
+class MemoryBenchConfig(BenchConfig):
     """Per-rank memory (parameters, gradients, optimizer state, rest) and step time of the data-parallel family."""
 
+    repeats: int = 1
+    """Must be 1: one run per mode."""
+    steps: int = 12
+    """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
+    warmup_steps: int = 2
+    """The first steps, left out of the step time (the first allocates the optimizer state); >= 1, 2 must remain."""
+    seed: int = 0
+    """Seed of the model's initial weights, of the random tokens and of the bootstrap."""
+    out_dir: str = "logs/memory"
+    """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
     preset: str = "small"
     """Model size by name (``lightning_ddp.model.PRESETS``): tiny, small, medium, large, xl, 2.7b."""
     vocab_size: int = 10_000
@@ -63,10 +84,6 @@ class MemoryBenchConfig:
     """Tokens per sequence (also the model's context length)."""
     devices: int = 2
     """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
-    steps: int = 12
-    """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
-    warmup_steps: int = 2
-    """The first steps, left out of the step time (the first allocates the optimizer state); >= 1, 2 must remain."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
@@ -81,19 +98,16 @@ class MemoryBenchConfig:
     """AdamW learning rate."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (on every parameter: the measurement does not depend on it)."""
-    seed: int = 0
-    """Seed of the model's initial weights and of the random tokens."""
     separate_processes: bool = True
     """Each mode in fresh processes (an honest RSS per mode); false: one set, faster, an earlier mode's freed memory
     may stay in a later one's RSS."""
-    out_dir: str = "logs/memory"
-    """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
-    report_only: bool = False
-    """Measure nothing: rebuild results.md and the plot from ``out_dir``'s results.json."""
 
     def __post_init__(self) -> None:
         from lightning_ddp.model import PRESETS
 
+        super().__post_init__()
+        if self.repeats != 1:
+            raise ValueError(f"repeats must be 1 (one run per mode), got {self.repeats}")
         if self.preset not in PRESETS:
             raise ValueError(f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} "
                              "(--preset)")
@@ -140,29 +154,25 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
     """The bytes of this rank's parameters, gradients and optimizer state (local shards), and the process's memory."""
-    params = [_local(p) for p in model.parameters()]
-    grads = [_local(p.grad) for p in model.parameters()]
-    state = [_local(v) for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v)]
-    snap: dict[str, Any] = {
-        "parameters": _tensor_bytes(params),
-        "gradients": _tensor_bytes(grads),
-        "optimizer_state": _tensor_bytes(state),
-        "optimizer_state_tensors": len(optimizer.state),
+    tensors = {
+        "parameters": [_local(p) for p in model.parameters()],
+        "gradients": [_local(p.grad) for p in model.parameters()],
+        "optimizer_state": [_local(v) for entry in optimizer.state.values() for v in entry.values()
+                            if torch.is_tensor(v)],
     }
-    owned = snap["parameters"] + snap["gradients"] + snap["optimizer_state"]
+    snap: dict[str, Any] = {key: _tensor_bytes(values) for key, values in tensors.items()}
+    snap["optimizer_state_tensors"] = len(optimizer.state)
     if device.type == "cuda":
-        on_device = _tensor_bytes(params, device) + _tensor_bytes(grads, device) + _tensor_bytes(state, device)
-        snap["allocated"] = torch.cuda.memory_allocated(device)
-        snap["max_allocated"] = torch.cuda.max_memory_allocated(device)
-        # The caching allocator's reservation (blocks cached for reuse, fragmentation): what the GPU really lends.
-        snap["reserved"] = torch.cuda.memory_reserved(device)
-        snap["max_reserved"] = torch.cuda.max_memory_reserved(device)
-        snap["rest"] = snap["allocated"] - on_device
+        allocated = torch.cuda.memory_allocated(device)
+        on_device = _tensor_bytes([t for values in tensors.values() for t in values], device)
+        # reserved: the caching allocator's blocks (cached for reuse, fragmentation), what the GPU really lends
+        snap.update(allocated=allocated, max_allocated=torch.cuda.max_memory_allocated(device),
+                    reserved=torch.cuda.memory_reserved(device), max_reserved=torch.cuda.max_memory_reserved(device),
+                    rest=allocated - on_device)
     else:
         rss = _current_rss_bytes()
-        snap["rss"] = rss
-        snap["rest"] = None if rss is None else rss - owned
-        snap["max_rss"] = _peak_rss_bytes()
+        snap.update(rss=rss, rest=None if rss is None else rss - sum(snap[k] for k in TENSORS),
+                    max_rss=_peak_rss_bytes())
     return snap
 
 
@@ -197,13 +207,11 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
         engine = algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size
                                        else "default")
     engine.recorder = recorder
-    if mode == "unsharded":
+    schedule = MODE_TABLE[mode].schedule
+    if schedule is None:
         return engine, torch.optim.AdamW(model.parameters(), **adamw)
-    if mode == "zero2":
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule="reduce_in_backward",
-                                     placement=engine.owner_of, **adamw)
-    else:
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule=mode, **adamw)
+    placement = {"placement": engine.owner_of} if mode == "zero2" else {}
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, schedule=schedule, **placement, **adamw)
     optimizer.recorder = recorder  # the optimizer's collectives join the engine's per-step record
     return engine, optimizer
 
@@ -220,22 +228,16 @@ def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Mo
     return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
 
 
-def _fsdp2_transient_bytes(model: torch.nn.Module) -> int:
-    """What FSDP2 holds beyond its shards at the peak, fp32: the largest group's (a block's or the root's) unsharded
-    parameters and gradients, gathered while that group's backward runs (``lightning_ddp.memory``'s model)."""
-    root, block = fsdp2_groups(model.config)
-    return 2 * FP32 * max(block, root)
-
-
-def _paused_snapshot(snapshot: Callable[[], dict[str, Any]], device: torch.device) -> tuple[dict[str, Any], float]:
-    """``snapshot()`` and the seconds it took (left out of the step's time); the CUDA peak restarts after it, so
-    the next snapshot's ``max_allocated`` is what happened in between."""
+def _take(snapshots: dict[str, Any], point: str, snapshot: Callable[[], dict[str, Any]],
+          device: torch.device) -> float:
+    """``snapshots[point] = snapshot()``; returns the seconds it took (left out of the step's time). The CUDA peak
+    restarts after it, so the next snapshot's ``max_allocated`` is what happened in between."""
     _sync(device)
     start = time.perf_counter()
-    taken = snapshot()
+    snapshots[point] = snapshot()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return taken, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
@@ -258,13 +260,10 @@ def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenc
         _sync(device)
         start = time.perf_counter()
         forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
-        paused = 0.0
-        if last:
-            snapshots["before_step"], paused = _paused_snapshot(snapshot, device)
+        paused = _take(snapshots, "before_step", snapshot, device) if last else 0.0
         optimizer.step()
         if last:
-            snapshots["after_step"], seconds = _paused_snapshot(snapshot, device)
-            paused += seconds
+            paused += _take(snapshots, "after_step", snapshot, device)
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         step_ms.append((time.perf_counter() - start - paused) * 1e3)
@@ -282,7 +281,9 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     num_params = sum(math.prod(s) for s in shapes)
     world_size = dist.get_world_size()
-    transient = _fsdp2_transient_bytes(model) if mode == FSDP2 else 0
+    # FSDP2 holds beyond its shards at the peak, fp32, the largest group's (a block's or the root's) unsharded
+    # parameters and gradients, gathered while that group's backward runs (``lightning_ddp.memory``'s model)
+    transient = 2 * FP32 * max(fsdp2_groups(model.config)) if mode == FSDP2 else 0
     # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
     recorder = None if mode == FSDP2 else Recorder(device)
     engine, optimizer = _build_mode(mode, config, model, recorder)
@@ -326,12 +327,10 @@ def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes:
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md)."""
-    n = world_size
-    all_reduce = 2 * (n - 1) / n * param_bytes
-    one_way = (n - 1) / n * param_bytes  # a reduce-scatter, an all-gather, or the N per-owner broadcasts/reduces
-    return {"unsharded": all_reduce, "allreduce_broadcast": all_reduce + one_way, "reduce_scatter": 2 * one_way,
-            "zero2": 2 * one_way, FSDP2: 3 * one_way}[mode]
+    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md): a
+    reduce-scatter, an all-gather or the N per-owner broadcasts/reduces send (N - 1) / N of them, an all-reduce
+    twice that."""
+    return MODE_TABLE[mode].one_ways * (world_size - 1) / world_size * param_bytes
 
 
 def _largest(values: Iterable[int | None]) -> int | None:
@@ -340,14 +339,16 @@ def _largest(values: Iterable[int | None]) -> int | None:
     return max(present) if present else None
 
 
-def summarise_modes(
-    modes: Sequence[str], world_size: int, per_mode: list[list[dict[str, Any]]], warmup_steps: int = 1,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
-    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``modes[m]``); docs/benchmarks.md
-    lists what it holds."""
+def _bootstrap(config: dict[str, Any]) -> tuple[int, int]:
+    """The bootstrap's samples and seed of a recorded config (results.json before ``bootstrap_samples``: 2000)."""
+    return config.get("bootstrap_samples", BenchConfig.bootstrap_samples), config.get("seed", 0)
+
+
+def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``config["modes"][m]``);
+    docs/benchmarks.md lists what it holds."""
     summaries = []
-    for mode, ranks in zip(modes, per_mode):
+    for mode, ranks in zip(config["modes"], per_mode):
         matches = True
         for entry in ranks:
             full = entry["expected"]
@@ -357,20 +358,18 @@ def summarise_modes(
                 "before_step": full,
                 "after_step": full,
             }
-            for point in POINTS:
-                snap = entry["snapshots"][point]
-                for key, value in entry["expected_at"][point].items():
-                    matches &= snap[key] == value
+            matches &= all(entry["snapshots"][point][key] == value
+                           for point in POINTS for key, value in entry["expected_at"][point].items())
             # the measured peak: the largest max_allocated (CUDA) or max_rss (CPU) of the snapshots
             entry["peak"] = _largest(snap.get("max_allocated", snap.get("max_rss"))
                                      for snap in entry["snapshots"].values())
             entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
-        summary = {"mode": mode, "ranks": ranks, "warmup_steps": warmup_steps}
-        step = estimate([_measured_steps(summary)], BOOTSTRAP_SAMPLES, seed, key=mode)
+        summary = {"mode": mode, "ranks": ranks, "warmup_steps": config["warmup_steps"]}
+        step = estimate([_measured_steps(summary)], *_bootstrap(config), key=mode)
         full_parameters = ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"])
         summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
                           "matches_expected": matches,
-                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, world_size, mode)})
+                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, config["devices"], mode)})
     return summaries
 
 
@@ -390,18 +389,17 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
     expected) and the goals (``goals``), from ``results`` with ``config`` and summarised ``modes``."""
     config = results["config"]
     modes = {m["mode"]: m for m in results["modes"]}
-    seed = config.get("seed", 0)
     rows = []
     for name, mode in modes.items():
-        row: dict[str, Any] = {"mode": name, "label": MODE_LABELS.get(name, name), "step_ms": mode["step_ms"]}
-        for key in ("parameters", "gradients", "optimizer_state"):
+        row: dict[str, Any] = {"mode": name, "label": MODE_TABLE[name].label, "step_ms": mode["step_ms"]}
+        for key in TENSORS:
             row[key] = _most_loaded(mode, key)
             row[f"expected_{key}"] = max(r["expected"][key] for r in mode["ranks"])
         row["peak"] = _most_loaded(mode, "peak")
         row["expected_peak"] = max(r["expected_peak"] for r in mode["ranks"])
         if ZERO1 in modes:
-            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], BOOTSTRAP_SAMPLES,
-                                   seed, keys=(name, ZERO1))
+            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], *_bootstrap(config),
+                                   keys=(name, ZERO1))
             row["step_ratio_to_zero1"] = asdict(ratio)
         rows.append(row)
     return {"rows": rows, "goals": _goals(config, modes, {row["mode"]: row for row in rows})}
@@ -429,10 +427,6 @@ def _goals(config: dict[str, Any], modes: dict[str, dict[str, Any]],
     return [gradients, step]
 
 
-def _tensors(snapshot: dict[str, Any]) -> int:
-    return snapshot["parameters"] + snapshot["gradients"] + snapshot["optimizer_state"]
-
-
 def _mib(value: int | float | None) -> str:
     return "" if value is None else f"{value / MiB:,.2f}"
 
@@ -441,33 +435,30 @@ def _interval(value: dict[str, float] | None, fmt: str) -> str:
     return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
 
 
-def _family_lines(results: dict[str, Any]) -> list[str]:
-    config = results["config"]
-    family = results.get("family") or family_summary(results)
-    rows = [[row["label"], *(f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})"
-                             for k in ("parameters", "gradients", "optimizer_state", "peak")),
-             _interval(row["step_ms"], ",.1f"), _interval(row.get("step_ratio_to_zero1"), ".3f")]
-            for row in family["rows"]]
-    goals = []
-    for goal in family["goals"]:
-        if "ratio" in goal:
-            measured, target = _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
-        elif "measured_MiB" in goal:
-            measured, target = f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
-        else:
-            measured = target = ""
-        goals.append([goal["goal"], measured, target, f"**{goal['verdict']}**"])
-    return [
-        "## The data-parallel family",
-        "",
-        f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
-        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
-        "",
-        *markdown_table(["mode", "parameters", "gradients", "optimizer state", "peak", "step ms",
-                         "step / ZeRO-1 (reduce-scatter)"], rows),
-        "",
-        *markdown_table(["goal", "measured", "target", "verdict"], goals, "lrrl"),
-    ]
+FAMILY_COLUMNS = [
+    Column("mode", lambda row: row["label"], "l"),
+    *(Column(key.replace("_", " "), lambda row, k=key: f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})")
+      for key in (*TENSORS, "peak")),
+    Column("step ms", lambda row: _interval(row["step_ms"], ",.1f")),
+    Column("step / ZeRO-1 (reduce-scatter)", lambda row: _interval(row.get("step_ratio_to_zero1"), ".3f")),
+]
+
+
+def _goal_cells(goal: dict[str, Any]) -> tuple[str, str]:
+    """A goal's measured value and target as text (empty where not measurable)."""
+    if "ratio" in goal:
+        return _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
+    if "measured_MiB" in goal:
+        return f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
+    return "", ""
+
+
+GOAL_COLUMNS = [
+    Column("goal", lambda goal: goal["goal"], "l"),
+    Column("measured", lambda goal: _goal_cells(goal)[0]),
+    Column("target", lambda goal: _goal_cells(goal)[1]),
+    Column("verdict", lambda goal: f"**{goal['verdict']}**", "l"),
+]
 
 
 def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
@@ -496,21 +487,22 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
     return write_atomically(path, buffer.getvalue())
 
 
+PROCESS_MEMORY = {"cuda": {"allocated": "allocated", "max_allocated": "max allocated", "reserved": "reserved",
+                           "max_reserved": "max reserved", "rest": "rest"},
+                  "cpu": {"rss": "RSS", "rest": "rest"}}
+"""The process-memory columns of a mode's table, per accelerator: snapshot key -> header."""
+
+
 def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """One mode's snapshots and the communication per step: a row per rank and point."""
-    cuda = config["accelerator"] == "cuda"
-    memory = ["allocated", "max_allocated", "reserved", "max_reserved", "rest"] if cuda else ["rss", "rest"]
-    rows = []
-    for per_rank in mode["ranks"]:
-        for point in POINTS:
-            snap = per_rank["snapshots"][point]
-            rows.append([per_rank["rank"], point, _mib(snap["parameters"]), _mib(snap["gradients"]),
-                         _mib(snap["optimizer_state"]), _mib(_tensors(snap)),
-                         _mib(sum(per_rank["expected_at"][point].values())), *(_mib(snap[k]) for k in memory),
-                         _mib(per_rank["comm_bytes_recorded"])])
-    header = ["rank", "point", "parameters", "gradients", "optimizer state", "tensors", "expected",
-              *(["allocated", "max allocated", "reserved", "max reserved", "rest"] if cuda else ["RSS", "rest"]),
-              "recorded comm MiB/step"]
+    rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
+             "tensors": sum(r["snapshots"][point][k] for k in TENSORS),
+             "expected": sum(r["expected_at"][point].values()), "comm": r["comm_bytes_recorded"]}
+            for r in mode["ranks"] for point in POINTS]
+    in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
+              **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
+    columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
+               *(Column(header, lambda row, k=key: _mib(row[k])) for key, header in in_mib.items())]
     return [
         "",
         f"## {mode['mode']}",
@@ -520,13 +512,14 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
         f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
         f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
         "",
-        *markdown_table(header, rows, "rl" + "r" * (len(header) - 2)),
+        *table(columns, rows),
     ]
 
 
 def format_report(results: dict[str, Any]) -> str:
     """``results.md``: the family's table and goals, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
+    family = results.get("family") or family_summary(results)
     lines = [
         f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
         f"{config['accelerator']}",
@@ -536,7 +529,14 @@ def format_report(results: dict[str, Any]) -> str:
         f"{config['grad_sync']}, each mode in {'fresh' if config['separate_processes'] else 'shared'} processes. "
         "Bytes are MiB (2^20); the columns are defined in docs/benchmarks.md, \"Reading the memory report\".",
         "",
-        *_family_lines(results),
+        "## The data-parallel family",
+        "",
+        f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
+        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
+        "",
+        *table(FAMILY_COLUMNS, family["rows"]),
+        "",
+        *table(GOAL_COLUMNS, family["goals"]),
     ]
     for mode in results["modes"]:
         lines += _mode_lines(mode, config)
@@ -564,8 +564,7 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
                              cuda=torch.version.cuda if cuda else None, backend=config.backend,
                              world_size=config.devices)
     results = {"config": asdict(config), "environment": environment,
-               "modes": summarise_modes(config.modes, config.devices, per_mode, warmup_steps=config.warmup_steps,
-                                        seed=config.seed)}
+               "modes": summarise_modes(asdict(config), per_mode)}
     results["family"] = family_summary(results)
     write_outputs(out_dir, {"results.json": results})
     return write_report(results, out_dir)
@@ -580,6 +579,10 @@ def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return results
 
 
+def _rebuild(config: MemoryBenchConfig) -> dict[str, Any]:
+    return write_report(read_json(Path(config.out_dir) / "results.json"), Path(config.out_dir))
+
+
 def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
     from lightning_ddp.command_line import parse_dataclass
 
@@ -587,12 +590,10 @@ def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
 
 
 def main(args: list[str] | None = None) -> int:
-    config = parse_config(args)
-    if config.report_only:
-        out_dir = Path(config.out_dir)
-        results = write_report(read_json(out_dir / "results.json"), out_dir)
-    else:
-        results = run(config)
+    """The benchmark (``report_only``: results.md and the plot from ``out_dir``'s results.json); 1 where a mode's
+    measured tensors differ from the expectation."""
+    results = benchmark_main(parse_config(args), "lightning_ddp.bench.memory", args,
+                             lambda config, command: run(config), rebuild=_rebuild)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 

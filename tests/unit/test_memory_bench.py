@@ -69,6 +69,7 @@ def test_every_memory_config_parses(path: Path) -> None:
         (["--warmup_steps", "0"], "warmup_steps must be >= 1"),
         (["--modes", "[zero3]"], "not valid"),
         (["--backend", "nccl"], "needs accelerator cuda"),
+        (["--repeats", "2"], "repeats must be 1"),
     ],
 )
 def test_config_errors_name_the_flag(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,10 +118,10 @@ def _results(step_ms: dict[str, list[float]], zero2_grads: int = PARAMS // 2, bu
                  for r in range(2)] for mode in modes]
     config = {"preset": "tiny", "devices": 2, "accelerator": "cpu", "batch_size": 1, "seq_len": 8,
               "steps": len(next(iter(step_ms.values()))), "warmup_steps": 2, "grad_sync": "bucketed",
-              "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0}
+              "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0, "modes": list(modes)}
     environment = {"torch": "2.x", "device": "cpu", "cpu_count": 2, "backend": "gloo"}
     return {"config": config, "environment": environment,
-            "modes": summarise_modes(list(modes), 2, per_mode, warmup_steps=2, seed=0)}
+            "modes": summarise_modes(config, per_mode)}
 
 
 def _steps(level: float) -> list[float]:
