@@ -24,7 +24,7 @@ from lightning_ddp.bench.config import strategy_with_memory_model
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
 from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table
-from lightning_ddp.bench.study import markdown_table, provenance, read_json, write_outputs
+from lightning_ddp.bench.study import provenance, read_json, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 
