@@ -113,12 +113,8 @@ class GradSyncStrategy(DataParallelStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self.algorithm = self._catalogue_entry(algorithm)
+        self.algorithm.refuse_bucket_size(bucket_size_mb)
         if bucket_size_mb != "default":
-            if not self.algorithm.has_bucket_size:
-                raise ValueError(
-                    f"{algorithm!r} has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop "
-                    "`bucket_size_mb` or choose an algorithm with buckets, e.g. `algorithm: bucketed_ddp`."
-                )
             check_bucket_size(bucket_size_mb)
         self.bucket_size_mb = bucket_size_mb
         try:
