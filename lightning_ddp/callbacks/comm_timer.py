@@ -458,9 +458,8 @@ NOT_APPLICABLE = "n/a"
 ONE_BUCKET = "one bucket"
 TORCH_DDP_BUCKET_CAP_MB = 25.0
 """torch ``DistributedDataParallel``'s ``bucket_cap_mb`` when it is not given."""
-ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "buckets_in_flight", "reshard_after_forward",
-                     "mixed_precision")
-"""Strategy attributes that are engine settings (the sharded strategies'), read where present."""
+ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "reshard_after_forward", "mixed_precision")
+"""Strategy attributes that are engine settings (zero1's and fsdp2's; zero2's are its ``engine_settings``)."""
 
 
 def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, dict[str, list[Any]]]:
