@@ -133,17 +133,21 @@ class Entry:
         return f"{self.name!r} takes: " + ", ".join(
             f"{name} (required)" if default is REQUIRED else f"{name}={default!r}" for name, default in known.items())
 
+    def refuse_bucket_size(self, bucket_size_mb: Any) -> None:
+        """Refuse a bucket size other than ``"default"`` where the engine has no buckets."""
+        if bucket_size_mb != "default" and not self.has_bucket_size:
+            with_buckets = ", ".join(entry.name for entry in STRATEGIES.values()
+                                     if entry.has_bucket_size and entry.is_engine)
+            raise ValueError(f"{self.name!r} has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop it, "
+                             f"or choose a strategy with buckets ({with_buckets}).")
+
     def make_engine(self, module: Any, *, bucket_size_mb: Any = "default", process_group: Any = None,
                     **settings: Any) -> Any:
         """Wrap ``module`` in this entry's engine (a collective: it broadcasts rank 0's weights)."""
         factory = self.engine_factory()
         self.check_settings(settings)
+        self.refuse_bucket_size(bucket_size_mb)
         if not self.has_bucket_size:
-            if bucket_size_mb != "default":
-                with_buckets = ", ".join(entry.name for entry in STRATEGIES.values()
-                                         if entry.has_bucket_size and entry.is_engine)
-                raise ValueError(f"{self.name!r} has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop it, "
-                                 f"or choose a strategy with buckets ({with_buckets}).")
             return factory(module, process_group=process_group, **settings)
         size = self.default_bucket_size_mb if bucket_size_mb == "default" else bucket_size_mb
         return factory(module, bucket_size_mb=size, process_group=process_group, **settings)

@@ -13,7 +13,6 @@ import os
 import sys
 import warnings
 import zipfile
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -325,84 +324,33 @@ def _device_type(accelerator: object) -> str | None:
     return device_type
 
 
-@dataclass
-class _Preflight:
-    """The parsed config, resolved to a strategy and a world."""
-
-    config: Any
-    device_type: str
-    local: int
-    world_size: int
-    strategy: str
-    sharded_by: str | None
-    """The catalogue entry that shards the optimizer state over ``strategy``'s engine (ZeRO-1 allreduce_broadcast)."""
-    kwargs: dict[str, Any]
-
-    def gpt(self, preset: str | None = None) -> Any:
-        model, data = self.config.model, self.config.data
-        vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
-        return get_config(preset or model.preset, vocab_size=vocab, context_length=model.context_length,
-                          tie_embeddings=model.tie_embeddings)
-
-    def estimate(self, preset: str | None = None, batch_size: int | None = None, **overrides: Any) -> MemoryEstimate:
-        args = {**self.kwargs, **overrides}
-        batch_size = self.config.data.batch_size if batch_size is None else batch_size
-        sharded = self.sharded_by is not None and args["strategy"] == self.strategy
-        return estimate_rank_memory(self.gpt(preset), batch_size=batch_size, shard_optimizer_state=sharded, **args)
-
-
-def _memory_fixes(run: _Preflight, current: MemoryEstimate, budget: int) -> list[str]:
-    """Each change that lowers the peak, with the peak it would give; the largest batch that fits first."""
-
-    def outcome(e: MemoryEstimate) -> str:
-        return f"peak {e.total_bytes / GiB:.1f} GiB, {'fits' if e.total_bytes <= budget else 'not enough alone'}"
-
-    config, fixes = run.config, []
-    batch_size, preset = config.data.batch_size, config.model.preset
-    best = largest_batch(run.gpt(), budget_bytes=budget, max_batch=max(batch_size - 1, 1), **run.kwargs)
-    if best and best < batch_size:
-        fixes.append(f"--data.batch_size {best} ({outcome(run.estimate(batch_size=best))}; the largest that fits)")
-    elif batch_size > 1:
-        fixes.append(f"--data.batch_size 1 ({outcome(run.estimate(batch_size=1))})")
-    candidates = []
-    if normalize_precision(config.trainer.precision) == "32-true":
-        candidates.append(("--trainer.precision bf16-mixed", run.estimate(precision="bf16-mixed")))
-    # Each sharding of the catalogue, with what it would make fit.
-    for entry in catalogue.STRATEGIES.values() if run.world_size > 1 else ():
-        if entry.sharded and entry.name not in (run.strategy, run.sharded_by):
-            candidates.append((f"--trainer.strategy {entry.name}", run.estimate(strategy=entry.name,
-                                                                                 bucket_size_mb=None)))
-    smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
-    fitting = [name for name in smaller if run.estimate(preset=name).total_bytes <= budget]
-    if fitting:
-        candidates.append((f"--model.preset {fitting[-1]}", run.estimate(preset=fitting[-1])))
-    fixes.extend(f"{flag} ({outcome(e)})" for flag, e in candidates if e.total_bytes < current.total_bytes)
-    if run.device_type == "cpu" and run.local > 1:
-        one = run.estimate(world_size=1)
-        if one.total_bytes <= budget * run.local:
-            fixes.append(f"--trainer.devices 1 (one process with all {budget * run.local / GiB:.1f} GiB: peak "
-                         f"{one.total_bytes / GiB:.1f} GiB, fits)")
-    fixes.append("--preflight false skips this check (the estimate and its sources: lightning_ddp/memory.py)")
-    return fixes
-
-
 def check_memory(config) -> None:
     """Refuse a ``fit`` whose estimated per-rank peak exceeds the rank's memory, with the breakdown and fixes;
     skipped where there is no model or no budget (another accelerator, an unmodelled strategy or precision)."""
-    trainer, data = config.trainer, config.data
+    trainer, data, model = config.trainer, config.data, config.model
     device_type = _device_type(trainer.accelerator)
     local = None if device_type is None else _device_count(trainer.devices, device_type == "cuda")
     resolved = _strategy_for_estimate(trainer.strategy)
     if local is None or resolved is None:
         return  # nothing to check against
-    strategy, bucket_size_mb, sharded_by = resolved
+    strategy, bucket_size_mb, sharded_by = resolved  # sharded_by: the entry sharding the state over strategy's engine
     num_nodes = int(trainer.get("num_nodes", 1) or 1)
     world_size = local * num_nodes
     kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
                   bucket_size_mb=bucket_size_mb, device_type=device_type)
-    run = _Preflight(config, device_type, local, world_size, strategy, sharded_by, kwargs)
+    vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
+
+    def gpt(preset: str = model.preset) -> Any:
+        return get_config(preset, vocab_size=vocab, context_length=model.context_length,
+                          tie_embeddings=model.tie_embeddings)
+
+    def estimate(preset: str = model.preset, batch_size: int = data.batch_size, **overrides: Any) -> MemoryEstimate:
+        args = {**kwargs, **overrides}
+        sharded = sharded_by is not None and args["strategy"] == strategy
+        return estimate_rank_memory(gpt(preset), batch_size=batch_size, shard_optimizer_state=sharded, **args)
+
     try:
-        current = run.estimate()
+        current = estimate()
     except ValueError:
         return  # a value the model, data or strategy will reject with its own message, or one we do not model
     sharing = local if device_type == "cpu" else _ranks_per_gpu(world_size, num_nodes)
@@ -413,7 +361,36 @@ def check_memory(config) -> None:
         source = f"the GPU's {budget * sharing / GiB:.1f} GiB" + (f" / {sharing} ranks on it" if sharing > 1 else "")
     else:
         source = f"available RAM {budget * local / GiB:.1f} GiB / {local} processes"
-    fixes = _memory_fixes(run, current, budget)
+
+    # The fixes: each change that lowers the peak, with the peak it would give; the largest batch that fits first.
+    def outcome(e: MemoryEstimate) -> str:
+        return f"peak {e.total_bytes / GiB:.1f} GiB, {'fits' if e.total_bytes <= budget else 'not enough alone'}"
+
+    fixes = []
+    batch_size, preset = data.batch_size, model.preset
+    best = largest_batch(gpt(), budget_bytes=budget, max_batch=max(batch_size - 1, 1), **kwargs)
+    if best and best < batch_size:
+        fixes.append(f"--data.batch_size {best} ({outcome(estimate(batch_size=best))}; the largest that fits)")
+    elif batch_size > 1:
+        fixes.append(f"--data.batch_size 1 ({outcome(estimate(batch_size=1))})")
+    candidates = []
+    if normalize_precision(trainer.precision) == "32-true":
+        candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
+    # Each sharding of the catalogue, with what it would make fit.
+    for entry in catalogue.STRATEGIES.values() if world_size > 1 else ():
+        if entry.sharded and entry.name not in (strategy, sharded_by):
+            candidates.append((f"--trainer.strategy {entry.name}", estimate(strategy=entry.name, bucket_size_mb=None)))
+    smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
+    fitting = [name for name in smaller if estimate(preset=name).total_bytes <= budget]
+    if fitting:
+        candidates.append((f"--model.preset {fitting[-1]}", estimate(preset=fitting[-1])))
+    fixes.extend(f"{flag} ({outcome(e)})" for flag, e in candidates if e.total_bytes < current.total_bytes)
+    if device_type == "cpu" and local > 1:
+        one = estimate(world_size=1)
+        if one.total_bytes <= budget * local:
+            fixes.append(f"--trainer.devices 1 (one process with all {budget * local / GiB:.1f} GiB: peak "
+                         f"{one.total_bytes / GiB:.1f} GiB, fits)")
+    fixes.append("--preflight false skips this check (the estimate and its sources: lightning_ddp/memory.py)")
     check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
 
 

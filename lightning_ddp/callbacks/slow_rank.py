@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ddp import compat
+from lightning_ddp.metrics.straggler import check_int
 
 __all__ = ["SlowRank"]
 
@@ -28,13 +29,10 @@ class SlowRank(Callback):
     """
 
     def __init__(self, rank: int = 1, delay_ms: float = 20.0, every_n_steps: int = 1) -> None:
-        if not (isinstance(rank, int) and rank >= 0):
-            raise ValueError(f"rank must be an int >= 0 (a global rank), got {rank!r}; e.g. --trainer.callbacks.rank 1")
+        check_int("rank", rank, 0, "--trainer.callbacks.rank 1 (a global rank)")
         if not delay_ms >= 0:
             raise ValueError(f"delay_ms must be >= 0, got {delay_ms!r}; e.g. --trainer.callbacks.delay_ms 20")
-        if not (isinstance(every_n_steps, int) and every_n_steps >= 1):
-            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}; e.g. "
-                             "--trainer.callbacks.every_n_steps 1")
+        check_int("every_n_steps", every_n_steps, 1, "--trainer.callbacks.every_n_steps 1")
         self.rank = rank
         self.delay_ms = float(delay_ms)
         self.every_n_steps = every_n_steps

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_ddp import compat
 from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
 from lightning_ddp.metrics.recording import recorder_for, release_recorder, strategy_label
+from lightning_ddp.metrics.straggler import check_int
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Recorder
 
@@ -52,14 +53,9 @@ class TraceRecorder(Callback):
         record_shapes: bool = False,
         with_stack: bool = False,
     ) -> None:
-        if wait_steps < 0 or warmup_steps < 0:
-            raise ValueError(
-                f"wait_steps and warmup_steps must be >= 0, got {wait_steps} and {warmup_steps}; "
-                "e.g. --trace.wait_steps 5 --trace.warmup_steps 1"
-            )
-        if active_steps < 1:
-            raise ValueError(f"active_steps must be >= 1 to record anything, got {active_steps}; "
-                             "e.g. --trace.active_steps 3")
+        check_int("wait_steps", wait_steps, 0, "--trace.wait_steps 5")
+        check_int("warmup_steps", warmup_steps, 0, "--trace.warmup_steps 1")
+        check_int("active_steps", active_steps, 1, "--trace.active_steps 3 (steps recorded)")
         self.enabled = enabled
         self.wait_steps = wait_steps
         self.warmup_steps = warmup_steps

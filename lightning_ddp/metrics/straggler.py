@@ -28,11 +28,15 @@ DEFAULT_MAX_COLLECTIVES = 512
 """Launch times compared per step by default (more than the naive engine's ~435 on the xl model)."""
 
 
+def check_int(name: str, value: Any, minimum: int, example: str) -> None:
+    """Refuse ``value`` unless an int ``>= minimum``, naming the fix: ``example``, e.g. ``--trace.active_steps 3``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}; e.g. {example}")
+
+
 def vector_length(max_collectives: int) -> int:
     """The length of every rank's vector."""
-    if not (isinstance(max_collectives, int) and max_collectives >= 1):
-        raise ValueError(f"max_collectives must be an int >= 1, got {max_collectives!r}; e.g. "
-                         f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
+    check_int("max_collectives", max_collectives, 1, f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
     return VECTOR_HEADER + max_collectives
 
 
@@ -259,10 +263,8 @@ class StragglerExchange:
         if clock_sync not in CLOCK_SYNC_CHOICES:
             raise ValueError(f"clock_sync must be one of {', '.join(CLOCK_SYNC_CHOICES)}, got {clock_sync!r}; e.g. "
                              "--timer.clock_sync auto")
-        for name, value, example in (("clock_sync_every_n_steps", clock_sync_every_n_steps, 1000),
-                                     ("clock_sync_rounds", clock_sync_rounds, 8)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}; e.g. --timer.{name} {example}")
+        check_int("clock_sync_every_n_steps", clock_sync_every_n_steps, 1, "--timer.clock_sync_every_n_steps 1000")
+        check_int("clock_sync_rounds", clock_sync_rounds, 1, "--timer.clock_sync_rounds 8")
         self.max_collectives = max_collectives
         self.clock_sync = clock_sync
         self.every_n_steps = clock_sync_every_n_steps

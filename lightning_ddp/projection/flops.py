@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_ddp.hardware import DEVICES
-from lightning_ddp.model_shapes import gpt_parameter_shapes
+from lightning_ddp.memory import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 
 ADAMW_BYTES_PER_PARAM = 80.0

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
-from lightning_ddp.model_shapes import gpt_parameter_shapes
+from lightning_ddp.memory import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
 from lightning_ddp.projection.comm import CommCost, Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec

@@ -69,8 +69,9 @@ class DataParallelStrategy(DDPStrategy):
 
     @property
     def strategy_name(self) -> str:
-        """The catalogue name this run's strategy goes by, as in Lightning's ``StrategyRegistry``."""
-        return entry_of(type(self)).name
+        """The catalogue name this run's strategy goes by, as in Lightning's ``StrategyRegistry``: its class's one
+        entry, else (``GradSyncStrategy``, one entry per engine) its algorithm's."""
+        return entry_of(type(self), getattr(self, "algorithm", None)).name
 
     @override
     def setup_environment(self) -> None:
@@ -112,12 +113,8 @@ class GradSyncStrategy(DataParallelStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self.algorithm = self._catalogue_entry(algorithm)
+        self.algorithm.refuse_bucket_size(bucket_size_mb)
         if bucket_size_mb != "default":
-            if not self.algorithm.has_bucket_size:
-                raise ValueError(
-                    f"{algorithm!r} has no bucket size, got bucket_size_mb={bucket_size_mb!r}; drop "
-                    "`bucket_size_mb` or choose an algorithm with buckets, e.g. `algorithm: bucketed_ddp`."
-                )
             check_bucket_size(bucket_size_mb)
         self.bucket_size_mb = bucket_size_mb
         try:
@@ -128,10 +125,6 @@ class GradSyncStrategy(DataParallelStrategy):
         self._recorder: Recorder | None = None
         self._engine_states_to_restore: Mapping[str, Any] | None = None
         self._restoring_engine_state = False
-
-    @property
-    def strategy_name(self) -> str:
-        return self.algorithm.name
 
     def _catalogue_entry(self, algorithm: str) -> catalogue.Entry:
         entry = catalogue.get(algorithm)
@@ -276,8 +269,9 @@ class GradSyncStrategy(DataParallelStrategy):
         super().teardown()
 
 
-def entry_of(strategy_class: type) -> catalogue.Entry:
-    """The one catalogue entry ``strategy_class`` (or its nearest base of ours) builds, e.g. ``zero2_ddp``."""
+def entry_of(strategy_class: type, algorithm: catalogue.Entry | None = None) -> catalogue.Entry:
+    """The one catalogue entry ``strategy_class`` (or its nearest base of ours) builds, e.g. ``zero2_ddp``; where a
+    class builds several (``GradSyncStrategy``), ``algorithm`` if it is one of them."""
     for base in strategy_class.__mro__:
         if not base.__module__.startswith(f"{__package__}."):
             continue
@@ -285,6 +279,8 @@ def entry_of(strategy_class: type) -> catalogue.Entry:
         entries = [entry for entry in catalogue.STRATEGIES.values() if entry.lightning_class == path]
         if len(entries) == 1:
             return entries[0]
+        if algorithm in entries:
+            return algorithm
     raise ValueError(f"no single catalogue entry names {strategy_class.__name__} as its lightning_class")
 
 

@@ -128,11 +128,6 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
         self.grad_sync = grad_sync
         self.collectives = collectives
 
-    @property
-    @override
-    def strategy_name(self) -> str:
-        return entry_of(type(self)).name
-
     @override
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
         if self.schedule == "reduce_scatter":
@@ -177,26 +172,19 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
         buckets_in_flight: int = 2,
         **kwargs: Any,
     ) -> None:
-        # Fail when the config is read, not after the processes have started.
-        check_bucket_size(bucket_size_mb)
-        ZeRO2DDP.check_settings(collectives=collectives, buckets_in_flight=buckets_in_flight)
         if kwargs.get("engine_settings"):
             raise ValueError(
                 "zero2_ddp takes its engine's settings directly: set `bucket_size_mb`, `collectives` or "
                 "`buckets_in_flight` under init_args instead of `engine_settings`."
             )
-        super().__init__(algorithm=entry_of(type(self)).name, bucket_size_mb=bucket_size_mb, **kwargs)
-        self.collectives = collectives
-        self.buckets_in_flight = buckets_in_flight
+        # The catalogue's engine (ZeRO2DDP), checked when the config is read, not after the processes have started.
+        settings = {"collectives": collectives, "buckets_in_flight": buckets_in_flight}
+        super().__init__(algorithm=entry_of(type(self)).name, bucket_size_mb=bucket_size_mb, engine_settings=settings,
+                         **kwargs)
 
     @override
     def _catalogue_entry(self, algorithm: str) -> catalogue.Entry:
-        return catalogue.get(algorithm)  # its own entry: the engine is ZeRO2DDP, built with the settings above
-
-    @override
-    def make_engine(self, module: nn.Module) -> GradSyncEngine:
-        return ZeRO2DDP(module, bucket_size_mb=self.bucket_size_mb, collectives=self.collectives,
-                        buckets_in_flight=self.buckets_in_flight)
+        return catalogue.get(algorithm)  # its own entry, not an engine GradSyncStrategy runs alone
 
     @override
     def check_supported(self, precision: str) -> None:
@@ -213,5 +201,6 @@ class ZeRO2DDPStrategy(ShardedOptimizerStrategy):
                 "rank its engine reduces the gradient to; return a plain optimizer (the strategy shards it)."
             )
         return ShardedOptimizer.from_optimizer(
-            optimizer, schedule="reduce_in_backward", collectives=self.collectives, placement=engine.owner_of
+            optimizer, schedule="reduce_in_backward", collectives=self.engine_settings["collectives"],
+            placement=engine.owner_of
         )

@@ -78,7 +78,7 @@ def test_pure_modules_import_without_torch() -> None:
     # GPT's shapes (the projection and the memory pre-flight) and the free port (the sweep's parent process).
     _run_without({"torch", "lightning", "lightning_fabric"}, """
         import lightning_ddp, lightning_ddp.intervals, lightning_ddp.metrics.accounting, lightning_ddp.sync.assignment
-        import lightning_ddp.files, lightning_ddp.local_group, lightning_ddp.memory, lightning_ddp.model_shapes
+        import lightning_ddp.files, lightning_ddp.local_group, lightning_ddp.memory
         from lightning_ddp import catalogue
         from lightning_ddp.sync import ranges
         assert "bucketed_ddp" in catalogue.STRATEGIES and ranges.GRAD_SYNC

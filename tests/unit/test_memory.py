@@ -23,7 +23,7 @@ from lightning_ddp.memory import (
     saved_tensor_bytes,
 )
 from lightning_ddp.model import GPT, Block, GPTConfig, get_config, rope_cache
-from lightning_ddp.model_shapes import gpt_parameter_shapes
+from lightning_ddp.memory import gpt_parameter_shapes
 from lightning_ddp import catalogue
 
 

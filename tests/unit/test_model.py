@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ddp.model import GPT, PRESETS, GPTConfig, get_config
-from lightning_ddp.model_shapes import gpt_parameter_shapes
+from lightning_ddp.memory import gpt_parameter_shapes
 
 
 def expected_num_params(c: GPTConfig) -> int:
@@ -53,9 +53,9 @@ def test_xl_size_literal():
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_the_closed_form_shapes_are_the_modules_in_order(name, tie):
-    # lightning_ddp.model_shapes states every parameter's name and shape without torch, for the memory pre-flight
-    # and the projection; it must be the module's own, in parameters() order (named_parameters() yields a tied
-    # table once, under its first name, tok_emb.weight).
+    # lightning_ddp.memory.gpt_parameter_shapes states every parameter's name and shape without torch, for the memory
+    # pre-flight and the projection; it must be the module's own, in parameters() order (named_parameters() yields a
+    # tied table once, under its first name, tok_emb.weight).
     config = get_config(name, tie_embeddings=tie)
     expected = [(n, tuple(p.shape)) for n, p in meta_model(config).named_parameters()]
     assert list(gpt_parameter_shapes(config).items()) == expected

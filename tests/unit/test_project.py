@@ -310,7 +310,7 @@ def test_engine_settings_are_projected_as_strategies_of_their_own(tmp_path, caps
 
 def _small_gpt_profile():
     """The `tiny` preset's shapes with a 64-token vocabulary, fp32 gradients ready in reverse parameter order."""
-    from lightning_ddp.model_shapes import gpt_parameter_shapes
+    from lightning_ddp.memory import gpt_parameter_shapes
 
     shape = ModelShape(d_model=128, n_layers=2, n_heads=4, d_ff=512, vocab_size=64)
     shapes = gpt_parameter_shapes(shape)
@@ -356,7 +356,7 @@ def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb
 
 
 def test_more_bandwidth_or_less_latency_is_never_slower():
-    from lightning_ddp.model_shapes import gpt_parameter_shapes
+    from lightning_ddp.memory import gpt_parameter_shapes
     from lightning_ddp.projection.run import with_shapes
 
     tiny = ModelShape(d_model=128, n_layers=4, n_heads=4, d_ff=512)  # the `tiny` preset's shape, no torch needed
@@ -418,7 +418,7 @@ def test_modelled_xl_profile_matches_the_real_model():
     assert ready[0] == pytest.approx(profile.backward_ms)  # the embedding's gradient at the end
     assert ready[1:] == sorted(ready[1:], reverse=True)  # reverse parameters() order
     # the shapes the projection gives a modelled profile are the module's own
-    from lightning_ddp.model_shapes import gpt_parameter_shapes
+    from lightning_ddp.memory import gpt_parameter_shapes
 
     shapes = gpt_parameter_shapes(shape)
     assert [(name, shapes[name]) for name, _ in shape.parameters()] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]

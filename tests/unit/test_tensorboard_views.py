@@ -1,5 +1,5 @@
-"""Tests for lightning_ddp.callbacks.tensorboard_views (pure) and what the CommTimer writes with it in one process;
-the two-rank runs compared in one table are in tests/dist/test_tensorboard_views.py."""
+"""Tests for the CommTimer's TensorBoard views (pure) and what it writes with them in one process; the two-rank
+runs compared in one table are in tests/dist/test_tensorboard_views.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from lightning_ddp.callbacks import CommTimer
 from lightning_ddp.metrics import METRIC_KEYS
 from lightning_ddp.metrics.accounting import LANDMARK_KEYS
-from lightning_ddp.callbacks.tensorboard_views import (
+from lightning_ddp.callbacks.comm_timer import (
     HPARAM_NAMES,
     LAYOUT,
     MEDIAN_METRICS,
