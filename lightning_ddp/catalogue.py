@@ -34,6 +34,12 @@ DEFAULT_ENGINE = "bucketed_ddp"
 """The engine ``GradSyncStrategy`` and ZeRO-1's ``grad_sync`` run when none is named."""
 
 
+def load(path: str) -> Any:
+    """The object a ``"module:attribute"`` path names (an entry's ``engine`` or ``projection``), imported now."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One strategy: its name, how Lightning builds it, its engine and what it can do."""
@@ -80,8 +86,7 @@ class Entry:
             raise ValueError(f"{self.name!r} has no engine of ours (torch builds it)")
         if callable(self.engine):
             return self.engine
-        module, _, attribute = self.engine.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return load(self.engine)
 
     def settings(self) -> dict[str, Any]:
         """The engine's own settings, name -> default (``REQUIRED`` if none), in signature order."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import importlib
 import inspect
 import math
 import re
@@ -692,8 +691,7 @@ def simulator(name: str) -> Callable[..., StepResult]:
             f"leave it out (projected: {', '.join(simulated_names())})")
     if entry.projection == catalogue.SCHEDULE:
         return functools.partial(simulate_from_facts, entry)
-    module, _, attribute = entry.projection.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return catalogue.load(entry.projection)
 
 
 def model_settings(name: str) -> dict[str, Any]:
