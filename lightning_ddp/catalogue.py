@@ -16,6 +16,9 @@ from typing import Any, Callable, Literal, Mapping, Union
 
 BucketSize = Union[float, Literal["auto"], None]
 
+DEFAULT_BUCKET_SIZE_MB = 25.0
+"""The bucket cap of every entry with buckets unless it says otherwise; torch DDP's ``bucket_cap_mb`` default too."""
+
 NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")
 """Engine arguments that are not its own settings: the model, the group, the bucket cap and a reduce step."""
 
@@ -55,7 +58,7 @@ class Entry:
     init_args: Mapping[str, Any] = field(default_factory=dict)
     """Fixed ``init_args`` of ``lightning_class`` (``GradSyncStrategy`` gets ``algorithm: <name>`` added)."""
     has_bucket_size: bool = False
-    default_bucket_size_mb: BucketSize = 25.0
+    default_bucket_size_mb: BucketSize = DEFAULT_BUCKET_SIZE_MB
     overlaps_backward: bool = False
     """Communicates during backward, from gradient hooks."""
     exact: bool = True

@@ -207,7 +207,7 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize
     entry = catalogue.get(name)
     size = entry.default_bucket_size_mb if bucket_size_mb is None else bucket_size_mb
     if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
-        size = 25.0
+        size = catalogue.DEFAULT_BUCKET_SIZE_MB
     cap = None if size is None else int(float(size) * MiB)
     return _MEMORY_MODELS[entry.memory], 1 if entry.memory == "per_tensor" else cap
 

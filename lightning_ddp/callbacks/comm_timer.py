@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ddp import compat, hardware
+from lightning_ddp import catalogue, compat, hardware
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
                                              measurement_note, recorder_for, release_recorder, strategy_label)
@@ -456,8 +456,6 @@ HPARAM_NAMES: dict[str, str] = {
 
 NOT_APPLICABLE = "n/a"
 ONE_BUCKET = "one bucket"
-TORCH_DDP_BUCKET_CAP_MB = 25.0
-"""torch ``DistributedDataParallel``'s ``bucket_cap_mb`` when it is not given."""
 ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "reshard_after_forward", "mixed_precision")
 """Strategy attributes that are engine settings (zero1's and fsdp2's; zero2's are its ``engine_settings``)."""
 
@@ -505,7 +503,7 @@ def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> t
         one = getattr(algorithm, "has_bucket_size", False) and getattr(strategy, "bucket_size_mb", "") is None
         bucket = ONE_BUCKET if one else NOT_APPLICABLE
     elif isinstance(ddp_kwargs, Mapping):
-        bucket = float(ddp_kwargs.get("bucket_cap_mb") or TORCH_DDP_BUCKET_CAP_MB)
+        bucket = float(ddp_kwargs.get("bucket_cap_mb") or catalogue.DEFAULT_BUCKET_SIZE_MB)
     else:
         bucket = NOT_APPLICABLE
     return bucket, ", ".join(f"{k}={v}" for k, v in settings.items()) or "default"
