@@ -13,18 +13,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = [
-    "BYTE_VOCAB_SIZE",
-    "MAX_MARKOV_SUCCESSORS",
-    "SPLITS",
-    "TOKEN_DTYPES",
-    "MarkovTokens",
-    "SyntheticTokens",
-    "TextBytes",
-    "TokenFile",
-    "write_token_file",
-]
-
 #: Token file dtypes, by the name ``--data.token_dtype`` takes.
 TOKEN_DTYPES = ("uint16", "int32")
 #: Vocabulary of ``source="text"``: one token per byte value.
