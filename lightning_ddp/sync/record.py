@@ -1,7 +1,5 @@
-"""What a step communicated, recorded only when someone measures: ``Recorder``, ``SyncRecord``, ``Collective``.
-
-An observer attaches a ``Recorder``; ``finish_step`` returns the record with every mark in milliseconds since
-``open_step``'s anchor. With none attached an engine pays one ``is None`` check per collective. The clock rules:
+"""What a step communicated, recorded only when an observer attaches a ``Recorder`` (else one ``is None`` check per
+collective): ``finish_step`` returns a ``SyncRecord`` in ms since ``open_step``'s anchor. The clock rules:
 ``docs/algorithms.md``.
 """
 
@@ -72,18 +70,13 @@ class StepClock:
 class Collective:
     """One collective: what it moved and when it was launched, completed and waited for (ms in a finished record)."""
 
-    op: str
-    """Collective kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``reduce``, ``broadcast``."""
-    label: str
-    """What was communicated: a parameter name, ``bucket 3 (12 tensors)``, ``flat (435 tensors)``."""
+    op: str  # all_reduce, reduce_scatter, all_gather, reduce or broadcast
+    label: str  # what was communicated: a parameter name, "bucket 3 (12 tensors)", "flat (435 tensors)"
     nbytes: int
     """nccl-tests' message size: the buffer; the whole input of ``reduce_scatter``, output of ``all_gather``."""
-    launched: Mark
-    """When the collective was issued (on CUDA: when the issuing stream reached that point)."""
+    launched: Mark  # on CUDA: when the issuing stream reached the launch
     completed: Mark | None = None
-    """When its result was ready (see the module docstring for how, per backend)."""
-    wait: Span | None = None
-    """The interval the caller spent in ``Work.wait()`` for it, if anyone waited."""
+    wait: Span | None = None  # the interval the caller spent in Work.wait() for it, if anyone waited
 
     def converted(self, convert: Callable[[Mark], float]) -> Collective:
         """This collective with every mark converted; a missing completion becomes the wait's end, else the launch."""
@@ -100,26 +93,19 @@ class Collective:
 class SyncRecord:
     """Everything one optimizer step communicated, and where the critical path spent time on it."""
 
-    collectives: list[Collective] = field(default_factory=list)
-    """Every collective of the step, in launch order."""
+    collectives: list[Collective] = field(default_factory=list)  # in launch order
     exposed: list[Span] = field(default_factory=list)
     """Intervals on the critical path spent synchronising (the engine's sync, the sharded optimizer's phases)."""
     pack: list[Span] = field(default_factory=list)
     """Intervals spent copying gradients into and out of communication buffers (flat, bucketed, ZeRO-1)."""
     started: Mark | None = None
-    """The step's start (``Recorder.open_step``)."""
     ended: Mark | None = None
-    """The step's end (``Recorder.finish_step``)."""
-    backward_started: Mark | None = None
-    """When the (last micro-batch's) backward began (``Recorder.mark_backward_started``)."""
+    backward_started: Mark | None = None  # the last micro-batch's
     ready: list[Mark | None] = field(default_factory=list)
     """Per watched parameter, when its gradient was last computed in the step (``Recorder.watch_gradients``)."""
-    last_ready: Mark | None = None
-    """When the last gradient of the step was computed: the end of backward's gradient work."""
-    usable: Mark | None = None
-    """When the gradients were ready for the optimizer (``Recorder.mark_gradients_usable``)."""
-    origin_s: float | None = None
-    """In a finished record: the host time (``time.perf_counter()`` seconds) of its 0 ms."""
+    last_ready: Mark | None = None  # the end of backward's gradient work
+    usable: Mark | None = None  # when the gradients were ready for the optimizer
+    origin_s: float | None = None  # in a finished record: the host time (time.perf_counter() s) of its 0 ms
 
     @property
     def nbytes(self) -> int:
@@ -136,17 +122,15 @@ class SyncRecord:
         def maybe(mark: Mark | None) -> float | None:
             return convert(mark) if mark is not None else None
 
+        marks = {name: maybe(getattr(self, name)) for name in ("started", "ended", "backward_started", "last_ready",
+                                                                "usable")}
         return SyncRecord(
             collectives=[c.converted(convert) for c in self.collectives],
             exposed=[(convert(a), convert(b)) for a, b in self.exposed],
             pack=[(convert(a), convert(b)) for a, b in self.pack],
-            started=maybe(self.started),
-            ended=maybe(self.ended),
-            backward_started=maybe(self.backward_started),
             ready=[maybe(mark) for mark in self.ready],
-            last_ready=maybe(self.last_ready),
-            usable=maybe(self.usable),
             origin_s=origin_s,
+            **marks,
         )
 
     def in_host_seconds(self) -> SyncRecord:
@@ -160,26 +144,17 @@ class Recorder:
     """Collects one ``SyncRecord`` per optimizer step from whichever engines (and optimizers) it is attached to.
 
     A step is armed from ``open_step`` to ``finish_step``; between steps only with ``open_on_demand`` (the first
-    collective then opens an unnumbered step).
-
-    Args:
-        device: Where the model computes: CUDA events on a GPU, host time otherwise.
-        clock: The clock to use instead of ``StepClock(device)``.
-        open_on_demand: Whether a collective recorded while no step is open opens one.
+    collective then opens an unnumbered step). ``clock``: instead of ``StepClock(device)``.
     """
 
     def __init__(self, device: torch.device | str = "cpu", clock: StepClock | None = None,
                  open_on_demand: bool = True) -> None:
         self.clock = clock if clock is not None else StepClock(device)
         self.open_on_demand = open_on_demand
-        self.armed = open_on_demand
-        """Whether anything is recorded now: a step is open, or ``open_on_demand``. Checked first on every path."""
-        self.record = SyncRecord()
-        """The step being recorded (raw marks); appended to by the engines."""
-        self.step: int | None = None
-        """The number of the open (or last finished) step, as given to ``open_step``."""
-        self.finished: SyncRecord | None = None
-        """The last finished step, in milliseconds (``finish_step``'s return value)."""
+        self.armed = open_on_demand  # whether anything is recorded now: checked first on every path
+        self.record = SyncRecord()  # the step being recorded (raw marks)
+        self.step: int | None = None  # the number of the open (or last finished) step
+        self.finished: SyncRecord | None = None  # the last finished step, in ms
         self._open = False
         self._anchored = False
         self._watched = 0
