@@ -117,20 +117,13 @@ def default_measure_device(group: dist.ProcessGroup | None = None) -> torch.devi
 class BucketPrediction:
     """The prediction and everything it was computed from (for logging next to the result)."""
 
-    overhead_s: float
-    """Fitted per-call overhead ``o`` of one all-reduce, seconds."""
-    bandwidth_Bps: float
-    """Fitted all-reduce bandwidth ``w``, bytes per second (message bytes over time)."""
-    grad_bytes: int
-    """``s``: bytes of all trainable parameters' gradients."""
-    largest_param_bytes: int
-    """The lower bound on a bucket: the largest trainable parameter, bytes."""
-    bucket_bytes: int
-    """``b*``: the predicted best bucket cap, bytes."""
-    sizes: tuple[int, ...] = ()
-    """Message sizes measured, bytes."""
-    times_s: tuple[float, ...] = ()
-    """Median all-reduce time per size, seconds (agreed over ranks)."""
+    overhead_s: float  # o, the fitted per-call overhead of one all-reduce
+    bandwidth_Bps: float  # w, message bytes over time
+    grad_bytes: int  # s, every trainable parameter's gradient
+    largest_param_bytes: int  # the lower bound on a bucket
+    bucket_bytes: int  # b*, the predicted best bucket cap
+    sizes: tuple[int, ...] = ()  # the message sizes measured
+    times_s: tuple[float, ...] = ()  # median all-reduce time per size, agreed over ranks
 
     @property
     def bucket_size_mb(self) -> float:
@@ -165,17 +158,6 @@ def predict_bucket_size(
     o, w = fit_latency_bandwidth(sizes, times)
     s, largest = sum(nbytes), max(nbytes)
     return BucketPrediction(o, w, s, largest, optimal_bucket_bytes(s, o, w, largest), sizes, tuple(times))
-
-
-def resolve_bucket_size(
-    bucket_size_mb: float | str | None, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
-) -> tuple[float | None, BucketPrediction | None]:
-    """An engine's ``bucket_size_mb`` as a number (``None``: one bucket) and the ``"auto"`` prediction (a
-    collective), else ``None``."""
-    if bucket_size_mb != "auto":
-        return bucket_size_mb, None  # type: ignore[return-value]
-    prediction = predict_bucket_size(params, group)
-    return prediction.bucket_size_mb, prediction
 
 
 def _round_sig(x: float, digits: int = 12) -> float:

@@ -19,10 +19,8 @@ from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets
 from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients
-from lightning_ddp.sync.bucket_model import BucketPrediction, resolve_bucket_size
+from lightning_ddp.sync.bucket_model import MiB, BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.comm import Communicator, Pending
-
-MiB = 2**20
 
 
 def check_bucket_size(bucket_size_mb: float | str | None) -> None:
@@ -43,16 +41,11 @@ class BucketLayout:
     Elements no tensor covers (the missing-gradient sentinel) must be averaged too, keeping 0 at 0 and signs.
     """
 
-    index: int
-    """The bucket's position in the launch order (0 is launched first)."""
-    count: int
-    """How many buckets a step launches (``index == count - 1``: the step's last)."""
-    names: tuple[str, ...]
-    """The parameters whose gradients the bucket holds, in bucket order."""
+    index: int  # the bucket's position in the launch order (0 is launched first)
+    count: int  # how many buckets a step launches (index == count - 1: the step's last)
+    names: tuple[str, ...]  # the parameters whose gradients the bucket holds, in bucket order
     shapes: tuple[torch.Size, ...]
-    """Each gradient's shape."""
-    offsets: tuple[int, ...]
-    """Each gradient's first element in the flattened bucket (``bucket.view(-1)``)."""
+    offsets: tuple[int, ...]  # each gradient's first element in the flattened bucket
 
 
 @dataclass
@@ -61,10 +54,8 @@ class Reduction:
 
     comm: Communicator
     pending: list[Pending]
-    result: torch.Tensor
-    """The bucket's average once ``wait()`` returns (with the bucket's dtype and shape)."""
-    finish: Callable[[], None] | None = None
-    """Work after the collectives (e.g. scaling or decompressing into ``result``)."""
+    result: torch.Tensor  # the bucket's average once wait() returns (with the bucket's dtype and shape)
+    finish: Callable[[], None] | None = None  # work after the collectives, e.g. decompressing into result
 
     def wait(self) -> torch.Tensor:
         for pending in self.pending:
@@ -189,8 +180,11 @@ class BucketEngine(GradSyncEngine):
     ) -> None:
         check_bucket_size(bucket_size_mb)
         super().__init__(module, process_group)
-        self.bucket_prediction: BucketPrediction | None
-        self.bucket_size_mb, self.bucket_prediction = resolve_bucket_size(bucket_size_mb, self.params, process_group)
+        self.bucket_prediction: BucketPrediction | None = None
+        if bucket_size_mb == "auto":  # predict the cap: a collective
+            self.bucket_prediction = predict_bucket_size(self.params, process_group)
+            bucket_size_mb = self.bucket_prediction.bucket_size_mb
+        self.bucket_size_mb: float | None = bucket_size_mb
         cap = None if self.bucket_size_mb is None else int(self.bucket_size_mb * MiB)
         self.buckets = assign_buckets([p.nbytes for p in self.params], [p.dtype for p in self.params], cap)
         self._order = BucketOrder(self.buckets, self.param_names)

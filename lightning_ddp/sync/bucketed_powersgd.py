@@ -46,12 +46,10 @@ class CompressedMatrix:
     """One gradient of a bucket sent as low-rank factors: ``P`` (rows x rank) and ``Q`` (cols x rank)."""
 
     name: str
-    start: int
-    """Its first element in the flattened bucket."""
+    start: int  # its first element in the flattened bucket
     rows: int
     cols: int
-    rank: int
-    """``min(rows, cols, the approximation rank)``."""
+    rank: int  # min(rows, cols, the approximation rank)
 
     @property
     def numel(self) -> int:
@@ -63,10 +61,8 @@ class BucketPlan:
     """Which gradients of a bucket are compressed, and which element ranges are averaged as they are."""
 
     matrices: tuple[CompressedMatrix, ...]
-    uncompressed: tuple[tuple[int, int], ...]
-    """``(start, stop)`` element ranges of the flattened bucket that are averaged uncompressed, in order."""
-    numel: int
-    """The bucket's elements (with the sentinel, if it has one)."""
+    uncompressed: tuple[tuple[int, int], ...]  # (start, stop) ranges of the flat bucket averaged as they are
+    numel: int  # the bucket's elements (with the sentinel, if it has one)
 
     @property
     def uncompressed_numel(self) -> int:

@@ -28,20 +28,13 @@ MAX_PADDING = 0.125
 class BucketPlan:
     """How one bucket travels: its parameters grouped by owner, each segment's place in the send buffer."""
 
-    indices: list[int]
-    """The bucket's parameters (indices into the engine's ``params``), in bucket order."""
-    segments: list[list[int]]
-    """``segments[r]``: the parameters rank ``r`` owns, in bucket order."""
-    numels: list[int]
-    """Elements of each segment's gradients (its flags follow them)."""
-    offsets: list[int]
-    """Where segment ``r`` starts in the send buffer."""
-    total: int
-    """Elements of the send buffer."""
-    scatter: bool
-    """One ``reduce_scatter`` (segments padded to equal width) rather than one ``reduce`` per owner."""
-    shard_offset: int = 0
-    """Where this rank's segment lands in its shard of the bucket's dtype."""
+    indices: list[int]  # the bucket's parameters (indices into the engine's params), in bucket order
+    segments: list[list[int]]  # segments[r]: the parameters rank r owns, in bucket order
+    numels: list[int]  # elements of each segment's gradients (its flags follow them)
+    offsets: list[int]  # where segment r starts in the send buffer
+    total: int  # elements of the send buffer
+    scatter: bool  # one reduce_scatter (segments padded to equal width) rather than one reduce per owner
+    shard_offset: int = 0  # where this rank's segment lands in its shard of the bucket's dtype
 
 
 def plan_bucket(indices: list[int], numels: list[int], owners: list[int], world_size: int, native: bool) -> BucketPlan:
