@@ -19,11 +19,7 @@ from lightning_ddp.strategies.base import GradSyncStrategy, entry_of
 from lightning_ddp.sync import GradSyncEngine
 from lightning_ddp.sync.bucketed import check_bucket_size
 from lightning_ddp.sync.sharding import (
-    CollectiveImpl,
-    Schedule,
-    ShardedOptimizer,
-    check_collective_impl,
-    check_schedule,
+    COLLECTIVE_IMPLS, SCHEDULES, CollectiveImpl, Schedule, ShardedOptimizer, check_choice,
 )
 from lightning_ddp.sync.zero1 import DeferredGradSync
 from lightning_ddp.sync.zero2 import ZeRO2DDP
@@ -116,8 +112,8 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
         **kwargs: Any,
     ) -> None:
         # Fail when the config is read, not after the processes have started.
-        check_schedule(schedule)
-        check_collective_impl(collectives)
+        check_choice("schedule", schedule, SCHEDULES)
+        check_choice("collectives", collectives, COLLECTIVE_IMPLS)
         check_bucket_size(bucket_size_mb)
         try:
             has_buckets = catalogue.get(grad_sync).has_bucket_size

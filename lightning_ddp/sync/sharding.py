@@ -25,42 +25,37 @@ from lightning_ddp.sync.comm import (
 Schedule = Literal["allreduce_broadcast", "reduce_scatter"]
 OptimizerSchedule = Literal["allreduce_broadcast", "reduce_scatter", "reduce_in_backward"]
 CollectiveImpl = Literal["auto", "native", "per_owner"]
-SCHEDULES: tuple[str, ...] = ("allreduce_broadcast", "reduce_scatter")
-"""ZeRO-1's schedules (what the ``zero1_ddp`` strategy offers)."""
-OPTIMIZER_SCHEDULES: tuple[str, ...] = (*SCHEDULES, "reduce_in_backward")
+SCHEDULES = {
+    "allreduce_broadcast": "a DDP engine all-reduces the gradients, owners broadcast their updated parameters",
+    "reduce_scatter": "ZeRO-1: reduce-scatter gradients, all-gather parameters",
+}
+"""ZeRO-1's schedules (what the ``zero1_ddp`` strategy offers), and what each does."""
+OPTIMIZER_SCHEDULES = {
+    **SCHEDULES, "reduce_in_backward": "ZeRO-2: the zero2 engine reduced the gradients to their owners in backward",
+}
 """What ``ShardedOptimizer`` accepts: ZeRO-1's, and ZeRO-2's ``reduce_in_backward``."""
+COLLECTIVE_IMPLS = {
+    "auto": "per_owner on gloo, native otherwise",
+    "native": "reduce_scatter_tensor / all_gather_into_tensor",
+    "per_owner": "reduce / broadcast per owner",
+}
 Placement = Callable[[torch.Tensor], Optional[int]]
-COLLECTIVE_IMPLS: tuple[str, ...] = ("auto", "native", "per_owner")
 GROUP_KEYS_NOT_HYPERPARAMETERS = ("params", "param_names")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
-
-def check_schedule(schedule: str, accepted: tuple[str, ...] = SCHEDULES) -> None:
-    """Refuse a schedule outside ``accepted`` (ZeRO-1's by default; ``OPTIMIZER_SCHEDULES`` for the optimizer)."""
-    if schedule not in accepted:
-        extra = (" or 'reduce_in_backward' (ZeRO-2: the zero2 engine reduced the gradients to their owners in "
-                 "backward)") if "reduce_in_backward" in accepted else ""
-        raise ValueError(
-            f"schedule={schedule!r} is not supported; choose 'allreduce_broadcast' (a DDP engine all-reduces the "
-            "gradients, owners broadcast their updated parameters) or 'reduce_scatter' (ZeRO-1: reduce-scatter "
-            f"gradients, all-gather parameters){extra}."
-        )
-
-
-def check_collective_impl(collectives: str) -> None:
-    if collectives not in COLLECTIVE_IMPLS:
-        raise ValueError(
-            f"collectives={collectives!r} is not supported; choose 'auto' (per_owner on gloo, native otherwise), "
-            "'native' (reduce_scatter_tensor / all_gather_into_tensor) or 'per_owner' (reduce / broadcast per owner)."
-        )
+def check_choice(name: str, value: str, choices: dict[str, str]) -> None:
+    """Refuse a ``value`` of setting ``name`` outside ``choices`` (choice -> what it does), listing them."""
+    if value not in choices:
+        listed = " or ".join(f"{choice!r} ({meaning})" for choice, meaning in choices.items())
+        raise ValueError(f"{name}={value!r} is not supported; choose {listed}.")
 
 
 def resolve_collectives(
     collectives: str, device: torch.device | str, group: dist.ProcessGroup | None = None
 ) -> str:
     """``collectives`` with ``auto`` resolved for ``device``: ``per_owner`` where gloo moves it, else ``native``."""
-    check_collective_impl(collectives)
+    check_choice("collectives", collectives, COLLECTIVE_IMPLS)
     if collectives != "auto":
         return collectives
     return "per_owner" if backend_for(device, group) == "gloo" else "native"
@@ -83,84 +78,79 @@ def layout(
     return list(by_dtype.items())
 
 
+def _exchange(
+    comm: Communicator, segments: list[list[torch.Tensor]], value: Callable[[torch.Tensor], torch.Tensor | None],
+    dtype: torch.dtype, impl: str, gather: bool, what: str, count: int,
+) -> list[torch.Tensor | None]:
+    """Exchange the parameters' ``value`` (e.g. the gradient) of one dtype between the ranks, flat per segment: with
+    ``gather`` each owner sends its segment to every rank (all-gather, or a broadcast per owner) and entry ``r`` of
+    the result is segment ``r``; otherwise every rank's copies are summed to their owner (reduce-scatter, or a reduce
+    per owner) and only this rank's entry, its segment's sum, is not ``None``. ``what`` and ``count``: the label."""
+    world, rank = comm.world_size, comm.rank
+    device = next(p.device for owned in segments for p in owned)
+    label = f"{what} {dtype} ({count} tensors)"
+    sizes = [sum(p.numel() for p in owned) for owned in segments]
+    results: list[torch.Tensor | None] = [None] * world
+    if impl == "native":
+        width = max(sizes)  # every segment padded to the largest: the collective needs equal chunks
+        send = torch.zeros(width if gather else world * width, dtype=dtype, device=device)
+        with comm.span("pack"):
+            for r in [rank] if gather else range(world):
+                start = 0 if gather else r * width
+                pack([value(p) for p in segments[r]], segments[r], send[start : start + sizes[r]])
+        if gather:
+            gathered = torch.empty(world * width, dtype=dtype, device=device)
+            comm.wait(comm.all_gather(gathered, send, label))
+            return [gathered[r * width : r * width + sizes[r]] for r in range(world)]
+        received = torch.empty(width, dtype=dtype, device=device)
+        comm.wait(comm.reduce_scatter(received, send, label))
+        results[rank] = received[: sizes[rank]]
+        return results
+    launched = []  # (owner, buffer, pending), in rank order
+    for r, owned in enumerate(segments):
+        if sizes[r] == 0:
+            continue
+        buffer = torch.empty(sizes[r], dtype=dtype, device=device)
+        if not gather or r == rank:
+            with comm.span("pack"):
+                pack([value(p) for p in owned], owned, buffer)
+        collective = comm.broadcast if gather else comm.reduce
+        launched.append((r, buffer, collective(buffer, r, f"{what} of rank {r} ({len(owned)} tensors)")))
+    for r, buffer, pending in launched:
+        comm.wait(pending)
+        if gather or r == rank:  # a reduce: only the owner's copy holds the sum
+            results[r] = buffer
+    return results
+
+
 def reduce_scatter_gradients(
-    comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int],
-    impl: str, device: torch.device,
+    comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int], impl: str
 ) -> None:
     """Leave each owner the average over ranks of its parameters' gradients (the others' ``.grad`` stay local);
     a parameter no rank has a gradient for keeps ``.grad = None`` everywhere."""
     if not trainable:
         return
-    counts = agree_on_gradients(comm, [params[i].grad is not None for i in trainable], device)
+    counts = agree_on_gradients(comm, [params[i].grad is not None for i in trainable], params[trainable[0]].device)
     present = [i for i, count in zip(trainable, counts) if count > 0]
-    world, rank = comm.world_size, comm.rank
-    for dtype, segments in layout(present, params, owners, world):
-        sizes = [sum(p.numel() for p in owned) for owned in segments]
-        mine: torch.Tensor | None = None
-        if impl == "native":
-            width = max(sizes)  # every segment padded to the largest: reduce-scatter needs equal chunks
-            send = torch.zeros(world * width, dtype=dtype, device=device)
-            with comm.span("pack"):
-                for r, owned in enumerate(segments):
-                    pack([p.grad for p in owned], owned, send[r * width : r * width + sizes[r]])
-            recv = torch.empty(width, dtype=dtype, device=device)
-            comm.wait(comm.reduce_scatter(recv, send, f"gradients {dtype} ({len(present)} tensors)"))
-            mine = recv[: sizes[rank]]
-        else:
-            launched = []  # (owner, buffer, pending), in rank order
-            for r, owned in enumerate(segments):
-                if sizes[r] == 0:
-                    continue
-                buffer = torch.empty(sizes[r], dtype=dtype, device=device)
-                with comm.span("pack"):
-                    pack([p.grad for p in owned], owned, buffer)
-                launched.append((r, buffer, comm.reduce(buffer, r, f"gradients of rank {r} ({len(owned)} tensors)")))
-            for r, buffer, pending in launched:
-                comm.wait(pending)
-                if r == rank:
-                    mine = buffer  # only the owner's copy holds the sum
+    for dtype, segments in layout(present, params, owners, comm.world_size):
+        mine = _exchange(comm, segments, lambda p: p.grad, dtype, impl, False, "gradients", len(present))[comm.rank]
         if mine is not None:
             with comm.span("pack"):
-                mine.div_(world)  # sum -> average (gloo has no AVG)
-                unpack_gradients(mine, segments[rank])
+                mine.div_(comm.world_size)  # sum -> average (gloo has no AVG)
+                unpack_gradients(mine, segments[comm.rank])
 
 
 def share_parameters(
-    comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int],
-    impl: str, device: torch.device,
+    comm: Communicator, params: Sequence[torch.Tensor], owners: Sequence[int], trainable: list[int], impl: str
 ) -> None:
     """Send every trainable parameter from its owner to the other ranks (broadcasts, or one all-gather)."""
-    world, rank = comm.world_size, comm.rank
-    for dtype, segments in layout(trainable, params, owners, world):
-        sizes = [sum(p.numel() for p in owned) for owned in segments]
-        mine = segments[rank]
-        received: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flat values, their parameters)
-        if impl == "native":
-            width = max(sizes)
-            send = torch.zeros(width, dtype=dtype, device=device)
-            with comm.span("pack"):
-                pack([p.detach() for p in mine], mine, send)
-            gathered = torch.empty(world * width, dtype=dtype, device=device)
-            comm.wait(comm.all_gather(gathered, send, f"parameters {dtype} ({len(trainable)} tensors)"))
-            received = [(gathered[r * width : r * width + sizes[r]], owned) for r, owned in enumerate(segments)]
-        else:
-            launched = []
-            for r, owned in enumerate(segments):
-                if sizes[r] == 0:
-                    continue
-                buffer = torch.empty(sizes[r], dtype=dtype, device=device)
-                if r == rank:
-                    with comm.span("pack"):
-                        pack([p.detach() for p in owned], owned, buffer)
-                pending = comm.broadcast(buffer, r, f"parameters of rank {r} ({len(owned)} tensors)")
-                launched.append((buffer, owned, pending))
-            for buffer, owned, pending in launched:
-                comm.wait(pending)
-                received.append((buffer, owned))
+    for dtype, segments in layout(trainable, params, owners, comm.world_size):
+        received = _exchange(comm, segments, torch.Tensor.detach, dtype, impl, True, "parameters", len(trainable))
         with comm.span("pack"):
-            for flat, owned in received:
-                if owned is not mine:  # this rank's own parameters are already up to date: it computed them
+            for r, (flat, owned) in enumerate(zip(received, segments)):
+                if r != comm.rank and flat is not None:  # this rank's own are up to date: it computed them
                     unpack_into(flat, [p.detach() for p in owned])
+
 
 def clip_owned_gradients(
     comm: Communicator, owned: Sequence[torch.Tensor], clip: tuple[str, float], device: torch.device
@@ -217,13 +207,13 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         placement: Placement | None = None,
         **kwargs: Any,
     ) -> None:
-        check_schedule(schedule, OPTIMIZER_SCHEDULES)
+        check_choice("schedule", schedule, OPTIMIZER_SCHEDULES)
         if schedule == "reduce_in_backward" and placement is None:
             raise ValueError(
                 "schedule='reduce_in_backward' steps the gradients ZeRO2DDP reduced to their owners, so the owners "
                 "must be the engine's: pass placement=engine.owner_of."
             )
-        check_collective_impl(collectives)
+        check_choice("collectives", collectives, COLLECTIVE_IMPLS)
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
             raise TypeError(
                 "optimizer_cls must be a torch.optim.Optimizer subclass, e.g. torch.optim.AdamW; "
@@ -364,9 +354,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         if self.schedule == "reduce_scatter":
             with self.comm.span("exposed"):
-                reduce_scatter_gradients(
-                    self.comm, self._params, self._owners, trainable, self.collectives, self.device
-                )
+                reduce_scatter_gradients(self.comm, self._params, self._owners, trainable, self.collectives)
         self.last_grad_norm = None
         if self._clip is not None:  # now every owned gradient is the average over the ranks
             clip, self._clip = self._clip, None
@@ -379,7 +367,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
             inner.update(_hyperparameters(outer))
         self.optim.step(**kwargs)
         with self.comm.span("exposed"):
-            share_parameters(self.comm, self._params, self._owners, trainable, self.collectives, self.device)
+            share_parameters(self.comm, self._params, self._owners, trainable, self.collectives)
         return loss
 
     # -- clipping: once every owned gradient is averaged, at step() --------------------------------------

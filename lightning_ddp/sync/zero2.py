@@ -18,7 +18,7 @@ from lightning_ddp.sync.assignment import assign_owners
 from lightning_ddp.sync.base import check_number, pack
 from lightning_ddp.sync.bucketed import BucketEngine
 from lightning_ddp.sync.comm import Pending
-from lightning_ddp.sync.sharding import CollectiveImpl, check_collective_impl, resolve_collectives
+from lightning_ddp.sync.sharding import COLLECTIVE_IMPLS, CollectiveImpl, check_choice, resolve_collectives
 
 MAX_PADDING = 0.125
 """``native``: one reduce-scatter only if padding the owners' segments adds at most this fraction of elements."""
@@ -118,7 +118,7 @@ class ZeRO2DDP(BucketEngine):
     @staticmethod
     def check_settings(collectives: str = "auto", buckets_in_flight: int = 2) -> None:
         """Refuse bad settings when the config is read (the strategy calls this)."""
-        check_collective_impl(collectives)
+        check_choice("collectives", collectives, COLLECTIVE_IMPLS)
         check_number("buckets_in_flight", buckets_in_flight, 1, "set e.g. `buckets_in_flight: 2`")
 
     # -- ownership ---------------------------------------------------------------------------------------
