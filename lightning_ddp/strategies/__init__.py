@@ -21,11 +21,3 @@ def register_strategies() -> None:
 
 
 register_strategies()
-
-__all__ = [
-    "FSDP2Strategy",
-    "GradSyncStrategy",
-    "ZeRO1DDPStrategy",
-    "ZeRO2DDPStrategy",
-    "register_strategies",
-]

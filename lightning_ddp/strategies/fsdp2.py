@@ -27,6 +27,16 @@ DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
 """Class names sharded one FSDP group each by default (our GPT's ``Block``)."""
 
 
+def _root_step(method_name: str, context: str) -> Callable[..., Any]:
+    """The strategy's ``method_name`` hook: ``_step`` under the precision plugin's ``context`` (as Lightning's)."""
+
+    def step(self: FSDP2Strategy, *args: Any, **kwargs: Any) -> Any:
+        with getattr(self.precision_plugin, context)():
+            return self._step(method_name, *args, **kwargs)
+
+    return step
+
+
 class FSDP2Strategy(DataParallelStrategy):
     """Fully sharded data parallelism with torch's FSDP2 (``trainer.strategy: fsdp2``).
 
@@ -77,10 +87,10 @@ class FSDP2Strategy(DataParallelStrategy):
         self.model = module
         self._sharded = True
 
-    # -- the training step through the root's __call__ -------------------------------------------------------
+    # -- the steps through the root's __call__ (FSDP's root hooks), once sharded -----------------------------
 
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``lightning_module.<method_name>``, once sharded inside the root's ``__call__`` (FSDP's root hooks)."""
+        """Run ``lightning_module.<method_name>``, once sharded inside the root's ``__call__``."""
         module = self.lightning_module
         assert module is not None
         if not self._sharded:
@@ -96,25 +106,10 @@ class FSDP2Strategy(DataParallelStrategy):
         finally:
             module.__dict__.pop("forward", None)
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._step("predict_step", *args, **kwargs)
+    training_step = _root_step("training_step", "train_step_context")
+    validation_step = _root_step("validation_step", "val_step_context")
+    test_step = _root_step("test_step", "test_step_context")
+    predict_step = _root_step("predict_step", "predict_step_context")
 
     @override
     @contextmanager
