@@ -1,7 +1,6 @@
-"""The token sources: map-style ``Dataset``s whose sample ``i`` is a window ``(x, y)`` of ``seq_len`` tokens.
-
-Generated (sample ``i`` depends only on ``(seed, split, i)``): ``SyntheticTokens``, ``MarkovTokens``. Memory-mapped
-files: ``TokenFile`` (nanoGPT's ``train.bin``) and ``TextBytes`` (a text file as bytes).
+"""The token sources: map-style ``Dataset``s whose sample ``i`` is a window ``(x, y)`` of ``seq_len`` tokens, generated
+from ``(seed, split, i)`` alone (``SyntheticTokens``, ``MarkovTokens``) or memory-mapped from a file (``TokenFile``,
+nanoGPT's ``train.bin``; ``TextBytes``, a text file as bytes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Thin Lightning strategies over ``lightning_ddp.sync``, registered in Lightning's ``StrategyRegistry``.
-
-Importing this package registers every entry of ``lightning_ddp.catalogue`` that one of our classes builds;
-``register_strategies()`` registers entries added since (it is idempotent).
+"""Thin Lightning strategies over ``lightning_ddp.sync``: importing this package registers in Lightning's
+``StrategyRegistry`` every entry of ``lightning_ddp.catalogue`` that one of our classes builds.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -1,7 +1,5 @@
-"""``GradSyncStrategy``: Lightning's ``DDPStrategy`` with one of our engines instead of torch DDP.
-
-One class serves every engine of ``lightning_ddp.catalogue``; checkpoints carry every rank's engine state
-(``ENGINE_STATES_KEY``). Details: ``docs/algorithms.md``.
+"""``GradSyncStrategy``: Lightning's ``DDPStrategy`` with any engine of ``lightning_ddp.catalogue`` instead of torch
+DDP; checkpoints carry every rank's engine state (``ENGINE_STATES_KEY``). Details: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

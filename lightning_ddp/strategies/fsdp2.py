@@ -1,7 +1,5 @@
-"""``fsdp2``: torch's FSDP2 (``fully_shard``) as a baseline strategy, on CPU (gloo) and CUDA.
-
-Checkpoints are consolidated full state dicts (the same file as ``ddp``'s); its collectives are not recorded.
-The recipe: ``docs/algorithms.md``.
+"""``fsdp2``: torch's FSDP2 (``fully_shard``) as a baseline strategy, on CPU (gloo) and CUDA; checkpoints are
+consolidated full state dicts (``ddp``'s file); its collectives are not recorded. The recipe: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The ZeRO strategies, ``zero1_ddp`` and ``zero2_ddp``, over what they share: ``ShardedOptimizerStrategy``.
-
-Each optimizer of ``configure_optimizers`` becomes ``shard(optimizer)``, its LR schedulers and the precision
-plugin's clipping pointed at it. ZeRO-1's schedules and ZeRO-2's: ``docs/algorithms.md``.
+"""The ZeRO strategies over what they share (``ShardedOptimizerStrategy``): each optimizer of
+``configure_optimizers`` becomes ``shard(optimizer)``, its LR schedulers and the precision plugin's clipping pointed
+at it. ZeRO-1's schedules and ZeRO-2's: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Pure-PyTorch gradient synchronisation: one algorithm per file over a small shared base. No Lightning here.
-
-Each algorithm is an *engine* (a ``GradSyncEngine``), listed in ``lightning_ddp.catalogue``. What each does and how
-to add one: ``docs/algorithms.md``. The names below load on first use.
+"""Pure-PyTorch gradient synchronisation, no Lightning: one engine (``GradSyncEngine``) per file, each listed in
+``lightning_ddp.catalogue``; ``docs/algorithms.md`` says what each does and how to add one. Names load on first use.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Which parameters travel together: the bucketed engines' buckets and ZeRO-1's owners. Pure Python, no torch.
-
-The projection (which never imports torch) simulates the same buckets and owners with them.
+"""Which parameters travel together: the bucketed engines' buckets and the ZeRO owners. Pure Python, no torch: the
+projection simulates the same buckets and owners with them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The small base every gradient-sync engine shares: wrapping, broadcasting, ``no_sync``, the hook plumbing, and the
-flat communication buffers (``pack``, ``unpack_*``) and gradient-presence agreement (``agree_on_gradients``).
-
-An engine broadcasts rank 0's parameters and buffers when it wraps the model, and
-``finish_gradient_synchronization()`` leaves the average over ranks in every ``.grad``. The invariants every
-engine keeps: ``docs/algorithms.md``.
+"""The base every engine shares: it broadcasts rank 0's parameters and buffers when it wraps the model, and
+``finish_gradient_synchronization()`` leaves the average over ranks in every ``.grad`` (the invariants:
+``docs/algorithms.md``); with the flat buffers (``pack``, ``unpack_*``) and ``agree_on_gradients``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Predict the best gradient-bucket size from a short all-reduce microbenchmark (``bucket_size_mb: auto``).
-
-Fit ``t = o + bytes / w`` to measured all-reduces and take ``sqrt(s * w * o)`` bytes. The derivation:
-``docs/algorithms.md``.
+"""Predict the best gradient-bucket size (``bucket_size_mb: auto``): fit ``t = o + bytes / w`` to a short all-reduce
+microbenchmark and take ``sqrt(s * w * o)`` bytes. The derivation: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Bucketed DDP: async all-reduce of size-capped gradient buckets, launched during backward; and what every engine
-that launches buckets from backward's hooks shares (``BucketEngine``: the cap, the buckets, their strict order).
-
-How ``BucketedDDP`` averages a bucket is the swappable reduce step, torch DDP's communication hook in our terms:
-``BucketReduce.launch(comm, bucket, label, layout)`` is called as soon as a bucket is complete and returns a
-``Reduction`` whose ``wait()`` gives the bucket's average (same dtype and shape); ``AllReduceMean`` is the default.
-Recipe, strict order and measured choices: ``docs/algorithms.md``.
+"""Bucketed DDP: async all-reduce of size-capped gradient buckets, launched during backward, averaged by a swappable
+reduce step (``BucketReduce``, torch DDP's communication hook); and ``BucketEngine``, what every engine that launches
+buckets from backward's hooks shares (the cap, the buckets, their strict order). Recipe: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

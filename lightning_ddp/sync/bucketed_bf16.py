@@ -1,6 +1,5 @@
 """Bucketed DDP with the gradients communicated in bf16: half the bytes, lossy (torch DDP's ``bf16_compress_hook``).
-
-Only buckets of a floating dtype wider than bf16 are compressed. Its precision and cost: ``docs/algorithms.md``.
+Its precision and cost: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

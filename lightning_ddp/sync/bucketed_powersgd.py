@@ -1,7 +1,6 @@
-"""Bucketed DDP with PowerSGD: every large gradient matrix crosses the wire as two thin low-rank factors.
-
-PowerSGD (Vogels et al., NeurIPS 2019; torch's ``powerSGD_hook``) as the bucketed engine's reduce step,
-``PowerSGDReduce``, with per-rank error feedback. The recipe, invariants and measurements: ``docs/algorithms.md``.
+"""Bucketed DDP with PowerSGD (Vogels et al., 2019; torch's ``powerSGD_hook``) as its reduce step, ``PowerSGDReduce``:
+every large gradient matrix crosses the wire as two thin low-rank factors, with per-rank error feedback. The recipe,
+invariants and measurements: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

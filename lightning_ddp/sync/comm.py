@@ -1,9 +1,6 @@
-"""``Communicator``: the collectives of one engine (or optimizer) on one process group, in one place.
-
-Each method launches ``async_op=True`` and returns a ``Pending``; it is recorded only when a ``Recorder`` is
-armed. ``backend_for`` says which backend moves a device's tensors: a group's backend is a spec such as
-``cpu:gloo,cuda:nccl``, never to be compared with ``"nccl"``. ``gather_rank_states`` gathers every rank's state
-for a checkpoint (not recorded: checkpoints are not training steps).
+"""``Communicator``: an engine's (or optimizer's) async collectives on one process group, recorded when a ``Recorder``
+is armed; ``backend_for``: which backend of a spec such as ``cpu:gloo,cuda:nccl`` moves a device's tensors;
+``gather_rank_states``: every rank's state for a checkpoint (not recorded).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Overlap DDP: an async all-reduce per parameter, launched from its gradient hook during backward.
-
-Exactly ``BucketedDDP`` with one parameter per bucket, and implemented as such (in place, no packing copy).
+"""Overlap DDP: an async all-reduce per parameter, launched from its gradient hook during backward; exactly
+``BucketedDDP`` with one parameter per bucket, and implemented as such (in place, no packing copy).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The names of the ``torch.profiler.record_function`` ranges we add to a trace, and of our own tracks.
-
-Constant names, so aggregating tools group them; per-collective detail lives in the track's ``args``.
+"""The names of the ``torch.profiler.record_function`` ranges we add to a trace, and of our own tracks: constant, so
+aggregating tools group them (per-collective detail lives in the track's ``args``).
 """
 
 STEP = "ddp/step"

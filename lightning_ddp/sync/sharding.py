@@ -1,10 +1,6 @@
-"""``ShardedOptimizer``: any ``torch.optim.Optimizer`` class, each rank keeping state only for what it owns.
-
-Shared by ZeRO-1 (``zero1.py``) and ZeRO-2 (``zero2.py``). Its collective phases run ``native`` (one padded flat
-buffer per dtype, one reduce-scatter or all-gather) or ``per_owner`` (one reduce or broadcast per owner, no padding;
-the default on gloo); either way every rank issues the same collectives in the same order. Checkpoints are
-consolidated into ``optimizer_cls``'s own format, so they resume under any world size, either schedule, or plain
-DDP. The recipe, schedules, clipping, memory and traffic: ``docs/algorithms.md`` (ZeRO-1, ZeRO-2).
+"""``ShardedOptimizer`` (ZeRO-1's and ZeRO-2's): any ``torch.optim.Optimizer`` class, each rank keeping state only for
+what it owns; checkpoints in ``optimizer_cls``'s own, consolidated format. Schedules, collectives (``native``,
+``per_owner``), clipping, memory and traffic: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""ZeRO stage 2: reduce each gradient bucket to its owners *during backward*; every rank keeps only what it owns.
-
-``ZeRO2DDP`` buckets the gradients laid out by owner; ``ShardedOptimizer(schedule="reduce_in_backward",
-placement=engine.owner_of)`` steps the shard. Schedule, memory and traffic: ``docs/algorithms.md``.
+"""ZeRO stage 2: ``ZeRO2DDP`` reduces each gradient bucket, laid out by owner, to its owners *during backward*; every
+rank keeps only what it owns. Schedule, memory and traffic: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
