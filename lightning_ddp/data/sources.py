@@ -77,11 +77,11 @@ class SyntheticTokens(_GeneratedTokens):
 class MarkovTokens(_GeneratedTokens):
     """Walks on a seeded random sparse Markov chain: learnable tokens, reproducible per sample.
 
-    The chain, built from ``seed`` alone: tokens get Zipf weights ``1 / rank ** zipf_exponent`` in a random order;
+    The chain, built from ``seed`` alone: tokens get Zipf weights ``1 / rank`` in a random order;
     every token gets ``successors`` distinct next tokens drawn with those weights; a walk starts at a weighted draw
     and moves to a uniformly chosen successor. Sample ``i`` is the walk seeded from ``(seed, split, i)``. No model
     can beat ``ln(successors)`` nats per token; an untrained one starts at ``ln(vocab_size)``.
-    ``successors``: 1 to ``MAX_MARKOV_SUCCESSORS``; ``zipf_exponent`` 0 (all equally likely) is far slower to learn.
+    ``successors``: 1 to ``MAX_MARKOV_SUCCESSORS``.
     """
 
     def __init__(
@@ -91,7 +91,6 @@ class MarkovTokens(_GeneratedTokens):
         vocab_size: int,
         seed: int = 0,
         successors: int = 4,
-        zipf_exponent: float = 1.0,
         split: str = "train",
     ) -> None:
         super().__init__(num_samples, seq_len, vocab_size, seed, split)
@@ -106,7 +105,7 @@ class MarkovTokens(_GeneratedTokens):
         self._entropy = seed % 2**64
         rng = np.random.default_rng([self._entropy, 0, 0])  # stream 0 builds the chain; 1, 2, 3: the splits' walks
         ranking = rng.permutation(vocab_size)  # ranking[r] is the token of Zipf rank r + 1
-        weights = 1.0 / np.arange(1, vocab_size + 1, dtype=np.float64) ** zipf_exponent
+        weights = 1.0 / np.arange(1, vocab_size + 1, dtype=np.float64)
         self._cdf = np.cumsum(weights / weights.sum())
         self._ranking = ranking
         #: ``next_tokens[t]`` holds the ``successors`` distinct tokens that may follow token ``t``.

@@ -56,12 +56,6 @@ class FSDP2Strategy(DataParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if shard_modules is not None and (
-            isinstance(shard_modules, str) or not all(isinstance(name, str) and name for name in shard_modules)
-        ):
-            raise TypeError(
-                f"shard_modules must be a list of class names, got {shard_modules!r}; e.g. `shard_modules: [Block]`."
-            )
         self.shard_modules: tuple[str, ...] = DEFAULT_SHARD_MODULES if shard_modules is None else tuple(shard_modules)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.mixed_precision = bool(mixed_precision)

@@ -6,31 +6,22 @@ from __future__ import annotations
 
 import importlib
 
-_HOMES = {
-    "GradSyncEngine": "lightning_ddp.sync.base",
-    "broadcast_module_states": "lightning_ddp.sync.base",
-    "BucketedDDP": "lightning_ddp.sync.bucketed",
-    "BucketedBF16DDP": "lightning_ddp.sync.bucketed_bf16",
-    "BucketedPowerSGDDDP": "lightning_ddp.sync.bucketed_powersgd",
-    "assign_buckets": "lightning_ddp.sync.assignment",
-    "Communicator": "lightning_ddp.sync.comm",
-    "Pending": "lightning_ddp.sync.comm",
-    "FlatDDP": "lightning_ddp.sync.flat",
-    "NaiveDDP": "lightning_ddp.sync.naive",
-    "OverlapDDP": "lightning_ddp.sync.overlap",
-    "Collective": "lightning_ddp.sync.record",
-    "Recorder": "lightning_ddp.sync.record",
-    "StepClock": "lightning_ddp.sync.record",
-    "SyncRecord": "lightning_ddp.sync.record",
-    "AllReduceMean": "lightning_ddp.sync.bucketed",
-    "BucketLayout": "lightning_ddp.sync.bucketed",
-    "BucketReduce": "lightning_ddp.sync.bucketed",
-    "Reduction": "lightning_ddp.sync.bucketed",
-    "DeferredGradSync": "lightning_ddp.sync.zero1",
-    "ShardedOptimizer": "lightning_ddp.sync.sharding",
-    "assign_owners": "lightning_ddp.sync.assignment",
-    "ZeRO2DDP": "lightning_ddp.sync.zero2",
+_NAMES = {
+    "base": ("GradSyncEngine", "broadcast_module_states"),
+    "bucketed": ("AllReduceMean", "BucketLayout", "BucketReduce", "BucketedDDP", "Reduction"),
+    "bucketed_bf16": ("BucketedBF16DDP",),
+    "bucketed_powersgd": ("BucketedPowerSGDDDP",),
+    "assignment": ("assign_buckets", "assign_owners"),
+    "comm": ("Communicator", "Pending"),
+    "flat": ("FlatDDP",),
+    "naive": ("NaiveDDP",),
+    "overlap": ("OverlapDDP",),
+    "record": ("Collective", "Recorder", "StepClock", "SyncRecord"),
+    "sharding": ("ShardedOptimizer",),
+    "zero1": ("DeferredGradSync",),
+    "zero2": ("ZeRO2DDP",),
 }
+_HOMES = {name: f"{__name__}.{module}" for module, names in _NAMES.items() for name in names}
 __all__ = sorted(_HOMES)
 
 
