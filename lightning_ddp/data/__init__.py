@@ -14,3 +14,7 @@ from lightning_ddp.data.sources import (
     TokenFile,
     write_token_file,
 )
+
+__all__ = ["BYTE_VOCAB_SIZE", "DEFAULT_VOCAB_SIZE", "GENERATED_SOURCES", "LMDataModule", "MAX_MARKOV_SUCCESSORS",
+           "MarkovTokens", "ResumableDistributedSampler", "SPLITS", "SyntheticTokens", "TOKEN_DTYPES", "TextBytes",
+           "TokenFile", "write_token_file"]

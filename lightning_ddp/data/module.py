@@ -37,8 +37,7 @@ class LMDataModule(LightningDataModule):
             sparse Markov chain, learnable), ``tokens`` (flat binary token file, nanoGPT ``train.bin``) or ``text``.
         path: Training file; required for ``tokens`` and ``text``.
         val_path: Separate validation file, same format as ``path``; or hold out ``val_fraction``.
-        val_fraction: Files only: fraction of the windows of ``path`` (before the test windows) held out for
-            validation. 0 means no validation.
+        val_fraction: Files only: fraction of the windows of ``path`` (before the test windows) held out; 0: none.
         test_path: Separate test file (for ``test``), same format as ``path``; or hold out ``test_fraction``.
         test_fraction: Files only: fraction of the windows of ``path``, from its end, held out for ``test``.
         val_samples: Generated sources only: samples held out for validation, a seed stream of their own.
@@ -49,8 +48,7 @@ class LMDataModule(LightningDataModule):
         seq_len: Tokens per sample; must not exceed ``context_length``.
         context_length: The model's maximum context (the CLI links it from the model); checks ``seq_len``.
         num_samples: Number of samples of the ``synthetic`` and ``markov`` sources.
-        markov_successors: Possible next tokens of every token in the ``markov`` chain (1 to 64); the loss cannot
-            fall below ``ln(markov_successors)`` nats.
+        markov_successors: Next tokens of each token in the ``markov`` chain (1 to 64); the loss floor is its ln.
         seed: Seeds the generated tokens, the ``markov`` chain and the shuffle order (the same on every rank).
         shuffle: Shuffle the training samples every epoch.
         num_workers: DataLoader worker processes per rank (0 loads in the training process).
@@ -124,7 +122,7 @@ class LMDataModule(LightningDataModule):
         for split in ("val", "test"):
             fraction = getattr(self, f"{split}_fraction")
             if not 0.0 <= fraction < 1.0:
-                raise ValueError(f"--data.{split}_fraction is {fraction}; it must be in [0, 1) (0 = no {split} split).")
+                raise ValueError(f"--data.{split}_fraction is {fraction}; it must be in [0, 1) (0: no {split} split).")
             if getattr(self, f"{split}_path") is not None and fraction > 0:
                 raise ValueError(
                     f"both --data.{split}_path and --data.{split}_fraction are set; use a separate {split} "

@@ -9,6 +9,8 @@ from lightning_ddp.strategies.base import GradSyncStrategy
 from lightning_ddp.strategies.fsdp2 import FSDP2Strategy
 from lightning_ddp.strategies.sharded import ZeRO1DDPStrategy, ZeRO2DDPStrategy
 
+__all__ = ["FSDP2Strategy", "GradSyncStrategy", "ZeRO1DDPStrategy", "ZeRO2DDPStrategy", "register_strategies"]
+
 
 def register_strategies() -> None:
     """Make ``trainer.strategy: <name>`` resolvable for every catalogue entry one of our classes builds."""

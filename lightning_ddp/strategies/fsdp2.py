@@ -159,11 +159,10 @@ class FSDP2Strategy(DataParallelStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         # Every rank loaded the file: each takes its own shard of the full state, no broadcast needed.
-        names = parameter_names(self.lightning_module)
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             set_optimizer_state_dict(
-                self.lightning_module, optimizer, ids_to_fqn_keys(saved, optimizer, names),
+                self.lightning_module, optimizer, ids_to_fqn_keys(saved, optimizer, self.lightning_module),
                 options=StateDictOptions(full_state_dict=True),
             )
 
@@ -282,8 +281,9 @@ def fqn_keys_to_ids(state: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": {ids[name]: _own_step(value) for name, value in state["state"].items()}, "param_groups": groups}
 
 
-def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, names: Mapping[Tensor, str]) -> dict[str, Any]:
-    """The inverse of ``fqn_keys_to_ids`` for ``optimizer``. Raises ``ValueError`` when the groups differ."""
+def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+    """The inverse of ``fqn_keys_to_ids`` for ``module``'s ``optimizer``; ``ValueError`` when the groups differ."""
+    names = {p: name for name, p in module.named_parameters()}  # a tied tensor once, by its first name
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved_groups = state["param_groups"]
     saved_count = sum(len(group["params"]) for group in saved_groups)
@@ -313,12 +313,3 @@ def _own_step(entry: Any) -> Any:
     if isinstance(entry, Mapping) and isinstance(entry.get("step"), Tensor):
         return {**entry, "step": entry["step"].detach().clone()}
     return entry
-
-
-def parameter_names(module: nn.Module) -> dict[Tensor, str]:
-    """Parameter -> its first name in ``module``."""
-    names: dict[Tensor, str] = {}
-    for name, p in module.named_parameters():
-        names.setdefault(p, name)
-    return names
-

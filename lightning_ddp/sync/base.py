@@ -23,8 +23,7 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
     Subclasses implement ``_synchronize()`` and, to communicate during backward, ``_on_grad_ready(index)``.
     """
 
-    uses_grad_hooks: bool = False
-    """Whether the engine registers post-accumulate-grad hooks (overlap, bucketed)."""
+    uses_grad_hooks: bool = False  # whether to call _on_grad_ready from post-accumulate-grad hooks
 
     state_summary: str = ""
     """What ``engine_state_dict`` holds, in words, for the warning of a resumed run; empty without state."""
@@ -44,10 +43,8 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         verify_same_parameters(module, self.comm, self.device)
         broadcast_module_states(module, process_group)
-        self._hook_handles = []
-        if self.uses_grad_hooks:
-            for index, param in enumerate(self.params):
-                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(index)))
+        hooked = enumerate(self.params) if self.uses_grad_hooks else ()
+        self._hook_handles = [param.register_post_accumulate_grad_hook(self._make_hook(i)) for i, param in hooked]
 
     # -- the conventional interface -------------------------------------------------------------------
 

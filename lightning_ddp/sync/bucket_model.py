@@ -45,7 +45,7 @@ def fit_latency_bandwidth(
     overhead = t_mean - slope * b_mean
     bandwidth = 1.0 / slope if slope > 0 else math.inf
     # Round away float dust so that exact data gives exact numbers (e.g. 0.001 rather than 0.0010000000000000002).
-    return max(0.0, _round_sig(overhead)), _round_sig(bandwidth)
+    return max(0.0, float(f"{overhead:.12g}")), float(f"{bandwidth:.12g}")
 
 
 def optimal_bucket_bytes(s: float, o: float, w: float, largest_param_bytes: float = 0) -> int:
@@ -157,9 +157,3 @@ def predict_bucket_size(
     s, largest = sum(nbytes), max(nbytes)
     return BucketPrediction(o, w, s, largest, optimal_bucket_bytes(s, o, w, largest), sizes, tuple(times))
 
-
-def _round_sig(x: float, digits: int = 12) -> float:
-    """``x`` rounded to ``digits`` significant digits (inf and 0 unchanged)."""
-    if x == 0 or math.isinf(x) or math.isnan(x):
-        return x
-    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))

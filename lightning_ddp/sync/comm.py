@@ -88,9 +88,6 @@ class Communicator:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.backend = str(dist.get_backend(group))
-        """The group's backend spec as given (e.g. ``"cpu:gloo,cuda:nccl"``); ``backend_for`` says which one moves a
-        tensor."""
         self.recorder: Recorder | None = None
         """Set by whoever measures (see ``lightning_ddp.sync.record``); ``None``: record nothing."""
         self._nccl_moves: dict[str, bool] = {}  # device type -> whether NCCL moves its tensors (asked once)

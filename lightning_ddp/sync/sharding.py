@@ -262,10 +262,8 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         process_group: dist.ProcessGroup | None = None,
         placement: Placement | None = None,
     ) -> ShardedOptimizer:
-        """Shard an optimizer that has not stepped yet: same class, same defaults, *the same* group dicts.
-
-        Re-point an LR scheduler built on ``optimizer`` anyway (``scheduler.optimizer = sharded``).
-        """
+        """Shard an optimizer that has not stepped yet: same class, same defaults, *the same* group dicts (re-point an
+        LR scheduler built on ``optimizer`` anyway)."""
         if isinstance(optimizer, ShardedOptimizer):
             raise TypeError("the optimizer is already a ShardedOptimizer")
         if any(optimizer.state.values()):
@@ -397,15 +395,9 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         # NCCL needs CUDA tensors, even for Adam's CPU `step` counters: broadcast on the parameters' device.
         owned = gather_rank_states(local, self.comm, self.device)
         assert owned is not None
-        state: dict[int, dict[str, Any]] = {}
-        for entries in owned:
-            for index in sorted(entries):
-                state[index] = entries[index]
-        param_groups = []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = [self._index[id(p)] for p in group["params"]]
-            param_groups.append(packed)
+        state = {index: entries[index] for entries in owned for index in sorted(entries)}
+        param_groups = [{**{k: v for k, v in group.items() if k != "params"},
+                         "params": [self._index[id(p)] for p in group["params"]]} for group in self.param_groups]
         return {"state": state, "param_groups": param_groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

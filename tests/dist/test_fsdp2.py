@@ -117,7 +117,7 @@ def _fsdp2_job(rank: int, world_size: int, resume: dict[str, Any] | None) -> dic
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
     )
 
-    from lightning_ddp.strategies.fsdp2 import fqn_keys_to_ids, ids_to_fqn_keys, parameter_names, shard
+    from lightning_ddp.strategies.fsdp2 import fqn_keys_to_ids, ids_to_fqn_keys, shard
 
     torch.manual_seed(MODEL_SEED + rank)  # the ranks differ until shard() broadcasts rank 0's weights
     module = Root()
@@ -127,8 +127,7 @@ def _fsdp2_job(rank: int, world_size: int, resume: dict[str, Any] | None) -> dic
     tied = module.model.lm_head.weight is module.model.tok_emb.weight
     optimizer = _optimizer(module)
     if resume is not None:
-        set_optimizer_state_dict(module, optimizer, ids_to_fqn_keys(resume["optimizer"], optimizer,
-                                                                    parameter_names(module)),
+        set_optimizer_state_dict(module, optimizer, ids_to_fqn_keys(resume["optimizer"], optimizer, module),
                                  options=StateDictOptions(full_state_dict=True))
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     first = range(CHECKPOINT_AFTER, STEPS) if resume is not None else range(CHECKPOINT_AFTER)
