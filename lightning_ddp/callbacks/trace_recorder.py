@@ -21,8 +21,8 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
-from lightning_ddp.metrics.recording import recorder_for, release_recorder, strategy_label
+from lightning_ddp.metrics.recording import (TRACE_SUFFIX, RecordedStep, add_communication_track, recorder_for,
+                                             release_recorder, strategy_label)
 from lightning_ddp.metrics.straggler import check_int
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Recorder

@@ -1,5 +1,5 @@
 """Chrome-trace JSON read back: per-rank intervals of our ranges, our communication track (written by
-``lightning_ddp.metrics.comm_track``) and the profiler's own collectives; and one rank's communication/computation
+``lightning_ddp.metrics.recording``) and the profiler's own collectives; and one rank's communication/computation
 overlap as Holistic Trace Analysis defines it, ``|comm ∩ compute| / |comm|`` (1.0: all communication hidden).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from lightning_ddp.intervals import Interval, intersect, merge, subtract, total
-from lightning_ddp.metrics.comm_track import TRACE_SUFFIX
+from lightning_ddp.metrics.recording import TRACE_SUFFIX
 from lightning_ddp.sync import ranges
 
 __all__ = ["COMM_SOURCES", "GPU_KERNEL_CATEGORY", "PROFILER_COMM_RE", "CommEvent", "Overlap", "RankTrace", "RunTraces",

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp.intervals import intersect
-from lightning_ddp.metrics.comm_track import assign_lanes
+from lightning_ddp.metrics.recording import assign_lanes
 from lightning_ddp.sync import ranges
 from lightning_ddp.trace.chrome import Overlap, RankTrace, RunTraces, clip
 
