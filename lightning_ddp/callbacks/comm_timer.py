@@ -28,7 +28,8 @@ from lightning_ddp import catalogue, compat, hardware
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
                                              measurement_note, recorder_for, release_recorder, strategy_label)
-from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, StragglerExchange, check_int, clock_note
+from lightning_ddp.metrics.straggler import (DEFAULT_MAX_COLLECTIVES, StragglerExchange, check_int, clock_note,
+                                             distributed)
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
@@ -341,7 +342,7 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> tuple[flo
     if peak_tflops is not None:
         peak = peak_tflops * 1e12
     per_rank: list = [(identity, peak)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (identity, peak))
     return hardware.job_peak_flops(per_rank), len({identity[0] for identity, _ in per_rank})
