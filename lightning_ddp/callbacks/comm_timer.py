@@ -34,7 +34,46 @@ from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
 
-class CommTimer(Callback):
+class StepObserver(Callback):
+    """A callback that observes whole optimizer steps through the run's shared ``Recorder`` (``recorder_for``). A
+    subclass says which steps it ``observes(step)``; at the first micro-batch of one the recorder is opened and
+    ``_opened(trainer)`` called; after each step's last, ``_closed(trainer, record)`` gets the finished record
+    (``None`` for a step not observed)."""
+
+    enabled: bool = False
+    _recorder: Recorder | None = None
+    _in_step = False
+    _observing = False  # the current optimizer step is observed
+    _step = 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
+            return
+        self._in_step = True
+        self._step = trainer.global_step
+        self._observing = self.observes(self._step)
+        if self._observing:
+            self._recorder.open_step(self._step)  # idempotent: another observer may have opened it already
+            self._opened(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._in_step or compat.should_accumulate(trainer):
+            return
+        self._in_step = False
+        observed, self._observing = self._observing, False
+        self._closed(trainer, self._recorder.finish_step() if observed else None)  # idempotent too
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled:
+            release_recorder(trainer)
+
+
+class CommTimer(StepObserver):
     """Log step time, exposed and busy communication time, comm share and overlap per optimizer step.
 
     ``Trainer(strategy="ddp", callbacks=[CommTimer()])``. FLOPs come from the module's ``flops_per_batch`` (a
@@ -86,7 +125,6 @@ class CommTimer(Callback):
         self.every_n_steps = every_n_steps
         self.tokens_fn = tokens_fn
         self.summary = TimingSummary()
-        self._recorder: Recorder | None = None
         self._watched: list[tuple[str, torch.Tensor]] = []
         self._compute: list[dict[str, Any]] = []  # per measured step: forward/backward/optimizer ms, ready ms
         self._calls: dict[tuple[str, int], list[float]] = {}  # (op, bytes) -> busy ms, steps after warm-up
@@ -94,9 +132,6 @@ class CommTimer(Callback):
         self._every = 1  # every_n_steps resolved at the start of training
         self._comm: str | None = "full"  # what this strategy's communication can be seen of (comm_recording)
         self._watch = False  # whether gradient-ready hooks are wanted (the compute profile)
-        self._in_step = False
-        self._measuring = False  # the current optimizer step is a sampled one
-        self._step = 0
         self._tokens: int | None = None
         self._flops: float | None = None
         self._peak_flops: float | None = None
@@ -141,33 +176,26 @@ class CommTimer(Callback):
         seen: set[int] = set()
         self._watched = [(n, p) for n, p in named if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
         self._watch = self._comm is not None or trainer.world_size == 1
-        self._hook_gradients(self.is_sampled(trainer.global_step))
+        self._hook_gradients(self.observes(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
         self._peak_flops, hosts = _job_peak_flops(trainer, self.peak_tflops)
         self.exchange.start(trainer.strategy.root_device, hosts)
 
-    def is_sampled(self, step: int) -> bool:
+    def observes(self, step: int) -> bool:
         """Whether optimizer step ``step`` is measured: the same answer on every rank, with no communication."""
         return step % self._every == 0
 
+    def _opened(self, trainer: pl.Trainer) -> None:
+        if self._recorder.clock.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._tokens = self._flops = None
+
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if not self.enabled or self._recorder is None:
-            return
-        if not self._in_step:  # first micro-batch of an optimizer step
-            self._in_step = True
-            self._step = trainer.global_step
-            self._measuring = self.is_sampled(self._step)
-            if not self._measuring:
-                return
-            self._recorder.open_step(self._step)
-            if self._recorder.clock.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            self._tokens = self._flops = None
-        if self._measuring:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._observing:
             self._count(pl_module, batch)
 
     def _count(self, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -199,31 +227,22 @@ class CommTimer(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._measuring:
+        if self._observing:
             self._recorder.mark_backward_started()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._measuring:
+        if self._observing:
             self._recorder.mark_gradients_usable()
 
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if not self.enabled or not self._in_step or compat.should_accumulate(trainer):
-            return
-        self._in_step = False
-        if self._measuring:
-            self._measuring = False
-            self._measure(trainer)
+    def _closed(self, trainer: pl.Trainer, record: SyncRecord | None) -> None:
+        if record is not None:
+            self._measure(trainer, record)
         # trainer.global_step is now the next step's number: hooks on (or off) for it, outside any measured window
-        self._hook_gradients(self.is_sampled(trainer.global_step))
+        self._hook_gradients(self.observes(trainer.global_step))
 
-    def _measure(self, trainer: pl.Trainer) -> None:
-        """Finish the measured step's record, reduce its time over the ranks, log and keep its metrics."""
-        assert self._recorder is not None
-        record = self._recorder.finish_step()
+    def _measure(self, trainer: pl.Trainer, record: SyncRecord) -> None:
+        """Reduce the measured step's time over the ranks, log and keep its metrics."""
         straggler = self.exchange.exchange(record, trainer.global_step)  # the step's one collective, on every rank
         timing = StepTiming.from_record(record, straggler.step_ms, self._tokens)
         metrics = step_metrics(
@@ -247,11 +266,6 @@ class CommTimer(Callback):
         if len(self.summary) > self.warmup_steps:
             for op, nbytes, busy_ms in collective_calls(timing.collectives):
                 self._calls.setdefault((op, nbytes), []).append(busy_ms)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.enabled:
-            release_recorder(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

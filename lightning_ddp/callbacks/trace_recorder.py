@@ -14,23 +14,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
-from lightning_ddp import compat
+from lightning_ddp.callbacks.comm_timer import StepObserver
 from lightning_ddp.metrics.recording import (TRACE_SUFFIX, RecordedStep, add_communication_track, recorder_for,
-                                             release_recorder, strategy_label)
+                                             strategy_label)
 from lightning_ddp.metrics.straggler import check_int
 from lightning_ddp.sync import ranges
-from lightning_ddp.sync.record import Recorder
+from lightning_ddp.sync.record import SyncRecord
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
-class TraceRecorder(Callback):
+class TraceRecorder(StepObserver):
     """Record a profiler trace of ``active_steps`` optimizer steps after ``wait_steps + warmup_steps`` on every rank.
 
     Args:
@@ -69,9 +68,7 @@ class TraceRecorder(Callback):
         self._prof: torch.profiler.profile | None = None
         self._open: list[tuple[str, record_function]] = []
         self._steps: list[RecordedStep] = []
-        self._current: RecordedStep | None = None
-        self._recorder: Recorder | None = None
-        self._in_step = False
+        self._anchor = (0.0, 0.0)  # perf_counter() right before and after opening the current step's range
         self._handles: list[Any] = []
         self._tid = 0
         self._description: dict[str, Any] = {}
@@ -143,8 +140,7 @@ class TraceRecorder(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
-        if self.enabled:
-            release_recorder(trainer)
+        super().on_train_end(trainer, pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -168,18 +164,14 @@ class TraceRecorder(Callback):
     def _recording(self) -> bool:
         return self._prof is not None and self._prof.current_action in _RECORDING
 
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
-            return
-        self._in_step = True
-        if not self._recording:  # only traced steps are recorded (the recorder stays unarmed in the others)
-            return
-        self._recorder.open_step(trainer.global_step)  # idempotent: the CommTimer may have opened it already
+    def observes(self, step: int) -> bool:
+        """Only traced steps are recorded (the recorder stays unarmed in the others)."""
+        return self._recording
+
+    def _opened(self, trainer: pl.Trainer) -> None:
         before = time.perf_counter()
         self._enter(ranges.step_range_name(trainer.global_step))
-        after = time.perf_counter()
-        self._current = RecordedStep(trainer.global_step, (before, after))
+        self._anchor = (before, time.perf_counter())
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -193,19 +185,12 @@ class TraceRecorder(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._enter(ranges.OPTIMIZER)
 
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._prof is None or not self._in_step or compat.should_accumulate(trainer):
-            return
-        self._in_step = False
-        assert self._recorder is not None
-        if self._current is not None:  # a traced step, which this callback opened
-            record = self._recorder.finish_step()  # idempotent: the CommTimer may have finished it already
-            self._current.collectives = record.in_host_seconds().collectives
-            self._steps.append(self._current)
-            self._current = None
+    def _closed(self, trainer: pl.Trainer, record: SyncRecord | None) -> None:
+        if record is not None:
+            self._steps.append(RecordedStep(self._step, self._anchor, record.in_host_seconds().collectives))
         self._close_all()
-        self._prof.step()  # after the last active step this calls _write_trace
+        if self._prof is not None:
+            self._prof.step()  # after the last active step this calls _write_trace
 
     # -- ranges ---------------------------------------------------------------------------------------------
 
