@@ -278,8 +278,7 @@ class CommTimer(StepObserver):
                 "written (lower --timer.warmup_steps or run more steps)."
             )
             return
-        logged_dir = trainer.logger.log_dir if trainer.logger else None
-        out_dir = Path(logged_dir or trainer.default_root_dir)
+        out_dir = Path(trainer.logger.log_dir or trainer.default_root_dir)  # setup() refused a run without a logger
         title = f"CommTimer [{strategy_label(trainer.strategy)}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
         lag = self.summary.summarize(self.warmup_steps).get("straggler/lag_ms", {}).get("median")

@@ -1,6 +1,6 @@
 """Timelines from the ``TraceRecorder``'s profiler traces: did communication overlap computation, and by how much?
 Reads the traces back (our ranges, our communication track, the profiler's own collectives), computes HTA's overlap
-``|comm ∩ compute| / |comm|`` and draws the runs; ``python -m lightning_ddp.trace`` does both (``docs/tensorboard.md``).
+``|comm ∩ compute| / |comm|`` and draws the runs; ``python -m lightning_ddp.trace`` does both (docs/tensorboard.md).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def find_traces(path: str | Path) -> list[Path]:
     for file in found:  # each rank writes <log_dir>/traces/rank{R}.pt.trace.json
         runs.setdefault(file.parent.parent if file.parent.name == "traces" else file.parent, []).append(file)
     # several runs, each one of Lightning's version_N folders of ``path``: the latest
-    versions = {int(run.name[8:]): run for run in runs if run.parent == path and re.fullmatch(r"version_\d+", run.name)}
+    versions = {int(run.name[8:]): run for run in runs if re.fullmatch(r"version_\d+", run.name) and run.parent == path}
     if len(runs) > 1 and len(versions) == len(runs):
         return runs[versions[max(versions)]]
     return found  # one run, or folders that are not a logger's versions: load_run refuses two traces of a rank
@@ -294,13 +294,17 @@ def render_timeline(
     overlaps: dict[str, Overlap] = {}
     x_max = 0.0
     for ax, run, label in zip(axes[:, 0], runs, _unique([run.label for run in runs])):
-        panel = _Panel(ax, label, per_rank, gpu_rows, comm_source, rows)
         windows = {r.rank: r.window(steps) for r in run.ranks}
         t0 = min(lo for lo, _ in windows.values())
         yticks: list[float] = []
         ylabels: list[str] = []
         for index, rank in enumerate(run.ranks):
-            _draw_rank(panel, rank, windows[rank.rank], t0, per_rank * (len(run.ranks) - 1 - index), yticks, ylabels)
+            base = per_rank * (len(run.ranks) - 1 - index)  # rank 0 on top
+            drawn, ticks, names = _draw_rank(ax, label, rank, windows[rank.rank], t0, base, per_rank, gpu_rows,
+                                             comm_source)
+            rows += drawn
+            yticks += ticks
+            ylabels += names
         for step, (start, _) in run.ranks[0].steps[:steps]:  # step boundaries, from the top rank (rank 0)
             ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
             ax.text((start - t0) / 1e3, per_rank * len(run.ranks) - 0.15, f" step {step}", fontsize=7, va="bottom")
@@ -325,24 +329,12 @@ def render_timeline(
     return Timeline(output, rows, overlaps)
 
 
-@dataclass
-class _Panel:
-    """One run's axes and what every rank row of it shares."""
-
-    ax: Any
-    label: str
-    per_rank: float
-    gpu_rows: bool
-    comm_source: str
-    rows: list[Row]
-
-
-def _draw_rank(panel: _Panel, rank: RankTrace, window: tuple[float, float], t0: float, base: float,
-               yticks: list[float], ylabels: list[str]) -> None:
-    """One rank's compute row, GPU row (on CUDA) and communication row."""
-    ax, label, lo, hi = panel.ax, panel.label, window[0], window[1]
+def _draw_rank(ax: Any, label: str, rank: RankTrace, window: Interval, t0: float, base: float, per_rank: float,
+               gpu_rows: bool, comm_source: str) -> tuple[list[Row], list[float], list[str]]:
+    """One rank's compute row, GPU row (with ``gpu_rows``) and communication row: the rows, their y ticks, labels."""
+    lo, hi = window
     ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
-    compute_y, gpu_y, comm_y = base + panel.per_rank - 1.2, base + 1.2, base
+    compute_y, gpu_y, comm_y = base + per_rank - 1.2, base + 1.2, base
     # compute row: the training thread's ranges, coloured by kind
     bars = 0
     for name in (ranges.FORWARD, ranges.BACKWARD, ranges.OPTIMIZER, ranges.GRAD_SYNC):
@@ -352,13 +344,13 @@ def _draw_rank(panel: _Panel, rank: RankTrace, window: tuple[float, float], t0: 
     # the thread's time inside collective calls (not compute): a strip along the row's bottom
     calls = clip([i for name in (ranges.COMM_LAUNCH, ranges.COMM_WAIT) for i in rank.ranges.get(name, [])], lo, hi)
     ax.broken_barh(ms(calls), (compute_y, 0.2), facecolors=LEGEND["calls"][0], edgecolor="none")
-    panel.rows.append(Row(label, rank.rank, "compute", bars))
-    if panel.gpu_rows:  # the GPU's own view: what overlap counts as compute on CUDA
+    rows = [Row(label, rank.rank, "compute", bars)]
+    if gpu_rows:  # the GPU's own view: what overlap counts as compute on CUDA
         kernels = clip(rank.gpu_compute, lo, hi)
         ax.broken_barh(ms(kernels), (gpu_y, 1.0), facecolors=LEGEND["gpu"][0], edgecolor="none")
-        panel.rows.append(Row(label, rank.rank, "gpu", len(kernels)))
+        rows.append(Row(label, rank.rank, "gpu", len(kernels)))
     # communication row: each collective from launch to completion, concurrent ones in sub-lanes
-    comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(panel.comm_source) if c.end > lo and c.start < hi]
+    comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(comm_source) if c.end > lo and c.start < hi]
     lanes = assign_lanes(comm)
     n_lanes = min(MAX_COMM_LANES, max(lanes, default=0) + 1)
     lane_h = 0.78 / n_lanes
@@ -368,11 +360,11 @@ def _draw_rank(panel: _Panel, rank: RankTrace, window: tuple[float, float], t0: 
                        edgecolor="white", linewidth=0.3)
     hidden = intersect(comm, clip(rank.compute(), lo, hi))
     ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=LEGEND["hidden"][0], edgecolor="none")
-    panel.rows.append(Row(label, rank.rank, "comm", len(comm)))
-    overlap = rank.overlap(panel.comm_source, (lo, hi))
-    yticks += [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if panel.gpu_rows else [])
-    ylabels += [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
-    ylabels += [f"rank {rank.rank} GPU"] if panel.gpu_rows else []
+    rows.append(Row(label, rank.rank, "comm", len(comm)))
+    overlap = rank.overlap(comm_source, (lo, hi))
+    ticks = [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if gpu_rows else [])
+    names = [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
+    return rows, ticks, names + ([f"rank {rank.rank} GPU"] if gpu_rows else [])
 
 
 def _unique(labels: list[str]) -> list[str]:
