@@ -218,7 +218,6 @@ class CommTimer(StepObserver):
 
     def _hook_gradients(self, wanted: bool) -> None:
         """Put the gradient-ready hooks on before a measured step, take them off before one that is not."""
-        assert self._recorder is not None
         wanted = wanted and self._watch
         if wanted and not self._recorder.watching:
             self._recorder.watch_gradients([p for _, p in self._watched])
@@ -236,13 +235,11 @@ class CommTimer(StepObserver):
             self._recorder.mark_gradients_usable()
 
     def _closed(self, trainer: pl.Trainer, record: SyncRecord | None) -> None:
-        if record is not None:
-            self._measure(trainer, record)
-        # trainer.global_step is now the next step's number: hooks on (or off) for it, outside any measured window
+        """Hooks on (or off) for the next step; a measured step's time reduced over the ranks, logged and kept."""
+        # trainer.global_step is now the next step's number: outside any measured window
         self._hook_gradients(self.observes(trainer.global_step))
-
-    def _measure(self, trainer: pl.Trainer, record: SyncRecord) -> None:
-        """Reduce the measured step's time over the ranks, log and keep its metrics."""
+        if record is None:
+            return
         straggler = self.exchange.exchange(record, trainer.global_step)  # the step's one collective, on every rank
         timing = StepTiming.from_record(record, straggler.step_ms, self._tokens)
         metrics = step_metrics(

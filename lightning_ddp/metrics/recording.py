@@ -91,13 +91,10 @@ def comm_recording(strategy: Any) -> CommRecording:
             raise ValueError(f"{type(strategy).__name__}.comm_recording is {declared!r}; declare one of "
                              f"{', '.join(map(repr, COMM_RECORDING_LEVELS))}")
         return declared
-    if hasattr(strategy, "attach_recorder"):  # ours: the engine records every collective
-        return "full"
     from lightning.pytorch.strategies import DDPStrategy
 
-    if isinstance(strategy, DDPStrategy):  # torch DDP: its buckets are recorded through a comm hook
-        return "full"
-    return None
+    # ours: the engine records every collective; torch DDP: its buckets are recorded through a comm hook
+    return "full" if hasattr(strategy, "attach_recorder") or isinstance(strategy, DDPStrategy) else None
 
 
 def strategy_label(strategy: Any) -> str:
