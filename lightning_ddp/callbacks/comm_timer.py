@@ -283,7 +283,7 @@ class CommTimer(StepObserver):
         if note is not None:
             print(f"note: {note}", flush=True)
         extra = {"schema": SUMMARY_SCHEMA,
-                 "run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
+                 "run": {**run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
                          "every_n_steps": self._every, "comm_recording": self._comm},
                  "clock": {**self.exchange.describe(), **({"note": note} if note else {})},
                  "collectives": call_table(self._calls)}
@@ -398,7 +398,7 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
     )
 
 
-def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+def run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
     """What belongs next to the numbers: strategy, devices, precision, versions, hyperparameters."""
     device = trainer.strategy.root_device
     strategy = trainer.strategy

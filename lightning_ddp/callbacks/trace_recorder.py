@@ -19,9 +19,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
-from lightning_ddp.callbacks.comm_timer import StepObserver
-from lightning_ddp.metrics.recording import (TRACE_SUFFIX, RecordedStep, add_communication_track, recorder_for,
-                                             strategy_label)
+from lightning_ddp.callbacks.comm_timer import StepObserver, run_description
+from lightning_ddp.metrics.recording import TRACE_SUFFIX, RecordedStep, add_communication_track, recorder_for
 from lightning_ddp.metrics.straggler import check_int
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import SyncRecord
@@ -108,12 +107,9 @@ class TraceRecorder(StepObserver):
         self._recorder = recorder_for(trainer)
         self._tid = threading.get_native_id()
         self._description = {
+            **run_description(trainer, pl_module),
             "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "strategy": strategy_label(trainer.strategy),
-            "strategy_class": type(trainer.strategy).__name__,
             "comm_track": "SyncRecord" if hasattr(trainer.strategy, "attach_recorder") else None,
-            "torch": torch.__version__,
             "clock": "ts_us = perf_counter_s * 1e6 + offset_us; offset from the ddp/step#N anchor of each step",
         }
         # The strategy calls its wrapped model (our engine, torch DDP) to run training_step: its forward hooks

@@ -267,7 +267,6 @@ class StragglerExchange:
         """The steps at which the offsets were estimated (the one at train start counts as the first measured)."""
         self.max_uncertainty_ms: float | None = None
         """The largest uncertainty over every estimate of the run."""
-        self._last_sync: int | None = None
 
     @property
     def syncing(self) -> bool:
@@ -291,11 +290,10 @@ class StragglerExchange:
     def exchange(self, record: SyncRecord, step: int) -> StragglerStats:
         """Every rank's vector for this finished step, gathered in one collective, as this rank's stats."""
         if self.syncing:
-            if self._last_sync is None:  # estimated at train start: counts as this, the first measured step
-                self._last_sync = self.estimated_at[-1] = step
-            elif step - self._last_sync >= self.every_n_steps:
+            if self.estimated_at[-1] is None:  # estimated at train start: counts as this, the first measured step
+                self.estimated_at[-1] = step
+            elif step - self.estimated_at[-1] >= self.every_n_steps:
                 self._sync(step)
-                self._last_sync = step
         rank = dist.get_rank() if distributed() else 0
         offset_ms = self.offsets[rank].offset_ms if self.offsets is not None else 0.0
         vector = rank_vector(record, self.max_collectives, offset_ms)
