@@ -146,7 +146,7 @@ class TraceRecorder(StepObserver):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._close_all()
+        self._exit()
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.stop()  # if the run ended inside the active window, this still writes what was recorded
@@ -156,13 +156,9 @@ class TraceRecorder(StepObserver):
 
     # -- per step -------------------------------------------------------------------------------------------
 
-    @property
-    def _recording(self) -> bool:
-        return self._prof is not None and self._prof.current_action in _RECORDING
-
     def observes(self, step: int) -> bool:
-        """Only traced steps are recorded (the recorder stays unarmed in the others)."""
-        return self._recording
+        """Whether the profiler records now: only traced steps are recorded (the recorder stays unarmed in others)."""
+        return self._prof is not None and self._prof.current_action in _RECORDING
 
     def _opened(self, trainer: pl.Trainer) -> None:
         before = time.perf_counter()
@@ -184,32 +180,28 @@ class TraceRecorder(StepObserver):
     def _closed(self, trainer: pl.Trainer, record: SyncRecord | None) -> None:
         if record is not None:
             self._steps.append(RecordedStep(self._step, self._anchor, record.in_host_seconds().collectives))
-        self._close_all()
+        self._exit()
         if self._prof is not None:
             self._prof.step()  # after the last active step this calls _write_trace
 
     # -- ranges ---------------------------------------------------------------------------------------------
 
     def _enter(self, name: str) -> None:
-        if not self._recording:
+        if not self.observes(self._step):
             return
         rf = record_function(name)
         rf.__enter__()
         self._open.append((name, rf))
 
-    def _exit(self, name: str) -> None:
-        """Close ``name`` and anything opened inside it that is still open (ranges must nest)."""
-        if not any(open_name == name for open_name, _ in self._open):
+    def _exit(self, name: str | None = None) -> None:
+        """Close ``name`` and anything opened inside it that is still open (ranges must nest); ``None``: every range."""
+        if name is not None and not any(open_name == name for open_name, _ in self._open):
             return
         while self._open:
             open_name, rf = self._open.pop()
             rf.__exit__(None, None, None)
             if open_name == name:
                 return
-
-    def _close_all(self) -> None:
-        while self._open:
-            self._open.pop()[1].__exit__(None, None, None)
 
     # -- output ---------------------------------------------------------------------------------------------
 

@@ -140,28 +140,24 @@ def load_rank_trace(path: str | Path) -> RankTrace:
         step_events = [e for e in events if str(e.get("name", "")).startswith(ranges.STEP)]
         if step_events:
             pid, tid = step_events[0]["pid"], step_events[0]["tid"]
-    main = [e for e in events if e.get("pid") == pid and e.get("tid") == tid]
     own = {name: [] for name in (*ranges.COMPUTE_RANGES, *ranges.COMM_CALL_RANGES)}
-    steps = []
-    for e in main:
-        interval = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-        name = e["name"]
-        if name in own:
-            own[name].append(interval)
-        elif name.startswith(ranges.STEP + "#"):
-            steps.append((int(name.rsplit("#", 1)[1]), interval))
-    steps.sort(key=lambda s: s[1][0])
-    record_comm, profiler_comm, gpu_compute = [], [], []
+    steps, record_comm, profiler_comm, gpu_compute = [], [], [], []
     for e in events:
         start = float(e["ts"])
         end = start + float(e.get("dur", 0.0))
-        communication = PROFILER_COMM_RE.match(str(e.get("name", "")))
-        if e.get("cat") == ranges.COMM_CATEGORY:
-            record_comm.append(CommEvent(start, end, e["name"], e.get("args", {}).get("label", "")))
-        elif communication and not (e.get("pid") == pid and e.get("tid") == tid):
-            profiler_comm.append(CommEvent(start, end, e["name"]))
+        name = str(e.get("name", ""))
+        on_main = e.get("pid") == pid and e.get("tid") == tid  # the training thread
+        if on_main and name in own:
+            own[name].append((start, end))
+        elif on_main and name.startswith(ranges.STEP + "#"):
+            steps.append((int(name.rsplit("#", 1)[1]), (start, end)))
+        elif e.get("cat") == ranges.COMM_CATEGORY:
+            record_comm.append(CommEvent(start, end, name, e.get("args", {}).get("label", "")))
+        elif PROFILER_COMM_RE.match(name) and not on_main:
+            profiler_comm.append(CommEvent(start, end, name))
         elif e.get("cat") == GPU_KERNEL_CATEGORY:
             gpu_compute.append((start, end))
+    steps.sort(key=lambda s: s[1][0])
     rank = meta.get("rank", trace.get("distributedInfo", {}).get("rank", 0))
     return RankTrace(
         path=path,
