@@ -411,8 +411,7 @@ def run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "precision": str(trainer.precision),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "hparams": {key: value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-                    for key, value in pl_module.hparams.items()},
+        "hparams": {key: _plain(value) for key, value in pl_module.hparams.items()},
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "python": platform.python_version(),
@@ -531,12 +530,9 @@ def run_hparams(**values: Any) -> dict[str, Any]:
     if unknown or missing:
         raise TypeError(f"run_hparams takes exactly {', '.join(HPARAM_NAMES)}; unknown: {sorted(unknown)}, missing: "
                         f"{sorted(missing)}")
-    return {name: _hparam_value(values[key]) for key, name in HPARAM_NAMES.items()}
+    return {name: NOT_APPLICABLE if values[key] is None else _plain(values[key]) for key, name in HPARAM_NAMES.items()}
 
 
-def _hparam_value(value: Any) -> float | int | str:
-    if value is None:
-        return NOT_APPLICABLE
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
+def _plain(value: Any) -> Any:
+    """``value`` itself if JSON and TensorBoard hold it as it is (a number, string, bool or ``None``), else its str."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)

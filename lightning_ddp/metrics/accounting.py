@@ -355,8 +355,7 @@ class TimingSummary:
         summary = self.summarize(warmup_steps)
         # The straggler split is there only when the ranks exchanged launch times: its columns only then.
         columns = [c for c in _TABLE_COLUMNS if c[1] in summary or c[1] not in _OPTIONAL_COLUMNS]
-        n_kept = len(self.steps) - warmup_steps
-        heading = f"{n_kept} steps after {warmup_steps} warm-up"
+        heading = f"{len(self.steps) - warmup_steps} steps after {warmup_steps} warm-up"
         lines = [f"{title}: {heading}" if title else heading]
         header = [""] + [name for name, _, _, _ in columns]
         body = []

@@ -102,8 +102,7 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
     for i in range(start, stop):
         launches = [launch(r, i) for r in range(len(vectors))]
         latest = max(launches)
-        last = launches.index(latest)  # the lowest rank on a tie
-        last_counts[last] += 1
+        last_counts[launches.index(latest)] += 1  # the last to launch; the lowest rank on a tie
         own = vectors[rank][VECTOR_HEADER + i - firsts[rank]]
         wait.append((own, own + latest - launches[rank]))
         earliest = min(launches)
