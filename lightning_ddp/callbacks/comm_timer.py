@@ -1,7 +1,6 @@
-"""``CommTimer``: per measured optimizer step, how much of the step went to gradient communication, into the logger.
-
-A thin Lightning shell over ``lightning_ddp.metrics``; at the end of fit it prints a summary and writes
-``timing_summary.json``/``.csv`` and ``compute_profile.json`` into the logger's directory. ``docs/comm_timer.md``.
+"""``CommTimer``: per measured optimizer step, how much of the step went to gradient communication, into the logger;
+a thin Lightning shell over ``lightning_ddp.metrics``. At the end of fit: a summary, ``timing_summary.json``/``.csv``,
+``compute_profile.json`` and the TensorBoard views. ``docs/comm_timer.md``.
 """
 
 from __future__ import annotations
