@@ -181,9 +181,9 @@ def assign_lanes(intervals: list[Interval]) -> list[int]:
 
 def add_communication_track(
     trace: dict[str, Any], steps: list[RecordedStep], pid: int, tid: int, metadata: dict[str, Any]
-) -> dict[str, Any]:
+) -> None:
     """Add each step's collectives as ``X`` events on lanes ``COMM_THREAD_NAME`` in process ``pid`` (anchors on
-    thread ``tid``; a step without one is skipped), with ``metadata`` under ``trace[METADATA_KEY]``; returns it."""
+    thread ``tid``; a step without one is skipped), with ``metadata`` under ``trace[METADATA_KEY]``."""
     measured = _measured_anchors(trace, steps, pid, tid)
     placed: list[tuple[Collective, int, float]] = []  # (collective, step, offset_us)
     step_meta = []
@@ -215,7 +215,6 @@ def add_communication_track(
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": lane_tid,
                        "args": {"sort_index": tid + 1 + lane}})
     trace[ranges.METADATA_KEY] = {**metadata, "pid": pid, "tid": tid, "steps": step_meta}
-    return trace
 
 
 def _measured_anchors(trace: dict[str, Any], steps: list[RecordedStep], pid: int,
