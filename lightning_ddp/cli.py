@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_ddp import catalogue
 from lightning_ddp.callbacks.comm_timer import CommTimer
-from lightning_ddp.callbacks.final_checkpoint import FinalStepCheckpoint
+from lightning_ddp.callbacks import FinalStepCheckpoint
 from lightning_ddp.metrics.recording import strategy_label
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
 from lightning_ddp.data import BYTE_VOCAB_SIZE, DEFAULT_VOCAB_SIZE, LMDataModule

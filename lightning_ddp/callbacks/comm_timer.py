@@ -1,7 +1,6 @@
-"""``CommTimer``: per measured optimizer step, how much of the step went to gradient communication, into the logger.
-
-A thin Lightning shell over ``lightning_ddp.metrics``; at the end of fit it prints a summary and writes
-``timing_summary.json``/``.csv`` and ``compute_profile.json`` into the logger's directory. ``docs/comm_timer.md``.
+"""``CommTimer``: per measured optimizer step, how much of the step went to gradient communication, into the logger;
+a thin Lightning shell over ``lightning_ddp.metrics``. At the end of fit: a summary, ``timing_summary.json``/``.csv``,
+``compute_profile.json`` and the TensorBoard views. ``docs/comm_timer.md``.
 """
 
 from __future__ import annotations
@@ -28,12 +27,52 @@ from lightning_ddp import catalogue, compat, hardware
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
                                              measurement_note, recorder_for, release_recorder, strategy_label)
-from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, StragglerExchange, check_int, clock_note
+from lightning_ddp.metrics.straggler import (DEFAULT_MAX_COLLECTIVES, StragglerExchange, check_int, clock_note,
+                                             distributed)
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
 
-class CommTimer(Callback):
+class StepObserver(Callback):
+    """A callback that observes whole optimizer steps through the run's shared ``Recorder`` (``recorder_for``). A
+    subclass says which steps it ``observes(step)``; at the first micro-batch of one the recorder is opened and
+    ``_opened(trainer)`` called; after each step's last, ``_closed(trainer, record)`` gets the finished record
+    (``None`` for a step not observed)."""
+
+    enabled: bool = False
+    _recorder: Recorder | None = None
+    _in_step = False
+    _observing = False  # the current optimizer step is observed
+    _step = 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
+            return
+        self._in_step = True
+        self._step = trainer.global_step
+        self._observing = self.observes(self._step)
+        if self._observing:
+            self._recorder.open_step(self._step)  # idempotent: another observer may have opened it already
+            self._opened(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._in_step or compat.should_accumulate(trainer):
+            return
+        self._in_step = False
+        observed, self._observing = self._observing, False
+        self._closed(trainer, self._recorder.finish_step() if observed else None)  # idempotent too
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled:
+            release_recorder(trainer)
+
+
+class CommTimer(StepObserver):
     """Log step time, exposed and busy communication time, comm share and overlap per optimizer step.
 
     ``Trainer(strategy="ddp", callbacks=[CommTimer()])``. FLOPs come from the module's ``flops_per_batch`` (a
@@ -85,7 +124,6 @@ class CommTimer(Callback):
         self.every_n_steps = every_n_steps
         self.tokens_fn = tokens_fn
         self.summary = TimingSummary()
-        self._recorder: Recorder | None = None
         self._watched: list[tuple[str, torch.Tensor]] = []
         self._compute: list[dict[str, Any]] = []  # per measured step: forward/backward/optimizer ms, ready ms
         self._calls: dict[tuple[str, int], list[float]] = {}  # (op, bytes) -> busy ms, steps after warm-up
@@ -93,9 +131,6 @@ class CommTimer(Callback):
         self._every = 1  # every_n_steps resolved at the start of training
         self._comm: str | None = "full"  # what this strategy's communication can be seen of (comm_recording)
         self._watch = False  # whether gradient-ready hooks are wanted (the compute profile)
-        self._in_step = False
-        self._measuring = False  # the current optimizer step is a sampled one
-        self._step = 0
         self._tokens: int | None = None
         self._flops: float | None = None
         self._peak_flops: float | None = None
@@ -140,33 +175,26 @@ class CommTimer(Callback):
         seen: set[int] = set()
         self._watched = [(n, p) for n, p in named if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
         self._watch = self._comm is not None or trainer.world_size == 1
-        self._hook_gradients(self.is_sampled(trainer.global_step))
+        self._hook_gradients(self.observes(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
         self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
         self._peak_flops, hosts = _job_peak_flops(trainer, self.peak_tflops)
         self.exchange.start(trainer.strategy.root_device, hosts)
 
-    def is_sampled(self, step: int) -> bool:
+    def observes(self, step: int) -> bool:
         """Whether optimizer step ``step`` is measured: the same answer on every rank, with no communication."""
         return step % self._every == 0
 
+    def _opened(self, trainer: pl.Trainer) -> None:
+        if self._recorder.clock.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._tokens = self._flops = None
+
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if not self.enabled or self._recorder is None:
-            return
-        if not self._in_step:  # first micro-batch of an optimizer step
-            self._in_step = True
-            self._step = trainer.global_step
-            self._measuring = self.is_sampled(self._step)
-            if not self._measuring:
-                return
-            self._recorder.open_step(self._step)
-            if self._recorder.clock.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            self._tokens = self._flops = None
-        if self._measuring:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._observing:
             self._count(pl_module, batch)
 
     def _count(self, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -189,7 +217,6 @@ class CommTimer(Callback):
 
     def _hook_gradients(self, wanted: bool) -> None:
         """Put the gradient-ready hooks on before a measured step, take them off before one that is not."""
-        assert self._recorder is not None
         wanted = wanted and self._watch
         if wanted and not self._recorder.watching:
             self._recorder.watch_gradients([p for _, p in self._watched])
@@ -198,31 +225,20 @@ class CommTimer(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._measuring:
+        if self._observing:
             self._recorder.mark_backward_started()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._measuring:
+        if self._observing:
             self._recorder.mark_gradients_usable()
 
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if not self.enabled or not self._in_step or compat.should_accumulate(trainer):
+    def _closed(self, trainer: pl.Trainer, record: SyncRecord | None) -> None:
+        """Hooks on (or off) for the next step; a measured step's time reduced over the ranks, logged and kept."""
+        # trainer.global_step is now the next step's number: outside any measured window
+        self._hook_gradients(self.observes(trainer.global_step))
+        if record is None:
             return
-        self._in_step = False
-        if self._measuring:
-            self._measuring = False
-            self._measure(trainer)
-        # trainer.global_step is now the next step's number: hooks on (or off) for it, outside any measured window
-        self._hook_gradients(self.is_sampled(trainer.global_step))
-
-    def _measure(self, trainer: pl.Trainer) -> None:
-        """Finish the measured step's record, reduce its time over the ranks, log and keep its metrics."""
-        assert self._recorder is not None
-        record = self._recorder.finish_step()
         straggler = self.exchange.exchange(record, trainer.global_step)  # the step's one collective, on every rank
         timing = StepTiming.from_record(record, straggler.step_ms, self._tokens)
         metrics = step_metrics(
@@ -248,11 +264,6 @@ class CommTimer(Callback):
                 self._calls.setdefault((op, nbytes), []).append(busy_ms)
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.enabled:
-            release_recorder(trainer)
-
-    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled or not trainer.is_global_zero or len(self.summary) == 0:
             return
@@ -263,8 +274,7 @@ class CommTimer(Callback):
                 "written (lower --timer.warmup_steps or run more steps)."
             )
             return
-        logged_dir = trainer.logger.log_dir if trainer.logger else None
-        out_dir = Path(logged_dir or trainer.default_root_dir)
+        out_dir = Path(trainer.logger.log_dir or trainer.default_root_dir)  # setup() refused a run without a logger
         title = f"CommTimer [{strategy_label(trainer.strategy)}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
         lag = self.summary.summarize(self.warmup_steps).get("straggler/lag_ms", {}).get("median")
@@ -272,7 +282,7 @@ class CommTimer(Callback):
         if note is not None:
             print(f"note: {note}", flush=True)
         extra = {"schema": SUMMARY_SCHEMA,
-                 "run": {**_run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
+                 "run": {**run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
                          "every_n_steps": self._every, "comm_recording": self._comm},
                  "clock": {**self.exchange.describe(), **({"note": note} if note else {})},
                  "collectives": call_table(self._calls)}
@@ -341,7 +351,7 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> tuple[flo
     if peak_tflops is not None:
         peak = peak_tflops * 1e12
     per_rank: list = [(identity, peak)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (identity, peak))
     return hardware.job_peak_flops(per_rank), len({identity[0] for identity, _ in per_rank})
@@ -387,7 +397,7 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
     )
 
 
-def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+def run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
     """What belongs next to the numbers: strategy, devices, precision, versions, hyperparameters."""
     device = trainer.strategy.root_device
     strategy = trainer.strategy
@@ -400,8 +410,7 @@ def _run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "precision": str(trainer.precision),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "hparams": {key: value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-                    for key, value in pl_module.hparams.items()},
+        "hparams": {key: _plain(value) for key, value in pl_module.hparams.items()},
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "python": platform.python_version(),
@@ -520,12 +529,9 @@ def run_hparams(**values: Any) -> dict[str, Any]:
     if unknown or missing:
         raise TypeError(f"run_hparams takes exactly {', '.join(HPARAM_NAMES)}; unknown: {sorted(unknown)}, missing: "
                         f"{sorted(missing)}")
-    return {name: _hparam_value(values[key]) for key, name in HPARAM_NAMES.items()}
+    return {name: NOT_APPLICABLE if values[key] is None else _plain(values[key]) for key, name in HPARAM_NAMES.items()}
 
 
-def _hparam_value(value: Any) -> float | int | str:
-    if value is None:
-        return NOT_APPLICABLE
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
+def _plain(value: Any) -> Any:
+    """``value`` itself if JSON and TensorBoard hold it as it is (a number, string, bool or ``None``), else its str."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)

@@ -14,23 +14,21 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
-from lightning_ddp import compat
-from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
-from lightning_ddp.metrics.recording import recorder_for, release_recorder, strategy_label
+from lightning_ddp.callbacks.comm_timer import StepObserver, run_description
+from lightning_ddp.metrics.recording import TRACE_SUFFIX, RecordedStep, add_communication_track, recorder_for
 from lightning_ddp.metrics.straggler import check_int
 from lightning_ddp.sync import ranges
-from lightning_ddp.sync.record import Recorder
+from lightning_ddp.sync.record import SyncRecord
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
-class TraceRecorder(Callback):
+class TraceRecorder(StepObserver):
     """Record a profiler trace of ``active_steps`` optimizer steps after ``wait_steps + warmup_steps`` on every rank.
 
     Args:
@@ -69,9 +67,7 @@ class TraceRecorder(Callback):
         self._prof: torch.profiler.profile | None = None
         self._open: list[tuple[str, record_function]] = []
         self._steps: list[RecordedStep] = []
-        self._current: RecordedStep | None = None
-        self._recorder: Recorder | None = None
-        self._in_step = False
+        self._anchor = (0.0, 0.0)  # perf_counter() right before and after opening the current step's range
         self._handles: list[Any] = []
         self._tid = 0
         self._description: dict[str, Any] = {}
@@ -111,12 +107,9 @@ class TraceRecorder(Callback):
         self._recorder = recorder_for(trainer)
         self._tid = threading.get_native_id()
         self._description = {
+            **run_description(trainer, pl_module),
             "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "strategy": strategy_label(trainer.strategy),
-            "strategy_class": type(trainer.strategy).__name__,
             "comm_track": "SyncRecord" if hasattr(trainer.strategy, "attach_recorder") else None,
-            "torch": torch.__version__,
             "clock": "ts_us = perf_counter_s * 1e6 + offset_us; offset from the ddp/step#N anchor of each step",
         }
         # The strategy calls its wrapped model (our engine, torch DDP) to run training_step: its forward hooks
@@ -143,8 +136,7 @@ class TraceRecorder(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
-        if self.enabled:
-            release_recorder(trainer)
+        super().on_train_end(trainer, pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -154,7 +146,7 @@ class TraceRecorder(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._close_all()
+        self._exit()
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.stop()  # if the run ended inside the active window, this still writes what was recorded
@@ -164,22 +156,14 @@ class TraceRecorder(Callback):
 
     # -- per step -------------------------------------------------------------------------------------------
 
-    @property
-    def _recording(self) -> bool:
+    def observes(self, step: int) -> bool:
+        """Whether the profiler records now: only traced steps are recorded (the recorder stays unarmed in others)."""
         return self._prof is not None and self._prof.current_action in _RECORDING
 
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
-            return
-        self._in_step = True
-        if not self._recording:  # only traced steps are recorded (the recorder stays unarmed in the others)
-            return
-        self._recorder.open_step(trainer.global_step)  # idempotent: the CommTimer may have opened it already
+    def _opened(self, trainer: pl.Trainer) -> None:
         before = time.perf_counter()
         self._enter(ranges.step_range_name(trainer.global_step))
-        after = time.perf_counter()
-        self._current = RecordedStep(trainer.global_step, (before, after))
+        self._anchor = (before, time.perf_counter())
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -193,42 +177,31 @@ class TraceRecorder(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._enter(ranges.OPTIMIZER)
 
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._prof is None or not self._in_step or compat.should_accumulate(trainer):
-            return
-        self._in_step = False
-        assert self._recorder is not None
-        if self._current is not None:  # a traced step, which this callback opened
-            record = self._recorder.finish_step()  # idempotent: the CommTimer may have finished it already
-            self._current.collectives = record.in_host_seconds().collectives
-            self._steps.append(self._current)
-            self._current = None
-        self._close_all()
-        self._prof.step()  # after the last active step this calls _write_trace
+    def _closed(self, trainer: pl.Trainer, record: SyncRecord | None) -> None:
+        if record is not None:
+            self._steps.append(RecordedStep(self._step, self._anchor, record.in_host_seconds().collectives))
+        self._exit()
+        if self._prof is not None:
+            self._prof.step()  # after the last active step this calls _write_trace
 
     # -- ranges ---------------------------------------------------------------------------------------------
 
     def _enter(self, name: str) -> None:
-        if not self._recording:
+        if not self.observes(self._step):
             return
         rf = record_function(name)
         rf.__enter__()
         self._open.append((name, rf))
 
-    def _exit(self, name: str) -> None:
-        """Close ``name`` and anything opened inside it that is still open (ranges must nest)."""
-        if not any(open_name == name for open_name, _ in self._open):
+    def _exit(self, name: str | None = None) -> None:
+        """Close ``name`` and anything opened inside it that is still open (ranges must nest); ``None``: every range."""
+        if name is not None and not any(open_name == name for open_name, _ in self._open):
             return
         while self._open:
             open_name, rf = self._open.pop()
             rf.__exit__(None, None, None)
             if open_name == name:
                 return
-
-    def _close_all(self) -> None:
-        while self._open:
-            self._open.pop()[1].__exit__(None, None, None)
 
     # -- output ---------------------------------------------------------------------------------------------
 

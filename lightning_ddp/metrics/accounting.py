@@ -20,9 +20,6 @@ if TYPE_CHECKING:  # only for annotations: this module must not import torch
     from lightning_ddp.metrics.straggler import StragglerStats
     from lightning_ddp.sync.record import Collective, SyncRecord
 
-__all__ = ["COLLECTIVE_KEYS", "LANDMARK_KEYS", "METRIC_KEYS", "NOT_RECORDED", "ClockAnomalyWarning", "StepTiming",
-           "TimingSummary", "step_metrics"]
-
 
 class ClockAnomalyWarning(RuntimeWarning):
     """Marks of a measured step contradicted each other and were clamped (``StepTiming``); training goes on."""
@@ -33,15 +30,10 @@ def _clamped(name: str, intervals: Sequence[Interval], anomalies: list[str]) -> 
     out: list[Interval] = []
     for start, end in intervals:
         if end < start:
-            anomalies.append(f"{name} interval ({start}, {end}) ends {_ms(start - end)} before it starts")
+            anomalies.append(f"{name} interval ({start}, {end}) ends {start - end:.3g} ms before it starts")
             end = start
         out.append((start, end))
     return out
-
-
-def _ms(value: float) -> str:
-    """``value`` milliseconds, to 3 significant digits: ``2 ms``, ``0.1 ms``, ``1.23e+03 ms``."""
-    return f"{value:.3g} ms"
 
 
 # ---- one step, in milliseconds from the step's clock anchor ------------------------------------------
@@ -75,7 +67,7 @@ class StepTiming:
         for c in self.collectives:
             if c.completed < c.launched:
                 anomalies.append(f"collective {c.op} {c.label!r} ({c.launched}, {c.completed}) completed "
-                                 f"{_ms(c.launched - c.completed)} before its launch")
+                                 f"{c.launched - c.completed:.3g} ms before its launch")
                 c = dataclasses.replace(c, completed=c.launched)  # a copy: the record stays as it was measured
             collectives.append(c)
         self.collectives = collectives
@@ -284,8 +276,6 @@ class TimingSummary:
     """Per-step metric dicts of a run (one per optimizer step, steps strictly increasing) and their distribution
     after warm-up. ``not_recorded``: keys the run cannot measure, shown as ``NOT_RECORDED``."""
 
-    stats: tuple[str, ...] = ("median", "p10", "p90", "n")
-
     def __init__(self, not_recorded: Sequence[str] = ()) -> None:
         self.not_recorded: tuple[str, ...] = tuple(not_recorded)
         self.steps: list[int] = []
@@ -331,12 +321,8 @@ class TimingSummary:
         summary: dict[str, dict[str, float]] = {}
         for key in keys:
             values = sorted(metrics[key] for metrics in kept if key in metrics)
-            summary[key] = {
-                "median": _percentile(values, 50),
-                "p10": _percentile(values, 10),
-                "p90": _percentile(values, 90),
-                "n": float(len(values)),
-            }
+            summary[key] = {stat: _percentile(values, q) for stat, q in (("median", 50), ("p10", 10), ("p90", 90))}
+            summary[key]["n"] = float(len(values))
         return summary
 
     def to_rows(self) -> list[dict[str, float]]:
@@ -369,8 +355,7 @@ class TimingSummary:
         summary = self.summarize(warmup_steps)
         # The straggler split is there only when the ranks exchanged launch times: its columns only then.
         columns = [c for c in _TABLE_COLUMNS if c[1] in summary or c[1] not in _OPTIONAL_COLUMNS]
-        n_kept = len(self.steps) - warmup_steps
-        heading = f"{n_kept} steps after {warmup_steps} warm-up"
+        heading = f"{len(self.steps) - warmup_steps} steps after {warmup_steps} warm-up"
         lines = [f"{title}: {heading}" if title else heading]
         header = [""] + [name for name, _, _, _ in columns]
         body = []

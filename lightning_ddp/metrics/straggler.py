@@ -1,6 +1,5 @@
-"""Who made the step wait: ``rank_vector`` packs one rank's launch times, ``StragglerExchange`` all-gathers the
-vectors once per measured step, ``attribute_wait`` splits exposed communication into waiting and transfer;
-``measure_clock_offsets`` puts the launches of several hosts on rank 0's clock, from NTP-style round trips.
+"""Who made the step wait: every rank's launch times, all-gathered once per measured step (``StragglerExchange``),
+split exposed communication into waiting and transfer (``attribute_wait``), on rank 0's clock (``estimate_offset``).
 Vector layout, definitions and the offsets' derivation: ``docs/comm_timer.md``, "Who made the step wait".
 """
 
@@ -18,9 +17,6 @@ import torch.distributed as dist
 from lightning_ddp.intervals import Interval
 from lightning_ddp.sync.record import SyncRecord
 
-__all__ = ["VECTOR_HEADER", "ClockOffset", "RoundTrip", "StragglerExchange", "StragglerStats", "attribute_wait",
-           "clock_note", "estimate_offset", "measure_clock_offsets", "rank_vector", "vector_length"]
-
 VECTOR_HEADER = 4
 """Fields before the launch times: step ms, compute ms, origin on rank 0's clock (ms), number of collectives."""
 
@@ -34,12 +30,6 @@ def check_int(name: str, value: Any, minimum: int, example: str) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}; e.g. {example}")
 
 
-def vector_length(max_collectives: int) -> int:
-    """The length of every rank's vector."""
-    check_int("max_collectives", max_collectives, 1, f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
-    return VECTOR_HEADER + max_collectives
-
-
 def rank_vector(record: SyncRecord, max_collectives: int, clock_offset_ms: float = 0.0) -> list[float]:
     """This rank's vector from a finished record; ``clock_offset_ms``: this rank's clock minus rank 0's.
 
@@ -49,14 +39,14 @@ def rank_vector(record: SyncRecord, max_collectives: int, clock_offset_ms: float
     >>> rank_vector(record, max_collectives=2, clock_offset_ms=1.0)  # 0 ms is 100 s = 100,000 ms, minus 1 ms
     [50.0, 35.0, 99999.0, 1.0, 30.0, nan]
     """
-    length = vector_length(max_collectives)
+    check_int("max_collectives", max_collectives, 1, f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
     assert record.origin_s is not None, "only a finished record (Recorder.finish_step) can be exchanged"
     started, last_ready = record.started, record.last_ready
     compute = last_ready - started if started is not None and last_ready is not None else math.nan
     launches = [float(c.launched) for c in record.collectives][-max_collectives:]
     vector = [float(record.step_ms), float(compute), record.origin_s * 1e3 - clock_offset_ms,
               float(len(record.collectives)), *launches]
-    return vector + [math.nan] * (length - len(vector))
+    return vector + [math.nan] * (VECTOR_HEADER + max_collectives - len(vector))
 
 
 @dataclass
@@ -74,7 +64,6 @@ class StragglerStats:
     rank_spread_ms: float | None = None
     """Slowest minus fastest rank's compute; ``None`` when no rank marked it."""
     compared: int = 0
-    """Collectives compared."""
 
 
 def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerStats:
@@ -113,8 +102,7 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
     for i in range(start, stop):
         launches = [launch(r, i) for r in range(len(vectors))]
         latest = max(launches)
-        last = launches.index(latest)  # the lowest rank on a tie
-        last_counts[last] += 1
+        last_counts[launches.index(latest)] += 1  # the last to launch; the lowest rank on a tie
         own = vectors[rank][VECTOR_HEADER + i - firsts[rank]]
         wait.append((own, own + latest - launches[rank]))
         earliest = min(launches)
@@ -197,7 +185,8 @@ def estimate_offset(round_trips: Sequence[RoundTrip]) -> ClockOffset:
 CLOCK_SYNC_CHOICES = ("auto", "always", "off")
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """Whether this process is one of several ranks of an initialised process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -216,14 +205,13 @@ def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
                           now: Callable[[], float] = time.perf_counter) -> list[ClockOffset]:
     """Every rank's clock offset to rank 0 (index = rank), the same list on every rank; a collective. ``rounds``:
     checked by ``StragglerExchange``."""
-    if not _distributed():
+    if not distributed():
         return [ClockOffset(0.0, 0.0, 0)]
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _message_device(torch.device(device))
-    cuda = device.type == "cuda"
 
     def read() -> float:  # ms, after the device has delivered what was received
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
         return now() * 1e3
 
@@ -259,7 +247,7 @@ class StragglerExchange:
 
     def __init__(self, max_collectives: int, clock_sync: str = "auto", clock_sync_every_n_steps: int = 1000,
                  clock_sync_rounds: int = 8, now: Callable[[], float] = time.perf_counter) -> None:
-        vector_length(max_collectives)  # validates
+        check_int("max_collectives", max_collectives, 1, f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
         if clock_sync not in CLOCK_SYNC_CHOICES:
             raise ValueError(f"clock_sync must be one of {', '.join(CLOCK_SYNC_CHOICES)}, got {clock_sync!r}; e.g. "
                              "--timer.clock_sync auto")
@@ -278,7 +266,6 @@ class StragglerExchange:
         """The steps at which the offsets were estimated (the one at train start counts as the first measured)."""
         self.max_uncertainty_ms: float | None = None
         """The largest uncertainty over every estimate of the run."""
-        self._last_sync: int | None = None
 
     @property
     def syncing(self) -> bool:
@@ -302,15 +289,14 @@ class StragglerExchange:
     def exchange(self, record: SyncRecord, step: int) -> StragglerStats:
         """Every rank's vector for this finished step, gathered in one collective, as this rank's stats."""
         if self.syncing:
-            if self._last_sync is None:  # estimated at train start: counts as this, the first measured step
-                self._last_sync = self.estimated_at[-1] = step
-            elif step - self._last_sync >= self.every_n_steps:
+            if self.estimated_at[-1] is None:  # estimated at train start: counts as this, the first measured step
+                self.estimated_at[-1] = step
+            elif step - self.estimated_at[-1] >= self.every_n_steps:
                 self._sync(step)
-                self._last_sync = step
-        rank = dist.get_rank() if _distributed() else 0
+        rank = dist.get_rank() if distributed() else 0
         offset_ms = self.offsets[rank].offset_ms if self.offsets is not None else 0.0
         vector = rank_vector(record, self.max_collectives, offset_ms)
-        if not _distributed():
+        if not distributed():
             return attribute_wait([vector], 0)
         local = torch.tensor(vector, dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]

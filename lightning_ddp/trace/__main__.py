@@ -1,8 +1,5 @@
 """``python -m lightning_ddp.trace RUN_DIR_OR_TRACES... -o timeline.png``: draw runs as stacked timelines.
-
-Each directory is one run (its ``*.pt.trace.json``; a logger's folder stands for its latest run with traces);
-trace files given one by one are grouped by directory. Prints each run's overlap; a missing path or trace is one
-``error:`` line, exit 2.
+Each directory is one run (a logger's folder: its latest run with traces); files are grouped by directory.
 """
 
 from __future__ import annotations
@@ -12,8 +9,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
-from lightning_ddp.trace.chrome import COMM_SOURCES, load_run
-from lightning_ddp.trace.render import render_timeline
+from lightning_ddp.trace import COMM_SOURCES, load_run, render_timeline
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_ddp import catalogue
-from lightning_ddp.metrics import METRIC_KEYS
+from lightning_ddp.metrics.accounting import METRIC_KEYS
 from tests.support.cli_utils import REPO, read_scalars, run_cli
 
 pytestmark = pytest.mark.multiprocess

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp import catalogue
-from lightning_ddp.metrics import METRIC_KEYS
+from lightning_ddp.metrics.accounting import METRIC_KEYS
 from tests.support.cli_utils import REPO, repo_first_on_path, run_cli
 
 QUICK = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",

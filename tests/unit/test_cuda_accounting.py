@@ -463,8 +463,7 @@ def test_a_bf16_cast_keeps_the_rope_angles_in_fp32() -> None:
 
 def test_on_cuda_traces_the_compute_is_the_non_communication_kernels(tmp_path: Path) -> None:
     from lightning_ddp.sync import ranges
-    from lightning_ddp.trace.chrome import RunTraces, load_rank_trace
-    from lightning_ddp.trace.render import render_timeline
+    from lightning_ddp.trace import RunTraces, load_rank_trace, render_timeline
 
     pid, tid = 100, 7
     host = lambda name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}  # noqa: E731

@@ -81,7 +81,7 @@ def test_every_n_steps_must_be_a_positive_int_and_the_error_names_the_flag(value
 def test_a_step_is_sampled_iff_its_number_is_a_multiple_of_every_n_steps() -> None:
     timer = CommTimer(every_n_steps=3)
     timer._every = 3  # what on_train_start resolves (the given value, or the trainer's log_every_n_steps)
-    assert [s for s in range(10) if timer.is_sampled(s)] == [0, 3, 6, 9]
+    assert [s for s in range(10) if timer.observes(s)] == [0, 3, 6, 9]
 
 
 def test_what_each_strategy_lets_the_timer_measure() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_ddp.metrics.accounting import StepTiming, TimingSummary, step_metrics
-from lightning_ddp.callbacks.slow_rank import SlowRank
+from lightning_ddp.callbacks import SlowRank
 from lightning_ddp.metrics.straggler import (ClockOffset, RoundTrip, StragglerExchange, attribute_wait, clock_note,
                                              estimate_offset, rank_vector)
 from lightning_ddp.sync.record import Collective, SyncRecord

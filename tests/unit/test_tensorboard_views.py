@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_ddp.callbacks import CommTimer
-from lightning_ddp.metrics import METRIC_KEYS
+from lightning_ddp.metrics.accounting import METRIC_KEYS
 from lightning_ddp.metrics.accounting import LANDMARK_KEYS
 from lightning_ddp.callbacks.comm_timer import (
     HPARAM_NAMES,
