@@ -186,7 +186,7 @@ def get_fabric(name: str) -> Fabric:
     try:
         return FABRICS[name]
     except KeyError:
-        raise ValueError(f"{name!r} is not a network preset; choose one of: {', '.join(FABRICS)}, or `measured` with "
+        raise ValueError(f"unknown `network.preset` {name!r}; choose one of {', '.join(FABRICS)}, or `measured` with "
                          "`network.fit_path`") from None
 
 

@@ -39,7 +39,7 @@ def get_gpu(name: str) -> GPUSpec:
     try:
         return GPUS[name]
     except KeyError:
-        raise ValueError(f"{name!r} is not a known GPU; choose one of: {', '.join(GPUS)} (or set "
+        raise ValueError(f"unknown `compute.gpu` {name!r}; choose one of {', '.join(GPUS)} (or set "
                          "`compute.peak_tflops` and `compute.memory_bandwidth_GBps`)") from None
 
 

@@ -19,7 +19,7 @@ from lightning_ddp.projection.simulators import (
     powersgd_plan,
     simulate_bucketed_powersgd,
     simulated_by,
-    unmodelled_names,
+    simulated_names,
 )
 from lightning_ddp.projection.tables import markdown_table
 
@@ -125,7 +125,7 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
              best: dict[tuple[str, int], StepResult]) -> list[str]:
     """The unmodelled strategies, ZeRO-1's padding and PowerSGD's compressed matrices (docs/projection.md)."""
     lines = ["", "## Caveats", ""]
-    unmodelled = unmodelled_names()
+    unmodelled = simulated_names(modelled=False)
     if unmodelled:
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
                      "timeline model (`projection` in its entry) yet.")

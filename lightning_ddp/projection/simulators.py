@@ -13,7 +13,6 @@ import functools
 import inspect
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
@@ -455,11 +454,8 @@ _BLOCK = re.compile(r"^(.*?\b[A-Za-z_]\w*\.\d+)\.")
 
 
 def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], list[list[int]]]:
-    """``(root, blocks)``: the indices of the parameters outside any block, and of each block's, in forward order.
-
-    A block is what a ``ModuleList`` holds: every parameter whose name starts with ``<name>.<index>.`` (e.g.
-    ``blocks.3.attn.qkv.weight``, ``model.blocks.3...``) belongs to block ``<name>.<index>``; ``fully_shard`` is
-    applied to each, and once more to the root for everything else (embeddings, final norm, ``lm_head``).
+    """``(root, blocks)``: indices of the parameters outside any block, and of each block's (``<name>.<index>.``, what
+    a ``ModuleList`` holds: ``fully_shard``'s units), in forward order.
 
     >>> transformer_blocks([ParamTiming("tok_emb.weight", 4, 16, None), ParamTiming("blocks.0.w", 4, 16, 2.0),
     ...                     ParamTiming("blocks.1.w", 4, 16, 1.0), ParamTiming("lm_head.weight", 4, 16, 0.5)])
@@ -659,14 +655,9 @@ def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb
     return result
 
 
-def simulated_names() -> list[str]:
-    """Every strategy the projection can simulate, in catalogue order: the entries with a ``projection``."""
-    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is not None]
-
-
-def unmodelled_names() -> list[str]:
-    """Catalogue entries without a projection model (the report names them "not projected")."""
-    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is None]
+def simulated_names(modelled: bool = True) -> list[str]:
+    """The catalogue entries with a ``projection`` (``modelled=False``: without one, "not projected"), in order."""
+    return [name for name, entry in catalogue.STRATEGIES.items() if (entry.projection is not None) == modelled]
 
 
 def simulated_by(model: str | Callable[..., StepResult]) -> list[str]:
@@ -694,27 +685,23 @@ def simulator(name: str) -> Callable[..., StepResult]:
     return catalogue.load(entry.projection)
 
 
-def model_settings(name: str) -> dict[str, Any]:
-    """The engine settings the model of ``name`` takes, with their defaults."""
+def model_settings(name: str, given: Iterable[str] = ()) -> dict[str, Any]:
+    """The engine settings the model of ``name`` takes, with their defaults; refuses a ``given`` one it does not."""
     parameters = list(inspect.signature(simulator(name)).parameters.values())[2:]
-    return {q.name: q.default for q in parameters
-            if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-
-
-def check_settings(name: str, settings: Mapping[str, Any]) -> None:
-    """Refuse settings the model of ``name`` does not take, naming the ones it does."""
-    valid = model_settings(name)
-    for setting in settings:
+    valid = {q.name: q.default for q in parameters
+             if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    for setting in given:
         if setting not in valid:
             raise ValueError(f"the projection of {name!r} models no setting {setting!r}; its settings are: "
                              f"{', '.join(valid) or 'none'} (an engine setting that does not change the step time is "
                              "not modelled)")
+    return valid
 
 
 def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None, **settings: Any) -> StepResult:
     """Simulate one step of strategy ``name`` (``settings``: e.g. ``rank=4``, where its model has them)."""
     function = simulator(name)
-    check_settings(name, settings)
+    model_settings(name, settings)
     if catalogue.get(name).has_bucket_size:
         result = function(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
     elif bucket_size_mb is not None:
