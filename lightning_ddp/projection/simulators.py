@@ -27,8 +27,8 @@ PRESENCE_FLAG_BYTES = 4
 MiB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first (last-layer) bucket starts communication early."""
-DDP_BUCKET_CAP_BYTES = 25 * MiB
-"""torch DDP's default ``bucket_cap_mb`` (25 MiB)."""
+DDP_BUCKET_CAP_BYTES = int(catalogue.DEFAULT_BUCKET_SIZE_MB * MiB)
+"""torch DDP's default ``bucket_cap_mb``."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,6 @@ class Timeline:
         self.calls = 0
         self.comm_bytes = 0
         self._comm_spans: list[tuple[float, float]] = []  # busy spans of the comm stream, in time order
-        self._comm_ends: list[float] = []
 
     def advance(self, start_ms: float, work_ms: float) -> float:
         """When ``work_ms`` of compute started at ``start_ms`` ends, slowed by ``1 + contention`` while a collective
@@ -65,7 +64,7 @@ class Timeline:
             return start_ms + max(work_ms, 0.0)
         slow = 1.0 + self.model.contention
         now, left = start_ms, work_ms
-        for a, b in self._comm_spans[bisect.bisect_right(self._comm_ends, start_ms):]:
+        for a, b in self._comm_spans[bisect.bisect_right(self._comm_spans, start_ms, key=lambda span: span[1]):]:
             if a > now:  # a gap with no collective: full speed
                 if left <= a - now:
                     return now + left
@@ -95,22 +94,11 @@ class Timeline:
         self.intervals.append(Interval("comm", label, start, end, int(nbytes)))
         if end > start:
             self._comm_spans.append((start, end))
-            self._comm_ends.append(end)
         self.comm_free_ms = end
         self.busy_comm_ms += duration_ms
         self.calls += 1
         self.comm_bytes += int(nbytes)
         return end
-
-    def optimizer(self, start_ms: float, fraction: float = 1.0) -> float:
-        """The optimizer on ``fraction`` of the parameters (a shard's), from ``start_ms``; returns its end."""
-        return self.compute("optimizer", start_ms, self.model.profile.optimizer_ms * fraction)
-
-    def result(self, bucket_size_mb: Optional[float], step_ms: float) -> StepResult:
-        """The step that ends at ``step_ms`` (``simulate`` names its strategy)."""
-        m = self.model
-        return StepResult("", bucket_size_mb, m.world_size, step_ms, m.profile.compute_ms, self.busy_comm_ms,
-                          self.copy_ms, self.calls, self.comm_bytes, self.intervals, contention_ms=self.contention_ms)
 
 
 @dataclass(frozen=True)
@@ -184,7 +172,7 @@ class StepResult:
 
     @property
     def wait_share(self) -> float:
-            return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
+        return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
     def overlap(self) -> float:
@@ -296,8 +284,9 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
     cursor, _ = run(before, cursor, wait=True)
-    cursor, _ = run(after, t.optimizer(cursor, optimizer_fraction), wait=True)
-    return t.result(bucket_size_mb, cursor)
+    cursor, _ = run(after, t.compute("optimizer", cursor, p.optimizer_ms * optimizer_fraction), wait=True)
+    return StepResult("", bucket_size_mb, model.world_size, cursor, p.compute_ms, t.busy_comm_ms, t.copy_ms, t.calls,
+                      t.comm_bytes, t.intervals, contention_ms=t.contention_ms)  # ``simulate`` names its strategy
 
 
 def _buffered(buckets: list[list[int]]) -> list[bool]:
@@ -641,8 +630,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
 
 
 def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
-    """The step of an entry with ``projection="schedule"``, from its facts: ``memory`` (the buffers its engine
-    keeps), ``overlaps_backward``, ``has_bucket_size`` and ``sharded`` (docs/projection.md)."""
+    """The step of an entry with ``projection="schedule"``, from its facts (docs/projection.md, Adding a model)."""
     if entry.memory == "fully_sharded":
         return _fsdp2(model)
     if not entry.overlaps_backward:
@@ -700,13 +688,11 @@ def model_settings(name: str, given: Iterable[str] = ()) -> dict[str, Any]:
 
 def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None, **settings: Any) -> StepResult:
     """Simulate one step of strategy ``name`` (``settings``: e.g. ``rank=4``, where its model has them)."""
-    function = simulator(name)
     model_settings(name, settings)
     if catalogue.get(name).has_bucket_size:
-        result = function(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
+        bucket_size_mb = catalogue.DEFAULT_BUCKET_SIZE_MB if bucket_size_mb is None else bucket_size_mb
     elif bucket_size_mb is not None:
         raise ValueError(f"strategy {name!r} takes no bucket size, got bucket_size_mb={bucket_size_mb!r}")
-    else:
-        result = function(model, None, **settings)
+    result = simulator(name)(model, bucket_size_mb, **settings)
     result.strategy, result.settings = name, dict(settings)  # an entry may reuse another's model
     return result
