@@ -356,11 +356,8 @@ def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb
 
 
 def test_more_bandwidth_or_less_latency_is_never_slower():
-    from lightning_ddp.memory import gpt_parameter_shapes
-    from lightning_ddp.projection.run import with_shapes
-
     tiny = ModelShape(d_model=128, n_layers=4, n_heads=4, d_ff=512)  # the `tiny` preset's shape, no torch needed
-    profile = with_shapes(modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4), gpt_parameter_shapes(tiny))
+    profile = modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4)  # with every parameter's shape
     base = FABRICS["h100_nvlink_ib"]
     faster = dataclasses.replace(base, intra=Link("nvl", 2 * base.intra.bandwidth_Bps, base.intra.latency_s),
                                inter=Link("ib", 2 * base.inter.bandwidth_Bps, base.inter.latency_s))
@@ -418,10 +415,7 @@ def test_modelled_xl_profile_matches_the_real_model():
     assert ready[0] == pytest.approx(profile.backward_ms)  # the embedding's gradient at the end
     assert ready[1:] == sorted(ready[1:], reverse=True)  # reverse parameters() order
     # the shapes the projection gives a modelled profile are the module's own
-    from lightning_ddp.memory import gpt_parameter_shapes
-
-    shapes = gpt_parameter_shapes(shape)
-    assert [(name, shapes[name]) for name, _ in shape.parameters()] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
+    assert [(q.name, q.shape) for q in profile.params] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
 
 
 # ---- agreement with the engines' own rules (these import torch) ------------------------------------------------
