@@ -188,7 +188,7 @@ def contention_of(network: NetworkConfig) -> tuple[float, str]:
     backend = "nccl"
     if network.preset == "measured" and read_fit(network.fit_path).backend == "gloo":
         backend = "gloo"
-    return backend_contention(backend), f"fitted for {backend} (`python -m lightning_ddp.projection.contention`)"
+    return backend_contention(backend), f"fitted for {backend} (`python -m lightning_ddp.projection.contention_fit`)"
 
 
 def gpu_spec(compute: ComputeConfig) -> GPUSpec:

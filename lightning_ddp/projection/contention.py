@@ -1,19 +1,18 @@
-"""Compute slowed while collectives run: the factor ``s`` per backend, its fit from the committed data
-(``python -m lightning_ddp.projection.contention``: gloo on the CPU sweep, NCCL on the published runs) and the
-before/after table both validations write."""
+"""Compute slowed while collectives run: the contention factor ``s`` per backend, the grid fit that gives it, and the
+before/after table both validations write (rows of predicted and measured step times and shares).
+
+``CONTENTION`` holds what ``python -m lightning_ddp.projection.contention_fit`` prints (``test_project.py`` refits it).
+"""
 
 from __future__ import annotations
 
-import math
 import statistics
-import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from lightning_ddp.projection.tables import markdown_table
 
 CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
-"""Fitted ``s`` per backend: what ``python -m lightning_ddp.projection.contention`` prints."""
+"""Fitted ``s`` per backend (``python -m lightning_ddp.projection.contention_fit`` prints them)."""
 
 CPU_COPY_GBPS = 24.03
 """Copy bandwidth of the CPU validation (GB/s read + written, measured once on the sweep's machine and recorded in
@@ -91,51 +90,3 @@ def contention_lines(backend: str, s: float, fitted_on: str, before: Sequence[di
         "docs/projection.md, \"Contention\"). Before (s = 0) -> after:", "",
         *markdown_table(["subset", "strategy", "rows", *metrics], rows, "llr" + "r" * len(metrics)), "",
     ]
-
-
-# ---- the fit: ``python -m lightning_ddp.projection.contention`` ----------------------------------------------------
-
-
-def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
-    """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
-    from lightning_ddp.projection.validate import read_sweep, validate_cells  # validate reads this module
-
-    rows, profiles, fit_path = read_sweep(sweep)
-    return validate_cells(rows, profiles, fit_path, copy_GBps * 1e9, contention)
-
-
-def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict[str, Any]], float]) -> float:
-    """The ``s`` minimising the mean ``error(row)`` over the batch-``FIT_BATCH`` rows of ``rows_at(s)``."""
-    return fit_contention(lambda s: statistics.fmean(error(r) for r in rows_at(s) if r["batch_size"] == FIT_BATCH))
-
-
-def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
-    """``s`` for gloo: the squared log step-time error of the CPU sweep's cells."""
-    return _fit(lambda s: gloo_cells(sweep, s, copy_GBps),
-                lambda r: math.log(r["predicted_step_ms"] / r["measured_step_ms"]) ** 2)
-
-
-def fit_nccl() -> float:
-    """``s`` for NCCL: the squared wait-share error of the published runs on ``pcie_gen4``."""
-    from lightning_ddp.projection.published import pcie_rows  # published reads this module
-
-    return _fit(pcie_rows, lambda r: (r["predicted_share"] - r["measured_share"]) ** 2)
-
-
-def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:
-    """Fit ``s`` per backend from the committed data and print it (paste it into ``CONTENTION``).
-
-    Args:
-        sweep: The CPU sweep directory (gloo's fit).
-    """
-    fitted = {"gloo": fit_gloo(sweep), "nccl": fit_nccl()}
-    print(f"CONTENTION = {fitted!r}")
-    if fitted != CONTENTION:
-        print(f"(lightning_ddp/projection/contention.py holds {CONTENTION!r}: update it)", file=sys.stderr)
-    return fitted
-
-
-if __name__ == "__main__":
-    from jsonargparse import auto_cli
-
-    auto_cli(main, prog="python -m lightning_ddp.projection.contention")

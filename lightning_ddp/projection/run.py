@@ -14,7 +14,6 @@ from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
 from lightning_ddp.projection.comm import CommCost, Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
-from lightning_ddp.projection.memory import state_bytes
 from lightning_ddp.projection.report import build_markdown, write_plots
 from lightning_ddp.projection.simulators import StepModel, StepResult, best_by_world_size, simulate
 from lightning_ddp.projection.tables import csv_text
@@ -42,9 +41,7 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
             sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
                 for settings in catalogue.setting_combinations(engine_settings.get(name)):
-                    result = simulate(name, model, size, **settings)
-                    result.memory_bytes = state_bytes(result, model)
-                    results.append(result)
+                    results.append(simulate(name, model, size, **settings))
     return results
 
 

@@ -23,6 +23,8 @@ from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 
 PRESENCE_FLAG_BYTES = 4
 """Bytes per parameter of the gradient-presence all-reduce (one int32 flag each)."""
+ADAM_STATES = 2
+"""AdamW's ``exp_avg`` and ``exp_avg_sq``, each as wide as the parameter."""
 
 MiB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
@@ -148,9 +150,7 @@ class StepResult:
     contention_ms: float = 0.0
     """Compute time added by contention (compute slowed while collectives run); part of ``exposed_comm_ms``."""
     memory_bytes: Optional[int] = None
-    """Model-state bytes per rank (``projection.memory``); set by ``run.project``."""
-    buffer_bytes: int = 0
-    """Engine state beyond the bucket buffers its memory model counts (bf16's wire copies, PowerSGD's E and Q)."""
+    """Model-state bytes on the most loaded rank: parameters, gradients, AdamW state, engine buffers."""
 
     @property
     def variant(self) -> str:
@@ -212,14 +212,14 @@ class Op:
 
 def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
-                     presence_flags: bool) -> StepResult:
+                     presence_flags: bool, memory_bytes: int) -> StepResult:
     """Each bucket packed, then all-reduced in one call; unpacked once waited for."""
     launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]),
                Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])]
               for k, bucket in enumerate(buckets)]
     finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
-                            presence_flags=presence_flags)
+                            presence_flags=presence_flags, memory_bytes=memory_bytes)
 
 
 def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
@@ -236,14 +236,14 @@ def _ready(model: StepModel, buckets: list[list[int]]) -> list[Optional[float]]:
 def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: Sequence[Optional[float]], *,
                      launch: Sequence[Sequence[Op]] = (), finish: Sequence[Sequence[Op]] = (), presence_flags: bool,
                      before: Sequence[Op] = (), optimizer_fraction: float = 1.0, after: Sequence[Op] = (),
-                     forward: Optional[Sequence[Op]] = None) -> StepResult:
+                     forward: Optional[Sequence[Op]] = None, memory_bytes: Optional[int] = None) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order (no buckets: a sync after backward).
 
     ``forward`` (default: the profile's forward), then backward placed up to each bucket's ``ready`` time (``None``:
     launched after backward, as every later bucket). ``launch[k]``: what launching bucket ``k`` does (its compute
     delays the rest of backward; its collectives are issued, not waited for). ``finish[k]``: what waiting for it
     does once backward is over. Then ``before``, the optimizer on ``optimizer_fraction`` of the parameters, then
-    ``after`` (each collective waited for at once).
+    ``after`` (each collective waited for at once). ``memory_bytes``: the step's model state per rank.
     """
     p, t = model.profile, Timeline(model)
     ends: dict[str, float] = {}  # label -> end of the latest collective with it
@@ -286,7 +286,12 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
     cursor, _ = run(before, cursor, wait=True)
     cursor, _ = run(after, t.compute("optimizer", cursor, p.optimizer_ms * optimizer_fraction), wait=True)
     return StepResult("", bucket_size_mb, model.world_size, cursor, p.compute_ms, t.busy_comm_ms, t.copy_ms, t.calls,
-                      t.comm_bytes, t.intervals, contention_ms=t.contention_ms)  # ``simulate`` names its strategy
+                      t.comm_bytes, t.intervals, contention_ms=t.contention_ms, memory_bytes=memory_bytes)
+
+
+def _replicated(model: StepModel, buffers: int = 0) -> int:
+    """Model state of an unsharded strategy: parameters, gradients and AdamW state, plus ``buffers`` bytes."""
+    return (2 + ADAM_STATES) * sum(q.bytes for q in model.profile.params) + buffers
 
 
 def _buffered(buckets: list[list[int]]) -> list[bool]:
@@ -323,10 +328,9 @@ def _bucketed(model: StepModel, bucket_size_mb: Optional[float], bf16: bool) -> 
     casts = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
     packs = [(model.copy_ms(2 * s) if buffered else 0.0) + cast
              for s, cast, buffered in zip(sizes, casts, _buffered(buckets))]
-    result = _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
-                              presence_flags=_missing(model))
-    result.buffer_bytes = sum(wire) if bf16 else 0
-    return result
+    buffers = sum(s for s, buffered in zip(sizes, _buffered(buckets)) if buffered) + (sum(wire) if bf16 else 0)
+    return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
+                            presence_flags=_missing(model), memory_bytes=_replicated(model, buffers))
 
 
 def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: int = DDP_FIRST_BUCKET_BYTES,
@@ -361,7 +365,7 @@ def _torch_ddp(model: StepModel) -> StepResult:
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
     return _bucket_schedule(model, None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
-                            presence_flags=False)
+                            presence_flags=False, memory_bytes=_replicated(model, sum(sizes)))  # the reducer's buckets
 
 
 def _after_backward(model: StepModel, layout: str) -> StepResult:
@@ -371,12 +375,14 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
     before: list[Op] = []
     after: list[Op] = []
     fraction = 1.0
+    memory = _replicated(model)
     if layout == "none":
         before = [Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None]
     elif layout == "packed":
         nbytes = model.profile.grad_bytes
         before = [Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
                   Op("compute", "unpack", model.copy_ms(2 * nbytes))]
+        memory = _replicated(model, sum(q.bytes for q in model.profile.params))  # the packed gradients, transient
     elif layout == "zero1":
         loads = owner_loads(model)
         nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: equal reduce-scatter chunks
@@ -385,6 +391,8 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
                   Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
                   Op("compute", "unpack own gradients", model.copy_ms(2 * segment))]
         fraction = segment / nbytes if nbytes else 1.0
+        psi = sum(q.bytes for q in model.profile.params)
+        memory = 2 * psi + ADAM_STATES * segment + buffer  # parameters, gradients, the own segment's AdamW state
         after = [Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
                  Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
                  Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes))]
@@ -392,7 +400,7 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
         raise ValueError(f"no shared schedule syncs a {layout!r} layout after backward: name a hook in the entry's "
                          "`projection` (docs/projection.md, Adding a model)")
     return _staged_schedule(model, None, [], presence_flags=True, before=before, optimizer_fraction=fraction,
-                            after=after)
+                            after=after, memory_bytes=memory)
 
 
 def owner_loads(model: StepModel) -> list[int]:
@@ -435,8 +443,12 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
                   Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
     grad_bytes = sum(q.bytes for q in params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
+    # parameters; gradient, AdamW and gathered-parameter shards; the gradients of a filling bucket (the largest, twice)
+    largest = max((sum(params[i].bytes for i in b) for b in buckets), default=0)
+    memory = grad_bytes + (2 + ADAM_STATES) * (padded_total // n) + 2 * largest
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
-                            presence_flags=_missing(model), optimizer_fraction=fraction, after=after)
+                            presence_flags=_missing(model), optimizer_fraction=fraction, after=after,
+                            memory_bytes=memory)
 
 
 _BLOCK = re.compile(r"^(.*?\b[A-Za-z_]\w*\.\d+)\.")
@@ -531,8 +543,12 @@ def _fsdp2(model: StepModel) -> StepResult:
                        Op("collective", "root [reduce-scatter]", nbytes=root_bytes, op="reduce_scatter")])
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
+    # parameter, gradient and AdamW shards; the root's and two blocks' parameters unsharded (the running one and the
+    # prefetched one) and one block's gradients
+    shard, largest = (sum(gather) + root_bytes) // n, sorted(moved, reverse=True)
+    memory = (2 + ADAM_STATES) * shard + root_moved + sum(largest[:2]) + sum(largest[:1])
     return _staged_schedule(model, None, ready, launch=launch, finish=[[] for _ in launch], presence_flags=False,
-                            optimizer_fraction=fraction, forward=forward)
+                            optimizer_fraction=fraction, forward=forward, memory_bytes=memory)
 
 
 def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
@@ -579,7 +595,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
     buffered = _buffered(buckets)
     launch: list[list[Op]] = []
     finish: list[list[Op]] = []
-    state_bytes = 0
+    buffer_bytes = sum(params[i].bytes for b, bucket in enumerate(buckets) if buffered[b] for i in bucket)
     for b, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, b)
         nbytes = sum(params[i].bytes for i in bucket)
@@ -593,7 +609,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
             launch.append([pack, Op("collective", label, nbytes=round(numel * g))])
             finish.append([])
             continue
-        state_bytes += sum(4 * (rows * cols + cols * k) for rows, cols, k in matrices)
+        buffer_bytes += sum(4 * (rows * cols + cols * k) for rows, cols, k in matrices)  # E and Q, fp32
         uncompressed = numel - sum(rows * cols for rows, cols, _ in matrices)
         p_numel = sum(rows * k for rows, _, k in matrices)
         q_numel = sum(cols * k for _, cols, k in matrices)
@@ -620,10 +636,8 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
-    result = _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
-                              presence_flags=_missing(model))
-    result.buffer_bytes = state_bytes  # the error feedback E and the warm-start Q of every compressed matrix, fp32
-    return result
+    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
+                            presence_flags=_missing(model), memory_bytes=_replicated(model, buffer_bytes))
 
 
 # ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------

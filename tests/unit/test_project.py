@@ -715,13 +715,11 @@ def test_contention_slows_only_the_compute_beside_a_collective():
 
 
 def test_memory_per_rank_shrinks_with_sharding():
-    from lightning_ddp.projection.memory import state_bytes
-
     p = blocks_profile()  # 4 MiB of fp32 parameters
     at = {n: StepModel(p, LinearComm(), n, 1e12) for n in (2, 4)}
     # ddp: parameters, gradients, 2 AdamW states and the reducer's buckets: 5 x 4 MiB
     def memory(name: str, n: int, size: float | None = None) -> int:
-        return state_bytes(simulate(name, at[n], size), at[n])
+        return simulate(name, at[n], size).memory_bytes
 
     assert memory("ddp", 4) == 5 * 4 * MiB
     # zero2 at 4 ranks, one 4 MiB bucket: parameters 4 MiB + gradient shard 1 + the bucket twice 8 + state 2 + shard 1
@@ -732,19 +730,19 @@ def test_memory_per_rank_shrinks_with_sharding():
 
 
 def test_the_fitted_contention_reproduces_from_the_committed_data():
-    from lightning_ddp.projection import contention
+    from lightning_ddp.projection import contention, contention_fit
 
-    # python -m lightning_ddp.projection.contention: gloo on the CPU sweep's step times, NCCL on the published runs'
+    # python -m lightning_ddp.projection.contention_fit: gloo on the CPU sweep's step times, NCCL on the published runs'
     # wait shares; CONTENTION must hold what the committed data give
     sweep = REPO / "benchmarks/results/cpu"
-    assert contention.fit_gloo(sweep) == contention.CONTENTION["gloo"]
+    assert contention_fit.fit_gloo(sweep) == contention.CONTENTION["gloo"]
     # every measured cell of the sweep is in the fit (its strategy names are the catalogue's), not a few of them
     profiles = json.loads((sweep / "profiles.json").read_text())
     with open(sweep / "results.csv", newline="") as f:
         measured = [r for r in csv.DictReader(f) if r["status"] == "ok" and r["strategy"] != "reference"
                     and r["cell_id"] in profiles]
-    assert len(contention.gloo_cells(sweep, 0.0)) == len(measured) > 0
-    assert contention.fit_nccl() == contention.CONTENTION["nccl"]
+    assert len(contention_fit.gloo_cells(sweep, 0.0)) == len(measured) > 0
+    assert contention_fit.fit_nccl() == contention.CONTENTION["nccl"]
     # and it is a fit, not a constant: a loss with its minimum elsewhere moves it
     assert contention.fit_contention(lambda s: (s - 0.5) ** 2) == 0.5
     with pytest.raises(ValueError, match="no fitted contention"):

@@ -1,0 +1,56 @@
+"""``python -m lightning_ddp.projection.contention_fit``: fit ``s`` per backend from the committed data (gloo on the
+CPU sweep, NCCL on the published runs); paste what it prints into ``contention.CONTENTION``."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS, FIT_BATCH, fit_contention
+from lightning_ddp.projection.published import pcie_rows
+from lightning_ddp.projection.validate import read_sweep, validate_cells
+
+
+def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
+    """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
+    rows, profiles, fit_path = read_sweep(sweep)
+    return validate_cells(rows, profiles, fit_path, copy_GBps * 1e9, contention)
+
+
+def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict[str, Any]], float]) -> float:
+    """The ``s`` minimising the mean ``error(row)`` over the batch-``FIT_BATCH`` rows of ``rows_at(s)``."""
+    return fit_contention(lambda s: statistics.fmean(error(r) for r in rows_at(s) if r["batch_size"] == FIT_BATCH))
+
+
+def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
+    """``s`` for gloo: the squared log step-time error of the CPU sweep's cells."""
+    read_sweep(sweep)  # a missing file fails here, once
+    return _fit(lambda s: gloo_cells(sweep, s, copy_GBps),
+                lambda r: math.log(r["predicted_step_ms"] / r["measured_step_ms"]) ** 2)
+
+
+def fit_nccl() -> float:
+    """``s`` for NCCL: the squared wait-share error of the published runs on ``pcie_gen4``."""
+    return _fit(pcie_rows, lambda r: (r["predicted_share"] - r["measured_share"]) ** 2)
+
+
+def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:
+    """Fit ``s`` per backend from the committed data and print it (paste it into ``CONTENTION``).
+
+    Args:
+        sweep: The CPU sweep directory (gloo's fit).
+    """
+    fitted = {"gloo": fit_gloo(sweep), "nccl": fit_nccl()}
+    print(f"CONTENTION = {fitted!r}")
+    if fitted != CONTENTION:
+        print(f"(lightning_ddp/projection/contention.py holds {CONTENTION!r}: update it)", file=sys.stderr)
+    return fitted
+
+
+if __name__ == "__main__":
+    from jsonargparse import auto_cli
+
+    auto_cli(main, prog="python -m lightning_ddp.projection.contention_fit")
