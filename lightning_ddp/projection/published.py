@@ -250,7 +250,13 @@ def pcie_rows(contention: float) -> list[dict[str, Any]]:
              "predicted_share": c["pcie_gen4_share"]} for c in comparisons if not c["compute_extrapolated"]]
 
 
-def write_comparison(out: str | Path, gpu: str = GPU) -> list[Path]:
+def write_comparison(out: str | Path = "benchmarks/results/projection", gpu: str = GPU) -> list[Path]:
+    """Compare the projection with the published 2-GPU xl runs and write published_xl_2gpu.md and .csv.
+
+    Args:
+        out: Directory for published_xl_2gpu.md and published_xl_2gpu.csv.
+        gpu: The GPU assumed for the optimizer's and copies' memory bandwidth (the write-ups do not name theirs).
+    """
     comparisons = compare_with_published(gpu)
     rows = [{column: _csv_cell(column, value) for column, value in c.items()} for c in comparisons]
     s = CONTENTION["nccl"]
@@ -270,18 +276,8 @@ def _csv_cell(column: str, value: Any) -> Any:
     return round(value, 4 if column.endswith("_share") else 2) if isinstance(value, float) else value
 
 
-def main(out: str = "benchmarks/results/projection", gpu: str = GPU) -> None:
-    """Compare the projection with the published 2-GPU xl runs and write published_xl_2gpu.md and .csv.
-
-    Args:
-        out: Directory for published_xl_2gpu.md and published_xl_2gpu.csv.
-        gpu: The GPU assumed for the optimizer's and copies' memory bandwidth (the write-ups do not name theirs).
-    """
-    for path in write_comparison(out, gpu):
-        print(path)
-
-
 if __name__ == "__main__":
     from jsonargparse import auto_cli
 
-    auto_cli(main, prog="python -m lightning_ddp.projection.published")
+    for path in auto_cli(write_comparison, prog="python -m lightning_ddp.projection.published"):
+        print(path)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from jsonargparse import auto_cli
+from jsonargparse.typing import NonNegativeFloat
 
 from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
@@ -249,7 +250,7 @@ def _measured_at(cell: dict[str, Any] | None) -> str:
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
-                   copy_GBps: Optional[float] = None, contention: Optional[float] = None) -> int:
+                   copy_GBps: Optional[float] = None, contention: Optional[NonNegativeFloat] = None) -> int:
     """Simulate every ok cell of a sweep and compare with what it measured; write cpu_sweep_validation.{csv,md}.
 
     Args:
@@ -265,8 +266,6 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     if contention is None:
         contention = CONTENTION["gloo"]
     try:
-        if not contention >= 0:
-            raise ValueError(f"--contention must be >= 0, got {contention}")
         rows, profiles, fit_path = read_sweep(sweep)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
