@@ -383,8 +383,11 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
         before = [Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
                   Op("compute", "unpack", model.copy_ms(2 * nbytes))]
         memory = _replicated(model, sum(q.bytes for q in model.profile.params))  # the packed gradients, transient
-    elif layout == "zero1":
-        loads = owner_loads(model)
+    elif layout == "zero1":  # each rank owns whole tensors (``assign_owners``) of the gradients that come
+        synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
+        loads = [0] * model.world_size
+        for size, owner in zip(synced, assign_owners(synced, model.world_size)):
+            loads[owner] += size
         nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: equal reduce-scatter chunks
         buffer = model.world_size * segment
         before = [Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
@@ -403,24 +406,9 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
                             after=after, memory_bytes=memory)
 
 
-def owner_loads(model: StepModel) -> list[int]:
-    """Gradient bytes each ZeRO-1 rank owns (whole tensors, ``assign_owners``), of the gradients that come."""
-    synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
-    loads = [0] * model.world_size
-    for size, owner in zip(synced, assign_owners(synced, model.world_size)):
-        loads[owner] += size
-    return loads
-
-
 def _padded(numel: int, n: int) -> int:
     """``numel`` rounded up to a multiple of ``n``: an element-wise shard of equal size on every rank."""
     return -(-numel // n) * n
-
-
-def padded_bucket_bytes(params: Sequence[ParamTiming], bucket: Sequence[int], n: int) -> int:
-    """Bytes of a ZeRO-2 bucket's flat buffer, padded to ``n`` equal shards."""
-    numel = sum(params[i].numel for i in bucket)
-    return round(_padded(numel, n) * sum(params[i].bytes for i in bucket) / numel) if numel else 0
 
 
 def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
@@ -432,8 +420,8 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     padded_total = 0
     for k, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, k)
-        nbytes = sum(params[i].bytes for i in bucket)
-        padded = padded_bucket_bytes(params, bucket, n)
+        nbytes, numel = sum(params[i].bytes for i in bucket), sum(params[i].numel for i in bucket)
+        padded = round(_padded(numel, n) * nbytes / numel) if numel else 0  # the flat buffer, in n equal shards
         padded_total += padded
         launch.append([Op("compute", f"pack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0),
                        Op("collective", f"{label} [reduce-scatter]", nbytes=padded, op="reduce_scatter")])
@@ -454,13 +442,13 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
 _BLOCK = re.compile(r"^(.*?\b[A-Za-z_]\w*\.\d+)\.")
 
 
-def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], list[list[int]]]:
-    """``(root, blocks)``: indices of the parameters outside any block, and of each block's (``<name>.<index>.``, what
-    a ``ModuleList`` holds: ``fully_shard``'s units), in forward order.
+def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], dict[str, list[int]]]:
+    """``(root, blocks)``: indices of the parameters outside any block, and of each block's by its name
+    (``<name>.<index>.``, what a ``ModuleList`` holds: ``fully_shard``'s units), in forward order.
 
     >>> transformer_blocks([ParamTiming("tok_emb.weight", 4, 16, None), ParamTiming("blocks.0.w", 4, 16, 2.0),
     ...                     ParamTiming("blocks.1.w", 4, 16, 1.0), ParamTiming("lm_head.weight", 4, 16, 0.5)])
-    ([0, 3], [[1], [2]])
+    ([0, 3], {'blocks.0': [1], 'blocks.1': [2]})
     """
     root: list[int] = []
     blocks: dict[str, list[int]] = {}
@@ -470,7 +458,7 @@ def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], list[l
             root.append(i)
         else:
             blocks.setdefault(match.group(1), []).append(i)
-    return root, list(blocks.values())
+    return root, blocks
 
 
 def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) -> int:
@@ -493,7 +481,8 @@ def _fsdp2(model: StepModel) -> StepResult:
     copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last."""
     p, n = model.profile, model.world_size
     params = p.params
-    root, blocks = transformer_blocks(params)
+    root, named = transformer_blocks(params)
+    labels, blocks = list(named), list(named.values())
     span = p.backward_span_ms
     # the backward work done when each block's last gradient is ready; blocks backward in reverse forward order
     ends = [max((params[i].ready_ms for i in b if params[i].ready_ms is not None), default=span) for b in blocks]
@@ -508,7 +497,6 @@ def _fsdp2(model: StepModel) -> StepResult:
     root_bytes = _shard_bytes(params, root, n)
     moved = [sum(params[i].bytes for i in b) for b in blocks]
     root_moved = sum(params[i].bytes for i in root)
-    labels = [_group_label(params, b) for b in blocks]
 
     def copy(label: str, nbytes: float, waits: str = "") -> Op:
         ms = model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
@@ -549,11 +537,6 @@ def _fsdp2(model: StepModel) -> StepResult:
     memory = (2 + ADAM_STATES) * shard + root_moved + sum(largest[:2]) + sum(largest[:1])
     return _staged_schedule(model, None, ready, launch=launch, finish=[[] for _ in launch], presence_flags=False,
                             optimizer_fraction=fraction, forward=forward, memory_bytes=memory)
-
-
-def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
-    match = _BLOCK.match(params[indices[0]].name)
-    return match.group(1) if match else params[indices[0]].name
 
 
 def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
