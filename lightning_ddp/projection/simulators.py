@@ -13,7 +13,7 @@ import functools
 import inspect
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 from lightning_ddp import catalogue
@@ -50,13 +50,9 @@ class Timeline:
 
     def __init__(self, model: StepModel) -> None:
         self.model = model
-        self.intervals: list[Interval] = []
+        self.step = StepResult("", None, model.world_size, 0.0, model.profile.compute_ms, 0.0, 0.0, 0, 0)
+        """What the step has cost so far (its ``step_ms`` is set when it ends)."""
         self.comm_free_ms = 0.0
-        self.busy_comm_ms = 0.0
-        self.copy_ms = 0.0
-        self.contention_ms = 0.0
-        self.calls = 0
-        self.comm_bytes = 0
         self._comm_spans: list[tuple[float, float]] = []  # busy spans of the comm stream, in time order
 
     def advance(self, start_ms: float, work_ms: float) -> float:
@@ -82,10 +78,10 @@ class Timeline:
         """Occupy the compute stream from ``start_ms`` for ``duration_ms`` of work; returns the end."""
         end = self.advance(start_ms, duration_ms)
         if end > start_ms:
-            self.intervals.append(Interval("compute", label, start_ms, end))
-        self.contention_ms += (end - start_ms) - max(duration_ms, 0.0)
+            self.step.intervals.append(Interval("compute", label, start_ms, end))
+        self.step.contention_ms += (end - start_ms) - max(duration_ms, 0.0)
         if copy:
-            self.copy_ms += max(duration_ms, 0.0)  # the work; its slowdown is in contention_ms
+            self.step.copy_ms += max(duration_ms, 0.0)  # the work; its slowdown is in contention_ms
         return end
 
     def collective(self, label: str, issue_ms: float, nbytes: int, kind: str = "all_reduce") -> float:
@@ -93,13 +89,13 @@ class Timeline:
         duration_ms = self.model.collective_ms(kind, nbytes)
         start = max(issue_ms, self.comm_free_ms)
         end = start + duration_ms
-        self.intervals.append(Interval("comm", label, start, end, int(nbytes)))
+        self.step.intervals.append(Interval("comm", label, start, end, int(nbytes)))
         if end > start:
             self._comm_spans.append((start, end))
         self.comm_free_ms = end
-        self.busy_comm_ms += duration_ms
-        self.calls += 1
-        self.comm_bytes += int(nbytes)
+        self.step.busy_comm_ms += duration_ms
+        self.step.calls += 1
+        self.step.comm_bytes += int(nbytes)
         return end
 
 
@@ -285,8 +281,8 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
     cursor, _ = run(before, cursor, wait=True)
     cursor, _ = run(after, t.compute("optimizer", cursor, p.optimizer_ms * optimizer_fraction), wait=True)
-    return StepResult("", bucket_size_mb, model.world_size, cursor, p.compute_ms, t.busy_comm_ms, t.copy_ms, t.calls,
-                      t.comm_bytes, t.intervals, contention_ms=t.contention_ms, memory_bytes=memory_bytes)
+    # ``simulate`` names its strategy
+    return replace(t.step, bucket_size_mb=bucket_size_mb, step_ms=cursor, memory_bytes=memory_bytes)
 
 
 def _replicated(model: StepModel, buffers: int = 0) -> int:

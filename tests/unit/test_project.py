@@ -703,7 +703,7 @@ def test_contention_slows_only_the_compute_beside_a_collective():
     t = timeline(StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=1.0))
     t.collective("x", 10.0, 3 * MiB)  # 4 ms: in flight over [10, 14]
     # 10 ms of work from 5: 5 ms alone to 10, then 4 ms of wall at half speed (2 ms of work), then 3 ms alone
-    assert t.compute("backward", 5.0, 10.0) == pytest.approx(17.0) and t.contention_ms == pytest.approx(2.0)
+    assert t.compute("backward", 5.0, 10.0) == pytest.approx(17.0) and t.step.contention_ms == pytest.approx(2.0)
     # with s = 0.36 fitted for NCCL, an overlapped strategy's step grows and its wait shrinks by the same or less
     plain = simulate("overlap_ddp", model())
     slowed = simulate("overlap_ddp", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=0.36))
