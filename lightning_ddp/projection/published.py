@@ -64,22 +64,22 @@ LINKS = ("pcie_gen4", "nvlink4")
 """Links to predict on; the first is compared with the published runs (also with their per-call cost)."""
 
 
-def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict[tuple[int, int], tuple[float, bool]]:
+def calibrated_compute_ms() -> dict[tuple[int, int], tuple[float, bool]]:
     """(batch, context) -> (compute-only step in ms, extrapolated?), from naive's total minus its all-reduce time."""
-    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in runs if r.strategy == NAIVE_DDP}
+    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in PUBLISHED_RUNS
+                if r.strategy == NAIVE_DDP}
     tokens = [b * t for b, t in measured]
     times = list(measured.values())
     slope, intercept = statistics.linear_regression(tokens, times)  # ms = intercept + slope * tokens
-    cells = {(r.batch_size, r.seq_len) for r in runs}
+    cells = {(r.batch_size, r.seq_len) for r in PUBLISHED_RUNS}
     return {cell: (measured[cell], False) if cell in measured else (intercept + slope * cell[0] * cell[1], True)
             for cell in sorted(cells)}
 
 
-def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int,
-                              runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> float:
+def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int) -> float:
     """The per-call cost ``c`` with ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks."""
-    naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == NAIVE_DDP}
-    flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == FLAT_DDP}
+    naive = {(r.batch_size, r.seq_len): r.comm_s for r in PUBLISHED_RUNS if r.strategy == NAIVE_DDP}
+    flat = {(r.batch_size, r.seq_len): r.comm_s for r in PUBLISHED_RUNS if r.strategy == FLAT_DDP}
     copies_s = 4 * grad_bytes / copy_Bps
     differences = [naive[cell] - (flat[cell] - copies_s) for cell in naive if cell in flat]
     return max(0.0, _mean(differences) / (tensors - 1) - 2 * fabric.intra.latency_s)

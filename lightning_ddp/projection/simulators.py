@@ -1,10 +1,6 @@
-"""One training step as a timeline per strategy, issuing its collectives as its engine does on a ``Timeline`` (one
-compute stream, one FIFO communication stream).
-
-An entry with ``projection="schedule"`` is simulated from its catalogue facts (``simulate_from_facts``); one whose
-schedule they do not describe names a hook ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult``.
-The schedules: docs/projection.md.
-"""
+"""One training step per strategy on a ``Timeline`` (a compute stream, a FIFO communication stream): from the
+catalogue entry's facts (``projection="schedule"``) or its hook ``simulate_<name>(model, bucket_size_mb, **settings)``
+(docs/projection.md, "The timeline, strategy by strategy" and "Adding a model")."""
 
 from __future__ import annotations
 
