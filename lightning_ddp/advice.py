@@ -24,7 +24,6 @@ from lightning_ddp.metrics.recording import SUMMARY_SCHEMA
 from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS
-from lightning_ddp.projection.memory import state_bytes
 from lightning_ddp.projection.run import project
 from lightning_ddp.projection.simulators import MiB, StepModel, best_by_world_size, simulate, simulated_names
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
@@ -258,12 +257,11 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
         except ValueError as error:  # e.g. FSDP2's blocks on a model without numbered layers
             not_predicted.append(f"{name}: {error}")
             continue
-        result.memory_bytes = state_bytes(result, model)
         simulated[(name, bucket)] = result
     if calibrated:  # then the step: every prediction scaled so the current one is the measured step
         mine = simulate(current, model, _current_size(run))
         scale = run.step_ms / mine.step_ms
-        current_bytes = state_bytes(mine, model)
+        current_bytes = mine.memory_bytes
     else:
         notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
         current_bytes = None

@@ -1,4 +1,2 @@
-"""Project step time and communication share to world sizes nobody has run: one simulated timeline per cell.
-
-Pure Python; only modelling a preset imports ``lightning_ddp.model`` (torch). The model: docs/projection.md.
-"""
+"""Project step time and communication share to world sizes nobody has run, one simulated timeline per cell; pure
+Python (only modelling a preset imports ``lightning_ddp.model``, hence torch). The model: docs/projection.md."""

@@ -7,11 +7,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from jsonargparse.typing import NonNegativeFloat, PositiveFloat, PositiveInt, restricted_number_type
+
 from lightning_ddp import catalogue
-from lightning_ddp.projection.comm import FABRICS, Fabric, get_fabric, read_fit
+from lightning_ddp.projection.comm import Fabric, get_fabric, read_fit
 from lightning_ddp.projection.contention import backend_contention
-from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec
-from lightning_ddp.projection.simulators import check_settings, simulated_names, simulator
+from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec, get_gpu
+
+Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
+from lightning_ddp.projection.simulators import model_settings, simulated_names, simulator
 
 
 @dataclass
@@ -24,9 +28,9 @@ class ComputeConfig:
     """Compute profile JSON (schema ``lightning_ddp.compute_profile/1``), for ``source: profile``."""
     preset: str = "xl"
     """Model preset (``lightning_ddp.model.PRESETS``: tiny, small, medium, large, xl, 2.7b), for ``source: flops``."""
-    batch_size: int = 4
+    batch_size: PositiveInt = 4
     """Per-rank batch size (sequences); the global batch grows with the world size (weak scaling)."""
-    seq_len: int = 512
+    seq_len: PositiveInt = 512
     """Sequence length (tokens per sequence)."""
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "bf16-mixed"
     """Sets the FLOP peak (TF32 for ``32-true``) and the gradient bytes (fp32 unless ``bf16-true``)."""
@@ -35,15 +39,15 @@ class ComputeConfig:
     (only the bandwidth, for copies, with ``source: profile``)."""
     mfu: float = 0.4
     """Model FLOPs utilisation of forward + backward, relative to the GPU's dense peak (0.4 = 40 %)."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: Optional[PositiveFloat] = None
     """Overrides the GPU's dense bf16 peak, TFLOP/s."""
-    memory_bandwidth_GBps: Optional[float] = None
+    memory_bandwidth_GBps: Optional[PositiveFloat] = None
     """Overrides the GPU's memory bandwidth, GB/s (set it for a CPU profile: the copies' bandwidth)."""
-    memory_efficiency: float = 0.8
+    memory_efficiency: Fraction = 0.8
     """Fraction of the memory bandwidth that copies and the optimizer reach."""
-    optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM
+    optimizer_bytes_per_param: NonNegativeFloat = ADAMW_BYTES_PER_PARAM
     """Memory traffic of one optimizer step per parameter, bytes (80: torch's foreach AdamW in fp32; 28: fused)."""
-    calibrate_step_ms: Optional[float] = None
+    calibrate_step_ms: Optional[PositiveFloat] = None
     """If set (``source: flops``): scale forward and backward so that forward + backward + optimizer equals this
     measured compute-only step time, in ms."""
 
@@ -51,16 +55,9 @@ class ComputeConfig:
         if self.source == "profile" and not self.profile_path:
             raise ValueError("`compute.source: profile` needs `compute.profile_path` (a compute profile JSON file), "
                              "or use `compute.source: flops`")
-        if self.gpu not in GPUS:
-            raise ValueError(f"unknown `compute.gpu` {self.gpu!r}; choose one of {', '.join(GPUS)} "
-                             "(and override with `compute.peak_tflops` / `compute.memory_bandwidth_GBps`)")
-        for name in ("batch_size", "seq_len"):
-            _require(self.source != "flops" or getattr(self, name) >= 1, self, name, ">= 1")
-        _require(0 < self.mfu <= 1, self, "mfu", "in (0, 1]", "; e.g. `compute.mfu: 0.4` for 40 %")
-        _require(0 < self.memory_efficiency <= 1, self, "memory_efficiency", "in (0, 1]")
-        for name in ("peak_tflops", "memory_bandwidth_GBps", "calibrate_step_ms"):
-            _require(getattr(self, name) is None or getattr(self, name) > 0, self, name, "> 0 or null")
-        _require(self.optimizer_bytes_per_param >= 0, self, "optimizer_bytes_per_param", ">= 0")
+        get_gpu(self.gpu)
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"`compute.mfu` must be in (0, 1], got {self.mfu}; e.g. `compute.mfu: 0.4` for 40 %")
 
 
 @dataclass
@@ -78,25 +75,20 @@ class NetworkConfig:
     algorithm: Optional[Literal["ring", "tree", "auto"]] = None
     """All-reduce algorithm; default: the preset's (``auto``: the cheaper of ring and tree per message; ``ring``
     for ``measured``, as gloo)."""
-    gpus_per_node: Optional[int] = None
+    gpus_per_node: Optional[PositiveInt] = None
     """Overrides the preset's GPUs per node (two-level fabrics)."""
-    call_overhead_us: Optional[float] = None
+    call_overhead_us: Optional[NonNegativeFloat] = None
     """Overrides the fixed cost per collective, microseconds."""
-    contention: Optional[float] = None
+    contention: Optional[NonNegativeFloat] = None
     """``s``: compute runs ``1 + s`` times slower while a collective is in flight; default: the value fitted for
     the backend (``projection/contention.py``: gloo for a ``measured`` fit recorded on gloo, else NCCL)."""
 
     def __post_init__(self) -> None:
-        if self.preset != "measured" and self.preset not in FABRICS:
-            raise ValueError(f"unknown `network.preset` {self.preset!r}; choose one of {', '.join(FABRICS)}, or "
-                             "`measured` with `network.fit_path`")
-        if self.preset == "measured" and not self.fit_path:
+        if self.preset != "measured":
+            get_fabric(self.preset)
+        elif not self.fit_path:
             raise ValueError("`network.preset: measured` needs `network.fit_path` (e.g. "
                              "benchmarks/results/cpu/bucket_prediction.json)")
-        _require(self.gpus_per_node is None or self.gpus_per_node >= 1, self, "gpus_per_node", ">= 1")
-        _require(self.call_overhead_us is None or self.call_overhead_us >= 0, self, "call_overhead_us", ">= 0")
-        _require(self.contention is None or self.contention >= 0, self, "contention",
-                 ">= 0 or null (the fitted value)", "; e.g. 0.3 for compute 30 % slower while a collective runs")
 
 
 @dataclass
@@ -114,8 +106,9 @@ class StudyConfig:
     combination is a row of its own. Only settings its model takes (those that change the step time) are accepted."""
 
     def __post_init__(self) -> None:
-        if not self.strategies:
-            raise ValueError(f"`study.strategies` is empty; list at least one of {', '.join(simulated_names())}")
+        if not self.strategies or not self.world_sizes:
+            raise ValueError("`study.strategies` and `study.world_sizes` take at least one entry each (e.g. "
+                             f"`--study.world_sizes [2,8]`); strategies: {', '.join(simulated_names())}")
         for name in self.strategies:
             try:
                 simulator(name)
@@ -125,28 +118,19 @@ class StudyConfig:
         for name, settings in self.engine_settings.items():  # checked whether listed or not (a narrowed list)
             where = f"`study.engine_settings.{name}`"
             try:
-                simulator(name)
-                if not isinstance(settings, dict) or not settings:
-                    raise ValueError("it must map setting names to lists of values, e.g. `{rank: [1, 4]}`")
-                check_settings(name, settings)
+                model_settings(name, settings)
             except ValueError as error:
                 raise ValueError(f"{where}: {error}") from None
-            empty = [setting for setting, values in settings.items() if not isinstance(values, list) or not values]
+            empty = [setting for setting, values in settings.items() if not values]
             if empty:
                 raise ValueError(f"{where}.{empty[0]} must be a non-empty list of values, e.g. `{empty[0]}: [4]`")
-        if not self.world_sizes:
-            raise ValueError("`study.world_sizes` is empty; list at least one, e.g. `--study.world_sizes [2,8]`")
-        bad = [n for n in self.world_sizes if not (isinstance(n, int) and n >= 2)]
-        if bad:
-            raise ValueError(f"`study.world_sizes` must hold integers >= 2 (data parallelism needs two ranks), "
-                             f"got {bad[0]!r}")
-        self.world_sizes = sorted(set(self.world_sizes))
+        if min(self.world_sizes) < 2 or min(self.bucket_sizes_mb, default=1) <= 0:
+            raise ValueError("`study.world_sizes` must be >= 2 (data parallelism needs two ranks) and "
+                             f"`study.bucket_sizes_mb` > 0 MiB, got {self.world_sizes} and {self.bucket_sizes_mb}")
         if any(catalogue.get(s).has_bucket_size for s in self.strategies) and not self.bucket_sizes_mb:
             raise ValueError("`study.bucket_sizes_mb` is empty but a bucketed strategy is listed; give sizes in MiB, "
                              "e.g. `--study.bucket_sizes_mb [1,25,100]`")
-        bad_sizes = [b for b in self.bucket_sizes_mb if not b > 0]
-        if bad_sizes:
-            raise ValueError(f"`study.bucket_sizes_mb` takes sizes > 0 MiB, got {bad_sizes[0]!r}")
+        self.world_sizes = sorted(set(self.world_sizes))
         self.bucket_sizes_mb = sorted(set(float(b) for b in self.bucket_sizes_mb))
 
 
@@ -180,13 +164,6 @@ class ProjectionConfig:
             fabric = build_fabric(self.network)
             for n in self.study.world_sizes:
                 fabric.nodes(n)  # raises unless n fills whole nodes
-
-
-def _require(ok: bool, section: Any, name: str, want: str, hint: str = "") -> None:
-    """Unless ``ok``: the error ``section.name must be <want>, got <value><hint>``."""
-    if not ok:
-        where = type(section).__name__.removesuffix("Config").lower()
-        raise ValueError(f"`{where}.{name}` must be {want}, got {getattr(section, name)}{hint}")
 
 
 # ---- what a section describes, resolved ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def get_gpu(name: str) -> GPUSpec:
     try:
         return GPUS[name]
     except KeyError:
-        raise ValueError(f"{name!r} is not a known GPU; choose one of: {', '.join(GPUS)} (or set "
+        raise ValueError(f"unknown `compute.gpu` {name!r}; choose one of {', '.join(GPUS)} (or set "
                          "`compute.peak_tflops` and `compute.memory_bandwidth_GBps`)") from None
 
 
@@ -120,12 +120,9 @@ def modelled_profile(
     preset: Optional[str] = None,
     world_size: Optional[int] = None,
 ) -> ComputeProfile:
-    """One step of ``shape`` at ``batch_size x seq_len`` tokens per rank; the rest: ``ComputeConfig``'s fields."""
+    """One step of ``shape`` at ``batch_size x seq_len`` tokens per rank, every parameter with its shape; the rest:
+    ``ComputeConfig``'s fields (checked there)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu}; e.g. 0.4 for 40 % of the peak")
-    if not 0 < memory_efficiency <= 1:
-        raise ValueError(f"memory_efficiency must be in (0, 1], got {memory_efficiency}")
     tokens = batch_size * seq_len
     peak = spec.bf16_flops / 2 if precision == "32-true" else spec.bf16_flops
     fwd_bwd_ms = 1e3 * tokens * shape.flops_per_token(seq_len) / (peak * mfu)
@@ -143,8 +140,9 @@ def modelled_profile(
     total_bwd = 2 * shape.flops_per_token(seq_len) / 3
     element = 2 if precision in ("bf16-true", "16-true") else 4  # mixed precision keeps fp32 gradients
     params = tuple(
-        ParamTiming(name, numel, numel * element, backward_ms if done is None else backward_ms * done / total_bwd)
-        for (name, numel), done in zip(shape.parameters(), shape.backward_ready_flops(seq_len))
+        ParamTiming(name, math.prod(dims), math.prod(dims) * element,
+                    backward_ms if done is None else backward_ms * done / total_bwd, dims)
+        for (name, dims), done in zip(gpt_parameter_shapes(shape).items(), shape.backward_ready_flops(seq_len))
     )
     return ComputeProfile(forward_ms, backward_ms, optimizer_ms, params, source=source, device=spec.name,
                           preset=preset, batch_size=batch_size, seq_len=seq_len, precision=precision,

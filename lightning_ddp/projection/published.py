@@ -64,22 +64,22 @@ LINKS = ("pcie_gen4", "nvlink4")
 """Links to predict on; the first is compared with the published runs (also with their per-call cost)."""
 
 
-def calibrated_compute_ms(runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> dict[tuple[int, int], tuple[float, bool]]:
+def calibrated_compute_ms() -> dict[tuple[int, int], tuple[float, bool]]:
     """(batch, context) -> (compute-only step in ms, extrapolated?), from naive's total minus its all-reduce time."""
-    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in runs if r.strategy == NAIVE_DDP}
+    measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in PUBLISHED_RUNS
+                if r.strategy == NAIVE_DDP}
     tokens = [b * t for b, t in measured]
     times = list(measured.values())
     slope, intercept = statistics.linear_regression(tokens, times)  # ms = intercept + slope * tokens
-    cells = {(r.batch_size, r.seq_len) for r in runs}
+    cells = {(r.batch_size, r.seq_len) for r in PUBLISHED_RUNS}
     return {cell: (measured[cell], False) if cell in measured else (intercept + slope * cell[0] * cell[1], True)
             for cell in sorted(cells)}
 
 
-def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int,
-                              runs: Sequence[PublishedRun] = PUBLISHED_RUNS) -> float:
+def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int) -> float:
     """The per-call cost ``c`` with ``naive_comm - (flat_comm - copies) = (tensors - 1)(c + 2 alpha)`` at 2 ranks."""
-    naive = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == NAIVE_DDP}
-    flat = {(r.batch_size, r.seq_len): r.comm_s for r in runs if r.strategy == FLAT_DDP}
+    naive = {(r.batch_size, r.seq_len): r.comm_s for r in PUBLISHED_RUNS if r.strategy == NAIVE_DDP}
+    flat = {(r.batch_size, r.seq_len): r.comm_s for r in PUBLISHED_RUNS if r.strategy == FLAT_DDP}
     copies_s = 4 * grad_bytes / copy_Bps
     differences = [naive[cell] - (flat[cell] - copies_s) for cell in naive if cell in flat]
     return max(0.0, _mean(differences) / (tensors - 1) - 2 * fabric.intra.latency_s)
@@ -250,7 +250,13 @@ def pcie_rows(contention: float) -> list[dict[str, Any]]:
              "predicted_share": c["pcie_gen4_share"]} for c in comparisons if not c["compute_extrapolated"]]
 
 
-def write_comparison(out: str | Path, gpu: str = GPU) -> list[Path]:
+def write_comparison(out: str | Path = "benchmarks/results/projection", gpu: str = GPU) -> list[Path]:
+    """Compare the projection with the published 2-GPU xl runs and write published_xl_2gpu.md and .csv.
+
+    Args:
+        out: Directory for published_xl_2gpu.md and published_xl_2gpu.csv.
+        gpu: The GPU assumed for the optimizer's and copies' memory bandwidth (the write-ups do not name theirs).
+    """
     comparisons = compare_with_published(gpu)
     rows = [{column: _csv_cell(column, value) for column, value in c.items()} for c in comparisons]
     s = CONTENTION["nccl"]
@@ -270,18 +276,8 @@ def _csv_cell(column: str, value: Any) -> Any:
     return round(value, 4 if column.endswith("_share") else 2) if isinstance(value, float) else value
 
 
-def main(out: str = "benchmarks/results/projection", gpu: str = GPU) -> None:
-    """Compare the projection with the published 2-GPU xl runs and write published_xl_2gpu.md and .csv.
-
-    Args:
-        out: Directory for published_xl_2gpu.md and published_xl_2gpu.csv.
-        gpu: The GPU assumed for the optimizer's and copies' memory bandwidth (the write-ups do not name theirs).
-    """
-    for path in write_comparison(out, gpu):
-        print(path)
-
-
 if __name__ == "__main__":
     from jsonargparse import auto_cli
 
-    auto_cli(main, prog="python -m lightning_ddp.projection.published")
+    for path in auto_cli(write_comparison, prog="python -m lightning_ddp.projection.published"):
+        print(path)

@@ -19,7 +19,7 @@ from lightning_ddp.projection.simulators import (
     powersgd_plan,
     simulate_bucketed_powersgd,
     simulated_by,
-    unmodelled_names,
+    simulated_names,
 )
 from lightning_ddp.projection.tables import markdown_table
 
@@ -55,12 +55,14 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
     lines = [f"# {config.name}", ""]
     lines += _inputs_section(config, profile, fabric)
     lines += ["## Step time (exposed communication share) per world size", ""]
-    lines += _strategy_table(best, names, sizes, _step_cell)
+    lines += _strategy_table(best, names, sizes, lambda r: f"{_ms(r.step_ms)} ({100 * r.comm_share:.1f} %)" + (
+        f" @ {r.bucket_size_mb:g} MiB" if r.bucket_size_mb is not None else ""))
     lines += _fastest(best, names, sizes)
     lines += _memory_section(best, names, sizes)
     lines += _best_bucket_section(results, best, names, sizes, fabric)
     lines += ["", "## Communication stream: busy time and calls per step", ""]
-    lines += _strategy_table(best, names, sizes, _busy_cell)
+    lines += _strategy_table(best, names, sizes,
+                             lambda r: f"{_ms(r.busy_comm_ms)}, {r.calls} calls, {100 * r.overlap:.0f} % hidden")
     lines += _caveats(profile, results, best)
     return "\n".join(lines)
 
@@ -93,15 +95,6 @@ def _strategy_table(best: dict[tuple[str, int], StepResult], names: list[str], s
     return markdown_table(["strategy", *(f"{n} ranks" for n in sizes)], rows, "l" + "r" * len(sizes))
 
 
-def _step_cell(r: StepResult) -> str:
-    text = f"{_ms(r.step_ms)} ({100 * r.comm_share:.1f} %)"
-    return text + (f" @ {r.bucket_size_mb:g} MiB" if r.bucket_size_mb is not None else "")
-
-
-def _busy_cell(r: StepResult) -> str:
-    return f"{_ms(r.busy_comm_ms)}, {r.calls} calls, {100 * r.overlap:.0f} % hidden"
-
-
 def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, int], StepResult], names: list[str],
                          sizes: list[int], fabric: Fabric) -> list[str]:
     bucketed = [s for s in names if _entry(s).has_bucket_size]
@@ -125,7 +118,7 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
              best: dict[tuple[str, int], StepResult]) -> list[str]:
     """The unmodelled strategies, ZeRO-1's padding and PowerSGD's compressed matrices (docs/projection.md)."""
     lines = ["", "## Caveats", ""]
-    unmodelled = unmodelled_names()
+    unmodelled = simulated_names(modelled=False)
     if unmodelled:
         lines.append(f"- Not projected: {', '.join(f'`{n}`' for n in unmodelled)}, in the catalogue but with no "
                      "timeline model (`projection` in its entry) yet.")
@@ -175,7 +168,8 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
     if not any(r.memory_bytes is not None for r in best.values()):
         return []
     lines = ["", "## Memory per rank against step time", ""]
-    lines += _strategy_table(best, names, sizes, _memory_cell)
+    lines += _strategy_table(best, names, sizes, lambda r: "" if r.memory_bytes is None else
+                             f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}")
     verdicts = _verdict_rows(best, names, sizes)
     if verdicts:
         lines += ["", f"**Memory saving at no step-time cost** (step within {100 * NO_COST_TOLERANCE:.0f} % of the "
@@ -183,10 +177,6 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
         header = ["world size", "strategy", "memory", "saved vs baseline", "step", "vs baseline", "verdict"]
         lines += markdown_table(header, verdicts, "rlrrrrl")
     return lines
-
-
-def _memory_cell(r: StepResult) -> str:
-    return "" if r.memory_bytes is None else f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}"
 
 
 def _verdict_rows(best: dict[tuple[str, int], StepResult], names: Sequence[str],

@@ -10,12 +10,10 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
-from lightning_ddp.memory import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
 from lightning_ddp.projection.comm import CommCost, Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
-from lightning_ddp.projection.memory import state_bytes
 from lightning_ddp.projection.report import build_markdown, write_plots
 from lightning_ddp.projection.simulators import StepModel, StepResult, best_by_world_size, simulate
 from lightning_ddp.projection.tables import csv_text
@@ -43,9 +41,7 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
             sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
                 for settings in catalogue.setting_combinations(engine_settings.get(name)):
-                    result = simulate(name, model, size, **settings)
-                    result.memory_bytes = state_bytes(result, model)
-                    results.append(result)
+                    results.append(simulate(name, model, size, **settings))
     return results
 
 
@@ -67,35 +63,19 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
     }
 
 
-def with_shapes(profile: ComputeProfile, shapes: dict[str, tuple[int, ...]]) -> ComputeProfile:
-    """``profile`` with each parameter's ``shape`` from ``shapes`` (by name; every parameter must be there)."""
-    missing = [p.name for p in profile.params if p.name not in shapes]
-    if missing:
-        raise ValueError(f"no shape for parameter {missing[0]!r} of the compute profile")
-    params = tuple(dataclasses.replace(p, shape=shapes[p.name]) for p in profile.params)
-    return dataclasses.replace(profile, params=params)
-
-
-def build_profile(compute) -> ComputeProfile:
-    """The compute profile a ``ComputeConfig`` describes (a modelled one with every parameter's shape)."""
+def build_profile(compute) -> tuple[ComputeProfile, Optional[float]]:
+    """The compute profile a ``ComputeConfig`` describes and its forward + backward FLOP/s (PowerSGD's arithmetic;
+    ``None`` for a measured profile, whose FLOPs are not recorded)."""
     if compute.source == "profile":
-        return read_profile(compute.profile_path)
+        return read_profile(compute.profile_path), None
     shape = ModelShape.from_preset(compute.preset)
     profile = modelled_profile(shape, compute.batch_size, compute.seq_len, gpu=gpu_spec(compute), mfu=compute.mfu,
                                precision=compute.precision,
                                optimizer_bytes_per_param=compute.optimizer_bytes_per_param,
                                memory_efficiency=compute.memory_efficiency,
                                calibrate_step_ms=compute.calibrate_step_ms, preset=compute.preset)
-    return with_shapes(profile, gpt_parameter_shapes(shape))
-
-
-def profile_flops_per_s(compute, profile: ComputeProfile) -> Optional[float]:
-    """The profile's forward + backward FLOP/s (PowerSGD's arithmetic); ``None`` for a measured profile."""
-    if compute.source != "flops":
-        return None
-    shape = ModelShape.from_preset(compute.preset)
     flops = compute.batch_size * compute.seq_len * shape.flops_per_token(compute.seq_len)
-    return flops / ((profile.forward_ms + profile.backward_ms) / 1e3)
+    return profile, flops / ((profile.forward_ms + profile.backward_ms) / 1e3)
 
 
 class ProjectionOutcome(NamedTuple):
@@ -109,11 +89,11 @@ class ProjectionOutcome(NamedTuple):
 
 def run_projection(config) -> ProjectionOutcome:
     """Simulate the grid of ``config`` and write every output file (docs/projection.md)."""
-    profile = build_profile(config.compute)
+    profile, flops_per_s = build_profile(config.compute)
     fabric = build_fabric(config.network)  # its world sizes were checked against it by ProjectionConfig
     results = project(profile, fabric, config.study.strategies, config.study.world_sizes, config.study.bucket_sizes_mb,
-                      copy_bandwidth(config.compute), config.study.engine_settings,
-                      profile_flops_per_s(config.compute, profile), contention_of(config.network)[0])
+                      copy_bandwidth(config.compute), config.study.engine_settings, flops_per_s,
+                      contention_of(config.network)[0])
     best = best_by_world_size(results)
     rows = [result_row(r, fabric.nodes(r.world_size), best[(r.variant, r.world_size)] is r) for r in results]
     out_dir = Path(config.output.out_dir)
@@ -122,14 +102,16 @@ def run_projection(config) -> ProjectionOutcome:
         write_atomically(out_dir / "results.md", build_markdown(config, profile, fabric, results)),
         write_profile(profile, out_dir / "compute_profile.json"),
         write_atomically(out_dir / "environment.json",
-                         json.dumps(describe_environment(config, profile, fabric), indent=2, default=str) + "\n"),
+                         json.dumps(describe_environment(config, profile, fabric, flops_per_s), indent=2,
+                                    default=str) + "\n"),
     ]
     if config.output.plots:
         files += write_plots(out_dir, results, profile)
     return ProjectionOutcome(results, rows, profile, files)
 
 
-def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dict[str, Any]:
+def describe_environment(config, profile: ComputeProfile, fabric: Fabric,
+                         flops_per_s: Optional[float]) -> dict[str, Any]:
     """What belongs next to the numbers: versions, platform, commit, the full config, the resolved inputs."""
     return {
         **invocation(),
@@ -142,6 +124,6 @@ def describe_environment(config, profile: ComputeProfile, fabric: Fabric) -> dic
             "source": profile.source, "device": profile.device, "forward_ms": profile.forward_ms,
             "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms, "params": len(profile.params),
             "grad_bytes": profile.grad_bytes, "compute_only_ms": profile.compute_ms,
-            "flops_per_s": profile_flops_per_s(config.compute, profile),
+            "flops_per_s": flops_per_s,
         },
     }

@@ -1,10 +1,6 @@
-"""One training step as a timeline per strategy, issuing its collectives as its engine does on a ``Timeline`` (one
-compute stream, one FIFO communication stream).
-
-An entry with ``projection="schedule"`` is simulated from its catalogue facts (``simulate_from_facts``); one whose
-schedule they do not describe names a hook ``simulate_<name>(model, bucket_size_mb, **settings) -> StepResult``.
-The schedules: docs/projection.md.
-"""
+"""One training step per strategy on a ``Timeline`` (a compute stream, a FIFO communication stream): from the
+catalogue entry's facts (``projection="schedule"``) or its hook ``simulate_<name>(model, bucket_size_mb, **settings)``
+(docs/projection.md, "The timeline, strategy by strategy" and "Adding a model")."""
 
 from __future__ import annotations
 
@@ -13,8 +9,7 @@ import functools
 import inspect
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 from lightning_ddp import catalogue
@@ -24,12 +19,14 @@ from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 
 PRESENCE_FLAG_BYTES = 4
 """Bytes per parameter of the gradient-presence all-reduce (one int32 flag each)."""
+ADAM_STATES = 2
+"""AdamW's ``exp_avg`` and ``exp_avg_sq``, each as wide as the parameter."""
 
 MiB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first (last-layer) bucket starts communication early."""
-DDP_BUCKET_CAP_BYTES = 25 * MiB
-"""torch DDP's default ``bucket_cap_mb`` (25 MiB)."""
+DDP_BUCKET_CAP_BYTES = int(catalogue.DEFAULT_BUCKET_SIZE_MB * MiB)
+"""torch DDP's default ``bucket_cap_mb``."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +46,10 @@ class Timeline:
 
     def __init__(self, model: StepModel) -> None:
         self.model = model
-        self.intervals: list[Interval] = []
+        self.step = StepResult("", None, model.world_size, 0.0, model.profile.compute_ms, 0.0, 0.0, 0, 0)
+        """What the step has cost so far (its ``step_ms`` is set when it ends)."""
         self.comm_free_ms = 0.0
-        self.busy_comm_ms = 0.0
-        self.copy_ms = 0.0
-        self.contention_ms = 0.0
-        self.calls = 0
-        self.comm_bytes = 0
         self._comm_spans: list[tuple[float, float]] = []  # busy spans of the comm stream, in time order
-        self._comm_ends: list[float] = []
 
     def advance(self, start_ms: float, work_ms: float) -> float:
         """When ``work_ms`` of compute started at ``start_ms`` ends, slowed by ``1 + contention`` while a collective
@@ -66,7 +58,7 @@ class Timeline:
             return start_ms + max(work_ms, 0.0)
         slow = 1.0 + self.model.contention
         now, left = start_ms, work_ms
-        for a, b in self._comm_spans[bisect.bisect_right(self._comm_ends, start_ms):]:
+        for a, b in self._comm_spans[bisect.bisect_right(self._comm_spans, start_ms, key=lambda span: span[1]):]:
             if a > now:  # a gap with no collective: full speed
                 if left <= a - now:
                     return now + left
@@ -82,10 +74,10 @@ class Timeline:
         """Occupy the compute stream from ``start_ms`` for ``duration_ms`` of work; returns the end."""
         end = self.advance(start_ms, duration_ms)
         if end > start_ms:
-            self.intervals.append(Interval("compute", label, start_ms, end))
-        self.contention_ms += (end - start_ms) - max(duration_ms, 0.0)
+            self.step.intervals.append(Interval("compute", label, start_ms, end))
+        self.step.contention_ms += (end - start_ms) - max(duration_ms, 0.0)
         if copy:
-            self.copy_ms += max(duration_ms, 0.0)  # the work; its slowdown is in contention_ms
+            self.step.copy_ms += max(duration_ms, 0.0)  # the work; its slowdown is in contention_ms
         return end
 
     def collective(self, label: str, issue_ms: float, nbytes: int, kind: str = "all_reduce") -> float:
@@ -93,25 +85,14 @@ class Timeline:
         duration_ms = self.model.collective_ms(kind, nbytes)
         start = max(issue_ms, self.comm_free_ms)
         end = start + duration_ms
-        self.intervals.append(Interval("comm", label, start, end, int(nbytes)))
+        self.step.intervals.append(Interval("comm", label, start, end, int(nbytes)))
         if end > start:
             self._comm_spans.append((start, end))
-            self._comm_ends.append(end)
         self.comm_free_ms = end
-        self.busy_comm_ms += duration_ms
-        self.calls += 1
-        self.comm_bytes += int(nbytes)
+        self.step.busy_comm_ms += duration_ms
+        self.step.calls += 1
+        self.step.comm_bytes += int(nbytes)
         return end
-
-    def optimizer(self, start_ms: float, fraction: float = 1.0) -> float:
-        """The optimizer on ``fraction`` of the parameters (a shard's), from ``start_ms``; returns its end."""
-        return self.compute("optimizer", start_ms, self.model.profile.optimizer_ms * fraction)
-
-    def result(self, bucket_size_mb: Optional[float], step_ms: float) -> StepResult:
-        """The step that ends at ``step_ms`` (``simulate`` names its strategy)."""
-        m = self.model
-        return StepResult("", bucket_size_mb, m.world_size, step_ms, m.profile.compute_ms, self.busy_comm_ms,
-                          self.copy_ms, self.calls, self.comm_bytes, self.intervals, contention_ms=self.contention_ms)
 
 
 @dataclass(frozen=True)
@@ -161,9 +142,7 @@ class StepResult:
     contention_ms: float = 0.0
     """Compute time added by contention (compute slowed while collectives run); part of ``exposed_comm_ms``."""
     memory_bytes: Optional[int] = None
-    """Model-state bytes per rank (``projection.memory``); set by ``run.project``."""
-    buffer_bytes: int = 0
-    """Engine state beyond the bucket buffers its memory model counts (bf16's wire copies, PowerSGD's E and Q)."""
+    """Model-state bytes on the most loaded rank: parameters, gradients, AdamW state, engine buffers."""
 
     @property
     def variant(self) -> str:
@@ -185,7 +164,7 @@ class StepResult:
 
     @property
     def wait_share(self) -> float:
-            return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
+        return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
     def overlap(self) -> float:
@@ -225,14 +204,14 @@ class Op:
 
 def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
-                     presence_flags: bool) -> StepResult:
+                     presence_flags: bool, memory_bytes: int) -> StepResult:
     """Each bucket packed, then all-reduced in one call; unpacked once waited for."""
     launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]),
                Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])]
               for k, bucket in enumerate(buckets)]
     finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
-                            presence_flags=presence_flags)
+                            presence_flags=presence_flags, memory_bytes=memory_bytes)
 
 
 def _bucket_label(model: StepModel, bucket: list[int], k: int) -> str:
@@ -249,14 +228,14 @@ def _ready(model: StepModel, buckets: list[list[int]]) -> list[Optional[float]]:
 def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: Sequence[Optional[float]], *,
                      launch: Sequence[Sequence[Op]] = (), finish: Sequence[Sequence[Op]] = (), presence_flags: bool,
                      before: Sequence[Op] = (), optimizer_fraction: float = 1.0, after: Sequence[Op] = (),
-                     forward: Optional[Sequence[Op]] = None) -> StepResult:
+                     forward: Optional[Sequence[Op]] = None, memory_bytes: Optional[int] = None) -> StepResult:
     """Buckets launched from gradient hooks, strictly in bucket order (no buckets: a sync after backward).
 
     ``forward`` (default: the profile's forward), then backward placed up to each bucket's ``ready`` time (``None``:
     launched after backward, as every later bucket). ``launch[k]``: what launching bucket ``k`` does (its compute
     delays the rest of backward; its collectives are issued, not waited for). ``finish[k]``: what waiting for it
     does once backward is over. Then ``before``, the optimizer on ``optimizer_fraction`` of the parameters, then
-    ``after`` (each collective waited for at once).
+    ``after`` (each collective waited for at once). ``memory_bytes``: the step's model state per rank.
     """
     p, t = model.profile, Timeline(model)
     ends: dict[str, float] = {}  # label -> end of the latest collective with it
@@ -297,8 +276,14 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
         cursor, _ = run(finish[k], max(cursor, end), wait=True)
     cursor, _ = run(before, cursor, wait=True)
-    cursor, _ = run(after, t.optimizer(cursor, optimizer_fraction), wait=True)
-    return t.result(bucket_size_mb, cursor)
+    cursor, _ = run(after, t.compute("optimizer", cursor, p.optimizer_ms * optimizer_fraction), wait=True)
+    # ``simulate`` names its strategy
+    return replace(t.step, bucket_size_mb=bucket_size_mb, step_ms=cursor, memory_bytes=memory_bytes)
+
+
+def _replicated(model: StepModel, buffers: int = 0) -> int:
+    """Model state of an unsharded strategy: parameters, gradients and AdamW state, plus ``buffers`` bytes."""
+    return (2 + ADAM_STATES) * sum(q.bytes for q in model.profile.params) + buffers
 
 
 def _buffered(buckets: list[list[int]]) -> list[bool]:
@@ -335,10 +320,9 @@ def _bucketed(model: StepModel, bucket_size_mb: Optional[float], bf16: bool) -> 
     casts = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
     packs = [(model.copy_ms(2 * s) if buffered else 0.0) + cast
              for s, cast, buffered in zip(sizes, casts, _buffered(buckets))]
-    result = _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
-                              presence_flags=_missing(model))
-    result.buffer_bytes = sum(wire) if bf16 else 0
-    return result
+    buffers = sum(s for s, buffered in zip(sizes, _buffered(buckets)) if buffered) + (sum(wire) if bf16 else 0)
+    return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
+                            presence_flags=_missing(model), memory_bytes=_replicated(model, buffers))
 
 
 def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: int = DDP_FIRST_BUCKET_BYTES,
@@ -373,7 +357,7 @@ def _torch_ddp(model: StepModel) -> StepResult:
     sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
     return _bucket_schedule(model, None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
-                            presence_flags=False)
+                            presence_flags=False, memory_bytes=_replicated(model, sum(sizes)))  # the reducer's buckets
 
 
 def _after_backward(model: StepModel, layout: str) -> StepResult:
@@ -383,20 +367,27 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
     before: list[Op] = []
     after: list[Op] = []
     fraction = 1.0
+    memory = _replicated(model)
     if layout == "none":
         before = [Op("collective", q.name, nbytes=q.bytes) for q in model.profile.params if q.ready_ms is not None]
     elif layout == "packed":
         nbytes = model.profile.grad_bytes
         before = [Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
                   Op("compute", "unpack", model.copy_ms(2 * nbytes))]
-    elif layout == "zero1":
-        loads = owner_loads(model)
+        memory = _replicated(model, sum(q.bytes for q in model.profile.params))  # the packed gradients, transient
+    elif layout == "zero1":  # each rank owns whole tensors (``assign_owners``) of the gradients that come
+        synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
+        loads = [0] * model.world_size
+        for size, owner in zip(synced, assign_owners(synced, model.world_size)):
+            loads[owner] += size
         nbytes, segment = sum(loads), max(loads)  # every segment padded to the largest: equal reduce-scatter chunks
         buffer = model.world_size * segment
         before = [Op("compute", "pack gradients", model.copy_ms(nbytes + buffer)),
                   Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
                   Op("compute", "unpack own gradients", model.copy_ms(2 * segment))]
         fraction = segment / nbytes if nbytes else 1.0
+        psi = sum(q.bytes for q in model.profile.params)
+        memory = 2 * psi + ADAM_STATES * segment + buffer  # parameters, gradients, the own segment's AdamW state
         after = [Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
                  Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
                  Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes))]
@@ -404,27 +395,12 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
         raise ValueError(f"no shared schedule syncs a {layout!r} layout after backward: name a hook in the entry's "
                          "`projection` (docs/projection.md, Adding a model)")
     return _staged_schedule(model, None, [], presence_flags=True, before=before, optimizer_fraction=fraction,
-                            after=after)
-
-
-def owner_loads(model: StepModel) -> list[int]:
-    """Gradient bytes each ZeRO-1 rank owns (whole tensors, ``assign_owners``), of the gradients that come."""
-    synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
-    loads = [0] * model.world_size
-    for size, owner in zip(synced, assign_owners(synced, model.world_size)):
-        loads[owner] += size
-    return loads
+                            after=after, memory_bytes=memory)
 
 
 def _padded(numel: int, n: int) -> int:
     """``numel`` rounded up to a multiple of ``n``: an element-wise shard of equal size on every rank."""
     return -(-numel // n) * n
-
-
-def padded_bucket_bytes(params: Sequence[ParamTiming], bucket: Sequence[int], n: int) -> int:
-    """Bytes of a ZeRO-2 bucket's flat buffer, padded to ``n`` equal shards."""
-    numel = sum(params[i].numel for i in bucket)
-    return round(_padded(numel, n) * sum(params[i].bytes for i in bucket) / numel) if numel else 0
 
 
 def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
@@ -436,8 +412,8 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     padded_total = 0
     for k, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, k)
-        nbytes = sum(params[i].bytes for i in bucket)
-        padded = padded_bucket_bytes(params, bucket, n)
+        nbytes, numel = sum(params[i].bytes for i in bucket), sum(params[i].numel for i in bucket)
+        padded = round(_padded(numel, n) * nbytes / numel) if numel else 0  # the flat buffer, in n equal shards
         padded_total += padded
         launch.append([Op("compute", f"pack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0),
                        Op("collective", f"{label} [reduce-scatter]", nbytes=padded, op="reduce_scatter")])
@@ -447,23 +423,24 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
                   Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
     grad_bytes = sum(q.bytes for q in params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
+    # parameters; gradient, AdamW and gathered-parameter shards; the gradients of a filling bucket (the largest, twice)
+    largest = max((sum(params[i].bytes for i in b) for b in buckets), default=0)
+    memory = grad_bytes + (2 + ADAM_STATES) * (padded_total // n) + 2 * largest
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
-                            presence_flags=_missing(model), optimizer_fraction=fraction, after=after)
+                            presence_flags=_missing(model), optimizer_fraction=fraction, after=after,
+                            memory_bytes=memory)
 
 
 _BLOCK = re.compile(r"^(.*?\b[A-Za-z_]\w*\.\d+)\.")
 
 
-def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], list[list[int]]]:
-    """``(root, blocks)``: the indices of the parameters outside any block, and of each block's, in forward order.
-
-    A block is what a ``ModuleList`` holds: every parameter whose name starts with ``<name>.<index>.`` (e.g.
-    ``blocks.3.attn.qkv.weight``, ``model.blocks.3...``) belongs to block ``<name>.<index>``; ``fully_shard`` is
-    applied to each, and once more to the root for everything else (embeddings, final norm, ``lm_head``).
+def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], dict[str, list[int]]]:
+    """``(root, blocks)``: indices of the parameters outside any block, and of each block's by its name
+    (``<name>.<index>.``, what a ``ModuleList`` holds: ``fully_shard``'s units), in forward order.
 
     >>> transformer_blocks([ParamTiming("tok_emb.weight", 4, 16, None), ParamTiming("blocks.0.w", 4, 16, 2.0),
     ...                     ParamTiming("blocks.1.w", 4, 16, 1.0), ParamTiming("lm_head.weight", 4, 16, 0.5)])
-    ([0, 3], [[1], [2]])
+    ([0, 3], {'blocks.0': [1], 'blocks.1': [2]})
     """
     root: list[int] = []
     blocks: dict[str, list[int]] = {}
@@ -473,7 +450,7 @@ def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], list[l
             root.append(i)
         else:
             blocks.setdefault(match.group(1), []).append(i)
-    return root, list(blocks.values())
+    return root, blocks
 
 
 def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) -> int:
@@ -496,7 +473,8 @@ def _fsdp2(model: StepModel) -> StepResult:
     copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last."""
     p, n = model.profile, model.world_size
     params = p.params
-    root, blocks = transformer_blocks(params)
+    root, named = transformer_blocks(params)
+    labels, blocks = list(named), list(named.values())
     span = p.backward_span_ms
     # the backward work done when each block's last gradient is ready; blocks backward in reverse forward order
     ends = [max((params[i].ready_ms for i in b if params[i].ready_ms is not None), default=span) for b in blocks]
@@ -511,7 +489,6 @@ def _fsdp2(model: StepModel) -> StepResult:
     root_bytes = _shard_bytes(params, root, n)
     moved = [sum(params[i].bytes for i in b) for b in blocks]
     root_moved = sum(params[i].bytes for i in root)
-    labels = [_group_label(params, b) for b in blocks]
 
     def copy(label: str, nbytes: float, waits: str = "") -> Op:
         ms = model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
@@ -546,13 +523,12 @@ def _fsdp2(model: StepModel) -> StepResult:
                        Op("collective", "root [reduce-scatter]", nbytes=root_bytes, op="reduce_scatter")])
     total = sum(q.bytes for q in params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
+    # parameter, gradient and AdamW shards; the root's and two blocks' parameters unsharded (the running one and the
+    # prefetched one) and one block's gradients
+    shard, largest = (sum(gather) + root_bytes) // n, sorted(moved, reverse=True)
+    memory = (2 + ADAM_STATES) * shard + root_moved + sum(largest[:2]) + sum(largest[:1])
     return _staged_schedule(model, None, ready, launch=launch, finish=[[] for _ in launch], presence_flags=False,
-                            optimizer_fraction=fraction, forward=forward)
-
-
-def _group_label(params: Sequence[ParamTiming], indices: Sequence[int]) -> str:
-    match = _BLOCK.match(params[indices[0]].name)
-    return match.group(1) if match else params[indices[0]].name
+                            optimizer_fraction=fraction, forward=forward, memory_bytes=memory)
 
 
 def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
@@ -594,7 +570,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
     buffered = _buffered(buckets)
     launch: list[list[Op]] = []
     finish: list[list[Op]] = []
-    state_bytes = 0
+    buffer_bytes = sum(params[i].bytes for b, bucket in enumerate(buckets) if buffered[b] for i in bucket)
     for b, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, b)
         nbytes = sum(params[i].bytes for i in bucket)
@@ -608,7 +584,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
             launch.append([pack, Op("collective", label, nbytes=round(numel * g))])
             finish.append([])
             continue
-        state_bytes += sum(4 * (rows * cols + cols * k) for rows, cols, k in matrices)
+        buffer_bytes += sum(4 * (rows * cols + cols * k) for rows, cols, k in matrices)  # E and Q, fp32
         uncompressed = numel - sum(rows * cols for rows, cols, _ in matrices)
         p_numel = sum(rows * k for rows, _, k in matrices)
         q_numel = sum(cols * k for _, cols, k in matrices)
@@ -635,18 +611,15 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
-    result = _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
-                              presence_flags=_missing(model))
-    result.buffer_bytes = state_bytes  # the error feedback E and the warm-start Q of every compressed matrix, fp32
-    return result
+    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
+                            presence_flags=_missing(model), memory_bytes=_replicated(model, buffer_bytes))
 
 
 # ---- the simulated strategies: the catalogue's entries with a ``projection`` ---------------------------------
 
 
 def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
-    """The step of an entry with ``projection="schedule"``, from its facts: ``memory`` (the buffers its engine
-    keeps), ``overlaps_backward``, ``has_bucket_size`` and ``sharded`` (docs/projection.md)."""
+    """The step of an entry with ``projection="schedule"``, from its facts (docs/projection.md, Adding a model)."""
     if entry.memory == "fully_sharded":
         return _fsdp2(model)
     if not entry.overlaps_backward:
@@ -659,14 +632,9 @@ def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb
     return result
 
 
-def simulated_names() -> list[str]:
-    """Every strategy the projection can simulate, in catalogue order: the entries with a ``projection``."""
-    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is not None]
-
-
-def unmodelled_names() -> list[str]:
-    """Catalogue entries without a projection model (the report names them "not projected")."""
-    return [name for name, entry in catalogue.STRATEGIES.items() if entry.projection is None]
+def simulated_names(modelled: bool = True) -> list[str]:
+    """The catalogue entries with a ``projection`` (``modelled=False``: without one, "not projected"), in order."""
+    return [name for name, entry in catalogue.STRATEGIES.items() if (entry.projection is not None) == modelled]
 
 
 def simulated_by(model: str | Callable[..., StepResult]) -> list[str]:
@@ -694,32 +662,26 @@ def simulator(name: str) -> Callable[..., StepResult]:
     return catalogue.load(entry.projection)
 
 
-def model_settings(name: str) -> dict[str, Any]:
-    """The engine settings the model of ``name`` takes, with their defaults."""
+def model_settings(name: str, given: Iterable[str] = ()) -> dict[str, Any]:
+    """The engine settings the model of ``name`` takes, with their defaults; refuses a ``given`` one it does not."""
     parameters = list(inspect.signature(simulator(name)).parameters.values())[2:]
-    return {q.name: q.default for q in parameters
-            if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-
-
-def check_settings(name: str, settings: Mapping[str, Any]) -> None:
-    """Refuse settings the model of ``name`` does not take, naming the ones it does."""
-    valid = model_settings(name)
-    for setting in settings:
+    valid = {q.name: q.default for q in parameters
+             if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    for setting in given:
         if setting not in valid:
             raise ValueError(f"the projection of {name!r} models no setting {setting!r}; its settings are: "
                              f"{', '.join(valid) or 'none'} (an engine setting that does not change the step time is "
                              "not modelled)")
+    return valid
 
 
 def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None, **settings: Any) -> StepResult:
     """Simulate one step of strategy ``name`` (``settings``: e.g. ``rank=4``, where its model has them)."""
-    function = simulator(name)
-    check_settings(name, settings)
+    model_settings(name, settings)
     if catalogue.get(name).has_bucket_size:
-        result = function(model, 25.0 if bucket_size_mb is None else bucket_size_mb, **settings)
+        bucket_size_mb = catalogue.DEFAULT_BUCKET_SIZE_MB if bucket_size_mb is None else bucket_size_mb
     elif bucket_size_mb is not None:
         raise ValueError(f"strategy {name!r} takes no bucket size, got bucket_size_mb={bucket_size_mb!r}")
-    else:
-        result = function(model, None, **settings)
+    result = simulator(name)(model, bucket_size_mb, **settings)
     result.strategy, result.settings = name, dict(settings)  # an entry may reuse another's model
     return result

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from jsonargparse import auto_cli
+from jsonargparse.typing import NonNegativeFloat
 
 from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
@@ -120,14 +121,19 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
     return out
 
 
+def _groups(cells: Iterable[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """``cells`` by (precision, batch size, context length): the cells that ran the same model step."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["precision"], c["batch_size"], c["context_length"]), []).append(c)
+    return groups
+
+
 def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
     """``(agree, pairs, disagreements)`` over the pairs of a group's cells whose measured intervals do not overlap."""
     agree = pairs = 0
     disagreements = []
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for c in cells:
-        groups.setdefault((c["precision"], c["batch_size"], c["context_length"]), []).append(c)
-    for group in groups.values():
+    for group in _groups(cells).values():
         for i, a in enumerate(group):
             for b in group[i + 1:]:
                 bounds = (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"])
@@ -161,11 +167,8 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
     comm = read_fit(fit_path).fabric()
     bucketed = simulated_by("bucketed")[0]
     out = []
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for c in cells:
-        if c["strategy"] == bucketed and isinstance(c["bucket_size_mb"], float):
-            groups.setdefault((c["precision"], c["batch_size"], c["context_length"]), []).append(c)
-    for key, group in groups.items():
+    sized = [c for c in cells if c["strategy"] == bucketed and isinstance(c["bucket_size_mb"], float)]
+    for key, group in _groups(sized).items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
         predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
@@ -187,18 +190,10 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _bias_line(cells: list[dict[str, Any]]) -> str:
-    if not cells:
-        return ""
-    signed = [c["step_error"] for c in cells]
-    faster = sum(1 for e in signed if e < 0)
-    return (f"Bias: {faster} of {len(signed)} cells are predicted faster than measured (median signed error "
-            f"{100 * statistics.median(signed):+.1f} %), with contention (docs/projection.md).")
-
-
 def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[str]], auto: list[dict[str, Any]],
                    copy_Bps: float, command: str, fit: dict[str, Any]) -> str:
-    errors = [abs(c["step_error"]) for c in cells]
+    signed = [c["step_error"] for c in cells]
+    errors = [abs(e) for e in signed]
     ref_errors = [abs(c["step_error_from_reference"]) for c in cells if "step_error_from_reference" in c]
     median_error = statistics.median(errors) if errors else float("nan")
     verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
@@ -212,7 +207,9 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
         f"(goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest {100 * max(errors):.1f} %."
         if errors else "No cell could be predicted (no profiles).",
         "",
-        _bias_line(cells),
+        f"Bias: {sum(1 for e in signed if e < 0)} of {len(signed)} cells are predicted faster than measured (median "
+        f"signed error {100 * statistics.median(signed):+.1f} %), with contention (docs/projection.md)."
+        if cells else "",
         "",
         f"From the group's reference profile instead: median error {100 * statistics.median(ref_errors):.1f} %."
         if ref_errors else "",
@@ -249,7 +246,7 @@ def _measured_at(cell: dict[str, Any] | None) -> str:
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
-                   copy_GBps: Optional[float] = None, contention: Optional[float] = None) -> int:
+                   copy_GBps: Optional[float] = None, contention: Optional[NonNegativeFloat] = None) -> int:
     """Simulate every ok cell of a sweep and compare with what it measured; write cpu_sweep_validation.{csv,md}.
 
     Args:
@@ -265,8 +262,6 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     if contention is None:
         contention = CONTENTION["gloo"]
     try:
-        if not contention >= 0:
-            raise ValueError(f"--contention must be >= 0, got {contention}")
         rows, profiles, fit_path = read_sweep(sweep)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -356,11 +356,8 @@ def test_powersgd_model_sends_what_the_engine_sends(world_of_one, bucket_size_mb
 
 
 def test_more_bandwidth_or_less_latency_is_never_slower():
-    from lightning_ddp.memory import gpt_parameter_shapes
-    from lightning_ddp.projection.run import with_shapes
-
     tiny = ModelShape(d_model=128, n_layers=4, n_heads=4, d_ff=512)  # the `tiny` preset's shape, no torch needed
-    profile = with_shapes(modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4), gpt_parameter_shapes(tiny))
+    profile = modelled_profile(tiny, 4, 64, gpu="h100-sxm", mfu=0.4)  # with every parameter's shape
     base = FABRICS["h100_nvlink_ib"]
     faster = dataclasses.replace(base, intra=Link("nvl", 2 * base.intra.bandwidth_Bps, base.intra.latency_s),
                                inter=Link("ib", 2 * base.inter.bandwidth_Bps, base.inter.latency_s))
@@ -418,10 +415,7 @@ def test_modelled_xl_profile_matches_the_real_model():
     assert ready[0] == pytest.approx(profile.backward_ms)  # the embedding's gradient at the end
     assert ready[1:] == sorted(ready[1:], reverse=True)  # reverse parameters() order
     # the shapes the projection gives a modelled profile are the module's own
-    from lightning_ddp.memory import gpt_parameter_shapes
-
-    shapes = gpt_parameter_shapes(shape)
-    assert [(name, shapes[name]) for name, _ in shape.parameters()] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
+    assert [(q.name, q.shape) for q in profile.params] == [(n, tuple(p.shape)) for n, p in gpt.named_parameters()]
 
 
 # ---- agreement with the engines' own rules (these import torch) ------------------------------------------------
@@ -709,7 +703,7 @@ def test_contention_slows_only_the_compute_beside_a_collective():
     t = timeline(StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=1.0))
     t.collective("x", 10.0, 3 * MiB)  # 4 ms: in flight over [10, 14]
     # 10 ms of work from 5: 5 ms alone to 10, then 4 ms of wall at half speed (2 ms of work), then 3 ms alone
-    assert t.compute("backward", 5.0, 10.0) == pytest.approx(17.0) and t.contention_ms == pytest.approx(2.0)
+    assert t.compute("backward", 5.0, 10.0) == pytest.approx(17.0) and t.step.contention_ms == pytest.approx(2.0)
     # with s = 0.36 fitted for NCCL, an overlapped strategy's step grows and its wait shrinks by the same or less
     plain = simulate("overlap_ddp", model())
     slowed = simulate("overlap_ddp", StepModel(three_params(), LinearComm(), 2, 6 * MiB * 1e3, contention=0.36))
@@ -721,13 +715,11 @@ def test_contention_slows_only_the_compute_beside_a_collective():
 
 
 def test_memory_per_rank_shrinks_with_sharding():
-    from lightning_ddp.projection.memory import state_bytes
-
     p = blocks_profile()  # 4 MiB of fp32 parameters
     at = {n: StepModel(p, LinearComm(), n, 1e12) for n in (2, 4)}
     # ddp: parameters, gradients, 2 AdamW states and the reducer's buckets: 5 x 4 MiB
     def memory(name: str, n: int, size: float | None = None) -> int:
-        return state_bytes(simulate(name, at[n], size), at[n])
+        return simulate(name, at[n], size).memory_bytes
 
     assert memory("ddp", 4) == 5 * 4 * MiB
     # zero2 at 4 ranks, one 4 MiB bucket: parameters 4 MiB + gradient shard 1 + the bucket twice 8 + state 2 + shard 1
