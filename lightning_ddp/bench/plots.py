@@ -22,7 +22,7 @@ _PANELS = ((STEP, 1.0, "median step time (ms)"), (SHARE, 100.0, "exposed comm sh
 
 def _cell(analysis: Analysis, row: Row | None, panel: int) -> Estimate | None:
     """An ok cell's pooled median and interval over all its ok repeats (the results.csv numbers)."""
-    measured = analysis.measured(row) if is_ok(row) else None
+    measured = analysis.measured(row)
     return measured.estimate(panel) if measured else None
 
 

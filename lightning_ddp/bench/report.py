@@ -1,8 +1,5 @@
-"""The sweep's files and report: the raw data (``repeats.csv``, ``steps.csv``), the per-cell aggregates
-(``results.csv``), the analysis (per group the best bucket size chosen on the selection repeats and measured on the
-evaluation repeats, the goals with verdicts, goal 1 across groups) and ``results.md``. Everything is computed from
-the raw files alone; docs/benchmarks.md lists every column and defines the analysis.
-"""
+"""The sweep's files (repeats.csv, steps.csv, results.csv), its analysis (best bucket sizes, goals, verdicts) and
+results.md, computed from the raw files alone; docs/benchmarks.md lists every column and defines the analysis."""
 
 from __future__ import annotations
 
@@ -57,6 +54,7 @@ NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index(
 
 ESTIMATED_KEYS: tuple[str, ...] = ("step/time_ms", "comm/share", "comm/busy_ms")
 """The metrics bootstrapped together (the same resampled steps): what the report's intervals and goals need."""
+STEP, SHARE, BUSY = range(3)  # their columns
 
 # (column, CommTimer key) of the pooled-median columns without an interval
 _MEDIANS = (
@@ -76,10 +74,22 @@ def bucket_cell(size: float | str | None) -> str:
     return "" if size in (None, "") else format_bucket(size)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
+
+    repeats: tuple[int, ...]
+    point: np.ndarray = field(repr=False)
+    draws: np.ndarray = field(repr=False)
+
+    def estimate(self, column: int) -> Estimate:
+        lo, hi = percentile_interval(self.draws[:, column])
+        return Estimate(float(self.point[column]), lo, hi)
+
+
 @dataclass
 class CellData:
-    """One cell's coordinates (``meta``), its repeats.csv rows (every status, by repeat index) and the measured steps
-    of its ok repeats (by repeat index): what its statistics are computed from."""
+    """One cell's coordinates (``meta``), its repeats.csv rows and the measured steps of its ok repeats (by index)."""
 
     cell_id: str
     meta: Row
@@ -92,17 +102,20 @@ class CellData:
         return sorted(k for k, rows in self.steps.items() if rows)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
-        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a
-        key."""
+        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a key."""
         chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
-        return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
+        return [np.array([[step.get(key, math.nan) for key in keys] for step in self.steps[k]], dtype=float)
                 for k in chosen]
 
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
+    def measured(self, bootstrap: Bootstrapper, repeats: Iterable[int] | None = None) -> Measured | None:
+        """The cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them. The draws
+        are named ``"<id>|r0,1,2"`` (``stats.rng_for``): the report's ratios reuse those behind results.csv."""
+        chosen = tuple(self.ok_repeats if repeats is None else [k for k in repeats if k in self.ok_repeats])
+        if not chosen:
+            return None
+        values = self.values(ESTIMATED_KEYS, chosen)
+        draws = bootstrap.draws(f"{self.cell_id}|r" + ",".join(map(str, chosen)), values)
+        return Measured(chosen, np.asarray(pooled_median(values), dtype=float), draws)
 
 
 def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str, CellData]:
@@ -119,12 +132,6 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
         if key in ok:
             cells[key[0]].steps.setdefault(key[1], []).append(step)
     return cells
-
-
-def bootstrap_key(cell_id: str, repeats: Sequence[int]) -> str:
-    """The name a cell's draws over ``repeats`` are drawn under (``stats.rng_for``), e.g. ``"<id>|r0,1,2"``: the
-    report's ratios reuse the draws behind results.csv's intervals."""
-    return f"{cell_id}|r" + ",".join(map(str, repeats))
 
 
 def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
@@ -167,10 +174,11 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
                    step_ms_p10=float(pooled_percentile(step_values, 10)),
                    step_ms_p90=float(pooled_percentile(step_values, 90)),
                    measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
-        lo, hi = percentile_interval(bootstrap.draws(bootstrap_key(data.cell_id, ok), data.values(ESTIMATED_KEYS)))
-        row.update(step_ms_lo=lo[0], step_ms_hi=hi[0])
+        measured = data.measured(bootstrap)
+        step, share = measured.estimate(STEP), measured.estimate(SHARE)
+        row.update(step_ms_lo=step.lo, step_ms_hi=step.hi)
         if "comm/share" in column:
-            row.update(comm_share=float(medians["comm/share"]), comm_share_lo=lo[1], comm_share_hi=hi[1])
+            row.update(comm_share=float(medians["comm/share"]), comm_share_lo=share.lo, comm_share_hi=share.hi)
     # Landmarks but no collective metric: the strategy's collectives were not recorded (fsdp2; not: no communication).
     # A cell with no comm/ key at all (the one-device reference) has no communication: its cells stay empty.
     unrecorded = any(key in column for key in LANDMARK_KEYS) and not any(key in column for key in COLLECTIVE_KEYS)
@@ -254,7 +262,6 @@ ACROSS_GROUPS_TARGET = 0.95
 
 NOT_MEASURABLE = "not measurable"
 
-STEP, SHARE, BUSY = range(3)  # columns of ESTIMATED_KEYS
 
 
 def variant_of(row: Row) -> str:
@@ -299,19 +306,6 @@ VERDICTS = ("met", "missed", "inconclusive", NOT_MEASURABLE)
 def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
     verdicts = [check.verdict for check in checks]
     return {v: verdicts.count(v) for v in VERDICTS}
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
-
-    repeats: tuple[int, ...]
-    point: np.ndarray = field(repr=False)
-    draws: np.ndarray = field(repr=False)
-
-    def estimate(self, column: int) -> Estimate:
-        lo, hi = percentile_interval(self.draws[:, column])
-        return Estimate(float(self.point[column]), lo, hi)
 
 
 @dataclass(frozen=True)
@@ -386,15 +380,9 @@ class Analysis:
             algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
             self.across = [self._across(a) for a in algorithms]
 
-    def measured(self, row: Row, repeats: Sequence[int] | None = None) -> Measured | None:
-        """``row``'s cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them."""
-        data = self.data[row["cell_id"]]
-        chosen = tuple(data.ok_repeats if repeats is None else [k for k in repeats if k in data.ok_repeats])
-        if not chosen:
-            return None
-        values = data.values(ESTIMATED_KEYS, chosen)
-        draws = self.bootstrap.draws(bootstrap_key(row["cell_id"], chosen), values)
-        return Measured(chosen, np.asarray(pooled_median(values), dtype=float), draws)
+    def measured(self, row: Row | None) -> Measured | None:
+        """An ok ``row``'s cell over every ok repeat (its results.csv numbers); ``None`` for any other."""
+        return self.data[row["cell_id"]].measured(self.bootstrap) if is_ok(row) else None
 
     def _select(self, rows: list[Row]) -> Selection | None:
         """The best bucket size of one algorithm in one group (docs/benchmarks.md, "Analysis")."""
@@ -412,7 +400,7 @@ class Analysis:
         # every even repeat failed: nothing to choose on out of sample
         _, row, chosen_on = min(with_selection or candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
         evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
-        evaluated = self.measured(row, evaluation or None)
+        evaluated = self.data[row["cell_id"]].measured(self.bootstrap, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
         return Selection(row, tuple(chosen_on), median_on(row, chosen_on), evaluated, not evaluation, len(candidates))
 
@@ -423,7 +411,7 @@ class Analysis:
         bucketed = catalogue.DEFAULT_ENGINE
         naive, overlap, ddp, reference = (next((r for r in rows if variant_of(r) == s), None)
                                           for s in (naive_name, overlap_name, BASELINE, REFERENCE))
-        m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
+        m_naive, m_overlap, m_ddp, m_reference = (self.measured(r)
                                                  for r in (naive, overlap, ddp, reference))
         checks = []
         for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]:
