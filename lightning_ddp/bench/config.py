@@ -1,8 +1,5 @@
-"""What a sweep is: one dataclass per concern (``grid``, ``workload``, ``run``, ``output``), every field documented
-(jsonargparse turns the docstrings into ``--help``), validated in ``__post_init__`` at parse time with every error
-naming the field to change; and the cells it expands to (``expand_grid``: ids that a rerun recognises).
-docs/benchmarks.md.
-"""
+"""A sweep's config (``grid``, ``workload``, ``run``, ``output``; field docstrings are ``--help``, errors name the
+field to change) and the cells it expands to, with ids a rerun recognises (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -113,8 +110,7 @@ class GridConfig:
 
 
 def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
-    """One entry of ``grid.engine_settings``: every combination checked by its engine (``Entry.check_settings``),
-    values de-duplicated."""
+    """One ``grid.engine_settings`` entry, every combination checked by its engine, values de-duplicated."""
     where = f"`grid.engine_settings.{name}`"
     engines = catalogue.names(engines_only=True)
     if name not in engines:
@@ -264,10 +260,7 @@ class OutputConfig:
 
 @dataclass
 class SweepConfig:
-    """A benchmark sweep: the study's tables and plots, one subprocess per cell, resumable.
-
-    ``python -m lightning_ddp.bench --config configs/bench/cpu.yaml``
-    """
+    """A benchmark sweep, one subprocess per cell, resumable: ``python -m lightning_ddp.bench --config FILE``."""
 
     name: str = "sweep"
     """Title of results.md."""
@@ -328,9 +321,8 @@ def cell_id(coordinates: dict[str, Any], fingerprint: dict[str, Any]) -> str:
 
 
 def expand_grid(config: SweepConfig) -> list[Cell]:
-    """Every cell of the sweep, grouped by (precision, batch size, context length): per group the reference, one
-    cell per listed strategy (``ddp`` added if missing) times its bucket sizes (if it has any) times the combinations
-    of its ``grid.engine_settings``."""
+    """The cells, per (precision, batch, context) group: the reference, then each strategy (``ddp`` added) times its
+    bucket sizes and its ``grid.engine_settings`` combinations."""
     grid = config.grid
     listed = [s for s in grid.strategies if s != REFERENCE]
     if BASELINE not in listed:

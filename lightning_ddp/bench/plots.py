@@ -1,7 +1,5 @@
-"""The sweep's PNG plots with 95 % error bars (matplotlib's Agg canvas): per precision and batch size, the strategies
-side by side, and step time and comm share against the bucket size for each engine with buckets
-(docs/benchmarks.md).
-"""
+"""The sweep's PNG plots with 95 % error bars, per precision and batch size: the strategies side by side, and step
+time and comm share against the bucket size for each engine with buckets (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -28,17 +26,10 @@ def _cell(analysis: Analysis, row: Row | None, panel: int) -> Estimate | None:
 
 def _error(estimates: list[Estimate | None], scale: float) -> tuple[list[float], list[list[float]]]:
     """Bar heights and matplotlib's ``yerr`` (distances below and above) for the estimates (missing: 0)."""
-    heights, below, above = [], [], []
-    for e in estimates:
-        if e is None or not math.isfinite(e.point):
-            heights.append(0.0), below.append(0.0), above.append(0.0)
-            continue
-        lo = e.lo if math.isfinite(e.lo) else e.point
-        hi = e.hi if math.isfinite(e.hi) else e.point
-        heights.append(e.point * scale)
-        below.append(max(0.0, (e.point - lo) * scale))
-        above.append(max(0.0, (hi - e.point) * scale))
-    return heights, [below, above]
+    shown = [e if e is not None and math.isfinite(e.point) else Estimate(0.0, 0.0, 0.0) for e in estimates]
+    # max(0.0, nan) is 0.0: an end that is not finite draws no error bar
+    below = [max(0.0, (e.point - e.lo) * scale) for e in shown]
+    return [e.point * scale for e in shown], [below, [max(0.0, (e.hi - e.point) * scale) for e in shown]]
 
 
 def _figure() -> tuple[Any, Any]:

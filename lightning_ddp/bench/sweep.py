@@ -1,8 +1,5 @@
-"""Run a sweep: every cell repeat in its own processes (``SubprocessCellRunner``: ``ok``, ``oom``, ``failed`` or
-``timeout``), interleaved, resumable, each after the load guard; then results.csv, results.md and the plots
-(``output.report_only``: only those, from the raw files). The cell runner and the load guard are injected (how the
-tests fake them); the driver imports no torch. docs/benchmarks.md gives the recipe.
-"""
+"""Run a sweep (docs/benchmarks.md): every cell repeat in its own processes, interleaved, resumable, each after the
+load guard; then results.csv, results.md and the plots. The cell runner and the load guard are injected (tests)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
@@ -50,8 +47,7 @@ ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbench
 
 
 def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
-    """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
-    timing_summary.json lands)."""
+    """The ``fit`` command every process of the cell runs, logging into ``run_dir``."""
     run, workload = config.run, config.workload
     reference = cell.strategy == REFERENCE
     args = ["--config", workload.base_config, *workload.cli_args]
@@ -91,8 +87,8 @@ def threads_per_rank(config: SweepConfig) -> int | None:
 
 def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
                       parent: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: one for the reference and for ``launcher: lightning``, else every
-    rank's (``cell`` None: a job of the sweep's own on every rank, the all-reduce microbenchmark)."""
+    """One environment per process to start: every rank's, or one for the reference and ``launcher: lightning``
+    (``cell`` None: the all-reduce microbenchmark, on every rank)."""
     every_rank = cell is None or cell.strategy != REFERENCE and config.run.launcher == "ranks"
     return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
                              extra=config.run.env, parent=parent)
@@ -101,25 +97,19 @@ def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout
 # ---- one cell repeat ----------------------------------------------------------------------------------------
 
 
-STATUSES = ("ok", "oom", "failed", "timeout")
-
 _ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE)
 
 
 @dataclass
 class CellOutcome:
-    """What running a cell produced: its ``status`` (one of ``STATUSES``), the error line that explains it, the
-    CommTimer's ``timing_summary.json`` and ``compute_profile.json`` when written, the wall time with start-up."""
+    """What running a cell produced: its status, the error line that explains it, the CommTimer's
+    ``timing_summary.json`` and ``compute_profile.json`` when written, the wall time with start-up."""
 
-    status: str
+    status: Literal["ok", "oom", "failed", "timeout"]
     reason: str = ""
     summary: dict[str, Any] | None = None
     wall_s: float = 0.0
     profile: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
 
 CellRunner = Callable[[Cell, Path], CellOutcome]
@@ -189,9 +179,8 @@ class SubprocessCellRunner:
 
 
 def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
-    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran: the cell's coordinates, the ``outcome``,
-    the ``load`` guard's check and the sweep's other ``columns`` (model, accelerator, backend, load_avg_1m,
-    started_at; ``None``: empty)."""
+    """The repeats.csv row of ``cell``'s repeat ``repeat``: its coordinates, ``outcome``, ``load`` and the other
+    ``columns`` (model, accelerator, backend, load_avg_1m, started_at; ``None``: empty)."""
     load = load or LoadCheck()
     row: Row = {column: "" for column in REPEAT_COLUMNS}
     row.update({name: "" if value is None else value for name, value in columns.items()})
@@ -231,9 +220,7 @@ def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) ->
 
 @dataclass
 class SweepResult:
-    """What ``run_sweep`` produced: the grid's cells, the ``Analysis`` of those that ran (its ``rows``: their parsed
-    results.csv rows, grid order), the ``(cell_id, repeat)`` run by this call (the others were skipped as done) and
-    the plots."""
+    """The grid's cells, the ``Analysis`` of those that ran, the ``(cell_id, repeat)`` this call ran, the plots."""
 
     cells: list[Cell]
     analysis: Analysis
@@ -241,18 +228,14 @@ class SweepResult:
     plots: list[Path] = field(default_factory=list)
 
     @property
-    def rows(self) -> list[Row]:
-        return self.analysis.rows
-
-    @property
     def ok(self) -> int:
-        return sum(1 for r in self.rows if r["status"] == "ok")
+        return sum(1 for r in self.analysis.rows if r["status"] == "ok")
 
 
 def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], cell: Cell,
            outcome: CellOutcome, row: Row, wants_prediction: bool) -> None:
-    """A repeat of ``cell`` ran (``row``: its repeats.csv row) into the raw data read back from the files: steps.csv,
-    repeats.csv (last: it marks the repeat done), profiles.json and the prediction, each whole and atomically."""
+    """A repeat of ``cell`` ran (``row``: its repeats.csv row): steps.csv, repeats.csv (last: it marks the repeat
+    done), profiles.json and the prediction, each whole and atomically."""
     key = (cell.id, row["repeat"])
     steps.pop(key, None)
     if outcome.status == "ok" and outcome.summary:
@@ -271,9 +254,8 @@ def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, 
 def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKey, Row],
                   steps: dict[RepeatKey, list[Row]], bootstrap: Bootstrapper,
                   final: bool = False) -> tuple[Analysis, list[Path]]:
-    """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
-    every cell of repeats.csv (the grid's ``cells`` first, then other configurations': the files never lose data);
-    the report and the plots only the grid's."""
+    """results.csv (the grid's ``cells``, then any other of repeats.csv), results.md and, when ``final``, the plots
+    (the grid's cells)."""
     out_dir = Path(config.output.out_dir)
     data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
     ids = [c.id for c in cells]
@@ -294,9 +276,8 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
               predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None = None,
               progress: bool = True, log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
-    """Run (or resume) the sweep of ``config`` (docs/benchmarks.md). Defaults: ``runner`` a
-    ``SubprocessCellRunner``, ``layout`` from the GPUs visible here, ``predictor`` the all-reduce job on the sweep's
-    ranks, ``log`` above the progress bar, ``load_guard`` ``study.wait_until_idle`` with the ``run`` settings."""
+    """Run (or resume) the sweep of ``config``; by default the cells run as subprocesses on the GPUs visible here,
+    after ``study.wait_until_idle``, and the bucket-size prediction is the all-reduce job on the sweep's ranks."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     repeats = read_repeats(out_dir / REPEATS_CSV)
@@ -448,8 +429,7 @@ def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -
 
 
 def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
-    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` these hparams build (on
-    the meta device: instant even for xl)."""
+    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` of ``hparams`` (meta)."""
     import torch
 
     from lightning_ddp.model import GPT, get_config
@@ -488,8 +468,7 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
 
 
 def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, Any]:
-    """What belongs next to the numbers: versions, hardware, backend and placement, commit (and whether the tree
-    was dirty), the full config."""
+    """environment.json: versions, hardware, backend and placement, commit (dirty or not), the full config."""
     gpus: list[str] = []
     cuda_version = None
     if config.run.accelerator == "cuda":
