@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
 from lightning_ddp.bench.launch import REFERENCE
-from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
+from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label, variant_strategy
 
 
 def strategy_with_memory_model(model: str) -> str:
@@ -26,8 +26,9 @@ def default_strategies() -> list[str]:
     return [*exact, BASELINE]
 
 
-def has_bucket_axis(strategy: str) -> bool:
-    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb``."""
+def has_bucket_axis(variant: str) -> bool:
+    """Whether cells of a strategy (or ``"<strategy> <settings>"``) are repeated over ``grid.bucket_sizes_mb``."""
+    strategy = variant_strategy(variant)
     return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
 
 

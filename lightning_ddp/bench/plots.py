@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lightning_ddp.bench.config import REFERENCE
+from lightning_ddp.bench.config import REFERENCE, has_bucket_axis
 from lightning_ddp.bench.report import (
-    SHARE, STEP, Analysis, Group, Row, has_buckets, is_ok, panels, strategy_order, variant_of,
+    SHARE, STEP, Analysis, Group, Row, is_ok, panels, strategy_order, variant_of,
 )
 from lightning_ddp.bench.stats import Estimate
 
@@ -48,7 +48,7 @@ def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
 def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate | None:
     """What a strategy bar shows: an algorithm with buckets at its selected size on the evaluation repeats, any other
     strategy's cell over all repeats."""
-    if has_buckets(name):
+    if has_bucket_axis(name):
         selection = analysis.selections.get((group, name))
         return selection.evaluated.estimate(panel) if selection else None
     return _cell(analysis, next((r for r in analysis.groups[group] if variant_of(r) == name), None), panel)
@@ -62,7 +62,7 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
     width = 0.8 / len(names)
     for k, name in enumerate(names):
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
-        label = (f"{name} (selected size, evaluation repeats)" if has_buckets(name)
+        label = (f"{name} (selected size, evaluation repeats)" if has_bucket_axis(name)
                  else {REFERENCE: "reference (compute only)"}.get(name, name))
         for ax, (panel, scale, _) in zip(axes, _PANELS):
             if panel == SHARE and name == REFERENCE:
@@ -146,7 +146,7 @@ def write_plots(out_dir: str | Path, analysis: Analysis, predicted_mb: float | N
         if _strategy_figure(path, precision, batch, analysis, contexts):
             written.append(path)
         bucketed = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
-        for strategy in filter(has_buckets, bucketed):
+        for strategy in filter(has_bucket_axis, bucketed):
             stem = re.sub(r"[^A-Za-z0-9._-]", "", strategy.replace(" ", "-"))  # as cell ids spell settings: -rank4
             path = out_dir / f"{stem}_{precision}_bs{batch}.png"
             if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):

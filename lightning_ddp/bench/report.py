@@ -271,11 +271,6 @@ def variant_of(row: Row) -> str:
     return f"{row['strategy']} {settings}" if settings else row["strategy"]
 
 
-def has_buckets(variant: str) -> bool:
-    """Whether the strategy of ``variant`` (a strategy, or a strategy with engine settings) has a bucket size."""
-    return has_bucket_axis(variant_strategy(variant))
-
-
 def strategy_order(names: Iterable[str]) -> list[str]:
     """``names`` (strategies or variants, deduplicated) in report order: the reference, the registered algorithms,
     ``ddp``, then any other name; the variants of one strategy, and unknown names, in first-seen order (a strategy
@@ -367,7 +362,7 @@ class Analysis:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
         # per group, its algorithms with buckets (variants), in report order: what the selections, goal 1 and the
         # best-bucket table walk
-        self.algorithms = {group: list(filter(has_buckets, strategy_order(variant_of(r) for r in members)))
+        self.algorithms = {group: list(filter(has_bucket_axis, strategy_order(variant_of(r) for r in members)))
                            for group, members in self.groups.items()}
         self.selections: dict[tuple[Group, str], Selection] = {}
         for group, algorithms in self.algorithms.items():

@@ -273,11 +273,10 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
 
 
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
-              predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None = None,
               progress: bool = True, log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
     """Run (or resume) the sweep of ``config``; by default the cells run as subprocesses on the GPUs visible here,
-    after ``study.wait_until_idle``, and the bucket-size prediction is the all-reduce job on the sweep's ranks."""
+    each after ``study.wait_until_idle``."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     repeats = read_repeats(out_dir / REPEATS_CSV)
@@ -306,7 +305,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
         f"results in {out_dir}")
     wants_prediction = config.run.predict_bucket_size and any(has_bucket_axis(s) for s in config.grid.strategies)
     if wants_prediction and todo:
-        _predict_bucket_size(config, layout, out_dir, predictor, say)
+        _predict_bucket_size(config, layout, out_dir, say)
     runner = runner or SubprocessCellRunner(config, layout)
     run = config.run
     guard = load_guard or (lambda: wait_until_idle(run.busy_threshold, run.max_wait_s, run.load_sample_s))
@@ -366,17 +365,25 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
     return layout
 
 
-def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
-                         predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None,
-                         say: Callable[[str], None]) -> None:
-    """Run the all-reduce microbenchmark once (unless bucket_prediction.json exists) and write its fit."""
+def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path, say: Callable[[str], None]) -> None:
+    """Unless bucket_prediction.json exists: ``python -m lightning_ddp.bench.allreduce`` on every rank at once, its
+    fit written there."""
     if (out_dir / PREDICTION_JSON).exists():
         return
     say("measuring all-reduce time vs message size for the bucket-size model ...")
-    fit = (predictor or _run_allreduce_job)(config, layout, out_dir)
-    if not fit:
+    job_dir = out_dir / "runs" / "allreduce"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    result_path = job_dir / "fit.json"
+    result_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
+               "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
+    envs = cell_environments(None, config, layout, find_free_port())
+    logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
+    outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
+    if any(code != 0 for code in outcome.returncodes) or not result_path.exists():
         say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
         return
+    fit = json.loads(result_path.read_text())
     write_outputs(out_dir, {PREDICTION_JSON: fit})
     bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
     say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
@@ -410,22 +417,6 @@ def _tqdm_write(line: str) -> None:
 
 
 # ---- the bucket-size prediction ------------------------------------------------------------------------
-
-
-def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -> dict[str, Any] | None:
-    """``python -m lightning_ddp.bench.allreduce`` on every rank at once; its fit, or ``None`` if it failed."""
-    job_dir = out_dir / "runs" / "allreduce"
-    job_dir.mkdir(parents=True, exist_ok=True)
-    result_path = job_dir / "fit.json"
-    result_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
-               "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
-    envs = cell_environments(None, config, layout, find_free_port())
-    logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
-    outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
-    if any(code != 0 for code in outcome.returncodes) or not result_path.exists():
-        return None
-    return json.loads(result_path.read_text())
 
 
 def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
