@@ -669,11 +669,10 @@ def build_report(
             f"{run.get('max_wait_s', '?')} s): "
             + (f"**{busy} of {len(guarded)} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
             + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
-    lines.append(
-        f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best bucket "
-        "sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How to read "
-        "results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's files\"")
-    lines.append("")
+    lines += [f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best "
+              "bucket sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How "
+              "to read results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's "
+              "files\"", ""]
     if pending:
         done = len(repeat_rows)
         lines += [f"> {done} of {done + pending} cell repeats done; rerun the same command to finish the others.", ""]

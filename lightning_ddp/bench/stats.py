@@ -25,9 +25,6 @@ def _as_arrays(repeats: Repeats) -> list[np.ndarray]:
     arrays = [a for a in arrays if a.shape[0] > 0]
     if not arrays:
         raise ValueError("no measurements: every repeat is empty; pass at least one repeat with one step")
-    if len({a.ndim for a in arrays}) != 1 or arrays[0].ndim not in (1, 2) or (
-            arrays[0].ndim == 2 and len({a.shape[1] for a in arrays}) != 1):
-        raise ValueError("every repeat must be an array of shape (steps,) or (steps, metrics) with the same metrics")
     return arrays
 
 

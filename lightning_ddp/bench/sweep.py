@@ -294,7 +294,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
         analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
         return SweepResult(cells, analysis, plots=plots)
 
-    layout = _start_session(config, out_dir, layout, repeats, say)
+    layout = _start_session(config, out_dir, layout, repeats)
     order = interleaved(cells, config.run.repeats)
     # a repeat with a row is done (a failed one too, unless output.retry_failed)
     retry = config.output.retry_failed
@@ -334,23 +334,29 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
 
 
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
-                   repeats: dict[RepeatKey, Row], say: Callable[[str], None]) -> RankLayout:
-    """Check the base config, decide the layout and write environment.json (this session added to the earlier)."""
+                   repeats: dict[RepeatKey, Row]) -> RankLayout:
+    """Check the base config, decide the layout and write environment.json: versions, hardware, placement, commit,
+    the config, and this session added to the earlier ones."""
     if not Path(config.workload.base_config).is_file():
         raise ValueError(
             f"`workload.base_config` {config.workload.base_config!r} not found (relative paths resolve against the "
             f"current directory, {os.getcwd()}); run from the repository root or give an absolute path"
         )
-    if layout is None:
-        run = config.run
-        gpu_count = 0
-        if run.accelerator == "cuda":
-            import torch
+    run, gpus, cuda_version = config.run, [], None
+    if run.accelerator == "cuda":
+        import torch
 
-            gpu_count = torch.cuda.device_count()
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        cuda_version = torch.version.cuda
+    if layout is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        layout = rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpu_count, visible)
-    environment = describe_environment(config, layout)
+        layout = rank_layout(run.accelerator, run.devices, run.backend, run.launcher, len(gpus), visible)
+    environment = provenance(
+        config.output.out_dir,  # the sweep's own results are not a code change
+        hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
+        backend=layout.backend, layout=asdict(layout), threads_per_rank=threads_per_rank(config),
+        config=asdict(config),
+    )
     previous = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True) if repeats else None
     # Every session that ran repeats of this sweep, oldest first (a resumed sweep keeps the earlier ones, so results
     # measured across two commits say so): when it started, the code it ran, how many repeats were already done.
@@ -359,9 +365,6 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
     done = sum(1 for r in repeats.values() if r["status"] == "ok")
     environment["sessions"] = [*earlier, {**{k: environment.get(k) for k in keys}, "repeats_done_before": done}]
     write_outputs(out_dir, {ENVIRONMENT_JSON: environment})
-    if not repeats and (out_dir / RESULTS_CSV).exists():
-        say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
-            "sweep's repeats")
     return layout
 
 
@@ -453,23 +456,3 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     bucket = optimal_bucket_bytes(s, fit["overhead_s"], w, largest)
     fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=bucket)
     write_outputs(path.parent, {path.name: fit})
-
-
-# ---- environment.json ---------------------------------------------------------------------------------
-
-
-def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, Any]:
-    """environment.json: versions, hardware, backend and placement, commit (dirty or not), the full config."""
-    gpus: list[str] = []
-    cuda_version = None
-    if config.run.accelerator == "cuda":
-        import torch
-
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        cuda_version = torch.version.cuda
-    return provenance(
-        config.output.out_dir,  # the sweep's own results are not a code change
-        hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
-        backend=layout.backend, layout=asdict(layout), threads_per_rank=threads_per_rank(config),
-        config=asdict(config),
-    )
