@@ -88,20 +88,16 @@ def _bucket_figure(
     drew = selected = False
     for context in contexts:
         group = (precision, batch, context)
-        points = []  # (x, row, marker)
-        for r in analysis.groups[group]:
-            if variant_of(r) != strategy or not is_ok(r):
-                continue
-            if r["bucket_size_mb"] != "auto":
-                points.append((r["bucket_size_mb"], r, "o"))
-            elif isinstance(r.get("resolved_bucket_size_mb"), float):
-                points.append((r["resolved_bucket_size_mb"], r, "*"))
-        if not points:
+        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)]
+        # (x, row): the fixed sizes ascending; auto at the size it resolved to
+        fixed = sorted(((r["bucket_size_mb"], r) for r in rows if r["bucket_size_mb"] != "auto"), key=lambda p: p[0])
+        auto = [(r["resolved_bucket_size_mb"], r) for r in rows
+                if r["bucket_size_mb"] == "auto" and isinstance(r.get("resolved_bucket_size_mb"), float)]
+        if not fixed and not auto:
             continue
         drew = True
-        fixed = sorted((p for p in points if p[2] == "o"), key=lambda p: p[0])
         selection = analysis.selections.get((group, strategy))
-        chosen = next((p for p in points if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
+        chosen = next((p for p in fixed + auto if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
         color = None
         for ax, (panel, scale, _) in zip(axes, _PANELS):
             if fixed:
@@ -109,11 +105,9 @@ def _bucket_figure(
                 container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
                                         color=color, label=f"context {context}")
                 color = container.lines[0].get_color()
-            for x, r, marker in points:
-                if marker == "*":
-                    heights, yerr = _error([_cell(analysis, r, panel)], scale)
-                    ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3,
-                                color=color)
+            for x, r in auto:
+                heights, yerr = _error([_cell(analysis, r, panel)], scale)
+                ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3, color=color)
             point = _cell(analysis, chosen[1], panel).point if chosen is not None else math.nan
             if math.isfinite(point):
                 selected = True

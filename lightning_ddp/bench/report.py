@@ -213,8 +213,7 @@ def _parse_value(column: str, value: Any) -> Any:
 
 
 def parse_row(raw: Mapping[str, Any], columns: Sequence[str] = RESULT_COLUMNS) -> Row:
-    """A row read back from CSV: numeric columns as floats (ints for the integer ones), empty as ``None``, ``busy``
-    as a bool, numeric bucket sizes as floats."""
+    """A row read back from CSV: numbers (ints where integer), empty as ``None``, ``busy`` as a bool."""
     return {column: _parse_value(column, raw.get(column, "")) for column in columns}
 
 
@@ -244,8 +243,7 @@ def read_steps(path: str | os.PathLike) -> dict[RepeatKey, list[Row]]:
 
 
 def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[str] | None = None) -> None:
-    """Rows to ``path`` atomically, bucket sizes as the files write them; ``columns`` default: steps.csv's
-    (``STEP_ID_COLUMNS``, then every metric key seen)."""
+    """Rows to ``path`` atomically, bucket sizes as the files write them; ``columns`` default: steps.csv's."""
     rows = [{**row, "bucket_size_mb": bucket_cell(row.get("bucket_size_mb"))} for row in rows]
     if columns is None:
         columns = [*STEP_ID_COLUMNS, *dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)]
@@ -263,18 +261,15 @@ ACROSS_GROUPS_TARGET = 0.95
 NOT_MEASURABLE = "not measurable"
 
 
-
 def variant_of(row: Row) -> str:
-    """The row's strategy with its engine settings, what the report compares: ``"bucketed_powersgd rank=4"``, or
-    the strategy alone (``"bucketed"``) for a cell that sets none."""
+    """What the report compares: the row's strategy with its engine settings, if any (``"bucketed_powersgd rank=4"``)."""
     settings = row.get("engine_settings") or ""
     return f"{row['strategy']} {settings}" if settings else row["strategy"]
 
 
 def strategy_order(names: Iterable[str]) -> list[str]:
-    """``names`` (strategies or variants, deduplicated) in report order: the reference, the registered algorithms,
-    ``ddp``, then any other name; the variants of one strategy, and unknown names, in first-seen order (a strategy
-    the registry does not know is shown last, never dropped)."""
+    """``names`` (strategies or variants, deduplicated) in report order: the reference, the catalogue's, ``ddp``,
+    then unknown names; otherwise in first-seen order."""
     known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
@@ -282,8 +277,7 @@ def strategy_order(names: Iterable[str]) -> list[str]:
 
 
 def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
-    """``(precision, batch, contexts)`` of the groups, as the report's tables and the plots show them: precisions and
-    batches in first-seen order, contexts ascending."""
+    """``(precision, batch, contexts)`` of the groups, as tables and plots show them: contexts ascending."""
     groups = list(groups)
     return [(precision, batch, sorted({g[2] for g in groups if g[:2] == (precision, batch)}))
             for precision in dict.fromkeys(g[0] for g in groups)
@@ -319,9 +313,8 @@ class Selection:
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """One performance goal (``goal``, in words) on one group, or goal 1 of one ``algorithm`` across ``groups``
-    measurable groups (``group`` empty): met when the interval of the ratio (``point``, bootstrap ``draws``; None
-    when a cell it needs has no ok repeat) is at or below ``target``; ``in_sample``: never conclusive."""
+    """One goal (in words) on one group, or goal 1 of one ``algorithm`` across ``groups`` groups (``group`` empty):
+    the ratio ``point`` and its ``draws`` (None: not measurable) against ``target``; ``in_sample``: inconclusive."""
 
     group: Group | tuple[()]
     goal: str
@@ -350,8 +343,7 @@ class GoalCheck:
 
 
 class Analysis:
-    """The results.csv ``rows`` (parsed), selections, goals and the across-groups summary of the cells ``data``
-    (``cell_data``; in report order)."""
+    """The results.csv ``rows``, selections, goals and the across-groups summary of the cells ``data``."""
 
     def __init__(self, data: Mapping[str, CellData], bootstrap: Bootstrapper | None = None) -> None:
         self.bootstrap = bootstrap or Bootstrapper(2000, 0)
@@ -360,8 +352,7 @@ class Analysis:
         self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
         for row in self.rows:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
-        # per group, its algorithms with buckets (variants), in report order: what the selections, goal 1 and the
-        # best-bucket table walk
+        # per group, its algorithms with buckets (variants), in report order
         self.algorithms = {group: list(filter(has_bucket_axis, strategy_order(variant_of(r) for r in members)))
                            for group, members in self.groups.items()}
         self.selections: dict[tuple[Group, str], Selection] = {}
@@ -636,8 +627,7 @@ def build_report(
     environment: dict[str, Any] | None = None,
     pending: int = 0,
 ) -> str:
-    """results.md of the grid's ``analysis`` with ``bucket_prediction.json``, ``environment.json`` and the
-    ``pending`` cell repeats."""
+    """results.md of the grid's ``analysis``, its prediction, environment and ``pending`` cell repeats."""
     repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
     environment = environment or {}
     run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
