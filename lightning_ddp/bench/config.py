@@ -70,8 +70,7 @@ class GridConfig:
     context_lengths: list[int] = field(default_factory=lambda: [64, 128])
     """Sequence lengths (``--model.context_length`` and ``--data.seq_len``)."""
     bucket_sizes_mb: list[BucketSize] = field(default_factory=lambda: [0.25, 1.0, 4.0, 16.0, "auto"])
-    """Bucket caps in MiB for the algorithms with buckets; ``auto`` lets the strategy pick one with the all-reduce model
-    (``lightning_ddp.sync.bucket_model``), so the prediction itself is measured."""
+    """Bucket caps in MiB for the algorithms with buckets; with ``auto`` the strategy picks one (``bucket_model``)."""
     precisions: list[str] = field(default_factory=lambda: ["32-true"])
     """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
@@ -145,8 +144,7 @@ class WorkloadConfig:
     """What each cell trains: a CLI config plus a few overrides (the grid's axes always win)."""
 
     base_config: str = "configs/quickstart.yaml"
-    """The fit config every cell starts from (relative to the current directory); the sweep sets its axes, steps
-    and logger on top."""
+    """The fit config every cell starts from (relative to the current directory); the sweep sets its axes on top."""
     preset: Optional[str] = "tiny"
     """Model preset (``--model.preset``: tiny, small, medium, large, xl, 2.7b); null keeps the base config's."""
     cli_args: list[str] = field(default_factory=list)
@@ -185,11 +183,9 @@ class RunConfig:
     timeout_s: float = 600.0
     """Wall-clock limit per cell, start-up included; a cell past it is killed and gets status ``timeout``."""
     threads_per_rank: Optional[int] = None
-    """``OMP_NUM_THREADS`` of every process, the reference's too; default on CPU cores // devices, unset on
-    CUDA."""
+    """``OMP_NUM_THREADS`` of every process; default on CPU cores // devices, unset on CUDA."""
     predict_bucket_size: bool = True
-    """Run the all-reduce microbenchmark once first, so the report puts the predicted best bucket size next to
-    the measured one."""
+    """Run the all-reduce microbenchmark first: the report puts the predicted best bucket size by the measured one."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every cell, e.g. ``{PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}``."""
     repeats: int = 5
@@ -239,15 +235,13 @@ class OutputConfig:
     """Where every file and runs/<cell id>/r<k>/ go (logs/ is git-ignored; committed results name their folder:
     ``--output.out_dir benchmarks/results/cpu``)."""
     retry_failed: bool = False
-    """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default every finished repeat
-    is skipped)."""
+    """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default none is rerun)."""
     report_only: bool = False
     """Run nothing: rebuild results.csv, results.md and the plots from the raw data, steps.csv and repeats.csv."""
     plots: bool = True
     """Write the PNG plots."""
     bootstrap_samples: int = 2000
-    """Draws of the hierarchical bootstrap behind every 95 % interval (repeats, then steps within each repeat,
-    resampled with replacement; ``lightning_ddp.bench.stats``)."""
+    """Draws of the hierarchical bootstrap behind every 95 % interval (``lightning_ddp.bench.stats``)."""
     seed: int = 0
     """Seed of the bootstrap: the same raw data and seed give the same intervals and verdicts."""
 

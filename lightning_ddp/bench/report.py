@@ -102,7 +102,7 @@ class CellData:
         return sorted(k for k, rows in self.steps.items() if rows)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
-        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a key."""
+        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN for a missing key."""
         chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
         return [np.array([[step.get(key, math.nan) for key in keys] for step in self.steps[k]], dtype=float)
                 for k in chosen]
@@ -262,7 +262,7 @@ NOT_MEASURABLE = "not measurable"
 
 
 def variant_of(row: Row) -> str:
-    """What the report compares: the row's strategy with its engine settings, if any (``"bucketed_powersgd rank=4"``)."""
+    """What the report compares: the row's strategy and engine settings (``"bucketed_powersgd_ddp rank=4"``)."""
     settings = row.get("engine_settings") or ""
     return f"{row['strategy']} {settings}" if settings else row["strategy"]
 
