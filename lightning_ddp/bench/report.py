@@ -550,8 +550,7 @@ def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str)
         return [*group, strategy, "no ok cell", "-", "-", "-", predicted, auto_text]
     evaluated = selection.evaluated
     on = f"{bucket_text(selection.row)}, best of {selection.candidates} on {repeats_text(selection.selection_repeats)}"
-    where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
-             else f"repeats {repeats_text(evaluated.repeats)}: ")
+    where = ("in-sample, " if selection.in_sample else "") + f"repeats {repeats_text(evaluated.repeats)}: "
     return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
             f"{where}{interval_text(evaluated.estimate(STEP), unit=' ms')}",
             interval_text(evaluated.estimate(SHARE), spec=".1f", scale=100, unit=" %"),
@@ -594,30 +593,23 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
 
 
 def _goal_section(analysis: Analysis) -> list[str]:
-    lines = ["## Performance goals", ""]
     counts = _verdict_counts(analysis.goals)
-    lines += [
-        f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} inconclusive, "
-        f"{counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).",
-        "",
-    ]
     goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
               interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
               "**missed**" if check.verdict == "missed" else check.verdict,
               check.note] for check in [*analysis.goals, *analysis.across]]
-    lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
-                            goals, "lrrlrrll")
-    return lines + [""]
+    header = ["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"]
+    return ["## Performance goals", "", f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} "
+            f"inconclusive, {counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).", "",
+            *markdown_table(header, goals, "lrrlrrll"), ""]
 
 
 def _failures(repeat_rows: list[Row]) -> list[str]:
-    """The cell repeats that did not finish, with their reasons."""
-    table = [[r["cell_id"], r["repeat"], r["status"], (r.get("reason") or "").replace("|", "\\|")]
+    """The cell repeats that did not finish, with their reasons (the table escapes a ``|``)."""
+    table = [[r["cell_id"], r["repeat"], r["status"], r.get("reason") or ""]
              for r in repeat_rows if r["status"] not in ("ok", "")]
-    if not table:
-        return []
-    return ["## Cell repeats that did not finish", "", *markdown_table(["cell", "repeat", "status", "reason"], table,
-                                                                        "lrll"), ""]
+    header = ["cell", "repeat", "status", "reason"]
+    return ["## Cell repeats that did not finish", "", *markdown_table(header, table, "lrll"), ""] if table else []
 
 
 def build_report(
@@ -666,9 +658,6 @@ def build_report(
     if pending:
         done = len(repeat_rows)
         lines += [f"> {done} of {done + pending} cell repeats done; rerun the same command to finish the others.", ""]
-    lines += ["## Step time and communication share", ""]
-    lines += _strategy_tables(analysis)
-    lines += _bucket_section(analysis, prediction)
-    lines += _goal_section(analysis)
-    lines += _failures(repeat_rows)
+    lines += ["## Step time and communication share", "", *_strategy_tables(analysis),
+              *_bucket_section(analysis, prediction), *_goal_section(analysis), *_failures(repeat_rows)]
     return "\n".join(lines).rstrip() + "\n"
