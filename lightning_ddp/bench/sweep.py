@@ -20,10 +20,9 @@ from lightning_ddp.bench.launch import (
     ProcessResult, RankLayout, error_line, fit_command, is_oom, rank_environments, rank_layout, run_processes,
     strategy_argument, write_command,
 )
-from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
-    read_repeats, read_steps, write_csv,
+    read_repeats, read_steps, write_csv, write_plots,
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
