@@ -70,11 +70,6 @@ _MEDIANS = (
 )
 
 
-def bucket_cell(size: float | str | None) -> str:
-    """A bucket size as the CSV files write it: ``""`` where the strategy has none."""
-    return "" if size in (None, "") else format_bucket(size)
-
-
 @dataclass(frozen=True)
 class Measured:
     """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
@@ -244,11 +239,13 @@ def read_steps(path: str | os.PathLike) -> dict[RepeatKey, list[Row]]:
 
 
 def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[str] | None = None) -> None:
-    """Rows to ``path`` atomically, bucket sizes as the files write them; ``columns`` default: steps.csv's."""
-    rows = [{**row, "bucket_size_mb": bucket_cell(row.get("bucket_size_mb"))} for row in rows]
+    """Rows to ``path`` atomically, bucket sizes as ``format_bucket``; ``columns`` default: steps.csv's."""
+    rows = list(rows)
     if columns is None:
         columns = [*STEP_ID_COLUMNS, *dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)]
-    files.write_atomically(path, csv_text(rows, columns))
+    cells = ({**row, "bucket_size_mb": format_bucket(row["bucket_size_mb"])} if row.get("bucket_size_mb") else row
+             for row in rows)
+    files.write_atomically(path, csv_text(cells, columns))
 
 
 # ---- the analysis: best bucket sizes, goals, verdicts -------------------------------------------------------

@@ -21,7 +21,7 @@ from lightning_ddp.bench.launch import (
     strategy_argument, write_command,
 )
 from lightning_ddp.bench.report import (
-    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
+    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, build_report, cell_data, cell_row, parse_row,
     read_repeats, read_steps, write_csv, write_plots,
 )
 from lightning_ddp.bench.stats import Bootstrapper
@@ -187,7 +187,7 @@ def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | 
         {name: getattr(cell, name) for name in ("strategy", "batch_size", "context_length", "precision", "world_size")},
         cell_id=cell.id,
         repeat=repeat,
-        bucket_size_mb=bucket_cell(cell.bucket_size_mb),
+        bucket_size_mb=cell.bucket_size_mb,
         engine_settings=format_settings(cell.settings),
         status=outcome.status,
         reason=outcome.reason,
