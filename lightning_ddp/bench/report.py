@@ -353,12 +353,9 @@ class Analysis:
         # per group, its algorithms with buckets (variants), in report order
         self.algorithms = {group: list(filter(has_bucket_axis, strategy_order(variant_of(r) for r in members)))
                            for group, members in self.groups.items()}
-        self.selections: dict[tuple[Group, str], Selection] = {}
-        for group, algorithms in self.algorithms.items():
-            for strategy in algorithms:
-                selection = self._select([r for r in self.groups[group] if variant_of(r) == strategy])
-                if selection is not None:
-                    self.selections[(group, strategy)] = selection
+        chosen = {(group, strategy): self._select([r for r in self.groups[group] if variant_of(r) == strategy])
+                  for group, algorithms in self.algorithms.items() for strategy in algorithms}
+        self.selections = {key: selection for key, selection in chosen.items() if selection is not None}
         with np.errstate(divide="ignore", invalid="ignore"):
             self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
             algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
@@ -395,8 +392,7 @@ class Analysis:
         bucketed = catalogue.DEFAULT_ENGINE
         naive, overlap, ddp, reference = (next((r for r in rows if variant_of(r) == s), None)
                                           for s in (naive_name, overlap_name, BASELINE, REFERENCE))
-        m_naive, m_overlap, m_ddp, m_reference = (self.measured(r)
-                                                 for r in (naive, overlap, ddp, reference))
+        m_naive, m_overlap, m_ddp, m_reference = map(self.measured, (naive, overlap, ddp, reference))
         checks = []
         for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]:
             goal = f"1. {algorithm} (best) step time / ddp step time"

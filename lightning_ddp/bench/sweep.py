@@ -231,30 +231,31 @@ class SweepResult:
         return sum(1 for r in self.analysis.rows if r["status"] == "ok")
 
 
-def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], cell: Cell,
-           outcome: CellOutcome, row: Row, wants_prediction: bool) -> None:
-    """A repeat of ``cell`` ran (``row``: its repeats.csv row): steps.csv, repeats.csv (last: it marks the repeat
-    done), profiles.json and the prediction, each whole and atomically."""
-    key = (cell.id, row["repeat"])
+def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], outcome: CellOutcome,
+           row: Row, wants_prediction: bool) -> None:
+    """A cell repeat ran (``row``: its repeats.csv row): steps.csv, repeats.csv (last: it marks the repeat done),
+    profiles.json and the prediction, each whole and atomically."""
+    cell_id, repeat = row["cell_id"], row["repeat"]
+    key = (cell_id, repeat)
     steps.pop(key, None)
     if outcome.status == "ok" and outcome.summary:
-        steps[key] = measured_step_rows(cell.id, row["repeat"], outcome.summary)
+        steps[key] = measured_step_rows(cell_id, repeat, outcome.summary)
     repeats[key] = parse_row({c: csv_value(v) for c, v in row.items()}, REPEAT_COLUMNS)
     # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
     write_csv(out_dir / STEPS_CSV, (step for k in repeats if k in steps for step in steps[k]))
     write_csv(out_dir / REPEATS_CSV, repeats.values(), REPEAT_COLUMNS)
     profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
-    if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
-        write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell.id: outcome.profile}})
+    if outcome.status == "ok" and outcome.profile and cell_id not in profiles:
+        write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell_id: outcome.profile}})
     if outcome.status == "ok" and wants_prediction:
         _complete_prediction(out_dir / PREDICTION_JSON, outcome)
 
 
 def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKey, Row],
                   steps: dict[RepeatKey, list[Row]], bootstrap: Bootstrapper,
-                  final: bool = False) -> tuple[Analysis, list[Path]]:
-    """results.csv (the grid's ``cells``, then any other of repeats.csv), results.md and, when ``final``, the plots
-    (the grid's cells)."""
+                  final: bool = False) -> SweepResult:
+    """results.csv (the grid's ``cells``, then any other of repeats.csv), results.md and, when ``final``, the plots;
+    the ``SweepResult`` of the grid's cells."""
     out_dir = Path(config.output.out_dir)
     data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
     ids = [c.id for c in cells]
@@ -266,9 +267,9 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
     environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
     write_outputs(out_dir, {RESULTS_MD: build_report(analysis, config.name, prediction, environment, pending)})
     if not (final and config.output.plots and analysis.rows):
-        return analysis, []
+        return SweepResult(cells, analysis)
     predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
-    return analysis, write_plots(out_dir, analysis, predicted_mb)
+    return SweepResult(cells, analysis, plots=write_plots(out_dir, analysis, predicted_mb))
 
 
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
@@ -290,8 +291,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
                 f"`output.report_only` but {out_dir / REPEATS_CSV} has no rows (results.csv and results.md are rebuilt "
                 "from repeats.csv and steps.csv); run the sweep first (without report_only)"
             )
-        analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
-        return SweepResult(cells, analysis, plots=plots)
+        return write_results(config, cells, repeats, steps, bootstrap, final=True)
 
     layout = _start_session(config, out_dir, layout, repeats)
     order = interleaved(cells, config.run.repeats)
@@ -321,13 +321,13 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
             row = repeat_row(cell, k, outcome, load, model=config.workload.preset, accelerator=run.accelerator,
                              backend=layout.backend, load_avg_1m=load_average(), started_at=started_at)
-            record(out_dir, repeats, steps, cell, outcome, row, wants_prediction)
+            record(out_dir, repeats, steps, outcome, row, wants_prediction)
             write_results(config, cells, repeats, steps, bootstrap)
             ran.append((cell.id, k))
             say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
             bar.update(1)
-    analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
-    result = SweepResult(cells, analysis, ran, plots)
+    result = write_results(config, cells, repeats, steps, bootstrap, final=True)
+    result.ran = ran
     say(f"done: {result.ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
     return result
 
