@@ -287,12 +287,9 @@ def is_ok(row: Row | None) -> bool:
     return row is not None and row.get("status") == "ok" and row.get("step_ms_median") is not None
 
 
-VERDICTS = ("met", "missed", "inconclusive", NOT_MEASURABLE)
-
-
 def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
     verdicts = [check.verdict for check in checks]
-    return {v: verdicts.count(v) for v in VERDICTS}
+    return {v: verdicts.count(v) for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
 
 
 @dataclass(frozen=True)
