@@ -1,8 +1,5 @@
-"""What a sweep is: one dataclass per concern (``grid``, ``workload``, ``run``, ``output``), every field documented
-(jsonargparse turns the docstrings into ``--help``), validated in ``__post_init__`` at parse time with every error
-naming the field to change; and the cells it expands to (``expand_grid``: ids that a rerun recognises).
-docs/benchmarks.md.
-"""
+"""A sweep's config (``grid``, ``workload``, ``run``, ``output``; field docstrings are ``--help``, errors name the
+field to change) and the cells it expands to, with ids a rerun recognises (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
 from lightning_ddp.bench.launch import REFERENCE
-from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label
+from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label, variant_strategy
 
 
 def strategy_with_memory_model(model: str) -> str:
@@ -29,8 +26,9 @@ def default_strategies() -> list[str]:
     return [*exact, BASELINE]
 
 
-def has_bucket_axis(strategy: str) -> bool:
-    """Whether cells of ``strategy`` are repeated over ``grid.bucket_sizes_mb``."""
+def has_bucket_axis(variant: str) -> bool:
+    """Whether cells of a strategy (or ``"<strategy> <settings>"``) are repeated over ``grid.bucket_sizes_mb``."""
+    strategy = variant_strategy(variant)
     return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
 
 
@@ -72,8 +70,7 @@ class GridConfig:
     context_lengths: list[int] = field(default_factory=lambda: [64, 128])
     """Sequence lengths (``--model.context_length`` and ``--data.seq_len``)."""
     bucket_sizes_mb: list[BucketSize] = field(default_factory=lambda: [0.25, 1.0, 4.0, 16.0, "auto"])
-    """Bucket caps in MiB for the algorithms with buckets; ``auto`` lets the strategy pick one with the all-reduce model
-    (``lightning_ddp.sync.bucket_model``), so the prediction itself is measured."""
+    """Bucket caps in MiB for the algorithms with buckets; with ``auto`` the strategy picks one (``bucket_model``)."""
     precisions: list[str] = field(default_factory=lambda: ["32-true"])
     """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
@@ -113,8 +110,7 @@ class GridConfig:
 
 
 def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
-    """One entry of ``grid.engine_settings``: every combination checked by its engine (``Entry.check_settings``),
-    values de-duplicated."""
+    """One ``grid.engine_settings`` entry, every combination checked by its engine, values de-duplicated."""
     where = f"`grid.engine_settings.{name}`"
     engines = catalogue.names(engines_only=True)
     if name not in engines:
@@ -148,8 +144,7 @@ class WorkloadConfig:
     """What each cell trains: a CLI config plus a few overrides (the grid's axes always win)."""
 
     base_config: str = "configs/quickstart.yaml"
-    """The fit config every cell starts from (relative to the current directory); the sweep sets its axes, steps
-    and logger on top."""
+    """The fit config every cell starts from (relative to the current directory); the sweep sets its axes on top."""
     preset: Optional[str] = "tiny"
     """Model preset (``--model.preset``: tiny, small, medium, large, xl, 2.7b); null keeps the base config's."""
     cli_args: list[str] = field(default_factory=list)
@@ -188,11 +183,9 @@ class RunConfig:
     timeout_s: float = 600.0
     """Wall-clock limit per cell, start-up included; a cell past it is killed and gets status ``timeout``."""
     threads_per_rank: Optional[int] = None
-    """``OMP_NUM_THREADS`` of every process, the reference's too; default on CPU cores // devices, unset on
-    CUDA."""
+    """``OMP_NUM_THREADS`` of every process; default on CPU cores // devices, unset on CUDA."""
     predict_bucket_size: bool = True
-    """Run the all-reduce microbenchmark once first, so the report puts the predicted best bucket size next to
-    the measured one."""
+    """Run the all-reduce microbenchmark first: the report puts the predicted best bucket size by the measured one."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every cell, e.g. ``{PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}``."""
     repeats: int = 5
@@ -242,15 +235,13 @@ class OutputConfig:
     """Where every file and runs/<cell id>/r<k>/ go (logs/ is git-ignored; committed results name their folder:
     ``--output.out_dir benchmarks/results/cpu``)."""
     retry_failed: bool = False
-    """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default every finished repeat
-    is skipped)."""
+    """Rerun cell repeats whose repeats.csv row has status oom, failed or timeout (by default none is rerun)."""
     report_only: bool = False
     """Run nothing: rebuild results.csv, results.md and the plots from the raw data, steps.csv and repeats.csv."""
     plots: bool = True
     """Write the PNG plots."""
     bootstrap_samples: int = 2000
-    """Draws of the hierarchical bootstrap behind every 95 % interval (repeats, then steps within each repeat,
-    resampled with replacement; ``lightning_ddp.bench.stats``)."""
+    """Draws of the hierarchical bootstrap behind every 95 % interval (``lightning_ddp.bench.stats``)."""
     seed: int = 0
     """Seed of the bootstrap: the same raw data and seed give the same intervals and verdicts."""
 
@@ -264,10 +255,7 @@ class OutputConfig:
 
 @dataclass
 class SweepConfig:
-    """A benchmark sweep: the study's tables and plots, one subprocess per cell, resumable.
-
-    ``python -m lightning_ddp.bench --config configs/bench/cpu.yaml``
-    """
+    """A benchmark sweep, one subprocess per cell, resumable: ``python -m lightning_ddp.bench --config FILE``."""
 
     name: str = "sweep"
     """Title of results.md."""
@@ -328,9 +316,8 @@ def cell_id(coordinates: dict[str, Any], fingerprint: dict[str, Any]) -> str:
 
 
 def expand_grid(config: SweepConfig) -> list[Cell]:
-    """Every cell of the sweep, grouped by (precision, batch size, context length): per group the reference, one
-    cell per listed strategy (``ddp`` added if missing) times its bucket sizes (if it has any) times the combinations
-    of its ``grid.engine_settings``."""
+    """The cells, per (precision, batch, context) group: the reference, then each strategy (``ddp`` added) times its
+    bucket sizes and its ``grid.engine_settings`` combinations."""
     grid = config.grid
     listed = [s for s in grid.strategies if s != REFERENCE]
     if BASELINE not in listed:

@@ -1,13 +1,11 @@
-"""The sweep's files and report: the raw data (``repeats.csv``, ``steps.csv``), the per-cell aggregates
-(``results.csv``), the analysis (per group the best bucket size chosen on the selection repeats and measured on the
-evaluation repeats, the goals with verdicts, goal 1 across groups) and ``results.md``. Everything is computed from
-the raw files alone; docs/benchmarks.md lists every column and defines the analysis.
-"""
+"""The sweep's files (repeats.csv, steps.csv, results.csv), analysis (best bucket sizes, goals, verdicts), results.md
+and plots, computed from the raw files alone; docs/benchmarks.md lists every column and defines the analysis."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -57,6 +55,7 @@ NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index(
 
 ESTIMATED_KEYS: tuple[str, ...] = ("step/time_ms", "comm/share", "comm/busy_ms")
 """The metrics bootstrapped together (the same resampled steps): what the report's intervals and goals need."""
+STEP, SHARE, BUSY = range(3)  # their columns
 
 # (column, CommTimer key) of the pooled-median columns without an interval
 _MEDIANS = (
@@ -71,15 +70,22 @@ _MEDIANS = (
 )
 
 
-def bucket_cell(size: float | str | None) -> str:
-    """A bucket size as the CSV files write it: ``""`` where the strategy has none."""
-    return "" if size in (None, "") else format_bucket(size)
+@dataclass(frozen=True)
+class Measured:
+    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
+
+    repeats: tuple[int, ...]
+    point: np.ndarray = field(repr=False)
+    draws: np.ndarray = field(repr=False)
+
+    def estimate(self, column: int) -> Estimate:
+        lo, hi = percentile_interval(self.draws[:, column])
+        return Estimate(float(self.point[column]), lo, hi)
 
 
 @dataclass
 class CellData:
-    """One cell's coordinates (``meta``), its repeats.csv rows (every status, by repeat index) and the measured steps
-    of its ok repeats (by repeat index): what its statistics are computed from."""
+    """One cell's coordinates (``meta``), its repeats.csv rows and the measured steps of its ok repeats (by index)."""
 
     cell_id: str
     meta: Row
@@ -92,17 +98,20 @@ class CellData:
         return sorted(k for k, rows in self.steps.items() if rows)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
-        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN where a step lacks a
-        key."""
+        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN for a missing key."""
         chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
-        return [np.array([[_number(step.get(key)) for key in keys] for step in self.steps[k]], dtype=float)
+        return [np.array([[step.get(key, math.nan) for key in keys] for step in self.steps[k]], dtype=float)
                 for k in chosen]
 
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
+    def measured(self, bootstrap: Bootstrapper, repeats: Iterable[int] | None = None) -> Measured | None:
+        """The cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them. The draws
+        are named ``"<id>|r0,1,2"`` (``stats.rng_for``): the report's ratios reuse those behind results.csv."""
+        chosen = tuple(self.ok_repeats if repeats is None else [k for k in repeats if k in self.ok_repeats])
+        if not chosen:
+            return None
+        values = self.values(ESTIMATED_KEYS, chosen)
+        draws = bootstrap.draws(f"{self.cell_id}|r" + ",".join(map(str, chosen)), values)
+        return Measured(chosen, np.asarray(pooled_median(values), dtype=float), draws)
 
 
 def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str, CellData]:
@@ -119,12 +128,6 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
         if key in ok:
             cells[key[0]].steps.setdefault(key[1], []).append(step)
     return cells
-
-
-def bootstrap_key(cell_id: str, repeats: Sequence[int]) -> str:
-    """The name a cell's draws over ``repeats`` are drawn under (``stats.rng_for``), e.g. ``"<id>|r0,1,2"``: the
-    report's ratios reuse the draws behind results.csv's intervals."""
-    return f"{cell_id}|r" + ",".join(map(str, repeats))
 
 
 def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
@@ -167,10 +170,11 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
                    step_ms_p10=float(pooled_percentile(step_values, 10)),
                    step_ms_p90=float(pooled_percentile(step_values, 90)),
                    measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
-        lo, hi = percentile_interval(bootstrap.draws(bootstrap_key(data.cell_id, ok), data.values(ESTIMATED_KEYS)))
-        row.update(step_ms_lo=lo[0], step_ms_hi=hi[0])
+        measured = data.measured(bootstrap)
+        step, share = measured.estimate(STEP), measured.estimate(SHARE)
+        row.update(step_ms_lo=step.lo, step_ms_hi=step.hi)
         if "comm/share" in column:
-            row.update(comm_share=float(medians["comm/share"]), comm_share_lo=lo[1], comm_share_hi=hi[1])
+            row.update(comm_share=float(medians["comm/share"]), comm_share_lo=share.lo, comm_share_hi=share.hi)
     # Landmarks but no collective metric: the strategy's collectives were not recorded (fsdp2; not: no communication).
     # A cell with no comm/ key at all (the one-device reference) has no communication: its cells stay empty.
     unrecorded = any(key in column for key in LANDMARK_KEYS) and not any(key in column for key in COLLECTIVE_KEYS)
@@ -205,8 +209,7 @@ def _parse_value(column: str, value: Any) -> Any:
 
 
 def parse_row(raw: Mapping[str, Any], columns: Sequence[str] = RESULT_COLUMNS) -> Row:
-    """A row read back from CSV: numeric columns as floats (ints for the integer ones), empty as ``None``, ``busy``
-    as a bool, numeric bucket sizes as floats."""
+    """A row read back from CSV: numbers (ints where integer), empty as ``None``, ``busy`` as a bool."""
     return {column: _parse_value(column, raw.get(column, "")) for column in columns}
 
 
@@ -236,12 +239,13 @@ def read_steps(path: str | os.PathLike) -> dict[RepeatKey, list[Row]]:
 
 
 def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[str] | None = None) -> None:
-    """Rows to ``path`` atomically, bucket sizes as the files write them; ``columns`` default: steps.csv's
-    (``STEP_ID_COLUMNS``, then every metric key seen)."""
-    rows = [{**row, "bucket_size_mb": bucket_cell(row.get("bucket_size_mb"))} for row in rows]
+    """Rows to ``path`` atomically, bucket sizes as ``format_bucket``; ``columns`` default: steps.csv's."""
+    rows = list(rows)
     if columns is None:
         columns = [*STEP_ID_COLUMNS, *dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)]
-    files.write_atomically(path, csv_text(rows, columns))
+    cells = ({**row, "bucket_size_mb": format_bucket(row["bucket_size_mb"])} if row.get("bucket_size_mb") else row
+             for row in rows)
+    files.write_atomically(path, csv_text(cells, columns))
 
 
 # ---- the analysis: best bucket sizes, goals, verdicts -------------------------------------------------------
@@ -254,25 +258,16 @@ ACROSS_GROUPS_TARGET = 0.95
 
 NOT_MEASURABLE = "not measurable"
 
-STEP, SHARE, BUSY = range(3)  # columns of ESTIMATED_KEYS
-
 
 def variant_of(row: Row) -> str:
-    """The row's strategy with its engine settings, what the report compares: ``"bucketed_powersgd rank=4"``, or
-    the strategy alone (``"bucketed"``) for a cell that sets none."""
+    """What the report compares: the row's strategy and engine settings (``"bucketed_powersgd_ddp rank=4"``)."""
     settings = row.get("engine_settings") or ""
     return f"{row['strategy']} {settings}" if settings else row["strategy"]
 
 
-def has_buckets(variant: str) -> bool:
-    """Whether the strategy of ``variant`` (a strategy, or a strategy with engine settings) has a bucket size."""
-    return has_bucket_axis(variant_strategy(variant))
-
-
 def strategy_order(names: Iterable[str]) -> list[str]:
-    """``names`` (strategies or variants, deduplicated) in report order: the reference, the registered algorithms,
-    ``ddp``, then any other name; the variants of one strategy, and unknown names, in first-seen order (a strategy
-    the registry does not know is shown last, never dropped)."""
+    """``names`` (strategies or variants, deduplicated) in report order: the reference, the catalogue's, ``ddp``,
+    then unknown names; otherwise in first-seen order."""
     known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
@@ -280,8 +275,7 @@ def strategy_order(names: Iterable[str]) -> list[str]:
 
 
 def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
-    """``(precision, batch, contexts)`` of the groups, as the report's tables and the plots show them: precisions and
-    batches in first-seen order, contexts ascending."""
+    """``(precision, batch, contexts)`` of the groups, as tables and plots show them: contexts ascending."""
     groups = list(groups)
     return [(precision, batch, sorted({g[2] for g in groups if g[:2] == (precision, batch)}))
             for precision in dict.fromkeys(g[0] for g in groups)
@@ -293,25 +287,9 @@ def is_ok(row: Row | None) -> bool:
     return row is not None and row.get("status") == "ok" and row.get("step_ms_median") is not None
 
 
-VERDICTS = ("met", "missed", "inconclusive", NOT_MEASURABLE)
-
-
 def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
     verdicts = [check.verdict for check in checks]
-    return {v: verdicts.count(v) for v in VERDICTS}
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
-
-    repeats: tuple[int, ...]
-    point: np.ndarray = field(repr=False)
-    draws: np.ndarray = field(repr=False)
-
-    def estimate(self, column: int) -> Estimate:
-        lo, hi = percentile_interval(self.draws[:, column])
-        return Estimate(float(self.point[column]), lo, hi)
+    return {v: verdicts.count(v) for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
 
 
 @dataclass(frozen=True)
@@ -330,9 +308,8 @@ class Selection:
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """One performance goal (``goal``, in words) on one group, or goal 1 of one ``algorithm`` across ``groups``
-    measurable groups (``group`` empty): met when the interval of the ratio (``point``, bootstrap ``draws``; None
-    when a cell it needs has no ok repeat) is at or below ``target``; ``in_sample``: never conclusive."""
+    """One goal (in words) on one group, or goal 1 of one ``algorithm`` across ``groups`` groups (``group`` empty):
+    the ratio ``point`` and its ``draws`` (None: not measurable) against ``target``; ``in_sample``: inconclusive."""
 
     group: Group | tuple[()]
     goal: str
@@ -361,8 +338,7 @@ class GoalCheck:
 
 
 class Analysis:
-    """The results.csv ``rows`` (parsed), selections, goals and the across-groups summary of the cells ``data``
-    (``cell_data``; in report order)."""
+    """The results.csv ``rows``, selections, goals and the across-groups summary of the cells ``data``."""
 
     def __init__(self, data: Mapping[str, CellData], bootstrap: Bootstrapper | None = None) -> None:
         self.bootstrap = bootstrap or Bootstrapper(2000, 0)
@@ -371,30 +347,20 @@ class Analysis:
         self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
         for row in self.rows:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
-        # per group, its algorithms with buckets (variants), in report order: what the selections, goal 1 and the
-        # best-bucket table walk
-        self.algorithms = {group: list(filter(has_buckets, strategy_order(variant_of(r) for r in members)))
+        # per group, its algorithms with buckets (variants), in report order
+        self.algorithms = {group: list(filter(has_bucket_axis, strategy_order(variant_of(r) for r in members)))
                            for group, members in self.groups.items()}
-        self.selections: dict[tuple[Group, str], Selection] = {}
-        for group, algorithms in self.algorithms.items():
-            for strategy in algorithms:
-                selection = self._select([r for r in self.groups[group] if variant_of(r) == strategy])
-                if selection is not None:
-                    self.selections[(group, strategy)] = selection
+        chosen = {(group, strategy): self._select([r for r in self.groups[group] if variant_of(r) == strategy])
+                  for group, algorithms in self.algorithms.items() for strategy in algorithms}
+        self.selections = {key: selection for key, selection in chosen.items() if selection is not None}
         with np.errstate(divide="ignore", invalid="ignore"):
             self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
             algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
             self.across = [self._across(a) for a in algorithms]
 
-    def measured(self, row: Row, repeats: Sequence[int] | None = None) -> Measured | None:
-        """``row``'s cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them."""
-        data = self.data[row["cell_id"]]
-        chosen = tuple(data.ok_repeats if repeats is None else [k for k in repeats if k in data.ok_repeats])
-        if not chosen:
-            return None
-        values = data.values(ESTIMATED_KEYS, chosen)
-        draws = self.bootstrap.draws(bootstrap_key(row["cell_id"], chosen), values)
-        return Measured(chosen, np.asarray(pooled_median(values), dtype=float), draws)
+    def measured(self, row: Row | None) -> Measured | None:
+        """An ok ``row``'s cell over every ok repeat (its results.csv numbers); ``None`` for any other."""
+        return self.data[row["cell_id"]].measured(self.bootstrap) if is_ok(row) else None
 
     def _select(self, rows: list[Row]) -> Selection | None:
         """The best bucket size of one algorithm in one group (docs/benchmarks.md, "Analysis")."""
@@ -412,7 +378,7 @@ class Analysis:
         # every even repeat failed: nothing to choose on out of sample
         _, row, chosen_on = min(with_selection or candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
         evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
-        evaluated = self.measured(row, evaluation or None)
+        evaluated = self.data[row["cell_id"]].measured(self.bootstrap, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
         return Selection(row, tuple(chosen_on), median_on(row, chosen_on), evaluated, not evaluation, len(candidates))
 
@@ -423,8 +389,7 @@ class Analysis:
         bucketed = catalogue.DEFAULT_ENGINE
         naive, overlap, ddp, reference = (next((r for r in rows if variant_of(r) == s), None)
                                           for s in (naive_name, overlap_name, BASELINE, REFERENCE))
-        m_naive, m_overlap, m_ddp, m_reference = (self.measured(r) if is_ok(r) else None
-                                                 for r in (naive, overlap, ddp, reference))
+        m_naive, m_overlap, m_ddp, m_reference = map(self.measured, (naive, overlap, ddp, reference))
         checks = []
         for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]:
             goal = f"1. {algorithm} (best) step time / ddp step time"
@@ -576,8 +541,7 @@ def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str)
         return [*group, strategy, "no ok cell", "-", "-", "-", predicted, auto_text]
     evaluated = selection.evaluated
     on = f"{bucket_text(selection.row)}, best of {selection.candidates} on {repeats_text(selection.selection_repeats)}"
-    where = (f"in-sample, repeats {repeats_text(evaluated.repeats)}: " if selection.in_sample
-             else f"repeats {repeats_text(evaluated.repeats)}: ")
+    where = ("in-sample, " if selection.in_sample else "") + f"repeats {repeats_text(evaluated.repeats)}: "
     return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
             f"{where}{interval_text(evaluated.estimate(STEP), unit=' ms')}",
             interval_text(evaluated.estimate(SHARE), spec=".1f", scale=100, unit=" %"),
@@ -620,30 +584,23 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
 
 
 def _goal_section(analysis: Analysis) -> list[str]:
-    lines = ["## Performance goals", ""]
     counts = _verdict_counts(analysis.goals)
-    lines += [
-        f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} inconclusive, "
-        f"{counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).",
-        "",
-    ]
     goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
               interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
               "**missed**" if check.verdict == "missed" else check.verdict,
               check.note] for check in [*analysis.goals, *analysis.across]]
-    lines += markdown_table(["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"],
-                            goals, "lrrlrrll")
-    return lines + [""]
+    header = ["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"]
+    return ["## Performance goals", "", f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} "
+            f"inconclusive, {counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).", "",
+            *markdown_table(header, goals, "lrrlrrll"), ""]
 
 
 def _failures(repeat_rows: list[Row]) -> list[str]:
-    """The cell repeats that did not finish, with their reasons."""
-    table = [[r["cell_id"], r["repeat"], r["status"], (r.get("reason") or "").replace("|", "\\|")]
+    """The cell repeats that did not finish, with their reasons (the table escapes a ``|``)."""
+    table = [[r["cell_id"], r["repeat"], r["status"], r.get("reason") or ""]
              for r in repeat_rows if r["status"] not in ("ok", "")]
-    if not table:
-        return []
-    return ["## Cell repeats that did not finish", "", *markdown_table(["cell", "repeat", "status", "reason"], table,
-                                                                        "lrll"), ""]
+    header = ["cell", "repeat", "status", "reason"]
+    return ["## Cell repeats that did not finish", "", *markdown_table(header, table, "lrll"), ""] if table else []
 
 
 def build_report(
@@ -653,8 +610,7 @@ def build_report(
     environment: dict[str, Any] | None = None,
     pending: int = 0,
 ) -> str:
-    """results.md of the grid's ``analysis`` with ``bucket_prediction.json``, ``environment.json`` and the
-    ``pending`` cell repeats."""
+    """results.md of the grid's ``analysis``, its prediction, environment and ``pending`` cell repeats."""
     repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
     environment = environment or {}
     run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
@@ -686,17 +642,150 @@ def build_report(
             f"{run.get('max_wait_s', '?')} s): "
             + (f"**{busy} of {len(guarded)} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
             + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
-    lines.append(
-        f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best bucket "
-        "sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How to read "
-        "results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's files\"")
-    lines.append("")
+    lines += [f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best "
+              "bucket sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How "
+              "to read results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's "
+              "files\"", ""]
     if pending:
         done = len(repeat_rows)
         lines += [f"> {done} of {done + pending} cell repeats done; rerun the same command to finish the others.", ""]
-    lines += ["## Step time and communication share", ""]
-    lines += _strategy_tables(analysis)
-    lines += _bucket_section(analysis, prediction)
-    lines += _goal_section(analysis)
-    lines += _failures(repeat_rows)
+    lines += ["## Step time and communication share", "", *_strategy_tables(analysis),
+              *_bucket_section(analysis, prediction), *_goal_section(analysis), *_failures(repeat_rows)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+# ---- the plots: 95 % error bars, per precision and batch size --------------------------------------------
+
+
+# per panel: the estimated column, the scale and the axis label
+_PANELS = ((STEP, 1.0, "median step time (ms)"), (SHARE, 100.0, "exposed comm share of step (%)"))
+
+
+def _cell(analysis: Analysis, row: Row | None, panel: int) -> Estimate | None:
+    """An ok cell's pooled median and interval over all its ok repeats (the results.csv numbers)."""
+    measured = analysis.measured(row)
+    return measured.estimate(panel) if measured else None
+
+
+def _error(estimates: list[Estimate | None], scale: float) -> tuple[list[float], list[list[float]]]:
+    """Bar heights and matplotlib's ``yerr`` (distances below and above) for the estimates (missing: 0)."""
+    shown = [e if e is not None and math.isfinite(e.point) else Estimate(0.0, 0.0, 0.0) for e in estimates]
+    # max(0.0, nan) is 0.0: an end that is not finite draws no error bar
+    below = [max(0.0, (e.point - e.lo) * scale) for e in shown]
+    return [e.point * scale for e in shown], [below, [max(0.0, (e.hi - e.point) * scale) for e in shown]]
+
+
+def _figure() -> tuple[Any, Any]:
+    from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
+
+    fig = Figure(figsize=(12, 4.2), layout="constrained")
+    return fig, fig.subplots(1, 2)
+
+
+def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
+    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+
+
+def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate | None:
+    """What a strategy bar shows: an algorithm with buckets at its selected size on the evaluation repeats, any other
+    strategy's cell over all repeats."""
+    if has_bucket_axis(name):
+        selection = analysis.selections.get((group, name))
+        return selection.evaluated.estimate(panel) if selection else None
+    return _cell(analysis, next((r for r in analysis.groups[group] if variant_of(r) == name), None), panel)
+
+
+def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
+    names = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
+    if not names:
+        return False
+    fig, axes = _figure()
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
+        label = (f"{name} (selected size, evaluation repeats)" if has_bucket_axis(name)
+                 else {REFERENCE: "reference (compute only)"}.get(name, name))
+        for ax, (panel, scale, _) in zip(axes, _PANELS):
+            if panel == SHARE and name == REFERENCE:
+                ax.bar(xs, [0.0] * len(xs), width)  # keep the colours of both panels aligned
+                continue
+            shown = [_shown(analysis, (precision, batch, c), name, panel) for c in contexts]
+            heights, yerr = _error(shown, scale)
+            ax.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
+    for ax, (*_, ylabel) in zip(axes, _PANELS):
+        ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    _finish(fig, axes[0], path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
+            "rank (error bars: 95 % intervals)")
+    return True
+
+
+def _bucket_figure(
+    path: Path, strategy: str, precision: str, batch: int, analysis: Analysis, contexts: list[int],
+    predicted_mb: float | None,
+) -> bool:
+    fig, axes = _figure()
+    drew = selected = False
+    for context in contexts:
+        group = (precision, batch, context)
+        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)]
+        # (x, row): the fixed sizes ascending; auto at the size it resolved to
+        fixed = sorted(((r["bucket_size_mb"], r) for r in rows if r["bucket_size_mb"] != "auto"), key=lambda p: p[0])
+        auto = [(r["resolved_bucket_size_mb"], r) for r in rows
+                if r["bucket_size_mb"] == "auto" and isinstance(r.get("resolved_bucket_size_mb"), float)]
+        if not fixed and not auto:
+            continue
+        drew = True
+        selection = analysis.selections.get((group, strategy))
+        chosen = next((p for p in fixed + auto if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
+        color = None
+        for ax, (panel, scale, _) in zip(axes, _PANELS):
+            if fixed:
+                heights, yerr = _error([_cell(analysis, p[1], panel) for p in fixed], scale)
+                container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
+                                        color=color, label=f"context {context}")
+                color = container.lines[0].get_color()
+            for x, r in auto:
+                heights, yerr = _error([_cell(analysis, r, panel)], scale)
+                ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3, color=color)
+            point = _cell(analysis, chosen[1], panel).point if chosen is not None else math.nan
+            if math.isfinite(point):
+                selected = True
+                ax.plot([chosen[0]], [point * scale], marker="o", markersize=16,
+                        markerfacecolor="none", markeredgewidth=1.5, linestyle="", color=color)
+    if not drew:
+        return False
+    if selected:  # one neutral legend entry for the circles of every context
+        axes[0].plot([], [], marker="o", markersize=12, markerfacecolor="none", linestyle="", color="gray",
+                     label="selected size (on the selection repeats)")
+    for ax, (*_, ylabel) in zip(axes, _PANELS):
+        ax.set_xscale("log")
+        ax.set_xlabel("bucket size (MiB)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        if predicted_mb:
+            ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
+    _finish(fig, axes[0], path, f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} "
+            "per rank (all repeats, 95 % intervals; stars: auto; circled: selected)")
+    return True
+
+
+def write_plots(out_dir: str | Path, analysis: Analysis, predicted_mb: float | None = None) -> list[Path]:
+    """Write the figures of the module docstring for the sweep's ``analysis``; return their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for precision, batch, contexts in panels(analysis.groups):
+        path = out_dir / f"strategies_{precision}_bs{batch}.png"
+        if _strategy_figure(path, precision, batch, analysis, contexts):
+            written.append(path)
+        bucketed = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
+        for strategy in filter(has_bucket_axis, bucketed):
+            stem = re.sub(r"[^A-Za-z0-9._-]", "", strategy.replace(" ", "-"))  # as cell ids spell settings: -rank4
+            path = out_dir / f"{stem}_{precision}_bs{batch}.png"
+            if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
+                written.append(path)
+    return written

@@ -1,6 +1,5 @@
-"""The study's statistics: pooled medians, hierarchical-bootstrap intervals (repeats, then steps within each),
-ratios, geometric means and verdicts (pure, numpy only); docs/benchmarks.md defines each, with examples.
-"""
+"""The study's statistics (numpy only): pooled medians, hierarchical-bootstrap intervals, ratios, geometric means
+and verdicts; docs/benchmarks.md defines each, with examples."""
 
 from __future__ import annotations
 
@@ -26,9 +25,6 @@ def _as_arrays(repeats: Repeats) -> list[np.ndarray]:
     arrays = [a for a in arrays if a.shape[0] > 0]
     if not arrays:
         raise ValueError("no measurements: every repeat is empty; pass at least one repeat with one step")
-    if len({a.ndim for a in arrays}) != 1 or arrays[0].ndim not in (1, 2) or (
-            arrays[0].ndim == 2 and len({a.shape[1] for a in arrays}) != 1):
-        raise ValueError("every repeat must be an array of shape (steps,) or (steps, metrics) with the same metrics")
     return arrays
 
 
@@ -69,9 +65,8 @@ def hierarchical_bootstrap(
     rng: np.random.Generator,
     statistic: Callable[[np.ndarray, int], np.ndarray] = _median,
 ) -> np.ndarray:
-    """``samples`` draws ``(B,)`` (``(B, k)`` for 2-D repeats, whose ``k`` metrics of a step are resampled
-    together) of ``statistic(values, axis)`` (default: the median; NaNs may be present) over the pooled steps of a
-    draw: resample the repeats with replacement, then the steps within each."""
+    """``samples`` draws (``(B,)``, or ``(B, k)`` for 2-D repeats: a step's metrics stay together) of ``statistic``
+    (default: the NaN-aware median) over the pooled steps, resampling the repeats, then the steps within each."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     arrays = _as_arrays(repeats)
@@ -137,8 +132,7 @@ def interval_text(point: Any, lo: Any = math.nan, hi: Any = math.nan, spec: str 
 
 
 def verdict(interval: tuple[float, float] | Estimate, target: float) -> str:
-    """``met`` if the interval's upper end is <= ``target``, ``missed`` if its lower end is > ``target``, else
-    ``inconclusive`` (also when an end is NaN: nothing can be said)."""
+    """``met`` if the interval is at or below ``target``, ``missed`` if above it, else (or NaN) ``inconclusive``."""
     lo, hi = (interval.lo, interval.hi) if isinstance(interval, Estimate) else interval
     if hi <= target + _TOLERANCE:
         return "met"
@@ -171,9 +165,8 @@ def geometric_mean_draws(ratio_draws: Sequence[np.ndarray]) -> np.ndarray:
 
 
 class Bootstrapper:
-    """``draws(key, repeats)``: ``hierarchical_bootstrap(repeats, samples, rng_for(seed, key))``, cached on the key
-    and the values (the same cell drawn for its own interval and inside a ratio is the same draw; a cell that gained
-    repeats is drawn anew)."""
+    """``draws(key, repeats)``: ``hierarchical_bootstrap`` seeded by ``rng_for(seed, key)``, cached on the key and
+    the values (a cell's own interval and its ratios share the draws)."""
 
     def __init__(self, samples: int, seed: int) -> None:
         self.samples = samples

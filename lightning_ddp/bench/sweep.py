@@ -1,8 +1,5 @@
-"""Run a sweep: every cell repeat in its own processes (``SubprocessCellRunner``: ``ok``, ``oom``, ``failed`` or
-``timeout``), interleaved, resumable, each after the load guard; then results.csv, results.md and the plots
-(``output.report_only``: only those, from the raw files). The cell runner and the load guard are injected (how the
-tests fake them); the driver imports no torch. docs/benchmarks.md gives the recipe.
-"""
+"""Run a sweep (docs/benchmarks.md): every cell repeat in its own processes, interleaved, resumable, each after the
+load guard; then results.csv, results.md and the plots. The cell runner and the load guard are injected (tests)."""
 
 from __future__ import annotations
 
@@ -16,17 +13,16 @@ import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
     ProcessResult, RankLayout, error_line, fit_command, is_oom, rank_environments, rank_layout, run_processes,
     strategy_argument, write_command,
 )
-from lightning_ddp.bench.plots import write_plots
 from lightning_ddp.bench.report import (
-    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, bucket_cell, build_report, cell_data, cell_row, parse_row,
-    read_repeats, read_steps, write_csv,
+    REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, build_report, cell_data, cell_row, parse_row,
+    read_repeats, read_steps, write_csv, write_plots,
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
@@ -50,8 +46,7 @@ ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbench
 
 
 def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: Path) -> list[str]:
-    """The cell's ``fit`` command (every process of the cell runs it), logging into ``run_dir`` itself (where its
-    timing_summary.json lands)."""
+    """The ``fit`` command every process of the cell runs, logging into ``run_dir``."""
     run, workload = config.run, config.workload
     reference = cell.strategy == REFERENCE
     args = ["--config", workload.base_config, *workload.cli_args]
@@ -91,8 +86,8 @@ def threads_per_rank(config: SweepConfig) -> int | None:
 
 def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
                       parent: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: one for the reference and for ``launcher: lightning``, else every
-    rank's (``cell`` None: a job of the sweep's own on every rank, the all-reduce microbenchmark)."""
+    """One environment per process to start: every rank's, or one for the reference and ``launcher: lightning``
+    (``cell`` None: the all-reduce microbenchmark, on every rank)."""
     every_rank = cell is None or cell.strategy != REFERENCE and config.run.launcher == "ranks"
     return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
                              extra=config.run.env, parent=parent)
@@ -101,25 +96,19 @@ def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout
 # ---- one cell repeat ----------------------------------------------------------------------------------------
 
 
-STATUSES = ("ok", "oom", "failed", "timeout")
-
 _ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE)
 
 
 @dataclass
 class CellOutcome:
-    """What running a cell produced: its ``status`` (one of ``STATUSES``), the error line that explains it, the
-    CommTimer's ``timing_summary.json`` and ``compute_profile.json`` when written, the wall time with start-up."""
+    """What running a cell produced: its status, the error line that explains it, the CommTimer's
+    ``timing_summary.json`` and ``compute_profile.json`` when written, the wall time with start-up."""
 
-    status: str
+    status: Literal["ok", "oom", "failed", "timeout"]
     reason: str = ""
     summary: dict[str, Any] | None = None
     wall_s: float = 0.0
     profile: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
 
 CellRunner = Callable[[Cell, Path], CellOutcome]
@@ -189,9 +178,8 @@ class SubprocessCellRunner:
 
 
 def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
-    """The repeats.csv row of repeat ``repeat`` of ``cell`` after it ran: the cell's coordinates, the ``outcome``,
-    the ``load`` guard's check and the sweep's other ``columns`` (model, accelerator, backend, load_avg_1m,
-    started_at; ``None``: empty)."""
+    """The repeats.csv row of ``cell``'s repeat ``repeat``: its coordinates, ``outcome``, ``load`` and the other
+    ``columns`` (model, accelerator, backend, load_avg_1m, started_at; ``None``: empty)."""
     load = load or LoadCheck()
     row: Row = {column: "" for column in REPEAT_COLUMNS}
     row.update({name: "" if value is None else value for name, value in columns.items()})
@@ -199,7 +187,7 @@ def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | 
         {name: getattr(cell, name) for name in ("strategy", "batch_size", "context_length", "precision", "world_size")},
         cell_id=cell.id,
         repeat=repeat,
-        bucket_size_mb=bucket_cell(cell.bucket_size_mb),
+        bucket_size_mb=cell.bucket_size_mb,
         engine_settings=format_settings(cell.settings),
         status=outcome.status,
         reason=outcome.reason,
@@ -231,9 +219,7 @@ def measured_step_rows(cell_id: str, repeat: int, summary: Mapping[str, Any]) ->
 
 @dataclass
 class SweepResult:
-    """What ``run_sweep`` produced: the grid's cells, the ``Analysis`` of those that ran (its ``rows``: their parsed
-    results.csv rows, grid order), the ``(cell_id, repeat)`` run by this call (the others were skipped as done) and
-    the plots."""
+    """The grid's cells, the ``Analysis`` of those that ran, the ``(cell_id, repeat)`` this call ran, the plots."""
 
     cells: list[Cell]
     analysis: Analysis
@@ -241,39 +227,35 @@ class SweepResult:
     plots: list[Path] = field(default_factory=list)
 
     @property
-    def rows(self) -> list[Row]:
-        return self.analysis.rows
-
-    @property
     def ok(self) -> int:
-        return sum(1 for r in self.rows if r["status"] == "ok")
+        return sum(1 for r in self.analysis.rows if r["status"] == "ok")
 
 
-def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], cell: Cell,
-           outcome: CellOutcome, row: Row, wants_prediction: bool) -> None:
-    """A repeat of ``cell`` ran (``row``: its repeats.csv row) into the raw data read back from the files: steps.csv,
-    repeats.csv (last: it marks the repeat done), profiles.json and the prediction, each whole and atomically."""
-    key = (cell.id, row["repeat"])
+def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], outcome: CellOutcome,
+           row: Row, wants_prediction: bool) -> None:
+    """A cell repeat ran (``row``: its repeats.csv row): steps.csv, repeats.csv (last: it marks the repeat done),
+    profiles.json and the prediction, each whole and atomically."""
+    cell_id, repeat = row["cell_id"], row["repeat"]
+    key = (cell_id, repeat)
     steps.pop(key, None)
     if outcome.status == "ok" and outcome.summary:
-        steps[key] = measured_step_rows(cell.id, row["repeat"], outcome.summary)
+        steps[key] = measured_step_rows(cell_id, repeat, outcome.summary)
     repeats[key] = parse_row({c: csv_value(v) for c, v in row.items()}, REPEAT_COLUMNS)
     # steps first, the repeat's row last: a kill in between leaves steps that the next run ignores
     write_csv(out_dir / STEPS_CSV, (step for k in repeats if k in steps for step in steps[k]))
     write_csv(out_dir / REPEATS_CSV, repeats.values(), REPEAT_COLUMNS)
     profiles: dict[str, Any] = read_json(out_dir / PROFILES_JSON, missing_ok=True) or {}
-    if outcome.status == "ok" and outcome.profile and cell.id not in profiles:
-        write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell.id: outcome.profile}})
+    if outcome.status == "ok" and outcome.profile and cell_id not in profiles:
+        write_outputs(out_dir, {PROFILES_JSON: {**profiles, cell_id: outcome.profile}})
     if outcome.status == "ok" and wants_prediction:
         _complete_prediction(out_dir / PREDICTION_JSON, outcome)
 
 
 def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKey, Row],
                   steps: dict[RepeatKey, list[Row]], bootstrap: Bootstrapper,
-                  final: bool = False) -> tuple[Analysis, list[Path]]:
-    """results.csv and results.md from the raw data (always) and, when ``final``, the plots. results.csv holds
-    every cell of repeats.csv (the grid's ``cells`` first, then other configurations': the files never lose data);
-    the report and the plots only the grid's."""
+                  final: bool = False) -> SweepResult:
+    """results.csv (the grid's ``cells``, then any other of repeats.csv), results.md and, when ``final``, the plots;
+    the ``SweepResult`` of the grid's cells."""
     out_dir = Path(config.output.out_dir)
     data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
     ids = [c.id for c in cells]
@@ -285,18 +267,16 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
     environment = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True)
     write_outputs(out_dir, {RESULTS_MD: build_report(analysis, config.name, prediction, environment, pending)})
     if not (final and config.output.plots and analysis.rows):
-        return analysis, []
+        return SweepResult(cells, analysis)
     predicted_mb = prediction["bucket_bytes"] / 2**20 if prediction and prediction.get("bucket_bytes") else None
-    return analysis, write_plots(out_dir, analysis, predicted_mb)
+    return SweepResult(cells, analysis, plots=write_plots(out_dir, analysis, predicted_mb))
 
 
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
-              predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None = None,
               progress: bool = True, log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
-    """Run (or resume) the sweep of ``config`` (docs/benchmarks.md). Defaults: ``runner`` a
-    ``SubprocessCellRunner``, ``layout`` from the GPUs visible here, ``predictor`` the all-reduce job on the sweep's
-    ranks, ``log`` above the progress bar, ``load_guard`` ``study.wait_until_idle`` with the ``run`` settings."""
+    """Run (or resume) the sweep of ``config``; by default the cells run as subprocesses on the GPUs visible here,
+    each after ``study.wait_until_idle``."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     repeats = read_repeats(out_dir / REPEATS_CSV)
@@ -311,10 +291,9 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
                 f"`output.report_only` but {out_dir / REPEATS_CSV} has no rows (results.csv and results.md are rebuilt "
                 "from repeats.csv and steps.csv); run the sweep first (without report_only)"
             )
-        analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
-        return SweepResult(cells, analysis, plots=plots)
+        return write_results(config, cells, repeats, steps, bootstrap, final=True)
 
-    layout = _start_session(config, out_dir, layout, repeats, say)
+    layout = _start_session(config, out_dir, layout, repeats)
     order = interleaved(cells, config.run.repeats)
     # a repeat with a row is done (a failed one too, unless output.retry_failed)
     retry = config.output.retry_failed
@@ -325,7 +304,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
         f"results in {out_dir}")
     wants_prediction = config.run.predict_bucket_size and any(has_bucket_axis(s) for s in config.grid.strategies)
     if wants_prediction and todo:
-        _predict_bucket_size(config, layout, out_dir, predictor, say)
+        _predict_bucket_size(config, layout, out_dir, say)
     runner = runner or SubprocessCellRunner(config, layout)
     run = config.run
     guard = load_guard or (lambda: wait_until_idle(run.busy_threshold, run.max_wait_s, run.load_sample_s))
@@ -342,35 +321,41 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
             outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
             row = repeat_row(cell, k, outcome, load, model=config.workload.preset, accelerator=run.accelerator,
                              backend=layout.backend, load_avg_1m=load_average(), started_at=started_at)
-            record(out_dir, repeats, steps, cell, outcome, row, wants_prediction)
+            record(out_dir, repeats, steps, outcome, row, wants_prediction)
             write_results(config, cells, repeats, steps, bootstrap)
             ran.append((cell.id, k))
             say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
             bar.update(1)
-    analysis, plots = write_results(config, cells, repeats, steps, bootstrap, final=True)
-    result = SweepResult(cells, analysis, ran, plots)
+    result = write_results(config, cells, repeats, steps, bootstrap, final=True)
+    result.ran = ran
     say(f"done: {result.ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
     return result
 
 
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
-                   repeats: dict[RepeatKey, Row], say: Callable[[str], None]) -> RankLayout:
-    """Check the base config, decide the layout and write environment.json (this session added to the earlier)."""
+                   repeats: dict[RepeatKey, Row]) -> RankLayout:
+    """Check the base config, decide the layout and write environment.json: versions, hardware, placement, commit,
+    the config, and this session added to the earlier ones."""
     if not Path(config.workload.base_config).is_file():
         raise ValueError(
             f"`workload.base_config` {config.workload.base_config!r} not found (relative paths resolve against the "
             f"current directory, {os.getcwd()}); run from the repository root or give an absolute path"
         )
-    if layout is None:
-        run = config.run
-        gpu_count = 0
-        if run.accelerator == "cuda":
-            import torch
+    run, gpus, cuda_version = config.run, [], None
+    if run.accelerator == "cuda":
+        import torch
 
-            gpu_count = torch.cuda.device_count()
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        cuda_version = torch.version.cuda
+    if layout is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        layout = rank_layout(run.accelerator, run.devices, run.backend, run.launcher, gpu_count, visible)
-    environment = describe_environment(config, layout)
+        layout = rank_layout(run.accelerator, run.devices, run.backend, run.launcher, len(gpus), visible)
+    environment = provenance(
+        config.output.out_dir,  # the sweep's own results are not a code change
+        hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
+        backend=layout.backend, layout=asdict(layout), threads_per_rank=threads_per_rank(config),
+        config=asdict(config),
+    )
     previous = read_json(out_dir / ENVIRONMENT_JSON, missing_ok=True) if repeats else None
     # Every session that ran repeats of this sweep, oldest first (a resumed sweep keeps the earlier ones, so results
     # measured across two commits say so): when it started, the code it ran, how many repeats were already done.
@@ -379,23 +364,28 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
     done = sum(1 for r in repeats.values() if r["status"] == "ok")
     environment["sessions"] = [*earlier, {**{k: environment.get(k) for k in keys}, "repeats_done_before": done}]
     write_outputs(out_dir, {ENVIRONMENT_JSON: environment})
-    if not repeats and (out_dir / RESULTS_CSV).exists():
-        say(f"{out_dir / RESULTS_CSV} has no repeats.csv beside it (an older sweep): it will be rewritten from this "
-            "sweep's repeats")
     return layout
 
 
-def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
-                         predictor: Callable[[SweepConfig, RankLayout, Path], dict[str, Any] | None] | None,
-                         say: Callable[[str], None]) -> None:
-    """Run the all-reduce microbenchmark once (unless bucket_prediction.json exists) and write its fit."""
+def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path, say: Callable[[str], None]) -> None:
+    """Unless bucket_prediction.json exists: ``python -m lightning_ddp.bench.allreduce`` on every rank at once, its
+    fit written there."""
     if (out_dir / PREDICTION_JSON).exists():
         return
     say("measuring all-reduce time vs message size for the bucket-size model ...")
-    fit = (predictor or _run_allreduce_job)(config, layout, out_dir)
-    if not fit:
+    job_dir = out_dir / "runs" / "allreduce"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    result_path = job_dir / "fit.json"
+    result_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
+               "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
+    envs = cell_environments(None, config, layout, find_free_port())
+    logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
+    outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
+    if any(code != 0 for code in outcome.returncodes) or not result_path.exists():
         say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
         return
+    fit = json.loads(result_path.read_text())
     write_outputs(out_dir, {PREDICTION_JSON: fit})
     bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
     say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
@@ -431,25 +421,8 @@ def _tqdm_write(line: str) -> None:
 # ---- the bucket-size prediction ------------------------------------------------------------------------
 
 
-def _run_allreduce_job(config: SweepConfig, layout: RankLayout, out_dir: Path) -> dict[str, Any] | None:
-    """``python -m lightning_ddp.bench.allreduce`` on every rank at once; its fit, or ``None`` if it failed."""
-    job_dir = out_dir / "runs" / "allreduce"
-    job_dir.mkdir(parents=True, exist_ok=True)
-    result_path = job_dir / "fit.json"
-    result_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "lightning_ddp.bench.allreduce", "--out", str(result_path.resolve()),
-               "--backend", layout.backend, "--device", config.run.accelerator, "--repeats", str(ALLREDUCE_REPEATS)]
-    envs = cell_environments(None, config, layout, find_free_port())
-    logs = [job_dir / f"rank{r}.log" for r in range(len(envs))]
-    outcome = run_processes(command, envs, logs, min(config.run.timeout_s, 600.0))
-    if any(code != 0 for code in outcome.returncodes) or not result_path.exists():
-        return None
-    return json.loads(result_path.read_text())
-
-
 def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
-    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` these hparams build (on
-    the meta device: instant even for xl)."""
+    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` of ``hparams`` (meta)."""
     import torch
 
     from lightning_ddp.model import GPT, get_config
@@ -482,24 +455,3 @@ def _complete_prediction(path: Path, outcome: CellOutcome) -> None:
     bucket = optimal_bucket_bytes(s, fit["overhead_s"], w, largest)
     fit.update(grad_bytes=s, largest_param_bytes=largest, bucket_bytes=bucket)
     write_outputs(path.parent, {path.name: fit})
-
-
-# ---- environment.json ---------------------------------------------------------------------------------
-
-
-def describe_environment(config: SweepConfig, layout: RankLayout) -> dict[str, Any]:
-    """What belongs next to the numbers: versions, hardware, backend and placement, commit (and whether the tree
-    was dirty), the full config."""
-    gpus: list[str] = []
-    cuda_version = None
-    if config.run.accelerator == "cuda":
-        import torch
-
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        cuda_version = torch.version.cuda
-    return provenance(
-        config.output.out_dir,  # the sweep's own results are not a code change
-        hostname=platform.node(), jsonargparse=package_version("jsonargparse"), cuda=cuda_version, gpus=gpus,
-        backend=layout.backend, layout=asdict(layout), threads_per_rank=threads_per_rank(config),
-        config=asdict(config),
-    )

@@ -426,7 +426,7 @@ def test_resume_runs_only_the_missing_repeats(tmp_path) -> None:
     runner = FakeRunner()
     result = run_fake(config, runner)
     assert runner.calls == order[12:]  # none of the finished repeats ran again
-    assert [r["cell_id"] for r in result.rows] == [c.id for c in cells]
+    assert [r["cell_id"] for r in result.analysis.rows] == [c.id for c in cells]
     assert [s["step/time_ms"] for s in read_steps(out / "steps.csv")[order[12]]] == [100.0] * 4  # not the 999
 
     assert run_fake(config, FakeRunner()).ran == []  # nothing left
@@ -472,7 +472,7 @@ def test_failing_cells_get_rows_and_the_sweep_goes_on(tmp_path) -> None:
     })
     result = run_fake(config, runner)
     assert len(runner.calls) == 2 * len(expand_grid(config))  # every repeat of every cell was attempted
-    by_strategy = {r["strategy"]: r for r in result.rows}
+    by_strategy = {r["strategy"]: r for r in result.analysis.rows}
     assert by_strategy["naive_ddp"]["status"] == "oom" and "out of memory" in by_strategy["naive_ddp"]["reason"]
     assert by_strategy["bucketed_ddp"]["status"] == "timeout"
     assert by_strategy["ddp"]["status"] == "failed" and by_strategy["ddp"]["step_ms_median"] is None
@@ -576,7 +576,7 @@ def selection_sweep(tmp_path, repeats: int):
 
 def test_the_best_bucket_size_is_chosen_on_even_repeats_and_measured_on_odd_ones(tmp_path) -> None:
     config, result = selection_sweep(tmp_path, repeats=2)
-    rows = {(r["strategy"], r["bucket_size_mb"]): r for r in result.rows}
+    rows = {(r["strategy"], r["bucket_size_mb"]): r for r in result.analysis.rows}
     # Over all repeats 4 MiB looks best (95 ms; 1 MiB pools 4 x 80 and 4 x 120 -> 100 ms), and on the selection
     # repeat alone 1 MiB looks best (80 ms): picking and reporting the in-sample minimum would say 80 / 100 = 0.8.
     assert rows[("bucketed_ddp", 1.0)]["step_ms_median"] == 100.0 and rows[("bucketed_ddp", 4.0)]["step_ms_median"] == 95.0

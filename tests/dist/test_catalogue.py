@@ -216,8 +216,7 @@ def _made_up_analysis(cells):
 def test_the_sweep_gives_the_toy_cells_a_bucket_axis_a_report_row_and_plots(toy, tmp_path) -> None:
     from lightning_ddp.bench.config import GridConfig, SweepConfig, expand_grid
     from lightning_ddp.bench.launch import strategy_argument
-    from lightning_ddp.bench.plots import write_plots
-    from lightning_ddp.bench.report import build_report
+    from lightning_ddp.bench.report import build_report, write_plots
 
     config = SweepConfig(grid=GridConfig(strategies=["naive_ddp", "toy_halves"], batch_sizes=[2], context_lengths=[32],
                                          bucket_sizes_mb=[1.0, 4.0]))
@@ -240,8 +239,7 @@ def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_
     from lightning_ddp.bench.config import GridConfig, SweepConfig, expand_grid
     from lightning_ddp.bench.sweep import cell_command
     from lightning_ddp.bench.launch import RankLayout
-    from lightning_ddp.bench.plots import write_plots
-    from lightning_ddp.bench.report import build_report
+    from lightning_ddp.bench.report import build_report, write_plots
 
     def config(**settings) -> SweepConfig:
         return SweepConfig(grid=GridConfig(strategies=["toy_pieces"], batch_sizes=[2], context_lengths=[32],
