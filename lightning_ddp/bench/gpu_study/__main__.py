@@ -1,8 +1,6 @@
-"""``python -m lightning_ddp.bench.gpu_study --out DIR [--budget_min 9] [--resume true] [--archive FILE]``.
-
-Every field of ``GPUStudyConfig`` is a flag; ``--help`` documents them. Exit status: 0 when every stage that ran is
-ok (stages left for a later ``--resume true`` call are listed on the last line), 1 when one failed, 2 for a missing
-package, a bad command line or no CUDA without ``--cpu_dry_run``, 130 when interrupted.
+"""``python -m lightning_ddp.bench.gpu_study --out DIR``: every field of ``GPUStudyConfig`` is a flag. Exit status: 0
+when every stage that ran is ok, 1 when one failed, 2 for a missing package, a bad command line or no CUDA without
+``--cpu_dry_run``, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import sys
 import time
 
 from lightning_ddp.command_line import parse_dataclass
-from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
+from lightning_ddp.bench.gpu_study import GPUStudyConfig
 
 REQUIRED: dict[str, str] = {
     "torch": "torch", "lightning": "lightning", "jsonargparse": "jsonargparse", "docstring_parser": "docstring-parser",

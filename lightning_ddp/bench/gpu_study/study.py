@@ -1,9 +1,6 @@
 """Run the stages in order against this call's budget, rewriting ``stages.json`` and ``results.md`` after every
-stage, so that several short calls (``--resume true``) finish the study; ``--archive`` packs what is worth committing.
-
-A stage's status: ``pending``, ``running``, ``ok``, ``failed`` (with one error line), ``interrupted``, ``skipped:
-not selected``, ``skipped: no CUDA`` or ``skipped: budget`` (its estimate exceeds what is left). docs/gpu.md says
-how a call is budgeted and what the archive holds.
+stage, so that several calls (``--resume true``) finish the study; ``--archive`` packs what is worth committing.
+The statuses, the budget and the archive: docs/gpu.md, "How a call is budgeted".
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
+from lightning_ddp.bench.gpu_study import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.stages import DOCS, STAGES, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import markdown_table, read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -34,25 +31,22 @@ DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
 
 
 def repository_root(root: str | None = None) -> Path:
-    """The checkout the stages read configs/ and tests/ from: ``root``, else the one holding this package, else the
-    current directory; it must have ``configs/bench``."""
+    """The checkout with ``configs/bench`` the stages read: ``root``, else the one holding this package, else cwd."""
     candidates = [Path(root)] if root else [Path(__file__).resolve().parents[3], Path.cwd()]
     for candidate in candidates:
         if (candidate / "configs" / "bench").is_dir():
             return candidate.resolve()
-    where = root or f"{candidates[0]} or {candidates[1]}"
-    raise ValueError(f"no configs/bench under {where}: the study reads the repository's configs and tests; run it "
-                     "from a checkout of the repository or pass --root CHECKOUT")
+    raise ValueError(f"no configs/bench under {' or '.join(map(str, candidates))}: the study reads the repository's "
+                     "configs and tests; run it from a checkout of the repository or pass --root CHECKOUT")
 
 
 def cuda_available() -> bool:
     """Whether a child process sees a CUDA device, without touching CUDA here."""
+    code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
     try:
-        code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0
     except subprocess.TimeoutExpired:  # a driver that hangs on the device query: no usable GPU
         return False
-    return proc.returncode == 0
 
 
 def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> list[list[str]]:
