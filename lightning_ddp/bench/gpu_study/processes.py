@@ -329,17 +329,6 @@ def compute(request: str, out: str) -> int:
 # ---- environment: what the study ran on ------------------------------------------------------------------------
 
 
-def _nvidia_driver() -> str | None:
-    """The NVIDIA driver's version (``nvidia-smi``), or None without nvidia-smi."""
-    try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = proc.stdout.strip().splitlines()
-    return lines[0].strip() if proc.returncode == 0 and lines else None
-
-
 def _gpu(index: int) -> dict[str, Any]:
     from lightning_ddp.hardware import compute_share, find_device, mig_profile
 
@@ -353,7 +342,13 @@ def _gpu(index: int) -> dict[str, Any]:
 
 def _cuda_versions() -> dict[str, Any]:
     """The NVIDIA driver, the CUDA driver API (e.g. 12040 for CUDA 12.4), cuDNN and NCCL; None where unknown."""
-    versions: dict[str, Any] = {"nvidia_driver": _nvidia_driver(), "cudnn": torch.backends.cudnn.version()}
+    versions: dict[str, Any] = {"nvidia_driver": None, "cudnn": torch.backends.cudnn.version()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        versions["nvidia_driver"] = smi.stdout.split()[0] if smi.returncode == 0 and smi.stdout.split() else None
+    except (OSError, subprocess.TimeoutExpired):  # no nvidia-smi
+        pass
     try:
         versions["cuda_driver_api"] = torch._C._cuda_getDriverVersion()
     except (AttributeError, RuntimeError):

@@ -65,8 +65,7 @@ class StudyContext:
         return self.deadline - time.monotonic()
 
     def stage_deadline(self) -> float:
-        """Seconds this stage's processes may still run: the budget left, and at most 1.5 x the stage's estimate
-        (at least a minute more than it)."""
+        """Seconds this stage's processes may still run: the budget left, at most max(1.5 x, 60 s +) its estimate."""
         allowed = max(1.5 * self.stage_estimate_s, self.stage_estimate_s + 60.0)
         return max(0.0, min(self.remaining(), self.stage_started + allowed - time.monotonic()))
 
@@ -84,14 +83,12 @@ class StudyContext:
         return max(1, (os.cpu_count() or 1) // ranks) if self.scale.device == "cpu" else None
 
     def env(self) -> dict[str, str]:
-        """Extra environment of every process: the checkout first on PYTHONPATH, ``--commit`` as
-        ``LIGHTNING_DDP_COMMIT`` (no .git on a GPU machine)."""
+        """Every process's extra environment: the checkout first on PYTHONPATH, ``--commit`` (a copy has no .git)."""
         path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)
         return {"PYTHONPATH": path, **({COMMIT_VARIABLE: self.config.commit} if self.config.commit else {})}
 
     def run_python(self, args: list[str], log: Path, result: Path | None = None) -> Ran:
-        """``python ARGS`` in the checkout until the stage's deadline, output to ``log``; ``result``: the JSON file
-        it writes (missing after exit 0: the error)."""
+        """``python ARGS`` in the checkout until the stage's deadline, output to ``log``; it writes ``result``."""
         log.parent.mkdir(parents=True, exist_ok=True)
         ended = run_processes([sys.executable, *args], [base_environment(self.threads(1), extra=self.env())], [log],
                               max(self.stage_deadline(), 1.0), cwd=str(self.root))
@@ -170,15 +167,21 @@ def _failures(results: list[FitResult], where: str = "") -> list[str]:
     return [f"{r.name}{where}: {r.status}: {r.error}" for r in results if not r.ok]
 
 
-def published(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
-    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context) at its best bucket
-    size; ``–`` where there is none."""
-    runs = [r for r in PUBLISHED_RUNS if r.strategy == strategy and r.batch_size == batch and r.seq_len == seq_len]
-    if not runs:
-        return "–"
-    best = min(runs, key=lambda r: r.total_s)
-    bucket = f" ({best.bucket_size_mb:g} MB)" if best.bucket_size_mb is not None else ""
-    return f"{best.total_s * 1e3:,.0f} ms, {best.ratio:.0%} comm{bucket}"
+def published(batch: int = 0, seq_len: int = 0) -> Cell:
+    """A cell: ``step ms, comm share`` of the published 2-GPU xl run of the row's strategy at (batch, context), else
+    at the row's (else the stage's), at its best bucket size; ``–`` where there is none."""
+
+    def cell(row: dict[str, Any], data: dict[str, Any]) -> str:
+        at = (row.get("strategy") or row.get("name"), batch or int(row.get("batch_size") or data.get("batch") or 0),
+              seq_len or int(row.get("context_length") or data.get("seq_len") or 0))
+        runs = [r for r in PUBLISHED_RUNS if (r.strategy, r.batch_size, r.seq_len) == at]
+        if not runs:
+            return "–"
+        best = min(runs, key=lambda r: r.total_s)
+        bucket = f" ({best.bucket_size_mb:g} MB)" if best.bucket_size_mb is not None else ""
+        return f"{best.total_s * 1e3:,.0f} ms, {best.ratio:.0%} comm{bucket}"
+
+    return cell
 
 
 def _status(row: dict[str, Any], data: dict[str, Any]) -> str:
@@ -202,8 +205,7 @@ def environment(ctx: StudyContext) -> StageResult:
 
 
 def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """``{"tests", "passed", "failed", "errors", "skipped", "failures": [{"test", "message"}]}`` of (test, outcome,
-    message) triples."""
+    """The counts of each outcome and the failures (``{"test", "message"}``) of (test, outcome, message) triples."""
     counts = {key: sum(o == key for _, o, _ in outcomes) for key in ("passed", "failed", "errors", "skipped")}
     failures = [{"test": test, "message": message} for test, outcome, message in outcomes
                 if outcome in ("failed", "errors")]
@@ -225,14 +227,18 @@ def read_junit(path: Path) -> dict[str, Any]:
     return _tally(outcomes)
 
 
-_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+# A -v line: "tests/a.py::test_x PASSED [ 50%]", or under pytest-xdist "[gw0] [ 50%] PASSED tests/a.py::test_x".
+_OUTCOME = re.compile(r"^(?:(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b|\[gw\d+\] \[ *\d+%\] "
+                      r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+))", re.MULTILINE)
 _OUTCOME_KEY = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
                 "XFAIL": "skipped"}
 
 
 def outcomes_from_log(text: str) -> dict[str, Any]:
     """The counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
-    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in _OUTCOME.findall(text)])
+    found = [(test or xdist_test, outcome or xdist_outcome) for test, outcome, xdist_outcome, xdist_test
+             in _OUTCOME.findall(text)]
+    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in found])
 
 
 def cuda_tests(ctx: StudyContext) -> StageResult:
@@ -301,28 +307,16 @@ def _estimate_over_reserved(run: dict[str, Any], data: dict[str, Any]) -> float 
     return estimate / reserved if estimate and reserved else None
 
 
-FIT_KEYS = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
-            "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
-            "memory/peak_reserved_MiB")
-"""The medians of a fit's timing summary that strategies.json keeps."""
-
-
 def _fit_row(result: FitResult) -> dict[str, Any]:
-    """``FIT_KEYS``'s medians of one fit; ``"not recorded"`` where its timer could not measure a key (the summary's
-    ``not_recorded``: fsdp2's and ddp's busy time and overlap)."""
+    """Every median of one fit's timing summary; ``"not recorded"`` where its timer could not measure the key."""
     summary = result.summary or {}
-    not_recorded = set(summary.get("not_recorded") or ())
-    row: dict[str, Any] = {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1)}
-    for key in FIT_KEYS:
-        median = (summary.get("summary") or {}).get(key, {}).get("median")
-        number = float(median) if isinstance(median, (int, float)) else None
-        row[key] = "not recorded" if key in not_recorded else number
-    return row
+    medians = {key: stats.get("median") for key, stats in (summary.get("summary") or {}).items()}
+    return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1), **medians,
+            **dict.fromkeys(summary.get("not_recorded") or (), "not recorded")}
 
 
 def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
-    """What a step of ``summary`` breaks of the CommTimer's guarantees: a number that is not finite, exposed or busy
-    communication longer than the step, a clock anomaly."""
+    """The CommTimer's guarantees a step broke: a number not finite, comm longer than the step, a clock anomaly."""
     if not summary:
         return [f"{what}: no timing summary"]
     problems = []
@@ -477,15 +471,17 @@ def traces(ctx: StudyContext) -> StageResult:
 def ready_times(ctx: StudyContext) -> StageResult:
     from lightning_ddp.hardware import find_device
     from lightning_ddp.profile import read_profile
+    from lightning_ddp.projection import config as projection
     from lightning_ddp.projection.flops import GPUS
+    from lightning_ddp.projection.run import run_projection
 
     scale = ctx.scale.profile
-    (result,) = ctx.fits("ready_times", [FitSpec("profile", fit_args(ctx, **scale,
-                                                                     strategy=without_and_with_overlap()[0]))])
-    path = result.file("compute_profile.json")
-    if not result.ok or path is None:
-        return StageResult(problems=[f"the {scale['preset']} fit: {result.status}: "
-                                     f"{result.error or 'no compute_profile.json'}"])
+    spec = FitSpec("profile", fit_args(ctx, **scale, strategy=without_and_with_overlap()[0]))
+    (fit,) = ctx.fits("ready_times", [spec])
+    path = fit.file("compute_profile.json")
+    if not fit.ok or path is None:
+        error = fit.error or "no compute_profile.json"
+        return StageResult(problems=[f"the {scale['preset']} fit: {fit.status}: {error}"])
     profile = read_profile(path)
     ready = sorted(p.ready_ms for p in profile.params if p.ready_ms is not None)
     data: dict[str, Any] = {
@@ -497,32 +493,23 @@ def ready_times(ctx: StudyContext) -> StageResult:
     result = StageResult(data=data, files=[ctx.relative(path)])
     if len(ready) != len(profile.params):
         result.problems.append(f"{len(profile.params) - len(ready)} tensors never became ready")
-    # The projection's GPU is the profiled device's (its memory bandwidth prices the copies); H100 otherwise.
-    spec = find_device(profile.device) if profile.device != "cpu" else None
-    gpu = spec.key if spec is not None and spec.key in GPUS else "h100-sxm"
+    # Projected to 2 ranks on the profiled GPU (its memory bandwidth prices the copies; H100 if not in the table):
+    # one row per strategy, a bucketed one at its best bucket size.
+    device = find_device(profile.device) if profile.device != "cpu" else None
+    gpu = device.key if device is not None and device.key in GPUS else "h100-sxm"
     for network in ("nvlink4", "pcie_gen4"):
-        rows, written = _project(ctx, path, gpu, network)
+        outcome = run_projection(projection.ProjectionConfig(
+            name=f"2 x {gpu} over {network}, from the measured profile",
+            compute=projection.ComputeConfig(source="profile", profile_path=str(path), gpu=gpu),
+            network=projection.NetworkConfig(preset=network),
+            study=projection.StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
+            output=projection.OutputConfig(out_dir=str(ctx.stage_dir("ready_times") / f"projection_{network}"),
+                                           plots=False),
+        ))
+        rows = [r for r in outcome.rows if r.get("best_bucket") == "true" or r.get("bucket_size_mb") in (None, "")]
         data["projections"][network] = {"gpu": gpu, "rows": rows}
-        result.files += written
+        result.files += [ctx.relative(Path(f)) for f in outcome.files]
     return result
-
-
-def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The projection from the measured profile to 2 ranks on ``network``, one row per strategy (a bucketed one at
-    its best bucket size), and the files it wrote."""
-    from lightning_ddp.projection import config as projection
-    from lightning_ddp.projection.run import run_projection
-
-    config = projection.ProjectionConfig(
-        name=f"2 x {gpu} over {network}, from the measured profile",
-        compute=projection.ComputeConfig(source="profile", profile_path=str(profile_path), gpu=gpu),
-        network=projection.NetworkConfig(preset=network),
-        study=projection.StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
-        output=projection.OutputConfig(out_dir=str(ctx.out / "ready_times" / f"projection_{network}"), plots=False),
-    )
-    outcome = run_projection(config)
-    rows = [row for row in outcome.rows if row.get("best_bucket") == "true" or row.get("bucket_size_mb") in (None, "")]
-    return rows, [ctx.relative(Path(f)) for f in outcome.files]
 
 
 def timer_overhead(ctx: StudyContext) -> StageResult:
@@ -549,21 +536,6 @@ def _hardware(gpu: dict[str, Any], data: dict[str, Any]) -> str:
         return "not in the table"
     peaks = row.get("dense_tflops") or {}
     return f"{row.get('key')}: {peaks.get('bf16')} / {peaks.get('fp32')} TFLOP/s dense bf16 / fp32"
-
-
-def _published_here(row: dict[str, Any], data: dict[str, Any]) -> str:
-    """The published run of the row's strategy at its batch and context (else the stage's)."""
-    return published(str(row.get("strategy")), int(row.get("batch_size") or data.get("batch") or 0),
-                     int(row.get("context_length") or data.get("seq_len") or 0))
-
-
-def _bucket(row: dict[str, Any], data: dict[str, Any]) -> Any:
-    return row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb")
-
-
-def _projected_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{**row, "network": network, "gpu": projection["gpu"]}
-            for network, projection in (data.get("projections") or {}).items() for row in projection["rows"]]
 
 
 STAGES: tuple[Stage, ...] = (
@@ -595,7 +567,7 @@ STAGES: tuple[Stage, ...] = (
             ("strategy", "name", ""), STATUS, ("step ms", "step/time_ms", ",.1f"),
             ("vs ddp", "overhead_vs_ddp", "+.1%"), ("exposed ms", "comm/exposed_ms", ",.2f"),
             ("calls", "comm/calls", ",.0f"), ("MFU", "step/mfu", ".1%"), ("peak MiB", "memory/peak_MiB", ",.0f"),
-            ("published 2-GPU xl (batch 4, ctx 512)", lambda row, data: published(row["name"]), ""))),)),
+            ("published 2-GPU xl (batch 4, ctx 512)", published(4, 512), ""))),)),
     Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair, caption=(
         "**Equivalence** ({equivalence[preset]} preset, fp32, {equivalence[steps]} steps at lr {equivalence[lr]}): "
         "2 ranks of batch {equivalence[per_rank_batch]} against one process on the same samples; weight "
@@ -607,10 +579,12 @@ STAGES: tuple[Stage, ...] = (
             ("99th pct", "p99_updates", ".1e"), ("largest", "max_updates", ".2g"), ("at", "worst_tensor", ""),
             ("equal", "equal", ""))),
                 Table(lambda data: data["sweep"]["rows"], (
-                    ("strategy", "strategy", ""), ("bucket MB", _bucket, ".3g"), ("batch", "batch_size", ""),
-                    ("context", "context_length", ""), STATUS, ("step ms", "step_ms_median", ",.1f"),
-                    ("comm share", "comm_share", ".1%"), ("overlap", "overlap", ".0%"),
-                    ("tokens/s", "tokens_per_s", ",.0f"), ("published 2-GPU xl", _published_here, "")),
+                    ("strategy", "strategy", ""),
+                    ("bucket MB", lambda row, data: row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb"),
+                     ".3g"), ("batch", "batch_size", ""), ("context", "context_length", ""), STATUS,
+                    ("step ms", "step_ms_median", ",.1f"), ("comm share", "comm_share", ".1%"),
+                    ("overlap", "overlap", ".0%"), ("tokens/s", "tokens_per_s", ",.0f"),
+                    ("published 2-GPU xl", published(), "")),
                       "**Short sweep** (`one_gpu_pair/sweep/results.md` has the intervals): the comparison between "
                       "strategies transfers, the milliseconds do not."))),
     Stage("traces", "Traces: naive vs overlap", 60, 30, False, traces, caption=(
@@ -620,17 +594,18 @@ STAGES: tuple[Stage, ...] = (
             ("run", "name", ""), ("overlap", "overlap", ".0%"), ("comm ms", "comm_ms", ",.1f"),
             ("hidden ms", "hidden_ms", ",.1f"), ("GPU rows", "gpu_rows", ""),
             ("GPU kernels drawn", "gpu_kernel_bars", ",d"),
-            ("published 2-GPU xl (batch 2, ctx 512)", lambda row, data: published(row["name"], 2, 512), ""))),)),
+            ("published 2-GPU xl (batch 2, ctx 512)", published(2, 512), ""))),)),
     Stage("ready_times", "Gradient-ready times in xl backward, projected to 2 GPUs", 90, 20, False, ready_times,
           caption=(
         "{preset} preset on {device}, batch {batch} x {seq_len}, {precision}: forward {forward_ms:,.1f} ms, backward "
         "{backward_ms:,.1f} ms, optimizer {optimizer_ms:,.1f} ms; {tensors} gradients ready from "
         "{first_ready_ms:,.1f} to {last_ready_ms:,.1f} ms into backward (`{profile}`), and projected to 2 GPUs."),
-        tables=(Table(_projected_rows, (
+        tables=(Table(lambda data: [{**row, "network": network, "gpu": projection["gpu"]} for network, projection
+                            in data["projections"].items() for row in projection["rows"]], (
             ("network", "network", ""), ("GPU", "gpu", ""), ("strategy", "strategy", ""),
             ("best bucket MB", "bucket_size_mb", "g"), ("step ms", "step_ms", ",.1f"),
             ("exposed ms", "exposed_comm_ms", ",.1f"), ("comm share", "comm_share", ".1%"),
-            ("published 2-GPU xl", _published_here, ""))),)),
+            ("published 2-GPU xl", published(), ""))),)),
     Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead, caption=(
         "{preset} preset, {repeats} off/on pairs of {steps} steps ({warmup} left out): median step "
         "{median_step_ms_timer_off:,.2f} ms off, {median_step_ms_timer_on:,.2f} ms on: overhead {overhead:+.2%} "
