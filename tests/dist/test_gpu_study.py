@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
 from lightning_ddp.bench.gpu_study import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
+from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
 from lightning_ddp.bench.gpu_study.processes import FitSpec, batch_candidates, first_that_fits, run_fits
 from lightning_ddp.bench.gpu_study.stages import (
     EXACT_TOLERANCE,

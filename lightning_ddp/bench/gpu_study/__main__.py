@@ -10,8 +10,8 @@ import signal
 import sys
 import time
 
-from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.bench.gpu_study import GPUStudyConfig
+from lightning_ddp.command_line import parse_dataclass
 
 REQUIRED: dict[str, str] = {
     "torch": "torch", "lightning": "lightning", "jsonargparse": "jsonargparse", "docstring_parser": "docstring-parser",

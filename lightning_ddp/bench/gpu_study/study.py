@@ -50,8 +50,7 @@ def cuda_available() -> bool:
 
 
 def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> list[list[str]]:
-    """The stages each call of ``--resume true --budget_min budget_min`` runs if every stage takes its estimate: a
-    stage runs when its estimate fits what is left of the call. Raises ``ValueError`` if a stage fits no call."""
+    """The stages each call of ``--budget_min`` runs if each takes its estimate; ``ValueError`` if one fits no call."""
     budget_s = budget_min * 60
     for stage in stages:
         if stage.estimate(dry_run) > budget_s:
@@ -71,8 +70,7 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
 
 
 def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any]:
-    """The stages.json in ``out`` that ``--resume`` continues (empty: none); refused without ``--resume``, and
-    always where it is of the other kind (dry run / GPU)."""
+    """The stages.json in ``out`` that ``--resume`` continues (empty: none); never one of the other kind."""
     path = out / "stages.json"
     if not path.exists():
         return {}
@@ -150,8 +148,7 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
 def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bool | None = None,
               log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
     """Run the study of ``config``; returns the final ``stages.json`` document. ``cuda`` default: ask a child
-    process; ``log``: where progress lines go (default: print); ``started``: ``time.monotonic()`` when the call
-    began (the budget counts from it; default: now)."""
+    process; ``started``: ``time.monotonic()`` when the call began (the budget counts from it; default: now)."""
     started = time.monotonic() if started is None else started
     say = log or (lambda line: print(line, flush=True))
     names = [stage.name for stage in stages]
@@ -212,8 +209,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
 
 
 def cell(value: Any, spec: str = "") -> str:
-    """A value as results.md shows it: ``–`` for none, ``GiB`` for bytes in GiB, else ``format(value, spec)`` where
-    the spec applies."""
+    """A value as results.md shows it: ``–`` for none, ``GiB`` for bytes in GiB, else ``format(value, spec)``."""
     if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
     if spec == "GiB" and isinstance(value, (int, float)):
@@ -305,9 +301,8 @@ CONTENTS = "archive_contents.json"
 
 
 def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_LIMIT) -> dict[str, Any]:
-    """``{"files", "left_out", "size_bytes"}``: the files of ``out`` to archive (``stages.json`` and ``results.md``
-    always, then the smallest first while they fit), and ``"PATH (why)"`` of each file a suffix would keep but the
-    limits leave out."""
+    """``{"files", "left_out", "size_bytes"}``: the files of ``out`` to archive (``ALWAYS``, then the smallest first
+    while they fit), and ``"PATH (why)"`` of each file a suffix would keep but the limits leave out."""
     candidates = []
     for path in sorted(out.rglob("*")):
         relative = path.relative_to(out)
@@ -328,8 +323,7 @@ def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_L
 
 
 def write_archive(out: Path, archive: Path) -> dict[str, Any]:
-    """Write ``archive`` (a ``.tar.gz``, whole or not at all) of the files ``select_files`` keeps, with ``CONTENTS``
-    listing them and what was left out."""
+    """Write ``archive`` (whole or not at all) of the files ``select_files`` keeps, ``CONTENTS`` listing them."""
     contents = select_files(out)
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
