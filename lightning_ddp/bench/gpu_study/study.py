@@ -275,16 +275,12 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
     for entry in document.get("stages", []):
         lines += ["", f"## {entry['name']}", "", f"*{entry['title']}* ([what it shows]({DOCS}#stages)).", ""]
         data = read_json(out / f"{entry['name']}.json", missing_ok=True)
-        stage = specs.get(entry["name"])
         if entry["status"] in ("pending", "running") or data is None:
             lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
             continue
-        if stage is None or not (stage.caption or stage.tables):
-            lines += ["```json", json.dumps(data, indent=2)[:4000], "```"]
-        else:
-            lines += [_Caption().format(stage.caption, **data)] if stage.caption else []
-            for table in stage.tables:
-                lines += _table(table, data)
+        stage = specs[entry["name"]]
+        lines += [_Caption().format(stage.caption, **data)] if stage.caption else []
+        lines += [line for table in stage.tables for line in _table(table, data)]
         if entry.get("problems"):
             lines += ["", "Problems:", *[f"- {p}" for p in entry["problems"][:20]]]
     return "\n".join(lines).rstrip() + "\n"
