@@ -199,9 +199,7 @@ def environment(ctx: StudyContext) -> StageResult:
     path = ctx.out / "environment.json"
     ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "environment", str(path.resolve()),
                           "--device", ctx.scale.device], ctx.out / "logs" / "environment.log", path)
-    if ran.data is None:
-        return StageResult(problems=[ran.error])
-    return StageResult(data=ran.data, files=["environment.json"])
+    return StageResult(data=ran.data or {}, problems=[] if ran.data else [ran.error])  # the study writes <name>.json
 
 
 def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:

@@ -108,15 +108,15 @@ def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyCon
     }
 
 
-def _skip_reason(stage: Stage, ctx: StudyContext) -> tuple[str, str] | None:
-    """``(status, error)`` when ``stage`` does not run in this call, else None."""
+def _skip_reason(stage: Stage, ctx: StudyContext, remaining: float) -> tuple[str, str] | None:
+    """``(status, error)`` when ``stage`` does not run with ``remaining`` seconds of the budget left, else None."""
     estimate = stage.estimate(ctx.config.cpu_dry_run)
     if ctx.config.stages is not None and stage.name not in ctx.config.stages:
         return "skipped: not selected", ""
     if stage.needs_cuda and not ctx.cuda:
         return "skipped: no CUDA", ""
-    if estimate > ctx.remaining():
-        return "skipped: budget", f"needs ~{estimate:.0f} s, {max(0.0, ctx.remaining()):.0f} s of the budget left"
+    if estimate > remaining:
+        return "skipped: budget", f"needs ~{estimate:.0f} s, {max(0.0, remaining):.0f} s of the budget left"
     return None
 
 
@@ -168,8 +168,8 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
                        deadline=started + config.budget_min * 60, log=say)
     document = _new_document(config, stages, ctx, previous)
     # Refuse a budget in which a stage left to run could never start (it would be skipped call after call).
-    plan_calls([stage for stage, entry in zip(stages, document["stages"]) if entry["status"] != "ok"
-                and stage.name in (config.stages or [stage.name]) and (cuda or not stage.needs_cuda)],
+    plan_calls([stage for stage, entry in zip(stages, document["stages"])
+                if entry["status"] != "ok" and _skip_reason(stage, ctx, math.inf) is None],
                config.budget_min, config.cpu_dry_run)
 
     def save() -> None:
@@ -185,7 +185,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         for stage, entry in zip(stages, document["stages"]):
             if entry["status"] == "ok":
                 continue
-            skip = _skip_reason(stage, ctx)
+            skip = _skip_reason(stage, ctx, ctx.remaining())
             if skip is None:
                 _run_stage(stage, entry, ctx, save)
             else:
