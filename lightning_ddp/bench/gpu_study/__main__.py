@@ -34,10 +34,6 @@ def missing_packages(required: dict[str, str] = REQUIRED) -> list[str]:
     return missing
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through the stage, whose process runner kills what it started
-
-
 def main(args: list[str] | None = None) -> int:
     started = time.monotonic()  # this call's budget counts from here
     missing = missing_packages()
@@ -49,7 +45,8 @@ def main(args: list[str] | None = None) -> int:
     config = parse_dataclass(GPUStudyConfig, args, prog="python -m lightning_ddp.bench.gpu_study")
     from lightning_ddp.bench.gpu_study.study import run_study  # after parsing: --help stays fast
 
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM raises KeyboardInterrupt as SIGINT does: it unwinds through the stage, whose runner kills its processes.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         document = run_study(config, started=started)
     except ValueError as error:
