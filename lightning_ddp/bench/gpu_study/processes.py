@@ -63,9 +63,7 @@ class FitResult:
 
     def file(self, name: str) -> Path | None:
         """A file the fit wrote under its log directory (the first match of ``name``), or ``None``."""
-        if self.log_dir is None or not self.log_dir.exists():
-            return None
-        return next(iter(sorted(self.log_dir.rglob(name))), None)
+        return next(iter(sorted(self.log_dir.rglob(name))), None) if self.log_dir is not None else None
 
 
 def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: float, cwd: str | None = None,
@@ -143,31 +141,27 @@ def _read_result(log_dir: Path, name: str) -> FitResult | None:
     return FitResult(name, data["status"], data.get("error", ""), data.get("seconds", 0.0), log_dir, summary)
 
 
-def _run_one(args: list[str], log_dir: Path) -> tuple[str, str]:
-    """One fit in this process: the launcher's command line after ``python -m lightning_ddp``; (status, error)."""
+def fits(plan_path: str) -> int:
+    """Run the fits of the plan file ``plan_path`` (written by ``run_fits``) in this process, one after another: the
+    launcher's command line after ``python -m lightning_ddp``, through the CLI's ``main``."""
     from lightning_ddp.cli import main as cli_main
 
-    try:
-        cli_main(fit_command([*args, "--trainer.enable_progress_bar", "false"], log_dir)[3:])  # the CLI not kept
-    except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        text = traceback.format_exc()
-        print(text, file=sys.stderr, flush=True)
-        return ("oom" if is_oom(text) else "failed"), error_line(text) or f"{type(exc).__name__}: {exc}"
-    return "ok", ""
-
-
-def fits(plan_path: str) -> int:
-    """Run the fits of the plan file ``plan_path`` (written by ``run_fits``) in this process, one after another."""
     plan = json.loads(Path(plan_path).read_text())
     rank = int(os.environ.get("RANK", "0"))
     for fit in plan["fits"]:
         log_dir = Path(plan["out_dir"]) / fit["name"]
         log_dir.mkdir(parents=True, exist_ok=True)
         print(f"[gpu_study] fit {fit['name']} on rank {rank}", flush=True)
-        start = time.perf_counter()
-        status, error = _run_one(fit["args"], log_dir)
+        start, status, error = time.perf_counter(), "ok", ""
+        try:
+            cli_main(fit_command([*fit["args"], "--trainer.enable_progress_bar", "false"], log_dir)[3:])
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
+            text = traceback.format_exc()
+            print(text, file=sys.stderr, flush=True)
+            status = "oom" if is_oom(text) else "failed"
+            error = error_line(text) or f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - start
         gc.collect()
         if torch.cuda.is_available():
