@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from lightning_ddp import catalogue
+from lightning_ddp.bench.gpu_study import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
-from lightning_ddp.bench.gpu_study.compute import batch_candidates, first_that_fits
-from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
-from lightning_ddp.bench.gpu_study.fits import FitSpec, run_fits
+from lightning_ddp.bench.gpu_study.processes import FitSpec, batch_candidates, first_that_fits, run_fits
 from lightning_ddp.bench.gpu_study.stages import (
     EXACT_TOLERANCE,
     STAGES,
@@ -350,6 +349,9 @@ def test_a_tier_cut_off_before_its_report_is_counted_from_the_verbose_log() -> N
         tests=3, passed=1, failed=1, errors=0, skipped=1)
     assert data["failures"] == [{"test": "tests/gpu/test_a.py::test_two", "message": "failed"}]
     assert outcomes_from_log("tests/a.py::test_x PASSED [ 50%]\ntests/a.py::test_y FAILED [100%]\n")["failed"] == 1
+    xdist = outcomes_from_log("[gw0] [ 50%] PASSED tests/a.py::test_x \n[gw1] [100%] ERROR tests/a.py::test_y \n")
+    assert (xdist["passed"], xdist["errors"], xdist["failures"]) == (1, 1, [{"test": "tests/a.py::test_y",
+                                                                             "message": "error"}])
 
 
 @pytest.mark.multiprocess  # one pytest subprocess collecting the tier (~10 s)

@@ -1,6 +1,6 @@
 """Test-only callbacks, used through the CLI: ``--trainer.callbacks+=tests.support.callbacks_for_tests.FailAt``.
 
-The final weights of a fit are saved by the study's ``lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights``.
+The final weights of a fit are saved by the study's ``lightning_ddp.bench.gpu_study.processes.SaveFinalWeights``.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-SAVE_FINAL_WEIGHTS = "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights"
+SAVE_FINAL_WEIGHTS = "--trainer.callbacks+=lightning_ddp.bench.gpu_study.processes.SaveFinalWeights"
 """Add the study's ``SaveFinalWeights`` to a fit; ``--trainer.callbacks.path FILE`` after it says where."""
 
 

@@ -1,8 +1,6 @@
-"""``python -m lightning_ddp.bench.gpu_study --out DIR [--budget_min 9] [--resume true] [--archive FILE]``.
-
-Every field of ``GPUStudyConfig`` is a flag; ``--help`` documents them. Exit status: 0 when every stage that ran is
-ok (stages left for a later ``--resume true`` call are listed on the last line), 1 when one failed, 2 for a missing
-package, a bad command line or no CUDA without ``--cpu_dry_run``, 130 when interrupted.
+"""``python -m lightning_ddp.bench.gpu_study --out DIR``: every field of ``GPUStudyConfig`` is a flag. Exit status: 0
+when every stage that ran is ok, 1 when one failed, 2 for a missing package, a bad command line or no CUDA without
+``--cpu_dry_run``, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -12,8 +10,8 @@ import signal
 import sys
 import time
 
+from lightning_ddp.bench.gpu_study import GPUStudyConfig
 from lightning_ddp.command_line import parse_dataclass
-from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
 
 REQUIRED: dict[str, str] = {
     "torch": "torch", "lightning": "lightning", "jsonargparse": "jsonargparse", "docstring_parser": "docstring-parser",
@@ -36,10 +34,6 @@ def missing_packages(required: dict[str, str] = REQUIRED) -> list[str]:
     return missing
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through the stage, whose process runner kills what it started
-
-
 def main(args: list[str] | None = None) -> int:
     started = time.monotonic()  # this call's budget counts from here
     missing = missing_packages()
@@ -51,7 +45,8 @@ def main(args: list[str] | None = None) -> int:
     config = parse_dataclass(GPUStudyConfig, args, prog="python -m lightning_ddp.bench.gpu_study")
     from lightning_ddp.bench.gpu_study.study import run_study  # after parsing: --help stays fast
 
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM raises KeyboardInterrupt as SIGINT does: it unwinds through the stage, whose runner kills its processes.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         document = run_study(config, started=started)
     except ValueError as error:

@@ -1,8 +1,7 @@
-"""The stages of the GPU study: ``STAGES``, one ``Stage`` each (what it runs, its estimates, how results.md shows it).
+"""The GPU study's stages, ``STAGES``: what each runs, its estimates, and how results.md shows its data.
 
-A stage's ``run`` takes the ``StudyContext`` and returns a ``StageResult``: the data written as ``<out>/<name>.json``
-(results.md renders it with the stage's ``caption`` and ``tables``), the files it wrote (relative to ``<out>``) and
-its problems (any makes it ``failed``). Every process a stage starts stops at ``ctx.stage_deadline()``.
+A stage's ``run`` turns the ``StudyContext`` into a ``StageResult``; every process it starts stops at
+``ctx.stage_deadline()``. docs/gpu.md says what each stage shows and how it measures.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Union
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, Scale
-from lightning_ddp.bench.gpu_study.fits import FitResult, FitSpec, run_fits
+from lightning_ddp.bench.gpu_study import GPUStudyConfig, Scale
+from lightning_ddp.bench.gpu_study.processes import FitResult, FitSpec, run_fits
 from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, run_processes, strategy_argument
 from lightning_ddp.bench.study import read_json
 from lightning_ddp.files import write_json_atomically
@@ -30,14 +29,12 @@ from lightning_ddp.provenance import COMMIT_VARIABLE
 
 __all__ = ["STAGES", "Stage", "StageResult", "StudyContext"]
 
-
 DOCS = "../../../docs/gpu.md"
 """docs/gpu.md from results.md in ``benchmarks/results/gpu-<h100|h200>/``, where the recipe puts it."""
 
 
 class Ran(NamedTuple):
-    """How a process a stage started ended: exit code, whether it ran out of time, its error line (empty after exit
-    0), and the JSON it wrote to its result file (None unless it exited 0 and wrote one)."""
+    """How a process ended: its exit code, whether it ran out of time, its error line, the JSON it wrote."""
 
     code: int | None
     timed_out: bool
@@ -59,12 +56,16 @@ class StudyContext:
     stage_estimate_s: float = 0.0  # the running stage's estimate and start, set by the study
     stage_started: float = 0.0
 
+    @property
+    def backend(self) -> str:
+        """The backend of one rank per device: NCCL on a GPU, gloo on CPU."""
+        return "nccl" if self.scale.device == "cuda" else "gloo"
+
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     def stage_deadline(self) -> float:
-        """Seconds this stage's processes may still run: the budget left, and at most 1.5 x the stage's estimate
-        (at least a minute more than it)."""
+        """Seconds this stage's processes may still run: the budget left, at most max(1.5 x, 60 s +) its estimate."""
         allowed = max(1.5 * self.stage_estimate_s, self.stage_estimate_s + 60.0)
         return max(0.0, min(self.remaining(), self.stage_started + allowed - time.monotonic()))
 
@@ -82,20 +83,19 @@ class StudyContext:
         return max(1, (os.cpu_count() or 1) // ranks) if self.scale.device == "cpu" else None
 
     def env(self) -> dict[str, str]:
-        """Extra environment of every process (which inherits this one's): the checkout first on PYTHONPATH, and
-        ``--commit`` as ``LIGHTNING_DDP_COMMIT`` (no .git on a GPU machine)."""
+        """Every process's extra environment: the checkout first on PYTHONPATH, ``--commit`` (a copy has no .git)."""
         path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)
         return {"PYTHONPATH": path, **({COMMIT_VARIABLE: self.config.commit} if self.config.commit else {})}
 
     def run_python(self, args: list[str], log: Path, result: Path | None = None) -> Ran:
-        """``python ARGS`` in the checkout until the stage's deadline, output to ``log``."""
-        env = base_environment(self.threads(1), extra=self.env())
+        """``python ARGS`` in the checkout until the stage's deadline, output to ``log``; it writes ``result``."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        ended = run_processes([sys.executable, *args], [env], [log], max(self.stage_deadline(), 1.0),
-                              cwd=str(self.root))
+        ended = run_processes([sys.executable, *args], [base_environment(self.threads(1), extra=self.env())], [log],
+                              max(self.stage_deadline(), 1.0), cwd=str(self.root))
         code = ended.returncodes[0]
         if code == 0:
-            return Ran(0, False, "", read_json(result, missing_ok=True) if result else None)
+            data = read_json(result, missing_ok=True) if result else None
+            return Ran(0, False, f"no {result.name}" if result and data is None else "", data)
         line = error_line(log.read_text(encoding="utf-8", errors="replace") if log.exists() else "")
         return Ran(code, ended.timed_out, line or ("timed out" if ended.timed_out else f"exited {code}"))
 
@@ -114,13 +114,12 @@ class StageResult:
     problems: list[str] = field(default_factory=list)
 
 
-Cell = Union[str, Callable[[dict[str, Any], dict[str, Any]], Any]]
-"""A row's key (``name``: a row of a dict of rows, its key), or ``f(row, data)`` for a cell made of several."""
+Cell = Union[str, Callable[[dict[str, Any], dict[str, Any]], Any]]  # a row's key, or f(row, stage data)
 
 
 class Table(NamedTuple):
-    """A table of results.md: where its rows are in the stage's data (a key, or ``f(data)``), its columns (header,
-    ``Cell``, format spec: Python's, ``GiB`` for bytes) and the line before it."""
+    """A table of results.md: its rows in the stage's data (a key, or ``f(data)``; a dict's rows get their key as
+    ``name``), its columns (header, ``Cell``, format spec: Python's, ``GiB`` for bytes) and the line before it."""
 
     rows: Union[str, Callable[[dict[str, Any]], Any]]
     columns: tuple[tuple[str, Cell, str], ...]
@@ -129,8 +128,8 @@ class Table(NamedTuple):
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: seconds on one H100 or H200 and in the dry run on 2 cores (start-up included), whether it cannot run
-    without a GPU, and how results.md renders its data: ``caption`` (``str.format`` over the data) and ``tables``."""
+    """One stage: seconds on one H100 or H200 and in the dry run on 2 cores (start-up included), whether it needs a
+    GPU, and how results.md renders its data: ``caption`` (``str.format`` over it) and ``tables``."""
 
     name: str
     title: str
@@ -152,12 +151,11 @@ def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps:
              precision: str | None = None, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The CLI arguments (after ``fit``) of one fit on the study's device, every step timed: ``ranks`` ranks share
     it over gloo; ``strategy`` is a catalogue name, or the study's one-process ``reference``."""
-    backend = _backend(ctx) if ranks == 1 else "gloo"
     return (
         "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
         "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
         "--trainer.accelerator", ctx.scale.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
-        "--trainer.strategy", strategy_argument(strategy, backend),
+        "--trainer.strategy", strategy_argument(strategy, ctx.backend if ranks == 1 else "gloo"),
         "--trainer.precision", precision or ctx.scale.precision,
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
@@ -165,31 +163,30 @@ def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps:
     )
 
 
-def _backend(ctx: StudyContext) -> str:
-    """The backend of one rank per device: NCCL on a GPU, gloo on CPU."""
-    return "nccl" if ctx.scale.device == "cuda" else "gloo"
+def _failures(results: list[FitResult], where: str = "") -> list[str]:
+    return [f"{r.name}{where}: {r.status}: {r.error}" for r in results if not r.ok]
 
 
-def _failures(results: list[FitResult]) -> list[str]:
-    return [f"{r.name}: {r.status}: {r.error}" for r in results if not r.ok]
+def published(batch: int = 0, seq_len: int = 0) -> Cell:
+    """A cell: ``step ms, comm share`` of the published 2-GPU xl run of the row's strategy at (batch, context), else
+    at the row's (else the stage's), at its best bucket size; ``–`` where there is none."""
 
+    def cell(row: dict[str, Any], data: dict[str, Any]) -> str:
+        at = (row.get("strategy") or row.get("name"), batch or int(row.get("batch_size") or data.get("batch") or 0),
+              seq_len or int(row.get("context_length") or data.get("seq_len") or 0))
+        runs = [r for r in PUBLISHED_RUNS if (r.strategy, r.batch_size, r.seq_len) == at]
+        if not runs:
+            return "–"
+        best = min(runs, key=lambda r: r.total_s)
+        bucket = f" ({best.bucket_size_mb:g} MB)" if best.bucket_size_mb is not None else ""
+        return f"{best.total_s * 1e3:,.0f} ms, {best.ratio:.0%} comm{bucket}"
 
-def published(strategy: str, batch: int = 4, seq_len: int = 512) -> str:
-    """``step ms, comm share`` of the published 2-GPU xl run of ``strategy`` at (batch, context), at its best
-    bucket size; ``–`` where there is none."""
-    runs = [r for r in PUBLISHED_RUNS if r.strategy == strategy and r.batch_size == batch and r.seq_len == seq_len]
-    if not runs:
-        return "–"
-    best = min(runs, key=lambda r: r.total_s)
-    bucket = f" ({best.bucket_size_mb:g} MB)" if best.bucket_size_mb is not None else ""
-    return f"{best.total_s * 1e3:,.0f} ms, {best.ratio:.0%} comm{bucket}"
+    return cell
 
 
 def _status(row: dict[str, Any], data: dict[str, Any]) -> str:
     """A row's status, with its error (a sweep row's ``reason``) unless it is ``ok``."""
-    if row.get("status") == "ok":
-        return "ok"
-    return f"{row.get('status')}: {row.get('error') or row.get('reason')}"
+    return "ok" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('error') or row.get('reason')}"
 
 
 STATUS = ("status", _status, "")
@@ -200,16 +197,13 @@ STATUS = ("status", _status, "")
 
 def environment(ctx: StudyContext) -> StageResult:
     path = ctx.out / "environment.json"
-    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", "environment", str(path.resolve()),
+    ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "environment", str(path.resolve()),
                           "--device", ctx.scale.device], ctx.out / "logs" / "environment.log", path)
-    if ran.data is None:
-        return StageResult(problems=[ran.error or "no environment.json"])
-    return StageResult(data=ran.data, files=["environment.json"])
+    return StageResult(data=ran.data or {}, problems=[] if ran.data else [ran.error])  # the study writes <name>.json
 
 
 def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """``{"tests", "passed", "failed", "errors", "skipped", "failures": [{"test", "message"}]}`` of (test, outcome,
-    message) triples."""
+    """The counts of each outcome and the failures (``{"test", "message"}``) of (test, outcome, message) triples."""
     counts = {key: sum(o == key for _, o, _ in outcomes) for key in ("passed", "failed", "errors", "skipped")}
     failures = [{"test": test, "message": message} for test, outcome, message in outcomes
                 if outcome in ("failed", "errors")]
@@ -231,14 +225,18 @@ def read_junit(path: Path) -> dict[str, Any]:
     return _tally(outcomes)
 
 
-_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+# A -v line: "tests/a.py::test_x PASSED [ 50%]", or under pytest-xdist "[gw0] [ 50%] PASSED tests/a.py::test_x".
+_OUTCOME = re.compile(r"^(?:(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b|\[gw\d+\] \[ *\d+%\] "
+                      r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+))", re.MULTILINE)
 _OUTCOME_KEY = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
                 "XFAIL": "skipped"}
 
 
 def outcomes_from_log(text: str) -> dict[str, Any]:
     """The counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
-    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in _OUTCOME.findall(text)])
+    found = [(test or xdist_test, outcome or xdist_outcome) for test, outcome, xdist_outcome, xdist_test
+             in _OUTCOME.findall(text)]
+    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in found])
 
 
 def cuda_tests(ctx: StudyContext) -> StageResult:
@@ -271,19 +269,18 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
 
 
 def compute(ctx: StudyContext) -> StageResult:
-    stage = ctx.stage_dir("compute")
+    stage, scale = ctx.stage_dir("compute"), ctx.scale.compute
     published_ms = [f"batch {batch}: {ms:,.0f} ms = {batch * seq / (ms / 1e3):,.0f} tokens/s per GPU"
                     + (" (extrapolated)" if extrapolated else "")
-                    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items()
-                    if seq == ctx.scale.compute["seq_len"]]
-    result = StageResult(data={"preset": ctx.scale.compute["preset"], "seq_len": ctx.scale.compute["seq_len"],
+                    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items() if seq == scale["seq_len"]]
+    result = StageResult(data={"preset": scale["preset"], "seq_len": scale["seq_len"],
                                "published": "; ".join(published_ms) or "none at this context", "runs": {}})
     for precision in ("bf16-mixed", "32-true"):
         request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
-        write_json_atomically(request, {**ctx.scale.compute, "precision": precision, "device": ctx.scale.device})
-        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.compute", "compute", str(request.resolve()),
+        write_json_atomically(request, {**scale, "precision": precision, "device": ctx.scale.device})
+        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "compute", str(request.resolve()),
                               str(out.resolve())], stage / f"compute_{precision}.log", out)
-        run = ran.data or {"status": "failed", "error": f"{precision}: {ran.error or 'no result'}"}
+        run = ran.data or {"status": "failed", "error": f"{precision}: {ran.error}"}
         if ran.data is not None:  # the process wrote its result
             run.pop("estimate_table", None)
             run["status"] = "ok" if run.get("batch") else "failed"
@@ -308,28 +305,16 @@ def _estimate_over_reserved(run: dict[str, Any], data: dict[str, Any]) -> float 
     return estimate / reserved if estimate and reserved else None
 
 
-FIT_KEYS = ("step/time_ms", "comm/exposed_ms", "comm/wait_ms", "comm/transfer_ms", "comm/busy_ms", "comm/share",
-            "comm/overlap", "comm/calls", "comm/bytes", "step/tokens_per_s", "step/mfu", "memory/peak_MiB",
-            "memory/peak_reserved_MiB")
-"""The medians of a fit's timing summary that strategies.json keeps."""
-
-
 def _fit_row(result: FitResult) -> dict[str, Any]:
-    """``FIT_KEYS``'s medians of one fit; ``"not recorded"`` where its timer could not measure a key (the summary's
-    ``not_recorded``: fsdp2's and ddp's busy time and overlap)."""
+    """Every median of one fit's timing summary; ``"not recorded"`` where its timer could not measure the key."""
     summary = result.summary or {}
-    not_recorded = set(summary.get("not_recorded") or ())
-    row: dict[str, Any] = {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1)}
-    for key in FIT_KEYS:
-        median = (summary.get("summary") or {}).get(key, {}).get("median")
-        number = float(median) if isinstance(median, (int, float)) else None
-        row[key] = "not recorded" if key in not_recorded else number
-    return row
+    medians = {key: stats.get("median") for key, stats in (summary.get("summary") or {}).items()}
+    return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1), **medians,
+            **dict.fromkeys(summary.get("not_recorded") or (), "not recorded")}
 
 
 def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
-    """What a step of ``summary`` breaks of the CommTimer's guarantees: a number that is not finite, exposed or busy
-    communication longer than the step, a clock anomaly."""
+    """The CommTimer's guarantees a step broke: a number not finite, comm longer than the step, a clock anomaly."""
     if not summary:
         return [f"{what}: no timing summary"]
     problems = []
@@ -355,7 +340,7 @@ def strategies(ctx: StudyContext) -> StageResult:
         step = row.get("step/time_ms")
         row["overhead_vs_ddp"] = step / baseline - 1 if step and baseline else None
     problems = _failures(results) + [p for r in results if r.ok for p in step_problems(r.summary, r.name)]
-    data = {**ctx.scale.strategies, "backend": _backend(ctx), "precision": ctx.scale.precision, "rows": rows}
+    data = {**ctx.scale.strategies, "backend": ctx.backend, "precision": ctx.scale.precision, "rows": rows}
     files = [ctx.relative(f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
     return StageResult(data=data, files=files, problems=problems)
 
@@ -391,7 +376,7 @@ def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -
     """One fp32 fit saving its final weights; ``ranks`` x its batch is the same global batch for every fit."""
     weights = ctx.out / "one_gpu_pair" / "equivalence" / name / "weights.pt"
     extra = ("--model.lr", str(EQUIVALENCE["lr"]), "--timer.enabled", "false",
-             "--trainer.callbacks+=lightning_ddp.bench.gpu_study.callbacks.SaveFinalWeights",
+             "--trainer.callbacks+=lightning_ddp.bench.gpu_study.processes.SaveFinalWeights",
              "--trainer.callbacks.path", str(weights.resolve()))
     return FitSpec(name, fit_args(ctx, preset=EQUIVALENCE["preset"], batch=2 * EQUIVALENCE["per_rank_batch"] // ranks,
                                   seq_len=EQUIVALENCE["seq_len"], steps=EQUIVALENCE["steps"], warmup=0,
@@ -415,7 +400,7 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
     reference = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, "one_process", REFERENCE, 1)])[0]
     pairs = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, n, n, 2) for n in catalogue.names()],
                      ranks=2)
-    problems = _failures([reference]) + [f"{r.name} on 2 ranks: {r.status}: {r.error}" for r in pairs if not r.ok]
+    problems = _failures([reference]) + _failures(pairs, " on 2 ranks")
     expected = _weights(reference)
     rows: dict[str, Any] = {}
     for result in pairs:
@@ -430,8 +415,7 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
             problems.append(f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the "
                             f"weights off by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst "
                             f"{row['max_updates']:.3g} updates at {row['worst_tensor']})")
-    data = {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "rows": rows}
-    return data, problems
+    return {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "rows": rows}, problems
 
 
 def one_gpu_pair(ctx: StudyContext) -> StageResult:
@@ -442,8 +426,7 @@ def one_gpu_pair(ctx: StudyContext) -> StageResult:
     ran = ctx.run_python(["-m", "lightning_ddp.bench", "--config", ctx.scale.sweep_config, "--output.out_dir",
                           str(sweep_dir.resolve()), "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))],
                          ctx.out / "one_gpu_pair" / "sweep.log")
-    results_csv = sweep_dir / "results.csv"
-    rows = list(read_results(results_csv).values()) if results_csv.exists() else []
+    rows = list(read_results(sweep_dir / "results.csv").values()) if (sweep_dir / "results.csv").exists() else []
     if ran.code != 0:
         problems.append(f"sweep: {ran.error}")
     files = [ctx.relative(p) for p in sorted(sweep_dir.glob("*")) if p.is_file()]
@@ -454,8 +437,8 @@ def one_gpu_pair(ctx: StudyContext) -> StageResult:
 def without_and_with_overlap() -> list[str]:
     """The catalogue's first engine that communicates after backward, and its first that overlaps backward."""
     engines = [catalogue.get(name) for name in catalogue.names(engines_only=True)]
-    without = next(e.name for e in engines if not e.overlaps_backward)
-    return [without, next(e.name for e in engines if e.overlaps_backward)]
+    return [next(e.name for e in engines if not e.overlaps_backward),
+            next(e.name for e in engines if e.overlaps_backward)]
 
 
 def traces(ctx: StudyContext) -> StageResult:
@@ -484,70 +467,51 @@ def traces(ctx: StudyContext) -> StageResult:
 
 
 def ready_times(ctx: StudyContext) -> StageResult:
-    from lightning_ddp.profile import read_profile
-
-    profile_scale = ctx.scale.profile
-    spec = FitSpec("profile", fit_args(ctx, **profile_scale, strategy=without_and_with_overlap()[0]))
-    (result,) = ctx.fits("ready_times", [spec])
-    profile_path = result.file("compute_profile.json")
-    if not result.ok or profile_path is None:
-        error = result.error or "no compute_profile.json"
-        return StageResult(problems=[f"the {profile_scale['preset']} fit: {result.status}: {error}"])
-    profile = read_profile(profile_path)
-    ready = sorted(p.ready_ms for p in profile.params if p.ready_ms is not None)
-    data: dict[str, Any] = {
-        **profile_scale, "device": profile.device, "precision": ctx.scale.precision,
-        "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms,
-        "tensors": len(profile.params), "first_ready_ms": ready[0] if ready else None,
-        "last_ready_ms": ready[-1] if ready else None, "profile": ctx.relative(profile_path), "projections": {},
-    }
-    files = [ctx.relative(profile_path)]
-    problems = []
-    if len(ready) != len(profile.params):
-        problems.append(f"{len(profile.params) - len(ready)} tensors never became ready")
-    gpu = _projection_gpu(profile.device)
-    for network in ("nvlink4", "pcie_gen4"):
-        rows, written = _project(ctx, profile_path, gpu, network)
-        data["projections"][network] = {"gpu": gpu, "rows": rows}
-        files += written
-    return StageResult(data=data, files=files, problems=problems)
-
-
-def _projection_gpu(device_name: str) -> str:
-    """The projection's GPU for the profiled device (its memory bandwidth prices the copies); H100 otherwise."""
     from lightning_ddp.hardware import find_device
-    from lightning_ddp.projection.flops import GPUS
-
-    spec = find_device(device_name) if device_name != "cpu" else None
-    return spec.key if spec is not None and spec.key in GPUS else "h100-sxm"
-
-
-def _project(ctx: StudyContext, profile_path: Path, gpu: str, network: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The projection from the measured profile to 2 ranks on ``network``, one row per strategy (a bucketed one at
-    its best bucket size), and the files it wrote."""
+    from lightning_ddp.profile import read_profile
     from lightning_ddp.projection import config as projection
+    from lightning_ddp.projection.flops import GPUS
     from lightning_ddp.projection.run import run_projection
 
-    config = projection.ProjectionConfig(
-        name=f"2 x {gpu} over {network}, from the measured profile",
-        compute=projection.ComputeConfig(source="profile", profile_path=str(profile_path), gpu=gpu),
-        network=projection.NetworkConfig(preset=network),
-        study=projection.StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
-        output=projection.OutputConfig(out_dir=str(ctx.out / "ready_times" / f"projection_{network}"), plots=False),
-    )
-    outcome = run_projection(config)
-    rows = [row for row in outcome.rows if row.get("best_bucket") == "true" or row.get("bucket_size_mb") in (None, "")]
-    return rows, [ctx.relative(Path(f)) for f in outcome.files]
-
-
-def _projected_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{**row, "network": network, "gpu": projection["gpu"]}
-            for network, projection in (data.get("projections") or {}).items() for row in projection["rows"]]
+    scale = ctx.scale.profile
+    spec = FitSpec("profile", fit_args(ctx, **scale, strategy=without_and_with_overlap()[0]))
+    (fit,) = ctx.fits("ready_times", [spec])
+    path = fit.file("compute_profile.json")
+    if not fit.ok or path is None:
+        error = fit.error or "no compute_profile.json"
+        return StageResult(problems=[f"the {scale['preset']} fit: {fit.status}: {error}"])
+    profile = read_profile(path)
+    ready = sorted(p.ready_ms for p in profile.params if p.ready_ms is not None)
+    data: dict[str, Any] = {
+        **scale, "device": profile.device, "precision": ctx.scale.precision,
+        "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms,
+        "tensors": len(profile.params), "first_ready_ms": ready[0] if ready else None,
+        "last_ready_ms": ready[-1] if ready else None, "profile": ctx.relative(path), "projections": {},
+    }
+    result = StageResult(data=data, files=[ctx.relative(path)])
+    if len(ready) != len(profile.params):
+        result.problems.append(f"{len(profile.params) - len(ready)} tensors never became ready")
+    # Projected to 2 ranks on the profiled GPU (its memory bandwidth prices the copies; H100 if not in the table):
+    # one row per strategy, a bucketed one at its best bucket size.
+    device = find_device(profile.device) if profile.device != "cpu" else None
+    gpu = device.key if device is not None and device.key in GPUS else "h100-sxm"
+    for network in ("nvlink4", "pcie_gen4"):
+        outcome = run_projection(projection.ProjectionConfig(
+            name=f"2 x {gpu} over {network}, from the measured profile",
+            compute=projection.ComputeConfig(source="profile", profile_path=str(path), gpu=gpu),
+            network=projection.NetworkConfig(preset=network),
+            study=projection.StudyConfig(world_sizes=[2], bucket_sizes_mb=[1, 10, 100, 1000]),
+            output=projection.OutputConfig(out_dir=str(ctx.stage_dir("ready_times") / f"projection_{network}"),
+                                           plots=False),
+        ))
+        rows = [r for r in outcome.rows if r.get("best_bucket") == "true" or r.get("bucket_size_mb") in (None, "")]
+        data["projections"][network] = {"gpu": gpu, "rows": rows}
+        result.files += [ctx.relative(Path(f)) for f in outcome.files]
+    return result
 
 
 def timer_overhead(ctx: StudyContext) -> StageResult:
-    overhead = ctx.scale.overhead
-    stage = ctx.stage_dir("timer_overhead")
+    overhead, stage = ctx.scale.overhead, ctx.stage_dir("timer_overhead")
     fit = fit_args(ctx, **overhead, strategy=catalogue.DEFAULT_ENGINE)
     # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
@@ -558,9 +522,9 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
                           str(ctx.scale.overhead_repeats), "--out_dir", str(stage.resolve()),
                           "--fit_args", json.dumps(fit)], log, path)
     if ran.data is None:
-        return StageResult(files=[ctx.relative(log)], problems=[ran.error or "no timer_overhead.json"])
-    data = {**ran.data, "preset": overhead["preset"]}
-    return StageResult(data=data, files=[ctx.relative(path), ctx.relative(stage / "timer_overhead.md")])
+        return StageResult(files=[ctx.relative(log)], problems=[ran.error])
+    return StageResult(data={**ran.data, "preset": overhead["preset"]},
+                       files=[ctx.relative(path), ctx.relative(stage / "timer_overhead.md")])
 
 
 def _hardware(gpu: dict[str, Any], data: dict[str, Any]) -> str:
@@ -570,16 +534,6 @@ def _hardware(gpu: dict[str, Any], data: dict[str, Any]) -> str:
         return "not in the table"
     peaks = row.get("dense_tflops") or {}
     return f"{row.get('key')}: {peaks.get('bf16')} / {peaks.get('fp32')} TFLOP/s dense bf16 / fp32"
-
-
-def _published_here(row: dict[str, Any], data: dict[str, Any]) -> str:
-    """The published run of the row's strategy at its batch and context (else the stage's)."""
-    return published(str(row.get("strategy")), int(row.get("batch_size") or data.get("batch") or 0),
-                     int(row.get("context_length") or data.get("seq_len") or 0))
-
-
-def _bucket(row: dict[str, Any], data: dict[str, Any]) -> Any:
-    return row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb")
 
 
 STAGES: tuple[Stage, ...] = (
@@ -611,7 +565,7 @@ STAGES: tuple[Stage, ...] = (
             ("strategy", "name", ""), STATUS, ("step ms", "step/time_ms", ",.1f"),
             ("vs ddp", "overhead_vs_ddp", "+.1%"), ("exposed ms", "comm/exposed_ms", ",.2f"),
             ("calls", "comm/calls", ",.0f"), ("MFU", "step/mfu", ".1%"), ("peak MiB", "memory/peak_MiB", ",.0f"),
-            ("published 2-GPU xl (batch 4, ctx 512)", lambda row, data: published(row["name"]), ""))),)),
+            ("published 2-GPU xl (batch 4, ctx 512)", published(4, 512), ""))),)),
     Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair, caption=(
         "**Equivalence** ({equivalence[preset]} preset, fp32, {equivalence[steps]} steps at lr {equivalence[lr]}): "
         "2 ranks of batch {equivalence[per_rank_batch]} against one process on the same samples; weight "
@@ -623,10 +577,12 @@ STAGES: tuple[Stage, ...] = (
             ("99th pct", "p99_updates", ".1e"), ("largest", "max_updates", ".2g"), ("at", "worst_tensor", ""),
             ("equal", "equal", ""))),
                 Table(lambda data: data["sweep"]["rows"], (
-                    ("strategy", "strategy", ""), ("bucket MB", _bucket, ".3g"), ("batch", "batch_size", ""),
-                    ("context", "context_length", ""), STATUS, ("step ms", "step_ms_median", ",.1f"),
-                    ("comm share", "comm_share", ".1%"), ("overlap", "overlap", ".0%"),
-                    ("tokens/s", "tokens_per_s", ",.0f"), ("published 2-GPU xl", _published_here, "")),
+                    ("strategy", "strategy", ""),
+                    ("bucket MB", lambda row, data: row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb"),
+                     ".3g"), ("batch", "batch_size", ""), ("context", "context_length", ""), STATUS,
+                    ("step ms", "step_ms_median", ",.1f"), ("comm share", "comm_share", ".1%"),
+                    ("overlap", "overlap", ".0%"), ("tokens/s", "tokens_per_s", ",.0f"),
+                    ("published 2-GPU xl", published(), "")),
                       "**Short sweep** (`one_gpu_pair/sweep/results.md` has the intervals): the comparison between "
                       "strategies transfers, the milliseconds do not."))),
     Stage("traces", "Traces: naive vs overlap", 60, 30, False, traces, caption=(
@@ -636,22 +592,22 @@ STAGES: tuple[Stage, ...] = (
             ("run", "name", ""), ("overlap", "overlap", ".0%"), ("comm ms", "comm_ms", ",.1f"),
             ("hidden ms", "hidden_ms", ",.1f"), ("GPU rows", "gpu_rows", ""),
             ("GPU kernels drawn", "gpu_kernel_bars", ",d"),
-            ("published 2-GPU xl (batch 2, ctx 512)", lambda row, data: published(row["name"], 2, 512), ""))),)),
+            ("published 2-GPU xl (batch 2, ctx 512)", published(2, 512), ""))),)),
     Stage("ready_times", "Gradient-ready times in xl backward, projected to 2 GPUs", 90, 20, False, ready_times,
           caption=(
         "{preset} preset on {device}, batch {batch} x {seq_len}, {precision}: forward {forward_ms:,.1f} ms, backward "
         "{backward_ms:,.1f} ms, optimizer {optimizer_ms:,.1f} ms; {tensors} gradients ready from "
         "{first_ready_ms:,.1f} to {last_ready_ms:,.1f} ms into backward (`{profile}`), and projected to 2 GPUs."),
-        tables=(Table(_projected_rows, (
+        tables=(Table(lambda data: [{**row, "network": network, "gpu": projection["gpu"]} for network, projection
+                            in data["projections"].items() for row in projection["rows"]], (
             ("network", "network", ""), ("GPU", "gpu", ""), ("strategy", "strategy", ""),
             ("best bucket MB", "bucket_size_mb", "g"), ("step ms", "step_ms", ",.1f"),
             ("exposed ms", "exposed_comm_ms", ",.1f"), ("comm share", "comm_share", ".1%"),
-            ("published 2-GPU xl", _published_here, ""))),)),
+            ("published 2-GPU xl", published(), ""))),)),
     Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead, caption=(
         "{preset} preset, {repeats} off/on pairs of {steps} steps ({warmup} left out): median step "
         "{median_step_ms_timer_off:,.2f} ms off, {median_step_ms_timer_on:,.2f} ms on: overhead {overhead:+.2%} "
         "[95 %: {overhead_lo:+.2%}, {overhead_hi:+.2%}], goal < 2 %: **{verdict}**; over whole runs "
         "{window_overhead:+.2%}.")),
 )
-"""Every stage, in the order the study runs them (``GPU_SCALE``: ~17 minutes, two calls of 9); docs/gpu.md says
-what each shows."""
+"""Every stage, in the order the study runs them (``GPU_SCALE``: ~17 minutes, two calls of 9)."""

@@ -1,9 +1,6 @@
 """Run the stages in order against this call's budget, rewriting ``stages.json`` and ``results.md`` after every
-stage, so that several short calls (``--resume true``) finish the study; ``--archive`` packs what is worth committing.
-
-A stage's status: ``pending``, ``running``, ``ok``, ``failed`` (with one error line), ``interrupted``, ``skipped:
-not selected``, ``skipped: no CUDA`` or ``skipped: budget`` (its estimate exceeds what is left). docs/gpu.md says
-how a call is budgeted and what the archive holds.
+stage, so that several calls (``--resume true``) finish the study; ``--archive`` packs what is worth committing.
+The statuses, the budget and the archive: docs/gpu.md, "How a call is budgeted".
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
+from lightning_ddp.bench.gpu_study import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.stages import DOCS, STAGES, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import markdown_table, read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -34,30 +31,26 @@ DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
 
 
 def repository_root(root: str | None = None) -> Path:
-    """The checkout the stages read configs/ and tests/ from: ``root``, else the one holding this package, else the
-    current directory; it must have ``configs/bench``."""
+    """The checkout with ``configs/bench`` the stages read: ``root``, else the one holding this package, else cwd."""
     candidates = [Path(root)] if root else [Path(__file__).resolve().parents[3], Path.cwd()]
     for candidate in candidates:
         if (candidate / "configs" / "bench").is_dir():
             return candidate.resolve()
-    where = root or f"{candidates[0]} or {candidates[1]}"
-    raise ValueError(f"no configs/bench under {where}: the study reads the repository's configs and tests; run it "
-                     "from a checkout of the repository or pass --root CHECKOUT")
+    raise ValueError(f"no configs/bench under {' or '.join(map(str, candidates))}: the study reads the repository's "
+                     "configs and tests; run it from a checkout of the repository or pass --root CHECKOUT")
 
 
 def cuda_available() -> bool:
     """Whether a child process sees a CUDA device, without touching CUDA here."""
+    code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
     try:
-        code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0
     except subprocess.TimeoutExpired:  # a driver that hangs on the device query: no usable GPU
         return False
-    return proc.returncode == 0
 
 
 def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> list[list[str]]:
-    """The stages each call of ``--resume true --budget_min budget_min`` runs if every stage takes its estimate: a
-    stage runs when its estimate fits what is left of the call. Raises ``ValueError`` if a stage fits no call."""
+    """The stages each call of ``--budget_min`` runs if each takes its estimate; ``ValueError`` if one fits no call."""
     budget_s = budget_min * 60
     for stage in stages:
         if stage.estimate(dry_run) > budget_s:
@@ -77,8 +70,7 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
 
 
 def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any]:
-    """The stages.json in ``out`` that ``--resume`` continues (empty: none); refused without ``--resume``, and
-    always where it is of the other kind (dry run / GPU)."""
+    """The stages.json in ``out`` that ``--resume`` continues (empty: none); never one of the other kind."""
     path = out / "stages.json"
     if not path.exists():
         return {}
@@ -116,15 +108,15 @@ def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyCon
     }
 
 
-def _skip_reason(stage: Stage, ctx: StudyContext) -> tuple[str, str] | None:
-    """``(status, error)`` when ``stage`` does not run in this call, else None."""
+def _skip_reason(stage: Stage, ctx: StudyContext, remaining: float) -> tuple[str, str] | None:
+    """``(status, error)`` when ``stage`` does not run with ``remaining`` seconds of the budget left, else None."""
     estimate = stage.estimate(ctx.config.cpu_dry_run)
     if ctx.config.stages is not None and stage.name not in ctx.config.stages:
         return "skipped: not selected", ""
     if stage.needs_cuda and not ctx.cuda:
         return "skipped: no CUDA", ""
-    if estimate > ctx.remaining():
-        return "skipped: budget", f"needs ~{estimate:.0f} s, {max(0.0, ctx.remaining()):.0f} s of the budget left"
+    if estimate > remaining:
+        return "skipped: budget", f"needs ~{estimate:.0f} s, {max(0.0, remaining):.0f} s of the budget left"
     return None
 
 
@@ -156,8 +148,7 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
 def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bool | None = None,
               log: Callable[[str], None] | None = None, started: float | None = None) -> dict[str, Any]:
     """Run the study of ``config``; returns the final ``stages.json`` document. ``cuda`` default: ask a child
-    process; ``log``: where progress lines go (default: print); ``started``: ``time.monotonic()`` when the call
-    began (the budget counts from it; default: now)."""
+    process; ``started``: ``time.monotonic()`` when the call began (the budget counts from it; default: now)."""
     started = time.monotonic() if started is None else started
     say = log or (lambda line: print(line, flush=True))
     names = [stage.name for stage in stages]
@@ -177,8 +168,8 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
                        deadline=started + config.budget_min * 60, log=say)
     document = _new_document(config, stages, ctx, previous)
     # Refuse a budget in which a stage left to run could never start (it would be skipped call after call).
-    plan_calls([stage for stage, entry in zip(stages, document["stages"]) if entry["status"] != "ok"
-                and stage.name in (config.stages or [stage.name]) and (cuda or not stage.needs_cuda)],
+    plan_calls([stage for stage, entry in zip(stages, document["stages"])
+                if entry["status"] != "ok" and _skip_reason(stage, ctx, math.inf) is None],
                config.budget_min, config.cpu_dry_run)
 
     def save() -> None:
@@ -194,7 +185,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         for stage, entry in zip(stages, document["stages"]):
             if entry["status"] == "ok":
                 continue
-            skip = _skip_reason(stage, ctx)
+            skip = _skip_reason(stage, ctx, ctx.remaining())
             if skip is None:
                 _run_stage(stage, entry, ctx, save)
             else:
@@ -218,8 +209,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
 
 
 def cell(value: Any, spec: str = "") -> str:
-    """A value as results.md shows it: ``–`` for none, ``GiB`` for bytes in GiB, else ``format(value, spec)`` where
-    the spec applies."""
+    """A value as results.md shows it: ``–`` for none, ``GiB`` for bytes in GiB, else ``format(value, spec)``."""
     if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
     if spec == "GiB" and isinstance(value, (int, float)):
@@ -285,16 +275,12 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
     for entry in document.get("stages", []):
         lines += ["", f"## {entry['name']}", "", f"*{entry['title']}* ([what it shows]({DOCS}#stages)).", ""]
         data = read_json(out / f"{entry['name']}.json", missing_ok=True)
-        stage = specs.get(entry["name"])
         if entry["status"] in ("pending", "running") or data is None:
             lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
             continue
-        if stage is None or not (stage.caption or stage.tables):
-            lines += ["```json", json.dumps(data, indent=2)[:4000], "```"]
-        else:
-            lines += [_Caption().format(stage.caption, **data)] if stage.caption else []
-            for table in stage.tables:
-                lines += _table(table, data)
+        stage = specs[entry["name"]]
+        lines += [_Caption().format(stage.caption, **data)] if stage.caption else []
+        lines += [line for table in stage.tables for line in _table(table, data)]
         if entry.get("problems"):
             lines += ["", "Problems:", *[f"- {p}" for p in entry["problems"][:20]]]
     return "\n".join(lines).rstrip() + "\n"
@@ -311,9 +297,8 @@ CONTENTS = "archive_contents.json"
 
 
 def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_LIMIT) -> dict[str, Any]:
-    """``{"files", "left_out", "size_bytes"}``: the files of ``out`` to archive (``stages.json`` and ``results.md``
-    always, then the smallest first while they fit), and ``"PATH (why)"`` of each file a suffix would keep but the
-    limits leave out."""
+    """``{"files", "left_out", "size_bytes"}``: the files of ``out`` to archive (``ALWAYS``, then the smallest first
+    while they fit), and ``"PATH (why)"`` of each file a suffix would keep but the limits leave out."""
     candidates = []
     for path in sorted(out.rglob("*")):
         relative = path.relative_to(out)
@@ -334,8 +319,7 @@ def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_L
 
 
 def write_archive(out: Path, archive: Path) -> dict[str, Any]:
-    """Write ``archive`` (a ``.tar.gz``, whole or not at all) of the files ``select_files`` keeps, with ``CONTENTS``
-    listing them and what was left out."""
+    """Write ``archive`` (whole or not at all) of the files ``select_files`` keeps, ``CONTENTS`` listing them."""
     contents = select_files(out)
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:

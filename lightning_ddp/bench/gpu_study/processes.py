@@ -1,0 +1,379 @@
+"""What runs in the study's child processes, so that its own never creates a CUDA context (docs/gpu.md, "How the
+stages measure"): CLI fits several to a set of processes (``run_fits``), the machine (``environment``) and the
+compute of one device (``compute``): ``python -m lightning_ddp.bench.gpu_study.processes {environment,compute,fits}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_ddp.bench.launch import RankLayout, error_line, fit_command, is_oom, rank_environments, run_processes
+from lightning_ddp.bench.study import read_timing_summary
+from lightning_ddp.files import write_json_atomically
+from lightning_ddp.local_group import find_free_port
+from lightning_ddp.provenance import package_version
+
+__all__ = ["FitResult", "FitSpec", "SaveFinalWeights", "batch_candidates", "first_that_fits", "measure", "run_fits"]
+
+RESULT_FILE = "fit_result.json"
+
+
+# ---- CLI fits, several to a set of processes -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FitSpec:
+    """One fit: a name (its directory under the batch's ``out_dir``) and the CLI arguments after ``fit``."""
+
+    name: str
+    args: tuple[str, ...]
+
+
+@dataclass
+class FitResult:
+    """How one fit went, and what it wrote."""
+
+    name: str
+    status: str  # ok, oom, failed, timeout or "not run" (no time was left to start it)
+    error: str = ""  # the error line
+    seconds: float = 0.0  # of the fit itself, the processes' start-up not included
+    log_dir: Path | None = None
+    summary: dict[str, Any] | None = None  # the CommTimer's timing_summary.json, when it wrote one
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def file(self, name: str) -> Path | None:
+        """A file the fit wrote under its log directory (the first match of ``name``), or ``None``."""
+        return next(iter(sorted(self.log_dir.rglob(name))), None) if self.log_dir is not None else None
+
+
+def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: float, cwd: str | None = None,
+             env: dict[str, str] | None = None, threads: int | None = None) -> list[FitResult]:
+    """Run ``specs`` (unique names) on ``ranks`` processes sharing one device, all within ``timeout_s``; one
+    ``FitResult`` per spec, in order. Each fit logs to ``out_dir/<name>/``, the processes to ``out_dir/_processes/``;
+    ``threads``: ``OMP_NUM_THREADS`` per process (None: unset)."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"fit names must be unique (each is a directory), got {names}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    results: dict[str, FitResult] = {}
+    pending = list(specs)
+    launch = len(list((out_dir / "_processes").glob("launch*")))  # a later batch into the same directory
+    while pending and deadline - time.monotonic() > 1:
+        remaining = deadline - time.monotonic()
+        outcome, logs = _launch(pending, out_dir, out_dir / "_processes" / f"launch{launch}", ranks, remaining,
+                                cwd, env, threads)
+        launch += 1
+        finished = {spec.name: result for spec in pending
+                    if (result := _read_result(out_dir / spec.name, spec.name)) is not None}
+        results.update(finished)
+        missing = [s for s in pending if s.name not in results]
+        if not missing:
+            break
+        if ranks > 1 and finished and list(finished.values())[-1].status != "ok" and not outcome.timed_out:
+            pending = missing  # the ranks stopped after a fit that failed (and said so): start the rest afresh
+            continue
+        # Else the first fit without a result is the one the processes died in (or ran out of time in), or, when
+        # none started, the start-up that failed: either way it gets the error.
+        results[missing[0].name] = _lost(missing[0].name, out_dir, outcome, logs, remaining)
+        pending = missing[1:]
+    return [results.get(s.name) or FitResult(s.name, "not run", "no time was left to start it", 0.0, out_dir / s.name)
+            for s in specs]
+
+
+def _launch(pending: list[FitSpec], out_dir: Path, work: Path, ranks: int, remaining: float, cwd: str | None,
+            env: dict[str, str] | None, threads: int | None):
+    """Start ``ranks`` processes on a plan of the ``pending`` fits and wait for them: (outcome, rank logs)."""
+    work.mkdir(parents=True, exist_ok=True)
+    for spec in pending:  # a result of an earlier call (--resume) would make a fit look finished
+        (out_dir / spec.name / RESULT_FILE).unlink(missing_ok=True)
+    plan = work / "plan.json"
+    plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
+                                "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
+    # Each rank a "node" of one device: 2 ranks then share it over gloo (NCCL refuses two ranks on one GPU).
+    envs = rank_environments(RankLayout("gloo", 1, ranks), find_free_port(), every_rank=True, threads=threads,
+                             extra=env)
+    logs = [work / f"rank{r}.log" for r in range(ranks)]
+    command = [sys.executable, "-m", "lightning_ddp.bench.gpu_study.processes", "fits", str(plan.resolve())]
+    return run_processes(command, envs, logs, remaining, cwd=cwd), logs
+
+
+def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float) -> FitResult:
+    """The result of a fit the processes left without one: out of time, out of memory, or failed."""
+    texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in logs]
+    failed = [t for t, code in zip(texts, outcome.returncodes) if code not in (0, None)] or texts
+    line = next((error_line(t) for t in failed if error_line(t)), "")
+    if outcome.timed_out:
+        status = "timeout"
+        line = f"no result within the time left ({remaining:.0f} s)" + (f"; last output: {line}" if line else "")
+    else:
+        status = "oom" if any(is_oom(t) for t in failed) else "failed"
+        line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
+    return FitResult(name, status, line, 0.0, out_dir / name)
+
+
+def _read_result(log_dir: Path, name: str) -> FitResult | None:
+    path = log_dir / RESULT_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    summary = read_timing_summary(log_dir) if data["status"] == "ok" else None
+    return FitResult(name, data["status"], data.get("error", ""), data.get("seconds", 0.0), log_dir, summary)
+
+
+def fits(plan_path: str) -> int:
+    """Run the fits of the plan file ``plan_path`` (written by ``run_fits``) in this process, one after another: the
+    launcher's command line after ``python -m lightning_ddp``, through the CLI's ``main``."""
+    from lightning_ddp.cli import main as cli_main
+
+    plan = json.loads(Path(plan_path).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    for fit in plan["fits"]:
+        log_dir = Path(plan["out_dir"]) / fit["name"]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[gpu_study] fit {fit['name']} on rank {rank}", flush=True)
+        start, status, error = time.perf_counter(), "ok", ""
+        try:
+            cli_main(fit_command([*fit["args"], "--trainer.enable_progress_bar", "false"], log_dir)[3:])
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
+            text = traceback.format_exc()
+            print(text, file=sys.stderr, flush=True)
+            status = "oom" if is_oom(text) else "failed"
+            error = error_line(text) or f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - start
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if rank == 0:
+            write_json_atomically(log_dir / RESULT_FILE, {"status": status, "error": error, "seconds": seconds})
+        if status != "ok" and plan["stop_on_failure"]:
+            return 1
+    return 0
+
+
+class SaveFinalWeights(Callback):
+    """At the end of fit, rank 0 saves the LightningModule's whole ``state_dict`` (on the CPU) to ``path``, gathered
+    by the strategy as for a checkpoint; read it with ``torch.load(path, weights_only=True)``.
+
+    ``--trainer.callbacks+=lightning_ddp.bench.gpu_study.processes.SaveFinalWeights --trainer.callbacks.path FILE``
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.lightning_module_state_dict()  # every rank: a collective under fsdp2
+        if trainer.is_global_zero:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, self.path)
+
+
+# ---- compute: a preset's steps at the largest batch that fits, without a Trainer or communication --------------
+
+
+def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
+    """``first`` and the batches to fall back to on out-of-memory errors, each about 20 % smaller, down to 1."""
+    out = [first] if first >= 1 else []
+    while out and out[-1] > 1:
+        out.append(min(out[-1] - 1, int(out[-1] * shrink)))
+    return out
+
+
+def first_that_fits(candidates: list[int], attempt: Callable[[int], dict[str, Any]], after_oom: Callable[[], None],
+                    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """``attempt(batch)`` for each candidate until one does not run out of memory: its result (or None) and every
+    attempt as ``{"batch", "status"}`` (``ok`` or ``oom``); any other error propagates. ``after_oom`` runs once the
+    failed attempt's exception, and with it every tensor its frames held, is gone."""
+    attempts: list[dict[str, Any]] = []
+    for batch in candidates:
+        try:
+            return attempt(batch), [*attempts, {"batch": batch, "status": "ok"}]
+        except BaseException as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+            if not is_oom(f"{type(error).__name__}: {error}"):
+                raise
+        attempts.append({"batch": batch, "status": "oom"})
+        after_oom()
+    return None, attempts
+
+
+def _peak_flops(where: torch.device, precision: str) -> tuple[str, float | None]:
+    """The compute dtype of ``precision`` and the device's dense peak for it (a MIG slice: its share of the SMs)."""
+    from lightning_ddp.hardware import dense_peak_flops
+
+    if precision.startswith(("bf16", "16")):
+        dtype = "bf16" if precision.startswith("bf16") else "fp16"
+    else:
+        dtype = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if where.type != "cuda":
+        return dtype, dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
+    properties = torch.cuda.get_device_properties(where)
+    return dtype, dense_peak_flops(properties.name, dtype, sm_count=properties.multi_processor_count)
+
+
+def _timed_steps(model, optimizer, where: torch.device, batch: int, seq_len: int, precision: str, steps: int,
+                 warmup: int) -> dict[str, Any]:
+    """``warmup`` + ``steps`` training steps at ``batch``; the times of the last ``steps``."""
+    autocast = precision.startswith(("bf16", "16")) and precision.endswith("mixed")
+    amp_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    cuda = where.type == "cuda"
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1), device=where)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(where)
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        with torch.autocast(where.type, dtype=amp_dtype, enabled=autocast):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(where)  # the step's kernels done: the host clock times the whole step
+        if step >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return {"batch": batch, "step_ms": times}
+
+
+def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
+            device: str = "cuda") -> dict[str, Any]:
+    """Steps of ``preset`` at the largest batch that fits, from the pre-flight's batch down; everything measured."""
+    from lightning_ddp.memory import estimate_rank_memory, largest_batch, memory_budget_bytes
+    from lightning_ddp.model import get_config
+    from lightning_ddp.module import LitGPT
+
+    where = torch.device(device)
+    cuda = where.type == "cuda"
+    config = get_config(preset, context_length=seq_len)
+    estimate_kwargs = dict(seq_len=seq_len, precision=precision, strategy="single", world_size=1,
+                           device_type=where.type)
+    budget = memory_budget_bytes(where.type, 1)
+    proposed = largest_batch(config, budget_bytes=budget, max_batch=max_batch, **estimate_kwargs)
+    torch.manual_seed(0)
+    with torch.device(where):  # built on the device: initialising 2 B parameters on the host takes a minute
+        module = LitGPT(preset, context_length=seq_len)
+    model, optimizer = module.model, module.configure_optimizers()  # AdamW with the training run's groups
+
+    def free() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def attempt(batch: int) -> dict[str, Any]:
+        return _timed_steps(model, optimizer, where, batch, seq_len, precision, steps, warmup)
+
+    results, attempts = first_that_fits(batch_candidates(proposed), attempt, free)
+    dtype, peak = _peak_flops(where, precision)
+    out: dict[str, Any] = {
+        "preset": preset, "precision": precision, "seq_len": seq_len, "device": str(where),
+        "device_name": torch.cuda.get_device_name(where) if cuda else "cpu",
+        "parameters": sum(p.numel() for p in model.parameters()), "budget_bytes": budget,
+        "preflight_batch": proposed, "max_batch": max_batch, "attempts": attempts,
+        "compute_dtype": dtype, "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    if results is None:
+        return out
+    batch = results["batch"]
+    step_ms = statistics.median(results["step_ms"])
+    tokens_per_s = batch * seq_len / (step_ms / 1e3)
+    estimate = estimate_rank_memory(config, batch_size=batch, **estimate_kwargs)
+    out.update(
+        batch=batch, step_ms=results["step_ms"], step_ms_median=step_ms, tokens_per_s=tokens_per_s,
+        flops_per_token=model.flops_per_token(seq_len), peak_flops=peak,
+        mfu=tokens_per_s * model.flops_per_token(seq_len) / peak if peak else None,
+        peak_allocated_bytes=torch.cuda.max_memory_allocated(where) if cuda else None,
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(where) if cuda else None,
+        estimate_bytes=estimate.total_bytes, estimate_parts=estimate.parts, estimate_table=estimate.table(),
+    )
+    return out
+
+
+def compute(request: str, out: str) -> int:
+    """Measure with the keyword arguments in the JSON file ``request`` (the study writes it); the result to ``out``."""
+    write_json_atomically(out, measure(**json.loads(Path(request).read_text())))
+    return 0
+
+
+# ---- environment: what the study ran on ------------------------------------------------------------------------
+
+
+def _gpu(index: int) -> dict[str, Any]:
+    from lightning_ddp.hardware import compute_share, find_device, mig_profile
+
+    p = torch.cuda.get_device_properties(index)
+    spec = find_device(p.name)
+    return {"name": p.name, "total_memory_bytes": p.total_memory, "sm_count": p.multi_processor_count,
+            "compute_capability": f"{p.major}.{p.minor}", "uuid": str(getattr(p, "uuid", "")) or None,
+            "mig_profile": mig_profile(p.name), "compute_share": compute_share(p.name, p.multi_processor_count),
+            "hardware_table": None if spec is None else dataclasses.asdict(spec)}
+
+
+def _cuda_versions() -> dict[str, Any]:
+    """The NVIDIA driver, the CUDA driver API (e.g. 12040 for CUDA 12.4), cuDNN and NCCL; None where unknown."""
+    versions: dict[str, Any] = {"nvidia_driver": None, "cudnn": torch.backends.cudnn.version()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        versions["nvidia_driver"] = smi.stdout.split()[0] if smi.returncode == 0 and smi.stdout.split() else None
+    except (OSError, subprocess.TimeoutExpired):  # no nvidia-smi
+        pass
+    try:
+        versions["cuda_driver_api"] = torch._C._cuda_getDriverVersion()
+    except (AttributeError, RuntimeError):
+        versions["cuda_driver_api"] = None
+    try:
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))  # (2, 21, 5)
+    except (AttributeError, RuntimeError, TypeError):  # a build without NCCL
+        versions["nccl"] = None
+    return versions
+
+
+def environment(out: str, device: str = "cuda") -> int:
+    """Describe the machine for ``device`` (``cuda``: every visible GPU; ``cpu``, a dry run's: the host only) and
+    write it to ``out`` (JSON; its folder does not make the tree dirty)."""
+    from lightning_ddp.bench.study import provenance
+    from lightning_ddp.memory import memory_budget_bytes
+
+    cuda = device == "cuda" and torch.cuda.is_available()
+    unknown = dict.fromkeys(("nvidia_driver", "cuda_driver_api", "cudnn", "nccl"))
+    write_json_atomically(Path(out), provenance(
+        str(Path(out).parent), device="cuda" if cuda else "cpu",
+        gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        **(_cuda_versions() if cuda else unknown), torch_cuda=torch.version.cuda,
+        jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
+        memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+    ), default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    from jsonargparse import auto_cli
+
+    sys.exit(auto_cli([environment, compute, fits], prog="python -m lightning_ddp.bench.gpu_study.processes"))
