@@ -96,27 +96,11 @@ def normalize_precision(precision: object) -> str:
     return name
 
 
-# ---- shapes and the analytic expectation -------------------------------------------------------------------
-
-
 def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int | None,
                    param_bytes: int = FP32) -> dict[str, int]:
-    """Bytes of parameters, gradients and AdamW state rank ``rank`` holds before (and after) a step; ``rank`` None:
-    the most loaded rank, category by category. The one walk of the memory models: the pre-flight and the
-    benchmark's expectation.
-
-    ``mode``: ``unsharded``, a sharded state (``reduce_scatter``: the tensors ``assign_owners`` gives the rank),
-    ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor).
-
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="unsharded", rank=1)
-    {'parameters': 80, 'gradients': 80, 'optimizer_state': 168}
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="reduce_scatter", rank=1)  # rank 1 owns the (4,) vector
-    {'parameters': 80, 'gradients': 80, 'optimizer_state': 36}
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="zero2", rank=1)  # and only the vector's gradient
-    {'parameters': 80, 'gradients': 16, 'optimizer_state': 36}
-    >>> expected_bytes([(3, 2), (4,)], world_size=2, mode="fully_sharded", rank=1)  # rows 2 of (3, 2), 2..3 of (4,)
-    {'parameters': 16, 'gradients': 16, 'optimizer_state': 40}
-    """
+    """Bytes of parameters, gradients and AdamW state rank ``rank`` holds (None: the most loaded rank, category by
+    category) under ``mode``: ``unsharded``, ``reduce_scatter`` (the state of the tensors ``assign_owners`` gives
+    the rank), ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor)."""
     p = param_bytes
     if mode == "fully_sharded":  # this rank's dim-0 rows of every parameter, gradient and moment; rank 0 holds most
         held = sum(_dim0_rows(shape, world_size, rank or 0) * math.prod(shape[1:]) for shape in shapes)
@@ -165,38 +149,23 @@ def _cap(cap_bytes: int | None, total_bytes: int) -> int:
     return total_bytes if cap_bytes is None else min(cap_bytes, total_bytes)
 
 
-# ---- strategies ----------------------------------------------------------------------------------------------
+_SHARDING = {"zero1": "reduce_scatter", "zero2": "zero2", "fully_sharded": "fully_sharded"}
+"""How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``); the rest: unsharded."""
 
-
-class _Buffers(NamedTuple):
-    kind: str  # none, full (one buffer the size of all gradients), bucketed, zero2 or fully_sharded
-    persistent: bool  # kept across steps
-    mode: str = "unsharded"  # how ``expected_bytes`` shards the parameters, gradients and state
-
-
-# The buffers of each memory model of the catalogue (``Entry.memory``); the bucket cap is the strategy's.
-_MEMORY_MODELS: dict[str, _Buffers] = {
-    "none": _Buffers("none", False),
-    "per_tensor": _Buffers("bucketed", True),  # one tensor per bucket (sync/overlap.py): a cap of 1 byte
-    "packed": _Buffers("full", False),  # one packed buffer during the sync
-    "bucketed": _Buffers("bucketed", True),
-    "full_buckets": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
-    "zero1": _Buffers("full", False, "reduce_scatter"),  # step() packs the gradients to reduce-scatter them
-    "zero2": _Buffers("zero2", False, "zero2"),
-    "fully_sharded": _Buffers("fully_sharded", True, "fully_sharded"),
-}
+_PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", "fully_sharded")
+"""Memory models whose communication buffers are kept across steps."""
 
 _TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
 
 
-def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[_Buffers, int | None]:
-    """The communication buffers of ``strategy`` and their cap in bytes (None: one bucket; ``bucket_size_mb``
-    None: the strategy's default), from its catalogue entry."""
+def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[str, int | None]:
+    """The memory model of ``strategy`` and its bucket cap in bytes (None: one bucket; ``bucket_size_mb`` None:
+    the strategy's default), from its catalogue entry."""
     name = strategy
     if name == "auto":
         name = "ddp" if world_size > 1 else "single"
     if name == "single" or name.startswith("single_device"):
-        return _MEMORY_MODELS["none"], None
+        return "none", None
     if name in _TORCH_DDP_NAMES or name.startswith("ddp_find_unused_parameters"):
         name = "ddp"
     if name not in catalogue.STRATEGIES:
@@ -208,11 +177,9 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize
     size = entry.default_bucket_size_mb if bucket_size_mb is None else bucket_size_mb
     if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
         size = catalogue.DEFAULT_BUCKET_SIZE_MB
-    cap = None if size is None else int(float(size) * MiB)
-    return _MEMORY_MODELS[entry.memory], 1 if entry.memory == "per_tensor" else cap
-
-
-# ---- activations ---------------------------------------------------------------------------------------------
+    if entry.memory == "per_tensor":  # one tensor per bucket (sync/overlap.py): a cap of 1 byte
+        return "bucketed", 1
+    return entry.memory, None if size is None else int(float(size) * MiB)
 
 
 def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-true") -> int:
@@ -243,9 +210,6 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> in
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn()
     return sum(seen.values())
-
-
-# ---- the estimate --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -290,19 +254,20 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def _buffer_bytes(config: GPTConfig, kind: str, cap: int | None, numels: Sequence[int],
+def _buffer_bytes(config: GPTConfig, model: str, cap: int | None, numels: Sequence[int],
                   p: int) -> tuple[int, int, int]:
-    """(buffer bytes, gradient bytes beside the rank's own, scalars whose ``.grad`` is a view into a buffer)."""
+    """(buffer bytes, gradient bytes beside the rank's own, scalars whose ``.grad`` is a view into a buffer) of
+    memory model ``model``."""
     total = p * sum(numels)
-    if kind == "full":
+    if model in ("packed", "full_buckets", "zero1"):  # one buffer the size of all gradients (torch DDP's buckets)
         return total, 0, 0
-    if kind == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
+    if model == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
         return 3 * _cap(cap, total), 0, 0
-    if kind == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
+    if model == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
         root, block = fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
         return p * (root + 2 * block), p * block, 0
     buffer_bytes = viewed = 0
-    if kind == "bucketed":
+    if model == "bucketed":
         buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), cap)
         for b, indices in enumerate(buckets):
             if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
@@ -381,10 +346,10 @@ def estimate_rank_memory(
     p = spec.param_bytes
     shapes = list(gpt_parameter_shapes(config).values())
     numels = [math.prod(s) for s in shapes]
-    buffers, cap = _strategy_buffers(strategy, world_size, bucket_size_mb)
-    mode = "reduce_scatter" if shard_optimizer_state and buffers.mode == "unsharded" else buffers.mode
+    model, cap = _strategy_memory(strategy, world_size, bucket_size_mb)
+    mode = _SHARDING.get(model, "reduce_scatter" if shard_optimizer_state else "unsharded")
     held = expected_bytes(shapes, world_size, mode, None, p)
-    buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, buffers.kind, cap, numels, p)
+    buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, model, cap, numels, p)
     parts = {
         "parameters": held["parameters"],
         "gradients": held["gradients"] + gathered_gradient - p * viewed,
@@ -395,7 +360,7 @@ def estimate_rank_memory(
         "activations": _activation_bytes(config, batch_size * seq_len, precision),
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
-    step_phase = ("gradients", "regrown_gradients") + (() if buffers.persistent else ("bucket_buffers",))
+    step_phase = ("gradients", "regrown_gradients") + (() if model in _PERSISTENT_BUFFERS else ("bucket_buffers",))
     phases = (("activations", "low_precision_weights"), step_phase)
     millions = held["parameters"] / p / 1e6
     description = (
@@ -488,19 +453,8 @@ def print_estimate(
     bucket_size_mb: Optional[float] = None,
     device_type: Literal["cuda", "cpu"] = "cuda",
 ) -> None:
-    """Print the estimated peak memory of one rank, category by category.
-
-    Args:
-        preset: Model preset (``lightning_ddp.model.PRESETS``).
-        vocab_size: Vocabulary size.
-        batch_size: Sequences per rank.
-        seq_len: Tokens per sequence (the model's context length).
-        precision: Lightning precision (32-true, bf16-mixed, ...).
-        strategy: Strategy name.
-        world_size: Data-parallel ranks.
-        bucket_size_mb: Bucket cap in MiB; default: the strategy's own.
-        device_type: ``cuda`` or ``cpu``.
-    """
+    """Print the estimated peak memory of one rank, category by category (``bucket_size_mb`` None: the strategy's
+    own; the options: ``docs/memory.md``)."""
     from lightning_ddp.model import get_config  # torch: this module imports it only where a function needs it
 
     config = get_config(preset, vocab_size=vocab_size, context_length=seq_len)

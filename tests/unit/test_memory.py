@@ -261,3 +261,15 @@ def test_bad_inputs_name_the_fix() -> None:
         _estimate(config, batch_size=0)
     with pytest.raises(ValueError, match="ranks_per_device"):
         memory_budget_bytes("cpu", 0)
+
+
+def test_expected_bytes_per_mode() -> None:
+    shapes = [(4, 4), (4,)]
+    assert expected_bytes(shapes, 2, "unsharded", 1) == {"parameters": 80, "gradients": 80, "optimizer_state": 168}
+    # rank 1 owns the (4,) vector: its state, and under zero2 only its gradient
+    assert expected_bytes(shapes, 2, "reduce_scatter", 1) == {"parameters": 80, "gradients": 80,
+                                                              "optimizer_state": 36}
+    assert expected_bytes(shapes, 2, "zero2", 1) == {"parameters": 80, "gradients": 16, "optimizer_state": 36}
+    # fsdp2: rank 1 holds row 2 of (3, 2) and rows 2..3 of (4,)
+    assert expected_bytes([(3, 2), (4,)], 2, "fully_sharded", 1) == {"parameters": 16, "gradients": 16,
+                                                                      "optimizer_state": 40}
