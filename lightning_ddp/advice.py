@@ -1,15 +1,12 @@
-"""``python -m lightning_ddp advise RUN_DIR``, optionally ``--world_sizes '[8, 64]' --network nvlink4`` and
-``--device_memory_gib 80``: what to change, predicted from the run's own timer files.
+"""``python -m lightning_ddp advise RUN_DIR``: what to change, predicted from the run's own CommTimer files.
 
-Reads a CommTimer folder (``timing_summary.json`` version 2, ``compute_profile.json``), calibrates the projection
-to it (compute from the profile, ``t = o + S / w`` per collective from the timer's recorded calls), simulates every
-catalogue alternative at the run's world size, scaled so the current strategy matches its measured step, and writes
-``advice.json`` and ``advice.md`` into the folder. A study module: the product never imports it. How each step
-works (calibration, predictions, verdict): docs/advice.md.
+Calibrates the projection to the run, simulates every catalogue alternative and writes ``advice.json`` and
+``advice.md`` into RUN_DIR. A study module: the product never imports it. How each step works: docs/advice.md.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -132,17 +129,10 @@ class FittedComm:
         o, w = self.fits.get("all_reduce", next(iter(self.fits.values())))
         return self.factor * (o + nbytes / (2 * w if half else w))
 
-    def all_reduce_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("all_reduce", nbytes, n)
-
-    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("reduce_scatter", nbytes, n, half=True)
-
-    def all_gather_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("all_gather", nbytes, n, half=True)
-
-    def broadcast_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("broadcast", nbytes, n)
+    all_reduce_s = functools.partialmethod(_seconds, "all_reduce")
+    reduce_scatter_s = functools.partialmethod(_seconds, "reduce_scatter", half=True)
+    all_gather_s = functools.partialmethod(_seconds, "all_gather", half=True)
+    broadcast_s = functools.partialmethod(_seconds, "broadcast")
 
 
 def copy_Bps(run: Run) -> float:
@@ -164,7 +154,7 @@ BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)
 
 PROJECTION_ERROR = 0.099
 """Half-width of every interval, relative: the median |error| of self-calibrated predictions in the committed CPU
-validation (``calibrated_error`` of benchmarks/results/projection/cpu_sweep_validation.csv; a test recomputes it)."""
+validation (benchmarks/results/projection/cpu_sweep_validation.csv; tests/unit/test_advice.py recomputes it)."""
 
 STRAGGLER_SHARE = 0.5
 """A straggler is named when waiting for the slowest rank is more than this share of the exposed time ..."""
@@ -174,16 +164,6 @@ STRAGGLER_STEP_SHARE = 0.05
 
 MEMORY_NEAR = 0.8
 """Sharding is priced when the run's peak memory is above this share of the device's."""
-
-
-def calibrated_error(rows: Sequence[dict[str, str]]) -> float:
-    """Median |error| of predicting one cell from another of its group scaled to the other's measured step (what
-    advise does): ``(1 + e_b) / (1 + e_a) - 1`` over every ordered pair of the validation's ``step_error``."""
-    groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        groups.setdefault((r["precision"], r["batch_size"], r["context_length"]), []).append(float(r["step_error"]))
-    return statistics.median(abs((1 + b) / (1 + a) - 1) for errors in groups.values()
-                             for i, a in enumerate(errors) for j, b in enumerate(errors) if i != j)
 
 
 def fit_arguments(run: Run, name: str, bucket: float | str | None) -> dict[str, Any]:
@@ -213,10 +193,6 @@ def _current_size(run: Run) -> float | None:
     return (size if size is not None else entry.default_bucket_size_mb) if entry.has_bucket_size else None
 
 
-def _interval(value: float) -> list[float]:
-    return [value * (1 - PROJECTION_ERROR), value * (1 + PROJECTION_ERROR)]
-
-
 def _scales(run: Run, fits: dict, scale: float, world_sizes: Sequence[int], network: str | None) -> dict[str, list]:
     """The best variants at other world sizes: the all-reduce fit extrapolated, or a fabric preset (not scaled)."""
     o, w = fits.get("all_reduce", next(iter(fits.values())))
@@ -240,18 +216,18 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     calibrated = current in simulated_names()
     # first the communication: the current strategy's busy time as measured, less waiting for a late rank
     busy_ms = (run.medians.get("comm/busy_ms") or 0.0) - (run.medians.get("comm/wait_ms") or 0.0)
+    size_now = _current_size(run)
     if calibrated and busy_ms > 0:
-        factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), _current_size(run)).busy_comm_ms
+        factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), size_now).busy_comm_ms
     model = step_model(run, FittedComm(fits, factor))
-    params = run.profile.params
     o, w = fits.get("all_reduce", next(iter(fits.values())))
-    auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in params)) / MiB
+    auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in run.profile.params)) / MiB
     simulated: dict[tuple, Any] = {}
     not_predicted = []
     candidates = _candidates(auto_mb)
-    if calibrated and not any(name == current and size_equal(bucket, _current_size(run))
+    if calibrated and not any(name == current and size_equal(bucket, size_now)
                               for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
-        candidates.append((current, _current_size(run), _current_size(run)))
+        candidates.append((current, size_now, size_now))
     for name, bucket, size in candidates:
         try:
             result = simulate(name, model, size)
@@ -261,7 +237,7 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
         result.memory_bytes = state_bytes(result, model)
         simulated[(name, bucket)] = result
     if calibrated:  # then the step: every prediction scaled so the current one is the measured step
-        mine = simulate(current, model, _current_size(run))
+        mine = simulate(current, model, size_now)
         scale = run.step_ms / mine.step_ms
         current_bytes = state_bytes(mine, model)
     else:
@@ -271,14 +247,14 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     for (name, bucket), r in simulated.items():
         entry = catalogue.get(name)
         predicted = r.step_ms * scale
-        row = {"strategy": name, "settings": {"bucket_size_mb": bucket} if bucket is not None else {},
-               "exact": entry.exact, "sharded": entry.sharded,
-               "current": calibrated and name == current and size_equal(bucket, _current_size(run)),
-               "predicted_step_ms": predicted, "predicted_step_interval": _interval(predicted),
-               "predicted_share": r.comm_share, "gain": run.step_ms / predicted - 1,
-               "gain_interval": [run.step_ms / hi - 1 for hi in _interval(predicted)[::-1]],
-               "memory_GiB": r.memory_bytes / 2**30, **fit_arguments(run, name, bucket)}
-        rows.append(row)
+        interval = [predicted * (1 - PROJECTION_ERROR), predicted * (1 + PROJECTION_ERROR)]
+        rows.append({"strategy": name, "settings": {"bucket_size_mb": bucket} if bucket is not None else {},
+                    "exact": entry.exact, "sharded": entry.sharded,
+                    "current": calibrated and name == current and size_equal(bucket, size_now),
+                    "predicted_step_ms": predicted, "predicted_step_interval": interval,
+                    "predicted_share": r.comm_share, "gain": run.step_ms / predicted - 1,
+                    "gain_interval": [run.step_ms / hi - 1 for hi in interval[::-1]],
+                    "memory_GiB": r.memory_bytes / 2**30, **fit_arguments(run, name, bucket)})
     rows.sort(key=lambda row: row["predicted_step_ms"])
     document = {"run": {"path": str(run.path), "strategy": current, "bucket_size_mb": run.info.get("bucket_size_mb"),
                         "world_size": run.info["world_size"], "backend": run.info.get("backend"),

@@ -88,15 +88,7 @@ _TYPE_NOISE = ("Expected a ", "Not a valid subclass", "Type <", "Does not valida
 
 def user_error_message(message: str) -> str:
     """The line of a jsonargparse error message that says what is wrong: of a union's reasons, the one that is not a
-    type mismatch, preferring one that names a fix, after the key's label.
-
-    >>> user_error_message("Does not validate against any of the Union subtypes\\nErrors:\\n  - Expected a <class "
-    ...                    "'str'>\\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\\nGiven value: x")
-    'bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.'
-    >>> user_error_message('Parser key "s":\\n  Errors:\\n    - Expected a <class \\'str\\'>\\n'
-    ...                    '    - Problem with given class_path \\'A\\':\\n        Option \\'x\\' is not accepted')
-    'Parser key "s": Option \\'x\\' is not accepted'
-    """
+    type mismatch, preferring one that names a fix, after the key's label."""
     raw = [line.rstrip() for line in message.splitlines() if line.strip()]
     if not raw:
         return message
@@ -179,21 +171,16 @@ class LightningDDPCLI(LightningCLI):
 
     @override
     def before_validate(self) -> None:
-        self._before_evaluation("validate")
-
-    @override
-    def before_test(self) -> None:
-        self._before_evaluation("test")
-
-    def _before_evaluation(self, stage: str) -> None:
         # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
         try:
-            self.datamodule.check_has_split(stage)
+            self.datamodule.check_has_split(self.subcommand)
         except ValueError as error:
             refuse(str(error))
         # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to
         # a resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
+
+    before_test = before_validate
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -336,8 +323,9 @@ def check_memory(config) -> None:
     strategy, bucket_size_mb, sharded_by = resolved  # sharded_by: the entry sharding the state over strategy's engine
     num_nodes = int(trainer.get("num_nodes", 1) or 1)
     world_size = local * num_nodes
+    # Every other strategy a fix names is a sharded one: sharding the state changes nothing there.
     kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
-                  bucket_size_mb=bucket_size_mb, device_type=device_type)
+                  bucket_size_mb=bucket_size_mb, device_type=device_type, shard_optimizer_state=sharded_by is not None)
     vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
 
     def gpt(preset: str = model.preset) -> Any:
@@ -345,9 +333,7 @@ def check_memory(config) -> None:
                           tie_embeddings=model.tie_embeddings)
 
     def estimate(preset: str = model.preset, batch_size: int = data.batch_size, **overrides: Any) -> MemoryEstimate:
-        args = {**kwargs, **overrides}
-        sharded = sharded_by is not None and args["strategy"] == strategy
-        return estimate_rank_memory(gpt(preset), batch_size=batch_size, shard_optimizer_state=sharded, **args)
+        return estimate_rank_memory(gpt(preset), batch_size=batch_size, **{**kwargs, **overrides})
 
     try:
         current = estimate()
