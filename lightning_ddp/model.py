@@ -43,10 +43,11 @@ class GPTConfig:
     """Share one matrix between the token embedding and lm_head (saves vocab_size * d_model params)."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+        positive = ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps")
+        for name in positive:
             value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"GPTConfig.{name} must be positive, got {value}; set {name} >= 1.")
+            if value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {value}; set {name} > 0.")
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -57,10 +58,6 @@ class GPTConfig:
                 f"head dim d_model // n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
                 f"channels; choose d_model and n_heads so that d_model // n_heads is even."
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}; the usual value is 10000.")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}; the usual value is 1e-5.")
 
     @property
     def head_dim(self) -> int:

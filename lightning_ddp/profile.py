@@ -121,28 +121,21 @@ class ComputeProfile:
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "compute profile") -> ComputeProfile:
         """Parse the JSON form; every error names the field and says what a valid file holds."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{origin}: expected a JSON object, got {type(data).__name__}")
-        schema = data.get("schema")
+        schema = data.get("schema") if isinstance(data, dict) else f"none (a JSON {type(data).__name__})"
         if schema != SCHEMA:
             raise ValueError(
                 f"{origin}: schema is {schema!r}, this reader understands {SCHEMA!r}; write the file with "
                 "lightning_ddp.profile.write_profile (or the CommTimer), or convert it to that schema"
             )
         missing = [k for k in (*_TIMES, "params") if k not in data]
-        if missing:
-            raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, "
-                             "backward_ms, optimizer_ms and params")
-        if not isinstance(data["params"], list):
-            raise ValueError(f"{origin}: `params` must be a list of {{name, numel, bytes, ready_ms}} objects")
+        if missing or not isinstance(data["params"], list):
+            raise ValueError(f"{origin}: a version-1 profile needs forward_ms, backward_ms, optimizer_ms and a list "
+                             f"`params` (missing: {missing})")
         params = []
         for i, raw in enumerate(data["params"]):
-            try:
-                ready, shape = raw.get("ready_ms"), raw.get("shape")
-                params.append(ParamTiming(str(raw["name"]), int(raw["numel"]), int(raw["bytes"]),
-                                          None if ready is None else float(ready),
-                                          None if shape is None else tuple(int(d) for d in shape)))
-            except (KeyError, TypeError, AttributeError) as error:
+            try:  # ParamTiming checks the values; JSON gives the types
+                params.append(ParamTiming(**raw))
+            except TypeError as error:
                 raise ValueError(f"{origin}: params[{i}] must be an object with name, numel, bytes and ready_ms "
                                  f"(null if no gradient), and optionally shape; got {raw!r}") from error
         known = {"schema", "source", "device", *_RUN_FIELDS, *_TIMES, "params"}

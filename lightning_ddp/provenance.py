@@ -82,11 +82,10 @@ def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=normal")
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None
-    prefixes = [_relative_to_repo(path) for path in ignore]
-    prefixes = [p for p in prefixes if p]
-    if changed is not None and prefixes:
-        changed = [c for c in changed if not any(c == p or c.startswith(p + "/") or p.startswith(c.rstrip("/") + "/")
-                                                 or c.rstrip("/") == p for p in prefixes)]
+    prefixes = [repo_relative(str(Path(path).resolve())) for path in ignore]
+    if changed is not None:  # a changed file inside an ignored directory, or an untracked directory holding one
+        changed = [c for c in changed if not any(c.rstrip("/") == p or c.startswith(p + "/")
+                                                 or p.startswith(c.rstrip("/") + "/") for p in prefixes)]
     source = "git" if commit else None
     if not commit and os.environ.get(COMMIT_VARIABLE):
         commit, source = os.environ[COMMIT_VARIABLE], COMMIT_VARIABLE
@@ -97,10 +96,3 @@ def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
         "git_changed": changed[:20] if changed is not None else None,
     }
 
-
-def _relative_to_repo(path: str | os.PathLike) -> str | None:
-    """``path`` as git prints it (relative to the checkout, ``/``-separated), or None outside the checkout."""
-    try:
-        return Path(path).resolve().relative_to(_REPO).as_posix()
-    except ValueError:
-        return None
