@@ -1,12 +1,8 @@
 """lightning_ddp: data-parallel gradient synchronisation, one swappable Lightning strategy per algorithm.
 
 ``import lightning_ddp`` is cheap (no torch, no Lightning) and registers our strategy names with Lightning's
-``StrategyRegistry`` whether Lightning is imported before or after it (a one-shot post-import hook on
-``sys.meta_path``), so ``Trainer(strategy="bucketed_ddp")`` works; a failure to register is a warning, never an
-error in the user's ``import lightning``. The product (``sync``, ``strategies``, ``callbacks``, ``metrics``,
-``model``, ``module``, ``data``, ``cli``, ...) never imports the study (``bench``, ``projection``, ``trace``,
-``advice``): ``tests/unit/test_layers.py`` checks every import. Import names from their sub-packages, e.g.
-``from lightning_ddp.callbacks import CommTimer``.
+``StrategyRegistry`` when Lightning is imported, before or after it, so ``Trainer(strategy="bucketed_ddp")`` works
+(a failure is a warning). Import names from their sub-packages, e.g. ``from lightning_ddp.callbacks import CommTimer``.
 """
 
 from __future__ import annotations

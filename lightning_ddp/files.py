@@ -1,7 +1,5 @@
-"""Writing a file whole or not at all: ``write_atomically`` and ``write_json_atomically``. Pure Python.
-
-Every file this package writes goes through here: a unique temporary file beside ``path``, fsynced, then
-``os.replace``d over it; on any error ``path`` keeps its old content.
+"""Writing a file whole or not at all (a temporary file beside it, fsynced, then ``os.replace``d over it); every
+file this package writes goes through here. Pure Python.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Interval arithmetic on ``(start, end)`` pairs: the one home of it for the accounting and the trace analysis.
+"""Interval arithmetic on ``(start, end)`` pairs, for the accounting and the trace analysis. Pure Python.
 
-Pure Python (no torch). Intervals are in any one unit; every function returns merged, sorted intervals and
-drops empty ones (``end <= start``), so a clipped interval that fell outside its window simply vanishes.
+Every function returns merged, sorted intervals and drops empty ones (``end <= start``).
 """
 
 from __future__ import annotations

@@ -42,14 +42,7 @@ class GPTShape(Protocol):
 
 
 def gpt_parameter_shapes(config: GPTShape) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every parameter of ``GPT(config)``, in ``parameters()`` order (a tied table once).
-
-    >>> from types import SimpleNamespace
-    >>> shapes = gpt_parameter_shapes(SimpleNamespace(d_model=8, d_ff=32, n_layers=1, vocab_size=50,
-    ...                                                tie_embeddings=False))
-    >>> shapes["blocks.0.ffn.w1.weight"], len(shapes)  # 1 + 9 per block + 2
-    ((32, 8), 12)
-    """
+    """``{name: shape}`` of every parameter of ``GPT(config)``, in ``parameters()`` order (a tied table once)."""
     d, f, v = config.d_model, config.d_ff, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (v, d)}
     for i in range(config.n_layers):
@@ -135,11 +128,7 @@ def zero2_gradient_peak_bytes(
     shapes: list[tuple[int, ...]], world_size: int, rank: int, bucket_cap_bytes: int | None, buckets_in_flight: int = 2
 ) -> int:
     """An upper bound of the gradient bytes a ``zero2`` rank holds during backward, fp32: its shard plus
-    ``buckets_in_flight + 1`` caps (``docs/memory.md``).
-
-    >>> zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64)  # 16 + 3 x 64
-    208
-    """
+    ``buckets_in_flight + 1`` caps (``docs/memory.md``)."""
     shard = expected_bytes(shapes, world_size, "zero2", rank)["gradients"]
     return shard + (buckets_in_flight + 1) * _cap(bucket_cap_bytes, FP32 * sum(math.prod(s) for s in shapes))
 
@@ -278,12 +267,7 @@ def _buffer_bytes(config: GPTConfig, model: str, cap: int | None, numels: Sequen
 
 
 def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
-    """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group and of the largest block.
-
-    >>> from lightning_ddp.model import get_config
-    >>> fsdp2_groups(get_config("tiny"))  # of 3.61M in all
-    (2560128, 262400)
-    """
+    """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group and of the largest block."""
     root, blocks = 0, {}
     for name, shape in gpt_parameter_shapes(config).items():
         if name.startswith("blocks."):
@@ -327,15 +311,6 @@ def estimate_rank_memory(
 
     ``strategy``: a catalogue name or Lightning's ``auto``/``ddp`` variants; ``bucket_size_mb`` None: its default;
     ``shard_optimizer_state``: the state is sharded whatever the strategy (ZeRO-1 over an all-reducing engine).
-    The published 2-GPU xl runs' configuration (``configs/xl_2gpu.yaml``):
-
-    >>> from lightning_ddp.model import get_config
-    >>> xl = estimate_rank_memory(get_config("xl", context_length=512), batch_size=4, seq_len=512,
-    ...     precision="bf16-mixed", strategy="bucketed_ddp", world_size=2, bucket_size_mb=100)
-    >>> round(xl.parts["optimizer_state"] / GiB, 2), round(xl.parts["activations"] / GiB, 1)
-    (14.89, 10.3)
-    >>> round(xl.total_bytes / GiB, 1)  # 7.44 x 2 + 14.89 + 1.5 overhead + max(10.26 + 3.69, 7.44 x 2)
-    45.2
     """
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:

@@ -273,3 +273,17 @@ def test_expected_bytes_per_mode() -> None:
     # fsdp2: rank 1 holds row 2 of (3, 2) and rows 2..3 of (4,)
     assert expected_bytes([(3, 2), (4,)], 2, "fully_sharded", 1) == {"parameters": 16, "gradients": 16,
                                                                       "optimizer_state": 40}
+
+
+def test_the_published_xl_configuration_and_small_cases() -> None:
+    # configs/xl_2gpu.yaml's run (docs/memory.md): 7.44 x 2 + 14.89 + 1.5 overhead + max(10.26 + 3.69, 7.44 x 2)
+    xl = estimate_rank_memory(get_config("xl", context_length=512), batch_size=4, seq_len=512,
+                              precision="bf16-mixed", strategy="bucketed_ddp", world_size=2, bucket_size_mb=100)
+    assert (round(xl.parts["optimizer_state"] / GiB, 2), round(xl.parts["activations"] / GiB, 1)) == (14.89, 10.3)
+    assert round(xl.total_bytes / GiB, 1) == 45.2
+    assert memory.fsdp2_groups(get_config("tiny")) == (2560128, 262400)  # of 3.61M in all
+    # ZeRO-2's gradient peak: rank 1's 16-byte shard plus 3 caps of 64 bytes
+    assert memory.zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64) == 208
+    shapes = gpt_parameter_shapes(SimpleNamespace(d_model=8, d_ff=32, n_layers=1, vocab_size=50,
+                                                  tie_embeddings=False))
+    assert (shapes["blocks.0.ffn.w1.weight"], len(shapes)) == ((32, 8), 12)  # 1 + 9 per block + 2
