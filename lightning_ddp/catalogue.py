@@ -91,21 +91,14 @@ class Entry:
             return self.engine
         return load(self.engine)
 
+    def _parameters(self) -> Mapping[str, inspect.Parameter]:
+        return {} if self.engine is None else inspect.signature(self.engine_factory()).parameters
+
     def settings(self) -> dict[str, Any]:
         """The engine's own settings, name -> default (``REQUIRED`` if none), in signature order."""
-        if self.engine is None:
-            return {}
-        return {
-            name: parameter.default
-            for name, parameter in _parameters(self.engine_factory()).items()
-            if name not in NOT_SETTINGS
-            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        }
-
-    def takes_any_setting(self) -> bool:
-        """The engine takes ``**kwargs``: any name may be a setting."""
-        return self.engine is not None and any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in _parameters(self.engine_factory()).values())
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {name: parameter.default for name, parameter in self._parameters().items()
+                if name not in NOT_SETTINGS and parameter.kind in named}
 
     def check_settings(self, settings: Mapping[str, Any] | None) -> dict[str, Any]:
         """``settings`` with the defaults filled in; raises on unknown or missing names and refused values."""
@@ -117,7 +110,8 @@ class Entry:
                             f"got {settings!r}; e.g. {{{example}}}.")
         known = self.settings()
         unknown = [name for name in settings if name not in known]
-        if unknown and not self.takes_any_setting():
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self._parameters().values())  # **kwargs
+        if unknown and not takes_any:
             reserved = [name for name in unknown if name in NOT_SETTINGS]
             hint = (f" ({', '.join(reserved)}: not an engine setting; bucket_size_mb has an option of its own, the "
                     "model, process group and reduce step are the engine's)" if reserved else "")
@@ -181,13 +175,6 @@ class Entry:
             else:
                 init_args.update(settings)
         return {"class_path": self.lightning_class, "init_args": init_args}
-
-
-def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
-    try:
-        return inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a C callable without a signature: no settings we can know
-        return {}
 
 
 STRATEGIES: dict[str, Entry] = {}

@@ -100,8 +100,10 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
         state = ADAM_MOMENTS * p * held + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)
         return {"parameters": p * held, "gradients": p * held, "optimizer_state": state}
     numels = [math.prod(shape) for shape in shapes]
+    owners = assign_owners([p * n for n in numels], world_size)  # ZeRO-1's and ZeRO-2's owners
     per_rank = []
-    for owned in _owned_numels(numels, p, world_size):
+    for r in range(world_size):
+        owned = [n for n, owner in zip(numels, owners) if owner == r]
         stated = numels if mode == "unsharded" else owned
         state = ADAM_MOMENTS * p * sum(stated) + ADAM_STEP_BYTES_PER_TENSOR * len(stated)
         per_rank.append((p * sum(numels), p * sum(owned if mode == "zero2" else numels), state))
@@ -114,14 +116,6 @@ def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
     rows = shape[0] if shape else 1
     chunk = -(-rows // world_size)
     return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
-
-
-def _owned_numels(numels: Sequence[int], param_bytes: int, world_size: int) -> list[list[int]]:
-    """Per rank, the sizes of the tensors ``assign_owners`` gives it (ZeRO-1's and ZeRO-2's owners)."""
-    if world_size == 1:
-        return [list(numels)]
-    owners = assign_owners([param_bytes * n for n in numels], world_size)
-    return [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
 
 
 def zero2_gradient_peak_bytes(

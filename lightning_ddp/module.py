@@ -6,7 +6,6 @@ and ``val/ppl`` once per epoch; ``test/*`` for ``test``.
 from __future__ import annotations
 
 import math
-import time
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -57,7 +56,6 @@ class LitGPT(pl.LightningModule):
             preset, vocab_size=vocab_size, context_length=context_length, tie_embeddings=tie_embeddings
         )
         self.model = GPT(self.config)
-        self._last_batch_end: float | None = None
         # (sum of token losses, token count) of this rank's shard in the current evaluation epoch, float64 so the
         # sum of many batches loses nothing.
         self._eval_totals: torch.Tensor | None = None
@@ -75,28 +73,13 @@ class LitGPT(pl.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        logits = self.model(x)  # (B, T, V)
-        # cross-entropy in fp32: under bf16 autocast the logits are bf16 and the log-softmax would lose precision
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        logits = self.model(x)  # (B, T, V), float32 (GPT.forward): the log-softmax in full precision
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        # Throughput as seen by the training loop: tokens of the global batch per wall second between the
-        # ends of consecutive batches. The CommTimer callback measures it per optimizer step more carefully.
-        now = time.perf_counter()
-        if self._last_batch_end is not None:
-            tokens = batch[0].numel() * self.trainer.world_size
-            self.log("train/tokens_per_s", tokens / (now - self._last_batch_end))
-        self._last_batch_end = now
-
-    @override
-    def on_validation_start(self) -> None:
-        # The next training batch's throughput would count the validation's time: leave it out.
-        self._last_batch_end = None
 
     @override
     def on_validation_epoch_start(self) -> None:
