@@ -11,7 +11,7 @@ import json
 import statistics
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -23,6 +23,7 @@ from lightning_ddp.projection.comm import MeasuredFit, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS
 from lightning_ddp.projection.memory import state_bytes
 from lightning_ddp.projection.run import project
+from lightning_ddp.projection.tables import markdown_table
 from lightning_ddp.projection.simulators import MiB, StepModel, best_by_world_size, simulate, simulated_names
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
 
@@ -40,11 +41,15 @@ class Run:
     path: Path
     summary: dict[str, Any]
     profile: ComputeProfile
-    medians: dict[str, float] = field(default_factory=dict)
+    medians: dict[str, float]
 
     @property
     def info(self) -> dict[str, Any]:
         return self.summary["run"]
+
+    @property
+    def device(self) -> hardware.DeviceSpec | None:
+        return hardware.find_device(str(self.info.get("device") or ""))
 
     @property
     def step_ms(self) -> float:
@@ -135,19 +140,14 @@ class FittedComm:
     broadcast_s = functools.partialmethod(_seconds, "broadcast")
 
 
-def copy_Bps(run: Run) -> float:
-    """Buffer-copy bandwidth: the device table's memory bandwidth on a GPU, the CPU validation's on a CPU."""
-    spec = hardware.find_device(str(run.info.get("device") or ""))
-    return spec.memory_GBps * 1e9 if spec is not None else CPU_COPY_GBPS * 1e9
-
-
-def step_model(run: Run, comm: Any, world_size: int | None = None) -> StepModel:
-    """The projection's model of one step of ``run``: its compute profile, ``comm``, its backend's contention."""
+def step_model(run: Run, comm: Any) -> StepModel:
+    """The projection's model of one step of ``run``: its compute profile, ``comm``, its backend's contention, and
+    buffer copies at its device's memory bandwidth (on a CPU, the CPU validation's)."""
+    spec = run.device
+    copy_GBps = spec.memory_GBps if spec is not None else CPU_COPY_GBPS
     contention = CONTENTION.get(str(run.info.get("backend")), 0.0)
-    return StepModel(run.profile, comm, world_size or run.info["world_size"], copy_Bps(run), contention=contention)
+    return StepModel(run.profile, comm, run.info["world_size"], copy_GBps * 1e9, contention=contention)
 
-
-# ---- predictions and the verdict ---------------------------------------------------------------------------------
 
 BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)
 """Bucket sizes tried for every strategy that takes one, besides ``auto``."""
@@ -288,8 +288,7 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
         verdict.update(action="straggler", straggler={"rank": rank, "wait_ms": wait, "exposed_ms": exposed})
         verdict["text"] = (f"straggler: rank {rank} makes the others wait {wait:.1f} of {exposed:.1f} exposed ms; "
                            "no strategy fixes a straggler: find what slows that rank")
-    spec = hardware.find_device(str(run.info.get("device") or ""))
-    device_gib = device_memory_gib or (spec.memory_GB * 1e9 / 2**30 if spec is not None else None)
+    device_gib = device_memory_gib or (run.device.memory_GB * 1e9 / 2**30 if run.device is not None else None)
     peak_gib = (run.medians.get("memory/peak_MiB") or 0.0) / 1024
     if device_gib and peak_gib >= MEMORY_NEAR * device_gib and current_bytes is not None:
         saves: dict[str, float] = {}  # per sharded strategy, at its setting that keeps the least
@@ -303,8 +302,6 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
 def _label(row: dict[str, Any]) -> str:
     return catalogue.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
 
-
-# ---- advice.md and advice.json -----------------------------------------------------------------------------------
 
 SHOWN = 12
 """Rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)."""
@@ -333,12 +330,11 @@ def render_markdown(document: dict[str, Any]) -> str:
                   "```yaml", top["yaml"].rstrip(), "```", ""]
     for name, saved in verdict.get("memory", {}).get("sharding_saves_GiB", {}).items():
         lines.append(f"- memory: {name} saves {saved:.2f} GiB per rank")
-    header = "| strategy | | predicted step ms [interval] | exposed share | gain [interval] | state GiB/rank |"
-    lines += [header, "|---|---|---:|---:|---:|---:|"]
     seen: set[str] = set()
     shown = [r for r in document["recommendations"]
              if r["current"] or (r["strategy"] not in seen and not seen.add(r["strategy"]))]
-    lines += ["| " + " | ".join(_row(r)) + " |" for r in shown[:SHOWN]]
+    lines += markdown_table(["strategy", "", "predicted step ms [interval]", "exposed share", "gain [interval]",
+                             "state GiB/rank"], map(_row, shown[:SHOWN]), align="llrrrr")
     lines += ["", f"Intervals: +-{calibration['projection_error']:.1%} (docs/advice.md). Communication scaled "
               f"x{calibration['comm_factor']:.3g} to the measured busy time, the step x{calibration['scale']:.3g} "
               "to the measured step.", *[f"- {note}" for note in calibration["notes"]]]
@@ -346,12 +342,6 @@ def render_markdown(document: dict[str, Any]) -> str:
         lines.append(f"- {n} ranks: " + "; ".join(
             f"{b['strategy']} {b['predicted_step_ms']:.1f} ms" for b in best[:3]))
     return "\n".join(lines) + "\n"
-
-
-def write_advice(run_dir: str | Path, document: dict[str, Any]) -> tuple[Path, Path]:
-    """advice.json and advice.md into ``run_dir``, each whole or not at all."""
-    return (write_json_atomically(Path(run_dir) / "advice.json", document, allow_nan=False),
-            write_atomically(Path(run_dir) / "advice.md", render_markdown(document)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # RunError: RUN_DIR; else an option (an unknown --network)
         print(f"error: {error}", file=sys.stderr)
         return 2
-    write_advice(args.run_dir, document)
-    print(render_markdown(document))
+    markdown = render_markdown(document)
+    write_json_atomically(Path(args.run_dir) / "advice.json", document, allow_nan=False)
+    write_atomically(Path(args.run_dir) / "advice.md", markdown)
+    print(markdown)
     return 0
 
 

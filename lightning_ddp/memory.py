@@ -24,15 +24,12 @@ FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype
 ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter (fp32 on the CPU unless capturable/fused)
 
-CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
-"""Fixed per-rank cost on CUDA that no tensor accounts for (``docs/memory.md``, "Overhead")."""
-CPU_OVERHEAD_BYTES = int(0.5 * GiB)
-"""Fixed per-process cost on CPU (``docs/memory.md``, "Overhead")."""
+CUDA_OVERHEAD_BYTES = int(1.5 * GiB)  # the fixed per-rank cost no tensor accounts for (docs/memory.md, "Overhead")
+CPU_OVERHEAD_BYTES = int(0.5 * GiB)  # the same per CPU process
 
 
-# The GPT's parameter shapes from its config alone, without torch (tests/unit/test_model.py holds them to the GPT).
 class GPTShape(Protocol):
-    """What fixes the parameter shapes: ``lightning_ddp.model.GPTConfig`` or the projection's ``ModelShape``."""
+    """What fixes the GPT's parameter shapes, without torch: ``GPTConfig`` or the projection's ``ModelShape``."""
 
     d_model: int
     d_ff: int
@@ -298,7 +295,7 @@ def estimate_rank_memory(
     strategy: str,
     world_size: int,
     bucket_size_mb: BucketSize = None,
-    device_type: str = "cuda",
+    device_type: Literal["cuda", "cpu"] = "cuda",
     shard_optimizer_state: bool = False,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: docs/memory.md).
@@ -309,8 +306,6 @@ def estimate_rank_memory(
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     spec = _PRECISIONS[normalize_precision(precision)]
     p = spec.param_bytes
     shapes = list(gpt_parameter_shapes(config).values())
@@ -397,11 +392,9 @@ def check_fits(
     if estimate.total_bytes <= budget_bytes:
         return
     source = f" ({budget_source})" if budget_source else ""
-    lines = [
-        # "out of memory" also lets the benchmark sweep's runner record a refused cell as `oom`.
-        f"{what} would run out of memory: it needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a "
-        f"rank has {budget_bytes / GiB:.1f} GiB{source}.",
-    ]
+    # "out of memory" also lets the benchmark sweep's runner record a refused cell as `oom`.
+    lines = [f"{what} would run out of memory: it needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a "
+             f"rank has {budget_bytes / GiB:.1f} GiB{source}."]
     if estimate.description:
         lines.append(f"Estimated for {estimate.description}:")
     lines.extend("  " + line for line in estimate.table().splitlines())
