@@ -49,24 +49,18 @@ class Entry:
 
     name: str
     """What ``trainer.strategy`` takes, and the strategy's name in every table, CSV column and plot."""
-    summary: str
-    """What it does, in one line."""
+    summary: str  # what it does, in one line
     engine: str | Callable[..., Any] | None = None
     """``"package.module:Class"`` or a factory ``(module, *, process_group, ...)``; ``None`` for torch's own."""
-    lightning_class: str = GRAD_SYNC_STRATEGY
-    """The Lightning strategy class that builds it."""
+    lightning_class: str = GRAD_SYNC_STRATEGY  # the Lightning strategy class that builds it
     init_args: Mapping[str, Any] = field(default_factory=dict)
     """Fixed ``init_args`` of ``lightning_class`` (``GradSyncStrategy`` gets ``algorithm: <name>`` added)."""
     has_bucket_size: bool = False
     default_bucket_size_mb: BucketSize = DEFAULT_BUCKET_SIZE_MB
-    overlaps_backward: bool = False
-    """Communicates during backward, from gradient hooks."""
-    exact: bool = True
-    """Reproduces single-process training up to rounding; ``False`` for lossy compression."""
-    sharded: bool = False
-    """The optimizer state is split over the ranks."""
-    memory: str = "packed"
-    """Its memory model in ``lightning_ddp.memory`` (``MEMORY_MODELS``)."""
+    overlaps_backward: bool = False  # communicates during backward, from gradient hooks
+    exact: bool = True  # reproduces single-process training up to rounding; False for lossy compression
+    sharded: bool = False  # the optimizer state is split over the ranks
+    memory: str = "packed"  # its memory model in lightning_ddp.memory (MEMORY_MODELS)
     projection: str | None = None
     """Its step-time simulation: ``SCHEDULE`` (the projection's shared schedule, from the facts above), a hook
     ``"package.module:function"`` for a schedule they do not describe, or ``None`` (not projected)."""
@@ -204,25 +198,17 @@ def names(engines_only: bool = False) -> list[str]:
     return [entry.name for entry in STRATEGIES.values() if entry.is_engine or not engines_only]
 
 
-# ---- how tables, CSV columns, file names and progress lines write a strategy with its settings --------------
-
-
-def format_bucket(bucket_size_mb: float | str) -> str:
-    """``25.0`` -> ``"25"``, ``0.5`` -> ``"0.5"``, ``"auto"`` -> ``"auto"``."""
-    return bucket_size_mb if isinstance(bucket_size_mb, str) else f"{float(bucket_size_mb):g}"
-
-
-def _setting_text(value: Any) -> str:
+def format_bucket(value: Any) -> str:
+    """A bucket size or a setting's value as tables, CSV columns and file names write it: ``25.0`` -> ``"25"``,
+    ``0.5`` -> ``"0.5"``, ``"auto"`` -> ``"auto"``, ``True`` -> ``"true"``."""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def format_settings(settings: Mapping[str, Any]) -> str:
     """``{"rank": 4, "start_iter": 10}`` -> ``"rank=4 start_iter=10"``; ``{}`` -> ``""``."""
-    return " ".join(f"{name}={_setting_text(value)}" for name, value in settings.items())
+    return " ".join(f"{name}={format_bucket(value)}" for name, value in settings.items())
 
 
 def parse_settings(text: str) -> dict[str, Any]:
@@ -243,7 +229,7 @@ def parse_settings(text: str) -> dict[str, Any]:
 
 def settings_slug(settings: Mapping[str, Any]) -> str:
     """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"``; ``{}`` -> ``""``."""
-    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{_setting_text(value)}")
+    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{format_bucket(value)}")
                    for name, value in settings.items())
 
 
@@ -273,8 +259,6 @@ def variant_strategy(variant: str) -> str:
     """The strategy of a ``variant_label``: a name is an identifier, so it ends at the first space."""
     return variant.split(" ", 1)[0]
 
-
-# ---- the entries ---------------------------------------------------------------------------------------------
 
 _SIMULATORS = "lightning_ddp.projection.simulators"
 

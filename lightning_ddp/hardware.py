@@ -1,5 +1,4 @@
-"""One hardware table, pure Python: dense peak FLOP/s per dtype, memory bandwidth and size, SM count per device,
-each with its datasheet source. Read by the ``CommTimer``'s MFU and the projection; the matching rules:
+"""One hardware table, pure Python, read by the ``CommTimer``'s MFU and the projection; the matching rules:
 ``docs/comm_timer.md``, "MFU and the peak FLOP/s".
 """
 
@@ -20,22 +19,17 @@ CPU_FP32_TFLOPS_PER_CORE = 0.078
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device kind."""
+    """One device kind: its key (the projection's ``compute.gpu``), display name, the word sets any of which names
+    it (all their words in the lower-cased device name), dense peak TFLOP/s by dtype, memory bandwidth (GB/s) and
+    size (GB, 10**9 bytes), the full (non-MIG) product's SM count, and the datasheet."""
 
     key: str
-    """Short name, e.g. ``h100-sxm`` (the projection's ``compute.gpu``)."""
     name: str
-    """Display name."""
     patterns: tuple[tuple[str, ...], ...]
-    """Word sets, any of which identifies the device (all its words in the lower-cased name)."""
     dense_tflops: dict[str, float] = field(compare=False)
-    """Dense peak TFLOP/s by dtype."""
     memory_GBps: float
-    """Memory bandwidth, GB/s (10**9 bytes)."""
     memory_GB: float
-    """Memory size, GB (10**9 bytes)."""
     sm_count: int
-    """SMs of the full (non-MIG) product."""
     source: str
 
 

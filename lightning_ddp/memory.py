@@ -194,16 +194,13 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> in
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank needs for a training step, by category, and its peak."""
+    """Bytes one rank needs for a training step: ``parts`` by category (parameters, gradients, optimizer_state,
+    bucket_buffers, regrown_gradients, low_precision_weights, activations, overhead); ``phases``, groups of parts not
+    alive at once (the peak holds the largest group and every part in none); a ``description`` for messages."""
 
     parts: dict[str, int]
-    """Bytes per category, in table order: parameters, gradients, optimizer_state, bucket_buffers,
-    regrown_gradients, low_precision_weights, activations, overhead."""
     phases: tuple[tuple[str, ...], ...] = ()
-    """Groups of parts that do not live at the same time; the peak holds the largest group plus every part in no
-    group. Empty: every part at once."""
     description: str = ""
-    """What was estimated, for messages."""
 
     @property
     def total_bytes(self) -> int:

@@ -24,17 +24,14 @@ _RUN_FIELDS = ("preset", "batch_size", "seq_len", "precision", "world_size")
 
 @dataclass(frozen=True)
 class ParamTiming:
-    """One trainable parameter: its size and when backward produced its gradient."""
+    """One trainable parameter (as ``named_parameters()`` names it), its gradient's bytes, and when backward produced
+    that gradient: ``ready_ms`` after backward's start (None: no gradient this step); ``shape`` if recorded."""
 
     name: str
-    """Qualified name, as ``module.named_parameters()`` gives it."""
     numel: int
     bytes: int
-    """Bytes of its gradient."""
     ready_ms: Optional[float]
-    """Milliseconds after the start of backward when its gradient was ready; ``None``: no gradient this step."""
     shape: Optional[tuple[int, ...]] = None
-    """Its shape, if recorded."""
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.bytes < 0:
