@@ -187,12 +187,6 @@ def _candidates(auto_mb: float) -> list[tuple[str, float | str | None, float | N
     return out
 
 
-def _current_size(run: Run) -> float | None:
-    entry = catalogue.get(run.info["strategy"])
-    size = run.info.get("bucket_size_mb")
-    return (size if size is not None else entry.default_bucket_size_mb) if entry.has_bucket_size else None
-
-
 def _scales(run: Run, fits: dict, scale: float, world_sizes: Sequence[int], network: str | None) -> dict[str, list]:
     """The best variants at other world sizes: the all-reduce fit extrapolated, or a fabric preset (not scaled)."""
     o, w = fits.get("all_reduce", next(iter(fits.values())))
@@ -216,7 +210,8 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     calibrated = current in simulated_names()
     # first the communication: the current strategy's busy time as measured, less waiting for a late rank
     busy_ms = (run.medians.get("comm/busy_ms") or 0.0) - (run.medians.get("comm/wait_ms") or 0.0)
-    size_now = _current_size(run)
+    entry, size_now = catalogue.get(current), run.info.get("bucket_size_mb")  # the current size, or the default
+    size_now = (entry.default_bucket_size_mb if size_now is None else size_now) if entry.has_bucket_size else None
     if calibrated and busy_ms > 0:
         factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), size_now).busy_comm_ms
     model = step_model(run, FittedComm(fits, factor))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Protocol, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.catalogue import BucketSize
@@ -173,25 +173,6 @@ def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-tru
     return a * d_model + b * d_ff + c
 
 
-def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs, ``exclude``'s storages not
-    counted (the parameters)."""
-    import torch
-
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fn()
-    return sum(seen.values())
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one rank needs for a training step: ``parts`` by category (parameters, gradients, optimizer_state,
@@ -267,11 +248,10 @@ def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
 
 
 def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels: Sequence[int]) -> int:
-    """Scalars of the weights autocast copies to half precision for the matmuls (the embedding's only when tied)."""
-    weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2) - config.vocab_size * config.d_model
-    if config.tie_embeddings:  # the one table serves as lm_head: its copy is still made for the matmul
-        weights += config.vocab_size * config.d_model
-    return weights
+    """Scalars of the weights autocast copies to half precision for the matmuls: every matrix but the embedding
+    table, unless it is tied (it then serves as lm_head, and its copy is made for the matmul)."""
+    weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2)
+    return weights if config.tie_embeddings else weights - config.vocab_size * config.d_model
 
 
 def _activation_bytes(config: GPTConfig, tokens: int, precision: str) -> int:

@@ -20,11 +20,27 @@ from lightning_ddp.memory import (
     expected_bytes,
     largest_batch,
     memory_budget_bytes,
-    saved_tensor_bytes,
 )
 from lightning_ddp.model import GPT, Block, GPTConfig, get_config, rope_cache
 from lightning_ddp.memory import gpt_parameter_shapes
 from lightning_ddp import catalogue
+
+
+def saved_tensor_bytes(fn, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs, ``exclude``'s storages not
+    counted (the parameters): how the activation formula was measured (docs/memory.md)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(seen.values())
 
 
 def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
