@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -42,14 +43,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None) -> Any:
         if name != _TARGET:
             return None
-        sys.meta_path.remove(self)  # one shot; the other finders below find the real module
-        spec = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if find is not None:
-                spec = find(name, path, target)
-                if spec is not None:
-                    break
+        sys.meta_path.remove(self)  # one shot; the other finders find the real module
+        spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
