@@ -1,8 +1,6 @@
-"""``python -m lightning_ddp fit --config configs/quickstart.yaml``: a thin LightningCLI.
-
-Subcommands ``fit``, ``validate``, ``test``; the ``CommTimer`` (``timer:``) and ``TraceRecorder`` (``trace:``) are
-always added. Before ``fit`` starts anything, the memory pre-flight refuses a run that cannot fit, with the fixes
-(``--preflight false`` skips it; ``docs/memory.md``).
+"""``python -m lightning_ddp fit|validate|test --config configs/quickstart.yaml``: a thin LightningCLI with the
+``CommTimer`` (``timer:``) and ``TraceRecorder`` (``trace:``) always added; before ``fit`` starts anything, the memory
+pre-flight refuses a run that cannot fit, with the fixes (``--preflight false`` skips it; ``docs/memory.md``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Every private or version-dependent torch and Lightning API this package uses, behind one small module.
-
-It imports only torch at the top (Lightning inside each helper), so the pure-PyTorch core can import it.
+"""Every private or version-dependent torch and Lightning API this package uses, behind one small module. It
+imports only torch at the top (Lightning inside each helper), so the pure-PyTorch core can import it.
 """
 
 from __future__ import annotations

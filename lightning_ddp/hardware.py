@@ -81,11 +81,7 @@ _MIG = re.compile(r"\bmig\b\s*(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
 
 
 def mig_profile(device_name: str) -> tuple[int, int] | None:
-    """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` (or ``Cc.Ng.Mgb``) profile; None for a whole device.
-
-    >>> mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), mig_profile("NVIDIA H100 80GB HBM3")
-    ((1, 10), None)
-    """
+    """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` (or ``Cc.Ng.Mgb``) profile; None for a whole device."""
     match = _MIG.search(device_name.lower())
     if match is None:
         return None
@@ -136,11 +132,7 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
 
 
 def job_peak_flops(per_rank: list[tuple[object, float | None]]) -> float | None:
-    """The whole job's peak from ``(device identity, peak)`` per rank: each device once; ``None`` if any is unknown.
-
-    >>> job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-0"), 1e15)])  # 2 ranks, 1 GPU
-    1000000000000000.0
-    """
+    """The whole job's peak from ``(device identity, peak)`` per rank: each device once; ``None`` if any is unknown."""
     if any(peak is None for _, peak in per_rank):
         return None
     return float(sum(dict(per_rank).values()))

@@ -29,13 +29,7 @@ def _git(*args: str) -> str | None:
 
 
 def repo_relative(value: str) -> str:
-    """``value`` (a path or an argument such as ``--out=PATH``) relative to the repository's root when inside it.
-
-    >>> repo_relative(str(_REPO / "benchmarks" / "results"))
-    'benchmarks/results'
-    >>> repo_relative(str(_REPO)), repo_relative("--lr=0.1")
-    ('.', '--lr=0.1')
-    """
+    """``value`` (a path or an argument such as ``--out=PATH``) relative to the repository's root when inside it."""
     root = str(_REPO)
     if value == root:
         return "."

@@ -60,6 +60,7 @@ def test_mig_slice_is_its_share_of_the_gpu() -> None:
     assert dense_peak_flops("NVIDIA H100 80GB HBM3", "bf16", sm_count=132) == h100
     # The compute-instance form "Cc.Ng.Mgb" has C slices.
     assert mig_profile("NVIDIA H100 80GB HBM3 MIG 1c.3g.40gb") == (1, 40)
+    assert (mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), mig_profile("NVIDIA H100 80GB HBM3")) == ((1, 10), None)
 
 
 def test_new_rows_have_their_datasheet_figures() -> None:
