@@ -361,7 +361,3 @@ def main(argv: list[str] | None = None) -> int:
     write_atomically(Path(args.run_dir) / "advice.md", markdown)
     print(markdown)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,8 +42,7 @@ from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import register_strategies
 
 
-# LMDataModule resumes mid-epoch exactly through its own state_dict and sampler (see lightning_ddp.data); Lightning only
-# recognises resumable *dataloaders* and would warn on every resume that ours is not.
+# LMDataModule resumes mid-epoch through its own state_dict (lightning_ddp.data): Lightning would warn on every resume.
 warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
 # An empty val_dataloader() is how LMDataModule says "no validation"; Lightning warns that its length is zero.
 warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero.*")
@@ -151,9 +150,8 @@ class LightningDDPCLI(LightningCLI):
 
     @override
     def instantiate_classes(self) -> None:
-        # The model's, data's and strategy's own checks (a batch of 0, bucket_size_mb -1, an unknown preset) raise
-        # ValueError/TypeError from their constructors; jsonargparse buries a strategy's under its union-type report.
-        # Nothing has started yet: one line, exit 2.
+        # The model's, data's and strategy's own checks raise from their constructors (jsonargparse buries a
+        # strategy's under its union-type report); nothing has started yet: one line, exit 2.
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as error:
@@ -182,8 +180,7 @@ class LightningDDPCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
-        # Checked right after parsing: before LightningCLI reads the checkpoint's hyperparameters, any process is
-        # launched or any file is written.
+        # Checked before LightningCLI reads the checkpoint, launches a process or writes a file.
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         try:
@@ -248,8 +245,6 @@ def check_checkpoint_file(path: str) -> None:
             "resume from an earlier checkpoint of the run (e.g. the previous `step=...ckpt`)."
         )
 
-
-# ---- the memory pre-flight ---------------------------------------------------------------------------------
 
 def _builds(lightning_class: str, class_path: object) -> bool:
     """``class_path`` names ``lightning_class`` (``package.Class`` or ``package.module.Class``)."""

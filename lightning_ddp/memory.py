@@ -135,9 +135,6 @@ _SHARDING = {"zero1": "reduce_scatter", "zero2": "zero2", "fully_sharded": "full
 _PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", "fully_sharded")
 """Memory models whose communication buffers are kept across steps."""
 
-_TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
-
-
 def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[str, int | None]:
     """The memory model of ``strategy`` and its bucket cap in bytes (None: one bucket; ``bucket_size_mb`` None:
     the strategy's default), from its catalogue entry."""
@@ -146,7 +143,7 @@ def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize)
         name = "ddp" if world_size > 1 else "single"
     if name == "single" or name.startswith("single_device"):
         return "none", None
-    if name in _TORCH_DDP_NAMES or name.startswith("ddp_find_unused_parameters"):
+    if name.startswith("ddp"):  # Lightning's DDP and its variants (spawn, fork, notebook, find_unused_parameters)
         name = "ddp"
     if name not in catalogue.STRATEGIES:
         raise ValueError(
@@ -329,7 +326,7 @@ def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024
     return low
 
 
-def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
+def memory_budget_bytes(device_type: Literal["cuda", "cpu"], ranks_per_device: int) -> int:
     """Bytes one rank may use: the current GPU's memory or the host's available RAM, over the ranks sharing it."""
     if not isinstance(ranks_per_device, int) or ranks_per_device < 1:
         raise ValueError(f"ranks_per_device must be a positive integer, got {ranks_per_device!r}")
@@ -339,10 +336,8 @@ def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
         if not torch.cuda.is_available():
             raise ValueError("device_type 'cuda' but no CUDA device is visible; use device_type='cpu'")
         total, _ = torch.cuda.mem_get_info(torch.cuda.current_device())  # (free, total)
-    elif device_type == "cpu":
-        total = _available_ram_bytes()
     else:
-        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+        total = _available_ram_bytes()
     return total // ranks_per_device
 
 
