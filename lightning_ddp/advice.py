@@ -162,8 +162,7 @@ STRAGGLER_SHARE = 0.5
 STRAGGLER_STEP_SHARE = 0.05
 """... and more than this share of the step: a few ms of jitter behind a well-hidden sync is no straggler."""
 
-MEMORY_NEAR = 0.8
-"""Sharding is priced when the run's peak memory is above this share of the device's."""
+MEMORY_NEAR = 0.8  # sharding is priced when the run's peak memory is above this share of the device's
 
 
 def fit_arguments(run: Run, name: str, bucket: float | str | None) -> dict[str, Any]:
@@ -298,8 +297,7 @@ def _label(row: dict[str, Any]) -> str:
     return catalogue.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
 
 
-SHOWN = 12
-"""Rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)."""
+SHOWN = 12  # rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)
 
 
 def _row(r: dict[str, Any]) -> list[str]:

@@ -22,19 +22,16 @@ DEFAULT_BUCKET_SIZE_MB = 25.0
 NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")
 """Engine arguments that are not its own settings: the model, the group, the bucket cap and a reduce step."""
 
-REQUIRED = inspect.Parameter.empty
-"""What ``Entry.settings()`` gives for a setting without a default."""
+REQUIRED = inspect.Parameter.empty  # what `Entry.settings()` gives for a setting without a default
 
 MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "full_buckets", "zero1", "zero2", "fully_sharded")
 """The memory models of ``lightning_ddp.memory``: which communication buffers a strategy keeps."""
 
 GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 
-SCHEDULE = "schedule"
-"""``Entry.projection`` of a strategy the projection simulates from its facts."""
+SCHEDULE = "schedule"  # `Entry.projection` of a strategy the projection simulates from its facts
 
-DEFAULT_ENGINE = "bucketed_ddp"
-"""The engine ``GradSyncStrategy`` and ZeRO-1's ``grad_sync`` run when none is named."""
+DEFAULT_ENGINE = "bucketed_ddp"  # the engine `GradSyncStrategy` and ZeRO-1's `grad_sync` run when none is named
 
 
 def load(path: str) -> Any:
@@ -171,8 +168,7 @@ class Entry:
         return {"class_path": self.lightning_class, "init_args": init_args}
 
 
-STRATEGIES: dict[str, Entry] = {}
-"""Every strategy by name, in the order tables and plots use."""
+STRATEGIES: dict[str, Entry] = {}  # every strategy by name, in the order tables and plots use
 
 
 def register(entry: Entry, replace: bool = False) -> Entry:

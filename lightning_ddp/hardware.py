@@ -7,11 +7,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
-"""The compute dtypes with a peak in the table."""
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")  # the compute dtypes with a peak in the table
 
-MIG_COMPUTE_SLICES = 7
-"""Compute slices of a MIG-capable GPU: a ``Ng`` profile holds N of them."""
+MIG_COMPUTE_SLICES = 7  # compute slices of a MIG-capable GPU: a `Ng` profile holds N of them
 
 CPU_FP32_TFLOPS_PER_CORE = 0.078
 """fp32 matmul TFLOP/s of one CPU core (measured on our CI machine): an estimate for CPUs."""

@@ -15,8 +15,7 @@ from typing import Any, Optional
 
 from lightning_ddp.files import write_atomically
 
-SCHEMA = "lightning_ddp.compute_profile/1"
-"""The ``schema`` value of version 1; a reader refuses any other."""
+SCHEMA = "lightning_ddp.compute_profile/1"  # the `schema` value of version 1; a reader refuses any other
 
 _TIMES = ("forward_ms", "backward_ms", "optimizer_ms")
 _RUN_FIELDS = ("preset", "batch_size", "seq_len", "precision", "world_size")
