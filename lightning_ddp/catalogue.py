@@ -208,11 +208,7 @@ def format_settings(settings: Mapping[str, Any]) -> str:
 
 
 def parse_settings(text: str) -> dict[str, Any]:
-    """The settings ``format_settings`` wrote; values read as JSON where they parse, else kept as text.
-
-    >>> parse_settings("rank=4 min_compression_rate=0.5 mode=fast")
-    {'rank': 4, 'min_compression_rate': 0.5, 'mode': 'fast'}
-    """
+    """The settings ``format_settings`` wrote; values read as JSON where they parse, else kept as text."""
     settings: dict[str, Any] = {}
     for item in (text or "").split():
         name, _, value = item.partition("=")
@@ -230,21 +226,13 @@ def settings_slug(settings: Mapping[str, Any]) -> str:
 
 
 def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none.
-
-    >>> setting_combinations({"rank": [1, 4], "start_iter": [0]})
-    [{'rank': 1, 'start_iter': 0}, {'rank': 4, 'start_iter': 0}]
-    """
+    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none."""
     axes = axes or {}
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
-    """A strategy with its bucket size and settings: ``bucketed_powersgd_ddp 4 MiB rank=4``.
-
-    >>> variant_label("bucketed_ddp", "auto"), variant_label("bucketed_powersgd_ddp", 4.0, "rank=4")
-    ('bucketed_ddp auto', 'bucketed_powersgd_ddp 4 MiB rank=4')
-    """
+    """A strategy with its bucket size and settings: ``bucketed_powersgd_ddp 4 MiB rank=4``, ``bucketed_ddp auto``."""
     name = strategy
     if bucket_size_mb not in (None, ""):
         name += f" {format_bucket(bucket_size_mb)}" + (" MiB" if bucket_size_mb != "auto" else "")

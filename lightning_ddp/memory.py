@@ -135,6 +135,7 @@ _SHARDING = {"zero1": "reduce_scatter", "zero2": "zero2", "fully_sharded": "full
 _PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", "fully_sharded")
 """Memory models whose communication buffers are kept across steps."""
 
+
 def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[str, int | None]:
     """The memory model of ``strategy`` and its bucket cap in bytes (None: one bucket; ``bucket_size_mb`` None:
     the strategy's default), from its catalogue entry."""
