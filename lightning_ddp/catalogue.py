@@ -147,10 +147,8 @@ class Entry:
 
     def strategy_argument(self, backend: str | None = None, bucket_size_mb: BucketSize | str = None,
                           settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The value of ``--trainer.strategy`` (``json.dumps`` it): ``{"class_path": ..., "init_args": ...}``.
-
-        ``bucket_size_mb`` None: the entry's default.
-        """
+        """The value of ``--trainer.strategy`` (``json.dumps`` it): ``{"class_path": ..., "init_args": ...}``;
+        ``bucket_size_mb`` None: the entry's default."""
         init_args: dict[str, Any] = dict(self.init_args)
         if backend is not None:
             init_args["process_group_backend"] = backend

@@ -161,12 +161,7 @@ def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize)
 
 
 def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-true") -> int:
-    """Bytes one ``Block`` saves for backward per token (the fitted formula); the xl block under bf16-mixed:
-    36·1600 + 8·6400 + 100 bytes:
-
-    >>> activation_bytes_per_token(1600, 6400, "bf16-mixed")
-    108900
-    """
+    """Bytes one ``Block`` saves for backward per token: the fitted ``a·d_model + b·d_ff + c``."""
     a, b, c = _PRECISIONS[normalize_precision(precision)].block_saved
     return a * d_model + b * d_ff + c
 
@@ -195,13 +190,7 @@ class MemoryEstimate:
         return sum(self.parts.values())
 
     def table(self) -> str:
-        """A small breakdown in GiB: one line per part, then the peak.
-
-        >>> print(MemoryEstimate({"parameters": 2 * GiB, "activations": GiB // 2}).table())
-        parameters             2.00 GiB
-        activations            0.50 GiB
-        peak per rank          2.50 GiB
-        """
+        """A small breakdown in GiB: one line per part, then the peak."""
         lines = [f"{name:<22}{value / GiB:>5.2f} GiB" for name, value in self.parts.items()]
         if self.phases:
             phase_text = " | ".join(" + ".join(phase) for phase in self.phases)
@@ -273,11 +262,9 @@ def estimate_rank_memory(
     device_type: Literal["cuda", "cpu"] = "cuda",
     shard_optimizer_state: bool = False,
 ) -> MemoryEstimate:
-    """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: docs/memory.md).
-
-    ``strategy``: a catalogue name or Lightning's ``auto``/``ddp`` variants; ``bucket_size_mb`` None: its default;
-    ``shard_optimizer_state``: the state is sharded whatever the strategy (ZeRO-1 over an all-reducing engine).
-    """
+    """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (docs/memory.md); ``strategy``
+    a catalogue name or Lightning's ``auto``/``ddp`` variants, ``bucket_size_mb`` None its default,
+    ``shard_optimizer_state``: the state sharded whatever the strategy (ZeRO-1 over an all-reducing engine)."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -69,10 +69,8 @@ def package_version(name: str) -> str | None:
 
 def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     """``{"git_commit", "git_commit_source", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files
-    differ from it, and which (at most 20). Outside a git checkout the commit is ``$LIGHTNING_DDP_COMMIT`` (source
-    ``"LIGHTNING_DDP_COMMIT"``), else ``None``, and whether the tree is dirty is unknown (``None``). ``ignore``:
-    directories whose changes do not count (the run's own output).
-    """
+    outside ``ignore`` (the run's own output) differ from it, and which (at most 20). Outside a checkout: the commit
+    ``$LIGHTNING_DDP_COMMIT`` (its source named so) or None, and dirty unknown (None)."""
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=normal")
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None

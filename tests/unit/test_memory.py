@@ -95,6 +95,7 @@ def test_block_activation_formula_matches_measurement(precision: str) -> None:
         measured = _block_saved_bytes_per_token(batch, seq, d, d_ff, heads, precision)
         formula = activation_bytes_per_token(d, d_ff, precision)
         assert formula == pytest.approx(measured, rel=0.03), (batch, seq, d, d_ff, heads)
+    assert activation_bytes_per_token(1600, 6400, "bf16-mixed") == 36 * 1600 + 8 * 6400 + 100 == 108900  # xl block
 
 
 def test_activations_grow_linearly_in_tokens() -> None:
@@ -228,6 +229,8 @@ def test_peak_is_persistent_parts_plus_the_larger_phase() -> None:
     assert e.total_bytes == 10 + max(5 + 1, 4 + 3) == 17
     assert e.sum_bytes == 23
     assert MemoryEstimate({"parameters": 10, "activations": 5}).total_bytes == 15  # no phases: all at once
+    assert MemoryEstimate({"parameters": 2 * GiB, "activations": GiB // 2}).table().splitlines() == [
+        "parameters             2.00 GiB", "activations            0.50 GiB", "peak per rank          2.50 GiB"]
 
 
 def test_largest_batch_is_the_boundary() -> None:
