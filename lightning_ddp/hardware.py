@@ -100,14 +100,6 @@ def find_device(device_name: str) -> DeviceSpec | None:
     return None
 
 
-def get_device(key: str) -> DeviceSpec:
-    """The row ``key`` (``h100-sxm``, ...); an unknown key lists the valid ones."""
-    try:
-        return DEVICES[key]
-    except KeyError:
-        raise ValueError(f"{key!r} is not a known device; choose one of: {', '.join(DEVICES)}") from None
-
-
 def compute_share(device_name: str, sm_count: int | None = None) -> float:
     """The fraction of its GPU's compute a device (or MIG slice, by ``sm_count`` or else N/7) has."""
     profile = mig_profile(device_name)
