@@ -216,29 +216,23 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     model = step_model(run, FittedComm(fits, factor))
     o, w = fits.get("all_reduce", next(iter(fits.values())))
     auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in run.profile.params)) / MiB
-    simulated: dict[tuple, Any] = {}
-    not_predicted = []
+    if calibrated:  # then the step: every prediction scaled so the current one is the measured step
+        mine = simulate(current, model, size_now)
+        scale, current_bytes = run.step_ms / mine.step_ms, state_bytes(mine, model)
+    else:
+        notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
+        current_bytes = None
     candidates = _candidates(auto_mb)
     if calibrated and not any(name == current and size_equal(bucket, size_now)
                               for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
         candidates.append((current, size_now, size_now))
+    rows, not_predicted = [], []
     for name, bucket, size in candidates:
         try:
-            result = simulate(name, model, size)
+            r = simulate(name, model, size)
         except ValueError as error:  # e.g. FSDP2's blocks on a model without numbered layers
             not_predicted.append(f"{name}: {error}")
             continue
-        result.memory_bytes = state_bytes(result, model)
-        simulated[(name, bucket)] = result
-    if calibrated:  # then the step: every prediction scaled so the current one is the measured step
-        mine = simulate(current, model, size_now)
-        scale = run.step_ms / mine.step_ms
-        current_bytes = state_bytes(mine, model)
-    else:
-        notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
-        current_bytes = None
-    rows = []
-    for (name, bucket), r in simulated.items():
         entry = catalogue.get(name)
         predicted = r.step_ms * scale
         interval = [predicted * (1 - PROJECTION_ERROR), predicted * (1 + PROJECTION_ERROR)]
@@ -248,7 +242,7 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
                     "predicted_step_ms": predicted, "predicted_step_interval": interval,
                     "predicted_share": r.comm_share, "gain": run.step_ms / predicted - 1,
                     "gain_interval": [run.step_ms / hi - 1 for hi in interval[::-1]],
-                    "memory_GiB": r.memory_bytes / 2**30, **fit_arguments(run, name, bucket)})
+                    "memory_GiB": state_bytes(r, model) / 2**30, **fit_arguments(run, name, bucket)})
     rows.sort(key=lambda row: row["predicted_step_ms"])
     document = {"run": {"path": str(run.path), "strategy": current, "bucket_size_mb": run.info.get("bucket_size_mb"),
                         "world_size": run.info["world_size"], "backend": run.info.get("backend"),
