@@ -16,8 +16,7 @@ from typing import Any, Sequence
 
 __all__: list[str] = []
 
-_TARGET = "lightning.pytorch"
-"""The package whose import triggers the registration (``StrategyRegistry`` is complete once it has run)."""
+_TARGET = "lightning.pytorch"  # whose import triggers the registration (StrategyRegistry is complete once it has run)
 
 
 def _register() -> None:

@@ -128,11 +128,9 @@ class FittedComm:
     def _seconds(self, op: str, nbytes: float, n: int, half: bool = False) -> float:
         if n <= 1:
             return 0.0
-        if op in self.fits:
-            o, w = self.fits[op]
-            return self.factor * (o + nbytes / w)
-        o, w = self.fits.get("all_reduce", next(iter(self.fits.values())))
-        return self.factor * (o + nbytes / (2 * w if half else w))
+        o, w = self.fits.get(op) or self.fits.get("all_reduce", next(iter(self.fits.values())))
+        ring = 2 if half and op not in self.fits else 1  # a ring's reduce-scatter or all-gather: half an all-reduce
+        return self.factor * (o + nbytes / (ring * w))
 
     all_reduce_s = functools.partialmethod(_seconds, "all_reduce")
     reduce_scatter_s = functools.partialmethod(_seconds, "reduce_scatter", half=True)

@@ -78,9 +78,7 @@ class Entry:
     def engine_factory(self) -> Callable[..., Any]:
         if self.engine is None:
             raise ValueError(f"{self.name!r} has no engine of ours (torch builds it)")
-        if callable(self.engine):
-            return self.engine
-        return load(self.engine)
+        return self.engine if callable(self.engine) else load(self.engine)
 
     def _parameters(self) -> Mapping[str, inspect.Parameter]:
         return {} if self.engine is None else inspect.signature(self.engine_factory()).parameters

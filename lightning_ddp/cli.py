@@ -296,11 +296,9 @@ def _ranks_per_gpu(world_size: int, num_nodes: int) -> int:
 
 def _device_type(accelerator: object) -> str | None:
     """``cuda`` or ``cpu`` for the accelerators the pre-flight has a budget for; None for others or CUDA not visible."""
-    device_type = {"cuda": "cuda", "gpu": "cuda", "cpu": "cpu"}.get(str(accelerator))
-    if accelerator == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = {"cuda": "cuda", "gpu": "cuda", "cpu": "cpu", "auto": "cuda"}.get(str(accelerator))
     if device_type == "cuda" and not torch.cuda.is_available():
-        return None  # Lightning reports that itself
+        return "cpu" if accelerator == "auto" else None  # Lightning reports a GPU it cannot see itself
     return device_type
 
 

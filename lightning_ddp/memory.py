@@ -129,11 +129,10 @@ def _cap(cap_bytes: int | None, total_bytes: int) -> int:
     return total_bytes if cap_bytes is None else min(cap_bytes, total_bytes)
 
 
+# How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``; the rest: unsharded), and the
+# memory models whose communication buffers are kept across steps.
 _SHARDING = {"zero1": "reduce_scatter", "zero2": "zero2", "fully_sharded": "fully_sharded"}
-"""How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``); the rest: unsharded."""
-
 _PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", "fully_sharded")
-"""Memory models whose communication buffers are kept across steps."""
 
 
 def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[str, int | None]:

@@ -63,8 +63,7 @@ class ComputeProfile:
     seq_len: Optional[int] = None
     precision: Optional[str] = None
     world_size: Optional[int] = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-    """Fields of the file this reader does not know, kept for the record (never interpreted)."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unknown fields of the file, kept as read
 
     def __post_init__(self) -> None:
         for name in _TIMES:
