@@ -376,9 +376,8 @@ def check_subcommand(args: list[str] | None) -> None:
     first = (sys.argv[1:] if args is None else args)[:1]
     if not first or first[0].startswith("-") or first[0] in SUBCOMMANDS:
         return
-    why = ""
-    if first[0] == "predict":
-        why = " (a language model's predictions need a sampling loop this toolkit does not have)"
+    predict = first[0] == "predict"
+    why = " (a language model's predictions need a sampling loop this toolkit does not have)" if predict else ""
     refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: {', '.join(SUBCOMMANDS)}; "
            "e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
 

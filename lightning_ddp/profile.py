@@ -104,14 +104,10 @@ class ComputeProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (schema version 1)."""
-        data: dict[str, Any] = {"schema": SCHEMA}
-        for key in ("source", "device", *_RUN_FIELDS, *_TIMES):
-            data[key] = getattr(self, key)
+        data = {"schema": SCHEMA, **{key: getattr(self, key) for key in ("source", "device", *_RUN_FIELDS, *_TIMES)}}
         data["params"] = [{k: (list(v) if k == "shape" else v) for k, v in asdict(p).items()
                            if not (k == "shape" and v is None)} for p in self.params]
-        for key, value in self.extra.items():
-            data.setdefault(key, value)
-        return data
+        return {**data, **{key: value for key, value in self.extra.items() if key not in data}}  # ours win
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "compute profile") -> ComputeProfile:
