@@ -139,8 +139,7 @@ class FittedComm:
 
 
 def step_model(run: Run, comm: Any) -> StepModel:
-    """The projection's model of one step of ``run``: its compute profile, ``comm``, its backend's contention, and
-    buffer copies at its device's memory bandwidth (on a CPU, the CPU validation's)."""
+    """One step of ``run`` as the projection models it, copies at its device's memory bandwidth (a CPU: measured)."""
     spec = run.device
     copy_GBps = spec.memory_GBps if spec is not None else CPU_COPY_GBPS
     contention = CONTENTION.get(str(run.info.get("backend")), 0.0)

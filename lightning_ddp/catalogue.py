@@ -178,11 +178,9 @@ def register(entry: Entry, replace: bool = False) -> Entry:
 
 def get(name: str) -> Entry:
     """The entry ``name``; an unknown name lists the valid ones."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        choices = ", ".join(STRATEGIES)
-        raise ValueError(f"{name!r} is not a strategy of the catalogue; choose one of: {choices}") from None
+    if name not in STRATEGIES:
+        raise ValueError(f"{name!r} is not a strategy of the catalogue; choose one of: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
 
 
 def names(engines_only: bool = False) -> list[str]:

@@ -58,8 +58,7 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
-#: The subcommands this CLI runs; LightningCLI's ``predict`` is left out.
-SUBCOMMANDS = ("fit", "validate", "test")
+SUBCOMMANDS = ("fit", "validate", "test")  # LightningCLI's without predict
 
 
 class UsageError(SystemExit):
@@ -132,7 +131,6 @@ class LightningDDPCLI(LightningCLI):
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
-        """LightningCLI's subcommands, ``SUBCOMMANDS`` only."""
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

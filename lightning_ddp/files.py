@@ -12,8 +12,7 @@ from typing import Any
 
 
 def write_atomically(path: str | os.PathLike, content: str | bytes) -> Path:
-    """Write ``content`` (text as UTF-8, or bytes) to ``path`` whole or not at all; returns the path. Missing
-    parent directories are created."""
+    """Write ``content`` (UTF-8 text or bytes) to ``path`` whole or not at all, parents created; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode("utf-8") if isinstance(content, str) else content

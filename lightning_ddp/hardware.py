@@ -81,10 +81,7 @@ _MIG = re.compile(r"\bmig\b\s*(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
 def mig_profile(device_name: str) -> tuple[int, int] | None:
     """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` (or ``Cc.Ng.Mgb``) profile; None for a whole device."""
     match = _MIG.search(device_name.lower())
-    if match is None:
-        return None
-    slices = int(match.group(1) or match.group(2))
-    return slices, int(match.group(3))
+    return None if match is None else (int(match.group(1) or match.group(2)), int(match.group(3)))
 
 
 def find_device(device_name: str) -> DeviceSpec | None:

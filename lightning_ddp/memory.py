@@ -76,8 +76,7 @@ _PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "
 
 def normalize_precision(precision: object) -> str:
     """Lightning's precision setting as a key of ``_PRECISIONS`` (``32`` -> ``32-true``, ...)."""
-    name = str(precision)
-    name = _PRECISION_ALIASES.get(name, name)
+    name = _PRECISION_ALIASES.get(str(precision), str(precision))
     if name not in _PRECISIONS:
         raise ValueError(
             f"precision {precision!r} has no memory model; use one of {', '.join(_PRECISIONS)} "
@@ -138,13 +137,10 @@ _PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", "fully_sharded"
 def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[str, int | None]:
     """The memory model of ``strategy`` and its bucket cap in bytes (None: one bucket; ``bucket_size_mb`` None:
     the strategy's default), from its catalogue entry."""
-    name = strategy
-    if name == "auto":
-        name = "ddp" if world_size > 1 else "single"
-    if name == "single" or name.startswith("single_device"):
+    if strategy.startswith("single") or (strategy == "auto" and world_size == 1):  # one process: no buffers
         return "none", None
-    if name.startswith("ddp"):  # Lightning's DDP and its variants (spawn, fork, notebook, find_unused_parameters)
-        name = "ddp"
+    # auto on several ranks, and Lightning's DDP variants (spawn, fork, notebook, find_unused_parameters): its DDP
+    name = "ddp" if strategy == "auto" or strategy.startswith("ddp") else strategy
     if name not in catalogue.STRATEGIES:
         raise ValueError(
             f"strategy {strategy!r} has no memory model; choose one of auto, {', '.join(catalogue.STRATEGIES)} "

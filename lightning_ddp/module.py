@@ -56,8 +56,7 @@ class LitGPT(pl.LightningModule):
             preset, vocab_size=vocab_size, context_length=context_length, tie_embeddings=tie_embeddings
         )
         self.model = GPT(self.config)
-        # (sum of token losses, token count) of this rank's shard in the current evaluation epoch, float64 so the
-        # sum of many batches loses nothing.
+        # (sum of token losses, token count) of this rank's shard this evaluation epoch; float64 loses nothing
         self._eval_totals: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
