@@ -6,6 +6,7 @@ and ``val/ppl`` once per epoch; ``test/*`` for ``test``.
 from __future__ import annotations
 
 import math
+import time
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -56,6 +57,7 @@ class LitGPT(pl.LightningModule):
             preset, vocab_size=vocab_size, context_length=context_length, tie_embeddings=tie_embeddings
         )
         self.model = GPT(self.config)
+        self._last_batch_end: float | None = None
         # (sum of token losses, token count) of this rank's shard this evaluation epoch; float64 loses nothing
         self._eval_totals: torch.Tensor | None = None
 
@@ -79,6 +81,18 @@ class LitGPT(pl.LightningModule):
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # Throughput as the training loop sees it: the global batch's tokens per second between the ends of
+        # consecutive batches (the CommTimer's step/tokens_per_s measures each optimizer step more carefully).
+        now = time.perf_counter()
+        if self._last_batch_end is not None:
+            self.log("train/tokens_per_s", batch[0].numel() * self.trainer.world_size / (now - self._last_batch_end))
+        self._last_batch_end = now
+
+    @override
+    def on_validation_start(self) -> None:
+        self._last_batch_end = None  # the next training batch's throughput would count the validation's time
 
     @override
     def on_validation_epoch_start(self) -> None:
