@@ -179,17 +179,12 @@ class MemoryEstimate:
         largest = max((sum(self.parts.get(k, 0) for k in phase) for phase in self.phases), default=0)
         return persistent + largest
 
-    @property
-    def sum_bytes(self) -> int:
-        """Every part at once."""
-        return sum(self.parts.values())
-
     def table(self) -> str:
         """A small breakdown in GiB: one line per part, then the peak."""
         lines = [f"{name:<22}{value / GiB:>5.2f} GiB" for name, value in self.parts.items()]
         if self.phases:
             phase_text = " | ".join(" + ".join(phase) for phase in self.phases)
-            lines.append(f"{'sum of parts':<22}{self.sum_bytes / GiB:>5.2f} GiB (not at once: {phase_text})")
+            lines.append(f"{'sum of parts':<22}{sum(self.parts.values()) / GiB:>5.2f} GiB (not at once: {phase_text})")
         lines.append(f"{'peak per rank':<22}{self.total_bytes / GiB:>5.2f} GiB")
         return "\n".join(lines)
 

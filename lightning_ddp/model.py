@@ -23,24 +23,15 @@ from torch import nn
 class GPTConfig:
     """Shape of the model. Pick a preset with ``get_config("small")`` or set every field."""
 
-    vocab_size: int = 10_000
-    """Number of distinct tokens; the size of the embedding table and of the logits."""
-    context_length: int = 256
-    """Longest sequence the model accepts; also the length of the RoPE cos/sin cache."""
-    d_model: int
-    """Width of the residual stream (embedding dimension)."""
-    n_layers: int
-    """Number of Transformer blocks."""
-    n_heads: int
-    """Number of attention heads; must divide d_model."""
-    d_ff: int
-    """Hidden width of the SwiGLU feed-forward (the size of w1 and w3 outputs)."""
-    rope_theta: float = 10_000.0
-    """RoPE base; larger values rotate slower and suit longer contexts."""
-    norm_eps: float = 1e-5
-    """Epsilon added inside the RMSNorm square root, for numerical safety."""
-    tie_embeddings: bool = False
-    """Share one matrix between the token embedding and lm_head (saves vocab_size * d_model params)."""
+    vocab_size: int = 10_000  # distinct tokens: the size of the embedding table and of the logits
+    context_length: int = 256  # the longest sequence the model accepts; also the RoPE cos/sin cache's length
+    d_model: int  # width of the residual stream (the embedding dimension)
+    n_layers: int  # Transformer blocks
+    n_heads: int  # attention heads; must divide d_model
+    d_ff: int  # hidden width of the SwiGLU feed-forward (the outputs of w1 and w3)
+    rope_theta: float = 10_000.0  # RoPE base; larger values rotate slower and suit longer contexts
+    norm_eps: float = 1e-5  # added inside the RMSNorm square root, for numerical safety
+    tie_embeddings: bool = False  # one matrix for the token embedding and lm_head (saves vocab_size * d_model)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps")

@@ -146,9 +146,8 @@ class LitGPT(pl.LightningModule):
         hp = self.hparams
         # Weight decay on matrices only: decaying norm gains pulls them to 0, which only hurts.
         params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=tuple(hp.betas))
         if hp.warmup_steps == 0 and hp.lr_schedule == "constant":
             return optimizer
