@@ -1,17 +1,14 @@
 """lightning_ddp: data-parallel gradient synchronisation, one swappable Lightning strategy per algorithm.
 
 ``import lightning_ddp`` is cheap (no torch, no Lightning) and registers our strategy names with Lightning's
-``StrategyRegistry`` whether Lightning is imported before or after it (a one-shot post-import hook on
-``sys.meta_path``), so ``Trainer(strategy="bucketed_ddp")`` works; a failure to register is a warning, never an
-error in the user's ``import lightning``. The product (``sync``, ``strategies``, ``callbacks``, ``metrics``,
-``model``, ``module``, ``data``, ``cli``, ...) never imports the study (``bench``, ``projection``, ``trace``,
-``advice``): ``tests/unit/test_layers.py`` checks every import. Import names from their sub-packages, e.g.
-``from lightning_ddp.callbacks import CommTimer``.
+``StrategyRegistry`` when Lightning is imported, before or after it, so ``Trainer(strategy="bucketed_ddp")`` works
+(a failure is a warning). Import names from their sub-packages, e.g. ``from lightning_ddp.callbacks import CommTimer``.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -19,8 +16,7 @@ from typing import Any, Sequence
 
 __all__: list[str] = []
 
-_TARGET = "lightning.pytorch"
-"""The package whose import triggers the registration (``StrategyRegistry`` is complete once it has run)."""
+_TARGET = "lightning.pytorch"  # whose import triggers the registration (StrategyRegistry is complete once it has run)
 
 
 def _register() -> None:
@@ -46,14 +42,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None) -> Any:
         if name != _TARGET:
             return None
-        sys.meta_path.remove(self)  # one shot; the other finders below find the real module
-        spec = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if find is not None:
-                spec = find(name, path, target)
-                if spec is not None:
-                    break
+        sys.meta_path.remove(self)  # one shot; the other finders find the real module
+        spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module

@@ -1,20 +1,17 @@
-"""``python -m lightning_ddp advise RUN_DIR``, optionally ``--world_sizes '[8, 64]' --network nvlink4`` and
-``--device_memory_gib 80``: what to change, predicted from the run's own timer files.
+"""``python -m lightning_ddp advise RUN_DIR``: what to change, predicted from the run's own CommTimer files.
 
-Reads a CommTimer folder (``timing_summary.json`` version 2, ``compute_profile.json``), calibrates the projection
-to it (compute from the profile, ``t = o + S / w`` per collective from the timer's recorded calls), simulates every
-catalogue alternative at the run's world size, scaled so the current strategy matches its measured step, and writes
-``advice.json`` and ``advice.md`` into the folder. A study module: the product never imports it. How each step
-works (calibration, predictions, verdict): docs/advice.md.
+Calibrates the projection to the run, simulates every catalogue alternative and writes ``advice.json`` and
+``advice.md`` into RUN_DIR. A study module: the product never imports it. How each step works: docs/advice.md.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -25,6 +22,7 @@ from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
 from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS
 from lightning_ddp.projection.run import project
+from lightning_ddp.projection.tables import markdown_table
 from lightning_ddp.projection.simulators import MiB, StepModel, best_by_world_size, simulate, simulated_names
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
 
@@ -42,11 +40,15 @@ class Run:
     path: Path
     summary: dict[str, Any]
     profile: ComputeProfile
-    medians: dict[str, float] = field(default_factory=dict)
+    medians: dict[str, float]
 
     @property
     def info(self) -> dict[str, Any]:
         return self.summary["run"]
+
+    @property
+    def device(self) -> hardware.DeviceSpec | None:
+        return hardware.find_device(str(self.info.get("device") or ""))
 
     @property
     def step_ms(self) -> float:
@@ -125,45 +127,30 @@ class FittedComm:
     def _seconds(self, op: str, nbytes: float, n: int, half: bool = False) -> float:
         if n <= 1:
             return 0.0
-        if op in self.fits:
-            o, w = self.fits[op]
-            return self.factor * (o + nbytes / w)
-        o, w = self.fits.get("all_reduce", next(iter(self.fits.values())))
-        return self.factor * (o + nbytes / (2 * w if half else w))
+        o, w = self.fits.get(op) or self.fits.get("all_reduce", next(iter(self.fits.values())))
+        ring = 2 if half and op not in self.fits else 1  # a ring's reduce-scatter or all-gather: half an all-reduce
+        return self.factor * (o + nbytes / (ring * w))
 
-    def all_reduce_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("all_reduce", nbytes, n)
-
-    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("reduce_scatter", nbytes, n, half=True)
-
-    def all_gather_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("all_gather", nbytes, n, half=True)
-
-    def broadcast_s(self, nbytes: float, n: int) -> float:
-        return self._seconds("broadcast", nbytes, n)
+    all_reduce_s = functools.partialmethod(_seconds, "all_reduce")
+    reduce_scatter_s = functools.partialmethod(_seconds, "reduce_scatter", half=True)
+    all_gather_s = functools.partialmethod(_seconds, "all_gather", half=True)
+    broadcast_s = functools.partialmethod(_seconds, "broadcast")
 
 
-def copy_Bps(run: Run) -> float:
-    """Buffer-copy bandwidth: the device table's memory bandwidth on a GPU, the CPU validation's on a CPU."""
-    spec = hardware.find_device(str(run.info.get("device") or ""))
-    return spec.memory_GBps * 1e9 if spec is not None else CPU_COPY_GBPS * 1e9
-
-
-def step_model(run: Run, comm: Any, world_size: int | None = None) -> StepModel:
-    """The projection's model of one step of ``run``: its compute profile, ``comm``, its backend's contention."""
+def step_model(run: Run, comm: Any) -> StepModel:
+    """One step of ``run`` as the projection models it, copies at its device's memory bandwidth (a CPU: measured)."""
+    spec = run.device
+    copy_GBps = spec.memory_GBps if spec is not None else CPU_COPY_GBPS
     contention = CONTENTION.get(str(run.info.get("backend")), 0.0)
-    return StepModel(run.profile, comm, world_size or run.info["world_size"], copy_Bps(run), contention=contention)
+    return StepModel(run.profile, comm, run.info["world_size"], copy_GBps * 1e9, contention=contention)
 
-
-# ---- predictions and the verdict ---------------------------------------------------------------------------------
 
 BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)
 """Bucket sizes tried for every strategy that takes one, besides ``auto``."""
 
 PROJECTION_ERROR = 0.099
 """Half-width of every interval, relative: the median |error| of self-calibrated predictions in the committed CPU
-validation (``calibrated_error`` of benchmarks/results/projection/cpu_sweep_validation.csv; a test recomputes it)."""
+validation (benchmarks/results/projection/cpu_sweep_validation.csv; tests/unit/test_advice.py recomputes it)."""
 
 STRAGGLER_SHARE = 0.5
 """A straggler is named when waiting for the slowest rank is more than this share of the exposed time ..."""
@@ -171,18 +158,7 @@ STRAGGLER_SHARE = 0.5
 STRAGGLER_STEP_SHARE = 0.05
 """... and more than this share of the step: a few ms of jitter behind a well-hidden sync is no straggler."""
 
-MEMORY_NEAR = 0.8
-"""Sharding is priced when the run's peak memory is above this share of the device's."""
-
-
-def calibrated_error(rows: Sequence[dict[str, str]]) -> float:
-    """Median |error| of predicting one cell from another of its group scaled to the other's measured step (what
-    advise does): ``(1 + e_b) / (1 + e_a) - 1`` over every ordered pair of the validation's ``step_error``."""
-    groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        groups.setdefault((r["precision"], r["batch_size"], r["context_length"]), []).append(float(r["step_error"]))
-    return statistics.median(abs((1 + b) / (1 + a) - 1) for errors in groups.values()
-                             for i, a in enumerate(errors) for j, b in enumerate(errors) if i != j)
+MEMORY_NEAR = 0.8  # sharding is priced when the run's peak memory is above this share of the device's
 
 
 def fit_arguments(run: Run, name: str, bucket: float | str | None) -> dict[str, Any]:
@@ -204,16 +180,6 @@ def _candidates(auto_mb: float) -> list[tuple[str, float | str | None, float | N
         else:
             out.append((name, None, None))
     return out
-
-
-def _current_size(run: Run) -> float | None:
-    entry = catalogue.get(run.info["strategy"])
-    size = run.info.get("bucket_size_mb")
-    return (size if size is not None else entry.default_bucket_size_mb) if entry.has_bucket_size else None
-
-
-def _interval(value: float) -> list[float]:
-    return [value * (1 - PROJECTION_ERROR), value * (1 + PROJECTION_ERROR)]
 
 
 def _scales(run: Run, fits: dict, scale: float, world_sizes: Sequence[int], network: str | None) -> dict[str, list]:
@@ -239,44 +205,40 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     calibrated = current in simulated_names()
     # first the communication: the current strategy's busy time as measured, less waiting for a late rank
     busy_ms = (run.medians.get("comm/busy_ms") or 0.0) - (run.medians.get("comm/wait_ms") or 0.0)
+    entry, size_now = catalogue.get(current), run.info.get("bucket_size_mb")  # the current size, or the default
+    size_now = (entry.default_bucket_size_mb if size_now is None else size_now) if entry.has_bucket_size else None
     if calibrated and busy_ms > 0:
-        factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), _current_size(run)).busy_comm_ms
+        factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), size_now).busy_comm_ms
     model = step_model(run, FittedComm(fits, factor))
-    params = run.profile.params
     o, w = fits.get("all_reduce", next(iter(fits.values())))
-    auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in params)) / MiB
-    simulated: dict[tuple, Any] = {}
-    not_predicted = []
-    candidates = _candidates(auto_mb)
-    if calibrated and not any(name == current and size_equal(bucket, _current_size(run))
-                              for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
-        candidates.append((current, _current_size(run), _current_size(run)))
-    for name, bucket, size in candidates:
-        try:
-            result = simulate(name, model, size)
-        except ValueError as error:  # e.g. FSDP2's blocks on a model without numbered layers
-            not_predicted.append(f"{name}: {error}")
-            continue
-        simulated[(name, bucket)] = result
+    auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in run.profile.params)) / MiB
     if calibrated:  # then the step: every prediction scaled so the current one is the measured step
-        mine = simulate(current, model, _current_size(run))
-        scale = run.step_ms / mine.step_ms
-        current_bytes = mine.memory_bytes
+        mine = simulate(current, model, size_now)
+        scale, current_bytes = run.step_ms / mine.step_ms, mine.memory_bytes
     else:
         notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
         current_bytes = None
-    rows = []
-    for (name, bucket), r in simulated.items():
+    candidates = _candidates(auto_mb)
+    if calibrated and not any(name == current and size_equal(bucket, size_now)
+                              for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
+        candidates.append((current, size_now, size_now))
+    rows, not_predicted = [], []
+    for name, bucket, size in candidates:
+        try:
+            r = simulate(name, model, size)
+        except ValueError as error:  # e.g. FSDP2's blocks on a model without numbered layers
+            not_predicted.append(f"{name}: {error}")
+            continue
         entry = catalogue.get(name)
         predicted = r.step_ms * scale
-        row = {"strategy": name, "settings": {"bucket_size_mb": bucket} if bucket is not None else {},
-               "exact": entry.exact, "sharded": entry.sharded,
-               "current": calibrated and name == current and size_equal(bucket, _current_size(run)),
-               "predicted_step_ms": predicted, "predicted_step_interval": _interval(predicted),
-               "predicted_share": r.comm_share, "gain": run.step_ms / predicted - 1,
-               "gain_interval": [run.step_ms / hi - 1 for hi in _interval(predicted)[::-1]],
-               "memory_GiB": r.memory_bytes / 2**30, **fit_arguments(run, name, bucket)}
-        rows.append(row)
+        interval = [predicted * (1 - PROJECTION_ERROR), predicted * (1 + PROJECTION_ERROR)]
+        rows.append({"strategy": name, "settings": {"bucket_size_mb": bucket} if bucket is not None else {},
+                    "exact": entry.exact, "sharded": entry.sharded,
+                    "current": calibrated and name == current and size_equal(bucket, size_now),
+                    "predicted_step_ms": predicted, "predicted_step_interval": interval,
+                    "predicted_share": r.comm_share, "gain": run.step_ms / predicted - 1,
+                    "gain_interval": [run.step_ms / hi - 1 for hi in interval[::-1]],
+                    "memory_GiB": r.memory_bytes / 2**30, **fit_arguments(run, name, bucket)})
     rows.sort(key=lambda row: row["predicted_step_ms"])
     document = {"run": {"path": str(run.path), "strategy": current, "bucket_size_mb": run.info.get("bucket_size_mb"),
                         "world_size": run.info["world_size"], "backend": run.info.get("backend"),
@@ -310,8 +272,7 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
         verdict.update(action="straggler", straggler={"rank": rank, "wait_ms": wait, "exposed_ms": exposed})
         verdict["text"] = (f"straggler: rank {rank} makes the others wait {wait:.1f} of {exposed:.1f} exposed ms; "
                            "no strategy fixes a straggler: find what slows that rank")
-    spec = hardware.find_device(str(run.info.get("device") or ""))
-    device_gib = device_memory_gib or (spec.memory_GB * 1e9 / 2**30 if spec is not None else None)
+    device_gib = device_memory_gib or (run.device.memory_GB * 1e9 / 2**30 if run.device is not None else None)
     peak_gib = (run.medians.get("memory/peak_MiB") or 0.0) / 1024
     if device_gib and peak_gib >= MEMORY_NEAR * device_gib and current_bytes is not None:
         saves: dict[str, float] = {}  # per sharded strategy, at its setting that keeps the least
@@ -326,10 +287,7 @@ def _label(row: dict[str, Any]) -> str:
     return catalogue.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
 
 
-# ---- advice.md and advice.json -----------------------------------------------------------------------------------
-
-SHOWN = 12
-"""Rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)."""
+SHOWN = 12  # rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)
 
 
 def _row(r: dict[str, Any]) -> list[str]:
@@ -355,12 +313,11 @@ def render_markdown(document: dict[str, Any]) -> str:
                   "```yaml", top["yaml"].rstrip(), "```", ""]
     for name, saved in verdict.get("memory", {}).get("sharding_saves_GiB", {}).items():
         lines.append(f"- memory: {name} saves {saved:.2f} GiB per rank")
-    header = "| strategy | | predicted step ms [interval] | exposed share | gain [interval] | state GiB/rank |"
-    lines += [header, "|---|---|---:|---:|---:|---:|"]
     seen: set[str] = set()
     shown = [r for r in document["recommendations"]
              if r["current"] or (r["strategy"] not in seen and not seen.add(r["strategy"]))]
-    lines += ["| " + " | ".join(_row(r)) + " |" for r in shown[:SHOWN]]
+    lines += markdown_table(["strategy", "", "predicted step ms [interval]", "exposed share", "gain [interval]",
+                             "state GiB/rank"], map(_row, shown[:SHOWN]), align="llrrrr")
     lines += ["", f"Intervals: +-{calibration['projection_error']:.1%} (docs/advice.md). Communication scaled "
               f"x{calibration['comm_factor']:.3g} to the measured busy time, the step x{calibration['scale']:.3g} "
               "to the measured step.", *[f"- {note}" for note in calibration["notes"]]]
@@ -368,12 +325,6 @@ def render_markdown(document: dict[str, Any]) -> str:
         lines.append(f"- {n} ranks: " + "; ".join(
             f"{b['strategy']} {b['predicted_step_ms']:.1f} ms" for b in best[:3]))
     return "\n".join(lines) + "\n"
-
-
-def write_advice(run_dir: str | Path, document: dict[str, Any]) -> tuple[Path, Path]:
-    """advice.json and advice.md into ``run_dir``, each whole or not at all."""
-    return (write_json_atomically(Path(run_dir) / "advice.json", document, allow_nan=False),
-            write_atomically(Path(run_dir) / "advice.md", render_markdown(document)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,10 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # RunError: RUN_DIR; else an option (an unknown --network)
         print(f"error: {error}", file=sys.stderr)
         return 2
-    write_advice(args.run_dir, document)
-    print(render_markdown(document))
+    markdown = render_markdown(document)
+    write_json_atomically(Path(args.run_dir) / "advice.json", document, allow_nan=False)
+    write_atomically(Path(args.run_dir) / "advice.md", markdown)
+    print(markdown)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,19 +22,16 @@ DEFAULT_BUCKET_SIZE_MB = 25.0
 NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")
 """Engine arguments that are not its own settings: the model, the group, the bucket cap and a reduce step."""
 
-REQUIRED = inspect.Parameter.empty
-"""What ``Entry.settings()`` gives for a setting without a default."""
+REQUIRED = inspect.Parameter.empty  # what `Entry.settings()` gives for a setting without a default
 
 MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "full_buckets", "zero1", "zero2", "fully_sharded")
 """The memory models of ``lightning_ddp.memory``: which communication buffers a strategy keeps."""
 
 GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 
-SCHEDULE = "schedule"
-"""``Entry.projection`` of a strategy the projection simulates from its facts."""
+SCHEDULE = "schedule"  # `Entry.projection` of a strategy the projection simulates from its facts
 
-DEFAULT_ENGINE = "bucketed_ddp"
-"""The engine ``GradSyncStrategy`` and ZeRO-1's ``grad_sync`` run when none is named."""
+DEFAULT_ENGINE = "bucketed_ddp"  # the engine `GradSyncStrategy` and ZeRO-1's `grad_sync` run when none is named
 
 
 def load(path: str) -> Any:
@@ -49,24 +46,18 @@ class Entry:
 
     name: str
     """What ``trainer.strategy`` takes, and the strategy's name in every table, CSV column and plot."""
-    summary: str
-    """What it does, in one line."""
+    summary: str  # what it does, in one line
     engine: str | Callable[..., Any] | None = None
     """``"package.module:Class"`` or a factory ``(module, *, process_group, ...)``; ``None`` for torch's own."""
-    lightning_class: str = GRAD_SYNC_STRATEGY
-    """The Lightning strategy class that builds it."""
+    lightning_class: str = GRAD_SYNC_STRATEGY  # the Lightning strategy class that builds it
     init_args: Mapping[str, Any] = field(default_factory=dict)
     """Fixed ``init_args`` of ``lightning_class`` (``GradSyncStrategy`` gets ``algorithm: <name>`` added)."""
     has_bucket_size: bool = False
     default_bucket_size_mb: BucketSize = DEFAULT_BUCKET_SIZE_MB
-    overlaps_backward: bool = False
-    """Communicates during backward, from gradient hooks."""
-    exact: bool = True
-    """Reproduces single-process training up to rounding; ``False`` for lossy compression."""
-    sharded: bool = False
-    """The optimizer state is split over the ranks."""
-    memory: str = "packed"
-    """Its memory model in ``lightning_ddp.memory`` (``MEMORY_MODELS``)."""
+    overlaps_backward: bool = False  # communicates during backward, from gradient hooks
+    exact: bool = True  # reproduces single-process training up to rounding; False for lossy compression
+    sharded: bool = False  # the optimizer state is split over the ranks
+    memory: str = "packed"  # its memory model in lightning_ddp.memory (MEMORY_MODELS)
     projection: str | None = None
     """Its step-time simulation: ``SCHEDULE`` (the projection's shared schedule, from the facts above), a hook
     ``"package.module:function"`` for a schedule they do not describe, or ``None`` (not projected)."""
@@ -87,25 +78,16 @@ class Entry:
     def engine_factory(self) -> Callable[..., Any]:
         if self.engine is None:
             raise ValueError(f"{self.name!r} has no engine of ours (torch builds it)")
-        if callable(self.engine):
-            return self.engine
-        return load(self.engine)
+        return self.engine if callable(self.engine) else load(self.engine)
+
+    def _parameters(self) -> Mapping[str, inspect.Parameter]:
+        return {} if self.engine is None else inspect.signature(self.engine_factory()).parameters
 
     def settings(self) -> dict[str, Any]:
         """The engine's own settings, name -> default (``REQUIRED`` if none), in signature order."""
-        if self.engine is None:
-            return {}
-        return {
-            name: parameter.default
-            for name, parameter in _parameters(self.engine_factory()).items()
-            if name not in NOT_SETTINGS
-            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        }
-
-    def takes_any_setting(self) -> bool:
-        """The engine takes ``**kwargs``: any name may be a setting."""
-        return self.engine is not None and any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in _parameters(self.engine_factory()).values())
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {name: parameter.default for name, parameter in self._parameters().items()
+                if name not in NOT_SETTINGS and parameter.kind in named}
 
     def check_settings(self, settings: Mapping[str, Any] | None) -> dict[str, Any]:
         """``settings`` with the defaults filled in; raises on unknown or missing names and refused values."""
@@ -117,7 +99,8 @@ class Entry:
                             f"got {settings!r}; e.g. {{{example}}}.")
         known = self.settings()
         unknown = [name for name in settings if name not in known]
-        if unknown and not self.takes_any_setting():
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in self._parameters().values())  # **kwargs
+        if unknown and not takes_any:
             reserved = [name for name in unknown if name in NOT_SETTINGS]
             hint = (f" ({', '.join(reserved)}: not an engine setting; bucket_size_mb has an option of its own, the "
                     "model, process group and reduce step are the engine's)" if reserved else "")
@@ -162,10 +145,8 @@ class Entry:
 
     def strategy_argument(self, backend: str | None = None, bucket_size_mb: BucketSize | str = None,
                           settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The value of ``--trainer.strategy`` (``json.dumps`` it): ``{"class_path": ..., "init_args": ...}``.
-
-        ``bucket_size_mb`` None: the entry's default.
-        """
+        """The value of ``--trainer.strategy`` (``json.dumps`` it): ``{"class_path": ..., "init_args": ...}``;
+        ``bucket_size_mb`` None: the entry's default."""
         init_args: dict[str, Any] = dict(self.init_args)
         if backend is not None:
             init_args["process_group_backend"] = backend
@@ -183,15 +164,7 @@ class Entry:
         return {"class_path": self.lightning_class, "init_args": init_args}
 
 
-def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
-    try:
-        return inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a C callable without a signature: no settings we can know
-        return {}
-
-
-STRATEGIES: dict[str, Entry] = {}
-"""Every strategy by name, in the order tables and plots use."""
+STRATEGIES: dict[str, Entry] = {}  # every strategy by name, in the order tables and plots use
 
 
 def register(entry: Entry, replace: bool = False) -> Entry:
@@ -205,11 +178,9 @@ def register(entry: Entry, replace: bool = False) -> Entry:
 
 def get(name: str) -> Entry:
     """The entry ``name``; an unknown name lists the valid ones."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        choices = ", ".join(STRATEGIES)
-        raise ValueError(f"{name!r} is not a strategy of the catalogue; choose one of: {choices}") from None
+    if name not in STRATEGIES:
+        raise ValueError(f"{name!r} is not a strategy of the catalogue; choose one of: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
 
 
 def names(engines_only: bool = False) -> list[str]:
@@ -217,33 +188,21 @@ def names(engines_only: bool = False) -> list[str]:
     return [entry.name for entry in STRATEGIES.values() if entry.is_engine or not engines_only]
 
 
-# ---- how tables, CSV columns, file names and progress lines write a strategy with its settings --------------
-
-
-def format_bucket(bucket_size_mb: float | str) -> str:
-    """``25.0`` -> ``"25"``, ``0.5`` -> ``"0.5"``, ``"auto"`` -> ``"auto"``."""
-    return bucket_size_mb if isinstance(bucket_size_mb, str) else f"{float(bucket_size_mb):g}"
-
-
-def _setting_text(value: Any) -> str:
+def format_bucket(value: Any) -> str:
+    """A bucket size or a setting's value as tables, CSV columns and file names write it: ``25.0`` -> ``"25"``,
+    ``0.5`` -> ``"0.5"``, ``"auto"`` -> ``"auto"``, ``True`` -> ``"true"``."""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def format_settings(settings: Mapping[str, Any]) -> str:
     """``{"rank": 4, "start_iter": 10}`` -> ``"rank=4 start_iter=10"``; ``{}`` -> ``""``."""
-    return " ".join(f"{name}={_setting_text(value)}" for name, value in settings.items())
+    return " ".join(f"{name}={format_bucket(value)}" for name, value in settings.items())
 
 
 def parse_settings(text: str) -> dict[str, Any]:
-    """The settings ``format_settings`` wrote; values read as JSON where they parse, else kept as text.
-
-    >>> parse_settings("rank=4 min_compression_rate=0.5 mode=fast")
-    {'rank': 4, 'min_compression_rate': 0.5, 'mode': 'fast'}
-    """
+    """The settings ``format_settings`` wrote; values read as JSON where they parse, else kept as text."""
     settings: dict[str, Any] = {}
     for item in (text or "").split():
         name, _, value = item.partition("=")
@@ -256,26 +215,18 @@ def parse_settings(text: str) -> dict[str, Any]:
 
 def settings_slug(settings: Mapping[str, Any]) -> str:
     """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"``; ``{}`` -> ``""``."""
-    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{_setting_text(value)}")
+    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{format_bucket(value)}")
                    for name, value in settings.items())
 
 
 def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none.
-
-    >>> setting_combinations({"rank": [1, 4], "start_iter": [0]})
-    [{'rank': 1, 'start_iter': 0}, {'rank': 4, 'start_iter': 0}]
-    """
+    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none."""
     axes = axes or {}
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
-    """A strategy with its bucket size and settings: ``bucketed_powersgd_ddp 4 MiB rank=4``.
-
-    >>> variant_label("bucketed_ddp", "auto"), variant_label("bucketed_powersgd_ddp", 4.0, "rank=4")
-    ('bucketed_ddp auto', 'bucketed_powersgd_ddp 4 MiB rank=4')
-    """
+    """A strategy with its bucket size and settings: ``bucketed_powersgd_ddp 4 MiB rank=4``, ``bucketed_ddp auto``."""
     name = strategy
     if bucket_size_mb not in (None, ""):
         name += f" {format_bucket(bucket_size_mb)}" + (" MiB" if bucket_size_mb != "auto" else "")
@@ -286,8 +237,6 @@ def variant_strategy(variant: str) -> str:
     """The strategy of a ``variant_label``: a name is an identifier, so it ends at the first space."""
     return variant.split(" ", 1)[0]
 
-
-# ---- the entries ---------------------------------------------------------------------------------------------
 
 _SIMULATORS = "lightning_ddp.projection.simulators"
 

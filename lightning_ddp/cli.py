@@ -1,8 +1,6 @@
-"""``python -m lightning_ddp fit --config configs/quickstart.yaml``: a thin LightningCLI.
-
-Subcommands ``fit``, ``validate``, ``test``; the ``CommTimer`` (``timer:``) and ``TraceRecorder`` (``trace:``) are
-always added. Before ``fit`` starts anything, the memory pre-flight refuses a run that cannot fit, with the fixes
-(``--preflight false`` skips it; ``docs/memory.md``).
+"""``python -m lightning_ddp fit|validate|test --config configs/quickstart.yaml``: a thin LightningCLI with the
+``CommTimer`` (``timer:``) and ``TraceRecorder`` (``trace:``) always added; before ``fit`` starts anything, the memory
+pre-flight refuses a run that cannot fit, with the fixes (``--preflight false`` skips it; ``docs/memory.md``).
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import register_strategies
 
 
-# LMDataModule resumes mid-epoch exactly through its own state_dict and sampler (see lightning_ddp.data); Lightning only
-# recognises resumable *dataloaders* and would warn on every resume that ours is not.
+# LMDataModule resumes mid-epoch through its own state_dict (lightning_ddp.data): Lightning would warn on every resume.
 warnings.filterwarnings("ignore", message=".*your dataloader is not resumable.*")
 # An empty val_dataloader() is how LMDataModule says "no validation"; Lightning warns that its length is zero.
 warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero.*")
@@ -61,8 +58,7 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
-#: The subcommands this CLI runs; LightningCLI's ``predict`` is left out.
-SUBCOMMANDS = ("fit", "validate", "test")
+SUBCOMMANDS = ("fit", "validate", "test")  # LightningCLI's without predict
 
 
 class UsageError(SystemExit):
@@ -88,15 +84,7 @@ _TYPE_NOISE = ("Expected a ", "Not a valid subclass", "Type <", "Does not valida
 
 def user_error_message(message: str) -> str:
     """The line of a jsonargparse error message that says what is wrong: of a union's reasons, the one that is not a
-    type mismatch, preferring one that names a fix, after the key's label.
-
-    >>> user_error_message("Does not validate against any of the Union subtypes\\nErrors:\\n  - Expected a <class "
-    ...                    "'str'>\\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\\nGiven value: x")
-    'bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.'
-    >>> user_error_message('Parser key "s":\\n  Errors:\\n    - Expected a <class \\'str\\'>\\n'
-    ...                    '    - Problem with given class_path \\'A\\':\\n        Option \\'x\\' is not accepted')
-    'Parser key "s": Option \\'x\\' is not accepted'
-    """
+    type mismatch, preferring one that names a fix, after the key's label."""
     raw = [line.rstrip() for line in message.splitlines() if line.strip()]
     if not raw:
         return message
@@ -143,7 +131,6 @@ class LightningDDPCLI(LightningCLI):
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
-        """LightningCLI's subcommands, ``SUBCOMMANDS`` only."""
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -161,9 +148,8 @@ class LightningDDPCLI(LightningCLI):
 
     @override
     def instantiate_classes(self) -> None:
-        # The model's, data's and strategy's own checks (a batch of 0, bucket_size_mb -1, an unknown preset) raise
-        # ValueError/TypeError from their constructors; jsonargparse buries a strategy's under its union-type report.
-        # Nothing has started yet: one line, exit 2.
+        # The model's, data's and strategy's own checks raise from their constructors (jsonargparse buries a
+        # strategy's under its union-type report); nothing has started yet: one line, exit 2.
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as error:
@@ -179,26 +165,20 @@ class LightningDDPCLI(LightningCLI):
 
     @override
     def before_validate(self) -> None:
-        self._before_evaluation("validate")
-
-    @override
-    def before_test(self) -> None:
-        self._before_evaluation("test")
-
-    def _before_evaluation(self, stage: str) -> None:
         # Checked before the Trainer launches the other ranks: one message, not a traceback from each of them.
         try:
-            self.datamodule.check_has_split(stage)
+            self.datamodule.check_has_split(self.subcommand)
         except ValueError as error:
             refuse(str(error))
         # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to
         # a resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
 
+    before_test = before_validate
+
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
-        # Checked right after parsing: before LightningCLI reads the checkpoint's hyperparameters, any process is
-        # launched or any file is written.
+        # Checked before LightningCLI reads the checkpoint, launches a process or writes a file.
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         try:
@@ -264,8 +244,6 @@ def check_checkpoint_file(path: str) -> None:
         )
 
 
-# ---- the memory pre-flight ---------------------------------------------------------------------------------
-
 def _builds(lightning_class: str, class_path: object) -> bool:
     """``class_path`` names ``lightning_class`` (``package.Class`` or ``package.module.Class``)."""
     package, _, name = lightning_class.rpartition(".")
@@ -316,11 +294,9 @@ def _ranks_per_gpu(world_size: int, num_nodes: int) -> int:
 
 def _device_type(accelerator: object) -> str | None:
     """``cuda`` or ``cpu`` for the accelerators the pre-flight has a budget for; None for others or CUDA not visible."""
-    device_type = {"cuda": "cuda", "gpu": "cuda", "cpu": "cpu"}.get(str(accelerator))
-    if accelerator == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = {"cuda": "cuda", "gpu": "cuda", "cpu": "cpu", "auto": "cuda"}.get(str(accelerator))
     if device_type == "cuda" and not torch.cuda.is_available():
-        return None  # Lightning reports that itself
+        return "cpu" if accelerator == "auto" else None  # Lightning reports a GPU it cannot see itself
     return device_type
 
 
@@ -336,8 +312,9 @@ def check_memory(config) -> None:
     strategy, bucket_size_mb, sharded_by = resolved  # sharded_by: the entry sharding the state over strategy's engine
     num_nodes = int(trainer.get("num_nodes", 1) or 1)
     world_size = local * num_nodes
+    # Every other strategy a fix names is a sharded one: sharding the state changes nothing there.
     kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
-                  bucket_size_mb=bucket_size_mb, device_type=device_type)
+                  bucket_size_mb=bucket_size_mb, device_type=device_type, shard_optimizer_state=sharded_by is not None)
     vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
 
     def gpt(preset: str = model.preset) -> Any:
@@ -345,9 +322,7 @@ def check_memory(config) -> None:
                           tie_embeddings=model.tie_embeddings)
 
     def estimate(preset: str = model.preset, batch_size: int = data.batch_size, **overrides: Any) -> MemoryEstimate:
-        args = {**kwargs, **overrides}
-        sharded = sharded_by is not None and args["strategy"] == strategy
-        return estimate_rank_memory(gpt(preset), batch_size=batch_size, shard_optimizer_state=sharded, **args)
+        return estimate_rank_memory(gpt(preset), batch_size=batch_size, **{**kwargs, **overrides})
 
     try:
         current = estimate()
@@ -399,9 +374,8 @@ def check_subcommand(args: list[str] | None) -> None:
     first = (sys.argv[1:] if args is None else args)[:1]
     if not first or first[0].startswith("-") or first[0] in SUBCOMMANDS:
         return
-    why = ""
-    if first[0] == "predict":
-        why = " (a language model's predictions need a sampling loop this toolkit does not have)"
+    predict = first[0] == "predict"
+    why = " (a language model's predictions need a sampling loop this toolkit does not have)" if predict else ""
     refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: {', '.join(SUBCOMMANDS)}; "
            "e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
 

@@ -1,8 +1,5 @@
-"""Command lines from config dataclasses, for every study entry point (sweep, projection, GPU study, memory).
-
-Every field is a flag (``--grid.batch_sizes [2,4]``), ``--config FILE`` reads a YAML of them, a field's docstring is
-its ``--help`` text, and a config that fails validation (the dataclasses raise ``ValueError`` in
-``__post_init__``) ends in one line, ``error: ...``, and exit code 2, without a traceback.
+"""Command lines from config dataclasses, for every study entry point: every field a flag, ``--config FILE`` a
+YAML of them, and a config its ``__post_init__`` refuses one ``error:`` line and exit code 2.
 """
 
 from __future__ import annotations

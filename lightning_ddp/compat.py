@@ -1,6 +1,5 @@
-"""Every private or version-dependent torch and Lightning API this package uses, behind one small module.
-
-It imports only torch at the top (Lightning inside each helper), so the pure-PyTorch core can import it.
+"""Every private or version-dependent torch and Lightning API this package uses, behind one small module. It
+imports only torch at the top (Lightning inside each helper), so the pure-PyTorch core can import it.
 """
 
 from __future__ import annotations
@@ -28,12 +27,9 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def fsdp2_unsharded_parameters(root: torch.nn.Module) -> dict[torch.Tensor, torch.nn.Parameter]:
-    """Sharded parameter -> the unsharded parameter FSDP2 swaps in for forward and backward, for every
-    ``fully_shard`` group under ``root`` (FSDP2's private ``FSDPState._fsdp_param_group.fsdp_params``).
-
-    FSDP2 keeps the same unsharded objects after a group's first all-gather, so a gradient hook on one fires every
-    backward. Gathers and frees every group once, the root first: a collective, to call on every rank.
-    """
+    """Sharded parameter -> the unsharded parameter FSDP2 swaps in (the same object every backward, so a gradient
+    hook on it fires each time) for every ``fully_shard`` group under ``root``, from FSDP2's private
+    ``FSDPState._fsdp_param_group``. Gathers and frees every group once: a collective, to call on every rank."""
     from torch.distributed.fsdp import FSDPModule
 
     out: dict[torch.Tensor, torch.nn.Parameter] = {}

@@ -1,7 +1,5 @@
-"""Writing a file whole or not at all: ``write_atomically`` and ``write_json_atomically``. Pure Python.
-
-Every file this package writes goes through here: a unique temporary file beside ``path``, fsynced, then
-``os.replace``d over it; on any error ``path`` keeps its old content.
+"""Writing a file whole or not at all (a temporary file beside it, fsynced, then ``os.replace``d over it); every
+file this package writes goes through here. Pure Python.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ from typing import Any
 
 
 def write_atomically(path: str | os.PathLike, content: str | bytes) -> Path:
-    """Write ``content`` (text as UTF-8, or bytes) to ``path`` whole or not at all; returns the path. Missing
-    parent directories are created."""
+    """Write ``content`` (UTF-8 text or bytes) to ``path`` whole or not at all, parents created; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode("utf-8") if isinstance(content, str) else content

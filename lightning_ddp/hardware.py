@@ -1,5 +1,4 @@
-"""One hardware table, pure Python: dense peak FLOP/s per dtype, memory bandwidth and size, SM count per device,
-each with its datasheet source. Read by the ``CommTimer``'s MFU and the projection; the matching rules:
+"""One hardware table, pure Python, read by the ``CommTimer``'s MFU and the projection; the matching rules:
 ``docs/comm_timer.md``, "MFU and the peak FLOP/s".
 """
 
@@ -8,11 +7,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
-"""The compute dtypes with a peak in the table."""
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")  # the compute dtypes with a peak in the table
 
-MIG_COMPUTE_SLICES = 7
-"""Compute slices of a MIG-capable GPU: a ``Ng`` profile holds N of them."""
+MIG_COMPUTE_SLICES = 7  # compute slices of a MIG-capable GPU: a `Ng` profile holds N of them
 
 CPU_FP32_TFLOPS_PER_CORE = 0.078
 """fp32 matmul TFLOP/s of one CPU core (measured on our CI machine): an estimate for CPUs."""
@@ -20,27 +17,22 @@ CPU_FP32_TFLOPS_PER_CORE = 0.078
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device kind."""
+    """One device kind: its key (the projection's ``compute.gpu``), display name, the word sets any of which names
+    it (all their words in the lower-cased device name), dense peak TFLOP/s by dtype, memory bandwidth (GB/s) and
+    size (GB, 10**9 bytes), the full (non-MIG) product's SM count, and the datasheet."""
 
     key: str
-    """Short name, e.g. ``h100-sxm`` (the projection's ``compute.gpu``)."""
     name: str
-    """Display name."""
     patterns: tuple[tuple[str, ...], ...]
-    """Word sets, any of which identifies the device (all its words in the lower-cased name)."""
     dense_tflops: dict[str, float] = field(compare=False)
-    """Dense peak TFLOP/s by dtype."""
     memory_GBps: float
-    """Memory bandwidth, GB/s (10**9 bytes)."""
     memory_GB: float
-    """Memory size, GB (10**9 bytes)."""
     sm_count: int
-    """SMs of the full (non-MIG) product."""
     source: str
 
 
-def _peaks(fp32: float, tf32: float, bf16: float, fp16: float | None = None) -> dict[str, float]:
-    return {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16 if fp16 is None else fp16}
+def _peaks(fp32: float, tf32: float, bf16: float) -> dict[str, float]:
+    return {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": bf16}  # every row's dense fp16 peak is its bf16 one
 
 
 _HOPPER_SXM = _peaks(67.0, 494.7, 989.4)
@@ -87,16 +79,9 @@ _MIG = re.compile(r"\bmig\b\s*(?:(\d+)c\.)?(\d+)g\.(\d+)gb")
 
 
 def mig_profile(device_name: str) -> tuple[int, int] | None:
-    """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` (or ``Cc.Ng.Mgb``) profile; None for a whole device.
-
-    >>> mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), mig_profile("NVIDIA H100 80GB HBM3")
-    ((1, 10), None)
-    """
+    """(compute slices, memory GB) of a MIG slice's ``Ng.Mgb`` (or ``Cc.Ng.Mgb``) profile; None for a whole device."""
     match = _MIG.search(device_name.lower())
-    if match is None:
-        return None
-    slices = int(match.group(1) or match.group(2))
-    return slices, int(match.group(3))
+    return None if match is None else (int(match.group(1) or match.group(2)), int(match.group(3)))
 
 
 def find_device(device_name: str) -> DeviceSpec | None:
@@ -110,14 +95,6 @@ def find_device(device_name: str) -> DeviceSpec | None:
         if any(all(word in words for word in pattern) for pattern in spec.patterns):
             return spec
     return None
-
-
-def get_device(key: str) -> DeviceSpec:
-    """The row ``key`` (``h100-sxm``, ...); an unknown key lists the valid ones."""
-    try:
-        return DEVICES[key]
-    except KeyError:
-        raise ValueError(f"{key!r} is not a known device; choose one of: {', '.join(DEVICES)}") from None
 
 
 def compute_share(device_name: str, sm_count: int | None = None) -> float:
@@ -142,11 +119,7 @@ def dense_peak_flops(device_name: str, dtype: str, threads: int = 1, sm_count: i
 
 
 def job_peak_flops(per_rank: list[tuple[object, float | None]]) -> float | None:
-    """The whole job's peak from ``(device identity, peak)`` per rank: each device once; ``None`` if any is unknown.
-
-    >>> job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-0"), 1e15)])  # 2 ranks, 1 GPU
-    1000000000000000.0
-    """
+    """The whole job's peak from ``(device identity, peak)`` per rank: each device once; ``None`` if any is unknown."""
     if any(peak is None for _, peak in per_rank):
         return None
     return float(sum(dict(per_rank).values()))

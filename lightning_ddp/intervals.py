@@ -1,7 +1,6 @@
-"""Interval arithmetic on ``(start, end)`` pairs: the one home of it for the accounting and the trace analysis.
+"""Interval arithmetic on ``(start, end)`` pairs, for the accounting and the trace analysis. Pure Python.
 
-Pure Python (no torch). Intervals are in any one unit; every function returns merged, sorted intervals and
-drops empty ones (``end <= start``), so a clipped interval that fell outside its window simply vanishes.
+Every function returns merged, sorted intervals and drops empty ones (``end <= start``).
 """
 
 from __future__ import annotations
@@ -39,32 +38,25 @@ def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
     >>> intersect([(0.0, 1.0)], [(1.0, 2.0)])  # touching is not overlapping
     []
     """
-    a, b = merge(a), merge(b)
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(a) and j < len(b):  # sweep both sorted disjoint lists once
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if end > start:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:  # advance whichever ends first; the other may still meet the next one
-            i += 1
-        else:
-            j += 1
-    return out
+    return _select(a, b, in_b=True)
 
 
 def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
     """The parts of ``a`` not covered by ``b``."""
+    return _select(a, b, in_b=False)
+
+
+def _select(a: Iterable[Interval], b: Iterable[Interval], in_b: bool) -> list[Interval]:
+    """The parts of ``a`` inside ``b`` (``in_b``) or outside it: one sweep over the pieces between the boundaries."""
+    a, b = merge(a), merge(b)
+    bounds = sorted({x for interval in (*a, *b) for x in interval})
     out: list[Interval] = []
-    holes = merge(b)
-    for start, end in merge(a):
-        cursor = start
-        for h_start, h_end in holes:
-            if h_end <= cursor or h_start >= end:
-                continue
-            if h_start > cursor:
-                out.append((cursor, h_start))
-            cursor = max(cursor, h_end)
-        if cursor < end:
-            out.append((cursor, end))
-    return out
+    i = j = 0
+    for start, end in zip(bounds, bounds[1:]):
+        while i < len(a) and a[i][1] <= start:
+            i += 1
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        if i < len(a) and a[i][0] <= start and (j < len(b) and b[j][0] <= start) == in_b:
+            out.append((start, end))
+    return merge(out)

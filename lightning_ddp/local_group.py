@@ -35,13 +35,8 @@ def init_local_process_group(
     threads: int | None = None,
     timeout: timedelta = timedelta(minutes=10),
 ) -> None:
-    """Join the process group of ``world_size`` ranks on this host that meet at ``tcp://127.0.0.1:port``.
-
-    Args:
-        backend: ``gloo``, ``nccl``, or a per-device spec such as ``cpu:gloo,cuda:nccl``.
-        threads: Intra-op threads of this rank (``torch.set_num_threads``); ``None`` leaves them as they are.
-        timeout: How long a collective (and the rendezvous) may wait for the other ranks.
-    """
+    """Join the process group of ``world_size`` ranks on this host that meet at ``tcp://127.0.0.1:port``, with
+    ``threads`` intra-op threads (None: as they are); ``backend`` may be per device (``cpu:gloo,cuda:nccl``)."""
     import torch
     import torch.distributed as dist
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Protocol, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.catalogue import BucketSize
@@ -24,15 +24,12 @@ FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype
 ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter (fp32 on the CPU unless capturable/fused)
 
-CUDA_OVERHEAD_BYTES = int(1.5 * GiB)
-"""Fixed per-rank cost on CUDA that no tensor accounts for (``docs/memory.md``, "Overhead")."""
-CPU_OVERHEAD_BYTES = int(0.5 * GiB)
-"""Fixed per-process cost on CPU (``docs/memory.md``, "Overhead")."""
+CUDA_OVERHEAD_BYTES = int(1.5 * GiB)  # the fixed per-rank cost no tensor accounts for (docs/memory.md, "Overhead")
+CPU_OVERHEAD_BYTES = int(0.5 * GiB)  # the same per CPU process
 
 
-# The GPT's parameter shapes from its config alone, without torch (tests/unit/test_model.py holds them to the GPT).
 class GPTShape(Protocol):
-    """What fixes the parameter shapes: ``lightning_ddp.model.GPTConfig`` or the projection's ``ModelShape``."""
+    """What fixes the GPT's parameter shapes, without torch: ``GPTConfig`` or the projection's ``ModelShape``."""
 
     d_model: int
     d_ff: int
@@ -42,14 +39,7 @@ class GPTShape(Protocol):
 
 
 def gpt_parameter_shapes(config: GPTShape) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every parameter of ``GPT(config)``, in ``parameters()`` order (a tied table once).
-
-    >>> from types import SimpleNamespace
-    >>> shapes = gpt_parameter_shapes(SimpleNamespace(d_model=8, d_ff=32, n_layers=1, vocab_size=50,
-    ...                                                tie_embeddings=False))
-    >>> shapes["blocks.0.ffn.w1.weight"], len(shapes)  # 1 + 9 per block + 2
-    ((32, 8), 12)
-    """
+    """``{name: shape}`` of every parameter of ``GPT(config)``, in ``parameters()`` order (a tied table once)."""
     d, f, v = config.d_model, config.d_ff, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (v, d)}
     for i in range(config.n_layers):
@@ -86,8 +76,7 @@ _PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "
 
 def normalize_precision(precision: object) -> str:
     """Lightning's precision setting as a key of ``_PRECISIONS`` (``32`` -> ``32-true``, ...)."""
-    name = str(precision)
-    name = _PRECISION_ALIASES.get(name, name)
+    name = _PRECISION_ALIASES.get(str(precision), str(precision))
     if name not in _PRECISIONS:
         raise ValueError(
             f"precision {precision!r} has no memory model; use one of {', '.join(_PRECISIONS)} "
@@ -96,35 +85,21 @@ def normalize_precision(precision: object) -> str:
     return name
 
 
-# ---- shapes and the analytic expectation -------------------------------------------------------------------
-
-
 def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, rank: int | None,
                    param_bytes: int = FP32) -> dict[str, int]:
-    """Bytes of parameters, gradients and AdamW state rank ``rank`` holds before (and after) a step; ``rank`` None:
-    the most loaded rank, category by category. The one walk of the memory models: the pre-flight and the
-    benchmark's expectation.
-
-    ``mode``: ``unsharded``, a sharded state (``reduce_scatter``: the tensors ``assign_owners`` gives the rank),
-    ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor).
-
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="unsharded", rank=1)
-    {'parameters': 80, 'gradients': 80, 'optimizer_state': 168}
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="reduce_scatter", rank=1)  # rank 1 owns the (4,) vector
-    {'parameters': 80, 'gradients': 80, 'optimizer_state': 36}
-    >>> expected_bytes([(4, 4), (4,)], world_size=2, mode="zero2", rank=1)  # and only the vector's gradient
-    {'parameters': 80, 'gradients': 16, 'optimizer_state': 36}
-    >>> expected_bytes([(3, 2), (4,)], world_size=2, mode="fully_sharded", rank=1)  # rows 2 of (3, 2), 2..3 of (4,)
-    {'parameters': 16, 'gradients': 16, 'optimizer_state': 40}
-    """
+    """Bytes of parameters, gradients and AdamW state rank ``rank`` holds (None: the most loaded rank, category by
+    category) under ``mode``: ``unsharded``, ``reduce_scatter`` (the state of the tensors ``assign_owners`` gives
+    the rank), ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor)."""
     p = param_bytes
     if mode == "fully_sharded":  # this rank's dim-0 rows of every parameter, gradient and moment; rank 0 holds most
         held = sum(_dim0_rows(shape, world_size, rank or 0) * math.prod(shape[1:]) for shape in shapes)
         state = ADAM_MOMENTS * p * held + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)
         return {"parameters": p * held, "gradients": p * held, "optimizer_state": state}
     numels = [math.prod(shape) for shape in shapes]
+    owners = assign_owners([p * n for n in numels], world_size)  # ZeRO-1's and ZeRO-2's owners
     per_rank = []
-    for owned in _owned_numels(numels, p, world_size):
+    for r in range(world_size):
+        owned = [n for n, owner in zip(numels, owners) if owner == r]
         stated = numels if mode == "unsharded" else owned
         state = ADAM_MOMENTS * p * sum(stated) + ADAM_STEP_BYTES_PER_TENSOR * len(stated)
         per_rank.append((p * sum(numels), p * sum(owned if mode == "zero2" else numels), state))
@@ -139,23 +114,11 @@ def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
     return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
 
 
-def _owned_numels(numels: Sequence[int], param_bytes: int, world_size: int) -> list[list[int]]:
-    """Per rank, the sizes of the tensors ``assign_owners`` gives it (ZeRO-1's and ZeRO-2's owners)."""
-    if world_size == 1:
-        return [list(numels)]
-    owners = assign_owners([param_bytes * n for n in numels], world_size)
-    return [[n for n, owner in zip(numels, owners) if owner == r] for r in range(world_size)]
-
-
 def zero2_gradient_peak_bytes(
     shapes: list[tuple[int, ...]], world_size: int, rank: int, bucket_cap_bytes: int | None, buckets_in_flight: int = 2
 ) -> int:
     """An upper bound of the gradient bytes a ``zero2`` rank holds during backward, fp32: its shard plus
-    ``buckets_in_flight + 1`` caps (``docs/memory.md``).
-
-    >>> zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64)  # 16 + 3 x 64
-    208
-    """
+    ``buckets_in_flight + 1`` caps (``docs/memory.md``)."""
     shard = expected_bytes(shapes, world_size, "zero2", rank)["gradients"]
     return shard + (buckets_in_flight + 1) * _cap(bucket_cap_bytes, FP32 * sum(math.prod(s) for s in shapes))
 
@@ -165,40 +128,19 @@ def _cap(cap_bytes: int | None, total_bytes: int) -> int:
     return total_bytes if cap_bytes is None else min(cap_bytes, total_bytes)
 
 
-# ---- strategies ----------------------------------------------------------------------------------------------
+# How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``; the rest: unsharded), and the
+# memory models whose communication buffers are kept across steps.
+_SHARDING = {"zero1": "reduce_scatter", "zero2": "zero2", "fully_sharded": "fully_sharded"}
+_PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", "fully_sharded")
 
 
-class _Buffers(NamedTuple):
-    kind: str  # none, full (one buffer the size of all gradients), bucketed, zero2 or fully_sharded
-    persistent: bool  # kept across steps
-    mode: str = "unsharded"  # how ``expected_bytes`` shards the parameters, gradients and state
-
-
-# The buffers of each memory model of the catalogue (``Entry.memory``); the bucket cap is the strategy's.
-_MEMORY_MODELS: dict[str, _Buffers] = {
-    "none": _Buffers("none", False),
-    "per_tensor": _Buffers("bucketed", True),  # one tensor per bucket (sync/overlap.py): a cap of 1 byte
-    "packed": _Buffers("full", False),  # one packed buffer during the sync
-    "bucketed": _Buffers("bucketed", True),
-    "full_buckets": _Buffers("full", True),  # torch DDP's buckets hold every gradient, kept across steps
-    "zero1": _Buffers("full", False, "reduce_scatter"),  # step() packs the gradients to reduce-scatter them
-    "zero2": _Buffers("zero2", False, "zero2"),
-    "fully_sharded": _Buffers("fully_sharded", True, "fully_sharded"),
-}
-
-_TORCH_DDP_NAMES = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
-
-
-def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[_Buffers, int | None]:
-    """The communication buffers of ``strategy`` and their cap in bytes (None: one bucket; ``bucket_size_mb``
-    None: the strategy's default), from its catalogue entry."""
-    name = strategy
-    if name == "auto":
-        name = "ddp" if world_size > 1 else "single"
-    if name == "single" or name.startswith("single_device"):
-        return _MEMORY_MODELS["none"], None
-    if name in _TORCH_DDP_NAMES or name.startswith("ddp_find_unused_parameters"):
-        name = "ddp"
+def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[str, int | None]:
+    """The memory model of ``strategy`` and its bucket cap in bytes (None: one bucket; ``bucket_size_mb`` None:
+    the strategy's default), from its catalogue entry."""
+    if strategy.startswith("single") or (strategy == "auto" and world_size == 1):  # one process: no buffers
+        return "none", None
+    # auto on several ranks, and Lightning's DDP variants (spawn, fork, notebook, find_unused_parameters): its DDP
+    name = "ddp" if strategy == "auto" or strategy.startswith("ddp") else strategy
     if name not in catalogue.STRATEGIES:
         raise ValueError(
             f"strategy {strategy!r} has no memory model; choose one of auto, {', '.join(catalogue.STRATEGIES)} "
@@ -208,58 +150,26 @@ def _strategy_buffers(strategy: str, world_size: int, bucket_size_mb: BucketSize
     size = entry.default_bucket_size_mb if bucket_size_mb is None else bucket_size_mb
     if size == "auto":  # predicted at start-up from a microbenchmark; the default cap is representative
         size = catalogue.DEFAULT_BUCKET_SIZE_MB
-    cap = None if size is None else int(float(size) * MiB)
-    return _MEMORY_MODELS[entry.memory], 1 if entry.memory == "per_tensor" else cap
-
-
-# ---- activations ---------------------------------------------------------------------------------------------
+    if entry.memory == "per_tensor":  # one tensor per bucket (sync/overlap.py): a cap of 1 byte
+        return "bucketed", 1
+    return entry.memory, None if size is None else int(float(size) * MiB)
 
 
 def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-true") -> int:
-    """Bytes one ``Block`` saves for backward per token (the fitted formula); the xl block under bf16-mixed:
-    36·1600 + 8·6400 + 100 bytes:
-
-    >>> activation_bytes_per_token(1600, 6400, "bf16-mixed")
-    108900
-    """
+    """Bytes one ``Block`` saves for backward per token: the fitted ``a·d_model + b·d_ff + c``."""
     a, b, c = _PRECISIONS[normalize_precision(precision)].block_saved
     return a * d_model + b * d_ff + c
 
 
-def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[Any] = ()) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs, ``exclude``'s storages not
-    counted (the parameters)."""
-    import torch
-
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fn()
-    return sum(seen.values())
-
-
-# ---- the estimate --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank needs for a training step, by category, and its peak."""
+    """Bytes one rank needs for a training step: ``parts`` by category (parameters, gradients, optimizer_state,
+    bucket_buffers, regrown_gradients, low_precision_weights, activations, overhead); ``phases``, groups of parts not
+    alive at once (the peak holds the largest group and every part in none); a ``description`` for messages."""
 
     parts: dict[str, int]
-    """Bytes per category, in table order: parameters, gradients, optimizer_state, bucket_buffers,
-    regrown_gradients, low_precision_weights, activations, overhead."""
     phases: tuple[tuple[str, ...], ...] = ()
-    """Groups of parts that do not live at the same time; the peak holds the largest group plus every part in no
-    group. Empty: every part at once."""
     description: str = ""
-    """What was estimated, for messages."""
 
     @property
     def total_bytes(self) -> int:
@@ -269,40 +179,30 @@ class MemoryEstimate:
         largest = max((sum(self.parts.get(k, 0) for k in phase) for phase in self.phases), default=0)
         return persistent + largest
 
-    @property
-    def sum_bytes(self) -> int:
-        """Every part at once."""
-        return sum(self.parts.values())
-
     def table(self) -> str:
-        """A small breakdown in GiB: one line per part, then the peak.
-
-        >>> print(MemoryEstimate({"parameters": 2 * GiB, "activations": GiB // 2}).table())
-        parameters             2.00 GiB
-        activations            0.50 GiB
-        peak per rank          2.50 GiB
-        """
+        """A small breakdown in GiB: one line per part, then the peak."""
         lines = [f"{name:<22}{value / GiB:>5.2f} GiB" for name, value in self.parts.items()]
         if self.phases:
             phase_text = " | ".join(" + ".join(phase) for phase in self.phases)
-            lines.append(f"{'sum of parts':<22}{self.sum_bytes / GiB:>5.2f} GiB (not at once: {phase_text})")
+            lines.append(f"{'sum of parts':<22}{sum(self.parts.values()) / GiB:>5.2f} GiB (not at once: {phase_text})")
         lines.append(f"{'peak per rank':<22}{self.total_bytes / GiB:>5.2f} GiB")
         return "\n".join(lines)
 
 
-def _buffer_bytes(config: GPTConfig, kind: str, cap: int | None, numels: Sequence[int],
+def _buffer_bytes(config: GPTConfig, model: str, cap: int | None, numels: Sequence[int],
                   p: int) -> tuple[int, int, int]:
-    """(buffer bytes, gradient bytes beside the rank's own, scalars whose ``.grad`` is a view into a buffer)."""
+    """(buffer bytes, gradient bytes beside the rank's own, scalars whose ``.grad`` is a view into a buffer) of
+    memory model ``model``."""
     total = p * sum(numels)
-    if kind == "full":
+    if model in ("packed", "full_buckets", "zero1"):  # one buffer the size of all gradients (torch DDP's buckets)
         return total, 0, 0
-    if kind == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
+    if model == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
         return 3 * _cap(cap, total), 0, 0
-    if kind == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
+    if model == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
         root, block = fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
         return p * (root + 2 * block), p * block, 0
     buffer_bytes = viewed = 0
-    if kind == "bucketed":
+    if model == "bucketed":
         buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), cap)
         for b, indices in enumerate(buckets):
             if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
@@ -313,12 +213,7 @@ def _buffer_bytes(config: GPTConfig, kind: str, cap: int | None, numels: Sequenc
 
 
 def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
-    """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group and of the largest block.
-
-    >>> from lightning_ddp.model import get_config
-    >>> fsdp2_groups(get_config("tiny"))  # of 3.61M in all
-    (2560128, 262400)
-    """
+    """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group and of the largest block."""
     root, blocks = 0, {}
     for name, shape in gpt_parameter_shapes(config).items():
         if name.startswith("blocks."):
@@ -330,11 +225,10 @@ def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
 
 
 def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels: Sequence[int]) -> int:
-    """Scalars of the weights autocast copies to half precision for the matmuls (the embedding's only when tied)."""
-    weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2) - config.vocab_size * config.d_model
-    if config.tie_embeddings:  # the one table serves as lm_head: its copy is still made for the matmul
-        weights += config.vocab_size * config.d_model
-    return weights
+    """Scalars of the weights autocast copies to half precision for the matmuls: every matrix but the embedding
+    table, unless it is tied (it then serves as lm_head, and its copy is made for the matmul)."""
+    weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2)
+    return weights if config.tie_embeddings else weights - config.vocab_size * config.d_model
 
 
 def _activation_bytes(config: GPTConfig, tokens: int, precision: str) -> int:
@@ -355,36 +249,23 @@ def estimate_rank_memory(
     strategy: str,
     world_size: int,
     bucket_size_mb: BucketSize = None,
-    device_type: str = "cuda",
+    device_type: Literal["cuda", "cpu"] = "cuda",
     shard_optimizer_state: bool = False,
 ) -> MemoryEstimate:
-    """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (recipe: docs/memory.md).
-
-    ``strategy``: a catalogue name or Lightning's ``auto``/``ddp`` variants; ``bucket_size_mb`` None: its default;
-    ``shard_optimizer_state``: the state is sharded whatever the strategy (ZeRO-1 over an all-reducing engine).
-    The published 2-GPU xl runs' configuration (``configs/xl_2gpu.yaml``):
-
-    >>> from lightning_ddp.model import get_config
-    >>> xl = estimate_rank_memory(get_config("xl", context_length=512), batch_size=4, seq_len=512,
-    ...     precision="bf16-mixed", strategy="bucketed_ddp", world_size=2, bucket_size_mb=100)
-    >>> round(xl.parts["optimizer_state"] / GiB, 2), round(xl.parts["activations"] / GiB, 1)
-    (14.89, 10.3)
-    >>> round(xl.total_bytes / GiB, 1)  # 7.44 x 2 + 14.89 + 1.5 overhead + max(10.26 + 3.69, 7.44 x 2)
-    45.2
-    """
+    """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (docs/memory.md); ``strategy``
+    a catalogue name or Lightning's ``auto``/``ddp`` variants, ``bucket_size_mb`` None its default,
+    ``shard_optimizer_state``: the state sharded whatever the strategy (ZeRO-1 over an all-reducing engine)."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     spec = _PRECISIONS[normalize_precision(precision)]
     p = spec.param_bytes
     shapes = list(gpt_parameter_shapes(config).values())
     numels = [math.prod(s) for s in shapes]
-    buffers, cap = _strategy_buffers(strategy, world_size, bucket_size_mb)
-    mode = "reduce_scatter" if shard_optimizer_state and buffers.mode == "unsharded" else buffers.mode
+    model, cap = _strategy_memory(strategy, world_size, bucket_size_mb)
+    mode = _SHARDING.get(model, "reduce_scatter" if shard_optimizer_state else "unsharded")
     held = expected_bytes(shapes, world_size, mode, None, p)
-    buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, buffers.kind, cap, numels, p)
+    buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, model, cap, numels, p)
     parts = {
         "parameters": held["parameters"],
         "gradients": held["gradients"] + gathered_gradient - p * viewed,
@@ -395,7 +276,7 @@ def estimate_rank_memory(
         "activations": _activation_bytes(config, batch_size * seq_len, precision),
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
-    step_phase = ("gradients", "regrown_gradients") + (() if buffers.persistent else ("bucket_buffers",))
+    step_phase = ("gradients", "regrown_gradients") + (() if model in _PERSISTENT_BUFFERS else ("bucket_buffers",))
     phases = (("activations", "low_precision_weights"), step_phase)
     millions = held["parameters"] / p / 1e6
     description = (
@@ -423,7 +304,7 @@ def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024
     return low
 
 
-def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
+def memory_budget_bytes(device_type: Literal["cuda", "cpu"], ranks_per_device: int) -> int:
     """Bytes one rank may use: the current GPU's memory or the host's available RAM, over the ranks sharing it."""
     if not isinstance(ranks_per_device, int) or ranks_per_device < 1:
         raise ValueError(f"ranks_per_device must be a positive integer, got {ranks_per_device!r}")
@@ -433,10 +314,8 @@ def memory_budget_bytes(device_type: str, ranks_per_device: int) -> int:
         if not torch.cuda.is_available():
             raise ValueError("device_type 'cuda' but no CUDA device is visible; use device_type='cpu'")
         total, _ = torch.cuda.mem_get_info(torch.cuda.current_device())  # (free, total)
-    elif device_type == "cpu":
-        total = _available_ram_bytes()
     else:
-        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+        total = _available_ram_bytes()
     return total // ranks_per_device
 
 
@@ -463,11 +342,9 @@ def check_fits(
     if estimate.total_bytes <= budget_bytes:
         return
     source = f" ({budget_source})" if budget_source else ""
-    lines = [
-        # "out of memory" also lets the benchmark sweep's runner record a refused cell as `oom`.
-        f"{what} would run out of memory: it needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a "
-        f"rank has {budget_bytes / GiB:.1f} GiB{source}.",
-    ]
+    # "out of memory" also lets the benchmark sweep's runner record a refused cell as `oom`.
+    lines = [f"{what} would run out of memory: it needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a "
+             f"rank has {budget_bytes / GiB:.1f} GiB{source}."]
     if estimate.description:
         lines.append(f"Estimated for {estimate.description}:")
     lines.extend("  " + line for line in estimate.table().splitlines())
@@ -488,19 +365,8 @@ def print_estimate(
     bucket_size_mb: Optional[float] = None,
     device_type: Literal["cuda", "cpu"] = "cuda",
 ) -> None:
-    """Print the estimated peak memory of one rank, category by category.
-
-    Args:
-        preset: Model preset (``lightning_ddp.model.PRESETS``).
-        vocab_size: Vocabulary size.
-        batch_size: Sequences per rank.
-        seq_len: Tokens per sequence (the model's context length).
-        precision: Lightning precision (32-true, bf16-mixed, ...).
-        strategy: Strategy name.
-        world_size: Data-parallel ranks.
-        bucket_size_mb: Bucket cap in MiB; default: the strategy's own.
-        device_type: ``cuda`` or ``cpu``.
-    """
+    """Print the estimated peak memory of one rank, category by category (``bucket_size_mb`` None: the strategy's
+    own; the options: ``docs/memory.md``)."""
     from lightning_ddp.model import get_config  # torch: this module imports it only where a function needs it
 
     config = get_config(preset, vocab_size=vocab_size, context_length=seq_len)

@@ -23,30 +23,22 @@ from torch import nn
 class GPTConfig:
     """Shape of the model. Pick a preset with ``get_config("small")`` or set every field."""
 
-    vocab_size: int = 10_000
-    """Number of distinct tokens; the size of the embedding table and of the logits."""
-    context_length: int = 256
-    """Longest sequence the model accepts; also the length of the RoPE cos/sin cache."""
-    d_model: int
-    """Width of the residual stream (embedding dimension)."""
-    n_layers: int
-    """Number of Transformer blocks."""
-    n_heads: int
-    """Number of attention heads; must divide d_model."""
-    d_ff: int
-    """Hidden width of the SwiGLU feed-forward (the size of w1 and w3 outputs)."""
-    rope_theta: float = 10_000.0
-    """RoPE base; larger values rotate slower and suit longer contexts."""
-    norm_eps: float = 1e-5
-    """Epsilon added inside the RMSNorm square root, for numerical safety."""
-    tie_embeddings: bool = False
-    """Share one matrix between the token embedding and lm_head (saves vocab_size * d_model params)."""
+    vocab_size: int = 10_000  # distinct tokens: the size of the embedding table and of the logits
+    context_length: int = 256  # the longest sequence the model accepts; also the RoPE cos/sin cache's length
+    d_model: int  # width of the residual stream (the embedding dimension)
+    n_layers: int  # Transformer blocks
+    n_heads: int  # attention heads; must divide d_model
+    d_ff: int  # hidden width of the SwiGLU feed-forward (the outputs of w1 and w3)
+    rope_theta: float = 10_000.0  # RoPE base; larger values rotate slower and suit longer contexts
+    norm_eps: float = 1e-5  # added inside the RMSNorm square root, for numerical safety
+    tie_embeddings: bool = False  # one matrix for the token embedding and lm_head (saves vocab_size * d_model)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+        positive = ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps")
+        for name in positive:
             value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"GPTConfig.{name} must be positive, got {value}; set {name} >= 1.")
+            if value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {value}; set {name} > 0.")
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -57,10 +49,6 @@ class GPTConfig:
                 f"head dim d_model // n_heads = {self.head_dim} is odd, but RoPE rotates pairs of "
                 f"channels; choose d_model and n_heads so that d_model // n_heads is even."
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}; the usual value is 10000.")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}; the usual value is 1e-5.")
 
     @property
     def head_dim(self) -> int:

@@ -50,8 +50,6 @@ class LitGPT(pl.LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
-        if lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule={lr_schedule!r} is not supported; use 'constant' or 'cosine'.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         self.save_hyperparameters()
@@ -60,8 +58,7 @@ class LitGPT(pl.LightningModule):
         )
         self.model = GPT(self.config)
         self._last_batch_end: float | None = None
-        # (sum of token losses, token count) of this rank's shard in the current evaluation epoch, float64 so the
-        # sum of many batches loses nothing.
+        # (sum of token losses, token count) of this rank's shard this evaluation epoch; float64 loses nothing
         self._eval_totals: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -77,9 +74,8 @@ class LitGPT(pl.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        logits = self.model(x)  # (B, T, V)
-        # cross-entropy in fp32: under bf16 autocast the logits are bf16 and the log-softmax would lose precision
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        logits = self.model(x)  # (B, T, V), float32 (GPT.forward): the log-softmax in full precision
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -87,18 +83,16 @@ class LitGPT(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        # Throughput as seen by the training loop: tokens of the global batch per wall second between the
-        # ends of consecutive batches. The CommTimer callback measures it per optimizer step more carefully.
+        # Throughput as the training loop sees it: the global batch's tokens per second between the ends of
+        # consecutive batches (the CommTimer's step/tokens_per_s measures each optimizer step more carefully).
         now = time.perf_counter()
         if self._last_batch_end is not None:
-            tokens = batch[0].numel() * self.trainer.world_size
-            self.log("train/tokens_per_s", tokens / (now - self._last_batch_end))
+            self.log("train/tokens_per_s", batch[0].numel() * self.trainer.world_size / (now - self._last_batch_end))
         self._last_batch_end = now
 
     @override
     def on_validation_start(self) -> None:
-        # The next training batch's throughput would count the validation's time: leave it out.
-        self._last_batch_end = None
+        self._last_batch_end = None  # the next training batch's throughput would count the validation's time
 
     @override
     def on_validation_epoch_start(self) -> None:
@@ -152,9 +146,8 @@ class LitGPT(pl.LightningModule):
         hp = self.hparams
         # Weight decay on matrices only: decaying norm gains pulls them to 0, which only hurts.
         params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=tuple(hp.betas))
         if hp.warmup_steps == 0 and hp.lr_schedule == "constant":
             return optimizer

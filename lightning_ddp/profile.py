@@ -15,8 +15,7 @@ from typing import Any, Optional
 
 from lightning_ddp.files import write_atomically
 
-SCHEMA = "lightning_ddp.compute_profile/1"
-"""The ``schema`` value of version 1; a reader refuses any other."""
+SCHEMA = "lightning_ddp.compute_profile/1"  # the `schema` value of version 1; a reader refuses any other
 
 _TIMES = ("forward_ms", "backward_ms", "optimizer_ms")
 _RUN_FIELDS = ("preset", "batch_size", "seq_len", "precision", "world_size")
@@ -24,17 +23,14 @@ _RUN_FIELDS = ("preset", "batch_size", "seq_len", "precision", "world_size")
 
 @dataclass(frozen=True)
 class ParamTiming:
-    """One trainable parameter: its size and when backward produced its gradient."""
+    """One trainable parameter (as ``named_parameters()`` names it), its gradient's bytes, and when backward produced
+    that gradient: ``ready_ms`` after backward's start (None: no gradient this step); ``shape`` if recorded."""
 
     name: str
-    """Qualified name, as ``module.named_parameters()`` gives it."""
     numel: int
     bytes: int
-    """Bytes of its gradient."""
     ready_ms: Optional[float]
-    """Milliseconds after the start of backward when its gradient was ready; ``None``: no gradient this step."""
     shape: Optional[tuple[int, ...]] = None
-    """Its shape, if recorded."""
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.bytes < 0:
@@ -67,8 +63,7 @@ class ComputeProfile:
     seq_len: Optional[int] = None
     precision: Optional[str] = None
     world_size: Optional[int] = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-    """Fields of the file this reader does not know, kept for the record (never interpreted)."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unknown fields of the file, kept as read
 
     def __post_init__(self) -> None:
         for name in _TIMES:
@@ -109,40 +104,29 @@ class ComputeProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (schema version 1)."""
-        data: dict[str, Any] = {"schema": SCHEMA}
-        for key in ("source", "device", *_RUN_FIELDS, *_TIMES):
-            data[key] = getattr(self, key)
+        data = {"schema": SCHEMA, **{key: getattr(self, key) for key in ("source", "device", *_RUN_FIELDS, *_TIMES)}}
         data["params"] = [{k: (list(v) if k == "shape" else v) for k, v in asdict(p).items()
                            if not (k == "shape" and v is None)} for p in self.params]
-        for key, value in self.extra.items():
-            data.setdefault(key, value)
-        return data
+        return {**data, **{key: value for key, value in self.extra.items() if key not in data}}  # ours win
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "compute profile") -> ComputeProfile:
         """Parse the JSON form; every error names the field and says what a valid file holds."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{origin}: expected a JSON object, got {type(data).__name__}")
-        schema = data.get("schema")
+        schema = data.get("schema") if isinstance(data, dict) else f"none (a JSON {type(data).__name__})"
         if schema != SCHEMA:
             raise ValueError(
                 f"{origin}: schema is {schema!r}, this reader understands {SCHEMA!r}; write the file with "
                 "lightning_ddp.profile.write_profile (or the CommTimer), or convert it to that schema"
             )
         missing = [k for k in (*_TIMES, "params") if k not in data]
-        if missing:
-            raise ValueError(f"{origin}: missing field(s) {missing}; a version-1 profile needs forward_ms, "
-                             "backward_ms, optimizer_ms and params")
-        if not isinstance(data["params"], list):
-            raise ValueError(f"{origin}: `params` must be a list of {{name, numel, bytes, ready_ms}} objects")
+        if missing or not isinstance(data["params"], list):
+            raise ValueError(f"{origin}: a version-1 profile needs forward_ms, backward_ms, optimizer_ms and a list "
+                             f"`params` (missing: {missing})")
         params = []
         for i, raw in enumerate(data["params"]):
-            try:
-                ready, shape = raw.get("ready_ms"), raw.get("shape")
-                params.append(ParamTiming(str(raw["name"]), int(raw["numel"]), int(raw["bytes"]),
-                                          None if ready is None else float(ready),
-                                          None if shape is None else tuple(int(d) for d in shape)))
-            except (KeyError, TypeError, AttributeError) as error:
+            try:  # ParamTiming checks the values; JSON gives the types
+                params.append(ParamTiming(**raw))
+            except TypeError as error:
                 raise ValueError(f"{origin}: params[{i}] must be an object with name, numel, bytes and ready_ms "
                                  f"(null if no gradient), and optionally shape; got {raw!r}") from error
         known = {"schema", "source", "device", *_RUN_FIELDS, *_TIMES, "params"}

@@ -29,13 +29,7 @@ def _git(*args: str) -> str | None:
 
 
 def repo_relative(value: str) -> str:
-    """``value`` (a path or an argument such as ``--out=PATH``) relative to the repository's root when inside it.
-
-    >>> repo_relative(str(_REPO / "benchmarks" / "results"))
-    'benchmarks/results'
-    >>> repo_relative(str(_REPO)), repo_relative("--lr=0.1")
-    ('.', '--lr=0.1')
-    """
+    """``value`` (a path or an argument such as ``--out=PATH``) relative to the repository's root when inside it."""
     root = str(_REPO)
     if value == root:
         return "."
@@ -75,18 +69,15 @@ def package_version(name: str) -> str | None:
 
 def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     """``{"git_commit", "git_commit_source", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files
-    differ from it, and which (at most 20). Outside a git checkout the commit is ``$LIGHTNING_DDP_COMMIT`` (source
-    ``"LIGHTNING_DDP_COMMIT"``), else ``None``, and whether the tree is dirty is unknown (``None``). ``ignore``:
-    directories whose changes do not count (the run's own output).
-    """
+    outside ``ignore`` (the run's own output) differ from it, and which (at most 20). Outside a checkout: the commit
+    ``$LIGHTNING_DDP_COMMIT`` (its source named so) or None, and dirty unknown (None)."""
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=normal")
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None
-    prefixes = [_relative_to_repo(path) for path in ignore]
-    prefixes = [p for p in prefixes if p]
-    if changed is not None and prefixes:
-        changed = [c for c in changed if not any(c == p or c.startswith(p + "/") or p.startswith(c.rstrip("/") + "/")
-                                                 or c.rstrip("/") == p for p in prefixes)]
+    prefixes = [repo_relative(str(Path(path).resolve())) for path in ignore]
+    if changed is not None:  # a changed file inside an ignored directory, or an untracked directory holding one
+        changed = [c for c in changed if not any(c.rstrip("/") == p or c.startswith(p + "/")
+                                                 or p.startswith(c.rstrip("/") + "/") for p in prefixes)]
     source = "git" if commit else None
     if not commit and os.environ.get(COMMIT_VARIABLE):
         commit, source = os.environ[COMMIT_VARIABLE], COMMIT_VARIABLE
@@ -97,10 +88,3 @@ def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
         "git_changed": changed[:20] if changed is not None else None,
     }
 
-
-def _relative_to_repo(path: str | os.PathLike) -> str | None:
-    """``path`` as git prints it (relative to the checkout, ``/``-separated), or None outside the checkout."""
-    try:
-        return Path(path).resolve().relative_to(_REPO).as_posix()
-    except ValueError:
-        return None

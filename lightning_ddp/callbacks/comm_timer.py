@@ -114,7 +114,7 @@ class CommTimer(StepObserver):
                       "trainer's log_every_n_steps)")
         check_int("warmup_steps", warmup_steps, 0, "--timer.warmup_steps 5")
         if peak_tflops is not None and not peak_tflops > 0:
-            h100 = hardware.get_device("h100-sxm").dense_tflops["bf16"]
+            h100 = hardware.DEVICES["h100-sxm"].dense_tflops["bf16"]
             raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; "
                              f"e.g. --timer.peak_tflops {h100:g} for an H100 SXM in bf16")
         self.peak_tflops = peak_tflops

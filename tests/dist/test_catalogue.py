@@ -467,3 +467,16 @@ def test_the_strategy_tables_list_every_catalogue_entry_in_order(page: str) -> N
 
     names = _table_names((REPO / page).read_text(encoding="utf-8"))
     assert names[: len(catalogue.STRATEGIES)] == catalogue.names()
+
+
+def test_how_tables_and_file_names_write_a_strategy_and_its_settings() -> None:
+    assert catalogue.parse_settings("rank=4 min_compression_rate=0.5 mode=fast") == {
+        "rank": 4, "min_compression_rate": 0.5, "mode": "fast"}
+    assert catalogue.setting_combinations({"rank": [1, 4], "start_iter": [0]}) == [
+        {"rank": 1, "start_iter": 0}, {"rank": 4, "start_iter": 0}]
+    assert catalogue.setting_combinations(None) == [{}]
+    assert (catalogue.variant_label("bucketed_ddp", "auto"), catalogue.variant_label("bucketed_powersgd_ddp", 4.0,
+            "rank=4")) == ("bucketed_ddp auto", "bucketed_powersgd_ddp 4 MiB rank=4")
+    assert (catalogue.format_settings({"rank": 4, "exact": True, "rate": 0.5}), catalogue.settings_slug({"rank": 4})) \
+        == ("rank=4 exact=true rate=0.5", "-rank4")
+    assert [catalogue.format_bucket(v) for v in (25.0, 0.5, "auto", 4)] == ["25", "0.5", "auto", "4"]

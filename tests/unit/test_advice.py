@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
-from lightning_ddp.advice import PROJECTION_ERROR, RunError, advise, calibrated_error, fit_calls, main, read_run
+from lightning_ddp.advice import PROJECTION_ERROR, RunError, advise, fit_calls, main, read_run
 from lightning_ddp.bench.study import read_csv
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA, call_table, collective_calls
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
@@ -34,6 +35,16 @@ def _write_run(path: Path, call_ms: float = 5.0, wait_ms: float = 0.0, strategy:
                        "bucket_size_mb": None}}
     (path / "timing_summary.json").write_text(json.dumps(summary))
     return path
+
+
+def calibrated_error(rows: list[dict[str, str]]) -> float:
+    """Median |error| of predicting one cell from another of its group scaled to the other's measured step (what
+    advise does): ``(1 + e_b) / (1 + e_a) - 1`` over every ordered pair of the validation's ``step_error``."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["precision"], r["batch_size"], r["context_length"]), []).append(float(r["step_error"]))
+    return statistics.median(abs((1 + b) / (1 + a) - 1) for errors in groups.values()
+                             for i, a in enumerate(errors) for j, b in enumerate(errors) if i != j)
 
 
 def test_the_interval_is_the_committed_validation_s_calibrated_error() -> None:

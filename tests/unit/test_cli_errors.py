@@ -74,3 +74,9 @@ def test_the_reason_is_found_in_a_union_report() -> None:
               "Errors:\n  - Expected a <class 'str'>\n  - bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`.\n"
               "Given value type: <class 'Namespace'>\nGiven value: Namespace(bucket_size_mb=-1.0)")
     assert user_error_message(report) == "bucket_size_mb must be > 0; set e.g. `bucket_size_mb: 25`."
+
+
+def test_a_class_path_problem_is_reported_under_its_key() -> None:
+    report = ('Parser key "s":\n  Errors:\n    - Expected a <class \'str\'>\n'
+              '    - Problem with given class_path \'A\':\n        Option \'x\' is not accepted')
+    assert user_error_message(report) == 'Parser key "s": Option \'x\' is not accepted'

@@ -10,7 +10,7 @@ import torch
 
 from lightning_ddp import hardware
 from lightning_ddp.callbacks import comm_timer
-from lightning_ddp.hardware import (DEVICES, compute_share, dense_peak_flops, find_device, get_device, job_peak_flops,
+from lightning_ddp.hardware import (DEVICES, compute_share, dense_peak_flops, find_device, job_peak_flops,
                                     mig_profile)
 
 
@@ -60,6 +60,7 @@ def test_mig_slice_is_its_share_of_the_gpu() -> None:
     assert dense_peak_flops("NVIDIA H100 80GB HBM3", "bf16", sm_count=132) == h100
     # The compute-instance form "Cc.Ng.Mgb" has C slices.
     assert mig_profile("NVIDIA H100 80GB HBM3 MIG 1c.3g.40gb") == (1, 40)
+    assert (mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), mig_profile("NVIDIA H100 80GB HBM3")) == ((1, 10), None)
 
 
 def test_new_rows_have_their_datasheet_figures() -> None:
@@ -97,11 +98,6 @@ def test_job_peak_counts_each_device_once() -> None:
     assert job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-0"), 1e15)]) == 1e15
     assert job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-1"), 1e15)]) == 2e15
     assert job_peak_flops([(("host", "GPU-0"), 1e15), (("host", "GPU-1"), None)]) is None
-
-
-def test_get_device_lists_the_keys() -> None:
-    with pytest.raises(ValueError, match="choose one of: h100-nvl"):
-        get_device("tpu-v5")
 
 
 def test_comm_timer_passes_the_sm_count_so_a_mig_slice_is_its_share(monkeypatch) -> None:

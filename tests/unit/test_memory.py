@@ -20,11 +20,27 @@ from lightning_ddp.memory import (
     expected_bytes,
     largest_batch,
     memory_budget_bytes,
-    saved_tensor_bytes,
 )
 from lightning_ddp.model import GPT, Block, GPTConfig, get_config, rope_cache
 from lightning_ddp.memory import gpt_parameter_shapes
 from lightning_ddp import catalogue
+
+
+def saved_tensor_bytes(fn, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs, ``exclude``'s storages not
+    counted (the parameters): how the activation formula was measured (docs/memory.md)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(seen.values())
 
 
 def parameter_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
@@ -79,6 +95,7 @@ def test_block_activation_formula_matches_measurement(precision: str) -> None:
         measured = _block_saved_bytes_per_token(batch, seq, d, d_ff, heads, precision)
         formula = activation_bytes_per_token(d, d_ff, precision)
         assert formula == pytest.approx(measured, rel=0.03), (batch, seq, d, d_ff, heads)
+    assert activation_bytes_per_token(1600, 6400, "bf16-mixed") == 36 * 1600 + 8 * 6400 + 100 == 108900  # xl block
 
 
 def test_activations_grow_linearly_in_tokens() -> None:
@@ -210,8 +227,10 @@ def test_peak_is_persistent_parts_plus_the_larger_phase() -> None:
                         "regrown_gradients": 3}, phases=(("activations", "low_precision_weights"),
                                                          ("gradients", "regrown_gradients")))
     assert e.total_bytes == 10 + max(5 + 1, 4 + 3) == 17
-    assert e.sum_bytes == 23
+    assert sum(e.parts.values()) == 23 and "sum of parts" in e.table()  # every part at once: listed, not the peak
     assert MemoryEstimate({"parameters": 10, "activations": 5}).total_bytes == 15  # no phases: all at once
+    assert MemoryEstimate({"parameters": 2 * GiB, "activations": GiB // 2}).table().splitlines() == [
+        "parameters             2.00 GiB", "activations            0.50 GiB", "peak per rank          2.50 GiB"]
 
 
 def test_largest_batch_is_the_boundary() -> None:
@@ -261,3 +280,29 @@ def test_bad_inputs_name_the_fix() -> None:
         _estimate(config, batch_size=0)
     with pytest.raises(ValueError, match="ranks_per_device"):
         memory_budget_bytes("cpu", 0)
+
+
+def test_expected_bytes_per_mode() -> None:
+    shapes = [(4, 4), (4,)]
+    assert expected_bytes(shapes, 2, "unsharded", 1) == {"parameters": 80, "gradients": 80, "optimizer_state": 168}
+    # rank 1 owns the (4,) vector: its state, and under zero2 only its gradient
+    assert expected_bytes(shapes, 2, "reduce_scatter", 1) == {"parameters": 80, "gradients": 80,
+                                                              "optimizer_state": 36}
+    assert expected_bytes(shapes, 2, "zero2", 1) == {"parameters": 80, "gradients": 16, "optimizer_state": 36}
+    # fsdp2: rank 1 holds row 2 of (3, 2) and rows 2..3 of (4,)
+    assert expected_bytes([(3, 2), (4,)], 2, "fully_sharded", 1) == {"parameters": 16, "gradients": 16,
+                                                                      "optimizer_state": 40}
+
+
+def test_the_published_xl_configuration_and_small_cases() -> None:
+    # configs/xl_2gpu.yaml's run (docs/memory.md): 7.44 x 2 + 14.89 + 1.5 overhead + max(10.26 + 3.69, 7.44 x 2)
+    xl = estimate_rank_memory(get_config("xl", context_length=512), batch_size=4, seq_len=512,
+                              precision="bf16-mixed", strategy="bucketed_ddp", world_size=2, bucket_size_mb=100)
+    assert (round(xl.parts["optimizer_state"] / GiB, 2), round(xl.parts["activations"] / GiB, 1)) == (14.89, 10.3)
+    assert round(xl.total_bytes / GiB, 1) == 45.2
+    assert memory.fsdp2_groups(get_config("tiny")) == (2560128, 262400)  # of 3.61M in all
+    # ZeRO-2's gradient peak: rank 1's 16-byte shard plus 3 caps of 64 bytes
+    assert memory.zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64) == 208
+    shapes = gpt_parameter_shapes(SimpleNamespace(d_model=8, d_ff=32, n_layers=1, vocab_size=50,
+                                                  tie_embeddings=False))
+    assert (shapes["blocks.0.ffn.w1.weight"], len(shapes)) == ((32, 8), 12)  # 1 + 9 per block + 2

@@ -60,3 +60,10 @@ def test_a_copy_without_git_takes_the_commit_from_the_environment(tmp_path, monk
         pytest.skip("the temporary directory is inside a git checkout")
     assert provenance.git_state() == {"git_commit": "5809175", "git_commit_source": "LIGHTNING_DDP_COMMIT",
                                       "git_dirty": None, "git_changed": None}
+
+
+def test_paths_are_written_relative_to_the_repository() -> None:
+    root = provenance._REPO
+    assert provenance.repo_relative(str(root / "benchmarks" / "results")) == "benchmarks/results"
+    assert (provenance.repo_relative(str(root)), provenance.repo_relative("--lr=0.1")) == (".", "--lr=0.1")
+    assert provenance.repo_relative(f"--out={root / 'logs'}") == "--out=logs"
