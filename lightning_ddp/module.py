@@ -50,6 +50,8 @@ class LitGPT(pl.LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule={lr_schedule!r} is not supported; use 'constant' or 'cosine'.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         self.save_hyperparameters()

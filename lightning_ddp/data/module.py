@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from lightning_ddp.data.sources import (
     BYTE_VOCAB_SIZE,
+    TOKEN_DTYPES,
     MarkovTokens,
     SyntheticTokens,
     TextBytes,
@@ -106,6 +107,15 @@ class LMDataModule(LightningDataModule):
     # ---- construction-time checks of the arguments -------------------------------------
 
     def _check_arguments(self, vocab_size: int | None) -> None:
+        if self.source not in ("synthetic", "markov", "tokens", "text"):
+            raise ValueError(
+                f"--data.source {self.source!r} is not supported; choose synthetic, markov, tokens or text."
+            )
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(
+                f"--data.token_dtype {self.token_dtype!r} is not supported; choose one of "
+                f"{', '.join(TOKEN_DTYPES)}."
+            )
         minimums = {"batch_size": 1, "seq_len": 1, "num_samples": 1, "val_samples": 0, "test_samples": 0,
                     "num_workers": 0}
         for flag, minimum in minimums.items():

@@ -175,6 +175,18 @@ def test_markov_bad_arguments(kwargs, phrase):
         LMDataModule(source="markov", **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "phrase"),
+    [
+        (dict(source="wikitext"), r"--data\.source 'wikitext' is not supported; choose synthetic, markov, tokens"),
+        (dict(token_dtype="int7"), r"--data\.token_dtype 'int7' is not supported; choose one of uint16, int32"),
+    ],
+)
+def test_an_unknown_source_or_token_dtype_is_refused_from_python_too(kwargs, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        LMDataModule(**kwargs)
+
+
 # ---- rank-disjointness -------------------------------------------------------------------------
 
 

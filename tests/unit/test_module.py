@@ -45,3 +45,8 @@ def test_validation_does_not_count_towards_the_next_training_batchs_throughput()
     model._last_batch_end = 123.0  # a training batch just ended
     model.on_validation_start()
     assert model._last_batch_end is None  # the next batch logs no tokens/s rather than one spanning the validation
+
+
+def test_an_unknown_lr_schedule_is_refused_from_python_too():
+    with pytest.raises(ValueError, match=r"lr_schedule='cosin' is not supported; use 'constant' or 'cosine'"):
+        LitGPT(lr_schedule="cosin")
