@@ -82,6 +82,10 @@ class Measured:
         lo, hi = percentile_interval(self.draws[:, column])
         return Estimate(float(self.point[column]), lo, hi)
 
+    def ratio(self, other: Measured, column: int) -> tuple[float, np.ndarray]:
+        """This over ``other`` in ``column``: the point and the draws (paired by their resampled steps)."""
+        return self.point[column] / other.point[column], self.draws[:, column] / other.draws[:, column]
+
 
 @dataclass
 class CellData:
@@ -395,10 +399,8 @@ class Analysis:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
             if selection is not None and m_ddp is not None:
-                top = selection.evaluated
                 checks.append(GoalCheck(group, goal, 1.0, _selection_note(selection),
-                                        top.point[STEP] / m_ddp.point[STEP], top.draws[:, STEP] / m_ddp.draws[:, STEP],
-                                        selection.in_sample, algorithm))
+                                        *selection.evaluated.ratio(m_ddp, STEP), selection.in_sample, algorithm))
             else:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
@@ -414,9 +416,8 @@ class Analysis:
                 note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                checks.append(GoalCheck(group, goal, 1 / 3, _selection_note(best) if of_best and best else "",
-                                        measured.point[SHARE] / m_naive.point[SHARE],
-                                        measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
+                note = _selection_note(best) if of_best and best else ""
+                checks.append(GoalCheck(group, goal, 1 / 3, note, *measured.ratio(m_naive, SHARE),
                                         of_best and best is not None and best.in_sample))
 
         goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
