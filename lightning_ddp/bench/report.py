@@ -698,10 +698,8 @@ def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate 
     return _cell(analysis, next((r for r in analysis.groups[group] if variant_of(r) == name), None), panel)
 
 
-def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
-    names = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
-    if not names:
-        return False
+def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int],
+                     names: list[str]) -> None:
     fig, axes = _figure()
     width = 0.8 / len(names)
     for k, name in enumerate(names):
@@ -721,7 +719,6 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         ax.grid(axis="y", alpha=0.3)
     _finish(fig, axes[0], path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
             "rank (error bars: 95 % intervals)")
-    return True
 
 
 def _bucket_figure(
@@ -780,11 +777,12 @@ def write_plots(out_dir: str | Path, analysis: Analysis, predicted_mb: float | N
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for precision, batch, contexts in panels(analysis.groups):
+        names = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
         path = out_dir / f"strategies_{precision}_bs{batch}.png"
-        if _strategy_figure(path, precision, batch, analysis, contexts):
+        if names:
+            _strategy_figure(path, precision, batch, analysis, contexts, names)
             written.append(path)
-        bucketed = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
-        for strategy in filter(has_bucket_axis, bucketed):
+        for strategy in filter(has_bucket_axis, names):
             stem = re.sub(r"[^A-Za-z0-9._-]", "", strategy.replace(" ", "-"))  # as cell ids spell settings: -rank4
             path = out_dir / f"{stem}_{precision}_bs{batch}.png"
             if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):
