@@ -82,6 +82,10 @@ class Measured:
         lo, hi = percentile_interval(self.draws[:, column])
         return Estimate(float(self.point[column]), lo, hi)
 
+    def ratio(self, other: Measured, column: int) -> tuple[float, np.ndarray]:
+        """This over ``other`` in ``column``: the point and the draws (paired by their resampled steps)."""
+        return self.point[column] / other.point[column], self.draws[:, column] / other.draws[:, column]
+
 
 @dataclass
 class CellData:
@@ -395,10 +399,8 @@ class Analysis:
             goal = f"1. {algorithm} (best) step time / ddp step time"
             selection = self.selections.get((group, algorithm))
             if selection is not None and m_ddp is not None:
-                top = selection.evaluated
                 checks.append(GoalCheck(group, goal, 1.0, _selection_note(selection),
-                                        top.point[STEP] / m_ddp.point[STEP], top.draws[:, STEP] / m_ddp.draws[:, STEP],
-                                        selection.in_sample, algorithm))
+                                        *selection.evaluated.ratio(m_ddp, STEP), selection.in_sample, algorithm))
             else:
                 note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
                 checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
@@ -414,9 +416,8 @@ class Analysis:
                 note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
                 checks.append(GoalCheck(group, goal, 1 / 3, note=note))
             else:
-                checks.append(GoalCheck(group, goal, 1 / 3, _selection_note(best) if of_best and best else "",
-                                        measured.point[SHARE] / m_naive.point[SHARE],
-                                        measured.draws[:, SHARE] / m_naive.draws[:, SHARE],
+                note = _selection_note(best) if of_best and best else ""
+                checks.append(GoalCheck(group, goal, 1 / 3, note, *measured.ratio(m_naive, SHARE),
                                         of_best and best is not None and best.in_sample))
 
         goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
@@ -697,10 +698,8 @@ def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate 
     return _cell(analysis, next((r for r in analysis.groups[group] if variant_of(r) == name), None), panel)
 
 
-def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int]) -> bool:
-    names = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
-    if not names:
-        return False
+def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int],
+                     names: list[str]) -> None:
     fig, axes = _figure()
     width = 0.8 / len(names)
     for k, name in enumerate(names):
@@ -720,7 +719,6 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         ax.grid(axis="y", alpha=0.3)
     _finish(fig, axes[0], path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
             "rank (error bars: 95 % intervals)")
-    return True
 
 
 def _bucket_figure(
@@ -779,11 +777,12 @@ def write_plots(out_dir: str | Path, analysis: Analysis, predicted_mb: float | N
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for precision, batch, contexts in panels(analysis.groups):
+        names = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
         path = out_dir / f"strategies_{precision}_bs{batch}.png"
-        if _strategy_figure(path, precision, batch, analysis, contexts):
+        if names:
+            _strategy_figure(path, precision, batch, analysis, contexts, names)
             written.append(path)
-        bucketed = strategy_order(variant_of(r) for c in contexts for r in analysis.groups[(precision, batch, c)])
-        for strategy in filter(has_bucket_axis, bucketed):
+        for strategy in filter(has_bucket_axis, names):
             stem = re.sub(r"[^A-Za-z0-9._-]", "", strategy.replace(" ", "-"))  # as cell ids spell settings: -rank4
             path = out_dir / f"{stem}_{precision}_bs{batch}.png"
             if _bucket_figure(path, strategy, precision, batch, analysis, contexts, predicted_mb):

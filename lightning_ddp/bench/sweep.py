@@ -273,7 +273,7 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
 
 
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
-              progress: bool = True, log: Callable[[str], None] | None = None,
+              log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
     """Run (or resume) the sweep of ``config``; by default the cells run as subprocesses on the GPUs visible here,
     each after ``study.wait_until_idle``."""
@@ -284,7 +284,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
     steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
              if key in repeats and repeats[key]["status"] == "ok"}
     bootstrap = Bootstrapper(config.output.bootstrap_samples, config.output.seed)
-    cells, say = expand_grid(config), log or _tqdm_write
+    cells, say = expand_grid(config), log or (lambda line: print(line, flush=True))
     if config.output.report_only:
         if not repeats:
             raise ValueError(
@@ -309,23 +309,16 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
     run = config.run
     guard = load_guard or (lambda: wait_until_idle(run.busy_threshold, run.max_wait_s, run.load_sample_s))
     ran: list[RepeatKey] = []
-    from tqdm import tqdm
-
-    # disable=None: a bar on a terminal; in a log file (not a TTY) only the one-line results
-    with tqdm(total=len(order), initial=len(order) - len(todo), unit="repeat", desc="sweep", dynamic_ncols=True,
-              disable=None if progress else True) as bar:
-        for cell, k in todo:
-            bar.set_postfix_str(f"{cell.label}, repeat {k + 1}/{run.repeats}")
-            load = guard()
-            started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
-            row = repeat_row(cell, k, outcome, load, model=config.workload.preset, accelerator=run.accelerator,
-                             backend=layout.backend, load_avg_1m=load_average(), started_at=started_at)
-            record(out_dir, repeats, steps, outcome, row, wants_prediction)
-            write_results(config, cells, repeats, steps, bootstrap)
-            ran.append((cell.id, k))
-            say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
-            bar.update(1)
+    for cell, k in todo:
+        load = guard()
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        outcome = runner(cell, out_dir / "runs" / cell.id / f"r{k}")
+        row = repeat_row(cell, k, outcome, load, model=config.workload.preset, accelerator=run.accelerator,
+                         backend=layout.backend, load_avg_1m=load_average(), started_at=started_at)
+        record(out_dir, repeats, steps, outcome, row, wants_prediction)
+        write_results(config, cells, repeats, steps, bootstrap)
+        ran.append((cell.id, k))
+        say(_result_line(len(order) - len(todo) + len(ran), len(order), cell, k, run.repeats, outcome, load))
     result = write_results(config, cells, repeats, steps, bootstrap, final=True)
     result.ran = ran
     say(f"done: {result.ok} of {len(cells)} cells ok; {out_dir / RESULTS_MD}")
@@ -409,13 +402,6 @@ def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, 
     if isinstance(share, (int, float)) and cell.strategy != "reference":
         text += f", comm share {100 * share:.1f} %"
     return f"{head}{text} ({outcome.wall_s:.0f} s){guard}"
-
-
-def _tqdm_write(line: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(line)
-    sys.stdout.flush()
 
 
 # ---- the bucket-size prediction ------------------------------------------------------------------------

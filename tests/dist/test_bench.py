@@ -101,7 +101,7 @@ class FakeRunner:
 
 
 def run_fake(config: SweepConfig, runner, **kwargs) -> object:
-    return run_sweep(config, runner=runner, layout=CPU_LAYOUT, progress=False, log=lambda line: None, **kwargs)
+    return run_sweep(config, runner=runner, layout=CPU_LAYOUT, log=lambda line: None, **kwargs)
 
 
 # ---- configuration ----------------------------------------------------------------------------------------
