@@ -27,8 +27,6 @@ from lightning_ddp.files import write_json_atomically
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 from lightning_ddp.provenance import COMMIT_VARIABLE
 
-__all__ = ["STAGES", "Stage", "StageResult", "StudyContext"]
-
 DOCS = "../../../docs/gpu.md"
 """docs/gpu.md from results.md in ``benchmarks/results/gpu-<h100|h200>/``, where the recipe puts it."""
 
