@@ -139,8 +139,7 @@ def _read_result(log_dir: Path, name: str) -> FitResult | None:
 
 
 def fits(plan_path: str) -> int:
-    """Run the fits of the plan file ``plan_path`` (written by ``run_fits``) in this process, one after another: the
-    launcher's command line after ``python -m lightning_ddp``, through the CLI's ``main``."""
+    """Run the fits of the plan ``run_fits`` wrote, one after another in this process, through the CLI's ``main``."""
     from lightning_ddp.cli import main as cli_main
 
     plan = json.loads(Path(plan_path).read_text())
