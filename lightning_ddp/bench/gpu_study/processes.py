@@ -198,9 +198,8 @@ def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
 
 def first_that_fits(candidates: list[int], attempt: Callable[[int], dict[str, Any]], after_oom: Callable[[], None],
                     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """``attempt(batch)`` for each candidate until one does not run out of memory: its result (or None) and every
-    attempt as ``{"batch", "status"}`` (``ok`` or ``oom``); any other error propagates. ``after_oom`` runs once the
-    failed attempt's exception, and with it every tensor its frames held, is gone."""
+    """``attempt(batch)`` per candidate until one does not run out of memory (other errors propagate): its result (or
+    None) and every ``{"batch", "status": ok|oom}``; ``after_oom`` runs once the failed attempt's tensors are gone."""
     attempts: list[dict[str, Any]] = []
     for batch in candidates:
         try:
