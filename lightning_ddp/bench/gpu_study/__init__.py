@@ -10,8 +10,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["DRY_RUN_SCALE", "GPU_SCALE", "GPUStudyConfig", "Scale"]
-
 
 @dataclass(frozen=True)
 class Scale:

@@ -30,8 +30,6 @@ from lightning_ddp.files import write_json_atomically
 from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import package_version
 
-__all__ = ["FitResult", "FitSpec", "SaveFinalWeights", "batch_candidates", "first_that_fits", "measure", "run_fits"]
-
 RESULT_FILE = "fit_result.json"
 
 
@@ -68,9 +66,8 @@ class FitResult:
 
 def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: float, cwd: str | None = None,
              env: dict[str, str] | None = None, threads: int | None = None) -> list[FitResult]:
-    """Run ``specs`` (unique names) on ``ranks`` processes sharing one device, all within ``timeout_s``; one
-    ``FitResult`` per spec, in order. Each fit logs to ``out_dir/<name>/``, the processes to ``out_dir/_processes/``;
-    ``threads``: ``OMP_NUM_THREADS`` per process (None: unset)."""
+    """One ``FitResult`` per spec (unique names), in order, run on ``ranks`` processes sharing one device within
+    ``timeout_s``, logged to ``out_dir/<name>/`` (the processes: ``out_dir/_processes/``); ``threads``: per process."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"fit names must be unique (each is a directory), got {names}")
@@ -142,8 +139,7 @@ def _read_result(log_dir: Path, name: str) -> FitResult | None:
 
 
 def fits(plan_path: str) -> int:
-    """Run the fits of the plan file ``plan_path`` (written by ``run_fits``) in this process, one after another: the
-    launcher's command line after ``python -m lightning_ddp``, through the CLI's ``main``."""
+    """Run the fits of the plan ``run_fits`` wrote, one after another in this process, through the CLI's ``main``."""
     from lightning_ddp.cli import main as cli_main
 
     plan = json.loads(Path(plan_path).read_text())
@@ -175,11 +171,8 @@ def fits(plan_path: str) -> int:
 
 
 class SaveFinalWeights(Callback):
-    """At the end of fit, rank 0 saves the LightningModule's whole ``state_dict`` (on the CPU) to ``path``, gathered
-    by the strategy as for a checkpoint; read it with ``torch.load(path, weights_only=True)``.
-
-    ``--trainer.callbacks+=lightning_ddp.bench.gpu_study.processes.SaveFinalWeights --trainer.callbacks.path FILE``
-    """
+    """At the end of fit, rank 0 saves the module's whole ``state_dict`` (gathered as for a checkpoint, on the CPU) to
+    ``path`` (``--trainer.callbacks.path FILE``); read it with ``torch.load(path, weights_only=True)``."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -205,9 +198,8 @@ def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
 
 def first_that_fits(candidates: list[int], attempt: Callable[[int], dict[str, Any]], after_oom: Callable[[], None],
                     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """``attempt(batch)`` for each candidate until one does not run out of memory: its result (or None) and every
-    attempt as ``{"batch", "status"}`` (``ok`` or ``oom``); any other error propagates. ``after_oom`` runs once the
-    failed attempt's exception, and with it every tensor its frames held, is gone."""
+    """``attempt(batch)`` per candidate until one does not run out of memory (other errors propagate): its result (or
+    None) and every ``{"batch", "status": ok|oom}``; ``after_oom`` runs once the failed attempt's tensors are gone."""
     attempts: list[dict[str, Any]] = []
     for batch in candidates:
         try:
@@ -285,10 +277,9 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
         if cuda:
             torch.cuda.empty_cache()
 
-    def attempt(batch: int) -> dict[str, Any]:
-        return _timed_steps(model, optimizer, where, batch, seq_len, precision, steps, warmup)
-
-    results, attempts = first_that_fits(batch_candidates(proposed), attempt, free)
+    results, attempts = first_that_fits(
+        batch_candidates(proposed),
+        lambda batch: _timed_steps(model, optimizer, where, batch, seq_len, precision, steps, warmup), free)
     dtype, peak = _peak_flops(where, precision)
     out: dict[str, Any] = {
         "preset": preset, "precision": precision, "seq_len": seq_len, "device": str(where),
@@ -334,29 +325,26 @@ def _gpu(index: int) -> dict[str, Any]:
             "hardware_table": None if spec is None else dataclasses.asdict(spec)}
 
 
+def _or_none(read: Callable[[], Any]) -> Any:
+    """``read()``, or None where the machine cannot say (no nvidia-smi, a build without NCCL, ...)."""
+    try:
+        return read()
+    except (AttributeError, IndexError, OSError, RuntimeError, TypeError, subprocess.SubprocessError):
+        return None
+
+
 def _cuda_versions() -> dict[str, Any]:
     """The NVIDIA driver, the CUDA driver API (e.g. 12040 for CUDA 12.4), cuDNN and NCCL; None where unknown."""
-    versions: dict[str, Any] = {"nvidia_driver": None, "cudnn": torch.backends.cudnn.version()}
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        versions["nvidia_driver"] = smi.stdout.split()[0] if smi.returncode == 0 and smi.stdout.split() else None
-    except (OSError, subprocess.TimeoutExpired):  # no nvidia-smi
-        pass
-    try:
-        versions["cuda_driver_api"] = torch._C._cuda_getDriverVersion()
-    except (AttributeError, RuntimeError):
-        versions["cuda_driver_api"] = None
-    try:
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))  # (2, 21, 5)
-    except (AttributeError, RuntimeError, TypeError):  # a build without NCCL
-        versions["nccl"] = None
-    return versions
+    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    return {"nvidia_driver": _or_none(lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20,
+                                                             check=True).stdout.split()[0]),
+            "cuda_driver_api": _or_none(lambda: torch._C._cuda_getDriverVersion()),
+            "cudnn": torch.backends.cudnn.version(),
+            "nccl": _or_none(lambda: ".".join(map(str, torch.cuda.nccl.version())))}  # (2, 21, 5) -> 2.21.5
 
 
 def environment(out: str, device: str = "cuda") -> int:
-    """Describe the machine for ``device`` (``cuda``: every visible GPU; ``cpu``, a dry run's: the host only) and
-    write it to ``out`` (JSON; its folder does not make the tree dirty)."""
+    """Write the machine to ``out`` (JSON): for ``cuda`` every visible GPU, for ``cpu`` (a dry run) the host only."""
     from lightning_ddp.bench.study import provenance
     from lightning_ddp.memory import memory_budget_bytes
 

@@ -27,8 +27,6 @@ from lightning_ddp.files import write_json_atomically
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 from lightning_ddp.provenance import COMMIT_VARIABLE
 
-__all__ = ["STAGES", "Stage", "StageResult", "StudyContext"]
-
 DOCS = "../../../docs/gpu.md"
 """docs/gpu.md from results.md in ``benchmarks/results/gpu-<h100|h200>/``, where the recipe puts it."""
 
@@ -149,8 +147,7 @@ class Stage:
 
 def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps: int, warmup: int, strategy: str,
              precision: str | None = None, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The CLI arguments (after ``fit``) of one fit on the study's device, every step timed: ``ranks`` ranks share
-    it over gloo; ``strategy`` is a catalogue name, or the study's one-process ``reference``."""
+    """The arguments after ``fit`` of one fit on the study's device, every step timed; ``ranks`` share it over gloo."""
     return (
         "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
         "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
@@ -184,12 +181,8 @@ def published(batch: int = 0, seq_len: int = 0) -> Cell:
     return cell
 
 
-def _status(row: dict[str, Any], data: dict[str, Any]) -> str:
-    """A row's status, with its error (a sweep row's ``reason``) unless it is ``ok``."""
-    return "ok" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('error') or row.get('reason')}"
-
-
-STATUS = ("status", _status, "")
+STATUS = ("status", lambda row, data: "ok" if row.get("status") == "ok"
+          else f"{row.get('status')}: {row.get('error') or row.get('reason')}", "")  # a sweep row's error: reason
 
 
 # ---- the stages -----------------------------------------------------------------------------------------------

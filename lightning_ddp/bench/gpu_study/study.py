@@ -19,12 +19,10 @@ from typing import Any, Callable, Sequence
 
 from lightning_ddp.bench.gpu_study import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.stages import DOCS, STAGES, Stage, StageResult, StudyContext, Table
-from lightning_ddp.bench.study import markdown_table, read_json, write_outputs
+from lightning_ddp.bench.study import read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.projection.tables import markdown_table
 from lightning_ddp.provenance import git_state, repo_relative
-
-__all__ = ["DONE", "build_report", "cuda_available", "plan_calls", "repository_root", "run_study", "select_files",
-           "write_archive"]
 
 DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
 """The statuses that leave nothing to do (``complete`` in stages.json); ``--resume true`` runs every other again."""
@@ -208,20 +206,9 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
 # ---- results.md: each stage's caption and tables over its <name>.json -------------------------------------------
 
 
-def cell(value: Any, spec: str = "") -> str:
-    """A value as results.md shows it: ``–`` for none, ``GiB`` for bytes in GiB, else ``format(value, spec)``."""
-    if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
-        return "–"
-    if spec == "GiB" and isinstance(value, (int, float)):
-        return f"{value / 2**30:.1f}"
-    try:
-        return format(value, spec)
-    except (TypeError, ValueError):  # e.g. "not recorded" where a number was expected
-        return str(value)
-
-
-class _Caption(string.Formatter):
-    """``str.format`` over a stage's data where a missing field shows as ``–``."""
+class _Cells(string.Formatter):
+    """How results.md shows a value: ``–`` for none, ``GiB`` for bytes in GiB, else ``format(value, spec)``; as a
+    ``str.format`` over a stage's data (its caption), a missing field shows as ``–``."""
 
     def get_field(self, field_name: str, args: Sequence[Any], kwargs: Any) -> Any:
         try:
@@ -230,7 +217,17 @@ class _Caption(string.Formatter):
             return None, field_name
 
     def format_field(self, value: Any, format_spec: str) -> str:
-        return cell(value, format_spec)
+        if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
+            return "–"
+        if format_spec == "GiB" and isinstance(value, (int, float)):
+            return f"{value / 2**30:.1f}"
+        try:
+            return format(value, format_spec)
+        except (TypeError, ValueError):  # e.g. "not recorded" where a number was expected
+            return str(value)
+
+
+cell = _Cells().format_field
 
 
 def _table(table: Table, data: dict[str, Any]) -> list[str]:
@@ -279,7 +276,7 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
             lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
             continue
         stage = specs[entry["name"]]
-        lines += [_Caption().format(stage.caption, **data)] if stage.caption else []
+        lines += [_Cells().format(stage.caption, **data)] if stage.caption else []
         lines += [line for table in stage.tables for line in _table(table, data)]
         if entry.get("problems"):
             lines += ["", "Problems:", *[f"- {p}" for p in entry["problems"][:20]]]
