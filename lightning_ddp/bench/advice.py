@@ -12,12 +12,11 @@ from typing import Any
 from lightning_ddp import catalogue
 from lightning_ddp.advice import advise, read_run
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.single import (
-    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
-)
 from lightning_ddp.bench.stats import estimate, ratio_estimate
-from lightning_ddp.bench.study import load_average, per_repeat, run_study, step_rows
-from lightning_ddp.command_line import parse_dataclass
+from lightning_ddp.bench.study import (
+    Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
+    run_study, step_rows, table, text_cell, write_results,
+)
 
 __all__ = ["AdviceBenchConfig", "main"]
 
@@ -104,7 +103,7 @@ def render_markdown(config: AdviceBenchConfig, rows: list[dict[str, Any]], comma
         f"Command: `{command}`", ""])
 
 
-def run_benchmark(config: AdviceBenchConfig, command: str) -> list[dict[str, Any]]:
+def run_benchmark(config: AdviceBenchConfig, command: str) -> None:
     """Advise on one fit per start, then measure every start and its advice interleaved; write the files."""
     starts = {start: _start_arguments(config, start) for start in config.starts}
     advice = {start: runs[0] for start, runs in run_study(starts, 1, _advice, timeout_s=config.timeout_s).items()}
@@ -114,13 +113,12 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> list[dict[str, Any
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
     rows = [summarize(config, start, advice[start], {key.split("|")[1]: runs for key, runs in measured.items()
                                                      if key.split("|")[0] == start}) for start in starts]
-    write_results(config, command, rows, COLUMNS, render_markdown(config, rows, command), advice=advice)
-    return rows
+    write_results(config, command, rows, COLUMNS, advice=advice)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    config = parse_dataclass(AdviceBenchConfig, argv, prog="python -m lightning_ddp.bench.advice")
-    return benchmark_main(config, "lightning_ddp.bench.advice", argv, run_benchmark, render_markdown)
+    return benchmark_main(AdviceBenchConfig, "lightning_ddp.bench.advice", argv, run_benchmark,
+                          csv_report(render_markdown))
 
 
 if __name__ == "__main__":

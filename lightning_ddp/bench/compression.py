@@ -18,15 +18,15 @@ import torch.distributed as dist
 from lightning_ddp import catalogue
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, run_ranks, table, text_cell
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    loss_curve, markdown_table, provenance, read_json, run_study, summary_medians, write_outputs,
+    Column, StudyConfig, benchmark_main, interval_cell, json_report, loss_curve, provenance, run_ranks, run_study,
+    summary_medians, table, text_cell, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings
-from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
+from lightning_ddp.projection.tables import markdown_table
 
 __all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant",
            "summarize"]
@@ -236,10 +236,12 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
     return out
 
 
-def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
-          names: list[str]) -> None:
+def _plot(result: dict[str, Any], out: Path) -> None:
+    """loss_curves.png: every run's loss curve, and each variant's per-step gradient error."""
     from matplotlib.figure import Figure
 
+    runs = {int(seed): r for seed, r in result["runs"].items()}
+    errors, names = result["gradient_errors"], list(result["variants"])
     fig = Figure(figsize=(12, 4.2), layout="constrained")
     ax_loss, ax_err = fig.subplots(1, 2)
     colors = {name: f"C{k}" for k, name in enumerate([BASELINE, *names])}
@@ -258,7 +260,7 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle("Lossy gradient communication against fp32: loss curves and per-step gradient error")
-    fig.savefig(path, dpi=110)
+    fig.savefig(out / "loss_curves.png", dpi=110)
 
 
 _COSTS = (("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
@@ -316,20 +318,8 @@ def _markdown(result: dict[str, Any]) -> str:
         "\"Compression benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", ""])
 
 
-def write_report(config: CompressionConfig) -> dict[str, Any]:
-    """results.md and loss_curves.png from ``out_dir``'s results.json; returns the results."""
-    out = Path(config.out_dir)
-    result = read_json(out / "results.json")
-    markdown = _markdown(result)
-    write_outputs(out, {"results.md": markdown})
-    _plot(out / "loss_curves.png", {int(seed): r for seed, r in result["runs"].items()}, result["gradient_errors"],
-          list(result["variants"]))
-    print(markdown)
-    return result
-
-
-def measure(config: CompressionConfig, command: str) -> dict[str, Any]:
-    """The fits and the gradient-error run; results.json, results.md and loss_curves.png in ``out_dir``."""
+def measure(config: CompressionConfig, command: str) -> None:
+    """The fits and the gradient-error run; results.json in ``out_dir``."""
     variants = variants_of(config)
     runs, commands = _train(config, variants)
     print("measuring the per-step gradient error ...", flush=True)
@@ -341,12 +331,11 @@ def measure(config: CompressionConfig, command: str) -> dict[str, Any]:
                         extra_args=config.fit_args, variants=variant_settings, summary=summary,
                         runs={str(seed): r for seed, r in runs.items()}, gradient_errors=errors)
     write_outputs(config.out_dir, {"results.json": result})
-    return write_report(config)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    config = parse_dataclass(CompressionConfig, argv, prog="python -m lightning_ddp.bench.compression")
-    return benchmark_main(config, "lightning_ddp.bench.compression", argv, measure, rebuild=write_report)
+    return benchmark_main(CompressionConfig, "lightning_ddp.bench.compression", argv, measure,
+                          json_report("results.json", "results.md", _markdown, _plot))
 
 
 if __name__ == "__main__":

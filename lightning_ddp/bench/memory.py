@@ -1,6 +1,6 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family beside ``lightning_ddp.memory``'s analytic figures: the measurement, the summary per mode with
-the goals' verdicts, results.md and the plot (docs/benchmarks.md, "Memory benchmark").
+data-parallel family beside ``lightning_ddp.memory``'s analytic figures, with the goals' verdicts and a plot
+(docs/benchmarks.md, "Memory benchmark").
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ import torch.distributed as dist
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.config import strategy_with_memory_model
-from lightning_ddp.bench.engine_step import forward_backward
+from lightning_ddp.bench.engine_step import (
+    InProcessConfig, all_reduced, random_tokens, seeded_model, sync, timed_step,
+)
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table
-from lightning_ddp.bench.study import provenance, read_json, write_outputs
+from lightning_ddp.bench.study import BenchConfig, Column, benchmark_main, json_report, provenance, run_ranks, table
+from lightning_ddp.bench.study import write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
+from lightning_ddp.model import PRESETS
 
-__all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "parse_config", "run",
-           "sent_bytes_per_rank", "summarise_modes", "write_memory_plot", "write_report"]
+__all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "run", "sent_bytes_per_rank",
+           "summarise_modes", "write_memory_plot"]
 
 TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
@@ -61,10 +64,10 @@ PLOT_NAME = "memory_vs_step_time.png"
 
 
 @dataclass
-class MemoryBenchConfig(BenchConfig):
+class MemoryBenchConfig(InProcessConfig):
     """Per-rank memory (parameters, gradients, optimizer state, rest) and step time of the data-parallel family."""
 
-    repeats: int = 1
+    repeats: Literal[1] = 1
     """Must be 1: one run per mode."""
     steps: int = 12
     """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
@@ -74,23 +77,19 @@ class MemoryBenchConfig(BenchConfig):
     """Seed of the model's initial weights, of the random tokens and of the bootstrap."""
     out_dir: str = "logs/memory"
     """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
-    preset: str = "small"
-    """Model size by name (``lightning_ddp.model.PRESETS``): tiny, small, medium, large, xl, 2.7b."""
-    vocab_size: int = 10_000
-    """Vocabulary size of the model (and the range of the random tokens)."""
+    preset: Literal[tuple(PRESETS)] = "small"  # type: ignore[valid-type]
+    """Model size by name (``lightning_ddp.model.PRESETS``)."""
     batch_size: int = 2
     """Sequences per rank and step."""
-    seq_len: int = 64
-    """Tokens per sequence (also the model's context length)."""
     devices: int = 2
     """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
     """Process-group backend; default (null) gloo on CPU, NCCL on CUDA."""
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[Literal[MODES]] = field(default_factory=lambda: list(MODES))  # type: ignore[valid-type]
     """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
-    grad_sync: str = catalogue.DEFAULT_ENGINE
+    grad_sync: Literal[tuple(catalogue.names(engines_only=True))] = catalogue.DEFAULT_ENGINE  # type: ignore
     """The engine that all-reduces gradients for unsharded and allreduce_broadcast (a catalogue engine name)."""
     bucket_size_mb: Optional[float] = 25.0
     """Bucket cap in MiB of a ``grad_sync`` algorithm with buckets (null: one bucket); ignored by the others."""
@@ -103,32 +102,16 @@ class MemoryBenchConfig(BenchConfig):
     may stay in a later one's RSS."""
 
     def __post_init__(self) -> None:
-        from lightning_ddp.model import PRESETS
-
         super().__post_init__()
-        if self.repeats != 1:
-            raise ValueError(f"repeats must be 1 (one run per mode), got {self.repeats}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} "
-                             "(--preset)")
-        for name in ("vocab_size", "batch_size", "seq_len", "devices"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} (--{name})")
-        if self.warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}: the first step allocates the "
-                             "optimizer state (--warmup_steps 2)")
-        if self.steps < self.warmup_steps + 2:
-            raise ValueError(f"steps must be >= warmup_steps + 2 = {self.warmup_steps + 2}, got {self.steps}: the "
-                             f"step-time interval needs at least 2 measured steps (--steps {self.warmup_steps + 10})")
-        unknown = [m for m in self.modes if m not in MODES]
-        if unknown or not self.modes:
-            raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
+        if self.devices < 1 or not self.modes:
+            raise ValueError(f"devices must be >= 1 and modes not empty, got {self.devices} and {self.modes}")
+        if not 1 <= self.warmup_steps <= self.steps - 2:
+            raise ValueError(f"warmup_steps must be >= 1 (the first step allocates the optimizer state) and steps "
+                             f">= warmup_steps + 2 = {self.warmup_steps + 2} (2 measured steps), got "
+                             f"{self.warmup_steps} and {self.steps}")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
         self.backend = self.backend or ("nccl" if self.accelerator == "cuda" else "gloo")
-        if self.grad_sync not in catalogue.names(engines_only=True):
-            raise ValueError(f"{self.grad_sync!r} is not one of our engines; choose from "
-                             f"{', '.join(catalogue.names(engines_only=True))} (--grad_sync)")
 
 
 def _current_rss_bytes() -> int | None:
@@ -218,21 +201,18 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
 
 def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Module:
     """The seeded GPT on ``device``, after freeing what the previous mode left (and resetting the CUDA peak)."""
-    from lightning_ddp.model import GPT, get_config
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(config.seed)
-    return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
+    return seeded_model(config, config.seed, device)
 
 
 def _take(snapshots: dict[str, Any], point: str, snapshot: Callable[[], dict[str, Any]],
           device: torch.device) -> float:
     """``snapshots[point] = snapshot()``; returns the seconds it took (left out of the step's time). The CUDA peak
     restarts after it, so the next snapshot's ``max_allocated`` is what happened in between."""
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     snapshots[point] = snapshot()
     if device.type == "cuda":
@@ -243,34 +223,21 @@ def _take(snapshots: dict[str, Any], point: str, snapshot: Callable[[], dict[str
 def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
                rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any) -> tuple[dict, list, Any]:
     """``config.steps`` steps on random tokens: the snapshots (set-up, and around the last step's ``step()``),
-    every step's ms, max over ranks (the slowest rank sets the pace), and the last step's record of collectives
-    (``recorder`` given)."""
-    _sync(device)
+    every step's ms, max over ranks, and the last step's record of collectives (``recorder`` given)."""
+    sync(device)
     snapshots = {"setup": snapshot()}
     generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
     step_ms: list[float] = []
     record = None
     for step in range(config.steps):
-        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
-        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        tokens = tokens.to(device)
+        tokens = random_tokens(config, generator).to(device)
         if recorder is not None:
             recorder.open_step(step)
         last = step == config.steps - 1
-        _sync(device)
-        start = time.perf_counter()
-        forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
-        paused = _take(snapshots, "before_step", snapshot, device) if last else 0.0
-        optimizer.step()
-        if last:
-            paused += _take(snapshots, "after_step", snapshot, device)
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        step_ms.append((time.perf_counter() - start - paused) * 1e3)
+        pause = (lambda point: _take(snapshots, point, snapshot, device)) if last else None
+        step_ms.append(timed_step(engine, optimizer, tokens, pause)[0])
         record = recorder.finish_step() if recorder is not None else None
-    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return snapshots, times.tolist(), record
+    return snapshots, all_reduced(step_ms, device=device), record
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
@@ -310,11 +277,6 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         result["expected_transient"] = result["expected_gradient_peak"] - result["expected"]["gradients"]
     del engine, optimizer, model
     return result
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes: list[str]) -> list[Any] | None:
@@ -543,12 +505,11 @@ def format_report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(config: MemoryBenchConfig) -> dict[str, Any]:
-    """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
+def run(config: MemoryBenchConfig, command: str = "") -> None:
+    """Spawn the ranks, measure every mode, write ``results.json``."""
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
         raise ValueError(f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
                          "lower --devices or use --accelerator cpu")
-    out_dir = Path(config.out_dir)
     # Fresh processes per mode: memory an earlier mode freed may stay with the allocator (glibc keeps freed heap
     # pages), which would show up in the next mode's RSS.
     batches = [[mode] for mode in config.modes] if config.separate_processes else [list(config.modes)]
@@ -559,41 +520,21 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
         per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     cuda = config.accelerator == "cuda" and torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
-    # results.json's environment: the study's provenance, the device, CPUs and backend
     environment = provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
                              cuda=torch.version.cuda if cuda else None, backend=config.backend,
                              world_size=config.devices)
     results = {"config": asdict(config), "environment": environment,
                "modes": summarise_modes(asdict(config), per_mode)}
     results["family"] = family_summary(results)
-    write_outputs(out_dir, {"results.json": results})
-    return write_report(results, out_dir)
-
-
-def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """results.md and the plot from ``results`` (what results.json holds); returns ``results``."""
-    report = format_report(results)
-    write_outputs(out_dir, {"results.md": report})
-    write_memory_plot(results, out_dir / PLOT_NAME)
-    print(report, flush=True)
-    return results
-
-
-def _rebuild(config: MemoryBenchConfig) -> dict[str, Any]:
-    return write_report(read_json(Path(config.out_dir) / "results.json"), Path(config.out_dir))
-
-
-def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
-    from lightning_ddp.command_line import parse_dataclass
-
-    return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")
+    write_outputs(config.out_dir, {"results.json": results})
 
 
 def main(args: list[str] | None = None) -> int:
     """The benchmark (``report_only``: results.md and the plot from ``out_dir``'s results.json); 1 where a mode's
     measured tensors differ from the expectation."""
-    results = benchmark_main(parse_config(args), "lightning_ddp.bench.memory", args,
-                             lambda config, command: run(config), rebuild=_rebuild)
+    report = json_report("results.json", "results.md", format_report,
+                         lambda results, out: write_memory_plot(results, out / PLOT_NAME))
+    results = benchmark_main(MemoryBenchConfig, "lightning_ddp.bench.memory", args, run, report)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.single import (
-    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
-)
 from lightning_ddp.bench.stats import Estimate, estimate, verdict
-from lightning_ddp.bench.study import csv_text, load_average, per_repeat, run_study, step_rows
-from lightning_ddp.command_line import parse_dataclass
+from lightning_ddp.bench.study import (
+    Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
+    run_study, step_rows, table, text_cell, write_results,
+)
+from lightning_ddp.projection.tables import csv_text
 
 __all__ = ["StragglerBenchConfig", "main", "summarize_cell"]
 
@@ -145,9 +145,9 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
         f"Command: `{command}`", ""])
 
 
-def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
-    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv rows,
-    per strategy delay 0 first: the control every other delay is compared with."""
+def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
+    """Every (strategy, delay) ``repeats`` times, interleaved; results.csv (per strategy delay 0 first: the control
+    of the others), steps.csv and environment.json in ``config.out_dir``."""
     delays = sorted(set(config.delays_ms))
     cells = {f"{strategy}, delay {delay:g} ms": _fit_arguments(config, strategy, delay)
              for strategy in config.strategies for delay in delays}
@@ -164,14 +164,12 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, 
                   for (strategy, delay), repeats in runs.items() for repeat, steps in enumerate(repeats)
                   for row in steps]
     step_columns = list(dict.fromkeys(key for row in step_table for key in row))
-    write_results(config, command, rows, COLUMNS, render_markdown(config, rows, command),
-                  {"steps.csv": csv_text(step_table, step_columns, digits=4)})
-    return rows
+    write_results(config, command, rows, COLUMNS, {"steps.csv": csv_text(step_table, step_columns, digits=4)})
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    config = parse_dataclass(StragglerBenchConfig, argv, prog="python -m lightning_ddp.bench.straggler")
-    return benchmark_main(config, "lightning_ddp.bench.straggler", argv, run_benchmark, render_markdown)
+    return benchmark_main(StragglerBenchConfig, "lightning_ddp.bench.straggler", argv, run_benchmark,
+                          csv_report(render_markdown))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, table, text_cell
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
-from lightning_ddp.bench.study import provenance, read_json, run_study, write_outputs
-from lightning_ddp.command_line import parse_dataclass
+from lightning_ddp.bench.study import (
+    Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance, run_study, table, text_cell,
+    write_outputs,
+)
 
 
 class StepWallTimes(Callback):
@@ -84,9 +85,8 @@ def arms(sampled_every: int) -> dict[str, list[str]]:
     }
 
 
-def measure(config: TimerOverheadConfig, command: str) -> dict:
-    """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) with the settings, written with
-    its report to ``out_dir``."""
+def measure(config: TimerOverheadConfig, command: str) -> None:
+    """Every arm's fit ``repeats`` times, interleaved; timer_overhead.json (``summarize``, the settings)."""
     cells = {f"timer {arm}": [
         "--config", config.fit_config, *config.fit_args, "--trainer.max_steps", str(config.steps),
         "--trainer.enable_progress_bar", "false", *timer_args,
@@ -103,7 +103,6 @@ def measure(config: TimerOverheadConfig, command: str) -> dict:
                         config=asdict(config), repeats=config.repeats, steps=config.steps,
                         warmup=config.warmup_steps, command=command)
     write_outputs(config.out_dir, {"timer_overhead.json": result})
-    return write_report(config)
 
 
 GOAL = 0.02
@@ -142,28 +141,19 @@ def format_table(result: dict) -> str:
     return "\n".join(table(columns, [{"arm": arm, **data} for arm, data in result["arms"].items()]))
 
 
-def summary_line(result: dict) -> str:
-    """One line: the every-step arm's overhead with its interval and verdict, and over whole runs."""
+def _markdown(result: dict) -> str:
+    """timer_overhead.md: the every-step arm's overhead in one line, the table, the command."""
     return (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
             f"{result['overhead_lo'] * 100:+.2f}, {result['overhead_hi'] * 100:+.2f}] (median step "
             f"{result['median_step_ms_timer_off']:.1f} ms off, {result['median_step_ms_timer_on']:.1f} ms on; goal < "
             f"{GOAL:.0%}: {result['verdict']}); over whole runs {result['window_overhead'] * 100:+.2f} % "
             f"({result['window_mean_step_ms_timer_off']:.1f} vs {result['window_mean_step_ms_timer_on']:.1f} ms mean "
-            "step)")
-
-
-def write_report(config: TimerOverheadConfig) -> dict:
-    """timer_overhead.md from ``out_dir``'s timer_overhead.json; returns the result."""
-    result = read_json(Path(config.out_dir) / "timer_overhead.json")
-    write_outputs(config.out_dir, {"timer_overhead.md": f"{summary_line(result)}\n\n{format_table(result)}\n\n"
-                                                        f"Command: `{result['command']}`\n"})
-    return result
+            f"step)\n\n{format_table(result)}\n\nCommand: `{result['command']}`\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = parse_dataclass(TimerOverheadConfig, argv, prog="python -m lightning_ddp.bench.timer_overhead")
-    return benchmark_main(config, "lightning_ddp.bench.timer_overhead", argv, measure,
-                          lambda _, result, __: summary_line(result) + "\n" + format_table(result), write_report)
+    return benchmark_main(TimerOverheadConfig, "lightning_ddp.bench.timer_overhead", argv, measure,
+                          json_report("timer_overhead.json", "timer_overhead.md", _markdown))
 
 
 if __name__ == "__main__":

@@ -131,7 +131,8 @@ def test_the_command_writes_advice_json_and_md(tmp_path: Path, capsys: pytest.Ca
 
 def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
     from lightning_ddp.bench import advice as bench
-    from lightning_ddp.bench.study import csv_text, write_outputs
+    from lightning_ddp.bench.study import write_outputs
+    from lightning_ddp.projection.tables import csv_text
     from lightning_ddp.command_line import parse_dataclass
 
     config = parse_dataclass(bench.AdviceBenchConfig, ["--config", str(REPO / "configs/advice/cpu.yaml")],

@@ -22,8 +22,9 @@ from typing import Any, Callable, Sequence
 
 from lightning_ddp.bench.gpu_study.config import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
 from lightning_ddp.bench.gpu_study.stages import DOCS, STAGES, Stage, StageResult, StudyContext, Table
-from lightning_ddp.bench.study import markdown_table, read_json, write_outputs
+from lightning_ddp.bench.study import read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
+from lightning_ddp.projection.tables import markdown_table
 from lightning_ddp.provenance import git_state, repo_relative
 
 __all__ = ["DONE", "build_report", "cuda_available", "plan_calls", "repository_root", "run_study", "select_files",
