@@ -1,7 +1,5 @@
-"""``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
-
-Each lossy engine with buckets (or ``--variants '[NAME:setting=value,...]'``) against exact bucketed fp32 averaging:
-real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
+"""``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves, against exact
+fp32 averaging: real fits per seed (loss, bytes, step time) and the per-step gradient error (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -9,7 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -20,16 +18,13 @@ from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    Column, StudyConfig, benchmark_main, interval_cell, json_report, loss_curve, provenance, run_ranks, run_study,
-    summary_medians, table, text_cell, write_outputs,
+    NO_VALIDATION, Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve,
+    provenance, run_ranks, run_study, summary_medians, table, text_cell, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.projection.tables import markdown_table
-
-__all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant",
-           "summarize"]
 
 BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
@@ -68,11 +63,6 @@ def _lossy() -> list[str]:
     return [e.name for e in catalogue.STRATEGIES.values() if e.is_engine and not e.exact and e.has_bucket_size]
 
 
-def default_variants() -> list[Variant]:
-    """Every lossy engine with buckets, at its engine's defaults (catalogue order)."""
-    return [Variant(name) for name in _lossy()]
-
-
 @dataclass
 class CompressionConfig(StudyConfig):
     """What ``python -m lightning_ddp.bench.compression`` runs: per seed one fit of fp32 and of every variant, and
@@ -85,7 +75,7 @@ class CompressionConfig(StudyConfig):
     ``bucketed_powersgd_ddp:rank=4,start_iter=10``); default: every lossy engine with buckets at its defaults."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """One fp32 run and one run per variant per seed (``seed_everything``): the seeds are the repeats."""
-    repeats: int = 1
+    repeats: Literal[1] = 1
     """Must be 1: the seeds repeat the runs."""
     text: str = "README.md"
     """The text file (raw bytes) of the gradient-error run."""
@@ -102,8 +92,6 @@ class CompressionConfig(StudyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.repeats != 1:
-            raise ValueError(f"repeats must be 1 (the seeds repeat the runs), got {self.repeats}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeats a seed; give distinct seeds, e.g. --seeds '[0, 1, 2]'")
         if not 1 <= self.last <= self.steps:
@@ -113,8 +101,8 @@ class CompressionConfig(StudyConfig):
 
 
 def variants_of(config: CompressionConfig) -> list[Variant]:
-    """``config.variants`` parsed (``parse_variant``), or every default."""
-    return [parse_variant(v) for v in config.variants] if config.variants else default_variants()
+    """``config.variants`` parsed (``parse_variant``), or every lossy engine with buckets at its defaults."""
+    return [parse_variant(v) for v in config.variants] if config.variants else [Variant(name) for name in _lossy()]
 
 
 _MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
@@ -126,12 +114,8 @@ def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict
     by ``"<name>, seed <seed>"``."""
     runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
     cells = {f"{name}, seed {seed}": [
-        "--config", args.fit_config, *args.fit_args, "--seed_everything", str(seed),
-        "--trainer.strategy", strategy_argument(algorithm, None, args.bucket_size_mb, settings),
-        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false",
-        "--timer.warmup_steps", str(args.warmup_steps),
-        # loss and step time only: no validation between the timed steps
-        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
+        *fit_arguments_of(args, strategy_argument(algorithm, None, args.bucket_size_mb, settings)),
+        "--seed_everything", str(seed), "--timer.every_n_steps", "1", *NO_VALIDATION,
     ] for seed in args.seeds for name, algorithm, settings in runs_of}
     # per run: its loss curve and its step time, exposed comm and bytes (medians)
     measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)},

@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from jsonargparse.typing import PositiveInt
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
@@ -21,9 +22,6 @@ from lightning_ddp.bench.study import (
 )
 from lightning_ddp.model import GPT, PRESETS, get_config
 
-__all__ = ["EngineStepConfig", "InProcessConfig", "forward_backward", "main", "parse_variant", "random_tokens",
-           "seeded_model", "timed_step"]
-
 
 @dataclass
 class InProcessConfig(BenchConfig):
@@ -31,18 +29,12 @@ class InProcessConfig(BenchConfig):
 
     preset: Literal[tuple(PRESETS)] = "tiny"  # type: ignore[valid-type]
     """Model size by name (``lightning_ddp.model.PRESETS``)."""
-    vocab_size: int = 10_000
+    vocab_size: PositiveInt = 10_000
     """Vocabulary size of the model (and the range of the random tokens)."""
-    batch_size: int = 4
+    batch_size: PositiveInt = 4
     """Sequences per rank and step."""
-    seq_len: int = 64
+    seq_len: PositiveInt = 64
     """Tokens per sequence (also the model's context length)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("vocab_size", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} (--{name})")
 
 
 def seeded_model(config: InProcessConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
@@ -90,11 +82,7 @@ def parse_variant(text: str) -> tuple[str, float | str | None]:
     (('bucketed_ddp', 0.25), ('naive_ddp', None), ('bucketed_ddp', 'auto'))
     """
     name, _, size = text.partition("@")
-    if not size:
-        return name, None
-    if size in ("auto", "none"):
-        return name, "auto" if size == "auto" else "none"
-    return name, float(size)
+    return name, size if size in ("auto", "none") else float(size) if size else None
 
 
 def forward_backward(engine: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+from jsonargparse.typing import PositiveInt
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.config import strategy_with_memory_model
@@ -25,14 +26,10 @@ from lightning_ddp.bench.engine_step import (
     InProcessConfig, all_reduced, random_tokens, seeded_model, sync, timed_step,
 )
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.study import BenchConfig, Column, benchmark_main, json_report, provenance, run_ranks, table
-from lightning_ddp.bench.study import write_outputs
+from lightning_ddp.bench.study import Column, benchmark_main, json_report, provenance, run_ranks, table, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 from lightning_ddp.model import PRESETS
-
-__all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "run", "sent_bytes_per_rank",
-           "summarise_modes", "write_memory_plot"]
 
 TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
@@ -41,8 +38,8 @@ FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its cat
 
 
 class Mode(NamedTuple):
-    """A measured mode: its report label, its optimizer (a ``ShardedOptimizer`` schedule; None: plain AdamW) and
-    what each rank sends per step with bandwidth-optimal collectives, in one-way passes of the parameters' bytes."""
+    """A mode's label, its ``ShardedOptimizer`` schedule (None: AdamW) and the one-way passes of the parameters'
+    bytes each rank sends per step (bandwidth-optimal collectives)."""
 
     label: str
     schedule: Optional[str]
@@ -79,9 +76,9 @@ class MemoryBenchConfig(InProcessConfig):
     """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
     preset: Literal[tuple(PRESETS)] = "small"  # type: ignore[valid-type]
     """Model size by name (``lightning_ddp.model.PRESETS``)."""
-    batch_size: int = 2
+    batch_size: PositiveInt = 2
     """Sequences per rank and step."""
-    devices: int = 2
+    devices: PositiveInt = 2
     """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
@@ -103,8 +100,8 @@ class MemoryBenchConfig(InProcessConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.devices < 1 or not self.modes:
-            raise ValueError(f"devices must be >= 1 and modes not empty, got {self.devices} and {self.modes}")
+        if not self.modes:
+            raise ValueError("modes is empty; e.g. --modes '[unsharded, zero2]'")
         if not 1 <= self.warmup_steps <= self.steps - 2:
             raise ValueError(f"warmup_steps must be >= 1 (the first step allocates the optimizer state) and steps "
                              f">= warmup_steps + 2 = {self.warmup_steps + 2} (2 measured steps), got "
@@ -159,12 +156,10 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
     return snap
 
 
-def _peak_rss_bytes() -> int | None:
-    """The process's peak resident set size so far (``getrusage``; Linux reports KiB); None where unavailable."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not POSIX
-        return None
+def _peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (``getrusage``; Linux reports KiB)."""
+    import resource
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) * (1 if sys.platform == "darwin" else 1024)  # macOS reports bytes
 
@@ -289,9 +284,7 @@ def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes:
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md): a
-    reduce-scatter, an all-gather or the N per-owner broadcasts/reduces send (N - 1) / N of them, an all-reduce
-    twice that."""
+    """Bytes each rank sends per step by the ring model (docs/algorithms.md): (N - 1) / N per one-way pass."""
     return MODE_TABLE[mode].one_ways * (world_size - 1) / world_size * param_bytes
 
 
@@ -301,14 +294,8 @@ def _largest(values: Iterable[int | None]) -> int | None:
     return max(present) if present else None
 
 
-def _bootstrap(config: dict[str, Any]) -> tuple[int, int]:
-    """The bootstrap's samples and seed of a recorded config (results.json before ``bootstrap_samples``: 2000)."""
-    return config.get("bootstrap_samples", BenchConfig.bootstrap_samples), config.get("seed", 0)
-
-
 def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``config["modes"][m]``);
-    docs/benchmarks.md lists what it holds."""
+    """One summary per mode (docs/benchmarks.md) from ``per_mode[m][r]``, rank ``r``'s result in mode ``m``."""
     summaries = []
     for mode, ranks in zip(config["modes"], per_mode):
         matches = True
@@ -327,11 +314,10 @@ def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]
                                      for snap in entry["snapshots"].values())
             entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
         summary = {"mode": mode, "ranks": ranks, "warmup_steps": config["warmup_steps"]}
-        step = estimate([_measured_steps(summary)], *_bootstrap(config), key=mode)
-        full_parameters = ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"])
+        step = estimate([_measured_steps(summary)], config["bootstrap_samples"], config["seed"], key=mode)
+        sent = sent_bytes_per_rank(ranks[0]["full_parameter_bytes"], config["devices"], mode)
         summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
-                          "matches_expected": matches,
-                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, config["devices"], mode)})
+                          "matches_expected": matches, "sent_bytes_per_rank": sent})
     return summaries
 
 
@@ -343,12 +329,11 @@ def _most_loaded(mode: dict[str, Any], key: str) -> int | None:
 
 def _measured_steps(mode: dict[str, Any]) -> list[float]:
     """Rank 0's step times (already the max over ranks) after the warm-up."""
-    return mode["ranks"][0]["step_ms"][mode.get("warmup_steps", 1):]
+    return mode["ranks"][0]["step_ms"][mode["warmup_steps"]:]
 
 
 def family_summary(results: dict[str, Any]) -> dict[str, Any]:
-    """The data-parallel family's table (``rows``: one per measured mode, the most loaded rank's bytes, measured and
-    expected) and the goals (``goals``), from ``results`` with ``config`` and summarised ``modes``."""
+    """The family's ``rows`` (per mode, the most loaded rank's bytes, measured and expected) and its ``goals``."""
     config = results["config"]
     modes = {m["mode"]: m for m in results["modes"]}
     rows = []
@@ -360,8 +345,8 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
         row["peak"] = _most_loaded(mode, "peak")
         row["expected_peak"] = max(r["expected_peak"] for r in mode["ranks"])
         if ZERO1 in modes:
-            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], *_bootstrap(config),
-                                   keys=(name, ZERO1))
+            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])],
+                                   config["bootstrap_samples"], config["seed"], keys=(name, ZERO1))
             row["step_ratio_to_zero1"] = asdict(ratio)
         rows.append(row)
     return {"rows": rows, "goals": _goals(config, modes, {row["mode"]: row for row in rows})}
@@ -440,8 +425,8 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
                     fmt="o", capsize=4, label=row["label"])
         ax.annotate(row["label"], (step["point"], peak / MiB), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.set_xlabel("step time, ms (median, 95 % interval)")
-    ax.set_ylabel("peak memory per rank, MiB" + (" (max allocated)" if config["accelerator"] == "cuda"
-                                                 else " (peak RSS)"))
+    cuda = config["accelerator"] == "cuda"
+    ax.set_ylabel("peak memory per rank, MiB" + (" (max allocated)" if cuda else " (peak RSS)"))
     ax.set_title(f"{config['preset']}, {config['devices']} ranks, {config['accelerator']}")
     ax.grid(alpha=0.3)
     buffer = io.BytesIO()
@@ -469,7 +454,7 @@ def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
         "",
         f"## {mode['mode']}",
         "",
-        f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
+        f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode['warmup_steps'] + 1}.."
         f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
         f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
         f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
@@ -494,7 +479,7 @@ def format_report(results: dict[str, Any]) -> str:
         "## The data-parallel family",
         "",
         f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
-        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
+        f"{config['warmup_steps'] + 1}..{config['steps']} (max over ranks) [95 % interval].",
         "",
         *table(FAMILY_COLUMNS, family["rows"]),
         "",

@@ -357,6 +357,10 @@ class StudyConfig(BenchConfig):
     """Seconds per run before it is killed and the benchmark fails."""
 
 
+NO_VALIDATION = ["--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0"]
+"""Fit arguments keeping validation out of the timed steps."""
+
+
 def fit_arguments_of(config: StudyConfig, strategy: str) -> list[str]:
     """A fit of ``fit_config`` and ``fit_args`` with ``strategy``, ``steps`` long, ``warmup_steps`` left out."""
     return ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,

@@ -1,6 +1,5 @@
-"""What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every Nth step,
-alternated in one command (``python -m lightning_ddp.bench.timer_overhead --fit_config configs/quickstart.yaml``);
-docs/benchmarks.md says how the step times are taken.
+"""``python -m lightning_ddp.bench.timer_overhead``: what the CommTimer costs, the same fit with the timer off, on
+every step and on every Nth step, alternated (docs/benchmarks.md, "Timer overhead").
 """
 
 from __future__ import annotations
@@ -16,19 +15,18 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
 from lightning_ddp.bench.study import (
-    Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance, run_study, table, text_cell,
-    write_outputs,
+    NO_VALIDATION, Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance, run_study, table,
+    text_cell, write_outputs,
 )
 
 
 class StepWallTimes(Callback):
     """Rank 0 writes the host time between consecutive training-batch ends (ms) and the whole window's time after
-    one final synchronize as JSON to ``path`` (default: ``FILE`` in the trainer's log directory)."""
+    one final synchronize to ``FILE`` in the trainer's log directory."""
 
     FILE = "step_wall_times.json"
 
-    def __init__(self, path: str | None = None) -> None:
-        self.path = path
+    def __init__(self) -> None:
         self.times_ms: list[float] = []
         self._first: float | None = None
         self._last: float | None = None
@@ -46,8 +44,8 @@ class StepWallTimes(Callback):
             torch.cuda.synchronize()  # once: the queued tail belongs to the window
         if trainer.is_global_zero and self._first is not None and self.times_ms:
             window_ms = (time.perf_counter() - self._first) * 1e3
-            path = Path(self.path or Path(trainer.log_dir) / self.FILE)
-            path.write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
+            measured = {"steps_ms": self.times_ms, "window_ms": window_ms}
+            (Path(trainer.log_dir) / self.FILE).write_text(json.dumps(measured))
 
 
 EVERY_STEP = "every step"
@@ -65,8 +63,7 @@ class TimerOverheadConfig(StudyConfig):
     warmup_steps: int = 5
     """Steps per run left out of the median."""
     sampled_every: int = 50
-    """The sampled arm's ``--timer.every_n_steps`` (Lightning's default ``log_every_n_steps``; run at least twice
-    as many steps)."""
+    """The sampled arm's ``--timer.every_n_steps`` (>= 2; run at least twice as many steps)."""
     out_dir: str = "logs/timer_overhead"
     """Where timer_overhead.json and .md go (logs/ is git-ignored)."""
 
@@ -89,9 +86,7 @@ def measure(config: TimerOverheadConfig, command: str) -> None:
     """Every arm's fit ``repeats`` times, interleaved; timer_overhead.json (``summarize``, the settings)."""
     cells = {f"timer {arm}": [
         "--config", config.fit_config, *config.fit_args, "--trainer.max_steps", str(config.steps),
-        "--trainer.enable_progress_bar", "false", *timer_args,
-        # No validation inside the measured window (the quickstart validates at step 40).
-        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false", *timer_args, *NO_VALIDATION,  # the quickstart validates at step 40
         "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
     ] for arm, timer_args in arms(config.sampled_every).items()}
     logs = run_study(cells, config.repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()),
@@ -111,9 +106,8 @@ GOAL = 0.02
 
 def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]], samples: int = 2000,
               seed: int = 0) -> dict:
-    """Per arm other than ``off`` (under ``arms``; the ``every step`` arm's also at the top level): its overhead
-    ``median(arm) / median(off) - 1`` with a 95 % interval and its verdict against the 2 % goal, and the same ratio
-    of the whole runs' mean steps (``windows``, no interval)."""
+    """Per arm (under ``arms``; the every-step arm's also at the top level), against ``off``: the overhead of the
+    median step [95 %] with its verdict, and of the whole runs' mean step (``windows``)."""
     per_arm: dict[str, dict] = {}
     for arm, steps in runs.items():  # off first: every other arm is divided by it
         mean = statistics.mean(windows[arm])

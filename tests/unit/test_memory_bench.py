@@ -123,7 +123,8 @@ def _results(step_ms: dict[str, list[float]], zero2_grads: int = PARAMS // 2, bu
                  for r in range(2)] for mode in modes]
     config = {"preset": "tiny", "devices": 2, "accelerator": "cpu", "batch_size": 1, "seq_len": 8,
               "steps": len(next(iter(step_ms.values()))), "warmup_steps": 2, "grad_sync": "bucketed",
-              "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0, "modes": list(modes)}
+              "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0, "modes": list(modes),
+              "bootstrap_samples": 2000}
     environment = {"torch": "2.x", "device": "cpu", "cpu_count": 2, "backend": "gloo"}
     return {"config": config, "environment": environment,
             "modes": summarise_modes(config, per_mode)}
