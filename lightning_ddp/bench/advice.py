@@ -18,15 +18,6 @@ from lightning_ddp.bench.study import (
     run_study, step_rows, table, text_cell, write_results,
 )
 
-__all__ = ["AdviceBenchConfig", "main"]
-
-COLUMNS: tuple[str, ...] = (
-    "start", "verdict", "applied", "predicted_ms", "predicted_lo", "predicted_hi", "start_ms", "start_lo", "start_hi",
-    "applied_ms", "applied_lo", "applied_hi", "error", "predicted_gain", "gain", "gain_lo", "gain_hi",
-    "within_tolerance", "not_slower", "load_avg_1m",
-)
-"""results.csv's columns: per start, the verdict, the step predicted and measured [95 %], the gains."""
-
 
 @dataclass
 class AdviceBenchConfig(StudyConfig):
@@ -61,7 +52,7 @@ def _advice(log_dir: Path) -> dict[str, Any]:
 
 
 def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], runs: dict[str, list]) -> dict[str, Any]:
-    """results.csv's row of one start from its advice and the step rows of its start and applied runs."""
+    """results.csv's row (its columns in order) of one start from its advice and its start and applied runs."""
     def measured(key: str):
         return estimate(per_repeat(runs[key], "step/time_ms"), config.bootstrap_samples, config.seed, f"{start}|{key}")
 
@@ -113,7 +104,7 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> None:
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
     rows = [summarize(config, start, advice[start], {key.split("|")[1]: runs for key, runs in measured.items()
                                                      if key.split("|")[0] == start}) for start in starts]
-    write_results(config, command, rows, COLUMNS, advice=advice)
+    write_results(config, command, rows, list(rows[0]), advice=advice)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
