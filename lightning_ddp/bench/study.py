@@ -61,8 +61,7 @@ def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[
 
 
 def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
-    """Every (cell, repeat) in the order a study runs them: repeat 0 of every cell, then repeat 1, ... (a slow drift
-    of the machine hits every cell alike)."""
+    """Every (cell, repeat): repeat 0 of every cell, then repeat 1, ... (a slow drift hits every cell alike)."""
     cells = list(cells)
     return [(cell, k) for k in range(repeats) for cell in cells]
 
@@ -172,11 +171,6 @@ def _typed(text: str) -> Any:
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """A results.csv's rows: booleans, numbers and text as written, empty cells as ``None``."""
     return [{key: _typed(value) for key, value in row.items()} for row in read_csv(path)]
-
-
-def command_text(module: str, argv: Sequence[str] | None) -> str:
-    """``python -m <module> <arguments>``: how a result was made (``argv`` None: this process's arguments)."""
-    return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
 def provenance(out: str | os.PathLike | None = None, **extra: Any) -> dict[str, Any]:
@@ -370,8 +364,7 @@ def fit_arguments_of(config: StudyConfig, strategy: str) -> list[str]:
 
 def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]], columns: Sequence[str],
                   files: Mapping[str, str] | None = None, **recorded: Any) -> None:
-    """results.csv (``columns``, 4 digits), ``files`` and environment.json (provenance, the command line, the config
-    and ``recorded``) into ``config.out_dir``: what ``csv_report`` rebuilds the report from."""
+    """results.csv (4 digits), ``files`` and environment.json (provenance, command, config, ``recorded``)."""
     write_outputs(config.out_dir, {
         "results.csv": csv_text(rows, columns, digits=4), **(files or {}),
         "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config), **recorded),
@@ -416,7 +409,7 @@ def benchmark_main(config_type: type[C], module: str, argv: list[str] | None, me
     its markdown, returns its result."""
     config = parse_dataclass(config_type, argv, prog=f"python -m {module}")
     if not config.report_only:
-        measure(config, command_text(module, argv))
+        measure(config, f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
     result, markdown = report(config)
     print(markdown, flush=True)
     return result
