@@ -290,8 +290,7 @@ def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
 
 def _largest(values: Iterable[int | None]) -> int | None:
     """The largest of the values that are not None (None if none is)."""
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
+    return max((v for v in values if v is not None), default=None)
 
 
 def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
