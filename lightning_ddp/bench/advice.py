@@ -12,10 +12,10 @@ from typing import Any
 from lightning_ddp import catalogue
 from lightning_ddp.advice import advise, read_run
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.stats import estimate, ratio_estimate
+from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate
 from lightning_ddp.bench.study import (
     Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
-    run_study, step_rows, table, text_cell, write_results,
+    run_study, step_rows, table, text_cell, with_interval, write_results,
 )
 
 
@@ -53,21 +53,19 @@ def _advice(log_dir: Path) -> dict[str, Any]:
 
 def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], runs: dict[str, list]) -> dict[str, Any]:
     """results.csv's row (its columns in order) of one start from its advice and its start and applied runs."""
-    def measured(key: str):
-        return estimate(per_repeat(runs[key], "step/time_ms"), config.bootstrap_samples, config.seed, f"{start}|{key}")
-
-    first, after = measured("start"), measured("applied" if advice["fit_args"] else "start")
+    steps = {key: per_repeat(runs[key], "step/time_ms") for key in runs}
+    applied = "applied" if advice["fit_args"] else "start"
+    first, after = (estimate(steps[key], config.bootstrap_samples, config.seed, f"{start}|{key}")
+                    for key in ("start", applied))
+    gain = ratio_estimate(steps["start"], steps[applied], config.bootstrap_samples, config.seed,
+                          (f"{start}|start", f"{start}|applied"))
     predicted = advice["predicted"]
-    gain = ratio_estimate(per_repeat(runs["start"], "step/time_ms"),
-                          per_repeat(runs["applied" if advice["fit_args"] else "start"], "step/time_ms"),
-                          config.bootstrap_samples, config.seed, (f"{start}|start", f"{start}|applied"))
     error = predicted[0] / after.point - 1
     return {"start": start, "verdict": advice["verdict"], "applied": advice["applied"] or "-",
-            "predicted_ms": predicted[0], "predicted_lo": predicted[1], "predicted_hi": predicted[2],
-            "start_ms": first.point, "start_lo": first.lo, "start_hi": first.hi,
-            "applied_ms": after.point, "applied_lo": after.lo, "applied_hi": after.hi, "error": error,
-            "predicted_gain": advice["step_ms"] / predicted[0] - 1, "gain": gain.point - 1, "gain_lo": gain.lo - 1,
-            "gain_hi": gain.hi - 1, "within_tolerance": abs(error) <= config.tolerance,
+            **with_interval("predicted", Estimate(*predicted), "predicted_ms"),
+            **with_interval("start", first, "start_ms"), **with_interval("applied", after, "applied_ms"),
+            "error": error, "predicted_gain": advice["step_ms"] / predicted[0] - 1,
+            **with_interval("gain", gain, shift=-1), "within_tolerance": abs(error) <= config.tolerance,
             "not_slower": not after.lo > first.hi, "load_avg_1m": load_average()}
 
 

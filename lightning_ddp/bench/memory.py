@@ -35,6 +35,8 @@ TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measu
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
 MiB = 2**20
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
+ENGINES = {"reduce_scatter": strategy_with_memory_model("zero1"), "zero2": strategy_with_memory_model("zero2")}
+"""The catalogue engine of each mode that has its own (the others: ``grad_sync``)."""
 
 
 class Mode(NamedTuple):
@@ -111,15 +113,6 @@ class MemoryBenchConfig(InProcessConfig):
         self.backend = self.backend or ("nccl" if self.accelerator == "cuda" else "gloo")
 
 
-def _current_rss_bytes() -> int | None:
-    """Resident set size now (Linux ``/proc/self/statm``); None elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
     """Bytes of distinct tensors (by data pointer), optionally only those on ``device``'s type."""
     distinct = {t.data_ptr(): t.nbytes for t in tensors
@@ -150,23 +143,21 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
                     reserved=torch.cuda.memory_reserved(device), max_reserved=torch.cuda.max_memory_reserved(device),
                     rest=allocated - on_device)
     else:
-        rss = _current_rss_bytes()
-        snap.update(rss=rss, rest=None if rss is None else rss - sum(snap[k] for k in TENSORS),
-                    max_rss=_peak_rss_bytes())
+        import resource
+
+        try:
+            with open("/proc/self/statm") as f:  # Linux: the resident pages now
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            rss = None
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB
+        snap.update(rss=rss, rest=None if rss is None else rss - sum(snap[k] for k in TENSORS), max_rss=int(peak))
     return snap
-
-
-def _peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (``getrusage``; Linux reports KiB)."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) * (1 if sys.platform == "darwin" else 1024)  # macOS reports bytes
 
 
 def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
     """The mode's engine (FSDP2: the sharded model itself) and optimizer, ours reporting collectives to ``recorder``."""
-    from lightning_ddp.sync import DeferredGradSync, ShardedOptimizer
+    from lightning_ddp.sync import ShardedOptimizer
 
     adamw = {"lr": config.lr, "weight_decay": config.weight_decay}
     if mode == FSDP2:
@@ -174,16 +165,8 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
 
         shard(model)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
-    if mode == "reduce_scatter":
-        engine = DeferredGradSync(model)
-    elif mode == "zero2":
-        from lightning_ddp.sync.zero2 import ZeRO2DDP
-
-        engine = ZeRO2DDP(model, bucket_size_mb=config.bucket_size_mb)
-    else:
-        algorithm = catalogue.get(config.grad_sync)
-        engine = algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size
-                                       else "default")
+    entry = catalogue.get(ENGINES.get(mode, config.grad_sync))
+    engine = entry.make_engine(model, bucket_size_mb=config.bucket_size_mb if entry.has_bucket_size else "default")
     engine.recorder = recorder
     schedule = MODE_TABLE[mode].schedule
     if schedule is None:
@@ -194,31 +177,20 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
     return engine, optimizer
 
 
-def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Module:
-    """The seeded GPT on ``device``, after freeing what the previous mode left (and resetting the CUDA peak)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    return seeded_model(config, config.seed, device)
-
-
-def _take(snapshots: dict[str, Any], point: str, snapshot: Callable[[], dict[str, Any]],
-          device: torch.device) -> float:
-    """``snapshots[point] = snapshot()``; returns the seconds it took (left out of the step's time). The CUDA peak
-    restarts after it, so the next snapshot's ``max_allocated`` is what happened in between."""
-    sync(device)
-    start = time.perf_counter()
-    snapshots[point] = snapshot()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return time.perf_counter() - start
-
-
 def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
                rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any) -> tuple[dict, list, Any]:
     """``config.steps`` steps on random tokens: the snapshots (set-up, and around the last step's ``step()``),
     every step's ms, max over ranks, and the last step's record of collectives (``recorder`` given)."""
+    def take(point: str) -> float:
+        """``snapshots[point]``; the seconds it took (left out of the step's time). The CUDA peak restarts after it,
+        so the next snapshot's ``max_allocated`` is what happened in between."""
+        sync(device)
+        start = time.perf_counter()
+        snapshots[point] = snapshot()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        return time.perf_counter() - start
+
     sync(device)
     snapshots = {"setup": snapshot()}
     generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
@@ -228,9 +200,7 @@ def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenc
         tokens = random_tokens(config, generator).to(device)
         if recorder is not None:
             recorder.open_step(step)
-        last = step == config.steps - 1
-        pause = (lambda point: _take(snapshots, point, snapshot, device)) if last else None
-        step_ms.append(timed_step(engine, optimizer, tokens, pause)[0])
+        step_ms.append(timed_step(engine, optimizer, tokens, take if step == config.steps - 1 else None)[0])
         record = recorder.finish_step() if recorder is not None else None
     return snapshots, all_reduced(step_ms, device=device), record
 
@@ -239,7 +209,11 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     from lightning_ddp.memory import zero2_gradient_peak_bytes
     from lightning_ddp.sync import Recorder
 
-    model = _fresh_model(config, device)
+    gc.collect()  # free what the previous mode left (and restart the CUDA peak)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = seeded_model(config, config.seed, device)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     num_params = sum(math.prod(s) for s in shapes)
     world_size = dist.get_world_size()

@@ -15,7 +15,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import Estimate, estimate, verdict
 from lightning_ddp.bench.study import (
     Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
-    run_study, step_rows, table, text_cell, write_results,
+    run_study, step_rows, table, text_cell, with_interval, write_results,
 )
 from lightning_ddp.projection.tables import csv_text
 
@@ -107,8 +107,7 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
         "load_avg_1m": load_average(),
     }
     for name, key in _INTERVALS:
-        value = estimates[key]
-        row.update({name: value.point, f"{name}_lo": value.lo, f"{name}_hi": value.hi})
+        row.update(with_interval(name, estimates[key]))
     _goals(config, row, estimates["comm/wait_ms"], control)
     return {column: row[column] for column in COLUMNS}
 

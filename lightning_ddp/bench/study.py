@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes, write_command
-from lightning_ddp.bench.stats import interval_text
+from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.projection.tables import csv_text, markdown_table
@@ -141,6 +141,11 @@ def loss_curve(log_dir: Path) -> list[float]:
         if "train/loss" in accumulator.Tags()["scalars"]:
             losses.update({event.step: event.value for event in accumulator.Scalars("train/loss")})
     return [losses[step] for step in sorted(losses)]
+
+
+def with_interval(name: str, value: Estimate, point: str = "", shift: float = 0.0) -> dict[str, float]:
+    """``{point or name: point, name_lo: lo, name_hi: hi}`` of an estimate, each plus ``shift``."""
+    return {point or name: value.point + shift, f"{name}_lo": value.lo + shift, f"{name}_hi": value.hi + shift}
 
 
 def per_repeat(runs: Sequence[Sequence[Mapping[str, float]]], key: str) -> list[np.ndarray]:

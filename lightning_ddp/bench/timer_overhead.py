@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
 from lightning_ddp.bench.study import (
     NO_VALIDATION, Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance, run_study, table,
-    text_cell, write_outputs,
+    text_cell, with_interval, write_outputs,
 )
 
 
@@ -115,8 +115,7 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
                         "steps_measured": sum(map(len, steps))}
         if arm != "off":
             ratio = ratio_estimate(steps, runs["off"], samples, seed=seed, keys=(f"timer {arm}", "timer off"))
-            per_arm[arm].update(overhead=ratio.point - 1, overhead_lo=ratio.lo - 1, overhead_hi=ratio.hi - 1,
-                                verdict=verdict(ratio, 1 + GOAL),
+            per_arm[arm].update(**with_interval("overhead", ratio, shift=-1), verdict=verdict(ratio, 1 + GOAL),
                                 window_overhead=mean / per_arm["off"]["window_mean_step_ms"] - 1)
     every = per_arm[EVERY_STEP]
     return {**{f"{key}_timer_{state}": per_arm[arm][key] for key in ("median_step_ms", "window_mean_step_ms")
