@@ -105,9 +105,7 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> None:
     write_results(config, command, rows, list(rows[0]), advice=advice)
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    return benchmark_main(AdviceBenchConfig, "lightning_ddp.bench.advice", argv, run_benchmark,
-                          csv_report(render_markdown))
+main = benchmark_main(AdviceBenchConfig, run_benchmark, csv_report(render_markdown))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
     NO_VALIDATION, Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve,
-    provenance, run_ranks, run_study, summary_medians, table, text_cell, write_outputs,
+    provenance, read_timing_summary, run_ranks, run_study, table, text_cell, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings
 from lightning_ddp.data import TextBytes
@@ -105,8 +105,11 @@ def variants_of(config: CompressionConfig) -> list[Variant]:
     return [parse_variant(v) for v in config.variants] if config.variants else [Variant(name) for name in _lossy()]
 
 
-_MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
-                            "bytes_per_step": "comm/bytes"})
+def _run_numbers(log_dir: Path) -> dict[str, Any]:
+    """A fit's loss curve and the medians of its step time, exposed comm and bytes (the CommTimer's summary)."""
+    summary = read_timing_summary(log_dir, required=True)["summary"]
+    medians = {"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms", "bytes_per_step": "comm/bytes"}
+    return {"loss": loss_curve(log_dir), **{name: summary[key]["median"] for name, key in medians.items()}}
 
 
 def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
@@ -117,9 +120,7 @@ def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict
         *fit_arguments_of(args, strategy_argument(algorithm, None, args.bucket_size_mb, settings)),
         "--seed_everything", str(seed), "--timer.every_n_steps", "1", *NO_VALIDATION,
     ] for seed in args.seeds for name, algorithm, settings in runs_of}
-    # per run: its loss curve and its step time, exposed comm and bytes (medians)
-    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)},
-                         timeout_s=args.timeout_s)
+    measured = run_study(cells, 1, _run_numbers, timeout_s=args.timeout_s)
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
 
@@ -317,9 +318,7 @@ def measure(config: CompressionConfig, command: str) -> None:
     write_outputs(config.out_dir, {"results.json": result})
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return benchmark_main(CompressionConfig, "lightning_ddp.bench.compression", argv, measure,
-                          json_report("results.json", "results.md", _markdown, _plot))
+main = benchmark_main(CompressionConfig, measure, json_report("results.json", "results.md", _markdown, _plot))
 
 
 if __name__ == "__main__":

@@ -184,9 +184,7 @@ def measure(config: EngineStepConfig, command: str) -> None:
         median_all_ms=statistics.median(all_steps))})
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return benchmark_main(EngineStepConfig, "lightning_ddp.bench.engine_step", argv, measure,
-                          json_report("engine_step.json", "engine_step.md", _markdown))
+main = benchmark_main(EngineStepConfig, measure, json_report("engine_step.json", "engine_step.md", _markdown))
 
 
 if __name__ == "__main__":

@@ -492,7 +492,7 @@ def main(args: list[str] | None = None) -> int:
     measured tensors differ from the expectation."""
     report = json_report("results.json", "results.md", format_report,
                          lambda results, out: write_memory_plot(results, out / PLOT_NAME))
-    results = benchmark_main(MemoryBenchConfig, "lightning_ddp.bench.memory", args, run, report)
+    results = benchmark_main(MemoryBenchConfig, run, report)(args)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 

@@ -155,9 +155,7 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
     write_results(config, command, rows, COLUMNS, {"steps.csv": csv_text(step_table, step_columns, digits=4)})
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    return benchmark_main(StragglerBenchConfig, "lightning_ddp.bench.straggler", argv, run_benchmark,
-                          csv_report(render_markdown))
+main = benchmark_main(StragglerBenchConfig, run_benchmark, csv_report(render_markdown))
 
 
 if __name__ == "__main__":

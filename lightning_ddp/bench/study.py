@@ -120,16 +120,6 @@ def step_rows(log_dir: Path) -> list[dict[str, float]]:
     return summary["steps"][summary["warmup_steps"]:]
 
 
-def summary_medians(keys: Mapping[str, str]) -> Callable[[Path], dict[str, float]]:
-    """A plug-in reading ``{name: summary[key]["median"]}`` from the CommTimer's summary of each run."""
-
-    def read(log_dir: Path) -> dict[str, float]:
-        timing = read_timing_summary(log_dir, required=True)
-        return {name: timing["summary"][key]["median"] for name, key in keys.items()}
-
-    return read
-
-
 def loss_curve(log_dir: Path) -> list[float]:
     """Rank 0's ``train/loss`` per logged step, from the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -278,15 +268,6 @@ def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
     return min(1.0, max(0.0, 1.0 - d_idle / d_total))
 
 
-def _sample_busy(seconds: float, reader: Callable[[], CpuTimes | None], sleep: Callable[[float], None]) -> float | None:
-    before = reader()
-    if before is None:
-        return None
-    sleep(seconds)
-    after = reader()
-    return None if after is None else busy_fraction(before, after)
-
-
 @dataclass(frozen=True)
 class LoadCheck:
     """What the guard saw before one repeat (repeats.csv's columns): the last busy fraction (``None``: not
@@ -303,10 +284,18 @@ def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,
                     clock: Callable[[], float] = time.monotonic) -> LoadCheck:
     """Sample the busy fraction over ``sample_s`` (0: guard off), and keep sampling while it is above ``threshold``,
     up to ``max_wait_s``; ``reader``, ``sleep`` and ``clock`` are injected by tests."""
-    fraction = _sample_busy(sample_s, reader, sleep) if sample_s > 0 else None
+    def sample() -> float | None:
+        before = reader()
+        if before is None:
+            return None
+        sleep(sample_s)
+        after = reader()
+        return None if after is None else busy_fraction(before, after)
+
+    fraction = sample() if sample_s > 0 else None
     start, waited = clock(), 0.0
     while fraction is not None and fraction > threshold and waited < max_wait_s:
-        latest = _sample_busy(sample_s, reader, sleep)
+        latest = sample()
         waited = clock() - start
         if latest is None:  # the file went away: stop waiting, keep what was seen
             break
@@ -407,14 +396,18 @@ def json_report(results: str, markdown: str, render: Callable[[dict[str, Any]], 
     return report
 
 
-def benchmark_main(config_type: type[C], module: str, argv: list[str] | None, measure: Callable[[C, str], Any],
-                   report: Callable[[C], tuple[Any, str]]) -> Any:
-    """``python -m <module>``, its ``config_type`` parsed with jsonargparse: ``measure(config, command)`` writes the
-    raw results into ``out_dir`` (skipped with ``report_only``), ``report(config)`` the report from them; prints
-    its markdown, returns its result."""
-    config = parse_dataclass(config_type, argv, prog=f"python -m {module}")
-    if not config.report_only:
-        measure(config, f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
-    result, markdown = report(config)
-    print(markdown, flush=True)
-    return result
+def benchmark_main(config_type: type[C], measure: Callable[[C, str], Any],
+                   report: Callable[[C], tuple[Any, str]]) -> Callable[[list[str] | None], Any]:
+    """The ``main(argv)`` of ``python -m <config_type's module>``: ``config_type`` parsed with jsonargparse,
+    ``measure(config, command)`` writes the raw results into ``out_dir`` (skipped with ``report_only``),
+    ``report(config)`` the report from them; prints its markdown, returns its result."""
+    def main(argv: list[str] | None = None) -> Any:
+        module = sys.modules[config_type.__module__].__spec__.name  # its name also when run as __main__
+        config = parse_dataclass(config_type, argv, prog=f"python -m {module}")
+        if not config.report_only:
+            measure(config, f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
+        result, markdown = report(config)
+        print(markdown, flush=True)
+        return result
+
+    return main

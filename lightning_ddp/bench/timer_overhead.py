@@ -144,9 +144,7 @@ def _markdown(result: dict) -> str:
             f"step)\n\n{format_table(result)}\n\nCommand: `{result['command']}`\n")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    return benchmark_main(TimerOverheadConfig, "lightning_ddp.bench.timer_overhead", argv, measure,
-                          json_report("timer_overhead.json", "timer_overhead.md", _markdown))
+main = benchmark_main(TimerOverheadConfig, measure, json_report("timer_overhead.json", "timer_overhead.md", _markdown))
 
 
 if __name__ == "__main__":
