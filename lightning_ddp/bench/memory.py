@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
+from typing import Any, Iterable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -177,34 +177,6 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
     return engine, optimizer
 
 
-def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
-               rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any) -> tuple[dict, list, Any]:
-    """``config.steps`` steps on random tokens: the snapshots (set-up, and around the last step's ``step()``),
-    every step's ms, max over ranks, and the last step's record of collectives (``recorder`` given)."""
-    def take(point: str) -> float:
-        """``snapshots[point]``; the seconds it took (left out of the step's time). The CUDA peak restarts after it,
-        so the next snapshot's ``max_allocated`` is what happened in between."""
-        sync(device)
-        start = time.perf_counter()
-        snapshots[point] = snapshot()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        return time.perf_counter() - start
-
-    sync(device)
-    snapshots = {"setup": snapshot()}
-    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
-    step_ms: list[float] = []
-    record = None
-    for step in range(config.steps):
-        tokens = random_tokens(config, generator).to(device)
-        if recorder is not None:
-            recorder.open_step(step)
-        step_ms.append(timed_step(engine, optimizer, tokens, take if step == config.steps - 1 else None)[0])
-        record = recorder.finish_step() if recorder is not None else None
-    return snapshots, all_reduced(step_ms, device=device), record
-
-
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
     from lightning_ddp.memory import zero2_gradient_peak_bytes
     from lightning_ddp.sync import Recorder
@@ -223,15 +195,35 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
     recorder = None if mode == FSDP2 else Recorder(device)
     engine, optimizer = _build_mode(mode, config, model, recorder)
-    snapshots, step_ms, record = _run_steps(engine, optimizer, config, device, rank,
-                                            lambda: _snapshot(model, optimizer, device), recorder)
+
+    def take(point: str) -> float:
+        """``snapshots[point]``; the seconds it took (left out of the step's time). The CUDA peak restarts after it,
+        so the next snapshot's ``max_allocated`` is what happened in between."""
+        sync(device)
+        start = time.perf_counter()
+        snapshots[point] = _snapshot(model, optimizer, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        return time.perf_counter() - start
+
+    sync(device)  # config.steps steps on random tokens, snapshots at set-up and around the last step's step()
+    snapshots = {"setup": _snapshot(model, optimizer, device)}
+    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
+    step_ms: list[float] = []
+    record = None
+    for step in range(config.steps):
+        tokens = random_tokens(config, generator).to(device)
+        if recorder is not None:
+            recorder.open_step(step)
+        step_ms.append(timed_step(engine, optimizer, tokens, take if step == config.steps - 1 else None)[0])
+        record = recorder.finish_step() if recorder is not None else None
     result = {
         "mode": mode,
         "rank": rank,
         "snapshots": snapshots,
         "expected": expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank),
         "full_parameter_bytes": FP32 * num_params,
-        "step_ms": step_ms,
+        "step_ms": all_reduced(step_ms, device=device),  # max over ranks
         "comm_bytes_recorded": None if record is None else record.nbytes,
         "comm_calls": None if record is None else len(record.collectives),
         "num_params": num_params,
@@ -244,7 +236,6 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         result["expected_gradient_peak"] = zero2_gradient_peak_bytes(shapes, world_size, rank, cap)
         # beyond the held shard, during backward: the buckets in flight and the one filling
         result["expected_transient"] = result["expected_gradient_peak"] - result["expected"]["gradients"]
-    del engine, optimizer, model
     return result
 
 
@@ -322,29 +313,23 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
                                    config["bootstrap_samples"], config["seed"], keys=(name, ZERO1))
             row["step_ratio_to_zero1"] = asdict(ratio)
         rows.append(row)
-    return {"rows": rows, "goals": _goals(config, modes, {row["mode"]: row for row in rows})}
-
-
-def _goals(config: dict[str, Any], modes: dict[str, dict[str, Any]],
-           rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The two goals' verdicts; the step goal reads ZeRO-2's row (its ratio to ZeRO-1 is bootstrapped there)."""
-    n = config["devices"]
+    # the two goals' verdicts; the step goal reads ZeRO-2's ratio to ZeRO-1, bootstrapped in its row
     gradients: dict[str, Any] = {"goal": "ZeRO-2 gradients per rank <= DDP's / N + one bucket",
                                  "verdict": "not measurable"}
     if "zero2" in modes and "unsharded" in modes:
         full = _most_loaded(modes["unsharded"], "gradients")
         cap = config.get("bucket_size_mb")
         bucket = full if cap is None else min(int(cap * MiB), full)  # null: one bucket of every gradient
-        target = full / n + bucket
+        target = full / config["devices"] + bucket
         measured = _most_loaded(modes["zero2"], "gradients")
         gradients.update(measured_MiB=measured / MiB, target_MiB=target / MiB,
                          verdict="met" if measured <= target else "missed")
     step: dict[str, Any] = {"goal": f"ZeRO-2 step time / ZeRO-1's ({ZERO1}) <= {STEP_GOAL:.2f}",
                             "verdict": "not measurable"}
     if "zero2" in modes and ZERO1 in modes:
-        ratio = rows["zero2"]["step_ratio_to_zero1"]
+        ratio = next(row for row in rows if row["mode"] == "zero2")["step_ratio_to_zero1"]
         step.update(ratio=ratio, target=STEP_GOAL, verdict=verdict((ratio["lo"], ratio["hi"]), STEP_GOAL))
-    return [gradients, step]
+    return {"rows": rows, "goals": [gradients, step]}
 
 
 def _mib(value: int | float | None) -> str:
@@ -413,29 +398,6 @@ PROCESS_MEMORY = {"cuda": {"allocated": "allocated", "max_allocated": "max alloc
 """The process-memory columns of a mode's table, per accelerator: snapshot key -> header."""
 
 
-def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """One mode's snapshots and the communication per step: a row per rank and point."""
-    rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
-             "tensors": sum(r["snapshots"][point][k] for k in TENSORS),
-             "expected": sum(r["expected_at"][point].values()), "comm": r["comm_bytes_recorded"]}
-            for r in mode["ranks"] for point in POINTS]
-    in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
-              **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
-    columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
-               *(Column(header, lambda row, k=key: _mib(row[k])) for key, header in in_mib.items())]
-    return [
-        "",
-        f"## {mode['mode']}",
-        "",
-        f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode['warmup_steps'] + 1}.."
-        f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
-        f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
-        f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
-        "",
-        *table(columns, rows),
-    ]
-
-
 def format_report(results: dict[str, Any]) -> str:
     """``results.md``: the family's table and goals, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
@@ -458,8 +420,26 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         *table(GOAL_COLUMNS, family["goals"]),
     ]
-    for mode in results["modes"]:
-        lines += _mode_lines(mode, config)
+    in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
+              **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
+    columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
+               *(Column(header, lambda row, k=key: _mib(row[k])) for key, header in in_mib.items())]
+    for mode in results["modes"]:  # its snapshots and the communication per step: a row per rank and point
+        rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
+                 "tensors": sum(r["snapshots"][point][k] for k in TENSORS),
+                 "expected": sum(r["expected_at"][point].values()), "comm": r["comm_bytes_recorded"]}
+                for r in mode["ranks"] for point in POINTS]
+        lines += [
+            "",
+            f"## {mode['mode']}",
+            "",
+            f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode['warmup_steps'] + 1}.."
+            f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
+            f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
+            f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
+            "",
+            *table(columns, rows),
+        ]
     return "\n".join(lines) + "\n"
 
 
