@@ -160,9 +160,10 @@ def _markdown(result: dict[str, Any]) -> str:
     return f"Command: `{result['command']}`\n\n" + "\n".join(table(columns, result["rows"])) + "\n"
 
 
-def _rows(measured: dict[str, Any], config: EngineStepConfig) -> list[dict[str, Any]]:
-    """Per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals."""
-    rows = []
+def measure(config: EngineStepConfig, command: str) -> None:
+    """Every variant's steps, rounds interleaved, on 2 ranks; engine_step.json in ``out_dir``."""
+    measured = run_ranks(2, _measure_ranks, config)
+    rows = []  # per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals
     for variant in config.variants:
         row: dict[str, Any] = {"variant": variant}
         for kind in ("wall", "cpu"):
@@ -172,15 +173,9 @@ def _rows(measured: dict[str, Any], config: EngineStepConfig) -> list[dict[str, 
             row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
                          "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
         rows.append(row)
-    return rows
-
-
-def measure(config: EngineStepConfig, command: str) -> None:
-    """Every variant's steps, rounds interleaved, on 2 ranks; engine_step.json in ``out_dir``."""
-    measured = run_ranks(2, _measure_ranks, config)
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
     write_outputs(config.out_dir, {"engine_step.json": provenance(
-        config.out_dir, command=command, config=asdict(config), rows=_rows(measured, config), times_ms=measured,
+        config.out_dir, command=command, config=asdict(config), rows=rows, times_ms=measured,
         median_all_ms=statistics.median(all_steps))})
 
 

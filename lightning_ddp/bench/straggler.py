@@ -12,7 +12,7 @@ import numpy as np
 from jsonargparse.typing import NonNegativeFloat, NonNegativeInt
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.stats import Estimate, estimate, verdict
+from lightning_ddp.bench.stats import estimate, verdict
 from lightning_ddp.bench.study import (
     Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
     run_study, step_rows, table, text_cell, with_interval, write_results,
@@ -71,26 +71,6 @@ def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float)
     return arguments
 
 
-def _goal_within(value: Estimate, lo: float, hi: float) -> str:
-    """met: the interval inside ``[lo, hi]``; missed: entirely outside; else inconclusive."""
-    ends = {verdict(value, hi), verdict((-value.hi, -value.lo), -lo)}  # below hi, and above lo
-    return "missed" if "missed" in ends else "met" if ends == {"met"} else "inconclusive"
-
-
-def _goals(config: StragglerBenchConfig, row: dict[str, Any], wait: Estimate, control: dict[str, Any] | None) -> None:
-    """The verdicts of one row, in place (docs/benchmarks.md states the goals)."""
-    delay_ms = row["delay_ms"]
-    if delay_ms == 0:
-        row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
-        return
-    row["wait_goal"] = _goal_within(wait, delay_ms - config.tolerance_ms, delay_ms + config.tolerance_ms)
-    row["straggler_goal"] = "met" if row["straggler_share"] >= config.straggler_share else "missed"
-    if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
-                                   for k in ("transfer_ms_lo", "transfer_ms_hi")):
-        inside = control["transfer_ms_lo"] <= row["transfer_ms"] <= control["transfer_ms_hi"]
-        row["transfer_goal"] = "met" if inside else "missed"
-
-
 def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float, runs: list[list[dict[str, float]]],
                    control: dict[str, Any] | None) -> dict[str, Any]:
     """The results.csv row of one (strategy, delay) from its runs' measured steps; ``control``: the same strategy's
@@ -98,18 +78,28 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
     estimates = {key: estimate(per_repeat(runs, key), config.bootstrap_samples, config.seed,
                                key=f"{strategy}|{delay_ms:g}|{key}") for key in KEYS}
     ranks = np.concatenate(per_repeat(runs, "straggler/rank")) if runs else np.array([])
-    row: dict[str, Any] = {
+    row: dict[str, Any] = {  # in COLUMNS' order
         "strategy": strategy, "delay_ms": delay_ms, "repeats_ok": len(runs), "measured_steps": sum(map(len, runs)),
+        **{k: v for name, key in _INTERVALS for k, v in with_interval(name, estimates[key]).items()},
         "rank_spread_ms": estimates["step/rank_spread_ms"].point, "step_ms": estimates["step/time_ms"].point,
         "exposed_ms": estimates["comm/exposed_ms"].point,
         "straggler_share": float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan,
         "wait_goal": "", "straggler_goal": "", "transfer_goal": "",
         "load_avg_1m": load_average(),
     }
-    for name, key in _INTERVALS:
-        row.update(with_interval(name, estimates[key]))
-    _goals(config, row, estimates["comm/wait_ms"], control)
-    return {column: row[column] for column in COLUMNS}
+    wait, tolerance = estimates["comm/wait_ms"], config.tolerance_ms  # the goals: docs/benchmarks.md
+    if delay_ms == 0:
+        row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
+        return row
+    # met: the interval inside delay +- tolerance (below its top, and above its bottom); missed: entirely outside
+    ends = {verdict(wait, delay_ms + tolerance), verdict((-wait.hi, -wait.lo), tolerance - delay_ms)}
+    row["wait_goal"] = "missed" if "missed" in ends else "met" if ends == {"met"} else "inconclusive"
+    row["straggler_goal"] = "met" if row["straggler_share"] >= config.straggler_share else "missed"
+    if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
+                                   for k in ("transfer_ms_lo", "transfer_ms_hi")):
+        inside = control["transfer_ms_lo"] <= row["transfer_ms"] <= control["transfer_ms_hi"]
+        row["transfer_goal"] = "met" if inside else "missed"
+    return row
 
 
 def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], command: str) -> str:

@@ -219,17 +219,17 @@ def table(columns: Sequence[Column], rows: Iterable[Any]) -> list[str]:
                           "".join(c.align for c in columns))
 
 
-def _text(value: Any, spec: str) -> str:
-    if value is None or value == "":
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return format(value, spec)
-
-
 def text_cell(name: str, spec: str = "") -> Callable[[Mapping[str, Any]], str]:
     """A cell writing ``row[name]`` in ``spec``: booleans as yes/no, ``-`` where it is missing or empty."""
-    return lambda row: _text(row.get(name), spec)
+    def cell(row: Mapping[str, Any]) -> str:
+        value = row.get(name)
+        if value is None or value == "":
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return format(value, spec)
+
+    return cell
 
 
 def interval_cell(name: str, spec: str = ",.1f", bounds: str = "", scale: float = 1.0,
