@@ -1,7 +1,5 @@
-"""``python -m lightning_ddp.bench.advice --config configs/advice/cpu.yaml``: is ``advise`` right? Per starting
-point: fit, advise, then the start and its top recommendation measured with interleaved repeats; predicted against
-measured step and gain, with intervals (docs/advice.md, "The check").
-"""
+"""``python -m lightning_ddp.bench.advice --config configs/advice/cpu.yaml``: is ``advise`` right? Per start, its
+advice's predicted step and gain against the measured ones, with intervals (docs/advice.md, "The check")."""
 
 from __future__ import annotations
 

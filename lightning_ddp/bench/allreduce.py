@@ -1,6 +1,5 @@
-"""The sweep's all-reduce microbenchmark job (``python -m lightning_ddp.bench.allreduce --out FILE``), started once
-on the cells' ranks: rank 0 writes the fitted per-call overhead and bandwidth as JSON (docs/benchmarks.md).
-"""
+"""The sweep's all-reduce microbenchmark job (``python -m lightning_ddp.bench.allreduce --out FILE``): rank 0
+writes the fitted per-call overhead and bandwidth as JSON (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

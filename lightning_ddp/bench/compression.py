@@ -1,6 +1,5 @@
-"""``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves, against exact
-fp32 averaging: real fits per seed (loss, bytes, step time) and the per-step gradient error (docs/benchmarks.md).
-"""
+"""``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves against exact
+fp32 averaging: fits per seed (loss, bytes, step time) and the per-step gradient error (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without
-Lightning (wall and CPU time per step, rounds interleaved; docs/benchmarks.md). Variants are ``ddp`` or
-``<engine>[@<bucket MiB>]``. Also the in-process benchmarks' model, random tokens and timed step.
-"""
+"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without Lightning
+(docs/benchmarks.md); also the in-process benchmarks' model, random tokens and timed step."""
 
 from __future__ import annotations
 

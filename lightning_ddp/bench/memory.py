@@ -1,7 +1,5 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family beside ``lightning_ddp.memory``'s analytic figures, with the goals' verdicts and a plot
-(docs/benchmarks.md, "Memory benchmark").
-"""
+data-parallel family beside ``lightning_ddp.memory``'s figures, with verdicts and a plot (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

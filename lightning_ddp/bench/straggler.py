@@ -1,6 +1,5 @@
 """``python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml``: does the CommTimer blame an
-injected straggler (``SlowRank``) for the right time? Per strategy and delay; docs/benchmarks.md states the goals.
-"""
+injected straggler (``SlowRank``) for the right time? Per strategy and delay; docs/benchmarks.md states the goals."""
 
 from __future__ import annotations
 

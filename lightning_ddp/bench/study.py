@@ -1,7 +1,5 @@
-"""The study pipeline every benchmark shares: cells (fit arguments) x interleaved repeats run by the one launcher,
-metric plug-ins reading the CommTimer's files, the load guard, the benchmarks' configs and main, and one way to
-write results (CSV, markdown tables, provenance); docs/benchmarks.md describes the benchmarks built on it.
-"""
+"""The study pipeline every benchmark shares: cells x interleaved repeats run by the one launcher, metric plug-ins,
+the load guard, the benchmarks' configs and main, and the results' writers (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

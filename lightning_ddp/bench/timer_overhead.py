@@ -1,6 +1,5 @@
 """``python -m lightning_ddp.bench.timer_overhead``: what the CommTimer costs, the same fit with the timer off, on
-every step and on every Nth step, alternated (docs/benchmarks.md, "Timer overhead").
-"""
+every step and on every Nth step, alternated (docs/benchmarks.md, "Timer overhead")."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from jsonargparse.typing import restricted_number_type
 from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
@@ -62,15 +62,10 @@ class TimerOverheadConfig(StudyConfig):
     """Optimizer steps per run (110: the every-50 arm measures steps 0, 50 and 100)."""
     warmup_steps: int = 5
     """Steps per run left out of the median."""
-    sampled_every: int = 50
-    """The sampled arm's ``--timer.every_n_steps`` (>= 2; run at least twice as many steps)."""
+    sampled_every: restricted_number_type("AtLeast2", int, (">=", 2)) = 50  # type: ignore[valid-type]
+    """The sampled arm's ``--timer.every_n_steps`` (>= 2: 1 is the every-step arm; run at least twice as many steps)."""
     out_dir: str = "logs/timer_overhead"
     """Where timer_overhead.json and .md go (logs/ is git-ignored)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.sampled_every < 2:
-            raise ValueError(f"sampled_every must be >= 2 (1 is the every-step arm already), got {self.sampled_every}")
 
 
 def arms(sampled_every: int) -> dict[str, list[str]]:
