@@ -26,11 +26,9 @@ def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal
         repeats: Timed calls per size (the median is kept).
         sizes: Message sizes in bytes, e.g. ``[4096,65536,1048576]``.
     """
+    torch_device = torch.device(device, int(os.environ.get("LOCAL_RANK", 0)) if device == "cuda" else None)
     if device == "cuda":
-        torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(torch_device)
-    else:
-        torch_device = torch.device("cpu")
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=5))
     try:
         times = measure_allreduce(sizes, repeats=repeats, device=torch_device)

@@ -146,12 +146,8 @@ def _error_rank(rank: int, world: int, args: CompressionConfig,
     params = [p for p in model.parameters() if p.requires_grad]
     # Each variant's engine on a copy of the model (bench code builds engines directly, settings and all); the
     # copy is loaded with the trained weights before every step, so it sees the same local gradients.
-    engines = {}
-    for variant in variants:
-        shadow = GPT(config)
-        engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
-                                                                **variant.settings)
-        engines[variant.name] = (shadow, engine)
+    engines = {v.name: catalogue.get(v.algorithm).make_engine(GPT(config), bucket_size_mb=args.bucket_size_mb,
+                                                              **v.settings) for v in variants}
     errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for step in range(args.steps):
         start = (step * world + rank) * args.batch_size
@@ -160,11 +156,11 @@ def _error_rank(rank: int, world: int, args: CompressionConfig,
         forward_backward(model, x, y)
         exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
         dist.all_reduce(exact)
-        for name, (shadow, engine) in engines.items():
-            shadow.load_state_dict(model.state_dict())
-            shadow.zero_grad(set_to_none=True)
+        for name, engine in engines.items():
+            engine.module.load_state_dict(model.state_dict())
+            engine.module.zero_grad(set_to_none=True)
             forward_backward(engine, x, y)
-            averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
+            averaged = torch.cat([p.grad.reshape(-1) for p in engine.module.parameters() if p.requires_grad])
             errors[name].append(gradient_error(exact, averaged))
         # train on the exact average: the trajectory is fp32 training's
         for p, average in zip(params, exact.split([p.numel() for p in params])):

@@ -126,11 +126,10 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
     """Every (strategy, delay) ``repeats`` times, interleaved; results.csv (per strategy delay 0 first: the control
     of the others), steps.csv and environment.json in ``config.out_dir``."""
     delays = sorted(set(config.delays_ms))
-    cells = {f"{strategy}, delay {delay:g} ms": _fit_arguments(config, strategy, delay)
-             for strategy in config.strategies for delay in delays}
+    names = {(strategy, delay): f"{strategy}, delay {delay:g} ms" for strategy in config.strategies for delay in delays}
+    cells = {name: _fit_arguments(config, *key) for key, name in names.items()}
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
-    runs = {(strategy, delay): measured[f"{strategy}, delay {delay:g} ms"]
-            for strategy in config.strategies for delay in delays}
+    runs = {key: measured[name] for key, name in names.items()}
     rows = []
     for strategy in config.strategies:
         control = None
