@@ -120,20 +120,16 @@ def all_reduced(values: list[float], op: Any = dist.ReduceOp.MAX, device: torch.
     return tensor.tolist()
 
 
-def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
-    name, size = parse_variant(variant)
-    if name == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
-    bucket = {} if size is None else {"bucket_size_mb": None if size == "none" else size}
-    return catalogue.get(name).make_engine(model, **bucket)
-
-
 def _measure_ranks(rank: int, world: int, args: EngineStepConfig) -> dict[str, dict[str, list[list[float]]]]:
     """Every variant's measured steps on this rank, per kind (wall, CPU) and variant: one list per round."""
     runs = {}
     for variant in args.variants:
         model = seeded_model(args, 0)
-        runs[variant] = (_build(variant, model), torch.optim.AdamW(model.parameters(), lr=1e-4))
+        name, size = parse_variant(variant)
+        bucket = {} if size is None else {"bucket_size_mb": None if size == "none" else size}
+        engine = (torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
+                  if name == "ddp" else catalogue.get(name).make_engine(model, **bucket))
+        runs[variant] = (engine, torch.optim.AdamW(model.parameters(), lr=1e-4))
     generator = torch.Generator().manual_seed(1000 + rank)
     measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
                                                          for kind in ("wall", "cpu")}

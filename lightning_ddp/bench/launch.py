@@ -238,11 +238,6 @@ def is_oom(text: str) -> bool:
 def error_line(text: str, limit: int = 300) -> str:
     """The last line of a process's output naming an error, else the last that is not traceback, code or a warning
     (``""``: none)."""
-    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if _ERROR_LINE.match(line):
-            return line[:limit]
-    for line in reversed(lines):
-        if not _NOISE.match(line):
-            return line[:limit]
-    return ""
+    lines = [line.rstrip() for line in reversed(text.splitlines()) if line.strip()]
+    line = next((line for line in lines if _ERROR_LINE.match(line)), None)
+    return (line or next((line for line in lines if not _NOISE.match(line)), ""))[:limit]
