@@ -195,8 +195,7 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     engine, optimizer = _build_mode(mode, config, model, recorder)
 
     def take(point: str) -> float:
-        """``snapshots[point]``; the seconds it took (left out of the step's time). The CUDA peak restarts after it,
-        so the next snapshot's ``max_allocated`` is what happened in between."""
+        """``snapshots[point]``, then the CUDA peak restarts; returns the seconds left out of the step's time."""
         sync(device)
         start = time.perf_counter()
         snapshots[point] = _snapshot(model, optimizer, device)
@@ -466,8 +465,7 @@ def run(config: MemoryBenchConfig, command: str = "") -> None:
 
 
 def main(args: list[str] | None = None) -> int:
-    """The benchmark (``report_only``: results.md and the plot from ``out_dir``'s results.json); 1 where a mode's
-    measured tensors differ from the expectation."""
+    """The benchmark's main; 1 where a mode's measured tensors differ from the expectation."""
     report = json_report("results.json", "results.md", format_report,
                          lambda results, out: write_memory_plot(results, out / PLOT_NAME))
     results = benchmark_main(MemoryBenchConfig, run, report)(args)
