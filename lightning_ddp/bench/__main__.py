@@ -11,17 +11,12 @@ from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.bench.config import SweepConfig
 
 
-def parse_config(args: list[str] | None = None) -> SweepConfig:
-    """The ``SweepConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
-    return parse_dataclass(SweepConfig, args, prog="python -m lightning_ddp.bench")
-
-
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through the runner, which kills the running cell's processes
 
 
 def main(args: list[str] | None = None) -> int:
-    config = parse_config(args)
+    config = parse_dataclass(SweepConfig, args, prog="python -m lightning_ddp.bench")
     from lightning_ddp.bench.sweep import run_sweep  # after parsing: --help stays fast
 
     signal.signal(signal.SIGTERM, _terminate)

@@ -1,7 +1,5 @@
-"""``python -m lightning_ddp.bench.advice --config configs/advice/cpu.yaml``: is ``advise`` right? Per starting
-point: fit, advise, then the start and its top recommendation measured with interleaved repeats; predicted against
-measured step and gain, with intervals (docs/advice.md, "The check").
-"""
+"""``python -m lightning_ddp.bench.advice --config configs/advice/cpu.yaml``: is ``advise`` right? Per start, its
+advice's predicted step and gain against the measured ones, with intervals (docs/advice.md, "The check")."""
 
 from __future__ import annotations
 
@@ -12,21 +10,11 @@ from typing import Any
 from lightning_ddp import catalogue
 from lightning_ddp.advice import advise, read_run
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.single import (
-    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
+from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate
+from lightning_ddp.bench.study import (
+    Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
+    run_study, step_rows, table, text_cell, with_interval, write_results,
 )
-from lightning_ddp.bench.stats import estimate, ratio_estimate
-from lightning_ddp.bench.study import load_average, per_repeat, run_study, step_rows
-from lightning_ddp.command_line import parse_dataclass
-
-__all__ = ["AdviceBenchConfig", "main"]
-
-COLUMNS: tuple[str, ...] = (
-    "start", "verdict", "applied", "predicted_ms", "predicted_lo", "predicted_hi", "start_ms", "start_lo", "start_hi",
-    "applied_ms", "applied_lo", "applied_hi", "error", "predicted_gain", "gain", "gain_lo", "gain_hi",
-    "within_tolerance", "not_slower", "load_avg_1m",
-)
-"""results.csv's columns: per start, the verdict, the step predicted and measured [95 %], the gains."""
 
 
 @dataclass
@@ -62,22 +50,20 @@ def _advice(log_dir: Path) -> dict[str, Any]:
 
 
 def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], runs: dict[str, list]) -> dict[str, Any]:
-    """results.csv's row of one start from its advice and the step rows of its start and applied runs."""
-    def measured(key: str):
-        return estimate(per_repeat(runs[key], "step/time_ms"), config.bootstrap_samples, config.seed, f"{start}|{key}")
-
-    first, after = measured("start"), measured("applied" if advice["fit_args"] else "start")
+    """results.csv's row (its columns in order) of one start from its advice and its start and applied runs."""
+    steps = {key: per_repeat(runs[key], "step/time_ms") for key in runs}
+    applied = "applied" if advice["fit_args"] else "start"
+    first, after = (estimate(steps[key], config.bootstrap_samples, config.seed, f"{start}|{key}")
+                    for key in ("start", applied))
+    gain = ratio_estimate(steps["start"], steps[applied], config.bootstrap_samples, config.seed,
+                          (f"{start}|start", f"{start}|applied"))
     predicted = advice["predicted"]
-    gain = ratio_estimate(per_repeat(runs["start"], "step/time_ms"),
-                          per_repeat(runs["applied" if advice["fit_args"] else "start"], "step/time_ms"),
-                          config.bootstrap_samples, config.seed, (f"{start}|start", f"{start}|applied"))
     error = predicted[0] / after.point - 1
     return {"start": start, "verdict": advice["verdict"], "applied": advice["applied"] or "-",
-            "predicted_ms": predicted[0], "predicted_lo": predicted[1], "predicted_hi": predicted[2],
-            "start_ms": first.point, "start_lo": first.lo, "start_hi": first.hi,
-            "applied_ms": after.point, "applied_lo": after.lo, "applied_hi": after.hi, "error": error,
-            "predicted_gain": advice["step_ms"] / predicted[0] - 1, "gain": gain.point - 1, "gain_lo": gain.lo - 1,
-            "gain_hi": gain.hi - 1, "within_tolerance": abs(error) <= config.tolerance,
+            **with_interval("predicted", Estimate(*predicted), "predicted_ms"),
+            **with_interval("start", first, "start_ms"), **with_interval("applied", after, "applied_ms"),
+            "error": error, "predicted_gain": advice["step_ms"] / predicted[0] - 1,
+            **with_interval("gain", gain, shift=-1), "within_tolerance": abs(error) <= config.tolerance,
             "not_slower": not after.lo > first.hi, "load_avg_1m": load_average()}
 
 
@@ -104,7 +90,7 @@ def render_markdown(config: AdviceBenchConfig, rows: list[dict[str, Any]], comma
         f"Command: `{command}`", ""])
 
 
-def run_benchmark(config: AdviceBenchConfig, command: str) -> list[dict[str, Any]]:
+def run_benchmark(config: AdviceBenchConfig, command: str) -> None:
     """Advise on one fit per start, then measure every start and its advice interleaved; write the files."""
     starts = {start: _start_arguments(config, start) for start in config.starts}
     advice = {start: runs[0] for start, runs in run_study(starts, 1, _advice, timeout_s=config.timeout_s).items()}
@@ -114,13 +100,10 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> list[dict[str, Any
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
     rows = [summarize(config, start, advice[start], {key.split("|")[1]: runs for key, runs in measured.items()
                                                      if key.split("|")[0] == start}) for start in starts]
-    write_results(config, command, rows, COLUMNS, render_markdown(config, rows, command), advice=advice)
-    return rows
+    write_results(config, command, rows, list(rows[0]), advice=advice)
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    config = parse_dataclass(AdviceBenchConfig, argv, prog="python -m lightning_ddp.bench.advice")
-    return benchmark_main(config, "lightning_ddp.bench.advice", argv, run_benchmark, render_markdown)
+main = benchmark_main(AdviceBenchConfig, run_benchmark, csv_report(render_markdown))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
-"""The sweep's all-reduce microbenchmark job (``python -m lightning_ddp.bench.allreduce --out FILE``), started once
-on the cells' ranks: rank 0 writes the fitted per-call overhead and bandwidth as JSON (docs/benchmarks.md).
-"""
+"""The sweep's all-reduce microbenchmark job (``python -m lightning_ddp.bench.allreduce --out FILE``): rank 0
+writes the fitted per-call overhead and bandwidth as JSON (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -27,11 +26,9 @@ def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal
         repeats: Timed calls per size (the median is kept).
         sizes: Message sizes in bytes, e.g. ``[4096,65536,1048576]``.
     """
+    torch_device = torch.device(device, int(os.environ.get("LOCAL_RANK", 0)) if device == "cuda" else None)
     if device == "cuda":
-        torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(torch_device)
-    else:
-        torch_device = torch.device("cpu")
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=5))
     try:
         times = measure_allreduce(sizes, repeats=repeats, device=torch_device)

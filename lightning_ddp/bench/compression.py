@@ -1,15 +1,12 @@
-"""``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves.
-
-Each lossy engine with buckets (or ``--variants '[NAME:setting=value,...]'``) against exact bucketed fp32 averaging:
-real fits per seed (loss, bytes, step time) and the per-step gradient error along one fp32 run (docs/benchmarks.md).
-"""
+"""``python -m lightning_ddp.bench.compression``: what lossy gradient communication costs and saves against exact
+fp32 averaging: fits per seed (loss, bytes, step time) and the per-step gradient error (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -18,18 +15,15 @@ import torch.distributed as dist
 from lightning_ddp import catalogue
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, run_ranks, table, text_cell
 from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    loss_curve, markdown_table, provenance, read_json, run_study, summary_medians, write_outputs,
+    NO_VALIDATION, Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve,
+    provenance, read_timing_summary, run_ranks, run_study, table, text_cell, write_outputs,
 )
 from lightning_ddp.catalogue import format_settings, parse_settings
-from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
-
-__all__ = ["BASELINE", "CompressionConfig", "Variant", "default_variants", "gradient_error", "main", "parse_variant",
-           "summarize"]
+from lightning_ddp.projection.tables import markdown_table
 
 BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
@@ -68,11 +62,6 @@ def _lossy() -> list[str]:
     return [e.name for e in catalogue.STRATEGIES.values() if e.is_engine and not e.exact and e.has_bucket_size]
 
 
-def default_variants() -> list[Variant]:
-    """Every lossy engine with buckets, at its engine's defaults (catalogue order)."""
-    return [Variant(name) for name in _lossy()]
-
-
 @dataclass
 class CompressionConfig(StudyConfig):
     """What ``python -m lightning_ddp.bench.compression`` runs: per seed one fit of fp32 and of every variant, and
@@ -85,7 +74,7 @@ class CompressionConfig(StudyConfig):
     ``bucketed_powersgd_ddp:rank=4,start_iter=10``); default: every lossy engine with buckets at its defaults."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """One fp32 run and one run per variant per seed (``seed_everything``): the seeds are the repeats."""
-    repeats: int = 1
+    repeats: Literal[1] = 1
     """Must be 1: the seeds repeat the runs."""
     text: str = "README.md"
     """The text file (raw bytes) of the gradient-error run."""
@@ -102,8 +91,6 @@ class CompressionConfig(StudyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.repeats != 1:
-            raise ValueError(f"repeats must be 1 (the seeds repeat the runs), got {self.repeats}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeats a seed; give distinct seeds, e.g. --seeds '[0, 1, 2]'")
         if not 1 <= self.last <= self.steps:
@@ -113,12 +100,15 @@ class CompressionConfig(StudyConfig):
 
 
 def variants_of(config: CompressionConfig) -> list[Variant]:
-    """``config.variants`` parsed (``parse_variant``), or every default."""
-    return [parse_variant(v) for v in config.variants] if config.variants else default_variants()
+    """``config.variants`` parsed (``parse_variant``), or every lossy engine with buckets at its defaults."""
+    return [parse_variant(v) for v in config.variants] if config.variants else [Variant(name) for name in _lossy()]
 
 
-_MEDIANS = summary_medians({"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
-                            "bytes_per_step": "comm/bytes"})
+def _run_numbers(log_dir: Path) -> dict[str, Any]:
+    """A fit's loss curve and the medians of its step time, exposed comm and bytes (the CommTimer's summary)."""
+    summary = read_timing_summary(log_dir, required=True)["summary"]
+    medians = {"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms", "bytes_per_step": "comm/bytes"}
+    return {"loss": loss_curve(log_dir), **{name: summary[key]["median"] for name, key in medians.items()}}
 
 
 def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
@@ -126,16 +116,10 @@ def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict
     by ``"<name>, seed <seed>"``."""
     runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
     cells = {f"{name}, seed {seed}": [
-        "--config", args.fit_config, *args.fit_args, "--seed_everything", str(seed),
-        "--trainer.strategy", strategy_argument(algorithm, None, args.bucket_size_mb, settings),
-        "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false",
-        "--timer.warmup_steps", str(args.warmup_steps),
-        # loss and step time only: no validation between the timed steps
-        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--timer.every_n_steps", "1",
+        *fit_arguments_of(args, strategy_argument(algorithm, None, args.bucket_size_mb, settings)),
+        "--seed_everything", str(seed), "--timer.every_n_steps", "1", *NO_VALIDATION,
     ] for seed in args.seeds for name, algorithm, settings in runs_of}
-    # per run: its loss curve and its step time, exposed comm and bytes (medians)
-    measured = run_study(cells, 1, lambda log_dir: {"loss": loss_curve(log_dir), **_MEDIANS(log_dir)},
-                         timeout_s=args.timeout_s)
+    measured = run_study(cells, 1, _run_numbers, timeout_s=args.timeout_s)
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
 
@@ -162,12 +146,8 @@ def _error_rank(rank: int, world: int, args: CompressionConfig,
     params = [p for p in model.parameters() if p.requires_grad]
     # Each variant's engine on a copy of the model (bench code builds engines directly, settings and all); the
     # copy is loaded with the trained weights before every step, so it sees the same local gradients.
-    engines = {}
-    for variant in variants:
-        shadow = GPT(config)
-        engine = catalogue.get(variant.algorithm).make_engine(shadow, bucket_size_mb=args.bucket_size_mb,
-                                                                **variant.settings)
-        engines[variant.name] = (shadow, engine)
+    engines = {v.name: catalogue.get(v.algorithm).make_engine(GPT(config), bucket_size_mb=args.bucket_size_mb,
+                                                              **v.settings) for v in variants}
     errors: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for step in range(args.steps):
         start = (step * world + rank) * args.batch_size
@@ -176,11 +156,11 @@ def _error_rank(rank: int, world: int, args: CompressionConfig,
         forward_backward(model, x, y)
         exact = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
         dist.all_reduce(exact)
-        for name, (shadow, engine) in engines.items():
-            shadow.load_state_dict(model.state_dict())
-            shadow.zero_grad(set_to_none=True)
+        for name, engine in engines.items():
+            engine.module.load_state_dict(model.state_dict())
+            engine.module.zero_grad(set_to_none=True)
             forward_backward(engine, x, y)
-            averaged = torch.cat([p.grad.reshape(-1) for p in shadow.parameters() if p.requires_grad])
+            averaged = torch.cat([p.grad.reshape(-1) for p in engine.module.parameters() if p.requires_grad])
             errors[name].append(gradient_error(exact, averaged))
         # train on the exact average: the trajectory is fp32 training's
         for p, average in zip(params, exact.split([p.numel() for p in params])):
@@ -236,10 +216,12 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
     return out
 
 
-def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
-          names: list[str]) -> None:
+def _plot(result: dict[str, Any], out: Path) -> None:
+    """loss_curves.png: every run's loss curve, and each variant's per-step gradient error."""
     from matplotlib.figure import Figure
 
+    runs = {int(seed): r for seed, r in result["runs"].items()}
+    errors, names = result["gradient_errors"], list(result["variants"])
     fig = Figure(figsize=(12, 4.2), layout="constrained")
     ax_loss, ax_err = fig.subplots(1, 2)
     colors = {name: f"C{k}" for k, name in enumerate([BASELINE, *names])}
@@ -258,7 +240,7 @@ def _plot(path: Path, runs: dict[int, dict[str, dict[str, Any]]], errors: dict[s
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle("Lossy gradient communication against fp32: loss curves and per-step gradient error")
-    fig.savefig(path, dpi=110)
+    fig.savefig(out / "loss_curves.png", dpi=110)
 
 
 _COSTS = (("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
@@ -316,20 +298,8 @@ def _markdown(result: dict[str, Any]) -> str:
         "\"Compression benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", ""])
 
 
-def write_report(config: CompressionConfig) -> dict[str, Any]:
-    """results.md and loss_curves.png from ``out_dir``'s results.json; returns the results."""
-    out = Path(config.out_dir)
-    result = read_json(out / "results.json")
-    markdown = _markdown(result)
-    write_outputs(out, {"results.md": markdown})
-    _plot(out / "loss_curves.png", {int(seed): r for seed, r in result["runs"].items()}, result["gradient_errors"],
-          list(result["variants"]))
-    print(markdown)
-    return result
-
-
-def measure(config: CompressionConfig, command: str) -> dict[str, Any]:
-    """The fits and the gradient-error run; results.json, results.md and loss_curves.png in ``out_dir``."""
+def measure(config: CompressionConfig, command: str) -> None:
+    """The fits and the gradient-error run; results.json in ``out_dir``."""
     variants = variants_of(config)
     runs, commands = _train(config, variants)
     print("measuring the per-step gradient error ...", flush=True)
@@ -341,12 +311,9 @@ def measure(config: CompressionConfig, command: str) -> dict[str, Any]:
                         extra_args=config.fit_args, variants=variant_settings, summary=summary,
                         runs={str(seed): r for seed, r in runs.items()}, gradient_errors=errors)
     write_outputs(config.out_dir, {"results.json": result})
-    return write_report(config)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    config = parse_dataclass(CompressionConfig, argv, prog="python -m lightning_ddp.bench.compression")
-    return benchmark_main(config, "lightning_ddp.bench.compression", argv, measure, rebuild=write_report)
+main = benchmark_main(CompressionConfig, measure, json_report("results.json", "results.md", _markdown, _plot))
 
 
 if __name__ == "__main__":

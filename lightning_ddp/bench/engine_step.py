@@ -1,43 +1,59 @@
-"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without
-Lightning (wall and CPU time per step, rounds interleaved; docs/benchmarks.md). Variants are ``ddp`` or
-``<engine>[@<bucket MiB>]``. Also the in-process benchmarks' one training step, ``forward_backward``.
-"""
+"""``python -m lightning_ddp.bench.engine_step``: our engines' training step against torch DDP's, without Lightning
+(docs/benchmarks.md); also the in-process benchmarks' model, random tokens and timed step."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from jsonargparse.typing import PositiveInt
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table, text_cell
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
-from lightning_ddp.bench.study import provenance, read_json, write_outputs
-from lightning_ddp.command_line import parse_dataclass
-from lightning_ddp.model import GPT, get_config
-
-__all__ = ["EngineStepConfig", "forward_backward", "main", "parse_variant"]
+from lightning_ddp.bench.study import (
+    BenchConfig, Column, benchmark_main, json_report, provenance, run_ranks, table, text_cell, write_outputs,
+)
+from lightning_ddp.model import GPT, PRESETS, get_config
 
 
 @dataclass
-class EngineStepConfig(BenchConfig):
+class InProcessConfig(BenchConfig):
+    """A ``BenchConfig`` of the in-process benchmarks: the GPT they train on random tokens."""
+
+    preset: Literal[tuple(PRESETS)] = "tiny"  # type: ignore[valid-type]
+    """Model size by name (``lightning_ddp.model.PRESETS``)."""
+    vocab_size: PositiveInt = 10_000
+    """Vocabulary size of the model (and the range of the random tokens)."""
+    batch_size: PositiveInt = 4
+    """Sequences per rank and step."""
+    seq_len: PositiveInt = 64
+    """Tokens per sequence (also the model's context length)."""
+
+
+def seeded_model(config: InProcessConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """The GPT of ``config.preset``, seeded with ``seed``, on ``device``."""
+    torch.manual_seed(seed)
+    return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
+
+
+def random_tokens(config: InProcessConfig, generator: torch.Generator) -> torch.Tensor:
+    """One step's random tokens ``(batch_size, seq_len + 1)``: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
+    return torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
+
+
+@dataclass
+class EngineStepConfig(InProcessConfig):
     """What ``python -m lightning_ddp.bench.engine_step`` runs (2 CPU ranks over gloo, in-process engines)."""
 
     variants: list[str] = field(default_factory=lambda: [
         "ddp", f"{catalogue.DEFAULT_ENGINE}@1", f"{catalogue.DEFAULT_ENGINE}@4"])
     """``ddp`` or ``<engine>[@<bucket MiB>|@auto|@none]``; ``ddp``, the baseline of the ratios, is added first when
     missing."""
-    preset: str = "tiny"
-    vocab_size: int = 10_000
-    batch_size: int = 4
-    """Sequences per rank and step."""
-    seq_len: int = 64
     repeats: int = 6
     """Rounds: every variant's steps once per round, interleaved."""
     steps: int = 20
@@ -64,11 +80,7 @@ def parse_variant(text: str) -> tuple[str, float | str | None]:
     (('bucketed_ddp', 0.25), ('naive_ddp', None), ('bucketed_ddp', 'auto'))
     """
     name, _, size = text.partition("@")
-    if not size:
-        return name, None
-    if size in ("auto", "none"):
-        return name, "auto" if size == "auto" else "none"
-    return name, float(size)
+    return name, size if size in ("auto", "none") else float(size) if size else None
 
 
 def forward_backward(engine: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -80,68 +92,72 @@ def forward_backward(engine: torch.nn.Module, inputs: torch.Tensor, targets: tor
         engine.finish_gradient_synchronization()
 
 
-def _build(variant: str, model: torch.nn.Module) -> torch.nn.Module:
-    name, size = parse_variant(variant)
-    if name == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
-    bucket = {} if size is None else {"bucket_size_mb": None if size == "none" else size}
-    return catalogue.get(name).make_engine(model, **bucket)
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA; nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(engine: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+               pause: Callable[[str], float] | None = None) -> tuple[float, float]:
+    """One training step on ``tokens``: its wall and CPU ms; ``pause(point)``, called after the backward
+    (``before_step``) and after ``step()`` (``after_step``), returns seconds left out of the wall time."""
+    sync(tokens.device)
+    cpu_start, start = time.process_time(), time.perf_counter()
+    forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
+    paused = pause("before_step") if pause else 0.0
+    optimizer.step()
+    paused += pause("after_step") if pause else 0.0
+    optimizer.zero_grad(set_to_none=True)
+    sync(tokens.device)
+    return (time.perf_counter() - start - paused) * 1e3, (time.process_time() - cpu_start) * 1e3
+
+
+def all_reduced(values: list[float], op: Any = dist.ReduceOp.MAX, device: torch.device | str = "cpu") -> list[float]:
+    """``values`` reduced over the ranks element by element (default the max: the slowest rank sets the pace)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
 
 
 def _measure_ranks(rank: int, world: int, args: EngineStepConfig) -> dict[str, dict[str, list[list[float]]]]:
     """Every variant's measured steps on this rank, per kind (wall, CPU) and variant: one list per round."""
-    config = get_config(args.preset, vocab_size=args.vocab_size, context_length=args.seq_len)
     runs = {}
     for variant in args.variants:
-        torch.manual_seed(0)
-        model = GPT(config)
-        engine = _build(variant, model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        runs[variant] = (engine, optimizer)
+        model = seeded_model(args, 0)
+        name, size = parse_variant(variant)
+        bucket = {} if size is None else {"bucket_size_mb": None if size == "none" else size}
+        engine = (torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=False)
+                  if name == "ddp" else catalogue.get(name).make_engine(model, **bucket))
+        runs[variant] = (engine, torch.optim.AdamW(model.parameters(), lr=1e-4))
     generator = torch.Generator().manual_seed(1000 + rank)
     measured: dict[str, dict[str, list[list[float]]]] = {kind: {v: [] for v in args.variants}
                                                          for kind in ("wall", "cpu")}
     for _ in range(args.repeats):
         for variant in args.variants:
-            engine, optimizer = runs[variant]
-            wall_ms, cpu_ms = [], []
-            for step in range(args.warmup_steps + args.steps):
-                tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
-                cpu_start = time.process_time()
-                start = time.perf_counter()
-                forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
-                optimizer.step()
-                optimizer.zero_grad()
-                if step >= args.warmup_steps:
-                    wall_ms.append((time.perf_counter() - start) * 1e3)
-                    cpu_ms.append((time.process_time() - cpu_start) * 1e3)
-            wall = torch.tensor(wall_ms, dtype=torch.float64)
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            cpu = torch.tensor(cpu_ms, dtype=torch.float64)
-            dist.all_reduce(cpu)  # what the step cost both ranks together
-            measured["wall"][variant].append(wall.tolist())
-            measured["cpu"][variant].append(cpu.tolist())
+            steps = range(args.warmup_steps + args.steps)
+            times = [timed_step(*runs[variant], random_tokens(args, generator)) for _ in steps]
+            wall, cpu = zip(*times[args.warmup_steps:])
+            measured["wall"][variant].append(all_reduced(list(wall)))
+            measured["cpu"][variant].append(all_reduced(list(cpu), dist.ReduceOp.SUM))  # what both ranks spent
     return measured
 
 
-def write_report(config: EngineStepConfig) -> dict[str, Any]:
-    """engine_step.md (per variant, the wall and CPU time per step and their ratios to ddp's) from ``out_dir``'s
-    engine_step.json; returns the result."""
-    result = read_json(Path(config.out_dir) / "engine_step.json")
+def _markdown(result: dict[str, Any]) -> str:
+    """engine_step.md: per variant, the wall and CPU time per step and their ratios to ddp's."""
     columns = [Column("variant", text_cell("variant"), "l")]
     for kind, title in (("wall", "wall ms per step (max over ranks)"), ("cpu", "CPU ms per step (both ranks)")):
         columns += [Column(f"{title} [95 %]", lambda row, k=kind: interval_text(
                         row[k]["median_ms"], row[k]["lo_ms"], row[k]["hi_ms"], ".1f")),
                     Column("/ ddp [95 %]", lambda row, k=kind: interval_text(
                         row[k]["ratio_vs_ddp"], row[k]["ratio_lo"], row[k]["ratio_hi"], ".3f"))]
-    write_outputs(config.out_dir, {"engine_step.md": f"Command: `{result['command']}`\n\n"
-                                                     + "\n".join(table(columns, result["rows"])) + "\n"})
-    return result
+    return f"Command: `{result['command']}`\n\n" + "\n".join(table(columns, result["rows"])) + "\n"
 
 
-def _rows(measured: dict[str, Any], config: EngineStepConfig) -> list[dict[str, Any]]:
-    """Per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals."""
-    rows = []
+def measure(config: EngineStepConfig, command: str) -> None:
+    """Every variant's steps, rounds interleaved, on 2 ranks; engine_step.json in ``out_dir``."""
+    measured = run_ranks(2, _measure_ranks, config)
+    rows = []  # per variant, the median wall and CPU time per step and its ratio to ddp's, with intervals
     for variant in config.variants:
         row: dict[str, Any] = {"variant": variant}
         for kind in ("wall", "cpu"):
@@ -151,23 +167,13 @@ def _rows(measured: dict[str, Any], config: EngineStepConfig) -> list[dict[str, 
             row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
                          "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
         rows.append(row)
-    return rows
-
-
-def measure(config: EngineStepConfig, command: str) -> dict[str, Any]:
-    """Every variant's steps, rounds interleaved, on 2 ranks; engine_step.json and .md in ``out_dir``."""
-    measured = run_ranks(2, _measure_ranks, config)
     all_steps = [t for v in measured["wall"].values() for r in v for t in r]
     write_outputs(config.out_dir, {"engine_step.json": provenance(
-        config.out_dir, command=command, config=asdict(config), rows=_rows(measured, config), times_ms=measured,
+        config.out_dir, command=command, config=asdict(config), rows=rows, times_ms=measured,
         median_all_ms=statistics.median(all_steps))})
-    return write_report(config)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    config = parse_dataclass(EngineStepConfig, argv, prog="python -m lightning_ddp.bench.engine_step")
-    return benchmark_main(config, "lightning_ddp.bench.engine_step", argv, measure,
-                          lambda _, __, ___: (Path(config.out_dir) / "engine_step.md").read_text(), write_report)
+main = benchmark_main(EngineStepConfig, measure, json_report("engine_step.json", "engine_step.md", _markdown))
 
 
 if __name__ == "__main__":

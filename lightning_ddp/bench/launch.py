@@ -1,6 +1,5 @@
-"""The study's one launcher: fit arguments -> a ``python -m lightning_ddp fit`` command (``fit_command``, the only
-place that builds it), the ranks placed, run with a timeout, none left behind (docs/benchmarks.md).
-"""
+"""The study's one launcher: fit arguments -> the ``python -m lightning_ddp fit`` command (``fit_command``), the
+ranks placed, run with a timeout, none left behind (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -64,8 +63,8 @@ def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[s
 
 @dataclass(frozen=True)
 class RankLayout:
-    """How the data-parallel ranks of a run sit on the machine: ``num_nodes`` > 1 only when ranks share GPUs (each
-    rank is then a 'node' of one GPU, ``gpu_of_rank`` its ``CUDA_VISIBLE_DEVICES``)."""
+    """Where a run's ranks sit: ``num_nodes`` > 1 only when ranks share GPUs (each a one-GPU 'node', its
+    ``CUDA_VISIBLE_DEVICES`` in ``gpu_of_rank``)."""
 
     backend: str
     devices_per_node: int
@@ -104,9 +103,8 @@ def rank_layout(accelerator: str, devices: int, backend: str = "auto", launcher:
 
 def base_environment(threads: int | None = None, extra: Mapping[str, str] | None = None,
                      parent: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``parent`` (default: this process's environment) without the variables launchers tell ranks by (a job started
-    under SLURM or torchrun is its own single-machine job), plus unbuffered output, ``OMP_NUM_THREADS`` =
-    ``threads`` (if given), ``GLOO_SOCKET_IFNAME`` = the loopback interface (unless set) and ``extra``."""
+    """``parent`` (default: this process's environment) without the launchers' rank variables, plus unbuffered
+    output, ``OMP_NUM_THREADS`` = ``threads``, ``GLOO_SOCKET_IFNAME`` = the loopback (unless set) and ``extra``."""
     parent = dict(os.environ if parent is None else parent)
     env = {k: v for k, v in parent.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"  # logs stream to the rank files as they happen (the reason of a crash survives)
@@ -120,8 +118,8 @@ def base_environment(threads: int | None = None, extra: Mapping[str, str] | None
 def rank_environments(layout: RankLayout, port: int, *, every_rank: bool, threads: int | None = None,
                       extra: Mapping[str, str] | None = None,
                       parent: Mapping[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: one (Lightning starts the other ranks itself, or a one-process run)
-    unless ``every_rank``, then each rank's with the variables Lightning's own launcher would have given it."""
+    """One environment per process to start: one (Lightning starts the other ranks), or with ``every_rank`` each
+    rank's, with the variables Lightning's own launcher would have given it."""
     env = base_environment(threads, extra, parent)
     if not every_rank:
         if layout.gpu_of_rank:
@@ -192,9 +190,8 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
 
 def run_processes(command: list[str], envs: list[dict[str, str]], log_paths: list[Path], timeout_s: float,
                   cwd: str | None = None) -> ProcessResult:
-    """Start one process per environment (output to its log) and poll until all exit, ``timeout_s`` is up, or the
-    others had ``_GRACE_S`` to notice that one failed; then SIGTERM the process groups still alive, SIGKILL whatever
-    is left after 3 s and every group a leader left running (Lightning-launched ranks): none is left behind."""
+    """One process per environment (output to its log) until all exit, ``timeout_s`` is up, or ``_GRACE_S`` after
+    one failed; then SIGTERM the groups still alive, SIGKILL after 3 s whatever is left: none is left behind."""
     start = time.monotonic()
     procs: list[subprocess.Popen] = []
     files = []
@@ -239,13 +236,8 @@ def is_oom(text: str) -> bool:
 
 
 def error_line(text: str, limit: int = 300) -> str:
-    """The last meaningful error line of a process's output (``""`` if there is none): the last line naming an
-    error, else the last that is not traceback scaffolding, code, or a warning."""
-    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if _ERROR_LINE.match(line):
-            return line[:limit]
-    for line in reversed(lines):
-        if not _NOISE.match(line):
-            return line[:limit]
-    return ""
+    """The last line of a process's output naming an error, else the last that is not traceback, code or a warning
+    (``""``: none)."""
+    lines = [line.rstrip() for line in reversed(text.splitlines()) if line.strip()]
+    line = next((line for line in lines if _ERROR_LINE.match(line)), None)
+    return (line or next((line for line in lines if not _NOISE.match(line)), ""))[:limit]

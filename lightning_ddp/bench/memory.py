@@ -1,7 +1,5 @@
 """``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family beside ``lightning_ddp.memory``'s analytic figures: the measurement, the summary per mode with
-the goals' verdicts, results.md and the plot (docs/benchmarks.md, "Memory benchmark").
-"""
+data-parallel family beside ``lightning_ddp.memory``'s figures, with verdicts and a plot (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -14,32 +12,34 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
+from typing import Any, Iterable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+from jsonargparse.typing import PositiveInt
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.config import strategy_with_memory_model
-from lightning_ddp.bench.engine_step import forward_backward
+from lightning_ddp.bench.engine_step import (
+    InProcessConfig, all_reduced, random_tokens, seeded_model, sync, timed_step,
+)
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.single import BenchConfig, Column, benchmark_main, run_ranks, table
-from lightning_ddp.bench.study import provenance, read_json, write_outputs
+from lightning_ddp.bench.study import Column, benchmark_main, json_report, provenance, run_ranks, table, write_outputs
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
-
-__all__ = ["MODES", "MemoryBenchConfig", "family_summary", "format_report", "main", "parse_config", "run",
-           "sent_bytes_per_rank", "summarise_modes", "write_memory_plot", "write_report"]
+from lightning_ddp.model import PRESETS
 
 TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
 MiB = 2**20
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
+ENGINES = {"reduce_scatter": strategy_with_memory_model("zero1"), "zero2": strategy_with_memory_model("zero2")}
+"""The catalogue engine of each mode that has its own (the others: ``grad_sync``)."""
 
 
 class Mode(NamedTuple):
-    """A measured mode: its report label, its optimizer (a ``ShardedOptimizer`` schedule; None: plain AdamW) and
-    what each rank sends per step with bandwidth-optimal collectives, in one-way passes of the parameters' bytes."""
+    """A mode's label, its ``ShardedOptimizer`` schedule (None: AdamW) and the one-way passes of the parameters'
+    bytes each rank sends per step (bandwidth-optimal collectives)."""
 
     label: str
     schedule: Optional[str]
@@ -61,10 +61,10 @@ PLOT_NAME = "memory_vs_step_time.png"
 
 
 @dataclass
-class MemoryBenchConfig(BenchConfig):
+class MemoryBenchConfig(InProcessConfig):
     """Per-rank memory (parameters, gradients, optimizer state, rest) and step time of the data-parallel family."""
 
-    repeats: int = 1
+    repeats: Literal[1] = 1
     """Must be 1: one run per mode."""
     steps: int = 12
     """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
@@ -74,23 +74,19 @@ class MemoryBenchConfig(BenchConfig):
     """Seed of the model's initial weights, of the random tokens and of the bootstrap."""
     out_dir: str = "logs/memory"
     """Directory for results.json, results.md and the plot (replaced; logs/ is git-ignored)."""
-    preset: str = "small"
-    """Model size by name (``lightning_ddp.model.PRESETS``): tiny, small, medium, large, xl, 2.7b."""
-    vocab_size: int = 10_000
-    """Vocabulary size of the model (and the range of the random tokens)."""
-    batch_size: int = 2
+    preset: Literal[tuple(PRESETS)] = "small"  # type: ignore[valid-type]
+    """Model size by name (``lightning_ddp.model.PRESETS``)."""
+    batch_size: PositiveInt = 2
     """Sequences per rank and step."""
-    seq_len: int = 64
-    """Tokens per sequence (also the model's context length)."""
-    devices: int = 2
+    devices: PositiveInt = 2
     """Number of ranks (the world size): processes on CPU, one GPU each on CUDA."""
     accelerator: Literal["cpu", "cuda"] = "cpu"
     """Where the model lives. CPU measures our tensors exactly and RSS; CUDA uses ``torch.cuda.memory_allocated``."""
     backend: Optional[Literal["gloo", "nccl"]] = None
     """Process-group backend; default (null) gloo on CPU, NCCL on CUDA."""
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[Literal[MODES]] = field(default_factory=lambda: list(MODES))  # type: ignore[valid-type]
     """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
-    grad_sync: str = catalogue.DEFAULT_ENGINE
+    grad_sync: Literal[tuple(catalogue.names(engines_only=True))] = catalogue.DEFAULT_ENGINE  # type: ignore
     """The engine that all-reduces gradients for unsharded and allreduce_broadcast (a catalogue engine name)."""
     bucket_size_mb: Optional[float] = 25.0
     """Bucket cap in MiB of a ``grad_sync`` algorithm with buckets (null: one bucket); ignored by the others."""
@@ -103,41 +99,16 @@ class MemoryBenchConfig(BenchConfig):
     may stay in a later one's RSS."""
 
     def __post_init__(self) -> None:
-        from lightning_ddp.model import PRESETS
-
         super().__post_init__()
-        if self.repeats != 1:
-            raise ValueError(f"repeats must be 1 (one run per mode), got {self.repeats}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"{self.preset!r} is not a supported preset; choose one of: {', '.join(PRESETS)} "
-                             "(--preset)")
-        for name in ("vocab_size", "batch_size", "seq_len", "devices"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} (--{name})")
-        if self.warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}: the first step allocates the "
-                             "optimizer state (--warmup_steps 2)")
-        if self.steps < self.warmup_steps + 2:
-            raise ValueError(f"steps must be >= warmup_steps + 2 = {self.warmup_steps + 2}, got {self.steps}: the "
-                             f"step-time interval needs at least 2 measured steps (--steps {self.warmup_steps + 10})")
-        unknown = [m for m in self.modes if m not in MODES]
-        if unknown or not self.modes:
-            raise ValueError(f"modes {unknown or self.modes!r} are not valid; choose from {', '.join(MODES)} (--modes)")
+        if not self.modes:
+            raise ValueError("modes is empty; e.g. --modes '[unsharded, zero2]'")
+        if not 1 <= self.warmup_steps <= self.steps - 2:
+            raise ValueError(f"warmup_steps must be >= 1 (the first step allocates the optimizer state) and steps "
+                             f">= warmup_steps + 2 = {self.warmup_steps + 2} (2 measured steps), got "
+                             f"{self.warmup_steps} and {self.steps}")
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
         self.backend = self.backend or ("nccl" if self.accelerator == "cuda" else "gloo")
-        if self.grad_sync not in catalogue.names(engines_only=True):
-            raise ValueError(f"{self.grad_sync!r} is not one of our engines; choose from "
-                             f"{', '.join(catalogue.names(engines_only=True))} (--grad_sync)")
-
-
-def _current_rss_bytes() -> int | None:
-    """Resident set size now (Linux ``/proc/self/statm``); None elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
@@ -170,25 +141,21 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
                     reserved=torch.cuda.memory_reserved(device), max_reserved=torch.cuda.max_memory_reserved(device),
                     rest=allocated - on_device)
     else:
-        rss = _current_rss_bytes()
-        snap.update(rss=rss, rest=None if rss is None else rss - sum(snap[k] for k in TENSORS),
-                    max_rss=_peak_rss_bytes())
-    return snap
-
-
-def _peak_rss_bytes() -> int | None:
-    """The process's peak resident set size so far (``getrusage``; Linux reports KiB); None where unavailable."""
-    try:
         import resource
-    except ImportError:  # pragma: no cover - not POSIX
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) * (1 if sys.platform == "darwin" else 1024)  # macOS reports bytes
+
+        try:
+            with open("/proc/self/statm") as f:  # Linux: the resident pages now
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            rss = None
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB
+        snap.update(rss=rss, rest=None if rss is None else rss - sum(snap[k] for k in TENSORS), max_rss=int(peak))
+    return snap
 
 
 def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
     """The mode's engine (FSDP2: the sharded model itself) and optimizer, ours reporting collectives to ``recorder``."""
-    from lightning_ddp.sync import DeferredGradSync, ShardedOptimizer
+    from lightning_ddp.sync import ShardedOptimizer
 
     adamw = {"lr": config.lr, "weight_decay": config.weight_decay}
     if mode == FSDP2:
@@ -196,16 +163,8 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
 
         shard(model)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
-    if mode == "reduce_scatter":
-        engine = DeferredGradSync(model)
-    elif mode == "zero2":
-        from lightning_ddp.sync.zero2 import ZeRO2DDP
-
-        engine = ZeRO2DDP(model, bucket_size_mb=config.bucket_size_mb)
-    else:
-        algorithm = catalogue.get(config.grad_sync)
-        engine = algorithm.make_engine(model, bucket_size_mb=config.bucket_size_mb if algorithm.has_bucket_size
-                                       else "default")
+    entry = catalogue.get(ENGINES.get(mode, config.grad_sync))
+    engine = entry.make_engine(model, bucket_size_mb=config.bucket_size_mb if entry.has_bucket_size else "default")
     engine.recorder = recorder
     schedule = MODE_TABLE[mode].schedule
     if schedule is None:
@@ -216,68 +175,15 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
     return engine, optimizer
 
 
-def _fresh_model(config: MemoryBenchConfig, device: torch.device) -> torch.nn.Module:
-    """The seeded GPT on ``device``, after freeing what the previous mode left (and resetting the CUDA peak)."""
-    from lightning_ddp.model import GPT, get_config
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(config.seed)
-    return GPT(get_config(config.preset, vocab_size=config.vocab_size, context_length=config.seq_len)).to(device)
-
-
-def _take(snapshots: dict[str, Any], point: str, snapshot: Callable[[], dict[str, Any]],
-          device: torch.device) -> float:
-    """``snapshots[point] = snapshot()``; returns the seconds it took (left out of the step's time). The CUDA peak
-    restarts after it, so the next snapshot's ``max_allocated`` is what happened in between."""
-    _sync(device)
-    start = time.perf_counter()
-    snapshots[point] = snapshot()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return time.perf_counter() - start
-
-
-def _run_steps(engine: Any, optimizer: torch.optim.Optimizer, config: MemoryBenchConfig, device: torch.device,
-               rank: int, snapshot: Callable[[], dict[str, Any]], recorder: Any) -> tuple[dict, list, Any]:
-    """``config.steps`` steps on random tokens: the snapshots (set-up, and around the last step's ``step()``),
-    every step's ms, max over ranks (the slowest rank sets the pace), and the last step's record of collectives
-    (``recorder`` given)."""
-    _sync(device)
-    snapshots = {"setup": snapshot()}
-    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
-    step_ms: list[float] = []
-    record = None
-    for step in range(config.steps):
-        # tokens (B, T + 1): inputs are [:, :-1], targets [:, 1:]
-        tokens = torch.randint(config.vocab_size, (config.batch_size, config.seq_len + 1), generator=generator)
-        tokens = tokens.to(device)
-        if recorder is not None:
-            recorder.open_step(step)
-        last = step == config.steps - 1
-        _sync(device)
-        start = time.perf_counter()
-        forward_backward(engine, tokens[:, :-1], tokens[:, 1:])
-        paused = _take(snapshots, "before_step", snapshot, device) if last else 0.0
-        optimizer.step()
-        if last:
-            paused += _take(snapshots, "after_step", snapshot, device)
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        step_ms.append((time.perf_counter() - start - paused) * 1e3)
-        record = recorder.finish_step() if recorder is not None else None
-    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return snapshots, times.tolist(), record
-
-
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
     from lightning_ddp.memory import zero2_gradient_peak_bytes
     from lightning_ddp.sync import Recorder
 
-    model = _fresh_model(config, device)
+    gc.collect()  # free what the previous mode left (and restart the CUDA peak)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = seeded_model(config, config.seed, device)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     num_params = sum(math.prod(s) for s in shapes)
     world_size = dist.get_world_size()
@@ -287,15 +193,34 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
     recorder = None if mode == FSDP2 else Recorder(device)
     engine, optimizer = _build_mode(mode, config, model, recorder)
-    snapshots, step_ms, record = _run_steps(engine, optimizer, config, device, rank,
-                                            lambda: _snapshot(model, optimizer, device), recorder)
+
+    def take(point: str) -> float:
+        """``snapshots[point]``, then the CUDA peak restarts; returns the seconds left out of the step's time."""
+        sync(device)
+        start = time.perf_counter()
+        snapshots[point] = _snapshot(model, optimizer, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        return time.perf_counter() - start
+
+    sync(device)  # config.steps steps on random tokens, snapshots at set-up and around the last step's step()
+    snapshots = {"setup": _snapshot(model, optimizer, device)}
+    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
+    step_ms: list[float] = []
+    record = None
+    for step in range(config.steps):
+        tokens = random_tokens(config, generator).to(device)
+        if recorder is not None:
+            recorder.open_step(step)
+        step_ms.append(timed_step(engine, optimizer, tokens, take if step == config.steps - 1 else None)[0])
+        record = recorder.finish_step() if recorder is not None else None
     result = {
         "mode": mode,
         "rank": rank,
         "snapshots": snapshots,
         "expected": expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank),
         "full_parameter_bytes": FP32 * num_params,
-        "step_ms": step_ms,
+        "step_ms": all_reduced(step_ms, device=device),  # max over ranks
         "comm_bytes_recorded": None if record is None else record.nbytes,
         "comm_calls": None if record is None else len(record.collectives),
         "num_params": num_params,
@@ -308,13 +233,7 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         result["expected_gradient_peak"] = zero2_gradient_peak_bytes(shapes, world_size, rank, cap)
         # beyond the held shard, during backward: the buckets in flight and the one filling
         result["expected_transient"] = result["expected_gradient_peak"] - result["expected"]["gradients"]
-    del engine, optimizer, model
     return result
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes: list[str]) -> list[Any] | None:
@@ -327,26 +246,17 @@ def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes:
 
 
 def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step with bandwidth-optimal collectives (ring model; docs/algorithms.md): a
-    reduce-scatter, an all-gather or the N per-owner broadcasts/reduces send (N - 1) / N of them, an all-reduce
-    twice that."""
+    """Bytes each rank sends per step by the ring model (docs/algorithms.md): (N - 1) / N per one-way pass."""
     return MODE_TABLE[mode].one_ways * (world_size - 1) / world_size * param_bytes
 
 
 def _largest(values: Iterable[int | None]) -> int | None:
     """The largest of the values that are not None (None if none is)."""
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
-
-
-def _bootstrap(config: dict[str, Any]) -> tuple[int, int]:
-    """The bootstrap's samples and seed of a recorded config (results.json before ``bootstrap_samples``: 2000)."""
-    return config.get("bootstrap_samples", BenchConfig.bootstrap_samples), config.get("seed", 0)
+    return max((v for v in values if v is not None), default=None)
 
 
 def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One summary per mode from ``per_mode[m][r]`` (rank ``r``'s result in mode ``config["modes"][m]``);
-    docs/benchmarks.md lists what it holds."""
+    """One summary per mode (docs/benchmarks.md) from ``per_mode[m][r]``, rank ``r``'s result in mode ``m``."""
     summaries = []
     for mode, ranks in zip(config["modes"], per_mode):
         matches = True
@@ -365,11 +275,10 @@ def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]
                                      for snap in entry["snapshots"].values())
             entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
         summary = {"mode": mode, "ranks": ranks, "warmup_steps": config["warmup_steps"]}
-        step = estimate([_measured_steps(summary)], *_bootstrap(config), key=mode)
-        full_parameters = ranks[0].get("full_parameter_bytes", ranks[0]["expected"]["parameters"])
+        step = estimate([_measured_steps(summary)], config["bootstrap_samples"], config["seed"], key=mode)
+        sent = sent_bytes_per_rank(ranks[0]["full_parameter_bytes"], config["devices"], mode)
         summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
-                          "matches_expected": matches,
-                          "sent_bytes_per_rank": sent_bytes_per_rank(full_parameters, config["devices"], mode)})
+                          "matches_expected": matches, "sent_bytes_per_rank": sent})
     return summaries
 
 
@@ -381,12 +290,11 @@ def _most_loaded(mode: dict[str, Any], key: str) -> int | None:
 
 def _measured_steps(mode: dict[str, Any]) -> list[float]:
     """Rank 0's step times (already the max over ranks) after the warm-up."""
-    return mode["ranks"][0]["step_ms"][mode.get("warmup_steps", 1):]
+    return mode["ranks"][0]["step_ms"][mode["warmup_steps"]:]
 
 
 def family_summary(results: dict[str, Any]) -> dict[str, Any]:
-    """The data-parallel family's table (``rows``: one per measured mode, the most loaded rank's bytes, measured and
-    expected) and the goals (``goals``), from ``results`` with ``config`` and summarised ``modes``."""
+    """The family's ``rows`` (per mode, the most loaded rank's bytes, measured and expected) and its ``goals``."""
     config = results["config"]
     modes = {m["mode"]: m for m in results["modes"]}
     rows = []
@@ -398,33 +306,27 @@ def family_summary(results: dict[str, Any]) -> dict[str, Any]:
         row["peak"] = _most_loaded(mode, "peak")
         row["expected_peak"] = max(r["expected_peak"] for r in mode["ranks"])
         if ZERO1 in modes:
-            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])], *_bootstrap(config),
-                                   keys=(name, ZERO1))
+            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])],
+                                   config["bootstrap_samples"], config["seed"], keys=(name, ZERO1))
             row["step_ratio_to_zero1"] = asdict(ratio)
         rows.append(row)
-    return {"rows": rows, "goals": _goals(config, modes, {row["mode"]: row for row in rows})}
-
-
-def _goals(config: dict[str, Any], modes: dict[str, dict[str, Any]],
-           rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The two goals' verdicts; the step goal reads ZeRO-2's row (its ratio to ZeRO-1 is bootstrapped there)."""
-    n = config["devices"]
+    # the two goals' verdicts; the step goal reads ZeRO-2's ratio to ZeRO-1, bootstrapped in its row
     gradients: dict[str, Any] = {"goal": "ZeRO-2 gradients per rank <= DDP's / N + one bucket",
                                  "verdict": "not measurable"}
     if "zero2" in modes and "unsharded" in modes:
         full = _most_loaded(modes["unsharded"], "gradients")
         cap = config.get("bucket_size_mb")
         bucket = full if cap is None else min(int(cap * MiB), full)  # null: one bucket of every gradient
-        target = full / n + bucket
+        target = full / config["devices"] + bucket
         measured = _most_loaded(modes["zero2"], "gradients")
         gradients.update(measured_MiB=measured / MiB, target_MiB=target / MiB,
                          verdict="met" if measured <= target else "missed")
     step: dict[str, Any] = {"goal": f"ZeRO-2 step time / ZeRO-1's ({ZERO1}) <= {STEP_GOAL:.2f}",
                             "verdict": "not measurable"}
     if "zero2" in modes and ZERO1 in modes:
-        ratio = rows["zero2"]["step_ratio_to_zero1"]
+        ratio = next(row for row in rows if row["mode"] == "zero2")["step_ratio_to_zero1"]
         step.update(ratio=ratio, target=STEP_GOAL, verdict=verdict((ratio["lo"], ratio["hi"]), STEP_GOAL))
-    return [gradients, step]
+    return {"rows": rows, "goals": [gradients, step]}
 
 
 def _mib(value: int | float | None) -> str:
@@ -478,8 +380,8 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
                     fmt="o", capsize=4, label=row["label"])
         ax.annotate(row["label"], (step["point"], peak / MiB), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.set_xlabel("step time, ms (median, 95 % interval)")
-    ax.set_ylabel("peak memory per rank, MiB" + (" (max allocated)" if config["accelerator"] == "cuda"
-                                                 else " (peak RSS)"))
+    cuda = config["accelerator"] == "cuda"
+    ax.set_ylabel("peak memory per rank, MiB" + (" (max allocated)" if cuda else " (peak RSS)"))
     ax.set_title(f"{config['preset']}, {config['devices']} ranks, {config['accelerator']}")
     ax.grid(alpha=0.3)
     buffer = io.BytesIO()
@@ -491,29 +393,6 @@ PROCESS_MEMORY = {"cuda": {"allocated": "allocated", "max_allocated": "max alloc
                            "max_reserved": "max reserved", "rest": "rest"},
                   "cpu": {"rss": "RSS", "rest": "rest"}}
 """The process-memory columns of a mode's table, per accelerator: snapshot key -> header."""
-
-
-def _mode_lines(mode: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """One mode's snapshots and the communication per step: a row per rank and point."""
-    rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
-             "tensors": sum(r["snapshots"][point][k] for k in TENSORS),
-             "expected": sum(r["expected_at"][point].values()), "comm": r["comm_bytes_recorded"]}
-            for r in mode["ranks"] for point in POINTS]
-    in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
-              **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
-    columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
-               *(Column(header, lambda row, k=key: _mib(row[k])) for key, header in in_mib.items())]
-    return [
-        "",
-        f"## {mode['mode']}",
-        "",
-        f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode.get('warmup_steps', 1) + 1}.."
-        f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
-        f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
-        f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
-        "",
-        *table(columns, rows),
-    ]
 
 
 def format_report(results: dict[str, Any]) -> str:
@@ -532,23 +411,40 @@ def format_report(results: dict[str, Any]) -> str:
         "## The data-parallel family",
         "",
         f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
-        f"{config.get('warmup_steps', 1) + 1}..{config['steps']} (max over ranks) [95 % interval].",
+        f"{config['warmup_steps'] + 1}..{config['steps']} (max over ranks) [95 % interval].",
         "",
         *table(FAMILY_COLUMNS, family["rows"]),
         "",
         *table(GOAL_COLUMNS, family["goals"]),
     ]
-    for mode in results["modes"]:
-        lines += _mode_lines(mode, config)
+    in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
+              **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
+    columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
+               *(Column(header, lambda row, k=key: _mib(row[k])) for key, header in in_mib.items())]
+    for mode in results["modes"]:  # its snapshots and the communication per step: a row per rank and point
+        rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
+                 "tensors": sum(r["snapshots"][point][k] for k in TENSORS),
+                 "expected": sum(r["expected_at"][point].values()), "comm": r["comm_bytes_recorded"]}
+                for r in mode["ranks"] for point in POINTS]
+        lines += [
+            "",
+            f"## {mode['mode']}",
+            "",
+            f"Step time: median {mode['step_ms_median']:,.1f} ms over steps {mode['warmup_steps'] + 1}.."
+            f"{config['steps']} (max over ranks). Sent per rank by the ring model: "
+            f"{_mib(mode['sent_bytes_per_rank'])} MiB/step. Measured tensors equal the analytic expectation: "
+            f"**{'yes' if mode['matches_expected'] else 'NO'}**.",
+            "",
+            *table(columns, rows),
+        ]
     return "\n".join(lines) + "\n"
 
 
-def run(config: MemoryBenchConfig) -> dict[str, Any]:
-    """Spawn the ranks, measure every mode, write ``results.json`` and ``results.md``; return the results."""
+def run(config: MemoryBenchConfig, command: str = "") -> None:
+    """Spawn the ranks, measure every mode, write ``results.json``."""
     if config.accelerator == "cuda" and torch.cuda.device_count() < config.devices:
         raise ValueError(f"devices={config.devices} needs as many GPUs, but {torch.cuda.device_count()} are visible; "
                          "lower --devices or use --accelerator cpu")
-    out_dir = Path(config.out_dir)
     # Fresh processes per mode: memory an earlier mode freed may stay with the allocator (glibc keeps freed heap
     # pages), which would show up in the next mode's RSS.
     batches = [[mode] for mode in config.modes] if config.separate_processes else [list(config.modes)]
@@ -559,41 +455,20 @@ def run(config: MemoryBenchConfig) -> dict[str, Any]:
         per_mode += [[per_rank[r][m] for r in range(config.devices)] for m in range(len(modes))]
     cuda = config.accelerator == "cuda" and torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine() or "cpu")
-    # results.json's environment: the study's provenance, the device, CPUs and backend
     environment = provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
                              cuda=torch.version.cuda if cuda else None, backend=config.backend,
                              world_size=config.devices)
     results = {"config": asdict(config), "environment": environment,
                "modes": summarise_modes(asdict(config), per_mode)}
     results["family"] = family_summary(results)
-    write_outputs(out_dir, {"results.json": results})
-    return write_report(results, out_dir)
-
-
-def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """results.md and the plot from ``results`` (what results.json holds); returns ``results``."""
-    report = format_report(results)
-    write_outputs(out_dir, {"results.md": report})
-    write_memory_plot(results, out_dir / PLOT_NAME)
-    print(report, flush=True)
-    return results
-
-
-def _rebuild(config: MemoryBenchConfig) -> dict[str, Any]:
-    return write_report(read_json(Path(config.out_dir) / "results.json"), Path(config.out_dir))
-
-
-def parse_config(args: list[str] | None = None) -> MemoryBenchConfig:
-    from lightning_ddp.command_line import parse_dataclass
-
-    return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")
+    write_outputs(config.out_dir, {"results.json": results})
 
 
 def main(args: list[str] | None = None) -> int:
-    """The benchmark (``report_only``: results.md and the plot from ``out_dir``'s results.json); 1 where a mode's
-    measured tensors differ from the expectation."""
-    results = benchmark_main(parse_config(args), "lightning_ddp.bench.memory", args,
-                             lambda config, command: run(config), rebuild=_rebuild)
+    """The benchmark's main; 1 where a mode's measured tensors differ from the expectation."""
+    report = json_report("results.json", "results.md", format_report,
+                         lambda results, out: write_memory_plot(results, out / PLOT_NAME))
+    results = benchmark_main(MemoryBenchConfig, run, report)(args)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1
 
 

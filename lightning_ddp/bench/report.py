@@ -19,9 +19,10 @@ from lightning_ddp.bench.stats import (
     pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
-from lightning_ddp.bench.study import csv_text, markdown_table, read_csv
+from lightning_ddp.bench.study import read_csv
 from lightning_ddp.catalogue import format_bucket, variant_label, variant_strategy
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
+from lightning_ddp.projection.tables import csv_text, markdown_table
 
 Row = dict[str, Any]
 RepeatKey = tuple[str, int]
@@ -525,7 +526,8 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
         table = [[_title(*variant), *(_cell_text(cells.get((*variant, c)), selected) for c in contexts)]
                  for variant in variants]
         lines += [f"### {precision}, batch size {batch} per rank", "",
-                  *markdown_table(["strategy", *(f"context {c}" for c in contexts)], table), ""]
+                  *markdown_table(["strategy", *(f"context {c}" for c in contexts)], table, "l" + "r" * len(contexts)),
+                  ""]
     return lines
 
 

@@ -1,7 +1,5 @@
 """``python -m lightning_ddp.bench.straggler --config configs/straggler/bench.yaml``: does the CommTimer blame an
-injected straggler (``SlowRank``) for the right time? Per strategy and delay, real fits, pooled medians with
-intervals and the goals' verdicts; docs/benchmarks.md states the goals.
-"""
+injected straggler (``SlowRank``) for the right time? Per strategy and delay; docs/benchmarks.md states the goals."""
 
 from __future__ import annotations
 
@@ -10,16 +8,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from jsonargparse.typing import NonNegativeFloat, NonNegativeInt
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.single import (
-    Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, table, text_cell, write_results,
+from lightning_ddp.bench.stats import estimate, verdict
+from lightning_ddp.bench.study import (
+    Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
+    run_study, step_rows, table, text_cell, with_interval, write_results,
 )
-from lightning_ddp.bench.stats import Estimate, estimate, verdict
-from lightning_ddp.bench.study import csv_text, load_average, per_repeat, run_study, step_rows
-from lightning_ddp.command_line import parse_dataclass
-
-__all__ = ["StragglerBenchConfig", "main", "summarize_cell"]
+from lightning_ddp.projection.tables import csv_text
 
 KEYS: tuple[str, ...] = ("comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms", "step/rank_spread_ms",
                          "step/time_ms", "comm/exposed_ms")
@@ -43,9 +40,9 @@ class StragglerBenchConfig(StudyConfig):
 
     strategies: list[str] = field(default_factory=lambda: [catalogue.DEFAULT_ENGINE, "ddp"])
     """Values for ``--trainer.strategy``: registered names (``bucketed_ddp``, ``ddp`` ...)."""
-    delays_ms: list[float] = field(default_factory=lambda: [0.0, 5.0, 20.0, 50.0])
+    delays_ms: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 5.0, 20.0, 50.0])
     """SlowRank delays; 0 runs without SlowRank (the control)."""
-    slow_rank: int = 1
+    slow_rank: NonNegativeInt = 1
     """The rank that sleeps."""
     tolerance_ms: float = 3.0
     """Goal: the median wait within delay +- this."""
@@ -60,13 +57,9 @@ class StragglerBenchConfig(StudyConfig):
         super().__post_init__()
         if not self.strategies:
             raise ValueError(f"strategies is empty; e.g. --strategies '[{catalogue.DEFAULT_ENGINE}, ddp]'")
-        if not self.delays_ms or any(not (d >= 0) for d in self.delays_ms):
-            raise ValueError(f"delays_ms must be delays >= 0, got {self.delays_ms}; e.g. --delays_ms '[0, 5, 20, 50]'")
         if 0 not in self.delays_ms:
             raise ValueError(f"delays_ms {self.delays_ms} has no 0: the transfer goal compares with the no-delay runs; "
                              "add 0")
-        if self.slow_rank < 0:
-            raise ValueError(f"slow_rank must be a rank >= 0, got {self.slow_rank}; e.g. --slow_rank 1")
 
 
 def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
@@ -77,31 +70,6 @@ def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float)
     return arguments
 
 
-def _goal_within(value: Estimate, lo: float, hi: float) -> str:
-    """met: the interval inside ``[lo, hi]``; missed: entirely outside; else inconclusive."""
-    if not value.finite:
-        return "inconclusive"
-    if lo <= value.lo and value.hi <= hi:
-        return "met"
-    if value.hi < lo or value.lo > hi:
-        return "missed"
-    return "inconclusive"
-
-
-def _goals(config: StragglerBenchConfig, row: dict[str, Any], wait: Estimate, control: dict[str, Any] | None) -> None:
-    """The verdicts of one row, in place (docs/benchmarks.md states the goals)."""
-    delay_ms = row["delay_ms"]
-    if delay_ms == 0:
-        row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
-        return
-    row["wait_goal"] = _goal_within(wait, delay_ms - config.tolerance_ms, delay_ms + config.tolerance_ms)
-    row["straggler_goal"] = "met" if row["straggler_share"] >= config.straggler_share else "missed"
-    if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
-                                   for k in ("transfer_ms_lo", "transfer_ms_hi")):
-        inside = control["transfer_ms_lo"] <= row["transfer_ms"] <= control["transfer_ms_hi"]
-        row["transfer_goal"] = "met" if inside else "missed"
-
-
 def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float, runs: list[list[dict[str, float]]],
                    control: dict[str, Any] | None) -> dict[str, Any]:
     """The results.csv row of one (strategy, delay) from its runs' measured steps; ``control``: the same strategy's
@@ -109,19 +77,28 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
     estimates = {key: estimate(per_repeat(runs, key), config.bootstrap_samples, config.seed,
                                key=f"{strategy}|{delay_ms:g}|{key}") for key in KEYS}
     ranks = np.concatenate(per_repeat(runs, "straggler/rank")) if runs else np.array([])
-    row: dict[str, Any] = {
+    row: dict[str, Any] = {  # in COLUMNS' order
         "strategy": strategy, "delay_ms": delay_ms, "repeats_ok": len(runs), "measured_steps": sum(map(len, runs)),
+        **{k: v for name, key in _INTERVALS for k, v in with_interval(name, estimates[key]).items()},
         "rank_spread_ms": estimates["step/rank_spread_ms"].point, "step_ms": estimates["step/time_ms"].point,
         "exposed_ms": estimates["comm/exposed_ms"].point,
         "straggler_share": float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan,
         "wait_goal": "", "straggler_goal": "", "transfer_goal": "",
         "load_avg_1m": load_average(),
     }
-    for name, key in _INTERVALS:
-        value = estimates[key]
-        row.update({name: value.point, f"{name}_lo": value.lo, f"{name}_hi": value.hi})
-    _goals(config, row, estimates["comm/wait_ms"], control)
-    return {column: row[column] for column in COLUMNS}
+    wait, tolerance = estimates["comm/wait_ms"], config.tolerance_ms  # the goals: docs/benchmarks.md
+    if delay_ms == 0:
+        row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
+        return row
+    # met: the interval inside delay +- tolerance (below its top, and above its bottom); missed: entirely outside
+    ends = {verdict(wait, delay_ms + tolerance), verdict((-wait.hi, -wait.lo), tolerance - delay_ms)}
+    row["wait_goal"] = "missed" if "missed" in ends else "met" if ends == {"met"} else "inconclusive"
+    row["straggler_goal"] = "met" if row["straggler_share"] >= config.straggler_share else "missed"
+    if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
+                                   for k in ("transfer_ms_lo", "transfer_ms_hi")):
+        inside = control["transfer_ms_lo"] <= row["transfer_ms"] <= control["transfer_ms_hi"]
+        row["transfer_goal"] = "met" if inside else "missed"
+    return row
 
 
 def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], command: str) -> str:
@@ -145,15 +122,14 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
         f"Command: `{command}`", ""])
 
 
-def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, Any]]:
-    """Every (strategy, delay) ``repeats`` times, interleaved; the files in ``config.out_dir``; the results.csv rows,
-    per strategy delay 0 first: the control every other delay is compared with."""
+def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
+    """Every (strategy, delay) ``repeats`` times, interleaved; results.csv (per strategy delay 0 first: the control
+    of the others), steps.csv and environment.json in ``config.out_dir``."""
     delays = sorted(set(config.delays_ms))
-    cells = {f"{strategy}, delay {delay:g} ms": _fit_arguments(config, strategy, delay)
-             for strategy in config.strategies for delay in delays}
+    names = {(strategy, delay): f"{strategy}, delay {delay:g} ms" for strategy in config.strategies for delay in delays}
+    cells = {name: _fit_arguments(config, *key) for key, name in names.items()}
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
-    runs = {(strategy, delay): measured[f"{strategy}, delay {delay:g} ms"]
-            for strategy in config.strategies for delay in delays}
+    runs = {key: measured[name] for key, name in names.items()}
     rows = []
     for strategy in config.strategies:
         control = None
@@ -164,14 +140,10 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> list[dict[str, 
                   for (strategy, delay), repeats in runs.items() for repeat, steps in enumerate(repeats)
                   for row in steps]
     step_columns = list(dict.fromkeys(key for row in step_table for key in row))
-    write_results(config, command, rows, COLUMNS, render_markdown(config, rows, command),
-                  {"steps.csv": csv_text(step_table, step_columns, digits=4)})
-    return rows
+    write_results(config, command, rows, COLUMNS, {"steps.csv": csv_text(step_table, step_columns, digits=4)})
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    config = parse_dataclass(StragglerBenchConfig, argv, prog="python -m lightning_ddp.bench.straggler")
-    return benchmark_main(config, "lightning_ddp.bench.straggler", argv, run_benchmark, render_markdown)
+main = benchmark_main(StragglerBenchConfig, run_benchmark, csv_report(render_markdown))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,5 @@
-"""The study pipeline every benchmark shares: cells (fit arguments) x interleaved repeats run by the one launcher,
-the CommTimer's files read by small metric plug-ins, the load guard before each repeat, and one way to write the
-results (CSV, markdown tables, provenance, the command that made them). docs/benchmarks.md describes the benchmarks
-built on it.
-"""
+"""The study pipeline every benchmark shares: cells x interleaved repeats run by the one launcher, metric plug-ins,
+the load guard, the benchmarks' configs and main, and the results' writers (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -14,19 +11,22 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes, write_command
+from lightning_ddp.bench.stats import Estimate, interval_text
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.projection import tables
+from lightning_ddp.projection.tables import csv_text, markdown_table
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 
 T = TypeVar("T")
 K = TypeVar("K")
+C = TypeVar("C", bound="BenchConfig")
 
 
 # ---- running a study ----------------------------------------------------------------------------------------
@@ -34,12 +34,8 @@ K = TypeVar("K")
 
 def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[Path], T], *,
               timeout_s: float = 3600.0) -> dict[str, list[T]]:
-    """Every cell's fit (Lightning starts its other ranks) ``repeats`` times, ``interleaved``; per cell, what the
-    metric plug-in ``read`` makes of each run's log directory, in repeat order.
-
-    Raises:
-        RuntimeError: a fit failed or timed out; names the cell, the repeat and the fit's last error line.
-    """
+    """Every cell's fit ``repeats`` times, ``interleaved``; per cell, what the plug-in ``read`` makes of each run's
+    log directory. A failed or timed-out fit raises RuntimeError naming the cell, the repeat and its error line."""
     results: dict[str, list[T]] = {name: [] for name in cells}
     index = {name: i for i, name in enumerate(cells)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,22 +59,45 @@ def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[
 
 
 def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
-    """Every (cell, repeat) in the order a study runs them: repeat 0 of every cell, then repeat 1, ... (a slow drift
-    of the machine hits every cell alike)."""
+    """Every (cell, repeat): repeat 0 of every cell, then repeat 1, ... (a slow drift hits every cell alike)."""
     cells = list(cells)
     return [(cell, k) for k in range(repeats) for cell in cells]
 
 
-def spawn_ranks(rank_main: Callable[..., None], world: int, *args: Any) -> Any:
-    """The in-process benchmarks' runner (memory, engine step, gradient error): ``rank_main(rank, world, port,
-    *args, result_file)`` in ``world`` spawned processes; what rank 0 wrote to ``result_file`` as JSON."""
+def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool,
+          *args_and_file: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_ddp.local_group import cores_per_rank, init_local_process_group
+
+    *args, result_file = args_and_file
+    if cuda:
+        torch.cuda.set_device(rank)
+    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
+    init_local_process_group(rank, world, port, backend, threads=None if cuda else cores_per_rank(world))
+    try:
+        result = measure(rank, world, *args)
+        if rank == 0:
+            write_atomically(Path(result_file), json.dumps(result))
+        # Both ranks done with the group before either tears it down: a rank destroying it while its peer's gloo
+        # thread still holds the pair aborted ("terminate called without an active exception", SIGABRT) under load.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str = "gloo", cuda: bool = False) -> Any:
+    """The in-process benchmarks' runner: ``measure(rank, world, *args)`` in ``world`` spawned processes of one local
+    process group (each CPU rank its share of the cores, each CUDA rank its GPU); what rank 0's returned (as JSON)."""
     import torch.multiprocessing as mp
 
     from lightning_ddp.local_group import find_free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "result.json")
-        mp.spawn(rank_main, args=(world, find_free_port(), *args, result_file), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, find_free_port(), measure, backend, cuda, *args, result_file), nprocs=world,
+                 join=True)
         return read_json(result_file)
 
 
@@ -86,8 +105,7 @@ def spawn_ranks(rank_main: Callable[..., None], world: int, *args: Any) -> Any:
 
 
 def read_timing_summary(log_dir: Path, required: bool = False) -> dict[str, Any] | None:
-    """The CommTimer's ``timing_summary.json`` under ``log_dir`` (the first, sorted), or ``None`` (a RuntimeError
-    when ``required``)."""
+    """The CommTimer's first ``timing_summary.json`` under ``log_dir``, or ``None`` (``required``: RuntimeError)."""
     path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
     if path is None and required:
         raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
@@ -98,17 +116,6 @@ def step_rows(log_dir: Path) -> list[dict[str, float]]:
     """Rank 0's measured per-step rows (wait/transfer, lag, step time, exposed comm ...) after the warm-up."""
     summary = read_timing_summary(log_dir, required=True)
     return summary["steps"][summary["warmup_steps"]:]
-
-
-def summary_medians(keys: Mapping[str, str]) -> Callable[[Path], dict[str, float]]:
-    """A plug-in reading the medians of the CommTimer's summary: ``{name: summary[key]["median"]}`` per run
-    (step time, exposed comm, bytes ...)."""
-
-    def read(log_dir: Path) -> dict[str, float]:
-        timing = read_timing_summary(log_dir, required=True)
-        return {name: timing["summary"][key]["median"] for name, key in keys.items()}
-
-    return read
 
 
 def loss_curve(log_dir: Path) -> list[float]:
@@ -124,32 +131,17 @@ def loss_curve(log_dir: Path) -> list[float]:
     return [losses[step] for step in sorted(losses)]
 
 
+def with_interval(name: str, value: Estimate, point: str = "", shift: float = 0.0) -> dict[str, float]:
+    """``{point or name: point, name_lo: lo, name_hi: hi}`` of an estimate, each plus ``shift``."""
+    return {point or name: value.point + shift, f"{name}_lo": value.lo + shift, f"{name}_hi": value.hi + shift}
+
+
 def per_repeat(runs: Sequence[Sequence[Mapping[str, float]]], key: str) -> list[np.ndarray]:
-    """One array per repeat of ``key`` over its step rows (NaN where a row lacks it): what ``stats`` estimates."""
+    """One array per repeat of ``key`` over its step rows (NaN where a row lacks it)."""
     return [np.array([row.get(key, math.nan) for row in run], dtype=float) for run in runs]
 
 
 # ---- writing the results -------------------------------------------------------------------------------------
-
-
-def csv_value(value: Any, digits: int | None = None) -> Any:
-    """A value as a CSV cell holds it: None/NaN as ``""``, booleans as ``true``/``false``."""
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return ""
-        return round(value, digits) if digits is not None else value
-    return value
-
-
-def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], digits: int | None = None) -> str:
-    """The study's one CSV writer: ``columns`` in order (others ignored), missing/None/NaN as empty, booleans as
-    ``true``/``false``, floats rounded to ``digits`` when given."""
-    values = ({column: csv_value(row.get(column), digits) for column in columns} for row in rows)
-    return tables.csv_text(values, columns)
 
 
 def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
@@ -158,23 +150,24 @@ def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
-    """A markdown table as lines; ``align`` has one ``l`` or ``r`` per column (default: first left, others right).
+def _typed(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    if text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
-    >>> markdown_table(["a", "b"], [[1, 2]])
-    ['| a | b |', '|---|---:|', '| 1 | 2 |']
-    """
-    return tables.markdown_table([str(name) for name in header], rows, align or "l" + "r" * (len(header) - 1))
 
-
-def command_text(module: str, argv: Sequence[str] | None) -> str:
-    """``python -m <module> <arguments>``: how a result was made (``argv`` None: this process's arguments)."""
-    return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """A results.csv's rows: booleans, numbers and text as written, empty cells as ``None``."""
+    return [{key: _typed(value) for key, value in row.items()} for row in read_csv(path)]
 
 
 def provenance(out: str | os.PathLike | None = None, **extra: Any) -> dict[str, Any]:
-    """What the results record next to their numbers: the invocation, versions, CPU and git state (``out``, where
-    they are written, does not make the tree dirty), plus ``extra``."""
+    """The invocation, versions, CPU and git state (``out`` does not make the tree dirty), plus ``extra``."""
     return {**invocation(), **extra, "torch": package_version("torch"), "lightning": package_version("lightning"),
             "cpu": {"model": cpu_model(), "count": os.cpu_count()},
             **git_state(ignore=[out] if out is not None else [])}
@@ -207,6 +200,43 @@ def load_average() -> float | None:
         return None
 
 
+# ---- tables written from column definitions -----------------------------------------------------------------
+
+
+class Column(NamedTuple):
+    """One column of a table: its header, its cell from a row, its alignment (``l`` or ``r``)."""
+
+    header: str
+    cell: Callable[[Any], Any]
+    align: str = "r"
+
+
+def table(columns: Sequence[Column], rows: Iterable[Any]) -> list[str]:
+    """The markdown table of ``rows`` under ``columns``, as lines."""
+    return markdown_table([c.header for c in columns], [[c.cell(row) for c in columns] for row in rows],
+                          "".join(c.align for c in columns))
+
+
+def text_cell(name: str, spec: str = "") -> Callable[[Mapping[str, Any]], str]:
+    """A cell writing ``row[name]`` in ``spec``: booleans as yes/no, ``-`` where it is missing or empty."""
+    def cell(row: Mapping[str, Any]) -> str:
+        value = row.get(name)
+        if value is None or value == "":
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return format(value, spec)
+
+    return cell
+
+
+def interval_cell(name: str, spec: str = ",.1f", bounds: str = "", scale: float = 1.0,
+                  unit: str = "") -> Callable[[Mapping[str, Any]], str]:
+    """A cell writing ``row[name]`` with its interval ``row[<bounds or name>_lo]``, ``_hi`` where it has one."""
+    lo, hi = f"{bounds or name}_lo", f"{bounds or name}_hi"
+    return lambda row: interval_text(row.get(name), row.get(lo), row.get(hi), spec, scale, unit)
+
+
 # ---- the load guard: before each repeat, wait until the machine's CPUs are (nearly) idle ----------------------
 
 
@@ -215,8 +245,7 @@ CpuTimes = tuple[int, int]
 
 
 def read_proc_stat(path: str = "/proc/stat") -> CpuTimes | None:
-    """``(idle + iowait, user + nice + system + idle + iowait + irq + softirq + steal)`` of the ``cpu`` line, or
-    ``None`` where there is no such file (not Linux)."""
+    """``(idle + iowait, all eight counters)`` of the ``cpu`` line, or ``None`` without the file (not Linux)."""
     try:
         with open(path, encoding="ascii") as f:
             for line in f:
@@ -237,20 +266,10 @@ def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
     return min(1.0, max(0.0, 1.0 - d_idle / d_total))
 
 
-def _sample_busy(seconds: float, reader: Callable[[], CpuTimes | None], sleep: Callable[[float], None]) -> float | None:
-    before = reader()
-    if before is None:
-        return None
-    sleep(seconds)
-    after = reader()
-    return None if after is None else busy_fraction(before, after)
-
-
 @dataclass(frozen=True)
 class LoadCheck:
-    """What the guard saw before one repeat (the sweep's repeats.csv columns of the same names): the last busy
-    fraction sampled (``None`` where it cannot be measured), the seconds waited for an idle machine, and whether the
-    repeat started on a busy one (still above the threshold when the wait ran out)."""
+    """What the guard saw before one repeat (repeats.csv's columns): the last busy fraction (``None``: not
+    measurable), the seconds waited, and whether the repeat started on a busy machine."""
 
     busy_before: float | None = None
     waited_s: float = 0.0
@@ -263,17 +282,130 @@ def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,
                     clock: Callable[[], float] = time.monotonic) -> LoadCheck:
     """Sample the busy fraction over ``sample_s`` (0: guard off), and keep sampling while it is above ``threshold``,
     up to ``max_wait_s``; ``reader``, ``sleep`` and ``clock`` are injected by tests."""
-    if sample_s <= 0:
-        return LoadCheck()
-    fraction = _sample_busy(sample_s, reader, sleep)
-    if fraction is None:
-        return LoadCheck()
-    start = clock()
-    waited = 0.0
-    while fraction > threshold and waited < max_wait_s:
-        latest = _sample_busy(sample_s, reader, sleep)
+    def sample() -> float | None:
+        before = reader()
+        if before is None:
+            return None
+        sleep(sample_s)
+        after = reader()
+        return None if after is None else busy_fraction(before, after)
+
+    fraction = sample() if sample_s > 0 else None
+    start, waited = clock(), 0.0
+    while fraction is not None and fraction > threshold and waited < max_wait_s:
+        latest = sample()
         waited = clock() - start
         if latest is None:  # the file went away: stop waiting, keep what was seen
             break
         fraction = latest
-    return LoadCheck(busy_before=fraction, waited_s=waited, busy=fraction > threshold)
+    return LoadCheck() if fraction is None else LoadCheck(fraction, waited, fraction > threshold)
+
+
+# ---- the benchmarks' configs and main --------------------------------------------------------------------------
+
+
+@dataclass
+class BenchConfig:
+    """What every single benchmark configures: its repeats, its steps, the bootstrap, the output."""
+
+    repeats: int = 3
+    """Interleaved runs (rounds) of every cell, each in fresh processes where the cells are fits."""
+    steps: int = 40
+    """Optimizer steps per run."""
+    warmup_steps: int = 5
+    """Steps per run left out (``--timer.warmup_steps``)."""
+    bootstrap_samples: int = 2000
+    """Draws of every interval."""
+    seed: int = 0
+    """Seed of the bootstrap."""
+    report_only: bool = False
+    """Measure nothing: rebuild the report from ``out_dir``'s recorded results."""
+    out_dir: str = "logs/study"
+    """Where the results and the report go (logs/ is git-ignored)."""
+
+    def __post_init__(self) -> None:
+        for name in ("repeats", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+
+
+@dataclass
+class StudyConfig(BenchConfig):
+    """A ``BenchConfig`` whose cells are fits: the fit config and arguments every fit starts from, its timeout."""
+
+    fit_config: str = "configs/quickstart.yaml"
+    """The fit config every run starts from (2 CPU ranks over gloo in the quickstart)."""
+    fit_args: list[str] = field(default_factory=list)
+    """More arguments for every fit, e.g. ``["--data.source", "synthetic"]``."""
+    timeout_s: float = 600.0
+    """Seconds per run before it is killed and the benchmark fails."""
+
+
+NO_VALIDATION = ["--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0"]
+"""Fit arguments keeping validation out of the timed steps."""
+
+
+def fit_arguments_of(config: StudyConfig, strategy: str) -> list[str]:
+    """A fit of ``fit_config`` and ``fit_args`` with ``strategy``, ``steps`` long, ``warmup_steps`` left out."""
+    return ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
+            "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
+            "--trainer.enable_progress_bar", "false"]
+
+
+def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]], columns: Sequence[str],
+                  files: Mapping[str, str] | None = None, **recorded: Any) -> None:
+    """results.csv (4 digits), ``files`` and environment.json (provenance, command, config, ``recorded``)."""
+    write_outputs(config.out_dir, {
+        "results.csv": csv_text(rows, columns, digits=4), **(files or {}),
+        "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config), **recorded),
+    })
+
+
+def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callable[[C], tuple[list, str]]:
+    """A benchmark's ``report``: results.md, ``render(recorded config, rows, command line)`` of ``out_dir``'s
+    results.csv and environment.json."""
+
+    def report(config: C) -> tuple[list[dict[str, Any]], str]:
+        recorded = read_json(Path(config.out_dir) / "environment.json")
+        rows = read_rows(Path(config.out_dir) / "results.csv")
+        markdown = render(type(config)(**{**recorded["config"], "report_only": False}), rows, recorded["command_line"])
+        write_outputs(config.out_dir, {"results.md": markdown})
+        return rows, markdown
+
+    return report
+
+
+def json_report(results: str, markdown: str, render: Callable[[dict[str, Any]], str],
+                plot: Callable[[dict[str, Any], Path], Any] | None = None) -> Callable[[Any], tuple[dict, str]]:
+    """A benchmark's ``report``: the file ``markdown``, ``render`` of ``out_dir``'s JSON ``results`` (and its
+    ``plot(results, out_dir)``)."""
+
+    def report(config: Any) -> tuple[dict[str, Any], str]:
+        out = Path(config.out_dir)
+        result = read_json(out / results)
+        text = render(result)
+        write_outputs(out, {markdown: text})
+        if plot is not None:
+            plot(result, out)
+        return result, text
+
+    return report
+
+
+def benchmark_main(config_type: type[C], measure: Callable[[C, str], Any],
+                   report: Callable[[C], tuple[Any, str]]) -> Callable[[list[str] | None], Any]:
+    """The ``main(argv)`` of ``python -m <config_type's module>``: ``config_type`` parsed with jsonargparse,
+    ``measure(config, command)`` writes the raw results into ``out_dir`` (skipped with ``report_only``),
+    ``report(config)`` the report from them; prints its markdown, returns its result."""
+    def main(argv: list[str] | None = None) -> Any:
+        module = sys.modules[config_type.__module__].__spec__.name  # its name also when run as __main__
+        config = parse_dataclass(config_type, argv, prog=f"python -m {module}")
+        if not config.report_only:
+            measure(config, f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
+        result, markdown = report(config)
+        print(markdown, flush=True)
+        return result
+
+    return main

@@ -1,7 +1,5 @@
-"""What the CommTimer costs: the same fit with the timer off, measuring every step and measuring every Nth step,
-alternated in one command (``python -m lightning_ddp.bench.timer_overhead --fit_config configs/quickstart.yaml``);
-docs/benchmarks.md says how the step times are taken.
-"""
+"""``python -m lightning_ddp.bench.timer_overhead``: what the CommTimer costs, the same fit with the timer off, on
+every step and on every Nth step, alternated (docs/benchmarks.md, "Timer overhead")."""
 
 from __future__ import annotations
 
@@ -12,22 +10,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from jsonargparse.typing import restricted_number_type
 from lightning.pytorch.callbacks import Callback
 
-from lightning_ddp.bench.single import Column, StudyConfig, benchmark_main, interval_cell, table, text_cell
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
-from lightning_ddp.bench.study import provenance, read_json, run_study, write_outputs
-from lightning_ddp.command_line import parse_dataclass
+from lightning_ddp.bench.study import (
+    NO_VALIDATION, Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance, run_study, table,
+    text_cell, with_interval, write_outputs,
+)
 
 
 class StepWallTimes(Callback):
     """Rank 0 writes the host time between consecutive training-batch ends (ms) and the whole window's time after
-    one final synchronize as JSON to ``path`` (default: ``FILE`` in the trainer's log directory)."""
+    one final synchronize to ``FILE`` in the trainer's log directory."""
 
     FILE = "step_wall_times.json"
 
-    def __init__(self, path: str | None = None) -> None:
-        self.path = path
+    def __init__(self) -> None:
         self.times_ms: list[float] = []
         self._first: float | None = None
         self._last: float | None = None
@@ -45,8 +44,8 @@ class StepWallTimes(Callback):
             torch.cuda.synchronize()  # once: the queued tail belongs to the window
         if trainer.is_global_zero and self._first is not None and self.times_ms:
             window_ms = (time.perf_counter() - self._first) * 1e3
-            path = Path(self.path or Path(trainer.log_dir) / self.FILE)
-            path.write_text(json.dumps({"steps_ms": self.times_ms, "window_ms": window_ms}))
+            measured = {"steps_ms": self.times_ms, "window_ms": window_ms}
+            (Path(trainer.log_dir) / self.FILE).write_text(json.dumps(measured))
 
 
 EVERY_STEP = "every step"
@@ -63,16 +62,10 @@ class TimerOverheadConfig(StudyConfig):
     """Optimizer steps per run (110: the every-50 arm measures steps 0, 50 and 100)."""
     warmup_steps: int = 5
     """Steps per run left out of the median."""
-    sampled_every: int = 50
-    """The sampled arm's ``--timer.every_n_steps`` (Lightning's default ``log_every_n_steps``; run at least twice
-    as many steps)."""
+    sampled_every: restricted_number_type("AtLeast2", int, (">=", 2)) = 50  # type: ignore[valid-type]
+    """The sampled arm's ``--timer.every_n_steps`` (>= 2: 1 is the every-step arm; run at least twice as many steps)."""
     out_dir: str = "logs/timer_overhead"
     """Where timer_overhead.json and .md go (logs/ is git-ignored)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.sampled_every < 2:
-            raise ValueError(f"sampled_every must be >= 2 (1 is the every-step arm already), got {self.sampled_every}")
 
 
 def arms(sampled_every: int) -> dict[str, list[str]]:
@@ -84,14 +77,11 @@ def arms(sampled_every: int) -> dict[str, list[str]]:
     }
 
 
-def measure(config: TimerOverheadConfig, command: str) -> dict:
-    """Every arm's fit ``repeats`` times, interleaved; the summary (``summarize``) with the settings, written with
-    its report to ``out_dir``."""
+def measure(config: TimerOverheadConfig, command: str) -> None:
+    """Every arm's fit ``repeats`` times, interleaved; timer_overhead.json (``summarize``, the settings)."""
     cells = {f"timer {arm}": [
         "--config", config.fit_config, *config.fit_args, "--trainer.max_steps", str(config.steps),
-        "--trainer.enable_progress_bar", "false", *timer_args,
-        # No validation inside the measured window (the quickstart validates at step 40).
-        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false", *timer_args, *NO_VALIDATION,  # the quickstart validates at step 40
         "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
     ] for arm, timer_args in arms(config.sampled_every).items()}
     logs = run_study(cells, config.repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()),
@@ -103,7 +93,6 @@ def measure(config: TimerOverheadConfig, command: str) -> dict:
                         config=asdict(config), repeats=config.repeats, steps=config.steps,
                         warmup=config.warmup_steps, command=command)
     write_outputs(config.out_dir, {"timer_overhead.json": result})
-    return write_report(config)
 
 
 GOAL = 0.02
@@ -112,9 +101,8 @@ GOAL = 0.02
 
 def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]], samples: int = 2000,
               seed: int = 0) -> dict:
-    """Per arm other than ``off`` (under ``arms``; the ``every step`` arm's also at the top level): its overhead
-    ``median(arm) / median(off) - 1`` with a 95 % interval and its verdict against the 2 % goal, and the same ratio
-    of the whole runs' mean steps (``windows``, no interval)."""
+    """Per arm (under ``arms``; the every-step arm's also at the top level), against ``off``: the overhead of the
+    median step [95 %] with its verdict, and of the whole runs' mean step (``windows``)."""
     per_arm: dict[str, dict] = {}
     for arm, steps in runs.items():  # off first: every other arm is divided by it
         mean = statistics.mean(windows[arm])
@@ -122,8 +110,7 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
                         "steps_measured": sum(map(len, steps))}
         if arm != "off":
             ratio = ratio_estimate(steps, runs["off"], samples, seed=seed, keys=(f"timer {arm}", "timer off"))
-            per_arm[arm].update(overhead=ratio.point - 1, overhead_lo=ratio.lo - 1, overhead_hi=ratio.hi - 1,
-                                verdict=verdict(ratio, 1 + GOAL),
+            per_arm[arm].update(**with_interval("overhead", ratio, shift=-1), verdict=verdict(ratio, 1 + GOAL),
                                 window_overhead=mean / per_arm["off"]["window_mean_step_ms"] - 1)
     every = per_arm[EVERY_STEP]
     return {**{f"{key}_timer_{state}": per_arm[arm][key] for key in ("median_step_ms", "window_mean_step_ms")
@@ -142,28 +129,17 @@ def format_table(result: dict) -> str:
     return "\n".join(table(columns, [{"arm": arm, **data} for arm, data in result["arms"].items()]))
 
 
-def summary_line(result: dict) -> str:
-    """One line: the every-step arm's overhead with its interval and verdict, and over whole runs."""
+def _markdown(result: dict) -> str:
+    """timer_overhead.md: the every-step arm's overhead in one line, the table, the command."""
     return (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
             f"{result['overhead_lo'] * 100:+.2f}, {result['overhead_hi'] * 100:+.2f}] (median step "
             f"{result['median_step_ms_timer_off']:.1f} ms off, {result['median_step_ms_timer_on']:.1f} ms on; goal < "
             f"{GOAL:.0%}: {result['verdict']}); over whole runs {result['window_overhead'] * 100:+.2f} % "
             f"({result['window_mean_step_ms_timer_off']:.1f} vs {result['window_mean_step_ms_timer_on']:.1f} ms mean "
-            "step)")
+            f"step)\n\n{format_table(result)}\n\nCommand: `{result['command']}`\n")
 
 
-def write_report(config: TimerOverheadConfig) -> dict:
-    """timer_overhead.md from ``out_dir``'s timer_overhead.json; returns the result."""
-    result = read_json(Path(config.out_dir) / "timer_overhead.json")
-    write_outputs(config.out_dir, {"timer_overhead.md": f"{summary_line(result)}\n\n{format_table(result)}\n\n"
-                                                        f"Command: `{result['command']}`\n"})
-    return result
-
-
-def main(argv: list[str] | None = None) -> dict:
-    config = parse_dataclass(TimerOverheadConfig, argv, prog="python -m lightning_ddp.bench.timer_overhead")
-    return benchmark_main(config, "lightning_ddp.bench.timer_overhead", argv, measure,
-                          lambda _, result, __: summary_line(result) + "\n" + format_table(result), write_report)
+main = benchmark_main(TimerOverheadConfig, measure, json_report("timer_overhead.json", "timer_overhead.md", _markdown))
 
 
 if __name__ == "__main__":

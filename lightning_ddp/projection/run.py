@@ -98,7 +98,7 @@ def run_projection(config) -> ProjectionOutcome:
     rows = [result_row(r, fabric.nodes(r.world_size), best[(r.variant, r.world_size)] is r) for r in results]
     out_dir = Path(config.output.out_dir)
     files = [
-        write_atomically(out_dir / "results.csv", csv_text(rows, COLUMNS, extrasaction="ignore")),
+        write_atomically(out_dir / "results.csv", csv_text(rows, COLUMNS)),
         write_atomically(out_dir / "results.md", build_markdown(config, profile, fabric, results)),
         write_profile(profile, out_dir / "compute_profile.json"),
         write_atomically(out_dir / "environment.json",

@@ -1,13 +1,14 @@
-"""Markdown tables and CSV text: the one helper the projection's and the GPU study's reports write with."""
+"""Markdown tables and CSV text: the one table and CSV writer of every report (projection and study)."""
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
+def markdown_table(header: Sequence[Any], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
     """The lines of a markdown table; ``align`` has one letter per column, ``r`` right-aligned (``---:``), anything
     else (or a missing letter) left (``---``). A ``|`` or a line break inside a cell stays in it (escaped).
 
@@ -20,14 +21,28 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: 
         return str(value).replace("|", "\\|").replace("\n", " ")
 
     rule = "".join("---:|" if letter == "r" else "---|" for letter in align.ljust(len(header)))
-    lines = ["| " + " | ".join(header) + " |", "|" + rule]
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + rule]
     return lines + ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
 
 
-def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], **options: Any) -> str:
-    """``rows`` as CSV with a header of ``columns`` and ``\\n`` line ends; ``options`` go to ``csv.DictWriter``."""
+def csv_value(value: Any, digits: int | None = None) -> Any:
+    """A value as a CSV cell holds it: None/NaN as ``""``, booleans as ``true``/``false``."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return ""
+        return round(value, digits) if digits is not None else value
+    return value
+
+
+def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], digits: int | None = None) -> str:
+    """``rows`` as CSV with a header of ``columns`` (others ignored) and ``\\n`` line ends; cells by ``csv_value``
+    (floats rounded to ``digits`` when given)."""
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n", **options)
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({column: csv_value(row.get(column), digits) for column in columns} for row in rows)
     return buffer.getvalue()

@@ -278,7 +278,7 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
                         [0.25, 0.5, 1, 2, 4, 8, 16, 32])
     out_dir = Path(out)
     columns = list(dict.fromkeys(k for c in cells for k in c))
-    write_atomically(out_dir / "cpu_sweep_validation.csv", csv_text(cells, columns, restval=""))
+    write_atomically(out_dir / "cpu_sweep_validation.csv", csv_text(cells, columns))
     markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
     markdown += "\n" + "\n".join(contention_lines(
         "gloo", contention, "cells' step times", before, cells,

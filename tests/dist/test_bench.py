@@ -10,12 +10,12 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from lightning_ddp.bench import launch as launch_module
-from lightning_ddp.bench.__main__ import parse_config
 from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, expand_grid
 from lightning_ddp.bench.launch import ProcessResult, RankLayout, error_line, rank_layout, run_processes
 from lightning_ddp.bench.report import (
@@ -43,7 +43,10 @@ from lightning_ddp.bench.sweep import (
     repeat_row,
     run_sweep,
 )
+from lightning_ddp.command_line import parse_dataclass
 from tests.support.cli_utils import REPO, repo_first_on_path
+
+parse_config = partial(parse_dataclass, SweepConfig, prog="python -m lightning_ddp.bench")
 
 BENCH_CONFIGS = sorted((REPO / "configs" / "bench").glob("*.yaml"))
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")

@@ -142,7 +142,8 @@ def test_the_command_writes_advice_json_and_md(tmp_path: Path, capsys: pytest.Ca
 
 def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
     from lightning_ddp.bench import advice as bench
-    from lightning_ddp.bench.study import csv_text, write_outputs
+    from lightning_ddp.bench.study import write_outputs
+    from lightning_ddp.projection.tables import csv_text
     from lightning_ddp.command_line import parse_dataclass
 
     config = parse_dataclass(bench.AdviceBenchConfig, ["--config", str(REPO / "configs/advice/cpu.yaml")],
@@ -158,7 +159,7 @@ def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
     keep = bench.summarize(config, "flat", {**advice, "fit_args": [], "verdict": "keep"}, {"start": steps})
     assert keep["applied_ms"] == keep["start_ms"] and keep["gain"] == 0.0
     markdown = bench.render_markdown(config, [row, keep], "cmd")
-    write_outputs(tmp_path, {"results.csv": csv_text([row, keep], bench.COLUMNS, digits=4), "results.md": markdown,
+    write_outputs(tmp_path, {"results.csv": csv_text([row, keep], list(row), digits=4), "results.md": markdown,
                              "environment.json": {"config": vars(config), "command_line": "cmd"}})
     bench.main(["--out_dir", str(tmp_path), "--report_only", "true"])
     assert (tmp_path / "results.md").read_text() == markdown

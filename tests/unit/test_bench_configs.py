@@ -7,16 +7,19 @@ import contextlib
 import io
 import re
 import shlex
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from lightning_ddp import memory
-from lightning_ddp.bench.__main__ import parse_config
 from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, expand_grid
 from lightning_ddp.bench.launch import LOOPBACK_INTERFACE, RankLayout
 from lightning_ddp.bench.sweep import cell_environments
+from lightning_ddp.command_line import parse_dataclass
 from tests.support.cli_utils import REPO
+
+parse_config = partial(parse_dataclass, SweepConfig, prog="python -m lightning_ddp.bench")
 
 BENCH_CONFIGS = sorted((REPO / "configs" / "bench").glob("*.yaml"))
 # "= 180 cells x 3 repeats": the total after "=" (a "15 cells" per group is not a total), repeats if stated.

@@ -176,9 +176,9 @@ def test_compression_summary_pairs_each_variant_with_fp32_by_seed_with_an_interv
 
 
 def test_compression_variants_are_registered_lossy_algorithms_with_their_engine_settings() -> None:
-    from lightning_ddp.bench.compression import default_variants, parse_variant
+    from lightning_ddp.bench.compression import CompressionConfig, parse_variant, variants_of
 
-    assert [v.name for v in default_variants()][:2] == ["bucketed_bf16_ddp", "bucketed_powersgd_ddp"]
+    assert [v.name for v in variants_of(CompressionConfig())][:2] == ["bucketed_bf16_ddp", "bucketed_powersgd_ddp"]
     variant = parse_variant("bucketed_powersgd_ddp:rank=4,start_iter=10")
     assert (variant.algorithm, variant.settings) == ("bucketed_powersgd_ddp", {"rank": 4, "start_iter": 10})
     assert variant.name == "bucketed_powersgd_ddp rank=4 start_iter=10"

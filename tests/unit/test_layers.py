@@ -324,8 +324,9 @@ def test_every_entry_point_parses_its_command_line_with_jsonargparse() -> None:
                           and isinstance(node.value, ast.Name) and node.value.id == "argparse" and node.attr == "ArgumentParser"]
         assert not plain_argparse, f"{name} builds an argparse.ArgumentParser (line {plain_argparse[0]}); use jsonargparse"
         # the module parses with jsonargparse itself, or runs the `main` of one that does (``lightning_ddp`` -> cli),
-        # or calls the study's shared parser (``command_line.parse_dataclass``)
+        # or calls the study's shared parser (``command_line.parse_dataclass``, or ``study.benchmark_main`` around it)
         helpers = [imported.rpartition(".")[0] for imported, _, _ in _imports(path)
-                   if imported.endswith(".main") or imported == "lightning_ddp.command_line.parse_dataclass"]
+                   if imported.endswith(".main") or imported in ("lightning_ddp.command_line.parse_dataclass",
+                                                                 "lightning_ddp.bench.study.benchmark_main")]
         sources = [path.read_text(encoding="utf-8")] + [_path_of(module).read_text(encoding="utf-8") for module in helpers]
         assert any("jsonargparse" in source for source in sources), f"{name} does not parse with jsonargparse"

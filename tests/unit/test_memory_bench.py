@@ -13,15 +13,20 @@ import torch
 
 from lightning_ddp.bench import memory
 from lightning_ddp.bench.memory import (
-    MODES, PLOT_NAME, MemoryBenchConfig, family_summary, format_report, parse_config, sent_bytes_per_rank,
-    summarise_modes, write_memory_plot,
+    MODES, PLOT_NAME, MemoryBenchConfig, family_summary, format_report, sent_bytes_per_rank, summarise_modes,
+    write_memory_plot,
 )
+from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.memory import expected_bytes
 from lightning_ddp.model import GPT, get_config
 from tests.support.cli_utils import REPO
 
 MEMORY_CONFIGS = sorted((REPO / "configs" / "memory").glob("*.yaml"))
 GiB = 2**30
+
+
+def parse_config(args: list[str]) -> MemoryBenchConfig:
+    return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")
 
 
 def test_doctests() -> None:
@@ -64,12 +69,12 @@ def test_every_memory_config_parses(path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--preset", "huge"], "not a supported preset"),
-        (["--steps", "3"], "steps must be >= warmup_steps \\+ 2 = 4"),  # default warmup_steps 2: 1 measured step
+        (["--preset", "huge"], "(?s)preset.*'tiny', 'small'.*Got value: huge"),
+        (["--steps", "3"], "steps >= warmup_steps \\+ 2 = 4"),  # default warmup_steps 2: 1 measured step
         (["--warmup_steps", "0"], "warmup_steps must be >= 1"),
-        (["--modes", "[zero3]"], "not valid"),
+        (["--modes", "[zero3]"], "(?s)modes.*'unsharded'.*Got value: zero3"),
         (["--backend", "nccl"], "needs accelerator cuda"),
-        (["--repeats", "2"], "repeats must be 1"),
+        (["--repeats", "2"], "(?s)repeats.*Literal\\[1\\]. Got value: 2"),
     ],
 )
 def test_config_errors_name_the_flag(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,7 +123,8 @@ def _results(step_ms: dict[str, list[float]], zero2_grads: int = PARAMS // 2, bu
                  for r in range(2)] for mode in modes]
     config = {"preset": "tiny", "devices": 2, "accelerator": "cpu", "batch_size": 1, "seq_len": 8,
               "steps": len(next(iter(step_ms.values()))), "warmup_steps": 2, "grad_sync": "bucketed",
-              "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0, "modes": list(modes)}
+              "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0, "modes": list(modes),
+              "bootstrap_samples": 2000}
     environment = {"torch": "2.x", "device": "cpu", "cpu_count": 2, "backend": "gloo"}
     return {"config": config, "environment": environment,
             "modes": summarise_modes(config, per_mode)}
