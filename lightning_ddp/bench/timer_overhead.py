@@ -51,6 +51,8 @@ class StepWallTimes(Callback):
 EVERY_STEP = "every step"
 """The arm the top-level keys of the result describe (the timer as the benchmarks run it)."""
 
+AtLeast2 = restricted_number_type("AtLeast2", int, (">=", 2))
+
 
 @dataclass
 class TimerOverheadConfig(StudyConfig):
@@ -62,7 +64,7 @@ class TimerOverheadConfig(StudyConfig):
     """Optimizer steps per run (110: the every-50 arm measures steps 0, 50 and 100)."""
     warmup_steps: int = 5
     """Steps per run left out of the median."""
-    sampled_every: restricted_number_type("AtLeast2", int, (">=", 2)) = 50  # type: ignore[valid-type]
+    sampled_every: AtLeast2 = 50
     """The sampled arm's ``--timer.every_n_steps`` (>= 2: 1 is the every-step arm; run at least twice as many steps)."""
     out_dir: str = "logs/timer_overhead"
     """Where timer_overhead.json and .md go (logs/ is git-ignored)."""
