@@ -13,10 +13,10 @@ from typing import Any, Optional, Sequence
 from lightning_ddp.files import write_atomically
 from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
-from lightning_ddp.projection.contention import CONTENTION, contention_lines
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
-from lightning_ddp.projection.simulators import StepModel, simulate, simulated_by
+from lightning_ddp.projection.simulators import CONTENTION, StepModel, simulate, simulated_by
 from lightning_ddp.projection.tables import csv_text, markdown_table
+from lightning_ddp.projection.validate import contention_lines
 
 XL_SHAPE = ModelShape.from_preset("xl")
 """The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""

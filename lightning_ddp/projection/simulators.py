@@ -28,6 +28,23 @@ DDP_FIRST_BUCKET_BYTES = 1 * MiB
 DDP_BUCKET_CAP_BYTES = int(catalogue.DEFAULT_BUCKET_SIZE_MB * MiB)
 """torch DDP's default ``bucket_cap_mb``."""
 
+CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
+"""Fitted contention ``s`` per backend: compute slowed while collectives run (what ``python -m
+lightning_ddp.projection.contention`` prints; ``test_project.py`` refits it)."""
+
+CPU_COPY_GBPS = 24.03
+"""Copy bandwidth of the CPU validation (GB/s read + written, measured once on the sweep's machine and recorded in
+``benchmarks/results/projection/cpu_sweep_validation.md``); fixed so that the fit is reproducible anywhere."""
+
+
+def backend_contention(backend: str) -> float:
+    """The fitted ``s`` of ``backend`` (``gloo``, ``nccl``); an unknown one names the known ones."""
+    try:
+        return CONTENTION[backend]
+    except KeyError:
+        raise ValueError(f"no fitted contention for backend {backend!r}; known: {', '.join(CONTENTION)} (or give "
+                         "`network.contention` as a number)") from None
+
 
 @dataclass(frozen=True)
 class Interval:
