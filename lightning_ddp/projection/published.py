@@ -258,7 +258,8 @@ def write_comparison(out: str | Path = "benchmarks/results/projection", gpu: str
         *_inputs_lines(gpu, fabrics), *_runs_table(comparisons, list(fabrics)),
         *_summary_table(comparisons, list(fabrics)), "",
         *contention_lines("NCCL", s, "runs' wait shares on `pcie_gen4`; batch 4 x context 512 left out",
-                          pcie_rows(0.0), pcie_rows(s), ["mean \\|share error\\|", "mean step error"], by_strategy=True),
+                          pcie_rows(0.0), pcie_rows(s), ["mean \\|share error\\|", "mean step error"],
+                          by_strategy=True),
     ])
     return [write_atomically(Path(out) / "published_xl_2gpu.md", markdown),
             write_atomically(Path(out) / "published_xl_2gpu.csv", csv_text(rows, list(rows[0])))]
