@@ -273,21 +273,16 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
     cursor, _ = run(forward or [Op("compute", "forward", p.forward_ms, copy=False)], 0.0, wait=False)
     done = 0.0  # backward work done (ms of the profile's backward)
     comm_ends: list[float] = []
-    b = 0
-    for b, ready_ms in enumerate(ready):
-        if ready_ms is None:
-            break  # a gradient that never comes: this bucket (and, in order, every later one) waits for the finish
-        if ready_ms > done:
-            cursor = t.compute("backward", cursor, ready_ms - done)
-            done = ready_ms
-        cursor, end = run(launch[b], cursor, wait=False)
+    late = False  # a gradient that never comes: its bucket and, in order, every later one launch after backward
+    for k, ready_ms in enumerate(ready):
+        late = late or ready_ms is None
+        until = p.backward_span_ms if late else ready_ms
+        if until > done:
+            cursor = t.compute("backward", cursor, until - done)
+            done = until
+        cursor, end = run(launch[k], cursor, wait=False)
         comm_ends.append(end)
-    else:
-        b = len(ready)
     cursor = t.compute("backward", cursor, p.backward_span_ms - done)
-    for late in range(b, len(ready)):  # finish_gradient_synchronization: launch what backward did not
-        cursor, end = run(launch[late], cursor, wait=False)
-        comm_ends.append(end)
     if presence_flags:  # the engines' tiny blocking all-reduce of "which parameters have a gradient here"
         cursor = t.collective("gradient presence flags", cursor, PRESENCE_FLAG_BYTES * len(p.params))
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
