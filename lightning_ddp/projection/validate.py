@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import statistics
@@ -138,24 +139,21 @@ def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]
     """``(agree, pairs, disagreements)`` over the pairs of a group's cells whose measured intervals do not overlap."""
     agree = pairs = 0
     disagreements = []
-    for group in _groups(cells).values():
-        for i, a in enumerate(group):
-            for b in group[i + 1:]:
-                bounds = (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"])
-                if None in bounds:
-                    continue
-                if a["measured_step_hi"] < b["measured_step_lo"]:
-                    faster, slower = a, b
-                elif b["measured_step_hi"] < a["measured_step_lo"]:
-                    faster, slower = b, a
-                else:
-                    continue  # the measurement cannot order them
-                pairs += 1
-                if faster["predicted_step_ms"] < slower["predicted_step_ms"]:
-                    agree += 1
-                else:
-                    disagreements.append(f"{_name(faster)} < {_name(slower)} (b{faster['batch_size']} "
-                                         f"t{faster['context_length']})")
+    for a, b in (pair for group in _groups(cells).values() for pair in itertools.combinations(group, 2)):
+        if None in (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"]):
+            continue
+        if a["measured_step_hi"] < b["measured_step_lo"]:
+            faster, slower = a, b
+        elif b["measured_step_hi"] < a["measured_step_lo"]:
+            faster, slower = b, a
+        else:
+            continue  # the measurement cannot order them
+        pairs += 1
+        if faster["predicted_step_ms"] < slower["predicted_step_ms"]:
+            agree += 1
+        else:
+            disagreements.append(f"{_name(faster)} < {_name(slower)} (b{faster['batch_size']} "
+                                 f"t{faster['context_length']})")
     return agree, pairs, disagreements
 
 
