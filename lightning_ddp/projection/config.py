@@ -12,9 +12,9 @@ from jsonargparse.typing import NonNegativeFloat, PositiveFloat, PositiveInt, re
 from lightning_ddp import catalogue
 from lightning_ddp.projection.comm import Fabric, get_fabric, read_fit
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec, get_gpu
+from lightning_ddp.projection.simulators import backend_contention, model_settings, simulated_names, simulator
 
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
-from lightning_ddp.projection.simulators import backend_contention, model_settings, simulated_names, simulator
 
 
 @dataclass

@@ -124,7 +124,7 @@ class StepModel:
     flops_per_s: Optional[float] = None
     """FLOP/s of the compute stream's arithmetic (PowerSGD's); ``None``: only the bytes they move count."""
     contention: float = 0.0
-    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``contention.py``)."""
+    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``CONTENTION``)."""
 
     def collective_ms(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes``; ``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""

@@ -257,7 +257,7 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
         out: Where the validation goes.
         copy_GBps: Copy bandwidth, GB/s (read + written); default: measured here.
         contention: Compute slowed by ``1 + contention`` while a collective runs; default: gloo's fitted value
-            (``lightning_ddp/projection/contention.py``). The report also gives the errors without it.
+            (``simulators.CONTENTION``). The report also gives the errors without it.
     """
     command = (f"python -m lightning_ddp.projection.validate --sweep {sweep} --out {out}"
                + (f" --copy_GBps {copy_GBps:g}" if copy_GBps else "")
