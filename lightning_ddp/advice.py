@@ -20,10 +20,17 @@ from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA
 from lightning_ddp.profile import ComputeProfile, read_profile
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
-from lightning_ddp.projection.contention import CONTENTION, CPU_COPY_GBPS
 from lightning_ddp.projection.run import project
+from lightning_ddp.projection.simulators import (
+    CONTENTION,
+    CPU_COPY_GBPS,
+    MiB,
+    StepModel,
+    best_by_world_size,
+    simulate,
+    simulated_names,
+)
 from lightning_ddp.projection.tables import markdown_table
-from lightning_ddp.projection.simulators import MiB, StepModel, best_by_world_size, simulate, simulated_names
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
 
 RERUN = "re-run the fit with this version of lightning_ddp (its CommTimer writes what advise reads)"

@@ -11,11 +11,10 @@ from jsonargparse.typing import NonNegativeFloat, PositiveFloat, PositiveInt, re
 
 from lightning_ddp import catalogue
 from lightning_ddp.projection.comm import Fabric, get_fabric, read_fit
-from lightning_ddp.projection.contention import backend_contention
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec, get_gpu
+from lightning_ddp.projection.simulators import backend_contention, model_settings, simulated_names, simulator
 
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
-from lightning_ddp.projection.simulators import model_settings, simulated_names, simulator
 
 
 @dataclass
@@ -81,7 +80,7 @@ class NetworkConfig:
     """Overrides the fixed cost per collective, microseconds."""
     contention: Optional[NonNegativeFloat] = None
     """``s``: compute runs ``1 + s`` times slower while a collective is in flight; default: the value fitted for
-    the backend (``projection/contention.py``: gloo for a ``measured`` fit recorded on gloo, else NCCL)."""
+    the backend (``simulators.CONTENTION``: gloo for a ``measured`` fit recorded on gloo, else NCCL)."""
 
     def __post_init__(self) -> None:
         if self.preset != "measured":
@@ -182,13 +181,13 @@ def build_fabric(network: NetworkConfig) -> Fabric:
 
 def contention_of(network: NetworkConfig) -> tuple[float, str]:
     """``(s, where it comes from)`` for a ``NetworkConfig``: ``network.contention``, or the fitted value of its
-    backend (``contention.CONTENTION``: gloo for a ``measured`` fit recorded on gloo, NCCL otherwise)."""
+    backend (``simulators.CONTENTION``: gloo for a ``measured`` fit recorded on gloo, NCCL otherwise)."""
     if network.contention is not None:
         return network.contention, "`network.contention`"
     backend = "nccl"
     if network.preset == "measured" and read_fit(network.fit_path).backend == "gloo":
         backend = "gloo"
-    return backend_contention(backend), f"fitted for {backend} (`python -m lightning_ddp.projection.contention_fit`)"
+    return backend_contention(backend), f"fitted for {backend} (`python -m lightning_ddp.projection.contention`)"
 
 
 def gpu_spec(compute: ComputeConfig) -> GPUSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
@@ -210,6 +210,16 @@ def _save(fig, path: Path) -> Path:
     return write_atomically(path, buffer.getvalue())
 
 
+def _style(ax, xlabel: str, ylabel: str, compute_ms: Optional[float] = None, base: int = 10) -> None:
+    """A plot's shared styling: log x axis, labels, grid; ``compute_ms``: the compute-only step as a dashed line."""
+    if compute_ms is not None:
+        ax.axhline(compute_ms, color="grey", linestyle="--", label="compute only")
+    ax.set_xscale("log", base=base)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
 def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputeProfile) -> list[Path]:
     """``share_vs_world.png`` and (with a bucketed strategy) ``step_vs_bucket.png``; returns their paths."""
     from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
@@ -226,13 +236,10 @@ def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputePr
         xs = [r.world_size for r in points]
         ax_share.plot(xs, [100 * r.comm_share for r in points], marker="o", label=_title(name))
         ax_step.plot(xs, [r.step_ms for r in points], marker="o", label=_title(name))
-    ax_step.axhline(profile.compute_ms, color="grey", linestyle="--", label="compute only")
-    for ax, ylabel in ((ax_share, "exposed communication share of step (%)"), (ax_step, "step time (ms)")):
-        ax.set_xscale("log", base=2)
+    _style(ax_share, "world size (ranks)", "exposed communication share of step (%)", base=2)
+    _style(ax_step, "world size (ranks)", "step time (ms)", profile.compute_ms, base=2)
+    for ax in (ax_share, ax_step):
         ax.set_xticks(sizes, [str(n) for n in sizes])
-        ax.set_xlabel("world size (ranks)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
     ax_step.set_ylim(bottom=0)
     ax_share.legend(fontsize=8)
     fig.suptitle(f"Projected step and communication share: {profile.label}")
@@ -250,12 +257,8 @@ def write_plots(out_dir: Path, results: Sequence[StepResult], profile: ComputePr
                                label=f"{n} ranks")
                 b = best[(name, n)]
                 ax.plot([b.bucket_size_mb], [b.step_ms], marker="*", markersize=12, color=line[0].get_color())
-            ax.axhline(profile.compute_ms, color="grey", linestyle="--", label="compute only")
-            ax.set_xscale("log")
-            ax.set_xlabel("bucket size cap (MiB)")
-            ax.set_ylabel("step time (ms)")
+            _style(ax, "bucket size cap (MiB)", "step time (ms)", profile.compute_ms)
             ax.set_title(f"{name} (star: best size)")
-            ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         files.append(_save(fig, out_dir / "step_vs_bucket.png"))
     return files

@@ -28,6 +28,23 @@ DDP_FIRST_BUCKET_BYTES = 1 * MiB
 DDP_BUCKET_CAP_BYTES = int(catalogue.DEFAULT_BUCKET_SIZE_MB * MiB)
 """torch DDP's default ``bucket_cap_mb``."""
 
+CONTENTION: dict[str, float] = {"gloo": 1.0, "nccl": 0.36}
+"""Fitted contention ``s`` per backend: compute slowed while collectives run (what ``python -m
+lightning_ddp.projection.contention`` prints; ``test_project.py`` refits it)."""
+
+CPU_COPY_GBPS = 24.03
+"""Copy bandwidth of the CPU validation (GB/s read + written, measured once on the sweep's machine and recorded in
+``benchmarks/results/projection/cpu_sweep_validation.md``); fixed so that the fit is reproducible anywhere."""
+
+
+def backend_contention(backend: str) -> float:
+    """The fitted ``s`` of ``backend`` (``gloo``, ``nccl``); an unknown one names the known ones."""
+    try:
+        return CONTENTION[backend]
+    except KeyError:
+        raise ValueError(f"no fitted contention for backend {backend!r}; known: {', '.join(CONTENTION)} (or give "
+                         "`network.contention` as a number)") from None
+
 
 @dataclass(frozen=True)
 class Interval:
@@ -107,7 +124,7 @@ class StepModel:
     flops_per_s: Optional[float] = None
     """FLOP/s of the compute stream's arithmetic (PowerSGD's); ``None``: only the bytes they move count."""
     contention: float = 0.0
-    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``contention.py``)."""
+    """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``CONTENTION``)."""
 
     def collective_ms(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes``; ``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
@@ -256,21 +273,16 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
     cursor, _ = run(forward or [Op("compute", "forward", p.forward_ms, copy=False)], 0.0, wait=False)
     done = 0.0  # backward work done (ms of the profile's backward)
     comm_ends: list[float] = []
-    b = 0
-    for b, ready_ms in enumerate(ready):
-        if ready_ms is None:
-            break  # a gradient that never comes: this bucket (and, in order, every later one) waits for the finish
-        if ready_ms > done:
-            cursor = t.compute("backward", cursor, ready_ms - done)
-            done = ready_ms
-        cursor, end = run(launch[b], cursor, wait=False)
+    late = False  # a gradient that never comes: its bucket and, in order, every later one launch after backward
+    for k, ready_ms in enumerate(ready):
+        late = late or ready_ms is None
+        until = p.backward_span_ms if late else ready_ms
+        if until > done:
+            cursor = t.compute("backward", cursor, until - done)
+            done = until
+        cursor, end = run(launch[k], cursor, wait=False)
         comm_ends.append(end)
-    else:
-        b = len(ready)
     cursor = t.compute("backward", cursor, p.backward_span_ms - done)
-    for late in range(b, len(ready)):  # finish_gradient_synchronization: launch what backward did not
-        cursor, end = run(launch[late], cursor, wait=False)
-        comm_ends.append(end)
     if presence_flags:  # the engines' tiny blocking all-reduce of "which parameters have a gradient here"
         cursor = t.collective("gradient presence flags", cursor, PRESENCE_FLAG_BYTES * len(p.params))
     for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from jsonargparse import auto_cli
 from jsonargparse.typing import NonNegativeFloat
@@ -18,8 +19,8 @@ from lightning_ddp import catalogue
 from lightning_ddp.files import write_atomically
 from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import read_fit
-from lightning_ddp.projection.contention import CONTENTION, contention_lines
 from lightning_ddp.projection.simulators import (
+    CONTENTION,
     StepModel,
     StepResult,
     model_settings,
@@ -31,6 +32,11 @@ from lightning_ddp.projection.tables import csv_text, markdown_table
 
 GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
+FIT_BATCH = 2
+"""The fitting subset: cells with this per-rank batch size; the others are held out."""
+
+S_MAX = 1.0
+"""The largest ``s`` the fit considers: compute at half speed beside a collective (docs/projection.md)."""
 
 
 def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any], Path]:
@@ -133,24 +139,21 @@ def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]
     """``(agree, pairs, disagreements)`` over the pairs of a group's cells whose measured intervals do not overlap."""
     agree = pairs = 0
     disagreements = []
-    for group in _groups(cells).values():
-        for i, a in enumerate(group):
-            for b in group[i + 1:]:
-                bounds = (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"])
-                if None in bounds:
-                    continue
-                if a["measured_step_hi"] < b["measured_step_lo"]:
-                    faster, slower = a, b
-                elif b["measured_step_hi"] < a["measured_step_lo"]:
-                    faster, slower = b, a
-                else:
-                    continue  # the measurement cannot order them
-                pairs += 1
-                if faster["predicted_step_ms"] < slower["predicted_step_ms"]:
-                    agree += 1
-                else:
-                    disagreements.append(f"{_name(faster)} < {_name(slower)} (b{faster['batch_size']} "
-                                         f"t{faster['context_length']})")
+    for a, b in (pair for group in _groups(cells).values() for pair in itertools.combinations(group, 2)):
+        if None in (a["measured_step_lo"], a["measured_step_hi"], b["measured_step_lo"], b["measured_step_hi"]):
+            continue
+        if a["measured_step_hi"] < b["measured_step_lo"]:
+            faster, slower = a, b
+        elif b["measured_step_hi"] < a["measured_step_lo"]:
+            faster, slower = b, a
+        else:
+            continue  # the measurement cannot order them
+        pairs += 1
+        if faster["predicted_step_ms"] < slower["predicted_step_ms"]:
+            agree += 1
+        else:
+            disagreements.append(f"{_name(faster)} < {_name(slower)} (b{faster['batch_size']} "
+                                 f"t{faster['context_length']})")
     return agree, pairs, disagreements
 
 
@@ -254,7 +257,7 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
         out: Where the validation goes.
         copy_GBps: Copy bandwidth, GB/s (read + written); default: measured here.
         contention: Compute slowed by ``1 + contention`` while a collective runs; default: gloo's fitted value
-            (``lightning_ddp/projection/contention.py``). The report also gives the errors without it.
+            (``simulators.CONTENTION``). The report also gives the errors without it.
     """
     command = (f"python -m lightning_ddp.projection.validate --sweep {sweep} --out {out}"
                + (f" --copy_GBps {copy_GBps:g}" if copy_GBps else "")
@@ -286,6 +289,48 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     write_atomically(out_dir / "cpu_sweep_validation.md", markdown)
     print(markdown)
     return 0
+
+
+# ---- contention before and after, for both validations: rows with predicted_/measured_ step_ms and share ---------
+
+
+def _step_errors(rows: Sequence[dict[str, Any]]) -> list[float]:
+    return [r["predicted_step_ms"] / r["measured_step_ms"] - 1 for r in rows]
+
+
+def _share_errors(rows: Sequence[dict[str, Any]]) -> list[float]:
+    return [abs(r["predicted_share"] - r["measured_share"]) for r in rows if r["measured_share"] is not None]
+
+
+METRICS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
+    "too fast": lambda rows: f"{sum(1 for e in _step_errors(rows) if e < 0)}/{len(rows)}",
+    "median \\|step error\\|": lambda rows: f"{100 * statistics.median(map(abs, _step_errors(rows))):.1f} %",
+    "mean \\|step error\\|": lambda rows: f"{100 * statistics.fmean(map(abs, _step_errors(rows))):.1f} %",
+    "mean step error": lambda rows: f"{100 * statistics.fmean(_step_errors(rows)):+.1f} %",
+    "mean \\|share error\\|": lambda rows: (f"{100 * statistics.fmean(_share_errors(rows)):.1f} pts"
+                                        if _share_errors(rows) else "-"),
+}
+"""What the before -> after tables can show, by column title."""
+
+
+def contention_lines(backend: str, s: float, fitted_on: str, before: Sequence[dict[str, Any]],
+                     after: Sequence[dict[str, Any]], metrics: Sequence[str], by_strategy: bool) -> list[str]:
+    """Markdown: ``metrics`` of the rows predicted without contention (``before``) -> with ``s`` (``after``, the same
+    rows in the same order) on all rows, the fitting subset and the held-out rows (per strategy if ``by_strategy``)."""
+    rows = []
+    for subset, keep in (("all", lambda r: True), (f"fitting subset (batch {FIT_BATCH})",
+                                                  lambda r: r["batch_size"] == FIT_BATCH),
+                         ("held out (other batches)", lambda r: r["batch_size"] != FIT_BATCH)):
+        for strategy in dict.fromkeys(r["strategy"] for r in before) if by_strategy else ["all"]:
+            pairs = [(b, a) for b, a in zip(before, after) if keep(b) and strategy in ("all", b["strategy"])]
+            was, now = [b for b, _ in pairs], [a for _, a in pairs]
+            rows.append([subset, strategy, len(pairs), *(f"{METRICS[m](was)} -> {METRICS[m](now)}" for m in metrics)])
+    return [
+        "## Contention: compute slowed while collectives run", "",
+        f"{backend}'s `s` = {s:g}, fitted on the batch-{FIT_BATCH} {fitted_on} (at most `S_MAX` = {S_MAX:g}; "
+        "docs/projection.md, \"Contention\"). Before (s = 0) -> after:", "",
+        *markdown_table(["subset", "strategy", "rows", *metrics], rows, "llr" + "r" * len(metrics)), "",
+    ]
 
 
 if __name__ == "__main__":

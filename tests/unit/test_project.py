@@ -730,20 +730,20 @@ def test_memory_per_rank_shrinks_with_sharding():
 
 
 def test_the_fitted_contention_reproduces_from_the_committed_data():
-    from lightning_ddp.projection import contention, contention_fit
+    from lightning_ddp.projection import contention, simulators
 
-    # python -m lightning_ddp.projection.contention_fit: gloo on the CPU sweep's step times, NCCL on the published runs'
+    # python -m lightning_ddp.projection.contention: gloo on the CPU sweep's step times, NCCL on the published runs'
     # wait shares; CONTENTION must hold what the committed data give
     sweep = REPO / "benchmarks/results/cpu"
-    assert contention_fit.fit_gloo(sweep) == contention.CONTENTION["gloo"]
+    assert contention.fit_gloo(sweep) == simulators.CONTENTION["gloo"]
     # every measured cell of the sweep is in the fit (its strategy names are the catalogue's), not a few of them
     profiles = json.loads((sweep / "profiles.json").read_text())
     with open(sweep / "results.csv", newline="") as f:
         measured = [r for r in csv.DictReader(f) if r["status"] == "ok" and r["strategy"] != "reference"
                     and r["cell_id"] in profiles]
-    assert len(contention_fit.gloo_cells(sweep, 0.0)) == len(measured) > 0
-    assert contention_fit.fit_nccl() == contention.CONTENTION["nccl"]
+    assert len(contention.gloo_cells(sweep, 0.0)) == len(measured) > 0
+    assert contention.fit_nccl() == simulators.CONTENTION["nccl"]
     # and it is a fit, not a constant: a loss with its minimum elsewhere moves it
     assert contention.fit_contention(lambda s: (s - 0.5) ** 2) == 0.5
     with pytest.raises(ValueError, match="no fitted contention"):
-        contention.backend_contention("mpi")
+        simulators.backend_contention("mpi")
