@@ -145,7 +145,6 @@ def test_the_import_scan_sees_imports_inside_functions() -> None:
     # A guard against a scan that finds nothing: projection.flops imports the model inside ModelShape.from_preset
     # (documented: only that needs torch), and comm_timer imports the profile schema at module level.
     graph = _package_graph()
-    assert len(graph) > 80
     assert "lightning_ddp.model" in graph["lightning_ddp.projection.flops"]
     assert "lightning_ddp.profile" in graph["lightning_ddp.callbacks.comm_timer"]
 
