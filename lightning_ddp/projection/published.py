@@ -16,7 +16,7 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
 from lightning_ddp.projection.simulators import CONTENTION, StepModel, simulate, simulated_by
-from lightning_ddp.projection.tables import csv_text, markdown_table
+from lightning_ddp.projection.tables import csv_text, csv_value, markdown_table
 from lightning_ddp.projection.validate import contention_lines
 
 XL_SHAPE = ModelShape.from_preset("xl")
@@ -267,11 +267,9 @@ def write_comparison(out: str | Path = "benchmarks/results/projection", gpu: str
 
 def _csv_cell(column: str, value: Any) -> Any:
     """A comparison's value as ``published_xl_2gpu.csv`` writes it: ms to 2 decimals, shares to 4."""
-    if value is None or isinstance(value, bool):
-        return "" if value is None else str(value).lower()
-    if column == "bucket_size_mb":
+    if column == "bucket_size_mb" and value is not None:
         return f"{value:g}"
-    return round(value, 4 if column.endswith("_share") else 2) if isinstance(value, float) else value
+    return csv_value(value, 4 if column.endswith("_share") else 2)
 
 
 if __name__ == "__main__":
