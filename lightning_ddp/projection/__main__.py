@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from lightning_ddp.command_line import parse_dataclass
@@ -9,9 +10,8 @@ from lightning_ddp.projection.config import ProjectionConfig
 from lightning_ddp.projection.run import run_projection
 
 
-def parse_config(args: list[str] | None = None) -> ProjectionConfig:
-    """The ``ProjectionConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
-    return parse_dataclass(ProjectionConfig, args, prog="python -m lightning_ddp.projection")
+parse_config = functools.partial(parse_dataclass, ProjectionConfig, prog="python -m lightning_ddp.projection")
+"""The ``ProjectionConfig`` of a command line; a validation error exits 2 with the message (no traceback)."""
 
 
 def main(args: list[str] | None = None) -> int:

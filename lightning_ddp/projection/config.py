@@ -145,10 +145,7 @@ class OutputConfig:
 
 @dataclass
 class ProjectionConfig:
-    """A projection of step time and communication share to larger world sizes, one simulated timeline per cell.
-
-    ``python -m lightning_ddp.projection --config configs/projection/xl_h100.yaml``
-    """
+    """A projection of step time and communication share to larger world sizes, one simulated timeline per cell."""
 
     name: str = "projection"
     """Title of results.md."""

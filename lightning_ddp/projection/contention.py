@@ -30,10 +30,10 @@ def fit_contention(loss: Callable[[float], float]) -> float:
     return round(min(fine, key=loss), 2)
 
 
-def gloo_cells(sweep: str | Path, contention: float, copy_GBps: float = CPU_COPY_GBPS) -> list[dict[str, Any]]:
+def gloo_cells(sweep: str | Path, contention: float) -> list[dict[str, Any]]:
     """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
     rows, profiles, fit_path = read_sweep(sweep)
-    return validate_cells(rows, profiles, fit_path, copy_GBps * 1e9, contention)
+    return validate_cells(rows, profiles, fit_path, CPU_COPY_GBPS * 1e9, contention)
 
 
 def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict[str, Any]], float]) -> float:
@@ -41,10 +41,10 @@ def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict
     return fit_contention(lambda s: statistics.fmean(error(r) for r in rows_at(s) if r["batch_size"] == FIT_BATCH))
 
 
-def fit_gloo(sweep: str | Path = "benchmarks/results/cpu", copy_GBps: float = CPU_COPY_GBPS) -> float:
+def fit_gloo(sweep: str | Path = "benchmarks/results/cpu") -> float:
     """``s`` for gloo: the squared log step-time error of the CPU sweep's cells."""
     read_sweep(sweep)  # a missing file fails here, once
-    return _fit(lambda s: gloo_cells(sweep, s, copy_GBps),
+    return _fit(lambda s: gloo_cells(sweep, s),
                 lambda r: math.log(r["predicted_step_ms"] / r["measured_step_ms"]) ** 2)
 
 

@@ -55,11 +55,11 @@ class ModelShape:
     tie_embeddings: bool = False
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> ModelShape:
+    def from_preset(cls, name: str) -> ModelShape:
         """The shape of ``lightning_ddp.model.PRESETS[name]`` (imports the model module, hence torch)."""
         from lightning_ddp.model import get_config  # the presets' one source of truth
 
-        config = get_config(name, **overrides)
+        config = get_config(name)
         return cls(config.d_model, config.n_layers, config.n_heads, config.d_ff, config.vocab_size,
                    config.tie_embeddings)
 

@@ -16,7 +16,7 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
 from lightning_ddp.projection.simulators import CONTENTION, StepModel, simulate, simulated_by
-from lightning_ddp.projection.tables import csv_text, markdown_table
+from lightning_ddp.projection.tables import csv_text, csv_value, markdown_table
 from lightning_ddp.projection.validate import contention_lines
 
 XL_SHAPE = ModelShape.from_preset("xl")
@@ -42,14 +42,11 @@ RUNS_CSV = Path(__file__).resolve().parents[2] / "configs" / "projection" / "pub
 order, each citing its write-up by topic. Naive at batch 4, context 512 ran out of memory and has no row."""
 
 
-def read_runs(path: str | Path = RUNS_CSV) -> tuple[PublishedRun, ...]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return tuple(PublishedRun(r["strategy"], int(r["batch_size"]), int(r["seq_len"]),
-                                  float(r["bucket_size_mb"]) if r["bucket_size_mb"] else None, float(r["total_s"]),
-                                  float(r["comm_s"]), float(r["ratio"]), r["source"]) for r in csv.DictReader(f))
-
-
-PUBLISHED_RUNS = read_runs()
+with open(RUNS_CSV, newline="", encoding="utf-8") as _runs:
+    PUBLISHED_RUNS = tuple(PublishedRun(r["strategy"], int(r["batch_size"]), int(r["seq_len"]),
+                                        float(r["bucket_size_mb"]) if r["bucket_size_mb"] else None,
+                                        float(r["total_s"]), float(r["comm_s"]), float(r["ratio"]), r["source"])
+                           for r in csv.DictReader(_runs))
 SOURCES = tuple(dict.fromkeys(run.source for run in PUBLISHED_RUNS))
 """The write-ups the numbers come from, one per strategy (``PublishedRun.source``)."""
 STRATEGIES = tuple(simulated_by(layout)[0] for layout in ("none", "per_tensor", "packed", "bucketed"))
@@ -106,8 +103,7 @@ def _copy_Bps(gpu: str) -> float:
 
 
 def _profile(batch_size: int, seq_len: int, compute_ms: float, gpu: str) -> ComputeProfile:
-    return modelled_profile(XL_SHAPE, batch_size, seq_len, gpu=gpu, precision="bf16-mixed",
-                            optimizer_bytes_per_param=ADAMW_BYTES_PER_PARAM, memory_efficiency=MEMORY_EFFICIENCY,
+    return modelled_profile(XL_SHAPE, batch_size, seq_len, gpu=gpu, memory_efficiency=MEMORY_EFFICIENCY,
                             calibrate_step_ms=compute_ms, preset="xl", world_size=2)
 
 
@@ -267,11 +263,9 @@ def write_comparison(out: str | Path = "benchmarks/results/projection", gpu: str
 
 def _csv_cell(column: str, value: Any) -> Any:
     """A comparison's value as ``published_xl_2gpu.csv`` writes it: ms to 2 decimals, shares to 4."""
-    if value is None or isinstance(value, bool):
-        return "" if value is None else str(value).lower()
-    if column == "bucket_size_mb":
+    if column == "bucket_size_mb" and value is not None:
         return f"{value:g}"
-    return round(value, 4 if column.endswith("_share") else 2) if isinstance(value, float) else value
+    return csv_value(value, 4 if column.endswith("_share") else 2)
 
 
 if __name__ == "__main__":
