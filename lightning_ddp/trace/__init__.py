@@ -115,8 +115,7 @@ def clip(intervals: Iterable[Interval], lo: float, hi: float) -> list[Interval]:
 def load_rank_trace(path: str | Path) -> RankTrace:
     """Read one rank's Chrome trace (as written by ``TraceRecorder``) into a ``RankTrace``."""
     path = Path(path)
-    with open(path) as f:
-        trace = json.load(f)
+    trace = json.loads(path.read_text())
     meta = trace.get(ranges.METADATA_KEY, {})
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     pid, tid = meta.get("pid"), meta.get("tid")
@@ -271,19 +270,16 @@ def render_timeline(
     for ax, run, label in zip(axes[:, 0], runs, _unique([run.label for run in runs])):
         windows = {r.rank: r.window(steps) for r in run.ranks}
         t0 = min(lo for lo, _ in windows.values())
-        yticks: list[float] = []
-        ylabels: list[str] = []
+        ticks: dict[float, str] = {}  # y -> the row's label
         for index, rank in enumerate(run.ranks):
             base = per_rank * (len(run.ranks) - 1 - index)  # rank 0 on top
-            drawn, ticks, names = _draw_rank(ax, label, rank, windows[rank.rank], t0, base, per_rank, gpu_rows,
-                                             comm_source)
+            drawn, labels = _draw_rank(ax, label, rank, windows[rank.rank], t0, base, per_rank, gpu_rows, comm_source)
             rows += drawn
-            yticks += ticks
-            ylabels += names
+            ticks.update(labels)
         for step, (start, _) in run.ranks[0].steps[:steps]:  # step boundaries, from the top rank (rank 0)
             ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
             ax.text((start - t0) / 1e3, per_rank * len(run.ranks) - 0.15, f" step {step}", fontsize=7, va="bottom")
-        ax.set_yticks(yticks, ylabels, fontsize=8)
+        ax.set_yticks(list(ticks), list(ticks.values()), fontsize=8)
         ax.set_ylim(-0.2, per_rank * len(run.ranks) + 0.25)
         ax.grid(axis="x", linewidth=0.4, alpha=0.5)
         overlaps[label] = run.overlap(comm_source, steps)
@@ -305,8 +301,8 @@ def render_timeline(
 
 
 def _draw_rank(ax: Any, label: str, rank: RankTrace, window: Interval, t0: float, base: float, per_rank: float,
-               gpu_rows: bool, comm_source: str) -> tuple[list[Row], list[float], list[str]]:
-    """One rank's compute row, GPU row (with ``gpu_rows``) and communication row: the rows, their y ticks, labels."""
+               gpu_rows: bool, comm_source: str) -> tuple[list[Row], dict[float, str]]:
+    """One rank's compute row, GPU row (with ``gpu_rows``) and communication row: the rows and their y labels."""
     lo, hi = window
     ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
     compute_y, gpu_y, comm_y = base + per_rank - 1.2, base + 1.2, base
@@ -337,9 +333,9 @@ def _draw_rank(ax: Any, label: str, rank: RankTrace, window: Interval, t0: float
     ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=LEGEND["hidden"][0], edgecolor="none")
     rows.append(Row(label, rank.rank, "comm", len(comm)))
     overlap = rank.overlap(comm_source, (lo, hi))
-    ticks = [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if gpu_rows else [])
-    names = [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
-    return rows, ticks, names + ([f"rank {rank.rank} GPU"] if gpu_rows else [])
+    labels = {compute_y + 0.5: f"rank {rank.rank} compute", comm_y + 0.5: f"rank {rank.rank} comm\n"
+              f"{overlap.fraction:.0%} hidden", **({gpu_y + 0.5: f"rank {rank.rank} GPU"} if gpu_rows else {})}
+    return rows, labels
 
 
 def _unique(labels: list[str]) -> list[str]:

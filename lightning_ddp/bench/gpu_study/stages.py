@@ -1,8 +1,5 @@
-"""The GPU study's stages, ``STAGES``: what each runs, its estimates, and how results.md shows its data.
-
-A stage's ``run`` turns the ``StudyContext`` into a ``StageResult``; every process it starts stops at
-``ctx.stage_deadline()``. docs/gpu.md says what each stage shows and how it measures.
-"""
+"""The GPU study's ``STAGES``: each one's ``run`` (``StudyContext`` -> ``StageResult``, its processes stopped at
+``ctx.stage_deadline()``), estimates and results.md caption and tables; docs/gpu.md says what each measures."""
 
 from __future__ import annotations
 
@@ -278,12 +275,11 @@ def compute(ctx: StudyContext) -> StageResult:
             run.pop("estimate_table", None)
             run["status"] = "ok" if run.get("batch") else "failed"
             result.files.append(f"compute/compute_{precision}.json")
-        if run["status"] != "ok" and "error" not in run:
-            run["error"] = (f"{precision}: every batch from {run['preflight_batch']} down ran out of memory"
-                            if run.get("preflight_batch") else f"{precision}: the pre-flight allows no batch")
-        result.data["runs"][precision] = run
         if run["status"] != "ok":
+            run.setdefault("error", f"{precision}: every batch from {run.get('preflight_batch')} down ran out of "
+                           "memory" if run.get("preflight_batch") else f"{precision}: the pre-flight allows no batch")
             result.problems.append(run["error"])
+        result.data["runs"][precision] = run
     return result
 
 
@@ -357,12 +353,9 @@ def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update:
     per_tensor = {k: (actual[k].double() - expected[k].double()).abs().flatten() / update for k in expected}
     every = torch.cat(list(per_tensor.values()))
     worst = max(per_tensor, key=lambda k: float(per_tensor[k].max()))
-
-    def quantile(q: float) -> float:
-        return float(every.kthvalue(max(1, round(q * every.numel()))).values)
-
-    return {"off_fraction": float((every > OFF_BY).double().mean()), "median_updates": quantile(0.5),
-            "p99_updates": quantile(0.99), "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
+    median, p99 = (float(every.kthvalue(max(1, round(q * every.numel()))).values) for q in (0.5, 0.99))
+    return {"off_fraction": float((every > OFF_BY).double().mean()), "median_updates": median,
+            "p99_updates": p99, "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
 
 
 def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -> FitSpec:

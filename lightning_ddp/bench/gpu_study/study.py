@@ -1,7 +1,5 @@
-"""Run the stages in order against this call's budget, rewriting ``stages.json`` and ``results.md`` after every
-stage, so that several calls (``--resume true``) finish the study; ``--archive`` packs what is worth committing.
-The statuses, the budget and the archive: docs/gpu.md, "How a call is budgeted".
-"""
+"""The stages in order within this call's budget, ``stages.json`` and ``results.md`` rewritten after each, so that
+several calls (``--resume true``) finish the study; ``--archive``: docs/gpu.md, "How a call is budgeted"."""
 
 from __future__ import annotations
 
