@@ -113,8 +113,8 @@ Cell = Union[str, Callable[[dict[str, Any], dict[str, Any]], Any]]  # a row's ke
 
 
 class Table(NamedTuple):
-    """A table of results.md: its rows in the stage's data (a key, or ``f(data)``; a dict's rows get their key as
-    ``name``), its columns (header, ``Cell``, format spec: Python's, ``GiB`` for bytes) and the line before it."""
+    """A table of results.md: its rows in the stage's data (a ``str.format`` field or ``f(data)``; a dict's rows get
+    their key as ``name``), its columns (header, ``Cell``, format spec: Python's, ``GiB`` for bytes), a line before."""
 
     rows: Union[str, Callable[[dict[str, Any]], Any]]
     columns: tuple[tuple[str, Cell, str], ...]
@@ -557,12 +557,12 @@ STAGES: tuple[Stage, ...] = (
         "2 ranks of batch {equivalence[per_rank_batch]} against one process on the same samples; weight "
         "differences in updates (lr x steps), *off* beyond {equivalence[off_by_updates]} update; how the tolerances "
         f"were calibrated: [docs/gpu.md]({DOCS}#how-the-stages-measure)."),
-        tables=(Table(lambda data: data["equivalence"]["rows"], (
+        tables=(Table("equivalence[rows]", (
             ("strategy", "name", ""), STATUS, ("weights off", "off_fraction", ".3%"),
             ("tolerance", "tolerance", ".2%"), ("median", "median_updates", ".1e"),
             ("99th pct", "p99_updates", ".1e"), ("largest", "max_updates", ".2g"), ("at", "worst_tensor", ""),
             ("equal", "equal", ""))),
-                Table(lambda data: data["sweep"]["rows"], (
+                Table("sweep[rows]", (
                     ("strategy", "strategy", ""),
                     ("bucket MB", lambda row, data: row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb"),
                      ".3g"), ("batch", "batch_size", ""), ("context", "context_length", ""), STATUS,
@@ -585,7 +585,7 @@ STAGES: tuple[Stage, ...] = (
         "{backward_ms:,.1f} ms, optimizer {optimizer_ms:,.1f} ms; {tensors} gradients ready from "
         "{first_ready_ms:,.1f} to {last_ready_ms:,.1f} ms into backward (`{profile}`), and projected to 2 GPUs."),
         tables=(Table(lambda data: [{**row, "network": network, "gpu": projection["gpu"]} for network, projection
-                            in data["projections"].items() for row in projection["rows"]], (
+                            in data.get("projections", {}).items() for row in projection["rows"]], (
             ("network", "network", ""), ("GPU", "gpu", ""), ("strategy", "strategy", ""),
             ("best bucket MB", "bucket_size_mb", "g"), ("step ms", "step_ms", ",.1f"),
             ("exposed ms", "exposed_comm_ms", ",.1f"), ("comm share", "comm_share", ".1%"),
