@@ -1,7 +1,5 @@
-"""Timelines from the ``TraceRecorder``'s profiler traces: did communication overlap computation, and by how much?
-Reads the traces back (our ranges, our communication track, the profiler's own collectives), computes HTA's overlap
-``|comm ∩ compute| / |comm|`` and draws the runs; ``python -m lightning_ddp.trace`` does both (docs/tensorboard.md).
-"""
+"""The ``TraceRecorder``'s traces read back: HTA's overlap ``|comm ∩ compute| / |comm|`` of each rank and the runs
+drawn as timelines; ``python -m lightning_ddp.trace`` does both (docs/tensorboard.md)."""
 
 from __future__ import annotations
 
@@ -15,25 +13,17 @@ from lightning_ddp.intervals import Interval, intersect, merge, subtract, total
 from lightning_ddp.metrics.recording import TRACE_SUFFIX, assign_lanes
 from lightning_ddp.sync import ranges
 
-PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")
-"""Profiler events that are communication: gloo's per-collective ranges on its worker threads, NCCL kernels
-(HTA's ``^nccl.*Kernel``)."""
-GPU_KERNEL_CATEGORY = "kernel"
-"""``cat`` of the GPU kernels kineto records (CUDA activity); memory copies and sets are ``gpu_memcpy`` and
-``gpu_memset``, which HTA counts as neither computation nor communication."""
-COMM_SOURCES = ("auto", "record", "profiler")
-"""Where ``RankTrace.comm`` takes collectives from: ``record`` (the SyncRecord track), ``profiler`` (gloo threads,
-NCCL kernels), ``auto`` (the track where there is one)."""
+PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")  # gloo's ranges on its threads, NCCL kernels (as HTA)
+GPU_KERNEL_CATEGORY = "kernel"  # kineto's GPU kernels; gpu_memcpy / gpu_memset are neither compute nor comm (HTA)
+COMM_SOURCES = ("auto", "record", "profiler")  # RankTrace.comm's sources; auto: the SyncRecord track if any
 
 
 @dataclass(frozen=True)
 class Overlap:
     """How much of one rank's (or several ranks' summed) communication time was hidden behind computation."""
 
-    comm: float
-    """Total time with at least one collective in flight (union of the communication intervals)."""
-    overlapped: float
-    """Of that, the time during which the rank was also computing."""
+    comm: float  # the time with at least one collective in flight
+    overlapped: float  # of that, the time the rank also computed
 
     @property
     def fraction(self) -> float:
@@ -82,16 +72,11 @@ class RankTrace:
     path: Path
     rank: int
     label: str
-    steps: list[tuple[int, Interval]]
-    """``(step number, (start, end))`` of each ``ddp/step#N`` range, in time order."""
-    ranges: dict[str, list[Interval]]
-    """Our ranges on the training thread (``lightning_ddp.sync.ranges``), by name."""
-    record_comm: list[CommEvent]
-    """The communication track (SyncRecord: launch -> completion); empty for strategies without a SyncRecord."""
-    profiler_comm: list[CommEvent]
-    """What the profiler itself recorded as communication: gloo's ranges on its threads, NCCL kernels."""
-    gpu_compute: list[Interval] = field(default_factory=list)
-    """GPU kernels that are not communication (CUDA traces only; HTA's computation kernels), merged."""
+    steps: list[tuple[int, Interval]]  # (step number, (start, end)) of each ddp/step#N range, in time order
+    ranges: dict[str, list[Interval]]  # the training thread's ranges (lightning_ddp.sync.ranges), by name
+    record_comm: list[CommEvent]  # the SyncRecord track (launch -> completion); empty without a SyncRecord
+    profiler_comm: list[CommEvent]  # what the profiler recorded as communication (PROFILER_COMM_RE)
+    gpu_compute: list[Interval] = field(default_factory=list)  # merged non-communication GPU kernels (CUDA only)
 
     def comm(self, source: str = "auto") -> list[CommEvent]:
         """The rank's collectives from ``source``, one of ``COMM_SOURCES``."""
@@ -100,9 +85,8 @@ class RankTrace:
         return self.profiler_comm
 
     def compute(self) -> list[Interval]:
-        """When the rank computed: on CUDA the non-communication kernels (as HTA does: host ranges only say when
-        kernels were queued); on CPU the training thread's forward, backward and optimizer minus its collective calls.
-        """
+        """When the rank computed: on CUDA its non-communication kernels (as HTA), on CPU the training thread's
+        forward, backward and optimizer minus its collective calls."""
         if self.gpu_compute:
             return self.gpu_compute
         busy = [i for name in ranges.COMPUTE_RANGES for i in self.ranges.get(name, [])]
@@ -131,8 +115,7 @@ def clip(intervals: Iterable[Interval], lo: float, hi: float) -> list[Interval]:
 def load_rank_trace(path: str | Path) -> RankTrace:
     """Read one rank's Chrome trace (as written by ``TraceRecorder``) into a ``RankTrace``."""
     path = Path(path)
-    with open(path) as f:
-        trace = json.load(f)
+    trace = json.loads(path.read_text())
     meta = trace.get(ranges.METADATA_KEY, {})
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     pid, tid = meta.get("pid"), meta.get("tid")
@@ -172,8 +155,7 @@ def load_rank_trace(path: str | Path) -> RankTrace:
 
 
 def find_traces(path: str | Path) -> list[Path]:
-    """``path`` if it is a file, else the ``*.pt.trace.json`` files of one run below it (sorted; of several runs,
-    the latest with traces)."""
+    """``path`` if a file, else the sorted ``*.pt.trace.json`` of one run below it (of several, the latest)."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -208,10 +190,8 @@ class RunTraces:
 
 def load_run(paths: Iterable[str | Path], label: str | None = None) -> RunTraces:
     """Load one run from its log directory or trace files; one trace per rank."""
-    files = [f for p in paths for f in find_traces(p)]
-    traces = [load_rank_trace(f) for f in files]
     by_rank: dict[int, RankTrace] = {}
-    for t in traces:
+    for t in (load_rank_trace(f) for p in paths for f in find_traces(p)):
         if t.rank in by_rank:
             raise ValueError(
                 f"two traces for rank {t.rank}: {by_rank[t.rank].path} and {t.path}. Pass one run's directory "
@@ -233,10 +213,8 @@ LEGEND = {
     "comm": ("#C44E52", "collective in flight (launch -> completion)"),
     "hidden": ("#2F2F2F", "communication hidden behind compute"),
     "gpu": ("#8172B3", "GPU kernels (not communication)"),
-}
-"""What each bar is: its colour and its legend."""
-MAX_COMM_LANES = 4
-"""Concurrent collectives are stacked in up to this many sub-lanes of the communication row."""
+}  # each bar's colour and legend
+MAX_COMM_LANES = 4  # concurrent collectives stack in up to this many sub-lanes of the communication row
 
 
 @dataclass
@@ -292,19 +270,16 @@ def render_timeline(
     for ax, run, label in zip(axes[:, 0], runs, _unique([run.label for run in runs])):
         windows = {r.rank: r.window(steps) for r in run.ranks}
         t0 = min(lo for lo, _ in windows.values())
-        yticks: list[float] = []
-        ylabels: list[str] = []
+        ticks: dict[float, str] = {}  # y -> the row's label
         for index, rank in enumerate(run.ranks):
             base = per_rank * (len(run.ranks) - 1 - index)  # rank 0 on top
-            drawn, ticks, names = _draw_rank(ax, label, rank, windows[rank.rank], t0, base, per_rank, gpu_rows,
-                                             comm_source)
+            drawn, labels = _draw_rank(ax, label, rank, windows[rank.rank], t0, base, per_rank, gpu_rows, comm_source)
             rows += drawn
-            yticks += ticks
-            ylabels += names
+            ticks.update(labels)
         for step, (start, _) in run.ranks[0].steps[:steps]:  # step boundaries, from the top rank (rank 0)
             ax.axvline((start - t0) / 1e3, color="black", linewidth=0.6, linestyle=":", zorder=0)
             ax.text((start - t0) / 1e3, per_rank * len(run.ranks) - 0.15, f" step {step}", fontsize=7, va="bottom")
-        ax.set_yticks(yticks, ylabels, fontsize=8)
+        ax.set_yticks(list(ticks), list(ticks.values()), fontsize=8)
         ax.set_ylim(-0.2, per_rank * len(run.ranks) + 0.25)
         ax.grid(axis="x", linewidth=0.4, alpha=0.5)
         overlaps[label] = run.overlap(comm_source, steps)
@@ -326,8 +301,8 @@ def render_timeline(
 
 
 def _draw_rank(ax: Any, label: str, rank: RankTrace, window: Interval, t0: float, base: float, per_rank: float,
-               gpu_rows: bool, comm_source: str) -> tuple[list[Row], list[float], list[str]]:
-    """One rank's compute row, GPU row (with ``gpu_rows``) and communication row: the rows, their y ticks, labels."""
+               gpu_rows: bool, comm_source: str) -> tuple[list[Row], dict[float, str]]:
+    """One rank's compute row, GPU row (with ``gpu_rows``) and communication row: the rows and their y labels."""
     lo, hi = window
     ms = lambda intervals: [((s - t0) / 1e3, (e - s) / 1e3) for s, e in intervals]  # noqa: E731
     compute_y, gpu_y, comm_y = base + per_rank - 1.2, base + 1.2, base
@@ -358,16 +333,12 @@ def _draw_rank(ax: Any, label: str, rank: RankTrace, window: Interval, t0: float
     ax.broken_barh(ms(hidden), (comm_y, 0.18), facecolors=LEGEND["hidden"][0], edgecolor="none")
     rows.append(Row(label, rank.rank, "comm", len(comm)))
     overlap = rank.overlap(comm_source, (lo, hi))
-    ticks = [compute_y + 0.5, comm_y + 0.5] + ([gpu_y + 0.5] if gpu_rows else [])
-    names = [f"rank {rank.rank} compute", f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"]
-    return rows, ticks, names + ([f"rank {rank.rank} GPU"] if gpu_rows else [])
+    labels = {compute_y + 0.5: f"rank {rank.rank} compute", comm_y + 0.5: f"rank {rank.rank} comm\n"
+              f"{overlap.fraction:.0%} hidden", **({gpu_y + 0.5: f"rank {rank.rank} GPU"} if gpu_rows else {})}
+    return rows, labels
 
 
 def _unique(labels: list[str]) -> list[str]:
     """Two runs of one strategy get ``name``, ``name (2)``: each panel and overlap keeps its own key."""
-    seen: dict[str, int] = {}
-    out = []
-    for label in labels:
-        seen[label] = seen.get(label, 0) + 1
-        out.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
-    return out
+    counts = [labels[:i + 1].count(label) for i, label in enumerate(labels)]
+    return [label if n == 1 else f"{label} ({n})" for label, n in zip(labels, counts)]

@@ -1,8 +1,5 @@
-"""The whole GPU study in one command: ``python -m lightning_ddp.bench.gpu_study --out DIR --budget_min 9``.
-
-Here: its command line (``GPUStudyConfig``) and the sizes of its work (``Scale``): ``GPU_SCALE`` fits the study in two
-9-minute calls on one H100 or H200, ``DRY_RUN_SCALE`` rehearses every stage on CPU (docs/gpu.md).
-"""
+"""``python -m lightning_ddp.bench.gpu_study --out DIR --budget_min 9``: its command line (``GPUStudyConfig``) and
+the sizes of its work on a GPU (``GPU_SCALE``) and in the CPU rehearsal (``DRY_RUN_SCALE``); docs/gpu.md."""
 
 from __future__ import annotations
 
@@ -51,10 +48,7 @@ DRY_RUN_SCALE = Scale(
 
 @dataclass
 class GPUStudyConfig:
-    """The whole GPU study in one command: ordered stages, each writing its files as soon as it ends.
-
-    ``python -m lightning_ddp.bench.gpu_study --out DIR --resume true --archive study.tar.gz``
-    """
+    """The whole GPU study in one command: ordered stages, each writing its files as soon as it ends."""
 
     out: Optional[str] = None
     """Directory of every output (required): stages.json, results.md, each stage's files."""

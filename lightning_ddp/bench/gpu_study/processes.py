@@ -1,7 +1,5 @@
-"""What runs in the study's child processes, so that its own never creates a CUDA context (docs/gpu.md, "How the
-stages measure"): CLI fits several to a set of processes (``run_fits``), the machine (``environment``) and the
-compute of one device (``compute``): ``python -m lightning_ddp.bench.gpu_study.processes {environment,compute,fits}``.
-"""
+"""What runs in the study's child processes (its own never creates a CUDA context): CLI fits (``run_fits``), the
+machine (``environment``), one device's compute (``compute``); the module's CLI: {environment,compute,fits}."""
 
 from __future__ import annotations
 
@@ -151,9 +149,7 @@ def fits(plan_path: str) -> int:
         start, status, error = time.perf_counter(), "ok", ""
         try:
             cli_main(fit_command([*fit["args"], "--trainer.enable_progress_bar", "false"], log_dir)[3:])
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - SystemExit from argument parsing included; reported, not raised
+        except (Exception, SystemExit) as exc:  # SystemExit from argument parsing included; reported, not raised
             text = traceback.format_exc()
             print(text, file=sys.stderr, flush=True)
             status = "oom" if is_oom(text) else "failed"
@@ -188,11 +184,11 @@ class SaveFinalWeights(Callback):
 # ---- compute: a preset's steps at the largest batch that fits, without a Trainer or communication --------------
 
 
-def batch_candidates(first: int, shrink: float = 0.8) -> list[int]:
+def batch_candidates(first: int) -> list[int]:
     """``first`` and the batches to fall back to on out-of-memory errors, each about 20 % smaller, down to 1."""
     out = [first] if first >= 1 else []
     while out and out[-1] > 1:
-        out.append(min(out[-1] - 1, int(out[-1] * shrink)))
+        out.append(min(out[-1] - 1, int(out[-1] * 0.8)))
     return out
 
 

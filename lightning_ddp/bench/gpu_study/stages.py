@@ -1,8 +1,5 @@
-"""The GPU study's stages, ``STAGES``: what each runs, its estimates, and how results.md shows its data.
-
-A stage's ``run`` turns the ``StudyContext`` into a ``StageResult``; every process it starts stops at
-``ctx.stage_deadline()``. docs/gpu.md says what each stage shows and how it measures.
-"""
+"""The GPU study's ``STAGES``: each one's ``run`` (``StudyContext`` -> ``StageResult``, its processes stopped at
+``ctx.stage_deadline()``), estimates and results.md caption and tables; docs/gpu.md says what each measures."""
 
 from __future__ import annotations
 
@@ -116,8 +113,8 @@ Cell = Union[str, Callable[[dict[str, Any], dict[str, Any]], Any]]  # a row's ke
 
 
 class Table(NamedTuple):
-    """A table of results.md: its rows in the stage's data (a key, or ``f(data)``; a dict's rows get their key as
-    ``name``), its columns (header, ``Cell``, format spec: Python's, ``GiB`` for bytes) and the line before it."""
+    """A table of results.md: its rows in the stage's data (a ``str.format`` field or ``f(data)``; a dict's rows get
+    their key as ``name``), its columns (header, ``Cell``, format spec: Python's, ``GiB`` for bytes), a line before."""
 
     rows: Union[str, Callable[[dict[str, Any]], Any]]
     columns: tuple[tuple[str, Cell, str], ...]
@@ -278,12 +275,11 @@ def compute(ctx: StudyContext) -> StageResult:
             run.pop("estimate_table", None)
             run["status"] = "ok" if run.get("batch") else "failed"
             result.files.append(f"compute/compute_{precision}.json")
-        if run["status"] != "ok" and "error" not in run:
-            run["error"] = (f"{precision}: every batch from {run['preflight_batch']} down ran out of memory"
-                            if run.get("preflight_batch") else f"{precision}: the pre-flight allows no batch")
-        result.data["runs"][precision] = run
         if run["status"] != "ok":
+            run.setdefault("error", f"{precision}: every batch from {run.get('preflight_batch')} down ran out of "
+                           "memory" if run.get("preflight_batch") else f"{precision}: the pre-flight allows no batch")
             result.problems.append(run["error"])
+        result.data["runs"][precision] = run
     return result
 
 
@@ -357,12 +353,9 @@ def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update:
     per_tensor = {k: (actual[k].double() - expected[k].double()).abs().flatten() / update for k in expected}
     every = torch.cat(list(per_tensor.values()))
     worst = max(per_tensor, key=lambda k: float(per_tensor[k].max()))
-
-    def quantile(q: float) -> float:
-        return float(every.kthvalue(max(1, round(q * every.numel()))).values)
-
-    return {"off_fraction": float((every > OFF_BY).double().mean()), "median_updates": quantile(0.5),
-            "p99_updates": quantile(0.99), "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
+    median, p99 = (float(every.kthvalue(max(1, round(q * every.numel()))).values) for q in (0.5, 0.99))
+    return {"off_fraction": float((every > OFF_BY).double().mean()), "median_updates": median,
+            "p99_updates": p99, "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
 
 
 def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -> FitSpec:
@@ -564,12 +557,12 @@ STAGES: tuple[Stage, ...] = (
         "2 ranks of batch {equivalence[per_rank_batch]} against one process on the same samples; weight "
         "differences in updates (lr x steps), *off* beyond {equivalence[off_by_updates]} update; how the tolerances "
         f"were calibrated: [docs/gpu.md]({DOCS}#how-the-stages-measure)."),
-        tables=(Table(lambda data: data["equivalence"]["rows"], (
+        tables=(Table("equivalence[rows]", (
             ("strategy", "name", ""), STATUS, ("weights off", "off_fraction", ".3%"),
             ("tolerance", "tolerance", ".2%"), ("median", "median_updates", ".1e"),
             ("99th pct", "p99_updates", ".1e"), ("largest", "max_updates", ".2g"), ("at", "worst_tensor", ""),
             ("equal", "equal", ""))),
-                Table(lambda data: data["sweep"]["rows"], (
+                Table("sweep[rows]", (
                     ("strategy", "strategy", ""),
                     ("bucket MB", lambda row, data: row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb"),
                      ".3g"), ("batch", "batch_size", ""), ("context", "context_length", ""), STATUS,
@@ -592,7 +585,7 @@ STAGES: tuple[Stage, ...] = (
         "{backward_ms:,.1f} ms, optimizer {optimizer_ms:,.1f} ms; {tensors} gradients ready from "
         "{first_ready_ms:,.1f} to {last_ready_ms:,.1f} ms into backward (`{profile}`), and projected to 2 GPUs."),
         tables=(Table(lambda data: [{**row, "network": network, "gpu": projection["gpu"]} for network, projection
-                            in data["projections"].items() for row in projection["rows"]], (
+                            in data.get("projections", {}).items() for row in projection["rows"]], (
             ("network", "network", ""), ("GPU", "gpu", ""), ("strategy", "strategy", ""),
             ("best bucket MB", "bucket_size_mb", "g"), ("step ms", "step_ms", ",.1f"),
             ("exposed ms", "exposed_comm_ms", ",.1f"), ("comm share", "comm_share", ".1%"),

@@ -1,7 +1,5 @@
-"""Run the stages in order against this call's budget, rewriting ``stages.json`` and ``results.md`` after every
-stage, so that several calls (``--resume true``) finish the study; ``--archive`` packs what is worth committing.
-The statuses, the budget and the archive: docs/gpu.md, "How a call is budgeted".
-"""
+"""The stages in order within this call's budget, ``stages.json`` and ``results.md`` rewritten after each, so that
+several calls (``--resume true``) finish the study; ``--archive``: docs/gpu.md, "How a call is budgeted"."""
 
 from __future__ import annotations
 
@@ -232,10 +230,7 @@ cell = _Cells().format_field
 
 def _table(table: Table, data: dict[str, Any]) -> list[str]:
     """The lines of one of a stage's tables (a dict of rows gives each row its key as ``name``)."""
-    try:
-        rows = table.rows(data) if callable(table.rows) else data[table.rows]
-    except (KeyError, TypeError):
-        rows = None
+    rows = table.rows(data) if callable(table.rows) else _Cells().get_field(table.rows, (), data)[0]
     rows = [{"name": name, **row} for name, row in rows.items()] if isinstance(rows, dict) else rows or []
     lines = ["", table.intro] if table.intro else []
     if not rows:
