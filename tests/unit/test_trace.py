@@ -188,6 +188,23 @@ def test_renderer_draws_a_compute_and_a_comm_row_per_rank(tmp_path: Path) -> Non
     assert "overlap 83.3%" in timeline.summary().splitlines()[1]
 
 
+def test_the_figure_is_titled_with_the_caption_or_the_title_given(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    original = Figure.suptitle
+
+    def suptitle(figure: Figure, text: str, **kwargs):
+        titles.append(text)
+        return original(figure, text, **kwargs)
+
+    monkeypatch.setattr(Figure, "suptitle", suptitle)
+    run = load_run([_write_run(tmp_path / "naive", overlapped=False)])
+    render_timeline([run], tmp_path / "default.png")
+    render_timeline([run], tmp_path / "titled.png", title="mine")
+    assert titles[0].startswith("Compute vs gradient communication (overlap = ") and titles[1] == "mine"
+
+
 def test_cli_draws_runs_and_prints_their_overlap(tmp_path: Path, capsys) -> None:
     naive = _write_run(tmp_path / "naive", overlapped=False)
     overlap = _write_run(tmp_path / "overlap", overlapped=True)
