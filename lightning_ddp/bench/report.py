@@ -15,8 +15,7 @@ import numpy as np
 from lightning_ddp import catalogue, files
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
-    Bootstrapper, Estimate, geometric_mean_draws, interval_text, percentile_interval, pooled_median,
-    pooled_percentile,
+    Bootstrapper, Estimate, geometric_mean_draws, interval_text, pooled_median, pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
 from lightning_ddp.bench.study import read_csv
@@ -80,8 +79,7 @@ class Measured:
     draws: np.ndarray = field(repr=False)
 
     def estimate(self, column: int) -> Estimate:
-        lo, hi = percentile_interval(self.draws[:, column])
-        return Estimate(float(self.point[column]), lo, hi)
+        return Estimate.of(self.point[column], self.draws[:, column])
 
     def ratio(self, other: Measured, column: int) -> tuple[float, np.ndarray]:
         """This over ``other`` in ``column``: the point and the draws (paired by their resampled steps)."""
@@ -135,6 +133,14 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
     return cells
 
 
+def load_tally(repeat_rows: Sequence[Row]) -> tuple[int, int, float, list[float]]:
+    """The load guard over repeats.csv rows: repeats started busy, repeats guarded, seconds waited, load averages."""
+    guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
+    loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), (int, float))]
+    waited = sum(r.get("waited_s") or 0.0 for r in guarded)
+    return sum(1 for r in guarded if r["busy"] is True), len(guarded), waited, loads
+
+
 def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     """The results.csv row of one cell, intervals from ``bootstrap`` over its ok repeats."""
     row: Row = {column: "" for column in RESULT_COLUMNS}
@@ -152,12 +158,10 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
         repeats_run=len(run),
         wall_s=round(sum(r.get("wall_s") or 0.0 for r in run), 1),
     )
-    loads = [r["load_avg_1m"] for r in run if isinstance(r.get("load_avg_1m"), (int, float))]
+    busy, guarded, waited, loads = load_tally(run)
     row["load_avg_1m"] = max(loads) if loads else ""
-    guarded = [r for r in run if r.get("busy") is not None and r.get("busy") != ""]
     if guarded:
-        row["busy_repeats"] = sum(1 for r in guarded if r["busy"] is True)
-        row["waited_s"] = round(sum(r.get("waited_s") or 0.0 for r in guarded), 1)
+        row.update(busy_repeats=busy, waited_s=round(waited, 1))
     resolved = [r["resolved_bucket_size_mb"] for r in run
                 if r["status"] == "ok" and isinstance(r.get("resolved_bucket_size_mb"), (int, float))]
     if resolved:
@@ -329,10 +333,7 @@ class GoalCheck:
     @property
     def estimate(self) -> Estimate | None:
         """The ratio and its 95 % interval; ``None`` when not measurable."""
-        if self.draws is None:
-            return None
-        lo, hi = percentile_interval(self.draws)
-        return Estimate(float(self.point), lo, hi)
+        return None if self.draws is None else Estimate.of(self.point, self.draws)
 
     @property
     def verdict(self) -> str:
@@ -636,14 +637,11 @@ def build_report(
             f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
             f"{run.get('steps', '?')} measured steps")
     if repeat_rows:
-        guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
-        busy = sum(1 for r in guarded if r["busy"] is True)
-        waited = sum(r.get("waited_s") or 0.0 for r in guarded)
-        loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), float)]
+        busy, guarded, waited, loads = load_tally(repeat_rows)
         lines.append(
             f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
             f"{run.get('max_wait_s', '?')} s): "
-            + (f"**{busy} of {len(guarded)} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
+            + (f"**{busy} of {guarded} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
             + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
     lines += [f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best "
               "bucket sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How "
