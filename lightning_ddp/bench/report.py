@@ -477,9 +477,7 @@ def _selection_note(selection: Selection) -> str:
 
 
 def _missing(row: Row | None, name: str) -> str:
-    if row is None:
-        return f"no {name} cell"
-    return f"{name} cell {row['status'] or 'not run'}"
+    return f"no {name} cell" if row is None else f"{name} cell {row['status'] or 'not run'}"
 
 
 _STRATEGY_TITLES = {

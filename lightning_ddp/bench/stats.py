@@ -89,14 +89,12 @@ def hierarchical_bootstrap(
     return draws[:, 0] if one_metric else draws
 
 
-def percentile_interval(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
-    """``(lo, hi)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the draws (per column)."""
+def percentile_interval(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    """``(lo, hi)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the ``(B,)`` draws."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)], axis=0)
-    if np.ndim(lo) == 0:
-        return float(lo), float(hi)
-    return lo, hi
+        lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
 
 
 @dataclass(frozen=True)
