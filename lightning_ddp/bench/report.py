@@ -370,8 +370,7 @@ class Analysis:
 
     def _select(self, rows: list[Row]) -> Selection | None:
         """The best bucket size of one algorithm in one group (docs/benchmarks.md, "Analysis")."""
-        candidates = [(order, row, self.data[row["cell_id"]].ok_repeats) for order, row in enumerate(rows)
-                      if is_ok(row) and self.data[row["cell_id"]].ok_repeats]
+        candidates = [(row, self.data[row["cell_id"]].ok_repeats) for row in rows if is_ok(row)]  # ok: ok repeats
         if not candidates:
             return None
 
@@ -380,9 +379,9 @@ class Analysis:
             value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
             return value if math.isfinite(value) else math.inf
 
-        with_selection = [c for c in ((o, r, [k for k in ok if k % 2 == 0]) for o, r, ok in candidates) if c[2]]
-        # every even repeat failed: nothing to choose on out of sample
-        _, row, chosen_on = min(with_selection or candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
+        with_selection = [(row, evens) for row, ok in candidates if (evens := [k for k in ok if k % 2 == 0])]
+        # every even repeat failed: nothing to choose on out of sample; of equal medians, min keeps the first row
+        row, chosen_on = min(with_selection or candidates, key=lambda c: median_on(*c))
         evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
         evaluated = self.data[row["cell_id"]].measured(self.bootstrap, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
