@@ -275,8 +275,7 @@ def variant_of(row: Row) -> str:
 
 
 def strategy_order(names: Iterable[str]) -> list[str]:
-    """``names`` (strategies or variants, deduplicated) in report order: the reference, the catalogue's, ``ddp``,
-    then unknown names; otherwise in first-seen order."""
+    """``names`` deduplicated, in report order: the reference, the catalogue's, ``ddp``, unknown ones; else as seen."""
     known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
@@ -687,8 +686,7 @@ def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
 
 
 def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate | None:
-    """What a strategy bar shows: an algorithm with buckets at its selected size on the evaluation repeats, any other
-    strategy's cell over all repeats."""
+    """A strategy's bar: an algorithm with buckets at its selected size on the evaluation repeats, else its cell."""
     if has_bucket_axis(name):
         selection = analysis.selections.get((group, name))
         return selection.evaluated.estimate(panel) if selection else None
