@@ -132,11 +132,8 @@ def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
 
 
 def _unique(values: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for value in values:  # not dict.fromkeys: 1 and 1.0 and True are equal keys, but distinct settings
-        if not any(type(value) is type(seen) and value == seen for seen in out):
-            out.append(value)
-    return out
+    """``values`` without repeats (not dict.fromkeys: 1 and 1.0 and True are equal keys, but distinct settings)."""
+    return [v for i, v in enumerate(values) if not any(type(v) is type(seen) and v == seen for seen in values[:i])]
 
 
 @dataclass

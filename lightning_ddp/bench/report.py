@@ -15,8 +15,7 @@ import numpy as np
 from lightning_ddp import catalogue, files
 from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
-    Bootstrapper, Estimate, geometric_mean_draws, interval_text, percentile_interval, pooled_median,
-    pooled_percentile,
+    Bootstrapper, Estimate, geometric_mean_draws, interval_text, pooled_median, pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
 from lightning_ddp.bench.study import read_csv
@@ -80,8 +79,7 @@ class Measured:
     draws: np.ndarray = field(repr=False)
 
     def estimate(self, column: int) -> Estimate:
-        lo, hi = percentile_interval(self.draws[:, column])
-        return Estimate(float(self.point[column]), lo, hi)
+        return Estimate.of(self.point[column], self.draws[:, column])
 
     def ratio(self, other: Measured, column: int) -> tuple[float, np.ndarray]:
         """This over ``other`` in ``column``: the point and the draws (paired by their resampled steps)."""
@@ -135,6 +133,14 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
     return cells
 
 
+def load_tally(repeat_rows: Sequence[Row]) -> tuple[int, int, float, list[float]]:
+    """The load guard over repeats.csv rows: repeats started busy, repeats guarded, seconds waited, load averages."""
+    guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
+    loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), (int, float))]
+    waited = sum(r.get("waited_s") or 0.0 for r in guarded)
+    return sum(1 for r in guarded if r["busy"] is True), len(guarded), waited, loads
+
+
 def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     """The results.csv row of one cell, intervals from ``bootstrap`` over its ok repeats."""
     row: Row = {column: "" for column in RESULT_COLUMNS}
@@ -152,12 +158,10 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
         repeats_run=len(run),
         wall_s=round(sum(r.get("wall_s") or 0.0 for r in run), 1),
     )
-    loads = [r["load_avg_1m"] for r in run if isinstance(r.get("load_avg_1m"), (int, float))]
+    busy, guarded, waited, loads = load_tally(run)
     row["load_avg_1m"] = max(loads) if loads else ""
-    guarded = [r for r in run if r.get("busy") is not None and r.get("busy") != ""]
     if guarded:
-        row["busy_repeats"] = sum(1 for r in guarded if r["busy"] is True)
-        row["waited_s"] = round(sum(r.get("waited_s") or 0.0 for r in guarded), 1)
+        row.update(busy_repeats=busy, waited_s=round(waited, 1))
     resolved = [r["resolved_bucket_size_mb"] for r in run
                 if r["status"] == "ok" and isinstance(r.get("resolved_bucket_size_mb"), (int, float))]
     if resolved:
@@ -271,8 +275,7 @@ def variant_of(row: Row) -> str:
 
 
 def strategy_order(names: Iterable[str]) -> list[str]:
-    """``names`` (strategies or variants, deduplicated) in report order: the reference, the catalogue's, ``ddp``,
-    then unknown names; otherwise in first-seen order."""
+    """``names`` deduplicated, in report order: the reference, the catalogue's, ``ddp``, unknown ones; else as seen."""
     known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
@@ -329,10 +332,7 @@ class GoalCheck:
     @property
     def estimate(self) -> Estimate | None:
         """The ratio and its 95 % interval; ``None`` when not measurable."""
-        if self.draws is None:
-            return None
-        lo, hi = percentile_interval(self.draws)
-        return Estimate(float(self.point), lo, hi)
+        return None if self.draws is None else Estimate.of(self.point, self.draws)
 
     @property
     def verdict(self) -> str:
@@ -369,8 +369,7 @@ class Analysis:
 
     def _select(self, rows: list[Row]) -> Selection | None:
         """The best bucket size of one algorithm in one group (docs/benchmarks.md, "Analysis")."""
-        candidates = [(order, row, self.data[row["cell_id"]].ok_repeats) for order, row in enumerate(rows)
-                      if is_ok(row) and self.data[row["cell_id"]].ok_repeats]
+        candidates = [(row, self.data[row["cell_id"]].ok_repeats) for row in rows if is_ok(row)]  # ok: ok repeats
         if not candidates:
             return None
 
@@ -379,9 +378,9 @@ class Analysis:
             value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
             return value if math.isfinite(value) else math.inf
 
-        with_selection = [c for c in ((o, r, [k for k in ok if k % 2 == 0]) for o, r, ok in candidates) if c[2]]
-        # every even repeat failed: nothing to choose on out of sample
-        _, row, chosen_on = min(with_selection or candidates, key=lambda c: (median_on(c[1], c[2]), c[0]))
+        with_selection = [(row, evens) for row, ok in candidates if (evens := [k for k in ok if k % 2 == 0])]
+        # every even repeat failed: nothing to choose on out of sample; of equal medians, min keeps the first row
+        row, chosen_on = min(with_selection or candidates, key=lambda c: median_on(*c))
         evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
         evaluated = self.data[row["cell_id"]].measured(self.bootstrap, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
@@ -476,9 +475,7 @@ def _selection_note(selection: Selection) -> str:
 
 
 def _missing(row: Row | None, name: str) -> str:
-    if row is None:
-        return f"no {name} cell"
-    return f"{name} cell {row['status'] or 'not run'}"
+    return f"no {name} cell" if row is None else f"{name} cell {row['status'] or 'not run'}"
 
 
 _STRATEGY_TITLES = {
@@ -636,14 +633,11 @@ def build_report(
             f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
             f"{run.get('steps', '?')} measured steps")
     if repeat_rows:
-        guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
-        busy = sum(1 for r in guarded if r["busy"] is True)
-        waited = sum(r.get("waited_s") or 0.0 for r in guarded)
-        loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), float)]
+        busy, guarded, waited, loads = load_tally(repeat_rows)
         lines.append(
             f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
             f"{run.get('max_wait_s', '?')} s): "
-            + (f"**{busy} of {len(guarded)} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
+            + (f"**{busy} of {guarded} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
             + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
     lines += [f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best "
               "bucket sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How "
@@ -692,8 +686,7 @@ def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
 
 
 def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate | None:
-    """What a strategy bar shows: an algorithm with buckets at its selected size on the evaluation repeats, any other
-    strategy's cell over all repeats."""
+    """A strategy's bar: an algorithm with buckets at its selected size on the evaluation repeats, else its cell."""
     if has_bucket_axis(name):
         selection = analysis.selections.get((group, name))
         return selection.evaluated.estimate(panel) if selection else None

@@ -89,14 +89,12 @@ def hierarchical_bootstrap(
     return draws[:, 0] if one_metric else draws
 
 
-def percentile_interval(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
-    """``(lo, hi)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the draws (per column)."""
+def percentile_interval(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    """``(lo, hi)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the ``(B,)`` draws."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)], axis=0)
-    if np.ndim(lo) == 0:
-        return float(lo), float(hi)
-    return lo, hi
+        lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
 
 
 @dataclass(frozen=True)
@@ -107,10 +105,10 @@ class Estimate:
     lo: float
     hi: float
 
-    @property
-    def finite(self) -> bool:
-        """Whether all three numbers are finite (a missing metric gives NaN)."""
-        return all(math.isfinite(v) for v in (self.point, self.lo, self.hi))
+    @classmethod
+    def of(cls, point: Any, draws: np.ndarray) -> Estimate:
+        """``point`` with the 95 % percentile interval of its bootstrap ``draws``."""
+        return cls(float(point), *percentile_interval(draws))
 
 
 def interval_text(point: Any, lo: Any = math.nan, hi: Any = math.nan, spec: str = ",.1f", scale: float = 1.0,
@@ -143,9 +141,7 @@ def verdict(interval: tuple[float, float] | Estimate, target: float) -> str:
 
 def estimate(repeats: Repeats, samples: int, seed: int, key: str = "") -> Estimate:
     """The pooled median of one metric and its hierarchical-bootstrap interval."""
-    draws = hierarchical_bootstrap(repeats, samples, rng_for(seed, key))
-    lo, hi = percentile_interval(draws)
-    return Estimate(float(pooled_median(repeats)), lo, hi)
+    return Estimate.of(pooled_median(repeats), hierarchical_bootstrap(repeats, samples, rng_for(seed, key)))
 
 
 def ratio_estimate(numerator: Repeats, denominator: Repeats, samples: int, seed: int,
@@ -154,8 +150,7 @@ def ratio_estimate(numerator: Repeats, denominator: Repeats, samples: int, seed:
     top = hierarchical_bootstrap(numerator, samples, rng_for(seed, keys[0]))
     bottom = hierarchical_bootstrap(denominator, samples, rng_for(seed, keys[1]))
     with np.errstate(divide="ignore", invalid="ignore"):
-        lo, hi = percentile_interval(top / bottom)
-    return Estimate(float(pooled_median(numerator) / pooled_median(denominator)), lo, hi)
+        return Estimate.of(pooled_median(numerator) / pooled_median(denominator), top / bottom)
 
 
 def geometric_mean_draws(ratio_draws: Sequence[np.ndarray]) -> np.ndarray:

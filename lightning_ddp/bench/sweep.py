@@ -102,8 +102,7 @@ _ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE
 
 @dataclass
 class CellOutcome:
-    """What running a cell produced: its status, the error line that explains it, the CommTimer's
-    ``timing_summary.json`` and ``compute_profile.json`` when written, the wall time with start-up."""
+    """A cell run's status, the error line behind it, its timing_summary.json and compute_profile.json, wall time."""
 
     status: Literal["ok", "oom", "failed", "timeout"]
     reason: str = ""
@@ -179,8 +178,7 @@ class SubprocessCellRunner:
 
 
 def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
-    """The repeats.csv row of ``cell``'s repeat ``repeat``: its coordinates, ``outcome``, ``load`` and the other
-    ``columns`` (model, accelerator, backend, load_avg_1m, started_at; ``None``: empty)."""
+    """The repeats.csv row of ``cell``'s repeat: its coordinates, ``outcome``, ``load``, ``columns`` (None: empty)."""
     load = load or LoadCheck()
     row: Row = {column: "" for column in REPEAT_COLUMNS}
     row.update({name: "" if value is None else value for name, value in columns.items()})
@@ -255,8 +253,7 @@ def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, 
 def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKey, Row],
                   steps: dict[RepeatKey, list[Row]], bootstrap: Bootstrapper,
                   final: bool = False) -> SweepResult:
-    """results.csv (the grid's ``cells``, then any other of repeats.csv), results.md and, when ``final``, the plots;
-    the ``SweepResult`` of the grid's cells."""
+    """results.csv (the grid's ``cells``, then any other of repeats.csv), results.md and, when ``final``, the plots."""
     out_dir = Path(config.output.out_dir)
     data = cell_data(repeats.values(), (step for rows in steps.values() for step in rows))
     ids = [c.id for c in cells]
@@ -276,8 +273,7 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
 def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
               log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
-    """Run (or resume) the sweep of ``config``; by default the cells run as subprocesses on the GPUs visible here,
-    each after ``study.wait_until_idle``."""
+    """Run (or resume) the sweep; by default each cell repeat in subprocesses, after ``study.wait_until_idle``."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     repeats = read_repeats(out_dir / REPEATS_CSV)
@@ -328,8 +324,7 @@ def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: Ran
 
 def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None,
                    repeats: dict[RepeatKey, Row]) -> RankLayout:
-    """Check the base config, decide the layout and write environment.json: versions, hardware, placement, commit,
-    the config, and this session added to the earlier ones."""
+    """Check the base config, decide the layout, write environment.json (this session added to the earlier ones)."""
     if not Path(config.workload.base_config).is_file():
         raise ValueError(
             f"`workload.base_config` {config.workload.base_config!r} not found (relative paths resolve against the "
@@ -362,8 +357,7 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
 
 
 def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path, say: Callable[[str], None]) -> None:
-    """Unless bucket_prediction.json exists: ``python -m lightning_ddp.bench.allreduce`` on every rank at once, its
-    fit written there."""
+    """Unless bucket_prediction.json exists: ``python -m lightning_ddp.bench.allreduce`` on every rank, its fit."""
     if (out_dir / PREDICTION_JSON).exists():
         return
     say("measuring all-reduce time vs message size for the bucket-size model ...")
