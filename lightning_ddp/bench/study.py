@@ -69,13 +69,14 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
     import torch
     import torch.distributed as dist
 
-    from lightning_ddp.local_group import cores_per_rank, init_local_process_group
+    from lightning_ddp.local_group import init_local_process_group
 
     *args, result_file = args_and_file
     if cuda:
         torch.cuda.set_device(rank)
-    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
-    init_local_process_group(rank, world, port, backend, threads=None if cuda else cores_per_rank(world))
+    # CPU ranks share the machine's cores, at least one each; oversubscribing them only adds noise.
+    threads = None if cuda else max(1, (os.cpu_count() or 1) // world)
+    init_local_process_group(rank, world, port, backend, threads=threads)
     try:
         result = measure(rank, world, *args)
         if rank == 0:
