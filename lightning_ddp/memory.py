@@ -378,13 +378,7 @@ def print_estimate(
     print(estimate.table())
 
 
-def main(args: list[str] | None = None) -> int:
-    """``python -m lightning_ddp.memory --preset xl ...``: ``print_estimate`` from the command line (``--help``)."""
+if __name__ == "__main__":  # python -m lightning_ddp.memory --preset xl ... (--help)
     from jsonargparse import auto_cli
 
-    auto_cli(print_estimate, args=args, prog="python -m lightning_ddp.memory")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    auto_cli(print_estimate, prog="python -m lightning_ddp.memory")

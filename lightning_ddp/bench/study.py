@@ -29,9 +29,6 @@ K = TypeVar("K")
 C = TypeVar("C", bound="BenchConfig")
 
 
-# ---- running a study ----------------------------------------------------------------------------------------
-
-
 def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[Path], T], *,
               timeout_s: float = 3600.0) -> dict[str, list[T]]:
     """Every cell's fit ``repeats`` times, ``interleaved``; per cell, what the plug-in ``read`` makes of each run's
@@ -102,9 +99,6 @@ def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str 
         return read_json(result_file)
 
 
-# ---- metric plug-ins: a run's log directory in, named values out ---------------------------------------------
-
-
 def read_timing_summary(log_dir: Path, required: bool = False) -> dict[str, Any] | None:
     """The CommTimer's first ``timing_summary.json`` under ``log_dir``, or ``None`` (``required``: RuntimeError)."""
     path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
@@ -140,9 +134,6 @@ def with_interval(name: str, value: Estimate, point: str = "", shift: float = 0.
 def per_repeat(runs: Sequence[Sequence[Mapping[str, float]]], key: str) -> list[np.ndarray]:
     """One array per repeat of ``key`` over its step rows (NaN where a row lacks it)."""
     return [np.array([row.get(key, math.nan) for row in run], dtype=float) for run in runs]
-
-
-# ---- writing the results -------------------------------------------------------------------------------------
 
 
 def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
@@ -201,9 +192,6 @@ def load_average() -> float | None:
         return None
 
 
-# ---- tables written from column definitions -----------------------------------------------------------------
-
-
 class Column(NamedTuple):
     """One column of a table: its header, its cell from a row, its alignment (``l`` or ``r``)."""
 
@@ -236,9 +224,6 @@ def interval_cell(name: str, spec: str = ",.1f", bounds: str = "", scale: float 
     """A cell writing ``row[name]`` with its interval ``row[<bounds or name>_lo]``, ``_hi`` where it has one."""
     lo, hi = f"{bounds or name}_lo", f"{bounds or name}_hi"
     return lambda row: interval_text(row.get(name), row.get(lo), row.get(hi), spec, scale, unit)
-
-
-# ---- the load guard: before each repeat, wait until the machine's CPUs are (nearly) idle ----------------------
 
 
 CpuTimes = tuple[int, int]
@@ -300,9 +285,6 @@ def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,
             break
         fraction = latest
     return LoadCheck() if fraction is None else LoadCheck(fraction, waited, fraction > threshold)
-
-
-# ---- the benchmarks' configs and main --------------------------------------------------------------------------
 
 
 @dataclass
