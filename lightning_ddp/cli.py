@@ -160,7 +160,13 @@ class LightningDDPCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         # With checkpointing on, the last step is saved even when the run does not end on a validation.
         trainer.callbacks.append(FinalStepCheckpoint())
-        name_run_by_strategy(trainer)
+        logger = trainer.logger  # an unnamed TensorBoard/CSV logger is named after the strategy, {strategy} replaced
+        if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+            label = strategy_label(trainer.strategy)
+            if logger.name == "lightning_logs":  # the loggers' default: no name was given
+                logger._name = label
+            elif "{strategy}" in logger.name:
+                logger._name = logger.name.replace("{strategy}", label)
         return trainer
 
     @override
@@ -191,18 +197,6 @@ class LightningDDPCLI(LightningCLI):
         # `fit`, or no subcommand (`run=False`: the caller is about to call `trainer.fit` itself).
         if subcommand in ("fit", None) and config.get("preflight", True):
             check_memory(config)
-
-
-def name_run_by_strategy(trainer) -> None:
-    """Name an unnamed TensorBoard/CSV logger after the strategy, or replace ``{strategy}`` in its name."""
-    logger = trainer.logger
-    if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
-        return
-    label = strategy_label(trainer.strategy)
-    if logger.name == "lightning_logs":  # the loggers' default: no name was given
-        logger._name = label
-    elif "{strategy}" in logger.name:
-        logger._name = logger.name.replace("{strategy}", label)
 
 
 def check_strategy_name(strategy: object) -> None:
@@ -369,19 +363,13 @@ def check_memory(config) -> None:
     check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
 
 
-def check_subcommand(args: list[str] | None) -> None:
-    """Exit 2 with one line naming the supported subcommands if the first argument is another one."""
-    first = (sys.argv[1:] if args is None else args)[:1]
-    if not first or first[0].startswith("-") or first[0] in SUBCOMMANDS:
-        return
-    predict = first[0] == "predict"
-    why = " (a language model's predictions need a sampling loop this toolkit does not have)" if predict else ""
-    refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: {', '.join(SUBCOMMANDS)}; "
-           "e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
-
-
 def main(args: list[str] | None = None) -> LightningDDPCLI:
-    check_subcommand(args)
+    first = (sys.argv[1:] if args is None else args)[:1]
+    if first and not first[0].startswith("-") and first[0] not in SUBCOMMANDS:  # exit 2 naming the supported ones
+        predict = first[0] == "predict"
+        why = " (a language model's predictions need a sampling loop this toolkit does not have)" if predict else ""
+        refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: "
+               f"{', '.join(SUBCOMMANDS)}; e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
     register_strategies()  # `trainer.strategy: <name>` for every catalogue entry
     try:
         return LightningDDPCLI(
