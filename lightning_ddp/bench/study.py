@@ -143,6 +143,7 @@ def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
 
 
 def _typed(text: str) -> Any:
+    """A results.csv cell: booleans, numbers and text as written, an empty cell as ``None``."""
     if text in ("true", "false"):
         return text == "true"
     if text == "":
@@ -151,11 +152,6 @@ def _typed(text: str) -> Any:
         return float(text)
     except ValueError:
         return text
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """A results.csv's rows: booleans, numbers and text as written, empty cells as ``None``."""
-    return [{key: _typed(value) for key, value in row.items()} for row in read_csv(path)]
 
 
 def provenance(out: str | os.PathLike | None = None, **extra: Any) -> dict[str, Any]:
@@ -352,7 +348,8 @@ def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callabl
 
     def report(config: C) -> tuple[list[dict[str, Any]], str]:
         recorded = read_json(Path(config.out_dir) / "environment.json")
-        rows = read_rows(Path(config.out_dir) / "results.csv")
+        csv_rows = read_csv(Path(config.out_dir) / "results.csv")
+        rows = [{key: _typed(value) for key, value in row.items()} for row in csv_rows]
         markdown = render(type(config)(**{**recorded["config"], "report_only": False}), rows, recorded["command_line"])
         write_outputs(config.out_dir, {"results.md": markdown})
         return rows, markdown
