@@ -27,17 +27,8 @@ from lightning_ddp.callbacks import FinalStepCheckpoint
 from lightning_ddp.metrics.recording import strategy_label
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
 from lightning_ddp.data import BYTE_VOCAB_SIZE, DEFAULT_VOCAB_SIZE, LMDataModule
-from lightning_ddp.memory import (
-    GiB,
-    MemoryEstimate,
-    MemoryPreflightError,
-    check_fits,
-    estimate_rank_memory,
-    largest_batch,
-    memory_budget_bytes,
-    normalize_precision,
-)
-from lightning_ddp.model import PRESETS, get_config
+from lightning_ddp.memory import GiB, MemoryPreflightError, memory_budget_bytes, preflight
+from lightning_ddp.model import get_config
 from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import register_strategies
 
@@ -160,7 +151,13 @@ class LightningDDPCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         # With checkpointing on, the last step is saved even when the run does not end on a validation.
         trainer.callbacks.append(FinalStepCheckpoint())
-        name_run_by_strategy(trainer)
+        logger = trainer.logger  # an unnamed TensorBoard/CSV logger is named after the strategy, {strategy} replaced
+        if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+            label = strategy_label(trainer.strategy)
+            if logger.name == "lightning_logs":  # the loggers' default: no name was given
+                logger._name = label
+            elif "{strategy}" in logger.name:
+                logger._name = logger.name.replace("{strategy}", label)
         return trainer
 
     @override
@@ -191,18 +188,6 @@ class LightningDDPCLI(LightningCLI):
         # `fit`, or no subcommand (`run=False`: the caller is about to call `trainer.fit` itself).
         if subcommand in ("fit", None) and config.get("preflight", True):
             check_memory(config)
-
-
-def name_run_by_strategy(trainer) -> None:
-    """Name an unnamed TensorBoard/CSV logger after the strategy, or replace ``{strategy}`` in its name."""
-    logger = trainer.logger
-    if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
-        return
-    label = strategy_label(trainer.strategy)
-    if logger.name == "lightning_logs":  # the loggers' default: no name was given
-        logger._name = label
-    elif "{strategy}" in logger.name:
-        logger._name = logger.name.replace("{strategy}", label)
 
 
 def check_strategy_name(strategy: object) -> None:
@@ -317,71 +302,32 @@ def check_memory(config) -> None:
                   bucket_size_mb=bucket_size_mb, device_type=device_type, shard_optimizer_state=sharded_by is not None)
     vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
 
-    def gpt(preset: str = model.preset) -> Any:
+    def gpt(preset: str) -> Any:
         return get_config(preset, vocab_size=vocab, context_length=model.context_length,
                           tie_embeddings=model.tie_embeddings)
 
-    def estimate(preset: str = model.preset, batch_size: int = data.batch_size, **overrides: Any) -> MemoryEstimate:
-        return estimate_rank_memory(gpt(preset), batch_size=batch_size, **{**kwargs, **overrides})
-
-    try:
-        current = estimate()
-    except ValueError:
-        return  # a value the model, data or strategy will reject with its own message, or one we do not model
     sharing = local if device_type == "cpu" else _ranks_per_gpu(world_size, num_nodes)
     budget = memory_budget_bytes(device_type, sharing)
-    if current.total_bytes <= budget:
-        return
     if device_type == "cuda":
         source = f"the GPU's {budget * sharing / GiB:.1f} GiB" + (f" / {sharing} ranks on it" if sharing > 1 else "")
     else:
         source = f"available RAM {budget * local / GiB:.1f} GiB / {local} processes"
-
-    # The fixes: each change that lowers the peak, with the peak it would give; the largest batch that fits first.
-    def outcome(e: MemoryEstimate) -> str:
-        return f"peak {e.total_bytes / GiB:.1f} GiB, {'fits' if e.total_bytes <= budget else 'not enough alone'}"
-
-    fixes = []
-    batch_size, preset = data.batch_size, model.preset
-    best = largest_batch(gpt(), budget_bytes=budget, max_batch=max(batch_size - 1, 1), **kwargs)
-    if best and best < batch_size:
-        fixes.append(f"--data.batch_size {best} ({outcome(estimate(batch_size=best))}; the largest that fits)")
-    elif batch_size > 1:
-        fixes.append(f"--data.batch_size 1 ({outcome(estimate(batch_size=1))})")
-    candidates = []
-    if normalize_precision(trainer.precision) == "32-true":
-        candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
-    # Each sharding of the catalogue, with what it would make fit.
-    for entry in catalogue.STRATEGIES.values() if world_size > 1 else ():
-        if entry.sharded and entry.name not in (strategy, sharded_by):
-            candidates.append((f"--trainer.strategy {entry.name}", estimate(strategy=entry.name, bucket_size_mb=None)))
-    smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
-    fitting = [name for name in smaller if estimate(preset=name).total_bytes <= budget]
-    if fitting:
-        candidates.append((f"--model.preset {fitting[-1]}", estimate(preset=fitting[-1])))
-    fixes.extend(f"{flag} ({outcome(e)})" for flag, e in candidates if e.total_bytes < current.total_bytes)
-    if device_type == "cpu" and local > 1:
-        one = estimate(world_size=1)
-        if one.total_bytes <= budget * local:
-            fixes.append(f"--trainer.devices 1 (one process with all {budget * local / GiB:.1f} GiB: peak "
-                         f"{one.total_bytes / GiB:.1f} GiB, fits)")
-    fixes.append("--preflight false skips this check (the estimate and its sources: lightning_ddp/memory.py)")
-    check_fits(current, budget, what="Memory pre-flight: this run", budget_source=source, fixes=fixes)
-
-
-def check_subcommand(args: list[str] | None) -> None:
-    """Exit 2 with one line naming the supported subcommands if the first argument is another one."""
-    first = (sys.argv[1:] if args is None else args)[:1]
-    if not first or first[0].startswith("-") or first[0] in SUBCOMMANDS:
-        return
-    predict = first[0] == "predict"
-    why = " (a language model's predictions need a sampling loop this toolkit does not have)" if predict else ""
-    refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: {', '.join(SUBCOMMANDS)}; "
-           "e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
+    try:
+        preflight(gpt, model.preset, budget, source, batch_size=data.batch_size, sharded_by=sharded_by,
+                  processes=local if device_type == "cpu" else 1, **kwargs)
+    except MemoryPreflightError:
+        raise
+    except ValueError:
+        return  # a value the model, data or strategy will reject with its own message, or one we do not model
 
 
 def main(args: list[str] | None = None) -> LightningDDPCLI:
-    check_subcommand(args)
+    first = (sys.argv[1:] if args is None else args)[:1]
+    if first and not first[0].startswith("-") and first[0] not in SUBCOMMANDS:  # exit 2 naming the supported ones
+        predict = first[0] == "predict"
+        why = " (a language model's predictions need a sampling loop this toolkit does not have)" if predict else ""
+        refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: "
+               f"{', '.join(SUBCOMMANDS)}; e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
     register_strategies()  # `trainer.strategy: <name>` for every catalogue entry
     try:
         return LightningDDPCLI(

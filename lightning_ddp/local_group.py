@@ -17,15 +17,6 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def cores_per_rank(world_size: int) -> int:
-    """This machine's cores shared out over ``world_size`` ranks, at least one each.
-
-    >>> cores_per_rank(10**6)
-    1
-    """
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def init_local_process_group(
     rank: int,
     world_size: int,

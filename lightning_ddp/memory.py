@@ -1,6 +1,6 @@
 """Memory pre-flight: the bytes one rank needs for a training step, from the config alone, and whether they fit.
 
-``estimate_rank_memory`` adds the categories and takes the peak over the forward's end and the step; ``check_fits``
+``estimate_rank_memory`` adds the categories and takes the peak over the forward's end and the step; ``preflight``
 refuses a run that does not fit, with the fixes. The formulas and how they were measured: ``docs/memory.md``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Optional, Protocol, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.catalogue import BucketSize
@@ -335,22 +335,51 @@ class MemoryPreflightError(ValueError):
     """The estimated peak of one rank exceeds its memory budget (raised before anything starts)."""
 
 
-def check_fits(
-    estimate: MemoryEstimate, budget_bytes: int, *, what: str, fixes: Sequence[str] = (), budget_source: str = ""
-) -> None:
-    """Raise ``MemoryPreflightError`` if ``estimate`` exceeds ``budget_bytes``, with the breakdown and ``fixes``."""
-    if estimate.total_bytes <= budget_bytes:
+def preflight(gpt: Callable[[str], GPTConfig], preset: str, budget_bytes: int, budget_source: str, *,
+              batch_size: int, processes: int = 1, sharded_by: str | None = None, **estimate_kwargs: Any) -> None:
+    """Raise ``MemoryPreflightError`` if one rank's estimate exceeds ``budget_bytes``, with the breakdown and the
+    fixes, each with the peak it would give; ``gpt(preset)`` a preset's model, ``processes`` CPU processes share the
+    host, ``sharded_by`` the entry sharding the state over the strategy's engine."""
+    from lightning_ddp.model import PRESETS  # torch: this module imports it only where a function needs it
+
+    def estimate(name: str = preset, batch: int = batch_size, **overrides: Any) -> MemoryEstimate:
+        return estimate_rank_memory(gpt(name), batch_size=batch, **{**estimate_kwargs, **overrides})
+
+    def outcome(e: MemoryEstimate) -> str:
+        return f"peak {e.total_bytes / GiB:.1f} GiB, {'fits' if e.total_bytes <= budget_bytes else 'not enough alone'}"
+
+    current = estimate()
+    if current.total_bytes <= budget_bytes:
         return
-    source = f" ({budget_source})" if budget_source else ""
+    fixes = []  # each change that lowers the peak, with the peak it would give; the largest batch that fits first
+    best = largest_batch(gpt(preset), budget_bytes=budget_bytes, max_batch=max(batch_size - 1, 1), **estimate_kwargs)
+    if best and best < batch_size:
+        fixes.append(f"--data.batch_size {best} ({outcome(estimate(batch=best))}; the largest that fits)")
+    elif batch_size > 1:
+        fixes.append(f"--data.batch_size 1 ({outcome(estimate(batch=1))})")
+    candidates = []
+    if normalize_precision(estimate_kwargs["precision"]) == "32-true":
+        candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
+    # Each sharding of the catalogue, with what it would make fit (sharding the state changes nothing there).
+    for entry in catalogue.STRATEGIES.values() if estimate_kwargs["world_size"] > 1 else ():
+        if entry.sharded and entry.name not in (estimate_kwargs["strategy"], sharded_by):
+            candidates.append((f"--trainer.strategy {entry.name}", estimate(strategy=entry.name, bucket_size_mb=None)))
+    smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
+    fitting = [name for name in smaller if estimate(name).total_bytes <= budget_bytes]
+    if fitting:
+        candidates.append((f"--model.preset {fitting[-1]}", estimate(fitting[-1])))
+    fixes.extend(f"{flag} ({outcome(e)})" for flag, e in candidates if e.total_bytes < current.total_bytes)
+    if processes > 1:
+        one = estimate(world_size=1)
+        if one.total_bytes <= budget_bytes * processes:
+            fixes.append(f"--trainer.devices 1 (one process with all {budget_bytes * processes / GiB:.1f} GiB: peak "
+                         f"{one.total_bytes / GiB:.1f} GiB, fits)")
+    fixes.append("--preflight false skips this check (the estimate and its sources: lightning_ddp/memory.py)")
     # "out of memory" also lets the benchmark sweep's runner record a refused cell as `oom`.
-    lines = [f"{what} would run out of memory: it needs about {estimate.total_bytes / GiB:.1f} GiB per rank, but a "
-             f"rank has {budget_bytes / GiB:.1f} GiB{source}."]
-    if estimate.description:
-        lines.append(f"Estimated for {estimate.description}:")
-    lines.extend("  " + line for line in estimate.table().splitlines())
-    if fixes:
-        lines.append("Fixes:")
-        lines.extend(f"  - {fix}" for fix in fixes)
+    lines = [f"Memory pre-flight: this run would run out of memory: it needs about {current.total_bytes / GiB:.1f} "
+             f"GiB per rank, but a rank has {budget_bytes / GiB:.1f} GiB ({budget_source}).",
+             f"Estimated for {current.description}:", *("  " + line for line in current.table().splitlines()),
+             "Fixes:", *(f"  - {fix}" for fix in fixes)]
     raise MemoryPreflightError("\n".join(lines))
 
 
@@ -378,13 +407,7 @@ def print_estimate(
     print(estimate.table())
 
 
-def main(args: list[str] | None = None) -> int:
-    """``python -m lightning_ddp.memory --preset xl ...``: ``print_estimate`` from the command line (``--help``)."""
+if __name__ == "__main__":  # python -m lightning_ddp.memory --preset xl ... (--help)
     from jsonargparse import auto_cli
 
-    auto_cli(print_estimate, args=args, prog="python -m lightning_ddp.memory")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    auto_cli(print_estimate, prog="python -m lightning_ddp.memory")

@@ -36,9 +36,6 @@ _NOISE = re.compile(r"^(Traceback|During handling|The above exception|\s|\^|~|-{
 _GRACE_S = 5.0  # how long the other ranks get to exit by themselves after one failed
 
 
-# ---- the command -------------------------------------------------------------------------------------------
-
-
 def strategy_argument(name: str, backend: str | None = None, bucket_size_mb: float | str | None = None,
                       settings: Mapping[str, Any] | None = None) -> str:
     """The value of ``--trainer.strategy`` for a catalogue name (``auto`` for the study's ``reference``)."""
@@ -56,9 +53,6 @@ def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[s
                   "init_args": {"save_dir": str(log_dir), "name": "", "version": ""}}
         command += ["--trainer.logger", json.dumps(logger)]
     return command
-
-
-# ---- where the ranks go ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -153,9 +147,6 @@ def write_command(path: Path, command: list[str], envs: list[dict[str, str]]) ->
         prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in keys if k in env)
         lines.append(f"{prefix} {shlex.join(command)}".strip())
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-# ---- running -----------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -255,9 +255,13 @@ def _largest(values: Iterable[int | None]) -> int | None:
     return max((v for v in values if v is not None), default=None)
 
 
-def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One summary per mode (docs/benchmarks.md) from ``per_mode[m][r]``, rank ``r``'s result in mode ``m``."""
-    summaries = []
+def summarise(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """``results.json``'s ``modes`` (a summary per mode) and ``family`` (a row per mode, the most loaded rank's bytes
+    measured and expected; the goals) from ``per_mode[m][r]``, rank ``r``'s result in mode ``m``."""
+    warmup, samples, seed = config["warmup_steps"], config["bootstrap_samples"], config["seed"]
+    # rank 0's step times (already the max over ranks) after the warm-up
+    steps = {mode: ranks[0]["step_ms"][warmup:] for mode, ranks in zip(config["modes"], per_mode)}
+    summaries, rows = [], {}
     for mode, ranks in zip(config["modes"], per_mode):
         matches = True
         for entry in ranks:
@@ -274,59 +278,37 @@ def summarise_modes(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]
             entry["peak"] = _largest(snap.get("max_allocated", snap.get("max_rss"))
                                      for snap in entry["snapshots"].values())
             entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
-        summary = {"mode": mode, "ranks": ranks, "warmup_steps": config["warmup_steps"]}
-        step = estimate([_measured_steps(summary)], config["bootstrap_samples"], config["seed"], key=mode)
+        step = asdict(estimate([steps[mode]], samples, seed, key=mode))
         sent = sent_bytes_per_rank(ranks[0]["full_parameter_bytes"], config["devices"], mode)
-        summaries.append({**summary, "step_ms_median": step.point, "step_ms": asdict(step),
-                          "matches_expected": matches, "sent_bytes_per_rank": sent})
-    return summaries
-
-
-def _most_loaded(mode: dict[str, Any], key: str) -> int | None:
-    """The largest of ``key`` over the mode's ranks (a snapshot category at ``before_step``, or a rank's entry)."""
-    return _largest(r["snapshots"]["before_step"][key] if key in r["snapshots"]["before_step"] else r.get(key)
-                    for r in mode["ranks"])
-
-
-def _measured_steps(mode: dict[str, Any]) -> list[float]:
-    """Rank 0's step times (already the max over ranks) after the warm-up."""
-    return mode["ranks"][0]["step_ms"][mode["warmup_steps"]:]
-
-
-def family_summary(results: dict[str, Any]) -> dict[str, Any]:
-    """The family's ``rows`` (per mode, the most loaded rank's bytes, measured and expected) and its ``goals``."""
-    config = results["config"]
-    modes = {m["mode"]: m for m in results["modes"]}
-    rows = []
-    for name, mode in modes.items():
-        row: dict[str, Any] = {"mode": name, "label": MODE_TABLE[name].label, "step_ms": mode["step_ms"]}
+        summaries.append({"mode": mode, "ranks": ranks, "warmup_steps": warmup, "step_ms_median": step["point"],
+                          "step_ms": step, "matches_expected": matches, "sent_bytes_per_rank": sent})
+        row: dict[str, Any] = {"mode": mode, "label": MODE_TABLE[mode].label, "step_ms": step}
         for key in TENSORS:
-            row[key] = _most_loaded(mode, key)
-            row[f"expected_{key}"] = max(r["expected"][key] for r in mode["ranks"])
-        row["peak"] = _most_loaded(mode, "peak")
-        row["expected_peak"] = max(r["expected_peak"] for r in mode["ranks"])
-        if ZERO1 in modes:
-            ratio = ratio_estimate([_measured_steps(mode)], [_measured_steps(modes[ZERO1])],
-                                   config["bootstrap_samples"], config["seed"], keys=(name, ZERO1))
+            row[key] = _largest(r["snapshots"]["before_step"][key] for r in ranks)
+            row[f"expected_{key}"] = max(r["expected"][key] for r in ranks)
+        row["peak"] = _largest(r["peak"] for r in ranks)
+        row["expected_peak"] = max(r["expected_peak"] for r in ranks)
+        if ZERO1 in steps:
+            ratio = ratio_estimate([steps[mode]], [steps[ZERO1]], samples, seed, keys=(mode, ZERO1))
             row["step_ratio_to_zero1"] = asdict(ratio)
-        rows.append(row)
+        rows[mode] = row
     # the two goals' verdicts; the step goal reads ZeRO-2's ratio to ZeRO-1, bootstrapped in its row
     gradients: dict[str, Any] = {"goal": "ZeRO-2 gradients per rank <= DDP's / N + one bucket",
                                  "verdict": "not measurable"}
-    if "zero2" in modes and "unsharded" in modes:
-        full = _most_loaded(modes["unsharded"], "gradients")
-        cap = config.get("bucket_size_mb")
+    if "zero2" in rows and "unsharded" in rows:
+        full = rows["unsharded"]["gradients"]
+        cap = config["bucket_size_mb"]
         bucket = full if cap is None else min(int(cap * MiB), full)  # null: one bucket of every gradient
         target = full / config["devices"] + bucket
-        measured = _most_loaded(modes["zero2"], "gradients")
+        measured = rows["zero2"]["gradients"]
         gradients.update(measured_MiB=measured / MiB, target_MiB=target / MiB,
                          verdict="met" if measured <= target else "missed")
-    step: dict[str, Any] = {"goal": f"ZeRO-2 step time / ZeRO-1's ({ZERO1}) <= {STEP_GOAL:.2f}",
-                            "verdict": "not measurable"}
-    if "zero2" in modes and ZERO1 in modes:
-        ratio = next(row for row in rows if row["mode"] == "zero2")["step_ratio_to_zero1"]
-        step.update(ratio=ratio, target=STEP_GOAL, verdict=verdict((ratio["lo"], ratio["hi"]), STEP_GOAL))
-    return {"rows": rows, "goals": [gradients, step]}
+    step_goal: dict[str, Any] = {"goal": f"ZeRO-2 step time / ZeRO-1's ({ZERO1}) <= {STEP_GOAL:.2f}",
+                                 "verdict": "not measurable"}
+    if "zero2" in rows and ZERO1 in rows:
+        ratio = rows["zero2"]["step_ratio_to_zero1"]
+        step_goal.update(ratio=ratio, target=STEP_GOAL, verdict=verdict((ratio["lo"], ratio["hi"]), STEP_GOAL))
+    return {"modes": summaries, "family": {"rows": list(rows.values()), "goals": [gradients, step_goal]}}
 
 
 def _mib(value: int | float | None) -> str:
@@ -369,7 +351,7 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
     from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
 
     config = results["config"]
-    rows = (results.get("family") or family_summary(results))["rows"]
+    rows = results["family"]["rows"]
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
     for row in rows:
@@ -398,7 +380,7 @@ PROCESS_MEMORY = {"cuda": {"allocated": "allocated", "max_allocated": "max alloc
 def format_report(results: dict[str, Any]) -> str:
     """``results.md``: the family's table and goals, then one table per mode (a row per rank and point)."""
     config, env = results["config"], results["environment"]
-    family = results.get("family") or family_summary(results)
+    family = results["family"]
     lines = [
         f"# Memory benchmark of the data-parallel family: {config['preset']}, {config['devices']} ranks, "
         f"{config['accelerator']}",
@@ -458,9 +440,7 @@ def run(config: MemoryBenchConfig, command: str = "") -> None:
     environment = provenance(config.out_dir, device=device, cpu_count=os.cpu_count(),
                              cuda=torch.version.cuda if cuda else None, backend=config.backend,
                              world_size=config.devices)
-    results = {"config": asdict(config), "environment": environment,
-               "modes": summarise_modes(asdict(config), per_mode)}
-    results["family"] = family_summary(results)
+    results = {"config": asdict(config), "environment": environment, **summarise(asdict(config), per_mode)}
     write_outputs(config.out_dir, {"results.json": results})
 
 

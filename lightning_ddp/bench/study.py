@@ -29,9 +29,6 @@ K = TypeVar("K")
 C = TypeVar("C", bound="BenchConfig")
 
 
-# ---- running a study ----------------------------------------------------------------------------------------
-
-
 def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[Path], T], *,
               timeout_s: float = 3600.0) -> dict[str, list[T]]:
     """Every cell's fit ``repeats`` times, ``interleaved``; per cell, what the plug-in ``read`` makes of each run's
@@ -69,13 +66,14 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
     import torch
     import torch.distributed as dist
 
-    from lightning_ddp.local_group import cores_per_rank, init_local_process_group
+    from lightning_ddp.local_group import init_local_process_group
 
     *args, result_file = args_and_file
     if cuda:
         torch.cuda.set_device(rank)
-    # CPU ranks share the machine's cores; oversubscribing them only adds noise.
-    init_local_process_group(rank, world, port, backend, threads=None if cuda else cores_per_rank(world))
+    # CPU ranks share the machine's cores, at least one each; oversubscribing them only adds noise.
+    threads = None if cuda else max(1, (os.cpu_count() or 1) // world)
+    init_local_process_group(rank, world, port, backend, threads=threads)
     try:
         result = measure(rank, world, *args)
         if rank == 0:
@@ -99,9 +97,6 @@ def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str 
         mp.spawn(_rank, args=(world, find_free_port(), measure, backend, cuda, *args, result_file), nprocs=world,
                  join=True)
         return read_json(result_file)
-
-
-# ---- metric plug-ins: a run's log directory in, named values out ---------------------------------------------
 
 
 def read_timing_summary(log_dir: Path, required: bool = False) -> dict[str, Any] | None:
@@ -141,9 +136,6 @@ def per_repeat(runs: Sequence[Sequence[Mapping[str, float]]], key: str) -> list[
     return [np.array([row.get(key, math.nan) for row in run], dtype=float) for run in runs]
 
 
-# ---- writing the results -------------------------------------------------------------------------------------
-
-
 def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
     """The rows of a CSV file as strings (empty cells as ``""``)."""
     with open(path, newline="", encoding="utf-8") as f:
@@ -151,6 +143,7 @@ def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
 
 
 def _typed(text: str) -> Any:
+    """A results.csv cell: booleans, numbers and text as written, an empty cell as ``None``."""
     if text in ("true", "false"):
         return text == "true"
     if text == "":
@@ -159,11 +152,6 @@ def _typed(text: str) -> Any:
         return float(text)
     except ValueError:
         return text
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """A results.csv's rows: booleans, numbers and text as written, empty cells as ``None``."""
-    return [{key: _typed(value) for key, value in row.items()} for row in read_csv(path)]
 
 
 def provenance(out: str | os.PathLike | None = None, **extra: Any) -> dict[str, Any]:
@@ -200,9 +188,6 @@ def load_average() -> float | None:
         return None
 
 
-# ---- tables written from column definitions -----------------------------------------------------------------
-
-
 class Column(NamedTuple):
     """One column of a table: its header, its cell from a row, its alignment (``l`` or ``r``)."""
 
@@ -235,9 +220,6 @@ def interval_cell(name: str, spec: str = ",.1f", bounds: str = "", scale: float 
     """A cell writing ``row[name]`` with its interval ``row[<bounds or name>_lo]``, ``_hi`` where it has one."""
     lo, hi = f"{bounds or name}_lo", f"{bounds or name}_hi"
     return lambda row: interval_text(row.get(name), row.get(lo), row.get(hi), spec, scale, unit)
-
-
-# ---- the load guard: before each repeat, wait until the machine's CPUs are (nearly) idle ----------------------
 
 
 CpuTimes = tuple[int, int]
@@ -299,9 +281,6 @@ def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,
             break
         fraction = latest
     return LoadCheck() if fraction is None else LoadCheck(fraction, waited, fraction > threshold)
-
-
-# ---- the benchmarks' configs and main --------------------------------------------------------------------------
 
 
 @dataclass
@@ -369,7 +348,8 @@ def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callabl
 
     def report(config: C) -> tuple[list[dict[str, Any]], str]:
         recorded = read_json(Path(config.out_dir) / "environment.json")
-        rows = read_rows(Path(config.out_dir) / "results.csv")
+        csv_rows = read_csv(Path(config.out_dir) / "results.csv")
+        rows = [{key: _typed(value) for key, value in row.items()} for row in csv_rows]
         markdown = render(type(config)(**{**recorded["config"], "report_only": False}), rows, recorded["command_line"])
         write_outputs(config.out_dir, {"results.md": markdown})
         return rows, markdown

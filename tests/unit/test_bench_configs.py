@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from jsonargparse import auto_cli
 
 from lightning_ddp import memory
 from lightning_ddp.bench.config import GridConfig, OutputConfig, RunConfig, SweepConfig, WorkloadConfig, expand_grid
@@ -60,7 +61,7 @@ def _peak_gib_printed(command: str) -> float:
     args = shlex.split(command.split("python -m lightning_ddp.memory", 1)[1])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        memory.main(args)
+        auto_cli(memory.print_estimate, args=args)  # python -m lightning_ddp.memory <args>
     return float(re.search(r"peak per rank\s+([\d.]+) GiB", out.getvalue()).group(1))
 
 

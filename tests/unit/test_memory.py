@@ -15,11 +15,11 @@ from lightning_ddp.memory import (
     MemoryEstimate,
     MemoryPreflightError,
     activation_bytes_per_token,
-    check_fits,
     estimate_rank_memory,
     expected_bytes,
     largest_batch,
     memory_budget_bytes,
+    preflight,
 )
 from lightning_ddp.model import GPT, Block, GPTConfig, get_config, rope_cache
 from lightning_ddp.memory import gpt_parameter_shapes
@@ -244,15 +244,17 @@ def test_largest_batch_is_the_boundary() -> None:
     assert largest_batch(config, budget_bytes=GiB // 2, **kw) == 0  # the fp32 weights and state alone are 1.5 GiB
 
 
-def test_check_fits_message_has_breakdown_budget_and_fixes() -> None:
+def test_preflight_message_has_breakdown_budget_and_fixes() -> None:
     estimate = _estimate(get_config("small"))
-    check_fits(estimate, estimate.total_bytes, what="fit")  # exactly the budget fits
+    kwargs = dict(batch_size=2, seq_len=64, precision="32-true", strategy="bucketed_ddp", world_size=1,
+                  device_type="cpu")
+    preflight(get_config, "small", estimate.total_bytes, "test", **kwargs)  # exactly the budget fits
     with pytest.raises(MemoryPreflightError) as info:
-        check_fits(estimate, estimate.total_bytes - 1, what="fit", fixes=["--data.batch_size 1 (peak 1.0 GiB)"])
+        preflight(get_config, "small", estimate.total_bytes - 1, "test", **kwargs)
     message = str(info.value)
     assert isinstance(info.value, ValueError)
-    for needle in ("fit would run out of memory: it needs about", "optimizer_state", "peak per rank", "Fixes:",
-                   "--data.batch_size 1"):
+    for needle in ("this run would run out of memory: it needs about", "optimizer_state", "peak per rank", "Fixes:",
+                   "--data.batch_size 1 (peak"):
         assert needle in message
 
 

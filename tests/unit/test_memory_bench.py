@@ -13,7 +13,7 @@ import torch
 
 from lightning_ddp.bench import memory
 from lightning_ddp.bench.memory import (
-    MODES, PLOT_NAME, MemoryBenchConfig, family_summary, format_report, sent_bytes_per_rank, summarise_modes,
+    MODES, PLOT_NAME, MemoryBenchConfig, format_report, sent_bytes_per_rank, summarise,
     write_memory_plot,
 )
 from lightning_ddp.command_line import parse_dataclass
@@ -126,8 +126,7 @@ def _results(step_ms: dict[str, list[float]], zero2_grads: int = PARAMS // 2, bu
               "bucket_size_mb": bucket_size_mb, "separate_processes": True, "seed": 0, "modes": list(modes),
               "bootstrap_samples": 2000}
     environment = {"torch": "2.x", "device": "cpu", "cpu_count": 2, "backend": "gloo"}
-    return {"config": config, "environment": environment,
-            "modes": summarise_modes(config, per_mode)}
+    return {"config": config, "environment": environment, **summarise(config, per_mode)}
 
 
 def _steps(level: float) -> list[float]:
@@ -137,7 +136,7 @@ def _steps(level: float) -> list[float]:
 
 def test_family_table_has_a_row_per_mode_with_measured_and_expected_bytes() -> None:
     results = _results({mode: _steps(100.0) for mode in MODES})
-    family = family_summary(results)
+    family = results["family"]
     rows = {row["mode"]: row for row in family["rows"]}
     assert [row["label"] for row in family["rows"]] == [
         "DDP", "ZeRO-1 (all-reduce + broadcast)", "ZeRO-1 (reduce-scatter)", "ZeRO-2", "FSDP2"]
@@ -165,7 +164,7 @@ def test_family_table_has_a_row_per_mode_with_measured_and_expected_bytes() -> N
 )
 def test_the_step_goal_reads_the_ratio_interval(zero2_level: float, expected: str) -> None:
     step_ms = {mode: _steps(100.0) for mode in MODES} | {"zero2": _steps(zero2_level)}
-    goals = family_summary(_results(step_ms))["goals"]
+    goals = _results(step_ms)["family"]["goals"]
     assert goals[1]["verdict"] == expected, goals[1]
     assert goals[1]["ratio"]["point"] == pytest.approx(zero2_level / 100.0, rel=0.01)
 
@@ -184,14 +183,14 @@ def test_the_step_goal_reads_the_ratio_interval(zero2_level: float, expected: st
 def test_the_gradient_goal_is_n_times_smaller_plus_one_bucket(zero2_grads: int, bucket_size_mb: float | None,
                                                               expected: str) -> None:
     step_ms = {mode: _steps(100.0) for mode in MODES}
-    goals = family_summary(_results(step_ms, zero2_grads=zero2_grads, bucket_size_mb=bucket_size_mb))["goals"]
+    goals = _results(step_ms, zero2_grads=zero2_grads, bucket_size_mb=bucket_size_mb)["family"]["goals"]
     assert goals[0]["verdict"] == expected, goals[0]
 
 
 def test_goals_without_their_modes_are_not_measurable() -> None:
     modes = ("unsharded", "allreduce_broadcast", "fsdp2")
     results = _results({mode: _steps(100.0) for mode in modes}, modes=modes)
-    family = family_summary(results)
+    family = results["family"]
     assert [goal["verdict"] for goal in family["goals"]] == ["not measurable", "not measurable"]
     assert all("step_ratio_to_zero1" not in row for row in family["rows"])  # no ZeRO-1 reduce_scatter to divide by
     assert "| ZeRO-2 gradients per rank <= DDP's / N + one bucket |  |  | **not measurable** |" in format_report(results)
@@ -200,7 +199,6 @@ def test_goals_without_their_modes_are_not_measurable() -> None:
 def test_report_shows_the_family_table_and_the_verdicts() -> None:
     step_ms = {mode: _steps(100.0) for mode in MODES} | {"zero2": _steps(120.0)}
     results = _results(step_ms)
-    results["family"] = family_summary(results)
     report = format_report(results)
     table = report.split("## The data-parallel family", 1)[1].split(f"## {MODES[0]}", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| ")]
