@@ -359,14 +359,12 @@ def _job_peak_flops(trainer: pl.Trainer, peak_tflops: float | None) -> tuple[flo
 
 def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:
     """One step's compute timeline in ms, from the recorder's marks (``None`` where a mark is missing)."""
-    start, backward, last, usable, end = (record.started, record.backward_started, record.last_ready,
-                                          record.usable, record.ended)
-    return {
-        "forward_ms": backward - start if None not in (backward, start) else None,
-        "backward_ms": last - backward if None not in (last, backward) else None,
-        "optimizer_ms": end - usable if None not in (end, usable) else None,
-        "ready_ms": [r - backward if r is not None and backward is not None else None for r in record.ready],
-    }
+    def since(start: float | None, end: float | None) -> float | None:
+        return end - start if start is not None and end is not None else None
+
+    backward = record.backward_started
+    return {"forward_ms": since(record.started, backward), "backward_ms": since(backward, record.last_ready),
+            "optimizer_ms": since(record.usable, record.ended), "ready_ms": [since(backward, r) for r in record.ready]}
 
 
 def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.Tensor]], trainer: pl.Trainer,
@@ -415,7 +413,6 @@ def run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[
         "lightning": pl.__version__,
         "python": platform.python_version(),
     }
-
 
 
 # ---- the two TensorBoard views: a custom-scalars layout to read a run, the HPARAMS table to compare runs ---------

@@ -36,9 +36,8 @@ def recorder_for(trainer: Any) -> Recorder:
     if recorder is None:
         recorder = Recorder(strategy.root_device, open_on_demand=False)  # armed only in the steps observers open
         _RECORDERS[strategy] = recorder
-        attach = getattr(strategy, "attach_recorder", None)
-        if attach is not None:
-            attach(recorder)
+        if hasattr(strategy, "attach_recorder"):
+            strategy.attach_recorder(recorder)
         elif isinstance(strategy.model, DistributedDataParallel):
             record_torch_ddp(strategy.model, recorder)
     return recorder
@@ -51,9 +50,8 @@ def release_recorder(trainer: Any) -> None:
     if recorder is None:
         return
     recorder.unwatch_gradients()
-    attach = getattr(strategy, "attach_recorder", None)
-    if attach is not None:
-        attach(None)
+    if hasattr(strategy, "attach_recorder"):
+        strategy.attach_recorder(None)
 
 
 def record_torch_ddp(model: DistributedDataParallel, recorder: Recorder) -> None:

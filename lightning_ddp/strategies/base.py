@@ -121,8 +121,7 @@ class GradSyncStrategy(DataParallelStrategy):
             raise type(error)(f"engine_settings: {error}") from None
         self.engine_settings: dict[str, Any] = dict(engine_settings or {})
         self._recorder: Recorder | None = None
-        self._engine_states_to_restore: Mapping[str, Any] | None = None
-        self._restoring_engine_state = False
+        self._loaded_checkpoint: dict[str, Any] | None = None  # until the engine takes its state from it
 
     def _catalogue_entry(self, algorithm: str) -> catalogue.Entry:
         entry = catalogue.get(algorithm)
@@ -159,7 +158,7 @@ class GradSyncStrategy(DataParallelStrategy):
                 f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
                 f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
             )
-        if self._restoring_engine_state:  # the checkpoint was loaded before the engine existed
+        if self._loaded_checkpoint is not None:  # the checkpoint was loaded before the engine existed
             self._restore_engine_state()
         if self._recorder is not None:
             self.attach_recorder(self._recorder)
@@ -190,19 +189,18 @@ class GradSyncStrategy(DataParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         # Lightning loads the file on every rank; for fitting, before the engine is built (configure_ddp restores).
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._engine_states_to_restore = checkpoint.get(ENGINE_STATES_KEY)
-        self._restoring_engine_state = True
+        self._loaded_checkpoint = checkpoint
         if self.engine is not None:
             self._restore_engine_state()
         return checkpoint
 
     def _restore_engine_state(self) -> None:
-        engine = self.engine
-        assert engine is not None
-        saved = self._engine_states_to_restore
-        self._engine_states_to_restore, self._restoring_engine_state = None, False
+        engine, checkpoint = self.engine, self._loaded_checkpoint
+        assert engine is not None and checkpoint is not None
+        self._loaded_checkpoint = None
         state, dropped = engine_state_to_restore(
-            saved, self.algorithm.name, engine.world_size, engine.comm.rank, bool(engine.engine_state_dict())
+            checkpoint.get(ENGINE_STATES_KEY), self.algorithm.name, engine.world_size, engine.comm.rank,
+            bool(engine.engine_state_dict()),
         )
         if state is not None:
             try:
@@ -260,7 +258,7 @@ class GradSyncStrategy(DataParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._engine_states_to_restore, self._restoring_engine_state = None, False
+        self._loaded_checkpoint = None
         if self.engine is not None:
             self.engine.recorder = None
             self.model = self.lightning_module

@@ -202,16 +202,21 @@ def verify_same_parameters(module: nn.Module, comm: Communicator, device: torch.
     )
 
 
+def views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Consecutive slices of ``flat``, each shaped as the next of ``tensors``."""
+    offset = 0
+    for tensor in tensors:
+        yield flat[offset : offset + tensor.numel()].view_as(tensor)
+        offset += tensor.numel()
+
+
 def pack(tensors: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """Copy ``tensors`` (one per parameter in ``params``; zeros for ``None``) flat into ``out``, in order."""
-    offset = 0
-    for tensor, param in zip(tensors, params):
-        chunk = out[offset : offset + param.numel()]
+    for tensor, chunk in zip(tensors, views(out, params)):
         if tensor is None:
             chunk.zero_()
         else:
-            chunk.copy_(tensor.reshape(-1))
-        offset += param.numel()
+            chunk.copy_(tensor)
 
 
 def packed(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -221,23 +226,17 @@ def packed(params: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy consecutive slices of ``flat`` into ``tensors`` (``tensor.copy_``, in order)."""
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
+    for tensor, value in zip(tensors, views(flat, tensors)):
+        tensor.copy_(value)
 
 
 def unpack_gradients(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     """Copy consecutive slices of ``flat`` into each parameter's ``.grad`` (a clone where it was ``None``)."""
-    offset = 0
-    for param in params:
-        n = param.numel()
-        value = flat[offset : offset + n].view_as(param)
+    for param, value in zip(params, views(flat, params)):
         if param.grad is None:
             param.grad = value.clone()
         elif value.data_ptr() != param.grad.data_ptr():
             param.grad.copy_(value)
-        offset += n
 
 
 def agree_on_gradients(comm: Communicator, has_grad: Sequence[bool], device: torch.device) -> list[int]:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.profiler import record_function
 
 from lightning_ddp import compat
@@ -198,17 +199,6 @@ class TensorSpec:
     dtype: torch.dtype
 
 
-def _replace(state: Any, kind: type, replace: Callable[[Any], Any]) -> Any:
-    """``state`` (nested dicts, lists and tuples) with each ``kind`` in it replaced by ``replace(it)``, in order."""
-    if isinstance(state, kind):
-        return replace(state)
-    if isinstance(state, dict):
-        return {key: _replace(value, kind, replace) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_replace(value, kind, replace) for value in state)
-    return state
-
-
 def gather_rank_states(
     state: Any, comm: Communicator, device: torch.device | str, dst: int | None = None
 ) -> list[Any] | None:
@@ -217,31 +207,24 @@ def gather_rank_states(
 
     ``device``: where tensors travel. With ``dst`` only that group rank gets the list; the others get ``None``.
     """
-    local_tensors: list[torch.Tensor] = []
-
-    def spec_of(tensor: torch.Tensor) -> TensorSpec:
-        local_tensors.append(tensor)
-        return TensorSpec(tuple(tensor.shape), tensor.dtype)
-
-    skeleton = _replace(state, torch.Tensor, spec_of)  # each tensor replaced by its TensorSpec
+    skeleton = pytree.tree_map_only(torch.Tensor, lambda tensor: TensorSpec(tuple(tensor.shape), tensor.dtype), state)
     skeletons: list[Any] = [None] * comm.world_size
     dist.all_gather_object(skeletons, skeleton, group=comm.group)
     keep = dst is None or dst == comm.rank
     device = torch.device(device)
+    own = iter(leaf for leaf in pytree.tree_leaves(state) if isinstance(leaf, torch.Tensor))
     states = []
     for r, rank_skeleton in enumerate(skeletons):
-        specs: list[TensorSpec] = []
-        _replace(rank_skeleton, TensorSpec, specs.append)
-        received = []
-        for position, spec in enumerate(specs):
+
+        def receive(spec: TensorSpec) -> torch.Tensor | None:
             if r == comm.rank:
-                buffer = local_tensors[position].detach().to(device, copy=True)
+                buffer = next(own).detach().to(device, copy=True)
             else:
                 buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
             dist.broadcast(buffer, src=comm.global_rank(r), group=comm.group)
-            if keep:
-                received.append(buffer.cpu())
+            return buffer.cpu() if keep else None
+
+        received = pytree.tree_map_only(TensorSpec, receive, rank_skeleton)  # in the skeleton's order on every rank
         if keep:
-            tensors = iter(received)
-            states.append(_replace(rank_skeleton, TensorSpec, lambda _: next(tensors)))
+            states.append(received)
     return states if keep else None

@@ -155,23 +155,19 @@ class Recorder:
         self.record = SyncRecord()  # the step being recorded (raw marks)
         self.step: int | None = None  # the number of the open (or last finished) step
         self.finished: SyncRecord | None = None  # the last finished step, in ms
-        self._open = False
+        self.is_open = False  # a step is open (open_step until finish_step)
         self._anchored = False
         self._watched = 0
         self._hooks: list[Any] = []
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     def open_step(self, step: int | None = None) -> None:
         """Start recording optimizer step ``step`` (idempotent for the same open ``step``: several observers)."""
-        if self._open and step is not None and step == self.step:
+        if self.is_open and step is not None and step == self.step:
             return
         if not self._anchored:
             self.clock.anchor()
         self._anchored = False
-        self._open = True
+        self.is_open = True
         self.armed = True
         self.step = step
         self.finished = None
@@ -179,12 +175,12 @@ class Recorder:
 
     def ensure_open(self) -> None:
         """Open an (unnumbered) step if none is open: a caller that never opens steps still gets records."""
-        if not self._open:
+        if not self.is_open:
             self.open_step()
 
     def finish_step(self) -> SyncRecord:
         """Mark the end and convert every mark to ms (after the step's one synchronize on CUDA); idempotent."""
-        if not self._open:
+        if not self.is_open:
             if self.finished is None:
                 raise RuntimeError("Recorder.finish_step() without an open step: call open_step() first")
             return self.finished
@@ -195,7 +191,7 @@ class Recorder:
         if clock.cuda:
             clock.anchor(synchronize=False)  # the device is idle just now: the next step's anchor, for free
             self._anchored = True
-        self._open = False
+        self.is_open = False
         self.armed = self.open_on_demand
         return self.finished
 
@@ -222,7 +218,7 @@ class Recorder:
 
     def _ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if self._open:  # unarmed (a step nobody measures): nothing but this check
+            if self.is_open:  # unarmed (a step nobody measures): nothing but this check
                 mark = self.clock.mark()
                 self.record.ready[index] = mark
                 self.record.last_ready = mark
@@ -231,12 +227,12 @@ class Recorder:
 
     def mark_backward_started(self) -> None:
         """Backward begins (every micro-batch: the last one's mark stays)."""
-        if self._open:
+        if self.is_open:
             self.record.backward_started = self.clock.mark()
 
     def mark_gradients_usable(self) -> None:
         """The gradients are ready for the optimizer (averaged, unless the optimizer averages them itself)."""
-        if self._open:
+        if self.is_open:
             self.record.usable = self.clock.mark()
 
     # -- what the engines call (through ``Communicator``) ------------------------------------------------

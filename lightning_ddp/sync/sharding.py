@@ -422,17 +422,13 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value
-        inner_state: dict[int, Any] = {}
-        inner_groups = []
-        position = 0
+        saved_state = state_dict["state"]
+        owned = [saved_index[id(param)] for inner_group in self.optim.param_groups for param in inner_group["params"]]
+        inner_state = {position: saved_state[index] for position, index in enumerate(owned) if index in saved_state}
+        inner_groups, start = [], 0  # the inner optimizer's parameters numbered in group order
         for group, inner_group in zip(self.param_groups, self.optim.param_groups):
-            positions = []
-            for param in inner_group["params"]:
-                index = saved_index[id(param)]
-                if index in state_dict["state"]:
-                    inner_state[position] = state_dict["state"][index]
-                positions.append(position)
-                position += 1
-            inner_groups.append({**_hyperparameters(group), "params": positions})
+            end = start + len(inner_group["params"])
+            inner_groups.append({**_hyperparameters(group), "params": list(range(start, end))})
+            start = end
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         self.state = self.optim.state  # torch's load_state_dict replaced the dict

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.assignment import assign_owners
-from lightning_ddp.sync.base import check_number, pack
+from lightning_ddp.sync.base import check_number, pack, views
 from lightning_ddp.sync.bucketed import BucketEngine
 from lightning_ddp.sync.comm import Pending
 from lightning_ddp.sync.sharding import COLLECTIVE_IMPLS, CollectiveImpl, check_choice, resolve_collectives
@@ -191,11 +191,9 @@ class ZeRO2DDP(BucketEngine):
                 shard = self._shards[dtype] = torch.empty(self._shard_numel[dtype], dtype=dtype, device=self.device)
             torch.div(mine[:numel], self.world_size, out=shard[plan.shard_offset : plan.shard_offset + numel])
             self._flags.append((segment, mine[numel : numel + len(segment)].clone()))
-            offset = plan.shard_offset
-            for i in segment:
-                param = self.params[i]
-                param.grad = shard[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
+            owned = [self.params[i] for i in segment]
+            for param, grad in zip(owned, views(shard[plan.shard_offset :], owned)):
+                param.grad = grad
 
     def _synchronize(self) -> None:
         self._launch_rest()
