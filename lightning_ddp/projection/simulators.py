@@ -421,8 +421,7 @@ def _padded(numel: int, n: int) -> int:
 
 def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     """ZeRO-2: each bucket reduce-scattered as it fills, the optimizer on the shard, then per bucket an all-gather."""
-    p, n = model.profile, model.world_size
-    params = p.params
+    params, n = model.profile.params, model.world_size
     buckets = _engine_buckets(params, bucket_size_mb)
     launch, after = [], []
     padded_total = 0
