@@ -403,7 +403,8 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
                   Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
                   Op("compute", "unpack own gradients", model.copy_ms(2 * segment))]
         fraction = segment / nbytes if nbytes else 1.0
-        memory = 2 * _bytes(model.profile.params) + ADAM_STATES * segment + buffer  # parameters, gradients, the own segment's AdamW state
+        # parameters, gradients, the own segment's AdamW state, the buffer
+        memory = 2 * _bytes(model.profile.params) + ADAM_STATES * segment + buffer
         after = [Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
                  Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
                  Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes))]
