@@ -110,9 +110,7 @@ class Fabric:
         """Seconds for a ring reduce-scatter of an ``nbytes`` input over ``n`` ranks."""
         return self._cost_s(n, self._step_latency(n, 1), (n - 1) / n * nbytes)
 
-    def all_gather_s(self, nbytes: float, n: int) -> float:
-        """Seconds for a ring all-gather into an ``nbytes`` output over ``n`` ranks."""
-        return self.reduce_scatter_s(nbytes, n)
+    all_gather_s = reduce_scatter_s  # a ring all-gather into an ``nbytes`` output costs the same
 
     def broadcast_s(self, nbytes: float, n: int) -> float:
         """Seconds for a pipelined ring broadcast of ``nbytes`` to ``n`` ranks."""

@@ -83,8 +83,7 @@ class ModelShape:
 
     def backward_ready_flops(self, seq_len: int) -> list[Optional[float]]:
         """Per parameter, backward FLOPs per token done when its gradient is ready (``None``: when backward ends)."""
-        names = [name for name, _ in self.parameters()]
-        numel = dict(self.parameters())
+        numel = dict(self.parameters())  # in parameters() order
         attention = 8 * seq_len * self.d_model  # backward of Q K^T and A V for one layer, per token
         done = 4.0 * self.vocab_size * self.d_model  # lm_head's backward comes first, tied or not
         ready: dict[str, Optional[float]] = {"lm_head.weight": done, "norm.weight": done, "tok_emb.weight": None}
@@ -103,7 +102,7 @@ class ModelShape:
             ready[f"{b}.attn_norm.weight"] = done
         # every backward FLOP is accounted for: 2/3 of flops_per_token
         assert abs(done - 2 * self.flops_per_token(seq_len) / 3) <= 1e-9 * done, "backward FLOPs do not add up"
-        return [ready[name] for name in names]
+        return [ready[name] for name in numel]
 
 
 def modelled_profile(

@@ -1,5 +1,4 @@
-"""The projection's files: ``results.csv``, ``results.md`` and the PNG plots (matplotlib's Agg canvas, no pyplot).
-"""
+"""The projection's ``results.md`` and its PNG plots (matplotlib's Agg canvas, no pyplot)."""
 
 from __future__ import annotations
 

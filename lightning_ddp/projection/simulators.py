@@ -285,17 +285,22 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
     cursor = t.compute("backward", cursor, p.backward_span_ms - done)
     if presence_flags:  # the engines' tiny blocking all-reduce of "which parameters have a gradient here"
         cursor = t.collective("gradient presence flags", cursor, PRESENCE_FLAG_BYTES * len(p.params))
-    for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it
-        cursor, _ = run(finish[k], max(cursor, end), wait=True)
+    for k, end in enumerate(comm_ends):  # wait for each bucket in order, then finish it (if ``finish`` says how)
+        cursor, _ = run(finish[k] if finish else (), max(cursor, end), wait=True)
     cursor, _ = run(before, cursor, wait=True)
     cursor, _ = run(after, t.compute("optimizer", cursor, p.optimizer_ms * optimizer_fraction), wait=True)
     # ``simulate`` names its strategy
     return replace(t.step, bucket_size_mb=bucket_size_mb, step_ms=cursor, memory_bytes=memory_bytes)
 
 
+def _bytes(params: Sequence[ParamTiming], indices: Optional[Iterable[int]] = None) -> int:
+    """Bytes of the parameters at ``indices`` (``None``: all of them)."""
+    return sum(params[i].bytes for i in (range(len(params)) if indices is None else indices))
+
+
 def _replicated(model: StepModel, buffers: int = 0) -> int:
     """Model state of an unsharded strategy: parameters, gradients and AdamW state, plus ``buffers`` bytes."""
-    return (2 + ADAM_STATES) * sum(q.bytes for q in model.profile.params) + buffers
+    return (2 + ADAM_STATES) * _bytes(model.profile.params) + buffers
 
 
 def _buffered(buckets: list[list[int]]) -> list[bool]:
@@ -327,7 +332,7 @@ def _bucketed(model: StepModel, bucket_size_mb: Optional[float], bf16: bool) -> 
     (gradients already in bf16 are not cast), its half-width copy kept per bucket."""
     params = model.profile.params
     buckets = _engine_buckets(params, bucket_size_mb)
-    sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
+    sizes = [_bytes(params, bucket) for bucket in buckets]
     wire = [2 * sum(params[i].numel for i in bucket) for bucket in buckets] if bf16 else sizes
     casts = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
     packs = [(model.copy_ms(2 * s) if buffered else 0.0) + cast
@@ -366,7 +371,7 @@ def _torch_ddp(model: StepModel) -> StepResult:
     order = sorted(reversed(range(len(params))),
                    key=lambda i: never if params[i].ready_ms is None else params[i].ready_ms)
     buckets = ddp_buckets([q.bytes for q in params], order)
-    sizes = [sum(params[i].bytes for i in bucket) for bucket in buckets]
+    sizes = [_bytes(params, bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
     return _bucket_schedule(model, None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
                             presence_flags=False, memory_bytes=_replicated(model, sum(sizes)))  # the reducer's buckets
@@ -386,7 +391,7 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
         nbytes = model.profile.grad_bytes
         before = [Op("compute", "pack", model.copy_ms(2 * nbytes)), Op("collective", "flat buffer", nbytes=nbytes),
                   Op("compute", "unpack", model.copy_ms(2 * nbytes))]
-        memory = _replicated(model, sum(q.bytes for q in model.profile.params))  # the packed gradients, transient
+        memory = _replicated(model, _bytes(model.profile.params))  # the packed gradients, transient
     elif layout == "zero1":  # each rank owns whole tensors (``assign_owners``) of the gradients that come
         synced = [q.bytes for q in model.profile.params if q.ready_ms is not None]
         loads = [0] * model.world_size
@@ -398,8 +403,8 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
                   Op("collective", "reduce-scatter gradients", nbytes=buffer, op="reduce_scatter"),
                   Op("compute", "unpack own gradients", model.copy_ms(2 * segment))]
         fraction = segment / nbytes if nbytes else 1.0
-        psi = sum(q.bytes for q in model.profile.params)
-        memory = 2 * psi + ADAM_STATES * segment + buffer  # parameters, gradients, the own segment's AdamW state
+        # parameters, gradients, the own segment's AdamW state, the buffer
+        memory = 2 * _bytes(model.profile.params) + ADAM_STATES * segment + buffer
         after = [Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
                  Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
                  Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes))]
@@ -417,28 +422,26 @@ def _padded(numel: int, n: int) -> int:
 
 def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     """ZeRO-2: each bucket reduce-scattered as it fills, the optimizer on the shard, then per bucket an all-gather."""
-    p, n = model.profile, model.world_size
-    params = p.params
+    params, n = model.profile.params, model.world_size
     buckets = _engine_buckets(params, bucket_size_mb)
-    launch, finish, after = [], [], []
+    launch, after = [], []
     padded_total = 0
     for k, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, k)
-        nbytes, numel = sum(params[i].bytes for i in bucket), sum(params[i].numel for i in bucket)
+        nbytes, numel = _bytes(params, bucket), sum(params[i].numel for i in bucket)
         padded = round(_padded(numel, n) * nbytes / numel) if numel else 0  # the flat buffer, in n equal shards
         padded_total += padded
         launch.append([Op("compute", f"pack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0),
                        Op("collective", f"{label} [reduce-scatter]", nbytes=padded, op="reduce_scatter")])
-        finish.append([])
         after += [Op("compute", f"pack own shard {k}", model.copy_ms(2 * padded / n) if n > 1 else 0.0),
                   Op("collective", f"{label} [all-gather]", nbytes=padded, op="all_gather"),
                   Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
-    grad_bytes = sum(q.bytes for q in params)
+    grad_bytes = _bytes(params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
     # parameters; gradient, AdamW and gathered-parameter shards; the gradients of a filling bucket (the largest, twice)
-    largest = max((sum(params[i].bytes for i in b) for b in buckets), default=0)
+    largest = max((_bytes(params, b) for b in buckets), default=0)
     memory = grad_bytes + (2 + ADAM_STATES) * (padded_total // n) + 2 * largest
-    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
+    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch,
                             presence_flags=_missing(model), optimizer_fraction=fraction, after=after,
                             memory_bytes=memory)
 
@@ -499,8 +502,8 @@ def _fsdp2(model: StepModel) -> StepResult:
     scale = p.forward_ms / span if span > 0 else 0.0
     gather = [_shard_bytes(params, b, n) for b in blocks]
     root_bytes = _shard_bytes(params, root, n)
-    moved = [sum(params[i].bytes for i in b) for b in blocks]
-    root_moved = sum(params[i].bytes for i in root)
+    moved = [_bytes(params, b) for b in blocks]
+    root_moved = _bytes(params, root)
 
     def copy(label: str, nbytes: float, waits: str = "") -> Op:
         ms = model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
@@ -533,13 +536,13 @@ def _fsdp2(model: StepModel) -> StepResult:
         ready.append(None)
         launch.append([copy("copy in root gradients", root_moved),
                        Op("collective", "root [reduce-scatter]", nbytes=root_bytes, op="reduce_scatter")])
-    total = sum(q.bytes for q in params)
+    total = _bytes(params)
     fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
     # parameter, gradient and AdamW shards; the root's and two blocks' parameters unsharded (the running one and the
     # prefetched one) and one block's gradients
     shard, largest = (sum(gather) + root_bytes) // n, sorted(moved, reverse=True)
     memory = (2 + ADAM_STATES) * shard + root_moved + sum(largest[:2]) + sum(largest[:1])
-    return _staged_schedule(model, None, ready, launch=launch, finish=[[] for _ in launch], presence_flags=False,
+    return _staged_schedule(model, None, ready, launch=launch, presence_flags=False,
                             optimizer_fraction=fraction, forward=forward, memory_bytes=memory)
 
 
@@ -582,10 +585,10 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
     buffered = _buffered(buckets)
     launch: list[list[Op]] = []
     finish: list[list[Op]] = []
-    buffer_bytes = sum(params[i].bytes for b, bucket in enumerate(buckets) if buffered[b] for i in bucket)
+    buffer_bytes = sum(_bytes(params, bucket) for bucket, copied in zip(buckets, buffered) if copied)
     for b, bucket in enumerate(buckets):
         label = _bucket_label(model, bucket, b)
-        nbytes = sum(params[i].bytes for i in bucket)
+        nbytes = _bytes(params, bucket)
         tensors_numel = sum(params[i].numel for i in bucket)
         numel = tensors_numel + (1 if b == len(buckets) - 1 else 0)  # the last bucket's missing-gradient sentinel
         g = nbytes / tensors_numel if tensors_numel else 4.0  # a bucket holds one dtype
