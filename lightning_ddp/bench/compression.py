@@ -47,8 +47,7 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``"bucketed_powersgd_ddp:rank=4,start_iter=10"`` -> that ``Variant`` of a lossy engine with buckets; an
-    unknown setting or a refused value fails, naming the engine's settings."""
+    """``"NAME:setting=value,..."`` -> that ``Variant`` of a lossy engine with buckets (bad settings fail)."""
     name, _, rest = text.partition(":")
     if name not in _lossy():
         raise ValueError(f"variant {text!r}: {name!r} is not a lossy engine with buckets; choose from "
@@ -64,8 +63,7 @@ def _lossy() -> list[str]:
 
 @dataclass
 class CompressionConfig(StudyConfig):
-    """What ``python -m lightning_ddp.bench.compression`` runs: per seed one fit of fp32 and of every variant, and
-    the gradient-error run."""
+    """Per seed one fit of fp32 and of every variant, and the gradient-error run."""
 
     fit_config: str = "configs/text_bytes.yaml"
     """The fit config of the training runs."""
@@ -107,13 +105,13 @@ def variants_of(config: CompressionConfig) -> list[Variant]:
 def _run_numbers(log_dir: Path) -> dict[str, Any]:
     """A fit's loss curve and the medians of its step time, exposed comm and bytes (the CommTimer's summary)."""
     summary = read_timing_summary(log_dir, required=True)["summary"]
-    medians = {"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms", "bytes_per_step": "comm/bytes"}
+    medians = {"step_ms_median": "step/time_ms", "exposed_ms_median": "comm/exposed_ms",
+               "bytes_per_step": "comm/bytes"}
     return {"loss": loss_curve(log_dir), **{name: summary[key]["median"] for name, key in medians.items()}}
 
 
 def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
-    """Per seed, one fp32 run and one run per variant (in that order); ``runs[seed][name]`` and the fit arguments
-    by ``"<name>, seed <seed>"``."""
+    """Per seed, fp32's run then each variant's: ``runs[seed][name]`` and the fit arguments by cell name."""
     runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
     cells = {f"{name}, seed {seed}": [
         *fit_arguments_of(args, strategy_argument(algorithm, None, args.bucket_size_mb, settings)),
@@ -172,8 +170,7 @@ def _error_rank(rank: int, world: int, args: CompressionConfig,
 
 def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list[tuple[float, float]]],
               variants: list[str], last: int = 20, samples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The numbers of results.md from ``runs[seed][name]`` (``_train``) and each variant's per-step gradient
-    errors (docs/benchmarks.md)."""
+    """results.md's numbers from ``runs[seed][name]`` (``_train``) and each variant's per-step gradient errors."""
     seeds = sorted(runs)
 
     def last_mean(seed: int, name: str) -> float:

@@ -100,8 +100,7 @@ def sync(device: torch.device) -> None:
 
 def timed_step(engine: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
                pause: Callable[[str], float] | None = None) -> tuple[float, float]:
-    """One training step on ``tokens``: its wall and CPU ms; ``pause(point)``, called after the backward
-    (``before_step``) and after ``step()`` (``after_step``), returns seconds left out of the wall time."""
+    """One step's wall and CPU ms; ``pause("before_step" | "after_step")`` returns seconds left out of the wall."""
     sync(tokens.device)
     cpu_start, start = time.process_time(), time.perf_counter()
     forward_backward(engine, tokens[:, :-1], tokens[:, 1:])

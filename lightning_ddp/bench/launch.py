@@ -45,8 +45,7 @@ def strategy_argument(name: str, backend: str | None = None, bucket_size_mb: flo
 
 
 def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[str]:
-    """``python -m lightning_ddp fit <arguments>``, with a TensorBoard logger writing into ``log_dir`` itself when
-    given (where the CommTimer's ``timing_summary.json`` then lands)."""
+    """``python -m lightning_ddp fit <arguments>``, a TensorBoard logger writing into ``log_dir`` itself if given."""
     command = [sys.executable, "-m", "lightning_ddp", "fit", *arguments]
     if log_dir is not None:
         logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -57,8 +56,7 @@ def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[s
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where a run's ranks sit: ``num_nodes`` > 1 only when ranks share GPUs (each a one-GPU 'node', its
-    ``CUDA_VISIBLE_DEVICES`` in ``gpu_of_rank``)."""
+    """Where a run's ranks sit: ``num_nodes`` > 1 only when ranks share GPUs (``gpu_of_rank``: one-GPU nodes)."""
 
     backend: str
     devices_per_node: int
@@ -112,8 +110,7 @@ def base_environment(threads: int | None = None, extra: Mapping[str, str] | None
 def rank_environments(layout: RankLayout, port: int, *, every_rank: bool, threads: int | None = None,
                       extra: Mapping[str, str] | None = None,
                       parent: Mapping[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: one (Lightning starts the other ranks), or with ``every_rank`` each
-    rank's, with the variables Lightning's own launcher would have given it."""
+    """One environment per process to start: one (Lightning starts the others), or with ``every_rank`` each rank's."""
     env = base_environment(threads, extra, parent)
     if not every_rank:
         if layout.gpu_of_rank:
@@ -122,15 +119,15 @@ def rank_environments(layout: RankLayout, port: int, *, every_rank: bool, thread
     envs = []
     for rank in range(layout.world_size):
         node_rank, local_rank = divmod(rank, layout.devices_per_node)
-        rank_env = dict(env)
-        rank_env.update({
+        rank_env = {
+            **env,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "WORLD_SIZE": str(layout.world_size),
             "NODE_RANK": str(node_rank),
             "LOCAL_RANK": str(local_rank),
             "RANK": str(rank),  # read by Lightning's rank_zero_only before the strategy sets the rank
-        })
+        }
         if layout.gpu_of_rank:
             rank_env["CUDA_VISIBLE_DEVICES"] = layout.gpu_of_rank[rank]
         envs.append(rank_env)
@@ -227,8 +224,7 @@ def is_oom(text: str) -> bool:
 
 
 def error_line(text: str, limit: int = 300) -> str:
-    """The last line of a process's output naming an error, else the last that is not traceback, code or a warning
-    (``""``: none)."""
+    """The last output line naming an error, else the last that is not traceback, code or a warning (or ``""``)."""
     lines = [line.rstrip() for line in reversed(text.splitlines()) if line.strip()]
     line = next((line for line in lines if _ERROR_LINE.match(line)), None)
     return (line or next((line for line in lines if not _NOISE.match(line)), ""))[:limit]

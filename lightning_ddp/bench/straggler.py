@@ -72,8 +72,7 @@ def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float)
 
 def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float, runs: list[list[dict[str, float]]],
                    control: dict[str, Any] | None) -> dict[str, Any]:
-    """The results.csv row of one (strategy, delay) from its runs' measured steps; ``control``: the same strategy's
-    delay-0 row (for the transfer goal), ``None`` for the delay-0 row itself."""
+    """One (strategy, delay)'s results.csv row; ``control``: the strategy's delay-0 row (``None`` for that row)."""
     estimates = {key: estimate(per_repeat(runs, key), config.bootstrap_samples, config.seed,
                                key=f"{strategy}|{delay_ms:g}|{key}") for key in KEYS}
     ranks = np.concatenate(per_repeat(runs, "straggler/rank")) if runs else np.array([])
@@ -123,8 +122,7 @@ def render_markdown(config: StragglerBenchConfig, rows: list[dict[str, Any]], co
 
 
 def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
-    """Every (strategy, delay) ``repeats`` times, interleaved; results.csv (per strategy delay 0 first: the control
-    of the others), steps.csv and environment.json in ``config.out_dir``."""
+    """Every (strategy, delay) ``repeats`` times, interleaved; results.csv, steps.csv and environment.json."""
     delays = sorted(set(config.delays_ms))
     names = {(strategy, delay): f"{strategy}, delay {delay:g} ms" for strategy in config.strategies for delay in delays}
     cells = {name: _fit_arguments(config, *key) for key, name in names.items()}

@@ -21,8 +21,7 @@ from lightning_ddp.bench.study import (
 
 
 class StepWallTimes(Callback):
-    """Rank 0 writes the host time between consecutive training-batch ends (ms) and the whole window's time after
-    one final synchronize to ``FILE`` in the trainer's log directory."""
+    """Rank 0 writes the ms between training-batch ends and the synchronized window's time to ``FILE``."""
 
     FILE = "step_wall_times.json"
 
