@@ -20,12 +20,6 @@ def strategy_with_memory_model(model: str) -> str:
     return name
 
 
-def default_strategies() -> list[str]:
-    """The sweep's default strategies: our exact engines, then Lightning's ``ddp``."""
-    exact = [entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact]
-    return [*exact, BASELINE]
-
-
 def has_bucket_axis(variant: str) -> bool:
     """Whether cells of a strategy (or ``"<strategy> <settings>"``) are repeated over ``grid.bucket_sizes_mb``."""
     strategy = variant_strategy(variant)
@@ -63,7 +57,8 @@ class GridConfig:
     """The axes of the sweep; every combination is one cell (``bucket_sizes_mb`` multiplies only the algorithms
     that have a bucket size, e.g. ``bucketed_ddp``)."""
 
-    strategies: list[str] = field(default_factory=default_strategies)
+    strategies: list[str] = field(default_factory=lambda: [
+        *(entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact), BASELINE])
     """Strategies to compare (catalogue names); ``ddp`` and the one-process ``reference`` are always added."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""

@@ -658,12 +658,6 @@ def build_report(
 _PANELS = ((STEP, 1.0, "median step time (ms)"), (SHARE, 100.0, "exposed comm share of step (%)"))
 
 
-def _cell(analysis: Analysis, row: Row | None, panel: int) -> Estimate | None:
-    """An ok cell's pooled median and interval over all its ok repeats (the results.csv numbers)."""
-    measured = analysis.measured(row)
-    return measured.estimate(panel) if measured else None
-
-
 def _error(estimates: list[Estimate | None], scale: float) -> tuple[list[float], list[list[float]]]:
     """Bar heights and matplotlib's ``yerr`` (distances below and above) for the estimates (missing: 0)."""
     shown = [e if e is not None and math.isfinite(e.point) else Estimate(0.0, 0.0, 0.0) for e in estimates]
@@ -690,7 +684,8 @@ def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate 
     if has_bucket_axis(name):
         selection = analysis.selections.get((group, name))
         return selection.evaluated.estimate(panel) if selection else None
-    return _cell(analysis, next((r for r in analysis.groups[group] if variant_of(r) == name), None), panel)
+    measured = analysis.measured(next((r for r in analysis.groups[group] if variant_of(r) == name), None))
+    return measured.estimate(panel) if measured else None
 
 
 def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int],
@@ -737,14 +732,14 @@ def _bucket_figure(
         color = None
         for ax, (panel, scale, _) in zip(axes, _PANELS):
             if fixed:
-                heights, yerr = _error([_cell(analysis, p[1], panel) for p in fixed], scale)
+                heights, yerr = _error([analysis.measured(p[1]).estimate(panel) for p in fixed], scale)
                 container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
                                         color=color, label=f"context {context}")
                 color = container.lines[0].get_color()
             for x, r in auto:
-                heights, yerr = _error([_cell(analysis, r, panel)], scale)
+                heights, yerr = _error([analysis.measured(r).estimate(panel)], scale)
                 ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3, color=color)
-            point = _cell(analysis, chosen[1], panel).point if chosen is not None else math.nan
+            point = analysis.measured(chosen[1]).point[panel] if chosen is not None else math.nan
             if math.isfinite(point):
                 selected = True
                 ax.plot([chosen[0]], [point * scale], marker="o", markersize=16,

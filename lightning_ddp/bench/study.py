@@ -343,8 +343,7 @@ def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]],
 
 
 def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callable[[C], tuple[list, str]]:
-    """A benchmark's ``report``: results.md, ``render(recorded config, rows, command line)`` of ``out_dir``'s
-    results.csv and environment.json."""
+    """A benchmark's ``report``: results.md by ``render`` of out_dir's results.csv, its recorded config and command."""
 
     def report(config: C) -> tuple[list[dict[str, Any]], str]:
         recorded = read_json(Path(config.out_dir) / "environment.json")
@@ -359,8 +358,7 @@ def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callabl
 
 def json_report(results: str, markdown: str, render: Callable[[dict[str, Any]], str],
                 plot: Callable[[dict[str, Any], Path], Any] | None = None) -> Callable[[Any], tuple[dict, str]]:
-    """A benchmark's ``report``: the file ``markdown``, ``render`` of ``out_dir``'s JSON ``results`` (and its
-    ``plot(results, out_dir)``)."""
+    """A benchmark's ``report``: ``markdown`` by ``render`` of out_dir's JSON ``results``, and its ``plot``."""
 
     def report(config: Any) -> tuple[dict[str, Any], str]:
         out = Path(config.out_dir)

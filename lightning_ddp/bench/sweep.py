@@ -3,7 +3,6 @@ load guard; then results.csv, results.md and the plots. The cell runner and the 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -109,10 +108,6 @@ class CellOutcome:
     summary: dict[str, Any] | None = None
     wall_s: float = 0.0
     profile: dict[str, Any] | None = None
-
-
-CellRunner = Callable[[Cell, Path], CellOutcome]
-"""Runs one cell whose outputs go to the given directory."""
 
 
 def classify(result: ProcessResult, logs: list[str], summary_found: bool, timeout_s: float = 0.0) -> tuple[str, str]:
@@ -270,10 +265,11 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
     return SweepResult(cells, analysis, plots=write_plots(out_dir, analysis, predicted_mb))
 
 
-def run_sweep(config: SweepConfig, runner: CellRunner | None = None, layout: RankLayout | None = None,
-              log: Callable[[str], None] | None = None,
+def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] | None = None,
+              layout: RankLayout | None = None, log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
-    """Run (or resume) the sweep; by default each cell repeat in subprocesses, after ``study.wait_until_idle``."""
+    """Run (or resume) the sweep; ``runner(cell, run_dir)`` runs a cell repeat (default: in subprocesses), each after
+    ``load_guard`` (default: ``study.wait_until_idle``)."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     repeats = read_repeats(out_dir / REPEATS_CSV)
@@ -373,7 +369,7 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
     if any(code != 0 for code in outcome.returncodes) or not result_path.exists():
         say("the all-reduce microbenchmark failed (see runs/allreduce/); the report will have no prediction")
         return
-    fit = json.loads(result_path.read_text())
+    fit = read_json(result_path)
     write_outputs(out_dir, {PREDICTION_JSON: fit})
     bw = f"{fit['bandwidth_Bps'] / 1e9:.3f} GB/s" if fit.get("bandwidth_Bps") else "unbounded"
     say(f"all-reduce fit: o = {fit['overhead_s'] * 1e3:.3f} ms per call, w = {bw}")
