@@ -69,21 +69,16 @@ class FinalStepCheckpoint(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
-        if _is_last_batch(trainer):
+        # The batch just ended is the run's last: it made the max_steps-th optimizer step, or it ends the last epoch.
+        last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs > 0
+        if 0 <= trainer.max_steps <= trainer.global_step or (
+            last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        ):
             _save_unsaved(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _save_unsaved(trainer)
-
-
-def _is_last_batch(trainer: pl.Trainer) -> bool:
-    """The batch just ended is the run's last: it made the ``max_steps``-th optimizer step, or it ends the last
-    epoch."""
-    if 0 <= trainer.max_steps <= trainer.global_step:
-        return True
-    last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs > 0
-    return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
 def _save_unsaved(trainer: pl.Trainer) -> None:

@@ -243,11 +243,11 @@ class LMDataModule(LightningDataModule):
         split = _STAGE_SPLITS[stage][0]
         if getattr(self, f"{split}_dataset") is not None:
             return
-        samples, fraction, path = _split_flags(split)
+        flag = f"--data.{split}"  # the split's _samples (generated sources), _fraction and _path (files)
         if self.source in GENERATED_SOURCES:
-            fix = f"set {samples} above 0"
+            fix = f"set {flag}_samples above 0"
         else:
-            fix = f"set {fraction} (a held-out tail of --data.path) or {path} (a separate file)"
+            fix = f"set {flag}_fraction (a held-out tail of --data.path) or {flag}_path (a separate file)"
         raise ValueError(f"`{stage}` needs a {split} split, but this data has none: {fix}.")
 
     def _check_every_rank_gets_a_sample(self, split: str) -> None:
@@ -255,13 +255,13 @@ class LMDataModule(LightningDataModule):
         dataset = getattr(self, f"{split}_dataset")
         world_size, _ = self._world()
         if dataset is not None and len(dataset) < world_size:
-            samples, fraction, path = _split_flags(split)
+            flag = f"--data.{split}"
             if self.source in GENERATED_SOURCES:
-                fix = f"raise {samples} to at least {world_size}"
+                fix = f"raise {flag}_samples to at least {world_size}"
             elif getattr(self, f"{split}_path") is not None:
-                fix = f"use a {path} file of at least {world_size} windows of --data.seq_len + 1 tokens"
+                fix = f"use a {flag}_path file of at least {world_size} windows of --data.seq_len + 1 tokens"
             else:
-                fix = f"raise {fraction}"
+                fix = f"raise {flag}_fraction"
             raise ValueError(
                 f"the {split} split has {len(dataset)} samples, fewer than the {world_size} ranks: some rank would "
                 f"get none; {fix}."
@@ -336,11 +336,6 @@ class LMDataModule(LightningDataModule):
         # would pad the shards by repeating samples). A DistributedSampler, so Lightning keeps it.
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
         return self._loader(dataset, sampler)
-
-
-def _split_flags(split: str) -> tuple[str, ...]:
-    """The flags of the held-out ``split``: its samples (generated sources), fraction and path (files)."""
-    return tuple(f"--data.{split}_{kind}" for kind in ("samples", "fraction", "path"))
 
 
 class ResumableDistributedSampler(DistributedSampler):

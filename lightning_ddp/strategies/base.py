@@ -168,22 +168,16 @@ class GradSyncStrategy(DataParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Called on every rank (Trainer.save_checkpoint), so the gather can be a collective; rank 0 writes.
-        self._add_engine_states(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def _add_engine_states(self, checkpoint: dict[str, Any]) -> None:
         engine = self.engine
         # Only a full checkpoint (Lightning's weights-only one has no optimizer state) of a run being fitted.
-        if engine is None or "optimizer_states" not in checkpoint:
-            return
-        local = engine.engine_state_dict()
-        if not local:  # its keys are the engine's structure, the same on every rank: all ranks return here
-            return
-        states = gather_rank_states(local, engine.comm, engine.device, dst=0)
-        if states is not None:
-            checkpoint[ENGINE_STATES_KEY] = {
-                "algorithm": self.algorithm.name, "world_size": engine.world_size, "states": states,
-            }
+        local = engine.engine_state_dict() if engine is not None and "optimizer_states" in checkpoint else {}
+        if local:  # its keys are the engine's structure, the same on every rank: all ranks gather or none
+            states = gather_rank_states(local, engine.comm, engine.device, dst=0)
+            if states is not None:
+                checkpoint[ENGINE_STATES_KEY] = {
+                    "algorithm": self.algorithm.name, "world_size": engine.world_size, "states": states,
+                }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
