@@ -286,9 +286,9 @@ def test_no_function_is_longer_than_80_lines() -> None:
     assert not long, "split into named steps: " + ", ".join(long)
 
 
-PACKAGE_LINES_CEILING = 18_000
+PACKAGE_LINES_CEILING = 16_250
 """A ratchet: the package may not grow back while it is brought down to the house's goal of 16,000 lines (issue 30;
-17,982 when this was set). Lower it whenever a change removes lines."""
+16,213 when this was set). Lower it whenever a change removes lines."""
 
 
 def test_the_package_does_not_grow_past_its_ceiling() -> None:
