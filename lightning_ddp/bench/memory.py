@@ -64,7 +64,7 @@ PLOT_NAME = "memory_vs_step_time.png"
 class MemoryBenchConfig(InProcessConfig):
     """Per-rank memory (parameters, gradients, optimizer state, rest) and step time of the data-parallel family."""
 
-    repeats: Literal[1] = 1
+    repeats: int = 1
     """Must be 1: one run per mode."""
     steps: int = 12
     """Optimizer steps per mode, warm-up included; the snapshots are taken in the last."""
@@ -100,6 +100,8 @@ class MemoryBenchConfig(InProcessConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.repeats != 1:
+            raise ValueError(f"repeats must be 1 (one run per mode), got {self.repeats}; drop --repeats")
         if not self.modes:
             raise ValueError("modes is empty; e.g. --modes '[unsharded, zero2]'")
         if not 1 <= self.warmup_steps <= self.steps - 2:
