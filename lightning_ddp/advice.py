@@ -212,8 +212,12 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     calibrated = current in simulated_names()
     # first the communication: the current strategy's busy time as measured, less waiting for a late rank
     busy_ms = (run.medians.get("comm/busy_ms") or 0.0) - (run.medians.get("comm/wait_ms") or 0.0)
-    entry, size_now = catalogue.get(current), run.info.get("bucket_size_mb")  # the current size, or the default
-    size_now = (entry.default_bucket_size_mb if size_now is None else size_now) if entry.has_bucket_size else None
+    entry = catalogue.get(current)
+    size_now = None  # the run's bucket size, or the default, where the strategy has one
+    if entry.has_bucket_size:
+        size_now = run.info.get("bucket_size_mb")
+        if size_now is None:
+            size_now = entry.default_bucket_size_mb
     if calibrated and busy_ms > 0:
         factor = busy_ms / simulate(current, step_model(run, FittedComm(fits)), size_now).busy_comm_ms
     model = step_model(run, FittedComm(fits, factor))
@@ -221,7 +225,8 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     auto_mb = optimal_bucket_bytes(run.profile.grad_bytes, o, w, max(p.bytes for p in run.profile.params)) / MiB
     if calibrated:  # then the step: every prediction scaled so the current one is the measured step
         mine = simulate(current, model, size_now)
-        scale, current_bytes = run.step_ms / mine.step_ms, mine.memory_bytes
+        scale = run.step_ms / mine.step_ms
+        current_bytes = mine.memory_bytes
     else:
         notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
         current_bytes = None

@@ -80,7 +80,9 @@ def parse_variant(text: str) -> tuple[str, float | str | None]:
     (('bucketed_ddp', 0.25), ('naive_ddp', None), ('bucketed_ddp', 'auto'))
     """
     name, _, size = text.partition("@")
-    return name, size if size in ("auto", "none") else float(size) if size else None
+    if not size:
+        return name, None
+    return name, size if size in ("auto", "none") else float(size)
 
 
 def forward_backward(engine: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
