@@ -6,7 +6,6 @@ Calibrates the projection to the run, simulates every catalogue alternative and 
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import sys
@@ -131,17 +130,12 @@ class FittedComm:
     fits: dict[str, tuple[float, float]]
     factor: float = 1.0
 
-    def _seconds(self, op: str, nbytes: float, n: int, half: bool = False) -> float:
+    def collective_s(self, op: str, nbytes: float, n: int) -> float:
         if n <= 1:
             return 0.0
         o, w = self.fits.get(op) or self.fits.get("all_reduce", next(iter(self.fits.values())))
-        ring = 2 if half and op not in self.fits else 1  # a ring's reduce-scatter or all-gather: half an all-reduce
+        ring = 2 if op in ("reduce_scatter", "all_gather") and op not in self.fits else 1  # half an all-reduce
         return self.factor * (o + nbytes / (ring * w))
-
-    all_reduce_s = functools.partialmethod(_seconds, "all_reduce")
-    reduce_scatter_s = functools.partialmethod(_seconds, "reduce_scatter", half=True)
-    all_gather_s = functools.partialmethod(_seconds, "all_gather", half=True)
-    broadcast_s = functools.partialmethod(_seconds, "broadcast")
 
 
 def step_model(run: Run, comm: Any) -> StepModel:

@@ -30,12 +30,10 @@ class Link:
 
 
 class CommCost(Protocol):
-    """What the timeline needs from a communication model: seconds per collective of ``nbytes`` on ``n`` ranks."""
+    """What the timeline needs from a communication model: seconds for one collective ``kind`` (``all_reduce``,
+    ``reduce_scatter``, ``all_gather`` or ``broadcast``) of ``nbytes`` on ``n`` ranks."""
 
-    def all_reduce_s(self, nbytes: float, n: int) -> float: ...
-    def reduce_scatter_s(self, nbytes: float, n: int) -> float: ...
-    def all_gather_s(self, nbytes: float, n: int) -> float: ...
-    def broadcast_s(self, nbytes: float, n: int) -> float: ...
+    def collective_s(self, kind: str, nbytes: float, n: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -75,20 +73,19 @@ class Fabric:
         assert self.inter is not None
         return min(self.intra.bandwidth_Bps, self.nics_per_node * self.inter.bandwidth_Bps)
 
-    def _step_latency(self, n: int, steps_per_rank: int) -> float:
-        """Latency of a ring with ``steps_per_rank`` passes (2 for all-reduce, 1 for the others) over ``n`` ranks."""
-        m = self.nodes(n)
-        if m == 1:
-            return steps_per_rank * (n - 1) * self.intra.latency_s
-        assert self.inter is not None
-        return steps_per_rank * ((n - m) * self.intra.latency_s + (m - 1) * self.inter.latency_s)
-
     def _cost_s(self, n: int, latency_s: float, bytes_per_rank: float) -> float:
         """One call on ``n`` ranks: the per-call cost, ``latency_s``, and ``bytes_per_rank`` at the bus bandwidth."""
         return 0.0 if n <= 1 else self.call_overhead_s + latency_s + bytes_per_rank / self.bus_bandwidth(n)
 
-    def ring_all_reduce_s(self, nbytes: float, n: int) -> float:
-        return self._cost_s(n, self._step_latency(n, 2), 2 * (n - 1) / n * nbytes)
+    def ring_s(self, kind: str, nbytes: float, n: int) -> float:
+        """A ring ``kind``: an all-reduce in two passes, each moving ``(n-1)/n`` of ``nbytes`` per rank; a
+        reduce-scatter (of an ``nbytes`` input) or an all-gather (into an ``nbytes`` output) in one; a pipelined
+        broadcast in one moving all of ``nbytes``."""
+        passes = 2 if kind == "all_reduce" else 1
+        m = self.nodes(n)
+        inter_s = (m - 1) * self.inter.latency_s if m > 1 else 0.0
+        traffic = 1.0 if kind == "broadcast" else passes * (n - 1) / n
+        return self._cost_s(n, passes * ((n - m) * self.intra.latency_s + inter_s), traffic * nbytes)
 
     def tree_all_reduce_s(self, nbytes: float, n: int) -> float:
         m = self.nodes(n)
@@ -98,23 +95,13 @@ class Fabric:
         latency = 2 * ((n // m - 1) * self.intra.latency_s + math.ceil(math.log2(m)) * self.inter.latency_s)
         return self._cost_s(n, latency, 2 * nbytes)
 
-    def all_reduce_s(self, nbytes: float, n: int) -> float:
-        """Seconds for one all-reduce of ``nbytes`` on ``n`` ranks with this fabric's algorithm."""
-        if self.algorithm == "ring":
-            return self.ring_all_reduce_s(nbytes, n)
+    def collective_s(self, kind: str, nbytes: float, n: int) -> float:
+        """Seconds for one ``kind`` of ``nbytes`` on ``n`` ranks: a ring's, an all-reduce's by ``algorithm``."""
+        if kind != "all_reduce" or self.algorithm == "ring":
+            return self.ring_s(kind, nbytes, n)
         if self.algorithm == "tree":
             return self.tree_all_reduce_s(nbytes, n)
-        return min(self.ring_all_reduce_s(nbytes, n), self.tree_all_reduce_s(nbytes, n))
-
-    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
-        """Seconds for a ring reduce-scatter of an ``nbytes`` input over ``n`` ranks."""
-        return self._cost_s(n, self._step_latency(n, 1), (n - 1) / n * nbytes)
-
-    all_gather_s = reduce_scatter_s  # a ring all-gather into an ``nbytes`` output costs the same
-
-    def broadcast_s(self, nbytes: float, n: int) -> float:
-        """Seconds for a pipelined ring broadcast of ``nbytes`` to ``n`` ranks."""
-        return self._cost_s(n, self._step_latency(n, 1), nbytes)
+        return min(self.ring_s(kind, nbytes, n), self.tree_all_reduce_s(nbytes, n))
 
     def describe(self) -> str:
         """One line for reports."""

@@ -128,7 +128,7 @@ class StepModel:
 
     def collective_ms(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes``; ``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
-        return 1e3 * getattr(self.comm, f"{kind}_s")(nbytes, self.world_size)
+        return 1e3 * self.comm.collective_s(kind, nbytes, self.world_size)
 
     def copy_ms(self, bytes_moved: float) -> float:
         """A copy that reads and writes ``bytes_moved`` bytes in total."""
@@ -420,6 +420,16 @@ def _padded(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
 
+def _copy(model: StepModel, label: str, nbytes: float, waits: str = "") -> Op:
+    """A sharded engine's copy of ``nbytes`` (read and written) on the compute stream; none on one rank."""
+    return Op("compute", label, model.copy_ms(2 * nbytes) if model.world_size > 1 else 0.0, waits=waits)
+
+
+def _shard_op(label: str, nbytes: int, op: str) -> Op:
+    """A ``reduce_scatter`` or ``all_gather`` of ``nbytes`` labelled ``<label> [reduce-scatter]`` (or all-gather)."""
+    return Op("collective", f"{label} [{op.replace('_', '-')}]", nbytes=nbytes, op=op)
+
+
 def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     """ZeRO-2: each bucket reduce-scattered as it fills, the optimizer on the shard, then per bucket an all-gather."""
     params, n = model.profile.params, model.world_size
@@ -431,11 +441,9 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
         nbytes, numel = _bytes(params, bucket), sum(params[i].numel for i in bucket)
         padded = round(_padded(numel, n) * nbytes / numel) if numel else 0  # the flat buffer, in n equal shards
         padded_total += padded
-        launch.append([Op("compute", f"pack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0),
-                       Op("collective", f"{label} [reduce-scatter]", nbytes=padded, op="reduce_scatter")])
-        after += [Op("compute", f"pack own shard {k}", model.copy_ms(2 * padded / n) if n > 1 else 0.0),
-                  Op("collective", f"{label} [all-gather]", nbytes=padded, op="all_gather"),
-                  Op("compute", f"unpack bucket {k}", model.copy_ms(2 * nbytes) if n > 1 else 0.0)]
+        launch.append([_copy(model, f"pack bucket {k}", nbytes), _shard_op(label, padded, "reduce_scatter")])
+        after += [_copy(model, f"pack own shard {k}", padded / n), _shard_op(label, padded, "all_gather"),
+                  _copy(model, f"unpack bucket {k}", nbytes)]
     grad_bytes = _bytes(params)
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
     # parameters; gradient, AdamW and gathered-parameter shards; the gradients of a filling bucket (the largest, twice)
@@ -489,59 +497,50 @@ def _fsdp2(model: StepModel) -> StepResult:
     p, n = model.profile, model.world_size
     params = p.params
     root, named = transformer_blocks(params)
-    labels, blocks = list(named), list(named.values())
+    labels, units = [*named, "root"], [*named.values(), root]  # the blocks, then the root
+    blocks = range(len(named))
     span = p.backward_span_ms
     # the backward work done when each block's last gradient is ready; blocks backward in reverse forward order
-    ends = [max((params[i].ready_ms for i in b if params[i].ready_ms is not None), default=span) for b in blocks]
-    order = sorted(range(len(blocks)), key=lambda k: ends[k])  # backward order
+    ends = [max((params[i].ready_ms for i in b if params[i].ready_ms is not None), default=span) for b in units[:-1]]
+    order = sorted(blocks, key=lambda k: ends[k])  # backward order
     head_end = max((params[i].ready_ms for i in root if params[i].ready_ms is not None
                     and (not ends or params[i].ready_ms <= min(ends))), default=0.0)
     ready: list[Optional[float]] = [head_end, *(ends[k] for k in order)]  # each bucket's: the head's, then blocks'
     backward_ms = {k: max(0.0, ready[j + 1] - ready[j]) for j, k in enumerate(order)}
     tail_ms = max(0.0, span - ready[-1])  # the embedding's backward
     scale = p.forward_ms / span if span > 0 else 0.0
-    gather = [_shard_bytes(params, b, n) for b in blocks]
-    root_bytes = _shard_bytes(params, root, n)
-    moved = [_bytes(params, b) for b in blocks]
-    root_moved = _bytes(params, root)
-
-    def copy(label: str, nbytes: float, waits: str = "") -> Op:
-        ms = model.copy_ms(2 * nbytes) if n > 1 else 0.0  # one rank: fully_shard gathers nothing
-        return Op("compute", label, ms, waits=waits)
+    gather = [_shard_bytes(params, unit, n) for unit in units]
+    moved = [_bytes(params, unit) for unit in units]
 
     def work(label: str, ms: float) -> Op:
         return Op("compute", label, ms, copy=False)
 
-    def all_gather(k: int) -> list[Op]:
-        return [Op("collective", f"{labels[k]} [all-gather]", nbytes=gather[k], op="all_gather")]
+    def advance(sequence: Sequence[int], j: int) -> list[Op]:
+        """Block ``sequence[j + 1]`` all-gathered (prefetched), then ``sequence[j]`` copied out: those that exist."""
+        gathered = [_shard_op(labels[k], gather[k], "all_gather") for k in sequence[j + 1:j + 2]]
+        return gathered + [_copy(model, f"copy out block {k}", moved[k], f"{labels[k]} [all-gather]")
+                           for k in sequence[j:j + 1]]
 
-    def copy_out(k: int) -> Op:
-        return copy(f"copy out block {k}", moved[k], waits=f"{labels[k]} [all-gather]")
-
-    forward = [Op("collective", "root [all-gather]", nbytes=root_bytes, op="all_gather")] if root else []
-    forward += all_gather(0) if blocks else []
-    forward += [copy("copy out root", root_moved, "root [all-gather]" if root else ""),
+    forward = [_shard_op("root", gather[-1], "all_gather")] if root else []
+    forward += [*advance(blocks, -1), _copy(model, "copy out root", moved[-1], "root [all-gather]" if root else ""),
                 work("forward (embedding)", scale * tail_ms)]
-    for k in range(len(blocks)):
-        forward += [*(all_gather(k + 1) if k + 1 < len(blocks) else []), copy_out(k),
-                    work(f"forward block {k}", scale * backward_ms[k])]
-    forward += [work("forward (head)", scale * head_end), *(all_gather(order[0]) if blocks else [])]
-    launch = [[*(all_gather(order[1]) if len(order) > 1 else []), *([copy_out(order[0])] if blocks else [])]]
+    for k in blocks:
+        forward += [*advance(blocks, k), work(f"forward block {k}", scale * backward_ms[k])]
+    forward += [work("forward (head)", scale * head_end), *advance(order, -1)]
+    launch = [advance(order, 0)]
     for j, k in enumerate(order):
-        launch.append([copy(f"copy in gradients {k}", moved[k]),
-                       Op("collective", f"{labels[k]} [reduce-scatter]", nbytes=gather[k], op="reduce_scatter"),
-                       *(all_gather(order[j + 2]) if j + 2 < len(order) else []),
-                       *([copy_out(order[j + 1])] if j + 1 < len(order) else [])])
+        launch.append([_copy(model, f"copy in gradients {k}", moved[k]),
+                       _shard_op(labels[k], gather[k], "reduce_scatter"), *advance(order, j + 1)])
     if root:  # launched after the embedding's backward
         ready.append(None)
-        launch.append([copy("copy in root gradients", root_moved),
-                       Op("collective", "root [reduce-scatter]", nbytes=root_bytes, op="reduce_scatter")])
+        launch.append([_copy(model, "copy in root gradients", moved[-1]),
+                       _shard_op("root", gather[-1], "reduce_scatter")])
     total = _bytes(params)
-    fraction = (sum(gather) + root_bytes) / n / total if total else 1.0
+    fraction = sum(gather) / n / total if total else 1.0
     # parameter, gradient and AdamW shards; the root's and two blocks' parameters unsharded (the running one and the
     # prefetched one) and one block's gradients
-    shard, largest = (sum(gather) + root_bytes) // n, sorted(moved, reverse=True)
-    memory = (2 + ADAM_STATES) * shard + root_moved + sum(largest[:2]) + sum(largest[:1])
+    shard, largest = sum(gather) // n, sorted(moved[:-1], reverse=True)
+    memory = (2 + ADAM_STATES) * shard + moved[-1] + sum(largest[:2]) + sum(largest[:1])
     return _staged_schedule(model, None, ready, launch=launch, presence_flags=False,
                             optimizer_fraction=fraction, forward=forward, memory_bytes=memory)
 

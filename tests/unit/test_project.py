@@ -36,10 +36,8 @@ FLAGS_MS = 1 + 12 / MiB  # the presence-flags all-reduce: 3 int32 flags = 12 byt
 class LinearComm:
     """Every collective costs 1 ms + 1 ms per MiB, whatever the kind and the world size."""
 
-    def all_reduce_s(self, nbytes: float, n: int) -> float:
+    def collective_s(self, kind: str, nbytes: float, n: int) -> float:
         return (1 + nbytes / MiB) * 1e-3
-
-    reduce_scatter_s = all_gather_s = broadcast_s = all_reduce_s
 
 
 def three_params(ready=(30.0, 20.0, 10.0)) -> ComputeProfile:
@@ -66,18 +64,18 @@ def test_cost_formulas_at_two_and_eight_ranks():
     ring = Fabric("one level", Link("link", B, a), call_overhead_s=0.0, algorithm="ring")
     tree = dataclasses.replace(ring, algorithm="tree")
     # ring all-reduce: 2(n-1) alpha + 2(n-1)/n S/B
-    assert ring.all_reduce_s(S, 2) == pytest.approx(2 * a + 1.0 * 0.1)  # 0.10002
-    assert ring.all_reduce_s(S, 8) == pytest.approx(14 * a + 1.75 * 0.1)  # 0.17514
+    assert ring.collective_s("all_reduce", S, 2) == pytest.approx(2 * a + 1.0 * 0.1)  # 0.10002
+    assert ring.collective_s("all_reduce", S, 8) == pytest.approx(14 * a + 1.75 * 0.1)  # 0.17514
     # tree: 2 ceil(log2 n) alpha + 2 S/B
-    assert tree.all_reduce_s(S, 2) == pytest.approx(2 * a + 0.2)  # 0.20002
-    assert tree.all_reduce_s(S, 8) == pytest.approx(6 * a + 0.2)  # 0.20006
-    # reduce-scatter and all-gather: (n-1) alpha + (n-1)/n S/B
-    for f in (ring.reduce_scatter_s, ring.all_gather_s):
-        assert f(S, 2) == pytest.approx(a + 0.05)  # 0.05001
-        assert f(S, 8) == pytest.approx(7 * a + 0.0875)  # 0.08757
-    assert ring.broadcast_s(S, 8) == pytest.approx(7 * a + 0.1)  # pipelined: (n-1) alpha + S/B
-    for f in (ring.all_reduce_s, tree.all_reduce_s, ring.reduce_scatter_s, ring.broadcast_s):
-        assert f(S, 1) == 0.0  # nothing to talk to
+    assert tree.collective_s("all_reduce", S, 2) == pytest.approx(2 * a + 0.2)  # 0.20002
+    assert tree.collective_s("all_reduce", S, 8) == pytest.approx(6 * a + 0.2)  # 0.20006
+    # reduce-scatter and all-gather: (n-1) alpha + (n-1)/n S/B (on the tree fabric too: only all-reduce has a tree)
+    for f, kind in ((ring, "reduce_scatter"), (ring, "all_gather"), (tree, "all_gather")):
+        assert f.collective_s(kind, S, 2) == pytest.approx(a + 0.05)  # 0.05001
+        assert f.collective_s(kind, S, 8) == pytest.approx(7 * a + 0.0875)  # 0.08757
+    assert ring.collective_s("broadcast", S, 8) == pytest.approx(7 * a + 0.1)  # pipelined: (n-1) alpha + S/B
+    for f, kind in ((ring, "all_reduce"), (tree, "all_reduce"), (ring, "reduce_scatter"), (ring, "broadcast")):
+        assert f.collective_s(kind, S, 1) == 0.0  # nothing to talk to
 
 
 def test_two_level_fabric_follows_nccl_ring_and_tree():
@@ -87,27 +85,27 @@ def test_two_level_fabric_follows_nccl_ring_and_tree():
     assert fabric.nodes(16) == 2 and fabric.bus_bandwidth(16) == 40e9
     S = 4e9
     # ring: 2(n-m) intra steps + 2(m-1) inter steps = 28 x 1 us + 2 x 5 us = 38 us; 2 x 15/16 x 4 GB / 40 GB/s
-    assert fabric.ring_all_reduce_s(S, 16) == pytest.approx(38e-6 + 0.1875)
+    assert fabric.ring_s("all_reduce", S, 16) == pytest.approx(38e-6 + 0.1875)
     # tree: 2((g-1) alpha_intra + log2(m) alpha_inter) = 2(7 + 5) us = 24 us; 2 x 4 GB / 40 GB/s
     assert fabric.tree_all_reduce_s(S, 16) == pytest.approx(24e-6 + 0.2)
-    assert fabric.all_reduce_s(S, 16) == fabric.ring_all_reduce_s(S, 16)  # large: the ring's bandwidth wins
-    assert fabric.all_reduce_s(1e3, 16) == fabric.tree_all_reduce_s(1e3, 16)  # small: the tree's latency wins
+    assert fabric.collective_s("all_reduce", S, 16) == fabric.ring_s("all_reduce", S, 16)  # large: the ring wins
+    assert fabric.collective_s("all_reduce", 1e3, 16) == fabric.tree_all_reduce_s(1e3, 16)  # small: the tree's latency
     # inside one node only NVLink counts: 14 steps of 1 us + 1.75 x 4 GB / 100 GB/s
-    assert fabric.all_reduce_s(S, 8) == pytest.approx(14e-6 + 0.07)
+    assert fabric.collective_s("all_reduce", S, 8) == pytest.approx(14e-6 + 0.07)
     # reduce-scatter over 2 nodes: (n-m) intra + (m-1) inter steps = 14 + 5 us; 15/16 x 4 GB / 40 GB/s
-    assert fabric.reduce_scatter_s(S, 16) == pytest.approx(19e-6 + 0.09375)
+    assert fabric.collective_s("reduce_scatter", S, 16) == pytest.approx(19e-6 + 0.09375)
     with pytest.raises(ValueError, match="multiple of 8"):
-        fabric.all_reduce_s(S, 12)
+        fabric.collective_s("all_reduce", S, 12)
 
 
 def test_measured_fit_is_exact_at_its_world_size_and_extrapolates_as_stated(tmp_path):
     fit = MeasuredFit(overhead_s=1e-3, bandwidth_Bps=1e9, world_size=2)
     per_hop, per_call = fit.fabric("per_hop"), fit.fabric("per_call")
     S = 1e6  # 1 ms at 1 GB/s
-    assert per_hop.all_reduce_s(S, 2) == pytest.approx(2e-3)  # t = o + S / w, the fit itself
-    assert per_call.all_reduce_s(S, 2) == pytest.approx(2e-3)
-    assert per_hop.all_reduce_s(S, 8) == pytest.approx(7e-3 + 1.75e-3)  # (n-1) o + 2(n-1)/n S / w
-    assert per_call.all_reduce_s(S, 8) == pytest.approx(1e-3 + 1.75e-3)  # o + 2(n-1)/n S / w
+    assert per_hop.collective_s("all_reduce", S, 2) == pytest.approx(2e-3)  # t = o + S / w, the fit itself
+    assert per_call.collective_s("all_reduce", S, 2) == pytest.approx(2e-3)
+    assert per_hop.collective_s("all_reduce", S, 8) == pytest.approx(7e-3 + 1.75e-3)  # (n-1) o + 2(n-1)/n S / w
+    assert per_call.collective_s("all_reduce", S, 8) == pytest.approx(1e-3 + 1.75e-3)  # o + 2(n-1)/n S / w
     # the sweep's bucket_prediction.json (its fit, the measured points and the chosen bucket) is read as such
     path = tmp_path / "bucket_prediction.json"
     path.write_text(json.dumps({"overhead_s": 8.4e-4, "bandwidth_Bps": 1.5e9, "sizes": [4096], "times_s": [8.4e-4],
@@ -643,10 +641,8 @@ def test_a_catalogue_entry_without_a_model_is_named_in_the_error_and_the_report(
 class InfiniteComm:
     """Every collective is free (infinite bandwidth, no latency)."""
 
-    def all_reduce_s(self, nbytes: float, n: int) -> float:
+    def collective_s(self, kind: str, nbytes: float, n: int) -> float:
         return 0.0
-
-    reduce_scatter_s = all_gather_s = broadcast_s = all_reduce_s
 
 
 def blocks_profile() -> ComputeProfile:
