@@ -12,7 +12,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveFloat, PositiveInt, re
 from lightning_ddp import catalogue
 from lightning_ddp.projection.comm import Fabric, get_fabric, read_fit
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec, get_gpu
-from lightning_ddp.projection.simulators import backend_contention, model_settings, simulated_names, simulator
+from lightning_ddp.projection.simulators import CONTENTION, model_settings, simulated_names, simulator
 
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
 
@@ -184,7 +184,7 @@ def contention_of(network: NetworkConfig) -> tuple[float, str]:
     backend = "nccl"
     if network.preset == "measured" and read_fit(network.fit_path).backend == "gloo":
         backend = "gloo"
-    return backend_contention(backend), f"fitted for {backend} (`python -m lightning_ddp.projection.contention`)"
+    return CONTENTION[backend], f"fitted for {backend} (`python -m lightning_ddp.projection.contention`)"
 
 
 def gpu_spec(compute: ComputeConfig) -> GPUSpec:

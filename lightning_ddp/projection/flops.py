@@ -71,15 +71,12 @@ class ModelShape:
     def num_params(self) -> int:
         return sum(n for _, n in self.parameters())
 
-    @property
-    def matmul_params(self) -> int:
-        """Weights of every Linear, lm_head included even when tied (as ``GPT.flops_per_token`` counts them)."""
-        per_block = 4 * self.d_model**2 + 3 * self.d_model * self.d_ff
-        return self.n_layers * per_block + self.vocab_size * self.d_model
-
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, forward + backward: ``6 N_matmul + 12 n_layers d_model seq_len`` (PaLM)."""
-        return float(6 * self.matmul_params + 12 * self.n_layers * self.d_model * seq_len)
+        """Training FLOPs per token, forward + backward: ``6 N_matmul + 12 n_layers d_model seq_len`` (PaLM), with
+        ``N_matmul`` the weights of every Linear, lm_head included even when tied (as ``GPT.flops_per_token``)."""
+        per_block = 4 * self.d_model**2 + 3 * self.d_model * self.d_ff
+        matmul_params = self.n_layers * per_block + self.vocab_size * self.d_model
+        return float(6 * matmul_params + 12 * self.n_layers * self.d_model * seq_len)
 
     def backward_ready_flops(self, seq_len: int) -> list[Optional[float]]:
         """Per parameter, backward FLOPs per token done when its gradient is ready (``None``: when backward ends)."""

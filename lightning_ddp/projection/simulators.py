@@ -37,15 +37,6 @@ CPU_COPY_GBPS = 24.03
 ``benchmarks/results/projection/cpu_sweep_validation.md``); fixed so that the fit is reproducible anywhere."""
 
 
-def backend_contention(backend: str) -> float:
-    """The fitted ``s`` of ``backend`` (``gloo``, ``nccl``); an unknown one names the known ones."""
-    try:
-        return CONTENTION[backend]
-    except KeyError:
-        raise ValueError(f"no fitted contention for backend {backend!r}; known: {', '.join(CONTENTION)} (or give "
-                         "`network.contention` as a number)") from None
-
-
 @dataclass(frozen=True)
 class Interval:
     """Something that occupied a stream: ``stream`` is ``compute`` or ``comm``; times in ms from the step start."""
@@ -481,12 +472,8 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
     total = 0
     for i in indices:
         q = params[i]
-        element = q.bytes / q.numel if q.numel else 4.0
-        if q.shape:
-            rows = q.shape[0]
-            total += round(_padded(rows, n) * (q.numel // rows if rows else 0) * element)
-        else:
-            total += round(_padded(q.numel, n) * element)
+        rows = q.shape[0] if q.shape else q.numel  # a tensor without a shape: split flat
+        total += round(_padded(rows, n) * (q.numel // rows if rows else 0) * (q.bytes / q.numel if q.numel else 4.0))
     return total
 
 

@@ -741,5 +741,3 @@ def test_the_fitted_contention_reproduces_from_the_committed_data():
     assert contention.fit_nccl() == simulators.CONTENTION["nccl"]
     # and it is a fit, not a constant: a loss with its minimum elsewhere moves it
     assert contention.fit_contention(lambda s: (s - 0.5) ** 2) == 0.5
-    with pytest.raises(ValueError, match="no fitted contention"):
-        simulators.backend_contention("mpi")
