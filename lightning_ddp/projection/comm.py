@@ -78,9 +78,8 @@ class Fabric:
         return 0.0 if n <= 1 else self.call_overhead_s + latency_s + bytes_per_rank / self.bus_bandwidth(n)
 
     def ring_s(self, kind: str, nbytes: float, n: int) -> float:
-        """A ring ``kind``: an all-reduce in two passes, each moving ``(n-1)/n`` of ``nbytes`` per rank; a
-        reduce-scatter (of an ``nbytes`` input) or an all-gather (into an ``nbytes`` output) in one; a pipelined
-        broadcast in one moving all of ``nbytes``."""
+        """A ring ``kind``: all-reduce in two passes moving ``(n-1)/n`` of ``nbytes`` per rank each, reduce-scatter
+        (``nbytes`` in) and all-gather (``nbytes`` out) in one, a pipelined broadcast in one moving all of it."""
         passes = 2 if kind == "all_reduce" else 1
         m = self.nodes(n)
         inter_s = (m - 1) * self.inter.latency_s if m > 1 else 0.0

@@ -181,9 +181,7 @@ def contention_of(network: NetworkConfig) -> tuple[float, str]:
     backend (``simulators.CONTENTION``: gloo for a ``measured`` fit recorded on gloo, NCCL otherwise)."""
     if network.contention is not None:
         return network.contention, "`network.contention`"
-    backend = "nccl"
-    if network.preset == "measured" and read_fit(network.fit_path).backend == "gloo":
-        backend = "gloo"
+    backend = "gloo" if network.preset == "measured" and read_fit(network.fit_path).backend == "gloo" else "nccl"
     return CONTENTION[backend], f"fitted for {backend} (`python -m lightning_ddp.projection.contention`)"
 
 

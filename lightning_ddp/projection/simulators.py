@@ -89,8 +89,9 @@ class Timeline:
         return end
 
     def collective(self, label: str, issue_ms: float, nbytes: int, kind: str = "all_reduce") -> float:
-        """Run a collective ``kind`` of ``nbytes`` issued at ``issue_ms`` after every earlier one; returns its end."""
-        duration_ms = self.model.collective_ms(kind, nbytes)
+        """Run a collective ``kind`` (``all_reduce``, ``reduce_scatter``, ``all_gather``) of ``nbytes`` issued at
+        ``issue_ms`` after every earlier one; returns its end."""
+        duration_ms = 1e3 * self.model.comm.collective_s(kind, nbytes, self.model.world_size)
         start = max(issue_ms, self.comm_free_ms)
         end = start + duration_ms
         self.step.intervals.append(Interval("comm", label, start, end, int(nbytes)))
@@ -116,10 +117,6 @@ class StepModel:
     """FLOP/s of the compute stream's arithmetic (PowerSGD's); ``None``: only the bytes they move count."""
     contention: float = 0.0
     """``s``: compute runs ``1 + s`` times slower while a collective is in flight (``CONTENTION``)."""
-
-    def collective_ms(self, kind: str, nbytes: float) -> float:
-        """One collective of ``nbytes``; ``kind``: ``all_reduce``, ``reduce_scatter`` or ``all_gather``."""
-        return 1e3 * self.comm.collective_s(kind, nbytes, self.world_size)
 
     def copy_ms(self, bytes_moved: float) -> float:
         """A copy that reads and writes ``bytes_moved`` bytes in total."""
@@ -343,13 +340,11 @@ def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: in
     """
     buckets: list[list[int]] = []
     current: list[int] = []
-    current_bytes = 0
     for index in order:
         current.append(index)
-        current_bytes += nbytes[index]
-        if current_bytes >= (first_cap_bytes if not buckets else cap_bytes):
+        if sum(nbytes[i] for i in current) >= (first_cap_bytes if not buckets else cap_bytes):
             buckets.append(current)
-            current, current_bytes = [], 0
+            current = []
     if current:
         buckets.append(current)
     return buckets
@@ -357,10 +352,9 @@ def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: in
 
 def _torch_ddp(model: StepModel) -> StepResult:
     params = model.profile.params
-    never = float("inf")
     # gradient-ready order (ties: reverse parameters() order, the autograd order); no-gradient parameters last
     order = sorted(reversed(range(len(params))),
-                   key=lambda i: never if params[i].ready_ms is None else params[i].ready_ms)
+                   key=lambda i: float("inf") if params[i].ready_ms is None else params[i].ready_ms)
     buckets = ddp_buckets([q.bytes for q in params], order)
     sizes = [_bytes(params, bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
@@ -499,9 +493,6 @@ def _fsdp2(model: StepModel) -> StepResult:
     gather = [_shard_bytes(params, unit, n) for unit in units]
     moved = [_bytes(params, unit) for unit in units]
 
-    def work(label: str, ms: float) -> Op:
-        return Op("compute", label, ms, copy=False)
-
     def advance(sequence: Sequence[int], j: int) -> list[Op]:
         """Block ``sequence[j + 1]`` all-gathered (prefetched), then ``sequence[j]`` copied out: those that exist."""
         gathered = [_shard_op(labels[k], gather[k], "all_gather") for k in sequence[j + 1:j + 2]]
@@ -510,10 +501,10 @@ def _fsdp2(model: StepModel) -> StepResult:
 
     forward = [_shard_op("root", gather[-1], "all_gather")] if root else []
     forward += [*advance(blocks, -1), _copy(model, "copy out root", moved[-1], "root [all-gather]" if root else ""),
-                work("forward (embedding)", scale * tail_ms)]
+                Op("compute", "forward (embedding)", scale * tail_ms, copy=False)]
     for k in blocks:
-        forward += [*advance(blocks, k), work(f"forward block {k}", scale * backward_ms[k])]
-    forward += [work("forward (head)", scale * head_end), *advance(order, -1)]
+        forward += [*advance(blocks, k), Op("compute", f"forward block {k}", scale * backward_ms[k], copy=False)]
+    forward += [Op("compute", "forward (head)", scale * head_end, copy=False), *advance(order, -1)]
     launch = [advance(order, 0)]
     for j, k in enumerate(order):
         launch.append([_copy(model, f"copy in gradients {k}", moved[k]),
