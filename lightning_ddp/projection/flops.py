@@ -84,19 +84,15 @@ class ModelShape:
         attention = 8 * seq_len * self.d_model  # backward of Q K^T and A V for one layer, per token
         done = 4.0 * self.vocab_size * self.d_model  # lm_head's backward comes first, tied or not
         ready: dict[str, Optional[float]] = {"lm_head.weight": done, "norm.weight": done, "tok_emb.weight": None}
+        block = ("ffn.w3", "ffn.w2", "ffn.w1", "ffn_norm", "attn.out_proj", "attn.v_proj", "attn.k_proj", "attn.q_proj",
+                 "attn_norm")  # a block's weights in backward order
         for i in reversed(range(self.n_layers)):
-            b = f"blocks.{i}"
-            for short in ("ffn.w3", "ffn.w2", "ffn.w1"):
-                done += 4 * numel[f"{b}.{short}.weight"]
-                ready[f"{b}.{short}.weight"] = done
-            ready[f"{b}.ffn_norm.weight"] = done
-            done += 4 * numel[f"{b}.attn.out_proj.weight"]
-            ready[f"{b}.attn.out_proj.weight"] = done
-            done += attention
-            for short in ("v_proj", "k_proj", "q_proj"):
-                done += 4 * numel[f"{b}.attn.{short}.weight"]
-                ready[f"{b}.attn.{short}.weight"] = done
-            ready[f"{b}.attn_norm.weight"] = done
+            for short in block:
+                if short == "attn.v_proj":
+                    done += attention  # the attention core's backward comes before its projections'
+                if "norm" not in short:  # a norm's weight: no matmul
+                    done += 4 * numel[f"blocks.{i}.{short}.weight"]
+                ready[f"blocks.{i}.{short}.weight"] = done
         # every backward FLOP is accounted for: 2/3 of flops_per_token
         assert abs(done - 2 * self.flops_per_token(seq_len) / 3) <= 1e-9 * done, "backward FLOPs do not add up"
         return [ready[name] for name in numel]
