@@ -30,21 +30,15 @@ def fit_contention(loss: Callable[[float], float]) -> float:
     return round(min(fine, key=loss), 2)
 
 
-def gloo_cells(sweep: str | Path, contention: float) -> list[dict[str, Any]]:
-    """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
-    rows, profiles, fit_path = read_sweep(sweep)
-    return validate_cells(rows, profiles, fit_path, CPU_COPY_GBPS * 1e9, contention)
-
-
 def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict[str, Any]], float]) -> float:
     """The ``s`` minimising the mean ``error(row)`` over the batch-``FIT_BATCH`` rows of ``rows_at(s)``."""
     return fit_contention(lambda s: statistics.fmean(error(r) for r in rows_at(s) if r["batch_size"] == FIT_BATCH))
 
 
 def fit_gloo(sweep: str | Path = "benchmarks/results/cpu") -> float:
-    """``s`` for gloo: the squared log step-time error of the CPU sweep's cells."""
-    read_sweep(sweep)  # a missing file fails here, once
-    return _fit(lambda s: gloo_cells(sweep, s),
+    """``s`` for gloo: the squared log step-time error of the CPU sweep's cells (``validate.validate_cells``)."""
+    rows, profiles, fit_path = read_sweep(sweep)
+    return _fit(lambda s: validate_cells(rows, profiles, fit_path, CPU_COPY_GBPS * 1e9, s),
                 lambda r: math.log(r["predicted_step_ms"] / r["measured_step_ms"]) ** 2)
 
 
