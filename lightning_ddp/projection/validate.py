@@ -58,20 +58,15 @@ def _float(value: str | None) -> float | None:
         return None
 
 
-def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """Bytes read + written per second of a large contiguous ``copy_`` on this machine (median of ``repeats``)."""
-    import time
+def measure_copy_bandwidth() -> float:
+    """Bytes read + written per second of a 64 MiB contiguous ``copy_`` on this machine (median of 5)."""
+    import timeit
 
     import torch
 
-    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    src, dst = torch.ones(2**24), torch.empty(2**24)
     dst.copy_(src)  # warm-up: page faults
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
+    return 2 * src.nbytes / statistics.median(timeit.repeat(lambda: dst.copy_(src), number=1, repeat=5))
 
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
@@ -164,9 +159,9 @@ def _name(cell: dict[str, Any]) -> str:
 
 
 def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
-                 sqrt_rule_mb: float | None, candidates: Iterable[float]) -> list[dict[str, Any]]:
-    """Per group: the square-root rule's size and the projection's best of ``candidates``, each with the step time
-    measured at the nearest measured size."""
+                 sqrt_rule_mb: float | None) -> list[dict[str, Any]]:
+    """Per group: the square-root rule's size and the projection's best power of 2 from 0.25 to 32 MiB, each with the
+    step time measured at the nearest measured size."""
     comm = read_fit(fit_path).fabric()
     bucketed = simulated_by("bucketed")[0]
     out = []
@@ -174,7 +169,8 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
     for key, group in _groups(sized).items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
-        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
+        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms
+                     for s in (0.25, 0.5, 1, 2, 4, 8, 16, 32)}
         projection_mb = min(predicted, key=predicted.get)
 
         def measured_at(size: float | None) -> dict[str, Any] | None:
@@ -193,14 +189,14 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[str]], auto: list[dict[str, Any]],
-                   copy_Bps: float, command: str, fit: dict[str, Any]) -> str:
+def build_markdown(cells: list[dict[str, Any]], auto: list[dict[str, Any]], copy_Bps: float, command: str,
+                   fit: dict[str, Any]) -> str:
     signed = [c["step_error"] for c in cells]
     errors = [abs(e) for e in signed]
     ref_errors = [abs(c["step_error_from_reference"]) for c in cells if "step_error_from_reference" in c]
     median_error = statistics.median(errors) if errors else float("nan")
     verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
-    agree, pairs, disagreements = agreement
+    agree, pairs, disagreements = ranking_agreement(cells)
     lines = [
         "# The projection against the CPU sweep", "",
         f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
@@ -249,7 +245,7 @@ def _measured_at(cell: dict[str, Any] | None) -> str:
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
-                   copy_GBps: Optional[float] = None, contention: Optional[NonNegativeFloat] = None) -> int:
+                   copy_GBps: Optional[float] = None, contention: NonNegativeFloat = CONTENTION["gloo"]) -> int:
     """Simulate every ok cell of a sweep and compare with what it measured; write cpu_sweep_validation.{csv,md}.
 
     Args:
@@ -261,9 +257,7 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     """
     command = (f"python -m lightning_ddp.projection.validate --sweep {sweep} --out {out}"
                + (f" --copy_GBps {copy_GBps:g}" if copy_GBps else "")
-               + (f" --contention {contention:g}" if contention is not None else ""))
-    if contention is None:
-        contention = CONTENTION["gloo"]
+               + (f" --contention {contention:g}" if contention != CONTENTION["gloo"] else ""))
     try:
         rows, profiles, fit_path = read_sweep(sweep)
     except ValueError as error:
@@ -275,14 +269,12 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     cells = validate_cells(rows, profiles, fit_path, copy_Bps, contention)
     for cell, plain in zip(cells, before):
         cell["predicted_step_ms_without_contention"] = plain["predicted_step_ms"]
-    agreement = ranking_agreement(cells)
     sqrt_mb = fit["bucket_bytes"] / 2**20 if fit.get("bucket_bytes") else None
-    auto = compare_auto(cells, profiles, fit_path, copy_Bps, sqrt_mb,
-                        [0.25, 0.5, 1, 2, 4, 8, 16, 32])
+    auto = compare_auto(cells, profiles, fit_path, copy_Bps, sqrt_mb)
     out_dir = Path(out)
     columns = list(dict.fromkeys(k for c in cells for k in c))
     write_atomically(out_dir / "cpu_sweep_validation.csv", csv_text(cells, columns))
-    markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
+    markdown = build_markdown(cells, auto, copy_Bps, command, fit)
     markdown += "\n" + "\n".join(contention_lines(
         "gloo", contention, "cells' step times", before, cells,
         ["too fast", "median \\|step error\\|", "mean \\|step error\\|", "mean \\|share error\\|"], by_strategy=False))
