@@ -99,7 +99,6 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
     bucketed = [s for s in names if _entry(s).has_bucket_size]
     if not bucketed:
         return []
-    lines = ["", "## Best bucket size per world size", ""]
     rows = []
     for n in sizes:
         cells = [n, fabric.nodes(n)]
@@ -110,7 +109,7 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
         rows.append(cells)
     header = ["world size", "nodes", *(f"{s}: {column}" if column == "best" else column
                                        for s in bucketed for column in ("best", "step", "worst cap, step"))]
-    return lines + markdown_table(header, rows, "rr" + "rrl" * len(bucketed))
+    return ["", "## Best bucket size per world size", "", *markdown_table(header, rows, "rr" + "rrl" * len(bucketed))]
 
 
 def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
@@ -141,7 +140,6 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
     """The fastest strategy per world size, against torch DDP and bucketed (each at its best bucket size)."""
     baselines = simulated_by("full_buckets") + simulated_by("bucketed")  # torch DDP, then ours
-    lines = ["", "## Fastest per world size", ""]
     rows = []
     for n in sizes:
         candidates = [best[(name, n)] for name in names if (name, n) in best]
@@ -154,7 +152,7 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
         rows.append([n, f"{winner.variant}{size}", _ms(winner.step_ms), *ratios])
     header = ["world size", "fastest", "step",
               *(f"/ {b}" + (" (best)" if _entry(b).has_bucket_size else "") for b in baselines)]
-    return lines + markdown_table(header, rows, "rlr" + "r" * len(baselines))
+    return ["", "## Fastest per world size", "", *markdown_table(header, rows, "rlr" + "r" * len(baselines))]
 
 
 def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:

@@ -32,14 +32,13 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
             flops_per_s: Optional[float] = None, contention: float = 0.0) -> list[StepResult]:
     """Simulate every strategy at every world size, bucket size (those with one) and combination of
     ``engine_settings[strategy]`` (``{setting: [values]}``)."""
-    engine_settings = engine_settings or {}
     results = []
     for n in world_sizes:
         model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
         for name in strategies:
             sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
-                for settings in catalogue.setting_combinations(engine_settings.get(name)):
+                for settings in catalogue.setting_combinations((engine_settings or {}).get(name)):
                     results.append(simulate(name, model, size, **settings))
     return results
 

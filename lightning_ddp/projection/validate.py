@@ -159,37 +159,35 @@ def _name(cell: dict[str, Any]) -> str:
 
 
 def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
-                 sqrt_rule_mb: float | None) -> list[dict[str, Any]]:
-    """Per group: the square-root rule's size and the projection's best power of 2 from 0.25 to 32 MiB, each with the
-    step time measured at the nearest measured size."""
+                 sqrt_rule_mb: float | None) -> list[list[str]]:
+    """The ``bucket_size_mb: auto`` table's rows: per group, the square-root rule's size and the projection's best
+    power of 2 from 0.25 to 32 MiB, each with the step measured at the nearest measured size; the best measured."""
     comm = read_fit(fit_path).fabric()
     bucketed = simulated_by("bucketed")[0]
-    out = []
+    rows = []
     sized = [c for c in cells if c["strategy"] == bucketed and isinstance(c["bucket_size_mb"], float)]
-    for key, group in _groups(sized).items():
+    for (precision, batch, context), group in _groups(sized).items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
         predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms
                      for s in (0.25, 0.5, 1, 2, 4, 8, 16, 32)}
         projection_mb = min(predicted, key=predicted.get)
 
-        def measured_at(size: float | None) -> dict[str, Any] | None:
+        def measured_at(size: float | None) -> str:
             if size is None:
-                return None
-            return min(group, key=lambda c: abs(math.log(c["bucket_size_mb"]) - math.log(size)))
+                return "-"
+            return _measured(min(group, key=lambda c: abs(math.log(c["bucket_size_mb"]) - math.log(size))))
 
-        sqrt_cell, projection_cell = measured_at(sqrt_rule_mb), measured_at(projection_mb)
-        out.append({"group": key, "sqrt_rule_mb": sqrt_rule_mb, "projection_mb": projection_mb,
-                    "measured_at_sqrt": sqrt_cell, "measured_at_projection": projection_cell,
-                    "measured_best": best_measured})
-    return out
+        rows.append([f"{precision} b{batch} t{context}", f"{_fmt(sqrt_rule_mb, '.3g')} MiB", measured_at(sqrt_rule_mb),
+                     f"{projection_mb:g} MiB", measured_at(projection_mb), _measured(best_measured)])
+    return rows
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def build_markdown(cells: list[dict[str, Any]], auto: list[dict[str, Any]], copy_Bps: float, command: str,
+def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps: float, command: str,
                    fit: dict[str, Any]) -> str:
     signed = [c["step_error"] for c in cells]
     errors = [abs(e) for e in signed]
@@ -221,10 +219,7 @@ def build_markdown(cells: list[dict[str, Any]], auto: list[dict[str, Any]], copy
     lines += markdown_table(header, [_cell_row(c) for c in cells], "lrrrrrr")
     lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", ""]
     header = ["group", "sqrt rule", "measured there", "projection", "measured there", "best measured"]
-    rows = [[f"{a['group'][0]} b{a['group'][1]} t{a['group'][2]}", f"{_fmt(a['sqrt_rule_mb'], '.3g')} MiB",
-             _measured_at(a["measured_at_sqrt"]), f"{a['projection_mb']:g} MiB",
-             _measured_at(a["measured_at_projection"]), _measured_at(a["measured_best"])] for a in auto]
-    return "\n".join(lines + markdown_table(header, rows, "lrrrrr")) + "\n"
+    return "\n".join(lines + markdown_table(header, auto, "lrrrrr")) + "\n"
 
 
 def _cell_row(c: dict[str, Any]) -> list[str]:
@@ -240,8 +235,8 @@ def _interval(cell: dict[str, Any]) -> str:
     return f"{cell['measured_step_ms']:.1f} [{low}, {high}]"
 
 
-def _measured_at(cell: dict[str, Any] | None) -> str:
-    return "-" if cell is None else f"{_interval(cell)} ({_name(cell)})"
+def _measured(cell: dict[str, Any]) -> str:
+    return f"{_interval(cell)} ({_name(cell)})"
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
