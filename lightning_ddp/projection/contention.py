@@ -13,27 +13,16 @@ from lightning_ddp.projection.published import pcie_rows
 from lightning_ddp.projection.simulators import CONTENTION, CPU_COPY_GBPS
 from lightning_ddp.projection.validate import FIT_BATCH, S_MAX, read_sweep, validate_cells
 
-GRID = (0.0, S_MAX, 0.05)
-"""Coarse grid of ``s``: start, stop, step; refined to 0.01 around the best point (within ``[0, S_MAX]``)."""
-
 
 def fit_contention(loss: Callable[[float], float]) -> float:
-    """The ``s`` of ``GRID`` (then 0.01 steps around the best) with the smallest ``loss(s)``, rounded to 0.01.
+    """The ``s`` in ``[0, S_MAX]`` with the smallest ``loss(s)``: a 0.05 grid, then 0.01 steps around its best.
 
     >>> fit_contention(lambda s: (s - 0.37) ** 2)
     0.37
     """
-    start, stop, step = GRID
-    coarse = [start + k * step for k in range(int(round((stop - start) / step)) + 1)]
-    best = min(coarse, key=loss)
-    fine = [round(best + k * 0.01, 2) for k in range(-5, 6) if 0 <= best + k * 0.01 <= stop + 1e-9]
+    best = min((k * 0.05 for k in range(int(round(S_MAX / 0.05)) + 1)), key=loss)
+    fine = [round(best + k * 0.01, 2) for k in range(-5, 6) if 0 <= best + k * 0.01 <= S_MAX + 1e-9]
     return round(min(fine, key=loss), 2)
-
-
-def gloo_cells(sweep: str | Path, contention: float) -> list[dict[str, Any]]:
-    """The CPU sweep's cells as ``validate.validate_cells`` predicts them with contention ``contention``."""
-    rows, profiles, fit_path = read_sweep(sweep)
-    return validate_cells(rows, profiles, fit_path, CPU_COPY_GBPS * 1e9, contention)
 
 
 def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict[str, Any]], float]) -> float:
@@ -42,9 +31,9 @@ def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict
 
 
 def fit_gloo(sweep: str | Path = "benchmarks/results/cpu") -> float:
-    """``s`` for gloo: the squared log step-time error of the CPU sweep's cells."""
-    read_sweep(sweep)  # a missing file fails here, once
-    return _fit(lambda s: gloo_cells(sweep, s),
+    """``s`` for gloo: the squared log step-time error of the CPU sweep's cells (``validate.validate_cells``)."""
+    rows, profiles, fit_path = read_sweep(sweep)
+    return _fit(lambda s: validate_cells(rows, profiles, fit_path, CPU_COPY_GBPS * 1e9, s),
                 lambda r: math.log(r["predicted_step_ms"] / r["measured_step_ms"]) ** 2)
 
 

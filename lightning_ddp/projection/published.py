@@ -83,19 +83,15 @@ def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, 
     return max(0.0, _mean(differences) / (tensors - 1) - 2 * fabric.intra.latency_s)
 
 
-def prediction_fabrics(gpu: str = GPU, links: Sequence[str] = LINKS,
-                       published_c: bool = True) -> dict[str, Fabric]:
-    """Label -> fabric of every prediction column: the presets, and (``published_c``) the first with the per-call cost
-    the published runs imply (``published_call_overhead_s``)."""
-    fabrics = {name: get_fabric(name) for name in links}
-    if published_c:
-        first = fabrics[links[0]]
-        sample = _profile(1, 1, 10_000.0, gpu)
-        c = published_call_overhead_s(first, _copy_Bps(gpu), sample.grad_bytes, len(sample.params))
-        described = f"{first.description}, per-call cost {c * 1e6:.0f} us from naive - flat"
-        fabrics = {links[0]: first, f"{links[0]}+published_c": dataclasses.replace(
-            first, call_overhead_s=c, description=described), **{k: v for k, v in fabrics.items() if k != links[0]}}
-    return fabrics
+def prediction_fabrics(gpu: str = GPU) -> dict[str, Fabric]:
+    """Label -> fabric of every prediction column: the ``LINKS`` presets, the first also with the per-call cost the
+    published runs imply (``published_call_overhead_s``)."""
+    first = get_fabric(LINKS[0])
+    sample = _profile(1, 1, 10_000.0, gpu)
+    c = published_call_overhead_s(first, _copy_Bps(gpu), sample.grad_bytes, len(sample.params))
+    described = f"{first.description}, per-call cost {c * 1e6:.0f} us from naive - flat"
+    published = dataclasses.replace(first, call_overhead_s=c, description=described)
+    return {LINKS[0]: first, f"{LINKS[0]}+published_c": published, **{name: get_fabric(name) for name in LINKS[1:]}}
 
 
 def _copy_Bps(gpu: str) -> float:
@@ -107,13 +103,14 @@ def _profile(batch_size: int, seq_len: int, compute_ms: float, gpu: str) -> Comp
                             calibrate_step_ms=compute_ms, preset="xl", world_size=2)
 
 
-def compare_with_published(gpu: str = GPU, contention: float = 0.0, links: Sequence[str] = LINKS,
-                           published_c: bool = True) -> list[dict[str, Any]]:
+def compare_with_published(gpu: str = GPU, contention: float = 0.0,
+                           fabrics: Optional[dict[str, Fabric]] = None) -> list[dict[str, Any]]:
     """Every published run as a row of ``published_xl_2gpu.csv`` (unrounded): what it printed, its calibrated
     compute, the unexplained time (published step minus compute and the run's own communication) and, per fabric
-    ``<label>`` (``+`` as ``_``), the model's ``<label>_step_ms``, ``_exposed_ms`` (waited) and ``_share``."""
+    ``<label>`` (default ``prediction_fabrics``; ``+`` as ``_``), the model's ``<label>_step_ms``, ``_exposed_ms``
+    (waited) and ``_share``."""
     compute = calibrated_compute_ms()
-    fabrics = prediction_fabrics(gpu, links, published_c)
+    fabrics = fabrics or prediction_fabrics(gpu)
     rows = []
     for run in PUBLISHED_RUNS:
         compute_ms, extrapolated = compute[(run.batch_size, run.seq_len)]
@@ -230,7 +227,7 @@ def _summary_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> 
 def pcie_rows(contention: float) -> list[dict[str, Any]]:
     """The published runs whose compute was not extrapolated as measured rows (as ``validate``'s cells) beside their
     prediction on ``pcie_gen4`` with ``contention``."""
-    comparisons = compare_with_published(contention=contention, links=("pcie_gen4",), published_c=False)
+    comparisons = compare_with_published(contention=contention, fabrics={"pcie_gen4": get_fabric("pcie_gen4")})
     return [{"strategy": c["strategy"], "batch_size": c["batch_size"], "measured_step_ms": c["published_step_ms"],
              "measured_share": c["published_share"], "predicted_step_ms": c["pcie_gen4_step_ms"],
              "predicted_share": c["pcie_gen4_share"]} for c in comparisons if not c["compute_extrapolated"]]

@@ -99,7 +99,6 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
     bucketed = [s for s in names if _entry(s).has_bucket_size]
     if not bucketed:
         return []
-    lines = ["", "## Best bucket size per world size", ""]
     rows = []
     for n in sizes:
         cells = [n, fabric.nodes(n)]
@@ -110,7 +109,7 @@ def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, in
         rows.append(cells)
     header = ["world size", "nodes", *(f"{s}: {column}" if column == "best" else column
                                        for s in bucketed for column in ("best", "step", "worst cap, step"))]
-    return lines + markdown_table(header, rows, "rr" + "rrl" * len(bucketed))
+    return ["", "## Best bucket size per world size", "", *markdown_table(header, rows, "rr" + "rrl" * len(bucketed))]
 
 
 def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
@@ -126,62 +125,45 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
     if zero1 and profile.grad_bytes:
         flags = 4 * len(profile.params)
         padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
-        lines.append(f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's bytes (whole "
-                     f"tensors per owner): its buffers grow to {padding} the gradient bytes. Its exposed time is net "
-                     "of the optimizer time sharding saves, hence shares below zero and \"hidden\" near 100 %: paid "
-                     "for, not overlapped.")
+        lines.append(f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's: its buffers grow "
+                     f"to {padding} the gradient bytes. Its exposed time is net of the optimizer time sharding saves "
+                     "(shares below zero; \"hidden\" near 100 %: paid for, not overlapped).")
     powersgd = [r for r in results if r.strategy in simulated_by(simulate_bucketed_powersgd)]
     if powersgd and profile.has_shapes:
         settings = {**model_settings(powersgd[0].strategy), **powersgd[0].settings}
         plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
-        lines.append(f"- `{powersgd[0].strategy}` is its steady state (every step compressed; lossy), each kernel a "
-                     "roofline without its launch latency (about ten small kernels and two QR factorisations for "
-                     f"each of the {sum(1 for m in plan if m)} compressed matrices here): optimistic where those "
-                     "matrices are small.")
+        lines.append(f"- `{powersgd[0].strategy}`: lossy steady state, optimistic: kernels as rooflines, no launch "
+                     f"latency of its ~10 kernels and 2 QRs per compressed matrix ({sum(1 for m in plan if m)} here).")
     return lines + [""]
 
 
 def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
     """The fastest strategy per world size, against torch DDP and bucketed (each at its best bucket size)."""
     baselines = simulated_by("full_buckets") + simulated_by("bucketed")  # torch DDP, then ours
-    lines = ["", "## Fastest per world size", ""]
     rows = []
     for n in sizes:
         candidates = [best[(name, n)] for name in names if (name, n) in best]
         if not candidates:
             continue
         winner = min(candidates, key=lambda r: r.step_ms)
-        ratios = []
-        for baseline in baselines:
-            other = best.get((baseline, n))
-            ratios.append(f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-")
+        others = [best.get((baseline, n)) for baseline in baselines]
+        ratios = [f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-" for other in others]
         size = f" @ {winner.bucket_size_mb:g} MiB" if winner.bucket_size_mb is not None else ""
         rows.append([n, f"{winner.variant}{size}", _ms(winner.step_ms), *ratios])
     header = ["world size", "fastest", "step",
               *(f"/ {b}" + (" (best)" if _entry(b).has_bucket_size else "") for b in baselines)]
-    return lines + markdown_table(header, rows, "rlr" + "r" * len(baselines))
+    return ["", "## Fastest per world size", "", *markdown_table(header, rows, "rlr" + "r" * len(baselines))]
 
 
 def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int]) -> list[str]:
-    """Model-state memory per rank of every strategy, and the sharded strategies' verdicts."""
+    """Model-state memory per rank of every strategy; per sharded strategy (the catalogue's ``sharded``) and world
+    size, its memory and step against the baseline's (torch DDP, else the fastest unsharded strategy), and whether the
+    saving comes at no step-time cost."""
     if not any(r.memory_bytes is not None for r in best.values()):
         return []
     lines = ["", "## Memory per rank against step time", ""]
     lines += _strategy_table(best, names, sizes, lambda r: "" if r.memory_bytes is None else
                              f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}")
-    verdicts = _verdict_rows(best, names, sizes)
-    if verdicts:
-        lines += ["", f"**Memory saving at no step-time cost** (step within {100 * NO_COST_TOLERANCE:.0f} % of the "
-                  "baseline's):", ""]
-        header = ["world size", "strategy", "memory", "saved vs baseline", "step", "vs baseline", "verdict"]
-        lines += markdown_table(header, verdicts, "rlrrrrl")
-    return lines
-
-
-def _verdict_rows(best: dict[tuple[str, int], StepResult], names: Sequence[str],
-                  sizes: Sequence[int]) -> list[list]:
-    """Per sharded strategy (the catalogue's ``sharded``) and world size: its memory and step against the baseline's
-    (torch DDP, else the fastest unsharded strategy), and whether the saving comes at no step-time cost."""
     rows: list[list] = []
     for n in sizes:
         unsharded = [best[(v, n)] for v in names if (v, n) in best and not _entry(v).sharded]
@@ -200,7 +182,12 @@ def _verdict_rows(best: dict[tuple[str, int], StepResult], names: Sequence[str],
             rows.append([n, _title(v), f"{r.memory_bytes / 1e9:.2f} GB",
                          f"{saved / 1e9:.2f} GB ({100 * saved / baseline.memory_bytes:.0f} % of {baseline.variant}'s)",
                          _ms(r.step_ms), f"{100 * slower:+.1f} %", verdict])
-    return rows
+    if rows:
+        lines += ["", f"**Memory saving at no step-time cost** (step within {100 * NO_COST_TOLERANCE:.0f} % of the "
+                  "baseline's):", ""]
+        header = ["world size", "strategy", "memory", "saved vs baseline", "step", "vs baseline", "verdict"]
+        lines += markdown_table(header, rows, "rlrrrrl")
+    return lines
 
 
 def _save(fig, path: Path) -> Path:

@@ -4,12 +4,11 @@ the files in ``output.out_dir`` (docs/projection.md lists them)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from lightning_ddp import catalogue
-from lightning_ddp.files import write_atomically
+from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.profile import ComputeProfile, read_profile, write_profile
 from lightning_ddp.projection.comm import CommCost, Fabric
 from lightning_ddp.projection.config import build_fabric, contention_of, copy_bandwidth, gpu_spec
@@ -33,14 +32,13 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
             flops_per_s: Optional[float] = None, contention: float = 0.0) -> list[StepResult]:
     """Simulate every strategy at every world size, bucket size (those with one) and combination of
     ``engine_settings[strategy]`` (``{setting: [values]}``)."""
-    engine_settings = engine_settings or {}
     results = []
     for n in world_sizes:
         model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
         for name in strategies:
             sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
-                for settings in catalogue.setting_combinations(engine_settings.get(name)):
+                for settings in catalogue.setting_combinations((engine_settings or {}).get(name)):
                     results.append(simulate(name, model, size, **settings))
     return results
 
@@ -101,9 +99,8 @@ def run_projection(config) -> ProjectionOutcome:
         write_atomically(out_dir / "results.csv", csv_text(rows, COLUMNS)),
         write_atomically(out_dir / "results.md", build_markdown(config, profile, fabric, results)),
         write_profile(profile, out_dir / "compute_profile.json"),
-        write_atomically(out_dir / "environment.json",
-                         json.dumps(describe_environment(config, profile, fabric, flops_per_s), indent=2,
-                                    default=str) + "\n"),
+        write_json_atomically(out_dir / "environment.json", describe_environment(config, profile, fabric, flops_per_s),
+                              default=str),
     ]
     if config.output.plots:
         files += write_plots(out_dir, results, profile)

@@ -58,20 +58,15 @@ def _float(value: str | None) -> float | None:
         return None
 
 
-def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """Bytes read + written per second of a large contiguous ``copy_`` on this machine (median of ``repeats``)."""
-    import time
+def measure_copy_bandwidth() -> float:
+    """Bytes read + written per second of a 64 MiB contiguous ``copy_`` on this machine (median of 5)."""
+    import timeit
 
     import torch
 
-    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    src, dst = torch.ones(2**24), torch.empty(2**24)
     dst.copy_(src)  # warm-up: page faults
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
+    return 2 * src.nbytes / statistics.median(timeit.repeat(lambda: dst.copy_(src), number=1, repeat=5))
 
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
@@ -164,43 +159,42 @@ def _name(cell: dict[str, Any]) -> str:
 
 
 def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
-                 sqrt_rule_mb: float | None, candidates: Iterable[float]) -> list[dict[str, Any]]:
-    """Per group: the square-root rule's size and the projection's best of ``candidates``, each with the step time
-    measured at the nearest measured size."""
+                 sqrt_rule_mb: float | None) -> list[list[str]]:
+    """The ``bucket_size_mb: auto`` table's rows: per group, the square-root rule's size and the projection's best
+    power of 2 from 0.25 to 32 MiB, each with the step measured at the nearest measured size; the best measured."""
     comm = read_fit(fit_path).fabric()
     bucketed = simulated_by("bucketed")[0]
-    out = []
+    rows = []
     sized = [c for c in cells if c["strategy"] == bucketed and isinstance(c["bucket_size_mb"], float)]
-    for key, group in _groups(sized).items():
+    for (precision, batch, context), group in _groups(sized).items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
-        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms for s in candidates}
+        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms
+                     for s in (0.25, 0.5, 1, 2, 4, 8, 16, 32)}
         projection_mb = min(predicted, key=predicted.get)
 
-        def measured_at(size: float | None) -> dict[str, Any] | None:
+        def measured_at(size: float | None) -> str:
             if size is None:
-                return None
-            return min(group, key=lambda c: abs(math.log(c["bucket_size_mb"]) - math.log(size)))
+                return "-"
+            return _measured(min(group, key=lambda c: abs(math.log(c["bucket_size_mb"]) - math.log(size))))
 
-        sqrt_cell, projection_cell = measured_at(sqrt_rule_mb), measured_at(projection_mb)
-        out.append({"group": key, "sqrt_rule_mb": sqrt_rule_mb, "projection_mb": projection_mb,
-                    "measured_at_sqrt": sqrt_cell, "measured_at_projection": projection_cell,
-                    "measured_best": best_measured})
-    return out
+        rows.append([f"{precision} b{batch} t{context}", f"{_fmt(sqrt_rule_mb, '.3g')} MiB", measured_at(sqrt_rule_mb),
+                     f"{projection_mb:g} MiB", measured_at(projection_mb), _measured(best_measured)])
+    return rows
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[str]], auto: list[dict[str, Any]],
-                   copy_Bps: float, command: str, fit: dict[str, Any]) -> str:
+def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps: float, command: str,
+                   fit: dict[str, Any]) -> str:
     signed = [c["step_error"] for c in cells]
     errors = [abs(e) for e in signed]
     ref_errors = [abs(c["step_error_from_reference"]) for c in cells if "step_error_from_reference" in c]
     median_error = statistics.median(errors) if errors else float("nan")
     verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
-    agree, pairs, disagreements = agreement
+    agree, pairs, disagreements = ranking_agreement(cells)
     lines = [
         "# The projection against the CPU sweep", "",
         f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
@@ -225,10 +219,7 @@ def build_markdown(cells: list[dict[str, Any]], agreement: tuple[int, int, list[
     lines += markdown_table(header, [_cell_row(c) for c in cells], "lrrrrrr")
     lines += ["", "## `bucket_size_mb: auto`: the square-root rule against the projection's choice", ""]
     header = ["group", "sqrt rule", "measured there", "projection", "measured there", "best measured"]
-    rows = [[f"{a['group'][0]} b{a['group'][1]} t{a['group'][2]}", f"{_fmt(a['sqrt_rule_mb'], '.3g')} MiB",
-             _measured_at(a["measured_at_sqrt"]), f"{a['projection_mb']:g} MiB",
-             _measured_at(a["measured_at_projection"]), _measured_at(a["measured_best"])] for a in auto]
-    return "\n".join(lines + markdown_table(header, rows, "lrrrrr")) + "\n"
+    return "\n".join(lines + markdown_table(header, auto, "lrrrrr")) + "\n"
 
 
 def _cell_row(c: dict[str, Any]) -> list[str]:
@@ -244,12 +235,12 @@ def _interval(cell: dict[str, Any]) -> str:
     return f"{cell['measured_step_ms']:.1f} [{low}, {high}]"
 
 
-def _measured_at(cell: dict[str, Any] | None) -> str:
-    return "-" if cell is None else f"{_interval(cell)} ({_name(cell)})"
+def _measured(cell: dict[str, Any]) -> str:
+    return f"{_interval(cell)} ({_name(cell)})"
 
 
 def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks/results/projection",
-                   copy_GBps: Optional[float] = None, contention: Optional[NonNegativeFloat] = None) -> int:
+                   copy_GBps: Optional[float] = None, contention: NonNegativeFloat = CONTENTION["gloo"]) -> int:
     """Simulate every ok cell of a sweep and compare with what it measured; write cpu_sweep_validation.{csv,md}.
 
     Args:
@@ -261,9 +252,7 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     """
     command = (f"python -m lightning_ddp.projection.validate --sweep {sweep} --out {out}"
                + (f" --copy_GBps {copy_GBps:g}" if copy_GBps else "")
-               + (f" --contention {contention:g}" if contention is not None else ""))
-    if contention is None:
-        contention = CONTENTION["gloo"]
+               + (f" --contention {contention:g}" if contention != CONTENTION["gloo"] else ""))
     try:
         rows, profiles, fit_path = read_sweep(sweep)
     except ValueError as error:
@@ -275,14 +264,12 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
     cells = validate_cells(rows, profiles, fit_path, copy_Bps, contention)
     for cell, plain in zip(cells, before):
         cell["predicted_step_ms_without_contention"] = plain["predicted_step_ms"]
-    agreement = ranking_agreement(cells)
     sqrt_mb = fit["bucket_bytes"] / 2**20 if fit.get("bucket_bytes") else None
-    auto = compare_auto(cells, profiles, fit_path, copy_Bps, sqrt_mb,
-                        [0.25, 0.5, 1, 2, 4, 8, 16, 32])
+    auto = compare_auto(cells, profiles, fit_path, copy_Bps, sqrt_mb)
     out_dir = Path(out)
     columns = list(dict.fromkeys(k for c in cells for k in c))
     write_atomically(out_dir / "cpu_sweep_validation.csv", csv_text(cells, columns))
-    markdown = build_markdown(cells, agreement, auto, copy_Bps, command, fit)
+    markdown = build_markdown(cells, auto, copy_Bps, command, fit)
     markdown += "\n" + "\n".join(contention_lines(
         "gloo", contention, "cells' step times", before, cells,
         ["too fast", "median \\|step error\\|", "mean \\|step error\\|", "mean \\|share error\\|"], by_strategy=False))

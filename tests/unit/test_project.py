@@ -727,6 +727,7 @@ def test_memory_per_rank_shrinks_with_sharding():
 
 def test_the_fitted_contention_reproduces_from_the_committed_data():
     from lightning_ddp.projection import contention, simulators
+    from lightning_ddp.projection.validate import read_sweep, validate_cells
 
     # python -m lightning_ddp.projection.contention: gloo on the CPU sweep's step times, NCCL on the published runs'
     # wait shares; CONTENTION must hold what the committed data give
@@ -737,7 +738,7 @@ def test_the_fitted_contention_reproduces_from_the_committed_data():
     with open(sweep / "results.csv", newline="") as f:
         measured = [r for r in csv.DictReader(f) if r["status"] == "ok" and r["strategy"] != "reference"
                     and r["cell_id"] in profiles]
-    assert len(contention.gloo_cells(sweep, 0.0)) == len(measured) > 0
+    assert len(validate_cells(*read_sweep(sweep), simulators.CPU_COPY_GBPS * 1e9)) == len(measured) > 0
     assert contention.fit_nccl() == simulators.CONTENTION["nccl"]
     # and it is a fit, not a constant: a loss with its minimum elsewhere moves it
     assert contention.fit_contention(lambda s: (s - 0.5) ** 2) == 0.5
