@@ -1,6 +1,5 @@
 """``python -m lightning_ddp.bench --config configs/bench/cpu.yaml``: run (or resume) a benchmark sweep; every config
-field is a flag too (``--run.steps 20``), ``--help`` documents them, ``--print_config`` shows the merged result.
-"""
+field is a flag too (``--run.steps 20``), ``--help`` documents them, ``--print_config`` shows the merged result."""
 
 from __future__ import annotations
 
@@ -11,15 +10,12 @@ from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.bench.config import SweepConfig
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through the runner, which kills the running cell's processes
-
-
 def main(args: list[str] | None = None) -> int:
     config = parse_dataclass(SweepConfig, args, prog="python -m lightning_ddp.bench")
     from lightning_ddp.bench.sweep import run_sweep  # after parsing: --help stays fast
 
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM raises KeyboardInterrupt: it unwinds through the runner, which kills the running cell's processes
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         result = run_sweep(config)
     except ValueError as error:

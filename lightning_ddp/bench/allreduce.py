@@ -49,10 +49,5 @@ def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lightning_ddp.bench.allreduce --out FILE``: ``measure`` from the command line (``--help``)."""
-    auto_cli(measure, args=argv, prog="python -m lightning_ddp.bench.allreduce", as_positional=False)
-
-
 if __name__ == "__main__":
-    main()
+    auto_cli(measure, prog="python -m lightning_ddp.bench.allreduce", as_positional=False)

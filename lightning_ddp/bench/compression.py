@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_ddp import catalogue
 from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
-from lightning_ddp.bench.stats import hierarchical_bootstrap, percentile_interval, rng_for
+from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
     NO_VALIDATION, Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve,
     provenance, read_timing_summary, run_ranks, run_study, table, text_cell, write_outputs,
@@ -93,7 +93,7 @@ class CompressionConfig(StudyConfig):
             raise ValueError(f"seeds {self.seeds} repeats a seed; give distinct seeds, e.g. --seeds '[0, 1, 2]'")
         if not 1 <= self.last <= self.steps:
             raise ValueError(f"last must be between 1 and steps ({self.steps}), got {self.last}")
-        if len({v.name for v in variants_of(self)}) != len(variants_of(self)):
+        if len({v.name for v in variants_of(self)}) != len(self.variants or _lossy()):  # parses every variant
             raise ValueError("variants lists a variant twice")
 
 
@@ -225,10 +225,9 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     for seed, by_name in runs.items():
         for name, run in by_name.items():
             label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
-            ax_loss.plot(range(len(run["loss"])), run["loss"], color=colors[name], alpha=0.75, lw=1, label=label)
+            ax_loss.plot(run["loss"], color=colors[name], alpha=0.75, lw=1, label=label)
     for name in names:
-        ax_err.plot(range(len(errors.get(name, []))), [100 * e for e, _ in errors.get(name, [])], color=colors[name],
-                    label=name)
+        ax_err.plot([100 * e for e, _ in errors.get(name, [])], color=colors[name], label=name)  # x: the step
     ax_loss.set_ylabel(f"train/loss (rank 0), seed {', '.join(map(str, runs))}")
     ax_err.set_ylabel("relative error of the average vs fp32 (%)")
     ax_err.set_yscale("symlog", linthresh=0.1)
@@ -238,17 +237,6 @@ def _plot(result: dict[str, Any], out: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle("Lossy gradient communication against fp32: loss curves and per-step gradient error")
     fig.savefig(out / "loss_curves.png", dpi=110)
-
-
-_COSTS = (("bytes communicated per step", "bytes_per_step", lambda x: f"{x / 2**20:.3g} MiB"),
-          ("step time", "step_ms_median", lambda x: f"{x:.1f} ms"),
-          ("exposed communication", "exposed_ms_median", lambda x: f"{x:.1f} ms"))
-
-
-def _cost(fp32: dict[str, Any], variant: dict[str, Any], key: str, fmt: Callable[[float], str]) -> str:
-    """A variant's cost with its ratio to fp32's (fp32's own cost: ``variant`` is ``fp32``)."""
-    ratio = f" ({variant[key] / fp32[key]:.3g}x)" if fp32[key] and variant is not fp32 else ""
-    return fmt(variant[key]) + ratio
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -271,9 +259,14 @@ def _markdown(result: dict[str, Any]) -> str:
                                                              unit=" %")),
               Column("largest", interval_cell("relative_gradient_error_max", ".3f", scale=100, unit=" %")),
               Column("largest absolute error", text_cell("absolute_gradient_error_max", ".3g"))]
-    costs = [Column("median over the seed values of each run's median", lambda cost: cost[0], "l"),
-             *(Column(header, lambda cost, v=v: _cost(fp32, v, cost[1], cost[2]))
-               for header, v in [("fp32", fp32), *((f"`{n}`", variants[n]) for n in names)])]
+    runs = {"fp32": fp32, **{f"`{n}`": variants[n] for n in names}}
+    costs = [[label, *(interval_text(run[key], spec=spec, scale=scale, unit=unit)
+                       + (f" ({run[key] / fp32[key]:.3g}x)" if fp32[key] and run is not fp32 else "")
+                       for run in runs.values())]
+             for label, key, spec, scale, unit in (
+                 ("bytes communicated per step", "bytes_per_step", ".3g", 2**-20, " MiB"),
+                 ("step time", "step_ms_median", ".1f", 1, " ms"),
+                 ("exposed communication", "exposed_ms_median", ".1f", 1, " ms"))]
     return "\n".join([
         f"# Lossy gradient communication vs fp32: {', '.join(f'`{n}`' for n in names)}; {config['steps']} steps, "
         f"2 ranks, bucket {config['bucket_size_mb']:g} MiB, seed {', '.join(seeds)}", "",
@@ -290,7 +283,7 @@ def _markdown(result: dict[str, Any]) -> str:
         "## Gradients, bytes and time", "",
         "Per-step error of each variant's average against the fp32 one, along fp32 training's trajectory.", "",
         *table(errors, [row for row in rows if "relative_gradient_error_median" in row]), "",
-        *table(costs, _COSTS), "",
+        *markdown_table(["median over the seed values of each run's median", *runs], costs, "l" + "r" * len(runs)), "",
         "How to read these tables (the interval, exact steps, bytes, step-time noise): docs/benchmarks.md, "
         "\"Compression benchmark\".", "", "![loss curves and gradient error](loss_curves.png)", ""])
 

@@ -22,14 +22,6 @@ KEYS: tuple[str, ...] = ("comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms",
                          "step/time_ms", "comm/exposed_ms")
 """The per-step metrics estimated for every (strategy, delay), besides ``straggler/rank``."""
 
-COLUMNS: tuple[str, ...] = (
-    "strategy", "delay_ms", "repeats_ok", "measured_steps",
-    "wait_ms", "wait_ms_lo", "wait_ms_hi", "transfer_ms", "transfer_ms_lo", "transfer_ms_hi",
-    "lag_ms", "lag_ms_lo", "lag_ms_hi", "rank_spread_ms", "step_ms", "exposed_ms", "straggler_share",
-    "wait_goal", "straggler_goal", "transfer_goal", "load_avg_1m",
-)
-"""The columns of results.csv, in order."""
-
 _INTERVALS = (("wait_ms", "comm/wait_ms"), ("transfer_ms", "comm/transfer_ms"), ("lag_ms", "straggler/lag_ms"))
 """The results' columns written with their interval, and the metric each estimates."""
 
@@ -76,7 +68,7 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
     estimates = {key: estimate(per_repeat(runs, key), config.bootstrap_samples, config.seed,
                                key=f"{strategy}|{delay_ms:g}|{key}") for key in KEYS}
     ranks = np.concatenate(per_repeat(runs, "straggler/rank")) if runs else np.array([])
-    row: dict[str, Any] = {  # in COLUMNS' order
+    row: dict[str, Any] = {  # results.csv's columns, in order
         "strategy": strategy, "delay_ms": delay_ms, "repeats_ok": len(runs), "measured_steps": sum(map(len, runs)),
         **{k: v for name, key in _INTERVALS for k, v in with_interval(name, estimates[key]).items()},
         "rank_spread_ms": estimates["step/rank_spread_ms"].point, "step_ms": estimates["step/time_ms"].point,
@@ -129,16 +121,14 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
     runs = {key: measured[name] for key, name in names.items()}
     rows = []
-    for strategy in config.strategies:
-        control = None
-        for delay in delays:
-            rows.append(summarize_cell(config, strategy, delay, runs[(strategy, delay)], control))
-            control = rows[-1] if delay == 0 else control
+    for strategy in config.strategies:  # delays[0] is 0 (required, none below): the control of the others
+        control = summarize_cell(config, strategy, delays[0], runs[(strategy, delays[0])], None)
+        rows += [control, *(summarize_cell(config, strategy, d, runs[(strategy, d)], control) for d in delays[1:])]
     step_table = [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row}
                   for (strategy, delay), repeats in runs.items() for repeat, steps in enumerate(repeats)
                   for row in steps]
     step_columns = list(dict.fromkeys(key for row in step_table for key in row))
-    write_results(config, command, rows, COLUMNS, {"steps.csv": csv_text(step_table, step_columns, digits=4)})
+    write_results(config, command, rows, list(rows[0]), {"steps.csv": csv_text(step_table, step_columns, digits=4)})
 
 
 main = benchmark_main(StragglerBenchConfig, run_benchmark, csv_report(render_markdown))

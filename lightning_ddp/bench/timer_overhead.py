@@ -26,24 +26,17 @@ class StepWallTimes(Callback):
     FILE = "step_wall_times.json"
 
     def __init__(self) -> None:
-        self.times_ms: list[float] = []
-        self._first: float | None = None
-        self._last: float | None = None
+        self.ends: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        now = time.perf_counter()  # no synchronize here: see docs/benchmarks.md, "Timer overhead"
-        if self._last is not None:
-            self.times_ms.append((now - self._last) * 1e3)
-        else:
-            self._first = now
-        self._last = now
+        self.ends.append(time.perf_counter())  # no synchronize here: see docs/benchmarks.md, "Timer overhead"
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # once: the queued tail belongs to the window
-        if trainer.is_global_zero and self._first is not None and self.times_ms:
-            window_ms = (time.perf_counter() - self._first) * 1e3
-            measured = {"steps_ms": self.times_ms, "window_ms": window_ms}
+        if trainer.is_global_zero and len(self.ends) > 1:
+            steps_ms = [(end - start) * 1e3 for start, end in zip(self.ends, self.ends[1:])]
+            measured = {"steps_ms": steps_ms, "window_ms": (time.perf_counter() - self.ends[0]) * 1e3}
             (Path(trainer.log_dir) / self.FILE).write_text(json.dumps(measured))
 
 
@@ -120,24 +113,20 @@ def summarize(runs: dict[str, list[list[float]]], windows: dict[str, list[float]
             "steps_measured": {arm: data["steps_measured"] for arm, data in per_arm.items()}, "arms": per_arm}
 
 
-def format_table(result: dict) -> str:
-    """A markdown table: per arm its median step and, against ``off``, the ratio with its interval and verdict."""
+def _markdown(result: dict) -> str:
+    """timer_overhead.md: the every-step arm's overhead in one line, every arm's table against ``off``, the command."""
     columns = [Column("timer", text_cell("arm"), "l"), Column("median step ms", text_cell("median_step_ms", ".2f")),
                Column("vs off [95 %]", interval_cell("overhead", "+.2f", scale=100, unit=" %"), "l"),
                Column(f"goal < {GOAL:.0%}", text_cell("verdict"), "l"),
                Column("whole-run mean step ms", text_cell("window_mean_step_ms", ".2f")),
                Column("vs off", interval_cell("window_overhead", "+.2f", scale=100, unit=" %"))]
-    return "\n".join(table(columns, [{"arm": arm, **data} for arm, data in result["arms"].items()]))
-
-
-def _markdown(result: dict) -> str:
-    """timer_overhead.md: the every-step arm's overhead in one line, the table, the command."""
+    arms_table = "\n".join(table(columns, [{"arm": arm, **data} for arm, data in result["arms"].items()]))
     return (f"CommTimer overhead (every step): {result['overhead'] * 100:+.2f} % [95 %: "
             f"{result['overhead_lo'] * 100:+.2f}, {result['overhead_hi'] * 100:+.2f}] (median step "
             f"{result['median_step_ms_timer_off']:.1f} ms off, {result['median_step_ms_timer_on']:.1f} ms on; goal < "
             f"{GOAL:.0%}: {result['verdict']}); over whole runs {result['window_overhead'] * 100:+.2f} % "
             f"({result['window_mean_step_ms_timer_off']:.1f} vs {result['window_mean_step_ms_timer_on']:.1f} ms mean "
-            f"step)\n\n{format_table(result)}\n\nCommand: `{result['command']}`\n")
+            f"step)\n\n{arms_table}\n\nCommand: `{result['command']}`\n")
 
 
 main = benchmark_main(TimerOverheadConfig, measure, json_report("timer_overhead.json", "timer_overhead.md", _markdown))

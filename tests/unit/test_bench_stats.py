@@ -190,7 +190,7 @@ def test_compression_variants_are_registered_lossy_algorithms_with_their_engine_
 
 
 def test_timer_overhead_is_a_ratio_of_pooled_medians_with_an_interval_and_a_verdict() -> None:
-    from lightning_ddp.bench.timer_overhead import arms, format_table, summarize
+    from lightning_ddp.bench.timer_overhead import _markdown, arms, summarize
 
     every, sampled = "every step", "every 50 steps"
     assert list(arms(50)) == ["off", every, sampled] and arms(50)[sampled][-1] == "50"
@@ -202,7 +202,7 @@ def test_timer_overhead_is_a_ratio_of_pooled_medians_with_an_interval_and_a_verd
     # the sampled arm: its unsampled steps cost nothing (median ratio 1), its measured ones show in the whole-run mean
     assert same["arms"][sampled]["overhead"] == pytest.approx(0.0) and same["arms"][sampled]["verdict"] == "met"
     assert same["arms"][sampled]["window_overhead"] == pytest.approx(0.001)
-    table = format_table(same)
+    table = _markdown({**same, "command": "python -m lightning_ddp.bench.timer_overhead"})
     assert "| every step | 101.00 | +1.00 % [+1.00, +1.00] | met |" in table and "| every 50 steps |" in table
     # one repeat of the every-step arm much slower (a drift of the machine): the point moves, the interval says so
     drift = summarize({"off": [[100.0] * 5, [100.0] * 5], every: [[101.0] * 5, [125.0] * 5]}, windows, 200)
