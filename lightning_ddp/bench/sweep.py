@@ -21,7 +21,7 @@ from lightning_ddp.bench.launch import (
 )
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, build_report, cell_data, cell_row, parse_row,
-    read_repeats, read_steps, write_csv, write_plots,
+    read_rows, read_steps, write_csv, write_plots,
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
@@ -272,7 +272,7 @@ def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] |
     ``load_guard`` (default: ``study.wait_until_idle``)."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    repeats = read_repeats(out_dir / REPEATS_CSV)
+    repeats = read_rows(out_dir / REPEATS_CSV, REPEAT_COLUMNS)
     # Steps of a repeat without an ok row come from a repeat killed between the two writes: it runs again.
     steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
              if key in repeats and repeats[key]["status"] == "ok"}
