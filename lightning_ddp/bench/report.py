@@ -101,10 +101,9 @@ class CellData:
         return sorted(k for k, rows in self.steps.items() if rows)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
-        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN for a missing key."""
-        chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
+        """One ``(steps, len(keys))`` array per ok repeat of ``repeats`` (default all); NaN for a missing key."""
         return [np.array([[step.get(key, math.nan) for key in keys] for step in self.steps[k]], dtype=float)
-                for k in chosen]
+                for k in (self.ok_repeats if repeats is None else repeats)]
 
     def measured(self, bootstrap: Bootstrapper, repeats: Iterable[int] | None = None) -> Measured | None:
         """The cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them. The draws
@@ -172,26 +171,25 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     keys = list(dict.fromkeys(key for k in ok for step in data.steps[k] for key in step if key not in STEP_ID_COLUMNS))
     values = data.values(keys)
     medians = dict(zip(keys, np.atleast_1d(pooled_median(values))))
-    column = {key: i for i, key in enumerate(keys)}
-    if "step/time_ms" in column:
-        step_values = [v[:, column["step/time_ms"]] for v in values]
+    if "step/time_ms" in medians:
+        step_values = [v[:, keys.index("step/time_ms")] for v in values]
         step, share = map(data.measured(bootstrap).estimate, (STEP, SHARE))
         row.update(step_ms_median=step.point, step_ms_lo=step.lo, step_ms_hi=step.hi,
                    step_ms_p10=float(pooled_percentile(step_values, 10)),
                    step_ms_p90=float(pooled_percentile(step_values, 90)),
                    measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
-        if "comm/share" in column:
+        if "comm/share" in medians:
             row.update(comm_share=share.point, comm_share_lo=share.lo, comm_share_hi=share.hi)
     # Landmarks but no collective metric: the strategy's collectives were not recorded (fsdp2; not: no communication).
     # A cell with no comm/ key at all (the one-device reference) has no communication: its cells stay empty.
-    unrecorded = any(key in column for key in LANDMARK_KEYS) and not any(key in column for key in COLLECTIVE_KEYS)
+    unrecorded = any(key in medians for key in LANDMARK_KEYS) and not any(key in medians for key in COLLECTIVE_KEYS)
     for name, key in _MEDIANS:
         if key in medians and math.isfinite(medians[key]):
             row[name] = float(medians[key])
         elif unrecorded and key in COLLECTIVE_KEYS:
             row[name] = NOT_RECORDED
-    if "memory/peak_MiB" in column:
-        peak = np.nanmax(np.concatenate([v[:, column["memory/peak_MiB"]] for v in values]))
+    if "memory/peak_MiB" in medians:
+        peak = np.nanmax(np.concatenate([v[:, keys.index("memory/peak_MiB")] for v in values]))
         row["peak_memory_MiB"] = float(peak) if math.isfinite(peak) else ""
     return {k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 

@@ -61,14 +61,13 @@ def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
     return [(cell, k) for k in range(repeats) for cell in cells]
 
 
-def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool,
-          *args_and_file: Any) -> None:
+def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool, result_file: str,
+          *args: Any) -> None:
     import torch
     import torch.distributed as dist
 
     from lightning_ddp.local_group import init_local_process_group
 
-    *args, result_file = args_and_file
     if cuda:
         torch.cuda.set_device(rank)
     # CPU ranks share the machine's cores, at least one each; oversubscribing them only adds noise.
@@ -94,7 +93,7 @@ def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str 
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "result.json")
-        mp.spawn(_rank, args=(world, find_free_port(), measure, backend, cuda, *args, result_file), nprocs=world,
+        mp.spawn(_rank, args=(world, find_free_port(), measure, backend, cuda, result_file, *args), nprocs=world,
                  join=True)
         return read_json(result_file)
 
