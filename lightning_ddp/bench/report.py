@@ -223,8 +223,7 @@ def _read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
 
 
 def read_rows(path: str | os.PathLike, columns: Sequence[str] = RESULT_COLUMNS) -> dict[Any, Row]:
-    """Parsed rows of an existing results.csv by cell_id, of a repeats.csv (``REPEAT_COLUMNS``) by
-    ``(cell_id, repeat)``; empty if there is none."""
+    """Parsed rows of a results.csv by cell_id, of a repeats.csv (``REPEAT_COLUMNS``) by (cell_id, repeat); or {}."""
     rows = (parse_row(raw, columns) for raw in _read_csv(path))
     return {(row["cell_id"], row["repeat"]) if "repeat" in columns else row["cell_id"]: row for row in rows}
 

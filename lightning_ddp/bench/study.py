@@ -85,8 +85,7 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
 
 
 def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str = "gloo", cuda: bool = False) -> Any:
-    """The in-process benchmarks' runner: ``measure(rank, world, *args)`` in ``world`` spawned processes of one local
-    process group (each CPU rank its share of the cores, each CUDA rank its GPU); what rank 0's returned (as JSON)."""
+    """``measure(rank, world, *args)`` in ``world`` spawned ranks of one local process group; rank 0's result (JSON)."""
     import torch.multiprocessing as mp
 
     from lightning_ddp.local_group import find_free_port
@@ -249,8 +248,7 @@ def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
 
 @dataclass(frozen=True)
 class LoadCheck:
-    """What the guard saw before one repeat (repeats.csv's columns): the last busy fraction (``None``: not
-    measurable), the seconds waited, and whether the repeat started on a busy machine."""
+    """What the guard saw before a repeat: the last busy fraction (None: not measurable), seconds waited, busy."""
 
     busy_before: float | None = None
     waited_s: float = 0.0
@@ -261,8 +259,7 @@ def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,
                     reader: Callable[[], CpuTimes | None] = read_proc_stat,
                     sleep: Callable[[float], None] = time.sleep,
                     clock: Callable[[], float] = time.monotonic) -> LoadCheck:
-    """Sample the busy fraction over ``sample_s`` (0: guard off), and keep sampling while it is above ``threshold``,
-    up to ``max_wait_s``; ``reader``, ``sleep`` and ``clock`` are injected by tests."""
+    """Sample the busy fraction over ``sample_s`` (0: off), again while above ``threshold``, up to ``max_wait_s``."""
     def sample() -> float | None:
         before = reader()
         if before is None:

@@ -86,8 +86,7 @@ def threads_per_rank(config: SweepConfig) -> int | None:
 
 def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
                       parent: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: every rank's, or one for the reference and ``launcher: lightning``
-    (``cell`` None: the all-reduce microbenchmark, on every rank)."""
+    """Every rank's environment, or one for the reference and ``launcher: lightning`` (``cell`` None: all-reduce)."""
     every_rank = cell is None or cell.strategy != REFERENCE and config.run.launcher == "ranks"
     return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
                              extra=config.run.env, parent=parent)
@@ -157,8 +156,7 @@ class SubprocessCellRunner:
             shutil.rmtree(run_dir)  # a rerun (e.g. retry_failed) starts clean: no stale summary is read
         run_dir.mkdir(parents=True)
         command = cell_command(cell, self.config, self.layout, run_dir.resolve())
-        port = find_free_port()
-        envs = cell_environments(cell, self.config, self.layout, port)
+        envs = cell_environments(cell, self.config, self.layout, find_free_port())
         write_command(run_dir / "command.txt", command, envs)
         logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
         result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
@@ -227,8 +225,7 @@ class SweepResult:
 
 def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], outcome: CellOutcome,
            row: Row, wants_prediction: bool) -> None:
-    """A cell repeat ran (``row``: its repeats.csv row): steps.csv, repeats.csv (last: it marks the repeat done),
-    profiles.json and the prediction, each whole and atomically."""
+    """A repeat's ``row`` ran: steps.csv, repeats.csv (last: marks it done), profiles.json, the prediction."""
     cell_id, repeat = row["cell_id"], row["repeat"]
     key = (cell_id, repeat)
     steps.pop(key, None)
@@ -268,8 +265,7 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
 def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] | None = None,
               layout: RankLayout | None = None, log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
-    """Run (or resume) the sweep; ``runner(cell, run_dir)`` runs a cell repeat (default: in subprocesses), each after
-    ``load_guard`` (default: ``study.wait_until_idle``)."""
+    """Run (or resume) the sweep: ``runner`` (default: subprocesses) runs each cell repeat after ``load_guard``."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     repeats = read_rows(out_dir / REPEATS_CSV, REPEAT_COLUMNS)
