@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes, write_command
+from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes
 from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -41,10 +41,8 @@ def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[
             log_dir = Path(tmp) / f"cell{index[name]}" / f"r{repeat}"
             log_dir.mkdir(parents=True)
             command = fit_command(cells[name], log_dir.resolve())
-            environment = base_environment()
-            write_command(log_dir / "command.txt", command, [environment])
             log = log_dir / "fit.log"
-            result = run_processes(command, [environment], [log], timeout_s)
+            result = run_processes(command, [base_environment()], [log], timeout_s)
             if result.timed_out or result.returncodes != [0]:
                 text = log.read_text(encoding="utf-8", errors="replace")
                 print(text[-8000:], file=sys.stderr, flush=True)
