@@ -268,13 +268,9 @@ class Cell:
     engine_settings: tuple[tuple[str, Any], ...] = ()
 
     @property
-    def settings(self) -> dict[str, Any]:
-        return dict(self.engine_settings)
-
-    @property
     def label(self) -> str:
         """Short human description, e.g. ``bucketed_powersgd_ddp 4 MiB rank=4 | batch 2 | ctx 64 | 32-true``."""
-        name = variant_label(self.strategy, self.bucket_size_mb, format_settings(self.settings))
+        name = variant_label(self.strategy, self.bucket_size_mb, format_settings(dict(self.engine_settings)))
         return f"{name} | batch {self.batch_size} | ctx {self.context_length} | {self.precision}"
 
 

@@ -53,7 +53,7 @@ def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: P
     args = ["--config", workload.base_config, *workload.cli_args]
     if workload.preset is not None:
         args += ["--model.preset", workload.preset]
-    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, cell.settings)
+    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, dict(cell.engine_settings))
     args += [
         "--model.context_length", str(cell.context_length),
         "--data.seq_len", str(cell.context_length),
@@ -189,7 +189,7 @@ def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | 
         cell_id=cell.id,
         repeat=repeat,
         bucket_size_mb=cell.bucket_size_mb,
-        engine_settings=format_settings(cell.settings),
+        engine_settings=format_settings(dict(cell.engine_settings)),
         status=outcome.status,
         reason=outcome.reason,
         wall_s=round(outcome.wall_s, 1),
