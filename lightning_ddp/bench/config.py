@@ -69,26 +69,23 @@ class GridConfig:
     precisions: list[str] = field(default_factory=lambda: ["32-true"])
     """Lightning precisions, e.g. ``32-true`` (fp32) and ``bf16-mixed``."""
     engine_settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
-    """Per engine, setting -> values, e.g. ``{bucketed_powersgd_ddp: {rank: [1, 4]}}``: every combination multiplies
-    that strategy's cells; a setting not listed keeps the engine's default."""
+    """Per engine, setting -> values (``{bucketed_powersgd_ddp: {rank: [1, 4]}}``); each combination is a variant."""
 
     def __post_init__(self) -> None:
-        axes = (("strategies", "strategy", catalogue.names()), ("precisions", "precision", PRECISIONS))
+        axes = (("strategies", "strategy", catalogue.names()), ("precisions", "precision", PRECISIONS),
+                ("batch_sizes", "", ()), ("context_lengths", "", ()))  # known values; the last two: integers >= 1
         for axis, one, known in axes:
-            choices = ", ".join(known)
-            if not getattr(self, axis):
-                raise ValueError(f"the sweep has no cells: `{axis}` is empty; list at least one of {choices}")
-            # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
-            unknown = [value for value in getattr(self, axis) if value not in known and value != REFERENCE]
-            if unknown:
-                raise ValueError(f"unknown {one} {unknown[0]!r} in `grid.{axis}`; choose from {choices}")
-        for name, values in (("batch_sizes", self.batch_sizes), ("context_lengths", self.context_lengths)):
+            values, choices = getattr(self, axis), ", ".join(known)
             if not values:
-                raise ValueError(f"the sweep has no cells: `{name}` is empty; list at least one, e.g. "
-                                 f"`--grid.{name} [2]`")
+                hint = f" of {choices}" if known else f", e.g. `--grid.{axis} [2]`"
+                raise ValueError(f"the sweep has no cells: `{axis}` is empty; list at least one{hint}")
+            # `reference` and `ddp` are always added; listing them is allowed and changes nothing.
+            unknown = [value for value in values if value not in known and value != REFERENCE]
+            if known and unknown:
+                raise ValueError(f"unknown {one} {unknown[0]!r} in `grid.{axis}`; choose from {choices}")
             bad = [v for v in values if not (isinstance(v, int) and v >= 1)]
-            if bad:
-                raise ValueError(f"`grid.{name}` must hold integers >= 1, got {bad[0]!r}")
+            if not known and bad:
+                raise ValueError(f"`grid.{axis}` must hold integers >= 1, got {bad[0]!r}")
         for size in self.bucket_sizes_mb:
             if isinstance(size, str) and size != "auto" or not isinstance(size, str) and not size > 0:
                 raise ValueError(f"`grid.bucket_sizes_mb` takes sizes > 0 (MiB) or `auto`, got {size!r}")
@@ -163,11 +160,9 @@ class RunConfig:
     devices: int = 2
     """Ranks (processes) of the data-parallel cells; the reference always runs on one."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """NCCL refuses two ranks on one GPU, so ``auto`` is gloo on CPU, nccl with a GPU per rank, else gloo with the
-    ranks sharing the GPUs."""
+    """``auto``: gloo on CPU, nccl with a GPU per rank, else gloo (NCCL refuses two ranks on one GPU)."""
     launcher: Literal["ranks", "lightning"] = "ranks"
-    """``ranks``: every rank started at once with the launcher variables, like torchrun (ranks can share a GPU);
-    ``lightning``: one process whose launcher starts the others, as a user's command does."""
+    """``ranks``: every rank at once, like torchrun (ranks can share a GPU); ``lightning``: Lightning starts them."""
     warmup_steps: int = 3
     """Optimizer steps run first and left out of the statistics (``--timer.warmup_steps``)."""
     steps: int = 10
@@ -181,14 +176,11 @@ class RunConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every cell, e.g. ``{PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}``."""
     repeats: int = 5
-    """Times each cell runs, in fresh processes, interleaved round-robin; the best bucket size is chosen on the even
-    repeats and measured on the odd ones (so use >= 2). Raising it later runs only the new repeats."""
+    """Runs of each cell, interleaved round-robin; the best bucket size is chosen on even, measured on odd (>= 2)."""
     busy_threshold: float = 0.2
-    """Load guard: before each repeat, wait while more than this fraction of all CPUs is busy (/proc/stat);
-    ``1.0`` never waits but still records."""
+    """Load guard: before each repeat, wait while more than this fraction of all CPUs is busy (/proc/stat)."""
     max_wait_s: float = 300.0
-    """Load guard: longest wait for an idle machine before a repeat; past it the repeat starts anyway and is
-    counted as started on a busy machine (repeats.csv ``busy``)."""
+    """Load guard: longest wait for an idle machine; past it the repeat starts on a busy machine (``busy``)."""
     load_sample_s: float = 1.0
     """Seconds per CPU-usage sample; 0 turns the guard off (as does a missing /proc/stat)."""
 
@@ -276,13 +268,9 @@ class Cell:
     engine_settings: tuple[tuple[str, Any], ...] = ()
 
     @property
-    def settings(self) -> dict[str, Any]:
-        return dict(self.engine_settings)
-
-    @property
     def label(self) -> str:
         """Short human description, e.g. ``bucketed_powersgd_ddp 4 MiB rank=4 | batch 2 | ctx 64 | 32-true``."""
-        name = variant_label(self.strategy, self.bucket_size_mb, format_settings(self.settings))
+        name = variant_label(self.strategy, self.bucket_size_mb, format_settings(dict(self.engine_settings)))
         return f"{name} | batch {self.batch_size} | ctx {self.context_length} | {self.precision}"
 
 

@@ -7,7 +7,6 @@ import ctypes
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -111,39 +110,21 @@ def rank_environments(layout: RankLayout, port: int, *, every_rank: bool, thread
                       extra: Mapping[str, str] | None = None,
                       parent: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     """One environment per process to start: one (Lightning starts the others), or with ``every_rank`` each rank's."""
-    env = base_environment(threads, extra, parent)
-    if not every_rank:
-        if layout.gpu_of_rank:
-            env["CUDA_VISIBLE_DEVICES"] = layout.gpu_of_rank[0]
-        return [env]
-    envs = []
-    for rank in range(layout.world_size):
+    envs = [base_environment(threads, extra, parent) for _ in range(layout.world_size if every_rank else 1)]
+    for rank, env in enumerate(envs):
         node_rank, local_rank = divmod(rank, layout.devices_per_node)
-        rank_env = {
-            **env,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(layout.world_size),
-            "NODE_RANK": str(node_rank),
-            "LOCAL_RANK": str(local_rank),
-            "RANK": str(rank),  # read by Lightning's rank_zero_only before the strategy sets the rank
-        }
+        if every_rank:
+            env.update({
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(layout.world_size),
+                "NODE_RANK": str(node_rank),
+                "LOCAL_RANK": str(local_rank),
+                "RANK": str(rank),  # read by Lightning's rank_zero_only before the strategy sets the rank
+            })
         if layout.gpu_of_rank:
-            rank_env["CUDA_VISIBLE_DEVICES"] = layout.gpu_of_rank[rank]
-        envs.append(rank_env)
+            env["CUDA_VISIBLE_DEVICES"] = layout.gpu_of_rank[rank]
     return envs
-
-
-def write_command(path: Path, command: list[str], envs: list[dict[str, str]]) -> None:
-    """The command and the variables that differ between ranks or matter to the run, as a shell snippet."""
-    keys = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
-            "LOCAL_RANK", "RANK")
-    lines = ["# one line per process started for this run, all at once (with one line, Lightning starts the",
-             "# other ranks itself)"]
-    for env in envs:
-        prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in keys if k in env)
-        lines.append(f"{prefix} {shlex.join(command)}".strip())
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 @dataclass

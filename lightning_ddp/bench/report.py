@@ -101,10 +101,9 @@ class CellData:
         return sorted(k for k, rows in self.steps.items() if rows)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
-        """One ``(steps, len(keys))`` array per ok repeat (of ``repeats``, default all); NaN for a missing key."""
-        chosen = self.ok_repeats if repeats is None else [k for k in repeats if self.steps.get(k)]
+        """One ``(steps, len(keys))`` array per ok repeat of ``repeats`` (default all); NaN for a missing key."""
         return [np.array([[step.get(key, math.nan) for key in keys] for step in self.steps[k]], dtype=float)
-                for k in chosen]
+                for k in (self.ok_repeats if repeats is None else repeats)]
 
     def measured(self, bootstrap: Bootstrapper, repeats: Iterable[int] | None = None) -> Measured | None:
         """The cell over ``repeats`` (default: every ok repeat); ``None`` without an ok repeat among them. The draws
@@ -172,28 +171,25 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     keys = list(dict.fromkeys(key for k in ok for step in data.steps[k] for key in step if key not in STEP_ID_COLUMNS))
     values = data.values(keys)
     medians = dict(zip(keys, np.atleast_1d(pooled_median(values))))
-    column = {key: i for i, key in enumerate(keys)}
-    step_values = [v[:, column["step/time_ms"]] for v in values] if "step/time_ms" in column else []
-    if step_values:
-        row.update(step_ms_median=float(medians["step/time_ms"]),
+    if "step/time_ms" in medians:
+        step_values = [v[:, keys.index("step/time_ms")] for v in values]
+        step, share = map(data.measured(bootstrap).estimate, (STEP, SHARE))
+        row.update(step_ms_median=step.point, step_ms_lo=step.lo, step_ms_hi=step.hi,
                    step_ms_p10=float(pooled_percentile(step_values, 10)),
                    step_ms_p90=float(pooled_percentile(step_values, 90)),
                    measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
-        measured = data.measured(bootstrap)
-        step, share = measured.estimate(STEP), measured.estimate(SHARE)
-        row.update(step_ms_lo=step.lo, step_ms_hi=step.hi)
-        if "comm/share" in column:
-            row.update(comm_share=float(medians["comm/share"]), comm_share_lo=share.lo, comm_share_hi=share.hi)
+        if "comm/share" in medians:
+            row.update(comm_share=share.point, comm_share_lo=share.lo, comm_share_hi=share.hi)
     # Landmarks but no collective metric: the strategy's collectives were not recorded (fsdp2; not: no communication).
     # A cell with no comm/ key at all (the one-device reference) has no communication: its cells stay empty.
-    unrecorded = any(key in column for key in LANDMARK_KEYS) and not any(key in column for key in COLLECTIVE_KEYS)
+    unrecorded = any(key in medians for key in LANDMARK_KEYS) and not any(key in medians for key in COLLECTIVE_KEYS)
     for name, key in _MEDIANS:
         if key in medians and math.isfinite(medians[key]):
             row[name] = float(medians[key])
         elif unrecorded and key in COLLECTIVE_KEYS:
             row[name] = NOT_RECORDED
-    if "memory/peak_MiB" in column:
-        peak = np.nanmax(np.concatenate([v[:, column["memory/peak_MiB"]] for v in values]))
+    if "memory/peak_MiB" in medians:
+        peak = np.nanmax(np.concatenate([v[:, keys.index("memory/peak_MiB")] for v in values]))
         row["peak_memory_MiB"] = float(peak) if math.isfinite(peak) else ""
     return {k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
@@ -226,15 +222,10 @@ def _read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
     return [raw for raw in read_csv(path) if raw.get("cell_id")] if Path(path).exists() else []
 
 
-def read_results(path: str | os.PathLike) -> dict[str, Row]:
-    """``{cell_id: parsed row}`` of an existing results.csv (empty if there is none)."""
-    return {raw["cell_id"]: parse_row(raw) for raw in _read_csv(path)}
-
-
-def read_repeats(path: str | os.PathLike) -> dict[RepeatKey, Row]:
-    """``{(cell_id, repeat): parsed row}`` of an existing repeats.csv (empty if there is none)."""
-    rows = (parse_row(raw, REPEAT_COLUMNS) for raw in _read_csv(path))
-    return {(row["cell_id"], row["repeat"]): row for row in rows}
+def read_rows(path: str | os.PathLike, columns: Sequence[str] = RESULT_COLUMNS) -> dict[Any, Row]:
+    """Parsed rows of a results.csv by cell_id, of a repeats.csv (``REPEAT_COLUMNS``) by (cell_id, repeat); or {}."""
+    rows = (parse_row(raw, columns) for raw in _read_csv(path))
+    return {(row["cell_id"], row["repeat"]) if "repeat" in columns else row["cell_id"]: row for row in rows}
 
 
 def read_steps(path: str | os.PathLike) -> dict[RepeatKey, list[Row]]:
@@ -374,8 +365,7 @@ class Analysis:
             return None
 
         def median_on(row: Row, repeats: Sequence[int]) -> float:
-            values = self.data[row["cell_id"]].values(ESTIMATED_KEYS[:1], repeats)
-            value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
+            value = self.data[row["cell_id"]].measured(self.bootstrap, repeats).point[STEP]
             return value if math.isfinite(value) else math.inf
 
         with_selection = [(row, evens) for row, ok in candidates if (evens := [k for k in ok if k % 2 == 0])]
@@ -463,15 +453,11 @@ def bucket_text(row: Row) -> str:
     return f"{format_bucket(size)} MiB"
 
 
-def repeats_text(repeats: Sequence[int]) -> str:
-    """Repeat indices as a list for a reader: ``0, 2, 4``."""
-    return ", ".join(map(str, repeats))
-
-
 def _selection_note(selection: Selection) -> str:
     if selection.in_sample:
         return f"best size {bucket_text(selection.row)}, in-sample (no evaluation repeat)"
-    return f"best size {bucket_text(selection.row)} (chosen on repeats {repeats_text(selection.selection_repeats)})"
+    chosen_on = ", ".join(map(str, selection.selection_repeats))
+    return f"best size {bucket_text(selection.row)} (chosen on repeats {chosen_on})"
 
 
 def _missing(row: Row | None, name: str) -> str:
@@ -540,8 +526,9 @@ def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str)
     if selection is None:
         return [*group, strategy, "no ok cell", "-", "-", "-", predicted, auto_text]
     evaluated = selection.evaluated
-    on = f"{bucket_text(selection.row)}, best of {selection.candidates} on {repeats_text(selection.selection_repeats)}"
-    where = ("in-sample, " if selection.in_sample else "") + f"repeats {repeats_text(evaluated.repeats)}: "
+    chosen_on, evaluated_on = (", ".join(map(str, r)) for r in (selection.selection_repeats, evaluated.repeats))
+    on = f"{bucket_text(selection.row)}, best of {selection.candidates} on {chosen_on}"
+    where = ("in-sample, " if selection.in_sample else "") + f"repeats {evaluated_on}: "
     return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",
             f"{where}{interval_text(evaluated.estimate(STEP), unit=' ms')}",
             interval_text(evaluated.estimate(SHARE), spec=".1f", scale=100, unit=" %"),
@@ -658,8 +645,9 @@ def build_report(
 _PANELS = ((STEP, 1.0, "median step time (ms)"), (SHARE, 100.0, "exposed comm share of step (%)"))
 
 
-def _error(estimates: list[Estimate | None], scale: float) -> tuple[list[float], list[list[float]]]:
-    """Bar heights and matplotlib's ``yerr`` (distances below and above) for the estimates (missing: 0)."""
+def _error(measured: list[Measured | None], panel: int, scale: float) -> tuple[list[float], list[list[float]]]:
+    """Bar heights and matplotlib's ``yerr`` (distances below and above) in ``panel`` (missing: 0)."""
+    estimates = [m.estimate(panel) if m is not None else None for m in measured]
     shown = [e if e is not None and math.isfinite(e.point) else Estimate(0.0, 0.0, 0.0) for e in estimates]
     # max(0.0, nan) is 0.0: an end that is not finite draws no error bar
     below = [max(0.0, (e.point - e.lo) * scale) for e in shown]
@@ -673,19 +661,21 @@ def _figure() -> tuple[Any, Any]:
     return fig, fig.subplots(1, 2)
 
 
-def _finish(fig: Any, ax_step: Any, path: Path, title: str) -> None:
-    fig.legend(*ax_step.get_legend_handles_labels(), loc="outside right center", fontsize=8)
+def _finish(fig: Any, axes: Any, path: Path, title: str, **grid: Any) -> None:
+    for ax, (*_, ylabel) in zip(axes, _PANELS):
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, **grid)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center", fontsize=8)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
 
 
-def _shown(analysis: Analysis, group: Group, name: str, panel: int) -> Estimate | None:
+def _shown(analysis: Analysis, group: Group, name: str) -> Measured | None:
     """A strategy's bar: an algorithm with buckets at its selected size on the evaluation repeats, else its cell."""
     if has_bucket_axis(name):
         selection = analysis.selections.get((group, name))
-        return selection.evaluated.estimate(panel) if selection else None
-    measured = analysis.measured(next((r for r in analysis.groups[group] if variant_of(r) == name), None))
-    return measured.estimate(panel) if measured else None
+        return selection.evaluated if selection else None
+    return analysis.measured(next((r for r in analysis.groups[group] if variant_of(r) == name), None))
 
 
 def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int],
@@ -696,19 +686,17 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(contexts))]
         label = (f"{name} (selected size, evaluation repeats)" if has_bucket_axis(name)
                  else {REFERENCE: "reference (compute only)"}.get(name, name))
+        shown = [_shown(analysis, (precision, batch, c), name) for c in contexts]
         for ax, (panel, scale, _) in zip(axes, _PANELS):
             if panel == SHARE and name == REFERENCE:
                 ax.bar(xs, [0.0] * len(xs), width)  # keep the colours of both panels aligned
                 continue
-            shown = [_shown(analysis, (precision, batch, c), name, panel) for c in contexts]
-            heights, yerr = _error(shown, scale)
+            heights, yerr = _error(shown, panel, scale)
             ax.bar(xs, heights, width, yerr=yerr, capsize=2, label=label)
-    for ax, (*_, ylabel) in zip(axes, _PANELS):
+    for ax in axes:
         ax.set_xticks(range(len(contexts)), [f"context {c}" for c in contexts])
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-    _finish(fig, axes[0], path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
-            "rank (error bars: 95 % intervals)")
+    _finish(fig, axes, path, f"Step time and communication share by strategy: {precision}, batch {batch} per "
+            "rank (error bars: 95 % intervals)", axis="y")
 
 
 def _bucket_figure(
@@ -732,12 +720,12 @@ def _bucket_figure(
         color = None
         for ax, (panel, scale, _) in zip(axes, _PANELS):
             if fixed:
-                heights, yerr = _error([analysis.measured(p[1]).estimate(panel) for p in fixed], scale)
+                heights, yerr = _error([analysis.measured(p[1]) for p in fixed], panel, scale)
                 container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
                                         color=color, label=f"context {context}")
                 color = container.lines[0].get_color()
             for x, r in auto:
-                heights, yerr = _error([analysis.measured(r).estimate(panel)], scale)
+                heights, yerr = _error([analysis.measured(r)], panel, scale)
                 ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3, color=color)
             point = analysis.measured(chosen[1]).point[panel] if chosen is not None else math.nan
             if math.isfinite(point):
@@ -749,15 +737,13 @@ def _bucket_figure(
     if selected:  # one neutral legend entry for the circles of every context
         axes[0].plot([], [], marker="o", markersize=12, markerfacecolor="none", linestyle="", color="gray",
                      label="selected size (on the selection repeats)")
-    for ax, (*_, ylabel) in zip(axes, _PANELS):
+    for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("bucket size (MiB)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, which="both")
         if predicted_mb:
             ax.axvline(predicted_mb, linestyle=":", color="gray", label=f"predicted b* = {predicted_mb:.3g} MiB")
-    _finish(fig, axes[0], path, f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} "
-            "per rank (all repeats, 95 % intervals; stars: auto; circled: selected)")
+    _finish(fig, axes, path, f"{strategy}: step time and comm share vs bucket size: {precision}, batch {batch} "
+            "per rank (all repeats, 95 % intervals; stars: auto; circled: selected)", which="both")
     return True
 
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes, write_command
+from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes
 from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -41,10 +41,8 @@ def run_study(cells: Mapping[str, Sequence[str]], repeats: int, read: Callable[[
             log_dir = Path(tmp) / f"cell{index[name]}" / f"r{repeat}"
             log_dir.mkdir(parents=True)
             command = fit_command(cells[name], log_dir.resolve())
-            environment = base_environment()
-            write_command(log_dir / "command.txt", command, [environment])
             log = log_dir / "fit.log"
-            result = run_processes(command, [environment], [log], timeout_s)
+            result = run_processes(command, [base_environment()], [log], timeout_s)
             if result.timed_out or result.returncodes != [0]:
                 text = log.read_text(encoding="utf-8", errors="replace")
                 print(text[-8000:], file=sys.stderr, flush=True)
@@ -61,14 +59,13 @@ def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
     return [(cell, k) for k in range(repeats) for cell in cells]
 
 
-def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool,
-          *args_and_file: Any) -> None:
+def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool, result_file: str,
+          *args: Any) -> None:
     import torch
     import torch.distributed as dist
 
     from lightning_ddp.local_group import init_local_process_group
 
-    *args, result_file = args_and_file
     if cuda:
         torch.cuda.set_device(rank)
     # CPU ranks share the machine's cores, at least one each; oversubscribing them only adds noise.
@@ -86,15 +83,14 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
 
 
 def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str = "gloo", cuda: bool = False) -> Any:
-    """The in-process benchmarks' runner: ``measure(rank, world, *args)`` in ``world`` spawned processes of one local
-    process group (each CPU rank its share of the cores, each CUDA rank its GPU); what rank 0's returned (as JSON)."""
+    """``measure(rank, world, *args)`` in ``world`` spawned ranks of one local process group; rank 0's result (JSON)."""
     import torch.multiprocessing as mp
 
     from lightning_ddp.local_group import find_free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "result.json")
-        mp.spawn(_rank, args=(world, find_free_port(), measure, backend, cuda, *args, result_file), nprocs=world,
+        mp.spawn(_rank, args=(world, find_free_port(), measure, backend, cuda, result_file, *args), nprocs=world,
                  join=True)
         return read_json(result_file)
 
@@ -250,8 +246,7 @@ def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
 
 @dataclass(frozen=True)
 class LoadCheck:
-    """What the guard saw before one repeat (repeats.csv's columns): the last busy fraction (``None``: not
-    measurable), the seconds waited, and whether the repeat started on a busy machine."""
+    """What the guard saw before a repeat: the last busy fraction (None: not measurable), seconds waited, busy."""
 
     busy_before: float | None = None
     waited_s: float = 0.0
@@ -262,8 +257,7 @@ def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,
                     reader: Callable[[], CpuTimes | None] = read_proc_stat,
                     sleep: Callable[[float], None] = time.sleep,
                     clock: Callable[[], float] = time.monotonic) -> LoadCheck:
-    """Sample the busy fraction over ``sample_s`` (0: guard off), and keep sampling while it is above ``threshold``,
-    up to ``max_wait_s``; ``reader``, ``sleep`` and ``clock`` are injected by tests."""
+    """Sample the busy fraction over ``sample_s`` (0: off), again while above ``threshold``, up to ``max_wait_s``."""
     def sample() -> float | None:
         before = reader()
         if before is None:

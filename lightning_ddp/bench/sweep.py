@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -17,11 +18,11 @@ from typing import Any, Callable, Literal, Mapping
 from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
     ProcessResult, RankLayout, error_line, fit_command, is_oom, rank_environments, rank_layout, run_processes,
-    strategy_argument, write_command,
+    strategy_argument,
 )
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, build_report, cell_data, cell_row, parse_row,
-    read_repeats, read_steps, write_csv, write_plots,
+    read_rows, read_steps, write_csv, write_plots,
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
@@ -52,7 +53,7 @@ def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: P
     args = ["--config", workload.base_config, *workload.cli_args]
     if workload.preset is not None:
         args += ["--model.preset", workload.preset]
-    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, cell.settings)
+    strategy = strategy_argument(cell.strategy, layout.backend, cell.bucket_size_mb, dict(cell.engine_settings))
     args += [
         "--model.context_length", str(cell.context_length),
         "--data.seq_len", str(cell.context_length),
@@ -86,8 +87,7 @@ def threads_per_rank(config: SweepConfig) -> int | None:
 
 def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
                       parent: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per process to start: every rank's, or one for the reference and ``launcher: lightning``
-    (``cell`` None: the all-reduce microbenchmark, on every rank)."""
+    """Every rank's environment, or one for the reference and ``launcher: lightning`` (``cell`` None: all-reduce)."""
     every_rank = cell is None or cell.strategy != REFERENCE and config.run.launcher == "ranks"
     return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
                              extra=config.run.env, parent=parent)
@@ -157,9 +157,16 @@ class SubprocessCellRunner:
             shutil.rmtree(run_dir)  # a rerun (e.g. retry_failed) starts clean: no stale summary is read
         run_dir.mkdir(parents=True)
         command = cell_command(cell, self.config, self.layout, run_dir.resolve())
-        port = find_free_port()
-        envs = cell_environments(cell, self.config, self.layout, port)
-        write_command(run_dir / "command.txt", command, envs)
+        envs = cell_environments(cell, self.config, self.layout, find_free_port())
+        # command.txt: the command with the variables that differ between ranks or matter to the run, as a shell snippet
+        keys = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
+                "LOCAL_RANK", "RANK")
+        lines = ["# one line per process started for this run, all at once (with one line, Lightning starts the",
+                 "# other ranks itself)"]
+        for env in envs:
+            prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in keys if k in env)
+            lines.append(f"{prefix} {shlex.join(command)}".strip())
+        (run_dir / "command.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
         result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
         summary_path, profile_path = (next(iter(sorted(run_dir.rglob(name))), None)
@@ -182,7 +189,7 @@ def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | 
         cell_id=cell.id,
         repeat=repeat,
         bucket_size_mb=cell.bucket_size_mb,
-        engine_settings=format_settings(cell.settings),
+        engine_settings=format_settings(dict(cell.engine_settings)),
         status=outcome.status,
         reason=outcome.reason,
         wall_s=round(outcome.wall_s, 1),
@@ -227,8 +234,7 @@ class SweepResult:
 
 def record(out_dir: Path, repeats: dict[RepeatKey, Row], steps: dict[RepeatKey, list[Row]], outcome: CellOutcome,
            row: Row, wants_prediction: bool) -> None:
-    """A cell repeat ran (``row``: its repeats.csv row): steps.csv, repeats.csv (last: it marks the repeat done),
-    profiles.json and the prediction, each whole and atomically."""
+    """A repeat's ``row`` ran: steps.csv, repeats.csv (last: marks it done), profiles.json, the prediction."""
     cell_id, repeat = row["cell_id"], row["repeat"]
     key = (cell_id, repeat)
     steps.pop(key, None)
@@ -268,11 +274,10 @@ def write_results(config: SweepConfig, cells: list[Cell], repeats: dict[RepeatKe
 def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] | None = None,
               layout: RankLayout | None = None, log: Callable[[str], None] | None = None,
               load_guard: Callable[[], LoadCheck] | None = None) -> SweepResult:
-    """Run (or resume) the sweep; ``runner(cell, run_dir)`` runs a cell repeat (default: in subprocesses), each after
-    ``load_guard`` (default: ``study.wait_until_idle``)."""
+    """Run (or resume) the sweep: ``runner`` (default: subprocesses) runs each cell repeat after ``load_guard``."""
     out_dir = Path(config.output.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    repeats = read_repeats(out_dir / REPEATS_CSV)
+    repeats = read_rows(out_dir / REPEATS_CSV, REPEAT_COLUMNS)
     # Steps of a repeat without an ok row come from a repeat killed between the two writes: it runs again.
     steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
              if key in repeats and repeats[key]["status"] == "ok"}

@@ -26,8 +26,7 @@ from lightning_ddp.bench.report import (
     cell_data,
     cell_row,
     parse_row,
-    read_repeats,
-    read_results,
+    read_rows,
     read_steps,
 )
 from lightning_ddp.bench.stats import Bootstrapper
@@ -353,7 +352,7 @@ def test_the_sweep_writes_raw_and_aggregate_files(tmp_path) -> None:
     cells = expand_grid(config)  # 10 cells, 2 repeats each
     run_fake(config, FakeRunner(step_ms=lambda cell, k: [100.0 + k, 101.0 + k, 102.0 + k, 103.0 + k]))
     out = tmp_path / "sweep"
-    repeats = read_repeats(out / "repeats.csv")
+    repeats = read_rows(out / "repeats.csv", REPEAT_COLUMNS)
     assert sorted(repeats) == sorted((c.id, k) for c in cells for k in range(2))
     steps = read_steps(out / "steps.csv")
     assert sum(len(rows) for rows in steps.values()) == 10 * 2 * 4  # every measured step, no warm-up step
@@ -362,7 +361,7 @@ def test_the_sweep_writes_raw_and_aggregate_files(tmp_path) -> None:
     assert header[:3] == ["cell_id", "repeat", "step"]
     assert {"step/time_ms", "comm/share", "comm/busy_ms", "comm/exposed_ms", "memory/peak_MiB"} <= set(header)
     assert [s["step"] for s in steps[(cells[0].id, 1)]] == [2, 3, 4, 5]  # step numbers after the 2 warm-up ones
-    results = read_results(out / "results.csv")
+    results = read_rows(out / "results.csv")
     # repeat 0: 100..103, repeat 1: 101..104: pooled 100, 101, 101, 102, 102, 103, 103, 104 -> median 102
     assert list(results) == [c.id for c in cells] and results[cells[0].id]["step_ms_median"] == 102.0
     assert not list(out.glob("*.tmp"))  # every atomic write renamed its temporary file
@@ -420,7 +419,7 @@ def test_resume_runs_only_the_missing_repeats(tmp_path) -> None:
     out = tmp_path / "sweep"
     with pytest.raises(KeyboardInterrupt):
         run_fake(config, Interrupted(stop=13))  # killed while running repeat 1 of the third cell
-    assert list(read_repeats(out / "repeats.csv")) == order[:12]  # the 12 finished repeats are kept
+    assert list(read_rows(out / "repeats.csv", REPEAT_COLUMNS)) == order[:12]  # the 12 finished repeats are kept
     # A kill between writing steps.csv and repeats.csv leaves steps of a repeat without a row: they are ignored,
     # and that repeat runs again.
     with open(out / "steps.csv", "a", encoding="utf-8") as f:
@@ -441,7 +440,7 @@ def test_resume_runs_only_the_missing_repeats(tmp_path) -> None:
     more = FakeRunner()
     run_fake(config, more)
     assert more.calls == [(c.id, 2) for c in cells]
-    assert read_results(out / "results.csv")[cells[0].id]["repeats_ok"] == 3
+    assert read_rows(out / "results.csv")[cells[0].id]["repeats_ok"] == 3
 
 
 def test_failed_repeats_are_kept_and_retried_only_when_asked(tmp_path) -> None:
@@ -454,7 +453,7 @@ def test_failed_repeats_are_kept_and_retried_only_when_asked(tmp_path) -> None:
 
     run_fake(config, runner)
     naive_ddp = next(c for c in expand_grid(config) if c.strategy == "naive_ddp")
-    row = read_results(tmp_path / "sweep" / "results.csv")[naive_ddp.id]
+    row = read_rows(tmp_path / "sweep" / "results.csv")[naive_ddp.id]
     # one ok repeat is enough for statistics; the reason says which repeat failed and how many
     assert row["status"] == "ok" and row["repeats_ok"] == 1 and row["repeats_run"] == 2 and row["measured_steps"] == 4
     assert row["reason"] == "r1: failed: rank 0 (exit code 1): RuntimeError: bad (1 of 2 repeats not ok)"
@@ -463,7 +462,7 @@ def test_failed_repeats_are_kept_and_retried_only_when_asked(tmp_path) -> None:
     retry = FakeRunner()
     run_fake(config, retry)
     assert retry.calls == [(naive_ddp.id, 1)]
-    assert read_results(tmp_path / "sweep" / "results.csv")[naive_ddp.id]["repeats_ok"] == 2
+    assert read_rows(tmp_path / "sweep" / "results.csv")[naive_ddp.id]["repeats_ok"] == 2
 
 
 def test_failing_cells_get_rows_and_the_sweep_goes_on(tmp_path) -> None:
@@ -804,13 +803,13 @@ def test_the_sweep_records_the_load_guard_per_repeat_and_counts_busy_starts(tmp_
     seen = iter([LoadCheck(0.05, 0.0, False), LoadCheck(0.6, 300.0, True), LoadCheck(0.1, 12.0, False)] * 2)
     run_fake(config, FakeRunner(), load_guard=lambda: next(seen))
     out = tmp_path / "sweep"
-    repeats = list(read_repeats(out / "repeats.csv").values())
+    repeats = list(read_rows(out / "repeats.csv", REPEAT_COLUMNS).values())
     assert [(r["busy_before"], r["waited_s"], r["busy"]) for r in repeats[:3]] == [
         (0.05, 0.0, False), (0.6, 300.0, True), (0.1, 12.0, False)]
     naive_ddp = next(c for c in expand_grid(config) if c.strategy == "naive_ddp")
     # naive_ddp's two repeats both started busy (the 2nd of every 3 in the round-robin), after 300 s each
-    assert read_results(out / "results.csv")[naive_ddp.id]["busy_repeats"] == 2
-    assert read_results(out / "results.csv")[naive_ddp.id]["waited_s"] == 600.0
+    assert read_rows(out / "results.csv")[naive_ddp.id]["busy_repeats"] == 2
+    assert read_rows(out / "results.csv")[naive_ddp.id]["waited_s"] == 600.0
     report = (out / "results.md").read_text()
     # 2 of 6 started busy; 0 + 300 + 12, twice = 624 s waited
     assert "load guard (busy fraction > 0.2 after up to 300.0 s): **2 of 6 cell repeats started busy**, 624 s waited" \
@@ -841,13 +840,13 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch) -> None:
         cwd=REPO, env=repo_first_on_path(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = read_results(out / "results.csv")
+    rows = read_rows(out / "results.csv")
     assert [r["strategy"] for r in rows.values()] == ["reference", "ddp"]
     # 2 repeats of 4 measured steps each, pooled
     assert all(r["status"] == "ok" and r["step_ms_median"] > 0 and r["measured_steps"] == 8 for r in rows.values())
     assert all(r["repeats_ok"] == 2 and r["step_ms_lo"] <= r["step_ms_median"] <= r["step_ms_hi"] for r in rows.values())
     assert next(iter(rows.values()))["world_size"] == 1
-    repeats = read_repeats(out / "repeats.csv")
+    repeats = read_rows(out / "repeats.csv", REPEAT_COLUMNS)
     ids = list(rows)
     assert list(repeats) == [(ids[0], 0), (ids[1], 0), (ids[0], 1), (ids[1], 1)]  # interleaved
     assert all(r["busy"] in (True, False) and r["busy_before"] is not None for r in repeats.values())  # Linux
@@ -904,18 +903,18 @@ def test_a_sweep_killed_by_sigkill_keeps_finished_repeats_leaves_no_process_and_
     finally:
         sweep.kill()
         sweep.wait()
-    first = read_repeats(out / "repeats.csv")
+    first = read_rows(out / "repeats.csv", REPEAT_COLUMNS)
     first_steps = read_steps(out / "steps.csv")
     assert len(first) >= 1 and all(row["status"] == "ok" for row in first.values())
     time.sleep(2)
     assert _processes_mentioning(str(out)) == [], "a cell outlived the killed sweep"
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    repeats = read_repeats(out / "repeats.csv")
+    repeats = read_rows(out / "repeats.csv", REPEAT_COLUMNS)
     assert len(repeats) == 6 and all(row["status"] == "ok" for row in repeats.values())
     steps = read_steps(out / "steps.csv")
     for key, row in first.items():
         assert repeats[key] == row and steps[key] == first_steps[key]  # kept, not rerun
-    rows = read_results(out / "results.csv")
+    rows = read_rows(out / "results.csv")
     assert len(rows) == 3 and all(row["repeats_ok"] == 2 for row in rows.values())
     assert f"{len(first)} already done" in proc.stdout + proc.stderr

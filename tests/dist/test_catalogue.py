@@ -248,7 +248,7 @@ def test_an_engine_setting_is_a_sweep_axis_with_its_own_cells_ids_commands_rows_
     swept = config(engine_settings={"toy_pieces": {"pieces": [2, 3, 3]}})
     cells = expand_grid(swept)
     # reference, the toy at 1 and 4 MiB times pieces 2 and 3 (the repeated 3 counts once), ddp
-    assert [(c.strategy, c.bucket_size_mb, c.settings) for c in cells] == [
+    assert [(c.strategy, c.bucket_size_mb, dict(c.engine_settings)) for c in cells] == [
         ("reference", None, {}), ("toy_pieces", 1.0, {"pieces": 2}), ("toy_pieces", 1.0, {"pieces": 3}),
         ("toy_pieces", 4.0, {"pieces": 2}), ("toy_pieces", 4.0, {"pieces": 3}), ("ddp", None, {})]
     assert len({c.id for c in cells}) == len(cells)

@@ -405,14 +405,14 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
 
 
 def one_gpu_pair(ctx: StudyContext) -> StageResult:
-    from lightning_ddp.bench.report import read_results
+    from lightning_ddp.bench.report import read_rows
 
     equivalence, problems = _equivalence(ctx)
     sweep_dir = ctx.stage_dir("one_gpu_pair/sweep")
     ran = ctx.run_python(["-m", "lightning_ddp.bench", "--config", ctx.scale.sweep_config, "--output.out_dir",
                           str(sweep_dir.resolve()), "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))],
                          ctx.out / "one_gpu_pair" / "sweep.log")
-    rows = list(read_results(sweep_dir / "results.csv").values()) if (sweep_dir / "results.csv").exists() else []
+    rows = list(read_rows(sweep_dir / "results.csv").values()) if (sweep_dir / "results.csv").exists() else []
     if ran.code != 0:
         problems.append(f"sweep: {ran.error}")
     files = [ctx.relative(p) for p in sorted(sweep_dir.glob("*")) if p.is_file()]
