@@ -267,9 +267,10 @@ def compute(ctx: StudyContext) -> StageResult:
                                "published": "; ".join(published_ms) or "none at this context", "runs": {}})
     for precision in ("bf16-mixed", "32-true"):
         request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
-        write_json_atomically(request, {**scale, "precision": precision, "device": ctx.scale.device})
-        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "compute", str(request.resolve()),
-                              str(out.resolve())], stage / f"compute_{precision}.log", out)
+        write_json_atomically(request, {**scale, "precision": precision, "device": ctx.scale.device,
+                                        "out": str(out.resolve())})
+        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "compute", "--config",
+                              str(request.resolve())], stage / f"compute_{precision}.log", out)
         run = ran.data or {"status": "failed", "error": f"{precision}: {ran.error}"}
         if ran.data is not None:  # the process wrote its result
             run.pop("estimate_table", None)
