@@ -13,6 +13,7 @@ class Scale:
     """The sizes of every stage's work: per stage, the keyword arguments of its fits (``stages.fit_args``)."""
 
     device: str  # cuda, or cpu for the dry run
+    backend: str  # of one rank per device: nccl on a GPU, gloo on CPU
     precision: str  # of the stages' fits (stage compute measures both bf16-mixed and 32-true)
     compute: Mapping[str, Any]  # max_batch caps the memory pre-flight's batch
     strategies: Mapping[str, Any]  # warm-up steps are left out of the medians
@@ -24,7 +25,7 @@ class Scale:
 
 
 GPU_SCALE = Scale(
-    device="cuda", precision="bf16-mixed",
+    device="cuda", backend="nccl", precision="bf16-mixed",
     compute=dict(preset="xl", seq_len=512, max_batch=256, steps=8, warmup=3),
     strategies=dict(preset="medium", batch=8, seq_len=512, steps=20, warmup=5),
     traces=dict(preset="small", batch=4, seq_len=256, steps=9, warmup=6),
@@ -35,7 +36,7 @@ GPU_SCALE = Scale(
 """One H100 (80 GB) or H200 (141 GB): about 17 minutes of stages, two calls of ``--budget_min 9``."""
 
 DRY_RUN_SCALE = Scale(
-    device="cpu", precision="32-true",  # bf16 autocast on CPU is several times slower than fp32
+    device="cpu", backend="gloo", precision="32-true",  # bf16 autocast on CPU is several times slower than fp32
     compute=dict(preset="tiny", seq_len=32, max_batch=2, steps=2, warmup=1),
     strategies=dict(preset="tiny", batch=2, seq_len=32, steps=4, warmup=1),
     traces=dict(preset="tiny", batch=4, seq_len=32, steps=9, warmup=6),
@@ -57,8 +58,7 @@ class GPUStudyConfig:
     cpu_dry_run: bool = False
     """Run every stage on CPU with the tiny preset, producing the same files; stages that need CUDA are skipped."""
     stages: Optional[list[str]] = None
-    """Run only these stages (by name, checked against the study's stages); default: all. The others are ``skipped:
-    not selected``."""
+    """Run only these stages (by name); default: all. The others are ``skipped: not selected``."""
     root: Optional[str] = None
     """The checkout whose configs/ and tests/ the stages use; default: the one holding this package, else cwd."""
     resume: bool = False

@@ -73,14 +73,29 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
     deadline = time.monotonic() + timeout_s
     results: dict[str, FitResult] = {}
     pending = list(specs)
-    launch = len(list((out_dir / "_processes").glob("launch*")))  # a later batch into the same directory
     while pending and deadline - time.monotonic() > 1:
         remaining = deadline - time.monotonic()
-        outcome, logs = _launch(pending, out_dir, out_dir / "_processes" / f"launch{launch}", ranks, remaining,
-                                cwd, env, threads)
-        launch += 1
-        finished = {spec.name: result for spec in pending
-                    if (result := _read_result(out_dir / spec.name, spec.name)) is not None}
+        work = out_dir / "_processes" / f"launch{len(list((out_dir / '_processes').glob('launch*')))}"
+        work.mkdir(parents=True, exist_ok=True)
+        for spec in pending:  # a result of an earlier call (--resume) would make a fit look finished
+            (out_dir / spec.name / RESULT_FILE).unlink(missing_ok=True)
+        plan = work / "plan.json"
+        plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
+                                    "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
+        # Each rank a "node" of one device: 2 ranks then share it over gloo (NCCL refuses two ranks on one GPU).
+        envs = rank_environments(RankLayout("gloo", 1, ranks), find_free_port(), every_rank=True, threads=threads,
+                                 extra=env)
+        logs = [work / f"rank{r}.log" for r in range(ranks)]
+        command = [sys.executable, "-m", "lightning_ddp.bench.gpu_study.processes", "fits", str(plan.resolve())]
+        outcome = run_processes(command, envs, logs, remaining, cwd=cwd)
+        finished: dict[str, FitResult] = {}
+        for spec in pending:
+            path = out_dir / spec.name / RESULT_FILE
+            if path.exists():
+                data = json.loads(path.read_text())
+                summary = read_timing_summary(path.parent) if data["status"] == "ok" else None
+                finished[spec.name] = FitResult(spec.name, data["status"], data.get("error", ""),
+                                                data.get("seconds", 0.0), path.parent, summary)
         results.update(finished)
         missing = [s for s in pending if s.name not in results]
         if not missing:
@@ -96,23 +111,6 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
             for s in specs]
 
 
-def _launch(pending: list[FitSpec], out_dir: Path, work: Path, ranks: int, remaining: float, cwd: str | None,
-            env: dict[str, str] | None, threads: int | None):
-    """Start ``ranks`` processes on a plan of the ``pending`` fits and wait for them: (outcome, rank logs)."""
-    work.mkdir(parents=True, exist_ok=True)
-    for spec in pending:  # a result of an earlier call (--resume) would make a fit look finished
-        (out_dir / spec.name / RESULT_FILE).unlink(missing_ok=True)
-    plan = work / "plan.json"
-    plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
-                                "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
-    # Each rank a "node" of one device: 2 ranks then share it over gloo (NCCL refuses two ranks on one GPU).
-    envs = rank_environments(RankLayout("gloo", 1, ranks), find_free_port(), every_rank=True, threads=threads,
-                             extra=env)
-    logs = [work / f"rank{r}.log" for r in range(ranks)]
-    command = [sys.executable, "-m", "lightning_ddp.bench.gpu_study.processes", "fits", str(plan.resolve())]
-    return run_processes(command, envs, logs, remaining, cwd=cwd), logs
-
-
 def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float) -> FitResult:
     """The result of a fit the processes left without one: out of time, out of memory, or failed."""
     texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in logs]
@@ -125,15 +123,6 @@ def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float)
         status = "oom" if any(is_oom(t) for t in failed) else "failed"
         line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
     return FitResult(name, status, line, 0.0, out_dir / name)
-
-
-def _read_result(log_dir: Path, name: str) -> FitResult | None:
-    path = log_dir / RESULT_FILE
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    summary = read_timing_summary(log_dir) if data["status"] == "ok" else None
-    return FitResult(name, data["status"], data.get("error", ""), data.get("seconds", 0.0), log_dir, summary)
 
 
 def fits(plan_path: str) -> int:
@@ -208,20 +197,6 @@ def first_that_fits(candidates: list[int], attempt: Callable[[int], dict[str, An
     return None, attempts
 
 
-def _peak_flops(where: torch.device, precision: str) -> tuple[str, float | None]:
-    """The compute dtype of ``precision`` and the device's dense peak for it (a MIG slice: its share of the SMs)."""
-    from lightning_ddp.hardware import dense_peak_flops
-
-    if precision.startswith(("bf16", "16")):
-        dtype = "bf16" if precision.startswith("bf16") else "fp16"
-    else:
-        dtype = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    if where.type != "cuda":
-        return dtype, dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
-    properties = torch.cuda.get_device_properties(where)
-    return dtype, dense_peak_flops(properties.name, dtype, sm_count=properties.multi_processor_count)
-
-
 def _timed_steps(model, optimizer, where: torch.device, batch: int, seq_len: int, precision: str, steps: int,
                  warmup: int) -> dict[str, Any]:
     """``warmup`` + ``steps`` training steps at ``batch``; the times of the last ``steps``."""
@@ -248,9 +223,11 @@ def _timed_steps(model, optimizer, where: torch.device, batch: int, seq_len: int
     return {"batch": batch, "step_ms": times}
 
 
-def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
-            device: str = "cuda") -> dict[str, Any]:
-    """Steps of ``preset`` at the largest batch that fits, from the pre-flight's batch down; everything measured."""
+def compute(out: str, preset: str, precision: str, seq_len: int, max_batch: int, steps: int, warmup: int,
+            device: str = "cuda") -> int:
+    """Steps of ``preset`` at the largest batch that fits, from the pre-flight's batch down; everything measured, as
+    JSON to ``out`` (the study passes its arguments as ``--config REQUEST.json``)."""
+    from lightning_ddp.hardware import dense_peak_flops
     from lightning_ddp.memory import estimate_rank_memory, largest_batch, memory_budget_bytes
     from lightning_ddp.model import get_config
     from lightning_ddp.module import LitGPT
@@ -276,34 +253,37 @@ def measure(preset: str, precision: str, seq_len: int, max_batch: int, steps: in
     results, attempts = first_that_fits(
         batch_candidates(proposed),
         lambda batch: _timed_steps(model, optimizer, where, batch, seq_len, precision, steps, warmup), free)
-    dtype, peak = _peak_flops(where, precision)
-    out: dict[str, Any] = {
+    # The compute dtype of the precision and the device's dense peak for it (a MIG slice: its share of the SMs).
+    if precision.startswith(("bf16", "16")):
+        dtype = "bf16" if precision.startswith("bf16") else "fp16"
+    else:
+        dtype = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if cuda:
+        properties = torch.cuda.get_device_properties(where)
+        peak = dense_peak_flops(properties.name, dtype, sm_count=properties.multi_processor_count)
+    else:
+        peak = dense_peak_flops("cpu", dtype, threads=torch.get_num_threads())
+    result: dict[str, Any] = {
         "preset": preset, "precision": precision, "seq_len": seq_len, "device": str(where),
         "device_name": torch.cuda.get_device_name(where) if cuda else "cpu",
         "parameters": sum(p.numel() for p in model.parameters()), "budget_bytes": budget,
         "preflight_batch": proposed, "max_batch": max_batch, "attempts": attempts,
         "compute_dtype": dtype, "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
-    if results is None:
-        return out
-    batch = results["batch"]
-    step_ms = statistics.median(results["step_ms"])
-    tokens_per_s = batch * seq_len / (step_ms / 1e3)
-    estimate = estimate_rank_memory(config, batch_size=batch, **estimate_kwargs)
-    out.update(
-        batch=batch, step_ms=results["step_ms"], step_ms_median=step_ms, tokens_per_s=tokens_per_s,
-        flops_per_token=model.flops_per_token(seq_len), peak_flops=peak,
-        mfu=tokens_per_s * model.flops_per_token(seq_len) / peak if peak else None,
-        peak_allocated_bytes=torch.cuda.max_memory_allocated(where) if cuda else None,
-        peak_reserved_bytes=torch.cuda.max_memory_reserved(where) if cuda else None,
-        estimate_bytes=estimate.total_bytes, estimate_parts=estimate.parts, estimate_table=estimate.table(),
-    )
-    return out
-
-
-def compute(request: str, out: str) -> int:
-    """Measure with the keyword arguments in the JSON file ``request`` (the study writes it); the result to ``out``."""
-    write_json_atomically(out, measure(**json.loads(Path(request).read_text())))
+    if results is not None:
+        batch = results["batch"]
+        step_ms = statistics.median(results["step_ms"])
+        tokens_per_s = batch * seq_len / (step_ms / 1e3)
+        estimate = estimate_rank_memory(config, batch_size=batch, **estimate_kwargs)
+        result.update(
+            batch=batch, step_ms=results["step_ms"], step_ms_median=step_ms, tokens_per_s=tokens_per_s,
+            flops_per_token=model.flops_per_token(seq_len), peak_flops=peak,
+            mfu=tokens_per_s * model.flops_per_token(seq_len) / peak if peak else None,
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(where) if cuda else None,
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(where) if cuda else None,
+            estimate_bytes=estimate.total_bytes, estimate_parts=estimate.parts, estimate_table=estimate.table(),
+        )
+    write_json_atomically(out, result)
     return 0
 
 
@@ -329,28 +309,22 @@ def _or_none(read: Callable[[], Any]) -> Any:
         return None
 
 
-def _cuda_versions() -> dict[str, Any]:
-    """The NVIDIA driver, the CUDA driver API (e.g. 12040 for CUDA 12.4), cuDNN and NCCL; None where unknown."""
-    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-    return {"nvidia_driver": _or_none(lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20,
-                                                             check=True).stdout.split()[0]),
-            "cuda_driver_api": _or_none(lambda: torch._C._cuda_getDriverVersion()),
-            "cudnn": torch.backends.cudnn.version(),
-            "nccl": _or_none(lambda: ".".join(map(str, torch.cuda.nccl.version())))}  # (2, 21, 5) -> 2.21.5
-
-
 def environment(out: str, device: str = "cuda") -> int:
-    """Write the machine to ``out`` (JSON): for ``cuda`` every visible GPU, for ``cpu`` (a dry run) the host only."""
+    """Write the machine to ``out`` (JSON): for ``cuda`` every visible GPU, for ``cpu`` (a dry run) the host only;
+    the NVIDIA driver, the CUDA driver API (e.g. 12040 for CUDA 12.4), cuDNN and NCCL are None where unknown."""
     from lightning_ddp.bench.study import provenance
     from lightning_ddp.memory import memory_budget_bytes
 
     cuda = device == "cuda" and torch.cuda.is_available()
-    unknown = dict.fromkeys(("nvidia_driver", "cuda_driver_api", "cudnn", "nccl"))
+    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
     write_json_atomically(Path(out), provenance(
         str(Path(out).parent), device="cuda" if cuda else "cpu",
         gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        **(_cuda_versions() if cuda else unknown), torch_cuda=torch.version.cuda,
-        jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
+        nvidia_driver=_or_none(lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20,
+                                                      check=True).stdout.split()[0]),
+        cuda_driver_api=_or_none(lambda: torch._C._cuda_getDriverVersion()), cudnn=torch.backends.cudnn.version(),
+        nccl=_or_none(lambda: ".".join(map(str, torch.cuda.nccl.version()))),  # (2, 21, 5) -> 2.21.5
+        torch_cuda=torch.version.cuda, jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
         memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
         float32_matmul_precision=torch.get_float32_matmul_precision(),
     ), default=str)

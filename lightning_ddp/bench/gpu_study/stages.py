@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Union
 
+import torch
+
 from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study import GPUStudyConfig, Scale
 from lightning_ddp.bench.gpu_study.processes import FitResult, FitSpec, run_fits
@@ -50,11 +52,6 @@ class StudyContext:
     log: Callable[[str], None] = print
     stage_estimate_s: float = 0.0  # the running stage's estimate and start, set by the study
     stage_started: float = 0.0
-
-    @property
-    def backend(self) -> str:
-        """The backend of one rank per device: NCCL on a GPU, gloo on CPU."""
-        return "nccl" if self.scale.device == "cuda" else "gloo"
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -149,7 +146,7 @@ def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps:
         "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
         "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
         "--trainer.accelerator", ctx.scale.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
-        "--trainer.strategy", strategy_argument(strategy, ctx.backend if ranks == 1 else "gloo"),
+        "--trainer.strategy", strategy_argument(strategy, ctx.scale.backend if ranks == 1 else "gloo"),
         "--trainer.precision", precision or ctx.scale.precision,
         "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
@@ -267,9 +264,10 @@ def compute(ctx: StudyContext) -> StageResult:
                                "published": "; ".join(published_ms) or "none at this context", "runs": {}})
     for precision in ("bf16-mixed", "32-true"):
         request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
-        write_json_atomically(request, {**scale, "precision": precision, "device": ctx.scale.device})
-        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "compute", str(request.resolve()),
-                              str(out.resolve())], stage / f"compute_{precision}.log", out)
+        write_json_atomically(request, {**scale, "precision": precision, "device": ctx.scale.device,
+                                        "out": str(out.resolve())})
+        ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "compute", "--config",
+                              str(request.resolve())], stage / f"compute_{precision}.log", out)
         run = ran.data or {"status": "failed", "error": f"{precision}: {ran.error}"}
         if ran.data is not None:  # the process wrote its result
             run.pop("estimate_table", None)
@@ -329,7 +327,7 @@ def strategies(ctx: StudyContext) -> StageResult:
         step = row.get("step/time_ms")
         row["overhead_vs_ddp"] = step / baseline - 1 if step and baseline else None
     problems = _failures(results) + [p for r in results if r.ok for p in step_problems(r.summary, r.name)]
-    data = {**ctx.scale.strategies, "backend": ctx.backend, "precision": ctx.scale.precision, "rows": rows}
+    data = {**ctx.scale.strategies, "backend": ctx.scale.backend, "precision": ctx.scale.precision, "rows": rows}
     files = [ctx.relative(f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
     return StageResult(data=data, files=files, problems=problems)
 
@@ -345,8 +343,6 @@ LOSSY_TOLERANCE = 1e-2  # the same for a lossy algorithm (bucketed_bf16_ddp)
 def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update: float) -> dict[str, Any]:
     """How far ``actual``'s weights are from ``expected``'s, in updates (``update`` = lr x steps): the fraction off
     by more than ``OFF_BY``, the median, the 99th percentile and the largest, and where the largest is."""
-    import torch
-
     if actual.keys() != expected.keys():
         missing = sorted(set(expected) ^ set(actual))
         raise ValueError(f"the two runs saved different tensors, e.g. {missing[:3]}: compare runs of the same model")
@@ -371,8 +367,6 @@ def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -
 
 def _weights(result: FitResult) -> Any:
     """The final weights ``result``'s fit saved, removed once read (~14 MB a strategy, worth nothing more)."""
-    import torch
-
     path = result.log_dir / "weights.pt" if result.ok and result.log_dir is not None else None
     if path is None or not path.exists():
         return None

@@ -65,29 +65,24 @@ def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False
     return calls
 
 
-def _previous_document(out: Path, config: GPUStudyConfig) -> dict[str, Any]:
-    """The stages.json in ``out`` that ``--resume`` continues (empty: none); never one of the other kind."""
-    path = out / "stages.json"
-    if not path.exists():
-        return {}
-    try:
-        previous = json.loads(path.read_text())
-        done = [entry["name"] for entry in previous["stages"] if entry["status"] == "ok"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path} is not a GPU study's stages.json ({error}); choose another --out") from None
-    if not config.resume:
-        raise ValueError(f"{out} already holds a study ({len(done)} stages ok); add `--resume true` to keep them and "
-                         "run the rest, or choose another --out")
-    if bool(previous.get("cpu_dry_run")) != config.cpu_dry_run:
-        kinds = {True: "a CPU dry run", False: "a GPU study"}
-        raise ValueError(f"{out} holds {kinds[bool(previous.get('cpu_dry_run'))]}, and this call is "
-                         f"{kinds[config.cpu_dry_run]}; choose another --out")
-    return previous
-
-
-def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyContext,
-                  previous: dict[str, Any]) -> dict[str, Any]:
-    """stages.json for this call: every stage pending, except those ``previous`` has ``ok`` (kept unchanged)."""
+def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyContext) -> dict[str, Any]:
+    """stages.json for this call: every stage pending, except those the stages.json in ``--out`` has ``ok`` (kept
+    unchanged), which ``--resume true`` must continue, and never one of the other kind (dry run or GPU)."""
+    path = ctx.out / "stages.json"
+    previous: dict[str, Any] = {}
+    if path.exists():
+        try:
+            previous = json.loads(path.read_text())
+            done = [entry["name"] for entry in previous["stages"] if entry["status"] == "ok"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path} is not a GPU study's stages.json ({error}); choose another --out") from None
+        if not config.resume:
+            raise ValueError(f"{ctx.out} already holds a study ({len(done)} stages ok); add `--resume true` to keep "
+                             "them and run the rest, or choose another --out")
+        if bool(previous.get("cpu_dry_run")) != config.cpu_dry_run:
+            kinds = {True: "a CPU dry run", False: "a GPU study"}
+            raise ValueError(f"{ctx.out} holds {kinds[bool(previous.get('cpu_dry_run'))]}, and this call is "
+                             f"{kinds[config.cpu_dry_run]}; choose another --out")
     kept = {e["name"]: e for e in previous.get("stages", []) if e.get("status") == "ok"}
     call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": [repo_relative(arg) for arg in sys.argv], "budget_min": config.budget_min}
@@ -154,7 +149,6 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         raise ValueError(f"{problem}; choose from {', '.join(names)}, or leave it out")
     out = Path(config.out)
     root = repository_root(config.root)
-    previous = _previous_document(out, config)
     cuda = cuda_available() if cuda is None else cuda
     if not cuda and not config.cpu_dry_run:
         raise ValueError("no CUDA device is visible (torch.cuda.is_available() is False in a fresh process); the GPU "
@@ -162,7 +156,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     scale = DRY_RUN_SCALE if config.cpu_dry_run else GPU_SCALE
     ctx = StudyContext(config=config, scale=scale, out=out, root=root, cuda=cuda,
                        deadline=started + config.budget_min * 60, log=say)
-    document = _new_document(config, stages, ctx, previous)
+    document = _new_document(config, stages, ctx)
     # Refuse a budget in which a stage left to run could never start (it would be skipped call after call).
     plan_calls([stage for stage, entry in zip(stages, document["stages"])
                 if entry["status"] != "ok" and _skip_reason(stage, ctx, math.inf) is None],
