@@ -365,7 +365,8 @@ class Analysis:
             return None
 
         def median_on(row: Row, repeats: Sequence[int]) -> float:
-            value = self.data[row["cell_id"]].measured(self.bootstrap, repeats).point[STEP]
+            values = self.data[row["cell_id"]].values(ESTIMATED_KEYS[:1], repeats)
+            value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
             return value if math.isfinite(value) else math.inf
 
         with_selection = [(row, evens) for row, ok in candidates if (evens := [k for k in ok if k % 2 == 0])]
