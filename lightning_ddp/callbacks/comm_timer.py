@@ -27,9 +27,9 @@ from lightning_ddp import catalogue, compat, hardware
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
                                              measurement_note, recorder_for, release_recorder, strategy_label)
-from lightning_ddp.metrics.straggler import (DEFAULT_MAX_COLLECTIVES, StragglerExchange, check_int, clock_note,
-                                             distributed)
+from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, StragglerExchange, clock_note, distributed
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
+from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
 
@@ -110,9 +110,9 @@ class CommTimer(StepObserver):
         clock_sync_rounds: int = 8,
     ) -> None:
         if every_n_steps is not None:
-            check_int("every_n_steps", every_n_steps, 1, "--timer.every_n_steps 1 to measure every step (null: the "
-                      "trainer's log_every_n_steps)")
-        check_int("warmup_steps", warmup_steps, 0, "--timer.warmup_steps 5")
+            check_number("every_n_steps", every_n_steps, 1, "e.g. --timer.every_n_steps 1 to measure every step (null: "
+                         "the trainer's log_every_n_steps)")
+        check_number("warmup_steps", warmup_steps, 0, "e.g. --timer.warmup_steps 5")
         if peak_tflops is not None and not peak_tflops > 0:
             h100 = hardware.DEVICES["h100-sxm"].dense_tflops["bf16"]
             raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; "

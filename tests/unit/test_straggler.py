@@ -185,13 +185,9 @@ def test_offsets_are_re_estimated_every_n_measured_steps_on_every_rank_alike():
 def test_small_messages_travel_on_the_cpu_unless_the_group_has_no_cpu_backend(monkeypatch: pytest.MonkeyPatch):
     from lightning_ddp.metrics import straggler
 
-    monkeypatch.setattr("lightning_ddp.sync.comm.backend_for", lambda device, group=None: "gloo")
+    monkeypatch.setattr("torch.distributed.get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
     assert straggler._message_device(torch.device("cuda", 0)) == torch.device("cpu")
-
-    def nccl_only(device, group=None):  # noqa: ANN001, ANN202
-        raise ValueError("the process group (backend 'nccl') has no backend for cpu tensors")
-
-    monkeypatch.setattr("lightning_ddp.sync.comm.backend_for", nccl_only)
+    monkeypatch.setattr("torch.distributed.get_backend_config", lambda group=None: "cuda:nccl")
     assert straggler._message_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
 
 
