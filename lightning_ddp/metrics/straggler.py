@@ -60,7 +60,6 @@ class StragglerStats:
     """Median over compared collectives of the straggler's launch minus the earliest launch."""
     rank_spread_ms: float | None = None
     """Slowest minus fastest rank's compute; ``None`` when no rank marked it."""
-    compared: int = 0
 
 
 def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerStats:
@@ -71,8 +70,8 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
     >>> v0 = [100.0, 60.0, 0.0, 2.0, 40.0, 55.0]
     >>> v1 = [100.0, 80.0, 0.0, 2.0, 60.0, 75.0]
     >>> s = attribute_wait([v0, v1], rank=0)
-    >>> s.wait, s.straggler_rank, s.lag_ms, s.rank_spread_ms, s.compared
-    ([(40.0, 60.0), (55.0, 75.0)], 1, 20.0, 20.0, 2)
+    >>> s.wait, s.straggler_rank, s.lag_ms, s.rank_spread_ms
+    ([(40.0, 60.0), (55.0, 75.0)], 1, 20.0, 20.0)
     >>> attribute_wait([v0, v1], rank=1).wait
     [(60.0, 60.0), (75.0, 75.0)]
     """
@@ -104,7 +103,7 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
         wait.append((own, own + latest - launches[rank]))
         earliest = min(launches)
         per_collective.append([value - earliest for value in launches])
-    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait, compared=len(per_collective))
+    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait)
     if per_collective:
         straggler = max(range(len(vectors)), key=lambda r: (last_counts[r], -r))
         stats.straggler_rank = straggler
@@ -260,17 +259,12 @@ class StragglerExchange:
         self.max_uncertainty_ms: float | None = None
         """The largest uncertainty over every estimate of the run."""
 
-    @property
-    def syncing(self) -> bool:
-        """Whether clock offsets are estimated in this run (decided in ``start``)."""
-        return self.clock_sync == "always" or (self.clock_sync == "auto" and self.hosts > 1)
-
     def start(self, device: torch.device | str, hosts: int = 1) -> None:
         """At train start, on every rank: the number of distinct hostnames the ranks run on, and, if needed, the
-        offsets' first estimate."""
+        offsets' first estimate (``offsets`` is then set: the run estimates them)."""
         self.device = torch.device(device)
         self.hosts = hosts
-        if self.syncing:
+        if self.clock_sync == "always" or (self.clock_sync == "auto" and hosts > 1):
             self._sync(None)
 
     def _sync(self, step: int | None) -> None:
@@ -281,7 +275,7 @@ class StragglerExchange:
 
     def exchange(self, record: SyncRecord, step: int) -> StragglerStats:
         """Every rank's vector for this finished step, gathered in one collective, as this rank's stats."""
-        if self.syncing:
+        if self.offsets is not None:  # clock offsets are estimated in this run
             if self.estimated_at[-1] is None:  # estimated at train start: counts as this, the first measured step
                 self.estimated_at[-1] = step
             elif step - self.estimated_at[-1] >= self.every_n_steps:
