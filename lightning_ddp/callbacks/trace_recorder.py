@@ -25,8 +25,6 @@ from lightning_ddp.sync import ranges
 from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.record import SyncRecord
 
-_RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
-
 
 class TraceRecorder(StepObserver):
     """Record a profiler trace of ``active_steps`` optimizer steps after ``wait_steps + warmup_steps`` on every rank.
@@ -158,7 +156,8 @@ class TraceRecorder(StepObserver):
 
     def observes(self, step: int) -> bool:
         """Whether the profiler records now: only traced steps are recorded (the recorder stays unarmed in others)."""
-        return self._prof is not None and self._prof.current_action in _RECORDING
+        return self._prof is not None and self._prof.current_action in (ProfilerAction.RECORD,
+                                                                         ProfilerAction.RECORD_AND_SAVE)
 
     def _opened(self, trainer: pl.Trainer) -> None:
         before = time.perf_counter()
