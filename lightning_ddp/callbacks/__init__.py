@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_ddp import compat
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
-from lightning_ddp.metrics.straggler import check_int
+from lightning_ddp.sync.base import check_number
 
 __all__ = ["CommTimer", "FinalStepCheckpoint", "SlowRank", "TraceRecorder"]
 
@@ -32,10 +32,9 @@ class SlowRank(Callback):
     """
 
     def __init__(self, rank: int = 1, delay_ms: float = 20.0, every_n_steps: int = 1) -> None:
-        check_int("rank", rank, 0, "--trainer.callbacks.rank 1 (a global rank)")
-        if not delay_ms >= 0:
-            raise ValueError(f"delay_ms must be >= 0, got {delay_ms!r}; e.g. --trainer.callbacks.delay_ms 20")
-        check_int("every_n_steps", every_n_steps, 1, "--trainer.callbacks.every_n_steps 1")
+        check_number("rank", rank, 0, "e.g. --trainer.callbacks.rank 1 (a global rank)")
+        check_number("delay_ms", delay_ms, 0, "e.g. --trainer.callbacks.delay_ms 20", integer=False)
+        check_number("every_n_steps", every_n_steps, 1, "e.g. --trainer.callbacks.every_n_steps 1")
         self.rank = rank
         self.delay_ms = float(delay_ms)
         self.every_n_steps = every_n_steps

@@ -27,9 +27,9 @@ from lightning_ddp import catalogue, compat, hardware
 from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
                                              measurement_note, recorder_for, release_recorder, strategy_label)
-from lightning_ddp.metrics.straggler import (DEFAULT_MAX_COLLECTIVES, StragglerExchange, check_int, clock_note,
-                                             distributed)
+from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, StragglerExchange, clock_note, distributed
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
+from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.record import Recorder, SyncRecord
 
 
@@ -110,9 +110,9 @@ class CommTimer(StepObserver):
         clock_sync_rounds: int = 8,
     ) -> None:
         if every_n_steps is not None:
-            check_int("every_n_steps", every_n_steps, 1, "--timer.every_n_steps 1 to measure every step (null: the "
-                      "trainer's log_every_n_steps)")
-        check_int("warmup_steps", warmup_steps, 0, "--timer.warmup_steps 5")
+            check_number("every_n_steps", every_n_steps, 1, "e.g. --timer.every_n_steps 1 to measure every step (null: "
+                         "the trainer's log_every_n_steps)")
+        check_number("warmup_steps", warmup_steps, 0, "e.g. --timer.warmup_steps 5")
         if peak_tflops is not None and not peak_tflops > 0:
             h100 = hardware.DEVICES["h100-sxm"].dense_tflops["bf16"]
             raise ValueError(f"peak_tflops must be > 0 (TFLOP/s of one device), got {peak_tflops}; "
@@ -127,7 +127,7 @@ class CommTimer(StepObserver):
         self._watched: list[tuple[str, torch.Tensor]] = []
         self._compute: list[dict[str, Any]] = []  # per measured step: forward/backward/optimizer ms, ready ms
         self._calls: dict[tuple[str, int], list[float]] = {}  # (op, bytes) -> busy ms, steps after warm-up
-        self._batch_shape: tuple[int, ...] = ()  # (batch, seq_len) of a micro-batch, when the module counts tokens
+        self._batch_shape: tuple[int | None, int | None] = (None, None)  # (batch, seq_len): a 2-D counted micro-batch
         self._every = 1  # every_n_steps resolved at the start of training
         self._comm: str | None = "full"  # what this strategy's communication can be seen of (comm_recording)
         self._watch = False  # whether gradient-ready hooks are wanted (the compute profile)
@@ -193,25 +193,23 @@ class CommTimer(StepObserver):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        """An observed micro-batch's tokens and FLOPs are added, where the module (or ``tokens_fn``) counts them."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._observing:
-            self._count(pl_module, batch)
-
-    def _count(self, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Add one micro-batch's tokens and FLOPs, where the module (or ``tokens_fn``) says how to count them."""
+        if not self._observing:
+            return
         counter = self.tokens_fn or getattr(pl_module, "tokens_per_batch", None)
         tokens = int(counter(batch)) if counter is not None else None
         if tokens is not None:
             self._tokens = (self._tokens or 0) + tokens
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, torch.Tensor) and x.dim() == 2:
                 self._batch_shape = tuple(x.shape)
         flops = getattr(pl_module, "flops_per_batch", None)
         if callable(flops):
             flops = flops(batch)
         per_token = getattr(pl_module, "flops_per_token", None)
-        if flops is None and tokens is not None and per_token is not None and len(self._batch_shape) > 1:
-            flops = tokens * float(per_token(self._batch_shape[-1]))
+        if flops is None and tokens is not None and per_token is not None and self._batch_shape[1] is not None:
+            flops = tokens * float(per_token(self._batch_shape[1]))
         if flops is not None:
             self._flops = (self._flops or 0.0) + float(flops)
 
@@ -267,8 +265,9 @@ class CommTimer(StepObserver):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled or not trainer.is_global_zero or len(self.summary) == 0:
             return
-        self._write_tensorboard_views(trainer, pl_module)
-        if len(self.summary) <= self.warmup_steps:
+        summary = self.summary.summarize(self.warmup_steps) if len(self.summary) > self.warmup_steps else {}
+        self._write_tensorboard_views(trainer, pl_module, run_metrics(summary))
+        if not summary:
             rank_zero_info(
                 f"CommTimer: {len(self.summary)} steps ran, all within warmup_steps={self.warmup_steps}; no summary "
                 "written (lower --timer.warmup_steps or run more steps)."
@@ -277,14 +276,16 @@ class CommTimer(StepObserver):
         out_dir = Path(trainer.logger.log_dir or trainer.default_root_dir)  # setup() refused a run without a logger
         title = f"CommTimer [{strategy_label(trainer.strategy)}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
-        lag = self.summary.summarize(self.warmup_steps).get("straggler/lag_ms", {}).get("median")
-        note = clock_note(self.exchange.describe()["max_uncertainty_ms"], lag)
+        lag = summary.get("straggler/lag_ms", {}).get("median")
+        clock = self.exchange.describe()
+        note = clock_note(clock["max_uncertainty_ms"], lag)
         if note is not None:
             print(f"note: {note}", flush=True)
+            clock["note"] = note
         extra = {"schema": SUMMARY_SCHEMA,
                  "run": {**run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
                          "every_n_steps": self._every, "comm_recording": self._comm},
-                 "clock": {**self.exchange.describe(), **({"note": note} if note else {})},
+                 "clock": clock,
                  "collectives": call_table(self._calls)}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
@@ -293,22 +294,20 @@ class CommTimer(StepObserver):
         if profile is not None:
             write_profile(profile, out_dir / "compute_profile.json")
 
-    def _write_tensorboard_views(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _write_tensorboard_views(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 medians: dict[str, float]) -> None:
         """Into every TensorBoard logger (rank 0, end of fit): the custom-scalars layout of the keys this run logged,
-        and the run's hparams record with its medians as metrics (no values when every measured step was warm-up)."""
+        and the run's hparams record with ``medians`` as metrics (none when every measured step was warm-up)."""
         loggers = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
         if not loggers:
             return
         logged = set().union(*self.summary.metrics)
-        past_warmup = len(self.summary) > self.warmup_steps
-        medians = run_metrics(self.summary.summarize(self.warmup_steps)) if past_warmup else {}
         bucket, engine = strategy_settings(trainer.strategy, self._bucket_size_mb)
-        datamodule_hparams = getattr(trainer.datamodule, "hparams", {}) if trainer.datamodule is not None else {}
-        shape = self._batch_shape if len(self._batch_shape) == 2 else (None,)  # (batch, seq_len) when counted
+        batch_size = getattr(trainer.datamodule, "hparams", {}).get("batch_size", self._batch_shape[0])  # or None
         hparams = run_hparams(
             strategy=strategy_label(trainer.strategy), bucket_size_mb=bucket, engine_settings=engine,
             world_size=trainer.world_size, precision=str(trainer.precision),
-            batch_size=datamodule_hparams.get("batch_size", shape[0]), preset=pl_module.hparams.get("preset"),
+            batch_size=batch_size, preset=pl_module.hparams.get("preset"),
         )
         from torch.utils.tensorboard.summary import hparams as hparams_summary  # loads tensorboard: only when needed
 
@@ -368,7 +367,7 @@ def _compute_landmarks(record: SyncRecord) -> dict[str, Any]:
 
 
 def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.Tensor]], trainer: pl.Trainer,
-                    pl_module: pl.LightningModule, batch_shape: tuple[int, ...]) -> ComputeProfile | None:
+                    pl_module: pl.LightningModule, batch_shape: tuple[int | None, ...]) -> ComputeProfile | None:
     """The median over ``steps`` of each landmark, as a compute profile (``None`` if a landmark never showed)."""
 
     def median(values: list[float | None]) -> float | None:
@@ -383,14 +382,12 @@ def _median_profile(steps: list[dict[str, Any]], watched: list[tuple[str, torch.
     ready = [median([s["ready_ms"][i] for s in steps if i < len(s["ready_ms"])]) for i in range(len(watched))]
     params = tuple(ParamTiming(name, p.numel(), p.nbytes, ready_ms, tuple(p.shape))
                    for (name, p), ready_ms in zip(watched, ready))
-    hparams = pl_module.hparams
     device = trainer.strategy.root_device
     return ComputeProfile(
         **times, params=params,
         source=f"CommTimer: median of {len(steps)} steps of {strategy_label(trainer.strategy)}",
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        preset=hparams.get("preset"), batch_size=batch_shape[0] if len(batch_shape) == 2 else None,
-        seq_len=batch_shape[-1] if len(batch_shape) == 2 else None,
+        preset=pl_module.hparams.get("preset"), batch_size=batch_shape[0], seq_len=batch_shape[1],
         precision=str(trainer.precision), world_size=trainer.world_size,
     )
 
@@ -450,13 +447,8 @@ MEDIAN_METRICS: dict[str, str] = {
 """CommTimer key -> the HPARAMS metric tag of its end-of-fit median, in the order TensorBoard shows them."""
 
 HPARAM_NAMES: dict[str, str] = {
-    "strategy": "grad_sync/strategy",
-    "bucket_size_mb": "grad_sync/bucket_size_mb",
-    "engine_settings": "grad_sync/engine_settings",
-    "world_size": "run/world_size",
-    "precision": "run/precision",
-    "batch_size": "run/batch_size",
-    "preset": "run/preset",
+    **{key: f"grad_sync/{key}" for key in ("strategy", "bucket_size_mb", "engine_settings")},
+    **{key: f"run/{key}" for key in ("world_size", "precision", "batch_size", "preset")},
 }
 """``run_hparams``' arguments -> the hparams' names in TensorBoard; every run writes all of them."""
 
@@ -499,19 +491,16 @@ def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> t
     # lets the timer see (fsdp2) wraps the model in something else.
     ddp_kwargs = getattr(strategy, "_ddp_kwargs", None) if not hasattr(strategy, "comm_recording") else None
     settings = {name: getattr(strategy, name) for name in ENGINE_ATTRIBUTES if hasattr(strategy, name)}
+    bucket: float | str = NOT_APPLICABLE
     if algorithm is not None:
         settings.update(getattr(strategy, "engine_settings", None) or {})
+        if getattr(algorithm, "has_bucket_size", False) and getattr(strategy, "bucket_size_mb", "") is None:
+            bucket = ONE_BUCKET
     elif isinstance(ddp_kwargs, Mapping):
         settings.update({k: v for k, v in ddp_kwargs.items() if k != "bucket_cap_mb"})
-    if resolved_bucket_size_mb is not None:
-        bucket: float | str = float(resolved_bucket_size_mb)
-    elif algorithm is not None:
-        one = getattr(algorithm, "has_bucket_size", False) and getattr(strategy, "bucket_size_mb", "") is None
-        bucket = ONE_BUCKET if one else NOT_APPLICABLE
-    elif isinstance(ddp_kwargs, Mapping):
         bucket = float(ddp_kwargs.get("bucket_cap_mb") or catalogue.DEFAULT_BUCKET_SIZE_MB)
-    else:
-        bucket = NOT_APPLICABLE
+    if resolved_bucket_size_mb is not None:
+        bucket = float(resolved_bucket_size_mb)
     return bucket, ", ".join(f"{k}={v}" for k, v in settings.items()) or "default"
 
 

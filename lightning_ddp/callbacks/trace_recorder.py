@@ -21,11 +21,9 @@ from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import StepObserver, run_description
 from lightning_ddp.metrics.recording import TRACE_SUFFIX, RecordedStep, add_communication_track, recorder_for
-from lightning_ddp.metrics.straggler import check_int
 from lightning_ddp.sync import ranges
+from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.record import SyncRecord
-
-_RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
 class TraceRecorder(StepObserver):
@@ -51,9 +49,9 @@ class TraceRecorder(StepObserver):
         record_shapes: bool = False,
         with_stack: bool = False,
     ) -> None:
-        check_int("wait_steps", wait_steps, 0, "--trace.wait_steps 5")
-        check_int("warmup_steps", warmup_steps, 0, "--trace.warmup_steps 1")
-        check_int("active_steps", active_steps, 1, "--trace.active_steps 3 (steps recorded)")
+        check_number("wait_steps", wait_steps, 0, "e.g. --trace.wait_steps 5")
+        check_number("warmup_steps", warmup_steps, 0, "e.g. --trace.warmup_steps 1")
+        check_number("active_steps", active_steps, 1, "e.g. --trace.active_steps 3 (steps recorded)")
         self.enabled = enabled
         self.wait_steps = wait_steps
         self.warmup_steps = warmup_steps
@@ -158,7 +156,8 @@ class TraceRecorder(StepObserver):
 
     def observes(self, step: int) -> bool:
         """Whether the profiler records now: only traced steps are recorded (the recorder stays unarmed in others)."""
-        return self._prof is not None and self._prof.current_action in _RECORDING
+        return self._prof is not None and self._prof.current_action in (ProfilerAction.RECORD,
+                                                                         ProfilerAction.RECORD_AND_SAVE)
 
     def _opened(self, trainer: pl.Trainer) -> None:
         before = time.perf_counter()

@@ -81,11 +81,6 @@ class StepTiming:
         if busy_ms > self.step_ms:
             anomalies.append(f"busy time {busy_ms:.6g} ms exceeds the step's {self.step_ms:.6g} ms")
 
-    @property
-    def clock_anomalies(self) -> int:
-        """``comm/clock_anomalies``: how many marks construction clamped."""
-        return len(self.anomalies)
-
     @classmethod
     def from_record(cls, record: SyncRecord, step_ms: float, tokens: int | None) -> StepTiming:
         """From a finished record; exposed: its ``exposed`` spans, and ``[last_ready, usable]`` when both marked."""
@@ -217,7 +212,7 @@ def step_metrics(
         "comm/busbw_GBps": bus_bytes / (busy_ms / 1e3) / 1e9 if busy_ms > 0 else 0.0,
         "comm/calls": float(len(timing.collectives)),
         "comm/bytes": float(nbytes),
-        "comm/clock_anomalies": float(timing.clock_anomalies),
+        "comm/clock_anomalies": float(len(timing.anomalies)),  # marks construction clamped
     }
     if timing.tokens is not None:  # every rank's tokens: this rank's times world_size
         metrics["step/tokens_per_s"] = timing.tokens * world_size / (step_ms / 1e3) if step_ms > 0 else 0.0
@@ -268,8 +263,6 @@ _TABLE_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("busbw GB/s", "comm/busbw_GBps", 1.0, ",.3f"),
     ("tokens/s", "step/tokens_per_s", 1.0, ",.0f"),
 )
-
-_OPTIONAL_COLUMNS = frozenset({"comm/wait_ms", "comm/transfer_ms"})
 
 
 class TimingSummary:
@@ -354,7 +347,7 @@ class TimingSummary:
         """An aligned text table of the headline metrics (median, p10, p90)."""
         summary = self.summarize(warmup_steps)
         # The straggler split is there only when the ranks exchanged launch times: its columns only then.
-        columns = [c for c in _TABLE_COLUMNS if c[1] in summary or c[1] not in _OPTIONAL_COLUMNS]
+        columns = [c for c in _TABLE_COLUMNS if c[1] in summary or c[1] not in ("comm/wait_ms", "comm/transfer_ms")]
         heading = f"{len(self.steps) - warmup_steps} steps after {warmup_steps} warm-up"
         lines = [f"{title}: {heading}" if title else heading]
         header = [""] + [name for name, _, _, _ in columns]

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddp.intervals import Interval
+from lightning_ddp.sync.base import check_number
+from lightning_ddp.sync.comm import backend_from_spec
 from lightning_ddp.sync.record import SyncRecord
 
 VECTOR_HEADER = 4
@@ -22,12 +24,7 @@ VECTOR_HEADER = 4
 
 DEFAULT_MAX_COLLECTIVES = 512
 """Launch times compared per step by default (more than the naive engine's ~435 on the xl model)."""
-
-
-def check_int(name: str, value: Any, minimum: int, example: str) -> None:
-    """Refuse ``value`` unless an int ``>= minimum``, naming the fix: ``example``, e.g. ``--trace.active_steps 3``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}; e.g. {example}")
+_COLLECTIVES_FIX = f"e.g. --timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}"
 
 
 def rank_vector(record: SyncRecord, max_collectives: int, clock_offset_ms: float = 0.0) -> list[float]:
@@ -39,7 +36,7 @@ def rank_vector(record: SyncRecord, max_collectives: int, clock_offset_ms: float
     >>> rank_vector(record, max_collectives=2, clock_offset_ms=1.0)  # 0 ms is 100 s = 100,000 ms, minus 1 ms
     [50.0, 35.0, 99999.0, 1.0, 30.0, nan]
     """
-    check_int("max_collectives", max_collectives, 1, f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
+    check_number("max_collectives", max_collectives, 1, _COLLECTIVES_FIX)
     assert record.origin_s is not None, "only a finished record (Recorder.finish_step) can be exchanged"
     started, last_ready = record.started, record.last_ready
     compute = last_ready - started if started is not None and last_ready is not None else math.nan
@@ -63,7 +60,6 @@ class StragglerStats:
     """Median over compared collectives of the straggler's launch minus the earliest launch."""
     rank_spread_ms: float | None = None
     """Slowest minus fastest rank's compute; ``None`` when no rank marked it."""
-    compared: int = 0
 
 
 def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerStats:
@@ -74,8 +70,8 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
     >>> v0 = [100.0, 60.0, 0.0, 2.0, 40.0, 55.0]
     >>> v1 = [100.0, 80.0, 0.0, 2.0, 60.0, 75.0]
     >>> s = attribute_wait([v0, v1], rank=0)
-    >>> s.wait, s.straggler_rank, s.lag_ms, s.rank_spread_ms, s.compared
-    ([(40.0, 60.0), (55.0, 75.0)], 1, 20.0, 20.0, 2)
+    >>> s.wait, s.straggler_rank, s.lag_ms, s.rank_spread_ms
+    ([(40.0, 60.0), (55.0, 75.0)], 1, 20.0, 20.0)
     >>> attribute_wait([v0, v1], rank=1).wait
     [(60.0, 60.0), (75.0, 75.0)]
     """
@@ -107,7 +103,7 @@ def attribute_wait(vectors: Sequence[Sequence[float]], rank: int) -> StragglerSt
         wait.append((own, own + latest - launches[rank]))
         earliest = min(launches)
         per_collective.append([value - earliest for value in launches])
-    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait, compared=len(per_collective))
+    stats = StragglerStats(step_ms=max(v[0] for v in vectors), wait=wait)
     if per_collective:
         straggler = max(range(len(vectors)), key=lambda r: (last_counts[r], -r))
         stats.straggler_rank = straggler
@@ -192,13 +188,8 @@ def distributed() -> bool:
 
 def _message_device(device: torch.device) -> torch.device:
     """Where a small message travels: the CPU if the group has a backend for it (gloo), else ``device``."""
-    from lightning_ddp.sync.comm import backend_for
-
-    try:
-        backend_for(torch.device("cpu"))
-        return torch.device("cpu")
-    except ValueError:
-        return device
+    cpu = torch.device("cpu")
+    return cpu if backend_from_spec(dist.get_backend_config(), cpu) is not None else device
 
 
 def measure_clock_offsets(rounds: int = 8, device: torch.device | str = "cpu",
@@ -247,12 +238,13 @@ class StragglerExchange:
 
     def __init__(self, max_collectives: int, clock_sync: str = "auto", clock_sync_every_n_steps: int = 1000,
                  clock_sync_rounds: int = 8, now: Callable[[], float] = time.perf_counter) -> None:
-        check_int("max_collectives", max_collectives, 1, f"--timer.straggler_collectives {DEFAULT_MAX_COLLECTIVES}")
+        check_number("max_collectives", max_collectives, 1, _COLLECTIVES_FIX)
         if clock_sync not in CLOCK_SYNC_CHOICES:
             raise ValueError(f"clock_sync must be one of {', '.join(CLOCK_SYNC_CHOICES)}, got {clock_sync!r}; e.g. "
                              "--timer.clock_sync auto")
-        check_int("clock_sync_every_n_steps", clock_sync_every_n_steps, 1, "--timer.clock_sync_every_n_steps 1000")
-        check_int("clock_sync_rounds", clock_sync_rounds, 1, "--timer.clock_sync_rounds 8")
+        check_number("clock_sync_every_n_steps", clock_sync_every_n_steps, 1,
+                     "e.g. --timer.clock_sync_every_n_steps 1000")
+        check_number("clock_sync_rounds", clock_sync_rounds, 1, "e.g. --timer.clock_sync_rounds 8")
         self.max_collectives = max_collectives
         self.clock_sync = clock_sync
         self.every_n_steps = clock_sync_every_n_steps
@@ -267,17 +259,12 @@ class StragglerExchange:
         self.max_uncertainty_ms: float | None = None
         """The largest uncertainty over every estimate of the run."""
 
-    @property
-    def syncing(self) -> bool:
-        """Whether clock offsets are estimated in this run (decided in ``start``)."""
-        return self.clock_sync == "always" or (self.clock_sync == "auto" and self.hosts > 1)
-
     def start(self, device: torch.device | str, hosts: int = 1) -> None:
         """At train start, on every rank: the number of distinct hostnames the ranks run on, and, if needed, the
-        offsets' first estimate."""
+        offsets' first estimate (``offsets`` is then set: the run estimates them)."""
         self.device = torch.device(device)
         self.hosts = hosts
-        if self.syncing:
+        if self.clock_sync == "always" or (self.clock_sync == "auto" and hosts > 1):
             self._sync(None)
 
     def _sync(self, step: int | None) -> None:
@@ -288,7 +275,7 @@ class StragglerExchange:
 
     def exchange(self, record: SyncRecord, step: int) -> StragglerStats:
         """Every rank's vector for this finished step, gathered in one collective, as this rank's stats."""
-        if self.syncing:
+        if self.offsets is not None:  # clock offsets are estimated in this run
             if self.estimated_at[-1] is None:  # estimated at train start: counts as this, the first measured step
                 self.estimated_at[-1] = step
             elif step - self.estimated_at[-1] >= self.every_n_steps:

@@ -30,11 +30,6 @@ class Overlap:
         """``overlapped / comm`` (HTA's comp_comm_overlap ratio); 0.0 when nothing was communicated."""
         return self.overlapped / self.comm if self.comm > 0 else 0.0
 
-    @property
-    def exposed(self) -> float:
-        """Communication time not hidden behind computation."""
-        return self.comm - self.overlapped
-
     def describe(self, more: str = "") -> str:
         """``overlap 75.0% (3.0 of 4.0 ms communication hidden{more})``, from times in trace microseconds."""
         hidden_ms, comm_ms = self.overlapped / 1e3, self.comm / 1e3
@@ -118,11 +113,7 @@ def load_rank_trace(path: str | Path) -> RankTrace:
     trace = json.loads(path.read_text())
     meta = trace.get(ranges.METADATA_KEY, {})
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    pid, tid = meta.get("pid"), meta.get("tid")
-    if tid is None:  # not augmented by the recorder: the training thread is where the step ranges are
-        step_events = [e for e in events if str(e.get("name", "")).startswith(ranges.STEP)]
-        if step_events:
-            pid, tid = step_events[0]["pid"], step_events[0]["tid"]
+    pid, tid = meta.get("pid"), meta.get("tid")  # the training thread, where the recorder put the step ranges
     own = {name: [] for name in (*ranges.COMPUTE_RANGES, *ranges.COMM_CALL_RANGES)}
     steps, record_comm, profiler_comm, gpu_compute = [], [], [], []
     for e in events:

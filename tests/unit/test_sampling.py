@@ -72,9 +72,11 @@ def test_a_recorder_on_its_own_still_opens_steps_on_demand(world_of_one) -> None
     assert recorder.armed
 
 
-@pytest.mark.parametrize("value", [0, -1, 2.5, True, "3"])
-def test_every_n_steps_must_be_a_positive_int_and_the_error_names_the_flag(value) -> None:
-    with pytest.raises(ValueError, match=r"--timer.every_n_steps 1"):
+@pytest.mark.parametrize(("value", "error"), [
+    (0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError), ("3", TypeError),
+])
+def test_every_n_steps_must_be_a_positive_int_and_the_error_names_the_flag(value, error) -> None:
+    with pytest.raises(error, match=r"--timer.every_n_steps 1"):
         CommTimer(every_n_steps=value)
 
 
