@@ -6,6 +6,7 @@ refuses a run that does not fit, with the fixes. The formulas and how they were 
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass
@@ -290,18 +291,11 @@ def estimate_rank_memory(
 def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024, **estimate_kwargs: Any) -> int:
     """The largest ``batch_size`` <= ``max_batch`` whose estimate (``estimate_kwargs``) fits; 0 if not even 1 does."""
 
-    def fits(batch: int) -> bool:
-        return estimate_rank_memory(config, batch_size=batch, **estimate_kwargs).total_bytes <= budget_bytes
+    def too_large(batch: int) -> bool:
+        return estimate_rank_memory(config, batch_size=batch, **estimate_kwargs).total_bytes > budget_bytes
 
-    if not fits(1):
-        return 0
-    low, high = 1, max_batch  # fits(low) holds; the estimate grows with the batch, so bisect
-    if fits(high):
-        return high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    # The estimate grows with the batch: bisect for the first batch that does not fit (the count of those that do).
+    return bisect.bisect_left(range(1, max_batch + 1), True, key=too_large)
 
 
 def memory_budget_bytes(device_type: Literal["cuda", "cpu"], ranks_per_device: int) -> int:
