@@ -152,19 +152,12 @@ def step_model(run: Run, comm: Any) -> StepModel:
     return StepModel(run.profile, comm, run.info["world_size"], copy_GBps * 1e9, contention=contention)
 
 
-BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)
-"""Bucket sizes tried for every strategy that takes one, besides ``auto``."""
-
+BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)  # tried for every strategy that takes one, and auto
+# Half-width of every interval, relative: the median |error| of self-calibrated predictions in the committed CPU
+# validation (benchmarks/results/projection/cpu_sweep_validation.csv; tests/unit/test_advice.py recomputes it).
 PROJECTION_ERROR = 0.099
-"""Half-width of every interval, relative: the median |error| of self-calibrated predictions in the committed CPU
-validation (benchmarks/results/projection/cpu_sweep_validation.csv; tests/unit/test_advice.py recomputes it)."""
-
-STRAGGLER_SHARE = 0.5
-"""A straggler is named when waiting for the slowest rank is more than this share of the exposed time ..."""
-
-STRAGGLER_STEP_SHARE = 0.05
-"""... and more than this share of the step: a few ms of jitter behind a well-hidden sync is no straggler."""
-
+STRAGGLER_SHARE = 0.5  # a straggler is named when waiting for the slowest rank is over this share of exposed time ...
+STRAGGLER_STEP_SHARE = 0.05  # ... and of the step: a few ms of jitter behind a well-hidden sync is no straggler
 MEMORY_NEAR = 0.8  # sharding is priced when the run's peak memory is above this share of the device's
 
 

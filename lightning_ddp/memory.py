@@ -115,13 +115,10 @@ def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
     return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
 
 
-def zero2_gradient_peak_bytes(
-    shapes: list[tuple[int, ...]], world_size: int, rank: int, bucket_cap_bytes: int | None, buckets_in_flight: int = 2
-) -> int:
-    """An upper bound of the gradient bytes a ``zero2`` rank holds during backward, fp32: its shard plus
-    ``buckets_in_flight + 1`` caps (``docs/memory.md``)."""
-    shard = expected_bytes(shapes, world_size, "zero2", rank)["gradients"]
-    return shard + (buckets_in_flight + 1) * _cap(bucket_cap_bytes, FP32 * sum(math.prod(s) for s in shapes))
+def zero2_buffer_bytes(cap_bytes: int | None, total_bytes: int) -> int:
+    """``zero2``'s gradient buckets beside the held shard during backward (sync/zero2.py): 2 send buffers and the
+    bucket filling, each at most a cap (``docs/memory.md``)."""
+    return 3 * _cap(cap_bytes, total_bytes)
 
 
 def _cap(cap_bytes: int | None, total_bytes: int) -> int:
@@ -197,8 +194,8 @@ def _buffer_bytes(config: GPTConfig, model: str, cap: int | None, numels: Sequen
     total = p * sum(numels)
     if model in ("packed", "full_buckets", "zero1"):  # one buffer the size of all gradients (torch DDP's buckets)
         return total, 0, 0
-    if model == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
-        return 3 * _cap(cap, total), 0, 0
+    if model == "zero2":
+        return zero2_buffer_bytes(cap, total), 0, 0
     if model == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
         root, block = fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
         return p * (root + 2 * block), p * block, 0
