@@ -248,11 +248,11 @@ def estimate_rank_memory(
     world_size: int,
     bucket_size_mb: BucketSize = None,
     device_type: Literal["cuda", "cpu"] = "cuda",
-    shard_optimizer_state: bool = False,
+    sharded_by: str | None = None,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (docs/memory.md); ``strategy``
     a catalogue name or Lightning's ``auto``/``ddp`` variants, ``bucket_size_mb`` None its default,
-    ``shard_optimizer_state``: the state sharded whatever the strategy (ZeRO-1 over an all-reducing engine)."""
+    ``sharded_by`` the entry sharding the state over the strategy's engine (ZeRO-1 over an all-reducing one)."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -261,7 +261,7 @@ def estimate_rank_memory(
     shapes = list(gpt_parameter_shapes(config).values())
     numels = [math.prod(s) for s in shapes]
     model, cap = _strategy_memory(strategy, world_size, bucket_size_mb)
-    mode = _SHARDING.get(model, "reduce_scatter" if shard_optimizer_state else "unsharded")
+    mode = _SHARDING.get(model, "reduce_scatter" if sharded_by else "unsharded")
     held = expected_bytes(shapes, world_size, mode, None, p)
     buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, model, cap, numels, p)
     parts = {
@@ -327,10 +327,9 @@ class MemoryPreflightError(ValueError):
 
 
 def preflight(gpt: Callable[[str], GPTConfig], preset: str, budget_bytes: int, budget_source: str, *,
-              batch_size: int, processes: int = 1, sharded_by: str | None = None, **estimate_kwargs: Any) -> None:
-    """Raise ``MemoryPreflightError`` if one rank's estimate exceeds ``budget_bytes``, with the breakdown and the
-    fixes, each with the peak it would give; ``gpt(preset)`` a preset's model, ``processes`` CPU processes share the
-    host, ``sharded_by`` the entry sharding the state over the strategy's engine."""
+              batch_size: int, processes: int = 1, **estimate_kwargs: Any) -> None:
+    """Raise ``MemoryPreflightError`` if one rank's estimate exceeds ``budget_bytes``, with the breakdown and the fixes
+    (each with its peak); ``gpt(preset)`` a preset's model, ``processes`` CPU processes share the host."""
     from lightning_ddp.model import PRESETS  # torch: this module imports it only where a function needs it
 
     def estimate(name: str = preset, batch: int = batch_size, **overrides: Any) -> MemoryEstimate:
@@ -353,7 +352,7 @@ def preflight(gpt: Callable[[str], GPTConfig], preset: str, budget_bytes: int, b
         candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
     # Each sharding of the catalogue, with what it would make fit (sharding the state changes nothing there).
     for entry in catalogue.STRATEGIES.values() if estimate_kwargs["world_size"] > 1 else ():
-        if entry.sharded and entry.name not in (estimate_kwargs["strategy"], sharded_by):
+        if entry.sharded and entry.name not in (estimate_kwargs["strategy"], estimate_kwargs.get("sharded_by")):
             candidates.append((f"--trainer.strategy {entry.name}", estimate(strategy=entry.name, bucket_size_mb=None)))
     smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
     fitting = [name for name in smaller if estimate(name).total_bytes <= budget_bytes]
