@@ -171,17 +171,6 @@ def fit_arguments(run: Run, name: str, bucket: float | str | None) -> dict[str, 
             "python": f"Trainer(strategy={value['class_path']}({arguments}))"}
 
 
-def _candidates(auto_mb: float) -> list[tuple[str, float | str | None, float | None]]:
-    """``(strategy, bucket size as applied, size simulated)`` for every simulated catalogue entry."""
-    out = []
-    for name in simulated_names():
-        if catalogue.get(name).has_bucket_size:
-            out += [(name, size, float(size)) for size in BUCKET_SIZES_MB] + [(name, "auto", auto_mb)]
-        else:
-            out.append((name, None, None))
-    return out
-
-
 def _scales(run: Run, fits: dict, scale: float, world_sizes: Sequence[int], network: str | None) -> dict[str, list]:
     """The best variants at other world sizes: the all-reduce fit extrapolated, or a fabric preset (not scaled)."""
     o, w = fits.get("all_reduce", next(iter(fits.values())))
@@ -223,7 +212,12 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     else:
         notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
         current_bytes = None
-    candidates = _candidates(auto_mb)
+    candidates: list[tuple[str, float | str | None, float | None]] = []  # (strategy, size applied, size simulated)
+    for name in simulated_names():
+        if catalogue.get(name).has_bucket_size:
+            candidates += [(name, size, float(size)) for size in BUCKET_SIZES_MB] + [(name, "auto", auto_mb)]
+        else:
+            candidates.append((name, None, None))
     if calibrated and not any(name == current and size_equal(bucket, size_now)
                               for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
         candidates.append((current, size_now, size_now))
