@@ -117,13 +117,8 @@ def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
 
 def zero2_buffer_bytes(cap_bytes: int | None, total_bytes: int) -> int:
     """``zero2``'s gradient buckets beside the held shard during backward (sync/zero2.py): 2 send buffers and the
-    bucket filling, each at most a cap (``docs/memory.md``)."""
-    return 3 * _cap(cap_bytes, total_bytes)
-
-
-def _cap(cap_bytes: int | None, total_bytes: int) -> int:
-    """A bucket's size: the cap, or every gradient when there is no cap or fewer gradients than the cap."""
-    return total_bytes if cap_bytes is None else min(cap_bytes, total_bytes)
+    bucket filling, each the cap or every gradient when there is no cap or fewer (``docs/memory.md``)."""
+    return 3 * (total_bytes if cap_bytes is None else min(cap_bytes, total_bytes))
 
 
 # How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``; the rest: unsharded), and the
@@ -222,22 +217,6 @@ def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
     return root, max(blocks.values(), default=0)
 
 
-def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels: Sequence[int]) -> int:
-    """Scalars of the weights autocast copies to half precision for the matmuls: every matrix but the embedding
-    table, unless it is tied (it then serves as lm_head, and its copy is made for the matmul)."""
-    weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2)
-    return weights if config.tie_embeddings else weights - config.vocab_size * config.d_model
-
-
-def _activation_bytes(config: GPTConfig, tokens: int, precision: str) -> int:
-    """Saved for backward: every block, the final norm and the logits (docs/memory.md)."""
-    spec = _PRECISIONS[normalize_precision(precision)]
-    per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)
-    half_logits = 2 if (spec.autocast or spec.param_bytes == 2) else 0
-    outside = 8 * config.d_model + (12 + half_logits) * config.vocab_size
-    return tokens * (config.n_layers * per_block + outside)
-
-
 def estimate_rank_memory(
     config: GPTConfig,
     *,
@@ -264,14 +243,23 @@ def estimate_rank_memory(
     mode = _SHARDING.get(model, "reduce_scatter" if sharded_by else "unsharded")
     held = expected_bytes(shapes, world_size, mode, None, p)
     buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, model, cap, numels, p)
+    # Autocast's half-precision copies for the matmuls: every matrix but the embedding table, unless it is tied (it
+    # then serves as lm_head, and its copy is made for the matmul).
+    matmul_weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2)
+    if not config.tie_embeddings:
+        matmul_weights -= config.vocab_size * config.d_model
+    # Saved for backward per token: every block, the final norm and the logits (docs/memory.md).
+    half_logits = 2 if (spec.autocast or p == 2) else 0
+    per_token = config.n_layers * activation_bytes_per_token(config.d_model, config.d_ff, precision)
+    per_token += 8 * config.d_model + (12 + half_logits) * config.vocab_size
     parts = {
         "parameters": held["parameters"],
         "gradients": held["gradients"] + gathered_gradient - p * viewed,
         "optimizer_state": held["optimizer_state"],
         "bucket_buffers": buffer_bytes,
         "regrown_gradients": p * viewed,
-        "low_precision_weights": 2 * _matmul_weights(config, shapes, numels) if spec.autocast else 0,
-        "activations": _activation_bytes(config, batch_size * seq_len, precision),
+        "low_precision_weights": 2 * matmul_weights if spec.autocast else 0,
+        "activations": batch_size * seq_len * per_token,
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
     step_phase = ("gradients", "regrown_gradients") + (() if model in _PERSISTENT_BUFFERS else ("bucket_buffers",))
