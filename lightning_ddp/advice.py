@@ -146,19 +146,12 @@ def step_model(run: Run, comm: Any) -> StepModel:
     return StepModel(run.profile, comm, run.info["world_size"], copy_GBps * 1e9, contention=contention)
 
 
-BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)
-"""Bucket sizes tried for every strategy that takes one, besides ``auto``."""
-
+BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)  # tried for every strategy that takes one, and auto
+# Half-width of every interval, relative: the median |error| of self-calibrated predictions in the committed CPU
+# validation (benchmarks/results/projection/cpu_sweep_validation.csv; tests/unit/test_advice.py recomputes it).
 PROJECTION_ERROR = 0.099
-"""Half-width of every interval, relative: the median |error| of self-calibrated predictions in the committed CPU
-validation (benchmarks/results/projection/cpu_sweep_validation.csv; tests/unit/test_advice.py recomputes it)."""
-
-STRAGGLER_SHARE = 0.5
-"""A straggler is named when waiting for the slowest rank is more than this share of the exposed time ..."""
-
-STRAGGLER_STEP_SHARE = 0.05
-"""... and more than this share of the step: a few ms of jitter behind a well-hidden sync is no straggler."""
-
+STRAGGLER_SHARE = 0.5  # a straggler is named when waiting for the slowest rank is over this share of exposed time ...
+STRAGGLER_STEP_SHARE = 0.05  # ... and of the step: a few ms of jitter behind a well-hidden sync is no straggler
 MEMORY_NEAR = 0.8  # sharding is priced when the run's peak memory is above this share of the device's
 
 
@@ -170,17 +163,6 @@ def fit_arguments(run: Run, name: str, bucket: float | str | None) -> dict[str, 
     return {"fit_args": ["--trainer.strategy", text] if run.info.get("cli") else [],
             "yaml": f"trainer:\n  strategy: {text}\n",
             "python": f"Trainer(strategy={value['class_path']}({arguments}))"}
-
-
-def _candidates(auto_mb: float) -> list[tuple[str, float | str | None, float | None]]:
-    """``(strategy, bucket size as applied, size simulated)`` for every simulated catalogue entry."""
-    out = []
-    for name in simulated_names():
-        if catalogue.get(name).has_bucket_size:
-            out += [(name, size, float(size)) for size in BUCKET_SIZES_MB] + [(name, "auto", auto_mb)]
-        else:
-            out.append((name, None, None))
-    return out
 
 
 def _scales(run: Run, fits: dict, scale: float, world_sizes: Sequence[int], network: str | None) -> dict[str, list]:
@@ -224,7 +206,12 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
     else:
         notes.append(f"{current} has no projection model: predictions are not calibrated to the run")
         current_bytes = None
-    candidates = _candidates(auto_mb)
+    candidates: list[tuple[str, float | str | None, float | None]] = []  # (strategy, size applied, size simulated)
+    for name in simulated_names():
+        if catalogue.get(name).has_bucket_size:
+            candidates += [(name, size, float(size)) for size in BUCKET_SIZES_MB] + [(name, "auto", auto_mb)]
+        else:
+            candidates.append((name, None, None))
     if calibrated and not any(name == current and size_equal(bucket, size_now)
                               for name, bucket, _ in candidates):  # a size not tried, e.g. a resolved `auto`
         candidates.append((current, size_now, size_now))

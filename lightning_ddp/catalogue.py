@@ -16,16 +16,12 @@ from typing import Any, Callable, Literal, Mapping, Union
 
 BucketSize = Union[float, Literal["auto"], None]
 
-DEFAULT_BUCKET_SIZE_MB = 25.0
-"""The bucket cap of every entry with buckets unless it says otherwise; torch DDP's ``bucket_cap_mb`` default too."""
-
-NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")
-"""Engine arguments that are not its own settings: the model, the group, the bucket cap and a reduce step."""
-
+DEFAULT_BUCKET_SIZE_MB = 25.0  # the cap of every entry with buckets unless it says otherwise; torch DDP's default too
+NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")  # engine arguments that are not its settings
 REQUIRED = inspect.Parameter.empty  # what `Entry.settings()` gives for a setting without a default
 
+# The memory models of ``lightning_ddp.memory``: which communication buffers a strategy keeps.
 MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "full_buckets", "zero1", "zero2", "fully_sharded")
-"""The memory models of ``lightning_ddp.memory``: which communication buffers a strategy keeps."""
 
 GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 

@@ -294,12 +294,12 @@ def check_memory(config) -> None:
     resolved = _strategy_for_estimate(trainer.strategy)
     if local is None or resolved is None:
         return  # nothing to check against
-    strategy, bucket_size_mb, sharded_by = resolved  # sharded_by: the entry sharding the state over strategy's engine
+    strategy, bucket_size_mb, sharded_by = resolved
     num_nodes = int(trainer.get("num_nodes", 1) or 1)
     world_size = local * num_nodes
     # Every other strategy a fix names is a sharded one: sharding the state changes nothing there.
     kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
-                  bucket_size_mb=bucket_size_mb, device_type=device_type, shard_optimizer_state=sharded_by is not None)
+                  bucket_size_mb=bucket_size_mb, device_type=device_type, sharded_by=sharded_by)
     vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
 
     def gpt(preset: str) -> Any:
@@ -313,7 +313,7 @@ def check_memory(config) -> None:
     else:
         source = f"available RAM {budget * local / GiB:.1f} GiB / {local} processes"
     try:
-        preflight(gpt, model.preset, budget, source, batch_size=data.batch_size, sharded_by=sharded_by,
+        preflight(gpt, model.preset, budget, source, batch_size=data.batch_size,
                   processes=local if device_type == "cpu" else 1, **kwargs)
     except MemoryPreflightError:
         raise

@@ -11,8 +11,7 @@ DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")  # the compute dtypes
 
 MIG_COMPUTE_SLICES = 7  # compute slices of a MIG-capable GPU: a `Ng` profile holds N of them
 
-CPU_FP32_TFLOPS_PER_CORE = 0.078
-"""fp32 matmul TFLOP/s of one CPU core (measured on our CI machine): an estimate for CPUs."""
+CPU_FP32_TFLOPS_PER_CORE = 0.078  # fp32 matmul TFLOP/s of one CPU core (measured on our CI machine): CPUs' estimate
 
 
 @dataclass(frozen=True)

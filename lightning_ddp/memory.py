@@ -6,6 +6,7 @@ refuses a run that does not fit, with the fixes. The formulas and how they were 
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass
@@ -114,18 +115,10 @@ def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
     return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
 
 
-def zero2_gradient_peak_bytes(
-    shapes: list[tuple[int, ...]], world_size: int, rank: int, bucket_cap_bytes: int | None, buckets_in_flight: int = 2
-) -> int:
-    """An upper bound of the gradient bytes a ``zero2`` rank holds during backward, fp32: its shard plus
-    ``buckets_in_flight + 1`` caps (``docs/memory.md``)."""
-    shard = expected_bytes(shapes, world_size, "zero2", rank)["gradients"]
-    return shard + (buckets_in_flight + 1) * _cap(bucket_cap_bytes, FP32 * sum(math.prod(s) for s in shapes))
-
-
-def _cap(cap_bytes: int | None, total_bytes: int) -> int:
-    """A bucket's size: the cap, or every gradient when there is no cap or fewer gradients than the cap."""
-    return total_bytes if cap_bytes is None else min(cap_bytes, total_bytes)
+def zero2_buffer_bytes(cap_bytes: int | None, total_bytes: int) -> int:
+    """``zero2``'s gradient buckets beside the held shard during backward (sync/zero2.py): 2 send buffers and the
+    bucket filling, each the cap or every gradient when there is no cap or fewer (``docs/memory.md``)."""
+    return 3 * (total_bytes if cap_bytes is None else min(cap_bytes, total_bytes))
 
 
 # How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``; the rest: unsharded), and the
@@ -196,8 +189,8 @@ def _buffer_bytes(config: GPTConfig, model: str, cap: int | None, numels: Sequen
     total = p * sum(numels)
     if model in ("packed", "full_buckets", "zero1"):  # one buffer the size of all gradients (torch DDP's buckets)
         return total, 0, 0
-    if model == "zero2":  # sync/zero2.py: 2 send buffers and the bucket filling, each <= a cap
-        return 3 * _cap(cap, total), 0, 0
+    if model == "zero2":
+        return zero2_buffer_bytes(cap, total), 0, 0
     if model == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
         root, block = fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
         return p * (root + 2 * block), p * block, 0
@@ -224,22 +217,6 @@ def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
     return root, max(blocks.values(), default=0)
 
 
-def _matmul_weights(config: GPTConfig, shapes: Sequence[tuple[int, ...]], numels: Sequence[int]) -> int:
-    """Scalars of the weights autocast copies to half precision for the matmuls: every matrix but the embedding
-    table, unless it is tied (it then serves as lm_head, and its copy is made for the matmul)."""
-    weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2)
-    return weights if config.tie_embeddings else weights - config.vocab_size * config.d_model
-
-
-def _activation_bytes(config: GPTConfig, tokens: int, precision: str) -> int:
-    """Saved for backward: every block, the final norm and the logits (docs/memory.md)."""
-    spec = _PRECISIONS[normalize_precision(precision)]
-    per_block = activation_bytes_per_token(config.d_model, config.d_ff, precision)
-    half_logits = 2 if (spec.autocast or spec.param_bytes == 2) else 0
-    outside = 8 * config.d_model + (12 + half_logits) * config.vocab_size
-    return tokens * (config.n_layers * per_block + outside)
-
-
 def estimate_rank_memory(
     config: GPTConfig,
     *,
@@ -250,11 +227,11 @@ def estimate_rank_memory(
     world_size: int,
     bucket_size_mb: BucketSize = None,
     device_type: Literal["cuda", "cpu"] = "cuda",
-    shard_optimizer_state: bool = False,
+    sharded_by: str | None = None,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (docs/memory.md); ``strategy``
     a catalogue name or Lightning's ``auto``/``ddp`` variants, ``bucket_size_mb`` None its default,
-    ``shard_optimizer_state``: the state sharded whatever the strategy (ZeRO-1 over an all-reducing engine)."""
+    ``sharded_by`` the entry sharding the state over the strategy's engine (ZeRO-1 over an all-reducing one)."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -263,17 +240,26 @@ def estimate_rank_memory(
     shapes = list(gpt_parameter_shapes(config).values())
     numels = [math.prod(s) for s in shapes]
     model, cap = _strategy_memory(strategy, world_size, bucket_size_mb)
-    mode = _SHARDING.get(model, "reduce_scatter" if shard_optimizer_state else "unsharded")
+    mode = _SHARDING.get(model, "reduce_scatter" if sharded_by else "unsharded")
     held = expected_bytes(shapes, world_size, mode, None, p)
     buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, model, cap, numels, p)
+    # Autocast's half-precision copies for the matmuls: every matrix but the embedding table, unless it is tied (it
+    # then serves as lm_head, and its copy is made for the matmul).
+    matmul_weights = sum(n for s, n in zip(shapes, numels) if len(s) == 2)
+    if not config.tie_embeddings:
+        matmul_weights -= config.vocab_size * config.d_model
+    # Saved for backward per token: every block, the final norm and the logits (docs/memory.md).
+    half_logits = 2 if (spec.autocast or p == 2) else 0
+    per_token = config.n_layers * activation_bytes_per_token(config.d_model, config.d_ff, precision)
+    per_token += 8 * config.d_model + (12 + half_logits) * config.vocab_size
     parts = {
         "parameters": held["parameters"],
         "gradients": held["gradients"] + gathered_gradient - p * viewed,
         "optimizer_state": held["optimizer_state"],
         "bucket_buffers": buffer_bytes,
         "regrown_gradients": p * viewed,
-        "low_precision_weights": 2 * _matmul_weights(config, shapes, numels) if spec.autocast else 0,
-        "activations": _activation_bytes(config, batch_size * seq_len, precision),
+        "low_precision_weights": 2 * matmul_weights if spec.autocast else 0,
+        "activations": batch_size * seq_len * per_token,
         "overhead": CUDA_OVERHEAD_BYTES if device_type == "cuda" else CPU_OVERHEAD_BYTES,
     }
     step_phase = ("gradients", "regrown_gradients") + (() if model in _PERSISTENT_BUFFERS else ("bucket_buffers",))
@@ -290,18 +276,11 @@ def estimate_rank_memory(
 def largest_batch(config: GPTConfig, *, budget_bytes: int, max_batch: int = 1024, **estimate_kwargs: Any) -> int:
     """The largest ``batch_size`` <= ``max_batch`` whose estimate (``estimate_kwargs``) fits; 0 if not even 1 does."""
 
-    def fits(batch: int) -> bool:
-        return estimate_rank_memory(config, batch_size=batch, **estimate_kwargs).total_bytes <= budget_bytes
+    def too_large(batch: int) -> bool:
+        return estimate_rank_memory(config, batch_size=batch, **estimate_kwargs).total_bytes > budget_bytes
 
-    if not fits(1):
-        return 0
-    low, high = 1, max_batch  # fits(low) holds; the estimate grows with the batch, so bisect
-    if fits(high):
-        return high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    # The estimate grows with the batch: bisect for the first batch that does not fit (the count of those that do).
+    return bisect.bisect_left(range(1, max_batch + 1), True, key=too_large)
 
 
 def memory_budget_bytes(device_type: Literal["cuda", "cpu"], ranks_per_device: int) -> int:
@@ -336,10 +315,9 @@ class MemoryPreflightError(ValueError):
 
 
 def preflight(gpt: Callable[[str], GPTConfig], preset: str, budget_bytes: int, budget_source: str, *,
-              batch_size: int, processes: int = 1, sharded_by: str | None = None, **estimate_kwargs: Any) -> None:
-    """Raise ``MemoryPreflightError`` if one rank's estimate exceeds ``budget_bytes``, with the breakdown and the
-    fixes, each with the peak it would give; ``gpt(preset)`` a preset's model, ``processes`` CPU processes share the
-    host, ``sharded_by`` the entry sharding the state over the strategy's engine."""
+              batch_size: int, processes: int = 1, **estimate_kwargs: Any) -> None:
+    """Raise ``MemoryPreflightError`` if one rank's estimate exceeds ``budget_bytes``, with the breakdown and the fixes
+    (each with its peak); ``gpt(preset)`` a preset's model, ``processes`` CPU processes share the host."""
     from lightning_ddp.model import PRESETS  # torch: this module imports it only where a function needs it
 
     def estimate(name: str = preset, batch: int = batch_size, **overrides: Any) -> MemoryEstimate:
@@ -362,7 +340,7 @@ def preflight(gpt: Callable[[str], GPTConfig], preset: str, budget_bytes: int, b
         candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
     # Each sharding of the catalogue, with what it would make fit (sharding the state changes nothing there).
     for entry in catalogue.STRATEGIES.values() if estimate_kwargs["world_size"] > 1 else ():
-        if entry.sharded and entry.name not in (estimate_kwargs["strategy"], sharded_by):
+        if entry.sharded and entry.name not in (estimate_kwargs["strategy"], estimate_kwargs.get("sharded_by")):
             candidates.append((f"--trainer.strategy {entry.name}", estimate(strategy=entry.name, bucket_size_mb=None)))
     smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
     fitting = [name for name in smaller if estimate(name).total_bytes <= budget_bytes]

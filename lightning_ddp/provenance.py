@@ -14,8 +14,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+# The environment variable that names the commit where the code is a copy without ``.git`` (a GPU machine's).
 COMMIT_VARIABLE = "LIGHTNING_DDP_COMMIT"
-"""The environment variable that names the commit where the code is a copy without ``.git`` (a GPU machine's)."""
 
 _REPO = Path(__file__).resolve().parents[1]
 

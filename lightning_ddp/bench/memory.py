@@ -26,15 +26,15 @@ from lightning_ddp.bench.engine_step import (
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
 from lightning_ddp.bench.study import Column, benchmark_main, json_report, provenance, run_ranks, table, write_outputs
 from lightning_ddp.files import write_atomically
-from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
+from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups, zero2_buffer_bytes
 from lightning_ddp.model import PRESETS
 
 TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
 MiB = 2**20
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
+# The catalogue engine of each mode that has its own (the others: ``grad_sync``).
 ENGINES = {"reduce_scatter": strategy_with_memory_model("zero1"), "zero2": strategy_with_memory_model("zero2")}
-"""The catalogue engine of each mode that has its own (the others: ``grad_sync``)."""
 
 
 class Mode(NamedTuple):
@@ -46,14 +46,13 @@ class Mode(NamedTuple):
     one_ways: int
 
 
-MODE_TABLE: dict[str, Mode] = {
+MODE_TABLE: dict[str, Mode] = {  # the measured modes in order
     "unsharded": Mode("DDP", None, 2),  # an all-reduce
     "allreduce_broadcast": Mode("ZeRO-1 (all-reduce + broadcast)", "allreduce_broadcast", 3),
     "reduce_scatter": Mode("ZeRO-1 (reduce-scatter)", "reduce_scatter", 2),
     "zero2": Mode("ZeRO-2", "reduce_in_backward", 2),
     FSDP2: Mode("FSDP2", None, 3),  # two all-gathers and a reduce-scatter
 }
-"""The measured modes in order (plain AdamW, ZeRO-1 under each schedule, ZeRO-2, FSDP2)."""
 MODES: tuple[str, ...] = tuple(MODE_TABLE)
 ZERO1 = "reduce_scatter"  # the ZeRO-1 schedule of ZeRO-2's step goal (the same communication volume)
 STEP_GOAL = 1.10  # ZeRO-2's step at most 10 % over ZeRO-1's
@@ -178,7 +177,6 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
-    from lightning_ddp.memory import zero2_gradient_peak_bytes
     from lightning_ddp.sync import Recorder
 
     gc.collect()  # free what the previous mode left (and restart the CUDA peak)
@@ -232,9 +230,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     }
     if mode == "zero2":
         cap = None if config.bucket_size_mb is None else int(config.bucket_size_mb * MiB)
-        result["expected_gradient_peak"] = zero2_gradient_peak_bytes(shapes, world_size, rank, cap)
-        # beyond the held shard, during backward: the buckets in flight and the one filling
-        result["expected_transient"] = result["expected_gradient_peak"] - result["expected"]["gradients"]
+        result["expected_transient"] = zero2_buffer_bytes(cap, FP32 * num_params)  # beyond the held shard
+        result["expected_gradient_peak"] = result["expected"]["gradients"] + result["expected_transient"]
     return result
 
 
@@ -373,10 +370,10 @@ def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
     return write_atomically(path, buffer.getvalue())
 
 
+# The process-memory columns of a mode's table, per accelerator: snapshot key -> header.
 PROCESS_MEMORY = {"cuda": {"allocated": "allocated", "max_allocated": "max allocated", "reserved": "reserved",
                            "max_reserved": "max reserved", "rest": "rest"},
                   "cpu": {"rss": "RSS", "rest": "rest"}}
-"""The process-memory columns of a mode's table, per accelerator: snapshot key -> header."""
 
 
 def format_report(results: dict[str, Any]) -> str:

@@ -174,12 +174,32 @@ class LMDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn, a str enum
         # The checks need the world size, known only once the trainer is attached.
-        if stage in ("fit", None):
-            self._check_enough_for_one_batch()
+        world_size, _ = self._world()
+        per_rank = len(self.train_dataset) // world_size
+        if stage in ("fit", None) and per_rank < self.batch_size:  # drop_last=True would yield zero steps silently
+            raise ValueError(
+                f"the training set has {len(self.train_dataset)} samples, {per_rank} per rank over "
+                f"{world_size} rank(s): fewer than one batch of --data.batch_size "
+                f"{self.batch_size}; lower --data.batch_size or --data.seq_len, or use more data."
+            )
         if stage in ("validate", "test"):
             self.check_has_split(stage)
+        # Each rank evaluates its own shard; a rank with none would not join the epoch-end all-reduce of the loss.
         for split in _STAGE_SPLITS.get(stage, ()):
-            self._check_every_rank_gets_a_sample(split)
+            dataset = getattr(self, f"{split}_dataset")
+            if dataset is None or len(dataset) >= world_size:
+                continue
+            flag = f"--data.{split}"
+            if self.source in GENERATED_SOURCES:
+                fix = f"raise {flag}_samples to at least {world_size}"
+            elif getattr(self, f"{split}_path") is not None:
+                fix = f"use a {flag}_path file of at least {world_size} windows of --data.seq_len + 1 tokens"
+            else:
+                fix = f"raise {flag}_fraction"
+            raise ValueError(
+                f"the {split} split has {len(dataset)} samples, fewer than the {world_size} ranks: some rank would "
+                f"get none; {fix}."
+            )
 
     def _build_datasets(self) -> None:
         # Done at construction, before the Trainer starts: a bad file then fails before any process is launched
@@ -249,34 +269,6 @@ class LMDataModule(LightningDataModule):
         else:
             fix = f"set {flag}_fraction (a held-out tail of --data.path) or {flag}_path (a separate file)"
         raise ValueError(f"`{stage}` needs a {split} split, but this data has none: {fix}.")
-
-    def _check_every_rank_gets_a_sample(self, split: str) -> None:
-        # Each rank evaluates its own shard; a rank with none would not join the epoch-end all-reduce of the loss.
-        dataset = getattr(self, f"{split}_dataset")
-        world_size, _ = self._world()
-        if dataset is not None and len(dataset) < world_size:
-            flag = f"--data.{split}"
-            if self.source in GENERATED_SOURCES:
-                fix = f"raise {flag}_samples to at least {world_size}"
-            elif getattr(self, f"{split}_path") is not None:
-                fix = f"use a {flag}_path file of at least {world_size} windows of --data.seq_len + 1 tokens"
-            else:
-                fix = f"raise {flag}_fraction"
-            raise ValueError(
-                f"the {split} split has {len(dataset)} samples, fewer than the {world_size} ranks: some rank would "
-                f"get none; {fix}."
-            )
-
-    def _check_enough_for_one_batch(self) -> None:
-        # drop_last=True would silently yield zero training steps; say so instead.
-        world_size, _ = self._world()
-        per_rank = len(self.train_dataset) // world_size
-        if per_rank < self.batch_size:
-            raise ValueError(
-                f"the training set has {len(self.train_dataset)} samples, {per_rank} per rank over "
-                f"{world_size} rank(s): fewer than one batch of --data.batch_size "
-                f"{self.batch_size}; lower --data.batch_size or --data.seq_len, or use more data."
-            )
 
     # ---- dataloaders ----------------------------------------------------------------------------
 

@@ -18,8 +18,6 @@ TOKEN_DTYPES = ("uint16", "int32")
 BYTE_VOCAB_SIZE = 256
 #: Most successors per token of ``source="markov"`` (drawing them costs their square; ln(64) is a high floor).
 MAX_MARKOV_SUCCESSORS = 64
-# Tokens read per step when scanning a file for out-of-range ids.
-_SCAN_CHUNK_TOKENS = 1 << 22
 #: The splits of a generated source, each its own stream of samples drawn from the same seed.
 SPLITS = ("train", "val", "test")
 
@@ -204,17 +202,14 @@ def write_token_file(
 ) -> None:
     """Write ``tokens`` to ``path`` in the ``TokenFile`` format; ``ValueError`` for ids that do not fit ``dtype``."""
     tokens = np.asarray(tokens)
-    if tokens.size and tokens.min() < 0:
-        raise ValueError(f"token ids must be >= 0, got {tokens.min()}.")
-    if tokens.size and tokens.max() > np.iinfo(dtype).max:
-        raise ValueError(
-            f"token id {tokens.max()} does not fit {dtype} (max {np.iinfo(dtype).max}); "
-            "write with dtype='int32'."
-        )
+    low, high = _token_id_range(tokens) if tokens.size else (0, 0)
+    if low < 0 or high > np.iinfo(dtype).max:
+        raise ValueError(f"token id range {low}..{high} does not fit {dtype} (0..{np.iinfo(dtype).max}); ids must "
+                         "be >= 0, and larger ones need dtype='int32'.")
     tokens.astype(dtype).ravel().tofile(path)
 
 
-def _token_id_range(tokens: np.ndarray, chunk_tokens: int = _SCAN_CHUNK_TOKENS) -> tuple[int, int]:
+def _token_id_range(tokens: np.ndarray, chunk_tokens: int = 1 << 22) -> tuple[int, int]:
     """Smallest and largest id in ``tokens`` (not empty), read a chunk at a time so a memmap stays on disk."""
     chunks = (tokens[start : start + chunk_tokens] for start in range(0, len(tokens), chunk_tokens))
     ranges = [(int(chunk.min()), int(chunk.max())) for chunk in chunks]

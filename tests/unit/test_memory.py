@@ -304,7 +304,8 @@ def test_the_published_xl_configuration_and_small_cases() -> None:
     assert round(xl.total_bytes / GiB, 1) == 45.2
     assert memory.fsdp2_groups(get_config("tiny")) == (2560128, 262400)  # of 3.61M in all
     # ZeRO-2's gradient peak: rank 1's 16-byte shard plus 3 caps of 64 bytes
-    assert memory.zero2_gradient_peak_bytes([(4, 4), (4,)], world_size=2, rank=1, bucket_cap_bytes=64) == 208
+    shard = expected_bytes([(4, 4), (4,)], 2, "zero2", 1)["gradients"]
+    assert shard + memory.zero2_buffer_bytes(64, memory.FP32 * 20) == 208
     shapes = gpt_parameter_shapes(SimpleNamespace(d_model=8, d_ff=32, n_layers=1, vocab_size=50,
                                                   tie_embeddings=False))
     assert (shapes["blocks.0.ffn.w1.weight"], len(shapes)) == ((32, 8), 12)  # 1 + 9 per block + 2
