@@ -293,10 +293,8 @@ def ids_to_fqn_keys(state: Mapping[str, Any], optimizer: Optimizer, module: nn.M
             f"this run's optimizer {len(optimizer.param_groups)} of {len(params)}; resume with the same model and "
             "configure_optimizers, or load the weights only."
         )
-    by_id = {}
-    for group in saved_groups:
-        for index in group["params"]:
-            by_id[index] = names[params[len(by_id)]]
+    saved_ids = [index for group in saved_groups for index in group["params"]]
+    by_id = {index: names[param] for index, param in zip(saved_ids, params)}
     return {
         "state": {by_id[index]: _own_step(value) for index, value in state["state"].items()},
         "param_groups": [{**group, "params": [by_id[i] for i in group["params"]]} for group in saved_groups],

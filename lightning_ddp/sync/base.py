@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -44,7 +45,8 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
         verify_same_parameters(module, self.comm, self.device)
         broadcast_module_states(module, process_group)
         hooked = enumerate(self.params) if self.uses_grad_hooks else ()
-        self._hook_handles = [param.register_post_accumulate_grad_hook(self._make_hook(i)) for i, param in hooked]
+        hook = self._grad_hook
+        self._hook_handles = [param.register_post_accumulate_grad_hook(partial(hook, i)) for i, param in hooked]
 
     # -- the conventional interface -------------------------------------------------------------------
 
@@ -118,12 +120,9 @@ class GradSyncEngine(RecordsThroughComm, nn.Module):
     def _reset_step(self) -> None:
         """Drop per-step launch state (engines that launch during backward keep some)."""
 
-    def _make_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if self.require_backward_grad_sync:
-                self._on_grad_ready(index)
-
-        return hook
+    def _grad_hook(self, index: int, param: torch.Tensor) -> None:
+        if self.require_backward_grad_sync:
+            self._on_grad_ready(index)
 
     @property
     def device(self) -> torch.device:
@@ -217,11 +216,6 @@ def pack(tensors: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
             chunk.zero_()
         else:
             chunk.copy_(tensor)
-
-
-def packed(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new flat buffer holding the parameters' gradients (zeros where ``.grad`` is ``None``)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
 def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

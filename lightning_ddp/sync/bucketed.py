@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Literal, Sequence
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets
-from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients
+from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients, views
 from lightning_ddp.sync.bucket_model import MiB, BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.comm import Communicator, Pending
 
@@ -147,9 +148,7 @@ class _Bucket:
         self.indices = indices
         self.params = params
         self.label = names[0] if len(indices) == 1 else f"bucket {b} ({len(indices)} tensors)"
-        offsets = [0]
-        for param in params[:-1]:
-            offsets.append(offsets[-1] + param.numel())
+        offsets = list(accumulate((param.numel() for param in params[:-1]), initial=0))
         # What the reduce step is told about the bucket (the sentinel is in no tensor).
         self.layout = BucketLayout(b, count, tuple(names), tuple(p.shape for p in params), tuple(offsets))
         self.buffer: torch.Tensor | None = None
@@ -158,8 +157,7 @@ class _Bucket:
         if len(indices) > 1 or sentinel:
             numel = sum(p.numel() for p in params)
             self.buffer = torch.zeros(numel + int(sentinel), dtype=params[0].dtype, device=params[0].device)
-            for param, offset in zip(params, offsets):
-                self.views.append(self.buffer[offset : offset + param.numel()].view_as(param))
+            self.views = list(views(self.buffer, params))
 
 
 class BucketEngine(GradSyncEngine):

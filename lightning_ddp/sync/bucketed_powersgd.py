@@ -165,8 +165,8 @@ class PowerSGDReduce(BucketReduce):
             ms, ps = [], []
             p_flat = torch.empty(plan.p_numel, dtype=dtype, device=flat.device)
             qs = self._warm_qs(plan, layout.index, dtype, flat.device)
-            p_offset = 0
-            for matrix, q in zip(plan.matrices, qs):
+            p_parts = p_flat.split([matrix.rows * matrix.rank for matrix in plan.matrices])
+            for matrix, q, p_part in zip(plan.matrices, qs, p_parts):
                 gradient = flat[matrix.start : matrix.start + matrix.numel].view(matrix.rows, matrix.cols)
                 m = gradient.to(dtype, copy=True)
                 error = self.errors.get(matrix.name)
@@ -177,29 +177,27 @@ class PowerSGDReduce(BucketReduce):
                             f"whose gradient is a {tuple(m.shape)} matrix; load a state saved for this model, or none."
                         )
                     m += error.to(flat.device)
-                p = p_flat[p_offset : p_offset + matrix.rows * matrix.rank].view(matrix.rows, matrix.rank)
+                p = p_part.view(matrix.rows, matrix.rank)
                 torch.matmul(m, orthogonalize(q), out=p)
                 ms.append(m)
                 ps.append(p)
-                p_offset += p.numel()
             p_flat.div_(world_size)  # pre-scaled, as every collective here: the SUM is the average
         pending.append(comm.all_reduce(p_flat, f"{label} [PowerSGD P]"))  # 2c
 
         def finish() -> None:
             with comm.span("pack"):
                 if uncompressed is not None:  # 3a
-                    position = 0
-                    for start, stop in plan.uncompressed:
-                        flat[start:stop] = uncompressed[position : position + stop - start]
-                        position += stop - start
+                    parts = uncompressed.split([stop - start for start, stop in plan.uncompressed])
+                    for (start, stop), part in zip(plan.uncompressed, parts):
+                        flat[start:stop] = part
                 q_flat = torch.empty(plan.q_numel, dtype=dtype, device=flat.device)
-                new_qs, q_offset = [], 0
-                for matrix, m, p in zip(plan.matrices, ms, ps):  # 3b, 3c. Q = M^T orthogonalise(P)
-                    q = q_flat[q_offset : q_offset + matrix.cols * matrix.rank].view(matrix.cols, matrix.rank)
+                q_parts = q_flat.split([matrix.cols * matrix.rank for matrix in plan.matrices])
+                new_qs = []
+                for matrix, m, p, q_part in zip(plan.matrices, ms, ps, q_parts):  # 3b, 3c. Q = M^T orthogonalise(P)
+                    q = q_part.view(matrix.cols, matrix.rank)
                     p.copy_(orthogonalize(p))  # kept in p_flat: 3d uses it
                     torch.matmul(m.T, p, out=q)
                     new_qs.append(q)
-                    q_offset += q.numel()
                 q_flat.div_(world_size)
             comm.wait(comm.all_reduce(q_flat, f"{label} [PowerSGD Q]"))
             with comm.span("pack"):

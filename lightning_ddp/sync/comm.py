@@ -191,23 +191,15 @@ class RecordsThroughComm:
         self.comm.recorder = recorder
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Where a tensor stood in a state's skeleton: its shape and dtype (its values follow by broadcast)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 def gather_rank_states(
     state: Any, comm: Communicator, device: torch.device | str, dst: int | None = None
 ) -> list[Any] | None:
     """``[state of rank 0, state of rank 1, ...]`` (copies, tensors on CPU); a collective: one ``all_gather_object``
-    of the skeletons (tensors replaced by ``TensorSpec``), then one ``broadcast`` per tensor.
+    of the skeletons (tensors replaced by meta tensors: shape and dtype), then one ``broadcast`` per tensor.
 
     ``device``: where tensors travel. With ``dst`` only that group rank gets the list; the others get ``None``.
     """
-    skeleton = pytree.tree_map_only(torch.Tensor, lambda tensor: TensorSpec(tuple(tensor.shape), tensor.dtype), state)
+    skeleton = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("meta"), state)
     skeletons: list[Any] = [None] * comm.world_size
     dist.all_gather_object(skeletons, skeleton, group=comm.group)
     keep = dst is None or dst == comm.rank
@@ -216,7 +208,7 @@ def gather_rank_states(
     states = []
     for r, rank_skeleton in enumerate(skeletons):
 
-        def receive(spec: TensorSpec) -> torch.Tensor | None:
+        def receive(spec: torch.Tensor) -> torch.Tensor | None:
             if r == comm.rank:
                 buffer = next(own).detach().to(device, copy=True)
             else:
@@ -224,7 +216,7 @@ def gather_rank_states(
             dist.broadcast(buffer, src=comm.global_rank(r), group=comm.group)
             return buffer.cpu() if keep else None
 
-        received = pytree.tree_map_only(TensorSpec, receive, rank_skeleton)  # in the skeleton's order on every rank
+        received = pytree.tree_map_only(torch.Tensor, receive, rank_skeleton)  # in the skeleton's order on every rank
         if keep:
             states.append(received)
     return states if keep else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients, packed, unpack_gradients
+from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients, unpack_gradients
 
 
 class FlatDDP(GradSyncEngine):
@@ -18,7 +18,8 @@ class FlatDDP(GradSyncEngine):
                 groups.setdefault(param.dtype, []).append(param)
         for dtype, params in groups.items():
             with self.comm.span("pack"):
-                flat = packed(params).div_(self.world_size)  # pre-scaled: the sum is then the average
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+                flat.div_(self.world_size)  # pre-scaled: the sum is then the average
             self.comm.wait(self.comm.all_reduce(flat, f"flat {dtype} ({len(params)} tensors)"))
             with self.comm.span("pack"):
                 unpack_gradients(flat, params)

@@ -241,8 +241,7 @@ class Recorder:
         return self.clock.mark()
 
     def add(self, collective: Collective, work: Any, device_completion: bool) -> None:
-        """Append ``collective`` (launched just now) and record its completion when ``work`` completes."""
-        self.ensure_open()
+        """Append ``collective`` (launched just now, in the open step) and record when ``work`` completes."""
         clock = self.clock
 
         def on_done(_future: Any, c: Collective = collective) -> None:

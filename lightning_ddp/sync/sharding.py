@@ -223,7 +223,6 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         require_process_group("ShardedOptimizer", "the `zero1_ddp` strategy")
         self.optimizer_cls = optimizer_cls
         self.schedule = schedule
-        self.process_group = process_group
         self.comm = Communicator(process_group)
         self.world_size = self.comm.world_size
         self.rank = self.comm.rank
@@ -253,17 +252,9 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         self.state = self.optim.state  # the shard's state; Lightning's _optimizer_to_device walks it
 
     @classmethod
-    def from_optimizer(
-        cls,
-        optimizer: Optimizer,
-        *,
-        schedule: OptimizerSchedule = "allreduce_broadcast",
-        collectives: CollectiveImpl = "auto",
-        process_group: dist.ProcessGroup | None = None,
-        placement: Placement | None = None,
-    ) -> ShardedOptimizer:
+    def from_optimizer(cls, optimizer: Optimizer, **settings: Any) -> ShardedOptimizer:
         """Shard an optimizer that has not stepped yet: same class, same defaults, *the same* group dicts (re-point an
-        LR scheduler built on ``optimizer`` anyway)."""
+        LR scheduler built on ``optimizer`` anyway). ``settings``: the constructor's keywords (``schedule``, ...)."""
         if isinstance(optimizer, ShardedOptimizer):
             raise TypeError("the optimizer is already a ShardedOptimizer")
         if any(optimizer.state.values()):
@@ -276,15 +267,7 @@ class ShardedOptimizer(RecordsThroughComm, Optimizer):
         accepted = inspect.signature(type(optimizer).__init__).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
         kwargs = {k: v for k, v in optimizer.defaults.items() if (takes_any or k in accepted) and k != "params"}
-        return cls(
-            optimizer.param_groups,
-            type(optimizer),
-            schedule=schedule,
-            collectives=collectives,
-            process_group=process_group,
-            placement=placement,
-            **kwargs,
-        )
+        return cls(optimizer.param_groups, type(optimizer), **settings, **kwargs)
 
     # -- ownership --------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Literal
 
 import torch
@@ -55,15 +56,8 @@ def plan_bucket(indices: list[int], numels: list[int], owners: list[int], world_
     sizes = [n + len(seg) for n, seg in zip(sizes_numel, segments)]
     width = max(sizes)
     scatter = native and world_size * width <= (1 + MAX_PADDING) * sum(sizes)
-    if scatter:
-        offsets = [r * width for r in range(world_size)]
-        total = world_size * width
-    else:
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += size
-    return BucketPlan(list(indices), segments, sizes_numel, offsets, total, scatter)
+    ends = list(accumulate([width] * world_size if scatter else sizes, initial=0))  # segments padded if scatter
+    return BucketPlan(list(indices), segments, sizes_numel, ends[:-1], ends[-1], scatter)
 
 
 @dataclass
