@@ -201,12 +201,18 @@ def _checkpoint_run(rank: int, world_size: int, schedule: str) -> dict:
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     average = None
 
-    model, groups = _build(case)
-    optimizer = ShardedOptimizer(groups, torch.optim.AdamW, schedule=schedule, **HP)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
-    if schedule == "allreduce_broadcast":
-        average = lambda: _average_by_hand(model, world_size)  # noqa: E731
-    _train_with(model, optimizer, scheduler, range(2), rows, average)
+    def train_from_scratch(steps: range):
+        """A new model, sharded optimizer and scheduler, trained over ``steps``."""
+        model, groups = _build(case)
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, schedule=schedule, **HP)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+        average = None
+        if schedule == "allreduce_broadcast":
+            average = lambda: _average_by_hand(model, world_size)  # noqa: E731
+        _train_with(model, optimizer, scheduler, steps, rows, average)
+        return model, optimizer, scheduler
+
+    model, optimizer, scheduler = train_from_scratch(range(2))
     buffer = io.BytesIO()
     full_state = optimizer.state_dict()  # a collective: every rank calls it and gets everything
     torch.save({"model": model.state_dict(), "optimizer": full_state, "scheduler": scheduler.state_dict()}, buffer)
@@ -224,13 +230,8 @@ def _checkpoint_run(rank: int, world_size: int, schedule: str) -> dict:
         average = lambda: _average_by_hand(resumed, world_size)  # noqa: E731
     _train_with(resumed, resumed_opt, resumed_sched, range(2, 4), rows, average)
 
-    model, groups = _build(case)
-    optimizer = ShardedOptimizer(groups, torch.optim.AdamW, schedule=schedule, **HP)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
-    if schedule == "allreduce_broadcast":
-        average = lambda: _average_by_hand(model, world_size)  # noqa: E731
-    _train_with(model, optimizer, scheduler, range(4), rows, average)
-    return {"resumed": _weights(resumed), "uninterrupted": _weights(model), "full_state": full_state}
+    uninterrupted, _, _ = train_from_scratch(range(4))
+    return {"resumed": _weights(resumed), "uninterrupted": _weights(uninterrupted), "full_state": full_state}
 
 
 def _build_groups_for(model: TinyLM, case: Case) -> tuple[TinyLM, list[dict]]:

@@ -389,15 +389,20 @@ def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, a
     assert set(sent_gradients[sent_gradients != 0].tolist()) <= set(expected_halves.tolist())
 
 
-def test_bucketed_reads_the_presence_flags_after_every_bucket(world_of_one) -> None:
-    model = _Small()
-    engine = catalogue.get("bucketed_ddp").make_engine(model, bucket_size_mb=100 / 2**20)  # several buckets
+def _recorded_step(engine: nn.Module) -> SyncRecord:
+    """One recorded training step of ``engine`` on a random (4, 5) batch."""
     engine.recorder = recorder = Recorder()
     recorder.open_step(0)
     engine.on_train_batch_start()
     engine(torch.randn(4, 5)).sum().backward()
     engine.finish_gradient_synchronization()
-    record = recorder.finish_step()
+    return recorder.finish_step()
+
+
+def test_bucketed_reads_the_presence_flags_after_every_bucket(world_of_one) -> None:
+    model = _Small()
+    engine = catalogue.get("bucketed_ddp").make_engine(model, bucket_size_mb=100 / 2**20)  # several buckets
+    record = _recorded_step(engine)
     *buckets, flags = record.collectives
     assert flags.label == "gradient presence flags" and len(buckets) == len(engine.buckets) > 2
     # issued after every bucket, waited for after every bucket's wait ended: it never holds up an unpack
@@ -412,12 +417,7 @@ def test_every_copy_and_scaling_of_gradients_is_a_pack_span(world_of_one, algori
     model = _Small(unused=False)
     engine = catalogue.get(algorithm).make_engine(model, bucket_size_mb=100 / 2**20
                                                   if catalogue.get(algorithm).has_bucket_size else "default")
-    engine.recorder = recorder = Recorder()
-    recorder.open_step(0)
-    engine.on_train_batch_start()
-    engine(torch.randn(4, 5)).sum().backward()
-    engine.finish_gradient_synchronization()
-    record = recorder.finish_step()
+    record = _recorded_step(engine)
     ((sync_start, sync_end),) = record.exposed
     inside = [span for span in record.pack if sync_start <= span[0] and span[1] <= sync_end]
     before = [span for span in record.pack if span[1] <= sync_start]
