@@ -204,8 +204,10 @@ class BucketedDDP(BucketEngine):
 
     Args:
         bucket_size_mb: Bucket cap in MiB; ``None`` for one bucket per dtype; ``"auto"`` to predict it.
-        reduce: How a bucket is averaged (a ``BucketReduce``, above); default ``AllReduceMean()``.
+        reduce: How a bucket is averaged (a ``BucketReduce``, above); default ``reduce_class()``.
     """
+
+    reduce_class: type[BucketReduce] = AllReduceMean  # a subclass that only averages differently names its own
 
     def __init__(
         self,
@@ -215,7 +217,7 @@ class BucketedDDP(BucketEngine):
         reduce: BucketReduce | None = None,
     ) -> None:
         super().__init__(module, bucket_size_mb, process_group)
-        self.reduce = reduce if reduce is not None else AllReduceMean()
+        self.reduce = reduce if reduce is not None else self.reduce_class()
         self._buckets = [
             _Bucket(b, len(self.buckets), indices, [self.params[i] for i in indices],
                     [self.param_names[i] for i in indices])

@@ -4,11 +4,7 @@ Its precision and cost: ``docs/algorithms.md``.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from lightning_ddp.sync.bucketed import AllReduceMean, BucketedDDP, BucketLayout, BucketReduce, Reduction
 from lightning_ddp.sync.comm import Communicator
@@ -35,10 +31,4 @@ class BF16CompressedAllReduce(BucketReduce):
 class BucketedBF16DDP(BucketedDDP):
     """``BucketedDDP`` whose buckets go over the wire in bf16; ``bucket_size_mb`` caps the uncompressed gradients."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        bucket_size_mb: float | Literal["auto"] | None = 25.0,
-        process_group: dist.ProcessGroup | None = None,
-    ) -> None:
-        super().__init__(module, bucket_size_mb, process_group, reduce=BF16CompressedAllReduce())
+    reduce_class = BF16CompressedAllReduce
