@@ -7,6 +7,7 @@ import ctypes
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -125,6 +126,18 @@ def rank_environments(layout: RankLayout, port: int, *, every_rank: bool, thread
         if layout.gpu_of_rank:
             env["CUDA_VISIBLE_DEVICES"] = layout.gpu_of_rank[rank]
     return envs
+
+
+def write_command(path: Path, command: list[str], envs: list[dict[str, str]]) -> None:
+    """The command and the variables that differ between ranks or matter to the run, as a shell snippet."""
+    keys = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
+            "LOCAL_RANK", "RANK")
+    lines = ["# one line per process started for this run, all at once (with one line, Lightning starts the",
+             "# other ranks itself)"]
+    for env in envs:
+        prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in keys if k in env)
+        lines.append(f"{prefix} {shlex.join(command)}".strip())
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 @dataclass

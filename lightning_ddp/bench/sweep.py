@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import platform
 import re
-import shlex
 import shutil
 import signal
 import sys
@@ -18,7 +17,7 @@ from typing import Any, Callable, Literal, Mapping
 from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
     ProcessResult, RankLayout, error_line, fit_command, is_oom, rank_environments, rank_layout, run_processes,
-    strategy_argument,
+    strategy_argument, write_command,
 )
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, build_report, cell_data, cell_row, parse_row,
@@ -158,15 +157,7 @@ class SubprocessCellRunner:
         run_dir.mkdir(parents=True)
         command = cell_command(cell, self.config, self.layout, run_dir.resolve())
         envs = cell_environments(cell, self.config, self.layout, find_free_port())
-        # command.txt: the command with the variables that differ between ranks or matter to the run, as a shell snippet
-        keys = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
-                "LOCAL_RANK", "RANK")
-        lines = ["# one line per process started for this run, all at once (with one line, Lightning starts the",
-                 "# other ranks itself)"]
-        for env in envs:
-            prefix = " ".join(f"{k}={shlex.quote(env[k])}" for k in keys if k in env)
-            lines.append(f"{prefix} {shlex.join(command)}".strip())
-        (run_dir / "command.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        write_command(run_dir / "command.txt", command, envs)
         logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
         result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
         summary_path, profile_path = (next(iter(sorted(run_dir.rglob(name))), None)

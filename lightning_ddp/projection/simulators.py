@@ -340,11 +340,13 @@ def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: in
     """
     buckets: list[list[int]] = []
     current: list[int] = []
+    current_bytes = 0
     for index in order:
         current.append(index)
-        if sum(nbytes[i] for i in current) >= (first_cap_bytes if not buckets else cap_bytes):
+        current_bytes += nbytes[index]
+        if current_bytes >= (first_cap_bytes if not buckets else cap_bytes):
             buckets.append(current)
-            current = []
+            current, current_bytes = [], 0
     if current:
         buckets.append(current)
     return buckets
@@ -467,7 +469,8 @@ def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) 
     for i in indices:
         q = params[i]
         rows = q.shape[0] if q.shape else q.numel  # a tensor without a shape: split flat
-        total += round(_padded(rows, n) * (q.numel // rows if rows else 0) * (q.bytes / q.numel if q.numel else 4.0))
+        element = q.bytes / q.numel if q.numel else 4.0
+        total += round(_padded(rows, n) * (q.numel // rows if rows else 0) * element)
     return total
 
 
