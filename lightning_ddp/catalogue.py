@@ -27,6 +27,9 @@ GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 
 SCHEDULE = "schedule"  # `Entry.projection` of a strategy the projection simulates from its facts
 
+NOT_APPLICABLE = "n/a"  # a setting a strategy does not have (the HPARAMS table's bucket size without buckets)
+ONE_BUCKET = "one bucket"  # a bucket size of ``null``
+
 DEFAULT_ENGINE = "bucketed_ddp"  # the engine `GradSyncStrategy` and ZeRO-1's `grad_sync` run when none is named
 
 

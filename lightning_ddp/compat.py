@@ -44,7 +44,114 @@ def fsdp2_unsharded_parameters(root: torch.nn.Module) -> dict[torch.Tensor, torc
     return out
 
 
+# ---- torch.distributed's registry of process groups (``sync/recording_group.py`` puts its own in their place) ----
+
+
+def process_groups() -> list[dist.ProcessGroup]:
+    """Every process group torch has registered in this process (the world first), as its registry holds them."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    return sorted(world.pg_map, key=lambda group: group is not world.default_pg)
+
+
+def world_group() -> dist.ProcessGroup | None:
+    """The default process group, ``None`` before ``init_process_group``."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._world.default_pg
+
+
+def replace_process_group(old: dist.ProcessGroup, new: dist.ProcessGroup) -> None:
+    """Put ``new`` where torch's registry has ``old``: what ``group=None`` means if ``old`` is the world, the name
+    functional collectives and a ``DeviceMesh`` resolve, its ranks, backend, tag and coalescing state. Objects that
+    hold ``old`` itself keep it."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
+                  world.pg_coalesce_state):
+        if old in table:
+            table[new] = table.pop(old)
+    for groups in world.tags_to_pg.values():
+        groups[:] = [new if group is old else group for group in groups]
+    if world.default_pg is old:
+        world.default_pg = new
+    name = world.pg_names[new]
+    distributed_c10d._unregister_process_group(name)
+    distributed_c10d._register_process_group(name, new)
+
+
+def share_backends(source: dist.ProcessGroup, target: dist.ProcessGroup) -> None:
+    """Give ``target`` (a new Python ``ProcessGroup``) ``source``'s backends for each device type, its name and its
+    description: a collective on ``target`` then runs on the very connections ``source``'s would."""
+    for device in source._device_types:
+        backend = source._get_backend(device)
+        backend_type = dist.Backend.backend_type_map.get(backend.name().lower(), dist.ProcessGroup.BackendType.CUSTOM)
+        target._register_backend(device, backend_type, backend)
+    target._set_group_name(source.group_name)
+    target._set_group_desc(source.group_desc)
+
+
+def start_coalescing(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Collect the collectives issued on ``group`` until ``end_coalescing`` into one (``_coalescing_manager``)."""
+    group._start_coalescing(device)
+
+
+def end_coalescing(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """Issue what ``start_coalescing`` collected on ``group``; the work of the whole."""
+    return group._end_coalescing(device)
+
+
+def device_types(group: dist.ProcessGroup) -> list[str]:
+    """The device types ``group`` has a backend for, e.g. ``["cuda", "cpu"]`` for gloo (it moves both)."""
+    return [device.type for device in group._device_types]
+
+
+def backend_name(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The name of the backend that moves ``device``'s tensors in ``group``, lower case: ``gloo``, ``nccl``, ..."""
+    return group._get_backend(device).name().lower()
+
+
 # ---- Lightning (imported inside each helper) --------------------------------------------------------------
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """What Lightning's ``DDPStrategy`` passes to torch's ``DistributedDataParallel`` (``bucket_cap_mb``, ...)."""
+    return dict(getattr(strategy, "_ddp_kwargs", None) or {})
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook given to Lightning's ``DDPStrategy(ddp_comm_hook=...)``, ``None`` without one."""
+    return getattr(strategy, "_ddp_comm_hook", None)
+
+
+def drop_placeholder_hp_metric(logger: Any) -> None:
+    """Stop a ``TensorBoardLogger`` from writing its placeholder ``hp_metric`` (-1) with the hyperparameters."""
+    logger._default_hp_metric = False
+
+
+def logger_prefix(logger: Any) -> str:
+    """The prefix a Lightning logger puts before every metric it writes (``""`` without one)."""
+    return getattr(logger, "_prefix", "")
+
+
+def event_file_writer(logger: Any) -> Any:
+    """A ``TensorBoardLogger``'s event file writer, which takes raw summaries (as its ``log_hyperparams`` does)."""
+    return logger.experiment._get_file_writer()
+
+
+def last_saved_step(callback: Any) -> int:
+    """The optimizer step a ``ModelCheckpoint`` last saved."""
+    return callback._last_global_step_saved
+
+
+def save_checkpoint_now(callback: Any, trainer: Any) -> None:
+    """Save through ``callback`` (a ``ModelCheckpoint``) now, as it does itself after a validation: every rank takes
+    part (sharded strategies gather the state), rank 0 writes."""
+    candidates = callback._monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
 
 
 def should_accumulate(trainer: Any) -> bool:

@@ -20,7 +20,6 @@ from lightning_ddp.bench.stats import (
 from lightning_ddp.bench.stats import verdict as interval_verdict
 from lightning_ddp.bench.study import read_csv
 from lightning_ddp.catalogue import format_bucket, variant_label, variant_strategy
-from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, LANDMARK_KEYS, NOT_RECORDED
 from lightning_ddp.projection.tables import csv_text, markdown_table
 
 Row = dict[str, Any]
@@ -180,14 +179,10 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
                    measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
         if "comm/share" in medians:
             row.update(comm_share=share.point, comm_share_lo=share.lo, comm_share_hi=share.hi)
-    # Landmarks but no collective metric: the strategy's collectives were not recorded (fsdp2; not: no communication).
-    # A cell with no comm/ key at all (the one-device reference) has no communication: its cells stay empty.
-    unrecorded = any(key in medians for key in LANDMARK_KEYS) and not any(key in medians for key in COLLECTIVE_KEYS)
+    # A cell with no comm/ key (the one-device reference) has no communication: its cells stay empty.
     for name, key in _MEDIANS:
         if key in medians and math.isfinite(medians[key]):
             row[name] = float(medians[key])
-        elif unrecorded and key in COLLECTIVE_KEYS:
-            row[name] = NOT_RECORDED
     if "memory/peak_MiB" in medians:
         peak = np.nanmax(np.concatenate([v[:, keys.index("memory/peak_MiB")] for v in values]))
         row["peak_memory_MiB"] = float(peak) if math.isfinite(peak) else ""

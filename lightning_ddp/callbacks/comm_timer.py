@@ -24,9 +24,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ddp import catalogue, compat, hardware
-from lightning_ddp.metrics.accounting import COLLECTIVE_KEYS, StepTiming, TimingSummary, step_metrics
+from lightning_ddp.metrics.accounting import StepTiming, TimingSummary, step_metrics
 from lightning_ddp.metrics.recording import (SUMMARY_SCHEMA, call_table, collective_calls, comm_recording,
-                                             measurement_note, recorder_for, release_recorder, strategy_label)
+                                             format_call_table, measurement_note, recorder_for, release_recorder,
+                                             strategy_label)
 from lightning_ddp.metrics.straggler import DEFAULT_MAX_COLLECTIVES, StragglerExchange, clock_note, distributed
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from lightning_ddp.sync.base import check_number
@@ -34,10 +35,11 @@ from lightning_ddp.sync.record import Recorder, SyncRecord
 
 
 class StepObserver(Callback):
-    """A callback that observes whole optimizer steps through the run's shared ``Recorder`` (``recorder_for``). A
-    subclass says which steps it ``observes(step)``; at the first micro-batch of one the recorder is opened and
-    ``_opened(trainer)`` called; after each step's last, ``_closed(trainer, record)`` gets the finished record
-    (``None`` for a step not observed)."""
+    """A callback that observes whole optimizer steps through the run's shared ``Recorder`` (``recorder_for``), from
+    ``setup`` (before the strategy wraps the model around the process groups) to ``teardown``. A subclass says which
+    steps it ``observes(step)``; at the first micro-batch of one the recorder is opened and ``_opened(trainer)``
+    called; after each step's last, ``_closed(trainer, record)`` gets the finished record (``None`` for a step not
+    observed)."""
 
     enabled: bool = False
     _recorder: Recorder | None = None
@@ -66,10 +68,19 @@ class StepObserver(Callback):
         observed, self._observing = self._observing, False
         self._closed(trainer, self._recorder.finish_step() if observed else None)  # idempotent too
 
+    def _start_recording(self, trainer: pl.Trainer) -> None:
+        """Record the run's collectives from now on (a subclass's ``setup`` calls it once it will observe)."""
+        self._recorder = recorder_for(trainer)
+
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.enabled:
-            release_recorder(trainer)
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._recorder is not None:
+            release_recorder(trainer)  # the process groups go back to torch's own
+            self._recorder = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown hook after an exception
 
 
 class CommTimer(StepObserver):
@@ -126,7 +137,7 @@ class CommTimer(StepObserver):
         self.summary = TimingSummary()
         self._watched: list[tuple[str, torch.Tensor]] = []
         self._compute: list[dict[str, Any]] = []  # per measured step: forward/backward/optimizer ms, ready ms
-        self._calls: dict[tuple[str, int], list[float]] = {}  # (op, bytes) -> busy ms, steps after warm-up
+        self._calls: dict[tuple[str, str, int], list[float]] = {}  # (group, op, bytes) -> busy ms, after warm-up
         self._batch_shape: tuple[int | None, int | None] = (None, None)  # (batch, seq_len): a 2-D counted micro-batch
         self._every = 1  # every_n_steps resolved at the start of training
         self._comm: str | None = "full"  # what this strategy's communication can be seen of (comm_recording)
@@ -134,7 +145,8 @@ class CommTimer(StepObserver):
         self._tokens: int | None = None
         self._flops: float | None = None
         self._peak_flops: float | None = None
-        self._bucket_size_mb: float | None = None
+        self._settings: tuple[float | str, str] = (catalogue.NOT_APPLICABLE, "default")  # strategy_settings
+        self._first_step = 0  # the run's first optimizer step (after a resume: where it resumed)
         self.exchange = StragglerExchange(
             straggler_collectives, clock_sync, clock_sync_every_n_steps, clock_sync_rounds
         )
@@ -153,31 +165,32 @@ class CommTimer(StepObserver):
         # first hparams record: that placeholder would hide ours, so it is turned off.
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger._default_hp_metric = False
+                compat.drop_placeholder_hp_metric(logger)
+        # Now, between the process groups' creation and the model's wrapping (DDP, FSDP2 and our engines capture
+        # their group in the strategy's setup, after this hook): every collective of the run passes our recording.
+        self._start_recording(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled:
             return
-        self._every = self.every_n_steps if self.every_n_steps is not None else max(1, trainer.log_every_n_steps)
-        self._comm = comm_recording(trainer.strategy)
-        note = measurement_note(trainer.strategy, self._comm, trainer.world_size)
-        if note is not None:
-            rank_zero_warn(note)
-        self._recorder = recorder_for(trainer)
-        if self._comm == "landmarks" and len(self.summary) == 0:
-            self.summary = TimingSummary(not_recorded=COLLECTIVE_KEYS)
+        self._every = self.every_n_steps if self.every_n_steps is not None else default_every_n_steps(
+            trainer.log_every_n_steps, _planned_steps(trainer), self.warmup_steps)
+        self._first_step = trainer.global_step
+        self._comm = comm_recording(trainer.world_size)
+        for note in (measurement_note(trainer.strategy, self._comm), _dropped_comm_hook_note(trainer.strategy)):
+            if note is not None:
+                rank_zero_warn(note)
         # When each gradient is computed: the landmark that starts exposed communication, for every strategy. A
         # strategy that computes gradients on other tensors than the module's parameters (FSDP2's unsharded ones)
         # names them with ``watched_parameters()``.
         watched = getattr(trainer.strategy, "watched_parameters", None)
         named = watched() if watched is not None else pl_module.named_parameters()
-        seen: set[int] = set()
-        self._watched = [(n, p) for n, p in named if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+        self._watched = _trainable_once(named)
         self._watch = self._comm is not None or trainer.world_size == 1
         self._hook_gradients(self.observes(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.
-        self._bucket_size_mb = getattr(trainer.strategy, "resolved_bucket_size_mb", None)
+        self._settings = strategy_settings(trainer.strategy)
         self._peak_flops, hosts = _job_peak_flops(trainer, self.peak_tflops)
         self.exchange.start(trainer.strategy.root_device, hosts)
 
@@ -258,41 +271,59 @@ class CommTimer(StepObserver):
         self.summary.add(self._step, metrics, anomalies=timing.anomalies)
         self._compute.append(_compute_landmarks(record))
         if len(self.summary) > self.warmup_steps:
-            for op, nbytes, busy_ms in collective_calls(timing.collectives):
-                self._calls.setdefault((op, nbytes), []).append(busy_ms)
+            for group, op, nbytes, busy_ms in collective_calls(timing.collectives):
+                self._calls.setdefault((group, op, nbytes), []).append(busy_ms)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.enabled or not trainer.is_global_zero or len(self.summary) == 0:
+        if not self.enabled or not trainer.is_global_zero:
             return
         summary = self.summary.summarize(self.warmup_steps) if len(self.summary) > self.warmup_steps else {}
-        self._write_tensorboard_views(trainer, pl_module, run_metrics(summary))
+        if len(self.summary):
+            self._write_tensorboard_views(trainer, pl_module, run_metrics(summary))
         if not summary:
-            rank_zero_info(
-                f"CommTimer: {len(self.summary)} steps ran, all within warmup_steps={self.warmup_steps}; no summary "
-                "written (lower --timer.warmup_steps or run more steps)."
-            )
+            rank_zero_info(self._no_summary_message(trainer.global_step - self._first_step))
             return
         out_dir = Path(trainer.logger.log_dir or trainer.default_root_dir)  # setup() refused a run without a logger
         title = f"CommTimer [{strategy_label(trainer.strategy)}, {trainer.world_size} ranks]"
         print(self.summary.format_table(self.warmup_steps, title=title), flush=True)
+        calls = call_table(self._calls)
+        if calls:
+            print(format_call_table(calls), flush=True)
+        if "comm/overlap" in summary:
+            print(OVERLAP_NOTE, flush=True)
         lag = summary.get("straggler/lag_ms", {}).get("median")
         clock = self.exchange.describe()
         note = clock_note(clock["max_uncertainty_ms"], lag)
         if note is not None:
             print(f"note: {note}", flush=True)
             clock["note"] = note
+        bucket, _ = self._settings
         extra = {"schema": SUMMARY_SCHEMA,
-                 "run": {**run_description(trainer, pl_module), "bucket_size_mb": self._bucket_size_mb,
+                 "run": {**run_description(trainer, pl_module),
+                         "bucket_size_mb": bucket if isinstance(bucket, float) else None,
                          "every_n_steps": self._every, "comm_recording": self._comm},
                  "clock": clock,
-                 "collectives": call_table(self._calls)}
+                 "collectives": calls}
         self.summary.write_json(out_dir / f"{self.summary_name}.json", self.warmup_steps, extra=extra)
         self.summary.write_csv(out_dir / f"{self.summary_name}.csv")
         steps = self._compute[self.warmup_steps:]
         profile = _median_profile(steps, self._watched, trainer, pl_module, self._batch_shape)
         if profile is not None:
             write_profile(profile, out_dir / "compute_profile.json")
+
+    def _no_summary_message(self, steps_run: int) -> str:
+        """Why a fit wrote no summary: what ran, what was measured, and the arguments that change it (the flags
+        under the CLI, the constructor's names in a script)."""
+        measured = len(self.summary)
+        if _launched_by_cli():
+            every, warmup = "--timer.every_n_steps", "--timer.warmup_steps"
+        else:
+            every, warmup = "CommTimer(every_n_steps=...)", "CommTimer(warmup_steps=...)"
+        sampled = "every step" if self._every == 1 else f"one step in {self._every}"
+        return (f"CommTimer: {steps_run} optimizer steps ran and {measured} of them were measured ({sampled}), all "
+                f"within the warm-up of warmup_steps={self.warmup_steps} measured steps; no summary written. Run "
+                f"more steps, measure more often ({every}) or leave fewer out ({warmup}).")
 
     def _write_tensorboard_views(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  medians: dict[str, float]) -> None:
@@ -302,7 +333,7 @@ class CommTimer(StepObserver):
         if not loggers:
             return
         logged = set().union(*self.summary.metrics)
-        bucket, engine = strategy_settings(trainer.strategy, self._bucket_size_mb)
+        bucket, engine = self._settings
         batch_size = getattr(trainer.datamodule, "hparams", {}).get("batch_size", self._batch_shape[0])  # or None
         hparams = run_hparams(
             strategy=strategy_label(trainer.strategy), bucket_size_mb=bucket, engine_settings=engine,
@@ -315,12 +346,76 @@ class CommTimer(StepObserver):
         # record whether or not this run logged it: TensorBoard takes the table's columns from one run's record.
         records = hparams_summary(hparams, dict.fromkeys(MEDIAN_METRICS.values(), 0.0))  # values unused: names
         for logger in loggers:
-            logger.experiment.add_custom_scalars(custom_scalars_layout(logged, prefix=getattr(logger, "_prefix", "")))
-            writer = logger.experiment._get_file_writer()  # as Lightning's own log_hyperparams does
+            logger.experiment.add_custom_scalars(custom_scalars_layout(logged, prefix=compat.logger_prefix(logger)))
+            writer = compat.event_file_writer(logger)  # as Lightning's own log_hyperparams does
             for record in records:
                 writer.add_summary(record, self._step)
             if medians:
                 logger.log_metrics(medians, step=self._step)
+
+
+MIN_SUMMARY_STEPS = 10
+"""Measured steps after warm-up that the default sampling keeps in a run of known length (``default_every_n_steps``)."""
+
+OVERLAP_NOTE = (
+    "overlap: the share of the time a collective was in flight that lay outside the exposed communication (hidden "
+    "behind compute: docs/comm_timer.md). The trace tool reports HTA's, the share of communication kernel time "
+    "concurrent with compute kernels, from a profiler trace: another number, explained on the same page."
+)
+
+
+def default_every_n_steps(log_every_n_steps: int, planned_steps: int | None, warmup_steps: int) -> int:
+    """Measure every ``log_every_n_steps``-th step (Lightning's logging cadence), but often enough that a run of
+    ``planned_steps`` optimizer steps (``None``: unknown) keeps ``MIN_SUMMARY_STEPS`` measured steps after the
+    ``warmup_steps`` measured ones it leaves out.
+
+    >>> default_every_n_steps(50, 30, 5), default_every_n_steps(50, 100_000, 5), default_every_n_steps(2, 40, 5)
+    (2, 50, 2)
+    """
+    every = max(1, log_every_n_steps)
+    if planned_steps is not None:
+        every = min(every, max(1, planned_steps // (warmup_steps + MIN_SUMMARY_STEPS)))
+    return every
+
+
+def _planned_steps(trainer: pl.Trainer) -> int | None:
+    """The optimizer steps this fit will run, where Lightning knows them (``max_steps``, else the epochs' batches)."""
+    if trainer.max_steps > 0:
+        return trainer.max_steps - trainer.global_step
+    try:
+        planned = trainer.estimated_stepping_batches
+    except Exception:  # an iterable dataset without a length: unknown, keep Lightning's cadence
+        return None
+    return int(planned) if planned != float("inf") else None
+
+
+def _trainable_once(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The trainable ``(name, tensor)`` pairs, a tied tensor once (by its first name)."""
+    kept: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        if tensor.requires_grad and id(tensor) not in kept:
+            kept[id(tensor)] = (name, tensor)
+    return list(kept.values())
+
+
+def _dropped_comm_hook_note(strategy: Any) -> str | None:
+    """The line said once when Lightning's ``DDPStrategy(ddp_comm_hook=...)`` will not run its hook: Lightning
+    registers it on CUDA only, so a CPU run all-reduces plain buckets (and the timer measures those)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    hook = compat.ddp_comm_hook(strategy) if isinstance(strategy, DDPStrategy) else None
+    if hook is None or strategy.root_device.type == "cuda":
+        return None
+    name = getattr(hook, "__name__", type(hook).__name__)
+    return (f"DDPStrategy(ddp_comm_hook={name}) is not applied on {strategy.root_device.type}: Lightning registers "
+            "DDP communication hooks on CUDA devices only, so this run all-reduces its gradient buckets uncompressed "
+            "in their own dtype, and that is what the CommTimer measures. To run a hook on CPU, register it yourself "
+            "(`trainer.strategy.model.register_comm_hook(state, hook)` in your module's on_train_start).")
+
+
+def _launched_by_cli() -> bool:
+    """Whether this process runs ``python -m lightning_ddp`` (flags: ``--timer.*``), not a script of the user's."""
+    return getattr(sys.modules["__main__"].__spec__, "name", "") == "lightning_ddp.__main__"
 
 
 def _peak_memory_mib(cuda: bool) -> float:
@@ -399,7 +494,7 @@ def run_description(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[
     return {
         "strategy": strategy_label(strategy),
         "strategy_class": type(strategy).__name__,
-        "cli": getattr(sys.modules["__main__"].__spec__, "name", "") == "lightning_ddp.__main__",  # else a script
+        "cli": _launched_by_cli(),  # else a script
         "world_size": trainer.world_size,
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -452,10 +547,6 @@ HPARAM_NAMES: dict[str, str] = {
 }
 """``run_hparams``' arguments -> the hparams' names in TensorBoard; every run writes all of them."""
 
-NOT_APPLICABLE = "n/a"
-ONE_BUCKET = "one bucket"
-ENGINE_ATTRIBUTES = ("schedule", "grad_sync", "collectives", "reshard_after_forward", "mixed_precision")
-"""Strategy attributes that are engine settings (zero1's and fsdp2's; zero2's are its ``engine_settings``)."""
 
 
 def custom_scalars_layout(logged: Iterable[str], prefix: str = "") -> dict[str, dict[str, list[Any]]]:
@@ -482,26 +573,22 @@ def run_metrics(summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     return {tag: float(summary[key]["median"]) for key, tag in MEDIAN_METRICS.items() if key in summary}
 
 
-def strategy_settings(strategy: Any, resolved_bucket_size_mb: float | None) -> tuple[float | str, str]:
-    """(bucket size in MiB, engine settings as ``name=value, ...``) of a Lightning strategy for the HPARAMS table:
-    ``ONE_BUCKET`` for a bucket size of ``null``, ``NOT_APPLICABLE`` without buckets, ``default`` without settings.
-    """
-    algorithm = getattr(strategy, "algorithm", None)
-    # Lightning's DDPStrategy keeps what it passes to torch DDP; a subclass that declares what its own communication
-    # lets the timer see (fsdp2) wraps the model in something else.
-    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None) if not hasattr(strategy, "comm_recording") else None
-    settings = {name: getattr(strategy, name) for name in ENGINE_ATTRIBUTES if hasattr(strategy, name)}
-    bucket: float | str = NOT_APPLICABLE
-    if algorithm is not None:
-        settings.update(getattr(strategy, "engine_settings", None) or {})
-        if getattr(algorithm, "has_bucket_size", False) and getattr(strategy, "bucket_size_mb", "") is None:
-            bucket = ONE_BUCKET
-    elif isinstance(ddp_kwargs, Mapping):
-        settings.update({k: v for k, v in ddp_kwargs.items() if k != "bucket_cap_mb"})
-        bucket = float(ddp_kwargs.get("bucket_cap_mb") or catalogue.DEFAULT_BUCKET_SIZE_MB)
-    if resolved_bucket_size_mb is not None:
-        bucket = float(resolved_bucket_size_mb)
-    return bucket, ", ".join(f"{k}={v}" for k, v in settings.items()) or "default"
+def strategy_settings(strategy: Any) -> tuple[float | str, str]:
+    """(bucket size in MiB, settings as ``name=value, ...``) of a Lightning strategy for the HPARAMS table, as ours
+    report them (``reported_settings``) and as Lightning's ``DDPStrategy`` hands them to torch DDP; ``default``
+    without settings, ``NOT_APPLICABLE`` for a bucket size the strategy does not have."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    own = getattr(strategy, "reported_settings", None)
+    if own is not None:
+        bucket, settings = own()
+    elif isinstance(strategy, DDPStrategy):
+        kwargs = compat.ddp_kwargs(strategy)
+        bucket = float(kwargs.get("bucket_cap_mb") or catalogue.DEFAULT_BUCKET_SIZE_MB)  # torch DDP's own default
+        settings = {name: value for name, value in kwargs.items() if name != "bucket_cap_mb"}
+    else:
+        bucket, settings = catalogue.NOT_APPLICABLE, {}
+    return bucket, ", ".join(f"{name}={value}" for name, value in settings.items()) or "default"
 
 
 def run_hparams(**values: Any) -> dict[str, Any]:
@@ -515,7 +602,8 @@ def run_hparams(**values: Any) -> dict[str, Any]:
     if unknown or missing:
         raise TypeError(f"run_hparams takes exactly {', '.join(HPARAM_NAMES)}; unknown: {sorted(unknown)}, missing: "
                         f"{sorted(missing)}")
-    return {name: NOT_APPLICABLE if values[key] is None else _plain(values[key]) for key, name in HPARAM_NAMES.items()}
+    return {name: catalogue.NOT_APPLICABLE if values[key] is None else _plain(values[key])
+            for key, name in HPARAM_NAMES.items()}
 
 
 def _plain(value: Any) -> Any:

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import StepObserver, run_description
-from lightning_ddp.metrics.recording import TRACE_SUFFIX, RecordedStep, add_communication_track, recorder_for
+from lightning_ddp.metrics.recording import TRACE_SUFFIX, RecordedStep, add_communication_track
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.record import SyncRecord
@@ -93,6 +93,7 @@ class TraceRecorder(StepObserver):
         # trainer.log_dir broadcasts rank 0's directory, so every rank writes next to the same logs
         log_dir = trainer.log_dir or trainer.default_root_dir
         self._dir = Path(self.dirpath) if self.dirpath else Path(log_dir) / "traces"
+        self._start_recording(trainer)  # before the strategy wraps the model around the process groups
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,12 +103,11 @@ class TraceRecorder(StepObserver):
             rank_zero_warn(f"TraceRecorder needs {self._needs()} but max_steps={trainer.max_steps}: the trace will "
                            "cover fewer steps. Lower --trace.wait_steps or raise --trainer.max_steps.")
         model = trainer.strategy.model
-        self._recorder = recorder_for(trainer)
         self._tid = threading.get_native_id()
         self._description = {
             **run_description(trainer, pl_module),
             "rank": trainer.global_rank,
-            "comm_track": "SyncRecord" if hasattr(trainer.strategy, "attach_recorder") else None,
+            "comm_track": "process groups",  # every collective of the run (sync/recording_group.py)
             "clock": "ts_us = perf_counter_s * 1e6 + offset_us; offset from the ddp/step#N anchor of each step",
         }
         # The strategy calls its wrapped model (our engine, torch DDP) to run training_step: its forward hooks
@@ -134,11 +134,11 @@ class TraceRecorder(StepObserver):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
-        super().on_train_end(trainer, pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._finish()  # also after an exception, so that the profiler and hooks never outlive the fit
+        self._finish()  # also after an exception (StepObserver.on_exception): the profiler never outlives the fit
+        super().teardown(trainer, pl_module, stage)
 
     def _finish(self) -> None:
         for handle in self._handles:

@@ -83,8 +83,12 @@ class StepTiming:
 
     @classmethod
     def from_record(cls, record: SyncRecord, step_ms: float, tokens: int | None) -> StepTiming:
-        """From a finished record; exposed: its ``exposed`` spans, and ``[last_ready, usable]`` when both marked."""
+        """From a finished record. Exposed: every interval training waited for communication, whoever waited: the
+        engines' ``exposed`` spans, each collective's recorded wait (FSDP2's all-gathers in forward, a blocking
+        collective anyone issued) and ``[last_ready, usable]`` when both are marked (torch DDP waits for its buckets
+        inside its reducer, where no wait is seen)."""
         exposed = list(record.exposed)
+        exposed.extend(c.wait for c in record.collectives if c.wait is not None)
         if record.last_ready is not None and record.usable is not None:
             exposed.append((record.last_ready, record.usable))
         return cls(
@@ -154,17 +158,6 @@ METRIC_KEYS: tuple[str, ...] = (
 )
 """Every key ``step_metrics`` can produce, in order."""
 
-LANDMARK_KEYS: tuple[str, ...] = ("comm/exposed_ms", "comm/share", "comm/clock_anomalies")
-"""The ``comm/`` keys of a step measured by its landmarks alone (``comm="landmarks"``)."""
-
-COLLECTIVE_KEYS: tuple[str, ...] = tuple(
-    key for key in METRIC_KEYS if key.startswith("comm/") and key not in LANDMARK_KEYS
-)
-"""The keys computed from the recorded collectives and pack spans."""
-
-NOT_RECORDED = "not recorded"
-"""What the summary's table and CSV show for a ``COLLECTIVE_KEYS`` metric of a strategy that records none."""
-
 
 def step_metrics(
     timing: StepTiming,
@@ -178,13 +171,13 @@ def step_metrics(
 ) -> dict[str, float]:
     """The metrics of one optimizer step, each defined where it is computed (``docs/comm_timer.md``, "The keys"); a
     key whose inputs are not given is absent, never 0, and a ratio over a zero denominator is 0. ``comm``: ``"full"``
-    every ``comm/`` key, ``"landmarks"`` only ``LANDMARK_KEYS``, ``None`` none. ``flops_per_step`` is one rank's,
+    every ``comm/`` key, ``None`` (a run without communication: one device) none. ``flops_per_step`` is one rank's,
     ``peak_flops`` the whole job's.
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if comm not in ("full", "landmarks", None):
-        raise ValueError(f"comm must be 'full', 'landmarks' or None, got {comm!r}")
+    if comm not in ("full", None):
+        raise ValueError(f"comm must be 'full' or None, got {comm!r}")
     for name, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 or None (to leave step/mfu out), got {value!r}")
@@ -232,8 +225,8 @@ def step_metrics(
         metrics["memory/peak_MiB"] = float(peak_memory_mib)
     if peak_reserved_mib is not None:
         metrics["memory/peak_reserved_MiB"] = float(peak_reserved_mib)
-    kept = {"full": METRIC_KEYS, "landmarks": LANDMARK_KEYS, None: ()}[comm]
-    return {key: metrics[key] for key in METRIC_KEYS if key in metrics and (key in kept or not key.startswith("comm/"))}
+    kept = [key for key in METRIC_KEYS if comm == "full" or not key.startswith("comm/")]  # one device: no comm keys
+    return {key: metrics[key] for key in kept if key in metrics}
 
 
 # ---- summary over steps -------------------------------------------------------------------------------
@@ -267,10 +260,9 @@ _TABLE_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
 
 class TimingSummary:
     """Per-step metric dicts of a run (one per optimizer step, steps strictly increasing) and their distribution
-    after warm-up. ``not_recorded``: keys the run cannot measure, shown as ``NOT_RECORDED``."""
+    after warm-up."""
 
-    def __init__(self, not_recorded: Sequence[str] = ()) -> None:
-        self.not_recorded: tuple[str, ...] = tuple(not_recorded)
+    def __init__(self) -> None:
         self.steps: list[int] = []
         self.metrics: list[dict[str, float]] = []
         self._warned = False
@@ -326,16 +318,13 @@ class TimingSummary:
         """Write ``{**extra, "warmup_steps", "summary", "clock_anomalies", "steps"}`` to ``path`` atomically."""
         document = {**(extra or {}), "warmup_steps": warmup_steps, "summary": self.summarize(warmup_steps),
                     "clock_anomalies": self.clock_anomalies}
-        if self.not_recorded:
-            document["not_recorded"] = list(self.not_recorded)
         document["steps"] = self.to_rows()
         # allow_nan=False: a NaN would make the file invalid JSON; fail here instead of in the reader.
         write_json_atomically(path, document, allow_nan=False)
 
     def write_csv(self, path: str | os.PathLike) -> None:
-        """Write ``to_rows()`` to ``path`` atomically; a missing key is an empty cell, a ``not_recorded`` one
-        ``NOT_RECORDED``."""
-        rows = [{**row, **dict.fromkeys(self.not_recorded, NOT_RECORDED)} for row in self.to_rows()]
+        """Write ``to_rows()`` to ``path`` atomically; a missing key is an empty cell."""
+        rows = self.to_rows()
         columns = list(dict.fromkeys(key for row in rows for key in row)) or ["step"]
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
@@ -358,7 +347,7 @@ class TimingSummary:
                 if key in summary:
                     row.append(format(summary[key][stat] * scale, spec))
                 else:
-                    row.append(NOT_RECORDED if key in self.not_recorded else "-")
+                    row.append("-")
             body.append(row)
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
         for row in [header, *body]:

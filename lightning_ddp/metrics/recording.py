@@ -1,50 +1,51 @@
-"""One ``Recorder`` per training run, shared by every observer (``CommTimer``, ``TraceRecorder``), what it can see
-of a strategy (``comm_recording``), and the communication track the ``TraceRecorder`` adds to a profiler's Chrome
-trace from it (``lightning_ddp.trace`` reads it back). ``docs/comm_timer.md``.
+"""One ``Recorder`` per training run, shared by every observer (``CommTimer``, ``TraceRecorder``), with every
+collective of the run's process groups recorded into it (``sync/recording_group.py``); what the timer can measure of
+a run (``comm_recording``); and the communication track the ``TraceRecorder`` adds to a profiler's Chrome trace from
+it (``lightning_ddp.trace`` reads it back). ``docs/comm_timer.md``.
 """
 
 from __future__ import annotations
 
 import statistics
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
-from torch.nn.parallel import DistributedDataParallel
+import torch.distributed as dist
 
 from lightning_ddp.intervals import Interval
 from lightning_ddp.metrics.accounting import busy_intervals
 from lightning_ddp.sync import ranges
-from lightning_ddp.sync.comm import Communicator
 from lightning_ddp.sync.record import Collective, Recorder
+from lightning_ddp.sync.recording_group import record_process_groups, stop_recording_process_groups
 
-SUMMARY_SCHEMA = "lightning_ddp.timing_summary/2"
-"""``timing_summary.json``'s version: 2 added ``collectives`` (``call_table``); a summary without one is version 1."""
+SUMMARY_SCHEMA = "lightning_ddp.timing_summary/3"
+"""``timing_summary.json``'s version: 2 added ``collectives`` (``call_table``), 3 their process ``group``."""
 
-CommRecording = Optional[Literal["full", "landmarks"]]
-COMM_RECORDING_LEVELS: tuple[CommRecording, ...] = ("full", "landmarks", None)
-"""What the ``CommTimer`` can see of a strategy's communication: every collective, the landmarks, nothing."""
+CommRecording = Optional[Literal["full"]]
+"""What the ``CommTimer`` measures of a run's communication: every collective (``"full"``), or none (one device)."""
 
 _RECORDERS: "weakref.WeakKeyDictionary[Any, Recorder]" = weakref.WeakKeyDictionary()
 
 
 def recorder_for(trainer: Any) -> Recorder:
-    """The recorder of this run (keyed by its strategy), with the run's gradient collectives recorded into it."""
+    """The recorder of this run (keyed by its strategy), with every collective of the run's process groups recorded
+    into it and, for our strategies, the spans of their critical path. Call it before the strategy wraps the model
+    (an observer's ``setup``): what captures a process group then captures the recording one."""
     strategy = trainer.strategy
     recorder = _RECORDERS.get(strategy)
     if recorder is None:
         recorder = Recorder(strategy.root_device, open_on_demand=False)  # armed only in the steps observers open
         _RECORDERS[strategy] = recorder
+        if dist.is_available() and dist.is_initialized():
+            record_process_groups(recorder)
         if hasattr(strategy, "attach_recorder"):
             strategy.attach_recorder(recorder)
-        elif isinstance(strategy.model, DistributedDataParallel):
-            record_torch_ddp(strategy.model, recorder)
     return recorder
 
 
 def release_recorder(trainer: Any) -> None:
-    """Stop recording this run's collectives into its recorder (at the end of fit)."""
+    """Stop recording this run (at the end of fit): the process groups go back to torch's own."""
     strategy = trainer.strategy
     recorder = _RECORDERS.pop(strategy, None)
     if recorder is None:
@@ -52,47 +53,14 @@ def release_recorder(trainer: Any) -> None:
     recorder.unwatch_gradients()
     if hasattr(strategy, "attach_recorder"):
         strategy.attach_recorder(None)
+    if dist.is_available() and dist.is_initialized():
+        stop_recording_process_groups()
 
 
-def record_torch_ddp(model: DistributedDataParallel, recorder: Recorder) -> None:
-    """Register a comm hook on ``model`` that records its bucket all-reduces into ``recorder``; a warning if the
-    model already has one (DDP takes a single hook)."""
-    comm = Communicator(model.process_group)
-    comm.recorder = recorder
-
-    # No annotations: DDP checks a hook's annotations against dist.GradBucket / Future, and this module's are strings.
-    def allreduce_recorded(state, bucket):  # noqa: ANN001, ANN202
-        # torch's allreduce_hook (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py): pre-divide, then
-        # an async SUM all-reduce of the bucket's flat buffer; the future resolves to the averaged buffer.
-        tensor = bucket.buffer()
-        with comm.span("pack"):
-            tensor.div_(comm.world_size)
-        pending = comm.all_reduce(tensor, f"ddp bucket {bucket.index()}")
-        return pending.work.get_future().then(lambda future: future.value()[0])
-
-    try:
-        model.register_comm_hook(None, allreduce_recorded)
-    except RuntimeError as error:  # "register_comm_hook ... can only be called once"
-        warnings.warn(
-            f"CommTimer cannot record torch DDP's collectives: the model already has a communication hook ({error}). "
-            "Its step time and exposed communication are still measured; busy time and bandwidth are not.",
-            stacklevel=2,
-        )
-
-
-def comm_recording(strategy: Any) -> CommRecording:
-    """How much of ``strategy``'s gradient communication the recorder sees, one of ``COMM_RECORDING_LEVELS``
-    (``ValueError`` for a strategy that declares another)."""
-    if hasattr(strategy, "comm_recording"):
-        declared = strategy.comm_recording
-        if declared not in COMM_RECORDING_LEVELS:
-            raise ValueError(f"{type(strategy).__name__}.comm_recording is {declared!r}; declare one of "
-                             f"{', '.join(map(repr, COMM_RECORDING_LEVELS))}")
-        return declared
-    from lightning.pytorch.strategies import DDPStrategy
-
-    # ours: the engine records every collective; torch DDP: its buckets are recorded through a comm hook
-    return "full" if hasattr(strategy, "attach_recorder") or isinstance(strategy, DDPStrategy) else None
+def comm_recording(world_size: int) -> CommRecording:
+    """What the timer measures of a run of ``world_size`` ranks: every collective of its process groups (``"full"``),
+    or, on one device, no communication at all (``None``)."""
+    return "full" if world_size > 1 and dist.is_available() and dist.is_initialized() else None
 
 
 def strategy_label(strategy: Any) -> str:
@@ -113,31 +81,49 @@ def strategy_label(strategy: Any) -> str:
     return max(matches)[2] if matches else type(strategy).__name__
 
 
-def measurement_note(strategy: Any, level: CommRecording, world_size: int) -> str | None:
-    """The one line the ``CommTimer`` says once when it cannot measure everything (``None`` for ``"full"``)."""
+def measurement_note(strategy: Any, level: CommRecording) -> str | None:
+    """The one line the ``CommTimer`` says at the start of a run it measures without communication (``None``
+    otherwise)."""
     if level == "full":
         return None
-    name = strategy_label(strategy)
     measured = "step time, throughput (when the module counts tokens or FLOPs), memory and the compute profile"
-    see = ' (docs/comm_timer.md, "What each strategy lets us measure")'
-    if level == "landmarks":
-        return (f"CommTimer on {name}: measures {measured} and comm/exposed_ms, comm/share; its collectives are not "
-                f"recorded, so comm/busy_ms, comm/overlap and the bandwidths are not logged{see}")
-    if world_size == 1 and not hasattr(strategy, "comm_recording"):
-        return f"CommTimer on {name} (one device): measures {measured}; no gradient communication, no comm/* metrics"
-    return f"CommTimer cannot record {name}'s communication: it measures {measured}, but no comm/* metrics{see}"
+    return (f"CommTimer on {strategy_label(strategy)} (one device): measures {measured}; no gradient communication, "
+            "no comm/* metrics")
 
 
-def collective_calls(collectives: Sequence[Any]) -> list[tuple[str, int, float]]:
-    """``(op, bytes, busy ms)`` per collective of a finished step (ms marks): the length of its ``busy_intervals``."""
-    return [(c.op, int(c.nbytes), end - start) for c, (start, end) in zip(collectives, busy_intervals(collectives))]
+def collective_calls(collectives: Sequence[Any]) -> list[tuple[str, str, int, float]]:
+    """``(group, op, bytes, busy ms)`` per collective of a finished step (ms marks): the length of its
+    ``busy_intervals``."""
+    return [(c.group, c.op, int(c.nbytes), end - start)
+            for c, (start, end) in zip(collectives, busy_intervals(collectives))]
 
 
-def call_table(calls: dict[tuple[str, int], list[float]]) -> list[dict[str, Any]]:
-    """``timing_summary.json``'s ``collectives``: per (op, bytes) of the measured steps after warm-up, the count and
-    the median busy ms (what ``python -m lightning_ddp advise`` fits latency and bandwidth to)."""
-    return [{"op": op, "bytes": nbytes, "count": len(times), "median_ms": statistics.median(times)}
-            for (op, nbytes), times in sorted(calls.items())]
+def call_table(calls: dict[tuple[str, str, int], list[float]]) -> list[dict[str, Any]]:
+    """``timing_summary.json``'s ``collectives``: per (group, op, bytes) of the measured steps after warm-up, the
+    count and the median busy ms (what ``python -m lightning_ddp advise`` fits latency and bandwidth to)."""
+    return [{"group": group, "op": op, "bytes": nbytes, "count": len(times), "median_ms": statistics.median(times)}
+            for (group, op, nbytes), times in sorted(calls.items())]
+
+
+def format_call_table(calls: Sequence[dict[str, Any]]) -> str:
+    """``call_table``'s rows as the aligned text the timer prints at the end of fit, one line per (group, op, bytes).
+
+    >>> print(format_call_table([{"group": "world", "op": "all_reduce", "bytes": 2_097_152, "count": 30,
+    ...                           "median_ms": 1.5}]))
+    collectives after warm-up, by process group
+    group  op          bytes/call  calls  median ms/call
+    world  all_reduce   2,097,152     30           1.500
+    """
+    header = ["group", "op", "bytes/call", "calls", "median ms/call"]
+    rows = [[row["group"], row["op"], f"{row['bytes']:,}", str(row["count"]), f"{row['median_ms']:.3f}"]
+            for row in calls]
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    lines = ["collectives after warm-up, by process group"]
+    for line in [header, *rows]:
+        text = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
+        text += [cell.rjust(width) for cell, width in zip(line[2:], widths[2:])]
+        lines.append("  ".join(text).rstrip())
+    return "\n".join(lines)
 
 
 # ---- the communication track of a trace ------------------------------------------------------------------

@@ -71,6 +71,11 @@ class DataParallelStrategy(DDPStrategy):
         entry, else (``GradSyncStrategy``, one entry per engine) its algorithm's."""
         return entry_of(type(self), getattr(self, "algorithm", None)).name
 
+    def reported_settings(self) -> tuple[float | str, dict[str, Any]]:
+        """(bucket size in MiB, ``catalogue.ONE_BUCKET`` or ``NOT_APPLICABLE``; the settings that change how it
+        communicates), as the CommTimer's HPARAMS table shows them."""
+        return catalogue.NOT_APPLICABLE, {}
+
     @override
     def setup_environment(self) -> None:
         self.check_process_group_backend()
@@ -146,6 +151,15 @@ class GradSyncStrategy(DataParallelStrategy):
     def resolved_bucket_size_mb(self) -> float | None:
         """The bucket cap the engine uses while fitting; else ``None``."""
         return getattr(self.engine, "bucket_size_mb", None)
+
+    @override
+    def reported_settings(self) -> tuple[float | str, dict[str, Any]]:
+        bucket: float | str = catalogue.NOT_APPLICABLE
+        if self.resolved_bucket_size_mb is not None:  # `auto` and `default` as the engine resolved them
+            bucket = float(self.resolved_bucket_size_mb)
+        elif self.algorithm.has_bucket_size and self.bucket_size_mb is None:
+            bucket = catalogue.ONE_BUCKET
+        return bucket, dict(self.engine_settings)
 
     @override
     def configure_ddp(self) -> None:

@@ -1,5 +1,5 @@
 """``fsdp2``: torch's FSDP2 (``fully_shard``) as a baseline strategy, on CPU (gloo) and CUDA; checkpoints are
-consolidated full state dicts (``ddp``'s file); its collectives are not recorded. The recipe: ``docs/algorithms.md``.
+consolidated full state dicts (``ddp``'s file). The recipe: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp import compat
+from lightning_ddp import catalogue, compat
 from lightning_ddp.strategies.base import DataParallelStrategy
 from lightning_ddp.sync.base import broadcast_module_states
 from lightning_ddp.sync.comm import backend_for
@@ -45,9 +45,6 @@ class FSDP2Strategy(DataParallelStrategy):
         **kwargs: The arguments of ``DataParallelStrategy``.
     """
 
-    comm_recording = "landmarks"
-    """FSDP2 issues its collectives itself: busy time and overlap are "not recorded"."""
-
     def __init__(
         self,
         shard_modules: list[str] | None = None,
@@ -60,6 +57,11 @@ class FSDP2Strategy(DataParallelStrategy):
         self.reshard_after_forward = bool(reshard_after_forward)
         self.mixed_precision = bool(mixed_precision)
         self._sharded = False
+
+    @override
+    def reported_settings(self) -> tuple[float | str, dict[str, Any]]:
+        return catalogue.NOT_APPLICABLE, {"reshard_after_forward": self.reshard_after_forward,
+                                          "mixed_precision": self.mixed_precision}
 
     # -- set-up ----------------------------------------------------------------------------------------------
 

@@ -124,6 +124,12 @@ class ZeRO1DDPStrategy(ShardedOptimizerStrategy):
         self.collectives = collectives
 
     @override
+    def reported_settings(self) -> tuple[float | str, dict[str, Any]]:
+        bucket, engine_settings = super().reported_settings()  # the grad_sync engine's, under allreduce_broadcast
+        return bucket, {"schedule": self.schedule, "grad_sync": self.grad_sync, "collectives": self.collectives,
+                        **engine_settings}
+
+    @override
     def make_engine(self, module: nn.Module) -> GradSyncEngine:
         if self.schedule == "reduce_scatter":
             return DeferredGradSync(module)

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_ddp.sync.assignment import assign_buckets
 from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients, views
 from lightning_ddp.sync.bucket_model import MiB, BucketPrediction, predict_bucket_size
-from lightning_ddp.sync.comm import Communicator, Pending
+from lightning_ddp.sync.comm import Communicator
 
 
 def check_bucket_size(bucket_size_mb: float | str | None) -> None:
@@ -50,7 +50,7 @@ class Reduction:
     """A launched reduce step: wait for ``pending`` collectives, run ``finish``, hand back ``result``."""
 
     comm: Communicator
-    pending: list[Pending]
+    pending: list[dist.Work]
     result: torch.Tensor  # the bucket's average once wait() returns (with the bucket's dtype and shape)
     finish: Callable[[], None] | None = None  # work after the collectives, e.g. decompressing into result
 

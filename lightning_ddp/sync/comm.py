@@ -1,12 +1,12 @@
-"""``Communicator``: an engine's (or optimizer's) async collectives on one process group, recorded when a ``Recorder``
-is armed; ``backend_for``: which backend of a spec such as ``cpu:gloo,cuda:nccl`` moves a device's tensors;
-``gather_rank_states``: every rank's state for a checkpoint (not recorded).
+"""``Communicator``: an engine's (or optimizer's) async collectives on one process group; while a ``Recorder`` is armed,
+named for the recording process groups, their waits and the critical path's spans recorded. ``backend_for``: which
+backend of a spec such as ``cpu:gloo,cuda:nccl`` moves a device's tensors; ``gather_rank_states``: every rank's state
+for a checkpoint (not recorded).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -16,17 +16,10 @@ from torch.profiler import record_function
 
 from lightning_ddp import compat
 from lightning_ddp.sync.ranges import COMM_LAUNCH, COMM_WAIT
-from lightning_ddp.sync.record import Collective, Recorder
+from lightning_ddp.sync.record import Recorder
+from lightning_ddp.sync.recording_group import RecordingProcessGroup, record_process_groups
 
 _NOTHING = nullcontext()
-
-
-@dataclass
-class Pending:
-    """An issued collective: its ``Work`` and, when recorded, its ``Collective``."""
-
-    work: dist.Work
-    collective: Collective | None = None
 
 
 def profiler_range(name: str) -> AbstractContextManager:
@@ -83,56 +76,66 @@ def require_process_group(user: str, strategy: str = "") -> None:
 
 
 class Communicator:
-    """Async collectives on ``group`` (default: the world), recorded when ``recorder`` is set."""
+    """Async collectives on ``group`` (default: the world). With ``recorder`` set, each is issued under its label
+    (the recording process group records it: ``sync/recording_group.py``), its wait recorded, and ``span`` records
+    the critical path's synchronisation and packing."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.recorder: Recorder | None = None
-        """Set by whoever measures (see ``lightning_ddp.sync.record``); ``None``: record nothing."""
-        self._nccl_moves: dict[str, bool] = {}  # device type -> whether NCCL moves its tensors (asked once)
+        self._recorder: Recorder | None = None
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """Where this communicator's labels, waits and spans go, set by whoever measures; ``None``: nowhere."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, recorder: Recorder | None) -> None:
+        # A recorder attached here records every collective of the process's groups (issued through the recording
+        # groups, ``record_process_groups``); the communicator issues on the recording one of its own group.
+        self._recorder = recorder
+        if recorder is None:
+            return
+        recording = record_process_groups(recorder)
+        if self.group is not None and not isinstance(self.group, RecordingProcessGroup):
+            self.group = next(group for group in recording if group.inner is self.group)
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     # -- the collectives ---------------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, label: str) -> Pending:
+    def all_reduce(self, tensor: torch.Tensor, label: str) -> dist.Work:
         """SUM all-reduce of ``tensor`` in place."""
-        return self._launch("all_reduce", label, tensor.nbytes, tensor.device,
-                            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        return self._launch(label, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group,
+                                                           async_op=True))
 
-    def reduce(self, tensor: torch.Tensor, owner: int, label: str) -> Pending:
+    def reduce(self, tensor: torch.Tensor, owner: int, label: str) -> dist.Work:
         """SUM reduce of ``tensor`` to group rank ``owner`` (only the owner's copy holds the sum)."""
         dst = self.global_rank(owner)
-        return self._launch("reduce", label, tensor.nbytes, tensor.device,
-                            lambda: dist.reduce(tensor, dst=dst, group=self.group, async_op=True))
+        return self._launch(label, lambda: dist.reduce(tensor, dst=dst, group=self.group, async_op=True))
 
-    def broadcast(self, tensor: torch.Tensor, owner: int, label: str) -> Pending:
+    def broadcast(self, tensor: torch.Tensor, owner: int, label: str) -> dist.Work:
         """Broadcast of ``tensor`` from group rank ``owner``."""
         src = self.global_rank(owner)
-        return self._launch("broadcast", label, tensor.nbytes, tensor.device,
-                            lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
+        return self._launch(label, lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str) -> Pending:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str) -> dist.Work:
         """SUM reduce-scatter: rank r's ``output`` is the sum of every rank's r-th chunk of ``input``."""
-        return self._launch("reduce_scatter", label, input.nbytes, input.device,
-                            lambda: compat.reduce_scatter_tensor(output, input, group=self.group, async_op=True))
+        return self._launch(label, lambda: compat.reduce_scatter_tensor(output, input, group=self.group,
+                                                                        async_op=True))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str) -> Pending:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, label: str) -> dist.Work:
         """All-gather: ``output`` holds every rank's ``input``, in rank order."""
-        return self._launch("all_gather", label, output.nbytes, output.device,
-                            lambda: compat.all_gather_tensor(output, input, group=self.group, async_op=True))
+        return self._launch(label, lambda: compat.all_gather_tensor(output, input, group=self.group,
+                                                                    async_op=True))
 
-    def wait(self, pending: Pending) -> None:
-        """Block until ``pending`` has finished (recording the wait when it is recorded)."""
-        recorder = self.recorder if pending.collective is not None else None
-        start = recorder.mark() if recorder is not None else None
+    def wait(self, work: dist.Work) -> None:
+        """Block until ``work`` has finished (a recording group's work records the wait itself)."""
         with profiler_range(COMM_WAIT):
-            pending.work.wait()
-        if recorder is not None:
-            pending.collective.wait = (start, recorder.mark())
+            work.wait()
 
     # -- spans on the critical path ----------------------------------------------------------------------
 
@@ -154,26 +157,13 @@ class Communicator:
 
     # -- internals ---------------------------------------------------------------------------------------
 
-    def _launch(
-        self, op: str, label: str, nbytes: int, device: torch.device, start: Callable[[], dist.Work]
-    ) -> Pending:
+    def _launch(self, label: str, start: Callable[[], dist.Work]) -> dist.Work:
         recorder = self.recorder
         if recorder is None or not recorder.armed:  # nobody measures, or not this step
             with profiler_range(COMM_LAUNCH):
-                return Pending(start())
-        recorder.ensure_open()
-        collective = Collective(op, label, nbytes, recorder.mark())
-        with profiler_range(COMM_LAUNCH):
-            work = start()
-        recorder.add(collective, work, device_completion=recorder.clock.cuda and self._moved_by_nccl(device))
-        return Pending(work, collective)
-
-    def _moved_by_nccl(self, device: torch.device) -> bool:
-        """Whether NCCL moves ``device``'s tensors (completion is then a device event, else a host time)."""
-        moved = self._nccl_moves.get(device.type)
-        if moved is None:
-            moved = self._nccl_moves[device.type] = backend_for(device, self.group) == "nccl"
-        return moved
+                return start()
+        with recorder.naming(label), profiler_range(COMM_LAUNCH):
+            return start()
 
 
 class RecordsThroughComm:

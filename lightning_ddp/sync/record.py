@@ -1,16 +1,20 @@
-"""What a step communicated, recorded only when an observer attaches a ``Recorder`` (else one ``is None`` check per
-collective): ``finish_step`` returns a ``SyncRecord`` in ms since ``open_step``'s anchor. The clock rules:
-``docs/algorithms.md``.
+"""What a step communicated, recorded only while an observer has a ``Recorder`` armed (else one check per
+collective): the recording process groups (``recording_group``) add every collective, whoever issues it; our engines
+add the spans of their critical path. ``finish_step`` returns a ``SyncRecord`` in ms since ``open_step``'s anchor. The
+clock rules: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
+import torch.distributed as dist
 
 Mark = Union[float, "torch.cuda.Event"]
 Span = tuple[Mark, Mark]
@@ -70,13 +74,14 @@ class StepClock:
 class Collective:
     """One collective: what it moved and when it was launched, completed and waited for (ms in a finished record)."""
 
-    op: str  # all_reduce, reduce_scatter, all_gather, reduce or broadcast
-    label: str  # what was communicated: a parameter name, "bucket 3 (12 tensors)", "flat (435 tensors)"
+    op: str  # all_reduce, reduce_scatter, all_gather, reduce, broadcast, all_to_all or barrier
+    label: str  # what was communicated: a parameter name, "bucket 3 (12 tensors)"; else the op
     nbytes: int
     """nccl-tests' message size: the buffer; the whole input of ``reduce_scatter``, output of ``all_gather``."""
     launched: Mark  # on CUDA: when the issuing stream reached the launch
     completed: Mark | None = None
-    wait: Span | None = None  # the interval the caller spent in Work.wait() for it, if anyone waited
+    wait: Span | None = None  # the first wait for it (whoever waited), if anyone waited
+    group: str = "world"  # the process group it ran on (``recording_group.group_label``): world, dp_shard, ...
 
     def converted(self, convert: Callable[[Mark], float]) -> Collective:
         """This collective with every mark converted; a missing completion becomes the wait's end, else the launch."""
@@ -159,6 +164,7 @@ class Recorder:
         self._anchored = False
         self._watched = 0
         self._hooks: list[Any] = []
+        self._thread = threading.local()  # ``label``: the engine's name for the collective it is issuing
 
     def open_step(self, step: int | None = None) -> None:
         """Start recording optimizer step ``step`` (idempotent for the same open ``step``: several observers)."""
@@ -235,27 +241,89 @@ class Recorder:
         if self.is_open:
             self.record.usable = self.clock.mark()
 
-    # -- what the engines call (through ``Communicator``) ------------------------------------------------
+    # -- what the recording process groups call (``lightning_ddp.sync.recording_group``) -------------------
+
+    def launch(self, op: str, nbytes: int, group: str) -> Collective:
+        """The record of a collective about to be issued in the open step, launched now; labelled as the engine
+        issuing it named it (``naming``), else by its op."""
+        self.ensure_open()
+        label, self._thread.label = getattr(self._thread, "label", None), None  # ``naming``'s, for one collective
+        return Collective(op=op, label=label or op, nbytes=nbytes, launched=self.clock.mark(), group=group)
+
+    def issued(self, collective: Collective, work: Any, device_completion: bool) -> RecordedWork:
+        """Keep ``collective`` (``launch``'s, issued just now as ``work``) in the step, with when it completes (its
+        future's callback: a CUDA event where ``device_completion``, NCCL's case, else the host clock) and when it is
+        waited for. Returns what to hand the caller in ``work``'s place."""
+        self.record.collectives.append(collective)
+        clock = self.clock
+
+        def on_done(_future: Any) -> None:
+            if collective.completed is None:  # never overwrite a real completion
+                # NCCL: an event on the callback's current stream, which waits for the collective's kernel.
+                # gloo (CPU or CUDA tensors): the host clock, now that the data has arrived.
+                collective.completed = clock.mark() if device_completion else clock.host_time()
+
+        try:
+            work.get_future().then(on_done)
+        except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce-scatter): done when waited for
+            pass
+        return RecordedWork(work, collective, clock)
+
+    # -- what our engines call (through ``Communicator``) -------------------------------------------------
 
     def mark(self) -> Mark:
         return self.clock.mark()
 
-    def add(self, collective: Collective, work: Any, device_completion: bool) -> None:
-        """Append ``collective`` (launched just now, in the open step) and record when ``work`` completes."""
-        clock = self.clock
-
-        def on_done(_future: Any, c: Collective = collective) -> None:
-            if c.completed is None:  # never overwrite a real completion
-                # NCCL: an event on the callback's current stream, which waits for the collective's kernel.
-                # gloo (CPU or CUDA tensors): the host clock, now that the data has arrived.
-                c.completed = clock.mark() if device_completion else clock.host_time()
-
+    @contextmanager
+    def naming(self, label: str) -> Iterator[None]:
+        """Inside, the next collective this thread issues is recorded as ``label`` (what our engines call theirs)."""
+        self._thread.label = label
         try:
-            work.get_future().then(on_done)
-        except RuntimeError:  # a collective without a future (gloo's reduce_scatter): completion = end of wait
-            pass
-        self.record.collectives.append(collective)
+            yield
+        finally:
+            self._thread.label = None
 
     def span(self, kind: str, start: Mark) -> None:
         """Close a span of ``kind`` (``exposed`` or ``pack``) that began at ``start``."""
         getattr(self.record, kind).append((start, self.clock.mark()))
+
+
+class RecordedWork(dist.Work):
+    """The work of a recorded collective, handed to whoever issued it in its place: a wait on it is recorded (marks
+    on the waiting thread's clock: host time, or events on the current CUDA stream, whose distance is the time the
+    stream stalled for the collective). A work without a future completes, as far as anyone can tell, when a wait
+    returns. Everything else is the work's own."""
+
+    def __init__(self, work: Any, collective: Collective, clock: StepClock) -> None:
+        super().__init__()
+        self.work = work
+        self.collective = collective
+        self.clock = clock
+
+    def wait(self, timeout: Any = None) -> bool:
+        start = self.clock.mark()
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if self.collective.wait is None:  # the first wait is the one that blocked; later ones return at once
+            self.collective.wait = (start, self.clock.mark())
+        return done
+
+    def get_future(self) -> Any:
+        return self.work.get_future()  # raises as the work it stands for does
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.work.is_success()
+
+    def exception(self) -> Any:
+        return self.work.exception()
+
+    def source_rank(self) -> int:
+        return self.work.source_rank()
+
+    def result(self) -> Any:
+        return self.work.result()
+
+    def synchronize(self) -> None:
+        self.work.synchronize()

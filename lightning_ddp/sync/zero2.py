@@ -16,7 +16,6 @@ from torch import nn
 from lightning_ddp.sync.assignment import assign_owners
 from lightning_ddp.sync.base import check_number, pack, views
 from lightning_ddp.sync.bucketed import BucketEngine
-from lightning_ddp.sync.comm import Pending
 from lightning_ddp.sync.sharding import COLLECTIVE_IMPLS, CollectiveImpl, check_choice, resolve_collectives
 
 MAX_PADDING = 0.125
@@ -65,7 +64,7 @@ class _InFlight:
     plan: BucketPlan
     buffer: torch.Tensor
     received: torch.Tensor | None  # reduce_scatter's output (this rank's segment)
-    pending: list[Pending] = field(default_factory=list)
+    pending: list[dist.Work] = field(default_factory=list)
 
 
 class ZeRO2DDP(BucketEngine):

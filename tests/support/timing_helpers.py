@@ -9,10 +9,11 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.strategies import GradSyncStrategy
-from lightning_ddp.sync import Communicator, NaiveDDP, OverlapDDP, Pending
+from lightning_ddp.sync import Communicator, NaiveDDP, OverlapDDP
 
 
 class _DelayedCommunicator(Communicator):
@@ -22,7 +23,7 @@ class _DelayedCommunicator(Communicator):
         super().__init__(group)
         self.delay_s = delay_s
 
-    def all_reduce(self, tensor: torch.Tensor, label: str) -> Pending:
+    def all_reduce(self, tensor: torch.Tensor, label: str) -> dist.Work:
         time.sleep(self.delay_s)
         return super().all_reduce(tensor, label)
 

@@ -28,7 +28,8 @@ def _write_run(path: Path, call_ms: float = 5.0, wait_ms: float = 0.0, strategy:
     medians = {"step/time_ms": 160.0 + exposed, "comm/exposed_ms": exposed, "comm/wait_ms": wait_ms,
                "comm/busy_ms": exposed - wait_ms, "memory/peak_MiB": peak_mib}
     steps = [{**medians, "straggler/rank": 1.0} for _ in range(10)]
-    calls = {("all_reduce", 4 * BLOCKS): [1.0] * 10, ("all_reduce", BLOCK_BYTES): [call_ms] * 10 * BLOCKS}
+    calls = {("world", "all_reduce", 4 * BLOCKS): [1.0] * 10,
+             ("world", "all_reduce", BLOCK_BYTES): [call_ms] * 10 * BLOCKS}
     summary = {"schema": SUMMARY_SCHEMA, "warmup_steps": 2, "steps": steps, "collectives": call_table(calls),
                "summary": {key: {"median": value} for key, value in medians.items()},
                "run": {"strategy": strategy, "world_size": 2, "backend": "gloo", "device": "cpu", "cli": cli,
@@ -56,11 +57,12 @@ def test_each_collective_is_busy_from_the_end_of_the_one_before() -> None:
     class Call:
         def __init__(self, launched: float, completed: float) -> None:
             self.op, self.nbytes, self.launched, self.completed = "all_reduce", 8, launched, completed
+            self.group = "world"
 
     assert collective_calls([Call(0.0, 4.0), Call(1.0, 6.0), Call(8.0, 9.0)]) == [
-        ("all_reduce", 8, 4.0), ("all_reduce", 8, 2.0), ("all_reduce", 8, 1.0)]
-    assert call_table({("all_reduce", 8): [1.0, 3.0, 2.0]}) == [
-        {"op": "all_reduce", "bytes": 8, "count": 3, "median_ms": 2.0}]
+        ("world", "all_reduce", 8, 4.0), ("world", "all_reduce", 8, 2.0), ("world", "all_reduce", 8, 1.0)]
+    assert call_table({("world", "all_reduce", 8): [1.0, 3.0, 2.0]}) == [
+        {"group": "world", "op": "all_reduce", "bytes": 8, "count": 3, "median_ms": 2.0}]
 
 
 def test_latency_and_bandwidth_are_fitted_per_collective_and_one_size_is_said() -> None:

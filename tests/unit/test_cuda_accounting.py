@@ -114,9 +114,10 @@ def test_completion_comes_from_the_future_callback_and_is_never_replaced(device_
     recorder = Recorder(clock=clock)
     recorder.open_step(0)
     clock.now_ms = 10.0
-    collective = Collective("all_reduce", "bucket 0", 4096, recorder.mark())
+    collective = recorder.launch("all_reduce", 4096, "world")
     work = FakeWork()
-    recorder.add(collective, work, device_completion=device_completion)
+    handed = recorder.issued(collective, work, device_completion=device_completion)
+    assert handed.work is work and handed.get_future() is work.future  # the caller's work, its future its own
     assert collective.completed is None  # NCCL: the kernel has not finished; gloo: the data has not arrived
     clock.now_ms = 14.0
     work.future.complete()  # NCCL runs it on a stream that waits for the kernel; gloo when the data is there
@@ -124,14 +125,16 @@ def test_completion_comes_from_the_future_callback_and_is_never_replaced(device_
         assert isinstance(collective.completed, FakeEvent) and collective.completed.t_ms == 14.0
     else:
         assert collective.completed == pytest.approx(1000.014)  # host time: gloo with CUDA tensors keeps it
-    clock.now_ms = 30.0
+    clock.now_ms = 25.0
     work.future.complete()  # a late second callback does not move it
-    collective.wait = (FakeEvent(25.0), FakeEvent(30.0))  # waited for much later ...
+    handed.wait()  # waited for much later: from 25 ...
+    clock.now_ms = 30.0
+    handed.wait()  # ... a second wait, which would return at once, does not replace the first
     finished = recorder.finish_step()
     (c,) = finished.collectives
     # ... but busy ends at the real completion (14 ms), not at the end of the wait (30 ms)
     assert (c.launched, c.completed) == (pytest.approx(10.0), pytest.approx(14.0))
-    assert c.wait == (pytest.approx(25.0), pytest.approx(30.0))
+    assert c.wait == (pytest.approx(25.0), pytest.approx(25.0))
 
 
 def test_a_collective_without_a_completion_falls_back_to_the_end_of_its_wait() -> None:
@@ -143,13 +146,6 @@ def test_a_collective_without_a_completion_falls_back_to_the_end_of_its_wait() -
     assert recorder.finish_step().collectives[0].completed == pytest.approx(9.0)
 
 
-class FakeCudaTensor:
-    """What the communicator reads of a tensor on a GPU: its device and size (the collective itself is faked)."""
-
-    device = torch.device("cuda", 0)
-    nbytes = 16  # 4 fp32 elements
-
-
 def _pretend_spec(monkeypatch, spec: str) -> None:
     """Make the process group look initialised with backend ``spec``, as torch describes such a group:
     ``get_backend`` returns the spec as given, ``get_backend_config`` torch's device map of it."""
@@ -158,27 +154,57 @@ def _pretend_spec(monkeypatch, spec: str) -> None:
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
 
 
-@pytest.mark.parametrize("spec, expected", [
-    # the mixed spec: a CUDA tensor goes over NCCL, a CPU tensor over gloo. Comparing the spec with "nccl"
-    # said "not NCCL" for both, and NCCL completions became host times read at launch.
-    ("cpu:gloo,cuda:nccl", {"cuda": FakeEvent, "cpu": float}),
-    ("gloo", {"cuda": float, "cpu": float}),  # gloo with CUDA tensors (2 ranks on one GPU): the host clock
-    ("nccl", {"cuda": FakeEvent}),  # NCCL moves CUDA tensors only
+class FutureLessWork(FakeWork):
+    """gloo's reduce-scatter work: ``get_future`` raises, only a wait says when it is done."""
+
+    def get_future(self) -> FakeFuture:
+        raise RuntimeError("Work::getFuture not implemented.")
+
+
+def test_a_work_without_a_future_completes_when_its_wait_returns() -> None:
+    clock = FakeCudaClock()
+    recorder = Recorder(clock=clock)
+    recorder.open_step(0)
+    clock.now_ms = 10.0
+    collective = recorder.launch("reduce_scatter", 64, "world")
+    handed = recorder.issued(collective, FutureLessWork(), device_completion=False)
+    assert collective.completed is None
+    clock.now_ms = 12.0
+
+    def blocking_wait() -> bool:  # the collective takes until 17 ms to finish
+        clock.now_ms = 17.0
+        return True
+
+    handed.work.wait = blocking_wait
+    assert handed.wait() is True  # what FSDP2 or dist.reduce_scatter_tensor calls on the work they get back
+    (c,) = recorder.finish_step().collectives  # no completion mark: the end of the wait stands in for it
+    assert (c.launched, c.completed) == (pytest.approx(10.0), pytest.approx(17.0))
+
+
+@pytest.mark.parametrize("backends, expected", [
+    # the mixed spec: a CUDA tensor goes over NCCL, a CPU tensor over gloo
+    ({"cuda": "nccl", "cpu": "gloo"}, {"cuda": FakeEvent, "cpu": float}),
+    ({"cuda": "gloo", "cpu": "gloo"}, {"cuda": float, "cpu": float}),  # gloo with CUDA tensors (2 ranks on one GPU)
+    ({"cuda": "nccl"}, {"cuda": FakeEvent}),  # NCCL moves CUDA tensors only
 ])
-def test_the_communicator_asks_for_device_completion_where_nccl_moves_the_tensor(
-    world_of_one, monkeypatch, spec: str, expected: dict
+def test_the_recording_group_asks_for_device_completion_where_nccl_moves_the_tensor(
+    world_of_one, monkeypatch, backends: dict, expected: dict
 ) -> None:
-    _pretend_spec(monkeypatch, spec)
-    comm = comm_module.Communicator()
-    comm.recorder = recorder = Recorder(clock=FakeCudaClock())
-    works = []
-    monkeypatch.setattr(comm_module.dist, "all_reduce", lambda *a, **k: works.append(FakeWork()) or works[-1])
+    from lightning_ddp import compat
+    from lightning_ddp.sync.recording_group import RecordingProcessGroup
+
+    group = RecordingProcessGroup(dist.group.WORLD, "world")
+    monkeypatch.setattr(compat, "backend_name", lambda _group, device: backends[torch.device(device).type])
+    group.recorder = recorder = Recorder(clock=FakeCudaClock())
     recorder.open_step(0)
     for device_type, completion in expected.items():
-        tensor = FakeCudaTensor() if device_type == "cuda" else torch.zeros(4)
-        pending = comm.all_reduce(tensor, device_type)
-        works[-1].future.complete()
-        assert isinstance(pending.collective.completed, completion), (spec, device_type)
+        launch = group._launch("all_reduce", 16, torch.device(device_type))
+        work = FakeWork()
+        group._issued(launch, work)
+        work.future.complete()
+        assert isinstance(launch.collective.completed, completion), (backends, device_type)
+    group.recorder = None  # unarmed: nothing is launched, the check is all it costs
+    assert group._launch("all_reduce", 16, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("spec, device, expected", [

@@ -1,6 +1,6 @@
 """What the CommTimer measures and when (issue 23, items 4-5), in one process: the Recorder's armed flag on every
 recording path, the timer's ``every_n_steps`` and its errors, and the one place that decides how much of a
-strategy's communication can be measured (``recording.comm_recording``) with the message for the rest."""
+run's communication is measured (``recording.comm_recording``), with the message for a run without any."""
 
 from __future__ import annotations
 
@@ -86,32 +86,18 @@ def test_a_step_is_sampled_iff_its_number_is_a_multiple_of_every_n_steps() -> No
     assert [s for s in range(10) if timer.observes(s)] == [0, 3, 6, 9]
 
 
-def test_what_each_strategy_lets_the_timer_measure() -> None:
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+def test_what_the_timer_measures_of_a_run(world_of_one) -> None:
+    from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from lightning_ddp.strategies import GradSyncStrategy, ZeRO1DDPStrategy
+    # Every collective of a run with a process group and more than one rank, whatever its strategy (recorded at the
+    # process group); nothing of communication on one device.
+    assert comm_recording(world_size=2) == "full"
+    assert comm_recording(world_size=1) is None
+    single = SingleDeviceStrategy(device="cpu")
+    assert measurement_note(single, "full") is None
+    one = measurement_note(single, None)
+    assert "(one device)" in one and "step time" in one and "no gradient communication" in one and "\n" not in one
 
-    assert comm_recording(GradSyncStrategy(algorithm="bucketed_ddp")) == "full"
-    assert comm_recording(ZeRO1DDPStrategy()) == "full"
-    assert comm_recording(DDPStrategy()) == "full"  # torch DDP, through a recording comm hook
-    single, fsdp = SingleDeviceStrategy(device="cpu"), FSDPStrategy()
-    assert comm_recording(single) is None and comm_recording(fsdp) is None
 
-    class Landmarks:  # a strategy that declares it (e.g. an FSDP2 of ours: exposed time from the landmarks only)
-        comm_recording = "landmarks"
-
-    assert comm_recording(Landmarks()) == "landmarks"
-    Landmarks.comm_recording = "some"
-    with pytest.raises(ValueError, match="declare one of 'full', 'landmarks', None"):
-        comm_recording(Landmarks())
-
-    # one line each, saying what is measured and what is not; nothing for "full"
-    assert measurement_note(DDPStrategy(), "full", 2) is None
-    one = measurement_note(single, None, 1)
-    assert "(one device)" in one and "step time" in one and "no gradient communication" in one
-    sharded = measurement_note(fsdp, None, 2)
-    # named as Lightning registers it (FSDPStrategy.strategy_name)
-    assert sharded.startswith("CommTimer cannot record fsdp's communication") and "step time" in sharded
-    assert "comm/* metrics" in sharded and "\n" not in sharded
-    landmarks = measurement_note(Landmarks(), "landmarks", 2)
-    assert "comm/exposed_ms" in landmarks and "comm/busy_ms, comm/overlap" in landmarks
+def test_without_a_process_group_nothing_is_recorded() -> None:
+    assert comm_recording(world_size=2) is None  # no init_process_group: no group to record at
