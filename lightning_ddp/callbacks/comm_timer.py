@@ -181,12 +181,10 @@ class CommTimer(StepObserver):
         for note in (measurement_note(trainer.strategy, self._comm), _dropped_comm_hook_note(trainer.strategy)):
             if note is not None:
                 rank_zero_warn(note)
-        # When each gradient is computed: the landmark that starts exposed communication, for every strategy. A
-        # strategy that computes gradients on other tensors than the module's parameters (FSDP2's unsharded ones)
-        # names them with ``watched_parameters()``.
-        watched = getattr(trainer.strategy, "watched_parameters", None)
-        named = watched() if watched is not None else pl_module.named_parameters()
-        self._watched = _trainable_once(named)
+        # When each gradient is computed: the landmark that starts exposed communication, for every strategy. Under
+        # FSDP2 (ours, or a user's fully_shard) backward computes them on the unsharded parameters it swaps in.
+        unsharded = compat.fsdp2_unsharded_parameters(pl_module)  # {} without FSDP2; else a collective
+        self._watched = _trainable_once((name, unsharded.get(p, p)) for name, p in pl_module.named_parameters())
         self._watch = self._comm is not None or trainer.world_size == 1
         self._hook_gradients(self.observes(trainer.global_step))
         # Read now: at on_fit_end the strategy has already unwrapped its engine. For `auto`, the predicted size.

@@ -119,15 +119,6 @@ class FSDP2Strategy(DataParallelStrategy):
         finally:
             module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    # -- measurement -----------------------------------------------------------------------------------------
-
-    def watched_parameters(self) -> list[tuple[str, Tensor]]:
-        """``(name, tensor)`` whose gradient hooks fire: FSDP2's unsharded parameters. A collective."""
-        module = self.lightning_module
-        assert module is not None
-        unsharded = compat.fsdp2_unsharded_parameters(module)  # {} before sharding
-        return [(name, unsharded.get(p, p)) for name, p in module.named_parameters() if p.requires_grad]
-
     # -- checkpoints: consolidated, as an unsharded run writes them -----------------------------------------
 
     @override

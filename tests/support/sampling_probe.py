@@ -45,7 +45,7 @@ _counted(torch.cuda, "synchronize", "torch.cuda.synchronize")
 _counted(dist, "all_reduce", "dist.all_reduce")  # the engine's buckets (and flags)
 _counted(record.StepClock, "synchronize", "StepClock.synchronize")  # torch.cuda.synchronize on CUDA
 _counted(record.StepClock, "mark", "StepClock.mark")  # every clock read: hooks, landmarks, collectives
-_counted(record.Recorder, "add", "Recorder.add")  # a recorded collective
+_counted(record.Recorder, "launch", "Recorder.launch")  # a recorded collective
 _counted(straggler.StragglerExchange, "exchange", "timer collective")  # its one all-gather per step
 
 

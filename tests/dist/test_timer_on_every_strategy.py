@@ -1,0 +1,120 @@
+"""The CommTimer records at the process group, so it measures every strategy the same way: ours, Lightning's ``ddp``
+(with and without a comm hook of the user's), ``fsdp2``, and Lightning's ``ModelParallelStrategy`` with the user's
+own ``fully_shard``; on a user's own Transformer LM, not our GPT, on 2 CPU ranks. Measuring changes nothing: the
+weights after a fit with the timer are bitwise those of the same fit without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ddp import catalogue
+from lightning_ddp.metrics.accounting import METRIC_KEYS
+from tests.support.dist_utils import run_on_ranks
+from tests.support.lightning_toy import join_existing_group
+
+pytestmark = pytest.mark.multiprocess
+
+MODEL_PARALLEL = "model_parallel"  # Lightning's ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+STRATEGIES = [*catalogue.names(), MODEL_PARALLEL]
+STEPS = 3
+# Every key but the two this run cannot have: MFU (the user's module counts no FLOPs) and reserved memory (CUDA's).
+EVERY_KEY = [key for key in METRIC_KEYS if key not in ("step/mfu", "memory/peak_reserved_MiB")]
+
+
+def _fit(name: str, timed: bool, comm_hook: bool = False) -> dict:
+    """One 2-rank fit of the user's model under strategy ``name``: its weights and, timed, what the timer logged."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader
+
+    from lightning_ddp.callbacks import CommTimer
+    from tests.support.user_models import (KeptMetrics, ShardedUserTransformerLM, UserTransformerLM, full_weights,
+                                           user_data)
+
+    if name == MODEL_PARALLEL:
+        strategy, module = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ShardedUserTransformerLM()
+    else:
+        strategy, module = name, UserTransformerLM(comm_hook=comm_hook)
+    logger = KeptMetrics()
+    timer = CommTimer(every_n_steps=1, warmup_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=logger if timed else False,
+                         callbacks=[timer] if timed else [], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir="logs")
+    trainer.fit(module, DataLoader(user_data(), batch_size=4))
+    calls = [(row["group"], row["op"]) for row in _call_table(timer)] if timed else []
+    return {"weights": full_weights(module), "logged": logger.logged, "calls": calls,
+            "tensors": sum(1 for p in module.parameters() if p.requires_grad)}
+
+
+def _call_table(timer) -> list[dict]:
+    from lightning_ddp.metrics.recording import call_table
+
+    return call_table(timer._calls)
+
+
+def _every_strategy_with_and_without_the_timer(rank: int, world_size: int) -> dict:
+    join_existing_group(rank, world_size)
+    results = {}
+    for name in STRATEGIES:
+        plain, timed = _fit(name, timed=False), _fit(name, timed=True)
+        equal = all(torch.equal(plain["weights"][key], value) for key, value in timed["weights"].items())
+        results[name] = {"bitwise_equal": equal and plain["weights"].keys() == timed["weights"].keys(),
+                         "logged": timed["logged"], "calls": timed["calls"], "tensors": timed["tensors"]}
+    results["ddp_fp16_hook"] = _fit("ddp", timed=True, comm_hook=True)
+    results["ddp_fp16_hook"].pop("weights")
+    return results
+
+
+@pytest.fixture(scope="module")
+def fits() -> dict:
+    first, _ = run_on_ranks(_every_strategy_with_and_without_the_timer, 2, timeout=900)
+    return first  # rank 0's: what its logger was handed
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_the_timer_changes_no_weight(fits: dict, name: str) -> None:
+    assert fits[name]["bitwise_equal"], name
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_key_is_a_number_under_every_strategy(fits: dict, name: str) -> None:
+    logged = fits[name]["logged"]
+    assert sorted(logged) == list(range(STEPS))  # every step measured, each logged at its own number
+    for step, metrics in logged.items():
+        missing = [key for key in EVERY_KEY if key not in metrics]
+        assert not missing, (name, step, missing)
+        assert all(isinstance(value, float) for value in metrics.values())
+    last = logged[STEPS - 1]
+    assert last["comm/calls"] >= 1 and last["comm/bytes"] > 0 and last["comm/busy_ms"] > 0, (name, last)
+    assert last["comm/exposed_ms"] > 0 and 0 <= last["comm/overlap"] <= 1, (name, last)
+
+
+def test_our_engines_issue_what_they_are_built_to_issue(fits: dict) -> None:
+    # The user's model has 27 trainable tensors (2 encoder layers of 12, the embedding, the head's weight and bias).
+    n = fits["naive_ddp"]["tensors"]
+    assert n == 27
+    expected = {"naive_ddp": n + 1,  # one all-reduce per tensor, and the gradient-presence flags
+                "flat_ddp": 2,  # the flat buffer, and the flags
+                "overlap_ddp": n,  # one per tensor; the flags only when a gradient is missing (never here)
+                "bucketed_ddp": 1}  # the model's few KB in one 25 MiB bucket
+    for name, calls in expected.items():
+        assert fits[name]["logged"][STEPS - 1]["comm/calls"] == calls, name
+
+
+def test_the_sharded_strategies_collectives_are_seen_where_torch_issues_them(fits: dict) -> None:
+    # FSDP2's all-gathers (forward, and backward's re-gathers) and reduce-scatters, issued by torch itself
+    for name in ("fsdp2", MODEL_PARALLEL):
+        ops = {op for _, op in fits[name]["calls"]}
+        assert {"all_gather", "reduce_scatter"} <= ops, (name, ops)
+    assert {group for group, _ in fits["fsdp2"]["calls"]} == {"world"}
+    # Lightning's mesh: its data-parallel dimension spans both ranks, so torch runs it on the world group
+    assert {group for group, _ in fits[MODEL_PARALLEL]["calls"]} <= {"world", "data_parallel"}
+
+
+def test_a_users_own_ddp_comm_hook_runs_and_its_bytes_are_measured(fits: dict) -> None:
+    # The hook registered at on_train_start (the timer used to register one of its own first, and the run crashed).
+    # fp16_compress_hook all-reduces the bucket in fp16: half the fp32 bucket's bytes.
+    fp32 = fits["ddp"]["logged"][STEPS - 1]["comm/bytes"]
+    fp16 = fits["ddp_fp16_hook"]["logged"][STEPS - 1]["comm/bytes"]
+    assert fp16 == fp32 / 2

@@ -1,0 +1,103 @@
+"""What a user of the CommTimer brings: their own small Transformer LM as a LightningModule (nothing in it knows about
+lightning_ddp), a variant that shards itself with FSDP2 in ``configure_model`` (how Lightning's
+``ModelParallelStrategy`` is used), and a logger that keeps what it is given. For fits inside a ``run_on_ranks`` job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import Logger
+from torch import nn
+
+VOCAB, SEQ_LEN, D_MODEL = 32, 8, 16
+
+
+class UserTransformerLM(pl.LightningModule):
+    """Embedding, two ``nn.TransformerEncoderLayer`` (causal, no dropout) and a head; SGD with momentum.
+
+    Args:
+        comm_hook: Register torch's ``fp16_compress_hook`` on the DDP model at ``on_train_start``, as a user who
+            halves DDP's bytes would.
+    """
+
+    def __init__(self, comm_hook: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same weights on every rank and in every fit
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        layer = nn.TransformerEncoderLayer(D_MODEL, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(D_MODEL, VOCAB)
+        self.comm_hook = comm_hook
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        return nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+
+    def tokens_per_batch(self, batch: Any) -> int:
+        return batch[0].numel()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def on_train_start(self) -> None:
+        if self.comm_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self.trainer.strategy.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+
+class ShardedUserTransformerLM(UserTransformerLM):
+    """The same model, sharded by the user with FSDP2 over the data-parallel dimension of Lightning's mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.encoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def user_data(samples: int = 24) -> torch.utils.data.TensorDataset:
+    """Random (tokens, next tokens) sequences, the same on every rank."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (samples, SEQ_LEN + 1), generator=g)
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class KeptMetrics(Logger):
+    """A logger that keeps every ``log_metrics`` call: ``logged[step] = metrics``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "kept"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.setdefault(step, {}).update(metrics)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a sharded one gathered: a collective), as CPU copies by name."""
+    weights = {}
+    for name, tensor in module.state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        weights[name] = full.detach().cpu().clone()
+    return weights
