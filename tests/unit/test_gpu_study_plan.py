@@ -175,7 +175,7 @@ def test_results_md_links_the_docs_where_the_link_holds(tmp_path: Path) -> None:
                       (root / "study", "../docs/gpu.md")]:
         report = _report(out, root)
         assert f"[docs/gpu.md, Stages]({link}#stages)" in report
-        assert f"]({link}#reading-the-2-rank-numbers)" in report
+        assert f"step times ([docs/gpu.md, Reading the 2-rank numbers]({link}#reading-the-2-rank-numbers))" in report
         assert (out / link).resolve() == root / "docs" / "gpu.md"
     # Outside it: no link that could break, the page and section by name.
     report = _report(tmp_path / "elsewhere", root)

@@ -184,11 +184,10 @@ def fit_args(ctx: StudyContext, size: FitSize, *, strategy: str, precision: str 
         "--data.source", "synthetic", "--data.seq_len", str(size.seq_len), "--data.batch_size", str(size.batch),
         "--trainer.accelerator", ctx.scale.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
         "--trainer.strategy", strategy_argument(strategy, ctx.scale.backend if ranks == 1 else "gloo"),
-        "--trainer.precision", precision or ctx.scale.precision,
-        "--trainer.max_steps", str(size.steps), "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_checkpointing", "false", "--timer.warmup_steps", str(size.warmup),
-        "--timer.every_n_steps", "1", *extra,
+        "--trainer.precision", precision or ctx.scale.precision, "--trainer.max_steps", str(size.steps),
+        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_checkpointing", "false", "--timer.warmup_steps", str(size.warmup), "--timer.every_n_steps",
+        "1", *extra,
     )
 
 

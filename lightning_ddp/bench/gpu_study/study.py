@@ -237,7 +237,7 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
              + (f", commit {str(commit)[:12]}" if commit else "") + ". `stages.json` has each stage's status, seconds "
              "and error line.", "",
              "**Two ranks on one GPU time-slice it.** The step times of `traces` are not 2-GPU step times "
-             f" ({docs_reference(out, root, 'Reading the 2-rank numbers')}).", ""]
+             f"({docs_reference(out, root, 'Reading the 2-rank numbers')}).", ""]
     if document.get("cpu_dry_run"):
         lines += ["A rehearsal on CPU with the tiny preset: no number below says anything about a GPU.", ""]
     lines += markdown_table(["stage", "status", "seconds", "estimate s", "error"], align="llrrl", rows=[
