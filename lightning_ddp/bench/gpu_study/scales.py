@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_ddp.model import get_config
+
 
 @dataclass(frozen=True)
 class FitSize:
@@ -22,6 +24,7 @@ class FitSize:
                 raise ValueError(f"`FitSize.{name}` must be an integer >= 1, got {value!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup < self.steps:
             raise ValueError(f"`FitSize.warmup` must be in [0, steps={self.steps}), got {self.warmup!r}")
+        get_config(self.preset, context_length=self.seq_len)  # what the fit's --model.preset refuses, in its words
 
 
 @dataclass(frozen=True)
