@@ -152,10 +152,9 @@ class Estimate:
         return self.dry_run_s if dry_run else self.gpu_s
 
     def basis(self, dry_run: bool) -> str:
-        if dry_run:
-            return "measured in the dry run on 2 idle CPU cores"
-        return (f"{self.process_starts} process starts x {PROCESS_START_S:g} s + {self.fit_starts} fits x "
-                f"{FIT_START_S:g} s + {self.work_s:g} s of work")
+        return "measured in the dry run on 2 idle CPU cores" if dry_run else (
+            f"{self.process_starts} process starts x {PROCESS_START_S:g} s + {self.fit_starts} fits x "
+            f"{FIT_START_S:g} s + {self.work_s:g} s of work")
 
 
 @dataclass(frozen=True)
@@ -251,17 +250,14 @@ def read_pytest_log(text: str) -> dict[str, Any]:
     return {"tests": len(outcomes), **counts, "failures": failures}
 
 
-TIER_WORKERS = 12
-
-
 def cuda_tests(ctx: StudyContext) -> StageResult:
     if not (ctx.root / "tests" / "gpu").is_dir():
         return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
                                      "checkout of the repository, or pass --root CHECKOUT"])
     log = ctx.out / "cuda_tests.log"
-    # pytest-xdist workers where it is installed (the lent GPU machines have 16 cores; each test starts processes of
-    # one or two ranks); the engine matrix stays in one worker (xdist_group)
-    workers = ["-p", "xdist", "-n", str(min(TIER_WORKERS, os.cpu_count() or 1)), "--dist", "loadgroup"] \
+    # 12 pytest-xdist workers where it is installed (the lent GPU machines have 16 cores; each test starts processes
+    # of one or two ranks); the engine matrix stays in one worker (xdist_group)
+    workers = ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1)), "--dist", "loadgroup"] \
         if importlib.util.find_spec("xdist") else []
     ran = ctx.run_python(["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
                           *workers], log)
