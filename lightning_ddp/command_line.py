@@ -49,17 +49,20 @@ def check_command(word: str) -> None:
 
 
 def check_config_file(path: str) -> None:
-    """A ``--config`` file exists and is YAML; a syntax error names the file, line and column (PyYAML's mark)."""
+    """A ``--config`` file exists and is YAML; a syntax error names the file, line and column (PyYAML's mark). YAML
+    given in place of a file (``--config '{trainer: {max_steps: 3}}'``, as jsonargparse allows) is checked as such."""
     import yaml
 
-    if not Path(path).is_file():
+    inline = not Path(path).exists() and (path.lstrip().startswith("{") or "\n" in path)
+    if not (Path(path).is_file() or inline):
         what = "is a folder, not a file" if Path(path).is_dir() else "does not exist"
         raise ValueError(f"--config {path} {what}; the configs are under configs/, e.g. configs/quickstart.yaml")
     try:
-        yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        yaml.safe_load(path if inline else Path(path).read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        name = f"--config {path!r}" if inline else path
+        where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
         context = f" ({error.context})" if getattr(error, "context", None) else ""
         raise ValueError(f"{where}: not valid YAML: {getattr(error, 'problem', None) or error}{context}") from None
 

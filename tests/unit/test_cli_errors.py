@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_ddp import cli
 from lightning_ddp.cli import HeldBack, check_precision, main, run_folder_report, user_error_message
-from lightning_ddp.command_line import UsageError, checkpoint_file
+from lightning_ddp.command_line import UsageError, check_command_line, checkpoint_file
 from tests.support.cli_utils import repo_first_on_path
 
 REPO = Path(__file__).parents[2]
@@ -110,6 +110,12 @@ def test_what_needs_no_lightning_is_refused_before_importing_it(tmp_path: Path, 
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
     assert line.startswith("error: ") and phrase in line, line
+
+
+def test_yaml_given_in_place_of_a_config_file_is_checked_as_yaml() -> None:
+    check_command_line(["fit", "--config", "{trainer: {max_steps: 3}}"])  # jsonargparse reads it as a config
+    with pytest.raises(UsageError, match=r"--config '\{trainer: \[':1:12: not valid YAML: expected the node content"):
+        check_command_line(["fit", "--config", "{trainer: ["])
 
 
 def _checkpoint(path: Path) -> Path:
