@@ -8,9 +8,11 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import statistics
 import sys
+import time
 import warnings
-import zipfile
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -19,6 +21,7 @@ from jsonargparse import Namespace, lazy_instance, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ddp import catalogue
@@ -26,6 +29,7 @@ from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks import FinalStepCheckpoint
 from lightning_ddp.metrics.recording import strategy_label
 from lightning_ddp.callbacks.trace_recorder import TraceRecorder
+from lightning_ddp.command_line import SUBCOMMANDS, check_command_line, checkpoint_file, final_checkpoint, refuse
 from lightning_ddp.data import BYTE_VOCAB_SIZE, DEFAULT_VOCAB_SIZE, LMDataModule
 from lightning_ddp.memory import GiB, MemoryPreflightError, memory_budget_bytes, preflight
 from lightning_ddp.model import get_config
@@ -48,26 +52,6 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
 
 # Attribute docstrings (a string under a dataclass field) become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
-
-SUBCOMMANDS = ("fit", "validate", "test")  # LightningCLI's without predict
-
-
-class UsageError(SystemExit):
-    """A refused input: exit code 2 and no traceback, the message already printed as one ``error:`` line."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def refuse(message: str) -> NoReturn:
-    """Print ``error: <message>`` on stderr and exit 2 (``UsageError``)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise UsageError(message)
-
 
 # jsonargparse's reasons that only restate a type it tried, beside the one that says what is wrong
 _TYPE_NOISE = ("Expected a ", "Not a valid subclass", "Type <", "Does not validate against", "Problem with given")
@@ -109,15 +93,35 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)  # a caller parsing on purpose without exiting (jsonargparse's own retries)
-        line = user_error_message(message)
-        if "File does not exist" in line:
-            line += " (check the path; the configs are under configs/, e.g. configs/quickstart.yaml)"
-        refuse(f"{line}\n(--help lists the options)")
+        refuse(f"{user_error_message(message)}\n(--help lists the options)")
+
+
+class HeldBack(logging.Filter):
+    """Holds a logger's records back (Lightning's ``Seed set to 0``) until ``release``: an input refused while the
+    classes are built prints its error alone."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger, self.records = logger, []
+        logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def release(self) -> None:
+        self.logger.removeFilter(self)
+        for record in self.records:
+            self.logger.handle(record)
 
 
 class LightningDDPCLI(LightningCLI):
     def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
-        super().__init__(*args, parser_class=parser_class, **kwargs)
+        self.seed_message = HeldBack(logging.getLogger("lightning.fabric.utilities.seed"))
+        try:
+            super().__init__(*args, parser_class=parser_class, **kwargs)
+        finally:
+            self.seed_message.logger.removeFilter(self.seed_message)
 
     @staticmethod
     @override
@@ -145,6 +149,7 @@ class LightningDDPCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, TypeError) as error:
             refuse(user_error_message(str(error)))
+        self.seed_message.release()
 
     @override
     def instantiate_trainer(self, **kwargs):
@@ -168,10 +173,16 @@ class LightningDDPCLI(LightningCLI):
         except ValueError as error:
             refuse(str(error))
         # Evaluating a checkpoint needs none of the callbacks that saved it (ModelCheckpoint's state only matters to
-        # a resumed fit), yet Lightning warns that they are missing on every `validate/test --ckpt_path`.
+        # a resumed fit), yet Lightning warns that they are missing, or that the run's folder is not theirs, on
+        # every `validate/test --ckpt_path`.
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
+        warnings.filterwarnings("ignore", message="The dirpath has changed from")
 
     before_test = before_validate
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            print(run_folder_report(self.trainer), flush=True)
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)
@@ -181,9 +192,10 @@ class LightningDDPCLI(LightningCLI):
         try:
             check_strategy_name(config.trainer.strategy)
             check_cpu_devices(config.trainer.accelerator, config.trainer.devices)
-            if config.get("ckpt_path"):
-                check_checkpoint_file(config.ckpt_path)
-        except (ValueError, FileNotFoundError) as error:
+            check_precision(config.trainer.accelerator, config.trainer.precision)
+            if config.get("ckpt_path"):  # a run's folder becomes its checkpoint's path (lightning_ddp.run_folders)
+                config.ckpt_path = checkpoint_file(config.ckpt_path)
+        except ValueError as error:
             refuse(str(error))
         # `fit`, or no subcommand (`run=False`: the caller is about to call `trainer.fit` itself).
         if subcommand in ("fit", None) and config.get("preflight", True):
@@ -215,18 +227,69 @@ def check_cpu_devices(accelerator: object, devices: object) -> None:
         )
 
 
-def check_checkpoint_file(path: str) -> None:
-    """A missing, truncated or foreign checkpoint fails here, with its name, instead of deep inside torch.load."""
-    if "://" in str(path) or path in ("last", "best", "hpc", "registry"):
-        return  # remote paths and Lightning's special names are resolved by Lightning itself
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--ckpt_path {path!r} does not exist; point it at a .ckpt file written by a run.")
-    # torch.save writes a zip archive whose directory sits at the end: a truncated file has none.
-    if not zipfile.is_zipfile(path):
-        raise ValueError(
-            f"--ckpt_path {path!r} is not a readable checkpoint (truncated or not written by torch.save); "
-            "resume from an earlier checkpoint of the run (e.g. the previous `step=...ckpt`)."
-        )
+FP16_MIXED = ("16", "16-mixed")  # Lightning's names of fp16 autocast with a gradient scaler
+REDUCED_PRECISION = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+                     "16-true": torch.float16}  # the matmul dtype of every other reduced precision
+SLOW_PRECISION = 1.5  # said at start when a reduced precision's matmul takes this many times fp32's on the CPU
+
+
+def check_precision(accelerator: object, precision: object) -> None:
+    """On CPU, fp16 mixed precision is refused (CPUs have no fp16 autocast: Lightning would run bf16-mixed and only
+    warn), and a reduced precision whose matrix products run slower than fp32 here is said at start."""
+    if _device_type(accelerator) != "cpu" or str(precision) not in (*FP16_MIXED, *REDUCED_PRECISION):
+        return
+    if str(precision) in FP16_MIXED:
+        raise ValueError(f"--trainer.precision {precision} cannot run on CPU (no fp16 autocast there: Lightning would "
+                         "run bf16-mixed instead); set --trainer.precision 32-true, or bf16-mixed to run that.")
+    dtype = REDUCED_PRECISION[str(precision)]
+    slowdown = cpu_matmul_slowdown(dtype) if rank_zero_only.rank == 0 else 1.0
+    if slowdown > SLOW_PRECISION:
+        rank_zero_warn(f"--trainer.precision {precision} will be slow on this CPU: its {str(dtype)[6:]} matrix "
+                       f"products took {slowdown:.1f}x as long as fp32's in a check just now (no native "
+                       f"{str(dtype)[6:]} instructions); 32-true is the fast precision here.")
+
+
+def cpu_matmul_slowdown(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
+    """How many times longer a ``size`` x ``size`` matrix product takes in ``dtype`` than in fp32 on this CPU: the
+    ratio of medians of ``repeats`` interleaved timings, each after a warm-up product (about 0.1 s on a CPU
+    without native bf16)."""
+    times: dict[torch.dtype, list[float]] = {torch.float32: [], dtype: []}
+    matrix = torch.randn(size, size)
+    for _ in range(repeats):
+        for kind, measured in times.items():
+            x = matrix.to(kind)
+            x @ x
+            start = time.perf_counter()
+            x @ x
+            measured.append(time.perf_counter() - start)
+    return statistics.median(times[dtype]) / statistics.median(times[torch.float32])
+
+
+def run_folder_report(trainer: Any) -> str:
+    """Where a fit went and the commands that read it, printed by rank 0 at its end."""
+    # trainer.log_dir as rank 0 knows it, without its broadcast (a collective, which rank 0 alone must not call)
+    logger = trainer.loggers[0] if trainer.loggers else None
+    folder = Path(logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger))
+                  else getattr(logger, "save_dir", None) or trainer.default_root_dir)
+    kept = [name for name in ("timing_summary.json", "compute_profile.json", "config.yaml", "traces/")
+            if (folder / name).exists()]
+    events = any(folder.glob("events.out.tfevents.*"))
+    checkpoint_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
+    final = final_checkpoint(Path(checkpoint_dir)) if checkpoint_dir else None
+    if events:
+        kept.append("TensorBoard logs")
+    if final is not None:
+        kept.append(f"checkpoints: {final}")
+    lines = [f"Run folder: {folder} ({', '.join(kept) or 'nothing written'})"]
+    if "timing_summary.json" in kept:
+        lines.append(f"  what to change: python -m lightning_ddp advise {folder}")
+    if events:
+        lines.append(f"  TensorBoard:    tensorboard --logdir {folder}")
+    if final is not None and "config.yaml" in kept:
+        weights = folder if final.parent in (folder, folder / "checkpoints") else final
+        lines.append(f"  evaluate:       python -m lightning_ddp validate --config {folder / 'config.yaml'} "
+                     f"--ckpt_path {weights}")
+    return "\n".join(lines)
 
 
 def _builds(lightning_class: str, class_path: object) -> bool:
@@ -322,12 +385,7 @@ def check_memory(config) -> None:
 
 
 def main(args: list[str] | None = None) -> LightningDDPCLI:
-    first = (sys.argv[1:] if args is None else args)[:1]
-    if first and not first[0].startswith("-") and first[0] not in SUBCOMMANDS:  # exit 2 naming the supported ones
-        predict = first[0] == "predict"
-        why = " (a language model's predictions need a sampling loop this toolkit does not have)" if predict else ""
-        refuse(f"`{first[0]}` is not a subcommand of python -m lightning_ddp{why}. Supported: "
-               f"{', '.join(SUBCOMMANDS)}; e.g. python -m lightning_ddp validate --config configs/quickstart.yaml")
+    check_command_line(sys.argv[1:] if args is None else args)
     register_strategies()  # `trainer.strategy: <name>` for every catalogue entry
     try:
         return LightningDDPCLI(
@@ -336,6 +394,8 @@ def main(args: list[str] | None = None) -> LightningDDPCLI:
             trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs")},  # named by strategy
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "python -m lightning_ddp",
+                           "epilog": "and: python -m lightning_ddp advise RUN_DIR, what to change (docs/advice.md)"},
             args=args,
         )
     except MemoryPreflightError as error:  # refused by design: one message, no traceback

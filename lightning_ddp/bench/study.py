@@ -318,13 +318,15 @@ class StudyConfig(BenchConfig):
 
 NO_VALIDATION = ["--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0"]
 """Fit arguments keeping validation out of the timed steps."""
+NO_CHECKPOINTS = ["--trainer.enable_checkpointing", "false"]
+"""The quickstart keeps a 43 MB checkpoint per run; a study's fits keep none."""
 
 
 def fit_arguments_of(config: StudyConfig, strategy: str) -> list[str]:
     """A fit of ``fit_config`` and ``fit_args`` with ``strategy``, ``steps`` long, ``warmup_steps`` left out."""
     return ["--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
             "--trainer.max_steps", str(config.steps), "--timer.warmup_steps", str(config.warmup_steps),
-            "--trainer.enable_progress_bar", "false"]
+            "--trainer.enable_progress_bar", "false", *NO_CHECKPOINTS]
 
 
 def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]], columns: Sequence[str],

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
 from lightning_ddp.bench.study import (
-    NO_VALIDATION, Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance, run_study, table,
-    text_cell, with_interval, write_outputs,
+    NO_CHECKPOINTS, NO_VALIDATION, Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance,
+    run_study, table, text_cell, with_interval, write_outputs,
 )
 
 
@@ -75,7 +75,8 @@ def measure(config: TimerOverheadConfig, command: str) -> None:
     """Every arm's fit ``repeats`` times, interleaved; timer_overhead.json (``summarize``, the settings)."""
     cells = {f"timer {arm}": [
         "--config", config.fit_config, *config.fit_args, "--trainer.max_steps", str(config.steps),
-        "--trainer.enable_progress_bar", "false", *timer_args, *NO_VALIDATION,  # the quickstart validates at step 40
+        "--trainer.enable_progress_bar", "false", *timer_args,
+        *NO_VALIDATION, *NO_CHECKPOINTS,  # the quickstart validates and keeps a checkpoint at step 40
         "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
     ] for arm, timer_args in arms(config.sampled_every).items()}
     logs = run_study(cells, config.repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()),

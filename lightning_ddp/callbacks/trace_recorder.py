@@ -5,8 +5,11 @@ The clock alignment: ``docs/comm_timer.md``, "Traces".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,6 +27,24 @@ from lightning_ddp.metrics.recording import TRACE_SUFFIX, RecordedStep, add_comm
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.record import SyncRecord
+
+
+@contextlib.contextmanager
+def without_kineto_usdt_lines():
+    """Drop the ``USDT: ... profiler_start/stop`` lines kineto prints on stderr (fd 2) when it starts and stops, and
+    pass every other line on (``KINETO_LOG_LEVEL=6`` would hide them and its errors too)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            os.write(2, b"".join(line for line in caught if not line.startswith(b"USDT:")))
 
 
 class TraceRecorder(StepObserver):
@@ -129,7 +150,8 @@ class TraceRecorder(StepObserver):
             record_shapes=self.record_shapes,
             with_stack=self.with_stack,
         )
-        self._prof.start()
+        with without_kineto_usdt_lines():
+            self._prof.start()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,7 +169,8 @@ class TraceRecorder(StepObserver):
         self._exit()
         if self._prof is not None:
             prof, self._prof = self._prof, None
-            prof.stop()  # if the run ended inside the active window, this still writes what was recorded
+            with without_kineto_usdt_lines():
+                prof.stop()  # if the run ended inside the active window, this still writes what was recorded
             if self.trace_path is None:
                 rank_zero_warn(f"TraceRecorder wrote no trace: it needs {self._needs()}. Lower --trace.wait_steps "
                                "or run more steps.")
@@ -181,7 +204,8 @@ class TraceRecorder(StepObserver):
             self._steps.append(RecordedStep(self._step, self._anchor, record.in_host_seconds().collectives))
         self._exit()
         if self._prof is not None:
-            self._prof.step()  # after the last active step this calls _write_trace
+            with without_kineto_usdt_lines():
+                self._prof.step()  # after the last active step this calls _write_trace
 
     # -- ranges ---------------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """The ``TraceRecorder``'s traces read back: HTA's overlap ``|comm ∩ compute| / |comm|`` of each rank and the runs
-drawn as timelines; ``python -m lightning_ddp.trace`` does both (docs/tensorboard.md)."""
+drawn as timelines; ``python -m lightning_ddp.trace`` does both (docs/tensorboard.md, "Two overlaps")."""
 
 from __future__ import annotations
 
@@ -11,11 +11,17 @@ from typing import Any, Iterable
 
 from lightning_ddp.intervals import Interval, intersect, merge, subtract, total
 from lightning_ddp.metrics.recording import TRACE_SUFFIX, assign_lanes
+from lightning_ddp.run_folders import run_folder
 from lightning_ddp.sync import ranges
 
 PROFILER_COMM_RE = re.compile(r"^(gloo:|nccl.*Kernel)")  # gloo's ranges on its threads, NCCL kernels (as HTA)
 GPU_KERNEL_CATEGORY = "kernel"  # kineto's GPU kernels; gpu_memcpy / gpu_memset are neither compute nor comm (HTA)
 COMM_SOURCES = ("auto", "record", "profiler")  # RankTrace.comm's sources; auto: the SyncRecord track if any
+OVERLAP_DEFINITION = (
+    "overlap here is HTA's: of the time a collective was in flight (launch to completion, over the traced steps, "
+    "summed over ranks), the share the rank computed meanwhile, its time inside collective calls not counted. The "
+    "CommTimer's comm/overlap counts all busy time before the step's last gradient as hidden and usually reads "
+    "higher for the same run: docs/tensorboard.md, \"Two overlaps\", and docs/comm_timer.md")
 
 
 @dataclass(frozen=True)
@@ -145,26 +151,20 @@ def load_rank_trace(path: str | Path) -> RankTrace:
     )
 
 
+def trace_files(folder: Path) -> list[Path]:
+    """The ``*.pt.trace.json`` in ``folder`` or, as the ``TraceRecorder`` writes them, in its ``traces/``."""
+    return sorted(folder.glob(f"*{TRACE_SUFFIX}")) or sorted((folder / "traces").glob(f"*{TRACE_SUFFIX}"))
+
+
 def find_traces(path: str | Path) -> list[Path]:
-    """``path`` if a file, else the sorted ``*.pt.trace.json`` of one run below it (of several, the latest)."""
+    """``path`` if a file, else the traces of the run the folder stands for (``lightning_ddp.run_folders``: a
+    logger's folder stands for its latest run with traces)."""
     path = Path(path)
     if path.is_file():
         return [path]
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a run's log directory or its *{TRACE_SUFFIX} files")
-    found = sorted(path.rglob(f"*{TRACE_SUFFIX}"))
-    if not found:
-        raise FileNotFoundError(
-            f"no *{TRACE_SUFFIX} under {path}; record one with `python -m lightning_ddp fit ... --trace.enabled true`"
-        )
-    runs: dict[Path, list[Path]] = {}
-    for file in found:  # each rank writes <log_dir>/traces/rank{R}.pt.trace.json
-        runs.setdefault(file.parent.parent if file.parent.name == "traces" else file.parent, []).append(file)
-    # several runs, each one of Lightning's version_N folders of ``path``: the latest
-    versions = {int(run.name[8:]): run for run in runs if re.fullmatch(r"version_\d+", run.name) and run.parent == path}
-    if len(runs) > 1 and len(versions) == len(runs):
-        return runs[versions[max(versions)]]
-    return found  # one run, or folders that are not a logger's versions: load_run refuses two traces of a rank
+    folder = run_folder(path, lambda candidate: bool(trace_files(candidate)), f"*{TRACE_SUFFIX} (in it or its traces/)",
+                        "record some with `python -m lightning_ddp fit ... --trace.enabled true`")
+    return trace_files(folder)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """``python -m lightning_ddp.trace RUN_DIR_OR_TRACES... -o timeline.png``: draw runs as stacked timelines.
 Each directory is one run (a logger's folder: its latest run with traces); files are grouped by directory.
+The overlap printed is HTA's, not the CommTimer's ``comm/overlap`` (docs/tensorboard.md, "Two overlaps").
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
-from lightning_ddp.trace import COMM_SOURCES, load_run, render_timeline
+from lightning_ddp.trace import COMM_SOURCES, OVERLAP_DEFINITION, load_run, render_timeline
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,13 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     labels = args.label or [None] * len(groups)
     try:
         runs = [load_run(paths, label) for paths, label in zip(groups.values(), labels)]
-    except (FileNotFoundError, ValueError) as error:
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     for run in runs:
         print(f"{run.label}: {Path(run.ranks[0].path).parent}")  # which run a logger's folder stood for
     timeline = render_timeline(runs, args.output, steps=args.steps, comm_source=args.comm_source, title=args.title)
     print(timeline.summary())
+    print(f"({OVERLAP_DEFINITION})")
     print(f"wrote {timeline.path}")
 
 

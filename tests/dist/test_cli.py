@@ -50,7 +50,7 @@ def test_an_unsupported_subcommand_is_one_message_and_exit_2(subcommand: str, ca
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err  # one line, no usage dump
-    assert f"`{subcommand}` is not a subcommand" in err and "Supported: fit, validate, test" in err
+    assert f"`{subcommand}` is not a command" in err and "Commands: fit, validate, test, advise" in err
 
 
 def test_help_lists_only_the_supported_subcommands(capsys) -> None:
@@ -83,12 +83,22 @@ def test_quickstart_trains_on_two_processes_and_logs_loss(tmp_path: Path) -> Non
     # The quickstart as shipped (markov data, lr 3e-3, 2 MiB buckets, 2 gloo processes), cut to 20 of its 40 steps
     # (the cosine schedule follows max_steps) to keep the test near 35 s on 2 cores; it validates after step 20
     # instead of 40.
-    run_cli(
+    proc = run_cli(
         "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
         "--trainer.max_steps", "20", "--trainer.val_check_interval", "20",
         "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
         cwd=tmp_path,
     )
+    # its last lines: where it all went (the checkpoint the quickstart keeps included), and the commands that read it
+    run = tmp_path / "logs" / "bucketed_ddp" / "version_0"
+    folder_line, *commands = proc.stdout.splitlines()[-4:]
+    assert folder_line.startswith(f"Run folder: {run} (timing_summary.json, ") and folder_line.endswith(
+        f"TensorBoard logs, checkpoints: {run / 'checkpoints' / 'epoch=0-step=20.ckpt'})"), proc.stdout[-3000:]
+    assert commands == [
+        f"  what to change: python -m lightning_ddp advise {run}",
+        f"  TensorBoard:    tensorboard --logdir {run}",
+        f"  evaluate:       python -m lightning_ddp validate --config {run / 'config.yaml'} --ckpt_path {run}",
+    ]
     scalars = read_scalars(tmp_path / "logs")
     # log_every_n_steps=1: one train/loss point per optimizer step
     assert [step for step, _ in scalars["train/loss"]] == list(range(20))
@@ -230,11 +240,13 @@ def test_validate_a_checkpoint_reproduces_the_fits_last_validation(tmp_path: Pat
     # fit 2 steps, validating after the last one and checkpointing; `validate --ckpt_path` of that checkpoint
     # evaluates the same weights on the same 8 walks, so it must log the same val/loss (measured equal to all
     # printed digits: 8.974589 both). The model trained 2 steps is no longer uniform, so this is not 9.21 twice.
+    # (--ckpt_path the strategy's folder, as README's "Evaluate" does: its latest run that kept a checkpoint)
     fit = _eval_metrics(tmp_path, "fit", "fit", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
-                        "--data.val_samples", "8", "--trainer.enable_checkpointing", "true")
-    (checkpoint,) = sorted((tmp_path / "fit").rglob("*.ckpt"))
+                        "--data.val_samples", "8")
+    (checkpoint,) = sorted((tmp_path / "fit").rglob("*.ckpt"))  # the quickstart keeps one, after its last step
+    assert checkpoint.parent.parent.parent == tmp_path / "fit" / "bucketed_ddp"
     validated = _eval_metrics(tmp_path, "validate", "validate", "--data.val_samples", "8",
-                              "--ckpt_path", str(checkpoint))
+                              "--ckpt_path", str(tmp_path / "fit" / "bucketed_ddp"))
     ((_, after_fit),), ((_, from_checkpoint),) = fit["val/loss"], validated["val/loss"]
     assert from_checkpoint == pytest.approx(after_fit, abs=1e-5)
     assert after_fit < math.log(10_000) - 0.1

@@ -1,5 +1,5 @@
 """The GPU study (``python -m lightning_ddp.bench.gpu_study``): its orchestration with fake stages, its parts, and its
-CPU dry run (a few stages quickly, and every stage in the ``slow`` tier).
+CPU dry run (a few stages, and every stage in one call, in the ``slow`` tier).
 
 The orchestration is checked with fake stages (instant): order, budget skips, failures that do not stop the study,
 stages.json rewritten after every stage, interruption. The real stages run in the dry run on CPU.
@@ -18,74 +18,31 @@ import pytest
 import torch
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.gpu_study import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
+from lightning_ddp.bench.gpu_study import GPUStudyConfig
 from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
 from lightning_ddp.bench.gpu_study.processes import FitSpec, batch_candidates, first_that_fits, run_fits
+from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE
 from lightning_ddp.bench.gpu_study.stages import (
     EXACT_TOLERANCE,
-    STAGES,
+    Estimate,
     Stage,
     StageResult,
     StudyContext,
     cuda_tests,
-    outcomes_from_log,
-    read_junit,
+    read_pytest_log,
     weight_differences,
 )
-from lightning_ddp.bench.gpu_study.study import build_report, plan_calls, run_study, select_files
+from lightning_ddp.bench.gpu_study.study import build_report, run_study, select_files
 from lightning_ddp.projection.simulators import simulated_names
 from tests.support.cli_utils import REPO
-
-# ---- the stage table ---------------------------------------------------------------------------------------------
-
-
-STAGE_NAMES = ["environment", "cuda_tests", "compute", "strategies", "one_gpu_pair", "traces", "ready_times",
-               "timer_overhead"]
-
-
-def test_the_stages_run_in_this_order() -> None:
-    assert [s.name for s in STAGES] == STAGE_NAMES
-
-
-def test_the_estimates_fit_two_calls_of_the_default_budget() -> None:
-    # A GPU machine gives ~30 minutes in commands of at most 10: README's recipe is two calls of 9 minutes (the
-    # default budget), each with a minute to spare for installing wheels and writing the archive.
-    assert GPUStudyConfig(out="x").budget_min == 9
-    calls = plan_calls(STAGES, 9)
-    assert calls == [["environment", "cuda_tests", "compute", "strategies"],
-                     ["one_gpu_pair", "traces", "ready_times", "timer_overhead"]]
-    estimates = {s.name: s.estimate_s for s in STAGES}
-    assert all(sum(estimates[name] for name in call) <= 0.95 * 9 * 60 for call in calls)
-    # The CPU dry run: under 5 minutes on 2 cores.
-    assert sum(s.dry_run_estimate_s for s in STAGES if not s.needs_cuda) <= 5 * 60
-
-
-def test_a_plan_refuses_a_budget_that_no_call_could_finish_a_stage_in() -> None:
-    message = r"stage cuda_tests needs ~240 s, more than `--budget_min 3` gives a call; give it at least 4.0 min"
-    with pytest.raises(ValueError, match=message):
-        plan_calls(STAGES, 3)
-
-
-def test_only_the_test_tier_cannot_rehearse_on_cpu() -> None:
-    # Every other stage runs its own code in the dry run; only the cuda tier is nothing but CUDA.
-    assert [s.name for s in STAGES if s.needs_cuda] == ["cuda_tests"]
-
-
-def test_the_scales_differ_in_size_not_in_shape() -> None:
-    assert (GPU_SCALE.device, GPU_SCALE.compute["preset"], GPU_SCALE.compute["seq_len"]) == ("cuda", "xl", 512)
-    assert (GPU_SCALE.profile["preset"], GPU_SCALE.profile["batch"], GPU_SCALE.profile["seq_len"]) == ("xl", 4, 512)
-    assert DRY_RUN_SCALE.device == "cpu"
-    assert {DRY_RUN_SCALE.compute["preset"], DRY_RUN_SCALE.strategies["preset"]} == {"tiny"}
-    # Every stage's fits take the same keyword arguments at both scales.
-    for stage in ("compute", "strategies", "traces", "profile", "overhead"):
-        assert getattr(GPU_SCALE, stage).keys() == getattr(DRY_RUN_SCALE, stage).keys(), stage
-
+from tests.unit.test_gpu_study_plan import STAGE_NAMES
 
 # ---- the orchestration, with fake stages ---------------------------------------------------------------------------
 
 
 def _stage(name: str, run, estimate: float = 1.0, needs_cuda: bool = False) -> Stage:
-    return Stage(name, name.title(), estimate, estimate, needs_cuda, run)
+    return Stage(name=name, title=name.title(), run=run, needs_cuda=needs_cuda,
+                 estimate=Estimate(process_starts=0, fit_starts=0, work_s=estimate, dry_run_s=estimate))
 
 
 def _config(tmp_path: Path, **kwargs) -> GPUStudyConfig:
@@ -235,9 +192,8 @@ def test_a_folder_that_holds_a_study_needs_resume_and_the_same_kind(tmp_path: Pa
 
 def test_the_archive_holds_what_is_worth_committing_and_is_written_even_when_interrupted(tmp_path: Path) -> None:
     def writes(ctx: StudyContext) -> StageResult:
-        (ctx.out / "sweep" / "runs" / "cell").mkdir(parents=True)
-        (ctx.out / "sweep" / "results.csv").write_text("strategy,step_ms\nddp,1.0\n")
-        (ctx.out / "sweep" / "runs" / "cell" / "command.txt").write_text("MASTER_PORT=1234 python -m ...")
+        (ctx.out / "pair").mkdir(parents=True)
+        (ctx.out / "pair" / "results.csv").write_text("strategy,step_ms\nddp,1.0\n")
         (ctx.out / "weights.pt").write_bytes(b"\0" * 1000)
         (ctx.out / "trace.json").write_bytes(b"{}" + b" " * (3 * 2**20))  # a raw trace over the 2 MiB a file
         return StageResult(data={"rows": 1})
@@ -253,7 +209,7 @@ def test_the_archive_holds_what_is_worth_committing_and_is_written_even_when_int
         names = sorted(tar.getnames())
         contents = json.loads(tar.extractfile("archive_contents.json").read())
         stages_json = json.loads(tar.extractfile("stages.json").read())
-    assert names == ["archive_contents.json", "results.md", "stages.json", "sweep/results.csv", "writes.json"]
+    assert names == ["archive_contents.json", "pair/results.csv", "results.md", "stages.json", "writes.json"]
     assert contents["left_out"] == ["trace.json (3,145,730 B: over 2,097,152 B a file)"]
     assert [s["status"] for s in stages_json["stages"]] == ["ok", "interrupted"]  # the state at the interruption
     assert not list(archive.parent.glob("*.tmp"))
@@ -297,30 +253,10 @@ def test_without_cuda_only_a_dry_run_may_start(tmp_path: Path) -> None:
         run_study(config, stages=[], cuda=False, log=lambda line: None)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--budget_min", "20"], "`--out` is missing"),
-    (["--out", "x", "--budget_min", "0"], "`--budget_min` must be > 0"),
-])
-def test_bad_command_lines_exit_2_naming_the_fix(capsys, args: list[str], message: str) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("stages, message", [("[compute,nonsense]", "unknown stage 'nonsense' in `--stages`"),
-                                             ("[]", "`--stages` is empty")])
-def test_a_bad_stage_list_exits_2_naming_the_stages(tmp_path: Path, capsys, stages: str, message: str) -> None:
-    # Checked against the study's stages before anything starts: nothing written.
-    assert main(["--out", str(tmp_path / "study"), "--cpu_dry_run", "true", "--stages", stages]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: {message}") and "; choose from environment, cuda_tests, compute," in err
-    assert not (tmp_path / "study").exists()
-
-
 # ---- the parts ----------------------------------------------------------------------------------------------------
 
 
-def test_read_junit_counts_and_names_the_failures(tmp_path: Path) -> None:
+def test_a_pytest_log_gives_the_counts_and_the_failures_with_their_messages(tmp_path: Path) -> None:
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"
         "def test_passes(): pass\n"
@@ -330,28 +266,27 @@ def test_read_junit_counts_and_names_the_failures(tmp_path: Path) -> None:
         "@pytest.fixture\n"
         "def broken(): raise RuntimeError('fixture broke')\n"
         "def test_errors(broken): pass\n")
-    report = tmp_path / "report.xml"
-    subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "test_sample.py"), "-q", "-p", "no:cacheprovider",
-                    f"--junitxml={report}"], cwd=tmp_path, capture_output=True)
-    data = read_junit(report)
+    log = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "test_sample.py"), "-v", "-rfE", "-p",
+                          "no:cacheprovider"], cwd=tmp_path, capture_output=True, text=True).stdout
+    data = read_pytest_log(log)
     assert {k: data[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == dict(
         tests=4, passed=1, failed=1, errors=1, skipped=1)
     messages = {f["test"].split("::")[-1]: f["message"] for f in data["failures"]}
     assert "one is not two" in messages["test_fails"] and "fixture broke" in messages["test_errors"]
 
 
-def test_a_tier_cut_off_before_its_report_is_counted_from_the_verbose_log() -> None:
+def test_a_tier_cut_off_is_counted_as_far_as_it_got() -> None:
+    # No summary yet: the -v lines say what ran, a failure's message is its outcome until the summary comes.
     log = ("tests/gpu/test_a.py::test_one[nccl_1rank] PASSED                [ 33%]\n"
            "tests/gpu/test_a.py::test_two FAILED                            [ 66%]\n"
            "tests/gpu/test_b.py::test_three SKIPPED (needs a CUDA GPU)      [100%]\n")
-    data = outcomes_from_log(log)
+    data = read_pytest_log(log)
     assert {k: data[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == dict(
         tests=3, passed=1, failed=1, errors=0, skipped=1)
     assert data["failures"] == [{"test": "tests/gpu/test_a.py::test_two", "message": "failed"}]
-    assert outcomes_from_log("tests/a.py::test_x PASSED [ 50%]\ntests/a.py::test_y FAILED [100%]\n")["failed"] == 1
-    xdist = outcomes_from_log("[gw0] [ 50%] PASSED tests/a.py::test_x \n[gw1] [100%] ERROR tests/a.py::test_y \n")
+    xdist = read_pytest_log("[gw0] [ 50%] PASSED tests/a.py::test_x \n[gw1] [100%] ERROR tests/a.py::test_y \n")
     assert (xdist["passed"], xdist["errors"], xdist["failures"]) == (1, 1, [{"test": "tests/a.py::test_y",
-                                                                             "message": "error"}])
+                                                                             "message": "errors"}])
 
 
 @pytest.mark.multiprocess  # one pytest subprocess collecting the tier (~10 s)
@@ -363,7 +298,7 @@ def test_the_cuda_tests_stage_runs_the_tier_and_says_when_nothing_ran(tmp_path: 
     result = cuda_tests(ctx)
     assert result.data["tests"] >= 12 and result.data["skipped"] == result.data["tests"]
     assert result.problems == ["every test of the tier was skipped: pytest saw no CUDA device"]
-    assert set(result.files) == {"cuda_tests.xml", "cuda_tests.log"}
+    assert result.files == ["cuda_tests.log"]
 
 
 def test_the_archive_keeps_the_smallest_files_that_fit(tmp_path: Path) -> None:
@@ -471,7 +406,7 @@ def test_the_report_puts_the_published_runs_beside_ours(tmp_path: Path) -> None:
 def test_the_report_renders_what_a_stage_cut_off_wrote(tmp_path: Path) -> None:
     # Every stage's caption and tables come from its data: a missing field or row shows as "–", never an error.
     (tmp_path / "timer_overhead.json").write_text(json.dumps({"preset": "small", "overhead": 0.0123}))
-    (tmp_path / "compute.json").write_text(json.dumps({"runs": {"32-true": {
+    (tmp_path / "compute.json").write_text(json.dumps({"rows": {"32-true": {
         "status": "ok", "batch": 6, "preflight_batch": 8, "peak_reserved_bytes": 2 * 2**30, "estimate_bytes": 2**30,
         "attempts": [{"batch": 8, "status": "oom"}, {"batch": 6, "status": "ok"}]}}}))
     document = {"stages": [{"name": name, "title": name, "status": "ok", "seconds": 1.0, "estimate_s": 1}
@@ -504,9 +439,9 @@ def test_dry_run_of_three_stages(tmp_path: Path) -> None:
     _check_files(out, document)
     compute = json.loads((out / "compute.json").read_text())
     for precision in ("bf16-mixed", "32-true"):
-        run = compute["runs"][precision]
+        run = compute["rows"][precision]
         # The pre-flight allows the scale's whole cap on a CPU with gigabytes free, and it fits at once.
-        assert run["batch"] == run["preflight_batch"] == DRY_RUN_SCALE.compute["max_batch"]
+        assert run["batch"] == run["preflight_batch"] == DRY_RUN_SCALE.compute.batch
         assert run["attempts"] == [{"batch": run["batch"], "status": "ok"}] and run["tokens_per_s"] > 0
     ready = json.loads((out / "ready_times.json").read_text())
     assert ready["tensors"] == 39 and 0 <= ready["first_ready_ms"] <= ready["last_ready_ms"] <= ready["backward_ms"]
@@ -519,23 +454,21 @@ def test_dry_run_of_three_stages(tmp_path: Path) -> None:
     assert "# GPU study (CPU dry run" in report and "## ready_times" in report
 
 
-@pytest.mark.slow  # every stage on CPU, in two calls: ~5 minutes on 2 cores
-def test_dry_run_of_every_stage_in_two_calls(tmp_path: Path) -> None:
+@pytest.mark.slow  # every stage on CPU in one call, as on a GPU: ~5 minutes on 2 cores
+def test_dry_run_of_every_stage_in_one_call(tmp_path: Path, capsys) -> None:
     out, archive = tmp_path / "study", tmp_path / "study.tar.gz"
-    # Call 1, two minutes (README's GPU recipe in small): some stages run, those that no longer fit are left.
-    started = time.monotonic()
-    assert main(["--out", str(out), "--cpu_dry_run", "true", "--budget_min", "2", "--resume", "true"]) == 0
-    assert time.monotonic() - started < 150  # 107 s on 2 idle cores
-    first = json.loads((out / "stages.json").read_text())
-    kept = {s["name"]: s for s in first["stages"] if s["status"] == "ok"}
-    assert kept and any(s["status"] == "skipped: budget" for s in first["stages"]) and not first["complete"]
-    # Call 2 resumes: the ok stages are kept as they were, the rest run, and the archive holds the whole study.
-    assert main(["--out", str(out), "--cpu_dry_run", "true", "--budget_min", "10", "--resume", "true",
-                 "--archive", str(archive)]) == 0
+    # README's GPU recipe, on CPU: one call of the default budget runs every stage.
+    assert main(["--out", str(out), "--cpu_dry_run", "true", "--resume", "true", "--archive", str(archive)]) == 0
     document = json.loads((out / "stages.json").read_text())
     assert [(s["name"], s["status"]) for s in document["stages"]] == [
-        (name, "skipped: no CUDA" if name == "cuda_tests" else "ok") for name in STAGE_NAMES]
-    assert {s["name"]: s for s in document["stages"] if s["name"] in kept} == kept and document["complete"]
+        (name, "skipped: no CUDA" if name == "cuda_tests" else "ok") for name in STAGE_NAMES] and document["complete"]
+    # Each stage's measured seconds beside its estimate: in the log, in stages.json and in results.md's table.
+    log, report = capsys.readouterr().out, (out / "results.md").read_text()
+    for entry in document["stages"]:
+        if entry["status"] == "ok":
+            assert f"[{entry['name']}] ok in {entry['seconds']:.0f} s (estimate {entry['estimate_s']:.0f} s)" in log
+            assert f"| ok | {entry['seconds']:,.0f} | {entry['estimate_s']:,.0f} |" in report
+            assert entry["estimate_basis"] == "measured in the dry run on 2 idle CPU cores"
     _check_files(out, document)
     assert not list(out.rglob("weights.pt"))  # compared, then removed
     assert archive.stat().st_size <= 16 * 2**20
@@ -543,17 +476,19 @@ def test_dry_run_of_every_stage_in_two_calls(tmp_path: Path) -> None:
         names = set(tar.getnames())
         assert json.loads(tar.extractfile("stages.json").read()) == document
     assert {"stages.json", "results.md", "strategies.json", "traces/timeline.png"} <= names
-    assert not [n for n in names if n.endswith((".pt", ".ckpt")) or "/runs/" in n]
+    assert not [n for n in names if n.endswith((".pt", ".ckpt"))]
     strategies = json.loads((out / "strategies.json").read_text())["rows"]
     assert set(strategies) == set(catalogue.names())  # every strategy a user can pick, the baseline ddp included
     assert all(row["status"] == "ok" and row["step/time_ms"] > 0 for row in strategies.values())
     pair = json.loads((out / "one_gpu_pair.json").read_text())
-    assert all(row["equal"] for row in pair["equivalence"]["rows"].values())
-    # DRY_RUN_SCALE's sweep: ddp, and the reference the sweep adds
-    assert {row["strategy"] for row in pair["sweep"]["rows"]} == {"reference", "ddp"}
+    assert set(pair["rows"]) == set(catalogue.names()) and all(row["equal"] for row in pair["rows"].values())
     traces = json.loads((out / "traces.json").read_text())
-    assert set(traces["runs"]) == {"naive_ddp", "overlap_ddp"} and traces["runs"]["naive_ddp"]["overlap"] < 0.05
+    assert set(traces["rows"]) == {"naive_ddp", "overlap_ddp"} and traces["rows"]["naive_ddp"]["overlap"] < 0.05
     assert (out / "traces" / "timeline.png").stat().st_size > 10_000
-    report = (out / "results.md").read_text()
     for name in STAGE_NAMES:
         assert f"## {name}" in report
+    assert "tiny preset on cpu" in report and "xl" not in "".join(s["title"] for s in document["stages"])
+    # The same command again, as after a call cut short: every stage is kept, none runs.
+    assert main(["--out", str(out), "--cpu_dry_run", "true", "--resume", "true"]) == 0
+    again = json.loads((out / "stages.json").read_text())
+    assert again["stages"] == document["stages"] and len(again["calls"]) == 2

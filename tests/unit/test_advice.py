@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.advice import PROJECTION_ERROR, RunError, advise, fit_calls, main, read_run
+from lightning_ddp.advice import (
+    NOISY_SPREAD, PROJECTION_ERROR, QUIET_SPREAD, RunError, advise, fit_calls, main, read_run, render_markdown,
+)
 from lightning_ddp.bench.study import read_csv
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA, call_table, collective_calls
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
@@ -19,18 +21,22 @@ BLOCK_BYTES = 4 * 256 * 256
 
 
 def _write_run(path: Path, call_ms: float = 5.0, wait_ms: float = 0.0, strategy: str = "naive_ddp",
-               cli: bool = True, peak_mib: float = 500.0) -> Path:
-    """A 2-rank CommTimer folder: 8 blocks of one 256 x 256 weight, per-tensor all-reduces of ``call_ms`` each."""
+               cli: bool = True, peak_mib: float = 500.0, step_spread: float = 0.0) -> Path:
+    """A 2-rank CommTimer folder: 8 blocks of one 256 x 256 weight, per-tensor all-reduces of ``call_ms`` each; its
+    10 measured steps spread ``step_spread`` (``Run.step_spread``) around the median step."""
     params = tuple(ParamTiming(f"model.blocks.{i}.w", 256 * 256, BLOCK_BYTES, 100.0 - 10 * i, (256, 256))
                    for i in range(BLOCKS))
     write_profile(ComputeProfile(50.0, 100.0, 10.0, params, device="cpu", world_size=2), path / "compute_profile.json")
     exposed = 1.0 + BLOCKS * call_ms + wait_ms
     medians = {"step/time_ms": 160.0 + exposed, "comm/exposed_ms": exposed, "comm/wait_ms": wait_ms,
-               "comm/busy_ms": exposed - wait_ms, "memory/peak_MiB": peak_mib}
-    steps = [{**medians, "straggler/rank": 1.0} for _ in range(10)]
+               "comm/busy_ms": exposed - wait_ms, "comm/share": exposed / (160.0 + exposed), "memory/peak_MiB": peak_mib}
+    # half the steps at m (1 - a), half at m (1 + a): every deviation is a m, so step_spread = 1.4826 a
+    deviation = step_spread / 1.4826 * medians["step/time_ms"]
+    steps = [{**medians, "step/time_ms": medians["step/time_ms"] + (-1) ** k * deviation, "straggler/rank": 1.0}
+             for k in range(10)]
     calls = {("world", "all_reduce", 4 * BLOCKS): [1.0] * 10,
              ("world", "all_reduce", BLOCK_BYTES): [call_ms] * 10 * BLOCKS}
-    summary = {"schema": SUMMARY_SCHEMA, "warmup_steps": 2, "steps": steps, "collectives": call_table(calls),
+    summary = {"schema": SUMMARY_SCHEMA, "warmup_steps": 0, "steps": steps, "collectives": call_table(calls),
                "summary": {key: {"median": value} for key, value in medians.items()},
                "run": {"strategy": strategy, "world_size": 2, "backend": "gloo", "device": "cpu", "cli": cli,
                        "bucket_size_mb": None}}
@@ -86,8 +92,13 @@ def test_a_communication_bound_naive_run_is_told_to_change_and_how(tmp_path: Pat
     assert top["fit_args"][0] == "--trainer.strategy" and "class_path" in json.loads(top["fit_args"][1])
     assert any(not r["exact"] for r in document["recommendations"])  # compression is offered, flagged lossy
     assert any(r["settings"].get("bucket_size_mb") == "auto" for r in document["recommendations"])
-    assert [r["predicted_step_ms"] for r in document["recommendations"]] == sorted(
-        r["predicted_step_ms"] for r in document["recommendations"])
+    # read first: what the verdict recommends, then the exact rows, then the lossy ones, each fastest first
+    first, *rest = document["recommendations"]
+    assert first is not None and first == top
+    exact, lossy = [r for r in rest if r["exact"]], [r for r in rest if not r["exact"]]
+    assert rest == exact + lossy and lossy
+    for group in (exact, lossy):
+        assert [r["predicted_step_ms"] for r in group] == sorted(r["predicted_step_ms"] for r in group)
 
 
 def test_keep_a_straggler_memory_and_a_script(tmp_path: Path) -> None:
@@ -122,7 +133,7 @@ def test_bad_folders_get_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capt
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "timing_summary.json").write_text("{")
     (tmp_path / "empty").mkdir()
-    for folder, words in ((tmp_path / "missing", "is not a folder"), (tmp_path / "empty", "no timing_summary.json"),
+    for folder, words in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "holds no timing_summary.json"),
                           (old, "re-run the fit with this version"), (tmp_path / "broken", "unreadable")):
         assert main([str(folder)]) == 2
         err = capsys.readouterr().err
@@ -165,3 +176,60 @@ def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
                              "environment.json": {"config": vars(config), "command_line": "cmd"}})
     bench.main(["--out_dir", str(tmp_path), "--report_only", "true"])
     assert (tmp_path / "results.md").read_text() == markdown
+
+
+def quiet_spreads(rows: list[dict[str, str]]) -> tuple[float, float]:
+    """The median and the largest ``Run.step_spread`` of the straggler benchmark's runs (their steps after warm-up)."""
+    runs: dict[tuple[str, str, str], list[float]] = {}
+    for r in rows:
+        runs.setdefault((r["strategy"], r["delay_ms"], r["repeat"]), []).append(float(r["step/time_ms"]))
+    spreads = []
+    for times in runs.values():
+        middle = statistics.median(times)
+        spreads.append(1.4826 * statistics.median(abs(t - middle) for t in times) / middle)
+    return statistics.median(spreads), max(spreads)
+
+
+def test_a_quiet_runs_spread_is_the_committed_quiet_runs():
+    rows = read_csv(REPO / "benchmarks" / "results" / "straggler" / "steps.csv")
+    assert len({(r["strategy"], r["delay_ms"], r["repeat"]) for r in rows}) == 24
+    assert tuple(round(value, 3) for value in quiet_spreads(rows)) == (QUIET_SPREAD, NOISY_SPREAD)
+
+
+def test_the_interval_is_sized_by_the_runs_own_spread_and_a_noisy_run_is_not_advised(tmp_path: Path) -> None:
+    def half_width(document: dict) -> float:
+        row = document["recommendations"][0]
+        return row["predicted_step_interval"][1] / row["predicted_step_ms"] - 1
+
+    quiet = advise(read_run(_write_run(tmp_path / "quiet", step_spread=0.05)))
+    assert quiet["run"]["step_spread"] == pytest.approx(0.05)
+    assert half_width(quiet) == pytest.approx(PROJECTION_ERROR)  # as quiet as the validation's runs: its error
+    assert quiet["verdict"]["action"] == "change"
+    # 0.13 is 1.31 quiet spreads: the interval widens to 9.9 % x 0.13 / 0.099 = 13 %
+    wide = advise(read_run(_write_run(tmp_path / "wide", step_spread=0.13)))
+    assert half_width(wide) == pytest.approx(PROJECTION_ERROR * 0.13 / QUIET_SPREAD)
+    noisy = advise(read_run(_write_run(tmp_path / "noisy", step_spread=0.2)))  # above every committed quiet run
+    assert noisy["verdict"]["action"] == "noisy" and noisy["verdict"]["top"] is None
+    assert noisy["verdict"]["text"].startswith("too noisy to advise from: its 10 measured steps spread +-20%")
+    assert noisy["recommendations"][0]["current"]  # nothing recommended: the run itself first
+    # 9.9 % x 0.2 / 0.099 = 20 %
+    assert ("Intervals: +-20.0%, the projection's +-9.9% widened x2.02, as this run's steps spread +-20% against a "
+            "quiet run's +-10%") in render_markdown(noisy)
+
+
+def test_the_current_row_shows_the_share_the_run_measured(tmp_path: Path) -> None:
+    document = advise(read_run(_write_run(tmp_path / "run")))
+    (current,) = [r for r in document["recommendations"] if r["current"]]
+    # the run's comm/share median, and beside it the model's share as the CommTimer would measure it (waited for
+    # communication over the step; compute slowed beside a collective is in the step, not in the share)
+    assert current["measured_share"] == document["run"]["share"]
+    assert all(r["measured_share"] is None for r in document["recommendations"] if not r["current"])
+    assert f"{current['measured_share']:.1%} measured (model {current['predicted_share']:.1%})" in render_markdown(
+        document)
+
+
+def test_a_loggers_folder_is_advised_on_through_its_latest_run(tmp_path: Path) -> None:
+    logger = tmp_path / "logs" / "naive_ddp"
+    _write_run(logger / "version_0")
+    (logger / "version_1").mkdir()  # a validate run: no timing_summary.json
+    assert read_run(logger).path == logger / "version_0"

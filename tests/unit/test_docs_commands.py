@@ -182,14 +182,19 @@ def parse_entry_point(module: str, arguments: list[str]) -> None:
             raise _Parsed
         return namespace
 
+    from lightning_ddp.command_line import check_command_line
+
     stderr = io.StringIO()
     with (mock.patch.object(jsonargparse.ArgumentParser, "parse_args", parse_and_stop),
           mock.patch.object(sys, "argv", ["python -m " + module, *arguments]),
+          # a checkpoint a page names (--ckpt_path logs/...) is what the page's fit before it writes
+          mock.patch("lightning_ddp.command_line.checkpoint_file", str),
           contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr),
           warnings.catch_warnings()):
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: "found in sys.modules" for a module run as main
         try:
             if cli and module in _PARSERS:
+                check_command_line(arguments)  # what `python -m lightning_ddp` checks before parsing
                 _PARSERS[module].parse_args(arguments)
             else:
                 runpy.run_module(module, run_name="__main__", alter_sys=False)

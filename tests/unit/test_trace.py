@@ -218,14 +218,17 @@ def test_cli_draws_runs_and_prints_their_overlap(tmp_path: Path, capsys) -> None
         trace_main([str(naive), str(overlap), "-o", str(tmp_path / "u.png"), "--label", "x"])
 
 
-def test_a_directory_holding_two_runs_is_refused(tmp_path: Path) -> None:
-    _write_run(tmp_path / "logs" / "a", overlapped=False)
+def test_a_folder_that_is_no_run_is_refused(tmp_path: Path) -> None:
+    # logs/ holds two runs in folders that are no logger's version_N: which one it stands for is not guessed
+    naive = _write_run(tmp_path / "logs" / "a", overlapped=False)
     _write_run(tmp_path / "logs" / "b", overlapped=True)
-    with pytest.raises(ValueError, match="two traces for rank 0"):
+    with pytest.raises(ValueError, match=r"logs holds no \*.pt.trace.json \(in it or its traces/\); record some"):
         load_run([tmp_path / "logs"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="trace.enabled"):  # the error says how to record one
+    with pytest.raises(ValueError, match="trace.enabled true"):  # the error says how to record one
         load_run([tmp_path / "empty"])
+    with pytest.raises(ValueError, match="two traces for rank 0"):  # two runs' files given as one run
+        load_run([naive / "rank0.pt.trace.json", tmp_path / "logs" / "b" / "rank0.pt.trace.json"])
 
 
 # -- the engines' ranges, in one process over a world-size-1 gloo group --------------------------------------
@@ -285,7 +288,10 @@ def test_a_loggers_folder_gives_its_latest_run_with_traces(tmp_path: Path, capsy
     (logger_dir / "version_3").mkdir()
     assert find_traces(logger_dir) == sorted((logger_dir / "version_2" / "traces").glob("*.pt.trace.json"))
     trace_main([str(logger_dir), "-o", str(tmp_path / "t.png")])
-    assert f"{logger_dir / 'version_2' / 'traces'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{logger_dir / 'version_2' / 'traces'}" in out
+    # the overlap printed names its definition and the CommTimer's other one
+    assert "overlap here is HTA's" in out and "comm/overlap" in out and "docs/comm_timer.md" in out
 
 
 def test_a_missing_run_is_one_error_line(tmp_path: Path, capsys) -> None:
@@ -293,4 +299,19 @@ def test_a_missing_run_is_one_error_line(tmp_path: Path, capsys) -> None:
         trace_main([str(tmp_path / "logs" / "quickstart" / "version_0"), "-o", str(tmp_path / "t.png")])
     assert refused.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("error: ") and "does not exist; pass a run's log directory" in line
+    assert line.startswith("error: ") and "version_0 does not exist; pass a run's folder" in line
+
+
+def test_kinetos_usdt_lines_are_dropped_and_the_rest_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from lightning_ddp.callbacks.trace_recorder import without_kineto_usdt_lines
+
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with without_kineto_usdt_lines():
+        profiler.start()  # kineto prints "USDT: ... profiler_start" on fd 2 here, in C++
+        os.write(2, b"an error kineto printed\n")
+    torch.ones(3).sum()
+    with without_kineto_usdt_lines():
+        profiler.stop()
+    assert capfd.readouterr().err == "an error kineto printed\n"

@@ -1,33 +1,32 @@
 """The GPU study's ``STAGES``: each one's ``run`` (``StudyContext`` -> ``StageResult``, its processes stopped at
-``ctx.stage_deadline()``), estimates and results.md caption and tables; docs/gpu.md says what each measures."""
+``ctx.stage_deadline()``), what it costs (``GPUEstimate``) and its results.md caption and tables; docs/gpu.md says
+what each measures."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
 import time
-import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Union
 
 import torch
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.gpu_study import GPUStudyConfig, Scale
 from lightning_ddp.bench.gpu_study.processes import FitResult, FitSpec, run_fits
+from lightning_ddp.bench.gpu_study.scales import FitSize, Scale
 from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, run_processes, strategy_argument
 from lightning_ddp.bench.study import read_json
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 from lightning_ddp.provenance import COMMIT_VARIABLE
 
-DOCS = "../../../docs/gpu.md"
-"""docs/gpu.md from results.md in ``benchmarks/results/gpu-<h100|h200>/``, where the recipe puts it."""
+if TYPE_CHECKING:  # the config imports this module to check its stage names
+    from lightning_ddp.bench.gpu_study import GPUStudyConfig
 
 
 class Ran(NamedTuple):
@@ -106,51 +105,88 @@ class StageResult:
     problems: list[str] = field(default_factory=list)
 
 
-Cell = Union[str, Callable[[dict[str, Any], dict[str, Any]], Any]]  # a row's key, or f(row, stage data)
+Row = dict[str, Any]
 
 
-class Table(NamedTuple):
-    """A table of results.md: its rows in the stage's data (a ``str.format`` field or ``f(data)``; a dict's rows get
-    their key as ``name``), its columns (header, ``Cell``, format spec: Python's, ``GiB`` for bytes), a line before."""
+@dataclass(frozen=True)
+class Column:
+    """A column of a results.md table: its header, the row's value (the row's key, or a function of the row), and
+    how to show it (a Python format spec, or ``GiB`` for bytes)."""
 
-    rows: Union[str, Callable[[dict[str, Any]], Any]]
-    columns: tuple[tuple[str, Cell, str], ...]
-    intro: str = ""
+    header: str
+    value: Union[str, Callable[[Row], Any]]
+    format: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table of results.md: its rows (a function of the stage's data) and its columns."""
+
+    rows: Callable[[dict[str, Any]], list[Row]]
+    columns: tuple[Column, ...]
+
+
+PROCESS_START_S = 12.0
+"""A process on the GPU machine until its first step: Python, torch, Lightning and the CLI (7 s for the imports on 2
+shared CPU cores), the CUDA context and NCCL's set-up."""
+FIT_START_S = 4.0
+"""A fit in a running process until its first step: Trainer, strategy, model (3.4-8.8 s in the CPU dry run)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A stage's seconds: on one H100 or H200 counted (no GPU has run the study yet) from the processes it starts one
+    after another, the fits it starts in running processes and its work; in the CPU dry run on 2 idle cores, measured
+    (docs/gpu.md, "What each stage costs")."""
+
+    process_starts: int
+    fit_starts: int
+    work_s: float
+    dry_run_s: float
+
+    @property
+    def gpu_s(self) -> float:
+        return self.process_starts * PROCESS_START_S + self.fit_starts * FIT_START_S + self.work_s
+
+    def seconds(self, dry_run: bool) -> float:
+        return self.dry_run_s if dry_run else self.gpu_s
+
+    def basis(self, dry_run: bool) -> str:
+        return "measured in the dry run on 2 idle CPU cores" if dry_run else (
+            f"{self.process_starts} process starts x {PROCESS_START_S:g} s + {self.fit_starts} fits x "
+            f"{FIT_START_S:g} s + {self.work_s:g} s of work")
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: seconds on one H100 or H200 and in the dry run on 2 cores (start-up included), whether it needs a
-    GPU, and how results.md renders its data: ``caption`` (``str.format`` over it) and ``tables``."""
+    """One stage: what it measures, how it runs, what it costs, how results.md shows its data."""
 
     name: str
     title: str
-    estimate_s: float
-    dry_run_estimate_s: float
-    needs_cuda: bool
+    """What it measures, true of the GPU study and of the dry run alike (the caption says what ran)."""
     run: Callable[[StudyContext], StageResult]
+    estimate: Estimate
+    needs_cuda: bool = False
     caption: str = ""
+    """``str.format`` over the stage's data; a missing field shows as ``–``."""
     tables: tuple[Table, ...] = ()
-
-    def estimate(self, dry_run: bool) -> float:
-        return self.dry_run_estimate_s if dry_run else self.estimate_s
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------------------
 
 
-def fit_args(ctx: StudyContext, *, preset: str, batch: int, seq_len: int, steps: int, warmup: int, strategy: str,
-             precision: str | None = None, ranks: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+def fit_args(ctx: StudyContext, size: FitSize, *, strategy: str, precision: str | None = None, ranks: int = 1,
+             extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The arguments after ``fit`` of one fit on the study's device, every step timed; ``ranks`` share it over gloo."""
     return (
-        "--seed_everything", "0", "--model.preset", preset, "--model.context_length", str(seq_len),
-        "--data.source", "synthetic", "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
+        "--seed_everything", "0", "--model.preset", size.preset, "--model.context_length", str(size.seq_len),
+        "--data.source", "synthetic", "--data.seq_len", str(size.seq_len), "--data.batch_size", str(size.batch),
         "--trainer.accelerator", ctx.scale.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
         "--trainer.strategy", strategy_argument(strategy, ctx.scale.backend if ranks == 1 else "gloo"),
-        "--trainer.precision", precision or ctx.scale.precision,
-        "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
-        "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
-        "--timer.warmup_steps", str(warmup), "--timer.every_n_steps", "1", *extra,
+        "--trainer.precision", precision or ctx.scale.precision, "--trainer.max_steps", str(size.steps),
+        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_checkpointing", "false", "--timer.warmup_steps", str(size.warmup), "--timer.every_n_steps",
+        "1", *extra,
     )
 
 
@@ -158,13 +194,13 @@ def _failures(results: list[FitResult], where: str = "") -> list[str]:
     return [f"{r.name}{where}: {r.status}: {r.error}" for r in results if not r.ok]
 
 
-def published(batch: int = 0, seq_len: int = 0) -> Cell:
+def published(batch: int = 0, seq_len: int = 0) -> Callable[[Row], str]:
     """A cell: ``step ms, comm share`` of the published 2-GPU xl run of the row's strategy at (batch, context), else
-    at the row's (else the stage's), at its best bucket size; ``–`` where there is none."""
+    at the row's ``batch_size`` and ``context_length``, at its best bucket size; ``–`` where there is none."""
 
-    def cell(row: dict[str, Any], data: dict[str, Any]) -> str:
-        at = (row.get("strategy") or row.get("name"), batch or int(row.get("batch_size") or data.get("batch") or 0),
-              seq_len or int(row.get("context_length") or data.get("seq_len") or 0))
+    def cell(row: Row) -> str:
+        at = (row.get("strategy") or row.get("name"), batch or int(row.get("batch_size") or 0),
+              seq_len or int(row.get("context_length") or 0))
         runs = [r for r in PUBLISHED_RUNS if (r.strategy, r.batch_size, r.seq_len) == at]
         if not runs:
             return "–"
@@ -175,8 +211,12 @@ def published(batch: int = 0, seq_len: int = 0) -> Cell:
     return cell
 
 
-STATUS = ("status", lambda row, data: "ok" if row.get("status") == "ok"
-          else f"{row.get('status')}: {row.get('error') or row.get('reason')}", "")  # a sweep row's error: reason
+def _status(row: Row) -> str:
+    """``ok``, or the status and its error."""
+    return "ok" if row.get("status") == "ok" else f"{row.get('status')}: {row.get('error')}"
+
+
+STATUS = Column(header="status", value=_status)
 
 
 # ---- the stages -----------------------------------------------------------------------------------------------
@@ -189,61 +229,45 @@ def environment(ctx: StudyContext) -> StageResult:
     return StageResult(data=ran.data or {}, problems=[] if ran.data else [ran.error])  # the study writes <name>.json
 
 
-def _tally(outcomes: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """The counts of each outcome and the failures (``{"test", "message"}``) of (test, outcome, message) triples."""
-    counts = {key: sum(o == key for _, o, _ in outcomes) for key in ("passed", "failed", "errors", "skipped")}
-    failures = [{"test": test, "message": message} for test, outcome, message in outcomes
-                if outcome in ("failed", "errors")]
-    return {"tests": len(outcomes), **counts, "failures": failures}
-
-
-def read_junit(path: Path) -> dict[str, Any]:
-    """The counts and failures (``_tally``) of a pytest ``--junitxml`` report."""
-    outcomes = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
-            element = case.find(tag)
-            if element is not None:
-                lines = (element.get("message") or element.text or "").strip().splitlines()
-                outcome, message = key, lines[0][:300] if lines else ""
-                break
-        outcomes.append((f"{case.get('classname', '')}::{case.get('name', '')}", outcome, message))
-    return _tally(outcomes)
-
-
-# A -v line: "tests/a.py::test_x PASSED [ 50%]", or under pytest-xdist "[gw0] [ 50%] PASSED tests/a.py::test_x".
+# A -v line: "tests/a.py::test_x PASSED [ 50%]", or under pytest-xdist "[gw0] [ 50%] PASSED tests/a.py::test_x"; a
+# line of the -rfE summary: "FAILED tests/a.py::test_x - AssertionError: ...".
 _OUTCOME = re.compile(r"^(?:(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b|\[gw\d+\] \[ *\d+%\] "
                       r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+))", re.MULTILINE)
 _OUTCOME_KEY = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
                 "XFAIL": "skipped"}
+_SUMMARY = re.compile(r"^(?:FAILED|ERROR) (\S+::\S+) - (.*)$", re.MULTILINE)
 
 
-def outcomes_from_log(text: str) -> dict[str, Any]:
-    """The counts and failures from ``pytest -v`` output, for a run cut off before it wrote its junit report."""
-    found = [(test or xdist_test, outcome or xdist_outcome) for test, outcome, xdist_outcome, xdist_test
-             in _OUTCOME.findall(text)]
-    return _tally([(test, _OUTCOME_KEY[outcome], outcome.lower()) for test, outcome in found])
+def read_pytest_log(text: str) -> dict[str, Any]:
+    """The outcomes of a ``pytest -v -rfE`` log as far as it got (a tier cut off included): each outcome's count, and
+    the failures (``{"test", "message"}``) with the summary's message."""
+    outcomes = {test or xdist_test: _OUTCOME_KEY[outcome or xdist_outcome]  # a test's last line: its teardown's
+                for test, outcome, xdist_outcome, xdist_test in _OUTCOME.findall(text)}
+    messages = dict(_SUMMARY.findall(text))
+    counts = {key: list(outcomes.values()).count(key) for key in ("passed", "failed", "errors", "skipped")}
+    failures = [{"test": test, "message": messages.get(test, outcome)[:300]} for test, outcome in outcomes.items()
+                if outcome in ("failed", "errors")]
+    return {"tests": len(outcomes), **counts, "failures": failures}
 
 
 def cuda_tests(ctx: StudyContext) -> StageResult:
     if not (ctx.root / "tests" / "gpu").is_dir():
         return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
                                      "checkout of the repository, or pass --root CHECKOUT"])
-    report, log = ctx.out / "cuda_tests.xml", ctx.out / "cuda_tests.log"
-    # 4 pytest-xdist workers where xdist is installed; the engine matrix stays in one (xdist_group)
-    workers = ["-p", "xdist", "-n", "4", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
+    log = ctx.out / "cuda_tests.log"
+    # 12 pytest-xdist workers where it is installed (the lent GPU machines have 16 cores; each test starts processes
+    # of one or two ranks); the engine matrix stays in one worker (xdist_group)
+    workers = ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1)), "--dist", "loadgroup"] \
+        if importlib.util.find_spec("xdist") else []
     ran = ctx.run_python(["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
-                          f"--junitxml={report.resolve()}", *workers], log)
+                          *workers], log)
     text = log.read_text(errors="replace") if log.exists() else ""
     summary_line = next((line for line in reversed(text.splitlines()) if " in " in line
                          and any(w in line for w in ("passed", "failed", "error", "skipped"))), "").strip("= ")
-    if report.exists():
-        data = read_junit(report)
-    elif _OUTCOME.search(text):  # cut off before the junit report: what the -v lines say so far
-        data = outcomes_from_log(text)
-    else:
-        return StageResult(files=["cuda_tests.log"], problems=[ran.error or "pytest wrote no report"])
+    data = read_pytest_log(text)
+    if not data["tests"]:
+        return StageResult(files=["cuda_tests.log"] if log.exists() else [],
+                           problems=[ran.error or "pytest ran no test"])
     data.update(summary_line=summary_line, exit_code=ran.code, timed_out=ran.timed_out)
     problems = [f"{f['test']}: {f['message']}" for f in data["failures"]]
     if problems:
@@ -252,20 +276,21 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
         problems.insert(0, f"the tier ran out of time ({summary_line or 'no summary'})")
     elif data["tests"] and data["skipped"] == data["tests"]:
         problems.append("every test of the tier was skipped: pytest saw no CUDA device")
-    return StageResult(data=data, files=[p.name for p in (report, log) if p.exists()], problems=problems)
+    return StageResult(data=data, files=["cuda_tests.log"], problems=problems)
 
 
 def compute(ctx: StudyContext) -> StageResult:
-    stage, scale = ctx.stage_dir("compute"), ctx.scale.compute
+    stage, size = ctx.stage_dir("compute"), ctx.scale.compute
     published_ms = [f"batch {batch}: {ms:,.0f} ms = {batch * seq / (ms / 1e3):,.0f} tokens/s per GPU"
                     + (" (extrapolated)" if extrapolated else "")
-                    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items() if seq == scale["seq_len"]]
-    result = StageResult(data={"preset": scale["preset"], "seq_len": scale["seq_len"],
-                               "published": "; ".join(published_ms) or "none at this context", "runs": {}})
+                    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items() if seq == size.seq_len]
+    result = StageResult(data={**asdict(size), "device": ctx.scale.device,
+                               "published": "; ".join(published_ms) or "none at this context", "rows": {}})
     for precision in ("bf16-mixed", "32-true"):
         request, out = stage / f"request_{precision}.json", stage / f"compute_{precision}.json"
-        write_json_atomically(request, {**scale, "precision": precision, "device": ctx.scale.device,
-                                        "out": str(out.resolve())})
+        write_json_atomically(request, {"preset": size.preset, "seq_len": size.seq_len, "max_batch": size.batch,
+                                        "steps": size.steps, "warmup": size.warmup, "precision": precision,
+                                        "device": ctx.scale.device, "out": str(out.resolve())})
         ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "compute", "--config",
                               str(request.resolve())], stage / f"compute_{precision}.log", out)
         run = ran.data or {"status": "failed", "error": f"{precision}: {ran.error}"}
@@ -277,17 +302,17 @@ def compute(ctx: StudyContext) -> StageResult:
             run.setdefault("error", f"{precision}: every batch from {run.get('preflight_batch')} down ran out of "
                            "memory" if run.get("preflight_batch") else f"{precision}: the pre-flight allows no batch")
             result.problems.append(run["error"])
-        result.data["runs"][precision] = run
+        result.data["rows"][precision] = run
     return result
 
 
-def _tried(run: dict[str, Any], data: dict[str, Any]) -> str:
+def _tried(run: Row) -> str:
     """The pre-flight's batch and each batch tried from it."""
     tried = [f"{a['batch']}{' OOM' if a['status'] == 'oom' else ''}" for a in run.get("attempts", [])]
     return f"{run.get('preflight_batch')}: {' → '.join(tried)}"
 
 
-def _estimate_over_reserved(run: dict[str, Any], data: dict[str, Any]) -> float | None:
+def _estimate_over_reserved(run: Row) -> float | None:
     estimate, reserved = run.get("estimate_bytes"), run.get("peak_reserved_bytes")
     return estimate / reserved if estimate and reserved else None
 
@@ -300,41 +325,25 @@ def _fit_row(result: FitResult) -> dict[str, Any]:
             **dict.fromkeys(summary.get("not_recorded") or (), "not recorded")}
 
 
-def step_problems(summary: dict[str, Any] | None, what: str) -> list[str]:
-    """The CommTimer's guarantees a step broke: a number not finite, comm longer than the step, a clock anomaly."""
-    if not summary:
-        return [f"{what}: no timing summary"]
-    problems = []
-    for row in summary.get("steps", []):
-        step, step_ms = row.get("step"), row.get("step/time_ms", 0.0)
-        bad = [k for k, v in row.items() if not (isinstance(v, (int, float)) and math.isfinite(v))]
-        if bad:
-            problems.append(f"{what}: step {step}: {bad[0]} = {row[bad[0]]!r}")
-        for key in ("comm/exposed_ms", "comm/busy_ms"):
-            if row.get(key, 0.0) > step_ms + 1e-3:
-                problems.append(f"{what}: step {step}: {key} {row[key]:.3f} > step {step_ms:.3f} ms")
-        if row.get("comm/clock_anomalies", 0):
-            problems.append(f"{what}: step {step}: {row['comm/clock_anomalies']:.0f} clock anomalies")
-    return problems
-
-
 def strategies(ctx: StudyContext) -> StageResult:
     names = ["ddp", *(name for name in catalogue.names() if name != "ddp")]  # the baseline first: a cut stage keeps it
-    results = ctx.fits("strategies", [FitSpec(n, fit_args(ctx, **ctx.scale.strategies, strategy=n)) for n in names])
+    results = ctx.fits("strategies", [FitSpec(n, fit_args(ctx, ctx.scale.strategies, strategy=n)) for n in names])
     rows = {r.name: _fit_row(r) for r in results}
     baseline = rows.get("ddp", {}).get("step/time_ms")
     for row in rows.values():
         step = row.get("step/time_ms")
         row["overhead_vs_ddp"] = step / baseline - 1 if step and baseline else None
-    problems = _failures(results) + [p for r in results if r.ok for p in step_problems(r.summary, r.name)]
-    data = {**ctx.scale.strategies, "backend": ctx.scale.backend, "precision": ctx.scale.precision, "rows": rows}
+    problems = _failures(results)  # whether each step's numbers hold: the cuda tier's fits on every strategy
+    data = {**asdict(ctx.scale.strategies), "backend": ctx.scale.backend, "precision": ctx.scale.precision,
+            "rows": rows}
     files = [ctx.relative(f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
     return StageResult(data=data, files=files, problems=problems)
 
 
-# Stage one_gpu_pair's equivalence: fp32 fits on the same global batch, 2 ranks against one process, compared in
-# updates (lr x steps); docs/gpu.md says how the tolerances were calibrated.
-EQUIVALENCE = {"preset": "tiny", "per_rank_batch": 2, "seq_len": 64, "steps": 3, "lr": 1e-3}
+# Stage one_gpu_pair: fp32 fits on the same global batch, 2 ranks (batch 2 each) against one process (batch 4),
+# compared in updates (lr x steps); docs/gpu.md says how the tolerances were calibrated.
+EQUIVALENCE = FitSize(preset="tiny", batch=2, seq_len=64, steps=3, warmup=0)
+EQUIVALENCE_LR = 1e-3
 OFF_BY = 0.1  # a weight is *off* when it differs from one process's by more than this many updates
 EXACT_TOLERANCE = 1e-4  # the largest fraction of weights off an exact algorithm may have
 LOSSY_TOLERANCE = 1e-2  # the same for a lossy algorithm (bucketed_bf16_ddp)
@@ -356,13 +365,12 @@ def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update:
 
 def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -> FitSpec:
     """One fp32 fit saving its final weights; ``ranks`` x its batch is the same global batch for every fit."""
-    weights = ctx.out / "one_gpu_pair" / "equivalence" / name / "weights.pt"
-    extra = ("--model.lr", str(EQUIVALENCE["lr"]), "--timer.enabled", "false",
+    weights = ctx.out / "one_gpu_pair" / name / "weights.pt"
+    extra = ("--model.lr", str(EQUIVALENCE_LR), "--timer.enabled", "false",
              "--trainer.callbacks+=lightning_ddp.bench.gpu_study.processes.SaveFinalWeights",
              "--trainer.callbacks.path", str(weights.resolve()))
-    return FitSpec(name, fit_args(ctx, preset=EQUIVALENCE["preset"], batch=2 * EQUIVALENCE["per_rank_batch"] // ranks,
-                                  seq_len=EQUIVALENCE["seq_len"], steps=EQUIVALENCE["steps"], warmup=0,
-                                  precision="32-true", strategy=strategy, ranks=ranks, extra=extra))
+    size = replace(EQUIVALENCE, batch=2 * EQUIVALENCE.batch // ranks)
+    return FitSpec(name, fit_args(ctx, size, precision="32-true", strategy=strategy, ranks=ranks, extra=extra))
 
 
 def _weights(result: FitResult) -> Any:
@@ -375,11 +383,10 @@ def _weights(result: FitResult) -> Any:
     return weights
 
 
-def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
+def one_gpu_pair(ctx: StudyContext) -> StageResult:
     """Every strategy on 2 ranks sharing the device vs one process on the same global batch (fp32)."""
-    reference = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, "one_process", REFERENCE, 1)])[0]
-    pairs = ctx.fits("one_gpu_pair/equivalence", [_equivalence_spec(ctx, n, n, 2) for n in catalogue.names()],
-                     ranks=2)
+    reference = ctx.fits("one_gpu_pair", [_equivalence_spec(ctx, "one_process", REFERENCE, 1)])[0]
+    pairs = ctx.fits("one_gpu_pair", [_equivalence_spec(ctx, n, n, 2) for n in catalogue.names()], ranks=2)
     problems = _failures([reference]) + _failures(pairs, " on 2 ranks")
     expected = _weights(reference)
     rows: dict[str, Any] = {}
@@ -388,30 +395,16 @@ def _equivalence(ctx: StudyContext) -> tuple[dict[str, Any], list[str]]:
         actual = _weights(result)
         if expected is None or actual is None:
             continue
-        row.update(weight_differences(actual, expected, EQUIVALENCE["lr"] * EQUIVALENCE["steps"]))
+        row.update(weight_differences(actual, expected, EQUIVALENCE_LR * EQUIVALENCE.steps))
         tolerance = EXACT_TOLERANCE if catalogue.get(result.name).exact else LOSSY_TOLERANCE
         row.update(tolerance=tolerance, equal=row["off_fraction"] <= tolerance)
         if not row["equal"]:
             problems.append(f"{result.name} on 2 ranks differs from one process: {row['off_fraction']:.2%} of the "
                             f"weights off by > {OFF_BY:g} update (tolerance {tolerance:.2%}; worst "
                             f"{row['max_updates']:.3g} updates at {row['worst_tensor']})")
-    return {**EQUIVALENCE, "precision": "32-true", "off_by_updates": OFF_BY, "rows": rows}, problems
-
-
-def one_gpu_pair(ctx: StudyContext) -> StageResult:
-    from lightning_ddp.bench.report import read_rows
-
-    equivalence, problems = _equivalence(ctx)
-    sweep_dir = ctx.stage_dir("one_gpu_pair/sweep")
-    ran = ctx.run_python(["-m", "lightning_ddp.bench", "--config", ctx.scale.sweep_config, "--output.out_dir",
-                          str(sweep_dir.resolve()), "--run.timeout_s", str(max(60, int(ctx.stage_deadline())))],
-                         ctx.out / "one_gpu_pair" / "sweep.log")
-    rows = list(read_rows(sweep_dir / "results.csv").values()) if (sweep_dir / "results.csv").exists() else []
-    if ran.code != 0:
-        problems.append(f"sweep: {ran.error}")
-    files = [ctx.relative(p) for p in sorted(sweep_dir.glob("*")) if p.is_file()]
-    return StageResult(data={"equivalence": equivalence, "sweep": {"rows": rows, "exit_code": ran.code}},
-                       files=files, problems=problems)
+    data = {**asdict(EQUIVALENCE), "lr": EQUIVALENCE_LR, "precision": "32-true", "off_by_updates": OFF_BY,
+            "rows": rows}
+    return StageResult(data=data, problems=problems)
 
 
 def without_and_with_overlap() -> list[str]:
@@ -425,19 +418,19 @@ def traces(ctx: StudyContext) -> StageResult:
     from lightning_ddp.trace import load_run, render_timeline
 
     record = str((ctx.root / "configs" / "trace" / "record.yaml").resolve())
-    specs = [FitSpec(name, fit_args(ctx, **ctx.scale.traces, strategy=name, ranks=2, extra=("--config", record)))
+    specs = [FitSpec(name, fit_args(ctx, ctx.scale.traces, strategy=name, ranks=2, extra=("--config", record)))
              for name in without_and_with_overlap()]
     results = ctx.fits("traces", specs, ranks=2)
     problems = _failures(results)
     runs = [load_run([r.log_dir / "traces"], r.name) for r in results if r.ok and (r.log_dir / "traces").exists()]
-    data: dict[str, Any] = {**ctx.scale.traces, "ranks": 2, "precision": ctx.scale.precision, "runs": {}}
+    data: dict[str, Any] = {**asdict(ctx.scale.traces), "ranks": 2, "precision": ctx.scale.precision, "rows": {}}
     if not runs:
         return StageResult(data=data, problems=problems)
     picture = ctx.out / "traces" / "timeline.png"
     timeline = render_timeline(runs, picture, title="naive vs overlap, 2 gloo ranks time-slicing one device")
     for label, overlap in timeline.overlaps.items():
         gpu_rows = [row.bars for row in timeline.rows if row.run == label and row.kind == "gpu"]
-        data["runs"][label] = {"overlap": overlap.fraction, "comm_ms": overlap.comm / 1e3,
+        data["rows"][label] = {"overlap": overlap.fraction, "comm_ms": overlap.comm / 1e3,
                                "hidden_ms": overlap.overlapped / 1e3, "gpu_kernel_bars": sum(gpu_rows),
                                "gpu_rows": len(gpu_rows)}
         if ctx.scale.device == "cuda" and not sum(gpu_rows):
@@ -453,17 +446,17 @@ def ready_times(ctx: StudyContext) -> StageResult:
     from lightning_ddp.projection.flops import GPUS
     from lightning_ddp.projection.run import run_projection
 
-    scale = ctx.scale.profile
-    spec = FitSpec("profile", fit_args(ctx, **scale, strategy=without_and_with_overlap()[0]))
+    size = ctx.scale.profile
+    spec = FitSpec("profile", fit_args(ctx, size, strategy=without_and_with_overlap()[0]))
     (fit,) = ctx.fits("ready_times", [spec])
     path = fit.file("compute_profile.json")
     if not fit.ok or path is None:
         error = fit.error or "no compute_profile.json"
-        return StageResult(problems=[f"the {scale['preset']} fit: {fit.status}: {error}"])
+        return StageResult(problems=[f"the {size.preset} fit: {fit.status}: {error}"])
     profile = read_profile(path)
     ready = sorted(p.ready_ms for p in profile.params if p.ready_ms is not None)
     data: dict[str, Any] = {
-        **scale, "device": profile.device, "precision": ctx.scale.precision,
+        **asdict(size), "device": profile.device, "precision": ctx.scale.precision,
         "forward_ms": profile.forward_ms, "backward_ms": profile.backward_ms, "optimizer_ms": profile.optimizer_ms,
         "tensors": len(profile.params), "first_ready_ms": ready[0] if ready else None,
         "last_ready_ms": ready[-1] if ready else None, "profile": ctx.relative(path), "projections": {},
@@ -492,102 +485,202 @@ def ready_times(ctx: StudyContext) -> StageResult:
 
 def timer_overhead(ctx: StudyContext) -> StageResult:
     overhead, stage = ctx.scale.overhead, ctx.stage_dir("timer_overhead")
-    fit = fit_args(ctx, **overhead, strategy=catalogue.DEFAULT_ENGINE)
+    fit = fit_args(ctx, overhead, strategy=catalogue.DEFAULT_ENGINE)
     # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
     owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
     fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
     log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
     ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--fit_config", "configs/quickstart.yaml",
-                          "--steps", str(overhead["steps"]), "--warmup_steps", str(overhead["warmup"]), "--repeats",
-                          str(ctx.scale.overhead_repeats), "--out_dir", str(stage.resolve()),
+                          "--steps", str(overhead.steps), "--warmup_steps", str(overhead.warmup), "--repeats",
+                          "1", "--out_dir", str(stage.resolve()),  # one round of the 3 arms: a process each
                           "--fit_args", json.dumps(fit)], log, path)
     if ran.data is None:
         return StageResult(files=[ctx.relative(log)], problems=[ran.error])
-    return StageResult(data={**ran.data, "preset": overhead["preset"]},
+    return StageResult(data={**ran.data, "preset": overhead.preset},
                        files=[ctx.relative(path), ctx.relative(stage / "timer_overhead.md")])
 
 
-def _hardware(gpu: dict[str, Any], data: dict[str, Any]) -> str:
-    """A GPU's row of the hardware table: its key and dense peaks (those MFU is computed against)."""
-    row = gpu.get("hardware_table")
-    if not row:
-        return "not in the table"
-    peaks = row.get("dense_tflops") or {}
-    return f"{row.get('key')}: {peaks.get('bf16')} / {peaks.get('fp32')} TFLOP/s dense bf16 / fp32"
+# ---- results.md: each stage's rows, columns and caption -----------------------------------------------------------
 
+
+def gpu_rows(data: dict[str, Any]) -> list[Row]:
+    return data.get("gpus") or []
+
+
+def failure_rows(data: dict[str, Any]) -> list[Row]:
+    return data.get("failures") or []
+
+
+def rows_by_name(data: dict[str, Any]) -> list[Row]:
+    """The rows of ``data["rows"]``, a dict by name, each with its name."""
+    return [{"name": name, **row} for name, row in (data.get("rows") or {}).items()]
+
+
+def projection_rows(data: dict[str, Any]) -> list[Row]:
+    """Every network's projected rows, each with its network, GPU, and the profiled batch and context."""
+    return [{**row, "network": network, "gpu": projection["gpu"], "batch_size": data.get("batch"),
+             "context_length": data.get("seq_len")}
+            for network, projection in (data.get("projections") or {}).items() for row in projection["rows"]]
+
+
+def _hardware(gpu: Row) -> str:
+    """A GPU's row of the hardware table: its key and dense peaks (those MFU is computed against)."""
+    row = gpu.get("hardware_table") or {}
+    peaks = row.get("dense_tflops") or {}
+    return f"{row.get('key')}: {peaks.get('bf16')} / {peaks.get('fp32')} TFLOP/s dense bf16 / fp32" if row \
+        else "not in the table"
+
+
+ENVIRONMENT_GPUS = Table(rows=gpu_rows, columns=(
+    Column(header="GPU", value="name"),
+    Column(header="memory GiB", value="total_memory_bytes", format="GiB"),
+    Column(header="SMs", value="sm_count"),
+    Column(header="CC", value="compute_capability"),
+    Column(header="hardware table", value=_hardware),
+    Column(header="MIG (g, GB)", value="mig_profile"),
+))
+CUDA_TEST_FAILURES = Table(rows=failure_rows, columns=(
+    Column(header="failed test", value="test"),
+    Column(header="message", value="message"),
+))
+COMPUTE_RUNS = Table(rows=rows_by_name, columns=(
+    Column(header="precision", value="name"),
+    STATUS,
+    Column(header="dtype", value="compute_dtype"),
+    Column(header="batch", value="batch"),
+    Column(header="pre-flight batch: tried", value=_tried),
+    Column(header="step ms", value="step_ms_median", format=",.1f"),
+    Column(header="tokens/s", value="tokens_per_s", format=",.0f"),
+    Column(header="MFU", value="mfu", format=".1%"),
+    Column(header="peak alloc GiB", value="peak_allocated_bytes", format="GiB"),
+    Column(header="peak reserved GiB", value="peak_reserved_bytes", format="GiB"),
+    Column(header="estimate GiB", value="estimate_bytes", format="GiB"),
+    Column(header="estimate / reserved", value=_estimate_over_reserved, format=".2f"),
+))
+STRATEGY_COSTS = Table(rows=rows_by_name, columns=(
+    Column(header="strategy", value="name"),
+    STATUS,
+    Column(header="step ms", value="step/time_ms", format=",.1f"),
+    Column(header="vs ddp", value="overhead_vs_ddp", format="+.1%"),
+    Column(header="exposed ms", value="comm/exposed_ms", format=",.2f"),
+    Column(header="calls", value="comm/calls", format=",.0f"),
+    Column(header="MFU", value="step/mfu", format=".1%"),
+    Column(header="peak MiB", value="memory/peak_MiB", format=",.0f"),
+    Column(header="published 2-GPU xl (batch 4, ctx 512)", value=published(4, 512)),
+))
+PROJECTED_STEPS = Table(rows=projection_rows, columns=(
+    Column(header="network", value="network"),
+    Column(header="GPU", value="gpu"),
+    Column(header="strategy", value="strategy"),
+    Column(header="best bucket MB", value="bucket_size_mb", format="g"),
+    Column(header="step ms", value="step_ms", format=",.1f"),
+    Column(header="exposed ms", value="exposed_comm_ms", format=",.1f"),
+    Column(header="comm share", value="comm_share", format=".1%"),
+    Column(header="published 2-GPU xl", value=published()),
+))
+TRACED_RUNS = Table(rows=rows_by_name, columns=(
+    Column(header="run", value="name"),
+    Column(header="overlap", value="overlap", format=".0%"),
+    Column(header="comm ms", value="comm_ms", format=",.1f"),
+    Column(header="hidden ms", value="hidden_ms", format=",.1f"),
+    Column(header="GPU rows", value="gpu_rows"),
+    Column(header="GPU kernels drawn", value="gpu_kernel_bars", format=",d"),
+    Column(header="published 2-GPU xl (batch 2, ctx 512)", value=published(2, 512)),
+))
+WEIGHT_DIFFERENCES = Table(rows=rows_by_name, columns=(
+    Column(header="strategy", value="name"),
+    STATUS,
+    Column(header="weights off", value="off_fraction", format=".3%"),
+    Column(header="tolerance", value="tolerance", format=".2%"),
+    Column(header="median", value="median_updates", format=".1e"),
+    Column(header="99th pct", value="p99_updates", format=".1e"),
+    Column(header="largest", value="max_updates", format=".2g"),
+    Column(header="at", value="worst_tensor"),
+    Column(header="equal", value="equal"),
+))
+
+
+# ---- the stages, in the order a call runs them: what only a GPU can show first -------------------------------------
 
 STAGES: tuple[Stage, ...] = (
-    Stage("environment", "Environment", 20, 5, False, environment, caption=(
-        "Device {device} (CPU: {cpu[model]}, {cpu[count]} cores); NVIDIA driver {nvidia_driver}, CUDA driver API "
-        "{cuda_driver_api}, torch {torch} (CUDA {torch_cuda}, cuDNN {cudnn}, NCCL {nccl}), Lightning {lightning}, "
-        "Python {python}; commit {git_commit:.12} (dirty: {git_dirty})."),
-        tables=(Table("gpus", (("GPU", "name", ""), ("memory GiB", "total_memory_bytes", "GiB"),
-                               ("SMs", "sm_count", ""), ("CC", "compute_capability", ""),
-                               ("hardware table", _hardware, ""), ("MIG (g, GB)", "mig_profile", ""))),)),
-    Stage("cuda_tests", "The cuda test tier", 240, 0, True, cuda_tests, caption=(
-        "pytest: {summary_line} ({tests} tests: {passed} passed, {failed} failed, {errors} errors, {skipped} "
-        "skipped)."),
-        tables=(Table("failures", (("failed test", "test", ""), ("message", "message", ""))),)),
-    Stage("compute", "Compute: xl on one GPU", 120, 20, False, compute, caption=(
-        "{preset} preset, context {seq_len}, at the largest batch that fits. The published 2-GPU xl runs' "
-        "compute-only step at this context (naive's step minus its all-reduce; bf16-mixed, GPU not named): "
-        "{published}."),
-        tables=(Table("runs", (
-            ("precision", "name", ""), STATUS, ("dtype", "compute_dtype", ""), ("batch", "batch", ""),
-            ("pre-flight batch: tried", _tried, ""), ("step ms", "step_ms_median", ",.1f"),
-            ("tokens/s", "tokens_per_s", ",.0f"), ("MFU", "mfu", ".1%"),
-            ("peak alloc GiB", "peak_allocated_bytes", "GiB"), ("peak reserved GiB", "peak_reserved_bytes", "GiB"),
-            ("estimate GiB", "estimate_bytes", "GiB"), ("estimate / reserved", _estimate_over_reserved, ".2f"))),)),
-    Stage("strategies", "Every strategy at world size 1", 120, 55, False, strategies, caption=(
-        "{preset} preset, batch {batch} x {seq_len} tokens, {precision}, one rank ({backend}), medians after "
-        "{warmup} of {steps} steps: the step over ddp's is what a strategy's hooks cost."),
-        tables=(Table("rows", (
-            ("strategy", "name", ""), STATUS, ("step ms", "step/time_ms", ",.1f"),
-            ("vs ddp", "overhead_vs_ddp", "+.1%"), ("exposed ms", "comm/exposed_ms", ",.2f"),
-            ("calls", "comm/calls", ",.0f"), ("MFU", "step/mfu", ".1%"), ("peak MiB", "memory/peak_MiB", ",.0f"),
-            ("published 2-GPU xl (batch 4, ctx 512)", published(4, 512), ""))),)),
-    Stage("one_gpu_pair", "2 ranks over gloo on one GPU", 240, 100, False, one_gpu_pair, caption=(
-        "**Equivalence** ({equivalence[preset]} preset, fp32, {equivalence[steps]} steps at lr {equivalence[lr]}): "
-        "2 ranks of batch {equivalence[per_rank_batch]} against one process on the same samples; weight "
-        "differences in updates (lr x steps), *off* beyond {equivalence[off_by_updates]} update; how the tolerances "
-        f"were calibrated: [docs/gpu.md]({DOCS}#how-the-stages-measure)."),
-        tables=(Table("equivalence[rows]", (
-            ("strategy", "name", ""), STATUS, ("weights off", "off_fraction", ".3%"),
-            ("tolerance", "tolerance", ".2%"), ("median", "median_updates", ".1e"),
-            ("99th pct", "p99_updates", ".1e"), ("largest", "max_updates", ".2g"), ("at", "worst_tensor", ""),
-            ("equal", "equal", ""))),
-                Table("sweep[rows]", (
-                    ("strategy", "strategy", ""),
-                    ("bucket MB", lambda row, data: row.get("resolved_bucket_size_mb") or row.get("bucket_size_mb"),
-                     ".3g"), ("batch", "batch_size", ""), ("context", "context_length", ""), STATUS,
-                    ("step ms", "step_ms_median", ",.1f"), ("comm share", "comm_share", ".1%"),
-                    ("overlap", "overlap", ".0%"), ("tokens/s", "tokens_per_s", ",.0f"),
-                    ("published 2-GPU xl", published(), "")),
-                      "**Short sweep** (`one_gpu_pair/sweep/results.md` has the intervals): the comparison between "
-                      "strategies transfers, the milliseconds do not."))),
-    Stage("traces", "Traces: naive vs overlap", 60, 30, False, traces, caption=(
-        "{preset} preset, {precision}, 2 gloo ranks on the one device, 3 traced steps; overlap: the share of "
-        "communication during which the rank computed. ![naive vs overlap](traces/timeline.png)"),
-        tables=(Table("runs", (
-            ("run", "name", ""), ("overlap", "overlap", ".0%"), ("comm ms", "comm_ms", ",.1f"),
-            ("hidden ms", "hidden_ms", ",.1f"), ("GPU rows", "gpu_rows", ""),
-            ("GPU kernels drawn", "gpu_kernel_bars", ",d"),
-            ("published 2-GPU xl (batch 2, ctx 512)", published(2, 512), ""))),)),
-    Stage("ready_times", "Gradient-ready times in xl backward, projected to 2 GPUs", 90, 20, False, ready_times,
-          caption=(
-        "{preset} preset on {device}, batch {batch} x {seq_len}, {precision}: forward {forward_ms:,.1f} ms, backward "
-        "{backward_ms:,.1f} ms, optimizer {optimizer_ms:,.1f} ms; {tensors} gradients ready from "
-        "{first_ready_ms:,.1f} to {last_ready_ms:,.1f} ms into backward (`{profile}`), and projected to 2 GPUs."),
-        tables=(Table(lambda data: [{**row, "network": network, "gpu": projection["gpu"]} for network, projection
-                            in data.get("projections", {}).items() for row in projection["rows"]], (
-            ("network", "network", ""), ("GPU", "gpu", ""), ("strategy", "strategy", ""),
-            ("best bucket MB", "bucket_size_mb", "g"), ("step ms", "step_ms", ",.1f"),
-            ("exposed ms", "exposed_comm_ms", ",.1f"), ("comm share", "comm_share", ".1%"),
-            ("published 2-GPU xl", published(), ""))),)),
-    Stage("timer_overhead", "The CommTimer's overhead", 120, 40, False, timer_overhead, caption=(
-        "{preset} preset, {repeats} off/on pairs of {steps} steps ({warmup} left out): median step "
-        "{median_step_ms_timer_off:,.2f} ms off, {median_step_ms_timer_on:,.2f} ms on: overhead {overhead:+.2%} "
-        "[95 %: {overhead_lo:+.2%}, {overhead_hi:+.2%}], goal < 2 %: **{verdict}**; over whole runs "
-        "{window_overhead:+.2%}.")),
+    Stage(
+        name="environment",
+        title="Environment",
+        run=environment,
+        estimate=Estimate(process_starts=1, fit_starts=0, work_s=0, dry_run_s=5),
+        caption=("Device {device} (CPU: {cpu[model]}, {cpu[count]} cores); NVIDIA driver {nvidia_driver}, CUDA driver "
+                 "API {cuda_driver_api}, torch {torch} (CUDA {torch_cuda}, cuDNN {cudnn}, NCCL {nccl}), Lightning "
+                 "{lightning}, Python {python}; commit {git_commit:.12} (dirty: {git_dirty})."),
+        tables=(ENVIRONMENT_GPUS,),
+    ),
+    Stage(
+        name="cuda_tests",
+        title="The cuda test tier: every engine, and the CommTimer's CUDA paths",
+        run=cuda_tests,
+        estimate=Estimate(process_starts=5, fit_starts=3, work_s=10, dry_run_s=0),
+        needs_cuda=True,
+        caption=("pytest: {summary_line} ({tests} tests: {passed} passed, {failed} failed, {errors} errors, {skipped} "
+                 "skipped)."),
+        tables=(CUDA_TEST_FAILURES,),
+    ),
+    Stage(
+        name="compute",
+        title="Compute and MFU of one device, without communication",
+        run=compute,
+        estimate=Estimate(process_starts=2, fit_starts=0, work_s=23, dry_run_s=20),
+        caption=("{preset} preset on {device}, context {seq_len}, at the largest batch that fits (at most "
+                 "{batch}), medians of {steps} steps after {warmup}. The published 2-GPU xl runs' compute-only "
+                 "step at this context (naive's step minus its all-reduce; bf16-mixed, GPU not named): {published}."),
+        tables=(COMPUTE_RUNS,),
+    ),
+    Stage(
+        name="strategies",
+        title="Every strategy at world size 1: what its hooks and copies cost",
+        run=strategies,
+        estimate=Estimate(process_starts=1, fit_starts=10, work_s=13, dry_run_s=55),
+        caption=("{preset} preset, batch {batch} x {seq_len} tokens, {precision}, one rank ({backend}), medians after "
+                 "{warmup} of {steps} steps: the step over ddp's is what a strategy's hooks cost."),
+        tables=(STRATEGY_COSTS,),
+    ),
+    Stage(
+        name="ready_times",
+        title="Gradient-ready times in backward, projected to 2 GPUs",
+        run=ready_times,
+        estimate=Estimate(process_starts=1, fit_starts=1, work_s=36, dry_run_s=20),
+        caption=("{preset} preset on {device}, batch {batch} x {seq_len}, {precision}: forward {forward_ms:,.1f} ms, "
+                 "backward {backward_ms:,.1f} ms, optimizer {optimizer_ms:,.1f} ms; {tensors} gradients ready from "
+                 "{first_ready_ms:,.1f} to {last_ready_ms:,.1f} ms into backward (`{profile}`), and projected to 2 "
+                 "GPUs."),
+        tables=(PROJECTED_STEPS,),
+    ),
+    Stage(
+        name="timer_overhead",
+        title="The CommTimer's overhead",
+        run=timer_overhead,
+        estimate=Estimate(process_starts=3, fit_starts=3, work_s=6, dry_run_s=40),
+        caption=("{preset} preset, {repeats} off/on pairs of {steps} steps ({warmup} left out): median step "
+                 "{median_step_ms_timer_off:,.2f} ms off, {median_step_ms_timer_on:,.2f} ms on: overhead "
+                 "{overhead:+.2%} [95 %: {overhead_lo:+.2%}, {overhead_hi:+.2%}], goal < 2 %: **{verdict}**; over "
+                 "whole runs {window_overhead:+.2%}."),
+    ),
+    Stage(
+        name="traces",
+        title="Traces: naive vs overlap on 2 ranks sharing the device",
+        run=traces,
+        estimate=Estimate(process_starts=1, fit_starts=2, work_s=17, dry_run_s=30),
+        caption=("{preset} preset, {precision}, 2 gloo ranks on the one device, 3 traced steps; overlap: the share of "
+                 "communication during which the rank computed. ![naive vs overlap](traces/timeline.png)"),
+        tables=(TRACED_RUNS,),
+    ),
+    Stage(
+        name="one_gpu_pair",
+        title="2 ranks sharing the device over gloo: every strategy against one process",
+        run=one_gpu_pair,
+        estimate=Estimate(process_starts=2, fit_starts=11, work_s=5, dry_run_s=75),
+        caption=("{preset} preset, fp32, {steps} steps at lr {lr}: 2 ranks of batch {batch} against one process on "
+                 "the same samples; weight differences in updates (lr x steps), *off* beyond {off_by_updates} update; "
+                 "docs/gpu.md says how the tolerances were calibrated."),
+        tables=(WEIGHT_DIFFERENCES,),
+    ),
 )
-"""Every stage, in the order the study runs them (``GPU_SCALE``: ~17 minutes, two calls of 9)."""
+"""Every stage, in the order the study runs them (``GPU_SCALE``: one call of ``--budget_min 9``)."""

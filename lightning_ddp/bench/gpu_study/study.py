@@ -1,11 +1,13 @@
 """The stages in order within this call's budget, ``stages.json`` and ``results.md`` rewritten after each, so that
-several calls (``--resume true``) finish the study; ``--archive``: docs/gpu.md, "How a call is budgeted"."""
+a call cut short is finished by another (``--resume true``); ``--archive``: docs/gpu.md, "How a call is budgeted"."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
+import os
+import re
 import string
 import subprocess
 import sys
@@ -15,8 +17,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_ddp.bench.gpu_study import DRY_RUN_SCALE, GPU_SCALE, GPUStudyConfig
-from lightning_ddp.bench.gpu_study.stages import DOCS, STAGES, Stage, StageResult, StudyContext, Table
+from lightning_ddp.bench.gpu_study import GPUStudyConfig, repository_root
+from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE, GPU_SCALE
+from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.projection.tables import markdown_table
@@ -24,16 +27,6 @@ from lightning_ddp.provenance import git_state, repo_relative
 
 DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
 """The statuses that leave nothing to do (``complete`` in stages.json); ``--resume true`` runs every other again."""
-
-
-def repository_root(root: str | None = None) -> Path:
-    """The checkout with ``configs/bench`` the stages read: ``root``, else the one holding this package, else cwd."""
-    candidates = [Path(root)] if root else [Path(__file__).resolve().parents[3], Path.cwd()]
-    for candidate in candidates:
-        if (candidate / "configs" / "bench").is_dir():
-            return candidate.resolve()
-    raise ValueError(f"no configs/bench under {' or '.join(map(str, candidates))}: the study reads the repository's "
-                     "configs and tests; run it from a checkout of the repository or pass --root CHECKOUT")
 
 
 def cuda_available() -> bool:
@@ -45,24 +38,13 @@ def cuda_available() -> bool:
         return False
 
 
-def plan_calls(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> list[list[str]]:
-    """The stages each call of ``--budget_min`` runs if each takes its estimate; ``ValueError`` if one fits no call."""
-    budget_s = budget_min * 60
+def check_budget(stages: Sequence[Stage], budget_min: float, dry_run: bool = False) -> None:
+    """Refuse a budget in which one of ``stages`` could never start (it would be skipped call after call)."""
     for stage in stages:
-        if stage.estimate(dry_run) > budget_s:
-            raise ValueError(f"stage {stage.name} needs ~{stage.estimate(dry_run):.0f} s, more than `--budget_min "
-                             f"{budget_min:g}` gives a call; give it at least {stage.estimate(dry_run) / 60:.1f} "
-                             "minutes (default 9)")
-    calls, left = [], list(stages)
-    while left:
-        remaining, call = budget_s, []
-        for stage in list(left):
-            if stage.estimate(dry_run) <= remaining:
-                remaining -= stage.estimate(dry_run)
-                call.append(stage.name)
-                left.remove(stage)
-        calls.append(call)
-    return calls
+        seconds = stage.estimate.seconds(dry_run)
+        if seconds > budget_min * 60:
+            raise ValueError(f"stage {stage.name} needs ~{seconds:.0f} s, more than `--budget_min {budget_min:g}` "
+                             f"gives a call; give it at least {seconds / 60:.1f} minutes (default 9)")
 
 
 def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyContext) -> dict[str, Any]:
@@ -94,14 +76,15 @@ def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyCon
         "commit": {"git_commit": state["git_commit"], "source": state["git_commit_source"]},
         "calls": [*previous.get("calls", []), call], "complete": False,
         "stages": [kept.get(s.name) or {"name": s.name, "title": s.title, "status": "pending", "seconds": None,
-                                        "estimate_s": s.estimate(config.cpu_dry_run), "error": "", "files": []}
+                                        "estimate_s": s.estimate.seconds(config.cpu_dry_run), "error": "",
+                                        "estimate_basis": s.estimate.basis(config.cpu_dry_run), "files": []}
                    for s in stages],
     }
 
 
 def _skip_reason(stage: Stage, ctx: StudyContext, remaining: float) -> tuple[str, str] | None:
     """``(status, error)`` when ``stage`` does not run with ``remaining`` seconds of the budget left, else None."""
-    estimate = stage.estimate(ctx.config.cpu_dry_run)
+    estimate = stage.estimate.seconds(ctx.config.cpu_dry_run)
     if ctx.config.stages is not None and stage.name not in ctx.config.stages:
         return "skipped: not selected", ""
     if stage.needs_cuda and not ctx.cuda:
@@ -116,7 +99,7 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
     entry.update(status="running", seconds=None, error="", files=[])
     entry.pop("problems", None)
     save()
-    ctx.stage_estimate_s, ctx.stage_started = stage.estimate(ctx.config.cpu_dry_run), time.monotonic()
+    ctx.stage_estimate_s, ctx.stage_started = stage.estimate.seconds(ctx.config.cpu_dry_run), time.monotonic()
     ctx.log(f"[{stage.name}] {stage.title} (~{ctx.stage_estimate_s:.0f} s) ...")
     try:
         result = stage.run(ctx)
@@ -142,11 +125,6 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     process; ``started``: ``time.monotonic()`` when the call began (the budget counts from it; default: now)."""
     started = time.monotonic() if started is None else started
     say = log or (lambda line: print(line, flush=True))
-    names = [stage.name for stage in stages]
-    unknown = [name for name in config.stages or () if name not in names]
-    if unknown or config.stages == []:
-        problem = f"unknown stage {unknown[0]!r} in `--stages`" if unknown else "`--stages` is empty"
-        raise ValueError(f"{problem}; choose from {', '.join(names)}, or leave it out")
     out = Path(config.out)
     root = repository_root(config.root)
     cuda = cuda_available() if cuda is None else cuda
@@ -157,15 +135,14 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     ctx = StudyContext(config=config, scale=scale, out=out, root=root, cuda=cuda,
                        deadline=started + config.budget_min * 60, log=say)
     document = _new_document(config, stages, ctx)
-    # Refuse a budget in which a stage left to run could never start (it would be skipped call after call).
-    plan_calls([stage for stage, entry in zip(stages, document["stages"])
-                if entry["status"] != "ok" and _skip_reason(stage, ctx, math.inf) is None],
-               config.budget_min, config.cpu_dry_run)
+    check_budget([stage for stage, entry in zip(stages, document["stages"])
+                  if entry["status"] != "ok" and _skip_reason(stage, ctx, math.inf) is None],
+                 config.budget_min, config.cpu_dry_run)
 
     def save() -> None:
         document["elapsed_s"] = document["calls"][-1]["elapsed_s"] = round(time.monotonic() - started, 1)
         document["complete"] = all(e["status"] in DONE for e in document["stages"])
-        write_outputs(out, {"stages.json": document, "results.md": build_report(document, out, stages)})
+        write_outputs(out, {"stages.json": document, "results.md": build_report(document, out, stages, root)})
 
     kept = sum(e["status"] == "ok" for e in document["stages"])
     say(f"GPU study{' (CPU dry run)' if config.cpu_dry_run else ''}: {len(stages)} stages"
@@ -181,7 +158,8 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
             else:
                 entry.update(status=skip[0], error=skip[1], seconds=None)
             save()
-            took = f" in {entry['seconds']:.0f} s" if entry["seconds"] is not None else ""
+            took = f" in {entry['seconds']:.0f} s (estimate {entry['estimate_s']:.0f} s)" \
+                if entry["seconds"] is not None else ""
             say(f"[{stage.name}] {entry['status']}{took}" + (f": {entry['error']}" if entry["error"] else ""))
     finally:
         if config.archive:
@@ -223,20 +201,29 @@ cell = _Cells().format_field
 
 
 def _table(table: Table, data: dict[str, Any]) -> list[str]:
-    """The lines of one of a stage's tables (a dict of rows gives each row its key as ``name``)."""
-    rows = table.rows(data) if callable(table.rows) else _Cells().get_field(table.rows, (), data)[0]
-    rows = [{"name": name, **row} for name, row in rows.items()] if isinstance(rows, dict) else rows or []
-    lines = ["", table.intro] if table.intro else []
+    """The lines of one of a stage's tables."""
+    rows = table.rows(data)
     if not rows:
-        return lines + ["", "No rows."]
-    align = "".join("l" if spec == "" else "r" for _, _, spec in table.columns)
-    return lines + [""] + markdown_table([header for header, _, _ in table.columns],
-                                         [[cell(key(row, data) if callable(key) else row.get(key), spec)
-                                           for _, key, spec in table.columns] for row in rows], align)
+        return ["", "No rows."]
+    align = "".join("l" if column.format == "" else "r" for column in table.columns)
+    values = [[cell(column.value(row) if callable(column.value) else row.get(column.value), column.format)
+               for column in table.columns] for row in rows]
+    return [""] + markdown_table([column.header for column in table.columns], values, align)
 
 
-def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = STAGES) -> str:
-    """results.md for ``document`` (the stages.json dict), reading each stage's ``<name>.json`` from ``out``."""
+def docs_reference(out: Path, root: Path | None, section: str) -> str:
+    """A reference from results.md in ``out`` to a section of docs/gpu.md: a relative link where ``out`` is inside
+    the checkout ``root`` (it holds wherever the checkout goes), else the page and section by name."""
+    if root is None or not out.resolve().is_relative_to(root.resolve()):
+        return f'docs/gpu.md, "{section}"'
+    link = Path(os.path.relpath(root.resolve() / "docs" / "gpu.md", out.resolve())).as_posix()
+    return f"[docs/gpu.md, {section}]({link}#{re.sub(r'[^a-z0-9 -]', '', section.lower()).replace(' ', '-')})"
+
+
+def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = STAGES, root: Path | None = None,
+                 ) -> str:
+    """results.md for ``document`` (the stages.json dict), reading each stage's ``<name>.json`` from ``out``; links to
+    docs/gpu.md where ``out`` is inside the checkout ``root``."""
     gpus = (read_json(out / "environment.json", missing_ok=True) or {}).get("gpus") or []
     device = gpus[0]["name"] if gpus else document.get("device", "?")
     title = "GPU study" + (" (CPU dry run: tiny preset, no CUDA)" if document.get("cpu_dry_run") else f" on {device}")
@@ -249,8 +236,8 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
              f"{sum(c.get('elapsed_s') or 0 for c in calls) / 60:.1f} min in all); started {document.get('created')}"
              + (f", commit {str(commit)[:12]}" if commit else "") + ". `stages.json` has each stage's status, seconds "
              "and error line.", "",
-             "**Two ranks on one GPU time-slice it.** The step times of `one_gpu_pair` and `traces` are not 2-GPU "
-             f"step times ([docs/gpu.md]({DOCS}#reading-the-2-rank-numbers)).", ""]
+             "**Two ranks on one GPU time-slice it.** The step times of `traces` are not 2-GPU step times "
+             f"({docs_reference(out, root, 'Reading the 2-rank numbers')}).", ""]
     if document.get("cpu_dry_run"):
         lines += ["A rehearsal on CPU with the tiny preset: no number below says anything about a GPU.", ""]
     lines += markdown_table(["stage", "status", "seconds", "estimate s", "error"], align="llrrl", rows=[
@@ -259,7 +246,7 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
                              for e in document.get("stages", [])])
     specs = {stage.name: stage for stage in stages}
     for entry in document.get("stages", []):
-        lines += ["", f"## {entry['name']}", "", f"*{entry['title']}* ([what it shows]({DOCS}#stages)).", ""]
+        lines += ["", f"## {entry['name']}", "", f"*{entry['title']}* ({docs_reference(out, root, 'Stages')}).", ""]
         data = read_json(out / f"{entry['name']}.json", missing_ok=True)
         if entry["status"] in ("pending", "running") or data is None:
             lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
@@ -277,7 +264,6 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
 ARCHIVE_LIMIT = 16 * 2**20  # bytes before compression: a file the GPU machine sends back may have 16 MiB
 FILE_LIMIT = 2 * 2**20  # bytes one file may have: a raw profiler trace is larger, its picture is not
 KEPT_SUFFIXES = (".json", ".csv", ".md", ".png", ".svg", ".xml", ".log", ".txt")
-LEFT_OUT_FOLDERS = ("runs",)  # a sweep's per-cell folders (machine paths and ports); results.csv summarises them
 ALWAYS = ("stages.json", "results.md")
 CONTENTS = "archive_contents.json"
 
@@ -288,8 +274,7 @@ def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_L
     candidates = []
     for path in sorted(out.rglob("*")):
         relative = path.relative_to(out)
-        if path.is_file() and relative.name != CONTENTS and path.suffix in KEPT_SUFFIXES \
-                and not any(part in LEFT_OUT_FOLDERS for part in relative.parts[:-1]):
+        if path.is_file() and relative.name != CONTENTS and path.suffix in KEPT_SUFFIXES:
             candidates.append((relative.as_posix(), path.stat().st_size))
     contents: dict[str, Any] = {"files": [], "left_out": [], "size_bytes": 0}
     for name, size in sorted(candidates, key=lambda c: (c[0] not in ALWAYS, c[1], c[0])):
