@@ -177,7 +177,7 @@ class CommTimer(StepObserver):
         self._every = self.every_n_steps if self.every_n_steps is not None else default_every_n_steps(
             trainer.log_every_n_steps, _planned_steps(trainer), self.warmup_steps)
         self._first_step = trainer.global_step
-        self._comm = comm_recording(trainer.world_size)
+        self._comm = comm_recording()
         for note in (measurement_note(trainer.strategy, self._comm), _dropped_comm_hook_note(trainer.strategy)):
             if note is not None:
                 rank_zero_warn(note)

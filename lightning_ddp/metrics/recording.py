@@ -23,7 +23,8 @@ SUMMARY_SCHEMA = "lightning_ddp.timing_summary/3"
 """``timing_summary.json``'s version: 2 added ``collectives`` (``call_table``), 3 their process ``group``."""
 
 CommRecording = Optional[Literal["full"]]
-"""What the ``CommTimer`` measures of a run's communication: every collective (``"full"``), or none (one device)."""
+"""What the ``CommTimer`` measures of a run's communication: every collective (``"full"``), or none (no process
+group: one device)."""
 
 _RECORDERS: "weakref.WeakKeyDictionary[Any, Recorder]" = weakref.WeakKeyDictionary()
 
@@ -57,10 +58,10 @@ def release_recorder(trainer: Any) -> None:
         stop_recording_process_groups()
 
 
-def comm_recording(world_size: int) -> CommRecording:
-    """What the timer measures of a run of ``world_size`` ranks: every collective of its process groups (``"full"``),
-    or, on one device, no communication at all (``None``)."""
-    return "full" if world_size > 1 and dist.is_available() and dist.is_initialized() else None
+def comm_recording() -> CommRecording:
+    """What the timer measures of this run: every collective of its process groups (``"full"``), or, without a
+    process group (one device), no communication at all (``None``)."""
+    return "full" if dist.is_available() and dist.is_initialized() else None
 
 
 def strategy_label(strategy: Any) -> str:

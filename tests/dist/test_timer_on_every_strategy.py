@@ -6,69 +6,22 @@ weights after a fit with the timer are bitwise those of the same fit without it.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_ddp import catalogue
 from lightning_ddp.metrics.accounting import METRIC_KEYS
 from tests.support.dist_utils import run_on_ranks
-from tests.support.lightning_toy import join_existing_group
+from tests.support.user_models import MODEL_PARALLEL, STEPS, fits_with_and_without_the_timer
 
 pytestmark = pytest.mark.multiprocess
 
-MODEL_PARALLEL = "model_parallel"  # Lightning's ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
 STRATEGIES = [*catalogue.names(), MODEL_PARALLEL]
-STEPS = 3
 # Every key but the two this run cannot have: MFU (the user's module counts no FLOPs) and reserved memory (CUDA's).
 EVERY_KEY = [key for key in METRIC_KEYS if key not in ("step/mfu", "memory/peak_reserved_MiB")]
 
 
-def _fit(name: str, timed: bool, comm_hook: bool = False) -> dict:
-    """One 2-rank fit of the user's model under strategy ``name``: its weights and, timed, what the timer logged."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.utils.data import DataLoader
-
-    from lightning_ddp.callbacks import CommTimer
-    from tests.support.user_models import (KeptMetrics, ShardedUserTransformerLM, UserTransformerLM, full_weights,
-                                           user_data)
-
-    if name == MODEL_PARALLEL:
-        strategy, module = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ShardedUserTransformerLM()
-    else:
-        strategy, module = name, UserTransformerLM(comm_hook=comm_hook)
-    logger = KeptMetrics()
-    timer = CommTimer(every_n_steps=1, warmup_steps=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=logger if timed else False,
-                         callbacks=[timer] if timed else [], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir="logs")
-    trainer.fit(module, DataLoader(user_data(), batch_size=4))
-    calls = [(row["group"], row["op"]) for row in _call_table(timer)] if timed else []
-    return {"weights": full_weights(module), "logged": logger.logged, "calls": calls,
-            "tensors": sum(1 for p in module.parameters() if p.requires_grad)}
-
-
-def _call_table(timer) -> list[dict]:
-    from lightning_ddp.metrics.recording import call_table
-
-    return call_table(timer._calls)
-
-
-def _every_strategy_with_and_without_the_timer(rank: int, world_size: int) -> dict:
-    join_existing_group(rank, world_size)
-    results = {}
-    for name in STRATEGIES:
-        plain, timed = _fit(name, timed=False), _fit(name, timed=True)
-        equal = all(torch.equal(plain["weights"][key], value) for key, value in timed["weights"].items())
-        results[name] = {"bitwise_equal": equal and plain["weights"].keys() == timed["weights"].keys(),
-                         "logged": timed["logged"], "calls": timed["calls"], "tensors": timed["tensors"]}
-    results["ddp_fp16_hook"] = _fit("ddp", timed=True, comm_hook=True)
-    results["ddp_fp16_hook"].pop("weights")
-    return results
-
-
 @pytest.fixture(scope="module")
 def fits() -> dict:
-    first, _ = run_on_ranks(_every_strategy_with_and_without_the_timer, 2, timeout=900)
+    first, _ = run_on_ranks(fits_with_and_without_the_timer, 2, STRATEGIES, "cpu", timeout=900)
     return first  # rank 0's: what its logger was handed
 
 

@@ -101,3 +101,55 @@ def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         weights[name] = full.detach().cpu().clone()
     return weights
+
+
+MODEL_PARALLEL = "model_parallel"
+"""Lightning's ``ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)`` with the user's own
+``fully_shard`` (``ShardedUserTransformerLM``), beside the names ``trainer.strategy`` takes."""
+STEPS = 3
+
+
+def _fit(name: str, accelerator: str, world_size: int, timed: bool, comm_hook: bool = False) -> dict:
+    """One fit of the user's model under strategy ``name`` on ``world_size`` devices, inside a ``run_on_ranks`` job:
+    its weights and, ``timed``, what ``CommTimer(every_n_steps=1)`` handed the logger and its collectives by group."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader
+
+    from lightning_ddp.callbacks import CommTimer
+    from lightning_ddp.metrics.recording import call_table
+
+    if name == MODEL_PARALLEL:
+        strategy: Any = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+        module: UserTransformerLM = ShardedUserTransformerLM()
+    else:
+        strategy, module = name, UserTransformerLM(comm_hook=comm_hook)
+    logger = KeptMetrics()
+    timer = CommTimer(every_n_steps=1, warmup_steps=1)
+    trainer = pl.Trainer(accelerator=accelerator, devices=world_size, strategy=strategy, max_steps=STEPS,
+                         logger=logger if timed else False, callbacks=[timer] if timed else [],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir="logs")
+    trainer.fit(module, DataLoader(user_data(), batch_size=4))
+    return {"weights": full_weights(module), "logged": logger.logged,
+            "calls": [(row["group"], row["op"]) for row in call_table(timer._calls)] if timed else [],
+            "tensors": sum(1 for p in module.parameters() if p.requires_grad)}
+
+
+def fits_with_and_without_the_timer(rank: int, world_size: int, names: list[str], accelerator: str) -> dict:
+    """Spawned (``run_on_ranks``): per strategy of ``names``, a fit without the timer and the same fit with it;
+    whether the weights are bitwise equal, and the timed fit's logged metrics and collectives. Then ``ddp`` with the
+    user's own fp16 comm hook, timed, under ``ddp_fp16_hook``."""
+    from tests.support.lightning_toy import join_existing_group
+
+    join_existing_group(rank, world_size)
+    results = {}
+    for name in names:
+        plain = _fit(name, accelerator, world_size, timed=False)
+        timed = _fit(name, accelerator, world_size, timed=True)
+        same_names = plain["weights"].keys() == timed["weights"].keys()
+        equal = same_names and all(torch.equal(plain["weights"][key], value) for key, value in timed["weights"].items())
+        results[name] = {"bitwise_equal": equal, "logged": timed["logged"], "calls": timed["calls"],
+                         "tensors": timed["tensors"]}
+    hooked = _fit("ddp", accelerator, world_size, timed=True, comm_hook=True)
+    results["ddp_fp16_hook"] = {"logged": hooked["logged"], "calls": hooked["calls"]}
+    return results
