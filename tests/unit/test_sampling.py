@@ -100,3 +100,45 @@ def test_what_the_timer_measures_of_a_run(world_of_one) -> None:
 
 def test_without_a_process_group_nothing_is_recorded() -> None:
     assert comm_recording() is None  # no init_process_group (one device): no group to record at
+
+
+def test_a_short_run_is_sampled_often_enough_for_a_summary() -> None:
+    from lightning_ddp.callbacks.comm_timer import MIN_SUMMARY_STEPS, default_every_n_steps
+
+    # A 30-step script under Lightning's default log_every_n_steps=50 would measure step 0 only: every 30 //
+    # (5 warm-up + 10) = 2nd step instead, 15 measured, 10 of them after the warm-up.
+    assert default_every_n_steps(50, planned_steps=30, warmup_steps=5) == 2
+    assert len(range(0, 30, 2)) - 5 == MIN_SUMMARY_STEPS
+    assert default_every_n_steps(50, planned_steps=100_000, warmup_steps=5) == 50  # a long run: Lightning's cadence
+    assert default_every_n_steps(50, planned_steps=None, warmup_steps=5) == 50  # unknown length: the same
+    assert default_every_n_steps(50, planned_steps=3, warmup_steps=5) == 1  # shorter than the warm-up: every step
+
+
+def test_a_run_without_a_summary_says_what_ran_and_what_changes_it(monkeypatch) -> None:
+    from lightning_ddp.callbacks import comm_timer
+
+    timer = CommTimer(warmup_steps=5)
+    timer._every = 50
+    timer.summary.add(0, {"step/time_ms": 10.0})
+    monkeypatch.setattr(comm_timer, "_launched_by_cli", lambda: False)
+    script = timer._no_summary_message(steps_run=30)
+    assert script.startswith("CommTimer: 30 optimizer steps ran and 1 of them were measured (one step in 50)")
+    assert "CommTimer(every_n_steps=...)" in script and "CommTimer(warmup_steps=...)" in script
+    assert "--timer" not in script
+    monkeypatch.setattr(comm_timer, "_launched_by_cli", lambda: True)
+    cli = timer._no_summary_message(steps_run=30)
+    assert "--timer.every_n_steps" in cli and "--timer.warmup_steps" in cli and "CommTimer(" not in cli
+
+
+def test_a_ddp_comm_hook_lightning_drops_off_cuda_is_said_once() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from lightning_ddp.callbacks.comm_timer import _dropped_comm_hook_note
+
+    strategy = DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, parallel_devices=[torch.device("cpu")] * 2)
+    note = _dropped_comm_hook_note(strategy)
+    assert "ddp_comm_hook=fp16_compress_hook) is not applied on cpu" in note and "uncompressed" in note
+    assert _dropped_comm_hook_note(DDPStrategy(parallel_devices=[torch.device("cpu")] * 2)) is None  # no hook
+    on_gpu = DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, parallel_devices=[torch.device("cuda", 0)])
+    assert _dropped_comm_hook_note(on_gpu) is None  # Lightning registers it on CUDA: nothing dropped
