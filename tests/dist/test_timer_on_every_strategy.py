@@ -71,3 +71,9 @@ def test_a_users_own_ddp_comm_hook_runs_and_its_bytes_are_measured(fits: dict) -
     fp32 = fits["ddp"]["logged"][STEPS - 1]["comm/bytes"]
     fp16 = fits["ddp_fp16_hook"]["logged"][STEPS - 1]["comm/bytes"]
     assert fp16 == fp32 / 2
+
+
+def test_a_short_script_run_with_the_defaults_gets_a_summary(fits: dict) -> None:
+    # 30 steps under log_every_n_steps=50 measured only step 0 before; now every 30 // (5 + 10) = 2nd step: 15
+    # measured, 10 of them after the 5 warm-up ones
+    assert fits["short_run"] == {"every": 2, "measured": 15, "summarized": 10}

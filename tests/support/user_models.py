@@ -138,7 +138,8 @@ def _fit(name: str, accelerator: str, world_size: int, timed: bool, comm_hook: b
 def fits_with_and_without_the_timer(rank: int, world_size: int, names: list[str], accelerator: str) -> dict:
     """Spawned (``run_on_ranks``): per strategy of ``names``, a fit without the timer and the same fit with it;
     whether the weights are bitwise equal, and the timed fit's logged metrics and collectives. Then ``ddp`` with the
-    user's own fp16 comm hook, timed, under ``ddp_fp16_hook``."""
+    user's own fp16 comm hook, timed, under ``ddp_fp16_hook``, and on CPU a short run with the timer's defaults
+    (``short_run``)."""
     from tests.support.lightning_toy import join_existing_group
 
     join_existing_group(rank, world_size)
@@ -152,4 +153,22 @@ def fits_with_and_without_the_timer(rank: int, world_size: int, names: list[str]
                          "tensors": timed["tensors"]}
     hooked = _fit("ddp", accelerator, world_size, timed=True, comm_hook=True)
     results["ddp_fp16_hook"] = {"logged": hooked["logged"], "calls": hooked["calls"]}
+    if accelerator == "cpu":
+        results["short_run"] = short_run_with_the_defaults(world_size)
     return results
+
+
+def short_run_with_the_defaults(world_size: int) -> dict:
+    """30 steps of ``ddp`` with ``CommTimer()`` as a script adds it, Lightning's default ``log_every_n_steps`` (50)
+    left alone; how often the timer measured and how many steps its summary kept."""
+    from torch.utils.data import DataLoader
+
+    from lightning_ddp.callbacks import CommTimer
+
+    timer = CommTimer()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=30, logger=KeptMetrics(),
+                         callbacks=[timer], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir="logs")
+    trainer.fit(UserTransformerLM(), DataLoader(user_data(samples=240), batch_size=4))
+    summarized = timer.summary.summarize(timer.warmup_steps)["step/time_ms"]["n"]
+    return {"every": timer._every, "measured": len(timer.summary), "summarized": summarized}
