@@ -83,12 +83,17 @@ def replace_process_group(old: dist.ProcessGroup, new: dist.ProcessGroup) -> Non
 
 
 def share_backends(source: dist.ProcessGroup, target: dist.ProcessGroup) -> None:
-    """Give ``target`` (a new Python ``ProcessGroup``) ``source``'s backends for each device type, its name and its
-    description: a collective on ``target`` then runs on the very connections ``source``'s would."""
+    """Give ``target`` (a new Python ``ProcessGroup``) ``source``'s backends for each device type, its default
+    backend, bound device, name and description: a collective on ``target`` runs on the very connections ``source``'s
+    would. The bound device first: registering a backend sets the group's bound device on it (NCCL's eager init)."""
+    def backend_type(name: str) -> dist.ProcessGroup.BackendType:
+        return dist.Backend.backend_type_map.get(name.lower(), dist.ProcessGroup.BackendType.CUSTOM)
+
+    target.bound_device_id = source.bound_device_id
     for device in source._device_types:
         backend = source._get_backend(device)
-        backend_type = dist.Backend.backend_type_map.get(backend.name().lower(), dist.ProcessGroup.BackendType.CUSTOM)
-        target._register_backend(device, backend_type, backend)
+        target._register_backend(device, backend_type(backend.name()), backend)
+    target._set_default_backend(backend_type(source._get_backend_name()))
     target._set_group_name(source.group_name)
     target._set_group_desc(source.group_desc)
 
