@@ -16,15 +16,19 @@ its mesh dimension's group.
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tests.dist.test_fsdp2 import (
-    CHECKPOINT_AFTER, CLIP, MODEL_SEED, STEPS, Root, _as_checkpoint, _assert_weights_equal, _optimizer, _reference,
-    _train,
+    CHECKPOINT_AFTER, CLIP, MODEL_SEED, STEPS, Root, _as_checkpoint, _assert_same_weights, _assert_weights_equal,
+    _optimizer, _reference, _train,
 )
+from tests.support.cli_utils import REPO, SAVE_FINAL_WEIGHTS, repo_first_on_path, run_cli
 from tests.support.dist_utils import run_on_ranks
 
 WORLD = 4
@@ -168,3 +172,56 @@ def test_a_lightning_fit_trains_like_ddp_and_its_collectives_are_on_their_mesh_g
         calls = result["lightning_hsdp"]["calls"]
         assert {op for group, op in calls if group == "dp_shard"} == {"all_gather", "reduce_scatter"}, calls
         assert {op for group, op in calls if group == "dp_replicate"} == {"all_reduce"}, calls
+
+
+# ---- docs/multi_node.md's recipe: two torchrun "nodes" of 2 processes on this host ------------------------------
+
+PER_RANK_BATCH = 2
+QUICKSTART = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--model.context_length", "32",
+              "--data.seq_len", "32", "--trainer.max_steps", "6", "--trainer.accumulate_grad_batches", "2",
+              "--trainer.gradient_clip_val", "0.5", "--trainer.limit_val_batches", "0",
+              "--trainer.num_sanity_val_steps", "0", "--trainer.enable_checkpointing", "false",
+              "--timer.warmup_steps", "1")
+"""The quickstart, shortened: 6 steps of 2 micro-batches each, clipped."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two torchrun launchers of 2 processes and a reference fit: ~2 min on 2 shared cores
+def test_two_torchrun_nodes_train_the_quickstart_to_one_process_weights(tmp_path: Path) -> None:
+    from lightning_ddp.bench.launch import LOOPBACK_INTERFACE, run_processes
+    from lightning_ddp.local_group import find_free_port
+
+    hsdp, one = tmp_path / "hsdp", tmp_path / "one"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(find_free_port()),
+               "-m", "lightning_ddp", "fit", *QUICKSTART, "--data.batch_size", str(PER_RANK_BATCH),
+               "--trainer.devices", "2", "--trainer.num_nodes", "2", "--trainer.strategy", "hsdp",
+               "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(hsdp / "logs"),
+               SAVE_FINAL_WEIGHTS, f"--trainer.callbacks.path={hsdp / 'weights.pt'}"]
+    base = {"GLOO_SOCKET_IFNAME": LOOPBACK_INTERFACE, **repo_first_on_path(), "PYTHONUNBUFFERED": "1"}
+    envs = [{**base, "PET_NODE_RANK": str(node)} for node in range(2)]  # torchrun reads --node_rank from PET_*
+    logs = [tmp_path / f"node{node}.log" for node in range(2)]
+    result = run_processes(command, envs, logs, 420, cwd=str(tmp_path))
+    assert not result.timed_out and result.returncodes == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
+    said = logs[0].read_text()
+    assert said.count("hsdp: 4 ranks as 2 replicas x 2 shards") == 1, said[-3000:]  # once, by global rank 0
+    # One process on the same global batch of 4 x 2 rows: DistributedSampler deals one shuffled order over the ranks,
+    # so each global micro-batch holds the same rows (test_fsdp2's _assert_same_weights says why its bounds hold).
+    one.mkdir()
+    run_cli("fit", *QUICKSTART, "--data.batch_size", str(4 * PER_RANK_BATCH), "--trainer.devices", "1",
+            "--trainer.logger.init_args.save_dir", str(one / "logs"), SAVE_FINAL_WEIGHTS,
+            f"--trainer.callbacks.path={one / 'weights.pt'}", cwd=one)
+    _assert_same_weights(hsdp / "weights.pt", one / "weights.pt")
+    # Each node a shard group: all-gathers and reduce-scatters within it; across nodes only each reduce-scatter's
+    # output, 1/shard_size of its input, all-reduced (one per FSDP group and step: accumulation sends nothing before
+    # the last micro-batch).
+    (summary,) = (hsdp / "logs").rglob("timing_summary.json")
+    rows = json.loads(summary.read_text())["collectives"]
+    on_shard = {row["op"] for row in rows if row["group"] == "dp_shard"}
+    assert {row["op"] for row in rows if row["group"] == "dp_replicate"} == {"all_reduce"}, rows
+    assert on_shard == {"all_gather", "reduce_scatter", "all_reduce"}, rows
+    scattered = sorted((row["bytes"] // 2, row["count"]) for row in rows if row["op"] == "reduce_scatter")
+    assert sorted((row["bytes"], row["count"]) for row in rows if row["group"] == "dp_replicate") == scattered, rows
+    # The shard group's one all-reduce: clipping's norm, the tiny GPT's 39 per-tensor fp32 norms summed over the
+    # shards once a step (the replicas hold the same shards, so they agree without one).
+    assert {row["bytes"] for row in rows if row["group"] == "dp_shard" and row["op"] == "all_reduce"} == {39 * 4}, rows

@@ -71,6 +71,7 @@ def test_the_cli_says_the_fix_in_one_line(tmp_path: Path, capsys, monkeypatch) -
               "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
     assert refused.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: hsdp: shard_size 3 does not divide the world of 2 ranks"), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: hsdp: shard_size 3 does not divide the world of 2 ranks"), lines
     assert "set shard_size to one of 1, 2" in lines[0]
     assert not (tmp_path / "logs").exists()  # nothing written
