@@ -74,8 +74,8 @@ class HybridLayout:
             return (f"hsdp: shard_size {self.shard_size} = the world of {world} ranks: one shard group, no replica: "
                     "the same as fsdp2")
         if self.shard_size == 1:
-            return (f"hsdp: shard_size 1: every one of the {world} ranks holds the whole model and all-reduces every "
-                    f"gradient ({REPLICATE_DIM}): replicated, as ddp (through FSDP2's groups)")
+            return (f"hsdp: shard_size 1: each of the {world} ranks holds the whole model and all-reduces every "
+                    "gradient over the world: replicated, as ddp (through FSDP2)")
         return (f"hsdp: {world} ranks as {self.replicas} replicas x {self.shard_size} shards: each group of "
                 f"{self.shard_size} ranks shards the model (reduce-scatter, all-gather on {SHARD_DIM}), each gradient "
                 f"shard is all-reduced across the {self.replicas} replicas ({REPLICATE_DIM})")
