@@ -21,7 +21,8 @@ NOT_SETTINGS = ("module", "process_group", "bucket_size_mb", "reduce")  # engine
 REQUIRED = inspect.Parameter.empty  # what `Entry.settings()` gives for a setting without a default
 
 # The memory models of ``lightning_ddp.memory``: which communication buffers a strategy keeps.
-MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "full_buckets", "zero1", "zero2", "fully_sharded")
+MEMORY_MODELS = ("none", "per_tensor", "packed", "bucketed", "full_buckets", "zero1", "zero2", "fully_sharded",
+                 "hybrid_sharded")
 
 GRAD_SYNC_STRATEGY = "lightning_ddp.strategies.GradSyncStrategy"
 
@@ -284,6 +285,12 @@ register(Entry(
     "fsdp2", "torch's FSDP2 (fully_shard per block): parameters, gradients and optimizer state sharded.",
     lightning_class="lightning_ddp.strategies.FSDP2Strategy", overlaps_backward=True, sharded=True,
     memory="fully_sharded", projection=SCHEDULE,
+))
+register(Entry(
+    "hsdp", "Hybrid sharding, torch's FSDP2 over a (replicate, shard) mesh: fsdp2 within each group of shard_size "
+    "ranks (a node), each gradient shard all-reduced across the groups.",
+    lightning_class="lightning_ddp.strategies.HSDPStrategy", overlaps_backward=True, sharded=True,
+    memory="hybrid_sharded", projection=None,  # priced and projected in issue 42's second phase
 ))
 register(Entry(
     "ddp", "Lightning's DDP (torch DistributedDataParallel): 25 MiB buckets during backward; the baseline.",

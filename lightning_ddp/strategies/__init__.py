@@ -7,9 +7,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_ddp import catalogue
 from lightning_ddp.strategies.base import GradSyncStrategy
 from lightning_ddp.strategies.fsdp2 import FSDP2Strategy
+from lightning_ddp.strategies.hsdp import HSDPStrategy
 from lightning_ddp.strategies.sharded import ZeRO1DDPStrategy, ZeRO2DDPStrategy
 
-__all__ = ["FSDP2Strategy", "GradSyncStrategy", "ZeRO1DDPStrategy", "ZeRO2DDPStrategy", "register_strategies"]
+__all__ = ["FSDP2Strategy", "GradSyncStrategy", "HSDPStrategy", "ZeRO1DDPStrategy", "ZeRO2DDPStrategy",
+           "register_strategies"]
 
 
 def register_strategies() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
-from typing import Any, Callable, Generator
+from typing import TYPE_CHECKING, Any, Callable, Generator
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +20,9 @@ from lightning_ddp import catalogue, compat
 from lightning_ddp.strategies.base import DataParallelStrategy
 from lightning_ddp.sync.base import broadcast_module_states
 from lightning_ddp.sync.comm import backend_for
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
 """Class names sharded one FSDP group each by default (our GPT's ``Block``)."""
@@ -56,6 +59,8 @@ class FSDP2Strategy(DataParallelStrategy):
         self.shard_modules: tuple[str, ...] = DEFAULT_SHARD_MODULES if shard_modules is None else tuple(shard_modules)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.mixed_precision = bool(mixed_precision)
+        self.device_mesh: DeviceMesh | None = None
+        """The mesh ``fully_shard`` shards over; ``None``: the world, one dimension (``hsdp`` sets a 2-D one)."""
         self._sharded = False
 
     @override
@@ -75,9 +80,10 @@ class FSDP2Strategy(DataParallelStrategy):
         module = self.lightning_module
         assert isinstance(module, pl.LightningModule)
         param_dtype, reduce_dtype = mixed_precision_dtypes(str(self.precision_plugin.precision), self.mixed_precision)
-        message = shard(module, self.shard_modules, self.reshard_after_forward, param_dtype, reduce_dtype)
+        message = shard(module, self.shard_modules, self.reshard_after_forward, param_dtype, reduce_dtype,
+                        mesh=self.device_mesh)
         if message:
-            rank_zero_info(message)
+            rank_zero_info(f"{self.strategy_name}: {message}")
         self.model = module
         self._sharded = True
 
@@ -169,8 +175,11 @@ def shard(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
 ) -> str:
-    """Shard ``module`` in place on every rank; returns ``modules_to_shard``'s message."""
+    """Shard ``module`` in place on every rank over ``mesh`` (``None``: the world; a 2-D ``(replicate, shard)`` mesh:
+    hybrid sharding); returns ``modules_to_shard``'s message."""
     from torch.distributed.fsdp import fully_shard
 
     if dist.is_available() and dist.is_initialized():
@@ -182,11 +191,12 @@ def shard(
 
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
-    fully_shard(module, **options)  # the root: the parameters outside the blocks (tied weights stay one)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(module, mesh=mesh, **options)  # the root: the parameters outside the blocks (tied weights stay one)
     parameter = next(module.parameters(), None)
     if parameter is not None and backend_for(parameter.device) == "gloo":
-        for group in (*blocks, module):  # reduce-scatter with SUM, divide in FSDP2 (gloo's AVG sums: pytorch#162338)
+        # Reduce-scatter (and a 2-D mesh's all-reduce) with SUM, then divide in FSDP2 (gloo's AVG sums: pytorch#162338)
+        for group in (*blocks, module):
             switch = getattr(group, "set_force_sum_reduction_for_comms", None)
             if switch is not None:
                 switch(True)
@@ -204,14 +214,14 @@ def modules_to_shard(module: nn.Module, class_names: tuple[str, ...]) -> tuple[l
     if chosen:
         classes = sorted({type(m).__name__ for m in chosen})
         return chosen, (
-            f"fsdp2: no module of class {', '.join(class_names)} in {type(module).__name__}; sharding its "
+            f"no module of class {', '.join(class_names)} in {type(module).__name__}; sharding its "
             f"{len(chosen)} repeated layers ({', '.join(classes)}) one group each. `shard_modules` names others."
         )
     # `any(m.parameters(...))` would take each tensor's truth value: an error for more than one element.
     owning = [m for m in module.modules() if m is not module and any(True for _ in m.parameters(recurse=False))]
     classes = sorted({type(m).__name__ for m in owning})
     return [], (
-        f"fsdp2: no module of class {', '.join(class_names)} in {type(module).__name__}; sharding it at the root "
+        f"no module of class {', '.join(class_names)} in {type(module).__name__}; sharding it at the root "
         f"only (every parameter gathered at once). Name its repeated blocks with `shard_modules`, e.g. one of: "
         f"{', '.join(classes[:8]) or '(no parameters)'}."
     )
@@ -251,8 +261,8 @@ def mixed_precision_dtypes(precision: str, enabled: bool) -> tuple[torch.dtype |
     """
     if precision in ("16-mixed", "16"):
         raise ValueError(
-            "fsdp2 does not support trainer.precision 16-mixed (fp16 with a gradient scaler over sharded gradients is "
-            "not checked here); use --trainer.precision bf16-mixed."
+            "FSDP2 (fully_shard) does not support trainer.precision 16-mixed (fp16 with a gradient scaler over sharded "
+            "gradients is not checked here); use --trainer.precision bf16-mixed."
         )
     if precision in ("bf16-mixed", "bf16") and enabled:
         return torch.bfloat16, torch.float32

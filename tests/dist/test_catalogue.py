@@ -412,7 +412,7 @@ def test_a_toy_setting_reaches_the_engine_on_every_rank_from_yaml() -> None:
 
 def test_the_catalogue_lists_the_built_ins_in_order() -> None:
     assert catalogue.names() == ["naive_ddp", "flat_ddp", "overlap_ddp", "bucketed_ddp", "bucketed_bf16_ddp",
-                                 "bucketed_powersgd_ddp", "zero1_ddp", "zero2_ddp", "fsdp2", "ddp"]
+                                 "bucketed_powersgd_ddp", "zero1_ddp", "zero2_ddp", "fsdp2", "hsdp", "ddp"]
     assert "toy_halves" not in catalogue.STRATEGIES  # registered only while a test uses it
 
 

@@ -559,7 +559,9 @@ def test_the_projection_reads_its_models_from_the_catalogue():
     # Modelling a new strategy for the projection is optional (adding one stays one engine file, one catalogue
     # entry, one YAML); every strategy this project ships names a model in its entry, and the projection simulates
     # exactly those, in catalogue order.
-    assert simulated_names() == list(catalogue.STRATEGIES)
+    # hsdp (issue 42) trains and is measured; its model joins the projection in the issue's second phase.
+    assert simulated_names() == [name for name in catalogue.STRATEGIES if name != "hsdp"]
+    assert simulated_names(modelled=False) == ["hsdp"]
     for name in simulated_names():  # each model loads, runs, and its result carries the strategy's name
         size = 4.0 if catalogue.get(name).has_bucket_size else None
         assert simulate(name, model(), size).strategy == name
