@@ -387,7 +387,7 @@ def _train_ddp(rank: int, world_size: int, engine: str, case: Case, device: torc
         final=_state(model),
         steps=steps,
         trainable=[(n, p.numel() * p.element_size(), p.dtype) for n, p in _trainable(model)],
-        buckets=[list(b) for b in ddp.buckets] if isinstance(ddp, BucketedDDP) else None,
+        buckets=[list(b) for b in ddp.bucket_indices] if isinstance(ddp, BucketedDDP) else None,
         still_tied=(model.head.weight is model.embed.weight) if isinstance(model, TinyLM) else None,
         owned=[n for n, p in _trainable(model) if optimizer.owner(p) == rank] if zero2 else None,
     )
