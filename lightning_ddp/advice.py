@@ -22,10 +22,11 @@ from lightning_ddp.run_folders import run_folder
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
 from lightning_ddp.projection.run import project
 from lightning_ddp.projection.simulators import (
-    CONTENTION, CPU_COPY_GBPS, MiB, StepModel, StepResult, best_by_world_size, simulate, simulated_names,
+    CONTENTION, CPU_COPY_GBPS, StepModel, StepResult, best_by_world_size, simulate, simulated_names,
 )
 from lightning_ddp.projection.tables import markdown_table
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
+from lightning_ddp.sync.memory_model import MiB
 
 RERUN = "re-run the fit with this version of lightning_ddp (its CommTimer writes what advise reads)"
 

@@ -15,14 +15,16 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Optional, 
 from lightning_ddp import catalogue
 from lightning_ddp.catalogue import BucketSize
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
+from lightning_ddp.sync.memory_model import (
+    ADAM_MOMENTS, bucket_cap_bytes, buffer_numel, dim0_shard_numel, fully_sharded_unsharded_peak, owns_buffer,
+    zero2_buffer_bytes,
+)
 
 if TYPE_CHECKING:
     from lightning_ddp.model import GPTConfig
 
-MiB = 2**20
 GiB = 2**30
 FP32 = 4
-ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, each in the parameter's dtype
 ADAM_STEP_BYTES_PER_TENSOR = FP32  # the 0-d `step` counter (fp32 on the CPU unless capturable/fused)
 
 CUDA_OVERHEAD_BYTES = int(1.5 * GiB)  # the fixed per-rank cost no tensor accounts for (docs/memory.md, "Overhead")
@@ -90,10 +92,11 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
                    param_bytes: int = FP32) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state rank ``rank`` holds (None: the most loaded rank, category by
     category) under ``mode``: ``unsharded``, ``reduce_scatter`` (the state of the tensors ``assign_owners`` gives
-    the rank), ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor)."""
+    the rank), ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor, over the
+    world)."""
     p = param_bytes
     if mode == "fully_sharded":  # this rank's dim-0 rows of every parameter, gradient and moment; rank 0 holds most
-        held = sum(_dim0_rows(shape, world_size, rank or 0) * math.prod(shape[1:]) for shape in shapes)
+        held = sum(dim0_shard_numel(shape, world_size, rank or 0) for shape in shapes)
         state = ADAM_MOMENTS * p * held + ADAM_STEP_BYTES_PER_TENSOR * len(shapes)
         return {"parameters": p * held, "gradients": p * held, "optimizer_state": state}
     numels = [math.prod(shape) for shape in shapes]
@@ -106,19 +109,6 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
         per_rank.append((p * sum(numels), p * sum(owned if mode == "zero2" else numels), state))
     values = per_rank[rank] if rank is not None else map(max, zip(*per_rank))
     return dict(zip(("parameters", "gradients", "optimizer_state"), values))
-
-
-def _dim0_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
-    """Rows of a tensor FSDP2 gives ``rank``: chunks of ``ceil(rows / N)`` along dim 0 (a 0-d tensor is one row)."""
-    rows = shape[0] if shape else 1
-    chunk = -(-rows // world_size)
-    return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
-
-
-def zero2_buffer_bytes(cap_bytes: int | None, total_bytes: int) -> int:
-    """``zero2``'s gradient buckets beside the held shard during backward (sync/zero2.py): 2 send buffers and the
-    bucket filling, each the cap or every gradient when there is no cap or fewer (``docs/memory.md``)."""
-    return 3 * (total_bytes if cap_bytes is None else min(cap_bytes, total_bytes))
 
 
 # How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``; the rest: unsharded), and the
@@ -145,7 +135,7 @@ def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize)
         size = catalogue.DEFAULT_BUCKET_SIZE_MB
     if entry.memory == "per_tensor":  # one tensor per bucket (sync/overlap.py): a cap of 1 byte
         return "bucketed", 1
-    return entry.memory, None if size is None else int(float(size) * MiB)
+    return entry.memory, bucket_cap_bytes(None if size is None else float(size))
 
 
 def activation_bytes_per_token(d_model: int, d_ff: int, precision: str = "32-true") -> int:
@@ -191,22 +181,23 @@ def _buffer_bytes(config: GPTConfig, model: str, cap: int | None, numels: Sequen
         return total, 0, 0
     if model == "zero2":
         return zero2_buffer_bytes(cap, total), 0, 0
-    if model == "fully_sharded":  # gathered: the root group and two blocks (computing, prefetched); and the block
-        root, block = fsdp2_groups(config)  # whose unsharded gradient is being reduce-scattered
-        return p * (root + 2 * block), p * block, 0
+    if model == "fully_sharded":  # unsharded beside the shards: the root group and two blocks, one block's gradients
+        root, blocks = fsdp2_groups(config)
+        unsharded = fully_sharded_unsharded_peak(root, blocks)
+        return p * unsharded.parameters, p * unsharded.gradients, 0
     buffer_bytes = viewed = 0
-    if model == "bucketed":
+    if model == "bucketed":  # the buffers the engine keeps (sync/bucketed.py), by the shared rule
         buckets = assign_buckets([p * n for n in numels], ["same"] * len(numels), cap)
         for b, indices in enumerate(buckets):
-            if len(indices) > 1 or b == len(buckets) - 1:  # buffered (sync/bucketed.py step 1)
-                scalars = sum(numels[i] for i in indices)
-                viewed += scalars
-                buffer_bytes += p * (scalars + int(b == len(buckets) - 1))  # + the missing-gradient sentinel
+            if owns_buffer(b, len(buckets), len(indices)):
+                gradient_numels = [numels[i] for i in indices]
+                viewed += sum(gradient_numels)  # their .grad become views into the buffer
+                buffer_bytes += p * buffer_numel(b, len(buckets), gradient_numels)
     return buffer_bytes, 0, viewed
 
 
-def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
-    """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group and of the largest block."""
+def fsdp2_groups(config: GPTConfig) -> tuple[int, list[int]]:
+    """``fsdp2`` on our GPT (one group per ``Block``): scalars of the root group, and of each block in order."""
     root, blocks = 0, {}
     for name, shape in gpt_parameter_shapes(config).items():
         if name.startswith("blocks."):
@@ -214,7 +205,7 @@ def fsdp2_groups(config: GPTConfig) -> tuple[int, int]:
             blocks[key] = blocks.get(key, 0) + math.prod(shape)
         else:
             root += math.prod(shape)
-    return root, max(blocks.values(), default=0)
+    return root, list(blocks.values())
 
 
 def estimate_rank_memory(

@@ -26,12 +26,12 @@ from lightning_ddp.bench.engine_step import (
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
 from lightning_ddp.bench.study import Column, benchmark_main, json_report, provenance, run_ranks, table, write_outputs
 from lightning_ddp.files import write_atomically
-from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups, zero2_buffer_bytes
+from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 from lightning_ddp.model import PRESETS
+from lightning_ddp.sync.memory_model import MiB, zero2_buffer_bytes
 
 TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
-MiB = 2**20
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
 # The catalogue engine of each mode that has its own (the others: ``grad_sync``).
 ENGINES = {"reduce_scatter": strategy_with_memory_model("zero1"), "zero2": strategy_with_memory_model("zero2")}
@@ -188,8 +188,10 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     num_params = sum(math.prod(s) for s in shapes)
     world_size = dist.get_world_size()
     # FSDP2 holds beyond its shards at the peak, fp32, the largest group's (a block's or the root's) unsharded
-    # parameters and gradients, gathered while that group's backward runs (``lightning_ddp.memory``'s model)
-    transient = 2 * FP32 * max(fsdp2_groups(model.config)) if mode == FSDP2 else 0
+    # parameters and gradients, gathered while that group's backward runs (this benchmark's expectation; the
+    # pre-flight's peak is ``sync.memory_model.fully_sharded_unsharded_peak``)
+    root, blocks = fsdp2_groups(model.config)
+    transient = 2 * FP32 * max([root, *blocks]) if mode == FSDP2 else 0
     # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
     recorder = None if mode == FSDP2 else Recorder(device)
     engine, optimizer = _build_mode(mode, config, model, recorder)

@@ -10,19 +10,19 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional, Sequence
 
 from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 from lightning_ddp.projection.comm import CommCost
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
+from lightning_ddp.sync.memory_model import (
+    ADAM_MOMENTS, MiB, bucket_cap_bytes, dim0_shard_numel, fully_sharded_unsharded_peak, owns_buffer, sentinel_numel,
+)
 
 PRESENCE_FLAG_BYTES = 4
 """Bytes per parameter of the gradient-presence all-reduce (one int32 flag each)."""
-ADAM_STATES = 2
-"""AdamW's ``exp_avg`` and ``exp_avg_sq``, each as wide as the parameter."""
 
-MiB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first (last-layer) bucket starts communication early."""
 DDP_BUCKET_CAP_BYTES = int(catalogue.DEFAULT_BUCKET_SIZE_MB * MiB)
@@ -288,12 +288,12 @@ def _bytes(params: Sequence[ParamTiming], indices: Optional[Iterable[int]] = Non
 
 def _replicated(model: StepModel, buffers: int = 0) -> int:
     """Model state of an unsharded strategy: parameters, gradients and AdamW state, plus ``buffers`` bytes."""
-    return (2 + ADAM_STATES) * _bytes(model.profile.params) + buffers
+    return (2 + ADAM_MOMENTS) * _bytes(model.profile.params) + buffers
 
 
 def _buffered(buckets: list[list[int]]) -> list[bool]:
-    """Which buckets the engine copies into a buffer: every multi-tensor bucket, and the last (the sentinel's)."""
-    return [len(bucket) > 1 or k == len(buckets) - 1 for k, bucket in enumerate(buckets)]
+    """Which buckets the engine copies into a buffer (``memory_model.owns_buffer``: several tensors, or the last)."""
+    return [owns_buffer(k, len(buckets), len(bucket)) for k, bucket in enumerate(buckets)]
 
 
 def _missing(model: StepModel) -> bool:
@@ -305,8 +305,7 @@ def _engine_buckets(params: Sequence[ParamTiming], bucket_size_mb: Optional[floa
     """The bucketed engines' own assignment; a profile's gradients share one dtype, so only the cap closes one."""
     if bucket_size_mb is not None and not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be > 0 MiB, got {bucket_size_mb!r}")
-    cap = None if bucket_size_mb is None else int(bucket_size_mb * MiB)
-    return assign_buckets([q.bytes for q in params], [None] * len(params), cap)
+    return assign_buckets([q.bytes for q in params], [None] * len(params), bucket_cap_bytes(bucket_size_mb))
 
 
 def simulate_bucketed_bf16(model: StepModel, bucket_size_mb: Optional[float] = 25.0) -> StepResult:
@@ -391,7 +390,7 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
                   Op("compute", "unpack own gradients", model.copy_ms(2 * segment))]
         fraction = segment / nbytes if nbytes else 1.0
         # parameters, gradients, the own segment's AdamW state, the buffer
-        memory = 2 * _bytes(model.profile.params) + ADAM_STATES * segment + buffer
+        memory = 2 * _bytes(model.profile.params) + ADAM_MOMENTS * segment + buffer
         after = [Op("compute", "pack own parameters", model.copy_ms(2 * segment)),
                  Op("collective", "all-gather parameters", nbytes=buffer, op="all_gather"),
                  Op("compute", "unpack parameters", model.copy_ms(buffer + nbytes))]
@@ -435,7 +434,7 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     fraction = padded_total / n / grad_bytes if grad_bytes else 1.0
     # parameters; gradient, AdamW and gathered-parameter shards; the gradients of a filling bucket (the largest, twice)
     largest = max((_bytes(params, b) for b in buckets), default=0)
-    memory = grad_bytes + (2 + ADAM_STATES) * (padded_total // n) + 2 * largest
+    memory = grad_bytes + (2 + ADAM_MOMENTS) * (padded_total // n) + 2 * largest
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch,
                             presence_flags=_missing(model), optimizer_fraction=fraction, after=after,
                             memory_bytes=memory)
@@ -463,67 +462,147 @@ def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], dict[s
     return root, blocks
 
 
-def _shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], n: int) -> int:
-    """Bytes of the padded buffer of ``indices``, each split on dim 0 across ``n`` ranks as ``fully_shard`` does."""
+def _largest_shard_bytes(params: Sequence[ParamTiming], indices: Sequence[int], shard_ranks: int) -> int:
+    """Bytes of rank 0's shard, the largest, of the parameters at ``indices``, each split on dim 0 over
+    ``shard_ranks`` ranks as ``fully_shard`` splits it (``memory_model.dim0_shard_numel``)."""
     total = 0
     for i in indices:
         q = params[i]
-        rows = q.shape[0] if q.shape else q.numel  # a tensor without a shape: split flat
+        shape = q.shape if q.shape is not None else (q.numel,)  # a tensor without a recorded shape: split flat
         element = q.bytes / q.numel if q.numel else 4.0
-        total += round(_padded(rows, n) * (q.numel // rows if rows else 0) * element)
+        total += round(dim0_shard_numel(shape, shard_ranks) * element)
     return total
+
+
+class _ShardedUnit(NamedTuple):
+    """One ``fully_shard`` unit of FSDP2's schedule: a transformer block, or the root group (every other parameter)."""
+
+    label: str  # its name (``blocks.3``, ``root``): its collectives' label
+    shard_bytes: int  # rank 0's shard (the largest) of its parameters; as much again of gradients, of each moment
+    collective_bytes: int  # its all-gather's and reduce-scatter's size: every rank's shard padded to rank 0's
+    unsharded_bytes: int  # its parameters whole, copied out of its all-gather; its gradients, into its reduce-scatter
+
+    @classmethod
+    def of(cls, params: Sequence[ParamTiming], label: str, indices: Sequence[int], shard_ranks: int) -> _ShardedUnit:
+        shard_bytes = _largest_shard_bytes(params, indices, shard_ranks)
+        return cls(label=label, shard_bytes=shard_bytes, collective_bytes=shard_ranks * shard_bytes,
+                   unsharded_bytes=_bytes(params, indices))
+
+
+class _BackwardTimes(NamedTuple):
+    """Where FSDP2's units fall in the profile's backward (ms of its backward work)."""
+
+    head_ms: float  # when the root's gradients that come before any block's are ready (the head's, the final norm's)
+    block_ready_ms: list[float]  # when each block's last gradient is ready, blocks in forward order
+    backward_order: list[int]  # the blocks in the order backward finishes them
+    block_backward_ms: dict[int, float]  # each block's own work: from the previous unit's ready time to its own
+    embedding_ms: float  # after the last block's: the rest of the root's (the embedding's)
+
+
+def _backward_times(profile: ComputeProfile, root: Sequence[int], blocks: Sequence[Sequence[int]]) -> _BackwardTimes:
+    """The ``_BackwardTimes`` of ``root`` and ``blocks`` (parameter indices); a block with no gradient at all is taken
+    to finish with backward."""
+    params, span = profile.params, profile.backward_span_ms
+    block_ready = [max((params[i].ready_ms for i in block if params[i].ready_ms is not None), default=span)
+                   for block in blocks]
+    order = sorted(range(len(blocks)), key=lambda k: block_ready[k])
+    first_block_ready = min(block_ready) if block_ready else None
+    head_ms = max((params[i].ready_ms for i in root if params[i].ready_ms is not None
+                   and (first_block_ready is None or params[i].ready_ms <= first_block_ready)), default=0.0)
+    previous_ready = head_ms
+    block_backward_ms = {}
+    for k in order:
+        block_backward_ms[k] = max(0.0, block_ready[k] - previous_ready)
+        previous_ready = block_ready[k]
+    return _BackwardTimes(head_ms=head_ms, block_ready_ms=block_ready, backward_order=order,
+                          block_backward_ms=block_backward_ms, embedding_ms=max(0.0, span - previous_ready))
+
+
+def _at(sequence: Sequence[int], position: int) -> Optional[int]:
+    """``sequence[position]``, or ``None`` past its end (the next block, if there is one)."""
+    return sequence[position] if position < len(sequence) else None
+
+
+class _FSDP2Schedule:
+    """FSDP2's operations, unit by unit: blocks by their index in forward order (``None``: past the last, nothing),
+    the root group (``None``: no parameter outside the blocks)."""
+
+    def __init__(self, model: StepModel, blocks: Sequence[_ShardedUnit], root: Optional[_ShardedUnit],
+                 times: _BackwardTimes) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.root = root
+        self.times = times
+
+    def all_gather(self, k: Optional[int]) -> list[Op]:
+        """Block ``k``'s parameters all-gathered (ahead of their use: the stream runs it while compute goes on)."""
+        return [] if k is None else [_shard_op(self.blocks[k].label, self.blocks[k].collective_bytes, "all_gather")]
+
+    def copy_out(self, k: Optional[int]) -> list[Op]:
+        """Block ``k``'s parameters copied out of its all-gather, once that has ended."""
+        if k is None:
+            return []
+        block = self.blocks[k]
+        return [_copy(self.model, f"copy out block {k}", block.unsharded_bytes, f"{block.label} [all-gather]")]
+
+    def forward(self) -> list[Op]:
+        """Each part as long as its backward times forward/backward: the root gathered and block 0 prefetched, the
+        embedding; each block computing while the next is gathered; the head; the first block of backward gathered."""
+        profile, times, root = self.model.profile, self.times, self.root
+        scale = profile.forward_ms / profile.backward_span_ms if profile.backward_span_ms > 0 else 0.0
+        forward_order = range(len(self.blocks))
+        ops = []
+        if root is not None:
+            ops.append(_shard_op(root.label, root.collective_bytes, "all_gather"))
+        ops += self.all_gather(_at(forward_order, 0))
+        if root is not None:
+            ops.append(_copy(self.model, "copy out root", root.unsharded_bytes, f"{root.label} [all-gather]"))
+        ops.append(Op("compute", "forward (embedding)", scale * times.embedding_ms, copy=False))
+        for k in forward_order:
+            ops += [*self.all_gather(_at(forward_order, k + 1)), *self.copy_out(k),
+                    Op("compute", f"forward block {k}", scale * times.block_backward_ms[k], copy=False)]
+        ops.append(Op("compute", "forward (head)", scale * times.head_ms, copy=False))
+        return ops + self.all_gather(_at(times.backward_order, 0))
+
+    def backward(self) -> tuple[list[Optional[float]], list[list[Op]]]:
+        """``(ready, launch)`` of ``_staged_schedule``: a bucket per unit, launched when its gradients are ready: the
+        head's (only the next blocks gathered and copied out), each block's (its gradients copied in and
+        reduce-scattered, the block after next gathered, the next one copied out), the root's after backward."""
+        order, root = self.times.backward_order, self.root
+        ready: list[Optional[float]] = [self.times.head_ms, *(self.times.block_ready_ms[k] for k in order)]
+        launch = [[*self.all_gather(_at(order, 1)), *self.copy_out(_at(order, 0))]]
+        for position, k in enumerate(order):
+            block = self.blocks[k]
+            launch.append([_copy(self.model, f"copy in gradients {k}", block.unsharded_bytes),
+                           _shard_op(block.label, block.collective_bytes, "reduce_scatter"),
+                           *self.all_gather(_at(order, position + 2)), *self.copy_out(_at(order, position + 1))])
+        if root is not None:  # launched after the embedding's backward
+            ready.append(None)
+            launch.append([_copy(self.model, "copy in root gradients", root.unsharded_bytes),
+                           _shard_op(root.label, root.collective_bytes, "reduce_scatter")])
+        return ready, launch
 
 
 def _fsdp2(model: StepModel) -> StepResult:
     """FSDP2: ``fully_shard`` on each transformer block and on the root, on the shared schedule: the forward's
     all-gathers one block ahead; in backward a bucket per block, in backward order (after the head's), each launch
-    copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last."""
-    p, n = model.profile, model.world_size
-    params = p.params
-    root, named = transformer_blocks(params)
-    labels, units = [*named, "root"], [*named.values(), root]  # the blocks, then the root
-    blocks = range(len(named))
-    span = p.backward_span_ms
-    # the backward work done when each block's last gradient is ready; blocks backward in reverse forward order
-    ends = [max((params[i].ready_ms for i in b if params[i].ready_ms is not None), default=span) for b in units[:-1]]
-    order = sorted(blocks, key=lambda k: ends[k])  # backward order
-    head_end = max((params[i].ready_ms for i in root if params[i].ready_ms is not None
-                    and (not ends or params[i].ready_ms <= min(ends))), default=0.0)
-    ready: list[Optional[float]] = [head_end, *(ends[k] for k in order)]  # each bucket's: the head's, then blocks'
-    backward_ms = {k: max(0.0, ready[j + 1] - ready[j]) for j, k in enumerate(order)}
-    tail_ms = max(0.0, span - ready[-1])  # the embedding's backward
-    scale = p.forward_ms / span if span > 0 else 0.0
-    gather = [_shard_bytes(params, unit, n) for unit in units]
-    moved = [_bytes(params, unit) for unit in units]
-
-    def advance(sequence: Sequence[int], j: int) -> list[Op]:
-        """Block ``sequence[j + 1]`` all-gathered (prefetched), then ``sequence[j]`` copied out: those that exist."""
-        gathered = [_shard_op(labels[k], gather[k], "all_gather") for k in sequence[j + 1:j + 2]]
-        return gathered + [_copy(model, f"copy out block {k}", moved[k], f"{labels[k]} [all-gather]")
-                           for k in sequence[j:j + 1]]
-
-    forward = [_shard_op("root", gather[-1], "all_gather")] if root else []
-    forward += [*advance(blocks, -1), _copy(model, "copy out root", moved[-1], "root [all-gather]" if root else ""),
-                Op("compute", "forward (embedding)", scale * tail_ms, copy=False)]
-    for k in blocks:
-        forward += [*advance(blocks, k), Op("compute", f"forward block {k}", scale * backward_ms[k], copy=False)]
-    forward += [Op("compute", "forward (head)", scale * head_end, copy=False), *advance(order, -1)]
-    launch = [advance(order, 0)]
-    for j, k in enumerate(order):
-        launch.append([_copy(model, f"copy in gradients {k}", moved[k]),
-                       _shard_op(labels[k], gather[k], "reduce_scatter"), *advance(order, j + 1)])
-    if root:  # launched after the embedding's backward
-        ready.append(None)
-        launch.append([_copy(model, "copy in root gradients", moved[-1]),
-                       _shard_op("root", gather[-1], "reduce_scatter")])
-    total = _bytes(params)
-    fraction = sum(gather) / n / total if total else 1.0
-    # parameter, gradient and AdamW shards; the root's and two blocks' parameters unsharded (the running one and the
-    # prefetched one) and one block's gradients
-    shard, largest = sum(gather) // n, sorted(moved[:-1], reverse=True)
-    memory = (2 + ADAM_STATES) * shard + moved[-1] + sum(largest[:2]) + sum(largest[:1])
+    copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last. Every unit
+    is sharded over the world."""
+    profile, shard_ranks = model.profile, model.world_size
+    root_indices, block_indices = transformer_blocks(profile.params)
+    blocks = [_ShardedUnit.of(profile.params, name, indices, shard_ranks) for name, indices in block_indices.items()]
+    root = _ShardedUnit.of(profile.params, "root", root_indices, shard_ranks)  # all 0 bytes without root parameters
+    times = _backward_times(profile, root_indices, list(block_indices.values()))
+    schedule = _FSDP2Schedule(model, blocks, root if root_indices else None, times)
+    ready, launch = schedule.backward()
+    shard_bytes = root.shard_bytes + sum(block.shard_bytes for block in blocks)  # rank 0's: the optimizer steps it
+    total_bytes = _bytes(profile.params)
+    unsharded = fully_sharded_unsharded_peak(root.unsharded_bytes, [block.unsharded_bytes for block in blocks])
+    # the shards of the parameters, the gradients and AdamW's moments, and what is unsharded at the peak
+    memory_bytes = (2 + ADAM_MOMENTS) * shard_bytes + unsharded.parameters + unsharded.gradients
     return _staged_schedule(model, None, ready, launch=launch, presence_flags=False,
-                            optimizer_fraction=fraction, forward=forward, memory_bytes=memory)
+                            optimizer_fraction=shard_bytes / total_bytes if total_bytes else 1.0,
+                            forward=schedule.forward(), memory_bytes=memory_bytes)
 
 
 def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
@@ -570,7 +649,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         label = _bucket_label(model, bucket, b)
         nbytes = _bytes(params, bucket)
         tensors_numel = sum(params[i].numel for i in bucket)
-        numel = tensors_numel + (1 if b == len(buckets) - 1 else 0)  # the last bucket's missing-gradient sentinel
+        numel = tensors_numel + sentinel_numel(b, len(buckets))  # the last bucket's missing-gradient sentinel
         g = nbytes / tensors_numel if tensors_numel else 4.0  # a bucket holds one dtype
         f = max(g, 4.0)  # M, E, P and Q: fp32 at least
         pack = Op("compute", f"pack bucket {b}", model.copy_ms(2 * nbytes) if buffered[b] else 0.0)

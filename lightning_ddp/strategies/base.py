@@ -168,8 +168,8 @@ class GradSyncStrategy(DataParallelStrategy):
         prediction = getattr(engine, "bucket_prediction", None)
         if prediction is not None:  # bucket_size_mb=auto: say on rank 0 which cap it chose
             rank_zero_info(
-                f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(engine.buckets)} buckets) from an "
-                f"all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
+                f"bucket_size_mb=auto: {prediction.bucket_size_mb:.3g} MiB ({len(engine.bucket_indices)} buckets) "
+                f"from an all-reduce fit of {prediction.overhead_s * 1e6:.0f} us per call and "
                 f"{prediction.bandwidth_Bps / 1e9:.2f} GB/s over {prediction.grad_bytes / 2**20:.1f} MiB of gradients"
             )
         if self._loaded_checkpoint is not None:  # the checkpoint was loaded before the engine existed

@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.comm import backend_from_spec, require_process_group
-
-MiB = 2**20
+from lightning_ddp.sync.memory_model import MiB
 
 DEFAULT_SIZES: tuple[int, ...] = tuple(4 * 1024 * 4**k for k in range(8))
 """Message sizes of the microbenchmark in bytes: 4 KiB, 16 KiB, ..., 64 MiB (eight sizes, x4 apart)."""

@@ -16,8 +16,9 @@ from torch import nn
 
 from lightning_ddp.sync.assignment import assign_buckets
 from lightning_ddp.sync.base import GradSyncEngine, agree_on_gradients, views
-from lightning_ddp.sync.bucket_model import MiB, BucketPrediction, predict_bucket_size
+from lightning_ddp.sync.bucket_model import BucketPrediction, predict_bucket_size
 from lightning_ddp.sync.comm import Communicator
+from lightning_ddp.sync.memory_model import bucket_cap_bytes, buffer_numel, owns_buffer, sentinel_numel
 
 
 def check_bucket_size(bucket_size_mb: float | str | None) -> None:
@@ -139,10 +140,11 @@ class BucketOrder:
 
 
 class _Bucket:
-    """Bucket ``b`` of ``count``: its parameters, its layout and, unless it is one tensor reduced in place in its
-    ``.grad``, its persistent flat buffer and views into it (the last bucket's ends in the sentinel)."""
+    """Bucket ``b`` of ``count``: its parameters, its layout and, where the memory model says it owns one
+    (``owns_buffer``: several tensors, or the last bucket), its persistent flat buffer and views into it; the last
+    bucket's buffer ends in the missing-gradient sentinel."""
 
-    __slots__ = ("indices", "params", "label", "layout", "buffer", "views")
+    __slots__ = ("indices", "params", "label", "layout", "has_sentinel", "buffer", "views")
 
     def __init__(self, b: int, count: int, indices: list[int], params: list[torch.Tensor], names: list[str]) -> None:
         self.indices = indices
@@ -151,12 +153,12 @@ class _Bucket:
         offsets = list(accumulate((param.numel() for param in params[:-1]), initial=0))
         # What the reduce step is told about the bucket (the sentinel is in no tensor).
         self.layout = BucketLayout(b, count, tuple(names), tuple(p.shape for p in params), tuple(offsets))
+        self.has_sentinel = sentinel_numel(b, count) > 0
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        sentinel = b == count - 1
-        if len(indices) > 1 or sentinel:
-            numel = sum(p.numel() for p in params)
-            self.buffer = torch.zeros(numel + int(sentinel), dtype=params[0].dtype, device=params[0].device)
+        if owns_buffer(b, count, len(indices)):
+            numel = buffer_numel(b, count, [param.numel() for param in params])
+            self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
             self.views = list(views(self.buffer, params))
 
 
@@ -179,9 +181,10 @@ class BucketEngine(GradSyncEngine):
             self.bucket_prediction = predict_bucket_size(self.params, process_group)
             bucket_size_mb = self.bucket_prediction.bucket_size_mb
         self.bucket_size_mb: float | None = bucket_size_mb
-        cap = None if self.bucket_size_mb is None else int(self.bucket_size_mb * MiB)
-        self.buckets = assign_buckets([p.nbytes for p in self.params], [p.dtype for p in self.params], cap)
-        self._order = BucketOrder(self.buckets, self.param_names)
+        cap = bucket_cap_bytes(self.bucket_size_mb)
+        self.bucket_indices = assign_buckets([p.nbytes for p in self.params], [p.dtype for p in self.params], cap)
+        """The indices (into ``params``) of each bucket's parameters, buckets in launch order."""
+        self._order = BucketOrder(self.bucket_indices, self.param_names)
 
     def _reset_step(self) -> None:
         self._order.reset()
@@ -219,9 +222,9 @@ class BucketedDDP(BucketEngine):
         super().__init__(module, bucket_size_mb, process_group)
         self.reduce = reduce if reduce is not None else self.reduce_class()
         self._buckets = [
-            _Bucket(b, len(self.buckets), indices, [self.params[i] for i in indices],
+            _Bucket(b, len(self.bucket_indices), indices, [self.params[i] for i in indices],
                     [self.param_names[i] for i in indices])
-            for b, indices in enumerate(self.buckets)
+            for b, indices in enumerate(self.bucket_indices)
         ]
         self._reset_step()
 
@@ -253,14 +256,13 @@ class BucketedDDP(BucketEngine):
                         view.zero_()
                     elif grad.data_ptr() != view.data_ptr():  # not accumulated in place into the view
                         view.copy_(grad)
-                if b == len(self._buckets) - 1:  # the sentinel: every earlier bucket launched, so this is known
+                if bucket.has_sentinel:  # the last bucket: every earlier one launched, so this is known
                     buffer[-1] = 1.0 if self._missing else 0.0
             tensor = buffer
         self._launched.append(self.reduce.launch(self.comm, tensor, bucket.label, bucket.layout))
 
     def _synchronize(self) -> None:
         self._launch_rest()
-        average = None
         for bucket, reduction in zip(self._buckets, self._launched):
             average = reduction.wait()
             if bucket.buffer is None:  # reduced in place: .grad already holds it, unless the rank had none
@@ -273,9 +275,18 @@ class BucketedDDP(BucketEngine):
                 for param, view in zip(bucket.params, bucket.views):
                     if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                         param.grad = view
-        if average is not None and average[-1].item() > 0:  # some rank had a missing gradient this step
+        if self._some_rank_missed_a_gradient():
             counts = agree_on_gradients(self.comm, self._has_grad, self.device)
             for param, count in zip(self.params, counts):
                 if count == 0:  # no rank had a gradient: .grad = None, as in one process (the optimizer skips it)
                     param.grad = None
         self._reset_step()
+
+    def _some_rank_missed_a_gradient(self) -> bool:
+        """The averaged sentinel (the last element of the last bucket, which owns a buffer), once every bucket has been
+        waited for: > 0 when some rank had no gradient for one of its parameters this step."""
+        if not self._buckets:
+            return False
+        last = self._buckets[-1].buffer
+        assert last is not None, "the memory model gives the last bucket a buffer, for its sentinel"
+        return last[-1].item() > 0

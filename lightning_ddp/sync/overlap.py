@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp.sync.bucketed import BucketedDDP
+from lightning_ddp.sync.memory_model import MiB
 
 
 class OverlapDDP(BucketedDDP):
@@ -15,4 +16,4 @@ class OverlapDDP(BucketedDDP):
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         # A cap of 1 byte puts every parameter alone in its bucket (a parameter larger than the cap gets its own).
-        super().__init__(module, bucket_size_mb=1 / 2**20, process_group=process_group)
+        super().__init__(module, bucket_size_mb=1 / MiB, process_group=process_group)

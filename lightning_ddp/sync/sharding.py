@@ -74,49 +74,76 @@ def layout(
     return list(by_dtype.items())
 
 
-def _exchange(
-    comm: Communicator, segments: list[list[torch.Tensor]], value: Callable[[torch.Tensor], torch.Tensor | None],
-    dtype: torch.dtype, impl: str, gather: bool, what: str, count: int,
-) -> list[torch.Tensor | None]:
-    """Exchange the parameters' ``value`` (e.g. the gradient) of one dtype between the ranks, flat per segment: with
-    ``gather`` each owner sends its segment to every rank (all-gather, or a broadcast per owner) and entry ``r`` of
-    the result is segment ``r``; otherwise every rank's copies are summed to their owner (reduce-scatter, or a reduce
-    per owner) and only this rank's entry, its segment's sum, is not ``None``. ``what`` and ``count``: the label."""
+def _flat_sizes(segments: list[list[torch.Tensor]]) -> list[int]:
+    """Elements of each rank's segment, flat."""
+    return [sum(p.numel() for p in owned) for owned in segments]
+
+
+def _reduce_to_owners(
+    comm: Communicator, segments: list[list[torch.Tensor]], dtype: torch.dtype, impl: str, label: str
+) -> torch.Tensor | None:
+    """Sum every rank's gradients of each segment onto the segment's owner, flat: one reduce-scatter (``native``,
+    segments padded to the largest) or a reduce per owner (``per_owner``). Returns this rank's segment's sum (empty
+    under ``native`` when it owns nothing of this dtype; ``None`` under ``per_owner``). ``label``: the collectives'."""
     world, rank = comm.world_size, comm.rank
     device = next(p.device for owned in segments for p in owned)
-    label = f"{what} {dtype} ({count} tensors)"
-    sizes = [sum(p.numel() for p in owned) for owned in segments]
-    results: list[torch.Tensor | None] = [None] * world
+    sizes = _flat_sizes(segments)
     if impl == "native":
         width = max(sizes)  # every segment padded to the largest: the collective needs equal chunks
-        send = torch.zeros(width if gather else world * width, dtype=dtype, device=device)
+        send = torch.zeros(world * width, dtype=dtype, device=device)
         with comm.span("pack"):
-            for r in [rank] if gather else range(world):
-                start = 0 if gather else r * width
-                pack([value(p) for p in segments[r]], segments[r], send[start : start + sizes[r]])
-        if gather:
-            gathered = torch.empty(world * width, dtype=dtype, device=device)
-            comm.wait(comm.all_gather(gathered, send, label))
-            return [gathered[r * width : r * width + sizes[r]] for r in range(world)]
+            for r, owned in enumerate(segments):
+                pack([p.grad for p in owned], owned, send[r * width : r * width + sizes[r]])
         received = torch.empty(width, dtype=dtype, device=device)
         comm.wait(comm.reduce_scatter(received, send, label))
-        results[rank] = received[: sizes[rank]]
-        return results
+        return received[: sizes[rank]]
     launched = []  # (owner, buffer, pending), in rank order
     for r, owned in enumerate(segments):
         if sizes[r] == 0:
             continue
         buffer = torch.empty(sizes[r], dtype=dtype, device=device)
-        if not gather or r == rank:
-            with comm.span("pack"):
-                pack([value(p) for p in owned], owned, buffer)
-        collective = comm.broadcast if gather else comm.reduce
-        launched.append((r, buffer, collective(buffer, r, f"{what} of rank {r} ({len(owned)} tensors)")))
+        with comm.span("pack"):
+            pack([p.grad for p in owned], owned, buffer)
+        launched.append((r, buffer, comm.reduce(buffer, r, f"gradients of rank {r} ({len(owned)} tensors)")))
+    mine = None
     for r, buffer, pending in launched:
         comm.wait(pending)
-        if gather or r == rank:  # a reduce: only the owner's copy holds the sum
-            results[r] = buffer
-    return results
+        if r == rank:  # only the owner's copy holds the sum
+            mine = buffer
+    return mine
+
+
+def _gather_from_owners(
+    comm: Communicator, segments: list[list[torch.Tensor]], dtype: torch.dtype, impl: str, label: str
+) -> list[torch.Tensor | None]:
+    """Send each owner's parameters of its segment to every rank, flat: one all-gather (``native``, segments padded
+    to the largest) or a broadcast per owner (``per_owner``). Entry ``r`` of the result is segment ``r`` (``None``
+    under ``per_owner`` where it is empty). ``label``: the collectives'."""
+    world, rank = comm.world_size, comm.rank
+    device = next(p.device for owned in segments for p in owned)
+    sizes = _flat_sizes(segments)
+    if impl == "native":
+        width = max(sizes)  # every segment padded to the largest: the collective needs equal chunks
+        send = torch.zeros(width, dtype=dtype, device=device)
+        with comm.span("pack"):
+            pack([p.detach() for p in segments[rank]], segments[rank], send[: sizes[rank]])
+        gathered = torch.empty(world * width, dtype=dtype, device=device)
+        comm.wait(comm.all_gather(gathered, send, label))
+        return [gathered[r * width : r * width + sizes[r]] for r in range(world)]
+    launched = []  # (owner, buffer, pending), in rank order
+    for r, owned in enumerate(segments):
+        if sizes[r] == 0:
+            continue
+        buffer = torch.empty(sizes[r], dtype=dtype, device=device)
+        if r == rank:  # the owner sends its own; the others receive into the buffer
+            with comm.span("pack"):
+                pack([p.detach() for p in owned], owned, buffer)
+        launched.append((r, buffer, comm.broadcast(buffer, r, f"parameters of rank {r} ({len(owned)} tensors)")))
+    received: list[torch.Tensor | None] = [None] * world
+    for r, buffer, pending in launched:
+        comm.wait(pending)
+        received[r] = buffer
+    return received
 
 
 def reduce_scatter_gradients(
@@ -129,7 +156,7 @@ def reduce_scatter_gradients(
     counts = agree_on_gradients(comm, [params[i].grad is not None for i in trainable], params[trainable[0]].device)
     present = [i for i, count in zip(trainable, counts) if count > 0]
     for dtype, segments in layout(present, params, owners, comm.world_size):
-        mine = _exchange(comm, segments, lambda p: p.grad, dtype, impl, False, "gradients", len(present))[comm.rank]
+        mine = _reduce_to_owners(comm, segments, dtype, impl, f"gradients {dtype} ({len(present)} tensors)")
         if mine is not None:
             with comm.span("pack"):
                 mine.div_(comm.world_size)  # sum -> average (gloo has no AVG)
@@ -141,7 +168,7 @@ def share_parameters(
 ) -> None:
     """Send every trainable parameter from its owner to the other ranks (broadcasts, or one all-gather)."""
     for dtype, segments in layout(trainable, params, owners, comm.world_size):
-        received = _exchange(comm, segments, torch.Tensor.detach, dtype, impl, True, "parameters", len(trainable))
+        received = _gather_from_owners(comm, segments, dtype, impl, f"parameters {dtype} ({len(trainable)} tensors)")
         with comm.span("pack"):
             for r, (flat, owned) in enumerate(zip(received, segments)):
                 if r != comm.rank and flat is not None:  # this rank's own are up to date: it computed them

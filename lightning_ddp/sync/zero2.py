@@ -16,6 +16,7 @@ from torch import nn
 from lightning_ddp.sync.assignment import assign_owners
 from lightning_ddp.sync.base import check_number, pack, views
 from lightning_ddp.sync.bucketed import BucketEngine
+from lightning_ddp.sync.memory_model import ZERO2_BUCKETS_IN_FLIGHT
 from lightning_ddp.sync.sharding import COLLECTIVE_IMPLS, CollectiveImpl, check_choice, resolve_collectives
 
 MAX_PADDING = 0.125
@@ -84,7 +85,7 @@ class ZeRO2DDP(BucketEngine):
         bucket_size_mb: float | Literal["auto"] | None = 25.0,
         process_group: dist.ProcessGroup | None = None,
         collectives: CollectiveImpl = "auto",
-        buckets_in_flight: int = 2,
+        buckets_in_flight: int = ZERO2_BUCKETS_IN_FLIGHT,
     ) -> None:
         self.check_settings(collectives=collectives, buckets_in_flight=buckets_in_flight)
         super().__init__(module, bucket_size_mb, process_group)
@@ -97,7 +98,8 @@ class ZeRO2DDP(BucketEngine):
         """The owner rank of each trainable parameter (``params`` order)."""
         self._owner_by_id = {id(p): owner for p, owner in zip(self.params, self.owners)}
         numels = [p.numel() for p in self.params]
-        self._plans = [plan_bucket(b, numels, self.owners, world, self.collectives == "native") for b in self.buckets]
+        native = self.collectives == "native"
+        self._plans = [plan_bucket(indices, numels, self.owners, world, native) for indices in self.bucket_indices]
         # The shard's layout: per dtype, this rank's owned gradients, bucket by bucket (each segment contiguous).
         self._shard_numel: dict[torch.dtype, int] = {}
         for plan in self._plans:
@@ -107,7 +109,7 @@ class ZeRO2DDP(BucketEngine):
         self._reset_step()
 
     @staticmethod
-    def check_settings(collectives: str = "auto", buckets_in_flight: int = 2) -> None:
+    def check_settings(collectives: str = "auto", buckets_in_flight: int = ZERO2_BUCKETS_IN_FLIGHT) -> None:
         """Refuse bad settings when the config is read (the strategy calls this)."""
         check_choice("collectives", collectives, COLLECTIVE_IMPLS)
         check_number("buckets_in_flight", buckets_in_flight, 1, "set e.g. `buckets_in_flight: 2`")

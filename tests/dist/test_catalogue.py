@@ -400,7 +400,7 @@ def _fit_with_engine_settings_from_yaml(rank: int, world_size: int) -> dict:
                          callbacks=[Spy()])
     trainer.fit(tiny_lm_module(), DataLoader(data, batch_size=4))
     (engine,) = engines
-    return {"engine": type(engine).__name__, "pieces": engine.reduce.pieces, "buckets": len(engine.buckets)}
+    return {"engine": type(engine).__name__, "pieces": engine.reduce.pieces, "buckets": len(engine.bucket_indices)}
 
 
 @pytest.mark.multiprocess

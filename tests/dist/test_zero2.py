@@ -203,7 +203,7 @@ def _memory_run(rank: int, world_size: int) -> dict:
         "param_bytes": sum(p.nbytes for p in engine.params),
         "largest_param": max(p.nbytes for p in engine.params),
         "peak": peak,
-        "buckets": len(engine.buckets),
+        "buckets": len(engine.bucket_indices),
         "exposed_spans": len(record.exposed),
     }
 

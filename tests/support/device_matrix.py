@@ -96,7 +96,8 @@ def completion_clocks(rank: int, world_size: int, device: str = "cuda") -> dict:
 
     from lightning_ddp.sync import BucketedDDP, Recorder
     from lightning_ddp.sync.comm import backend_for
-    from tests.support.equivalence import MiB, SEVERAL_BUCKETS_CAP, TinyLM, VOCAB
+    from lightning_ddp.sync.memory_model import MiB
+    from tests.support.equivalence import SEVERAL_BUCKETS_CAP, TinyLM, VOCAB
 
     where = torch.device(device)
     if where.type == "cuda" and where.index is None:

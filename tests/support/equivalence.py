@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer
 from lightning_ddp.catalogue import get as get_algorithm
+from lightning_ddp.sync.memory_model import MiB
 from lightning_ddp.sync.zero2 import ZeRO2DDP
 
 WORLD_SIZE = 2  # the CPU suite's layout; run_jobs takes any world size that divides GLOBAL_BATCH
@@ -44,7 +45,6 @@ GLOBAL_BATCH = 8  # 4 samples per rank on 2 ranks
 PER_RANK = GLOBAL_BATCH // WORLD_SIZE
 MODEL_SEED = 1000  # rank r builds its model from MODEL_SEED + r; the reference from MODEL_SEED (rank 0's)
 LR, WEIGHT_DECAY = 1e-2, 0.1
-MiB = 2**20
 FLAGS = "gradient presence flags"
 
 # Tolerances. fp32: the only difference from the reference is the association of the batch sums (local means
@@ -387,7 +387,7 @@ def _train_ddp(rank: int, world_size: int, engine: str, case: Case, device: torc
         final=_state(model),
         steps=steps,
         trainable=[(n, p.numel() * p.element_size(), p.dtype) for n, p in _trainable(model)],
-        buckets=[list(b) for b in ddp.buckets] if isinstance(ddp, BucketedDDP) else None,
+        buckets=[list(b) for b in ddp.bucket_indices] if isinstance(ddp, BucketedDDP) else None,
         still_tied=(model.head.weight is model.embed.weight) if isinstance(model, TinyLM) else None,
         owned=[n for n, p in _trainable(model) if optimizer.owner(p) == rank] if zero2 else None,
     )

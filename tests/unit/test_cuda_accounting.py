@@ -406,7 +406,7 @@ def test_gradients_are_divided_before_they_are_sent(world_of_one, monkeypatch, a
             assert param.grad is None, name  # no rank had one: presence flags (also pretend-summed) say so
         else:
             torch.testing.assert_close(param.grad, local[name], msg=lambda m: f"{name}: {m}")
-    if hasattr(engine, "buckets"):  # the last bucket's sentinel, 1 (this rank misses the unused layer) pre-scaled
+    if hasattr(engine, "bucket_indices"):  # the last bucket's sentinel, 1 (this rank misses the unused layer) pre-scaled
         assert sent[-2][-1].item() == 0.5 and sent[-1].dtype == torch.int32  # ... so the presence flags follow it
         sent[-2] = sent[-2][:-1]
     sent_gradients = torch.cat([t.reshape(-1).float() for t in sent if t.dtype != torch.int32])
@@ -430,7 +430,7 @@ def test_bucketed_reads_the_presence_flags_after_every_bucket(world_of_one) -> N
     engine = catalogue.get("bucketed_ddp").make_engine(model, bucket_size_mb=100 / 2**20)  # several buckets
     record = _recorded_step(engine)
     *buckets, flags = record.collectives
-    assert flags.label == "gradient presence flags" and len(buckets) == len(engine.buckets) > 2
+    assert flags.label == "gradient presence flags" and len(buckets) == len(engine.bucket_indices) > 2
     # issued after every bucket, waited for after every bucket's wait ended: it never holds up an unpack
     assert all(flags.launched >= c.launched and flags.wait[0] >= c.wait[1] for c in buckets)
     assert model.unused.weight.grad is None  # unpacked (as zeros) first, then reset from the flags

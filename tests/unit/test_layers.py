@@ -75,10 +75,11 @@ def test_the_core_imports_and_trains_without_lightning() -> None:
 def test_pure_modules_import_without_torch() -> None:
     # The accounting, the interval arithmetic, the catalogue and the range names are plain Python: the sweep and
     # the analysis read them without paying for torch. So are the shared helpers: the atomic file write, the
-    # GPT's shapes (the projection and the memory pre-flight) and the free port (the sweep's parent process).
+    # GPT's shapes (the projection and the memory pre-flight), the memory model (the engines', the pre-flight's and
+    # the projection's buffers and shards) and the free port (the sweep's parent process).
     _run_without({"torch", "lightning", "lightning_fabric"}, """
         import lightning_ddp, lightning_ddp.intervals, lightning_ddp.metrics.accounting, lightning_ddp.sync.assignment
-        import lightning_ddp.files, lightning_ddp.local_group, lightning_ddp.memory
+        import lightning_ddp.files, lightning_ddp.local_group, lightning_ddp.memory, lightning_ddp.sync.memory_model
         from lightning_ddp import catalogue
         from lightning_ddp.sync import ranges
         assert "bucketed_ddp" in catalogue.STRATEGIES and ranges.GRAD_SYNC

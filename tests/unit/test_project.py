@@ -27,9 +27,9 @@ from lightning_ddp.projection.simulators import assign_buckets, assign_owners, d
 from lightning_ddp.projection.config import ComputeConfig, NetworkConfig, ProjectionConfig, StudyConfig
 from lightning_ddp.projection.run import COLUMNS, project, result_row
 from lightning_ddp.projection.simulators import best_by_world_size
+from lightning_ddp.sync.memory_model import MiB
 
 REPO = Path(__file__).resolve().parents[2]
-MiB = 2**20
 FLAGS_MS = 1 + 12 / MiB  # the presence-flags all-reduce: 3 int32 flags = 12 bytes -> 1 ms + 12 B at 1 ms/MiB
 
 
