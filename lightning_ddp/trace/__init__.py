@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from lightning_ddp.intervals import Interval, intersect, merge, subtract, total
-from lightning_ddp.metrics.recording import TRACE_SUFFIX, assign_lanes
+from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, assign_lanes
 from lightning_ddp.run_folders import run_folder
 from lightning_ddp.sync import ranges
 
