@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Sequence
 
 import torch.distributed as dist
 
+from lightning_ddp import compat
 from lightning_ddp.metrics.accounting import busy_intervals
 from lightning_ddp.sync.record import Recorder
 from lightning_ddp.sync.recording_group import record_process_groups, stop_recording_process_groups
@@ -67,13 +68,14 @@ def strategy_label(strategy: Any) -> str:
         return name
     from lightning.pytorch.strategies import StrategyRegistry
 
-    def has(key: str, value: Any) -> bool:
-        return getattr(strategy, f"_{key}", getattr(strategy, key, object())) == value
+    def has_settings(entry: dict[str, Any]) -> bool:
+        settings = entry["init_params"].items()
+        return entry["strategy"] is type(strategy) and all(compat.strategy_setting(strategy, name) == value
+                                                           for name, value in settings)
 
     # The most specific entry the instance matches; among equals the shortest name (``ddp`` before its aliases).
     matches = [(len(entry["init_params"]), -len(registered), registered)
-               for registered, entry in StrategyRegistry.items()
-               if entry["strategy"] is type(strategy) and all(has(k, v) for k, v in entry["init_params"].items())]
+               for registered, entry in StrategyRegistry.items() if has_settings(entry)]
     return max(matches)[2] if matches else type(strategy).__name__
 
 

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_ddp import compat
 from lightning_ddp.bench.launch import RankLayout, error_line, fit_command, is_oom, rank_environments, run_processes
 from lightning_ddp.bench.study import read_timing_summary
 from lightning_ddp.files import write_json_atomically
@@ -322,7 +323,7 @@ def environment(out: str, device: str = "cuda") -> int:
         gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
         nvidia_driver=_or_none(lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20,
                                                       check=True).stdout.split()[0]),
-        cuda_driver_api=_or_none(lambda: torch._C._cuda_getDriverVersion()), cudnn=torch.backends.cudnn.version(),
+        cuda_driver_api=_or_none(compat.cuda_driver_version), cudnn=torch.backends.cudnn.version(),
         nccl=_or_none(lambda: ".".join(map(str, torch.cuda.nccl.version()))),  # (2, 21, 5) -> 2.21.5
         torch_cuda=torch.version.cuda, jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
         memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
