@@ -25,7 +25,7 @@ from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.projection.tables import markdown_table
 
-BASELINE = catalogue.DEFAULT_ENGINE
+FP32_BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
 
 
@@ -112,7 +112,7 @@ def _run_numbers(log_dir: Path) -> dict[str, Any]:
 
 def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, fp32's run then each variant's: ``runs[seed][name]`` and the fit arguments by cell name."""
-    runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
+    runs_of = [(FP32_BASELINE, FP32_BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
     cells = {f"{name}, seed {seed}": [
         *fit_arguments_of(args, strategy_argument(algorithm, None, args.bucket_size_mb, settings)),
         "--seed_everything", str(seed), "--timer.every_n_steps", "1", *NO_VALIDATION,
@@ -183,11 +183,11 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
                 **{key: statistics.median(runs[seed][name][key] for seed in seeds)
                    for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")}}
 
-    fp32_last = {seed: last_mean(seed, BASELINE) for seed in seeds}
-    fp32 = {**numbers(BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
-    out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": BASELINE, "fp32": fp32, "variants": {}}
+    fp32_last = {seed: last_mean(seed, FP32_BASELINE) for seed in seeds}
+    fp32 = {**numbers(FP32_BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
+    out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": FP32_BASELINE, "fp32": fp32, "variants": {}}
     for name in variants:
-        gaps = [np.array(runs[seed][name]["loss"]) - np.array(runs[seed][BASELINE]["loss"]) for seed in seeds]
+        gaps = [np.array(runs[seed][name]["loss"]) - np.array(runs[seed][FP32_BASELINE]["loss"]) for seed in seeds]
         differences = [gap[-last:] for gap in gaps]
         draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=np.nanmean)
         lo, hi = percentile_interval(draws)
@@ -221,7 +221,7 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     errors, names = result["gradient_errors"], list(result["variants"])
     fig = Figure(figsize=(12, 4.2), layout="constrained")
     ax_loss, ax_err = fig.subplots(1, 2)
-    colors = {name: f"C{k}" for k, name in enumerate([BASELINE, *names])}
+    colors = {name: f"C{k}" for k, name in enumerate([FP32_BASELINE, *names])}
     for seed, by_name in runs.items():
         for name, run in by_name.items():
             label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
@@ -246,7 +246,7 @@ def _markdown(result: dict[str, Any]) -> str:
     names = list(result["variants"])
     seeds = [str(seed) for seed in s["seeds"]]
     per_seed = [Column("seed", lambda seed: seed),
-                Column(f"fp32 (`{BASELINE}`)", lambda seed: f"{fp32['loss_last_mean'][seed]:.3f}"),
+                Column(f"fp32 (`{FP32_BASELINE}`)", lambda seed: f"{fp32['loss_last_mean'][seed]:.3f}"),
                 *(Column(f"`{n}` (- fp32)", lambda seed, v=variants[n]:
                          f"{v['loss_last_mean'][seed]:.3f} ({v['minus_fp32'][seed]:+.3f})") for n in names)]
     rows = [{"variant": f"`{n}`", "spread": fp32["seed_spread"], **variants[n]} for n in names]

@@ -26,7 +26,7 @@ def has_bucket_axis(variant: str) -> bool:
     return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
 
 
-BASELINE = "ddp"
+DDP_BASELINE = "ddp"
 """Lightning's DDP, always in the grid: the yardstick of the first performance goal."""
 
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -58,7 +58,7 @@ class GridConfig:
     that have a bucket size, e.g. ``bucketed_ddp``)."""
 
     strategies: list[str] = field(default_factory=lambda: [
-        *(entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact), BASELINE])
+        *(entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact), DDP_BASELINE])
     """Strategies to compare (catalogue names); ``ddp`` and the one-process ``reference`` are always added."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""
@@ -300,8 +300,8 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     bucket sizes and its ``grid.engine_settings`` combinations."""
     grid = config.grid
     listed = [s for s in grid.strategies if s != REFERENCE]
-    if BASELINE not in listed:
-        listed.append(BASELINE)
+    if DDP_BASELINE not in listed:
+        listed.append(DDP_BASELINE)
     # the sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
     # report options); json.dumps sorts every dict's keys, so the hash does not depend on their order
     measured = ("accelerator", "devices", "backend", "warmup_steps", "steps", "threads_per_rank", "env")

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from lightning_ddp import catalogue, files
-from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
+from lightning_ddp.bench.config import DDP_BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
     Bootstrapper, Estimate, geometric_mean_draws, interval_text, pooled_median, pooled_percentile,
 )
@@ -80,9 +80,21 @@ class Measured:
     def estimate(self, column: int) -> Estimate:
         return Estimate.of(self.point[column], self.draws[:, column])
 
-    def ratio(self, other: Measured, column: int) -> tuple[float, np.ndarray]:
-        """This over ``other`` in ``column``: the point and the draws (paired by their resampled steps)."""
-        return self.point[column] / other.point[column], self.draws[:, column] / other.draws[:, column]
+    def ratio(self, other: Measured, column: int) -> Ratio:
+        """This over ``other`` in ``column``, draw by draw (paired by their resampled steps)."""
+        return Ratio(self.point[column] / other.point[column], self.draws[:, column] / other.draws[:, column])
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A goal's ratio of pooled medians: the ``point`` and one value per bootstrap draw (its 95 % interval)."""
+
+    point: float
+    draws: np.ndarray = field(repr=False, compare=False)
+
+    @property
+    def estimate(self) -> Estimate:
+        return Estimate.of(self.point, self.draws)
 
 
 @dataclass
@@ -248,8 +260,14 @@ def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[st
 
 Group = tuple[str, int, int]
 
+FASTER_THAN_DDP_TARGET = 1.0
+"""Goal 1: an algorithm at its best bucket size takes no longer a step than torch DDP."""
 ACROSS_GROUPS_TARGET = 0.95
-"""Target of the geometric mean over groups of (best / ddp) step time: 5 % faster than torch DDP."""
+"""Goal 1 across groups: the geometric mean over groups of (best / ddp) step time, 5 % faster than torch DDP."""
+HIDDEN_SHARE_TARGET = 1 / 3
+"""Goal 2: overlapping leaves at most a third of naive's exposed communication share."""
+NEAR_THE_FLOOR_TARGET = 1.10
+"""Goal 3: the best bucketed step within 10 % of its floor, max(the one-process step, the busy communication)."""
 
 NOT_MEASURABLE = "not measurable"
 
@@ -262,7 +280,7 @@ def variant_of(row: Row) -> str:
 
 def strategy_order(names: Iterable[str]) -> list[str]:
     """``names`` deduplicated, in report order: the reference, the catalogue's, ``ddp``, unknown ones; else as seen."""
-    known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
+    known = [REFERENCE, *[s for s in catalogue.names() if s != DDP_BASELINE], DDP_BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
     return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
@@ -302,23 +320,28 @@ class Selection:
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """One goal (in words) on one group, or goal 1 of one ``algorithm`` across ``groups`` groups (``group`` empty):
-    the ratio ``point`` and its ``draws`` (None: not measurable) against ``target``; ``in_sample``: inconclusive."""
+    """One goal on one group, or goal 1 of one ``algorithm`` across groups: its ratio against ``target``."""
 
     group: Group | tuple[()]
+    """``(precision, batch, context)``; empty for goal 1 across groups."""
     goal: str
+    """The goal in words, e.g. ``1. bucketed_ddp (best) step time / ddp step time``."""
     target: float
     note: str = ""
-    point: float | None = None
-    draws: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """What the ratio was measured on (the best size and its repeats), or why it could not be."""
+    ratio: Ratio | None = None
+    """``None``: not measurable (a needed cell has no ok repeat)."""
     in_sample: bool = False
+    """The best bucket size had no evaluation repeat: the verdict is inconclusive."""
     algorithm: str = ""
+    """The algorithm of goal 1 and 3; empty for goal 2."""
     groups: int = 1
+    """How many groups the ratio is over (goal 1 across groups: the measurable ones)."""
 
     @property
     def estimate(self) -> Estimate | None:
         """The ratio and its 95 % interval; ``None`` when not measurable."""
-        return None if self.draws is None else Estimate.of(self.point, self.draws)
+        return None if self.ratio is None else self.ratio.estimate
 
     @property
     def verdict(self) -> str:
@@ -364,62 +387,85 @@ class Analysis:
             value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
             return value if math.isfinite(value) else math.inf
 
-        with_selection = [(row, evens) for row, ok in candidates if (evens := [k for k in ok if k % 2 == 0])]
+        with_selection = []  # (row, its even repeats): the candidates that can be chosen out of sample
+        for row, ok in candidates:
+            evens = [k for k in ok if k % 2 == 0]
+            if evens:
+                with_selection.append((row, evens))
         # every even repeat failed: nothing to choose on out of sample; of equal medians, min keeps the first row
-        row, chosen_on = min(with_selection or candidates, key=lambda c: median_on(*c))
+        row, chosen_on = min(with_selection or candidates, key=lambda candidate: median_on(*candidate))
         evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
         evaluated = self.data[row["cell_id"]].measured(self.bootstrap, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
-        return Selection(row, tuple(chosen_on), median_on(row, chosen_on), evaluated, not evaluation, len(candidates))
+        return Selection(row=row, selection_repeats=tuple(chosen_on), selection_step_ms=median_on(row, chosen_on),
+                         evaluated=evaluated, in_sample=not evaluation, candidates=len(candidates))
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
         """Goal 1 for bucketed and every other algorithm with buckets, goal 2 twice, goal 3 (docs/benchmarks.md)."""
-        # The goals' strategies, by what they keep: per-tensor blocking, per-tensor overlapping, and buckets.
-        naive_name, overlap_name = strategy_with_memory_model("none"), strategy_with_memory_model("per_tensor")
+        cells: dict[str, Row] = {}  # each variant's first row
+        for row in rows:
+            cells.setdefault(variant_of(row), row)
         bucketed = catalogue.DEFAULT_ENGINE
-        naive, overlap, ddp, reference = (next((r for r in rows if variant_of(r) == s), None)
-                                          for s in (naive_name, overlap_name, BASELINE, REFERENCE))
-        m_naive, m_overlap, m_ddp, m_reference = map(self.measured, (naive, overlap, ddp, reference))
-        checks = []
-        for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]:
-            goal = f"1. {algorithm} (best) step time / ddp step time"
-            selection = self.selections.get((group, algorithm))
-            if selection is not None and m_ddp is not None:
-                checks.append(GoalCheck(group, goal, 1.0, _selection_note(selection),
-                                        *selection.evaluated.ratio(m_ddp, STEP), selection.in_sample, algorithm))
-            else:
-                note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
-                checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
-
+        checks = [self._faster_than_ddp(group, algorithm, cells.get(DDP_BASELINE))
+                  for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]]
+        # goal 2's strategies, by what they keep: per-tensor blocking against per-tensor overlapping and buckets
+        naive = strategy_with_memory_model("none")
+        overlap = strategy_with_memory_model("per_tensor")
         best = self.selections.get((group, bucketed))
-        for name, measured in ((overlap_name, m_overlap), (f"{bucketed} (best)", best and best.evaluated)):
-            goal = f"2. {name} comm share / {naive_name} comm share"
-            of_best = name != overlap_name
-            if m_naive is None or not m_naive.point[SHARE] > 0:
-                note = _missing(naive, naive_name) if m_naive is None else f"{naive_name} comm share is 0 or missing"
-                checks.append(GoalCheck(group, goal, 1 / 3, note=note))
-            elif measured is None or not math.isfinite(measured.point[SHARE]):
-                note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
-                checks.append(GoalCheck(group, goal, 1 / 3, note=note))
-            else:
-                note = _selection_note(best) if of_best and best else ""
-                checks.append(GoalCheck(group, goal, 1 / 3, note, *measured.ratio(m_naive, SHARE),
-                                        of_best and best is not None and best.in_sample))
-
-        goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
-        if best is not None and m_reference is not None:
-            top = best.evaluated
-            busy_point = top.point[BUSY] if math.isfinite(top.point[BUSY]) else 0.0
-            floor_point = max(float(m_reference.point[STEP]), float(busy_point))
-            floor_draws = np.fmax(m_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
-            bound = "compute" if m_reference.point[STEP] >= busy_point else "communication"
-            note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
-            checks.append(GoalCheck(group, goal, 1.10, note, top.point[STEP] / floor_point,
-                                    top.draws[:, STEP] / floor_draws, best.in_sample, bucketed))
-        else:
-            note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
-            checks.append(GoalCheck(group, goal, 1.10, note=note))
+        checks.append(self._share_hidden(group, cells.get(naive), overlap, self.measured(cells.get(overlap)),
+                                         _missing(cells.get(overlap), overlap), selection=None))
+        checks.append(self._share_hidden(group, cells.get(naive), f"{bucketed} (best)", best and best.evaluated,
+                                         f"no ok {bucketed} cell", selection=best))
+        checks.append(self._near_the_floor(group, bucketed, cells.get(REFERENCE)))
         return checks
+
+    def _faster_than_ddp(self, group: Group, algorithm: str, ddp: Row | None) -> GoalCheck:
+        """Goal 1: ``algorithm`` at its best bucket size (evaluation repeats) over ``ddp``'s step time."""
+        goal = f"1. {algorithm} (best) step time / ddp step time"
+        selection = self.selections.get((group, algorithm))
+        measured_ddp = self.measured(ddp)
+        if selection is None or measured_ddp is None:
+            note = f"no ok {algorithm} cell" if selection is None else _missing(ddp, "ddp")
+            return GoalCheck(group=group, goal=goal, target=FASTER_THAN_DDP_TARGET, note=note, algorithm=algorithm)
+        return GoalCheck(group=group, goal=goal, target=FASTER_THAN_DDP_TARGET, note=_selection_note(selection),
+                         ratio=selection.evaluated.ratio(measured_ddp, STEP), in_sample=selection.in_sample,
+                         algorithm=algorithm)
+
+    def _share_hidden(self, group: Group, naive: Row | None, name: str, measured: Measured | None, missing: str,
+                      selection: Selection | None) -> GoalCheck:
+        """Goal 2: ``name``'s exposed communication share (``measured``; ``missing`` says why there is none) over
+        naive's; ``selection``: the best bucket size it is measured at."""
+        naive_name = strategy_with_memory_model("none")
+        goal = f"2. {name} comm share / {naive_name} comm share"
+        measured_naive = self.measured(naive)
+        if measured_naive is None or not measured_naive.point[SHARE] > 0:
+            note = _missing(naive, naive_name) if measured_naive is None else f"{naive_name} comm share is 0 or missing"
+            return GoalCheck(group=group, goal=goal, target=HIDDEN_SHARE_TARGET, note=note)
+        if measured is None or not math.isfinite(measured.point[SHARE]):
+            return GoalCheck(group=group, goal=goal, target=HIDDEN_SHARE_TARGET, note=missing)
+        return GoalCheck(group=group, goal=goal, target=HIDDEN_SHARE_TARGET,
+                         note=_selection_note(selection) if selection else "",
+                         ratio=measured.ratio(measured_naive, SHARE),
+                         in_sample=selection is not None and selection.in_sample)
+
+    def _near_the_floor(self, group: Group, bucketed: str, reference: Row | None) -> GoalCheck:
+        """Goal 3: ``bucketed``'s best step over its floor, the slower of the one-process ``reference`` step (the
+        compute) and its own busy communication (the wire)."""
+        goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
+        best = self.selections.get((group, bucketed))
+        measured_reference = self.measured(reference)
+        if best is None or measured_reference is None:
+            note = f"no ok {bucketed} cell" if best is None else _missing(reference, REFERENCE)
+            return GoalCheck(group=group, goal=goal, target=NEAR_THE_FLOOR_TARGET, note=note)
+        top = best.evaluated
+        busy_point = top.point[BUSY] if math.isfinite(top.point[BUSY]) else 0.0
+        floor_point = max(float(measured_reference.point[STEP]), float(busy_point))
+        floor_draws = np.fmax(measured_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
+        bound = "compute" if measured_reference.point[STEP] >= busy_point else "communication"
+        ratio = Ratio(top.point[STEP] / floor_point, top.draws[:, STEP] / floor_draws)
+        return GoalCheck(group=group, goal=goal, target=NEAR_THE_FLOOR_TARGET,
+                         note=f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})", ratio=ratio,
+                         in_sample=best.in_sample, algorithm=bucketed)
 
     def _across(self, algorithm: str) -> GoalCheck:
         """Goal 1 of ``algorithm`` over every group: the geometric mean of (best / ddp); ``note``: verdict counts."""
@@ -427,14 +473,17 @@ class Analysis:
         counts = " / ".join(str(count) for count in _verdict_counts(checks).values())
         note = f"groups <= 1.00 met / missed / inconclusive / not measurable: {counts}"
         goal = f"1. {algorithm} (best) / ddp step time, geometric mean over groups"
-        measurable = [c for c in checks if c.draws is not None]
-        if not measurable:
-            return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
-        point = np.exp(np.mean(np.log([c.point for c in measurable])))
-        in_sample = any(c.in_sample for c in measurable)
-        return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note + ("; some best size in-sample" if in_sample else ""),
-                         point, geometric_mean_draws([c.draws for c in measurable]), in_sample, algorithm,
-                         len(measurable))
+        ratios = [c.ratio for c in checks if c.ratio is not None]
+        if not ratios:
+            return GoalCheck(group=(), goal=goal, target=ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm,
+                             groups=0)
+        in_sample = any(c.in_sample for c in checks if c.ratio is not None)
+        if in_sample:
+            note += "; some best size in-sample"
+        geometric_mean = Ratio(np.exp(np.mean(np.log([r.point for r in ratios]))),
+                               geometric_mean_draws([r.draws for r in ratios]))
+        return GoalCheck(group=(), goal=goal, target=ACROSS_GROUPS_TARGET, note=note, ratio=geometric_mean,
+                         in_sample=in_sample, algorithm=algorithm, groups=len(ratios))
 
 
 # ---- results.md ---------------------------------------------------------------------------------------
@@ -462,7 +511,7 @@ def _missing(row: Row | None, name: str) -> str:
 
 _STRATEGY_TITLES = {
     REFERENCE: "reference (1 process, no communication)",
-    BASELINE: "ddp (Lightning / torch DDP)",
+    DDP_BASELINE: "ddp (Lightning / torch DDP)",
 }
 
 
