@@ -95,8 +95,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
             if path.exists():
                 data = json.loads(path.read_text())
                 summary = read_timing_summary(path.parent) if data["status"] == "ok" else None
-                finished[spec.name] = FitResult(spec.name, data["status"], data.get("error", ""),
-                                                data.get("seconds", 0.0), path.parent, summary)
+                finished[spec.name] = FitResult(name=spec.name, status=data["status"], error=data.get("error", ""),
+                                                seconds=data.get("seconds", 0.0), log_dir=path.parent, summary=summary)
         results.update(finished)
         missing = [s for s in pending if s.name not in results]
         if not missing:
@@ -108,8 +108,11 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         # none started, the start-up that failed: either way it gets the error.
         results[missing[0].name] = _lost(missing[0].name, out_dir, outcome, logs, remaining)
         pending = missing[1:]
-    return [results.get(s.name) or FitResult(s.name, "not run", "no time was left to start it", 0.0, out_dir / s.name)
-            for s in specs]
+    for spec in specs:
+        if spec.name not in results:
+            results[spec.name] = FitResult(name=spec.name, status="not run", error="no time was left to start it",
+                                           log_dir=out_dir / spec.name)
+    return [results[spec.name] for spec in specs]
 
 
 def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float) -> FitResult:
@@ -123,7 +126,7 @@ def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float)
     else:
         status = "oom" if any(is_oom(t) for t in failed) else "failed"
         line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
-    return FitResult(name, status, line, 0.0, out_dir / name)
+    return FitResult(name=name, status=status, error=line, log_dir=out_dir / name)
 
 
 def fits(plan_path: str) -> int:

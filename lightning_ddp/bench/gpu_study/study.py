@@ -193,7 +193,7 @@ class _Cells(string.Formatter):
             return f"{value / 2**30:.1f}"
         try:
             return format(value, format_spec)
-        except (TypeError, ValueError):  # e.g. "not recorded" where a number was expected
+        except (TypeError, ValueError):  # a text where a number was expected
             return str(value)
 
 
