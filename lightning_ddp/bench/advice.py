@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddp import catalogue
-from lightning_ddp.advice import advise, read_run
+from lightning_ddp.projection.advise import advise, read_run
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate
 from lightning_ddp.bench.study import (

@@ -11,7 +11,9 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
 from lightning_ddp.bench.launch import REFERENCE
-from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label, variant_strategy
+from lightning_ddp.reporting.variants import (
+    format_bucket, format_settings, setting_combinations, settings_slug, variant_label, variant_strategy,
+)
 
 
 def strategy_with_memory_model(model: str) -> str:
@@ -116,7 +118,7 @@ def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
             raise ValueError(
                 f"{where}.{setting} must be a non-empty list of values, e.g. `{setting}: [1, 4]`; got {values!r}")
     try:
-        for combination in catalogue.setting_combinations(settings):
+        for combination in setting_combinations(settings):
             catalogue.get(name).check_settings(combination)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from None
@@ -311,7 +313,7 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     for strategy in listed:
         sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
         variants.extend((strategy, size, settings) for size in sizes
-                        for settings in catalogue.setting_combinations(grid.engine_settings.get(strategy)))
+                        for settings in setting_combinations(grid.engine_settings.get(strategy)))
     cells = []
     for precision, batch_size, context_length in product(grid.precisions, grid.batch_sizes, grid.context_lengths):
         for strategy, bucket, settings in variants:

@@ -16,7 +16,7 @@ from lightning_ddp.bench.study import (
     Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
     run_study, step_rows, table, text_cell, with_interval, write_results,
 )
-from lightning_ddp.projection.tables import csv_text
+from lightning_ddp.reporting.tables import csv_text
 
 KEYS: tuple[str, ...] = ("comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms", "step/rank_spread_ms",
                          "step/time_ms", "comm/exposed_ms")

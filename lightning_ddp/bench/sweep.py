@@ -27,9 +27,9 @@ from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
     LoadCheck, interleaved, load_average, provenance, read_json, wait_until_idle, write_outputs,
 )
-from lightning_ddp.catalogue import format_settings
+from lightning_ddp.reporting.variants import format_settings
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.projection.tables import csv_value
+from lightning_ddp.reporting.tables import csv_value
 from lightning_ddp.provenance import package_version
 
 RESULTS_CSV = "results.csv"

@@ -16,7 +16,7 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
 from lightning_ddp.projection.simulators import CONTENTION, StepModel, simulate, simulated_by
-from lightning_ddp.projection.tables import csv_text, csv_value, markdown_table
+from lightning_ddp.reporting.tables import csv_text, csv_value, markdown_table
 from lightning_ddp.projection.validate import contention_lines
 
 XL_SHAPE = ModelShape.from_preset("xl")

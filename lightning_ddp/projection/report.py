@@ -20,7 +20,8 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     simulated_names,
 )
-from lightning_ddp.projection.tables import markdown_table
+from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.tables import markdown_table
 
 NO_COST_TOLERANCE = 0.05
 """A sharded strategy's memory saving is "at no step-time cost" where its step is within 5 % of the baseline's
@@ -32,7 +33,7 @@ def _ms(value: float) -> str:
 
 
 def _entry(variant: str) -> catalogue.Entry:
-    return catalogue.get(catalogue.variant_strategy(variant))
+    return catalogue.get(variants.variant_strategy(variant))
 
 
 def _title(variant: str) -> str:
@@ -43,7 +44,7 @@ def _variants(results: Sequence[StepResult]) -> list[str]:
     """The strategies (with their settings) in ``results``, in catalogue order, settings in first-seen order."""
     order = {name: i for i, name in enumerate(catalogue.STRATEGIES)}
     seen = list(dict.fromkeys(r.variant for r in results))
-    return sorted(seen, key=lambda v: order.get(catalogue.variant_strategy(v), len(order)))  # stable
+    return sorted(seen, key=lambda v: order.get(variants.variant_strategy(v), len(order)))  # stable
 
 
 def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Sequence[StepResult]) -> str:

@@ -28,7 +28,8 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     simulated_names,
 )
-from lightning_ddp.projection.tables import csv_text, markdown_table
+from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.tables import csv_text, markdown_table
 
 GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
@@ -85,7 +86,7 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         world = int(r["world_size"])
         own = ComputeProfile.from_dict(profiles[r["cell_id"]], origin=f"profile of {r['cell_id']}")
         modelled = model_settings(r["strategy"])
-        settings = {k: v for k, v in catalogue.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
+        settings = {k: v for k, v in variants.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
         size_arg = size if catalogue.get(r["strategy"]).has_bucket_size else None
 
         def predict(profile: ComputeProfile) -> StepResult | None:

@@ -89,11 +89,11 @@ def test_pure_modules_import_without_torch() -> None:
 # ---- the import graph: the product never imports the study, and no module imports itself round a circle -------
 
 PACKAGE = REPO / "lightning_ddp"
-STUDY = ("bench", "projection", "trace", "advice")
-"""The study: sweeps and benchmarks, the projection, trace rendering, advice. It may import the product;
-the product (everything else: ``sync``, ``strategies``, ``callbacks``, ``model``, ``module``, ``data``, ``cli``,
-``memory``, ``hardware``, ``profile``, ...) never imports it, at module level or inside a function (torchtitan's
-"experiments depend on core, never back")."""
+STUDY = ("bench", "projection", "trace", "reporting")
+"""The study: sweeps and benchmarks, the projection (and ``advise``, calibrated to one run), trace rendering, and what
+their reports share. It may import the product; the product (everything else: ``sync``, ``strategies``,
+``callbacks``, ``metrics``, ``model``, ``module``, ``data``, ``cli``, ``memory``, ``hardware``, ``profile``, ...)
+never imports it, at module level or inside a function (torchtitan's "experiments depend on core, never back")."""
 
 
 def _module_name(path: Path) -> str:
@@ -296,6 +296,21 @@ def test_the_package_does_not_grow_past_its_ceiling() -> None:
     assert lines <= PACKAGE_LINES_CEILING, (
         f"lightning_ddp/ has {lines} lines, over the ceiling of {PACKAGE_LINES_CEILING:,}: "
         "remove repetition, shims or essays before adding")
+
+
+def test_the_study_is_no_bigger_than_the_product_it_measures() -> None:
+    # The study exists to measure the product: when it outgrows it, the study is carrying what belongs in the product
+    # (a rule the engines should state), in the docs (an essay) or nowhere (a second copy). Both sides exclude the
+    # entry point, which is neither.
+    lines = {"study": 0, "product": 0}
+    for file, source in _sources().items():
+        module = _module_name(REPO / file)
+        if module != ENTRY_POINT:
+            lines["study" if _is_study(module) else "product"] += source.count("\n")
+    assert lines["study"] > 0 and lines["product"] > 0, lines
+    assert lines["study"] <= lines["product"], (
+        f"the study (lightning_ddp/{{{','.join(STUDY)}}}) has {lines['study']:,} lines, the product it measures "
+        f"{lines['product']:,}: move what the product needs into it, and the why into docs/")
 
 
 def test_no_line_is_longer_than_120_characters() -> None:

@@ -1,4 +1,4 @@
-"""Markdown tables and CSV text: the one table and CSV writer of every report (projection and study)."""
+"""Markdown tables and CSV text: the one table and CSV writer of every report of the study."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family beside ``lightning_ddp.memory``'s figures, with verdicts and a plot (docs/benchmarks.md)."""
+"""``python -m lightning_ddp.bench.memory_per_rank --config configs/memory/cpu.yaml``: per-rank memory and step time
+of the data-parallel family beside ``lightning_ddp.memory``'s figures, with verdicts and a plot (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``python -m lightning_ddp advise RUN_DIR``: what to change, predicted from the run's own CommTimer files.
 
 Calibrates the projection to the run, simulates every catalogue alternative and writes ``advice.json`` and
-``advice.md`` into RUN_DIR. A study module: the product never imports it. How each step works: docs/advice.md.
+``advice.md`` into RUN_DIR: the projection, calibrated to one run. How each step works: docs/advice.md.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from lightning_ddp import catalogue, hardware
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA
 from lightning_ddp.profile import ComputeProfile, read_profile
-from lightning_ddp.run_folders import run_folder
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
 from lightning_ddp.projection.run import project
 from lightning_ddp.projection.simulators import (
     CONTENTION, CPU_COPY_GBPS, MiB, StepModel, StepResult, best_by_world_size, simulate, simulated_names,
 )
-from lightning_ddp.projection.tables import markdown_table
+from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.tables import markdown_table
+from lightning_ddp.run_folders import run_folder
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
 
 RERUN = "re-run the fit with this version of lightning_ddp (its CommTimer writes what advise reads)"
@@ -365,7 +366,7 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
 
 
 def _label(row: dict[str, Any]) -> str:
-    return catalogue.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
+    return variants.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
 
 
 SHOWN = 12  # rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)
