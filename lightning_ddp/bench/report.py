@@ -8,7 +8,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -111,6 +111,14 @@ class CellData:
         """Indices of the ok repeats that have measured steps, ascending."""
         return sorted(k for k, rows in self.steps.items() if rows)
 
+    def metric_keys(self) -> list[str]:
+        """The metric keys of the ok repeats' steps, in first-seen order."""
+        keys: dict[str, None] = {}
+        for k in self.ok_repeats:
+            for step in self.steps[k]:
+                keys.update(dict.fromkeys(key for key in step if key not in STEP_ID_COLUMNS))
+        return list(keys)
+
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
         """One ``(steps, len(keys))`` array per ok repeat of ``repeats`` (default all); NaN for a missing key."""
         return [np.array([[step.get(key, math.nan) for key in keys] for step in self.steps[k]], dtype=float)
@@ -143,12 +151,23 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
     return cells
 
 
-def load_tally(repeat_rows: Sequence[Row]) -> tuple[int, int, float, list[float]]:
-    """The load guard over repeats.csv rows: repeats started busy, repeats guarded, seconds waited, load averages."""
+@dataclass(frozen=True)
+class LoadTally:
+    """What the load guard saw over some repeats.csv rows."""
+
+    busy: int  # repeats that started on a busy machine (after the guard's longest wait)
+    guarded: int  # repeats the guard sampled (the others ran with it off, or where it cannot read the CPU)
+    waited_s: float  # seconds the guard waited for an idle machine, in all
+    loads: list[float]  # the 1-minute load averages recorded
+
+
+def load_tally(repeat_rows: Sequence[Row]) -> LoadTally:
+    """The load guard over repeats.csv rows."""
     guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
     loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), (int, float))]
     waited = sum(r.get("waited_s") or 0.0 for r in guarded)
-    return sum(1 for r in guarded if r["busy"] is True), len(guarded), waited, loads
+    return LoadTally(busy=sum(1 for r in guarded if r["busy"] is True), guarded=len(guarded), waited_s=waited,
+                     loads=loads)
 
 
 def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
@@ -168,10 +187,10 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
         repeats_run=len(run),
         wall_s=round(sum(r.get("wall_s") or 0.0 for r in run), 1),
     )
-    busy, guarded, waited, loads = load_tally(run)
-    row["load_avg_1m"] = max(loads) if loads else ""
-    if guarded:
-        row.update(busy_repeats=busy, waited_s=round(waited, 1))
+    tally = load_tally(run)
+    row["load_avg_1m"] = max(tally.loads, default="")
+    if tally.guarded:
+        row.update(busy_repeats=tally.busy, waited_s=round(tally.waited_s, 1))
     resolved = [r["resolved_bucket_size_mb"] for r in run
                 if r["status"] == "ok" and isinstance(r.get("resolved_bucket_size_mb"), (int, float))]
     if resolved:
@@ -179,7 +198,7 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     if not ok:
         return row
 
-    keys = list(dict.fromkeys(key for k in ok for step in data.steps[k] for key in step if key not in STEP_ID_COLUMNS))
+    keys = data.metric_keys()
     values = data.values(keys)
     medians = dict(zip(keys, np.atleast_1d(pooled_median(values))))
     if "step/time_ms" in medians:
@@ -198,13 +217,18 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     if "memory/peak_MiB" in medians:
         peak = np.nanmax(np.concatenate([v[:, keys.index("memory/peak_MiB")] for v in values]))
         row["peak_memory_MiB"] = float(peak) if math.isfinite(peak) else ""
-    return {k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    for column, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            row[column] = ""  # an empty CSV cell, not "nan"
+    return row
 
 
 # ---- reading and writing ----------------------------------------------------------------------------------
 
 
 def _parse_value(column: str, value: Any) -> Any:
+    """One CSV cell read back: a number in ``NUMERIC_COLUMNS`` (``None`` when empty), ``busy`` a bool, a bucket size a
+    float or ``"auto"``, anything else its text."""
     if column in NUMERIC_COLUMNS:
         if value in ("", None):
             return None
@@ -250,9 +274,12 @@ def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[st
     rows = list(rows)
     if columns is None:
         columns = [*STEP_ID_COLUMNS, *dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)]
-    cells = ({**row, "bucket_size_mb": format_bucket(row["bucket_size_mb"])} if row.get("bucket_size_mb") else row
-             for row in rows)
-    files.write_atomically(path, csv_text(cells, columns))
+    written = []
+    for row in rows:
+        if row.get("bucket_size_mb"):
+            row = {**row, "bucket_size_mb": format_bucket(row["bucket_size_mb"])}
+        written.append(row)
+    files.write_atomically(path, csv_text(written, columns))
 
 
 # ---- the analysis: best bucket sizes, goals, verdicts -------------------------------------------------------
@@ -287,11 +314,13 @@ def strategy_order(names: Iterable[str]) -> list[str]:
 
 
 def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
-    """``(precision, batch, contexts)`` of the groups, as tables and plots show them: contexts ascending."""
-    groups = list(groups)
-    return [(precision, batch, sorted({g[2] for g in groups if g[:2] == (precision, batch)}))
-            for precision in dict.fromkeys(g[0] for g in groups)
-            for batch in dict.fromkeys(g[1] for g in groups if g[0] == precision)]
+    """``(precision, batch, contexts)`` of the groups, as tables and plots show them: precisions and batch sizes in
+    first-seen order, precision first; contexts ascending."""
+    contexts: dict[str, dict[int, set[int]]] = {}  # precision -> batch -> contexts
+    for precision, batch, context in groups:
+        contexts.setdefault(precision, {}).setdefault(batch, set()).add(context)
+    return [(precision, batch, sorted(of_batch))
+            for precision, by_batch in contexts.items() for batch, of_batch in by_batch.items()]
 
 
 def is_ok(row: Row | None) -> bool:
@@ -361,16 +390,20 @@ class Analysis:
         self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
         for row in self.rows:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
-        # per group, its algorithms with buckets (variants), in report order
-        self.algorithms = {group: list(filter(has_bucket_axis, strategy_order(variant_of(r) for r in members)))
-                           for group, members in self.groups.items()}
-        chosen = {(group, strategy): self._select([r for r in self.groups[group] if variant_of(r) == strategy])
-                  for group, algorithms in self.algorithms.items() for strategy in algorithms}
-        self.selections = {key: selection for key, selection in chosen.items() if selection is not None}
+        self.algorithms: dict[Group, list[str]] = {}  # per group, its algorithms with buckets, in report order
+        self.selections: dict[tuple[Group, str], Selection] = {}  # the best bucket size of each that has an ok cell
+        for group, members in self.groups.items():
+            self.algorithms[group] = [v for v in strategy_order(variant_of(r) for r in members) if has_bucket_axis(v)]
+            for algorithm in self.algorithms[group]:
+                selection = self._select([row for row in members if variant_of(row) == algorithm])
+                if selection is not None:
+                    self.selections[(group, algorithm)] = selection
+        self.goals: list[GoalCheck] = []
         with np.errstate(divide="ignore", invalid="ignore"):
-            self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
+            for group, members in self.groups.items():
+                self.goals += self._goals(group, members)
             algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
-            self.across = [self._across(a) for a in algorithms]
+            self.across = [self._across(algorithm) for algorithm in algorithms]
 
     def measured(self, row: Row | None) -> Measured | None:
         """An ok ``row``'s cell over every ok repeat (its results.csv numbers); ``None`` for any other."""
@@ -540,6 +573,7 @@ def _title(variant: str, size: Any) -> str:
 
 
 def _strategy_tables(analysis: Analysis) -> list[str]:
+    """Per precision and batch size, one table: a row per variant and bucket size, a column per context."""
     lines = []
     selected = {s.row["cell_id"] for s in analysis.selections.values()}
     for precision, batch, contexts in panels(analysis.groups):
@@ -547,15 +581,21 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
         for context in contexts:
             for row in analysis.groups[(precision, batch, context)]:
                 cells.setdefault((variant_of(row), row["bucket_size_mb"], context), row)
-        variants = list(dict.fromkeys(key[:2] for key in cells))
-        order = strategy_order(strategy for strategy, _ in variants)
-        # strategies in report order; numeric bucket sizes ascending, then auto
-        variants.sort(key=lambda k: (order.index(k[0]), k[1] == "auto", k[1] if isinstance(k[1], float) else 0.0))
-        table = [[_title(*variant), *(_cell_text(cells.get((*variant, c)), selected) for c in contexts)]
-                 for variant in variants]
+        sized = list(dict.fromkeys((variant, size) for variant, size, _ in cells))
+        order = strategy_order(variant for variant, _ in sized)
+
+        def report_order(variant_and_size: tuple[str, Any]) -> tuple[int, bool, float]:
+            """Variants in report order; numeric bucket sizes ascending, then auto."""
+            variant, size = variant_and_size
+            return order.index(variant), size == "auto", size if isinstance(size, float) else 0.0
+
+        table = []
+        for variant, size in sorted(sized, key=report_order):
+            row_cells = [_cell_text(cells.get((variant, size, context)), selected) for context in contexts]
+            table.append([_title(variant, size), *row_cells])
+        header = ["strategy", *(f"context {c}" for c in contexts)]
         lines += [f"### {precision}, batch size {batch} per rank", "",
-                  *markdown_table(["strategy", *(f"context {c}" for c in contexts)], table, "l" + "r" * len(contexts)),
-                  ""]
+                  *markdown_table(header, table, "l" + "r" * len(contexts)), ""]
     return lines
 
 
@@ -601,6 +641,7 @@ def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list
 
 
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
+    """The all-reduce fit's prediction, then per group and algorithm its best bucket size and how it measured."""
     bucketed = any(has_bucket_axis(r["strategy"]) for r in analysis.rows)
     lines = ["## Best bucket size: chosen on some repeats, measured on the others", "",
              *_prediction_lines(prediction, bucketed)]
@@ -615,12 +656,17 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
     return lines + markdown_table(header, table, "lrrllrrrll") + [""]
 
 
+def _goal_row(check: GoalCheck) -> list[Any]:
+    """A row of the goals table: the group (goal 1 across groups: ``all``), the goal, its ratio, target and verdict."""
+    group = check.group or ("all", "", f"{check.groups} groups")
+    verdict = "**missed**" if check.verdict == "missed" else check.verdict
+    return [*group, check.goal, interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", verdict, check.note]
+
+
 def _goal_section(analysis: Analysis) -> list[str]:
+    """Every goal of every group, then goal 1 across groups, with the verdicts' count first."""
     counts = _verdict_counts(analysis.goals)
-    goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
-              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
-              "**missed**" if check.verdict == "missed" else check.verdict,
-              check.note] for check in [*analysis.goals, *analysis.across]]
+    goals = [_goal_row(check) for check in [*analysis.goals, *analysis.across]]
     header = ["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"]
     return ["## Performance goals", "", f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} "
             f"inconclusive, {counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).", "",
@@ -645,32 +691,12 @@ def build_report(
     """results.md of the grid's ``analysis``, its prediction, environment and ``pending`` cell repeats."""
     repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
     environment = environment or {}
-    run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
+    run = environment.get("config", {}).get("run", {})
     lines = [f"# Benchmark sweep: {title}", ""]
     if environment:
-        device = ", ".join(environment.get("gpus") or []) or environment.get("cpu", {}).get("model", "cpu")
-        dirty = " **with uncommitted changes**" if environment.get("git_dirty") else ""
-        sessions = environment.get("sessions") or []  # a resumed sweep's sessions that ran different code: named
-        code = {str(x.get("git_commit") or "unknown")[:12] + (" (dirty)" if x.get("git_dirty") else "")
-                for x in sessions}
-        if len(code) > 1:
-            dirty += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(sorted(code))}"
-        lines.append(
-            f"- {device}; {environment.get('cpu', {}).get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
-            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
-            f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
-            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
-            f"{environment.get('lightning')}, commit "
-            f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}; "
-            f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
-            f"{run.get('steps', '?')} measured steps")
+        lines.append(_environment_line(environment))
     if repeat_rows:
-        busy, guarded, waited, loads = load_tally(repeat_rows)
-        lines.append(
-            f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
-            f"{run.get('max_wait_s', '?')} s): "
-            + (f"**{busy} of {guarded} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
-            + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
+        lines.append(_load_guard_line(load_tally(repeat_rows), run))
     lines += [f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best "
               "bucket sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How "
               "to read results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's "
@@ -683,6 +709,46 @@ def build_report(
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _commit_text(environment: Mapping[str, Any]) -> str:
+    """A session's commit, 12 hex digits, and ``(dirty)`` where it ran uncommitted changes."""
+    commit = str(environment.get("git_commit") or "unknown")[:12]
+    return f"{commit} (dirty)" if environment.get("git_dirty") else commit
+
+
+def _environment_line(environment: Mapping[str, Any]) -> str:
+    """Where and how the sweep ran: device, ranks, workload, versions, commit (each a resumed sweep ran), repeats."""
+    run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
+    cpu = environment.get("cpu", {})
+    device = ", ".join(environment.get("gpus") or []) or cpu.get("model", "cpu")
+    code = str(environment.get("git_commit") or "unknown")[:12]
+    if environment.get("git_dirty"):
+        code += " **with uncommitted changes**"
+    sessions = environment.get("sessions") or []
+    commits = sorted({_commit_text(session) for session in sessions})
+    if len(commits) > 1:  # a resumed sweep whose sessions ran different code says so
+        code += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(commits)}"
+    return (f"- {device}; {cpu.get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
+            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
+            f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
+            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
+            f"{environment.get('lightning')}, commit {code}; "
+            f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
+            f"{run.get('steps', '?')} measured steps")
+
+
+def _load_guard_line(tally: LoadTally, run: Mapping[str, Any]) -> str:
+    """What the load guard saw: how many cell repeats started busy, how long it waited, the load averages."""
+    line = (f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
+            f"{run.get('max_wait_s', '?')} s): ")
+    if tally.guarded:
+        line += f"**{tally.busy} of {tally.guarded} cell repeats started busy**, {tally.waited_s:,.0f} s waited"
+    else:
+        line += "off"
+    if tally.loads:
+        line += f"; 1-minute load average {min(tally.loads):.1f} to {max(tally.loads):.1f}"
+    return line
+
+
 # ---- the plots: 95 % error bars, per precision and batch size --------------------------------------------
 
 
@@ -692,14 +758,20 @@ _PANELS = ((STEP, 1.0, "median step time (ms)"), (SHARE, 100.0, "exposed comm sh
 
 def _error(measured: list[Measured | None], panel: int, scale: float) -> tuple[list[float], list[list[float]]]:
     """Bar heights and matplotlib's ``yerr`` (distances below and above) in ``panel`` (missing: 0)."""
-    estimates = [m.estimate(panel) if m is not None else None for m in measured]
-    shown = [e if e is not None and math.isfinite(e.point) else Estimate(0.0, 0.0, 0.0) for e in estimates]
-    # max(0.0, nan) is 0.0: an end that is not finite draws no error bar
-    below = [max(0.0, (e.point - e.lo) * scale) for e in shown]
-    return [e.point * scale for e in shown], [below, [max(0.0, (e.hi - e.point) * scale) for e in shown]]
+    heights, below, above = [], [], []
+    for cell in measured:
+        shown = cell.estimate(panel) if cell is not None else Estimate(0.0, 0.0, 0.0)
+        if not math.isfinite(shown.point):
+            shown = Estimate(0.0, 0.0, 0.0)
+        heights.append(shown.point * scale)
+        # max(0.0, nan) is 0.0: an end that is not finite draws no error bar
+        below.append(max(0.0, (shown.point - shown.lo) * scale))
+        above.append(max(0.0, (shown.hi - shown.point) * scale))
+    return heights, [below, above]
 
 
 def _figure() -> tuple[Any, Any]:
+    """A figure of the two panels (step time, comm share) side by side."""
     from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
 
     fig = Figure(figsize=(12, 4.2), layout="constrained")
@@ -707,6 +779,7 @@ def _figure() -> tuple[Any, Any]:
 
 
 def _finish(fig: Any, axes: Any, path: Path, title: str, **grid: Any) -> None:
+    """Label and grid both panels, add the legend and the title, save to ``path``."""
     for ax, (*_, ylabel) in zip(axes, _PANELS):
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, **grid)
@@ -725,6 +798,7 @@ def _shown(analysis: Analysis, group: Group, name: str) -> Measured | None:
 
 def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int],
                      names: list[str]) -> None:
+    """Step time and comm share of every strategy, a bar group per context, with 95 % error bars."""
     fig, axes = _figure()
     width = 0.8 / len(names)
     for k, name in enumerate(names):
@@ -744,38 +818,57 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
             "rank (error bars: 95 % intervals)", axis="y")
 
 
+class BucketPoint(NamedTuple):
+    """A cell of a bucket-size plot: its x (the bucket size in MiB; ``auto`` where it resolved to) and its row."""
+
+    size_mb: float
+    row: Row
+
+
+def _bucket_points(rows: list[Row]) -> tuple[list[BucketPoint], list[BucketPoint]]:
+    """The ok cells of one algorithm in one group: the fixed sizes ascending, and ``auto`` at its resolved size."""
+    fixed, auto = [], []
+    for row in rows:
+        if row["bucket_size_mb"] != "auto":
+            fixed.append(BucketPoint(row["bucket_size_mb"], row))
+        elif isinstance(row.get("resolved_bucket_size_mb"), float):
+            auto.append(BucketPoint(row["resolved_bucket_size_mb"], row))
+    return sorted(fixed, key=lambda point: point.size_mb), auto
+
+
 def _bucket_figure(
     path: Path, strategy: str, precision: str, batch: int, analysis: Analysis, contexts: list[int],
     predicted_mb: float | None,
 ) -> bool:
+    """Step time and comm share against the bucket size, a line per context, the selected size circled; ``False``
+    (nothing written) where no context has an ok cell."""
     fig, axes = _figure()
     drew = selected = False
     for context in contexts:
         group = (precision, batch, context)
-        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)]
-        # (x, row): the fixed sizes ascending; auto at the size it resolved to
-        fixed = sorted(((r["bucket_size_mb"], r) for r in rows if r["bucket_size_mb"] != "auto"), key=lambda p: p[0])
-        auto = [(r["resolved_bucket_size_mb"], r) for r in rows
-                if r["bucket_size_mb"] == "auto" and isinstance(r.get("resolved_bucket_size_mb"), float)]
+        fixed, auto = _bucket_points([r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)])
         if not fixed and not auto:
             continue
         drew = True
         selection = analysis.selections.get((group, strategy))
-        chosen = next((p for p in fixed + auto if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
+        chosen = None
+        if selection is not None:
+            chosen = next((p for p in fixed + auto if p.row["cell_id"] == selection.row["cell_id"]), None)
         color = None
         for ax, (panel, scale, _) in zip(axes, _PANELS):
             if fixed:
-                heights, yerr = _error([analysis.measured(p[1]) for p in fixed], panel, scale)
-                container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
+                heights, yerr = _error([analysis.measured(p.row) for p in fixed], panel, scale)
+                container = ax.errorbar([p.size_mb for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
                                         color=color, label=f"context {context}")
                 color = container.lines[0].get_color()
-            for x, r in auto:
-                heights, yerr = _error([analysis.measured(r)], panel, scale)
-                ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3, color=color)
-            point = analysis.measured(chosen[1]).point[panel] if chosen is not None else math.nan
-            if math.isfinite(point):
+            for point in auto:
+                heights, yerr = _error([analysis.measured(point.row)], panel, scale)
+                ax.errorbar([point.size_mb], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3,
+                            color=color)
+            value = analysis.measured(chosen.row).point[panel] if chosen is not None else math.nan
+            if math.isfinite(value):
                 selected = True
-                ax.plot([chosen[0]], [point * scale], marker="o", markersize=16,
+                ax.plot([chosen.size_mb], [value * scale], marker="o", markersize=16,
                         markerfacecolor="none", markeredgewidth=1.5, linestyle="", color=color)
     if not drew:
         return False
