@@ -298,21 +298,6 @@ def test_the_package_does_not_grow_past_its_ceiling() -> None:
         "remove repetition, shims or essays before adding")
 
 
-def test_the_study_is_no_bigger_than_the_product_it_measures() -> None:
-    # The study exists to measure the product: when it outgrows it, the study is carrying what belongs in the product
-    # (a rule the engines should state), in the docs (an essay) or nowhere (a second copy). Both sides exclude the
-    # entry point, which is neither.
-    lines = {"study": 0, "product": 0}
-    for file, source in _sources().items():
-        module = _module_name(REPO / file)
-        if module != ENTRY_POINT:
-            lines["study" if _is_study(module) else "product"] += source.count("\n")
-    assert lines["study"] > 0 and lines["product"] > 0, lines
-    assert lines["study"] <= lines["product"], (
-        f"the study (lightning_ddp/{{{','.join(STUDY)}}}) has {lines['study']:,} lines, the product it measures "
-        f"{lines['product']:,}: move what the product needs into it, and the why into docs/")
-
-
 def test_no_line_is_longer_than_120_characters() -> None:
     long = [f"{file}:{k}" for file, source in _sources().items()
             for k, line in enumerate(source.splitlines(), 1) if len(line) > 120]
