@@ -199,37 +199,29 @@ def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps:
     signed = [c["step_error"] for c in cells]
     errors = [abs(e) for e in signed]
     ref_errors = [abs(c["step_error_from_reference"]) for c in cells if "step_error_from_reference" in c]
+    median_error = statistics.median(errors) if errors else float("nan")
+    verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
+    agree, pairs, disagreements = ranking_agreement(cells)
+    not_agreeing = f"; not: {'; '.join(disagreements)}." if disagreements else "."
     lines = [
         "# The projection against the CPU sweep", "",
         f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
         f"w = {fit['bandwidth_Bps'] / 1e9:.3f} GB/s; copies at {copy_Bps / 1e9:.2f} GB/s (read + written, measured "
         "here). How to read this report: docs/projection.md.", "",
+        f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over {len(errors)} cells "
+        f"(goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest {100 * max(errors):.1f} %."
+        if errors else "No cell could be predicted (no profiles).",
+        "",
+        f"Bias: {sum(1 for e in signed if e < 0)} of {len(signed)} cells are predicted faster than measured (median "
+        f"signed error {100 * statistics.median(signed):+.1f} %), with contention (docs/projection.md)."
+        if cells else "",
+        "",
+        f"From the group's reference profile instead: median error {100 * statistics.median(ref_errors):.1f} %."
+        if ref_errors else "",
+        "",
+        f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
+        f"orders {agree} the same way{not_agreeing}", "",
     ]
-    if errors:
-        median_error = statistics.median(errors)
-        verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
-        lines.append(f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over "
-                     f"{len(errors)} cells (goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); "
-                     f"largest {100 * max(errors):.1f} %.")
-    else:
-        lines.append("No cell could be predicted (no profiles).")
-    lines.append("")
-    if cells:
-        lines.append(f"Bias: {sum(1 for e in signed if e < 0)} of {len(signed)} cells are predicted faster than "
-                     f"measured (median signed error {100 * statistics.median(signed):+.1f} %), with contention "
-                     "(docs/projection.md).")
-    else:
-        lines.append("")
-    lines.append("")
-    if ref_errors:
-        lines.append(f"From the group's reference profile instead: median error "
-                     f"{100 * statistics.median(ref_errors):.1f} %.")
-    else:
-        lines.append("")
-    agree, pairs, disagreements = ranking_agreement(cells)
-    not_agreeing = f"; not: {'; '.join(disagreements)}." if disagreements else "."
-    lines += ["", f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the "
-              f"prediction orders {agree} the same way{not_agreeing}", ""]
     header = ["cell", "measured step ms [95 %]", "predicted", "error", "from reference", "measured share",
               "predicted share"]
     lines += markdown_table(header, [_cell_row(c) for c in cells], "lrrrrrr")
