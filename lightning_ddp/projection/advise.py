@@ -99,7 +99,7 @@ def read_run(run_dir: str | Path) -> Run:
     except (OSError, ValueError) as error:
         raise RunError(f"{profile_path}: {error}; {RERUN}") from None
     medians = {key: value["median"] for key, value in summary["summary"].items()}
-    return Run(path, summary, profile, medians)
+    return Run(path=path, summary=summary, profile=profile, medians=medians)
 
 
 def fit_calls(calls: list[dict[str, Any]]) -> tuple[dict[str, tuple[float, float]], list[str]]:
@@ -156,7 +156,8 @@ def step_model(run: Run, comm: Any) -> StepModel:
     spec = run.device
     copy_GBps = spec.memory_GBps if spec is not None else CPU_COPY_GBPS
     contention = CONTENTION.get(str(run.info.get("backend")), 0.0)
-    return StepModel(run.profile, comm, run.info["world_size"], copy_GBps * 1e9, contention=contention)
+    return StepModel(profile=run.profile, comm=comm, world_size=run.info["world_size"],
+                     copy_bandwidth_Bps=copy_GBps * 1e9, contention=contention)
 
 
 BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)  # tried for every strategy that takes one, and auto

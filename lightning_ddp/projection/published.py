@@ -134,8 +134,9 @@ def compare_with_published(gpu: str = GPU, contention: float = 0.0,
                "published_share": run.ratio, "compute_ms": compute_ms, "compute_extrapolated": extrapolated,
                "unexplained_ms": 1e3 * (run.total_s - run.comm_s) - compute_ms, "source": run.source}
         for label, fabric in fabrics.items():
-            r = simulate(run.strategy, StepModel(profile, fabric, 2, _copy_Bps(gpu), contention=contention),
-                         run.bucket_size_mb)
+            model = StepModel(profile=profile, comm=fabric, world_size=2, copy_bandwidth_Bps=_copy_Bps(gpu),
+                              contention=contention)
+            r = simulate(run.strategy, model, run.bucket_size_mb)
             name = label.replace("+", "_")
             row.update({f"{name}_step_ms": r.step_ms, f"{name}_exposed_ms": r.waited_comm_ms,
                         f"{name}_share": r.wait_share})

@@ -35,7 +35,8 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
     ``engine_settings[strategy]`` (``{setting: [values]}``)."""
     results = []
     for n in world_sizes:
-        model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
+        model = StepModel(profile=profile, comm=comm, world_size=n, copy_bandwidth_Bps=copy_bandwidth_Bps,
+                          flops_per_s=flops_per_s, contention=contention)
         for name in strategies:
             sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
@@ -105,7 +106,7 @@ def run_projection(config) -> ProjectionOutcome:
     ]
     if config.output.plots:
         files += write_plots(out_dir, results, profile)
-    return ProjectionOutcome(results, rows, profile, files)
+    return ProjectionOutcome(results=results, rows=rows, profile=profile, files=files)
 
 
 def describe_environment(config, profile: ComputeProfile, fabric: Fabric,

@@ -92,7 +92,8 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         def predict(profile: ComputeProfile) -> StepResult | None:
             """The cell simulated from ``profile``; None where the model needs shapes the profile lacks."""
             try:
-                model = StepModel(profile, comm, world, copy_Bps, contention=contention)
+                model = StepModel(profile=profile, comm=comm, world_size=world, copy_bandwidth_Bps=copy_Bps,
+                                  contention=contention)
                 return simulate(r["strategy"], model, size_arg, **settings)
             except ValueError as error:
                 if profile.has_shapes:
@@ -174,8 +175,8 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
     for (precision, batch, context), group in _groups(sized).items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
-        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms
-                     for s in (0.25, 0.5, 1, 2, 4, 8, 16, 32)}
+        model = StepModel(profile=profile, comm=comm, world_size=2, copy_bandwidth_Bps=copy_Bps)
+        predicted = {size: simulate(bucketed, model, size).step_ms for size in (0.25, 0.5, 1, 2, 4, 8, 16, 32)}
         projection_mb = min(predicted, key=predicted.get)
 
         def measured_at(size: float | None) -> str:

@@ -148,12 +148,12 @@ def _draw_rank(ax: Any, label: str, rank: RankTrace, window: Interval, base: flo
     # the thread's time inside collective calls (not compute): a strip along the row's bottom
     calls = clip(rank.spans((ranges.COMM_LAUNCH, ranges.COMM_WAIT)), lo, hi)
     ax.broken_barh(panel.bars(calls), (compute_y, 0.2), facecolors=LEGEND["calls"][0], edgecolor="none")
-    rows = [Row(label, rank.rank, "compute", bars)]
+    rows = [Row(run=label, rank=rank.rank, kind="compute", bars=bars)]
     labels = {compute_y + 0.5: f"rank {rank.rank} compute"}
     if panel.gpu_rows:  # the GPU's own view: what overlap counts as compute on CUDA
         kernels = clip(rank.gpu_compute, lo, hi)
         ax.broken_barh(panel.bars(kernels), (gpu_y, 1.0), facecolors=LEGEND["gpu"][0], edgecolor="none")
-        rows.append(Row(label, rank.rank, "gpu", len(kernels)))
+        rows.append(Row(run=label, rank=rank.rank, kind="gpu", bars=len(kernels)))
     # communication row: each collective from launch to completion, concurrent ones in sub-lanes
     comm = [(max(c.start, lo), min(c.end, hi)) for c in rank.comm(panel.comm_source) if c.end > lo and c.start < hi]
     lanes = assign_lanes(comm)
@@ -165,7 +165,7 @@ def _draw_rank(ax: Any, label: str, rank: RankTrace, window: Interval, base: flo
                        facecolors=LEGEND["comm"][0], edgecolor="white", linewidth=0.3)
     hidden = intersect(comm, clip(rank.compute(), lo, hi))
     ax.broken_barh(panel.bars(hidden), (comm_y, 0.18), facecolors=LEGEND["hidden"][0], edgecolor="none")
-    rows.append(Row(label, rank.rank, "comm", len(comm)))
+    rows.append(Row(run=label, rank=rank.rank, kind="comm", bars=len(comm)))
     overlap = rank.overlap(panel.comm_source, (lo, hi))
     labels[comm_y + 0.5] = f"rank {rank.rank} comm\n{overlap.fraction:.0%} hidden"
     if panel.gpu_rows:

@@ -101,9 +101,10 @@ def load_rank_trace(path: str | Path) -> RankTrace:
         elif on_main and name.startswith(ranges.STEP + "#"):
             steps.append((int(name.rsplit("#", 1)[1]), (start, end)))
         elif event.get("cat") == ranges.COMM_CATEGORY:
-            record_comm.append(CommEvent(start, end, name, event.get("args", {}).get("label", "")))
+            label = event.get("args", {}).get("label", "")
+            record_comm.append(CommEvent(start=start, end=end, name=name, label=label))
         elif PROFILER_COMM_RE.match(name) and not on_main:
-            profiler_comm.append(CommEvent(start, end, name))
+            profiler_comm.append(CommEvent(start=start, end=end, name=name))
         elif event.get("cat") == GPU_KERNEL_CATEGORY:
             gpu_compute.append((start, end))
     rank = meta.get("rank", trace.get("distributedInfo", {}).get("rank", 0))
