@@ -20,10 +20,10 @@ from lightning_ddp.bench.study import (
     NO_VALIDATION, Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve,
     provenance, read_timing_summary, run_ranks, run_study, table, text_cell, write_outputs,
 )
-from lightning_ddp.reporting.variants import format_settings, parse_settings
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.reporting.tables import markdown_table
+from lightning_ddp.reporting.variants import format_settings, parse_settings
 
 FP32_BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""

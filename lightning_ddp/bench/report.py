@@ -18,9 +18,8 @@ from lightning_ddp.bench.stats import (
     Bootstrapper, Estimate, geometric_mean_draws, interval_text, pooled_median, pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
-from lightning_ddp.bench.study import read_csv
+from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 from lightning_ddp.reporting.variants import format_bucket, variant_label, variant_strategy
-from lightning_ddp.reporting.tables import csv_text, markdown_table
 
 Row = dict[str, Any]
 RepeatKey = tuple[str, int]

@@ -27,10 +27,10 @@ from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
     LoadCheck, interleaved, load_average, provenance, read_json, wait_until_idle, write_outputs,
 )
-from lightning_ddp.reporting.variants import format_settings
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.reporting.tables import csv_value
 from lightning_ddp.provenance import package_version
+from lightning_ddp.reporting.tables import csv_value
+from lightning_ddp.reporting.variants import format_settings
 
 RESULTS_CSV = "results.csv"
 REPEATS_CSV = "repeats.csv"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import statistics
@@ -16,8 +15,8 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
 from lightning_ddp.projection.simulators import CONTENTION, StepModel, simulate, simulated_by
-from lightning_ddp.reporting.tables import csv_text, csv_value, markdown_table
 from lightning_ddp.projection.validate import contention_lines
+from lightning_ddp.reporting.tables import csv_text, csv_value, markdown_table, read_csv
 
 XL_SHAPE = ModelShape.from_preset("xl")
 """The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""
@@ -45,13 +44,12 @@ order, each citing its write-up by topic. Naive at batch 4, context 512 ran out 
 def _read_runs(path: Path) -> tuple[PublishedRun, ...]:
     """``RUNS_CSV``'s rows as ``PublishedRun``s, in its order."""
     runs = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            runs.append(PublishedRun(
-                strategy=row["strategy"], batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]),
-                bucket_size_mb=float(row["bucket_size_mb"]) if row["bucket_size_mb"] else None,
-                total_s=float(row["total_s"]), comm_s=float(row["comm_s"]), ratio=float(row["ratio"]),
-                source=row["source"]))
+    for row in read_csv(path):
+        runs.append(PublishedRun(
+            strategy=row["strategy"], batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]),
+            bucket_size_mb=float(row["bucket_size_mb"]) if row["bucket_size_mb"] else None,
+            total_s=float(row["total_s"]), comm_s=float(row["comm_s"]), ratio=float(row["ratio"]),
+            source=row["source"]))
     return tuple(runs)
 
 

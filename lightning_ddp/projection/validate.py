@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import math
@@ -29,7 +28,7 @@ from lightning_ddp.projection.simulators import (
     simulated_names,
 )
 from lightning_ddp.reporting import variants
-from lightning_ddp.reporting.tables import csv_text, markdown_table
+from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 
 GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
@@ -47,9 +46,8 @@ def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any],
         if not (sweep / name).is_file():
             raise ValueError(f"{sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
                              "configs/bench/cpu.yaml) or point at a sweep directory such as benchmarks/results/cpu")
-    with open(sweep / "results.csv", newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    return rows, json.loads((sweep / "profiles.json").read_text(encoding="utf-8")), sweep / "bucket_prediction.json"
+    profiles = json.loads((sweep / "profiles.json").read_text(encoding="utf-8"))
+    return read_csv(sweep / "results.csv"), profiles, sweep / "bucket_prediction.json"
 
 
 def _float(value: str | None) -> float | None:

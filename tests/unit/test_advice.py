@@ -11,7 +11,7 @@ import pytest
 from lightning_ddp.projection.advise import (
     NOISY_SPREAD, PROJECTION_ERROR, QUIET_SPREAD, RunError, advise, fit_calls, main, read_run, render_markdown,
 )
-from lightning_ddp.bench.study import read_csv
+from lightning_ddp.reporting.tables import read_csv
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA, call_table, collective_calls
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from tests.support.cli_utils import REPO

@@ -84,8 +84,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
                                     "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
         # Each rank a "node" of one device: 2 ranks then share it over gloo (NCCL refuses two ranks on one GPU).
-        envs = rank_environments(RankLayout(backend="gloo", devices_per_node=1, num_nodes=ranks), find_free_port(), every_rank=True, threads=threads,
-                                 extra=env)
+        layout = RankLayout(backend="gloo", devices_per_node=1, num_nodes=ranks)
+        envs = rank_environments(layout, find_free_port(), every_rank=True, threads=threads, extra=env)
         logs = [work / f"rank{r}.log" for r in range(ranks)]
         command = [sys.executable, "-m", "lightning_ddp.bench.gpu_study.processes", "fits", str(plan.resolve())]
         outcome = run_processes(command, envs, logs, remaining, cwd=cwd)
