@@ -312,8 +312,9 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     variants: list[tuple[str, float | str | None, dict[str, Any]]] = [(REFERENCE, None, {})]
     for strategy in listed:
         sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
-        variants.extend((strategy, size, settings) for size in sizes
-                        for settings in setting_combinations(grid.engine_settings.get(strategy)))
+        for size in sizes:
+            for settings in setting_combinations(grid.engine_settings.get(strategy)):
+                variants.append((strategy, size, settings))
     cells = []
     for precision, batch_size, context_length in product(grid.precisions, grid.batch_sizes, grid.context_lengths):
         for strategy, bucket, settings in variants:

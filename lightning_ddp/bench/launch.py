@@ -166,6 +166,7 @@ def _die_with_the_parent() -> None:
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to ``proc``'s process group; one that has already gone is no error."""
     try:
         os.killpg(proc.pid, sig)  # the process's own session: it and whatever it started (Lightning's ranks)
     except (ProcessLookupError, PermissionError):

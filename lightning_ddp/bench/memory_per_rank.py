@@ -179,6 +179,8 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
+    """``config.steps`` steps of ``mode`` on this rank: its snapshots, step times (max over ranks), recorded
+    communication and what ``lightning_ddp.memory`` expects of it."""
     from lightning_ddp.sync import Recorder
 
     gc.collect()  # free what the previous mode left (and restart the CUDA peak)

@@ -60,6 +60,7 @@ def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
 
 def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool, result_file: str,
           *args: Any) -> None:
+    """One spawned rank of ``run_ranks``: join the group, ``measure``, rank 0 writes the result to ``result_file``."""
     import torch
     import torch.distributed as dist
 

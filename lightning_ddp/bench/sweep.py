@@ -152,6 +152,7 @@ class SubprocessCellRunner:
         return outcome
 
     def _run_once(self, cell: Cell, run_dir: Path) -> CellOutcome:
+        """The cell's processes once, in a fresh ``run_dir``: their logs, command and outcome."""
         if run_dir.exists():
             shutil.rmtree(run_dir)  # a rerun (e.g. retry_failed) starts clean: no stale summary is read
         run_dir.mkdir(parents=True)
@@ -386,6 +387,7 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
 
 def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, outcome: CellOutcome,
                  load: LoadCheck) -> str:
+    """The progress line of one finished cell repeat: its status, step and share, and what the load guard saw."""
     head = f"[{index}/{total}] {cell.label}, repeat {repeat + 1}/{repeats}: {outcome.status}"
     guard = ""
     if load.busy:

@@ -204,6 +204,7 @@ class Calibration:
 
 
 def current_bucket_size(run: Run) -> float | str | None:
+    """The run's bucket size as recorded (its strategy's default where it was not); ``None``: no buckets."""
     entry = catalogue.get(run.info["strategy"])
     if not entry.has_bucket_size:
         return None
@@ -332,6 +333,7 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
 
 
 def size_equal(a: float | str | None, b: float | str | None) -> bool:
+    """Two bucket sizes are the same setting: equal, or numbers within 1e-6 MiB."""
     return a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) < 1e-6)
 
 
@@ -374,6 +376,7 @@ SHOWN = 12  # rows of advice.md's table, each strategy at its best setting and t
 
 
 def _row(r: dict[str, Any]) -> list[str]:
+    """A row of advice.md's table: the variant, its flags, predicted step, share, gain and memory."""
     lo, hi = r["predicted_step_interval"]
     glo, ghi = r["gain_interval"]
     flags = " ".join(flag for flag, on in (("current", r["current"]), ("lossy", not r["exact"]),

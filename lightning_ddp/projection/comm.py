@@ -87,6 +87,7 @@ class Fabric:
         return self._cost_s(n, passes * ((n - m) * self.intra.latency_s + inter_s), traffic * nbytes)
 
     def tree_all_reduce_s(self, nbytes: float, n: int) -> float:
+        """Seconds of a tree all-reduce of ``nbytes`` on ``n`` ranks (docs/projection.md)."""
         m = self.nodes(n)
         if self.inter is None:  # one level: the textbook double binary tree over all ranks, up and down
             return self._cost_s(n, 2 * math.ceil(math.log2(max(n, 1))) * self.intra.latency_s, 2 * nbytes)

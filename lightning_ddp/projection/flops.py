@@ -40,6 +40,7 @@ GPUS: dict[str, GPUSpec] = {key: _gpu_spec(DEVICES[key]) for key in (*_FIRST, *(
 
 
 def get_gpu(name: str) -> GPUSpec:
+    """``GPUS[name]``; an unknown name lists the known ones."""
     try:
         return GPUS[name]
     except KeyError:
