@@ -176,7 +176,10 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     run = data.repeats
     ok = data.ok_repeats
     failed = [r for r in run if r["status"] != "ok"]
-    row["status"] = "ok" if ok else (run[-1]["status"] if run else "")
+    if ok:
+        row["status"] = "ok"
+    elif run:
+        row["status"] = run[-1]["status"]  # the last repeat's, where none was ok
     if failed:
         first = failed[0]
         more = f" ({len(failed)} of {len(run)} repeats not ok)" if len(run) > 1 else ""

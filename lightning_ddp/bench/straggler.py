@@ -83,7 +83,10 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
         return row
     # met: the interval inside delay +- tolerance (below its top, and above its bottom); missed: entirely outside
     ends = {verdict(wait, delay_ms + tolerance), verdict((-wait.hi, -wait.lo), tolerance - delay_ms)}
-    row["wait_goal"] = "missed" if "missed" in ends else "met" if ends == {"met"} else "inconclusive"
+    if "missed" in ends:
+        row["wait_goal"] = "missed"
+    else:
+        row["wait_goal"] = "met" if ends == {"met"} else "inconclusive"
     row["straggler_goal"] = "met" if row["straggler_share"] >= config.straggler_share else "missed"
     if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
                                    for k in ("transfer_ms_lo", "transfer_ms_hi")):
