@@ -346,21 +346,18 @@ FAMILY_COLUMNS = [
 ]
 
 
-def _goal_cells(goal: dict[str, Any]) -> tuple[str, str]:
-    """A goal's measured value and target as text (empty where not measurable)."""
-    if "ratio" in goal:
-        return _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
-    if "measured_MiB" in goal:
-        return f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
-    return "", ""
-
-
 def _measured_goal(goal: dict[str, Any]) -> str:
-    return _goal_cells(goal)[0]
+    """A goal's measured value as text (empty where not measurable)."""
+    if "ratio" in goal:
+        return _interval(goal["ratio"], ".3f")
+    return f"{goal['measured_MiB']:,.2f} MiB" if "measured_MiB" in goal else ""
 
 
 def _goal_target(goal: dict[str, Any]) -> str:
-    return _goal_cells(goal)[1]
+    """A goal's target as text (empty where not measurable)."""
+    if "ratio" in goal:
+        return f"{goal['target']:.2f}"
+    return f"{goal['target_MiB']:,.2f} MiB" if "measured_MiB" in goal else ""
 
 
 def _goal_verdict(goal: dict[str, Any]) -> str:

@@ -711,12 +711,6 @@ def build_report(
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _commit_text(environment: Mapping[str, Any]) -> str:
-    """A session's commit, 12 hex digits, and ``(dirty)`` where it ran uncommitted changes."""
-    commit = str(environment.get("git_commit") or "unknown")[:12]
-    return f"{commit} (dirty)" if environment.get("git_dirty") else commit
-
-
 def _environment_line(environment: Mapping[str, Any]) -> str:
     """Where and how the sweep ran: device, ranks, workload, versions, commit (each a resumed sweep ran), repeats."""
     run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
@@ -726,7 +720,8 @@ def _environment_line(environment: Mapping[str, Any]) -> str:
     if environment.get("git_dirty"):
         code += " **with uncommitted changes**"
     sessions = environment.get("sessions") or []
-    commits = sorted({_commit_text(session) for session in sessions})
+    commits = sorted({str(x.get("git_commit") or "unknown")[:12] + (" (dirty)" if x.get("git_dirty") else "")
+                      for x in sessions})
     if len(commits) > 1:  # a resumed sweep whose sessions ran different code says so
         code += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(commits)}"
     return (f"- {device}; {cpu.get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "

@@ -186,33 +186,20 @@ LinkCell = tuple[str, Callable[[dict[str, Any], str], str]]
 """A column of ``published``'s or a link's numbers: its header and its cell of (row, the numbers' key prefix)."""
 
 
-def _step(row: dict[str, Any], name: str) -> str:
-    return f"{row[name + '_step_ms']:.0f} ms"
-
-
-def _share(row: dict[str, Any], name: str) -> str:
-    return f"{100 * row[name + '_share']:.1f} %"
-
-
-def _comm(row: dict[str, Any], name: str) -> str:
-    return f"{row[name + '_comm_ms']:.0f} ms"
-
-
-def _exposed(row: dict[str, Any], name: str) -> str:
-    return f"{row[name + '_exposed_ms']:.0f} ms"
+def _number(suffix: str, spec: str, scale: float = 1, unit: str = "") -> Callable[[dict[str, Any], str], str]:
+    """The cell of a row's ``<name><suffix>`` number, times ``scale``, in ``spec``, then ``unit``."""
+    return lambda row, name: f"{scale * row[name + suffix]:{spec}}{unit}"
 
 
 def _share_minus_published(row: dict[str, Any], name: str) -> str:
     return f"{100 * (row[name + '_share'] - row['published_share']):+.1f}"
 
 
-def _share_error(row: dict[str, Any], name: str) -> str:
-    return f"{100 * row[name + '_error']:.1f} pts"
-
-
-STEP: LinkCell = ("step", _step)
-SHARE: LinkCell = ("share", _share)
-PUBLISHED = [STEP, ("comm", _comm), SHARE]
+STEP: LinkCell = ("step", _number("_step_ms", ".0f", unit=" ms"))
+SHARE: LinkCell = ("share", _number("_share", ".1f", 100, " %"))
+EXPOSED: LinkCell = ("exposed", _number("_exposed_ms", ".0f", unit=" ms"))
+SHARE_ERROR: LinkCell = ("error", _number("_error", ".1f", 100, " pts"))
+PUBLISHED = [STEP, ("comm", _number("_comm_ms", ".0f", unit=" ms")), SHARE]
 
 
 def _columns(label: str, cells: Sequence[LinkCell]) -> list[Column]:
@@ -234,7 +221,7 @@ def _table(title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]]
 
 def _runs_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> list[str]:
     """One row per published run: what it printed, the prediction on each link, the unexplained time."""
-    compared = [STEP, ("exposed", _exposed), SHARE, ("share - published", _share_minus_published)]
+    compared = [STEP, EXPOSED, SHARE, ("share - published", _share_minus_published)]
     columns = [("strategy", _text("strategy")), ("bucket", _bucket), ("batch", _text("batch_size")),
                ("context", _text("seq_len")), *_columns("published", PUBLISHED), *_columns(labels[0], compared)]
     for label in labels[1:]:
@@ -273,7 +260,7 @@ def _summary_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> 
     columns = [("strategy", _text("strategy")), *_columns("published", PUBLISHED)]
     for label in labels:  # the share error on the compared link (and its variant with the published per-call cost)
         compared = label.startswith(labels[0])
-        columns += _columns(label, [STEP, SHARE, ("error", _share_error)] if compared else [STEP, SHARE])
+        columns += _columns(label, [STEP, SHARE, SHARE_ERROR] if compared else [STEP, SHARE])
     columns.append(("unexplained", _unexplained))
     return _table("Summary per strategy (batch 4 x context 512 left out)", columns, rows)
 

@@ -32,10 +32,8 @@ def parse_settings(text: str) -> dict[str, Any]:
 
 def settings_slug(settings: Mapping[str, Any]) -> str:
     """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"``; ``{}`` -> ``""``."""
-    slug = ""
-    for name, value in settings.items():
-        slug += "-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{format_bucket(value)}")
-    return slug
+    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{format_bucket(value)}")
+                   for name, value in settings.items())
 
 
 def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
