@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import itertools
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Union
 
@@ -199,43 +196,6 @@ def format_bucket(value: Any) -> str:
 def format_settings(settings: Mapping[str, Any]) -> str:
     """``{"rank": 4, "start_iter": 10}`` -> ``"rank=4 start_iter=10"``; ``{}`` -> ``""``."""
     return " ".join(f"{name}={format_bucket(value)}" for name, value in settings.items())
-
-
-def parse_settings(text: str) -> dict[str, Any]:
-    """The settings ``format_settings`` wrote; values read as JSON where they parse, else kept as text."""
-    settings: dict[str, Any] = {}
-    for item in (text or "").split():
-        name, _, value = item.partition("=")
-        try:
-            settings[name] = json.loads(value)
-        except ValueError:
-            settings[name] = value
-    return settings
-
-
-def settings_slug(settings: Mapping[str, Any]) -> str:
-    """The settings as a file-name fragment: ``{"rank": 4}`` -> ``"-rank4"``; ``{}`` -> ``""``."""
-    return "".join("-" + re.sub(r"[^A-Za-z0-9._]", "_", f"{name}{format_bucket(value)}")
-                   for name, value in settings.items())
-
-
-def setting_combinations(axes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """Every combination of ``{setting: [values]}``, the first setting varying slowest; ``[{}]`` for none."""
-    axes = axes or {}
-    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-
-
-def variant_label(strategy: str, bucket_size_mb: float | str | None = None, settings: str = "") -> str:
-    """A strategy with its bucket size and settings: ``bucketed_powersgd_ddp 4 MiB rank=4``, ``bucketed_ddp auto``."""
-    name = strategy
-    if bucket_size_mb not in (None, ""):
-        name += f" {format_bucket(bucket_size_mb)}" + (" MiB" if bucket_size_mb != "auto" else "")
-    return f"{name} {settings}" if settings else name
-
-
-def variant_strategy(variant: str) -> str:
-    """The strategy of a ``variant_label``: a name is an identifier, so it ends at the first space."""
-    return variant.split(" ", 1)[0]
 
 
 _SIMULATORS = "lightning_ddp.projection.simulators"

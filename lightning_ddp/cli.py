@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ddp import catalogue
+from lightning_ddp import catalogue, compat
 from lightning_ddp.callbacks.comm_timer import CommTimer
 from lightning_ddp.callbacks import FinalStepCheckpoint
 from lightning_ddp.metrics.recording import strategy_label
@@ -160,9 +160,9 @@ class LightningDDPCLI(LightningCLI):
         if isinstance(logger, (TensorBoardLogger, CSVLogger)):
             label = strategy_label(trainer.strategy)
             if logger.name == "lightning_logs":  # the loggers' default: no name was given
-                logger._name = label
+                compat.rename_logger(logger, label)
             elif "{strategy}" in logger.name:
-                logger._name = logger.name.replace("{strategy}", label)
+                compat.rename_logger(logger, logger.name.replace("{strategy}", label))
         return trainer
 
     @override

@@ -7,10 +7,11 @@ from __future__ import annotations
 import functools
 import subprocess
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 
 # ---- torch ---------------------------------------------------------------------------------------------
@@ -19,6 +20,21 @@ import torch.distributed as dist
 def profiler_enabled() -> bool:
     """Whether a torch profiler is recording right now (a flag read, ~0.1 us)."""
     return torch.autograd._profiler_enabled()
+
+
+def cuda_driver_version() -> int:
+    """The CUDA driver API version the driver supports, e.g. 12040 for CUDA 12.4."""
+    return torch._C._cuda_getDriverVersion()
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    """The tensors of ``state`` (nested lists, tuples and dicts), in the order ``map_tensors`` visits them."""
+    return [leaf for leaf in pytree.tree_leaves(state) if isinstance(leaf, torch.Tensor)]
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], state: Any) -> Any:
+    """``state`` with every tensor replaced by ``function(tensor)``, visited in one fixed order (torch's pytree)."""
+    return pytree.tree_map_only(torch.Tensor, function, state)
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older versions lack the new ones.
@@ -129,6 +145,27 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any]:
 def ddp_comm_hook(strategy: Any) -> Any:
     """The communication hook given to Lightning's ``DDPStrategy(ddp_comm_hook=...)``, ``None`` without one."""
     return getattr(strategy, "_ddp_comm_hook", None)
+
+
+def rename_logger(logger: Any, name: str) -> None:
+    """Give a ``TensorBoardLogger`` or ``CSVLogger`` the experiment name ``name`` before it writes anything (the
+    loggers take their name only in the constructor)."""
+    logger._name = name
+
+
+def strategy_setting(strategy: Any, name: str) -> Any:
+    """A Lightning strategy's value of the ``StrategyRegistry`` init argument ``name``, which Lightning keeps in the
+    private ``_<name>`` (``_start_method``) or the public ``<name>``; a unique sentinel where it has neither."""
+    return getattr(strategy, f"_{name}", getattr(strategy, name, object()))
+
+
+def redirect_through_forward(wrapper: torch.nn.Module, module: Any, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    """``module.<method_name>(*args, **kwargs)`` run inside ``wrapper``'s ``__call__`` (its forward hooks around the
+    step), as Lightning runs a step through ``DistributedDataParallel`` (``_ForwardRedirection``); ``wrapper`` may be
+    ``module`` itself."""
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    return _ForwardRedirection()(wrapper, module, method_name, *args, **kwargs)
 
 
 def drop_placeholder_hp_metric(logger: Any) -> None:

@@ -20,12 +20,12 @@ from lightning_ddp.bench.study import (
     NO_VALIDATION, Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve,
     provenance, read_timing_summary, run_ranks, run_study, table, text_cell, write_outputs,
 )
-from lightning_ddp.catalogue import format_settings, parse_settings
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
-from lightning_ddp.projection.tables import markdown_table
+from lightning_ddp.reporting.tables import markdown_table
+from lightning_ddp.reporting.variants import format_settings, parse_settings
 
-BASELINE = catalogue.DEFAULT_ENGINE
+FP32_BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
 
 
@@ -112,7 +112,7 @@ def _run_numbers(log_dir: Path) -> dict[str, Any]:
 
 def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, fp32's run then each variant's: ``runs[seed][name]`` and the fit arguments by cell name."""
-    runs_of = [(BASELINE, BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
+    runs_of = [(FP32_BASELINE, FP32_BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
     cells = {f"{name}, seed {seed}": [
         *fit_arguments_of(args, strategy_argument(algorithm, None, args.bucket_size_mb, settings)),
         "--seed_everything", str(seed), "--timer.every_n_steps", "1", *NO_VALIDATION,
@@ -183,11 +183,11 @@ def summarize(runs: dict[int, dict[str, dict[str, Any]]], errors: dict[str, list
                 **{key: statistics.median(runs[seed][name][key] for seed in seeds)
                    for key in ("bytes_per_step", "step_ms_median", "exposed_ms_median")}}
 
-    fp32_last = {seed: last_mean(seed, BASELINE) for seed in seeds}
-    fp32 = {**numbers(BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
-    out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": BASELINE, "fp32": fp32, "variants": {}}
+    fp32_last = {seed: last_mean(seed, FP32_BASELINE) for seed in seeds}
+    fp32 = {**numbers(FP32_BASELINE), "seed_spread": max(fp32_last.values()) - min(fp32_last.values())}
+    out: dict[str, Any] = {"seeds": seeds, "last_steps": last, "baseline": FP32_BASELINE, "fp32": fp32, "variants": {}}
     for name in variants:
-        gaps = [np.array(runs[seed][name]["loss"]) - np.array(runs[seed][BASELINE]["loss"]) for seed in seeds]
+        gaps = [np.array(runs[seed][name]["loss"]) - np.array(runs[seed][FP32_BASELINE]["loss"]) for seed in seeds]
         differences = [gap[-last:] for gap in gaps]
         draws = hierarchical_bootstrap(differences, samples, rng_for(seed, "loss gap", name), statistic=np.nanmean)
         lo, hi = percentile_interval(draws)
@@ -221,7 +221,7 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     errors, names = result["gradient_errors"], list(result["variants"])
     fig = Figure(figsize=(12, 4.2), layout="constrained")
     ax_loss, ax_err = fig.subplots(1, 2)
-    colors = {name: f"C{k}" for k, name in enumerate([BASELINE, *names])}
+    colors = {name: f"C{k}" for k, name in enumerate([FP32_BASELINE, *names])}
     for seed, by_name in runs.items():
         for name, run in by_name.items():
             label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
@@ -239,16 +239,23 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "loss_curves.png", dpi=110)
 
 
+COSTS = (("bytes communicated per step", "bytes_per_step", ".3g", 2**-20, " MiB"),
+         ("step time", "step_ms_median", ".1f", 1, " ms"),
+         ("exposed communication", "exposed_ms_median", ".1f", 1, " ms"))
+"""results.md's cost rows: title, results.json key, format, scale and unit."""
+
+
 def _markdown(result: dict[str, Any]) -> str:
     """results.md from what results.json holds; docs/benchmarks.md, "Compression benchmark", says how to read it."""
     s, config = result["summary"], result["config"]
     fp32, last, variants = s["fp32"], s["last_steps"], s["variants"]
     names = list(result["variants"])
     seeds = [str(seed) for seed in s["seeds"]]
-    per_seed = [Column("seed", lambda seed: seed),
-                Column(f"fp32 (`{BASELINE}`)", lambda seed: f"{fp32['loss_last_mean'][seed]:.3f}"),
-                *(Column(f"`{n}` (- fp32)", lambda seed, v=variants[n]:
-                         f"{v['loss_last_mean'][seed]:.3f} ({v['minus_fp32'][seed]:+.3f})") for n in names)]
+    per_seed = []  # a row per seed: fp32's mean loss, and each variant's with its difference
+    for seed in seeds:
+        losses = [f"{variants[n]['loss_last_mean'][seed]:.3f} ({variants[n]['minus_fp32'][seed]:+.3f})" for n in names]
+        per_seed.append([seed, f"{fp32['loss_last_mean'][seed]:.3f}", *losses])
+    per_seed_header = ["seed", f"fp32 (`{FP32_BASELINE}`)", *(f"`{n}` (- fp32)" for n in names)]
     rows = [{"variant": f"`{n}`", "spread": fp32["seed_spread"], **variants[n]} for n in names]
     gaps = [Column("variant", text_cell("variant"), "l"),
             Column("loss - fp32 [95 %]", interval_cell("minus_fp32_mean", "+.3f", bounds="minus_fp32")),
@@ -260,13 +267,15 @@ def _markdown(result: dict[str, Any]) -> str:
               Column("largest", interval_cell("relative_gradient_error_max", ".3f", scale=100, unit=" %")),
               Column("largest absolute error", text_cell("absolute_gradient_error_max", ".3g"))]
     runs = {"fp32": fp32, **{f"`{n}`": variants[n] for n in names}}
-    costs = [[label, *(interval_text(run[key], spec=spec, scale=scale, unit=unit)
-                       + (f" ({run[key] / fp32[key]:.3g}x)" if fp32[key] and run is not fp32 else "")
-                       for run in runs.values())]
-             for label, key, spec, scale, unit in (
-                 ("bytes communicated per step", "bytes_per_step", ".3g", 2**-20, " MiB"),
-                 ("step time", "step_ms_median", ".1f", 1, " ms"),
-                 ("exposed communication", "exposed_ms_median", ".1f", 1, " ms"))]
+    costs = []  # a row per cost, a column per run: its value, and its ratio to fp32's
+    for label, key, spec, scale, unit in COSTS:
+        row = [label]
+        for run in runs.values():
+            text = interval_text(run[key], spec=spec, scale=scale, unit=unit)
+            if fp32[key] and run is not fp32:
+                text += f" ({run[key] / fp32[key]:.3g}x)"
+            row.append(text)
+        costs.append(row)
     return "\n".join([
         f"# Lossy gradient communication vs fp32: {', '.join(f'`{n}`' for n in names)}; {config['steps']} steps, "
         f"2 ranks, bucket {config['bucket_size_mb']:g} MiB, seed {', '.join(seeds)}", "",
@@ -276,7 +285,7 @@ def _markdown(result: dict[str, Any]) -> str:
                         [[f"`{n}`", format_settings(v["effective_settings"]) or "-"]
                          for n, v in result["variants"].items()], "ll"), "",
         f"## Loss: mean train/loss over the last {last} steps, per seed", "",
-        *table(per_seed, seeds), "",
+        *markdown_table(per_seed_header, per_seed, "r" * len(per_seed_header)), "",
         f"The gap to fp32 pooled over every seed, with its 95 % interval; every run of a seed starts from the same "
         f"weights and data order (first fp32 loss {fp32['loss_first']:.3f}).", "",
         *table(gaps, rows), "",

@@ -11,7 +11,9 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_ddp import catalogue  # the standard library only: no torch import
 from lightning_ddp.bench.launch import REFERENCE
-from lightning_ddp.catalogue import format_bucket, format_settings, settings_slug, variant_label, variant_strategy
+from lightning_ddp.reporting.variants import (
+    format_bucket, format_settings, setting_combinations, settings_slug, variant_label, variant_strategy,
+)
 
 
 def strategy_with_memory_model(model: str) -> str:
@@ -26,7 +28,7 @@ def has_bucket_axis(variant: str) -> bool:
     return strategy != REFERENCE and catalogue.get(strategy).has_bucket_size
 
 
-BASELINE = "ddp"
+DDP_BASELINE = "ddp"
 """Lightning's DDP, always in the grid: the yardstick of the first performance goal."""
 
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -58,7 +60,7 @@ class GridConfig:
     that have a bucket size, e.g. ``bucketed_ddp``)."""
 
     strategies: list[str] = field(default_factory=lambda: [
-        *(entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact), BASELINE])
+        *(entry.name for entry in catalogue.STRATEGIES.values() if entry.is_engine and entry.exact), DDP_BASELINE])
     """Strategies to compare (catalogue names); ``ddp`` and the one-process ``reference`` are always added."""
     batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """Per-rank batch sizes (``--data.batch_size``); the global batch is this times the number of ranks."""
@@ -116,7 +118,7 @@ def _check_settings(name: str, settings: Any) -> dict[str, list[Any]]:
             raise ValueError(
                 f"{where}.{setting} must be a non-empty list of values, e.g. `{setting}: [1, 4]`; got {values!r}")
     try:
-        for combination in catalogue.setting_combinations(settings):
+        for combination in setting_combinations(settings):
             catalogue.get(name).check_settings(combination)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from None
@@ -300,8 +302,8 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     bucket sizes and its ``grid.engine_settings`` combinations."""
     grid = config.grid
     listed = [s for s in grid.strategies if s != REFERENCE]
-    if BASELINE not in listed:
-        listed.append(BASELINE)
+    if DDP_BASELINE not in listed:
+        listed.append(DDP_BASELINE)
     # the sweep settings that change what a cell measures (not: out_dir, timeout, launcher, repeats, load guard,
     # report options); json.dumps sorts every dict's keys, so the hash does not depend on their order
     measured = ("accelerator", "devices", "backend", "warmup_steps", "steps", "threads_per_rank", "env")
@@ -310,8 +312,9 @@ def expand_grid(config: SweepConfig) -> list[Cell]:
     variants: list[tuple[str, float | str | None, dict[str, Any]]] = [(REFERENCE, None, {})]
     for strategy in listed:
         sizes = grid.bucket_sizes_mb if has_bucket_axis(strategy) else [None]
-        variants.extend((strategy, size, settings) for size in sizes
-                        for settings in catalogue.setting_combinations(grid.engine_settings.get(strategy)))
+        for size in sizes:
+            for settings in setting_combinations(grid.engine_settings.get(strategy)):
+                variants.append((strategy, size, settings))
     cells = []
     for precision, batch_size, context_length in product(grid.precisions, grid.batch_sizes, grid.context_lengths):
         for strategy, bucket, settings in variants:

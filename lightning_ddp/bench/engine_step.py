@@ -144,14 +144,21 @@ def _measure_ranks(rank: int, world: int, args: EngineStepConfig) -> dict[str, d
     return measured
 
 
+def _timed_cell(kind: str, keys: tuple[str, str, str], spec: str) -> Callable[[dict[str, Any]], str]:
+    """A cell writing one of a row's ``kind`` (wall or CPU) numbers with its interval: ``keys`` are (point, lo, hi)."""
+    def cell(row: dict[str, Any]) -> str:
+        point, lo, hi = (row[kind][key] for key in keys)
+        return interval_text(point, lo, hi, spec)
+
+    return cell
+
+
 def _markdown(result: dict[str, Any]) -> str:
     """engine_step.md: per variant, the wall and CPU time per step and their ratios to ddp's."""
     columns = [Column("variant", text_cell("variant"), "l")]
     for kind, title in (("wall", "wall ms per step (max over ranks)"), ("cpu", "CPU ms per step (both ranks)")):
-        columns += [Column(f"{title} [95 %]", lambda row, k=kind: interval_text(
-                        row[k]["median_ms"], row[k]["lo_ms"], row[k]["hi_ms"], ".1f")),
-                    Column("/ ddp [95 %]", lambda row, k=kind: interval_text(
-                        row[k]["ratio_vs_ddp"], row[k]["ratio_lo"], row[k]["ratio_hi"], ".3f"))]
+        columns += [Column(f"{title} [95 %]", _timed_cell(kind, ("median_ms", "lo_ms", "hi_ms"), ".1f")),
+                    Column("/ ddp [95 %]", _timed_cell(kind, ("ratio_vs_ddp", "ratio_lo", "ratio_hi"), ".3f"))]
     return f"Command: `{result['command']}`\n\n" + "\n".join(table(columns, result["rows"])) + "\n"
 
 

@@ -73,11 +73,12 @@ def rank_layout(accelerator: str, devices: int, backend: str = "auto", launcher:
     """The backend and the rank placement (``backend: auto`` resolved here): gloo on CPU, nccl with a GPU per rank,
     else gloo with each rank a one-GPU "node" (needs ``launcher: ranks``); see docs/benchmarks.md."""
     if accelerator == "cpu":
-        return RankLayout("gloo", devices, 1)
+        return RankLayout(backend="gloo", devices_per_node=devices, num_nodes=1)
     if gpu_count < 1:
         raise ValueError("`run.accelerator: cuda` but no GPU is visible; use `run.accelerator: cpu` on this machine")
     if gpu_count >= devices:
-        return RankLayout("nccl" if backend in ("auto", "nccl") else "gloo", devices, 1)
+        return RankLayout(backend="nccl" if backend in ("auto", "nccl") else "gloo", devices_per_node=devices,
+                          num_nodes=1)
     if backend == "nccl":
         raise ValueError(
             f"`run.backend: nccl` with {devices} ranks on {gpu_count} GPU(s): NCCL refuses two ranks on one GPU; "
@@ -90,7 +91,8 @@ def rank_layout(accelerator: str, devices: int, backend: str = "auto", launcher:
         )
     ids = [g.strip() for g in visible_gpus.split(",")] if visible_gpus else [str(i) for i in range(gpu_count)]
     ids = ids[:gpu_count]
-    return RankLayout("gloo", 1, devices, tuple(ids[r % len(ids)] for r in range(devices)))
+    return RankLayout(backend="gloo", devices_per_node=1, num_nodes=devices,
+                      gpu_of_rank=tuple(ids[r % len(ids)] for r in range(devices)))
 
 
 def base_environment(threads: int | None = None, extra: Mapping[str, str] | None = None,
@@ -164,6 +166,7 @@ def _die_with_the_parent() -> None:
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to ``proc``'s process group; one that has already gone is no error."""
     try:
         os.killpg(proc.pid, sig)  # the process's own session: it and whatever it started (Lightning's ranks)
     except (ProcessLookupError, PermissionError):
@@ -209,7 +212,8 @@ def run_processes(command: list[str], envs: list[dict[str, str]], log_paths: lis
                 proc.wait()
         for f in files:
             f.close()
-    return ProcessResult([p.returncode for p in procs], timed_out, set(alive), first_failed, time.monotonic() - start)
+    return ProcessResult(returncodes=[p.returncode for p in procs], timed_out=timed_out, killed_by_us=set(alive),
+                         first_failed=first_failed, wall_s=time.monotonic() - start)
 
 
 def is_oom(text: str) -> bool:

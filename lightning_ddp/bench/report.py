@@ -8,19 +8,18 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from lightning_ddp import catalogue, files
-from lightning_ddp.bench.config import BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
+from lightning_ddp.bench.config import DDP_BASELINE, REFERENCE, has_bucket_axis, strategy_with_memory_model
 from lightning_ddp.bench.stats import (
     Bootstrapper, Estimate, geometric_mean_draws, interval_text, pooled_median, pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
-from lightning_ddp.bench.study import read_csv
-from lightning_ddp.catalogue import format_bucket, variant_label, variant_strategy
-from lightning_ddp.projection.tables import csv_text, markdown_table
+from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
+from lightning_ddp.reporting.variants import format_bucket, variant_label, variant_strategy
 
 Row = dict[str, Any]
 RepeatKey = tuple[str, int]
@@ -80,9 +79,21 @@ class Measured:
     def estimate(self, column: int) -> Estimate:
         return Estimate.of(self.point[column], self.draws[:, column])
 
-    def ratio(self, other: Measured, column: int) -> tuple[float, np.ndarray]:
-        """This over ``other`` in ``column``: the point and the draws (paired by their resampled steps)."""
-        return self.point[column] / other.point[column], self.draws[:, column] / other.draws[:, column]
+    def ratio(self, other: Measured, column: int) -> Ratio:
+        """This over ``other`` in ``column``, draw by draw (paired by their resampled steps)."""
+        return Ratio(self.point[column] / other.point[column], self.draws[:, column] / other.draws[:, column])
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A goal's ratio of pooled medians: the ``point`` and one value per bootstrap draw (its 95 % interval)."""
+
+    point: float
+    draws: np.ndarray = field(repr=False, compare=False)
+
+    @property
+    def estimate(self) -> Estimate:
+        return Estimate.of(self.point, self.draws)
 
 
 @dataclass
@@ -98,6 +109,14 @@ class CellData:
     def ok_repeats(self) -> list[int]:
         """Indices of the ok repeats that have measured steps, ascending."""
         return sorted(k for k, rows in self.steps.items() if rows)
+
+    def metric_keys(self) -> list[str]:
+        """The metric keys of the ok repeats' steps, in first-seen order."""
+        keys: dict[str, None] = {}
+        for k in self.ok_repeats:
+            for step in self.steps[k]:
+                keys.update(dict.fromkeys(key for key in step if key not in STEP_ID_COLUMNS))
+        return list(keys)
 
     def values(self, keys: Sequence[str], repeats: Iterable[int] | None = None) -> list[np.ndarray]:
         """One ``(steps, len(keys))`` array per ok repeat of ``repeats`` (default all); NaN for a missing key."""
@@ -131,12 +150,23 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
     return cells
 
 
-def load_tally(repeat_rows: Sequence[Row]) -> tuple[int, int, float, list[float]]:
-    """The load guard over repeats.csv rows: repeats started busy, repeats guarded, seconds waited, load averages."""
+@dataclass(frozen=True)
+class LoadTally:
+    """What the load guard saw over some repeats.csv rows."""
+
+    busy: int  # repeats that started on a busy machine (after the guard's longest wait)
+    guarded: int  # repeats the guard sampled (the others ran with it off, or where it cannot read the CPU)
+    waited_s: float  # seconds the guard waited for an idle machine, in all
+    loads: list[float]  # the 1-minute load averages recorded
+
+
+def load_tally(repeat_rows: Sequence[Row]) -> LoadTally:
+    """The load guard over repeats.csv rows."""
     guarded = [r for r in repeat_rows if r.get("busy") not in (None, "")]
     loads = [r["load_avg_1m"] for r in repeat_rows if isinstance(r.get("load_avg_1m"), (int, float))]
     waited = sum(r.get("waited_s") or 0.0 for r in guarded)
-    return sum(1 for r in guarded if r["busy"] is True), len(guarded), waited, loads
+    return LoadTally(busy=sum(1 for r in guarded if r["busy"] is True), guarded=len(guarded), waited_s=waited,
+                     loads=loads)
 
 
 def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
@@ -146,7 +176,10 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     run = data.repeats
     ok = data.ok_repeats
     failed = [r for r in run if r["status"] != "ok"]
-    row["status"] = "ok" if ok else (run[-1]["status"] if run else "")
+    if ok:
+        row["status"] = "ok"
+    elif run:
+        row["status"] = run[-1]["status"]  # the last repeat's, where none was ok
     if failed:
         first = failed[0]
         more = f" ({len(failed)} of {len(run)} repeats not ok)" if len(run) > 1 else ""
@@ -156,10 +189,10 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
         repeats_run=len(run),
         wall_s=round(sum(r.get("wall_s") or 0.0 for r in run), 1),
     )
-    busy, guarded, waited, loads = load_tally(run)
-    row["load_avg_1m"] = max(loads) if loads else ""
-    if guarded:
-        row.update(busy_repeats=busy, waited_s=round(waited, 1))
+    tally = load_tally(run)
+    row["load_avg_1m"] = max(tally.loads, default="")
+    if tally.guarded:
+        row.update(busy_repeats=tally.busy, waited_s=round(tally.waited_s, 1))
     resolved = [r["resolved_bucket_size_mb"] for r in run
                 if r["status"] == "ok" and isinstance(r.get("resolved_bucket_size_mb"), (int, float))]
     if resolved:
@@ -167,7 +200,7 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     if not ok:
         return row
 
-    keys = list(dict.fromkeys(key for k in ok for step in data.steps[k] for key in step if key not in STEP_ID_COLUMNS))
+    keys = data.metric_keys()
     values = data.values(keys)
     medians = dict(zip(keys, np.atleast_1d(pooled_median(values))))
     if "step/time_ms" in medians:
@@ -186,13 +219,18 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     if "memory/peak_MiB" in medians:
         peak = np.nanmax(np.concatenate([v[:, keys.index("memory/peak_MiB")] for v in values]))
         row["peak_memory_MiB"] = float(peak) if math.isfinite(peak) else ""
-    return {k: ("" if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    for column, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            row[column] = ""  # an empty CSV cell, not "nan"
+    return row
 
 
 # ---- reading and writing ----------------------------------------------------------------------------------
 
 
 def _parse_value(column: str, value: Any) -> Any:
+    """One CSV cell read back: a number in ``NUMERIC_COLUMNS`` (``None`` when empty), ``busy`` a bool, a bucket size a
+    float or ``"auto"``, anything else its text."""
     if column in NUMERIC_COLUMNS:
         if value in ("", None):
             return None
@@ -238,9 +276,12 @@ def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[st
     rows = list(rows)
     if columns is None:
         columns = [*STEP_ID_COLUMNS, *dict.fromkeys(key for row in rows for key in row if key not in STEP_ID_COLUMNS)]
-    cells = ({**row, "bucket_size_mb": format_bucket(row["bucket_size_mb"])} if row.get("bucket_size_mb") else row
-             for row in rows)
-    files.write_atomically(path, csv_text(cells, columns))
+    written = []
+    for row in rows:
+        if row.get("bucket_size_mb"):
+            row = {**row, "bucket_size_mb": format_bucket(row["bucket_size_mb"])}
+        written.append(row)
+    files.write_atomically(path, csv_text(written, columns))
 
 
 # ---- the analysis: best bucket sizes, goals, verdicts -------------------------------------------------------
@@ -248,8 +289,14 @@ def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[st
 
 Group = tuple[str, int, int]
 
+FASTER_THAN_DDP_TARGET = 1.0
+"""Goal 1: an algorithm at its best bucket size takes no longer a step than torch DDP."""
 ACROSS_GROUPS_TARGET = 0.95
-"""Target of the geometric mean over groups of (best / ddp) step time: 5 % faster than torch DDP."""
+"""Goal 1 across groups: the geometric mean over groups of (best / ddp) step time, 5 % faster than torch DDP."""
+HIDDEN_SHARE_TARGET = 1 / 3
+"""Goal 2: overlapping leaves at most a third of naive's exposed communication share."""
+NEAR_THE_FLOOR_TARGET = 1.10
+"""Goal 3: the best bucketed step within 10 % of its floor, max(the one-process step, the busy communication)."""
 
 NOT_MEASURABLE = "not measurable"
 
@@ -262,18 +309,20 @@ def variant_of(row: Row) -> str:
 
 def strategy_order(names: Iterable[str]) -> list[str]:
     """``names`` deduplicated, in report order: the reference, the catalogue's, ``ddp``, unknown ones; else as seen."""
-    known = [REFERENCE, *[s for s in catalogue.names() if s != BASELINE], BASELINE]
+    known = [REFERENCE, *[s for s in catalogue.names() if s != DDP_BASELINE], DDP_BASELINE]
     position = {s: i for i, s in enumerate(known)}
     present = list(dict.fromkeys(names))
     return sorted(present, key=lambda name: position.get(variant_strategy(name), len(known)))  # stable sort
 
 
 def panels(groups: Iterable[Group]) -> list[tuple[str, int, list[int]]]:
-    """``(precision, batch, contexts)`` of the groups, as tables and plots show them: contexts ascending."""
-    groups = list(groups)
-    return [(precision, batch, sorted({g[2] for g in groups if g[:2] == (precision, batch)}))
-            for precision in dict.fromkeys(g[0] for g in groups)
-            for batch in dict.fromkeys(g[1] for g in groups if g[0] == precision)]
+    """``(precision, batch, contexts)`` of the groups, as tables and plots show them: precisions and batch sizes in
+    first-seen order, precision first; contexts ascending."""
+    contexts: dict[str, dict[int, set[int]]] = {}  # precision -> batch -> contexts
+    for precision, batch, context in groups:
+        contexts.setdefault(precision, {}).setdefault(batch, set()).add(context)
+    return [(precision, batch, sorted(of_batch))
+            for precision, by_batch in contexts.items() for batch, of_batch in by_batch.items()]
 
 
 def is_ok(row: Row | None) -> bool:
@@ -302,23 +351,28 @@ class Selection:
 
 @dataclass(frozen=True)
 class GoalCheck:
-    """One goal (in words) on one group, or goal 1 of one ``algorithm`` across ``groups`` groups (``group`` empty):
-    the ratio ``point`` and its ``draws`` (None: not measurable) against ``target``; ``in_sample``: inconclusive."""
+    """One goal on one group, or goal 1 of one ``algorithm`` across groups: its ratio against ``target``."""
 
     group: Group | tuple[()]
+    """``(precision, batch, context)``; empty for goal 1 across groups."""
     goal: str
+    """The goal in words, e.g. ``1. bucketed_ddp (best) step time / ddp step time``."""
     target: float
     note: str = ""
-    point: float | None = None
-    draws: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """What the ratio was measured on (the best size and its repeats), or why it could not be."""
+    ratio: Ratio | None = None
+    """``None``: not measurable (a needed cell has no ok repeat)."""
     in_sample: bool = False
+    """The best bucket size had no evaluation repeat: the verdict is inconclusive."""
     algorithm: str = ""
+    """The algorithm of goal 1 and 3; empty for goal 2."""
     groups: int = 1
+    """How many groups the ratio is over (goal 1 across groups: the measurable ones)."""
 
     @property
     def estimate(self) -> Estimate | None:
         """The ratio and its 95 % interval; ``None`` when not measurable."""
-        return None if self.draws is None else Estimate.of(self.point, self.draws)
+        return None if self.ratio is None else self.ratio.estimate
 
     @property
     def verdict(self) -> str:
@@ -338,16 +392,20 @@ class Analysis:
         self.groups: dict[Group, list[Row]] = {}  # by (precision, batch_size, context_length), in first-seen order
         for row in self.rows:
             self.groups.setdefault((row["precision"], row["batch_size"], row["context_length"]), []).append(row)
-        # per group, its algorithms with buckets (variants), in report order
-        self.algorithms = {group: list(filter(has_bucket_axis, strategy_order(variant_of(r) for r in members)))
-                           for group, members in self.groups.items()}
-        chosen = {(group, strategy): self._select([r for r in self.groups[group] if variant_of(r) == strategy])
-                  for group, algorithms in self.algorithms.items() for strategy in algorithms}
-        self.selections = {key: selection for key, selection in chosen.items() if selection is not None}
+        self.algorithms: dict[Group, list[str]] = {}  # per group, its algorithms with buckets, in report order
+        self.selections: dict[tuple[Group, str], Selection] = {}  # the best bucket size of each that has an ok cell
+        for group, members in self.groups.items():
+            self.algorithms[group] = [v for v in strategy_order(variant_of(r) for r in members) if has_bucket_axis(v)]
+            for algorithm in self.algorithms[group]:
+                selection = self._select([row for row in members if variant_of(row) == algorithm])
+                if selection is not None:
+                    self.selections[(group, algorithm)] = selection
+        self.goals: list[GoalCheck] = []
         with np.errstate(divide="ignore", invalid="ignore"):
-            self.goals = [check for group, members in self.groups.items() for check in self._goals(group, members)]
+            for group, members in self.groups.items():
+                self.goals += self._goals(group, members)
             algorithms = strategy_order(variant_of(r) for r in self.rows if has_bucket_axis(r["strategy"]))
-            self.across = [self._across(a) for a in algorithms]
+            self.across = [self._across(algorithm) for algorithm in algorithms]
 
     def measured(self, row: Row | None) -> Measured | None:
         """An ok ``row``'s cell over every ok repeat (its results.csv numbers); ``None`` for any other."""
@@ -364,62 +422,85 @@ class Analysis:
             value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
             return value if math.isfinite(value) else math.inf
 
-        with_selection = [(row, evens) for row, ok in candidates if (evens := [k for k in ok if k % 2 == 0])]
+        with_selection = []  # (row, its even repeats): the candidates that can be chosen out of sample
+        for row, ok in candidates:
+            evens = [k for k in ok if k % 2 == 0]
+            if evens:
+                with_selection.append((row, evens))
         # every even repeat failed: nothing to choose on out of sample; of equal medians, min keeps the first row
-        row, chosen_on = min(with_selection or candidates, key=lambda c: median_on(*c))
+        row, chosen_on = min(with_selection or candidates, key=lambda candidate: median_on(*candidate))
         evaluation = [k for k in self.data[row["cell_id"]].ok_repeats if k % 2 == 1] if with_selection else []
         evaluated = self.data[row["cell_id"]].measured(self.bootstrap, evaluation or None)
         assert evaluated is not None  # the row has ok repeats
-        return Selection(row, tuple(chosen_on), median_on(row, chosen_on), evaluated, not evaluation, len(candidates))
+        return Selection(row=row, selection_repeats=tuple(chosen_on), selection_step_ms=median_on(row, chosen_on),
+                         evaluated=evaluated, in_sample=not evaluation, candidates=len(candidates))
 
     def _goals(self, group: Group, rows: list[Row]) -> list[GoalCheck]:
         """Goal 1 for bucketed and every other algorithm with buckets, goal 2 twice, goal 3 (docs/benchmarks.md)."""
-        # The goals' strategies, by what they keep: per-tensor blocking, per-tensor overlapping, and buckets.
-        naive_name, overlap_name = strategy_with_memory_model("none"), strategy_with_memory_model("per_tensor")
+        cells: dict[str, Row] = {}  # each variant's first row
+        for row in rows:
+            cells.setdefault(variant_of(row), row)
         bucketed = catalogue.DEFAULT_ENGINE
-        naive, overlap, ddp, reference = (next((r for r in rows if variant_of(r) == s), None)
-                                          for s in (naive_name, overlap_name, BASELINE, REFERENCE))
-        m_naive, m_overlap, m_ddp, m_reference = map(self.measured, (naive, overlap, ddp, reference))
-        checks = []
-        for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]:
-            goal = f"1. {algorithm} (best) step time / ddp step time"
-            selection = self.selections.get((group, algorithm))
-            if selection is not None and m_ddp is not None:
-                checks.append(GoalCheck(group, goal, 1.0, _selection_note(selection),
-                                        *selection.evaluated.ratio(m_ddp, STEP), selection.in_sample, algorithm))
-            else:
-                note = _missing(ddp, "ddp") if selection else f"no ok {algorithm} cell"
-                checks.append(GoalCheck(group, goal, 1.0, note=note, algorithm=algorithm))
-
+        checks = [self._faster_than_ddp(group, algorithm, cells.get(DDP_BASELINE))
+                  for algorithm in [bucketed, *[s for s in self.algorithms[group] if s != bucketed]]]
+        # goal 2's strategies, by what they keep: per-tensor blocking against per-tensor overlapping and buckets
+        naive = strategy_with_memory_model("none")
+        overlap = strategy_with_memory_model("per_tensor")
         best = self.selections.get((group, bucketed))
-        for name, measured in ((overlap_name, m_overlap), (f"{bucketed} (best)", best and best.evaluated)):
-            goal = f"2. {name} comm share / {naive_name} comm share"
-            of_best = name != overlap_name
-            if m_naive is None or not m_naive.point[SHARE] > 0:
-                note = _missing(naive, naive_name) if m_naive is None else f"{naive_name} comm share is 0 or missing"
-                checks.append(GoalCheck(group, goal, 1 / 3, note=note))
-            elif measured is None or not math.isfinite(measured.point[SHARE]):
-                note = f"no ok {bucketed} cell" if of_best else _missing(overlap, overlap_name)
-                checks.append(GoalCheck(group, goal, 1 / 3, note=note))
-            else:
-                note = _selection_note(best) if of_best and best else ""
-                checks.append(GoalCheck(group, goal, 1 / 3, note, *measured.ratio(m_naive, SHARE),
-                                        of_best and best is not None and best.in_sample))
-
-        goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
-        if best is not None and m_reference is not None:
-            top = best.evaluated
-            busy_point = top.point[BUSY] if math.isfinite(top.point[BUSY]) else 0.0
-            floor_point = max(float(m_reference.point[STEP]), float(busy_point))
-            floor_draws = np.fmax(m_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
-            bound = "compute" if m_reference.point[STEP] >= busy_point else "communication"
-            note = f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})"
-            checks.append(GoalCheck(group, goal, 1.10, note, top.point[STEP] / floor_point,
-                                    top.draws[:, STEP] / floor_draws, best.in_sample, bucketed))
-        else:
-            note = _missing(reference, REFERENCE) if best else f"no ok {bucketed} cell"
-            checks.append(GoalCheck(group, goal, 1.10, note=note))
+        checks.append(self._share_hidden(group, cells.get(naive), overlap, self.measured(cells.get(overlap)),
+                                         _missing(cells.get(overlap), overlap), selection=None))
+        checks.append(self._share_hidden(group, cells.get(naive), f"{bucketed} (best)", best and best.evaluated,
+                                         f"no ok {bucketed} cell", selection=best))
+        checks.append(self._near_the_floor(group, bucketed, cells.get(REFERENCE)))
         return checks
+
+    def _faster_than_ddp(self, group: Group, algorithm: str, ddp: Row | None) -> GoalCheck:
+        """Goal 1: ``algorithm`` at its best bucket size (evaluation repeats) over ``ddp``'s step time."""
+        goal = f"1. {algorithm} (best) step time / ddp step time"
+        selection = self.selections.get((group, algorithm))
+        measured_ddp = self.measured(ddp)
+        if selection is None or measured_ddp is None:
+            note = f"no ok {algorithm} cell" if selection is None else _missing(ddp, "ddp")
+            return GoalCheck(group=group, goal=goal, target=FASTER_THAN_DDP_TARGET, note=note, algorithm=algorithm)
+        return GoalCheck(group=group, goal=goal, target=FASTER_THAN_DDP_TARGET, note=_selection_note(selection),
+                         ratio=selection.evaluated.ratio(measured_ddp, STEP), in_sample=selection.in_sample,
+                         algorithm=algorithm)
+
+    def _share_hidden(self, group: Group, naive: Row | None, name: str, measured: Measured | None, missing: str,
+                      selection: Selection | None) -> GoalCheck:
+        """Goal 2: ``name``'s exposed communication share (``measured``; ``missing`` says why there is none) over
+        naive's; ``selection``: the best bucket size it is measured at."""
+        naive_name = strategy_with_memory_model("none")
+        goal = f"2. {name} comm share / {naive_name} comm share"
+        measured_naive = self.measured(naive)
+        if measured_naive is None or not measured_naive.point[SHARE] > 0:
+            note = _missing(naive, naive_name) if measured_naive is None else f"{naive_name} comm share is 0 or missing"
+            return GoalCheck(group=group, goal=goal, target=HIDDEN_SHARE_TARGET, note=note)
+        if measured is None or not math.isfinite(measured.point[SHARE]):
+            return GoalCheck(group=group, goal=goal, target=HIDDEN_SHARE_TARGET, note=missing)
+        return GoalCheck(group=group, goal=goal, target=HIDDEN_SHARE_TARGET,
+                         note=_selection_note(selection) if selection else "",
+                         ratio=measured.ratio(measured_naive, SHARE),
+                         in_sample=selection is not None and selection.in_sample)
+
+    def _near_the_floor(self, group: Group, bucketed: str, reference: Row | None) -> GoalCheck:
+        """Goal 3: ``bucketed``'s best step over its floor, the slower of the one-process ``reference`` step (the
+        compute) and its own busy communication (the wire)."""
+        goal = f"3. {bucketed} (best) step time / max(reference step, busy comm)"
+        best = self.selections.get((group, bucketed))
+        measured_reference = self.measured(reference)
+        if best is None or measured_reference is None:
+            note = f"no ok {bucketed} cell" if best is None else _missing(reference, REFERENCE)
+            return GoalCheck(group=group, goal=goal, target=NEAR_THE_FLOOR_TARGET, note=note)
+        top = best.evaluated
+        busy_point = top.point[BUSY] if math.isfinite(top.point[BUSY]) else 0.0
+        floor_point = max(float(measured_reference.point[STEP]), float(busy_point))
+        floor_draws = np.fmax(measured_reference.draws[:, STEP], top.draws[:, BUSY])  # fmax: a missing busy is no floor
+        bound = "compute" if measured_reference.point[STEP] >= busy_point else "communication"
+        ratio = Ratio(top.point[STEP] / floor_point, top.draws[:, STEP] / floor_draws)
+        return GoalCheck(group=group, goal=goal, target=NEAR_THE_FLOOR_TARGET,
+                         note=f"{_selection_note(best)}; floor {floor_point:,.1f} ms ({bound})", ratio=ratio,
+                         in_sample=best.in_sample, algorithm=bucketed)
 
     def _across(self, algorithm: str) -> GoalCheck:
         """Goal 1 of ``algorithm`` over every group: the geometric mean of (best / ddp); ``note``: verdict counts."""
@@ -427,14 +508,17 @@ class Analysis:
         counts = " / ".join(str(count) for count in _verdict_counts(checks).values())
         note = f"groups <= 1.00 met / missed / inconclusive / not measurable: {counts}"
         goal = f"1. {algorithm} (best) / ddp step time, geometric mean over groups"
-        measurable = [c for c in checks if c.draws is not None]
-        if not measurable:
-            return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm, groups=0)
-        point = np.exp(np.mean(np.log([c.point for c in measurable])))
-        in_sample = any(c.in_sample for c in measurable)
-        return GoalCheck((), goal, ACROSS_GROUPS_TARGET, note + ("; some best size in-sample" if in_sample else ""),
-                         point, geometric_mean_draws([c.draws for c in measurable]), in_sample, algorithm,
-                         len(measurable))
+        ratios = [c.ratio for c in checks if c.ratio is not None]
+        if not ratios:
+            return GoalCheck(group=(), goal=goal, target=ACROSS_GROUPS_TARGET, note=note, algorithm=algorithm,
+                             groups=0)
+        in_sample = any(c.in_sample for c in checks if c.ratio is not None)
+        if in_sample:
+            note += "; some best size in-sample"
+        geometric_mean = Ratio(np.exp(np.mean(np.log([r.point for r in ratios]))),
+                               geometric_mean_draws([r.draws for r in ratios]))
+        return GoalCheck(group=(), goal=goal, target=ACROSS_GROUPS_TARGET, note=note, ratio=geometric_mean,
+                         in_sample=in_sample, algorithm=algorithm, groups=len(ratios))
 
 
 # ---- results.md ---------------------------------------------------------------------------------------
@@ -462,7 +546,7 @@ def _missing(row: Row | None, name: str) -> str:
 
 _STRATEGY_TITLES = {
     REFERENCE: "reference (1 process, no communication)",
-    BASELINE: "ddp (Lightning / torch DDP)",
+    DDP_BASELINE: "ddp (Lightning / torch DDP)",
 }
 
 
@@ -491,6 +575,7 @@ def _title(variant: str, size: Any) -> str:
 
 
 def _strategy_tables(analysis: Analysis) -> list[str]:
+    """Per precision and batch size, one table: a row per variant and bucket size, a column per context."""
     lines = []
     selected = {s.row["cell_id"] for s in analysis.selections.values()}
     for precision, batch, contexts in panels(analysis.groups):
@@ -498,15 +583,21 @@ def _strategy_tables(analysis: Analysis) -> list[str]:
         for context in contexts:
             for row in analysis.groups[(precision, batch, context)]:
                 cells.setdefault((variant_of(row), row["bucket_size_mb"], context), row)
-        variants = list(dict.fromkeys(key[:2] for key in cells))
-        order = strategy_order(strategy for strategy, _ in variants)
-        # strategies in report order; numeric bucket sizes ascending, then auto
-        variants.sort(key=lambda k: (order.index(k[0]), k[1] == "auto", k[1] if isinstance(k[1], float) else 0.0))
-        table = [[_title(*variant), *(_cell_text(cells.get((*variant, c)), selected) for c in contexts)]
-                 for variant in variants]
+        sized = list(dict.fromkeys((variant, size) for variant, size, _ in cells))
+        order = strategy_order(variant for variant, _ in sized)
+
+        def report_order(variant_and_size: tuple[str, Any]) -> tuple[int, bool, float]:
+            """Variants in report order; numeric bucket sizes ascending, then auto."""
+            variant, size = variant_and_size
+            return order.index(variant), size == "auto", size if isinstance(size, float) else 0.0
+
+        table = []
+        for variant, size in sorted(sized, key=report_order):
+            row_cells = [_cell_text(cells.get((variant, size, context)), selected) for context in contexts]
+            table.append([_title(variant, size), *row_cells])
+        header = ["strategy", *(f"context {c}" for c in contexts)]
         lines += [f"### {precision}, batch size {batch} per rank", "",
-                  *markdown_table(["strategy", *(f"context {c}" for c in contexts)], table, "l" + "r" * len(contexts)),
-                  ""]
+                  *markdown_table(header, table, "l" + "r" * len(contexts)), ""]
     return lines
 
 
@@ -552,6 +643,7 @@ def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list
 
 
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
+    """The all-reduce fit's prediction, then per group and algorithm its best bucket size and how it measured."""
     bucketed = any(has_bucket_axis(r["strategy"]) for r in analysis.rows)
     lines = ["## Best bucket size: chosen on some repeats, measured on the others", "",
              *_prediction_lines(prediction, bucketed)]
@@ -566,12 +658,17 @@ def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> li
     return lines + markdown_table(header, table, "lrrllrrrll") + [""]
 
 
+def _goal_row(check: GoalCheck) -> list[Any]:
+    """A row of the goals table: the group (goal 1 across groups: ``all``), the goal, its ratio, target and verdict."""
+    group = check.group or ("all", "", f"{check.groups} groups")
+    verdict = "**missed**" if check.verdict == "missed" else check.verdict
+    return [*group, check.goal, interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}", verdict, check.note]
+
+
 def _goal_section(analysis: Analysis) -> list[str]:
+    """Every goal of every group, then goal 1 across groups, with the verdicts' count first."""
     counts = _verdict_counts(analysis.goals)
-    goals = [[*(check.group or ("all", "", f"{check.groups} groups")), check.goal,
-              interval_text(check.estimate, spec=".3f"), f"{check.target:.3g}",
-              "**missed**" if check.verdict == "missed" else check.verdict,
-              check.note] for check in [*analysis.goals, *analysis.across]]
+    goals = [_goal_row(check) for check in [*analysis.goals, *analysis.across]]
     header = ["precision", "batch", "context", "goal", "ratio [95 %]", "target", "verdict", "note"]
     return ["## Performance goals", "", f"**{counts['met']} met, {counts['missed']} missed, {counts['inconclusive']} "
             f"inconclusive, {counts[NOT_MEASURABLE]} not measurable** (a needed cell has no ok repeat).", "",
@@ -596,32 +693,12 @@ def build_report(
     """results.md of the grid's ``analysis``, its prediction, environment and ``pending`` cell repeats."""
     repeat_rows = [row for cell in analysis.data.values() for row in cell.repeats]
     environment = environment or {}
-    run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
+    run = environment.get("config", {}).get("run", {})
     lines = [f"# Benchmark sweep: {title}", ""]
     if environment:
-        device = ", ".join(environment.get("gpus") or []) or environment.get("cpu", {}).get("model", "cpu")
-        dirty = " **with uncommitted changes**" if environment.get("git_dirty") else ""
-        sessions = environment.get("sessions") or []  # a resumed sweep's sessions that ran different code: named
-        code = {str(x.get("git_commit") or "unknown")[:12] + (" (dirty)" if x.get("git_dirty") else "")
-                for x in sessions}
-        if len(code) > 1:
-            dirty += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(sorted(code))}"
-        lines.append(
-            f"- {device}; {environment.get('cpu', {}).get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
-            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
-            f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
-            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
-            f"{environment.get('lightning')}, commit "
-            f"{str(environment.get('git_commit') or 'unknown')[:12]}{dirty}; "
-            f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
-            f"{run.get('steps', '?')} measured steps")
+        lines.append(_environment_line(environment))
     if repeat_rows:
-        busy, guarded, waited, loads = load_tally(repeat_rows)
-        lines.append(
-            f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
-            f"{run.get('max_wait_s', '?')} s): "
-            + (f"**{busy} of {guarded} cell repeats started busy**, {waited:,.0f} s waited" if guarded else "off")
-            + (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
+        lines.append(_load_guard_line(load_tally(repeat_rows), run))
     lines += [f"- pooled medians, 95 % intervals of {analysis.bootstrap.samples} hierarchical-bootstrap draws, best "
               "bucket sizes chosen on the *selection* repeats (even indices 0, 2, 4, ...): docs/benchmarks.md, \"How "
               "to read results\"; environment.json, steps.csv, repeats.csv and runs/<cell_id>/r<k>/: \"The sweep's "
@@ -634,6 +711,41 @@ def build_report(
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _environment_line(environment: Mapping[str, Any]) -> str:
+    """Where and how the sweep ran: device, ranks, workload, versions, commit (each a resumed sweep ran), repeats."""
+    run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
+    cpu = environment.get("cpu", {})
+    device = ", ".join(environment.get("gpus") or []) or cpu.get("model", "cpu")
+    code = str(environment.get("git_commit") or "unknown")[:12]
+    if environment.get("git_dirty"):
+        code += " **with uncommitted changes**"
+    sessions = environment.get("sessions") or []
+    commits = sorted({str(x.get("git_commit") or "unknown")[:12] + (" (dirty)" if x.get("git_dirty") else "")
+                      for x in sessions})
+    if len(commits) > 1:  # a resumed sweep whose sessions ran different code says so
+        code += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(commits)}"
+    return (f"- {device}; {cpu.get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
+            f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
+            f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
+            f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
+            f"{environment.get('lightning')}, commit {code}; "
+            f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
+            f"{run.get('steps', '?')} measured steps")
+
+
+def _load_guard_line(tally: LoadTally, run: Mapping[str, Any]) -> str:
+    """What the load guard saw: how many cell repeats started busy, how long it waited, the load averages."""
+    line = (f"- load guard (busy fraction > {run.get('busy_threshold', '?')} after up to "
+            f"{run.get('max_wait_s', '?')} s): ")
+    if tally.guarded:
+        line += f"**{tally.busy} of {tally.guarded} cell repeats started busy**, {tally.waited_s:,.0f} s waited"
+    else:
+        line += "off"
+    if tally.loads:
+        line += f"; 1-minute load average {min(tally.loads):.1f} to {max(tally.loads):.1f}"
+    return line
+
+
 # ---- the plots: 95 % error bars, per precision and batch size --------------------------------------------
 
 
@@ -643,14 +755,20 @@ _PANELS = ((STEP, 1.0, "median step time (ms)"), (SHARE, 100.0, "exposed comm sh
 
 def _error(measured: list[Measured | None], panel: int, scale: float) -> tuple[list[float], list[list[float]]]:
     """Bar heights and matplotlib's ``yerr`` (distances below and above) in ``panel`` (missing: 0)."""
-    estimates = [m.estimate(panel) if m is not None else None for m in measured]
-    shown = [e if e is not None and math.isfinite(e.point) else Estimate(0.0, 0.0, 0.0) for e in estimates]
-    # max(0.0, nan) is 0.0: an end that is not finite draws no error bar
-    below = [max(0.0, (e.point - e.lo) * scale) for e in shown]
-    return [e.point * scale for e in shown], [below, [max(0.0, (e.hi - e.point) * scale) for e in shown]]
+    heights, below, above = [], [], []
+    for cell in measured:
+        shown = cell.estimate(panel) if cell is not None else Estimate(0.0, 0.0, 0.0)
+        if not math.isfinite(shown.point):
+            shown = Estimate(0.0, 0.0, 0.0)
+        heights.append(shown.point * scale)
+        # max(0.0, nan) is 0.0: an end that is not finite draws no error bar
+        below.append(max(0.0, (shown.point - shown.lo) * scale))
+        above.append(max(0.0, (shown.hi - shown.point) * scale))
+    return heights, [below, above]
 
 
 def _figure() -> tuple[Any, Any]:
+    """A figure of the two panels (step time, comm share) side by side."""
     from matplotlib.figure import Figure  # a Figure saves through the Agg canvas without pyplot
 
     fig = Figure(figsize=(12, 4.2), layout="constrained")
@@ -658,6 +776,7 @@ def _figure() -> tuple[Any, Any]:
 
 
 def _finish(fig: Any, axes: Any, path: Path, title: str, **grid: Any) -> None:
+    """Label and grid both panels, add the legend and the title, save to ``path``."""
     for ax, (*_, ylabel) in zip(axes, _PANELS):
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, **grid)
@@ -676,6 +795,7 @@ def _shown(analysis: Analysis, group: Group, name: str) -> Measured | None:
 
 def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis, contexts: list[int],
                      names: list[str]) -> None:
+    """Step time and comm share of every strategy, a bar group per context, with 95 % error bars."""
     fig, axes = _figure()
     width = 0.8 / len(names)
     for k, name in enumerate(names):
@@ -695,38 +815,57 @@ def _strategy_figure(path: Path, precision: str, batch: int, analysis: Analysis,
             "rank (error bars: 95 % intervals)", axis="y")
 
 
+class BucketPoint(NamedTuple):
+    """A cell of a bucket-size plot: its x (the bucket size in MiB; ``auto`` where it resolved to) and its row."""
+
+    size_mb: float
+    row: Row
+
+
+def _bucket_points(rows: list[Row]) -> tuple[list[BucketPoint], list[BucketPoint]]:
+    """The ok cells of one algorithm in one group: the fixed sizes ascending, and ``auto`` at its resolved size."""
+    fixed, auto = [], []
+    for row in rows:
+        if row["bucket_size_mb"] != "auto":
+            fixed.append(BucketPoint(row["bucket_size_mb"], row))
+        elif isinstance(row.get("resolved_bucket_size_mb"), float):
+            auto.append(BucketPoint(row["resolved_bucket_size_mb"], row))
+    return sorted(fixed, key=lambda point: point.size_mb), auto
+
+
 def _bucket_figure(
     path: Path, strategy: str, precision: str, batch: int, analysis: Analysis, contexts: list[int],
     predicted_mb: float | None,
 ) -> bool:
+    """Step time and comm share against the bucket size, a line per context, the selected size circled; ``False``
+    (nothing written) where no context has an ok cell."""
     fig, axes = _figure()
     drew = selected = False
     for context in contexts:
         group = (precision, batch, context)
-        rows = [r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)]
-        # (x, row): the fixed sizes ascending; auto at the size it resolved to
-        fixed = sorted(((r["bucket_size_mb"], r) for r in rows if r["bucket_size_mb"] != "auto"), key=lambda p: p[0])
-        auto = [(r["resolved_bucket_size_mb"], r) for r in rows
-                if r["bucket_size_mb"] == "auto" and isinstance(r.get("resolved_bucket_size_mb"), float)]
+        fixed, auto = _bucket_points([r for r in analysis.groups[group] if variant_of(r) == strategy and is_ok(r)])
         if not fixed and not auto:
             continue
         drew = True
         selection = analysis.selections.get((group, strategy))
-        chosen = next((p for p in fixed + auto if selection and p[1]["cell_id"] == selection.row["cell_id"]), None)
+        chosen = None
+        if selection is not None:
+            chosen = next((p for p in fixed + auto if p.row["cell_id"] == selection.row["cell_id"]), None)
         color = None
         for ax, (panel, scale, _) in zip(axes, _PANELS):
             if fixed:
-                heights, yerr = _error([analysis.measured(p[1]) for p in fixed], panel, scale)
-                container = ax.errorbar([p[0] for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
+                heights, yerr = _error([analysis.measured(p.row) for p in fixed], panel, scale)
+                container = ax.errorbar([p.size_mb for p in fixed], heights, yerr=yerr, marker="o", capsize=3,
                                         color=color, label=f"context {context}")
                 color = container.lines[0].get_color()
-            for x, r in auto:
-                heights, yerr = _error([analysis.measured(r)], panel, scale)
-                ax.errorbar([x], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3, color=color)
-            point = analysis.measured(chosen[1]).point[panel] if chosen is not None else math.nan
-            if math.isfinite(point):
+            for point in auto:
+                heights, yerr = _error([analysis.measured(point.row)], panel, scale)
+                ax.errorbar([point.size_mb], heights, yerr=yerr, marker="*", markersize=12, linestyle="", capsize=3,
+                            color=color)
+            value = analysis.measured(chosen.row).point[panel] if chosen is not None else math.nan
+            if math.isfinite(value):
                 selected = True
-                ax.plot([chosen[0]], [point * scale], marker="o", markersize=16,
+                ax.plot([chosen.size_mb], [value * scale], marker="o", markersize=16,
                         markerfacecolor="none", markeredgewidth=1.5, linestyle="", color=color)
     if not drew:
         return False

@@ -21,6 +21,7 @@ Repeats = Sequence[Any]
 
 
 def _as_arrays(repeats: Repeats) -> list[np.ndarray]:
+    """The repeats as float arrays, empty ones left out; at least one must remain."""
     arrays = [np.asarray(r, dtype=float) for r in repeats]
     arrays = [a for a in arrays if a.shape[0] > 0]
     if not arrays:
@@ -169,6 +170,7 @@ class Bootstrapper:
         self._cache: dict[tuple[str, bytes], np.ndarray] = {}
 
     def draws(self, key: str, repeats: Repeats) -> np.ndarray:
+        """``hierarchical_bootstrap`` of ``repeats`` seeded by ``key``, computed once per (key, values)."""
         arrays = _as_arrays(repeats)
         digest = hashlib.sha1(b"".join(np.ascontiguousarray(a).tobytes() + repr(a.shape).encode() for a in arrays))
         cache_key = (key, digest.digest())

@@ -16,7 +16,7 @@ from lightning_ddp.bench.study import (
     Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
     run_study, step_rows, table, text_cell, with_interval, write_results,
 )
-from lightning_ddp.projection.tables import csv_text
+from lightning_ddp.reporting.tables import csv_text
 
 KEYS: tuple[str, ...] = ("comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms", "step/rank_spread_ms",
                          "step/time_ms", "comm/exposed_ms")
@@ -68,22 +68,25 @@ def summarize_cell(config: StragglerBenchConfig, strategy: str, delay_ms: float,
     estimates = {key: estimate(per_repeat(runs, key), config.bootstrap_samples, config.seed,
                                key=f"{strategy}|{delay_ms:g}|{key}") for key in KEYS}
     ranks = np.concatenate(per_repeat(runs, "straggler/rank")) if runs else np.array([])
-    row: dict[str, Any] = {  # results.csv's columns, in order
-        "strategy": strategy, "delay_ms": delay_ms, "repeats_ok": len(runs), "measured_steps": sum(map(len, runs)),
-        **{k: v for name, key in _INTERVALS for k, v in with_interval(name, estimates[key]).items()},
-        "rank_spread_ms": estimates["step/rank_spread_ms"].point, "step_ms": estimates["step/time_ms"].point,
-        "exposed_ms": estimates["comm/exposed_ms"].point,
-        "straggler_share": float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan,
-        "wait_goal": "", "straggler_goal": "", "transfer_goal": "",
-        "load_avg_1m": load_average(),
-    }
+    # results.csv's columns, in order
+    row: dict[str, Any] = {"strategy": strategy, "delay_ms": delay_ms, "repeats_ok": len(runs),
+                           "measured_steps": sum(map(len, runs))}
+    for name, key in _INTERVALS:
+        row.update(with_interval(name, estimates[key]))
+    row.update(rank_spread_ms=estimates["step/rank_spread_ms"].point, step_ms=estimates["step/time_ms"].point,
+               exposed_ms=estimates["comm/exposed_ms"].point,
+               straggler_share=float(np.mean(ranks == config.slow_rank)) if ranks.size else math.nan,
+               wait_goal="", straggler_goal="", transfer_goal="", load_avg_1m=load_average())
     wait, tolerance = estimates["comm/wait_ms"], config.tolerance_ms  # the goals: docs/benchmarks.md
     if delay_ms == 0:
         row["wait_goal"] = verdict(wait, config.idle_wait_ms)  # met when the whole interval is below it
         return row
     # met: the interval inside delay +- tolerance (below its top, and above its bottom); missed: entirely outside
     ends = {verdict(wait, delay_ms + tolerance), verdict((-wait.hi, -wait.lo), tolerance - delay_ms)}
-    row["wait_goal"] = "missed" if "missed" in ends else "met" if ends == {"met"} else "inconclusive"
+    if "missed" in ends:
+        row["wait_goal"] = "missed"
+    else:
+        row["wait_goal"] = "met" if ends == {"met"} else "inconclusive"
     row["straggler_goal"] = "met" if row["straggler_share"] >= config.straggler_share else "missed"
     if control is not None and all(isinstance(control[k], float) and math.isfinite(control[k])
                                    for k in ("transfer_ms_lo", "transfer_ms_hi")):
@@ -124,9 +127,10 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
     for strategy in config.strategies:  # delays[0] is 0 (required, none below): the control of the others
         control = summarize_cell(config, strategy, delays[0], runs[(strategy, delays[0])], None)
         rows += [control, *(summarize_cell(config, strategy, d, runs[(strategy, d)], control) for d in delays[1:])]
-    step_table = [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row}
-                  for (strategy, delay), repeats in runs.items() for repeat, steps in enumerate(repeats)
-                  for row in steps]
+    step_table = []  # steps.csv: every measured step of every run, with its strategy, delay and repeat
+    for (strategy, delay), repeats in runs.items():
+        for repeat, steps in enumerate(repeats):
+            step_table += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row} for row in steps]
     step_columns = list(dict.fromkeys(key for row in step_table for key in row))
     write_results(config, command, rows, list(rows[0]), {"steps.csv": csv_text(step_table, step_columns, digits=4)})
 

@@ -3,7 +3,6 @@ the load guard, the benchmarks' configs and main, and the results' writers (docs
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -21,8 +20,8 @@ from lightning_ddp.bench.launch import base_environment, error_line, fit_command
 from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.projection.tables import csv_text, markdown_table
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
+from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -61,6 +60,7 @@ def interleaved(cells: Iterable[K], repeats: int) -> list[tuple[K, int]]:
 
 def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend: str, cuda: bool, result_file: str,
           *args: Any) -> None:
+    """One spawned rank of ``run_ranks``: join the group, ``measure``, rank 0 writes the result to ``result_file``."""
     import torch
     import torch.distributed as dist
 
@@ -130,12 +130,6 @@ def with_interval(name: str, value: Estimate, point: str = "", shift: float = 0.
 def per_repeat(runs: Sequence[Sequence[Mapping[str, float]]], key: str) -> list[np.ndarray]:
     """One array per repeat of ``key`` over its step rows (NaN where a row lacks it)."""
     return [np.array([row.get(key, math.nan) for row in run], dtype=float) for run in runs]
-
-
-def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
-    """The rows of a CSV file as strings (empty cells as ``""``)."""
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
 
 
 def _typed(text: str) -> Any:

@@ -27,10 +27,10 @@ from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
     LoadCheck, interleaved, load_average, provenance, read_json, wait_until_idle, write_outputs,
 )
-from lightning_ddp.catalogue import format_settings
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.projection.tables import csv_value
 from lightning_ddp.provenance import package_version
+from lightning_ddp.reporting.tables import csv_value
+from lightning_ddp.reporting.variants import format_settings
 
 RESULTS_CSV = "results.csv"
 REPEATS_CSV = "repeats.csv"
@@ -87,7 +87,7 @@ def threads_per_rank(config: SweepConfig) -> int | None:
 def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
                       parent: dict[str, str] | None = None) -> list[dict[str, str]]:
     """Every rank's environment, or one for the reference and ``launcher: lightning`` (``cell`` None: all-reduce)."""
-    every_rank = cell is None or cell.strategy != REFERENCE and config.run.launcher == "ranks"
+    every_rank = cell is None or (cell.strategy != REFERENCE and config.run.launcher == "ranks")
     return rank_environments(layout, port, every_rank=every_rank, threads=threads_per_rank(config),
                              extra=config.run.env, parent=parent)
 
@@ -152,6 +152,7 @@ class SubprocessCellRunner:
         return outcome
 
     def _run_once(self, cell: Cell, run_dir: Path) -> CellOutcome:
+        """The cell's processes once, in a fresh ``run_dir``: their logs, command and outcome."""
         if run_dir.exists():
             shutil.rmtree(run_dir)  # a rerun (e.g. retry_failed) starts clean: no stale summary is read
         run_dir.mkdir(parents=True)
@@ -160,14 +161,20 @@ class SubprocessCellRunner:
         write_command(run_dir / "command.txt", command, envs)
         logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
         result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
-        summary_path, profile_path = (next(iter(sorted(run_dir.rglob(name))), None)
-                                      for name in ("timing_summary.json", "compute_profile.json"))
+        summary_path = _first_file(run_dir, "timing_summary.json")
+        profile_path = _first_file(run_dir, "compute_profile.json")
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in logs]
         status, reason = classify(result, texts, summary_path is not None, self.config.run.timeout_s)
         if status != "ok":
-            return CellOutcome(status, reason, None, result.wall_s)
+            return CellOutcome(status=status, reason=reason, wall_s=result.wall_s)
         profile = read_json(profile_path, missing_ok=True) if profile_path else None  # an extra: a bad file is left out
-        return CellOutcome(status, reason, read_json(summary_path), result.wall_s, profile)
+        return CellOutcome(status=status, reason=reason, summary=read_json(summary_path), wall_s=result.wall_s,
+                           profile=profile)
+
+
+def _first_file(folder: Path, name: str) -> Path | None:
+    """The first file called ``name`` under ``folder`` (sorted paths), or ``None``."""
+    return next(iter(sorted(folder.rglob(name))), None)
 
 
 def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
@@ -273,7 +280,8 @@ def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] |
     steps = {key: rows for key, rows in read_steps(out_dir / STEPS_CSV).items()
              if key in repeats and repeats[key]["status"] == "ok"}
     bootstrap = Bootstrapper(config.output.bootstrap_samples, config.output.seed)
-    cells, say = expand_grid(config), log or (lambda line: print(line, flush=True))
+    cells = expand_grid(config)
+    say = log or _print_line
     if config.output.report_only:
         if not repeats:
             raise ValueError(
@@ -341,11 +349,17 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
     # Every session that ran repeats of this sweep, oldest first (a resumed sweep keeps the earlier ones, so results
     # measured across two commits say so): when it started, the code it ran, how many repeats were already done.
     keys = ("created", "git_commit", "git_dirty", "git_changed", "hostname")
-    earlier = list((previous or {}).get("sessions") or ([{k: previous.get(k) for k in keys}] if previous else []))
+    earlier = []
+    if previous:  # its sessions, or (written before sessions were recorded) itself as the one session
+        earlier = list(previous.get("sessions") or [{k: previous.get(k) for k in keys}])
     done = sum(1 for r in repeats.values() if r["status"] == "ok")
     environment["sessions"] = [*earlier, {**{k: environment.get(k) for k in keys}, "repeats_done_before": done}]
     write_outputs(out_dir, {ENVIRONMENT_JSON: environment})
     return layout
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
 
 
 def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path, say: Callable[[str], None]) -> None:
@@ -373,6 +387,7 @@ def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path,
 
 def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, outcome: CellOutcome,
                  load: LoadCheck) -> str:
+    """The progress line of one finished cell repeat: its status, step and share, and what the load guard saw."""
     head = f"[{index}/{total}] {cell.label}, repeat {repeat + 1}/{repeats}: {outcome.status}"
     guard = ""
     if load.busy:

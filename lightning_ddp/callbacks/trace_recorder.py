@@ -23,7 +23,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function
 from typing_extensions import override
 
 from lightning_ddp.callbacks.comm_timer import StepObserver, run_description
-from lightning_ddp.metrics.recording import TRACE_SUFFIX, RecordedStep, add_communication_track
+from lightning_ddp.metrics.comm_track import TRACE_SUFFIX, RecordedStep, add_communication_track
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.base import check_number
 from lightning_ddp.sync.record import SyncRecord

@@ -87,6 +87,7 @@ class Fabric:
         return self._cost_s(n, passes * ((n - m) * self.intra.latency_s + inter_s), traffic * nbytes)
 
     def tree_all_reduce_s(self, nbytes: float, n: int) -> float:
+        """Seconds of a tree all-reduce of ``nbytes`` on ``n`` ranks (docs/projection.md)."""
         m = self.nodes(n)
         if self.inter is None:  # one level: the textbook double binary tree over all ranks, up and down
             return self._cost_s(n, 2 * math.ceil(math.log2(max(n, 1))) * self.intra.latency_s, 2 * nbytes)
@@ -116,24 +117,24 @@ class Fabric:
 # latencies per algorithm step sit between NCCL's LL and LL128 per-hop figures (tuning.cc `hwLat`: NVLink
 # .47 / 1.9 us, PCI 1.0 / 2.5 us, network 2.7 / 4.0 us), since we model one protocol for every message size.
 NVLINK4 = Link(
-    "NVLink 4 (H100 SXM, NVSwitch)", 370e9, 1.0e-6,
-    "450 GB/s per direction line rate (18 links x 25 GB/s, NVIDIA H100 datasheet); NCCL reaches ~370 GB/s with "
+    name="NVLink 4 (H100 SXM, NVSwitch)", bandwidth_Bps=370e9, latency_s=1.0e-6,
+    source="450 GB/s per direction line rate (18 links x 25 GB/s, NVIDIA H100 datasheet); NCCL reaches ~370 GB/s with "
     "its ~20% protocol overhead (S. Jeaugey, github.com/NVIDIA/nccl-tests/issues/212)",
 )
 PCIE_GEN4 = Link(
-    "PCIe Gen4 x16", 22e9, 2.0e-6,
-    "31.5 GB/s per direction line rate (16 GT/s x 16 lanes, 128b/130b); ~70% of it as NCCL busbw between two "
+    name="PCIe Gen4 x16", bandwidth_Bps=22e9, latency_s=2.0e-6,
+    source="31.5 GB/s per direction line rate (16 GT/s x 16 lanes, 128b/130b); ~70% of it as NCCL busbw between two "
     "GPUs through the host bridge (P2P copies reach ~89% of line rate on Gen5, voipmonitor/rtx6kpro "
     "hardware/pcie-bandwidth.md, and NCCL's protocol takes ~20% more)",
 )
 PCIE_GEN5 = Link(
-    "PCIe Gen5 x16", 44e9, 2.0e-6,
-    "63 GB/s per direction line rate (32 GT/s x 16 lanes); measured P2P ~54-56 GB/s (voipmonitor/rtx6kpro "
+    name="PCIe Gen5 x16", bandwidth_Bps=44e9, latency_s=2.0e-6,
+    source="63 GB/s per direction line rate (32 GT/s x 16 lanes); measured P2P ~54-56 GB/s (voipmonitor/rtx6kpro "
     "hardware/pcie-bandwidth.md); ~70% of line rate as NCCL busbw",
 )
 IB_NDR = Link(
-    "InfiniBand NDR 400 Gb/s", 48e9, 4.0e-6,
-    "50 GB/s per NIC per direction; NCCL reaches ~96% of NIC line rate (192 of 200 GB/s on DGX A100, "
+    name="InfiniBand NDR 400 Gb/s", bandwidth_Bps=48e9, latency_s=4.0e-6,
+    source="50 GB/s per NIC per direction; NCCL reaches ~96% of NIC line rate (192 of 200 GB/s on DGX A100, "
     "github.com/NVIDIA/nccl/issues/812); per-step latency NCCL's network LL128 figure (tuning.cc)",
 )
 
@@ -190,13 +191,13 @@ class MeasuredFit:
         bus = self.bandwidth_Bps * 2 * (n0 - 1) / n0  # nccl-tests busbw of the measured all-reduce
         per_hop = overhead_scaling == "per_hop"  # else per_call: a fixed cost per call
         alpha = self.overhead_s / (2 * (n0 - 1)) if per_hop else 0.0
-        link = Link("measured", bus, alpha, "all-reduce microbenchmark fit")
+        link = Link(name="measured", bandwidth_Bps=bus, latency_s=alpha, source="all-reduce microbenchmark fit")
         call = 0.0 if per_hop else self.overhead_s
         where = " ".join(x for x in (self.backend, self.device) if x)
+        fitted_on = f"fitted on {n0} ranks" + (f" ({where})" if where else "")
+        fit = f"o = {self.overhead_s * 1e6:.4g} us, w = {self.bandwidth_Bps / 1e9:.4g} GB/s"
         return Fabric("measured", link, call_overhead_s=call, algorithm=algorithm,
-                      description=f"fitted on {n0} ranks{' (' + where + ')' if where else ''}: "
-                                  f"o = {self.overhead_s * 1e6:.4g} us, w = {self.bandwidth_Bps / 1e9:.4g} GB/s; "
-                                  f"overhead {overhead_scaling.replace('_', ' ')}")
+                      description=f"{fitted_on}: {fit}; overhead {overhead_scaling.replace('_', ' ')}")
 
 
 def read_fit(path: str | os.PathLike) -> MeasuredFit:
@@ -211,5 +212,6 @@ def read_fit(path: str | os.PathLike) -> MeasuredFit:
     if missing:
         raise ValueError(f"all-reduce fit {str(path)!r} lacks {missing}; it must hold overhead_s and bandwidth_Bps "
                          "(see benchmarks/results/cpu/bucket_prediction.json)")
-    return MeasuredFit(float(data["overhead_s"]), float(data["bandwidth_Bps"]), int(data.get("world_size") or 2),
-                       str(data.get("backend") or ""), str(data.get("device") or ""))
+    return MeasuredFit(overhead_s=float(data["overhead_s"]), bandwidth_Bps=float(data["bandwidth_Bps"]),
+                       world_size=int(data.get("world_size") or 2), backend=str(data.get("backend") or ""),
+                       device=str(data.get("device") or ""))

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_ddp.hardware import DEVICES
+from lightning_ddp.hardware import DEVICES, DeviceSpec
 from lightning_ddp.memory import gpt_parameter_shapes
 from lightning_ddp.profile import ComputeProfile, ParamTiming
 
@@ -28,14 +28,19 @@ class GPUSpec:
 
 # The projection's first five GPUs lead, so that its listings and messages keep their order; then the rest.
 _FIRST = ("h100-sxm", "h100-pcie", "h200-sxm", "a100-sxm-80gb", "a100-pcie-40gb")
-GPUS: dict[str, GPUSpec] = {
-    key: GPUSpec(DEVICES[key].name, DEVICES[key].dense_tflops["bf16"] * 1e12, DEVICES[key].memory_GBps * 1e9,
-                 DEVICES[key].source) for key in (*_FIRST, *(k for k in DEVICES if k not in _FIRST))
-}
+
+
+def _gpu_spec(device: DeviceSpec) -> GPUSpec:
+    return GPUSpec(name=device.name, bf16_flops=device.dense_tflops["bf16"] * 1e12,
+                   memory_Bps=device.memory_GBps * 1e9, source=device.source)
+
+
+GPUS: dict[str, GPUSpec] = {key: _gpu_spec(DEVICES[key]) for key in (*_FIRST, *(k for k in DEVICES if k not in _FIRST))}
 """GPUs by name (``compute.gpu``): every row of ``lightning_ddp.hardware.DEVICES``."""
 
 
 def get_gpu(name: str) -> GPUSpec:
+    """``GPUS[name]``; an unknown name lists the known ones."""
     try:
         return GPUS[name]
     except KeyError:
@@ -131,12 +136,12 @@ def modelled_profile(
     forward_ms, backward_ms = fwd_bwd_ms / 3, 2 * fwd_bwd_ms / 3
     total_bwd = 2 * shape.flops_per_token(seq_len) / 3
     element = 2 if precision in ("bf16-true", "16-true") else 4  # mixed precision keeps fp32 gradients
-    params = tuple(
-        ParamTiming(name, math.prod(dims), math.prod(dims) * element,
-                    backward_ms if done is None else backward_ms * done / total_bwd, dims)
-        for (name, dims), done in zip(gpt_parameter_shapes(shape).items(), shape.backward_ready_flops(seq_len))
-    )
-    return ComputeProfile(forward_ms, backward_ms, optimizer_ms, params, source=source, device=spec.name,
-                          preset=preset, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                          world_size=world_size,
+    params = []
+    for (name, dims), done in zip(gpt_parameter_shapes(shape).items(), shape.backward_ready_flops(seq_len)):
+        ready_ms = backward_ms if done is None else backward_ms * done / total_bwd  # None: when backward ends
+        params.append(ParamTiming(name=name, numel=math.prod(dims), bytes=math.prod(dims) * element,
+                                  ready_ms=ready_ms, shape=dims))
+    return ComputeProfile(forward_ms=forward_ms, backward_ms=backward_ms, optimizer_ms=optimizer_ms,
+                          params=tuple(params), source=source, device=spec.name, preset=preset,
+                          batch_size=batch_size, seq_len=seq_len, precision=precision, world_size=world_size,
                           extra={"mfu": mfu, "gpu": dataclasses.asdict(spec)})

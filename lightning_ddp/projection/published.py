@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import statistics
@@ -16,8 +15,8 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric, get_fabric
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, get_gpu, modelled_profile
 from lightning_ddp.projection.simulators import CONTENTION, StepModel, simulate, simulated_by
-from lightning_ddp.projection.tables import csv_text, csv_value, markdown_table
 from lightning_ddp.projection.validate import contention_lines
+from lightning_ddp.reporting.tables import csv_text, csv_value, markdown_table, read_csv
 
 XL_SHAPE = ModelShape.from_preset("xl")
 """The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""
@@ -42,11 +41,19 @@ RUNS_CSV = Path(__file__).resolve().parents[2] / "configs" / "projection" / "pub
 order, each citing its write-up by topic. Naive at batch 4, context 512 ran out of memory and has no row."""
 
 
-with open(RUNS_CSV, newline="", encoding="utf-8") as _runs:
-    PUBLISHED_RUNS = tuple(PublishedRun(r["strategy"], int(r["batch_size"]), int(r["seq_len"]),
-                                        float(r["bucket_size_mb"]) if r["bucket_size_mb"] else None,
-                                        float(r["total_s"]), float(r["comm_s"]), float(r["ratio"]), r["source"])
-                           for r in csv.DictReader(_runs))
+def _read_runs(path: Path) -> tuple[PublishedRun, ...]:
+    """``RUNS_CSV``'s rows as ``PublishedRun``s, in its order."""
+    runs = []
+    for row in read_csv(path):
+        runs.append(PublishedRun(
+            strategy=row["strategy"], batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]),
+            bucket_size_mb=float(row["bucket_size_mb"]) if row["bucket_size_mb"] else None,
+            total_s=float(row["total_s"]), comm_s=float(row["comm_s"]), ratio=float(row["ratio"]),
+            source=row["source"]))
+    return tuple(runs)
+
+
+PUBLISHED_RUNS = _read_runs(RUNS_CSV)
 SOURCES = tuple(dict.fromkeys(run.source for run in PUBLISHED_RUNS))
 """The write-ups the numbers come from, one per strategy (``PublishedRun.source``)."""
 STRATEGIES = tuple(simulated_by(layout)[0] for layout in ("none", "per_tensor", "packed", "bucketed"))
@@ -66,12 +73,15 @@ def calibrated_compute_ms() -> dict[tuple[int, int], tuple[float, bool]]:
     """(batch, context) -> (compute-only step in ms, extrapolated?), from naive's total minus its all-reduce time."""
     measured = {(r.batch_size, r.seq_len): 1e3 * (r.total_s - r.comm_s) for r in PUBLISHED_RUNS
                 if r.strategy == NAIVE_DDP}
-    tokens = [b * t for b, t in measured]
-    times = list(measured.values())
-    slope, intercept = statistics.linear_regression(tokens, times)  # ms = intercept + slope * tokens
-    cells = {(r.batch_size, r.seq_len) for r in PUBLISHED_RUNS}
-    return {cell: (measured[cell], False) if cell in measured else (intercept + slope * cell[0] * cell[1], True)
-            for cell in sorted(cells)}
+    tokens = [batch * context for batch, context in measured]
+    slope, intercept = statistics.linear_regression(tokens, list(measured.values()))  # ms = intercept + slope * tokens
+    compute = {}
+    for batch, context in sorted({(r.batch_size, r.seq_len) for r in PUBLISHED_RUNS}):
+        if (batch, context) in measured:
+            compute[(batch, context)] = (measured[(batch, context)], False)
+        else:
+            compute[(batch, context)] = (intercept + slope * batch * context, True)
+    return compute
 
 
 def published_call_overhead_s(fabric: Fabric, copy_Bps: float, grad_bytes: int, tensors: int) -> float:
@@ -95,10 +105,12 @@ def prediction_fabrics(gpu: str = GPU) -> dict[str, Fabric]:
 
 
 def _copy_Bps(gpu: str) -> float:
+    """Bytes per second of the copies (and the optimizer) on ``gpu``: its memory bandwidth at ``MEMORY_EFFICIENCY``."""
     return get_gpu(gpu).memory_Bps * MEMORY_EFFICIENCY
 
 
 def _profile(batch_size: int, seq_len: int, compute_ms: float, gpu: str) -> ComputeProfile:
+    """The xl's modelled profile on 2 ranks of ``gpu``, its compute-only step calibrated to ``compute_ms``."""
     return modelled_profile(XL_SHAPE, batch_size, seq_len, gpu=gpu, memory_efficiency=MEMORY_EFFICIENCY,
                             calibrate_step_ms=compute_ms, preset="xl", world_size=2)
 
@@ -120,8 +132,9 @@ def compare_with_published(gpu: str = GPU, contention: float = 0.0,
                "published_share": run.ratio, "compute_ms": compute_ms, "compute_extrapolated": extrapolated,
                "unexplained_ms": 1e3 * (run.total_s - run.comm_s) - compute_ms, "source": run.source}
         for label, fabric in fabrics.items():
-            r = simulate(run.strategy, StepModel(profile, fabric, 2, _copy_Bps(gpu), contention=contention),
-                         run.bucket_size_mb)
+            model = StepModel(profile=profile, comm=fabric, world_size=2, copy_bandwidth_Bps=_copy_Bps(gpu),
+                              contention=contention)
+            r = simulate(run.strategy, model, run.bucket_size_mb)
             name = label.replace("+", "_")
             row.update({f"{name}_step_ms": r.step_ms, f"{name}_exposed_ms": r.waited_comm_ms,
                         f"{name}_share": r.wait_share})
@@ -161,23 +174,42 @@ def _inputs_lines(gpu: str, fabrics: dict[str, Fabric]) -> list[str]:
         f"on average, {implied:.1f} GB/s including the pack copies: the comparison is `{link}`.",
     ]
     for label, fabric in fabrics.items():
-        lines.append(f"  - `{label}`: {fabric.describe()}" + (f" ({fabric.description})" if "+" in label else ""))
+        described = f"  - `{label}`: {fabric.describe()}"
+        if "+" in label:  # a preset changed by what the published runs imply: say how
+            described += f" ({fabric.description})"
+        lines.append(described)
     return lines + [""]
 
 
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 LinkCell = tuple[str, Callable[[dict[str, Any], str], str]]
 """A column of ``published``'s or a link's numbers: its header and its cell of (row, the numbers' key prefix)."""
-STEP: LinkCell = ("step", lambda row, name: f"{row[name + '_step_ms']:.0f} ms")
-SHARE: LinkCell = ("share", lambda row, name: f"{100 * row[name + '_share']:.1f} %")
-PUBLISHED = [STEP, ("comm", lambda row, name: f"{row[name + '_comm_ms']:.0f} ms"), SHARE]
+
+
+def _number(suffix: str, spec: str, scale: float = 1, unit: str = "") -> Callable[[dict[str, Any], str], str]:
+    """The cell of a row's ``<name><suffix>`` number, times ``scale``, in ``spec``, then ``unit``."""
+    return lambda row, name: f"{scale * row[name + suffix]:{spec}}{unit}"
+
+
+def _share_minus_published(row: dict[str, Any], name: str) -> str:
+    return f"{100 * (row[name + '_share'] - row['published_share']):+.1f}"
+
+
+STEP: LinkCell = ("step", _number("_step_ms", ".0f", unit=" ms"))
+SHARE: LinkCell = ("share", _number("_share", ".1f", 100, " %"))
+EXPOSED: LinkCell = ("exposed", _number("_exposed_ms", ".0f", unit=" ms"))
+SHARE_ERROR: LinkCell = ("error", _number("_error", ".1f", 100, " pts"))
+PUBLISHED = [STEP, ("comm", _number("_comm_ms", ".0f", unit=" ms")), SHARE]
 
 
 def _columns(label: str, cells: Sequence[LinkCell]) -> list[Column]:
     """``cells`` of the columns named ``label`` (``+`` as ``_``), the first header prefixed with ``label``."""
     name = label.replace("+", "_")
-    return [(f"{label}: {title}" if k == 0 else title, functools.partial(cell, name=name))
-            for k, (title, cell) in enumerate(cells)]
+    columns = []
+    for title, cell in cells:
+        header = title if columns else f"{label}: {title}"
+        columns.append((header, functools.partial(cell, name=name)))
+    return columns
 
 
 def _table(title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -189,18 +221,29 @@ def _table(title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]]
 
 def _runs_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> list[str]:
     """One row per published run: what it printed, the prediction on each link, the unexplained time."""
-    compared = [STEP, ("exposed", lambda c, name: f"{c[name + '_exposed_ms']:.0f} ms"), SHARE,
-                ("share - published", lambda c, name: f"{100 * (c[name + '_share'] - c['published_share']):+.1f}")]
-    columns = [
-        ("strategy", lambda c: c["strategy"]),
-        ("bucket", lambda c: "" if c["bucket_size_mb"] is None else f"{c['bucket_size_mb']:g}"),
-        ("batch", lambda c: str(c["batch_size"])), ("context", lambda c: str(c["seq_len"])),
-        *_columns("published", PUBLISHED), *_columns(labels[0], compared),
-        *(column for label in labels[1:] for column in _columns(label, [STEP, SHARE])),
-        ("unexplained", lambda c: f"{c['unexplained_ms']:+.0f} ms" + (" *" if c["compute_extrapolated"] else "")),
-    ]
+    compared = [STEP, EXPOSED, SHARE, ("share - published", _share_minus_published)]
+    columns = [("strategy", _text("strategy")), ("bucket", _bucket), ("batch", _text("batch_size")),
+               ("context", _text("seq_len")), *_columns("published", PUBLISHED), *_columns(labels[0], compared)]
+    for label in labels[1:]:
+        columns += _columns(label, [STEP, SHARE])
+    columns.append(("unexplained", _unexplained))
     footnote = "\\* compute extrapolated (naive ran out of memory at batch 4, context 512)."
     return _table("Every published run beside the prediction", columns, comparisons) + ["", footnote, ""]
+
+
+def _text(key: str) -> Callable[[dict[str, Any]], str]:
+    """The cell of a column that shows ``row[key]`` as it is."""
+    return lambda row: str(row[key])
+
+
+def _bucket(row: dict[str, Any]) -> str:
+    return "" if row["bucket_size_mb"] is None else f"{row['bucket_size_mb']:g}"
+
+
+def _unexplained(row: dict[str, Any]) -> str:
+    """The published step minus its compute and its own communication; ``*`` where the compute is extrapolated."""
+    text = f"{row['unexplained_ms']:+.0f} ms"
+    return text + " *" if row.get("compute_extrapolated") else text
 
 
 def _summary_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> list[str]:
@@ -214,13 +257,11 @@ def _summary_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> 
             errors = {key.replace("_share", "_error"): _mean([abs(c[key] - c["published_share"]) for c in cs])
                       for key in means if key.endswith("_share")}
             rows.append({**means, **errors, "strategy": strategy})
-    error: LinkCell = ("error", lambda c, name: f"{100 * c[name + '_error']:.1f} pts")
-    columns = [
-        ("strategy", lambda c: c["strategy"]), *_columns("published", PUBLISHED),
-        *(column for label in labels
-          for column in _columns(label, [STEP, SHARE, error] if label.startswith(labels[0]) else [STEP, SHARE])),
-        ("unexplained", lambda c: f"{c['unexplained_ms']:+.0f} ms"),
-    ]
+    columns = [("strategy", _text("strategy")), *_columns("published", PUBLISHED)]
+    for label in labels:  # the share error on the compared link (and its variant with the published per-call cost)
+        compared = label.startswith(labels[0])
+        columns += _columns(label, [STEP, SHARE, SHARE_ERROR] if compared else [STEP, SHARE])
+    columns.append(("unexplained", _unexplained))
     return _table("Summary per strategy (batch 4 x context 512 left out)", columns, rows)
 
 

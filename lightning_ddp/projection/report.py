@@ -20,7 +20,8 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     simulated_names,
 )
-from lightning_ddp.projection.tables import markdown_table
+from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.tables import markdown_table
 
 NO_COST_TOLERANCE = 0.05
 """A sharded strategy's memory saving is "at no step-time cost" where its step is within 5 % of the baseline's
@@ -28,22 +29,41 @@ NO_COST_TOLERANCE = 0.05
 
 
 def _ms(value: float) -> str:
+    """A time to 3 or 4 significant figures: ``12.3 ms``, ``1.23 ms``."""
     return f"{value:,.1f} ms" if value >= 10 else f"{value:.2f} ms"
 
 
 def _entry(variant: str) -> catalogue.Entry:
-    return catalogue.get(catalogue.variant_strategy(variant))
+    return catalogue.get(variants.variant_strategy(variant))
 
 
 def _title(variant: str) -> str:
+    """A table row's name: a strategy with buckets is shown at its best size."""
     return f"{variant} (best size)" if _entry(variant).has_bucket_size else variant
+
+
+def _at_size(result: StepResult) -> str:
+    """`` @ 4 MiB`` for a strategy with buckets, ``""`` for one without."""
+    return "" if result.bucket_size_mb is None else f" @ {result.bucket_size_mb:g} MiB"
+
+
+def _step_and_share(result: StepResult) -> str:
+    return f"{_ms(result.step_ms)} ({100 * result.comm_share:.1f} %){_at_size(result)}"
+
+
+def _stream(result: StepResult) -> str:
+    return f"{_ms(result.busy_comm_ms)}, {result.calls} calls, {100 * result.overlap:.0f} % hidden"
+
+
+def _memory_and_step(result: StepResult) -> str:
+    return "" if result.memory_bytes is None else f"{result.memory_bytes / 1e9:.2f} GB, {_ms(result.step_ms)}"
 
 
 def _variants(results: Sequence[StepResult]) -> list[str]:
     """The strategies (with their settings) in ``results``, in catalogue order, settings in first-seen order."""
     order = {name: i for i, name in enumerate(catalogue.STRATEGIES)}
     seen = list(dict.fromkeys(r.variant for r in results))
-    return sorted(seen, key=lambda v: order.get(catalogue.variant_strategy(v), len(order)))  # stable
+    return sorted(seen, key=lambda v: order.get(variants.variant_strategy(v), len(order)))  # stable
 
 
 def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Sequence[StepResult]) -> str:
@@ -54,19 +74,18 @@ def build_markdown(config, profile: ComputeProfile, fabric: Fabric, results: Seq
     lines = [f"# {config.name}", ""]
     lines += _inputs_section(config, profile, fabric)
     lines += ["## Step time (exposed communication share) per world size", ""]
-    lines += _strategy_table(best, names, sizes, lambda r: f"{_ms(r.step_ms)} ({100 * r.comm_share:.1f} %)" + (
-        f" @ {r.bucket_size_mb:g} MiB" if r.bucket_size_mb is not None else ""))
+    lines += _strategy_table(best, names, sizes, _step_and_share)
     lines += _fastest(best, names, sizes)
     lines += _memory_section(best, names, sizes)
     lines += _best_bucket_section(results, best, names, sizes, fabric)
     lines += ["", "## Communication stream: busy time and calls per step", ""]
-    lines += _strategy_table(best, names, sizes,
-                             lambda r: f"{_ms(r.busy_comm_ms)}, {r.calls} calls, {100 * r.overlap:.0f} % hidden")
+    lines += _strategy_table(best, names, sizes, _stream)
     lines += _caveats(profile, results, best)
     return "\n".join(lines)
 
 
 def _inputs_section(config, profile: ComputeProfile, fabric: Fabric) -> list[str]:
+    """What the projection assumed: the compute profile, the gradients, the network, copies and contention."""
     contention, source = contention_of(config.network)
     return [
         "Projected by `python -m lightning_ddp.projection` (simulated, not measured). How to read each table and "
@@ -89,26 +108,31 @@ def _inputs_section(config, profile: ComputeProfile, fabric: Fabric) -> list[str
 
 def _strategy_table(best: dict[tuple[str, int], StepResult], names: list[str], sizes: list[int],
                     cell: Callable[[StepResult], str]) -> list[str]:
-    """One row per strategy variant, one column per world size; ``cell`` writes a result."""
-    rows = [[_title(name), *("" if (name, n) not in best else cell(best[(name, n)]) for n in sizes)] for name in names]
+    """One row per strategy variant, one column per world size; ``cell`` writes a result (empty where none)."""
+    rows = []
+    for name in names:
+        rows.append([_title(name), *(cell(best[(name, n)]) if (name, n) in best else "" for n in sizes)])
     return markdown_table(["strategy", *(f"{n} ranks" for n in sizes)], rows, "l" + "r" * len(sizes))
 
 
 def _best_bucket_section(results: Sequence[StepResult], best: dict[tuple[str, int], StepResult], names: list[str],
                          sizes: list[int], fabric: Fabric) -> list[str]:
-    bucketed = [s for s in names if _entry(s).has_bucket_size]
+    """Per world size, each strategy with buckets at its best bucket size and at its worst."""
+    bucketed = [name for name in names if _entry(name).has_bucket_size]
     if not bucketed:
         return []
     rows = []
     for n in sizes:
         cells = [n, fabric.nodes(n)]
-        for s in bucketed:
-            b = best[(s, n)]
-            w = max((r for r in results if r.variant == s and r.world_size == n), key=lambda r: r.step_ms)
-            cells += [f"{b.bucket_size_mb:g} MiB", _ms(b.step_ms), f"{w.bucket_size_mb:g} MiB, {_ms(w.step_ms)}"]
+        for name in bucketed:
+            fastest = best[(name, n)]
+            slowest = max((r for r in results if r.variant == name and r.world_size == n), key=lambda r: r.step_ms)
+            cells += [f"{fastest.bucket_size_mb:g} MiB", _ms(fastest.step_ms),
+                      f"{slowest.bucket_size_mb:g} MiB, {_ms(slowest.step_ms)}"]
         rows.append(cells)
-    header = ["world size", "nodes", *(f"{s}: {column}" if column == "best" else column
-                                       for s in bucketed for column in ("best", "step", "worst cap, step"))]
+    header = ["world size", "nodes"]
+    for name in bucketed:
+        header += [f"{name}: best", "step", "worst cap, step"]
     return ["", "## Best bucket size per world size", "", *markdown_table(header, rows, "rr" + "rrl" * len(bucketed))]
 
 
@@ -146,12 +170,14 @@ def _fastest(best: dict[tuple[str, int], StepResult], names: list[str], sizes: l
         if not candidates:
             continue
         winner = min(candidates, key=lambda r: r.step_ms)
-        others = [best.get((baseline, n)) for baseline in baselines]
-        ratios = [f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-" for other in others]
-        size = f" @ {winner.bucket_size_mb:g} MiB" if winner.bucket_size_mb is not None else ""
-        rows.append([n, f"{winner.variant}{size}", _ms(winner.step_ms), *ratios])
-    header = ["world size", "fastest", "step",
-              *(f"/ {b}" + (" (best)" if _entry(b).has_bucket_size else "") for b in baselines)]
+        ratios = []
+        for baseline in baselines:
+            other = best.get((baseline, n))
+            ratios.append(f"{winner.step_ms / other.step_ms:.3f}" if other and other.step_ms > 0 else "-")
+        rows.append([n, f"{winner.variant}{_at_size(winner)}", _ms(winner.step_ms), *ratios])
+    header = ["world size", "fastest", "step"]
+    for baseline in baselines:
+        header.append(f"/ {baseline} (best)" if _entry(baseline).has_bucket_size else f"/ {baseline}")
     return ["", "## Fastest per world size", "", *markdown_table(header, rows, "rlr" + "r" * len(baselines))]
 
 
@@ -162,8 +188,7 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
     if not any(r.memory_bytes is not None for r in best.values()):
         return []
     lines = ["", "## Memory per rank against step time", ""]
-    lines += _strategy_table(best, names, sizes, lambda r: "" if r.memory_bytes is None else
-                             f"{r.memory_bytes / 1e9:.2f} GB, {_ms(r.step_ms)}")
+    lines += _strategy_table(best, names, sizes, _memory_and_step)
     rows: list[list] = []
     for n in sizes:
         unsharded = [best[(v, n)] for v in names if (v, n) in best and not _entry(v).sharded]
@@ -177,17 +202,25 @@ def _memory_section(best: dict[tuple[str, int], StepResult], names: list[str], s
                 continue
             slower = r.step_ms / baseline.step_ms - 1
             saved = baseline.memory_bytes - r.memory_bytes
-            verdict = ("**saving at no step-time cost**" if saved > 0 and slower <= NO_COST_TOLERANCE else
-                       "no saving" if saved <= 0 else f"saving costs {100 * slower:+.1f} % step time")
             rows.append([n, _title(v), f"{r.memory_bytes / 1e9:.2f} GB",
                          f"{saved / 1e9:.2f} GB ({100 * saved / baseline.memory_bytes:.0f} % of {baseline.variant}'s)",
-                         _ms(r.step_ms), f"{100 * slower:+.1f} %", verdict])
+                         _ms(r.step_ms), f"{100 * slower:+.1f} %", _saving_verdict(saved, slower)])
     if rows:
         lines += ["", f"**Memory saving at no step-time cost** (step within {100 * NO_COST_TOLERANCE:.0f} % of the "
                   "baseline's):", ""]
         header = ["world size", "strategy", "memory", "saved vs baseline", "step", "vs baseline", "verdict"]
         lines += markdown_table(header, rows, "rlrrrrl")
     return lines
+
+
+def _saving_verdict(saved_bytes: float, slower: float) -> str:
+    """Whether a sharded strategy's memory saving comes at no step-time cost (``slower``: its step over the
+    baseline's, minus 1)."""
+    if saved_bytes <= 0:
+        return "no saving"
+    if slower <= NO_COST_TOLERANCE:
+        return "**saving at no step-time cost**"
+    return f"saving costs {100 * slower:+.1f} % step time"
 
 
 def _save(fig, path: Path) -> Path:

@@ -15,8 +15,9 @@ from lightning_ddp.projection.config import build_fabric, contention_of, copy_ba
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
 from lightning_ddp.projection.report import build_markdown, write_plots
 from lightning_ddp.projection.simulators import StepModel, StepResult, best_by_world_size, simulate
-from lightning_ddp.projection.tables import csv_text
 from lightning_ddp.provenance import git_state, invocation, package_version
+from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.tables import csv_text
 
 COLUMNS: tuple[str, ...] = (
     "strategy", "bucket_size_mb", "engine_settings", "world_size", "nodes", "step_ms", "compute_only_ms",
@@ -34,11 +35,12 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
     ``engine_settings[strategy]`` (``{setting: [values]}``)."""
     results = []
     for n in world_sizes:
-        model = StepModel(profile, comm, n, copy_bandwidth_Bps, flops_per_s, contention)
+        model = StepModel(profile=profile, comm=comm, world_size=n, copy_bandwidth_Bps=copy_bandwidth_Bps,
+                          flops_per_s=flops_per_s, contention=contention)
         for name in strategies:
             sizes: Iterable[Optional[float]] = bucket_sizes_mb if catalogue.get(name).has_bucket_size else [None]
             for size in sizes:
-                for settings in catalogue.setting_combinations((engine_settings or {}).get(name)):
+                for settings in variants.setting_combinations((engine_settings or {}).get(name)):
                     results.append(simulate(name, model, size, **settings))
     return results
 
@@ -51,7 +53,7 @@ def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[s
         **row,
         "strategy": result.strategy,
         "bucket_size_mb": "" if result.bucket_size_mb is None else f"{result.bucket_size_mb:g}",
-        "engine_settings": catalogue.format_settings(result.settings),
+        "engine_settings": variants.format_settings(result.settings),
         "world_size": result.world_size,
         "nodes": nodes,
         "calls": result.calls,
@@ -104,7 +106,7 @@ def run_projection(config) -> ProjectionOutcome:
     ]
     if config.output.plots:
         files += write_plots(out_dir, results, profile)
-    return ProjectionOutcome(results, rows, profile, files)
+    return ProjectionOutcome(results=results, rows=rows, profile=profile, files=files)
 
 
 def describe_environment(config, profile: ComputeProfile, fabric: Fabric,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import math
@@ -28,7 +27,8 @@ from lightning_ddp.projection.simulators import (
     simulated_by,
     simulated_names,
 )
-from lightning_ddp.projection.tables import csv_text, markdown_table
+from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 
 GOAL_MEDIAN_ABS_ERROR = 0.15
 """The goal: median |predicted - measured| / measured step time within 15 %."""
@@ -46,9 +46,8 @@ def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any],
         if not (sweep / name).is_file():
             raise ValueError(f"{sweep / name} is missing; run the sweep first (python -m lightning_ddp.bench --config "
                              "configs/bench/cpu.yaml) or point at a sweep directory such as benchmarks/results/cpu")
-    with open(sweep / "results.csv", newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    return rows, json.loads((sweep / "profiles.json").read_text(encoding="utf-8")), sweep / "bucket_prediction.json"
+    profiles = json.loads((sweep / "profiles.json").read_text(encoding="utf-8"))
+    return read_csv(sweep / "results.csv"), profiles, sweep / "bucket_prediction.json"
 
 
 def _float(value: str | None) -> float | None:
@@ -85,13 +84,14 @@ def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any
         world = int(r["world_size"])
         own = ComputeProfile.from_dict(profiles[r["cell_id"]], origin=f"profile of {r['cell_id']}")
         modelled = model_settings(r["strategy"])
-        settings = {k: v for k, v in catalogue.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
+        settings = {k: v for k, v in variants.parse_settings(r.get("engine_settings") or "").items() if k in modelled}
         size_arg = size if catalogue.get(r["strategy"]).has_bucket_size else None
 
         def predict(profile: ComputeProfile) -> StepResult | None:
             """The cell simulated from ``profile``; None where the model needs shapes the profile lacks."""
             try:
-                model = StepModel(profile, comm, world, copy_Bps, contention=contention)
+                model = StepModel(profile=profile, comm=comm, world_size=world, copy_bandwidth_Bps=copy_Bps,
+                                  contention=contention)
                 return simulate(r["strategy"], model, size_arg, **settings)
             except ValueError as error:
                 if profile.has_shapes:
@@ -153,9 +153,13 @@ def ranking_agreement(cells: list[dict[str, Any]]) -> tuple[int, int, list[str]]
 
 
 def _name(cell: dict[str, Any]) -> str:
-    size = cell["bucket_size_mb"]
-    settings = cell.get("engine_settings") or ""
-    return cell["strategy"] + (f"@{size:g}" if isinstance(size, float) else "") + (f" {settings}" if settings else "")
+    """A cell as the report names it: ``bucketed_ddp@4 rank=4``."""
+    name = cell["strategy"]
+    if isinstance(cell["bucket_size_mb"], float):
+        name += f"@{cell['bucket_size_mb']:g}"
+    if cell.get("engine_settings"):
+        name += f" {cell['engine_settings']}"
+    return name
 
 
 def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], fit_path: Path, copy_Bps: float,
@@ -169,8 +173,8 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
     for (precision, batch, context), group in _groups(sized).items():
         best_measured = min(group, key=lambda c: c["measured_step_ms"])
         profile = ComputeProfile.from_dict(profiles[best_measured["cell_id"]])
-        predicted = {s: simulate(bucketed, StepModel(profile, comm, 2, copy_Bps), s).step_ms
-                     for s in (0.25, 0.5, 1, 2, 4, 8, 16, 32)}
+        model = StepModel(profile=profile, comm=comm, world_size=2, copy_bandwidth_Bps=copy_Bps)
+        predicted = {size: simulate(bucketed, model, size).step_ms for size in (0.25, 0.5, 1, 2, 4, 8, 16, 32)}
         projection_mb = min(predicted, key=predicted.get)
 
         def measured_at(size: float | None) -> str:
@@ -189,12 +193,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps: float, command: str,
                    fit: dict[str, Any]) -> str:
+    """cpu_sweep_validation.md: the step-time error against the goal, its bias, the ranking, every cell, and the
+    square-root rule's bucket size against the projection's."""
     signed = [c["step_error"] for c in cells]
     errors = [abs(e) for e in signed]
     ref_errors = [abs(c["step_error_from_reference"]) for c in cells if "step_error_from_reference" in c]
     median_error = statistics.median(errors) if errors else float("nan")
     verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
     agree, pairs, disagreements = ranking_agreement(cells)
+    not_agreeing = f"; not: {'; '.join(disagreements)}." if disagreements else "."
     lines = [
         "# The projection against the CPU sweep", "",
         f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
@@ -212,7 +219,7 @@ def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps:
         if ref_errors else "",
         "",
         f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
-        f"orders {agree} the same way" + (f"; not: {'; '.join(disagreements)}." if disagreements else "."), "",
+        f"orders {agree} the same way{not_agreeing}", "",
     ]
     header = ["cell", "measured step ms [95 %]", "predicted", "error", "from reference", "measured share",
               "predicted share"]
@@ -223,6 +230,7 @@ def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps:
 
 
 def _cell_row(c: dict[str, Any]) -> list[str]:
+    """A row of the cells' table: measured and predicted step, the errors, measured and predicted share."""
     from_reference = 100 * c["step_error_from_reference"] if "step_error_from_reference" in c else None
     measured_share = 100 * c["measured_share"] if c["measured_share"] is not None else None
     return [f"{_name(c)} b{c['batch_size']} t{c['context_length']}", _interval(c), f"{c['predicted_step_ms']:.1f}",
@@ -231,6 +239,7 @@ def _cell_row(c: dict[str, Any]) -> list[str]:
 
 
 def _interval(cell: dict[str, Any]) -> str:
+    """The measured step with its 95 % interval: ``12.3 [11.9, 12.8]``."""
     low, high = _fmt(cell["measured_step_lo"], ".1f"), _fmt(cell["measured_step_hi"], ".1f")
     return f"{cell['measured_step_ms']:.1f} [{low}, {high}]"
 
@@ -250,9 +259,11 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
         contention: Compute slowed by ``1 + contention`` while a collective runs; default: gloo's fitted value
             (``simulators.CONTENTION``). The report also gives the errors without it.
     """
-    command = (f"python -m lightning_ddp.projection.validate --sweep {sweep} --out {out}"
-               + (f" --copy_GBps {copy_GBps:g}" if copy_GBps else "")
-               + (f" --contention {contention:g}" if contention != CONTENTION["gloo"] else ""))
+    command = f"python -m lightning_ddp.projection.validate --sweep {sweep} --out {out}"
+    if copy_GBps:
+        command += f" --copy_GBps {copy_GBps:g}"
+    if contention != CONTENTION["gloo"]:
+        command += f" --contention {contention:g}"
     try:
         rows, profiles, fit_path = read_sweep(sweep)
     except ValueError as error:
@@ -281,37 +292,68 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
 # ---- contention before and after, for both validations: rows with predicted_/measured_ step_ms and share ---------
 
 
-def _step_errors(rows: Sequence[dict[str, Any]]) -> list[float]:
+Rows = Sequence[dict[str, Any]]
+
+
+def _step_errors(rows: Rows) -> list[float]:
     return [r["predicted_step_ms"] / r["measured_step_ms"] - 1 for r in rows]
 
 
-def _share_errors(rows: Sequence[dict[str, Any]]) -> list[float]:
+def _share_errors(rows: Rows) -> list[float]:
     return [abs(r["predicted_share"] - r["measured_share"]) for r in rows if r["measured_share"] is not None]
 
 
-METRICS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
-    "too fast": lambda rows: f"{sum(1 for e in _step_errors(rows) if e < 0)}/{len(rows)}",
-    "median \\|step error\\|": lambda rows: f"{100 * statistics.median(map(abs, _step_errors(rows))):.1f} %",
-    "mean \\|step error\\|": lambda rows: f"{100 * statistics.fmean(map(abs, _step_errors(rows))):.1f} %",
-    "mean step error": lambda rows: f"{100 * statistics.fmean(_step_errors(rows)):+.1f} %",
-    "mean \\|share error\\|": lambda rows: (f"{100 * statistics.fmean(_share_errors(rows)):.1f} pts"
-                                        if _share_errors(rows) else "-"),
+def _too_fast(rows: Rows) -> str:
+    """How many rows are predicted faster than measured, of all."""
+    return f"{sum(1 for e in _step_errors(rows) if e < 0)}/{len(rows)}"
+
+
+def _median_step_error(rows: Rows) -> str:
+    return f"{100 * statistics.median(map(abs, _step_errors(rows))):.1f} %"
+
+
+def _mean_step_error(rows: Rows) -> str:
+    return f"{100 * statistics.fmean(map(abs, _step_errors(rows))):.1f} %"
+
+
+def _mean_signed_step_error(rows: Rows) -> str:
+    return f"{100 * statistics.fmean(_step_errors(rows)):+.1f} %"
+
+
+def _mean_share_error(rows: Rows) -> str:
+    """The mean |predicted - measured| share in percentage points; ``-`` where no row measured one."""
+    errors = _share_errors(rows)
+    return f"{100 * statistics.fmean(errors):.1f} pts" if errors else "-"
+
+
+METRICS: dict[str, Callable[[Rows], str]] = {
+    "too fast": _too_fast,
+    "median \\|step error\\|": _median_step_error,
+    "mean \\|step error\\|": _mean_step_error,
+    "mean step error": _mean_signed_step_error,
+    "mean \\|share error\\|": _mean_share_error,
 }
 """What the before -> after tables can show, by column title."""
+
+SUBSETS = (("all", None), (f"fitting subset (batch {FIT_BATCH})", True), ("held out (other batches)", False))
+"""The before -> after tables' rows: all, the fitting subset and the held-out rows (on the fitting batch or not)."""
 
 
 def contention_lines(backend: str, s: float, fitted_on: str, before: Sequence[dict[str, Any]],
                      after: Sequence[dict[str, Any]], metrics: Sequence[str], by_strategy: bool) -> list[str]:
     """Markdown: ``metrics`` of the rows predicted without contention (``before``) -> with ``s`` (``after``, the same
     rows in the same order) on all rows, the fitting subset and the held-out rows (per strategy if ``by_strategy``)."""
+    strategies = list(dict.fromkeys(r["strategy"] for r in before)) if by_strategy else ["all"]
     rows = []
-    for subset, keep in (("all", lambda r: True), (f"fitting subset (batch {FIT_BATCH})",
-                                                  lambda r: r["batch_size"] == FIT_BATCH),
-                         ("held out (other batches)", lambda r: r["batch_size"] != FIT_BATCH)):
-        for strategy in dict.fromkeys(r["strategy"] for r in before) if by_strategy else ["all"]:
-            pairs = [(b, a) for b, a in zip(before, after) if keep(b) and strategy in ("all", b["strategy"])]
-            was, now = [b for b, _ in pairs], [a for _, a in pairs]
-            rows.append([subset, strategy, len(pairs), *(f"{METRICS[m](was)} -> {METRICS[m](now)}" for m in metrics)])
+    for subset, on_fitting_batch in SUBSETS:
+        for strategy in strategies:
+            was, now = [], []
+            for row_before, row_after in zip(before, after):
+                in_subset = on_fitting_batch is None or (row_before["batch_size"] == FIT_BATCH) == on_fitting_batch
+                if in_subset and strategy in ("all", row_before["strategy"]):
+                    was.append(row_before)
+                    now.append(row_after)
+            rows.append([subset, strategy, len(was), *(f"{METRICS[m](was)} -> {METRICS[m](now)}" for m in metrics)])
     return [
         "## Contention: compute slowed while collectives run", "",
         f"{backend}'s `s` = {s:g}, fitted on the batch-{FIT_BATCH} {fitted_on} (at most `S_MAX` = {S_MAX:g}; "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -26,16 +27,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SHARD_MODULES: tuple[str, ...] = ("Block",)
 """Class names sharded one FSDP group each by default (our GPT's ``Block``)."""
-
-
-def _root_step(method_name: str, context: str) -> Callable[..., Any]:
-    """The strategy's ``method_name`` hook: ``_step`` under the precision plugin's ``context`` (as Lightning's)."""
-
-    def step(self: FSDP2Strategy, *args: Any, **kwargs: Any) -> Any:
-        with getattr(self.precision_plugin, context)():
-            return self._step(method_name, *args, **kwargs)
-
-    return step
 
 
 class FSDP2Strategy(DataParallelStrategy):
@@ -87,29 +78,38 @@ class FSDP2Strategy(DataParallelStrategy):
         self.model = module
         self._sharded = True
 
-    # -- the steps through the root's __call__ (FSDP's root hooks), once sharded -----------------------------
+    # -- the steps through the root's __call__ (FSDP2's root hooks), once sharded ----------------------------
+    # Lightning redirects a step through the wrapper's forward only when the model is wrapped (``DDPStrategy``);
+    # ``fully_shard`` shards the LightningModule in place, so its steps are redirected through itself.
 
-    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``lightning_module.<method_name>``, once sharded inside the root's ``__call__``."""
+    def _through_root(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """``lightning_module.<method_name>(...)``; once sharded, inside the root module's ``__call__`` (Lightning's
+        forward redirection), where FSDP2's root hooks run whether or not the step calls ``self(...)``."""
         module = self.lightning_module
         assert module is not None
         if not self._sharded:
             return getattr(module, method_name)(*args, **kwargs)
+        return compat.redirect_through_forward(module, module, method_name, *args, **kwargs)
 
-        def forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            del module.forward  # back to the class's forward, for a step that calls `self(x)`
-            return getattr(module, method_name)(*inner_args, **inner_kwargs)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
 
-        module.forward = forward  # type: ignore[method-assign]
-        try:
-            return module(*args, **kwargs)
-        finally:
-            module.__dict__.pop("forward", None)
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
 
-    training_step = _root_step("training_step", "train_step_context")
-    validation_step = _root_step("validation_step", "val_step_context")
-    test_step = _root_step("test_step", "test_step_context")
-    predict_step = _root_step("predict_step", "predict_step_context")
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
 
     @override
     @contextmanager
@@ -145,7 +145,7 @@ class FSDP2Strategy(DataParallelStrategy):
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        optimizer = _torch_optimizer(optimizer)
         full = get_optimizer_state_dict(
             self.lightning_module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -159,7 +159,7 @@ class FSDP2Strategy(DataParallelStrategy):
 
         # Every rank loaded the file: each takes its own shard of the full state, no broadcast needed.
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optimizer = _torch_optimizer(optimizer)
             set_optimizer_state_dict(
                 self.lightning_module, optimizer, ids_to_fqn_keys(saved, optimizer, self.lightning_module),
                 options=StateDictOptions(full_state_dict=True),
@@ -167,6 +167,11 @@ class FSDP2Strategy(DataParallelStrategy):
 
 
 # ---- the sharding, and pure helpers (unit-tested without processes) -------------------------------------------
+
+
+def _torch_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer, also where a ``LightningOptimizer`` wraps it."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def shard(

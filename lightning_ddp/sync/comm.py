@@ -11,7 +11,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.profiler import record_function
 
 from lightning_ddp import compat
@@ -189,12 +188,12 @@ def gather_rank_states(
 
     ``device``: where tensors travel. With ``dst`` only that group rank gets the list; the others get ``None``.
     """
-    skeleton = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("meta"), state)
+    skeleton = compat.map_tensors(lambda tensor: tensor.detach().to("meta"), state)
     skeletons: list[Any] = [None] * comm.world_size
     dist.all_gather_object(skeletons, skeleton, group=comm.group)
     keep = dst is None or dst == comm.rank
     device = torch.device(device)
-    own = iter(leaf for leaf in pytree.tree_leaves(state) if isinstance(leaf, torch.Tensor))
+    own = iter(compat.tensors_of(state))
     states = []
     for r, rank_skeleton in enumerate(skeletons):
 
@@ -206,7 +205,7 @@ def gather_rank_states(
             dist.broadcast(buffer, src=comm.global_rank(r), group=comm.group)
             return buffer.cpu() if keep else None
 
-        received = pytree.tree_map_only(torch.Tensor, receive, rank_skeleton)  # in the skeleton's order on every rank
+        received = compat.map_tensors(receive, rank_skeleton)  # in the skeleton's order on every rank
         if keep:
             states.append(received)
     return states if keep else None

@@ -25,6 +25,7 @@ from lightning_ddp.sync import BucketedDDP, Communicator, Reduction
 from lightning_ddp.sync.bucketed import BucketReduce
 from lightning_ddp import catalogue
 from lightning_ddp.catalogue import REQUIRED, Entry
+from lightning_ddp.reporting import variants
 from tests.support.dist_utils import run_on_ranks
 from tests.support.equivalence import (
     CASES,
@@ -470,13 +471,13 @@ def test_the_strategy_tables_list_every_catalogue_entry_in_order(page: str) -> N
 
 
 def test_how_tables_and_file_names_write_a_strategy_and_its_settings() -> None:
-    assert catalogue.parse_settings("rank=4 min_compression_rate=0.5 mode=fast") == {
+    assert variants.parse_settings("rank=4 min_compression_rate=0.5 mode=fast") == {
         "rank": 4, "min_compression_rate": 0.5, "mode": "fast"}
-    assert catalogue.setting_combinations({"rank": [1, 4], "start_iter": [0]}) == [
+    assert variants.setting_combinations({"rank": [1, 4], "start_iter": [0]}) == [
         {"rank": 1, "start_iter": 0}, {"rank": 4, "start_iter": 0}]
-    assert catalogue.setting_combinations(None) == [{}]
-    assert (catalogue.variant_label("bucketed_ddp", "auto"), catalogue.variant_label("bucketed_powersgd_ddp", 4.0,
+    assert variants.setting_combinations(None) == [{}]
+    assert (variants.variant_label("bucketed_ddp", "auto"), variants.variant_label("bucketed_powersgd_ddp", 4.0,
             "rank=4")) == ("bucketed_ddp auto", "bucketed_powersgd_ddp 4 MiB rank=4")
-    assert (catalogue.format_settings({"rank": 4, "exact": True, "rate": 0.5}), catalogue.settings_slug({"rank": 4})) \
+    assert (variants.format_settings({"rank": 4, "exact": True, "rate": 0.5}), variants.settings_slug({"rank": 4})) \
         == ("rank=4 exact=true rate=0.5", "-rank4")
-    assert [catalogue.format_bucket(v) for v in (25.0, 0.5, "auto", 4)] == ["25", "0.5", "auto", "4"]
+    assert [variants.format_bucket(v) for v in (25.0, 0.5, "auto", 4)] == ["25", "0.5", "auto", "4"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ddp.bench.memory import MODES, main
+from lightning_ddp.bench.memory_per_rank import MODES, main
 from tests.support.cli_utils import REPO
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp.advice import (
+from lightning_ddp.projection.advise import (
     NOISY_SPREAD, PROJECTION_ERROR, QUIET_SPREAD, RunError, advise, fit_calls, main, read_run, render_markdown,
 )
-from lightning_ddp.bench.study import read_csv
+from lightning_ddp.reporting.tables import read_csv
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA, call_table, collective_calls
 from lightning_ddp.profile import ComputeProfile, ParamTiming, write_profile
 from tests.support.cli_utils import REPO
@@ -156,7 +156,7 @@ def test_the_command_writes_advice_json_and_md(tmp_path: Path, capsys: pytest.Ca
 def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
     from lightning_ddp.bench import advice as bench
     from lightning_ddp.bench.study import write_outputs
-    from lightning_ddp.projection.tables import csv_text
+    from lightning_ddp.reporting.tables import csv_text
     from lightning_ddp.command_line import parse_dataclass
 
     config = parse_dataclass(bench.AdviceBenchConfig, ["--config", str(REPO / "configs/advice/cpu.yaml")],

@@ -90,11 +90,11 @@ def test_pure_modules_import_without_torch() -> None:
 # ---- the import graph: the product never imports the study, and no module imports itself round a circle -------
 
 PACKAGE = REPO / "lightning_ddp"
-STUDY = ("bench", "projection", "trace", "advice")
-"""The study: sweeps and benchmarks, the projection, trace rendering, advice. It may import the product;
-the product (everything else: ``sync``, ``strategies``, ``callbacks``, ``model``, ``module``, ``data``, ``cli``,
-``memory``, ``hardware``, ``profile``, ...) never imports it, at module level or inside a function (torchtitan's
-"experiments depend on core, never back")."""
+STUDY = ("bench", "projection", "trace", "reporting")
+"""The study: sweeps and benchmarks, the projection (and ``advise``, calibrated to one run), trace rendering, and what
+their reports share. It may import the product; the product (everything else: ``sync``, ``strategies``,
+``callbacks``, ``metrics``, ``model``, ``module``, ``data``, ``cli``, ``memory``, ``hardware``, ``profile``, ...)
+never imports it, at module level or inside a function (torchtitan's "experiments depend on core, never back")."""
 
 
 def _module_name(path: Path) -> str:

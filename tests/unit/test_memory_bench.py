@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ddp.bench import memory
-from lightning_ddp.bench.memory import (
+from lightning_ddp.bench import memory_per_rank
+from lightning_ddp.bench.memory_per_rank import (
     MODES, PLOT_NAME, MemoryBenchConfig, format_report, sent_bytes_per_rank, summarise,
     write_memory_plot,
 )
@@ -26,11 +26,11 @@ GiB = 2**30
 
 
 def parse_config(args: list[str]) -> MemoryBenchConfig:
-    return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory")
+    return parse_dataclass(MemoryBenchConfig, args, prog="python -m lightning_ddp.bench.memory_per_rank")
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(memory).failed == 0
+    assert doctest.testmod(memory_per_rank).failed == 0
 
 
 def test_xl_expectation_matches_the_issue() -> None:

@@ -19,7 +19,7 @@ from lightning_ddp.intervals import intersect, merge, subtract, total
 from lightning_ddp.sync import ranges
 from lightning_ddp.sync.record import Collective
 from lightning_ddp.trace.__main__ import main as trace_main
-from lightning_ddp.metrics.recording import COMM_TID_BASE, RecordedStep, add_communication_track, assign_lanes
+from lightning_ddp.metrics.comm_track import COMM_TID_BASE, RecordedStep, add_communication_track, assign_lanes
 from lightning_ddp.trace import (Overlap, comm_compute_overlap, find_traces, load_rank_trace, load_run,
                                  render_timeline)
 

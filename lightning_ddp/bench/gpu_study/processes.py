@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_ddp import compat
 from lightning_ddp.bench.launch import RankLayout, error_line, fit_command, is_oom, rank_environments, run_processes
 from lightning_ddp.bench.study import read_timing_summary
 from lightning_ddp.files import write_json_atomically
@@ -83,8 +84,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
                                     "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
         # Each rank a "node" of one device: 2 ranks then share it over gloo (NCCL refuses two ranks on one GPU).
-        envs = rank_environments(RankLayout("gloo", 1, ranks), find_free_port(), every_rank=True, threads=threads,
-                                 extra=env)
+        layout = RankLayout(backend="gloo", devices_per_node=1, num_nodes=ranks)
+        envs = rank_environments(layout, find_free_port(), every_rank=True, threads=threads, extra=env)
         logs = [work / f"rank{r}.log" for r in range(ranks)]
         command = [sys.executable, "-m", "lightning_ddp.bench.gpu_study.processes", "fits", str(plan.resolve())]
         outcome = run_processes(command, envs, logs, remaining, cwd=cwd)
@@ -94,8 +95,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
             if path.exists():
                 data = json.loads(path.read_text())
                 summary = read_timing_summary(path.parent) if data["status"] == "ok" else None
-                finished[spec.name] = FitResult(spec.name, data["status"], data.get("error", ""),
-                                                data.get("seconds", 0.0), path.parent, summary)
+                finished[spec.name] = FitResult(name=spec.name, status=data["status"], error=data.get("error", ""),
+                                                seconds=data.get("seconds", 0.0), log_dir=path.parent, summary=summary)
         results.update(finished)
         missing = [s for s in pending if s.name not in results]
         if not missing:
@@ -107,8 +108,11 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         # none started, the start-up that failed: either way it gets the error.
         results[missing[0].name] = _lost(missing[0].name, out_dir, outcome, logs, remaining)
         pending = missing[1:]
-    return [results.get(s.name) or FitResult(s.name, "not run", "no time was left to start it", 0.0, out_dir / s.name)
-            for s in specs]
+    for spec in specs:
+        if spec.name not in results:
+            results[spec.name] = FitResult(name=spec.name, status="not run", error="no time was left to start it",
+                                           log_dir=out_dir / spec.name)
+    return [results[spec.name] for spec in specs]
 
 
 def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float) -> FitResult:
@@ -122,7 +126,7 @@ def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float)
     else:
         status = "oom" if any(is_oom(t) for t in failed) else "failed"
         line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
-    return FitResult(name, status, line, 0.0, out_dir / name)
+    return FitResult(name=name, status=status, error=line, log_dir=out_dir / name)
 
 
 def fits(plan_path: str) -> int:
@@ -322,7 +326,7 @@ def environment(out: str, device: str = "cuda") -> int:
         gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
         nvidia_driver=_or_none(lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20,
                                                       check=True).stdout.split()[0]),
-        cuda_driver_api=_or_none(lambda: torch._C._cuda_getDriverVersion()), cudnn=torch.backends.cudnn.version(),
+        cuda_driver_api=_or_none(compat.cuda_driver_version), cudnn=torch.backends.cudnn.version(),
         nccl=_or_none(lambda: ".".join(map(str, torch.cuda.nccl.version()))),  # (2, 21, 5) -> 2.21.5
         torch_cuda=torch.version.cuda, jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
         memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),

@@ -318,11 +318,10 @@ def _estimate_over_reserved(run: Row) -> float | None:
 
 
 def _fit_row(result: FitResult) -> dict[str, Any]:
-    """Every median of one fit's timing summary; ``"not recorded"`` where its timer could not measure the key."""
+    """Every median of one fit's timing summary."""
     summary = result.summary or {}
     medians = {key: stats.get("median") for key, stats in (summary.get("summary") or {}).items()}
-    return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1), **medians,
-            **dict.fromkeys(summary.get("not_recorded") or (), "not recorded")}
+    return {"status": result.status, "error": result.error, "seconds": round(result.seconds, 1), **medians}
 
 
 def strategies(ctx: StudyContext) -> StageResult:

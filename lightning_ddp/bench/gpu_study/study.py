@@ -22,8 +22,8 @@ from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE, GPU_SCALE
 from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.projection.tables import markdown_table
 from lightning_ddp.provenance import git_state, repo_relative
+from lightning_ddp.reporting.tables import markdown_table
 
 DONE = ("ok", "skipped: no CUDA", "skipped: not selected")
 """The statuses that leave nothing to do (``complete`` in stages.json); ``--resume true`` runs every other again."""
@@ -193,7 +193,7 @@ class _Cells(string.Formatter):
             return f"{value / 2**30:.1f}"
         try:
             return format(value, format_spec)
-        except (TypeError, ValueError):  # e.g. "not recorded" where a number was expected
+        except (TypeError, ValueError):  # a text where a number was expected
             return str(value)
 
 

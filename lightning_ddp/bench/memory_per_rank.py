@@ -1,5 +1,5 @@
-"""``python -m lightning_ddp.bench.memory --config configs/memory/cpu.yaml``: per-rank memory and step time of the
-data-parallel family beside ``lightning_ddp.memory``'s figures, with verdicts and a plot (docs/benchmarks.md)."""
+"""``python -m lightning_ddp.bench.memory_per_rank --config configs/memory/cpu.yaml``: per-rank memory and step time
+of the data-parallel family beside ``lightning_ddp.memory``'s figures, with verdicts and a plot (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,9 @@ from lightning_ddp.bench.engine_step import (
     InProcessConfig, all_reduced, random_tokens, seeded_model, sync, timed_step,
 )
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.study import Column, benchmark_main, json_report, provenance, run_ranks, table, write_outputs
+from lightning_ddp.bench.study import (
+    Column, benchmark_main, json_report, provenance, run_ranks, table, text_cell, write_outputs,
+)
 from lightning_ddp.files import write_atomically
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 from lightning_ddp.model import PRESETS
@@ -177,6 +179,8 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
 
 
 def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, rank: int) -> dict[str, Any]:
+    """``config.steps`` steps of ``mode`` on this rank: its snapshots, step times (max over ranks), recorded
+    communication and what ``lightning_ddp.memory`` expects of it."""
     from lightning_ddp.sync import Recorder
 
     gc.collect()  # free what the previous mode left (and restart the CUDA peak)
@@ -313,6 +317,7 @@ def summarise(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> d
 
 
 def _mib(value: int | float | None) -> str:
+    """Bytes as MiB to 2 decimals; ``""`` for ``None``."""
     return "" if value is None else f"{value / MiB:,.2f}"
 
 
@@ -320,29 +325,52 @@ def _interval(value: dict[str, float] | None, fmt: str) -> str:
     return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
 
 
+def _mib_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    """A cell writing ``row[key]`` in MiB."""
+    return lambda row: _mib(row[key])
+
+
+def _measured_and_expected_cell(key: str) -> Callable[[dict[str, Any]], str]:
+    """A cell writing ``row[key]`` in MiB and, in parentheses, ``row["expected_<key>"]``."""
+    return lambda row: f"{_mib(row[key])} ({_mib(row[f'expected_{key}'])})"
+
+
+def _interval_cell(key: str, fmt: str) -> Callable[[dict[str, Any]], str]:
+    """A cell writing the estimate ``row[key]`` (point, lo, hi) as ``point [lo, hi]``; empty where there is none."""
+    return lambda row: _interval(row.get(key), fmt)
+
+
 FAMILY_COLUMNS = [
-    Column("mode", lambda row: row["label"], "l"),
-    *(Column(key.replace("_", " "), lambda row, k=key: f"{_mib(row[k])} ({_mib(row[f'expected_{k}'])})")
-      for key in (*TENSORS, "peak")),
-    Column("step ms", lambda row: _interval(row["step_ms"], ",.1f")),
-    Column("step / ZeRO-1 (reduce-scatter)", lambda row: _interval(row.get("step_ratio_to_zero1"), ".3f")),
+    Column("mode", text_cell("label"), "l"),
+    *(Column(key.replace("_", " "), _measured_and_expected_cell(key)) for key in (*TENSORS, "peak")),
+    Column("step ms", _interval_cell("step_ms", ",.1f")),
+    Column("step / ZeRO-1 (reduce-scatter)", _interval_cell("step_ratio_to_zero1", ".3f")),
 ]
 
 
-def _goal_cells(goal: dict[str, Any]) -> tuple[str, str]:
-    """A goal's measured value and target as text (empty where not measurable)."""
+def _measured_goal(goal: dict[str, Any]) -> str:
+    """A goal's measured value as text (empty where not measurable)."""
     if "ratio" in goal:
-        return _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
-    if "measured_MiB" in goal:
-        return f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
-    return "", ""
+        return _interval(goal["ratio"], ".3f")
+    return f"{goal['measured_MiB']:,.2f} MiB" if "measured_MiB" in goal else ""
+
+
+def _goal_target(goal: dict[str, Any]) -> str:
+    """A goal's target as text (empty where not measurable)."""
+    if "ratio" in goal:
+        return f"{goal['target']:.2f}"
+    return f"{goal['target_MiB']:,.2f} MiB" if "measured_MiB" in goal else ""
+
+
+def _goal_verdict(goal: dict[str, Any]) -> str:
+    return f"**{goal['verdict']}**"
 
 
 GOAL_COLUMNS = [
-    Column("goal", lambda goal: goal["goal"], "l"),
-    Column("measured", lambda goal: _goal_cells(goal)[0]),
-    Column("target", lambda goal: _goal_cells(goal)[1]),
-    Column("verdict", lambda goal: f"**{goal['verdict']}**", "l"),
+    Column("goal", text_cell("goal"), "l"),
+    Column("measured", _measured_goal),
+    Column("target", _goal_target),
+    Column("verdict", _goal_verdict, "l"),
 ]
 
 
@@ -402,8 +430,8 @@ def format_report(results: dict[str, Any]) -> str:
     ]
     in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
               **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}
-    columns = [Column("rank", lambda row: row["rank"]), Column("point", lambda row: row["point"], "l"),
-               *(Column(header, lambda row, k=key: _mib(row[k])) for key, header in in_mib.items())]
+    columns = [Column("rank", text_cell("rank")), Column("point", text_cell("point"), "l"),
+               *(Column(header, _mib_cell(key)) for key, header in in_mib.items())]
     for mode in results["modes"]:  # its snapshots and the communication per step: a row per rank and point
         rows = [{**r["snapshots"][point], "rank": r["rank"], "point": point,
                  "tensors": sum(r["snapshots"][point][k] for k in TENSORS),

@@ -1,7 +1,7 @@
 """``python -m lightning_ddp advise RUN_DIR``: what to change, predicted from the run's own CommTimer files.
 
 Calibrates the projection to the run, simulates every catalogue alternative and writes ``advice.json`` and
-``advice.md`` into RUN_DIR. A study module: the product never imports it. How each step works: docs/advice.md.
+``advice.md`` into RUN_DIR: the projection, calibrated to one run. How each step works: docs/advice.md.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from lightning_ddp import catalogue, hardware
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.metrics.recording import SUMMARY_SCHEMA
 from lightning_ddp.profile import ComputeProfile, read_profile
-from lightning_ddp.run_folders import run_folder
 from lightning_ddp.projection.comm import MeasuredFit, get_fabric
 from lightning_ddp.projection.run import project
 from lightning_ddp.projection.simulators import (
     CONTENTION, CPU_COPY_GBPS, StepModel, StepResult, best_by_world_size, simulate, simulated_names,
 )
-from lightning_ddp.projection.tables import markdown_table
+from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.tables import markdown_table
+from lightning_ddp.run_folders import run_folder
 from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucket_bytes
 from lightning_ddp.sync.memory_model import MiB
 
@@ -99,7 +100,7 @@ def read_run(run_dir: str | Path) -> Run:
     except (OSError, ValueError) as error:
         raise RunError(f"{profile_path}: {error}; {RERUN}") from None
     medians = {key: value["median"] for key, value in summary["summary"].items()}
-    return Run(path, summary, profile, medians)
+    return Run(path=path, summary=summary, profile=profile, medians=medians)
 
 
 def fit_calls(calls: list[dict[str, Any]]) -> tuple[dict[str, tuple[float, float]], list[str]]:
@@ -156,7 +157,8 @@ def step_model(run: Run, comm: Any) -> StepModel:
     spec = run.device
     copy_GBps = spec.memory_GBps if spec is not None else CPU_COPY_GBPS
     contention = CONTENTION.get(str(run.info.get("backend")), 0.0)
-    return StepModel(run.profile, comm, run.info["world_size"], copy_GBps * 1e9, contention=contention)
+    return StepModel(profile=run.profile, comm=comm, world_size=run.info["world_size"],
+                     copy_bandwidth_Bps=copy_GBps * 1e9, contention=contention)
 
 
 BUCKET_SIZES_MB: tuple[float, ...] = (1, 2, 4, 8, 16, 25, 50)  # tried for every strategy that takes one, and auto
@@ -203,6 +205,7 @@ class Calibration:
 
 
 def current_bucket_size(run: Run) -> float | str | None:
+    """The run's bucket size as recorded (its strategy's default where it was not); ``None``: no buckets."""
     entry = catalogue.get(run.info["strategy"])
     if not entry.has_bucket_size:
         return None
@@ -331,6 +334,7 @@ def advise(run: Run, world_sizes: Sequence[int] = (), network: str | None = None
 
 
 def size_equal(a: float | str | None, b: float | str | None) -> bool:
+    """Two bucket sizes are the same setting: equal, or numbers within 1e-6 MiB."""
     return a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) < 1e-6)
 
 
@@ -366,13 +370,14 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
 
 
 def _label(row: dict[str, Any]) -> str:
-    return catalogue.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
+    return variants.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
 
 
 SHOWN = 12  # rows of advice.md's table, each strategy at its best setting and the current one (advice.json has all)
 
 
 def _row(r: dict[str, Any]) -> list[str]:
+    """A row of advice.md's table: the variant, its flags, predicted step, share, gain and memory."""
     lo, hi = r["predicted_step_interval"]
     glo, ghi = r["gain_interval"]
     flags = " ".join(flag for flag, on in (("current", r["current"]), ("lossy", not r["exact"]),

@@ -1,10 +1,11 @@
-"""Markdown tables and CSV text: the one table and CSV writer of every report (projection and study)."""
+"""Markdown tables and CSV text: the one table and CSV writer (and CSV reader) of every report of the study."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+import os
 from typing import Any, Iterable, Mapping, Sequence
 
 
@@ -46,3 +47,9 @@ def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], digits: 
     writer.writeheader()
     writer.writerows({column: csv_value(row.get(column), digits) for column in columns} for row in rows)
     return buffer.getvalue()
+
+
+def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
+    """The rows of a CSV file as strings (empty cells as ``""``)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
