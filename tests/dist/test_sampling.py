@@ -75,10 +75,12 @@ def test_the_readme_example_measures_a_plain_module_through_our_strategy_name(tm
 def test_the_timer_overhead_benchmark_runs_its_three_arms(tmp_path: Path) -> None:
     from lightning_ddp.bench.timer_overhead import main
 
-    result = main(["--steps", "5", "--warmup_steps", "1", "--repeats", "1", "--sampled_every", "2", "--out_dir",
+    result = main(["--strategies", '["bucketed_ddp"]', "--steps", "5", "--warmup_steps", "1", "--repeats", "1",
+                   "--sampled_every", "2", "--out_dir",
                    str(tmp_path), "--fit_args", '["--trainer.devices", "1", "--model.context_length", "32", '
                    '"--data.seq_len", "32", "--data.batch_size", "2"]'])
-    assert list(result["arms"]) == ["off", "every step", "every 2 steps"]
-    assert result["steps_measured"] == {"off": 3, "every step": 3, "every 2 steps": 3}  # 5 steps: 4 deltas - 1
+    measured = result["strategies"]["bucketed_ddp"]
+    assert list(measured["arms"]) == ["off", "every step", "every 2 steps"]
+    assert measured["steps_measured"] == {"off": 3, "every step": 3, "every 2 steps": 3}  # 5 steps: 4 deltas - 1
     table = (tmp_path / "timer_overhead.md").read_text()
-    assert "| every step |" in table and "| every 2 steps |" in table
+    assert "| bucketed_ddp | every step |" in table and "| bucketed_ddp | every 2 steps |" in table

@@ -190,25 +190,39 @@ def test_compression_variants_are_registered_lossy_algorithms_with_their_engine_
 
 
 def test_timer_overhead_is_a_ratio_of_pooled_medians_with_an_interval_and_a_verdict() -> None:
-    from lightning_ddp.bench.timer_overhead import _markdown, arms, summarize
+    from lightning_ddp.bench.timer_overhead import _markdown, arms, sampled_arm, summarize
 
-    every, sampled = "every step", "every 50 steps"
+    every, sampled = "every step", sampled_arm(50)
     assert list(arms(50)) == ["off", every, sampled] and arms(50)[sampled][-1] == "50"
     windows = {"off": [100.0, 100.0], every: [101.0, 101.0], sampled: [100.1, 100.1]}
     same = summarize({"off": [[100.0] * 5, [100.0] * 5], every: [[101.0] * 5, [101.0] * 5],
-                      sampled: [[100.0] * 5, [100.0] * 5]}, windows, 200)
-    assert same["overhead"] == pytest.approx(0.01) and same["overhead_lo"] == pytest.approx(0.01)
-    assert same["verdict"] == "met" and same["window_overhead"] == pytest.approx(0.01)
-    # the sampled arm: its unsampled steps cost nothing (median ratio 1), its measured ones show in the whole-run mean
-    assert same["arms"][sampled]["overhead"] == pytest.approx(0.0) and same["arms"][sampled]["verdict"] == "met"
-    assert same["arms"][sampled]["window_overhead"] == pytest.approx(0.001)
-    table = _markdown({**same, "command": "python -m lightning_ddp.bench.timer_overhead"})
-    assert "| every step | 101.00 | +1.00 % [+1.00, +1.00] | met |" in table and "| every 50 steps |" in table
+                      sampled: [[100.0] * 5, [100.0] * 5]}, windows, goal_arm=sampled, samples=200)
+    # the goal's arm (the default sampling) at the top: its unsampled steps cost nothing (median ratio 1), its
+    # measured ones show in the whole-run mean
+    assert same["overhead"] == pytest.approx(0.0) and same["verdict"] == "met"
+    assert same["window_overhead"] == pytest.approx(0.001)
+    # every step: +1 %, exactly the goal, so met only because its whole interval is not above it
+    assert same["arms"][every]["overhead"] == pytest.approx(0.01) and same["arms"][every]["verdict"] == "met"
+    table = _markdown({"strategies": {"ddp": same}, "goal_arm": sampled,
+                       "command": "python -m lightning_ddp.bench.timer_overhead"})
+    assert "| ddp | every step | 101.00 | +1.00 % [+1.00, +1.00] | met |" in table and "| ddp | every 50 steps |" in table
+    assert "- `ddp`: +0.00 % [95 %: +0.00, +0.00]" in table
     # one repeat of the every-step arm much slower (a drift of the machine): the point moves, the interval says so
-    drift = summarize({"off": [[100.0] * 5, [100.0] * 5], every: [[101.0] * 5, [125.0] * 5]}, windows, 200)
+    drift = summarize({"off": [[100.0] * 5, [100.0] * 5], every: [[101.0] * 5, [125.0] * 5]}, windows, goal_arm=every,
+                      samples=200)
     assert drift["overhead_lo"] == pytest.approx(0.01) and drift["overhead_hi"] == pytest.approx(0.25)
     assert drift["verdict"] == "inconclusive"
-    assert summarize({"off": [[100.0] * 3] * 2, every: [[110.0] * 3] * 2}, windows, 200)["verdict"] == "missed"
+    assert summarize({"off": [[100.0] * 3] * 2, every: [[110.0] * 3] * 2}, windows, goal_arm=every,
+                     samples=200)["verdict"] == "missed"
+
+
+def test_the_timer_overhead_config_refuses_an_unknown_strategy() -> None:
+    from lightning_ddp.bench.timer_overhead import TimerOverheadConfig
+
+    with pytest.raises(ValueError, match="'dpp' is not a strategy of the catalogue; choose one of: naive_ddp"):
+        TimerOverheadConfig(strategies=["ddp", "dpp"])
+    with pytest.raises(ValueError, match="strategies is empty"):
+        TimerOverheadConfig(strategies=[])
 
 
 @pytest.mark.parametrize(("module", "stem"), [("timer_overhead", "timer_overhead"), ("engine_step", "engine_step")])
