@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
     import torch.distributed as dist
 
     from lightning_ddp.local_group import init_local_process_group
+    from lightning_ddp.teardown import exit_without_finalizing, tear_down_process_group
 
     if cuda:
         torch.cuda.set_device(rank)
@@ -73,13 +74,13 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
     init_local_process_group(rank, world, port, backend, threads=threads)
     try:
         result = measure(rank, world, *args)
-        if rank == 0:
-            write_atomically(Path(result_file), json.dumps(result))
-        # Both ranks done with the group before either tears it down: a rank destroying it while its peer's gloo
-        # thread still holds the pair aborted ("terminate called without an active exception", SIGABRT) under load.
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    if rank == 0:
+        write_atomically(Path(result_file), json.dumps(result))
+    tear_down_process_group()
+    exit_without_finalizing()  # exit 0: no live gloo thread can abort the finalization (docs/troubleshooting.md)
 
 
 def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str = "gloo", cuda: bool = False) -> Any:
