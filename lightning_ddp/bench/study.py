@@ -19,7 +19,7 @@ import numpy as np
 
 from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes
 from lightning_ddp.bench.stats import Estimate, interval_text
-from lightning_ddp.command_line import parse_dataclass
+from lightning_ddp.command_line import check_field_types, parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.projection.tables import csv_text, markdown_table
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
@@ -298,6 +298,7 @@ class BenchConfig:
     """Where the results and the report go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         for name in ("repeats", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
