@@ -93,7 +93,7 @@ def test_the_gpu_tier_runs_every_engine_case_and_zero1_variant() -> None:
 @pytest.mark.parametrize("layout", CPU_LAYOUTS, ids=lambda l: l.name)
 def test_fsdp2_gradients_after_the_first_step_and_weights_match_one_process(layout) -> None:
     # The GPU tier's fsdp2 check (tests/gpu/test_fsdp2_on_cuda.py) on CPU: the same job and comparison.
-    ranks = run_on_ranks(fsdp2_job, layout.world_size, layout.device, backend=layout.backend, timeout=180)
+    ranks = run_on_ranks(fsdp2_job, layout.world_size, layout.device, backend=layout.backend)
     assert [r["world_size"] for r in ranks] == [layout.world_size] * layout.world_size
     check_fsdp2_matches_one_process(ranks)
 

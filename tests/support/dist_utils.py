@@ -56,7 +56,9 @@ from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import find_free_port, init_local_process_group
 from lightning_ddp.teardown import exit_without_finalizing, tear_down_process_group
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = 600.0
+"""A bound on a hang (mismatched collectives), not on speed: ~10x the slowest job's time on 2 busy cores (a 3-rank
+fp64 FSDP2 run took 65 s at a load average of 8, twice that at 19)."""
 _PORT_RETRIES = 3  # another process can take the free port between our probe and rank 0's bind
 
 
