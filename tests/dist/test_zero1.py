@@ -188,7 +188,7 @@ def _weight_bounds(history: list, state: dict[str, torch.Tensor]) -> dict[str, t
     grads = [step for step, _ in history]
     lrs = {name: [step_lrs.get(name, 0.0) for _, step_lrs in history] for name in history[-1][1]}
     bounds = [{n: reordered_gradient_bound(g, CHAIN, TOKENS) for n, g in step.items()} for step in grads]
-    return with_tied(adam_weight_bounds(grads, bounds, lrs, HP["betas"]), state)
+    return with_tied(adam_weight_bounds(grads, bounds, lrs, HP["betas"], weights=state), state)
 
 
 def _average_by_hand(model: nn.Module, world_size: int) -> None:
@@ -312,7 +312,8 @@ def _reference_two_steps() -> dict:
     history: list = []
     _train_with(model, optimizer, scheduler, range(2), slice(0, GLOBAL_BATCH), None, history)
     names = {id(p): n for n, p in model.named_parameters()}
-    return {"state": optimizer.state_dict(), "names": [names[id(p)] for g in optimizer.param_groups for p in g["params"]],
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return {"state": optimizer.state_dict(), "names": order,
             "grads": [step for step, _ in history]}
 
 

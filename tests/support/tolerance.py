@@ -59,7 +59,7 @@ def adam_step_ratio_bound(step: int, betas: tuple[float, float]) -> float:
 def adam_weight_bounds(history: Sequence[Mapping[str, torch.Tensor]],
                        grad_bounds: Sequence[Mapping[str, float | torch.Tensor]],
                        lrs: Sequence[float] | Mapping[str, Sequence[float]], betas: tuple[float, float] = (0.9, 0.999),
-                       eps: float = 1e-8) -> dict[str, torch.Tensor]:
+                       eps: float = 1e-8, weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Per weight, how far AdamW (or Adam) runs from the same start can end apart when step t's gradient of each
     parameter differs from ``history[t]`` (the reference run's) by at most ``grad_bounds[t][name]`` per element.
 
@@ -70,7 +70,10 @@ def adam_weight_bounds(history: Sequence[Mapping[str, torch.Tensor]],
     Decay multiplies an existing difference by 1 - lr wd < 1, so the bound adds ``lr_t`` times each step's. The
     weights' own difference feeds back into later gradients by the curvature times it, second order next to E. A
     step without a gradient leaves a parameter alone (AdamW skips it; its own step count sets the bias correction).
-    ``lrs``: every step's learning rate, or per parameter (groups, schedulers).
+    ``lrs``: every step's learning rate, or per parameter (groups, schedulers). ``weights`` (the reference's final
+    ones) adds each run's own rounding of its steps: per step the decay, the ratio (a few operations), its product
+    with lr and the subtraction, at most ``u (2 |w| + 8 lr R)`` on each side (``|w|`` the final weight, which a step
+    moves by at most lr R).
     """
     beta1, beta2 = betas
     bounds: dict[str, torch.Tensor] = {}
@@ -89,6 +92,9 @@ def adam_weight_bounds(history: Sequence[Mapping[str, torch.Tensor]],
             moved = (moved_m + ratio * moved_root_v) / ((root_v - moved_root_v).clamp(min=0) + eps)
             lr = (lrs[name] if isinstance(lrs, Mapping) else lrs)[present[t - 1]]
             total += lr * moved.clamp(max=2 * ratio)
+            if weights is not None and name in weights:
+                u = unit_roundoff(history[present[0]][name].dtype)
+                total += 2 * u * (2 * weights[name].double().abs() + 8 * lr * ratio)
         bounds[name] = total
     return bounds
 
@@ -103,13 +109,16 @@ def adam_moment_bounds(history: Sequence[Mapping[str, torch.Tensor]],
     bounds: dict[str, dict[str, torch.Tensor]] = {}
     for name in dict.fromkeys(name for step in history for name in step):
         present = [i for i, step in enumerate(history) if name in step]
-        t = len(present)
-        m = v = torch.zeros_like(history[present[0]][name], dtype=torch.float64)
+        t, u = len(present), unit_roundoff(history[present[0]][name].dtype)
+        m = v = size_m = size_v = torch.zeros_like(history[present[0]][name], dtype=torch.float64)
         for s, i in enumerate(present, 1):
             g, e = history[i][name].double().abs(), torch.as_tensor(grad_bounds[i][name], dtype=torch.float64)
             m = m + (1 - beta1) * beta1 ** (t - s) * e
             v = v + (1 - beta2) * beta2 ** (t - s) * (2 * g * e + e * e)
-        bounds[name] = {"exp_avg": m, "exp_avg_sq": v}
+            size_m = size_m + (1 - beta1) * beta1 ** (t - s) * (g + e)
+            size_v = size_v + (1 - beta2) * beta2 ** (t - s) * (g + e) ** 2
+        # each run's own rounding: per step two products and a sum, on values no larger than the moment's size
+        bounds[name] = {"exp_avg": m + 2 * 3 * t * u * size_m, "exp_avg_sq": v + 2 * 3 * t * u * size_v}
     return bounds
 
 
@@ -154,11 +163,12 @@ def history_weight_bounds(path, chain: int, tokens: int, clip: float | None,
     ``tests.support.callbacks_for_tests.GradientHistory`` saved to ``path`` during the reference run."""
     saved = torch.load(path, weights_only=True)
     seen, bounds = clipped_history_bounds(saved["steps"], chain, tokens, clip)
-    return with_tied(adam_weight_bounds(seen, bounds, saved["lrs"], tuple(saved["betas"]), saved["eps"]), state)
+    bounds = adam_weight_bounds(seen, bounds, saved["lrs"], tuple(saved["betas"]), saved["eps"], weights=state)
+    return with_tied(bounds, state)
 
 
 def history_moment_bounds(path, chain: int, tokens: int, clip: float | None) -> dict[int, dict[str, torch.Tensor]]:
-    """``adam_moment_bounds`` from a ``GradientHistory`` file, by the optimizer's state index (as checkpoints key it)."""
+    """``adam_moment_bounds`` from a ``GradientHistory`` file, by the optimizer's state index (checkpoints' keys)."""
     saved = torch.load(path, weights_only=True)
     seen, bounds = clipped_history_bounds(saved["steps"], chain, tokens, clip)
     moments = adam_moment_bounds(seen, bounds, tuple(saved["betas"]))
