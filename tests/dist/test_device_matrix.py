@@ -101,7 +101,8 @@ def test_fsdp2_gradients_after_the_first_step_and_weights_match_one_process(layo
 def test_the_fsdp2_check_catches_a_sum_instead_of_an_average() -> None:
     # What the check is for: gradients N times too large (gloo summing where FSDP2 asked for an average) fail it,
     # although AdamW's first update, lr x sign(g), would be the same.
-    reference = {"first_grads": {"w": torch.tensor([0.5, -1.0])}, "weights": {"w": torch.tensor([1.0, 2.0])}}
+    grads = {"w": torch.tensor([0.5, -1.0])}
+    reference = {"first_grads": grads, "history": [grads], "weights": {"w": torch.tensor([1.0, 2.0])}}
     summed = {"first_grads": {"w": torch.tensor([1.0, -2.0])}, "weights": {"w": torch.tensor([1.0, 2.0])}}
-    with pytest.raises(AssertionError, match="step 0 gradient of w .norm ratio 2.000."):
+    with pytest.raises(AssertionError, match=r"step 0 gradients \(norm ratios \{'w': '2.000'\}\): w\[1\] differs by 1,"):
         check_fsdp2_matches_one_process([{**summed, "reference": reference}])
