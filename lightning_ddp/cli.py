@@ -35,6 +35,7 @@ from lightning_ddp.memory import GiB, MemoryPreflightError, memory_budget_bytes,
 from lightning_ddp.model import get_config
 from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import register_strategies
+from lightning_ddp.teardown import tear_down_process_group
 
 
 # LMDataModule resumes mid-epoch through its own state_dict (lightning_ddp.data): Lightning would warn on every resume.
@@ -384,11 +385,11 @@ def check_memory(config) -> None:
         return  # a value the model, data or strategy will reject with its own message, or one we do not model
 
 
-def main(args: list[str] | None = None) -> LightningDDPCLI:
+def main(args: list[str] | None = None) -> None:
     check_command_line(sys.argv[1:] if args is None else args)
     register_strategies()  # `trainer.strategy: <name>` for every catalogue entry
     try:
-        return LightningDDPCLI(
+        LightningDDPCLI(
             LitGPT,
             LMDataModule,
             trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs")},  # named by strategy
@@ -400,3 +401,4 @@ def main(args: list[str] | None = None) -> LightningDDPCLI:
         )
     except MemoryPreflightError as error:  # refused by design: one message, no traceback
         refuse(str(error))
+    tear_down_process_group()  # the run finished (a failure raised above): docs/troubleshooting.md, "exits -6"

@@ -29,6 +29,19 @@ def _parse(*args: str) -> LightningDDPCLI:
     return LightningDDPCLI(LitGPT, LMDataModule, args=["--config", QUICKSTART, *args], run=False)
 
 
+def test_xl_is_refused_while_parsing_before_anything_is_built(monkeypatch) -> None:
+    # What makes the refusal fast, checked without a clock: it comes from parsing the arguments, before any model,
+    # data module or Trainer exists (the timed end-to-end run below is the slow tier's).
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the classes were instantiated before the pre-flight refused the run")
+
+    monkeypatch.setattr(LightningDDPCLI, "instantiate_classes", must_not_build)
+    with pytest.raises(MemoryPreflightError, match="this run would run out of memory") as info:
+        _parse("--model.preset", "xl")
+    for needle in ("optimizer_state", "peak per rank", "available RAM", "--model.preset medium", "--preflight false"):
+        assert needle in str(info.value), needle
+
+
 @pytest.mark.slow  # a 20-second threshold on a subprocess: noisy on a loaded machine
 def test_xl_on_the_quickstart_is_refused_fast_with_one_message_and_writes_nothing(tmp_path: Path) -> None:
     # A new user's first try at the xl preset on a CPU machine: 2 processes of ~31 GiB each (fp32 weights,
