@@ -23,7 +23,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.bench.launch import RankLayout, error_line, fit_command, is_oom, rank_environments, run_processes
+from lightning_ddp.bench.launch import (
+    RankLayout, error_line, first_error_line, fit_command, is_oom, rank_environments, run_processes,
+)
 from lightning_ddp.bench.study import read_timing_summary
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.local_group import find_free_port
@@ -123,17 +125,12 @@ def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float)
     texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in logs]
     # the logs of the ranks that exited with an error; every rank's where none did
     failed = [text for text, code in zip(texts, outcome.returncodes) if code not in (0, None)] or texts
-    error_lines = [line for line in map(error_line, failed) if line]
+    line = first_error_line(failed)
     if outcome.timed_out:
-        line = f"no result within the time left ({remaining:.0f} s)"
-        if error_lines:
-            line += f"; last output: {error_lines[0]}"
+        line = f"no result within the time left ({remaining:.0f} s)" + (f"; last output: {line}" if line else "")
         return FitResult(name=name, status="timeout", error=line, log_dir=out_dir / name)
     status = "oom" if any(is_oom(text) for text in failed) else "failed"
-    if error_lines:
-        line = error_lines[0]
-    else:
-        line = f"the processes exited {outcome.returncodes} without a result for this fit"
+    line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
     return FitResult(name=name, status=status, error=line, log_dir=out_dir / name)
 
 
