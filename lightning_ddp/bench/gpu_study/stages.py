@@ -53,6 +53,7 @@ class StudyContext:
     stage_started: float = 0.0
 
     def remaining(self) -> float:
+        """Seconds left of the call's budget (negative once it has run out)."""
         return self.deadline - time.monotonic()
 
     def stage_deadline(self) -> float:
@@ -71,14 +72,11 @@ class StudyContext:
 
     def threads(self, ranks: int) -> int | None:
         """``OMP_NUM_THREADS`` of each of ``ranks`` CPU processes (the cores shared out); unset on a GPU."""
-        if self.scale.device != "cpu":
-            return None
-        return max(1, (os.cpu_count() or 1) // ranks)
+        return max(1, (os.cpu_count() or 1) // ranks) if self.scale.device == "cpu" else None
 
     def env(self) -> dict[str, str]:
         """Every process's extra environment: the checkout first on PYTHONPATH, ``--commit`` (a copy has no .git)."""
-        inherited = os.environ.get("PYTHONPATH", "")
-        env = {"PYTHONPATH": os.pathsep.join([str(self.root), inherited]) if inherited else str(self.root)}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)}
         if self.config.commit:
             env[COMMIT_VARIABLE] = self.config.commit
         return env
@@ -155,6 +153,7 @@ class Estimate:
 
     @property
     def gpu_s(self) -> float:
+        """Seconds on one H100 or H200: the process and fit starts, then the work."""
         return self.process_starts * PROCESS_START_S + self.fit_starts * FIT_START_S + self.work_s
 
     def seconds(self, dry_run: bool) -> float:
