@@ -117,6 +117,9 @@ class HeldBack(logging.Filter):
 
 
 class LightningDDPCLI(LightningCLI):
+    """``python -m lightning_ddp``: LightningCLI with the CommTimer (``timer:``) and the TraceRecorder (``trace:``),
+    every input checked before anything is launched or written, a refused one as a one-line error."""
+
     def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
         self.seed_message = HeldBack(logging.getLogger("lightning.fabric.utilities.seed"))
         try:

@@ -8,6 +8,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from jsonargparse.typing import restricted_number_type
@@ -38,6 +39,11 @@ class StepWallTimes(Callback):
             steps_ms = [(end - start) * 1e3 for start, end in zip(self.ends, self.ends[1:])]
             measured = {"steps_ms": steps_ms, "window_ms": (time.perf_counter() - self.ends[0]) * 1e3}
             (Path(trainer.log_dir) / self.FILE).write_text(json.dumps(measured))
+
+
+def _wall_times(log_dir: Path) -> dict[str, Any]:
+    """The metric plug-in: what ``StepWallTimes`` wrote in a fit's ``log_dir``."""
+    return json.loads((log_dir / StepWallTimes.FILE).read_text())
 
 
 EVERY_STEP = "every step"
@@ -79,8 +85,7 @@ def measure(config: TimerOverheadConfig, command: str) -> None:
         *NO_VALIDATION, *NO_CHECKPOINTS,  # the quickstart validates and keeps a checkpoint at step 40
         "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
     ] for arm, timer_args in arms(config.sampled_every).items()}
-    logs = run_study(cells, config.repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()),
-                     timeout_s=config.timeout_s)
+    logs = run_study(cells, config.repeats, _wall_times, timeout_s=config.timeout_s)
     measured = {arm: logs[f"timer {arm}"] for arm in arms(config.sampled_every)}
     runs = {arm: [m["steps_ms"][config.warmup_steps:] for m in runs] for arm, runs in measured.items()}
     windows = {arm: [m["window_ms"] / len(m["steps_ms"]) for m in runs] for arm, runs in measured.items()}

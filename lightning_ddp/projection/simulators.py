@@ -54,7 +54,9 @@ class Timeline:
 
     def __init__(self, model: StepModel) -> None:
         self.model = model
-        self.step = StepResult("", None, model.world_size, 0.0, model.profile.compute_ms, 0.0, 0.0, 0, 0)
+        self.step = StepResult(strategy="", bucket_size_mb=None, world_size=model.world_size, step_ms=0.0,
+                               compute_only_ms=model.profile.compute_ms, busy_comm_ms=0.0, copy_ms=0.0, calls=0,
+                               comm_bytes=0)
         """What the step has cost so far (its ``step_ms`` is set when it ends)."""
         self.comm_free_ms = 0.0
         self._comm_spans: list[tuple[float, float]] = []  # busy spans of the comm stream, in time order
@@ -156,10 +158,12 @@ class StepResult:
 
     @property
     def exposed_comm_ms(self) -> float:
+        """What communication adds to the compute-only step: waits and contention, ms."""
         return self.step_ms - self.compute_only_ms
 
     @property
     def comm_share(self) -> float:
+        """``exposed_comm_ms`` as a fraction of the step (0 for an empty step)."""
         return self.exposed_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
@@ -169,6 +173,7 @@ class StepResult:
 
     @property
     def wait_share(self) -> float:
+        """``waited_comm_ms`` as a fraction of the step (0 for an empty step)."""
         return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
@@ -211,9 +216,10 @@ def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
                      presence_flags: bool, memory_bytes: int) -> StepResult:
     """Each bucket packed, then all-reduced in one call; unpacked once waited for."""
-    launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]),
-               Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])]
-              for k, bucket in enumerate(buckets)]
+    launch = []
+    for k, bucket in enumerate(buckets):
+        launch.append([Op("compute", f"pack bucket {k}", pack_ms[k]),
+                       Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])])
     finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=presence_flags, memory_bytes=memory_bytes)
@@ -283,7 +289,9 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
 
 def _bytes(params: Sequence[ParamTiming], indices: Optional[Iterable[int]] = None) -> int:
     """Bytes of the parameters at ``indices`` (``None``: all of them)."""
-    return sum(params[i].bytes for i in (range(len(params)) if indices is None else indices))
+    if indices is None:
+        indices = range(len(params))
+    return sum(params[i].bytes for i in indices)
 
 
 def _replicated(model: StepModel, buffers: int = 0) -> int:
@@ -319,12 +327,20 @@ def _bucketed(model: StepModel, bucket_size_mb: Optional[float], bf16: bool) -> 
     (gradients already in bf16 are not cast), its half-width copy kept per bucket."""
     params = model.profile.params
     buckets = _engine_buckets(params, bucket_size_mb)
-    sizes = [_bytes(params, bucket) for bucket in buckets]
-    wire = [2 * sum(params[i].numel for i in bucket) for bucket in buckets] if bf16 else sizes
-    casts = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
-    packs = [(model.copy_ms(2 * s) if buffered else 0.0) + cast
-             for s, cast, buffered in zip(sizes, casts, _buffered(buckets))]
-    buffers = sum(s for s, buffered in zip(sizes, _buffered(buckets)) if buffered) + (sum(wire) if bf16 else 0)
+    wire, casts, packs = [], [], []
+    buffers = 0
+    for bucket, buffered in zip(buckets, _buffered(buckets)):
+        size = _bytes(params, bucket)
+        wire_size = 2 * sum(params[i].numel for i in bucket) if bf16 else size
+        cast_ms = model.copy_ms(size + wire_size) if size != wire_size else 0.0
+        copy_ms = model.copy_ms(2 * size) if buffered else 0.0
+        wire.append(wire_size)
+        casts.append(cast_ms)
+        packs.append(copy_ms + cast_ms)
+        if buffered:
+            buffers += size
+    if bf16:
+        buffers += sum(wire)  # the half-width copy of every bucket
     return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
                             presence_flags=_missing(model), memory_bytes=_replicated(model, buffers))
 
@@ -352,10 +368,15 @@ def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: in
 
 
 def _torch_ddp(model: StepModel) -> StepResult:
+    """torch DDP: its own buckets in gradient-ready order, every gradient copied into its bucket and back."""
     params = model.profile.params
-    # gradient-ready order (ties: reverse parameters() order, the autograd order); no-gradient parameters last
-    order = sorted(reversed(range(len(params))),
-                   key=lambda i: float("inf") if params[i].ready_ms is None else params[i].ready_ms)
+
+    def ready_ms(index: int) -> float:
+        """When parameter ``index``'s gradient is ready; one that never comes, last."""
+        return math.inf if params[index].ready_ms is None else params[index].ready_ms
+
+    # gradient-ready order (ties: reverse parameters() order, the autograd order)
+    order = sorted(reversed(range(len(params))), key=ready_ms)
     buckets = ddp_buckets([q.bytes for q in params], order)
     sizes = [_bytes(params, bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
@@ -620,8 +641,43 @@ def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
             continue
         rows, cols = shape[0], math.prod(shape[1:])
         k = min(rows, cols, rank)
-        plan.append((rows, cols, k) if (rows + cols) * k * min_compression_rate < rows * cols else None)
+        compresses = (rows + cols) * k * min_compression_rate < rows * cols  # P and Q smaller than M by the rate
+        plan.append((rows, cols, k) if compresses else None)
     return plan
+
+
+Matrix = tuple[int, int, int]
+"""A compressed gradient of ``powersgd_plan``: ``(rows, cols, k)``."""
+
+
+def _powersgd_p_ms(model: StepModel, matrices: Sequence[Matrix], g: float, f: float, p_numel: int) -> float:
+    """The compute before P's all-reduce, each kernel a ``kernel_ms`` roofline: ``M = G + E``, Q orthogonalised,
+    ``P = M Q``, then ``P /= n``; ``g``, ``f``: bytes per element of the gradients and of PowerSGD's matrices."""
+    kernel = model.kernel_ms
+    return sum(kernel(0, rows * cols * (g + f)) + kernel(0, 3 * rows * cols * f)  # M = G (copy); M += E
+               + kernel(2 * cols * k * k, 2 * cols * k * f)  # orthogonalise Q
+               + kernel(2 * rows * cols * k, (rows * cols + cols * k + rows * k) * f)  # P = M Q
+               for rows, cols, k in matrices) + kernel(0, 2 * p_numel * f)  # P /= n
+
+
+def _powersgd_q_ms(model: StepModel, matrices: Sequence[Matrix], uncompressed: int, g: float, f: float,
+                   q_numel: int) -> float:
+    """The compute between P's all-reduce and Q's: the ``uncompressed`` elements written back into the bucket, P
+    orthogonalised, ``Q = M^T P``, then ``Q /= n``."""
+    kernel = model.kernel_ms
+    return model.copy_ms(2 * uncompressed * g) + sum(
+        kernel(2 * rows * k * k, 2 * rows * k * f)  # orthogonalise P
+        + kernel(2 * rows * cols * k, (rows * cols + rows * k + cols * k) * f)  # Q = M^T P
+        for rows, cols, k in matrices) + kernel(0, 2 * q_numel * f)  # Q /= n
+
+
+def _powersgd_decompress_ms(model: StepModel, matrices: Sequence[Matrix], g: float, f: float) -> float:
+    """After Q's all-reduce: ``P Q^T`` into the bucket, and the error ``E = M - P Q^T`` kept."""
+    kernel = model.kernel_ms
+    return sum(kernel(2 * rows * cols * k, (rows * k + cols * k + rows * cols) * f)  # P Q^T
+               + kernel(0, rows * cols * (f + g))  # into the bucket
+               + kernel(0, rows * cols * (2 * f + g))  # E = M - P Q^T
+               for rows, cols, k in matrices)
 
 
 def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float] = 25.0, rank: int = 4,
@@ -662,29 +718,17 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         uncompressed = numel - sum(rows * cols for rows, cols, _ in matrices)
         p_numel = sum(rows * k for rows, _, k in matrices)
         q_numel = sum(cols * k for _, cols, k in matrices)
-        kernel = model.kernel_ms
         steps = [pack]
         if uncompressed:
             steps += [Op("compute", f"gather uncompressed {b}", model.copy_ms(4 * uncompressed * g)),
                       Op("collective", f"{label} [uncompressed]", nbytes=round(uncompressed * g))]
-        p_ms = sum(kernel(0, rows * cols * (g + f)) + kernel(0, 3 * rows * cols * f)  # M = G (copy); M += E
-                   + kernel(2 * cols * k * k, 2 * cols * k * f)  # orthogonalise Q
-                   + kernel(2 * rows * cols * k, (rows * cols + cols * k + rows * k) * f)  # P = M Q
-                   for rows, cols, k in matrices) + kernel(0, 2 * p_numel * f)  # P /= n
-        steps += [Op("compute", f"PowerSGD P {b}", p_ms),
+        steps += [Op("compute", f"PowerSGD P {b}", _powersgd_p_ms(model, matrices, g, f, p_numel)),
                   Op("collective", f"{label} [PowerSGD P]", nbytes=round(p_numel * f))]
         launch.append(steps)
-        q_ms = model.copy_ms(2 * uncompressed * g) + sum(  # write back the uncompressed elements
-            kernel(2 * rows * k * k, 2 * rows * k * f)  # orthogonalise P
-            + kernel(2 * rows * cols * k, (rows * cols + rows * k + cols * k) * f)  # Q = M^T P
-            for rows, cols, k in matrices) + kernel(0, 2 * q_numel * f)  # Q /= n
-        decompress_ms = sum(kernel(2 * rows * cols * k, (rows * k + cols * k + rows * cols) * f)  # P Q^T
-                            + kernel(0, rows * cols * (f + g))  # into the bucket
-                            + kernel(0, rows * cols * (2 * f + g))  # E = M - P Q^T
-                            for rows, cols, k in matrices)
+        q_ms = _powersgd_q_ms(model, matrices, uncompressed, g, f, q_numel)
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
-                       Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
+                       Op("compute", f"PowerSGD decompress {b}", _powersgd_decompress_ms(model, matrices, g, f))])
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=_missing(model), memory_bytes=_replicated(model, buffer_bytes))
 
