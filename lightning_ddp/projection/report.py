@@ -161,9 +161,10 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
                      f"latency of its ~10 kernels and 2 QRs per compressed matrix ({sum(1 for m in plan if m)} here).")
     hsdp = [r for r in results if r.strategy in simulated_by(simulate_hsdp)]
     if hsdp:
-        lines.append(f"- `{hsdp[0].strategy}`: shard groups of one node's GPUs assumed (on a one-level fabric every rank: fsdp2's step); each gradient shard's all-reduce "
-                     "across the nodes queued behind the reduce-scatters and all-gathers on the one communication "
-                     "stream (torch gives it a stream of its own): pessimistic where that all-reduce is long.")
+        lines.append(f"- `{hsdp[0].strategy}`: shard groups of one node's GPUs assumed (on a one-level fabric, every "
+                     "rank: fsdp2's step); each gradient shard's all-reduce across the nodes queued behind the "
+                     "reduce-scatters and all-gathers on the one communication stream (torch gives it a stream of its "
+                     "own): pessimistic where that all-reduce is long.")
     return lines + [""]
 
 
