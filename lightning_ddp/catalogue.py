@@ -252,7 +252,7 @@ register(Entry(
     "hsdp", "Hybrid sharding, torch's FSDP2 over a (replicate, shard) mesh: fsdp2 within each group of shard_size "
     "ranks (a node), each gradient shard all-reduced across the groups.",
     lightning_class="lightning_ddp.strategies.HSDPStrategy", overlaps_backward=True, sharded=True,
-    memory="hybrid_sharded", projection=None,  # priced and projected in issue 42's second phase
+    memory="hybrid_sharded", projection=f"{_SIMULATORS}:simulate_hsdp",
 ))
 register(Entry(
     "ddp", "Lightning's DDP (torch DistributedDataParallel): 25 MiB buckets during backward; the baseline.",

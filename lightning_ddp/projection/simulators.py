@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional, Seque
 
 from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
-from lightning_ddp.projection.comm import CommCost
+from lightning_ddp.projection.comm import CommCost, Fabric
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 from lightning_ddp.sync.memory_model import (
     ADAM_MOMENTS, MiB, bucket_cap_bytes, dim0_shard_numel, fully_sharded_unsharded_peak, owns_buffer, sentinel_numel,
@@ -594,14 +594,25 @@ class _FSDP2Schedule:
         launch = [[*self.all_gather(_at(order, 1)), *self.copy_out(_at(order, 0))]]
         for position, k in enumerate(order):
             block = self.blocks[k]
-            launch.append([_copy(self.model, f"copy in gradients {k}", block.unsharded_bytes),
-                           _shard_op(block.label, block.collective_bytes, "reduce_scatter"),
+            launch.append([_copy(self.model, f"copy in gradients {k}", block.unsharded_bytes), *self.reduce(block),
                            *self.all_gather(_at(order, position + 2)), *self.copy_out(_at(order, position + 1))])
         if root is not None:  # launched after the embedding's backward
             ready.append(None)
-            launch.append([_copy(self.model, "copy in root gradients", root.unsharded_bytes),
-                           _shard_op(root.label, root.collective_bytes, "reduce_scatter")])
+            launch.append([_copy(self.model, "copy in root gradients", root.unsharded_bytes), *self.reduce(root)])
         return ready, launch
+
+    def reduce(self, unit: _ShardedUnit) -> list[Op]:
+        """``unit``'s gradients reduce-scattered, each rank left with its shard."""
+        return [_shard_op(unit.label, unit.collective_bytes, "reduce_scatter")]
+
+
+class _HSDPSchedule(_FSDP2Schedule):
+    """FSDP2's schedule within a shard group, each unit's gradient shard then all-reduced across the replicas."""
+
+    def reduce(self, unit: _ShardedUnit) -> list[Op]:
+        """``unit``'s gradients reduce-scattered in the shard group, then its shard all-reduced over the replicas
+        (queued behind the reduce-scatter: torch issues it once that has ended)."""
+        return [*super().reduce(unit), Op("collective", f"{unit.label} [all-reduce]", nbytes=unit.shard_bytes)]
 
 
 def _fsdp2(model: StepModel) -> StepResult:
@@ -609,12 +620,53 @@ def _fsdp2(model: StepModel) -> StepResult:
     all-gathers one block ahead; in backward a bucket per block, in backward order (after the head's), each launch
     copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last. Every unit
     is sharded over the world."""
-    profile, shard_ranks = model.profile, model.world_size
+    return _fully_sharded(model, model.world_size, _FSDP2Schedule)
+
+
+@dataclass(frozen=True)
+class HybridComm:
+    """hsdp's collectives on a world of ``replicas x shard_size`` ranks (a ``CommCost``): every reduce-scatter and
+    all-gather within a shard group on ``shard``, every all-reduce across the replicas on ``replicate``."""
+
+    shard: CommCost
+    replicate: CommCost
+    shard_size: int
+    replicas: int
+
+    def collective_s(self, kind: str, nbytes: float, n: int) -> float:
+        assert n == self.shard_size * self.replicas, "hsdp's groups are of its own world"
+        if kind == "all_reduce":
+            return self.replicate.collective_s(kind, nbytes, self.replicas)
+        return self.shard.collective_s(kind, nbytes, self.shard_size)
+
+
+def simulate_hsdp(model: StepModel, bucket_size_mb: Optional[float] = None,
+                  shard_size: Optional[int] = None) -> StepResult:
+    """hsdp: FSDP2's schedule within each shard group of ``shard_size`` ranks (None: the GPUs of one node; every rank
+    on one node or a one-level fabric), each unit's reduce-scatter followed by its shard's all-reduce across the
+    replicas, one rank per node on its share of the node's NICs. One replica is fsdp2."""
+    comm, n = model.comm, model.world_size
+    if shard_size is None:
+        shard_size = comm.shard_group_size(n) if isinstance(comm, Fabric) else n
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 or n % shard_size:
+        raise ValueError(f"hsdp: shard_size {shard_size!r} does not divide the world of {n} ranks; set it to a "
+                         f"divisor (e.g. the GPUs of one node) in `study.engine_settings`, or null")
+    if shard_size == n:
+        return _fsdp2(model)
+    across = comm.across_nodes() if isinstance(comm, Fabric) else comm
+    groups = HybridComm(shard=comm, replicate=across, shard_size=shard_size, replicas=n // shard_size)
+    return _fully_sharded(replace(model, comm=groups), shard_size, _HSDPSchedule)
+
+
+def _fully_sharded(model: StepModel, shard_ranks: int, schedule_type: type[_FSDP2Schedule]) -> StepResult:
+    """A step of ``fully_shard`` per transformer block and on the root, each unit sharded over ``shard_ranks``
+    ranks, on ``schedule_type``'s schedule."""
+    profile = model.profile
     root_indices, block_indices = transformer_blocks(profile.params)
     blocks = [_ShardedUnit.of(profile.params, name, indices, shard_ranks) for name, indices in block_indices.items()]
     root = _ShardedUnit.of(profile.params, "root", root_indices, shard_ranks)  # all 0 bytes without root parameters
     times = _backward_times(profile, root_indices, list(block_indices.values()))
-    schedule = _FSDP2Schedule(model, blocks, root if root_indices else None, times)
+    schedule = schedule_type(model, blocks, root if root_indices else None, times)
     ready, launch = schedule.backward()
     shard_bytes = root.shard_bytes + sum(block.shard_bytes for block in blocks)  # rank 0's: the optimizer steps it
     total_bytes = _bytes(profile.params)
