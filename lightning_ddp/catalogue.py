@@ -73,6 +73,7 @@ class Entry:
         return self.lightning_class == GRAD_SYNC_STRATEGY
 
     def engine_factory(self) -> Callable[..., Any]:
+        """What builds this entry's engine (``engine(module, **settings)``); ``ValueError`` where torch builds it."""
         if self.engine is None:
             raise ValueError(f"{self.name!r} has no engine of ours (torch builds it)")
         return self.engine if callable(self.engine) else load(self.engine)
@@ -115,6 +116,7 @@ class Entry:
         return complete
 
     def describe_settings(self) -> str:
+        """The engine settings this entry takes, with their defaults, as a sentence for an error."""
         known = self.settings()
         if not known:
             return f"{self.name!r} has no engine settings: drop them"
@@ -250,7 +252,7 @@ register(Entry(
     "hsdp", "Hybrid sharding, torch's FSDP2 over a (replicate, shard) mesh: fsdp2 within each group of shard_size "
     "ranks (a node), each gradient shard all-reduced across the groups.",
     lightning_class="lightning_ddp.strategies.HSDPStrategy", overlaps_backward=True, sharded=True,
-    memory="hybrid_sharded", projection=None,  # priced and projected in issue 42's second phase
+    memory="hybrid_sharded", projection=f"{_SIMULATORS}:simulate_hsdp",
 ))
 register(Entry(
     "ddp", "Lightning's DDP (torch DistributedDataParallel): 25 MiB buckets during backward; the baseline.",

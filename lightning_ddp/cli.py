@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -35,6 +35,7 @@ from lightning_ddp.memory import GiB, MemoryPreflightError, memory_budget_bytes,
 from lightning_ddp.model import get_config
 from lightning_ddp.module import LitGPT
 from lightning_ddp.strategies import register_strategies
+from lightning_ddp.teardown import tear_down_process_group
 
 
 # LMDataModule resumes mid-epoch through its own state_dict (lightning_ddp.data): Lightning would warn on every resume.
@@ -116,6 +117,9 @@ class HeldBack(logging.Filter):
 
 
 class LightningDDPCLI(LightningCLI):
+    """``python -m lightning_ddp``: LightningCLI with the CommTimer (``timer:``) and the TraceRecorder (``trace:``),
+    every input checked before anything is launched or written, a refused one as a one-line error."""
+
     def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
         self.seed_message = HeldBack(logging.getLogger("lightning.fabric.utilities.seed"))
         try:
@@ -298,11 +302,19 @@ def _builds(lightning_class: str, class_path: object) -> bool:
     return isinstance(class_path, str) and class_path.rpartition(".")[2] == name and class_path.startswith(package)
 
 
-def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | None] | None:
-    """(catalogue name, bucket_size_mb, the entry that shards the state over an all-reducing engine, if any), or
-    None if not modelled."""
+class EstimatedStrategy(NamedTuple):
+    """What the memory pre-flight prices of ``trainer.strategy``."""
+
+    strategy: str  # the catalogue name whose memory model prices it
+    bucket_size_mb: float | None = None  # None: the strategy's default
+    sharded_by: str | None = None  # the entry sharding the state over an all-reducing engine (ZeRO-1's), if any
+    shard_size: int | None = None  # hsdp's ranks per shard group; None: the devices of one node
+
+
+def _strategy_for_estimate(strategy: object) -> EstimatedStrategy | None:
+    """What the estimate prices of ``trainer.strategy``, or None if not modelled."""
     if isinstance(strategy, str):
-        return strategy, None, None
+        return EstimatedStrategy(strategy)
     if not isinstance(strategy, (dict, Namespace)):  # a Strategy instance
         return None
     class_path, init_args = strategy.get("class_path"), strategy.get("init_args") or {}
@@ -311,12 +323,13 @@ def _strategy_for_estimate(strategy: object) -> tuple[str, float | None, str | N
     if entry is None:
         return None
     if entry.is_engine:
-        return str(init_args.get("algorithm", catalogue.DEFAULT_ENGINE)), bucket, None
+        return EstimatedStrategy(str(init_args.get("algorithm", catalogue.DEFAULT_ENGINE)), bucket)
     schedule = init_args.get("schedule", entry.init_args.get("schedule"))
     if schedule is not None and schedule != entry.init_args.get("schedule"):
         # ZeRO-1's allreduce_broadcast: the grad_sync engine all-reduces (its buffers), the optimizer state is sharded.
-        return str(init_args.get("grad_sync", catalogue.DEFAULT_ENGINE)), bucket, entry.name
-    return entry.name, bucket, None
+        return EstimatedStrategy(str(init_args.get("grad_sync", catalogue.DEFAULT_ENGINE)), bucket,
+                                 sharded_by=entry.name)
+    return EstimatedStrategy(entry.name, bucket, shard_size=init_args.get("shard_size"))
 
 
 def _device_count(devices: object, on_cuda: bool) -> int | None:
@@ -357,12 +370,12 @@ def check_memory(config) -> None:
     resolved = _strategy_for_estimate(trainer.strategy)
     if local is None or resolved is None:
         return  # nothing to check against
-    strategy, bucket_size_mb, sharded_by = resolved
     num_nodes = int(trainer.get("num_nodes", 1) or 1)
     world_size = local * num_nodes
-    # Every other strategy a fix names is a sharded one: sharding the state changes nothing there.
-    kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), strategy=strategy, world_size=world_size,
-                  bucket_size_mb=bucket_size_mb, device_type=device_type, sharded_by=sharded_by)
+    # Every other strategy a fix names is a sharded one: sharding the state changes nothing there. hsdp's shard
+    # group is the devices of one node unless set.
+    kwargs = dict(seq_len=data.seq_len, precision=str(trainer.precision), world_size=world_size,
+                  device_type=device_type, **resolved._replace(shard_size=resolved.shard_size or local)._asdict())
     vocab = BYTE_VOCAB_SIZE if data.source == "text" else (data.vocab_size or DEFAULT_VOCAB_SIZE)
 
     def gpt(preset: str) -> Any:
@@ -384,11 +397,11 @@ def check_memory(config) -> None:
         return  # a value the model, data or strategy will reject with its own message, or one we do not model
 
 
-def main(args: list[str] | None = None) -> LightningDDPCLI:
+def main(args: list[str] | None = None) -> None:
     check_command_line(sys.argv[1:] if args is None else args)
     register_strategies()  # `trainer.strategy: <name>` for every catalogue entry
     try:
-        return LightningDDPCLI(
+        LightningDDPCLI(
             LitGPT,
             LMDataModule,
             trainer_defaults={"logger": lazy_instance(TensorBoardLogger, save_dir="logs")},  # named by strategy
@@ -400,3 +413,4 @@ def main(args: list[str] | None = None) -> LightningDDPCLI:
         )
     except MemoryPreflightError as error:  # refused by design: one message, no traceback
         refuse(str(error))
+    tear_down_process_group()  # the run finished (a failure raised above): docs/troubleshooting.md, "exits -6"

@@ -5,12 +5,15 @@ Lightning of ``python -m lightning_ddp ...`` (the command, ``--config`` files, `
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import re
 import sys
+import typing
 import zipfile
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from lightning_ddp.run_folders import run_folder
 
@@ -125,3 +128,28 @@ def parse_dataclass(cls: type[T], args: list[str] | None, prog: str) -> T:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def check_field_types(config: object) -> None:
+    """Hold a config built in Python to what its command line holds it to: every field's value checked against the
+    field's type by jsonargparse, as the CLI checks it (``NonNegativeFloat``, ``Literal[...]``, ``list[int]`` ...),
+    ``ValueError`` with the CLI's message. A dataclass's ``__post_init__`` calls it first; fields that are
+    dataclasses check themselves."""
+    parser, names = _field_parser(type(config))
+    try:
+        parser.parse_object({name: getattr(config, name) for name in names})
+    except Exception as error:  # jsonargparse's ArgumentError: the message the command line prints after "error:"
+        raise ValueError(str(error)) from None
+
+
+@functools.cache
+def _field_parser(cls: type) -> tuple[Any, tuple[str, ...]]:
+    """A parser of ``cls``'s fields that are not dataclasses (built once per class), and their names."""
+    from jsonargparse import ArgumentParser
+
+    hints = typing.get_type_hints(cls)
+    names = tuple(spec.name for spec in dataclasses.fields(cls) if not dataclasses.is_dataclass(hints[spec.name]))
+    parser = ArgumentParser(exit_on_error=False)
+    for name in names:
+        parser.add_argument(f"--{name}", type=hints[name])
+    return parser, names

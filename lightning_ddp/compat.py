@@ -64,7 +64,7 @@ def fsdp2_unsharded_parameters(root: torch.nn.Module) -> dict[torch.Tensor, torc
 
 
 def process_groups() -> list[dist.ProcessGroup]:
-    """Every process group torch has registered in this process (the world first), as its registry holds them."""
+    """Every process group torch has registered in this process (the world first), stand-ins included."""
     from torch.distributed import distributed_c10d
 
     world = distributed_c10d._world
@@ -78,24 +78,44 @@ def world_group() -> dist.ProcessGroup | None:
     return distributed_c10d._world.default_pg
 
 
-def replace_process_group(old: dist.ProcessGroup, new: dist.ProcessGroup) -> None:
-    """Put ``new`` where torch's registry has ``old``: what ``group=None`` means if ``old`` is the world, the name
-    functional collectives and a ``DeviceMesh`` resolve, its ranks, backend, tag and coalescing state. Objects that
-    hold ``old`` itself keep it."""
+def register_stand_in(original: dist.ProcessGroup, stand_in: dist.ProcessGroup) -> None:
+    """Register ``stand_in`` beside ``original`` in torch's registry and make it what the registry resolves: what
+    ``group=None`` means if ``original`` is the world, and the name functional collectives and a ``DeviceMesh``
+    resolve. ``original`` stays registered, so code that holds it (``dist.get_backend(group)``, ``get_rank(group)``)
+    works as before. Only ``pg_names`` lists ``original`` alone: torch shuts down every group it lists, once each."""
     from torch.distributed import distributed_c10d
 
     world = distributed_c10d._world
-    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
+    for table in (world.pg_map, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
                   world.pg_coalesce_state):
-        if old in table:
-            table[new] = table.pop(old)
+        if original in table:
+            table[stand_in] = table[original]
     for groups in world.tags_to_pg.values():
-        groups[:] = [new if group is old else group for group in groups]
-    if world.default_pg is old:
-        world.default_pg = new
-    name = world.pg_names[new]
+        if original in groups:
+            groups.append(stand_in)
+    if world.default_pg is original:
+        world.default_pg = stand_in
+    name = world.pg_names[original]
     distributed_c10d._unregister_process_group(name)
-    distributed_c10d._register_process_group(name, new)
+    distributed_c10d._register_process_group(name, stand_in)
+
+
+def unregister_stand_in(original: dist.ProcessGroup, stand_in: dist.ProcessGroup) -> None:
+    """Undo ``register_stand_in``: the registry resolves ``original`` again (if it has not been destroyed since)."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    for table in (world.pg_map, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
+                  world.pg_coalesce_state):
+        table.pop(stand_in, None)
+    for groups in world.tags_to_pg.values():
+        groups[:] = [group for group in groups if group is not stand_in]
+    if world.default_pg is stand_in:
+        world.default_pg = original
+    if original in world.pg_names:
+        name = world.pg_names[original]
+        distributed_c10d._unregister_process_group(name)
+        distributed_c10d._register_process_group(name, original)
 
 
 def share_backends(source: dist.ProcessGroup, target: dist.ProcessGroup) -> None:

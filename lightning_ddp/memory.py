@@ -92,8 +92,8 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
                    param_bytes: int = FP32) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state rank ``rank`` holds (None: the most loaded rank, category by
     category) under ``mode``: ``unsharded``, ``reduce_scatter`` (the state of the tensors ``assign_owners`` gives
-    the rank), ``zero2`` (their gradients too) or ``fully_sharded`` (fsdp2: dim-0 rows of every tensor, over the
-    world)."""
+    the rank), ``zero2`` (their gradients too) or ``fully_sharded`` (dim-0 rows of every tensor over the
+    ``world_size`` ranks sharing the state: fsdp2's world, hsdp's shard group)."""
     p = param_bytes
     if mode == "fully_sharded":  # this rank's dim-0 rows of every parameter, gradient and moment; rank 0 holds most
         held = sum(dim0_shard_numel(shape, world_size, rank or 0) for shape in shapes)
@@ -113,8 +113,11 @@ def expected_bytes(shapes: list[tuple[int, ...]], world_size: int, mode: str, ra
 
 # How ``expected_bytes`` shards each memory model of the catalogue (``Entry.memory``; the rest: unsharded), and the
 # memory models whose communication buffers are kept across steps.
-_SHARDING = {"zero1": "reduce_scatter", "zero2": "zero2", "fully_sharded": "fully_sharded"}
-_PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", "fully_sharded")
+# hsdp's model (``hybrid_sharded``) is fsdp2's over its shard group of ``shard_size`` ranks.
+_SHARDING = {"zero1": "reduce_scatter", "zero2": "zero2", "fully_sharded": "fully_sharded",
+             "hybrid_sharded": "fully_sharded"}
+_FULLY_SHARDED = ("fully_sharded", "hybrid_sharded")
+_PERSISTENT_BUFFERS = ("per_tensor", "bucketed", "full_buckets", *_FULLY_SHARDED)
 
 
 def _strategy_memory(strategy: str, world_size: int, bucket_size_mb: BucketSize) -> tuple[str, int | None]:
@@ -181,7 +184,7 @@ def _buffer_bytes(config: GPTConfig, model: str, cap: int | None, numels: Sequen
         return total, 0, 0
     if model == "zero2":
         return zero2_buffer_bytes(cap, total), 0, 0
-    if model == "fully_sharded":  # unsharded beside the shards: the root group and two blocks, one block's gradients
+    if model in _FULLY_SHARDED:  # unsharded beside the shards: the root group and two blocks, one block's gradients
         root, blocks = fsdp2_groups(config)
         unsharded = fully_sharded_unsharded_peak(root, blocks)
         return p * unsharded.parameters, p * unsharded.gradients, 0
@@ -219,11 +222,15 @@ def estimate_rank_memory(
     bucket_size_mb: BucketSize = None,
     device_type: Literal["cuda", "cpu"] = "cuda",
     sharded_by: str | None = None,
+    shard_size: int | None = None,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train ``config`` at ``batch_size`` x ``seq_len`` tokens (docs/memory.md); ``strategy``
     a catalogue name or Lightning's ``auto``/``ddp`` variants, ``bucket_size_mb`` None its default,
-    ``sharded_by`` the entry sharding the state over the strategy's engine (ZeRO-1 over an all-reducing one)."""
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+    ``sharded_by`` the entry sharding the state over the strategy's engine (ZeRO-1 over an all-reducing one),
+    ``shard_size`` hsdp's ranks per shard group (None: every rank, one node; the CLI passes the devices per node)."""
+    shard_size = world_size if shard_size is None else shard_size
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size),
+                        ("shard_size", shard_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     spec = _PRECISIONS[normalize_precision(precision)]
@@ -232,7 +239,10 @@ def estimate_rank_memory(
     numels = [math.prod(s) for s in shapes]
     model, cap = _strategy_memory(strategy, world_size, bucket_size_mb)
     mode = _SHARDING.get(model, "reduce_scatter" if sharded_by else "unsharded")
-    held = expected_bytes(shapes, world_size, mode, None, p)
+    if model == "hybrid_sharded" and world_size % shard_size:
+        raise ValueError(f"hsdp: shard_size {shard_size} does not divide the world of {world_size} ranks; set "
+                         "shard_size to a divisor of it (--trainer.strategy.init_args.shard_size)")
+    held = expected_bytes(shapes, shard_size if model == "hybrid_sharded" else world_size, mode, None, p)
     buffer_bytes, gathered_gradient, viewed = _buffer_bytes(config, model, cap, numels, p)
     # Autocast's half-precision copies for the matmuls: every matrix but the embedding table, unless it is tied (it
     # then serves as lm_head, and its copy is made for the matmul).
@@ -258,7 +268,8 @@ def estimate_rank_memory(
     millions = held["parameters"] / p / 1e6
     description = (
         f"d_model {config.d_model} x {config.n_layers} layers ({millions:,.0f}M parameters), batch {batch_size} x "
-        f"{seq_len} tokens, {normalize_precision(precision)}, {strategy} on {world_size} {device_type} "
+        f"{seq_len} tokens, {normalize_precision(precision)}, {strategy}"
+        f"{f' (shard_size {shard_size})' if model == 'hybrid_sharded' else ''} on {world_size} {device_type} "
         f"rank{'s' if world_size > 1 else ''}"
     )
     return MemoryEstimate(parts=parts, phases=phases, description=description)
@@ -329,8 +340,13 @@ def preflight(gpt: Callable[[str], GPTConfig], preset: str, budget_bytes: int, b
     candidates = []
     if normalize_precision(estimate_kwargs["precision"]) == "32-true":
         candidates.append(("--trainer.precision bf16-mixed", estimate(precision="bf16-mixed")))
-    # Each sharding of the catalogue, with what it would make fit (sharding the state changes nothing there).
-    for entry in catalogue.STRATEGIES.values() if estimate_kwargs["world_size"] > 1 else ():
+    # Each sharding of the catalogue, with what it would make fit (sharding the state changes nothing there); hsdp
+    # where its shard group is not the world (there it is fsdp2).
+    world_size = estimate_kwargs["world_size"]
+    one_group = (estimate_kwargs.get("shard_size") or world_size) >= world_size
+    for entry in catalogue.STRATEGIES.values() if world_size > 1 else ():
+        if entry.memory == "hybrid_sharded" and one_group:
+            continue
         if entry.sharded and entry.name not in (estimate_kwargs["strategy"], estimate_kwargs.get("sharded_by")):
             candidates.append((f"--trainer.strategy {entry.name}", estimate(strategy=entry.name, bucket_size_mb=None)))
     smaller = list(PRESETS)[: list(PRESETS).index(preset)] if preset in PRESETS else []
@@ -362,15 +378,16 @@ def print_estimate(
     world_size: int = 2,
     bucket_size_mb: Optional[float] = None,
     device_type: Literal["cuda", "cpu"] = "cuda",
+    shard_size: Optional[int] = None,
 ) -> None:
     """Print the estimated peak memory of one rank, category by category (``bucket_size_mb`` None: the strategy's
-    own; the options: ``docs/memory.md``)."""
+    own; ``shard_size`` hsdp's ranks per shard group, None: every rank; the options: ``docs/memory.md``)."""
     from lightning_ddp.model import get_config  # torch: this module imports it only where a function needs it
 
     config = get_config(preset, vocab_size=vocab_size, context_length=seq_len)
     estimate = estimate_rank_memory(
         config, batch_size=batch_size, seq_len=seq_len, precision=precision, strategy=strategy,
-        world_size=world_size, bucket_size_mb=bucket_size_mb, device_type=device_type,
+        world_size=world_size, bucket_size_mb=bucket_size_mb, device_type=device_type, shard_size=shard_size,
     )
     print(estimate.description)
     print(estimate.table())

@@ -114,6 +114,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with rotary positions: ``(B, T, C) -> (B, T, C)``."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
@@ -209,6 +211,7 @@ class GPT(nn.Module):
             nn.init.ones_(module.weight)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``(B, T, vocab_size)`` of token ids ``idx`` ``(B, T)``; ``ValueError`` past the context."""
         B, T = idx.shape
         if T > self.config.context_length:
             raise ValueError(

@@ -5,6 +5,7 @@ and ``val/ppl`` once per epoch; ``test/*`` for ``test``.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Literal
@@ -80,6 +81,7 @@ class LitGPT(pl.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The mean next-token cross-entropy of ``(x, y)``, each ``(B, T)``; logged as ``train/loss``."""
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
@@ -145,6 +147,7 @@ class LitGPT(pl.LightningModule):
             )
 
     def configure_optimizers(self):
+        """AdamW, weight decay on the matrices only; with a warm-up or a decay, its per-step ``lr_factor`` schedule."""
         hp = self.hparams
         # Weight decay on matrices only: decaying norm gains pulls them to 0, which only hurts.
         params = [p for p in self.parameters() if p.requires_grad]
@@ -154,9 +157,9 @@ class LitGPT(pl.LightningModule):
         if hp.warmup_steps == 0 and hp.lr_schedule == "constant":
             return optimizer
         total = self.trainer.estimated_stepping_batches
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio)
-        )
+        factor = functools.partial(lr_factor, warmup_steps=hp.warmup_steps, total_steps=total, schedule=hp.lr_schedule,
+                                   min_ratio=hp.min_lr_ratio)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 

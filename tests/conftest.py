@@ -19,8 +19,10 @@ def world_of_one():
     built without spawning anything."""
     import torch.distributed as dist
 
+    from lightning_ddp.teardown import tear_down_process_group
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        tear_down_process_group()  # freed now where it can be: no gloo thread of it left to outlive the session

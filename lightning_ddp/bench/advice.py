@@ -32,6 +32,7 @@ class AdviceBenchConfig(StudyConfig):
 
 
 def _start_arguments(config: AdviceBenchConfig, start: str) -> list[str]:
+    """The fit arguments of a start, ``name`` or ``name:MiB``."""
     name, _, size = start.partition(":")
     return fit_arguments_of(config, strategy_argument(name, bucket_size_mb=float(size) if size else None))
 
@@ -41,20 +42,21 @@ def _advice(log_dir: Path) -> dict[str, Any]:
     document = advise(read_run(log_dir))
     verdict = document["verdict"]
     top = verdict["top"] if verdict["action"] == "change" else None
-    # keep (or a straggler): the prediction is the current row's, the start's own step with its interval
-    row = top or next(r for r in document["recommendations"] if r["current"])
-    return {"verdict": verdict["action"], "step_ms": document["run"]["step_ms"],
-            "applied": top and f"{top['strategy']} {top['settings'].get('bucket_size_mb') or ''}".strip(),
-            "fit_args": top["fit_args"] if top else [],
-            "predicted": [row["predicted_step_ms"], *row["predicted_step_interval"]]}
+    if top is None:  # keep (or a straggler): the prediction is the current row's, the start's own step
+        row, applied, fit_args = next(r for r in document["recommendations"] if r["current"]), None, []
+    else:
+        row, fit_args = top, top["fit_args"]
+        applied = f"{top['strategy']} {top['settings'].get('bucket_size_mb') or ''}".strip()
+    return {"verdict": verdict["action"], "step_ms": document["run"]["step_ms"], "applied": applied,
+            "fit_args": fit_args, "predicted": [row["predicted_step_ms"], *row["predicted_step_interval"]]}
 
 
 def summarize(config: AdviceBenchConfig, start: str, advice: dict[str, Any], runs: dict[str, list]) -> dict[str, Any]:
     """results.csv's row (its columns in order) of one start from its advice and its start and applied runs."""
     steps = {key: per_repeat(runs[key], "step/time_ms") for key in runs}
     applied = "applied" if advice["fit_args"] else "start"
-    first, after = (estimate(steps[key], config.bootstrap_samples, config.seed, f"{start}|{key}")
-                    for key in ("start", applied))
+    first = estimate(steps["start"], config.bootstrap_samples, config.seed, f"{start}|start")
+    after = estimate(steps[applied], config.bootstrap_samples, config.seed, f"{start}|{applied}")
     gain = ratio_estimate(steps["start"], steps[applied], config.bootstrap_samples, config.seed,
                           (f"{start}|start", f"{start}|applied"))
     predicted = advice["predicted"]
@@ -98,8 +100,11 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> None:
     cells.update({f"{start}|applied": starts[start] + advice[start]["fit_args"] for start in starts
                   if advice[start]["fit_args"]})
     measured = run_study(cells, config.repeats, step_rows, timeout_s=config.timeout_s)
-    rows = [summarize(config, start, advice[start], {key.split("|")[1]: runs for key, runs in measured.items()
-                                                     if key.split("|")[0] == start}) for start in starts]
+    runs_by_start: dict[str, dict[str, list]] = {start: {} for start in starts}  # start -> "start"/"applied" -> runs
+    for key, runs in measured.items():
+        start, run = key.split("|")
+        runs_by_start[start][run] = runs
+    rows = [summarize(config, start, advice[start], runs_by_start[start]) for start in starts]
     write_results(config, command, rows, list(rows[0]), advice=advice)
 
 

@@ -13,6 +13,7 @@ from jsonargparse import auto_cli
 
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.sync.bucket_model import DEFAULT_SIZES, fit_latency_bandwidth, measure_allreduce
+from lightning_ddp.teardown import exit_without_finalizing, tear_down_process_group
 
 
 def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal["cpu", "cuda"] = "cpu",
@@ -45,9 +46,12 @@ def measure(out: str, backend: Literal["gloo", "nccl"] = "gloo", device: Literal
                 "device": str(torch_device),
             })
             print(f"all-reduce fit: o = {o * 1e3:.3f} ms, w = {w / 1e9:.3f} GB/s", flush=True)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    tear_down_process_group()
 
 
 if __name__ == "__main__":
     auto_cli(measure, prog="python -m lightning_ddp.bench.allreduce", as_positional=False)
+    exit_without_finalizing()  # exit 0 without the abort a live gloo thread causes at finalization

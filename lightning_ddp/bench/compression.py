@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -113,10 +113,12 @@ def _run_numbers(log_dir: Path) -> dict[str, Any]:
 def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, fp32's run then each variant's: ``runs[seed][name]`` and the fit arguments by cell name."""
     runs_of = [(FP32_BASELINE, FP32_BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
-    cells = {f"{name}, seed {seed}": [
-        *fit_arguments_of(args, strategy_argument(algorithm, None, args.bucket_size_mb, settings)),
-        "--seed_everything", str(seed), "--timer.every_n_steps", "1", *NO_VALIDATION,
-    ] for seed in args.seeds for name, algorithm, settings in runs_of}
+    cells = {}
+    for seed in args.seeds:
+        for name, algorithm, settings in runs_of:
+            strategy = strategy_argument(algorithm, None, args.bucket_size_mb, settings)
+            cells[f"{name}, seed {seed}"] = [*fit_arguments_of(args, strategy), "--seed_everything", str(seed),
+                                             "--timer.every_n_steps", "1", *NO_VALIDATION]
     measured = run_study(cells, 1, _run_numbers, timeout_s=args.timeout_s)
     runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
     return runs, cells
@@ -130,7 +132,8 @@ def gradient_error(average_fp32: torch.Tensor, average_lossy: torch.Tensor) -> t
     """
     difference = (average_lossy - average_fp32).float()
     norm = average_fp32.float().norm().item()
-    return (difference.norm().item() / norm if norm > 0 else 0.0), difference.abs().max().item()
+    relative = difference.norm().item() / norm if norm > 0 else 0.0
+    return relative, difference.abs().max().item()
 
 
 def _error_rank(rank: int, world: int, args: CompressionConfig,
@@ -239,10 +242,19 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "loss_curves.png", dpi=110)
 
 
-COSTS = (("bytes communicated per step", "bytes_per_step", ".3g", 2**-20, " MiB"),
-         ("step time", "step_ms_median", ".1f", 1, " ms"),
-         ("exposed communication", "exposed_ms_median", ".1f", 1, " ms"))
-"""results.md's cost rows: title, results.json key, format, scale and unit."""
+class Cost(NamedTuple):
+    """A cost row of results.md: its title, its results.json key, and how its value is shown."""
+
+    title: str
+    key: str
+    spec: str
+    scale: float
+    unit: str
+
+
+COSTS = (Cost(title="bytes communicated per step", key="bytes_per_step", spec=".3g", scale=2**-20, unit=" MiB"),
+         Cost(title="step time", key="step_ms_median", spec=".1f", scale=1, unit=" ms"),
+         Cost(title="exposed communication", key="exposed_ms_median", spec=".1f", scale=1, unit=" ms"))
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -268,12 +280,12 @@ def _markdown(result: dict[str, Any]) -> str:
               Column("largest absolute error", text_cell("absolute_gradient_error_max", ".3g"))]
     runs = {"fp32": fp32, **{f"`{n}`": variants[n] for n in names}}
     costs = []  # a row per cost, a column per run: its value, and its ratio to fp32's
-    for label, key, spec, scale, unit in COSTS:
-        row = [label]
+    for cost in COSTS:
+        row = [cost.title]
         for run in runs.values():
-            text = interval_text(run[key], spec=spec, scale=scale, unit=unit)
-            if fp32[key] and run is not fp32:
-                text += f" ({run[key] / fp32[key]:.3g}x)"
+            text = interval_text(run[cost.key], spec=cost.spec, scale=cost.scale, unit=cost.unit)
+            if fp32[cost.key] and run is not fp32:
+                text += f" ({run[cost.key] / fp32[cost.key]:.3g}x)"
             row.append(text)
         costs.append(row)
     return "\n".join([

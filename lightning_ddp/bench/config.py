@@ -14,6 +14,7 @@ from lightning_ddp.bench.launch import REFERENCE
 from lightning_ddp.reporting.variants import (
     format_bucket, format_settings, setting_combinations, settings_slug, variant_label, variant_strategy,
 )
+from lightning_ddp.command_line import check_field_types
 
 
 def strategy_with_memory_model(model: str) -> str:
@@ -74,6 +75,7 @@ class GridConfig:
     """Per engine, setting -> values (``{bucketed_powersgd_ddp: {rank: [1, 4]}}``); each combination is a variant."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         axes = (("strategies", "strategy", catalogue.names()), ("precisions", "precision", PRECISIONS),
                 ("batch_sizes", "", ()), ("context_lengths", "", ()))  # known values; the last two: integers >= 1
         for axis, one, known in axes:
@@ -142,6 +144,7 @@ class WorkloadConfig:
     """Extra CLI arguments for every cell, placed before the sweep's own, e.g. ``["--data.vocab_size", "32000"]``."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         if not self.base_config:
             raise ValueError("`workload.base_config` is empty; point it at a CLI config, e.g. configs/quickstart.yaml")
         for arg in self.cli_args:
@@ -187,6 +190,7 @@ class RunConfig:
     """Seconds per CPU-usage sample; 0 turns the guard off (as does a missing /proc/stat)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         checks = (
             (self.devices >= 2, f"`run.devices` must be >= 2 for data-parallel cells, got {self.devices}; the "
                                 "1-process compute-only reference is added to the grid automatically"),
@@ -232,6 +236,7 @@ class OutputConfig:
     """Seed of the bootstrap: the same raw data and seed give the same intervals and verdicts."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         if not (isinstance(self.bootstrap_samples, int) and self.bootstrap_samples >= 100):
             raise ValueError(
                 f"`output.bootstrap_samples` must be an integer >= 100 (the 2.5th and 97.5th percentiles of fewer "
@@ -249,6 +254,9 @@ class SweepConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     run: RunConfig = field(default_factory=RunConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        check_field_types(self)  # the sections checked themselves
 
 
 # ---- the cells ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from lightning_ddp import catalogue
 
@@ -225,4 +225,15 @@ def error_line(text: str, limit: int = 300) -> str:
     """The last output line naming an error, else the last that is not traceback, code or a warning (or ``""``)."""
     lines = [line.rstrip() for line in reversed(text.splitlines()) if line.strip()]
     line = next((line for line in lines if _ERROR_LINE.match(line)), None)
-    return (line or next((line for line in lines if not _NOISE.match(line)), ""))[:limit]
+    if line is None:
+        line = next((line for line in lines if not _NOISE.match(line)), "")
+    return line[:limit]
+
+
+def first_error_line(texts: Iterable[str]) -> str:
+    """The ``error_line`` of the first of ``texts`` that has one, else ``""``."""
+    for text in texts:
+        line = error_line(text)
+        if line:
+            return line
+    return ""

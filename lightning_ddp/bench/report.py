@@ -77,6 +77,7 @@ class Measured:
     draws: np.ndarray = field(repr=False)
 
     def estimate(self, column: int) -> Estimate:
+        """The point and 95 % interval of ``ESTIMATED_KEYS[column]``."""
         return Estimate.of(self.point[column], self.draws[:, column])
 
     def ratio(self, other: Measured, column: int) -> Ratio:
@@ -205,7 +206,8 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     medians = dict(zip(keys, np.atleast_1d(pooled_median(values))))
     if "step/time_ms" in medians:
         step_values = [v[:, keys.index("step/time_ms")] for v in values]
-        step, share = map(data.measured(bootstrap).estimate, (STEP, SHARE))
+        measured = data.measured(bootstrap)
+        step, share = measured.estimate(STEP), measured.estimate(SHARE)
         row.update(step_ms_median=step.point, step_ms_lo=step.lo, step_ms_hi=step.hi,
                    step_ms_p10=float(pooled_percentile(step_values, 10)),
                    step_ms_p90=float(pooled_percentile(step_values, 90)),
@@ -613,7 +615,8 @@ def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str)
     if selection is None:
         return [*group, strategy, "no ok cell", "-", "-", "-", predicted, auto_text]
     evaluated = selection.evaluated
-    chosen_on, evaluated_on = (", ".join(map(str, r)) for r in (selection.selection_repeats, evaluated.repeats))
+    chosen_on = ", ".join(map(str, selection.selection_repeats))
+    evaluated_on = ", ".join(map(str, evaluated.repeats))
     on = f"{bucket_text(selection.row)}, best of {selection.candidates} on {chosen_on}"
     where = ("in-sample, " if selection.in_sample else "") + f"repeats {evaluated_on}: "
     return [*group, strategy, on, f"{selection.selection_step_ms:,.1f} ms",

@@ -126,7 +126,9 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
     rows = []
     for strategy in config.strategies:  # delays[0] is 0 (required, none below): the control of the others
         control = summarize_cell(config, strategy, delays[0], runs[(strategy, delays[0])], None)
-        rows += [control, *(summarize_cell(config, strategy, d, runs[(strategy, d)], control) for d in delays[1:])]
+        rows.append(control)
+        for delay in delays[1:]:
+            rows.append(summarize_cell(config, strategy, delay, runs[(strategy, delay)], control))
     step_table = []  # steps.csv: every measured step of every run, with its strategy, delay and repeat
     for (strategy, delay), repeats in runs.items():
         for repeat, steps in enumerate(repeats):

@@ -18,7 +18,7 @@ import numpy as np
 
 from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes
 from lightning_ddp.bench.stats import Estimate, interval_text
-from lightning_ddp.command_line import parse_dataclass
+from lightning_ddp.command_line import check_field_types, parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
 from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
     import torch.distributed as dist
 
     from lightning_ddp.local_group import init_local_process_group
+    from lightning_ddp.teardown import exit_without_finalizing, tear_down_process_group
 
     if cuda:
         torch.cuda.set_device(rank)
@@ -73,13 +74,13 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
     init_local_process_group(rank, world, port, backend, threads=threads)
     try:
         result = measure(rank, world, *args)
-        if rank == 0:
-            write_atomically(Path(result_file), json.dumps(result))
-        # Both ranks done with the group before either tears it down: a rank destroying it while its peer's gloo
-        # thread still holds the pair aborted ("terminate called without an active exception", SIGABRT) under load.
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    if rank == 0:
+        write_atomically(Path(result_file), json.dumps(result))
+    tear_down_process_group()
+    exit_without_finalizing()  # exit 0: no live gloo thread can abort the finalization (docs/troubleshooting.md)
 
 
 def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str = "gloo", cuda: bool = False) -> Any:
@@ -291,6 +292,7 @@ class BenchConfig:
     """Where the results and the report go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         for name in ("repeats", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -16,8 +16,8 @@ from typing import Any, Callable, Literal, Mapping
 
 from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
-    ProcessResult, RankLayout, error_line, fit_command, is_oom, rank_environments, rank_layout, run_processes,
-    strategy_argument, write_command,
+    ProcessResult, RankLayout, error_line, first_error_line, fit_command, is_oom, rank_environments, rank_layout,
+    run_processes, strategy_argument, write_command,
 )
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, build_report, cell_data, cell_row, parse_row,
@@ -114,14 +114,16 @@ def classify(result: ProcessResult, logs: list[str], summary_found: bool, timeou
     timeout; else oom if a failed rank's log says so or a rank died by a SIGKILL we did not send; else failed; else
     ok if the CommTimer wrote its summary."""
     returncodes, first_failed = result.returncodes, result.first_failed
-    order = ([first_failed] if first_failed is not None else []) + [i for i in range(len(logs)) if i != first_failed]
-    last = next((error_line(logs[i]) for i in order if error_line(logs[i])), "")
+    order = [i for i in range(len(logs)) if i != first_failed]  # the ranks, the first that failed first
+    if first_failed is not None:
+        order.insert(0, first_failed)
+    last = first_error_line(logs[i] for i in order)
     if result.timed_out:
         return "timeout", f"no result after {timeout_s:.0f} s" + (f"; last output: {last}" if last else "")
     failed = [i for i in order if returncodes[i] not in (0, None)]
+    if not failed and summary_found:
+        return "ok", ""
     if not failed:
-        if summary_found:
-            return "ok", ""
         return "failed", "exited 0 but wrote no timing_summary.json" + (f" (last output: {last})" if last else "")
     for i in failed:
         match = next((line for line in reversed(logs[i].splitlines()) if is_oom(line)), None)
@@ -134,7 +136,9 @@ def classify(result: ProcessResult, logs: list[str], summary_found: bool, timeou
     line = error_line(logs[first])
     code = returncodes[first]
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    return "failed", f"rank {first} ({how}): {line}" if line else f"rank {first} ({how}) printed no error line"
+    if not line:
+        return "failed", f"rank {first} ({how}) printed no error line"
+    return "failed", f"rank {first} ({how}): {line}"
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from jsonargparse.typing import restricted_number_type
@@ -41,6 +41,11 @@ class StepWallTimes(Callback):
             steps_ms = [(end - start) * 1e3 for start, end in zip(self.ends, self.ends[1:])]
             measured = {"steps_ms": steps_ms, "window_ms": (time.perf_counter() - self.ends[0]) * 1e3}
             (Path(trainer.log_dir) / self.FILE).write_text(json.dumps(measured))
+
+
+def _wall_times(log_dir: Path) -> dict[str, Any]:
+    """The metric plug-in: what ``StepWallTimes`` wrote in a fit's ``log_dir``."""
+    return json.loads((log_dir / StepWallTimes.FILE).read_text())
 
 
 EVERY_STEP = "every step"
@@ -101,7 +106,7 @@ def measure(config: TimerOverheadConfig, command: str) -> None:
                 *NO_VALIDATION, *NO_CHECKPOINTS,  # the quickstart validates and keeps a checkpoint at step 40
                 "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
             ]
-    logs = run_study(cells, config.repeats, lambda log_dir: json.loads((log_dir / StepWallTimes.FILE).read_text()),
+    logs = run_study(cells, config.repeats, _wall_times,
                      timeout_s=config.timeout_s)
     per_strategy = {}
     for strategy in config.strategies:
@@ -110,7 +115,9 @@ def measure(config: TimerOverheadConfig, command: str) -> None:
         windows = {arm: [m["window_ms"] / len(m["steps_ms"]) for m in runs] for arm, runs in measured.items()}
         per_strategy[strategy] = summarize(runs, windows, sampled_arm(config.sampled_every), config.bootstrap_samples,
                                            config.seed)
-    per_call = run_ranks(2, collective_cost, config.collective_calls, config.repeats) if config.collective_calls else None
+    per_call = None
+    if config.collective_calls:
+        per_call = run_ranks(2, collective_cost, config.collective_calls, config.repeats)
     result = provenance(config.out_dir, strategies=per_strategy, goal_arm=sampled_arm(config.sampled_every),
                         collective_cost=per_call,
                         config=asdict(config), repeats=config.repeats, steps=config.steps,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional, Protocol
 
@@ -102,6 +102,19 @@ class Fabric:
         if self.algorithm == "tree":
             return self.tree_all_reduce_s(nbytes, n)
         return min(self.ring_s(kind, nbytes, n), self.tree_all_reduce_s(nbytes, n))
+
+    def shard_group_size(self, n: int) -> int:
+        """hsdp's shard group on ``n`` ranks: the GPUs of one node (its NVLink), or every rank on one node or level."""
+        return self.gpus_per_node if self.nodes(n) > 1 else n
+
+    def across_nodes(self) -> Fabric:
+        """The one-level fabric of groups of one rank per node (hsdp's replicate groups), every node's groups at once:
+        each rank on its share of the node's NICs; a one-level fabric is itself."""
+        if self.inter is None:
+            return self
+        share = self.nics_per_node / self.gpus_per_node
+        link = replace(self.inter, bandwidth_Bps=share * self.inter.bandwidth_Bps)
+        return replace(self, name=f"{self.name} across nodes", intra=link, inter=None)
 
     def describe(self) -> str:
         """One line for reports."""

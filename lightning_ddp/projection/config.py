@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional
 from jsonargparse.typing import NonNegativeFloat, PositiveFloat, PositiveInt, restricted_number_type
 
 from lightning_ddp import catalogue
+from lightning_ddp.command_line import check_field_types
 from lightning_ddp.projection.comm import Fabric, get_fabric, read_fit
 from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec, get_gpu
 from lightning_ddp.projection.simulators import CONTENTION, model_settings, simulated_names, simulator
@@ -51,6 +52,7 @@ class ComputeConfig:
     measured compute-only step time, in ms."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         if self.source == "profile" and not self.profile_path:
             raise ValueError("`compute.source: profile` needs `compute.profile_path` (a compute profile JSON file), "
                              "or use `compute.source: flops`")
@@ -83,6 +85,7 @@ class NetworkConfig:
     the backend (``simulators.CONTENTION``: gloo for a ``measured`` fit recorded on gloo, else NCCL)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         if self.preset != "measured":
             get_fabric(self.preset)
         elif not self.fit_path:
@@ -105,6 +108,7 @@ class StudyConfig:
     combination is a row of its own. Only settings its model takes (those that change the step time) are accepted."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         if not self.strategies or not self.world_sizes:
             raise ValueError("`study.strategies` and `study.world_sizes` take at least one entry each (e.g. "
                              f"`--study.world_sizes [2,8]`); strategies: {', '.join(simulated_names())}")
@@ -142,6 +146,9 @@ class OutputConfig:
     plots: bool = True
     """Write the PNG plots (matplotlib, Agg)."""
 
+    def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
+
 
 @dataclass
 class ProjectionConfig:
@@ -155,6 +162,7 @@ class ProjectionConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # what the command line refuses, refused here too (its message)
         # world sizes must fit the fabric's nodes; checked here so a bad grid fails before anything is written
         if self.network.preset != "measured":
             fabric = build_fabric(self.network)

@@ -27,19 +27,33 @@ def fit_contention(loss: Callable[[float], float]) -> float:
 
 def _fit(rows_at: Callable[[float], list[dict[str, Any]]], error: Callable[[dict[str, Any]], float]) -> float:
     """The ``s`` minimising the mean ``error(row)`` over the batch-``FIT_BATCH`` rows of ``rows_at(s)``."""
-    return fit_contention(lambda s: statistics.fmean(error(r) for r in rows_at(s) if r["batch_size"] == FIT_BATCH))
+
+    def mean_error(s: float) -> float:
+        return statistics.fmean(error(row) for row in rows_at(s) if row["batch_size"] == FIT_BATCH)
+
+    return fit_contention(mean_error)
 
 
 def fit_gloo(sweep: str | Path = "benchmarks/results/cpu") -> float:
     """``s`` for gloo: the squared log step-time error of the CPU sweep's cells (``validate.validate_cells``)."""
     rows, profiles, fit_path = read_sweep(sweep)
-    return _fit(lambda s: validate_cells(rows, profiles, fit_path, CPU_COPY_GBPS * 1e9, s),
-                lambda r: math.log(r["predicted_step_ms"] / r["measured_step_ms"]) ** 2)
+
+    def cells_at(s: float) -> list[dict[str, Any]]:
+        return validate_cells(rows, profiles, fit_path, CPU_COPY_GBPS * 1e9, s)
+
+    def squared_log_error(row: dict[str, Any]) -> float:
+        return math.log(row["predicted_step_ms"] / row["measured_step_ms"]) ** 2
+
+    return _fit(cells_at, squared_log_error)
 
 
 def fit_nccl() -> float:
     """``s`` for NCCL: the squared wait-share error of the published runs on ``pcie_gen4``."""
-    return _fit(pcie_rows, lambda r: (r["predicted_share"] - r["measured_share"]) ** 2)
+
+    def squared_share_error(row: dict[str, Any]) -> float:
+        return (row["predicted_share"] - row["measured_share"]) ** 2
+
+    return _fit(pcie_rows, squared_share_error)
 
 
 def main(sweep: str = "benchmarks/results/cpu") -> dict[str, float]:

@@ -74,6 +74,7 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
+        """Trainable parameters, every one counted once."""
         return sum(n for _, n in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -17,6 +17,7 @@ from lightning_ddp.projection.simulators import (
     model_settings,
     powersgd_plan,
     simulate_bucketed_powersgd,
+    simulate_hsdp,
     simulated_by,
     simulated_names,
 )
@@ -158,6 +159,12 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
         plan = powersgd_plan([q.shape for q in profile.params], settings["rank"], settings["min_compression_rate"])
         lines.append(f"- `{powersgd[0].strategy}`: lossy steady state, optimistic: kernels as rooflines, no launch "
                      f"latency of its ~10 kernels and 2 QRs per compressed matrix ({sum(1 for m in plan if m)} here).")
+    hsdp = [r for r in results if r.strategy in simulated_by(simulate_hsdp)]
+    if hsdp:
+        lines.append(f"- `{hsdp[0].strategy}`: shard groups of one node's GPUs assumed (on a one-level fabric, every "
+                     "rank: fsdp2's step); each gradient shard's all-reduce across the nodes queued behind the "
+                     "reduce-scatters and all-gathers on the one communication stream (torch gives it a stream of its "
+                     "own): pessimistic where that all-reduce is long.")
     return lines + [""]
 
 

@@ -47,8 +47,12 @@ def project(profile: ComputeProfile, comm: CommCost, strategies: Sequence[str], 
 
 def result_row(result: StepResult, nodes: int = 1, best: bool = False) -> dict[str, Any]:
     """One CSV row (``COLUMNS``): times rounded to 4 decimals, shares to 5."""
-    row = {column: round(getattr(result, column), 5 if column in ("comm_share", "overlap") else 4)
-           for column in COLUMNS if column.endswith("_ms") or column in ("comm_share", "overlap")}
+    row = {}
+    for column in COLUMNS:
+        if column in ("comm_share", "overlap"):
+            row[column] = round(getattr(result, column), 5)
+        elif column.endswith("_ms"):
+            row[column] = round(getattr(result, column), 4)
     return {
         **row,
         "strategy": result.strategy,

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional, Seque
 
 from lightning_ddp import catalogue
 from lightning_ddp.profile import ComputeProfile, ParamTiming
-from lightning_ddp.projection.comm import CommCost
+from lightning_ddp.projection.comm import CommCost, Fabric
 from lightning_ddp.sync.assignment import assign_buckets, assign_owners
 from lightning_ddp.sync.memory_model import (
     ADAM_MOMENTS, MiB, bucket_cap_bytes, dim0_shard_numel, fully_sharded_unsharded_peak, owns_buffer, sentinel_numel,
@@ -54,7 +54,9 @@ class Timeline:
 
     def __init__(self, model: StepModel) -> None:
         self.model = model
-        self.step = StepResult("", None, model.world_size, 0.0, model.profile.compute_ms, 0.0, 0.0, 0, 0)
+        self.step = StepResult(strategy="", bucket_size_mb=None, world_size=model.world_size, step_ms=0.0,
+                               compute_only_ms=model.profile.compute_ms, busy_comm_ms=0.0, copy_ms=0.0, calls=0,
+                               comm_bytes=0)
         """What the step has cost so far (its ``step_ms`` is set when it ends)."""
         self.comm_free_ms = 0.0
         self._comm_spans: list[tuple[float, float]] = []  # busy spans of the comm stream, in time order
@@ -156,10 +158,12 @@ class StepResult:
 
     @property
     def exposed_comm_ms(self) -> float:
+        """What communication adds to the compute-only step: waits and contention, ms."""
         return self.step_ms - self.compute_only_ms
 
     @property
     def comm_share(self) -> float:
+        """``exposed_comm_ms`` as a fraction of the step (0 for an empty step)."""
         return self.exposed_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
@@ -169,6 +173,7 @@ class StepResult:
 
     @property
     def wait_share(self) -> float:
+        """``waited_comm_ms`` as a fraction of the step (0 for an empty step)."""
         return self.waited_comm_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     @property
@@ -211,9 +216,10 @@ def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets:
                      wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
                      presence_flags: bool, memory_bytes: int) -> StepResult:
     """Each bucket packed, then all-reduced in one call; unpacked once waited for."""
-    launch = [[Op("compute", f"pack bucket {k}", pack_ms[k]),
-               Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])]
-              for k, bucket in enumerate(buckets)]
+    launch = []
+    for k, bucket in enumerate(buckets):
+        launch.append([Op("compute", f"pack bucket {k}", pack_ms[k]),
+                       Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])])
     finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=presence_flags, memory_bytes=memory_bytes)
@@ -283,7 +289,9 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
 
 def _bytes(params: Sequence[ParamTiming], indices: Optional[Iterable[int]] = None) -> int:
     """Bytes of the parameters at ``indices`` (``None``: all of them)."""
-    return sum(params[i].bytes for i in (range(len(params)) if indices is None else indices))
+    if indices is None:
+        indices = range(len(params))
+    return sum(params[i].bytes for i in indices)
 
 
 def _replicated(model: StepModel, buffers: int = 0) -> int:
@@ -319,12 +327,20 @@ def _bucketed(model: StepModel, bucket_size_mb: Optional[float], bf16: bool) -> 
     (gradients already in bf16 are not cast), its half-width copy kept per bucket."""
     params = model.profile.params
     buckets = _engine_buckets(params, bucket_size_mb)
-    sizes = [_bytes(params, bucket) for bucket in buckets]
-    wire = [2 * sum(params[i].numel for i in bucket) for bucket in buckets] if bf16 else sizes
-    casts = [model.copy_ms(s + w) if s != w else 0.0 for s, w in zip(sizes, wire)]
-    packs = [(model.copy_ms(2 * s) if buffered else 0.0) + cast
-             for s, cast, buffered in zip(sizes, casts, _buffered(buckets))]
-    buffers = sum(s for s, buffered in zip(sizes, _buffered(buckets)) if buffered) + (sum(wire) if bf16 else 0)
+    wire, casts, packs = [], [], []
+    buffers = 0
+    for bucket, buffered in zip(buckets, _buffered(buckets)):
+        size = _bytes(params, bucket)
+        wire_size = 2 * sum(params[i].numel for i in bucket) if bf16 else size
+        cast_ms = model.copy_ms(size + wire_size) if size != wire_size else 0.0
+        copy_ms = model.copy_ms(2 * size) if buffered else 0.0
+        wire.append(wire_size)
+        casts.append(cast_ms)
+        packs.append(copy_ms + cast_ms)
+        if buffered:
+            buffers += size
+    if bf16:
+        buffers += sum(wire)  # the half-width copy of every bucket
     return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
                             presence_flags=_missing(model), memory_bytes=_replicated(model, buffers))
 
@@ -352,10 +368,15 @@ def ddp_buckets(nbytes: Sequence[int], order: Sequence[int], first_cap_bytes: in
 
 
 def _torch_ddp(model: StepModel) -> StepResult:
+    """torch DDP: its own buckets in gradient-ready order, every gradient copied into its bucket and back."""
     params = model.profile.params
-    # gradient-ready order (ties: reverse parameters() order, the autograd order); no-gradient parameters last
-    order = sorted(reversed(range(len(params))),
-                   key=lambda i: float("inf") if params[i].ready_ms is None else params[i].ready_ms)
+
+    def ready_ms(index: int) -> float:
+        """When parameter ``index``'s gradient is ready; one that never comes, last."""
+        return math.inf if params[index].ready_ms is None else params[index].ready_ms
+
+    # gradient-ready order (ties: reverse parameters() order, the autograd order)
+    order = sorted(reversed(range(len(params))), key=ready_ms)
     buckets = ddp_buckets([q.bytes for q in params], order)
     sizes = [_bytes(params, bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
@@ -573,14 +594,25 @@ class _FSDP2Schedule:
         launch = [[*self.all_gather(_at(order, 1)), *self.copy_out(_at(order, 0))]]
         for position, k in enumerate(order):
             block = self.blocks[k]
-            launch.append([_copy(self.model, f"copy in gradients {k}", block.unsharded_bytes),
-                           _shard_op(block.label, block.collective_bytes, "reduce_scatter"),
+            launch.append([_copy(self.model, f"copy in gradients {k}", block.unsharded_bytes), *self.reduce(block),
                            *self.all_gather(_at(order, position + 2)), *self.copy_out(_at(order, position + 1))])
         if root is not None:  # launched after the embedding's backward
             ready.append(None)
-            launch.append([_copy(self.model, "copy in root gradients", root.unsharded_bytes),
-                           _shard_op(root.label, root.collective_bytes, "reduce_scatter")])
+            launch.append([_copy(self.model, "copy in root gradients", root.unsharded_bytes), *self.reduce(root)])
         return ready, launch
+
+    def reduce(self, unit: _ShardedUnit) -> list[Op]:
+        """``unit``'s gradients reduce-scattered, each rank left with its shard."""
+        return [_shard_op(unit.label, unit.collective_bytes, "reduce_scatter")]
+
+
+class _HSDPSchedule(_FSDP2Schedule):
+    """FSDP2's schedule within a shard group, each unit's gradient shard then all-reduced across the replicas."""
+
+    def reduce(self, unit: _ShardedUnit) -> list[Op]:
+        """``unit``'s gradients reduce-scattered in the shard group, then its shard all-reduced over the replicas
+        (queued behind the reduce-scatter: torch issues it once that has ended)."""
+        return [*super().reduce(unit), Op("collective", f"{unit.label} [all-reduce]", nbytes=unit.shard_bytes)]
 
 
 def _fsdp2(model: StepModel) -> StepResult:
@@ -588,12 +620,53 @@ def _fsdp2(model: StepModel) -> StepResult:
     all-gathers one block ahead; in backward a bucket per block, in backward order (after the head's), each launch
     copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last. Every unit
     is sharded over the world."""
-    profile, shard_ranks = model.profile, model.world_size
+    return _fully_sharded(model, model.world_size, _FSDP2Schedule)
+
+
+@dataclass(frozen=True)
+class HybridComm:
+    """hsdp's collectives on a world of ``replicas x shard_size`` ranks (a ``CommCost``): every reduce-scatter and
+    all-gather within a shard group on ``shard``, every all-reduce across the replicas on ``replicate``."""
+
+    shard: CommCost
+    replicate: CommCost
+    shard_size: int
+    replicas: int
+
+    def collective_s(self, kind: str, nbytes: float, n: int) -> float:
+        assert n == self.shard_size * self.replicas, "hsdp's groups are of its own world"
+        if kind == "all_reduce":
+            return self.replicate.collective_s(kind, nbytes, self.replicas)
+        return self.shard.collective_s(kind, nbytes, self.shard_size)
+
+
+def simulate_hsdp(model: StepModel, bucket_size_mb: Optional[float] = None,
+                  shard_size: Optional[int] = None) -> StepResult:
+    """hsdp: FSDP2's schedule within each shard group of ``shard_size`` ranks (None: the GPUs of one node; every rank
+    on one node or a one-level fabric), each unit's reduce-scatter followed by its shard's all-reduce across the
+    replicas, one rank per node on its share of the node's NICs. One replica is fsdp2."""
+    comm, n = model.comm, model.world_size
+    if shard_size is None:
+        shard_size = comm.shard_group_size(n) if isinstance(comm, Fabric) else n
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 or n % shard_size:
+        raise ValueError(f"hsdp: shard_size {shard_size!r} does not divide the world of {n} ranks; set it to a "
+                         f"divisor (e.g. the GPUs of one node) in `study.engine_settings`, or null")
+    if shard_size == n:
+        return _fsdp2(model)
+    across = comm.across_nodes() if isinstance(comm, Fabric) else comm
+    groups = HybridComm(shard=comm, replicate=across, shard_size=shard_size, replicas=n // shard_size)
+    return _fully_sharded(replace(model, comm=groups), shard_size, _HSDPSchedule)
+
+
+def _fully_sharded(model: StepModel, shard_ranks: int, schedule_type: type[_FSDP2Schedule]) -> StepResult:
+    """A step of ``fully_shard`` per transformer block and on the root, each unit sharded over ``shard_ranks``
+    ranks, on ``schedule_type``'s schedule."""
+    profile = model.profile
     root_indices, block_indices = transformer_blocks(profile.params)
     blocks = [_ShardedUnit.of(profile.params, name, indices, shard_ranks) for name, indices in block_indices.items()]
     root = _ShardedUnit.of(profile.params, "root", root_indices, shard_ranks)  # all 0 bytes without root parameters
     times = _backward_times(profile, root_indices, list(block_indices.values()))
-    schedule = _FSDP2Schedule(model, blocks, root if root_indices else None, times)
+    schedule = schedule_type(model, blocks, root if root_indices else None, times)
     ready, launch = schedule.backward()
     shard_bytes = root.shard_bytes + sum(block.shard_bytes for block in blocks)  # rank 0's: the optimizer steps it
     total_bytes = _bytes(profile.params)
@@ -620,8 +693,43 @@ def powersgd_plan(shapes: Sequence[Optional[tuple[int, ...]]], rank: int,
             continue
         rows, cols = shape[0], math.prod(shape[1:])
         k = min(rows, cols, rank)
-        plan.append((rows, cols, k) if (rows + cols) * k * min_compression_rate < rows * cols else None)
+        compresses = (rows + cols) * k * min_compression_rate < rows * cols  # P and Q smaller than M by the rate
+        plan.append((rows, cols, k) if compresses else None)
     return plan
+
+
+Matrix = tuple[int, int, int]
+"""A compressed gradient of ``powersgd_plan``: ``(rows, cols, k)``."""
+
+
+def _powersgd_p_ms(model: StepModel, matrices: Sequence[Matrix], g: float, f: float, p_numel: int) -> float:
+    """The compute before P's all-reduce, each kernel a ``kernel_ms`` roofline: ``M = G + E``, Q orthogonalised,
+    ``P = M Q``, then ``P /= n``; ``g``, ``f``: bytes per element of the gradients and of PowerSGD's matrices."""
+    kernel = model.kernel_ms
+    return sum(kernel(0, rows * cols * (g + f)) + kernel(0, 3 * rows * cols * f)  # M = G (copy); M += E
+               + kernel(2 * cols * k * k, 2 * cols * k * f)  # orthogonalise Q
+               + kernel(2 * rows * cols * k, (rows * cols + cols * k + rows * k) * f)  # P = M Q
+               for rows, cols, k in matrices) + kernel(0, 2 * p_numel * f)  # P /= n
+
+
+def _powersgd_q_ms(model: StepModel, matrices: Sequence[Matrix], uncompressed: int, g: float, f: float,
+                   q_numel: int) -> float:
+    """The compute between P's all-reduce and Q's: the ``uncompressed`` elements written back into the bucket, P
+    orthogonalised, ``Q = M^T P``, then ``Q /= n``."""
+    kernel = model.kernel_ms
+    return model.copy_ms(2 * uncompressed * g) + sum(
+        kernel(2 * rows * k * k, 2 * rows * k * f)  # orthogonalise P
+        + kernel(2 * rows * cols * k, (rows * cols + rows * k + cols * k) * f)  # Q = M^T P
+        for rows, cols, k in matrices) + kernel(0, 2 * q_numel * f)  # Q /= n
+
+
+def _powersgd_decompress_ms(model: StepModel, matrices: Sequence[Matrix], g: float, f: float) -> float:
+    """After Q's all-reduce: ``P Q^T`` into the bucket, and the error ``E = M - P Q^T`` kept."""
+    kernel = model.kernel_ms
+    return sum(kernel(2 * rows * cols * k, (rows * k + cols * k + rows * cols) * f)  # P Q^T
+               + kernel(0, rows * cols * (f + g))  # into the bucket
+               + kernel(0, rows * cols * (2 * f + g))  # E = M - P Q^T
+               for rows, cols, k in matrices)
 
 
 def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float] = 25.0, rank: int = 4,
@@ -662,29 +770,17 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         uncompressed = numel - sum(rows * cols for rows, cols, _ in matrices)
         p_numel = sum(rows * k for rows, _, k in matrices)
         q_numel = sum(cols * k for _, cols, k in matrices)
-        kernel = model.kernel_ms
         steps = [pack]
         if uncompressed:
             steps += [Op("compute", f"gather uncompressed {b}", model.copy_ms(4 * uncompressed * g)),
                       Op("collective", f"{label} [uncompressed]", nbytes=round(uncompressed * g))]
-        p_ms = sum(kernel(0, rows * cols * (g + f)) + kernel(0, 3 * rows * cols * f)  # M = G (copy); M += E
-                   + kernel(2 * cols * k * k, 2 * cols * k * f)  # orthogonalise Q
-                   + kernel(2 * rows * cols * k, (rows * cols + cols * k + rows * k) * f)  # P = M Q
-                   for rows, cols, k in matrices) + kernel(0, 2 * p_numel * f)  # P /= n
-        steps += [Op("compute", f"PowerSGD P {b}", p_ms),
+        steps += [Op("compute", f"PowerSGD P {b}", _powersgd_p_ms(model, matrices, g, f, p_numel)),
                   Op("collective", f"{label} [PowerSGD P]", nbytes=round(p_numel * f))]
         launch.append(steps)
-        q_ms = model.copy_ms(2 * uncompressed * g) + sum(  # write back the uncompressed elements
-            kernel(2 * rows * k * k, 2 * rows * k * f)  # orthogonalise P
-            + kernel(2 * rows * cols * k, (rows * cols + rows * k + cols * k) * f)  # Q = M^T P
-            for rows, cols, k in matrices) + kernel(0, 2 * q_numel * f)  # Q /= n
-        decompress_ms = sum(kernel(2 * rows * cols * k, (rows * k + cols * k + rows * cols) * f)  # P Q^T
-                            + kernel(0, rows * cols * (f + g))  # into the bucket
-                            + kernel(0, rows * cols * (2 * f + g))  # E = M - P Q^T
-                            for rows, cols, k in matrices)
+        q_ms = _powersgd_q_ms(model, matrices, uncompressed, g, f, q_numel)
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
-                       Op("compute", f"PowerSGD decompress {b}", decompress_ms)])
+                       Op("compute", f"PowerSGD decompress {b}", _powersgd_decompress_ms(model, matrices, g, f))])
     return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=_missing(model), memory_bytes=_replicated(model, buffer_bytes))
 

@@ -202,22 +202,28 @@ def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps:
     verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
     agree, pairs, disagreements = ranking_agreement(cells)
     not_agreeing = f"; not: {'; '.join(disagreements)}." if disagreements else "."
+    headline = "No cell could be predicted (no profiles)."
+    if errors:
+        headline = (f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over "
+                    f"{len(errors)} cells (goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest "
+                    f"{100 * max(errors):.1f} %.")
+    bias = ""
+    if cells:
+        bias = (f"Bias: {sum(1 for e in signed if e < 0)} of {len(signed)} cells are predicted faster than measured "
+                f"(median signed error {100 * statistics.median(signed):+.1f} %), with contention "
+                "(docs/projection.md).")
+    from_reference = ""
+    if ref_errors:
+        median_from_reference = 100 * statistics.median(ref_errors)
+        from_reference = f"From the group's reference profile instead: median error {median_from_reference:.1f} %."
     lines = [
         "# The projection against the CPU sweep", "",
         f"Command: `{command}`. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
         f"w = {fit['bandwidth_Bps'] / 1e9:.3f} GB/s; copies at {copy_Bps / 1e9:.2f} GB/s (read + written, measured "
         "here). How to read this report: docs/projection.md.", "",
-        f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over {len(errors)} cells "
-        f"(goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest {100 * max(errors):.1f} %."
-        if errors else "No cell could be predicted (no profiles).",
-        "",
-        f"Bias: {sum(1 for e in signed if e < 0)} of {len(signed)} cells are predicted faster than measured (median "
-        f"signed error {100 * statistics.median(signed):+.1f} %), with contention (docs/projection.md)."
-        if cells else "",
-        "",
-        f"From the group's reference profile instead: median error {100 * statistics.median(ref_errors):.1f} %."
-        if ref_errors else "",
-        "",
+        headline, "",
+        bias, "",
+        from_reference, "",
         f"**Ranking**: of the {pairs} pairs of cells whose measured 95 % intervals do not overlap, the prediction "
         f"orders {agree} the same way{not_agreeing}", "",
     ]

@@ -3,7 +3,7 @@ device mesh. The recipe, and when to choose it: ``docs/algorithms.md``.
 
 1. The world of N ranks is ``replicas`` groups of ``shard_size`` consecutive ranks (default: the devices of one node),
    N = replicas x shard_size; the mesh is built as soon as the process group exists, so the CommTimer records its
-   groups (it replaces every registered group at its ``setup``).
+   groups (it registers a recording stand-in for every group at its ``setup``).
 2. Each shard group holds the model once, ``fsdp2``'s way: the same wrapping rule, parameters, gradients and
    optimizer state split over its ``shard_size`` ranks; the ranks with the same place in every group hold the same
    shard (a replica group).

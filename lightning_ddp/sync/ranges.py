@@ -24,4 +24,5 @@ METADATA_KEY = "lightning_ddp"
 
 
 def step_range_name(step: int) -> str:
+    """The profiler range of optimizer step ``step``, as the trace reader finds it."""
     return f"{STEP}#{step}"

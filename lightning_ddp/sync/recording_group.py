@@ -1,11 +1,11 @@
 """Every collective of this process, whoever issues it, recorded where they all pass: the process group.
 
-``record_process_groups(recorder)`` puts a ``RecordingProcessGroup`` in the place of each process group torch has
-registered (the world, a ``DeviceMesh``'s subgroups, any ``new_group``): our engines, torch DDP's reducer, a user's
+``record_process_groups(recorder)`` registers a ``RecordingProcessGroup`` as the stand-in for each process group torch
+has registered (the world, a ``DeviceMesh``'s subgroups, any ``new_group``): our engines, torch DDP's reducer, a user's
 comm hook, FSDP2's all-gathers and reduce-scatters and HSDP's all-reduce then issue their collectives through it.
 It runs each one on the group's own backends (gloo, NCCL: no new connection, the same calls in the same order) and,
-while the recorder is armed, records it; otherwise it costs one check. ``stop_recording_process_groups()`` puts the
-original groups back. Why at the process group, what it cannot see and what it costs: ``docs/comm_timer.md``.
+while the recorder is armed, records it; otherwise it costs one check. ``stop_recording_process_groups()``
+withdraws the stand-ins. Why at the process group, what it cannot see and what it costs: ``docs/comm_timer.md``.
 """
 
 from __future__ import annotations
@@ -197,26 +197,29 @@ class RecordingProcessGroup(dist.ProcessGroup):
 
 
 def record_process_groups(recorder: Recorder) -> list[RecordingProcessGroup]:
-    """Record every collective of this process's groups into ``recorder`` from now on (each armed step): each group
-    in torch's registry is replaced by a ``RecordingProcessGroup`` over its backends (once; a later call only points
-    them at ``recorder``). Objects that captured a group before (a DDP model built earlier) keep the original,
-    unrecorded: call this after ``init_process_group`` and before wrapping the model. Returns the recording groups."""
-    recording = []
-    for group in compat.process_groups():
-        if not isinstance(group, RecordingProcessGroup):
-            label = group_label(group.group_desc, dist.get_process_group_ranks(group), group is compat.world_group())
-            wrapper = RecordingProcessGroup(group, label)
-            compat.replace_process_group(group, wrapper)
-            group = wrapper
+    """Record every collective of this process's groups into ``recorder`` from now on (each armed step): a
+    ``RecordingProcessGroup`` over each group's backends stands in for it in torch's registry (once; a later call
+    only points them at ``recorder``). The original stays registered for code that holds it, and what it issues
+    itself (a DDP model built earlier) is not recorded: call this after ``init_process_group`` and before wrapping
+    the model. Returns the recording groups."""
+    groups = compat.process_groups()
+    stand_ins = {group.inner: group for group in groups if isinstance(group, RecordingProcessGroup)}
+    for group in groups:
+        if isinstance(group, RecordingProcessGroup) or group in stand_ins:
+            continue
+        label = group_label(group.group_desc, dist.get_process_group_ranks(group), group is compat.world_group())
+        stand_ins[group] = RecordingProcessGroup(group, label)
+        compat.register_stand_in(group, stand_ins[group])
+    recording = list(stand_ins.values())
+    for group in recording:
         group.recorder = recorder
-        recording.append(group)
     return recording
 
 
 def stop_recording_process_groups() -> None:
-    """Put back every group ``record_process_groups`` replaced; what holds a recording group (a DDP model, FSDP2's
-    state) keeps it, recording nothing."""
+    """Withdraw every stand-in ``record_process_groups`` registered; what holds a recording group (a DDP model,
+    FSDP2's state) keeps it, recording nothing."""
     for group in compat.process_groups():
         if isinstance(group, RecordingProcessGroup):
             group.recorder = None
-            compat.replace_process_group(group, group.inner)
+            compat.unregister_stand_in(group.inner, group)

@@ -73,7 +73,7 @@ def _rank0_weight(model: nn.Module) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, str]]:
-    return run_on_ranks(_wrap_mismatched_models, 2, timeout=120)
+    return run_on_ranks(_wrap_mismatched_models, 2)
 
 
 @pytest.mark.multiprocess

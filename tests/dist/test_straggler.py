@@ -109,14 +109,20 @@ def _wait_with_a_shifted_clock(rank: int, world_size: int) -> tuple[float, float
     return metrics["comm/wait_ms"], exchange.max_uncertainty_ms, stats.straggler_rank
 
 
-def test_clock_offsets_are_estimated_and_applied_across_a_fake_host_boundary() -> None:
+def test_clock_offsets_are_estimated_within_their_bound_across_a_fake_host_boundary() -> None:
     offsets = run_on_ranks(_offsets_with_a_shifted_clock, 2)
     assert offsets[0] == offsets[1]  # broadcast: every rank holds every offset
     (zero, zero_bound), (offset, bound) = offsets[0]
     assert (zero, zero_bound) == (0.0, 0.0)
-    # 1000 s = 1e6 ms ahead; the estimate is off by at most half the kept round trip (plus float rounding)
-    assert abs(offset - SHIFT_S * 1e3) <= bound + 1e-3 and bound < 50, (offset, bound)
+    # 1000 s = 1e6 ms ahead; the estimate is off by at most half the kept round trip (plus float rounding): true
+    # however slow the round trips were, which only widens the bound (how tight it gets is the slow test's).
+    assert abs(offset - SHIFT_S * 1e3) <= bound + 1e-3, (offset, bound)
 
+
+@pytest.mark.slow  # timing thresholds (a round trip, a barrier's exit skew): noisy on a shared machine
+def test_clock_offsets_are_tight_and_correct_the_wait_across_a_fake_host_boundary() -> None:
+    (_, _), (offset, bound) = run_on_ranks(_offsets_with_a_shifted_clock, 2)[0]
+    assert bound < 50, (offset, bound)
     (wait0, bound0, straggler0), (wait1, _, straggler1) = run_on_ranks(_wait_with_a_shifted_clock, 2)
     # Without the offset, rank 1's launch would look 1e6 ms late and rank 0's wait would fill its whole exposed
     # interval (25 ms); with it, rank 0 waited 20 ms, to within the offset's bound and the barrier's skew (5 ms).

@@ -11,6 +11,7 @@ import sys
 import time
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 
 
@@ -28,3 +29,27 @@ class FailAt(Callback):
             if self.mode == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+class GradientHistory(Callback):
+    """Rank 0 keeps every optimizer step's gradients (as the optimizer gets them, before clipping) and the step's
+    learning rate (one for every group), and saves them with AdamW's betas and eps to ``path`` at the end of fit:
+    the reference history ``tests.support.tolerance`` bounds another run's weights from."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.steps: list[dict] = []
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if trainer.is_global_zero:
+            self.steps.append({name: p.grad.detach().cpu().clone() for name, p in pl_module.named_parameters()
+                               if p.grad is not None})
+            self.lrs.append(optimizer.param_groups[0]["lr"])
+            self.hyper = {key: optimizer.param_groups[0][key] for key in ("betas", "eps")}
+            names = {id(p): name for name, p in pl_module.named_parameters()}
+            self.order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:  # ``order``: the names of the optimizer's state indices
+            torch.save({"steps": self.steps, "lrs": self.lrs, "order": self.order, **self.hyper}, self.path)

@@ -60,6 +60,19 @@ SAVE_FINAL_WEIGHTS = "--trainer.callbacks+=lightning_ddp.bench.gpu_study.process
 """Add the study's ``SaveFinalWeights`` to a fit; ``--trainer.callbacks.path FILE`` after it says where."""
 
 
+GRADIENT_HISTORY = "--trainer.callbacks+=tests.support.callbacks_for_tests.GradientHistory"
+"""Keep a fit's gradients for ``tests.support.tolerance.history_weight_bounds``; ``--trainer.callbacks.path FILE``."""
+
+
+def quickstart_chain(tokens: int, context_length: int) -> int:
+    """``tests.support.tolerance``'s ``chain`` for the quickstart's tiny GPT at ``context_length`` over ``tokens``."""
+    from lightning_ddp.data.module import DEFAULT_VOCAB_SIZE
+    from lightning_ddp.model import get_config
+    from tests.support.tolerance import gpt_gradient_chain
+
+    return gpt_gradient_chain(get_config("tiny", context_length=context_length, vocab_size=DEFAULT_VOCAB_SIZE), tokens)
+
+
 def checkpointing_args(run_dir: Path, weights: Path, every_n_train_steps: int = 3) -> list[str]:
     """Fit arguments that log under ``run_dir/logs``, keep a checkpoint every ``every_n_train_steps`` optimizer steps
     (all of them) and save the final weights to ``weights`` (``SAVE_FINAL_WEIGHTS``)."""

@@ -17,9 +17,11 @@ Recipe (``run_on_ranks``):
    copies of the parent's threads, locks or process group; never Lightning's launchers).
 3. Each child pins itself to one intra-op thread (ranks share the machine's cores), joins a group of the
    given backend (gloo by default; with NCCL in it the child first selects GPU ``rank % device_count``)
-   through a TCP store on that port, calls ``fn(rank, world_size, *args)``, destroys the group, and writes
-   ``("ok", value)`` or ``("error", traceback)`` to ``<tmp>/rank<r>.pkl`` with plain pickle (tensors by value:
-   nothing refers to the child's shared memory once it has exited).
+   through a TCP store on that port, calls ``fn(rank, world_size, *args)``, tears the group down, and writes
+   ``("ok", value)`` to ``<tmp>/rank<r>.pkl`` with plain pickle (tensors by value: nothing refers to the child's
+   shared memory once it has exited); a rank that raised writes ``("error", traceback)`` at once and exits 1.
+   Either way it exits without finalizing the interpreter (``lightning_ddp.teardown``: a gloo thread still alive
+   then would abort the process, SIGABRT, after its work was done).
 4. The parent waits on the children's exit sentinels. The first rank that raises (or dies without a result)
    fails the call at once with that rank's traceback; the others are killed, since they would otherwise wait
    in a collective for a peer that is gone. Past ``timeout`` seconds every child still running is killed and
@@ -52,8 +54,11 @@ import torch.multiprocessing as mp
 
 from lightning_ddp.files import write_atomically
 from lightning_ddp.local_group import find_free_port, init_local_process_group
+from lightning_ddp.teardown import exit_without_finalizing, tear_down_process_group
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = 600.0
+"""A bound on a hang (mismatched collectives), not on speed: ~10x the slowest job's time on 2 busy cores (a 3-rank
+fp64 FSDP2 run took 65 s at a load average of 8, twice that at 19)."""
 _PORT_RETRIES = 3  # another process can take the free port between our probe and rank 0's bind
 
 
@@ -184,6 +189,11 @@ def _collect(procs: list, target: _FunctionRef, result_dir: Path, deadline: floa
             status, value = _read_result(result_dir / f"rank{rank}.pkl")
             if status == "ok" and proc.exitcode == 0:
                 results[rank] = value
+            elif status == "ok":
+                raise RankFailure(
+                    f"rank {rank} of {world_size} returned from {target} and wrote its result, then exited with code "
+                    f"{proc.exitcode} (a negative code is the signal: -6 is SIGABRT; docs/troubleshooting.md)."
+                )
             elif status == "port_taken":
                 raise _PortTaken()
             elif status == "error":
@@ -228,15 +238,17 @@ def _child(
         return
     try:
         value = target.resolve()(rank, world_size, *args)
-        result: tuple[str, Any] = ("ok", value)
     except BaseException:  # noqa: BLE001 - includes pytest's Failed (an Exception subclass only in newer pytest)
-        result = ("error", traceback.format_exc())
-    finally:
-        dist.destroy_process_group()
+        # Reported before anything else: tearing the group down could wait on a collective still in flight.
+        _write_result(result_dir, rank, ("error", traceback.format_exc()))
+        exit_without_finalizing(1)
+    tear_down_process_group()
     try:
-        _write_result(result_dir, rank, result)
+        _write_result(result_dir, rank, ("ok", value))
     except Exception:  # noqa: BLE001 - e.g. the value does not pickle: report that instead
-        _write_result(result_dir, rank, ("error", f"rank {rank}'s return value could not be pickled:\n{traceback.format_exc()}"))
+        unpicklable = f"rank {rank}'s return value could not be pickled:\n{traceback.format_exc()}"
+        _write_result(result_dir, rank, ("error", unpicklable))
+    exit_without_finalizing()  # a gloo thread of a group torch keeps alive aborts finalization (lightning_ddp.teardown)
 
 
 def _write_result(result_dir: str, rank: int, result: tuple[str, Any]) -> None:

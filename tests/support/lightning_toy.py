@@ -48,3 +48,36 @@ def tiny_lm_module(seed: int | None = None):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     return TinyLMModule()
+
+
+def fit_briefly(rank: int, world_size: int, strategy: str, log_dir: str, steps: int = 3) -> int:
+    """``steps`` optimizer steps of a small MLP through ``strategy`` (a catalogue name), the ``CommTimer`` recording
+    every step after the first, on the process group run_on_ranks made; the steps taken (``tests/exit_loop.py``)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    import lightning_ddp.strategies  # noqa: F401 - registers the catalogue's names with Lightning
+    from lightning_ddp.callbacks import CommTimer
+
+    join_existing_group(rank, world_size)
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
+                         logger=CSVLogger(log_dir), log_every_n_steps=1, callbacks=[CommTimer(warmup_steps=1)],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(MLP(), DataLoader(data, batch_size=4))
+    return trainer.global_step

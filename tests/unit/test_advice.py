@@ -233,3 +233,18 @@ def test_a_loggers_folder_is_advised_on_through_its_latest_run(tmp_path: Path) -
     _write_run(logger / "version_0")
     (logger / "version_1").mkdir()  # a validate run: no timing_summary.json
     assert read_run(logger).path == logger / "version_0"
+
+
+def test_advise_offers_hsdp_past_one_node_where_it_wins(tmp_path: Path) -> None:
+    # The 8-block run projected onto H100 nodes of 8 GPUs. At 1024 ranks (128 nodes) fsdp2's ring all-gathers and
+    # reduce-scatters each cross 127 network hops (4 us each) for every block, twice gathered; hsdp's stay on the 8
+    # GPUs of a node and only a tree all-reduce of 1/8 of each block crosses the network: hsdp is first. On one
+    # fabric level (the run's own fit) there is no node to shard within: hsdp is fsdp2, step for step.
+    run = read_run(_write_run(tmp_path / "run"))
+    scales = advise(run, world_sizes=[16, 1024], network="h100_nvlink_ib")["scales"]
+    assert scales["1024"][0]["strategy"] == "hsdp"
+    order = [row["strategy"] for row in scales["1024"]]
+    assert order.index("hsdp") < order.index("fsdp2")
+    flat = {row["strategy"]: row["predicted_step_ms"] for row in advise(run, world_sizes=[16])["scales"]["16"]}
+    assert flat["hsdp"] == flat["fsdp2"]
+    assert "- 1024 ranks: hsdp " in render_markdown(advise(run, world_sizes=[1024], network="h100_nvlink_ib"))

@@ -103,5 +103,40 @@ def test_the_preflight_and_the_projection_price_fsdp2_alike(world_size: int) -> 
     assert estimate.parts["parameters"] == 4 * held < 4 * sum(map(math.prod, gpt_parameter_shapes(config).values()))
 
 
+MODEL_STATE = ("parameters", "gradients", "optimizer_state", "bucket_buffers")
+
+
+def test_hsdp_over_the_whole_world_is_priced_as_fsdp2() -> None:
+    config, _ = _profile()
+    common = dict(batch_size=2, seq_len=16, precision="32-true", world_size=4)
+    hsdp = estimate_rank_memory(config, strategy="hsdp", shard_size=4, **common)
+    assert hsdp.parts == estimate_rank_memory(config, strategy="fsdp2", **common).parts
+    assert estimate_rank_memory(config, strategy="hsdp", **common).parts == hsdp.parts  # None: every rank
+
+
+@pytest.mark.parametrize("preset, world_size, shard_size", [("tiny", 4, 2), ("xl", 16, 8)])
+def test_hsdp_holds_fsdp2s_state_over_its_shard_group(preset: str, world_size: int, shard_size: int) -> None:
+    # 4 ranks as 2 replicas x 2 shards, 16 as 2 nodes x 8: rank 0 holds its dim-0 rows over the shard group of every
+    # parameter, gradient and AdamW moment (4 bytes each) and one 4-byte step counter per tensor; beside them, as
+    # fsdp2, the root and the two largest blocks gathered, and the largest block's gradients.
+    config = get_config(preset, **(TINY if preset == "tiny" else {}))
+    shapes = list(gpt_parameter_shapes(config).values())
+    held = sum(dim0_shard_numel(shape, shard_size) for shape in shapes)
+    root = sum(math.prod(s) for name, s in gpt_parameter_shapes(config).items() if not name.startswith("blocks."))
+    block = sum(math.prod(s) for name, s in gpt_parameter_shapes(config).items() if name.startswith("blocks.0."))
+    estimate = estimate_rank_memory(config, batch_size=2, seq_len=16, precision="32-true", strategy="hsdp",
+                                    world_size=world_size, shard_size=shard_size)
+    assert [estimate.parts[part] for part in MODEL_STATE] == [
+        4 * held, 4 * held + 4 * block, 2 * 4 * held + ADAM_STEP_BYTES_PER_TENSOR * len(shapes),
+        4 * (root + 2 * block)]
+    # the same as fsdp2 on a world of one shard group
+    fsdp2 = estimate_rank_memory(config, batch_size=2, seq_len=16, precision="32-true", strategy="fsdp2",
+                                 world_size=shard_size)
+    assert [estimate.parts[part] for part in MODEL_STATE] == [fsdp2.parts[part] for part in MODEL_STATE]
+    with pytest.raises(ValueError, match="shard_size 3 does not divide the world of 4 ranks"):
+        estimate_rank_memory(config, batch_size=2, seq_len=16, precision="32-true", strategy="hsdp", world_size=4,
+                             shard_size=3)
+
+
 def test_a_bucket_cap_is_whole_bytes_of_mib() -> None:
     assert (bucket_cap_bytes(None), bucket_cap_bytes(25.0), bucket_cap_bytes(0.5)) == (None, 25 * MiB, MiB // 2)

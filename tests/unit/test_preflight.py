@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from lightning_ddp import catalogue, cli
-from lightning_ddp.cli import LightningDDPCLI, _strategy_for_estimate
+from lightning_ddp.cli import EstimatedStrategy, LightningDDPCLI, _strategy_for_estimate
 from lightning_ddp.data import LMDataModule
-from lightning_ddp.memory import GiB, MemoryPreflightError
+from lightning_ddp.memory import GiB, MemoryPreflightError, preflight
+from lightning_ddp.model import get_config
 from lightning_ddp.module import LitGPT
 from tests.support.cli_utils import REPO, repo_first_on_path
 
@@ -27,6 +28,19 @@ def _plain_argv(monkeypatch) -> None:
 def _parse(*args: str) -> LightningDDPCLI:
     """Parse and instantiate without running (``run=False``: no subcommand, the pre-flight still runs)."""
     return LightningDDPCLI(LitGPT, LMDataModule, args=["--config", QUICKSTART, *args], run=False)
+
+
+def test_xl_is_refused_while_parsing_before_anything_is_built(monkeypatch) -> None:
+    # What makes the refusal fast, checked without a clock: it comes from parsing the arguments, before any model,
+    # data module or Trainer exists (the timed end-to-end run below is the slow tier's).
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the classes were instantiated before the pre-flight refused the run")
+
+    monkeypatch.setattr(LightningDDPCLI, "instantiate_classes", must_not_build)
+    with pytest.raises(MemoryPreflightError, match="this run would run out of memory") as info:
+        _parse("--model.preset", "xl")
+    for needle in ("optimizer_state", "peak per rank", "available RAM", "--model.preset medium", "--preflight false"):
+        assert needle in str(info.value), needle
 
 
 @pytest.mark.slow  # a 20-second threshold on a subprocess: noisy on a loaded machine
@@ -106,18 +120,33 @@ def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch) -> None:
 
 
 def test_strategy_configs_map_to_the_estimates_names() -> None:
-    assert _strategy_for_estimate("naive_ddp") == ("naive_ddp", None, None)
+    assert _strategy_for_estimate("naive_ddp") == EstimatedStrategy("naive_ddp")
     bucketed = {"class_path": "lightning_ddp.strategies.GradSyncStrategy",
                 "init_args": {"algorithm": "bucketed_ddp", "bucket_size_mb": 2}}
-    assert _strategy_for_estimate(bucketed) == ("bucketed_ddp", 2, None)
+    assert _strategy_for_estimate(bucketed) == EstimatedStrategy("bucketed_ddp", 2)
     # the class under its module's path, and the algorithm left to its default
     generic = {"class_path": "lightning_ddp.strategies.base.GradSyncStrategy", "init_args": {}}
-    assert _strategy_for_estimate(generic) == (catalogue.DEFAULT_ENGINE, None, None)
+    assert _strategy_for_estimate(generic) == EstimatedStrategy(catalogue.DEFAULT_ENGINE)
     zero2 = {"class_path": "lightning_ddp.strategies.ZeRO2DDPStrategy", "init_args": {"bucket_size_mb": 4}}
-    assert _strategy_for_estimate(zero2) == ("zero2_ddp", 4, None)
+    assert _strategy_for_estimate(zero2) == EstimatedStrategy("zero2_ddp", 4)
     # ZeRO-1 over an all-reducing engine: that engine's buffers, and the state sharded.
     broadcast = {"class_path": "lightning_ddp.strategies.ZeRO1DDPStrategy",
                  "init_args": {"schedule": "allreduce_broadcast", "grad_sync": "overlap_ddp"}}
-    assert _strategy_for_estimate(broadcast) == ("overlap_ddp", None, "zero1_ddp")
+    assert _strategy_for_estimate(broadcast) == EstimatedStrategy("overlap_ddp", sharded_by="zero1_ddp")
     # A strategy the estimate does not model is not guessed at: the pre-flight is skipped.
     assert _strategy_for_estimate({"class_path": "lightning.pytorch.strategies.FSDPStrategy"}) is None
+    hsdp = {"class_path": "lightning_ddp.strategies.HSDPStrategy", "init_args": {"shard_size": 2}}
+    assert _strategy_for_estimate(hsdp) == EstimatedStrategy("hsdp", shard_size=2)
+
+
+@pytest.mark.parametrize("shard_size, listed", [(8, True), (16, False)])
+def test_hsdp_is_a_fix_where_its_shard_group_is_not_the_world(shard_size: int, listed: bool) -> None:
+    # xl, batch 1 x 128, bf16-mixed, ddp on 16 GPUs with 10 GiB each: ddp needs 38.7 GiB; fsdp2 7.7 GiB; hsdp on 2
+    # nodes of 8 holds twice fsdp2's shard of the parameters, gradients and AdamW state (0.93 + 0.93 + 1.86 GiB
+    # over 8 ranks: +1.4 GiB): 9.0 GiB, fits. With one shard group of 16 it is fsdp2: not named twice.
+    with pytest.raises(MemoryPreflightError) as info:
+        preflight(get_config, "xl", 10 * GiB, "a 10 GiB test budget", batch_size=1, seq_len=128,
+                  precision="bf16-mixed", strategy="ddp", world_size=16, device_type="cuda", shard_size=shard_size)
+    message = str(info.value)
+    assert "--trainer.strategy fsdp2 (peak 7.7 GiB, fits)" in message
+    assert ("--trainer.strategy hsdp (peak 9.0 GiB, fits)" in message) == listed, message

@@ -493,9 +493,9 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == COLUMNS
-    # world sizes x (6 strategies without buckets: naive, flat, overlap, zero1, ddp, fsdp2 + 4 with 3 sizes each:
-    # bucketed, bucketed_bf16, bucketed_powersgd, zero2)
-    assert len(rows) == 3 * (6 + 4 * 3)
+    # world sizes x (7 strategies without buckets: naive, flat, overlap, zero1, ddp, fsdp2, hsdp + 4 with 3 sizes
+    # each: bucketed, bucketed_bf16, bucketed_powersgd, zero2)
+    assert len(rows) == 3 * (7 + 4 * 3)
     naive2 = next(r for r in rows if r["strategy"] == "naive_ddp" and r["world_size"] == "2")
     # measured fit at 2 ranks: 1 ms + bytes / (1 GB/s) per call: flags (12 B) + 1, 2, 3 MiB; compute 45 ms
     assert float(naive2["step_ms"]) == pytest.approx(45 + 4 + (12 + 6 * MiB) / 1e6, abs=1e-3)
@@ -508,7 +508,7 @@ def test_cli_end_to_end_on_a_hand_made_profile_and_fit(tmp_path, capsys):
     assert environment["config"]["network"]["preset"] == "measured" and environment["fabric"]["name"] == "measured"
     assert read_profile(out / "compute_profile.json") == three_params()
     assert not list(out.glob("*.tmp"))  # written atomically
-    assert "54 cells" in capsys.readouterr().out
+    assert "57 cells" in capsys.readouterr().out
 
 
 def test_project_a_profile_file_on_a_measured_fit(tmp_path):
@@ -559,9 +559,8 @@ def test_the_projection_reads_its_models_from_the_catalogue():
     # Modelling a new strategy for the projection is optional (adding one stays one engine file, one catalogue
     # entry, one YAML); every strategy this project ships names a model in its entry, and the projection simulates
     # exactly those, in catalogue order.
-    # hsdp (issue 42) trains and is measured; its model joins the projection in the issue's second phase.
-    assert simulated_names() == [name for name in catalogue.STRATEGIES if name != "hsdp"]
-    assert simulated_names(modelled=False) == ["hsdp"]
+    assert simulated_names() == list(catalogue.STRATEGIES)
+    assert simulated_names(modelled=False) == []
     for name in simulated_names():  # each model loads, runs, and its result carries the strategy's name
         size = 4.0 if catalogue.get(name).has_bucket_size else None
         assert simulate(name, model(), size).strategy == name
@@ -694,6 +693,40 @@ def test_fsdp2_exposes_at_least_the_first_all_gather_and_gathers_every_block_twi
                                           "blocks.1 [all-gather]", "blocks.0 [all-gather]"]
     assert scatters == ["blocks.1 [reduce-scatter]", "blocks.0 [reduce-scatter]", "root [reduce-scatter]"]
     assert r.exposed_comm_ms >= gathers[0].end_ms - gathers[0].start_ms == pytest.approx(3.0)
+
+
+# Two nodes of 2 ranks: NVLink-like 1 GB/s inside a node, one 0.25 GB/s NIC per node; no latency, no call cost.
+TWO_BY_TWO = Fabric("2x2", Link("intra", 1e9, 0.0), Link("nic", 0.25e9, 0.0), gpus_per_node=2, nics_per_node=1,
+                    call_overhead_s=0.0, algorithm="ring")
+
+
+def test_hsdp_on_one_node_is_fsdp2():
+    # 2 ranks on a node of 2: one shard group, no replica to all-reduce with: fsdp2's step, collectives and memory
+    m = StepModel(blocks_profile(), TWO_BY_TWO, 2, 6 * MiB * 1e3)
+    hsdp, fsdp2 = simulate("hsdp", m), simulate("fsdp2", m)
+    assert (hsdp.step_ms, hsdp.memory_bytes, hsdp.intervals) == (fsdp2.step_ms, fsdp2.memory_bytes, fsdp2.intervals)
+
+
+def test_hsdp_reduce_scatters_in_the_node_then_all_reduces_the_shard_across_nodes():
+    # 4 ranks as 2 nodes x 2: the shard group is a node (shard_size 2), the replicas one rank per node, each on
+    # half of its node's one NIC (0.125 GB/s). A 1 MiB unit: reduce-scattered over 2 ranks on the node's link
+    # (a ring moves 1/2 MiB: 0.524 ms), then its 1/2 MiB shard all-reduced over 2 replicas (2 passes of 1/2 of it:
+    # 1/2 MiB at 0.125 GB/s, 4.19 ms), queued right behind it on the stream.
+    assert (TWO_BY_TWO.shard_group_size(4), TWO_BY_TWO.across_nodes().intra.bandwidth_Bps) == (2, 0.125e9)
+    m = StepModel(blocks_profile(), TWO_BY_TWO, 4, 6 * MiB * 1e3)
+    r = simulate("hsdp", m)
+    comm = [i for i in r.intervals if i.stream == "comm" and not i.label.endswith("[all-gather]")]
+    assert [i.label for i in comm] == ["blocks.1 [reduce-scatter]", "blocks.1 [all-reduce]",
+                                       "blocks.0 [reduce-scatter]", "blocks.0 [all-reduce]",
+                                       "root [reduce-scatter]", "root [all-reduce]"]
+    scatter, all_reduce = comm[0], comm[1]
+    assert all_reduce.nbytes == MiB // 2 and all_reduce.start_ms >= scatter.end_ms
+    assert scatter.end_ms - scatter.start_ms == pytest.approx(MiB / 2 / 1e9 * 1e3)
+    assert all_reduce.end_ms - all_reduce.start_ms == pytest.approx(MiB / 2 / 0.125e9 * 1e3)
+    # the state of fsdp2 on one node of 2 ranks, the optimizer on half the parameters
+    assert r.memory_bytes == simulate("fsdp2", StepModel(blocks_profile(), TWO_BY_TWO, 2, 6 * MiB * 1e3)).memory_bytes
+    with pytest.raises(ValueError, match="shard_size 3 does not divide the world of 4 ranks"):
+        simulate("hsdp", m, shard_size=3)
 
 
 def test_contention_slows_only_the_compute_beside_a_collective():

@@ -1,5 +1,6 @@
-"""The recording process group in one process (a gloo world of one): it takes the original group's place in torch's
-registry and its backends, name and bound device, records only while armed, and gives the original back."""
+"""The recording process group in one process (a gloo world of one): it stands in for the original group in torch's
+registry with its backends, name and bound device, records only while armed, leaves the original usable by whoever
+holds it, and withdraws."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ def test_it_takes_the_groups_place_and_gives_it_back(world_of_one) -> None:
     assert [(c.op, c.nbytes, c.group) for c in record.collectives] == [("all_reduce", 12, "world")] * 2
     stop_recording_process_groups()
     assert dist.group.WORLD is original and recording.recorder is None
+
+
+def test_code_holding_the_original_group_keeps_using_it(world_of_one) -> None:
+    original = dist.group.WORLD
+    recorder = Recorder()
+    record_process_groups(recorder)
+    recorder.open_step(0)
+    # what a user's code or module asks of the group it holds (the CI failure: "not initialized in the world group
+    # map" when the stand-in took the original's place instead of standing beside it)
+    assert dist.get_backend(original) == "gloo" and dist.get_rank(original) == 0
+    assert dist.get_world_size(original) == 1 and dist.get_process_group_ranks(original) == [0]
+    dist.all_reduce(torch.ones(2), group=original)  # runs, on the original: not recorded
+    assert recorder.finish_step().collectives == []
+    stop_recording_process_groups()
+    assert dist.get_backend(original) == "gloo"
 
 
 def test_a_wait_is_recorded_on_the_work_handed_back(world_of_one) -> None:

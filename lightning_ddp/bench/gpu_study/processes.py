@@ -23,7 +23,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_ddp import compat
-from lightning_ddp.bench.launch import RankLayout, error_line, fit_command, is_oom, rank_environments, run_processes
+from lightning_ddp.bench.launch import (
+    RankLayout, error_line, first_error_line, fit_command, is_oom, rank_environments, run_processes,
+)
 from lightning_ddp.bench.study import read_timing_summary
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.local_group import find_free_port
@@ -60,7 +62,9 @@ class FitResult:
 
     def file(self, name: str) -> Path | None:
         """A file the fit wrote under its log directory (the first match of ``name``), or ``None``."""
-        return next(iter(sorted(self.log_dir.rglob(name))), None) if self.log_dir is not None else None
+        if self.log_dir is None:
+            return None
+        return min(self.log_dir.rglob(name), default=None)
 
 
 def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: float, cwd: str | None = None,
@@ -101,7 +105,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         missing = [s for s in pending if s.name not in results]
         if not missing:
             break
-        if ranks > 1 and finished and list(finished.values())[-1].status != "ok" and not outcome.timed_out:
+        last_finished = list(finished.values())[-1] if finished else None
+        if ranks > 1 and last_finished is not None and not last_finished.ok and not outcome.timed_out:
             pending = missing  # the ranks stopped after a fit that failed (and said so): start the rest afresh
             continue
         # Else the first fit without a result is the one the processes died in (or ran out of time in), or, when
@@ -118,14 +123,14 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
 def _lost(name: str, out_dir: Path, outcome, logs: list[Path], remaining: float) -> FitResult:
     """The result of a fit the processes left without one: out of time, out of memory, or failed."""
     texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in logs]
-    failed = [t for t, code in zip(texts, outcome.returncodes) if code not in (0, None)] or texts
-    line = next((error_line(t) for t in failed if error_line(t)), "")
+    # the logs of the ranks that exited with an error; every rank's where none did
+    failed = [text for text, code in zip(texts, outcome.returncodes) if code not in (0, None)] or texts
+    line = first_error_line(failed)
     if outcome.timed_out:
-        status = "timeout"
         line = f"no result within the time left ({remaining:.0f} s)" + (f"; last output: {line}" if line else "")
-    else:
-        status = "oom" if any(is_oom(t) for t in failed) else "failed"
-        line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
+        return FitResult(name=name, status="timeout", error=line, log_dir=out_dir / name)
+    status = "oom" if any(is_oom(text) for text in failed) else "failed"
+    line = line or f"the processes exited {outcome.returncodes} without a result for this fit"
     return FitResult(name=name, status=status, error=line, log_dir=out_dir / name)
 
 
@@ -254,9 +259,10 @@ def compute(out: str, preset: str, precision: str, seq_len: int, max_batch: int,
         if cuda:
             torch.cuda.empty_cache()
 
-    results, attempts = first_that_fits(
-        batch_candidates(proposed),
-        lambda batch: _timed_steps(model, optimizer, where, batch, seq_len, precision, steps, warmup), free)
+    def steps_at(batch: int) -> dict[str, Any]:
+        return _timed_steps(model, optimizer, where, batch, seq_len, precision, steps, warmup)
+
+    results, attempts = first_that_fits(batch_candidates(proposed), steps_at, free)
     # The compute dtype of the precision and the device's dense peak for it (a MIG slice: its share of the SMs).
     if precision.startswith(("bf16", "16")):
         dtype = "bf16" if precision.startswith("bf16") else "fp16"
@@ -295,6 +301,7 @@ def compute(out: str, preset: str, precision: str, seq_len: int, max_batch: int,
 
 
 def _gpu(index: int) -> dict[str, Any]:
+    """GPU ``index``: name, memory, SMs, MIG slice and its row of ``hardware.DEVICES`` (None if not there)."""
     from lightning_ddp.hardware import compute_share, find_device, mig_profile
 
     p = torch.cuda.get_device_properties(index)
@@ -313,6 +320,15 @@ def _or_none(read: Callable[[], Any]) -> Any:
         return None
 
 
+def _nvidia_driver() -> str:
+    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    return subprocess.run(smi, capture_output=True, text=True, timeout=20, check=True).stdout.split()[0]
+
+
+def _nccl_version() -> str:
+    return ".".join(map(str, torch.cuda.nccl.version()))  # (2, 21, 5) -> 2.21.5
+
+
 def environment(out: str, device: str = "cuda") -> int:
     """Write the machine to ``out`` (JSON): for ``cuda`` every visible GPU, for ``cpu`` (a dry run) the host only;
     the NVIDIA driver, the CUDA driver API (e.g. 12040 for CUDA 12.4), cuDNN and NCCL are None where unknown."""
@@ -320,14 +336,11 @@ def environment(out: str, device: str = "cuda") -> int:
     from lightning_ddp.memory import memory_budget_bytes
 
     cuda = device == "cuda" and torch.cuda.is_available()
-    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
     write_json_atomically(Path(out), provenance(
         str(Path(out).parent), device="cuda" if cuda else "cpu",
         gpus=[_gpu(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        nvidia_driver=_or_none(lambda: subprocess.run(smi, capture_output=True, text=True, timeout=20,
-                                                      check=True).stdout.split()[0]),
-        cuda_driver_api=_or_none(compat.cuda_driver_version), cudnn=torch.backends.cudnn.version(),
-        nccl=_or_none(lambda: ".".join(map(str, torch.cuda.nccl.version()))),  # (2, 21, 5) -> 2.21.5
+        nvidia_driver=_or_none(_nvidia_driver), cuda_driver_api=_or_none(compat.cuda_driver_version),
+        cudnn=torch.backends.cudnn.version(), nccl=_or_none(_nccl_version),
         torch_cuda=torch.version.cuda, jsonargparse=package_version("jsonargparse"), hostname=platform.node(),
         memory_budget_bytes=memory_budget_bytes("cuda" if cuda else "cpu", 1),
         float32_matmul_precision=torch.get_float32_matmul_precision(),

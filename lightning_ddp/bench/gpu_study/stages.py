@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -53,6 +53,7 @@ class StudyContext:
     stage_started: float = 0.0
 
     def remaining(self) -> float:
+        """Seconds left of the call's budget (negative once it has run out)."""
         return self.deadline - time.monotonic()
 
     def stage_deadline(self) -> float:
@@ -75,8 +76,10 @@ class StudyContext:
 
     def env(self) -> dict[str, str]:
         """Every process's extra environment: the checkout first on PYTHONPATH, ``--commit`` (a copy has no .git)."""
-        path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)
-        return {"PYTHONPATH": path, **({COMMIT_VARIABLE: self.config.commit} if self.config.commit else {})}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH", "")) if p)}
+        if self.config.commit:
+            env[COMMIT_VARIABLE] = self.config.commit
+        return env
 
     def run_python(self, args: list[str], log: Path, result: Path | None = None) -> Ran:
         """``python ARGS`` in the checkout until the stage's deadline, output to ``log``; it writes ``result``."""
@@ -84,11 +87,15 @@ class StudyContext:
         ended = run_processes([sys.executable, *args], [base_environment(self.threads(1), extra=self.env())], [log],
                               max(self.stage_deadline(), 1.0), cwd=str(self.root))
         code = ended.returncodes[0]
+        if code == 0 and result is None:
+            return Ran(code=0, timed_out=False, error="")
         if code == 0:
-            data = read_json(result, missing_ok=True) if result else None
-            return Ran(0, False, f"no {result.name}" if result and data is None else "", data)
-        line = error_line(log.read_text(encoding="utf-8", errors="replace") if log.exists() else "")
-        return Ran(code, ended.timed_out, line or ("timed out" if ended.timed_out else f"exited {code}"))
+            data = read_json(result, missing_ok=True)
+            return Ran(code=0, timed_out=False, error="" if data is not None else f"no {result.name}", data=data)
+        line = error_line(log.read_text(encoding="utf-8", errors="replace")) if log.exists() else ""
+        if not line:
+            line = "timed out" if ended.timed_out else f"exited {code}"
+        return Ran(code=code, timed_out=ended.timed_out, error=line)
 
     def fits(self, name: str, specs: list[FitSpec], ranks: int = 1) -> list[FitResult]:
         """``run_fits`` into ``<out>/<name>/``, bounded by the stage's deadline."""
@@ -146,15 +153,18 @@ class Estimate:
 
     @property
     def gpu_s(self) -> float:
+        """Seconds on one H100 or H200: the process and fit starts, then the work."""
         return self.process_starts * PROCESS_START_S + self.fit_starts * FIT_START_S + self.work_s
 
     def seconds(self, dry_run: bool) -> float:
         return self.dry_run_s if dry_run else self.gpu_s
 
     def basis(self, dry_run: bool) -> str:
-        return "measured in the dry run on 2 idle CPU cores" if dry_run else (
-            f"{self.process_starts} process starts x {PROCESS_START_S:g} s + {self.fit_starts} fits x "
-            f"{FIT_START_S:g} s + {self.work_s:g} s of work")
+        """Where ``seconds(dry_run)`` comes from, for stages.json."""
+        if dry_run:
+            return "measured in the dry run on 2 idle CPU cores"
+        return (f"{self.process_starts} process starts x {PROCESS_START_S:g} s + {self.fit_starts} fits x "
+                f"{FIT_START_S:g} s + {self.work_s:g} s of work")
 
 
 @dataclass(frozen=True)
@@ -241,13 +251,22 @@ _SUMMARY = re.compile(r"^(?:FAILED|ERROR) (\S+::\S+) - (.*)$", re.MULTILINE)
 def read_pytest_log(text: str) -> dict[str, Any]:
     """The outcomes of a ``pytest -v -rfE`` log as far as it got (a tier cut off included): each outcome's count, and
     the failures (``{"test", "message"}``) with the summary's message."""
-    outcomes = {test or xdist_test: _OUTCOME_KEY[outcome or xdist_outcome]  # a test's last line: its teardown's
-                for test, outcome, xdist_outcome, xdist_test in _OUTCOME.findall(text)}
+    outcomes: dict[str, str] = {}
+    for test, outcome, xdist_outcome, xdist_test in _OUTCOME.findall(text):  # the plain form's groups, or xdist's
+        outcomes[test or xdist_test] = _OUTCOME_KEY[outcome or xdist_outcome]  # a test's last line: its teardown's
     messages = dict(_SUMMARY.findall(text))
     counts = {key: list(outcomes.values()).count(key) for key in ("passed", "failed", "errors", "skipped")}
     failures = [{"test": test, "message": messages.get(test, outcome)[:300]} for test, outcome in outcomes.items()
                 if outcome in ("failed", "errors")]
     return {"tests": len(outcomes), **counts, "failures": failures}
+
+
+def _pytest_summary_line(log_text: str) -> str:
+    """pytest's last line, ``N passed, M failed in S s``, without its ``=`` rule; empty if it never got there."""
+    for line in reversed(log_text.splitlines()):
+        if " in " in line and any(word in line for word in ("passed", "failed", "error", "skipped")):
+            return line.strip("= ")
+    return ""
 
 
 def cuda_tests(ctx: StudyContext) -> StageResult:
@@ -257,13 +276,13 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
     log = ctx.out / "cuda_tests.log"
     # 12 pytest-xdist workers where it is installed (the lent GPU machines have 16 cores; each test starts processes
     # of one or two ranks); the engine matrix stays in one worker (xdist_group)
-    workers = ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1)), "--dist", "loadgroup"] \
-        if importlib.util.find_spec("xdist") else []
+    workers = []
+    if importlib.util.find_spec("xdist"):
+        workers = ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1)), "--dist", "loadgroup"]
     ran = ctx.run_python(["-m", "pytest", "tests/gpu", "-m", "cuda", "-v", "-rfE", "-p", "no:cacheprovider",
                           *workers], log)
     text = log.read_text(errors="replace") if log.exists() else ""
-    summary_line = next((line for line in reversed(text.splitlines()) if " in " in line
-                         and any(w in line for w in ("passed", "failed", "error", "skipped"))), "").strip("= ")
+    summary_line = _pytest_summary_line(text)
     data = read_pytest_log(text)
     if not data["tests"]:
         return StageResult(files=["cuda_tests.log"] if log.exists() else [],
@@ -281,9 +300,12 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
 
 def compute(ctx: StudyContext) -> StageResult:
     stage, size = ctx.stage_dir("compute"), ctx.scale.compute
-    published_ms = [f"batch {batch}: {ms:,.0f} ms = {batch * seq / (ms / 1e3):,.0f} tokens/s per GPU"
-                    + (" (extrapolated)" if extrapolated else "")
-                    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items() if seq == size.seq_len]
+    published_ms = []
+    for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items():
+        if seq == size.seq_len:
+            tokens_per_s = batch * seq / (ms / 1e3)
+            note = " (extrapolated)" if extrapolated else ""
+            published_ms.append(f"batch {batch}: {ms:,.0f} ms = {tokens_per_s:,.0f} tokens/s per GPU{note}")
     result = StageResult(data={**asdict(size), "device": ctx.scale.device,
                                "published": "; ".join(published_ms) or "none at this context", "rows": {}})
     for precision in ("bf16-mixed", "32-true"):
@@ -298,9 +320,11 @@ def compute(ctx: StudyContext) -> StageResult:
             run.pop("estimate_table", None)
             run["status"] = "ok" if run.get("batch") else "failed"
             result.files.append(f"compute/compute_{precision}.json")
+        if run["status"] != "ok" and run.get("preflight_batch"):
+            run.setdefault("error", f"{precision}: every batch from {run['preflight_batch']} down ran out of memory")
+        elif run["status"] != "ok":
+            run.setdefault("error", f"{precision}: the pre-flight allows no batch")
         if run["status"] != "ok":
-            run.setdefault("error", f"{precision}: every batch from {run.get('preflight_batch')} down ran out of "
-                           "memory" if run.get("preflight_batch") else f"{precision}: the pre-flight allows no batch")
             result.problems.append(run["error"])
         result.data["rows"][precision] = run
     return result
@@ -335,7 +359,11 @@ def strategies(ctx: StudyContext) -> StageResult:
     problems = _failures(results)  # whether each step's numbers hold: the cuda tier's fits on every strategy
     data = {**asdict(ctx.scale.strategies), "backend": ctx.scale.backend, "precision": ctx.scale.precision,
             "rows": rows}
-    files = [ctx.relative(f) for r in results for f in [r.file("timing_summary.json")] if f is not None]
+    files = []
+    for r in results:
+        summary = r.file("timing_summary.json")
+        if summary is not None:
+            files.append(ctx.relative(summary))
     return StageResult(data=data, files=files, problems=problems)
 
 
@@ -357,9 +385,13 @@ def weight_differences(actual: dict[str, Any], expected: dict[str, Any], update:
     per_tensor = {k: (actual[k].double() - expected[k].double()).abs().flatten() / update for k in expected}
     every = torch.cat(list(per_tensor.values()))
     worst = max(per_tensor, key=lambda k: float(per_tensor[k].max()))
-    median, p99 = (float(every.kthvalue(max(1, round(q * every.numel()))).values) for q in (0.5, 0.99))
-    return {"off_fraction": float((every > OFF_BY).double().mean()), "median_updates": median,
-            "p99_updates": p99, "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
+
+    def quantile(q: float) -> float:
+        """The ``q`` quantile of every difference: the k-th smallest, k = q x their number (at least the first)."""
+        return float(every.kthvalue(max(1, round(q * every.numel()))).values)
+
+    return {"off_fraction": float((every > OFF_BY).double().mean()), "median_updates": quantile(0.5),
+            "p99_updates": quantile(0.99), "max_updates": float(per_tensor[worst].max()), "worst_tensor": worst}
 
 
 def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -> FitSpec:
@@ -374,9 +406,9 @@ def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -
 
 def _weights(result: FitResult) -> Any:
     """The final weights ``result``'s fit saved, removed once read (~14 MB a strategy, worth nothing more)."""
-    path = result.log_dir / "weights.pt" if result.ok and result.log_dir is not None else None
-    if path is None or not path.exists():
+    if not result.ok or result.log_dir is None or not (result.log_dir / "weights.pt").exists():
         return None
+    path = result.log_dir / "weights.pt"
     weights = torch.load(path, weights_only=True)
     path.unlink()
     return weights
@@ -434,7 +466,9 @@ def traces(ctx: StudyContext) -> StageResult:
                                "gpu_rows": len(gpu_rows)}
         if ctx.scale.device == "cuda" and not sum(gpu_rows):
             problems.append(f"{label}: the trace has no GPU kernel rows")
-    files = [ctx.relative(picture), *(ctx.relative(rank.path) for run in runs for rank in run.ranks)]
+    files = [ctx.relative(picture)]
+    for run in runs:
+        files += [ctx.relative(rank.path) for rank in run.ranks]
     return StageResult(data=data, files=files, problems=problems)
 
 
@@ -465,8 +499,10 @@ def ready_times(ctx: StudyContext) -> StageResult:
         result.problems.append(f"{len(profile.params) - len(ready)} tensors never became ready")
     # Projected to 2 ranks on the profiled GPU (its memory bandwidth prices the copies; H100 if not in the table):
     # one row per strategy, a bucketed one at its best bucket size.
+    gpu = "h100-sxm"
     device = find_device(profile.device) if profile.device != "cpu" else None
-    gpu = device.key if device is not None and device.key in GPUS else "h100-sxm"
+    if device is not None and device.key in GPUS:
+        gpu = device.key
     for network in ("nvlink4", "pcie_gen4"):
         outcome = run_projection(projection.ProjectionConfig(
             name=f"2 x {gpu} over {network}, from the measured profile",
@@ -482,12 +518,25 @@ def ready_times(ctx: StudyContext) -> StageResult:
     return result
 
 
+def _without_options(args: Sequence[str], options: set[str]) -> list[str]:
+    """``args`` without each of ``options`` and the value after it."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in args:
+        if arg in options:
+            skip_value = True
+        elif skip_value:
+            skip_value = False
+        else:
+            kept.append(arg)
+    return kept
+
+
 def timer_overhead(ctx: StudyContext) -> StageResult:
     overhead, stage = ctx.scale.overhead, ctx.stage_dir("timer_overhead")
     fit = fit_args(ctx, overhead, strategy=catalogue.DEFAULT_ENGINE)
     # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
-    owned = {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"}
-    fit = [a for i, a in enumerate(fit) if a not in owned and (i == 0 or fit[i - 1] not in owned)]
+    fit = _without_options(fit, {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"})
     log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
     ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--fit_config", "configs/quickstart.yaml",
                           "--strategies", json.dumps([catalogue.DEFAULT_ENGINE]),
@@ -519,17 +568,21 @@ def rows_by_name(data: dict[str, Any]) -> list[Row]:
 
 def projection_rows(data: dict[str, Any]) -> list[Row]:
     """Every network's projected rows, each with its network, GPU, and the profiled batch and context."""
-    return [{**row, "network": network, "gpu": projection["gpu"], "batch_size": data.get("batch"),
-             "context_length": data.get("seq_len")}
-            for network, projection in (data.get("projections") or {}).items() for row in projection["rows"]]
+    rows = []
+    for network, projection in (data.get("projections") or {}).items():
+        where = {"network": network, "gpu": projection["gpu"], "batch_size": data.get("batch"),
+                 "context_length": data.get("seq_len")}
+        rows += [{**row, **where} for row in projection["rows"]]
+    return rows
 
 
 def _hardware(gpu: Row) -> str:
     """A GPU's row of the hardware table: its key and dense peaks (those MFU is computed against)."""
     row = gpu.get("hardware_table") or {}
+    if not row:
+        return "not in the table"
     peaks = row.get("dense_tflops") or {}
-    return f"{row.get('key')}: {peaks.get('bf16')} / {peaks.get('fp32')} TFLOP/s dense bf16 / fp32" if row \
-        else "not in the table"
+    return f"{row.get('key')}: {peaks.get('bf16')} / {peaks.get('fp32')} TFLOP/s dense bf16 / fp32"
 
 
 ENVIRONMENT_GPUS = Table(rows=gpu_rows, columns=(

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from lightning_ddp.bench.gpu_study import GPUStudyConfig, repository_root
 from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE, GPU_SCALE
-from lightning_ddp.bench.gpu_study.stages import STAGES, Stage, StageResult, StudyContext, Table
+from lightning_ddp.bench.gpu_study.stages import STAGES, Column, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import git_state, repo_relative
@@ -68,18 +68,25 @@ def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyCon
     kept = {e["name"]: e for e in previous.get("stages", []) if e.get("status") == "ok"}
     call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": [repo_relative(arg) for arg in sys.argv], "budget_min": config.budget_min}
-    state = git_state() if not config.commit else {"git_commit": config.commit, "git_commit_source": "--commit"}
+    if config.commit:
+        state = {"git_commit": config.commit, "git_commit_source": "--commit"}
+    else:
+        state = git_state()
     return {
         "created": previous.get("created", call["started"]),
         "command": call["command"], "budget_min": config.budget_min, "cpu_dry_run": config.cpu_dry_run,
         "cuda": ctx.cuda, "device": ctx.scale.device, "root": repo_relative(str(ctx.root)), "elapsed_s": 0.0,
         "commit": {"git_commit": state["git_commit"], "source": state["git_commit_source"]},
         "calls": [*previous.get("calls", []), call], "complete": False,
-        "stages": [kept.get(s.name) or {"name": s.name, "title": s.title, "status": "pending", "seconds": None,
-                                        "estimate_s": s.estimate.seconds(config.cpu_dry_run), "error": "",
-                                        "estimate_basis": s.estimate.basis(config.cpu_dry_run), "files": []}
-                   for s in stages],
+        "stages": [kept.get(stage.name) or _pending(stage, config.cpu_dry_run) for stage in stages],
     }
+
+
+def _pending(stage: Stage, dry_run: bool) -> dict[str, Any]:
+    """The stages.json entry of ``stage`` before it runs."""
+    return {"name": stage.name, "title": stage.title, "status": "pending", "seconds": None,
+            "estimate_s": stage.estimate.seconds(dry_run), "error": "", "estimate_basis": stage.estimate.basis(dry_run),
+            "files": []}
 
 
 def _skip_reason(stage: Stage, ctx: StudyContext, remaining: float) -> tuple[str, str] | None:
@@ -115,8 +122,9 @@ def _run_stage(stage: Stage, entry: dict[str, Any], ctx: StudyContext, save: Cal
     if result.data:
         write_json_atomically(ctx.out / f"{stage.name}.json", result.data, default=str)
         result.files.insert(0, f"{stage.name}.json")
-    entry.update(files=result.files, status="failed" if result.problems else "ok",
-                 error=result.problems[0] if result.problems else "", problems=result.problems)
+    entry.update(files=result.files, status="ok", error="", problems=result.problems)
+    if result.problems:
+        entry.update(status="failed", error=result.problems[0])
 
 
 def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bool | None = None,
@@ -124,7 +132,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     """Run the study of ``config``; returns the final ``stages.json`` document. ``cuda`` default: ask a child
     process; ``started``: ``time.monotonic()`` when the call began (the budget counts from it; default: now)."""
     started = time.monotonic() if started is None else started
-    say = log or (lambda line: print(line, flush=True))
+    say = log or _print_flushed
     out = Path(config.out)
     root = repository_root(config.root)
     cuda = cuda_available() if cuda is None else cuda
@@ -145,8 +153,9 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         write_outputs(out, {"stages.json": document, "results.md": build_report(document, out, stages, root)})
 
     kept = sum(e["status"] == "ok" for e in document["stages"])
-    say(f"GPU study{' (CPU dry run)' if config.cpu_dry_run else ''}: {len(stages)} stages"
-        f"{f' ({kept} already ok, kept)' if kept else ''}, budget {config.budget_min:g} min, results in {out}")
+    kind = "GPU study (CPU dry run)" if config.cpu_dry_run else "GPU study"
+    kept_note = f" ({kept} already ok, kept)" if kept else ""
+    say(f"{kind}: {len(stages)} stages{kept_note}, budget {config.budget_min:g} min, results in {out}")
     try:
         save()
         for stage, entry in zip(stages, document["stages"]):
@@ -158,9 +167,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
             else:
                 entry.update(status=skip[0], error=skip[1], seconds=None)
             save()
-            took = f" in {entry['seconds']:.0f} s (estimate {entry['estimate_s']:.0f} s)" \
-                if entry["seconds"] is not None else ""
-            say(f"[{stage.name}] {entry['status']}{took}" + (f": {entry['error']}" if entry["error"] else ""))
+            say(_stage_line(stage, entry))
     finally:
         if config.archive:
             contents = write_archive(out, Path(config.archive))
@@ -168,9 +175,26 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
             say(f"archive: {config.archive} ({contents['size_bytes'] / 2**20:.1f} MiB, {len(contents['files'])} "
                 f"files{left_out})")
     left = [e["name"] for e in document["stages"] if e["status"] not in DONE]
-    say(f"done in {time.monotonic() - started:.0f} s: {out / 'results.md'}"
-        + (f"; not done yet: {', '.join(left)} (run again with --resume true)" if left else "; every stage done"))
+    if left:
+        ending = f"not done yet: {', '.join(left)} (run again with --resume true)"
+    else:
+        ending = "every stage done"
+    say(f"done in {time.monotonic() - started:.0f} s: {out / 'results.md'}; {ending}")
     return document
+
+
+def _print_flushed(line: str) -> None:
+    print(line, flush=True)
+
+
+def _stage_line(stage: Stage, entry: dict[str, Any]) -> str:
+    """The log line of a stage that has ended: its status, seconds against the estimate, and error."""
+    line = f"[{stage.name}] {entry['status']}"
+    if entry["seconds"] is not None:
+        line += f" in {entry['seconds']:.0f} s (estimate {entry['estimate_s']:.0f} s)"
+    if entry["error"]:
+        line += f": {entry['error']}"
+    return line
 
 
 # ---- results.md: each stage's caption and tables over its <name>.json -------------------------------------------
@@ -206,9 +230,15 @@ def _table(table: Table, data: dict[str, Any]) -> list[str]:
     if not rows:
         return ["", "No rows."]
     align = "".join("l" if column.format == "" else "r" for column in table.columns)
-    values = [[cell(column.value(row) if callable(column.value) else row.get(column.value), column.format)
-               for column in table.columns] for row in rows]
+    values = [[cell(_value(column, row), column.format) for column in table.columns] for row in rows]
     return [""] + markdown_table([column.header for column in table.columns], values, align)
+
+
+def _value(column: Column, row: dict[str, Any]) -> Any:
+    """The row's value in ``column``: its function of the row, or the row's field of that name."""
+    if callable(column.value):
+        return column.value(row)
+    return row.get(column.value)
 
 
 def docs_reference(out: Path, root: Path | None, section: str) -> str:
@@ -252,8 +282,10 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
             lines.append(f"Status: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "") + ".")
             continue
         stage = specs[entry["name"]]
-        lines += [_Cells().format(stage.caption, **data)] if stage.caption else []
-        lines += [line for table in stage.tables for line in _table(table, data)]
+        if stage.caption:
+            lines.append(_Cells().format(stage.caption, **data))
+        for table in stage.tables:
+            lines += _table(table, data)
         if entry.get("problems"):
             lines += ["", "Problems:", *[f"- {p}" for p in entry["problems"][:20]]]
     return "\n".join(lines).rstrip() + "\n"
