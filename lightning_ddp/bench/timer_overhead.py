@@ -201,7 +201,8 @@ def _markdown(result: dict) -> str:
     goal_arm = result["goal_arm"]
     lines = [f"CommTimer overhead at the default sampling ({goal_arm}), goal < {GOAL:.0%} of the median step:", ""]
     for strategy, measured in result["strategies"].items():
-        lines.append(f"- `{strategy}`: {measured['overhead'] * 100:+.2f} % [95 %: {measured['overhead_lo'] * 100:+.2f}, "
+        lines.append(f"- `{strategy}`: {measured['overhead'] * 100:+.2f} % "
+                     f"[95 %: {measured['overhead_lo'] * 100:+.2f}, "
                      f"{measured['overhead_hi'] * 100:+.2f}] (median step {measured['median_step_ms_timer_off']:.1f} "
                      f"ms off, {measured['median_step_ms_timer_on']:.1f} ms on): **{measured['verdict']}**; over "
                      f"whole runs {measured['window_overhead'] * 100:+.2f} %")
