@@ -22,10 +22,13 @@ from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 from lightning_ddp.reporting.variants import format_bucket, variant_label, variant_strategy
 
 Row = dict[str, Any]
+"""One CSV row read back (``parse_row``): column -> number, text, bool or ``None`` for an empty cell."""
 RepeatKey = tuple[str, int]
+"""``(cell_id, repeat)``: one repeat of one cell."""
 
 _COORDINATES = ("strategy", "bucket_size_mb", "engine_settings", "batch_size", "context_length", "precision", "model",
                 "world_size", "accelerator", "backend")
+"""What places a cell in the grid: the columns every repeat of a cell shares."""
 
 REPEAT_COLUMNS: tuple[str, ...] = (
     "cell_id", "repeat", *_COORDINATES, "status", "reason", "wall_s", "measured_steps", "resolved_bucket_size_mb",
@@ -47,6 +50,7 @@ RESULT_COLUMNS: tuple[str, ...] = (
 
 _INTEGER_COLUMNS = frozenset({"batch_size", "context_length", "world_size", "repeat", "repeats_ok", "repeats_run",
                               "busy_repeats"})
+"""The ``NUMERIC_COLUMNS`` read back as ``int``; the others are ``float``."""
 NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | frozenset(
     REPEAT_COLUMNS[REPEAT_COLUMNS.index("wall_s"):REPEAT_COLUMNS.index("busy")]) | {"load_avg_1m"} | _INTEGER_COLUMNS
 """Columns ``parse_row`` turns into numbers (empty cells become ``None``)."""
@@ -73,6 +77,7 @@ class Measured:
     """A cell's ``ESTIMATED_KEYS`` over some of its ok ``repeats``: ``(3,)`` pooled medians, ``(B, 3)`` draws."""
 
     repeats: tuple[int, ...]
+    """The ok repeats whose steps it pools."""
     point: np.ndarray = field(repr=False)
     draws: np.ndarray = field(repr=False)
 
@@ -94,6 +99,7 @@ class Ratio:
 
     @property
     def estimate(self) -> Estimate:
+        """The ratio and its 95 % interval over the draws."""
         return Estimate.of(self.point, self.draws)
 
 
@@ -103,8 +109,11 @@ class CellData:
 
     cell_id: str
     meta: Row
+    """The cell's grid coordinates (``_COORDINATES``), from its first repeat's row."""
     repeats: list[Row] = field(default_factory=list)
+    """Its repeats.csv rows, every status, in repeat order."""
     steps: dict[int, list[Row]] = field(default_factory=dict)
+    """Repeat index -> that repeat's steps.csv rows; only ok repeats have an entry."""
 
     @property
     def ok_repeats(self) -> list[int]:
@@ -254,6 +263,7 @@ def parse_row(raw: Mapping[str, Any], columns: Sequence[str] = RESULT_COLUMNS) -
 
 
 def _read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
+    """The raw rows (text) of ``path`` that name a cell; ``[]`` if the file does not exist."""
     return [raw for raw in read_csv(path) if raw.get("cell_id")] if Path(path).exists() else []
 
 
@@ -290,6 +300,7 @@ def write_csv(path: str | os.PathLike, rows: Iterable[Row], columns: Sequence[st
 
 
 Group = tuple[str, int, int]
+"""``(precision, batch_size, context_length)``: the cells whose step times the goals compare."""
 
 FASTER_THAN_DDP_TARGET = 1.0
 """Goal 1: an algorithm at its best bucket size takes no longer a step than torch DDP."""
@@ -301,6 +312,7 @@ NEAR_THE_FLOOR_TARGET = 1.10
 """Goal 3: the best bucketed step within 10 % of its floor, max(the one-process step, the busy communication)."""
 
 NOT_MEASURABLE = "not measurable"
+"""A goal's verdict when its ratio cannot be formed (a cell it needs has no ok repeat)."""
 
 
 def variant_of(row: Row) -> str:
@@ -333,6 +345,7 @@ def is_ok(row: Row | None) -> bool:
 
 
 def _verdict_counts(checks: Iterable[GoalCheck]) -> dict[str, int]:
+    """How many ``checks`` have each verdict: met, missed, inconclusive, not measurable (zeros kept)."""
     verdicts = [check.verdict for check in checks]
     return {v: verdicts.count(v) for v in ("met", "missed", "inconclusive", NOT_MEASURABLE)}
 
@@ -360,6 +373,7 @@ class GoalCheck:
     goal: str
     """The goal in words, e.g. ``1. bucketed_ddp (best) step time / ddp step time``."""
     target: float
+    """The goal is met when the ratio's whole 95 % interval is at or below it (``stats.verdict``)."""
     note: str = ""
     """What the ratio was measured on (the best size and its repeats), or why it could not be."""
     ratio: Ratio | None = None
@@ -536,6 +550,7 @@ def bucket_text(row: Row) -> str:
 
 
 def _selection_note(selection: Selection) -> str:
+    """A goal's note on its best bucket size: the repeats it was chosen on, or that it is in-sample."""
     if selection.in_sample:
         return f"best size {bucket_text(selection.row)}, in-sample (no evaluation repeat)"
     chosen_on = ", ".join(map(str, selection.selection_repeats))
@@ -543,6 +558,7 @@ def _selection_note(selection: Selection) -> str:
 
 
 def _missing(row: Row | None, name: str) -> str:
+    """A goal's note when it is not measurable: no ``name`` cell, or that cell's status."""
     return f"no {name} cell" if row is None else f"{name} cell {row['status'] or 'not run'}"
 
 
@@ -550,6 +566,7 @@ _STRATEGY_TITLES = {
     REFERENCE: "reference (1 process, no communication)",
     DDP_BASELINE: "ddp (Lightning / torch DDP)",
 }
+"""Table titles of the two rows that are not our engines (``_title`` names every other row)."""
 
 
 def _cell_text(row: Row | None, selected: set[str]) -> str:

@@ -42,10 +42,13 @@ class Interval:
     """Something that occupied a stream: ``stream`` is ``compute`` or ``comm``; times in ms from the step start."""
 
     stream: str
+    """``compute`` or ``comm``."""
     label: str
+    """What ran: a parameter's or bucket's name, or a compute phase (``backward``, ``pack bucket 3``)."""
     start_ms: float
     end_ms: float
     nbytes: int = 0
+    """Bytes of a collective's message; 0 on the compute stream."""
 
 
 class Timeline:
@@ -111,8 +114,11 @@ class StepModel:
     """Everything one simulated step needs: compute profile, communication costs, world size, copy speed."""
 
     profile: ComputeProfile
+    """The measured single-rank step: forward, backward with each gradient's ready time, optimizer."""
     comm: CommCost
+    """Seconds per collective: a ``Fabric``, a ``MeasuredFit``'s fabric or ``HybridComm``."""
     world_size: int
+    """Ranks of the simulated step (every collective's ``n``)."""
     copy_bandwidth_Bps: float
     """Memory bandwidth of buffer copies (bytes read + written per second)."""
     flops_per_s: Optional[float] = None
@@ -135,15 +141,24 @@ class StepResult:
     """One simulated step of one strategy (docs/projection.md)."""
 
     strategy: str
+    """The catalogue name it simulated, e.g. ``bucketed_ddp``."""
     bucket_size_mb: Optional[float]
+    """The bucket cap in MiB it was simulated with; ``None``: the strategy takes no bucket size."""
     world_size: int
     step_ms: float
+    """The simulated step, ms: when its last operation (the optimizer, or a collective waited for after it) ends."""
     compute_only_ms: float
+    """The profile's step without any communication (``ComputeProfile.compute_ms``)."""
     busy_comm_ms: float
+    """Sum of every collective's duration, overlapped or not, ms."""
     copy_ms: float
+    """Work of buffer copies (pack, unpack, casts) before contention, ms; the CommTimer's pack time."""
     calls: int
+    """Collectives launched in the step."""
     comm_bytes: int
+    """Bytes of all the step's collectives' messages (per rank, not per wire hop)."""
     intervals: list[Interval] = field(default_factory=list, repr=False)
+    """Every interval of both streams, in the order they were placed (the timeline plots)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The engine settings it was simulated with (``simulate(..., **settings)``), e.g. ``{"rank": 4}``."""
     contention_ms: float = 0.0
@@ -462,6 +477,7 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
 
 
 _BLOCK = re.compile(r"^(.*?\b[A-Za-z_]\w*\.\d+)\.")
+"""A parameter name's block prefix: up to the first ``<name>.<index>`` (``blocks.3`` of ``blocks.3.attn.w``)."""
 
 
 def transformer_blocks(params: Sequence[ParamTiming]) -> tuple[list[int], dict[str, list[int]]]:
@@ -505,6 +521,7 @@ class _ShardedUnit(NamedTuple):
 
     @classmethod
     def of(cls, params: Sequence[ParamTiming], label: str, indices: Sequence[int], shard_ranks: int) -> _ShardedUnit:
+        """The unit of the parameters at ``indices``, each split on dim 0 over ``shard_ranks`` ranks."""
         shard_bytes = _largest_shard_bytes(params, indices, shard_ranks)
         return cls(label=label, shard_bytes=shard_bytes, collective_bytes=shard_ranks * shard_bytes,
                    unsharded_bytes=_bytes(params, indices))
@@ -629,11 +646,17 @@ class HybridComm:
     all-gather within a shard group on ``shard``, every all-reduce across the replicas on ``replicate``."""
 
     shard: CommCost
+    """Cost of the reduce-scatters and all-gathers within one shard group."""
     replicate: CommCost
+    """Cost of the all-reduces across the replicas (one rank per shard group)."""
     shard_size: int
+    """Ranks per shard group."""
     replicas: int
+    """Shard groups; ``shard_size * replicas`` is the world."""
 
     def collective_s(self, kind: str, nbytes: float, n: int) -> float:
+        """Seconds for one ``kind`` of ``nbytes`` on the whole world ``n``: all-reduces on ``replicate``
+        over ``replicas`` ranks, the rest on ``shard`` over ``shard_size``; ``n`` must be that world."""
         assert n == self.shard_size * self.replicas, "hsdp's groups are of its own world"
         if kind == "all_reduce":
             return self.replicate.collective_s(kind, nbytes, self.replicas)

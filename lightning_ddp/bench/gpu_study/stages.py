@@ -43,12 +43,16 @@ class StudyContext:
     """What every stage gets: the config, where to write, the clock, and how to start processes."""
 
     config: GPUStudyConfig
+    """The study's options (``--budget_min``, ``--stages``, ``--commit``, ...)."""
     scale: Scale
+    """The sizes of every stage's fits: the GPU study's, or the CPU dry run's."""
     out: Path
+    """The study's folder: stages.json, results.md, and each stage's files under ``<out>/<stage>``."""
     root: Path  # the repository checkout (configs/, tests/)
     cuda: bool  # whether a child process saw a CUDA device (the study's own process holds no CUDA context)
     deadline: float  # time.monotonic() at which the budget ends
     log: Callable[[str], None] = print
+    """Where progress lines go, one call per line."""
     stage_estimate_s: float = 0.0  # the running stage's estimate and start, set by the study
     stage_started: float = 0.0
 
@@ -62,6 +66,7 @@ class StudyContext:
         return max(0.0, min(self.remaining(), self.stage_started + allowed - time.monotonic()))
 
     def stage_dir(self, name: str) -> Path:
+        """``<out>/<name>``, created if it does not exist."""
         path = self.out / name
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -113,6 +118,7 @@ class StageResult:
 
 
 Row = dict[str, Any]
+"""One row of a results.md table: a column's key (``Column.value``) -> its value."""
 
 
 @dataclass(frozen=True)
@@ -147,9 +153,13 @@ class Estimate:
     (docs/gpu.md, "What each stage costs")."""
 
     process_starts: int
+    """Processes the stage starts one after another, ``PROCESS_START_S`` each on the GPU."""
     fit_starts: int
+    """Fits it starts in a process already running, ``FIT_START_S`` each on the GPU."""
     work_s: float
+    """Seconds of the stage's own steps and computation on one H100 or H200."""
     dry_run_s: float
+    """Seconds the whole stage took in the CPU dry run on 2 idle cores."""
 
     @property
     def gpu_s(self) -> float:
@@ -157,6 +167,7 @@ class Estimate:
         return self.process_starts * PROCESS_START_S + self.fit_starts * FIT_START_S + self.work_s
 
     def seconds(self, dry_run: bool) -> float:
+        """The stage's expected seconds: ``dry_run_s`` in the dry run, ``gpu_s`` on a GPU."""
         return self.dry_run_s if dry_run else self.gpu_s
 
     def basis(self, dry_run: bool) -> str:
@@ -172,14 +183,19 @@ class Stage:
     """One stage: what it measures, how it runs, what it costs, how results.md shows its data."""
 
     name: str
+    """Its key: ``--stages`` selects by it, stages.json lists it, its data goes to ``<out>/<name>.json``."""
     title: str
     """What it measures, true of the GPU study and of the dry run alike (the caption says what ran)."""
     run: Callable[[StudyContext], StageResult]
+    """Runs the stage; its processes stop at ``ctx.stage_deadline()``; an exception is recorded as a problem."""
     estimate: Estimate
+    """What it costs; a stage whose estimate exceeds the budget left is skipped (``skipped: budget``)."""
     needs_cuda: bool = False
+    """Skipped (``skipped: no CUDA``) when no child process sees a CUDA device."""
     caption: str = ""
     """``str.format`` over the stage's data; a missing field shows as ``–``."""
     tables: tuple[Table, ...] = ()
+    """results.md's tables under the caption, each over the stage's data."""
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------------------
@@ -201,6 +217,7 @@ def fit_args(ctx: StudyContext, size: FitSize, *, strategy: str, precision: str 
 
 
 def _failures(results: list[FitResult], where: str = "") -> list[str]:
+    """One line per fit that did not end ``ok``: ``<name><where>: <status>: <error>``."""
     return [f"{r.name}{where}: {r.status}: {r.error}" for r in results if not r.ok]
 
 
@@ -227,12 +244,15 @@ def _status(row: Row) -> str:
 
 
 STATUS = Column(header="status", value=_status)
+"""The ``status`` column: ``ok``, or the status with its error."""
 
 
 # ---- the stages -----------------------------------------------------------------------------------------------
 
 
 def environment(ctx: StudyContext) -> StageResult:
+    """Stage environment: a child process (the study holds no CUDA context) writes environment.json: the
+    device, the GPUs, driver, CUDA, torch, NCCL, Lightning and Python versions, the commit."""
     path = ctx.out / "environment.json"
     ran = ctx.run_python(["-m", "lightning_ddp.bench.gpu_study.processes", "environment", str(path.resolve()),
                           "--device", ctx.scale.device], ctx.out / "logs" / "environment.log", path)
@@ -270,6 +290,8 @@ def _pytest_summary_line(log_text: str) -> str:
 
 
 def cuda_tests(ctx: StudyContext) -> StageResult:
+    """Stage cuda_tests: ``pytest tests/gpu -m cuda`` in a child process (pytest-xdist workers where installed),
+    read back from cuda_tests.log; a problem per failed test, for a tier cut off, and if every test was skipped."""
     if not (ctx.root / "tests" / "gpu").is_dir():
         return StageResult(problems=[f"the cuda test tier (tests/gpu) is not under {ctx.root}: run the study from a "
                                      "checkout of the repository, or pass --root CHECKOUT"])
@@ -299,6 +321,8 @@ def cuda_tests(ctx: StudyContext) -> StageResult:
 
 
 def compute(ctx: StudyContext) -> StageResult:
+    """Stage compute: in bf16-mixed and 32-true, one process each finds the largest batch that fits one device
+    (from the memory pre-flight's down) and times it (step ms, tokens/s, MFU, peak memory against the estimate)."""
     stage, size = ctx.stage_dir("compute"), ctx.scale.compute
     published_ms = []
     for (batch, seq), (ms, extrapolated) in calibrated_compute_ms().items():
@@ -337,6 +361,7 @@ def _tried(run: Row) -> str:
 
 
 def _estimate_over_reserved(run: Row) -> float | None:
+    """The pre-flight's estimate over the measured peak reserved bytes; ``None`` if either is missing."""
     estimate, reserved = run.get("estimate_bytes"), run.get("peak_reserved_bytes")
     return estimate / reserved if estimate and reserved else None
 
@@ -349,6 +374,8 @@ def _fit_row(result: FitResult) -> dict[str, Any]:
 
 
 def strategies(ctx: StudyContext) -> StageResult:
+    """Stage strategies: one fit of every catalogue strategy (ddp first) on one rank; each row holds its timing
+    medians and ``overhead_vs_ddp``, its step over ddp's minus 1 (``None`` without both steps)."""
     names = ["ddp", *(name for name in catalogue.names() if name != "ddp")]  # the baseline first: a cut stage keeps it
     results = ctx.fits("strategies", [FitSpec(n, fit_args(ctx, ctx.scale.strategies, strategy=n)) for n in names])
     rows = {r.name: _fit_row(r) for r in results}
@@ -371,6 +398,7 @@ def strategies(ctx: StudyContext) -> StageResult:
 # compared in updates (lr x steps); docs/gpu.md says how the tolerances were calibrated.
 EQUIVALENCE = FitSize(preset="tiny", batch=2, seq_len=64, steps=3, warmup=0)
 EQUIVALENCE_LR = 1e-3
+"""Learning rate of the equivalence fits: a weight's difference is counted in updates of lr x steps."""
 OFF_BY = 0.1  # a weight is *off* when it differs from one process's by more than this many updates
 EXACT_TOLERANCE = 1e-4  # the largest fraction of weights off an exact algorithm may have
 LOSSY_TOLERANCE = 1e-2  # the same for a lossy algorithm (bucketed_bf16_ddp)
@@ -446,6 +474,8 @@ def without_and_with_overlap() -> list[str]:
 
 
 def traces(ctx: StudyContext) -> StageResult:
+    """Stage traces: the first engine that syncs after backward and the first that overlaps it, each traced on 2
+    gloo ranks; draws traces/timeline.png and reports each run's overlap, communication and hidden ms."""
     from lightning_ddp.trace import load_run, render_timeline
 
     record = str((ctx.root / "configs" / "trace" / "record.yaml").resolve())
@@ -473,6 +503,8 @@ def traces(ctx: StudyContext) -> StageResult:
 
 
 def ready_times(ctx: StudyContext) -> StageResult:
+    """Stage ready_times: one fit's compute profile (each gradient's ready time in backward), projected to 2
+    ranks of the profiled GPU (H100 if it is not in the table) over nvlink4 and pcie_gen4."""
     from lightning_ddp.hardware import find_device
     from lightning_ddp.profile import read_profile
     from lightning_ddp.projection import config as projection
@@ -533,6 +565,8 @@ def _without_options(args: Sequence[str], options: set[str]) -> list[str]:
 
 
 def timer_overhead(ctx: StudyContext) -> StageResult:
+    """Stage timer_overhead: ``python -m lightning_ddp.bench.timer_overhead`` on the default engine, one round of
+    its three arms, with this study's fit arguments."""
     overhead, stage = ctx.scale.overhead, ctx.stage_dir("timer_overhead")
     fit = fit_args(ctx, overhead, strategy=catalogue.DEFAULT_ENGINE)
     # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
@@ -554,10 +588,12 @@ def timer_overhead(ctx: StudyContext) -> StageResult:
 
 
 def gpu_rows(data: dict[str, Any]) -> list[Row]:
+    """environment.json's GPUs, one row each."""
     return data.get("gpus") or []
 
 
 def failure_rows(data: dict[str, Any]) -> list[Row]:
+    """The cuda tier's failed tests, one row each (``test``, ``message``)."""
     return data.get("failures") or []
 
 
