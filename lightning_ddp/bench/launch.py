@@ -29,10 +29,13 @@ LOOPBACK_INTERFACE = "lo0" if sys.platform == "darwin" else "lo"
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK",
                        "MASTER_ADDR", "MASTER_PORT")
 _LAUNCHER_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "LSB_", "JSM_")
+"""Prefixes of the other launcher variables a run's environment drops (``_LAUNCHER_VARIABLES``)."""
 _OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory", re.IGNORECASE)
+"""A log line that says a process ran out of memory (torch's, Python's or the OS's words)."""
 # "SomeError: ...", "torch.OutOfMemoryError: ...", "KeyboardInterrupt", jsonargparse's "error: ...".
 _ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception|Exit|Interrupt|Failure)\b|error:|Killed\b|Segmentation fault)")
 _NOISE = re.compile(r"^(Traceback|During handling|The above exception|\s|\^|~|-{5,}|={5,}|.*[Ww]arning\b)")
+"""Lines ``error_line`` passes over: traceback frames, rules and warnings."""
 _GRACE_S = 5.0  # how long the other ranks get to exit by themselves after one failed
 
 
@@ -59,12 +62,17 @@ class RankLayout:
     """Where a run's ranks sit: ``num_nodes`` > 1 only when ranks share GPUs (``gpu_of_rank``: one-GPU nodes)."""
 
     backend: str
+    """``gloo`` or ``nccl``, resolved from ``backend: auto``."""
     devices_per_node: int
+    """Ranks per node (Lightning's ``devices``)."""
     num_nodes: int
+    """Nodes on this one machine; above 1 only for gloo ranks each given one GPU."""
     gpu_of_rank: tuple[str, ...] | None = None
+    """``CUDA_VISIBLE_DEVICES`` of each rank when ranks are one-GPU nodes; ``None`` otherwise."""
 
     @property
     def world_size(self) -> int:
+        """Ranks in all: ``devices_per_node * num_nodes``."""
         return self.devices_per_node * self.num_nodes
 
 
@@ -147,10 +155,14 @@ class ProcessResult:
     """What ``run_processes`` observed (``killed_by_us``: indices of the processes it had to stop)."""
 
     returncodes: list[int | None]
+    """Each process's exit code, negative for a signal; ``None`` if it could not be reaped."""
     timed_out: bool
+    """Whether ``timeout_s`` ran out before every process had exited."""
     killed_by_us: set[int] = field(default_factory=set)
     first_failed: int | None = None
+    """Index of the first process seen exiting non-zero; ``None`` if none did."""
     wall_s: float = 0.0
+    """Seconds from the first start until every process had exited or been killed."""
 
 
 # Loaded here, in the parent: the child only calls prctl between fork and exec, where loading a library could

@@ -33,12 +33,19 @@ from lightning_ddp.reporting.tables import csv_value
 from lightning_ddp.reporting.variants import format_settings
 
 RESULTS_CSV = "results.csv"
+"""One row per cell (``report.RESULT_COLUMNS``), recomputed from repeats.csv and steps.csv alone."""
 REPEATS_CSV = "repeats.csv"
+"""One row per repeat run (``report.REPEAT_COLUMNS``); a repeat listed here is done and not run again."""
 STEPS_CSV = "steps.csv"
+"""One row per measured step of an ok repeat: the CommTimer's metrics of that step."""
 PROFILES_JSON = "profiles.json"
+"""Cell id -> the compute_profile.json of its first ok repeat (what the projection validates on)."""
 RESULTS_MD = "results.md"
+"""The report: the strategy tables, goals and verdicts, written from results.csv's analysis."""
 ENVIRONMENT_JSON = "environment.json"
+"""Hardware, versions and the config of the sweep, with one entry per session that added repeats."""
 PREDICTION_JSON = "bucket_prediction.json"
+"""The all-reduce microbenchmark's fit and the bucket size it predicts (``bucket_size_mb: auto``)."""
 ALLREDUCE_REPEATS = 10  # timed calls per message size in the sweep's microbenchmark (the median is kept)
 
 
@@ -96,6 +103,7 @@ def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout
 
 
 _ADDRESS_IN_USE = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE)
+"""A rank's error when the free port was taken between probe and bind: the cell is run once more."""
 
 
 @dataclass
@@ -104,9 +112,13 @@ class CellOutcome:
 
     status: Literal["ok", "oom", "failed", "timeout"]
     reason: str = ""
+    """The error line behind a status other than ``ok``; empty when ok."""
     summary: dict[str, Any] | None = None
+    """The CommTimer's timing_summary.json; ``None`` unless ok."""
     wall_s: float = 0.0
+    """Seconds from starting the cell's processes to the last one's exit (``ProcessResult.wall_s``)."""
     profile: dict[str, Any] | None = None
+    """Its compute_profile.json; ``None`` unless ok, or where none was written or it did not parse."""
 
 
 def classify(result: ProcessResult, logs: list[str], summary_found: bool, timeout_s: float = 0.0) -> tuple[str, str]:
@@ -150,6 +162,7 @@ class SubprocessCellRunner:
     cwd: str | None = None
 
     def __call__(self, cell: Cell, run_dir: Path) -> CellOutcome:
+        """Runs ``cell`` into ``run_dir`` (emptied first); once more if a rank lost its port."""
         outcome = self._run_once(cell, run_dir)
         if outcome.status == "failed" and _ADDRESS_IN_USE.search(outcome.reason):
             outcome = self._run_once(cell, run_dir)  # the free port was taken between probe and bind: once more
@@ -231,6 +244,7 @@ class SweepResult:
 
     @property
     def ok(self) -> int:
+        """How many of the analysis's cells ended ok."""
         return sum(1 for r in self.analysis.rows if r["status"] == "ok")
 
 
