@@ -14,6 +14,8 @@ from lightning_ddp.trace import COMM_SOURCES, OVERLAP_DEFINITION, load_run, rend
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Draw the runs of ``argv`` (default: the command line) into ``--output``; print each run's folder, the overlaps
+    and the picture's path. A folder or file without a usable trace exits with status 2 and the error."""
     parser = ArgumentParser(prog="python -m lightning_ddp.trace", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="run log directories or *.pt.trace.json files (one run per directory)")
     parser.add_argument("-o", "--output", default="timeline.png", help="picture to write (default: timeline.png)")

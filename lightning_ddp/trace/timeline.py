@@ -42,10 +42,14 @@ class Timeline:
     """What ``render_timeline`` drew: the rows and each run's overlap, for tests and for printing."""
 
     path: Path
+    """The picture written."""
     rows: list[Row]
+    """Every row drawn: run by run, each rank's rows in turn."""
     overlaps: dict[str, Overlap]
+    """Run label (made unique) -> its HTA overlap summed over ranks, over the steps drawn."""
 
     def summary(self) -> str:
+        """One line per run: its label and ``Overlap.describe()``."""
         return "\n".join(f"{label}: {overlap.describe()}" for label, overlap in self.overlaps.items())
 
 
@@ -57,7 +61,9 @@ class Panel:
     steps: int | None  # only each rank's first ``steps`` recorded steps (None: all)
     per_rank: float  # row units per rank: compute (+ gpu) + comm
     gpu_rows: bool
+    """Whether each rank gets a GPU-kernel row: in every panel once any rank traced GPU kernels."""
     comm_source: str
+    """Where the communication row's collectives come from, one of ``COMM_SOURCES``."""
 
     def bars(self, intervals: list[Interval]) -> list[tuple[float, float]]:
         """``(start, width)`` in ms since ``t0``: what matplotlib's ``broken_barh`` draws."""

@@ -26,9 +26,13 @@ class CommEvent:
     """A collective in flight on the trace's axis (microseconds)."""
 
     start: float
+    """When it was launched (the profiler's range start for a profiler event), trace microseconds."""
     end: float
+    """When it completed, trace microseconds."""
     name: str
+    """The trace event's name: the collective on the SyncRecord track, gloo's or NCCL's own otherwise."""
     label: str = ""
+    """What it carried (a bucket's or parameter's label) on the SyncRecord track; empty from the profiler."""
 
 
 @dataclass
@@ -36,8 +40,11 @@ class RankTrace:
     """One rank's trace reduced to what the timeline needs; times in trace microseconds."""
 
     path: Path
+    """The Chrome trace it was read from."""
     rank: int
+    """The rank that wrote it (0 when the trace does not say)."""
     label: str
+    """The run's name: the strategy the recorder wrote, else the trace's folder name."""
     steps: list[tuple[int, Interval]]  # (step number, (start, end)) of each ddp/step#N range, in time order
     ranges: dict[str, list[Interval]]  # the training thread's ranges (lightning_ddp.sync.ranges), by name
     record_comm: list[CommEvent]  # the SyncRecord track (launch -> completion); empty without a SyncRecord
@@ -141,7 +148,9 @@ class RunTraces:
     """One training run: its label and one ``RankTrace`` per rank (sorted by rank)."""
 
     label: str
+    """The run's name in the picture and the printed overlaps: given, or its first rank's label."""
     ranks: list[RankTrace]
+    """One trace per rank, ascending; ``load_run`` refuses two of one rank."""
 
     def overlap(self, source: str = "auto", steps: int | None = None) -> Overlap:
         """The run's overlap: communication and overlapped time summed over ranks (a ratio of sums)."""
