@@ -15,6 +15,8 @@ parse_config = functools.partial(parse_dataclass, ProjectionConfig, prog="python
 
 
 def main(args: list[str] | None = None) -> int:
+    """Project the config of ``args`` (default: the command line); returns the exit status: 0, or 2 with the error
+    printed for inputs the projection refuses."""
     config = parse_config(args)
     try:
         outcome = run_projection(config)

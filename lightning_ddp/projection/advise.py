@@ -30,6 +30,7 @@ from lightning_ddp.sync.bucket_model import fit_latency_bandwidth, optimal_bucke
 from lightning_ddp.sync.memory_model import MiB
 
 RERUN = "re-run the fit with this version of lightning_ddp (its CommTimer writes what advise reads)"
+"""The fix a ``RunError`` names for a CommTimer file that is missing, unreadable or of another schema."""
 
 
 class RunError(ValueError):
@@ -41,20 +42,27 @@ class Run:
     """What advise needs from a CommTimer folder."""
 
     path: Path
+    """The run's folder: where the CommTimer wrote timing_summary.json and compute_profile.json."""
     summary: dict[str, Any]
+    """timing_summary.json as read (``SUMMARY_SCHEMA``): ``run``, ``steps``, ``summary``, ``collectives``."""
     profile: ComputeProfile
+    """compute_profile.json: the run's step on one rank, each gradient's ready time in backward."""
     medians: dict[str, float]
+    """CommTimer key -> its median over the measured steps, e.g. ``step/time_ms``."""
 
     @property
     def info(self) -> dict[str, Any]:
+        """The summary's ``run`` record: strategy, world size, backend, device, bucket size, hparams."""
         return self.summary["run"]
 
     @property
     def device(self) -> hardware.DeviceSpec | None:
+        """The run's device in the hardware table; ``None`` for a CPU or a device not in it."""
         return hardware.find_device(str(self.info.get("device") or ""))
 
     @property
     def step_ms(self) -> float:
+        """The median measured step, ms."""
         return self.medians["step/time_ms"]
 
     @property
@@ -142,9 +150,12 @@ class FittedComm:
     ``factor`` scales every time (the busy-time calibration)."""
 
     fits: dict[str, tuple[float, float]]
+    """Op -> ``(o seconds, w bytes/s)``, fitted to the run's own collectives (``fit_calls``)."""
     factor: float = 1.0
+    """Multiplies every time (``Calibration.comm_factor``); 1: the fits as they are."""
 
     def collective_s(self, op: str, nbytes: float, n: int) -> float:
+        """Seconds for one ``op`` of ``nbytes`` on ``n`` ranks; 0 on one rank."""
         if n <= 1:
             return 0.0
         o, w = self.fits.get(op) or all_reduce_fit(self.fits)
@@ -196,8 +207,11 @@ class Calibration:
 
     fits: dict[str, tuple[float, float]]  # per op, (o seconds, w bytes/s)
     notes: list[str]
+    """What the fits and the calibration had to assume, one line each, for advice.md."""
     model: StepModel  # the run's step, every collective's time multiplied by comm_factor
     comm_factor: float
+    """Measured busy communication (less waiting for a late rank) over the simulated; 1 when
+    the strategy has no projection model or nothing was busy."""
     scale: float  # measured step / the current strategy's simulated step
     auto_bucket_mb: float  # what bucket_size_mb auto comes to with the run's o and w
     current_bucket: float | str | None  # the run's bucket size (its strategy's default if unrecorded); None: none
@@ -370,6 +384,7 @@ def _verdict(run: Run, rows: list[dict[str, Any]], current_bytes: int | None,
 
 
 def _label(row: dict[str, Any]) -> str:
+    """The row's variant with its bucket size, as advice.md names it."""
     return variants.variant_label(row["strategy"], row["settings"].get("bucket_size_mb"))
 
 

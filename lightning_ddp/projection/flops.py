@@ -21,9 +21,11 @@ class GPUSpec:
     """The two numbers the model needs from a GPU (built from ``lightning_ddp.hardware``, or given by hand)."""
 
     name: str
+    """The GPU's name as the hardware table spells it."""
     bf16_flops: float  # dense bf16 tensor-core peak, FLOP/s
     memory_Bps: float  # HBM bandwidth, bytes/s
     source: str = ""
+    """Where the two numbers come from (the hardware table row's source); empty if not said."""
 
 
 # The projection's first five GPUs lead, so that its listings and messages keep their order; then the rest.
@@ -31,6 +33,7 @@ _FIRST = ("h100-sxm", "h100-pcie", "h200-sxm", "a100-sxm-80gb", "a100-pcie-40gb"
 
 
 def _gpu_spec(device: DeviceSpec) -> GPUSpec:
+    """A hardware-table row as a ``GPUSpec``: TFLOP/s and GB/s turned into FLOP/s and bytes/s."""
     return GPUSpec(name=device.name, bf16_flops=device.dense_tflops["bf16"] * 1e12,
                    memory_Bps=device.memory_GBps * 1e9, source=device.source)
 
@@ -53,11 +56,17 @@ class ModelShape:
     """The fields of ``lightning_ddp.model.GPTConfig`` that fix parameter shapes and FLOPs."""
 
     d_model: int
+    """Width of the residual stream."""
     n_layers: int
+    """Transformer blocks."""
     n_heads: int
+    """Attention heads per block."""
     d_ff: int
+    """Hidden width of each block's MLP."""
     vocab_size: int = 10_000
+    """Rows of the token embedding (and of the output head)."""
     tie_embeddings: bool = False
+    """Whether the output head reuses the token embedding's weight (its gradient counted once)."""
 
     @classmethod
     def from_preset(cls, name: str) -> ModelShape:

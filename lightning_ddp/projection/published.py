@@ -27,13 +27,19 @@ class PublishedRun:
     """One published run: the ``total time train``, ``total time grad all reduce`` and their ratio it printed."""
 
     strategy: str
+    """The catalogue name of the engine the write-up ran (``STRATEGIES``)."""
     batch_size: int
     seq_len: int
     bucket_size_mb: Optional[float]
+    """The bucket cap the bucketed run printed, MB; ``None`` for the others."""
     total_s: float
+    """``total time train`` of one step, seconds."""
     comm_s: float
+    """``total time grad all reduce`` of one step, seconds."""
     ratio: float
+    """``comm_s / total_s`` as the write-up printed it (rounded there)."""
     source: str
+    """The write-up it was transcribed from, by topic (``SOURCES``)."""
 
 
 RUNS_CSV = Path(__file__).resolve().parents[2] / "configs" / "projection" / "published_xl_2gpu_runs.csv"
@@ -54,6 +60,7 @@ def _read_runs(path: Path) -> tuple[PublishedRun, ...]:
 
 
 PUBLISHED_RUNS = _read_runs(RUNS_CSV)
+"""``RUNS_CSV`` read once at import, in its order."""
 SOURCES = tuple(dict.fromkeys(run.source for run in PUBLISHED_RUNS))
 """The write-ups the numbers come from, one per strategy (``PublishedRun.source``)."""
 STRATEGIES = tuple(simulated_by(layout)[0] for layout in ("none", "per_tensor", "packed", "bucketed"))
@@ -65,6 +72,7 @@ GPU = "a100-pcie-40gb"
 """The GPU assumed for the optimizer's and copies' memory bandwidth: the write-ups name none; a 40-48 GB PCIe card
 fits their ~20 GB/s link and memory limit. At 80 % of its bandwidth; gradients fp32 (bf16-mixed)."""
 MEMORY_EFFICIENCY = 0.8
+"""The share of ``GPU``'s memory bandwidth the optimizer and the copies are taken to reach."""
 LINKS = ("pcie_gen4", "nvlink4")
 """Links to predict on; the first is compared with the published runs (also with their per-call cost)."""
 
@@ -143,6 +151,7 @@ def compare_with_published(gpu: str = GPU, contention: float = 0.0,
 
 
 def _mean(values: Sequence[float]) -> float:
+    """The mean of ``values``; NaN for none."""
     return statistics.fmean(values) if values else float("nan")
 
 
@@ -182,6 +191,7 @@ def _inputs_lines(gpu: str, fabrics: dict[str, Fabric]) -> list[str]:
 
 
 Column = tuple[str, Callable[[dict[str, Any]], str]]
+"""A column of a comparison table: its header and its cell of one row."""
 LinkCell = tuple[str, Callable[[dict[str, Any], str], str]]
 """A column of ``published``'s or a link's numbers: its header and its cell of (row, the numbers' key prefix)."""
 
@@ -192,6 +202,7 @@ def _number(suffix: str, spec: str, scale: float = 1, unit: str = "") -> Callabl
 
 
 def _share_minus_published(row: dict[str, Any], name: str) -> str:
+    """A link's predicted comm share minus the published one, in percentage points."""
     return f"{100 * (row[name + '_share'] - row['published_share']):+.1f}"
 
 
@@ -237,6 +248,7 @@ def _text(key: str) -> Callable[[dict[str, Any]], str]:
 
 
 def _bucket(row: dict[str, Any]) -> str:
+    """The row's bucket size as the tables print it; empty for a strategy without one."""
     return "" if row["bucket_size_mb"] is None else f"{row['bucket_size_mb']:g}"
 
 

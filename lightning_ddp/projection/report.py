@@ -49,14 +49,17 @@ def _at_size(result: StepResult) -> str:
 
 
 def _step_and_share(result: StepResult) -> str:
+    """A table cell: the step, its exposed comm share, and the bucket size it was best at."""
     return f"{_ms(result.step_ms)} ({100 * result.comm_share:.1f} %){_at_size(result)}"
 
 
 def _stream(result: StepResult) -> str:
+    """A table cell: busy communication, its calls, and the share of it hidden behind compute."""
     return f"{_ms(result.busy_comm_ms)}, {result.calls} calls, {100 * result.overlap:.0f} % hidden"
 
 
 def _memory_and_step(result: StepResult) -> str:
+    """A table cell: model state on the most loaded rank in GB, and the step; empty without a memory model."""
     return "" if result.memory_bytes is None else f"{result.memory_bytes / 1e9:.2f} GB, {_ms(result.step_ms)}"
 
 
@@ -231,6 +234,7 @@ def _saving_verdict(saved_bytes: float, slower: float) -> str:
 
 
 def _save(fig, path: Path) -> Path:
+    """``fig`` written to ``path`` as a PNG, whole or not at all; returns ``path``."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     return write_atomically(path, buffer.getvalue())

@@ -86,9 +86,13 @@ class ProjectionOutcome(NamedTuple):
     """What ``run_projection`` computed and wrote."""
 
     results: list[StepResult]
+    """Every simulated step: per strategy variant, world size and bucket size."""
     rows: list[dict[str, Any]]
+    """results.csv's rows, in ``results`` order, each flagged when it is its variant's best size."""
     profile: ComputeProfile
+    """The compute profile every step was simulated from (also written as compute_profile.json)."""
     files: list[Path]
+    """Every file written: results.csv, results.md, compute_profile.json, environment.json, plots."""
 
 
 def run_projection(config) -> ProjectionOutcome:
