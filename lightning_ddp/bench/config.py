@@ -36,6 +36,7 @@ PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 """Values of ``grid.precisions`` (Lightning's ``trainer.precision``; ``32-true`` is fp32)."""
 
 BucketSize = Union[float, Literal["auto"]]
+"""A grid's bucket size: MiB (> 0), or ``auto`` (the size the all-reduce fit predicts)."""
 
 SWEEP_OWNED_ARGS: dict[str, str] = {
     "--trainer.strategy": "`grid.strategies` (and `grid.bucket_sizes_mb`, `grid.engine_settings`)",
@@ -251,9 +252,13 @@ class SweepConfig:
     name: str = "sweep"
     """Title of results.md."""
     grid: GridConfig = field(default_factory=GridConfig)
+    """The cells: strategies, bucket sizes, engine settings, batch sizes, contexts, precisions."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """What every cell trains: the fit's config file, preset and extra CLI arguments."""
     run: RunConfig = field(default_factory=RunConfig)
+    """How each cell runs: devices, accelerator, backend, steps, repeats, timeouts, load guard."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """Where results go, whether a call resumes, retries or only reports, plots, the bootstrap."""
 
     def __post_init__(self) -> None:
         check_field_types(self)  # the sections checked themselves
@@ -273,8 +278,10 @@ class Cell:
     batch_size: int
     context_length: int
     precision: str
+    """Lightning's ``trainer.precision`` (``PRECISIONS``)."""
     bucket_size_mb: float | str | None
     world_size: int
+    """Ranks of the run; 1 for ``reference``."""
     engine_settings: tuple[tuple[str, Any], ...] = ()
 
     @property

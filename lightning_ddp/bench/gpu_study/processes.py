@@ -32,6 +32,7 @@ from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import package_version
 
 RESULT_FILE = "fit_result.json"
+"""What a fit's process writes into the fit's folder when the fit ends: its status, error and seconds."""
 
 
 # ---- CLI fits, several to a set of processes -------------------------------------------------------------------
@@ -54,10 +55,12 @@ class FitResult:
     error: str = ""  # the error line
     seconds: float = 0.0  # of the fit itself, the processes' start-up not included
     log_dir: Path | None = None
+    """The fit's folder, ``<out_dir>/<name>``: its logs and what the CommTimer wrote."""
     summary: dict[str, Any] | None = None  # the CommTimer's timing_summary.json, when it wrote one
 
     @property
     def ok(self) -> bool:
+        """Whether the fit ended with status ``ok``."""
         return self.status == "ok"
 
     def file(self, name: str) -> Path | None:
@@ -169,6 +172,7 @@ class SaveFinalWeights(Callback):
     ``path`` (``--trainer.callbacks.path FILE``); read it with ``torch.load(path, weights_only=True)``."""
 
     def __init__(self, path: str) -> None:
+        """``path``: the file rank 0 writes; its parent folders are created."""
         self.path = path
 
     @override
@@ -321,11 +325,13 @@ def _or_none(read: Callable[[], Any]) -> Any:
 
 
 def _nvidia_driver() -> str:
+    """The NVIDIA driver's version as ``nvidia-smi`` prints it; raises where there is none."""
     smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
     return subprocess.run(smi, capture_output=True, text=True, timeout=20, check=True).stdout.split()[0]
 
 
 def _nccl_version() -> str:
+    """torch's NCCL version, e.g. ``2.21.5``; raises in a build without NCCL."""
     return ".".join(map(str, torch.cuda.nccl.version()))  # (2, 21, 5) -> 2.21.5
 
 

@@ -12,10 +12,14 @@ class FitSize:
     """The size of a stage's fits: ``warmup`` of the ``steps`` are left out of the medians."""
 
     preset: str
+    """A model preset by name (``lightning_ddp.model.PRESETS``); checked against ``seq_len``."""
     batch: int  # per rank
     seq_len: int
+    """Tokens per sequence: the model's context length and the data's."""
     steps: int
+    """Optimizer steps of the fit, warm-up included."""
     warmup: int
+    """The first steps, left out of the medians; fewer than ``steps``."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len", "steps"):
@@ -36,6 +40,7 @@ class Scale:
     precision: str  # of the stages' fits (stage compute measures both bf16-mixed and 32-true)
     compute: FitSize  # its batch: the largest the memory pre-flight may propose
     strategies: FitSize
+    """Stage strategies: every strategy on one rank."""
     traces: FitSize  # 2 ranks; the steps and warm-up of configs/trace/record.yaml, whose last 3 steps are traced
     profile: FitSize  # stage ready_times
     overhead: FitSize  # stage timer_overhead
