@@ -34,7 +34,9 @@ class Variant:
     """A lossy algorithm with its engine settings (empty: its engine's defaults)."""
 
     algorithm: str
+    """A catalogue name: a lossy engine with buckets."""
     settings: dict[str, Any] = field(default_factory=dict)
+    """Its engine settings by name, as given; ``effective_settings`` fills in the defaults."""
 
     @property
     def name(self) -> str:
@@ -58,6 +60,7 @@ def parse_variant(text: str) -> Variant:
 
 
 def _lossy() -> list[str]:
+    """The catalogue's lossy engines with buckets, in catalogue order: what ``variants`` may name and defaults to."""
     return [e.name for e in catalogue.STRATEGIES.values() if e.is_engine and not e.exact and e.has_bucket_size]
 
 
@@ -80,10 +83,13 @@ class CompressionConfig(StudyConfig):
     last: int = 20
     """The loss is compared over each run's last N steps."""
     bucket_size_mb: float = 1.0
+    """Bucket cap in MiB of every run: the fits and the gradient-error run alike."""
     batch_size: int = 8
     """Sequences per rank in the gradient-error run."""
     seq_len: int = 128
+    """Tokens per sequence in the gradient-error run."""
     lr: float = 3e-3
+    """AdamW's learning rate in the gradient-error run."""
     out_dir: str = "logs/compression"
     """Where results.json, results.md and loss_curves.png go (logs/ is git-ignored)."""
 
@@ -248,13 +254,17 @@ class Cost(NamedTuple):
     title: str
     key: str
     spec: str
+    """Format spec of the shown value, e.g. ``.1f``."""
     scale: float
+    """Multiplies the results.json value before it is shown (``2**-20``: bytes to MiB)."""
     unit: str
+    """Text after the value, e.g. `` ms``."""
 
 
 COSTS = (Cost(title="bytes communicated per step", key="bytes_per_step", spec=".3g", scale=2**-20, unit=" MiB"),
          Cost(title="step time", key="step_ms_median", spec=".1f", scale=1, unit=" ms"),
          Cost(title="exposed communication", key="exposed_ms_median", spec=".1f", scale=1, unit=" ms"))
+"""results.md's cost rows, in order: bytes communicated, step time, exposed communication (medians)."""
 
 
 def _markdown(result: dict[str, Any]) -> str:

@@ -56,9 +56,11 @@ MODE_TABLE: dict[str, Mode] = {  # the measured modes in order
     FSDP2: Mode("FSDP2", None, 3),  # two all-gathers and a reduce-scatter
 }
 MODES: tuple[str, ...] = tuple(MODE_TABLE)
+"""The measured modes' keys, in the order they run and are reported."""
 ZERO1 = "reduce_scatter"  # the ZeRO-1 schedule of ZeRO-2's step goal (the same communication volume)
 STEP_GOAL = 1.10  # ZeRO-2's step at most 10 % over ZeRO-1's
 PLOT_NAME = "memory_vs_step_time.png"
+"""The picture written beside results.md: each mode's peak memory against its step time."""
 
 
 @dataclass
@@ -322,6 +324,7 @@ def _mib(value: int | float | None) -> str:
 
 
 def _interval(value: dict[str, float] | None, fmt: str) -> str:
+    """An estimate ``{point, lo, hi}`` as ``point [lo, hi]`` in ``fmt``; ``""`` for ``None``."""
     return "" if value is None else interval_text(value["point"], value["lo"], value["hi"], fmt)
 
 
@@ -346,6 +349,7 @@ FAMILY_COLUMNS = [
     Column("step ms", _interval_cell("step_ms", ",.1f")),
     Column("step / ZeRO-1 (reduce-scatter)", _interval_cell("step_ratio_to_zero1", ".3f")),
 ]
+"""The family table's columns: each mode's memory by category, measured (expected), and its step."""
 
 
 def _measured_goal(goal: dict[str, Any]) -> str:
@@ -372,6 +376,7 @@ GOAL_COLUMNS = [
     Column("target", _goal_target),
     Column("verdict", _goal_verdict, "l"),
 ]
+"""The goals table's columns: the goal, its measured value, its target, its verdict."""
 
 
 def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
