@@ -11,6 +11,8 @@ from lightning_ddp.bench.config import SweepConfig
 
 
 def main(args: list[str] | None = None) -> int:
+    """Run or resume the sweep of ``args`` (default: the command line); returns the exit status: 0 once a cell is ok
+    (or the grid is empty), 1 if none is, 2 for a config the sweep refuses, 130 when interrupted (SIGINT or SIGTERM)."""
     config = parse_dataclass(SweepConfig, args, prog="python -m lightning_ddp.bench")
     from lightning_ddp.bench.sweep import run_sweep  # after parsing: --help stays fast
 

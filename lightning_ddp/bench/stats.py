@@ -39,6 +39,7 @@ def _median(values: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _scalar(value: np.ndarray) -> float | np.ndarray:
+    """A 0-d result as a ``float``; an array (one value per metric) as it is."""
     return float(value) if np.ndim(value) == 0 else value
 
 
@@ -103,8 +104,11 @@ class Estimate:
     """A point estimate and its 95 % interval."""
 
     point: float
+    """The pooled median (or ratio of pooled medians)."""
     lo: float
+    """Lower end of the 95 % interval: the draws' 2.5th percentile."""
     hi: float
+    """Upper end of the 95 % interval: the draws' 97.5th percentile."""
 
     @classmethod
     def of(cls, point: Any, draws: np.ndarray) -> Estimate:
@@ -165,6 +169,7 @@ class Bootstrapper:
     the values (a cell's own interval and its ratios share the draws)."""
 
     def __init__(self, samples: int, seed: int) -> None:
+        """``samples`` draws per key, each key's generator seeded from ``seed`` and the key."""
         self.samples = samples
         self.seed = seed
         self._cache: dict[tuple[str, bytes], np.ndarray] = {}

@@ -55,6 +55,8 @@ class StragglerBenchConfig(StudyConfig):
 
 
 def _fit_arguments(config: StragglerBenchConfig, strategy: str, delay_ms: float) -> list[str]:
+    """The fit's arguments for ``strategy``, with the ``SlowRank`` callback delaying ``slow_rank`` by
+    ``delay_ms`` each step when it is above 0."""
     arguments = fit_arguments_of(config, strategy)
     if delay_ms > 0:
         arguments += ["--trainer.callbacks+=lightning_ddp.callbacks.SlowRank", "--trainer.callbacks.rank",

@@ -244,8 +244,11 @@ class LoadCheck:
     """What the guard saw before a repeat: the last busy fraction (None: not measurable), seconds waited, busy."""
 
     busy_before: float | None = None
+    """The CPU's busy fraction (0 to 1) in the last sample before the repeat; ``None``: not measurable."""
     waited_s: float = 0.0
+    """Seconds the guard waited for the machine to go idle."""
     busy: bool | None = None
+    """Whether the repeat started on a busy machine (after the longest wait); ``None``: guard off or CPU unreadable."""
 
 
 def wait_until_idle(threshold: float, max_wait_s: float, sample_s: float,

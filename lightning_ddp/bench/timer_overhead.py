@@ -27,14 +27,18 @@ class StepWallTimes(Callback):
     """Rank 0 writes the ms between training-batch ends and the synchronized window's time to ``FILE``."""
 
     FILE = "step_wall_times.json"
+    """JSON in the fit's log dir: ``steps_ms`` (ms between consecutive batch ends) and ``window_ms``
+    (first batch end to the end of training, after one synchronize on CUDA)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        """Note the wall clock, unsynchronized: the queued work is paid for in the window."""
         self.ends.append(time.perf_counter())  # no synchronize here: see docs/benchmarks.md, "Timer overhead"
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Rank 0 writes ``FILE``, given at least two batch ends."""
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # once: the queued tail belongs to the window
         if trainer.is_global_zero and len(self.ends) > 1:
@@ -52,6 +56,7 @@ EVERY_STEP = "every step"
 """The timer as the benchmarks run it."""
 
 AtLeast2 = restricted_number_type("AtLeast2", int, (">=", 2))
+"""An ``int`` of at least 2 (jsonargparse refuses anything less with the field's name)."""
 
 
 @dataclass

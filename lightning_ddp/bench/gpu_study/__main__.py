@@ -35,6 +35,8 @@ def missing_packages(required: dict[str, str] = REQUIRED) -> list[str]:
 
 
 def main(args: list[str] | None = None) -> int:
+    """Run the GPU study of ``args`` (default: the command line) within ``--budget_min``; returns the exit status:
+    0, 1 if a stage failed, 2 for missing packages or a config it refuses, 130 when interrupted."""
     started = time.monotonic()  # this call's budget counts from here
     missing = missing_packages()
     if missing:  # before anything imports them: one line, not a traceback

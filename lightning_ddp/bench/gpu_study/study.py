@@ -205,12 +205,15 @@ class _Cells(string.Formatter):
     ``str.format`` over a stage's data (its caption), a missing field shows as ``–``."""
 
     def get_field(self, field_name: str, args: Sequence[Any], kwargs: Any) -> Any:
+        """The field's value, or ``None`` (shown as ``–``) for a field the data lacks."""
         try:
             return super().get_field(field_name, args, kwargs)
         except (KeyError, IndexError, TypeError):
             return None, field_name
 
     def format_field(self, value: Any, format_spec: str) -> str:
+        """``value`` in ``format_spec``: ``–`` for none, empty or not finite; ``GiB``: bytes in GiB to
+        1 decimal; a value the spec does not fit, as text."""
         if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
             return "–"
         if format_spec == "GiB" and isinstance(value, (int, float)):
@@ -222,6 +225,7 @@ class _Cells(string.Formatter):
 
 
 cell = _Cells().format_field
+"""One value as results.md shows it (``_Cells.format_field``)."""
 
 
 def _table(table: Table, data: dict[str, Any]) -> list[str]:
@@ -296,8 +300,11 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
 ARCHIVE_LIMIT = 16 * 2**20  # bytes before compression: a file the GPU machine sends back may have 16 MiB
 FILE_LIMIT = 2 * 2**20  # bytes one file may have: a raw profiler trace is larger, its picture is not
 KEPT_SUFFIXES = (".json", ".csv", ".md", ".png", ".svg", ".xml", ".log", ".txt")
+"""The only suffixes an archive keeps: results, logs and pictures (no weights, no checkpoints)."""
 ALWAYS = ("stages.json", "results.md")
+"""Files every archive holds first, whatever their size."""
 CONTENTS = "archive_contents.json"
+"""The archive's own listing: what it holds and what the limits left out."""
 
 
 def select_files(out: Path, limit: int = ARCHIVE_LIMIT, file_limit: int = FILE_LIMIT) -> dict[str, Any]:
