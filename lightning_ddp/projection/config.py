@@ -16,6 +16,7 @@ from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, GPUS, GPUSpec,
 from lightning_ddp.projection.simulators import CONTENTION, model_settings, simulated_names, simulator
 
 Fraction = restricted_number_type("Fraction", float, [(">", 0), ("<=", 1)])
+"""A ``float`` in (0, 1]; jsonargparse refuses anything else with the field's name."""
 
 
 @dataclass
@@ -157,9 +158,13 @@ class ProjectionConfig:
     name: str = "projection"
     """Title of results.md."""
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+    """One rank's step without communication: modelled from FLOPs or a measured profile."""
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    """The interconnect: a fabric preset, one changed by hand, or a measured all-reduce fit."""
     study: StudyConfig = field(default_factory=StudyConfig)
+    """The grid: strategies (with engine settings), world sizes, bucket sizes."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """Where results and plots go."""
 
     def __post_init__(self) -> None:
         check_field_types(self)  # what the command line refuses, refused here too (its message)

@@ -51,6 +51,7 @@ def read_sweep(sweep: str | Path) -> tuple[list[dict[str, str]], dict[str, Any],
 
 
 def _float(value: str | None) -> float | None:
+    """A CSV cell as a number; ``None`` for an empty cell or text that is not one."""
     try:
         return float(value) if value not in (None, "") else None
     except ValueError:
@@ -188,6 +189,7 @@ def compare_auto(cells: list[dict[str, Any]], profiles: dict[str, dict[str, Any]
 
 
 def _fmt(value: float | None, spec: str) -> str:
+    """``value`` in ``spec``; ``-`` for ``None``."""
     return "-" if value is None else format(value, spec)
 
 
@@ -299,13 +301,17 @@ def validate_sweep(sweep: str = "benchmarks/results/cpu", out: str = "benchmarks
 
 
 Rows = Sequence[dict[str, Any]]
+"""Rows with ``predicted_step_ms``, ``measured_step_ms``, ``predicted_share`` and ``measured_share`` (``None``: not
+measured), from either validation."""
 
 
 def _step_errors(rows: Rows) -> list[float]:
+    """Each row's signed relative step error: predicted / measured - 1 (negative: predicted too fast)."""
     return [r["predicted_step_ms"] / r["measured_step_ms"] - 1 for r in rows]
 
 
 def _share_errors(rows: Rows) -> list[float]:
+    """Each row's |predicted - measured| comm share, as a fraction; rows without a measured share left out."""
     return [abs(r["predicted_share"] - r["measured_share"]) for r in rows if r["measured_share"] is not None]
 
 
@@ -315,14 +321,17 @@ def _too_fast(rows: Rows) -> str:
 
 
 def _median_step_error(rows: Rows) -> str:
+    """The median |step error| in percent, as the contention table shows it."""
     return f"{100 * statistics.median(map(abs, _step_errors(rows))):.1f} %"
 
 
 def _mean_step_error(rows: Rows) -> str:
+    """The mean |step error| in percent."""
     return f"{100 * statistics.fmean(map(abs, _step_errors(rows))):.1f} %"
 
 
 def _mean_signed_step_error(rows: Rows) -> str:
+    """The mean signed step error in percent (negative: predictions too fast on average)."""
     return f"{100 * statistics.fmean(_step_errors(rows)):+.1f} %"
 
 
