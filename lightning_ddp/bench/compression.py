@@ -94,6 +94,7 @@ class CompressionConfig(StudyConfig):
     """Where results.json, results.md and loss_curves.png go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        """Refuses a repeated seed or variant, a variant that does not parse, and ``last`` outside [1, steps]."""
         super().__post_init__()
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeats a seed; give distinct seeds, e.g. --seeds '[0, 1, 2]'")

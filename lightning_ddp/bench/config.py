@@ -76,6 +76,9 @@ class GridConfig:
     """Per engine, setting -> values (``{bucketed_powersgd_ddp: {rank: [1, 4]}}``); each combination is a variant."""
 
     def __post_init__(self) -> None:
+        """Refuses an empty axis, an unknown strategy or precision, a batch or context below 1, a bucket size
+        neither > 0 nor ``auto``, and a bucketed strategy without sizes; then de-duplicates every axis in place (order
+        kept) and checks each engine's settings."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         axes = (("strategies", "strategy", catalogue.names()), ("precisions", "precision", PRECISIONS),
                 ("batch_sizes", "", ()), ("context_lengths", "", ()))  # known values; the last two: integers >= 1
@@ -145,6 +148,7 @@ class WorkloadConfig:
     """Extra CLI arguments for every cell, placed before the sweep's own, e.g. ``["--data.vocab_size", "32000"]``."""
 
     def __post_init__(self) -> None:
+        """Refuses an empty ``base_config`` and a ``cli_args`` flag the sweep sets per cell (``SWEEP_OWNED_ARGS``)."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         if not self.base_config:
             raise ValueError("`workload.base_config` is empty; point it at a CLI config, e.g. configs/quickstart.yaml")
@@ -191,6 +195,7 @@ class RunConfig:
     """Seconds per CPU-usage sample; 0 turns the guard off (as does a missing /proc/stat)."""
 
     def __post_init__(self) -> None:
+        """Refuses fewer than 2 devices, nccl on CPU, and any count or time out of its range, naming the field."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         checks = (
             (self.devices >= 2, f"`run.devices` must be >= 2 for data-parallel cells, got {self.devices}; the "
@@ -237,6 +242,7 @@ class OutputConfig:
     """Seed of the bootstrap: the same raw data and seed give the same intervals and verdicts."""
 
     def __post_init__(self) -> None:
+        """Refuses fewer than 100 bootstrap draws."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         if not (isinstance(self.bootstrap_samples, int) and self.bootstrap_samples >= 100):
             raise ValueError(

@@ -64,6 +64,7 @@ class EngineStepConfig(InProcessConfig):
     """Where engine_step.json and .md go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        """Puts ``ddp`` first among the variants when it is missing; refuses an unknown strategy name."""
         super().__post_init__()
         if "ddp" not in self.variants:
             self.variants = ["ddp", *self.variants]

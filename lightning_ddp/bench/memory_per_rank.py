@@ -102,6 +102,8 @@ class MemoryBenchConfig(InProcessConfig):
     may stay in a later one's RSS."""
 
     def __post_init__(self) -> None:
+        """Refuses repeats other than 1, no modes, fewer than 2 measured steps after at least 1 warm-up step, and
+        nccl without CUDA; an unset ``backend`` becomes nccl on CUDA, gloo on CPU."""
         super().__post_init__()
         if self.repeats != 1:
             raise ValueError(f"repeats must be 1 (one run per mode), got {self.repeats}; drop --repeats")

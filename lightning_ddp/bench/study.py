@@ -295,6 +295,7 @@ class BenchConfig:
     """Where the results and the report go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        """Refuses repeats or steps below 1 and a warm-up that leaves no measured step."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         for name in ("repeats", "steps"):
             if getattr(self, name) < 1:

@@ -186,9 +186,12 @@ class MeasuredFit:
     """``w``: algorithm bandwidth of one all-reduce (message bytes over time), bytes/s."""
     world_size: int = 2  # ranks the fit was measured on
     backend: str = ""
+    """The backend the fit was measured on (``gloo``, ``nccl``); empty if not recorded."""
     device: str = ""
+    """The device it was measured on, as recorded; empty if not."""
 
     def __post_init__(self) -> None:
+        """Refuses a negative overhead, a bandwidth not > 0 and a world below 2 ranks."""
         if self.overhead_s < 0 or not self.bandwidth_Bps > 0:
             raise ValueError(f"measured fit: need overhead_s >= 0 and bandwidth_Bps > 0, got {self.overhead_s!r} "
                              f"and {self.bandwidth_Bps!r}; refit with "

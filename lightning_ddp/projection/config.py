@@ -53,6 +53,7 @@ class ComputeConfig:
     measured compute-only step time, in ms."""
 
     def __post_init__(self) -> None:
+        """Refuses ``source: profile`` without ``profile_path``, an unknown ``gpu`` and ``mfu`` outside (0, 1]."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         if self.source == "profile" and not self.profile_path:
             raise ValueError("`compute.source: profile` needs `compute.profile_path` (a compute profile JSON file), "
@@ -86,6 +87,7 @@ class NetworkConfig:
     the backend (``simulators.CONTENTION``: gloo for a ``measured`` fit recorded on gloo, else NCCL)."""
 
     def __post_init__(self) -> None:
+        """Refuses an unknown ``preset``, and ``preset: measured`` without ``fit_path``."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         if self.preset != "measured":
             get_fabric(self.preset)
@@ -109,6 +111,9 @@ class StudyConfig:
     combination is a row of its own. Only settings its model takes (those that change the step time) are accepted."""
 
     def __post_init__(self) -> None:
+        """Refuses empty strategies or world sizes, a strategy without a projection model, settings it does not
+        model, world sizes below 2, bucket sizes not > 0 (or none for a bucketed strategy); then de-duplicates the
+        strategies (order kept) and sorts the world and bucket sizes, in place."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
         if not self.strategies or not self.world_sizes:
             raise ValueError("`study.strategies` and `study.world_sizes` take at least one entry each (e.g. "

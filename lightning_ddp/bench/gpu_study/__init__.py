@@ -41,6 +41,8 @@ class GPUStudyConfig:
     """The code's git commit, for a copy without ``.git``; default: HEAD, else ``$LIGHTNING_DDP_COMMIT``."""
 
     def __post_init__(self) -> None:
+        """Refuses a missing ``--out``, a budget not > 0 minutes, an unknown or empty ``--stages``, a ``--root``
+        that is no checkout, an ``--archive`` not ending .tar.gz and a ``--commit`` that is not a hash."""
         if not self.out:
             raise ValueError("`--out` is missing; give the directory for the study's files, e.g. `--out gpu_study`")
         if isinstance(self.budget_min, bool) or not isinstance(self.budget_min, (int, float)) \
