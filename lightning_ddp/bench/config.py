@@ -282,7 +282,9 @@ class Cell:
     id: str
     strategy: str
     batch_size: int
+    """Sequences per rank (``--data.batch_size``)."""
     context_length: int
+    """Tokens per sequence: the model's context and the data's sequence length."""
     precision: str
     """Lightning's ``trainer.precision`` (``PRECISIONS``)."""
     bucket_size_mb: float | str | None

@@ -169,6 +169,7 @@ class ProcessResult:
 # deadlock on a lock held by another thread of the parent.
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 _PR_SET_PDEATHSIG = 1
+"""``prctl``'s option: the signal the kernel sends a child when its parent dies."""
 
 
 def _die_with_the_parent() -> None:

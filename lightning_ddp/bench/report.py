@@ -402,6 +402,8 @@ class Analysis:
     """The results.csv ``rows``, selections, goals and the across-groups summary of the cells ``data``."""
 
     def __init__(self, data: Mapping[str, CellData], bootstrap: Bootstrapper | None = None) -> None:
+        """Computes it all at once from ``data``: results.csv's rows, each group's best bucket sizes, the goals and
+        the across-groups checks; ``bootstrap`` default: 2000 draws, seed 0."""
         self.bootstrap = bootstrap or Bootstrapper(2000, 0)
         self.data = dict(data)
         self.rows = [parse_row(cell_row(cell, self.bootstrap)) for cell in self.data.values()]

@@ -46,6 +46,7 @@ class StragglerBenchConfig(StudyConfig):
     """Where results.csv, steps.csv, results.md and environment.json go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
+        """Refuses no strategies, and delays without 0 (the goals compare each delay with the no-delay runs)."""
         super().__post_init__()
         if not self.strategies:
             raise ValueError(f"strategies is empty; e.g. --strategies '[{catalogue.DEFAULT_ENGINE}, ddp]'")
@@ -140,6 +141,7 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
 
 
 main = benchmark_main(StragglerBenchConfig, run_benchmark, csv_report(render_markdown))
+"""``python -m lightning_ddp.bench.straggler``: parse, measure unless ``report_only``, write and print results.md."""
 
 
 if __name__ == "__main__":

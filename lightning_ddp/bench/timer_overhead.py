@@ -241,6 +241,8 @@ def _collective_cost_lines(cost: dict[str, Any] | None) -> list[str]:
 
 
 main = benchmark_main(TimerOverheadConfig, measure, json_report("timer_overhead.json", "timer_overhead.md", _markdown))
+"""``python -m lightning_ddp.bench.timer_overhead``: parse, measure unless ``report_only``, write and print the
+report."""
 
 
 if __name__ == "__main__":

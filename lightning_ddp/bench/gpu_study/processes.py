@@ -177,6 +177,7 @@ class SaveFinalWeights(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every rank gathers the state (a collective under fsdp2); rank 0 writes it, on the CPU, to ``path``."""
         state = trainer.strategy.lightning_module_state_dict()  # every rank: a collective under fsdp2
         if trainer.is_global_zero:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)

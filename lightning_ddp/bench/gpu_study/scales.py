@@ -22,6 +22,8 @@ class FitSize:
     """The first steps, left out of the medians; fewer than ``steps``."""
 
     def __post_init__(self) -> None:
+        """Refuses a batch, context or step count below 1, a warm-up outside [0, steps), and a preset that
+        refuses ``seq_len`` (in the model's own words)."""
         for name in ("batch", "seq_len", "steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -46,6 +48,7 @@ class Scale:
     overhead: FitSize  # stage timer_overhead
 
     def __post_init__(self) -> None:
+        """Refuses any pairing but cuda with nccl, or cpu with gloo."""
         if (self.device, self.backend) not in (("cuda", "nccl"), ("cpu", "gloo")):
             raise ValueError(f"`Scale.device` and `Scale.backend` must be cuda and nccl, or cpu and gloo; got "
                              f"{self.device!r} and {self.backend!r}")
