@@ -26,10 +26,13 @@ class FinalStepCheckpoint(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Training stopped for another reason (``max_time``, early stopping, ...): save the step it reached."""
         _save_unsaved(trainer)
 
 
 def _save_unsaved(trainer: pl.Trainer) -> None:
+    """Save the current step through every unmonitored ``ModelCheckpoint`` that has not saved it; nothing for a
+    dry run, a sanity check or step 0."""
     if trainer.fast_dev_run or trainer.sanity_checking or trainer.global_step == 0:
         return  # Lightning saves nothing for a dry run; step 0 has nothing trained to keep
     for callback in trainer.checkpoint_callbacks:

@@ -37,12 +37,15 @@ class SlowRank(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuses a ``rank`` outside this run's world."""
         if self.rank >= trainer.world_size:
             raise ValueError(f"SlowRank(rank={self.rank}) names no rank of this {trainer.world_size}-rank run; choose "
                              f"a rank below {trainer.world_size}")
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """On ``rank``, at the last micro-batch of every ``every_n_steps``-th step: synchronize (CUDA), sleep
+        ``delay_ms``, note the step in ``delayed_steps``."""
         if trainer.global_rank != self.rank or self.delay_ms == 0 or compat.should_accumulate(trainer):
             return
         if trainer.global_step % self.every_n_steps != 0:

@@ -97,6 +97,7 @@ class TraceRecorder(StepObserver):
         return self.wait_steps + self.warmup_steps + self.active_steps
 
     def _needs(self) -> str:
+        """The steps a trace needs, in words, for warnings."""
         return (f"{self.total_steps} optimizer steps (wait {self.wait_steps} + warmup {self.warmup_steps} + active "
                 f"{self.active_steps})")
 
@@ -104,6 +105,8 @@ class TraceRecorder(StepObserver):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For fit, when enabled: refuses a Trainer that already has a ``PyTorchProfiler``, resolves the trace
+        folder (``dirpath``, else ``traces`` under rank 0's log dir) and starts recording the process groups' collectives."""
         if not self.enabled or stage != "fit":
             return
         if isinstance(trainer.profiler, PyTorchProfiler):
@@ -118,6 +121,8 @@ class TraceRecorder(StepObserver):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """When enabled: warns if ``max_steps`` is below ``total_steps``, brackets forward and the optimizer step
+        with hooks, and starts the profiler on its wait/warm-up/active schedule."""
         if not self.enabled:
             return
         if trainer.max_steps != -1 and trainer.max_steps < self.total_steps:
@@ -159,10 +164,13 @@ class TraceRecorder(StepObserver):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Also after an exception: hooks removed, ranges closed, the profiler stopped."""
         self._finish()  # also after an exception (StepObserver.on_exception): the profiler never outlives the fit
         super().teardown(trainer, pl_module, stage)
 
     def _finish(self) -> None:
+        """Remove the hooks, close every range and stop the profiler (writing what an unfinished active window
+        recorded); warns if no trace was written. Safe to call twice."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -183,6 +191,7 @@ class TraceRecorder(StepObserver):
                                                                          ProfilerAction.RECORD_AND_SAVE)
 
     def _opened(self, trainer: pl.Trainer) -> None:
+        """Open the step's ``ddp/step#N`` range, its clock anchor taken around the opening."""
         before = time.perf_counter()
         self._enter(ranges.step_range_name(trainer.global_step))
         self._anchor = (before, time.perf_counter())
@@ -200,6 +209,7 @@ class TraceRecorder(StepObserver):
         self._enter(ranges.OPTIMIZER)
 
     def _closed(self, trainer: pl.Trainer, record: SyncRecord | None) -> None:
+        """Keep the step's collectives (when it was recorded), close its ranges and advance the profiler."""
         if record is not None:
             self._steps.append(RecordedStep(self._step, self._anchor, record.in_host_seconds().collectives))
         self._exit()
@@ -210,6 +220,7 @@ class TraceRecorder(StepObserver):
     # -- ranges ---------------------------------------------------------------------------------------------
 
     def _enter(self, name: str) -> None:
+        """Open range ``name``, only in a step the profiler records."""
         if not self.observes(self._step):
             return
         rf = record_function(name)
@@ -229,6 +240,8 @@ class TraceRecorder(StepObserver):
     # -- output ---------------------------------------------------------------------------------------------
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
+        """The profiler's callback: write ``rank{R}.pt.trace.json`` with the communication track and the run's
+        description added, and set ``trace_path``."""
         assert self._dir is not None, "setup() resolves the trace directory before training starts"
         self._dir.mkdir(parents=True, exist_ok=True)
         rank = self._description.get("rank", 0)
