@@ -50,6 +50,8 @@ class StepObserver(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        """At an optimizer step's first micro-batch: if the step is observed, open the recorder's step and
+        call ``_opened``."""
         if self._recorder is None or self._in_step:  # only the first micro-batch of an optimizer step
             return
         self._in_step = True
@@ -62,6 +64,7 @@ class StepObserver(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        """After the step's last micro-batch: ``_closed`` with the finished record (``None``: not observed)."""
         if not self._in_step or compat.should_accumulate(trainer):
             return
         self._in_step = False
@@ -74,6 +77,7 @@ class StepObserver(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Stop recording: the process groups go back to torch's own."""
         if self._recorder is not None:
             release_recorder(trainer)  # the process groups go back to torch's own
             self._recorder = None
@@ -153,6 +157,8 @@ class CommTimer(StepObserver):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For fit, when enabled: refuses ``Trainer(logger=False)``, drops TensorBoard's placeholder ``hp_metric``
+        and starts recording every collective of the run, before the strategy wraps the model."""
         if not self.enabled or stage != "fit":
             return
         if trainer.logger is None:
@@ -172,6 +178,9 @@ class CommTimer(StepObserver):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """When enabled: fixes the sampling (``every_n_steps``), warns of what the strategy's timing cannot see,
+        chooses the parameters whose ready times are watched, reads the strategy's settings and the job's peak
+        FLOP/s."""
         if not self.enabled:
             return
         self._every = self.every_n_steps if self.every_n_steps is not None else default_every_n_steps(
@@ -197,6 +206,7 @@ class CommTimer(StepObserver):
         return step % self._every == 0
 
     def _opened(self, trainer: pl.Trainer) -> None:
+        """A measured step begins: CUDA's peak-memory counter reset, its tokens and FLOPs counted from zero."""
         if self._recorder.clock.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._tokens = self._flops = None
@@ -234,11 +244,13 @@ class CommTimer(StepObserver):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """A measured step's backward begins: marked on its record."""
         if self._observing:
             self._recorder.mark_backward_started()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """A measured step's gradients are ready for the optimizer: marked on its record."""
         if self._observing:
             self._recorder.mark_gradients_usable()
 
@@ -274,6 +286,9 @@ class CommTimer(StepObserver):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Rank 0: the TensorBoard views; with more measured steps than ``warmup_steps``, the summary table printed,
+        ``<summary_name>.json`` and ``.csv`` (and compute_profile.json where one is built) in the logger's folder;
+        else a note on why there is no summary."""
         if not self.enabled or not trainer.is_global_zero:
             return
         summary = self.summary.summarize(self.warmup_steps) if len(self.summary) > self.warmup_steps else {}

@@ -106,7 +106,8 @@ class TraceRecorder(StepObserver):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """For fit, when enabled: refuses a Trainer that already has a ``PyTorchProfiler``, resolves the trace
-        folder (``dirpath``, else ``traces`` under rank 0's log dir) and starts recording the process groups' collectives."""
+        folder (``dirpath``, else ``traces`` under rank 0's log dir) and starts recording the process groups'
+        collectives."""
         if not self.enabled or stage != "fit":
             return
         if isinstance(trainer.profiler, PyTorchProfiler):
