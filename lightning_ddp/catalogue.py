@@ -60,6 +60,8 @@ class Entry:
     ``"package.module:function"`` for a schedule they do not describe, or ``None`` (not projected)."""
 
     def __post_init__(self) -> None:
+        """Refuses a name that is not an identifier and an unknown memory model; an engine entry's ``init_args``
+        gain ``algorithm: <name>``."""
         if not self.name.isidentifier():
             raise ValueError(f"a strategy name must be a Python identifier, got {self.name!r}")
         if self.memory not in MEMORY_MODELS:
@@ -79,6 +81,7 @@ class Entry:
         return self.engine if callable(self.engine) else load(self.engine)
 
     def _parameters(self) -> Mapping[str, inspect.Parameter]:
+        """The engine factory's parameters by name; none where torch builds the strategy."""
         return {} if self.engine is None else inspect.signature(self.engine_factory()).parameters
 
     def settings(self) -> dict[str, Any]:

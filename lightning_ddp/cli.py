@@ -92,6 +92,7 @@ class OneLineErrorParser(LightningArgumentParser):
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Exit 2 with one ``error:`` line (the parser's own retries, with ``exit_on_error`` off, still raise)."""
         if not self.exit_on_error:
             super().error(message, ex)  # a caller parsing on purpose without exiting (jsonargparse's own retries)
         refuse(f"{user_error_message(message)}\n(--help lists the options)")
@@ -107,10 +108,12 @@ class HeldBack(logging.Filter):
         logger.addFilter(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Keep ``record`` for ``release``; nothing is logged now."""
         self.records.append(record)
         return False
 
     def release(self) -> None:
+        """Stop holding back and log the kept records, in order."""
         self.logger.removeFilter(self)
         for record in self.records:
             self.logger.handle(record)
@@ -121,6 +124,7 @@ class LightningDDPCLI(LightningCLI):
     every input checked before anything is launched or written, a refused one as a one-line error."""
 
     def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
+        """LightningCLI's, with Lightning's seed message held back until the classes are built."""
         self.seed_message = HeldBack(logging.getLogger("lightning.fabric.utilities.seed"))
         try:
             super().__init__(*args, parser_class=parser_class, **kwargs)
@@ -130,6 +134,7 @@ class LightningDDPCLI(LightningCLI):
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
+        """LightningCLI's subcommands that this CLI offers (``SUBCOMMANDS``)."""
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -157,6 +162,8 @@ class LightningDDPCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs):
+        """Lightning's Trainer plus ``FinalStepCheckpoint``; an unnamed TensorBoard or CSV logger is named
+        after the strategy, and ``{strategy}`` in a logger's name replaced by it."""
         trainer = super().instantiate_trainer(**kwargs)
         # With checkpointing on, the last step is saved even when the run does not end on a validation.
         trainer.callbacks.append(FinalStepCheckpoint())
@@ -185,10 +192,13 @@ class LightningDDPCLI(LightningCLI):
     before_test = before_validate
 
     def after_fit(self) -> None:
+        """Rank 0 prints where the run's files are (``run_folder_report``)."""
         if self.trainer.is_global_zero:
             print(run_folder_report(self.trainer), flush=True)
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Refuses, as one line, an unknown strategy, more CPU processes than cores, a precision the CPU cannot run, and
+        a checkpoint path with no checkpoint; a run folder becomes its checkpoint. Then fit's memory pre-flight."""
         super().parse_arguments(parser, args)
         # Checked before LightningCLI reads the checkpoint, launches a process or writes a file.
         subcommand = self.config.get("subcommand")

@@ -159,6 +159,8 @@ class LMDataModule(LightningDataModule):
                 )
 
     def _resolve_vocab_size(self, vocab_size: int | None) -> int:
+        """The vocabulary size of the source: ``text`` is always one token per byte (another size is refused),
+        the others ``vocab_size`` or the default."""
         if self.source != "text":
             return DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
         if vocab_size not in (None, BYTE_VOCAB_SIZE):
@@ -282,6 +284,8 @@ class LMDataModule(LightningDataModule):
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
+        """This rank's shuffled share of the training set in full batches, resuming mid-epoch at the position
+        a loaded checkpoint recorded (once)."""
         world_size, rank = self._world()
         sampler = ResumableDistributedSampler(
             self.train_dataset,
@@ -308,6 +312,7 @@ class LMDataModule(LightningDataModule):
         return {"epoch": self.trainer.current_epoch, "batches_done": batch_progress.current.processed}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Remember where a checkpoint's training was in the data; the next training loader skips what was trained."""
         if state_dict:
             self._resume_position = (int(state_dict["epoch"]), int(state_dict["batches_done"]))
 
@@ -317,9 +322,11 @@ class LMDataModule(LightningDataModule):
         return self._eval_dataloader(self.val_dataset)
 
     def test_dataloader(self) -> DataLoader | list:
+        """This rank's share of the test split, in order; ``[]`` without one."""
         return self._eval_dataloader(self.test_dataset)
 
     def _eval_dataloader(self, dataset: Dataset | None) -> DataLoader | list:
+        """``dataset`` in order, every rank the same number of batches; ``[]`` for no dataset."""
         if dataset is None:
             return []
         world_size, rank = self._world()
@@ -356,6 +363,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self._skip_epoch, self._skip_samples = epoch, samples
 
     def __iter__(self):
+        """This rank's indices of the epoch (``epoch_source``'s, if given), less those ``skip`` left out."""
         if self.epoch_source is not None:
             self.epoch = self.epoch_source()
         indices = list(super().__iter__())
