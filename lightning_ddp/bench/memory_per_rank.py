@@ -161,13 +161,16 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
 
 
 def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
-    """The mode's engine (FSDP2: the sharded model itself) and optimizer, ours reporting collectives to ``recorder``."""
+    """The mode's engine (FSDP2: the sharded model itself) and optimizer, their collectives recorded into ``recorder``
+    (ours by the engine and optimizer, FSDP2's at the process group)."""
     from lightning_ddp.sync import ShardedOptimizer
 
     adamw = {"lr": config.lr, "weight_decay": config.weight_decay}
     if mode == FSDP2:
         from lightning_ddp.strategies.fsdp2 import shard
+        from lightning_ddp.sync.recording_group import record_process_groups
 
+        record_process_groups(recorder)  # torch's all-gathers and reduce-scatters, seen at the process group
         shard(model)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
     entry = catalogue.get(ENGINES.get(mode, config.grad_sync))
@@ -200,8 +203,7 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     # pre-flight's peak is ``sync.memory_model.fully_sharded_unsharded_peak``)
     root, blocks = fsdp2_groups(model.config)
     transient = 2 * FP32 * max([root, *blocks]) if mode == FSDP2 else 0
-    # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
-    recorder = None if mode == FSDP2 else Recorder(device)
+    recorder = Recorder(device)  # the bytes and calls of every step's collectives, torch's FSDP2 ones included
     engine, optimizer = _build_mode(mode, config, model, recorder)
 
     def take(point: str) -> float:
@@ -220,10 +222,9 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     record = None
     for step in range(config.steps):
         tokens = random_tokens(config, generator).to(device)
-        if recorder is not None:
-            recorder.open_step(step)
+        recorder.open_step(step)
         step_ms.append(timed_step(engine, optimizer, tokens, take if step == config.steps - 1 else None)[0])
-        record = recorder.finish_step() if recorder is not None else None
+        record = recorder.finish_step()
     result = {
         "mode": mode,
         "rank": rank,
@@ -231,8 +232,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         "expected": expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank),
         "full_parameter_bytes": FP32 * num_params,
         "step_ms": all_reduced(step_ms, device=device),  # max over ranks
-        "comm_bytes_recorded": None if record is None else record.nbytes,
-        "comm_calls": None if record is None else len(record.collectives),
+        "comm_bytes_recorded": record.nbytes,
+        "comm_calls": len(record.collectives),
         "num_params": num_params,
         "num_tensors": len(shapes),
         "shard_bytes": getattr(optimizer, "shard_bytes", None),
