@@ -26,3 +26,12 @@ def world_of_one():
         yield
     finally:
         tear_down_process_group()  # freed now where it can be: no gloo thread of it left to outlive the session
+
+
+@pytest.fixture(scope="session")
+def lightning_fits(tmp_path_factory):
+    """``ddp``, ``zero1_ddp``, ``zero2_ddp`` and ``fsdp2`` fitted through the CLI in one configuration, each once per
+    session when a test first asks for it (``tests.support.lightning_fits``)."""
+    from tests.support.lightning_fits import LightningFits
+
+    return LightningFits(tmp_path_factory.mktemp("lightning_fits"))

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,14 @@ from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 from lightning_ddp.model import PRESETS
 from lightning_ddp.sync.memory_model import MiB, zero2_buffer_bytes
 
+if TYPE_CHECKING:
+    from lightning_ddp.strategies.hsdp import HybridLayout
+
 TENSORS = ("parameters", "gradients", "optimizer_state")  # the categories measured and expected
 POINTS = ("setup", "before_step", "after_step")  # after set-up; on the last step, before and after step()
 FSDP2 = strategy_with_memory_model("fully_sharded")  # torch's FSDP2, by its catalogue name
+HSDP = strategy_with_memory_model("hybrid_sharded")  # FSDP2 over a (replicate, shard) mesh
+FULLY_SHARDED_MODES = (FSDP2, HSDP)
 # The catalogue engine of each mode that has its own (the others: ``grad_sync``).
 ENGINES = {"reduce_scatter": strategy_with_memory_model("zero1"), "zero2": strategy_with_memory_model("zero2")}
 
@@ -54,6 +59,7 @@ MODE_TABLE: dict[str, Mode] = {  # the measured modes in order
     "reduce_scatter": Mode("ZeRO-1 (reduce-scatter)", "reduce_scatter", 2),
     "zero2": Mode("ZeRO-2", "reduce_in_backward", 2),
     FSDP2: Mode("FSDP2", None, 3),  # two all-gathers and a reduce-scatter
+    HSDP: Mode("HSDP", None, 3),  # FSDP2's in each shard group, and an all-reduce of a shard across the replicas
 }
 MODES: tuple[str, ...] = tuple(MODE_TABLE)
 """The measured modes' keys, in the order they run and are reported."""
@@ -88,7 +94,10 @@ class MemoryBenchConfig(InProcessConfig):
     backend: Optional[Literal["gloo", "nccl"]] = None
     """Process-group backend; default (null) gloo on CPU, NCCL on CUDA."""
     modes: list[Literal[MODES]] = field(default_factory=lambda: list(MODES))  # type: ignore[valid-type]
-    """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2 to measure, in this order."""
+    """Which of unsharded, allreduce_broadcast, reduce_scatter, zero2, fsdp2, hsdp to measure, in this order."""
+    hsdp_shard_size: Optional[PositiveInt] = None
+    """hsdp's ranks per shard group; null: half the ranks (2 replicas; on 2 ranks 1: replicated). It must divide
+    ``devices``."""
     grad_sync: Literal[tuple(catalogue.names(engines_only=True))] = catalogue.DEFAULT_ENGINE  # type: ignore
     """The engine that all-reduces gradients for unsharded and allreduce_broadcast (a catalogue engine name)."""
     bucket_size_mb: Optional[float] = 25.0
@@ -113,9 +122,18 @@ class MemoryBenchConfig(InProcessConfig):
             raise ValueError(f"warmup_steps must be >= 1 (the first step allocates the optimizer state) and steps "
                              f">= warmup_steps + 2 = {self.warmup_steps + 2} (2 measured steps), got "
                              f"{self.warmup_steps} and {self.steps}")
+        if HSDP in self.modes:
+            self.hsdp_shard_size = self.hybrid_layout().shard_size  # refuses one that does not divide the ranks
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
         self.backend = self.backend or ("nccl" if self.accelerator == "cuda" else "gloo")
+
+    def hybrid_layout(self) -> HybridLayout:
+        """hsdp's replicas x shard groups over ``devices`` ranks (``ValueError`` naming the divisors)."""
+        from lightning_ddp.strategies.hsdp import HybridLayout  # Lightning's import, only where hsdp is measured
+
+        shard_size = self.hsdp_shard_size or max(1, self.devices // 2)
+        return HybridLayout.of(self.devices, shard_size, " (--devices; set --hsdp_shard_size)")
 
 
 def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
@@ -161,14 +179,20 @@ def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: 
 
 
 def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, recorder: Any):
-    """The mode's engine (FSDP2: the sharded model itself) and optimizer, ours reporting collectives to ``recorder``."""
+    """The mode's engine (FSDP2, HSDP: the sharded model itself) and optimizer, their collectives recorded into
+    ``recorder`` (ours by the engine and optimizer, FSDP2's at the process group)."""
     from lightning_ddp.sync import ShardedOptimizer
 
     adamw = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if mode == FSDP2:
+    if mode in FULLY_SHARDED_MODES:
         from lightning_ddp.strategies.fsdp2 import shard
+        from lightning_ddp.strategies.hsdp import hybrid_mesh
+        from lightning_ddp.sync.recording_group import record_process_groups
 
-        shard(model)
+        device_type = next(model.parameters()).device.type
+        mesh = hybrid_mesh(device_type, config.hybrid_layout()) if mode == HSDP else None  # its groups first, ...
+        record_process_groups(recorder)  # ... then torch's collectives on every group, seen at the process group
+        shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
     entry = catalogue.get(ENGINES.get(mode, config.grad_sync))
     engine = entry.make_engine(model, bucket_size_mb=config.bucket_size_mb if entry.has_bucket_size else "default")
@@ -199,9 +223,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     # parameters and gradients, gathered while that group's backward runs (this benchmark's expectation; the
     # pre-flight's peak is ``sync.memory_model.fully_sharded_unsharded_peak``)
     root, blocks = fsdp2_groups(model.config)
-    transient = 2 * FP32 * max([root, *blocks]) if mode == FSDP2 else 0
-    # counts the bytes and calls of every step's collectives; FSDP2's are torch's: none recorded
-    recorder = None if mode == FSDP2 else Recorder(device)
+    transient = 2 * FP32 * max([root, *blocks]) if mode in FULLY_SHARDED_MODES else 0
+    recorder = Recorder(device)  # the bytes and calls of every step's collectives, torch's FSDP2 ones included
     engine, optimizer = _build_mode(mode, config, model, recorder)
 
     def take(point: str) -> float:
@@ -220,19 +243,18 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
     record = None
     for step in range(config.steps):
         tokens = random_tokens(config, generator).to(device)
-        if recorder is not None:
-            recorder.open_step(step)
+        recorder.open_step(step)
         step_ms.append(timed_step(engine, optimizer, tokens, take if step == config.steps - 1 else None)[0])
-        record = recorder.finish_step() if recorder is not None else None
+        record = recorder.finish_step()
     result = {
         "mode": mode,
         "rank": rank,
         "snapshots": snapshots,
-        "expected": expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank),
+        "expected": _expected(mode, config, shapes, world_size, rank),
         "full_parameter_bytes": FP32 * num_params,
         "step_ms": all_reduced(step_ms, device=device),  # max over ranks
-        "comm_bytes_recorded": None if record is None else record.nbytes,
-        "comm_calls": None if record is None else len(record.collectives),
+        "comm_bytes_recorded": record.nbytes,
+        "comm_calls": len(record.collectives),
         "num_params": num_params,
         "num_tensors": len(shapes),
         "shard_bytes": getattr(optimizer, "shard_bytes", None),
@@ -254,9 +276,25 @@ def _measure_ranks(rank: int, world_size: int, config: MemoryBenchConfig, modes:
     return gathered
 
 
-def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str) -> float:
-    """Bytes each rank sends per step by the ring model (docs/algorithms.md): (N - 1) / N per one-way pass."""
-    return MODE_TABLE[mode].one_ways * (world_size - 1) / world_size * param_bytes
+def _expected(mode: str, config: MemoryBenchConfig, shapes: list[tuple[int, ...]], world_size: int,
+              rank: int) -> dict[str, int]:
+    """What ``lightning_ddp.memory`` expects rank ``rank`` to hold under ``mode``: hsdp's is fsdp2's over its shard
+    group, in which the rank's place is ``rank % shard_size`` (``hybrid_mesh``'s groups are consecutive ranks)."""
+    if mode == HSDP:
+        shard_size = config.hybrid_layout().shard_size
+        return expected_bytes(shapes, shard_size, "fully_sharded", rank % shard_size)
+    return expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank)
+
+
+def sent_bytes_per_rank(param_bytes: int, world_size: int, mode: str, shard_size: int | None = None) -> float:
+    """Bytes each rank sends per step by the ring model (docs/algorithms.md): (N - 1) / N per one-way pass; hsdp's
+    passes run in its shard group of ``shard_size`` ranks, and across the replicas it all-reduces (two passes) a
+    1/``shard_size`` shard."""
+    if mode != HSDP:
+        return MODE_TABLE[mode].one_ways * (world_size - 1) / world_size * param_bytes
+    replicas = world_size // shard_size
+    within = MODE_TABLE[mode].one_ways * (shard_size - 1) / shard_size * param_bytes
+    return within + 2 * (replicas - 1) / replicas * param_bytes / shard_size
 
 
 def _largest(values: Iterable[int | None]) -> int | None:
@@ -288,7 +326,8 @@ def summarise(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> d
                                      for snap in entry["snapshots"].values())
             entry["expected_peak"] = sum(full.values()) + entry.get("expected_transient", 0)
         step = asdict(estimate([steps[mode]], samples, seed, key=mode))
-        sent = sent_bytes_per_rank(ranks[0]["full_parameter_bytes"], config["devices"], mode)
+        shard_size = config["hsdp_shard_size"] if mode == HSDP else None
+        sent = sent_bytes_per_rank(ranks[0]["full_parameter_bytes"], config["devices"], mode, shard_size)
         summaries.append({"mode": mode, "ranks": ranks, "warmup_steps": warmup, "step_ms_median": step["point"],
                           "step_ms": step, "matches_expected": matches, "sent_bytes_per_rank": sent})
         row: dict[str, Any] = {"mode": mode, "label": MODE_TABLE[mode].label, "step_ms": step}

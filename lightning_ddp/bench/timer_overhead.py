@@ -41,10 +41,11 @@ class StepWallTimes(Callback):
         """Rank 0 writes ``FILE``, given at least two batch ends."""
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # once: the queued tail belongs to the window
+        window_ms = (time.perf_counter() - self.ends[0]) * 1e3 if self.ends else 0.0
+        log_dir = trainer.log_dir  # on every rank: Lightning broadcasts rank 0's, a collective
         if trainer.is_global_zero and len(self.ends) > 1:
             steps_ms = [(end - start) * 1e3 for start, end in zip(self.ends, self.ends[1:])]
-            measured = {"steps_ms": steps_ms, "window_ms": (time.perf_counter() - self.ends[0]) * 1e3}
-            (Path(trainer.log_dir) / self.FILE).write_text(json.dumps(measured))
+            (Path(log_dir) / self.FILE).write_text(json.dumps({"steps_ms": steps_ms, "window_ms": window_ms}))
 
 
 def _wall_times(log_dir: Path) -> dict[str, Any]:

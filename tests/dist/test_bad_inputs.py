@@ -54,7 +54,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+CHECKED_IN_ONE_PROCESS = {"unknown strategy", "bucket size 0", "per-rank batch of 0", "truncated checkpoint"}
+"""Rows whose twins (a strategy typo, a bucket size of -1, a batch of 0, not a checkpoint) tests/unit/test_cli_errors.py
+checks in one process: here they run in the slow tier; the rows that fail only once the ranks start stay in the
+default run."""
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in CHECKED_IN_ONE_PROCESS else case
+                                  for case in CASES])
 def test_bad_input_gives_one_clear_error_and_writes_nothing(tmp_path: Path, case: str) -> None:
     make_args, phrase = CASES[case]
     proc = run_cli(

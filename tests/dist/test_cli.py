@@ -236,6 +236,7 @@ def test_fit_validates_through_every_kind_of_strategy(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # validation from a checkpoint: the slow tier's
 def test_validate_a_checkpoint_reproduces_the_fits_last_validation(tmp_path: Path) -> None:
     # fit 2 steps, validating after the last one and checkpointing; `validate --ckpt_path` of that checkpoint
     # evaluates the same weights on the same 8 walks, so it must log the same val/loss (measured equal to all

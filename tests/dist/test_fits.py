@@ -26,6 +26,7 @@ def two_rank_summary(tmp_path_factory) -> dict:
                           accelerator="cpu", ranks=2)
 
 
+@pytest.mark.slow  # the one-rank launch path; the checks themselves run on the two-rank fit below
 def test_one_rank_fit_passes_the_step_checks(tmp_path: Path) -> None:
     summary = fit_one_device(tmp_path, "--trainer.strategy", strategy_json("zero1_ddp", "gloo"), accelerator="cpu")
     check_step_rows(summary)

@@ -28,23 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ddp.model import GPT, get_config
-from tests.support.cli_utils import (
-    GRADIENT_HISTORY,
-    REPO,
-    checkpoint_at,
-    checkpointing_args,
-    quickstart_chain,
-    read_scalars,
-    run_cli,
-)
+from tests.support.cli_utils import checkpoint_at, read_scalars
 from tests.support.dist_utils import run_on_ranks
-from tests.support.tolerance import (
-    adam_weight_bounds,
-    assert_within,
-    history_moment_bounds,
-    history_weight_bounds,
-    reordered_gradient_bound,
-)
+from tests.support.lightning_fits import STEPS as FIT_STEPS
+from tests.support.lightning_fits import assert_same_optimizer_state, assert_same_weights, fit
+from tests.support.tolerance import adam_weight_bounds, assert_within, reordered_gradient_bound
 
 MODEL_SEED, DATA_SEED = 1000, 7
 LR, CLIP = 1e-2, 0.5
@@ -251,59 +239,13 @@ def test_resume_at_another_world_size_or_unsharded_is_exact(runs, resumed: str) 
         _assert_weights_equal(weights, runs["reference"][2]["weights"])
 
 
-# ---- through Lightning --------------------------------------------------------------------------------------
-
-CLI_STEPS = 6
-
-
-CLI_TOKENS = 2 * 2 * 4 * 64  # per optimizer step: 2 ranks x 2 micro-batches of 4 sequences x 64 positions
-CLI_CLIP = 0.5
-
-
-def _fit(run_dir: Path, *args: str, history: bool = False) -> Path:
-    """The quickstart for CLI_STEPS steps, 2 micro-batches each, clipped, checkpointed every 3 steps; returns the
-    weights SaveFinalWeights wrote at the end (with ``history``: every step's gradients in ``run_dir/history.pt``)."""
-    weights = run_dir / "weights.pt"
-    keep = [GRADIENT_HISTORY, f"--trainer.callbacks.path={run_dir / 'history.pt'}"] if history else []
-    run_cli(
-        "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",
-        "--model.context_length", "64", "--data.seq_len", "64", "--data.batch_size", "4",
-        "--trainer.max_steps", str(CLI_STEPS), "--trainer.accumulate_grad_batches", "2",
-        "--trainer.gradient_clip_val", str(CLI_CLIP), "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0", "--timer.warmup_steps", "1",
-        *checkpointing_args(run_dir, weights), *keep,
-        *args,
-        cwd=run_dir,
-    )
-    return weights
-
-
-def _assert_same_weights(ours: Path, theirs: Path, history: Path) -> None:
-    """fp32, 6 clipped AdamW steps: the runs differ only in the order of their sums (reduce-scatter vs all-reduce,
-    the global norm by shard), so every weight is within the bound tests.support.tolerance derives from the ddp
-    run's own gradients (``history``): a few 1e-7 where gradients are healthy, up to 2 lr per step where one was
-    within its rounding of zero and Adam's sqrt(v) ~ eps made its step linear in it (measured: 67 of 10000x128
-    embedding elements at <= 6.4e-5). A wrong or missing gradient moves nearly every weight by ~lr per step."""
-    a, b = torch.load(ours), torch.load(theirs)
-    chain = quickstart_chain(CLI_TOKENS, context_length=64)
-    assert_within(a, b, history_weight_bounds(history, chain, CLI_TOKENS, CLI_CLIP, b), f"{ours} vs {theirs}")
-
-
-@pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory) -> dict[str, Path]:
-    """fsdp2 and Lightning's ddp, same seed, data, accumulation and clipping: their run directories."""
-    runs = {}
-    for name in ("fsdp2", "ddp"):
-        runs[name] = tmp_path_factory.mktemp(name)
-        _fit(runs[name], "--trainer.strategy", name, history=name == "ddp")
-    return runs
+# ---- through Lightning: tests.support.lightning_fits, against ddp -----------------------------------------------
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_trains_like_ddp_and_its_collectives_are_measured(lightning_runs) -> None:
-    run_dir = lightning_runs["fsdp2"]
-    ddp = lightning_runs["ddp"]
-    _assert_same_weights(run_dir / "weights.pt", ddp / "weights.pt", ddp / "history.pt")
+def test_fsdp2_trains_like_ddp_and_its_collectives_are_measured(lightning_fits) -> None:
+    run_dir, ddp = lightning_fits["fsdp2"], lightning_fits["ddp"]
+    assert_same_weights(run_dir / "weights.pt", ddp / "weights.pt", ddp / "history.pt")
     (summary_path,) = (run_dir / "logs").rglob("timing_summary.json")
     summary = json.loads(summary_path.read_text())
     assert summary["run"]["strategy"] == "fsdp2" and summary["run"]["strategy_class"] == "FSDP2Strategy"
@@ -320,34 +262,29 @@ def test_fsdp2_trains_like_ddp_and_its_collectives_are_measured(lightning_runs) 
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_checkpoint_is_ddps(lightning_runs) -> None:
-    ours = torch.load(checkpoint_at(lightning_runs["fsdp2"], CLI_STEPS), weights_only=False)
-    theirs = torch.load(checkpoint_at(lightning_runs["ddp"], CLI_STEPS), weights_only=False)
+def test_fsdp2_checkpoint_is_ddps(lightning_fits) -> None:
+    ddp = lightning_fits["ddp"]
+    ours = torch.load(checkpoint_at(lightning_fits["fsdp2"], FIT_STEPS), weights_only=False)
+    theirs = torch.load(checkpoint_at(ddp, FIT_STEPS), weights_only=False)
     assert ours["state_dict"].keys() == theirs["state_dict"].keys()
-    (a,), (b,) = ours["optimizer_states"], theirs["optimizer_states"]
-    assert a["param_groups"] == b["param_groups"] and set(a["state"]) == set(b["state"])
-    moments = history_moment_bounds(lightning_runs["ddp"] / "history.pt", quickstart_chain(CLI_TOKENS, 64),
-                                    CLI_TOKENS, CLI_CLIP)
-    for index, entry in b["state"].items():
-        for key, value in entry.items():  # the moments within their bounds (adam_moment_bounds); the step count exact
-            bound = moments[index].get(key, 0.0)
-            assert_within({key: a["state"][index][key]}, {key: value}, {key: bound}, f"state {index}")
+    assert_same_optimizer_state(ours["optimizer_states"], theirs["optimizer_states"], ddp / "history.pt")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_fsdp2_checkpoint_resumes_exactly(lightning_runs, tmp_path: Path, strategy: str) -> None:
-    resumed = _fit(tmp_path, "--trainer.strategy", strategy,
-                   "--ckpt_path", str(checkpoint_at(lightning_runs["fsdp2"], 3)))
-    _assert_same_weights(resumed, lightning_runs["fsdp2"] / "weights.pt", lightning_runs["ddp"] / "history.pt")
+def test_fsdp2_checkpoint_resumes_exactly(lightning_fits, tmp_path: Path, strategy: str) -> None:
+    run_dir, ddp = lightning_fits["fsdp2"], lightning_fits["ddp"]
+    resumed = fit(tmp_path, "--trainer.strategy", strategy, "--ckpt_path", str(checkpoint_at(run_dir, 3)))
+    assert_same_weights(resumed, run_dir / "weights.pt", ddp / "history.pt")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_ddp_checkpoint_resumes_under_fsdp2(lightning_runs, tmp_path: Path) -> None:
-    resumed = _fit(tmp_path, "--trainer.strategy", "fsdp2", "--ckpt_path", str(checkpoint_at(lightning_runs["ddp"], 3)))
-    _assert_same_weights(resumed, lightning_runs["ddp"] / "weights.pt", lightning_runs["ddp"] / "history.pt")
+def test_ddp_checkpoint_resumes_under_fsdp2(lightning_fits, tmp_path: Path) -> None:
+    ddp = lightning_fits["ddp"]
+    resumed = fit(tmp_path, "--trainer.strategy", "fsdp2", "--ckpt_path", str(checkpoint_at(ddp, 3)))
+    assert_same_weights(resumed, ddp / "weights.pt", ddp / "history.pt")
 
 
 # ---- a model that is not our GPT: nn.Transformer in a user's LightningModule -----------------------------------

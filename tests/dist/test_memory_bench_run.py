@@ -56,6 +56,9 @@ def test_small_run_measures_exactly_the_analytic_bytes(tmp_path: Path) -> None:
     fsdp2 = [r["snapshots"]["before_step"] for r in modes["fsdp2"]["ranks"]]
     assert sum(s["parameters"] for s in fsdp2) == full["parameters"]
     assert sum(s["gradients"] for s in fsdp2) == full["gradients"]
+    # its collectives are torch's, recorded at the process group: at least one all-gather of every parameter and one
+    # reduce-scatter of every gradient a step (each counted at its full size, nccl-tests' convention)
+    assert all(r["comm_bytes_recorded"] >= 2 * full["parameters"] for r in modes["fsdp2"]["ranks"])
     # Every rank has a measured peak (its peak RSS on CPU) at least its tensors at their expected most.
     for mode in modes.values():
         assert all(r["peak"] >= r["expected_peak"] > 0 for r in mode["ranks"]), mode["mode"]

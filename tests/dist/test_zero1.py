@@ -31,22 +31,14 @@ from lightning_ddp.compat import repoint_scheduler
 from lightning_ddp.strategies import ZeRO1DDPStrategy
 from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer, assign_owners
 from lightning_ddp.sync import sharding
-from tests.support.cli_utils import (
-    GRADIENT_HISTORY,
-    REPO,
-    checkpoint_at,
-    checkpointing_args,
-    quickstart_chain,
-    read_scalars,
-    run_cli,
-)
+from tests.support.cli_utils import checkpoint_at, read_scalars
 from tests.support.dist_utils import DEFAULT_TIMEOUT_S, run_on_ranks
+from tests.support.lightning_fits import STEPS as FIT_STEPS
+from tests.support.lightning_fits import assert_same_optimizer_state, assert_same_weights, fit
 from tests.support.tolerance import (
     adam_moment_bounds,
     adam_weight_bounds,
     assert_within,
-    history_moment_bounds,
-    history_weight_bounds,
     reordered_gradient_bound,
     with_tied,
 )
@@ -545,92 +537,42 @@ def test_load_state_dict_rejects_another_model(world_of_one) -> None:
         ShardedOptimizer.from_optimizer(stepped)
 
 
-# ---- through Lightning ---------------------------------------------------------------------------------
-
-CLI_STEPS = 6
-
-
-CLI_TOKENS = 2 * 8 * 128  # per step: 2 ranks x the quickstart's batch of 8 x 128 positions
-
-
-def _fit(run_dir: Path, *args: str, history: bool = False) -> Path:
-    """Train the quickstart for CLI_STEPS steps (cosine schedule, 2 warm-up steps), checkpointing every 3 steps.
-
-    Returns the weights SaveFinalWeights wrote at the end; checkpoints are under ``run_dir/logs/**/checkpoints``;
-    with ``history`` the gradients of every step are kept in ``run_dir/history.pt``.
-    """
-    weights = run_dir / "weights.pt"
-    keep = [GRADIENT_HISTORY, f"--trainer.callbacks.path={run_dir / 'history.pt'}"] if history else []
-    run_cli(
-        "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
-        "--trainer.max_steps", str(CLI_STEPS), "--model.lr_schedule", "cosine", "--model.warmup_steps", "2",
-        "--timer.warmup_steps", "1", *checkpointing_args(run_dir, weights), *keep,
-        *args,
-        cwd=run_dir,
-    )
-    return weights
-
-
-@pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory) -> dict[str, Path]:
-    """zero1_ddp (default: reduce_scatter) and Lightning's ddp (keeping its gradients), same seed and data: their
-    run directories."""
-    runs = {}
-    for name in ("zero1_ddp", "ddp"):
-        runs[name] = tmp_path_factory.mktemp(name)
-        _fit(runs[name], "--trainer.strategy", name, history=name == "ddp")
-    return runs
-
-
-def _assert_same_weights(ours: Path, theirs: Path, history: Path) -> None:
-    """fp32: within the bound tests.support.tolerance derives from the ddp run's gradients (``history``)."""
-    a, b = torch.load(ours), torch.load(theirs)
-    bounds = history_weight_bounds(history, quickstart_chain(CLI_TOKENS, context_length=128), CLI_TOKENS, None, b)
-    assert_within(a, b, bounds, f"{ours} vs {theirs}")
+# ---- through Lightning: tests.support.lightning_fits, against ddp ------------------------------------------
 
 
 @pytest.mark.multiprocess
-def test_zero1_ddp_trains_like_lightning_ddp(lightning_runs) -> None:
-    run_dir = lightning_runs["zero1_ddp"]
+def test_zero1_ddp_trains_like_lightning_ddp(lightning_fits) -> None:
+    run_dir, ddp = lightning_fits["zero1_ddp"], lightning_fits["ddp"]
     summaries = list((run_dir / "logs").rglob("timing_summary.json"))
     assert summaries, "the CommTimer wrote no summary"
     summary = json.loads(summaries[0].read_text())
     assert summary["run"]["strategy"] == "zero1_ddp" and summary["run"]["strategy_class"] == "ZeRO1DDPStrategy"
-    losses = [v for _, v in sorted(read_scalars(run_dir / "logs")["train/loss"])]
-    assert len(losses) == CLI_STEPS and all(math.isfinite(v) for v in losses)
-    # Same seed, so the same initial weights and the same DistributedSampler order; both average the same two
-    # local gradients (torch DDP pre-divides by 2, which is exact) and AdamW is elementwise, so the weights
-    # agree to rounding (measured: bit for bit). A warm-up or cosine schedule that did not reach the sharded
-    # optimizer would move every weight by ~lr.
-    _assert_same_weights(run_dir / "weights.pt", lightning_runs["ddp"] / "weights.pt",
-                         lightning_runs["ddp"] / "history.pt")
+    losses = read_scalars(run_dir / "logs")["train/loss"]
+    assert {step for step, _ in losses} == set(range(FIT_STEPS)) and all(math.isfinite(v) for _, v in losses)
+    # Same seed, so the same initial weights and the same DistributedSampler order; both average the same local
+    # gradients and clip by the global norm, so the weights agree to rounding. A warm-up or cosine schedule, or a
+    # clip, that did not reach the sharded optimizer would move every weight by ~lr.
+    assert_same_weights(run_dir / "weights.pt", ddp / "weights.pt", ddp / "history.pt")
 
 
 @pytest.mark.multiprocess
-def test_zero1_ddp_checkpoint_is_the_unsharded_checkpoint(lightning_runs) -> None:
+def test_zero1_ddp_checkpoint_is_the_unsharded_checkpoint(lightning_fits) -> None:
     # Lightning saves rank 0's `optimizer.state_dict()`, which for ShardedOptimizer gathers every rank's shard.
-    ours = torch.load(checkpoint_at(lightning_runs["zero1_ddp"], CLI_STEPS), weights_only=False)["optimizer_states"]
-    theirs = torch.load(checkpoint_at(lightning_runs["ddp"], CLI_STEPS), weights_only=False)["optimizer_states"]
-    assert len(ours) == len(theirs) == 1
-    assert ours[0]["param_groups"] == theirs[0]["param_groups"]  # lr of the schedule, initial_lr, AdamW's defaults
-    assert set(ours[0]["state"]) == set(theirs[0]["state"])  # every parameter, not one rank's shard
-    moments = history_moment_bounds(lightning_runs["ddp"] / "history.pt",
-                                    quickstart_chain(CLI_TOKENS, context_length=128), CLI_TOKENS, None)
-    for index, entry in theirs[0]["state"].items():
-        for key, value in entry.items():  # the moments within their bounds (adam_moment_bounds); the step count exact
-            bound = moments[index].get(key, 0.0)
-            assert_within({key: ours[0]["state"][index][key]}, {key: value}, {key: bound}, f"state {index}")
+    ddp = lightning_fits["ddp"]
+    ours = torch.load(checkpoint_at(lightning_fits["zero1_ddp"], FIT_STEPS), weights_only=False)["optimizer_states"]
+    theirs = torch.load(checkpoint_at(ddp, FIT_STEPS), weights_only=False)["optimizer_states"]
+    assert_same_optimizer_state(ours, theirs, ddp / "history.pt")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_zero1_ddp_resumes_under_the_other_schedule(lightning_runs, tmp_path: Path) -> None:
+def test_zero1_ddp_resumes_under_the_other_schedule(lightning_fits, tmp_path: Path) -> None:
     # Resume the reduce_scatter run at step 3 under allreduce_broadcast with the overlap engine: the checkpoint
     # holds the full, unsharded state, so it does not depend on the schedule (nor on the world size).
-    run_dir = lightning_runs["zero1_ddp"]
-    resumed = _fit(
+    run_dir, ddp = lightning_fits["zero1_ddp"], lightning_fits["ddp"]
+    resumed = fit(
         tmp_path, "--trainer.strategy", "lightning_ddp.strategies.ZeRO1DDPStrategy",
         "--trainer.strategy.schedule", "allreduce_broadcast", "--trainer.strategy.grad_sync", "overlap_ddp",
         "--ckpt_path", str(checkpoint_at(run_dir, 3)),
     )
-    _assert_same_weights(resumed, run_dir / "weights.pt", lightning_runs["ddp"] / "history.pt")
+    assert_same_weights(resumed, run_dir / "weights.pt", ddp / "history.pt")

@@ -32,7 +32,9 @@ from torch import nn
 
 from lightning_ddp.sync import BucketedDDP, DeferredGradSync, Recorder, ShardedOptimizer
 from lightning_ddp.sync.zero2 import ZeRO2DDP
+from tests.support.cli_utils import checkpoint_at
 from tests.support.dist_utils import DEFAULT_TIMEOUT_S, run_on_ranks
+from tests.support.lightning_fits import assert_same_weights, fit
 
 pytestmark = pytest.mark.multiprocess
 
@@ -360,71 +362,23 @@ def test_checkpoint_of_two_ranks_resumes_under_three_and_under_plain_adamw(jobs)
     _assert_close(resumed["weights"], uninterrupted["weights"], "plain AdamW resumed")
 
 
-# ---- through Lightning ---------------------------------------------------------------------------------
-
-CLI_STEPS = 4
-CLIP = 0.1  # below the tiny GPT's gradient norm in these steps (~1): the clip is active at every step
-TOKENS = 2 * 8 * 128  # per step: 2 ranks x the quickstart's batch of 8 x 128 positions
+# ---- through Lightning: tests.support.lightning_fits, against ddp ------------------------------------------
 
 
-def _fit(run_dir, *args: str, history: bool = False):
-    """The quickstart for CLI_STEPS steps with gradient clipping, a checkpoint every 2 steps; returns the weights
-    (and with ``history`` keeps the gradients of every step in ``run_dir/history.pt``)."""
-    from tests.support.cli_utils import GRADIENT_HISTORY, REPO, checkpointing_args, run_cli
-
-    weights = run_dir / "weights.pt"
-    keep = [GRADIENT_HISTORY, f"--trainer.callbacks.path={run_dir / 'history.pt'}"] if history else []
-    run_cli(
-        "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), *args,
-        "--trainer.max_steps", str(CLI_STEPS), "--trainer.gradient_clip_val", str(CLIP),
-        "--timer.warmup_steps", "1", *checkpointing_args(run_dir, weights, every_n_train_steps=2), *keep,
-        cwd=run_dir,
-    )
-    return weights
-
-
-def _same_weights(ours, theirs, history) -> None:
-    """fp32: the runs differ only in the order of their sums (the global norm and the averages summed by shard),
-    so every weight within the bound tests.support.tolerance derives from the reference run's own gradients."""
-    from tests.support.cli_utils import quickstart_chain
-    from tests.support.tolerance import assert_within, history_weight_bounds
-
-    a, b = torch.load(ours), torch.load(theirs)
-    bounds = history_weight_bounds(history, quickstart_chain(TOKENS, context_length=128), TOKENS, CLIP, b)
-    assert_within(a, b, bounds, f"{ours} vs {theirs}")
-
-
-@pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory) -> dict:
-    """zero2_ddp from its YAML, zero1_ddp (reduce_scatter) and Lightning's ddp, all clipping by norm."""
-    from tests.support.cli_utils import REPO
-
-    runs = {}
-    for name, args in {
-        "zero2": ("--config", str(REPO / "configs" / "strategy" / "zero2.yaml")),
-        "zero1": ("--trainer.strategy", "zero1_ddp"),
-        "ddp": ("--trainer.strategy", "ddp"),
-    }.items():
-        run_dir = tmp_path_factory.mktemp(name)
-        runs[name] = (run_dir, _fit(run_dir, *args, history=name == "ddp"))
-    return runs
-
-
-def test_zero2_ddp_and_zero1_ddp_clip_like_lightning_ddp(lightning_runs) -> None:
+def test_zero2_ddp_and_zero1_ddp_clip_like_lightning_ddp(lightning_fits) -> None:
     # Lightning clips ddp's all-reduced gradients with torch's clip_grad_norm_; the sharded strategies hand the
     # clipping to their optimizers, which clip the owned averages by the global norm: the same weights.
-    ddp_dir, ddp_weights = lightning_runs["ddp"]
-    for name in ("zero2", "zero1"):
-        _same_weights(lightning_runs[name][1], ddp_weights, ddp_dir / "history.pt")
+    ddp = lightning_fits["ddp"]
+    for name in ("zero2_ddp", "zero1_ddp"):
+        assert_same_weights(lightning_fits[name] / "weights.pt", ddp / "weights.pt", ddp / "history.pt")
 
 
 @pytest.mark.slow
-def test_zero2_ddp_checkpoint_resumes_under_ddp(lightning_runs, tmp_path) -> None:
+def test_zero2_ddp_checkpoint_resumes_under_ddp(lightning_fits, tmp_path) -> None:
     # The zero2 checkpoint holds the consolidated (unsharded) optimizer state: Lightning's ddp resumes it exactly.
-    run_dir, weights = lightning_runs["zero2"]
-    (checkpoint,) = (run_dir / "logs").rglob("*step=2.ckpt")
-    resumed = _fit(tmp_path, "--trainer.strategy", "ddp", "--ckpt_path", str(checkpoint))
-    _same_weights(resumed, weights, lightning_runs["ddp"][0] / "history.pt")  # the runs' gradients: ddp's, to rounding
+    run_dir, ddp = lightning_fits["zero2_ddp"], lightning_fits["ddp"]
+    resumed = fit(tmp_path, "--trainer.strategy", "ddp", "--ckpt_path", str(checkpoint_at(run_dir, 3)))
+    assert_same_weights(resumed, run_dir / "weights.pt", ddp / "history.pt")  # the runs' gradients: ddp's
 
 
 def test_reduce_in_backward_needs_the_engines_placement(world_of_one) -> None:
