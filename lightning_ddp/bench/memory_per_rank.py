@@ -123,17 +123,19 @@ class MemoryBenchConfig(InProcessConfig):
                              f">= warmup_steps + 2 = {self.warmup_steps + 2} (2 measured steps), got "
                              f"{self.warmup_steps} and {self.steps}")
         if HSDP in self.modes:
-            self.hsdp_shard_size = self.hybrid_layout().shard_size  # refuses one that does not divide the ranks
+            self.hsdp_shard_size = hybrid_layout(self).shard_size  # refuses one that does not divide the ranks
         if self.backend == "nccl" and self.accelerator != "cuda":
             raise ValueError("backend nccl needs accelerator cuda; use --backend gloo on CPU")
         self.backend = self.backend or ("nccl" if self.accelerator == "cuda" else "gloo")
 
-    def hybrid_layout(self) -> HybridLayout:
-        """hsdp's replicas x shard groups over ``devices`` ranks (``ValueError`` naming the divisors)."""
-        from lightning_ddp.strategies.hsdp import HybridLayout  # Lightning's import, only where hsdp is measured
 
-        shard_size = self.hsdp_shard_size or max(1, self.devices // 2)
-        return HybridLayout.of(self.devices, shard_size, " (--devices; set --hsdp_shard_size)")
+def hybrid_layout(config: MemoryBenchConfig) -> HybridLayout:
+    """hsdp's replicas x shard groups over ``config.devices`` ranks (``ValueError`` naming the divisors). A function,
+    not a method: the command line would offer a config's public method as a subcommand."""
+    from lightning_ddp.strategies.hsdp import HybridLayout  # Lightning's import, only where hsdp is measured
+
+    shard_size = config.hsdp_shard_size or max(1, config.devices // 2)
+    return HybridLayout.of(config.devices, shard_size, " (--devices; set --hsdp_shard_size)")
 
 
 def _tensor_bytes(tensors, device: torch.device | None = None) -> int:
@@ -190,7 +192,7 @@ def _build_mode(mode: str, config: MemoryBenchConfig, model: torch.nn.Module, re
         from lightning_ddp.sync.recording_group import record_process_groups
 
         device_type = next(model.parameters()).device.type
-        mesh = hybrid_mesh(device_type, config.hybrid_layout()) if mode == HSDP else None  # its groups first, ...
+        mesh = hybrid_mesh(device_type, hybrid_layout(config)) if mode == HSDP else None  # its groups first, ...
         record_process_groups(recorder)  # ... then torch's collectives on every group, seen at the process group
         shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
@@ -281,7 +283,7 @@ def _expected(mode: str, config: MemoryBenchConfig, shapes: list[tuple[int, ...]
     """What ``lightning_ddp.memory`` expects rank ``rank`` to hold under ``mode``: hsdp's is fsdp2's over its shard
     group, in which the rank's place is ``rank % shard_size`` (``hybrid_mesh``'s groups are consecutive ranks)."""
     if mode == HSDP:
-        shard_size = config.hybrid_layout().shard_size
+        shard_size = hybrid_layout(config).shard_size
         return expected_bytes(shapes, shard_size, "fully_sharded", rank % shard_size)
     return expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank)
 

@@ -161,7 +161,7 @@ def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
 
     config = parse_dataclass(bench.AdviceBenchConfig, ["--config", str(REPO / "configs/advice/cpu.yaml")],
                              prog="check")
-    assert len(config.starts) == 6 and config.tolerance == 0.10
+    assert len(config.starts) == 7 and config.tolerance == 0.10
     config.out_dir, config.bootstrap_samples = str(tmp_path), 200
     steps = [[{"step/time_ms": 100.0 + k % 3} for k in range(10)] for _ in range(2)]
     faster = [[{"step/time_ms": 80.0 + k % 3} for k in range(10)] for _ in range(2)]
