@@ -145,7 +145,7 @@ def test_family_table_has_a_row_per_mode_with_measured_and_expected_bytes() -> N
     family = results["family"]
     rows = {row["mode"]: row for row in family["rows"]}
     assert [row["label"] for row in family["rows"]] == [
-        "DDP", "ZeRO-1 (all-reduce + broadcast)", "ZeRO-1 (reduce-scatter)", "ZeRO-2", "FSDP2"]
+        "DDP", "ZeRO-1 (all-reduce + broadcast)", "ZeRO-1 (reduce-scatter)", "ZeRO-2", "FSDP2", "HSDP"]
     assert rows["unsharded"]["optimizer_state"] == rows["unsharded"]["expected_optimizer_state"] == STATE
     assert rows["zero2"]["gradients"] == PARAMS // 2
     # The expected peak is our tensors at their most: parameters + gradients + state + the transient
@@ -153,6 +153,8 @@ def test_family_table_has_a_row_per_mode_with_measured_and_expected_bytes() -> N
     assert rows["zero2"]["expected_peak"] == 4000 + 2000 + 4020 + 3000
     assert rows["fsdp2"]["expected_peak"] == 2000 + 2000 + 4020 + 800
     assert rows["fsdp2"]["peak"] == 60_000  # the largest max_rss of the snapshots
+    # HSDP as 2 replicas x 1: the whole model and state on each rank, and FSDP2's gathered group on top
+    assert rows["hsdp"]["expected_peak"] == 4000 + 4000 + 8040 + 800
     # The warm-up steps (1000 and 500 ms) are left out: the median is the level, and the interval is within +-1 %.
     step = rows["zero2"]["step_ms"]
     assert step["point"] == pytest.approx(100.0, rel=0.01) and 99.0 <= step["lo"] <= step["hi"] <= 101.0
