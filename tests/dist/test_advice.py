@@ -54,6 +54,7 @@ def test_the_advice_runs_as_given_and_a_straggler_is_named(tmp_path: Path) -> No
     assert slow["verdict"]["action"] == "straggler" and slow["verdict"]["straggler"]["rank"] == 1
 
 
+@pytest.mark.slow  # advise end to end on a second model: the naive quickstart's run above stays in the default run
 def test_advise_on_the_plain_lightning_example(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "measure_your_training.py")], cwd=tmp_path,
                           env=repo_first_on_path(), capture_output=True, text=True, timeout=300)

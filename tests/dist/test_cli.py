@@ -136,6 +136,8 @@ def test_text_bytes_loss_goes_down(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # a fragment's settings end to end; every fragment parses in the default run, PowerSGD's arithmetic
+# is checked against one process in tests/dist/test_powersgd.py
 def test_powersgd_fragment_sets_engine_settings_and_trains(tmp_path: Path) -> None:
     # configs/strategy/bucketed_powersgd.yaml on the quickstart, its engine_settings overridden on the command line
     # (start_iter 0: compress from the first step), cut to a 32-token context and 3 steps to stay cheap.

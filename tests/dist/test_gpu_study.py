@@ -290,6 +290,7 @@ def test_a_tier_cut_off_is_counted_as_far_as_it_got() -> None:
 
 
 @pytest.mark.multiprocess  # one pytest subprocess collecting the tier (~10 s)
+@pytest.mark.slow  # the GPU study's stages: the study, not the product's correctness
 def test_the_cuda_tests_stage_runs_the_tier_and_says_when_nothing_ran(tmp_path: Path) -> None:
     # Here every test of the tier is skipped (no CUDA): the stage runs it anyway and reports that nothing ran.
     config = _config(tmp_path)
@@ -347,6 +348,7 @@ def test_weight_differences_tell_rounding_from_a_missing_rank() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the GPU study's stages: the study, not the product's correctness
 def test_fits_in_one_process_record_a_failure_and_go_on(tmp_path: Path) -> None:
     common = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",
               "--model.context_length", "32", "--data.seq_len", "32", "--data.batch_size", "2", "--trainer.max_steps",
