@@ -103,14 +103,15 @@ class StepTiming:
 # ---- step metrics -------------------------------------------------------------------------------------
 
 def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor of collective ``op`` over ``world_size`` ranks (``nbytes``: the whole buffer).
+    """nccl-tests' bus-bandwidth factor of collective ``op`` over ``world_size`` ranks (``nbytes``: the whole buffer);
+    a barrier moves no data (the recording group records it with 0 bytes, as Lightning issues one on resume).
 
-    >>> [bus_factor(op, 4) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")]
-    [1.5, 0.75, 0.75, 1.0]
+    >>> [bus_factor(op, 4) for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")]
+    [1.5, 0.75, 0.75, 1.0, 0.75]
     """
     n = world_size
     factors = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-               "broadcast": 1.0, "reduce": 1.0}
+               "broadcast": 1.0, "reduce": 1.0, "all_to_all": (n - 1) / n, "barrier": 0.0}
     if op not in factors:
         raise ValueError(f"no bus-bandwidth factor for collective {op!r}; known: {', '.join(factors)}")
     return factors[op]

@@ -123,8 +123,10 @@ def test_bus_bandwidth_uses_each_collectives_own_factor():
     m = step_metrics(timing, world_size=4)
     assert m["comm/busbw_GBps"] == approx(8e6 / 0.030 / 1e9)
     assert m["comm/algbw_GBps"] == approx(10e6 / 0.030 / 1e9)
+    # every op the recording group records has a factor (a barrier moves nothing); an unknown op is refused
+    assert accounting.bus_factor("barrier", 4) == 0.0 and accounting.bus_factor("all_to_all", 4) == 0.75
     with pytest.raises(ValueError, match="bus-bandwidth factor"):
-        accounting.bus_factor("all_to_all", 4)
+        accounting.bus_factor("gather", 4)
 
 
 def test_bucketed_like_step_overlaps_communication_with_backward():

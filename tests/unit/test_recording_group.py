@@ -73,3 +73,19 @@ def test_an_engine_given_a_group_issues_on_its_recording_one(world_of_one) -> No
     labels = [c.label for c in recorder.finish_step().collectives]
     assert labels == ["gradient presence flags", "weight", "bias"]  # the engine's names for its collectives
     stop_recording_process_groups()
+
+
+def test_a_barrier_in_a_measured_step_is_recorded_and_accounted(world_of_one) -> None:
+    # Lightning calls the strategy's barrier while it restores a checkpoint: the timer must account it (0 bytes, no
+    # bus bandwidth), not fail the fit (it did: "no bus-bandwidth factor for collective 'barrier'").
+    from lightning_ddp.metrics.accounting import StepTiming, step_metrics
+
+    recorder = Recorder()
+    record_process_groups(recorder)
+    recorder.open_step(0)
+    dist.barrier()
+    record = recorder.finish_step()
+    assert [(c.op, c.nbytes) for c in record.collectives] == [("barrier", 0)]
+    metrics = step_metrics(StepTiming.from_record(record, step_ms=10.0, tokens=None), world_size=1)
+    assert metrics["comm/calls"] == 1 and metrics["comm/bytes"] == 0
+    stop_recording_process_groups()
