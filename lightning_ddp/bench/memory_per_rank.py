@@ -283,7 +283,7 @@ def _expected(mode: str, config: MemoryBenchConfig, shapes: list[tuple[int, ...]
     """What ``lightning_ddp.memory`` expects rank ``rank`` to hold under ``mode``: hsdp's is fsdp2's over its shard
     group, in which the rank's place is ``rank % shard_size`` (``hybrid_mesh``'s groups are consecutive ranks)."""
     if mode == HSDP:
-        shard_size = hybrid_layout(config).shard_size
+        shard_size = config.hsdp_shard_size  # resolved and checked where the config was built
         return expected_bytes(shapes, shard_size, "fully_sharded", rank % shard_size)
     return expected_bytes(shapes, world_size, "fully_sharded" if mode == FSDP2 else mode, rank)
 
