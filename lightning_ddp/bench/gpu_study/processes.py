@@ -88,8 +88,11 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         for spec in pending:  # a result of an earlier call (--resume) would make a fit look finished
             (out_dir / spec.name / RESULT_FILE).unlink(missing_ok=True)
         plan = work / "plan.json"
+        # Each fit its own rendezvous port: torch keeps a finished fit's store alive in the process (FSDP2's mesh
+        # stays cached), and a later fit meeting on the same port could read that fit's stale addresses and hang.
+        fits_of_plan = [{"name": s.name, "args": list(s.args), "port": find_free_port()} for s in pending]
         plan.write_text(json.dumps({"out_dir": str(out_dir.resolve()), "stop_on_failure": ranks > 1,
-                                    "fits": [{"name": s.name, "args": list(s.args)} for s in pending]}, indent=2))
+                                    "fits": fits_of_plan}, indent=2))
         # Each rank a "node" of one device: 2 ranks then share it over gloo (NCCL refuses two ranks on one GPU).
         layout = RankLayout(backend="gloo", devices_per_node=1, num_nodes=ranks)
         envs = rank_environments(layout, find_free_port(), every_rank=True, threads=threads, extra=env)
@@ -147,6 +150,7 @@ def fits(plan_path: str) -> int:
         log_dir = Path(plan["out_dir"]) / fit["name"]
         log_dir.mkdir(parents=True, exist_ok=True)
         print(f"[gpu_study] fit {fit['name']} on rank {rank}", flush=True)
+        os.environ["MASTER_PORT"] = str(fit["port"])
         start, status, error = time.perf_counter(), "ok", ""
         try:
             cli_main(fit_command([*fit["args"], "--trainer.enable_progress_bar", "false"], log_dir)[3:])

@@ -727,7 +727,7 @@ STAGES: tuple[Stage, ...] = (
         name="strategies",
         title="Every strategy at world size 1: what its hooks and copies cost",
         run=strategies,
-        estimate=Estimate(process_starts=1, fit_starts=10, work_s=13, dry_run_s=55),
+        estimate=Estimate(process_starts=1, fit_starts=11, work_s=14, dry_run_s=60),
         caption=("{preset} preset, batch {batch} x {seq_len} tokens, {precision}, one rank ({backend}), medians after "
                  "{warmup} of {steps} steps: the step over ddp's is what a strategy's hooks cost."),
         tables=(STRATEGY_COSTS,),
@@ -766,7 +766,7 @@ STAGES: tuple[Stage, ...] = (
         name="one_gpu_pair",
         title="2 ranks sharing the device over gloo: every strategy against one process",
         run=one_gpu_pair,
-        estimate=Estimate(process_starts=2, fit_starts=11, work_s=5, dry_run_s=75),
+        estimate=Estimate(process_starts=2, fit_starts=12, work_s=5, dry_run_s=82),
         caption=("{preset} preset, fp32, {steps} steps at lr {lr}: 2 ranks of batch {batch} against one process on "
                  "the same samples; weight differences in updates (lr x steps), *off* beyond {off_by_updates} update; "
                  "docs/gpu.md says how the tolerances were calibrated."),
