@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,12 +33,16 @@ from tests.dist.test_fsdp2 import (
 from tests.support.cli_utils import (
     GRADIENT_HISTORY, REPO, SAVE_FINAL_WEIGHTS, quickstart_chain, repo_first_on_path, run_cli,
 )
-from tests.support.tolerance import assert_within, history_weight_bounds
+from tests.support.tolerance import (
+    assert_within, gpt_gradient_chain, history_weight_bounds, reordered_gradient_bound, sgd_momentum_weight_bounds,
+)
+from tests.support.user_models import D_MODEL, LR, MOMENTUM, SEQ_LEN, VOCAB
 from tests.support.dist_utils import run_on_ranks
 
 WORLD = 4
 LAYOUTS = {"2x2": 2, "replicated": 1, "fsdp2": WORLD}  # name -> shard_size at 4 ranks
 LIGHTNING_STEPS = 3
+ROWS_PER_RANK = 4  # the Lightning fits' global batch: 16 rows
 
 
 def _train_layout(rank: int, world_size: int, shard_size: int, resume: dict[str, Any] | None) -> dict[str, Any]:
@@ -82,15 +88,17 @@ def _lightning_fit(rank: int, world_size: int, strategy: Any) -> dict[str, Any]:
 
     from lightning_ddp.callbacks import CommTimer
     from lightning_ddp.metrics.recording import call_table
+    from tests.support.callbacks_for_tests import GradientHistory
     from tests.support.user_models import KeptMetrics, UserTransformerLM, full_weights, user_data
 
     module, timer = UserTransformerLM(), CommTimer(every_n_steps=1, warmup_steps=1)
+    history = GradientHistory(str(Path(tempfile.mkdtemp()) / "gradients.pt"))  # rank 0's, for the fp32 bounds
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=LIGHTNING_STEPS,
-                         logger=KeptMetrics(), callbacks=[timer], enable_checkpointing=False,
+                         logger=KeptMetrics(), callbacks=[timer, history], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir="logs")
-    trainer.fit(module, DataLoader(user_data(32), batch_size=4))  # a global batch of 16
+    trainer.fit(module, DataLoader(user_data(32), batch_size=ROWS_PER_RANK))
     weights = full_weights(module)
-    return {"weights": weights if rank == 0 else {}, "strategy": trainer.strategy,
+    return {"weights": weights if rank == 0 else {}, "strategy": trainer.strategy, "gradients": history.steps,
             "calls": {(row["group"], row["op"]) for row in call_table(timer._calls)}}
 
 
@@ -165,10 +173,18 @@ def test_a_lightning_fit_trains_like_ddp_and_its_collectives_are_on_their_mesh_g
     assert hsdp["name"] == "hsdp"
     assert hsdp["settings"] == ("n/a", {"shard_size": 2, "reshard_after_forward": True, "mixed_precision": True})
     # fp32: both average the same 16 rows' gradients (reduce-scatter plus all-reduce against one all-reduce: another
-    # order of the sums, ~1e-7 relative) and step the same SGD; a missing replica's rows would move ~lr = 0.1.
-    assert hsdp["weights"].keys() == ddp["weights"].keys() and hsdp["weights"]
-    for name, value in ddp["weights"].items():
-        torch.testing.assert_close(hsdp["weights"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # order of the sums) and step the same SGD with momentum: each gradient within its reordered sums' bound of
+    # ddp's, carried through the buffer to the weights. The user's model has GPT's inner sums (no final norm: one
+    # d_model more is counted, a looser bound). The bounds come to ~1e-6; a missing replica's rows would move the
+    # weights by a share of lr x the sum of their gradients' sizes, 1e-4 and more in this run.
+    tokens = WORLD * ROWS_PER_RANK * SEQ_LEN
+    chain = gpt_gradient_chain(SimpleNamespace(d_model=D_MODEL, n_heads=2, d_ff=32, context_length=SEQ_LEN,
+                                               n_layers=2, vocab_size=VOCAB), tokens=tokens)
+    bounds = [{name: reordered_gradient_bound(g, chain, tokens) for name, g in step.items()}
+              for step in ddp["gradients"]]
+    assert len(bounds) == LIGHTNING_STEPS and hsdp["weights"]
+    assert_within(hsdp["weights"], ddp["weights"], sgd_momentum_weight_bounds(
+        ddp["gradients"], bounds, lr=LR, momentum=MOMENTUM, weights=ddp["weights"]), "hsdp against ddp")
     # The shard group gathers parameters and reduce-scatters gradients; only shards cross the replica group, in one
     # all-reduce per FSDP group. (The world carries the start-up broadcasts, before the measured steps.)
     for result in ranks:

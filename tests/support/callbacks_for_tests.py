@@ -33,8 +33,8 @@ class FailAt(Callback):
 
 class GradientHistory(Callback):
     """Rank 0 keeps every optimizer step's gradients (as the optimizer gets them, before clipping) and the step's
-    learning rate (one for every group), and saves them with AdamW's betas and eps to ``path`` at the end of fit:
-    the reference history ``tests.support.tolerance`` bounds another run's weights from."""
+    learning rate (one for every group), and saves them with AdamW's betas and eps (none for SGD) to ``path`` at the
+    end of fit: the reference history ``tests.support.tolerance`` bounds another run's weights from."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -46,7 +46,8 @@ class GradientHistory(Callback):
             self.steps.append({name: p.grad.detach().cpu().clone() for name, p in pl_module.named_parameters()
                                if p.grad is not None})
             self.lrs.append(optimizer.param_groups[0]["lr"])
-            self.hyper = {key: optimizer.param_groups[0][key] for key in ("betas", "eps")}
+            group = optimizer.param_groups[0]
+            self.hyper = {key: group[key] for key in ("betas", "eps") if key in group}
             names = {id(p): name for name, p in pl_module.named_parameters()}
             self.order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 

@@ -99,6 +99,31 @@ def adam_weight_bounds(history: Sequence[Mapping[str, torch.Tensor]],
     return bounds
 
 
+def sgd_momentum_weight_bounds(history: Sequence[Mapping[str, torch.Tensor]],
+                               grad_bounds: Sequence[Mapping[str, float | torch.Tensor]], lr: float, momentum: float,
+                               weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per weight, how far SGD with momentum (torch's: no dampening, Nesterov or weight decay) runs from the same start
+    can end apart when step t's gradient differs from ``history[t]`` by at most ``grad_bounds[t][name]``.
+
+    The buffer b_t = μ b_(t-1) + g_t carries the gradients' differences on, e_t = μ e_(t-1) + E_t, and step t moves
+    the weight by lr b_t: the weights end at most ``Σ lr e_t`` apart. Each run's own rounding of a step (the buffer's
+    product and sum, the weight's product and subtraction) is at most ``u (|w| + 3 lr |b_t|)`` in the weight, and a
+    rounding left in the buffer moves each later step by lr times it: ``steps x`` that, on each side (``|w|`` the
+    final weight of ``weights``, ``|b_t| <= μ |b_(t-1)| + |g_t| + E_t``)."""
+    bounds: dict[str, torch.Tensor] = {}
+    for name in dict.fromkeys(name for step in history for name in step):
+        present = [i for i, step in enumerate(history) if name in step]
+        u = unit_roundoff(history[present[0]][name].dtype)
+        carried = size = total = torch.zeros_like(history[present[0]][name], dtype=torch.float64)
+        for i in present:
+            e = torch.as_tensor(grad_bounds[i][name], dtype=torch.float64)
+            carried = momentum * carried + e
+            size = momentum * size + history[i][name].double().abs() + e
+            total = total + lr * carried + 2 * u * (weights[name].double().abs() + 3 * lr * size * len(present))
+        bounds[name] = total
+    return bounds
+
+
 def adam_moment_bounds(history: Sequence[Mapping[str, torch.Tensor]],
                        grad_bounds: Sequence[Mapping[str, float | torch.Tensor]],
                        betas: tuple[float, float] = (0.9, 0.999)) -> dict[str, dict[str, torch.Tensor]]:

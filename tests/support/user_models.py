@@ -13,6 +13,8 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 VOCAB, SEQ_LEN, D_MODEL = 32, 8, 16
+LR, MOMENTUM = 0.1, 0.9
+"""The user's SGD."""
 
 
 class UserTransformerLM(pl.LightningModule):
@@ -44,7 +46,7 @@ class UserTransformerLM(pl.LightningModule):
         return batch[0].numel()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
     def on_train_start(self) -> None:
         if self.comm_hook:
