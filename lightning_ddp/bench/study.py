@@ -171,6 +171,11 @@ def read_json(path: str | os.PathLike, missing_ok: bool = False) -> Any:
         raise
 
 
+def print_flushed(line: str) -> None:
+    """A progress line, printed at once (a long run's log shows where it is while it runs)."""
+    print(line, flush=True)
+
+
 def load_average() -> float | None:
     """The 1-minute load average (recorded next to timings), or ``None`` where the platform has none."""
     try:

@@ -25,7 +25,7 @@ from lightning_ddp.bench.report import (
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
-    LoadCheck, interleaved, load_average, provenance, read_json, wait_until_idle, write_outputs,
+    LoadCheck, interleaved, load_average, print_flushed, provenance, read_json, wait_until_idle, write_outputs,
 )
 from lightning_ddp.local_group import find_free_port
 from lightning_ddp.provenance import package_version
@@ -299,7 +299,7 @@ def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] |
              if key in repeats and repeats[key]["status"] == "ok"}
     bootstrap = Bootstrapper(config.output.bootstrap_samples, config.output.seed)
     cells = expand_grid(config)
-    say = log or _print_line
+    say = log or print_flushed
     if config.output.report_only:
         if not repeats:
             raise ValueError(
@@ -374,10 +374,6 @@ def _start_session(config: SweepConfig, out_dir: Path, layout: RankLayout | None
     environment["sessions"] = [*earlier, {**{k: environment.get(k) for k in keys}, "repeats_done_before": done}]
     write_outputs(out_dir, {ENVIRONMENT_JSON: environment})
     return layout
-
-
-def _print_line(line: str) -> None:
-    print(line, flush=True)
 
 
 def _predict_bucket_size(config: SweepConfig, layout: RankLayout, out_dir: Path, say: Callable[[str], None]) -> None:

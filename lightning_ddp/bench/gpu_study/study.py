@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from lightning_ddp.bench.gpu_study import GPUStudyConfig, repository_root
 from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE, GPU_SCALE
 from lightning_ddp.bench.gpu_study.stages import STAGES, Column, Stage, StageResult, StudyContext, Table
-from lightning_ddp.bench.study import read_json, write_outputs
+from lightning_ddp.bench.study import print_flushed, read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.provenance import git_state, repo_relative
 from lightning_ddp.reporting.tables import markdown_table
@@ -132,7 +132,7 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
     """Run the study of ``config``; returns the final ``stages.json`` document. ``cuda`` default: ask a child
     process; ``started``: ``time.monotonic()`` when the call began (the budget counts from it; default: now)."""
     started = time.monotonic() if started is None else started
-    say = log or _print_flushed
+    say = log or print_flushed
     out = Path(config.out)
     root = repository_root(config.root)
     cuda = cuda_available() if cuda is None else cuda
@@ -181,10 +181,6 @@ def run_study(config: GPUStudyConfig, stages: Sequence[Stage] = STAGES, cuda: bo
         ending = "every stage done"
     say(f"done in {time.monotonic() - started:.0f} s: {out / 'results.md'}; {ending}")
     return document
-
-
-def _print_flushed(line: str) -> None:
-    print(line, flush=True)
 
 
 def _stage_line(stage: Stage, entry: dict[str, Any]) -> str:
