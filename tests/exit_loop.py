@@ -12,8 +12,9 @@ A run is one (path, strategy) cell in turn, every strategy of the catalogue on e
 
 Clean: every exit code 0, the fit finished, and no "terminate called" or "Fatal Python error" in the output (each
 process runs with ``PYTHONFAULTHANDLER=1``, which prints a Python stack on SIGABRT). The result file holds the counts
-per cell, every run that was not clean (with its output's tail), the machine and the versions; the exit status is 1
-if any run was not clean. On 2 cores one run takes 20 to 40 s (docs/troubleshooting.md, "A finished run exits -6").
+per cell, every run that was not clean (with its output's tail), the commit it started at, the machine and the
+versions; the exit status is 1 if any run was not clean. On 2 cores one run takes 10 to 30 s beside a busy core
+(docs/troubleshooting.md, "A finished run exits -6").
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from jsonargparse import auto_cli
 from lightning_ddp import catalogue
 from lightning_ddp.bench.launch import RankLayout, rank_environments, run_processes
 from lightning_ddp.local_group import find_free_port
+from lightning_ddp.provenance import git_state
 from tests.support.cli_utils import REPO, repo_first_on_path
 from tests.support.dist_utils import RankFailure, run_on_ranks
 from tests.support.fits import strategy_json
@@ -101,6 +103,7 @@ def main(runs: int = 200, busy_cores: int = 1, out: str = "exit_loop.json", stra
     if unknown:
         raise ValueError(f"--paths {unknown}: not a path; choose from {list(PATHS)}")
     cells = [(path, name) for name in strategies or catalogue.names() for path in paths]
+    started_at = git_state(ignore=[out])
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_cores)]
     counts: dict[str, dict[str, int]] = {}
     not_clean, start = [], time.monotonic()
@@ -127,7 +130,8 @@ def main(runs: int = 200, busy_cores: int = 1, out: str = "exit_loop.json", stra
         "command": " ".join(["python -m tests.exit_loop", *sys.argv[1:]]),
         "runs": runs, "clean": runs - len(not_clean), "aborted": sum(cell["aborted"] for cell in counts.values()),
         "busy_cores": busy_cores, "minutes": round((time.monotonic() - start) / 60, 1), "per_cell": counts,
-        "not_clean": not_clean, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "not_clean": not_clean, "git": started_at,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
     }
     Path(out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
