@@ -13,7 +13,7 @@ A run is one (path, strategy) cell in turn, every strategy of the catalogue on e
 Clean: every exit code 0, the fit finished, and no "terminate called" or "Fatal Python error" in the output (each
 process runs with ``PYTHONFAULTHANDLER=1``, which prints a Python stack on SIGABRT). The result file holds the counts
 per cell, every run that was not clean (with its output's tail), the commit it started at, the machine and the
-versions; the exit status is 1 if any run was not clean. On 2 cores one run takes 10 to 30 s beside a busy core
+versions; the exit status is 1 if any run was not clean. On 2 cores one run takes 8 to 45 s beside a busy core
 (docs/troubleshooting.md, "A finished run exits -6").
 """
 
