@@ -33,7 +33,7 @@ from jsonargparse import auto_cli
 from lightning_ddp import catalogue
 from lightning_ddp.bench.launch import RankLayout, rank_environments, run_processes
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.provenance import git_state
+from lightning_ddp.reporting.provenance import git_state
 from tests.support.cli_utils import REPO, repo_first_on_path
 from tests.support.dist_utils import RankFailure, run_on_ranks
 from tests.support.fits import strategy_json

@@ -20,7 +20,7 @@ from lightning_ddp.bench.launch import base_environment, error_line, fit_command
 from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import check_field_types, parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.provenance import cpu_model, git_state, invocation, package_version
+from lightning_ddp.reporting.provenance import cpu_model, git_state, invocation, package_version
 from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 
 T = TypeVar("T")

@@ -28,7 +28,7 @@ from lightning_ddp.bench.study import (
     LoadCheck, interleaved, load_average, print_flushed, provenance, read_json, wait_until_idle, write_outputs,
 )
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.provenance import package_version
+from lightning_ddp.reporting.provenance import package_version
 from lightning_ddp.reporting.tables import csv_value
 from lightning_ddp.reporting.variants import format_settings
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddp import provenance
+from lightning_ddp.reporting import provenance
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from lightning_ddp.bench.launch import (
 from lightning_ddp.bench.study import read_timing_summary
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.local_group import find_free_port
-from lightning_ddp.provenance import package_version
+from lightning_ddp.reporting.provenance import package_version
 
 RESULT_FILE = "fit_result.json"
 """What a fit's process writes into the fit's folder when the fit ends: its status, error and seconds."""

@@ -23,7 +23,7 @@ from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, 
 from lightning_ddp.bench.study import read_json
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
-from lightning_ddp.provenance import COMMIT_VARIABLE
+from lightning_ddp.reporting.provenance import COMMIT_VARIABLE
 
 if TYPE_CHECKING:  # the config imports this module to check its stage names
     from lightning_ddp.bench.gpu_study import GPUStudyConfig

@@ -22,7 +22,7 @@ from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE, GPU_SCALE
 from lightning_ddp.bench.gpu_study.stages import STAGES, Column, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import print_flushed, read_json, write_outputs
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.provenance import git_state, repo_relative
+from lightning_ddp.reporting.provenance import git_state, repo_relative
 from lightning_ddp.reporting.tables import markdown_table
 
 DONE = ("ok", "skipped: no CUDA", "skipped: not selected")

@@ -17,7 +17,7 @@ from typing import Any
 # The environment variable that names the commit where the code is a copy without ``.git`` (a GPU machine's).
 COMMIT_VARIABLE = "LIGHTNING_DDP_COMMIT"
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def _git(*args: str) -> str | None:
