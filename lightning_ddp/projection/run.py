@@ -15,8 +15,8 @@ from lightning_ddp.projection.config import build_fabric, contention_of, copy_ba
 from lightning_ddp.projection.flops import ModelShape, modelled_profile
 from lightning_ddp.projection.report import build_markdown, write_plots
 from lightning_ddp.projection.simulators import StepModel, StepResult, best_by_world_size, simulate
-from lightning_ddp.reporting.provenance import git_state, invocation, package_version
 from lightning_ddp.reporting import variants
+from lightning_ddp.reporting.provenance import git_state, invocation, package_version
 from lightning_ddp.reporting.tables import csv_text
 
 COLUMNS: tuple[str, ...] = (
