@@ -411,7 +411,7 @@ def test_each_fit_in_a_set_of_processes_meets_on_a_rendezvous_port_of_its_own(tm
 
 @pytest.mark.slow  # 2 ranks, four sharded fits in one launch (~1 min)
 def test_sharded_fits_one_after_another_on_two_ranks_do_not_hang(tmp_path: Path) -> None:
-    # torch keeps a finished fsdp2 fit's store alive in the process: on one shared port the next fit hung in 3 of 5
+    # torch keeps a finished fsdp2 fit's store alive in the process: on one shared port the next fit hung in 4 of 7
     # tries (docs/gpu.md, the stage notes).
     common = ("--config", str(REPO / "configs" / "quickstart.yaml"), "--data.source", "synthetic",
               "--model.context_length", "32", "--data.seq_len", "32", "--data.batch_size", "2", "--trainer.max_steps",
