@@ -165,6 +165,8 @@ class Recorder:
         self._watched = 0
         self._hooks: list[Any] = []
         self._thread = threading.local()  # ``label``: the engine's name for the collective it is issuing
+        self._callbacks: list[tuple[Collective, Any, Any]] = []
+        """The open step's (collective, its work's future, the future of its completion callback), from ``issued``."""
 
     def open_step(self, step: int | None = None) -> None:
         """Start recording optimizer step ``step`` (idempotent for the same open ``step``: several observers)."""
@@ -177,6 +179,7 @@ class Recorder:
         self.armed = True
         self.step = step
         self.finished = None
+        self._callbacks = []
         self.record = SyncRecord(started=self.clock.mark(), ready=[None] * self._watched)
 
     def ensure_open(self) -> None:
@@ -191,6 +194,7 @@ class Recorder:
                 raise RuntimeError("Recorder.finish_step() without an open step: call open_step() first")
             return self.finished
         self.record.ended = self.clock.mark()
+        self._await_completion_callbacks()
         clock = self.clock
         clock.synchronize()  # the step's one synchronize (CUDA): every event of the step can now be read
         self.finished = self.record.converted(clock.to_ms, clock.t0)
@@ -200,6 +204,17 @@ class Recorder:
         self.is_open = False
         self.armed = self.open_on_demand
         return self.finished
+
+    def _await_completion_callbacks(self) -> None:
+        """Let every finished collective's completion callback run before the step is converted. A future is done
+        before its callbacks run, and ours runs on the backend's thread and needs the GIL, which the training thread
+        may have held ever since (under load, to the step's end: the collective's busy time would read 0). Waiting
+        for the callback's future lets go of the GIL; a collective still in flight is left alone, so that measuring
+        never waits for one."""
+        for collective, future, callback_done in self._callbacks:
+            if collective.completed is None and future.done():
+                callback_done.wait()
+        self._callbacks = []
 
     # -- the step's compute landmarks (the timer marks them) ---------------------------------------------
 
@@ -264,9 +279,11 @@ class Recorder:
                 collective.completed = clock.mark() if device_completion else clock.host_time()
 
         try:
-            work.get_future().then(on_done)
+            future = work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce-scatter): done when waited for
             pass
+        else:
+            self._callbacks.append((collective, future, future.then(on_done)))
         return RecordedWork(work, collective, clock)
 
     # -- what our engines call (through ``Communicator``) -------------------------------------------------

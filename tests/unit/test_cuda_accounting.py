@@ -85,13 +85,31 @@ class FakeCudaClock(StepClock):
 class FakeFuture:
     def __init__(self) -> None:
         self.callbacks = []
+        self.completed = False
 
-    def then(self, callback):
+    def then(self, callback) -> FakeFuture:
         self.callbacks.append(callback)
+        return CallbackFuture(self, callback)
+
+    def done(self) -> bool:
+        return self.completed
 
     def complete(self) -> None:
+        self.completed = True
         for callback in self.callbacks:
             callback(self)
+
+
+class CallbackFuture:
+    """What ``then`` returns: done once its callback ran. Its ``wait`` runs a callback still pending, as a waiting
+    thread that lets go of the GIL lets the backend's thread run it."""
+
+    def __init__(self, parent: FakeFuture, callback) -> None:
+        self.parent, self.callback, self.waited = parent, callback, 0
+
+    def wait(self) -> None:
+        self.waited += 1
+        self.callback(self.parent)
 
 
 class FakeWork:
@@ -135,6 +153,25 @@ def test_completion_comes_from_the_future_callback_and_is_never_replaced(device_
     # ... but busy ends at the real completion (14 ms), not at the end of the wait (30 ms)
     assert (c.launched, c.completed) == (pytest.approx(10.0), pytest.approx(14.0))
     assert c.wait == (pytest.approx(25.0), pytest.approx(25.0))
+
+
+def test_a_finished_collective_whose_callback_has_not_run_gets_its_completion_at_the_step_end() -> None:
+    # The data arrived at 14 ms, but the callback waits for the GIL the training thread holds to the step's end
+    # (seen under load: an all-reduce of DDP's with busy 0). The step's end lets it run; one still in flight is
+    # left alone.
+    clock = FakeCudaClock()
+    recorder = Recorder(clock=clock)
+    recorder.open_step(0)
+    clock.now_ms = 10.0
+    arrived, in_flight = FakeWork(), FakeWork()
+    recorder.issued(recorder.launch("all_reduce", 4096, "world"), arrived, device_completion=False)
+    recorder.issued(recorder.launch("all_reduce", 4096, "world"), in_flight, device_completion=False)
+    arrived.future.completed = True  # done, its callback not run yet (a future is done before its callbacks run)
+    clock.now_ms = 20.0
+    first, second = recorder.finish_step().collectives
+    assert (first.launched, first.completed) == (pytest.approx(10.0), pytest.approx(20.0))  # busy 10 ms, not 0
+    assert second.completed == pytest.approx(second.launched)  # no completion: never waited for here
+    assert in_flight.future.callbacks and not in_flight.future.done()
 
 
 def test_a_collective_without_a_completion_falls_back_to_the_end_of_its_wait() -> None:
