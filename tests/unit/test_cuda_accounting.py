@@ -87,7 +87,7 @@ class FakeFuture:
         self.callbacks = []
         self.completed = False
 
-    def then(self, callback) -> FakeFuture:
+    def then(self, callback) -> CallbackFuture:
         self.callbacks.append(callback)
         return CallbackFuture(self, callback)
 
@@ -105,10 +105,9 @@ class CallbackFuture:
     thread that lets go of the GIL lets the backend's thread run it."""
 
     def __init__(self, parent: FakeFuture, callback) -> None:
-        self.parent, self.callback, self.waited = parent, callback, 0
+        self.parent, self.callback = parent, callback
 
     def wait(self) -> None:
-        self.waited += 1
         self.callback(self.parent)
 
 
@@ -156,9 +155,9 @@ def test_completion_comes_from_the_future_callback_and_is_never_replaced(device_
 
 
 def test_a_finished_collective_whose_callback_has_not_run_gets_its_completion_at_the_step_end() -> None:
-    # The data arrived at 14 ms, but the callback waits for the GIL the training thread holds to the step's end
-    # (seen under load: an all-reduce of DDP's with busy 0). The step's end lets it run; one still in flight is
-    # left alone.
+    # The data arrived during the step, but the callback waits for the GIL the training thread holds to the step's
+    # end (seen under load: an all-reduce of DDP's with busy 0). The step's end (20 ms) lets it run: the completion
+    # reads 20 ms, an upper bound as a wait's end is. One still in flight is left alone.
     clock = FakeCudaClock()
     recorder = Recorder(clock=clock)
     recorder.open_step(0)
