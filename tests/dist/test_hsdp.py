@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -92,7 +91,7 @@ def _lightning_fit(rank: int, world_size: int, strategy: Any) -> dict[str, Any]:
     from tests.support.user_models import KeptMetrics, UserTransformerLM, full_weights, user_data
 
     module, timer = UserTransformerLM(), CommTimer(every_n_steps=1, warmup_steps=1)
-    history = GradientHistory(str(Path(tempfile.mkdtemp()) / "gradients.pt"))  # rank 0's, for the fp32 bounds
+    history = GradientHistory()  # rank 0's gradients, for the fp32 bounds
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=LIGHTNING_STEPS,
                          logger=KeptMetrics(), callbacks=[timer, history], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir="logs")

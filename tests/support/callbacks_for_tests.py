@@ -34,9 +34,10 @@ class FailAt(Callback):
 class GradientHistory(Callback):
     """Rank 0 keeps every optimizer step's gradients (as the optimizer gets them, before clipping) and the step's
     learning rate (one for every group), and saves them with AdamW's betas and eps (none for SGD) to ``path`` at the
-    end of fit: the reference history ``tests.support.tolerance`` bounds another run's weights from."""
+    end of fit (kept in ``steps`` only, without a path): the reference history ``tests.support.tolerance`` bounds
+    another run's weights from."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.steps: list[dict] = []
         self.lrs: list[float] = []
@@ -45,12 +46,12 @@ class GradientHistory(Callback):
         if trainer.is_global_zero:
             self.steps.append({name: p.grad.detach().cpu().clone() for name, p in pl_module.named_parameters()
                                if p.grad is not None})
-            self.lrs.append(optimizer.param_groups[0]["lr"])
-            group = optimizer.param_groups[0]
-            self.hyper = {key: group[key] for key in ("betas", "eps") if key in group}
+            first = optimizer.param_groups[0]
+            self.lrs.append(first["lr"])
+            self.hyper = {key: first[key] for key in ("betas", "eps") if key in first}
             names = {id(p): name for name, p in pl_module.named_parameters()}
             self.order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:  # ``order``: the names of the optimizer's state indices
+        if trainer.is_global_zero and self.path is not None:  # ``order``: the optimizer's state indices' names
             torch.save({"steps": self.steps, "lrs": self.lrs, "order": self.order, **self.hyper}, self.path)
