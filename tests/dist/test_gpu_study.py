@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.gpu_study import GPUStudyConfig
+from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
 from lightning_ddp.bench.gpu_study.__main__ import main, missing_packages
 from lightning_ddp.bench.gpu_study import processes
 from lightning_ddp.bench.gpu_study.processes import FitSpec, batch_candidates, first_that_fits, run_fits

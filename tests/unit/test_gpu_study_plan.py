@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_ddp.bench.gpu_study import GPUStudyConfig
+from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
 from lightning_ddp.bench.gpu_study.__main__ import main
 from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE, GPU_SCALE, FitSize, Scale
 from lightning_ddp.bench.gpu_study.stages import FIT_START_S, PROCESS_START_S, STAGES, Estimate

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from lightning_ddp.bench.gpu_study import GPUStudyConfig
+from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
 from lightning_ddp.command_line import parse_dataclass
 
 REQUIRED: dict[str, str] = {

@@ -26,7 +26,7 @@ from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_comput
 from lightning_ddp.reporting.provenance import COMMIT_VARIABLE
 
 if TYPE_CHECKING:  # the config imports this module to check its stage names
-    from lightning_ddp.bench.gpu_study import GPUStudyConfig
+    from lightning_ddp.bench.gpu_study.config import GPUStudyConfig
 
 
 class Ran(NamedTuple):

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_ddp.bench.gpu_study import GPUStudyConfig, repository_root
+from lightning_ddp.bench.gpu_study.config import GPUStudyConfig, repository_root
 from lightning_ddp.bench.gpu_study.scales import DRY_RUN_SCALE, GPU_SCALE
 from lightning_ddp.bench.gpu_study.stages import STAGES, Column, Stage, StageResult, StudyContext, Table
 from lightning_ddp.bench.study import print_flushed, read_json, write_outputs
