@@ -16,6 +16,9 @@ from typing import Any
 
 # The environment variable that names the commit where the code is a copy without ``.git`` (a GPU machine's).
 COMMIT_VARIABLE = "LIGHTNING_DDP_COMMIT"
+# Where the committed results live: data the benchmarks write, not code. A result remade there does not make the
+# next command's code dirty (the projections are regenerated one after another into sibling folders).
+RESULTS_DIR = "benchmarks/results"
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -68,13 +71,14 @@ def package_version(name: str) -> str | None:
 
 
 def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
-    """``{"git_commit", "git_commit_source", "git_dirty", "git_changed"}``: HEAD, whether tracked or new files
-    outside ``ignore`` (the run's own output) differ from it, and which (at most 20). Outside a checkout: the commit
-    ``$LIGHTNING_DDP_COMMIT`` (its source named so) or None, and dirty unknown (None)."""
+    """``{"git_commit", "git_commit_source", "git_dirty", "git_changed"}``: HEAD, whether the code differs from it
+    (tracked or new files outside ``RESULTS_DIR`` and ``ignore``, the run's own output), and which (at most 20).
+    Outside a checkout: the commit ``$LIGHTNING_DDP_COMMIT`` (its source named so) or None, and dirty unknown (None).
+    """
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=normal")
+    status = _git("status", "--porcelain", "--untracked-files=all")
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None
-    prefixes = [repo_relative(str(Path(path).resolve())) for path in ignore]
+    prefixes = [RESULTS_DIR, *(repo_relative(str(Path(path).resolve())) for path in ignore)]
     if changed is not None:  # a changed file inside an ignored directory, or an untracked directory holding one
         changed = [c for c in changed if not any(c.rstrip("/") == p or c.startswith(p + "/")
                                                  or p.startswith(c.rstrip("/") + "/") for p in prefixes)]

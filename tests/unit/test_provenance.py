@@ -1,4 +1,4 @@
-"""git_state: the commit and the changed files, minus the directories a run writes its own results into."""
+"""git_state: the commit and the changed code: files outside the committed results and the run's own output."""
 
 from __future__ import annotations
 
@@ -26,20 +26,25 @@ def checkout(tmp_path, monkeypatch) -> Path:
     return repo
 
 
-def test_clean_tree_then_results_dir_ignored_then_code_change_counted(checkout: Path) -> None:
+def test_clean_tree_then_results_and_own_output_ignored_then_code_change_counted(checkout: Path) -> None:
     state = provenance.git_state()
     assert state["git_dirty"] is False and len(state["git_commit"]) == 40 and state["git_changed"] == []
 
     results = checkout / "benchmarks" / "results" / "cpu"
     results.mkdir(parents=True)
     (results / "repeats.csv").write_text("a\n")
+    assert provenance.git_state()["git_dirty"] is False  # a remade result is data, not code
+
+    output = checkout / "study"
+    output.mkdir()
+    (output / "stages.json").write_text("{}\n")
     assert provenance.git_state()["git_dirty"] is True  # untracked files count
-    assert provenance.git_state(ignore=[results])["git_dirty"] is False  # unless they are the run's own output
+    assert provenance.git_state(ignore=[output])["git_dirty"] is False  # unless they are the run's own output
 
     (checkout / "code.py").write_text("x = 2\n")
-    state = provenance.git_state(ignore=[results])
+    state = provenance.git_state(ignore=[output])
     assert state["git_dirty"] is True and state["git_changed"] == ["code.py"]
-    assert provenance.git_state(ignore=["/somewhere/else"])["git_changed"] == ["code.py", "benchmarks/"]
+    assert provenance.git_state(ignore=["/somewhere/else"])["git_changed"] == ["code.py", "study/stages.json"]
 
 
 def test_outside_a_checkout_everything_is_unknown(tmp_path, monkeypatch) -> None:
