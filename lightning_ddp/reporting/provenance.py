@@ -92,3 +92,13 @@ def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
         "git_changed": changed[:20] if changed is not None else None,
     }
 
+
+
+def code_version(state: dict[str, Any] | None = None) -> str:
+    """The code a report came from, as its sentence says it: ``commit 2685a5d1b2c3``, with ``with uncommitted
+    changes`` after it where ``state`` (default: ``git_state()``) says the code was dirty."""
+    state = git_state() if state is None else state
+    if not state["git_commit"]:
+        return "an unknown commit"
+    changes = " with uncommitted changes" if state["git_dirty"] else ""
+    return f"commit {state['git_commit'][:12]}{changes}"

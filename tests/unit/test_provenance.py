@@ -72,3 +72,10 @@ def test_paths_are_written_relative_to_the_repository() -> None:
     assert provenance.repo_relative(str(root / "benchmarks" / "results")) == "benchmarks/results"
     assert (provenance.repo_relative(str(root)), provenance.repo_relative("--lr=0.1")) == (".", "--lr=0.1")
     assert provenance.repo_relative(f"--out={root / 'logs'}") == "--out=logs"
+
+
+def test_a_report_names_the_commit_and_says_when_the_code_had_changed() -> None:
+    clean = {"git_commit": "2685a5d1b2c3d4e5", "git_dirty": False}
+    assert provenance.code_version(clean) == "commit 2685a5d1b2c3"
+    assert provenance.code_version({**clean, "git_dirty": True}) == "commit 2685a5d1b2c3 with uncommitted changes"
+    assert provenance.code_version({"git_commit": None, "git_dirty": None}) == "an unknown commit"
