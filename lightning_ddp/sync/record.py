@@ -145,6 +145,15 @@ class SyncRecord:
         return self.converted(lambda ms: origin + ms / 1e3, origin)
 
 
+@dataclass
+class _Unfinished:
+    """A collective of the open step whose completion callback has not run yet."""
+
+    collective: Collective
+    future: Any  # its work's future: holds the collective's tensors until the entry is dropped
+    callback_done: Any = None  # the future of its completion callback (``future.then``)
+
+
 class Recorder:
     """Collects one ``SyncRecord`` per optimizer step from whichever engines (and optimizers) it is attached to.
 
@@ -165,8 +174,10 @@ class Recorder:
         self._watched = 0
         self._hooks: list[Any] = []
         self._thread = threading.local()  # ``label``: the engine's name for the collective it is issuing
-        self._callbacks: list[tuple[Collective, Any, Any]] = []
-        """The open step's (collective, its work's future, the future of its completion callback), from ``issued``."""
+        self._unfinished: dict[int, _Unfinished] = {}
+        """The open step's collectives whose completion callback has not run, by ``id``. Each leaves as its callback
+        runs: a finished collective's future kept to the step's end would keep its tensors (FSDP2's gathered
+        parameters) alive as long, and measuring would change the memory it measures."""
 
     def open_step(self, step: int | None = None) -> None:
         """Start recording optimizer step ``step`` (idempotent for the same open ``step``: several observers)."""
@@ -179,7 +190,7 @@ class Recorder:
         self.armed = True
         self.step = step
         self.finished = None
-        self._callbacks = []
+        self._unfinished = {}
         self.record = SyncRecord(started=self.clock.mark(), ready=[None] * self._watched)
 
     def ensure_open(self) -> None:
@@ -211,10 +222,10 @@ class Recorder:
         may have held ever since (under load, to the step's end: the collective's busy time would read 0). Waiting
         for the callback's future lets go of the GIL; a collective still in flight is left alone, so that measuring
         never waits for one."""
-        for collective, future, callback_done in self._callbacks:
-            if collective.completed is None and future.done():
-                callback_done.wait()
-        self._callbacks = []
+        for pending in list(self._unfinished.values()):  # a callback that runs removes its own entry
+            if pending.callback_done is not None and pending.collective.completed is None and pending.future.done():
+                pending.callback_done.wait()
+        self._unfinished = {}
 
     # -- the step's compute landmarks (the timer marks them) ---------------------------------------------
 
@@ -270,20 +281,23 @@ class Recorder:
         future's callback: a CUDA event where ``device_completion``, NCCL's case, else the host clock) and when it is
         waited for. Returns what to hand the caller in ``work``'s place."""
         self.record.collectives.append(collective)
-        clock = self.clock
+        clock, unfinished, key = self.clock, self._unfinished, id(collective)
 
         def on_done(_future: Any) -> None:
             if collective.completed is None:  # never overwrite a real completion
                 # NCCL: an event on the callback's current stream, which waits for the collective's kernel.
                 # gloo (CPU or CUDA tensors): the host clock, now that the data has arrived.
                 collective.completed = clock.mark() if device_completion else clock.host_time()
+            unfinished.pop(key, None)  # its future, and with it its tensors, are no longer ours to hold
 
         try:
             future = work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce-scatter): done when waited for
             pass
         else:
-            self._callbacks.append((collective, future, future.then(on_done)))
+            pending = _Unfinished(collective, future)
+            unfinished[key] = pending  # before ``then``: a callback that runs at once removes it
+            pending.callback_done = future.then(on_done)
         return RecordedWork(work, collective, clock)
 
     # -- what our engines call (through ``Communicator``) -------------------------------------------------
