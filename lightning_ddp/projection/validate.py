@@ -221,9 +221,9 @@ def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps:
         from_reference = f"From the group's reference profile instead: median error {median_from_reference:.1f} %."
     lines = [
         "# The projection against the CPU sweep", "",
-        f"Command: `{command}`, at {code_version()}. All-reduce fit of the sweep: o = {fit['overhead_s'] * 1e3:.3f} ms per call, "
-        f"w = {fit['bandwidth_Bps'] / 1e9:.3f} GB/s; copies at {copy_Bps / 1e9:.2f} GB/s (read + written, measured "
-        "here). How to read this report: docs/projection.md.", "",
+        f"Command: `{command}`, at {code_version()}. All-reduce fit of the sweep: o = "
+        f"{fit['overhead_s'] * 1e3:.3f} ms per call, w = {fit['bandwidth_Bps'] / 1e9:.3f} GB/s; copies at "
+        f"{copy_Bps / 1e9:.2f} GB/s (read + written, measured here). How to read this report: docs/projection.md.", "",
         headline, "",
         bias, "",
         from_reference, "",

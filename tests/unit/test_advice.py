@@ -20,7 +20,7 @@ BLOCKS = 8
 BLOCK_BYTES = 4 * 256 * 256
 
 
-def _write_run(path: Path, call_ms: float = 5.0, wait_ms: float = 0.0, strategy: str = "naive_ddp",
+def _write_run(path: Path, call_ms: float = 8.0, wait_ms: float = 0.0, strategy: str = "naive_ddp",
                cli: bool = True, peak_mib: float = 500.0, step_spread: float = 0.0) -> Path:
     """A 2-rank CommTimer folder: 8 blocks of one 256 x 256 weight, per-tensor all-reduces of ``call_ms`` each; its
     10 measured steps spread ``step_spread`` (``Run.step_spread``) around the median step."""
@@ -205,15 +205,15 @@ def test_the_interval_is_sized_by_the_runs_own_spread_and_a_noisy_run_is_not_adv
     assert quiet["run"]["step_spread"] == pytest.approx(0.05)
     assert half_width(quiet) == pytest.approx(PROJECTION_ERROR)  # as quiet as the validation's runs: its error
     assert quiet["verdict"]["action"] == "change"
-    # 0.13 is 1.31 quiet spreads: the interval widens to 9.9 % x 0.13 / 0.099 = 13 %
+    # 0.13 is 1.31 quiet spreads: the interval widens to 11.9 % x 0.13 / 0.099 = 15.6 %
     wide = advise(read_run(_write_run(tmp_path / "wide", step_spread=0.13)))
     assert half_width(wide) == pytest.approx(PROJECTION_ERROR * 0.13 / QUIET_SPREAD)
     noisy = advise(read_run(_write_run(tmp_path / "noisy", step_spread=0.2)))  # above every committed quiet run
     assert noisy["verdict"]["action"] == "noisy" and noisy["verdict"]["top"] is None
     assert noisy["verdict"]["text"].startswith("too noisy to advise from: its 10 measured steps spread +-20%")
     assert noisy["recommendations"][0]["current"]  # nothing recommended: the run itself first
-    # 9.9 % x 0.2 / 0.099 = 20 %
-    assert ("Intervals: +-20.0%, the projection's +-9.9% widened x2.02, as this run's steps spread +-20% against a "
+    # 11.9 % x 0.2 / 0.099 = 24 %
+    assert ("Intervals: +-24.0%, the projection's +-11.9% widened x2.02, as this run's steps spread +-20% against a "
             "quiet run's +-10%") in render_markdown(noisy)
 
 
