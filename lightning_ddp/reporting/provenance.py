@@ -93,7 +93,6 @@ def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     }
 
 
-
 def code_version(state: dict[str, Any] | None = None) -> str:
     """The code a report came from, as its sentence says it: ``commit 2685a5d1b2c3``, with ``with uncommitted
     changes`` after it where ``state`` (default: ``git_state()``) says the code was dirty."""
