@@ -79,9 +79,8 @@ def git_state(ignore: Iterable[str | os.PathLike] = ()) -> dict[str, Any]:
     status = _git("status", "--porcelain", "--untracked-files=all")
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status is not None else None
     prefixes = [RESULTS_DIR, *(repo_relative(str(Path(path).resolve())) for path in ignore)]
-    if changed is not None:  # a changed file inside an ignored directory, or an untracked directory holding one
-        changed = [c for c in changed if not any(c.rstrip("/") == p or c.startswith(p + "/")
-                                                 or p.startswith(c.rstrip("/") + "/") for p in prefixes)]
+    if changed is not None:  # a changed file inside an ignored directory (``=all`` lists files, never folders)
+        changed = [c for c in changed if not any(c.rstrip("/") == p or c.startswith(p + "/") for p in prefixes)]
     source = "git" if commit else None
     if not commit and os.environ.get(COMMIT_VARIABLE):
         commit, source = os.environ[COMMIT_VARIABLE], COMMIT_VARIABLE

@@ -147,9 +147,8 @@ class SyncRecord:
 
 @dataclass
 class _Unfinished:
-    """A collective of the open step whose completion callback has not run yet."""
+    """A collective of the open step whose completion callback has not run yet (the callback removes it)."""
 
-    collective: Collective
     future: Any  # its work's future: holds the collective's tensors until the entry is dropped
     callback_done: Any = None  # the future of its completion callback (``future.then``)
 
@@ -223,7 +222,7 @@ class Recorder:
         for the callback's future lets go of the GIL; a collective still in flight is left alone, so that measuring
         never waits for one."""
         for pending in list(self._unfinished.values()):  # a callback that runs removes its own entry
-            if pending.callback_done is not None and pending.collective.completed is None and pending.future.done():
+            if pending.future.done():
                 pending.callback_done.wait()
         self._unfinished = {}
 
@@ -295,7 +294,7 @@ class Recorder:
         except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce-scatter): done when waited for
             pass
         else:
-            pending = _Unfinished(collective, future)
+            pending = _Unfinished(future)
             unfinished[key] = pending  # before ``then``: a callback that runs at once removes it
             pending.callback_done = future.then(on_done)
         return RecordedWork(work, collective, clock)
