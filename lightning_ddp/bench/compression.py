@@ -22,8 +22,10 @@ from lightning_ddp.bench.study import (
 )
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
+from lightning_ddp.reporting.provenance import code_version
 from lightning_ddp.reporting.tables import markdown_table
 from lightning_ddp.reporting.variants import format_settings, parse_settings
+from lightning_ddp.sync.memory_model import MiB
 
 FP32_BASELINE = catalogue.DEFAULT_ENGINE
 """The exact reference every variant is compared with: bucketed averaging in fp32."""
@@ -234,7 +236,7 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     colors = {name: f"C{k}" for k, name in enumerate([FP32_BASELINE, *names])}
     for seed, by_name in runs.items():
         for name, run in by_name.items():
-            label = f"{name} ({run['bytes_per_step'] / 2**20:.3g} MiB/step)" if seed == min(runs) else None
+            label = f"{name} ({run['bytes_per_step'] / MiB:.3g} MiB/step)" if seed == min(runs) else None
             ax_loss.plot(run["loss"], color=colors[name], alpha=0.75, lw=1, label=label)
     for name in names:
         ax_err.plot([100 * e for e, _ in errors.get(name, [])], color=colors[name], label=name)  # x: the step
@@ -257,12 +259,12 @@ class Cost(NamedTuple):
     spec: str
     """Format spec of the shown value, e.g. ``.1f``."""
     scale: float
-    """Multiplies the results.json value before it is shown (``2**-20``: bytes to MiB)."""
+    """Multiplies the results.json value before it is shown (``1 / MiB``: bytes to MiB)."""
     unit: str
     """Text after the value, e.g. `` ms``."""
 
 
-COSTS = (Cost(title="bytes communicated per step", key="bytes_per_step", spec=".3g", scale=2**-20, unit=" MiB"),
+COSTS = (Cost(title="bytes communicated per step", key="bytes_per_step", spec=".3g", scale=1 / MiB, unit=" MiB"),
          Cost(title="step time", key="step_ms_median", spec=".1f", scale=1, unit=" ms"),
          Cost(title="exposed communication", key="exposed_ms_median", spec=".1f", scale=1, unit=" ms"))
 """results.md's cost rows, in order: bytes communicated, step time, exposed communication (medians)."""
@@ -302,8 +304,7 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join([
         f"# Lossy gradient communication vs fp32: {', '.join(f'`{n}`' for n in names)}; {config['steps']} steps, "
         f"2 ranks, bucket {config['bucket_size_mb']:g} MiB, seed {', '.join(seeds)}", "",
-        f"Command: `{result['command']}` (commit {str(result['git_commit'])[:12]}"
-        + (", uncommitted changes" if result["git_dirty"] else "") + f"; torch {result['torch']}).", "",
+        f"Command: `{result['command']}` ({code_version(result)}; torch {result['torch']}).", "",
         *markdown_table(["variant", "engine settings (defaults filled in)"],
                         [[f"`{n}`", format_settings(v["effective_settings"]) or "-"]
                          for n, v in result["variants"].items()], "ll"), "",

@@ -28,9 +28,10 @@ from lightning_ddp.bench.study import (
     Column, benchmark_main, json_report, provenance, run_ranks, table, text_cell, write_outputs,
 )
 from lightning_ddp.files import write_atomically
+from lightning_ddp.reporting.tables import markdown_table
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 from lightning_ddp.model import PRESETS
-from lightning_ddp.sync.memory_model import MiB, zero2_buffer_bytes
+from lightning_ddp.sync.memory_model import MiB, bucket_cap_bytes, zero2_buffer_bytes
 
 if TYPE_CHECKING:
     from lightning_ddp.strategies.hsdp import HybridLayout
@@ -262,9 +263,8 @@ def _measure_mode(mode: str, config: MemoryBenchConfig, device: torch.device, ra
         "shard_bytes": getattr(optimizer, "shard_bytes", None),
         "expected_transient": transient,
     }
-    if mode == "zero2":
-        cap = None if config.bucket_size_mb is None else int(config.bucket_size_mb * MiB)
-        result["expected_transient"] = zero2_buffer_bytes(cap, FP32 * num_params)  # beyond the held shard
+    if mode == "zero2":  # beyond the held shard
+        result["expected_transient"] = zero2_buffer_bytes(bucket_cap_bytes(config.bucket_size_mb), FP32 * num_params)
         result["expected_gradient_peak"] = result["expected"]["gradients"] + result["expected_transient"]
     return result
 
@@ -347,8 +347,8 @@ def summarise(config: dict[str, Any], per_mode: list[list[dict[str, Any]]]) -> d
                                  "verdict": "not measurable"}
     if "zero2" in rows and "unsharded" in rows:
         full = rows["unsharded"]["gradients"]
-        cap = config["bucket_size_mb"]
-        bucket = full if cap is None else min(int(cap * MiB), full)  # null: one bucket of every gradient
+        cap = bucket_cap_bytes(config["bucket_size_mb"])
+        bucket = full if cap is None else min(cap, full)  # null: one bucket of every gradient
         target = full / config["devices"] + bucket
         measured = rows["zero2"]["gradients"]
         gradients.update(measured_MiB=measured / MiB, target_MiB=target / MiB,
@@ -395,31 +395,15 @@ FAMILY_COLUMNS = [
 """The family table's columns: each mode's memory by category, measured (expected), and its step."""
 
 
-def _measured_goal(goal: dict[str, Any]) -> str:
-    """A goal's measured value as text (empty where not measurable)."""
+def _goal_cells(goal: dict[str, Any]) -> list[str]:
+    """A row of the goals table: the goal, its measured value and its target (empty where not measurable), its
+    verdict."""
+    measured = target = ""
     if "ratio" in goal:
-        return _interval(goal["ratio"], ".3f")
-    return f"{goal['measured_MiB']:,.2f} MiB" if "measured_MiB" in goal else ""
-
-
-def _goal_target(goal: dict[str, Any]) -> str:
-    """A goal's target as text (empty where not measurable)."""
-    if "ratio" in goal:
-        return f"{goal['target']:.2f}"
-    return f"{goal['target_MiB']:,.2f} MiB" if "measured_MiB" in goal else ""
-
-
-def _goal_verdict(goal: dict[str, Any]) -> str:
-    return f"**{goal['verdict']}**"
-
-
-GOAL_COLUMNS = [
-    Column("goal", text_cell("goal"), "l"),
-    Column("measured", _measured_goal),
-    Column("target", _goal_target),
-    Column("verdict", _goal_verdict, "l"),
-]
-"""The goals table's columns: the goal, its measured value, its target, its verdict."""
+        measured, target = _interval(goal["ratio"], ".3f"), f"{goal['target']:.2f}"
+    elif "measured_MiB" in goal:
+        measured, target = f"{goal['measured_MiB']:,.2f} MiB", f"{goal['target_MiB']:,.2f} MiB"
+    return [goal["goal"], measured, target, f"**{goal['verdict']}**"]
 
 
 def write_memory_plot(results: dict[str, Any], path: str | Path) -> Path:
@@ -474,7 +458,7 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         *table(FAMILY_COLUMNS, family["rows"]),
         "",
-        *table(GOAL_COLUMNS, family["goals"]),
+        *markdown_table(["goal", "measured", "target", "verdict"], map(_goal_cells, family["goals"]), "lrrl"),
     ]
     in_mib = {**{k: k.replace("_", " ") for k in (*TENSORS, "tensors", "expected")},
               **PROCESS_MEMORY[config["accelerator"]], "comm": "recorded comm MiB/step"}

@@ -141,7 +141,6 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
 
 
 main = benchmark_main(StragglerBenchConfig, run_benchmark, csv_report(render_markdown))
-"""``python -m lightning_ddp.bench.straggler``: parse, measure unless ``report_only``, write and print results.md."""
 
 
 if __name__ == "__main__":

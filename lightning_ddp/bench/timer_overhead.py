@@ -104,29 +104,27 @@ def sampled_arm(sampled_every: int) -> str:
 
 def measure(config: TimerOverheadConfig, command: str) -> None:
     """Every strategy's arms ``repeats`` times, interleaved; timer_overhead.json (per strategy, ``summarize``)."""
+    timer_arms, goal_arm = arms(config.sampled_every), sampled_arm(config.sampled_every)
     cells = {}
     for strategy in config.strategies:
-        for arm, timer_args in arms(config.sampled_every).items():
+        for arm, timer_args in timer_arms.items():
             cells[f"{strategy}, timer {arm}"] = [
                 "--config", config.fit_config, *config.fit_args, "--trainer.strategy", strategy,
                 "--trainer.max_steps", str(config.steps), "--trainer.enable_progress_bar", "false", *timer_args,
                 *NO_VALIDATION, *NO_CHECKPOINTS,  # the quickstart validates and keeps a checkpoint at step 40
                 "--trainer.callbacks+=lightning_ddp.bench.timer_overhead.StepWallTimes",
             ]
-    logs = run_study(cells, config.repeats, _wall_times,
-                     timeout_s=config.timeout_s)
+    logs = run_study(cells, config.repeats, _wall_times, timeout_s=config.timeout_s)
     per_strategy = {}
     for strategy in config.strategies:
-        measured = {arm: logs[f"{strategy}, timer {arm}"] for arm in arms(config.sampled_every)}
+        measured = {arm: logs[f"{strategy}, timer {arm}"] for arm in timer_arms}
         runs = {arm: [m["steps_ms"][config.warmup_steps:] for m in runs] for arm, runs in measured.items()}
         windows = {arm: [m["window_ms"] / len(m["steps_ms"]) for m in runs] for arm, runs in measured.items()}
-        per_strategy[strategy] = summarize(runs, windows, sampled_arm(config.sampled_every), config.bootstrap_samples,
-                                           config.seed)
+        per_strategy[strategy] = summarize(runs, windows, goal_arm, config.bootstrap_samples, config.seed)
     per_call = None
     if config.collective_calls:
         per_call = run_ranks(2, collective_cost, config.collective_calls, config.repeats)
-    result = provenance(config.out_dir, strategies=per_strategy, goal_arm=sampled_arm(config.sampled_every),
-                        collective_cost=per_call,
+    result = provenance(config.out_dir, strategies=per_strategy, goal_arm=goal_arm, collective_cost=per_call,
                         config=asdict(config), repeats=config.repeats, steps=config.steps,
                         warmup=config.warmup_steps, command=command)
     write_outputs(config.out_dir, {"timer_overhead.json": result})
@@ -242,8 +240,6 @@ def _collective_cost_lines(cost: dict[str, Any] | None) -> list[str]:
 
 
 main = benchmark_main(TimerOverheadConfig, measure, json_report("timer_overhead.json", "timer_overhead.md", _markdown))
-"""``python -m lightning_ddp.bench.timer_overhead``: parse, measure unless ``report_only``, write and print the
-report."""
 
 
 if __name__ == "__main__":
