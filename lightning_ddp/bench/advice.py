@@ -105,7 +105,7 @@ def run_benchmark(config: AdviceBenchConfig, command: str) -> None:
         start, run = key.split("|")
         runs_by_start[start][run] = runs
     rows = [summarize(config, start, advice[start], runs_by_start[start]) for start in starts]
-    write_results(config, command, rows, list(rows[0]), advice=advice)
+    write_results(config, command, rows, advice=advice)
 
 
 main = benchmark_main(AdviceBenchConfig, run_benchmark, csv_report(render_markdown))

@@ -336,7 +336,7 @@ def measure(config: CompressionConfig, command: str) -> None:
     write_outputs(config.out_dir, {"results.json": result})
 
 
-main = benchmark_main(CompressionConfig, measure, json_report("results.json", "results.md", _markdown, _plot))
+main = benchmark_main(CompressionConfig, measure, json_report("results.json", _markdown, _plot))
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def measure(config: EngineStepConfig, command: str) -> None:
         median_all_ms=statistics.median(all_steps))})
 
 
-main = benchmark_main(EngineStepConfig, measure, json_report("engine_step.json", "engine_step.md", _markdown))
+main = benchmark_main(EngineStepConfig, measure, json_report("engine_step.json", _markdown))
 
 
 if __name__ == "__main__":

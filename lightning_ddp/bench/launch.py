@@ -47,14 +47,11 @@ def strategy_argument(name: str, backend: str | None = None, bucket_size_mb: flo
     return json.dumps(catalogue.get(name).strategy_argument(backend, bucket_size_mb, settings))
 
 
-def fit_command(arguments: Sequence[str], log_dir: Path | None = None) -> list[str]:
-    """``python -m lightning_ddp fit <arguments>``, a TensorBoard logger writing into ``log_dir`` itself if given."""
-    command = [sys.executable, "-m", "lightning_ddp", "fit", *arguments]
-    if log_dir is not None:
-        logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                  "init_args": {"save_dir": str(log_dir), "name": "", "version": ""}}
-        command += ["--trainer.logger", json.dumps(logger)]
-    return command
+def fit_command(arguments: Sequence[str], log_dir: Path) -> list[str]:
+    """``python -m lightning_ddp fit <arguments>``, a TensorBoard logger writing into ``log_dir`` itself."""
+    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+              "init_args": {"save_dir": str(log_dir), "name": "", "version": ""}}
+    return [sys.executable, "-m", "lightning_ddp", "fit", *arguments, "--trainer.logger", json.dumps(logger)]
 
 
 @dataclass(frozen=True)

@@ -507,7 +507,7 @@ def run(config: MemoryBenchConfig, command: str = "") -> None:
 
 def main(args: list[str] | None = None) -> int:
     """The benchmark's main; 1 where a mode's measured tensors differ from the expectation."""
-    report = json_report("results.json", "results.md", format_report,
+    report = json_report("results.json", format_report,
                          lambda results, out: write_memory_plot(results, out / PLOT_NAME))
     results = benchmark_main(MemoryBenchConfig, run, report)(args)
     return 0 if all(mode["matches_expected"] for mode in results["modes"]) else 1

@@ -137,7 +137,7 @@ def run_benchmark(config: StragglerBenchConfig, command: str) -> None:
         for repeat, steps in enumerate(repeats):
             step_table += [{"strategy": strategy, "delay_ms": delay, "repeat": repeat, **row} for row in steps]
     step_columns = list(dict.fromkeys(key for row in step_table for key in row))
-    write_results(config, command, rows, list(rows[0]), {"steps.csv": csv_text(step_table, step_columns, digits=4)})
+    write_results(config, command, rows, {"steps.csv": csv_text(step_table, step_columns, digits=4)})
 
 
 main = benchmark_main(StragglerBenchConfig, run_benchmark, csv_report(render_markdown))

@@ -145,11 +145,11 @@ def _typed(text: str) -> Any:
         return text
 
 
-def provenance(out: str | os.PathLike | None = None, **extra: Any) -> dict[str, Any]:
-    """The invocation, versions, CPU and git state (``out`` does not make the tree dirty), plus ``extra``."""
+def provenance(out: str | os.PathLike, **extra: Any) -> dict[str, Any]:
+    """The invocation, versions, CPU and git state (``out``, the results' folder, does not make the tree dirty),
+    plus ``extra``."""
     return {**invocation(), **extra, "torch": package_version("torch"), "lightning": package_version("lightning"),
-            "cpu": {"model": cpu_model(), "count": os.cpu_count()},
-            **git_state(ignore=[out] if out is not None else [])}
+            "cpu": {"model": cpu_model(), "count": os.cpu_count()}, **git_state(ignore=[out])}
 
 
 def write_outputs(out: str | os.PathLike, files: Mapping[str, str | dict]) -> None:
@@ -334,11 +334,12 @@ def fit_arguments_of(config: StudyConfig, strategy: str) -> list[str]:
             "--trainer.enable_progress_bar", "false", *NO_CHECKPOINTS]
 
 
-def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]], columns: Sequence[str],
+def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]],
                   files: Mapping[str, str] | None = None, **recorded: Any) -> None:
-    """results.csv (4 digits), ``files`` and environment.json (provenance, command, config, ``recorded``)."""
+    """results.csv (the first row's columns, 4 digits), ``files`` and environment.json (provenance, command, config,
+    ``recorded``)."""
     write_outputs(config.out_dir, {
-        "results.csv": csv_text(rows, columns, digits=4), **(files or {}),
+        "results.csv": csv_text(rows, list(rows[0]), digits=4), **(files or {}),
         "environment.json": provenance(config.out_dir, command_line=command, config=asdict(config), **recorded),
     })
 
@@ -357,15 +358,16 @@ def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callabl
     return report
 
 
-def json_report(results: str, markdown: str, render: Callable[[dict[str, Any]], str],
+def json_report(results: str, render: Callable[[dict[str, Any]], str],
                 plot: Callable[[dict[str, Any], Path], Any] | None = None) -> Callable[[Any], tuple[dict, str]]:
-    """A benchmark's ``report``: ``markdown`` by ``render`` of out_dir's JSON ``results``, and its ``plot``."""
+    """A benchmark's ``report``: by ``render`` of out_dir's JSON ``results`` (``NAME.json``), ``NAME.md``; and its
+    ``plot``."""
 
     def report(config: Any) -> tuple[dict[str, Any], str]:
         out = Path(config.out_dir)
         result = read_json(out / results)
         text = render(result)
-        write_outputs(out, {markdown: text})
+        write_outputs(out, {Path(results).with_suffix(".md").name: text})
         if plot is not None:
             plot(result, out)
         return result, text

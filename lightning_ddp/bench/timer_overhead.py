@@ -239,7 +239,7 @@ def _collective_cost_lines(cost: dict[str, Any] | None) -> list[str]:
             f"(median of {len(profiler)}; range {min(profiler):.1f} - {max(profiler):.1f}).", ""]
 
 
-main = benchmark_main(TimerOverheadConfig, measure, json_report("timer_overhead.json", "timer_overhead.md", _markdown))
+main = benchmark_main(TimerOverheadConfig, measure, json_report("timer_overhead.json", _markdown))
 
 
 if __name__ == "__main__":
