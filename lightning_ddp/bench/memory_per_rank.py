@@ -376,23 +376,17 @@ def _mib_cell(key: str) -> Callable[[dict[str, Any]], str]:
     return lambda row: _mib(row[key])
 
 
-def _measured_and_expected_cell(key: str) -> Callable[[dict[str, Any]], str]:
-    """A cell writing ``row[key]`` in MiB and, in parentheses, ``row["expected_<key>"]``."""
-    return lambda row: f"{_mib(row[key])} ({_mib(row[f'expected_{key}'])})"
+FAMILY_HEADER = ["mode", "parameters", "gradients", "optimizer state", "peak", "step ms",
+                 "step / ZeRO-1 (reduce-scatter)"]
 
 
-def _interval_cell(key: str, fmt: str) -> Callable[[dict[str, Any]], str]:
-    """A cell writing the estimate ``row[key]`` (point, lo, hi) as ``point [lo, hi]``; empty where there is none."""
-    return lambda row: _interval(row.get(key), fmt)
-
-
-FAMILY_COLUMNS = [
-    Column("mode", text_cell("label"), "l"),
-    *(Column(key.replace("_", " "), _measured_and_expected_cell(key)) for key in (*TENSORS, "peak")),
-    Column("step ms", _interval_cell("step_ms", ",.1f")),
-    Column("step / ZeRO-1 (reduce-scatter)", _interval_cell("step_ratio_to_zero1", ".3f")),
-]
-"""The family table's columns: each mode's memory by category, measured (expected), and its step."""
+def _family_cells(row: dict[str, Any]) -> list[str]:
+    """A row of the family table: the mode, its memory by category and its peak in MiB, measured (expected), its
+    step time and its step's ratio to ZeRO-1's [95 %] (empty without ZeRO-1)."""
+    cells = [row["label"]]
+    for key in (*TENSORS, "peak"):
+        cells.append(f"{_mib(row[key])} ({_mib(row[f'expected_{key}'])})")
+    return [*cells, _interval(row["step_ms"], ",.1f"), _interval(row.get("step_ratio_to_zero1"), ".3f")]
 
 
 def _goal_cells(goal: dict[str, Any]) -> list[str]:
@@ -456,7 +450,7 @@ def format_report(results: dict[str, Any]) -> str:
         f"Per rank (the most loaded rank), MiB: measured (expected). Step: median ms over steps "
         f"{config['warmup_steps'] + 1}..{config['steps']} (max over ranks) [95 % interval].",
         "",
-        *table(FAMILY_COLUMNS, family["rows"]),
+        *markdown_table(FAMILY_HEADER, map(_family_cells, family["rows"]), "lrrrrrr"),
         "",
         *markdown_table(["goal", "measured", "target", "verdict"], map(_goal_cells, family["goals"]), "lrrl"),
     ]
