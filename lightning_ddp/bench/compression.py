@@ -33,10 +33,10 @@ FP32_BASELINE = catalogue.DEFAULT_ENGINE
 
 @dataclass(frozen=True)
 class Variant:
-    """A lossy algorithm with its engine settings (empty: its engine's defaults)."""
+    """An algorithm with its engine settings (empty: its engine's defaults): a lossy one, or the fp32 baseline."""
 
     algorithm: str
-    """A catalogue name: a lossy engine with buckets."""
+    """A catalogue name: a lossy engine with buckets, or ``FP32_BASELINE``."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Its engine settings by name, as given; ``effective_settings`` fills in the defaults."""
 
@@ -121,15 +121,15 @@ def _run_numbers(log_dir: Path) -> dict[str, Any]:
 
 def _train(args: CompressionConfig, variants: list[Variant]) -> tuple[dict, dict[str, list[str]]]:
     """Per seed, fp32's run then each variant's: ``runs[seed][name]`` and the fit arguments by cell name."""
-    runs_of = [(FP32_BASELINE, FP32_BASELINE, {}), *((v.name, v.algorithm, v.settings) for v in variants)]
+    runs_of = [Variant(FP32_BASELINE), *variants]
     cells = {}
     for seed in args.seeds:
-        for name, algorithm, settings in runs_of:
-            strategy = strategy_argument(algorithm, None, args.bucket_size_mb, settings)
-            cells[f"{name}, seed {seed}"] = [*fit_arguments_of(args, strategy), "--seed_everything", str(seed),
-                                             "--timer.every_n_steps", "1", *NO_VALIDATION]
+        for run in runs_of:
+            strategy = strategy_argument(run.algorithm, None, args.bucket_size_mb, run.settings)
+            cells[f"{run.name}, seed {seed}"] = [*fit_arguments_of(args, strategy), "--seed_everything", str(seed),
+                                                 "--timer.every_n_steps", "1", *NO_VALIDATION]
     measured = run_study(cells, 1, _run_numbers, timeout_s=args.timeout_s)
-    runs = {seed: {name: measured[f"{name}, seed {seed}"][0] for name, _, _ in runs_of} for seed in args.seeds}
+    runs = {seed: {run.name: measured[f"{run.name}, seed {seed}"][0] for run in runs_of} for seed in args.seeds}
     return runs, cells
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from jsonargparse.typing import PositiveInt
 
 from lightning_ddp import catalogue
-from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate
+from lightning_ddp.bench.stats import estimate, interval_text, pooled_median, ratio_estimate
 from lightning_ddp.bench.study import (
     BenchConfig, Column, benchmark_main, json_report, provenance, run_ranks, table, text_cell, write_outputs,
 )
@@ -176,10 +175,10 @@ def measure(config: EngineStepConfig, command: str) -> None:
             row[kind] = {"median_ms": step.point, "lo_ms": step.lo, "hi_ms": step.hi,
                          "ratio_vs_ddp": ratio.point, "ratio_lo": ratio.lo, "ratio_hi": ratio.hi}
         rows.append(row)
-    all_steps = [t for v in measured["wall"].values() for r in v for t in r]
+    every_round = [steps for rounds in measured["wall"].values() for steps in rounds]  # of every variant
     write_outputs(config.out_dir, {"engine_step.json": provenance(
         config.out_dir, command=command, config=asdict(config), rows=rows, times_ms=measured,
-        median_all_ms=statistics.median(all_steps))})
+        median_all_ms=pooled_median(every_round))})
 
 
 main = benchmark_main(EngineStepConfig, measure, json_report("engine_step.json", _markdown))

@@ -81,7 +81,8 @@ class TimerOverheadConfig(StudyConfig):
     """Where timer_overhead.json and .md go (logs/ is git-ignored)."""
 
     def __post_init__(self) -> None:
-        """Refuses an empty or unknown strategy list."""
+        """Refuses what every benchmark refuses (``BenchConfig``), and an empty or unknown strategy list."""
+        super().__post_init__()
         if not self.strategies:
             raise ValueError("strategies is empty: name at least one, e.g. --strategies '[bucketed_ddp]'")
         for strategy in self.strategies:
