@@ -206,7 +206,9 @@ def _markdown(result: dict) -> str:
     arms against its ``off``; the command."""
     goal_arm = result["goal_arm"]
     lines = [f"CommTimer overhead at the default sampling ({goal_arm}), goal < {GOAL:.0%} of the median step:", ""]
+    rows = []  # the table's: a row per strategy and arm
     for strategy, measured in result["strategies"].items():
+        rows += [{"strategy": strategy, "arm": arm, **data} for arm, data in measured["arms"].items()]
         lines.append(f"- `{strategy}`: {measured['overhead'] * 100:+.2f} % "
                      f"[95 %: {measured['overhead_lo'] * 100:+.2f}, "
                      f"{measured['overhead_hi'] * 100:+.2f}] (median step {measured['median_step_ms_timer_off']:.1f} "
@@ -218,8 +220,6 @@ def _markdown(result: dict) -> str:
                Column(f"goal < {GOAL:.0%}", text_cell("verdict"), "l"),
                Column("whole-run mean step ms", text_cell("window_mean_step_ms", ".2f")),
                Column("vs off", interval_cell("window_overhead", "+.2f", scale=100, unit=" %"))]
-    rows = [{"strategy": strategy, "arm": arm, **data}
-            for strategy, measured in result["strategies"].items() for arm, data in measured["arms"].items()]
     return "\n".join([*lines, "", *table(columns, rows), "", *_collective_cost_lines(result.get("collective_cost")),
                       f"Command: `{result['command']}`", ""])
 
