@@ -18,6 +18,7 @@ from lightning_ddp.bench.stats import (
     Bootstrapper, Estimate, geometric_mean_draws, interval_text, pooled_median, pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
+from lightning_ddp.bench.study import with_interval
 from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 from lightning_ddp.reporting.variants import format_bucket, variant_label, variant_strategy
 
@@ -51,9 +52,10 @@ RESULT_COLUMNS: tuple[str, ...] = (
 _INTEGER_COLUMNS = frozenset({"batch_size", "context_length", "world_size", "repeat", "repeats_ok", "repeats_run",
                               "busy_repeats"})
 """The ``NUMERIC_COLUMNS`` read back as ``int``; the others are ``float``."""
-NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | frozenset(
-    REPEAT_COLUMNS[REPEAT_COLUMNS.index("wall_s"):REPEAT_COLUMNS.index("busy")]) | {"load_avg_1m"} | _INTEGER_COLUMNS
-"""Columns ``parse_row`` turns into numbers (empty cells become ``None``)."""
+NUMERIC_COLUMNS: frozenset[str] = (
+    frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | {"bucket_size_mb", "busy_before"} | _INTEGER_COLUMNS)
+"""Columns ``parse_row`` turns into numbers (empty cells become ``None``; a bucket size may be ``auto``): results.csv's
+from ``repeats_ok`` on, which holds every number of repeats.csv but ``busy_before``."""
 
 ESTIMATED_KEYS: tuple[str, ...] = ("step/time_ms", "comm/share", "comm/busy_ms")
 """The metrics bootstrapped together (the same resampled steps): what the report's intervals and goals need."""
@@ -216,13 +218,12 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     if "step/time_ms" in medians:
         step_values = [v[:, keys.index("step/time_ms")] for v in values]
         measured = data.measured(bootstrap)
-        step, share = measured.estimate(STEP), measured.estimate(SHARE)
-        row.update(step_ms_median=step.point, step_ms_lo=step.lo, step_ms_hi=step.hi,
+        row.update(with_interval("step_ms", measured.estimate(STEP), point="step_ms_median"),
                    step_ms_p10=float(pooled_percentile(step_values, 10)),
                    step_ms_p90=float(pooled_percentile(step_values, 90)),
                    measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
         if "comm/share" in medians:
-            row.update(comm_share=share.point, comm_share_lo=share.lo, comm_share_hi=share.hi)
+            row.update(with_interval("comm_share", measured.estimate(SHARE)))
     # A cell with no comm/ key (the one-device reference) has no communication: its cells stay empty.
     for name, key in _MEDIANS:
         if key in medians and math.isfinite(medians[key]):
@@ -240,20 +241,18 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
 
 
 def _parse_value(column: str, value: Any) -> Any:
-    """One CSV cell read back: a number in ``NUMERIC_COLUMNS`` (``None`` when empty), ``busy`` a bool, a bucket size a
-    float or ``"auto"``, anything else its text."""
+    """One CSV cell read back: a number in ``NUMERIC_COLUMNS`` (``None`` when empty), ``busy`` a bool, anything else
+    its text."""
     if column in NUMERIC_COLUMNS:
         if value in ("", None):
             return None
         try:
             number = float(value)
-        except ValueError:  # e.g. resolved_bucket_size_mb "auto" from an unwired strategy
+        except ValueError:  # a bucket size "auto" (resolved_bucket_size_mb too, from an unwired strategy)
             return value
         return int(number) if column in _INTEGER_COLUMNS else number
     if column == "busy":
         return {"true": True, "false": False}.get(str(value).lower())
-    if column == "bucket_size_mb":
-        return float(value) if value not in ("", "auto", None) else (value or "")
     return value or ""
 
 
@@ -317,8 +316,7 @@ NOT_MEASURABLE = "not measurable"
 
 def variant_of(row: Row) -> str:
     """What the report compares: the row's strategy and engine settings (``"bucketed_powersgd_ddp rank=4"``)."""
-    settings = row.get("engine_settings") or ""
-    return f"{row['strategy']} {settings}" if settings else row["strategy"]
+    return variant_label(row["strategy"], settings=row.get("engine_settings") or "")
 
 
 def strategy_order(names: Iterable[str]) -> list[str]:
@@ -533,7 +531,7 @@ class Analysis:
         in_sample = any(c.in_sample for c in checks if c.ratio is not None)
         if in_sample:
             note += "; some best size in-sample"
-        geometric_mean = Ratio(np.exp(np.mean(np.log([r.point for r in ratios]))),
+        geometric_mean = Ratio(geometric_mean_draws([r.point for r in ratios]),
                                geometric_mean_draws([r.draws for r in ratios]))
         return GoalCheck(group=(), goal=goal, target=ACROSS_GROUPS_TARGET, note=note, ratio=geometric_mean,
                          in_sample=in_sample, algorithm=algorithm, groups=len(ratios))

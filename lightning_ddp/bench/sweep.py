@@ -3,6 +3,7 @@ load guard; then results.csv, results.md and the plots. The cell runner and the 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -25,9 +26,11 @@ from lightning_ddp.bench.report import (
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
-    LoadCheck, interleaved, load_average, print_flushed, provenance, read_json, wait_until_idle, write_outputs,
+    LoadCheck, interleaved, load_average, print_flushed, provenance, read_json, read_timing_summary, wait_until_idle,
+    write_outputs,
 )
 from lightning_ddp.local_group import find_free_port
+from lightning_ddp.memory import FP32, gpt_parameter_shapes
 from lightning_ddp.reporting.provenance import package_version
 from lightning_ddp.reporting.tables import csv_value
 from lightning_ddp.reporting.variants import format_settings
@@ -178,20 +181,14 @@ class SubprocessCellRunner:
         write_command(run_dir / "command.txt", command, envs)
         logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
         result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
-        summary_path = _first_file(run_dir, "timing_summary.json")
-        profile_path = _first_file(run_dir, "compute_profile.json")
+        summary = read_timing_summary(run_dir)
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in logs]
-        status, reason = classify(result, texts, summary_path is not None, self.config.run.timeout_s)
+        status, reason = classify(result, texts, summary is not None, self.config.run.timeout_s)
         if status != "ok":
             return CellOutcome(status=status, reason=reason, wall_s=result.wall_s)
+        profile_path = next(iter(sorted(run_dir.rglob("compute_profile.json"))), None)
         profile = read_json(profile_path, missing_ok=True) if profile_path else None  # an extra: a bad file is left out
-        return CellOutcome(status=status, reason=reason, summary=read_json(summary_path), wall_s=result.wall_s,
-                           profile=profile)
-
-
-def _first_file(folder: Path, name: str) -> Path | None:
-    """The first file called ``name`` under ``folder`` (sorted paths), or ``None``."""
-    return next(iter(sorted(folder.rglob(name))), None)
+        return CellOutcome(status=status, reason=reason, summary=summary, wall_s=result.wall_s, profile=profile)
 
 
 def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
@@ -424,10 +421,8 @@ def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, 
 
 
 def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
-    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` of ``hparams`` (meta)."""
-    import torch
-
-    from lightning_ddp.model import GPT, get_config
+    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` of ``hparams`` (fp32)."""
+    from lightning_ddp.model import get_config
 
     config = get_config(
         str(hparams["preset"]),
@@ -435,9 +430,7 @@ def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
         context_length=int(hparams["context_length"]),
         tie_embeddings=bool(hparams.get("tie_embeddings", False)),
     )
-    with torch.device("meta"):
-        model = GPT(config)
-    sizes = [p.nbytes for p in model.parameters() if p.requires_grad]
+    sizes = [FP32 * math.prod(shape) for shape in gpt_parameter_shapes(config).values()]
     return sum(sizes), max(sizes)
 
 
