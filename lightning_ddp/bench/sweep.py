@@ -26,8 +26,8 @@ from lightning_ddp.bench.report import (
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
-    LoadCheck, interleaved, load_average, print_flushed, provenance, read_json, read_timing_summary, wait_until_idle,
-    write_outputs,
+    NO_CHECKPOINTS, NO_VALIDATION, LoadCheck, interleaved, load_average, print_flushed, provenance, read_json,
+    read_timing_summary, wait_until_idle, write_outputs,
 )
 from lightning_ddp.local_group import find_free_port
 from lightning_ddp.memory import FP32, gpt_parameter_shapes
@@ -73,10 +73,9 @@ def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: P
         "--trainer.strategy", strategy,
         "--trainer.precision", cell.precision,
         "--trainer.max_steps", str(run.warmup_steps + run.steps),
-        "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0",
+        *NO_VALIDATION,
         "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_checkpointing", "false",
+        *NO_CHECKPOINTS,
         "--trainer.enable_progress_bar", "false",
         "--timer.enabled", "true",
         "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
@@ -192,10 +191,11 @@ class SubprocessCellRunner:
 
 
 def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
-    """The repeats.csv row of ``cell``'s repeat: its coordinates, ``outcome``, ``load``, ``columns`` (None: empty)."""
+    """The repeats.csv row of ``cell``'s repeat: its coordinates, ``outcome``, ``load``, ``columns`` (None: empty, as
+    ``csv_value`` writes it)."""
     load = load or LoadCheck()
     row: Row = {column: "" for column in REPEAT_COLUMNS}
-    row.update({name: "" if value is None else value for name, value in columns.items()})
+    row.update(columns)
     row.update(
         {name: getattr(cell, name) for name in ("strategy", "batch_size", "context_length", "precision", "world_size")},
         cell_id=cell.id,
@@ -205,9 +205,9 @@ def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | 
         status=outcome.status,
         reason=outcome.reason,
         wall_s=round(outcome.wall_s, 1),
-        busy_before="" if load.busy_before is None else round(load.busy_before, 3),
-        waited_s=round(load.waited_s, 1) if load.busy_before is not None else "",
-        busy="" if load.busy is None else str(load.busy).lower(),
+        busy_before=None if load.busy_before is None else round(load.busy_before, 3),
+        waited_s=None if load.busy_before is None else round(load.waited_s, 1),
+        busy=load.busy,
     )
     if cell.strategy == REFERENCE:
         row["backend"] = ""
@@ -412,7 +412,7 @@ def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, 
     step = summary.get("step/time_ms", {}).get("median")
     share = summary.get("comm/share", {}).get("median")
     text = f", step {step:,.1f} ms" if isinstance(step, (int, float)) else ""
-    if isinstance(share, (int, float)) and cell.strategy != "reference":
+    if isinstance(share, (int, float)) and cell.strategy != REFERENCE:
         text += f", comm share {100 * share:.1f} %"
     return f"{head}{text} ({outcome.wall_s:.0f} s){guard}"
 
