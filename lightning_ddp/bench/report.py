@@ -434,8 +434,8 @@ class Analysis:
             return None
 
         def median_on(row: Row, repeats: Sequence[int]) -> float:
-            values = self.data[row["cell_id"]].values(ESTIMATED_KEYS[:1], repeats)
-            value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
+            values = self.data[row["cell_id"]].values(ESTIMATED_KEYS[:1], repeats)  # (steps, 1) per ok repeat
+            value = float(pooled_median(values)[0])
             return value if math.isfinite(value) else math.inf
 
         with_selection = []  # (row, its even repeats): the candidates that can be chosen out of sample
@@ -642,11 +642,11 @@ def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str)
             predicted, auto_text]
 
 
-def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list[str]:
+def _prediction_lines(prediction: dict[str, Any] | None) -> list[str]:
     """The all-reduce fit and the bucket size ``b*`` it predicts (``bucket_bytes``: once a cell gave the model)."""
     if not prediction:
         return ["No prediction: the all-reduce microbenchmark did not run (`run.predict_bucket_size: false`) or "
-                "failed (see runs/allreduce/).", ""] if bucketed else []
+                "failed (see runs/allreduce/).", ""]
     w, sizes = prediction.get("bandwidth_Bps"), prediction.get("sizes") or []
     span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB" if sizes else ""
     w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
@@ -665,8 +665,9 @@ def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
     """The all-reduce fit's prediction, then per group and algorithm its best bucket size and how it measured."""
     bucketed = any(has_bucket_axis(r["strategy"]) for r in analysis.rows)
-    lines = ["## Best bucket size: chosen on some repeats, measured on the others", "",
-             *_prediction_lines(prediction, bucketed)]
+    lines = ["## Best bucket size: chosen on some repeats, measured on the others", ""]
+    if prediction or bucketed:  # without algorithms with buckets, no prediction is no news
+        lines += _prediction_lines(prediction)
     if not bucketed:
         return lines + ["No algorithm with buckets in the grid.", ""]
     bucket_bytes = (prediction or {}).get("bucket_bytes")
