@@ -7,6 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -150,7 +151,7 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
     """Every cell of ``repeat_rows`` with its steps (steps of a repeat that is not an ok row are ignored)."""
     cells: dict[str, CellData] = {}
     ok: set[RepeatKey] = set()
-    for row in sorted(repeat_rows, key=lambda r: (r["repeat"])):
+    for row in sorted(repeat_rows, key=itemgetter("repeat")):
         data = cells.setdefault(row["cell_id"], CellData(row["cell_id"], {c: row.get(c) for c in _COORDINATES}))
         data.repeats.append(row)
         if row["status"] == "ok":

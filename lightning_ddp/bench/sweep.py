@@ -12,6 +12,7 @@ import signal
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
@@ -319,7 +320,7 @@ def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] |
         _predict_bucket_size(config, layout, out_dir, say)
     runner = runner or SubprocessCellRunner(config, layout)
     run = config.run
-    guard = load_guard or (lambda: wait_until_idle(run.busy_threshold, run.max_wait_s, run.load_sample_s))
+    guard = load_guard or partial(wait_until_idle, run.busy_threshold, run.max_wait_s, run.load_sample_s)
     ran: list[RepeatKey] = []
     for cell, k in todo:
         load = guard()
