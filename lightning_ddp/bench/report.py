@@ -53,8 +53,8 @@ RESULT_COLUMNS: tuple[str, ...] = (
 _INTEGER_COLUMNS = frozenset({"batch_size", "context_length", "world_size", "repeat", "repeats_ok", "repeats_run",
                               "busy_repeats"})
 """The ``NUMERIC_COLUMNS`` read back as ``int``; the others are ``float``."""
-NUMERIC_COLUMNS: frozenset[str] = (
-    frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | {"bucket_size_mb", "busy_before"} | _INTEGER_COLUMNS)
+NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | _INTEGER_COLUMNS | {
+    "bucket_size_mb", "busy_before"}
 """Columns ``parse_row`` turns into numbers (empty cells become ``None``; a bucket size may be ``auto``): results.csv's
 from ``repeats_ok`` on, which holds every number of repeats.csv but ``busy_before``."""
 
