@@ -95,7 +95,7 @@ class GridConfig:
             if not known and bad:
                 raise ValueError(f"`grid.{axis}` must hold integers >= 1, got {bad[0]!r}")
         for size in self.bucket_sizes_mb:
-            if isinstance(size, str) and size != "auto" or not isinstance(size, str) and not size > 0:
+            if size != "auto" and not size > 0:  # check_field_types refused any other text
                 raise ValueError(f"`grid.bucket_sizes_mb` takes sizes > 0 (MiB) or `auto`, got {size!r}")
         bucketed = [s for s in self.strategies if has_bucket_axis(s)]
         if bucketed and not self.bucket_sizes_mb:
@@ -207,7 +207,7 @@ class RunConfig:
             (self.timeout_s > 0, f"`run.timeout_s` must be > 0 seconds, got {self.timeout_s}"),
             (self.threads_per_rank is None or self.threads_per_rank >= 1,
              f"`run.threads_per_rank` must be >= 1 or null (automatic), got {self.threads_per_rank}"),
-            (isinstance(self.repeats, int) and self.repeats >= 1,
+            (self.repeats >= 1,
              f"`run.repeats` must be an integer >= 1, got {self.repeats!r}; use at least 2 (e.g. `--run.repeats 6`) "
              "so that the best bucket size can be chosen and measured on different repeats"),
             (0.0 <= self.busy_threshold <= 1.0,
@@ -244,7 +244,7 @@ class OutputConfig:
     def __post_init__(self) -> None:
         """Refuses fewer than 100 bootstrap draws."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
-        if not (isinstance(self.bootstrap_samples, int) and self.bootstrap_samples >= 100):
+        if self.bootstrap_samples < 100:
             raise ValueError(
                 f"`output.bootstrap_samples` must be an integer >= 100 (the 2.5th and 97.5th percentiles of fewer "
                 f"draws are mostly noise), got {self.bootstrap_samples!r}; the default is 2000"

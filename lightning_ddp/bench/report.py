@@ -7,6 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -18,6 +19,7 @@ from lightning_ddp.bench.stats import (
     Bootstrapper, Estimate, geometric_mean_draws, interval_text, pooled_median, pooled_percentile,
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
+from lightning_ddp.bench.study import with_interval
 from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 from lightning_ddp.reporting.variants import format_bucket, variant_label, variant_strategy
 
@@ -51,9 +53,10 @@ RESULT_COLUMNS: tuple[str, ...] = (
 _INTEGER_COLUMNS = frozenset({"batch_size", "context_length", "world_size", "repeat", "repeats_ok", "repeats_run",
                               "busy_repeats"})
 """The ``NUMERIC_COLUMNS`` read back as ``int``; the others are ``float``."""
-NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | frozenset(
-    REPEAT_COLUMNS[REPEAT_COLUMNS.index("wall_s"):REPEAT_COLUMNS.index("busy")]) | {"load_avg_1m"} | _INTEGER_COLUMNS
-"""Columns ``parse_row`` turns into numbers (empty cells become ``None``)."""
+NUMERIC_COLUMNS: frozenset[str] = frozenset(RESULT_COLUMNS[RESULT_COLUMNS.index("repeats_ok"):]) | _INTEGER_COLUMNS | {
+    "bucket_size_mb", "busy_before"}
+"""Columns ``parse_row`` turns into numbers (empty cells become ``None``; a bucket size may be ``auto``): results.csv's
+from ``repeats_ok`` on, which holds every number of repeats.csv but ``busy_before``."""
 
 ESTIMATED_KEYS: tuple[str, ...] = ("step/time_ms", "comm/share", "comm/busy_ms")
 """The metrics bootstrapped together (the same resampled steps): what the report's intervals and goals need."""
@@ -148,7 +151,7 @@ def cell_data(repeat_rows: Iterable[Row], step_rows: Iterable[Row]) -> dict[str,
     """Every cell of ``repeat_rows`` with its steps (steps of a repeat that is not an ok row are ignored)."""
     cells: dict[str, CellData] = {}
     ok: set[RepeatKey] = set()
-    for row in sorted(repeat_rows, key=lambda r: (r["repeat"])):
+    for row in sorted(repeat_rows, key=itemgetter("repeat")):
         data = cells.setdefault(row["cell_id"], CellData(row["cell_id"], {c: row.get(c) for c in _COORDINATES}))
         data.repeats.append(row)
         if row["status"] == "ok":
@@ -216,13 +219,12 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
     if "step/time_ms" in medians:
         step_values = [v[:, keys.index("step/time_ms")] for v in values]
         measured = data.measured(bootstrap)
-        step, share = measured.estimate(STEP), measured.estimate(SHARE)
-        row.update(step_ms_median=step.point, step_ms_lo=step.lo, step_ms_hi=step.hi,
+        row.update(with_interval("step_ms", measured.estimate(STEP), point="step_ms_median"),
                    step_ms_p10=float(pooled_percentile(step_values, 10)),
                    step_ms_p90=float(pooled_percentile(step_values, 90)),
                    measured_steps=int(sum(np.isfinite(v).sum() for v in step_values)))
         if "comm/share" in medians:
-            row.update(comm_share=share.point, comm_share_lo=share.lo, comm_share_hi=share.hi)
+            row.update(with_interval("comm_share", measured.estimate(SHARE)))
     # A cell with no comm/ key (the one-device reference) has no communication: its cells stay empty.
     for name, key in _MEDIANS:
         if key in medians and math.isfinite(medians[key]):
@@ -240,20 +242,18 @@ def cell_row(data: CellData, bootstrap: Bootstrapper) -> Row:
 
 
 def _parse_value(column: str, value: Any) -> Any:
-    """One CSV cell read back: a number in ``NUMERIC_COLUMNS`` (``None`` when empty), ``busy`` a bool, a bucket size a
-    float or ``"auto"``, anything else its text."""
+    """One CSV cell read back: a number in ``NUMERIC_COLUMNS`` (``None`` when empty), ``busy`` a bool, anything else
+    its text."""
     if column in NUMERIC_COLUMNS:
         if value in ("", None):
             return None
         try:
             number = float(value)
-        except ValueError:  # e.g. resolved_bucket_size_mb "auto" from an unwired strategy
+        except ValueError:  # a bucket size "auto" (resolved_bucket_size_mb too, from an unwired strategy)
             return value
         return int(number) if column in _INTEGER_COLUMNS else number
     if column == "busy":
         return {"true": True, "false": False}.get(str(value).lower())
-    if column == "bucket_size_mb":
-        return float(value) if value not in ("", "auto", None) else (value or "")
     return value or ""
 
 
@@ -317,8 +317,7 @@ NOT_MEASURABLE = "not measurable"
 
 def variant_of(row: Row) -> str:
     """What the report compares: the row's strategy and engine settings (``"bucketed_powersgd_ddp rank=4"``)."""
-    settings = row.get("engine_settings") or ""
-    return f"{row['strategy']} {settings}" if settings else row["strategy"]
+    return variant_label(row["strategy"], settings=row.get("engine_settings") or "")
 
 
 def strategy_order(names: Iterable[str]) -> list[str]:
@@ -436,8 +435,8 @@ class Analysis:
             return None
 
         def median_on(row: Row, repeats: Sequence[int]) -> float:
-            values = self.data[row["cell_id"]].values(ESTIMATED_KEYS[:1], repeats)
-            value = float(np.atleast_1d(pooled_median(values))[0]) if values else math.nan
+            values = self.data[row["cell_id"]].values(ESTIMATED_KEYS[:1], repeats)  # (steps, 1) per ok repeat
+            value = float(pooled_median(values)[0])
             return value if math.isfinite(value) else math.inf
 
         with_selection = []  # (row, its even repeats): the candidates that can be chosen out of sample
@@ -533,7 +532,7 @@ class Analysis:
         in_sample = any(c.in_sample for c in checks if c.ratio is not None)
         if in_sample:
             note += "; some best size in-sample"
-        geometric_mean = Ratio(np.exp(np.mean(np.log([r.point for r in ratios]))),
+        geometric_mean = Ratio(geometric_mean_draws([r.point for r in ratios]),
                                geometric_mean_draws([r.draws for r in ratios]))
         return GoalCheck(group=(), goal=goal, target=ACROSS_GROUPS_TARGET, note=note, ratio=geometric_mean,
                          in_sample=in_sample, algorithm=algorithm, groups=len(ratios))
@@ -644,11 +643,11 @@ def _bucket_row(analysis: Analysis, group: Group, strategy: str, predicted: str)
             predicted, auto_text]
 
 
-def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list[str]:
+def _prediction_lines(prediction: dict[str, Any] | None) -> list[str]:
     """The all-reduce fit and the bucket size ``b*`` it predicts (``bucket_bytes``: once a cell gave the model)."""
     if not prediction:
         return ["No prediction: the all-reduce microbenchmark did not run (`run.predict_bucket_size: false`) or "
-                "failed (see runs/allreduce/).", ""] if bucketed else []
+                "failed (see runs/allreduce/).", ""]
     w, sizes = prediction.get("bandwidth_Bps"), prediction.get("sizes") or []
     span = f"{len(sizes)} message sizes, {sizes[0] / 1024:g} KiB to {sizes[-1] / 2**20:g} MiB" if sizes else ""
     w_text = f"{w / 1e9:.3f} GB/s" if w else "unbounded (time did not grow with size)"
@@ -667,8 +666,9 @@ def _prediction_lines(prediction: dict[str, Any] | None, bucketed: bool) -> list
 def _bucket_section(analysis: Analysis, prediction: dict[str, Any] | None) -> list[str]:
     """The all-reduce fit's prediction, then per group and algorithm its best bucket size and how it measured."""
     bucketed = any(has_bucket_axis(r["strategy"]) for r in analysis.rows)
-    lines = ["## Best bucket size: chosen on some repeats, measured on the others", "",
-             *_prediction_lines(prediction, bucketed)]
+    lines = ["## Best bucket size: chosen on some repeats, measured on the others", ""]
+    if prediction or bucketed:  # without algorithms with buckets, no prediction is no news
+        lines += _prediction_lines(prediction)
     if not bucketed:
         return lines + ["No algorithm with buckets in the grid.", ""]
     bucket_bytes = (prediction or {}).get("bucket_bytes")

@@ -159,7 +159,8 @@ def ratio_estimate(numerator: Repeats, denominator: Repeats, samples: int, seed:
 
 
 def geometric_mean_draws(ratio_draws: Sequence[np.ndarray]) -> np.ndarray:
-    """Per draw, ``exp(mean over groups of log(ratio))``: draws ``(B,)`` of each group's ratio in, ``(B,)`` out."""
+    """Per draw, ``exp(mean over groups of log(ratio))``: draws ``(B,)`` of each group's ratio in, ``(B,)`` out (or
+    each group's point in, their geometric mean out)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.exp(np.mean(np.log(np.stack(ratio_draws)), axis=0))
 

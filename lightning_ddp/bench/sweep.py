@@ -3,6 +3,7 @@ load guard; then results.csv, results.md and the plots. The cell runner and the 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -11,6 +12,7 @@ import signal
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
@@ -25,9 +27,11 @@ from lightning_ddp.bench.report import (
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
-    LoadCheck, interleaved, load_average, print_flushed, provenance, read_json, wait_until_idle, write_outputs,
+    NO_CHECKPOINTS, NO_VALIDATION, LoadCheck, interleaved, load_average, print_flushed, provenance, read_json,
+    read_timing_summary, wait_until_idle, write_outputs,
 )
 from lightning_ddp.local_group import find_free_port
+from lightning_ddp.memory import FP32, gpt_parameter_shapes
 from lightning_ddp.reporting.provenance import package_version
 from lightning_ddp.reporting.tables import csv_value
 from lightning_ddp.reporting.variants import format_settings
@@ -70,10 +74,9 @@ def cell_command(cell: Cell, config: SweepConfig, layout: RankLayout, run_dir: P
         "--trainer.strategy", strategy,
         "--trainer.precision", cell.precision,
         "--trainer.max_steps", str(run.warmup_steps + run.steps),
-        "--trainer.limit_val_batches", "0",
-        "--trainer.num_sanity_val_steps", "0",
+        *NO_VALIDATION,
         "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_checkpointing", "false",
+        *NO_CHECKPOINTS,
         "--trainer.enable_progress_bar", "false",
         "--timer.enabled", "true",
         "--timer.every_n_steps", "1",  # every step measured: the statistics are over steps
@@ -178,27 +181,22 @@ class SubprocessCellRunner:
         write_command(run_dir / "command.txt", command, envs)
         logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
         result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
-        summary_path = _first_file(run_dir, "timing_summary.json")
-        profile_path = _first_file(run_dir, "compute_profile.json")
+        summary = read_timing_summary(run_dir)
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in logs]
-        status, reason = classify(result, texts, summary_path is not None, self.config.run.timeout_s)
+        status, reason = classify(result, texts, summary is not None, self.config.run.timeout_s)
         if status != "ok":
             return CellOutcome(status=status, reason=reason, wall_s=result.wall_s)
+        profile_path = next(iter(sorted(run_dir.rglob("compute_profile.json"))), None)
         profile = read_json(profile_path, missing_ok=True) if profile_path else None  # an extra: a bad file is left out
-        return CellOutcome(status=status, reason=reason, summary=read_json(summary_path), wall_s=result.wall_s,
-                           profile=profile)
-
-
-def _first_file(folder: Path, name: str) -> Path | None:
-    """The first file called ``name`` under ``folder`` (sorted paths), or ``None``."""
-    return next(iter(sorted(folder.rglob(name))), None)
+        return CellOutcome(status=status, reason=reason, summary=summary, wall_s=result.wall_s, profile=profile)
 
 
 def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | None = None, **columns: Any) -> Row:
-    """The repeats.csv row of ``cell``'s repeat: its coordinates, ``outcome``, ``load``, ``columns`` (None: empty)."""
+    """The repeats.csv row of ``cell``'s repeat: its coordinates, ``outcome``, ``load``, ``columns`` (None: empty, as
+    ``csv_value`` writes it)."""
     load = load or LoadCheck()
     row: Row = {column: "" for column in REPEAT_COLUMNS}
-    row.update({name: "" if value is None else value for name, value in columns.items()})
+    row.update(columns)
     row.update(
         {name: getattr(cell, name) for name in ("strategy", "batch_size", "context_length", "precision", "world_size")},
         cell_id=cell.id,
@@ -208,9 +206,9 @@ def repeat_row(cell: Cell, repeat: int, outcome: CellOutcome, load: LoadCheck | 
         status=outcome.status,
         reason=outcome.reason,
         wall_s=round(outcome.wall_s, 1),
-        busy_before="" if load.busy_before is None else round(load.busy_before, 3),
-        waited_s=round(load.waited_s, 1) if load.busy_before is not None else "",
-        busy="" if load.busy is None else str(load.busy).lower(),
+        busy_before=None if load.busy_before is None else round(load.busy_before, 3),
+        waited_s=None if load.busy_before is None else round(load.waited_s, 1),
+        busy=load.busy,
     )
     if cell.strategy == REFERENCE:
         row["backend"] = ""
@@ -322,7 +320,7 @@ def run_sweep(config: SweepConfig, runner: Callable[[Cell, Path], CellOutcome] |
         _predict_bucket_size(config, layout, out_dir, say)
     runner = runner or SubprocessCellRunner(config, layout)
     run = config.run
-    guard = load_guard or (lambda: wait_until_idle(run.busy_threshold, run.max_wait_s, run.load_sample_s))
+    guard = load_guard or partial(wait_until_idle, run.busy_threshold, run.max_wait_s, run.load_sample_s)
     ran: list[RepeatKey] = []
     for cell, k in todo:
         load = guard()
@@ -415,7 +413,7 @@ def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, 
     step = summary.get("step/time_ms", {}).get("median")
     share = summary.get("comm/share", {}).get("median")
     text = f", step {step:,.1f} ms" if isinstance(step, (int, float)) else ""
-    if isinstance(share, (int, float)) and cell.strategy != "reference":
+    if isinstance(share, (int, float)) and cell.strategy != REFERENCE:
         text += f", comm share {100 * share:.1f} %"
     return f"{head}{text} ({outcome.wall_s:.0f} s){guard}"
 
@@ -424,10 +422,8 @@ def _result_line(index: int, total: int, cell: Cell, repeat: int, repeats: int, 
 
 
 def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
-    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` of ``hparams`` (meta)."""
-    import torch
-
-    from lightning_ddp.model import GPT, get_config
+    """``(s, largest)``: gradient bytes and the largest parameter's bytes of the ``LitGPT`` of ``hparams`` (fp32)."""
+    from lightning_ddp.model import get_config
 
     config = get_config(
         str(hparams["preset"]),
@@ -435,9 +431,7 @@ def gradient_bytes(hparams: dict[str, Any]) -> tuple[int, int]:
         context_length=int(hparams["context_length"]),
         tie_embeddings=bool(hparams.get("tie_embeddings", False)),
     )
-    with torch.device("meta"):
-        model = GPT(config)
-    sizes = [p.nbytes for p in model.parameters() if p.requires_grad]
+    sizes = [FP32 * math.prod(shape) for shape in gpt_parameter_shapes(config).values()]
     return sum(sizes), max(sizes)
 
 
