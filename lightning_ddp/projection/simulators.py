@@ -42,7 +42,6 @@ class Interval:
     """Something that occupied a stream: ``stream`` is ``compute`` or ``comm``; times in ms from the step start."""
 
     stream: str
-    """``compute`` or ``comm``."""
     label: str
     """What ran: a parameter's or bucket's name, or a compute phase (``backward``, ``pack bucket 3``)."""
     start_ms: float
@@ -562,8 +561,10 @@ def _at(sequence: Sequence[int], position: int) -> Optional[int]:
 
 
 class _FSDP2Schedule:
-    """FSDP2's operations, unit by unit: blocks by their index in forward order (``None``: past the last, nothing),
-    the root group (``None``: no parameter outside the blocks)."""
+    """FSDP2's operations, unit by unit: the forward's all-gathers one block ahead; in backward a bucket per block, in
+    backward order (after the head's), each launch copying its gradients in, reduce-scattering them and prefetching
+    the next blocks; the root's last. Blocks go by their index in forward order (``None``: past the last, nothing),
+    the root group may be ``None`` (no parameter outside the blocks)."""
 
     def __init__(self, model: StepModel, blocks: Sequence[_ShardedUnit], root: Optional[_ShardedUnit],
                  times: _BackwardTimes) -> None:
@@ -632,14 +633,6 @@ class _HSDPSchedule(_FSDP2Schedule):
         return [*super().reduce(unit), Op("collective", f"{unit.label} [all-reduce]", nbytes=unit.shard_bytes)]
 
 
-def _fsdp2(model: StepModel) -> StepResult:
-    """FSDP2: ``fully_shard`` on each transformer block and on the root, on the shared schedule: the forward's
-    all-gathers one block ahead; in backward a bucket per block, in backward order (after the head's), each launch
-    copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last. Every unit
-    is sharded over the world."""
-    return _fully_sharded(model, model.world_size, _FSDP2Schedule)
-
-
 @dataclass(frozen=True)
 class HybridComm:
     """hsdp's collectives on a world of ``replicas x shard_size`` ranks (a ``CommCost``): every reduce-scatter and
@@ -675,7 +668,7 @@ def simulate_hsdp(model: StepModel, bucket_size_mb: Optional[float] = None,
         raise ValueError(f"hsdp: shard_size {shard_size!r} does not divide the world of {n} ranks; set it to a "
                          f"divisor (e.g. the GPUs of one node) in `study.engine_settings`, or null")
     if shard_size == n:
-        return _fsdp2(model)
+        return _fully_sharded(model, n, _FSDP2Schedule)
     across = comm.across_nodes() if isinstance(comm, Fabric) else comm
     groups = HybridComm(shard=comm, replicate=across, shard_size=shard_size, replicas=n // shard_size)
     return _fully_sharded(replace(model, comm=groups), shard_size, _HSDPSchedule)
@@ -813,8 +806,8 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
 
 def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     """The step of an entry with ``projection="schedule"``, from its facts (docs/projection.md, Adding a model)."""
-    if entry.memory == "fully_sharded":
-        return _fsdp2(model)
+    if entry.memory == "fully_sharded":  # every unit sharded over the world
+        return _fully_sharded(model, model.world_size, _FSDP2Schedule)
     if not entry.overlaps_backward:
         return _after_backward(model, entry.memory)
     if entry.memory == "full_buckets":  # torch DDP's own buckets and copies
