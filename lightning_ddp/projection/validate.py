@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -67,7 +68,8 @@ def measure_copy_bandwidth() -> float:
 
     src, dst = torch.ones(2**24), torch.empty(2**24)
     dst.copy_(src)  # warm-up: page faults
-    return 2 * src.nbytes / statistics.median(timeit.repeat(lambda: dst.copy_(src), number=1, repeat=5))
+    copy = functools.partial(dst.copy_, src)
+    return 2 * src.nbytes / statistics.median(timeit.repeat(copy, number=1, repeat=5))
 
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
