@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional, Protocol
 
+from lightning_ddp.metrics.accounting import bus_factor
+
 Algorithm = Literal["ring", "tree", "auto"]
 """All-reduce algorithms: ``ring``, ``tree``, or ``auto`` (the cheaper of the two per message, as NCCL's tuner)."""
 
@@ -79,12 +81,12 @@ class Fabric:
 
     def ring_s(self, kind: str, nbytes: float, n: int) -> float:
         """A ring ``kind``: all-reduce in two passes moving ``(n-1)/n`` of ``nbytes`` per rank each, reduce-scatter
-        (``nbytes`` in) and all-gather (``nbytes`` out) in one, a pipelined broadcast in one moving all of it."""
+        (``nbytes`` in) and all-gather (``nbytes`` out) in one, a pipelined broadcast in one moving all of it (the
+        nccl-tests bus factors, ``bus_factor``)."""
         passes = 2 if kind == "all_reduce" else 1
         m = self.nodes(n)
         inter_s = (m - 1) * self.inter.latency_s if m > 1 else 0.0
-        traffic = 1.0 if kind == "broadcast" else passes * (n - 1) / n
-        return self._cost_s(n, passes * ((n - m) * self.intra.latency_s + inter_s), traffic * nbytes)
+        return self._cost_s(n, passes * ((n - m) * self.intra.latency_s + inter_s), bus_factor(kind, n) * nbytes)
 
     def tree_all_reduce_s(self, nbytes: float, n: int) -> float:
         """Seconds of a tree all-reduce of ``nbytes`` on ``n`` ranks (docs/projection.md)."""

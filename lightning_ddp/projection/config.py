@@ -175,7 +175,6 @@ class ProjectionConfig:
         """Refuses a world size the fabric's nodes cannot hold (not for a measured fit), before anything is
         written."""
         check_field_types(self)  # what the command line refuses, refused here too (its message)
-        # world sizes must fit the fabric's nodes; checked here so a bad grid fails before anything is written
         if self.network.preset != "measured":
             fabric = build_fabric(self.network)
             for n in self.study.world_sizes:

@@ -265,11 +265,16 @@ def _summary_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> 
     rows = []
     for strategy in (NAIVE_DDP, FLAT_DDP, OVERLAP_DDP, BUCKETED_DDP):
         cs = [c for c in comparisons if c["strategy"] == strategy and not c["compute_extrapolated"]]
-        if cs:
-            means = {key: _mean([c[key] for c in cs]) for key, value in cs[0].items() if type(value) is float}
-            errors = {key.replace("_share", "_error"): _mean([abs(c[key] - c["published_share"]) for c in cs])
-                      for key in means if key.endswith("_share")}
-            rows.append({**means, **errors, "strategy": strategy})
+        if not cs:
+            continue
+        row: dict[str, Any] = {"strategy": strategy}
+        for key, value in cs[0].items():
+            if type(value) is not float:  # a number (not a flag, a name or a missing bucket size)
+                continue
+            row[key] = _mean([c[key] for c in cs])
+            if key.endswith("_share"):  # <label>_error: the mean |share - published share|
+                row[key.replace("_share", "_error")] = _mean([abs(c[key] - c["published_share"]) for c in cs])
+        rows.append(row)
     columns = [("strategy", _text("strategy")), *_columns("published", PUBLISHED)]
     for label in labels:  # the share error on the compared link (and its variant with the published per-call cost)
         compared = label.startswith(labels[0])

@@ -12,6 +12,7 @@ from lightning_ddp.profile import ComputeProfile
 from lightning_ddp.projection.comm import Fabric
 from lightning_ddp.projection.config import contention_of, copy_bandwidth
 from lightning_ddp.projection.simulators import (
+    PRESENCE_FLAG_BYTES,
     StepResult,
     best_by_world_size,
     model_settings,
@@ -151,7 +152,7 @@ def _caveats(profile: ComputeProfile, results: Sequence[StepResult],
     zero1 = sorted((r for r in best.values() if r.strategy in simulated_by("zero1")),
                    key=lambda r: r.world_size)
     if zero1 and profile.grad_bytes:
-        flags = 4 * len(profile.params)
+        flags = PRESENCE_FLAG_BYTES * len(profile.params)
         padding = ", ".join(f"{(r.comm_bytes - flags) / 2 / profile.grad_bytes:.2g}x at {r.world_size}" for r in zero1)
         lines.append(f"- `{zero1[0].strategy}` pads every rank's segment to the most loaded owner's: its buffers grow "
                      f"to {padding} the gradient bytes. Its exposed time is net of the optimizer time sharding saves "

@@ -42,7 +42,6 @@ class Interval:
     """Something that occupied a stream: ``stream`` is ``compute`` or ``comm``; times in ms from the step start."""
 
     stream: str
-    """``compute`` or ``comm``."""
     label: str
     """What ran: a parameter's or bucket's name, or a compute phase (``backward``, ``pack bucket 3``)."""
     start_ms: float
@@ -158,7 +157,7 @@ class StepResult:
     comm_bytes: int
     """Bytes of all the step's collectives' messages (per rank, not per wire hop)."""
     intervals: list[Interval] = field(default_factory=list, repr=False)
-    """Every interval of both streams, in the order they were placed (the timeline plots)."""
+    """Every interval of both streams, in the order they were placed (what the tests check a schedule by)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The engine settings it was simulated with (``simulate(..., **settings)``), e.g. ``{"rank": 4}``."""
     contention_ms: float = 0.0
@@ -227,16 +226,15 @@ class Op:
     waits: str = ""
 
 
-def _bucket_schedule(model: StepModel, bucket_size_mb: Optional[float], buckets: list[list[int]], *,
-                     wire_bytes: list[int], pack_ms: list[float], unpack_ms: list[float],
-                     presence_flags: bool, memory_bytes: int) -> StepResult:
+def _bucket_schedule(model: StepModel, buckets: list[list[int]], *, wire_bytes: list[int], pack_ms: list[float],
+                     unpack_ms: list[float], presence_flags: bool, memory_bytes: int) -> StepResult:
     """Each bucket packed, then all-reduced in one call; unpacked once waited for."""
     launch = []
     for k, bucket in enumerate(buckets):
         launch.append([Op("compute", f"pack bucket {k}", pack_ms[k]),
                        Op("collective", _bucket_label(model, bucket, k), nbytes=wire_bytes[k])])
     finish = [[Op("compute", f"unpack bucket {k}", ms)] for k, ms in enumerate(unpack_ms)]
-    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
+    return _staged_schedule(model, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=presence_flags, memory_bytes=memory_bytes)
 
 
@@ -251,7 +249,7 @@ def _ready(model: StepModel, buckets: list[list[int]]) -> list[Optional[float]]:
     return [None if None in times else max(times) for times in ready]
 
 
-def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: Sequence[Optional[float]], *,
+def _staged_schedule(model: StepModel, ready: Sequence[Optional[float]], *,
                      launch: Sequence[Sequence[Op]] = (), finish: Sequence[Sequence[Op]] = (), presence_flags: bool,
                      before: Sequence[Op] = (), optimizer_fraction: float = 1.0, after: Sequence[Op] = (),
                      forward: Optional[Sequence[Op]] = None, memory_bytes: Optional[int] = None) -> StepResult:
@@ -298,8 +296,8 @@ def _staged_schedule(model: StepModel, bucket_size_mb: Optional[float], ready: S
         cursor, _ = run(finish[k] if finish else (), max(cursor, end), wait=True)
     cursor, _ = run(before, cursor, wait=True)
     cursor, _ = run(after, t.compute("optimizer", cursor, p.optimizer_ms * optimizer_fraction), wait=True)
-    # ``simulate`` names its strategy
-    return replace(t.step, bucket_size_mb=bucket_size_mb, step_ms=cursor, memory_bytes=memory_bytes)
+    # ``simulate`` names its strategy, bucket size and settings
+    return replace(t.step, step_ms=cursor, memory_bytes=memory_bytes)
 
 
 def _bytes(params: Sequence[ParamTiming], indices: Optional[Iterable[int]] = None) -> int:
@@ -356,7 +354,7 @@ def _bucketed(model: StepModel, bucket_size_mb: Optional[float], bf16: bool) -> 
             buffers += size
     if bf16:
         buffers += sum(wire)  # the half-width copy of every bucket
-    return _bucket_schedule(model, bucket_size_mb, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
+    return _bucket_schedule(model, buckets, wire_bytes=wire, pack_ms=packs, unpack_ms=casts,
                             presence_flags=_missing(model), memory_bytes=_replicated(model, buffers))
 
 
@@ -395,7 +393,7 @@ def _torch_ddp(model: StepModel) -> StepResult:
     buckets = ddp_buckets([q.bytes for q in params], order)
     sizes = [_bytes(params, bucket) for bucket in buckets]
     copies = [model.copy_ms(2 * s) for s in sizes]  # DDP copies every gradient into its bucket and back
-    return _bucket_schedule(model, None, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
+    return _bucket_schedule(model, buckets, wire_bytes=sizes, pack_ms=copies, unpack_ms=copies,
                             presence_flags=False, memory_bytes=_replicated(model, sum(sizes)))  # the reducer's buckets
 
 
@@ -433,7 +431,7 @@ def _after_backward(model: StepModel, layout: str) -> StepResult:
     else:
         raise ValueError(f"no shared schedule syncs a {layout!r} layout after backward: name a hook in the entry's "
                          "`projection` (docs/projection.md, Adding a model)")
-    return _staged_schedule(model, None, [], presence_flags=True, before=before, optimizer_fraction=fraction,
+    return _staged_schedule(model, [], presence_flags=True, before=before, optimizer_fraction=fraction,
                             after=after, memory_bytes=memory)
 
 
@@ -471,9 +469,8 @@ def _zero2(model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     # parameters; gradient, AdamW and gathered-parameter shards; the gradients of a filling bucket (the largest, twice)
     largest = max((_bytes(params, b) for b in buckets), default=0)
     memory = grad_bytes + (2 + ADAM_MOMENTS) * (padded_total // n) + 2 * largest
-    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch,
-                            presence_flags=_missing(model), optimizer_fraction=fraction, after=after,
-                            memory_bytes=memory)
+    return _staged_schedule(model, _ready(model, buckets), launch=launch, presence_flags=_missing(model),
+                            optimizer_fraction=fraction, after=after, memory_bytes=memory)
 
 
 _BLOCK = re.compile(r"^(.*?\b[A-Za-z_]\w*\.\d+)\.")
@@ -562,8 +559,10 @@ def _at(sequence: Sequence[int], position: int) -> Optional[int]:
 
 
 class _FSDP2Schedule:
-    """FSDP2's operations, unit by unit: blocks by their index in forward order (``None``: past the last, nothing),
-    the root group (``None``: no parameter outside the blocks)."""
+    """FSDP2's operations, unit by unit: the forward's all-gathers one block ahead; in backward a bucket per block, in
+    backward order (after the head's), each launch copying its gradients in, reduce-scattering them and prefetching
+    the next blocks; the root's last. Blocks go by their index in forward order (``None``: past the last, nothing),
+    the root group may be ``None`` (no parameter outside the blocks)."""
 
     def __init__(self, model: StepModel, blocks: Sequence[_ShardedUnit], root: Optional[_ShardedUnit],
                  times: _BackwardTimes) -> None:
@@ -632,14 +631,6 @@ class _HSDPSchedule(_FSDP2Schedule):
         return [*super().reduce(unit), Op("collective", f"{unit.label} [all-reduce]", nbytes=unit.shard_bytes)]
 
 
-def _fsdp2(model: StepModel) -> StepResult:
-    """FSDP2: ``fully_shard`` on each transformer block and on the root, on the shared schedule: the forward's
-    all-gathers one block ahead; in backward a bucket per block, in backward order (after the head's), each launch
-    copying its gradients in, reduce-scattering them and prefetching the next blocks; the root's last. Every unit
-    is sharded over the world."""
-    return _fully_sharded(model, model.world_size, _FSDP2Schedule)
-
-
 @dataclass(frozen=True)
 class HybridComm:
     """hsdp's collectives on a world of ``replicas x shard_size`` ranks (a ``CommCost``): every reduce-scatter and
@@ -675,7 +666,7 @@ def simulate_hsdp(model: StepModel, bucket_size_mb: Optional[float] = None,
         raise ValueError(f"hsdp: shard_size {shard_size!r} does not divide the world of {n} ranks; set it to a "
                          f"divisor (e.g. the GPUs of one node) in `study.engine_settings`, or null")
     if shard_size == n:
-        return _fsdp2(model)
+        return _fully_sharded(model, n, _FSDP2Schedule)
     across = comm.across_nodes() if isinstance(comm, Fabric) else comm
     groups = HybridComm(shard=comm, replicate=across, shard_size=shard_size, replicas=n // shard_size)
     return _fully_sharded(replace(model, comm=groups), shard_size, _HSDPSchedule)
@@ -696,7 +687,7 @@ def _fully_sharded(model: StepModel, shard_ranks: int, schedule_type: type[_FSDP
     unsharded = fully_sharded_unsharded_peak(root.unsharded_bytes, [block.unsharded_bytes for block in blocks])
     # the shards of the parameters, the gradients and AdamW's moments, and what is unsharded at the peak
     memory_bytes = (2 + ADAM_MOMENTS) * shard_bytes + unsharded.parameters + unsharded.gradients
-    return _staged_schedule(model, None, ready, launch=launch, presence_flags=False,
+    return _staged_schedule(model, ready, launch=launch, presence_flags=False,
                             optimizer_fraction=shard_bytes / total_bytes if total_bytes else 1.0,
                             forward=schedule.forward(), memory_bytes=memory_bytes)
 
@@ -804,7 +795,7 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
         finish.append([Op("compute", f"PowerSGD Q {b}", q_ms),
                        Op("collective", f"{label} [PowerSGD Q]", nbytes=round(q_numel * f)),
                        Op("compute", f"PowerSGD decompress {b}", _powersgd_decompress_ms(model, matrices, g, f))])
-    return _staged_schedule(model, bucket_size_mb, _ready(model, buckets), launch=launch, finish=finish,
+    return _staged_schedule(model, _ready(model, buckets), launch=launch, finish=finish,
                             presence_flags=_missing(model), memory_bytes=_replicated(model, buffer_bytes))
 
 
@@ -813,16 +804,14 @@ def simulate_bucketed_powersgd(model: StepModel, bucket_size_mb: Optional[float]
 
 def simulate_from_facts(entry: catalogue.Entry, model: StepModel, bucket_size_mb: Optional[float]) -> StepResult:
     """The step of an entry with ``projection="schedule"``, from its facts (docs/projection.md, Adding a model)."""
-    if entry.memory == "fully_sharded":
-        return _fsdp2(model)
+    if entry.memory == "fully_sharded":  # every unit sharded over the world
+        return _fully_sharded(model, model.world_size, _FSDP2Schedule)
     if not entry.overlaps_backward:
         return _after_backward(model, entry.memory)
     if entry.memory == "full_buckets":  # torch DDP's own buckets and copies
         return _torch_ddp(model)
     size = bucket_size_mb if entry.has_bucket_size else 1 / MiB  # no cap: a 1-byte one, one bucket per gradient
-    result = _zero2(model, size) if entry.sharded else _bucketed(model, size, bf16=False)
-    result.bucket_size_mb = bucket_size_mb
-    return result
+    return _zero2(model, size) if entry.sharded else _bucketed(model, size, bf16=False)
 
 
 def simulated_names(modelled: bool = True) -> list[str]:
@@ -876,5 +865,5 @@ def simulate(name: str, model: StepModel, bucket_size_mb: Optional[float] = None
     elif bucket_size_mb is not None:
         raise ValueError(f"strategy {name!r} takes no bucket size, got bucket_size_mb={bucket_size_mb!r}")
     result = simulator(name)(model, bucket_size_mb, **settings)
-    result.strategy, result.settings = name, dict(settings)  # an entry may reuse another's model
-    return result
+    # an entry may reuse another's model; one without buckets may be simulated with a 1-byte cap
+    return replace(result, strategy=name, bucket_size_mb=bucket_size_mb, settings=dict(settings))

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from jsonargparse import auto_cli
 from jsonargparse.typing import NonNegativeFloat
@@ -67,7 +68,8 @@ def measure_copy_bandwidth() -> float:
 
     src, dst = torch.ones(2**24), torch.empty(2**24)
     dst.copy_(src)  # warm-up: page faults
-    return 2 * src.nbytes / statistics.median(timeit.repeat(lambda: dst.copy_(src), number=1, repeat=5))
+    copy = functools.partial(dst.copy_, src)
+    return 2 * src.nbytes / statistics.median(timeit.repeat(copy, number=1, repeat=5))
 
 
 def validate_cells(rows: list[dict[str, str]], profiles: dict[str, dict[str, Any]], fit_path: Path,
@@ -201,17 +203,16 @@ def build_markdown(cells: list[dict[str, Any]], auto: list[list[str]], copy_Bps:
     signed = [c["step_error"] for c in cells]
     errors = [abs(e) for e in signed]
     ref_errors = [abs(c["step_error_from_reference"]) for c in cells if "step_error_from_reference" in c]
-    median_error = statistics.median(errors) if errors else float("nan")
-    verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
     agree, pairs, disagreements = ranking_agreement(cells)
     not_agreeing = f"; not: {'; '.join(disagreements)}." if disagreements else "."
     headline = "No cell could be predicted (no profiles)."
-    if errors:
+    bias = ""
+    if cells:
+        median_error = statistics.median(errors)
+        verdict = "met" if median_error <= GOAL_MEDIAN_ABS_ERROR else "missed"
         headline = (f"**Median |predicted - measured| / measured step time: {100 * median_error:.1f} %** over "
                     f"{len(errors)} cells (goal: within {100 * GOAL_MEDIAN_ABS_ERROR:.0f} %: **{verdict}**); largest "
                     f"{100 * max(errors):.1f} %.")
-    bias = ""
-    if cells:
         bias = (f"Bias: {sum(1 for e in signed if e < 0)} of {len(signed)} cells are predicted faster than measured "
                 f"(median signed error {100 * statistics.median(signed):+.1f} %), with contention "
                 "(docs/projection.md).")
@@ -306,50 +307,21 @@ Rows = Sequence[dict[str, Any]]
 measured), from either validation."""
 
 
-def _step_errors(rows: Rows) -> list[float]:
-    """Each row's signed relative step error: predicted / measured - 1 (negative: predicted too fast)."""
-    return [r["predicted_step_ms"] / r["measured_step_ms"] - 1 for r in rows]
+def error_metrics(rows: Rows) -> dict[str, str]:
+    """What the before -> after tables can show of ``rows``, by column title. A step error is predicted / measured
+    - 1 (negative: predicted too fast); a share error, |predicted - measured| comm share over the rows that measured
+    one (``-`` where none did)."""
+    step_errors = [r["predicted_step_ms"] / r["measured_step_ms"] - 1 for r in rows]
+    share_errors = [abs(r["predicted_share"] - r["measured_share"]) for r in rows if r["measured_share"] is not None]
+    mean_share_error = f"{100 * statistics.fmean(share_errors):.1f} pts" if share_errors else "-"
+    return {
+        "too fast": f"{sum(1 for e in step_errors if e < 0)}/{len(rows)}",
+        "median \\|step error\\|": f"{100 * statistics.median(map(abs, step_errors)):.1f} %",
+        "mean \\|step error\\|": f"{100 * statistics.fmean(map(abs, step_errors)):.1f} %",
+        "mean step error": f"{100 * statistics.fmean(step_errors):+.1f} %",
+        "mean \\|share error\\|": mean_share_error,
+    }
 
-
-def _share_errors(rows: Rows) -> list[float]:
-    """Each row's |predicted - measured| comm share, as a fraction; rows without a measured share left out."""
-    return [abs(r["predicted_share"] - r["measured_share"]) for r in rows if r["measured_share"] is not None]
-
-
-def _too_fast(rows: Rows) -> str:
-    """How many rows are predicted faster than measured, of all."""
-    return f"{sum(1 for e in _step_errors(rows) if e < 0)}/{len(rows)}"
-
-
-def _median_step_error(rows: Rows) -> str:
-    """The median |step error| in percent, as the contention table shows it."""
-    return f"{100 * statistics.median(map(abs, _step_errors(rows))):.1f} %"
-
-
-def _mean_step_error(rows: Rows) -> str:
-    """The mean |step error| in percent."""
-    return f"{100 * statistics.fmean(map(abs, _step_errors(rows))):.1f} %"
-
-
-def _mean_signed_step_error(rows: Rows) -> str:
-    """The mean signed step error in percent (negative: predictions too fast on average)."""
-    return f"{100 * statistics.fmean(_step_errors(rows)):+.1f} %"
-
-
-def _mean_share_error(rows: Rows) -> str:
-    """The mean |predicted - measured| share in percentage points; ``-`` where no row measured one."""
-    errors = _share_errors(rows)
-    return f"{100 * statistics.fmean(errors):.1f} pts" if errors else "-"
-
-
-METRICS: dict[str, Callable[[Rows], str]] = {
-    "too fast": _too_fast,
-    "median \\|step error\\|": _median_step_error,
-    "mean \\|step error\\|": _mean_step_error,
-    "mean step error": _mean_signed_step_error,
-    "mean \\|share error\\|": _mean_share_error,
-}
-"""What the before -> after tables can show, by column title."""
 
 SUBSETS = (("all", None), (f"fitting subset (batch {FIT_BATCH})", True), ("held out (other batches)", False))
 """The before -> after tables' rows: all, the fitting subset and the held-out rows (on the fitting batch or not)."""
@@ -357,8 +329,9 @@ SUBSETS = (("all", None), (f"fitting subset (batch {FIT_BATCH})", True), ("held 
 
 def contention_lines(backend: str, s: float, fitted_on: str, before: Sequence[dict[str, Any]],
                      after: Sequence[dict[str, Any]], metrics: Sequence[str], by_strategy: bool) -> list[str]:
-    """Markdown: ``metrics`` of the rows predicted without contention (``before``) -> with ``s`` (``after``, the same
-    rows in the same order) on all rows, the fitting subset and the held-out rows (per strategy if ``by_strategy``)."""
+    """Markdown: ``metrics`` (titles of ``error_metrics``) of the rows predicted without contention (``before``) ->
+    with ``s`` (``after``, the same rows in the same order) on all rows, the fitting subset and the held-out rows (per
+    strategy if ``by_strategy``)."""
     strategies = list(dict.fromkeys(r["strategy"] for r in before)) if by_strategy else ["all"]
     rows = []
     for subset, on_fitting_batch in SUBSETS:
@@ -369,7 +342,8 @@ def contention_lines(backend: str, s: float, fitted_on: str, before: Sequence[di
                 if in_subset and strategy in ("all", row_before["strategy"]):
                     was.append(row_before)
                     now.append(row_after)
-            rows.append([subset, strategy, len(was), *(f"{METRICS[m](was)} -> {METRICS[m](now)}" for m in metrics)])
+            metrics_before, metrics_after = error_metrics(was), error_metrics(now)
+            rows.append([subset, strategy, len(was), *(f"{metrics_before[m]} -> {metrics_after[m]}" for m in metrics)])
     return [
         "## Contention: compute slowed while collectives run", "",
         f"{backend}'s `s` = {s:g}, fitted on the batch-{FIT_BATCH} {fitted_on} (at most `S_MAX` = {S_MAX:g}; "
