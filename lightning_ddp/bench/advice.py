@@ -11,10 +11,11 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import Estimate, estimate, ratio_estimate
 from lightning_ddp.bench.study import (
-    Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
-    run_study, step_rows, table, text_cell, with_interval, write_results,
+    StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat, run_study,
+    step_rows, with_interval, write_results,
 )
 from lightning_ddp.projection.advise import advise, read_run
+from lightning_ddp.reporting.tables import Column, table, text_cell
 
 
 @dataclass

@@ -17,13 +17,13 @@ from lightning_ddp.bench.engine_step import forward_backward
 from lightning_ddp.bench.launch import strategy_argument
 from lightning_ddp.bench.stats import hierarchical_bootstrap, interval_text, percentile_interval, rng_for
 from lightning_ddp.bench.study import (
-    NO_VALIDATION, Column, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve,
-    provenance, read_timing_summary, run_ranks, run_study, table, text_cell, write_outputs,
+    NO_VALIDATION, StudyConfig, benchmark_main, fit_arguments_of, interval_cell, json_report, loss_curve, provenance,
+    read_timing_summary, run_ranks, run_study, write_outputs,
 )
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
 from lightning_ddp.reporting.provenance import code_version
-from lightning_ddp.reporting.tables import markdown_table
+from lightning_ddp.reporting.tables import Column, markdown_table, table, text_cell
 from lightning_ddp.reporting.variants import format_settings, parse_settings
 from lightning_ddp.sync.memory_model import MiB
 

@@ -14,10 +14,9 @@ from jsonargparse.typing import PositiveInt
 
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, interval_text, pooled_median, ratio_estimate
-from lightning_ddp.bench.study import (
-    BenchConfig, Column, benchmark_main, json_report, provenance, run_ranks, table, text_cell, write_outputs,
-)
+from lightning_ddp.bench.study import BenchConfig, benchmark_main, json_report, provenance, run_ranks, write_outputs
 from lightning_ddp.model import GPT, PRESETS, get_config
+from lightning_ddp.reporting.tables import Column, table, text_cell
 
 
 @dataclass

@@ -24,13 +24,11 @@ from lightning_ddp.bench.engine_step import (
     InProcessConfig, all_reduced, random_tokens, seeded_model, sync, timed_step,
 )
 from lightning_ddp.bench.stats import estimate, interval_text, ratio_estimate, verdict
-from lightning_ddp.bench.study import (
-    Column, benchmark_main, json_report, provenance, run_ranks, table, text_cell, write_outputs,
-)
+from lightning_ddp.bench.study import benchmark_main, json_report, provenance, run_ranks, write_outputs
 from lightning_ddp.files import write_atomically
-from lightning_ddp.reporting.tables import markdown_table
 from lightning_ddp.memory import FP32, expected_bytes, fsdp2_groups
 from lightning_ddp.model import PRESETS
+from lightning_ddp.reporting.tables import Column, markdown_table, table, text_cell
 from lightning_ddp.sync.memory_model import MiB, bucket_cap_bytes, zero2_buffer_bytes
 
 if TYPE_CHECKING:

@@ -13,10 +13,10 @@ from jsonargparse.typing import NonNegativeFloat, NonNegativeInt
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import estimate, verdict
 from lightning_ddp.bench.study import (
-    Column, StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat,
-    run_study, step_rows, table, text_cell, with_interval, write_results,
+    StudyConfig, benchmark_main, csv_report, fit_arguments_of, interval_cell, load_average, per_repeat, run_study,
+    step_rows, with_interval, write_results,
 )
-from lightning_ddp.reporting.tables import csv_text
+from lightning_ddp.reporting.tables import Column, csv_text, table, text_cell
 
 KEYS: tuple[str, ...] = ("comm/wait_ms", "comm/transfer_ms", "straggler/lag_ms", "step/rank_spread_ms",
                          "step/time_ms", "comm/exposed_ms")

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import check_field_types, parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
 from lightning_ddp.reporting.provenance import cpu_model, git_state, invocation, package_version
-from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
+from lightning_ddp.reporting.tables import csv_text, read_csv
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -182,33 +182,6 @@ def load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
         return None
-
-
-class Column(NamedTuple):
-    """One column of a table: its header, its cell from a row, its alignment (``l`` or ``r``)."""
-
-    header: str
-    cell: Callable[[Any], Any]
-    align: str = "r"
-
-
-def table(columns: Sequence[Column], rows: Iterable[Any]) -> list[str]:
-    """The markdown table of ``rows`` under ``columns``, as lines."""
-    return markdown_table([c.header for c in columns], [[c.cell(row) for c in columns] for row in rows],
-                          "".join(c.align for c in columns))
-
-
-def text_cell(name: str, spec: str = "") -> Callable[[Mapping[str, Any]], str]:
-    """A cell writing ``row[name]`` in ``spec``: booleans as yes/no, ``-`` where it is missing or empty."""
-    def cell(row: Mapping[str, Any]) -> str:
-        value = row.get(name)
-        if value is None or value == "":
-            return "-"
-        if isinstance(value, bool):
-            return "yes" if value else "no"
-        return format(value, spec)
-
-    return cell
 
 
 def interval_cell(name: str, spec: str = ",.1f", bounds: str = "", scale: float = 1.0,

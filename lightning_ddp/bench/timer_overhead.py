@@ -18,9 +18,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning_ddp import catalogue
 from lightning_ddp.bench.stats import pooled_median, ratio_estimate, verdict
 from lightning_ddp.bench.study import (
-    NO_CHECKPOINTS, NO_VALIDATION, Column, StudyConfig, benchmark_main, interval_cell, json_report, provenance,
-    run_ranks, run_study, table, text_cell, with_interval, write_outputs,
+    NO_CHECKPOINTS, NO_VALIDATION, StudyConfig, benchmark_main, interval_cell, json_report, provenance, run_ranks,
+    run_study, with_interval, write_outputs,
 )
+from lightning_ddp.reporting.tables import Column, table, text_cell
 
 
 class StepWallTimes(Callback):

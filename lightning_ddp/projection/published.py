@@ -17,7 +17,7 @@ from lightning_ddp.projection.flops import ADAMW_BYTES_PER_PARAM, ModelShape, ge
 from lightning_ddp.projection.simulators import CONTENTION, StepModel, simulate, simulated_by
 from lightning_ddp.projection.validate import contention_lines
 from lightning_ddp.reporting.provenance import code_version
-from lightning_ddp.reporting.tables import csv_text, csv_value, markdown_table, read_csv
+from lightning_ddp.reporting.tables import Column, csv_text, csv_value, markdown_table, read_csv, table, text_cell
 
 XL_SHAPE = ModelShape.from_preset("xl")
 """The write-ups' xl: the preset ``lightning_ddp.model.PRESETS["xl"]`` itself (reading it imports torch)."""
@@ -191,8 +191,6 @@ def _inputs_lines(gpu: str, fabrics: dict[str, Fabric]) -> list[str]:
     return lines + [""]
 
 
-Column = tuple[str, Callable[[dict[str, Any]], str]]
-"""A column of a comparison table: its header and its cell of one row."""
 LinkCell = tuple[str, Callable[[dict[str, Any], str], str]]
 """A column of ``published``'s or a link's numbers: its header and its cell of (row, the numbers' key prefix)."""
 
@@ -220,32 +218,21 @@ def _columns(label: str, cells: Sequence[LinkCell]) -> list[Column]:
     columns = []
     for title, cell in cells:
         header = title if columns else f"{label}: {title}"
-        columns.append((header, functools.partial(cell, name=name)))
+        columns.append(Column(header, functools.partial(cell, name=name)))
     return columns
-
-
-def _table(title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> list[str]:
-    """A ``## title`` section: one table row per row, one cell per column."""
-    header = [name for name, _ in columns]
-    cells = [[cell(row) for _, cell in columns] for row in rows]
-    return [f"## {title}", "", *markdown_table(header, cells, "l" + "r" * (len(header) - 1))]
 
 
 def _runs_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> list[str]:
     """One row per published run: what it printed, the prediction on each link, the unexplained time."""
     compared = [STEP, EXPOSED, SHARE, ("share - published", _share_minus_published)]
-    columns = [("strategy", _text("strategy")), ("bucket", _bucket), ("batch", _text("batch_size")),
-               ("context", _text("seq_len")), *_columns("published", PUBLISHED), *_columns(labels[0], compared)]
+    columns = [Column("strategy", text_cell("strategy"), "l"), Column("bucket", _bucket),
+               Column("batch", text_cell("batch_size")), Column("context", text_cell("seq_len")),
+               *_columns("published", PUBLISHED), *_columns(labels[0], compared)]
     for label in labels[1:]:
         columns += _columns(label, [STEP, SHARE])
-    columns.append(("unexplained", _unexplained))
+    columns.append(Column("unexplained", _unexplained))
     footnote = "\\* compute extrapolated (naive ran out of memory at batch 4, context 512)."
-    return _table("Every published run beside the prediction", columns, comparisons) + ["", footnote, ""]
-
-
-def _text(key: str) -> Callable[[dict[str, Any]], str]:
-    """The cell of a column that shows ``row[key]`` as it is."""
-    return lambda row: str(row[key])
+    return ["## Every published run beside the prediction", "", *table(columns, comparisons), "", footnote, ""]
 
 
 def _bucket(row: dict[str, Any]) -> str:
@@ -275,12 +262,12 @@ def _summary_table(comparisons: Sequence[dict[str, Any]], labels: list[str]) -> 
             if key.endswith("_share"):  # <label>_error: the mean |share - published share|
                 row[key.replace("_share", "_error")] = _mean([abs(c[key] - c["published_share"]) for c in cs])
         rows.append(row)
-    columns = [("strategy", _text("strategy")), *_columns("published", PUBLISHED)]
+    columns = [Column("strategy", text_cell("strategy"), "l"), *_columns("published", PUBLISHED)]
     for label in labels:  # the share error on the compared link (and its variant with the published per-call cost)
         compared = label.startswith(labels[0])
         columns += _columns(label, [STEP, SHARE, SHARE_ERROR] if compared else [STEP, SHARE])
-    columns.append(("unexplained", _unexplained))
-    return _table("Summary per strategy (batch 4 x context 512 left out)", columns, rows)
+    columns.append(Column("unexplained", _unexplained))
+    return ["## Summary per strategy (batch 4 x context 512 left out)", "", *table(columns, rows)]
 
 
 def pcie_rows(contention: float) -> list[dict[str, Any]]:
@@ -303,10 +290,13 @@ def write_comparison(out: str | Path = "benchmarks/results/projection", gpu: str
     rows = [{column: _csv_cell(column, value) for column, value in c.items()} for c in comparisons]
     fabrics = prediction_fabrics(gpu)
     s = CONTENTION["nccl"]
+    command = f"python -m lightning_ddp.projection.published --out {out}"
+    if gpu != GPU:
+        command += f" --gpu {gpu}"
     markdown = "\n".join([
         "# The projection against the published 2-GPU xl runs", "",
-        "Generated by `python -m lightning_ddp.projection.published --out benchmarks/results/projection/`, at "
-        f"{code_version()}. The recipe, the columns and what the comparison shows: docs/projection.md.", "",
+        f"Generated by `{command}`, at {code_version()}. The recipe, the columns and what the comparison shows: "
+        "docs/projection.md.", "",
         *_inputs_lines(gpu, fabrics), *_runs_table(comparisons, list(fabrics)),
         *_summary_table(comparisons, list(fabrics)), "",
         *contention_lines("NCCL", s, "runs' wait shares on `pcie_gen4`; batch 4 x context 512 left out",

@@ -6,7 +6,7 @@ import csv
 import io
 import math
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 
 def markdown_table(header: Sequence[Any], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
@@ -24,6 +24,33 @@ def markdown_table(header: Sequence[Any], rows: Iterable[Sequence[Any]], align: 
     rule = "".join("---:|" if letter == "r" else "---|" for letter in align.ljust(len(header)))
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + rule]
     return lines + ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+
+
+class Column(NamedTuple):
+    """One column of a table: its header, its cell from a row, its alignment (``l`` or ``r``)."""
+
+    header: str
+    cell: Callable[[Any], Any]
+    align: str = "r"
+
+
+def table(columns: Sequence[Column], rows: Iterable[Any]) -> list[str]:
+    """The markdown table of ``rows`` under ``columns``, as lines."""
+    return markdown_table([c.header for c in columns], [[c.cell(row) for c in columns] for row in rows],
+                          "".join(c.align for c in columns))
+
+
+def text_cell(name: str, spec: str = "") -> Callable[[Mapping[str, Any]], str]:
+    """A cell writing ``row[name]`` in ``spec``: booleans as yes/no, ``-`` where it is missing or empty."""
+    def cell(row: Mapping[str, Any]) -> str:
+        value = row.get(name)
+        if value is None or value == "":
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return format(value, spec)
+
+    return cell
 
 
 def csv_value(value: Any, digits: int | None = None) -> Any:
