@@ -441,9 +441,9 @@ def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -
 
 def _weights(result: FitResult) -> Any:
     """The final weights ``result``'s fit saved, removed once read (~14 MB a strategy, worth nothing more)."""
-    if not result.ok or result.log_dir is None or not (result.log_dir / "weights.pt").exists():
+    path = result.file("weights.pt")
+    if not result.ok or path is None:
         return None
-    path = result.log_dir / "weights.pt"
     weights = torch.load(path, weights_only=True)
     path.unlink()
     return weights
