@@ -271,7 +271,7 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
     if document.get("cpu_dry_run"):
         lines += ["A rehearsal on CPU with the tiny preset: no number below says anything about a GPU.", ""]
     lines += markdown_table(["stage", "status", "seconds", "estimate s", "error"], align="llrrl", rows=[
-                             [f"[{e['name']}](#{e['name'].replace('_', '-')})", e["status"],
+                             [f"[{e['name']}](#{e['name']})", e["status"],
                               cell(e.get("seconds"), ",.0f"), cell(e.get("estimate_s"), ",.0f"), e.get("error") or ""]
                              for e in document.get("stages", [])])
     specs = {stage.name: stage for stage in stages}
