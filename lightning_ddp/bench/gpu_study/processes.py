@@ -109,8 +109,8 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
         missing = [s for s in pending if s.name not in results]
         if not missing:
             break
-        last_finished = list(finished.values())[-1] if finished else None
-        if ranks > 1 and last_finished is not None and not last_finished.ok and not outcome.timed_out:
+        last_finished_failed = bool(finished) and not list(finished.values())[-1].ok
+        if ranks > 1 and last_finished_failed and not outcome.timed_out:
             pending = missing  # the ranks stopped after a fit that failed (and said so): start the rest afresh
             continue
         # Else the first fit without a result is the one the processes died in (or ran out of time in), or, when
