@@ -455,6 +455,8 @@ def test_the_report_renders_what_a_stage_cut_off_wrote(tmp_path: Path) -> None:
     report = build_report(document, tmp_path)
     assert "small preset, – off/on pairs of – steps" in report and "overhead +1.23% [95 %: –, –]" in report
     assert "| 32-true | ok | – | 6 | 8: 8 OOM → 6 | – | – | – | – | 2.0 | 1.0 | 0.50 |" in report
+    # A stage's row links its section: GitHub's anchor of "## timer_overhead" keeps the underscore.
+    assert "| [timer_overhead](#timer_overhead) | ok |" in report
 
 
 # ---- the dry run ----------------------------------------------------------------------------------------------------

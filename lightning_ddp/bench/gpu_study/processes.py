@@ -52,10 +52,10 @@ class FitResult:
 
     name: str
     status: str  # ok, oom, failed, timeout or "not run" (no time was left to start it)
-    error: str = ""  # the error line
-    seconds: float = 0.0  # of the fit itself, the processes' start-up not included
-    log_dir: Path | None = None
+    error: str  # the error line; empty when ok
+    log_dir: Path
     """The fit's folder, ``<out_dir>/<name>``: its logs and what the CommTimer wrote."""
+    seconds: float = 0.0  # of the fit itself, the processes' start-up not included
     summary: dict[str, Any] | None = None  # the CommTimer's timing_summary.json, when it wrote one
 
     @property
@@ -65,8 +65,6 @@ class FitResult:
 
     def file(self, name: str) -> Path | None:
         """A file the fit wrote under its log directory (the first match of ``name``), or ``None``."""
-        if self.log_dir is None:
-            return None
         return min(self.log_dir.rglob(name), default=None)
 
 
@@ -105,14 +103,14 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
             if path.exists():
                 data = json.loads(path.read_text())
                 summary = read_timing_summary(path.parent) if data["status"] == "ok" else None
-                finished[spec.name] = FitResult(name=spec.name, status=data["status"], error=data.get("error", ""),
-                                                seconds=data.get("seconds", 0.0), log_dir=path.parent, summary=summary)
+                finished[spec.name] = FitResult(name=spec.name, status=data["status"], error=data["error"],
+                                                seconds=data["seconds"], log_dir=path.parent, summary=summary)
         results.update(finished)
         missing = [s for s in pending if s.name not in results]
         if not missing:
             break
-        last_finished = list(finished.values())[-1] if finished else None
-        if ranks > 1 and last_finished is not None and not last_finished.ok and not outcome.timed_out:
+        last_finished_failed = bool(finished) and not list(finished.values())[-1].ok
+        if ranks > 1 and last_finished_failed and not outcome.timed_out:
             pending = missing  # the ranks stopped after a fit that failed (and said so): start the rest afresh
             continue
         # Else the first fit without a result is the one the processes died in (or ran out of time in), or, when

@@ -11,8 +11,9 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Union
 
 import torch
 
@@ -20,7 +21,7 @@ from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.processes import FitResult, FitSpec, run_fits
 from lightning_ddp.bench.gpu_study.scales import FitSize, Scale
 from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, run_processes, strategy_argument
-from lightning_ddp.bench.study import read_json
+from lightning_ddp.bench.study import NO_CHECKPOINTS, NO_VALIDATION, read_json
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
 from lightning_ddp.reporting.provenance import COMMIT_VARIABLE
@@ -201,19 +202,26 @@ class Stage:
 # ---- shared pieces ---------------------------------------------------------------------------------------------
 
 
-def fit_args(ctx: StudyContext, size: FitSize, *, strategy: str, precision: str | None = None, ranks: int = 1,
-             extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The arguments after ``fit`` of one fit on the study's device, every step timed; ``ranks`` share it over gloo."""
+def workload_args(ctx: StudyContext, size: FitSize, *, strategy: str, precision: str | None = None,
+                  ranks: int = 1) -> tuple[str, ...]:
+    """The arguments after ``fit`` saying what one fit on the study's device trains, without validation or
+    checkpoints, but not its steps or timer; ``ranks`` share the device over gloo."""
     return (
         "--seed_everything", "0", "--model.preset", size.preset, "--model.context_length", str(size.seq_len),
         "--data.source", "synthetic", "--data.seq_len", str(size.seq_len), "--data.batch_size", str(size.batch),
         "--trainer.accelerator", ctx.scale.device, "--trainer.devices", "1", "--trainer.num_nodes", str(ranks),
         "--trainer.strategy", strategy_argument(strategy, ctx.scale.backend if ranks == 1 else "gloo"),
-        "--trainer.precision", precision or ctx.scale.precision, "--trainer.max_steps", str(size.steps),
-        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
-        "--trainer.enable_checkpointing", "false", "--timer.warmup_steps", str(size.warmup), "--timer.every_n_steps",
-        "1", *extra,
+        "--trainer.precision", precision or ctx.scale.precision, *NO_VALIDATION, "--trainer.log_every_n_steps", "1",
+        *NO_CHECKPOINTS,
     )
+
+
+def fit_args(ctx: StudyContext, size: FitSize, *, strategy: str, precision: str | None = None, ranks: int = 1,
+             extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``workload_args`` for ``size.steps`` steps, every step timed after ``size.warmup``, then ``extra``."""
+    return (*workload_args(ctx, size, strategy=strategy, precision=precision, ranks=ranks),
+            "--trainer.max_steps", str(size.steps), "--timer.warmup_steps", str(size.warmup),
+            "--timer.every_n_steps", "1", *extra)
 
 
 def _failures(results: list[FitResult], where: str = "") -> list[str]:
@@ -231,7 +239,7 @@ def published(batch: int = 0, seq_len: int = 0) -> Callable[[Row], str]:
         runs = [r for r in PUBLISHED_RUNS if (r.strategy, r.batch_size, r.seq_len) == at]
         if not runs:
             return "–"
-        best = min(runs, key=lambda r: r.total_s)
+        best = min(runs, key=attrgetter("total_s"))  # the fastest run of the strategy there
         bucket = f" ({best.bucket_size_mb:g} MB)" if best.bucket_size_mb is not None else ""
         return f"{best.total_s * 1e3:,.0f} ms, {best.ratio:.0%} comm{bucket}"
 
@@ -434,9 +442,9 @@ def _equivalence_spec(ctx: StudyContext, name: str, strategy: str, ranks: int) -
 
 def _weights(result: FitResult) -> Any:
     """The final weights ``result``'s fit saved, removed once read (~14 MB a strategy, worth nothing more)."""
-    if not result.ok or result.log_dir is None or not (result.log_dir / "weights.pt").exists():
+    path = result.file("weights.pt")
+    if not result.ok or path is None:
         return None
-    path = result.log_dir / "weights.pt"
     weights = torch.load(path, weights_only=True)
     path.unlink()
     return weights
@@ -550,27 +558,11 @@ def ready_times(ctx: StudyContext) -> StageResult:
     return result
 
 
-def _without_options(args: Sequence[str], options: set[str]) -> list[str]:
-    """``args`` without each of ``options`` and the value after it."""
-    kept: list[str] = []
-    skip_value = False
-    for arg in args:
-        if arg in options:
-            skip_value = True
-        elif skip_value:
-            skip_value = False
-        else:
-            kept.append(arg)
-    return kept
-
-
 def timer_overhead(ctx: StudyContext) -> StageResult:
     """Stage timer_overhead: ``python -m lightning_ddp.bench.timer_overhead`` on the default engine, one round of
     its three arms, with this study's fit arguments."""
     overhead, stage = ctx.scale.overhead, ctx.stage_dir("timer_overhead")
-    fit = fit_args(ctx, overhead, strategy=catalogue.DEFAULT_ENGINE)
-    # The benchmark sets the steps and the timer (its arms) itself; the rest is this study's fit, after `--`.
-    fit = _without_options(fit, {"--trainer.max_steps", "--timer.warmup_steps", "--timer.every_n_steps"})
+    fit = workload_args(ctx, overhead, strategy=catalogue.DEFAULT_ENGINE)  # the benchmark sets steps and timer
     log, path = stage / "timer_overhead.log", stage / "timer_overhead.json"
     ran = ctx.run_python(["-m", "lightning_ddp.bench.timer_overhead", "--fit_config", "configs/quickstart.yaml",
                           "--strategies", json.dumps([catalogue.DEFAULT_ENGINE]),

@@ -52,20 +52,20 @@ def _new_document(config: GPUStudyConfig, stages: Sequence[Stage], ctx: StudyCon
     unchanged), which ``--resume true`` must continue, and never one of the other kind (dry run or GPU)."""
     path = ctx.out / "stages.json"
     previous: dict[str, Any] = {}
+    kept: dict[str, dict[str, Any]] = {}  # the entries of the stages already ok, by name
     if path.exists():
         try:
             previous = json.loads(path.read_text())
-            done = [entry["name"] for entry in previous["stages"] if entry["status"] == "ok"]
+            kept = {entry["name"]: entry for entry in previous["stages"] if entry["status"] == "ok"}
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"{path} is not a GPU study's stages.json ({error}); choose another --out") from None
         if not config.resume:
-            raise ValueError(f"{ctx.out} already holds a study ({len(done)} stages ok); add `--resume true` to keep "
+            raise ValueError(f"{ctx.out} already holds a study ({len(kept)} stages ok); add `--resume true` to keep "
                              "them and run the rest, or choose another --out")
         if bool(previous.get("cpu_dry_run")) != config.cpu_dry_run:
             kinds = {True: "a CPU dry run", False: "a GPU study"}
             raise ValueError(f"{ctx.out} holds {kinds[bool(previous.get('cpu_dry_run'))]}, and this call is "
                              f"{kinds[config.cpu_dry_run]}; choose another --out")
-    kept = {e["name"]: e for e in previous.get("stages", []) if e.get("status") == "ok"}
     call = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": [repo_relative(arg) for arg in sys.argv], "budget_min": config.budget_min}
     if config.commit:
@@ -271,7 +271,7 @@ def build_report(document: dict[str, Any], out: Path, stages: Sequence[Stage] = 
     if document.get("cpu_dry_run"):
         lines += ["A rehearsal on CPU with the tiny preset: no number below says anything about a GPU.", ""]
     lines += markdown_table(["stage", "status", "seconds", "estimate s", "error"], align="llrrl", rows=[
-                             [f"[{e['name']}](#{e['name'].replace('_', '-')})", e["status"],
+                             [f"[{e['name']}](#{e['name']})", e["status"],
                               cell(e.get("seconds"), ",.0f"), cell(e.get("estimate_s"), ",.0f"), e.get("error") or ""]
                              for e in document.get("stages", [])])
     specs = {stage.name: stage for stage in stages}
