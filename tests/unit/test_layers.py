@@ -287,12 +287,12 @@ def test_no_function_is_longer_than_80_lines() -> None:
     assert not long, "split into named steps: " + ", ".join(long)
 
 
-PACKAGE_LINES_CEILING = 18_750
+PACKAGE_LINES_CEILING = 18_650
 """The house's limit on the package: 16,000 was reached by removing repetition (15,862 lines); 17,500 left the study
 half room for names where packing had hidden them; then came features, not repetition: hsdp trained, priced and
 projected (issue 42), the clean exit and the configs' type checks (issue 43), the recording process group (issue 44),
-about 770 lines, and the docstrings that bring the package to 14 % (about 330): 18,604 lines when it was set. It
-may not grow past 18,750."""
+about 770 lines, and the docstrings that bring the package to 14 % (about 330): 18,604 lines. A later pass over the
+study, one reader per part, found under 100 lines of repetition left: 18,617 lines. It may not grow past 18,650."""
 
 
 def test_the_package_does_not_grow_past_its_ceiling() -> None:
