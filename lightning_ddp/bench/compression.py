@@ -22,7 +22,6 @@ from lightning_ddp.bench.study import (
 )
 from lightning_ddp.data import TextBytes
 from lightning_ddp.model import GPT, get_config
-from lightning_ddp.reporting.provenance import code_version
 from lightning_ddp.reporting.tables import Column, markdown_table, table, text_cell
 from lightning_ddp.reporting.variants import format_settings, parse_settings
 from lightning_ddp.sync.memory_model import MiB
@@ -304,7 +303,7 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join([
         f"# Lossy gradient communication vs fp32: {', '.join(f'`{n}`' for n in names)}; {config['steps']} steps, "
         f"2 ranks, bucket {config['bucket_size_mb']:g} MiB, seed {', '.join(seeds)}", "",
-        f"Command: `{result['command']}` ({code_version(result)}; torch {result['torch']}).", "",
+        f"Command: `{result['command']}` (torch {result['torch']}).", "",
         *markdown_table(["variant", "engine settings (defaults filled in)"],
                         [[f"`{n}`", format_settings(v["effective_settings"]) or "-"]
                          for n, v in result["variants"].items()], "ll"), "",

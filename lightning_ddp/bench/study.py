@@ -20,7 +20,7 @@ from lightning_ddp.bench.launch import base_environment, error_line, fit_command
 from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import check_field_types, parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
-from lightning_ddp.reporting.provenance import cpu_model, git_state, invocation, package_version
+from lightning_ddp.reporting.provenance import code_version, cpu_model, git_state, invocation, package_version
 from lightning_ddp.reporting.tables import csv_text, read_csv
 
 T = TypeVar("T")
@@ -317,14 +317,21 @@ def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]],
     })
 
 
+def measured_at(recorded: Mapping[str, Any]) -> str:
+    """results.md's last line: the commit the results were measured at, from their recorded ``provenance``."""
+    return f"Measured at {code_version(recorded)}."
+
+
 def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callable[[C], tuple[list, str]]:
-    """A benchmark's ``report``: results.md by ``render`` of out_dir's results.csv, its recorded config and command."""
+    """A benchmark's ``report``: results.md by ``render`` of out_dir's results.csv, its recorded config and command,
+    then ``measured_at`` the commit environment.json records."""
 
     def report(config: C) -> tuple[list[dict[str, Any]], str]:
         recorded = read_json(Path(config.out_dir) / "environment.json")
         csv_rows = read_csv(Path(config.out_dir) / "results.csv")
         rows = [{key: _typed(value) for key, value in row.items()} for row in csv_rows]
         markdown = render(type(config)(**{**recorded["config"], "report_only": False}), rows, recorded["command_line"])
+        markdown = f"{markdown.rstrip()}\n\n{measured_at(recorded)}\n"
         write_outputs(config.out_dir, {"results.md": markdown})
         return rows, markdown
 
@@ -333,13 +340,13 @@ def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callabl
 
 def json_report(results: str, render: Callable[[dict[str, Any]], str],
                 plot: Callable[[dict[str, Any], Path], Any] | None = None) -> Callable[[Any], tuple[dict, str]]:
-    """A benchmark's ``report``: by ``render`` of out_dir's JSON ``results`` (``NAME.json``), ``NAME.md``; and its
-    ``plot``."""
+    """A benchmark's ``report``: by ``render`` of out_dir's JSON ``results`` (``NAME.json``), ``NAME.md``, then
+    ``measured_at`` the commit the JSON records (at its top, or under ``environment``); and its ``plot``."""
 
     def report(config: Any) -> tuple[dict[str, Any], str]:
         out = Path(config.out_dir)
         result = read_json(out / results)
-        text = render(result)
+        text = f"{render(result).rstrip()}\n\n{measured_at(result.get('environment', result))}\n"
         write_outputs(out, {Path(results).with_suffix(".md").name: text})
         if plot is not None:
             plot(result, out)

@@ -96,7 +96,7 @@ def code_version(state: dict[str, Any] | None = None) -> str:
     """The code a report came from, as its sentence says it: ``commit 2685a5d1b2c3``, with ``with uncommitted
     changes`` after it where ``state`` (default: ``git_state()``) says the code was dirty."""
     state = git_state() if state is None else state
-    if not state["git_commit"]:
+    if not state.get("git_commit"):  # outside a checkout, or results recorded without their git state
         return "an unknown commit"
-    changes = " with uncommitted changes" if state["git_dirty"] else ""
+    changes = " with uncommitted changes" if state.get("git_dirty") else ""
     return f"commit {state['git_commit'][:12]}{changes}"

@@ -173,9 +173,11 @@ def test_the_check_s_config_rows_and_report_only(tmp_path: Path) -> None:
     assert keep["applied_ms"] == keep["start_ms"] and keep["gain"] == 0.0
     markdown = bench.render_markdown(config, [row, keep], "cmd")
     write_outputs(tmp_path, {"results.csv": csv_text([row, keep], list(row), digits=4), "results.md": markdown,
-                             "environment.json": {"config": vars(config), "command_line": "cmd"}})
+                             "environment.json": {"config": vars(config), "command_line": "cmd",
+                                                  "git_commit": "0123456789abcdef", "git_dirty": False}})
     bench.main(["--out_dir", str(tmp_path), "--report_only", "true"])
-    assert (tmp_path / "results.md").read_text() == markdown
+    # the rebuilt report is the render, then the commit environment.json records (its first 12 digits)
+    assert (tmp_path / "results.md").read_text() == markdown.rstrip() + "\n\nMeasured at commit 0123456789ab.\n"
 
 
 def quiet_spreads(rows: list[dict[str, str]]) -> tuple[float, float]:
