@@ -20,6 +20,7 @@ from lightning_ddp.bench.stats import (
 )
 from lightning_ddp.bench.stats import verdict as interval_verdict
 from lightning_ddp.bench.study import with_interval
+from lightning_ddp.reporting.provenance import code_version
 from lightning_ddp.reporting.tables import csv_text, markdown_table, read_csv
 from lightning_ddp.reporting.variants import format_bucket, variant_label, variant_strategy
 
@@ -738,19 +739,16 @@ def _environment_line(environment: Mapping[str, Any]) -> str:
     run, workload = (environment.get("config", {}).get(key, {}) for key in ("run", "workload"))
     cpu = environment.get("cpu", {})
     device = ", ".join(environment.get("gpus") or []) or cpu.get("model", "cpu")
-    code = str(environment.get("git_commit") or "unknown")[:12]
-    if environment.get("git_dirty"):
-        code += " **with uncommitted changes**"
+    code = code_version(environment)
     sessions = environment.get("sessions") or []
-    commits = sorted({str(x.get("git_commit") or "unknown")[:12] + (" (dirty)" if x.get("git_dirty") else "")
-                      for x in sessions})
+    commits = sorted({code_version(session) for session in sessions})
     if len(commits) > 1:  # a resumed sweep whose sessions ran different code says so
         code += f"; **resumed across {len(sessions)} sessions running different code**: {', '.join(commits)}"
     return (f"- {device}; {cpu.get('count', '?')} CPU cores; {run.get('devices', '?')} ranks "
             f"over {environment.get('backend', '?')} ({run.get('accelerator', '?')}); preset "
             f"`{workload.get('preset')}` from `{workload.get('base_config')}` "
             f"{' '.join(workload.get('cli_args') or [])}; torch {environment.get('torch')}, lightning "
-            f"{environment.get('lightning')}, commit {code}; "
+            f"{environment.get('lightning')}, {code}; "
             f"{run.get('repeats', '?')} interleaved repeats per cell of {run.get('warmup_steps', '?')} warm-up + "
             f"{run.get('steps', '?')} measured steps")
 

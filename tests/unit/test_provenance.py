@@ -79,3 +79,16 @@ def test_a_report_names_the_commit_and_says_when_the_code_had_changed() -> None:
     assert provenance.code_version(clean) == "commit 2685a5d1b2c3"
     assert provenance.code_version({**clean, "git_dirty": True}) == "commit 2685a5d1b2c3 with uncommitted changes"
     assert provenance.code_version({"git_commit": None, "git_dirty": None}) == "an unknown commit"
+
+
+def test_a_resumed_sweep_names_each_commit_its_sessions_ran() -> None:
+    from lightning_ddp.bench.report import _environment_line
+
+    first = {"git_commit": "2685a5d1b2c3d4e5", "git_dirty": False}
+    second = {"git_commit": "9f00aa11bb22cc33", "git_dirty": True}
+    one_commit = _environment_line({**second, "sessions": [second, second]})
+    assert "commit 9f00aa11bb22 with uncommitted changes;" in one_commit and "resumed" not in one_commit
+    two_commits = _environment_line({**second, "sessions": [first, second]})
+    assert ("resumed across 2 sessions running different code**: commit 2685a5d1b2c3, commit 9f00aa11bb22 with "
+            "uncommitted changes;") in two_commits
+    assert provenance.code_version({}) == "an unknown commit"  # results recorded without their git state
