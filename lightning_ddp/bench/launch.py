@@ -100,6 +100,11 @@ def rank_layout(accelerator: str, devices: int, backend: str = "auto", launcher:
                       gpu_of_rank=tuple(ids[r % len(ids)] for r in range(devices)))
 
 
+def cpu_threads_per_rank(ranks: int) -> int:
+    """Each of ``ranks`` CPU processes' share of this machine's cores, at least 1 (what Lightning's DDP sets)."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 def base_environment(threads: int | None = None, extra: Mapping[str, str] | None = None,
                      parent: Mapping[str, str] | None = None) -> dict[str, str]:
     """``parent`` (default: this process's environment) without the launchers' rank variables, plus unbuffered

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lightning_ddp.bench.launch import base_environment, error_line, fit_command, run_processes
+from lightning_ddp.bench.launch import base_environment, cpu_threads_per_rank, error_line, fit_command, run_processes
 from lightning_ddp.bench.stats import Estimate, interval_text
 from lightning_ddp.command_line import check_field_types, parse_dataclass
 from lightning_ddp.files import write_atomically, write_json_atomically
@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, port: int, measure: Callable[..., Any], backend
     if cuda:
         torch.cuda.set_device(rank)
     # CPU ranks share the machine's cores, at least one each; oversubscribing them only adds noise.
-    threads = None if cuda else max(1, (os.cpu_count() or 1) // world)
+    threads = None if cuda else cpu_threads_per_rank(world)
     init_local_process_group(rank, world, port, backend, threads=threads)
     try:
         result = measure(rank, world, *args)
@@ -96,17 +96,23 @@ def run_ranks(world: int, measure: Callable[..., Any], *args: Any, backend: str 
         return read_json(result_file)
 
 
-def read_timing_summary(log_dir: Path, required: bool = False) -> dict[str, Any] | None:
-    """The CommTimer's first ``timing_summary.json`` under ``log_dir``, or ``None`` (``required``: RuntimeError)."""
+def find_timing_summary(log_dir: Path) -> dict[str, Any] | None:
+    """The CommTimer's first ``timing_summary.json`` under ``log_dir``, or ``None`` where the fit wrote none."""
     path = next(iter(sorted(log_dir.rglob("timing_summary.json"))), None)
-    if path is None and required:
-        raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
     return None if path is None else json.loads(path.read_text())
+
+
+def read_timing_summary(log_dir: Path) -> dict[str, Any]:
+    """The CommTimer's first ``timing_summary.json`` under ``log_dir``; RuntimeError where the fit wrote none."""
+    summary = find_timing_summary(log_dir)
+    if summary is None:
+        raise RuntimeError(f"the fit wrote no timing_summary.json under {log_dir}")
+    return summary
 
 
 def step_rows(log_dir: Path) -> list[dict[str, float]]:
     """Rank 0's measured per-step rows (wait/transfer, lag, step time, exposed comm ...) after the warm-up."""
-    summary = read_timing_summary(log_dir, required=True)
+    summary = read_timing_summary(log_dir)
     return summary["steps"][summary["warmup_steps"]:]
 
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Literal, Mapping
 
 from lightning_ddp.bench.config import REFERENCE, Cell, SweepConfig, expand_grid, has_bucket_axis
 from lightning_ddp.bench.launch import (
-    ProcessResult, RankLayout, error_line, first_error_line, fit_command, is_oom, rank_environments, rank_layout,
-    run_processes, strategy_argument, write_command,
+    ProcessResult, RankLayout, cpu_threads_per_rank, error_line, first_error_line, fit_command, is_oom,
+    rank_environments, rank_layout, run_processes, strategy_argument, write_command,
 )
 from lightning_ddp.bench.report import (
     REPEAT_COLUMNS, RESULT_COLUMNS, Analysis, RepeatKey, Row, build_report, cell_data, cell_row, parse_row,
@@ -27,8 +27,8 @@ from lightning_ddp.bench.report import (
 )
 from lightning_ddp.bench.stats import Bootstrapper
 from lightning_ddp.bench.study import (
-    NO_CHECKPOINTS, NO_VALIDATION, LoadCheck, interleaved, load_average, print_flushed, provenance, read_json,
-    read_timing_summary, wait_until_idle, write_outputs,
+    NO_CHECKPOINTS, NO_VALIDATION, LoadCheck, find_timing_summary, interleaved, load_average, print_flushed,
+    provenance, read_json, wait_until_idle, write_outputs,
 )
 from lightning_ddp.local_group import find_free_port
 from lightning_ddp.memory import FP32, gpt_parameter_shapes
@@ -91,7 +91,7 @@ def threads_per_rank(config: SweepConfig) -> int | None:
         return config.run.threads_per_rank
     if config.run.accelerator != "cpu":
         return None
-    return max(1, (os.cpu_count() or 1) // config.run.devices)
+    return cpu_threads_per_rank(config.run.devices)
 
 
 def cell_environments(cell: Cell | None, config: SweepConfig, layout: RankLayout, port: int,
@@ -181,7 +181,7 @@ class SubprocessCellRunner:
         write_command(run_dir / "command.txt", command, envs)
         logs = [run_dir / f"rank{r}.log" for r in range(len(envs))]
         result = run_processes(command, envs, logs, self.config.run.timeout_s, cwd=self.cwd)
-        summary = read_timing_summary(run_dir)
+        summary = find_timing_summary(run_dir)
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in logs]
         status, reason = classify(result, texts, summary is not None, self.config.run.timeout_s)
         if status != "ok":

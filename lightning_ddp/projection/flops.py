@@ -74,8 +74,8 @@ class ModelShape:
         from lightning_ddp.model import get_config  # the presets' one source of truth
 
         config = get_config(name)
-        return cls(config.d_model, config.n_layers, config.n_heads, config.d_ff, config.vocab_size,
-                   config.tie_embeddings)
+        return cls(d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads, d_ff=config.d_ff,
+                   vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings)
 
     def parameters(self) -> list[tuple[str, int]]:
         """``(name, numel)`` of every trainable parameter in ``module.parameters()`` order."""

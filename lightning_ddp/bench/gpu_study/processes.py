@@ -26,7 +26,7 @@ from lightning_ddp import compat
 from lightning_ddp.bench.launch import (
     RankLayout, error_line, first_error_line, fit_command, is_oom, rank_environments, run_processes,
 )
-from lightning_ddp.bench.study import read_timing_summary
+from lightning_ddp.bench.study import find_timing_summary
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.local_group import find_free_port
 from lightning_ddp.reporting.provenance import package_version
@@ -102,7 +102,7 @@ def run_fits(specs: list[FitSpec], out_dir: Path, *, ranks: int = 1, timeout_s: 
             path = out_dir / spec.name / RESULT_FILE
             if path.exists():
                 data = json.loads(path.read_text())
-                summary = read_timing_summary(path.parent) if data["status"] == "ok" else None
+                summary = find_timing_summary(path.parent) if data["status"] == "ok" else None
                 finished[spec.name] = FitResult(name=spec.name, status=data["status"], error=data["error"],
                                                 seconds=data["seconds"], log_dir=path.parent, summary=summary)
         results.update(finished)

@@ -20,7 +20,9 @@ import torch
 from lightning_ddp import catalogue
 from lightning_ddp.bench.gpu_study.processes import FitResult, FitSpec, run_fits
 from lightning_ddp.bench.gpu_study.scales import FitSize, Scale
-from lightning_ddp.bench.launch import REFERENCE, base_environment, error_line, run_processes, strategy_argument
+from lightning_ddp.bench.launch import (
+    REFERENCE, base_environment, cpu_threads_per_rank, error_line, run_processes, strategy_argument,
+)
 from lightning_ddp.bench.study import NO_CHECKPOINTS, NO_VALIDATION, read_json
 from lightning_ddp.files import write_json_atomically
 from lightning_ddp.projection.published import PUBLISHED_RUNS, calibrated_compute_ms
@@ -78,7 +80,7 @@ class StudyContext:
 
     def threads(self, ranks: int) -> int | None:
         """``OMP_NUM_THREADS`` of each of ``ranks`` CPU processes (the cores shared out); unset on a GPU."""
-        return max(1, (os.cpu_count() or 1) // ranks) if self.scale.device == "cpu" else None
+        return cpu_threads_per_rank(ranks) if self.scale.device == "cpu" else None
 
     def env(self) -> dict[str, str]:
         """Every process's extra environment: the checkout first on PYTHONPATH, ``--commit`` (a copy has no .git)."""
