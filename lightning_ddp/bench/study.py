@@ -323,21 +323,21 @@ def write_results(config: BenchConfig, command: str, rows: list[dict[str, Any]],
     })
 
 
-def measured_at(recorded: Mapping[str, Any]) -> str:
-    """results.md's last line: the commit the results were measured at, from their recorded ``provenance``."""
-    return f"Measured at {code_version(recorded)}."
+def with_commit_line(markdown: str, recorded: Mapping[str, Any]) -> str:
+    """``markdown`` with its last line: the commit the results were measured at, from their recorded ``provenance``."""
+    return f"{markdown.rstrip()}\n\nMeasured at {code_version(recorded)}.\n"
 
 
 def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callable[[C], tuple[list, str]]:
     """A benchmark's ``report``: results.md by ``render`` of out_dir's results.csv, its recorded config and command,
-    then ``measured_at`` the commit environment.json records."""
+    ending with the commit environment.json records (``with_commit_line``)."""
 
     def report(config: C) -> tuple[list[dict[str, Any]], str]:
         recorded = read_json(Path(config.out_dir) / "environment.json")
         csv_rows = read_csv(Path(config.out_dir) / "results.csv")
         rows = [{key: _typed(value) for key, value in row.items()} for row in csv_rows]
         markdown = render(type(config)(**{**recorded["config"], "report_only": False}), rows, recorded["command_line"])
-        markdown = f"{markdown.rstrip()}\n\n{measured_at(recorded)}\n"
+        markdown = with_commit_line(markdown, recorded)
         write_outputs(config.out_dir, {"results.md": markdown})
         return rows, markdown
 
@@ -346,13 +346,13 @@ def csv_report(render: Callable[[C, list[dict[str, Any]], str], str]) -> Callabl
 
 def json_report(results: str, render: Callable[[dict[str, Any]], str],
                 plot: Callable[[dict[str, Any], Path], Any] | None = None) -> Callable[[Any], tuple[dict, str]]:
-    """A benchmark's ``report``: by ``render`` of out_dir's JSON ``results`` (``NAME.json``), ``NAME.md``, then
-    ``measured_at`` the commit the JSON records (at its top, or under ``environment``); and its ``plot``."""
+    """A benchmark's ``report``: by ``render`` of out_dir's JSON ``results`` (``NAME.json``), ``NAME.md``
+    ending with the commit the JSON records (at its top, or under ``environment``); and its ``plot``."""
 
     def report(config: Any) -> tuple[dict[str, Any], str]:
         out = Path(config.out_dir)
         result = read_json(out / results)
-        text = f"{render(result).rstrip()}\n\n{measured_at(result.get('environment', result))}\n"
+        text = with_commit_line(render(result), result.get("environment", result))
         write_outputs(out, {Path(results).with_suffix(".md").name: text})
         if plot is not None:
             plot(result, out)
